@@ -1,0 +1,33 @@
+# Small helpers shared by every folder.
+
+# ptk_add_library(NAME SOURCES... DEPS...) -> target ptk_NAME, alias ptk::NAME
+function(ptk_add_library name)
+  cmake_parse_arguments(A "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(ptk_${name} STATIC ${A_SOURCES})
+  add_library(ptk::${name} ALIAS ptk_${name})
+  target_include_directories(ptk_${name} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(ptk_${name} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
+endfunction()
+
+# ptk_add_tool(ptk-NAME SOURCE DEPS...) -> an executable in build/bin
+function(ptk_add_tool name source)
+  add_executable(${name} ${source})
+  target_link_libraries(${name} PRIVATE ${ARGN})
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin)
+endfunction()
+
+# ptk_add_test(NAME SOURCES... DEPS... LABELS...) -> gtest binary registered with CTest
+function(ptk_add_test name)
+  cmake_parse_arguments(A "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${A_SOURCES})
+  target_link_libraries(${name} PRIVATE ${A_DEPS} GTest::gtest GTest::gtest_main GTest::gmock)
+  target_compile_definitions(${name} PRIVATE
+    PTK_SOURCE_DIR="${PROJECT_SOURCE_DIR}" PTK_BINARY_DIR="${PROJECT_BINARY_DIR}")
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  add_test(NAME ${name} COMMAND ${name})
+  if(NOT A_TIMEOUT)
+    set(A_TIMEOUT 600)
+  endif()
+  set_tests_properties(${name} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT}
+    ENVIRONMENT "PTK_BIN_DIR=${PROJECT_BINARY_DIR}/bin")
+endfunction()

@@ -1,0 +1,39 @@
+// Command-line conventions shared by every tool (CLI11 underneath): one option table per tool,
+// exit codes 0 ok / 1 failure / 2 usage, one clear error line.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/status/status.h"
+
+namespace ptk::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitDiskFull = 3;
+
+// Creates an App with ptk's formatting conventions.
+std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& description);
+
+// Parses argv. Returns nullopt to continue, or the exit code to return (0 after --help/--version,
+// kExitUsage after a usage error, which is printed as one line plus a hint).
+std::optional<int> Parse(CLI::App& app, int argc, char** argv);
+
+// Checks the table: every option has a long name and help text, and no flag is repeated.
+absl::Status CheckOptionTable(const CLI::App& app);
+
+// A usage error raised after parsing (bad flag combination): exit code 2.
+inline absl::Status UsageError(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
+
+// Maps a failed Status to the exit code main returns after printing it.
+int ExitCodeFor(const absl::Status& status);
+
+// Runs `body` in main: prints a failed Status as one line "prog: error: ..." and returns its code.
+int RunMain(const std::function<absl::Status()>& body);
+
+}  // namespace ptk::cli

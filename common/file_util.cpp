@@ -1,0 +1,357 @@
+// File helpers.
+#include "common/file_util.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <functional>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+
+namespace ptk {
+
+AtomicFileWriter::AtomicFileWriter(std::string path, std::string tmp_path, int fd)
+    : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd), buf_(1 << 20) {}
+
+absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path) {
+  std::string tmp = path + std::string(kTmpSuffix);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot create {}", tmp));
+  return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (!done_) Abort();
+}
+
+absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
+  if (done_) return absl::FailedPreconditionError(fmt::format("{}: write after close", path_));
+  const char* p = static_cast<const char*>(data);
+  if (buf_used_ + size <= buf_.size()) {
+    std::memcpy(buf_.data() + buf_used_, p, size);
+    buf_used_ += size;
+  } else {
+    PTK_RETURN_IF_ERROR(Flush());
+    if (size >= buf_.size()) {
+      PTK_RETURN_IF_ERROR(WriteAll(fd_, p, size, tmp_path_));
+    } else {
+      std::memcpy(buf_.data(), p, size);
+      buf_used_ = size;
+    }
+  }
+  bytes_written_ += size;
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFileWriter::AppendFileRange(const std::string& src_path, uint64_t offset, uint64_t length) {
+  if (done_) return absl::FailedPreconditionError(fmt::format("{}: write after close", path_));
+  PTK_RETURN_IF_ERROR(Flush());
+  int in = ::open(src_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", src_path));
+  absl::Status st = CopyFdRange(in, offset, fd_, length, src_path);
+  ::close(in);
+  if (st.ok()) bytes_written_ += length;
+  return st;
+}
+
+absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length, std::string_view what) {
+  loff_t off = static_cast<loff_t>(in_off);
+  bool use_cfr = true;
+  std::vector<char> buf;
+  while (length > 0) {
+    if (use_cfr) {
+      size_t chunk = static_cast<size_t>(std::min<uint64_t>(length, 1ull << 30));
+      ssize_t n = ::copy_file_range(in_fd, &off, out_fd, nullptr, chunk, 0);
+      if (n > 0) {
+        length -= static_cast<uint64_t>(n);
+        continue;
+      }
+      if (n == 0) return absl::DataLossError(fmt::format("{}: file ended {} bytes early", what, length));
+      if (errno == EINTR) continue;
+      if (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == EBADF) {
+        use_cfr = false;
+        continue;
+      }
+      return ErrnoToStatus(errno, fmt::format("copy from {}", what));
+    }
+    if (buf.empty()) buf.resize(1 << 20);
+    size_t chunk = static_cast<size_t>(std::min<uint64_t>(length, buf.size()));
+    ssize_t n = ::pread(in_fd, buf.data(), chunk, off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, fmt::format("read {}", what));
+    }
+    if (n == 0) return absl::DataLossError(fmt::format("{}: file ended {} bytes early", what, length));
+    PTK_RETURN_IF_ERROR(WriteAll(out_fd, buf.data(), static_cast<size_t>(n), "output"));
+    off += n;
+    length -= static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFileWriter::Flush() {
+  if (buf_used_ == 0) return absl::OkStatus();
+  absl::Status st = WriteAll(fd_, buf_.data(), buf_used_, tmp_path_);
+  buf_used_ = 0;
+  return st;
+}
+
+absl::Status AtomicFileWriter::Commit() {
+  if (done_) return absl::FailedPreconditionError(fmt::format("{}: already closed", path_));
+  PTK_RETURN_IF_ERROR(Flush());
+  PTK_RETURN_IF_ERROR(FsyncFile(fd_, tmp_path_));
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    return ErrnoToStatus(errno, fmt::format("close {}", tmp_path_));
+  }
+  fd_ = -1;
+  PTK_RETURN_IF_ERROR(RenameFile(tmp_path_, path_));
+  done_ = true;
+  return FsyncDir(Dirname(path_));
+}
+
+void AtomicFileWriter::Abort() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (!done_) ::unlink(tmp_path_.c_str());
+  done_ = true;
+}
+
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents) {
+  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path));
+  PTK_RETURN_IF_ERROR(w->Write(contents));
+  return w->Commit();
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
+  std::string out;
+  char buf[1 << 16];
+  while (true) {
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      ::close(fd);
+      return ErrnoToStatus(e, fmt::format("read {}", path));
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+absl::Status WriteAll(int fd, const void* data, size_t size, std::string_view what) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n = ::write(fd, p, size);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, fmt::format("write {}", what));
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsyncFile(int fd, std::string_view what) {
+  if (::fsync(fd) != 0) return ErrnoToStatus(errno, fmt::format("fsync {}", what));
+  return absl::OkStatus();
+}
+
+absl::Status FsyncDir(const std::string& dir) {
+  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, fmt::format("open directory {}", dir));
+  int rc = ::fsync(fd);
+  int e = errno;
+  ::close(fd);
+  // Some file systems (e.g. certain FUSE mounts) refuse fsync on directories: not fatal.
+  if (rc != 0 && e != EINVAL && e != ENOTSUP) return ErrnoToStatus(e, fmt::format("fsync directory {}", dir));
+  return absl::OkStatus();
+}
+
+absl::Status RenameFile(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    return ErrnoToStatus(errno, fmt::format("rename {} -> {}", from, to));
+  return absl::OkStatus();
+}
+
+absl::Status RemoveFileIfExists(const std::string& path) {
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, fmt::format("remove {}", path));
+  return absl::OkStatus();
+}
+
+absl::Status MakeDirs(const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  std::string cur;
+  size_t i = 0;
+  while (i <= path.size()) {
+    size_t j = path.find('/', i);
+    if (j == std::string::npos) j = path.size();
+    cur = path.substr(0, j);
+    if (!cur.empty() && ::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST)
+      return ErrnoToStatus(errno, fmt::format("mkdir {}", cur));
+    i = j + 1;
+  }
+  if (!IsDirectory(path)) return absl::FailedPreconditionError(fmt::format("{} is not a directory", path));
+  return absl::OkStatus();
+}
+
+bool PathExists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+bool IsDirectory(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+absl::StatusOr<uint64_t> FileSize(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path));
+  return static_cast<uint64_t>(st.st_size);
+}
+
+std::string Dirname(std::string_view path) {
+  size_t p = path.rfind('/');
+  if (p == std::string_view::npos) return ".";
+  if (p == 0) return "/";
+  return std::string(path.substr(0, p));
+}
+
+std::string Basename(std::string_view path) {
+  size_t p = path.rfind('/');
+  return std::string(p == std::string_view::npos ? path : path.substr(p + 1));
+}
+
+std::string JoinPath(std::string_view a, std::string_view b) {
+  if (a.empty()) return std::string(b);
+  if (!b.empty() && b.front() == '/') return std::string(b);
+  std::string out(a);
+  if (out.back() != '/') out.push_back('/');
+  out.append(b);
+  return out;
+}
+
+bool NaturalLess(std::string_view a, std::string_view b) {
+  size_t i = 0, j = 0;
+  auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
+  while (i < a.size() && j < b.size()) {
+    if (is_digit(a[i]) && is_digit(b[j])) {
+      size_t i0 = i, j0 = j;
+      while (i0 < a.size() && a[i0] == '0') ++i0;
+      while (j0 < b.size() && b[j0] == '0') ++j0;
+      size_t i1 = i0, j1 = j0;
+      while (i1 < a.size() && is_digit(a[i1])) ++i1;
+      while (j1 < b.size() && is_digit(b[j1])) ++j1;
+      size_t la = i1 - i0, lb = j1 - j0;
+      if (la != lb) return la < lb;
+      int c = a.substr(i0, la).compare(b.substr(j0, lb));
+      if (c != 0) return c < 0;
+      i = i1;
+      j = j1;
+      continue;
+    }
+    unsigned char ca = static_cast<unsigned char>(a[i]), cb = static_cast<unsigned char>(b[j]);
+    if (ca != cb) return ca < cb;
+    ++i;
+    ++j;
+  }
+  if ((a.size() - i) != (b.size() - j)) return (a.size() - i) < (b.size() - j);
+  return a < b;  // equal under natural order: fall back to bytes for a strict total order
+}
+
+absl::StatusOr<std::vector<std::string>> ExpandGlobs(const std::vector<std::string>& patterns) {
+  std::vector<std::string> out;
+  for (const std::string& pat : patterns) {
+    if (pat == "-") {
+      out.push_back(pat);
+      continue;
+    }
+    if (pat.find_first_of("*?[") == std::string::npos) {
+      if (!PathExists(pat)) return absl::NotFoundError(fmt::format("{}: no such file", pat));
+      out.push_back(pat);
+      continue;
+    }
+    glob_t g;
+    std::memset(&g, 0, sizeof(g));
+    int rc = ::glob(pat.c_str(), GLOB_NOSORT, nullptr, &g);
+    if (rc == GLOB_NOMATCH) {
+      globfree(&g);
+      return absl::NotFoundError(fmt::format("{}: pattern matches no file", pat));
+    }
+    if (rc != 0) {
+      globfree(&g);
+      return absl::InvalidArgumentError(fmt::format("{}: glob failed", pat));
+    }
+    std::vector<std::string> matches(g.gl_pathv, g.gl_pathv + g.gl_pathc);
+    globfree(&g);
+    std::sort(matches.begin(), matches.end(), [](const std::string& x, const std::string& y) { return NaturalLess(x, y); });
+    out.insert(out.end(), matches.begin(), matches.end());
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> ListFilesRecursive(const std::string& dir) {
+  std::vector<std::string> out;
+  std::function<absl::Status(const std::string&)> walk = [&](const std::string& rel) -> absl::Status {
+    std::string full = rel.empty() ? dir : JoinPath(dir, rel);
+    DIR* d = ::opendir(full.c_str());
+    if (!d) return ErrnoToStatus(errno, fmt::format("opendir {}", full));
+    std::vector<std::pair<std::string, bool>> entries;
+    while (struct dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      std::string child = rel.empty() ? name : rel + "/" + name;
+      struct stat st;
+      if (::stat(JoinPath(dir, child).c_str(), &st) != 0) continue;
+      if (S_ISDIR(st.st_mode)) entries.emplace_back(child, true);
+      else if (S_ISREG(st.st_mode)) entries.emplace_back(child, false);
+    }
+    ::closedir(d);
+    for (auto& [child, is_dir] : entries) {
+      if (is_dir) {
+        PTK_RETURN_IF_ERROR(walk(child));
+      } else {
+        out.push_back(child);
+      }
+    }
+    return absl::OkStatus();
+  };
+  PTK_RETURN_IF_ERROR(walk(""));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string HumanBytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 5) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  if (u == 0) return fmt::format("{:.0f} {}", bytes, units[u]);
+  return fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+std::string HumanDuration(double s) {
+  if (s < 0 || s != s) return "?";
+  if (s < 60) return fmt::format("{:.1f}s", s);
+  long t = static_cast<long>(s + 0.5);
+  if (t < 3600) return fmt::format("{}m{:02d}s", t / 60, static_cast<int>(t % 60));
+  return fmt::format("{}h{:02d}m", t / 3600, static_cast<int>((t % 3600) / 60));
+}
+
+}  // namespace ptk

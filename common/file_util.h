@@ -1,0 +1,91 @@
+// File helpers: atomic writes (temporary name, fsync, rename), whole-file reads, globbing, sorting.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace ptk {
+
+// Writes to `PATH.ptk-tmp`, then Commit() flushes, fsyncs, renames onto PATH and fsyncs the
+// directory. Destroying an uncommitted writer removes the temporary file, so PATH either keeps its
+// old contents or gets the complete new ones: never a half-written file. A rerun after a kill
+// simply truncates the stale temporary.
+class AtomicFileWriter {
+ public:
+  static constexpr std::string_view kTmpSuffix = ".ptk-tmp";
+  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  absl::Status Write(const void* data, size_t size);
+  absl::Status Write(std::string_view s) { return Write(s.data(), s.size()); }
+  // Flushes the user-space buffer to the kernel (not fsync).
+  absl::Status Flush();
+  // Appends bytes [offset, offset+length) of another file (copy_file_range where possible).
+  absl::Status AppendFileRange(const std::string& src_path, uint64_t offset, uint64_t length);
+  // Flush + fsync + rename + fsync(dir). After success the writer is closed.
+  absl::Status Commit();
+  // Removes the temporary file. Idempotent.
+  void Abort();
+
+  const std::string& path() const { return path_; }
+  const std::string& tmp_path() const { return tmp_path_; }
+  uint64_t bytes_written() const { return bytes_written_; }
+  int fd() const { return fd_; }
+
+ private:
+  AtomicFileWriter(std::string path, std::string tmp_path, int fd);
+  std::string path_;
+  std::string tmp_path_;
+  int fd_ = -1;
+  bool done_ = false;
+  uint64_t bytes_written_ = 0;
+  std::vector<char> buf_;
+  size_t buf_used_ = 0;
+};
+
+// Copies `length` bytes from in_fd at in_off to out_fd at its current position (copy_file_range,
+// falling back to read/write).
+absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length, std::string_view what);
+
+// Writes the whole file atomically.
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents);
+absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+// write(2) the whole buffer, retrying on EINTR and short writes.
+absl::Status WriteAll(int fd, const void* data, size_t size, std::string_view what);
+absl::Status FsyncDir(const std::string& dir);
+absl::Status FsyncFile(int fd, std::string_view what);
+absl::Status RenameFile(const std::string& from, const std::string& to);
+absl::Status RemoveFileIfExists(const std::string& path);
+absl::Status MakeDirs(const std::string& path);
+
+bool PathExists(const std::string& path);
+bool IsDirectory(const std::string& path);
+absl::StatusOr<uint64_t> FileSize(const std::string& path);
+std::string Dirname(std::string_view path);
+std::string Basename(std::string_view path);
+std::string JoinPath(std::string_view a, std::string_view b);
+
+// "Natural" order: runs of ASCII digits compare by numeric value, everything else bytewise,
+// so shard2 < shard10. Ties (e.g. "01" vs "1") fall back to plain byte order: a total order.
+bool NaturalLess(std::string_view a, std::string_view b);
+
+// Expands each pattern with glob(3) (patterns without wildcards must exist). The result keeps the
+// order of the patterns and sorts the matches of each pattern with NaturalLess; "-" passes through.
+absl::StatusOr<std::vector<std::string>> ExpandGlobs(const std::vector<std::string>& patterns);
+
+// Recursively lists regular files under `dir` (relative paths, sorted bytewise).
+absl::StatusOr<std::vector<std::string>> ListFilesRecursive(const std::string& dir);
+
+std::string HumanBytes(double bytes);         // "1.5 GiB"
+std::string HumanDuration(double seconds);   // "1h02m", "3m05s", "12.3s"
+
+}  // namespace ptk

@@ -1,0 +1,51 @@
+// SHA-256 / MD5 / SHA-1 digests.
+#include "common/hash.h"
+
+#include <openssl/evp.h>
+
+#include "common/status.h"
+
+namespace ptk {
+namespace {
+std::string ToHex(const unsigned char* d, unsigned n) {
+  static const char* kHex = "0123456789abcdef";
+  std::string s(2 * n, '0');
+  for (unsigned i = 0; i < n; ++i) {
+    s[2 * i] = kHex[d[i] >> 4];
+    s[2 * i + 1] = kHex[d[i] & 15];
+  }
+  return s;
+}
+std::string Digest(const EVP_MD* md, std::string_view data) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned n = 0;
+  PTK_CHECK(EVP_Digest(data.data(), data.size(), out, &n, md, nullptr) == 1);
+  return ToHex(out, n);
+}
+}  // namespace
+
+struct Sha256::Impl {
+  EVP_MD_CTX* ctx = nullptr;
+};
+
+Sha256::Sha256() : impl_(new Impl) {
+  impl_->ctx = EVP_MD_CTX_new();
+  PTK_CHECK(impl_->ctx != nullptr);
+  Reset();
+}
+Sha256::~Sha256() { EVP_MD_CTX_free(impl_->ctx); }
+void Sha256::Reset() { PTK_CHECK(EVP_DigestInit_ex(impl_->ctx, EVP_sha256(), nullptr) == 1); }
+void Sha256::Update(const void* data, size_t size) { PTK_CHECK(EVP_DigestUpdate(impl_->ctx, data, size) == 1); }
+std::string Sha256::HexDigest() {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned n = 0;
+  PTK_CHECK(EVP_DigestFinal_ex(impl_->ctx, out, &n) == 1);
+  Reset();
+  return ToHex(out, n);
+}
+
+std::string Sha256Hex(std::string_view data) { return Digest(EVP_sha256(), data); }
+std::string Md5Hex(std::string_view data) { return Digest(EVP_md5(), data); }
+std::string Sha1Hex(std::string_view data) { return Digest(EVP_sha1(), data); }
+
+}  // namespace ptk

@@ -1,0 +1,40 @@
+// Minimal logging to stderr: one line per message, prefixed with the tool name and level.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <fmt/core.h>
+
+namespace ptk::log {
+
+enum class Level { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
+
+// Set once by main: "ptk-tokenize". Lines become "ptk-tokenize: warning: ...".
+void SetProgramName(std::string_view name);
+const std::string& ProgramName();
+void SetMinLevel(Level level);
+Level MinLevel();
+
+void Write(Level level, std::string_view message);
+// Writes a raw line to stderr (no prefix): used for Megatron-shaped progress lines.
+void Raw(std::string_view line);
+
+template <typename... Args>
+void Debug(fmt::format_string<Args...> f, Args&&... args) {
+  if (MinLevel() <= Level::kDebug) Write(Level::kDebug, fmt::format(f, std::forward<Args>(args)...));
+}
+template <typename... Args>
+void Info(fmt::format_string<Args...> f, Args&&... args) {
+  if (MinLevel() <= Level::kInfo) Write(Level::kInfo, fmt::format(f, std::forward<Args>(args)...));
+}
+template <typename... Args>
+void Warning(fmt::format_string<Args...> f, Args&&... args) {
+  if (MinLevel() <= Level::kWarning) Write(Level::kWarning, fmt::format(f, std::forward<Args>(args)...));
+}
+template <typename... Args>
+void Error(fmt::format_string<Args...> f, Args&&... args) {
+  Write(Level::kError, fmt::format(f, std::forward<Args>(args)...));
+}
+
+}  // namespace ptk::log

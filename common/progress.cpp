@@ -1,0 +1,96 @@
+// Progress reporting.
+#include "common/progress.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include <fmt/core.h>
+
+#include "common/file_util.h"
+#include "common/logging.h"
+
+namespace ptk {
+
+ProgressReporter::ProgressReporter(Options options) : opt_(std::move(options)) {
+  start_ = std::chrono::steady_clock::now();
+  items_total_ = opt_.items_total;
+  bytes_total_ = opt_.bytes_total;
+  tty_ = ::isatty(STDERR_FILENO) == 1;
+  if (opt_.interval_s < 0) {
+    if (tty_) {
+      opt_.interval_s = 0.25;
+    } else {
+      const char* env = std::getenv("PTK_PROGRESS_INTERVAL");
+      opt_.interval_s = env ? std::atof(env) : 30.0;
+      if (opt_.interval_s <= 0) opt_.interval_s = 30.0;
+    }
+  }
+  if (opt_.enabled) thread_ = std::thread([this] { Run(); });
+}
+
+ProgressReporter::~ProgressReporter() { Finish(); }
+
+void ProgressReporter::SetTotals(uint64_t items_total, uint64_t bytes_total) {
+  items_total_ = items_total;
+  bytes_total_ = bytes_total;
+}
+
+double ProgressReporter::ElapsedSeconds() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+std::string ProgressReporter::Line() const {
+  double el = ElapsedSeconds();
+  uint64_t it = items(), by = bytes();
+  uint64_t it_t = items_total_.load(), by_t = bytes_total_.load();
+  std::string s = opt_.label + ": ";
+  if (it_t > 0) s += fmt::format("{}/{} {}", it, it_t, opt_.item_unit);
+  else s += fmt::format("{} {}", it, opt_.item_unit);
+  if (by > 0 || by_t > 0) {
+    s += ", " + HumanBytes(static_cast<double>(by));
+    if (by_t > 0) s += " / " + HumanBytes(static_cast<double>(by_t));
+  }
+  double rate_b = el > 0 ? by / el : 0;
+  double rate_i = el > 0 ? it / el : 0;
+  if (by > 0) s += fmt::format(", {:.1f} MB/s", rate_b / 1e6);
+  else s += fmt::format(", {:.1f} {}/s", rate_i, opt_.item_unit);
+  double eta = -1;
+  if (by_t > 0 && rate_b > 0 && by <= by_t) eta = (by_t - by) / rate_b;
+  else if (it_t > 0 && rate_i > 0 && it <= it_t) eta = (it_t - it) / rate_i;
+  if (eta >= 0) s += ", ETA " + HumanDuration(eta);
+  s += ", elapsed " + HumanDuration(el);
+  return s;
+}
+
+void ProgressReporter::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, std::chrono::duration<double>(opt_.interval_s));
+    if (stop_) break;
+    std::string line = Line();
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", line.c_str());
+      std::fflush(stderr);
+    } else {
+      log::Info("{}", line);
+    }
+  }
+}
+
+void ProgressReporter::Finish() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (tty_ && opt_.enabled) {
+    std::fprintf(stderr, "\r\033[K");
+    std::fflush(stderr);
+  }
+}
+
+}  // namespace ptk

@@ -1,0 +1,52 @@
+// Progress reporting for long work: a redrawn line with rate and ETA on a TTY, periodic log lines
+// otherwise (every PTK_PROGRESS_INTERVAL seconds, default 30). Counters are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace ptk {
+
+class ProgressReporter {
+ public:
+  struct Options {
+    std::string label;           // "download", "tokenize"
+    std::string item_unit = "items";
+    uint64_t items_total = 0;    // 0 = unknown
+    uint64_t bytes_total = 0;    // 0 = unknown
+    double interval_s = -1;      // <0: 0.25 s on a TTY, $PTK_PROGRESS_INTERVAL or 30 s otherwise
+    bool enabled = true;
+  };
+  explicit ProgressReporter(Options options);
+  ~ProgressReporter();  // calls Finish()
+
+  void AddItems(uint64_t n) { items_.fetch_add(n, std::memory_order_relaxed); }
+  void AddBytes(uint64_t n) { bytes_.fetch_add(n, std::memory_order_relaxed); }
+  void SetTotals(uint64_t items_total, uint64_t bytes_total);
+  uint64_t items() const { return items_.load(std::memory_order_relaxed); }
+  uint64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+  double ElapsedSeconds() const;
+  // Stops the reporter thread and clears the TTY line. Idempotent.
+  void Finish();
+  // The current status line (what would be printed now).
+  std::string Line() const;
+
+ private:
+  void Run();
+  Options opt_;
+  std::atomic<uint64_t> items_{0}, bytes_{0};
+  std::atomic<uint64_t> items_total_{0}, bytes_total_{0};
+  std::chrono::steady_clock::time_point start_;
+  bool tty_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace ptk

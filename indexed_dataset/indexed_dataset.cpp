@@ -1,0 +1,270 @@
+// Megatron MMIDIDX v1 reader and writer.
+#include "indexed_dataset/indexed_dataset.h"
+
+#include <limits>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+
+namespace ptk {
+namespace {
+
+template <typename T>
+void AppendLE(std::string& out, T v) {
+  char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));
+  out.append(b, sizeof(T));
+}
+
+template <typename Dst>
+void ConvertTokens(std::span<const int32_t> in, uint8_t* out) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    Dst v = static_cast<Dst>(in[i]);  // numpy's astype: integer wrap-around
+    std::memcpy(out + i * sizeof(Dst), &v, sizeof(Dst));
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- builder
+
+IndexedDatasetBuilder::IndexedDatasetBuilder(std::string prefix, DType dtype, bool multimodal,
+                                             std::unique_ptr<AtomicFileWriter> bin)
+    : prefix_(std::move(prefix)), dtype_(dtype), multimodal_(multimodal), bin_(std::move(bin)) {}
+
+absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Create(const std::string& prefix,
+                                                                                     DType dtype, bool multimodal) {
+  PTK_ASSIGN_OR_RETURN(auto bin, AtomicFileWriter::Create(BinPath(prefix)));
+  return std::unique_ptr<IndexedDatasetBuilder>(new IndexedDatasetBuilder(prefix, dtype, multimodal, std::move(bin)));
+}
+
+absl::Status IndexedDatasetBuilder::WriteTokens(std::span<const int32_t> tokens) {
+  if (tokens.empty()) return absl::OkStatus();
+  const size_t isz = DTypeSize(dtype_);
+  if (dtype_ == DType::kInt32) return bin_->Write(tokens.data(), tokens.size() * 4);
+  scratch_.resize(tokens.size() * isz);
+  switch (dtype_) {
+    case DType::kUInt16: ConvertTokens<uint16_t>(tokens, scratch_.data()); break;
+    case DType::kUInt8: ConvertTokens<uint8_t>(tokens, scratch_.data()); break;
+    case DType::kInt8: ConvertTokens<int8_t>(tokens, scratch_.data()); break;
+    case DType::kInt16: ConvertTokens<int16_t>(tokens, scratch_.data()); break;
+    case DType::kInt64: ConvertTokens<int64_t>(tokens, scratch_.data()); break;
+    case DType::kFloat32: ConvertTokens<float>(tokens, scratch_.data()); break;
+    case DType::kFloat64: ConvertTokens<double>(tokens, scratch_.data()); break;
+    case DType::kInt32: break;
+  }
+  return bin_->Write(scratch_.data(), scratch_.size());
+}
+
+absl::Status IndexedDatasetBuilder::AddItem(std::span<const int32_t> tokens, int8_t mode) {
+  if (finalized_) return absl::FailedPreconditionError("builder already finalized");
+  if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+    return absl::InvalidArgumentError(fmt::format("{}: a sequence of {} tokens exceeds the int32 length field",
+                                                  prefix_, tokens.size()));
+  PTK_RETURN_IF_ERROR(WriteTokens(tokens));
+  lengths_.push_back(static_cast<int32_t>(tokens.size()));
+  if (multimodal_) modes_.push_back(mode);
+  tokens_ += static_cast<int64_t>(tokens.size());
+  return absl::OkStatus();
+}
+
+void IndexedDatasetBuilder::EndDocument() { doc_idx_.push_back(static_cast<int64_t>(lengths_.size())); }
+
+absl::Status IndexedDatasetBuilder::AddDocument(std::span<const int32_t> tokens, std::span<const int32_t> lengths,
+                                                std::span<const int8_t> modes) {
+  if (finalized_) return absl::FailedPreconditionError("builder already finalized");
+  int64_t sum = 0;
+  for (int32_t l : lengths) {
+    if (l < 0) return absl::InvalidArgumentError("negative sequence length");
+    sum += l;
+  }
+  if (sum != static_cast<int64_t>(tokens.size()))
+    return absl::InvalidArgumentError(
+        fmt::format("add_document: lengths sum to {} but {} tokens were given", sum, tokens.size()));
+  if (!modes.empty() && modes.size() != lengths.size())
+    return absl::InvalidArgumentError("add_document: modes and lengths differ in size");
+  PTK_RETURN_IF_ERROR(WriteTokens(tokens));
+  lengths_.insert(lengths_.end(), lengths.begin(), lengths.end());
+  if (multimodal_) {
+    if (modes.empty()) modes_.insert(modes_.end(), lengths.size(), 0);
+    else modes_.insert(modes_.end(), modes.begin(), modes.end());
+  }
+  tokens_ += sum;
+  EndDocument();
+  return absl::OkStatus();
+}
+
+absl::Status IndexedDatasetBuilder::AddIndex(const std::string& other_prefix) {
+  if (finalized_) return absl::FailedPreconditionError("builder already finalized");
+  PTK_ASSIGN_OR_RETURN(auto other, IndexedDataset::Open(other_prefix, multimodal_));
+  if (other->dtype() != dtype_)
+    return absl::InvalidArgumentError(fmt::format("{}: dtype {} differs from the output's {}", IdxPath(other_prefix),
+                                                  DTypeName(other->dtype()), DTypeName(dtype_)));
+  const int64_t offset = static_cast<int64_t>(lengths_.size());
+  const int64_t s = other->num_sequences();
+  lengths_.reserve(lengths_.size() + s);
+  for (int64_t i = 0; i < s; ++i) lengths_.push_back(other->sequence_length(i));
+  if (multimodal_)
+    for (int64_t i = 0; i < s; ++i) modes_.push_back(other->sequence_mode(i));
+  for (int64_t j = 1; j <= other->num_documents(); ++j) doc_idx_.push_back(offset + other->document_index(j));
+  const uint64_t nbytes = static_cast<uint64_t>(other->num_tokens()) * DTypeSize(dtype_);
+  tokens_ += other->num_tokens();
+  return bin_->AppendFileRange(BinPath(other_prefix), 0, nbytes);
+}
+
+absl::Status IndexedDatasetBuilder::Finalize() {
+  if (finalized_) return absl::FailedPreconditionError("builder already finalized");
+  const uint64_t s = lengths_.size(), d = doc_idx_.size();
+  std::string idx;
+  idx.reserve(kIndexHeaderSize + 12 * s + 8 * d + (multimodal_ ? s : 0));
+  idx.append(kIndexMagic, sizeof(kIndexMagic));
+  AppendLE<uint64_t>(idx, 1);
+  AppendLE<uint8_t>(idx, static_cast<uint8_t>(dtype_));
+  AppendLE<uint64_t>(idx, s);
+  AppendLE<uint64_t>(idx, d);
+  idx.append(reinterpret_cast<const char*>(lengths_.data()), 4 * s);
+  const int64_t isz = static_cast<int64_t>(DTypeSize(dtype_));
+  int64_t ptr = 0;
+  for (uint64_t i = 0; i < s; ++i) {
+    AppendLE<int64_t>(idx, ptr);
+    ptr += static_cast<int64_t>(lengths_[i]) * isz;
+  }
+  idx.append(reinterpret_cast<const char*>(doc_idx_.data()), 8 * d);
+  if (multimodal_) idx.append(reinterpret_cast<const char*>(modes_.data()), modes_.size());
+
+  PTK_ASSIGN_OR_RETURN(auto idx_writer, AtomicFileWriter::Create(IdxPath(prefix_)));
+  PTK_RETURN_IF_ERROR(idx_writer->Write(idx));
+  // Order matters: an older .idx must never sit beside the new .bin, so it goes first.
+  PTK_RETURN_IF_ERROR(RemoveFileIfExists(IdxPath(prefix_)));
+  PTK_RETURN_IF_ERROR(bin_->Commit());
+  PTK_RETURN_IF_ERROR(idx_writer->Commit());
+  finalized_ = true;
+  return absl::OkStatus();
+}
+
+void IndexedDatasetBuilder::Abort() {
+  if (!finalized_ && bin_) bin_->Abort();
+  finalized_ = true;
+}
+
+// ---------------------------------------------------------------- reader
+
+absl::StatusOr<std::unique_ptr<IndexedDataset>> IndexedDataset::Open(const std::string& prefix, bool multimodal) {
+  std::unique_ptr<IndexedDataset> ds(new IndexedDataset());
+  ds->prefix_ = prefix;
+  ds->multimodal_ = multimodal;
+  PTK_ASSIGN_OR_RETURN(ds->idx_, MappedFile::Open(IdxPath(prefix)));
+  PTK_ASSIGN_OR_RETURN(ds->bin_, MappedFile::Open(BinPath(prefix)));
+  PTK_RETURN_IF_ERROR(ds->Validate());
+  return ds;
+}
+
+absl::Status IndexedDataset::Validate() {
+  const std::string idx_path = IdxPath(prefix_);
+  const uint8_t* p = idx_->data();
+  const uint64_t size = idx_->size();
+  auto loss = [&](const std::string& what) { return absl::DataLossError(fmt::format("{}: {}", idx_path, what)); };
+  if (size < kIndexHeaderSize)
+    return loss(fmt::format("file is {} bytes, shorter than the {}-byte header (truncated?)", size, kIndexHeaderSize));
+  if (std::memcmp(p, kIndexMagic, sizeof(kIndexMagic)) != 0)
+    return loss("bad magic: not a Megatron MMIDIDX index (expected \"MMIDIDX\\0\\0\" at offset 0)");
+  uint64_t version;
+  std::memcpy(&version, p + 9, 8);
+  if (version != 1) return loss(fmt::format("unsupported version {} at offset 9 (only version 1 exists)", version));
+  auto dt = DTypeFromCode(p[17]);
+  if (!dt) return loss(fmt::format("unknown dtype code {} at offset 17 (valid codes are 1..8)", p[17]));
+  dtype_ = *dt;
+  uint64_t s, d;
+  std::memcpy(&s, p + 18, 8);
+  std::memcpy(&d, p + 26, 8);
+  // Sizes in 128 bits so absurd counts cannot overflow.
+  const unsigned __int128 want = static_cast<unsigned __int128>(kIndexHeaderSize) + static_cast<unsigned __int128>(s) * 12 +
+                                 static_cast<unsigned __int128>(d) * 8 + (multimodal_ ? s : 0);
+  if (want != size) {
+    std::string extra = multimodal_ ? " + modes" : "";
+    std::string hint = (!multimodal_ && want + s == size) ? " (a multimodal index? open it as multimodal)" : " (truncated or corrupt)";
+    return loss(fmt::format("file is {} bytes but sequence_count={} and document_count={} need {} (34 + 12*S + 8*D{}){}",
+                            size, s, d, static_cast<uint64_t>(want), extra, hint));
+  }
+  if (d < 1) return loss("document_count is 0 (document_indices must start with 0)");
+  num_sequences_ = static_cast<int64_t>(s);
+  num_doc_idx_ = static_cast<int64_t>(d);
+  lengths_off_ = kIndexHeaderSize;
+  pointers_off_ = lengths_off_ + 4 * s;
+  doc_idx_off_ = pointers_off_ + 8 * s;
+  modes_off_ = doc_idx_off_ + 8 * d;
+
+  // document_indices: 0, monotone, ends at S.
+  int64_t prev = document_index(0);
+  if (prev != 0) return loss(fmt::format("document_indices[0] = {} (must be 0)", prev));
+  for (int64_t j = 1; j < num_doc_idx_; ++j) {
+    int64_t v = document_index(j);
+    if (v < prev)
+      return loss(fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)", j,
+                              v, j - 1, prev));
+    if (v > num_sequences_)
+      return loss(fmt::format("document_indices[{}] = {} exceeds sequence_count {}", j, v, num_sequences_));
+    prev = v;
+  }
+  if (prev != num_sequences_)
+    return loss(fmt::format("last document index is {} but sequence_count is {}", prev, num_sequences_));
+
+  // Pointers consistent with the lengths, everything inside the .bin.
+  const int64_t isz = static_cast<int64_t>(itemsize());
+  const int64_t bin_size = static_cast<int64_t>(bin_->size());
+  int64_t expect = 0, tokens = 0;
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    int32_t len = sequence_length(i);
+    int64_t ptr = sequence_pointer(i);
+    if (len < 0) return loss(fmt::format("sequence_lengths[{}] = {} is negative", i, len));
+    if (ptr != expect)
+      return loss(fmt::format("sequence_pointers[{}] = {} but the lengths before it put it at {}", i, ptr, expect));
+    expect += static_cast<int64_t>(len) * isz;
+    tokens += len;
+    if (expect > bin_size)
+      return absl::DataLossError(fmt::format("{}: sequence {} (pointer {}, {} tokens of {} bytes) ends at byte {}, past the "
+                                             "end of the {}-byte file (truncated?)",
+                                             BinPath(prefix_), i, ptr, len, isz, expect, bin_size));
+  }
+  num_tokens_ = tokens;
+  return absl::OkStatus();
+}
+
+absl::Status IndexedDataset::Verify() const {
+  const uint64_t want = static_cast<uint64_t>(num_tokens_) * itemsize();
+  if (bin_->size() != want)
+    return absl::DataLossError(fmt::format("{}: file is {} bytes but the index describes {} bytes ({} trailing bytes)",
+                                           BinPath(prefix_), bin_->size(), want, bin_->size() - want));
+  return absl::OkStatus();
+}
+
+TokenSpan IndexedDataset::sequence(int64_t i) const {
+  return TokenSpan{bin_->data() + sequence_pointer(i), sequence_length(i), dtype_};
+}
+
+absl::StatusOr<TokenSpan> IndexedDataset::Get(int64_t i, int64_t offset, int64_t length) const {
+  if (i < 0 || i >= num_sequences_)
+    return absl::OutOfRangeError(fmt::format("{}: sequence {} out of range [0, {})", prefix_, i, num_sequences_));
+  const int64_t len = sequence_length(i);
+  if (length < 0) length = len - offset;
+  if (offset < 0 || length < 0 || offset + length > len)
+    return absl::OutOfRangeError(
+        fmt::format("{}: tokens [{}, {}) outside sequence {} of length {}", prefix_, offset, offset + length, i, len));
+  return TokenSpan{bin_->data() + sequence_pointer(i) + offset * static_cast<int64_t>(itemsize()), length, dtype_};
+}
+
+int64_t IndexedDataset::document_length(int64_t d) const {
+  int64_t a = document_index(d), b = document_index(d + 1);
+  if (a == b) return 0;
+  return (sequence_pointer(b - 1) - sequence_pointer(a)) / static_cast<int64_t>(itemsize()) + sequence_length(b - 1);
+}
+
+TokenSpan IndexedDataset::document(int64_t d) const {
+  int64_t a = document_index(d);
+  int64_t n = document_length(d);
+  const uint8_t* base = bin_->data();
+  return TokenSpan{n > 0 ? base + sequence_pointer(a) : base, n, dtype_};
+}
+
+}  // namespace ptk

@@ -1,0 +1,143 @@
+// Megatron-LM's indexed dataset (MMIDIDX v1): PREFIX.bin holds raw token ids, PREFIX.idx the
+// sequence lengths, byte pointers and document boundaries. Byte-identical to
+// megatron/core/datasets/indexed_dataset.py (IndexedDatasetBuilder / IndexedDataset).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/file_util.h"
+#include "common/mmap_file.h"
+#include "indexed_dataset/dtype.h"
+
+namespace ptk {
+
+inline constexpr char kIndexMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
+inline constexpr size_t kIndexHeaderSize = 34;  // magic 9 + version 8 + dtype 1 + counts 16
+
+inline std::string BinPath(const std::string& prefix) { return prefix + ".bin"; }
+inline std::string IdxPath(const std::string& prefix) { return prefix + ".idx"; }
+
+// A run of tokens inside the mapped .bin (zero-copy).
+struct TokenSpan {
+  const uint8_t* data = nullptr;
+  int64_t size = 0;
+  DType dtype = DType::kUInt16;
+
+  int64_t operator[](int64_t i) const { return LoadToken(data, i, dtype); }
+  template <typename T>
+  std::span<const T> As() const {
+    return std::span<const T>(reinterpret_cast<const T*>(data), static_cast<size_t>(size));
+  }
+  std::vector<int64_t> ToVector() const {
+    std::vector<int64_t> v(static_cast<size_t>(size));
+    for (int64_t i = 0; i < size; ++i) v[i] = (*this)[i];
+    return v;
+  }
+};
+
+// Writer. Tokens go to PREFIX.bin.ptk-tmp as they arrive; Finalize() writes the index and renames
+// both files into place (removing any older PREFIX.idx first), so a writer killed at any moment
+// never leaves an .idx that does not describe its .bin.
+class IndexedDatasetBuilder {
+ public:
+  static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Create(const std::string& prefix, DType dtype,
+                                                                        bool multimodal = false);
+
+  // One sequence; does not close the document (Megatron's add_item).
+  absl::Status AddItem(std::span<const int32_t> tokens, int8_t mode = 0);
+  // Closes the current document (Megatron's end_document).
+  void EndDocument();
+  // Sequences of `lengths` taken in order from `tokens`, then EndDocument (Megatron's add_document).
+  // An empty document (no tokens, no lengths) is recorded as a zero-sequence document.
+  absl::Status AddDocument(std::span<const int32_t> tokens, std::span<const int32_t> lengths,
+                           std::span<const int8_t> modes = {});
+  // Appends every sequence and document of another dataset (Megatron's add_index).
+  absl::Status AddIndex(const std::string& other_prefix);
+  // Writes PREFIX.idx and makes both files visible.
+  absl::Status Finalize();
+  // Drops everything written (temporary files removed). Also done by the destructor if not finalized.
+  void Abort();
+
+  DType dtype() const { return dtype_; }
+  int64_t num_sequences() const { return static_cast<int64_t>(lengths_.size()); }
+  int64_t num_documents() const { return static_cast<int64_t>(doc_idx_.size()) - 1; }
+  int64_t num_tokens() const { return tokens_; }
+  const std::string& prefix() const { return prefix_; }
+
+ private:
+  IndexedDatasetBuilder(std::string prefix, DType dtype, bool multimodal, std::unique_ptr<AtomicFileWriter> bin);
+  absl::Status WriteTokens(std::span<const int32_t> tokens);
+
+  std::string prefix_;
+  DType dtype_;
+  bool multimodal_;
+  std::unique_ptr<AtomicFileWriter> bin_;
+  std::vector<int32_t> lengths_;
+  std::vector<int64_t> doc_idx_{0};
+  std::vector<int8_t> modes_;
+  std::vector<uint8_t> scratch_;
+  int64_t tokens_ = 0;
+  bool finalized_ = false;
+};
+
+// Reader: both files memory-mapped; O(1) zero-copy access to sequences and documents. Open()
+// validates everything Megatron's reader checks and what it does not (sizes, pointers consistent
+// with lengths and with the .bin size, document indices monotone and bounded) and answers damage
+// with kDataLoss naming the file and the field.
+class IndexedDataset {
+ public:
+  static absl::StatusOr<std::unique_ptr<IndexedDataset>> Open(const std::string& prefix, bool multimodal = false);
+
+  const std::string& prefix() const { return prefix_; }
+  DType dtype() const { return dtype_; }
+  size_t itemsize() const { return DTypeSize(dtype_); }
+  int64_t num_sequences() const { return num_sequences_; }
+  // Number of documents (= len(document_indices) - 1).
+  int64_t num_documents() const { return num_doc_idx_ - 1; }
+  int64_t num_tokens() const { return num_tokens_; }
+  bool multimodal() const { return multimodal_; }
+  uint64_t bin_size() const { return bin_->size(); }
+  uint64_t idx_size() const { return idx_->size(); }
+
+  int32_t sequence_length(int64_t i) const { return Load<int32_t>(lengths_off_ + 4 * i); }
+  int64_t sequence_pointer(int64_t i) const { return Load<int64_t>(pointers_off_ + 8 * i); }
+  // Raw document_indices[j], j in [0, num_documents()].
+  int64_t document_index(int64_t j) const { return Load<int64_t>(doc_idx_off_ + 8 * j); }
+  int8_t sequence_mode(int64_t i) const { return static_cast<int8_t>(idx_->data()[modes_off_ + i]); }
+
+  TokenSpan sequence(int64_t i) const;
+  // Tokens [offset, offset+length) of sequence i (Megatron's get()); length -1 = to the end.
+  absl::StatusOr<TokenSpan> Get(int64_t i, int64_t offset = 0, int64_t length = -1) const;
+  // All tokens of document d (its sequences are contiguous in .bin).
+  TokenSpan document(int64_t d) const;
+  int64_t document_length(int64_t d) const;  // tokens
+  int64_t document_num_sequences(int64_t d) const { return document_index(d + 1) - document_index(d); }
+
+  // Checks beyond Open(): the .bin has no trailing bytes. Open() has already checked the rest.
+  absl::Status Verify() const;
+
+ private:
+  IndexedDataset() = default;
+  template <typename T>
+  T Load(size_t off) const {
+    T v;
+    std::memcpy(&v, idx_->data() + off, sizeof(T));
+    return v;
+  }
+  absl::Status Validate();
+
+  std::string prefix_;
+  std::unique_ptr<MappedFile> idx_, bin_;
+  DType dtype_ = DType::kUInt16;
+  bool multimodal_ = false;
+  int64_t num_sequences_ = 0, num_doc_idx_ = 0, num_tokens_ = 0;
+  size_t lengths_off_ = 0, pointers_off_ = 0, doc_idx_off_ = 0, modes_off_ = 0;
+};
+
+}  // namespace ptk

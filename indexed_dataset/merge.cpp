@@ -1,0 +1,58 @@
+// Merging indexed datasets.
+#include "indexed_dataset/merge.h"
+
+#include <dirent.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <set>
+
+#include <fmt/core.h>
+
+#include "common/file_util.h"
+#include "common/status.h"
+#include "indexed_dataset/indexed_dataset.h"
+
+namespace ptk {
+
+absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return ErrnoToStatus(errno, fmt::format("cannot list {}", dir));
+  std::set<std::string> bins, idxs;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    std::string full = JoinPath(dir, name);
+    if (IsDirectory(full)) continue;
+    auto ends = [&](std::string_view suf) { return name.size() > suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0; };
+    if (ends(".bin")) bins.insert(name.substr(0, name.size() - 4));
+    else if (ends(".idx")) idxs.insert(name.substr(0, name.size() - 4));
+  }
+  ::closedir(d);
+  std::vector<std::string> out;
+  for (const auto& b : bins) {
+    if (!idxs.count(b)) return absl::NotFoundError(fmt::format("{}: .idx file not provided for {}", dir, JoinPath(dir, b)));
+    out.push_back(JoinPath(dir, b));
+  }
+  for (const auto& i : idxs)
+    if (!bins.count(i)) return absl::NotFoundError(fmt::format("{}: .bin file not provided for {}", dir, JoinPath(dir, i)));
+  std::sort(out.begin(), out.end());
+  if (out.empty()) return absl::NotFoundError(fmt::format("{}: no .bin/.idx pairs to merge", dir));
+  return out;
+}
+
+absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs, const std::string& output_prefix,
+                                         bool multimodal) {
+  if (inputs.empty()) return absl::InvalidArgumentError("nothing to merge");
+  for (const auto& in : inputs)
+    if (in == output_prefix)
+      return absl::InvalidArgumentError(fmt::format("output prefix {} is also an input", output_prefix));
+  PTK_ASSIGN_OR_RETURN(auto first, IndexedDataset::Open(inputs[0], multimodal));
+  PTK_ASSIGN_OR_RETURN(auto builder, IndexedDatasetBuilder::Create(output_prefix, first->dtype(), multimodal));
+  first.reset();
+  for (const auto& in : inputs) PTK_RETURN_IF_ERROR(builder->AddIndex(in));
+  MergeStats st{builder->num_documents(), builder->num_sequences(), builder->num_tokens()};
+  PTK_RETURN_IF_ERROR(builder->Finalize());
+  return st;
+}
+
+}  // namespace ptk

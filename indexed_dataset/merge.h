@@ -1,0 +1,24 @@
+// Merging indexed datasets (tools/merge_datasets.py).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ptk {
+
+// The prefixes in `dir` as tools/merge_datasets.py finds them: every PREFIX with both PREFIX.bin
+// and PREFIX.idx, sorted by Python's sorted() (code-point = byte order). A lone .bin or .idx is an
+// error naming it.
+absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir);
+
+struct MergeStats {
+  int64_t documents = 0, sequences = 0, tokens = 0;
+};
+// Appends the inputs in the given order into `output_prefix` (dtype of the first input; every
+// input must share it).
+absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes, const std::string& output_prefix,
+                                         bool multimodal = false);
+
+}  // namespace ptk

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Installs every Debian package that ptk's build, tests and benchmarks need.
+# Idempotent: when everything is already installed it only checks and returns.
+# Usage: scripts/install-deps.sh [--with-python-ref]   (run as root on Debian bookworm)
+#   --with-python-ref  also installs the Python pieces the compatibility tests use
+#                      (python3-numpy, python3-torch from Debian; megatron-core from PyPI).
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build pkg-config git ca-certificates
+  libabsl-dev libfmt-dev libcli11-dev libsimdjson-dev libtbb-dev
+  libcurl4-openssl-dev libssl-dev libzstd-dev liblzma-dev libre2-dev libpcre2-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  zstd xz-utils curl aria2 python3 python3-venv python3-pip
+  slurmctld slurmd slurm-client munge
+)
+REF_PKGS=(python3-numpy python3-torch python3-packaging)
+
+want_ref=0
+for a in "$@"; do
+  case "$a" in
+    --with-python-ref) want_ref=1 ;;
+    *) echo "install-deps.sh: unknown argument: $a" >&2; exit 2 ;;
+  esac
+done
+[ "$want_ref" = 1 ] && PKGS+=("${REF_PKGS[@]}")
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    SUDO=sudo
+  else
+    SUDO=
+  fi
+  echo "install-deps: installing ${#missing[@]} package(s): ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  # The slurm/munge postinst scripts try to start services; policy-rc.d may deny that, which is fine.
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/tmp/ptk-apt.log 2>&1 || {
+    tail -30 /tmp/ptk-apt.log >&2; echo "install-deps: apt-get install failed" >&2; exit 1; }
+else
+  echo "install-deps: all ${#PKGS[@]} packages present" >&2
+fi
+
+if [ "$want_ref" = 1 ]; then
+  # megatron-core from PyPI, for the compatibility tests only (never a runtime dependency).
+  # Installed without its dependencies: Debian's numpy/torch serve, with the import shims in
+  # tests/tools/megatron_shim.py.
+  REF_DIR="${PTK_PYREF_DIR:-/opt/ptk-pyref}"
+  if [ ! -f "$REF_DIR/.megatron-core-0.16.1" ]; then
+    echo "install-deps: installing megatron-core 0.16.1 into $REF_DIR" >&2
+    mkdir -p "$REF_DIR"
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$REF_DIR" \
+      --break-system-packages megatron-core==0.16.1 >&2 2>/dev/null ||
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$REF_DIR" megatron-core==0.16.1 >&2
+    touch "$REF_DIR/.megatron-core-0.16.1"
+  fi
+fi

@@ -1,0 +1,136 @@
+// common/: atomic writer, natural order, globbing, shard resolution.
+#include "common/file_util.h"
+
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+
+#include "common/hash.h"
+#include "common/slurm_env.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using ::ptk::testing::TempDir;
+
+TEST(AtomicFileWriter, CommitMakesFileAppear) {
+  TempDir dir;
+  std::string path = dir / "out.txt";
+  auto w = AtomicFileWriter::Create(path);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Write("hello ").ok());
+  std::string big(3 << 20, 'x');  // larger than the buffer
+  ASSERT_TRUE((*w)->Write(big).ok());
+  EXPECT_FALSE(testing::Exists(path));
+  EXPECT_TRUE(testing::Exists(path + ".ptk-tmp"));
+  ASSERT_TRUE((*w)->Commit().ok());
+  EXPECT_EQ(testing::ReadFile(path), "hello " + big);
+  EXPECT_FALSE(testing::Exists(path + ".ptk-tmp"));
+  EXPECT_EQ((*w)->bytes_written(), 6 + big.size());
+}
+
+TEST(AtomicFileWriter, AbandonedWriterKeepsOldContents) {
+  TempDir dir;
+  std::string path = dir / "out.txt";
+  ASSERT_TRUE(WriteFileAtomic(path, "old").ok());
+  {
+    auto w = AtomicFileWriter::Create(path);
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Write("new but unfinished").ok());
+  }
+  EXPECT_EQ(testing::ReadFile(path), "old");
+  EXPECT_FALSE(testing::Exists(path + ".ptk-tmp"));
+}
+
+TEST(AtomicFileWriter, AppendFileRange) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFileAtomic(dir / "src", "0123456789").ok());
+  auto w = AtomicFileWriter::Create(dir / "dst");
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Write("ab").ok());
+  ASSERT_TRUE((*w)->AppendFileRange(dir / "src", 3, 4).ok());
+  ASSERT_TRUE((*w)->Write("z").ok());
+  ASSERT_TRUE((*w)->Commit().ok());
+  EXPECT_EQ(testing::ReadFile(dir / "dst"), "ab3456z");
+  auto w2 = AtomicFileWriter::Create(dir / "dst2");
+  EXPECT_EQ((*w2)->AppendFileRange(dir / "src", 8, 5).code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(AtomicFileWriter, UnwritableDirectoryIsAnError) {
+  auto w = AtomicFileWriter::Create("/nonexistent-dir/x");
+  EXPECT_FALSE(w.ok());
+  EXPECT_NE(std::string(w.status().message()).find("/nonexistent-dir/x.ptk-tmp"), std::string::npos);
+}
+
+TEST(NaturalLess, OrdersNumbersByValue) {
+  std::vector<std::string> v = {"shard10", "shard2", "shard1", "a", "shard02", "chunk10_x", "chunk1_x", "chunk9_x"};
+  std::sort(v.begin(), v.end(), [](const std::string& a, const std::string& b) { return NaturalLess(a, b); });
+  EXPECT_EQ(v, (std::vector<std::string>{"a", "chunk1_x", "chunk9_x", "chunk10_x", "shard1", "shard02", "shard2", "shard10"}));
+  EXPECT_FALSE(NaturalLess("x", "x"));
+  EXPECT_TRUE(NaturalLess("x1", "x01") != NaturalLess("x01", "x1"));
+}
+
+TEST(ExpandGlobs, SortsMatchesNaturallyAndReportsMisses) {
+  TempDir dir;
+  for (const char* n : {"f10.jsonl", "f2.jsonl", "f1.jsonl", "g.txt"}) ASSERT_TRUE(WriteFileAtomic(dir / n, "x").ok());
+  auto r = ExpandGlobs({dir / "f*.jsonl", dir / "g.txt", "-"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, (std::vector<std::string>{dir / "f1.jsonl", dir / "f2.jsonl", dir / "f10.jsonl", dir / "g.txt", "-"}));
+  EXPECT_EQ(ExpandGlobs({dir / "*.nothing"}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ExpandGlobs({dir / "missing.jsonl"}).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(FileUtil, PathsAndDirs) {
+  EXPECT_EQ(Dirname("/a/b/c"), "/a/b");
+  EXPECT_EQ(Dirname("c"), ".");
+  EXPECT_EQ(Basename("/a/b/c.x"), "c.x");
+  EXPECT_EQ(JoinPath("a/", "b"), "a/b");
+  TempDir dir;
+  ASSERT_TRUE(MakeDirs(dir / "x/y/z").ok());
+  EXPECT_TRUE(IsDirectory(dir / "x/y/z"));
+  ASSERT_TRUE(WriteFileAtomic(dir / "x/y/z/f", "1").ok());
+  ASSERT_TRUE(WriteFileAtomic(dir / "x/a", "1").ok());
+  auto files = ListFilesRecursive(dir / "x");
+  ASSERT_TRUE(files.ok());
+  EXPECT_EQ(*files, (std::vector<std::string>{"a", "y/z/f"}));
+  EXPECT_EQ(HumanBytes(1536), "1.5 KiB");
+  EXPECT_EQ(HumanDuration(125), "2m05s");
+}
+
+TEST(Hash, KnownDigests) {
+  EXPECT_EQ(Sha256Hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(Md5Hex(""), "d41d8cd98f00b204e9800998ecf8427e");
+  Sha256 h;
+  h.Update("a");
+  h.Update("bc");
+  EXPECT_EQ(h.HexDigest(), Sha256Hex("abc"));
+}
+
+TEST(ResolveShard, FlagsEnvAndDefaults) {
+  ::unsetenv("SLURM_ARRAY_TASK_ID");
+  auto d = ResolveShard(std::nullopt, std::nullopt);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->index, 0);
+  EXPECT_EQ(d->count, 1);
+  ::setenv("SLURM_ARRAY_TASK_ID", "5", 1);
+  ::setenv("SLURM_ARRAY_TASK_COUNT", "4", 1);
+  ::setenv("SLURM_ARRAY_TASK_MIN", "2", 1);
+  ::setenv("SLURM_ARRAY_TASK_STEP", "1", 1);
+  auto e = ResolveShard(std::nullopt, std::nullopt);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->index, 3);
+  EXPECT_EQ(e->count, 4);
+  auto f = ResolveShard(1, 2);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->index, 1);
+  EXPECT_FALSE(ResolveShard(2, 2).ok());
+  EXPECT_FALSE(ResolveShard(1, std::nullopt).ok());
+  ::unsetenv("SLURM_ARRAY_TASK_ID");
+  ::unsetenv("SLURM_ARRAY_TASK_COUNT");
+  ::unsetenv("SLURM_ARRAY_TASK_MIN");
+  ::unsetenv("SLURM_ARRAY_TASK_STEP");
+}
+
+}  // namespace
+}  // namespace ptk

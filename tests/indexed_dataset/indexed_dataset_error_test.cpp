@@ -1,0 +1,183 @@
+// IndexedDataset on damaged files: every corruption gives kDataLoss naming the file and the field;
+// nothing crashes or reads out of bounds (this binary also runs under AddressSanitizer in CI).
+#include <cstring>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "indexed_dataset/indexed_dataset.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using ::ptk::testing::TempDir;
+
+class CorruptIndexTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = dir_ / "d";
+    auto b = IndexedDatasetBuilder::Create(prefix_, DType::kUInt16);
+    ASSERT_TRUE(b.ok());
+    std::vector<int32_t> t1 = {1, 2, 3, 4}, l1 = {3, 1}, t2 = {5, 6, 7}, l2 = {3};
+    ASSERT_TRUE((*b)->AddDocument(t1, l1).ok());
+    ASSERT_TRUE((*b)->AddDocument({}, {}).ok());
+    ASSERT_TRUE((*b)->AddDocument(t2, l2).ok());
+    ASSERT_TRUE((*b)->Finalize().ok());
+    idx_ = testing::ReadFile(prefix_ + ".idx");
+    bin_ = testing::ReadFile(prefix_ + ".bin");
+    // S = 3 sequences, D = 4 document indices.
+    ASSERT_EQ(idx_.size(), 34u + 12 * 3 + 8 * 4);
+  }
+  template <typename T>
+  void Put(size_t off, T v) {
+    std::memcpy(idx_.data() + off, &v, sizeof(T));
+  }
+  // Writes the (modified) files and expects Open to fail with kDataLoss mentioning `needle`.
+  void ExpectDataLoss(const std::string& needle, const std::string& file_suffix = ".idx") {
+    testing::WriteFile(prefix_ + ".idx", idx_);
+    testing::WriteFile(prefix_ + ".bin", bin_);
+    auto ds = IndexedDataset::Open(prefix_);
+    ASSERT_FALSE(ds.ok()) << "corruption not detected (" << needle << ")";
+    EXPECT_EQ(ds.status().code(), absl::StatusCode::kDataLoss) << ds.status();
+    std::string msg(ds.status().message());
+    EXPECT_NE(msg.find(prefix_ + file_suffix), std::string::npos) << msg;
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+  }
+  static constexpr size_t kLengths = 34, kPointers = 34 + 12, kDocIdx = 34 + 36;
+  TempDir dir_;
+  std::string prefix_, idx_, bin_;
+};
+
+TEST_F(CorruptIndexTest, ValidFileOpens) {
+  auto ds = IndexedDataset::Open(prefix_);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_TRUE((*ds)->Verify().ok());
+}
+
+TEST_F(CorruptIndexTest, TruncatedIndex) {
+  std::string full = idx_;
+  for (size_t cut : {size_t{0}, size_t{5}, size_t{20}, size_t{33}}) {
+    idx_ = full.substr(0, cut);
+    ExpectDataLoss("shorter than the 34-byte header");
+  }
+  for (size_t cut : {size_t{34}, size_t{60}, full.size() - 1}) {
+    idx_ = full.substr(0, cut);
+    ExpectDataLoss("truncated or corrupt");
+  }
+}
+
+TEST_F(CorruptIndexTest, TruncatedBin) {
+  bin_ = bin_.substr(0, bin_.size() - 2);
+  ExpectDataLoss("past the end", ".bin");
+}
+
+TEST_F(CorruptIndexTest, TrailingBytesInBinFailVerify) {
+  bin_ += "xx";
+  testing::WriteFile(prefix_ + ".bin", bin_);
+  auto ds = IndexedDataset::Open(prefix_);
+  ASSERT_TRUE(ds.ok());
+  absl::Status st = (*ds)->Verify();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(std::string(st.message()).find("trailing"), std::string::npos);
+}
+
+TEST_F(CorruptIndexTest, BadMagic) {
+  idx_[0] = 'X';
+  ExpectDataLoss("bad magic");
+  idx_ = "TNTIDX\0\0" + idx_.substr(8);
+  ExpectDataLoss("bad magic");
+}
+
+TEST_F(CorruptIndexTest, BadVersion) {
+  Put<uint64_t>(9, 2);
+  ExpectDataLoss("unsupported version 2");
+}
+
+TEST_F(CorruptIndexTest, BadDtypeCode) {
+  for (uint8_t code : {uint8_t{0}, uint8_t{9}, uint8_t{255}}) {
+    idx_[17] = static_cast<char>(code);
+    ExpectDataLoss("unknown dtype code " + std::to_string(code));
+  }
+}
+
+TEST_F(CorruptIndexTest, AbsurdCountsDoNotOverflow) {
+  Put<uint64_t>(18, ~uint64_t{0});
+  ExpectDataLoss("sequence_count=");
+  SetUp();
+  Put<uint64_t>(26, uint64_t{1} << 62);
+  ExpectDataLoss("document_count=");
+}
+
+TEST_F(CorruptIndexTest, LengthPastEndOfBin) {
+  Put<int32_t>(kLengths + 4 * 2, 1000);  // last sequence claims 1000 tokens
+  ExpectDataLoss("past the end", ".bin");
+}
+
+TEST_F(CorruptIndexTest, NegativeLength) {
+  Put<int32_t>(kLengths + 4 * 1, -5);
+  ExpectDataLoss("sequence_lengths[1] = -5 is negative");
+}
+
+TEST_F(CorruptIndexTest, PointerInconsistentWithLengths) {
+  Put<int64_t>(kPointers + 8 * 2, 2);
+  ExpectDataLoss("sequence_pointers[2] = 2");
+  SetUp();
+  Put<int64_t>(kPointers + 8 * 1, int64_t{1} << 60);
+  ExpectDataLoss("sequence_pointers[1]");
+}
+
+TEST_F(CorruptIndexTest, DocumentIndicesOutOfOrder) {
+  // document_indices = [0, 2, 2, 3] -> [0, 2, 1, 3]
+  Put<int64_t>(kDocIdx + 8 * 2, 1);
+  ExpectDataLoss("must not decrease");
+}
+
+TEST_F(CorruptIndexTest, DocumentIndicesBounds) {
+  Put<int64_t>(kDocIdx, 1);
+  ExpectDataLoss("document_indices[0] = 1 (must be 0)");
+  SetUp();
+  Put<int64_t>(kDocIdx + 8 * 3, 2);
+  ExpectDataLoss("last document index is 2 but sequence_count is 3");
+  SetUp();
+  Put<int64_t>(kDocIdx + 8 * 2, 99);
+  ExpectDataLoss("exceeds sequence_count");
+}
+
+TEST_F(CorruptIndexTest, MissingFiles) {
+  ::unlink((prefix_ + ".bin").c_str());
+  auto ds = IndexedDataset::Open(prefix_);
+  EXPECT_EQ(ds.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(std::string(ds.status().message()).find(".bin"), std::string::npos);
+}
+
+// Random damage: Open either rejects the file or every access it then allows stays in bounds.
+TEST_F(CorruptIndexTest, RandomByteFlipsNeverCrash) {
+  std::mt19937 rng(12345);
+  const std::string good = idx_;
+  int rejected = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    idx_ = good;
+    int flips = 1 + static_cast<int>(rng() % 3);
+    for (int f = 0; f < flips; ++f) idx_[rng() % idx_.size()] = static_cast<char>(rng());
+    if (rng() % 10 == 0) idx_.resize(rng() % idx_.size());
+    testing::WriteFile(prefix_ + ".idx", idx_);
+    auto ds = IndexedDataset::Open(prefix_);
+    if (!ds.ok()) {
+      ++rejected;
+      ASSERT_TRUE(ds.status().code() == absl::StatusCode::kDataLoss) << ds.status();
+      continue;
+    }
+    int64_t sum = 0;
+    for (int64_t d = 0; d < (*ds)->num_documents(); ++d) {
+      TokenSpan s = (*ds)->document(d);
+      for (int64_t i = 0; i < s.size; ++i) sum += s[i];
+    }
+    for (int64_t i = 0; i < (*ds)->num_sequences(); ++i) sum += (*ds)->sequence(i).size;
+    (void)sum;
+  }
+  EXPECT_GT(rejected, 2000);
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,287 @@
+// IndexedDatasetBuilder / IndexedDataset: golden bytes, round trips, merge.
+#include "indexed_dataset/indexed_dataset.h"
+
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "common/hash.h"
+#include "indexed_dataset/merge.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using ::ptk::testing::TempDir;
+
+std::string Hex(const std::string& bytes) {
+  static const char* h = "0123456789abcdef";
+  std::string s;
+  for (unsigned char c : bytes) {
+    s += h[c >> 4];
+    s += h[c & 15];
+  }
+  return s;
+}
+
+// The worked example of shared/reference/megatron-formats.md §1.1, produced there by running
+// Megatron's preprocess_data.py (legacy GPT-2 tokenizer, --append-eod) on three documents.
+TEST(IndexedDatasetBuilder, GoldenBytesOfMegatronExample) {
+  TempDir dir;
+  std::string prefix = dir / "ex";
+  auto b = IndexedDatasetBuilder::Create(prefix, OptimalDType(50257));
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<int32_t> d1 = {15496, 995, 50256};
+  std::vector<int32_t> d3 = {64, 27, 91, 437, 1659, 5239, 91, 29, 65, 50256};
+  std::vector<int32_t> l1 = {3}, l3 = {10};
+  ASSERT_TRUE((*b)->AddDocument(d1, l1).ok());
+  ASSERT_TRUE((*b)->AddDocument({}, {}).ok());
+  ASSERT_TRUE((*b)->AddDocument(d3, l3).ok());
+  ASSERT_TRUE((*b)->Finalize().ok());
+
+  std::string bin = testing::ReadFile(prefix + ".bin"), idx = testing::ReadFile(prefix + ".idx");
+  EXPECT_EQ(bin.size(), 26u);
+  EXPECT_EQ(idx.size(), 90u);
+  EXPECT_EQ(Hex(idx),
+            "4d4d49444944580000" "0100000000000000" "08" "0200000000000000" "0400000000000000"
+            "03000000" "0a000000" "0000000000000000" "0600000000000000"
+            "0000000000000000" "0100000000000000" "0100000000000000" "0200000000000000");
+  std::string bin_sha = Sha256Hex(bin), idx_sha = Sha256Hex(idx);
+  EXPECT_EQ(bin_sha.substr(0, 8), "9c76c4c3");
+  EXPECT_EQ(bin_sha.substr(58), "3b6a65");
+  EXPECT_EQ(idx_sha.substr(0, 8), "d2574478");
+  EXPECT_EQ(idx_sha.substr(58), "5c27bc");
+  EXPECT_FALSE(testing::Exists(prefix + ".bin.ptk-tmp"));
+  EXPECT_FALSE(testing::Exists(prefix + ".idx.ptk-tmp"));
+
+  auto ds = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->num_documents(), 3);
+  EXPECT_EQ((*ds)->num_sequences(), 2);
+  EXPECT_EQ((*ds)->num_tokens(), 13);
+  EXPECT_EQ((*ds)->document_length(1), 0);
+  EXPECT_EQ((*ds)->document(2).ToVector(), std::vector<int64_t>(d3.begin(), d3.end()));
+  EXPECT_TRUE((*ds)->Verify().ok());
+}
+
+struct Doc {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> lengths;
+};
+
+std::vector<Doc> RandomDocs(int n, int32_t max_id, uint32_t seed, int max_seqs = 3) {
+  std::mt19937 rng(seed);
+  std::vector<Doc> docs(n);
+  for (auto& d : docs) {
+    int seqs = static_cast<int>(rng() % (max_seqs + 1));  // 0 = empty document
+    for (int s = 0; s < seqs; ++s) {
+      int len = static_cast<int>(rng() % 50);
+      d.lengths.push_back(len);
+      for (int i = 0; i < len; ++i) d.tokens.push_back(static_cast<int32_t>(rng() % (max_id + 1)));
+    }
+  }
+  return docs;
+}
+
+void WriteDocs(const std::string& prefix, DType dtype, const std::vector<Doc>& docs) {
+  auto b = IndexedDatasetBuilder::Create(prefix, dtype);
+  ASSERT_TRUE(b.ok()) << b.status();
+  for (const auto& d : docs) ASSERT_TRUE((*b)->AddDocument(d.tokens, d.lengths).ok());
+  ASSERT_TRUE((*b)->Finalize().ok());
+}
+
+void ExpectDocs(const IndexedDataset& ds, const std::vector<Doc>& docs) {
+  ASSERT_EQ(ds.num_documents(), static_cast<int64_t>(docs.size()));
+  for (size_t d = 0; d < docs.size(); ++d) {
+    std::vector<int64_t> want(docs[d].tokens.begin(), docs[d].tokens.end());
+    ASSERT_EQ(ds.document(static_cast<int64_t>(d)).ToVector(), want) << "document " << d;
+    int64_t first = ds.document_index(static_cast<int64_t>(d));
+    ASSERT_EQ(ds.document_num_sequences(static_cast<int64_t>(d)), static_cast<int64_t>(docs[d].lengths.size()));
+    for (size_t s = 0; s < docs[d].lengths.size(); ++s)
+      ASSERT_EQ(ds.sequence_length(first + static_cast<int64_t>(s)), docs[d].lengths[s]);
+  }
+}
+
+TEST(IndexedDataset, RoundTripUInt16) {
+  TempDir dir;
+  auto docs = RandomDocs(500, 50256, 1);
+  WriteDocs(dir / "u16", DType::kUInt16, docs);
+  auto ds = IndexedDataset::Open(dir / "u16");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->dtype(), DType::kUInt16);
+  ExpectDocs(**ds, docs);
+  EXPECT_TRUE((*ds)->Verify().ok());
+}
+
+TEST(IndexedDataset, RoundTripInt32LargeVocab) {
+  TempDir dir;
+  auto docs = RandomDocs(500, 200000, 2);
+  EXPECT_EQ(OptimalDType(65500), DType::kInt32);
+  EXPECT_EQ(OptimalDType(65499), DType::kUInt16);
+  WriteDocs(dir / "i32", OptimalDType(200001), docs);
+  auto ds = IndexedDataset::Open(dir / "i32");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->dtype(), DType::kInt32);
+  ExpectDocs(**ds, docs);
+  auto span = (*ds)->sequence(0);
+  EXPECT_EQ(span.As<int32_t>().size(), static_cast<size_t>(span.size));
+}
+
+TEST(IndexedDataset, OnlyEmptyDocumentsAndEmptyDataset) {
+  TempDir dir;
+  WriteDocs(dir / "empty", DType::kUInt16, {});
+  auto ds = IndexedDataset::Open(dir / "empty");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->num_documents(), 0);
+  EXPECT_EQ((*ds)->num_tokens(), 0);
+  EXPECT_EQ(testing::ReadFile(dir / "empty.idx").size(), 34u + 8u);
+
+  WriteDocs(dir / "blank", DType::kUInt16, std::vector<Doc>(5));
+  auto ds2 = IndexedDataset::Open(dir / "blank");
+  ASSERT_TRUE(ds2.ok()) << ds2.status();
+  EXPECT_EQ((*ds2)->num_documents(), 5);
+  EXPECT_EQ((*ds2)->num_sequences(), 0);
+  EXPECT_EQ((*ds2)->document(4).size, 0);
+}
+
+TEST(IndexedDataset, AddItemEndDocumentEqualsAddDocument) {
+  TempDir dir;
+  auto docs = RandomDocs(100, 1000, 3);
+  WriteDocs(dir / "a", DType::kUInt16, docs);
+  auto b = IndexedDatasetBuilder::Create(dir / "b", DType::kUInt16);
+  ASSERT_TRUE(b.ok());
+  for (const auto& d : docs) {
+    size_t off = 0;
+    for (int32_t len : d.lengths) {
+      ASSERT_TRUE((*b)->AddItem(std::span<const int32_t>(d.tokens.data() + off, len)).ok());
+      off += len;
+    }
+    (*b)->EndDocument();
+  }
+  ASSERT_TRUE((*b)->Finalize().ok());
+  EXPECT_EQ(testing::ReadFile(dir / "a.bin"), testing::ReadFile(dir / "b.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "a.idx"), testing::ReadFile(dir / "b.idx"));
+}
+
+TEST(IndexedDataset, MillionDocuments) {
+  TempDir dir;
+  {
+    auto b = IndexedDatasetBuilder::Create(dir / "m", DType::kUInt16);
+    ASSERT_TRUE(b.ok());
+    std::vector<int32_t> toks;
+    for (int d = 0; d < 1000000; ++d) {
+      toks.assign(static_cast<size_t>(d % 7), static_cast<int32_t>(d % 50257));
+      int32_t len = static_cast<int32_t>(toks.size());
+      std::vector<int32_t> lens;
+      if (len > 0) lens.push_back(len);
+      ASSERT_TRUE((*b)->AddDocument(toks, lens).ok());
+    }
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  auto ds = IndexedDataset::Open(dir / "m");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->num_documents(), 1000000);
+  int64_t total = 0;
+  for (int d = 0; d < 1000000; ++d) total += d % 7;
+  EXPECT_EQ((*ds)->num_tokens(), total);
+  for (int64_t d : {0, 1, 6, 999999, 123457}) {
+    auto doc = (*ds)->document(d);
+    ASSERT_EQ(doc.size, d % 7);
+    for (int64_t i = 0; i < doc.size; ++i) EXPECT_EQ(doc[i], d % 50257);
+  }
+}
+
+TEST(IndexedDataset, GetSlicesLikeMegatron) {
+  TempDir dir;
+  std::vector<Doc> docs = {{{1, 2, 3, 4, 5}, {5}}, {{6, 7}, {1, 1}}};
+  WriteDocs(dir / "g", DType::kUInt16, docs);
+  auto ds = IndexedDataset::Open(dir / "g");
+  ASSERT_TRUE(ds.ok());
+  auto s = (*ds)->Get(0, 1, 3);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->ToVector(), (std::vector<int64_t>{2, 3, 4}));
+  EXPECT_EQ((*ds)->Get(0, 2)->ToVector(), (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_FALSE((*ds)->Get(0, 3, 3).ok());
+  EXPECT_FALSE((*ds)->Get(3).ok());
+  EXPECT_EQ((*ds)->sequence(2).ToVector(), (std::vector<int64_t>{7}));
+}
+
+TEST(MergeDatasets, SortedDirectoryAndExplicitOrder) {
+  TempDir dir;
+  ASSERT_EQ(::mkdir((dir / "parts").c_str(), 0755), 0);
+  std::vector<std::vector<Doc>> parts;
+  for (int i = 0; i < 4; ++i) parts.push_back(RandomDocs(50 + i, 50000, 10 + i));
+  // Written in the order 2, 0, 3, 1 under names that sort 0..3.
+  for (int i : {2, 0, 3, 1}) WriteDocs(dir / ("parts/p" + std::to_string(i)), DType::kUInt16, parts[i]);
+  auto prefixes = FindPrefixesInDir(dir / "parts");
+  ASSERT_TRUE(prefixes.ok()) << prefixes.status();
+  ASSERT_EQ(prefixes->size(), 4u);
+  EXPECT_EQ((*prefixes)[0], dir / "parts/p0");
+  auto st = MergeDatasets(*prefixes, dir / "merged");
+  ASSERT_TRUE(st.ok()) << st.status();
+
+  std::vector<Doc> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  auto ds = IndexedDataset::Open(dir / "merged");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  ExpectDocs(**ds, all);
+  // Identical to writing everything with one builder.
+  WriteDocs(dir / "single", DType::kUInt16, all);
+  EXPECT_EQ(testing::ReadFile(dir / "merged.bin"), testing::ReadFile(dir / "single.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "merged.idx"), testing::ReadFile(dir / "single.idx"));
+
+  auto st2 = MergeDatasets({dir / "parts/p3", dir / "parts/p1"}, dir / "explicit");
+  ASSERT_TRUE(st2.ok());
+  std::vector<Doc> want = parts[3];
+  want.insert(want.end(), parts[1].begin(), parts[1].end());
+  auto ds2 = IndexedDataset::Open(dir / "explicit");
+  ASSERT_TRUE(ds2.ok());
+  ExpectDocs(**ds2, want);
+}
+
+TEST(MergeDatasets, DtypeMismatchAndMissingPairAreErrors) {
+  TempDir dir;
+  ASSERT_EQ(::mkdir((dir / "parts").c_str(), 0755), 0);
+  WriteDocs(dir / "parts/a", DType::kUInt16, RandomDocs(3, 100, 1));
+  WriteDocs(dir / "parts/b", DType::kInt32, RandomDocs(3, 100, 2));
+  auto st = MergeDatasets({dir / "parts/a", dir / "parts/b"}, dir / "out");
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.status().message()).find("dtype"), std::string::npos);
+  testing::WriteFile(dir / "parts/c.bin", "");
+  auto pr = FindPrefixesInDir(dir / "parts");
+  EXPECT_FALSE(pr.ok());
+  EXPECT_NE(std::string(pr.status().message()).find(".idx file not provided"), std::string::npos);
+}
+
+TEST(IndexedDatasetBuilder, AbortLeavesNothingAndRerunOverwrites) {
+  TempDir dir;
+  std::string prefix = dir / "x";
+  WriteDocs(prefix, DType::kUInt16, RandomDocs(10, 100, 5));
+  std::string old_idx = testing::ReadFile(prefix + ".idx");
+  {
+    auto b = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);
+    ASSERT_TRUE(b.ok());
+    std::vector<int32_t> t = {1, 2, 3}, l = {3};
+    ASSERT_TRUE((*b)->AddDocument(t, l).ok());
+    // Destroyed without Finalize: the old dataset stays intact, no temporaries remain.
+  }
+  EXPECT_EQ(testing::ReadFile(prefix + ".idx"), old_idx);
+  EXPECT_FALSE(testing::Exists(prefix + ".bin.ptk-tmp"));
+  EXPECT_TRUE(IndexedDataset::Open(prefix).ok());
+  auto docs = RandomDocs(20, 100, 6);
+  WriteDocs(prefix, DType::kUInt16, docs);
+  auto ds = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(ds.ok());
+  ExpectDocs(**ds, docs);
+}
+
+TEST(IndexedDatasetBuilder, RejectsInconsistentLengths) {
+  TempDir dir;
+  auto b = IndexedDatasetBuilder::Create(dir / "x", DType::kUInt16);
+  ASSERT_TRUE(b.ok());
+  std::vector<int32_t> t = {1, 2, 3}, l = {2};
+  EXPECT_EQ((*b)->AddDocument(t, l).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ptk

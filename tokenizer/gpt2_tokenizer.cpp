@@ -1,0 +1,489 @@
+// GPT-2 byte-level BPE.
+#include "tokenizer/gpt2_tokenizer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <queue>
+
+#include <fmt/core.h>
+#include <simdjson.h>
+
+#include "common/file_util.h"
+#include "common/status.h"
+#include "common/utf8.h"
+#include "tokenizer/pretokenizer.h"
+
+extern "C" {
+extern const char ptk_gpt2_vocab_start[];
+extern const char ptk_gpt2_vocab_end[];
+extern const char ptk_gpt2_merges_start[];
+extern const char ptk_gpt2_merges_end[];
+}
+
+namespace ptk {
+namespace {
+
+constexpr uint32_t kNoRank = std::numeric_limits<uint32_t>::max();
+
+// GPT-2's bytes_to_unicode: printable bytes map to themselves, the other 68 to U+0100 + n.
+struct ByteLevelMap {
+  uint32_t byte_to_cp[256];
+  int16_t cp_to_byte[324];
+  ByteLevelMap() {
+    std::fill(std::begin(cp_to_byte), std::end(cp_to_byte), -1);
+    uint32_t n = 0;
+    for (int b = 0; b < 256; ++b) {
+      bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+      byte_to_cp[b] = printable ? static_cast<uint32_t>(b) : 256 + n++;
+      cp_to_byte[byte_to_cp[b]] = static_cast<int16_t>(b);
+    }
+  }
+};
+const ByteLevelMap& ByteLevel() {
+  static const ByteLevelMap m;
+  return m;
+}
+
+// Byte-level unicode string -> raw bytes. False if a char is outside the byte-level alphabet.
+bool ByteLevelDecode(std::string_view s, std::string* out) {
+  const ByteLevelMap& m = ByteLevel();
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(s.data());
+  const uint8_t* end = p + s.size();
+  out->clear();
+  while (p < end) {
+    int len;
+    uint32_t cp = unicode::DecodeUtf8(p, end, &len);
+    if (cp >= 324 || m.cp_to_byte[cp] < 0) return false;
+    out->push_back(static_cast<char>(m.cp_to_byte[cp]));
+    p += len;
+  }
+  return true;
+}
+
+inline uint64_t HashKey(uint64_t k0, uint64_t k1, uint32_t len) {
+  uint64_t h = (k0 ^ (k1 * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(len) << 56)) * 0xFF51AFD7ED558CCDull;
+  return h ^ (h >> 31);
+}
+
+// Loads the (at most 16) bytes of a piece into two little-endian words, zero padded.
+inline void LoadKey(const uint8_t* p, size_t n, const uint8_t* limit, uint64_t* k0, uint64_t* k1) {
+  if (limit - p >= 16) {
+    std::memcpy(k0, p, 8);
+    std::memcpy(k1, p + 8, 8);
+  } else {
+    uint8_t tmp[16] = {0};
+    std::memcpy(tmp, p, n);
+    std::memcpy(k0, tmp, 8);
+    std::memcpy(k1, tmp + 8, 8);
+    return;
+  }
+  if (n < 8) {
+    *k0 &= (1ull << (8 * n)) - 1;
+    *k1 = 0;
+  } else if (n == 8) {
+    *k1 = 0;
+  } else if (n < 16) {
+    *k1 &= (1ull << (8 * (n - 8))) - 1;
+  }
+}
+
+}  // namespace
+
+std::string_view Gpt2Tokenizer::DefaultVocabJson() {
+  return std::string_view(ptk_gpt2_vocab_start, static_cast<size_t>(ptk_gpt2_vocab_end - ptk_gpt2_vocab_start));
+}
+std::string_view Gpt2Tokenizer::DefaultMergesTxt() {
+  return std::string_view(ptk_gpt2_merges_start, static_cast<size_t>(ptk_gpt2_merges_end - ptk_gpt2_merges_start));
+}
+
+absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadDefault() {
+  return FromStrings(DefaultVocabJson(), DefaultMergesTxt(), "built-in gpt2");
+}
+
+absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::Load(const std::string& vocab_path,
+                                                                   const std::string& merges_path) {
+  PTK_ASSIGN_OR_RETURN(std::string vocab, ReadFileToString(vocab_path));
+  PTK_ASSIGN_OR_RETURN(std::string merges, ReadFileToString(merges_path));
+  std::unique_ptr<Gpt2Tokenizer> t(new Gpt2Tokenizer());
+  absl::Status st = t->Build(vocab, merges, vocab_path + " / " + merges_path);
+  if (!st.ok()) return st;
+  return t;
+}
+
+absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromStrings(std::string_view vocab_json,
+                                                                          std::string_view merges_txt,
+                                                                          std::string_view origin) {
+  std::unique_ptr<Gpt2Tokenizer> t(new Gpt2Tokenizer());
+  PTK_RETURN_IF_ERROR(t->Build(vocab_json, merges_txt, origin));
+  return t;
+}
+
+absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view merges_txt, std::string_view origin) {
+  // ---- vocab.json
+  simdjson::dom::parser parser;
+  simdjson::padded_string padded(vocab_json);
+  simdjson::dom::element root;
+  if (auto err = parser.parse(padded).get(root))
+    return absl::InvalidArgumentError(fmt::format("{}: vocab is not valid JSON: {}", origin, simdjson::error_message(err)));
+  simdjson::dom::object obj;
+  if (root.get_object().get(obj)) return absl::InvalidArgumentError(fmt::format("{}: vocab must be a JSON object", origin));
+  absl::flat_hash_map<std::string, int32_t> str_to_id;
+  std::vector<std::pair<int64_t, std::string>> entries;
+  for (auto field : obj) {
+    int64_t id;
+    if (field.value.get_int64().get(id))
+      return absl::InvalidArgumentError(fmt::format("{}: vocab entry {:?} has a non-integer id", origin, std::string(field.key)));
+    entries.emplace_back(id, std::string(field.key));
+  }
+  const int64_t n = static_cast<int64_t>(entries.size());
+  id_to_bytes_.assign(n, std::string());
+  std::vector<bool> seen(n, false), byte_level(n, false);
+  std::string bytes;
+  for (auto& [id, key] : entries) {
+    if (id < 0 || id >= n)
+      return absl::InvalidArgumentError(fmt::format("{}: vocab id {} of {:?} is outside [0, {})", origin, id, key, n));
+    if (seen[id]) return absl::InvalidArgumentError(fmt::format("{}: vocab id {} appears twice", origin, id));
+    seen[id] = true;
+    if (ByteLevelDecode(key, &bytes)) {
+      id_to_bytes_[id] = bytes;
+      byte_level[id] = true;
+    } else {
+      id_to_bytes_[id] = key;  // an added token outside the byte-level alphabet: literal text
+    }
+    str_to_id[key] = static_cast<int32_t>(id);
+  }
+  auto eot = str_to_id.find(std::string(kEndOfText));
+  if (eot == str_to_id.end()) return absl::InvalidArgumentError(fmt::format("{}: vocab has no {}", origin, kEndOfText));
+  eod_id_ = eot->second;
+  const ByteLevelMap& m = ByteLevel();
+  std::vector<bool> mergeable(n, false);
+  for (int b = 0; b < 256; ++b) {
+    std::string key;
+    AppendUtf8(m.byte_to_cp[b], &key);
+    auto it = str_to_id.find(key);
+    if (it == str_to_id.end())
+      return absl::InvalidArgumentError(fmt::format("{}: vocab lacks the byte token {:?} (byte {})", origin, key, b));
+    byte_to_id_[b] = it->second;
+    mergeable[it->second] = true;
+  }
+
+  // ---- merges.txt
+  size_t pos = 0;
+  int64_t line_no = 0;
+  uint32_t rank = 0;
+  while (pos < merges_txt.size()) {
+    size_t eol = merges_txt.find('\n', pos);
+    if (eol == std::string_view::npos) eol = merges_txt.size();
+    std::string_view line = merges_txt.substr(pos, eol - pos);
+    pos = eol + 1;
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty()) continue;
+    if (line_no == 1 && line.rfind("#version", 0) == 0) continue;
+    size_t sp = line.find(' ');
+    if (sp == std::string_view::npos || sp == 0 || sp + 1 >= line.size() || line.find(' ', sp + 1) != std::string_view::npos)
+      return absl::InvalidArgumentError(
+          fmt::format("{}: merges line {} must hold two symbols separated by one space: {:?}", origin, line_no, std::string(line)));
+    std::string a(line.substr(0, sp)), b(line.substr(sp + 1));
+    auto ia = str_to_id.find(a), ib = str_to_id.find(b), ic = str_to_id.find(a + b);
+    if (ia == str_to_id.end() || ib == str_to_id.end() || ic == str_to_id.end())
+      return absl::InvalidArgumentError(
+          fmt::format("{}: merges line {} ({:?}) uses a symbol that is not in the vocab", origin, line_no, std::string(line)));
+    merges_[(static_cast<uint64_t>(static_cast<uint32_t>(ia->second)) << 32) | static_cast<uint32_t>(ib->second)] =
+        MergeInfo{rank, ic->second};
+    mergeable[ic->second] = true;
+    ++rank;
+  }
+  num_merges_ = rank;
+
+  // ---- whole-token tables: only tokens that BPE itself produces for their own bytes
+  size_t slots = 1;
+  while (slots < static_cast<size_t>(n) * 2) slots <<= 1;
+  short_table_.assign(slots, PieceSlot());
+  short_mask_ = slots - 1;
+  std::vector<int32_t> ids;
+  for (int64_t id = 0; id < n; ++id) {
+    if (!mergeable[id] || !byte_level[id]) continue;
+    const std::string& tb = id_to_bytes_[id];
+    ids.clear();
+    BpePiece(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), &ids);
+    if (ids.size() != 1 || ids[0] != id) continue;
+    if (tb.size() <= 16) {
+      uint64_t k0, k1;
+      LoadKey(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), reinterpret_cast<const uint8_t*>(tb.data()), &k0, &k1);
+      uint64_t h = HashKey(k0, k1, static_cast<uint32_t>(tb.size())) & short_mask_;
+      while (short_table_[h].len != 0) h = (h + 1) & short_mask_;
+      short_table_[h] = PieceSlot{k0, k1, static_cast<uint32_t>(tb.size()), static_cast<int32_t>(id)};
+    } else {
+      long_tokens_[tb] = static_cast<int32_t>(id);
+    }
+  }
+  return absl::OkStatus();
+}
+
+int32_t Gpt2Tokenizer::LookupShort(uint64_t k0, uint64_t k1, uint32_t len) const {
+  uint64_t h = HashKey(k0, k1, len) & short_mask_;
+  while (true) {
+    const PieceSlot& s = short_table_[h];
+    if (s.len == len && s.k0 == k0 && s.k1 == k1) return s.id;
+    if (s.len == 0) return -1;
+    h = (h + 1) & short_mask_;
+  }
+}
+
+int32_t Gpt2Tokenizer::LookupLong(std::string_view piece) const {
+  auto it = long_tokens_.find(absl::string_view(piece.data(), piece.size()));
+  return it == long_tokens_.end() ? -1 : it->second;
+}
+
+std::string_view Gpt2Tokenizer::TokenBytes(int32_t id) const {
+  if (id < 0 || id >= static_cast<int32_t>(id_to_bytes_.size())) return {};
+  return id_to_bytes_[id];
+}
+
+std::string Gpt2Tokenizer::DecodeBytes(std::span<const int32_t> ids) const {
+  std::string out;
+  for (int32_t id : ids) out += TokenBytes(id);
+  return out;
+}
+
+std::string Gpt2Tokenizer::Decode(std::span<const int32_t> ids) const {
+  std::string raw = DecodeBytes(ids);
+  std::string out;
+  out.reserve(raw.size());
+  AppendUtf8Replacing(raw, &out);
+  return out;
+}
+
+void Gpt2Tokenizer::BpePiece(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
+  if (n <= 64) BpeShort(p, n, out);
+  else BpeLong(p, n, out);
+}
+
+// Megatron/OpenAI's algorithm: repeatedly take the adjacent pair of lowest merge rank and merge all
+// its non-overlapping occurrences left to right. Ranks of adjacent pairs are kept in an array and
+// recomputed only next to a merge.
+void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
+  if (n == 0) return;
+  if (n == 1) {
+    out->push_back(byte_to_id_[p[0]]);
+    return;
+  }
+  thread_local std::vector<int32_t> sym;
+  thread_local std::vector<uint32_t> rk;
+  thread_local std::vector<int32_t> newid;
+  thread_local std::vector<size_t> dirty;
+  sym.resize(n);
+  rk.resize(n);
+  newid.resize(n);
+  for (size_t i = 0; i < n; ++i) sym[i] = byte_to_id_[p[i]];
+  auto rank_at = [&](size_t i) {
+    const MergeInfo* mi = FindMerge(sym[i], sym[i + 1]);
+    if (mi) {
+      newid[i] = mi->id;
+      return mi->rank;
+    }
+    return kNoRank;
+  };
+  size_t m = n;
+  for (size_t i = 0; i + 1 < m; ++i) rk[i] = rank_at(i);
+  rk[m - 1] = kNoRank;
+  while (m > 1) {
+    uint32_t best = kNoRank;
+    size_t bi = 0;
+    for (size_t i = 0; i + 1 < m; ++i) {
+      if (rk[i] < best) {
+        best = rk[i];
+        bi = i;
+      }
+    }
+    if (best == kNoRank) break;
+    dirty.clear();
+    size_t w = bi, j = bi;
+    while (j < m) {
+      if (j + 1 < m && rk[j] == best) {
+        sym[w] = newid[j];
+        dirty.push_back(w);
+        if (w > 0) dirty.push_back(w - 1);
+        j += 2;
+      } else {
+        sym[w] = sym[j];
+        rk[w] = rk[j];
+        newid[w] = newid[j];
+        j += 1;
+      }
+      ++w;
+    }
+    m = w;
+    if (bi > 0) dirty.push_back(bi - 1);
+    for (size_t d : dirty) rk[d] = (d + 1 < m) ? rank_at(d) : kNoRank;
+    rk[m - 1] = kNoRank;
+  }
+  out->insert(out->end(), sym.begin(), sym.begin() + static_cast<ptrdiff_t>(m));
+}
+
+// O(n log n) variant for long pieces: a heap of (rank, position) over a linked list of symbols,
+// stale entries skipped lazily. Equal ranks are the same pair and pop leftmost first, which is the
+// left-to-right rule of BpeShort.
+void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
+  if (n == 0) return;
+  std::vector<int32_t> sym(n);
+  std::vector<int64_t> prev(n), next(n);
+  std::vector<uint32_t> ver(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    sym[i] = byte_to_id_[p[i]];
+    prev[i] = static_cast<int64_t>(i) - 1;
+    next[i] = (i + 1 < n) ? static_cast<int64_t>(i + 1) : -1;
+  }
+  struct Entry {
+    uint32_t rank;
+    int64_t pos;
+    uint32_t ver_l, ver_r;
+    bool operator>(const Entry& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  auto push = [&](int64_t i) {
+    if (i < 0) return;
+    int64_t j = next[i];
+    if (j < 0) return;
+    const MergeInfo* mi = FindMerge(sym[i], sym[j]);
+    if (mi) heap.push(Entry{mi->rank, i, ver[i], ver[j]});
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(static_cast<int64_t>(i));
+  while (!heap.empty()) {
+    Entry e = heap.top();
+    heap.pop();
+    int64_t i = e.pos, j = next[i];
+    if (j < 0 || ver[i] != e.ver_l || ver[j] != e.ver_r) continue;
+    const MergeInfo* mi = FindMerge(sym[i], sym[j]);
+    if (!mi || mi->rank != e.rank) continue;
+    sym[i] = mi->id;
+    ++ver[i];
+    ++ver[j];
+    next[i] = next[j];
+    if (next[j] >= 0) prev[next[j]] = i;
+    push(prev[i]);
+    push(i);
+  }
+  for (int64_t i = 0; i >= 0; i = next[i]) out->push_back(sym[i]);
+}
+
+// ---------------------------------------------------------------- encoder
+
+Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok), opt_(options) {
+  size_t slots = 1;
+  while (slots < opt_.cache_slots) slots <<= 1;
+  cache_.assign(slots, CacheSlot{});
+  cache_mask_ = slots - 1;
+}
+
+void Gpt2Encoder::ResetCache() {
+  std::memset(cache_.data(), 0, cache_.size() * sizeof(CacheSlot));
+  cache_used_ = 0;
+  overflow_.clear();
+  long_cache_.clear();
+}
+
+inline void Gpt2Encoder::EncodePiece(const uint8_t* p, size_t n, const uint8_t* text_end, std::vector<int32_t>* out) {
+  if (n <= 16) {
+    uint64_t k0, k1;
+    LoadKey(p, n, text_end, &k0, &k1);
+    const uint32_t len = static_cast<uint32_t>(n);
+    // Whole tokens first (about 90% of pieces in English text).
+    int32_t id = tok_.LookupShort(k0, k1, len);
+    if (id >= 0) {
+      out->push_back(id);
+      return;
+    }
+    uint64_t h = HashKey(k0, k1, len) & cache_mask_;
+    while (true) {
+      CacheSlot& s = cache_[h];
+      if (s.len == 0) break;
+      if (s.len == len && s.k0 == k0 && s.k1 == k1) {
+        ++hits_;
+        if (s.n == kOverflow) {
+          out->insert(out->end(), overflow_.begin() + s.ids[0], overflow_.begin() + s.ids[0] + s.ids[1]);
+        } else {
+          out->insert(out->end(), s.ids, s.ids + s.n);
+        }
+        return;
+      }
+      h = (h + 1) & cache_mask_;
+    }
+    ++misses_;
+    scratch_.clear();
+    tok_.BpePiece(p, n, &scratch_);
+    out->insert(out->end(), scratch_.begin(), scratch_.end());
+    if (cache_used_ * 4 >= cache_.size() * 3) {
+      ResetCache();
+      h = HashKey(k0, k1, len) & cache_mask_;
+      while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
+    }
+    CacheSlot& s = cache_[h];
+    s.k0 = k0;
+    s.k1 = k1;
+    s.len = static_cast<uint8_t>(len);
+    if (scratch_.size() <= 3) {
+      s.n = static_cast<uint8_t>(scratch_.size());
+      std::copy(scratch_.begin(), scratch_.end(), s.ids);
+    } else {
+      s.n = kOverflow;
+      s.ids[0] = static_cast<int32_t>(overflow_.size());
+      s.ids[1] = static_cast<int32_t>(scratch_.size());
+      overflow_.insert(overflow_.end(), scratch_.begin(), scratch_.end());
+    }
+    ++cache_used_;
+    return;
+  }
+  std::string_view piece(reinterpret_cast<const char*>(p), n);
+  int32_t id = tok_.LookupLong(piece);
+  if (id >= 0) {
+    out->push_back(id);
+    return;
+  }
+  // Long pieces: cache only moderately long ones (very long runs are rare and unique).
+  if (n <= 256) {
+    auto it = long_cache_.find(absl::string_view(piece.data(), piece.size()));
+    if (it != long_cache_.end()) {
+      ++hits_;
+      out->insert(out->end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  ++misses_;
+  scratch_.clear();
+  tok_.BpePiece(p, n, &scratch_);
+  out->insert(out->end(), scratch_.begin(), scratch_.end());
+  if (n <= 256) {
+    if (long_cache_.size() >= 16384) long_cache_.clear();
+    long_cache_.emplace(std::string(piece), scratch_);
+  }
+}
+
+void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
+  const uint8_t* end = reinterpret_cast<const uint8_t*>(text.data()) + text.size();
+  ForEachPiece(text, [&](const uint8_t* b, const uint8_t* e) { EncodePiece(b, static_cast<size_t>(e - b), end, out); });
+}
+
+void Gpt2Encoder::Encode(std::string_view text, std::vector<int32_t>* out) {
+  if (!opt_.special_endoftext) {
+    EncodeOrdinary(text, out);
+    return;
+  }
+  // Hugging Face splits added special tokens out of the text first; each segment is then
+  // pre-tokenized on its own (so "a <|endoftext|>" keeps a separate trailing-space piece).
+  size_t pos = 0;
+  while (true) {
+    size_t hit = text.find(Gpt2Tokenizer::kEndOfText, pos);
+    if (hit == std::string_view::npos) {
+      EncodeOrdinary(text.substr(pos), out);
+      return;
+    }
+    EncodeOrdinary(text.substr(pos, hit - pos), out);
+    out->push_back(tok_.eod());
+    pos = hit + Gpt2Tokenizer::kEndOfText.size();
+  }
+}
+
+}  // namespace ptk

@@ -1,0 +1,126 @@
+// GPT-2 byte-level BPE (vocab.json + merges.txt), exact: ids identical to Hugging Face's
+// GPT2TokenizerFast (what Megatron-LM's GPT2BPETokenizer runs) and to tiktoken's "gpt2" encoding.
+//
+// Gpt2Tokenizer is immutable and shared by all threads; each thread encodes through its own
+// Gpt2Encoder, which owns a bounded piece -> ids cache and scratch buffers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+
+namespace ptk {
+
+class Gpt2Tokenizer {
+ public:
+  static constexpr std::string_view kEndOfText = "<|endoftext|>";
+
+  // Loads vocab.json and merges.txt. Merges: a first line starting with "#version" is skipped,
+  // as are empty lines; every other line must hold exactly two symbols.
+  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Load(const std::string& vocab_path, const std::string& merges_path);
+  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> FromStrings(std::string_view vocab_json, std::string_view merges_txt,
+                                                                    std::string_view origin = "<memory>");
+  // The GPT-2 files shipped inside ptk (identical to ../shared/gpt2, pinned by sha256 in tiktoken).
+  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> LoadDefault();
+  static std::string_view DefaultVocabJson();
+  static std::string_view DefaultMergesTxt();
+
+  int64_t vocab_size() const { return static_cast<int64_t>(id_to_bytes_.size()); }  // 50257 for GPT-2
+  int32_t eod() const { return eod_id_; }                                               // 50256
+  int64_t num_merges() const { return num_merges_; }
+
+  // Raw bytes of a token (no UTF-8 repair); empty for an unknown id.
+  std::string_view TokenBytes(int32_t id) const;
+  // ids -> bytes, then UTF-8 repaired like Python's decode("utf-8", "replace").
+  std::string Decode(std::span<const int32_t> ids) const;
+  std::string DecodeBytes(std::span<const int32_t> ids) const;
+
+  // Plain BPE of one piece (no cache), for tests and the cache-miss path.
+  void BpePiece(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
+  // The two merge algorithms behind BpePiece: linear scans for short pieces, a heap for long ones.
+  void BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
+  void BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
+
+  // Whole-token lookup of a piece of at most 16 bytes; -1 if absent.
+  int32_t LookupShort(uint64_t k0, uint64_t k1, uint32_t len) const;
+  int32_t LookupLong(std::string_view piece) const;
+
+ private:
+  friend class Gpt2Encoder;
+  Gpt2Tokenizer() = default;
+  absl::Status Build(std::string_view vocab_json, std::string_view merges_txt, std::string_view origin);
+  struct MergeInfo {
+    uint32_t rank;
+    int32_t id;
+  };
+  const MergeInfo* FindMerge(int32_t a, int32_t b) const {
+    auto it = merges_.find((static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b));
+    return it == merges_.end() ? nullptr : &it->second;
+  }
+
+  struct PieceSlot {
+    uint64_t k0 = 0, k1 = 0;
+    uint32_t len = 0;  // 0 = empty
+    int32_t id = -1;
+  };
+  std::vector<PieceSlot> short_table_;  // open addressing, power-of-two size
+  uint64_t short_mask_ = 0;
+  absl::flat_hash_map<std::string, int32_t> long_tokens_;  // whole tokens longer than 16 bytes
+  absl::flat_hash_map<uint64_t, MergeInfo> merges_;
+  std::vector<std::string> id_to_bytes_;
+  int32_t byte_to_id_[256];
+  int32_t eod_id_ = -1;
+  int64_t num_merges_ = 0;
+};
+
+// Per-thread encoder: owns the piece cache. Not thread-safe; cheap to create.
+class Gpt2Encoder {
+ public:
+  struct Options {
+    // Literal "<|endoftext|>" in the text becomes the EOD id (Hugging Face / current Megatron-LM).
+    // false: it is encoded as ordinary text (legacy Megatron GPT2 tokenizer, tiktoken encode_ordinary).
+    bool special_endoftext = true;
+    size_t cache_slots = 1 << 16;  // power of two; the cache resets when 3/4 full
+  };
+  explicit Gpt2Encoder(const Gpt2Tokenizer& tok) : Gpt2Encoder(tok, Options()) {}
+  Gpt2Encoder(const Gpt2Tokenizer& tok, Options options);
+
+  // Appends the ids of `text` (UTF-8; ill-formed bytes are treated as single "other" characters,
+  // callers repair text first, see AppendUtf8Replacing) to *out.
+  void Encode(std::string_view text, std::vector<int32_t>* out);
+  // Same without special-token handling.
+  void EncodeOrdinary(std::string_view text, std::vector<int32_t>* out);
+
+  uint64_t cache_hits() const { return hits_; }
+  uint64_t cache_misses() const { return misses_; }
+
+ private:
+  void EncodePiece(const uint8_t* p, size_t n, const uint8_t* text_end, std::vector<int32_t>* out);
+  struct CacheSlot {
+    uint64_t k0, k1;
+    uint8_t len;  // 0 = empty
+    uint8_t n;    // ids inline (<= 3), or kOverflow
+    uint16_t pad;
+    int32_t ids[3];
+  };
+  static constexpr uint8_t kOverflow = 0xFF;
+  void ResetCache();
+
+  const Gpt2Tokenizer& tok_;
+  Options opt_;
+  std::vector<CacheSlot> cache_;
+  uint64_t cache_mask_;
+  size_t cache_used_ = 0;
+  std::vector<int32_t> overflow_;
+  absl::flat_hash_map<std::string, std::vector<int32_t>> long_cache_;
+  std::vector<int32_t> scratch_;
+  uint64_t hits_ = 0, misses_ = 0;
+};
+
+}  // namespace ptk

@@ -1,0 +1,148 @@
+// Hand-written GPT-2 pre-tokenizer, equivalent to the split pattern
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// (verified against a PCRE2 oracle running that pattern verbatim; tests/tokenizer).
+//
+// At a piece start p:
+//  1. "'" followed by s|t|m|d (2 chars) or re|ve|ll (3 chars): a contraction (case-sensitive).
+//  2. U+0020 followed by a letter/number/other char X: the space plus the maximal run of X's class.
+//  3. A letter/number/other char: the maximal run of its class (apostrophes inside an "other" run
+//     are part of it).
+//  4. Whitespace: let k be the length (in chars) of the maximal whitespace run. At the end of the
+//     text the whole run is one piece; otherwise k-1 chars when k >= 2 (the last one is left to
+//     attach to what follows or to stand alone), else 1 char.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tokenizer/unicode_tables.h"
+
+namespace ptk {
+
+namespace pretok_detail {
+
+// Classes of the 128 ASCII bytes.
+inline constexpr uint8_t kAsciiClass[128] = {
+    // 0x00-0x08 other, 0x09-0x0D space, 0x0E-0x1F other (U+001C-001F are not White_Space)
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3, 3, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    // space ! " # $ % & ' ( ) * + , - . /
+    3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    // 0-9 : ; < = > ?
+    2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0,
+    // @ A-O
+    0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    // P-Z [ \ ] ^ _
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0,
+    // ` a-o
+    0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    // p-z { | } ~ DEL
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0,
+};
+
+// Class and byte length of the character at p (p < end).
+inline unicode::CharClass ClassAt(const uint8_t* p, const uint8_t* end, int* len) {
+  if (*p < 0x80) {
+    *len = 1;
+    return static_cast<unicode::CharClass>(kAsciiClass[*p]);
+  }
+  uint32_t cp = unicode::DecodeUtf8(p, end, len);
+  return unicode::ClassOf(cp);
+}
+
+// End of the maximal run of class k starting at p.
+inline const uint8_t* RunEnd(const uint8_t* p, const uint8_t* end, unicode::CharClass k) {
+  while (p < end) {
+    if (*p < 0x80) {
+      if (kAsciiClass[*p] != k) return p;
+      ++p;
+      continue;
+    }
+    int len;
+    if (ClassAt(p, end, &len) != k) return p;
+    p += len;
+  }
+  return p;
+}
+
+}  // namespace pretok_detail
+
+// Calls emit(const uint8_t* begin, const uint8_t* end) for every piece of `text`, in order.
+// Never reads outside [text.data(), text.data() + text.size()). Invalid UTF-8 bytes act as
+// single "other" characters.
+template <typename Emit>
+inline void ForEachPiece(std::string_view text, Emit&& emit) {
+  using namespace pretok_detail;
+  using unicode::CharClass;
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(text.data());
+  const uint8_t* const end = p + text.size();
+  while (p < end) {
+    const uint8_t* const start = p;
+    int len;
+    CharClass k = ClassAt(p, end, &len);
+    if (*p == '\'' && end - p >= 2) {
+      const uint8_t c1 = p[1];
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
+        emit(start, p + 2);
+        p += 2;
+        continue;
+      }
+      if (end - p >= 3) {
+        const uint8_t c2 = p[2];
+        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
+          emit(start, p + 3);
+          p += 3;
+          continue;
+        }
+      }
+    }
+    if (k != unicode::kSpace) {
+      p = RunEnd(p + len, end, k);
+      emit(start, p);
+      continue;
+    }
+    if (*p == ' ' && p + 1 < end) {
+      int len2;
+      CharClass k2 = ClassAt(p + 1, end, &len2);
+      if (k2 != unicode::kSpace) {
+        p = RunEnd(p + 1 + len2, end, k2);
+        emit(start, p);
+        continue;
+      }
+    }
+    // Whitespace run starting at p.
+    const uint8_t* last = p;  // start of the last whitespace char seen
+    const uint8_t* q = p + len;
+    int count = 1;
+    while (q < end) {
+      int l;
+      if (ClassAt(q, end, &l) != unicode::kSpace) break;
+      last = q;
+      q += l;
+      ++count;
+    }
+    if (q == end) {
+      p = end;
+    } else if (count >= 2) {
+      p = last;
+    } else {
+      p = q;
+    }
+    emit(start, p);
+  }
+}
+
+// The pieces of `text` as (offset, length) pairs; convenient for tests.
+inline std::vector<std::pair<size_t, size_t>> Pretokenize(std::string_view text) {
+  std::vector<std::pair<size_t, size_t>> out;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(text.data());
+  ForEachPiece(text, [&](const uint8_t* b, const uint8_t* e) {
+    out.emplace_back(static_cast<size_t>(b - base), static_cast<size_t>(e - b));
+  });
+  return out;
+}
+
+}  // namespace ptk
