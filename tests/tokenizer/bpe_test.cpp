@@ -1,0 +1,121 @@
+// BPE internals: the two merge algorithms agree, every vocab token encodes to itself, the cache is
+// transparent, bad vocab/merges files are rejected with a clear message.
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tokenizer/gpt2_tokenizer.h"
+#include "tokenizer/pretokenizer.h"
+
+namespace ptk {
+namespace {
+
+const Gpt2Tokenizer& Tok() {
+  static Gpt2Tokenizer* t = Gpt2Tokenizer::LoadDefault()->release();
+  return *t;
+}
+
+TEST(Bpe, ShortAndLongAlgorithmsAgree) {
+  std::mt19937 rng(7);
+  const std::string alphabet = "aaabbbeeesst  ---..__00112233xyz\xC3\xA9\xE4\xB8\xAD";
+  for (int iter = 0; iter < 3000; ++iter) {
+    size_t n = 1 + rng() % 60;
+    std::string s;
+    for (size_t i = 0; i < n; ++i) s += alphabet[rng() % alphabet.size()];
+    std::vector<int32_t> a, b;
+    Tok().BpeShort(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &a);
+    Tok().BpeLong(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &b);
+    ASSERT_EQ(a, b) << s;
+    ASSERT_EQ(Tok().DecodeBytes(a), s);
+  }
+}
+
+TEST(Bpe, EveryMergeableTokenEncodesToItself) {
+  int checked = 0;
+  for (int32_t id = 0; id < 50256; ++id) {
+    std::string_view b = Tok().TokenBytes(id);
+    std::vector<int32_t> out;
+    Tok().BpePiece(reinterpret_cast<const uint8_t*>(b.data()), b.size(), &out);
+    ASSERT_EQ(out, std::vector<int32_t>{id}) << "token " << id;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 50256);
+}
+
+TEST(Bpe, CacheIsTransparent) {
+  // A tiny cache that resets constantly must give the same ids as an uncached BPE.
+  Gpt2Encoder small(Tok(), {.special_endoftext = true, .cache_slots = 16});
+  Gpt2Encoder big(Tok());
+  std::mt19937 rng(3);
+  const char* words[] = {" the", " quick", " brown", "fox", " jumped", "ooooover", " lazy", "\xE4\xB8\xAD\xE6\x96\x87",
+                         " dogs", "!!", "\n\n", " 12345", "tokenization", " antidisestablishmentarianism"};
+  for (int iter = 0; iter < 500; ++iter) {
+    std::string text;
+    for (int w = 0; w < 30; ++w) text += words[rng() % 14];
+    std::vector<int32_t> a, b, c;
+    small.Encode(text, &a);
+    big.Encode(text, &b);
+    ForEachPiece(text, [&](const uint8_t* x, const uint8_t* y) { Tok().BpePiece(x, static_cast<size_t>(y - x), &c); });
+    ASSERT_EQ(a, b);
+    ASSERT_EQ(a, c);
+  }
+  EXPECT_GT(big.cache_hits(), 0u);
+}
+
+TEST(Bpe, LongPiecesAreNotQuadratic) {
+  // 1 MB single pieces of several shapes; checked for content, timing is the benchmark's job.
+  for (const std::string unit : {"a", "^", "-", "0", " ", "xy"}) {
+    std::string s;
+    while (s.size() < (1u << 20)) s += unit;
+    Gpt2Encoder enc(Tok());
+    std::vector<int32_t> ids;
+    enc.Encode(s, &ids);
+    ASSERT_FALSE(ids.empty());
+    ASSERT_EQ(Tok().DecodeBytes(ids), s);
+  }
+}
+
+TEST(Bpe, InvalidUtf8NeverCrashes) {
+  Gpt2Encoder enc(Tok());
+  std::mt19937 rng(11);
+  for (int iter = 0; iter < 2000; ++iter) {
+    std::string s;
+    size_t n = rng() % 40;
+    for (size_t i = 0; i < n; ++i) s += static_cast<char>(rng());
+    std::vector<int32_t> ids;
+    enc.Encode(s, &ids);
+    ASSERT_EQ(Tok().DecodeBytes(ids), s);  // byte-level BPE is lossless on any bytes
+  }
+}
+
+TEST(Gpt2Tokenizer, BadFilesAreClearErrors) {
+  auto bad_json = Gpt2Tokenizer::FromStrings("{not json", "#version: 0.2\n", "v");
+  EXPECT_FALSE(bad_json.ok());
+  EXPECT_NE(std::string(bad_json.status().message()).find("not valid JSON"), std::string::npos);
+  std::string vocab(Gpt2Tokenizer::DefaultVocabJson());
+  auto bad_merge = Gpt2Tokenizer::FromStrings(vocab, "#version: 0.2\nĠ t\nthis is three\n", "m");
+  EXPECT_FALSE(bad_merge.ok());
+  EXPECT_NE(std::string(bad_merge.status().message()).find("merges line 3"), std::string::npos);
+  auto unknown = Gpt2Tokenizer::FromStrings(vocab, "#version: 0.2\nzzzzzz qqqqqq\n", "m");
+  EXPECT_FALSE(unknown.ok());
+  EXPECT_NE(std::string(unknown.status().message()).find("not in the vocab"), std::string::npos);
+  auto no_eot = Gpt2Tokenizer::FromStrings("{\"a\": 0}", "", "v");
+  EXPECT_FALSE(no_eot.ok());
+  auto missing = Gpt2Tokenizer::Load("/nonexistent/vocab.json", "/nonexistent/merges.txt");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Gpt2Tokenizer, LoadFromFilesEqualsBuiltIn) {
+  auto t = Gpt2Tokenizer::Load(testing::SourceDir() + "/tokenizer/data/gpt2-vocab.json",
+                               testing::SourceDir() + "/tokenizer/data/gpt2-merges.txt");
+  ASSERT_TRUE(t.ok()) << t.status();
+  Gpt2Encoder a(**t), b(Tok());
+  std::vector<int32_t> x, y;
+  a.Encode("The same ids from the files on disk. \xF0\x9F\x98\x80", &x);
+  b.Encode("The same ids from the files on disk. \xF0\x9F\x98\x80", &y);
+  EXPECT_EQ(x, y);
+}
+
+}  // namespace
+}  // namespace ptk

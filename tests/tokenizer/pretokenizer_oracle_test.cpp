@@ -1,0 +1,154 @@
+// Differential test of the hand-written pre-tokenizer against a regex oracle: PCRE2 running the
+// GPT-2 pattern verbatim, with \s, \p{L} and \p{N} spelled out as explicit classes from ptk's
+// Unicode 16.0 table (so the test checks the scanner's logic, the goldens check the table).
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <random>
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include "common/utf8.h"
+#include "tokenizer/pretokenizer.h"
+#include "tokenizer/unicode_tables.h"
+
+namespace ptk {
+namespace {
+
+std::string ClassRanges(unicode::CharClass k) {
+  std::string out;
+  uint32_t cp = 0;
+  while (cp < 0x110000) {
+    bool in = (cp < 0xD800 || cp > 0xDFFF) && unicode::ClassOf(cp) == k;
+    if (!in) {
+      ++cp;
+      continue;
+    }
+    uint32_t lo = cp;
+    while (cp + 1 < 0x110000 && (cp + 1 < 0xD800 || cp + 1 > 0xDFFF) && unicode::ClassOf(cp + 1) == k) ++cp;
+    out += lo == cp ? fmt::format("\\x{{{:x}}}", lo) : fmt::format("\\x{{{:x}}}-\\x{{{:x}}}", lo, cp);
+    ++cp;
+  }
+  return out;
+}
+
+class Oracle {
+ public:
+  Oracle() {
+    std::string ws = ClassRanges(unicode::kSpace), l = ClassRanges(unicode::kLetter), n = ClassRanges(unicode::kNumber);
+    // 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+    std::string pat = "'s|'t|'re|'ve|'m|'ll|'d| ?[" + l + "]+| ?[" + n + "]+| ?[^" + ws + l + n + "]+|[" + ws +
+                      "]+(?![^" + ws + "])|[" + ws + "]+";
+    int err;
+    PCRE2_SIZE off;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pat.data()), pat.size(), PCRE2_UTF, &err, &off, nullptr);
+    if (code_ == nullptr) {
+      PCRE2_UCHAR buf[256];
+      pcre2_get_error_message(err, buf, sizeof(buf));
+      ADD_FAILURE() << "pcre2_compile: " << reinterpret_cast<char*>(buf) << " at " << off;
+      return;
+    }
+    md_ = pcre2_match_data_create_from_pattern(code_, nullptr);
+  }
+  ~Oracle() {
+    pcre2_match_data_free(md_);
+    pcre2_code_free(code_);
+  }
+  std::vector<std::pair<size_t, size_t>> Split(const std::string& s) {
+    std::vector<std::pair<size_t, size_t>> out;
+    size_t pos = 0;
+    while (pos < s.size()) {
+      int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, PCRE2_ANCHORED, md_, nullptr);
+      if (rc < 0) {
+        ADD_FAILURE() << "oracle found no match at " << pos;
+        return out;
+      }
+      PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md_);
+      out.emplace_back(ov[0], ov[1] - ov[0]);
+      pos = ov[1];
+    }
+    return out;
+  }
+
+ private:
+  pcre2_code* code_ = nullptr;
+  pcre2_match_data* md_ = nullptr;
+};
+
+std::string Show(const std::string& s) {
+  std::string o;
+  for (unsigned char c : s) o += (c >= 0x20 && c < 0x7f) ? std::string(1, static_cast<char>(c)) : fmt::format("\\x{:02x}", c);
+  return o;
+}
+
+std::vector<uint32_t> AdversarialAlphabet() {
+  std::vector<uint32_t> a = {'a', 'b', 'Z', 's', 't', 'r', 'e', 'v', 'l', 'm', 'd', 'S', 'T', 'L', '\'', '\'', '\'',
+                             '0', '1', '9', ' ', ' ', ' ', ' ', '\t', '\n', '\r', 0x0B, 0x0C, '!', '.', ',', '-', '<', '|'};
+  // The whole whitespace zoo, and near-misses that are not White_Space.
+  for (uint32_t c : {0x85u, 0xA0u, 0x1680u, 0x2000u, 0x2005u, 0x200Au, 0x2028u, 0x2029u, 0x202Fu, 0x205Fu, 0x3000u,
+                     0x1Cu, 0x1Du, 0x1Eu, 0x1Fu, 0x180Eu, 0x200Bu, 0xFEFFu})
+    a.push_back(c);
+  // Marks, other numbers, letters of other scripts, emoji and joiners, CJK, private use, unassigned.
+  for (uint32_t c : {0x301u, 0x93Fu, 0x5BCu, 0xB2u, 0xBDu, 0x216Bu, 0x663u, 0xFF11u, 0xE9u, 0xDFu, 0x3A9u, 0x436u,
+                     0x5D0u, 0x915u, 0x4E2Du, 0xAC00u, 0x1F600u, 0x1F44Du, 0x200Du, 0xFE0Fu, 0x1F3FDu, 0xE000u, 0x378u,
+                     0x10FFFDu, 0xE0001u, 0x1C89u, 0x88Fu, 0x2EBF0u, 0x2019u})
+    a.push_back(c);
+  return a;
+}
+
+TEST(PretokenizerOracle, AdversarialAlphabetFuzz) {
+  Oracle oracle;
+  auto alphabet = AdversarialAlphabet();
+  std::mt19937 rng(20261122);
+  for (int iter = 0; iter < 20000; ++iter) {
+    std::string s;
+    size_t n = 1 + rng() % 24;
+    for (size_t i = 0; i < n; ++i) AppendUtf8(alphabet[rng() % alphabet.size()], &s);
+    auto want = oracle.Split(s);
+    auto got = Pretokenize(s);
+    ASSERT_EQ(got, want) << "input: " << Show(s);
+  }
+}
+
+TEST(PretokenizerOracle, RandomCodePointsFuzz) {
+  Oracle oracle;
+  std::mt19937 rng(99);
+  for (int iter = 0; iter < 5000; ++iter) {
+    std::string s;
+    size_t n = 1 + rng() % 16;
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t cp;
+      switch (rng() % 4) {
+        case 0: cp = rng() % 0x80; break;
+        case 1: cp = rng() % 0x3000; break;
+        default: cp = rng() % 0x110000; break;
+      }
+      if (cp >= 0xD800 && cp <= 0xDFFF) cp = 0xFFFD;
+      AppendUtf8(cp, &s);
+    }
+    ASSERT_EQ(Pretokenize(s), oracle.Split(s)) << "input: " << Show(s);
+  }
+}
+
+TEST(PretokenizerOracle, DocumentedExamples) {
+  auto pieces = [](const std::string& s) {
+    std::vector<std::string> v;
+    for (auto [o, l] : Pretokenize(s)) v.push_back(s.substr(o, l));
+    return v;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(pieces("IT'S ok"), (V{"IT", "'", "S", " ok"}));
+  EXPECT_EQ(pieces("a   b"), (V{"a", "  ", " b"}));
+  EXPECT_EQ(pieces("a\t\tb"), (V{"a", "\t", "\t", "b"}));
+  EXPECT_EQ(pieces("x  \n  y"), (V{"x", "  \n ", " y"}));
+  EXPECT_EQ(pieces("e\xCC\x81t\xC3\xA9"), (V{"e", "\xCC\x81", "t\xC3\xA9"}));
+  EXPECT_EQ(pieces("!!'s"), (V{"!!'", "s"}));
+  EXPECT_EQ(pieces(" 's"), (V{" '", "s"}));
+  EXPECT_EQ(pieces("don'texist"), (V{"don", "'t", "exist"}));
+  EXPECT_EQ(pieces("1\xC2\xB2\xC2\xBD\xE2\x85\xAB 3"), (V{"1\xC2\xB2\xC2\xBD\xE2\x85\xAB", " 3"}));
+  EXPECT_EQ(pieces("end  "), (V{"end", "  "}));
+}
+
+}  // namespace
+}  // namespace ptk
