@@ -1,7 +1,10 @@
 // GPT-2 byte-level BPE.
 #include "tokenizer/gpt2_tokenizer.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <queue>
@@ -61,31 +64,41 @@ bool ByteLevelDecode(std::string_view s, std::string* out) {
   return true;
 }
 
+// wyhash-style "mum" mix: every key bit reaches the low bits used as the table index.
 inline uint64_t HashKey(uint64_t k0, uint64_t k1, uint32_t len) {
-  uint64_t h = (k0 ^ (k1 * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(len) << 56)) * 0xFF51AFD7ED558CCDull;
-  return h ^ (h >> 31);
+  const uint64_t a = k0 ^ (static_cast<uint64_t>(len) * 0x9E3779B97F4A7C15ull);
+  const uint64_t b = k1 ^ 0xE7037ED1A0B428DBull;
+  const unsigned __int128 m = static_cast<unsigned __int128>(a) * b;
+  return static_cast<uint64_t>(m) ^ static_cast<uint64_t>(m >> 64);
 }
 
-// Loads the (at most 16) bytes of a piece into two little-endian words, zero padded.
+// Masks keeping the first n bytes of a piece in its two key words (n = 0..16).
+struct KeyMasks {
+  uint64_t m0[17], m1[17];
+  constexpr KeyMasks() : m0(), m1() {
+    for (int n = 0; n <= 16; ++n) {
+      m0[n] = n >= 8 ? ~0ull : (n == 0 ? 0 : (~0ull >> (64 - 8 * n)));
+      m1[n] = n <= 8 ? 0 : (n == 16 ? ~0ull : (~0ull >> (64 - 8 * (n - 8))));
+    }
+  }
+};
+inline constexpr KeyMasks kKeyMasks;
+
+// Loads the (at most 16) bytes of a piece into two little-endian words, zero padded. Reads 16
+// bytes when they lie before `limit` (branch-free masking), else copies.
 inline void LoadKey(const uint8_t* p, size_t n, const uint8_t* limit, uint64_t* k0, uint64_t* k1) {
-  if (limit - p >= 16) {
-    std::memcpy(k0, p, 8);
-    std::memcpy(k1, p + 8, 8);
-  } else {
-    uint8_t tmp[16] = {0};
-    std::memcpy(tmp, p, n);
-    std::memcpy(k0, tmp, 8);
-    std::memcpy(k1, tmp + 8, 8);
+  if (__builtin_expect(limit - p >= 16, 1)) {
+    uint64_t a, b;
+    std::memcpy(&a, p, 8);
+    std::memcpy(&b, p + 8, 8);
+    *k0 = a & kKeyMasks.m0[n];
+    *k1 = b & kKeyMasks.m1[n];
     return;
   }
-  if (n < 8) {
-    *k0 &= (1ull << (8 * n)) - 1;
-    *k1 = 0;
-  } else if (n == 8) {
-    *k1 = 0;
-  } else if (n < 16) {
-    *k1 &= (1ull << (8 * (n - 8))) - 1;
-  }
+  uint8_t tmp[16] = {0};
+  std::memcpy(tmp, p, n);
+  std::memcpy(k0, tmp, 8);
+  std::memcpy(k1, tmp + 8, 8);
 }
 
 }  // namespace
@@ -200,8 +213,9 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   // ---- whole-token tables: only tokens that BPE itself produces for their own bytes
   size_t slots = 1;
   while (slots < static_cast<size_t>(n) * 2) slots <<= 1;
-  short_table_.assign(slots, PieceSlot());
+  short_table_.assign(slots, PieceSlot{});
   short_mask_ = slots - 1;
+  short_count_ = 0;
   std::vector<int32_t> ids;
   for (int64_t id = 0; id < n; ++id) {
     if (!mergeable[id] || !byte_level[id]) continue;
@@ -214,7 +228,8 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
       LoadKey(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), reinterpret_cast<const uint8_t*>(tb.data()), &k0, &k1);
       uint64_t h = HashKey(k0, k1, static_cast<uint32_t>(tb.size())) & short_mask_;
       while (short_table_[h].len != 0) h = (h + 1) & short_mask_;
-      short_table_[h] = PieceSlot{k0, k1, static_cast<uint32_t>(tb.size()), static_cast<int32_t>(id)};
+      short_table_[h] = PieceSlot{k0, k1, static_cast<uint8_t>(tb.size()), 1, 0, {static_cast<int32_t>(id), 0, 0}};
+      ++short_count_;
     } else {
       long_tokens_[tb] = static_cast<int32_t>(id);
     }
@@ -226,7 +241,7 @@ int32_t Gpt2Tokenizer::LookupShort(uint64_t k0, uint64_t k1, uint32_t len) const
   uint64_t h = HashKey(k0, k1, len) & short_mask_;
   while (true) {
     const PieceSlot& s = short_table_[h];
-    if (s.len == len && s.k0 == k0 && s.k1 == k1) return s.id;
+    if (s.len == len && s.k0 == k0 && s.k1 == k1) return s.ids[0];
     if (s.len == 0) return -1;
     h = (h + 1) & short_mask_;
   }
@@ -373,101 +388,143 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
 
 Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok), opt_(options) {
   size_t slots = 1;
-  while (slots < opt_.cache_slots) slots <<= 1;
-  cache_.assign(slots, CacheSlot{});
+  while (slots < opt_.cache_slots || slots < tok.short_count_ * 4) slots <<= 1;
   cache_mask_ = slots - 1;
+  cache_slots_ = slots;
+  const size_t bytes = slots * sizeof(CacheSlot);
+  constexpr size_t kHuge = 2u << 20;
+  void* mem = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
+  PTK_CHECK(mem != nullptr);
+  ::madvise(mem, bytes, MADV_HUGEPAGE);
+  cache_.reset(static_cast<CacheSlot*>(mem));
+  ResetCache();
 }
 
+void Gpt2Encoder::FreeDeleter::operator()(CacheSlot* p) const { std::free(p); }
+
+// Back to the whole-token entries only.
 void Gpt2Encoder::ResetCache() {
-  std::memset(cache_.data(), 0, cache_.size() * sizeof(CacheSlot));
-  cache_used_ = 0;
+  std::memset(static_cast<void*>(cache_.get()), 0, cache_slots_ * sizeof(CacheSlot));
+  for (const auto& s : tok_.short_table_) {
+    if (s.len == 0) continue;
+    uint64_t h = HashKey(s.k0, s.k1, s.len) & cache_mask_;
+    while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
+    cache_[h] = s;
+  }
+  cache_used_ = tok_.short_count_;
   overflow_.clear();
   long_cache_.clear();
 }
 
-inline void Gpt2Encoder::EncodePiece(const uint8_t* p, size_t n, const uint8_t* text_end, std::vector<int32_t>* out) {
-  if (n <= 16) {
-    uint64_t k0, k1;
-    LoadKey(p, n, text_end, &k0, &k1);
-    const uint32_t len = static_cast<uint32_t>(n);
-    // Whole tokens first (about 90% of pieces in English text).
-    int32_t id = tok_.LookupShort(k0, k1, len);
-    if (id >= 0) {
-      out->push_back(id);
-      return;
-    }
-    uint64_t h = HashKey(k0, k1, len) & cache_mask_;
-    while (true) {
-      CacheSlot& s = cache_[h];
-      if (s.len == 0) break;
-      if (s.len == len && s.k0 == k0 && s.k1 == k1) {
-        ++hits_;
-        if (s.n == kOverflow) {
-          out->insert(out->end(), overflow_.begin() + s.ids[0], overflow_.begin() + s.ids[0] + s.ids[1]);
-        } else {
-          out->insert(out->end(), s.ids, s.ids + s.n);
-        }
-        return;
+inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
+  const uint8_t len = static_cast<uint8_t>(pc.n);
+  uint64_t h = pc.h;
+  while (true) {
+    const CacheSlot& s = cache_[h];
+    if (s.len == len && s.k0 == pc.k0 && s.k1 == pc.k1) {
+      if (s.n == 1) {
+        *out = s.ids[0];
+        return out + 1;
       }
-      h = (h + 1) & cache_mask_;
+      ++hits_;
+      if (s.n == kOverflow) {
+        const int32_t* src = overflow_.data() + s.ids[0];
+        for (int32_t i = 0; i < s.ids[1]; ++i) out[i] = src[i];
+        return out + s.ids[1];
+      }
+      for (int i = 0; i < s.n; ++i) out[i] = s.ids[i];
+      return out + s.n;
     }
-    ++misses_;
-    scratch_.clear();
-    tok_.BpePiece(p, n, &scratch_);
-    out->insert(out->end(), scratch_.begin(), scratch_.end());
-    if (cache_used_ * 4 >= cache_.size() * 3) {
-      ResetCache();
-      h = HashKey(k0, k1, len) & cache_mask_;
-      while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
-    }
-    CacheSlot& s = cache_[h];
-    s.k0 = k0;
-    s.k1 = k1;
-    s.len = static_cast<uint8_t>(len);
-    if (scratch_.size() <= 3) {
-      s.n = static_cast<uint8_t>(scratch_.size());
-      std::copy(scratch_.begin(), scratch_.end(), s.ids);
-    } else {
-      s.n = kOverflow;
-      s.ids[0] = static_cast<int32_t>(overflow_.size());
-      s.ids[1] = static_cast<int32_t>(scratch_.size());
-      overflow_.insert(overflow_.end(), scratch_.begin(), scratch_.end());
-    }
-    ++cache_used_;
-    return;
+    if (s.len == 0) break;
+    h = (h + 1) & cache_mask_;
   }
+  ++misses_;
+  scratch_.clear();
+  tok_.BpePiece(pc.p, pc.n, &scratch_);
+  std::copy(scratch_.begin(), scratch_.end(), out);
+  if (cache_used_ * 2 >= cache_slots_) {
+    ResetCache();
+    h = pc.h;
+    while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
+  }
+  CacheSlot& s = cache_[h];
+  s.k0 = pc.k0;
+  s.k1 = pc.k1;
+  s.len = len;
+  if (scratch_.size() <= 3) {
+    s.n = static_cast<uint8_t>(scratch_.size());
+    std::copy(scratch_.begin(), scratch_.end(), s.ids);
+  } else {
+    s.n = kOverflow;
+    s.ids[0] = static_cast<int32_t>(overflow_.size());
+    s.ids[1] = static_cast<int32_t>(scratch_.size());
+    overflow_.insert(overflow_.end(), scratch_.begin(), scratch_.end());
+  }
+  ++cache_used_;
+  return out + scratch_.size();
+}
+
+int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
   std::string_view piece(reinterpret_cast<const char*>(p), n);
   int32_t id = tok_.LookupLong(piece);
   if (id >= 0) {
-    out->push_back(id);
-    return;
+    *out = id;
+    return out + 1;
   }
   // Long pieces: cache only moderately long ones (very long runs are rare and unique).
   if (n <= 256) {
     auto it = long_cache_.find(absl::string_view(piece.data(), piece.size()));
     if (it != long_cache_.end()) {
       ++hits_;
-      out->insert(out->end(), it->second.begin(), it->second.end());
-      return;
+      return std::copy(it->second.begin(), it->second.end(), out);
     }
   }
   ++misses_;
   scratch_.clear();
   tok_.BpePiece(p, n, &scratch_);
-  out->insert(out->end(), scratch_.begin(), scratch_.end());
   if (n <= 256) {
     if (long_cache_.size() >= 16384) long_cache_.clear();
     long_cache_.emplace(std::string(piece), scratch_);
   }
+  return std::copy(scratch_.begin(), scratch_.end(), out);
 }
 
-void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
+int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
   const uint8_t* end = reinterpret_cast<const uint8_t*>(text.data()) + text.size();
-  ForEachPiece(text, [&](const uint8_t* b, const uint8_t* e) { EncodePiece(b, static_cast<size_t>(e - b), end, out); });
+  Pending batch[kBatch];
+  int count = 0;
+  auto flush = [&]() {
+    for (int i = 0; i < count; ++i) {
+      const Pending& pc = batch[i];
+      out = pc.n <= 16 ? EncodeShort(pc, out) : EncodeLong(pc.p, pc.n, out);
+    }
+    count = 0;
+  };
+  ForEachPiece(text, [&](const uint8_t* b, const uint8_t* e) {
+    Pending& pc = batch[count++];
+    pc.p = b;
+    pc.n = static_cast<uint32_t>(e - b);
+    if (pc.n <= 16) {
+      LoadKey(b, pc.n, end, &pc.k0, &pc.k1);
+      pc.h = HashKey(pc.k0, pc.k1, pc.n) & cache_mask_;
+      __builtin_prefetch(&cache_[pc.h]);
+    }
+    if (count == kBatch) flush();
+  });
+  flush();
+  return out;
+}
+
+// Every token covers at least one byte, so text.size() (+1 per special token) bounds the ids.
+void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
+  const size_t old = out->size();
+  out->resize(old + text.size());
+  int32_t* end = EncodeOrdinaryRaw(text, out->data() + old);
+  out->resize(static_cast<size_t>(end - out->data()));
 }
 
 void Gpt2Encoder::Encode(std::string_view text, std::vector<int32_t>* out) {
-  if (!opt_.special_endoftext) {
+  if (!opt_.special_endoftext || text.find(Gpt2Tokenizer::kEndOfText) == std::string_view::npos) {
     EncodeOrdinary(text, out);
     return;
   }

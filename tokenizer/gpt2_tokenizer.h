@@ -64,13 +64,19 @@ class Gpt2Tokenizer {
     return it == merges_.end() ? nullptr : &it->second;
   }
 
+  // One slot of the piece tables: a piece of at most 16 bytes and its ids.
   struct PieceSlot {
-    uint64_t k0 = 0, k1 = 0;
-    uint32_t len = 0;  // 0 = empty
-    int32_t id = -1;
+    uint64_t k0, k1;
+    uint8_t len;  // 0 = empty
+    uint8_t n;    // number of ids inline (<= 3), or kOverflow
+    uint16_t pad;
+    int32_t ids[3];
   };
-  std::vector<PieceSlot> short_table_;  // open addressing, power-of-two size
+  static constexpr uint8_t kOverflow = 0xFF;
+  // Whole tokens of at most 16 bytes, open addressing; encoders start their caches from a copy.
+  std::vector<PieceSlot> short_table_;
   uint64_t short_mask_ = 0;
+  size_t short_count_ = 0;
   absl::flat_hash_map<std::string, int32_t> long_tokens_;  // whole tokens longer than 16 bytes
   absl::flat_hash_map<uint64_t, MergeInfo> merges_;
   std::vector<std::string> id_to_bytes_;
@@ -86,7 +92,7 @@ class Gpt2Encoder {
     // Literal "<|endoftext|>" in the text becomes the EOD id (Hugging Face / current Megatron-LM).
     // false: it is encoded as ordinary text (legacy Megatron GPT2 tokenizer, tiktoken encode_ordinary).
     bool special_endoftext = true;
-    size_t cache_slots = 1 << 16;  // power of two; the cache resets when 3/4 full
+    size_t cache_slots = 1 << 18;  // power of two (32 bytes each); resets to the vocabulary when half full
   };
   explicit Gpt2Encoder(const Gpt2Tokenizer& tok) : Gpt2Encoder(tok, Options()) {}
   Gpt2Encoder(const Gpt2Tokenizer& tok, Options options);
@@ -101,20 +107,32 @@ class Gpt2Encoder {
   uint64_t cache_misses() const { return misses_; }
 
  private:
-  void EncodePiece(const uint8_t* p, size_t n, const uint8_t* text_end, std::vector<int32_t>* out);
-  struct CacheSlot {
-    uint64_t k0, k1;
-    uint8_t len;  // 0 = empty
-    uint8_t n;    // ids inline (<= 3), or kOverflow
-    uint16_t pad;
-    int32_t ids[3];
+  // A piece waiting for its lookup: pieces are hashed and their slots prefetched a batch ahead,
+  // which hides the memory latency of the multi-megabyte table.
+  struct Pending {
+    const uint8_t* p;
+    uint64_t k0, k1, h;
+    uint32_t n;
   };
-  static constexpr uint8_t kOverflow = 0xFF;
+  static constexpr int kBatch = 32;
+  // Appends the ids of one piece at *out (room for n ids is guaranteed); returns the new end.
+  int32_t* EncodeShort(const Pending& pc, int32_t* out);
+  int32_t* EncodeLong(const uint8_t* p, size_t n, int32_t* out);
+  int32_t* EncodeOrdinaryRaw(std::string_view text, int32_t* out);
+  using CacheSlot = Gpt2Tokenizer::PieceSlot;
+  static constexpr uint8_t kOverflow = Gpt2Tokenizer::kOverflow;
   void ResetCache();
 
   const Gpt2Tokenizer& tok_;
   Options opt_;
-  std::vector<CacheSlot> cache_;
+  // Whole tokens (copied from the tokenizer) plus BPE results of pieces of at most 16 bytes.
+  // Backed by transparent huge pages where available: random probes into a multi-megabyte table
+  // otherwise miss the TLB on nearly every piece.
+  struct FreeDeleter {
+    void operator()(CacheSlot* p) const;
+  };
+  std::unique_ptr<CacheSlot[], FreeDeleter> cache_;
+  size_t cache_slots_ = 0;
   uint64_t cache_mask_;
   size_t cache_used_ = 0;
   std::vector<int32_t> overflow_;

@@ -20,6 +20,10 @@
 
 #include "tokenizer/unicode_tables.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace ptk {
 
 namespace pretok_detail {
@@ -68,6 +72,31 @@ inline const uint8_t* RunEnd(const uint8_t* p, const uint8_t* end, unicode::Char
   return p;
 }
 
+// End of the letter run starting at p: ASCII letters 16 at a time (SSE2 is part of baseline
+// x86-64, so no run-time dispatch is needed), then any non-ASCII letters.
+inline const uint8_t* LetterRunEnd(const uint8_t* p, const uint8_t* end) {
+#if defined(__SSE2__)
+  while (end - p >= 16) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m128i lower = _mm_or_si128(v, _mm_set1_epi8(0x20));
+    // 'a'..'z' -> -128..-103 (signed); everything else, non-ASCII included, lands elsewhere.
+    __m128i t = _mm_add_epi8(lower, _mm_set1_epi8(static_cast<char>(128 - 'a')));
+    unsigned m = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmplt_epi8(t, _mm_set1_epi8(static_cast<char>(-128 + 26)))));
+    if (m != 0xFFFFu) {
+      p += __builtin_ctz(~m);
+      if (*p < 0x80) return p;
+      return RunEnd(p, end, unicode::kLetter);
+    }
+    p += 16;
+  }
+#endif
+  return RunEnd(p, end, unicode::kLetter);
+}
+
+inline const uint8_t* ClassRunEnd(const uint8_t* p, const uint8_t* end, unicode::CharClass k) {
+  return k == unicode::kLetter ? LetterRunEnd(p, end) : RunEnd(p, end, k);
+}
+
 }  // namespace pretok_detail
 
 // Calls emit(const uint8_t* begin, const uint8_t* end) for every piece of `text`, in order.
@@ -100,7 +129,7 @@ inline void ForEachPiece(std::string_view text, Emit&& emit) {
       }
     }
     if (k != unicode::kSpace) {
-      p = RunEnd(p + len, end, k);
+      p = ClassRunEnd(p + len, end, k);
       emit(start, p);
       continue;
     }
@@ -108,7 +137,7 @@ inline void ForEachPiece(std::string_view text, Emit&& emit) {
       int len2;
       CharClass k2 = ClassAt(p + 1, end, &len2);
       if (k2 != unicode::kSpace) {
-        p = RunEnd(p + 1 + len2, end, k2);
+        p = ClassRunEnd(p + 1 + len2, end, k2);
         emit(start, p);
         continue;
       }
