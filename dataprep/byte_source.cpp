@@ -1,0 +1,199 @@
+// Streaming byte sources.
+#include "dataprep/byte_source.h"
+
+#include <fcntl.h>
+#include <lzma.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+
+namespace ptk {
+namespace {
+
+bool EndsWith(const std::string& s, std::string_view suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+class FdSource : public ByteSource {
+ public:
+  FdSource(std::string name, int fd, bool own) : fd_(fd), own_(own) { name_ = std::move(name); }
+  ~FdSource() override {
+    if (own_ && fd_ >= 0) ::close(fd_);
+  }
+  absl::StatusOr<size_t> Read(char* buf, size_t size) override {
+    while (true) {
+      ssize_t n = ::read(fd_, buf, size);
+      if (n >= 0) {
+        raw_ += static_cast<uint64_t>(n);
+        return static_cast<size_t>(n);
+      }
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, fmt::format("read {}", name_));
+    }
+  }
+  uint64_t raw_bytes_read() const override { return raw_; }
+
+ private:
+  int fd_;
+  bool own_;
+  uint64_t raw_ = 0;
+};
+
+// Base for decoders: pulls compressed input from an FdSource.
+class DecoderSource : public ByteSource {
+ protected:
+  explicit DecoderSource(std::unique_ptr<FdSource> in) : in_(std::move(in)), inbuf_(1 << 17) { name_ = in_->name(); }
+  // Refills the input buffer when empty; sets eof_ at end of file.
+  absl::Status Fill() {
+    if (in_pos_ < in_len_ || eof_) return absl::OkStatus();
+    PTK_ASSIGN_OR_RETURN(size_t n, in_->Read(inbuf_.data(), inbuf_.size()));
+    in_base_ += in_len_;
+    in_pos_ = 0;
+    in_len_ = n;
+    if (n == 0) eof_ = true;
+    return absl::OkStatus();
+  }
+  uint64_t raw_offset() const { return in_base_ + in_pos_; }
+  uint64_t raw_bytes_read() const override { return in_->raw_bytes_read(); }
+
+  std::unique_ptr<FdSource> in_;
+  std::vector<char> inbuf_;
+  size_t in_pos_ = 0, in_len_ = 0;
+  uint64_t in_base_ = 0;
+  bool eof_ = false;
+};
+
+class ZstdSource : public DecoderSource {
+ public:
+  explicit ZstdSource(std::unique_ptr<FdSource> in) : DecoderSource(std::move(in)) {
+    dctx_ = ZSTD_createDCtx();
+    // Accept windows up to 2 GiB (zstd --long=31); the default limit rejects --long archives.
+    ZSTD_DCtx_setParameter(dctx_, ZSTD_d_windowLogMax, 31);
+  }
+  ~ZstdSource() override { ZSTD_freeDCtx(dctx_); }
+  absl::StatusOr<size_t> Read(char* buf, size_t size) override {
+    if (done_) return size_t{0};
+    ZSTD_outBuffer out{buf, size, 0};
+    while (true) {
+      PTK_RETURN_IF_ERROR(Fill());
+      ZSTD_inBuffer in{inbuf_.data(), in_len_, in_pos_};
+      const size_t before = in.pos;
+      size_t ret = ZSTD_decompressStream(dctx_, &out, &in);
+      in_pos_ = in.pos;
+      if (ZSTD_isError(ret))
+        return absl::DataLossError(
+            fmt::format("{}: corrupt zstd data near byte {}: {}", name_, in_base_ + before, ZSTD_getErrorName(ret)));
+      if (in.pos > before) any_input_ = true;
+      frame_open_ = ret != 0;
+      if (out.pos > 0) return out.pos;
+      if (eof_) {
+        if (!any_input_) return absl::DataLossError(fmt::format("{}: empty file is not a zstd stream", name_));
+        if (frame_open_)
+          return absl::DataLossError(fmt::format("{}: truncated zstd data: the stream ends inside a frame at byte {}",
+                                                 name_, raw_offset()));
+        done_ = true;
+        return size_t{0};
+      }
+    }
+  }
+
+ private:
+  ZSTD_DCtx* dctx_;
+  bool frame_open_ = false, done_ = false, any_input_ = false;
+};
+
+class XzSource : public DecoderSource {
+ public:
+  explicit XzSource(std::unique_ptr<FdSource> in) : DecoderSource(std::move(in)) {
+    init_ = lzma_stream_decoder(&strm_, UINT64_MAX, LZMA_CONCATENATED);
+  }
+  ~XzSource() override { lzma_end(&strm_); }
+  absl::StatusOr<size_t> Read(char* buf, size_t size) override {
+    if (init_ != LZMA_OK) return absl::InternalError(fmt::format("{}: cannot initialise the xz decoder", name_));
+    if (done_) return size_t{0};
+    strm_.next_out = reinterpret_cast<uint8_t*>(buf);
+    strm_.avail_out = size;
+    while (strm_.avail_out == size) {
+      PTK_RETURN_IF_ERROR(Fill());
+      strm_.next_in = reinterpret_cast<const uint8_t*>(inbuf_.data()) + in_pos_;
+      strm_.avail_in = in_len_ - in_pos_;
+      lzma_ret r = lzma_code(&strm_, eof_ ? LZMA_FINISH : LZMA_RUN);
+      in_pos_ = in_len_ - strm_.avail_in;
+      if (r == LZMA_STREAM_END) {
+        done_ = true;
+        break;
+      }
+      if (r == LZMA_OK) {
+        if (eof_ && strm_.avail_out == size)
+          return absl::DataLossError(fmt::format("{}: truncated xz data at byte {}", name_, raw_offset()));
+        continue;
+      }
+      if (r == LZMA_BUF_ERROR && eof_)
+        return absl::DataLossError(fmt::format("{}: truncated xz data at byte {}", name_, raw_offset()));
+      const char* what = r == LZMA_FORMAT_ERROR ? "not an xz stream"
+                         : r == LZMA_DATA_ERROR ? "corrupt xz data"
+                         : r == LZMA_MEM_ERROR  ? "out of memory"
+                                                : "xz decoder error";
+      return absl::DataLossError(fmt::format("{}: {} near byte {}", name_, what, raw_offset()));
+    }
+    return size - strm_.avail_out;
+  }
+
+ private:
+  lzma_stream strm_ = LZMA_STREAM_INIT;
+  lzma_ret init_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+Compression DetectCompression(const std::string& path) {
+  if (EndsWith(path, ".zst") || EndsWith(path, ".zstd")) return Compression::kZstd;
+  if (EndsWith(path, ".xz")) return Compression::kXz;
+  if (path == "-") return Compression::kNone;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Compression::kNone;
+  unsigned char m[6] = {0};
+  ssize_t n = ::read(fd, m, sizeof(m));
+  ::close(fd);
+  if (n >= 4 && m[0] == 0x28 && m[1] == 0xB5 && m[2] == 0x2F && m[3] == 0xFD) return Compression::kZstd;
+  if (n >= 6 && m[0] == 0xFD && std::memcmp(m + 1, "7zXZ", 4) == 0 && m[5] == 0) return Compression::kXz;
+  return Compression::kNone;
+}
+
+std::string StripCompressionSuffix(const std::string& path) {
+  for (std::string_view suf : {".zst", ".zstd", ".xz"})
+    if (EndsWith(path, suf)) return path.substr(0, path.size() - suf.size());
+  return path;
+}
+
+absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path) {
+  return OpenByteSource(path, DetectCompression(path));
+}
+
+absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path, Compression c) {
+  std::unique_ptr<FdSource> fd;
+  if (path == "-") {
+    fd = std::make_unique<FdSource>("<stdin>", STDIN_FILENO, false);
+  } else {
+    int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (f < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
+    ::posix_fadvise(f, 0, 0, POSIX_FADV_SEQUENTIAL);
+    fd = std::make_unique<FdSource>(path, f, true);
+  }
+  switch (c) {
+    case Compression::kZstd: return std::unique_ptr<ByteSource>(new ZstdSource(std::move(fd)));
+    case Compression::kXz: return std::unique_ptr<ByteSource>(new XzSource(std::move(fd)));
+    case Compression::kNone: break;
+  }
+  return std::unique_ptr<ByteSource>(std::move(fd));
+}
+
+}  // namespace ptk

@@ -1,0 +1,38 @@
+// Streaming byte sources: plain files, stdin, zstd (multi-frame) and xz (concatenated streams).
+// Compressed data is decoded on the fly; a truncated or corrupt stream yields kDataLoss naming the
+// file and the compressed byte offset, never silently short data.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace ptk {
+
+enum class Compression { kNone, kZstd, kXz };
+
+// By extension (.zst/.zstd, .xz), else by magic bytes, else none.
+Compression DetectCompression(const std::string& path);
+// "x.jsonl.zst" -> "x.jsonl"; unchanged when not compressed.
+std::string StripCompressionSuffix(const std::string& path);
+
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+  // Reads up to `size` decoded bytes; 0 means end of data (only after the stream was complete).
+  virtual absl::StatusOr<size_t> Read(char* buf, size_t size) = 0;
+  // Raw (compressed) bytes consumed so far, for progress.
+  virtual uint64_t raw_bytes_read() const = 0;
+  const std::string& name() const { return name_; }
+
+ protected:
+  std::string name_;
+};
+
+// "-" is stdin. `compression` overrides detection when given.
+absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path);
+absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path, Compression compression);
+
+}  // namespace ptk

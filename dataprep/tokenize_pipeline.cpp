@@ -1,0 +1,398 @@
+// ptk-tokenize's engine.
+#include "dataprep/tokenize_pipeline.h"
+
+#include <sys/stat.h>
+#include <tbb/enumerable_thread_specific.h>
+#include <tbb/global_control.h>
+#include <tbb/parallel_pipeline.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include <fmt/core.h>
+
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "common/progress.h"
+#include "common/status.h"
+#include "dataprep/byte_source.h"
+#include "dataprep/json_record.h"
+#include "indexed_dataset/indexed_dataset.h"
+#include "indexed_dataset/merge.h"
+
+namespace ptk {
+namespace {
+
+constexpr size_t kPadding = simdjson::SIMDJSON_PADDING;
+
+// A batch of whole lines from one input file, and what the workers made of them.
+struct Batch {
+  std::unique_ptr<char[]> data;  // lines, followed by kPadding readable bytes
+  size_t size = 0;
+  struct Line {
+    size_t off, len;
+  };
+  std::vector<Line> lines;
+  int file = 0;
+  int64_t first_line_no = 1;      // 1-based line number of lines[0] in its file
+  int64_t first_global_line = 0;  // 0-based index over all inputs (partition assignment)
+  uint64_t raw_bytes = 0;         // input bytes consumed for this batch (progress)
+
+  // Results, per key: ids and sequence lengths of all documents, and per line the number of
+  // sequences; status per line.
+  std::vector<std::vector<int32_t>> tokens, seq_lens, doc_nseq;
+  std::vector<RecordStatus> status;
+  std::vector<std::string> messages;  // for bad lines (index parallel to `status`, empty for ok)
+  uint64_t chars = 0;
+  int64_t invalid_utf8 = 0, lone_surrogates = 0;
+  std::vector<uint8_t> replaced;  // per line: some character was replaced by U+FFFD
+};
+
+class LineReader {
+ public:
+  LineReader(const std::vector<std::string>& files, size_t batch_bytes) : files_(files), batch_bytes_(batch_bytes) {}
+
+  // Next batch, nullptr at the end of all input.
+  absl::StatusOr<std::unique_ptr<Batch>> Next() {
+    while (true) {
+      if (!src_) {
+        if (file_ >= static_cast<int>(files_.size())) return std::unique_ptr<Batch>();
+        PTK_ASSIGN_OR_RETURN(src_, OpenByteSource(files_[file_]));
+        std::printf("Opening %s\n", files_[file_].c_str());
+        std::fflush(stdout);
+        line_no_ = 1;
+        at_file_start_ = true;
+        carry_.clear();
+        last_raw_ = 0;
+      }
+      auto b = std::make_unique<Batch>();
+      b->file = file_;
+      size_t cap = std::max(batch_bytes_, carry_.size() * 2) + (64 << 10);
+      b->data.reset(new char[cap + kPadding]);
+      std::memcpy(b->data.get(), carry_.data(), carry_.size());
+      size_t size = carry_.size();
+      size_t scan_from = 0;
+      size_t last_nl = std::string::npos;
+      carry_.clear();
+      bool eof = false;
+      while (true) {
+        if (size >= batch_bytes_ && last_nl != std::string::npos) break;
+        if (size == cap) {
+          if (last_nl != std::string::npos) break;
+          size_t ncap = cap * 2;  // a line longer than the batch: grow until it ends
+          std::unique_ptr<char[]> nd(new char[ncap + kPadding]);
+          std::memcpy(nd.get(), b->data.get(), size);
+          b->data = std::move(nd);
+          cap = ncap;
+        }
+        PTK_ASSIGN_OR_RETURN(size_t n, src_->Read(b->data.get() + size, cap - size));
+        if (n == 0) {
+          eof = true;
+          break;
+        }
+        size += n;
+        const void* nl = memrchr(b->data.get() + scan_from, '\n', size - scan_from);
+        if (nl) last_nl = static_cast<size_t>(static_cast<const char*>(nl) - b->data.get());
+        scan_from = size;
+      }
+      size_t end = size;
+      if (!eof) {
+        end = last_nl + 1;
+        carry_.assign(b->data.get() + end, size - end);
+      }
+      b->size = end;
+      std::memset(b->data.get() + end, 0, kPadding);
+      // Split into lines ("\n"; a "\r" before it is dropped, as Python's universal newlines do).
+      size_t pos = 0;
+      while (pos < end) {
+        const void* nl = std::memchr(b->data.get() + pos, '\n', end - pos);
+        size_t stop = nl ? static_cast<size_t>(static_cast<const char*>(nl) - b->data.get()) : end;
+        size_t len = stop - pos;
+        if (len > 0 && b->data[pos + len - 1] == '\r') --len;
+        b->lines.push_back({pos, len});
+        pos = stop + 1;
+      }
+      if (at_file_start_ && !b->lines.empty()) {
+        auto& l0 = b->lines[0];
+        if (l0.len >= 3 && std::memcmp(b->data.get() + l0.off, "\xEF\xBB\xBF", 3) == 0) {  // UTF-8 BOM
+          l0.off += 3;
+          l0.len -= 3;
+        }
+        at_file_start_ = false;
+      }
+      b->first_line_no = line_no_;
+      b->first_global_line = global_line_;
+      line_no_ += static_cast<int64_t>(b->lines.size());
+      global_line_ += static_cast<int64_t>(b->lines.size());
+      uint64_t raw = src_->raw_bytes_read();
+      b->raw_bytes = raw - last_raw_;
+      last_raw_ = raw;
+      if (eof) {
+        src_.reset();
+        ++file_;
+      }
+      if (b->lines.empty()) continue;  // an empty file
+      return b;
+    }
+  }
+
+  const std::string& file_name(int i) const { return files_[i]; }
+
+ private:
+  const std::vector<std::string>& files_;
+  size_t batch_bytes_;
+  int file_ = 0;
+  std::unique_ptr<ByteSource> src_;
+  std::string carry_;
+  int64_t line_no_ = 1, global_line_ = 0;
+  bool at_file_start_ = true;
+  uint64_t last_raw_ = 0;
+};
+
+// Code points in a UTF-8 byte string (continuation bytes are not counted).
+uint64_t CountChars(const char* p, size_t n) {
+  uint64_t cont = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    cont += static_cast<uint64_t>(__builtin_popcountll((w & 0x8080808080808080ull) & ~((w << 1) & 0x8080808080808080ull)));
+  }
+  for (; i < n; ++i) cont += (static_cast<unsigned char>(p[i]) & 0xC0) == 0x80;
+  return n - cont;
+}
+
+struct Worker {
+  Worker(const Gpt2Tokenizer& tok, const TokenizeOptions& opt)
+      : parser(opt.json_keys), encoder(tok, Gpt2Encoder::Options{.special_endoftext = !opt.endoftext_as_text}) {}
+  JsonRecordParser parser;
+  Gpt2Encoder encoder;
+  std::vector<int32_t> ids;
+};
+
+void EncodeBatch(Batch& b, Worker& w, const TokenizeOptions& opt, int32_t eod) {
+  const size_t nkeys = opt.json_keys.size();
+  b.tokens.assign(nkeys, {});
+  b.seq_lens.assign(nkeys, {});
+  b.doc_nseq.assign(nkeys, {});
+  b.status.assign(b.lines.size(), RecordStatus::kOk);
+  b.messages.assign(b.lines.size(), std::string());
+  b.replaced.assign(b.lines.size(), 0);
+  for (size_t k = 0; k < nkeys; ++k) b.tokens[k].reserve(b.size / 3 + 16);
+  for (size_t i = 0; i < b.lines.size(); ++i) {
+    const auto& ln = b.lines[i];
+    std::string_view line(b.data.get() + ln.off, ln.len);
+    b.chars += CountChars(line.data(), line.size()) + 1;
+    RecordResult r = w.parser.Parse(line, /*padded=*/true);
+    b.status[i] = r.status;
+    if (r.status != RecordStatus::kOk) {
+      b.messages[i] = std::move(r.message);
+      continue;
+    }
+    b.replaced[i] = (r.invalid_utf8 || r.lone_surrogates) ? 1 : 0;
+    b.invalid_utf8 += static_cast<int64_t>(r.invalid_utf8);
+    b.lone_surrogates += static_cast<int64_t>(r.lone_surrogates);
+    const auto& fields = w.parser.fields();
+    for (size_t k = 0; k < nkeys; ++k) {
+      // Megatron: each sentence tokenized on its own; empty ones dropped; EOD on the last one.
+      auto& toks = b.tokens[k];
+      auto& lens = b.seq_lens[k];
+      int32_t nseq = 0;
+      for (std::string_view sentence : fields[k]) {
+        size_t before = toks.size();
+        w.encoder.Encode(sentence, &toks);
+        size_t n = toks.size() - before;
+        if (n > 0) {
+          lens.push_back(static_cast<int32_t>(n));
+          ++nseq;
+        }
+      }
+      if (nseq > 0 && opt.append_eod) {
+        toks.push_back(eod);
+        ++lens.back();
+      }
+      b.doc_nseq[k].push_back(nseq);
+    }
+  }
+}
+
+}  // namespace
+
+std::string OutputPrefixFor(const std::string& output_prefix, const std::string& key) {
+  return fmt::format("{}_{}_document", output_prefix, key);
+}
+
+std::string PyFloat(double v) {
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // "inf"/"nan" contain 'n'
+  return s;
+}
+
+absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  if (opt.inputs.empty()) return absl::InvalidArgumentError("no input files");
+  if (opt.json_keys.empty()) return absl::InvalidArgumentError("no --json-keys");
+  if (opt.partitions < 1) return absl::InvalidArgumentError("--partitions must be >= 1");
+  const auto t_start = std::chrono::steady_clock::now();
+  const int workers = std::max(1, opt.workers);
+  const size_t nkeys = opt.json_keys.size();
+  const DType dtype = OptimalDType(tok.vocab_size());
+
+  // Round-robin partitions change the document order (line k goes to partition k mod P, then
+  // the partitions are concatenated); contiguous ones (--keep-sequential-samples) do not.
+  const int nparts = (opt.partitions > 1 && !opt.keep_sequential_samples) ? opt.partitions : 1;
+  std::vector<std::vector<std::unique_ptr<IndexedDatasetBuilder>>> builders(nparts);
+  auto part_prefix = [&](int p, size_t k) {
+    std::string final_prefix = OutputPrefixFor(opt.output_prefix, opt.json_keys[k]);
+    return nparts == 1 ? final_prefix : fmt::format("{}.ptk-part{}", final_prefix, p);
+  };
+  for (int p = 0; p < nparts; ++p)
+    for (size_t k = 0; k < nkeys; ++k) {
+      PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(part_prefix(p, k), dtype));
+      builders[p].push_back(std::move(b));
+    }
+
+  uint64_t total_raw = 0;
+  for (const auto& f : opt.inputs) {
+    struct stat st;
+    if (f != "-" && ::stat(f.c_str(), &st) == 0) total_raw += static_cast<uint64_t>(st.st_size);
+  }
+  ProgressReporter progress({.label = "tokenize", .item_unit = "docs", .bytes_total = total_raw, .enabled = opt.progress});
+
+  std::printf("Processing data with %d workers.\n", workers);
+  std::fflush(stdout);
+  tbb::global_control gc(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
+  tbb::enumerable_thread_specific<std::unique_ptr<Worker>> tls;
+  LineReader reader(opt.inputs, opt.batch_bytes);
+  TokenizeStats stats;
+  absl::Status error;
+  std::atomic<bool> stop{false};
+  int warnings = 0;
+  const auto proc_start = std::chrono::steady_clock::now();
+  const int32_t eod = tok.eod();
+
+  auto report_bad = [&](const Batch& b, size_t i) {
+    const std::string where = fmt::format("{}:{}", reader.file_name(b.file), b.first_line_no + static_cast<int64_t>(i));
+    if (opt.strict) {
+      error = absl::InvalidArgumentError(fmt::format("{}: bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]));
+      stop = true;
+      return;
+    }
+    if (warnings < opt.max_warnings) {
+      log::Warning("{}: skipped bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]);
+      if (++warnings == opt.max_warnings) log::Warning("further bad records are counted but not shown");
+    }
+  };
+
+  tbb::parallel_pipeline(
+      static_cast<size_t>(2 * workers + 2),
+      tbb::make_filter<void, Batch*>(tbb::filter_mode::serial_in_order,
+                                     [&](tbb::flow_control& fc) -> Batch* {
+                                       if (stop) {
+                                         fc.stop();
+                                         return nullptr;
+                                       }
+                                       auto next = reader.Next();
+                                       if (!next.ok()) {
+                                         error = next.status();
+                                         stop = true;
+                                         fc.stop();
+                                         return nullptr;
+                                       }
+                                       if (!*next) {
+                                         fc.stop();
+                                         return nullptr;
+                                       }
+                                       progress.AddBytes((*next)->raw_bytes);
+                                       return next->release();
+                                     }) &
+          tbb::make_filter<Batch*, Batch*>(tbb::filter_mode::parallel,
+                                           [&](Batch* b) -> Batch* {
+                                             if (stop) return b;
+                                             auto& w = tls.local();
+                                             if (!w) w = std::make_unique<Worker>(tok, opt);
+                                             EncodeBatch(*b, *w, opt, eod);
+                                             return b;
+                                           }) &
+          tbb::make_filter<Batch*, void>(tbb::filter_mode::serial_in_order, [&](Batch* raw) {
+            std::unique_ptr<Batch> b(raw);
+            if (stop) return;
+            stats.lines += static_cast<int64_t>(b->lines.size());
+            stats.bytes += b->size;
+            stats.chars += b->chars;
+            stats.invalid_utf8 += b->invalid_utf8;
+            stats.lone_surrogates += b->lone_surrogates;
+            std::vector<size_t> tok_off(nkeys, 0), seq_off(nkeys, 0), doc_off(nkeys, 0);
+            for (size_t i = 0; i < b->lines.size(); ++i) {
+              if (b->status[i] != RecordStatus::kOk) {
+                ++stats.skipped;
+                ++stats.skipped_by_kind[static_cast<int>(b->status[i])];
+                report_bad(*b, i);
+                if (stop) return;
+                continue;
+              }
+              if (opt.strict && b->replaced[i]) {
+                error = absl::InvalidArgumentError(
+                    fmt::format("{}:{}: invalid UTF-8 or a lone surrogate escape replaced by U+FFFD (--strict)",
+                                reader.file_name(b->file), b->first_line_no + static_cast<int64_t>(i)));
+                stop = true;
+                return;
+              }
+              const int p = nparts == 1 ? 0 : static_cast<int>((b->first_global_line + static_cast<int64_t>(i)) % nparts);
+              bool empty = true;
+              for (size_t k = 0; k < nkeys; ++k) {
+                int32_t nseq = b->doc_nseq[k][doc_off[k]++];
+                int64_t ntok = 0;
+                for (int32_t s = 0; s < nseq; ++s) ntok += b->seq_lens[k][seq_off[k] + s];
+                std::span<const int32_t> t(b->tokens[k].data() + tok_off[k], static_cast<size_t>(ntok));
+                std::span<const int32_t> l(b->seq_lens[k].data() + seq_off[k], static_cast<size_t>(nseq));
+                absl::Status st = builders[p][k]->AddDocument(t, l);
+                if (!st.ok()) {
+                  error = st;
+                  stop = true;
+                  return;
+                }
+                tok_off[k] += static_cast<size_t>(ntok);
+                seq_off[k] += static_cast<size_t>(nseq);
+                stats.tokens += ntok;
+                if (ntok > 0) empty = false;
+              }
+              if (empty) ++stats.empty_documents;
+              ++stats.documents;
+              progress.AddItems(1);
+              if (opt.megatron_log && opt.log_interval > 0 && stats.documents % opt.log_interval == 0) {
+                double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - proc_start).count();
+                log::Raw(fmt::format("Processed {} documents ({} docs/s, {} MB/s).", stats.documents,
+                                     PyFloat(stats.documents / el), PyFloat(stats.chars / el / 1024 / 1024)));
+              }
+            }
+          }));
+  progress.Finish();
+  if (!error.ok()) return error;  // builders are destroyed unfinalized: temporaries removed
+
+  std::vector<std::string> finals;
+  for (size_t k = 0; k < nkeys; ++k) finals.push_back(OutputPrefixFor(opt.output_prefix, opt.json_keys[k]));
+  if (nparts == 1) {
+    for (size_t k = 0; k < nkeys; ++k) PTK_RETURN_IF_ERROR(builders[0][k]->Finalize());
+  } else {
+    for (size_t k = 0; k < nkeys; ++k) {
+      std::vector<std::string> parts;
+      for (int p = 0; p < nparts; ++p) {
+        PTK_RETURN_IF_ERROR(builders[p][k]->Finalize());
+        parts.push_back(part_prefix(p, static_cast<int>(k)));
+      }
+      PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k]).status());
+      for (const auto& part : parts) {
+        PTK_RETURN_IF_ERROR(RemoveFileIfExists(BinPath(part)));
+        PTK_RETURN_IF_ERROR(RemoveFileIfExists(IdxPath(part)));
+      }
+    }
+  }
+  stats.outputs = finals;
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  return stats;
+}
+
+}  // namespace ptk

@@ -1,0 +1,58 @@
+// ptk-tokenize's engine: jsonl (plain, .zst, .xz, stdin) -> GPT-2 ids -> Megatron .bin/.idx,
+// byte-identical to Megatron's tools/preprocess_data.py with the same flags.
+//
+// oneTBB pipeline over batches of whole lines: serial in-order read -> parallel parse (simdjson)
+// and encode -> serial in-order write. Output bytes do not depend on the number of workers.
+// Memory is bounded: at most 2*workers+2 batches are in flight, each holding its lines (about
+// --batch-bytes, or one longer line) and their ids.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tokenizer/gpt2_tokenizer.h"
+
+namespace ptk {
+
+struct TokenizeOptions {
+  std::vector<std::string> inputs;  // files ("-" = stdin), already expanded and ordered
+  std::string output_prefix;        // outputs: {prefix}_{key}_document.{bin,idx}
+  std::vector<std::string> json_keys = {"text"};
+  bool append_eod = false;
+  int workers = 1;
+  int partitions = 1;
+  bool keep_sequential_samples = false;
+  int64_t log_interval = 1000;
+  bool strict = false;             // first bad record or replaced character is an error
+  bool endoftext_as_text = false;  // legacy: literal <|endoftext|> encoded as ordinary text
+  size_t batch_bytes = 1 << 20;
+  int max_warnings = 10;           // bad records shown; all are counted
+  bool progress = true;
+  bool megatron_log = true;        // "Processed N documents (X docs/s, Y MB/s)." lines
+};
+
+struct TokenizeStats {
+  int64_t documents = 0;        // written (per key)
+  int64_t empty_documents = 0;  // documents with no tokens (kept, as Megatron does)
+  int64_t tokens = 0;           // over all keys
+  uint64_t bytes = 0;           // decoded input bytes
+  uint64_t chars = 0;           // code points of the JSON lines incl. newline (Megatron's MB/s unit)
+  int64_t lines = 0;
+  int64_t skipped = 0;
+  int64_t skipped_by_kind[6] = {0, 0, 0, 0, 0, 0};  // indexed by RecordStatus
+  int64_t invalid_utf8 = 0;
+  int64_t lone_surrogates = 0;
+  double seconds = 0;
+  std::vector<std::string> outputs;  // prefixes written
+};
+
+std::string OutputPrefixFor(const std::string& output_prefix, const std::string& key);
+
+absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& options, const Gpt2Tokenizer& tokenizer);
+
+// Python's float repr (shortest round trip, always with a '.' or exponent).
+std::string PyFloat(double v);
+
+}  // namespace ptk
