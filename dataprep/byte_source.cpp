@@ -91,7 +91,9 @@ class ZstdSource : public DecoderSource {
         return absl::DataLossError(
             fmt::format("{}: corrupt zstd data near byte {}: {}", name_, in_base_ + before, ZSTD_getErrorName(ret)));
       if (in.pos > before) any_input_ = true;
-      frame_open_ = ret != 0;
+      // ret == 0: a frame ended and is fully flushed. A call that neither consumed nor produced
+      // anything says nothing new (it may hint at the size of a next frame header).
+      if (in.pos > before || out.pos > 0) frame_open_ = ret != 0;
       if (out.pos > 0) return out.pos;
       if (eof_) {
         if (!any_input_) return absl::DataLossError(fmt::format("{}: empty file is not a zstd stream", name_));

@@ -59,7 +59,7 @@ struct CommandResult {
 };
 
 // Runs a shell command, capturing stdout+stderr.
-inline CommandResult Run(const std::string& cmd) {
+inline CommandResult RunCmd(const std::string& cmd) {
   CommandResult r;
   std::string full = cmd + " 2>&1";
   FILE* p = ::popen(full.c_str(), "r");

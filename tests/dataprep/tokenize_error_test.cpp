@@ -1,0 +1,193 @@
+// ptk-tokenize on bad input: bad records are skipped with file:line warnings (or fail under
+// --strict), invalid text is repaired and counted, damaged compressed input fails with no output,
+// unsupported flags are usage errors. Never a crash or a hang.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "dataprep/json_record.h"
+#include "indexed_dataset/indexed_dataset.h"
+#include "tests/dataprep/compress_util.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::TempDir;
+
+std::string Tok(const std::string& args) { return testing::Tool("ptk-tokenize") + " --quiet " + args; }
+
+std::vector<std::vector<int64_t>> Docs(const std::string& prefix) {
+  auto ds = IndexedDataset::Open(prefix);
+  EXPECT_TRUE(ds.ok()) << ds.status();
+  std::vector<std::vector<int64_t>> out;
+  if (!ds.ok()) return out;
+  for (int64_t d = 0; d < (*ds)->num_documents(); ++d) out.push_back((*ds)->document(d).ToVector());
+  return out;
+}
+
+TEST(TokenizeErrors, BadRecordsAreSkippedWithFileAndLine) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl",
+                     "{\"text\": \"Hello world\"}\n"   // 1 ok
+                     "not json\n"                      // 2 malformed
+                     "\n"                              // 3 blank
+                     "[1, 2]\n"                        // 4 not an object
+                     "{\"other\": 1}\n"                // 5 missing key
+                     "{\"text\": 5}\n"                 // 6 not a string
+                     "{\"text\": \"x\"} trailing\n"    // 7 trailing garbage
+                     "{\"text\": \"unterminated\n"     // 8 malformed
+                     "{\"text\": [\"a\", 1]}\n"        // 9 list with a non-string
+                     "{\"text\": \"Hello world\"}\n");  // 10 ok
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int line = 2; line <= 9; ++line)
+    EXPECT_NE(r.output.find(fmt::format("in.jsonl:{}: skipped bad record", line)), std::string::npos) << line << r.output;
+  EXPECT_NE(r.output.find("(malformed JSON): Extra data at column 15"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("skipped 8 bad records of 10 lines"), std::string::npos) << r.output;
+  auto docs = Docs(dir / "out_text_document");
+  ASSERT_EQ(docs.size(), 2u);
+  EXPECT_EQ(docs[0], (std::vector<int64_t>{15496, 995}));
+}
+
+TEST(TokenizeErrors, StrictFailsOnFirstBadRecordAndWritesNothing) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"}\n{broken\n{\"text\": \"c\"}\n");
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --strict", dir / "in.jsonl", dir / "out")));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("in.jsonl:3: bad record (malformed JSON)"), std::string::npos) << r.output;
+  EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin"));
+  EXPECT_FALSE(testing::Exists(dir / "out_text_document.idx"));
+  EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin.ptk-tmp"));
+}
+
+TEST(TokenizeErrors, InvalidUtf8AndLoneSurrogatesAreReplacedAndCounted) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl",
+                     "{\"text\": \"a\xff" "b\"}\n"          // invalid byte -> U+FFFD
+                     "{\"text\": \"x\\ud800y\"}\n"          // lone high surrogate escape
+                     "{\"text\": \"\\udc00\"}\n"            // lone low surrogate escape
+                     "{\"text\": \"\\ud83d\\ude00\"}\n");   // a valid pair: an emoji
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("replaced 1 invalid UTF-8 sequences and 2 lone surrogate escapes"), std::string::npos) << r.output;
+  auto docs = Docs(dir / "out_text_document");
+  ASSERT_EQ(docs.size(), 4u);
+  // "a\uFFFDb" as Hugging Face GPT2TokenizerFast encodes it: a, U+FFFD (one token), b
+  EXPECT_EQ(docs[0], (std::vector<int64_t>{64, 4210, 65}));
+  EXPECT_EQ(docs[3], (std::vector<int64_t>{47249, 222}));  // U+1F600
+  auto s = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --strict", dir / "in.jsonl", dir / "strict")));
+  EXPECT_EQ(s.exit_code, 1);
+  EXPECT_NE(s.output.find("in.jsonl:1: invalid UTF-8"), std::string::npos) << s.output;
+}
+
+TEST(TokenizeErrors, BomCrlfAndMissingFinalNewline) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "\xEF\xBB\xBF{\"text\": \"Hello world\"}\r\n{\"text\": \"Hello world\"}");
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("bad record"), std::string::npos) << r.output;
+  auto docs = Docs(dir / "out_text_document");
+  ASSERT_EQ(docs.size(), 2u);
+  EXPECT_EQ(docs[0], docs[1]);
+}
+
+TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
+  TempDir dir;
+  std::string data;
+  for (int i = 0; i < 2000; ++i) data += fmt::format("{{\"text\": \"document number {} with some words\"}}\n", i);
+  std::string z = testing::ZstdCompress(data);
+  testing::WriteFile(dir / "trunc.jsonl.zst", z.substr(0, z.size() / 2));
+  std::string xz = testing::XzCompress(data);
+  testing::WriteFile(dir / "trunc.jsonl.xz", xz.substr(0, xz.size() - 30));
+  std::string bad = z;
+  bad[bad.size() / 2] ^= 0x5A;
+  testing::WriteFile(dir / "corrupt.jsonl.zst", bad);
+  testing::WriteFile(dir / "empty.jsonl.zst", "");
+  testing::WriteFile(dir / "good.jsonl", data);
+  for (const char* in : {"trunc.jsonl.zst", "trunc.jsonl.xz", "corrupt.jsonl.zst", "empty.jsonl.zst"}) {
+    // The bad file comes second: the first file's documents must not survive either.
+    const std::string out = dir / (std::string("out_") + in);
+    auto r = RunCmd(Tok(fmt::format("--input {} {} --output-prefix {}", dir / "good.jsonl", dir / in, out)));
+    EXPECT_EQ(r.exit_code, 1) << in << r.output;
+    EXPECT_NE(r.output.find(std::string(in) + ": "), std::string::npos) << r.output;
+    EXPECT_TRUE(r.output.find("truncated") != std::string::npos || r.output.find("corrupt") != std::string::npos ||
+                r.output.find("empty file") != std::string::npos)
+        << r.output;
+    EXPECT_FALSE(testing::Exists(out + "_text_document.bin")) << in;
+    EXPECT_FALSE(testing::Exists(out + "_text_document.idx")) << in;
+    EXPECT_FALSE(testing::Exists(out + "_text_document.bin.ptk-tmp")) << in;
+  }
+}
+
+TEST(TokenizeErrors, UsageErrors) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n");
+  const std::string base = fmt::format("--input {} --output-prefix {} ", dir / "in.jsonl", dir / "out");
+  for (const char* bad : {"--split-sentences", "--tokenizer-type BertWordPieceLowerCase", "--dataset-impl lazy",
+                          "--workers 0", "--no-such-flag", "--vocab-file x.json", "--tokenizer-model m.model"}) {
+    auto r = RunCmd(Tok(base + bad));
+    EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.output;
+    EXPECT_NE(r.output.find("usage"), std::string::npos) << r.output;
+  }
+  auto missing = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "nope.jsonl", dir / "out")));
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.output.find("nope.jsonl"), std::string::npos);
+  auto baddir = RunCmd(Tok(fmt::format("--input {} --output-prefix /nonexistent/dir/out", dir / "in.jsonl")));
+  EXPECT_EQ(baddir.exit_code, 1);
+  EXPECT_NE(baddir.output.find("/nonexistent/dir"), std::string::npos);
+}
+
+TEST(TokenizeErrors, HundredMegabyteDocument) {
+  TempDir dir;
+  {
+    std::ofstream f(dir / "big.jsonl", std::ios::binary);
+    f << "{\"text\": \"";
+    std::string chunk;
+    for (int i = 0; i < 1000; ++i) chunk += "word" + std::to_string(i % 97) + " ";
+    size_t written = 0;
+    while (written < (100u << 20)) {
+      f << chunk;
+      written += chunk.size();
+    }
+    f << "\"}\n{\"text\": \"after\"}\n";
+  }
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --append-eod --workers 2", dir / "big.jsonl", dir / "out")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto ds = IndexedDataset::Open(dir / "out_text_document");
+  ASSERT_TRUE(ds.ok());
+  EXPECT_EQ((*ds)->num_documents(), 2);
+  EXPECT_GT((*ds)->document_length(0), 20000000);
+  EXPECT_EQ((*ds)->document(1).ToVector(), (std::vector<int64_t>{8499, 50256}));
+}
+
+// The record parser alone: Python json.loads semantics on what simdjson rejects.
+TEST(JsonRecordParser, PythonCompatibleSlowPath) {
+  JsonRecordParser p({"text"});
+  auto parse = [&](const std::string& s) { return p.Parse(s, false); };
+  EXPECT_EQ(parse("{\"text\": \"a\", \"n\": NaN, \"i\": -Infinity}").status, RecordStatus::kOk);
+  EXPECT_EQ(parse("{\"text\": \"a\", \"big\": 123456789012345678901234567890}").status, RecordStatus::kOk);
+  auto dup = parse("{\"text\": \"first\", \"text\": \"second\"}");
+  ASSERT_EQ(dup.status, RecordStatus::kOk);
+  EXPECT_EQ(p.fields()[0][0], "second");
+  EXPECT_EQ(parse("{\"text\": \"a\x01\"}").status, RecordStatus::kMalformed);  // raw control character
+  EXPECT_EQ(parse("{\"text\": \"a\",}").status, RecordStatus::kMalformed);     // trailing comma
+  EXPECT_EQ(parse("{\"text\": 01}").status, RecordStatus::kMalformed);
+  EXPECT_EQ(parse("{\"text\": \"\\x\"}").status, RecordStatus::kMalformed);    // invalid escape
+  EXPECT_EQ(parse("  ").status, RecordStatus::kBlank);
+  EXPECT_EQ(parse("\"just a string\"").status, RecordStatus::kNotObject);
+  std::string deep(5000, '[');
+  EXPECT_EQ(parse("{\"x\": " + deep).status, RecordStatus::kMalformed);  // no stack overflow
+  auto sur = parse("{\"text\": \"\\ud800\\ud800\\udc00\"}");
+  ASSERT_EQ(sur.status, RecordStatus::kOk);
+  EXPECT_EQ(sur.lone_surrogates, 1u);
+  EXPECT_EQ(p.fields()[0][0], "\xEF\xBF\xBD\xF0\x90\x80\x80");
+  auto list = parse("{\"text\": [\"one\", \"two\"]}");
+  ASSERT_EQ(list.status, RecordStatus::kOk);
+  EXPECT_EQ(p.fields()[0].size(), 2u);
+}
+
+}  // namespace
+}  // namespace ptk

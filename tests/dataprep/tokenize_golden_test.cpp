@@ -1,0 +1,124 @@
+// ptk-tokenize against Megatron-LM's own tools/preprocess_data.py: byte-identical .bin/.idx for the
+// same flags (goldens: tests/tools/gen_megatron_preprocess_golden.py), for any --workers and batch size.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include "tests/dataprep/compress_util.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::TempDir;
+
+const std::string kData = testing::SourceDir() + "/tests/data/megatron_preprocess/";
+
+void ExpectSameFiles(const std::string& got_prefix, const std::string& want_prefix) {
+  for (const char* ext : {".bin", ".idx"}) {
+    std::string got = testing::ReadFile(got_prefix + ext), want = testing::ReadFile(want_prefix + ext);
+    ASSERT_FALSE(want.empty()) << want_prefix << ext;
+    ASSERT_EQ(got.size(), want.size()) << got_prefix << ext;
+    ASSERT_TRUE(got == want) << got_prefix << ext << " differs from Megatron's " << want_prefix << ext;
+  }
+}
+
+std::string Tokenize(const std::string& args) {
+  return testing::Tool("ptk-tokenize") + " --quiet " + args;
+}
+
+struct Config {
+  const char* name;
+  const char* flags;
+  const char* key;
+};
+
+TEST(TokenizeGolden, ByteIdenticalToMegatronForEveryConfigAndWorkerCount) {
+  const Config configs[] = {
+      {"eod", "--append-eod", "text"},
+      {"noeod", "", "text"},
+      {"rr3", "--append-eod --partitions 3", "text"},
+      {"seq2", "--append-eod --partitions 2 --keep-sequential-samples", "text"},
+      {"title", "--json-keys title --append-eod", "title"},
+  };
+  TempDir dir;
+  for (const auto& c : configs) {
+    for (const char* workers : {"1", "2", "8"}) {
+      for (const char* batch : {"1", "0.001"}) {
+        std::string prefix = dir / (std::string(c.name) + "_w" + workers);
+        auto r = RunCmd(Tokenize(fmt::format("--input {}corpus.jsonl --output-prefix {} {} --workers {} --batch-mb {}", kData,
+                                          prefix, c.flags, workers, batch)));
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+        ExpectSameFiles(prefix + "_" + c.key + "_document", kData + c.name + "_" + c.key + "_document");
+      }
+    }
+  }
+  // Round-robin partitions leave no part files behind.
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().string().find("ptk-part"), std::string::npos) << e.path();
+}
+
+TEST(TokenizeGolden, SeveralKeysGiveOneDatasetPerKey) {
+  TempDir dir;
+  auto r = RunCmd(Tokenize(fmt::format("--input {}corpus.jsonl --output-prefix {} --json-keys text title --append-eod", kData,
+                                    dir / "multi")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameFiles(dir / "multi_text_document", kData + "eod_text_document");
+  ExpectSameFiles(dir / "multi_title_document", kData + "title_title_document");
+}
+
+TEST(TokenizeGolden, CompressedInputsAndStdinGiveTheSameBytes) {
+  TempDir dir;
+  std::string corpus = testing::ReadFile(kData + "corpus.jsonl");
+  // Two zstd frames back to back, cut in the middle of a line: multi-frame streaming.
+  std::string z = testing::ZstdCompress(corpus.substr(0, 40000)) + testing::ZstdCompress(corpus.substr(40000));
+  testing::WriteFile(dir / "c.jsonl.zst", z);
+  testing::WriteFile(dir / "c.jsonl.xz", testing::XzCompress(corpus));
+  for (const char* in : {"c.jsonl.zst", "c.jsonl.xz"}) {
+    auto r = RunCmd(Tokenize(fmt::format("--input {} --output-prefix {} --append-eod", dir / in, dir / (std::string(in) + "_out"))));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    ExpectSameFiles(dir / (std::string(in) + "_out_text_document"), kData + "eod_text_document");
+  }
+  auto r = RunCmd(fmt::format("cat {}corpus.jsonl | {}", kData,
+                           Tokenize(fmt::format("--input - --output-prefix {} --append-eod", dir / "stdin"))));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameFiles(dir / "stdin_text_document", kData + "eod_text_document");
+}
+
+TEST(TokenizeGolden, SplitInputsAndGlobsConcatenateInOrder) {
+  TempDir dir;
+  std::string corpus = testing::ReadFile(kData + "corpus.jsonl");
+  // Split at line boundaries into part1..part12 (a glob sorts them naturally: 2 before 10).
+  std::vector<std::string> lines;
+  for (size_t pos = 0; pos < corpus.size();) {
+    size_t e = corpus.find('\n', pos);
+    lines.push_back(corpus.substr(pos, e + 1 - pos));
+    pos = e + 1;
+  }
+  const int parts = 12;
+  size_t per = (lines.size() + parts - 1) / parts;
+  for (int p = 0; p < parts; ++p) {
+    std::string s;
+    for (size_t i = p * per; i < std::min(lines.size(), (p + 1) * per); ++i) s += lines[i];
+    if (p == 5 && !s.empty()) s.pop_back();  // a file without a final newline
+    testing::WriteFile(dir / fmt::format("part{}.jsonl", p + 1), s);
+  }
+  auto r = RunCmd(Tokenize(fmt::format("--input '{}' --output-prefix {} --append-eod", dir / "part*.jsonl", dir / "glob")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameFiles(dir / "glob_text_document", kData + "eod_text_document");
+}
+
+TEST(TokenizeGolden, MegatronShapedProgressLine) {
+  TempDir dir;
+  auto r = RunCmd(testing::Tool("ptk-tokenize") +
+               fmt::format(" --input {}corpus.jsonl --output-prefix {} --log-interval 100", kData, dir / "log"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("Processing data with"), std::string::npos);
+  EXPECT_NE(r.output.find("Processed 100 documents ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" docs/s, "), std::string::npos);
+  EXPECT_NE(r.output.find(" MB/s)."), std::string::npos);
+  EXPECT_NE(r.output.find("done: 262 documents"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace ptk
