@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# README's test command: installs what is missing, builds, and runs every test.
+#   1. scripts/install-deps.sh --with-python-ref   (Debian packages; megatron-core for the compat test)
+#   2. build/ : RelWithDebInfo build of everything (CUDA targets too when nvcc is found)
+#   3. ctest (labels unit, golden, cli, compat, slurm; gpu tests skip without a device)
+#   4. build-asan/ : the indexed-dataset reader tests again under AddressSanitizer + UBSan
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${PTK_JOBS:-$(nproc)}
+
+bash scripts/install-deps.sh --with-python-ref
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j "$JOBS"
+(cd build && ctest --output-on-failure -j "$JOBS" --timeout 900)
+
+# Reader robustness under AddressSanitizer/UBSan: only the targets that matter, to keep CI short.
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
+  -DPTK_SANITIZE=address,undefined >/dev/null
+cmake --build build-asan -j "$JOBS" --target indexed_dataset_test indexed_dataset_error_test utf8_test bpe_test
+ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  build-asan/tests/indexed_dataset_error_test
+ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  build-asan/tests/indexed_dataset_test
+ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  build-asan/tests/utf8_test
+ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  build-asan/tests/bpe_test --gtest_filter=-Bpe.LongPiecesAreNotQuadratic
+echo "ptk: all tests passed"
