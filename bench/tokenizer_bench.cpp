@@ -1,4 +1,4 @@
-// Tokenizer throughput: encodes a text file (one document per line) with ptk's GPT-2 tokenizer,
+// Tokenizer throughput: encodes the "text" of every record of a jsonl file with ptk's GPT-2 tokenizer,
 // single thread and with N threads, after checking the ids against an uncached BPE of the same
 // text. Prints one JSON object. Driven by bench/bench_tokenizer.py, which times the references.
 #include <tbb/global_control.h>
@@ -12,6 +12,7 @@
 #include <fmt/core.h>
 
 #include "common/file_util.h"
+#include "dataprep/json_record.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tokenizer/pretokenizer.h"
 
@@ -21,7 +22,7 @@ double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: tokenizer_bench FILE [THREADS] [REPEATS]\n");
+    std::fprintf(stderr, "usage: tokenizer_bench FILE.jsonl [THREADS] [REPEATS]\n");
     return 2;
   }
   auto text_or = ptk::ReadFileToString(argv[1]);
@@ -29,15 +30,23 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(text_or.status().message()).c_str());
     return 1;
   }
-  const std::string text = *text_or;
+  const std::string jsonl = *text_or;
   int threads = argc > 2 ? std::atoi(argv[2]) : static_cast<int>(std::thread::hardware_concurrency());
   int repeats = argc > 3 ? std::atoi(argv[3]) : 3;
+  std::vector<std::string> texts;
+  ptk::JsonRecordParser parser({"text"});
+  for (size_t pos = 0; pos < jsonl.size();) {
+    size_t e = jsonl.find('\n', pos);
+    if (e == std::string::npos) e = jsonl.size();
+    auto r = parser.Parse(std::string_view(jsonl).substr(pos, e - pos), false);
+    if (r.status == ptk::RecordStatus::kOk) texts.emplace_back(parser.fields()[0][0]);
+    pos = e + 1;
+  }
+  size_t total_bytes = 0;
   std::vector<std::string_view> docs;
-  for (size_t pos = 0; pos < text.size();) {
-    size_t e = text.find('\n', pos);
-    e = (e == std::string::npos) ? text.size() : e + 1;
-    docs.push_back(std::string_view(text).substr(pos, e - pos));
-    pos = e;
+  for (const auto& t : texts) {
+    docs.push_back(t);
+    total_bytes += t.size();
   }
   auto tok = ptk::Gpt2Tokenizer::LoadDefault();
   if (!tok.ok()) return 1;
@@ -84,7 +93,7 @@ int main(int argc, char** argv) {
     size_t pieces = 0;
     for (auto d : docs) ptk::ForEachPiece(d, [&](const uint8_t*, const uint8_t*) { ++pieces; });
     pretok = std::min(pretok, Now() - t0);
-    if (pieces == 0 && !text.empty()) return 1;
+    if (pieces == 0 && total_bytes > 0) return 1;
   }
   // Multi-thread over documents, one encoder per thread.
   double multi = 1e30;
@@ -110,9 +119,9 @@ int main(int argc, char** argv) {
       if (total != n_ids) return 1;
     }
   }
-  const double mb = text.size() / 1e6;
+  const double mb = total_bytes / 1e6;
   std::printf("{\"bytes\": %zu, \"documents\": %zu, \"tokens\": %zu, \"st_cold_mb_s\": %.2f, \"st_warm_mb_s\": %.2f, "
               "\"pretokenize_mb_s\": %.2f, \"threads\": %d, \"mt_mb_s\": %.2f}\n",
-              text.size(), docs.size(), n_ids, mb / cold, mb / warm, mb / pretok, threads, mb / multi);
+              total_bytes, docs.size(), n_ids, mb / cold, mb / warm, mb / pretok, threads, mb / multi);
   return 0;
 }

@@ -159,7 +159,10 @@ uint64_t CountChars(const char* p, size_t n) {
   for (; i + 8 <= n; i += 8) {
     uint64_t w;
     std::memcpy(&w, p + i, 8);
-    cont += static_cast<uint64_t>(__builtin_popcountll((w & 0x8080808080808080ull) & ~((w << 1) & 0x8080808080808080ull)));
+    // Bit 7 of each byte set for continuation bytes (10xxxxxx); summed with one multiply (no
+    // POPCNT in baseline x86-64).
+    const uint64_t m = ((w & ~(w << 1)) & 0x8080808080808080ull) >> 7;
+    cont += (m * 0x0101010101010101ull) >> 56;
   }
   for (; i < n; ++i) cont += (static_cast<unsigned char>(p[i]) & 0xC0) == 0x80;
   return n - cont;

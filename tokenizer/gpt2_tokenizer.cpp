@@ -133,6 +133,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromStrings(std::s
 }
 
 absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view merges_txt, std::string_view origin) {
+  const bool known_good = vocab_json == DefaultVocabJson() && merges_txt == DefaultMergesTxt();
   // ---- vocab.json
   simdjson::dom::parser parser;
   simdjson::padded_string padded(vocab_json);
@@ -182,9 +183,15 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   }
 
   // ---- merges.txt
+  auto find_id = [&](std::string_view k) -> int32_t {
+    auto it = str_to_id.find(absl::string_view(k.data(), k.size()));
+    return it == str_to_id.end() ? -1 : it->second;
+  };
   size_t pos = 0;
   int64_t line_no = 0;
   uint32_t rank = 0;
+  std::string joined;
+  merges_.reserve(60000);
   while (pos < merges_txt.size()) {
     size_t eol = merges_txt.find('\n', pos);
     if (eol == std::string_view::npos) eol = merges_txt.size();
@@ -198,14 +205,15 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     if (sp == std::string_view::npos || sp == 0 || sp + 1 >= line.size() || line.find(' ', sp + 1) != std::string_view::npos)
       return absl::InvalidArgumentError(
           fmt::format("{}: merges line {} must hold two symbols separated by one space: {:?}", origin, line_no, std::string(line)));
-    std::string a(line.substr(0, sp)), b(line.substr(sp + 1));
-    auto ia = str_to_id.find(a), ib = str_to_id.find(b), ic = str_to_id.find(a + b);
-    if (ia == str_to_id.end() || ib == str_to_id.end() || ic == str_to_id.end())
+    std::string_view a = line.substr(0, sp), b = line.substr(sp + 1);
+    joined.assign(a);
+    joined.append(b);
+    int32_t ia = find_id(a), ib = find_id(b), ic = find_id(joined);
+    if (ia < 0 || ib < 0 || ic < 0)
       return absl::InvalidArgumentError(
           fmt::format("{}: merges line {} ({:?}) uses a symbol that is not in the vocab", origin, line_no, std::string(line)));
-    merges_[(static_cast<uint64_t>(static_cast<uint32_t>(ia->second)) << 32) | static_cast<uint32_t>(ib->second)] =
-        MergeInfo{rank, ic->second};
-    mergeable[ic->second] = true;
+    merges_[(static_cast<uint64_t>(static_cast<uint32_t>(ia)) << 32) | static_cast<uint32_t>(ib)] = MergeInfo{rank, ic};
+    mergeable[ic] = true;
     ++rank;
   }
   num_merges_ = rank;
@@ -220,9 +228,14 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   for (int64_t id = 0; id < n; ++id) {
     if (!mergeable[id] || !byte_level[id]) continue;
     const std::string& tb = id_to_bytes_[id];
-    ids.clear();
-    BpePiece(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), &ids);
-    if (ids.size() != 1 || ids[0] != id) continue;
+    if (!known_good) {
+      // BPE must produce the token itself for its own bytes, or the whole-token shortcut would
+      // change the ids. True for every GPT-2 token (checked by tests/tokenizer/bpe_test.cpp), so
+      // only other vocabularies pay for this check.
+      ids.clear();
+      BpePiece(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), &ids);
+      if (ids.size() != 1 || ids[0] != id) continue;
+    }
     if (tb.size() <= 16) {
       uint64_t k0, k1;
       LoadKey(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), reinterpret_cast<const uint8_t*>(tb.data()), &k0, &k1);
@@ -387,30 +400,43 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
 // ---------------------------------------------------------------- encoder
 
 Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok), opt_(options) {
-  size_t slots = 1;
-  while (slots < opt_.cache_slots || slots < tok.short_count_ * 4) slots <<= 1;
-  cache_mask_ = slots - 1;
-  cache_slots_ = slots;
-  const size_t bytes = slots * sizeof(CacheSlot);
-  constexpr size_t kHuge = 2u << 20;
-  void* mem = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
-  PTK_CHECK(mem != nullptr);
-  ::madvise(mem, bytes, MADV_HUGEPAGE);
-  cache_.reset(static_cast<CacheSlot*>(mem));
+  size_t min_slots = 1;
+  while (min_slots < tok.short_count_ * 2) min_slots <<= 1;
+  max_slots_ = 1;
+  while (max_slots_ < opt_.cache_slots) max_slots_ <<= 1;
+  max_slots_ = std::max(max_slots_, min_slots);
+  AllocateCache(min_slots);
   ResetCache();
 }
 
 void Gpt2Encoder::FreeDeleter::operator()(CacheSlot* p) const { std::free(p); }
 
+// Zeroed memory, on transparent huge pages where available: random probes into a multi-megabyte
+// table otherwise miss the TLB on nearly every piece.
+void Gpt2Encoder::AllocateCache(size_t slots) {
+  const size_t bytes = slots * sizeof(CacheSlot);
+  constexpr size_t kHuge = 2u << 20;
+  const size_t alloc = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* mem = std::aligned_alloc(kHuge, alloc);
+  PTK_CHECK(mem != nullptr);
+  ::madvise(mem, alloc, MADV_HUGEPAGE);
+  std::memset(mem, 0, bytes);
+  cache_.reset(static_cast<CacheSlot*>(mem));
+  cache_slots_ = slots;
+  cache_mask_ = slots - 1;
+}
+
+inline void Gpt2Encoder::InsertSlot(const CacheSlot& s) {
+  uint64_t h = HashKey(s.k0, s.k1, s.len) & cache_mask_;
+  while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
+  cache_[h] = s;
+}
+
 // Back to the whole-token entries only.
 void Gpt2Encoder::ResetCache() {
   std::memset(static_cast<void*>(cache_.get()), 0, cache_slots_ * sizeof(CacheSlot));
-  for (const auto& s : tok_.short_table_) {
-    if (s.len == 0) continue;
-    uint64_t h = HashKey(s.k0, s.k1, s.len) & cache_mask_;
-    while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
-    cache_[h] = s;
-  }
+  for (const auto& s : tok_.short_table_)
+    if (s.len != 0) InsertSlot(s);
   cache_used_ = tok_.short_count_;
   overflow_.clear();
   long_cache_.clear();
@@ -418,7 +444,7 @@ void Gpt2Encoder::ResetCache() {
 
 inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
   const uint8_t len = static_cast<uint8_t>(pc.n);
-  uint64_t h = pc.h;
+  uint64_t h = pc.h & cache_mask_;
   while (true) {
     const CacheSlot& s = cache_[h];
     if (s.len == len && s.k0 == pc.k0 && s.k1 == pc.k1) {
@@ -443,8 +469,17 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
   tok_.BpePiece(pc.p, pc.n, &scratch_);
   std::copy(scratch_.begin(), scratch_.end(), out);
   if (cache_used_ * 2 >= cache_slots_) {
-    ResetCache();
-    h = pc.h;
+    if (cache_slots_ < max_slots_) {
+      // Double the table, keeping every entry.
+      std::unique_ptr<CacheSlot[], FreeDeleter> old = std::move(cache_);
+      const size_t old_slots = cache_slots_;
+      AllocateCache(old_slots * 2);
+      for (size_t i = 0; i < old_slots; ++i)
+        if (old[i].len != 0) InsertSlot(old[i]);
+    } else {
+      ResetCache();
+    }
+    h = pc.h & cache_mask_;
     while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
   }
   CacheSlot& s = cache_[h];
@@ -506,8 +541,8 @@ int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
     pc.n = static_cast<uint32_t>(e - b);
     if (pc.n <= 16) {
       LoadKey(b, pc.n, end, &pc.k0, &pc.k1);
-      pc.h = HashKey(pc.k0, pc.k1, pc.n) & cache_mask_;
-      __builtin_prefetch(&cache_[pc.h]);
+      pc.h = HashKey(pc.k0, pc.k1, pc.n);
+      __builtin_prefetch(&cache_[pc.h & cache_mask_]);
     }
     if (count == kBatch) flush();
   });

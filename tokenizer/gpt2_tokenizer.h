@@ -92,7 +92,9 @@ class Gpt2Encoder {
     // Literal "<|endoftext|>" in the text becomes the EOD id (Hugging Face / current Megatron-LM).
     // false: it is encoded as ordinary text (legacy Megatron GPT2 tokenizer, tiktoken encode_ordinary).
     bool special_endoftext = true;
-    size_t cache_slots = 1 << 18;  // power of two (32 bytes each); resets to the vocabulary when half full
+    // Piece cache: starts with room for the vocabulary, doubles when half full up to this many
+    // slots (32 bytes each), then resets to the vocabulary.
+    size_t cache_slots = 1 << 19;
   };
   explicit Gpt2Encoder(const Gpt2Tokenizer& tok) : Gpt2Encoder(tok, Options()) {}
   Gpt2Encoder(const Gpt2Tokenizer& tok, Options options);
@@ -111,7 +113,7 @@ class Gpt2Encoder {
   // which hides the memory latency of the multi-megabyte table.
   struct Pending {
     const uint8_t* p;
-    uint64_t k0, k1, h;
+    uint64_t k0, k1, h;  // h: full hash, masked at lookup (the table may grow meanwhile)
     uint32_t n;
   };
   static constexpr int kBatch = 32;
@@ -122,6 +124,8 @@ class Gpt2Encoder {
   using CacheSlot = Gpt2Tokenizer::PieceSlot;
   static constexpr uint8_t kOverflow = Gpt2Tokenizer::kOverflow;
   void ResetCache();
+  void AllocateCache(size_t slots);
+  void InsertSlot(const CacheSlot& s);
 
   const Gpt2Tokenizer& tok_;
   Options opt_;
@@ -132,8 +136,8 @@ class Gpt2Encoder {
     void operator()(CacheSlot* p) const;
   };
   std::unique_ptr<CacheSlot[], FreeDeleter> cache_;
-  size_t cache_slots_ = 0;
-  uint64_t cache_mask_;
+  size_t cache_slots_ = 0, max_slots_ = 0;
+  uint64_t cache_mask_ = 0;
   size_t cache_used_ = 0;
   std::vector<int32_t> overflow_;
   absl::flat_hash_map<std::string, std::vector<int32_t>> long_cache_;
