@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -21,8 +22,10 @@ namespace ptk {
 AtomicFileWriter::AtomicFileWriter(std::string path, std::string tmp_path, int fd)
     : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd), buf_(1 << 20) {}
 
-absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path) {
+absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path, bool unique_tmp) {
+  static std::atomic<uint64_t> counter{0};
   std::string tmp = path + std::string(kTmpSuffix);
+  if (unique_tmp) tmp += fmt::format(".{}.{}", ::getpid(), counter.fetch_add(1));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot create {}", tmp));
   return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
@@ -125,8 +128,8 @@ void AtomicFileWriter::Abort() {
   done_ = true;
 }
 
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents) {
-  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path));
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp) {
+  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path, unique_tmp));
   PTK_RETURN_IF_ERROR(w->Write(contents));
   return w->Commit();
 }

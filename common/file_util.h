@@ -19,7 +19,9 @@ namespace ptk {
 class AtomicFileWriter {
  public:
   static constexpr std::string_view kTmpSuffix = ".ptk-tmp";
-  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path);
+  // unique_tmp: the temporary name also carries the pid and a counter, for files that several
+  // processes may write at once with the same contents (shared manifests).
+  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path, bool unique_tmp = false);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
@@ -56,7 +58,7 @@ class AtomicFileWriter {
 absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length, std::string_view what);
 
 // Writes the whole file atomically.
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents);
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp = false);
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
 // write(2) the whole buffer, retrying on EINTR and short writes.

@@ -26,15 +26,17 @@ std::string Digest(const EVP_MD* md, std::string_view data) {
 
 struct Sha256::Impl {
   EVP_MD_CTX* ctx = nullptr;
+  const EVP_MD* md = nullptr;
 };
 
-Sha256::Sha256() : impl_(new Impl) {
+Sha256::Sha256(Algorithm algo) : impl_(new Impl) {
+  impl_->md = algo == Algorithm::kSha1 ? EVP_sha1() : EVP_sha256();
   impl_->ctx = EVP_MD_CTX_new();
   PTK_CHECK(impl_->ctx != nullptr);
   Reset();
 }
 Sha256::~Sha256() { EVP_MD_CTX_free(impl_->ctx); }
-void Sha256::Reset() { PTK_CHECK(EVP_DigestInit_ex(impl_->ctx, EVP_sha256(), nullptr) == 1); }
+void Sha256::Reset() { PTK_CHECK(EVP_DigestInit_ex(impl_->ctx, impl_->md, nullptr) == 1); }
 void Sha256::Update(const void* data, size_t size) { PTK_CHECK(EVP_DigestUpdate(impl_->ctx, data, size) == 1); }
 std::string Sha256::HexDigest() {
   unsigned char out[EVP_MAX_MD_SIZE];

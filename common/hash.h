@@ -7,9 +7,11 @@
 
 namespace ptk {
 
+// Streaming digest (SHA-256 by default; SHA-1 for git blob ids).
 class Sha256 {
  public:
-  Sha256();
+  enum class Algorithm { kSha256, kSha1 };
+  explicit Sha256(Algorithm algo = Algorithm::kSha256);
   ~Sha256();
   Sha256(const Sha256&) = delete;
   Sha256& operator=(const Sha256&) = delete;

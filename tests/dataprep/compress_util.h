@@ -20,10 +20,10 @@ inline std::string ZstdCompress(const std::string& in, int level = 3) {
   return out;
 }
 
-inline std::string XzCompress(const std::string& in) {
+inline std::string XzCompress(const std::string& in, uint32_t preset = 6) {
   std::string out(lzma_stream_buffer_bound(in.size()), '\0');
   size_t pos = 0;
-  lzma_ret r = lzma_easy_buffer_encode(6, LZMA_CHECK_CRC64, nullptr, reinterpret_cast<const uint8_t*>(in.data()),
+  lzma_ret r = lzma_easy_buffer_encode(preset, LZMA_CHECK_CRC64, nullptr, reinterpret_cast<const uint8_t*>(in.data()),
                                        in.size(), reinterpret_cast<uint8_t*>(out.data()), &pos, out.size());
   out.resize(r == LZMA_OK ? pos : 0);
   return out;

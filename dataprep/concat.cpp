@@ -1,0 +1,218 @@
+// ptk-concat's engine.
+#include "dataprep/concat.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+#include <simdjson.h>
+
+#include "common/file_util.h"
+#include "common/hash.h"
+#include "common/status.h"
+#include "dataprep/byte_source.h"
+
+namespace ptk {
+namespace {
+
+constexpr std::string_view kDoneSuffix = ".ptk-done";
+
+std::string JsonEscape(std::string_view s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      o += fmt::format("\\u{:04x}", static_cast<unsigned char>(c));
+    } else {
+      o += c;
+    }
+  }
+  return o;
+}
+
+// Identifies a chunk's content: its inputs, their sizes, their order.
+std::string ChunkDigest(const ConcatChunk& c) {
+  std::string s;
+  for (const auto& in : c.inputs) s += fmt::format("{}\t{}\n", in.path, in.size);
+  return Sha256Hex(s);
+}
+
+absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index, int64_t count) {
+  std::string pat = pattern;
+  if (pat.empty()) {
+    int width = 2;
+    for (int64_t n = count - 1; n >= 100; n /= 10) ++width;
+    pat = fmt::format("train_{{:0{}d}}.jsonl", width);
+  }
+  try {
+    std::string name = fmt::format(fmt::runtime(pat), index);
+    if (name.empty() || name.find('/') != std::string::npos)
+      return absl::InvalidArgumentError(fmt::format("--name-pattern {:?} gives an invalid file name", pattern));
+    return name;
+  } catch (const fmt::format_error& e) {
+    return absl::InvalidArgumentError(fmt::format("--name-pattern {:?}: {}", pattern, e.what()));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs, const std::string& output_dir,
+                                          const ConcatPlanOptions& opt) {
+  if (inputs.empty()) return absl::InvalidArgumentError("no input files to concatenate");
+  ConcatPlan plan;
+  plan.output_dir = output_dir;
+  const size_t n = inputs.size();
+  std::vector<std::pair<size_t, size_t>> ranges;  // [first, end)
+  if (opt.files_per_chunk > 0) {
+    for (size_t first = 0; first < n; first += static_cast<size_t>(opt.files_per_chunk))
+      ranges.emplace_back(first, std::min(n, first + static_cast<size_t>(opt.files_per_chunk)));
+  } else {
+    if (opt.chunks < 1) return absl::InvalidArgumentError("--chunks must be >= 1");
+    const size_t nchunks = std::min<size_t>(static_cast<size_t>(opt.chunks), n);
+    long double total = 0;
+    for (const auto& in : inputs) total += static_cast<long double>(in.size);
+    std::vector<long double> before(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) before[i + 1] = before[i] + static_cast<long double>(inputs[i].size);
+    size_t idx = 0;
+    for (size_t k = 0; k < nchunks; ++k) {
+      const size_t first = idx++;
+      const size_t left_after = nchunks - k - 1;  // chunks still to fill
+      if (k + 1 == nchunks) {
+        idx = n;
+      } else {
+        const long double target = total * static_cast<long double>(k + 1) / static_cast<long double>(nchunks);
+        while (idx < n && n - idx > left_after && before[idx] + inputs[idx].size / 2.0L < target) ++idx;
+      }
+      ranges.emplace_back(first, idx);
+    }
+  }
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    ConcatChunk c;
+    PTK_ASSIGN_OR_RETURN(c.name, ChunkName(opt.name_pattern, static_cast<int64_t>(k), static_cast<int64_t>(ranges.size())));
+    for (size_t i = ranges[k].first; i < ranges[k].second; ++i) {
+      c.inputs.push_back(inputs[i]);
+      c.bytes += inputs[i].size;
+    }
+    plan.chunks.push_back(std::move(c));
+  }
+  return plan;
+}
+
+absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path) {
+  std::string s = fmt::format("{{\"version\": 1, \"output_dir\": \"{}\", \"chunks\": [\n", JsonEscape(plan.output_dir));
+  for (size_t k = 0; k < plan.chunks.size(); ++k) {
+    const auto& c = plan.chunks[k];
+    s += fmt::format("  {{\"name\": \"{}\", \"bytes\": {}, \"inputs\": [", JsonEscape(c.name), c.bytes);
+    for (size_t i = 0; i < c.inputs.size(); ++i)
+      s += fmt::format("{}{{\"path\": \"{}\", \"size\": {}}}", i ? ", " : "", JsonEscape(c.inputs[i].path), c.inputs[i].size);
+    s += k + 1 < plan.chunks.size() ? "]},\n" : "]}\n";
+  }
+  s += "]}\n";
+  return WriteFileAtomic(path, s);
+}
+
+absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
+  PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  simdjson::dom::parser p;
+  simdjson::dom::element root;
+  auto bad = [&](const char* what) { return absl::DataLossError(fmt::format("{}: not a ptk-concat plan ({})", path, what)); };
+  if (p.parse(text).get(root)) return bad("invalid JSON");
+  int64_t version;
+  if (root["version"].get(version) || version != 1) return bad("unknown version");
+  ConcatPlan plan;
+  std::string_view od;
+  if (root["output_dir"].get(od)) return bad("no output_dir");
+  plan.output_dir = std::string(od);
+  simdjson::dom::array chunks;
+  if (root["chunks"].get(chunks)) return bad("no chunks");
+  for (auto ce : chunks) {
+    ConcatChunk c;
+    std::string_view name;
+    if (ce["name"].get(name)) return bad("chunk without a name");
+    c.name = std::string(name);
+    simdjson::dom::array ins;
+    if (ce["inputs"].get(ins)) return bad("chunk without inputs");
+    for (auto ie : ins) {
+      std::string_view ip;
+      uint64_t sz;
+      if (ie["path"].get(ip) || ie["size"].get(sz)) return bad("bad input entry");
+      c.inputs.push_back({std::string(ip), sz});
+      c.bytes += sz;
+    }
+    plan.chunks.push_back(std::move(c));
+  }
+  return plan;
+}
+
+absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index) {
+  if (index >= plan.chunks.size())
+    return absl::OutOfRangeError(fmt::format("chunk index {} is outside the plan's {} chunks", index, plan.chunks.size()));
+  const ConcatChunk& c = plan.chunks[index];
+  const std::string out_path = JoinPath(plan.output_dir, c.name);
+  const std::string digest = ChunkDigest(c);
+  ConcatChunkResult res;
+  // Skip when the sidecar says this exact chunk is complete and the file has its size.
+  auto side = ReadFileToString(out_path + std::string(kDoneSuffix));
+  if (side.ok()) {
+    simdjson::dom::parser p;
+    simdjson::dom::element e;
+    std::string_view d;
+    uint64_t size;
+    auto fs = FileSize(out_path);
+    if (!p.parse(*side).get(e) && !e["inputs_sha256"].get(d) && !e["size"].get(size) && d == digest && fs.ok() &&
+        *fs == size) {
+      res.skipped = true;
+      res.bytes = size;
+      return res;
+    }
+  }
+  for (const auto& in : c.inputs) {
+    auto sz = FileSize(in.path);
+    if (!sz.ok()) return sz.status();
+    if (*sz != in.size)
+      return absl::FailedPreconditionError(
+          fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in.path, *sz, in.size));
+  }
+  PTK_RETURN_IF_ERROR(MakeDirs(plan.output_dir));
+  PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
+  std::vector<char> buf;
+  for (const auto& in : c.inputs) {
+    char last = '\n';
+    if (DetectCompression(in.path) == Compression::kNone) {
+      if (in.size == 0) continue;
+      PTK_RETURN_IF_ERROR(out->AppendFileRange(in.path, 0, in.size));
+      int fd = ::open(in.path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return ErrnoToStatus(errno, fmt::format("open {}", in.path));
+      ssize_t r = ::pread(fd, &last, 1, static_cast<off_t>(in.size - 1));
+      ::close(fd);
+      if (r != 1) return absl::DataLossError(fmt::format("{}: cannot read its last byte", in.path));
+    } else {
+      if (buf.empty()) buf.resize(4 << 20);
+      PTK_ASSIGN_OR_RETURN(auto src, OpenByteSource(in.path));
+      while (true) {
+        PTK_ASSIGN_OR_RETURN(size_t n, src->Read(buf.data(), buf.size()));
+        if (n == 0) break;
+        PTK_RETURN_IF_ERROR(out->Write(buf.data(), n));
+        last = buf[n - 1];
+      }
+    }
+    // A file without a final newline must not merge its last record with the next file's first.
+    if (last != '\n') {
+      PTK_RETURN_IF_ERROR(out->Write("\n", 1));
+      ++res.newlines_added;
+    }
+  }
+  res.bytes = out->bytes_written();
+  PTK_RETURN_IF_ERROR(out->Commit());
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(out_path + std::string(kDoneSuffix),
+                                      fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"inputs\": {}}}\n", digest,
+                                                  res.bytes, c.inputs.size())));
+  return res;
+}
+
+}  // namespace ptk

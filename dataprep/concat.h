@@ -1,0 +1,55 @@
+// ptk-concat's engine: many jsonl files (or .zst/.xz read through) -> N chunks, balanced by bytes,
+// order preserved. A plan written once lets every chunk be built by its own array task.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace ptk {
+
+struct ConcatInput {
+  std::string path;
+  uint64_t size = 0;  // bytes on disk (compressed size for .zst/.xz)
+};
+
+struct ConcatChunk {
+  std::string name;                 // file name inside the output directory
+  std::vector<ConcatInput> inputs;  // in order
+  uint64_t bytes = 0;
+};
+
+struct ConcatPlan {
+  std::string output_dir;
+  std::vector<ConcatChunk> chunks;
+};
+
+struct ConcatPlanOptions {
+  int64_t chunks = 72;           // balanced by bytes, contiguous runs of inputs
+  int64_t files_per_chunk = 0;   // > 0: consecutive groups of this many files (NeMo's concat.sh)
+  std::string name_pattern;      // fmt pattern with the chunk index; default train_{:02d}.jsonl
+};
+
+// Inputs must already be in the wanted order. Balanced mode: chunk k ends at the first input whose
+// midpoint passes (k+1)/N of the total bytes; every chunk gets at least one input (fewer inputs
+// than chunks gives one chunk per input).
+absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs, const std::string& output_dir,
+                                          const ConcatPlanOptions& options);
+
+absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path);
+absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path);
+
+struct ConcatChunkResult {
+  bool skipped = false;  // already complete
+  uint64_t bytes = 0;
+  int64_t newlines_added = 0;  // inputs without a final newline
+};
+
+// Builds one chunk (idempotent: a complete chunk with a matching sidecar is skipped). Checks that
+// every input still has the size the plan recorded.
+absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index);
+
+}  // namespace ptk

@@ -1,0 +1,78 @@
+// ptk-download's engine: whole Hugging Face repos (tree API, revision pinned to a commit) or URL
+// lists; parallel, resumable across runs (NAME.part + Range), verified (size and sha256/git-sha1)
+// before the atomic rename, aware of the Hub's rate limits, shardable across array tasks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/slurm_env.h"
+
+namespace ptk {
+
+struct DownloadOptions {
+  // Source: a Hub repo ...
+  std::string endpoint = "https://huggingface.co";
+  std::string repo;                   // "cerebras/SlimPajama-627B"
+  std::string repo_type = "dataset";  // dataset | model | space
+  std::string revision = "main";
+  std::vector<std::string> include, exclude;  // fnmatch patterns on repo paths ('*' crosses '/')
+  // ... or a URL list: one "URL [sha256=HEX] [size=N] [path=NAME]" per line.
+  std::string url_list;
+
+  std::string local_dir;
+  std::string token;  // sent as a Bearer token to the Hub host only; never logged
+  bool flat = false;  // train/chunk1/example_train_0.jsonl.zst -> example_train_chunk1_shard0.jsonl.zst
+  int jobs = 8;
+  int max_retries = 8;        // attempts without progress per file
+  double retry_base_s = 1.0;  // exponential backoff with full jitter
+  double retry_max_s = 60.0;
+  double stall_timeout_s = 60.0;
+  double connect_timeout_s = 30.0;
+  int page_size_hint = 0;     // not sent; the server paginates
+  ShardSpec shard;
+  bool verify = false;        // re-hash files already present
+  bool list_only = false;     // write the manifest and stop
+  bool progress = true;
+};
+
+struct RemoteFile {
+  std::string path;        // repo path (or name from the URL list)
+  std::string url;         // URL-list mode only
+  uint64_t size = 0;
+  bool size_known = false;
+  std::string sha256;      // LFS sha256 (or from the URL list)
+  std::string git_sha1;    // git blob id for non-LFS Hub files
+  std::string local_path;  // where it goes
+};
+
+struct DownloadFailure {
+  std::string path;
+  std::string error;
+};
+
+struct DownloadSummary {
+  std::string commit;  // pinned revision (Hub mode)
+  int64_t files_total = 0;    // in the listing after include/exclude
+  int64_t files_in_shard = 0;
+  int64_t downloaded = 0, already_present = 0;
+  uint64_t bytes_downloaded = 0;
+  int64_t resolves = 0, retries = 0, rate_limited = 0;
+  std::vector<DownloadFailure> failures;
+  bool disk_full = false;
+  double seconds = 0;
+};
+
+// Errors that stop the run (bad repo, listing failure, disk full) are returned as a Status
+// (disk full: kResourceExhausted); per-file failures are in the summary.
+absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& options);
+
+// Helpers exposed for tests.
+absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path);
+std::string FlatName(const std::string& repo_path);
+bool GlobMatch(const std::string& pattern, const std::string& path);
+
+}  // namespace ptk

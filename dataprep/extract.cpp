@@ -1,0 +1,290 @@
+// ptk-extract's engine.
+#include "dataprep/extract.h"
+
+#include <sys/stat.h>
+
+#include <chrono>
+#include <map>
+#include <cstring>
+#include <mutex>
+
+#include <fmt/core.h>
+#include <simdjson.h>
+
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "common/mmap_file.h"
+#include "common/parallel.h"
+#include "common/progress.h"
+#include "common/status.h"
+#include "dataprep/byte_source.h"
+
+namespace ptk {
+namespace {
+
+constexpr std::string_view kDoneSuffix = ".ptk-done";
+
+struct SourceId {
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+};
+
+absl::StatusOr<SourceId> StatSource(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path));
+  return SourceId{static_cast<uint64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+std::string JsonEscape(std::string_view s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      o += fmt::format("\\u{:04x}", static_cast<unsigned char>(c));
+    } else {
+      o += c;
+    }
+  }
+  return o;
+}
+
+std::string DropKey(const std::vector<std::string>& drops) {
+  std::string k;
+  for (const auto& d : drops) k += (k.empty() ? "" : ",") + d;
+  return k;
+}
+
+// The sidecar written after an output is complete; a rerun skips the file when it still matches.
+std::string SidecarJson(const std::string& input, const SourceId& src, uint64_t out_size, const std::string& drops,
+                        int64_t records, int64_t dropped) {
+  return fmt::format(
+      "{{\"source\": \"{}\", \"source_size\": {}, \"source_mtime_ns\": {}, \"output_size\": {}, \"drop_sets\": \"{}\", "
+      "\"records\": {}, \"dropped\": {}}}\n",
+      JsonEscape(input), src.size, src.mtime_ns, out_size, JsonEscape(drops), records, dropped);
+}
+
+// True when `output` is complete per its sidecar: same source (when the source still exists),
+// same drop sets, and the output has the recorded size.
+bool LooksComplete(const std::string& input, const std::string& output, const std::string& drops, bool source_exists,
+                   const SourceId& src) {
+  auto side = ReadFileToString(output + std::string(kDoneSuffix));
+  if (!side.ok()) return false;
+  simdjson::dom::parser p;
+  simdjson::dom::element e;
+  if (p.parse(*side).get(e)) return false;
+  uint64_t out_size, ssize;
+  int64_t mtime;
+  std::string_view sdrops, spath;
+  if (e["output_size"].get(out_size) || e["source_size"].get(ssize) || e["source_mtime_ns"].get(mtime) ||
+      e["drop_sets"].get(sdrops) || e["source"].get(spath))
+    return false;
+  if (sdrops != drops || spath != input) return false;
+  if (source_exists && (ssize != src.size || mtime != src.mtime_ns)) return false;
+  auto osz = FileSize(output);
+  return osz.ok() && *osz == out_size;
+}
+
+// Decides from meta.redpajama_set_name whether a record is dropped (unparsable lines are kept).
+class SetFilter {
+ public:
+  explicit SetFilter(const std::vector<std::string>& drops) : drops_(drops) {}
+  bool Drop(std::string_view line) {
+    if (line.find("redpajama_set_name") == std::string_view::npos) return false;
+    simdjson::dom::element e;
+    if (parser_.parse(line.data(), line.size(), true).get(e)) return false;
+    std::string_view set;
+    if (e["meta"]["redpajama_set_name"].get(set)) return false;
+    for (const auto& d : drops_)
+      if (set == d) return true;
+    return false;
+  }
+
+ private:
+  const std::vector<std::string>& drops_;
+  simdjson::dom::parser parser_;
+};
+
+absl::Status ExtractOne(const std::string& input, const std::string& output, const ExtractOptions& opt,
+                        ExtractFileResult* res, ProgressReporter* progress) {
+  PTK_ASSIGN_OR_RETURN(SourceId src, StatSource(input));
+  PTK_ASSIGN_OR_RETURN(auto source, OpenByteSource(input));
+  PTK_RETURN_IF_ERROR(MakeDirs(Dirname(output)));
+  PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(output));
+  std::vector<char> buf(4 << 20);
+  std::string carry;
+  SetFilter filter(opt.drop_sets);
+  const bool filtering = !opt.drop_sets.empty();
+  uint64_t last_raw = 0;
+  auto emit_lines = [&](const char* data, size_t n, bool final) -> absl::Status {
+    size_t pos = 0;
+    while (pos < n) {
+      const void* nl = std::memchr(data + pos, '\n', n - pos);
+      if (!nl) break;
+      size_t end = static_cast<size_t>(static_cast<const char*>(nl) - data) + 1;
+      std::string_view line(data + pos, end - pos);
+      ++res->records;
+      if (filter.Drop(line)) ++res->dropped;
+      else PTK_RETURN_IF_ERROR(out->Write(line));
+      pos = end;
+    }
+    carry.assign(data + pos, n - pos);
+    if (final && !carry.empty()) {
+      ++res->records;
+      if (filter.Drop(carry)) ++res->dropped;
+      else PTK_RETURN_IF_ERROR(out->Write(carry));
+      carry.clear();
+    }
+    return absl::OkStatus();
+  };
+  while (true) {
+    PTK_ASSIGN_OR_RETURN(size_t n, source->Read(buf.data(), buf.size()));
+    uint64_t raw = source->raw_bytes_read();
+    progress->AddBytes(raw - last_raw);
+    last_raw = raw;
+    if (n == 0) break;
+    res->bytes_in = raw;
+    if (!filtering) {
+      PTK_RETURN_IF_ERROR(out->Write(buf.data(), n));
+      continue;
+    }
+    if (carry.empty()) {
+      PTK_RETURN_IF_ERROR(emit_lines(buf.data(), n, false));
+    } else {
+      std::string joined = std::move(carry);
+      joined.append(buf.data(), n);
+      PTK_RETURN_IF_ERROR(emit_lines(joined.data(), joined.size(), false));
+    }
+  }
+  if (filtering && !carry.empty()) {
+    std::string last = std::move(carry);
+    PTK_RETURN_IF_ERROR(emit_lines(last.data(), last.size(), true));
+  }
+  res->bytes_in = source->raw_bytes_read();
+  res->bytes_out = out->bytes_written();
+  PTK_RETURN_IF_ERROR(out->Commit());
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(output + std::string(kDoneSuffix),
+                                      SidecarJson(input, src, res->bytes_out, DropKey(opt.drop_sets), res->records, res->dropped)));
+  return absl::OkStatus();
+}
+
+// --verify: decode the source again and compare with the existing output byte for byte.
+absl::Status VerifyOne(const std::string& input, const std::string& output, const ExtractOptions& opt) {
+  const std::string tmp = output + ".ptk-verify";
+  ExtractOptions o = opt;
+  ExtractFileResult r;
+  ProgressReporter quiet({.label = "verify", .enabled = false});
+  PTK_RETURN_IF_ERROR(ExtractOne(input, tmp, o, &r, &quiet));
+  auto a = MappedFile::Open(tmp);
+  auto b = MappedFile::Open(output);
+  bool same = a.ok() && b.ok() && (*a)->size() == (*b)->size() &&
+              ((*a)->size() == 0 || std::memcmp((*a)->data(), (*b)->data(), (*a)->size()) == 0);
+  (void)RemoveFileIfExists(tmp);
+  (void)RemoveFileIfExists(tmp + std::string(kDoneSuffix));
+  if (!same) return absl::DataLossError(fmt::format("{}: does not match what {} decodes to", output, input));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ExtractOutputPath(const std::string& input, const std::string& rel, const std::string& output_dir) {
+  if (output_dir.empty()) return StripCompressionSuffix(input);
+  return JoinPath(output_dir, StripCompressionSuffix(rel.empty() ? Basename(input) : rel));
+}
+
+absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!opt.output_dir.empty()) PTK_RETURN_IF_ERROR(MakeDirs(opt.output_dir));
+  ExtractSummary sum;
+  // Every input's output, checked for collisions over the whole list (not only this shard's).
+  std::vector<std::string> outputs(opt.inputs.size());
+  std::map<std::string, size_t> seen;
+  for (size_t i = 0; i < opt.inputs.size(); ++i) {
+    outputs[i] = ExtractOutputPath(opt.inputs[i], i < opt.relative_outputs.size() ? opt.relative_outputs[i] : "",
+                                   opt.output_dir);
+    auto [it, fresh] = seen.emplace(outputs[i], i);
+    if (!fresh)
+      return absl::InvalidArgumentError(fmt::format("{} and {} would both be extracted to {}", opt.inputs[it->second],
+                                                    opt.inputs[i], outputs[i]));
+  }
+  // Shard membership hangs on the file's own name (FNV-1a of its output path below output_dir),
+  // not on its position in the list: with --delete-input the list shrinks while array tasks run,
+  // and every task must still agree on who owns which file.
+  auto owner = [&](size_t i) {
+    const std::string key = i < opt.relative_outputs.size() && !opt.relative_outputs[i].empty() ? opt.relative_outputs[i]
+                                                                                               : Basename(opt.inputs[i]);
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : key) h = (h ^ c) * 1099511628211ull;
+    return static_cast<int64_t>(h % static_cast<uint64_t>(opt.shard.count));
+  };
+  std::vector<std::string> mine, mine_out;
+  for (size_t i = 0; i < opt.inputs.size(); ++i)
+    if (opt.shard.count <= 1 || owner(i) == opt.shard.index) {
+      mine.push_back(opt.inputs[i]);
+      mine_out.push_back(outputs[i]);
+    }
+  sum.files.resize(mine.size());
+  uint64_t total = 0;
+  for (const auto& f : mine) {
+    auto sz = FileSize(f);
+    if (sz.ok()) total += *sz;
+  }
+  ProgressReporter progress({.label = "extract", .item_unit = "files", .items_total = mine.size(), .bytes_total = total,
+                             .enabled = opt.progress});
+  const std::string drops = DropKey(opt.drop_sets);
+  std::mutex mu;
+  ParallelForEach(mine.size(), opt.jobs, [&](size_t i) {
+    ExtractFileResult& r = sum.files[i];
+    r.input = mine[i];
+    r.output = mine_out[i];
+    auto src = StatSource(r.input);
+    if (!src.ok()) {
+      r.state = ExtractFileResult::State::kFailed;
+      r.error = src.status();
+    } else if (r.output == r.input) {
+      r.state = ExtractFileResult::State::kSkipped;  // already plain, in place
+    } else if (LooksComplete(r.input, r.output, drops, true, *src)) {
+      r.state = ExtractFileResult::State::kSkipped;
+      if (opt.verify) {
+        absl::Status st = VerifyOne(r.input, r.output, opt);
+        if (!st.ok()) {
+          log::Warning("{}; extracting again", StatusMessage(st));
+          r.state = ExtractFileResult::State::kFailed;
+        }
+      }
+      if (r.state == ExtractFileResult::State::kSkipped) progress.AddBytes(src->size);
+    }
+    if (r.state != ExtractFileResult::State::kSkipped && r.error.ok()) {
+      absl::Status st = ExtractOne(r.input, r.output, opt, &r, &progress);
+      if (st.ok()) {
+        r.state = ExtractFileResult::State::kExtracted;
+        if (opt.delete_input) {
+          absl::Status d = RemoveFileIfExists(r.input);
+          if (!d.ok()) log::Warning("{}", StatusMessage(d));
+        }
+      } else {
+        r.state = ExtractFileResult::State::kFailed;
+        r.error = st;
+        std::lock_guard<std::mutex> lock(mu);
+        log::Error("{}", StatusMessage(st));
+      }
+    }
+    progress.AddItems(1);
+  });
+  progress.Finish();
+  for (const auto& r : sum.files) {
+    switch (r.state) {
+      case ExtractFileResult::State::kExtracted: ++sum.extracted; break;
+      case ExtractFileResult::State::kSkipped: ++sum.skipped; break;
+      case ExtractFileResult::State::kFailed: ++sum.failed; break;
+    }
+    sum.bytes_in += r.bytes_in;
+    sum.bytes_out += r.bytes_out;
+    sum.dropped += r.dropped;
+  }
+  sum.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return sum;
+}
+
+}  // namespace ptk

@@ -1,0 +1,51 @@
+// ptk-extract's engine: .zst / .xz (or plain) -> .jsonl, streaming, one file per worker.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/slurm_env.h"
+
+namespace ptk {
+
+struct ExtractOptions {
+  std::vector<std::string> inputs;  // this run's candidates, in a deterministic order
+  // Output name of each input below output_dir (parallel to `inputs`; compression suffix still on);
+  // empty: base names. Two inputs with the same output are an error.
+  std::vector<std::string> relative_outputs;
+  std::string output_dir;           // empty: next to each input
+  int jobs = 1;
+  ShardSpec shard;                  // a file belongs to shard FNV-1a(its relative name) % count
+  bool delete_input = false;
+  std::vector<std::string> drop_sets;  // records whose meta.redpajama_set_name is one of these are dropped
+  bool verify = false;                 // re-decode and compare outputs that look complete
+  bool progress = true;
+};
+
+struct ExtractFileResult {
+  enum class State { kExtracted, kSkipped, kFailed };
+  std::string input, output;
+  State state = State::kFailed;
+  absl::Status error;
+  uint64_t bytes_in = 0, bytes_out = 0;
+  int64_t records = 0, dropped = 0;
+};
+
+struct ExtractSummary {
+  std::vector<ExtractFileResult> files;  // this shard's files, in input order
+  int64_t extracted = 0, skipped = 0, failed = 0;
+  uint64_t bytes_in = 0, bytes_out = 0;
+  int64_t dropped = 0;
+  double seconds = 0;
+};
+
+// Output path for an input: compression suffix removed, at output_dir/rel when output_dir is given.
+std::string ExtractOutputPath(const std::string& input, const std::string& rel, const std::string& output_dir);
+
+// Per-file failures are reported in the summary; the others still run.
+absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& options);
+
+}  // namespace ptk

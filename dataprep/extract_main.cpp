@@ -1,0 +1,61 @@
+// ptk-extract: .zst / .xz -> .jsonl, streaming, per-file parallel, resumable, shardable.
+#include <fmt/core.h>
+
+#include "common/cli.h"
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "dataprep/extract.h"
+#include "dataprep/input_list.h"
+
+int main(int argc, char** argv) {
+  auto app = ptk::cli::MakeApp(
+      "ptk-extract",
+      "Decompress .zst/.xz files (and pass plain ones through) to .jsonl, streaming and multi-frame aware. Files are "
+      "processed in parallel (--jobs) and split across array tasks (--shard-index/--num-shards, default from "
+      "SLURM_ARRAY_TASK_ID/COUNT). Outputs appear atomically; a rerun skips outputs already complete.");
+  std::vector<std::string> inputs, drop_sets;
+  std::string output_dir;
+  int jobs = 4;
+  std::optional<int64_t> shard_index, num_shards;
+  bool delete_input = false, verify = false, quiet = false;
+  app->add_option("--input,input", inputs, "Files, globs or directories (directories: every .zst/.xz below)")->required();
+  app->add_option("--output-dir", output_dir,
+                  "Where the .jsonl files go, keeping the layout below a directory argument (default: next to each input)");
+  app->add_option("--jobs", jobs, "Files decompressed at once")->check(CLI::PositiveNumber);
+  app->add_option("--shard-index", shard_index, "This task's shard (default: from SLURM_ARRAY_TASK_ID)");
+  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT)");
+  app->add_flag("--delete-input", delete_input, "Delete each input after its output is complete");
+  app->add_option("--drop-set", drop_sets, "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)");
+  app->add_flag("--verify", verify, "Re-decode inputs whose outputs look complete and compare byte for byte");
+  app->add_flag("--quiet", quiet, "No progress output");
+  if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+
+  return ptk::cli::RunMain([&]() -> absl::Status {
+    ptk::ExtractOptions opt;
+    PTK_ASSIGN_OR_RETURN(auto files, ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz"}, ptk::PathOrder::kNatural));
+    for (const auto& f : files) {
+      opt.inputs.push_back(f.path);
+      opt.relative_outputs.push_back(f.rel);
+    }
+    if (opt.inputs.empty()) return absl::NotFoundError("no input files");
+    PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
+    opt.output_dir = output_dir;
+    opt.jobs = jobs;
+    opt.delete_input = delete_input;
+    opt.drop_sets = drop_sets;
+    opt.verify = verify;
+    opt.progress = !quiet;
+    PTK_ASSIGN_OR_RETURN(ptk::ExtractSummary s, ptk::RunExtract(opt));
+    ptk::log::Info("shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
+                   opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
+                   s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
+    if (s.failed > 0) {
+      for (const auto& f : s.files)
+        if (f.state == ptk::ExtractFileResult::State::kFailed)
+          ptk::log::Error("failed: {}: {}", f.input, ptk::StatusMessage(f.error));
+      return absl::DataLossError(fmt::format("{} of {} files failed", s.failed, s.files.size()));
+    }
+    return absl::OkStatus();
+  });
+}

@@ -1,0 +1,171 @@
+// HTTP over libcurl.
+#include "dataprep/http.h"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <cctype>
+#include <mutex>
+
+#include <fmt/core.h>
+
+namespace ptk {
+namespace {
+
+std::once_flag g_curl_init;
+
+struct Ctx {
+  HttpResponse* resp;
+  BodySink* sink;
+  bool headers_done = false;
+  bool in_redirect = false;
+};
+
+std::string Trim(std::string s) {
+  while (!s.empty() && (s.back() == '\r' || s.back() == '\n' || s.back() == ' ' || s.back() == '\t')) s.pop_back();
+  size_t i = 0;
+  while (i < s.size() && (s[i] == ' ' || s[i] == '\t')) ++i;
+  return s.substr(i);
+}
+
+size_t HeaderCb(char* data, size_t size, size_t n, void* user) {
+  Ctx* c = static_cast<Ctx*>(user);
+  std::string line(data, size * n);
+  if (line.rfind("HTTP/", 0) == 0) {  // a new response (libcurl reports each one)
+    c->resp->headers.clear();
+    size_t sp = line.find(' ');
+    c->resp->status = sp == std::string::npos ? 0 : std::atol(line.c_str() + sp + 1);
+    c->headers_done = false;
+    return size * n;
+  }
+  size_t colon = line.find(':');
+  if (colon != std::string::npos) {
+    std::string name = line.substr(0, colon);
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    c->resp->headers[name] = Trim(line.substr(colon + 1));
+  }
+  return size * n;
+}
+
+size_t WriteCb(char* data, size_t size, size_t n, void* user) {
+  Ctx* c = static_cast<Ctx*>(user);
+  const size_t len = size * n;
+  if (!c->headers_done) {
+    c->headers_done = true;
+    if (c->sink && c->sink->on_headers && !c->sink->on_headers(*c->resp)) {
+      c->resp->aborted_by_sink = true;
+      return 0;
+    }
+  }
+  c->resp->body_bytes += len;
+  if (c->sink && c->sink->on_data) {
+    if (!c->sink->on_data(data, len)) {
+      c->resp->aborted_by_sink = true;
+      return 0;
+    }
+    return len;
+  }
+  if (c->resp->body.size() < (1u << 20)) c->resp->body.append(data, std::min<size_t>(len, (1u << 20) - c->resp->body.size()));
+  return len;
+}
+
+}  // namespace
+
+HttpClient::HttpClient() {
+  std::call_once(g_curl_init, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+  curl_ = curl_easy_init();
+}
+
+HttpClient::~HttpClient() { curl_easy_cleanup(static_cast<CURL*>(curl_)); }
+
+absl::Status HttpClient::Get(const HttpRequest& req, HttpResponse* resp, BodySink* sink) {
+  CURL* c = static_cast<CURL*>(curl_);
+  if (!c) return absl::InternalError("curl_easy_init failed");
+  curl_easy_reset(c);
+  *resp = HttpResponse();
+  Ctx ctx{resp, sink};
+  curl_slist* hdrs = nullptr;
+  for (const auto& h : req.headers) hdrs = curl_slist_append(hdrs, h.c_str());
+  char errbuf[CURL_ERROR_SIZE] = {0};
+  curl_easy_setopt(c, CURLOPT_URL, req.url.c_str());
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
+  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_USERAGENT, "ptk-download/0.1");
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(req.connect_timeout_s * 1000));
+  if (req.stall_timeout_s > 0) {
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, std::max(1L, static_cast<long>(req.stall_timeout_s + 0.5)));
+  }
+  if (req.total_timeout_s > 0) curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, static_cast<long>(req.total_timeout_s * 1000));
+  curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, HeaderCb);
+  curl_easy_setopt(c, CURLOPT_HEADERDATA, &ctx);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, WriteCb);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, &ctx);
+  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
+  CURLcode rc = curl_easy_perform(c);
+  curl_slist_free_all(hdrs);
+  long code = 0;
+  curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+  if (code) resp->status = code;
+  // A response with no body never reached WriteCb: give the sink its headers now.
+  if (rc == CURLE_OK && !ctx.headers_done && sink && sink->on_headers) {
+    ctx.headers_done = true;
+    if (!sink->on_headers(*resp)) resp->aborted_by_sink = true;
+  }
+  resp->curl_code = rc;
+  if (rc != CURLE_OK) resp->curl_error = errbuf[0] ? errbuf : curl_easy_strerror(rc);
+  return absl::OkStatus();
+}
+
+std::string UrlAuthority(const std::string& url) {
+  size_t s = url.find("://");
+  if (s == std::string::npos) return "";
+  size_t start = s + 3;
+  size_t end = url.find_first_of("/?#", start);
+  std::string a = url.substr(start, end == std::string::npos ? std::string::npos : end - start);
+  size_t at = a.rfind('@');
+  if (at != std::string::npos) a = a.substr(at + 1);
+  std::transform(a.begin(), a.end(), a.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  return a;
+}
+
+std::string UrlOrigin(const std::string& url) {
+  size_t s = url.find("://");
+  if (s == std::string::npos) return "";
+  size_t end = url.find_first_of("/?#", s + 3);
+  return url.substr(0, end);
+}
+
+std::string ResolveUrl(const std::string& base, const std::string& loc) {
+  if (loc.find("://") != std::string::npos) return loc;
+  if (loc.rfind("//", 0) == 0) return base.substr(0, base.find("://") + 1) + loc;
+  if (!loc.empty() && loc[0] == '/') return UrlOrigin(base) + loc;
+  std::string b = base.substr(0, base.find_first_of("?#"));
+  return b.substr(0, b.rfind('/') + 1) + loc;
+}
+
+std::string UrlQuote(const std::string& s, bool keep_slash) {
+  std::string o;
+  for (unsigned char ch : s) {
+    if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~' || (keep_slash && ch == '/')) o += static_cast<char>(ch);
+    else o += fmt::format("%{:02X}", ch);
+  }
+  return o;
+}
+
+std::string UrlUnquote(const std::string& s) {
+  std::string o;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && std::isxdigit(static_cast<unsigned char>(s[i + 1])) &&
+        std::isxdigit(static_cast<unsigned char>(s[i + 2]))) {
+      o += static_cast<char>(std::stoi(s.substr(i + 1, 2), nullptr, 16));
+      i += 2;
+    } else {
+      o += s[i];
+    }
+  }
+  return o;
+}
+
+}  // namespace ptk

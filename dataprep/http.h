@@ -1,0 +1,71 @@
+// A small blocking HTTP client over libcurl for the downloader: one request at a time per
+// HttpClient (one per worker thread), redirects never followed automatically (the caller decides
+// where credentials go), no Accept-Encoding (so servers honour Range), stall detection.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace ptk {
+
+struct HttpRequest {
+  std::string url;
+  std::vector<std::string> headers;  // "Name: value"
+  double connect_timeout_s = 30;
+  double stall_timeout_s = 60;       // abort when no byte arrives for this long
+  double total_timeout_s = 0;        // 0: none
+};
+
+struct HttpResponse {
+  long status = 0;
+  std::map<std::string, std::string> headers;  // lower-case names; the last value of repeated ones
+  std::string body;                            // collected only when no body sink took it
+  int curl_code = 0;                           // CURLE_OK = 0
+  std::string curl_error;
+  uint64_t body_bytes = 0;
+  bool aborted_by_sink = false;
+  std::string Header(const std::string& lower_name) const {
+    auto it = headers.find(lower_name);
+    return it == headers.end() ? std::string() : it->second;
+  }
+};
+
+// Called once when the headers of the final response are complete and before its first body
+// byte; returning false aborts the transfer. Then called with each body piece; returning false
+// aborts (e.g. a write error).
+struct BodySink {
+  std::function<bool(const HttpResponse&)> on_headers;
+  std::function<bool(const char*, size_t)> on_data;
+};
+
+class HttpClient {
+ public:
+  HttpClient();
+  ~HttpClient();
+  HttpClient(const HttpClient&) = delete;
+  HttpClient& operator=(const HttpClient&) = delete;
+
+  // Performs a GET. Transport problems are reported in curl_code/curl_error (not as a Status);
+  // a non-OK Status means the request could not be made at all.
+  absl::Status Get(const HttpRequest& req, HttpResponse* resp, BodySink* sink = nullptr);
+
+ private:
+  void* curl_;
+};
+
+// "http://host:port/path" -> "host:port" (lower-case); empty when unparsable.
+std::string UrlAuthority(const std::string& url);
+// "http://host:port" of an absolute URL.
+std::string UrlOrigin(const std::string& url);
+// Resolves a Location header against the URL it came from.
+std::string ResolveUrl(const std::string& base, const std::string& location);
+// Percent-encodes everything but unreserved characters (and '/' when keep_slash).
+std::string UrlQuote(const std::string& s, bool keep_slash);
+std::string UrlUnquote(const std::string& s);
+
+}  // namespace ptk

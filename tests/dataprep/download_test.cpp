@@ -1,0 +1,294 @@
+// ptk-download against a fake Hub + CDN (tests/tools/fake_hub.py): listing and pagination, auth
+// kept off the CDN, every injected fault survived with byte-identical files, rate limits honoured,
+// kill -9 and resume, sharding, disk full, clear errors.
+#include <signal.h>
+
+#include <fstream>
+#include <random>
+#include <set>
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include "common/hash.h"
+#include "dataprep/download.h"
+#include "tests/dataprep/fake_hub.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using testing::FakeHub;
+using testing::RunCmd;
+using testing::TempDir;
+
+constexpr const char* kToken = "hf_secret_test_token";
+
+// A small repo: train/chunk{1,2}/example_train_{0..2}.jsonl.zst of random bytes, a README and a
+// validation file.
+std::vector<std::string> MakeRepo(const std::string& dir, size_t file_size = 150000) {
+  std::mt19937 rng(5);
+  std::vector<std::string> paths;
+  for (int c = 1; c <= 2; ++c)
+    for (int i = 0; i < 3; ++i) paths.push_back(fmt::format("train/chunk{}/example_train_{}.jsonl.zst", c, i));
+  paths.push_back("validation/chunk1/example_holdout_0.jsonl.zst");
+  for (const auto& p : paths) {
+    std::filesystem::create_directories(std::filesystem::path(dir + "/" + p).parent_path());
+    std::string data(file_size + rng() % 5000, '\0');
+    for (auto& ch : data) ch = static_cast<char>(rng());
+    testing::WriteFile(dir + "/" + p, data);
+  }
+  testing::WriteFile(dir + "/README.md", "# a fake SlimPajama\n");
+  return paths;
+}
+
+std::string Download(const FakeHub& hub, const std::string& local, const std::string& extra) {
+  return fmt::format("HF_TOKEN={} {} --quiet --repo cerebras/SlimPajama-627B --endpoint {} --local-dir {} "
+                     "--retry-base 0.05 --retry-max 0.5 --stall-timeout 1 {}",
+                     kToken, testing::Tool("ptk-download"), hub.hub(), local, extra);
+}
+
+void ExpectSameTree(const std::string& repo, const std::string& local, const std::vector<std::string>& paths) {
+  for (const auto& p : paths) {
+    ASSERT_TRUE(testing::Exists(local + "/" + p)) << p;
+    ASSERT_TRUE(testing::ReadFile(repo + "/" + p) == testing::ReadFile(local + "/" + p)) << p << " differs";
+    EXPECT_FALSE(testing::Exists(local + "/" + p + ".part")) << p;
+  }
+}
+
+TEST(Download, WholeRepoPaginatedVerifiedAndTokenOnlyOnHub) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  FakeHub hub(dir / "repo", {"--page-size", "1"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", "--jobs 3"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  EXPECT_EQ(testing::ReadFile(dir / "out/README.md"), "# a fake SlimPajama\n");
+  EXPECT_EQ(hub.Stat("auth_on_cdn"), 0);
+  EXPECT_GT(hub.Stat("auth_on_hub"), 0);
+  EXPECT_EQ(hub.Stat("accept_encoding"), 0);
+  EXPECT_EQ(r.output.find(kToken), std::string::npos) << "the token was printed";
+  // A rerun downloads nothing: no resolve, no CDN request.
+  int64_t api_before = hub.Stat("api_calls");
+  auto again = RunCmd(Download(hub, dir / "out", "--jobs 3"));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  for (const auto& p : paths) EXPECT_EQ(hub.Resolves(p), 1) << p;
+  EXPECT_LE(hub.Stat("api_calls") - api_before, 1);  // only pinning main; the listing is reused
+}
+
+TEST(Download, IncludeExcludeAndFlatNames) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  FakeHub hub(dir / "repo", {}, dir.path());
+  auto r = RunCmd(Download(hub, dir / "out", "--include 'train/**' --exclude '*chunk2/example_train_1*' --flat"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(testing::Exists(dir / "out/example_train_chunk1_shard0.jsonl.zst"));
+  EXPECT_TRUE(testing::Exists(dir / "out/example_train_chunk2_shard2.jsonl.zst"));
+  EXPECT_FALSE(testing::Exists(dir / "out/example_train_chunk2_shard1.jsonl.zst"));
+  EXPECT_FALSE(testing::Exists(dir / "out/README.md"));
+  EXPECT_TRUE(testing::ReadFile(dir / "repo/train/chunk2/example_train_2.jsonl.zst") ==
+              testing::ReadFile(dir / "out/example_train_chunk2_shard2.jsonl.zst"));
+}
+
+TEST(Download, EveryFaultIsSurvivedWithIdenticalBytes) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  // One fault plan per file; a fault is consumed by one request for that file.
+  std::string faults = R"({
+    "train/chunk1/example_train_0.jsonl.zst": ["drop:1000", "drop:40000", "ok"],
+    "train/chunk1/example_train_1.jsonl.zst": ["stall:4", "ok"],
+    "train/chunk1/example_train_2.jsonl.zst": ["drop:5000", "ignore_range", "ok"],
+    "train/chunk2/example_train_0.jsonl.zst": ["drop:5000", "bad_range_start", "bad_range_total", "ok"],
+    "train/chunk2/example_train_1.jsonl.zst": ["flip:777", "ok", "hub:429_ratelimit", "hub:429_retry_after:1", "hub:429_plain"],
+    "train/chunk2/example_train_2.jsonl.zst": ["replace", "ok", "hub:503", "hub:500"],
+    "validation/chunk1/example_holdout_0.jsonl.zst": ["cdn_403", "500", "503", "502", "drop:10", "slice200", "ok"]
+  })";
+  testing::WriteFile(dir / "faults.json", faults);
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", "--jobs 4"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  EXPECT_EQ(hub.Stat("auth_on_cdn"), 0);
+  // Resumes used Range; the replaced object was restarted, not appended to.
+  auto gets0 = hub.CdnGets("train/chunk1/example_train_0.jsonl.zst");
+  ASSERT_GE(gets0.size(), 3u);
+  EXPECT_EQ(gets0[0], "");
+  EXPECT_EQ(gets0[1], "bytes=1000-");
+  auto gets_replace = hub.CdnGets("train/chunk2/example_train_2.jsonl.zst");
+  ASSERT_GE(gets_replace.size(), 2u);
+  // The flipped byte was caught by sha256 and the file fetched again from 0.
+  auto gets_flip = hub.CdnGets("train/chunk2/example_train_1.jsonl.zst");
+  ASSERT_GE(gets_flip.size(), 2u);
+  EXPECT_EQ(gets_flip[1], "");
+  EXPECT_NE(r.output.find("sha256 mismatch"), std::string::npos) << r.output;
+}
+
+TEST(Download, ResolverQuotaIsHonouredAcrossWorkers) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 20000);
+  std::filesystem::create_directories(dir / "repo/train/chunk3");
+  for (int i = 3; i < 12; ++i) {  // 16 LFS files in all
+    testing::WriteFile(dir / fmt::format("repo/train/chunk3/example_train_{}.jsonl.zst", i), std::string(10000 + i, 'x'));
+    paths.push_back(fmt::format("train/chunk3/example_train_{}.jsonl.zst", i));
+  }
+  FakeHub hub(dir / "repo", {"--quota", "5", "--window", "1"}, dir.path());
+  auto r = RunCmd(Download(hub, dir / "out", "--jobs 4"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  // The client paused on the RateLimit headers instead of hammering: at most the requests already
+  // in flight when the window ran out were refused.
+  EXPECT_LE(hub.Stat("rate_limited"), 4) << hub.StatsJson();
+}
+
+TEST(Download, RateLimitWithRetryAfterOrNoHints) {
+  for (const char* mode : {"retry-after", "none"}) {
+    TempDir dir;
+    auto paths = MakeRepo(dir / "repo", 5000);
+    FakeHub hub(dir / "repo", {"--quota", "3", "--window", "1", "--ratelimit-mode", mode}, dir.path());
+    auto r = RunCmd(Download(hub, dir / "out", "--jobs 2 --max-retries 20"));
+    ASSERT_EQ(r.exit_code, 0) << mode << r.output;
+    ExpectSameTree(dir / "repo", dir / "out", paths);
+  }
+}
+
+TEST(Download, KillNineThenResumeFetchesNothingTwice) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 300000);
+  std::set<std::string> complete_after_kill;
+  {
+    FakeHub slow(dir / "repo", {"--bytes-per-second", "400000"}, dir.path());
+    std::string cmd = Download(slow, dir / "out", "--jobs 2") + " >/dev/null 2>&1 & echo $! > " + dir / "pid";
+    ASSERT_EQ(RunCmd(cmd).exit_code, 0);
+    // Wait until something is complete and something is partial, then kill -9.
+    for (int i = 0; i < 300; ++i) {
+      int done = 0, partial = 0;
+      for (const auto& p : paths) {
+        done += testing::Exists(dir / ("out/" + p));
+        partial += testing::Exists(dir / ("out/" + p + ".part"));
+      }
+      if (done >= 1 && partial >= 1) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    pid_t pid = std::stoi(testing::ReadFile(dir / "pid"));
+    ::kill(pid, SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (const auto& p : paths)
+      if (testing::Exists(dir / ("out/" + p))) complete_after_kill.insert(p);
+  }
+  ASSERT_FALSE(complete_after_kill.empty());
+  ASSERT_LT(complete_after_kill.size(), paths.size());
+  FakeHub hub(dir / "repo", {}, dir.path());
+  auto r = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  int resumed = 0;
+  for (const auto& p : paths) {
+    auto gets = hub.CdnGets(p);
+    if (complete_after_kill.count(p)) {
+      EXPECT_TRUE(gets.empty()) << p << " was fetched again";
+    } else {
+      ASSERT_FALSE(gets.empty()) << p;
+      if (gets[0].rfind("bytes=", 0) == 0) ++resumed;
+    }
+  }
+  EXPECT_GE(resumed, 1) << "no partial download was resumed with Range";
+}
+
+TEST(Download, ShardsSplitTheWorkDeterministically) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 3000);
+  FakeHub hub(dir / "repo", {}, dir.path());
+  std::set<std::string> seen;
+  for (int s = 0; s < 3; ++s) {
+    std::string local = dir / "out";
+    auto r = RunCmd(fmt::format("SLURM_ARRAY_TASK_ID={} SLURM_ARRAY_TASK_COUNT=3 ", s) + Download(hub, local, "--include 'train/**'"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  for (const auto& p : paths) {
+    if (p.rfind("train/", 0) != 0) continue;
+    EXPECT_EQ(hub.Resolves(p), 1) << p << " was resolved by more than one shard";
+    EXPECT_TRUE(testing::Exists(dir / ("out/" + p)));
+  }
+}
+
+TEST(Download, DiskFullStopsCleanlyAndResumes) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 200000);
+  FakeHub hub(dir / "repo", {}, dir.path());
+  // ulimit -f (KiB): writes past it fail with EFBIG, the same path as ENOSPC.
+  auto r = RunCmd("ulimit -f 100; " + Download(hub, dir / "out", "--jobs 1"));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("disk full"), std::string::npos) << r.output;
+  bool any_part = false;
+  for (const auto& p : paths) any_part = any_part || testing::Exists(dir / ("out/" + p + ".part"));
+  EXPECT_TRUE(any_part);
+  auto again = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+}
+
+TEST(Download, ClearErrors) {
+  TempDir dir;
+  MakeRepo(dir / "repo", 1000);
+  FakeHub hub(dir / "repo", {}, dir.path());
+  auto bad_repo = RunCmd(fmt::format("{} --quiet --repo nobody/nothing --endpoint {} --local-dir {}", testing::Tool("ptk-download"),
+                                     hub.hub(), dir / "o1"));
+  EXPECT_EQ(bad_repo.exit_code, 1);
+  EXPECT_NE(bad_repo.output.find("RepoNotFound"), std::string::npos) << bad_repo.output;
+  auto bad_rev = RunCmd(Download(hub, dir / "o2", "--revision no-such-branch"));
+  EXPECT_EQ(bad_rev.exit_code, 1);
+  EXPECT_NE(bad_rev.output.find("RevisionNotFound"), std::string::npos) << bad_rev.output;
+  auto usage = RunCmd(fmt::format("{} --local-dir {}", testing::Tool("ptk-download"), dir / "o3"));
+  EXPECT_EQ(usage.exit_code, 2);
+
+  TempDir gdir;
+  MakeRepo(gdir / "repo", 1000);
+  FakeHub gated(gdir / "repo", {"--gated"}, gdir.path());
+  auto anon = RunCmd(fmt::format("env -u HF_TOKEN HOME={} {} --quiet --repo cerebras/SlimPajama-627B --endpoint {} --local-dir {}",
+                                 gdir.path(), testing::Tool("ptk-download"), gated.hub(), gdir / "o"));
+  EXPECT_EQ(anon.exit_code, 1);
+  EXPECT_NE(anon.output.find("GatedRepo"), std::string::npos) << anon.output;
+  EXPECT_NE(anon.output.find("HF_TOKEN"), std::string::npos) << anon.output;
+  auto ok = RunCmd(Download(gated, gdir / "o", "--include 'README.md'"));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+TEST(Download, UrlListVerifiesSha256) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 4000);
+  FakeHub hub(dir / "repo", {"--small-mode", "307"}, dir.path());
+  std::string good = testing::ReadFile(dir / "repo/README.md");
+  std::string list = fmt::format("# the seeds' style list\n{}/datasets/cerebras/SlimPajama-627B/resolve/main/README.md "
+                                 "sha256=b0c1a46e5e1ffc4f28a5ee12b9d00ba3e3a0f57aa1d1f4a6e42c0b9cb5ac27c7 path=wrong.md\n",
+                                 hub.hub());
+  testing::WriteFile(dir / "list.txt", list);
+  auto bad = RunCmd(fmt::format("HF_TOKEN={} {} --quiet --url-list {} --endpoint {} --local-dir {} --retry-base 0.01",
+                                kToken, testing::Tool("ptk-download"), dir / "list.txt", hub.hub(), dir / "o"));
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("sha256"), std::string::npos) << bad.output;
+  EXPECT_FALSE(testing::Exists(dir / "o/wrong.md"));
+  std::string sha = Sha256Hex(good);
+  testing::WriteFile(dir / "list2.txt", fmt::format("{}/datasets/cerebras/SlimPajama-627B/resolve/main/README.md sha256={} size={}\n",
+                                                    hub.hub(), sha, good.size()));
+  auto ok = RunCmd(fmt::format("HF_TOKEN={} {} --quiet --url-list {} --endpoint {} --local-dir {}", kToken,
+                               testing::Tool("ptk-download"), dir / "list2.txt", hub.hub(), dir / "o"));
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_EQ(testing::ReadFile(dir / "o/README.md"), good);
+}
+
+TEST(DownloadHelpers, PathsAreSanitizedAndFlattened) {
+  EXPECT_TRUE(SanitizeRepoPath("train/chunk1/a.zst").ok());
+  for (const char* bad : {"../etc/passwd", "/abs", "a/../../b", "a//b", "a\\b", "./a", ""})
+    EXPECT_FALSE(SanitizeRepoPath(bad).ok()) << bad;
+  EXPECT_EQ(FlatName("train/chunk1/example_train_0.jsonl.zst"), "example_train_chunk1_shard0.jsonl.zst");
+  EXPECT_EQ(FlatName("train/chunk10/example_train_5911.jsonl.zst"), "example_train_chunk10_shard5911.jsonl.zst");
+  EXPECT_EQ(FlatName("README.md"), "README.md");
+  EXPECT_TRUE(GlobMatch("train/**", "train/chunk1/a.zst"));
+  EXPECT_TRUE(GlobMatch("train/*", "train/chunk1/a.zst"));  // huggingface_hub's fnmatch: '*' crosses '/'
+  EXPECT_FALSE(GlobMatch("train/**", "validation/chunk1/a.zst"));
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,253 @@
+// ptk-extract and ptk-concat: byte-exact streaming decode (multi-frame), skip of complete outputs,
+// damaged inputs, --drop-set, kill -9 and rerun; concat plans (balance, NeMo's 800-file grouping in
+// C-locale order), newline safety, array-task chunks.
+#include <signal.h>
+
+#include <random>
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include "dataprep/concat.h"
+#include "dataprep/input_list.h"
+#include "tests/dataprep/compress_util.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::TempDir;
+
+std::string Jsonl(int n, int seed, const char* set = "RedPajamaC4") {
+  std::mt19937 rng(seed);
+  std::string s;
+  for (int i = 0; i < n; ++i)
+    s += fmt::format("{{\"text\": \"doc {} of {} with {} words\", \"meta\": {{\"redpajama_set_name\": \"{}\"}}}}\n", i, seed, rng() % 1000,
+                     (i % 5 == 0) ? "RedPajamaBook" : set);
+  return s;
+}
+
+TEST(Extract, DecodesZstXzAndPlainKeepingTheLayout) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in/chunk1");
+  std::filesystem::create_directories(dir / "in/chunk2");
+  std::string a = Jsonl(3000, 1), b = Jsonl(2000, 2), c = Jsonl(100, 3);
+  // Two zstd frames, an xz stream, a second copy name in another chunk.
+  testing::WriteFile(dir / "in/chunk1/x_0.jsonl.zst", testing::ZstdCompress(a.substr(0, 50000)) + testing::ZstdCompress(a.substr(50000)));
+  testing::WriteFile(dir / "in/chunk1/x_1.jsonl.xz", testing::XzCompress(b));
+  testing::WriteFile(dir / "in/chunk2/x_0.jsonl.zst", testing::ZstdCompress(c));
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --jobs 2", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/chunk1/x_0.jsonl"), a);
+  EXPECT_EQ(testing::ReadFile(dir / "out/chunk1/x_1.jsonl"), b);
+  EXPECT_EQ(testing::ReadFile(dir / "out/chunk2/x_0.jsonl"), c);
+  // Rerun: everything already complete (verified against the sidecar).
+  auto again = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  ASSERT_EQ(again.exit_code, 0);
+  EXPECT_NE(again.output.find("0 extracted, 3 already complete"), std::string::npos) << again.output;
+  // A truncated output (a crash after rename would be caught the same way) is redone.
+  testing::WriteFile(dir / "out/chunk1/x_1.jsonl", b.substr(0, 100));
+  auto redo = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  EXPECT_NE(redo.output.find("1 extracted, 2 already complete"), std::string::npos) << redo.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/chunk1/x_1.jsonl"), b);
+  // --verify re-decodes and compares.
+  auto ver = RunCmd(fmt::format("{} --quiet {} --output-dir {} --verify", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  EXPECT_EQ(ver.exit_code, 0) << ver.output;
+}
+
+TEST(Extract, DamagedInputsFailAloneWithOffsetAndNoOutput) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string good = Jsonl(2000, 4);
+  std::string z = testing::ZstdCompress(good);
+  testing::WriteFile(dir / "in/a_good.jsonl.zst", z);
+  testing::WriteFile(dir / "in/b_trunc.jsonl.zst", z.substr(0, z.size() * 2 / 3));
+  std::string flipped = z;
+  flipped[z.size() / 2] ^= 0x40;
+  testing::WriteFile(dir / "in/c_corrupt.jsonl.zst", flipped);
+  std::string xz = testing::XzCompress(good);
+  testing::WriteFile(dir / "in/d_trunc.jsonl.xz", xz.substr(0, xz.size() - 20));
+  testing::WriteFile(dir / "in/e_good.jsonl.xz", xz);
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --jobs 3", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("3 of 5 files failed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("b_trunc.jsonl.zst: truncated zstd data"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("c_corrupt.jsonl.zst: corrupt zstd data near byte"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("d_trunc.jsonl.xz: truncated xz data"), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/a_good.jsonl"), good);
+  EXPECT_EQ(testing::ReadFile(dir / "out/e_good.jsonl"), good);
+  for (const char* bad : {"b_trunc.jsonl", "c_corrupt.jsonl", "d_trunc.jsonl"}) {
+    EXPECT_FALSE(testing::Exists(dir / ("out/" + std::string(bad)))) << bad;
+    EXPECT_FALSE(testing::Exists(dir / ("out/" + std::string(bad) + ".ptk-tmp"))) << bad;
+  }
+}
+
+TEST(Extract, DropSetShardsAndDeleteInput) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string all;
+  for (int i = 0; i < 6; ++i) {
+    std::string d = Jsonl(500, 10 + i);
+    testing::WriteFile(dir / fmt::format("in/f_{}.jsonl.zst", i), testing::ZstdCompress(d));
+  }
+  int extracted = 0;
+  for (int s = 0; s < 2; ++s) {
+    auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --shard-index {} --num-shards 2 --drop-set RedPajamaBook --delete-input",
+                                testing::Tool("ptk-extract"), dir / "in", dir / "out", s));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    size_t at = r.output.find(" extracted");
+    ASSERT_NE(at, std::string::npos);
+    extracted += std::stoi(r.output.substr(r.output.rfind(' ', at - 1) + 1));
+  }
+  EXPECT_EQ(extracted, 6);  // shard 1 still finds its files although shard 0 deleted its inputs
+  for (int i = 0; i < 6; ++i) {
+    std::string out = testing::ReadFile(dir / fmt::format("out/f_{}.jsonl", i));
+    EXPECT_EQ(out.find("RedPajamaBook"), std::string::npos);
+    EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 400);  // every 5th of 500 dropped
+    EXPECT_FALSE(testing::Exists(dir / fmt::format("in/f_{}.jsonl.zst", i)));
+  }
+}
+
+TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::vector<std::string> want;
+  for (int i = 0; i < 8; ++i) {
+    want.push_back(Jsonl(40000, 100 + i));
+    testing::WriteFile(dir / fmt::format("in/g_{}.jsonl.xz", i), testing::XzCompress(want.back(), 0));
+  }
+  const std::string cmd = fmt::format("{} --quiet {} --output-dir {} --jobs 1", testing::Tool("ptk-extract"), dir / "in", dir / "out");
+  ASSERT_EQ(RunCmd(cmd + " >/dev/null 2>&1 & echo $! > " + dir / "pid").exit_code, 0);
+  for (int i = 0; i < 500 && !testing::Exists(dir / "out/g_1.jsonl"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ::kill(std::stoi(testing::ReadFile(dir / "pid")), SIGKILL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto r = RunCmd(cmd);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(testing::ReadFile(dir / fmt::format("out/g_{}.jsonl", i)), want[i]) << i;
+  EXPECT_EQ(r.output.find(" 0 already complete"), std::string::npos) << "nothing was kept from the killed run: " << r.output;
+}
+
+// ---------------------------------------------------------------- concat
+
+TEST(ConcatPlan, BalancedChunksKeepOrderAndCoverEverything) {
+  std::mt19937 rng(9);
+  std::vector<ConcatInput> in;
+  uint64_t total = 0;
+  for (int i = 0; i < 1000; ++i) {
+    uint64_t sz = 10000 + rng() % 30000;
+    in.push_back({fmt::format("f{}", i), sz});
+    total += sz;
+  }
+  auto plan = MakeConcatPlan(in, "out", {});
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->chunks.size(), 72u);
+  EXPECT_EQ(plan->chunks[0].name, "train_00.jsonl");
+  EXPECT_EQ(plan->chunks[71].name, "train_71.jsonl");
+  size_t next = 0;
+  uint64_t mx = 0, mn = UINT64_MAX;
+  for (const auto& c : plan->chunks) {
+    for (const auto& f : c.inputs) EXPECT_EQ(f.path, in[next++].path);
+    mx = std::max(mx, c.bytes);
+    mn = std::min(mn, c.bytes);
+  }
+  EXPECT_EQ(next, in.size());
+  // Within one file of the ideal share (40 KB files, ~278 KB per chunk).
+  EXPECT_LE(mx, total / 72 + 40000);
+  EXPECT_GE(mn, total / 72 - 40000);
+  // Fewer inputs than chunks: one chunk each. Skewed sizes: no empty chunk.
+  auto few = MakeConcatPlan({{"a", 5}, {"b", 1000000}, {"c", 5}}, "out", {});
+  ASSERT_EQ(few->chunks.size(), 3u);
+  auto skew = MakeConcatPlan({{"a", 1000000}, {"b", 1}, {"c", 1}, {"d", 1}}, "out", {.chunks = 3});
+  ASSERT_EQ(skew->chunks.size(), 3u);
+  for (const auto& c : skew->chunks) EXPECT_FALSE(c.inputs.empty());
+}
+
+// NeMo's concat.sh over SlimPajama's 59,166 extracted train files: bash's glob in the C locale,
+// 800 files per chunk -> 74 chunks (shared/reference/seed-pipelines.md §2.5).
+TEST(ConcatPlan, ReproducesNemoGroupingOfSlimPajama) {
+  const int last[10] = {5911, 5910, 5918, 5916, 5932, 5914, 5905, 5920, 5919, 5911};
+  std::vector<std::string> names;
+  for (int c = 1; c <= 10; ++c)
+    for (int s = 0; s <= last[c - 1]; ++s) names.push_back(fmt::format("/d/example_train_chunk{}_shard{}.jsonl", c, s));
+  ASSERT_EQ(names.size(), 59166u);
+  SortPaths(&names, PathOrder::kBytes);
+  std::vector<ConcatInput> in;
+  for (const auto& n : names) in.push_back({n, 1});
+  auto plan = MakeConcatPlan(in, "/d", {.files_per_chunk = 800, .name_pattern = "train_chunk_{}.jsonl"});
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->chunks.size(), 74u);
+  EXPECT_EQ(plan->chunks[73].name, "train_chunk_73.jsonl");
+  EXPECT_EQ(plan->chunks[73].inputs.size(), 766u);
+  EXPECT_EQ(plan->chunks[0].inputs.front().path, "/d/example_train_chunk10_shard0.jsonl");
+  EXPECT_EQ(plan->chunks[0].inputs.back().path, "/d/example_train_chunk10_shard1717.jsonl");
+  EXPECT_EQ(plan->chunks[6].inputs.front().path, "/d/example_train_chunk10_shard5318.jsonl");
+  EXPECT_EQ(plan->chunks[6].inputs.back().path, "/d/example_train_chunk10_shard717.jsonl");
+  EXPECT_EQ(plan->chunks[73].inputs.front().path, "/d/example_train_chunk9_shard5637.jsonl");
+  EXPECT_EQ(plan->chunks[73].inputs.back().path, "/d/example_train_chunk9_shard999.jsonl");
+  auto count = [&](int k, const std::string& chunk) {
+    int n = 0;
+    for (const auto& f : plan->chunks[k].inputs) n += f.path.find("_" + chunk + "_") != std::string::npos;
+    return n;
+  };
+  // Chunks that straddle two sources.
+  EXPECT_EQ(count(7, "chunk10"), 312);
+  EXPECT_EQ(count(7, "chunk1"), 488);
+  EXPECT_EQ(count(14, "chunk1"), 624);
+  EXPECT_EQ(count(14, "chunk2"), 176);
+  EXPECT_EQ(count(66, "chunk8"), 446);
+  EXPECT_EQ(count(66, "chunk9"), 354);
+}
+
+TEST(Concat, ChunksAreExactNewlineSafeAndResumable) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string expect_all;
+  for (int i = 0; i < 10; ++i) {
+    std::string d = Jsonl(200 + i, 50 + i);
+    if (i == 3 || i == 7) d.pop_back();  // no final newline
+    if (i == 5) testing::WriteFile(dir / fmt::format("in/part{}.jsonl.zst", i), testing::ZstdCompress(d));
+    else testing::WriteFile(dir / fmt::format("in/part{}.jsonl", i), d);
+    expect_all += d;
+    if (d.back() != '\n') expect_all += '\n';
+  }
+  testing::WriteFile(dir / "in/part10.jsonl", "");
+  auto r = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"), dir / "in", dir / "out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("2 inputs lacked a final newline"), std::string::npos) << r.output;
+  std::string joined;
+  for (int k = 0; k < 3; ++k) joined += testing::ReadFile(dir / fmt::format("out/train_{:02d}.jsonl", k));
+  EXPECT_EQ(joined, expect_all);  // natural order: part2 before part10, no record merged
+  auto again = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"), dir / "in", dir / "out"));
+  EXPECT_NE(again.output.find("0 chunks built, 3 already complete"), std::string::npos) << again.output;
+}
+
+TEST(Concat, PlanThenOneArrayTaskPerChunk) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 12; ++i) testing::WriteFile(dir / fmt::format("in/s{}.jsonl", i), Jsonl(100, 200 + i));
+  auto plan = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 4", testing::Tool("ptk-concat"), dir / "in", dir / "out"));
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  ASSERT_TRUE(testing::Exists(dir / "out/concat-plan.json"));
+  for (int k = 3; k >= 0; --k) {  // any order, as array tasks run
+    auto r = RunCmd(fmt::format("SLURM_ARRAY_TASK_ID={} SLURM_ARRAY_TASK_COUNT=4 {} run --quiet --plan {}", k,
+                                testing::Tool("ptk-concat"), dir / "out/concat-plan.json"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("1 chunks built"), std::string::npos) << r.output;
+  }
+  std::string joined, want;
+  for (int k = 0; k < 4; ++k) joined += testing::ReadFile(dir / fmt::format("out/train_{:02d}.jsonl", k));
+  for (int i = 0; i < 12; ++i) want += Jsonl(100, 200 + i);
+  EXPECT_EQ(joined, want);
+  // A changed input is refused rather than silently mixed in.
+  testing::WriteFile(dir / "in/s0.jsonl", "{}\n");
+  ::unlink((dir / "out/train_00.jsonl").c_str());
+  auto stale = RunCmd(fmt::format("{} run --quiet --plan {} --chunk-index 0", testing::Tool("ptk-concat"), dir / "out/concat-plan.json"));
+  EXPECT_EQ(stale.exit_code, 1);
+  EXPECT_NE(stale.output.find("changed since the plan"), std::string::npos) << stale.output;
+  auto usage = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern 'bad_{{:q}}'", testing::Tool("ptk-concat"), dir / "in", dir / "o2"));
+  EXPECT_EQ(usage.exit_code, 2) << usage.output;
+}
+
+}  // namespace
+}  // namespace ptk
