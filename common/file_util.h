@@ -44,11 +44,13 @@ class AtomicFileWriter {
 
  private:
   AtomicFileWriter(std::string path, std::string tmp_path, int fd);
+  void StartWriteback();
   std::string path_;
   std::string tmp_path_;
   int fd_ = -1;
   bool done_ = false;
   uint64_t bytes_written_ = 0;
+  uint64_t synced_ = 0;  // bytes handed to StartWriteback
   std::vector<char> buf_;
   size_t buf_used_ = 0;
 };

@@ -84,7 +84,7 @@ class ZstdSource : public DecoderSource {
     while (true) {
       PTK_RETURN_IF_ERROR(Fill());
       ZSTD_inBuffer in{inbuf_.data(), in_len_, in_pos_};
-      const size_t before = in.pos;
+      const size_t before = in.pos, out_before = out.pos;
       size_t ret = ZSTD_decompressStream(dctx_, &out, &in);
       in_pos_ = in.pos;
       if (ZSTD_isError(ret))
@@ -93,9 +93,11 @@ class ZstdSource : public DecoderSource {
       if (in.pos > before) any_input_ = true;
       // ret == 0: a frame ended and is fully flushed. A call that neither consumed nor produced
       // anything says nothing new (it may hint at the size of a next frame header).
-      if (in.pos > before || out.pos > 0) frame_open_ = ret != 0;
-      if (out.pos > 0) return out.pos;
+      if (in.pos > before || out.pos > out_before) frame_open_ = ret != 0;
+      // Fill the caller's buffer: large reads mean large, copy-free writes downstream.
+      if (out.pos == out.size) return out.pos;
       if (eof_) {
+        if (out.pos > 0) return out.pos;  // the next call checks how the stream ended
         if (!any_input_) return absl::DataLossError(fmt::format("{}: empty file is not a zstd stream", name_));
         if (frame_open_)
           return absl::DataLossError(fmt::format("{}: truncated zstd data: the stream ends inside a frame at byte {}",
@@ -122,7 +124,7 @@ class XzSource : public DecoderSource {
     if (done_) return size_t{0};
     strm_.next_out = reinterpret_cast<uint8_t*>(buf);
     strm_.avail_out = size;
-    while (strm_.avail_out == size) {
+    while (strm_.avail_out > 0) {
       PTK_RETURN_IF_ERROR(Fill());
       strm_.next_in = reinterpret_cast<const uint8_t*>(inbuf_.data()) + in_pos_;
       strm_.avail_in = in_len_ - in_pos_;
@@ -135,6 +137,7 @@ class XzSource : public DecoderSource {
       if (r == LZMA_OK) {
         if (eof_ && strm_.avail_out == size)
           return absl::DataLossError(fmt::format("{}: truncated xz data at byte {}", name_, raw_offset()));
+        if (eof_ && strm_.avail_out < size) break;  // hand over what there is; the next call reports the end
         continue;
       }
       if (r == LZMA_BUF_ERROR && eof_)
