@@ -1,0 +1,194 @@
+// BlendedMegatronDatasetBuilder: Megatron's data arguments -> one top-level dataset per split.
+#include <cmath>
+#include <map>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "indexed_dataset/gpt_dataset.h"
+
+namespace ptk {
+
+absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,
+                        std::optional<std::vector<double>>* weights) {
+  prefixes->clear();
+  weights->reset();
+  if (list.empty()) return absl::OkStatus();
+  auto strip = [](std::string s) {
+    size_t a = s.find_first_not_of(" \t\n\r"), b = s.find_last_not_of(" \t\n\r");
+    return a == std::string::npos ? std::string() : s.substr(a, b - a + 1);
+  };
+  if (list.size() % 2 == 0) {
+    std::vector<double> w;
+    bool all_numbers = true;
+    for (size_t i = 0; i < list.size(); i += 2) {
+      try {
+        size_t used = 0;
+        double x = std::stod(list[i], &used);
+        if (used != list[i].size()) throw std::invalid_argument("");
+        w.push_back(x);
+      } catch (...) {
+        all_numbers = false;
+      }
+    }
+    if (all_numbers) {
+      for (size_t i = 1; i < list.size(); i += 2) prefixes->push_back(strip(list[i]));
+      *weights = w;
+      return absl::OkStatus();
+    }
+    if (!w.empty()) return absl::InvalidArgumentError("data paths mix weights and prefixes: give a weight for every prefix or none");
+  }
+  for (const auto& p : list) prefixes->push_back(strip(p));
+  return absl::OkStatus();
+}
+
+namespace {
+
+// ceil(ceil(size * w) * (1 + surplus)) in Python float arithmetic.
+int64_t BufferSize(int64_t size, double w, double surplus) {
+  double target = std::ceil(static_cast<double>(size) * w);
+  return static_cast<int64_t>(std::ceil(target * (1.0 + surplus)));
+}
+int64_t TargetSize(int64_t size, double w) { return static_cast<int64_t>(std::ceil(static_cast<double>(size) * w)); }
+
+class Builder {
+ public:
+  explicit Builder(const GPTDatasetConfig& c) : config_(c) {}
+
+  absl::StatusOr<std::shared_ptr<IndexedDataset>> Open(const std::string& prefix) {
+    auto it = open_.find(prefix);
+    if (it != open_.end()) return it->second;
+    PTK_ASSIGN_OR_RETURN(auto ds, IndexedDataset::Open(prefix));
+    std::shared_ptr<IndexedDataset> sp(std::move(ds));
+    open_[prefix] = sp;
+    return sp;
+  }
+
+  // _build_megatron_dataset_splits: one GPTDataset per split whose bookend is not None.
+  absl::StatusOr<std::array<std::shared_ptr<GPTDataset>, 3>> Splits(const std::string& prefix, const SplitMatrix& split,
+                                                                    const std::array<std::optional<int64_t>, 3>& sizes) {
+    PTK_ASSIGN_OR_RETURN(auto low, Open(prefix));
+    const double n = static_cast<double>(low->num_sequences());
+    std::array<std::shared_ptr<GPTDataset>, 3> out;
+    for (int i = 0; i < 3; ++i) {
+      if (!split.bookends[i]) continue;
+      const int64_t beg = py::RoundHalfEven(split.bookends[i]->first * n);
+      const int64_t end = py::RoundHalfEven(split.bookends[i]->second * n);
+      PTK_ASSIGN_OR_RETURN(out[i], GPTDataset::Build(low, prefix, beg, end, sizes[i], static_cast<Split>(i), config_));
+    }
+    return out;
+  }
+
+ private:
+  GPTDatasetConfig config_;
+  std::map<std::string, std::shared_ptr<IndexedDataset>> open_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args, GPTDatasetConfig config) {
+  std::array<std::shared_ptr<TopLevelDataset>, 3> result;
+  const bool per_split = !args.per_split_data_path[0].empty() || !args.per_split_data_path[1].empty() ||
+                         !args.per_split_data_path[2].empty();
+  if (per_split && !args.data_path.empty())
+    return absl::InvalidArgumentError("--data-path and --train/valid/test-data-path are incompatible");
+  if (!per_split && args.data_path.empty()) return absl::InvalidArgumentError("no data: give --data-path or --train-data-path");
+
+  if (!per_split) {
+    PTK_ASSIGN_OR_RETURN(auto vec, ParseAndNormalizeSplit(args.split));
+    config.split = args.split;
+    config.split_matrix = MakeSplitMatrix(vec);
+    Builder b(config);
+    std::vector<std::string> prefixes;
+    std::optional<std::vector<double>> weights;
+    PTK_RETURN_IF_ERROR(ParseBlend(args.data_path, &prefixes, &weights));
+    const SplitMatrix& split = *config.split_matrix;
+    if (prefixes.size() == 1 && !weights) {
+      PTK_ASSIGN_OR_RETURN(auto ds, b.Splits(prefixes[0], split, args.sizes));
+      for (int i = 0; i < 3; ++i) result[i] = ds[i];
+      return result;
+    }
+    if (weights) *weights = py::NumpyNormalize(*weights);
+    std::vector<std::array<std::shared_ptr<GPTDataset>, 3>> mids;
+    for (size_t k = 0; k < prefixes.size(); ++k) {
+      std::array<std::optional<int64_t>, 3> buffer;
+      for (int i = 0; i < 3; ++i)
+        if (weights && args.sizes[i]) buffer[i] = BufferSize(*args.sizes[i], (*weights)[k], config.mid_level_dataset_surplus);
+      if (weights)
+        for (int i = 0; i < 3; ++i)
+          if (!args.sizes[i] && split.bookends[i])
+            return absl::InvalidArgumentError("weighted blends need a sample count for every split");
+      PTK_ASSIGN_OR_RETURN(auto ds, b.Splits(prefixes[k], split, buffer));
+      mids.push_back(ds);
+    }
+    for (int i = 0; i < 3; ++i) {
+      if (!split.bookends[i]) continue;
+      std::vector<std::shared_ptr<GPTDataset>> parts;
+      for (auto& m : mids) parts.push_back(m[i]);
+      if (weights) {
+        int64_t size = 0;
+        for (size_t k = 0; k < prefixes.size(); ++k) size += TargetSize(*args.sizes[i], (*weights)[k]);
+        PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
+      } else {
+        std::vector<double> lens;
+        int64_t total = 0;
+        for (auto& p : parts) {
+          lens.push_back(static_cast<double>(p->size()));
+          total += p->size();
+        }
+        std::optional<int64_t> size;
+        if (args.sizes[i]) size = std::min(*args.sizes[i], total);
+        PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, lens, true, size, static_cast<Split>(i), config));
+      }
+    }
+    return result;
+  }
+
+  // Per-split blends: each split is built from its own list with split (0, 1).
+  config.split = std::nullopt;
+  config.split_matrix = std::nullopt;
+  Builder b(config);
+  for (int i = 0; i < 3; ++i) {
+    if (args.per_split_data_path[i].empty()) continue;
+    std::vector<std::string> prefixes;
+    std::optional<std::vector<double>> weights;
+    PTK_RETURN_IF_ERROR(ParseBlend(args.per_split_data_path[i], &prefixes, &weights));
+    SplitMatrix spoof;
+    spoof.bookends[i] = std::make_pair(0.0, 1.0);
+    std::array<std::optional<int64_t>, 3> sizes_spoof{int64_t{0}, int64_t{0}, int64_t{0}};
+    sizes_spoof[i] = args.sizes[i];
+    if (weights) *weights = py::NumpyNormalize(*weights);
+    if (prefixes.size() == 1) {
+      PTK_ASSIGN_OR_RETURN(auto ds, b.Splits(prefixes[0], spoof, sizes_spoof));
+      result[i] = ds[i];
+      continue;
+    }
+    std::vector<std::shared_ptr<GPTDataset>> parts;
+    for (size_t k = 0; k < prefixes.size(); ++k) {
+      std::array<std::optional<int64_t>, 3> buffer;
+      if (weights && sizes_spoof[i]) buffer[i] = BufferSize(*sizes_spoof[i], (*weights)[k], config.mid_level_dataset_surplus);
+      PTK_ASSIGN_OR_RETURN(auto ds, b.Splits(prefixes[k], spoof, buffer));
+      parts.push_back(ds[i]);
+    }
+    if (weights && args.sizes[i]) {
+      int64_t size = 0;
+      for (size_t k = 0; k < prefixes.size(); ++k) size += TargetSize(*args.sizes[i], (*weights)[k]);
+      PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
+    } else if (!weights) {
+      std::vector<double> lens;
+      int64_t total = 0;
+      for (auto& p : parts) {
+        lens.push_back(static_cast<double>(p->size()));
+        total += p->size();
+      }
+      std::optional<int64_t> size;
+      if (args.sizes[i]) size = std::min(*args.sizes[i], total);
+      PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, lens, true, size, static_cast<Split>(i), config));
+    } else {
+      return absl::InvalidArgumentError("weighted per-split blends need a sample count");
+    }
+  }
+  return result;
+}
+
+}  // namespace ptk

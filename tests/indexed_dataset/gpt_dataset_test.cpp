@@ -1,0 +1,252 @@
+// GPTDataset / BlendedDataset against megatron-core's own code (goldens:
+// tests/tools/gen_gpt_dataset_goldens.py): identical indices, byte-identical .npy cache files with
+// Megatron's names, identical samples; cache reuse and repair; numpy-compatible arithmetic.
+#include <unistd.h>
+
+#include <filesystem>
+#include <set>
+
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "common/py_format.h"
+#include "indexed_dataset/gpt_dataset.h"
+#include "indexed_dataset/numpy_random.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+const std::string kGolden = testing::SourceDir() + "/tests/data/gpt_dataset/";
+
+struct Config {
+  std::string name;
+  std::vector<std::string> blend;
+  std::array<std::vector<std::string>, 3> per_split;
+  std::string split;
+  int64_t seq;
+  uint32_t seed;
+  std::array<std::optional<int64_t>, 3> sizes;
+  bool masks = false;
+};
+
+// Mirrors CONFIGS in tests/tools/gen_gpt_dataset_goldens.py.
+std::vector<Config> Configs() {
+  using S = std::array<std::optional<int64_t>, 3>;
+  std::vector<Config> c;
+  c.push_back({"tiny_8", {"gpt_data/tiny"}, {}, "1,0,0", 4, 1234, S{8, std::nullopt, std::nullopt}});
+  c.push_back({"tiny_epoch", {"gpt_data/tiny"}, {}, "1,0,0", 4, 1234, S{}});
+  c.push_back({"single", {"gpt_data/A"}, {}, "90, 8, 2", 32, 1234, S{900, 60, 10}});
+  c.push_back({"single_seed42", {"gpt_data/A"}, {}, "80,15,5", 17, 42, S{300, 40, 20}});
+  c.push_back({"near_epoch", {"gpt_data/B"}, {}, "1,0,0", 16, 7, S{250, std::nullopt, std::nullopt}});
+  c.push_back({"blend3", {"0.3", "gpt_data/A", "0.5", "gpt_data/B", "0.2", "gpt_data/C"}, {}, "98,2,0", 16, 1234, S{400, 20, 0}});
+  c.push_back({"blend_unweighted", {"gpt_data/A", "gpt_data/C"}, {}, "90,10,0", 16, 1234, S{100, 10, 0}});
+  Config ps{"per_split", {}, {}, "", 16, 1234, S{200, 30, std::nullopt}};
+  ps.per_split[0] = {"1.0", "gpt_data/A", "1.0", "gpt_data/B"};
+  ps.per_split[1] = {"1.0", "gpt_data/C"};
+  c.push_back(ps);
+  Config m{"masks", {"gpt_data/A"}, {}, "1,0,0", 64, 5, S{40, std::nullopt, std::nullopt}};
+  m.masks = true;
+  c.push_back(m);
+  return c;
+}
+
+class Chdir {
+ public:
+  explicit Chdir(const std::string& to) : old_(fs::current_path()) { fs::current_path(to); }
+  ~Chdir() { fs::current_path(old_); }
+
+ private:
+  fs::path old_;
+};
+
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildConfig(const Config& c) {
+  DataArgs a;
+  a.data_path = c.blend;
+  a.per_split_data_path = c.per_split;
+  if (!c.split.empty()) a.split = c.split;
+  a.sizes = c.sizes;
+  GPTDatasetConfig g;
+  g.random_seed = c.seed;
+  g.sequence_length = c.seq;
+  g.tokenizer = Gpt2TokenizerIdentifiers("gpt2-vocab.json", "gpt2-merges.txt");
+  g.path_to_cache = c.name + "/cache";
+  g.reset_position_ids = g.reset_attention_mask = g.eod_mask_loss = c.masks;
+  return BuildGPTDatasets(a, g);
+}
+
+std::set<std::string> Files(const std::string& dir) {
+  std::set<std::string> s;
+  if (!fs::exists(dir)) return s;
+  for (const auto& e : fs::directory_iterator(dir)) s.insert(e.path().filename().string());
+  return s;
+}
+
+void CheckSamples(const Config& c, const std::array<std::shared_ptr<TopLevelDataset>, 3>& ds) {
+  simdjson::dom::parser p;
+  simdjson::dom::element root = p.load(kGolden + c.name + "/samples.json");
+  const char* names[3] = {"train", "valid", "test"};
+  for (int i = 0; i < 3; ++i) {
+    simdjson::dom::element split = root["splits"][names[i]];
+    if (split.is_null()) {
+      EXPECT_EQ(ds[i], nullptr) << c.name << " " << names[i];
+      continue;
+    }
+    ASSERT_NE(ds[i], nullptr) << c.name << " " << names[i];
+    EXPECT_EQ(ds[i]->size(), int64_t(split["length"])) << c.name << " " << names[i];
+    for (auto s : split["samples"].get_array()) {
+      GPTSample got;
+      int64_t idx = int64_t(s["index"]);
+      ASSERT_TRUE(ds[i]->Get(idx, &got).ok());
+      std::vector<int64_t> tokens, labels, pos;
+      std::vector<float> mask;
+      for (auto x : s["tokens"].get_array()) tokens.push_back(int64_t(x));
+      for (auto x : s["labels"].get_array()) labels.push_back(int64_t(x));
+      for (auto x : s["position_ids"].get_array()) pos.push_back(int64_t(x));
+      for (auto x : s["loss_mask"].get_array()) mask.push_back(static_cast<float>(double(x)));
+      EXPECT_EQ(got.tokens, tokens) << c.name << " " << names[i] << " sample " << idx;
+      EXPECT_EQ(got.labels, labels) << c.name << " " << names[i] << " sample " << idx;
+      EXPECT_EQ(got.position_ids, pos) << c.name << " " << names[i] << " sample " << idx;
+      EXPECT_EQ(got.loss_mask, mask) << c.name << " " << names[i] << " sample " << idx;
+      EXPECT_EQ(got.dataset_id, int64_t(s["dataset_id"])) << c.name << " " << names[i] << " sample " << idx;
+    }
+  }
+}
+
+TEST(GPTDatasetGolden, IndicesCacheFilesAndSamplesEqualMegatrons) {
+  for (const Config& c : Configs()) {
+    SCOPED_TRACE(c.name);
+    TempDir dir;
+    fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+    Chdir cd(dir.path());
+    auto ds = BuildConfig(c);
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    // Same cache files, same names (MD5 of the same description), same bytes.
+    auto want = Files(kGolden + c.name + "/cache"), got = Files(c.name + "/cache");
+    ASSERT_EQ(got, want);
+    for (const auto& f : want)
+      EXPECT_TRUE(testing::ReadFile(kGolden + c.name + "/cache/" + f) == testing::ReadFile(c.name + "/cache/" + f)) << f;
+    CheckSamples(c, *ds);
+    // Built again: everything comes from the cache, nothing changes.
+    auto again = BuildConfig(c);
+    ASSERT_TRUE(again.ok());
+    for (int i = 0; i < 3; ++i)
+      if ((*again)[i]) EXPECT_TRUE((*again)[i]->loaded_from_cache());
+    CheckSamples(c, *again);
+  }
+}
+
+TEST(GPTDatasetGolden, MegatronsCacheIsReusedAndACorruptOneRebuilt) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  fs::create_directories(dir / "single");
+  fs::copy(kGolden + "single/cache", dir / "single/cache", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  const Config c = Configs()[2];
+  ASSERT_EQ(c.name, "single");
+  auto ds = BuildConfig(c);
+  ASSERT_TRUE(ds.ok());
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE((*ds)[i]->loaded_from_cache()) << i;  // Megatron's own files
+  // Damage one file: it is rebuilt (with a warning), identical to Megatron's again.
+  std::string victim;
+  for (const auto& f : Files("single/cache"))
+    if (f.find("train-shuffle_index") != std::string::npos) victim = "single/cache/" + f;
+  ASSERT_FALSE(victim.empty());
+  std::string good = testing::ReadFile(victim);
+  testing::WriteFile(victim, good.substr(0, good.size() - 4));
+  auto rebuilt = BuildConfig(c);
+  ASSERT_TRUE(rebuilt.ok());
+  EXPECT_FALSE((*rebuilt)[0]->loaded_from_cache());
+  EXPECT_TRUE(testing::ReadFile(victim) == good);
+}
+
+TEST(GPTDataset, EmptySplitWithRequestedSamplesIsAnErrorNotAHang) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  Config c{"empty", {"gpt_data/A"}, {}, "969, 30, 1", 16, 1234, {int64_t{100}, int64_t{10}, int64_t{10}}};
+  auto ds = BuildConfig(c);  // 0.1% of 120 sequences is none: Megatron loops forever here
+  ASSERT_FALSE(ds.ok());
+  EXPECT_EQ(ds.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(ds.status().message()).find("test split holds no tokens"), std::string::npos) << ds.status();
+}
+
+// Per epoch every token of the split is covered exactly once, and consecutive samples share their
+// boundary token (seq_length + 1 tokens per sample).
+TEST(GPTDataset, SamplesTileTheEpochs) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  auto low = IndexedDataset::Open("gpt_data/A");
+  ASSERT_TRUE(low.ok());
+  std::shared_ptr<IndexedDataset> sp(std::move(*low));
+  GPTDatasetConfig g;
+  g.sequence_length = 13;
+  g.tokenizer = Gpt2TokenizerIdentifiers("v", "m");
+  g.write_cache = false;
+  g.path_to_cache = "nocache";
+  auto ds = GPTDataset::Build(sp, "gpt_data/A", 0, sp->num_sequences(), 1500, Split::kTrain, g);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  const auto& d = (*ds)->document_index();
+  const auto& s = (*ds)->sample_index();
+  // Document index: every sequence once per epoch (epochs are shuffled together, so count over
+  // the whole index); the last epoch, shuffled on its own here, holds each exactly once.
+  const int64_t n = sp->num_sequences(), epochs = (*ds)->num_epochs();
+  ASSERT_GT(epochs, 2);
+  ASSERT_EQ(d.size(), n * epochs);
+  std::vector<int> seen(static_cast<size_t>(n), 0), last(static_cast<size_t>(n), 0);
+  for (int64_t k = 0; k < d.size(); ++k) ++seen[static_cast<size_t>(d.at(k))];
+  for (int x : seen) ASSERT_EQ(x, epochs);
+  for (int64_t k = (epochs - 1) * n; k < d.size(); ++k) ++last[static_cast<size_t>(d.at(k))];
+  for (int x : last) ASSERT_EQ(x, 1);
+  // Unshuffled walk: sample k ends where sample k+1 starts, one token of overlap.
+  std::vector<int64_t> flat;
+  for (int64_t k = 0; k < d.size(); ++k) {
+    auto doc = sp->sequence(d.at(k));
+    for (int64_t i = 0; i < doc.size; ++i) flat.push_back(doc[i]);
+  }
+  for (int64_t k = 0; k + 1 < s.shape()[0]; ++k) {
+    // position of row k in the flat stream
+    auto pos = [&](int64_t row) {
+      int64_t p = 0;
+      for (int64_t q = 0; q < s.at(2 * row); ++q) p += sp->sequence_length(d.at(q));
+      return p + s.at(2 * row + 1);
+    };
+    ASSERT_EQ(pos(k + 1) - pos(k), 13) << "row " << k;
+    if (k > 50) break;  // the quadratic position walk is enough on a prefix
+  }
+}
+
+TEST(NumpyCompat, ShuffleSumAndRound) {
+  auto shuffled = [](uint32_t seed, int n) {
+    std::vector<int32_t> a(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) a[i] = i;
+    NumpyRandomState r(seed);
+    r.Shuffle(a.data(), a.size());
+    return a;
+  };
+  // numpy.random.RandomState(seed).shuffle(numpy.arange(n)) with numpy 1.24
+  EXPECT_EQ(shuffled(1234, 10), (std::vector<int32_t>{7, 2, 9, 1, 0, 8, 4, 5, 6, 3}));
+  EXPECT_EQ(shuffled(42, 17), (std::vector<int32_t>{0, 1, 5, 15, 11, 14, 8, 13, 2, 9, 16, 4, 7, 10, 12, 3, 6}));
+  EXPECT_EQ(shuffled(0, 5), (std::vector<int32_t>{2, 0, 1, 3, 4}));
+  std::vector<double> w;
+  for (int i = 1; i < 200; ++i) w.push_back(0.1 * i);
+  EXPECT_EQ(py::FloatRepr(py::NumpySum(w.data(), w.size())), "1990.0");  // Python's sum() gives 1990.0000000000002
+  w.clear();
+  for (int i = 1; i < 300; ++i) w.push_back(0.1 * i + 1e-7 * i * i);
+  EXPECT_EQ(py::FloatRepr(py::NumpySum(w.data(), w.size())), "4485.895505");
+  EXPECT_EQ(py::RoundHalfEven(2.5), 2);
+  EXPECT_EQ(py::RoundHalfEven(3.5), 4);
+  EXPECT_EQ(py::FloatRepr(1.0), "1.0");
+  EXPECT_EQ(py::FloatRepr(1e-05), "1e-05");
+  auto split = ParseAndNormalizeSplit("969, 30, 1");
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ(MakeSplitMatrix(*split).ToJson().Dumps(0), "[\n[\n0,\n0.969\n],\n[\n0.969,\n0.999\n],\n[\n0.999,\n1.0\n]\n]");
+  EXPECT_FALSE(ParseAndNormalizeSplit("0,0,0").ok());
+}
+
+}  // namespace
+}  // namespace ptk
