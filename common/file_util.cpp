@@ -122,10 +122,10 @@ void AtomicFileWriter::StartWriteback() {
   synced_ = on_disk;
 }
 
-absl::Status AtomicFileWriter::Commit() {
+absl::Status AtomicFileWriter::Commit(bool durable) {
   if (done_) return absl::FailedPreconditionError(fmt::format("{}: already closed", path_));
   PTK_RETURN_IF_ERROR(Flush());
-  PTK_RETURN_IF_ERROR(FsyncFile(fd_, tmp_path_));
+  if (durable) PTK_RETURN_IF_ERROR(FsyncFile(fd_, tmp_path_));
   if (::close(fd_) != 0) {
     fd_ = -1;
     return ErrnoToStatus(errno, fmt::format("close {}", tmp_path_));
@@ -133,7 +133,7 @@ absl::Status AtomicFileWriter::Commit() {
   fd_ = -1;
   PTK_RETURN_IF_ERROR(RenameFile(tmp_path_, path_));
   done_ = true;
-  return FsyncDir(Dirname(path_));
+  return durable ? FsyncDir(Dirname(path_)) : absl::OkStatus();
 }
 
 void AtomicFileWriter::Abort() {
@@ -143,10 +143,10 @@ void AtomicFileWriter::Abort() {
   done_ = true;
 }
 
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp) {
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp, bool durable) {
   PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path, unique_tmp));
   PTK_RETURN_IF_ERROR(w->Write(contents));
-  return w->Commit();
+  return w->Commit(durable);
 }
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path) {

@@ -32,8 +32,10 @@ class AtomicFileWriter {
   absl::Status Flush();
   // Appends bytes [offset, offset+length) of another file (copy_file_range where possible).
   absl::Status AppendFileRange(const std::string& src_path, uint64_t offset, uint64_t length);
-  // Flush + fsync + rename + fsync(dir). After success the writer is closed.
-  absl::Status Commit();
+  // Flush + fsync + rename + fsync(dir). After success the writer is closed. durable=false skips
+  // the fsyncs (still atomic: readers see the old file or the whole new one), for caches that are
+  // validated on load and rebuilt when damaged.
+  absl::Status Commit(bool durable = true);
   // Removes the temporary file. Idempotent.
   void Abort();
 
@@ -60,7 +62,8 @@ class AtomicFileWriter {
 absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length, std::string_view what);
 
 // Writes the whole file atomically.
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp = false);
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp = false,
+                             bool durable = true);
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
 // write(2) the whole buffer, retrying on EINTR and short writes.

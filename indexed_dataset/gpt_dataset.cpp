@@ -1,9 +1,13 @@
 // Megatron-LM's GPTDataset / BlendedDataset indices, samples and index cache.
 #include "indexed_dataset/gpt_dataset.h"
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <regex>
+#include <thread>
 
 #include <fmt/core.h>
 
@@ -127,7 +131,7 @@ absl::Status TopLevelDataset::Get(int64_t idx, GPTSample* s) const {
 namespace {
 
 absl::Status SaveDescription(const std::string& path, const std::string& text) {
-  return WriteFileAtomic(path, text, /*unique_tmp=*/true);
+  return WriteFileAtomic(path, text, /*unique_tmp=*/true, /*durable=*/false);
 }
 
 }  // namespace
@@ -163,15 +167,15 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
     ds->from_cache_ = true;
     return ds;
   }
-  PTK_RETURN_IF_ERROR(ds->BuildIndices(num_samples));
-  if (config.write_cache) {
+  bool save = config.write_cache;
+  if (save) {
     absl::Status st = MakeDirs(dir);
-    if (st.ok()) st = SaveDescription(ds->cache_prefix_ + "description.txt", ds->description_);
-    if (st.ok()) st = ds->document_index_.Save(ds->cache_prefix_ + "document_index.npy");
-    if (st.ok()) st = ds->sample_index_.Save(ds->cache_prefix_ + "sample_index.npy");
-    if (st.ok()) st = ds->shuffle_index_.Save(ds->cache_prefix_ + "shuffle_index.npy");
-    if (!st.ok()) log::Warning("cannot save the GPTDataset index cache ({}); continuing without it", StatusMessage(st));
+    if (!st.ok()) {
+      log::Warning("cannot save the GPTDataset index cache ({}); continuing without it", StatusMessage(st));
+      save = false;
+    }
   }
+  PTK_RETURN_IF_ERROR(ds->BuildIndices(num_samples, save));
   return ds;
 }
 
@@ -214,7 +218,7 @@ bool GPTDataset::TryLoadCache() {
   return true;
 }
 
-absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples) {
+absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool save) {
   const int64_t seq = config_.sequence_length;
   const int64_t add = config_.add_extra_token_to_sequence ? 1 : 0;
   const int64_t ndocs = end_ - beg_;
@@ -243,32 +247,109 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples) {
   num_epochs_ = epochs;
   if (ndocs * epochs > std::numeric_limits<int32_t>::max() && ndocs > 0)
     return absl::ResourceExhaustedError("document index larger than int32");
-  NumpyRandomState rng(config_.random_seed);
-
-  // document_index: int32, epoch-major copies of [beg, end), shuffled (the last epoch on its own
-  // when separate).
-  document_index_ = IndexArray::Owned(NpyType::kInt32, {ndocs * epochs});
-  int32_t* doc = document_index_.As<int32_t>();
-  for (int64_t e = 0; e < epochs; ++e)
-    for (int64_t i = 0; i < ndocs; ++i) doc[e * ndocs + i] = static_cast<int32_t>(beg_ + i);
-  if (!separate) {
-    rng.Shuffle(doc, static_cast<size_t>(ndocs * epochs));
-  } else {
-    rng.Shuffle(doc, static_cast<size_t>(ndocs * (epochs - 1)));
-    rng.Shuffle(doc + ndocs * (epochs - 1), static_cast<size_t>(ndocs));
-  }
-
-  // sample_index: helpers.cpp build_sample_idx.
+  // The random draws depend only on the generator (never on the arrays), so one thread makes all of
+  // them, in numpy's order (document shuffle(s), then shuffle-index shuffle(s)), while this thread
+  // applies the document swaps as they arrive and builds the sample index; the drawing thread then
+  // shuffles the shuffle index. Same draws, same swaps, same order per array: identical results.
   const bool drop_last = split_ != Split::kValid || config_.drop_last_partial_validation_sequence;
   int64_t ns;
   if (drop_last) ns = (epochs * tpe - add) / seq;
   else ns = static_cast<int64_t>(std::ceil(static_cast<float>(epochs * tpe - add) / static_cast<float>(seq)));
   if (ns < 0) ns = 0;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < dataset_->num_sequences(); ++i) max_len = std::max<int64_t>(max_len, dataset_->sequence_length(i));
   const int64_t nd = ndocs * epochs;
+  const int64_t total = ns;
+  const int64_t first = separate ? sans : total;
+  // Shuffles in the generator's order: the document index (one shuffle, or two when the last epoch
+  // is separate), then the shuffle index (one or two). The document draws travel to this thread
+  // through a ring buffer; the drawing thread applies the shuffle-index draws itself.
+  std::vector<uint64_t> doc_lengths;
+  if (!separate) doc_lengths.push_back(static_cast<uint64_t>(nd));
+  else {
+    doc_lengths.push_back(static_cast<uint64_t>(ndocs * (epochs - 1)));
+    doc_lengths.push_back(static_cast<uint64_t>(ndocs));
+  }
+  size_t doc_draws = 0;
+  for (uint64_t m : doc_lengths) doc_draws += m >= 2 ? static_cast<size_t>(m - 1) : 0;
+
+  document_index_ = IndexArray::Owned(NpyType::kInt32, {nd});
+  const bool big = total >= static_cast<int64_t>(std::numeric_limits<uint32_t>::max()) - 1;
+  shuffle_index_ = IndexArray::Owned(big ? NpyType::kInt64 : NpyType::kUInt32, {total});
+  int32_t* doc = document_index_.As<int32_t>();
+
+  // The document draws go to a buffer as they are made (the drawing thread never waits); this
+  // thread applies them with the targets prefetched a few dozen swaps ahead.
+  const bool wide_draws = nd > static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
+  IndexArray draws = IndexArray::Owned(wide_draws ? NpyType::kInt64 : NpyType::kUInt32, {static_cast<int64_t>(doc_draws)});
+  std::atomic<size_t> produced{0};
+  auto shuffle_index = [&](NumpyRandomState& rng) {
+    auto shuffle = [&](auto* out) {
+      for (int64_t i = 0; i < total; ++i) out[i] = static_cast<std::remove_pointer_t<decltype(out)>>(i);
+      rng.Shuffle(out, static_cast<size_t>(first));
+      if (first < total) rng.Shuffle(out + first, static_cast<size_t>(total - first));
+    };
+    if (big) shuffle(shuffle_index_.As<int64_t>());
+    else shuffle(shuffle_index_.As<uint32_t>());
+  };
+  // Cache writes: each array as soon as it is final; the description only after all three, since
+  // Megatron takes the four files' presence as a cache hit.
+  absl::Status save_shuffle, save_doc, save_sample;
+  std::atomic<bool> doc_done{false};
+  auto save_array = [&](const IndexArray& a, const char* name) {
+    return save ? a.Save(cache_prefix_ + name) : absl::OkStatus();
+  };
+  auto producer = [&] {
+    NumpyRandomState rng(config_.random_seed);
+    if (wide_draws) rng.Draw(doc_lengths, draws.As<int64_t>(), &produced);
+    else rng.Draw(doc_lengths, draws.As<uint32_t>(), &produced);
+    shuffle_index(rng);  // the same generator continues with the shuffle index
+    save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
+    while (!doc_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    save_doc = save_array(document_index_, "document_index.npy");
+  };
+  const bool threaded = doc_draws > (1u << 18);
+  std::thread worker;
+  if (threaded) worker = std::thread(producer);
+
+  for (int64_t e = 0; e < epochs; ++e)
+    for (int64_t i = 0; i < ndocs; ++i) doc[e * ndocs + i] = static_cast<int32_t>(beg_ + i);
+  if (!threaded) {
+    NumpyRandomState rng(config_.random_seed);
+    if (!separate) {
+      rng.Shuffle(doc, static_cast<size_t>(nd));
+    } else {
+      rng.Shuffle(doc, static_cast<size_t>(ndocs * (epochs - 1)));
+      rng.Shuffle(doc + ndocs * (epochs - 1), static_cast<size_t>(ndocs));
+    }
+    shuffle_index(rng);
+    save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
+  } else {
+    auto apply_doc = [&](const auto* d) {
+      ApplyDraws(doc, static_cast<size_t>(doc_lengths[0]), d, 0, &produced);
+      if (separate)
+        ApplyDraws(doc + ndocs * (epochs - 1), static_cast<size_t>(doc_lengths[1]), d,
+                   static_cast<size_t>(std::max<int64_t>(0, ndocs * (epochs - 1) - 1)), &produced);
+    };
+    if (wide_draws) apply_doc(draws.As<int64_t>());
+    else apply_doc(draws.As<uint32_t>());
+  }
+  if (threaded) doc_done.store(true, std::memory_order_release);
+  else save_doc = save_array(document_index_, "document_index.npy");
+
+  // sample_index: helpers.cpp build_sample_idx (lengths read ahead of the walk).
+  int64_t max_len = dataset_->max_sequence_length();
   const bool wide = std::max(nd, max_len) > std::numeric_limits<int32_t>::max();
   sample_index_ = IndexArray::Owned(wide ? NpyType::kInt64 : NpyType::kInt32, {ns + 1, 2});
+  if (ns > 0 && nd == 0) {
+    if (worker.joinable()) worker.join();
+    return absl::InternalError("samples without documents");
+  }
+
+  const uint8_t* lens = dataset_->lengths_data();
+  auto len_of = [&](int64_t k) {
+    int32_t v;
+    std::memcpy(&v, lens + 4 * static_cast<int64_t>(doc[k]), 4);
+    return static_cast<int64_t>(v);
+  };
   auto build_samples = [&](auto* out) {
     using T = std::remove_pointer_t<decltype(out)>;
     int64_t si = 0;
@@ -279,14 +360,15 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples) {
     while (si <= ns) {
       int64_t remaining = seq + add;
       while (remaining != 0) {
-        const int64_t dlen = dataset_->sequence_length(doc[di]) - off;
+        if (di + 16 < nd) __builtin_prefetch(lens + 4 * static_cast<int64_t>(doc[di + 16]));
+        const int64_t dlen = len_of(di) - off;
         remaining -= dlen;
         if (remaining <= 0) {
           off = static_cast<T>(off + remaining + dlen - add);
           remaining = 0;
         } else {
           if (di == static_cast<T>(nd - 1)) {
-            off = static_cast<T>(dataset_->sequence_length(doc[di]) - add);
+            off = static_cast<T>(len_of(di) - add);
             break;
           }
           ++di;
@@ -298,22 +380,15 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples) {
       ++si;
     }
   };
-  if (ns > 0 && nd == 0) return absl::InternalError("samples without documents");
   if (wide) build_samples(sample_index_.As<int64_t>());
   else build_samples(sample_index_.As<int32_t>());
-
-  // shuffle_index: uint32 (int64 from 2^32-2 up), [0, sans) and [sans, ns) shuffled apart when separate.
-  const int64_t total = ns;
-  const bool big = total >= static_cast<int64_t>(std::numeric_limits<uint32_t>::max()) - 1;
-  shuffle_index_ = IndexArray::Owned(big ? NpyType::kInt64 : NpyType::kUInt32, {total});
-  auto build_shuffle = [&](auto* out) {
-    const int64_t first = separate ? sans : total;
-    for (int64_t i = 0; i < total; ++i) out[i] = static_cast<std::remove_pointer_t<decltype(out)>>(i);
-    rng.Shuffle(out, static_cast<size_t>(first));
-    if (first < total) rng.Shuffle(out + first, static_cast<size_t>(total - first));
-  };
-  if (big) build_shuffle(shuffle_index_.As<int64_t>());
-  else build_shuffle(shuffle_index_.As<uint32_t>());
+  save_sample = save_array(sample_index_, "sample_index.npy");
+  if (worker.joinable()) worker.join();
+  absl::Status st = save_shuffle;
+  if (st.ok()) st = save_doc;
+  if (st.ok()) st = save_sample;
+  if (st.ok() && save) st = SaveDescription(cache_prefix_ + "description.txt", description_);
+  if (!st.ok()) log::Warning("cannot save the GPTDataset index cache ({}); continuing without it", StatusMessage(st));
   return absl::OkStatus();
 }
 
@@ -466,7 +541,7 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
           SplitName(split), d, datasets[d]->cache_prefix(), counts[d], datasets[d]->size()));
   if (config.path_to_cache && config.write_cache) {
     absl::Status st = MakeDirs(*config.path_to_cache);
-    if (st.ok()) st = WriteFileAtomic(prefix + "description.txt", b->description_, true);
+    if (st.ok()) st = WriteFileAtomic(prefix + "description.txt", b->description_, true, false);
     if (st.ok()) st = b->dataset_index_.Save(prefix + "dataset_index.npy");
     if (st.ok()) st = b->dataset_sample_index_.Save(prefix + "dataset_sample_index.npy");
     if (!st.ok()) log::Warning("cannot save the blend index cache ({}); continuing without it", StatusMessage(st));

@@ -97,7 +97,9 @@ class GPTDataset : public TopLevelDataset {
   std::string cache_prefix() const { return cache_prefix_; }  // ".../{md5}-GPTDataset-{split}-"
 
  private:
-  absl::Status BuildIndices(std::optional<int64_t> num_samples);
+  // Builds the three arrays; with `save`, writes each to the cache as soon as it is final (the
+  // writes overlap with the rest of the build).
+  absl::Status BuildIndices(std::optional<int64_t> num_samples, bool save);
   bool TryLoadCache();
   std::shared_ptr<IndexedDataset> dataset_;
   int64_t beg_ = 0, end_ = 0;

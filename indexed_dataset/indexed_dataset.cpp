@@ -155,7 +155,8 @@ absl::StatusOr<std::unique_ptr<IndexedDataset>> IndexedDataset::Open(const std::
   ds->prefix_ = prefix;
   ds->multimodal_ = multimodal;
   PTK_ASSIGN_OR_RETURN(ds->idx_, MappedFile::Open(IdxPath(prefix)));
-  PTK_ASSIGN_OR_RETURN(ds->bin_, MappedFile::Open(BinPath(prefix)));
+  // Training reads samples at random: no readahead around each one.
+  PTK_ASSIGN_OR_RETURN(ds->bin_, MappedFile::Open(BinPath(prefix), MappedFile::Advice::kRandom));
   PTK_RETURN_IF_ERROR(ds->Validate());
   return ds;
 }
@@ -198,8 +199,10 @@ absl::Status IndexedDataset::Validate() {
   // document_indices: 0, monotone, ends at S.
   int64_t prev = document_index(0);
   if (prev != 0) return loss(fmt::format("document_indices[0] = {} (must be 0)", prev));
+  const uint8_t* dix = idx_->data() + doc_idx_off_;
   for (int64_t j = 1; j < num_doc_idx_; ++j) {
-    int64_t v = document_index(j);
+    int64_t v;
+    std::memcpy(&v, dix + 8 * j, 8);
     if (v < prev)
       return loss(fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)", j,
                               v, j - 1, prev));
@@ -210,22 +213,39 @@ absl::Status IndexedDataset::Validate() {
   if (prev != num_sequences_)
     return loss(fmt::format("last document index is {} but sequence_count is {}", prev, num_sequences_));
 
-  // Pointers consistent with the lengths, everything inside the .bin.
+  // Pointers consistent with the lengths, everything inside the .bin. A branch-light pass over the
+  // (unaligned) arrays first; only when it finds a problem does the second pass name the field.
   const int64_t isz = static_cast<int64_t>(itemsize());
   const int64_t bin_size = static_cast<int64_t>(bin_->size());
-  int64_t expect = 0, tokens = 0;
+  const uint8_t* lens = idx_->data() + lengths_off_;
+  const uint8_t* ptrs = idx_->data() + pointers_off_;
+  int64_t expect = 0, tokens = 0, max_len = 0;
+  bool bad = false;
   for (int64_t i = 0; i < num_sequences_; ++i) {
-    int32_t len = sequence_length(i);
-    int64_t ptr = sequence_pointer(i);
-    if (len < 0) return loss(fmt::format("sequence_lengths[{}] = {} is negative", i, len));
-    if (ptr != expect)
-      return loss(fmt::format("sequence_pointers[{}] = {} but the lengths before it put it at {}", i, ptr, expect));
+    int32_t len;
+    int64_t ptr;
+    std::memcpy(&len, lens + 4 * i, 4);
+    std::memcpy(&ptr, ptrs + 8 * i, 8);
+    bad |= (len < 0) | (ptr != expect);
     expect += static_cast<int64_t>(len) * isz;
     tokens += len;
-    if (expect > bin_size)
-      return absl::DataLossError(fmt::format("{}: sequence {} (pointer {}, {} tokens of {} bytes) ends at byte {}, past the "
-                                             "end of the {}-byte file (truncated?)",
-                                             BinPath(prefix_), i, ptr, len, isz, expect, bin_size));
+    max_len = std::max<int64_t>(max_len, len);
+  }
+  max_length_ = max_len;
+  if (bad || expect > bin_size) {
+    expect = 0;
+    for (int64_t i = 0; i < num_sequences_; ++i) {
+      int32_t len = sequence_length(i);
+      int64_t ptr = sequence_pointer(i);
+      if (len < 0) return loss(fmt::format("sequence_lengths[{}] = {} is negative", i, len));
+      if (ptr != expect)
+        return loss(fmt::format("sequence_pointers[{}] = {} but the lengths before it put it at {}", i, ptr, expect));
+      expect += static_cast<int64_t>(len) * isz;
+      if (expect > bin_size)
+        return absl::DataLossError(fmt::format("{}: sequence {} (pointer {}, {} tokens of {} bytes) ends at byte {}, past the "
+                                               "end of the {}-byte file (truncated?)",
+                                               BinPath(prefix_), i, ptr, len, isz, expect, bin_size));
+    }
   }
   num_tokens_ = tokens;
   return absl::OkStatus();

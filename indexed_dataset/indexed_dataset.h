@@ -110,6 +110,9 @@ class IndexedDataset {
   // Raw document_indices[j], j in [0, num_documents()].
   int64_t document_index(int64_t j) const { return Load<int64_t>(doc_idx_off_ + 8 * j); }
   int8_t sequence_mode(int64_t i) const { return static_cast<int8_t>(idx_->data()[modes_off_ + i]); }
+  // The raw (unaligned, little-endian int32) sequence_lengths array, and its maximum.
+  const uint8_t* lengths_data() const { return idx_->data() + lengths_off_; }
+  int64_t max_sequence_length() const { return max_length_; }
 
   TokenSpan sequence(int64_t i) const;
   // Tokens [offset, offset+length) of sequence i (Megatron's get()); length -1 = to the end.
@@ -136,7 +139,7 @@ class IndexedDataset {
   std::unique_ptr<MappedFile> idx_, bin_;
   DType dtype_ = DType::kUInt16;
   bool multimodal_ = false;
-  int64_t num_sequences_ = 0, num_doc_idx_ = 0, num_tokens_ = 0;
+  int64_t num_sequences_ = 0, num_doc_idx_ = 0, num_tokens_ = 0, max_length_ = 0;
   size_t lengths_off_ = 0, pointers_off_ = 0, doc_idx_off_ = 0, modes_off_ = 0;
 };
 

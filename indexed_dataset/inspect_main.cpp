@@ -6,6 +6,7 @@
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "indexed_dataset/gpt_dataset.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "indexed_dataset/inspect.h"
 #include "tokenizer/gpt2_tokenizer.h"
@@ -15,7 +16,7 @@ int main(int argc, char** argv) {
   std::string prefix, vocab_file, merge_file, format = "both";
   int64_t doc = -1;
   bool verify = false, stats = false, multimodal = false;
-  app->add_option("prefix", prefix, "Dataset path without .bin/.idx")->required();
+  app->add_option("prefix", prefix, "Dataset path without .bin/.idx");
   app->add_option("--doc", doc, "Print document N (0-based): its token ids and decoded text");
   app->add_option("--format", format, "What --doc prints: ids, text or both")->check(CLI::IsMember({"ids", "text", "both"}));
   app->add_flag("--verify", verify, "Check integrity (header, sizes, pointers, document indices, .bin size); exit 1 on damage");
@@ -23,9 +24,83 @@ int main(int argc, char** argv) {
   app->add_flag("--multimodal", multimodal, "The index carries a per-sequence modes array");
   app->add_option("--vocab-file", vocab_file, "GPT-2 vocab.json for decoding (default: the built-in GPT-2 vocab)");
   app->add_option("--merge-file", merge_file, "GPT-2 merges.txt for decoding (default: the built-in GPT-2 merges)");
+  // --sample: Megatron's GPTDataset / BlendedDataset view of the data.
+  int64_t sample = -1, seq_length = 0, seed = 1234;
+  double surplus = 0.005;
+  std::vector<std::string> data_path, train_path, valid_path, test_path;
+  std::string split = "969, 30, 1", sample_split = "train", cache_path;
+  std::optional<int64_t> train_samples, valid_samples, test_samples;
+  bool eod_mask_loss = false, reset_position_ids = false, write_cache = false;
+  auto* sample_opt = app->add_option("--sample", sample, "Print top-level sample I as Megatron's GPTDataset/BlendedDataset gives it");
+  app->add_option("--data-path", data_path, "Megatron's --data-path (default: the prefix): 'p' or 'w1 p1 w2 p2 ...'");
+  app->add_option("--train-data-path", train_path, "Megatron's --train-data-path");
+  app->add_option("--valid-data-path", valid_path, "Megatron's --valid-data-path");
+  app->add_option("--test-data-path", test_path, "Megatron's --test-data-path");
+  app->add_option("--split", split, "Megatron's --split");
+  app->add_option("--seq-length", seq_length, "Megatron's --seq-length (required with --sample)");
+  app->add_option("--seed", seed, "Megatron's --seed");
+  app->add_option("--sample-split", sample_split, "Which split --sample reads")->check(CLI::IsMember({"train", "valid", "test"}));
+  app->add_option("--train-samples", train_samples, "Samples of the train split (Megatron: --train-samples or train_iters*GBS)");
+  app->add_option("--valid-samples", valid_samples, "Samples of the valid split (Megatron: (iters//eval_interval+1)*eval_iters*GBS)");
+  app->add_option("--test-samples", test_samples, "Samples of the test split (Megatron: eval_iters*GBS)");
+  app->add_option("--data-cache-path", cache_path, "Megatron's --data-cache-path (index cache read from and, with --write-cache, written to)");
+  app->add_option("--mid-level-dataset-surplus", surplus, "Megatron's --mid-level-dataset-surplus");
+  app->add_flag("--eod-mask-loss", eod_mask_loss, "Megatron's --eod-mask-loss");
+  app->add_flag("--reset-position-ids", reset_position_ids, "Megatron's --reset-position-ids");
+  app->add_flag("--write-cache", write_cache, "Save the index cache the way Megatron does (off by default: inspect only reads)");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    if (sample_opt->count() > 0) {
+      if (seq_length < 2) return ptk::cli::UsageError("--sample needs --seq-length");
+      ptk::DataArgs args;
+      args.data_path = data_path.empty() && train_path.empty() && valid_path.empty() && test_path.empty() && !prefix.empty()
+                           ? std::vector<std::string>{prefix}
+                           : data_path;
+      args.per_split_data_path = {train_path, valid_path, test_path};
+      args.split = split;
+      args.sizes = {train_samples, valid_samples, test_samples};
+      ptk::GPTDatasetConfig cfg;
+      cfg.sequence_length = seq_length;
+      cfg.random_seed = static_cast<uint32_t>(seed);
+      cfg.tokenizer = ptk::Gpt2TokenizerIdentifiers(vocab_file.empty() ? "gpt2-vocab.json" : vocab_file,
+                                                    merge_file.empty() ? "gpt2-merges.txt" : merge_file);
+      if (!cache_path.empty()) cfg.path_to_cache = cache_path;
+      cfg.write_cache = write_cache;
+      cfg.mid_level_dataset_surplus = surplus;
+      cfg.eod_mask_loss = eod_mask_loss;
+      cfg.reset_position_ids = reset_position_ids;
+      PTK_ASSIGN_OR_RETURN(auto sets, ptk::BuildGPTDatasets(args, cfg));
+      int which = sample_split == "train" ? 0 : sample_split == "valid" ? 1 : 2;
+      if (!sets[which]) return absl::NotFoundError(fmt::format("the {} split is empty with these arguments", sample_split));
+      const auto& ds = *sets[which];
+      if (sample >= ds.size())
+        return absl::OutOfRangeError(fmt::format("--sample {}: the {} split has {} samples", sample, sample_split, ds.size()));
+      ptk::GPTSample s;
+      PTK_RETURN_IF_ERROR(ds.Get(sample, &s));
+      std::printf("%s split: %lld samples (%s, index cache %s), seq_length %lld\n", sample_split.c_str(),
+                  static_cast<long long>(ds.size()), ds.description().find("BlendedDataset") != std::string::npos ? "BlendedDataset" : "GPTDataset",
+                  ds.loaded_from_cache() ? "loaded" : "built", static_cast<long long>(seq_length));
+      std::printf("sample %lld (dataset %lld):\n", static_cast<long long>(sample), static_cast<long long>(s.dataset_id));
+      std::string line = "tokens:";
+      for (int64_t t : s.tokens) line += fmt::format(" {}", t);
+      std::printf("%s\n", line.c_str());
+      int masked = 0;
+      for (float m : s.loss_mask) masked += m == 0.0f;
+      std::printf("labels: tokens shifted by one, last %lld; loss_mask zeros: %d\n", static_cast<long long>(s.labels.back()), masked);
+      if (format != "ids") {
+        std::unique_ptr<ptk::Gpt2Tokenizer> tok;
+        if (!vocab_file.empty() && !merge_file.empty()) {
+          PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::Load(vocab_file, merge_file));
+        } else {
+          PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadDefault());
+        }
+        std::vector<int32_t> ids(s.tokens.begin(), s.tokens.end());
+        std::printf("text:\n%s\n", tok->Decode(ids).c_str());
+      }
+      return absl::OkStatus();
+    }
+    if (prefix.empty()) return ptk::cli::UsageError("give the dataset PREFIX");
     PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, multimodal));
     if (verify) {
       PTK_RETURN_IF_ERROR(ds->Verify());

@@ -1,6 +1,9 @@
 // .npy files byte-identical to numpy.save.
 #include "indexed_dataset/npy.h"
 
+#include <sys/mman.h>
+
+#include <cstdlib>
 #include <cstring>
 #include <regex>
 
@@ -31,11 +34,24 @@ size_t NpySize(NpyType t) {
   return 0;
 }
 
+void IndexArray::Free::operator()(uint8_t* p) const { std::free(p); }
+
 IndexArray IndexArray::Owned(NpyType t, std::vector<int64_t> shape) {
   IndexArray a;
   a.type_ = t;
   a.shape_ = std::move(shape);
-  a.owned_.assign(static_cast<size_t>(a.size()) * NpySize(t), 0);
+  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(a.size()) * NpySize(t));
+  constexpr size_t kHuge = 2u << 20;
+  void* p;
+  if (bytes >= kHuge) {
+    const size_t alloc = (bytes + kHuge - 1) / kHuge * kHuge;
+    p = std::aligned_alloc(kHuge, alloc);
+    if (p) ::madvise(p, alloc, MADV_HUGEPAGE);
+  } else {
+    p = std::malloc(bytes);
+  }
+  PTK_CHECK(p != nullptr);
+  a.owned_ = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), Free());
   return a;
 }
 
@@ -72,7 +88,7 @@ absl::Status IndexArray::Save(const std::string& path) const {
   PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path, /*unique_tmp=*/true));
   PTK_RETURN_IF_ERROR(w->Write(HeaderBytes()));
   PTK_RETURN_IF_ERROR(w->Write(data(), static_cast<size_t>(size()) * NpySize(type_)));
-  return w->Commit();
+  return w->Commit(/*durable=*/false);  // a cache: validated on load, rebuilt if damaged
 }
 
 absl::StatusOr<IndexArray> IndexArray::Load(const std::string& path) {

@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <random>
 #include <set>
 
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
 #include "common/py_format.h"
+#include "indexed_dataset/data_loader.h"
 #include "indexed_dataset/gpt_dataset.h"
 #include "indexed_dataset/numpy_random.h"
 #include "tests/test_util.h"
@@ -220,6 +222,69 @@ TEST(GPTDataset, SamplesTileTheEpochs) {
   }
 }
 
+TEST(PretrainingSampler, MegatronIndexFormulaAndResume) {
+  // GBS = mbs * dp * num_microbatches = 2 * 3 * 4 = 24; rank 1.
+  const int64_t mbs = 2, dp = 3, nmb = 4, gbs = mbs * dp * nmb;
+  PretrainingSampler s(200, 0, mbs, 1, dp);
+  std::vector<int64_t> idx;
+  for (int64_t it = 0; it < 3; ++it)
+    for (int64_t m = 0; m < nmb; ++m) {
+      ASSERT_TRUE(s.Next(&idx));
+      EXPECT_EQ(idx, (std::vector<int64_t>{it * gbs + m * mbs * dp + 1 * mbs, it * gbs + m * mbs * dp + 1 * mbs + 1}));
+    }
+  // Resuming from consumed samples continues exactly where a longer run would be.
+  PretrainingSampler resumed(200, 3 * gbs, mbs, 1, dp);
+  ASSERT_TRUE(s.Next(&idx));
+  std::vector<int64_t> idx2;
+  ASSERT_TRUE(resumed.Next(&idx2));
+  EXPECT_EQ(idx, idx2);
+  // An incomplete last group is dropped: 200 = 33 groups of 6 + 2.
+  PretrainingSampler tail(200, 0, mbs, 0, dp);
+  int groups = 0;
+  while (tail.Next(&idx)) ++groups;
+  EXPECT_EQ(groups, 33);
+}
+
+TEST(DataLoader, PrefetchedBatchesEqualDirectSamples) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  auto ds = BuildConfig(Configs()[8]);  // "masks": eod_mask_loss and reset_position_ids on
+  ASSERT_TRUE(ds.ok());
+  std::shared_ptr<TopLevelDataset> train = (*ds)[0];
+  DataLoader loader(train, PretrainingSampler(train->size(), 4, 2, 0, 1), 2, 3);
+  int batches = 0;
+  while (true) {
+    auto b = loader.Next();
+    ASSERT_TRUE(b.ok());
+    if (!*b) break;
+    for (int64_t r = 0; r < 2; ++r) {
+      GPTSample want;
+      ASSERT_TRUE(train->Get((*b)->indices[r], &want).ok());
+      for (int64_t t = 0; t < train->config().sequence_length; ++t) {
+        size_t k = static_cast<size_t>(r * train->config().sequence_length + t);
+        ASSERT_EQ((*b)->tokens[k], want.tokens[t]);
+        ASSERT_EQ((*b)->labels[k], want.labels[t]);
+        ASSERT_EQ((*b)->position_ids[k], want.position_ids[t]);
+        ASSERT_EQ((*b)->loss_mask[k], want.loss_mask[t]);
+      }
+    }
+    EXPECT_EQ((*b)->indices[0], 4 + 2 * batches);
+    ++batches;
+  }
+  EXPECT_EQ(batches, (train->size() - 4) / 2);
+}
+
+TEST(InspectSample, PrintsMegatronsSample) {
+  const std::string cmd = "cd " + kGolden + " && " + testing::Tool("ptk-inspect") +
+                          " gpt_data/tiny --sample 0 --split 1,0,0 --seq-length 4 --train-samples 8 --format ids";
+  auto r = testing::RunCmd(cmd);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tokens: 4 5 6 7"), std::string::npos) << r.output;
+  auto bad = testing::RunCmd("cd " + kGolden + " && " + testing::Tool("ptk-inspect") + " gpt_data/tiny --sample 0");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+}
+
 TEST(NumpyCompat, ShuffleSumAndRound) {
   auto shuffled = [](uint32_t seed, int n) {
     std::vector<int32_t> a(static_cast<size_t>(n));
@@ -248,5 +313,17 @@ TEST(NumpyCompat, ShuffleSumAndRound) {
   EXPECT_FALSE(ParseAndNormalizeSplit("0,0,0").ok());
 }
 
+}  // namespace
+}  // namespace ptk
+
+namespace ptk {
+namespace {
+TEST(NumpyCompat, Mt19937MatchesTheStandardOne) {
+  for (uint32_t seed : {0u, 1u, 42u, 1234u, 4294967295u}) {
+    Mt19937 a(seed);
+    std::mt19937 b(seed);
+    for (int i = 0; i < 5000; ++i) ASSERT_EQ(a(), b()) << "seed " << seed << " draw " << i;
+  }
+}
 }  // namespace
 }  // namespace ptk
