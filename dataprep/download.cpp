@@ -85,6 +85,12 @@ class RateLimiter {
         PauseLocked(s, "the resolver quota of this window is used up");
         continue;
       }
+      if (known_ && now >= reset_at_ && remaining_ <= 0) {
+        // A new window: its quota is the policy's q (when the Hub announced one); the next
+        // response corrects the count.
+        remaining_ = quota_ > 0 ? quota_ : 1;
+        reset_at_ = now + std::chrono::seconds(window_s_ > 0 ? window_s_ : 1);
+      }
       if (known_) --remaining_;  // optimistic: the response corrects it
       return;
     }
@@ -101,6 +107,12 @@ class RateLimiter {
     std::string policy = r.Header("ratelimit-policy");
     if (!policy.empty() && policy != policy_) {
       policy_ = policy;
+      static const std::regex re(R"(q\s*=\s*(\d+).*?w\s*=\s*(\d+))");
+      std::smatch m;
+      if (std::regex_search(policy, m, re)) {
+        quota_ = std::stoll(m[1]);
+        window_s_ = std::stoll(m[2]);
+      }
       log::Info("Hub rate-limit policy: {}", policy);
     }
   }
@@ -151,7 +163,7 @@ class RateLimiter {
   std::condition_variable cv_;
   Clock::time_point paused_until_{}, reset_at_{};
   bool known_ = false;
-  int64_t remaining_ = 0;
+  int64_t remaining_ = 0, quota_ = 0, window_s_ = 0;
   std::string policy_;
   double base_s_, max_s_;
   std::mutex rng_mu_;

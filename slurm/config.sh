@@ -1,0 +1,52 @@
+# ptk pipeline configuration, shared by the sbatch scripts and submit-pipeline.sh.
+# Every setting is an environment variable with the seeds' defaults; set them before submitting.
+#
+#   STAGE_PATH            (required) working area, as in the Azure/NeMo recipes
+#   DATASET_FOLDER_NAME   slimpajama          -> $STAGE_PATH/$DATASET_FOLDER_NAME/{raw,extracted,chunks,preprocessed}
+#   PTK_BIN               ptk binaries        (default: build/bin of this checkout)
+#   HF_REPO               cerebras/SlimPajama-627B      HF_REPO_TYPE dataset   HF_REVISION main
+#   HF_INCLUDE            'train/**'          HF_EXCLUDE (unset)   HF_ENDPOINT / HF_TOKEN as for huggingface_hub
+#   DOWNLOAD_PARTITION    htc                 DOWNLOAD_TASKS 1     DOWNLOAD_JOBS 16    DOWNLOAD_VERIFY 0
+#   PREP_PARTITION        hpc                 (extract, concat, tokenize)
+#   EXTRACT_TASKS 32      EXTRACT_CONCURRENCY 8    EXTRACT_JOBS 4    DROP_SETS "" (e.g. RedPajamaBook)
+#   CONCAT_CHUNKS 72      CONCAT_TASKS = CONCAT_CHUNKS   CONCAT_CONCURRENCY 16
+#   TOKENIZE_TASKS = CONCAT_CHUNKS   TOKENIZE_CONCURRENCY 16   APPEND_EOD 1   VOCAB_FILE/MERGE_FILE (built-in GPT-2)
+#   CPUS_PER_TASK 4       TIME_LIMIT 24:00:00   SBATCH_EXTRA (e.g. "--account=proj --qos=normal")
+
+: "${DATASET_FOLDER_NAME:=slimpajama}"
+: "${HF_REPO:=cerebras/SlimPajama-627B}"
+: "${HF_REPO_TYPE:=dataset}"
+: "${HF_REVISION:=main}"
+: "${HF_INCLUDE:=train/**}"
+: "${HF_EXCLUDE:=}"
+: "${DOWNLOAD_PARTITION:=htc}"
+: "${DOWNLOAD_TASKS:=1}"
+: "${DOWNLOAD_JOBS:=16}"
+: "${DOWNLOAD_VERIFY:=0}"
+: "${PREP_PARTITION:=hpc}"
+: "${EXTRACT_TASKS:=32}"
+: "${EXTRACT_CONCURRENCY:=8}"
+: "${EXTRACT_JOBS:=4}"
+: "${DROP_SETS:=}"
+: "${CONCAT_CHUNKS:=72}"
+: "${CONCAT_TASKS:=$CONCAT_CHUNKS}"
+: "${CONCAT_CONCURRENCY:=16}"
+: "${TOKENIZE_TASKS:=$CONCAT_CHUNKS}"
+: "${TOKENIZE_CONCURRENCY:=16}"
+: "${APPEND_EOD:=1}"
+: "${VOCAB_FILE:=}"
+: "${MERGE_FILE:=}"
+: "${CPUS_PER_TASK:=4}"
+: "${TIME_LIMIT:=24:00:00}"
+: "${SBATCH_EXTRA:=}"
+
+DATA_DIR="$STAGE_PATH/$DATASET_FOLDER_NAME"
+RAW_DIR="$DATA_DIR/raw"
+EXTRACT_DIR="$DATA_DIR/extracted"
+CHUNK_DIR="$DATA_DIR/chunks"
+PREPROCESSED_DIR="$DATA_DIR/preprocessed"
+RESULTS_DIR="$STAGE_PATH/results"
+PLAN_FILE="$CHUNK_DIR/concat-plan.json"
+STAGES="download extract concat-plan concat tokenize"
+
+ptk_log() { printf '[%s] %s\n' "$(date '+%F %T')" "$*"; }

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Submits the ptk data pipeline as chained Slurm jobs:
+#   download (array, DOWNLOAD_PARTITION) -> extract (array) -> concat-plan -> concat (array) -> tokenize (array)
+# each stage `--dependency=afterok:` the previous one (never aftercorr: a stage must not read the
+# half-written outputs of tasks still running). Every task is idempotent, so resubmitting (with
+# --from STAGE) redoes only what is missing. Configuration: environment variables, see config.sh.
+#
+# Usage: slurm/submit-pipeline.sh [--from STAGE] [--dry-run]
+#   STAGE: download | extract | concat-plan | concat | tokenize
+# Prints "STAGE JOBID" lines (also written to $STAGE_PATH/results/jobs.txt).
+set -euo pipefail
+PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export PTK_SLURM_DIR
+: "${PTK_BIN:=$(cd "$PTK_SLURM_DIR/.." && pwd)/build/bin}"
+export PTK_BIN
+
+from=download
+dry=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --from) from=${2:-}; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "submit-pipeline: unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+die() { echo "submit-pipeline: error: $*" >&2; exit 2; }
+[ -n "${STAGE_PATH:-}" ] || die "STAGE_PATH is not set (the working area for downloads, chunks and datasets)"
+source "$PTK_SLURM_DIR/config.sh"
+case " $STAGES " in *" $from "*) ;; *) die "--from $from: not a stage (one of: $STAGES)" ;; esac
+
+# ---- check the configuration now rather than an hour later in a failed job
+mkdir -p "$STAGE_PATH" || die "cannot create STAGE_PATH=$STAGE_PATH"
+[ -w "$STAGE_PATH" ] || die "STAGE_PATH=$STAGE_PATH is not writable"
+command -v sbatch >/dev/null || die "sbatch not found: is this a Slurm login node?"
+for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect; do
+  [ -x "$PTK_BIN/$tool" ] || die "$PTK_BIN/$tool not found: build ptk (bash scripts/test.sh) or set PTK_BIN"
+done
+for p in "$DOWNLOAD_PARTITION" "$PREP_PARTITION"; do
+  [ -n "$(sinfo -h -p "$p" -o %P 2>/dev/null)" ] || die "partition '$p' does not exist (sinfo -s lists them)"
+done
+if [ -n "$VOCAB_FILE$MERGE_FILE" ]; then
+  [ -f "$VOCAB_FILE" ] || die "VOCAB_FILE=$VOCAB_FILE does not exist"
+  [ -f "$MERGE_FILE" ] || die "MERGE_FILE=$MERGE_FILE does not exist"
+fi
+for v in DOWNLOAD_TASKS EXTRACT_TASKS EXTRACT_CONCURRENCY CONCAT_CHUNKS CONCAT_TASKS CONCAT_CONCURRENCY TOKENIZE_TASKS \
+         TOKENIZE_CONCURRENCY CPUS_PER_TASK DOWNLOAD_JOBS EXTRACT_JOBS; do
+  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v=${!v} must be a positive integer"
+done
+if [ "$from" != download ]; then
+  [ -d "$RAW_DIR" ] || die "--from $from but nothing was downloaded into $RAW_DIR yet"
+fi
+
+mkdir -p "$RESULTS_DIR"/{download,extract,concat-plan,concat,tokenize}
+export STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE HF_EXCLUDE DOWNLOAD_PARTITION DOWNLOAD_TASKS \
+       DOWNLOAD_JOBS DOWNLOAD_VERIFY PREP_PARTITION EXTRACT_TASKS EXTRACT_CONCURRENCY EXTRACT_JOBS DROP_SETS CONCAT_CHUNKS \
+       CONCAT_TASKS CONCAT_CONCURRENCY TOKENIZE_TASKS TOKENIZE_CONCURRENCY APPEND_EOD VOCAB_FILE MERGE_FILE CPUS_PER_TASK
+
+prev=""
+started=0
+jobs_file="$RESULTS_DIR/jobs.txt"
+[ "$dry" = 1 ] || : > "$jobs_file"
+submit() {  # stage partition array(or "") script
+  local stage=$1 part=$2 array=$3 script=$4
+  local args=(--parsable --job-name "ptk-$stage" --partition "$part" --cpus-per-task "$CPUS_PER_TASK" --time "$TIME_LIMIT"
+              --export ALL --kill-on-invalid-dep=yes)
+  if [ -n "$array" ]; then
+    args+=(--array "$array" --output "$RESULTS_DIR/$stage/%A_%a.out")
+  else
+    args+=(--output "$RESULTS_DIR/$stage/%j.out")
+  fi
+  [ -n "$prev" ] && args+=(--dependency "afterok:$prev")
+  # shellcheck disable=SC2206
+  [ -n "$SBATCH_EXTRA" ] && args+=($SBATCH_EXTRA)
+  if [ "$dry" = 1 ]; then
+    echo "sbatch ${args[*]} $PTK_SLURM_DIR/$script"
+    prev="DRYRUN_$stage"
+    return
+  fi
+  local id
+  id=$(sbatch "${args[@]}" "$PTK_SLURM_DIR/$script") || die "sbatch failed for stage $stage"
+  id=${id%%;*}
+  echo "$stage $id" | tee -a "$jobs_file"
+  prev=$id
+}
+for stage in $STAGES; do
+  [ "$stage" = "$from" ] && started=1
+  [ "$started" = 1 ] || continue
+  case "$stage" in
+    download) submit download "$DOWNLOAD_PARTITION" "0-$((DOWNLOAD_TASKS - 1))" download.sbatch ;;
+    extract) submit extract "$PREP_PARTITION" "0-$((EXTRACT_TASKS - 1))%$EXTRACT_CONCURRENCY" extract.sbatch ;;
+    concat-plan) submit concat-plan "$PREP_PARTITION" "" concat-plan.sbatch ;;
+    concat) submit concat "$PREP_PARTITION" "0-$((CONCAT_TASKS - 1))%$CONCAT_CONCURRENCY" concat.sbatch ;;
+    tokenize) submit tokenize "$PREP_PARTITION" "0-$((TOKENIZE_TASKS - 1))%$TOKENIZE_CONCURRENCY" tokenize.sbatch ;;
+  esac
+done
+[ "$dry" = 1 ] || echo "logs: $RESULTS_DIR/<stage>/   status: STAGE_PATH=$STAGE_PATH $PTK_SLURM_DIR/status.sh" >&2
