@@ -56,6 +56,10 @@ if [ -f "$RESULTS_DIR/jobs.txt" ] && command -v scontrol >/dev/null; then
   while read -r stage id; do
     states=$(scontrol show job -o "$id" 2>/dev/null | sed -n 's/.*JobId=\([0-9_]*\) .*ArrayTaskId=\([^ ]*\) .*JobState=\([A-Z_]*\) Reason=\([^ ]*\) .*ExitCode=\([0-9:]*\).*/\2:\3(\4,exit \5)/p; s/.*JobId=\([0-9]*\) .*JobState=\([A-Z_]*\) Reason=\([^ ]*\) .*ExitCode=\([0-9:]*\).*/\2(\3,exit \4)/p' | sort -u | tr '\n' ' ')
     printf '  %-12s %-8s %s\n' "$stage" "$id" "${states:-finished (no longer known to slurmctld)}"
+    if [[ "$states" =~ (FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE) ]]; then
+      echo "  -> $stage job $id has failed or cancelled tasks; logs in $RESULTS_DIR/$stage/; resubmit with slurm/submit-pipeline.sh --from $stage"
+      complete=0
+    fi
   done < "$RESULTS_DIR/jobs.txt"
 fi
 if [ "$complete" = 1 ]; then echo "status: every stage is complete; datasets in $PREPROCESSED_DIR"; exit 0; fi

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The Slurm pipeline on a real single-node Slurm (slurmctld + slurmd + munge, started here):
+#   1. submit-pipeline.sh runs download -> extract -> concat-plan -> concat -> tokenize as array jobs
+#      against a fake Hugging Face Hub serving the bundled sample; the datasets equal a plain
+#      single-process run of the same tools, byte for byte;
+#   2. a corrupted download makes one extract task fail: its dependents never run, status.sh says so;
+#   3. resubmitting from the download stage (with --verify) repairs it and completes the pipeline;
+#   4. wrong configurations fail at submit time with a clear message.
+# Usage: slurm_pipeline_test.sh BIN_DIR SOURCE_DIR      (exit 77 = skipped: not root)
+set -euo pipefail
+BIN=$1
+SRC=$2
+[ "$(id -u)" = 0 ] || { echo "SKIP: a local Slurm needs root"; exit 77; }
+export PATH="$PATH:/usr/sbin:/sbin"
+WORK=$(mktemp -d /tmp/ptk-slurm-XXXXXX)
+export SLURM_LOCAL_DIR=$WORK/s
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+export SLURM_LOCAL_CTLD_PORT=$(free_port) SLURM_LOCAL_SLURMD_PORT=$(free_port) SLURM_LOCAL_KILL_INVALID_DEPEND=1
+HUB_PID=
+cleanup() {
+  [ -n "$HUB_PID" ] && kill "$HUB_PID" 2>/dev/null || true
+  "$SRC/tests/slurm/stop-slurm.sh" --purge "$SLURM_LOCAL_DIR" >/dev/null 2>&1 || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+eval "$("$SRC/tests/slurm/start-slurm.sh" 2>"$WORK/slurm-start.log")" || { cat "$WORK/slurm-start.log"; fail "cannot start Slurm"; }
+python3 "$SRC/tests/tools/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file "$WORK/ports" >/dev/null 2>&1 &
+HUB_PID=$!
+for _ in $(seq 100); do [ -f "$WORK/ports" ] && break; sleep 0.05; done
+export HF_ENDPOINT=$(awk '/HUB/{print $2}' "$WORK/ports") HF_TOKEN=hf_test_token
+export STAGE_PATH=$WORK/stage PTK_BIN=$BIN DOWNLOAD_TASKS=2 EXTRACT_TASKS=3 CONCAT_CHUNKS=4 TOKENIZE_TASKS=3 CPUS_PER_TASK=1
+SUBMIT=$SRC/slurm/submit-pipeline.sh
+WAIT=$SRC/tests/slurm/slurm-wait.sh
+
+run_pipeline() {  # args for submit-pipeline.sh; sets JOBS_OUT and WAIT_RC
+  "$SUBMIT" "$@" > "$WORK/jobs" 2>"$WORK/submit.err" || { cat "$WORK/submit.err"; fail "submit-pipeline.sh $*"; }
+  set +e
+  "$WAIT" -t 300 $(awk '{print $2}' "$WORK/jobs") > "$WORK/wait.out"
+  WAIT_RC=$?
+  set -e
+}
+
+echo "== 1. the whole pipeline as Slurm array jobs"
+run_pipeline
+cat "$WORK/wait.out"
+[ "$WAIT_RC" = 0 ] || { tail -n 30 "$STAGE_PATH"/results/*/*.out; fail "the pipeline did not complete"; }
+"$SRC/slurm/status.sh" || fail "status.sh does not report the pipeline complete"
+
+echo "== reference: the same tools in one process"
+REF=$WORK/ref
+"$BIN/ptk-download" --quiet --repo cerebras/SlimPajama-627B --include 'train/**' --local-dir "$REF/raw"
+"$BIN/ptk-extract" --quiet "$REF/raw" --output-dir "$REF/extracted"
+"$BIN/ptk-concat" --quiet --input "$REF/extracted" --output-dir "$REF/chunks" --chunks 4
+mkdir -p "$REF/pre"
+for c in "$REF"/chunks/train_*.jsonl; do
+  n=$(basename "$c" .jsonl)
+  "$BIN/ptk-tokenize" --quiet --input "$c" --output-prefix "$REF/pre/$n" --append-eod --workers 2 >/dev/null
+done
+compare() {
+  local n=0
+  for f in "$REF"/pre/*_text_document.bin "$REF"/pre/*_text_document.idx; do
+    cmp -s "$f" "$STAGE_PATH/slimpajama/preprocessed/$(basename "$f")" || fail "$(basename "$f") differs from the single-process run"
+    n=$((n + 1))
+  done
+  [ "$n" = 8 ] || fail "expected 4 datasets, compared $n files"
+}
+compare
+echo "   4 datasets byte-identical to the single-process run"
+
+echo "== 2. a corrupted download: one extract task fails, its dependents never run"
+victim=$(find "$STAGE_PATH/slimpajama/raw/train" -name '*.zst' | LC_ALL=C sort | head -1)
+size=$(stat -c %s "$victim")
+printf 'garbage!' | dd of="$victim" bs=1 seek=$((size / 2)) conv=notrunc status=none
+run_pipeline --from extract
+cat "$WORK/wait.out"
+[ "$WAIT_RC" != 0 ] || fail "the pipeline completed despite a corrupt input"
+grep -qE '^[0-9]+_[0-9]+ FAILED' "$WORK/wait.out" || fail "no extract task failed"
+extract_id=$(awk '$1=="extract"{print $2}' "$WORK/jobs")
+for stage in concat-plan concat tokenize; do
+  id=$(awk -v s="$stage" '$1==s{print $2}' "$WORK/jobs")
+  if grep -qE "^${id}(_[0-9]+)? COMPLETED" "$WORK/wait.out"; then fail "$stage ran although extract failed"; fi
+done
+grep -q "corrupt zstd data" "$STAGE_PATH"/results/extract/"${extract_id}"_*.out || fail "the failing task's log does not say why"
+"$SRC/slurm/status.sh" > "$WORK/status.out" && fail "status.sh reports success after a failed task"
+grep -q "FAILED" "$WORK/status.out" || { cat "$WORK/status.out"; fail "status.sh does not show the failed task"; }
+
+echo "== 3. resubmission from the download stage (re-verified) completes the job"
+DOWNLOAD_VERIFY=1 run_pipeline --from download
+cat "$WORK/wait.out"
+[ "$WAIT_RC" = 0 ] || { tail -n 30 "$STAGE_PATH"/results/*/*.out; fail "the resubmission did not complete"; }
+"$SRC/slurm/status.sh" >/dev/null || fail "status.sh does not report the repaired pipeline complete"
+compare
+echo "   repaired; datasets byte-identical again"
+
+echo "== 4. wrong configurations fail at submit time"
+expect_submit_error() {  # message env...
+  local msg=$1; shift
+  if env "$@" "$SUBMIT" > "$WORK/bad.out" 2>&1; then fail "submit accepted: $*"; fi
+  grep -q "$msg" "$WORK/bad.out" || { cat "$WORK/bad.out"; fail "no clear message for: $*"; }
+}
+expect_submit_error "STAGE_PATH is not set" -u STAGE_PATH
+expect_submit_error "partition 'nosuch' does not exist" PREP_PARTITION=nosuch
+expect_submit_error "VOCAB_FILE=/nonexistent/vocab.json does not exist" VOCAB_FILE=/nonexistent/vocab.json MERGE_FILE=/x
+expect_submit_error "must be a positive integer" EXTRACT_TASKS=0
+echo "PASS"
