@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# README's main job: the whole ptk pipeline on one machine, without Slurm, on the sample bundled in
+# sample/slimpajama-mini (real public-domain / freely licensed text shaped like SlimPajama-627B).
+#
+#   0. installs the Debian packages (scripts/install-deps.sh) and builds ptk into build/
+#   1. serves the sample as a Hugging Face dataset repo on 127.0.0.1 (tests/tools/fake_hub.py: Hub
+#      API + a CDN host, pinned commit, sha256 listing, rate-limit headers)
+#   2. ptk-download   the repo  -> raw/            (verified, resumable)
+#   3. ptk-extract    .zst      -> extracted/      (per-file parallel)
+#   4. ptk-concat     train     -> chunks/         (balanced chunks, plan + run)
+#   5. ptk-tokenize   chunks and validation -> preprocessed/  (Megatron .bin/.idx)
+#   6. ptk-inspect    verify, summary, and GPTDataset sample 0 as Megatron would give it
+#
+# Usage: bash scripts/run-main-job.sh [OUTPUT_DIR]     (default: main-job/ in the checkout)
+# Rerunning is cheap: verified downloads, complete extractions and chunks are not redone.
+# Environment: PTK_JOBS (build and worker parallelism, default nproc); PTK_SKIP_INSTALL=1 and
+# PTK_SKIP_BUILD=1 with PTK_BIN=DIR use binaries built elsewhere (the CTest main_job_test does).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(realpath -m "${1:-$ROOT/main-job}")
+JOBS=${PTK_JOBS:-$(nproc)}
+BIN=${PTK_BIN:-$ROOT/build/bin}
+T0=$(date +%s.%N)
+
+step() { printf '\n\033[1m== [%5.1fs] %s\033[0m\n' "$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN{print a-b}')" "$*"; }
+
+step "0/6 install dependencies and build ptk ($JOBS jobs)"
+if [ "${PTK_SKIP_INSTALL:-0}" != 1 ]; then
+  if [ "$(id -u)" = 0 ]; then bash "$ROOT/scripts/install-deps.sh"
+  else sudo bash "$ROOT/scripts/install-deps.sh"; fi
+fi
+if [ "${PTK_SKIP_BUILD:-0}" != 1 ]; then
+  cmake -S "$ROOT" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build "$ROOT/build" -j "$JOBS" --target ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect
+fi
+
+mkdir -p "$OUT"
+HUB_PID=
+cleanup() { [ -n "$HUB_PID" ] && kill "$HUB_PID" 2>/dev/null; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+step "1/6 serve sample/slimpajama-mini as the dataset repo cerebras/SlimPajama-627B on 127.0.0.1"
+rm -f "$OUT/.hub-ports"
+python3 "$ROOT/tests/tools/fake_hub.py" --repo-dir "$ROOT/sample/slimpajama-mini" \
+  --port-file "$OUT/.hub-ports" >"$OUT/hub.log" 2>&1 &
+HUB_PID=$!
+for _ in $(seq 200); do [ -s "$OUT/.hub-ports" ] && break; sleep 0.05; done
+[ -s "$OUT/.hub-ports" ] || { cat "$OUT/hub.log"; echo "main job: the local hub did not start" >&2; exit 1; }
+export HF_ENDPOINT HF_TOKEN=hf_main_job_token
+HF_ENDPOINT=$(awk '/HUB/{print $2}' "$OUT/.hub-ports")
+echo "hub: $HF_ENDPOINT (files are redirected to a separate CDN host, as on huggingface.co)"
+
+step "2/6 ptk-download: list the repo at a pinned commit, download in parallel, verify size + sha256"
+"$BIN/ptk-download" --repo cerebras/SlimPajama-627B --repo-type dataset --local-dir "$OUT/raw" --jobs 8
+
+step "3/6 ptk-extract: .jsonl.zst -> .jsonl, $JOBS files at a time"
+"$BIN/ptk-extract" "$OUT/raw" --output-dir "$OUT/extracted" --jobs "$JOBS"
+
+step "4/6 ptk-concat: train -> 4 chunks balanced by bytes (a plan, then the chunks)"
+"$BIN/ptk-concat" plan --input "$OUT/extracted/train" --output-dir "$OUT/chunks" --chunks 4
+"$BIN/ptk-concat" run --plan "$OUT/chunks/concat-plan.json" --jobs "$JOBS"
+
+step "5/6 ptk-tokenize: GPT-2 BPE -> Megatron .bin/.idx (as preprocess_data.py --append-eod)"
+mkdir -p "$OUT/preprocessed"
+for chunk in "$OUT"/chunks/train_*.jsonl; do
+  name=$(basename "$chunk" .jsonl)
+  "$BIN/ptk-tokenize" --input "$chunk" --output-prefix "$OUT/preprocessed/$name" \
+    --json-keys text --append-eod --workers "$JOBS" --log-interval 2000
+done
+"$BIN/ptk-tokenize" --input "$OUT/extracted/validation/chunk*/*.jsonl" --output-prefix "$OUT/preprocessed/validation" \
+  --json-keys text --append-eod --workers "$JOBS" --log-interval 2000
+
+step "6/6 ptk-inspect: verify every dataset, summarise one, and show GPTDataset sample 0"
+datasets=()
+for idx in "$OUT"/preprocessed/*_text_document.idx; do
+  prefix=${idx%.idx}
+  "$BIN/ptk-inspect" "$prefix" --verify
+  datasets+=("$prefix")
+done
+"$BIN/ptk-inspect" "$OUT/preprocessed/train_00_text_document"
+blend=()
+for p in "${datasets[@]}"; do case $p in */train_*) blend+=("1" "$p") ;; esac; done
+echo
+echo "GPTDataset: blend of the train chunks, --split 98,2,0 --seq-length 128 --seed 1234, sample 0:"
+"$BIN/ptk-inspect" --data-path "${blend[@]}" --split 98,2,0 --seq-length 128 --seed 1234 \
+  --train-samples 1000 --valid-samples 100 --test-samples 0 --sample 0 | head -c 1500
+echo
+
+step "done"
+cat <<EOF
+outputs (under $OUT):
+  raw/            the downloaded repo ($(find "$OUT/raw" -name '*.zst' | wc -l) .jsonl.zst files, verified; manifest and done log in raw/.ptk-download/)
+  extracted/      the .jsonl files ($(du -sh "$OUT/extracted" | cut -f1))
+  chunks/         $(ls "$OUT"/chunks/train_*.jsonl | wc -l) train chunks and concat-plan.json
+  preprocessed/   Megatron datasets, for --data-path:
+$(for p in "${datasets[@]}"; do printf '                    %s  (%s + .idx)\n' "$p" "$(du -h "$p.bin" | cut -f1)"; done)
+  hub.log         the local hub's log
+Rerun this script and the verified work is skipped.
+EOF
