@@ -98,7 +98,7 @@ absl::Status RunPlan(const ptk::ConcatPlan& plan, const RunArgs& r) {
     } else {
       (res->skipped ? skipped : built) += 1;
       newlines += res->newlines_added;
-      bytes += res->bytes;
+      if (!res->skipped) bytes += res->bytes;
     }
     if (todo[i] < plan.chunks.size()) progress.AddBytes(plan.chunks[todo[i]].bytes);
     progress.AddItems(1);
