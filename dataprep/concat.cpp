@@ -12,6 +12,7 @@
 
 #include "common/file_util.h"
 #include "common/hash.h"
+#include "common/json_escape.h"
 #include "common/status.h"
 #include "dataprep/byte_source.h"
 
@@ -19,21 +20,6 @@ namespace ptk {
 namespace {
 
 constexpr std::string_view kDoneSuffix = ".ptk-done";
-
-std::string JsonEscape(std::string_view s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      o += fmt::format("\\u{:04x}", static_cast<unsigned char>(c));
-    } else {
-      o += c;
-    }
-  }
-  return o;
-}
 
 // Identifies a chunk's content: its inputs, their sizes, their order.
 std::string ChunkDigest(const ConcatChunk& c) {

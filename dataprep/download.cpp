@@ -28,6 +28,7 @@
 #include "common/logging.h"
 #include "common/parallel.h"
 #include "common/progress.h"
+#include "common/json_escape.h"
 #include "common/status.h"
 #include "dataprep/http.h"
 
@@ -307,12 +308,7 @@ absl::StatusOr<std::vector<RemoteFile>> ListTree(Session& s, HttpClient& http, c
 }
 
 std::string ManifestLine(const RemoteFile& f) {
-  std::string path;
-  for (char c : f.path) {
-    if (c == '"' || c == '\\') path += '\\';
-    path += c;
-  }
-  return fmt::format("{{\"path\": \"{}\", \"size\": {}, \"sha256\": \"{}\", \"git_sha1\": \"{}\"}}\n", path, f.size, f.sha256,
+  return fmt::format("{{\"path\": \"{}\", \"size\": {}, \"sha256\": \"{}\", \"git_sha1\": \"{}\"}}\n", JsonEscape(f.path), f.size, f.sha256,
                      f.git_sha1);
 }
 

@@ -16,6 +16,7 @@
 #include "common/mmap_file.h"
 #include "common/parallel.h"
 #include "common/progress.h"
+#include "common/json_escape.h"
 #include "common/status.h"
 #include "dataprep/byte_source.h"
 
@@ -33,21 +34,6 @@ absl::StatusOr<SourceId> StatSource(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path));
   return SourceId{static_cast<uint64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
-}
-
-std::string JsonEscape(std::string_view s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      o += fmt::format("\\u{:04x}", static_cast<unsigned char>(c));
-    } else {
-      o += c;
-    }
-  }
-  return o;
 }
 
 std::string DropKey(const std::vector<std::string>& drops) {
