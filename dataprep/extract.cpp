@@ -4,19 +4,20 @@
 #include <sys/stat.h>
 
 #include <chrono>
-#include <map>
 #include <cstring>
+#include <future>
+#include <map>
 #include <mutex>
 
 #include <fmt/core.h>
 #include <simdjson.h>
 
 #include "common/file_util.h"
+#include "common/json_escape.h"
 #include "common/logging.h"
 #include "common/mmap_file.h"
 #include "common/parallel.h"
 #include "common/progress.h"
-#include "common/json_escape.h"
 #include "common/status.h"
 #include "dataprep/byte_source.h"
 
@@ -124,6 +125,11 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
     }
     return absl::OkStatus();
   };
+  // Without filtering, decoding overlaps writing (as zstd's CLI does with --asyncio): block k is
+  // written by a second thread while block k+1 is decoded into the other buffer.
+  std::vector<char> spare(filtering ? 0 : buf.size());
+  std::future<absl::Status> pending;
+  auto wait_pending = [&]() -> absl::Status { return pending.valid() ? pending.get() : absl::OkStatus(); };
   while (true) {
     PTK_ASSIGN_OR_RETURN(size_t n, source->Read(buf.data(), buf.size()));
     uint64_t raw = source->raw_bytes_read();
@@ -132,7 +138,9 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
     if (n == 0) break;
     res->bytes_in = raw;
     if (!filtering) {
-      PTK_RETURN_IF_ERROR(out->Write(buf.data(), n));
+      PTK_RETURN_IF_ERROR(wait_pending());
+      pending = std::async(std::launch::async, [w = out.get(), p = buf.data(), n] { return w->Write(p, n); });
+      buf.swap(spare);
       continue;
     }
     if (carry.empty()) {
@@ -143,6 +151,7 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
       PTK_RETURN_IF_ERROR(emit_lines(joined.data(), joined.size(), false));
     }
   }
+  PTK_RETURN_IF_ERROR(wait_pending());
   if (filtering && !carry.empty()) {
     std::string last = std::move(carry);
     PTK_RETURN_IF_ERROR(emit_lines(last.data(), last.size(), true));
