@@ -424,12 +424,14 @@ class DoneLog {
   ~DoneLog() {
     if (fd_ >= 0) ::close(fd_);
   }
+  // Not fsynced per line: a line lost in a crash only makes the next run re-hash that file.
+  // Sync() at the end of the run makes the log durable.
   absl::Status Append(const std::string& line) {
     std::lock_guard<std::mutex> lock(mu_);
     std::string l = line + "\n";
-    PTK_RETURN_IF_ERROR(WriteAll(fd_, l.data(), l.size(), "done log"));
-    return FsyncFile(fd_, "done log");
+    return WriteAll(fd_, l.data(), l.size(), "done log");
   }
+  absl::Status Sync() { return FsyncFile(fd_, "done log"); }
 
  private:
   int fd_ = -1;
@@ -494,10 +496,11 @@ class FileDownloader {
 };
 
 absl::Status FileDownloader::Finish(const RemoteFile& f, const std::string& part, int fd) {
+  // The data is durable before the rename; the directories (the renames) are fsynced once per
+  // run, at its end (a rename lost in a crash leaves a complete, fsynced .part to resume).
   PTK_RETURN_IF_ERROR(FsyncFile(fd, part));
   PTK_RETURN_IF_ERROR(RenameFile(part, f.local_path));
   (void)RemoveFileIfExists(part + ".json");
-  PTK_RETURN_IF_ERROR(FsyncDir(Dirname(f.local_path)));
   return done_.Append(DoneLogKey(f));
 }
 
@@ -532,8 +535,10 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     if (errno == ENOSPC || errno == EDQUOT) s_.disk_full = true;
     return res;
   }
+  // What the .part is (size, digest, ETag): atomic but not fsynced. Losing it in a crash only
+  // means the .part is not resumed; a stale one cannot pass the final size + digest check.
   auto write_meta = [&](const std::string& tag) {
-    (void)WriteFileAtomic(meta_path, fmt::format("{}\t{}\n{}\n", f.size, want_digest, tag));
+    (void)WriteFileAtomic(meta_path, fmt::format("{}\t{}\n{}\n", f.size, want_digest, tag), false, /*durable=*/false);
   };
   write_meta(etag);
   struct stat st;
@@ -572,7 +577,20 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
   bool size_known = f.size_known;
   int no_progress = 0, digest_failures = 0, redirects = 0;
   absl::Status write_error;
+  // libcurl hands the body over in 16 KiB pieces; they are gathered into writes of 1 MiB, or of
+  // what came in the last half second on a slow link (so a kill loses little). The buffer is
+  // always written out when a transfer ends, before anything looks at the .part.
+  std::vector<char> wbuf;
+  wbuf.reserve(1 << 20);
+  auto last_flush = std::chrono::steady_clock::now();
+  auto flush_wbuf = [&]() {
+    last_flush = std::chrono::steady_clock::now();
+    if (wbuf.empty() || !write_error.ok()) return;
+    write_error = WriteAll(fd, wbuf.data(), wbuf.size(), part);
+    wbuf.clear();
+  };
   auto truncate_to_zero = [&]() {
+    wbuf.clear();
     (void)::ftruncate(fd, 0);
     ::lseek(fd, 0, SEEK_SET);
     offset = 0;
@@ -663,10 +681,10 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         range_ok = false;
         return false;
       }
-      absl::Status w = WriteAll(fd, p, n, part);
-      if (!w.ok()) {
-        write_error = w;
-        return false;
+      wbuf.insert(wbuf.end(), p, p + n);
+      if (wbuf.size() >= (1u << 20) || std::chrono::steady_clock::now() - last_flush > std::chrono::milliseconds(500)) {
+        flush_wbuf();
+        if (!write_error.ok()) return false;
       }
       hasher.Update(p, n);
       offset += n;
@@ -674,6 +692,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       return true;
     };
     absl::Status st = http_.Get(req, &resp, &sink);
+    flush_wbuf();
     if (!st.ok()) return fail(std::string(StatusMessage(st)));
     if (hub) s_.limiter.Observe(resp);
     if (!write_error.ok()) {
@@ -934,6 +953,15 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
       },
       &stop_scheduling);
   progress.Finish();
+  // Make this run's renames and done-log lines durable.
+  std::set<std::string> dirs;
+  for (const auto& f : todo) dirs.insert(Dirname(f.local_path));
+  for (const auto& d : dirs) {
+    absl::Status st = FsyncDir(d);
+    if (!st.ok() && PathExists(d)) log::Warning("{}", StatusMessage(st));
+  }
+  absl::Status synced = log_file.Sync();
+  if (!synced.ok()) log::Warning("{}", StatusMessage(synced));
   sum.resolves = s.resolves;
   sum.retries = s.retries;
   sum.rate_limited = s.rate_limited;

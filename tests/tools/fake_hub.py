@@ -405,6 +405,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # a real server's backlog; the default 5 drops parallel SYNs (1 s retransmits)
     allow_reuse_address = True
 
 
