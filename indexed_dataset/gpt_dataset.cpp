@@ -247,27 +247,29 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   num_epochs_ = epochs;
   if (ndocs * epochs > std::numeric_limits<int32_t>::max() && ndocs > 0)
     return absl::ResourceExhaustedError("document index larger than int32");
-  // The random draws depend only on the generator (never on the arrays), so one thread makes all of
-  // them, in numpy's order (document shuffle(s), then shuffle-index shuffle(s)), while this thread
-  // applies the document swaps as they arrive and builds the sample index; the drawing thread then
-  // shuffles the shuffle index. Same draws, same swaps, same order per array: identical results.
   const bool drop_last = split_ != Split::kValid || config_.drop_last_partial_validation_sequence;
   int64_t ns;
   if (drop_last) ns = (epochs * tpe - add) / seq;
   else ns = static_cast<int64_t>(std::ceil(static_cast<float>(epochs * tpe - add) / static_cast<float>(seq)));
   if (ns < 0) ns = 0;
   const int64_t nd = ndocs * epochs;
+  if (ns > 0 && nd == 0) return absl::InternalError("samples without documents");
   const int64_t total = ns;
   const int64_t first = separate ? sans : total;
-  // Shuffles in the generator's order: the document index (one shuffle, or two when the last epoch
-  // is separate), then the shuffle index (one or two). The document draws travel to this thread
-  // through a ring buffer; the drawing thread applies the shuffle-index draws itself.
-  std::vector<uint64_t> doc_lengths;
+
+  // How the work is laid out. The random draws depend only on the generator, never on the arrays,
+  // so for large splits a second thread makes them all, in numpy's order (the document shuffle or
+  // shuffles, then the shuffle-index shuffle or shuffles), and hands the document draws to this
+  // thread through a cache-resident ring; it then shuffles and saves the shuffle index itself.
+  // This thread applies the document swaps as they arrive, then builds the sample index. Same
+  // draws, same swaps, same order: arrays identical to numpy's and to helpers.cpp's.
+  std::vector<uint64_t> doc_lengths;  // the document shuffles: [0, A) and, when separate, [A, nd)
   if (!separate) doc_lengths.push_back(static_cast<uint64_t>(nd));
   else {
     doc_lengths.push_back(static_cast<uint64_t>(ndocs * (epochs - 1)));
     doc_lengths.push_back(static_cast<uint64_t>(ndocs));
   }
+  const int64_t region_a = static_cast<int64_t>(doc_lengths[0]);
   size_t doc_draws = 0;
   for (uint64_t m : doc_lengths) doc_draws += m >= 2 ? static_cast<size_t>(m - 1) : 0;
 
@@ -275,12 +277,22 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   const bool big = total >= static_cast<int64_t>(std::numeric_limits<uint32_t>::max()) - 1;
   shuffle_index_ = IndexArray::Owned(big ? NpyType::kInt64 : NpyType::kUInt32, {total});
   int32_t* doc = document_index_.As<int32_t>();
+  const int64_t max_len = dataset_->max_sequence_length();
+  const bool wide = std::max(nd, max_len) > std::numeric_limits<int32_t>::max();
+  sample_index_ = IndexArray::Owned(wide ? NpyType::kInt64 : NpyType::kInt32, {ns + 1, 2});
 
-  // The document draws go to a buffer as they are made (the drawing thread never waits); this
-  // thread applies them with the targets prefetched a few dozen swaps ahead.
+  const bool threaded = doc_draws > (1u << 18);
   const bool wide_draws = nd > static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
-  IndexArray draws = IndexArray::Owned(wide_draws ? NpyType::kInt64 : NpyType::kUInt32, {static_cast<int64_t>(doc_draws)});
-  std::atomic<size_t> produced{0};
+  constexpr size_t kRing = size_t{1} << 18;
+  std::vector<uint32_t> ring32(threaded && !wide_draws ? kRing : 0);
+  std::vector<int64_t> ring64(threaded && wide_draws ? kRing : 0);
+  DrawRing<uint32_t> draws32;
+  DrawRing<int64_t> draws64;
+  draws32.buf = ring32.data();
+  draws32.capacity = kRing;
+  draws64.buf = ring64.data();
+  draws64.capacity = kRing;
+
   auto shuffle_index = [&](NumpyRandomState& rng) {
     auto shuffle = [&](auto* out) {
       for (int64_t i = 0; i < total; ++i) out[i] = static_cast<std::remove_pointer_t<decltype(out)>>(i);
@@ -299,89 +311,122 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   };
   auto producer = [&] {
     NumpyRandomState rng(config_.random_seed);
-    if (wide_draws) rng.Draw(doc_lengths, draws.As<int64_t>(), &produced);
-    else rng.Draw(doc_lengths, draws.As<uint32_t>(), &produced);
+    if (wide_draws) rng.Draw(doc_lengths, &draws64);
+    else rng.Draw(doc_lengths, &draws32);
     shuffle_index(rng);  // the same generator continues with the shuffle index
     save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
-    while (!doc_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    while (!doc_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(100));
     save_doc = save_array(document_index_, "document_index.npy");
   };
-  const bool threaded = doc_draws > (1u << 18);
   std::thread worker;
   if (threaded) worker = std::thread(producer);
 
+  // The split's lengths, copied to an aligned (huge-page) array: gathered from in random order, it
+  // misses the TLB far less than the mapped index file.
+  IndexArray split_lengths = IndexArray::Owned(NpyType::kInt32, {std::max<int64_t>(ndocs, 1)});
+  int32_t* slen = split_lengths.As<int32_t>();
+  if (ndocs > 0) std::memcpy(slen, dataset_->lengths_data() + 4 * beg_, static_cast<size_t>(ndocs) * 4);
+  const int32_t* lens = slen - beg_;
   for (int64_t e = 0; e < epochs; ++e)
     for (int64_t i = 0; i < ndocs; ++i) doc[e * ndocs + i] = static_cast<int32_t>(beg_ + i);
+
+  // sample_index: the rows helpers.cpp build_sample_idx writes. Sample s >= 1 starts at token
+  // s*seq of the documents concatenated in document_index order; its row names the document that
+  // holds token q = s*seq + add - 1 (the last token of sample s-1) and the offset of token s*seq in
+  // it. Empty documents hold no token and are never named. Rows whose q lies past the last token
+  // (a partial last validation sample) get what the walk gives when it runs out: the last
+  // document, offset (its length - add). Row 0 is (0, 0).
+  // The rows are computed region by region (the range of each document shuffle, whose first and
+  // last tokens are known from the token counts), from its end downwards: a document either holds
+  // the current top row or not. One no longer than a sample holds at most one row, so that common
+  // case is branch-free: the row is written always and kept (the row pointer moves down) only when
+  // q falls inside the document; otherwise a later, lower document overwrites it.
+  const int64_t total_tokens = epochs * tpe;
+  const int64_t inside = std::min<int64_t>(ns, total_tokens - add >= 0 ? (total_tokens - add) / seq : 0);
+  auto first_row_from = [&](int64_t token) {  // the first s >= 1 whose q >= token
+    const int64_t num = token - add + 1;
+    return std::max<int64_t>(1, num <= 0 ? 0 : (num + seq - 1) / seq);
+  };
+  struct Region {
+    int64_t lo = 0, k = -1;       // documents [lo, k] still to do, from k down
+    int64_t end = 0;              // one past the last token of document k
+    int64_t row_min = 1, row = 0; // rows [row_min, row] still to fill, from row down
+  };
+  std::array<Region, 2> regions;
+  {
+    const int64_t end_a = separate ? (epochs - 1) * tpe : total_tokens;
+    regions[0] = Region{0, region_a - 1, end_a, 1, std::min(inside, first_row_from(end_a) - 1)};
+    if (separate) regions[1] = Region{region_a, nd - 1, total_tokens, first_row_from(end_a), inside};
+  }
+  auto fill_rows = [&](auto* out, Region& r, int64_t down_to) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    constexpr int64_t kAhead = 64;
+    int64_t k = r.k, end = r.end, row = r.row;
+    int64_t q = row * seq + add - 1;
+    const int64_t row_min = r.row_min;
+    for (; k >= down_to && row >= row_min; --k) {
+      if (k - kAhead >= down_to) __builtin_prefetch(lens + doc[k - kAhead]);
+      const int64_t len = lens[doc[k]], start = end - len;
+      if (__builtin_expect(len > seq, 0)) {
+        for (; row >= row_min && q >= start; --row, q -= seq) {
+          out[2 * row] = static_cast<T>(k);
+          out[2 * row + 1] = static_cast<T>(q + 1 - add - start);
+        }
+      } else {
+        const bool emit = q >= start;
+        T* dst = out + 2 * row;  // row >= row_min >= 1 here
+        dst[0] = static_cast<T>(k);
+        dst[1] = static_cast<T>(q + 1 - add - start);
+        row -= emit;
+        q -= emit ? seq : 0;
+      }
+      end = start;
+    }
+    r.k = k;
+    r.end = end;
+    r.row = row;
+  };
+  auto fill = [&](Region& r, int64_t down_to) {
+    if (wide) fill_rows(sample_index_.As<int64_t>(), r, down_to);
+    else fill_rows(sample_index_.As<int32_t>(), r, down_to);
+  };
+
   if (!threaded) {
     NumpyRandomState rng(config_.random_seed);
-    if (!separate) {
-      rng.Shuffle(doc, static_cast<size_t>(nd));
-    } else {
-      rng.Shuffle(doc, static_cast<size_t>(ndocs * (epochs - 1)));
-      rng.Shuffle(doc + ndocs * (epochs - 1), static_cast<size_t>(ndocs));
-    }
+    rng.Shuffle(doc, static_cast<size_t>(doc_lengths[0]));
+    if (separate) rng.Shuffle(doc + region_a, static_cast<size_t>(doc_lengths[1]));
     shuffle_index(rng);
     save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
+    fill(regions[0], 0);
+    if (separate) fill(regions[1], region_a);
   } else {
-    auto apply_doc = [&](const auto* d) {
-      ApplyDraws(doc, static_cast<size_t>(doc_lengths[0]), d, 0, &produced);
+    auto apply_doc = [&](auto* ring) {
+      ApplyDraws(doc, static_cast<size_t>(doc_lengths[0]), ring, 0);
       if (separate)
-        ApplyDraws(doc + ndocs * (epochs - 1), static_cast<size_t>(doc_lengths[1]), d,
-                   static_cast<size_t>(std::max<int64_t>(0, ndocs * (epochs - 1) - 1)), &produced);
+        ApplyDraws(doc + region_a, static_cast<size_t>(doc_lengths[1]), ring, static_cast<size_t>(std::max<int64_t>(0, region_a - 1)));
     };
-    if (wide_draws) apply_doc(draws.As<int64_t>());
-    else apply_doc(draws.As<uint32_t>());
+    if (wide_draws) apply_doc(&draws64);
+    else apply_doc(&draws32);
+    doc_done.store(true, std::memory_order_release);
+    fill(regions[0], 0);
+    if (separate) fill(regions[1], region_a);
   }
-  if (threaded) doc_done.store(true, std::memory_order_release);
-  else save_doc = save_array(document_index_, "document_index.npy");
+  if (!threaded) save_doc = save_array(document_index_, "document_index.npy");
 
-  // sample_index: helpers.cpp build_sample_idx (lengths read ahead of the walk).
-  int64_t max_len = dataset_->max_sequence_length();
-  const bool wide = std::max(nd, max_len) > std::numeric_limits<int32_t>::max();
-  sample_index_ = IndexArray::Owned(wide ? NpyType::kInt64 : NpyType::kInt32, {ns + 1, 2});
-  if (ns > 0 && nd == 0) {
-    if (worker.joinable()) worker.join();
-    return absl::InternalError("samples without documents");
-  }
-
-  const uint8_t* lens = dataset_->lengths_data();
-  auto len_of = [&](int64_t k) {
-    int32_t v;
-    std::memcpy(&v, lens + 4 * static_cast<int64_t>(doc[k]), 4);
-    return static_cast<int64_t>(v);
-  };
-  auto build_samples = [&](auto* out) {
+  auto finish_rows = [&](auto* out) {
     using T = std::remove_pointer_t<decltype(out)>;
-    int64_t si = 0;
-    T di = 0, off = 0;
     out[0] = 0;
     out[1] = 0;
-    ++si;
-    while (si <= ns) {
-      int64_t remaining = seq + add;
-      while (remaining != 0) {
-        if (di + 16 < nd) __builtin_prefetch(lens + 4 * static_cast<int64_t>(doc[di + 16]));
-        const int64_t dlen = len_of(di) - off;
-        remaining -= dlen;
-        if (remaining <= 0) {
-          off = static_cast<T>(off + remaining + dlen - add);
-          remaining = 0;
-        } else {
-          if (di == static_cast<T>(nd - 1)) {
-            off = static_cast<T>(len_of(di) - add);
-            break;
-          }
-          ++di;
-          off = 0;
-        }
+    if (inside < ns) {
+      const T last = static_cast<T>(nd - 1), off = static_cast<T>(lens[doc[nd - 1]] - add);
+      for (int64_t s = std::max<int64_t>(inside + 1, 1); s <= ns; ++s) {
+        out[2 * s] = last;
+        out[2 * s + 1] = off;
       }
-      out[2 * si] = di;
-      out[2 * si + 1] = off;
-      ++si;
     }
   };
-  if (wide) build_samples(sample_index_.As<int64_t>());
-  else build_samples(sample_index_.As<int32_t>());
+  if (wide) finish_rows(sample_index_.As<int64_t>());
+  else finish_rows(sample_index_.As<int32_t>());
   save_sample = save_array(sample_index_, "sample_index.npy");
   if (worker.joinable()) worker.join();
   absl::Status st = save_shuffle;

@@ -1,7 +1,9 @@
 // Megatron MMIDIDX v1 reader and writer.
 #include "indexed_dataset/indexed_dataset.h"
 
+#include <cstring>
 #include <limits>
+#include <thread>
 
 #include <fmt/core.h>
 
@@ -196,22 +198,36 @@ absl::Status IndexedDataset::Validate() {
   doc_idx_off_ = pointers_off_ + 8 * s;
   modes_off_ = doc_idx_off_ + 8 * d;
 
-  // document_indices: 0, monotone, ends at S.
-  int64_t prev = document_index(0);
-  if (prev != 0) return loss(fmt::format("document_indices[0] = {} (must be 0)", prev));
-  const uint8_t* dix = idx_->data() + doc_idx_off_;
-  for (int64_t j = 1; j < num_doc_idx_; ++j) {
-    int64_t v;
-    std::memcpy(&v, dix + 8 * j, 8);
-    if (v < prev)
-      return loss(fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)", j,
-                              v, j - 1, prev));
-    if (v > num_sequences_)
-      return loss(fmt::format("document_indices[{}] = {} exceeds sequence_count {}", j, v, num_sequences_));
-    prev = v;
-  }
-  if (prev != num_sequences_)
-    return loss(fmt::format("last document index is {} but sequence_count is {}", prev, num_sequences_));
+  // document_indices: 0, monotone, ends at S. Checked on a second thread for large indices, while
+  // this one checks the lengths and pointers.
+  auto check_documents = [this, &loss]() -> absl::Status {
+    int64_t prev = document_index(0);
+    if (prev != 0) return loss(fmt::format("document_indices[0] = {} (must be 0)", prev));
+    const uint8_t* dix = idx_->data() + doc_idx_off_;
+    for (int64_t j = 1; j < num_doc_idx_; ++j) {
+      int64_t v;
+      std::memcpy(&v, dix + 8 * j, 8);
+      if (v < prev)
+        return loss(fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)", j,
+                                v, j - 1, prev));
+      if (v > num_sequences_)
+        return loss(fmt::format("document_indices[{}] = {} exceeds sequence_count {}", j, v, num_sequences_));
+      prev = v;
+    }
+    if (prev != num_sequences_)
+      return loss(fmt::format("last document index is {} but sequence_count is {}", prev, num_sequences_));
+    return absl::OkStatus();
+  };
+  absl::Status documents_ok;
+  std::thread documents_thread;
+  if (num_doc_idx_ >= (1 << 18)) documents_thread = std::thread([&] { documents_ok = check_documents(); });
+  else documents_ok = check_documents();
+  struct Joiner {
+    std::thread& t;
+    ~Joiner() {
+      if (t.joinable()) t.join();
+    }
+  } joiner{documents_thread};
 
   // Pointers consistent with the lengths, everything inside the .bin. A branch-light pass over the
   // (unaligned) arrays first; only when it finds a problem does the second pass name the field.
@@ -233,6 +249,9 @@ absl::Status IndexedDataset::Validate() {
   }
   max_length_ = max_len;
   if (bad || expect > bin_size) {
+    // A damaged document index is reported first, as a sequential check would.
+    if (documents_thread.joinable()) documents_thread.join();
+    PTK_RETURN_IF_ERROR(documents_ok);
     expect = 0;
     for (int64_t i = 0; i < num_sequences_; ++i) {
       int32_t len = sequence_length(i);
@@ -248,7 +267,8 @@ absl::Status IndexedDataset::Validate() {
     }
   }
   num_tokens_ = tokens;
-  return absl::OkStatus();
+  if (documents_thread.joinable()) documents_thread.join();
+  return documents_ok;
 }
 
 absl::Status IndexedDataset::Verify() const {

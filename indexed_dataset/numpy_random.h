@@ -3,7 +3,9 @@
 // shuffles are identical to numpy's element for element.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -27,6 +29,14 @@ class Mt19937 {
     if (pos_ == kN) Refill();
     return out_[pos_++];
   }
+  // The outputs not yet consumed (refilling when there are none): *n of them at the returned
+  // pointer. Consume(k) then marks the first k of them as used.
+  const uint32_t* Pending(size_t* n) {
+    if (pos_ == kN) Refill();
+    *n = kN - pos_;
+    return out_ + pos_;
+  }
+  void Consume(size_t k) { pos_ += static_cast<uint32_t>(k); }
 
  private:
   static constexpr uint32_t kN = 624, kM = 397;
@@ -85,6 +95,9 @@ class Mt19937 {
   uint32_t pos_ = kN;
 };
 
+template <typename Int>
+struct DrawRing;
+
 class NumpyRandomState {
  public:
   explicit NumpyRandomState(uint32_t seed) : gen_(seed) {}
@@ -110,43 +123,60 @@ class NumpyRandomState {
     return value;
   }
 
-  // The draws shuffles of these lengths would make, in order, appended to *out: for a shuffle of
-  // length m, random_interval(i) for i = m-1 down to 1. A shuffle is then ApplyDraws.
-  // `produced` (optional) is advanced as draws are appended, for a consumer on another thread.
+  // random_interval(i) for i = hi, hi-1, ..., lo (1 <= lo <= hi), in that order, to out[0..hi-lo].
+  // Bounds below 2^32 take a branch-free path over the generator's output block: every output is
+  // masked, written and kept (k advances, the bound drops) only when it is accepted; the same
+  // outputs are accepted and rejected as by RandomInterval, one after the other.
   template <typename Int>
-  void Draw(const std::vector<uint64_t>& lengths, Int* out, std::atomic<size_t>* produced) {
+  void DrawDescending(uint64_t hi, uint64_t lo, Int* out) {
     size_t k = 0;
-    for (uint64_t m : lengths) {
-      for (uint64_t i = m - 1; i >= 1 && m >= 2; --i) {
-        out[k++] = static_cast<Int>(RandomInterval(i));
-        if (produced && (k & 1023) == 0) produced->store(k, std::memory_order_release);
+    for (; hi >= lo && hi > 0xFFFFFFFFull; --hi) out[k++] = static_cast<Int>(RandomInterval(hi));
+    if (hi < lo) return;
+    uint32_t b = static_cast<uint32_t>(hi);
+    while (b >= lo) {
+      // The mask is the same down to the next power of two: [low, b] shares it.
+      const uint32_t mask = 0xFFFFFFFFu >> __builtin_clz(b);
+      const uint32_t low = std::max<uint32_t>(static_cast<uint32_t>(lo), (mask >> 1) + 1);
+      while (b >= low) {
+        size_t n;
+        const uint32_t* x = gen_.Pending(&n);
+        size_t j = 0;
+        for (; j < n && b >= low; ++j) {
+          const uint32_t v = x[j] & mask;
+          out[k] = static_cast<Int>(v);
+          const uint32_t acc = v <= b;
+          k += acc;
+          b -= acc;
+        }
+        gen_.Consume(j);
       }
     }
-    if (produced) produced->store(k, std::memory_order_release);
   }
 
+  // The draws shuffles of these lengths would make, in order, into `ring` (see DrawRing): for a
+  // shuffle of length m, random_interval(i) for i = m-1 down to 1. A shuffle is then ApplyDraws.
+  template <typename Int>
+  void Draw(const std::vector<uint64_t>& lengths, DrawRing<Int>* ring);
+
   // RandomState.shuffle of a 1-D array: for i = n-1 .. 1, swap x[i] with x[random_interval(i)].
-  // The random targets depend only on the generator, so they are drawn kLookahead swaps early and
-  // their cache lines prefetched: the swaps, random accesses into a large array, then overlap
+  // The random targets depend only on the generator, so they are drawn a block at a time and the
+  // swaps, random accesses into a large array, prefetched a few dozen ahead so that they overlap
   // instead of waiting for memory one by one. Same draws, same order, same result.
   template <typename T>
   void Shuffle(T* x, size_t n) {
     if (n < 2) return;
-    constexpr size_t kLookahead = 64;
-    size_t ring[kLookahead];
-    size_t next_draw = n - 1;  // the next i whose target is drawn
-    auto draw = [&](size_t slot) {
-      ring[slot] = static_cast<size_t>(RandomInterval(next_draw));
-      __builtin_prefetch(&x[ring[slot]], 1);
-      --next_draw;
-    };
-    for (size_t k = 0; k < kLookahead && next_draw >= 1; ++k) draw(k);
-    size_t slot = 0;
-    for (size_t i = n - 1; i >= 1; --i) {
-      const size_t j = ring[slot];
-      std::swap(x[i], x[j]);
-      if (next_draw >= 1) draw(slot);
-      slot = slot + 1 == kLookahead ? 0 : slot + 1;
+    constexpr size_t kBlock = 2048, kLookahead = 32;
+    uint64_t block[kBlock];
+    for (size_t hi = n - 1; hi >= 1;) {
+      const size_t lo = hi >= kBlock ? hi - kBlock + 1 : 1;
+      const size_t cnt = hi - lo + 1;
+      DrawDescending(hi, lo, block);
+      for (size_t k = 0; k < std::min(cnt, kLookahead); ++k) __builtin_prefetch(&x[block[k]], 1);
+      for (size_t k = 0; k < cnt; ++k) {
+        if (k + kLookahead < cnt) __builtin_prefetch(&x[block[k + kLookahead]], 1);
+        std::swap(x[hi - k], x[static_cast<size_t>(block[k])]);
+      }
+      hi = lo - 1;
     }
   }
 
@@ -159,24 +189,65 @@ class NumpyRandomState {
   Mt19937 gen_;
 };
 
-// Applies the draws of one shuffle of n elements (n-1 of them, as Draw wrote them) to x, waiting
-// for `produced` to pass each draw when another thread is still writing them.
+// Draws handed from the thread that makes them to the thread that applies them: a ring of
+// `capacity` (a power of two) entries; the producer waits while the ring is full, the consumer
+// while it is empty. A ring at least as large as all the draws is a plain buffer.
+template <typename Int>
+struct DrawRing {
+  Int* buf = nullptr;
+  size_t capacity = 0;  // power of two
+  std::atomic<size_t> produced{0}, consumed{0};
+};
+
+template <typename Int>
+void NumpyRandomState::Draw(const std::vector<uint64_t>& lengths, DrawRing<Int>* ring) {
+  constexpr uint64_t kStep = 4096;
+  Int block[kStep];
+  const size_t mask = ring->capacity - 1;
+  size_t k = 0;
+  for (uint64_t m : lengths) {
+    if (m < 2) continue;
+    for (uint64_t hi = m - 1; hi >= 1;) {
+      const uint64_t lo = hi > kStep ? hi - kStep + 1 : 1;
+      const size_t cnt = static_cast<size_t>(hi - lo + 1);
+      DrawDescending(hi, lo, block);
+      while (k + cnt - ring->consumed.load(std::memory_order_acquire) > ring->capacity) {
+#if defined(__SSE2__)
+        _mm_pause();
+#endif
+      }
+      const size_t at = k & mask, first = std::min(cnt, ring->capacity - at);
+      std::memcpy(ring->buf + at, block, first * sizeof(Int));
+      std::memcpy(ring->buf, block + first, (cnt - first) * sizeof(Int));
+      k += cnt;
+      ring->produced.store(k, std::memory_order_release);
+      hi = lo - 1;
+    }
+  }
+}
+
+// Applies the draws of one shuffle of n elements (n-1 of them, the draws first_draw.. of the ring)
+// to x, waiting for the producer when it is behind and telling it what has been used.
 template <typename T, typename Int>
-void ApplyDraws(T* x, size_t n, const Int* draws, size_t first_draw, const std::atomic<size_t>* produced) {
+void ApplyDraws(T* x, size_t n, DrawRing<Int>* ring, size_t first_draw) {
   if (n < 2) return;
-  constexpr size_t kLookahead = 64;
-  size_t avail = produced ? produced->load(std::memory_order_acquire) : SIZE_MAX;
+  constexpr size_t kLookahead = 64, kReport = 4096;
+  const size_t mask = ring->capacity - 1;
+  const Int* draws = ring->buf;
+  size_t avail = ring->produced.load(std::memory_order_acquire);
   size_t k = first_draw;
   for (size_t i = n - 1; i >= 1; --i, ++k) {
     while (avail <= k) {
-      avail = produced->load(std::memory_order_acquire);
+      avail = ring->produced.load(std::memory_order_acquire);
 #if defined(__SSE2__)
       if (avail <= k) _mm_pause();
 #endif
     }
-    if (k + kLookahead < avail) __builtin_prefetch(&x[draws[k + kLookahead]], 1);
-    std::swap(x[i], x[static_cast<size_t>(draws[k])]);
+    if (k + kLookahead < avail) __builtin_prefetch(&x[draws[(k + kLookahead) & mask]], 1);
+    std::swap(x[i], x[static_cast<size_t>(draws[k & mask])]);
+    if ((i & (kReport - 1)) == 0) ring->consumed.store(k + 1, std::memory_order_release);
   }
+  ring->consumed.store(k, std::memory_order_release);
 }
 
 }  // namespace ptk

@@ -3,6 +3,7 @@
 // Megatron's names, identical samples; cache reuse and repair; numpy-compatible arithmetic.
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <random>
 #include <set>
@@ -10,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "common/file_util.h"
 #include "common/py_format.h"
 #include "indexed_dataset/data_loader.h"
 #include "indexed_dataset/gpt_dataset.h"
@@ -318,6 +320,158 @@ TEST(NumpyCompat, ShuffleSumAndRound) {
 
 namespace ptk {
 namespace {
+// The block-wise, branch-free draws and the prefetching shuffle give numpy's results: the same as
+// one random_interval at a time, across powers of two and many generator refills.
+TEST(NumpyCompat, BlockDrawsEqualOneByOne) {
+  for (uint64_t hi : {uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1000}, uint64_t{4096}, uint64_t{65537}, uint64_t{300000}}) {
+    for (uint64_t lo : {uint64_t{1}, hi / 2 + 1, hi}) {
+      NumpyRandomState a(99), b(99);
+      std::vector<uint64_t> block(static_cast<size_t>(hi - lo + 1));
+      a.DrawDescending(hi, lo, block.data());
+      for (uint64_t i = hi; i >= lo; --i) ASSERT_EQ(block[static_cast<size_t>(hi - i)], b.RandomInterval(i)) << hi << " " << lo << " " << i;
+      EXPECT_EQ(a.RandomInterval(12345), b.RandomInterval(12345));  // the generators stay in step
+    }
+  }
+  const size_t n = 1 << 20;
+  std::vector<uint32_t> fast(n), slow(n);
+  for (size_t i = 0; i < n; ++i) fast[i] = slow[i] = static_cast<uint32_t>(i);
+  NumpyRandomState a(1234), b(1234);
+  a.Shuffle(fast.data(), n);
+  for (size_t i = n - 1; i >= 1; --i) std::swap(slow[i], slow[static_cast<size_t>(b.RandomInterval(i))]);
+  EXPECT_EQ(fast, slow);
+}
+
+// Splits large enough for the two-thread build (drawing thread, ring, block-wise sample rows)
+// against a straightforward build: one swap at a time as numpy's shuffle does, and helpers.cpp's
+// build_sample_idx walk. Lengths include empty documents and documents longer than a sample.
+TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
+  TempDir dir;
+  Chdir cd(dir.path());
+  const int64_t n = 400000;
+  std::mt19937 gen(7);
+  std::vector<int32_t> lens(static_cast<size_t>(n));
+  for (auto& l : lens) {
+    const uint32_t r = gen() % 100;
+    l = r < 3 ? 0 : r < 10 ? static_cast<int32_t>(20 + gen() % 200) : static_cast<int32_t>(1 + gen() % 24);
+  }
+  {
+    // A Megatron .idx (uint16 tokens) and a sparse .bin of the size it describes.
+    std::string idx("MMIDIDX\0\0", 9);
+    auto put = [&](uint64_t v, int bytes) { idx.append(reinterpret_cast<const char*>(&v), static_cast<size_t>(bytes)); };
+    put(1, 8);
+    put(8, 1);
+    put(static_cast<uint64_t>(n), 8);
+    put(static_cast<uint64_t>(n + 1), 8);
+    for (int32_t l : lens) put(static_cast<uint32_t>(l), 4);
+    int64_t ptr = 0;
+    for (int32_t l : lens) {
+      put(static_cast<uint64_t>(ptr), 8);
+      ptr += 2 * l;
+    }
+    for (int64_t i = 0; i <= n; ++i) put(static_cast<uint64_t>(i), 8);
+    ASSERT_TRUE(WriteFileAtomic("big.idx", idx).ok());
+    ASSERT_TRUE(WriteFileAtomic("big.bin", "").ok());
+    fs::resize_file("big.bin", static_cast<uintmax_t>(ptr));
+  }
+  auto low = IndexedDataset::Open("big");
+  ASSERT_TRUE(low.ok()) << low.status();
+  std::shared_ptr<IndexedDataset> sp(std::move(*low));
+
+  struct Case {
+    int64_t beg, end, samples, seq;
+    Split split;
+    bool add_extra, drop_last;
+  };
+  int64_t tokens = 0;
+  for (int32_t l : lens) tokens += l;
+  const int64_t per_epoch = (tokens - 1) / 16;
+  const std::vector<Case> cases = {
+      {0, n, per_epoch * 2 + per_epoch / 4, 16, Split::kTrain, true, true},  // separate last epoch
+      {0, n, per_epoch * 2 + per_epoch * 9 / 10, 16, Split::kTrain, true, true},  // last epoch shuffled with the rest
+      {1000, n - 5, per_epoch / 2, 7, Split::kValid, true, false},                // partial last validation sample
+      {0, n, per_epoch, 16, Split::kTrain, false, true},                          // no extra token
+  };
+  int index = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(index++);
+    GPTDatasetConfig g;
+    g.sequence_length = c.seq;
+    g.random_seed = 4321;
+    g.tokenizer = Gpt2TokenizerIdentifiers("v", "m");
+    g.write_cache = false;
+    g.path_to_cache = "nocache";
+    g.add_extra_token_to_sequence = c.add_extra;
+    g.drop_last_partial_validation_sequence = c.drop_last;
+    auto ds = GPTDataset::Build(sp, "big", c.beg, c.end, c.samples, c.split, g);
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    const IndexArray& d = (*ds)->document_index();
+    const IndexArray& si = (*ds)->sample_index();
+    const IndexArray& sh = (*ds)->shuffle_index();
+
+    // The straightforward build, as Megatron's _build_document_sample_shuffle_indices does it.
+    const int64_t ndocs = c.end - c.beg, add = c.add_extra ? 1 : 0;
+    int64_t tpe = 0;
+    for (int64_t i = c.beg; i < c.end; ++i) tpe += lens[static_cast<size_t>(i)];
+    const int64_t epochs = std::max<int64_t>(1, (c.samples * c.seq + add + tpe - 1) / tpe);
+    ASSERT_EQ((*ds)->num_epochs(), epochs);
+    bool separate = false;
+    int64_t sans = 0;
+    if (epochs > 1) {
+      sans = ((epochs - 1) * tpe - add) / c.seq;
+      separate = c.samples - sans < static_cast<int64_t>(0.8 * static_cast<double>((tpe - add) / c.seq));
+    }
+    NumpyRandomState rng(4321);
+    auto shuffle = [&](auto* x, int64_t m) {
+      for (int64_t i = m - 1; i >= 1; --i) std::swap(x[i], x[static_cast<size_t>(rng.RandomInterval(static_cast<uint64_t>(i)))]);
+    };
+    std::vector<int32_t> doc;
+    for (int64_t e = 0; e < epochs; ++e)
+      for (int64_t i = c.beg; i < c.end; ++i) doc.push_back(static_cast<int32_t>(i));
+    const int64_t nd = static_cast<int64_t>(doc.size());
+    if (separate) {
+      shuffle(doc.data(), ndocs * (epochs - 1));
+      shuffle(doc.data() + ndocs * (epochs - 1), ndocs);
+    } else {
+      shuffle(doc.data(), nd);
+    }
+    ASSERT_EQ(d.size(), nd);
+    for (int64_t k = 0; k < nd; ++k) ASSERT_EQ(d.at(k), doc[static_cast<size_t>(k)]) << "document_index[" << k << "]";
+    int64_t ns = c.drop_last ? (epochs * tpe - add) / c.seq
+                             : static_cast<int64_t>(std::ceil(static_cast<float>(epochs * tpe - add) / static_cast<float>(c.seq)));
+    std::vector<int64_t> rows = {0, 0};
+    int64_t di = 0, off = 0;
+    for (int64_t s = 1; s <= ns; ++s) {
+      int64_t remaining = c.seq + add;
+      while (remaining != 0) {
+        const int64_t dlen = lens[static_cast<size_t>(doc[static_cast<size_t>(di)])] - off;
+        remaining -= dlen;
+        if (remaining <= 0) {
+          off += remaining + dlen - add;
+          remaining = 0;
+        } else {
+          if (di == nd - 1) {
+            off = lens[static_cast<size_t>(doc[static_cast<size_t>(di)])] - add;
+            break;
+          }
+          ++di;
+          off = 0;
+        }
+      }
+      rows.push_back(di);
+      rows.push_back(off);
+    }
+    ASSERT_EQ(si.size(), static_cast<int64_t>(rows.size()));
+    for (size_t r = 0; r < rows.size(); ++r) ASSERT_EQ(si.at(static_cast<int64_t>(r)), rows[r]) << "sample_index[" << r / 2 << "]";
+    std::vector<uint32_t> shuf(static_cast<size_t>(ns));
+    for (int64_t i = 0; i < ns; ++i) shuf[static_cast<size_t>(i)] = static_cast<uint32_t>(i);
+    const int64_t first = separate ? sans : ns;
+    shuffle(shuf.data(), first);
+    if (first < ns) shuffle(shuf.data() + first, ns - first);
+    ASSERT_EQ(sh.size(), ns);
+    for (int64_t i = 0; i < ns; ++i) ASSERT_EQ(sh.at(i), shuf[static_cast<size_t>(i)]) << "shuffle_index[" << i << "]";
+  }
+}
+
 TEST(NumpyCompat, Mt19937MatchesTheStandardOne) {
   for (uint32_t seed : {0u, 1u, 42u, 1234u, 4294967295u}) {
     Mt19937 a(seed);
