@@ -135,7 +135,7 @@ absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
   return plan;
 }
 
-absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index) {
+absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable) {
   if (index >= plan.chunks.size())
     return absl::OutOfRangeError(fmt::format("chunk index {} is outside the plan's {} chunks", index, plan.chunks.size()));
   const ConcatChunk& c = plan.chunks[index];
@@ -194,10 +194,11 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     }
   }
   res.bytes = out->bytes_written();
-  PTK_RETURN_IF_ERROR(out->Commit());
+  PTK_RETURN_IF_ERROR(out->Commit(durable));
   PTK_RETURN_IF_ERROR(WriteFileAtomic(out_path + std::string(kDoneSuffix),
                                       fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"inputs\": {}}}\n", digest,
-                                                  res.bytes, c.inputs.size())));
+                                                  res.bytes, c.inputs.size()),
+                                      /*unique_tmp=*/false, durable));
   return res;
 }
 

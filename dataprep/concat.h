@@ -50,6 +50,9 @@ struct ConcatChunkResult {
 
 // Builds one chunk (idempotent: a complete chunk with a matching sidecar is skipped). Checks that
 // every input still has the size the plan recorded.
-absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index);
+// durable: the chunk is fsynced before its rename (and its directory after), so that a chunk that
+// exists survives a crash. Without it the chunk is still atomic (complete or absent) but, like
+// cat's output, only in the page cache when the call returns.
+absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable = true);
 
 }  // namespace ptk

@@ -220,6 +220,15 @@ TEST(Concat, ChunksAreExactNewlineSafeAndResumable) {
   EXPECT_EQ(joined, expect_all);  // natural order: part2 before part10, no record merged
   auto again = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"), dir / "in", dir / "out"));
   EXPECT_NE(again.output.find("0 chunks built, 3 already complete"), std::string::npos) << again.output;
+  // --no-fsync: the same bytes (only the durability differs), and a later durable run keeps them.
+  auto fast = RunCmd(fmt::format("{} --quiet --no-fsync --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"),
+                                 dir / "in", dir / "out2"));
+  ASSERT_EQ(fast.exit_code, 0) << fast.output;
+  for (int k = 0; k < 3; ++k)
+    EXPECT_EQ(testing::ReadFile(dir / fmt::format("out2/train_{:02d}.jsonl", k)),
+              testing::ReadFile(dir / fmt::format("out/train_{:02d}.jsonl", k)));
+  auto durable = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"), dir / "in", dir / "out2"));
+  EXPECT_NE(durable.output.find("0 chunks built, 3 already complete"), std::string::npos) << durable.output;
 }
 
 TEST(Concat, PlanThenOneArrayTaskPerChunk) {
