@@ -347,25 +347,13 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     const int64_t num = token - add + 1;
     return std::max<int64_t>(1, num <= 0 ? 0 : (num + seq - 1) / seq);
   };
-  struct Region {
-    int64_t lo = 0, k = -1;       // documents [lo, k] still to do, from k down
-    int64_t end = 0;              // one past the last token of document k
-    int64_t row_min = 1, row = 0; // rows [row_min, row] still to fill, from row down
-  };
-  std::array<Region, 2> regions;
-  {
-    const int64_t end_a = separate ? (epochs - 1) * tpe : total_tokens;
-    regions[0] = Region{0, region_a - 1, end_a, 1, std::min(inside, first_row_from(end_a) - 1)};
-    if (separate) regions[1] = Region{region_a, nd - 1, total_tokens, first_row_from(end_a), inside};
-  }
-  auto fill_rows = [&](auto* out, Region& r, int64_t down_to) {
+  // Rows [row_min, row] from documents [lo, hi], the last of which ends at token `end`.
+  auto fill_rows = [&](auto* out, int64_t lo, int64_t hi, int64_t end, int64_t row_min, int64_t row) {
     using T = std::remove_pointer_t<decltype(out)>;
     constexpr int64_t kAhead = 64;
-    int64_t k = r.k, end = r.end, row = r.row;
     int64_t q = row * seq + add - 1;
-    const int64_t row_min = r.row_min;
-    for (; k >= down_to && row >= row_min; --k) {
-      if (k - kAhead >= down_to) __builtin_prefetch(lens + doc[k - kAhead]);
+    for (int64_t k = hi; k >= lo && row >= row_min; --k) {
+      if (k - kAhead >= lo) __builtin_prefetch(lens + doc[k - kAhead]);
       const int64_t len = lens[doc[k]], start = end - len;
       if (__builtin_expect(len > seq, 0)) {
         for (; row >= row_min && q >= start; --row, q -= seq) {
@@ -382,13 +370,11 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
       }
       end = start;
     }
-    r.k = k;
-    r.end = end;
-    r.row = row;
   };
-  auto fill = [&](Region& r, int64_t down_to) {
-    if (wide) fill_rows(sample_index_.As<int64_t>(), r, down_to);
-    else fill_rows(sample_index_.As<int32_t>(), r, down_to);
+  auto fill = [&](auto* out) {
+    const int64_t end_a = separate ? (epochs - 1) * tpe : total_tokens;
+    fill_rows(out, 0, region_a - 1, end_a, 1, std::min(inside, first_row_from(end_a) - 1));
+    if (separate) fill_rows(out, region_a, nd - 1, total_tokens, first_row_from(end_a), inside);
   };
 
   if (!threaded) {
@@ -397,8 +383,6 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     if (separate) rng.Shuffle(doc + region_a, static_cast<size_t>(doc_lengths[1]));
     shuffle_index(rng);
     save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
-    fill(regions[0], 0);
-    if (separate) fill(regions[1], region_a);
   } else {
     auto apply_doc = [&](auto* ring) {
       ApplyDraws(doc, static_cast<size_t>(doc_lengths[0]), ring, 0);
@@ -408,10 +392,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     if (wide_draws) apply_doc(&draws64);
     else apply_doc(&draws32);
     doc_done.store(true, std::memory_order_release);
-    fill(regions[0], 0);
-    if (separate) fill(regions[1], region_a);
   }
   if (!threaded) save_doc = save_array(document_index_, "document_index.npy");
+  if (wide) fill(sample_index_.As<int64_t>());
+  else fill(sample_index_.As<int32_t>());
 
   auto finish_rows = [&](auto* out) {
     using T = std::remove_pointer_t<decltype(out)>;
