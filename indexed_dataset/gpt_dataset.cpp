@@ -2,9 +2,11 @@
 #include "indexed_dataset/gpt_dataset.h"
 
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <regex>
 #include <thread>
@@ -259,10 +261,12 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
 
   // How the work is laid out. The random draws depend only on the generator, never on the arrays,
   // so for large splits a second thread makes them all, in numpy's order (the document shuffle or
-  // shuffles, then the shuffle-index shuffle or shuffles), and hands the document draws to this
-  // thread through a cache-resident ring; it then shuffles and saves the shuffle index itself.
-  // This thread applies the document swaps as they arrive, then builds the sample index. Same
-  // draws, same swaps, same order: arrays identical to numpy's and to helpers.cpp's.
+  // shuffles, then the shuffle-index shuffle or shuffles), handing the document draws to this
+  // thread through a ring; it then shuffles and saves the shuffle index, and, once the document
+  // index is final, fills the sample rows of a separate last epoch and saves the document index.
+  // This thread applies the document swaps as they arrive, fills the other sample rows and saves
+  // the sample index. Same draws, same swaps, same order: arrays identical to numpy's and to
+  // helpers.cpp's.
   std::vector<uint64_t> doc_lengths;  // the document shuffles: [0, A) and, when separate, [A, nd)
   if (!separate) doc_lengths.push_back(static_cast<uint64_t>(nd));
   else {
@@ -283,15 +287,16 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
 
   const bool threaded = doc_draws > (1u << 18);
   const bool wide_draws = nd > static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
-  constexpr size_t kRing = size_t{1} << 18;
-  std::vector<uint32_t> ring32(threaded && !wide_draws ? kRing : 0);
-  std::vector<int64_t> ring64(threaded && wide_draws ? kRing : 0);
+  // The ring holds all the document draws up to 8 Mi of them (32 MiB), so that the drawing thread
+  // is not held back by the swaps and goes on to the shuffle index; pages are touched as written.
+  const size_t ring_size = std::min<size_t>(std::bit_ceil(std::max<size_t>(doc_draws, 1)), size_t{1} << 23);
+  IndexArray ring = IndexArray::Owned(wide_draws ? NpyType::kInt64 : NpyType::kUInt32,
+                                      {threaded ? static_cast<int64_t>(ring_size) : 1});
   DrawRing<uint32_t> draws32;
   DrawRing<int64_t> draws64;
-  draws32.buf = ring32.data();
-  draws32.capacity = kRing;
-  draws64.buf = ring64.data();
-  draws64.capacity = kRing;
+  if (wide_draws) draws64.buf = ring.As<int64_t>();
+  else draws32.buf = ring.As<uint32_t>();
+  draws32.capacity = draws64.capacity = ring_size;
 
   auto shuffle_index = [&](NumpyRandomState& rng) {
     auto shuffle = [&](auto* out) {
@@ -309,13 +314,20 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   auto save_array = [&](const IndexArray& a, const char* name) {
     return save ? a.Save(cache_prefix_ + name) : absl::OkStatus();
   };
+  // Sample rows of the separate last epoch's region, filled by the drawing thread (set below).
+  std::function<void()> fill_last_epoch_rows;
+  std::atomic<bool> last_epoch_rows_done{false};
   auto producer = [&] {
     NumpyRandomState rng(config_.random_seed);
     if (wide_draws) rng.Draw(doc_lengths, &draws64);
     else rng.Draw(doc_lengths, &draws32);
     shuffle_index(rng);  // the same generator continues with the shuffle index
     save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
-    while (!doc_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    while (!doc_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (separate) {
+      fill_last_epoch_rows();
+      last_epoch_rows_done.store(true, std::memory_order_release);
+    }
     save_doc = save_array(document_index_, "document_index.npy");
   };
   std::thread worker;
@@ -371,11 +383,16 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
       end = start;
     }
   };
-  auto fill = [&](auto* out) {
-    const int64_t end_a = separate ? (epochs - 1) * tpe : total_tokens;
-    fill_rows(out, 0, region_a - 1, end_a, 1, std::min(inside, first_row_from(end_a) - 1));
-    if (separate) fill_rows(out, region_a, nd - 1, total_tokens, first_row_from(end_a), inside);
+  const int64_t end_a = separate ? (epochs - 1) * tpe : total_tokens;
+  auto fill_region = [&](int region) {
+    auto run = [&](auto* out) {
+      if (region == 0) fill_rows(out, 0, region_a - 1, end_a, 1, std::min(inside, first_row_from(end_a) - 1));
+      else fill_rows(out, region_a, nd - 1, total_tokens, first_row_from(end_a), inside);
+    };
+    if (wide) run(sample_index_.As<int64_t>());
+    else run(sample_index_.As<int32_t>());
   };
+  fill_last_epoch_rows = [&] { fill_region(1); };
 
   if (!threaded) {
     NumpyRandomState rng(config_.random_seed);
@@ -394,8 +411,12 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     doc_done.store(true, std::memory_order_release);
   }
   if (!threaded) save_doc = save_array(document_index_, "document_index.npy");
-  if (wide) fill(sample_index_.As<int64_t>());
-  else fill(sample_index_.As<int32_t>());
+  // The two regions' rows are disjoint: with a separate last epoch, the drawing thread fills that
+  // region's rows while this one fills the rest.
+  fill_region(0);
+  if (separate && !threaded) fill_region(1);
+  if (separate && threaded)
+    while (!last_epoch_rows_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(20));
 
   auto finish_rows = [&](auto* out) {
     using T = std::remove_pointer_t<decltype(out)>;

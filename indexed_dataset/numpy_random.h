@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -13,8 +14,61 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace ptk {
+namespace numpy_random_internal {
+
+#if defined(__x86_64__)
+// GCC 12's AVX-512 shift intrinsics start from an undefined vector and trip -Wuninitialized.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Whether the AVX-512 paths run: detected once; tests turn it off to check the portable paths.
+inline bool& Avx512Enabled() {
+  static bool on = __builtin_cpu_supports("avx512f");
+  return on;
+}
+inline bool HaveAvx512() { return Avx512Enabled(); }
+
+// One MT19937 refill (the twist of all 624 words, then their tempering) sixteen words at a time.
+// A block reads its "next" words before storing, and its "far" words are old ones (first part)
+// or ones already twisted (second part), exactly as the one-word recurrence sees them.
+__attribute__((target("avx512f"))) inline void Mt19937Twist16(uint32_t* mt, uint32_t i, uint32_t far) {
+  const __m512i cur = _mm512_loadu_si512(mt + i), next = _mm512_loadu_si512(mt + i + 1), f = _mm512_loadu_si512(mt + far);
+  const __m512i y = _mm512_or_si512(_mm512_and_si512(cur, _mm512_set1_epi32(static_cast<int>(0x80000000u))),
+                                    _mm512_and_si512(next, _mm512_set1_epi32(0x7fffffff)));
+  const __mmask16 odd = _mm512_test_epi32_mask(y, _mm512_set1_epi32(1));
+  _mm512_storeu_si512(mt + i, _mm512_xor_si512(_mm512_xor_si512(f, _mm512_srli_epi32(y, 1)),
+                                               _mm512_maskz_mov_epi32(odd, _mm512_set1_epi32(static_cast<int>(0x9908b0dfu)))));
+}
+inline void Mt19937Twist1(uint32_t* mt, uint32_t i, uint32_t next, uint32_t far) {
+  const uint32_t y = (mt[i] & 0x80000000u) | (mt[next] & 0x7fffffffu);
+  mt[i] = mt[far] ^ (y >> 1) ^ ((y & 1u) ? 0x9908b0dfu : 0u);
+}
+__attribute__((target("avx512f"))) inline void Mt19937RefillAvx512(uint32_t* mt, uint32_t* out) {
+  constexpr uint32_t kN = 624, kM = 397;
+  uint32_t i = 0;
+  for (; i + 16 <= kN - kM; i += 16) Mt19937Twist16(mt, i, i + kM);
+  for (; i < kN - kM; ++i) Mt19937Twist1(mt, i, i + 1, i + kM);
+  for (; i + 16 <= kN - 1; i += 16) Mt19937Twist16(mt, i, i + kM - kN);
+  for (; i < kN - 1; ++i) Mt19937Twist1(mt, i, i + 1, i + kM - kN);
+  Mt19937Twist1(mt, kN - 1, 0, kM - 1);
+  for (uint32_t k = 0; k < kN; k += 16) {
+    __m512i y = _mm512_loadu_si512(mt + k);
+    y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 11));
+    y = _mm512_xor_si512(y, _mm512_and_si512(_mm512_slli_epi32(y, 7), _mm512_set1_epi32(static_cast<int>(0x9d2c5680u))));
+    y = _mm512_xor_si512(y, _mm512_and_si512(_mm512_slli_epi32(y, 15), _mm512_set1_epi32(static_cast<int>(0xefc60000u))));
+    y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 18));
+    _mm512_storeu_si512(out + k, y);
+  }
+}
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace numpy_random_internal
 
 // MT19937 with the exact output of std::mt19937 (and numpy's legacy seeding), producing its 624
 // words per refill with SSE2 (part of baseline x86-64): the twist in blocks of four, the tempering
@@ -60,6 +114,13 @@ class Mt19937 {
   }
 #endif
   void Refill() {
+#if defined(__x86_64__)
+    if (numpy_random_internal::HaveAvx512()) {
+      numpy_random_internal::Mt19937RefillAvx512(mt_, out_);
+      pos_ = 0;
+      return;
+    }
+#endif
     uint32_t i = 0;
 #if defined(__SSE2__)
     for (; i + 4 <= kN - kM - 3; i += 4) Block(i, i + kM);       // far = old words
@@ -97,6 +158,47 @@ class Mt19937 {
 
 template <typename Int>
 struct DrawRing;
+
+namespace numpy_random_internal {
+
+#if defined(__x86_64__)
+// Sixteen generator outputs at a time while the bound b is at least low + 15 (so the mask stays
+// the same and at least 16 draws remain): an output masked to at most b - 15 is accepted whatever
+// the others do, one above b rejected; a block holding an output in between (rare unless b is
+// small) goes one output at a time. Accepted values are packed in order and stored. Returns how
+// many outputs were consumed; *b and *k advance as the one-at-a-time loop would.
+__attribute__((target("avx512f"))) inline size_t AcceptAvx512(const uint32_t* x, size_t n, uint32_t mask, uint32_t low,
+                                                               uint32_t* b_io, uint32_t* out, size_t* k_io) {
+  uint32_t b = *b_io;
+  size_t k = *k_io, j = 0;
+  const __m512i vm = _mm512_set1_epi32(static_cast<int>(mask));
+  while (j + 16 <= n && b >= low + 15) {
+    const __m512i v = _mm512_and_si512(_mm512_loadu_si512(x + j), vm);
+    const __mmask16 sure = _mm512_cmple_epu32_mask(v, _mm512_set1_epi32(static_cast<int>(b - 15)));
+    const __mmask16 maybe = _mm512_cmple_epu32_mask(v, _mm512_set1_epi32(static_cast<int>(b)));
+    if (sure == maybe) {
+      _mm512_storeu_si512(out + k, _mm512_maskz_compress_epi32(sure, v));  // k + 16 <= draws left
+      const unsigned c = static_cast<unsigned>(__builtin_popcount(sure));
+      k += c;
+      b -= c;
+    } else {
+      for (size_t t = j; t < j + 16; ++t) {
+        const uint32_t w = x[t] & mask;
+        out[k] = w;
+        const uint32_t acc = w <= b;
+        k += acc;
+        b -= acc;
+      }
+    }
+    j += 16;
+  }
+  *b_io = b;
+  *k_io = k;
+  return j;
+}
+#endif
+
+}  // namespace numpy_random_internal
 
 class NumpyRandomState {
  public:
@@ -141,6 +243,10 @@ class NumpyRandomState {
         size_t n;
         const uint32_t* x = gen_.Pending(&n);
         size_t j = 0;
+#if defined(__x86_64__)
+        if constexpr (std::is_same_v<Int, uint32_t>)
+          if (numpy_random_internal::HaveAvx512()) j = numpy_random_internal::AcceptAvx512(x, n, mask, low, &b, out, &k);
+#endif
         for (; j < n && b >= low; ++j) {
           const uint32_t v = x[j] & mask;
           out[k] = static_cast<Int>(v);
@@ -165,8 +271,15 @@ class NumpyRandomState {
   template <typename T>
   void Shuffle(T* x, size_t n) {
     if (n < 2) return;
+    if (n - 1 <= 0xFFFFFFFFull) ShuffleWith<uint32_t>(x, n);  // 32-bit draws take the vector path
+    else ShuffleWith<uint64_t>(x, n);
+  }
+
+ private:
+  template <typename Draw, typename T>
+  void ShuffleWith(T* x, size_t n) {
     constexpr size_t kBlock = 2048, kLookahead = 32;
-    uint64_t block[kBlock];
+    Draw block[kBlock];
     for (size_t hi = n - 1; hi >= 1;) {
       const size_t lo = hi >= kBlock ? hi - kBlock + 1 : 1;
       const size_t cnt = hi - lo + 1;
@@ -180,7 +293,6 @@ class NumpyRandomState {
     }
   }
 
- private:
   uint64_t Next64() {
     uint64_t hi = gen_();
     uint64_t lo = gen_();

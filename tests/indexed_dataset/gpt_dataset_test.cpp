@@ -322,11 +322,39 @@ namespace ptk {
 namespace {
 // The block-wise, branch-free draws and the prefetching shuffle give numpy's results: the same as
 // one random_interval at a time, across powers of two and many generator refills.
-TEST(NumpyCompat, BlockDrawsEqualOneByOne) {
+class NumpyCompatPaths : public ::testing::TestWithParam<bool> {
+ protected:
+  // Param: whether the AVX-512 paths may run (where the CPU has them); the portable paths always
+  // run with false.
+  void SetUp() override {
+#if defined(__x86_64__)
+    saved_ = numpy_random_internal::Avx512Enabled();
+    numpy_random_internal::Avx512Enabled() = GetParam() && saved_;
+#endif
+  }
+  void TearDown() override {
+#if defined(__x86_64__)
+    numpy_random_internal::Avx512Enabled() = saved_;
+#endif
+  }
+  bool saved_ = false;
+};
+INSTANTIATE_TEST_SUITE_P(Simd, NumpyCompatPaths, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Detected" : "Portable"; });
+
+TEST_P(NumpyCompatPaths, GeneratorEqualsTheStandardOne) {
+  for (uint32_t seed : {0u, 1u, 42u, 1234u, 4294967295u}) {
+    Mt19937 a(seed);
+    std::mt19937 b(seed);
+    for (int i = 0; i < 5000; ++i) ASSERT_EQ(a(), b()) << "seed " << seed << " draw " << i;
+  }
+}
+
+TEST_P(NumpyCompatPaths, BlockDrawsEqualOneByOne) {
   for (uint64_t hi : {uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1000}, uint64_t{4096}, uint64_t{65537}, uint64_t{300000}}) {
     for (uint64_t lo : {uint64_t{1}, hi / 2 + 1, hi}) {
       NumpyRandomState a(99), b(99);
-      std::vector<uint64_t> block(static_cast<size_t>(hi - lo + 1));
+      std::vector<uint32_t> block(static_cast<size_t>(hi - lo + 1));  // 32-bit draws: the vector path
       a.DrawDescending(hi, lo, block.data());
       for (uint64_t i = hi; i >= lo; --i) ASSERT_EQ(block[static_cast<size_t>(hi - i)], b.RandomInterval(i)) << hi << " " << lo << " " << i;
       EXPECT_EQ(a.RandomInterval(12345), b.RandomInterval(12345));  // the generators stay in step
@@ -472,12 +500,5 @@ TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
   }
 }
 
-TEST(NumpyCompat, Mt19937MatchesTheStandardOne) {
-  for (uint32_t seed : {0u, 1u, 42u, 1234u, 4294967295u}) {
-    Mt19937 a(seed);
-    std::mt19937 b(seed);
-    for (int i = 0; i < 5000; ++i) ASSERT_EQ(a(), b()) << "seed " << seed << " draw " << i;
-  }
-}
 }  // namespace
 }  // namespace ptk
