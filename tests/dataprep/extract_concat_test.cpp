@@ -158,7 +158,9 @@ TEST(ConcatPlan, BalancedChunksKeepOrderAndCoverEverything) {
   // Fewer inputs than chunks: one chunk each. Skewed sizes: no empty chunk.
   auto few = MakeConcatPlan({{"a", 5}, {"b", 1000000}, {"c", 5}}, "out", {});
   ASSERT_EQ(few->chunks.size(), 3u);
-  auto skew = MakeConcatPlan({{"a", 1000000}, {"b", 1}, {"c", 1}, {"d", 1}}, "out", {.chunks = 3});
+  ConcatPlanOptions three;
+  three.chunks = 3;
+  auto skew = MakeConcatPlan({{"a", 1000000}, {"b", 1}, {"c", 1}, {"d", 1}}, "out", three);
   ASSERT_EQ(skew->chunks.size(), 3u);
   for (const auto& c : skew->chunks) EXPECT_FALSE(c.inputs.empty());
 }

@@ -138,7 +138,9 @@ TEST(GPTDatasetGolden, IndicesCacheFilesAndSamplesEqualMegatrons) {
     auto again = BuildConfig(c);
     ASSERT_TRUE(again.ok());
     for (int i = 0; i < 3; ++i)
-      if ((*again)[i]) EXPECT_TRUE((*again)[i]->loaded_from_cache());
+      if ((*again)[i]) {
+        EXPECT_TRUE((*again)[i]->loaded_from_cache());
+      }
     CheckSamples(c, *again);
   }
 }

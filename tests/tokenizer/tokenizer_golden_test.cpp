@@ -104,7 +104,9 @@ TEST_F(GoldenTest, CorpusMatchesHuggingFaceAndTiktoken) {
       if (g["tiktoken"].error() != simdjson::SUCCESS) ++compared_tiktoken;
     }
     // Round trip: decoding gives the text back (valid UTF-8 input).
-    if (text.size() < 100000) ASSERT_EQ(tok_->Decode(got), text) << name;
+    if (text.size() < 100000) {
+      ASSERT_EQ(tok_->Decode(got), text) << name;
+    }
     ++cases;
   }
   EXPECT_GT(cases, 1000);
