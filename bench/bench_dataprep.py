@@ -10,6 +10,7 @@ Usage: python3 bench/bench_dataprep.py [--build build] [--mb 200] [--repeats 5]
 Needs zstd, xz-utils, aria2 and curl (scripts/install-deps.sh installs them).
 """
 import argparse
+import atexit
 import glob
 import hashlib
 import json
@@ -64,6 +65,7 @@ def main():
     a = ap.parse_args()
     bin_ = os.path.join(a.build, "bin")
     tmp = tempfile.mkdtemp(prefix="ptk-bench-dataprep-")
+    atexit.register(shutil.rmtree, tmp, True)  # also when a step fails
     nproc = os.cpu_count()
     results = {}
 

@@ -10,6 +10,7 @@ scripts/install-deps.sh --with-python-ref installs it):
 The .bin is sparse (index building reads only the .idx).
 """
 import argparse
+import atexit
 import glob
 import json
 import os
@@ -56,6 +57,7 @@ def main():
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     tmp = tempfile.mkdtemp(prefix="ptk-bench-gpt-")
+    atexit.register(shutil.rmtree, tmp, True)  # also when a step fails
     os.chdir(tmp)
     # ~1000-token documents, lognormal lengths.
     rng = numpy.random.RandomState(0)

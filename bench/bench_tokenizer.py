@@ -9,11 +9,13 @@ Default corpus: the text of the bundled sample's train split (sample/slimpajama-
 Reference libraries are installed into build/bench-venv from PyPI on first use.
 """
 import argparse
+import atexit
 import base64
 import glob
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,6 +73,7 @@ def main():
     import gigatoken
 
     tmp = tempfile.mkdtemp(prefix="ptk-bench-")
+    atexit.register(shutil.rmtree, tmp, True)  # also when a step fails
     corpus = a.corpus
     if corpus is None:
         corpus = os.path.join(tmp, "corpus.jsonl")
