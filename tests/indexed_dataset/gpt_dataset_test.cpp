@@ -362,6 +362,22 @@ TEST_P(NumpyCompatPaths, BlockDrawsEqualOneByOne) {
       EXPECT_EQ(a.RandomInterval(12345), b.RandomInterval(12345));  // the generators stay in step
     }
   }
+  // Bounds at the top of the 32-bit range (fewer than 16 draws left right below 2^32), and across
+  // it (64-bit draws first).
+  for (auto [hi, lo] : {std::pair<uint64_t, uint64_t>{0xFFFFFFFFull, 0xFFFFFFF8ull}, {0xFFFFFFFFull, 0xFFFFFFE0ull},
+                        {0x100000003ull, 0xFFFFFFF0ull}}) {
+    NumpyRandomState a(5), b(5);
+    std::vector<uint64_t> wide(static_cast<size_t>(hi - lo + 1));
+    a.DrawDescending(hi, lo, wide.data());
+    for (uint64_t i = hi; i >= lo; --i) ASSERT_EQ(wide[static_cast<size_t>(hi - i)], b.RandomInterval(i)) << hi << " " << i;
+    if (hi <= 0xFFFFFFFFull) {
+      NumpyRandomState c(5);
+      std::vector<uint32_t> narrow(static_cast<size_t>(hi - lo + 1) + 16, 0xABCDEF01u);
+      c.DrawDescending(hi, lo, narrow.data());
+      for (size_t k = 0; k < wide.size(); ++k) ASSERT_EQ(narrow[k], wide[k]) << hi << " " << k;
+      for (size_t k = wide.size(); k < narrow.size(); ++k) ASSERT_EQ(narrow[k], 0xABCDEF01u) << "wrote past the draws";
+    }
+  }
   const size_t n = 1 << 20;
   std::vector<uint32_t> fast(n), slow(n);
   for (size_t i = 0; i < n; ++i) fast[i] = slow[i] = static_cast<uint32_t>(i);
