@@ -3,10 +3,8 @@
 
 #include <atomic>
 #include <bit>
-#include <chrono>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <regex>
 #include <thread>
@@ -314,24 +312,6 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   auto save_array = [&](const IndexArray& a, const char* name) {
     return save ? a.Save(cache_prefix_ + name) : absl::OkStatus();
   };
-  // Sample rows of the separate last epoch's region, filled by the drawing thread (set below).
-  std::function<void()> fill_last_epoch_rows;
-  std::atomic<bool> last_epoch_rows_done{false};
-  auto producer = [&] {
-    NumpyRandomState rng(config_.random_seed);
-    if (wide_draws) rng.Draw(doc_lengths, &draws64);
-    else rng.Draw(doc_lengths, &draws32);
-    shuffle_index(rng);  // the same generator continues with the shuffle index
-    save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
-    while (!doc_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(50));
-    if (separate) {
-      fill_last_epoch_rows();
-      last_epoch_rows_done.store(true, std::memory_order_release);
-    }
-    save_doc = save_array(document_index_, "document_index.npy");
-  };
-  std::thread worker;
-  if (threaded) worker = std::thread(producer);
 
   // The split's lengths, copied to an aligned (huge-page) array: gathered from in random order, it
   // misses the TLB far less than the mapped index file.
@@ -339,8 +319,6 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   int32_t* slen = split_lengths.As<int32_t>();
   if (ndocs > 0) std::memcpy(slen, dataset_->lengths_data() + 4 * beg_, static_cast<size_t>(ndocs) * 4);
   const int32_t* lens = slen - beg_;
-  for (int64_t e = 0; e < epochs; ++e)
-    for (int64_t i = 0; i < ndocs; ++i) doc[e * ndocs + i] = static_cast<int32_t>(beg_ + i);
 
   // sample_index: the rows helpers.cpp build_sample_idx writes. Sample s >= 1 starts at token
   // s*seq of the documents concatenated in document_index order; its row names the document that
@@ -392,7 +370,27 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     if (wide) run(sample_index_.As<int64_t>());
     else run(sample_index_.As<int32_t>());
   };
-  fill_last_epoch_rows = [&] { fill_region(1); };
+
+  std::atomic<bool> last_epoch_rows_done{false};
+  auto producer = [&] {
+    NumpyRandomState rng(config_.random_seed);
+    if (wide_draws) rng.Draw(doc_lengths, &draws64);
+    else rng.Draw(doc_lengths, &draws32);
+    shuffle_index(rng);  // the same generator continues with the shuffle index
+    save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
+    doc_done.wait(false, std::memory_order_acquire);
+    if (separate) {
+      fill_region(1);  // the separate last epoch's sample rows
+      last_epoch_rows_done.store(true, std::memory_order_release);
+      last_epoch_rows_done.notify_one();
+    }
+    save_doc = save_array(document_index_, "document_index.npy");
+  };
+  std::thread worker;
+  if (threaded) worker = std::thread(producer);
+
+  for (int64_t e = 0; e < epochs; ++e)
+    for (int64_t i = 0; i < ndocs; ++i) doc[e * ndocs + i] = static_cast<int32_t>(beg_ + i);
 
   if (!threaded) {
     NumpyRandomState rng(config_.random_seed);
@@ -400,6 +398,7 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     if (separate) rng.Shuffle(doc + region_a, static_cast<size_t>(doc_lengths[1]));
     shuffle_index(rng);
     save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
+    save_doc = save_array(document_index_, "document_index.npy");
   } else {
     auto apply_doc = [&](auto* ring) {
       ApplyDraws(doc, static_cast<size_t>(doc_lengths[0]), ring, 0);
@@ -409,14 +408,15 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     if (wide_draws) apply_doc(&draws64);
     else apply_doc(&draws32);
     doc_done.store(true, std::memory_order_release);
+    doc_done.notify_one();
   }
-  if (!threaded) save_doc = save_array(document_index_, "document_index.npy");
   // The two regions' rows are disjoint: with a separate last epoch, the drawing thread fills that
   // region's rows while this one fills the rest.
   fill_region(0);
-  if (separate && !threaded) fill_region(1);
-  if (separate && threaded)
-    while (!last_epoch_rows_done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  if (separate) {
+    if (threaded) last_epoch_rows_done.wait(false, std::memory_order_acquire);
+    else fill_region(1);
+  }
 
   auto finish_rows = [&](auto* out) {
     using T = std::remove_pointer_t<decltype(out)>;
