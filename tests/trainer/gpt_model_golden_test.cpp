@@ -1,0 +1,180 @@
+// The CPU GPT against PyTorch (tests/tools/gen_trainer_goldens.py, float64 reference): logits,
+// loss and every gradient within 1e-5 relative error, the weights after 10 AdamW steps with
+// clipping and Megatron's cosine schedule within 1e-4, for tied and untied output layers.
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "tests/test_util.h"
+#include "trainer/gpt_model.h"
+#include "trainer/optimizer.h"
+
+namespace ptk::trainer {
+namespace {
+
+struct Golden {
+  simdjson::dom::parser parser;
+  simdjson::dom::element meta;
+  std::string blob;
+
+  explicit Golden(const std::string& name) {
+    std::string base = testing::SourceDir() + "/tests/data/trainer/" + name;
+    meta = parser.load(base + ".json");
+    std::ifstream f(base + ".bin", std::ios::binary);
+    blob.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  template <typename T>
+  std::vector<T> Tensor(const std::string& key) {
+    simdjson::dom::element e = meta["tensors"][key];
+    int64_t n = 1;
+    for (auto d : e["shape"].get_array()) n *= int64_t(d.get_int64());
+    std::vector<T> v(static_cast<size_t>(n));
+    std::memcpy(v.data(), blob.data() + int64_t(e["offset"].get_int64()), n * sizeof(T));
+    return v;
+  }
+  int64_t Int(const char* k) { return meta["config"][k].get_int64(); }
+  double Num(const char* k) { return meta["config"][k].get_double(); }
+};
+
+// ||a - b|| / ||b||
+double RelError(const float* a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+class GptGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    g_ = std::make_unique<Golden>(GetParam());
+    GPTConfig c;
+    c.num_layers = g_->Int("num_layers");
+    c.hidden_size = g_->Int("hidden_size");
+    c.num_attention_heads = g_->Int("num_attention_heads");
+    c.ffn_hidden_size = g_->Int("ffn_hidden_size");
+    c.seq_length = g_->Int("seq_length");
+    c.max_position_embeddings = g_->Int("max_position_embeddings");
+    c.vocab_size = g_->Int("vocab_size");
+    c.padded_vocab_size = PaddedVocabSize(c.vocab_size, g_->Int("make_vocab_size_divisible_by"));
+    ASSERT_EQ(c.padded_vocab_size, g_->Int("padded_vocab_size"));
+    c.untie_embeddings_and_output_weights = g_->meta["config"]["untie"].get_bool();
+    c.hidden_dropout = c.attention_dropout = 0.0;
+    config_ = c;
+    tokens_ = g_->Tensor<int32_t>("tokens");
+    labels_ = g_->Tensor<int32_t>("labels");
+    mask_ = g_->Tensor<float>("loss_mask");
+    b_ = g_->Int("micro_batch_size");
+    t_ = c.seq_length;
+    positions_.resize(b_ * t_);
+    for (int64_t i = 0; i < b_ * t_; ++i) positions_[i] = static_cast<int32_t>(i % t_);
+    keys_.assign(b_, 0);
+  }
+  std::unique_ptr<GPTModel> MakeModel(bool recompute = false) {
+    GPTConfig c = config_;
+    c.recompute_activations = recompute;
+    auto m = GPTModel::Create(c);
+    EXPECT_TRUE(m.ok()) << m.status();
+    for (const ParamInfo& p : (*m)->params_info()) {
+      std::vector<float> w = g_->Tensor<float>("init:" + p.name);
+      EXPECT_EQ(static_cast<int64_t>(w.size()), p.size) << p.name;
+      std::copy(w.begin(), w.end(), (*m)->params() + p.offset);
+    }
+    return std::move(*m);
+  }
+  ModelBatch Batch(int64_t step, int64_t micro) {
+    int64_t off = (step * g_->Int("num_micro_batches") + micro) * b_ * t_;
+    return ModelBatch{b_, t_, tokens_.data() + off, labels_.data() + off, positions_.data(), mask_.data() + off,
+                      keys_.data()};
+  }
+  std::vector<ModelBatch> Step(int64_t step) {
+    std::vector<ModelBatch> v;
+    for (int64_t m = 0; m < g_->Int("num_micro_batches"); ++m) v.push_back(Batch(step, m));
+    return v;
+  }
+  OptimizerConfig OptConfig() {
+    OptimizerConfig o;
+    o.adam_beta1 = g_->Num("adam_beta1");
+    o.adam_beta2 = g_->Num("adam_beta2");
+    o.adam_eps = g_->Num("adam_eps");
+    o.clip_grad = g_->Num("clip_grad");
+    return o;
+  }
+  SchedulerConfig Schedule() {
+    SchedulerConfig s;
+    s.init_lr = g_->Num("init_lr");
+    s.max_lr = g_->Num("lr");
+    s.min_lr = g_->Num("min_lr");
+    s.warmup_steps = g_->Int("warmup_samples");
+    s.decay_steps = g_->Int("decay_samples");
+    s.decay_style = "cosine";
+    s.start_wd = s.end_wd = g_->Num("weight_decay");
+    return s;
+  }
+
+  std::unique_ptr<Golden> g_;
+  GPTConfig config_;
+  std::vector<int32_t> tokens_, labels_, positions_;
+  std::vector<float> mask_;
+  std::vector<int64_t> keys_;
+  int64_t b_ = 0, t_ = 0;
+};
+
+TEST_P(GptGolden, LogitsAndLossMatchPyTorch) {
+  auto model = MakeModel();
+  std::vector<float> logits;
+  auto loss = model->Forward(Batch(0, 0), &logits);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_LE(RelError(logits.data(), g_->Tensor<float>("logits")), 1e-5);
+  double want = g_->meta["first_micro_batch_loss"].get_double();
+  EXPECT_LE(std::abs(loss->loss_sum / loss->tokens - want) / want, 1e-5);
+}
+
+TEST_P(GptGolden, GradientsMatchPyTorch) {
+  for (bool recompute : {false, true}) {
+    auto model = MakeModel(recompute);
+    auto comm = MakeLocalCommunicator();
+    Optimizer opt(model.get(), OptConfig(), Schedule(), comm.get());
+    auto r = opt.ComputeGradients(Step(0), 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_NEAR(r->lm_loss(), g_->meta["steps"].at(0)["lm_loss"].get_double(), 1e-5);
+    double want_norm = g_->meta["steps"].at(0)["grad_norm"].get_double();
+    EXPECT_LE(std::abs(r->grad_norm - want_norm) / want_norm, 1e-5);
+    for (const ParamInfo& p : model->params_info()) {
+      std::vector<float> want = g_->Tensor<float>("grad:" + p.name);
+      EXPECT_LE(RelError(model->grads() + p.offset, want), 1e-5) << p.name << " recompute " << recompute;
+    }
+  }
+}
+
+TEST_P(GptGolden, TenAdamWStepsMatchPyTorch) {
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  Optimizer opt(model.get(), OptConfig(), Schedule(), comm.get());
+  const int64_t steps = g_->Int("steps");
+  for (int64_t s = 0; s < steps; ++s) {
+    auto r = opt.Step(Step(s), g_->Int("global_batch_size"), 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto want = g_->meta["steps"].at(s);
+    EXPECT_NEAR(r->lr, want["lr"].get_double(), 1e-12) << "step " << s;
+    EXPECT_LE(std::abs(r->lm_loss() - want["lm_loss"].get_double()), 1e-4) << "step " << s;
+    EXPECT_FALSE(r->skipped);
+  }
+  for (const ParamInfo& p : model->params_info()) {
+    std::vector<float> want = g_->Tensor<float>("final:" + p.name);
+    EXPECT_LE(RelError(model->params() + p.offset, want), 1e-4) << p.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, GptGolden, ::testing::Values("gpt_tied", "gpt_untied"));
+
+}  // namespace
+}  // namespace ptk::trainer

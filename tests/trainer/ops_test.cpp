@@ -1,0 +1,282 @@
+// The CPU ops one by one: backward against central finite differences in double precision,
+// float against double, and dropout masks that depend only on (seed, stream, index).
+#include <tbb/task_arena.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "trainer/lr_schedule.h"
+#include "trainer/ops_cpu.h"
+
+namespace ptk::trainer {
+namespace {
+
+std::vector<double> Random(size_t n, uint32_t seed, double scale = 1.0) {
+  std::mt19937 g(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = d(g);
+  return v;
+}
+
+double Dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Checks d(sum(f(x) * r))/dx[i] against central differences for every element of x.
+void CheckGradient(std::vector<double>& x, const std::vector<double>& analytic,
+                   const std::function<double()>& objective, const std::string& what, double tol = 1e-6) {
+  const double h = 1e-5;
+  double max_err = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    double keep = x[i];
+    x[i] = keep + h;
+    double up = objective();
+    x[i] = keep - h;
+    double down = objective();
+    x[i] = keep;
+    double numeric = (up - down) / (2 * h);
+    double err = std::abs(numeric - analytic[i]) / std::max(1.0, std::abs(numeric));
+    max_err = std::max(max_err, err);
+  }
+  EXPECT_LE(max_err, tol) << what;
+}
+
+TEST(Ops, MatmulGradients) {
+  const int64_t n = 5, ic = 7, oc = 4;
+  auto x = Random(n * ic, 1), w = Random(oc * ic, 2), b = Random(oc, 3), r = Random(n * oc, 4);
+  std::vector<double> out(n * oc);
+  auto objective = [&] {
+    MatmulForwardCpu(out.data(), x.data(), w.data(), b.data(), n, ic, oc);
+    return Dot(out, r);
+  };
+  std::vector<double> dx(n * ic, 0), dw(oc * ic, 0), db(oc, 0);
+  MatmulBackwardCpu(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), n, ic, oc);
+  CheckGradient(x, dx, objective, "dinp");
+  CheckGradient(w, dw, objective, "dw");
+  CheckGradient(b, db, objective, "dbias");
+}
+
+TEST(Ops, LayerNormGradients) {
+  const int64_t n = 70, c = 9;  // more rows than one fixed block
+  auto x = Random(n * c, 5), w = Random(c, 6), b = Random(c, 7), r = Random(n * c, 8);
+  std::vector<double> out(n * c), mean(n), rstd(n);
+  auto objective = [&] {
+    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, c, 1e-5);
+    return Dot(out, r);
+  };
+  objective();
+  std::vector<double> dx(n * c, 0), dw(c, 0), db(c, 0);
+  LayerNormBackwardCpu(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), mean.data(), rstd.data(), n, c);
+  CheckGradient(x, dx, objective, "dinp");
+  CheckGradient(w, dw, objective, "dw");
+  CheckGradient(b, db, objective, "db");
+}
+
+TEST(Ops, EmbeddingGradients) {
+  const int64_t n = 12, c = 70, v = 5, p = 6;
+  std::vector<int32_t> tok(n), pos(n);
+  for (int64_t i = 0; i < n; ++i) {
+    tok[i] = static_cast<int32_t>((i * 7) % v);
+    pos[i] = static_cast<int32_t>(i % p);
+  }
+  auto wte = Random(v * c, 9), wpe = Random(p * c, 10), r = Random(n * c, 11);
+  std::vector<double> out(n * c);
+  auto objective = [&] {
+    EmbeddingForwardCpu(out.data(), tok.data(), pos.data(), wte.data(), wpe.data(), n, c);
+    return Dot(out, r);
+  };
+  std::vector<double> dwte(v * c, 0), dwpe(p * c, 0);
+  EmbeddingBackwardCpu(dwte.data(), dwpe.data(), r.data(), tok.data(), pos.data(), n, c);
+  CheckGradient(wte, dwte, objective, "dwte");
+  CheckGradient(wpe, dwpe, objective, "dwpe");
+}
+
+TEST(Ops, GeluGradientAndValues) {
+  const int64_t n = 50;
+  auto x = Random(n, 12, 2.0), r = Random(n, 13);
+  std::vector<double> out(n);
+  auto objective = [&] {
+    GeluForwardCpu(out.data(), x.data(), n);
+    return Dot(out, r);
+  };
+  std::vector<double> dx(n);
+  GeluBackwardCpu(dx.data(), x.data(), r.data(), n);
+  CheckGradient(x, dx, objective, "dinp");
+  double y;
+  double one = 1.0;
+  GeluForwardCpu(&y, &one, 1);
+  EXPECT_NEAR(y, 0.8411919906082768, 1e-12);  // torch.nn.functional.gelu(1.0, approximate="tanh")
+}
+
+TEST(Ops, SoftmaxCrossEntropyGradients) {
+  const int64_t n = 6, vp = 11;
+  auto logits = Random(n * vp, 14, 3.0), dl = Random(n, 15);
+  std::vector<int32_t> targets = {0, 3, 10, 5, 5, 7};
+  std::vector<double> losses(n);
+  auto objective = [&] {
+    SoftmaxCrossEntropyForwardCpu(losses.data(), logits.data(), targets.data(), n, vp);
+    return Dot(losses, dl);
+  };
+  objective();
+  EXPECT_GT(losses[0], 0.0);
+  std::vector<double> grad = logits;
+  SoftmaxCrossEntropyBackwardCpu(grad.data(), targets.data(), dl.data(), n, vp);
+  CheckGradient(logits, grad, objective, "dlogits");
+}
+
+void CheckAttention(double p) {
+  const AttentionShape s{2, 5, 3, 4};
+  const int64_t c = s.nh * s.hd;
+  auto qkv = Random(s.b * s.t * 3 * c, 16), r = Random(s.b * s.t * c, 17);
+  std::vector<uint64_t> streams = {DropoutStream(11, 0, 3), DropoutStream(12, 0, 3)};
+  std::vector<double> out(s.b * s.t * c), probs(s.b * s.nh * s.t * s.t);
+  auto objective = [&] {
+    AttentionForwardCpu(out.data(), probs.data(), qkv.data(), s, p, 42, streams.data());
+    return Dot(out, r);
+  };
+  objective();
+  // Causal: every probability row sums to one over j <= i and is zero above the diagonal.
+  for (int64_t bh = 0; bh < s.b * s.nh; ++bh)
+    for (int64_t i = 0; i < s.t; ++i) {
+      double sum = 0;
+      for (int64_t j = 0; j < s.t; ++j) {
+        double v = probs[(bh * s.t + i) * s.t + j];
+        if (j > i) EXPECT_EQ(v, 0.0);
+        sum += v;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-12);
+    }
+  std::vector<double> dqkv(qkv.size()), scratch(2 * s.t * s.t);
+  AttentionBackwardCpu(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 42, streams.data(), scratch.data());
+  CheckGradient(qkv, dqkv, objective, "dqkv");
+}
+
+TEST(Ops, AttentionGradients) { CheckAttention(0.0); }
+TEST(Ops, AttentionGradientsWithDropout) { CheckAttention(0.3); }
+
+TEST(Ops, DropoutGradientAndRate) {
+  const int64_t n = 200000;
+  std::vector<double> x(n, 1.0);
+  DropoutCpu(x.data(), n, 0.1, 7, DropoutStream(3, 1, 2));
+  int64_t kept = 0;
+  for (double v : x) {
+    EXPECT_TRUE(v == 0.0 || std::abs(v - 1.0 / 0.9) < 1e-12);
+    kept += v != 0.0;
+  }
+  EXPECT_NEAR(static_cast<double>(kept) / n, 0.9, 0.005);
+  // Linear in its input, so backward is the same op.
+  auto y = Random(64, 18), r = Random(64, 19);
+  std::vector<double> d = r;
+  DropoutCpu(d.data(), 64, 0.5, 1, 2);
+  std::vector<double> tmp;
+  auto objective = [&] {
+    tmp = y;
+    DropoutCpu(tmp.data(), 64, 0.5, 1, 2);
+    return Dot(tmp, r);
+  };
+  CheckGradient(y, d, objective, "dropout");
+}
+
+TEST(Ops, DropoutMaskIndependentOfThreads) {
+  const int64_t n = 1 << 16;
+  std::vector<float> one(n, 1.0f), two(n, 1.0f);
+  tbb::task_arena(1).execute([&] { DropoutCpu(one.data(), n, 0.25, 99, 5); });
+  tbb::task_arena(2).execute([&] { DropoutCpu(two.data(), n, 0.25, 99, 5); });
+  EXPECT_EQ(one, two);
+  std::vector<float> other(n, 1.0f);
+  DropoutCpu(other.data(), n, 0.25, 100, 5);
+  EXPECT_NE(one, other);  // another seed, another mask
+}
+
+TEST(Ops, LayerNormWeightGradientIndependentOfThreads) {
+  const int64_t n = 1000, c = 33;
+  std::vector<float> x(n * c), dy(n * c), w(c, 1.3f), mean(n), rstd(n), out(n * c);
+  auto rx = Random(n * c, 20), rd = Random(n * c, 21);
+  for (int64_t i = 0; i < n * c; ++i) {
+    x[i] = static_cast<float>(rx[i]);
+    dy[i] = static_cast<float>(rd[i]);
+  }
+  std::vector<float> b(c, 0.1f);
+  LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, c, 1e-5);
+  auto run = [&](int threads) {
+    std::vector<float> dx(n * c, 0), dw(c, 0), db(c, 0);
+    tbb::task_arena(threads).execute([&] {
+      LayerNormBackwardCpu(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                           n, c);
+    });
+    dx.insert(dx.end(), dw.begin(), dw.end());
+    dx.insert(dx.end(), db.begin(), db.end());
+    return dx;
+  };
+  EXPECT_EQ(run(1), run(2));
+}
+
+TEST(Ops, AdamWMatchesTorchFormula) {
+  // One element by hand: torch.optim.AdamW(lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+  // two steps with gradients 0.5 then -0.25 from p = 1.0.
+  double p = 1.0, m = 0, v = 0;
+  double g1 = 0.5, g2 = -0.25;
+  AdamWCpu(&p, &g1, &m, &v, 1, AdamWParams{0.1, 0.9, 0.95, 1e-8, 0.1, 1});
+  AdamWCpu(&p, &g2, &m, &v, 1, AdamWParams{0.1, 0.9, 0.95, 1e-8, 0.1, 2});
+  // Reference computed with torch 1.13: p after two steps.
+  double want = 1.0 * (1 - 0.01);
+  want -= 0.1 * (0.05 / 0.1) / (std::sqrt(0.05 * 0.25 / 0.05) + 1e-8);
+  want *= (1 - 0.01);
+  double m2 = 0.9 * 0.05 + 0.1 * -0.25, v2 = 0.95 * (0.05 * 0.25) + 0.05 * 0.0625;
+  want -= 0.1 * (m2 / (1 - 0.81)) / (std::sqrt(v2 / (1 - 0.9025)) + 1e-8);
+  EXPECT_NEAR(p, want, 1e-12);
+}
+
+TEST(Schedule, MegatronFormulas) {
+  SchedulerConfig c;
+  c.max_lr = 1e-3;
+  c.min_lr = 1e-4;
+  c.warmup_steps = 100;
+  c.decay_steps = 1000;
+  c.decay_style = "cosine";
+  ASSERT_TRUE(c.Validate().ok());
+  OptimizerParamScheduler s(c);
+  EXPECT_EQ(s.lr(), 0.0);  // Megatron's first iteration with warm-up runs at --lr-warmup-init
+  s.set_num_steps(50);
+  EXPECT_NEAR(s.lr(), 5e-4, 1e-15);
+  s.set_num_steps(550);
+  EXPECT_NEAR(s.lr(), 1e-4 + 0.5 * 9e-4, 1e-15);  // half way: cos(pi/2) = 0
+  s.set_num_steps(1001);
+  EXPECT_EQ(s.lr(), 1e-4);
+  c.decay_style = "linear";
+  OptimizerParamScheduler lin(c);
+  lin.set_num_steps(325);
+  EXPECT_NEAR(lin.lr(), 1e-4 + 0.75 * 9e-4, 1e-15);
+  c.decay_style = "inverse-square-root";
+  OptimizerParamScheduler isr(c);
+  isr.set_num_steps(400);
+  EXPECT_NEAR(isr.lr(), 1e-3 * 10.0 / 20.0, 1e-15);
+  c.decay_style = "WSD";
+  c.wsd_decay_steps = 200;
+  c.wsd_decay_style = "linear";
+  OptimizerParamScheduler wsd(c);
+  wsd.set_num_steps(700);
+  EXPECT_EQ(wsd.lr(), 1e-3);  // stable phase
+  wsd.set_num_steps(900);
+  EXPECT_NEAR(wsd.lr(), 1e-4 + 0.5 * 9e-4, 1e-15);
+  c.decay_style = "constant";
+  OptimizerParamScheduler cst(c);
+  cst.set_num_steps(5000);
+  EXPECT_EQ(cst.lr(), 1e-3);
+  c.decay_style = "cosine";
+  c.warmup_steps = 1000;
+  EXPECT_FALSE(c.Validate().ok());
+  c.warmup_steps = 10;
+  c.decay_style = "exotic";
+  EXPECT_FALSE(c.Validate().ok());
+}
+
+}  // namespace
+}  // namespace ptk::trainer

@@ -1,0 +1,115 @@
+// Causal self-attention (Megatron's core attention: scores scaled by 1/sqrt(head dim), causal
+// softmax, attention dropout), forward and backward. Both products of each (batch, head) go
+// through BLAS; the T x T probabilities are kept for backward unless the caller recomputes them.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "trainer/ops_cpu.h"
+
+namespace ptk::trainer {
+namespace {
+
+// Applies dropout to the causal part of a T x T matrix in place (same mask in forward/backward).
+template <typename T>
+void DropoutRows(T* m, int64_t t, double p, uint64_t seed, uint64_t stream) {
+  if (p <= 0.0) return;
+  uint32_t threshold = DropoutKeepThreshold(p);
+  T scale = static_cast<T>(1.0 / (1.0 - p));
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t j = 0; j <= i; ++j) {
+      uint64_t idx = static_cast<uint64_t>(i * t + j);
+      m[i * t + j] = DropoutKeep(seed, stream, idx, threshold) ? m[i * t + j] * scale : T(0);
+    }
+}
+
+}  // namespace
+
+template <typename T>
+void AttentionForwardCpu(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
+                         const uint64_t* streams) {
+  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  std::vector<T> dropped(p > 0.0 ? static_cast<size_t>(t * t) : 0);
+  for (int64_t b = 0; b < s.b; ++b) {
+    for (int64_t h = 0; h < s.nh; ++h) {
+      const T* q = qkv + b * t * c3 + h * 3 * hd;
+      const T* k = q + hd;
+      const T* v = q + 2 * hd;
+      T* pr = probs + (b * s.nh + h) * t * t;
+      Gemm<T>(false, true, t, t, hd, scale, q, c3, k, c3, T(0), pr, t);
+      for (int64_t i = 0; i < t; ++i) {
+        T* row = pr + i * t;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          row[j] = std::exp(row[j] - mx);
+          sum += row[j];
+        }
+        T inv = static_cast<T>(1.0 / sum);
+        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+        for (int64_t j = i + 1; j < t; ++j) row[j] = T(0);
+      }
+      const T* pv = pr;
+      if (p > 0.0) {
+        std::copy(pr, pr + t * t, dropped.begin());
+        DropoutRows(dropped.data(), t, p, seed, streams[b] + static_cast<uint64_t>(h));
+        pv = dropped.data();
+      }
+      Gemm<T>(false, false, t, hd, t, T(1), pv, t, v, c3, T(0), out + b * t * c + h * hd, c);
+    }
+  }
+}
+
+template <typename T>
+void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
+                          uint64_t seed, const uint64_t* streams, T* scratch) {
+  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  T* pd = scratch;       // dropped probabilities (t, t)
+  T* dp = scratch + t * t;  // gradient of the probabilities (t, t)
+  for (int64_t b = 0; b < s.b; ++b) {
+    for (int64_t h = 0; h < s.nh; ++h) {
+      const uint64_t stream = p > 0.0 ? streams[b] + static_cast<uint64_t>(h) : 0;
+      const T* q = qkv + b * t * c3 + h * 3 * hd;
+      const T* k = q + hd;
+      const T* v = q + 2 * hd;
+      T* dq = dqkv + b * t * c3 + h * 3 * hd;
+      T* dk = dq + hd;
+      T* dv = dq + 2 * hd;
+      const T* dy = dout + b * t * c + h * hd;
+      const T* pr = probs + (b * s.nh + h) * t * t;
+      const T* pv = pr;
+      if (p > 0.0) {
+        std::copy(pr, pr + t * t, pd);
+        DropoutRows(pd, t, p, seed, stream);
+        pv = pd;
+      }
+      Gemm<T>(true, false, t, hd, t, T(1), pv, t, dy, c, T(0), dv, c3);  // dV = P'^T dY
+      Gemm<T>(false, true, t, t, hd, T(1), dy, c, v, c3, T(0), dp, t);   // dP' = dY V^T
+      DropoutRows(dp, t, p, seed, stream);                                 // dP = dropout(dP')
+      for (int64_t i = 0; i < t; ++i) {
+        const T* prow = pr + i * t;
+        T* drow = dp + i * t;
+        double dot = 0;
+        for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(prow[j]) * drow[j];
+        T tdot = static_cast<T>(dot);
+        for (int64_t j = 0; j <= i; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
+        for (int64_t j = i + 1; j < t; ++j) drow[j] = T(0);
+      }
+      Gemm<T>(false, false, t, hd, t, T(1), dp, t, k, c3, T(0), dq, c3);  // dQ = dS K
+      Gemm<T>(true, false, t, hd, t, T(1), dp, t, q, c3, T(0), dk, c3);   // dK = dS^T Q
+    }
+  }
+}
+
+#define PTK_INSTANTIATE(T)                                                                                          \
+  template void AttentionForwardCpu<T>(T*, T*, const T*, const AttentionShape&, double, uint64_t, const uint64_t*);      \
+  template void AttentionBackwardCpu<T>(T*, const T*, const T*, const T*, const AttentionShape&, double, uint64_t, \
+                                        const uint64_t*, T*);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(double)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::trainer

@@ -1,0 +1,19 @@
+// The single-process communicator.
+#include "trainer/comm.h"
+
+namespace ptk::trainer {
+namespace {
+class LocalCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  absl::Status AllReduceSum(float*, int64_t) override { return absl::OkStatus(); }
+  absl::Status AllReduceSum(double*, int64_t) override { return absl::OkStatus(); }
+  absl::Status Broadcast(void*, int64_t, int) override { return absl::OkStatus(); }
+  absl::Status Barrier() override { return absl::OkStatus(); }
+};
+}  // namespace
+
+std::unique_ptr<Communicator> MakeLocalCommunicator() { return std::make_unique<LocalCommunicator>(); }
+
+}  // namespace ptk::trainer

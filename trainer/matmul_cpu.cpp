@@ -1,0 +1,60 @@
+// Matrix products through OpenBLAS's cblas (no hand-written GEMM), forward and backward.
+#include <cblas.h>
+
+#include <vector>
+
+#include "trainer/ops_cpu.h"
+
+namespace ptk::trainer {
+
+template <>
+void Gemm<float>(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
+              c, static_cast<int>(ldc));
+}
+
+template <>
+void Gemm<double>(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+                  const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
+              c, static_cast<int>(ldc));
+}
+
+template <typename T>
+void MatmulForwardCpu(T* out, const T* inp, const T* w, const T* bias, int64_t n, int64_t ic, int64_t oc) {
+  if (bias) {
+    for (int64_t i = 0; i < n; ++i) {
+      T* row = out + i * oc;
+      for (int64_t j = 0; j < oc; ++j) row[j] = bias[j];
+    }
+  }
+  Gemm<T>(false, true, n, oc, ic, T(1), inp, ic, w, ic, bias ? T(1) : T(0), out, oc);
+}
+
+template <typename T>
+void MatmulBackwardCpu(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
+                       int64_t oc) {
+  if (dinp) Gemm<T>(false, false, n, ic, oc, T(1), dout, oc, w, ic, T(1), dinp, ic);
+  Gemm<T>(true, false, oc, ic, n, T(1), dout, oc, inp, ic, T(1), dw, ic);
+  if (dbias) {
+    // Column sums in a fixed order, accumulated in double per column.
+    std::vector<double> acc(static_cast<size_t>(oc), 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* row = dout + i * oc;
+      for (int64_t j = 0; j < oc; ++j) acc[j] += row[j];
+    }
+    for (int64_t j = 0; j < oc; ++j) dbias[j] += static_cast<T>(acc[j]);
+  }
+}
+
+#define PTK_INSTANTIATE(T)                                                                              \
+  template void MatmulForwardCpu<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);      \
+  template void MatmulBackwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(double)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::trainer

@@ -1,0 +1,109 @@
+// The CPU reference ops of the GPT trainer: fp32 for training, double for the finite-difference
+// gradient checks. One file per op (<op>_cpu.cpp), forward and backward side by side, so each
+// CUDA kernel can sit beside its CPU op. Matrix products go through BLAS (OpenBLAS's cblas);
+// row-wise work is threaded with oneTBB over fixed blocks, so results do not depend on the
+// number of threads. Backward functions accumulate (+=) into parameter gradients and into input
+// gradients unless said otherwise.
+#pragma once
+
+#include <cstdint>
+
+namespace ptk::trainer {
+
+// ---- matmul_cpu.cpp --------------------------------------------------------------------------
+// Row-major C(m,n) = alpha * op(A)(m,k) * op(B)(k,n) + beta * C, through cblas_{s,d}gemm.
+template <typename T>
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc);
+
+// out(n, oc) = inp(n, ic) @ w(oc, ic)^T + bias(oc)   (bias may be null)
+template <typename T>
+void MatmulForwardCpu(T* out, const T* inp, const T* w, const T* bias, int64_t n, int64_t ic, int64_t oc);
+// dinp(n, ic) += dout @ w; dw(oc, ic) += dout^T @ inp; dbias(oc) += column sums of dout.
+// dinp or dbias may be null.
+template <typename T>
+void MatmulBackwardCpu(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
+                       int64_t oc);
+
+// ---- layernorm_cpu.cpp -----------------------------------------------------------------------
+// out(n, c) = (inp - mean) * rstd * w + b; saves mean(n) and rstd(n) for the backward pass.
+template <typename T>
+void LayerNormForwardCpu(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
+                         double eps);
+template <typename T>
+void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean,
+                          const T* rstd, int64_t n, int64_t c);
+
+// ---- embedding_cpu.cpp -----------------------------------------------------------------------
+// out(n, c) = wte[tokens[i]] + wpe[positions[i]]
+template <typename T>
+void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe,
+                         int64_t n, int64_t c);
+template <typename T>
+void EmbeddingBackwardCpu(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
+                          int64_t c);
+
+// ---- gelu_cpu.cpp ----------------------------------------------------------------------------
+// Megatron's fused bias-GELU: the tanh approximation.
+template <typename T>
+void GeluForwardCpu(T* out, const T* inp, int64_t n);
+// dinp = dout * gelu'(inp)   (assigns, does not accumulate)
+template <typename T>
+void GeluBackwardCpu(T* dinp, const T* inp, const T* dout, int64_t n);
+
+// ---- dropout_cpu.cpp -------------------------------------------------------------------------
+// Counter-based dropout: element i of stream `stream` is kept when a hash of (seed, stream, i)
+// falls below 1-p, so the same mask comes back in backward and in recomputation, for any
+// thread count. Kept elements are scaled by 1/(1-p).
+uint32_t DropoutKeepThreshold(double p);  // keep when the 32-bit hash < threshold
+bool DropoutKeep(uint64_t seed, uint64_t stream, uint64_t i, uint32_t threshold);
+// The stream of one dropout site of one sample: the global sample position (so a mask does not
+// depend on the micro-batch size or the data-parallel layout), the layer and the site.
+uint64_t DropoutStream(uint64_t sample, uint64_t layer, uint64_t site);
+// inout(n) *= mask / (1 - p), in place (forward and backward are the same operation).
+template <typename T>
+void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
+
+// ---- attention_cpu.cpp -----------------------------------------------------------------------
+// Causal self-attention over Megatron's fused QKV layout: qkv(b, t, nh, 3, hd) (per head q, k, v).
+// out(b, t, nh*hd). probs(b, nh, t, t) receives the softmax (before dropout); attention dropout
+// with probability p uses stream streams[batch] + head (streams may be null when p is 0).
+struct AttentionShape {
+  int64_t b, t, nh, hd;
+};
+template <typename T>
+void AttentionForwardCpu(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
+                         const uint64_t* streams);
+// dqkv(b, t, 3c) is assigned. scratch: 2 * t * t elements.
+template <typename T>
+void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
+                          uint64_t seed, const uint64_t* streams, T* scratch);
+
+// ---- softmax_xent_cpu.cpp --------------------------------------------------------------------
+// losses(n) = logsumexp(logits(n, vp)) - logits[target]; every column, padded ones included, is in
+// the softmax (as Megatron's vocab-parallel cross entropy).
+template <typename T>
+void SoftmaxCrossEntropyForwardCpu(T* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp);
+// logits(n, vp) is overwritten with dlogits = (softmax - onehot) * dlosses[i].
+template <typename T>
+void SoftmaxCrossEntropyBackwardCpu(T* logits, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
+
+// ---- adamw_cpu.cpp ---------------------------------------------------------------------------
+// torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in
+// AdamW mode: p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
+// p -= lr * (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps).
+struct AdamWParams {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;  // 1-based
+};
+template <typename T>
+void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a);
+
+// Sum of squares in double, over fixed blocks (the same bits for any thread count).
+template <typename T>
+double SumSquaresCpu(const T* x, int64_t n);
+// x *= s
+template <typename T>
+void ScaleCpu(T* x, int64_t n, T s);
+
+}  // namespace ptk::trainer
