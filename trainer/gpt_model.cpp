@@ -67,7 +67,7 @@ struct GPTModel::Activations {
   // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
   std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean,
       ln2_rstd, fc1, gelu;
-  std::vector<float> lnf, lnf_mean, lnf_rstd, logits, losses, tmp, dresid, dtmp, dln, dff, dqkv, datt, scratch;
+  std::vector<float> lnf, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln, dff, dqkv, datt, scratch;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };
@@ -189,6 +189,7 @@ absl::Status GPTModel::Prepare(const ModelBatch& batch) {
   a.lnf_rstd.assign(n, 0.0f);
   a.logits.assign(n * vp, 0.0f);
   a.losses.assign(n, 0.0f);
+  a.dloss.assign(n, 0.0f);
   a.tmp.assign(n * c, 0.0f);
   a.dresid.assign(n * c, 0.0f);
   a.dtmp.assign(n * c, 0.0f);
@@ -248,10 +249,9 @@ void GPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
   LayerNormForwardCpu(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(),
                       P + a.lnf_w, P + a.lnf_b, n, c, cf.layernorm_epsilon);
   MatmulForwardCpu(a.logits.data(), a.lnf.data(), P + a.out_w, static_cast<const float*>(nullptr), n, c, vp);
-  SoftmaxCrossEntropyForwardCpu(a.losses.data(), a.logits.data(), batch.labels, n, vp);
 }
 
-void GPTModel::RunBackward(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed) {
+void GPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config_;
   Activations& a = *act_;
   const int64_t n = batch.b * batch.t, c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size;
@@ -261,8 +261,6 @@ void GPTModel::RunBackward(const ModelBatch& batch, double loss_scale, bool trai
   const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads, cf.head_dim()};
   const uint64_t L = static_cast<uint64_t>(cf.num_layers);
 
-  for (int64_t i = 0; i < n; ++i) a.losses[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
-  SoftmaxCrossEntropyBackwardCpu(a.logits.data(), batch.labels, a.losses.data(), n, vp);
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
   MatmulBackwardCpu(a.dln.data(), G + a.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
                     P + a.out_w, n, c, vp);
@@ -324,15 +322,23 @@ absl::StatusOr<LossSum> GPTModel::ForwardBackward(const ModelBatch& batch, doubl
   bool dropout = train && (config_.hidden_dropout > 0 || config_.attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
   RunForward(batch, train, seed);
-  LossSum s = SumLosses(act_->losses, batch.loss_mask, batch.b * batch.t);
-  RunBackward(batch, loss_scale, train, seed);
+  Activations& a = *act_;
+  const int64_t n = batch.b * batch.t;
+  for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
+  SoftmaxCrossEntropyFusedCpu(a.logits.data(), a.losses.data(), batch.labels, a.dloss.data(), n,
+                              config_.padded_vocab_size);
+  LossSum s = SumLosses(a.losses, batch.loss_mask, n);
+  RunBackward(batch, train, seed);
   return s;
 }
 
 absl::StatusOr<LossSum> GPTModel::Forward(const ModelBatch& batch, std::vector<float>* logits) {
   PTK_RETURN_IF_ERROR(Prepare(batch));
   RunForward(batch, /*train=*/false, 0);
-  if (logits) *logits = act_->logits;
+  Activations& a = *act_;
+  SoftmaxCrossEntropyForwardCpu(a.losses.data(), a.logits.data(), batch.labels, batch.b * batch.t,
+                                config_.padded_vocab_size);
+  if (logits) *logits = a.logits;
   return SumLosses(act_->losses, batch.loss_mask, batch.b * batch.t);
 }
 

@@ -90,8 +90,10 @@ class GPTModel {
   struct Activations;
   explicit GPTModel(const GPTConfig& config);
   absl::Status Prepare(const ModelBatch& batch);
+  // Up to the logits.
   void RunForward(const ModelBatch& batch, bool train, uint64_t seed);
-  void RunBackward(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed);
+  // From the logits, which the loss step has turned into their gradient.
+  void RunBackward(const ModelBatch& batch, bool train, uint64_t seed);
 
   GPTConfig config_;
   std::vector<ParamInfo> infos_;

@@ -87,6 +87,11 @@ void SoftmaxCrossEntropyForwardCpu(T* losses, const T* logits, const int32_t* ta
 // logits(n, vp) is overwritten with dlogits = (softmax - onehot) * dlosses[i].
 template <typename T>
 void SoftmaxCrossEntropyBackwardCpu(T* logits, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
+// Both at once for training (one exp per logit): losses(n) as the forward, logits overwritten as
+// the backward.
+template <typename T>
+void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n,
+                                 int64_t vp);
 
 // ---- adamw_cpu.cpp ---------------------------------------------------------------------------
 // torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in

@@ -131,6 +131,18 @@ TEST(Ops, SoftmaxCrossEntropyGradients) {
   CheckGradient(logits, grad, objective, "dlogits");
 }
 
+TEST(Ops, FusedSoftmaxCrossEntropyEqualsForwardThenBackward) {
+  const int64_t n = 7, vp = 13;
+  auto logits = Random(n * vp, 22, 3.0), dl = Random(n, 23);
+  std::vector<int32_t> targets = {0, 12, 3, 3, 5, 9, 1};
+  std::vector<double> want_loss(n), got_loss(n), want_grad = logits, got_grad = logits;
+  SoftmaxCrossEntropyForwardCpu(want_loss.data(), logits.data(), targets.data(), n, vp);
+  SoftmaxCrossEntropyBackwardCpu(want_grad.data(), targets.data(), dl.data(), n, vp);
+  SoftmaxCrossEntropyFusedCpu(got_grad.data(), got_loss.data(), targets.data(), dl.data(), n, vp);
+  for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(got_loss[i], want_loss[i], 1e-12);
+  for (int64_t i = 0; i < n * vp; ++i) EXPECT_NEAR(got_grad[i], want_grad[i], 1e-12);
+}
+
 void CheckAttention(double p) {
   const AttentionShape s{2, 5, 3, 4};
   const int64_t c = s.nh * s.hd;
@@ -148,7 +160,9 @@ void CheckAttention(double p) {
       double sum = 0;
       for (int64_t j = 0; j < s.t; ++j) {
         double v = probs[(bh * s.t + i) * s.t + j];
-        if (j > i) EXPECT_EQ(v, 0.0);
+        if (j > i) {
+          EXPECT_EQ(v, 0.0);
+        }
         sum += v;
       }
       EXPECT_NEAR(sum, 1.0, 1e-12);

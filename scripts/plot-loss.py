@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Turns ptk-train's metrics (JSON lines, one per iteration) into a loss-curve PNG.
+
+Usage: python3 scripts/plot-loss.py METRICS.jsonl [METRICS2.jsonl ...] -o loss.png [--title T]
+Each file is one curve (a resumed run appends to the same file, so one file is one run). Lines
+that are not JSON objects with "iteration" and "lm_loss" are an error naming the file and line.
+Needs matplotlib (Debian: python3-matplotlib, installed by scripts/install-deps.sh).
+"""
+import argparse
+import json
+import os
+import sys
+
+
+def read(path):
+    its, losses = {}, {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                it, loss = int(rec["iteration"]), float(rec["lm_loss"])
+            except (ValueError, KeyError, TypeError) as e:
+                sys.exit(f"plot-loss: {path}:{n}: not a metrics record ({e})")
+            if not rec.get("skipped", False):
+                losses[it] = loss  # a resumed run may repeat iterations: the last one wins
+    its = sorted(losses)
+    return its, [losses[i] for i in its]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("metrics", nargs="+")
+    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--title", default="ptk-train: lm loss")
+    args = ap.parse_args()
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("plot-loss: matplotlib is missing (apt-get install python3-matplotlib)")
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for path in args.metrics:
+        its, losses = read(path)
+        if not its:
+            sys.exit(f"plot-loss: {path}: no iterations")
+        ax.plot(its, losses, label=os.path.basename(os.path.dirname(os.path.abspath(path))) or path, linewidth=1.2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title(args.title)
+    ax.grid(True, alpha=0.3)
+    if len(args.metrics) > 1:
+        ax.legend()
+    fig.tight_layout()
+    tmp = args.output + ".tmp.png"
+    fig.savefig(tmp)
+    os.replace(tmp, args.output)
+    print(f"plot-loss: wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

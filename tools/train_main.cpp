@@ -1,0 +1,83 @@
+// ptk-train: Megatron's pretrain_gpt.py flags, data and log lines, on ptk's fp32 CPU trainer.
+#include <sched.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+
+#include <tbb/global_control.h>
+
+#include "common/cli.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "trainer/comm.h"
+#include "trainer/train_flags.h"
+#include "trainer/training.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace {
+
+std::atomic<int> g_exit_signal{0};
+extern "C" void OnExitSignal(int sig) { g_exit_signal.store(sig); }
+
+int CpusOfThisProcess() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+std::string ArgsJson(int argc, char** argv) {
+  std::string s = "[";
+  for (int i = 1; i < argc; ++i) {
+    s += i > 1 ? ", \"" : "\"";
+    for (const char* p = argv[i]; *p; ++p) {
+      if (*p == '"' || *p == '\\') s += '\\';
+      if (static_cast<unsigned char>(*p) >= 0x20) s += *p;
+    }
+    s += '"';
+  }
+  return s + "]";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto app = ptk::cli::MakeApp("ptk-train", "Train Megatron's GPT on Megatron-format data (fp32 CPU backend).");
+  ptk::trainer::TrainFlags flags;
+  ptk::trainer::AddTrainFlags(app.get(), &flags);
+  if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+
+  return ptk::cli::RunMain([&]() -> absl::Status {
+    std::vector<std::string> notes;
+    PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainOptions options, ptk::trainer::ResolveTrainFlags(flags, &notes));
+    std::unique_ptr<ptk::trainer::Communicator> comm = ptk::trainer::MakeLocalCommunicator();
+    if (comm->rank() == 0)
+      for (const std::string& n : notes) ptk::log::Info("note: {}", n);
+
+    // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
+    const int threads = flags.threads > 0 ? static_cast<int>(flags.threads) : CpusOfThisProcess();
+    tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads));
+    openblas_set_num_threads(threads);
+    if (flags.exit_signal_handler) {
+      struct sigaction sa = {};
+      sa.sa_handler = OnExitSignal;
+      sigemptyset(&sa.sa_mask);
+      sigaction(SIGTERM, &sa, nullptr);
+      sigaction(SIGUSR1, &sa, nullptr);
+      sigaction(SIGINT, &sa, nullptr);
+      options.exit_signal = &g_exit_signal;
+    }
+    options.comm = comm.get();
+    options.args_json = ArgsJson(argc, argv);
+    PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainSummary s, ptk::trainer::RunTraining(options));
+    if (comm->rank() == 0) {
+      ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,
+                     s.consumed_train_samples, s.last_lm_loss,
+                     s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
+                     s.exit_reason.empty() ? "" : " (" + s.exit_reason + ")");
+    }
+    return absl::OkStatus();
+  });
+}

@@ -1,0 +1,283 @@
+// ptk-train's Megatron-compatible option table and its resolution into TrainOptions.
+#include "trainer/train_flags.h"
+
+#include <fmt/core.h>
+#include <simdjson.h>
+
+#include "common/file_util.h"
+#include "common/status.h"
+
+namespace ptk::trainer {
+namespace {
+
+// Flags of Megatron's that change only speed or memory, never results, on the paths ptk runs.
+struct CompatFlag {
+  const char* name;
+  bool takes_value;
+  const char* note;
+};
+constexpr CompatFlag kCompatFlags[] = {
+    {"--use-distributed-optimizer", false, "optimizer state is replicated on CPU ranks (same results)"},
+    {"--overlap-grad-reduce", false, "gradients are all-reduced after backward (same results)"},
+    {"--overlap-param-gather", false, "no parameter gather on CPU ranks (same results)"},
+    {"--sequence-parallel", false, "no effect without tensor parallelism"},
+    {"--attention-backend", true, "attention runs through ptk's BLAS path"},
+    {"--use-flash-attn", false, "attention runs through ptk's BLAS path"},
+    {"--transformer-impl", true, "ptk has one implementation"},
+    {"--use-mcore-models", false, "ptk's model is Megatron-core's GPT layout"},
+    {"--use-legacy-models", false, "ptk's model is Megatron-core's GPT layout"},
+    {"--no-masked-softmax-fusion", false, "kernel fusion flag"},
+    {"--no-bias-gelu-fusion", false, "kernel fusion flag"},
+    {"--no-bias-dropout-fusion", false, "kernel fusion flag"},
+    {"--no-gradient-accumulation-fusion", false, "kernel fusion flag"},
+    {"--no-rope-fusion", false, "kernel fusion flag"},
+    {"--no-async-tensor-model-parallel-allreduce", false, "no tensor parallelism"},
+    {"--accumulate-allreduce-grads-in-fp32", false, "gradients are fp32 already"},
+    {"--distributed-backend", true, "CPU ranks use gloo"},
+    {"--distributed-timeout-minutes", true, "collectives time out on their own"},
+    {"--num-workers", true, "one prefetching loader thread per rank"},
+    {"--ckpt-format", true, "checkpoints are ptk's single-file format in Megatron's directory layout"},
+    {"--async-save", false, "checkpoints are written synchronously"},
+    {"--use-checkpoint-opt_param-scheduler", false, "the scheduler is always restored from the checkpoint"},
+    {"--log-throughput", false, "the throughput field is always printed"},
+    {"--log-timers-to-tensorboard", false, "metrics go to metrics.jsonl"},
+    {"--log-validation-ppl-to-tensorboard", false, "metrics go to metrics.jsonl"},
+    {"--log-memory-to-tensorboard", false, "metrics go to metrics.jsonl"},
+    {"--timing-log-level", true, "timers are not itemised"},
+    {"--wandb-project", true, "no Weights & Biases client; metrics go to metrics.jsonl"},
+    {"--wandb-exp-name", true, "no Weights & Biases client"},
+    {"--manual-gc", false, "no garbage collector"},
+    {"--use-cpu-initialization", false, "initialisation is on the CPU already"},
+    {"--no-persist-layer-norm", false, "kernel choice"},
+    {"--initial-loss-scale", true, "loss scaling applies to --fp16 only"},
+    {"--min-loss-scale", true, "loss scaling applies to --fp16 only"},
+    {"--loss-scale-window", true, "loss scaling applies to --fp16 only"},
+    {"--hysteresis", true, "loss scaling applies to --fp16 only"},
+    {"--empty-unused-memory-level", true, "memory tuning"},
+    {"--cross-entropy-loss-fusion", false, "kernel fusion flag"},
+};
+
+absl::Status Refuse(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
+
+}  // namespace
+
+absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {
+  if (vocab_file.empty()) return 50257;
+  if (!PathExists(vocab_file)) return absl::NotFoundError(vocab_file + ": --vocab-file does not exist");
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (p.load(vocab_file).get(obj)) return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
+  return static_cast<int64_t>(obj.size());
+}
+
+void AddTrainFlags(CLI::App* app, TrainFlags* f) {
+  // As argparse: a flag given twice takes the last value (scripts append overrides).
+  app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Model.
+  app->add_option("--num-layers", f->num_layers, "Number of transformer layers")->required();
+  app->add_option("--hidden-size", f->hidden_size, "Transformer hidden size")->required();
+  app->add_option("--num-attention-heads", f->num_attention_heads, "Number of attention heads")->required();
+  app->add_option("--ffn-hidden-size", f->ffn_hidden_size, "MLP hidden size (default 4 x --hidden-size)");
+  app->add_option("--kv-channels", f->kv_channels, "Head dimension (must equal hidden/heads)");
+  app->add_option("--seq-length", f->seq_length, "Sequence length")->required();
+  app->add_option("--max-position-embeddings", f->max_position_embeddings, "Position table size (default --seq-length)");
+  app->add_option("--make-vocab-size-divisible-by", f->make_vocab_size_divisible_by, "Pad the vocabulary to a multiple of this");
+  app->add_option("--vocab-size", f->vocab_size, "Vocabulary size (default: from --vocab-file, 50257 for GPT-2)");
+  app->add_option("--layernorm-epsilon", f->layernorm_epsilon, "LayerNorm epsilon");
+  app->add_option("--hidden-dropout", f->hidden_dropout, "Dropout on embeddings and block outputs");
+  app->add_option("--attention-dropout", f->attention_dropout, "Dropout on attention probabilities");
+  app->add_option("--init-method-std", f->init_method_std, "Standard deviation of the normal init");
+  app->add_flag("--untie-embeddings-and-output-weights", f->untie, "Separate output layer instead of the word embeddings");
+  app->add_flag("--recompute-activations", f->recompute_activations, "Recompute attention probabilities in backward (selective)");
+  app->add_option("--recompute-granularity", f->recompute_granularity, "selective (as --recompute-activations) or full");
+  app->add_option("--position-embedding-type", f->position_embedding_type, "learned_absolute (the only one ptk has)");
+  app->add_option("--normalization", f->normalization, "LayerNorm (the only one ptk has)");
+  // Batch and length.
+  app->add_option("--micro-batch-size", f->micro_batch_size, "Samples per micro-batch per rank");
+  app->add_option("--global-batch-size", f->global_batch_size, "Samples per iteration over all ranks (default mbs x ranks)");
+  app->add_option("--train-iters", f->train_iters, "Iterations to train");
+  app->add_option("--train-samples", f->train_samples, "Samples to train (instead of --train-iters)");
+  // Optimizer and schedule.
+  app->add_option("--optimizer", f->optimizer, "adam (AdamW, the only one ptk has)");
+  app->add_option("--lr", f->lr, "Peak learning rate")->required();
+  app->add_option("--min-lr", f->min_lr, "Learning rate at the end of the decay");
+  app->add_option("--lr-warmup-init", f->lr_warmup_init, "Learning rate at the start of the warm-up");
+  app->add_option("--lr-decay-style", f->lr_decay_style, "constant, linear, cosine, inverse-square-root or WSD");
+  app->add_option("--lr-decay-iters", f->lr_decay_iters, "Decay length in iterations (default --train-iters)");
+  app->add_option("--lr-decay-samples", f->lr_decay_samples, "Decay length in samples (with --train-samples)");
+  app->add_option("--lr-warmup-iters", f->lr_warmup_iters, "Warm-up length in iterations");
+  app->add_option("--lr-warmup-samples", f->lr_warmup_samples, "Warm-up length in samples");
+  app->add_option("--lr-warmup-fraction", f->lr_warmup_fraction, "Warm-up as a fraction of the decay length");
+  app->add_option("--lr-wsd-decay-style", f->lr_wsd_decay_style, "WSD anneal: linear, cosine, exponential or minus_sqrt");
+  app->add_option("--lr-wsd-decay-iters", f->lr_wsd_decay_iters, "WSD anneal length in iterations");
+  app->add_option("--lr-wsd-decay-samples", f->lr_wsd_decay_samples, "WSD anneal length in samples");
+  app->add_option("--weight-decay", f->weight_decay, "AdamW weight decay (not on biases and LayerNorm)");
+  app->add_option("--start-weight-decay", f->start_weight_decay, "Weight decay at the start (with an increment style)");
+  app->add_option("--end-weight-decay", f->end_weight_decay, "Weight decay at the end (with an increment style)");
+  app->add_option("--weight-decay-incr-style", f->weight_decay_incr_style, "constant, linear or cosine");
+  app->add_option("--adam-beta1", f->adam_beta1, "AdamW beta1");
+  app->add_option("--adam-beta2", f->adam_beta2, "AdamW beta2");
+  app->add_option("--adam-eps", f->adam_eps, "AdamW epsilon");
+  app->add_option("--clip-grad", f->clip_grad, "Clip the global gradient norm to this (0: off)");
+  // Data.
+  app->add_option("--data-path", f->data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--train-data-path", f->train_data_path, "Prefixes of the train split only")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--valid-data-path", f->valid_data_path, "Prefixes of the validation split only")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--test-data-path", f->test_data_path, "Prefixes of the test split only")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--split", f->split, "Train/valid/test proportions of --data-path");
+  app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)");
+  app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
+  app->add_flag("--mock-data", f->mock_data, "Synthetic data instead of --data-path");
+  app->add_option("--vocab-file", f->vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
+  app->add_option("--merge-file", f->merge_file, "GPT-2 merges.txt");
+  app->add_option("--tokenizer-type", f->tokenizer_type, "GPT2BPETokenizer (the only one ptk has)");
+  app->add_option("--dataloader-type", f->dataloader_type, "single (Megatron's pretraining sampler)");
+  app->add_flag("--eod-mask-loss", f->eod_mask_loss, "No loss on end-of-document tokens");
+  app->add_flag("--reset-position-ids", f->reset_position_ids, "Restart positions after each end-of-document token");
+  app->add_flag("--reset-attention-mask", f->reset_attention_mask, "Not supported: attention is causal over the whole sequence");
+  // Evaluation, logging, checkpoints.
+  app->add_option("--eval-interval", f->eval_interval, "Evaluate on the validation split every N iterations");
+  app->add_option("--eval-iters", f->eval_iters, "Global batches per evaluation (0: none)");
+  app->add_option("--log-interval", f->log_interval, "Print the log line every N iterations");
+  app->add_option("--tensorboard-dir", f->tensorboard_dir, "Directory for metrics.jsonl (TensorBoard event files are not written)");
+  app->add_option("--metrics-file", f->metrics_file, "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
+  app->add_option("--save", f->save, "Checkpoint directory to write");
+  app->add_option("--load", f->load, "Checkpoint directory to resume from");
+  app->add_option("--save-interval", f->save_interval, "Save every N iterations");
+  app->add_option("--exit-interval", f->exit_interval, "Save and exit when the iteration is a multiple of N");
+  app->add_option("--exit-duration-in-mins", f->exit_duration_in_mins, "Save and exit after this many minutes");
+  app->add_flag("--exit-signal-handler", f->exit_signal_handler, "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
+  app->add_flag("--no-load-optim", f->no_load_optim, "Do not restore the optimizer state");
+  app->add_flag("--no-load-rng", f->no_load_rng, "Do not restore the random seed");
+  app->add_flag("--finetune", f->finetune, "Load weights only; iteration and data start at 0");
+  // Precision, parallelism, device.
+  app->add_flag("--fp16", f->fp16, "fp16 mixed precision (CUDA backend only)");
+  app->add_flag("--bf16", f->bf16, "bf16 mixed precision (CUDA backend only)");
+  app->add_option("--device", f->device, "ptk: cpu (cuda needs the CUDA backend)");
+  app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size, "Must be 1: ptk is data parallel");
+  app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel");
+  app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel");
+  app->add_option("--threads", f->threads, "ptk: CPU threads per rank (default: the cores given to this rank)");
+  for (const CompatFlag& c : kCompatFlags) {
+    std::string name = c.name;
+    std::string help = std::string("Accepted for compatibility: ") + c.note;
+    if (c.takes_value) {
+      app->add_option_function<std::string>(name, [f, name](const std::string& v) { f->compat[name] = v; }, help);
+    } else {
+      app->add_flag_callback(name, [f, name] { f->compat[name] = ""; }, help);
+    }
+  }
+}
+
+absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
+  if (f.tensor_model_parallel_size != 1)
+    return Refuse(fmt::format("--tensor-model-parallel-size {}: ptk-train is data parallel only; use 1 and more ranks",
+                              f.tensor_model_parallel_size));
+  if (f.pipeline_model_parallel_size != 1)
+    return Refuse(fmt::format("--pipeline-model-parallel-size {}: ptk-train is data parallel only; use 1",
+                              f.pipeline_model_parallel_size));
+  if (f.context_parallel_size != 1)
+    return Refuse(fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
+  if (f.device != "cpu")
+    return Refuse(fmt::format("--device {}: this ptk-train has the fp32 CPU backend only; use --device cpu", f.device));
+  if (f.fp16 || f.bf16)
+    return Refuse(fmt::format("--{}: the CPU backend trains in fp32; drop the flag (mixed precision is the CUDA backend's)",
+                              f.fp16 ? "fp16" : "bf16"));
+  if (f.optimizer != "adam") return Refuse("--optimizer " + f.optimizer + ": ptk has AdamW (--optimizer adam) only");
+  if (f.tokenizer_type != "GPT2BPETokenizer")
+    return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
+  if (f.position_embedding_type != "learned_absolute")
+    return Refuse("--position-embedding-type " + f.position_embedding_type + ": ptk has learned_absolute only");
+  if (f.normalization != "LayerNorm") return Refuse("--normalization " + f.normalization + ": ptk has LayerNorm only");
+  if (f.reset_attention_mask) return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
+  if (f.dataloader_type != "single")
+    return Refuse("--dataloader-type " + f.dataloader_type + ": ptk has Megatron's pretraining sampler (single) only");
+  if (f.kv_channels != 0 && f.num_attention_heads > 0 && f.kv_channels * f.num_attention_heads != f.hidden_size)
+    return Refuse("--kv-channels must equal --hidden-size / --num-attention-heads in ptk");
+  if (!f.recompute_granularity.empty() && f.recompute_granularity != "selective" && f.recompute_granularity != "full")
+    return Refuse("--recompute-granularity must be selective or full");
+  for (const auto& [name, value] : f.compat)
+    for (const CompatFlag& c : kCompatFlags)
+      if (name == c.name) notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, c.note));
+  if (f.data_path.empty() && f.train_data_path.empty() && !f.mock_data)
+    return Refuse("give --data-path (or --train-data-path), or --mock-data");
+
+  TrainOptions o;
+  GPTConfig& m = o.model;
+  m.num_layers = f.num_layers;
+  m.hidden_size = f.hidden_size;
+  m.num_attention_heads = f.num_attention_heads;
+  m.ffn_hidden_size = f.ffn_hidden_size > 0 ? f.ffn_hidden_size : 4 * f.hidden_size;
+  m.seq_length = f.seq_length;
+  m.max_position_embeddings = f.max_position_embeddings > 0 ? f.max_position_embeddings : f.seq_length;
+  if (f.vocab_size > 0) {
+    m.vocab_size = f.vocab_size;
+  } else {
+    PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(f.vocab_file));
+  }
+  m.padded_vocab_size = PaddedVocabSize(m.vocab_size, f.make_vocab_size_divisible_by);
+  m.untie_embeddings_and_output_weights = f.untie;
+  m.layernorm_epsilon = f.layernorm_epsilon;
+  m.hidden_dropout = f.hidden_dropout;
+  m.attention_dropout = f.attention_dropout;
+  m.init_method_std = f.init_method_std;
+  m.recompute_activations = f.recompute_activations || !f.recompute_granularity.empty();
+  if (absl::Status st = m.Validate(); !st.ok()) return Refuse(std::string(StatusMessage(st)));
+  if (f.recompute_granularity == "full")
+    notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");
+
+  o.micro_batch_size = f.micro_batch_size;
+  o.global_batch_size = f.global_batch_size;
+  o.train_iters = f.train_iters;
+  o.train_samples = f.train_samples;
+  o.optimizer.adam_beta1 = f.adam_beta1;
+  o.optimizer.adam_beta2 = f.adam_beta2;
+  o.optimizer.adam_eps = f.adam_eps;
+  o.optimizer.clip_grad = f.clip_grad;
+  o.lr = f.lr;
+  o.min_lr = f.min_lr;
+  o.lr_warmup_init = f.lr_warmup_init;
+  o.lr_decay_style = f.lr_decay_style;
+  o.lr_decay_iters = f.lr_decay_iters;
+  o.lr_decay_samples = f.lr_decay_samples;
+  o.lr_warmup_iters = f.lr_warmup_iters;
+  o.lr_warmup_samples = f.lr_warmup_samples;
+  o.lr_warmup_fraction = f.lr_warmup_fraction;
+  o.lr_wsd_decay_style = f.lr_wsd_decay_style;
+  o.lr_wsd_decay_iters = f.lr_wsd_decay_iters;
+  o.lr_wsd_decay_samples = f.lr_wsd_decay_samples;
+  o.weight_decay = f.weight_decay;
+  o.start_weight_decay = f.start_weight_decay;
+  o.end_weight_decay = f.end_weight_decay;
+  o.weight_decay_incr_style = f.weight_decay_incr_style;
+  o.data.data_path = f.data_path;
+  o.data.per_split_data_path = {f.train_data_path, f.valid_data_path, f.test_data_path};
+  o.data.split = f.split;
+  o.mock_data = f.mock_data;
+  if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
+  o.seed = static_cast<uint32_t>(f.seed);
+  o.vocab_file = f.vocab_file;
+  o.merge_file = f.merge_file;
+  o.eod_mask_loss = f.eod_mask_loss;
+  o.reset_position_ids = f.reset_position_ids;
+  o.eval_interval = f.eval_interval;
+  o.eval_iters = f.eval_iters;
+  o.log_interval = f.log_interval;
+  o.save = f.save;
+  o.load = f.load;
+  o.save_interval = f.save_interval;
+  o.exit_interval = f.exit_interval;
+  o.exit_duration_in_mins = f.exit_duration_in_mins;
+  o.no_load_optim = f.no_load_optim;
+  o.no_load_rng = f.no_load_rng;
+  o.finetune = f.finetune;
+  o.metrics_path = !f.metrics_file.empty() ? f.metrics_file
+                   : !f.tensorboard_dir.empty() ? JoinPath(f.tensorboard_dir, "metrics.jsonl")
+                                                : "";
+  if (!f.tensorboard_dir.empty())
+    notes->push_back("--tensorboard-dir: metrics are written to " + o.metrics_path +
+                     " (JSON lines; TensorBoard event files are not written)");
+  return o;
+}
+
+}  // namespace ptk::trainer

@@ -1,0 +1,396 @@
+// ptk-train's loop (Megatron's pretrain / train / training_log / evaluate / checkpoint_and_decide_exit).
+#include "trainer/training.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+
+#include <fmt/core.h>
+
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "indexed_dataset/data_loader.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// --mock-data: synthetic documents (an arithmetic run of token ids per sample, EOD-separated), the
+// same for every run with the same seed. Not Megatron's MockGPTDataset token for token.
+class MockDataset : public TopLevelDataset {
+ public:
+  MockDataset(int64_t size, int64_t vocab, const GPTDatasetConfig& config) : size_(size), vocab_(vocab) {
+    config_ = config;
+    description_ = "MockGPTDataset";
+  }
+  int64_t size() const override { return size_; }
+  absl::Status Text(int64_t idx, int64_t* out, int64_t* dataset_id) const override {
+    *dataset_id = 0;
+    uint64_t h = static_cast<uint64_t>(idx) * 0x9e3779b97f4a7c15ULL + config_.random_seed;
+    h ^= h >> 29;
+    const int64_t start = static_cast<int64_t>(h % static_cast<uint64_t>(vocab_ - 1));
+    const int64_t step = 1 + static_cast<int64_t>((h >> 20) % 7);
+    const int64_t eod_every = 16 + static_cast<int64_t>((h >> 40) % 48);
+    for (int64_t i = 0; i <= config_.sequence_length; ++i)
+      out[i] = (i + 1) % eod_every == 0 ? config_.eod : (start + i * step) % (vocab_ - 1);
+    return absl::OkStatus();
+  }
+  py::Json unique_identifiers() const override { return py::Json(py::Json::Object{}); }
+
+ private:
+  int64_t size_, vocab_;
+};
+
+std::string Timestamp() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
+  return buf;
+}
+
+struct Splits {
+  std::shared_ptr<TopLevelDataset> train, valid, test;
+};
+
+absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, int64_t gbs, int64_t train_iters) {
+  GPTDatasetConfig cfg;
+  cfg.random_seed = o.seed;
+  cfg.sequence_length = o.model.seq_length;
+  cfg.tokenizer = Gpt2TokenizerIdentifiers(o.vocab_file.empty() ? "gpt2-vocab.json" : o.vocab_file,
+                                           o.merge_file.empty() ? "gpt2-merges.txt" : o.merge_file);
+  cfg.path_to_cache = o.data_cache_path;
+  cfg.eod_mask_loss = o.eod_mask_loss;
+  cfg.reset_position_ids = o.reset_position_ids;
+  // Megatron's train_valid_test_num_samples.
+  const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
+  const int64_t train_samples = train_iters * gbs;
+  const int64_t valid_samples = (train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
+  const int64_t test_samples = eval_iters * gbs;
+  Splits s;
+  if (o.mock_data) {
+    s.train = std::make_shared<MockDataset>(train_samples, o.model.vocab_size, cfg);
+    if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, cfg);
+    if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, cfg);
+    return s;
+  }
+  DataArgs args = o.data;
+  args.sizes = {train_samples, valid_samples, test_samples};
+  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg));
+  s.train = sets[0];
+  s.valid = eval_iters > 0 ? sets[1] : nullptr;
+  s.test = eval_iters > 0 ? sets[2] : nullptr;
+  if (!s.train) return absl::InvalidArgumentError("the train split is empty: check --split and the data paths");
+  if (s.train->size() < train_samples)
+    return absl::InvalidArgumentError(fmt::format("the train split has {} samples, {} are needed", s.train->size(),
+                                                  train_samples));
+  return s;
+}
+
+// Views of a loader's micro-batch for the model.
+ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
+  *keys = mb.indices;
+  return ModelBatch{mb.micro_batch_size, mb.seq_length, mb.tokens.data(), mb.labels.data(), mb.position_ids.data(),
+                    mb.loss_mask.data(), keys->data()};
+}
+
+}  // namespace
+
+double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
+  const double b = static_cast<double>(gbs), s = static_cast<double>(c.seq_length),
+               l = static_cast<double>(c.num_layers), h = static_cast<double>(c.hidden_size),
+               f = static_cast<double>(c.ffn_hidden_size), v = static_cast<double>(c.padded_vocab_size);
+  // 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) + ffn/h + V/(2 l h)); groups == heads here.
+  return 12.0 * b * s * l * h * h * ((2.0 + s / (2.0 * h)) + f / h + v / (2.0 * l * h));
+}
+
+std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) {
+  std::string s = fmt::format(" [{}] iteration {:8d}/{:8d} |", timestamp, f.iteration, f.train_iters);
+  s += fmt::format(" consumed samples: {:12d} |", f.consumed_samples);
+  s += fmt::format(" elapsed time per iteration (ms): {:.1f} |", f.elapsed_ms);
+  s += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", f.tflops_per_gpu);
+  s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);
+  s += fmt::format(" global batch size: {:5d} |", f.global_batch_size);
+  if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
+  s += " loss scale: 1.0 |";
+  s += fmt::format(" grad norm: {:.3f} |", f.grad_norm);
+  s += fmt::format(" number of skipped iterations: {:3d} |", f.skipped);
+  s += fmt::format(" number of nan iterations: {:3d} |", f.nan);
+  return s;
+}
+
+absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
+  std::unique_ptr<Communicator> local;
+  Communicator* comm = o.comm;
+  if (!comm) {
+    local = MakeLocalCommunicator();
+    comm = local.get();
+  }
+  const int rank = comm->rank(), dp = comm->size();
+  auto print = [&](const std::string& line) {
+    if (rank != 0) return;
+    if (o.print) {
+      o.print(line);
+    } else {
+      std::fputs((line + "\n").c_str(), stdout);
+      std::fflush(stdout);
+    }
+  };
+  auto usage = [](const std::string& m) { return absl::InvalidArgumentError("usage: " + m); };
+
+  // ---- batch arithmetic and lengths, as Megatron's argument validation
+  const int64_t mbs = o.micro_batch_size;
+  if (mbs < 1) return usage("--micro-batch-size must be at least 1");
+  const int64_t gbs = o.global_batch_size > 0 ? o.global_batch_size : mbs * dp;
+  if (gbs % (mbs * dp) != 0)
+    return usage(fmt::format("--global-batch-size ({}) must be a multiple of --micro-batch-size ({}) x data-parallel "
+                             "size ({})",
+                             gbs, mbs, dp));
+  const int64_t num_micro = gbs / (mbs * dp);
+  if ((o.train_iters > 0) == (o.train_samples > 0)) return usage("give exactly one of --train-iters and --train-samples");
+  const int64_t train_iters = o.train_iters > 0 ? o.train_iters : o.train_samples / gbs;
+  if (train_iters < 1) return usage("--train-samples is smaller than one global batch");
+  if (o.log_interval < 1) return usage("--log-interval must be at least 1");
+  if (o.save_interval > 0 && o.save.empty()) return usage("--save-interval needs --save");
+
+  // ---- scheduler in samples (Megatron's get_optimizer_param_scheduler)
+  SchedulerConfig sc;
+  sc.init_lr = o.lr_warmup_init;
+  sc.max_lr = o.lr;
+  sc.min_lr = o.min_lr;
+  sc.decay_style = o.lr_decay_style;
+  sc.wsd_decay_style = o.lr_wsd_decay_style;
+  if (o.train_iters > 0) {
+    const int64_t decay_iters = o.lr_decay_iters > 0 ? o.lr_decay_iters : train_iters;
+    sc.decay_steps = decay_iters * gbs;
+    sc.wsd_decay_steps = o.lr_wsd_decay_iters * gbs;
+    sc.warmup_steps = o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps)
+                                           : o.lr_warmup_iters * gbs;
+  } else {
+    sc.decay_steps = o.lr_decay_samples > 0 ? o.lr_decay_samples : o.train_samples;
+    sc.wsd_decay_steps = o.lr_wsd_decay_samples;
+    sc.warmup_steps = o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps)
+                                           : o.lr_warmup_samples;
+  }
+  sc.start_wd = o.start_weight_decay.value_or(o.weight_decay);
+  sc.end_wd = o.end_weight_decay.value_or(o.weight_decay);
+  sc.wd_incr_style = o.weight_decay_incr_style;
+  sc.wd_incr_steps = train_iters * gbs;
+  if (absl::Status st = sc.Validate(); !st.ok()) return usage(std::string(StatusMessage(st)));
+
+  // ---- model, optimizer, checkpoint
+  PTK_ASSIGN_OR_RETURN(auto model, GPTModel::Create(o.model));
+  model->InitWeights(o.seed);
+  Optimizer opt(model.get(), o.optimizer, sc, comm);
+  TrainState state;
+  state.seed = o.seed;
+  TrainSummary summary;
+  if (rank == 0 && !o.save.empty()) PTK_RETURN_IF_ERROR(RemoveStaleCheckpointTemporaries(o.save));
+  if (!o.load.empty()) {
+    auto latest = LatestCheckpointIteration(o.load);
+    if (latest.ok()) {
+      TrainState loaded;
+      std::vector<float> m, v;
+      PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load, *latest, model.get(), &m, &v, &loaded));
+      if (o.finetune) {
+        log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
+                  *latest);
+      } else {
+        state = loaded;
+        if (!o.no_load_optim) {
+          opt.exp_avg() = std::move(m);
+          opt.exp_avg_sq() = std::move(v);
+          opt.set_adam_step(loaded.adam_step);
+        }
+        opt.scheduler().set_num_steps(loaded.scheduler_num_steps);
+        if (o.no_load_rng) state.seed = o.seed;
+        summary.resumed = true;
+        log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o.load, *latest),
+                  loaded.iteration, loaded.consumed_train_samples);
+      }
+    } else if (absl::IsNotFound(latest.status())) {
+      log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
+    } else {
+      return latest.status();
+    }
+  }
+
+  PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, gbs, train_iters));
+  const double flops = FlopsPerIteration(o.model, gbs);
+  log::Info("model: {} parameters; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
+            model->num_params(), num_micro, mbs, dp, gbs);
+
+  FILE* metrics = nullptr;
+  if (rank == 0 && !o.metrics_path.empty()) {
+    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(o.metrics_path)));
+    metrics = std::fopen(o.metrics_path.c_str(), "a");
+    if (!metrics) return ErrnoToStatus(errno, "open " + o.metrics_path);
+  }
+  struct Closer {
+    FILE* f;
+    ~Closer() {
+      if (f) std::fclose(f);
+    }
+  } closer{metrics};
+
+  DataLoader train_loader(data.train, PretrainingSampler(data.train->size(), state.consumed_train_samples, mbs, rank, dp),
+                          mbs);
+  std::unique_ptr<DataLoader> valid_loader;
+  if (data.valid)
+    valid_loader = std::make_unique<DataLoader>(
+        data.valid, PretrainingSampler(data.valid->size(), state.consumed_valid_samples, mbs, rank, dp), mbs);
+
+  std::vector<std::unique_ptr<MicroBatch>> held(static_cast<size_t>(num_micro));
+  std::vector<std::vector<int64_t>> keys(static_cast<size_t>(num_micro));
+  std::vector<ModelBatch> batches(static_cast<size_t>(num_micro));
+
+  // Forward-only evaluation over eval_iters global batches (Megatron's evaluate).
+  auto evaluate = [&](DataLoader* loader, const std::string& prefix, int64_t* consumed) -> absl::StatusOr<double> {
+    double sums[2] = {0, 0};
+    for (int64_t it = 0; it < o.eval_iters; ++it) {
+      for (int64_t m = 0; m < num_micro; ++m) {
+        PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
+        if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
+        std::vector<int64_t> k;
+        PTK_ASSIGN_OR_RETURN(LossSum s, model->Forward(View(*mb, &k)));
+        sums[0] += s.loss_sum;
+        sums[1] += s.tokens;
+      }
+      if (consumed) *consumed += gbs;
+    }
+    PTK_RETURN_IF_ERROR(comm->AllReduceSum(sums, 2));
+    const double loss = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+    std::string line = fmt::format(" validation loss at {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ", prefix,
+                                   loss, std::exp(std::min(20.0, loss)));
+    std::string bar(line.size() + 1, '-');
+    print(bar);
+    print(line);
+    print(bar);
+    return loss;
+  };
+
+  auto save = [&]() -> absl::Status {
+    if (o.save.empty()) return absl::OkStatus();
+    PTK_RETURN_IF_ERROR(comm->Barrier());
+    if (rank == 0) {
+      state.scheduler_num_steps = opt.scheduler().num_steps();
+      state.adam_step = opt.adam_step();
+      auto t0 = Clock::now();
+      PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save, *model, opt.exp_avg(), opt.exp_avg_sq(), state, o.args_json));
+      print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
+                        state.iteration, o.save,
+                        std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
+    }
+    return comm->Barrier();
+  };
+
+  const auto start = Clock::now();
+  const double wall_before = state.wall_seconds;
+  auto interval_start = Clock::now();
+  int64_t interval_iters = 0, interval_advanced = 0, interval_skipped = 0, interval_nan = 0;
+  double interval_loss = 0;
+  int64_t last_saved = -1;
+  print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
+  print("training ...");
+
+  while (state.iteration < train_iters) {
+    for (int64_t m = 0; m < num_micro; ++m) {
+      PTK_ASSIGN_OR_RETURN(held[m], train_loader.Next());
+      if (!held[m]) return absl::OutOfRangeError("the training data ran out before --train-iters");
+      batches[m] = View(*held[m], &keys[m]);
+    }
+    PTK_ASSIGN_OR_RETURN(StepResult r, opt.Step(batches, gbs, state.seed));
+    ++state.iteration;
+    state.consumed_train_samples += gbs;
+    ++interval_iters;
+    if (r.skipped) {
+      ++interval_skipped;
+      ++interval_nan;
+      ++state.skipped_iterations;
+    } else {
+      ++interval_advanced;
+      interval_loss += r.lm_loss();
+    }
+    summary.last_lm_loss = r.lm_loss();
+    const double lr_now = opt.scheduler().lr();  // Megatron logs the rate after the scheduler step
+    if (metrics) {
+      std::fprintf(metrics,
+                   "{\"iteration\": %lld, \"consumed_samples\": %lld, \"lm_loss\": %.9g, \"grad_norm\": %.9g, "
+                   "\"learning_rate\": %.9g, \"skipped\": %s, \"tokens\": %.0f}\n",
+                   static_cast<long long>(state.iteration), static_cast<long long>(state.consumed_train_samples),
+                   r.lm_loss(), r.grad_norm, lr_now, r.skipped ? "true" : "false", r.tokens);
+      std::fflush(metrics);
+    }
+    if (state.iteration % o.log_interval == 0) {
+      const double secs = std::chrono::duration<double>(Clock::now() - interval_start).count();
+      LogLineFields f;
+      f.iteration = state.iteration;
+      f.train_iters = train_iters;
+      f.consumed_samples = state.consumed_train_samples;
+      f.global_batch_size = gbs;
+      f.elapsed_ms = secs * 1000.0 / static_cast<double>(interval_iters);
+      f.tflops_per_gpu = flops / (secs / static_cast<double>(interval_iters) * 1e12 * dp);
+      f.learning_rate = lr_now;
+      f.lm_loss = interval_advanced > 0 ? interval_loss / static_cast<double>(interval_advanced) : 0.0;
+      f.grad_norm = r.grad_norm;
+      f.skipped = interval_skipped;
+      f.nan = interval_nan;
+      print(FormatLogLine(f, Timestamp()));
+      interval_start = Clock::now();
+      interval_iters = interval_advanced = interval_skipped = interval_nan = 0;
+      interval_loss = 0;
+    }
+    if (valid_loader && o.eval_interval > 0 && state.iteration % o.eval_interval == 0) {
+      PTK_ASSIGN_OR_RETURN(double vl, evaluate(valid_loader.get(), fmt::format("iteration {}", state.iteration),
+                                               &state.consumed_valid_samples));
+      summary.last_validation_loss = vl;
+    }
+    state.wall_seconds = wall_before + std::chrono::duration<double>(Clock::now() - start).count();
+
+    // Megatron's checkpoint_and_decide_exit: ranks agree on every reason through one all-reduce.
+    double flags[2] = {o.exit_signal && o.exit_signal->load() != 0 ? 1.0 : 0.0,
+                       std::chrono::duration<double>(Clock::now() - start).count() / 60.0};
+    PTK_RETURN_IF_ERROR(comm->AllReduceSum(flags, 2));
+    std::string reason;
+    if (flags[0] > 0) reason = "exiting on signal";
+    if (reason.empty() && o.save_interval > 0 && state.iteration % o.save_interval == 0) {
+      PTK_RETURN_IF_ERROR(save());
+      last_saved = state.iteration;
+    }
+    if (reason.empty() && o.exit_duration_in_mins > 0 && flags[1] / dp > o.exit_duration_in_mins)
+      reason = fmt::format("exiting program after {:.1f} minutes", flags[1] / dp);
+    if (reason.empty() && o.exit_interval > 0 && state.iteration % o.exit_interval == 0)
+      reason = fmt::format("exiting program at iteration {}", state.iteration);
+    if (!reason.empty()) {
+      if (last_saved != state.iteration) PTK_RETURN_IF_ERROR(save());
+      print(reason);
+      summary.exit_reason = reason;
+      summary.iteration = state.iteration;
+      summary.consumed_train_samples = state.consumed_train_samples;
+      summary.skipped_iterations = state.skipped_iterations;
+      return summary;
+    }
+  }
+  print(fmt::format("[after training is done] datetime: {} ", Timestamp()));
+  if (last_saved != state.iteration && !o.save.empty()) PTK_RETURN_IF_ERROR(save());
+  if (valid_loader) {
+    PTK_ASSIGN_OR_RETURN(double vl, evaluate(valid_loader.get(), "the end of training for val data", nullptr));
+    summary.last_validation_loss = vl;
+  }
+  if (data.test) {
+    DataLoader test_loader(data.test, PretrainingSampler(data.test->size(), 0, mbs, rank, dp), mbs);
+    PTK_ASSIGN_OR_RETURN(double tl, evaluate(&test_loader, "the end of training for test data", nullptr));
+    summary.test_loss = tl;
+  }
+  summary.iteration = state.iteration;
+  summary.consumed_train_samples = state.consumed_train_samples;
+  summary.skipped_iterations = state.skipped_iterations;
+  return summary;
+}
+
+}  // namespace ptk::trainer

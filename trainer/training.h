@@ -1,0 +1,87 @@
+// ptk-train's loop, as Megatron's pretrain_gpt.py runs it: datasets and Megatron's sample order,
+// micro-batches and gradient accumulation, data-parallel all-reduce, the log line every
+// --log-interval iterations, evaluation, checkpoints, exit on signal / interval / duration.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "indexed_dataset/gpt_dataset.h"
+#include "trainer/comm.h"
+#include "trainer/gpt_model.h"
+#include "trainer/optimizer.h"
+
+namespace ptk::trainer {
+
+struct TrainOptions {
+  GPTConfig model;  // vocab_size / padded_vocab_size filled by the caller
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 0;  // 0: micro_batch_size * data-parallel size
+  int64_t train_iters = 0;        // one of train_iters / train_samples
+  int64_t train_samples = 0;
+
+  OptimizerConfig optimizer;
+  double lr = 0, min_lr = 0, lr_warmup_init = 0;
+  std::string lr_decay_style = "linear";
+  int64_t lr_decay_iters = 0, lr_decay_samples = 0;
+  int64_t lr_warmup_iters = 0, lr_warmup_samples = 0;
+  std::optional<double> lr_warmup_fraction;
+  std::string lr_wsd_decay_style = "exponential";
+  int64_t lr_wsd_decay_iters = 0, lr_wsd_decay_samples = 0;
+  double weight_decay = 0.01;
+  std::optional<double> start_weight_decay, end_weight_decay;
+  std::string weight_decay_incr_style = "constant";
+
+  DataArgs data;
+  bool mock_data = false;
+  std::optional<std::string> data_cache_path;
+  uint32_t seed = 1234;
+  std::string vocab_file, merge_file;
+  bool eod_mask_loss = false, reset_position_ids = false;
+
+  int64_t eval_interval = 1000, eval_iters = 100;
+  int64_t log_interval = 100;
+  std::string save, load;
+  int64_t save_interval = 0, exit_interval = 0;
+  double exit_duration_in_mins = 0;
+  bool no_load_optim = false, no_load_rng = false, finetune = false;
+  std::string metrics_path;  // per-iteration metrics as JSON lines (rank 0)
+  std::string args_json;     // the command line, stored in checkpoints
+
+  // Set asynchronously by the caller's signal handler (--exit-signal-handler): save and exit.
+  const std::atomic<int>* exit_signal = nullptr;
+  Communicator* comm = nullptr;  // null: a single process
+  // Where rank 0's Megatron-shaped lines go (stdout by default).
+  std::function<void(const std::string&)> print;
+};
+
+struct TrainSummary {
+  int64_t iteration = 0;
+  int64_t consumed_train_samples = 0;
+  double last_lm_loss = 0;
+  std::optional<double> last_validation_loss, test_loss;
+  int64_t skipped_iterations = 0;
+  std::string exit_reason;  // "" when train_iters was reached
+  bool resumed = false;
+};
+
+absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& options);
+
+// Megatron's num_floating_point_operations for one iteration of this model (dense GPT, GELU MLP,
+// causal attention counted as half of the full score matrix).
+double FlopsPerIteration(const GPTConfig& c, int64_t global_batch_size);
+
+// The log line Megatron's training_log prints.
+struct LogLineFields {
+  int64_t iteration = 0, train_iters = 0, consumed_samples = 0, global_batch_size = 0;
+  double elapsed_ms = 0, tflops_per_gpu = 0, learning_rate = 0, lm_loss = 0, grad_norm = 0;
+  int64_t skipped = 0, nan = 0;
+};
+std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp);
+
+}  // namespace ptk::trainer
