@@ -11,7 +11,7 @@ PKGS=(
   libabsl-dev libfmt-dev libcli11-dev libsimdjson-dev libtbb-dev
   libcurl4-openssl-dev libssl-dev libzstd-dev liblzma-dev libre2-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libgloo-dev
-  zstd xz-utils curl aria2 python3 python3-venv python3-pip
+  zstd xz-utils curl aria2 python3 python3-venv python3-pip python3-matplotlib
   slurmctld slurmd slurm-client munge
 )
 REF_PKGS=(python3-numpy python3-torch python3-packaging)

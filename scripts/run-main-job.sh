@@ -10,6 +10,9 @@
 #   4. ptk-concat     train     -> chunks/         (balanced chunks, plan + run)
 #   5. ptk-tokenize   chunks and validation -> preprocessed/  (Megatron .bin/.idx)
 #   6. ptk-inspect    verify, summary, and GPTDataset sample 0 as Megatron would give it
+#   7. ptk-train      a small GPT on the train chunks (CPU): stopped at iteration 25 with a
+#                     checkpoint, then resumed with --load to iteration 50
+#   8. plot-loss.py   the loss curve as train/loss.png
 #
 # Usage: bash scripts/run-main-job.sh [OUTPUT_DIR]     (default: main-job/ in the checkout)
 # Rerunning is cheap: verified downloads, complete extractions and chunks are not redone.
@@ -24,14 +27,14 @@ T0=$(date +%s.%N)
 
 step() { printf '\n\033[1m== [%5.1fs] %s\033[0m\n' "$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN{print a-b}')" "$*"; }
 
-step "0/6 install dependencies and build ptk ($JOBS jobs)"
+step "0/8 install dependencies and build ptk ($JOBS jobs)"
 if [ "${PTK_SKIP_INSTALL:-0}" != 1 ]; then
   if [ "$(id -u)" = 0 ]; then bash "$ROOT/scripts/install-deps.sh"
   else sudo bash "$ROOT/scripts/install-deps.sh"; fi
 fi
 if [ "${PTK_SKIP_BUILD:-0}" != 1 ]; then
   cmake -S "$ROOT" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build "$ROOT/build" -j "$JOBS" --target ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect
+  cmake --build "$ROOT/build" -j "$JOBS" --target ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-train
 fi
 
 mkdir -p "$OUT"
@@ -39,7 +42,7 @@ HUB_PID=
 cleanup() { [ -n "$HUB_PID" ] && kill "$HUB_PID" 2>/dev/null; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-step "1/6 serve sample/slimpajama-mini as the dataset repo cerebras/SlimPajama-627B on 127.0.0.1"
+step "1/8 serve sample/slimpajama-mini as the dataset repo cerebras/SlimPajama-627B on 127.0.0.1"
 rm -f "$OUT/.hub-ports"
 python3 "$ROOT/tests/tools/fake_hub.py" --repo-dir "$ROOT/sample/slimpajama-mini" \
   --port-file "$OUT/.hub-ports" >"$OUT/hub.log" 2>&1 &
@@ -50,17 +53,17 @@ export HF_ENDPOINT HF_TOKEN=hf_main_job_token
 HF_ENDPOINT=$(awk '/HUB/{print $2}' "$OUT/.hub-ports")
 echo "hub: $HF_ENDPOINT (files are redirected to a separate CDN host, as on huggingface.co)"
 
-step "2/6 ptk-download: list the repo at a pinned commit, download in parallel, verify size + sha256"
+step "2/8 ptk-download: list the repo at a pinned commit, download in parallel, verify size + sha256"
 "$BIN/ptk-download" --repo cerebras/SlimPajama-627B --repo-type dataset --local-dir "$OUT/raw" --jobs 8
 
-step "3/6 ptk-extract: .jsonl.zst -> .jsonl, $JOBS files at a time"
+step "3/8 ptk-extract: .jsonl.zst -> .jsonl, $JOBS files at a time"
 "$BIN/ptk-extract" "$OUT/raw" --output-dir "$OUT/extracted" --jobs "$JOBS"
 
-step "4/6 ptk-concat: train -> 4 chunks balanced by bytes (a plan, then the chunks)"
+step "4/8 ptk-concat: train -> 4 chunks balanced by bytes (a plan, then the chunks)"
 "$BIN/ptk-concat" plan --input "$OUT/extracted/train" --output-dir "$OUT/chunks" --chunks 4
 "$BIN/ptk-concat" run --plan "$OUT/chunks/concat-plan.json" --jobs "$JOBS"
 
-step "5/6 ptk-tokenize: GPT-2 BPE -> Megatron .bin/.idx (as preprocess_data.py --append-eod)"
+step "5/8 ptk-tokenize: GPT-2 BPE -> Megatron .bin/.idx (as preprocess_data.py --append-eod)"
 mkdir -p "$OUT/preprocessed"
 for chunk in "$OUT"/chunks/train_*.jsonl; do
   name=$(basename "$chunk" .jsonl)
@@ -70,7 +73,7 @@ done
 "$BIN/ptk-tokenize" --input "$OUT/extracted/validation/chunk*/*.jsonl" --output-prefix "$OUT/preprocessed/validation" \
   --json-keys text --append-eod --workers "$JOBS" --log-interval 2000
 
-step "6/6 ptk-inspect: verify every dataset, summarise one, and show GPTDataset sample 0"
+step "6/8 ptk-inspect: verify every dataset, summarise one, and show GPTDataset sample 0"
 datasets=()
 for idx in "$OUT"/preprocessed/*_text_document.idx; do
   prefix=${idx%.idx}
@@ -86,6 +89,24 @@ echo "GPTDataset: blend of the train chunks, --split 98,2,0 --seq-length 128 --s
   --train-samples 1000 --valid-samples 100 --test-samples 0 --sample 0 | head -c 1500
 echo
 
+step "7/8 ptk-train: GPT (2 layers, hidden 128, seq 128) on the train chunks, fp32 on the CPU"
+TRAIN=(--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
+  --micro-batch-size 8 --global-batch-size 8 --train-iters 50 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
+  --lr-warmup-iters 5 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --seed 1234
+  --data-path "${blend[@]}" --split 98,2,0 --data-cache-path "$OUT/train/index-cache"
+  --log-interval 5 --eval-interval 25 --eval-iters 2
+  --save "$OUT/train/checkpoints" --load "$OUT/train/checkpoints" --save-interval 25
+  --tensorboard-dir "$OUT/train/tensorboard" --threads "$JOBS")
+echo "first run: stops at iteration 25 (--exit-interval 25) after saving a checkpoint"
+"$BIN/ptk-train" "${TRAIN[@]}" --exit-interval 25
+echo
+echo "second run: --load resumes from the checkpoint and trains to iteration 50"
+"$BIN/ptk-train" "${TRAIN[@]}"
+
+step "8/8 loss curve"
+/usr/bin/python3 "$ROOT/scripts/plot-loss.py" "$OUT/train/tensorboard/metrics.jsonl" -o "$OUT/train/loss.png" \
+  --title "ptk-train on sample/slimpajama-mini: lm loss"
+
 step "done"
 cat <<EOF
 outputs (under $OUT):
@@ -94,6 +115,8 @@ outputs (under $OUT):
   chunks/         $(ls "$OUT"/chunks/train_*.jsonl | wc -l) train chunks and concat-plan.json
   preprocessed/   Megatron datasets, for --data-path:
 $(for p in "${datasets[@]}"; do printf '                    %s  (%s + .idx)\n' "$p" "$(du -h "$p.bin" | cut -f1)"; done)
+  train/          checkpoints/ (iter_0000025, iter_0000050, latest_checkpointed_iteration.txt),
+                  tensorboard/metrics.jsonl and loss.png (the loss curve)
   hub.log         the local hub's log
 Rerun this script and the verified work is skipped.
 EOF

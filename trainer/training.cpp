@@ -220,6 +220,14 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     }
   }
 
+  if (state.iteration >= train_iters) {
+    log::Info("the checkpoint is at iteration {} ({} samples consumed), nothing to train: --train-iters is {}",
+              state.iteration, state.consumed_train_samples, train_iters);
+    summary.iteration = state.iteration;
+    summary.consumed_train_samples = state.consumed_train_samples;
+    summary.exit_reason = "nothing to train";
+    return summary;
+  }
   PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, gbs, train_iters));
   const double flops = FlopsPerIteration(o.model, gbs);
   log::Info("model: {} parameters; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
