@@ -56,4 +56,56 @@ RankInfo RankFromEnv() {
   return r;
 }
 
+std::string FirstSlurmHost(const std::string& nodelist) {
+  std::string first;
+  int depth = 0;
+  for (char c : nodelist) {  // the first comma outside brackets ends the first group
+    if (c == '[') ++depth;
+    if (c == ']') --depth;
+    if (c == ',' && depth == 0) break;
+    first += c;
+  }
+  size_t open = first.find('[');
+  if (open == std::string::npos) return first;
+  std::string range = first.substr(open + 1);
+  size_t end = range.find_first_of(",-]");
+  return first.substr(0, open) + range.substr(0, end);
+}
+
+absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
+  TrainingRanks t;
+  auto env = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v ? v : "";
+  };
+  if (!env("WORLD_SIZE").empty() || !env("RANK").empty()) {
+    auto rank = EnvInt("RANK"), world = EnvInt("WORLD_SIZE");
+    if (!rank || !world) return absl::InvalidArgumentError("torchrun-style launch: set both RANK and WORLD_SIZE");
+    t.rank = static_cast<int>(*rank);
+    t.world_size = static_cast<int>(*world);
+    if (auto l = EnvInt("LOCAL_RANK")) t.local_rank = static_cast<int>(*l);
+    if (auto n = EnvInt("GROUP_RANK")) t.node_rank = static_cast<int>(*n);
+    t.source = "torchrun variables";
+  } else if (auto step_tasks = EnvInt("SLURM_STEP_NUM_TASKS")) {
+    t.world_size = static_cast<int>(*step_tasks);
+    if (auto r = EnvInt("SLURM_PROCID")) t.rank = static_cast<int>(*r);
+    if (auto l = EnvInt("SLURM_LOCALID")) t.local_rank = static_cast<int>(*l);
+    if (auto n = EnvInt("SLURM_NODEID")) t.node_rank = static_cast<int>(*n);
+    std::string nodes = !env("SLURM_STEP_NODELIST").empty() ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
+    if (!nodes.empty()) t.master_addr = FirstSlurmHost(nodes);
+    if (auto job = EnvInt("SLURM_JOB_ID")) t.master_port = 20000 + static_cast<int>(*job % 20000);
+    t.source = "srun";
+  }
+  if (!env("MASTER_ADDR").empty()) t.master_addr = env("MASTER_ADDR");
+  if (!env("MASTER_PORT").empty()) {
+    auto p = EnvInt("MASTER_PORT");
+    if (!p || *p < 1 || *p > 65535) return absl::InvalidArgumentError("MASTER_PORT must be a port number");
+    t.master_port = static_cast<int>(*p);
+  }
+  if (t.world_size < 1 || t.rank < 0 || t.rank >= t.world_size)
+    return absl::InvalidArgumentError(
+        fmt::format("rank {} of world size {} (from {}): not a valid rank", t.rank, t.world_size, t.source));
+  return t;
+}
+
 }  // namespace ptk

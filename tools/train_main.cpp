@@ -3,6 +3,8 @@
 #include <signal.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cstdio>
 
 #include <tbb/global_control.h>
@@ -10,7 +12,9 @@
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "common/slurm_env.h"
 #include "trainer/comm.h"
+#include "trainer/comm_gloo.h"
 #include "trainer/train_flags.h"
 #include "trainer/training.h"
 
@@ -52,12 +56,33 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     std::vector<std::string> notes;
     PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainOptions options, ptk::trainer::ResolveTrainFlags(flags, &notes));
-    std::unique_ptr<ptk::trainer::Communicator> comm = ptk::trainer::MakeLocalCommunicator();
+    PTK_ASSIGN_OR_RETURN(ptk::TrainingRanks ranks, ptk::TrainingRanksFromEnv());
+    std::unique_ptr<ptk::trainer::Communicator> comm;
+    if (ranks.world_size == 1) {
+      comm = ptk::trainer::MakeLocalCommunicator();
+    } else {
+      ptk::trainer::GlooOptions g;
+      g.rank = ranks.rank;
+      g.world_size = ranks.world_size;
+      g.master_addr = ranks.master_addr;
+      g.master_port = ranks.master_port;
+      if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) g.iface = iface;
+      if (flags.distributed_timeout_minutes > 0)
+        g.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.distributed_timeout_minutes * 60000));
+      PTK_ASSIGN_OR_RETURN(comm, ptk::trainer::MakeGlooCommunicator(g));
+      if (ranks.rank == 0)
+        ptk::log::Info("data parallel: {} ranks ({}), rendezvous at {}:{}", ranks.world_size, ranks.source,
+                       ranks.master_addr, ranks.master_port);
+    }
     if (comm->rank() == 0)
       for (const std::string& n : notes) ptk::log::Info("note: {}", n);
 
     // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
-    const int threads = flags.threads > 0 ? static_cast<int>(flags.threads) : CpusOfThisProcess();
+    // Ranks sharing a node share its cores unless Slurm bound each to its own.
+    int threads = flags.threads > 0 ? static_cast<int>(flags.threads) : CpusOfThisProcess();
+    if (flags.threads == 0 && ranks.world_size > 1 && std::getenv("SLURM_CPUS_PER_TASK") == nullptr &&
+        std::getenv("PTK_THREADS_PER_RANK") == nullptr && threads == static_cast<int>(std::thread::hardware_concurrency()))
+      threads = std::max(1, threads / std::max(1, ranks.world_size));
     tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads));
     openblas_set_num_threads(threads);
     if (flags.exit_signal_handler) {

@@ -34,7 +34,6 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--no-async-tensor-model-parallel-allreduce", false, "no tensor parallelism"},
     {"--accumulate-allreduce-grads-in-fp32", false, "gradients are fp32 already"},
     {"--distributed-backend", true, "CPU ranks use gloo"},
-    {"--distributed-timeout-minutes", true, "collectives time out on their own"},
     {"--num-workers", true, "one prefetching loader thread per rank"},
     {"--ckpt-format", true, "checkpoints are ptk's single-file format in Megatron's directory layout"},
     {"--async-save", false, "checkpoints are written synchronously"},
@@ -157,6 +156,8 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size, "Must be 1: ptk is data parallel");
   app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel");
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel");
+  app->add_option("--distributed-timeout-minutes", f->distributed_timeout_minutes,
+                  "Rendezvous and collective timeout: a rank that waits longer for the others fails");
   app->add_option("--threads", f->threads, "ptk: CPU threads per rank (default: the cores given to this rank)");
   for (const CompatFlag& c : kCompatFlags) {
     std::string name = c.name;

@@ -210,7 +210,8 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
         opt.scheduler().set_num_steps(loaded.scheduler_num_steps);
         if (o.no_load_rng) state.seed = o.seed;
         summary.resumed = true;
-        log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o.load, *latest),
+        if (rank == 0)
+          log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o.load, *latest),
                   loaded.iteration, loaded.consumed_train_samples);
       }
     } else if (absl::IsNotFound(latest.status())) {
@@ -230,7 +231,8 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   }
   PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, gbs, train_iters));
   const double flops = FlopsPerIteration(o.model, gbs);
-  log::Info("model: {} parameters; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
+  if (rank == 0)
+    log::Info("model: {} parameters; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
             model->num_params(), num_micro, mbs, dp, gbs);
 
   FILE* metrics = nullptr;

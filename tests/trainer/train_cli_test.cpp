@@ -2,6 +2,9 @@
 // with the same bits as an uninterrupted one; SIGTERM saves and exits; kill -9 during saves never
 // leaves a damaged `latest`; damaged or mismatched checkpoints are refused; the seeds' flags are
 // honoured or refused with one line.
+#include <unistd.h>
+
+#include <cmath>
 #include <regex>
 #include <string>
 #include <vector>
@@ -186,6 +189,42 @@ TEST_F(TrainCli, SeedsFlagsAreHonouredOrRefusedInOneLine) {
   auto missing = RunCmd(Train("--data-path " + ShellQuote(dir_ / "nope_text_document"), 2));
   EXPECT_EQ(missing.exit_code, 1) << missing.output;
   EXPECT_NE(missing.output.find("nope_text_document"), std::string::npos) << missing.output;
+}
+
+std::string Port() { return std::to_string(20000 + ::getpid() % 20000); }
+
+TEST_F(TrainCli, TwoRanksEqualOneRank) {
+  ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "one") + " --threads 1")).exit_code, 0);
+  const std::string two = Train("--save " + ShellQuote(dir_ / "two") + " --threads 1");
+  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() +
+                                          "; RANK=1 " + two + " > " + ShellQuote(dir_ / "r1.log") +
+                                          " 2>&1 & RANK=0 " + two + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+  EXPECT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << testing::ReadFile(dir_ / "r1.log");
+  EXPECT_NE(r.output.find("data parallel: 2 ranks (torchrun variables)"), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("iteration "), std::string::npos) << "rank 1 printed log lines";
+  Saved a = Load(dir_ / "one", 8), b = Load(dir_ / "two", 8);
+  ASSERT_EQ(a.params.size(), b.params.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    num += (double(a.params[i]) - b.params[i]) * (double(a.params[i]) - b.params[i]);
+    den += double(a.params[i]) * a.params[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), 1e-5) << "2 ranks drifted from 1 rank beyond fp32 reduction-order differences";
+  EXPECT_EQ(a.state.consumed_train_samples, b.state.consumed_train_samples);
+}
+
+TEST_F(TrainCli, ARankThatDiesStopsTheOthers) {
+  const std::string cmd = Train("--distributed-timeout-minutes 0.5 --threads 1", 100000);
+  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() +
+                                          "; RANK=1 " + cmd + " >/dev/null 2>&1 & p1=$!; RANK=0 " + cmd +
+                                          " > " + ShellQuote(dir_ / "r0.log") + " 2>&1 & p0=$!; sleep 3; "
+                                          "kill -9 $p1; start=$SECONDS; wait $p0; echo rc0=$? after=$((SECONDS-start))"));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc0=(\\d+) after=(\\d+)"))) << r.output;
+  EXPECT_EQ(m[1], "1") << testing::ReadFile(dir_ / "r0.log");
+  EXPECT_LE(std::stoi(m[2]), 45) << "rank 0 took too long to notice";
+  EXPECT_NE(testing::ReadFile(dir_ / "r0.log").find("failed (a rank died or the network failed)"), std::string::npos)
+      << testing::ReadFile(dir_ / "r0.log");
 }
 
 TEST_F(TrainCli, SamplesBasedScheduleAndMockData) {

@@ -1,0 +1,27 @@
+// Data-parallel collectives between CPU ranks through gloo (Debian's libgloo-dev), over TCP. The
+// ranks meet at MASTER_ADDR:MASTER_PORT, where rank 0 serves a small key-value store for gloo's
+// rendezvous: nothing from an earlier run can be read there (a requeued job reuses its job id, so
+// a file-based rendezvous could find stale addresses). A rank that dies closes its sockets; the
+// others fail their next collective at once, or after the collective timeout at the latest.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "trainer/comm.h"
+
+namespace ptk::trainer {
+
+struct GlooOptions {
+  int rank = 0, world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string iface;  // network interface for the gloo transport (GLOO_SOCKET_IFNAME); empty: by hostname
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous and each collective
+};
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOptions& options);
+
+}  // namespace ptk::trainer
