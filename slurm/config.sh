@@ -12,6 +12,9 @@
 #   CONCAT_CHUNKS 72      CONCAT_TASKS = CONCAT_CHUNKS   CONCAT_CONCURRENCY 16
 #   TOKENIZE_TASKS = CONCAT_CHUNKS   TOKENIZE_CONCURRENCY 16   APPEND_EOD 1   VOCAB_FILE/MERGE_FILE (built-in GPT-2)
 #   CPUS_PER_TASK 4       TIME_LIMIT 24:00:00   SBATCH_EXTRA (e.g. "--account=proj --qos=normal")
+#   TRAIN_PARTITION gpu   TRAIN_NODES 1   TRAIN_TASKS_PER_NODE 1 (ranks)   TRAIN_CPUS_PER_TASK = CPUS_PER_TASK
+#   TRAIN_ITERS 100       TRAIN_ARGS (model/optimizer flags as for pretrain_gpt.py; default a small GPT)
+#   CKPT_DIR $STAGE_PATH/checkpoints   TRAIN_TIME_LIMIT = TIME_LIMIT
 
 : "${DATASET_FOLDER_NAME:=slimpajama}"
 : "${HF_REPO:=cerebras/SlimPajama-627B}"
@@ -39,6 +42,13 @@
 : "${CPUS_PER_TASK:=4}"
 : "${TIME_LIMIT:=24:00:00}"
 : "${SBATCH_EXTRA:=}"
+: "${TRAIN_PARTITION:=gpu}"
+: "${TRAIN_NODES:=1}"
+: "${TRAIN_TASKS_PER_NODE:=1}"
+: "${TRAIN_CPUS_PER_TASK:=$CPUS_PER_TASK}"
+: "${TRAIN_ITERS:=100}"
+: "${TRAIN_TIME_LIMIT:=$TIME_LIMIT}"
+: "${TRAIN_ARGS:=--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --adam-beta2 0.95 --split 98,2,0 --log-interval 10 --eval-interval 50 --eval-iters 2 --save-interval 50}"
 
 DATA_DIR="$STAGE_PATH/$DATASET_FOLDER_NAME"
 RAW_DIR="$DATA_DIR/raw"
@@ -47,6 +57,7 @@ CHUNK_DIR="$DATA_DIR/chunks"
 PREPROCESSED_DIR="$DATA_DIR/preprocessed"
 RESULTS_DIR="$STAGE_PATH/results"
 PLAN_FILE="$CHUNK_DIR/concat-plan.json"
-STAGES="download extract concat-plan concat tokenize"
+CKPT_DIR="${CKPT_DIR:-$STAGE_PATH/checkpoints}"
+STAGES="download extract concat-plan concat tokenize train"
 
 ptk_log() { printf '[%s] %s\n' "$(date '+%F %T')" "$*"; }

@@ -49,6 +49,10 @@ while IFS= read -r chunk; do
 done < <(find "$CHUNK_DIR" -maxdepth 1 -name '*.jsonl' -type f 2>/dev/null | LC_ALL=C sort)
 line tokenize "$n_ok of $n_want datasets complete${missing:+ (missing: ${missing[*]:0:8})}"
 [ "$n_want" -gt 0 ] && [ "$n_ok" -eq "$n_want" ] || complete=0
+# train: the checkpoint tracker vs TRAIN_ITERS
+latest=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+line train "checkpoint at iteration $latest of $TRAIN_ITERS (in $CKPT_DIR)"
+[ "$latest" -ge "$TRAIN_ITERS" ] 2>/dev/null || complete=0
 
 # jobs of the last submission
 if [ -f "$RESULTS_DIR/jobs.txt" ] && command -v scontrol >/dev/null; then
@@ -62,5 +66,5 @@ if [ -f "$RESULTS_DIR/jobs.txt" ] && command -v scontrol >/dev/null; then
     fi
   done < "$RESULTS_DIR/jobs.txt"
 fi
-if [ "$complete" = 1 ]; then echo "status: every stage is complete; datasets in $PREPROCESSED_DIR"; exit 0; fi
+if [ "$complete" = 1 ]; then echo "status: every stage is complete; datasets in $PREPROCESSED_DIR, checkpoints in $CKPT_DIR"; exit 0; fi
 exit 1

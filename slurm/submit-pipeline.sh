@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Submits the ptk data pipeline as chained Slurm jobs:
 #   download (array, DOWNLOAD_PARTITION) -> extract (array) -> concat-plan -> concat (array) -> tokenize (array)
+#   -> train (TRAIN_NODES x TRAIN_TASKS_PER_NODE ranks under srun, TRAIN_PARTITION, requeued on USR1)
 # each stage `--dependency=afterok:` the previous one (never aftercorr: a stage must not read the
 # half-written outputs of tasks still running). Every task is idempotent, so resubmitting (with
 # --from STAGE) redoes only what is missing. Configuration: environment variables, see config.sh.
 #
 # Usage: slurm/submit-pipeline.sh [--from STAGE] [--dry-run]
-#   STAGE: download | extract | concat-plan | concat | tokenize
+#   STAGE: download | extract | concat-plan | concat | tokenize | train
 # Prints "STAGE JOBID" lines (also written to $STAGE_PATH/results/jobs.txt).
 set -euo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -34,10 +35,10 @@ case " $STAGES " in *" $from "*) ;; *) die "--from $from: not a stage (one of: $
 mkdir -p "$STAGE_PATH" || die "cannot create STAGE_PATH=$STAGE_PATH"
 [ -w "$STAGE_PATH" ] || die "STAGE_PATH=$STAGE_PATH is not writable"
 command -v sbatch >/dev/null || die "sbatch not found: is this a Slurm login node?"
-for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect; do
+for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-train; do
   [ -x "$PTK_BIN/$tool" ] || die "$PTK_BIN/$tool not found: build ptk (bash scripts/test.sh) or set PTK_BIN"
 done
-for p in "$DOWNLOAD_PARTITION" "$PREP_PARTITION"; do
+for p in "$DOWNLOAD_PARTITION" "$PREP_PARTITION" "$TRAIN_PARTITION"; do
   [ -n "$(sinfo -h -p "$p" -o %P 2>/dev/null)" ] || die "partition '$p' does not exist (sinfo -s lists them)"
 done
 if [ -n "$VOCAB_FILE$MERGE_FILE" ]; then
@@ -45,26 +46,33 @@ if [ -n "$VOCAB_FILE$MERGE_FILE" ]; then
   [ -f "$MERGE_FILE" ] || die "MERGE_FILE=$MERGE_FILE does not exist"
 fi
 for v in DOWNLOAD_TASKS EXTRACT_TASKS EXTRACT_CONCURRENCY CONCAT_CHUNKS CONCAT_TASKS CONCAT_CONCURRENCY TOKENIZE_TASKS \
-         TOKENIZE_CONCURRENCY CPUS_PER_TASK DOWNLOAD_JOBS EXTRACT_JOBS; do
+         TOKENIZE_CONCURRENCY CPUS_PER_TASK DOWNLOAD_JOBS EXTRACT_JOBS TRAIN_NODES TRAIN_TASKS_PER_NODE TRAIN_CPUS_PER_TASK \
+         TRAIN_ITERS; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v=${!v} must be a positive integer"
 done
 if [ "$from" != download ]; then
   [ -d "$RAW_DIR" ] || die "--from $from but nothing was downloaded into $RAW_DIR yet"
 fi
 
-mkdir -p "$RESULTS_DIR"/{download,extract,concat-plan,concat,tokenize}
+mkdir -p "$RESULTS_DIR"/{download,extract,concat-plan,concat,tokenize,train}
 export STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE HF_EXCLUDE DOWNLOAD_PARTITION DOWNLOAD_TASKS \
        DOWNLOAD_JOBS DOWNLOAD_VERIFY PREP_PARTITION EXTRACT_TASKS EXTRACT_CONCURRENCY EXTRACT_JOBS DROP_SETS CONCAT_CHUNKS \
-       CONCAT_TASKS CONCAT_CONCURRENCY TOKENIZE_TASKS TOKENIZE_CONCURRENCY APPEND_EOD VOCAB_FILE MERGE_FILE CPUS_PER_TASK
+       CONCAT_TASKS CONCAT_CONCURRENCY TOKENIZE_TASKS TOKENIZE_CONCURRENCY APPEND_EOD VOCAB_FILE MERGE_FILE CPUS_PER_TASK \
+       TRAIN_ITERS TRAIN_ARGS CKPT_DIR
 
 prev=""
 started=0
 jobs_file="$RESULTS_DIR/jobs.txt"
 [ "$dry" = 1 ] || : > "$jobs_file"
-submit() {  # stage partition array(or "") script
+submit() {  # stage partition array(or "") script [extra sbatch args...]
   local stage=$1 part=$2 array=$3 script=$4
-  local args=(--parsable --job-name "ptk-$stage" --partition "$part" --cpus-per-task "$CPUS_PER_TASK" --time "$TIME_LIMIT"
-              --export ALL --kill-on-invalid-dep=yes)
+  shift 4
+  local args=(--parsable --job-name "ptk-$stage" --partition "$part" --export ALL --kill-on-invalid-dep=yes)
+  if [ "$stage" = train ]; then
+    args+=(--cpus-per-task "$TRAIN_CPUS_PER_TASK" --time "$TRAIN_TIME_LIMIT" "$@")
+  else
+    args+=(--cpus-per-task "$CPUS_PER_TASK" --time "$TIME_LIMIT")
+  fi
   if [ -n "$array" ]; then
     args+=(--array "$array" --output "$RESULTS_DIR/$stage/%A_%a.out")
   else
@@ -93,6 +101,7 @@ for stage in $STAGES; do
     concat-plan) submit concat-plan "$PREP_PARTITION" "" concat-plan.sbatch ;;
     concat) submit concat "$PREP_PARTITION" "0-$((CONCAT_TASKS - 1))%$CONCAT_CONCURRENCY" concat.sbatch ;;
     tokenize) submit tokenize "$PREP_PARTITION" "0-$((TOKENIZE_TASKS - 1))%$TOKENIZE_CONCURRENCY" tokenize.sbatch ;;
+    train) submit train "$TRAIN_PARTITION" "" train.sbatch --nodes "$TRAIN_NODES" --ntasks-per-node "$TRAIN_TASKS_PER_NODE" ;;
   esac
 done
 [ "$dry" = 1 ] || echo "logs: $RESULTS_DIR/<stage>/   status: STAGE_PATH=$STAGE_PATH $PTK_SLURM_DIR/status.sh" >&2

@@ -31,6 +31,9 @@ HUB_PID=$!
 for _ in $(seq 100); do [ -f "$WORK/ports" ] && break; sleep 0.05; done
 export HF_ENDPOINT=$(awk '/HUB/{print $2}' "$WORK/ports") HF_TOKEN=hf_test_token
 export STAGE_PATH=$WORK/stage PTK_BIN=$BIN DOWNLOAD_TASKS=2 EXTRACT_TASKS=3 CONCAT_CHUNKS=4 TOKENIZE_TASKS=3 CPUS_PER_TASK=1
+# Training: 2 ranks under srun (gloo over loopback), a tiny model.
+export TRAIN_TASKS_PER_NODE=2 TRAIN_CPUS_PER_TASK=1 TRAIN_ITERS=6
+export TRAIN_ARGS="--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 1 --split 98,2,0 --log-interval 2 --eval-interval 3 --eval-iters 1 --save-interval 3"
 SUBMIT=$SRC/slurm/submit-pipeline.sh
 WAIT=$SRC/tests/slurm/slurm-wait.sh
 
@@ -68,6 +71,12 @@ compare() {
 }
 compare
 echo "   4 datasets byte-identical to the single-process run"
+train_log=$(ls "$STAGE_PATH"/results/train/*.out | head -1)
+grep -q 'data parallel: 2 ranks (srun)' "$train_log" || { cat "$train_log"; fail "train did not run 2 ranks under srun"; }
+grep -q 'iteration        6/       6' "$train_log" || { cat "$train_log"; fail "train did not reach iteration 6"; }
+[ "$(cat "$STAGE_PATH/checkpoints/latest_checkpointed_iteration.txt")" = 6 ] || fail "no checkpoint at iteration 6"
+[ "$(grep -c '] iteration ' "$train_log")" = 3 ] || { cat "$train_log"; fail "expected 3 log lines from rank 0 only"; }
+echo "   train: 2 ranks under srun, checkpoint at iteration 6"
 
 echo "== 2. a corrupted download: one extract task fails, its dependents never run"
 victim=$(find "$STAGE_PATH/slimpajama/raw/train" -name '*.zst' | LC_ALL=C sort | head -1)
@@ -94,7 +103,29 @@ cat "$WORK/wait.out"
 compare
 echo "   repaired; datasets byte-identical again"
 
-echo "== 4. wrong configurations fail at submit time"
+echo "== 4. train: Slurm's USR1 (as --signal=USR1@120 sends it) saves, exits and requeues; the requeued job resumes"
+export TRAIN_ITERS=600 CKPT_DIR=$WORK/ckpt-signal
+TRAIN_ARGS="${TRAIN_ARGS/--save-interval 3/--save-interval 100000} --eval-iters 0 --log-interval 50"
+"$SUBMIT" --from train > "$WORK/jobs" 2>"$WORK/submit.err" || { cat "$WORK/submit.err"; fail "submit --from train"; }
+train_id=$(awk '$1=="train"{print $2}' "$WORK/jobs")
+metrics=$STAGE_PATH/results/train/tensorboard/metrics.jsonl
+rm -f "$metrics"
+for _ in $(seq 600); do [ "$(wc -l < "$metrics" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
+[ "$(wc -l < "$metrics")" -ge 100 ] || fail "training did not start"
+scancel --signal=USR1 "$train_id"
+set +e; "$WAIT" -t 300 "$train_id" > "$WORK/wait.out"; WAIT_RC=$?; set -e
+cat "$WORK/wait.out"
+[ "$WAIT_RC" = 0 ] || { tail -n 30 "$STAGE_PATH"/results/train/*.out; fail "the requeued training did not complete"; }
+restarts=$(scontrol show job -o "$train_id" 2>/dev/null | sed -n 's/.*Restarts=\([0-9]*\).*/\1/p')
+[ "${restarts:-0}" -ge 1 ] || fail "the job was not requeued (Restarts=${restarts:-?})"
+[ "$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt")" = 600 ] || fail "the resumed run did not finish"
+# Every iteration once: the signal's checkpoint is where the requeued run resumed.
+[ "$(wc -l < "$metrics")" = 600 ] || fail "metrics hold $(wc -l < "$metrics") iterations, expected 600 (lost or repeated work)"
+[ "$(sed -n 's/.*"iteration": \([0-9]*\),.*/\1/p' "$metrics" | sort -n | uniq | wc -l)" = 600 ] || fail "repeated iterations"
+echo "   signal -> checkpoint -> requeue -> resume: 600 iterations, each once (Restarts=$restarts)"
+unset TRAIN_ITERS CKPT_DIR
+
+echo "== 5. wrong configurations fail at submit time"
 expect_submit_error() {  # message env...
   local msg=$1; shift
   if env "$@" "$SUBMIT" > "$WORK/bad.out" 2>&1; then fail "submit accepted: $*"; fi
