@@ -48,20 +48,20 @@ LR, MIN_LR, WARMUP = 1e-3, 1e-4, 30
 
 def megatron_samples(prefixes, n_samples, seed, work):
     megatron_shim.install(training_args=True)
-    megatron_shim.offline_gpt2_hub_cache(os.path.join(work, "hf"), ref_env.VOCAB, ref_env.MERGES)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    import argparse as ap2
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
-    p = ap2.ArgumentParser()
-    sys.modules["megatron.training.arguments"]._add_tokenizer_args(p)
-    tok = build_tokenizer(p.parse_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", ref_env.VOCAB,
-                                        "--merge-file", ref_env.MERGES]))
+
+    class Gpt2Ids:  # what GPTDataset asks of the tokenizer: GPT-2's sizes and end-of-document id
+        vocab_size = 50257
+        eod = 50256
+        unique_identifiers = {"class": "GPT2BPETokenizer", "vocab_file": ref_env.VOCAB}
+
+    tok = Gpt2Ids()
     cfg = GPTDatasetConfig(random_seed=seed, sequence_length=CFG["seq_length"], blend=get_blend_from_list(prefixes),
                            split="98,2,0", path_to_cache=os.path.join(work, "mcache"), tokenizer=tok,
                            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)

@@ -110,9 +110,16 @@ TRAIN_ARGS="${TRAIN_ARGS/--save-interval 3/--save-interval 100000} --eval-iters 
 train_id=$(awk '$1=="train"{print $2}' "$WORK/jobs")
 metrics=$STAGE_PATH/results/train/tensorboard/metrics.jsonl
 rm -f "$metrics"
-for _ in $(seq 600); do [ "$(wc -l < "$metrics" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
-[ "$(wc -l < "$metrics")" -ge 100 ] || fail "training did not start"
+lines() { cat "$metrics" 2>/dev/null | wc -l; }
+for _ in $(seq 600); do [ "$(lines)" -ge 100 ] && break; sleep 0.1; done
+[ "$(lines)" -ge 100 ] || fail "training did not start"
 scancel --signal=USR1 "$train_id"
+# Slurm holds a requeued job for about two minutes (BeginTime); let it start at once.
+for _ in $(seq 300); do
+  scontrol show job -o "$train_id" 2>/dev/null | grep -q 'Restarts=[1-9].*JobState=PENDING\|JobState=PENDING.*Restarts=[1-9]' && break
+  sleep 0.1
+done
+scontrol update JobId="$train_id" StartTime=now 2>/dev/null || true
 set +e; "$WAIT" -t 300 "$train_id" > "$WORK/wait.out"; WAIT_RC=$?; set -e
 cat "$WORK/wait.out"
 [ "$WAIT_RC" = 0 ] || { tail -n 30 "$STAGE_PATH"/results/train/*.out; fail "the requeued training did not complete"; }
