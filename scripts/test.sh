@@ -3,8 +3,8 @@
 #   1. scripts/install-deps.sh --with-python-ref   (Debian packages; megatron-core for the compat test)
 #   2. build/ : RelWithDebInfo build of everything (CUDA targets too when nvcc is found)
 #   3. ctest (labels unit, golden, cli, compat, slurm; gpu tests skip without a device)
-#   4. build-asan/ : the indexed-dataset reader, GPTDataset and tokenizer core tests again under
-#      AddressSanitizer + UBSan
+#   4. build-asan/ : the indexed-dataset reader, GPTDataset, tokenizer core and trainer op/model tests
+#      again under AddressSanitizer + UBSan
 #   5. build-tsan/ : the multi-threaded GPTDataset build, index validation and loader under
 #      ThreadSanitizer
 set -euo pipefail
@@ -20,7 +20,8 @@ cmake --build build -j "$JOBS"
 # Reader robustness under AddressSanitizer/UBSan: only the targets that matter, to keep CI short.
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
   -DPTK_SANITIZE=address,undefined >/dev/null
-cmake --build build-asan -j "$JOBS" --target indexed_dataset_test indexed_dataset_error_test utf8_test bpe_test gpt_dataset_test
+cmake --build build-asan -j "$JOBS" --target indexed_dataset_test indexed_dataset_error_test utf8_test bpe_test gpt_dataset_test \
+  ops_test gpt_model_golden_test
 ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   build-asan/tests/indexed_dataset_error_test
 ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
@@ -31,6 +32,10 @@ ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_
   build-asan/tests/bpe_test --gtest_filter=-Bpe.LongPiecesAreNotQuadratic
 ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   build-asan/tests/gpt_dataset_test
+ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  build-asan/tests/ops_test
+ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  build-asan/tests/gpt_model_golden_test
 
 # Data races in the threaded index build (drawing thread + ring), the two-thread index
 # validation and the prefetching loader.

@@ -174,6 +174,26 @@ TEST_P(GptGolden, TenAdamWStepsMatchPyTorch) {
   }
 }
 
+TEST_P(GptGolden, NanLossSkipsTheUpdate) {
+  auto model = MakeModel();
+  auto comm = MakeLocalCommunicator();
+  Optimizer opt(model.get(), OptConfig(), Schedule(), comm.get());
+  ASSERT_TRUE(opt.Step(Step(0), 4, 0).ok());  // one good step first
+  const ParamInfo* p = model->FindParam("decoder.final_layernorm.weight");
+  ASSERT_NE(p, nullptr);
+  model->params()[p->offset] = std::nanf("");
+  std::vector<float> before(model->params(), model->params() + model->num_params());
+  const int64_t steps_before = opt.scheduler().num_steps(), adam_before = opt.adam_step();
+  auto r = opt.Step(Step(1), 4, 0);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->skipped);
+  EXPECT_FALSE(std::isfinite(r->grad_norm));
+  std::vector<float> after(model->params(), model->params() + model->num_params());
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), before.size() * sizeof(float)), 0) << "a NaN step changed weights";
+  EXPECT_EQ(opt.scheduler().num_steps(), steps_before);
+  EXPECT_EQ(opt.adam_step(), adam_before);
+}
+
 INSTANTIATE_TEST_SUITE_P(Trainer, GptGolden, ::testing::Values("gpt_tied", "gpt_untied"));
 
 }  // namespace

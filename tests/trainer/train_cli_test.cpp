@@ -191,6 +191,26 @@ TEST_F(TrainCli, SeedsFlagsAreHonouredOrRefusedInOneLine) {
   EXPECT_NE(missing.output.find("nope_text_document"), std::string::npos) << missing.output;
 }
 
+TEST_F(TrainCli, SameSeedSameBitsAnyThreadCount) {
+  // Dropout on: the masks, the data order and the arithmetic are all deterministic.
+  ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "x") + " --threads 2")).exit_code, 0);
+  ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "y") + " --threads 1")).exit_code, 0);
+  ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "z") + " --threads 2 --seed 99")).exit_code, 0);
+  Saved x = Load(dir_ / "x", 8), y = Load(dir_ / "y", 8), z = Load(dir_ / "z", 8);
+  EXPECT_TRUE(x.params == y.params) << "1 and 2 threads give different bits";
+  EXPECT_TRUE(x.params != z.params) << "--seed has no effect";
+}
+
+TEST_F(TrainCli, ExitDurationSavesAndStops) {
+  auto r = RunCmd(Train("--exit-duration-in-mins 0.02 --save " + ShellQuote(dir_ / "d"), 100000));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("exiting program after"), std::string::npos) << r.output;
+  auto it = LatestCheckpointIteration(dir_ / "d");
+  ASSERT_TRUE(it.ok());
+  EXPECT_GT(*it, 0);
+  EXPECT_LT(*it, 100000);
+}
+
 std::string Port() { return std::to_string(20000 + ::getpid() % 20000); }
 
 TEST_F(TrainCli, TwoRanksEqualOneRank) {
