@@ -4,7 +4,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <mutex>
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -13,8 +15,12 @@
 #include "common/file_util.h"
 #include "common/hash.h"
 #include "common/json_escape.h"
+#include "common/logging.h"
+#include "common/parallel.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "dataprep/byte_source.h"
+#include "dataprep/input_list.h"
 
 namespace ptk {
 namespace {
@@ -200,6 +206,57 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
                                                   res.bytes, c.inputs.size()),
                                       /*unique_tmp=*/false, durable));
   return res;
+}
+
+absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
+  PTK_ASSIGN_OR_RETURN(auto files, CollectInputs(r.inputs, {".jsonl", ".jsonl.zst", ".jsonl.xz", ".json"},
+                                                 r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural));
+  std::vector<ConcatInput> inputs;
+  for (const auto& f : files) {
+    if (Dirname(f) == r.output_dir || f.rfind(r.output_dir + "/", 0) == 0) continue;  // never our own chunks
+    PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(f));
+    inputs.push_back({f, size});
+  }
+  auto plan = MakeConcatPlan(inputs, r.output_dir, r.plan);
+  if (!plan.ok() && plan.status().code() == absl::StatusCode::kInvalidArgument)
+    return absl::InvalidArgumentError("usage: " + std::string(StatusMessage(plan.status())));
+  return plan;
+}
+
+absl::StatusOr<ConcatSummary> RunConcat(const ConcatPlan& plan, const ConcatRunOptions& o) {
+  std::vector<size_t> todo;
+  if (o.chunk_index) {
+    todo.push_back(static_cast<size_t>(*o.chunk_index));
+  } else {
+    for (size_t k = 0; k < plan.chunks.size(); ++k)
+      if (InShard(static_cast<int64_t>(k), o.shard)) todo.push_back(k);
+  }
+  uint64_t total = 0;
+  for (size_t k : todo)
+    if (k < plan.chunks.size()) total += plan.chunks[k].bytes;
+  ProgressReporter progress({.label = "concat", .item_unit = "chunks", .items_total = todo.size(),
+                             .bytes_total = total, .enabled = o.progress});
+  std::mutex mu;
+  ConcatSummary sum;
+  ParallelForEach(todo.size(), o.jobs, [&](size_t i) {
+    auto res = BuildConcatChunk(plan, todo[i], o.durable);
+    std::lock_guard<std::mutex> lock(mu);
+    if (!res.ok()) {
+      sum.errors.emplace_back(todo[i], res.status());
+      log::Error("chunk {}: {}", todo[i], StatusMessage(res.status()));
+    } else {
+      (res->skipped ? sum.skipped : sum.built) += 1;
+      sum.newlines_added += res->newlines_added;
+      if (!res->skipped) sum.bytes += res->bytes;
+    }
+    if (todo[i] < plan.chunks.size()) progress.AddBytes(plan.chunks[todo[i]].bytes);
+    progress.AddItems(1);
+  });
+  progress.Finish();
+  std::sort(sum.errors.begin(), sum.errors.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  sum.failed = static_cast<int64_t>(sum.errors.size());
+  return sum;
 }
 
 }  // namespace ptk

@@ -3,11 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/slurm_env.h"
 
 namespace ptk {
 
@@ -54,5 +57,33 @@ struct ConcatChunkResult {
 // exists survives a crash. Without it the chunk is still atomic (complete or absent) but, like
 // cat's output, only in the page cache when the call returns.
 absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable = true);
+
+// What `ptk-concat plan` asks for: inputs (files, globs, directories) and how to group them.
+struct ConcatPlanRequest {
+  std::vector<std::string> inputs;
+  std::string output_dir;
+  std::string order = "natural";  // natural (shard2 before shard10) or bytes (LC_ALL=C ls)
+  ConcatPlanOptions plan;
+};
+// Collects the inputs (never the output directory's own chunks) and makes the plan. A request
+// that cannot be planned (more chunks than allowed, a bad pattern) is an InvalidArgument "usage:".
+absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& request);
+
+struct ConcatRunOptions {
+  std::optional<int64_t> chunk_index;  // build this chunk only
+  ShardSpec shard;                     // otherwise this array task's share of the chunks
+  int jobs = 4;
+  bool durable = true;                 // fsync each chunk (see BuildConcatChunk)
+  bool progress = true;
+};
+struct ConcatSummary {
+  int64_t built = 0, skipped = 0, failed = 0;  // chunks
+  uint64_t bytes = 0;                          // written by this run
+  int64_t newlines_added = 0;
+  std::vector<std::pair<size_t, absl::Status>> errors;  // chunk index, why
+};
+// Builds the chunks of the plan this run owns, `jobs` at a time. A chunk that fails is reported
+// (and logged) and the others still run.
+absl::StatusOr<ConcatSummary> RunConcat(const ConcatPlan& plan, const ConcatRunOptions& options);
 
 }  // namespace ptk

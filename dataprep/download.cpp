@@ -979,4 +979,26 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   return sum;
 }
 
+absl::StatusOr<std::string> FindHfToken(const std::string& token_file) {
+  auto read = [](const std::string& p) -> absl::StatusOr<std::string> {
+    PTK_ASSIGN_OR_RETURN(std::string s, ReadFileToString(p));
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
+    return s;
+  };
+  auto read_if_exists = [&](const std::string& p) -> std::string {
+    auto t = read(p);
+    return t.ok() ? *t : "";
+  };
+  if (!token_file.empty()) {
+    auto t = read(token_file);
+    if (!t.ok()) return Annotate(t.status(), "--token-file");
+    return *t;
+  }
+  if (const char* t = std::getenv("HF_TOKEN"); t && *t) return std::string(t);
+  if (const char* p = std::getenv("HF_TOKEN_PATH"); p && *p) return read_if_exists(p);
+  if (const char* h = std::getenv("HF_HOME"); h && *h) return read_if_exists(JoinPath(h, "token"));
+  if (const char* home = std::getenv("HOME"); home && *home) return read_if_exists(JoinPath(home, ".cache/huggingface/token"));
+  return std::string();
+}
+
 }  // namespace ptk

@@ -70,6 +70,10 @@ struct DownloadSummary {
 // (disk full: kResourceExhausted); per-file failures are in the summary.
 absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& options);
 
+// The Hub token as huggingface_hub finds it: `token_file` when given (unreadable: an error), else
+// $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token, ~/.cache/huggingface/token; "" when none is set.
+absl::StatusOr<std::string> FindHfToken(const std::string& token_file);
+
 // Helpers exposed for tests.
 absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path);
 std::string FlatName(const std::string& repo_path);

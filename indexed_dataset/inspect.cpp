@@ -5,6 +5,8 @@
 
 #include <fmt/core.h>
 
+#include "common/status.h"
+
 namespace ptk {
 
 DatasetSummary Summarize(const IndexedDataset& ds) {
@@ -50,6 +52,45 @@ std::string FormatHistogram(const DatasetSummary& s) {
     int bar = static_cast<int>(40.0 * s.histogram[b] / peak + 0.5);
     out += fmt::format("  {:>22} {:>12} {}\n", range, s.histogram[b], std::string(bar, '#'));
   }
+  return out;
+}
+
+absl::StatusOr<std::string> FormatDocument(const IndexedDataset& ds, int64_t doc, bool ids, const DecodeFn& decode) {
+  if (doc < 0 || doc >= ds.num_documents())
+    return absl::OutOfRangeError(fmt::format("--doc {}: the dataset has {} documents", doc, ds.num_documents()));
+  TokenSpan span = ds.document(doc);
+  std::vector<int32_t> v(static_cast<size_t>(span.size));
+  for (int64_t i = 0; i < span.size; ++i) v[i] = static_cast<int32_t>(span[i]);
+  std::string out = fmt::format("document {}: {} tokens in {} sequences\n", doc, span.size, ds.document_num_sequences(doc));
+  if (ids) {
+    out += "ids:";
+    for (int32_t id : v) out += fmt::format(" {}", id);
+    out += "\n";
+  }
+  if (decode) out += "text:\n" + decode(v) + "\n";
+  return out;
+}
+
+absl::StatusOr<std::string> FormatGPTSample(const DataArgs& args, const GPTDatasetConfig& config, Split split,
+                                            int64_t index, const DecodeFn& decode) {
+  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, config));
+  const int which = static_cast<int>(split);
+  if (!sets[which]) return absl::NotFoundError(fmt::format("the {} split is empty with these arguments", SplitName(split)));
+  const TopLevelDataset& ds = *sets[which];
+  if (index < 0 || index >= ds.size())
+    return absl::OutOfRangeError(fmt::format("--sample {}: the {} split has {} samples", index, SplitName(split), ds.size()));
+  GPTSample s;
+  PTK_RETURN_IF_ERROR(ds.Get(index, &s));
+  std::string out = fmt::format(
+      "{} split: {} samples ({}, index cache {}), seq_length {}\n", SplitName(split), ds.size(),
+      ds.description().find("BlendedDataset") != std::string::npos ? "BlendedDataset" : "GPTDataset",
+      ds.loaded_from_cache() ? "loaded" : "built", config.sequence_length);
+  out += fmt::format("sample {} (dataset {}):\ntokens:", index, s.dataset_id);
+  for (int64_t t : s.tokens) out += fmt::format(" {}", t);
+  int masked = 0;
+  for (float m : s.loss_mask) masked += m == 0.0f;
+  out += fmt::format("\nlabels: tokens shifted by one, last {}; loss_mask zeros: {}\n", s.labels.back(), masked);
+  if (decode) out += "text:\n" + decode(std::vector<int32_t>(s.tokens.begin(), s.tokens.end())) + "\n";
   return out;
 }
 

@@ -2,9 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "indexed_dataset/gpt_dataset.h"
 #include "indexed_dataset/indexed_dataset.h"
 
 namespace ptk {
@@ -20,5 +23,16 @@ struct DatasetSummary {
 DatasetSummary Summarize(const IndexedDataset& ds);
 std::string FormatSummary(const IndexedDataset& ds, const DatasetSummary& s);
 std::string FormatHistogram(const DatasetSummary& s);
+
+// Turns token ids into text (the caller's tokenizer); null: ids only.
+using DecodeFn = std::function<std::string(const std::vector<int32_t>&)>;
+
+// Document `doc`: its size, ids (with `ids`) and text (with `decode`).
+absl::StatusOr<std::string> FormatDocument(const IndexedDataset& ds, int64_t doc, bool ids, const DecodeFn& decode);
+
+// Sample `index` of one split of Megatron's GPTDataset/BlendedDataset built from `args`/`config`,
+// as __getitem__ gives it: tokens, labels' last id, loss-mask zeros, and the text with `decode`.
+absl::StatusOr<std::string> FormatGPTSample(const DataArgs& args, const GPTDatasetConfig& config, Split split,
+                                            int64_t index, const DecodeFn& decode);
 
 }  // namespace ptk

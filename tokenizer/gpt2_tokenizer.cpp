@@ -114,6 +114,14 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadDefault() {
   return FromStrings(DefaultVocabJson(), DefaultMergesTxt(), "built-in gpt2");
 }
 
+absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadOrDefault(const std::string& vocab_path,
+                                                                            const std::string& merges_path) {
+  if (vocab_path.empty() && merges_path.empty()) return LoadDefault();
+  if (vocab_path.empty() || merges_path.empty())
+    return absl::InvalidArgumentError("usage: --vocab-file and --merge-file go together (or give neither for GPT-2's)");
+  return Load(vocab_path, merges_path);
+}
+
 absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::Load(const std::string& vocab_path,
                                                                    const std::string& merges_path) {
   PTK_ASSIGN_OR_RETURN(std::string vocab, ReadFileToString(vocab_path));

@@ -28,6 +28,10 @@ class Gpt2Tokenizer {
                                                                     std::string_view origin = "<memory>");
   // The GPT-2 files shipped inside ptk (identical to ../shared/gpt2, pinned by sha256 in tiktoken).
   static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> LoadDefault();
+  // The one rule every tool uses: no files named -> the built-in GPT-2 files; both named -> those
+  // (a missing file is an error, never a silent fall-back); one without the other -> a usage error.
+  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> LoadOrDefault(const std::string& vocab_path,
+                                                                      const std::string& merges_path);
   static std::string_view DefaultVocabJson();
   static std::string_view DefaultMergesTxt();
 

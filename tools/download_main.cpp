@@ -11,27 +11,6 @@
 #include "common/status.h"
 #include "dataprep/download.h"
 
-namespace {
-
-// HF_TOKEN, else --token-file, else $HF_TOKEN_PATH, else $HF_HOME/token or ~/.cache/huggingface/token.
-std::string FindToken(const std::string& token_file) {
-  auto read = [](const std::string& p) -> std::string {
-    auto t = ptk::ReadFileToString(p);
-    if (!t.ok()) return "";
-    std::string s = *t;
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
-    return s;
-  };
-  if (!token_file.empty()) return read(token_file);
-  if (const char* t = std::getenv("HF_TOKEN"); t && *t) return t;
-  if (const char* p = std::getenv("HF_TOKEN_PATH"); p && *p) return read(p);
-  if (const char* h = std::getenv("HF_HOME"); h && *h) return read(ptk::JoinPath(h, "token"));
-  if (const char* home = std::getenv("HOME"); home && *home) return read(ptk::JoinPath(home, ".cache/huggingface/token"));
-  return "";
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);  // a file-size limit must surface as EFBIG, handled like a full disk
   std::signal(SIGPIPE, SIG_IGN);
@@ -71,7 +50,7 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (opt.repo.empty() == opt.url_list.empty()) return ptk::cli::UsageError("give either --repo or --url-list");
     while (!opt.endpoint.empty() && opt.endpoint.back() == '/') opt.endpoint.pop_back();
-    opt.token = FindToken(token_file);
+    PTK_ASSIGN_OR_RETURN(opt.token, ptk::FindHfToken(token_file));
     opt.progress = !quiet;
     PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     PTK_ASSIGN_OR_RETURN(ptk::DownloadSummary s, ptk::RunDownload(opt));

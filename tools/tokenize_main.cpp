@@ -71,12 +71,7 @@ int main(int argc, char** argv) {
     opt.batch_bytes = static_cast<size_t>(batch_mb * (1 << 20));
     opt.progress = !quiet;
     opt.megatron_log = !quiet;
-    std::unique_ptr<ptk::Gpt2Tokenizer> tok;
-    if (vocab_file.empty()) {
-      PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadDefault());
-    } else {
-      PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::Load(vocab_file, merge_file));
-    }
+    PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
     PTK_ASSIGN_OR_RETURN(ptk::TokenizeStats s, ptk::RunTokenize(opt, *tok));
 
     ptk::log::Info("done: {} documents ({} empty), {} tokens from {:.1f} MB of JSON lines in {:.2f} s ({:.1f} MB/s, {} workers)",

@@ -51,6 +51,12 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    ptk::DecodeFn decode;
+    std::unique_ptr<ptk::Gpt2Tokenizer> tok;
+    if (format != "ids" && (doc >= 0 || sample_opt->count() > 0)) {
+      PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
+      decode = [&tok](const std::vector<int32_t>& ids) { return tok->Decode(ids); };
+    }
     if (sample_opt->count() > 0) {
       if (seq_length < 2) return ptk::cli::UsageError("--sample needs --seq-length");
       ptk::DataArgs args;
@@ -70,34 +76,11 @@ int main(int argc, char** argv) {
       cfg.mid_level_dataset_surplus = surplus;
       cfg.eod_mask_loss = eod_mask_loss;
       cfg.reset_position_ids = reset_position_ids;
-      PTK_ASSIGN_OR_RETURN(auto sets, ptk::BuildGPTDatasets(args, cfg));
-      int which = sample_split == "train" ? 0 : sample_split == "valid" ? 1 : 2;
-      if (!sets[which]) return absl::NotFoundError(fmt::format("the {} split is empty with these arguments", sample_split));
-      const auto& ds = *sets[which];
-      if (sample >= ds.size())
-        return absl::OutOfRangeError(fmt::format("--sample {}: the {} split has {} samples", sample, sample_split, ds.size()));
-      ptk::GPTSample s;
-      PTK_RETURN_IF_ERROR(ds.Get(sample, &s));
-      std::printf("%s split: %lld samples (%s, index cache %s), seq_length %lld\n", sample_split.c_str(),
-                  static_cast<long long>(ds.size()), ds.description().find("BlendedDataset") != std::string::npos ? "BlendedDataset" : "GPTDataset",
-                  ds.loaded_from_cache() ? "loaded" : "built", static_cast<long long>(seq_length));
-      std::printf("sample %lld (dataset %lld):\n", static_cast<long long>(sample), static_cast<long long>(s.dataset_id));
-      std::string line = "tokens:";
-      for (int64_t t : s.tokens) line += fmt::format(" {}", t);
-      std::printf("%s\n", line.c_str());
-      int masked = 0;
-      for (float m : s.loss_mask) masked += m == 0.0f;
-      std::printf("labels: tokens shifted by one, last %lld; loss_mask zeros: %d\n", static_cast<long long>(s.labels.back()), masked);
-      if (format != "ids") {
-        std::unique_ptr<ptk::Gpt2Tokenizer> tok;
-        if (!vocab_file.empty() && !merge_file.empty()) {
-          PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::Load(vocab_file, merge_file));
-        } else {
-          PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadDefault());
-        }
-        std::vector<int32_t> ids(s.tokens.begin(), s.tokens.end());
-        std::printf("text:\n%s\n", tok->Decode(ids).c_str());
-      }
+      const ptk::Split which = sample_split == "train" ? ptk::Split::kTrain
+                               : sample_split == "valid" ? ptk::Split::kValid
+                                                         : ptk::Split::kTest;
+      PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatGPTSample(args, cfg, which, sample, decode));
+      std::fputs(text.c_str(), stdout);
       return absl::OkStatus();
     }
     if (prefix.empty()) return ptk::cli::UsageError("give the dataset PREFIX");
@@ -110,29 +93,8 @@ int main(int argc, char** argv) {
       if (doc < 0 && !stats) return absl::OkStatus();
     }
     if (doc >= 0) {
-      if (doc >= ds->num_documents())
-        return absl::OutOfRangeError(fmt::format("--doc {}: the dataset has {} documents", doc, ds->num_documents()));
-      ptk::TokenSpan span = ds->document(doc);
-      std::vector<int32_t> ids(static_cast<size_t>(span.size));
-      for (int64_t i = 0; i < span.size; ++i) ids[i] = static_cast<int32_t>(span[i]);
-      std::printf("document %lld: %lld tokens in %lld sequences\n", static_cast<long long>(doc),
-                  static_cast<long long>(span.size), static_cast<long long>(ds->document_num_sequences(doc)));
-      if (format != "text") {
-        std::string line = "ids:";
-        for (int32_t id : ids) line += fmt::format(" {}", id);
-        std::printf("%s\n", line.c_str());
-      }
-      if (format != "ids") {
-        std::unique_ptr<ptk::Gpt2Tokenizer> tok;
-        if (!vocab_file.empty() || !merge_file.empty()) {
-          if (vocab_file.empty() || merge_file.empty()) return ptk::cli::UsageError("--vocab-file and --merge-file go together");
-          PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::Load(vocab_file, merge_file));
-        } else {
-          PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadDefault());
-        }
-        std::string text = tok->Decode(ids);
-        std::printf("text:\n%s\n", text.c_str());
-      }
+      PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatDocument(*ds, doc, format != "text", decode));
+      std::fputs(text.c_str(), stdout);
       return absl::OkStatus();
     }
     ptk::DatasetSummary s = ptk::Summarize(*ds);

@@ -1,0 +1,117 @@
+// ptk-concat: many jsonl files -> N balanced chunks (72 by default), deterministic and resumable.
+//   ptk-concat --input DIR --output-dir OUT               plan and build every chunk
+//   ptk-concat plan --input DIR --output-dir OUT          write OUT/concat-plan.json only
+//   ptk-concat run --plan OUT/concat-plan.json [--chunk-index I]   build one chunk (array task)
+#include <fmt/core.h>
+
+#include "common/cli.h"
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "common/slurm_env.h"
+#include "common/status.h"
+#include "dataprep/concat.h"
+
+namespace {
+
+struct RunArgs {
+  std::string plan_path;
+  std::optional<int64_t> chunk_index, shard_index, num_shards;
+  int jobs = 4;
+  bool quiet = false, no_fsync = false;
+};
+
+void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required) {
+  auto* in = app->add_option("--input,input", r->inputs,
+                             "jsonl files, globs or directories (directories: every .jsonl/.jsonl.zst/.jsonl.xz below)");
+  auto* out = app->add_option("--output-dir", r->output_dir, "Where the chunks are written");
+  if (required) {
+    in->required();
+    out->required();
+  }
+  auto* c = app->add_option("--chunks", r->plan.chunks, "Number of chunks, balanced by bytes")->check(CLI::PositiveNumber);
+  app->add_option("--files-per-chunk", r->plan.files_per_chunk,
+                  "Consecutive groups of this many files instead (NeMo's concat.sh: 800 with --order bytes)")
+      ->check(CLI::PositiveNumber)
+      ->excludes(c);
+  app->add_option("--order", r->order, "Input order: natural (shard2 before shard10) or bytes (C locale, as LC_ALL=C ls)")
+      ->check(CLI::IsMember({"natural", "bytes"}));
+  app->add_option("--name-pattern", r->plan.name_pattern,
+                  "Chunk file names, a {}-pattern of the 0-based index (default train_{:02d}.jsonl; NeMo: train_chunk_{}.jsonl)");
+}
+
+absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
+  ptk::ConcatRunOptions o;
+  o.chunk_index = a.chunk_index;
+  if (!a.chunk_index) {
+    PTK_ASSIGN_OR_RETURN(o.shard, ptk::ResolveShard(a.shard_index, a.num_shards));
+  }
+  o.jobs = a.jobs;
+  o.durable = !a.no_fsync;
+  o.progress = !a.quiet;
+  PTK_ASSIGN_OR_RETURN(ptk::ConcatSummary s, ptk::RunConcat(plan, o));
+  ptk::log::Info("{} chunks built, {} already complete, {} failed; {:.1f} MB written to {}{}", s.built, s.skipped,
+                 s.failed, s.bytes / 1e6, plan.output_dir,
+                 s.newlines_added ? fmt::format("; {} inputs lacked a final newline (one was added)", s.newlines_added) : "");
+  if (s.failed) return absl::InternalError(fmt::format("{} of {} chunks failed", s.failed, s.built + s.skipped + s.failed));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(const ptk::ConcatPlanRequest& r, const std::string& plan_path) {
+  PTK_ASSIGN_OR_RETURN(auto plan, ptk::PlanConcat(r));
+  std::string path = plan_path.empty() ? ptk::JoinPath(r.output_dir, "concat-plan.json") : plan_path;
+  PTK_RETURN_IF_ERROR(ptk::MakeDirs(ptk::Dirname(path)));
+  PTK_RETURN_IF_ERROR(ptk::MakeDirs(r.output_dir));
+  PTK_RETURN_IF_ERROR(ptk::WriteConcatPlan(plan, path));
+  size_t files = 0;
+  for (const auto& c : plan.chunks) files += c.inputs.size();
+  ptk::log::Info("plan: {} files -> {} chunks in {}; written to {}", files, plan.chunks.size(), plan.output_dir, path);
+  return plan;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto app = ptk::cli::MakeApp("ptk-concat",
+                               "Concatenate many jsonl files into N chunks (default 72), balanced by bytes, in a "
+                               "deterministic order. A file without a final newline never merges two records.");
+  ptk::ConcatPlanRequest top;
+  RunArgs top_run;
+  AddPlanOptions(app.get(), &top, false);
+  app->add_option("--plan", top_run.plan_path, "Plan file (default: OUTPUT_DIR/concat-plan.json)");
+  app->add_option("--jobs", top_run.jobs, "Chunks built at once")->check(CLI::PositiveNumber);
+  app->add_flag("--quiet", top_run.quiet, "No progress output");
+  const char* kNoFsync = "Do not fsync the chunks: faster where the disk is slow, but a chunk may be lost (never "
+                         "half-written) if the node crashes soon after; what cat gives";
+  app->add_flag("--no-fsync", top_run.no_fsync, kNoFsync);
+
+  ptk::ConcatPlanRequest plan_req;
+  std::string plan_path;
+  auto* plan_cmd = app->add_subcommand("plan", "Write the plan (which inputs form which chunk) and stop");
+  AddPlanOptions(plan_cmd, &plan_req, true);
+  plan_cmd->add_option("--plan", plan_path, "Plan file to write (default: OUTPUT_DIR/concat-plan.json)");
+
+  RunArgs run_args;
+  auto* run_cmd = app->add_subcommand("run", "Build chunks of an existing plan: one (--chunk-index), this array task's "
+                                             "share (--shard-index/--num-shards or SLURM_ARRAY_TASK_ID), or all");
+  run_cmd->add_option("--plan", run_args.plan_path, "Plan file written by `ptk-concat plan`")->required();
+  auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)");
+  run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")->excludes(ci);
+  run_cmd->add_option("--num-shards", run_args.num_shards, "Number of shards")->excludes(ci);
+  run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(CLI::PositiveNumber);
+  run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
+  run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
+  app->require_subcommand(0, 1);
+  if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+
+  return ptk::cli::RunMain([&]() -> absl::Status {
+    if (plan_cmd->parsed()) return PlanAndWrite(plan_req, plan_path).status();
+    if (run_cmd->parsed()) {
+      PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(run_args.plan_path));
+      return Run(plan, run_args);
+    }
+    if (top.inputs.empty() || top.output_dir.empty())
+      return ptk::cli::UsageError("give --input and --output-dir (or use the plan / run subcommands)");
+    PTK_ASSIGN_OR_RETURN(auto plan, PlanAndWrite(top, top_run.plan_path));
+    return Run(plan, top_run);
+  });
+}
