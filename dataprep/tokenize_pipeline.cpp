@@ -3,8 +3,8 @@
 
 #include <sys/stat.h>
 #include <tbb/enumerable_thread_specific.h>
-#include <tbb/global_control.h>
 #include <tbb/parallel_pipeline.h>
+#include <tbb/task_arena.h>
 
 #include <atomic>
 #include <chrono>
@@ -266,11 +266,13 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
 
   std::printf("Processing data with %d workers.\n", workers);
   std::fflush(stdout);
-  tbb::global_control gc(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
+  // The caller's --workers, in an arena of this call's own: no process-wide oneTBB setting.
+  tbb::task_arena arena(workers);
   tbb::enumerable_thread_specific<std::unique_ptr<Worker>> tls;
   LineReader reader(opt.inputs, opt.batch_bytes);
   TokenizeStats stats;
-  absl::Status error;
+  // One status per serial stage: oneTBB may run the reader and the sink at the same time.
+  absl::Status read_error, sink_error;
   std::atomic<bool> stop{false};
   int warnings = 0;
   const auto proc_start = std::chrono::steady_clock::now();
@@ -279,7 +281,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   auto report_bad = [&](const Batch& b, size_t i) {
     const std::string where = fmt::format("{}:{}", reader.file_name(b.file), b.first_line_no + static_cast<int64_t>(i));
     if (opt.strict) {
-      error = absl::InvalidArgumentError(fmt::format("{}: bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]));
+      sink_error = absl::InvalidArgumentError(fmt::format("{}: bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]));
       stop = true;
       return;
     }
@@ -289,6 +291,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
     }
   };
 
+  arena.execute([&] {
   tbb::parallel_pipeline(
       static_cast<size_t>(2 * workers + 2),
       tbb::make_filter<void, Batch*>(tbb::filter_mode::serial_in_order,
@@ -299,7 +302,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
                                        }
                                        auto next = reader.Next();
                                        if (!next.ok()) {
-                                         error = next.status();
+                                         read_error = next.status();
                                          stop = true;
                                          fc.stop();
                                          return nullptr;
@@ -337,7 +340,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
                 continue;
               }
               if (opt.strict && b->replaced[i]) {
-                error = absl::InvalidArgumentError(
+                sink_error = absl::InvalidArgumentError(
                     fmt::format("{}:{}: invalid UTF-8 or a lone surrogate escape replaced by U+FFFD (--strict)",
                                 reader.file_name(b->file), b->first_line_no + static_cast<int64_t>(i)));
                 stop = true;
@@ -353,7 +356,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
                 std::span<const int32_t> l(b->seq_lens[k].data() + seq_off[k], static_cast<size_t>(nseq));
                 absl::Status st = builders[p][k]->AddDocument(t, l);
                 if (!st.ok()) {
-                  error = st;
+                  sink_error = st;
                   stop = true;
                   return;
                 }
@@ -372,8 +375,11 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
               }
             }
           }));
+  });
   progress.Finish();
-  if (!error.ok()) return error;  // builders are destroyed unfinalized: temporaries removed
+  // Builders are destroyed unfinalized on error: their temporaries are removed.
+  if (!sink_error.ok()) return sink_error;  // about earlier lines than a later read error
+  if (!read_error.ok()) return read_error;
 
   std::vector<std::string> finals;
   for (size_t k = 0; k < nkeys; ++k) finals.push_back(OutputPrefixFor(opt.output_prefix, opt.json_keys[k]));
