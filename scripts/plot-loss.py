@@ -46,7 +46,10 @@ def main():
         its, losses = read(path)
         if not its:
             sys.exit(f"plot-loss: {path}: no iterations")
-        ax.plot(its, losses, label=os.path.basename(os.path.dirname(os.path.abspath(path))) or path, linewidth=1.2)
+        name = os.path.splitext(os.path.basename(path))[0]
+        if name == "metrics":  # TENSORBOARD_DIR/metrics.jsonl: the run's directory names it
+            name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+        ax.plot(its, losses, label=name, linewidth=1.2)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
     ax.set_title(args.title)
