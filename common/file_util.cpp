@@ -149,13 +149,13 @@ absl::Status WriteFileAtomic(const std::string& path, std::string_view contents,
   return w->Commit(durable);
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+absl::Status ReadFileChunks(const std::string& path, size_t chunk,
+                            const std::function<void(const char*, size_t)>& fn) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
-  std::string out;
-  char buf[1 << 16];
+  std::vector<char> buf(chunk);
   while (true) {
-    ssize_t n = ::read(fd, buf, sizeof(buf));
+    ssize_t n = ::read(fd, buf.data(), buf.size());
     if (n < 0) {
       if (errno == EINTR) continue;
       int e = errno;
@@ -163,9 +163,15 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
       return ErrnoToStatus(e, fmt::format("read {}", path));
     }
     if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
+    fn(buf.data(), static_cast<size_t>(n));
   }
   ::close(fd);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  std::string out;
+  PTK_RETURN_IF_ERROR(ReadFileChunks(path, 1 << 16, [&](const char* p, size_t n) { out.append(p, n); }));
   return out;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -65,6 +66,8 @@ absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length
 absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp = false,
                              bool durable = true);
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// Reads the whole file in pieces of up to `chunk` bytes (EINTR retried), handing each to `fn`.
+absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::function<void(const char*, size_t)>& fn);
 
 // write(2) the whole buffer, retrying on EINTR and short writes.
 absl::Status WriteAll(int fd, const void* data, size_t size, std::string_view what);

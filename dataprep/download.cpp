@@ -446,21 +446,7 @@ absl::StatusOr<std::string> HashFile(const std::string& path, bool git, uint64_t
     std::string hdr = fmt::format("blob {}", size);
     h.Update(hdr.data(), hdr.size() + 1);  // includes the NUL
   }
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, fmt::format("open {}", path));
-  std::vector<char> buf(1 << 20);
-  while (true) {
-    ssize_t n = ::read(fd, buf.data(), buf.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int e = errno;
-      ::close(fd);
-      return ErrnoToStatus(e, fmt::format("read {}", path));
-    }
-    if (n == 0) break;
-    h.Update(buf.data(), static_cast<size_t>(n));
-  }
-  ::close(fd);
+  PTK_RETURN_IF_ERROR(ReadFileChunks(path, 1 << 20, [&](const char* p, size_t n) { h.Update(p, n); }));
   return h.HexDigest();
 }
 

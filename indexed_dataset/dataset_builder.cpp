@@ -86,6 +86,24 @@ class Builder {
 
 }  // namespace
 
+namespace {
+// An unweighted blend: each dataset weighted by its length (Megatron's exhaustive blend), the
+// requested size capped at the total.
+absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendByLengths(const std::vector<std::shared_ptr<GPTDataset>>& parts,
+                                                               std::optional<int64_t> requested, Split split,
+                                                               const GPTDatasetConfig& config) {
+  std::vector<double> lens;
+  int64_t total = 0;
+  for (const auto& p : parts) {
+    lens.push_back(static_cast<double>(p->size()));
+    total += p->size();
+  }
+  std::optional<int64_t> size;
+  if (requested) size = std::min(*requested, total);
+  return BlendedDataset::Build(parts, lens, true, size, split, config);
+}
+}  // namespace
+
 absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args, GPTDatasetConfig config) {
   std::array<std::shared_ptr<TopLevelDataset>, 3> result;
   const bool per_split = !args.per_split_data_path[0].empty() || !args.per_split_data_path[1].empty() ||
@@ -130,15 +148,7 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
         for (size_t k = 0; k < prefixes.size(); ++k) size += TargetSize(*args.sizes[i], (*weights)[k]);
         PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
       } else {
-        std::vector<double> lens;
-        int64_t total = 0;
-        for (auto& p : parts) {
-          lens.push_back(static_cast<double>(p->size()));
-          total += p->size();
-        }
-        std::optional<int64_t> size;
-        if (args.sizes[i]) size = std::min(*args.sizes[i], total);
-        PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, lens, true, size, static_cast<Split>(i), config));
+        PTK_ASSIGN_OR_RETURN(result[i], BlendByLengths(parts, args.sizes[i], static_cast<Split>(i), config));
       }
     }
     return result;
@@ -175,15 +185,7 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
       for (size_t k = 0; k < prefixes.size(); ++k) size += TargetSize(*args.sizes[i], (*weights)[k]);
       PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
     } else if (!weights) {
-      std::vector<double> lens;
-      int64_t total = 0;
-      for (auto& p : parts) {
-        lens.push_back(static_cast<double>(p->size()));
-        total += p->size();
-      }
-      std::optional<int64_t> size;
-      if (args.sizes[i]) size = std::min(*args.sizes[i], total);
-      PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, lens, true, size, static_cast<Split>(i), config));
+      PTK_ASSIGN_OR_RETURN(result[i], BlendByLengths(parts, args.sizes[i], static_cast<Split>(i), config));
     } else {
       return absl::InvalidArgumentError("weighted per-split blends need a sample count");
     }

@@ -214,6 +214,13 @@ void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_
 }
 }  // namespace
 
+namespace {
+void AttentionStreams(const ModelBatch& batch, int64_t layer, std::vector<uint64_t>* streams) {
+  for (int64_t b = 0; b < batch.b; ++b)
+    (*streams)[b] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, kAttentionProbs);
+}
+}  // namespace
+
 void GPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config_;
   Activations& a = *act_;
@@ -230,9 +237,7 @@ void GPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
     LayerNormForwardCpu(a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
                         P + lp.ln1_b, n, c, cf.layernorm_epsilon);
     MatmulForwardCpu(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * c);
-    if (ap > 0.0)
-      for (int64_t b = 0; b < batch.b; ++b)
-        a.streams[b] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), l, kAttentionProbs);
+    if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     AttentionForwardCpu(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     MatmulForwardCpu(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, P + lp.proj_b, n, c, c);
@@ -286,9 +291,7 @@ void GPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
     MatmulBackwardCpu(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n,
                       c, c);
-    if (ap > 0.0)
-      for (int64_t b = 0; b < batch.b; ++b)
-        a.streams[b] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), l, kAttentionProbs);
+    if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
       AttentionForwardCpu(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
