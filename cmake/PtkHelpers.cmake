@@ -32,3 +32,21 @@ function(ptk_add_test name)
   set_tests_properties(${name} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT}
     ENVIRONMENT "PTK_BIN_DIR=${PROJECT_BINARY_DIR}/bin")
 endfunction()
+
+# ptk_add_gpu_test(NAME SOURCES... DEPS...) -> a CUDA test (only where nvcc was found) labelled gpu.
+# Its main (tests/gpu_test_main.cpp) exits 77 when no CUDA device is present: CTest shows it skipped.
+function(ptk_add_gpu_test name)
+  cmake_parse_arguments(A "" "TIMEOUT" "SOURCES;DEPS" ${ARGN})
+  if(NOT PTK_WITH_CUDA)
+    return()
+  endif()
+  add_executable(${name} ${A_SOURCES} ${PROJECT_SOURCE_DIR}/tests/gpu_test_main.cpp)
+  target_link_libraries(${name} PRIVATE ${A_DEPS} CUDA::cudart GTest::gtest GTest::gmock)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR})
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  add_test(NAME ${name} COMMAND ${name})
+  if(NOT A_TIMEOUT)
+    set(A_TIMEOUT 600)
+  endif()
+  set_tests_properties(${name} PROPERTIES LABELS "gpu" TIMEOUT ${A_TIMEOUT} SKIP_RETURN_CODE 77)
+endfunction()

@@ -2,6 +2,7 @@
 #include "common/cli.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <set>
 
 #include <fmt/core.h>
@@ -20,6 +21,16 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 }
 
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
+  // PTK_CHECK_OPTIONS=1: check the option table and exit (the CLI test runs every tool this way).
+  if (const char* check = std::getenv("PTK_CHECK_OPTIONS"); check && std::string(check) == "1") {
+    absl::Status st = CheckOptionTable(app);
+    if (!st.ok()) {
+      std::fprintf(stderr, "%s: option table: %s\n", app.get_name().c_str(), std::string(StatusMessage(st)).c_str());
+      return kExitFailure;
+    }
+    std::printf("%s: option table OK (%zu options)\n", app.get_name().c_str(), app.get_options().size());
+    return kExitOk;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

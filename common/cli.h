@@ -21,7 +21,8 @@ inline constexpr int kExitDiskFull = 3;
 std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& description);
 
 // Parses argv. Returns nullopt to continue, or the exit code to return (0 after --help/--version,
-// kExitUsage after a usage error, which is printed as one line plus a hint).
+// kExitUsage after a usage error, which is printed as one line plus a hint). With the environment
+// variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
 std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 
 // Checks the table: every option has a long name and help text, and no flag is repeated.
