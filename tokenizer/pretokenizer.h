@@ -29,6 +29,7 @@ namespace ptk {
 namespace pretok_detail {
 
 // Classes of the 128 ASCII bytes.
+// clang-format off
 inline constexpr uint8_t kAsciiClass[128] = {
     // 0x00-0x08 other, 0x09-0x0D space, 0x0E-0x1F other (U+001C-001F are not White_Space)
     0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3, 3, 0, 0,
@@ -46,6 +47,7 @@ inline constexpr uint8_t kAsciiClass[128] = {
     // p-z { | } ~ DEL
     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0,
 };
+// clang-format on
 
 // Class and byte length of the character at p (p < end).
 inline unicode::CharClass ClassAt(const uint8_t* p, const uint8_t* end, int* len) {
