@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
       a.clear();
       b.clear();
       enc.Encode(d, &a);
-      ptk::ForEachPiece(d, [&](const uint8_t* x, const uint8_t* y) { (*tok)->BpePiece(x, static_cast<size_t>(y - x), &b); });
+      ptk::ForEachPiece(
+          d, [&](const uint8_t* x, const uint8_t* y) { (*tok)->BpePiece(x, static_cast<size_t>(y - x), &b); });
       if (a != b) {
         std::fprintf(stderr, "tokenizer_bench: ids differ from plain BPE\n");
         return 1;
@@ -82,8 +83,10 @@ int main(int argc, char** argv) {
         n_ids += ids.size();
       }
       double el = Now() - t0;
-      if (r == 0) cold = el;
-      else warm = std::min(warm, el);
+      if (r == 0)
+        cold = el;
+      else
+        warm = std::min(warm, el);
     }
   }
   // Pre-tokenizer alone.
@@ -104,7 +107,8 @@ int main(int argc, char** argv) {
       std::atomic<size_t> total{0};
       tbb::parallel_for(tbb::blocked_range<size_t>(0, docs.size(), 256), [&](const tbb::blocked_range<size_t>& rg) {
         thread_local std::unique_ptr<ptk::Gpt2Encoder> enc;
-        if (!enc) enc = std::make_unique<ptk::Gpt2Encoder>(**tok, ptk::Gpt2Encoder::Options{.special_endoftext = false});
+        if (!enc)
+          enc = std::make_unique<ptk::Gpt2Encoder>(**tok, ptk::Gpt2Encoder::Options{.special_endoftext = false});
         std::vector<int32_t> ids;
         size_t n = 0;
         for (size_t i = rg.begin(); i < rg.end(); ++i) {
@@ -120,8 +124,9 @@ int main(int argc, char** argv) {
     }
   }
   const double mb = total_bytes / 1e6;
-  std::printf("{\"bytes\": %zu, \"documents\": %zu, \"tokens\": %zu, \"st_cold_mb_s\": %.2f, \"st_warm_mb_s\": %.2f, "
-              "\"pretokenize_mb_s\": %.2f, \"threads\": %d, \"mt_mb_s\": %.2f}\n",
-              total_bytes, docs.size(), n_ids, mb / cold, mb / warm, mb / pretok, threads, mb / multi);
+  std::printf(
+      "{\"bytes\": %zu, \"documents\": %zu, \"tokens\": %zu, \"st_cold_mb_s\": %.2f, \"st_warm_mb_s\": %.2f, "
+      "\"pretokenize_mb_s\": %.2f, \"threads\": %d, \"mt_mb_s\": %.2f}\n",
+      total_bytes, docs.size(), n_ids, mb / cold, mb / warm, mb / pretok, threads, mb / multi);
   return 0;
 }

@@ -43,7 +43,8 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     std::puts(app.version().c_str());
     return kExitOk;
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(), e.what());
+    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
+                 e.what());
     return kExitUsage;
   }
   return std::nullopt;
@@ -54,7 +55,8 @@ absl::Status CheckOptionTable(const CLI::App& app) {
   for (const CLI::Option* opt : app.get_options()) {
     if (opt->get_name() == "--help" || opt->get_name() == "-h") continue;
     for (const std::string& n : opt->get_lnames()) {
-      if (!seen.insert(n).second) return absl::InternalError(fmt::format("{}: flag --{} defined twice", app.get_name(), n));
+      if (!seen.insert(n).second)
+        return absl::InternalError(fmt::format("{}: flag --{} defined twice", app.get_name(), n));
     }
     if (opt->get_positional()) {
       if (!seen.insert("pos:" + opt->get_name()).second) return absl::InternalError("positional defined twice");
@@ -74,7 +76,8 @@ absl::Status CheckOptionTable(const CLI::App& app) {
 int ExitCodeFor(const absl::Status& status) {
   if (status.ok()) return kExitOk;
   if (status.code() == absl::StatusCode::kResourceExhausted) return kExitDiskFull;
-  if (status.code() == absl::StatusCode::kInvalidArgument && StatusMessage(status).rfind("usage: ", 0) == 0) return kExitUsage;
+  if (status.code() == absl::StatusCode::kInvalidArgument && StatusMessage(status).rfind("usage: ", 0) == 0)
+    return kExitUsage;
   return kExitFailure;
 }
 

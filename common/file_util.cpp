@@ -149,8 +149,7 @@ absl::Status WriteFileAtomic(const std::string& path, std::string_view contents,
   return w->Commit(durable);
 }
 
-absl::Status ReadFileChunks(const std::string& path, size_t chunk,
-                            const std::function<void(const char*, size_t)>& fn) {
+absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::function<void(const char*, size_t)>& fn) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
   std::vector<char> buf(chunk);
@@ -206,8 +205,7 @@ absl::Status FsyncDir(const std::string& dir) {
 }
 
 absl::Status RenameFile(const std::string& from, const std::string& to) {
-  if (::rename(from.c_str(), to.c_str()) != 0)
-    return ErrnoToStatus(errno, fmt::format("rename {} -> {}", from, to));
+  if (::rename(from.c_str(), to.c_str()) != 0) return ErrnoToStatus(errno, fmt::format("rename {} -> {}", from, to));
   return absl::OkStatus();
 }
 
@@ -322,7 +320,8 @@ absl::StatusOr<std::vector<std::string>> ExpandGlobs(const std::vector<std::stri
     }
     std::vector<std::string> matches(g.gl_pathv, g.gl_pathv + g.gl_pathc);
     globfree(&g);
-    std::sort(matches.begin(), matches.end(), [](const std::string& x, const std::string& y) { return NaturalLess(x, y); });
+    std::sort(matches.begin(), matches.end(),
+              [](const std::string& x, const std::string& y) { return NaturalLess(x, y); });
     out.insert(out.end(), matches.begin(), matches.end());
   }
   return out;
@@ -341,8 +340,10 @@ absl::StatusOr<std::vector<std::string>> ListFilesRecursive(const std::string& d
       std::string child = rel.empty() ? name : rel + "/" + name;
       struct stat st;
       if (::stat(JoinPath(dir, child).c_str(), &st) != 0) continue;
-      if (S_ISDIR(st.st_mode)) entries.emplace_back(child, true);
-      else if (S_ISREG(st.st_mode)) entries.emplace_back(child, false);
+      if (S_ISDIR(st.st_mode))
+        entries.emplace_back(child, true);
+      else if (S_ISREG(st.st_mode))
+        entries.emplace_back(child, false);
     }
     ::closedir(d);
     for (auto& [child, is_dir] : entries) {

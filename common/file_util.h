@@ -95,7 +95,7 @@ absl::StatusOr<std::vector<std::string>> ExpandGlobs(const std::vector<std::stri
 // Recursively lists regular files under `dir` (relative paths, sorted bytewise).
 absl::StatusOr<std::vector<std::string>> ListFilesRecursive(const std::string& dir);
 
-std::string HumanBytes(double bytes);         // "1.5 GiB"
-std::string HumanDuration(double seconds);   // "1h02m", "3m05s", "12.3s"
+std::string HumanBytes(double bytes);       // "1.5 GiB"
+std::string HumanDuration(double seconds);  // "1h02m", "3m05s", "12.3s"
 
 }  // namespace ptk

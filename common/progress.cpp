@@ -46,19 +46,25 @@ std::string ProgressReporter::Line() const {
   uint64_t it = items(), by = bytes();
   uint64_t it_t = items_total_.load(), by_t = bytes_total_.load();
   std::string s = opt_.label + ": ";
-  if (it_t > 0) s += fmt::format("{}/{} {}", it, it_t, opt_.item_unit);
-  else s += fmt::format("{} {}", it, opt_.item_unit);
+  if (it_t > 0)
+    s += fmt::format("{}/{} {}", it, it_t, opt_.item_unit);
+  else
+    s += fmt::format("{} {}", it, opt_.item_unit);
   if (by > 0 || by_t > 0) {
     s += ", " + HumanBytes(static_cast<double>(by));
     if (by_t > 0) s += " / " + HumanBytes(static_cast<double>(by_t));
   }
   double rate_b = el > 0 ? by / el : 0;
   double rate_i = el > 0 ? it / el : 0;
-  if (by > 0) s += fmt::format(", {:.1f} MB/s", rate_b / 1e6);
-  else s += fmt::format(", {:.1f} {}/s", rate_i, opt_.item_unit);
+  if (by > 0)
+    s += fmt::format(", {:.1f} MB/s", rate_b / 1e6);
+  else
+    s += fmt::format(", {:.1f} {}/s", rate_i, opt_.item_unit);
   double eta = -1;
-  if (by_t > 0 && rate_b > 0 && by <= by_t) eta = (by_t - by) / rate_b;
-  else if (it_t > 0 && rate_i > 0 && it <= it_t) eta = (it_t - it) / rate_i;
+  if (by_t > 0 && rate_b > 0 && by <= by_t)
+    eta = (by_t - by) / rate_b;
+  else if (it_t > 0 && rate_i > 0 && it <= it_t)
+    eta = (it_t - it) / rate_i;
   if (eta >= 0) s += ", ETA " + HumanDuration(eta);
   s += ", elapsed " + HumanDuration(el);
   return s;

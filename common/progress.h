@@ -15,11 +15,11 @@ namespace ptk {
 class ProgressReporter {
  public:
   struct Options {
-    std::string label;           // "download", "tokenize"
+    std::string label;  // "download", "tokenize"
     std::string item_unit = "items";
-    uint64_t items_total = 0;    // 0 = unknown
-    uint64_t bytes_total = 0;    // 0 = unknown
-    double interval_s = -1;      // <0: 0.25 s on a TTY, $PTK_PROGRESS_INTERVAL or 30 s otherwise
+    uint64_t items_total = 0;  // 0 = unknown
+    uint64_t bytes_total = 0;  // 0 = unknown
+    double interval_s = -1;    // <0: 0.25 s on a TTY, $PTK_PROGRESS_INTERVAL or 30 s otherwise
     bool enabled = true;
   };
   explicit ProgressReporter(Options options);

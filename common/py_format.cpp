@@ -65,8 +65,10 @@ void WriteString(std::string* out, const std::string& s) {
         case '\b': *out += "\\b"; break;
         case '\f': *out += "\\f"; break;
         default:
-          if (c < 0x20 || c == 0x7f) *out += fmt::format("\\u{:04x}", c);
-          else out->push_back(static_cast<char>(c));
+          if (c < 0x20 || c == 0x7f)
+            *out += fmt::format("\\u{:04x}", c);
+          else
+            out->push_back(static_cast<char>(c));
       }
       ++p;
       continue;
@@ -100,7 +102,8 @@ void WriteString(std::string* out, const std::string& s) {
 }  // namespace
 
 void Json::Write(std::string* out, int indent, int level) const {
-  const std::string pad_in(static_cast<size_t>(indent * (level + 1)), ' '), pad(static_cast<size_t>(indent * level), ' ');
+  const std::string pad_in(static_cast<size_t>(indent * (level + 1)), ' '),
+      pad(static_cast<size_t>(indent * level), ' ');
   if (std::holds_alternative<std::nullptr_t>(v_)) {
     *out += "null";
   } else if (auto* b = std::get_if<bool>(&v_)) {
@@ -108,9 +111,12 @@ void Json::Write(std::string* out, int indent, int level) const {
   } else if (auto* i = std::get_if<int64_t>(&v_)) {
     *out += std::to_string(*i);
   } else if (auto* d = std::get_if<double>(&v_)) {
-    if (std::isnan(*d)) *out += "NaN";
-    else if (std::isinf(*d)) *out += *d > 0 ? "Infinity" : "-Infinity";
-    else *out += FloatRepr(*d);
+    if (std::isnan(*d))
+      *out += "NaN";
+    else if (std::isinf(*d))
+      *out += *d > 0 ? "Infinity" : "-Infinity";
+    else
+      *out += FloatRepr(*d);
   } else if (auto* s = std::get_if<std::string>(&v_)) {
     WriteString(out, *s);
   } else if (auto* a = std::get_if<std::shared_ptr<Array>>(&v_)) {

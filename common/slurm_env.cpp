@@ -30,7 +30,8 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
     auto cnt = EnvInt("SLURM_ARRAY_TASK_COUNT");
     auto mn = EnvInt("SLURM_ARRAY_TASK_MIN").value_or(0);
     auto step = EnvInt("SLURM_ARRAY_TASK_STEP").value_or(1);
-    if (!cnt.has_value()) return absl::InvalidArgumentError("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not");
+    if (!cnt.has_value())
+      return absl::InvalidArgumentError("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not");
     if (step <= 0) step = 1;
     s.index = (*id - mn) / step;
     s.count = *cnt;
@@ -40,18 +41,25 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
   }
   if (s.count < 1) return absl::InvalidArgumentError(fmt::format("number of shards must be >= 1, got {}", s.count));
   if (s.index < 0 || s.index >= s.count)
-    return absl::InvalidArgumentError(fmt::format("shard index {} is outside [0, {}) (from {})", s.index, s.count, s.source));
+    return absl::InvalidArgumentError(
+        fmt::format("shard index {} is outside [0, {}) (from {})", s.index, s.count, s.source));
   return s;
 }
 
 RankInfo RankFromEnv() {
   RankInfo r;
-  if (auto v = EnvInt("SLURM_PROCID")) r.rank = static_cast<int>(*v);
-  else if (auto v2 = EnvInt("RANK")) r.rank = static_cast<int>(*v2);
-  if (auto v = EnvInt("SLURM_NTASKS")) r.world_size = static_cast<int>(*v);
-  else if (auto v2 = EnvInt("WORLD_SIZE")) r.world_size = static_cast<int>(*v2);
-  if (auto v = EnvInt("SLURM_LOCALID")) r.local_rank = static_cast<int>(*v);
-  else if (auto v2 = EnvInt("LOCAL_RANK")) r.local_rank = static_cast<int>(*v2);
+  if (auto v = EnvInt("SLURM_PROCID"))
+    r.rank = static_cast<int>(*v);
+  else if (auto v2 = EnvInt("RANK"))
+    r.rank = static_cast<int>(*v2);
+  if (auto v = EnvInt("SLURM_NTASKS"))
+    r.world_size = static_cast<int>(*v);
+  else if (auto v2 = EnvInt("WORLD_SIZE"))
+    r.world_size = static_cast<int>(*v2);
+  if (auto v = EnvInt("SLURM_LOCALID"))
+    r.local_rank = static_cast<int>(*v);
+  else if (auto v2 = EnvInt("LOCAL_RANK"))
+    r.local_rank = static_cast<int>(*v2);
   if (const char* j = std::getenv("SLURM_JOB_ID")) r.job_id = j;
   return r;
 }

@@ -27,10 +27,10 @@ absl::Status ErrnoToStatus(int err, std::string_view what);
 #define PTK_STATUS_CONCAT_INNER_(a, b) a##b
 #define PTK_STATUS_CONCAT_(a, b) PTK_STATUS_CONCAT_INNER_(a, b)
 
-#define PTK_RETURN_IF_ERROR(expr)                    \
-  do {                                               \
-    ::absl::Status ptk_status_ = (expr);             \
-    if (!ptk_status_.ok()) return ptk_status_;       \
+#define PTK_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::absl::Status ptk_status_ = (expr);       \
+    if (!ptk_status_.ok()) return ptk_status_; \
   } while (0)
 
 #define PTK_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
@@ -42,11 +42,11 @@ absl::Status ErrnoToStatus(int err, std::string_view what);
   PTK_ASSIGN_OR_RETURN_IMPL_(PTK_STATUS_CONCAT_(ptk_statusor_, __LINE__), lhs, expr)
 
 // Programmer errors only: aborts with file:line. Bad input must produce a Status instead.
-#define PTK_CHECK(cond)                                                        \
-  do {                                                                         \
+#define PTK_CHECK(cond)                                                                  \
+  do {                                                                                   \
     if (__builtin_expect(!(cond), 0)) ::ptk::CheckFailed(__FILE__, __LINE__, #cond, ""); \
   } while (0)
-#define PTK_CHECK_MSG(cond, msg)                                                  \
-  do {                                                                            \
+#define PTK_CHECK_MSG(cond, msg)                                                            \
+  do {                                                                                      \
     if (__builtin_expect(!(cond), 0)) ::ptk::CheckFailed(__FILE__, __LINE__, #cond, (msg)); \
   } while (0)

@@ -100,8 +100,8 @@ class ZstdSource : public DecoderSource {
         if (out.pos > 0) return out.pos;  // the next call checks how the stream ended
         if (!any_input_) return absl::DataLossError(fmt::format("{}: empty file is not a zstd stream", name_));
         if (frame_open_)
-          return absl::DataLossError(fmt::format("{}: truncated zstd data: the stream ends inside a frame at byte {}",
-                                                 name_, raw_offset()));
+          return absl::DataLossError(
+              fmt::format("{}: truncated zstd data: the stream ends inside a frame at byte {}", name_, raw_offset()));
         done_ = true;
         return size_t{0};
       }

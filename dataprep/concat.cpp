@@ -85,7 +85,8 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
   }
   for (size_t k = 0; k < ranges.size(); ++k) {
     ConcatChunk c;
-    PTK_ASSIGN_OR_RETURN(c.name, ChunkName(opt.name_pattern, static_cast<int64_t>(k), static_cast<int64_t>(ranges.size())));
+    PTK_ASSIGN_OR_RETURN(c.name,
+                         ChunkName(opt.name_pattern, static_cast<int64_t>(k), static_cast<int64_t>(ranges.size())));
     for (size_t i = ranges[k].first; i < ranges[k].second; ++i) {
       c.inputs.push_back(inputs[i]);
       c.bytes += inputs[i].size;
@@ -101,7 +102,8 @@ absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path) {
     const auto& c = plan.chunks[k];
     s += fmt::format("  {{\"name\": \"{}\", \"bytes\": {}, \"inputs\": [", JsonEscape(c.name), c.bytes);
     for (size_t i = 0; i < c.inputs.size(); ++i)
-      s += fmt::format("{}{{\"path\": \"{}\", \"size\": {}}}", i ? ", " : "", JsonEscape(c.inputs[i].path), c.inputs[i].size);
+      s += fmt::format("{}{{\"path\": \"{}\", \"size\": {}}}", i ? ", " : "", JsonEscape(c.inputs[i].path),
+                       c.inputs[i].size);
     s += k + 1 < plan.chunks.size() ? "]},\n" : "]}\n";
   }
   s += "]}\n";
@@ -112,7 +114,9 @@ absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
   PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   simdjson::dom::parser p;
   simdjson::dom::element root;
-  auto bad = [&](const char* what) { return absl::DataLossError(fmt::format("{}: not a ptk-concat plan ({})", path, what)); };
+  auto bad = [&](const char* what) {
+    return absl::DataLossError(fmt::format("{}: not a ptk-concat plan ({})", path, what));
+  };
   if (p.parse(text).get(root)) return bad("invalid JSON");
   int64_t version;
   if (root["version"].get(version) || version != 1) return bad("unknown version");
@@ -143,7 +147,8 @@ absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
 
 absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable) {
   if (index >= plan.chunks.size())
-    return absl::OutOfRangeError(fmt::format("chunk index {} is outside the plan's {} chunks", index, plan.chunks.size()));
+    return absl::OutOfRangeError(
+        fmt::format("chunk index {} is outside the plan's {} chunks", index, plan.chunks.size()));
   const ConcatChunk& c = plan.chunks[index];
   const std::string out_path = JoinPath(plan.output_dir, c.name);
   const std::string digest = ChunkDigest(c);
@@ -168,7 +173,8 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     if (!sz.ok()) return sz.status();
     if (*sz != in.size)
       return absl::FailedPreconditionError(
-          fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in.path, *sz, in.size));
+          fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in.path,
+                      *sz, in.size));
   }
   PTK_RETURN_IF_ERROR(MakeDirs(plan.output_dir));
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
@@ -201,10 +207,10 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   }
   res.bytes = out->bytes_written();
   PTK_RETURN_IF_ERROR(out->Commit(durable));
-  PTK_RETURN_IF_ERROR(WriteFileAtomic(out_path + std::string(kDoneSuffix),
-                                      fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"inputs\": {}}}\n", digest,
-                                                  res.bytes, c.inputs.size()),
-                                      /*unique_tmp=*/false, durable));
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(
+      out_path + std::string(kDoneSuffix),
+      fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"inputs\": {}}}\n", digest, res.bytes, c.inputs.size()),
+      /*unique_tmp=*/false, durable));
   return res;
 }
 
@@ -234,8 +240,11 @@ absl::StatusOr<ConcatSummary> RunConcat(const ConcatPlan& plan, const ConcatRunO
   uint64_t total = 0;
   for (size_t k : todo)
     if (k < plan.chunks.size()) total += plan.chunks[k].bytes;
-  ProgressReporter progress({.label = "concat", .item_unit = "chunks", .items_total = todo.size(),
-                             .bytes_total = total, .enabled = o.progress});
+  ProgressReporter progress({.label = "concat",
+                             .item_unit = "chunks",
+                             .items_total = todo.size(),
+                             .bytes_total = total,
+                             .enabled = o.progress});
   std::mutex mu;
   ConcatSummary sum;
   ParallelForEach(todo.size(), o.jobs, [&](size_t i) {
@@ -253,8 +262,7 @@ absl::StatusOr<ConcatSummary> RunConcat(const ConcatPlan& plan, const ConcatRunO
     progress.AddItems(1);
   });
   progress.Finish();
-  std::sort(sum.errors.begin(), sum.errors.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(sum.errors.begin(), sum.errors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   sum.failed = static_cast<int64_t>(sum.errors.size());
   return sum;
 }

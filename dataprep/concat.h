@@ -31,9 +31,9 @@ struct ConcatPlan {
 };
 
 struct ConcatPlanOptions {
-  int64_t chunks = 72;           // balanced by bytes, contiguous runs of inputs
-  int64_t files_per_chunk = 0;   // > 0: consecutive groups of this many files (NeMo's concat.sh)
-  std::string name_pattern;      // fmt pattern with the chunk index; default train_{:02d}.jsonl
+  int64_t chunks = 72;          // balanced by bytes, contiguous runs of inputs
+  int64_t files_per_chunk = 0;  // > 0: consecutive groups of this many files (NeMo's concat.sh)
+  std::string name_pattern;     // fmt pattern with the chunk index; default train_{:02d}.jsonl
 };
 
 // Inputs must already be in the wanted order. Balanced mode: chunk k ends at the first input whose
@@ -73,7 +73,7 @@ struct ConcatRunOptions {
   std::optional<int64_t> chunk_index;  // build this chunk only
   ShardSpec shard;                     // otherwise this array task's share of the chunks
   int jobs = 4;
-  bool durable = true;                 // fsync each chunk (see BuildConcatChunk)
+  bool durable = true;  // fsync each chunk (see BuildConcatChunk)
   bool progress = true;
 };
 struct ConcatSummary {

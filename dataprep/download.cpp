@@ -25,10 +25,10 @@
 
 #include "common/file_util.h"
 #include "common/hash.h"
+#include "common/json_escape.h"
 #include "common/logging.h"
 #include "common/parallel.h"
 #include "common/progress.h"
-#include "common/json_escape.h"
 #include "common/status.h"
 #include "dataprep/http.h"
 
@@ -46,7 +46,8 @@ std::string StripQuotes(std::string s) {
 }
 
 bool IsHex(const std::string& s, size_t n) {
-  return s.size() == n && std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
+  return s.size() == n &&
+         std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
 }
 
 // RateLimit: "resolvers";r=2976;t=166 (IETF draft 9, as the Hub sends it).
@@ -180,8 +181,10 @@ std::string HubErrorText(const HttpResponse& r) {
   std::string code = r.Header("x-error-code"), msg = r.Header("x-error-message");
   std::string s = fmt::format("HTTP {}", r.status);
   if (!code.empty()) s += " " + code;
-  if (!msg.empty()) s += ": " + msg;
-  else if (!r.body.empty() && r.body.size() < 300) s += ": " + r.body;
+  if (!msg.empty())
+    s += ": " + msg;
+  else if (!r.body.empty() && r.body.size() < 300)
+    s += ": " + r.body;
   return s;
 }
 
@@ -246,7 +249,8 @@ absl::StatusOr<std::string> PinRevision(Session& s, HttpClient& http) {
     std::string hint = (r.status == 401 || r.status == 403)
                            ? " (private or gated repo? set HF_TOKEN or --token-file, and accept the repo's terms)"
                            : "";
-    return absl::NotFoundError(fmt::format("{} {}@{}: {}{}", s.opt.repo_type, s.opt.repo, s.opt.revision, HubErrorText(r), hint));
+    return absl::NotFoundError(
+        fmt::format("{} {}@{}: {}{}", s.opt.repo_type, s.opt.repo, s.opt.revision, HubErrorText(r), hint));
   }
   simdjson::dom::parser p;
   simdjson::dom::element e;
@@ -278,7 +282,8 @@ absl::StatusOr<std::vector<RemoteFile>> ListTree(Session& s, HttpClient& http, c
       return absl::DataLossError(fmt::format("listing {}: not a JSON array", url));
     for (auto e : arr) {
       std::string_view type, path;
-      if (e["type"].get(type) || e["path"].get(path)) return absl::DataLossError(fmt::format("listing {}: bad entry", url));
+      if (e["type"].get(type) || e["path"].get(path))
+        return absl::DataLossError(fmt::format("listing {}: bad entry", url));
       if (type != "file") continue;
       RemoteFile f;
       f.path = std::string(path);
@@ -303,13 +308,14 @@ absl::StatusOr<std::vector<RemoteFile>> ListTree(Session& s, HttpClient& http, c
     std::string next = NextLink(r.Header("link"));
     url = next.empty() ? "" : ResolveUrl(url, next);
   }
-  log::Info("listed {} files of {} {}@{} in {} page(s)", files.size(), s.opt.repo_type, s.opt.repo, sha.substr(0, 12), pages);
+  log::Info("listed {} files of {} {}@{} in {} page(s)", files.size(), s.opt.repo_type, s.opt.repo, sha.substr(0, 12),
+            pages);
   return files;
 }
 
 std::string ManifestLine(const RemoteFile& f) {
-  return fmt::format("{{\"path\": \"{}\", \"size\": {}, \"sha256\": \"{}\", \"git_sha1\": \"{}\"}}\n", JsonEscape(f.path), f.size, f.sha256,
-                     f.git_sha1);
+  return fmt::format("{{\"path\": \"{}\", \"size\": {}, \"sha256\": \"{}\", \"git_sha1\": \"{}\"}}\n",
+                     JsonEscape(f.path), f.size, f.sha256, f.git_sha1);
 }
 
 absl::StatusOr<std::vector<RemoteFile>> ReadManifest(const std::string& path) {
@@ -326,8 +332,8 @@ absl::StatusOr<std::vector<RemoteFile>> ReadManifest(const std::string& path) {
     simdjson::dom::element el;
     std::string_view fp, sha, git;
     uint64_t size;
-    if (p.parse(line.data(), line.size()).get(el) || el["path"].get(fp) || el["size"].get(size) || el["sha256"].get(sha) ||
-        el["git_sha1"].get(git))
+    if (p.parse(line.data(), line.size()).get(el) || el["path"].get(fp) || el["size"].get(size) ||
+        el["sha256"].get(sha) || el["git_sha1"].get(git))
       return absl::DataLossError(fmt::format("{}: corrupt manifest line", path));
     RemoteFile f;
     f.path = std::string(fp);
@@ -371,19 +377,22 @@ absl::StatusOr<std::vector<RemoteFile>> ReadUrlList(const std::string& path) {
     f.path = UrlUnquote(p.substr(p.rfind('/') + 1));
     for (size_t k = 1; k < fields.size(); ++k) {
       const std::string& kv = fields[k];
-      if (kv.rfind("sha256=", 0) == 0) f.sha256 = kv.substr(7);
+      if (kv.rfind("sha256=", 0) == 0)
+        f.sha256 = kv.substr(7);
       else if (kv.rfind("size=", 0) == 0) {
         f.size = std::stoull(kv.substr(5));
         f.size_known = true;
       } else if (kv.rfind("path=", 0) == 0) {
         f.path = kv.substr(5);
       } else {
-        return absl::InvalidArgumentError(fmt::format("{}:{}: unknown field {:?} (sha256=, size=, path=)", path, line_no, kv));
+        return absl::InvalidArgumentError(
+            fmt::format("{}:{}: unknown field {:?} (sha256=, size=, path=)", path, line_no, kv));
       }
     }
     if (!f.sha256.empty() && !IsHex(f.sha256, 64))
       return absl::InvalidArgumentError(fmt::format("{}:{}: sha256 must be 64 hex digits", path, line_no));
-    if (f.path.empty()) return absl::InvalidArgumentError(fmt::format("{}:{}: cannot name the file; add path=NAME", path, line_no));
+    if (f.path.empty())
+      return absl::InvalidArgumentError(fmt::format("{}:{}: cannot name the file; add path=NAME", path, line_no));
     out.push_back(std::move(f));
   }
   return out;
@@ -391,7 +400,9 @@ absl::StatusOr<std::vector<RemoteFile>> ReadUrlList(const std::string& path) {
 
 // ---------------------------------------------------------------- done logs
 
-std::string DoneLogKey(const RemoteFile& f) { return fmt::format("{}\t{}\t{}", f.local_path, f.size, f.sha256.empty() ? f.git_sha1 : f.sha256); }
+std::string DoneLogKey(const RemoteFile& f) {
+  return fmt::format("{}\t{}\t{}", f.local_path, f.size, f.sha256.empty() ? f.git_sha1 : f.sha256);
+}
 
 std::set<std::string> ReadDoneLogs(const std::string& dir) {
   std::set<std::string> done;
@@ -468,7 +479,8 @@ class FileDownloader {
   bool IsHub(const std::string& url) const { return UrlAuthority(url) == s_.hub_authority; }
   std::string ResolveUrlFor(const RemoteFile& f) const {
     if (!f.url.empty()) return f.url;
-    return fmt::format("{}/{}s/{}/resolve/{}/{}", s_.opt.endpoint, s_.opt.repo_type, s_.opt.repo, commit_, UrlQuote(f.path, true));
+    return fmt::format("{}/{}s/{}/resolve/{}/{}", s_.opt.endpoint, s_.opt.repo_type, s_.opt.repo, commit_,
+                       UrlQuote(f.path, true));
   }
   absl::Status Finish(const RemoteFile& f, const std::string& part, int fd);
 
@@ -508,8 +520,10 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     std::string expect = fmt::format("{}\t{}", f.size, want_digest);
     if (meta.ok()) {
       size_t nl = meta->find('\n');
-      if (meta->substr(0, nl) != expect) (void)RemoveFileIfExists(part);
-      else if (nl != std::string::npos) etag = meta->substr(nl + 1);
+      if (meta->substr(0, nl) != expect)
+        (void)RemoveFileIfExists(part);
+      else if (nl != std::string::npos)
+        etag = meta->substr(nl + 1);
     } else if (PathExists(part)) {
       (void)RemoveFileIfExists(part);  // no record of what it was: start over
     }
@@ -611,8 +625,8 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+))");
         std::smatch m;
         std::string cr = r.Header("content-range");
-        if (std::regex_search(cr, m, re) && std::stoull(m[1]) == offset && size_known && std::stoull(m[3]) == expected &&
-            std::stoull(m[2]) + 1 == expected) {
+        if (std::regex_search(cr, m, re) && std::stoull(m[1]) == offset && size_known &&
+            std::stoull(m[3]) == expected && std::stoull(m[2]) + 1 == expected) {
           return true;
         }
         truncate_to_zero();
@@ -707,7 +721,8 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       continue;
     }
     if (resp.curl_code != 0) {
-      if (!retry(fmt::format("transfer error: {}", resp.curl_error), progressed ? 0.0 : s_.limiter.Backoff(no_progress)))
+      if (!retry(fmt::format("transfer error: {}", resp.curl_error),
+                 progressed ? 0.0 : s_.limiter.Backoff(no_progress)))
         return fail(res.error);
       continue;
     }
@@ -729,7 +744,8 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         static const std::regex re(R"(bytes\s+\*/(\d+))");
         std::smatch m;
         std::string cr = resp.Header("content-range");
-        bool complete = std::regex_search(cr, m, re) && size_known && std::stoull(m[1]) == expected && offset == expected;
+        bool complete =
+            std::regex_search(cr, m, re) && size_known && std::stoull(m[1]) == expected && offset == expected;
         if (!complete) {
           truncate_to_zero();
           if (!retry(fmt::format("416 with Content-Range {:?}", cr), 0)) return fail(res.error);
@@ -737,19 +753,21 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         }
       }
       if (size_known && offset < expected) {  // the connection ended early but cleanly
-        if (!retry(fmt::format("short body ({} of {} bytes)", offset, expected), progressed ? 0 : s_.limiter.Backoff(no_progress)))
+        if (!retry(fmt::format("short body ({} of {} bytes)", offset, expected),
+                   progressed ? 0 : s_.limiter.Backoff(no_progress)))
           return fail(res.error);
         continue;
       }
       std::string digest = hasher.HexDigest();
       if (!want_digest.empty() && digest != want_digest) {
         ++digest_failures;
-        log::Warning("{}: {} mismatch (got {}, want {}); downloading it again", f.path, git ? "git sha1" : "sha256", digest,
-                     want_digest);
+        log::Warning("{}: {} mismatch (got {}, want {}); downloading it again", f.path, git ? "git sha1" : "sha256",
+                     digest, want_digest);
         truncate_to_zero();
         etag.clear();
         write_meta("");
-        if (digest_failures >= 3) return fail(fmt::format("{} still mismatches after 3 downloads", git ? "git sha1" : "sha256"));
+        if (digest_failures >= 3)
+          return fail(fmt::format("{} still mismatches after 3 downloads", git ? "git sha1" : "sha256"));
         url = ResolveUrlFor(f);
         continue;
       }
@@ -812,7 +830,8 @@ absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path) {
 std::string FlatName(const std::string& repo_path) {
   static const std::regex re(R"(^(?:.*/)?chunk(\d+)/(.+)_(\d+)(\.[^/]+)$)");
   std::smatch m;
-  if (std::regex_match(repo_path, m, re)) return fmt::format("{}_chunk{}_shard{}{}", m[2].str(), m[1].str(), m[3].str(), m[4].str());
+  if (std::regex_match(repo_path, m, re))
+    return fmt::format("{}_chunk{}_shard{}{}", m[2].str(), m[1].str(), m[3].str(), m[4].str());
   std::string s = repo_path;
   std::replace(s.begin(), s.end(), '/', '_');
   return s;
@@ -834,7 +853,8 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   std::vector<RemoteFile> files;
   if (!opt.repo.empty()) {
     PTK_ASSIGN_OR_RETURN(sum.commit, PinRevision(s, http));
-    const std::string manifest = JoinPath(JoinPath(opt.local_dir, kStateDir), fmt::format("manifest-{}.jsonl", sum.commit));
+    const std::string manifest =
+        JoinPath(JoinPath(opt.local_dir, kStateDir), fmt::format("manifest-{}.jsonl", sum.commit));
     if (PathExists(manifest)) {
       PTK_ASSIGN_OR_RETURN(files, ReadManifest(manifest));
       log::Info("using the listing of {}@{} saved in {}", opt.repo, sum.commit.substr(0, 12), manifest);
@@ -878,7 +898,8 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   const std::string state = JoinPath(opt.local_dir, kStateDir);
   std::set<std::string> done = ReadDoneLogs(state);
   DoneLog log_file;
-  PTK_RETURN_IF_ERROR(log_file.Open(JoinPath(state, fmt::format("done-{}-of-{}.tsv", opt.shard.index, opt.shard.count))));
+  PTK_RETURN_IF_ERROR(
+      log_file.Open(JoinPath(state, fmt::format("done-{}-of-{}.tsv", opt.shard.index, opt.shard.count))));
   std::vector<RemoteFile> todo;
   uint64_t todo_bytes = 0, total_bytes = 0;
   for (const auto& f : mine) {
@@ -908,13 +929,17 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   if (::statvfs(opt.local_dir.c_str(), &vfs) == 0) {
     uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (free_bytes < todo_bytes)
-      log::Warning("{} has {} free but {} are still to download", opt.local_dir, HumanBytes(free_bytes), HumanBytes(todo_bytes));
+      log::Warning("{} has {} free but {} are still to download", opt.local_dir, HumanBytes(free_bytes),
+                   HumanBytes(todo_bytes));
   }
   log::Info("shard {}/{}: {} of {} files ({}), {} already present and verified, {} to download", opt.shard.index,
-            opt.shard.count, mine.size(), files.size(), HumanBytes(static_cast<double>(total_bytes)), sum.already_present,
-            todo.size());
+            opt.shard.count, mine.size(), files.size(), HumanBytes(static_cast<double>(total_bytes)),
+            sum.already_present, todo.size());
 
-  ProgressReporter progress({.label = "download", .item_unit = "files", .items_total = todo.size(), .bytes_total = todo_bytes,
+  ProgressReporter progress({.label = "download",
+                             .item_unit = "files",
+                             .items_total = todo.size(),
+                             .bytes_total = todo_bytes,
                              .enabled = opt.progress});
   std::mutex mu;
   std::atomic<bool> stop_scheduling{false};
@@ -956,11 +981,11 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   if (sum.disk_full) {
     uint64_t have = 0;
     if (::statvfs(opt.local_dir.c_str(), &vfs) == 0) have = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-    return absl::ResourceExhaustedError(
-        fmt::format("disk full under {}: stopped with {} file(s) left; partial downloads are kept as .part files and resume "
-                    "on the next run ({} free, about {} still needed)",
-                    opt.local_dir, todo.size() - static_cast<size_t>(sum.downloaded), HumanBytes(static_cast<double>(have)),
-                    HumanBytes(static_cast<double>(todo_bytes - sum.bytes_downloaded))));
+    return absl::ResourceExhaustedError(fmt::format(
+        "disk full under {}: stopped with {} file(s) left; partial downloads are kept as .part files and resume "
+        "on the next run ({} free, about {} still needed)",
+        opt.local_dir, todo.size() - static_cast<size_t>(sum.downloaded), HumanBytes(static_cast<double>(have)),
+        HumanBytes(static_cast<double>(todo_bytes - sum.bytes_downloaded))));
   }
   return sum;
 }
@@ -983,7 +1008,8 @@ absl::StatusOr<std::string> FindHfToken(const std::string& token_file) {
   if (const char* t = std::getenv("HF_TOKEN"); t && *t) return std::string(t);
   if (const char* p = std::getenv("HF_TOKEN_PATH"); p && *p) return read_if_exists(p);
   if (const char* h = std::getenv("HF_HOME"); h && *h) return read_if_exists(JoinPath(h, "token"));
-  if (const char* home = std::getenv("HOME"); home && *home) return read_if_exists(JoinPath(home, ".cache/huggingface/token"));
+  if (const char* home = std::getenv("HOME"); home && *home)
+    return read_if_exists(JoinPath(home, ".cache/huggingface/token"));
   return std::string();
 }
 

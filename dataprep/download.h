@@ -32,16 +32,16 @@ struct DownloadOptions {
   double retry_max_s = 60.0;
   double stall_timeout_s = 60.0;
   double connect_timeout_s = 30.0;
-  int page_size_hint = 0;     // not sent; the server paginates
+  int page_size_hint = 0;  // not sent; the server paginates
   ShardSpec shard;
-  bool verify = false;        // re-hash files already present
-  bool list_only = false;     // write the manifest and stop
+  bool verify = false;     // re-hash files already present
+  bool list_only = false;  // write the manifest and stop
   bool progress = true;
 };
 
 struct RemoteFile {
-  std::string path;        // repo path (or name from the URL list)
-  std::string url;         // URL-list mode only
+  std::string path;  // repo path (or name from the URL list)
+  std::string url;   // URL-list mode only
   uint64_t size = 0;
   bool size_known = false;
   std::string sha256;      // LFS sha256 (or from the URL list)
@@ -55,8 +55,8 @@ struct DownloadFailure {
 };
 
 struct DownloadSummary {
-  std::string commit;  // pinned revision (Hub mode)
-  int64_t files_total = 0;    // in the listing after include/exclude
+  std::string commit;       // pinned revision (Hub mode)
+  int64_t files_total = 0;  // in the listing after include/exclude
   int64_t files_in_shard = 0;
   int64_t downloaded = 0, already_present = 0;
   uint64_t bytes_downloaded = 0;

@@ -34,7 +34,8 @@ struct SourceId {
 absl::StatusOr<SourceId> StatSource(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path));
-  return SourceId{static_cast<uint64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+  return SourceId{static_cast<uint64_t>(st.st_size),
+                  static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
 }
 
 std::string DropKey(const std::vector<std::string>& drops) {
@@ -112,15 +113,19 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
       size_t end = static_cast<size_t>(static_cast<const char*>(nl) - data) + 1;
       std::string_view line(data + pos, end - pos);
       ++res->records;
-      if (filter.Drop(line)) ++res->dropped;
-      else PTK_RETURN_IF_ERROR(out->Write(line));
+      if (filter.Drop(line))
+        ++res->dropped;
+      else
+        PTK_RETURN_IF_ERROR(out->Write(line));
       pos = end;
     }
     carry.assign(data + pos, n - pos);
     if (final && !carry.empty()) {
       ++res->records;
-      if (filter.Drop(carry)) ++res->dropped;
-      else PTK_RETURN_IF_ERROR(out->Write(carry));
+      if (filter.Drop(carry))
+        ++res->dropped;
+      else
+        PTK_RETURN_IF_ERROR(out->Write(carry));
       carry.clear();
     }
     return absl::OkStatus();
@@ -159,8 +164,9 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
   res->bytes_in = source->raw_bytes_read();
   res->bytes_out = out->bytes_written();
   PTK_RETURN_IF_ERROR(out->Commit());
-  PTK_RETURN_IF_ERROR(WriteFileAtomic(output + std::string(kDoneSuffix),
-                                      SidecarJson(input, src, res->bytes_out, DropKey(opt.drop_sets), res->records, res->dropped)));
+  PTK_RETURN_IF_ERROR(
+      WriteFileAtomic(output + std::string(kDoneSuffix),
+                      SidecarJson(input, src, res->bytes_out, DropKey(opt.drop_sets), res->records, res->dropped)));
   return absl::OkStatus();
 }
 
@@ -200,15 +206,16 @@ absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
                                    opt.output_dir);
     auto [it, fresh] = seen.emplace(outputs[i], i);
     if (!fresh)
-      return absl::InvalidArgumentError(fmt::format("{} and {} would both be extracted to {}", opt.inputs[it->second],
-                                                    opt.inputs[i], outputs[i]));
+      return absl::InvalidArgumentError(
+          fmt::format("{} and {} would both be extracted to {}", opt.inputs[it->second], opt.inputs[i], outputs[i]));
   }
   // Shard membership hangs on the file's own name (FNV-1a of its output path below output_dir),
   // not on its position in the list: with --delete-input the list shrinks while array tasks run,
   // and every task must still agree on who owns which file.
   auto owner = [&](size_t i) {
-    const std::string key = i < opt.relative_outputs.size() && !opt.relative_outputs[i].empty() ? opt.relative_outputs[i]
-                                                                                               : Basename(opt.inputs[i]);
+    const std::string key = i < opt.relative_outputs.size() && !opt.relative_outputs[i].empty()
+                                ? opt.relative_outputs[i]
+                                : Basename(opt.inputs[i]);
     uint64_t h = 1469598103934665603ull;
     for (unsigned char c : key) h = (h ^ c) * 1099511628211ull;
     return static_cast<int64_t>(h % static_cast<uint64_t>(opt.shard.count));
@@ -225,7 +232,10 @@ absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
     auto sz = FileSize(f);
     if (sz.ok()) total += *sz;
   }
-  ProgressReporter progress({.label = "extract", .item_unit = "files", .items_total = mine.size(), .bytes_total = total,
+  ProgressReporter progress({.label = "extract",
+                             .item_unit = "files",
+                             .items_total = mine.size(),
+                             .bytes_total = total,
                              .enabled = opt.progress});
   const std::string drops = DropKey(opt.drop_sets);
   std::mutex mu;

@@ -16,9 +16,9 @@ struct ExtractOptions {
   // Output name of each input below output_dir (parallel to `inputs`; compression suffix still on);
   // empty: base names. Two inputs with the same output are an error.
   std::vector<std::string> relative_outputs;
-  std::string output_dir;           // empty: next to each input
+  std::string output_dir;  // empty: next to each input
   int jobs = 1;
-  ShardSpec shard;                  // a file belongs to shard FNV-1a(its relative name) % count
+  ShardSpec shard;  // a file belongs to shard FNV-1a(its relative name) % count
   bool delete_input = false;
   std::vector<std::string> drop_sets;  // records whose meta.redpajama_set_name is one of these are dropped
   bool verify = false;                 // re-decode and compare outputs that look complete

@@ -65,7 +65,8 @@ size_t WriteCb(char* data, size_t size, size_t n, void* user) {
     }
     return len;
   }
-  if (c->resp->body.size() < (1u << 20)) c->resp->body.append(data, std::min<size_t>(len, (1u << 20) - c->resp->body.size()));
+  if (c->resp->body.size() < (1u << 20))
+    c->resp->body.append(data, std::min<size_t>(len, (1u << 20) - c->resp->body.size()));
   return len;
 }
 
@@ -150,8 +151,10 @@ std::string ResolveUrl(const std::string& base, const std::string& loc) {
 std::string UrlQuote(const std::string& s, bool keep_slash) {
   std::string o;
   for (unsigned char ch : s) {
-    if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~' || (keep_slash && ch == '/')) o += static_cast<char>(ch);
-    else o += fmt::format("%{:02X}", ch);
+    if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~' || (keep_slash && ch == '/'))
+      o += static_cast<char>(ch);
+    else
+      o += fmt::format("%{:02X}", ch);
   }
   return o;
 }

@@ -17,8 +17,8 @@ struct HttpRequest {
   std::string url;
   std::vector<std::string> headers;  // "Name: value"
   double connect_timeout_s = 30;
-  double stall_timeout_s = 60;       // abort when no byte arrives for this long
-  double total_timeout_s = 0;        // 0: none
+  double stall_timeout_s = 60;  // abort when no byte arrives for this long
+  double total_timeout_s = 0;   // 0: none
 };
 
 struct HttpResponse {

@@ -12,14 +12,16 @@ namespace ptk {
 
 void SortPaths(std::vector<std::string>* paths, PathOrder order) {
   if (order == PathOrder::kNatural)
-    std::sort(paths->begin(), paths->end(), [](const std::string& a, const std::string& b) { return NaturalLess(a, b); });
+    std::sort(paths->begin(), paths->end(),
+              [](const std::string& a, const std::string& b) { return NaturalLess(a, b); });
   else
     std::sort(paths->begin(), paths->end());
   paths->erase(std::unique(paths->begin(), paths->end()), paths->end());
 }
 
 absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::string>& args,
-                                                         const std::vector<std::string>& dir_suffixes, PathOrder order) {
+                                                         const std::vector<std::string>& dir_suffixes,
+                                                         PathOrder order) {
   std::vector<InputFile> out;
   for (const auto& a : args) {
     if (IsDirectory(a)) {
@@ -41,8 +43,9 @@ absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::
     return order == PathOrder::kNatural ? NaturalLess(x.path, y.path) : x.path < y.path;
   };
   std::sort(out.begin(), out.end(), less);
-  out.erase(std::unique(out.begin(), out.end(), [](const InputFile& x, const InputFile& y) { return x.path == y.path; }),
-            out.end());
+  out.erase(
+      std::unique(out.begin(), out.end(), [](const InputFile& x, const InputFile& y) { return x.path == y.path; }),
+      out.end());
   return out;
 }
 

@@ -273,8 +273,10 @@ class PyJson {
       std::string item;
       if (!AnyValue(depth, &k, list_sink ? &item : nullptr, nullptr, nullptr)) return false;
       if (list_sink) {
-        if (k == Value::kString) list_sink->push_back(std::move(item));
-        else if (list_ok) *list_ok = false;
+        if (k == Value::kString)
+          list_sink->push_back(std::move(item));
+        else if (list_ok)
+          *list_ok = false;
       }
       Ws();
       if (pos_ >= s_.size()) return Fail("Expecting ',' delimiter");

@@ -15,19 +15,19 @@ namespace ptk {
 
 enum class RecordStatus {
   kOk,
-  kBlank,         // empty or whitespace-only line
-  kMalformed,     // not valid JSON (message says where)
-  kNotObject,     // valid JSON but not an object
-  kMissingKey,    // a --json-keys key is absent
-  kNotString,     // a key's value is neither a string nor a list of strings
+  kBlank,       // empty or whitespace-only line
+  kMalformed,   // not valid JSON (message says where)
+  kNotObject,   // valid JSON but not an object
+  kMissingKey,  // a --json-keys key is absent
+  kNotString,   // a key's value is neither a string nor a list of strings
 };
 const char* RecordStatusName(RecordStatus s);
 
 struct RecordResult {
   RecordStatus status = RecordStatus::kOk;
-  std::string message;           // details for a bad record
-  size_t invalid_utf8 = 0;       // ill-formed UTF-8 subparts replaced by U+FFFD
-  size_t lone_surrogates = 0;    // \uD800-style escapes without their pair, replaced by U+FFFD
+  std::string message;         // details for a bad record
+  size_t invalid_utf8 = 0;     // ill-formed UTF-8 subparts replaced by U+FFFD
+  size_t lone_surrogates = 0;  // \uD800-style escapes without their pair, replaced by U+FFFD
 };
 
 // One parser per thread; the views it returns stay valid until the next Parse().

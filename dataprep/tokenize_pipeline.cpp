@@ -262,7 +262,8 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
     struct stat st;
     if (f != "-" && ::stat(f.c_str(), &st) == 0) total_raw += static_cast<uint64_t>(st.st_size);
   }
-  ProgressReporter progress({.label = "tokenize", .item_unit = "docs", .bytes_total = total_raw, .enabled = opt.progress});
+  ProgressReporter progress(
+      {.label = "tokenize", .item_unit = "docs", .bytes_total = total_raw, .enabled = opt.progress});
 
   std::printf("Processing data with %d workers.\n", workers);
   std::fflush(stdout);
@@ -281,7 +282,8 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   auto report_bad = [&](const Batch& b, size_t i) {
     const std::string where = fmt::format("{}:{}", reader.file_name(b.file), b.first_line_no + static_cast<int64_t>(i));
     if (opt.strict) {
-      sink_error = absl::InvalidArgumentError(fmt::format("{}: bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]));
+      sink_error = absl::InvalidArgumentError(
+          fmt::format("{}: bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]));
       stop = true;
       return;
     }
@@ -292,89 +294,85 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   };
 
   arena.execute([&] {
-  tbb::parallel_pipeline(
-      static_cast<size_t>(2 * workers + 2),
-      tbb::make_filter<void, Batch*>(tbb::filter_mode::serial_in_order,
-                                     [&](tbb::flow_control& fc) -> Batch* {
-                                       if (stop) {
-                                         fc.stop();
-                                         return nullptr;
-                                       }
-                                       auto next = reader.Next();
-                                       if (!next.ok()) {
-                                         read_error = next.status();
-                                         stop = true;
-                                         fc.stop();
-                                         return nullptr;
-                                       }
-                                       if (!*next) {
-                                         fc.stop();
-                                         return nullptr;
-                                       }
-                                       progress.AddBytes((*next)->raw_bytes);
-                                       return next->release();
-                                     }) &
-          tbb::make_filter<Batch*, Batch*>(tbb::filter_mode::parallel,
-                                           [&](Batch* b) -> Batch* {
-                                             if (stop) return b;
-                                             auto& w = tls.local();
-                                             if (!w) w = std::make_unique<Worker>(tok, opt);
-                                             EncodeBatch(*b, *w, opt, eod);
-                                             return b;
-                                           }) &
-          tbb::make_filter<Batch*, void>(tbb::filter_mode::serial_in_order, [&](Batch* raw) {
-            std::unique_ptr<Batch> b(raw);
-            if (stop) return;
-            stats.lines += static_cast<int64_t>(b->lines.size());
-            stats.bytes += b->size;
-            stats.chars += b->chars;
-            stats.invalid_utf8 += b->invalid_utf8;
-            stats.lone_surrogates += b->lone_surrogates;
-            std::vector<size_t> tok_off(nkeys, 0), seq_off(nkeys, 0), doc_off(nkeys, 0);
-            for (size_t i = 0; i < b->lines.size(); ++i) {
-              if (b->status[i] != RecordStatus::kOk) {
-                ++stats.skipped;
-                ++stats.skipped_by_kind[static_cast<int>(b->status[i])];
-                report_bad(*b, i);
-                if (stop) return;
-                continue;
-              }
-              if (opt.strict && b->replaced[i]) {
-                sink_error = absl::InvalidArgumentError(
-                    fmt::format("{}:{}: invalid UTF-8 or a lone surrogate escape replaced by U+FFFD (--strict)",
-                                reader.file_name(b->file), b->first_line_no + static_cast<int64_t>(i)));
+    tbb::parallel_pipeline(
+        static_cast<size_t>(2 * workers + 2),
+        tbb::make_filter<void, Batch*>(tbb::filter_mode::serial_in_order, [&](tbb::flow_control& fc) -> Batch* {
+          if (stop) {
+            fc.stop();
+            return nullptr;
+          }
+          auto next = reader.Next();
+          if (!next.ok()) {
+            read_error = next.status();
+            stop = true;
+            fc.stop();
+            return nullptr;
+          }
+          if (!*next) {
+            fc.stop();
+            return nullptr;
+          }
+          progress.AddBytes((*next)->raw_bytes);
+          return next->release();
+        }) & tbb::make_filter<Batch*, Batch*>(tbb::filter_mode::parallel, [&](Batch* b) -> Batch* {
+          if (stop) return b;
+          auto& w = tls.local();
+          if (!w) w = std::make_unique<Worker>(tok, opt);
+          EncodeBatch(*b, *w, opt, eod);
+          return b;
+        }) & tbb::make_filter<Batch*, void>(tbb::filter_mode::serial_in_order, [&](Batch* raw) {
+          std::unique_ptr<Batch> b(raw);
+          if (stop) return;
+          stats.lines += static_cast<int64_t>(b->lines.size());
+          stats.bytes += b->size;
+          stats.chars += b->chars;
+          stats.invalid_utf8 += b->invalid_utf8;
+          stats.lone_surrogates += b->lone_surrogates;
+          std::vector<size_t> tok_off(nkeys, 0), seq_off(nkeys, 0), doc_off(nkeys, 0);
+          for (size_t i = 0; i < b->lines.size(); ++i) {
+            if (b->status[i] != RecordStatus::kOk) {
+              ++stats.skipped;
+              ++stats.skipped_by_kind[static_cast<int>(b->status[i])];
+              report_bad(*b, i);
+              if (stop) return;
+              continue;
+            }
+            if (opt.strict && b->replaced[i]) {
+              sink_error = absl::InvalidArgumentError(
+                  fmt::format("{}:{}: invalid UTF-8 or a lone surrogate escape replaced by U+FFFD (--strict)",
+                              reader.file_name(b->file), b->first_line_no + static_cast<int64_t>(i)));
+              stop = true;
+              return;
+            }
+            const int p = nparts == 1 ? 0 : static_cast<int>((b->first_global_line + static_cast<int64_t>(i)) % nparts);
+            bool empty = true;
+            for (size_t k = 0; k < nkeys; ++k) {
+              int32_t nseq = b->doc_nseq[k][doc_off[k]++];
+              int64_t ntok = 0;
+              for (int32_t s = 0; s < nseq; ++s) ntok += b->seq_lens[k][seq_off[k] + s];
+              std::span<const int32_t> t(b->tokens[k].data() + tok_off[k], static_cast<size_t>(ntok));
+              std::span<const int32_t> l(b->seq_lens[k].data() + seq_off[k], static_cast<size_t>(nseq));
+              absl::Status st = builders[p][k]->AddDocument(t, l);
+              if (!st.ok()) {
+                sink_error = st;
                 stop = true;
                 return;
               }
-              const int p = nparts == 1 ? 0 : static_cast<int>((b->first_global_line + static_cast<int64_t>(i)) % nparts);
-              bool empty = true;
-              for (size_t k = 0; k < nkeys; ++k) {
-                int32_t nseq = b->doc_nseq[k][doc_off[k]++];
-                int64_t ntok = 0;
-                for (int32_t s = 0; s < nseq; ++s) ntok += b->seq_lens[k][seq_off[k] + s];
-                std::span<const int32_t> t(b->tokens[k].data() + tok_off[k], static_cast<size_t>(ntok));
-                std::span<const int32_t> l(b->seq_lens[k].data() + seq_off[k], static_cast<size_t>(nseq));
-                absl::Status st = builders[p][k]->AddDocument(t, l);
-                if (!st.ok()) {
-                  sink_error = st;
-                  stop = true;
-                  return;
-                }
-                tok_off[k] += static_cast<size_t>(ntok);
-                seq_off[k] += static_cast<size_t>(nseq);
-                stats.tokens += ntok;
-                if (ntok > 0) empty = false;
-              }
-              if (empty) ++stats.empty_documents;
-              ++stats.documents;
-              progress.AddItems(1);
-              if (opt.megatron_log && opt.log_interval > 0 && stats.documents % opt.log_interval == 0) {
-                double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - proc_start).count();
-                log::Raw(fmt::format("Processed {} documents ({} docs/s, {} MB/s).", stats.documents,
-                                     PyFloat(stats.documents / el), PyFloat(stats.chars / el / 1024 / 1024)));
-              }
+              tok_off[k] += static_cast<size_t>(ntok);
+              seq_off[k] += static_cast<size_t>(nseq);
+              stats.tokens += ntok;
+              if (ntok > 0) empty = false;
             }
-          }));
+            if (empty) ++stats.empty_documents;
+            ++stats.documents;
+            progress.AddItems(1);
+            if (opt.megatron_log && opt.log_interval > 0 && stats.documents % opt.log_interval == 0) {
+              double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - proc_start).count();
+              log::Raw(fmt::format("Processed {} documents ({} docs/s, {} MB/s).", stats.documents,
+                                   PyFloat(stats.documents / el), PyFloat(stats.chars / el / 1024 / 1024)));
+            }
+          }
+        }));
   });
   progress.Finish();
   // Builders are destroyed unfinalized on error: their temporaries are removed.

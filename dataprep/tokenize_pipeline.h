@@ -28,9 +28,9 @@ struct TokenizeOptions {
   bool strict = false;             // first bad record or replaced character is an error
   bool endoftext_as_text = false;  // legacy: literal <|endoftext|> encoded as ordinary text
   size_t batch_bytes = 1 << 20;
-  int max_warnings = 10;           // bad records shown; all are counted
+  int max_warnings = 10;  // bad records shown; all are counted
   bool progress = true;
-  bool megatron_log = true;        // "Processed N documents (X docs/s, Y MB/s)." lines
+  bool megatron_log = true;  // "Processed N documents (X docs/s, Y MB/s)." lines
 };
 
 struct TokenizeStats {

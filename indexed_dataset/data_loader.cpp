@@ -22,7 +22,10 @@ bool PretrainingSampler::Next(std::vector<int64_t>* indices) {
 
 DataLoader::DataLoader(std::shared_ptr<TopLevelDataset> dataset, PretrainingSampler sampler, int64_t micro_batch_size,
                        size_t prefetch)
-    : dataset_(std::move(dataset)), sampler_(sampler), mbs_(micro_batch_size), prefetch_(std::max<size_t>(1, prefetch)) {
+    : dataset_(std::move(dataset)),
+      sampler_(sampler),
+      mbs_(micro_batch_size),
+      prefetch_(std::max<size_t>(1, prefetch)) {
   thread_ = std::thread([this] { Produce(); });
 }
 

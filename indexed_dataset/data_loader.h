@@ -33,11 +33,11 @@ class PretrainingSampler {
 
 struct MicroBatch {
   int64_t micro_batch_size = 0, seq_length = 0;
-  std::vector<int64_t> indices;        // top-level sample indices
-  std::vector<int32_t> tokens;         // [mbs, seq]
-  std::vector<int32_t> labels;         // [mbs, seq]
-  std::vector<int32_t> position_ids;   // [mbs, seq]
-  std::vector<float> loss_mask;        // [mbs, seq]
+  std::vector<int64_t> indices;       // top-level sample indices
+  std::vector<int32_t> tokens;        // [mbs, seq]
+  std::vector<int32_t> labels;        // [mbs, seq]
+  std::vector<int32_t> position_ids;  // [mbs, seq]
+  std::vector<float> loss_mask;       // [mbs, seq]
 };
 
 class DataLoader {

@@ -36,7 +36,8 @@ absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::s
       *weights = w;
       return absl::OkStatus();
     }
-    if (!w.empty()) return absl::InvalidArgumentError("data paths mix weights and prefixes: give a weight for every prefix or none");
+    if (!w.empty())
+      return absl::InvalidArgumentError("data paths mix weights and prefixes: give a weight for every prefix or none");
   }
   for (const auto& p : list) prefixes->push_back(strip(p));
   return absl::OkStatus();
@@ -65,8 +66,8 @@ class Builder {
   }
 
   // _build_megatron_dataset_splits: one GPTDataset per split whose bookend is not None.
-  absl::StatusOr<std::array<std::shared_ptr<GPTDataset>, 3>> Splits(const std::string& prefix, const SplitMatrix& split,
-                                                                    const std::array<std::optional<int64_t>, 3>& sizes) {
+  absl::StatusOr<std::array<std::shared_ptr<GPTDataset>, 3>> Splits(
+      const std::string& prefix, const SplitMatrix& split, const std::array<std::optional<int64_t>, 3>& sizes) {
     PTK_ASSIGN_OR_RETURN(auto low, Open(prefix));
     const double n = static_cast<double>(low->num_sequences());
     std::array<std::shared_ptr<GPTDataset>, 3> out;
@@ -104,13 +105,15 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendByLengths(const std::vector
 }
 }  // namespace
 
-absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args, GPTDatasetConfig config) {
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args,
+                                                                                 GPTDatasetConfig config) {
   std::array<std::shared_ptr<TopLevelDataset>, 3> result;
   const bool per_split = !args.per_split_data_path[0].empty() || !args.per_split_data_path[1].empty() ||
                          !args.per_split_data_path[2].empty();
   if (per_split && !args.data_path.empty())
     return absl::InvalidArgumentError("--data-path and --train/valid/test-data-path are incompatible");
-  if (!per_split && args.data_path.empty()) return absl::InvalidArgumentError("no data: give --data-path or --train-data-path");
+  if (!per_split && args.data_path.empty())
+    return absl::InvalidArgumentError("no data: give --data-path or --train-data-path");
 
   if (!per_split) {
     PTK_ASSIGN_OR_RETURN(auto vec, ParseAndNormalizeSplit(args.split));
@@ -131,7 +134,8 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
     for (size_t k = 0; k < prefixes.size(); ++k) {
       std::array<std::optional<int64_t>, 3> buffer;
       for (int i = 0; i < 3; ++i)
-        if (weights && args.sizes[i]) buffer[i] = BufferSize(*args.sizes[i], (*weights)[k], config.mid_level_dataset_surplus);
+        if (weights && args.sizes[i])
+          buffer[i] = BufferSize(*args.sizes[i], (*weights)[k], config.mid_level_dataset_surplus);
       if (weights)
         for (int i = 0; i < 3; ++i)
           if (!args.sizes[i] && split.bookends[i])
@@ -146,7 +150,8 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
       if (weights) {
         int64_t size = 0;
         for (size_t k = 0; k < prefixes.size(); ++k) size += TargetSize(*args.sizes[i], (*weights)[k]);
-        PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
+        PTK_ASSIGN_OR_RETURN(result[i],
+                             BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
       } else {
         PTK_ASSIGN_OR_RETURN(result[i], BlendByLengths(parts, args.sizes[i], static_cast<Split>(i), config));
       }
@@ -176,14 +181,16 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
     std::vector<std::shared_ptr<GPTDataset>> parts;
     for (size_t k = 0; k < prefixes.size(); ++k) {
       std::array<std::optional<int64_t>, 3> buffer;
-      if (weights && sizes_spoof[i]) buffer[i] = BufferSize(*sizes_spoof[i], (*weights)[k], config.mid_level_dataset_surplus);
+      if (weights && sizes_spoof[i])
+        buffer[i] = BufferSize(*sizes_spoof[i], (*weights)[k], config.mid_level_dataset_surplus);
       PTK_ASSIGN_OR_RETURN(auto ds, b.Splits(prefixes[k], spoof, buffer));
       parts.push_back(ds[i]);
     }
     if (weights && args.sizes[i]) {
       int64_t size = 0;
       for (size_t k = 0; k < prefixes.size(); ++k) size += TargetSize(*args.sizes[i], (*weights)[k]);
-      PTK_ASSIGN_OR_RETURN(result[i], BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
+      PTK_ASSIGN_OR_RETURN(result[i],
+                           BlendedDataset::Build(parts, *weights, false, size, static_cast<Split>(i), config));
     } else if (!weights) {
       PTK_ASSIGN_OR_RETURN(result[i], BlendByLengths(parts, args.sizes[i], static_cast<Split>(i), config));
     } else {

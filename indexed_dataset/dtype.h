@@ -26,10 +26,14 @@ inline std::optional<DType> DTypeFromCode(uint8_t code) {
 
 inline size_t DTypeSize(DType t) {
   switch (t) {
-    case DType::kUInt8: case DType::kInt8: return 1;
-    case DType::kInt16: case DType::kUInt16: return 2;
-    case DType::kInt32: case DType::kFloat32: return 4;
-    case DType::kInt64: case DType::kFloat64: return 8;
+    case DType::kUInt8:
+    case DType::kInt8: return 1;
+    case DType::kInt16:
+    case DType::kUInt16: return 2;
+    case DType::kInt32:
+    case DType::kFloat32: return 4;
+    case DType::kInt64:
+    case DType::kFloat64: return 8;
   }
   return 0;
 }
@@ -56,12 +60,36 @@ inline int64_t LoadToken(const uint8_t* base, int64_t i, DType t) {
   switch (t) {
     case DType::kUInt8: return base[i];
     case DType::kInt8: return static_cast<int8_t>(base[i]);
-    case DType::kInt16: { int16_t v; std::memcpy(&v, base + 2 * i, 2); return v; }
-    case DType::kUInt16: { uint16_t v; std::memcpy(&v, base + 2 * i, 2); return v; }
-    case DType::kInt32: { int32_t v; std::memcpy(&v, base + 4 * i, 4); return v; }
-    case DType::kInt64: { int64_t v; std::memcpy(&v, base + 8 * i, 8); return v; }
-    case DType::kFloat32: { float v; std::memcpy(&v, base + 4 * i, 4); return static_cast<int64_t>(v); }
-    case DType::kFloat64: { double v; std::memcpy(&v, base + 8 * i, 8); return static_cast<int64_t>(v); }
+    case DType::kInt16: {
+      int16_t v;
+      std::memcpy(&v, base + 2 * i, 2);
+      return v;
+    }
+    case DType::kUInt16: {
+      uint16_t v;
+      std::memcpy(&v, base + 2 * i, 2);
+      return v;
+    }
+    case DType::kInt32: {
+      int32_t v;
+      std::memcpy(&v, base + 4 * i, 4);
+      return v;
+    }
+    case DType::kInt64: {
+      int64_t v;
+      std::memcpy(&v, base + 8 * i, 8);
+      return v;
+    }
+    case DType::kFloat32: {
+      float v;
+      std::memcpy(&v, base + 4 * i, 4);
+      return static_cast<int64_t>(v);
+    }
+    case DType::kFloat64: {
+      double v;
+      std::memcpy(&v, base + 8 * i, 8);
+      return static_cast<int64_t>(v);
+    }
   }
   return 0;
 }

@@ -55,8 +55,10 @@ SplitMatrix MakeSplitMatrix(const std::array<double, 3>& v) {
   for (int i = 0; i < 3; ++i) e[i + 1] = e[i] + v[i];
   SplitMatrix m;
   for (int i = 0; i < 3; ++i) {
-    if (std::min(e[i + 1], e[i + 1]) <= std::max(e[i], e[i])) m.bookends[i] = std::nullopt;
-    else m.bookends[i] = std::make_pair(e[i], e[i + 1]);
+    if (std::min(e[i + 1], e[i + 1]) <= std::max(e[i], e[i]))
+      m.bookends[i] = std::nullopt;
+    else
+      m.bookends[i] = std::make_pair(e[i], e[i + 1]);
   }
   return m;
 }
@@ -161,7 +163,8 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
   ds->identifiers_ = py::Json(id);
   ds->description_ = ds->identifiers_.Dumps(4);
   ds->hash_ = Md5Hex(ds->description_);
-  const std::string dir = config.path_to_cache ? *config.path_to_cache : JoinPath(JoinPath(dataset_path, "cache"), "GPTDataset_indices");
+  const std::string dir =
+      config.path_to_cache ? *config.path_to_cache : JoinPath(JoinPath(dataset_path, "cache"), "GPTDataset_indices");
   ds->cache_prefix_ = JoinPath(dir, fmt::format("{}-GPTDataset-{}-", ds->hash_, SplitName(split)));
   if (ds->TryLoadCache()) {
     ds->from_cache_ = true;
@@ -209,7 +212,8 @@ bool GPTDataset::TryLoadCache() {
   // Spot checks of the values: every sample row must point inside the document index.
   const int64_t nd = d->size(), ns = s->shape()[0];
   for (int64_t r : {int64_t{0}, ns / 2, ns - 1})
-    if (s->at(2 * r) < 0 || s->at(2 * r) >= std::max<int64_t>(nd, 1)) return fail("sample_index points outside document_index");
+    if (s->at(2 * r) < 0 || s->at(2 * r) >= std::max<int64_t>(nd, 1))
+      return fail("sample_index points outside document_index");
   for (int64_t k = 0; k < std::min<int64_t>(nd, 16); ++k)
     if (d->at(k) < beg_ || d->at(k) >= end_) return fail("document_index holds documents outside this split");
   document_index_ = std::move(*d);
@@ -229,9 +233,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   if (num_samples) {
     const int64_t requested = *num_samples * seq + add;
     if (tpe == 0 && requested > tpe)
-      return absl::FailedPreconditionError(fmt::format(
-          "{}: the {} split holds no tokens ({} documents) but {} samples were requested; adjust --split or the sample counts",
-          dataset_->prefix(), SplitName(split_), ndocs, *num_samples));
+      return absl::FailedPreconditionError(
+          fmt::format("{}: the {} split holds no tokens ({} documents) but {} samples were requested; adjust --split "
+                      "or the sample counts",
+                      dataset_->prefix(), SplitName(split_), ndocs, *num_samples));
     if (tpe > 0) epochs = std::max<int64_t>(1, (requested + tpe - 1) / tpe);
   }
   bool separate = false;
@@ -241,7 +246,8 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     const int64_t from_final = *num_samples - sans;
     const int64_t per_epoch = (tpe - add) / seq;
     if (from_final < 0 || from_final > per_epoch + 1)
-      return absl::InternalError(fmt::format("inconsistent epoch arithmetic ({} samples from the final epoch)", from_final));
+      return absl::InternalError(
+          fmt::format("inconsistent epoch arithmetic ({} samples from the final epoch)", from_final));
     separate = from_final < static_cast<int64_t>(0.80 * static_cast<double>(per_epoch));
   }
   num_epochs_ = epochs;
@@ -249,8 +255,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     return absl::ResourceExhaustedError("document index larger than int32");
   const bool drop_last = split_ != Split::kValid || config_.drop_last_partial_validation_sequence;
   int64_t ns;
-  if (drop_last) ns = (epochs * tpe - add) / seq;
-  else ns = static_cast<int64_t>(std::ceil(static_cast<float>(epochs * tpe - add) / static_cast<float>(seq)));
+  if (drop_last)
+    ns = (epochs * tpe - add) / seq;
+  else
+    ns = static_cast<int64_t>(std::ceil(static_cast<float>(epochs * tpe - add) / static_cast<float>(seq)));
   if (ns < 0) ns = 0;
   const int64_t nd = ndocs * epochs;
   if (ns > 0 && nd == 0) return absl::InternalError("samples without documents");
@@ -266,7 +274,8 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   // the sample index. Same draws, same swaps, same order: arrays identical to numpy's and to
   // helpers.cpp's.
   std::vector<uint64_t> doc_lengths;  // the document shuffles: [0, A) and, when separate, [A, nd)
-  if (!separate) doc_lengths.push_back(static_cast<uint64_t>(nd));
+  if (!separate)
+    doc_lengths.push_back(static_cast<uint64_t>(nd));
   else {
     doc_lengths.push_back(static_cast<uint64_t>(ndocs * (epochs - 1)));
     doc_lengths.push_back(static_cast<uint64_t>(ndocs));
@@ -292,8 +301,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
                                       {threaded ? static_cast<int64_t>(ring_size) : 1});
   DrawRing<uint32_t> draws32;
   DrawRing<int64_t> draws64;
-  if (wide_draws) draws64.buf = ring.As<int64_t>();
-  else draws32.buf = ring.As<uint32_t>();
+  if (wide_draws)
+    draws64.buf = ring.As<int64_t>();
+  else
+    draws32.buf = ring.As<uint32_t>();
   draws32.capacity = draws64.capacity = ring_size;
 
   auto shuffle_index = [&](NumpyRandomState& rng) {
@@ -302,8 +313,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
       rng.Shuffle(out, static_cast<size_t>(first));
       if (first < total) rng.Shuffle(out + first, static_cast<size_t>(total - first));
     };
-    if (big) shuffle(shuffle_index_.As<int64_t>());
-    else shuffle(shuffle_index_.As<uint32_t>());
+    if (big)
+      shuffle(shuffle_index_.As<int64_t>());
+    else
+      shuffle(shuffle_index_.As<uint32_t>());
   };
   // Cache writes: each array as soon as it is final; the description only after all three, since
   // Megatron takes the four files' presence as a cache hit.
@@ -364,18 +377,24 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   const int64_t end_a = separate ? (epochs - 1) * tpe : total_tokens;
   auto fill_region = [&](int region) {
     auto run = [&](auto* out) {
-      if (region == 0) fill_rows(out, 0, region_a - 1, end_a, 1, std::min(inside, first_row_from(end_a) - 1));
-      else fill_rows(out, region_a, nd - 1, total_tokens, first_row_from(end_a), inside);
+      if (region == 0)
+        fill_rows(out, 0, region_a - 1, end_a, 1, std::min(inside, first_row_from(end_a) - 1));
+      else
+        fill_rows(out, region_a, nd - 1, total_tokens, first_row_from(end_a), inside);
     };
-    if (wide) run(sample_index_.As<int64_t>());
-    else run(sample_index_.As<int32_t>());
+    if (wide)
+      run(sample_index_.As<int64_t>());
+    else
+      run(sample_index_.As<int32_t>());
   };
 
   std::atomic<bool> last_epoch_rows_done{false};
   auto producer = [&] {
     NumpyRandomState rng(config_.random_seed);
-    if (wide_draws) rng.Draw(doc_lengths, &draws64);
-    else rng.Draw(doc_lengths, &draws32);
+    if (wide_draws)
+      rng.Draw(doc_lengths, &draws64);
+    else
+      rng.Draw(doc_lengths, &draws32);
     shuffle_index(rng);  // the same generator continues with the shuffle index
     save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
     doc_done.wait(false, std::memory_order_acquire);
@@ -403,10 +422,13 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     auto apply_doc = [&](auto* ring) {
       ApplyDraws(doc, static_cast<size_t>(doc_lengths[0]), ring, 0);
       if (separate)
-        ApplyDraws(doc + region_a, static_cast<size_t>(doc_lengths[1]), ring, static_cast<size_t>(std::max<int64_t>(0, region_a - 1)));
+        ApplyDraws(doc + region_a, static_cast<size_t>(doc_lengths[1]), ring,
+                   static_cast<size_t>(std::max<int64_t>(0, region_a - 1)));
     };
-    if (wide_draws) apply_doc(&draws64);
-    else apply_doc(&draws32);
+    if (wide_draws)
+      apply_doc(&draws64);
+    else
+      apply_doc(&draws32);
     doc_done.store(true, std::memory_order_release);
     doc_done.notify_one();
   }
@@ -414,8 +436,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   // region's rows while this one fills the rest.
   fill_region(0);
   if (separate) {
-    if (threaded) last_epoch_rows_done.wait(false, std::memory_order_acquire);
-    else fill_region(1);
+    if (threaded)
+      last_epoch_rows_done.wait(false, std::memory_order_acquire);
+    else
+      fill_region(1);
   }
 
   auto finish_rows = [&](auto* out) {
@@ -430,8 +454,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
       }
     }
   };
-  if (wide) finish_rows(sample_index_.As<int64_t>());
-  else finish_rows(sample_index_.As<int32_t>());
+  if (wide)
+    finish_rows(sample_index_.As<int64_t>());
+  else
+    finish_rows(sample_index_.As<int32_t>());
   save_sample = save_array(sample_index_, "sample_index.npy");
   if (worker.joinable()) worker.join();
   absl::Status st = save_shuffle;
@@ -443,7 +469,8 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
 }
 
 absl::Status GPTDataset::Text(int64_t idx, int64_t* out, int64_t* dataset_id) const {
-  if (idx < 0 || idx >= size()) return absl::OutOfRangeError(fmt::format("sample {} out of range [0, {})", idx, size()));
+  if (idx < 0 || idx >= size())
+    return absl::OutOfRangeError(fmt::format("sample {} out of range [0, {})", idx, size()));
   if (dataset_id) *dataset_id = 0;
   const int64_t add = config_.add_extra_token_to_sequence ? 1 : 0;
   const int64_t want = config_.sequence_length + add;
@@ -520,7 +547,8 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
         b->from_cache_ = true;
         return b;
       }
-      log::Warning("ignoring the blend index cache {}*: missing, corrupt or another description; rebuilding it", prefix);
+      log::Warning("ignoring the blend index cache {}*: missing, corrupt or another description; rebuilding it",
+                   prefix);
     }
   }
   const size_t nd = datasets.size();
@@ -600,7 +628,8 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
 }
 
 absl::Status BlendedDataset::Text(int64_t idx, int64_t* out, int64_t* dataset_id) const {
-  if (idx < 0 || idx >= size()) return absl::OutOfRangeError(fmt::format("sample {} out of range [0, {})", idx, size()));
+  if (idx < 0 || idx >= size())
+    return absl::OutOfRangeError(fmt::format("sample {} out of range [0, {})", idx, size()));
   const int64_t d = dataset_index_.at(idx);
   if (dataset_id) *dataset_id = d;
   return datasets_[static_cast<size_t>(d)]->Text(dataset_sample_index_.at(idx), out, nullptr);

@@ -83,9 +83,9 @@ class GPTDataset : public TopLevelDataset {
   // `beg`/`end`: the range of sequences of `dataset` exposed by this split. num_samples: nullopt
   // means one epoch.
   static absl::StatusOr<std::shared_ptr<GPTDataset>> Build(std::shared_ptr<IndexedDataset> dataset,
-                                                          const std::string& dataset_path, int64_t beg, int64_t end,
-                                                          std::optional<int64_t> num_samples, Split split,
-                                                          const GPTDatasetConfig& config);
+                                                           const std::string& dataset_path, int64_t beg, int64_t end,
+                                                           std::optional<int64_t> num_samples, Split split,
+                                                           const GPTDatasetConfig& config);
   int64_t size() const override { return sample_index_.shape()[0] - 1; }
   absl::Status Text(int64_t idx, int64_t* out, int64_t* dataset_id) const override;
   py::Json unique_identifiers() const override { return identifiers_; }
@@ -115,9 +115,9 @@ class BlendedDataset : public TopLevelDataset {
   // With a size: weights are normalized (again) and build_blending_indices runs; without one the
   // weights must be integers (dataset lengths) and the exhaustive blend is built.
   static absl::StatusOr<std::shared_ptr<BlendedDataset>> Build(std::vector<std::shared_ptr<GPTDataset>> datasets,
-                                                              std::vector<double> weights, bool integer_weights,
-                                                              std::optional<int64_t> size, Split split,
-                                                              const GPTDatasetConfig& config);
+                                                               std::vector<double> weights, bool integer_weights,
+                                                               std::optional<int64_t> size, Split split,
+                                                               const GPTDatasetConfig& config);
   int64_t size() const override { return dataset_index_.size(); }
   absl::Status Text(int64_t idx, int64_t* out, int64_t* dataset_id) const override;
   py::Json unique_identifiers() const override { return identifiers_; }
@@ -133,7 +133,7 @@ class BlendedDataset : public TopLevelDataset {
 
 // Megatron's data arguments, resolved to datasets exactly as BlendedMegatronDatasetBuilder does.
 struct DataArgs {
-  std::vector<std::string> data_path;  // --data-path: "w1 p1 w2 p2 ..." or "p1 p2 ..."
+  std::vector<std::string> data_path;                           // --data-path: "w1 p1 w2 p2 ..." or "p1 p2 ..."
   std::array<std::vector<std::string>, 3> per_split_data_path;  // --train/--valid/--test-data-path
   std::string split = "969, 30, 1";
   std::array<std::optional<int64_t>, 3> sizes;  // samples requested per split (None = one epoch/exhaustive)

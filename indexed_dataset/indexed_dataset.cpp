@@ -62,8 +62,8 @@ absl::Status IndexedDatasetBuilder::WriteTokens(std::span<const int32_t> tokens)
 absl::Status IndexedDatasetBuilder::AddItem(std::span<const int32_t> tokens, int8_t mode) {
   if (finalized_) return absl::FailedPreconditionError("builder already finalized");
   if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
-    return absl::InvalidArgumentError(fmt::format("{}: a sequence of {} tokens exceeds the int32 length field",
-                                                  prefix_, tokens.size()));
+    return absl::InvalidArgumentError(
+        fmt::format("{}: a sequence of {} tokens exceeds the int32 length field", prefix_, tokens.size()));
   PTK_RETURN_IF_ERROR(WriteTokens(tokens));
   lengths_.push_back(static_cast<int32_t>(tokens.size()));
   if (multimodal_) modes_.push_back(mode);
@@ -89,8 +89,10 @@ absl::Status IndexedDatasetBuilder::AddDocument(std::span<const int32_t> tokens,
   PTK_RETURN_IF_ERROR(WriteTokens(tokens));
   lengths_.insert(lengths_.end(), lengths.begin(), lengths.end());
   if (multimodal_) {
-    if (modes.empty()) modes_.insert(modes_.end(), lengths.size(), 0);
-    else modes_.insert(modes_.end(), modes.begin(), modes.end());
+    if (modes.empty())
+      modes_.insert(modes_.end(), lengths.size(), 0);
+    else
+      modes_.insert(modes_.end(), modes.begin(), modes.end());
   }
   tokens_ += sum;
   EndDocument();
@@ -182,13 +184,16 @@ absl::Status IndexedDataset::Validate() {
   std::memcpy(&s, p + 18, 8);
   std::memcpy(&d, p + 26, 8);
   // Sizes in 128 bits so absurd counts cannot overflow.
-  const unsigned __int128 want = static_cast<unsigned __int128>(kIndexHeaderSize) + static_cast<unsigned __int128>(s) * 12 +
-                                 static_cast<unsigned __int128>(d) * 8 + (multimodal_ ? s : 0);
+  const unsigned __int128 want = static_cast<unsigned __int128>(kIndexHeaderSize) +
+                                 static_cast<unsigned __int128>(s) * 12 + static_cast<unsigned __int128>(d) * 8 +
+                                 (multimodal_ ? s : 0);
   if (want != size) {
     std::string extra = multimodal_ ? " + modes" : "";
-    std::string hint = (!multimodal_ && want + s == size) ? " (a multimodal index? open it as multimodal)" : " (truncated or corrupt)";
-    return loss(fmt::format("file is {} bytes but sequence_count={} and document_count={} need {} (34 + 12*S + 8*D{}){}",
-                            size, s, d, static_cast<uint64_t>(want), extra, hint));
+    std::string hint =
+        (!multimodal_ && want + s == size) ? " (a multimodal index? open it as multimodal)" : " (truncated or corrupt)";
+    return loss(
+        fmt::format("file is {} bytes but sequence_count={} and document_count={} need {} (34 + 12*S + 8*D{}){}", size,
+                    s, d, static_cast<uint64_t>(want), extra, hint));
   }
   if (d < 1) return loss("document_count is 0 (document_indices must start with 0)");
   num_sequences_ = static_cast<int64_t>(s);
@@ -208,8 +213,9 @@ absl::Status IndexedDataset::Validate() {
       int64_t v;
       std::memcpy(&v, dix + 8 * j, 8);
       if (v < prev)
-        return loss(fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)", j,
-                                v, j - 1, prev));
+        return loss(
+            fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)", j, v,
+                        j - 1, prev));
       if (v > num_sequences_)
         return loss(fmt::format("document_indices[{}] = {} exceeds sequence_count {}", j, v, num_sequences_));
       prev = v;
@@ -220,8 +226,10 @@ absl::Status IndexedDataset::Validate() {
   };
   absl::Status documents_ok;
   std::thread documents_thread;
-  if (num_doc_idx_ >= (1 << 18)) documents_thread = std::thread([&] { documents_ok = check_documents(); });
-  else documents_ok = check_documents();
+  if (num_doc_idx_ >= (1 << 18))
+    documents_thread = std::thread([&] { documents_ok = check_documents(); });
+  else
+    documents_ok = check_documents();
   struct Joiner {
     std::thread& t;
     ~Joiner() {
@@ -261,9 +269,10 @@ absl::Status IndexedDataset::Validate() {
         return loss(fmt::format("sequence_pointers[{}] = {} but the lengths before it put it at {}", i, ptr, expect));
       expect += static_cast<int64_t>(len) * isz;
       if (expect > bin_size)
-        return absl::DataLossError(fmt::format("{}: sequence {} (pointer {}, {} tokens of {} bytes) ends at byte {}, past the "
-                                               "end of the {}-byte file (truncated?)",
-                                               BinPath(prefix_), i, ptr, len, isz, expect, bin_size));
+        return absl::DataLossError(
+            fmt::format("{}: sequence {} (pointer {}, {} tokens of {} bytes) ends at byte {}, past the "
+                        "end of the {}-byte file (truncated?)",
+                        BinPath(prefix_), i, ptr, len, isz, expect, bin_size));
     }
   }
   num_tokens_ = tokens;

@@ -47,7 +47,7 @@ struct TokenSpan {
 class IndexedDatasetBuilder {
  public:
   static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Create(const std::string& prefix, DType dtype,
-                                                                        bool multimodal = false);
+                                                                       bool multimodal = false);
 
   // One sequence; does not close the document (Megatron's add_item).
   absl::Status AddItem(std::span<const int32_t> tokens, int8_t mode = 0);

@@ -31,14 +31,15 @@ DatasetSummary Summarize(const IndexedDataset& ds) {
 std::string FormatSummary(const IndexedDataset& ds, const DatasetSummary& s) {
   std::string out;
   out += fmt::format("prefix:      {}\n", ds.prefix());
-  out += fmt::format("dtype:       {} (code {}, {} bytes per token)\n", DTypeName(ds.dtype()), static_cast<int>(ds.dtype()),
-                     ds.itemsize());
+  out += fmt::format("dtype:       {} (code {}, {} bytes per token)\n", DTypeName(ds.dtype()),
+                     static_cast<int>(ds.dtype()), ds.itemsize());
   out += fmt::format("documents:   {}\n", s.documents);
   out += fmt::format("sequences:   {}\n", s.sequences);
   out += fmt::format("tokens:      {}\n", s.tokens);
   out += fmt::format("bin bytes:   {}\n", ds.bin_size());
   out += fmt::format("idx bytes:   {}\n", ds.idx_size());
-  out += fmt::format("doc tokens:  min {}, mean {:.2f}, max {}\n", s.min_doc_tokens, s.mean_doc_tokens, s.max_doc_tokens);
+  out +=
+      fmt::format("doc tokens:  min {}, mean {:.2f}, max {}\n", s.min_doc_tokens, s.mean_doc_tokens, s.max_doc_tokens);
   out += fmt::format("empty docs:  {}\n", s.empty_documents);
   return out;
 }
@@ -61,7 +62,8 @@ absl::StatusOr<std::string> FormatDocument(const IndexedDataset& ds, int64_t doc
   TokenSpan span = ds.document(doc);
   std::vector<int32_t> v(static_cast<size_t>(span.size));
   for (int64_t i = 0; i < span.size; ++i) v[i] = static_cast<int32_t>(span[i]);
-  std::string out = fmt::format("document {}: {} tokens in {} sequences\n", doc, span.size, ds.document_num_sequences(doc));
+  std::string out =
+      fmt::format("document {}: {} tokens in {} sequences\n", doc, span.size, ds.document_num_sequences(doc));
   if (ids) {
     out += "ids:";
     for (int32_t id : v) out += fmt::format(" {}", id);
@@ -75,16 +77,18 @@ absl::StatusOr<std::string> FormatGPTSample(const DataArgs& args, const GPTDatas
                                             int64_t index, const DecodeFn& decode) {
   PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, config));
   const int which = static_cast<int>(split);
-  if (!sets[which]) return absl::NotFoundError(fmt::format("the {} split is empty with these arguments", SplitName(split)));
+  if (!sets[which])
+    return absl::NotFoundError(fmt::format("the {} split is empty with these arguments", SplitName(split)));
   const TopLevelDataset& ds = *sets[which];
   if (index < 0 || index >= ds.size())
-    return absl::OutOfRangeError(fmt::format("--sample {}: the {} split has {} samples", index, SplitName(split), ds.size()));
+    return absl::OutOfRangeError(
+        fmt::format("--sample {}: the {} split has {} samples", index, SplitName(split), ds.size()));
   GPTSample s;
   PTK_RETURN_IF_ERROR(ds.Get(index, &s));
-  std::string out = fmt::format(
-      "{} split: {} samples ({}, index cache {}), seq_length {}\n", SplitName(split), ds.size(),
-      ds.description().find("BlendedDataset") != std::string::npos ? "BlendedDataset" : "GPTDataset",
-      ds.loaded_from_cache() ? "loaded" : "built", config.sequence_length);
+  std::string out =
+      fmt::format("{} split: {} samples ({}, index cache {}), seq_length {}\n", SplitName(split), ds.size(),
+                  ds.description().find("BlendedDataset") != std::string::npos ? "BlendedDataset" : "GPTDataset",
+                  ds.loaded_from_cache() ? "loaded" : "built", config.sequence_length);
   out += fmt::format("sample {} (dataset {}):\ntokens:", index, s.dataset_id);
   for (int64_t t : s.tokens) out += fmt::format(" {}", t);
   int masked = 0;

@@ -23,18 +23,24 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
     std::string name = e->d_name;
     std::string full = JoinPath(dir, name);
     if (IsDirectory(full)) continue;
-    auto ends = [&](std::string_view suf) { return name.size() > suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0; };
-    if (ends(".bin")) bins.insert(name.substr(0, name.size() - 4));
-    else if (ends(".idx")) idxs.insert(name.substr(0, name.size() - 4));
+    auto ends = [&](std::string_view suf) {
+      return name.size() > suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+    };
+    if (ends(".bin"))
+      bins.insert(name.substr(0, name.size() - 4));
+    else if (ends(".idx"))
+      idxs.insert(name.substr(0, name.size() - 4));
   }
   ::closedir(d);
   std::vector<std::string> out;
   for (const auto& b : bins) {
-    if (!idxs.count(b)) return absl::NotFoundError(fmt::format("{}: .idx file not provided for {}", dir, JoinPath(dir, b)));
+    if (!idxs.count(b))
+      return absl::NotFoundError(fmt::format("{}: .idx file not provided for {}", dir, JoinPath(dir, b)));
     out.push_back(JoinPath(dir, b));
   }
   for (const auto& i : idxs)
-    if (!bins.count(i)) return absl::NotFoundError(fmt::format("{}: .bin file not provided for {}", dir, JoinPath(dir, i)));
+    if (!bins.count(i))
+      return absl::NotFoundError(fmt::format("{}: .bin file not provided for {}", dir, JoinPath(dir, i)));
   std::sort(out.begin(), out.end());
   if (out.empty()) return absl::NotFoundError(fmt::format("{}: no .bin/.idx pairs to merge", dir));
   return out;

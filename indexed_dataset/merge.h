@@ -18,7 +18,7 @@ struct MergeStats {
 };
 // Appends the inputs in the given order into `output_prefix` (dtype of the first input; every
 // input must share it).
-absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes, const std::string& output_prefix,
-                                         bool multimodal = false);
+absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes,
+                                         const std::string& output_prefix, bool multimodal = false);
 
 }  // namespace ptk

@@ -69,7 +69,9 @@ std::string IndexArray::HeaderBytes() const {
   for (size_t i = 0; i < shape_.size(); ++i) shape += (i ? ", " : "") + std::to_string(shape_[i]);
   shape += shape_.size() == 1 ? ",)" : ")";
   std::string h = fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}", NpyDescr(type_), shape);
-  if (!shape_.empty()) h += std::string(static_cast<size_t>(std::max<int>(0, 21 - static_cast<int>(std::to_string(shape_[0]).size()))), ' ');
+  if (!shape_.empty())
+    h += std::string(static_cast<size_t>(std::max<int>(0, 21 - static_cast<int>(std::to_string(shape_[0]).size()))),
+                     ' ');
   size_t hlen = h.size() + 1;
   size_t pad = 64 - ((hlen + 10) % 64);
   if (pad == 64) pad = 0;
@@ -100,16 +102,22 @@ absl::StatusOr<IndexArray> IndexArray::Load(const std::string& path) {
   size_t hlen = p[8] | (static_cast<size_t>(p[9]) << 8);
   if (10 + hlen > file->size()) return bad("truncated header");
   std::string h(reinterpret_cast<const char*>(p) + 10, hlen);
-  static const std::regex re(R"(\{'descr': '([<|][iu][248])', 'fortran_order': False, 'shape': \((\d+),(?: (\d+))?\), \})");
+  static const std::regex re(
+      R"(\{'descr': '([<|][iu][248])', 'fortran_order': False, 'shape': \((\d+),(?: (\d+))?\), \})");
   std::smatch m;
   if (!std::regex_search(h, m, re)) return bad("unexpected .npy header " + h);
   IndexArray a;
   std::string d = m[1];
-  if (d == "<i2") a.type_ = NpyType::kInt16;
-  else if (d == "<i4") a.type_ = NpyType::kInt32;
-  else if (d == "<i8") a.type_ = NpyType::kInt64;
-  else if (d == "<u4") a.type_ = NpyType::kUInt32;
-  else return bad("unsupported dtype " + d);
+  if (d == "<i2")
+    a.type_ = NpyType::kInt16;
+  else if (d == "<i4")
+    a.type_ = NpyType::kInt32;
+  else if (d == "<i8")
+    a.type_ = NpyType::kInt64;
+  else if (d == "<u4")
+    a.type_ = NpyType::kUInt32;
+  else
+    return bad("unsupported dtype " + d);
   a.shape_.push_back(std::stoll(m[2]));
   if (m[3].matched) a.shape_.push_back(std::stoll(m[3]));
   const uint64_t need = 10 + hlen + static_cast<uint64_t>(a.size()) * NpySize(a.type_);

@@ -35,10 +35,26 @@ class IndexArray {
   int64_t at(int64_t i) const {
     const uint8_t* p = data() + static_cast<size_t>(i) * NpySize(type_);
     switch (type_) {
-      case NpyType::kInt16: { int16_t v; std::memcpy(&v, p, 2); return v; }
-      case NpyType::kInt32: { int32_t v; std::memcpy(&v, p, 4); return v; }
-      case NpyType::kUInt32: { uint32_t v; std::memcpy(&v, p, 4); return v; }
-      case NpyType::kInt64: { int64_t v; std::memcpy(&v, p, 8); return v; }
+      case NpyType::kInt16: {
+        int16_t v;
+        std::memcpy(&v, p, 2);
+        return v;
+      }
+      case NpyType::kInt32: {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        return v;
+      }
+      case NpyType::kUInt32: {
+        uint32_t v;
+        std::memcpy(&v, p, 4);
+        return v;
+      }
+      case NpyType::kInt64: {
+        int64_t v;
+        std::memcpy(&v, p, 8);
+        return v;
+      }
     }
     return 0;
   }

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -37,12 +37,14 @@ inline bool HaveAvx512() { return Avx512Enabled(); }
 // A block reads its "next" words before storing, and its "far" words are old ones (first part)
 // or ones already twisted (second part), exactly as the one-word recurrence sees them.
 __attribute__((target("avx512f"))) inline void Mt19937Twist16(uint32_t* mt, uint32_t i, uint32_t far) {
-  const __m512i cur = _mm512_loadu_si512(mt + i), next = _mm512_loadu_si512(mt + i + 1), f = _mm512_loadu_si512(mt + far);
+  const __m512i cur = _mm512_loadu_si512(mt + i), next = _mm512_loadu_si512(mt + i + 1),
+                f = _mm512_loadu_si512(mt + far);
   const __m512i y = _mm512_or_si512(_mm512_and_si512(cur, _mm512_set1_epi32(static_cast<int>(0x80000000u))),
                                     _mm512_and_si512(next, _mm512_set1_epi32(0x7fffffff)));
   const __mmask16 odd = _mm512_test_epi32_mask(y, _mm512_set1_epi32(1));
-  _mm512_storeu_si512(mt + i, _mm512_xor_si512(_mm512_xor_si512(f, _mm512_srli_epi32(y, 1)),
-                                               _mm512_maskz_mov_epi32(odd, _mm512_set1_epi32(static_cast<int>(0x9908b0dfu)))));
+  _mm512_storeu_si512(mt + i,
+                      _mm512_xor_si512(_mm512_xor_si512(f, _mm512_srli_epi32(y, 1)),
+                                       _mm512_maskz_mov_epi32(odd, _mm512_set1_epi32(static_cast<int>(0x9908b0dfu)))));
 }
 inline void Mt19937Twist1(uint32_t* mt, uint32_t i, uint32_t next, uint32_t far) {
   const uint32_t y = (mt[i] & 0x80000000u) | (mt[next] & 0x7fffffffu);
@@ -59,8 +61,10 @@ __attribute__((target("avx512f"))) inline void Mt19937RefillAvx512(uint32_t* mt,
   for (uint32_t k = 0; k < kN; k += 16) {
     __m512i y = _mm512_loadu_si512(mt + k);
     y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 11));
-    y = _mm512_xor_si512(y, _mm512_and_si512(_mm512_slli_epi32(y, 7), _mm512_set1_epi32(static_cast<int>(0x9d2c5680u))));
-    y = _mm512_xor_si512(y, _mm512_and_si512(_mm512_slli_epi32(y, 15), _mm512_set1_epi32(static_cast<int>(0xefc60000u))));
+    y = _mm512_xor_si512(y,
+                         _mm512_and_si512(_mm512_slli_epi32(y, 7), _mm512_set1_epi32(static_cast<int>(0x9d2c5680u))));
+    y = _mm512_xor_si512(y,
+                         _mm512_and_si512(_mm512_slli_epi32(y, 15), _mm512_set1_epi32(static_cast<int>(0xefc60000u))));
     y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 18));
     _mm512_storeu_si512(out + k, y);
   }
@@ -123,9 +127,9 @@ class Mt19937 {
 #endif
     uint32_t i = 0;
 #if defined(__SSE2__)
-    for (; i + 4 <= kN - kM - 3; i += 4) Block(i, i + kM);       // far = old words
+    for (; i + 4 <= kN - kM - 3; i += 4) Block(i, i + kM);  // far = old words
     for (; i < kN - kM; ++i) mt_[i] = Twist1(mt_[i], mt_[i + 1], mt_[i + kM]);
-    for (; i + 4 <= kN - 4; i += 4) Block(i, i + kM - kN);       // far = words already twisted
+    for (; i + 4 <= kN - 4; i += 4) Block(i, i + kM - kN);  // far = words already twisted
 #endif
     for (; i < kN - kM; ++i) mt_[i] = Twist1(mt_[i], mt_[i + 1], mt_[i + kM]);
     for (; i < kN - 1; ++i) mt_[i] = Twist1(mt_[i], mt_[i + 1], mt_[i + kM - kN]);
@@ -168,7 +172,7 @@ namespace numpy_random_internal {
 // small) goes one output at a time. Accepted values are packed in order and stored. Returns how
 // many outputs were consumed; *b and *k advance as the one-at-a-time loop would.
 __attribute__((target("avx512f"))) inline size_t AcceptAvx512(const uint32_t* x, size_t n, uint32_t mask, uint32_t low,
-                                                               uint32_t* b_io, uint32_t* out, size_t* k_io) {
+                                                              uint32_t* b_io, uint32_t* out, size_t* k_io) {
   uint32_t b = *b_io;
   size_t k = *k_io, j = 0;
   const __m512i vm = _mm512_set1_epi32(static_cast<int>(mask));
@@ -245,7 +249,8 @@ class NumpyRandomState {
         size_t j = 0;
 #if defined(__x86_64__)
         if constexpr (std::is_same_v<Int, uint32_t>)
-          if (numpy_random_internal::HaveAvx512()) j = numpy_random_internal::AcceptAvx512(x, n, mask, low, &b, out, &k);
+          if (numpy_random_internal::HaveAvx512())
+            j = numpy_random_internal::AcceptAvx512(x, n, mask, low, &b, out, &k);
 #endif
         for (; j < n && b >= low; ++j) {
           const uint32_t v = x[j] & mask;
@@ -271,8 +276,10 @@ class NumpyRandomState {
   template <typename T>
   void Shuffle(T* x, size_t n) {
     if (n < 2) return;
-    if (n - 1 <= 0xFFFFFFFFull) ShuffleWith<uint32_t>(x, n);  // 32-bit draws take the vector path
-    else ShuffleWith<uint64_t>(x, n);
+    if (n - 1 <= 0xFFFFFFFFull)
+      ShuffleWith<uint32_t>(x, n);  // 32-bit draws take the vector path
+    else
+      ShuffleWith<uint64_t>(x, n);
   }
 
  private:

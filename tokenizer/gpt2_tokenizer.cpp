@@ -147,15 +147,18 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   simdjson::padded_string padded(vocab_json);
   simdjson::dom::element root;
   if (auto err = parser.parse(padded).get(root))
-    return absl::InvalidArgumentError(fmt::format("{}: vocab is not valid JSON: {}", origin, simdjson::error_message(err)));
+    return absl::InvalidArgumentError(
+        fmt::format("{}: vocab is not valid JSON: {}", origin, simdjson::error_message(err)));
   simdjson::dom::object obj;
-  if (root.get_object().get(obj)) return absl::InvalidArgumentError(fmt::format("{}: vocab must be a JSON object", origin));
+  if (root.get_object().get(obj))
+    return absl::InvalidArgumentError(fmt::format("{}: vocab must be a JSON object", origin));
   absl::flat_hash_map<std::string, int32_t> str_to_id;
   std::vector<std::pair<int64_t, std::string>> entries;
   for (auto field : obj) {
     int64_t id;
     if (field.value.get_int64().get(id))
-      return absl::InvalidArgumentError(fmt::format("{}: vocab entry {:?} has a non-integer id", origin, std::string(field.key)));
+      return absl::InvalidArgumentError(
+          fmt::format("{}: vocab entry {:?} has a non-integer id", origin, std::string(field.key)));
     entries.emplace_back(id, std::string(field.key));
   }
   const int64_t n = static_cast<int64_t>(entries.size());
@@ -210,16 +213,17 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     if (line.empty()) continue;
     if (line_no == 1 && line.rfind("#version", 0) == 0) continue;
     size_t sp = line.find(' ');
-    if (sp == std::string_view::npos || sp == 0 || sp + 1 >= line.size() || line.find(' ', sp + 1) != std::string_view::npos)
-      return absl::InvalidArgumentError(
-          fmt::format("{}: merges line {} must hold two symbols separated by one space: {:?}", origin, line_no, std::string(line)));
+    if (sp == std::string_view::npos || sp == 0 || sp + 1 >= line.size() ||
+        line.find(' ', sp + 1) != std::string_view::npos)
+      return absl::InvalidArgumentError(fmt::format(
+          "{}: merges line {} must hold two symbols separated by one space: {:?}", origin, line_no, std::string(line)));
     std::string_view a = line.substr(0, sp), b = line.substr(sp + 1);
     joined.assign(a);
     joined.append(b);
     int32_t ia = find_id(a), ib = find_id(b), ic = find_id(joined);
     if (ia < 0 || ib < 0 || ic < 0)
-      return absl::InvalidArgumentError(
-          fmt::format("{}: merges line {} ({:?}) uses a symbol that is not in the vocab", origin, line_no, std::string(line)));
+      return absl::InvalidArgumentError(fmt::format("{}: merges line {} ({:?}) uses a symbol that is not in the vocab",
+                                                    origin, line_no, std::string(line)));
     merges_[(static_cast<uint64_t>(static_cast<uint32_t>(ia)) << 32) | static_cast<uint32_t>(ib)] = MergeInfo{rank, ic};
     mergeable[ic] = true;
     ++rank;
@@ -246,7 +250,8 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     }
     if (tb.size() <= 16) {
       uint64_t k0, k1;
-      LoadKey(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), reinterpret_cast<const uint8_t*>(tb.data()), &k0, &k1);
+      LoadKey(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), reinterpret_cast<const uint8_t*>(tb.data()), &k0,
+              &k1);
       uint64_t h = HashKey(k0, k1, static_cast<uint32_t>(tb.size())) & short_mask_;
       while (short_table_[h].len != 0) h = (h + 1) & short_mask_;
       short_table_[h] = PieceSlot{k0, k1, static_cast<uint8_t>(tb.size()), 1, 0, {static_cast<int32_t>(id), 0, 0}};
@@ -293,8 +298,10 @@ std::string Gpt2Tokenizer::Decode(std::span<const int32_t> ids) const {
 }
 
 void Gpt2Tokenizer::BpePiece(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
-  if (n <= 64) BpeShort(p, n, out);
-  else BpeLong(p, n, out);
+  if (n <= 64)
+    BpeShort(p, n, out);
+  else
+    BpeLong(p, n, out);
 }
 
 // Megatron/OpenAI's algorithm: repeatedly take the adjacent pair of lowest merge rank and merge all

@@ -23,8 +23,10 @@ class Gpt2Tokenizer {
 
   // Loads vocab.json and merges.txt. Merges: a first line starting with "#version" is skipped,
   // as are empty lines; every other line must hold exactly two symbols.
-  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Load(const std::string& vocab_path, const std::string& merges_path);
-  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> FromStrings(std::string_view vocab_json, std::string_view merges_txt,
+  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Load(const std::string& vocab_path,
+                                                             const std::string& merges_path);
+  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> FromStrings(std::string_view vocab_json,
+                                                                    std::string_view merges_txt,
                                                                     std::string_view origin = "<memory>");
   // The GPT-2 files shipped inside ptk (identical to ../shared/gpt2, pinned by sha256 in tiktoken).
   static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> LoadDefault();
@@ -36,7 +38,7 @@ class Gpt2Tokenizer {
   static std::string_view DefaultMergesTxt();
 
   int64_t vocab_size() const { return static_cast<int64_t>(id_to_bytes_.size()); }  // 50257 for GPT-2
-  int32_t eod() const { return eod_id_; }                                               // 50256
+  int32_t eod() const { return eod_id_; }                                           // 50256
   int64_t num_merges() const { return num_merges_; }
 
   // Raw bytes of a token (no UTF-8 repair); empty for an unknown id.

@@ -83,7 +83,8 @@ inline const uint8_t* LetterRunEnd(const uint8_t* p, const uint8_t* end) {
     __m128i lower = _mm_or_si128(v, _mm_set1_epi8(0x20));
     // 'a'..'z' -> -128..-103 (signed); everything else, non-ASCII included, lands elsewhere.
     __m128i t = _mm_add_epi8(lower, _mm_set1_epi8(static_cast<char>(128 - 'a')));
-    unsigned m = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmplt_epi8(t, _mm_set1_epi8(static_cast<char>(-128 + 26)))));
+    unsigned m =
+        static_cast<unsigned>(_mm_movemask_epi8(_mm_cmplt_epi8(t, _mm_set1_epi8(static_cast<char>(-128 + 26)))));
     if (m != 0xFFFFu) {
       p += __builtin_ctz(~m);
       if (*p < 0x80) return p;

@@ -21,22 +21,26 @@ struct RunArgs {
 };
 
 void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required) {
-  auto* in = app->add_option("--input,input", r->inputs,
-                             "jsonl files, globs or directories (directories: every .jsonl/.jsonl.zst/.jsonl.xz below)");
+  auto* in =
+      app->add_option("--input,input", r->inputs,
+                      "jsonl files, globs or directories (directories: every .jsonl/.jsonl.zst/.jsonl.xz below)");
   auto* out = app->add_option("--output-dir", r->output_dir, "Where the chunks are written");
   if (required) {
     in->required();
     out->required();
   }
-  auto* c = app->add_option("--chunks", r->plan.chunks, "Number of chunks, balanced by bytes")->check(CLI::PositiveNumber);
+  auto* c =
+      app->add_option("--chunks", r->plan.chunks, "Number of chunks, balanced by bytes")->check(CLI::PositiveNumber);
   app->add_option("--files-per-chunk", r->plan.files_per_chunk,
                   "Consecutive groups of this many files instead (NeMo's concat.sh: 800 with --order bytes)")
       ->check(CLI::PositiveNumber)
       ->excludes(c);
-  app->add_option("--order", r->order, "Input order: natural (shard2 before shard10) or bytes (C locale, as LC_ALL=C ls)")
+  app->add_option("--order", r->order,
+                  "Input order: natural (shard2 before shard10) or bytes (C locale, as LC_ALL=C ls)")
       ->check(CLI::IsMember({"natural", "bytes"}));
-  app->add_option("--name-pattern", r->plan.name_pattern,
-                  "Chunk file names, a {}-pattern of the 0-based index (default train_{:02d}.jsonl; NeMo: train_chunk_{}.jsonl)");
+  app->add_option(
+      "--name-pattern", r->plan.name_pattern,
+      "Chunk file names, a {}-pattern of the 0-based index (default train_{:02d}.jsonl; NeMo: train_chunk_{}.jsonl)");
 }
 
 absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
@@ -49,10 +53,12 @@ absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
   o.durable = !a.no_fsync;
   o.progress = !a.quiet;
   PTK_ASSIGN_OR_RETURN(ptk::ConcatSummary s, ptk::RunConcat(plan, o));
-  ptk::log::Info("{} chunks built, {} already complete, {} failed; {:.1f} MB written to {}{}", s.built, s.skipped,
-                 s.failed, s.bytes / 1e6, plan.output_dir,
-                 s.newlines_added ? fmt::format("; {} inputs lacked a final newline (one was added)", s.newlines_added) : "");
-  if (s.failed) return absl::InternalError(fmt::format("{} of {} chunks failed", s.failed, s.built + s.skipped + s.failed));
+  ptk::log::Info(
+      "{} chunks built, {} already complete, {} failed; {:.1f} MB written to {}{}", s.built, s.skipped, s.failed,
+      s.bytes / 1e6, plan.output_dir,
+      s.newlines_added ? fmt::format("; {} inputs lacked a final newline (one was added)", s.newlines_added) : "");
+  if (s.failed)
+    return absl::InternalError(fmt::format("{} of {} chunks failed", s.failed, s.built + s.skipped + s.failed));
   return absl::OkStatus();
 }
 
@@ -80,8 +86,9 @@ int main(int argc, char** argv) {
   app->add_option("--plan", top_run.plan_path, "Plan file (default: OUTPUT_DIR/concat-plan.json)");
   app->add_option("--jobs", top_run.jobs, "Chunks built at once")->check(CLI::PositiveNumber);
   app->add_flag("--quiet", top_run.quiet, "No progress output");
-  const char* kNoFsync = "Do not fsync the chunks: faster where the disk is slow, but a chunk may be lost (never "
-                         "half-written) if the node crashes soon after; what cat gives";
+  const char* kNoFsync =
+      "Do not fsync the chunks: faster where the disk is slow, but a chunk may be lost (never "
+      "half-written) if the node crashes soon after; what cat gives";
   app->add_flag("--no-fsync", top_run.no_fsync, kNoFsync);
 
   ptk::ConcatPlanRequest plan_req;
@@ -91,8 +98,9 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--plan", plan_path, "Plan file to write (default: OUTPUT_DIR/concat-plan.json)");
 
   RunArgs run_args;
-  auto* run_cmd = app->add_subcommand("run", "Build chunks of an existing plan: one (--chunk-index), this array task's "
-                                             "share (--shard-index/--num-shards or SLURM_ARRAY_TASK_ID), or all");
+  auto* run_cmd = app->add_subcommand("run",
+                                      "Build chunks of an existing plan: one (--chunk-index), this array task's "
+                                      "share (--shard-index/--num-shards or SLURM_ARRAY_TASK_ID), or all");
   run_cmd->add_option("--plan", run_args.plan_path, "Plan file written by `ptk-concat plan`")->required();
   auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)");
   run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")->excludes(ci);

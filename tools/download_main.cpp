@@ -18,26 +18,34 @@ int main(int argc, char** argv) {
       "ptk-download",
       "Download a Hugging Face repo (listed through the Hub API, revision pinned to its commit) or a URL list into "
       "--local-dir. Files are fetched in parallel, resumed across runs (NAME.part + Range), verified (size and "
-      "sha256) before an atomic rename, and split across array tasks. Exit 0 ok, 1 some file failed, 2 usage, 3 disk full.");
+      "sha256) before an atomic rename, and split across array tasks. Exit 0 ok, 1 some file failed, 2 usage, 3 disk "
+      "full.");
   ptk::DownloadOptions opt;
   std::optional<int64_t> shard_index, num_shards;
   std::string token_file;
   bool quiet = false;
   if (const char* ep = std::getenv("HF_ENDPOINT"); ep && *ep) opt.endpoint = ep;
   app->add_option("--repo", opt.repo, "Hub repo id, e.g. cerebras/SlimPajama-627B");
-  app->add_option("--repo-type", opt.repo_type, "dataset, model or space")->check(CLI::IsMember({"dataset", "model", "space"}));
+  app->add_option("--repo-type", opt.repo_type, "dataset, model or space")
+      ->check(CLI::IsMember({"dataset", "model", "space"}));
   app->add_option("--revision", opt.revision, "Branch, tag or commit; pinned to its commit sha before listing");
-  app->add_option("--include", opt.include, "Only repo paths matching these patterns (fnmatch; '*' crosses '/'), e.g. 'train/**'");
+  app->add_option("--include", opt.include,
+                  "Only repo paths matching these patterns (fnmatch; '*' crosses '/'), e.g. 'train/**'");
   app->add_option("--exclude", opt.exclude, "Skip repo paths matching these patterns");
-  app->add_option("--url-list", opt.url_list, "File of 'URL [sha256=HEX] [size=N] [path=NAME]' lines instead of a repo");
+  app->add_option("--url-list", opt.url_list,
+                  "File of 'URL [sha256=HEX] [size=N] [path=NAME]' lines instead of a repo");
   app->add_option("--local-dir", opt.local_dir, "Destination directory (mirrors the repo layout)")->required();
   app->add_option("--endpoint", opt.endpoint, "Hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)");
-  app->add_option("--token-file", token_file, "File holding the Hub token (default: $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token)");
+  app->add_option("--token-file", token_file,
+                  "File holding the Hub token (default: $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token)");
   app->add_option("--jobs", opt.jobs, "Files downloaded at once")->check(CLI::Range(1, 256));
-  app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")->check(CLI::NonNegativeNumber);
-  app->add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")->check(CLI::PositiveNumber);
+  app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")
+      ->check(CLI::PositiveNumber);
   app->add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(CLI::PositiveNumber);
-  app->add_option("--stall-timeout", opt.stall_timeout_s, "Abort and resume a transfer that receives nothing for this long, seconds")
+  app->add_option("--stall-timeout", opt.stall_timeout_s,
+                  "Abort and resume a transfer that receives nothing for this long, seconds")
       ->check(CLI::PositiveNumber);
   app->add_option("--shard-index", shard_index, "This task's shard (default: from SLURM_ARRAY_TASK_ID)");
   app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT)");
@@ -56,13 +64,15 @@ int main(int argc, char** argv) {
     PTK_ASSIGN_OR_RETURN(ptk::DownloadSummary s, ptk::RunDownload(opt));
     if (opt.list_only) return absl::OkStatus();
     ptk::log::Info(
-        "shard {}/{}: {} downloaded ({}), {} already present, {} failed; {} resolves, {} retries, {} rate-limited, {:.1f} s ({:.1f} MB/s)",
+        "shard {}/{}: {} downloaded ({}), {} already present, {} failed; {} resolves, {} retries, {} rate-limited, "
+        "{:.1f} s ({:.1f} MB/s)",
         opt.shard.index, opt.shard.count, s.downloaded, ptk::HumanBytes(static_cast<double>(s.bytes_downloaded)),
         s.already_present, s.failures.size(), s.resolves, s.retries, s.rate_limited, s.seconds,
         s.bytes_downloaded / 1e6 / std::max(s.seconds, 1e-9));
     if (!s.failures.empty()) {
       for (const auto& f : s.failures) ptk::log::Error("failed: {}: {}", f.path, f.error);
-      return absl::UnavailableError(fmt::format("{} of {} files failed; rerun to retry them", s.failures.size(), s.files_in_shard));
+      return absl::UnavailableError(
+          fmt::format("{} of {} files failed; rerun to retry them", s.failures.size(), s.files_in_shard));
     }
     return absl::OkStatus();
   });

@@ -19,21 +19,25 @@ int main(int argc, char** argv) {
   int jobs = 4;
   std::optional<int64_t> shard_index, num_shards;
   bool delete_input = false, verify = false, quiet = false;
-  app->add_option("--input,input", inputs, "Files, globs or directories (directories: every .zst/.xz below)")->required();
-  app->add_option("--output-dir", output_dir,
-                  "Where the .jsonl files go, keeping the layout below a directory argument (default: next to each input)");
+  app->add_option("--input,input", inputs, "Files, globs or directories (directories: every .zst/.xz below)")
+      ->required();
+  app->add_option(
+      "--output-dir", output_dir,
+      "Where the .jsonl files go, keeping the layout below a directory argument (default: next to each input)");
   app->add_option("--jobs", jobs, "Files decompressed at once")->check(CLI::PositiveNumber);
   app->add_option("--shard-index", shard_index, "This task's shard (default: from SLURM_ARRAY_TASK_ID)");
   app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT)");
   app->add_flag("--delete-input", delete_input, "Delete each input after its output is complete");
-  app->add_option("--drop-set", drop_sets, "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)");
+  app->add_option("--drop-set", drop_sets,
+                  "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)");
   app->add_flag("--verify", verify, "Re-decode inputs whose outputs look complete and compare byte for byte");
   app->add_flag("--quiet", quiet, "No progress output");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     ptk::ExtractOptions opt;
-    PTK_ASSIGN_OR_RETURN(auto files, ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz"}, ptk::PathOrder::kNatural));
+    PTK_ASSIGN_OR_RETURN(auto files,
+                         ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz"}, ptk::PathOrder::kNatural));
     for (const auto& f : files) {
       opt.inputs.push_back(f.path);
       opt.relative_outputs.push_back(f.rel);
@@ -47,9 +51,10 @@ int main(int argc, char** argv) {
     opt.verify = verify;
     opt.progress = !quiet;
     PTK_ASSIGN_OR_RETURN(ptk::ExtractSummary s, ptk::RunExtract(opt));
-    ptk::log::Info("shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
-                   opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
-                   s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
+    ptk::log::Info(
+        "shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
+        opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
+        s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
     if (s.failed > 0) {
       for (const auto& f : s.files)
         if (f.state == ptk::ExtractFileResult::State::kFailed)

@@ -18,8 +18,10 @@ int main(int argc, char** argv) {
   bool verify = false, stats = false, multimodal = false;
   app->add_option("prefix", prefix, "Dataset path without .bin/.idx");
   app->add_option("--doc", doc, "Print document N (0-based): its token ids and decoded text");
-  app->add_option("--format", format, "What --doc prints: ids, text or both")->check(CLI::IsMember({"ids", "text", "both"}));
-  app->add_flag("--verify", verify, "Check integrity (header, sizes, pointers, document indices, .bin size); exit 1 on damage");
+  app->add_option("--format", format, "What --doc prints: ids, text or both")
+      ->check(CLI::IsMember({"ids", "text", "both"}));
+  app->add_flag("--verify", verify,
+                "Check integrity (header, sizes, pointers, document indices, .bin size); exit 1 on damage");
   app->add_flag("--stats", stats, "Print a histogram of document lengths");
   app->add_flag("--multimodal", multimodal, "The index carries a per-sequence modes array");
   app->add_option("--vocab-file", vocab_file, "GPT-2 vocab.json for decoding (default: the built-in GPT-2 vocab)");
@@ -31,7 +33,8 @@ int main(int argc, char** argv) {
   std::string split = "969, 30, 1", sample_split = "train", cache_path;
   std::optional<int64_t> train_samples, valid_samples, test_samples;
   bool eod_mask_loss = false, reset_position_ids = false, write_cache = false;
-  auto* sample_opt = app->add_option("--sample", sample, "Print top-level sample I as Megatron's GPTDataset/BlendedDataset gives it");
+  auto* sample_opt =
+      app->add_option("--sample", sample, "Print top-level sample I as Megatron's GPTDataset/BlendedDataset gives it");
   app->add_option("--data-path", data_path, "Megatron's --data-path (default: the prefix): 'p' or 'w1 p1 w2 p2 ...'");
   app->add_option("--train-data-path", train_path, "Megatron's --train-data-path");
   app->add_option("--valid-data-path", valid_path, "Megatron's --valid-data-path");
@@ -39,15 +42,20 @@ int main(int argc, char** argv) {
   app->add_option("--split", split, "Megatron's --split");
   app->add_option("--seq-length", seq_length, "Megatron's --seq-length (required with --sample)");
   app->add_option("--seed", seed, "Megatron's --seed");
-  app->add_option("--sample-split", sample_split, "Which split --sample reads")->check(CLI::IsMember({"train", "valid", "test"}));
-  app->add_option("--train-samples", train_samples, "Samples of the train split (Megatron: --train-samples or train_iters*GBS)");
-  app->add_option("--valid-samples", valid_samples, "Samples of the valid split (Megatron: (iters//eval_interval+1)*eval_iters*GBS)");
+  app->add_option("--sample-split", sample_split, "Which split --sample reads")
+      ->check(CLI::IsMember({"train", "valid", "test"}));
+  app->add_option("--train-samples", train_samples,
+                  "Samples of the train split (Megatron: --train-samples or train_iters*GBS)");
+  app->add_option("--valid-samples", valid_samples,
+                  "Samples of the valid split (Megatron: (iters//eval_interval+1)*eval_iters*GBS)");
   app->add_option("--test-samples", test_samples, "Samples of the test split (Megatron: eval_iters*GBS)");
-  app->add_option("--data-cache-path", cache_path, "Megatron's --data-cache-path (index cache read from and, with --write-cache, written to)");
+  app->add_option("--data-cache-path", cache_path,
+                  "Megatron's --data-cache-path (index cache read from and, with --write-cache, written to)");
   app->add_option("--mid-level-dataset-surplus", surplus, "Megatron's --mid-level-dataset-surplus");
   app->add_flag("--eod-mask-loss", eod_mask_loss, "Megatron's --eod-mask-loss");
   app->add_flag("--reset-position-ids", reset_position_ids, "Megatron's --reset-position-ids");
-  app->add_flag("--write-cache", write_cache, "Save the index cache the way Megatron does (off by default: inspect only reads)");
+  app->add_flag("--write-cache", write_cache,
+                "Save the index cache the way Megatron does (off by default: inspect only reads)");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
@@ -60,9 +68,10 @@ int main(int argc, char** argv) {
     if (sample_opt->count() > 0) {
       if (seq_length < 2) return ptk::cli::UsageError("--sample needs --seq-length");
       ptk::DataArgs args;
-      args.data_path = data_path.empty() && train_path.empty() && valid_path.empty() && test_path.empty() && !prefix.empty()
-                           ? std::vector<std::string>{prefix}
-                           : data_path;
+      args.data_path =
+          data_path.empty() && train_path.empty() && valid_path.empty() && test_path.empty() && !prefix.empty()
+              ? std::vector<std::string>{prefix}
+              : data_path;
       args.per_split_data_path = {train_path, valid_path, test_path};
       args.split = split;
       args.sizes = {train_samples, valid_samples, test_samples};
@@ -76,7 +85,7 @@ int main(int argc, char** argv) {
       cfg.mid_level_dataset_surplus = surplus;
       cfg.eod_mask_loss = eod_mask_loss;
       cfg.reset_position_ids = reset_position_ids;
-      const ptk::Split which = sample_split == "train" ? ptk::Split::kTrain
+      const ptk::Split which = sample_split == "train"   ? ptk::Split::kTrain
                                : sample_split == "valid" ? ptk::Split::kValid
                                                          : ptk::Split::kTest;
       PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatGPTSample(args, cfg, which, sample, decode));

@@ -8,14 +8,16 @@
 #include "indexed_dataset/merge.h"
 
 int main(int argc, char** argv) {
-  auto app = ptk::cli::MakeApp("ptk-merge",
-                               "Merge several Megatron .bin/.idx datasets into one. With --input DIR every prefix in DIR "
-                               "is merged in sorted order (as Megatron's tools/merge_datasets.py); with --inputs the "
-                               "given order is kept.");
+  auto app =
+      ptk::cli::MakeApp("ptk-merge",
+                        "Merge several Megatron .bin/.idx datasets into one. With --input DIR every prefix in DIR "
+                        "is merged in sorted order (as Megatron's tools/merge_datasets.py); with --inputs the "
+                        "given order is kept.");
   std::string input_dir, output_prefix;
   std::vector<std::string> inputs;
   bool multimodal = false;
-  auto* in_opt = app->add_option("--input", input_dir, "Directory holding the PREFIX.bin/.idx pairs to merge (sorted order)");
+  auto* in_opt =
+      app->add_option("--input", input_dir, "Directory holding the PREFIX.bin/.idx pairs to merge (sorted order)");
   app->add_option("--inputs", inputs, "Prefixes to merge, in this order")->excludes(in_opt);
   app->add_option("--output-prefix", output_prefix, "Output path without .bin/.idx")->required();
   app->add_flag("--multimodal", multimodal, "The datasets carry a per-sequence modes array");
@@ -24,9 +26,11 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (input_dir.empty() && inputs.empty()) return ptk::cli::UsageError("give --input DIR or --inputs PREFIX...");
     std::string out_dir = ptk::Dirname(output_prefix);
-    if (!ptk::IsDirectory(out_dir)) return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", out_dir));
+    if (!ptk::IsDirectory(out_dir))
+      return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", out_dir));
     if (!input_dir.empty()) {
-      if (!ptk::IsDirectory(input_dir)) return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", input_dir));
+      if (!ptk::IsDirectory(input_dir))
+        return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", input_dir));
       PTK_ASSIGN_OR_RETURN(inputs, ptk::FindPrefixesInDir(input_dir));
     }
     PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal));

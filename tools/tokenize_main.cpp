@@ -7,9 +7,9 @@
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "dataprep/json_record.h"
 #include "dataprep/tokenize_pipeline.h"
 #include "tokenizer/gpt2_tokenizer.h"
-#include "dataprep/json_record.h"
 
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(
@@ -25,26 +25,31 @@ int main(int argc, char** argv) {
   int64_t vocab_size = 0;
   double batch_mb = 1.0;
 
-  app->add_option("--input", inputs, "Input files or globs, read in the order given (matches of one glob in natural order)")
+  app->add_option("--input", inputs,
+                  "Input files or globs, read in the order given (matches of one glob in natural order)")
       ->required();
-  app->add_option("--output-prefix", opt.output_prefix, "Output path prefix: writes PREFIX_{key}_document.bin/.idx")->required();
+  app->add_option("--output-prefix", opt.output_prefix, "Output path prefix: writes PREFIX_{key}_document.bin/.idx")
+      ->required();
   app->add_option("--json-keys", opt.json_keys, "Keys to extract from each JSON line; one dataset per key");
   app->add_option("--tokenizer-type", tokenizer_type, "Tokenizer; only GPT2BPETokenizer is supported");
   app->add_option("--vocab-file", vocab_file, "GPT-2 vocab.json (default: the GPT-2 vocab shipped with ptk)");
   app->add_option("--merge-file", merge_file, "GPT-2 merges.txt (default: the GPT-2 merges shipped with ptk)");
   app->add_flag("--append-eod", opt.append_eod, "Append <|endoftext|> (50256) to every non-empty document");
   app->add_option("--workers", workers, "Encoding threads (default: all hardware threads)")->check(CLI::PositiveNumber);
-  app->add_option("--partitions", opt.partitions, "Megatron's file partitions: round-robin document order across P parts")
+  app->add_option("--partitions", opt.partitions,
+                  "Megatron's file partitions: round-robin document order across P parts")
       ->check(CLI::PositiveNumber);
   app->add_option("--log-interval", opt.log_interval, "Print 'Processed N documents ...' every N documents");
   app->add_flag("--keep-sequential-samples", opt.keep_sequential_samples,
                 "With --partitions: contiguous partitions, so the document order is the input order");
   app->add_option("--dataset-impl", dataset_impl, "Legacy Megatron flag; only mmap exists");
-  app->add_flag("--strict", opt.strict,
-                "Fail on the first bad record, invalid UTF-8 or lone surrogate escape (default: skip or repair, count, report)");
-  app->add_flag("--endoftext-as-text", opt.endoftext_as_text,
-                "Legacy: encode a literal <|endoftext|> in the text as ordinary tokens (Megatron's pre-2026 GPT-2 "
-                "tokenizer, tiktoken encode_ordinary). Default: it becomes id 50256, as current Megatron-LM (Hugging Face)");
+  app->add_flag(
+      "--strict", opt.strict,
+      "Fail on the first bad record, invalid UTF-8 or lone surrogate escape (default: skip or repair, count, report)");
+  app->add_flag(
+      "--endoftext-as-text", opt.endoftext_as_text,
+      "Legacy: encode a literal <|endoftext|> in the text as ordinary tokens (Megatron's pre-2026 GPT-2 "
+      "tokenizer, tiktoken encode_ordinary). Default: it becomes id 50256, as current Megatron-LM (Hugging Face)");
   app->add_option("--batch-mb", batch_mb, "Input batch size in MiB handed to one worker")->check(CLI::PositiveNumber);
   app->add_flag("--quiet", quiet, "No progress line and no per-interval log lines");
   // Megatron flags ptk does not implement: accepted by the parser so that they give a clear error.
@@ -57,15 +62,20 @@ int main(int argc, char** argv) {
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (tokenizer_type != "GPT2BPETokenizer")
-      return ptk::cli::UsageError(fmt::format("--tokenizer-type {} is not supported; ptk implements GPT2BPETokenizer", tokenizer_type));
-    if (dataset_impl != "mmap") return ptk::cli::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", dataset_impl));
+      return ptk::cli::UsageError(
+          fmt::format("--tokenizer-type {} is not supported; ptk implements GPT2BPETokenizer", tokenizer_type));
+    if (dataset_impl != "mmap")
+      return ptk::cli::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", dataset_impl));
     if (split_sentences || keep_newlines || !lang.empty())
-      return ptk::cli::UsageError("--split-sentences/--keep-newlines/--lang (NLTK sentence splitting) are not supported");
+      return ptk::cli::UsageError(
+          "--split-sentences/--keep-newlines/--lang (NLTK sentence splitting) are not supported");
     if (!tokenizer_model.empty()) return ptk::cli::UsageError("--tokenizer-model is not supported (GPT-2 BPE only)");
     if (vocab_size != 0) return ptk::cli::UsageError("--vocab-size is not supported (the vocab file defines it)");
-    if (vocab_file.empty() != merge_file.empty()) return ptk::cli::UsageError("--vocab-file and --merge-file go together");
+    if (vocab_file.empty() != merge_file.empty())
+      return ptk::cli::UsageError("--vocab-file and --merge-file go together");
     std::string out_dir = ptk::Dirname(opt.output_prefix);
-    if (!ptk::IsDirectory(out_dir)) return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
+    if (!ptk::IsDirectory(out_dir))
+      return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
     PTK_ASSIGN_OR_RETURN(opt.inputs, ptk::ExpandGlobs(inputs));
     opt.workers = workers;
     opt.batch_bytes = static_cast<size_t>(batch_mb * (1 << 20));
@@ -74,9 +84,10 @@ int main(int argc, char** argv) {
     PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
     PTK_ASSIGN_OR_RETURN(ptk::TokenizeStats s, ptk::RunTokenize(opt, *tok));
 
-    ptk::log::Info("done: {} documents ({} empty), {} tokens from {:.1f} MB of JSON lines in {:.2f} s ({:.1f} MB/s, {} workers)",
-                   s.documents, s.empty_documents, s.tokens, s.bytes / 1e6, s.seconds, s.bytes / 1e6 / std::max(s.seconds, 1e-9),
-                   workers);
+    ptk::log::Info(
+        "done: {} documents ({} empty), {} tokens from {:.1f} MB of JSON lines in {:.2f} s ({:.1f} MB/s, {} workers)",
+        s.documents, s.empty_documents, s.tokens, s.bytes / 1e6, s.seconds, s.bytes / 1e6 / std::max(s.seconds, 1e-9),
+        workers);
     if (s.skipped > 0) {
       std::string kinds;
       for (int k = 1; k < 6; ++k)

@@ -4,15 +4,15 @@
 
 #include <atomic>
 #include <chrono>
-#include <thread>
 #include <cstdio>
+#include <thread>
 
 #include <tbb/global_control.h>
 
 #include "common/cli.h"
 #include "common/logging.h"
-#include "common/status.h"
 #include "common/slurm_env.h"
+#include "common/status.h"
 #include "trainer/comm.h"
 #include "trainer/comm_gloo.h"
 #include "trainer/train_flags.h"
@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
     // Ranks sharing a node share its cores unless Slurm bound each to its own.
     int threads = flags.threads > 0 ? static_cast<int>(flags.threads) : CpusOfThisProcess();
     if (flags.threads == 0 && ranks.world_size > 1 && std::getenv("SLURM_CPUS_PER_TASK") == nullptr &&
-        std::getenv("PTK_THREADS_PER_RANK") == nullptr && threads == static_cast<int>(std::thread::hardware_concurrency()))
+        std::getenv("PTK_THREADS_PER_RANK") == nullptr &&
+        threads == static_cast<int>(std::thread::hardware_concurrency()))
       threads = std::max(1, threads / std::max(1, ranks.world_size));
     tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads));
     openblas_set_num_threads(threads);

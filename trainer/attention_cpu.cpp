@@ -67,7 +67,7 @@ void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, 
                           uint64_t seed, const uint64_t* streams, T* scratch) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
-  T* pd = scratch;       // dropped probabilities (t, t)
+  T* pd = scratch;          // dropped probabilities (t, t)
   T* dp = scratch + t * t;  // gradient of the probabilities (t, t)
   for (int64_t b = 0; b < s.b; ++b) {
     for (int64_t h = 0; h < s.nh; ++h) {
@@ -88,7 +88,7 @@ void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, 
       }
       Gemm<T>(true, false, t, hd, t, T(1), pv, t, dy, c, T(0), dv, c3);  // dV = P'^T dY
       Gemm<T>(false, true, t, t, hd, T(1), dy, c, v, c3, T(0), dp, t);   // dP' = dY V^T
-      DropoutRows(dp, t, p, seed, stream);                                 // dP = dropout(dP')
+      DropoutRows(dp, t, p, seed, stream);                               // dP = dropout(dP')
       for (int64_t i = 0; i < t; ++i) {
         const T* prow = pr + i * t;
         T* drow = dp + i * t;
@@ -105,8 +105,8 @@ void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, 
 }
 
 #define PTK_INSTANTIATE(T)                                                                                          \
-  template void AttentionForwardCpu<T>(T*, T*, const T*, const AttentionShape&, double, uint64_t, const uint64_t*);      \
-  template void AttentionBackwardCpu<T>(T*, const T*, const T*, const T*, const AttentionShape&, double, uint64_t, \
+  template void AttentionForwardCpu<T>(T*, T*, const T*, const AttentionShape&, double, uint64_t, const uint64_t*); \
+  template void AttentionBackwardCpu<T>(T*, const T*, const T*, const T*, const AttentionShape&, double, uint64_t,  \
                                         const uint64_t*, T*);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)

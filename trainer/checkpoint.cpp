@@ -116,7 +116,8 @@ absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {
   PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(tracker));
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
   if (text == "release")
-    return absl::InvalidArgumentError(tracker + ": 'release' checkpoints (converted Megatron weights) are not supported");
+    return absl::InvalidArgumentError(tracker +
+                                      ": 'release' checkpoints (converted Megatron weights) are not supported");
   char* end = nullptr;
   long long it = std::strtoll(text.c_str(), &end, 10);
   if (text.empty() || *end != '\0' || it < 0)

@@ -26,7 +26,7 @@ struct TrainState {
   double wall_seconds = 0;  // training time so far, for progress reporting
 };
 
-std::string CheckpointDir(const std::string& save, int64_t iteration);  // <save>/iter_0000100
+std::string CheckpointDir(const std::string& save, int64_t iteration);   // <save>/iter_0000100
 std::string CheckpointFile(const std::string& save, int64_t iteration);  // .../mp_rank_00/model_optim_rng.ptk
 
 // Writes the checkpoint of `iteration` and then points the tracker at it.

@@ -172,7 +172,8 @@ class TcpStore : public gloo::rendezvous::Store {
         int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
         if (fd < 0) continue;
         if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-          timeval tv{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
+          timeval tv{static_cast<time_t>(timeout.count() / 1000),
+                     static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
           ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
           int one = 1;
           ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -186,9 +187,10 @@ class TcpStore : public gloo::rendezvous::Store {
       ::freeaddrinfo(res);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    return absl::DeadlineExceededError(fmt::format(
-        "rendezvous: rank 0 at {}:{} did not answer within {} s ({}); is rank 0 running, MASTER_ADDR/MASTER_PORT right?",
-        host, port, timeout.count() / 1000, last));
+    return absl::DeadlineExceededError(
+        fmt::format("rendezvous: rank 0 at {}:{} did not answer within {} s ({}); is rank 0 running, "
+                    "MASTER_ADDR/MASTER_PORT right?",
+                    host, port, timeout.count() / 1000, last));
   }
   void set(const std::string& key, const std::vector<char>& data) override {
     uint8_t op = 'S';
@@ -265,9 +267,7 @@ class GlooCommunicator : public Communicator {
   uint32_t tag_ = 1;
 };
 
-bool IsLoopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
+bool IsLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }
 
 }  // namespace
 

@@ -9,8 +9,8 @@ constexpr int64_t kChannelBlock = 64;
 }
 
 template <typename T>
-void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe,
-                         int64_t n, int64_t c) {
+void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
+                         int64_t c) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* a = wte + static_cast<int64_t>(tokens[i]) * c;
     const T* p = wpe + static_cast<int64_t>(positions[i]) * c;

@@ -40,8 +40,8 @@ absl::Status GPTConfig::Validate() const {
   if (ffn_hidden_size < 1) return bad("--ffn-hidden-size must be at least 1");
   if (seq_length < 1) return bad("--seq-length must be at least 1");
   if (max_position_embeddings < seq_length)
-    return bad(fmt::format("--max-position-embeddings ({}) must be at least --seq-length ({})",
-                           max_position_embeddings, seq_length));
+    return bad(fmt::format("--max-position-embeddings ({}) must be at least --seq-length ({})", max_position_embeddings,
+                           seq_length));
   if (vocab_size < 1 || padded_vocab_size < vocab_size) return bad("the vocabulary size must be at least 1");
   if (hidden_dropout < 0 || hidden_dropout >= 1) return bad("--hidden-dropout must be in [0, 1)");
   if (attention_dropout < 0 || attention_dropout >= 1) return bad("--attention-dropout must be in [0, 1)");
@@ -65,8 +65,8 @@ struct GPTModel::Activations {
   std::vector<LayerParams> layers;
   int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0, out_w = 0;
   // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
-  std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean,
-      ln2_rstd, fc1, gelu;
+  std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean, ln2_rstd,
+      fc1, gelu;
   std::vector<float> lnf, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln, dff, dqkv, datt, scratch;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
@@ -147,8 +147,8 @@ void GPTModel::ZeroGrads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
 absl::Status GPTModel::Prepare(const ModelBatch& batch) {
   const GPTConfig& cf = config_;
   if (batch.b < 1 || batch.t < 1 || batch.t > cf.seq_length)
-    return absl::InvalidArgumentError(fmt::format("micro-batch of {}x{} tokens for a model of --seq-length {}",
-                                                  batch.b, batch.t, cf.seq_length));
+    return absl::InvalidArgumentError(
+        fmt::format("micro-batch of {}x{} tokens for a model of --seq-length {}", batch.b, batch.t, cf.seq_length));
   const int64_t n = batch.b * batch.t;
   for (int64_t i = 0; i < n; ++i) {
     if (batch.tokens[i] < 0 || batch.tokens[i] >= cf.padded_vocab_size || batch.labels[i] < 0 ||
@@ -156,8 +156,7 @@ absl::Status GPTModel::Prepare(const ModelBatch& batch) {
       return absl::InvalidArgumentError(
           fmt::format("sample row {}, position {}: token id {} / label {} outside the vocabulary of {} (padded {}); "
                       "was the data tokenized with another vocabulary?",
-                      i / batch.t, i % batch.t, batch.tokens[i], batch.labels[i], cf.vocab_size,
-                      cf.padded_vocab_size));
+                      i / batch.t, i % batch.t, batch.tokens[i], batch.labels[i], cf.vocab_size, cf.padded_vocab_size));
     if (batch.position_ids[i] < 0 || batch.position_ids[i] >= cf.max_position_embeddings)
       return absl::InvalidArgumentError(fmt::format("position id {} outside --max-position-embeddings {}",
                                                     batch.position_ids[i], cf.max_position_embeddings));
@@ -205,8 +204,7 @@ absl::Status GPTModel::Prepare(const ModelBatch& batch) {
 
 namespace {
 // Dropout of a (b, t, c) buffer, each sample row with its own stream.
-void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_t seed, uint64_t layer,
-                 uint64_t site) {
+void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_t seed, uint64_t layer, uint64_t site) {
   if (p <= 0.0) return;
   for (int64_t b = 0; b < batch.b; ++b)
     DropoutCpu(x + b * batch.t * c, batch.t * c, p, seed,
@@ -251,8 +249,8 @@ void GPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
-  LayerNormForwardCpu(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(),
-                      P + a.lnf_w, P + a.lnf_b, n, c, cf.layernorm_epsilon);
+  LayerNormForwardCpu(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(), P + a.lnf_w,
+                      P + a.lnf_b, n, c, cf.layernorm_epsilon);
   MatmulForwardCpu(a.logits.data(), a.lnf.data(), P + a.out_w, static_cast<const float*>(nullptr), n, c, vp);
 }
 
@@ -267,8 +265,8 @@ void GPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
   const uint64_t L = static_cast<uint64_t>(cf.num_layers);
 
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-  MatmulBackwardCpu(a.dln.data(), G + a.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
-                    P + a.out_w, n, c, vp);
+  MatmulBackwardCpu(a.dln.data(), G + a.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(), P + a.out_w,
+                    n, c, vp);
   std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
   LayerNormBackwardCpu(a.dresid.data(), G + a.lnf_w, G + a.lnf_b, a.dln.data(), a.resid[cf.num_layers].data(),
                        P + a.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
@@ -278,19 +276,18 @@ void GPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     std::fill(a.dff.begin(), a.dff.end(), 0.0f);
-    MatmulBackwardCpu(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f,
-                      c);
+    MatmulBackwardCpu(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
     GeluBackwardCpu(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     MatmulBackwardCpu(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
-    LayerNormBackwardCpu(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(),
-                         P + lp.ln2_w, a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
+    LayerNormBackwardCpu(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(), P + lp.ln2_w,
+                         a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-    MatmulBackwardCpu(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n,
-                      c, c);
+    MatmulBackwardCpu(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n, c,
+                      c);
     if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer

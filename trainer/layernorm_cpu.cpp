@@ -33,8 +33,8 @@ void LayerNormForwardCpu(T* out, T* mean, T* rstd, const T* inp, const T* w, con
 }
 
 template <typename T>
-void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean,
-                          const T* rstd, int64_t n, int64_t c) {
+void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
+                          int64_t n, int64_t c) {
   int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   std::vector<double> part(static_cast<size_t>(blocks * 2 * c), 0.0);
   tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
@@ -76,10 +76,9 @@ void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, co
   }
 }
 
-#define PTK_INSTANTIATE(T)                                                                                     \
-  template void LayerNormForwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double);  \
-  template void LayerNormBackwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, \
-                                        int64_t);
+#define PTK_INSTANTIATE(T)                                                                                  \
+  template void LayerNormForwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
+  template void LayerNormBackwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE

@@ -14,8 +14,8 @@ absl::Status SchedulerConfig::Validate() const {
   if (max_lr < min_lr) return bad(fmt::format("--lr ({}) must be at least --min-lr ({})", max_lr, min_lr));
   if (decay_steps <= 0) return bad("the learning-rate decay length must be positive (--lr-decay-iters/-samples)");
   if (warmup_steps >= decay_steps)
-    return bad(fmt::format("the warm-up ({} samples) must be shorter than the decay ({} samples)", warmup_steps,
-                           decay_steps));
+    return bad(
+        fmt::format("the warm-up ({} samples) must be shorter than the decay ({} samples)", warmup_steps, decay_steps));
   static const char* kStyles[] = {"constant", "linear", "cosine", "inverse-square-root", "WSD"};
   if (std::find(std::begin(kStyles), std::end(kStyles), decay_style) == std::end(kStyles))
     return bad("--lr-decay-style must be constant, linear, cosine, inverse-square-root or WSD, not " + decay_style);
@@ -25,7 +25,8 @@ absl::Status SchedulerConfig::Validate() const {
       return bad("--lr-wsd-decay-style must be linear, cosine, exponential or minus_sqrt");
     if (wsd_decay_steps <= 0) return bad("WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples");
   }
-  if (start_wd < 0 || end_wd < start_wd) return bad("weight decay: need 0 <= --start-weight-decay <= --end-weight-decay");
+  if (start_wd < 0 || end_wd < start_wd)
+    return bad("weight decay: need 0 <= --start-weight-decay <= --end-weight-decay");
   return absl::OkStatus();
 }
 
@@ -55,10 +56,14 @@ double OptimizerParamScheduler::lr() const {
       coeff = 1.0;
     } else {
       const double r = (n - anneal_start) / static_cast<double>(c.wsd_decay_steps);
-      if (c.wsd_decay_style == "linear") coeff = 1.0 - r;
-      else if (c.wsd_decay_style == "cosine") coeff = 0.5 * (std::cos(M_PI * r) + 1.0);
-      else if (c.wsd_decay_style == "exponential") coeff = 2.0 * std::pow(0.5, r) - 1.0;
-      else coeff = 1.0 - std::sqrt(r);  // minus_sqrt
+      if (c.wsd_decay_style == "linear")
+        coeff = 1.0 - r;
+      else if (c.wsd_decay_style == "cosine")
+        coeff = 0.5 * (std::cos(M_PI * r) + 1.0);
+      else if (c.wsd_decay_style == "exponential")
+        coeff = 2.0 * std::pow(0.5, r) - 1.0;
+      else
+        coeff = 1.0 - std::sqrt(r);  // minus_sqrt
     }
   }
   return c.min_lr + coeff * delta;

@@ -10,13 +10,13 @@
 namespace ptk::trainer {
 
 struct SchedulerConfig {
-  double init_lr = 0.0;  // --lr-warmup-init
-  double max_lr = 0.0;   // --lr
-  double min_lr = 0.0;   // --min-lr
-  int64_t warmup_steps = 0;  // samples
-  int64_t decay_steps = 0;   // samples
-  std::string decay_style = "linear";  // constant|linear|cosine|inverse-square-root|WSD
-  int64_t wsd_decay_steps = 0;         // samples (WSD only)
+  double init_lr = 0.0;                         // --lr-warmup-init
+  double max_lr = 0.0;                          // --lr
+  double min_lr = 0.0;                          // --min-lr
+  int64_t warmup_steps = 0;                     // samples
+  int64_t decay_steps = 0;                      // samples
+  std::string decay_style = "linear";           // constant|linear|cosine|inverse-square-root|WSD
+  int64_t wsd_decay_steps = 0;                  // samples (WSD only)
   std::string wsd_decay_style = "exponential";  // linear|cosine|exponential|minus_sqrt
   double start_wd = 0.01, end_wd = 0.01;
   int64_t wd_incr_steps = 0;

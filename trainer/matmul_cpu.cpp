@@ -9,11 +9,13 @@
 namespace ptk::trainer {
 
 template <typename T>
-void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
-          int64_t ldb, T beta, T* c, int64_t ldc) {
+void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
+          T beta, T* c, int64_t ldc) {
   constexpr auto gemm = [] {
-    if constexpr (std::is_same_v<T, float>) return &cblas_sgemm;
-    else return &cblas_dgemm;
+    if constexpr (std::is_same_v<T, float>)
+      return &cblas_sgemm;
+    else
+      return &cblas_dgemm;
   }();
   gemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
        static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
@@ -47,10 +49,10 @@ void MatmulBackwardCpu(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, co
   }
 }
 
-#define PTK_INSTANTIATE(T)                                                                              \
+#define PTK_INSTANTIATE(T)                                                                                     \
   template void Gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, int64_t, T, T*, \
-                        int64_t);                                                                      \
-  template void MatmulForwardCpu<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);      \
+                        int64_t);                                                                              \
+  template void MatmulForwardCpu<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);              \
   template void MatmulBackwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)

@@ -31,14 +31,14 @@ template <typename T>
 void LayerNormForwardCpu(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
                          double eps);
 template <typename T>
-void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean,
-                          const T* rstd, int64_t n, int64_t c);
+void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
+                          int64_t n, int64_t c);
 
 // ---- embedding_cpu.cpp -----------------------------------------------------------------------
 // out(n, c) = wte[tokens[i]] + wpe[positions[i]]
 template <typename T>
-void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe,
-                         int64_t n, int64_t c);
+void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
+                         int64_t c);
 template <typename T>
 void EmbeddingBackwardCpu(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
                           int64_t c);
@@ -90,8 +90,7 @@ void SoftmaxCrossEntropyBackwardCpu(T* logits, const int32_t* targets, const T* 
 // Both at once for training (one exp per logit): losses(n) as the forward, logits overwritten as
 // the backward.
 template <typename T>
-void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n,
-                                 int64_t vp);
+void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
 
 // ---- adamw_cpu.cpp ---------------------------------------------------------------------------
 // torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in

@@ -65,7 +65,8 @@ absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {
   if (!PathExists(vocab_file)) return absl::NotFoundError(vocab_file + ": --vocab-file does not exist");
   simdjson::dom::parser p;
   simdjson::dom::object obj;
-  if (p.load(vocab_file).get(obj)) return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
+  if (p.load(vocab_file).get(obj))
+    return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
   return static_cast<int64_t>(obj.size());
 }
 
@@ -79,21 +80,27 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--ffn-hidden-size", f->ffn_hidden_size, "MLP hidden size (default 4 x --hidden-size)");
   app->add_option("--kv-channels", f->kv_channels, "Head dimension (must equal hidden/heads)");
   app->add_option("--seq-length", f->seq_length, "Sequence length")->required();
-  app->add_option("--max-position-embeddings", f->max_position_embeddings, "Position table size (default --seq-length)");
-  app->add_option("--make-vocab-size-divisible-by", f->make_vocab_size_divisible_by, "Pad the vocabulary to a multiple of this");
+  app->add_option("--max-position-embeddings", f->max_position_embeddings,
+                  "Position table size (default --seq-length)");
+  app->add_option("--make-vocab-size-divisible-by", f->make_vocab_size_divisible_by,
+                  "Pad the vocabulary to a multiple of this");
   app->add_option("--vocab-size", f->vocab_size, "Vocabulary size (default: from --vocab-file, 50257 for GPT-2)");
   app->add_option("--layernorm-epsilon", f->layernorm_epsilon, "LayerNorm epsilon");
   app->add_option("--hidden-dropout", f->hidden_dropout, "Dropout on embeddings and block outputs");
   app->add_option("--attention-dropout", f->attention_dropout, "Dropout on attention probabilities");
   app->add_option("--init-method-std", f->init_method_std, "Standard deviation of the normal init");
-  app->add_flag("--untie-embeddings-and-output-weights", f->untie, "Separate output layer instead of the word embeddings");
-  app->add_flag("--recompute-activations", f->recompute_activations, "Recompute attention probabilities in backward (selective)");
-  app->add_option("--recompute-granularity", f->recompute_granularity, "selective (as --recompute-activations) or full");
+  app->add_flag("--untie-embeddings-and-output-weights", f->untie,
+                "Separate output layer instead of the word embeddings");
+  app->add_flag("--recompute-activations", f->recompute_activations,
+                "Recompute attention probabilities in backward (selective)");
+  app->add_option("--recompute-granularity", f->recompute_granularity,
+                  "selective (as --recompute-activations) or full");
   app->add_option("--position-embedding-type", f->position_embedding_type, "learned_absolute (the only one ptk has)");
   app->add_option("--normalization", f->normalization, "LayerNorm (the only one ptk has)");
   // Batch and length.
   app->add_option("--micro-batch-size", f->micro_batch_size, "Samples per micro-batch per rank");
-  app->add_option("--global-batch-size", f->global_batch_size, "Samples per iteration over all ranks (default mbs x ranks)");
+  app->add_option("--global-batch-size", f->global_batch_size,
+                  "Samples per iteration over all ranks (default mbs x ranks)");
   app->add_option("--train-iters", f->train_iters, "Iterations to train");
   app->add_option("--train-samples", f->train_samples, "Samples to train (instead of --train-iters)");
   // Optimizer and schedule.
@@ -107,7 +114,8 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--lr-warmup-iters", f->lr_warmup_iters, "Warm-up length in iterations");
   app->add_option("--lr-warmup-samples", f->lr_warmup_samples, "Warm-up length in samples");
   app->add_option("--lr-warmup-fraction", f->lr_warmup_fraction, "Warm-up as a fraction of the decay length");
-  app->add_option("--lr-wsd-decay-style", f->lr_wsd_decay_style, "WSD anneal: linear, cosine, exponential or minus_sqrt");
+  app->add_option("--lr-wsd-decay-style", f->lr_wsd_decay_style,
+                  "WSD anneal: linear, cosine, exponential or minus_sqrt");
   app->add_option("--lr-wsd-decay-iters", f->lr_wsd_decay_iters, "WSD anneal length in iterations");
   app->add_option("--lr-wsd-decay-samples", f->lr_wsd_decay_samples, "WSD anneal length in samples");
   app->add_option("--weight-decay", f->weight_decay, "AdamW weight decay (not on biases and LayerNorm)");
@@ -119,10 +127,14 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--adam-eps", f->adam_eps, "AdamW epsilon");
   app->add_option("--clip-grad", f->clip_grad, "Clip the global gradient norm to this (0: off)");
   // Data.
-  app->add_option("--data-path", f->data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app->add_option("--train-data-path", f->train_data_path, "Prefixes of the train split only")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app->add_option("--valid-data-path", f->valid_data_path, "Prefixes of the validation split only")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app->add_option("--test-data-path", f->test_data_path, "Prefixes of the test split only")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--data-path", f->data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--train-data-path", f->train_data_path, "Prefixes of the train split only")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--valid-data-path", f->valid_data_path, "Prefixes of the validation split only")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app->add_option("--test-data-path", f->test_data_path, "Prefixes of the test split only")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app->add_option("--split", f->split, "Train/valid/test proportions of --data-path");
   app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)");
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
@@ -133,19 +145,23 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--dataloader-type", f->dataloader_type, "single (Megatron's pretraining sampler)");
   app->add_flag("--eod-mask-loss", f->eod_mask_loss, "No loss on end-of-document tokens");
   app->add_flag("--reset-position-ids", f->reset_position_ids, "Restart positions after each end-of-document token");
-  app->add_flag("--reset-attention-mask", f->reset_attention_mask, "Not supported: attention is causal over the whole sequence");
+  app->add_flag("--reset-attention-mask", f->reset_attention_mask,
+                "Not supported: attention is causal over the whole sequence");
   // Evaluation, logging, checkpoints.
   app->add_option("--eval-interval", f->eval_interval, "Evaluate on the validation split every N iterations");
   app->add_option("--eval-iters", f->eval_iters, "Global batches per evaluation (0: none)");
   app->add_option("--log-interval", f->log_interval, "Print the log line every N iterations");
-  app->add_option("--tensorboard-dir", f->tensorboard_dir, "Directory for metrics.jsonl (TensorBoard event files are not written)");
-  app->add_option("--metrics-file", f->metrics_file, "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
+  app->add_option("--tensorboard-dir", f->tensorboard_dir,
+                  "Directory for metrics.jsonl (TensorBoard event files are not written)");
+  app->add_option("--metrics-file", f->metrics_file,
+                  "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
   app->add_option("--save", f->save, "Checkpoint directory to write");
   app->add_option("--load", f->load, "Checkpoint directory to resume from");
   app->add_option("--save-interval", f->save_interval, "Save every N iterations");
   app->add_option("--exit-interval", f->exit_interval, "Save and exit when the iteration is a multiple of N");
   app->add_option("--exit-duration-in-mins", f->exit_duration_in_mins, "Save and exit after this many minutes");
-  app->add_flag("--exit-signal-handler", f->exit_signal_handler, "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
+  app->add_flag("--exit-signal-handler", f->exit_signal_handler,
+                "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
   app->add_flag("--no-load-optim", f->no_load_optim, "Do not restore the optimizer state");
   app->add_flag("--no-load-rng", f->no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", f->finetune, "Load weights only; iteration and data start at 0");
@@ -163,9 +179,11 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
     std::string name = c.name;
     std::string help = std::string("Accepted for compatibility: ") + c.note;
     if (c.takes_value) {
-      app->add_option_function<std::string>(name, [f, name](const std::string& v) { f->compat[name] = v; }, help);
+      app->add_option_function<std::string>(
+          name, [f, name](const std::string& v) { f->compat[name] = v; }, help);
     } else {
-      app->add_flag_callback(name, [f, name] { f->compat[name] = ""; }, help);
+      app->add_flag_callback(
+          name, [f, name] { f->compat[name] = ""; }, help);
     }
   }
 }
@@ -178,19 +196,22 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     return Refuse(fmt::format("--pipeline-model-parallel-size {}: ptk-train is data parallel only; use 1",
                               f.pipeline_model_parallel_size));
   if (f.context_parallel_size != 1)
-    return Refuse(fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
+    return Refuse(
+        fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
   if (f.device != "cpu")
     return Refuse(fmt::format("--device {}: this ptk-train has the fp32 CPU backend only; use --device cpu", f.device));
   if (f.fp16 || f.bf16)
-    return Refuse(fmt::format("--{}: the CPU backend trains in fp32; drop the flag (mixed precision is the CUDA backend's)",
-                              f.fp16 ? "fp16" : "bf16"));
+    return Refuse(
+        fmt::format("--{}: the CPU backend trains in fp32; drop the flag (mixed precision is the CUDA backend's)",
+                    f.fp16 ? "fp16" : "bf16"));
   if (f.optimizer != "adam") return Refuse("--optimizer " + f.optimizer + ": ptk has AdamW (--optimizer adam) only");
   if (f.tokenizer_type != "GPT2BPETokenizer")
     return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
   if (f.position_embedding_type != "learned_absolute")
     return Refuse("--position-embedding-type " + f.position_embedding_type + ": ptk has learned_absolute only");
   if (f.normalization != "LayerNorm") return Refuse("--normalization " + f.normalization + ": ptk has LayerNorm only");
-  if (f.reset_attention_mask) return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
+  if (f.reset_attention_mask)
+    return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
   if (f.dataloader_type != "single")
     return Refuse("--dataloader-type " + f.dataloader_type + ": ptk has Megatron's pretraining sampler (single) only");
   if (f.kv_channels != 0 && f.num_attention_heads > 0 && f.kv_channels * f.num_attention_heads != f.hidden_size)
@@ -199,7 +220,8 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     return Refuse("--recompute-granularity must be selective or full");
   for (const auto& [name, value] : f.compat)
     for (const CompatFlag& c : kCompatFlags)
-      if (name == c.name) notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, c.note));
+      if (name == c.name)
+        notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, c.note));
   if (f.data_path.empty() && f.train_data_path.empty() && !f.mock_data)
     return Refuse("give --data-path (or --train-data-path), or --mock-data");
 
@@ -272,7 +294,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   o.no_load_optim = f.no_load_optim;
   o.no_load_rng = f.no_load_rng;
   o.finetune = f.finetune;
-  o.metrics_path = !f.metrics_file.empty() ? f.metrics_file
+  o.metrics_path = !f.metrics_file.empty()      ? f.metrics_file
                    : !f.tensorboard_dir.empty() ? JoinPath(f.tensorboard_dir, "metrics.jsonl")
                                                 : "";
   if (!f.tensorboard_dir.empty())

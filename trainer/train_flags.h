@@ -32,8 +32,8 @@ struct TrainFlags {
          adam_eps = 1e-8, clip_grad = 1.0;
   std::optional<double> lr_warmup_fraction, start_weight_decay, end_weight_decay;
   std::string lr_decay_style = "linear", lr_wsd_decay_style = "exponential", weight_decay_incr_style = "constant";
-  int64_t lr_decay_iters = 0, lr_decay_samples = 0, lr_warmup_iters = 0, lr_warmup_samples = 0,
-          lr_wsd_decay_iters = 0, lr_wsd_decay_samples = 0;
+  int64_t lr_decay_iters = 0, lr_decay_samples = 0, lr_warmup_iters = 0, lr_warmup_samples = 0, lr_wsd_decay_iters = 0,
+          lr_wsd_decay_samples = 0;
   // data
   std::vector<std::string> data_path, train_data_path, valid_data_path, test_data_path;
   std::string split = "969, 30, 1", data_cache_path, vocab_file, merge_file, tokenizer_type = "GPT2BPETokenizer";

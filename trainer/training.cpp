@@ -87,16 +87,16 @@ absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, int64_t gbs, int64_t
   s.test = eval_iters > 0 ? sets[2] : nullptr;
   if (!s.train) return absl::InvalidArgumentError("the train split is empty: check --split and the data paths");
   if (s.train->size() < train_samples)
-    return absl::InvalidArgumentError(fmt::format("the train split has {} samples, {} are needed", s.train->size(),
-                                                  train_samples));
+    return absl::InvalidArgumentError(
+        fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
   return s;
 }
 
 // Views of a loader's micro-batch for the model.
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
   *keys = mb.indices;
-  return ModelBatch{mb.micro_batch_size, mb.seq_length, mb.tokens.data(), mb.labels.data(), mb.position_ids.data(),
-                    mb.loss_mask.data(), keys->data()};
+  return ModelBatch{mb.micro_batch_size,    mb.seq_length,       mb.tokens.data(), mb.labels.data(),
+                    mb.position_ids.data(), mb.loss_mask.data(), keys->data()};
 }
 
 }  // namespace
@@ -148,11 +148,13 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   if (mbs < 1) return usage("--micro-batch-size must be at least 1");
   const int64_t gbs = o.global_batch_size > 0 ? o.global_batch_size : mbs * dp;
   if (gbs % (mbs * dp) != 0)
-    return usage(fmt::format("--global-batch-size ({}) must be a multiple of --micro-batch-size ({}) x data-parallel "
-                             "size ({})",
-                             gbs, mbs, dp));
+    return usage(
+        fmt::format("--global-batch-size ({}) must be a multiple of --micro-batch-size ({}) x data-parallel "
+                    "size ({})",
+                    gbs, mbs, dp));
   const int64_t num_micro = gbs / (mbs * dp);
-  if ((o.train_iters > 0) == (o.train_samples > 0)) return usage("give exactly one of --train-iters and --train-samples");
+  if ((o.train_iters > 0) == (o.train_samples > 0))
+    return usage("give exactly one of --train-iters and --train-samples");
   const int64_t train_iters = o.train_iters > 0 ? o.train_iters : o.train_samples / gbs;
   if (train_iters < 1) return usage("--train-samples is smaller than one global batch");
   if (o.log_interval < 1) return usage("--log-interval must be at least 1");
@@ -169,13 +171,13 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     const int64_t decay_iters = o.lr_decay_iters > 0 ? o.lr_decay_iters : train_iters;
     sc.decay_steps = decay_iters * gbs;
     sc.wsd_decay_steps = o.lr_wsd_decay_iters * gbs;
-    sc.warmup_steps = o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps)
-                                           : o.lr_warmup_iters * gbs;
+    sc.warmup_steps =
+        o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps) : o.lr_warmup_iters * gbs;
   } else {
     sc.decay_steps = o.lr_decay_samples > 0 ? o.lr_decay_samples : o.train_samples;
     sc.wsd_decay_steps = o.lr_wsd_decay_samples;
-    sc.warmup_steps = o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps)
-                                           : o.lr_warmup_samples;
+    sc.warmup_steps =
+        o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps) : o.lr_warmup_samples;
   }
   sc.start_wd = o.start_weight_decay.value_or(o.weight_decay);
   sc.end_wd = o.end_weight_decay.value_or(o.weight_decay);
@@ -212,7 +214,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
         summary.resumed = true;
         if (rank == 0)
           log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o.load, *latest),
-                  loaded.iteration, loaded.consumed_train_samples);
+                    loaded.iteration, loaded.consumed_train_samples);
       }
     } else if (absl::IsNotFound(latest.status())) {
       log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
@@ -233,7 +235,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   const double flops = FlopsPerIteration(o.model, gbs);
   if (rank == 0)
     log::Info("model: {} parameters; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
-            model->num_params(), num_micro, mbs, dp, gbs);
+              model->num_params(), num_micro, mbs, dp, gbs);
 
   FILE* metrics = nullptr;
   if (rank == 0 && !o.metrics_path.empty()) {
@@ -248,8 +250,8 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     }
   } closer{metrics};
 
-  DataLoader train_loader(data.train, PretrainingSampler(data.train->size(), state.consumed_train_samples, mbs, rank, dp),
-                          mbs);
+  DataLoader train_loader(data.train,
+                          PretrainingSampler(data.train->size(), state.consumed_train_samples, mbs, rank, dp), mbs);
   std::unique_ptr<DataLoader> valid_loader;
   if (data.valid)
     valid_loader = std::make_unique<DataLoader>(
@@ -293,8 +295,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       auto t0 = Clock::now();
       PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save, *model, opt.exp_avg(), opt.exp_avg_sq(), state, o.args_json));
       print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
-                        state.iteration, o.save,
-                        std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
+                        state.iteration, o.save, std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
     }
     return comm->Barrier();
   };

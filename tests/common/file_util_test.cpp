@@ -66,7 +66,8 @@ TEST(AtomicFileWriter, UnwritableDirectoryIsAnError) {
 TEST(NaturalLess, OrdersNumbersByValue) {
   std::vector<std::string> v = {"shard10", "shard2", "shard1", "a", "shard02", "chunk10_x", "chunk1_x", "chunk9_x"};
   std::sort(v.begin(), v.end(), [](const std::string& a, const std::string& b) { return NaturalLess(a, b); });
-  EXPECT_EQ(v, (std::vector<std::string>{"a", "chunk1_x", "chunk9_x", "chunk10_x", "shard1", "shard02", "shard2", "shard10"}));
+  EXPECT_EQ(v, (std::vector<std::string>{"a", "chunk1_x", "chunk9_x", "chunk10_x", "shard1", "shard02", "shard2",
+                                         "shard10"}));
   EXPECT_FALSE(NaturalLess("x", "x"));
   EXPECT_TRUE(NaturalLess("x1", "x01") != NaturalLess("x01", "x1"));
 }

@@ -16,8 +16,9 @@ std::string Repair(std::string_view in, size_t* n = nullptr) {
 const std::string kR = "\xEF\xBF\xBD";
 
 TEST(Utf8, ValidStringsPassUnchanged) {
-  for (std::string s : {std::string(""), std::string("abc"), std::string("\xC3\xA9"), std::string("\xE4\xB8\xAD"),
-                        std::string("\xF0\x9F\x98\x80"), std::string("\xF4\x8F\xBF\xBF"), std::string("\xEF\xBF\xBD")}) {
+  for (std::string s :
+       {std::string(""), std::string("abc"), std::string("\xC3\xA9"), std::string("\xE4\xB8\xAD"),
+        std::string("\xF0\x9F\x98\x80"), std::string("\xF4\x8F\xBF\xBF"), std::string("\xEF\xBF\xBD")}) {
     EXPECT_TRUE(IsValidUtf8(s)) << s;
     size_t n;
     EXPECT_EQ(Repair(s, &n), s);
@@ -31,17 +32,23 @@ TEST(Utf8, MaximalSubpartReplacementLikePython) {
     std::string in, out;
     size_t n;
   } cases[] = {
-      {"\xE2\x82" "a", kR + "a", 1},                  // truncated 3-byte sequence
-      {"\xED\xA0\x80", kR + kR + kR, 3},              // UTF-8 encoded surrogate
-      {"\xC0\x80", kR + kR, 2},                       // overlong NUL
-      {"\xE0\x80\x80", kR + kR + kR, 3},              // overlong
+      {"\xE2\x82"
+       "a",
+       kR + "a", 1},                      // truncated 3-byte sequence
+      {"\xED\xA0\x80", kR + kR + kR, 3},  // UTF-8 encoded surrogate
+      {"\xC0\x80", kR + kR, 2},           // overlong NUL
+      {"\xE0\x80\x80", kR + kR + kR, 3},  // overlong
       {"\xF0\x80", kR + kR, 2},
-      {"\xF0\x9F\x98", kR, 1},                        // truncated emoji at end
-      {"\xF4\x90\x80\x80", kR + kR + kR + kR, 4},     // above U+10FFFF
-      {"\xFF" "x\xFE", kR + "x" + kR, 2},
+      {"\xF0\x9F\x98", kR, 1},                     // truncated emoji at end
+      {"\xF4\x90\x80\x80", kR + kR + kR + kR, 4},  // above U+10FFFF
+      {"\xFF"
+       "x\xFE",
+       kR + "x" + kR, 2},
       {"\x80\x80", kR + kR, 2},
       {"a\xC3", "a" + kR, 1},
-      {"\xE4\xB8" "\xE4\xB8\xAD", kR + "\xE4\xB8\xAD", 1},
+      {"\xE4\xB8"
+       "\xE4\xB8\xAD",
+       kR + "\xE4\xB8\xAD", 1},
   };
   for (const auto& c : cases) {
     EXPECT_FALSE(IsValidUtf8(c.in));

@@ -43,9 +43,10 @@ std::vector<std::string> MakeRepo(const std::string& dir, size_t file_size = 150
 }
 
 std::string Download(const FakeHub& hub, const std::string& local, const std::string& extra) {
-  return fmt::format("HF_TOKEN={} {} --quiet --repo cerebras/SlimPajama-627B --endpoint {} --local-dir {} "
-                     "--retry-base 0.05 --retry-max 0.5 --stall-timeout 1 {}",
-                     kToken, testing::Tool("ptk-download"), hub.hub(), local, extra);
+  return fmt::format(
+      "HF_TOKEN={} {} --quiet --repo cerebras/SlimPajama-627B --endpoint {} --local-dir {} "
+      "--retry-base 0.05 --retry-max 0.5 --stall-timeout 1 {}",
+      kToken, testing::Tool("ptk-download"), hub.hub(), local, extra);
 }
 
 void ExpectSameTree(const std::string& repo, const std::string& local, const std::vector<std::string>& paths) {
@@ -130,7 +131,8 @@ TEST(Download, ResolverQuotaIsHonouredAcrossWorkers) {
   auto paths = MakeRepo(dir / "repo", 20000);
   std::filesystem::create_directories(dir / "repo/train/chunk3");
   for (int i = 3; i < 12; ++i) {  // 16 LFS files in all
-    testing::WriteFile(dir / fmt::format("repo/train/chunk3/example_train_{}.jsonl.zst", i), std::string(10000 + i, 'x'));
+    testing::WriteFile(dir / fmt::format("repo/train/chunk3/example_train_{}.jsonl.zst", i),
+                       std::string(10000 + i, 'x'));
     paths.push_back(fmt::format("train/chunk3/example_train_{}.jsonl.zst", i));
   }
   FakeHub hub(dir / "repo", {"--quota", "5", "--window", "1"}, dir.path());
@@ -205,7 +207,8 @@ TEST(Download, ShardsSplitTheWorkDeterministically) {
   std::set<std::string> seen;
   for (int s = 0; s < 3; ++s) {
     std::string local = dir / "out";
-    auto r = RunCmd(fmt::format("SLURM_ARRAY_TASK_ID={} SLURM_ARRAY_TASK_COUNT=3 ", s) + Download(hub, local, "--include 'train/**'"));
+    auto r = RunCmd(fmt::format("SLURM_ARRAY_TASK_ID={} SLURM_ARRAY_TASK_COUNT=3 ", s) +
+                    Download(hub, local, "--include 'train/**'"));
     ASSERT_EQ(r.exit_code, 0) << r.output;
   }
   for (const auto& p : paths) {
@@ -235,8 +238,8 @@ TEST(Download, ClearErrors) {
   TempDir dir;
   MakeRepo(dir / "repo", 1000);
   FakeHub hub(dir / "repo", {}, dir.path());
-  auto bad_repo = RunCmd(fmt::format("{} --quiet --repo nobody/nothing --endpoint {} --local-dir {}", testing::Tool("ptk-download"),
-                                     hub.hub(), dir / "o1"));
+  auto bad_repo = RunCmd(fmt::format("{} --quiet --repo nobody/nothing --endpoint {} --local-dir {}",
+                                     testing::Tool("ptk-download"), hub.hub(), dir / "o1"));
   EXPECT_EQ(bad_repo.exit_code, 1);
   EXPECT_NE(bad_repo.output.find("RepoNotFound"), std::string::npos) << bad_repo.output;
   auto bad_rev = RunCmd(Download(hub, dir / "o2", "--revision no-such-branch"));
@@ -248,8 +251,9 @@ TEST(Download, ClearErrors) {
   TempDir gdir;
   MakeRepo(gdir / "repo", 1000);
   FakeHub gated(gdir / "repo", {"--gated"}, gdir.path());
-  auto anon = RunCmd(fmt::format("env -u HF_TOKEN HOME={} {} --quiet --repo cerebras/SlimPajama-627B --endpoint {} --local-dir {}",
-                                 gdir.path(), testing::Tool("ptk-download"), gated.hub(), gdir / "o"));
+  auto anon = RunCmd(
+      fmt::format("env -u HF_TOKEN HOME={} {} --quiet --repo cerebras/SlimPajama-627B --endpoint {} --local-dir {}",
+                  gdir.path(), testing::Tool("ptk-download"), gated.hub(), gdir / "o"));
   EXPECT_EQ(anon.exit_code, 1);
   EXPECT_NE(anon.output.find("GatedRepo"), std::string::npos) << anon.output;
   EXPECT_NE(anon.output.find("HF_TOKEN"), std::string::npos) << anon.output;
@@ -262,9 +266,10 @@ TEST(Download, UrlListVerifiesSha256) {
   auto paths = MakeRepo(dir / "repo", 4000);
   FakeHub hub(dir / "repo", {"--small-mode", "307"}, dir.path());
   std::string good = testing::ReadFile(dir / "repo/README.md");
-  std::string list = fmt::format("# the seeds' style list\n{}/datasets/cerebras/SlimPajama-627B/resolve/main/README.md "
-                                 "sha256=b0c1a46e5e1ffc4f28a5ee12b9d00ba3e3a0f57aa1d1f4a6e42c0b9cb5ac27c7 path=wrong.md\n",
-                                 hub.hub());
+  std::string list = fmt::format(
+      "# the seeds' style list\n{}/datasets/cerebras/SlimPajama-627B/resolve/main/README.md "
+      "sha256=b0c1a46e5e1ffc4f28a5ee12b9d00ba3e3a0f57aa1d1f4a6e42c0b9cb5ac27c7 path=wrong.md\n",
+      hub.hub());
   testing::WriteFile(dir / "list.txt", list);
   auto bad = RunCmd(fmt::format("HF_TOKEN={} {} --quiet --url-list {} --endpoint {} --local-dir {} --retry-base 0.01",
                                 kToken, testing::Tool("ptk-download"), dir / "list.txt", hub.hub(), dir / "o"));
@@ -272,8 +277,9 @@ TEST(Download, UrlListVerifiesSha256) {
   EXPECT_NE(bad.output.find("sha256"), std::string::npos) << bad.output;
   EXPECT_FALSE(testing::Exists(dir / "o/wrong.md"));
   std::string sha = Sha256Hex(good);
-  testing::WriteFile(dir / "list2.txt", fmt::format("{}/datasets/cerebras/SlimPajama-627B/resolve/main/README.md sha256={} size={}\n",
-                                                    hub.hub(), sha, good.size()));
+  testing::WriteFile(dir / "list2.txt",
+                     fmt::format("{}/datasets/cerebras/SlimPajama-627B/resolve/main/README.md sha256={} size={}\n",
+                                 hub.hub(), sha, good.size()));
   auto ok = RunCmd(fmt::format("HF_TOKEN={} {} --quiet --url-list {} --endpoint {} --local-dir {}", kToken,
                                testing::Tool("ptk-download"), dir / "list2.txt", hub.hub(), dir / "o"));
   ASSERT_EQ(ok.exit_code, 0) << ok.output;

@@ -23,8 +23,8 @@ std::string Jsonl(int n, int seed, const char* set = "RedPajamaC4") {
   std::mt19937 rng(seed);
   std::string s;
   for (int i = 0; i < n; ++i)
-    s += fmt::format("{{\"text\": \"doc {} of {} with {} words\", \"meta\": {{\"redpajama_set_name\": \"{}\"}}}}\n", i, seed, rng() % 1000,
-                     (i % 5 == 0) ? "RedPajamaBook" : set);
+    s += fmt::format("{{\"text\": \"doc {} of {} with {} words\", \"meta\": {{\"redpajama_set_name\": \"{}\"}}}}\n", i,
+                     seed, rng() % 1000, (i % 5 == 0) ? "RedPajamaBook" : set);
   return s;
 }
 
@@ -34,25 +34,30 @@ TEST(Extract, DecodesZstXzAndPlainKeepingTheLayout) {
   std::filesystem::create_directories(dir / "in/chunk2");
   std::string a = Jsonl(3000, 1), b = Jsonl(2000, 2), c = Jsonl(100, 3);
   // Two zstd frames, an xz stream, a second copy name in another chunk.
-  testing::WriteFile(dir / "in/chunk1/x_0.jsonl.zst", testing::ZstdCompress(a.substr(0, 50000)) + testing::ZstdCompress(a.substr(50000)));
+  testing::WriteFile(dir / "in/chunk1/x_0.jsonl.zst",
+                     testing::ZstdCompress(a.substr(0, 50000)) + testing::ZstdCompress(a.substr(50000)));
   testing::WriteFile(dir / "in/chunk1/x_1.jsonl.xz", testing::XzCompress(b));
   testing::WriteFile(dir / "in/chunk2/x_0.jsonl.zst", testing::ZstdCompress(c));
-  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --jobs 2", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  auto r = RunCmd(
+      fmt::format("{} --quiet {} --output-dir {} --jobs 2", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(testing::ReadFile(dir / "out/chunk1/x_0.jsonl"), a);
   EXPECT_EQ(testing::ReadFile(dir / "out/chunk1/x_1.jsonl"), b);
   EXPECT_EQ(testing::ReadFile(dir / "out/chunk2/x_0.jsonl"), c);
   // Rerun: everything already complete (verified against the sidecar).
-  auto again = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  auto again =
+      RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
   ASSERT_EQ(again.exit_code, 0);
   EXPECT_NE(again.output.find("0 extracted, 3 already complete"), std::string::npos) << again.output;
   // A truncated output (a crash after rename would be caught the same way) is redone.
   testing::WriteFile(dir / "out/chunk1/x_1.jsonl", b.substr(0, 100));
-  auto redo = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  auto redo =
+      RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
   EXPECT_NE(redo.output.find("1 extracted, 2 already complete"), std::string::npos) << redo.output;
   EXPECT_EQ(testing::ReadFile(dir / "out/chunk1/x_1.jsonl"), b);
   // --verify re-decodes and compares.
-  auto ver = RunCmd(fmt::format("{} --quiet {} --output-dir {} --verify", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  auto ver = RunCmd(
+      fmt::format("{} --quiet {} --output-dir {} --verify", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
   EXPECT_EQ(ver.exit_code, 0) << ver.output;
 }
 
@@ -69,7 +74,8 @@ TEST(Extract, DamagedInputsFailAloneWithOffsetAndNoOutput) {
   std::string xz = testing::XzCompress(good);
   testing::WriteFile(dir / "in/d_trunc.jsonl.xz", xz.substr(0, xz.size() - 20));
   testing::WriteFile(dir / "in/e_good.jsonl.xz", xz);
-  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --jobs 3", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  auto r = RunCmd(
+      fmt::format("{} --quiet {} --output-dir {} --jobs 3", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("3 of 5 files failed"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("b_trunc.jsonl.zst: truncated zstd data"), std::string::npos) << r.output;
@@ -93,8 +99,9 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
   }
   int extracted = 0;
   for (int s = 0; s < 2; ++s) {
-    auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --shard-index {} --num-shards 2 --drop-set RedPajamaBook --delete-input",
-                                testing::Tool("ptk-extract"), dir / "in", dir / "out", s));
+    auto r = RunCmd(fmt::format(
+        "{} --quiet {} --output-dir {} --shard-index {} --num-shards 2 --drop-set RedPajamaBook --delete-input",
+        testing::Tool("ptk-extract"), dir / "in", dir / "out", s));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     size_t at = r.output.find(" extracted");
     ASSERT_NE(at, std::string::npos);
@@ -117,15 +124,18 @@ TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
     want.push_back(Jsonl(40000, 100 + i));
     testing::WriteFile(dir / fmt::format("in/g_{}.jsonl.xz", i), testing::XzCompress(want.back(), 0));
   }
-  const std::string cmd = fmt::format("{} --quiet {} --output-dir {} --jobs 1", testing::Tool("ptk-extract"), dir / "in", dir / "out");
+  const std::string cmd =
+      fmt::format("{} --quiet {} --output-dir {} --jobs 1", testing::Tool("ptk-extract"), dir / "in", dir / "out");
   ASSERT_EQ(RunCmd(cmd + " >/dev/null 2>&1 & echo $! > " + dir / "pid").exit_code, 0);
-  for (int i = 0; i < 500 && !testing::Exists(dir / "out/g_1.jsonl"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int i = 0; i < 500 && !testing::Exists(dir / "out/g_1.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   ::kill(std::stoi(testing::ReadFile(dir / "pid")), SIGKILL);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   auto r = RunCmd(cmd);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (int i = 0; i < 8; ++i) EXPECT_EQ(testing::ReadFile(dir / fmt::format("out/g_{}.jsonl", i)), want[i]) << i;
-  EXPECT_EQ(r.output.find(" 0 already complete"), std::string::npos) << "nothing was kept from the killed run: " << r.output;
+  EXPECT_EQ(r.output.find(" 0 already complete"), std::string::npos)
+      << "nothing was kept from the killed run: " << r.output;
 }
 
 // ---------------------------------------------------------------- concat
@@ -208,28 +218,33 @@ TEST(Concat, ChunksAreExactNewlineSafeAndResumable) {
   for (int i = 0; i < 10; ++i) {
     std::string d = Jsonl(200 + i, 50 + i);
     if (i == 3 || i == 7) d.pop_back();  // no final newline
-    if (i == 5) testing::WriteFile(dir / fmt::format("in/part{}.jsonl.zst", i), testing::ZstdCompress(d));
-    else testing::WriteFile(dir / fmt::format("in/part{}.jsonl", i), d);
+    if (i == 5)
+      testing::WriteFile(dir / fmt::format("in/part{}.jsonl.zst", i), testing::ZstdCompress(d));
+    else
+      testing::WriteFile(dir / fmt::format("in/part{}.jsonl", i), d);
     expect_all += d;
     if (d.back() != '\n') expect_all += '\n';
   }
   testing::WriteFile(dir / "in/part10.jsonl", "");
-  auto r = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"), dir / "in", dir / "out"));
+  auto r = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"),
+                              dir / "in", dir / "out"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("2 inputs lacked a final newline"), std::string::npos) << r.output;
   std::string joined;
   for (int k = 0; k < 3; ++k) joined += testing::ReadFile(dir / fmt::format("out/train_{:02d}.jsonl", k));
   EXPECT_EQ(joined, expect_all);  // natural order: part2 before part10, no record merged
-  auto again = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"), dir / "in", dir / "out"));
+  auto again = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"),
+                                  dir / "in", dir / "out"));
   EXPECT_NE(again.output.find("0 chunks built, 3 already complete"), std::string::npos) << again.output;
   // --no-fsync: the same bytes (only the durability differs), and a later durable run keeps them.
-  auto fast = RunCmd(fmt::format("{} --quiet --no-fsync --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"),
-                                 dir / "in", dir / "out2"));
+  auto fast = RunCmd(fmt::format("{} --quiet --no-fsync --input {} --output-dir {} --chunks 3",
+                                 testing::Tool("ptk-concat"), dir / "in", dir / "out2"));
   ASSERT_EQ(fast.exit_code, 0) << fast.output;
   for (int k = 0; k < 3; ++k)
     EXPECT_EQ(testing::ReadFile(dir / fmt::format("out2/train_{:02d}.jsonl", k)),
               testing::ReadFile(dir / fmt::format("out/train_{:02d}.jsonl", k)));
-  auto durable = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"), dir / "in", dir / "out2"));
+  auto durable = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"),
+                                    dir / "in", dir / "out2"));
   EXPECT_NE(durable.output.find("0 chunks built, 3 already complete"), std::string::npos) << durable.output;
 }
 
@@ -237,7 +252,8 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
   for (int i = 0; i < 12; ++i) testing::WriteFile(dir / fmt::format("in/s{}.jsonl", i), Jsonl(100, 200 + i));
-  auto plan = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 4", testing::Tool("ptk-concat"), dir / "in", dir / "out"));
+  auto plan = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 4", testing::Tool("ptk-concat"),
+                                 dir / "in", dir / "out"));
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   ASSERT_TRUE(testing::Exists(dir / "out/concat-plan.json"));
   for (int k = 3; k >= 0; --k) {  // any order, as array tasks run
@@ -253,10 +269,12 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   // A changed input is refused rather than silently mixed in.
   testing::WriteFile(dir / "in/s0.jsonl", "{}\n");
   ::unlink((dir / "out/train_00.jsonl").c_str());
-  auto stale = RunCmd(fmt::format("{} run --quiet --plan {} --chunk-index 0", testing::Tool("ptk-concat"), dir / "out/concat-plan.json"));
+  auto stale = RunCmd(fmt::format("{} run --quiet --plan {} --chunk-index 0", testing::Tool("ptk-concat"),
+                                  dir / "out/concat-plan.json"));
   EXPECT_EQ(stale.exit_code, 1);
   EXPECT_NE(stale.output.find("changed since the plan"), std::string::npos) << stale.output;
-  auto usage = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern 'bad_{{:q}}'", testing::Tool("ptk-concat"), dir / "in", dir / "o2"));
+  auto usage = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern 'bad_{{:q}}'",
+                                  testing::Tool("ptk-concat"), dir / "in", dir / "o2"));
   EXPECT_EQ(usage.exit_code, 2) << usage.output;
 }
 

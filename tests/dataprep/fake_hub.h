@@ -25,8 +25,9 @@ class FakeHub {
   FakeHub(const std::string& repo_dir, const std::vector<std::string>& args, const std::string& work_dir) {
     port_file_ = work_dir + "/hub-ports";
     ::unlink(port_file_.c_str());
-    std::vector<std::string> argv = {"/usr/bin/python3", SourceDir() + "/tests/tools/fake_hub.py", "--repo-dir", repo_dir,
-                                     "--port-file", port_file_};
+    std::vector<std::string> argv = {"/usr/bin/python3", SourceDir() + "/tests/tools/fake_hub.py",
+                                     "--repo-dir",       repo_dir,
+                                     "--port-file",      port_file_};
     argv.insert(argv.end(), args.begin(), args.end());
     pid_ = ::fork();
     if (pid_ == 0) {

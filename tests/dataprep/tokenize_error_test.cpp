@@ -31,20 +31,21 @@ std::vector<std::vector<int64_t>> Docs(const std::string& prefix) {
 TEST(TokenizeErrors, BadRecordsAreSkippedWithFileAndLine) {
   TempDir dir;
   testing::WriteFile(dir / "in.jsonl",
-                     "{\"text\": \"Hello world\"}\n"   // 1 ok
-                     "not json\n"                      // 2 malformed
-                     "\n"                              // 3 blank
-                     "[1, 2]\n"                        // 4 not an object
-                     "{\"other\": 1}\n"                // 5 missing key
-                     "{\"text\": 5}\n"                 // 6 not a string
-                     "{\"text\": \"x\"} trailing\n"    // 7 trailing garbage
-                     "{\"text\": \"unterminated\n"     // 8 malformed
-                     "{\"text\": [\"a\", 1]}\n"        // 9 list with a non-string
+                     "{\"text\": \"Hello world\"}\n"    // 1 ok
+                     "not json\n"                       // 2 malformed
+                     "\n"                               // 3 blank
+                     "[1, 2]\n"                         // 4 not an object
+                     "{\"other\": 1}\n"                 // 5 missing key
+                     "{\"text\": 5}\n"                  // 6 not a string
+                     "{\"text\": \"x\"} trailing\n"     // 7 trailing garbage
+                     "{\"text\": \"unterminated\n"      // 8 malformed
+                     "{\"text\": [\"a\", 1]}\n"         // 9 list with a non-string
                      "{\"text\": \"Hello world\"}\n");  // 10 ok
   auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (int line = 2; line <= 9; ++line)
-    EXPECT_NE(r.output.find(fmt::format("in.jsonl:{}: skipped bad record", line)), std::string::npos) << line << r.output;
+    EXPECT_NE(r.output.find(fmt::format("in.jsonl:{}: skipped bad record", line)), std::string::npos)
+        << line << r.output;
   EXPECT_NE(r.output.find("(malformed JSON): Extra data at column 15"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("skipped 8 bad records of 10 lines"), std::string::npos) << r.output;
   auto docs = Docs(dir / "out_text_document");
@@ -66,13 +67,15 @@ TEST(TokenizeErrors, StrictFailsOnFirstBadRecordAndWritesNothing) {
 TEST(TokenizeErrors, InvalidUtf8AndLoneSurrogatesAreReplacedAndCounted) {
   TempDir dir;
   testing::WriteFile(dir / "in.jsonl",
-                     "{\"text\": \"a\xff" "b\"}\n"          // invalid byte -> U+FFFD
-                     "{\"text\": \"x\\ud800y\"}\n"          // lone high surrogate escape
-                     "{\"text\": \"\\udc00\"}\n"            // lone low surrogate escape
-                     "{\"text\": \"\\ud83d\\ude00\"}\n");   // a valid pair: an emoji
+                     "{\"text\": \"a\xff"
+                     "b\"}\n"                              // invalid byte -> U+FFFD
+                     "{\"text\": \"x\\ud800y\"}\n"         // lone high surrogate escape
+                     "{\"text\": \"\\udc00\"}\n"           // lone low surrogate escape
+                     "{\"text\": \"\\ud83d\\ude00\"}\n");  // a valid pair: an emoji
   auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("replaced 1 invalid UTF-8 sequences and 2 lone surrogate escapes"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("replaced 1 invalid UTF-8 sequences and 2 lone surrogate escapes"), std::string::npos)
+      << r.output;
   auto docs = Docs(dir / "out_text_document");
   ASSERT_EQ(docs.size(), 4u);
   // "a\uFFFDb" as Hugging Face GPT2TokenizerFast encodes it: a, U+FFFD (one token), b
@@ -154,7 +157,8 @@ TEST(TokenizeErrors, HundredMegabyteDocument) {
     }
     f << "\"}\n{\"text\": \"after\"}\n";
   }
-  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --append-eod --workers 2", dir / "big.jsonl", dir / "out")));
+  auto r = RunCmd(
+      Tok(fmt::format("--input {} --output-prefix {} --append-eod --workers 2", dir / "big.jsonl", dir / "out")));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto ds = IndexedDataset::Open(dir / "out_text_document");
   ASSERT_TRUE(ds.ok());
@@ -175,7 +179,7 @@ TEST(JsonRecordParser, PythonCompatibleSlowPath) {
   EXPECT_EQ(parse("{\"text\": \"a\x01\"}").status, RecordStatus::kMalformed);  // raw control character
   EXPECT_EQ(parse("{\"text\": \"a\",}").status, RecordStatus::kMalformed);     // trailing comma
   EXPECT_EQ(parse("{\"text\": 01}").status, RecordStatus::kMalformed);
-  EXPECT_EQ(parse("{\"text\": \"\\x\"}").status, RecordStatus::kMalformed);    // invalid escape
+  EXPECT_EQ(parse("{\"text\": \"\\x\"}").status, RecordStatus::kMalformed);  // invalid escape
   EXPECT_EQ(parse("  ").status, RecordStatus::kBlank);
   EXPECT_EQ(parse("\"just a string\"").status, RecordStatus::kNotObject);
   std::string deep(5000, '[');

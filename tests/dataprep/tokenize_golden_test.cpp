@@ -23,9 +23,7 @@ void ExpectSameFiles(const std::string& got_prefix, const std::string& want_pref
   }
 }
 
-std::string Tokenize(const std::string& args) {
-  return testing::Tool("ptk-tokenize") + " --quiet " + args;
-}
+std::string Tokenize(const std::string& args) { return testing::Tool("ptk-tokenize") + " --quiet " + args; }
 
 struct Config {
   const char* name;
@@ -46,8 +44,8 @@ TEST(TokenizeGolden, ByteIdenticalToMegatronForEveryConfigAndWorkerCount) {
     for (const char* workers : {"1", "2", "8"}) {
       for (const char* batch : {"1", "0.001"}) {
         std::string prefix = dir / (std::string(c.name) + "_w" + workers);
-        auto r = RunCmd(Tokenize(fmt::format("--input {}corpus.jsonl --output-prefix {} {} --workers {} --batch-mb {}", kData,
-                                          prefix, c.flags, workers, batch)));
+        auto r = RunCmd(Tokenize(fmt::format("--input {}corpus.jsonl --output-prefix {} {} --workers {} --batch-mb {}",
+                                             kData, prefix, c.flags, workers, batch)));
         ASSERT_EQ(r.exit_code, 0) << r.output;
         ExpectSameFiles(prefix + "_" + c.key + "_document", kData + c.name + "_" + c.key + "_document");
       }
@@ -60,8 +58,8 @@ TEST(TokenizeGolden, ByteIdenticalToMegatronForEveryConfigAndWorkerCount) {
 
 TEST(TokenizeGolden, SeveralKeysGiveOneDatasetPerKey) {
   TempDir dir;
-  auto r = RunCmd(Tokenize(fmt::format("--input {}corpus.jsonl --output-prefix {} --json-keys text title --append-eod", kData,
-                                    dir / "multi")));
+  auto r = RunCmd(Tokenize(fmt::format("--input {}corpus.jsonl --output-prefix {} --json-keys text title --append-eod",
+                                       kData, dir / "multi")));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ExpectSameFiles(dir / "multi_text_document", kData + "eod_text_document");
   ExpectSameFiles(dir / "multi_title_document", kData + "title_title_document");
@@ -75,12 +73,13 @@ TEST(TokenizeGolden, CompressedInputsAndStdinGiveTheSameBytes) {
   testing::WriteFile(dir / "c.jsonl.zst", z);
   testing::WriteFile(dir / "c.jsonl.xz", testing::XzCompress(corpus));
   for (const char* in : {"c.jsonl.zst", "c.jsonl.xz"}) {
-    auto r = RunCmd(Tokenize(fmt::format("--input {} --output-prefix {} --append-eod", dir / in, dir / (std::string(in) + "_out"))));
+    auto r = RunCmd(Tokenize(
+        fmt::format("--input {} --output-prefix {} --append-eod", dir / in, dir / (std::string(in) + "_out"))));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     ExpectSameFiles(dir / (std::string(in) + "_out_text_document"), kData + "eod_text_document");
   }
   auto r = RunCmd(fmt::format("cat {}corpus.jsonl | {}", kData,
-                           Tokenize(fmt::format("--input - --output-prefix {} --append-eod", dir / "stdin"))));
+                              Tokenize(fmt::format("--input - --output-prefix {} --append-eod", dir / "stdin"))));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ExpectSameFiles(dir / "stdin_text_document", kData + "eod_text_document");
 }
@@ -103,7 +102,8 @@ TEST(TokenizeGolden, SplitInputsAndGlobsConcatenateInOrder) {
     if (p == 5 && !s.empty()) s.pop_back();  // a file without a final newline
     testing::WriteFile(dir / fmt::format("part{}.jsonl", p + 1), s);
   }
-  auto r = RunCmd(Tokenize(fmt::format("--input '{}' --output-prefix {} --append-eod", dir / "part*.jsonl", dir / "glob")));
+  auto r =
+      RunCmd(Tokenize(fmt::format("--input '{}' --output-prefix {} --append-eod", dir / "part*.jsonl", dir / "glob")));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ExpectSameFiles(dir / "glob_text_document", kData + "eod_text_document");
 }
@@ -111,7 +111,7 @@ TEST(TokenizeGolden, SplitInputsAndGlobsConcatenateInOrder) {
 TEST(TokenizeGolden, MegatronShapedProgressLine) {
   TempDir dir;
   auto r = RunCmd(testing::Tool("ptk-tokenize") +
-               fmt::format(" --input {}corpus.jsonl --output-prefix {} --log-interval 100", kData, dir / "log"));
+                  fmt::format(" --input {}corpus.jsonl --output-prefix {} --log-interval 100", kData, dir / "log"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("Processing data with"), std::string::npos);
   EXPECT_NE(r.output.find("Processed 100 documents ("), std::string::npos) << r.output;

@@ -46,7 +46,13 @@ std::vector<Config> Configs() {
   c.push_back({"single", {"gpt_data/A"}, {}, "90, 8, 2", 32, 1234, S{900, 60, 10}});
   c.push_back({"single_seed42", {"gpt_data/A"}, {}, "80,15,5", 17, 42, S{300, 40, 20}});
   c.push_back({"near_epoch", {"gpt_data/B"}, {}, "1,0,0", 16, 7, S{250, std::nullopt, std::nullopt}});
-  c.push_back({"blend3", {"0.3", "gpt_data/A", "0.5", "gpt_data/B", "0.2", "gpt_data/C"}, {}, "98,2,0", 16, 1234, S{400, 20, 0}});
+  c.push_back({"blend3",
+               {"0.3", "gpt_data/A", "0.5", "gpt_data/B", "0.2", "gpt_data/C"},
+               {},
+               "98,2,0",
+               16,
+               1234,
+               S{400, 20, 0}});
   c.push_back({"blend_unweighted", {"gpt_data/A", "gpt_data/C"}, {}, "90,10,0", 16, 1234, S{100, 10, 0}});
   Config ps{"per_split", {}, {}, "", 16, 1234, S{200, 30, std::nullopt}};
   ps.per_split[0] = {"1.0", "gpt_data/A", "1.0", "gpt_data/B"};
@@ -132,7 +138,8 @@ TEST(GPTDatasetGolden, IndicesCacheFilesAndSamplesEqualMegatrons) {
     auto want = Files(kGolden + c.name + "/cache"), got = Files(c.name + "/cache");
     ASSERT_EQ(got, want);
     for (const auto& f : want)
-      EXPECT_TRUE(testing::ReadFile(kGolden + c.name + "/cache/" + f) == testing::ReadFile(c.name + "/cache/" + f)) << f;
+      EXPECT_TRUE(testing::ReadFile(kGolden + c.name + "/cache/" + f) == testing::ReadFile(c.name + "/cache/" + f))
+          << f;
     CheckSamples(c, *ds);
     // Built again: everything comes from the cache, nothing changes.
     auto again = BuildConfig(c);
@@ -313,7 +320,8 @@ TEST(NumpyCompat, ShuffleSumAndRound) {
   EXPECT_EQ(py::FloatRepr(1e-05), "1e-05");
   auto split = ParseAndNormalizeSplit("969, 30, 1");
   ASSERT_TRUE(split.ok());
-  EXPECT_EQ(MakeSplitMatrix(*split).ToJson().Dumps(0), "[\n[\n0,\n0.969\n],\n[\n0.969,\n0.999\n],\n[\n0.999,\n1.0\n]\n]");
+  EXPECT_EQ(MakeSplitMatrix(*split).ToJson().Dumps(0),
+            "[\n[\n0,\n0.969\n],\n[\n0.969,\n0.999\n],\n[\n0.999,\n1.0\n]\n]");
   EXPECT_FALSE(ParseAndNormalizeSplit("0,0,0").ok());
 }
 
@@ -353,23 +361,27 @@ TEST_P(NumpyCompatPaths, GeneratorEqualsTheStandardOne) {
 }
 
 TEST_P(NumpyCompatPaths, BlockDrawsEqualOneByOne) {
-  for (uint64_t hi : {uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1000}, uint64_t{4096}, uint64_t{65537}, uint64_t{300000}}) {
+  for (uint64_t hi :
+       {uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1000}, uint64_t{4096}, uint64_t{65537}, uint64_t{300000}}) {
     for (uint64_t lo : {uint64_t{1}, hi / 2 + 1, hi}) {
       NumpyRandomState a(99), b(99);
       std::vector<uint32_t> block(static_cast<size_t>(hi - lo + 1));  // 32-bit draws: the vector path
       a.DrawDescending(hi, lo, block.data());
-      for (uint64_t i = hi; i >= lo; --i) ASSERT_EQ(block[static_cast<size_t>(hi - i)], b.RandomInterval(i)) << hi << " " << lo << " " << i;
+      for (uint64_t i = hi; i >= lo; --i)
+        ASSERT_EQ(block[static_cast<size_t>(hi - i)], b.RandomInterval(i)) << hi << " " << lo << " " << i;
       EXPECT_EQ(a.RandomInterval(12345), b.RandomInterval(12345));  // the generators stay in step
     }
   }
   // Bounds at the top of the 32-bit range (fewer than 16 draws left right below 2^32), and across
   // it (64-bit draws first).
-  for (auto [hi, lo] : {std::pair<uint64_t, uint64_t>{0xFFFFFFFFull, 0xFFFFFFF8ull}, {0xFFFFFFFFull, 0xFFFFFFE0ull},
+  for (auto [hi, lo] : {std::pair<uint64_t, uint64_t>{0xFFFFFFFFull, 0xFFFFFFF8ull},
+                        {0xFFFFFFFFull, 0xFFFFFFE0ull},
                         {0x100000003ull, 0xFFFFFFF0ull}}) {
     NumpyRandomState a(5), b(5);
     std::vector<uint64_t> wide(static_cast<size_t>(hi - lo + 1));
     a.DrawDescending(hi, lo, wide.data());
-    for (uint64_t i = hi; i >= lo; --i) ASSERT_EQ(wide[static_cast<size_t>(hi - i)], b.RandomInterval(i)) << hi << " " << i;
+    for (uint64_t i = hi; i >= lo; --i)
+      ASSERT_EQ(wide[static_cast<size_t>(hi - i)], b.RandomInterval(i)) << hi << " " << i;
     if (hi <= 0xFFFFFFFFull) {
       NumpyRandomState c(5);
       std::vector<uint32_t> narrow(static_cast<size_t>(hi - lo + 1) + 16, 0xABCDEF01u);
@@ -403,7 +415,9 @@ TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
   {
     // A Megatron .idx (uint16 tokens) and a sparse .bin of the size it describes.
     std::string idx("MMIDIDX\0\0", 9);
-    auto put = [&](uint64_t v, int bytes) { idx.append(reinterpret_cast<const char*>(&v), static_cast<size_t>(bytes)); };
+    auto put = [&](uint64_t v, int bytes) {
+      idx.append(reinterpret_cast<const char*>(&v), static_cast<size_t>(bytes));
+    };
     put(1, 8);
     put(8, 1);
     put(static_cast<uint64_t>(n), 8);
@@ -432,7 +446,7 @@ TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
   for (int32_t l : lens) tokens += l;
   const int64_t per_epoch = (tokens - 1) / 16;
   const std::vector<Case> cases = {
-      {0, n, per_epoch * 2 + per_epoch / 4, 16, Split::kTrain, true, true},  // separate last epoch
+      {0, n, per_epoch * 2 + per_epoch / 4, 16, Split::kTrain, true, true},       // separate last epoch
       {0, n, per_epoch * 2 + per_epoch * 9 / 10, 16, Split::kTrain, true, true},  // last epoch shuffled with the rest
       {1000, n - 5, per_epoch / 2, 7, Split::kValid, true, false},                // partial last validation sample
       {0, n, per_epoch, 16, Split::kTrain, false, true},                          // no extra token
@@ -468,7 +482,8 @@ TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
     }
     NumpyRandomState rng(4321);
     auto shuffle = [&](auto* x, int64_t m) {
-      for (int64_t i = m - 1; i >= 1; --i) std::swap(x[i], x[static_cast<size_t>(rng.RandomInterval(static_cast<uint64_t>(i)))]);
+      for (int64_t i = m - 1; i >= 1; --i)
+        std::swap(x[i], x[static_cast<size_t>(rng.RandomInterval(static_cast<uint64_t>(i)))]);
     };
     std::vector<int32_t> doc;
     for (int64_t e = 0; e < epochs; ++e)
@@ -482,8 +497,10 @@ TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
     }
     ASSERT_EQ(d.size(), nd);
     for (int64_t k = 0; k < nd; ++k) ASSERT_EQ(d.at(k), doc[static_cast<size_t>(k)]) << "document_index[" << k << "]";
-    int64_t ns = c.drop_last ? (epochs * tpe - add) / c.seq
-                             : static_cast<int64_t>(std::ceil(static_cast<float>(epochs * tpe - add) / static_cast<float>(c.seq)));
+    int64_t ns =
+        c.drop_last
+            ? (epochs * tpe - add) / c.seq
+            : static_cast<int64_t>(std::ceil(static_cast<float>(epochs * tpe - add) / static_cast<float>(c.seq)));
     std::vector<int64_t> rows = {0, 0};
     int64_t di = 0, off = 0;
     for (int64_t s = 1; s <= ns; ++s) {
@@ -507,7 +524,8 @@ TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
       rows.push_back(off);
     }
     ASSERT_EQ(si.size(), static_cast<int64_t>(rows.size()));
-    for (size_t r = 0; r < rows.size(); ++r) ASSERT_EQ(si.at(static_cast<int64_t>(r)), rows[r]) << "sample_index[" << r / 2 << "]";
+    for (size_t r = 0; r < rows.size(); ++r)
+      ASSERT_EQ(si.at(static_cast<int64_t>(r)), rows[r]) << "sample_index[" << r / 2 << "]";
     std::vector<uint32_t> shuf(static_cast<size_t>(ns));
     for (int64_t i = 0; i < ns; ++i) shuf[static_cast<size_t>(i)] = static_cast<uint32_t>(i);
     const int64_t first = separate ? sans : ns;

@@ -48,8 +48,13 @@ TEST(Bpe, CacheIsTransparent) {
   Gpt2Encoder small(Tok(), {.special_endoftext = true, .cache_slots = 16});
   Gpt2Encoder big(Tok());
   std::mt19937 rng(3);
-  const char* words[] = {" the", " quick", " brown", "fox", " jumped", "ooooover", " lazy", "\xE4\xB8\xAD\xE6\x96\x87",
-                         " dogs", "!!", "\n\n", " 12345", "tokenization", " antidisestablishmentarianism"};
+  const char* words[] = {" the",         " quick",
+                         " brown",       "fox",
+                         " jumped",      "ooooover",
+                         " lazy",        "\xE4\xB8\xAD\xE6\x96\x87",
+                         " dogs",        "!!",
+                         "\n\n",         " 12345",
+                         "tokenization", " antidisestablishmentarianism"};
   for (int iter = 0; iter < 500; ++iter) {
     std::string text;
     for (int w = 0; w < 30; ++w) text += words[rng() % 14];

@@ -78,21 +78,23 @@ class Oracle {
 
 std::string Show(const std::string& s) {
   std::string o;
-  for (unsigned char c : s) o += (c >= 0x20 && c < 0x7f) ? std::string(1, static_cast<char>(c)) : fmt::format("\\x{:02x}", c);
+  for (unsigned char c : s)
+    o += (c >= 0x20 && c < 0x7f) ? std::string(1, static_cast<char>(c)) : fmt::format("\\x{:02x}", c);
   return o;
 }
 
 std::vector<uint32_t> AdversarialAlphabet() {
-  std::vector<uint32_t> a = {'a', 'b', 'Z', 's', 't', 'r', 'e', 'v', 'l', 'm', 'd', 'S', 'T', 'L', '\'', '\'', '\'',
-                             '0', '1', '9', ' ', ' ', ' ', ' ', '\t', '\n', '\r', 0x0B, 0x0C, '!', '.', ',', '-', '<', '|'};
+  std::vector<uint32_t> a = {'a',  'b',  'Z',  's',  't',  'r', 'e', 'v', 'l', 'm', 'd', 'S',
+                             'T',  'L',  '\'', '\'', '\'', '0', '1', '9', ' ', ' ', ' ', ' ',
+                             '\t', '\n', '\r', 0x0B, 0x0C, '!', '.', ',', '-', '<', '|'};
   // The whole whitespace zoo, and near-misses that are not White_Space.
   for (uint32_t c : {0x85u, 0xA0u, 0x1680u, 0x2000u, 0x2005u, 0x200Au, 0x2028u, 0x2029u, 0x202Fu, 0x205Fu, 0x3000u,
                      0x1Cu, 0x1Du, 0x1Eu, 0x1Fu, 0x180Eu, 0x200Bu, 0xFEFFu})
     a.push_back(c);
   // Marks, other numbers, letters of other scripts, emoji and joiners, CJK, private use, unassigned.
-  for (uint32_t c : {0x301u, 0x93Fu, 0x5BCu, 0xB2u, 0xBDu, 0x216Bu, 0x663u, 0xFF11u, 0xE9u, 0xDFu, 0x3A9u, 0x436u,
-                     0x5D0u, 0x915u, 0x4E2Du, 0xAC00u, 0x1F600u, 0x1F44Du, 0x200Du, 0xFE0Fu, 0x1F3FDu, 0xE000u, 0x378u,
-                     0x10FFFDu, 0xE0001u, 0x1C89u, 0x88Fu, 0x2EBF0u, 0x2019u})
+  for (uint32_t c : {0x301u,   0x93Fu,  0x5BCu, 0xB2u,     0xBDu,    0x216Bu, 0x663u,   0xFF11u,  0xE9u,   0xDFu,
+                     0x3A9u,   0x436u,  0x5D0u, 0x915u,    0x4E2Du,  0xAC00u, 0x1F600u, 0x1F44Du, 0x200Du, 0xFE0Fu,
+                     0x1F3FDu, 0xE000u, 0x378u, 0x10FFFDu, 0xE0001u, 0x1C89u, 0x88Fu,   0x2EBF0u, 0x2019u})
     a.push_back(c);
   return a;
 }

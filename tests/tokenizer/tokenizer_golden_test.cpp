@@ -53,7 +53,9 @@ TEST_F(GoldenTest, NotesGoldens) {
   EXPECT_EQ(ids("Hello world"), (std::vector<int32_t>{15496, 995}));
   EXPECT_EQ(ids(" Hello  world\n\n"), (std::vector<int32_t>{18435, 220, 995, 628}));
   EXPECT_EQ(ids("I'm  here"), (std::vector<int32_t>{40, 1101, 220, 994}));
-  EXPECT_EQ(ids("\xC3\x9Cn\xC3\xAF" "c\xC3\xB6" "d\xC3\xA9 \xF0\x9F\x98\x80"),
+  EXPECT_EQ(ids("\xC3\x9Cn\xC3\xAF"
+                "c\xC3\xB6"
+                "d\xC3\xA9 \xF0\x9F\x98\x80"),
             (std::vector<int32_t>{127, 250, 77, 26884, 66, 9101, 67, 2634, 30325, 222}));
   EXPECT_EQ(ids("a<|endoftext|>b"), (std::vector<int32_t>{64, 27, 91, 437, 1659, 5239, 91, 29, 65}));
   Gpt2Encoder hf(*tok_);

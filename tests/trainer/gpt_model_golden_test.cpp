@@ -92,8 +92,8 @@ class GptGolden : public ::testing::TestWithParam<std::string> {
   }
   ModelBatch Batch(int64_t step, int64_t micro) {
     int64_t off = (step * g_->Int("num_micro_batches") + micro) * b_ * t_;
-    return ModelBatch{b_, t_, tokens_.data() + off, labels_.data() + off, positions_.data(), mask_.data() + off,
-                      keys_.data()};
+    return ModelBatch{
+        b_, t_, tokens_.data() + off, labels_.data() + off, positions_.data(), mask_.data() + off, keys_.data()};
   }
   std::vector<ModelBatch> Step(int64_t step) {
     std::vector<ModelBatch> v;

@@ -149,7 +149,7 @@ TEST(Ops, FusedSoftmaxCrossEntropyFloatPathMatchesDouble) {
   const int64_t n = 9, vp = 50304 + 7;
   auto logits = Random(n * vp, 24, 4.0), dl = Random(n, 25);
   for (int64_t i = 0; i < vp; i += 97) logits[i] -= 120.0;  // exp underflows to (almost) 0
-  for (double& x : logits) x = static_cast<float>(x);         // both sides start from float inputs
+  for (double& x : logits) x = static_cast<float>(x);       // both sides start from float inputs
   std::vector<int32_t> targets = {0, 1, 50303, 17, 4000, 9, 50310, 3, 12345};
   std::vector<double> want_loss(n), want_grad = logits;
   SoftmaxCrossEntropyFusedCpu(want_grad.data(), want_loss.data(), targets.data(), dl.data(), n, vp);
@@ -243,8 +243,8 @@ TEST(Ops, LayerNormWeightGradientIndependentOfThreads) {
   auto run = [&](int threads) {
     std::vector<float> dx(n * c, 0), dw(c, 0), db(c, 0);
     tbb::task_arena(threads).execute([&] {
-      LayerNormBackwardCpu(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
-                           n, c);
+      LayerNormBackwardCpu(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(), n,
+                           c);
     });
     dx.insert(dx.end(), dw.begin(), dw.end());
     dx.insert(dx.end(), db.begin(), db.end());

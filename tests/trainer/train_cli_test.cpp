@@ -46,8 +46,9 @@ class TrainCli : public ::testing::Test {
            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2"
            " --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
            " --weight-decay 0.1 --adam-beta2 0.95 --split 98,2,0 --eval-interval 4 --eval-iters 1 --log-interval 2"
-           " --threads 2 --data-path " + ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") +
-           " --train-iters " + std::to_string(iters) + " " + extra;
+           " --threads 2 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) + " " + extra;
   }
   TempDir dir_;
   std::string prefix_;
@@ -130,9 +131,10 @@ TEST_F(TrainCli, KillDuringSavesKeepsLatestWhole) {
   const std::string save = dir_ / "k";
   for (int attempt = 0; attempt < 5; ++attempt) {
     std::string delay = std::to_string(1.0 + 0.37 * attempt);
-    auto r = RunCmd("bash -c " + ShellQuote(Train("--save-interval 1 --save " + ShellQuote(save) + " --load " +
-                                                  ShellQuote(save), 100000) +
-                                            " >/dev/null 2>&1 & pid=$!; sleep " + delay + "; kill -9 $pid; wait $pid"));
+    auto r = RunCmd(
+        "bash -c " +
+        ShellQuote(Train("--save-interval 1 --save " + ShellQuote(save) + " --load " + ShellQuote(save), 100000) +
+                   " >/dev/null 2>&1 & pid=$!; sleep " + delay + "; kill -9 $pid; wait $pid"));
     auto it = LatestCheckpointIteration(save);
     if (!it.ok()) continue;  // killed before the first save
     Saved s = Load(save, *it);
@@ -165,10 +167,11 @@ TEST_F(TrainCli, DamagedOrMismatchedCheckpointIsRefused) {
 
 TEST_F(TrainCli, SeedsFlagsAreHonouredOrRefusedInOneLine) {
   // Azure's GPT-3 175B line (shape kept, sizes shrunk where they only change the model size).
-  auto azure = RunCmd(Train("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --sequence-parallel "
-                            "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
-                            "--attention-backend auto --ckpt-format torch_dist --no-gradient-accumulation-fusion "
-                            "--use-mcore-models --distributed-timeout-minutes 60 --fp16"));
+  auto azure =
+      RunCmd(Train("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --sequence-parallel "
+                   "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
+                   "--attention-backend auto --ckpt-format torch_dist --no-gradient-accumulation-fusion "
+                   "--use-mcore-models --distributed-timeout-minutes 60 --fp16"));
   EXPECT_EQ(azure.exit_code, 2) << azure.output;
   EXPECT_NE(azure.output.find("--tensor-model-parallel-size 8: ptk-train is data parallel only"), std::string::npos)
       << azure.output;
@@ -178,7 +181,8 @@ TEST_F(TrainCli, SeedsFlagsAreHonouredOrRefusedInOneLine) {
   EXPECT_EQ(aws.exit_code, 2);
   EXPECT_NE(aws.output.find("--fp16: the CPU backend trains in fp32"), std::string::npos) << aws.output;
   // Speed-only flags are accepted with a note, and the run trains.
-  auto ok = RunCmd(Train("--use-distributed-optimizer --overlap-grad-reduce --recompute-activations --log-throughput", 2));
+  auto ok =
+      RunCmd(Train("--use-distributed-optimizer --overlap-grad-reduce --recompute-activations --log-throughput", 2));
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_NE(ok.output.find("note: --use-distributed-optimizer: accepted"), std::string::npos) << ok.output;
   auto unknown = RunCmd(Train("--apend-eod", 2));
@@ -217,8 +221,8 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
   ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "one") + " --threads 1")).exit_code, 0);
   const std::string two = Train("--save " + ShellQuote(dir_ / "two") + " --threads 1");
   auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() +
-                                          "; RANK=1 " + two + " > " + ShellQuote(dir_ / "r1.log") +
-                                          " 2>&1 & RANK=0 " + two + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+                                          "; RANK=1 " + two + " > " + ShellQuote(dir_ / "r1.log") + " 2>&1 & RANK=0 " +
+                                          two + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
   EXPECT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << testing::ReadFile(dir_ / "r1.log");
   EXPECT_NE(r.output.find("data parallel: 2 ranks (torchrun variables)"), std::string::npos) << r.output;
   EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("iteration "), std::string::npos) << "rank 1 printed log lines";
@@ -235,10 +239,11 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
 
 TEST_F(TrainCli, ARankThatDiesStopsTheOthers) {
   const std::string cmd = Train("--distributed-timeout-minutes 0.5 --threads 1", 100000);
-  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() +
-                                          "; RANK=1 " + cmd + " >/dev/null 2>&1 & p1=$!; RANK=0 " + cmd +
-                                          " > " + ShellQuote(dir_ / "r0.log") + " 2>&1 & p0=$!; sleep 3; "
-                                          "kill -9 $p1; start=$SECONDS; wait $p0; echo rc0=$? after=$((SECONDS-start))"));
+  auto r = RunCmd("bash -c " +
+                  ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() + "; RANK=1 " + cmd +
+                             " >/dev/null 2>&1 & p1=$!; RANK=0 " + cmd + " > " + ShellQuote(dir_ / "r0.log") +
+                             " 2>&1 & p0=$!; sleep 3; "
+                             "kill -9 $p1; start=$SECONDS; wait $p0; echo rc0=$? after=$((SECONDS-start))"));
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc0=(\\d+) after=(\\d+)"))) << r.output;
   EXPECT_EQ(m[1], "1") << testing::ReadFile(dir_ / "r0.log");
