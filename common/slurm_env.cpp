@@ -101,7 +101,10 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
     if (auto n = EnvInt("SLURM_NODEID")) t.node_rank = static_cast<int>(*n);
     std::string nodes = !env("SLURM_STEP_NODELIST").empty() ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
     if (!nodes.empty()) t.master_addr = FirstSlurmHost(nodes);
-    if (auto job = EnvInt("SLURM_JOB_ID")) t.master_port = 20000 + static_cast<int>(*job % 20000);
+    // A requeued job keeps its id: the restart count moves the port, so that a rank left over
+    // from the previous run cannot hold it.
+    if (auto job = EnvInt("SLURM_JOB_ID"))
+      t.master_port = 20000 + static_cast<int>((*job * 7 + EnvInt("SLURM_RESTART_COUNT").value_or(0)) % 20000);
     t.source = "srun";
   }
   if (!env("MASTER_ADDR").empty()) t.master_addr = env("MASTER_ADDR");

@@ -114,15 +114,23 @@ lines() { cat "$metrics" 2>/dev/null | wc -l; }
 for _ in $(seq 600); do [ "$(lines)" -ge 100 ] && break; sleep 0.1; done
 [ "$(lines)" -ge 100 ] || fail "training did not start"
 scancel --signal=USR1 "$train_id"
-# Slurm holds a requeued job for about two minutes (BeginTime); let it start at once.
-for _ in $(seq 300); do
-  scontrol show job -o "$train_id" 2>/dev/null | grep -q 'Restarts=[1-9].*JobState=PENDING\|JobState=PENDING.*Restarts=[1-9]' && break
+# Slurm holds a requeued job for about two minutes (BeginTime). Once it is pending again and the
+# node has finished cleaning up after the first run, let it start at once.
+for _ in $(seq 600); do
+  scontrol show job -o "$train_id" 2>/dev/null | grep -q 'JobState=PENDING.*Restarts=[1-9]' &&
+    [ -z "$(squeue -h -t CG 2>/dev/null)" ] && sinfo -h -N -o %T 2>/dev/null | grep -qx idle && break
   sleep 0.1
 done
+sleep 1
 scontrol update JobId="$train_id" StartTime=now 2>/dev/null || true
 set +e; "$WAIT" -t 300 "$train_id" > "$WORK/wait.out"; WAIT_RC=$?; set -e
 cat "$WORK/wait.out"
-[ "$WAIT_RC" = 0 ] || { tail -n 30 "$STAGE_PATH"/results/train/*.out; fail "the requeued training did not complete"; }
+if [ "$WAIT_RC" != 0 ]; then
+  tail -n 30 "$STAGE_PATH"/results/train/*.out
+  scontrol show job -o "$train_id" 2>/dev/null
+  grep -h -E "JobId=$train_id|job $train_id|StepId=$train_id" "$SLURM_LOCAL_DIR"/log/slurm*.log 2>/dev/null | tail -n 40
+  fail "the requeued training did not complete"
+fi
 restarts=$(scontrol show job -o "$train_id" 2>/dev/null | sed -n 's/.*Restarts=\([0-9]*\).*/\1/p')
 [ "${restarts:-0}" -ge 1 ] || fail "the job was not requeued (Restarts=${restarts:-?})"
 [ "$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt")" = 600 ] || fail "the resumed run did not finish"
