@@ -6,7 +6,7 @@
 #include <string>
 
 #include "indexed_dataset/data_loader.h"
-#include "indexed_dataset/gpt_dataset.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
 
 int main(int argc, char** argv) {
   if (argc < 9) {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "indexed_dataset/gpt_dataset.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
 
 namespace ptk {
 

@@ -110,41 +110,4 @@ class GPTDataset : public TopLevelDataset {
   std::string cache_prefix_;
 };
 
-class BlendedDataset : public TopLevelDataset {
- public:
-  // With a size: weights are normalized (again) and build_blending_indices runs; without one the
-  // weights must be integers (dataset lengths) and the exhaustive blend is built.
-  static absl::StatusOr<std::shared_ptr<BlendedDataset>> Build(std::vector<std::shared_ptr<GPTDataset>> datasets,
-                                                               std::vector<double> weights, bool integer_weights,
-                                                               std::optional<int64_t> size, Split split,
-                                                               const GPTDatasetConfig& config);
-  int64_t size() const override { return dataset_index_.size(); }
-  absl::Status Text(int64_t idx, int64_t* out, int64_t* dataset_id) const override;
-  py::Json unique_identifiers() const override { return identifiers_; }
-  const IndexArray& dataset_index() const { return dataset_index_; }
-  const IndexArray& dataset_sample_index() const { return dataset_sample_index_; }
-  const std::vector<std::shared_ptr<GPTDataset>>& datasets() const { return datasets_; }
-
- private:
-  std::vector<std::shared_ptr<GPTDataset>> datasets_;
-  py::Json identifiers_;
-  IndexArray dataset_index_, dataset_sample_index_;
-};
-
-// Megatron's data arguments, resolved to datasets exactly as BlendedMegatronDatasetBuilder does.
-struct DataArgs {
-  std::vector<std::string> data_path;                           // --data-path: "w1 p1 w2 p2 ..." or "p1 p2 ..."
-  std::array<std::vector<std::string>, 3> per_split_data_path;  // --train/--valid/--test-data-path
-  std::string split = "969, 30, 1";
-  std::array<std::optional<int64_t>, 3> sizes;  // samples requested per split (None = one epoch/exhaustive)
-};
-
-// Returns one dataset per split (nullptr where that split is empty or not given).
-absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args,
-                                                                                 GPTDatasetConfig config);
-
-// Megatron's get_blend_from_list: even count -> (weights, prefixes), odd -> prefixes only.
-absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,
-                        std::optional<std::vector<double>>* weights);
-
 }  // namespace ptk

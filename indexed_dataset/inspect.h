@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "indexed_dataset/gpt_dataset.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "indexed_dataset/indexed_dataset.h"
 
 namespace ptk {

@@ -6,7 +6,7 @@
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/status.h"
-#include "indexed_dataset/gpt_dataset.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "indexed_dataset/inspect.h"
 #include "tokenizer/gpt2_tokenizer.h"

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "indexed_dataset/gpt_dataset.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "trainer/comm.h"
 #include "trainer/gpt_model.h"
 #include "trainer/optimizer.h"

@@ -5,7 +5,7 @@
 #include <fmt/core.h>
 
 #include "common/status.h"
-#include "indexed_dataset/gpt_dataset.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
 
 namespace ptk {
 

@@ -1,0 +1,33 @@
+// Megatron-LM's BlendedMegatronDatasetBuilder (megatron/core/datasets/blended_megatron_dataset_builder.py):
+// --data-path / per-split paths, --split and the sample counts -> one top-level dataset per split.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "indexed_dataset/blended_dataset.h"
+#include "indexed_dataset/gpt_dataset.h"
+
+namespace ptk {
+
+// Megatron's data arguments, resolved to datasets exactly as BlendedMegatronDatasetBuilder does.
+struct DataArgs {
+  std::vector<std::string> data_path;                           // --data-path: "w1 p1 w2 p2 ..." or "p1 p2 ..."
+  std::array<std::vector<std::string>, 3> per_split_data_path;  // --train/--valid/--test-data-path
+  std::string split = "969, 30, 1";
+  std::array<std::optional<int64_t>, 3> sizes;  // samples requested per split (None = one epoch/exhaustive)
+};
+
+// Returns one dataset per split (nullptr where that split is empty or not given).
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args,
+                                                                                 GPTDatasetConfig config);
+
+// Megatron's get_blend_from_list: even count -> (weights, prefixes), odd -> prefixes only.
+absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,
+                        std::optional<std::vector<double>>* weights);
+
+}  // namespace ptk
