@@ -130,7 +130,6 @@ absl::Status TopLevelDataset::Get(int64_t idx, GPTSample* s) const {
 
 // ---------------------------------------------------------------- GPTDataset
 
-
 absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<IndexedDataset> dataset,
                                                               const std::string& dataset_path, int64_t beg, int64_t end,
                                                               std::optional<int64_t> num_samples, Split split,
@@ -214,7 +213,6 @@ bool GPTDataset::TryLoadCache() {
   shuffle_index_ = std::move(*h);
   return true;
 }
-
 
 absl::Status GPTDataset::Text(int64_t idx, int64_t* out, int64_t* dataset_id) const {
   if (idx < 0 || idx >= size())

@@ -1,0 +1,126 @@
+// ptk-download: the Hub API (listing at a pinned revision) and its small helpers.
+#include "dataprep/download_internal.h"
+
+namespace ptk::download_detail {
+
+std::string StripQuotes(std::string s) {
+  if (s.rfind("W/", 0) == 0) s = s.substr(2);
+  if (s.size() >= 2 && s.front() == '"' && s.back() == '"') s = s.substr(1, s.size() - 2);
+  return s;
+}
+
+bool IsHex(const std::string& s, size_t n) {
+  return s.size() == n &&
+         std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
+}
+
+std::string HubErrorText(const HttpResponse& r) {
+  std::string code = r.Header("x-error-code"), msg = r.Header("x-error-message");
+  std::string s = fmt::format("HTTP {}", r.status);
+  if (!code.empty()) s += " " + code;
+  if (!msg.empty())
+    s += ": " + msg;
+  else if (!r.body.empty() && r.body.size() < 300)
+    s += ": " + r.body;
+  return s;
+}
+
+// GET of a Hub API URL with retries on 429/5xx/transport errors; follows relative redirects.
+absl::StatusOr<HttpResponse> ApiGet(Session& s, HttpClient& http, std::string url) {
+  HttpResponse r;
+  for (int attempt = 0;; ++attempt) {
+    PTK_RETURN_IF_ERROR(http.Get(s.Req(url), &r));
+    if (r.curl_code == 0 && r.status >= 300 && r.status < 400 && !r.Header("location").empty()) {
+      url = ResolveUrl(url, r.Header("location"));
+      continue;
+    }
+    bool retry = r.curl_code != 0 || r.status == 429 || r.status == 408 || r.status >= 500;
+    if (!retry) return r;
+    if (attempt >= s.opt.max_retries)
+      return absl::UnavailableError(fmt::format("{}: {}", url, r.curl_code ? r.curl_error : HubErrorText(r)));
+    ++s.retries;
+    if (r.status == 429) {
+      ++s.rate_limited;
+      s.limiter.On429(r, attempt);
+      s.limiter.WaitForResolve(s.stop);
+    } else {
+      SleepFor(s.limiter.Backoff(attempt), s.stop);
+    }
+  }
+}
+
+std::string ApiBase(const DownloadOptions& o) { return fmt::format("{}/api/{}s/{}", o.endpoint, o.repo_type, o.repo); }
+
+absl::StatusOr<std::string> PinRevision(Session& s, HttpClient& http) {
+  if (IsHex(s.opt.revision, 40)) return s.opt.revision;
+  std::string url = fmt::format("{}/revision/{}", ApiBase(s.opt), UrlQuote(s.opt.revision, false));
+  PTK_ASSIGN_OR_RETURN(HttpResponse r, ApiGet(s, http, url));
+  if (r.status != 200) {
+    std::string hint = (r.status == 401 || r.status == 403)
+                           ? " (private or gated repo? set HF_TOKEN or --token-file, and accept the repo's terms)"
+                           : "";
+    return absl::NotFoundError(
+        fmt::format("{} {}@{}: {}{}", s.opt.repo_type, s.opt.repo, s.opt.revision, HubErrorText(r), hint));
+  }
+  simdjson::dom::parser p;
+  simdjson::dom::element e;
+  std::string_view sha;
+  if (p.parse(r.body).get(e) || e["sha"].get(sha) || !IsHex(std::string(sha), 40))
+    return absl::DataLossError(fmt::format("{}: the Hub's revision answer has no commit sha", url));
+  return std::string(sha);
+}
+
+std::string NextLink(const std::string& link) {
+  // <https://...>; rel="next", possibly among other links
+  static const std::regex re(R"RE(<([^>]+)>\s*;\s*rel="?next"?)RE");
+  std::smatch m;
+  if (std::regex_search(link, m, re)) return m[1];
+  return "";
+}
+
+absl::StatusOr<std::vector<RemoteFile>> ListTree(Session& s, HttpClient& http, const std::string& sha) {
+  std::vector<RemoteFile> files;
+  std::string url = fmt::format("{}/tree/{}?recursive=true&expand=false", ApiBase(s.opt), sha);
+  int pages = 0;
+  while (!url.empty()) {
+    PTK_ASSIGN_OR_RETURN(HttpResponse r, ApiGet(s, http, url));
+    if (r.status != 200) return absl::NotFoundError(fmt::format("listing {}: {}", url, HubErrorText(r)));
+    simdjson::dom::parser p;
+    simdjson::dom::element root;
+    simdjson::dom::array arr;
+    if (p.parse(r.body).get(root) || root.get_array().get(arr))
+      return absl::DataLossError(fmt::format("listing {}: not a JSON array", url));
+    for (auto e : arr) {
+      std::string_view type, path;
+      if (e["type"].get(type) || e["path"].get(path))
+        return absl::DataLossError(fmt::format("listing {}: bad entry", url));
+      if (type != "file") continue;
+      RemoteFile f;
+      f.path = std::string(path);
+      uint64_t size;
+      std::string_view oid;
+      simdjson::dom::element lfs;
+      if (!e["lfs"].get(lfs)) {
+        std::string_view sha256;
+        if (lfs["oid"].get(sha256) || lfs["size"].get(size))
+          return absl::DataLossError(fmt::format("listing: LFS entry {} lacks oid/size", f.path));
+        f.sha256 = std::string(sha256);
+        f.size = size;
+      } else {
+        if (e["size"].get(size)) return absl::DataLossError(fmt::format("listing: entry {} lacks a size", f.path));
+        f.size = size;
+        if (!e["oid"].get(oid)) f.git_sha1 = std::string(oid);
+      }
+      f.size_known = true;
+      files.push_back(std::move(f));
+    }
+    ++pages;
+    std::string next = NextLink(r.Header("link"));
+    url = next.empty() ? "" : ResolveUrl(url, next);
+  }
+  log::Info("listed {} files of {} {}@{} in {} page(s)", files.size(), s.opt.repo_type, s.opt.repo, sha.substr(0, 12),
+            pages);
+  return files;
+}
+
+}  // namespace ptk::download_detail
