@@ -5,6 +5,7 @@
 
 #include <fmt/core.h>
 
+#include "absl/strings/ascii.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/parallel.h"
@@ -201,8 +202,7 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
 absl::StatusOr<std::string> FindHfToken(const std::string& token_file) {
   auto read = [](const std::string& p) -> absl::StatusOr<std::string> {
     PTK_ASSIGN_OR_RETURN(std::string s, ReadFileToString(p));
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
-    return s;
+    return std::string(absl::StripTrailingAsciiWhitespace(s));
   };
   auto read_if_exists = [&](const std::string& p) -> std::string {
     auto t = read(p);

@@ -9,6 +9,8 @@
 
 #include <fmt/core.h>
 
+#include "absl/strings/ascii.h"
+
 namespace ptk {
 namespace {
 
@@ -21,11 +23,8 @@ struct Ctx {
   bool in_redirect = false;
 };
 
-std::string Trim(std::string s) {
-  while (!s.empty() && (s.back() == '\r' || s.back() == '\n' || s.back() == ' ' || s.back() == '\t')) s.pop_back();
-  size_t i = 0;
-  while (i < s.size() && (s[i] == ' ' || s[i] == '\t')) ++i;
-  return s.substr(i);
+std::string Trim(const std::string& s) {
+  return std::string(absl::StripAsciiWhitespace(s));
 }
 
 size_t HeaderCb(char* data, size_t size, size_t n, void* user) {

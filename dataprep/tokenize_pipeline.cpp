@@ -17,6 +17,7 @@
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/progress.h"
+#include "common/py_format.h"
 #include "common/status.h"
 #include "dataprep/byte_source.h"
 #include "dataprep/json_record.h"
@@ -228,12 +229,6 @@ std::string OutputPrefixFor(const std::string& output_prefix, const std::string&
   return fmt::format("{}_{}_document", output_prefix, key);
 }
 
-std::string PyFloat(double v) {
-  std::string s = fmt::format("{}", v);
-  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // "inf"/"nan" contain 'n'
-  return s;
-}
-
 absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
   if (opt.inputs.empty()) return absl::InvalidArgumentError("no input files");
   if (opt.json_keys.empty()) return absl::InvalidArgumentError("no --json-keys");
@@ -369,7 +364,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
             if (opt.megatron_log && opt.log_interval > 0 && stats.documents % opt.log_interval == 0) {
               double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - proc_start).count();
               log::Raw(fmt::format("Processed {} documents ({} docs/s, {} MB/s).", stats.documents,
-                                   PyFloat(stats.documents / el), PyFloat(stats.chars / el / 1024 / 1024)));
+                                   py::FloatRepr(stats.documents / el), py::FloatRepr(stats.chars / el / 1024 / 1024)));
             }
           }
         }));

@@ -52,7 +52,5 @@ std::string OutputPrefixFor(const std::string& output_prefix, const std::string&
 
 absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& options, const Gpt2Tokenizer& tokenizer);
 
-// Python's float repr (shortest round trip, always with a '.' or exponent).
-std::string PyFloat(double v);
 
 }  // namespace ptk

@@ -1,11 +1,13 @@
 // BlendedMegatronDatasetBuilder: Megatron's data arguments -> one top-level dataset per split.
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
+
 #include <cmath>
 #include <map>
 
 #include <fmt/core.h>
 
+#include "absl/strings/ascii.h"
 #include "common/status.h"
-#include "indexed_dataset/blended_megatron_dataset_builder.h"
 
 namespace ptk {
 
@@ -14,10 +16,7 @@ absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::s
   prefixes->clear();
   weights->reset();
   if (list.empty()) return absl::OkStatus();
-  auto strip = [](std::string s) {
-    size_t a = s.find_first_not_of(" \t\n\r"), b = s.find_last_not_of(" \t\n\r");
-    return a == std::string::npos ? std::string() : s.substr(a, b - a + 1);
-  };
+  auto strip = [](const std::string& s) { return std::string(absl::StripAsciiWhitespace(s)); };  // str.strip()
   if (list.size() % 2 == 0) {
     std::vector<double> w;
     bool all_numbers = true;

@@ -10,6 +10,7 @@
 #include <fmt/core.h>
 #include <simdjson.h>
 
+#include "absl/strings/ascii.h"
 #include "common/file_util.h"
 #include "common/hash.h"
 #include "common/json_escape.h"
@@ -114,7 +115,7 @@ absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {
   const std::string tracker = JoinPath(load, kTracker);
   if (!PathExists(tracker)) return absl::NotFoundError(fmt::format("{}: no checkpoint (no {})", load, kTracker));
   PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(tracker));
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  text = std::string(absl::StripAsciiWhitespace(text));
   if (text == "release")
     return absl::InvalidArgumentError(tracker +
                                       ": 'release' checkpoints (converted Megatron weights) are not supported");
