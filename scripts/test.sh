@@ -5,8 +5,8 @@
 #   3. ctest (labels unit, golden, cli, compat, slurm; gpu tests skip without a device)
 #   4. build-asan/ : the indexed-dataset reader, GPTDataset, tokenizer core and trainer op/model tests
 #      again under AddressSanitizer + UBSan
-#   5. build-tsan/ : the multi-threaded GPTDataset build, index validation and loader under
-#      ThreadSanitizer
+#   5. build-tsan/ : the multi-threaded GPTDataset build, index validation and loader, and the
+#      oneTBB tokenize pipeline, under ThreadSanitizer
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${PTK_JOBS:-$(nproc)}
@@ -41,7 +41,10 @@ ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_
 # validation and the prefetching loader.
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
   -DPTK_SANITIZE=thread >/dev/null
-cmake --build build-tsan -j "$JOBS" --target gpt_dataset_test indexed_dataset_test
+cmake --build build-tsan -j "$JOBS" --target gpt_dataset_test indexed_dataset_test tokenize_golden_test ptk-tokenize
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/gpt_dataset_test
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/indexed_dataset_test
+# The oneTBB tokenize pipeline (reader, parallel encoders, sink) with 1-4 workers; oneTBB's own
+# hand-offs are marked for TSan in the code (common/happens_before.h).
+TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tokenize_golden_test
 echo "ptk: all tests passed"
