@@ -38,7 +38,7 @@ ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_
   build-asan/tests/gpt_model_golden_test
 
 # Data races in the threaded index build (drawing thread + ring), the two-thread index
-# validation and the prefetching loader.
+# validation, the prefetching loader and the tokenize pipeline.
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
   -DPTK_SANITIZE=thread >/dev/null
 cmake --build build-tsan -j "$JOBS" --target gpt_dataset_test indexed_dataset_test tokenize_golden_test ptk-tokenize
