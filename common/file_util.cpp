@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <glob.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,13 +23,17 @@ namespace ptk {
 AtomicFileWriter::AtomicFileWriter(std::string path, std::string tmp_path, int fd)
     : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd), buf_(1 << 20) {}
 
-absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path, bool unique_tmp) {
+absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
-  std::string tmp = path + std::string(kTmpSuffix);
-  if (unique_tmp) tmp += fmt::format(".{}.{}", ::getpid(), counter.fetch_add(1));
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot create {}", tmp));
-  return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
+  for (int attempt = 0;; ++attempt) {
+    uint32_t r = 0;
+    if (::getrandom(&r, sizeof(r), 0) != sizeof(r)) r = static_cast<uint32_t>(counter.load() * 2654435761u);
+    std::string tmp = fmt::format("{}{}-{}-{:08x}", path, kTmpSuffix, ::getpid(), r ^ counter.fetch_add(1));
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd >= 0) return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
+    if (errno == EEXIST && attempt < 16) continue;
+    return ErrnoToStatus(errno, fmt::format("cannot create {}", tmp));
+  }
 }
 
 AtomicFileWriter::~AtomicFileWriter() {
@@ -122,8 +127,8 @@ void AtomicFileWriter::StartWriteback() {
   synced_ = on_disk;
 }
 
-absl::Status AtomicFileWriter::Commit(bool durable) {
-  if (done_) return absl::FailedPreconditionError(fmt::format("{}: already closed", path_));
+absl::Status AtomicFileWriter::Seal(bool durable) {
+  if (done_ || fd_ < 0) return absl::FailedPreconditionError(fmt::format("{}: already closed", path_));
   PTK_RETURN_IF_ERROR(Flush());
   if (durable) PTK_RETURN_IF_ERROR(FsyncFile(fd_, tmp_path_));
   if (::close(fd_) != 0) {
@@ -131,6 +136,12 @@ absl::Status AtomicFileWriter::Commit(bool durable) {
     return ErrnoToStatus(errno, fmt::format("close {}", tmp_path_));
   }
   fd_ = -1;
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFileWriter::Commit(bool durable) {
+  if (done_) return absl::FailedPreconditionError(fmt::format("{}: already closed", path_));
+  PTK_RETURN_IF_ERROR(Seal(durable));
   PTK_RETURN_IF_ERROR(RenameFile(tmp_path_, path_));
   done_ = true;
   return durable ? FsyncDir(Dirname(path_)) : absl::OkStatus();
@@ -143,10 +154,52 @@ void AtomicFileWriter::Abort() {
   done_ = true;
 }
 
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp, bool durable) {
-  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path, unique_tmp));
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool durable) {
+  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path));
   PTK_RETURN_IF_ERROR(w->Write(contents));
   return w->Commit(durable);
+}
+
+absl::Status PublishTogether(const std::string& journal, const std::vector<std::pair<std::string, std::string>>& files,
+                             bool durable) {
+  const std::string dir = Dirname(journal);
+  std::string text = "ptk-publish v1\n";
+  for (const auto& [tmp, final_path] : files) {
+    if (Dirname(tmp) != dir || Dirname(final_path) != dir)
+      return absl::InvalidArgumentError(fmt::format("publish {}: {} -> {} is not in {}", journal, tmp, final_path, dir));
+    const std::string a = Basename(tmp), b = Basename(final_path);
+    if (a.find_first_of("\t\n") != std::string::npos || b.find_first_of("\t\n") != std::string::npos)
+      return absl::InvalidArgumentError(fmt::format("publish {}: file names must not contain tabs or newlines", journal));
+    text += a + "\t" + b + "\n";
+  }
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(journal, text, durable));
+  return CompletePendingPublish(journal);
+}
+
+absl::Status CompletePendingPublish(const std::string& journal) {
+  auto text = ReadFileToString(journal);
+  if (!text.ok()) {
+    if (absl::IsNotFound(text.status())) return absl::OkStatus();
+    return text.status();
+  }
+  const std::string dir = Dirname(journal);
+  std::string_view rest = *text;
+  if (rest.rfind("ptk-publish v1\n", 0) != 0)
+    return absl::DataLossError(fmt::format("{}: not a ptk publish journal; remove it by hand", journal));
+  rest.remove_prefix(15);
+  while (!rest.empty()) {
+    const size_t nl = rest.find('\n'), tab = rest.find('\t');
+    if (nl == std::string_view::npos || tab == std::string_view::npos || tab > nl)
+      return absl::DataLossError(fmt::format("{}: truncated publish journal; remove it by hand", journal));
+    const std::string from = JoinPath(dir, rest.substr(0, tab)), to = JoinPath(dir, rest.substr(tab + 1, nl - tab - 1));
+    rest.remove_prefix(nl + 1);
+    if (::rename(from.c_str(), to.c_str()) == 0) continue;
+    if (errno == ENOENT && PathExists(to)) continue;  // renamed already (by a run that was killed, or by another)
+    return ErrnoToStatus(errno, fmt::format("publish {} -> {} (journal {})", from, to, journal));
+  }
+  PTK_RETURN_IF_ERROR(FsyncDir(dir));
+  if (::unlink(journal.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, fmt::format("remove {}", journal));
+  return FsyncDir(dir);
 }
 
 absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::function<void(const char*, size_t)>& fn) {

@@ -13,16 +13,16 @@
 
 namespace ptk {
 
-// Writes to `PATH.ptk-tmp`, then Commit() flushes, fsyncs, renames onto PATH and fsyncs the
-// directory. Destroying an uncommitted writer removes the temporary file, so PATH either keeps its
-// old contents or gets the complete new ones: never a half-written file. A rerun after a kill
-// simply truncates the stale temporary.
+// Writes to a temporary name of its own (`PATH.ptk-tmp-PID-RANDOM`, created with O_EXCL, so two
+// writers of one PATH never share or truncate each other's file), then Commit() flushes, fsyncs,
+// renames onto PATH and fsyncs the directory. Destroying an uncommitted writer removes the
+// temporary file, so PATH either keeps its old contents or gets the complete new ones: never a
+// half-written file. What a killed writer leaves is removed by RemoveStaleTemporaries
+// (common/output_lock.h) once the next writer holds the output's lock.
 class AtomicFileWriter {
  public:
   static constexpr std::string_view kTmpSuffix = ".ptk-tmp";
-  // unique_tmp: the temporary name also carries the pid and a counter, for files that several
-  // processes may write at once with the same contents (shared manifests).
-  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path, bool unique_tmp = false);
+  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
@@ -37,6 +37,11 @@ class AtomicFileWriter {
   // the fsyncs (still atomic: readers see the old file or the whole new one), for caches that are
   // validated on load and rebuilt when damaged.
   absl::Status Commit(bool durable = true);
+  // Flush + fsync + close without the rename: the complete file stays at tmp_path(), for callers
+  // that publish several files together (IndexedDatasetBuilder). The caller renames or removes it.
+  absl::Status Seal(bool durable = true);
+  // After Seal() and the caller's own rename: forget the temporary name (nothing left to remove).
+  void Release() { done_ = true; }
   // Removes the temporary file. Idempotent.
   void Abort();
 
@@ -62,9 +67,19 @@ class AtomicFileWriter {
 // falling back to read/write).
 absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length, std::string_view what);
 
-// Writes the whole file atomically.
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool unique_tmp = false,
+// Publishes several sealed temporaries of one directory together: writes the journal file
+// `journal` (one "TMP<TAB>FINAL" line per file, base names), then renames each TMP onto its FINAL
+// and removes the journal. A kill or a failure part-way leaves the journal, and
+// CompletePendingPublish (which the next writer and reader of those files call) finishes the
+// renames: every observer that honours the journal sees all old files or all new ones.
+absl::Status PublishTogether(const std::string& journal, const std::vector<std::pair<std::string, std::string>>& files,
                              bool durable = true);
+// Rolls a left-over journal forward; a no-op when there is none. Safe to run from several
+// processes at once (a rename already done by another is skipped).
+absl::Status CompletePendingPublish(const std::string& journal);
+
+// Writes the whole file atomically.
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents, bool durable = true);
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 // Reads the whole file in pieces of up to `chunk` bytes (EINTR retried), handing each to `fn`.
 absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::function<void(const char*, size_t)>& fn);

@@ -6,6 +6,9 @@
 #define OPENSSL_SUPPRESS_DEPRECATED
 #include <openssl/evp.h>
 #include <openssl/md5.h>
+#include <xxhash.h>
+
+#include "common/file_util.h"
 
 #include "common/status.h"
 
@@ -57,5 +60,26 @@ std::string Md5Hex(std::string_view data) {
   return ToHex(out, MD5_DIGEST_LENGTH);
 }
 std::string Sha1Hex(std::string_view data) { return Digest(EVP_sha1(), data); }
+
+Xxh3::Xxh3() : state_(XXH3_createState()) { XXH3_128bits_reset(static_cast<XXH3_state_t*>(state_)); }
+Xxh3::~Xxh3() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+void Xxh3::Update(const void* data, size_t size) { XXH3_128bits_update(static_cast<XXH3_state_t*>(state_), data, size); }
+std::string Xxh3::HexDigest() const {
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_)));
+  return ToHex(c.digest, sizeof(c.digest));
+}
+
+std::string Xxh3Hex(std::string_view data) {
+  Xxh3 h;
+  h.Update(data.data(), data.size());
+  return h.HexDigest();
+}
+
+absl::StatusOr<std::string> Xxh3FileHex(const std::string& path) {
+  Xxh3 h;
+  PTK_RETURN_IF_ERROR(ReadFileChunks(path, 4 << 20, [&](const char* p, size_t n) { h.Update(p, n); }));
+  return h.HexDigest();
+}
 
 }  // namespace ptk

@@ -1,9 +1,12 @@
-// SHA-256 (streaming) and MD5 digests as lowercase hex (OpenSSL underneath).
+// SHA-256 (streaming) and MD5 digests as lowercase hex (OpenSSL underneath); XXH3-128 (libxxhash)
+// as the fast content checksum in ptk's sidecars.
 #pragma once
 
 #include <memory>
 #include <string>
 #include <string_view>
+
+#include "absl/status/statusor.h"
 
 namespace ptk {
 
@@ -24,6 +27,24 @@ class Sha256 {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Streaming XXH3-128; HexDigest is 32 lowercase hex digits (the big-endian canonical form, as
+// `xxhsum -H2` prints it).
+class Xxh3 {
+ public:
+  Xxh3();
+  ~Xxh3();
+  Xxh3(const Xxh3&) = delete;
+  Xxh3& operator=(const Xxh3&) = delete;
+  void Update(const void* data, size_t size);
+  std::string HexDigest() const;
+
+ private:
+  void* state_;
+};
+std::string Xxh3Hex(std::string_view data);
+// XXH3-128 of a whole file, read in 4 MiB pieces.
+absl::StatusOr<std::string> Xxh3FileHex(const std::string& path);
 
 std::string Sha256Hex(std::string_view data);
 std::string Md5Hex(std::string_view data);

@@ -210,7 +210,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   PTK_RETURN_IF_ERROR(WriteFileAtomic(
       out_path + std::string(kDoneSuffix),
       fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"inputs\": {}}}\n", digest, res.bytes, c.inputs.size()),
-      /*unique_tmp=*/false, durable));
+      durable));
   return res;
 }
 

@@ -71,7 +71,7 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
       PTK_ASSIGN_OR_RETURN(files, ListTree(s, http, sum.commit));
       std::string text;
       for (const auto& f : files) text += ManifestLine(f);
-      PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text, /*unique_tmp=*/true));
+      PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text));
     }
     std::vector<RemoteFile> kept;
     for (auto& f : files) {

@@ -60,7 +60,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
   // What the .part is (size, digest, ETag): atomic but not fsynced. Losing it in a crash only
   // means the .part is not resumed; a stale one cannot pass the final size + digest check.
   auto write_meta = [&](const std::string& tag) {
-    (void)WriteFileAtomic(meta_path, fmt::format("{}\t{}\n{}\n", f.size, want_digest, tag), false, /*durable=*/false);
+    (void)WriteFileAtomic(meta_path, fmt::format("{}\t{}\n{}\n", f.size, want_digest, tag), /*durable=*/false);
   };
   write_meta(etag);
   struct stat st;

@@ -409,10 +409,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
         parts.push_back(part_prefix(p, static_cast<int>(k)));
       }
       PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k]).status());
-      for (const auto& part : parts) {
-        PTK_RETURN_IF_ERROR(RemoveFileIfExists(BinPath(part)));
-        PTK_RETURN_IF_ERROR(RemoveFileIfExists(IdxPath(part)));
-      }
+      for (const auto& part : parts) PTK_RETURN_IF_ERROR(RemoveIndexedDataset(part));
     }
   }
   stats.outputs = finals;

@@ -133,7 +133,7 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
           SplitName(split), d, datasets[d]->cache_prefix(), counts[d], datasets[d]->size()));
   if (config.path_to_cache && config.write_cache) {
     absl::Status st = MakeDirs(*config.path_to_cache);
-    if (st.ok()) st = WriteFileAtomic(prefix + "description.txt", b->description_, true, false);
+    if (st.ok()) st = WriteFileAtomic(prefix + "description.txt", b->description_, /*durable=*/false);
     if (st.ok()) st = b->dataset_index_.Save(prefix + "dataset_index.npy");
     if (st.ok()) st = b->dataset_sample_index_.Save(prefix + "dataset_sample_index.npy");
     if (!st.ok()) log::Warning("cannot save the blend index cache ({}); continuing without it", StatusMessage(st));

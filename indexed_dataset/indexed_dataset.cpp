@@ -1,12 +1,15 @@
 // Megatron MMIDIDX v1 reader and writer.
 #include "indexed_dataset/indexed_dataset.h"
 
+#include <simdjson.h>
+
 #include <cstring>
 #include <limits>
 #include <thread>
 
 #include <fmt/core.h>
 
+#include "common/hash.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -31,14 +34,31 @@ void ConvertTokens(std::span<const int32_t> in, uint8_t* out) {
 
 // ---------------------------------------------------------------- builder
 
+absl::Status RemoveIndexedDataset(const std::string& prefix) {
+  PTK_RETURN_IF_ERROR(RemoveFileIfExists(IdxPath(prefix)));
+  PTK_RETURN_IF_ERROR(RemoveFileIfExists(BinPath(prefix)));
+  return RemoveFileIfExists(DoneSidecarPath(prefix));
+}
+
 IndexedDatasetBuilder::IndexedDatasetBuilder(std::string prefix, DType dtype, bool multimodal,
-                                             std::unique_ptr<AtomicFileWriter> bin)
-    : prefix_(std::move(prefix)), dtype_(dtype), multimodal_(multimodal), bin_(std::move(bin)) {}
+                                             std::unique_ptr<OutputLock> lock, std::unique_ptr<AtomicFileWriter> bin)
+    : prefix_(std::move(prefix)),
+      dtype_(dtype),
+      multimodal_(multimodal),
+      lock_(std::move(lock)),
+      bin_(std::move(bin)) {}
 
 absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Create(const std::string& prefix,
                                                                                      DType dtype, bool multimodal) {
+  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(prefix));
+  // A publish a killed writer left half-done is finished first (it was complete), then what
+  // killed writers left behind is removed: nobody else can be writing PREFIX now.
+  PTK_RETURN_IF_ERROR(CompletePendingPublish(PublishJournalPath(prefix)));
+  for (const auto& f : {BinPath(prefix), IdxPath(prefix), DoneSidecarPath(prefix), PublishJournalPath(prefix)})
+    RemoveStaleTemporaries(f);
   PTK_ASSIGN_OR_RETURN(auto bin, AtomicFileWriter::Create(BinPath(prefix)));
-  return std::unique_ptr<IndexedDatasetBuilder>(new IndexedDatasetBuilder(prefix, dtype, multimodal, std::move(bin)));
+  return std::unique_ptr<IndexedDatasetBuilder>(
+      new IndexedDatasetBuilder(prefix, dtype, multimodal, std::move(lock), std::move(bin)));
 }
 
 absl::Status IndexedDatasetBuilder::WriteTokens(std::span<const int32_t> tokens) {
@@ -139,22 +159,47 @@ absl::Status IndexedDatasetBuilder::Finalize() {
 
   PTK_ASSIGN_OR_RETURN(auto idx_writer, AtomicFileWriter::Create(IdxPath(prefix_)));
   PTK_RETURN_IF_ERROR(idx_writer->Write(idx));
-  // Order matters: an older .idx must never sit beside the new .bin, so it goes first.
-  PTK_RETURN_IF_ERROR(RemoveFileIfExists(IdxPath(prefix_)));
-  PTK_RETURN_IF_ERROR(bin_->Commit());
-  PTK_RETURN_IF_ERROR(idx_writer->Commit());
+  PTK_RETURN_IF_ERROR(idx_writer->Seal());
+  PTK_RETURN_IF_ERROR(bin_->Seal());
+  PTK_ASSIGN_OR_RETURN(std::string bin_sum, Xxh3FileHex(bin_->tmp_path()));
+  PTK_ASSIGN_OR_RETURN(auto done_writer, AtomicFileWriter::Create(DoneSidecarPath(prefix_)));
+  PTK_RETURN_IF_ERROR(done_writer->Write(fmt::format(
+      "{{\"format\": \"ptk-indexed-dataset-done v1\", \"bin_size\": {}, \"bin_xxh3_128\": \"{}\", \"idx_size\": {}, "
+      "\"idx_xxh3_128\": \"{}\", \"dtype\": \"{}\", \"sequences\": {}, \"documents\": {}, \"tokens\": {}}}\n",
+      bin_->bytes_written(), bin_sum, idx.size(), Xxh3Hex(idx), DTypeName(dtype_), s, d - 1, tokens_)));
+  PTK_RETURN_IF_ERROR(done_writer->Seal());
+  absl::Status st = PublishTogether(PublishJournalPath(prefix_), {{bin_->tmp_path(), BinPath(prefix_)},
+                                                                 {idx_writer->tmp_path(), IdxPath(prefix_)},
+                                                                 {done_writer->tmp_path(), DoneSidecarPath(prefix_)}});
+  // Once the journal exists the temporaries belong to it (the next writer or reader completes it).
+  if (st.ok() || PathExists(PublishJournalPath(prefix_))) {
+    bin_->Release();
+    idx_writer->Release();
+    done_writer->Release();
+  }
+  PTK_RETURN_IF_ERROR(st);
   finalized_ = true;
+  lock_.reset();
   return absl::OkStatus();
 }
 
 void IndexedDatasetBuilder::Abort() {
   if (!finalized_ && bin_) bin_->Abort();
   finalized_ = true;
+  lock_.reset();
 }
 
 // ---------------------------------------------------------------- reader
 
 absl::StatusOr<std::unique_ptr<IndexedDataset>> IndexedDataset::Open(const std::string& prefix, bool multimodal) {
+  if (PathExists(PublishJournalPath(prefix))) {
+    absl::Status st = CompletePendingPublish(PublishJournalPath(prefix));
+    if (!st.ok())
+      return absl::DataLossError(fmt::format(
+          "{}: a writer was interrupted while publishing the .bin/.idx pair and it could not be completed ({}); rerun "
+          "the tool that writes it",
+          prefix, StatusMessage(st)));
+  }
   std::unique_ptr<IndexedDataset> ds(new IndexedDataset());
   ds->prefix_ = prefix;
   ds->multimodal_ = multimodal;
@@ -286,6 +331,34 @@ absl::Status IndexedDataset::Verify() const {
     return absl::DataLossError(fmt::format("{}: file is {} bytes but the index describes {} bytes ({} trailing bytes)",
                                            BinPath(prefix_), bin_->size(), want, bin_->size() - want));
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> IndexedDataset::VerifyChecksums() const {
+  const std::string side_path = DoneSidecarPath(prefix_);
+  if (!PathExists(side_path)) return false;
+  PTK_ASSIGN_OR_RETURN(std::string side, ReadFileToString(side_path));
+  simdjson::dom::parser parser;
+  simdjson::dom::element e;
+  uint64_t bin_size, idx_size;
+  std::string_view bin_sum, idx_sum;
+  if (parser.parse(side).get(e) || e["bin_size"].get(bin_size) || e["idx_size"].get(idx_size) ||
+      e["bin_xxh3_128"].get(bin_sum) || e["idx_xxh3_128"].get(idx_sum))
+    return absl::DataLossError(fmt::format("{}: not a ptk dataset sidecar (damaged?)", side_path));
+  auto check = [&](const MappedFile& f, const std::string& path, uint64_t size, std::string_view sum) -> absl::Status {
+    if (f.size() != size)
+      return absl::DataLossError(fmt::format("{}: is {} bytes but {} recorded {}", path, f.size(), side_path, size));
+    Xxh3 h;
+    h.Update(f.data(), f.size());
+    if (h.HexDigest() != sum)
+      return absl::DataLossError(
+          fmt::format("{}: content checksum differs from the one {} recorded when it was written: the file was "
+                      "changed or damaged since",
+                      path, side_path));
+    return absl::OkStatus();
+  };
+  PTK_RETURN_IF_ERROR(check(*idx_, IdxPath(prefix_), idx_size, idx_sum));
+  PTK_RETURN_IF_ERROR(check(*bin_, BinPath(prefix_), bin_size, bin_sum));
+  return true;
 }
 
 TokenSpan IndexedDataset::sequence(int64_t i) const {

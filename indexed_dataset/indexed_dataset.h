@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "common/file_util.h"
 #include "common/mmap_file.h"
+#include "common/output_lock.h"
 #include "indexed_dataset/dtype.h"
 
 namespace ptk {
@@ -41,9 +42,18 @@ struct TokenSpan {
   }
 };
 
-// Writer. Tokens go to PREFIX.bin.ptk-tmp as they arrive; Finalize() writes the index and renames
-// both files into place (removing any older PREFIX.idx first), so a writer killed at any moment
-// never leaves an .idx that does not describe its .bin.
+inline std::string DoneSidecarPath(const std::string& prefix) { return prefix + ".ptk-done"; }
+inline std::string PublishJournalPath(const std::string& prefix) { return prefix + ".ptk-publish"; }
+
+// Removes PREFIX.bin, PREFIX.idx and PREFIX.ptk-done (those that exist); the .idx goes first.
+absl::Status RemoveIndexedDataset(const std::string& prefix);
+
+// Writer. Holds PREFIX's OutputLock from Create until it is destroyed (a second writer of the same
+// prefix fails at once naming this one). Tokens go to a temporary of this writer's own as they
+// arrive; Finalize() writes the index and the sidecar PREFIX.ptk-done (sizes, XXH3-128 of both
+// files, counts), then publishes the three together through a journal (PublishTogether): after a
+// kill or a full disk at any point, PREFIX holds the old pair or the new pair, never one of each,
+// and a left-over journal is completed by the next writer or IndexedDataset::Open.
 class IndexedDatasetBuilder {
  public:
   static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Create(const std::string& prefix, DType dtype,
@@ -71,12 +81,14 @@ class IndexedDatasetBuilder {
   const std::string& prefix() const { return prefix_; }
 
  private:
-  IndexedDatasetBuilder(std::string prefix, DType dtype, bool multimodal, std::unique_ptr<AtomicFileWriter> bin);
+  IndexedDatasetBuilder(std::string prefix, DType dtype, bool multimodal, std::unique_ptr<OutputLock> lock,
+                        std::unique_ptr<AtomicFileWriter> bin);
   absl::Status WriteTokens(std::span<const int32_t> tokens);
 
   std::string prefix_;
   DType dtype_;
   bool multimodal_;
+  std::unique_ptr<OutputLock> lock_;
   std::unique_ptr<AtomicFileWriter> bin_;
   std::vector<int32_t> lengths_;
   std::vector<int64_t> doc_idx_{0};
@@ -124,6 +136,9 @@ class IndexedDataset {
 
   // Checks beyond Open(): the .bin has no trailing bytes. Open() has already checked the rest.
   absl::Status Verify() const;
+  // When PREFIX.ptk-done exists (ptk wrote the pair): checks both files' sizes and XXH3-128
+  // against it (kDataLoss naming the file). Returns false when there is no sidecar to check.
+  absl::StatusOr<bool> VerifyChecksums() const;
 
  private:
   IndexedDataset() = default;

@@ -87,7 +87,7 @@ std::string IndexArray::HeaderBytes() const {
 }
 
 absl::Status IndexArray::Save(const std::string& path) const {
-  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path, /*unique_tmp=*/true));
+  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(path));
   PTK_RETURN_IF_ERROR(w->Write(HeaderBytes()));
   PTK_RETURN_IF_ERROR(w->Write(data(), static_cast<size_t>(size()) * NpySize(type_)));
   return w->Commit(/*durable=*/false);  // a cache: validated on load, rebuilt if damaged

@@ -53,6 +53,25 @@ inline void WriteFile(const std::string& path, const std::string& data) {
 
 inline bool Exists(const std::string& path) { return std::filesystem::exists(path); }
 
+inline std::string Dirname(const std::string& path) {
+  return std::filesystem::path(path).parent_path().string();
+}
+
+// Names (below `dir`, recursively) of what a writer must never leave behind once it has exited:
+// temporaries, locks, publish journals, verify scratch files. Empty when clean.
+inline std::string Leftovers(const std::string& dir) {
+  std::string out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    for (const char* bad : {".ptk-tmp", ".ptk-lock", ".ptk-publish", ".ptk-verify"})
+      if (name.find(bad) != std::string::npos) {
+        out += e.path().string() + "\n";
+        break;
+      }
+  }
+  return out;
+}
+
 struct CommandResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr together

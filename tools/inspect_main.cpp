@@ -96,9 +96,11 @@ int main(int argc, char** argv) {
     PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, multimodal));
     if (verify) {
       PTK_RETURN_IF_ERROR(ds->Verify());
-      std::printf("OK: %s: %lld documents, %lld sequences, %lld tokens; index and data consistent\n", prefix.c_str(),
-                  static_cast<long long>(ds->num_documents()), static_cast<long long>(ds->num_sequences()),
-                  static_cast<long long>(ds->num_tokens()));
+      PTK_ASSIGN_OR_RETURN(bool summed, ds->VerifyChecksums());
+      std::printf("OK: %s: %lld documents, %lld sequences, %lld tokens; index and data consistent; %s\n",
+                  prefix.c_str(), static_cast<long long>(ds->num_documents()),
+                  static_cast<long long>(ds->num_sequences()), static_cast<long long>(ds->num_tokens()),
+                  summed ? "checksums match the .ptk-done sidecar" : "no .ptk-done sidecar, so no checksums to check");
       if (doc < 0 && !stats) return absl::OkStatus();
     }
     if (doc >= 0) {

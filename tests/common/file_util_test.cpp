@@ -23,10 +23,12 @@ TEST(AtomicFileWriter, CommitMakesFileAppear) {
   std::string big(3 << 20, 'x');  // larger than the buffer
   ASSERT_TRUE((*w)->Write(big).ok());
   EXPECT_FALSE(testing::Exists(path));
-  EXPECT_TRUE(testing::Exists(path + ".ptk-tmp"));
+  const std::string tmp = (*w)->tmp_path();
+  EXPECT_EQ(tmp.rfind(path + ".ptk-tmp-", 0), 0u) << tmp;
+  EXPECT_TRUE(testing::Exists(tmp));
   ASSERT_TRUE((*w)->Commit().ok());
   EXPECT_EQ(testing::ReadFile(path), "hello " + big);
-  EXPECT_FALSE(testing::Exists(path + ".ptk-tmp"));
+  EXPECT_FALSE(testing::Exists(tmp));
   EXPECT_EQ((*w)->bytes_written(), 6 + big.size());
 }
 
@@ -34,13 +36,65 @@ TEST(AtomicFileWriter, AbandonedWriterKeepsOldContents) {
   TempDir dir;
   std::string path = dir / "out.txt";
   ASSERT_TRUE(WriteFileAtomic(path, "old").ok());
+  std::string tmp;
   {
     auto w = AtomicFileWriter::Create(path);
     ASSERT_TRUE(w.ok());
     ASSERT_TRUE((*w)->Write("new but unfinished").ok());
+    tmp = (*w)->tmp_path();
   }
   EXPECT_EQ(testing::ReadFile(path), "old");
-  EXPECT_FALSE(testing::Exists(path + ".ptk-tmp"));
+  EXPECT_FALSE(testing::Exists(tmp));
+}
+
+// Regression (issue 11): two writers of one path shared `PATH.ptk-tmp`, truncated at open, so the
+// second zeroed what the first had written and the first published a file with holes.
+TEST(AtomicFileWriter, TwoWritersOfOnePathNeverShareATemporary) {
+  TempDir dir;
+  std::string path = dir / "out.txt";
+  auto a = AtomicFileWriter::Create(path);
+  ASSERT_TRUE(a.ok());
+  std::string big(3 << 20, 'a');
+  ASSERT_TRUE((*a)->Write(big).ok());
+  ASSERT_TRUE((*a)->Flush().ok());
+  auto b = AtomicFileWriter::Create(path);
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE((*a)->tmp_path(), (*b)->tmp_path());
+  ASSERT_TRUE((*b)->Write("b").ok());
+  ASSERT_TRUE((*a)->Commit().ok());
+  EXPECT_EQ(testing::ReadFile(path), big);  // untouched by the second writer
+  ASSERT_TRUE((*b)->Commit().ok());
+  EXPECT_EQ(testing::ReadFile(path), "b");
+}
+
+TEST(PublishTogether, RenamesEveryFileAndRemovesTheJournal) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFileAtomic(dir / "a", "old a").ok());
+  ASSERT_TRUE(WriteFileAtomic(dir / "b", "old b").ok());
+  testing::WriteFile(dir / "a.new", "new a");
+  testing::WriteFile(dir / "b.new", "new b");
+  ASSERT_TRUE(PublishTogether(dir / "j", {{dir / "a.new", dir / "a"}, {dir / "b.new", dir / "b"}}).ok());
+  EXPECT_EQ(testing::ReadFile(dir / "a"), "new a");
+  EXPECT_EQ(testing::ReadFile(dir / "b"), "new b");
+  EXPECT_FALSE(testing::Exists(dir / "j"));
+  EXPECT_FALSE(testing::Exists(dir / "a.new"));
+}
+
+// A kill after the first rename: the journal is rolled forward by whoever comes next.
+TEST(PublishTogether, InterruptedPublishIsCompletedFromTheJournal) {
+  TempDir dir;
+  testing::WriteFile(dir / "a", "new a");  // already renamed before the kill
+  testing::WriteFile(dir / "b", "old b");
+  testing::WriteFile(dir / "b.new", "new b");
+  testing::WriteFile(dir / "j", "ptk-publish v1\na.new\ta\nb.new\tb\n");
+  ASSERT_TRUE(CompletePendingPublish(dir / "j").ok());
+  EXPECT_EQ(testing::ReadFile(dir / "a"), "new a");
+  EXPECT_EQ(testing::ReadFile(dir / "b"), "new b");
+  EXPECT_FALSE(testing::Exists(dir / "j"));
+  EXPECT_TRUE(CompletePendingPublish(dir / "j").ok());  // nothing pending: a no-op
+  // A damaged journal is an error, not a guess.
+  testing::WriteFile(dir / "j", "ptk-publish v1\na.new");
+  EXPECT_EQ(CompletePendingPublish(dir / "j").code(), absl::StatusCode::kDataLoss);
 }
 
 TEST(AtomicFileWriter, AppendFileRange) {
@@ -60,7 +114,7 @@ TEST(AtomicFileWriter, AppendFileRange) {
 TEST(AtomicFileWriter, UnwritableDirectoryIsAnError) {
   auto w = AtomicFileWriter::Create("/nonexistent-dir/x");
   EXPECT_FALSE(w.ok());
-  EXPECT_NE(std::string(w.status().message()).find("/nonexistent-dir/x.ptk-tmp"), std::string::npos);
+  EXPECT_NE(std::string(w.status().message()).find("/nonexistent-dir/x.ptk-tmp-"), std::string::npos);
 }
 
 TEST(NaturalLess, OrdersNumbersByValue) {

@@ -61,7 +61,7 @@ TEST(TokenizeErrors, StrictFailsOnFirstBadRecordAndWritesNothing) {
   EXPECT_NE(r.output.find("in.jsonl:3: bad record (malformed JSON)"), std::string::npos) << r.output;
   EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin"));
   EXPECT_FALSE(testing::Exists(dir / "out_text_document.idx"));
-  EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin.ptk-tmp"));
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
 TEST(TokenizeErrors, InvalidUtf8AndLoneSurrogatesAreReplacedAndCounted) {
@@ -121,7 +121,7 @@ TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
         << r.output;
     EXPECT_FALSE(testing::Exists(out + "_text_document.bin")) << in;
     EXPECT_FALSE(testing::Exists(out + "_text_document.idx")) << in;
-    EXPECT_FALSE(testing::Exists(out + "_text_document.bin.ptk-tmp")) << in;
+    EXPECT_EQ(testing::Leftovers(testing::Dirname(out)), "") << in;
   }
 }
 

@@ -1,6 +1,7 @@
 // IndexedDatasetBuilder / IndexedDataset: golden bytes, round trips, merge.
 #include "indexed_dataset/indexed_dataset.h"
 
+#include <filesystem>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -61,8 +62,7 @@ TEST(IndexedDatasetBuilder, GoldenBytesOfMegatronExample) {
   EXPECT_EQ(bin_sha.substr(58), "3b6a65");
   EXPECT_EQ(idx_sha.substr(0, 8), "d2574478");
   EXPECT_EQ(idx_sha.substr(58), "5c27bc");
-  EXPECT_FALSE(testing::Exists(prefix + ".bin.ptk-tmp"));
-  EXPECT_FALSE(testing::Exists(prefix + ".idx.ptk-tmp"));
+  EXPECT_EQ(testing::Leftovers(testing::Dirname(prefix)), "");
 
   auto ds = IndexedDataset::Open(prefix);
   ASSERT_TRUE(ds.ok()) << ds.status();
@@ -276,7 +276,7 @@ TEST(IndexedDatasetBuilder, AbortLeavesNothingAndRerunOverwrites) {
     // Destroyed without Finalize: the old dataset stays intact, no temporaries remain.
   }
   EXPECT_EQ(testing::ReadFile(prefix + ".idx"), old_idx);
-  EXPECT_FALSE(testing::Exists(prefix + ".bin.ptk-tmp"));
+  EXPECT_EQ(testing::Leftovers(testing::Dirname(prefix)), "");
   EXPECT_TRUE(IndexedDataset::Open(prefix).ok());
   auto docs = RandomDocs(20, 100, 6);
   WriteDocs(prefix, DType::kUInt16, docs);
@@ -291,6 +291,83 @@ TEST(IndexedDatasetBuilder, RejectsInconsistentLengths) {
   ASSERT_TRUE(b.ok());
   std::vector<int32_t> t = {1, 2, 3}, l = {2};
   EXPECT_EQ((*b)->AddDocument(t, l).code(), absl::StatusCode::kInvalidArgument);
+}
+
+
+// Regression (issue 11): two writers of one prefix both wrote PREFIX.bin.ptk-tmp; the second is
+// now refused at once, naming the first, and the first's output is untouched.
+TEST(IndexedDatasetBuilder, SecondWriterOfAPrefixIsRefused) {
+  TempDir dir;
+  const std::string prefix = dir / "d";
+  auto a = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::vector<int32_t> t = {1, 2, 3}, l = {3};
+  ASSERT_TRUE((*a)->AddDocument(t, l).ok());
+  auto b = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(IsOutputBusy(b.status())) << b.status();
+  EXPECT_NE(std::string(b.status().message()).find("pid"), std::string::npos) << b.status();
+  ASSERT_TRUE((*a)->Finalize().ok());
+  auto ds = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(ds.ok());
+  EXPECT_EQ((*ds)->num_tokens(), 3);
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+  auto c = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);  // free again once finalized
+  EXPECT_TRUE(c.ok()) << c.status();
+}
+
+TEST(IndexedDatasetBuilder, SidecarChecksumsCatchLaterDamage) {
+  TempDir dir;
+  const std::string prefix = dir / "d";
+  WriteDocs(prefix, DType::kUInt16, RandomDocs(50, 100, 9));
+  ASSERT_TRUE(testing::Exists(prefix + ".ptk-done"));
+  {
+    auto ds = IndexedDataset::Open(prefix);
+    ASSERT_TRUE(ds.ok());
+    auto ok = (*ds)->VerifyChecksums();
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    EXPECT_TRUE(*ok);
+  }
+  // Zero two tokens in the middle of the .bin: sizes and structure stay valid, the checksum does not.
+  std::string bin = testing::ReadFile(prefix + ".bin");
+  bin[bin.size() / 2] = 0;
+  bin[bin.size() / 2 + 1] = 0;
+  testing::WriteFile(prefix + ".bin", bin);
+  auto ds = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(ds.ok());
+  EXPECT_TRUE((*ds)->Verify().ok());
+  auto bad = (*ds)->VerifyChecksums();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(std::string(bad.status().message()).find(prefix + ".bin"), std::string::npos) << bad.status();
+  // Without a sidecar (a pair Megatron wrote) there is nothing to check.
+  std::filesystem::remove(prefix + ".ptk-done");
+  auto none = (*ds)->VerifyChecksums();
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(*none);
+}
+
+// A writer killed between its renames leaves the publish journal; the next reader completes it, so
+// nobody sees a new .bin beside an old .idx.
+TEST(IndexedDatasetBuilder, InterruptedPublishIsCompletedByTheNextReader) {
+  TempDir dir;
+  const std::string prefix = dir / "d";
+  auto old_docs = RandomDocs(5, 100, 1), new_docs = RandomDocs(7, 100, 2);
+  WriteDocs(prefix, DType::kUInt16, new_docs);
+  for (const char* ext : {".bin", ".idx", ".ptk-done"}) std::filesystem::rename(prefix + ext, prefix + ext + ".new");
+  WriteDocs(prefix, DType::kUInt16, old_docs);
+  // State after a kill that renamed the .bin only.
+  std::filesystem::rename(prefix + ".bin.new", prefix + ".bin");
+  testing::WriteFile(prefix + ".ptk-publish",
+                     "ptk-publish v1\nd.bin.new\td.bin\nd.idx.new\td.idx\nd.ptk-done.new\td.ptk-done\n");
+  auto ds = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->num_documents(), 7);
+  EXPECT_TRUE((*ds)->Verify().ok());
+  auto sums = (*ds)->VerifyChecksums();
+  ASSERT_TRUE(sums.ok()) << sums.status();
+  EXPECT_TRUE(*sums);
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
 }  // namespace

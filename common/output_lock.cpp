@@ -1,0 +1,126 @@
+// One writer per output (see output_lock.h).
+#include "common/output_lock.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+
+#include <fmt/core.h>
+
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace ptk {
+namespace {
+
+constexpr std::string_view kBusyTag = "is being written by another run";
+
+std::string HostName() {
+  char h[256] = {0};
+  if (::gethostname(h, sizeof(h) - 1) != 0) return "unknown-host";
+  return h;
+}
+
+std::string HolderText() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&now, &tm);
+  char when[32];
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S UTC", &tm);
+  const std::string& prog = log::ProgramName();
+  return fmt::format("{} (pid {} on host {}, since {})", prog.empty() ? "ptk" : prog, ::getpid(), HostName(), when);
+}
+
+// Printable form of what a lock file says about its holder (it is only ever written by ptk, but
+// a lock file is just a file: never print raw bytes from it).
+std::string ReadHolder(int fd) {
+  char buf[512];
+  ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  if (n <= 0) return "a process that has not written its name yet";
+  std::string s;
+  for (ssize_t i = 0; i < n; ++i) {
+    unsigned char c = static_cast<unsigned char>(buf[i]);
+    if (c == '\n') break;
+    s += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+  }
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::string& target) {
+  const std::string path = target + kSuffix;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot create lock file {}", path));
+    struct flock fl = {};
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    if (::fcntl(fd, F_OFD_SETLK, &fl) != 0) {
+      const int e = errno;
+      if (e == EAGAIN || e == EACCES) {
+        std::string holder = ReadHolder(fd);
+        ::close(fd);
+        return absl::AbortedError(fmt::format(
+            "{} {} {}: {}; wait for it to finish or stop it (a killed run's lock is released by the kernel)", target,
+            kBusyTag, "(lock " + path + ")", holder));
+      }
+      if (e == ENOSYS || e == ENOLCK || e == EOPNOTSUPP || e == EINVAL) {
+        static std::atomic<bool> warned{false};
+        if (!warned.exchange(true))
+          log::Warning("{}: the file system does not support locks ({}); overlapping runs on one output are not "
+                    "detected (each still publishes only complete files). On Lustre, mount with -o flock.",
+                    path, std::strerror(e));
+        return std::unique_ptr<OutputLock>(new OutputLock(path, fd, false));
+      }
+      ::close(fd);
+      return ErrnoToStatus(e, fmt::format("lock {}", path));
+    }
+    // The previous holder unlinks the file before it lets go: if what we locked is no longer the
+    // file at `path`, someone else may lock a fresh one; start over.
+    struct stat a, b;
+    if (::fstat(fd, &a) != 0 || ::stat(path.c_str(), &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev) {
+      ::close(fd);
+      continue;
+    }
+    const std::string text = HolderText() + "\n";
+    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+      // Only informational; the lock itself is held.
+    }
+    return std::unique_ptr<OutputLock>(new OutputLock(path, fd, true));
+  }
+  return absl::AbortedError(fmt::format("{} {} (lock {} keeps changing hands)", target, kBusyTag, path));
+}
+
+OutputLock::~OutputLock() {
+  if (fd_ < 0) return;
+  if (locked_) ::unlink(path_.c_str());  // before letting go (see Acquire)
+  ::close(fd_);
+}
+
+bool IsOutputBusy(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kAborted &&
+         StatusMessage(status).find(kBusyTag) != std::string_view::npos;
+}
+
+void RemoveStaleTemporaries(const std::string& target) {
+  const std::string dir = Dirname(target);
+  const std::string base = Basename(target);
+  DIR* d = ::opendir(dir.empty() ? "." : dir.c_str());
+  if (!d) return;
+  const std::string tmp = base + ".ptk-tmp", verify = base + ".ptk-verify";
+  while (dirent* e = ::readdir(d)) {
+    std::string_view name = e->d_name;
+    if (name.rfind(tmp, 0) == 0 || name.rfind(verify, 0) == 0) ::unlinkat(::dirfd(d), e->d_name, 0);
+  }
+  ::closedir(d);
+}
+
+}  // namespace ptk

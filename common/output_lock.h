@@ -1,0 +1,48 @@
+// One writer per output: a lock file beside the output (`OUTPUT.ptk-lock`) held with an
+// open-file-description lock (fcntl F_OFD_SETLK) for as long as the OutputLock object lives.
+//
+// What it relies on: the kernel drops the lock when the holder exits, however it exits (kill -9
+// included), so a killed run never blocks a rerun. On NFS (v3 through lockd, v4 natively) the
+// lock is seen by every client and the server drops it when the holder's client dies; Lustre
+// needs the `flock` mount option for the lock to be seen across nodes (`localflock` makes it
+// node-local, `noflock` refuses it: then ptk warns once and runs unlocked). Even without a working
+// lock, every writer writes under its own temporary name and publishes by rename, so two
+// overlapping runs can never mix bytes: the last complete file wins.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace ptk {
+
+class OutputLock {
+ public:
+  static constexpr const char* kSuffix = ".ptk-lock";
+  // Takes the lock for `target`. When another process (or another writer in this process) holds
+  // it, fails at once with an Aborted status naming the holder (program, pid, host, start time).
+  static absl::StatusOr<std::unique_ptr<OutputLock>> Acquire(const std::string& target);
+  // Releases the lock and removes the lock file.
+  ~OutputLock();
+  OutputLock(const OutputLock&) = delete;
+  OutputLock& operator=(const OutputLock&) = delete;
+
+  const std::string& path() const { return path_; }
+
+ private:
+  OutputLock(std::string path, int fd, bool locked) : path_(std::move(path)), fd_(fd), locked_(locked) {}
+  std::string path_;
+  int fd_ = -1;
+  bool locked_ = false;
+};
+
+// True for the status Acquire returns when another run holds the lock.
+bool IsOutputBusy(const absl::Status& status);
+
+// Removes what killed writers of `target` left behind: `TARGET.ptk-tmp*` and `TARGET.ptk-verify*`.
+// Call only while holding the target's OutputLock (no live writer can own them then).
+void RemoveStaleTemporaries(const std::string& target);
+
+}  // namespace ptk

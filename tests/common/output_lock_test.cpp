@@ -1,0 +1,97 @@
+// OutputLock: one writer per output, the holder named, no stale lock after a kill; XXH3 checksums.
+#include "common/output_lock.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include "common/hash.h"
+#include "common/status.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using ::ptk::testing::TempDir;
+
+TEST(OutputLock, SecondHolderIsRefusedWithTheFirstNamed) {
+  TempDir dir;
+  const std::string out = dir / "chunk.jsonl";
+  auto a = OutputLock::Acquire(out);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(testing::Exists(out + ".ptk-lock"));
+  auto b = OutputLock::Acquire(out);  // another open file description: refused even in-process
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(IsOutputBusy(b.status()));
+  const std::string msg(StatusMessage(b.status()));
+  EXPECT_NE(msg.find(out), std::string::npos) << msg;
+  EXPECT_NE(msg.find(fmt::format("pid {}", ::getpid())), std::string::npos) << msg;
+  a->reset();
+  EXPECT_FALSE(testing::Exists(out + ".ptk-lock"));  // released and removed
+  auto c = OutputLock::Acquire(out);
+  EXPECT_TRUE(c.ok()) << c.status();
+}
+
+TEST(OutputLock, LockOfAKilledProcessDoesNotBlock) {
+  TempDir dir;
+  const std::string out = dir / "data";
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto l = OutputLock::Acquire(out);
+    char c = l.ok() ? '1' : '0';
+    (void)!::write(pipefd[1], &c, 1);
+    ::pause();
+    ::_exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(pipefd[0], &c, 1), 1);
+  ASSERT_EQ(c, '1');
+  auto busy = OutputLock::Acquire(out);
+  EXPECT_TRUE(!busy.ok() && IsOutputBusy(busy.status()));
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  EXPECT_TRUE(testing::Exists(out + ".ptk-lock"));  // the file stays; the lock does not
+  auto after = OutputLock::Acquire(out);
+  EXPECT_TRUE(after.ok()) << after.status();
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+}
+
+TEST(OutputLock, StaleTemporariesAreRemoved) {
+  TempDir dir;
+  const std::string out = dir / "x.jsonl";
+  testing::WriteFile(out, "keep");
+  testing::WriteFile(out + ".ptk-tmp", "old-style");
+  testing::WriteFile(out + ".ptk-tmp-123-abcd", "killed writer");
+  testing::WriteFile(out + ".ptk-verify", "killed verify");
+  testing::WriteFile(dir / "x.jsonl2.ptk-tmp-1-2", "another output's");
+  RemoveStaleTemporaries(out);
+  EXPECT_TRUE(testing::Exists(out));
+  EXPECT_FALSE(testing::Exists(out + ".ptk-tmp"));
+  EXPECT_FALSE(testing::Exists(out + ".ptk-tmp-123-abcd"));
+  EXPECT_FALSE(testing::Exists(out + ".ptk-verify"));
+  EXPECT_TRUE(testing::Exists(dir / "x.jsonl2.ptk-tmp-1-2"));
+}
+
+TEST(Xxh3, KnownValuesAndStreamingAgree) {
+  // `printf '' | xxhsum -H2` and `printf abc | xxhsum -H2` (xxHash 0.8).
+  EXPECT_EQ(Xxh3Hex(""), "99aa06d3014798d86001c324468d497f");
+  EXPECT_EQ(Xxh3Hex("abc"), "06b05ab6733a618578af5f94892f3950");
+  std::string big(1 << 20, 'z');
+  Xxh3 h;
+  h.Update(big.data(), 1000);
+  h.Update(big.data() + 1000, big.size() - 1000);
+  EXPECT_EQ(h.HexDigest(), Xxh3Hex(big));
+  TempDir dir;
+  testing::WriteFile(dir / "f", big);
+  EXPECT_EQ(*Xxh3FileHex(dir / "f"), Xxh3Hex(big));
+}
+
+}  // namespace
+}  // namespace ptk
