@@ -141,7 +141,7 @@ absl::Status AtomicFileWriter::Seal(bool durable) {
 
 absl::Status AtomicFileWriter::Commit(bool durable) {
   if (done_) return absl::FailedPreconditionError(fmt::format("{}: already closed", path_));
-  PTK_RETURN_IF_ERROR(Seal(durable));
+  if (fd_ >= 0) PTK_RETURN_IF_ERROR(Seal(durable));  // else sealed already
   PTK_RETURN_IF_ERROR(RenameFile(tmp_path_, path_));
   done_ = true;
   return durable ? FsyncDir(Dirname(path_)) : absl::OkStatus();

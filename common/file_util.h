@@ -38,7 +38,8 @@ class AtomicFileWriter {
   // validated on load and rebuilt when damaged.
   absl::Status Commit(bool durable = true);
   // Flush + fsync + close without the rename: the complete file stays at tmp_path(), for callers
-  // that publish several files together (IndexedDatasetBuilder). The caller renames or removes it.
+  // that read it back or publish several files together (IndexedDatasetBuilder). Commit() may
+  // follow; otherwise the caller renames it and calls Release().
   absl::Status Seal(bool durable = true);
   // After Seal() and the caller's own rename: forget the temporary name (nothing left to remove).
   void Release() { done_ = true; }

@@ -115,10 +115,13 @@ void RemoveStaleTemporaries(const std::string& target) {
   const std::string base = Basename(target);
   DIR* d = ::opendir(dir.empty() ? "." : dir.c_str());
   if (!d) return;
-  const std::string tmp = base + ".ptk-tmp", verify = base + ".ptk-verify";
   while (dirent* e = ::readdir(d)) {
     std::string_view name = e->d_name;
-    if (name.rfind(tmp, 0) == 0 || name.rfind(verify, 0) == 0) ::unlinkat(::dirfd(d), e->d_name, 0);
+    if (name.rfind(base, 0) != 0) continue;
+    const std::string_view rest = name.substr(base.size());  // ".ptk-tmp-...", ".ptk-done.ptk-tmp-...", ...
+    if (rest.rfind(".ptk-", 0) != 0) continue;
+    if (rest.find(".ptk-tmp") != std::string_view::npos || rest.find(".ptk-verify") != std::string_view::npos)
+      ::unlinkat(::dirfd(d), e->d_name, 0);
   }
   ::closedir(d);
 }

@@ -41,7 +41,8 @@ class OutputLock {
 // True for the status Acquire returns when another run holds the lock.
 bool IsOutputBusy(const absl::Status& status);
 
-// Removes what killed writers of `target` left behind: `TARGET.ptk-tmp*` and `TARGET.ptk-verify*`.
+// Removes what killed writers of `target` left behind: `TARGET.ptk-tmp*`, `TARGET.ptk-verify*` and
+// the temporaries of its sidecars (`TARGET.ptk-done.ptk-tmp*`).
 // Call only while holding the target's OutputLock (no live writer can own them then).
 void RemoveStaleTemporaries(const std::string& target);
 

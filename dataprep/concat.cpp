@@ -5,7 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <filesystem>
+#include <map>
+#include <set>
 #include <mutex>
 
 #include <fmt/core.h>
@@ -16,6 +20,7 @@
 #include "common/hash.h"
 #include "common/json_escape.h"
 #include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
@@ -41,8 +46,25 @@ absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index,
     for (int64_t n = count - 1; n >= 100; n /= 10) ++width;
     pat = fmt::format("train_{{:0{}d}}.jsonl", width);
   }
+  // A width or precision in the thousands asks fmt for that many bytes: refuse before formatting.
+  for (size_t i = 0; i < pat.size(); ++i) {
+    if (pat[i] != '{') continue;
+    if (i + 1 < pat.size() && pat[i + 1] == '{') {
+      ++i;  // "{{" is a literal brace
+      continue;
+    }
+    size_t run = 0;
+    for (size_t j = i + 1; j < pat.size() && pat[j] != '}'; ++j) {
+      run = std::isdigit(static_cast<unsigned char>(pat[j])) ? run + 1 : 0;
+      if (run > 3)
+        return absl::InvalidArgumentError(
+            fmt::format("--name-pattern {:?}: a width or precision that large makes no file name", pattern));
+    }
+  }
   try {
     std::string name = fmt::format(fmt::runtime(pat), index);
+    if (name.size() > 255)
+      return absl::InvalidArgumentError(fmt::format("--name-pattern {:?} gives a name longer than 255 bytes", pattern));
     if (name.empty() || name.find('/') != std::string::npos)
       return absl::InvalidArgumentError(fmt::format("--name-pattern {:?} gives an invalid file name", pattern));
     return name;
@@ -83,10 +105,16 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
       ranges.emplace_back(first, idx);
     }
   }
+  std::map<std::string, size_t> names;
   for (size_t k = 0; k < ranges.size(); ++k) {
     ConcatChunk c;
     PTK_ASSIGN_OR_RETURN(c.name,
                          ChunkName(opt.name_pattern, static_cast<int64_t>(k), static_cast<int64_t>(ranges.size())));
+    auto [it, fresh] = names.emplace(c.name, k);
+    if (!fresh)
+      return absl::InvalidArgumentError(
+          fmt::format("--name-pattern {:?} gives chunks {} and {} the same name {:?}; put {{}} (the chunk index) in it",
+                      opt.name_pattern, it->second, k, c.name));
     for (size_t i = ranges[k].first; i < ranges[k].second; ++i) {
       c.inputs.push_back(inputs[i]);
       c.bytes += inputs[i].size;
@@ -153,6 +181,10 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   const std::string out_path = JoinPath(plan.output_dir, c.name);
   const std::string digest = ChunkDigest(c);
   ConcatChunkResult res;
+  PTK_RETURN_IF_ERROR(MakeDirs(plan.output_dir));
+  // One builder per chunk: a second run of the same chunk stops here, naming the first.
+  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(out_path));
+  RemoveStaleTemporaries(out_path);
   // Skip when the sidecar says this exact chunk is complete and the file has its size.
   auto side = ReadFileToString(out_path + std::string(kDoneSuffix));
   if (side.ok()) {
@@ -176,7 +208,6 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
           fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in.path,
                       *sz, in.size));
   }
-  PTK_RETURN_IF_ERROR(MakeDirs(plan.output_dir));
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
   std::vector<char> buf;
   for (const auto& in : c.inputs) {
@@ -206,11 +237,18 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     }
   }
   res.bytes = out->bytes_written();
+  PTK_RETURN_IF_ERROR(out->Seal(durable));
+  // Inputs are copied in the kernel (copy_file_range), so the checksum reads the finished file.
+  PTK_ASSIGN_OR_RETURN(std::string sum, Xxh3FileHex(out->tmp_path()));
+  // The old sidecar goes first: a kill in between leaves a chunk without a sidecar (rebuilt by the
+  // next run), never a new chunk described by an old sidecar.
+  PTK_RETURN_IF_ERROR(RemoveFileIfExists(out_path + std::string(kDoneSuffix)));
   PTK_RETURN_IF_ERROR(out->Commit(durable));
-  PTK_RETURN_IF_ERROR(WriteFileAtomic(
-      out_path + std::string(kDoneSuffix),
-      fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"inputs\": {}}}\n", digest, res.bytes, c.inputs.size()),
-      durable));
+  PTK_RETURN_IF_ERROR(
+      WriteFileAtomic(out_path + std::string(kDoneSuffix),
+                      fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"xxh3_128\": \"{}\", \"inputs\": {}}}\n",
+                                  digest, res.bytes, sum, c.inputs.size()),
+                      durable));
   return res;
 }
 
@@ -218,8 +256,20 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   PTK_ASSIGN_OR_RETURN(auto files, CollectInputs(r.inputs, {".jsonl", ".jsonl.zst", ".jsonl.xz", ".json"},
                                                  r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural));
   std::vector<ConcatInput> inputs;
+  std::error_code ec;
+  const std::filesystem::path out_real = std::filesystem::canonical(r.output_dir, ec);
+  const bool out_exists = !ec;
+  std::filesystem::path plan_real;
+  if (!r.plan_path.empty()) plan_real = std::filesystem::weakly_canonical(r.plan_path, ec);
   for (const auto& f : files) {
-    if (Dirname(f) == r.output_dir || f.rfind(r.output_dir + "/", 0) == 0) continue;  // never our own chunks
+    const std::filesystem::path real = std::filesystem::weakly_canonical(f, ec);
+    if (!ec) {
+      if (!plan_real.empty() && real == plan_real) continue;
+      if (out_exists) {
+        auto [o, _] = std::mismatch(out_real.begin(), out_real.end(), real.begin(), real.end());
+        if (o == out_real.end()) continue;  // inside the output directory: chunks, plans, sidecars
+      }
+    }
     PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(f));
     inputs.push_back({f, size});
   }
@@ -227,6 +277,40 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   if (!plan.ok() && plan.status().code() == absl::StatusCode::kInvalidArgument)
     return absl::InvalidArgumentError("usage: " + std::string(StatusMessage(plan.status())));
   return plan;
+}
+
+std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan) {
+  std::vector<std::string> out;
+  for (const auto& c : plan.chunks) out.push_back(JoinPath(plan.output_dir, c.name));
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan& plan) {
+  std::vector<std::string> removed;
+  std::set<std::string> in_plan;
+  for (const auto& c : plan.chunks) in_plan.insert(c.name);
+  std::error_code ec;
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(plan.output_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > kDoneSuffix.size() && name.compare(name.size() - kDoneSuffix.size(), kDoneSuffix.size(),
+                                                          kDoneSuffix) == 0)
+      names.push_back(name.substr(0, name.size() - kDoneSuffix.size()));
+  }
+  if (ec) return ErrnoToStatus(ec.value(), fmt::format("list {}", plan.output_dir));
+  std::sort(names.begin(), names.end(), NaturalLess);
+  for (const auto& name : names) {
+    if (in_plan.count(name)) continue;
+    const std::string path = JoinPath(plan.output_dir, name);
+    auto side = ReadFileToString(path + std::string(kDoneSuffix));
+    if (!side.ok() || side->find("\"inputs_sha256\"") == std::string::npos) continue;  // not a ptk-concat chunk
+    PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(path));
+    PTK_RETURN_IF_ERROR(RemoveFileIfExists(path + std::string(kDoneSuffix)));
+    PTK_RETURN_IF_ERROR(RemoveFileIfExists(path));
+    RemoveStaleTemporaries(path);
+    removed.push_back(name);
+  }
+  return removed;
 }
 
 absl::StatusOr<ConcatSummary> RunConcat(const ConcatPlan& plan, const ConcatRunOptions& o) {

@@ -63,11 +63,23 @@ struct ConcatPlanRequest {
   std::vector<std::string> inputs;
   std::string output_dir;
   std::string order = "natural";  // natural (shard2 before shard10) or bytes (LC_ALL=C ls)
+  std::string plan_path;          // never an input itself
   ConcatPlanOptions plan;
 };
-// Collects the inputs (never the output directory's own chunks) and makes the plan. A request
+// Collects the inputs and makes the plan. Nothing inside the output directory and not the plan
+// file are inputs, judged by identity (the resolved path), never by spelling: `c/`, `./c` and an
+// absolute path are one directory. A request
 // that cannot be planned (more chunks than allowed, a bad pattern) is an InvalidArgument "usage:".
 absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& request);
+
+// The plan owns its output directory: chunks an earlier plan built there (files with a ptk-concat
+// sidecar) that are not in this plan are removed with their sidecars, so that no later stage
+// takes them for this plan's data. Returns the names removed. A chunk another run is still
+// building is an error naming that run.
+absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan& plan);
+
+// The plan's chunk files (OUTPUT_DIR/NAME), in order: what later stages read.
+std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan);
 
 struct ConcatRunOptions {
   std::optional<int64_t> chunk_index;  // build this chunk only

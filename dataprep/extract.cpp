@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -13,6 +14,8 @@
 #include <simdjson.h>
 
 #include "common/file_util.h"
+#include "common/hash.h"
+#include "common/output_lock.h"
 #include "common/json_escape.h"
 #include "common/logging.h"
 #include "common/mmap_file.h"
@@ -45,12 +48,23 @@ std::string DropKey(const std::vector<std::string>& drops) {
 }
 
 // The sidecar written after an output is complete; a rerun skips the file when it still matches.
-std::string SidecarJson(const std::string& input, const SourceId& src, uint64_t out_size, const std::string& drops,
-                        int64_t records, int64_t dropped) {
+std::string SidecarJson(const std::string& input, const SourceId& src, uint64_t out_size, const std::string& sum,
+                        const std::string& drops, int64_t records, int64_t dropped) {
   return fmt::format(
-      "{{\"source\": \"{}\", \"source_size\": {}, \"source_mtime_ns\": {}, \"output_size\": {}, \"drop_sets\": \"{}\", "
-      "\"records\": {}, \"dropped\": {}}}\n",
-      JsonEscape(input), src.size, src.mtime_ns, out_size, JsonEscape(drops), records, dropped);
+      "{{\"source\": \"{}\", \"source_size\": {}, \"source_mtime_ns\": {}, \"output_size\": {}, "
+      "\"output_xxh3_128\": \"{}\", \"drop_sets\": \"{}\", \"records\": {}, \"dropped\": {}}}\n",
+      JsonEscape(input), src.size, src.mtime_ns, out_size, sum, JsonEscape(drops), records, dropped);
+}
+
+// The output's checksum as its sidecar recorded it ("" when the sidecar has none).
+std::string RecordedChecksum(const std::string& output) {
+  auto side = ReadFileToString(output + std::string(kDoneSuffix));
+  if (!side.ok()) return "";
+  simdjson::dom::parser p;
+  simdjson::dom::element e;
+  std::string_view sum;
+  if (p.parse(*side).get(e) || e["output_xxh3_128"].get(sum)) return "";
+  return std::string(sum);
 }
 
 // True when `output` is complete per its sidecar: same source (when the source still exists),
@@ -94,12 +108,14 @@ class SetFilter {
   simdjson::dom::parser parser_;
 };
 
-absl::Status ExtractOne(const std::string& input, const std::string& output, const ExtractOptions& opt,
-                        ExtractFileResult* res, ProgressReporter* progress) {
-  PTK_ASSIGN_OR_RETURN(SourceId src, StatSource(input));
+using ByteSink = std::function<absl::Status(const char*, size_t)>;
+
+// Decodes `input` and hands the output bytes to `sink` in order (records of --drop-set sets left
+// out). Without filtering, decoding overlaps the sink (as zstd's CLI does with --asyncio): block k
+// goes to the sink on a second thread while block k+1 is decoded into the other buffer.
+absl::Status Decode(const std::string& input, const ExtractOptions& opt, ExtractFileResult* res,
+                    ProgressReporter* progress, const ByteSink& sink) {
   PTK_ASSIGN_OR_RETURN(auto source, OpenByteSource(input));
-  PTK_RETURN_IF_ERROR(MakeDirs(Dirname(output)));
-  PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(output));
   std::vector<char> buf(4 << 20);
   std::string carry;
   SetFilter filter(opt.drop_sets);
@@ -116,7 +132,7 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
       if (filter.Drop(line))
         ++res->dropped;
       else
-        PTK_RETURN_IF_ERROR(out->Write(line));
+        PTK_RETURN_IF_ERROR(sink(line.data(), line.size()));
       pos = end;
     }
     carry.assign(data + pos, n - pos);
@@ -125,18 +141,21 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
       if (filter.Drop(carry))
         ++res->dropped;
       else
-        PTK_RETURN_IF_ERROR(out->Write(carry));
+        PTK_RETURN_IF_ERROR(sink(carry.data(), carry.size()));
       carry.clear();
     }
     return absl::OkStatus();
   };
-  // Without filtering, decoding overlaps writing (as zstd's CLI does with --asyncio): block k is
-  // written by a second thread while block k+1 is decoded into the other buffer.
   std::vector<char> spare(filtering ? 0 : buf.size());
   std::future<absl::Status> pending;
   auto wait_pending = [&]() -> absl::Status { return pending.valid() ? pending.get() : absl::OkStatus(); };
   while (true) {
-    PTK_ASSIGN_OR_RETURN(size_t n, source->Read(buf.data(), buf.size()));
+    auto n_or = source->Read(buf.data(), buf.size());
+    if (!n_or.ok()) {
+      (void)wait_pending();
+      return n_or.status();
+    }
+    const size_t n = *n_or;
     uint64_t raw = source->raw_bytes_read();
     progress->AddBytes(raw - last_raw);
     last_raw = raw;
@@ -144,7 +163,7 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
     res->bytes_in = raw;
     if (!filtering) {
       PTK_RETURN_IF_ERROR(wait_pending());
-      pending = std::async(std::launch::async, [w = out.get(), p = buf.data(), n] { return w->Write(p, n); });
+      pending = std::async(std::launch::async, [&sink, p = buf.data(), n] { return sink(p, n); });
       buf.swap(spare);
       continue;
     }
@@ -162,28 +181,59 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
     PTK_RETURN_IF_ERROR(emit_lines(last.data(), last.size(), true));
   }
   res->bytes_in = source->raw_bytes_read();
-  res->bytes_out = out->bytes_written();
-  PTK_RETURN_IF_ERROR(out->Commit());
-  PTK_RETURN_IF_ERROR(
-      WriteFileAtomic(output + std::string(kDoneSuffix),
-                      SidecarJson(input, src, res->bytes_out, DropKey(opt.drop_sets), res->records, res->dropped)));
   return absl::OkStatus();
 }
 
-// --verify: decode the source again and compare with the existing output byte for byte.
+// Writes `output` (atomically) and then its sidecar with size and XXH3-128. The caller holds the
+// output's lock.
+absl::Status ExtractOne(const std::string& input, const std::string& output, const ExtractOptions& opt,
+                        ExtractFileResult* res, ProgressReporter* progress) {
+  PTK_ASSIGN_OR_RETURN(SourceId src, StatSource(input));
+  PTK_RETURN_IF_ERROR(MakeDirs(Dirname(output)));
+  PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(output));
+  Xxh3 sum;
+  PTK_RETURN_IF_ERROR(Decode(input, opt, res, progress, [&](const char* p, size_t n) {
+    sum.Update(p, n);
+    return out->Write(p, n);
+  }));
+  res->bytes_out = out->bytes_written();
+  // The old sidecar goes before the new output appears: a kill in between leaves an output
+  // without a sidecar (redone by the next run), never a new output described by an old sidecar.
+  PTK_RETURN_IF_ERROR(RemoveFileIfExists(output + std::string(kDoneSuffix)));
+  PTK_RETURN_IF_ERROR(out->Commit());
+  return WriteFileAtomic(output + std::string(kDoneSuffix), SidecarJson(input, src, res->bytes_out, sum.HexDigest(),
+                                                                        DropKey(opt.drop_sets), res->records,
+                                                                        res->dropped));
+}
+
+// --verify: the output's checksum against its sidecar, then (when the source still exists) the
+// source decoded again and compared with the output byte for byte, in memory: no scratch file.
 absl::Status VerifyOne(const std::string& input, const std::string& output, const ExtractOptions& opt) {
-  const std::string tmp = output + ".ptk-verify";
-  ExtractOptions o = opt;
+  PTK_ASSIGN_OR_RETURN(auto mapped, MappedFile::Open(output));
+  const std::string recorded = RecordedChecksum(output);
+  if (!recorded.empty()) {
+    Xxh3 h;
+    h.Update(mapped->data(), mapped->size());
+    if (h.HexDigest() != recorded)
+      return absl::DataLossError(fmt::format(
+          "{}: content checksum differs from the one its {} sidecar recorded: changed or damaged since it was written",
+          output, kDoneSuffix));
+  }
+  if (!PathExists(input)) return absl::OkStatus();
   ExtractFileResult r;
   ProgressReporter quiet({.label = "verify", .enabled = false});
-  PTK_RETURN_IF_ERROR(ExtractOne(input, tmp, o, &r, &quiet));
-  auto a = MappedFile::Open(tmp);
-  auto b = MappedFile::Open(output);
-  bool same = a.ok() && b.ok() && (*a)->size() == (*b)->size() &&
-              ((*a)->size() == 0 || std::memcmp((*a)->data(), (*b)->data(), (*a)->size()) == 0);
-  (void)RemoveFileIfExists(tmp);
-  (void)RemoveFileIfExists(tmp + std::string(kDoneSuffix));
-  if (!same) return absl::DataLossError(fmt::format("{}: does not match what {} decodes to", output, input));
+  uint64_t pos = 0;
+  PTK_RETURN_IF_ERROR(Decode(input, opt, &r, &quiet, [&](const char* p, size_t n) -> absl::Status {
+    if (pos + n > mapped->size() || std::memcmp(mapped->data() + pos, p, n) != 0)
+      return absl::DataLossError(
+          fmt::format("{}: does not match what {} decodes to (first difference within bytes {}..{})", output, input,
+                      pos, pos + n));
+    pos += n;
+    return absl::OkStatus();
+  }));
+  if (pos != mapped->size())
+    return absl::DataLossError(
+        fmt::format("{}: is {} bytes but {} decodes to {}", output, mapped->size(), input, pos));
   return absl::OkStatus();
 }
 
@@ -192,6 +242,22 @@ absl::Status VerifyOne(const std::string& input, const std::string& output, cons
 std::string ExtractOutputPath(const std::string& input, const std::string& rel, const std::string& output_dir) {
   if (output_dir.empty()) return StripCompressionSuffix(input);
   return JoinPath(output_dir, StripCompressionSuffix(rel.empty() ? Basename(input) : rel));
+}
+
+int64_t CountExtractedOutputs(const std::vector<std::string>& paths) {
+  int64_t n = 0;
+  for (const auto& p : paths) {
+    if (!IsDirectory(p)) {
+      n += PathExists(p + std::string(kDoneSuffix)) ? 1 : 0;
+      continue;
+    }
+    auto files = ListFilesRecursive(p);
+    if (!files.ok()) continue;
+    for (const auto& f : *files)
+      if (f.size() > kDoneSuffix.size() && f.compare(f.size() - kDoneSuffix.size(), kDoneSuffix.size(), kDoneSuffix) == 0)
+        ++n;
+  }
+  return n;
 }
 
 absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
@@ -244,6 +310,17 @@ absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
     r.input = mine[i];
     r.output = mine_out[i];
     auto src = StatSource(r.input);
+    std::unique_ptr<OutputLock> out_lock;
+    if (src.ok() && r.output != r.input) {
+      absl::Status made = MakeDirs(Dirname(r.output));
+      auto l = made.ok() ? OutputLock::Acquire(r.output) : absl::StatusOr<std::unique_ptr<OutputLock>>(made);
+      if (l.ok()) {
+        out_lock = std::move(*l);
+        RemoveStaleTemporaries(r.output);
+      } else {
+        src = l.status();
+      }
+    }
     if (!src.ok()) {
       r.state = ExtractFileResult::State::kFailed;
       r.error = src.status();

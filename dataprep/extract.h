@@ -46,6 +46,10 @@ struct ExtractSummary {
 std::string ExtractOutputPath(const std::string& input, const std::string& rel, const std::string& output_dir);
 
 // Per-file failures are reported in the summary; the others still run.
+// Outputs below these directories (or these files) that carry a completion sidecar: what a
+// finished --delete-input run leaves.
+int64_t CountExtractedOutputs(const std::vector<std::string>& paths);
+
 absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& options);
 
 }  // namespace ptk

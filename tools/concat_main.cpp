@@ -62,12 +62,17 @@ absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(const ptk::ConcatPlanRequest& r, const std::string& plan_path) {
-  PTK_ASSIGN_OR_RETURN(auto plan, ptk::PlanConcat(r));
+absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std::string& plan_path) {
   std::string path = plan_path.empty() ? ptk::JoinPath(r.output_dir, "concat-plan.json") : plan_path;
+  r.plan_path = path;
+  PTK_ASSIGN_OR_RETURN(auto plan, ptk::PlanConcat(r));
   PTK_RETURN_IF_ERROR(ptk::MakeDirs(ptk::Dirname(path)));
   PTK_RETURN_IF_ERROR(ptk::MakeDirs(r.output_dir));
   PTK_RETURN_IF_ERROR(ptk::WriteConcatPlan(plan, path));
+  PTK_ASSIGN_OR_RETURN(auto removed, ptk::RemoveChunksNotInPlan(plan));
+  if (!removed.empty())
+    ptk::log::Info("removed {} chunks of an earlier plan that this plan does not have: {}{}", removed.size(),
+                   removed.front(), removed.size() > 1 ? fmt::format(" ... {}", removed.back()) : "");
   size_t files = 0;
   for (const auto& c : plan.chunks) files += c.inputs.size();
   ptk::log::Info("plan: {} files -> {} chunks in {}; written to {}", files, plan.chunks.size(), plan.output_dir, path);

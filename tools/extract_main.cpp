@@ -42,7 +42,18 @@ int main(int argc, char** argv) {
       opt.inputs.push_back(f.path);
       opt.relative_outputs.push_back(f.rel);
     }
-    if (opt.inputs.empty()) return absl::NotFoundError("no input files");
+    if (opt.inputs.empty()) {
+      // A rerun of a finished --delete-input job: the inputs are gone, their outputs are complete.
+      if (delete_input) {
+        int64_t done = ptk::CountExtractedOutputs(output_dir.empty() ? inputs : std::vector<std::string>{output_dir});
+        if (done > 0) {
+          ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input)",
+                         done);
+          return absl::OkStatus();
+        }
+      }
+      return absl::NotFoundError("no input files");
+    }
     PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     opt.output_dir = output_dir;
     opt.jobs = jobs;

@@ -70,12 +70,16 @@ TEST(OutputLock, StaleTemporariesAreRemoved) {
   testing::WriteFile(out + ".ptk-tmp", "old-style");
   testing::WriteFile(out + ".ptk-tmp-123-abcd", "killed writer");
   testing::WriteFile(out + ".ptk-verify", "killed verify");
+  testing::WriteFile(out + ".ptk-done.ptk-tmp-9-ff", "killed while writing the sidecar");
+  testing::WriteFile(out + ".ptk-done", "keep");
   testing::WriteFile(dir / "x.jsonl2.ptk-tmp-1-2", "another output's");
   RemoveStaleTemporaries(out);
   EXPECT_TRUE(testing::Exists(out));
   EXPECT_FALSE(testing::Exists(out + ".ptk-tmp"));
   EXPECT_FALSE(testing::Exists(out + ".ptk-tmp-123-abcd"));
   EXPECT_FALSE(testing::Exists(out + ".ptk-verify"));
+  EXPECT_FALSE(testing::Exists(out + ".ptk-done.ptk-tmp-9-ff"));
+  EXPECT_TRUE(testing::Exists(out + ".ptk-done"));
   EXPECT_TRUE(testing::Exists(dir / "x.jsonl2.ptk-tmp-1-2"));
 }
 

@@ -114,6 +114,25 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
     EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 400);  // every 5th of 500 dropped
     EXPECT_FALSE(testing::Exists(dir / fmt::format("in/f_{}.jsonl.zst", i)));
   }
+  // Regression (issue 11): a rerun of the finished job found no inputs and exited 1.
+  auto rerun = RunCmd(fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBook --delete-input",
+                                  testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  EXPECT_EQ(rerun.exit_code, 0) << rerun.output;
+  EXPECT_NE(rerun.output.find("6 outputs already extracted"), std::string::npos) << rerun.output;
+  // --verify without the sources checks each output against the checksum in its sidecar.
+  std::filesystem::create_directories(dir / "in2");
+  testing::WriteFile(dir / "in2/v.jsonl.zst", testing::ZstdCompress(Jsonl(300, 5)));
+  const std::string extract_v = fmt::format("{} --quiet {} --output-dir {} --verify", testing::Tool("ptk-extract"),
+                                            dir / "in2", dir / "out2");
+  ASSERT_EQ(RunCmd(extract_v).exit_code, 0);
+  std::string damaged = testing::ReadFile(dir / "out2/v.jsonl");
+  damaged[100] = damaged[100] == 'x' ? 'y' : 'x';  // same size: only the checksum can tell
+  testing::WriteFile(dir / "out2/v.jsonl", damaged);
+  auto v = RunCmd(extract_v);
+  EXPECT_EQ(v.exit_code, 0) << v.output;  // found, reported, extracted again
+  EXPECT_NE(v.output.find("content checksum differs"), std::string::npos) << v.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out2/v.jsonl"), Jsonl(300, 5));
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
 TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
@@ -276,6 +295,57 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   auto usage = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern 'bad_{{:q}}'",
                                   testing::Tool("ptk-concat"), dir / "in", dir / "o2"));
   EXPECT_EQ(usage.exit_code, 2) << usage.output;
+  // Regression (issue 11): one name for every chunk wrote them all to one file and said success.
+  auto same = RunCmd(fmt::format("{} --input {} --output-dir {} --chunks 3 --name-pattern same.jsonl",
+                                 testing::Tool("ptk-concat"), dir / "in", dir / "o3"));
+  EXPECT_EQ(same.exit_code, 2) << same.output;
+  EXPECT_NE(same.output.find("the same name"), std::string::npos) << same.output;
+  // ... and a width of a billion asked for gigabytes.
+  auto wide = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern '{{:>1000000000}}'",
+                                 testing::Tool("ptk-concat"), dir / "in", dir / "o4"));
+  EXPECT_EQ(wide.exit_code, 2) << wide.output;
+}
+
+// Regression (issue 11): a 2-chunk plan into a directory holding a 4-chunk run kept train_02 and
+// train_03, and every later stage took them for this plan's data.
+TEST(Concat, APlanOwnsItsDirectory) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 8; ++i) testing::WriteFile(dir / fmt::format("in/s{}.jsonl", i), Jsonl(50, 300 + i));
+  auto four = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 4", testing::Tool("ptk-concat"),
+                                 dir / "in", dir / "out"));
+  ASSERT_EQ(four.exit_code, 0) << four.output;
+  testing::WriteFile(dir / "out/notes.txt", "the user's own file");
+  auto two = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 2", testing::Tool("ptk-concat"),
+                                dir / "in", dir / "out"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("removed 2 chunks of an earlier plan"), std::string::npos) << two.output;
+  EXPECT_TRUE(testing::Exists(dir / "out/train_01.jsonl"));
+  EXPECT_FALSE(testing::Exists(dir / "out/train_02.jsonl"));
+  EXPECT_FALSE(testing::Exists(dir / "out/train_03.jsonl.ptk-done"));
+  EXPECT_TRUE(testing::Exists(dir / "out/notes.txt"));  // not ptk's: left alone
+  std::string all, want;
+  for (int k = 0; k < 2; ++k) all += testing::ReadFile(dir / fmt::format("out/train_{:02d}.jsonl", k));
+  for (int i = 0; i < 8; ++i) want += Jsonl(50, 300 + i);
+  EXPECT_EQ(all, want);
+}
+
+// Regression (issue 11): an output directory inside the input directory, spelled differently on a
+// rerun, made the previous chunks and the plan inputs (output doubled, exit 0).
+TEST(Concat, OutputInsideInputIsExcludedHoweverItIsSpelled) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 4; ++i) testing::WriteFile(dir / fmt::format("in/s{}.jsonl", i), Jsonl(40, 400 + i));
+  std::string want;
+  for (int i = 0; i < 4; ++i) want += Jsonl(40, 400 + i);
+  for (const std::string& out : std::vector<std::string>{"c", "c/", "./c", "../in/c", dir / "in/c"}) {
+    auto r = RunCmd(fmt::format("cd {} && {} --quiet --input . --output-dir {} --chunks 2", dir / "in",
+                                testing::Tool("ptk-concat"), out));
+    ASSERT_EQ(r.exit_code, 0) << out << ": " << r.output;
+    std::string all;
+    for (int k = 0; k < 2; ++k) all += testing::ReadFile(dir / fmt::format("in/c/train_{:02d}.jsonl", k));
+    EXPECT_EQ(all, want) << "--output-dir " << out;
+  }
 }
 
 }  // namespace

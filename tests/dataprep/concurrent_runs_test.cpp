@@ -1,0 +1,159 @@
+// Two runs on one output (a Slurm requeue or a second submission while the first still runs),
+// with one of them killed at a random moment, then a rerun: real processes, 20 trials per tool.
+// Whatever the interleaving, the output ends byte-identical to an undisturbed run, the run that
+// was refused says which run holds the output, and nothing is left behind (issue 11).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <functional>
+#include <random>
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include "common/hash.h"
+#include "tests/dataprep/compress_util.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::TempDir;
+
+constexpr int kTrials = 20;
+
+pid_t Spawn(const std::string& cmd, const std::string& log) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    const std::string sh = "exec " + cmd + " >" + testing::ShellQuote(log) + " 2>&1";
+    ::execl("/bin/sh", "sh", "-c", sh.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int Wait(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+// Text that xz cannot squeeze to nothing, so that decoding takes a while (~0.3 s).
+std::string Docs(int n, int seed) {
+  std::mt19937 rng(seed);
+  static const char* kWords[] = {"alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
+                                 "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"};
+  std::string s;
+  for (int i = 0; i < n; ++i) {
+    s += fmt::format("{{\"text\": \"doc {} {}", i, rng());
+    for (int w = 0; w < 120; ++w) s += fmt::format(" {}{}", kWords[rng() % 16], rng() % 100);
+    s += "\"}\n";
+  }
+  return s;
+}
+
+struct Tally {
+  int refused = 0, completed = 0, killed = 0;
+};
+
+// Runs `reset` (removes the finished output, so that both runs really write), starts `cmd` twice
+// (the second 0-150 ms after the first), kills one of them 0-300 ms later (the first in odd trials,
+// the second in even ones), then reruns it to completion; `check` compares the outputs with an
+// undisturbed run's.
+Tally Race(const TempDir& dir, const std::string& cmd, const std::string& out_dir, const std::string& reset,
+           const std::function<void(const std::string& when)>& check) {
+  std::mt19937 rng(12345);
+  Tally t;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    if (!reset.empty()) EXPECT_EQ(RunCmd(reset).exit_code, 0);  // both runs really write
+    const std::string log_a = dir / "a.log", log_b = dir / "b.log";
+    pid_t a = Spawn(cmd, log_a);
+    ::usleep(static_cast<useconds_t>(rng() % 150000));
+    pid_t b = Spawn(cmd, log_b);
+    ::usleep(static_cast<useconds_t>(rng() % 300000));
+    const bool kill_first = trial % 2 == 1;
+    ::kill(kill_first ? a : b, SIGKILL);
+    const int rc_a = Wait(a), rc_b = Wait(b);
+    const int survivor_rc = kill_first ? rc_b : rc_a;
+    const std::string survivor_log = testing::ReadFile(kill_first ? log_b : log_a);
+    const int victim_rc = kill_first ? rc_a : rc_b;
+    if (victim_rc == 128 + SIGKILL) ++t.killed;
+    if (survivor_rc == 0) {
+      ++t.completed;
+      check(fmt::format("trial {}: after the surviving run", trial));
+    } else {
+      // The only acceptable failure: refused because the other run held the output.
+      EXPECT_EQ(survivor_rc, 1) << "trial " << trial << ": " << survivor_log;
+      EXPECT_NE(survivor_log.find("is being written by another run"), std::string::npos)
+          << "trial " << trial << ": " << survivor_log;
+      EXPECT_NE(survivor_log.find("pid "), std::string::npos) << survivor_log;
+      ++t.refused;
+    }
+    auto rerun = RunCmd(cmd);
+    EXPECT_EQ(rerun.exit_code, 0) << "trial " << trial << ": " << rerun.output;
+    check(fmt::format("trial {}: after the rerun", trial));
+    EXPECT_EQ(testing::Leftovers(out_dir), "") << "trial " << trial;
+  }
+  std::printf("%d trials: %d times the second run was refused, %d completed, %d killed mid-run\n", kTrials, t.refused,
+              t.completed, t.killed);
+  return t;
+}
+
+TEST(ConcurrentRuns, ConcatSameChunk) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 2; ++i)
+    testing::WriteFile(dir / fmt::format("in/part{}.jsonl.xz", i), testing::XzCompress(Docs(15000, 10 + i), 0));
+  auto plan = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 1", testing::Tool("ptk-concat"),
+                                 dir / "in", dir / "out"));
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const std::string want = Docs(15000, 10) + Docs(15000, 11);
+  const std::string run = fmt::format("{} run --quiet --plan {} --chunk-index 0", testing::Tool("ptk-concat"),
+                                      dir / "out/concat-plan.json");
+  const std::string reset = fmt::format("rm -f {0}/train_00.jsonl {0}/train_00.jsonl.ptk-done", dir / "out");
+  const Tally t = Race(dir, run, dir / "out", reset, [&](const std::string& when) {
+    ASSERT_EQ(testing::ReadFile(dir / "out/train_00.jsonl"), want) << when;
+  });
+  EXPECT_GT(t.killed, 0);
+}
+
+TEST(ConcurrentRuns, ExtractSameOutput) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string text = Docs(25000, 7);
+  testing::WriteFile(dir / "in/big.jsonl.xz", testing::XzCompress(text, 0));
+  const std::string run =
+      fmt::format("{} --quiet --input {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out");
+  const std::string reset = fmt::format("rm -f {0}/big.jsonl {0}/big.jsonl.ptk-done", dir / "out");
+  const Tally t = Race(dir, run, dir / "out", reset, [&](const std::string& when) {
+    ASSERT_EQ(testing::ReadFile(dir / "out/big.jsonl"), text) << when;
+  });
+  EXPECT_GT(t.killed, 0);
+}
+
+TEST(ConcurrentRuns, TokenizeSamePrefix) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "out");
+  testing::WriteFile(dir / "in.jsonl", Docs(20000, 3));
+  const std::string tok = fmt::format("{} --quiet --input {} --output-prefix {} --workers 1 --append-eod",
+                                      testing::Tool("ptk-tokenize"), dir / "in.jsonl", dir / "out/ds");
+  auto ref = RunCmd(tok);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::string bin = testing::ReadFile(dir / "out/ds_text_document.bin");
+  const std::string idx = testing::ReadFile(dir / "out/ds_text_document.idx");
+  const Tally t = Race(dir, tok, dir / "out", "", [&](const std::string& when) {
+    ASSERT_EQ(testing::ReadFile(dir / "out/ds_text_document.bin"), bin) << when;
+    ASSERT_EQ(testing::ReadFile(dir / "out/ds_text_document.idx"), idx) << when;
+    auto v = RunCmd(fmt::format("{} --verify {}", testing::Tool("ptk-inspect"), dir / "out/ds_text_document"));
+    ASSERT_EQ(v.exit_code, 0) << when << ": " << v.output;
+    EXPECT_NE(v.output.find("checksums match"), std::string::npos) << v.output;
+  });
+  EXPECT_GT(t.refused, 0);
+  EXPECT_GT(t.killed, 0);
+}
+
+}  // namespace
+}  // namespace ptk
