@@ -166,10 +166,12 @@ absl::Status PublishTogether(const std::string& journal, const std::vector<std::
   std::string text = "ptk-publish v1\n";
   for (const auto& [tmp, final_path] : files) {
     if (Dirname(tmp) != dir || Dirname(final_path) != dir)
-      return absl::InvalidArgumentError(fmt::format("publish {}: {} -> {} is not in {}", journal, tmp, final_path, dir));
+      return absl::InvalidArgumentError(
+          fmt::format("publish {}: {} -> {} is not in {}", journal, tmp, final_path, dir));
     const std::string a = Basename(tmp), b = Basename(final_path);
     if (a.find_first_of("\t\n") != std::string::npos || b.find_first_of("\t\n") != std::string::npos)
-      return absl::InvalidArgumentError(fmt::format("publish {}: file names must not contain tabs or newlines", journal));
+      return absl::InvalidArgumentError(
+          fmt::format("publish {}: file names must not contain tabs or newlines", journal));
     text += a + "\t" + b + "\n";
   }
   PTK_RETURN_IF_ERROR(WriteFileAtomic(journal, text, durable));

@@ -63,7 +63,9 @@ std::string Sha1Hex(std::string_view data) { return Digest(EVP_sha1(), data); }
 
 Xxh3::Xxh3() : state_(XXH3_createState()) { XXH3_128bits_reset(static_cast<XXH3_state_t*>(state_)); }
 Xxh3::~Xxh3() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
-void Xxh3::Update(const void* data, size_t size) { XXH3_128bits_update(static_cast<XXH3_state_t*>(state_), data, size); }
+void Xxh3::Update(const void* data, size_t size) {
+  XXH3_128bits_update(static_cast<XXH3_state_t*>(state_), data, size);
+}
 std::string Xxh3::HexDigest() const {
   XXH128_canonical_t c;
   XXH128_canonicalFromHash(&c, XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_)));

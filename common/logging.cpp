@@ -40,4 +40,18 @@ void Raw(std::string_view line) {
   std::fflush(stderr);
 }
 
+std::string Printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (unsigned char c : text) {
+    if (c < 0x20 || c == 0x7f)
+      out += fmt::format("\\x{:02x}", c);
+    else if (c == '\\')
+      out += "\\\\";
+    else
+      out += static_cast<char>(c);
+  }
+  return out;
+}
+
 }  // namespace ptk::log

@@ -17,6 +17,9 @@ void SetMinLevel(Level level);
 Level MinLevel();
 
 void Write(Level level, std::string_view message);
+// Untrusted text (a name from a server's listing) made safe for one log line: control characters
+// and DEL as \xNN, backslashes doubled, so that it cannot forge or split log lines.
+std::string Printable(std::string_view text);
 // Writes a raw line to stderr (no prefix): used for Megatron-shaped progress lines.
 void Raw(std::string_view line);
 

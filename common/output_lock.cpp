@@ -75,9 +75,10 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
       if (e == ENOSYS || e == ENOLCK || e == EOPNOTSUPP || e == EINVAL) {
         static std::atomic<bool> warned{false};
         if (!warned.exchange(true))
-          log::Warning("{}: the file system does not support locks ({}); overlapping runs on one output are not "
-                    "detected (each still publishes only complete files). On Lustre, mount with -o flock.",
-                    path, std::strerror(e));
+          log::Warning(
+              "{}: the file system does not support locks ({}); overlapping runs on one output are not "
+              "detected (each still publishes only complete files). On Lustre, mount with -o flock.",
+              path, std::strerror(e));
         return std::unique_ptr<OutputLock>(new OutputLock(path, fd, false));
       }
       ::close(fd);
@@ -106,8 +107,7 @@ OutputLock::~OutputLock() {
 }
 
 bool IsOutputBusy(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kAborted &&
-         StatusMessage(status).find(kBusyTag) != std::string_view::npos;
+  return status.code() == absl::StatusCode::kAborted && StatusMessage(status).find(kBusyTag) != std::string_view::npos;
 }
 
 void RemoveStaleTemporaries(const std::string& target) {

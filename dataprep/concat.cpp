@@ -9,8 +9,8 @@
 #include <cerrno>
 #include <filesystem>
 #include <map>
-#include <set>
 #include <mutex>
+#include <set>
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -293,8 +293,8 @@ absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan&
   std::vector<std::string> names;
   for (const auto& e : std::filesystem::directory_iterator(plan.output_dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.size() > kDoneSuffix.size() && name.compare(name.size() - kDoneSuffix.size(), kDoneSuffix.size(),
-                                                          kDoneSuffix) == 0)
+    if (name.size() > kDoneSuffix.size() &&
+        name.compare(name.size() - kDoneSuffix.size(), kDoneSuffix.size(), kDoneSuffix) == 0)
       names.push_back(name.substr(0, name.size() - kDoneSuffix.size()));
   }
   if (ec) return ErrnoToStatus(ec.value(), fmt::format("list {}", plan.output_dir));

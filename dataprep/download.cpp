@@ -24,6 +24,10 @@ absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path) {
   if (path.empty()) return absl::InvalidArgumentError("empty path in the listing");
   if (path[0] == '/' || path.find('\\') != std::string::npos || path.find('\0') != std::string::npos)
     return absl::InvalidArgumentError(fmt::format("unsafe path in the listing: {:?}", path));
+  for (unsigned char c : path)
+    if (c < 0x20 || c == 0x7f)
+      return absl::InvalidArgumentError(
+          fmt::format("unsafe path in the listing (control character): {:?}", log::Printable(path)));
   size_t pos = 0;
   while (pos <= path.size()) {
     size_t e = path.find('/', pos);

@@ -30,9 +30,11 @@ struct DownloadOptions {
   int max_retries = 8;        // attempts without progress per file
   double retry_base_s = 1.0;  // exponential backoff with full jitter
   double retry_max_s = 60.0;
+  double max_retry_time_s = 1800.0;  // a file (or an API call) failing this long without progress gives up
   double stall_timeout_s = 60.0;
   double connect_timeout_s = 30.0;
-  int page_size_hint = 0;  // not sent; the server paginates
+  double api_timeout_s = 300.0;  // whole-request limit for Hub API calls (listing pages, revision)
+  int page_size_hint = 0;        // not sent; the server paginates
   ShardSpec shard;
   bool verify = false;     // re-hash files already present
   bool list_only = false;  // write the manifest and stop

@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <regex>
 #include <set>
@@ -30,6 +31,7 @@
 #include "common/hash.h"
 #include "common/json_escape.h"
 #include "common/logging.h"
+#include "common/numbers.h"
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
@@ -98,8 +100,8 @@ class RateLimiter {
       static const std::regex re(R"(q\s*=\s*(\d+).*?w\s*=\s*(\d+))");
       std::smatch m;
       if (std::regex_search(policy, m, re)) {
-        quota_ = std::stoll(m[1]);
-        window_s_ = std::stoll(m[2]);
+        quota_ = ParseInt64(m[1].str()).value_or(quota_);
+        window_s_ = ParseInt64(m[2].str()).value_or(window_s_);
       }
       log::Info("Hub rate-limit policy: {}", policy);
     }
@@ -114,8 +116,8 @@ class RateLimiter {
     if (h.ok && h.remaining == 0) {
       s = static_cast<double>(h.reset_s) + 1.0;
       why = fmt::format("429 rate limited ({} quota used up, resets in {} s)", h.bucket, h.reset_s);
-    } else if (!ra.empty() && std::all_of(ra.begin(), ra.end(), ::isdigit)) {
-      s = std::stod(ra);
+    } else if (auto secs = ParseUint64(ra)) {
+      s = static_cast<double>(std::min<uint64_t>(*secs, 24 * 3600));
       why = fmt::format("429 rate limited (Retry-After {} s)", ra);
     } else {
       s = Backoff(attempt);
@@ -184,6 +186,8 @@ struct Session {
     return r;
   }
 };
+inline constexpr int kMaxRedirects = 10;
+
 // GET of a Hub API URL with retries on 429/5xx/transport errors; follows relative redirects.
 absl::StatusOr<HttpResponse> ApiGet(Session& s, HttpClient& http, std::string url);
 std::string ApiBase(const DownloadOptions& o);

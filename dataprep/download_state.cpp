@@ -70,7 +70,11 @@ absl::StatusOr<std::vector<RemoteFile>> ReadUrlList(const std::string& path) {
       if (kv.rfind("sha256=", 0) == 0)
         f.sha256 = kv.substr(7);
       else if (kv.rfind("size=", 0) == 0) {
-        f.size = std::stoull(kv.substr(5));
+        auto size = ParseUint64(kv.substr(5));
+        if (!size)
+          return absl::InvalidArgumentError(
+              fmt::format("{}:{}: size= must be a byte count (decimal digits), not {:?}", path, line_no, kv.substr(5)));
+        f.size = *size;
         f.size_known = true;
       } else if (kv.rfind("path=", 0) == 0) {
         f.path = kv.substr(5);

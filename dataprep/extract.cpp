@@ -15,10 +15,10 @@
 
 #include "common/file_util.h"
 #include "common/hash.h"
-#include "common/output_lock.h"
 #include "common/json_escape.h"
 #include "common/logging.h"
 #include "common/mmap_file.h"
+#include "common/output_lock.h"
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
@@ -201,9 +201,9 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
   // without a sidecar (redone by the next run), never a new output described by an old sidecar.
   PTK_RETURN_IF_ERROR(RemoveFileIfExists(output + std::string(kDoneSuffix)));
   PTK_RETURN_IF_ERROR(out->Commit());
-  return WriteFileAtomic(output + std::string(kDoneSuffix), SidecarJson(input, src, res->bytes_out, sum.HexDigest(),
-                                                                        DropKey(opt.drop_sets), res->records,
-                                                                        res->dropped));
+  return WriteFileAtomic(
+      output + std::string(kDoneSuffix),
+      SidecarJson(input, src, res->bytes_out, sum.HexDigest(), DropKey(opt.drop_sets), res->records, res->dropped));
 }
 
 // --verify: the output's checksum against its sidecar, then (when the source still exists) the
@@ -225,15 +225,13 @@ absl::Status VerifyOne(const std::string& input, const std::string& output, cons
   uint64_t pos = 0;
   PTK_RETURN_IF_ERROR(Decode(input, opt, &r, &quiet, [&](const char* p, size_t n) -> absl::Status {
     if (pos + n > mapped->size() || std::memcmp(mapped->data() + pos, p, n) != 0)
-      return absl::DataLossError(
-          fmt::format("{}: does not match what {} decodes to (first difference within bytes {}..{})", output, input,
-                      pos, pos + n));
+      return absl::DataLossError(fmt::format(
+          "{}: does not match what {} decodes to (first difference within bytes {}..{})", output, input, pos, pos + n));
     pos += n;
     return absl::OkStatus();
   }));
   if (pos != mapped->size())
-    return absl::DataLossError(
-        fmt::format("{}: is {} bytes but {} decodes to {}", output, mapped->size(), input, pos));
+    return absl::DataLossError(fmt::format("{}: is {} bytes but {} decodes to {}", output, mapped->size(), input, pos));
   return absl::OkStatus();
 }
 
@@ -254,7 +252,8 @@ int64_t CountExtractedOutputs(const std::vector<std::string>& paths) {
     auto files = ListFilesRecursive(p);
     if (!files.ok()) continue;
     for (const auto& f : *files)
-      if (f.size() > kDoneSuffix.size() && f.compare(f.size() - kDoneSuffix.size(), kDoneSuffix.size(), kDoneSuffix) == 0)
+      if (f.size() > kDoneSuffix.size() &&
+          f.compare(f.size() - kDoneSuffix.size(), kDoneSuffix.size(), kDoneSuffix) == 0)
         ++n;
   }
   return n;

@@ -1,6 +1,8 @@
 // ptk-download: one file fetched, resumed and verified.
 #include "dataprep/download_internal.h"
 
+#include "common/output_lock.h"
+
 namespace ptk::download_detail {
 
 // ---------------------------------------------------------------- one file
@@ -33,6 +35,13 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     res.error = std::string(StatusMessage(mk));
     return res;
   }
+  // One downloader per file: another run on this --local-dir (a requeued job that still runs)
+  // holding it makes this file fail at once, naming that run; its .part is never touched.
+  auto lock = OutputLock::Acquire(f.local_path);
+  if (!lock.ok()) {
+    res.error = std::string(StatusMessage(lock.status()));
+    return res;
+  }
   const bool git = f.sha256.empty() && !f.git_sha1.empty();
   const std::string want_digest = git ? f.git_sha1 : f.sha256;
   // A .part is only resumed if it was started for this very file (same size and digest).
@@ -51,7 +60,8 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     }
     while (!etag.empty() && (etag.back() == '\n' || etag.back() == '\r')) etag.pop_back();
   }
-  int fd = ::open(part.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // Never through a symlink: a planted `.part` link would make the download overwrite its target.
+  int fd = ::open(part.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
     res.error = std::string(StatusMessage(ErrnoToStatus(errno, fmt::format("open {}", part))));
     if (errno == ENOSPC || errno == EDQUOT) s_.disk_full = true;
@@ -98,6 +108,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
   uint64_t expected = f.size;
   bool size_known = f.size_known;
   int no_progress = 0, digest_failures = 0, redirects = 0;
+  std::optional<std::chrono::steady_clock::time_point> failing_since;
   absl::Status write_error;
   // libcurl hands the body over in 16 KiB pieces; they are gathered into writes of 1 MiB, or of
   // what came in the last half second on a slow link (so a kill loses little). The buffer is
@@ -147,8 +158,8 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+))");
         std::smatch m;
         std::string cr = r.Header("content-range");
-        if (std::regex_search(cr, m, re) && std::stoull(m[1]) == offset && size_known &&
-            std::stoull(m[3]) == expected && std::stoull(m[2]) + 1 == expected) {
+        if (std::regex_search(cr, m, re) && ParseUint64(m[1].str()) == offset && size_known &&
+            ParseUint64(m[3].str()) == expected && ParseUint64(m[2].str()) == expected - 1) {
           return true;
         }
         truncate_to_zero();
@@ -158,22 +169,32 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         if (offset > 0) truncate_to_zero();  // the server ignored Range (or the object changed)
         std::string cl = r.Header("content-length");
         if (!size_known && !cl.empty()) {
-          expected = std::stoull(cl);
+          auto v = ParseUint64(cl);
+          if (!v) {
+            range_ok = false;
+            bad_range = fmt::format("Content-Length {:?}", cl);
+            return false;
+          }
+          expected = *v;
           size_known = true;
         }
       } else if (r.status == 206) {
         static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+|\*))");
         std::smatch m;
         std::string cr = r.Header("content-range");
-        if (!std::regex_search(cr, m, re) || std::stoull(m[1]) != offset ||
-            (m[3] != "*" && size_known && std::stoull(m[3]) != expected) ||
-            (m[3] != "*" && std::stoull(m[2]) + 1 != std::stoull(m[3]))) {
+        const bool matched = std::regex_search(cr, m, re);
+        const auto first = matched ? ParseUint64(m[1].str()) : std::nullopt;
+        const auto last = matched ? ParseUint64(m[2].str()) : std::nullopt;
+        const bool star = matched && m[3] == "*";
+        const auto total = matched && !star ? ParseUint64(m[3].str()) : std::nullopt;
+        if (!matched || !first || !last || (!star && !total) || *first != offset ||
+            (total && size_known && *total != expected) || (total && (*total == 0 || *last != *total - 1))) {
           range_ok = false;
           bad_range = cr;
           return false;
         }
-        if (!size_known && m[3] != "*") {
-          expected = std::stoull(m[3]);
+        if (!size_known && total) {
+          expected = *total;
           size_known = true;
         }
       } else {
@@ -226,13 +247,24 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       no_progress = 0;
       res.fetched = true;
     }
+    if (progressed) failing_since.reset();
     auto retry = [&](const std::string& why, double sleep_s) -> bool {
       ++s_.retries;
+      const auto now = std::chrono::steady_clock::now();
+      if (!failing_since) failing_since = now;
+      const double failing_s = std::chrono::duration<double>(now - *failing_since).count();
       if (++no_progress > s_.opt.max_retries) {
         res.error = fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries);
         return false;
       }
-      log::Debug("{}: {}; retrying", f.path, why);
+      if (failing_s + sleep_s > s_.opt.max_retry_time_s) {
+        res.error = fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,
+                                HumanDuration(failing_s), HumanDuration(s_.opt.max_retry_time_s));
+        return false;
+      }
+      // Never silent: what failed and when the next attempt is.
+      log::Warning("{}: {}; attempt {} of {} in {}", log::Printable(f.path), why, no_progress + 1,
+                   s_.opt.max_retries + 1, HumanDuration(sleep_s));
       SleepFor(sleep_s, s_.stop);
       return true;
     };
@@ -251,14 +283,21 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     const long code = resp.status;
     if (code >= 300 && code < 400) {
       std::string loc = resp.Header("location");
-      if (loc.empty() || ++redirects > 10) return fail(fmt::format("{}: redirect without a usable Location", url));
+      if (loc.empty()) return fail(fmt::format("{}: redirect without a Location", url));
+      if (++redirects > kMaxRedirects)
+        return fail(fmt::format("{}: more than {} redirects (a redirect loop?)", url, kMaxRedirects));
       std::string linked = resp.Header("x-linked-size");
-      if (!linked.empty() && size_known && std::stoull(linked) != expected)
+      if (!linked.empty() && !ParseUint64(linked))
+        return fail(fmt::format("the Hub sent a malformed X-Linked-Size {:?}", linked));
+      if (!linked.empty() && size_known && ParseUint64(linked) != expected)
         return fail(fmt::format("the Hub says {} bytes, the listing {}: the listing is stale", linked, expected));
       std::string ltag = StripQuotes(resp.Header("x-linked-etag"));
       if (!ltag.empty() && !f.sha256.empty() && IsHex(ltag, 64) && ltag != f.sha256)
         return fail(fmt::format("the Hub's sha256 {} differs from the listing's {}", ltag, f.sha256));
-      url = ResolveUrl(url, loc);
+      const std::string next = ResolveUrl(url, loc);
+      if (!IsHttpUrl(next))
+        return fail(fmt::format("{}: redirected to {:?}; only http:// and https:// are followed", url, next));
+      url = next;
       continue;
     }
     if (code == 200 || code == 206 || code == 416) {
@@ -267,7 +306,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         std::smatch m;
         std::string cr = resp.Header("content-range");
         bool complete =
-            std::regex_search(cr, m, re) && size_known && std::stoull(m[1]) == expected && offset == expected;
+            std::regex_search(cr, m, re) && size_known && ParseUint64(m[1].str()) == expected && offset == expected;
         if (!complete) {
           truncate_to_zero();
           if (!retry(fmt::format("416 with Content-Range {:?}", cr), 0)) return fail(res.error);

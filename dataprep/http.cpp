@@ -21,11 +21,10 @@ struct Ctx {
   BodySink* sink;
   bool headers_done = false;
   bool in_redirect = false;
+  uint64_t max_body = 0;
 };
 
-std::string Trim(const std::string& s) {
-  return std::string(absl::StripAsciiWhitespace(s));
-}
+std::string Trim(const std::string& s) { return std::string(absl::StripAsciiWhitespace(s)); }
 
 size_t HeaderCb(char* data, size_t size, size_t n, void* user) {
   Ctx* c = static_cast<Ctx*>(user);
@@ -64,8 +63,11 @@ size_t WriteCb(char* data, size_t size, size_t n, void* user) {
     }
     return len;
   }
-  if (c->resp->body.size() < (1u << 20))
-    c->resp->body.append(data, std::min<size_t>(len, (1u << 20) - c->resp->body.size()));
+  if (c->resp->body.size() + len > c->max_body) {
+    c->resp->body_limit_hit = true;
+    return 0;
+  }
+  c->resp->body.append(data, len);
   return len;
 }
 
@@ -84,12 +86,17 @@ absl::Status HttpClient::Get(const HttpRequest& req, HttpResponse* resp, BodySin
   curl_easy_reset(c);
   *resp = HttpResponse();
   Ctx ctx{resp, sink};
+  ctx.max_body = req.max_body_bytes;
+  if (!IsHttpUrl(req.url))
+    return absl::InvalidArgumentError(fmt::format("{:?}: only http:// and https:// URLs are fetched", req.url));
   curl_slist* hdrs = nullptr;
   for (const auto& h : req.headers) hdrs = curl_slist_append(hdrs, h.c_str());
   char errbuf[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(c, CURLOPT_URL, req.url.c_str());
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
   curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(c, CURLOPT_USERAGENT, "ptk-download/0.1");
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(req.connect_timeout_s * 1000));
@@ -117,7 +124,19 @@ absl::Status HttpClient::Get(const HttpRequest& req, HttpResponse* resp, BodySin
   }
   resp->curl_code = rc;
   if (rc != CURLE_OK) resp->curl_error = errbuf[0] ? errbuf : curl_easy_strerror(rc);
+  if (resp->body_limit_hit)
+    resp->curl_error = fmt::format("the response body passed the limit of {} bytes; stopped reading", ctx.max_body);
   return absl::OkStatus();
+}
+
+bool IsHttpUrl(const std::string& url) {
+  auto starts = [&](std::string_view scheme) {
+    if (url.size() < scheme.size()) return false;
+    for (size_t i = 0; i < scheme.size(); ++i)
+      if (std::tolower(static_cast<unsigned char>(url[i])) != scheme[i]) return false;
+    return true;
+  };
+  return starts("http://") || starts("https://");
 }
 
 std::string UrlAuthority(const std::string& url) {

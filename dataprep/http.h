@@ -1,6 +1,8 @@
 // A small blocking HTTP client over libcurl for the downloader: one request at a time per
-// HttpClient (one per worker thread), redirects never followed automatically (the caller decides
-// where credentials go), no Accept-Encoding (so servers honour Range), stall detection.
+// HttpClient (one per worker thread), http and https only (no file://, gopher://, ... however a
+// server redirects), redirects never followed automatically (the caller decides where credentials
+// go and bounds the hops), no Accept-Encoding (so servers honour Range), stall detection, bounded
+// bodies.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +21,9 @@ struct HttpRequest {
   double connect_timeout_s = 30;
   double stall_timeout_s = 60;  // abort when no byte arrives for this long
   double total_timeout_s = 0;   // 0: none
+  // A body collected in HttpResponse::body (no sink) longer than this aborts the transfer
+  // (HttpResponse::body_limit_hit): a server that never stops sending is not read forever.
+  uint64_t max_body_bytes = 64ull << 20;
 };
 
 struct HttpResponse {
@@ -29,6 +34,7 @@ struct HttpResponse {
   std::string curl_error;
   uint64_t body_bytes = 0;
   bool aborted_by_sink = false;
+  bool body_limit_hit = false;
   std::string Header(const std::string& lower_name) const {
     auto it = headers.find(lower_name);
     return it == headers.end() ? std::string() : it->second;
@@ -62,6 +68,8 @@ class HttpClient {
 std::string UrlAuthority(const std::string& url);
 // "http://host:port" of an absolute URL.
 std::string UrlOrigin(const std::string& url);
+// True for http:// and https:// URLs (case-insensitive scheme): the only ones ptk fetches.
+bool IsHttpUrl(const std::string& url);
 // Resolves a Location header against the URL it came from.
 std::string ResolveUrl(const std::string& base, const std::string& location);
 // Percent-encodes everything but unreserved characters (and '/' when keep_slash).

@@ -28,23 +28,46 @@ std::string HubErrorText(const HttpResponse& r) {
 // GET of a Hub API URL with retries on 429/5xx/transport errors; follows relative redirects.
 absl::StatusOr<HttpResponse> ApiGet(Session& s, HttpClient& http, std::string url) {
   HttpResponse r;
+  int redirects = 0;
+  std::optional<std::chrono::steady_clock::time_point> failing_since;
   for (int attempt = 0;; ++attempt) {
-    PTK_RETURN_IF_ERROR(http.Get(s.Req(url), &r));
+    HttpRequest req = s.Req(url);
+    req.total_timeout_s = s.opt.api_timeout_s;  // a listing that trickles forever is cut off
+    PTK_RETURN_IF_ERROR(http.Get(req, &r));
     if (r.curl_code == 0 && r.status >= 300 && r.status < 400 && !r.Header("location").empty()) {
-      url = ResolveUrl(url, r.Header("location"));
+      const std::string next = ResolveUrl(url, r.Header("location"));
+      if (++redirects > kMaxRedirects)
+        return absl::UnavailableError(
+            fmt::format("{}: more than {} redirects (a redirect loop?); last to {:?}", url, kMaxRedirects, next));
+      if (!IsHttpUrl(next))
+        return absl::PermissionDeniedError(
+            fmt::format("{}: redirected to {:?}; only http:// and https:// are followed", url, next));
+      url = next;
+      --attempt;  // a redirect is not a failed attempt
       continue;
     }
+    if (r.body_limit_hit) return absl::OutOfRangeError(fmt::format("{}: {}", url, r.curl_error));
     bool retry = r.curl_code != 0 || r.status == 429 || r.status == 408 || r.status >= 500;
     if (!retry) return r;
+    const std::string why = r.curl_code ? r.curl_error : HubErrorText(r);
+    const auto now = std::chrono::steady_clock::now();
+    if (!failing_since) failing_since = now;
+    const double failing_s = std::chrono::duration<double>(now - *failing_since).count();
     if (attempt >= s.opt.max_retries)
-      return absl::UnavailableError(fmt::format("{}: {}", url, r.curl_code ? r.curl_error : HubErrorText(r)));
+      return absl::UnavailableError(fmt::format("{}: {} (gave up after {} attempts)", url, why, attempt + 1));
+    if (failing_s >= s.opt.max_retry_time_s)
+      return absl::UnavailableError(fmt::format("{}: {} (gave up: failing for {}, --max-retry-time {})", url, why,
+                                                HumanDuration(failing_s), HumanDuration(s.opt.max_retry_time_s)));
     ++s.retries;
     if (r.status == 429) {
       ++s.rate_limited;
       s.limiter.On429(r, attempt);
       s.limiter.WaitForResolve(s.stop);
     } else {
-      SleepFor(s.limiter.Backoff(attempt), s.stop);
+      const double wait = s.limiter.Backoff(attempt);
+      // Never silent while the Hub does not answer: what failed and when the next attempt is.
+      log::Warning("{}: {}; attempt {} of {} in {}", url, why, attempt + 2, s.opt.max_retries + 1, HumanDuration(wait));
+      SleepFor(wait, s.stop);
     }
   }
 }

@@ -8,10 +8,12 @@ RateLimitHeader ParseRateLimit(const std::string& h) {
   std::smatch m;
   RateLimitHeader r;
   if (std::regex_search(h, m, re)) {
+    auto remaining = ParseInt64(m[2].str()), reset = ParseInt64(m[3].str());
+    if (!remaining || !reset) return r;  // digits too many to be a count: ignored, as a missing header
     r.ok = true;
     r.bucket = m[1];
-    r.remaining = std::stoll(m[2]);
-    r.reset_s = std::stoll(m[3]);
+    r.remaining = *remaining;
+    r.reset_s = std::min<int64_t>(*reset, 24 * 3600);
   }
   return r;
 }

@@ -52,5 +52,4 @@ std::string OutputPrefixFor(const std::string& output_prefix, const std::string&
 
 absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& options, const Gpt2Tokenizer& tokenizer);
 
-
 }  // namespace ptk

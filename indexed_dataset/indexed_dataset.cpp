@@ -169,8 +169,8 @@ absl::Status IndexedDatasetBuilder::Finalize() {
       bin_->bytes_written(), bin_sum, idx.size(), Xxh3Hex(idx), DTypeName(dtype_), s, d - 1, tokens_)));
   PTK_RETURN_IF_ERROR(done_writer->Seal());
   absl::Status st = PublishTogether(PublishJournalPath(prefix_), {{bin_->tmp_path(), BinPath(prefix_)},
-                                                                 {idx_writer->tmp_path(), IdxPath(prefix_)},
-                                                                 {done_writer->tmp_path(), DoneSidecarPath(prefix_)}});
+                                                                  {idx_writer->tmp_path(), IdxPath(prefix_)},
+                                                                  {done_writer->tmp_path(), DoneSidecarPath(prefix_)}});
   // Once the journal exists the temporaries belong to it (the next writer or reader completes it).
   if (st.ok() || PathExists(PublishJournalPath(prefix_))) {
     bin_->Release();

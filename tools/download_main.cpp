@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   app->add_option("--jobs", opt.jobs, "Files downloaded at once")->check(CLI::Range(1, 256));
   app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")
       ->check(CLI::NonNegativeNumber);
+  app->add_option("--max-retry-time", opt.max_retry_time_s,
+                  "Seconds a file (or a Hub API call) may keep failing without progress before giving up")
+      ->check(CLI::PositiveNumber);
   app->add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")
       ->check(CLI::PositiveNumber);
   app->add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(CLI::PositiveNumber);

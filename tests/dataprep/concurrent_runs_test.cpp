@@ -44,8 +44,8 @@ int Wait(pid_t pid) {
 // Text that xz cannot squeeze to nothing, so that decoding takes a while (~0.3 s).
 std::string Docs(int n, int seed) {
   std::mt19937 rng(seed);
-  static const char* kWords[] = {"alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
-                                 "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"};
+  static const char* kWords[] = {"alpha", "bravo",  "charlie", "delta", "echo", "foxtrot",  "golf",  "hotel",
+                                 "india", "juliet", "kilo",    "lima",  "mike", "november", "oscar", "papa"};
   std::string s;
   for (int i = 0; i < n; ++i) {
     s += fmt::format("{{\"text\": \"doc {} {}", i, rng());

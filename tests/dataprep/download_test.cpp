@@ -3,7 +3,11 @@
 // kill -9 and resume, sharding, disk full, clear errors.
 #include <signal.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
 #include <fstream>
+
+#include <chrono>
 #include <random>
 #include <set>
 
@@ -286,9 +290,160 @@ TEST(Download, UrlListVerifiesSha256) {
   EXPECT_EQ(testing::ReadFile(dir / "o/README.md"), good);
 }
 
+// Regression (issue 11): two runs on one --local-dir (a requeued job while the first still runs)
+// failed with "rename ... .part: No such file or directory". 20 trials, one run killed at a random
+// moment in each, then a rerun: every file byte-identical, nothing left behind.
+TEST(Download, TwoRunsOnOneLocalDir) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 30000);
+  FakeHub hub(dir / "repo", {"--bytes-per-second", "600000"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  std::mt19937 rng(7);
+  int refused = 0, killed = 0;
+  for (int trial = 0; trial < 20; ++trial) {
+    std::filesystem::remove_all(dir / "out");
+    const std::string cmd = "exec env " + Download(hub, dir / "out", "--jobs 2");
+    auto spawn = [&](const std::string& log) {
+      pid_t pid = ::fork();
+      if (pid == 0) {
+        const std::string sh = cmd + " >" + log + " 2>&1";
+        ::execl("/bin/sh", "sh", "-c", sh.c_str(), static_cast<char*>(nullptr));
+        ::_exit(127);
+      }
+      return pid;
+    };
+    pid_t a = spawn(dir / "a.log");
+    ::usleep(static_cast<useconds_t>(rng() % 100000));
+    pid_t b = spawn(dir / "b.log");
+    ::usleep(static_cast<useconds_t>(rng() % 300000));
+    ::kill(trial % 2 ? a : b, SIGKILL);
+    int st_a = 0, st_b = 0;
+    ::waitpid(a, &st_a, 0);
+    ::waitpid(b, &st_b, 0);
+    const int survivor = trial % 2 ? st_b : st_a;
+    const std::string log = testing::ReadFile(trial % 2 ? dir / "b.log" : dir / "a.log");
+    if ((trial % 2 ? st_a : st_b) == SIGKILL) ++killed;
+    if (!(WIFEXITED(survivor) && WEXITSTATUS(survivor) == 0)) {
+      EXPECT_NE(log.find("is being written by another run"), std::string::npos) << "trial " << trial << ": " << log;
+      EXPECT_EQ(log.find("No such file"), std::string::npos) << log;
+      ++refused;
+    }
+    auto rerun = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+    ASSERT_EQ(rerun.exit_code, 0) << "trial " << trial << ": " << rerun.output;
+    ExpectSameTree(dir / "repo", dir / "out", paths);
+    EXPECT_EQ(testing::Leftovers(dir / "out"), "") << "trial " << trial;
+  }
+  std::printf("20 trials: the surviving run was refused some files %d times; %d runs killed mid-download\n", refused,
+              killed);
+  EXPECT_GT(killed, 0);
+}
+
+// Issue 11: a hostile or broken server. Each case failed on the old main: file:// and gopher://
+// redirects were followed, API redirect loops and endless listings never ended, malformed numbers
+// in headers aborted the process, control characters in listing paths reached the disk and the log.
+TEST(Download, HostileServer) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 20000);
+  std::string faults = R"({
+    "train/chunk1/example_train_0.jsonl.zst": ["hub:redirect_file", "hub:redirect_file", "hub:redirect_file"],
+    "train/chunk1/example_train_1.jsonl.zst": ["hub:redirect_gopher", "hub:redirect_gopher", "hub:redirect_gopher"],
+    "train/chunk1/example_train_2.jsonl.zst": ["hub:redirect_loop", "hub:redirect_loop", "hub:redirect_loop",
+      "hub:redirect_loop", "hub:redirect_loop", "hub:redirect_loop", "hub:redirect_loop", "hub:redirect_loop",
+      "hub:redirect_loop", "hub:redirect_loop", "hub:redirect_loop", "hub:redirect_loop", "hub:redirect_loop"],
+    "train/chunk2/example_train_0.jsonl.zst": ["hub:bad_linked_size", "hub:bad_linked_size", "hub:bad_linked_size"],
+    "train/chunk2/example_train_1.jsonl.zst": ["bad_content_range", "ok"],
+    "train/chunk2/example_train_2.jsonl.zst": ["bad_ratelimit", "ok"]
+  })";
+  testing::WriteFile(dir / "faults.json", faults);
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", "--jobs 2 --max-retries 2"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;  // four files cannot be had; nothing crashed
+  EXPECT_NE(r.output.find("only http:// and https:// are followed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\"file:///etc/hostname\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("gopher://"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("redirect loop"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("malformed X-Linked-Size"), std::string::npos) << r.output;
+  std::string hostname = testing::ReadFile("/etc/hostname");
+  while (!hostname.empty() && hostname.back() == '\n') hostname.pop_back();
+  if (!hostname.empty()) EXPECT_EQ(r.output.find("\n" + hostname + "\n"), std::string::npos) << r.output;
+  // The bad Content-Range and the absurd RateLimit were retried, and those files arrived intact.
+  for (const char* ok : {"train/chunk2/example_train_1.jsonl.zst", "train/chunk2/example_train_2.jsonl.zst"})
+    EXPECT_EQ(testing::ReadFile(dir / ("out/" + std::string(ok))), testing::ReadFile(dir / ("repo/" + std::string(ok))))
+        << ok;
+  EXPECT_FALSE(testing::Exists(dir / "out/train/chunk1/example_train_0.jsonl.zst"));
+
+  // Whole-server modes: bounded, named, non-zero.
+  for (const std::vector<std::string>& mode :
+       std::vector<std::vector<std::string>>{{"--api-redirect-loop"}, {"--endless-listing"}, {"--control-paths"}}) {
+    TempDir d2;
+    FakeHub h2(dir / "repo", mode, d2.path());
+    ASSERT_TRUE(h2.ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto m = RunCmd("timeout 60 env " + Download(h2, d2 / "out", "--max-retries 1"));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(m.exit_code, 1) << mode[0] << ": " << m.output;
+    EXPECT_LT(secs, 30) << mode[0];
+    if (mode[0] == "--api-redirect-loop") EXPECT_NE(m.output.find("redirect loop"), std::string::npos) << m.output;
+    if (mode[0] == "--endless-listing") EXPECT_NE(m.output.find("passed the limit"), std::string::npos) << m.output;
+    if (mode[0] == "--control-paths") {
+      EXPECT_NE(m.output.find("control character"), std::string::npos) << m.output;
+      EXPECT_EQ(m.output.find('\x1b'), std::string::npos) << "raw ESC in the log";
+      EXPECT_EQ(m.output.find('\x07'), std::string::npos) << "raw BEL in the log";
+    }
+  }
+}
+
+// A .part planted as a symlink must not make the download write through it.
+TEST(Download, PartSymlinkIsNotFollowed) {
+  TempDir dir;
+  MakeRepo(dir / "repo", 3000);
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  const std::string path = "train/chunk1/example_train_0.jsonl.zst";
+  const std::string data = testing::ReadFile(dir / ("repo/" + path));
+  std::filesystem::create_directories(dir / "out/train/chunk1");
+  testing::WriteFile(dir / "victim.txt", "precious");
+  std::filesystem::create_symlink(dir / "victim.txt", dir / ("out/" + path + ".part"));
+  // ... with a record that says it is this file's partial download, so it would be resumed.
+  testing::WriteFile(dir / ("out/" + path + ".part.json"), fmt::format("{}\t{}\n\n", data.size(), Sha256Hex(data)));
+  auto r = RunCmd(Download(hub, dir / "out", "--include '" + path + "' --max-retries 1"));
+  EXPECT_EQ(testing::ReadFile(dir / "victim.txt"), "precious") << r.output;
+}
+
+// A hub that never answers: every failed attempt is reported with the time of the next, and the
+// run gives up after --max-retry-time naming the cause.
+TEST(Download, UnreachableHubIsNeverSilentAndGivesUp) {
+  TempDir dir;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = RunCmd(fmt::format(
+      "timeout 60 {} --repo a/b --endpoint http://127.0.0.1:9 --local-dir {} --retry-base 0.2 --retry-max 1 "
+      "--max-retries 100 --max-retry-time 3",
+      testing::Tool("ptk-download"), dir / "out"));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(secs, 20);
+  EXPECT_NE(r.output.find("attempt 2 of"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--max-retry-time"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("127.0.0.1:9"), std::string::npos) << r.output;
+}
+
+TEST(DownloadHelpers, UrlListNumbersAreChecked) {
+  TempDir dir;
+  for (const char* bad : {"size=abc", "size=-1", "size=99999999999999999999999"}) {
+    testing::WriteFile(dir / "list.txt", fmt::format("http://127.0.0.1:9/x.jsonl {}\n", bad));
+    auto r = RunCmd(fmt::format("{} --quiet --url-list {} --local-dir {}", testing::Tool("ptk-download"),
+                                dir / "list.txt", dir / "o"));
+    EXPECT_EQ(r.exit_code, 1) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("size= must be a byte count"), std::string::npos) << bad << ": " << r.output;
+    EXPECT_EQ(r.output.find("exception"), std::string::npos) << r.output;
+  }
+}
+
 TEST(DownloadHelpers, PathsAreSanitizedAndFlattened) {
   EXPECT_TRUE(SanitizeRepoPath("train/chunk1/a.zst").ok());
-  for (const char* bad : {"../etc/passwd", "/abs", "a/../../b", "a//b", "a\\b", "./a", ""})
+  for (const char* bad : {"../etc/passwd", "/abs", "a/../../b", "a//b", "a\\b", "./a", "", "a\nb", "a\x1b[31m", "a\rb",
+                          "a\tb", "a\x07", "a\x7f"})
     EXPECT_FALSE(SanitizeRepoPath(bad).ok()) << bad;
   EXPECT_EQ(FlatName("train/chunk1/example_train_0.jsonl.zst"), "example_train_chunk1_shard0.jsonl.zst");
   EXPECT_EQ(FlatName("train/chunk10/example_train_5911.jsonl.zst"), "example_train_chunk10_shard5911.jsonl.zst");

@@ -122,8 +122,8 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
   // --verify without the sources checks each output against the checksum in its sidecar.
   std::filesystem::create_directories(dir / "in2");
   testing::WriteFile(dir / "in2/v.jsonl.zst", testing::ZstdCompress(Jsonl(300, 5)));
-  const std::string extract_v = fmt::format("{} --quiet {} --output-dir {} --verify", testing::Tool("ptk-extract"),
-                                            dir / "in2", dir / "out2");
+  const std::string extract_v =
+      fmt::format("{} --quiet {} --output-dir {} --verify", testing::Tool("ptk-extract"), dir / "in2", dir / "out2");
   ASSERT_EQ(RunCmd(extract_v).exit_code, 0);
   std::string damaged = testing::ReadFile(dir / "out2/v.jsonl");
   damaged[100] = damaged[100] == 'x' ? 'y' : 'x';  // same size: only the checksum can tell

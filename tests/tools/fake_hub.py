@@ -16,6 +16,11 @@ Fault injection per file and attempt (--faults FILE or POST /_faults): a JSON ob
 the k-th request for that path (CDN GET, or Hub resolve for faults prefixed "hub:") gets fault k:
   drop:K  stall:S  slow:BPS  ignore_range  slice200  bad_range_start  bad_range_total  flip:K  short
   429_ratelimit  429_retry_after:N  429_plain  500  502  503  cdn_403  replace  ok
+Hostile faults (issue 11), per file at the Hub resolve ("hub:" prefix): redirect_file (302 to file:///etc/hostname),
+redirect_gopher (302 to gopher://), redirect_loop (302 to itself), bad_linked_size (X-Linked-Size: 12abc); on the
+CDN: bad_content_range (206 with a 30-digit Content-Range), bad_ratelimit (429 with a 30-digit RateLimit).
+Hostile modes for the whole server: --api-redirect-loop (every API call redirects to itself), --endless-listing
+(the tree listing never ends), --control-paths (the listing names files with \n, ESC, \r, TAB, BEL, DEL).
 GET /_stats returns what happened (requests per path, Range starts, where Authorization went, windows);
 POST /_reset clears the statistics.
 
@@ -197,6 +202,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if path.startswith("/api/"):
             with st.lock:
                 st.stats["api_calls"] += 1
+            if st.args.api_redirect_loop:
+                return self.send(302, b"", {"Location": self.path})
             if path.startswith("/api/resolve-cache/"):
                 return self.resolve_cache(path)
             if not path.startswith(api):
@@ -231,6 +238,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.too_many(fault if fault.startswith("429") else None, left, reset)
         if fault in ("500", "502", "503"):
             return self.send(int(fault), b"server error", self.rl_headers("resolvers", left, reset))
+        if fault == "redirect_file":
+            return self.send(302, b"", {"Location": "file:///etc/hostname"})
+        if fault == "redirect_gopher":
+            return self.send(302, b"", {"Location": f"gopher://127.0.0.1:{self.server.server_address[1]}/_HELLO"})
+        if fault == "redirect_loop":
+            return self.send(302, b"", {"Location": self.path})
         if rev not in ("main", COMMIT):
             return self.error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         f = st.files.get(fpath)
@@ -242,7 +255,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             expires = int(time.time()) + st.args.url_ttl
             loc = (f"{self.server.cdn_origin}/xet-bridge/{f['sha256']}?X-Xet-Cas-Uid=public&Expires={expires}"
                    f"&Signature=fake&Key-Pair-Id=K")
-            h.update({"Location": loc, "X-Linked-Size": str(len(f["data"])), "X-Linked-Etag": f'"{f["sha256"]}"',
+            linked = "12abc" if fault == "bad_linked_size" else str(len(f["data"]))
+            h.update({"Location": loc, "X-Linked-Size": linked, "X-Linked-Etag": f'"{f["sha256"]}"',
                       "ETag": f'"{f["git_sha1"]}"', "X-Xet-Hash": f["sha256"][::-1],
                       "Link": f'<{self.server.hub_origin}/api/datasets/{repo}/xet-read-token/{COMMIT}>; rel="xet-auth"'})
             return self.send(302, b"Found. Redirecting to the file's storage...", h)
@@ -272,8 +286,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = json.dumps({"error": "You have been rate-limited; you can retry this action later."}).encode()
         self.send(429, body, h, "application/json")
 
+    def endless(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        try:
+            self.wfile.write(b"[")
+            chunk = (b'{"type": "file", "oid": "0", "size": 1, "path": "x"},' * 1000)
+            while True:
+                self.wfile.write(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
     def tree(self, q):
         st = self.st
+        if st.args.endless_listing:
+            return self.endless()
         entries = []
         dirs = set()
         for p in sorted(st.files):
@@ -290,6 +318,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 e["lfs"] = {"oid": f["sha256"], "size": len(f["data"]), "pointerSize": 133}
                 e["xetHash"] = f["sha256"][::-1]
             entries.append(e)
+        if st.args.control_paths:
+            for i, bad in enumerate(["a\nb.jsonl", "esc\x1b[31m.jsonl", "cr\r.jsonl", "tab\t.jsonl", "bel\x07.jsonl",
+                                     "del\x7f.jsonl"]):
+                entries.append({"type": "file", "oid": "%040d" % i, "size": 1, "path": bad})
         cursor = int(q.get("cursor", ["0"])[0])
         size = st.args.page_size
         page = entries[cursor:cursor + size]
@@ -327,6 +359,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.send(int(fault), b"server error")
         if fault.startswith("429"):
             return self.too_many(fault, 0, 1)
+        if fault == "bad_content_range":
+            return self.send(206, b"x", {"Content-Range": "bytes 0-999999999999999999999999999999/1000000000000000000000000000000"})
+        if fault == "bad_ratelimit":
+            return self.send(429, b"{}", {"RateLimit": '"resolvers";r=999999999999999999999999999999;t=999999999999999999999999999999'})
         data = st.files[fpath]["data"]
         etag = f'"{sha}"'
         if fault == "replace":
@@ -427,6 +463,9 @@ def main():
     ap.add_argument("--bytes-per-second", type=float, default=0)
     ap.add_argument("--faults", default=None)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--api-redirect-loop", action="store_true")
+    ap.add_argument("--endless-listing", action="store_true")
+    ap.add_argument("--control-paths", action="store_true")
     a = ap.parse_args()
     state = State(a)
     hub = Server(("127.0.0.1", a.hub_port), Handler)
