@@ -1,6 +1,11 @@
 // Command-line conventions shared by every tool.
 #include "common/cli.h"
 
+#include <cerrno>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+
 #include <cstdio>
 #include <cstdlib>
 #include <set>
@@ -21,6 +26,9 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 }
 
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
+  // Every tool: a file-size limit (ulimit -f, a quota) must surface as EFBIG, handled like a full
+  // disk (exit 3, the file named, nothing half-written), not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
   // PTK_CHECK_OPTIONS=1: check the option table and exit (the CLI test runs every tool this way).
   if (const char* check = std::getenv("PTK_CHECK_OPTIONS"); check && std::string(check) == "1") {
     absl::Status st = CheckOptionTable(app);
@@ -71,6 +79,32 @@ absl::Status CheckOptionTable(const CLI::App& app) {
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
+}
+
+namespace {
+CLI::Validator NumberValidator(bool allow_zero) {
+  return CLI::Validator(
+      [allow_zero](std::string& in) -> std::string {
+        const char* what = allow_zero ? "a number >= 0" : "a positive number";
+        char* end = nullptr;
+        errno = 0;
+        const double v = std::strtod(in.c_str(), &end);
+        if (in.empty() || end != in.c_str() + in.size() || errno == ERANGE || !std::isfinite(v) ||
+            (allow_zero ? v < 0 : v <= 0))
+          return fmt::format("must be {}, not {:?}", what, in.size() > 40 ? in.substr(0, 40) + "..." : in);
+        return "";
+      },
+      allow_zero ? "NONNEGATIVE" : "POSITIVE");
+}
+}  // namespace
+
+const CLI::Validator& Positive() {
+  static const CLI::Validator v = NumberValidator(false);
+  return v;
+}
+const CLI::Validator& NonNegative() {
+  static const CLI::Validator v = NumberValidator(true);
+  return v;
 }
 
 int ExitCodeFor(const absl::Status& status) {

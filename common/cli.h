@@ -28,6 +28,11 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 // Checks the table: every option has a long name and help text, and no flag is repeated.
 absl::Status CheckOptionTable(const CLI::App& app);
 
+// Validators with one short message ("must be a positive number, not 0"); unlike CLI11's
+// PositiveNumber they refuse nan and inf and do not print the range of a double.
+const CLI::Validator& Positive();     // > 0
+const CLI::Validator& NonNegative();  // >= 0
+
 // A usage error raised after parsing (bad flag combination): exit code 2.
 inline absl::Status UsageError(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
 

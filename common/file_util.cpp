@@ -49,7 +49,7 @@ absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
   } else {
     PTK_RETURN_IF_ERROR(Flush());
     if (size >= buf_.size()) {
-      PTK_RETURN_IF_ERROR(WriteAll(fd_, p, size, tmp_path_));
+      PTK_RETURN_IF_ERROR(WriteAll(fd_, p, size, Describe()));
       bytes_written_ += size;
       StartWriteback();
       return absl::OkStatus();
@@ -67,7 +67,7 @@ absl::Status AtomicFileWriter::AppendFileRange(const std::string& src_path, uint
   PTK_RETURN_IF_ERROR(Flush());
   int in = ::open(src_path.c_str(), O_RDONLY | O_CLOEXEC);
   if (in < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", src_path));
-  absl::Status st = CopyFdRange(in, offset, fd_, length, src_path);
+  absl::Status st = CopyFdRange(in, offset, fd_, length, fmt::format("{} into {}", src_path, Describe()));
   ::close(in);
   if (st.ok()) {
     bytes_written_ += length;
@@ -110,9 +110,11 @@ absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length
   return absl::OkStatus();
 }
 
+std::string AtomicFileWriter::Describe() const { return fmt::format("{} (temporary {})", path_, Basename(tmp_path_)); }
+
 absl::Status AtomicFileWriter::Flush() {
   if (buf_used_ == 0) return absl::OkStatus();
-  absl::Status st = WriteAll(fd_, buf_.data(), buf_used_, tmp_path_);
+  absl::Status st = WriteAll(fd_, buf_.data(), buf_used_, Describe());
   buf_used_ = 0;
   StartWriteback();
   return st;
@@ -130,7 +132,7 @@ void AtomicFileWriter::StartWriteback() {
 absl::Status AtomicFileWriter::Seal(bool durable) {
   if (done_ || fd_ < 0) return absl::FailedPreconditionError(fmt::format("{}: already closed", path_));
   PTK_RETURN_IF_ERROR(Flush());
-  if (durable) PTK_RETURN_IF_ERROR(FsyncFile(fd_, tmp_path_));
+  if (durable) PTK_RETURN_IF_ERROR(FsyncFile(fd_, Describe()));
   if (::close(fd_) != 0) {
     fd_ = -1;
     return ErrnoToStatus(errno, fmt::format("close {}", tmp_path_));

@@ -54,6 +54,7 @@ class AtomicFileWriter {
  private:
   AtomicFileWriter(std::string path, std::string tmp_path, int fd);
   void StartWriteback();
+  std::string Describe() const;  // names the file for errors: the final path, then the temporary
   std::string path_;
   std::string tmp_path_;
   int fd_ = -1;

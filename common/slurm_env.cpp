@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 
 #include "absl/strings/numbers.h"
+#include "common/status.h"
 
 namespace ptk {
 namespace {
@@ -15,6 +16,16 @@ std::optional<int64_t> EnvInt(const char* name) {
   int64_t x;
   if (!absl::SimpleAtoi(v, &x)) return std::nullopt;
   return x;
+}
+
+// As EnvInt, but a value that is set and is not an integer is a usage error naming the variable.
+absl::StatusOr<std::optional<int64_t>> EnvIntChecked(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::optional<int64_t>();
+  int64_t x;
+  if (!absl::SimpleAtoi(v, &x))
+    return absl::InvalidArgumentError(fmt::format("usage: {}={:?} is not an integer", name, std::string(v)));
+  return std::optional<int64_t>(x);
 }
 }  // namespace
 
@@ -26,12 +37,16 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
     s.index = *index;
     s.count = *count;
     s.source = "flags";
-  } else if (auto id = EnvInt("SLURM_ARRAY_TASK_ID")) {
-    auto cnt = EnvInt("SLURM_ARRAY_TASK_COUNT");
-    auto mn = EnvInt("SLURM_ARRAY_TASK_MIN").value_or(0);
-    auto step = EnvInt("SLURM_ARRAY_TASK_STEP").value_or(1);
+  } else if (std::getenv("SLURM_ARRAY_TASK_ID") && *std::getenv("SLURM_ARRAY_TASK_ID")) {
+    std::optional<int64_t> id, cnt, mn_v, step_v;
+    PTK_ASSIGN_OR_RETURN(id, EnvIntChecked("SLURM_ARRAY_TASK_ID"));
+    PTK_ASSIGN_OR_RETURN(cnt, EnvIntChecked("SLURM_ARRAY_TASK_COUNT"));
+    PTK_ASSIGN_OR_RETURN(mn_v, EnvIntChecked("SLURM_ARRAY_TASK_MIN"));
+    PTK_ASSIGN_OR_RETURN(step_v, EnvIntChecked("SLURM_ARRAY_TASK_STEP"));
+    const int64_t mn = mn_v.value_or(0);
+    int64_t step = step_v.value_or(1);
     if (!cnt.has_value())
-      return absl::InvalidArgumentError("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not");
+      return absl::InvalidArgumentError("usage: SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not");
     if (step <= 0) step = 1;
     s.index = (*id - mn) / step;
     s.count = *cnt;
@@ -39,10 +54,12 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
   } else {
     s.source = "default";
   }
-  if (s.count < 1) return absl::InvalidArgumentError(fmt::format("number of shards must be >= 1, got {}", s.count));
+  if (s.count < 1)
+    return absl::InvalidArgumentError(
+        fmt::format("usage: number of shards must be >= 1, got {} (from {})", s.count, s.source));
   if (s.index < 0 || s.index >= s.count)
     return absl::InvalidArgumentError(
-        fmt::format("shard index {} is outside [0, {}) (from {})", s.index, s.count, s.source));
+        fmt::format("usage: shard index {} is outside [0, {}) (from {})", s.index, s.count, s.source));
   return s;
 }
 

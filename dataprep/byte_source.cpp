@@ -4,8 +4,10 @@
 #include <fcntl.h>
 #include <lzma.h>
 #include <unistd.h>
+#include <zlib.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -157,24 +159,90 @@ class XzSource : public DecoderSource {
   bool done_ = false;
 };
 
+class GzipSource : public DecoderSource {
+ public:
+  explicit GzipSource(std::unique_ptr<FdSource> in) : DecoderSource(std::move(in)) {
+    init_ = inflateInit2(&strm_, 16 + MAX_WBITS);  // gzip wrapper
+  }
+  ~GzipSource() override { inflateEnd(&strm_); }
+  absl::StatusOr<size_t> Read(char* buf, size_t size) override {
+    if (init_ != Z_OK) return absl::InternalError(fmt::format("{}: cannot initialise the gzip decoder", name_));
+    if (done_) return size_t{0};
+    size = std::min<size_t>(size, 1u << 30);
+    strm_.next_out = reinterpret_cast<Bytef*>(buf);
+    strm_.avail_out = static_cast<uInt>(size);
+    while (strm_.avail_out > 0) {
+      PTK_RETURN_IF_ERROR(Fill());
+      if (in_pos_ == in_len_ && eof_) {
+        if (member_open_ || !any_input_)
+          return absl::DataLossError(fmt::format("{}: {} at byte {}", name_,
+                                                 any_input_ ? "truncated gzip data" : "empty file is not gzip data",
+                                                 raw_offset()));
+        done_ = true;
+        break;
+      }
+      strm_.next_in = reinterpret_cast<Bytef*>(inbuf_.data() + in_pos_);
+      strm_.avail_in = static_cast<uInt>(in_len_ - in_pos_);
+      const uInt in_before = strm_.avail_in;
+      const int r = inflate(&strm_, Z_NO_FLUSH);
+      in_pos_ = in_len_ - strm_.avail_in;
+      if (strm_.avail_in < in_before) {
+        any_input_ = true;
+        member_open_ = true;
+      }
+      if (r == Z_STREAM_END) {
+        member_open_ = false;  // another member may follow (concatenated .gz files)
+        inflateReset(&strm_);
+        continue;
+      }
+      if (r == Z_OK || r == Z_BUF_ERROR) continue;  // needs more input (end of file is checked above)
+      return absl::DataLossError(fmt::format("{}: corrupt gzip data near byte {}: {}", name_, raw_offset(),
+                                             strm_.msg ? strm_.msg : "inflate error"));
+    }
+    return size - strm_.avail_out;
+  }
+
+ private:
+  z_stream strm_ = {};
+  int init_;
+  bool done_ = false, member_open_ = false, any_input_ = false;
+};
+
+// A binary format ptk does not read, recognised by its first bytes ("" when none).
+std::string_view OtherBinaryFormat(const unsigned char* m, ssize_t n) {
+  if (n >= 3 && std::memcmp(m, "BZh", 3) == 0) return "bzip2";
+  if (n >= 4 && std::memcmp(m, "PK\x03\x04", 4) == 0) return "zip";
+  if (n >= 6 && std::memcmp(m, "7z\xBC\xAF\x27\x1C", 6) == 0) return "7z";
+  if (n >= 4 && m[0] == 0x04 && m[1] == 0x22 && m[2] == 0x4D && m[3] == 0x18) return "lz4";
+  if (n >= 4 && std::memcmp(m, "PAR1", 4) == 0) return "parquet";
+  return "";
+}
+
 }  // namespace
 
 Compression DetectCompression(const std::string& path) {
-  if (EndsWith(path, ".zst") || EndsWith(path, ".zstd")) return Compression::kZstd;
-  if (EndsWith(path, ".xz")) return Compression::kXz;
   if (path == "-") return Compression::kNone;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Compression::kNone;
-  unsigned char m[6] = {0};
-  ssize_t n = ::read(fd, m, sizeof(m));
-  ::close(fd);
-  if (n >= 4 && m[0] == 0x28 && m[1] == 0xB5 && m[2] == 0x2F && m[3] == 0xFD) return Compression::kZstd;
-  if (n >= 6 && m[0] == 0xFD && std::memcmp(m + 1, "7zXZ", 4) == 0 && m[5] == 0) return Compression::kXz;
+  if (fd >= 0) {
+    unsigned char m[6] = {0};
+    ssize_t n = ::read(fd, m, sizeof(m));
+    ::close(fd);
+    if (n >= 0) {
+      if (n >= 4 && m[0] == 0x28 && m[1] == 0xB5 && m[2] == 0x2F && m[3] == 0xFD) return Compression::kZstd;
+      if (n >= 6 && m[0] == 0xFD && std::memcmp(m + 1, "7zXZ", 4) == 0 && m[5] == 0) return Compression::kXz;
+      if (n >= 2 && m[0] == 0x1F && m[1] == 0x8B) return Compression::kGzip;
+      if (n > 0) return Compression::kNone;  // the content decides, not the name
+    }
+  }
+  // Unreadable or empty: the name is all there is (an empty .zst is then reported as such).
+  if (EndsWith(path, ".zst") || EndsWith(path, ".zstd")) return Compression::kZstd;
+  if (EndsWith(path, ".xz")) return Compression::kXz;
+  if (EndsWith(path, ".gz")) return Compression::kGzip;
   return Compression::kNone;
 }
 
 std::string StripCompressionSuffix(const std::string& path) {
-  for (std::string_view suf : {".zst", ".zstd", ".xz"})
+  for (std::string_view suf : {".zst", ".zstd", ".xz", ".gz"})
     if (EndsWith(path, suf)) return path.substr(0, path.size() - suf.size());
   return path;
 }
@@ -191,11 +259,23 @@ absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& pa
     int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (f < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
     ::posix_fadvise(f, 0, 0, POSIX_FADV_SEQUENTIAL);
+    if (c == Compression::kNone) {
+      unsigned char m[8] = {0};
+      ssize_t n = ::pread(f, m, sizeof(m), 0);
+      std::string_view other = OtherBinaryFormat(m, n);
+      if (!other.empty()) {
+        ::close(f);
+        return absl::InvalidArgumentError(fmt::format(
+            "{}: {} data, which ptk does not read (it reads plain text, .zst, .xz and .gz); convert it first", path,
+            other));
+      }
+    }
     fd = std::make_unique<FdSource>(path, f, true);
   }
   switch (c) {
     case Compression::kZstd: return std::unique_ptr<ByteSource>(new ZstdSource(std::move(fd)));
     case Compression::kXz: return std::unique_ptr<ByteSource>(new XzSource(std::move(fd)));
+    case Compression::kGzip: return std::unique_ptr<ByteSource>(new GzipSource(std::move(fd)));
     case Compression::kNone: break;
   }
   return std::unique_ptr<ByteSource>(std::move(fd));

@@ -1,4 +1,5 @@
-// Streaming byte sources: plain files, stdin, zstd (multi-frame) and xz (concatenated streams).
+// Streaming byte sources: plain files, stdin, zstd (multi-frame), xz (concatenated streams) and
+// gzip (concatenated members, as C4/Dolma/OSCAR ship .json.gz).
 // Compressed data is decoded on the fly; a truncated or corrupt stream yields kDataLoss naming the
 // file and the compressed byte offset, never silently short data.
 #pragma once
@@ -11,11 +12,12 @@
 
 namespace ptk {
 
-enum class Compression { kNone, kZstd, kXz };
+enum class Compression { kNone, kZstd, kXz, kGzip };
 
-// By extension (.zst/.zstd, .xz), else by magic bytes, else none.
+// By the file's magic bytes, whatever its name says; by extension (.zst/.zstd, .xz, .gz) only
+// when the file cannot be read (the open then reports why).
 Compression DetectCompression(const std::string& path);
-// "x.jsonl.zst" -> "x.jsonl"; unchanged when not compressed.
+// "x.jsonl.zst" -> "x.jsonl" (.zst, .zstd, .xz, .gz); unchanged when not compressed.
 std::string StripCompressionSuffix(const std::string& path);
 
 class ByteSource {
@@ -31,7 +33,8 @@ class ByteSource {
   std::string name_;
 };
 
-// "-" is stdin. `compression` overrides detection when given.
+// "-" is stdin. `compression` overrides detection when given. A file that starts like another
+// binary format (bzip2, zip, 7z, lz4, brotli-less guesses aside) is refused naming the format.
 absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path);
 absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path, Compression compression);
 

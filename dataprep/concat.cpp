@@ -253,8 +253,9 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
 }
 
 absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
-  PTK_ASSIGN_OR_RETURN(auto files, CollectInputs(r.inputs, {".jsonl", ".jsonl.zst", ".jsonl.xz", ".json"},
-                                                 r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural));
+  PTK_ASSIGN_OR_RETURN(auto files,
+                       CollectInputs(r.inputs, {".jsonl", ".jsonl.zst", ".jsonl.xz", ".jsonl.gz", ".json", ".json.gz"},
+                                     r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural));
   std::vector<ConcatInput> inputs;
   std::error_code ec;
   const std::filesystem::path out_real = std::filesystem::canonical(r.output_dir, ec);

@@ -13,6 +13,9 @@
 #include <mutex>
 
 #include <fmt/core.h>
+#include <simdjson.h>
+
+#include "absl/strings/ascii.h"
 
 #include "common/file_util.h"
 #include "common/happens_before.h"
@@ -107,14 +110,23 @@ class LineReader {
       }
       b->size = end;
       std::memset(b->data.get() + end, 0, kPadding);
-      // Split into lines ("\n"; a "\r" before it is dropped, as Python's universal newlines do).
+      // Split into lines as Python's universal newlines do (Megatron reads with open(..., "r")):
+      // "\n", "\r\n" and a bare "\r" each end a line.
       size_t pos = 0;
       while (pos < end) {
         const void* nl = std::memchr(b->data.get() + pos, '\n', end - pos);
-        size_t stop = nl ? static_cast<size_t>(static_cast<const char*>(nl) - b->data.get()) : end;
+        const size_t stop = nl ? static_cast<size_t>(static_cast<const char*>(nl) - b->data.get()) : end;
+        while (true) {
+          const void* cr = std::memchr(b->data.get() + pos, '\r', stop - pos);
+          if (!cr) break;
+          const size_t at = static_cast<size_t>(static_cast<const char*>(cr) - b->data.get());
+          if (at + 1 == stop && nl) break;  // "\r\n"
+          b->lines.push_back({pos, at - pos});
+          pos = at + 1;
+        }
         size_t len = stop - pos;
         if (len > 0 && b->data[pos + len - 1] == '\r') --len;
-        b->lines.push_back({pos, len});
+        if (pos < stop || nl) b->lines.push_back({pos, len});
         pos = stop + 1;
       }
       if (at_file_start_ && !b->lines.empty()) {
@@ -230,6 +242,67 @@ std::string OutputPrefixFor(const std::string& output_prefix, const std::string&
   return fmt::format("{}_{}_document", output_prefix, key);
 }
 
+namespace {
+
+// What the sink saw of one input: enough to fail a run that read nothing, and to say why.
+struct FileTally {
+  int64_t documents = 0, bad = 0;  // bad: records that could not be read (blank lines aside)
+  std::string first_line;          // the first non-blank line's beginning
+  std::string first_bad;           // "file:line: message" of the first bad record
+  std::string keys_seen;           // the keys of the first record that lacked a --json-keys key
+};
+
+std::string TopLevelKeys(std::string_view line) {
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (p.parse(std::string(line)).get(obj)) return "";
+  std::string keys;
+  for (auto field : obj) keys += (keys.empty() ? "" : ", ") + std::string(field.key);
+  return keys.empty() ? "(none)" : keys;
+}
+
+// The likely reason why a file gave no document, from its first line.
+std::string LikelyCause(const FileTally& t, const TokenizeOptions& opt) {
+  const std::string first(absl::StripAsciiWhitespace(t.first_line));
+  if (!t.keys_seen.empty())
+    return fmt::format("; its records have no key {:?}: the first one has {} (choose with --json-keys)",
+                       opt.json_keys.front(), t.keys_seen);
+  if (!first.empty() && first.front() == '[')
+    return "; it looks like a JSON array, not JSON lines (one object per line): convert it with `jq -c '.[]'`";
+  if (first == "{" || (first.size() > 1 && first.front() == '{' && first.back() != '}'))
+    return "; it looks like pretty-printed JSON, not JSON lines (one object per line): convert it with `jq -c .`";
+  int control = 0;
+  for (unsigned char c : t.first_line) control += (c < 0x20 && c != '\t') || c == 0x7f;
+  if (control > 0) return "; it does not look like text (binary data, or a compression ptk does not detect?)";
+  return "";
+}
+
+absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const LineReader& reader,
+                                 const std::vector<FileTally>& tallies) {
+  int64_t docs = 0, bad = 0;
+  std::string first_bad;
+  for (size_t f = 0; f < tallies.size(); ++f) {
+    const FileTally& t = tallies[f];
+    docs += t.documents;
+    bad += t.bad;
+    if (first_bad.empty()) first_bad = t.first_bad;
+    if (t.documents > 0) continue;
+    const std::string name = reader.file_name(static_cast<int>(f));
+    if (t.bad == 0) return absl::FailedPreconditionError(fmt::format("{}: no document in it (empty file)", name));
+    return absl::FailedPreconditionError(
+        fmt::format("{}: no document could be read: {} records, none usable{}; first: {}", name, t.bad,
+                    LikelyCause(t, opt), log::Printable(t.first_bad)));
+  }
+  if (bad > 0 && static_cast<double>(bad) > opt.max_bad_fraction * static_cast<double>(docs + bad))
+    return absl::FailedPreconditionError(
+        fmt::format("{} of {} records ({:.2f}%) could not be read, more than --max-bad-fraction {}; first: {}", bad,
+                    docs + bad, 100.0 * static_cast<double>(bad) / static_cast<double>(docs + bad),
+                    opt.max_bad_fraction, log::Printable(first_bad)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
   if (opt.inputs.empty()) return absl::InvalidArgumentError("no input files");
   if (opt.json_keys.empty()) return absl::InvalidArgumentError("no --json-keys");
@@ -268,6 +341,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   tbb::enumerable_thread_specific<std::unique_ptr<Worker>> tls;
   LineReader reader(opt.inputs, opt.batch_bytes);
   TokenizeStats stats;
+  std::vector<FileTally> tallies(opt.inputs.size());
   // One status per serial stage: oneTBB may run the reader and the sink at the same time.
   absl::Status read_error, sink_error;
   std::atomic<bool> stop{false};
@@ -344,14 +418,27 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
           stats.invalid_utf8 += b->invalid_utf8;
           stats.lone_surrogates += b->lone_surrogates;
           std::vector<size_t> tok_off(nkeys, 0), seq_off(nkeys, 0), doc_off(nkeys, 0);
+          FileTally& tally = tallies[static_cast<size_t>(b->file)];
           for (size_t i = 0; i < b->lines.size(); ++i) {
+            const std::string_view line(b->data.get() + b->lines[i].off, b->lines[i].len);
+            if (tally.first_line.empty() && b->status[i] != RecordStatus::kBlank)
+              tally.first_line = std::string(line.substr(0, 256));
             if (b->status[i] != RecordStatus::kOk) {
               ++stats.skipped;
               ++stats.skipped_by_kind[static_cast<int>(b->status[i])];
+              if (b->status[i] != RecordStatus::kBlank) {
+                ++tally.bad;
+                if (tally.first_bad.empty())
+                  tally.first_bad = fmt::format("{}:{}: {}", reader.file_name(b->file),
+                                                b->first_line_no + static_cast<int64_t>(i), b->messages[i]);
+                if (b->status[i] == RecordStatus::kMissingKey && tally.keys_seen.empty())
+                  tally.keys_seen = TopLevelKeys(line);
+              }
               report_bad(*b, i);
               if (stop) return;
               continue;
             }
+            ++tally.documents;
             if (opt.strict && b->replaced[i]) {
               sink_error = absl::InvalidArgumentError(
                   fmt::format("{}:{}: invalid UTF-8 or a lone surrogate escape replaced by U+FFFD (--strict)",
@@ -396,6 +483,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   // Builders are destroyed unfinalized on error: their temporaries are removed.
   if (!sink_error.ok()) return sink_error;  // about earlier lines than a later read error
   if (!read_error.ok()) return read_error;
+  PTK_RETURN_IF_ERROR(CheckInputsWereRead(opt, reader, tallies));
 
   std::vector<std::string> finals;
   for (size_t k = 0; k < nkeys; ++k) finals.push_back(OutputPrefixFor(opt.output_prefix, opt.json_keys[k]));

@@ -29,6 +29,9 @@ struct TokenizeOptions {
   bool endoftext_as_text = false;  // legacy: literal <|endoftext|> encoded as ordinary text
   size_t batch_bytes = 1 << 20;
   int max_warnings = 10;  // bad records shown; all are counted
+  // The run fails (nothing published) when more than this fraction of the non-blank records
+  // cannot be read, and whenever an input yields no document at all.
+  double max_bad_fraction = 0.01;
   bool progress = true;
   bool megatron_log = true;  // "Processed N documents (X docs/s, Y MB/s)." lines
 };

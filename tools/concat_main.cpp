@@ -30,10 +30,10 @@ void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required) {
     out->required();
   }
   auto* c =
-      app->add_option("--chunks", r->plan.chunks, "Number of chunks, balanced by bytes")->check(CLI::PositiveNumber);
+      app->add_option("--chunks", r->plan.chunks, "Number of chunks, balanced by bytes")->check(ptk::cli::Positive());
   app->add_option("--files-per-chunk", r->plan.files_per_chunk,
                   "Consecutive groups of this many files instead (NeMo's concat.sh: 800 with --order bytes)")
-      ->check(CLI::PositiveNumber)
+      ->check(ptk::cli::Positive())
       ->excludes(c);
   app->add_option("--order", r->order,
                   "Input order: natural (shard2 before shard10) or bytes (C locale, as LC_ALL=C ls)")
@@ -57,8 +57,13 @@ absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
       "{} chunks built, {} already complete, {} failed; {:.1f} MB written to {}{}", s.built, s.skipped, s.failed,
       s.bytes / 1e6, plan.output_dir,
       s.newlines_added ? fmt::format("; {} inputs lacked a final newline (one was added)", s.newlines_added) : "");
-  if (s.failed)
-    return absl::InternalError(fmt::format("{} of {} chunks failed", s.failed, s.built + s.skipped + s.failed));
+  if (s.failed) {
+    const std::string msg = fmt::format("{} of {} chunks failed", s.failed, s.built + s.skipped + s.failed);
+    for (const auto& [chunk, why] : s.errors)  // a full disk is exit 3 in every tool
+      if (absl::IsResourceExhausted(why))
+        return absl::ResourceExhaustedError(msg + "; " + std::string(ptk::StatusMessage(why)));
+    return absl::InternalError(msg);
+  }
   return absl::OkStatus();
 }
 
@@ -89,7 +94,7 @@ int main(int argc, char** argv) {
   RunArgs top_run;
   AddPlanOptions(app.get(), &top, false);
   app->add_option("--plan", top_run.plan_path, "Plan file (default: OUTPUT_DIR/concat-plan.json)");
-  app->add_option("--jobs", top_run.jobs, "Chunks built at once")->check(CLI::PositiveNumber);
+  app->add_option("--jobs", top_run.jobs, "Chunks built at once")->check(ptk::cli::Positive());
   app->add_flag("--quiet", top_run.quiet, "No progress output");
   const char* kNoFsync =
       "Do not fsync the chunks: faster where the disk is slow, but a chunk may be lost (never "
@@ -110,7 +115,7 @@ int main(int argc, char** argv) {
   auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)");
   run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")->excludes(ci);
   run_cmd->add_option("--num-shards", run_args.num_shards, "Number of shards")->excludes(ci);
-  run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(CLI::PositiveNumber);
+  run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::Positive());
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
   app->require_subcommand(0, 1);

@@ -12,7 +12,6 @@
 #include "dataprep/download.h"
 
 int main(int argc, char** argv) {
-  std::signal(SIGXFSZ, SIG_IGN);  // a file-size limit must surface as EFBIG, handled like a full disk
   std::signal(SIGPIPE, SIG_IGN);
   auto app = ptk::cli::MakeApp(
       "ptk-download",
@@ -40,16 +39,16 @@ int main(int argc, char** argv) {
                   "File holding the Hub token (default: $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token)");
   app->add_option("--jobs", opt.jobs, "Files downloaded at once")->check(CLI::Range(1, 256));
   app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")
-      ->check(CLI::NonNegativeNumber);
+      ->check(ptk::cli::NonNegative());
   app->add_option("--max-retry-time", opt.max_retry_time_s,
                   "Seconds a file (or a Hub API call) may keep failing without progress before giving up")
-      ->check(CLI::PositiveNumber);
+      ->check(ptk::cli::Positive());
   app->add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")
-      ->check(CLI::PositiveNumber);
-  app->add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(CLI::PositiveNumber);
+      ->check(ptk::cli::Positive());
+  app->add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(ptk::cli::Positive());
   app->add_option("--stall-timeout", opt.stall_timeout_s,
                   "Abort and resume a transfer that receives nothing for this long, seconds")
-      ->check(CLI::PositiveNumber);
+      ->check(ptk::cli::Positive());
   app->add_option("--shard-index", shard_index, "This task's shard (default: from SLURM_ARRAY_TASK_ID)");
   app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT)");
   app->add_flag("--flat", opt.flat, "Flat names like the seed scripts: example_train_chunk1_shard0.jsonl.zst");

@@ -11,7 +11,8 @@
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(
       "ptk-extract",
-      "Decompress .zst/.xz files (and pass plain ones through) to .jsonl, streaming and multi-frame aware. Files are "
+      "Decompress .zst/.xz/.gz files (and pass plain ones through) to .jsonl, streaming and multi-frame aware. Files "
+      "are "
       "processed in parallel (--jobs) and split across array tasks (--shard-index/--num-shards, default from "
       "SLURM_ARRAY_TASK_ID/COUNT). Outputs appear atomically; a rerun skips outputs already complete.");
   std::vector<std::string> inputs, drop_sets;
@@ -19,12 +20,12 @@ int main(int argc, char** argv) {
   int jobs = 4;
   std::optional<int64_t> shard_index, num_shards;
   bool delete_input = false, verify = false, quiet = false;
-  app->add_option("--input,input", inputs, "Files, globs or directories (directories: every .zst/.xz below)")
+  app->add_option("--input,input", inputs, "Files, globs or directories (directories: every .zst/.xz/.gz below)")
       ->required();
   app->add_option(
       "--output-dir", output_dir,
       "Where the .jsonl files go, keeping the layout below a directory argument (default: next to each input)");
-  app->add_option("--jobs", jobs, "Files decompressed at once")->check(CLI::PositiveNumber);
+  app->add_option("--jobs", jobs, "Files decompressed at once")->check(ptk::cli::Positive());
   app->add_option("--shard-index", shard_index, "This task's shard (default: from SLURM_ARRAY_TASK_ID)");
   app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT)");
   app->add_flag("--delete-input", delete_input, "Delete each input after its output is complete");
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     ptk::ExtractOptions opt;
     PTK_ASSIGN_OR_RETURN(auto files,
-                         ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz"}, ptk::PathOrder::kNatural));
+                         ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz", ".gz"}, ptk::PathOrder::kNatural));
     for (const auto& f : files) {
       opt.inputs.push_back(f.path);
       opt.relative_outputs.push_back(f.rel);
@@ -70,7 +71,11 @@ int main(int argc, char** argv) {
       for (const auto& f : s.files)
         if (f.state == ptk::ExtractFileResult::State::kFailed)
           ptk::log::Error("failed: {}: {}", f.input, ptk::StatusMessage(f.error));
-      return absl::DataLossError(fmt::format("{} of {} files failed", s.failed, s.files.size()));
+      const std::string msg = fmt::format("{} of {} files failed", s.failed, s.files.size());
+      for (const auto& f : s.files)  // a full disk is exit 3 in every tool
+        if (f.state == ptk::ExtractFileResult::State::kFailed && absl::IsResourceExhausted(f.error))
+          return absl::ResourceExhaustedError(msg + "; " + std::string(ptk::StatusMessage(f.error)));
+      return absl::DataLossError(msg);
     }
     return absl::OkStatus();
   });

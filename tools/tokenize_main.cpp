@@ -35,10 +35,11 @@ int main(int argc, char** argv) {
   app->add_option("--vocab-file", vocab_file, "GPT-2 vocab.json (default: the GPT-2 vocab shipped with ptk)");
   app->add_option("--merge-file", merge_file, "GPT-2 merges.txt (default: the GPT-2 merges shipped with ptk)");
   app->add_flag("--append-eod", opt.append_eod, "Append <|endoftext|> (50256) to every non-empty document");
-  app->add_option("--workers", workers, "Encoding threads (default: all hardware threads)")->check(CLI::PositiveNumber);
+  app->add_option("--workers", workers, "Encoding threads (default: all hardware threads)")
+      ->check(ptk::cli::Positive());
   app->add_option("--partitions", opt.partitions,
                   "Megatron's file partitions: round-robin document order across P parts")
-      ->check(CLI::PositiveNumber);
+      ->check(ptk::cli::Positive());
   app->add_option("--log-interval", opt.log_interval, "Print 'Processed N documents ...' every N documents");
   app->add_flag("--keep-sequential-samples", opt.keep_sequential_samples,
                 "With --partitions: contiguous partitions, so the document order is the input order");
@@ -50,7 +51,11 @@ int main(int argc, char** argv) {
       "--endoftext-as-text", opt.endoftext_as_text,
       "Legacy: encode a literal <|endoftext|> in the text as ordinary tokens (Megatron's pre-2026 GPT-2 "
       "tokenizer, tiktoken encode_ordinary). Default: it becomes id 50256, as current Megatron-LM (Hugging Face)");
-  app->add_option("--batch-mb", batch_mb, "Input batch size in MiB handed to one worker")->check(CLI::PositiveNumber);
+  app->add_option("--batch-mb", batch_mb, "Input batch size in MiB handed to one worker")->check(ptk::cli::Positive());
+  app->add_option("--max-bad-fraction", opt.max_bad_fraction,
+                  "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
+                  "(default 0.01; 1 tolerates any)")
+      ->check(ptk::cli::NonNegative());
   app->add_flag("--quiet", quiet, "No progress line and no per-interval log lines");
   // Megatron flags ptk does not implement: accepted by the parser so that they give a clear error.
   app->add_flag("--split-sentences", split_sentences, "Not supported (NLTK sentence splitting): an error");
@@ -78,7 +83,8 @@ int main(int argc, char** argv) {
       return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
     PTK_ASSIGN_OR_RETURN(opt.inputs, ptk::ExpandGlobs(inputs));
     opt.workers = workers;
-    opt.batch_bytes = static_cast<size_t>(batch_mb * (1 << 20));
+    if (batch_mb > 4096) return ptk::cli::UsageError(fmt::format("--batch-mb {} is more than 4096", batch_mb));
+    opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(batch_mb * (1 << 20)));
     opt.progress = !quiet;
     opt.megatron_log = !quiet;
     PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));

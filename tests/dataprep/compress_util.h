@@ -1,7 +1,8 @@
-// Test helpers: zstd / xz compression of in-memory data (libzstd, liblzma).
+// Test helpers: zstd / xz / gzip compression of in-memory data (libzstd, liblzma, zlib).
 #pragma once
 
 #include <lzma.h>
+#include <zlib.h>
 #include <zstd.h>
 
 #include <string>
@@ -17,6 +18,21 @@ inline std::string ZstdCompress(const std::string& in, int level = 3) {
   size_t n = ZSTD_compress2(c, out.data(), out.size(), in.data(), in.size());
   ZSTD_freeCCtx(c);
   out.resize(ZSTD_isError(n) ? 0 : n);
+  return out;
+}
+
+// One gzip member (as `gzip` writes).
+inline std::string GzipCompress(const std::string& in) {
+  z_stream z = {};
+  deflateInit2(&z, 6, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY);
+  std::string out(deflateBound(&z, in.size()) + 64, '\0');
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  z.avail_in = static_cast<uInt>(in.size());
+  z.next_out = reinterpret_cast<Bytef*>(out.data());
+  z.avail_out = static_cast<uInt>(out.size());
+  const int r = deflate(&z, Z_FINISH);
+  out.resize(r == Z_STREAM_END ? z.total_out : 0);
+  deflateEnd(&z);
   return out;
 }
 

@@ -68,7 +68,9 @@ Tally Race(const TempDir& dir, const std::string& cmd, const std::string& out_di
   std::mt19937 rng(12345);
   Tally t;
   for (int trial = 0; trial < kTrials; ++trial) {
-    if (!reset.empty()) EXPECT_EQ(RunCmd(reset).exit_code, 0);  // both runs really write
+    if (!reset.empty()) {
+      EXPECT_EQ(RunCmd(reset).exit_code, 0);  // both runs really write
+    }
     const std::string log_a = dir / "a.log", log_b = dir / "b.log";
     pid_t a = Spawn(cmd, log_a);
     ::usleep(static_cast<useconds_t>(rng() % 150000));

@@ -348,5 +348,46 @@ TEST(Concat, OutputInsideInputIsExcludedHoweverItIsSpelled) {
   }
 }
 
+// Issue 11: a full disk is exit 3 in every tool (extract and concat said 1), the message names the
+// file, nothing half-written is published and a rerun with space finishes the job. `ulimit -f`
+// (KiB) makes writes past it fail with EFBIG, the same path as ENOSPC.
+TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string text;
+  for (int i = 0; i < 6; ++i) text += Jsonl(3000, 900 + i);
+  testing::WriteFile(dir / "in/big.jsonl.gz", testing::GzipCompress(text));
+  const std::string extract =
+      fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "x");
+  auto full = RunCmd("ulimit -f 200; " + extract);
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_NE(full.output.find("big.jsonl"), std::string::npos) << full.output;
+  EXPECT_FALSE(testing::Exists(dir / "x/big.jsonl"));
+  auto ok = RunCmd(extract);
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_EQ(testing::ReadFile(dir / "x/big.jsonl"), text);  // .gz decoded (issue 11), not copied
+
+  const std::string concat = fmt::format("{} --quiet --input {} --output-dir {} --chunks 1",
+                                         testing::Tool("ptk-concat"), dir / "x", dir / "c");
+  full = RunCmd("ulimit -f 200; " + concat);
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_NE(full.output.find("train_00.jsonl"), std::string::npos) << full.output;
+  EXPECT_FALSE(testing::Exists(dir / "c/train_00.jsonl"));
+  ok = RunCmd(concat);
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_EQ(testing::ReadFile(dir / "c/train_00.jsonl"), text);
+
+  const std::string tok = fmt::format("{} --quiet --input {} --output-prefix {}", testing::Tool("ptk-tokenize"),
+                                      dir / "c/train_00.jsonl", dir / "t");
+  full = RunCmd("ulimit -f 100; " + tok);
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_NE(full.output.find("t_text_document."), std::string::npos) << full.output;
+  EXPECT_FALSE(testing::Exists(dir / "t_text_document.bin"));
+  EXPECT_FALSE(testing::Exists(dir / "t_text_document.idx"));
+  ok = RunCmd(tok);
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
 }  // namespace
 }  // namespace ptk

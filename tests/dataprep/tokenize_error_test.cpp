@@ -41,7 +41,16 @@ TEST(TokenizeErrors, BadRecordsAreSkippedWithFileAndLine) {
                      "{\"text\": \"unterminated\n"      // 8 malformed
                      "{\"text\": [\"a\", 1]}\n"         // 9 list with a non-string
                      "{\"text\": \"Hello world\"}\n");  // 10 ok
-  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+  // 7 of 9 records bad: over the default --max-bad-fraction (0.01), so the run fails and publishes
+  // nothing; with a tolerance it skips them one by one.
+  auto strict = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+  EXPECT_EQ(strict.exit_code, 1) << strict.output;
+  EXPECT_NE(strict.output.find("7 of 9 records (77.78%) could not be read, more than --max-bad-fraction 0.01"),
+            std::string::npos)
+      << strict.output;
+  EXPECT_FALSE(testing::Exists(dir / "out_text_document.idx"));
+  auto r =
+      RunCmd(Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction 1", dir / "in.jsonl", dir / "out")));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (int line = 2; line <= 9; ++line)
     EXPECT_NE(r.output.find(fmt::format("in.jsonl:{}: skipped bad record", line)), std::string::npos)
@@ -95,6 +104,72 @@ TEST(TokenizeErrors, BomCrlfAndMissingFinalNewline) {
   auto docs = Docs(dir / "out_text_document");
   ASSERT_EQ(docs.size(), 2u);
   EXPECT_EQ(docs[0], docs[1]);
+}
+
+// Regression (issue 11): Megatron reads with Python's universal newlines, where a bare "\r" ends a
+// line too: 5 documents there, 3 in ptk before.
+TEST(TokenizeErrors, BareCarriageReturnEndsALineAsInPython) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl",
+                     "{\"text\": \"a\"}\r{\"text\": \"b\"}\n{\"text\": \"c\"}\r\n{\"text\": \"d\"}\r{\"text\": \"e\"}");
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(Docs(dir / "out_text_document").size(), 5u);
+}
+
+// Regression (issue 11): each of these exited 0 with an empty dataset. Now: non-zero, nothing
+// published, and the likely cause in the message.
+TEST(TokenizeErrors, InputsThatYieldNoDocumentFailWithTheCause) {
+  TempDir dir;
+  struct Case {
+    std::string name, data, extra, want;
+  };
+  std::string random(4096, '\0');
+  for (size_t i = 0; i < random.size(); ++i) random[i] = static_cast<char>((i * 2654435761u) >> 13);
+  const std::vector<Case> cases = {
+      {"keys.jsonl", "{\"content\": \"x\", \"id\": 1}\n{\"content\": \"y\", \"id\": 2}\n", "",
+       "no key \"text\": the first one has content, id"},
+      {"array.json", "[{\"text\": \"a\"},\n {\"text\": \"b\"}]\n", "", "a JSON array, not JSON lines"},
+      {"pretty.json", "{\n  \"text\": \"a\"\n}\n", "", "pretty-printed JSON"},
+      {"random.bin", random, "", "does not look like text"},
+      {"empty.jsonl", "", "", "no document in it (empty file)"},
+      {"packed.jsonl.bz2", "BZh91AY&SY", "", "bzip2 data, which ptk does not read"},
+  };
+  for (const auto& c : cases) {
+    testing::WriteFile(dir / c.name, c.data);
+    const std::string out = dir / ("out_" + c.name);
+    auto r =
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction 1 {}", dir / c.name, out, c.extra)));
+    EXPECT_EQ(r.exit_code, 1) << c.name << ": " << r.output;
+    EXPECT_NE(r.output.find(c.want), std::string::npos) << c.name << ": " << r.output;
+    EXPECT_FALSE(testing::Exists(out + "_text_document.idx")) << c.name;
+    EXPECT_FALSE(testing::Exists(out + "_text_document.bin")) << c.name;
+  }
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
+// Regression (issue 11): a .json.gz was parsed as JSON bytes. gzip is decoded (by its magic bytes,
+// whatever the name says), concatenated members included, and matches the plain file.
+TEST(TokenizeErrors, GzipInputsAreDecoded) {
+  TempDir dir;
+  const std::string a = "{\"text\": \"Hello world\"}\n{\"text\": \"second\"}\n", b = "{\"text\": \"third\"}\n";
+  testing::WriteFile(dir / "plain.jsonl", a + b);
+  testing::WriteFile(dir / "c4.json.gz", testing::GzipCompress(a) + testing::GzipCompress(b));
+  testing::WriteFile(dir / "misnamed.jsonl", testing::GzipCompress(a + b));
+  for (const char* in : {"plain.jsonl", "c4.json.gz", "misnamed.jsonl"}) {
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / in, dir / (std::string("o_") + in))));
+    ASSERT_EQ(r.exit_code, 0) << in << ": " << r.output;
+  }
+  EXPECT_EQ(testing::ReadFile(dir / "o_c4.json.gz_text_document.bin"),
+            testing::ReadFile(dir / "o_plain.jsonl_text_document.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "o_misnamed.jsonl_text_document.bin"),
+            testing::ReadFile(dir / "o_plain.jsonl_text_document.bin"));
+  // A truncated .gz is an error naming the file, never short data.
+  const std::string gz = testing::GzipCompress(a + b);
+  testing::WriteFile(dir / "cut.json.gz", gz.substr(0, gz.size() - 9));
+  auto cut = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "cut.json.gz", dir / "o_cut")));
+  EXPECT_EQ(cut.exit_code, 1) << cut.output;
+  EXPECT_NE(cut.output.find("cut.json.gz: truncated gzip data"), std::string::npos) << cut.output;
 }
 
 TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
