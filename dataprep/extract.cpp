@@ -169,11 +169,21 @@ absl::Status Decode(const std::string& input, const ExtractOptions& opt, Extract
     }
     if (carry.empty()) {
       PTK_RETURN_IF_ERROR(emit_lines(buf.data(), n, false));
-    } else {
-      std::string joined = std::move(carry);
-      joined.append(buf.data(), n);
-      PTK_RETURN_IF_ERROR(emit_lines(joined.data(), joined.size(), false));
+      continue;
     }
+    // A line that began in an earlier block: only the new bytes are searched and appended, so a
+    // line of any length costs time linear in its length.
+    const void* nl = std::memchr(buf.data(), '\n', n);
+    if (!nl) {
+      carry.append(buf.data(), n);
+      continue;
+    }
+    const size_t k = static_cast<size_t>(static_cast<const char*>(nl) - buf.data()) + 1;
+    carry.append(buf.data(), k);
+    std::string line = std::move(carry);
+    carry.clear();
+    PTK_RETURN_IF_ERROR(emit_lines(line.data(), line.size(), false));
+    PTK_RETURN_IF_ERROR(emit_lines(buf.data() + k, n - k, false));
   }
   PTK_RETURN_IF_ERROR(wait_pending());
   if (filtering && !carry.empty()) {
