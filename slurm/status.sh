@@ -27,28 +27,46 @@ n_in=$(find "$RAW_DIR" -type f \( -name '*.zst' -o -name '*.xz' \) 2>/dev/null |
 n_out=$(find "$EXTRACT_DIR" -type f -name '*.ptk-done' 2>/dev/null | wc -l)
 line extract "$n_out of $n_in files extracted"
 [ "$n_in" -gt 0 ] && [ "$n_out" -ge "$n_in" ] || complete=0
-# concat: plan vs chunks with a sidecar
+# concat: the plan's chunks with a sidecar; any other chunk in CHUNK_DIR is an error (not this plan's data)
+plan_chunks=()
 if [ -f "$PLAN_FILE" ]; then
-  n_plan=$(grep -c '"name":' "$PLAN_FILE")
-  n_chunks=$(find "$CHUNK_DIR" -maxdepth 1 -name '*.jsonl.ptk-done' | wc -l)
-  line concat "$n_chunks of $n_plan chunks built"
-  [ "$n_chunks" -ge "$n_plan" ] || complete=0
+  mapfile -t plan_chunks < <("$PTK_BIN/ptk-concat" list --plan "$PLAN_FILE" 2>/dev/null)
+  n_chunks=0
+  for c in "${plan_chunks[@]}"; do [ -f "$c.ptk-done" ] && n_chunks=$((n_chunks + 1)); done
+  extra=$(comm -13 <(printf '%s\n' "${plan_chunks[@]}" | LC_ALL=C sort) \
+                   <(find "$CHUNK_DIR" -maxdepth 1 -name '*.jsonl' -type f 2>/dev/null | LC_ALL=C sort))
+  line concat "$n_chunks of ${#plan_chunks[@]} chunks built"
+  [ "$n_chunks" -ge "${#plan_chunks[@]}" ] || complete=0
+  if [ -n "$extra" ]; then
+    line "" "error: $(echo "$extra" | wc -l) chunk files not in the plan (an earlier plan's?): $(echo "$extra" | head -3 | tr '\n' ' ')"
+    line "" "  rerun 'ptk-concat plan' (it removes them) or delete them"
+    complete=0
+  fi
 else
   line concat "no plan yet"; complete=0
 fi
-# tokenize: chunks vs verified datasets
+# tokenize: the plan's chunks vs verified datasets; a dataset of no plan chunk is an error
 n_ok=0; n_want=0; missing=()
-while IFS= read -r chunk; do
+for chunk in "${plan_chunks[@]}"; do
   n_want=$((n_want + 1))
   name=$(basename "$chunk" .jsonl)
-  if [ -f "$PREPROCESSED_DIR/$name.ptk-tokenized" ] && "$PTK_BIN/ptk-inspect" "$PREPROCESSED_DIR/${name}_text_document" --verify >/dev/null 2>&1; then
+  # Complete = verified (checksums included) and made from this very chunk (its stamp is the chunk's sidecar).
+  if [ -f "$PREPROCESSED_DIR/$name.ptk-tokenized" ] && [ -f "$chunk.ptk-done" ] &&
+     [ "$(cat "$PREPROCESSED_DIR/$name.ptk-tokenized")" = "$(cat "$chunk.ptk-done")" ] &&
+     "$PTK_BIN/ptk-inspect" "$PREPROCESSED_DIR/${name}_text_document" --verify >/dev/null 2>&1; then
     n_ok=$((n_ok + 1))
   else
     missing+=("$name")
   fi
-done < <(find "$CHUNK_DIR" -maxdepth 1 -name '*.jsonl' -type f 2>/dev/null | LC_ALL=C sort)
+done
 line tokenize "$n_ok of $n_want datasets complete${missing:+ (missing: ${missing[*]:0:8})}"
 [ "$n_want" -gt 0 ] && [ "$n_ok" -eq "$n_want" ] || complete=0
+stray=$(comm -13 <(for c in "${plan_chunks[@]}"; do echo "$PREPROCESSED_DIR/$(basename "$c" .jsonl)_text_document.idx"; done | LC_ALL=C sort) \
+                 <(find "$PREPROCESSED_DIR" -maxdepth 1 -name '*_text_document.idx' -type f 2>/dev/null | LC_ALL=C sort))
+if [ -n "$stray" ]; then
+  line "" "error: $(echo "$stray" | wc -l) datasets of no chunk in the plan (training ignores them): $(echo "$stray" | head -3 | xargs -r -n1 basename | tr '\n' ' ')"
+  complete=0
+fi
 # train: the checkpoint tracker vs TRAIN_ITERS
 latest=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
 line train "checkpoint at iteration $latest of $TRAIN_ITERS (in $CKPT_DIR)"

@@ -118,11 +118,20 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::Positive());
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
+  std::string list_plan;
+  auto* list_cmd = app->add_subcommand(
+      "list", "Print the plan's chunk files, one per line, in order: what later stages read (never a glob)");
+  list_cmd->add_option("--plan", list_plan, "Plan file written by `ptk-concat plan`")->required();
   app->require_subcommand(0, 1);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (plan_cmd->parsed()) return PlanAndWrite(plan_req, plan_path).status();
+    if (list_cmd->parsed()) {
+      PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(list_plan));
+      for (const auto& path : ptk::PlanChunkPaths(plan)) std::printf("%s\n", path.c_str());
+      return absl::OkStatus();
+    }
     if (run_cmd->parsed()) {
       PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(run_args.plan_path));
       return Run(plan, run_args);

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# slurm/status.sh and the stage scripts read the concat plan, never a glob (issue 11): a 2-chunk
+# plan over a directory that held a 4-chunk run reports the leftovers as errors, counts only the
+# plan's chunks, and training is given only the plan's datasets. No Slurm needed.
+# Usage: status_test.sh BIN_DIR SOURCE_DIR
+set -euo pipefail
+BIN=$1
+SRC=$2
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+D=$W/stage/slimpajama
+mkdir -p "$W/in" "$D/preprocessed"
+for i in 0 1 2 3 4 5 6 7; do printf '{"text": "document %d of the status test"}\n' "$i" > "$W/in/s$i.jsonl"; done
+tokenize_plan() {
+  for c in $("$BIN/ptk-concat" list --plan "$D/chunks/concat-plan.json"); do
+    n=$(basename "$c" .jsonl)
+    "$BIN/ptk-tokenize" --quiet --input "$c" --output-prefix "$D/preprocessed/$n" >/dev/null
+    cat "$c.ptk-done" > "$D/preprocessed/$n.ptk-tokenized"
+  done
+}
+"$BIN/ptk-concat" --quiet --input "$W/in" --output-dir "$D/chunks" --chunks 4 >/dev/null 2>&1
+tokenize_plan
+# The rerun with fewer chunks removes the old plan's chunks...
+out=$("$BIN/ptk-concat" --quiet --input "$W/in" --output-dir "$D/chunks" --chunks 2 2>&1)
+echo "$out" | grep -q "removed 2 chunks of an earlier plan" || fail "no removal reported: $out"
+[ ! -e "$D/chunks/train_02.jsonl" ] || fail "train_02.jsonl kept"
+[ "$("$BIN/ptk-concat" list --plan "$D/chunks/concat-plan.json" | wc -l)" = 2 ] || fail "ptk-concat list"
+# ... and status says the old datasets are not this plan's, and that the rebuilt chunks' datasets are stale.
+set +e
+st=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/status.sh" 2>&1)
+rc=$?
+set -e
+echo "$st"
+[ "$rc" = 1 ] || fail "status exit $rc, want 1"
+echo "$st" | grep -q "concat       2 of 2 chunks built" || fail "concat line"
+echo "$st" | grep -q "tokenize     0 of 2 datasets complete" || fail "stale datasets counted as complete"
+echo "$st" | grep -q "error: 2 datasets of no chunk in the plan" || fail "stray datasets not reported"
+echo stray > "$D/chunks/train_09.jsonl"
+st=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/status.sh" 2>&1 || true)
+echo "$st" | grep -q "error: 1 chunk files not in the plan" || fail "stray chunk not reported: $st"
+rm "$D/chunks/train_09.jsonl"
+tokenize_plan
+st=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/status.sh" 2>&1 || true)
+echo "$st" | grep -q "tokenize     2 of 2 datasets complete" || fail "after retokenizing: $st"
+# What train.sbatch gives --data-path: the plan's two datasets only, in plan order.
+PLAN_FILE=$D/chunks/concat-plan.json PREPROCESSED_DIR=$D/preprocessed PTK_BIN=$BIN
+mapfile -t prefixes < <(eval "$(grep -m1 'mapfile -t prefixes' "$SRC/slurm/train.sbatch" | sed 's/^mapfile -t prefixes < <(\(.*\))$/\1/')")
+[ "${#prefixes[@]}" = 2 ] || fail "train would read ${#prefixes[@]} datasets: ${prefixes[*]}"
+[ "${prefixes[1]}" = "$D/preprocessed/train_01_text_document" ] || fail "train prefixes: ${prefixes[*]}"
+echo "status_test: OK"
