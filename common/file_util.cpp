@@ -36,6 +36,26 @@ absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const
   }
 }
 
+absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Reopen(const std::string& path,
+                                                                           const std::string& tmp_path, uint64_t size) {
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot reopen {}", tmp_path));
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < size) {
+    ::close(fd);
+    return absl::DataLossError(fmt::format("{}: shorter than the {} bytes recorded for it", tmp_path, size));
+  }
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0 || ::lseek(fd, static_cast<off_t>(size), SEEK_SET) < 0) {
+    const int e = errno;
+    ::close(fd);
+    return ErrnoToStatus(e, fmt::format("truncate {}", tmp_path));
+  }
+  std::unique_ptr<AtomicFileWriter> w(new AtomicFileWriter(path, tmp_path, fd));
+  w->bytes_written_ = size;
+  w->synced_ = size;
+  return w;
+}
+
 AtomicFileWriter::~AtomicFileWriter() {
   if (!done_) Abort();
 }

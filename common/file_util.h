@@ -23,6 +23,10 @@ class AtomicFileWriter {
  public:
   static constexpr std::string_view kTmpSuffix = ".ptk-tmp";
   static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path);
+  // Continues a temporary a killed writer left (its first `size` bytes kept, the rest cut off), for
+  // resumable writers that recorded how far their temporary was durable.
+  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Reopen(const std::string& path, const std::string& tmp_path,
+                                                                  uint64_t size);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;

@@ -43,7 +43,7 @@ std::string HolderText() {
 std::string ReadHolder(int fd) {
   char buf[512];
   ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
-  if (n <= 0) return "a process that has not written its name yet";
+  if (n <= 0) return "";
   std::string s;
   for (ssize_t i = 0; i < n; ++i) {
     unsigned char c = static_cast<unsigned char>(buf[i]);
@@ -66,7 +66,13 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
     if (::fcntl(fd, F_OFD_SETLK, &fl) != 0) {
       const int e = errno;
       if (e == EAGAIN || e == EACCES) {
+        // The holder writes its name just after it locks: give it a moment to do so.
         std::string holder = ReadHolder(fd);
+        for (int i = 0; i < 50 && holder.empty(); ++i) {
+          ::usleep(10000);
+          holder = ReadHolder(fd);
+        }
+        if (holder.empty()) holder = "a process that has not written its name";
         ::close(fd);
         return absl::AbortedError(fmt::format(
             "{} {} {}: {}; wait for it to finish or stop it (a killed run's lock is released by the kernel)", target,
@@ -110,7 +116,7 @@ bool IsOutputBusy(const absl::Status& status) {
   return status.code() == absl::StatusCode::kAborted && StatusMessage(status).find(kBusyTag) != std::string_view::npos;
 }
 
-void RemoveStaleTemporaries(const std::string& target) {
+void RemoveStaleTemporaries(const std::string& target, const std::string& keep) {
   const std::string dir = Dirname(target);
   const std::string base = Basename(target);
   DIR* d = ::opendir(dir.empty() ? "." : dir.c_str());
@@ -120,6 +126,7 @@ void RemoveStaleTemporaries(const std::string& target) {
     if (name.rfind(base, 0) != 0) continue;
     const std::string_view rest = name.substr(base.size());  // ".ptk-tmp-...", ".ptk-done.ptk-tmp-...", ...
     if (rest.rfind(".ptk-", 0) != 0) continue;
+    if (!keep.empty() && name == Basename(keep)) continue;
     if (rest.find(".ptk-tmp") != std::string_view::npos || rest.find(".ptk-verify") != std::string_view::npos)
       ::unlinkat(::dirfd(d), e->d_name, 0);
   }

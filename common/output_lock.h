@@ -44,6 +44,7 @@ bool IsOutputBusy(const absl::Status& status);
 // Removes what killed writers of `target` left behind: `TARGET.ptk-tmp*`, `TARGET.ptk-verify*` and
 // the temporaries of its sidecars (`TARGET.ptk-done.ptk-tmp*`).
 // Call only while holding the target's OutputLock (no live writer can own them then).
-void RemoveStaleTemporaries(const std::string& target);
+// `keep`: one path to leave (a temporary that a resumed writer continues).
+void RemoveStaleTemporaries(const std::string& target, const std::string& keep = "");
 
 }  // namespace ptk

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <lzma.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 #include <zstd.h>
@@ -41,6 +42,18 @@ class FdSource : public ByteSource {
     }
   }
   uint64_t raw_bytes_read() const override { return raw_; }
+  absl::Status Skip(uint64_t n) override {
+    struct stat st;
+    if (own_ && ::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode)) {
+      const off_t at = ::lseek(fd_, 0, SEEK_CUR);
+      if (at < 0 || static_cast<uint64_t>(st.st_size) < static_cast<uint64_t>(at) + n)
+        return absl::DataLossError(fmt::format("{}: shorter than the {} bytes to skip (changed?)", name_, n));
+      if (::lseek(fd_, static_cast<off_t>(n), SEEK_CUR) < 0) return ErrnoToStatus(errno, fmt::format("seek {}", name_));
+      raw_ += n;
+      return absl::OkStatus();
+    }
+    return ByteSource::Skip(n);
+  }
 
  private:
   int fd_;
@@ -219,6 +232,16 @@ std::string_view OtherBinaryFormat(const unsigned char* m, ssize_t n) {
 }
 
 }  // namespace
+
+absl::Status ByteSource::Skip(uint64_t n) {
+  std::vector<char> buf(1 << 20);
+  while (n > 0) {
+    PTK_ASSIGN_OR_RETURN(size_t got, Read(buf.data(), static_cast<size_t>(std::min<uint64_t>(n, buf.size()))));
+    if (got == 0) return absl::DataLossError(fmt::format("{}: ends {} bytes before the point to skip to", name_, n));
+    n -= got;
+  }
+  return absl::OkStatus();
+}
 
 Compression DetectCompression(const std::string& path) {
   if (path == "-") return Compression::kNone;

@@ -25,6 +25,9 @@ class ByteSource {
   virtual ~ByteSource() = default;
   // Reads up to `size` decoded bytes; 0 means end of data (only after the stream was complete).
   virtual absl::StatusOr<size_t> Read(char* buf, size_t size) = 0;
+  // Skips `n` decoded bytes (a plain file seeks; a compressed one decodes and discards). Reaching
+  // the end first is kDataLoss.
+  virtual absl::Status Skip(uint64_t n);
   // Raw (compressed) bytes consumed so far, for progress.
   virtual uint64_t raw_bytes_read() const = 0;
   const std::string& name() const { return name_; }

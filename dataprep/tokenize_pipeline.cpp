@@ -6,11 +6,13 @@
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include <fmt/core.h>
 #include <simdjson.h>
@@ -19,7 +21,9 @@
 
 #include "common/file_util.h"
 #include "common/happens_before.h"
+#include "common/hash.h"
 #include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/progress.h"
 #include "common/py_format.h"
 #include "common/status.h"
@@ -44,6 +48,8 @@ struct Batch {
   int file = 0;
   int64_t first_line_no = 1;      // 1-based line number of lines[0] in its file
   int64_t first_global_line = 0;  // 0-based index over all inputs (partition assignment)
+  uint64_t file_offset = 0;       // decoded byte offset of lines[0]'s batch start in its file
+  bool last_of_file = false;      // the file ends with this batch
   uint64_t raw_bytes = 0;         // input bytes consumed for this batch (progress)
 
   // Results, per key: ids and sequence lengths of all documents, and per line the number of
@@ -56,9 +62,21 @@ struct Batch {
   std::vector<uint8_t> replaced;  // per line: some character was replaced by U+FFFD
 };
 
+// Where reading starts (or resumes): a file, a decoded byte offset at a line start, the line
+// numbers there.
+struct ReadPoint {
+  int64_t file = 0;
+  uint64_t offset = 0;
+  int64_t line_no = 1, global_line = 0;
+};
+
 class LineReader {
  public:
-  LineReader(const std::vector<std::string>& files, size_t batch_bytes) : files_(files), batch_bytes_(batch_bytes) {}
+  LineReader(const std::vector<std::string>& files, size_t batch_bytes, const ReadPoint& start = {})
+      : files_(files), batch_bytes_(batch_bytes), start_(start) {
+    file_ = static_cast<int>(start.file);
+    global_line_ = start.global_line;
+  }
 
   // Next batch, nullptr at the end of all input.
   absl::StatusOr<std::unique_ptr<Batch>> Next() {
@@ -70,6 +88,13 @@ class LineReader {
         std::fflush(stdout);
         line_no_ = 1;
         at_file_start_ = true;
+        consumed_ = 0;
+        if (file_ == start_.file && start_.offset > 0) {  // resuming inside this file
+          PTK_RETURN_IF_ERROR(src_->Skip(start_.offset));
+          consumed_ = start_.offset;
+          line_no_ = start_.line_no;
+          at_file_start_ = false;
+        }
         carry_.clear();
         last_raw_ = 0;
       }
@@ -139,6 +164,9 @@ class LineReader {
       }
       b->first_line_no = line_no_;
       b->first_global_line = global_line_;
+      b->file_offset = consumed_;
+      b->last_of_file = eof;
+      consumed_ += end;
       line_no_ += static_cast<int64_t>(b->lines.size());
       global_line_ += static_cast<int64_t>(b->lines.size());
       uint64_t raw = src_->raw_bytes_read();
@@ -164,6 +192,8 @@ class LineReader {
   int64_t line_no_ = 1, global_line_ = 0;
   bool at_file_start_ = true;
   uint64_t last_raw_ = 0;
+  uint64_t consumed_ = 0;  // decoded bytes of the current file handed out in batches
+  ReadPoint start_;
 };
 
 // Code points in a UTF-8 byte string (continuation bytes are not counted).
@@ -301,6 +331,141 @@ absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const LineReader& r
   return absl::OkStatus();
 }
 
+// ---------------------------------------------------------------- resume record
+// PREFIX.ptk-resume, rewritten atomically every --resume-interval seconds: where reading goes on,
+// the counters, and each key's builder checkpoint (its fsynced temporary .bin and index so far).
+// A killed run's rerun with the same inputs and settings continues from there; the output is the
+// same bytes as an uninterrupted run's.
+
+constexpr std::string_view kResumeMagic = "PTKRESUME1\n";
+
+struct ResumeState {
+  std::string fingerprint;
+  ReadPoint next;
+  TokenizeStats stats;
+  std::vector<std::pair<int64_t, int64_t>> tallies;  // documents, bad records per input
+  std::vector<BuilderCheckpoint> builders;           // per key
+};
+
+// What must be equal for a resume to give the same bytes: inputs (name, size, mtime), keys, the
+// options that change ids, and the tokenizer (its size, EOD id and the ids of a probe text).
+std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  std::string s = "ptk-tokenize resume v1\n";
+  for (const auto& f : opt.inputs) {
+    struct stat st {};
+    (void)::stat(f.c_str(), &st);
+    s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+  }
+  for (const auto& k : opt.json_keys) s += "key " + k + "\n";
+  s += fmt::format("{} {} {} {} {}\n", opt.append_eod, opt.endoftext_as_text, opt.strict, tok.vocab_size(), tok.eod());
+  Gpt2Encoder enc(tok);
+  std::vector<int32_t> ids;
+  enc.Encode("ptk resume probe: Hello, world! 12345 \xc3\xa9t\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd <|endoftext|>", &ids);
+  for (int32_t id : ids) s += fmt::format("{} ", id);
+  return Sha256Hex(s);
+}
+
+void PutI64(std::string& o, int64_t v) { o.append(reinterpret_cast<const char*>(&v), 8); }
+
+std::string SerializeResume(const ResumeState& r) {
+  std::string o(kResumeMagic);
+  o += r.fingerprint + "\n";
+  for (int64_t v : {r.next.file, static_cast<int64_t>(r.next.offset), r.next.line_no, r.next.global_line}) PutI64(o, v);
+  const TokenizeStats& t = r.stats;
+  for (int64_t v : {t.documents, t.empty_documents, t.tokens, static_cast<int64_t>(t.bytes),
+                    static_cast<int64_t>(t.chars), t.lines, t.skipped, t.invalid_utf8, t.lone_surrogates})
+    PutI64(o, v);
+  for (int64_t v : t.skipped_by_kind) PutI64(o, v);
+  PutI64(o, static_cast<int64_t>(r.tallies.size()));
+  for (const auto& [docs, bad] : r.tallies) {
+    PutI64(o, docs);
+    PutI64(o, bad);
+  }
+  PutI64(o, static_cast<int64_t>(r.builders.size()));
+  for (const auto& b : r.builders) {
+    const std::string name = Basename(b.bin_tmp);
+    PutI64(o, static_cast<int64_t>(name.size()));
+    o += name;
+    PutI64(o, static_cast<int64_t>(b.bin_bytes));
+    PutI64(o, b.tokens);
+    PutI64(o, static_cast<int64_t>(b.lengths.size()));
+    o.append(reinterpret_cast<const char*>(b.lengths.data()), 4 * b.lengths.size());
+    PutI64(o, static_cast<int64_t>(b.doc_idx.size()));
+    o.append(reinterpret_cast<const char*>(b.doc_idx.data()), 8 * b.doc_idx.size());
+  }
+  o += Xxh3Hex(o);  // 32 hex digits: a damaged record is refused, not half-believed
+  return o;
+}
+
+absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
+  PTK_ASSIGN_OR_RETURN(std::string data, ReadFileToString(path));
+  auto bad = [&](const char* what) { return absl::DataLossError(fmt::format("{}: {}", path, what)); };
+  if (data.size() < kResumeMagic.size() + 65 + 32 || data.compare(0, kResumeMagic.size(), kResumeMagic) != 0)
+    return bad("not a ptk-tokenize resume record");
+  const std::string body = data.substr(0, data.size() - 32);
+  if (Xxh3Hex(body) != data.substr(data.size() - 32)) return bad("damaged (checksum)");
+  size_t pos = kResumeMagic.size();
+  ResumeState r;
+  r.fingerprint = body.substr(pos, 64);
+  pos += 65;
+  bool ok = true;
+  auto get = [&]() -> int64_t {
+    if (pos + 8 > body.size()) {
+      ok = false;
+      return 0;
+    }
+    int64_t v;
+    std::memcpy(&v, body.data() + pos, 8);
+    pos += 8;
+    return v;
+  };
+  auto count = [&](int64_t limit) -> size_t {
+    const int64_t n = get();
+    if (n < 0 || n > limit) ok = false;
+    return ok ? static_cast<size_t>(n) : 0;
+  };
+  r.next.file = get();
+  r.next.offset = static_cast<uint64_t>(get());
+  r.next.line_no = get();
+  r.next.global_line = get();
+  TokenizeStats& t = r.stats;
+  t.documents = get();
+  t.empty_documents = get();
+  t.tokens = get();
+  t.bytes = static_cast<uint64_t>(get());
+  t.chars = static_cast<uint64_t>(get());
+  t.lines = get();
+  t.skipped = get();
+  t.invalid_utf8 = get();
+  t.lone_surrogates = get();
+  for (int64_t& v : t.skipped_by_kind) v = get();
+  const int64_t room = static_cast<int64_t>(body.size());
+  r.tallies.resize(count(room / 16));
+  for (auto& [docs, badn] : r.tallies) {
+    docs = get();
+    badn = get();
+  }
+  r.builders.resize(count(64));
+  for (auto& b : r.builders) {
+    const size_t n = count(4096);
+    if (!ok || pos + n > body.size()) return bad("truncated");
+    b.bin_tmp = JoinPath(Dirname(path), body.substr(pos, n));
+    pos += n;
+    b.bin_bytes = static_cast<uint64_t>(get());
+    b.tokens = get();
+    b.lengths.resize(count(room / 4));
+    if (!ok || pos + 4 * b.lengths.size() > body.size()) return bad("truncated");
+    std::memcpy(b.lengths.data(), body.data() + pos, 4 * b.lengths.size());
+    pos += 4 * b.lengths.size();
+    b.doc_idx.resize(count(room / 8));
+    if (!ok || pos + 8 * b.doc_idx.size() > body.size()) return bad("truncated");
+    std::memcpy(b.doc_idx.data(), body.data() + pos, 8 * b.doc_idx.size());
+    pos += 8 * b.doc_idx.size();
+  }
+  if (!ok || pos != body.size()) return bad("truncated or damaged");
+  return r;
+}
+
 }  // namespace
 
 absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
@@ -320,11 +485,55 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
     std::string final_prefix = OutputPrefixFor(opt.output_prefix, opt.json_keys[k]);
     return nparts == 1 ? final_prefix : fmt::format("{}.ptk-part{}", final_prefix, p);
   };
-  for (int p = 0; p < nparts; ++p)
-    for (size_t k = 0; k < nkeys; ++k) {
-      PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(part_prefix(p, k), dtype));
-      builders[p].push_back(std::move(b));
+  // Resume record: one run's, beside the first key's output; removed whenever this call returns
+  // (success or error: an unfinished builder's temporary is gone then), so only a killed run
+  // leaves one.
+  const bool resumable = nparts == 1 && opt.resume_interval_s > 0 &&
+                         std::find(opt.inputs.begin(), opt.inputs.end(), "-") == opt.inputs.end();
+  const std::string journal = OutputPrefixFor(opt.output_prefix, opt.json_keys[0]) + ".ptk-resume";
+  std::optional<ResumeState> resume;
+  std::string fingerprint;
+  if (resumable) {
+    fingerprint = ResumeFingerprint(opt, tok);
+    if (PathExists(journal)) {
+      auto r = ParseResume(journal);
+      if (r.ok() && r->fingerprint == fingerprint && r->builders.size() == nkeys &&
+          r->tallies.size() == opt.inputs.size() && r->next.file >= 0 &&
+          r->next.file <= static_cast<int64_t>(opt.inputs.size()))
+        resume = std::move(*r);
+      else
+        log::Warning("{}: {}; starting over", journal,
+                     r.ok() ? "left by a run with other inputs or settings" : StatusMessage(r.status()));
     }
+  }
+  if (resume) {
+    for (size_t k = 0; k < nkeys; ++k) {
+      auto b = IndexedDatasetBuilder::Resume(part_prefix(0, k), dtype, resume->builders[k]);
+      if (!b.ok()) {
+        if (IsOutputBusy(b.status())) return b.status();
+        log::Warning("cannot resume ({}); starting over", StatusMessage(b.status()));
+        builders[0].clear();
+        resume.reset();
+        break;
+      }
+      builders[0].push_back(std::move(*b));
+    }
+  }
+  if (!resume) {
+    for (int p = 0; p < nparts; ++p)
+      for (size_t k = 0; k < nkeys; ++k) {
+        PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(part_prefix(p, k), dtype));
+        builders[p].push_back(std::move(b));
+      }
+  }
+  if (resumable) RemoveStaleTemporaries(journal);  // a record being written when a run was killed
+  struct RemoveJournal {
+    const std::string& path;
+    bool active;
+    ~RemoveJournal() {
+      if (active) (void)RemoveFileIfExists(path);
+    }
+  } remove_journal{journal, resumable};
 
   uint64_t total_raw = 0;
   for (const auto& f : opt.inputs) {
@@ -339,9 +548,20 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   // The caller's --workers, in an arena of this call's own: no process-wide oneTBB setting.
   tbb::task_arena arena(workers);
   tbb::enumerable_thread_specific<std::unique_ptr<Worker>> tls;
-  LineReader reader(opt.inputs, opt.batch_bytes);
+  LineReader reader(opt.inputs, opt.batch_bytes, resume ? resume->next : ReadPoint{});
   TokenizeStats stats;
   std::vector<FileTally> tallies(opt.inputs.size());
+  if (resume) {
+    stats = resume->stats;
+    for (size_t f = 0; f < tallies.size(); ++f) {
+      tallies[f].documents = resume->tallies[f].first;
+      tallies[f].bad = resume->tallies[f].second;
+    }
+    log::Info("resuming a killed run from {}:{} ({} documents already written)",
+              resume->next.file < static_cast<int64_t>(opt.inputs.size()) ? opt.inputs[resume->next.file] : "the end",
+              resume->next.line_no, stats.documents);
+  }
+  auto last_resume_point = std::chrono::steady_clock::now();
   // One status per serial stage: oneTBB may run the reader and the sink at the same time.
   absl::Status read_error, sink_error;
   std::atomic<bool> stop{false};
@@ -473,6 +693,34 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
               log::Raw(fmt::format("Processed {} documents ({} docs/s, {} MB/s).", stats.documents,
                                    py::FloatRepr(stats.documents / el), py::FloatRepr(stats.chars / el / 1024 / 1024)));
             }
+          }
+          if (resumable &&
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - last_resume_point).count() >=
+                  opt.resume_interval_s) {
+            // Everything up to the end of this batch is in the builders: record where to go on.
+            const int64_t n = static_cast<int64_t>(b->lines.size());
+            ResumeState r;
+            r.fingerprint = fingerprint;
+            r.next = b->last_of_file
+                         ? ReadPoint{b->file + 1, 0, 1, b->first_global_line + n}
+                         : ReadPoint{b->file, b->file_offset + b->size, b->first_line_no + n, b->first_global_line + n};
+            r.stats = stats;
+            for (const auto& t : tallies) r.tallies.emplace_back(t.documents, t.bad);
+            absl::Status st;
+            for (size_t k = 0; k < nkeys && st.ok(); ++k) {
+              auto cp = builders[0][k]->Checkpoint();
+              if (cp.ok())
+                r.builders.push_back(std::move(*cp));
+              else
+                st = cp.status();
+            }
+            if (st.ok()) st = WriteFileAtomic(journal, SerializeResume(r));
+            if (!st.ok()) {
+              sink_error = st;
+              stop = true;
+              return;
+            }
+            last_resume_point = std::chrono::steady_clock::now();
           }
         }));
   });

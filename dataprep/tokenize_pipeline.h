@@ -32,6 +32,9 @@ struct TokenizeOptions {
   // The run fails (nothing published) when more than this fraction of the non-blank records
   // cannot be read, and whenever an input yields no document at all.
   double max_bad_fraction = 0.01;
+  // Seconds between resume points (PREFIX.ptk-resume): a killed run's rerun continues from the
+  // last one. 0: none. Not with round-robin --partitions or stdin.
+  double resume_interval_s = 60;
   bool progress = true;
   bool megatron_log = true;  // "Processed N documents (X docs/s, Y MB/s)." lines
 };

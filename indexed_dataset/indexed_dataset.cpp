@@ -61,6 +61,38 @@ absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Cr
       new IndexedDatasetBuilder(prefix, dtype, multimodal, std::move(lock), std::move(bin)));
 }
 
+absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Resume(const std::string& prefix,
+                                                                                     DType dtype,
+                                                                                     const BuilderCheckpoint& cp) {
+  if (cp.doc_idx.empty() || cp.doc_idx.front() != 0 || cp.doc_idx.back() > static_cast<int64_t>(cp.lengths.size()) ||
+      cp.bin_bytes != static_cast<uint64_t>(cp.tokens) * DTypeSize(dtype) || Dirname(cp.bin_tmp) != Dirname(prefix))
+    return absl::DataLossError(fmt::format("{}: the resume record is inconsistent", prefix));
+  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(prefix));
+  PTK_RETURN_IF_ERROR(CompletePendingPublish(PublishJournalPath(prefix)));
+  for (const auto& f : {BinPath(prefix), IdxPath(prefix), DoneSidecarPath(prefix), PublishJournalPath(prefix)})
+    RemoveStaleTemporaries(f, cp.bin_tmp);
+  PTK_ASSIGN_OR_RETURN(auto bin, AtomicFileWriter::Reopen(BinPath(prefix), cp.bin_tmp, cp.bin_bytes));
+  std::unique_ptr<IndexedDatasetBuilder> b(
+      new IndexedDatasetBuilder(prefix, dtype, /*multimodal=*/false, std::move(lock), std::move(bin)));
+  b->lengths_ = cp.lengths;
+  b->doc_idx_ = cp.doc_idx;
+  b->tokens_ = cp.tokens;
+  return b;
+}
+
+absl::StatusOr<BuilderCheckpoint> IndexedDatasetBuilder::Checkpoint() {
+  if (finalized_) return absl::FailedPreconditionError("builder already finalized");
+  PTK_RETURN_IF_ERROR(bin_->Flush());
+  PTK_RETURN_IF_ERROR(FsyncFile(bin_->fd(), bin_->tmp_path()));
+  BuilderCheckpoint cp;
+  cp.bin_tmp = bin_->tmp_path();
+  cp.bin_bytes = bin_->bytes_written();
+  cp.tokens = tokens_;
+  cp.lengths = lengths_;
+  cp.doc_idx = doc_idx_;
+  return cp;
+}
+
 absl::Status IndexedDatasetBuilder::WriteTokens(std::span<const int32_t> tokens) {
   if (tokens.empty()) return absl::OkStatus();
   const size_t isz = DTypeSize(dtype_);

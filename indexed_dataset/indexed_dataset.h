@@ -54,10 +54,28 @@ absl::Status RemoveIndexedDataset(const std::string& prefix);
 // files, counts), then publishes the three together through a journal (PublishTogether): after a
 // kill or a full disk at any point, PREFIX holds the old pair or the new pair, never one of each,
 // and a left-over journal is completed by the next writer or IndexedDataset::Open.
+// What a resumable writer records to continue after a kill: its durable temporary .bin and the
+// index so far.
+struct BuilderCheckpoint {
+  std::string bin_tmp;  // path of the temporary .bin
+  uint64_t bin_bytes = 0;
+  int64_t tokens = 0;
+  std::vector<int32_t> lengths;
+  std::vector<int64_t> doc_idx;
+};
+
 class IndexedDatasetBuilder {
  public:
   static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Create(const std::string& prefix, DType dtype,
                                                                        bool multimodal = false);
+
+  // Continues a builder that a killed process checkpointed (single-modal only). Takes the lock and
+  // cleans up like Create, keeping the checkpoint's temporary.
+  static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Resume(const std::string& prefix, DType dtype,
+                                                                       const BuilderCheckpoint& checkpoint);
+  // Makes everything added so far durable (flush + fsync of the temporary .bin) and returns what
+  // Resume needs to continue from exactly here.
+  absl::StatusOr<BuilderCheckpoint> Checkpoint();
 
   // One sequence; does not close the document (Megatron's add_item).
   absl::Status AddItem(std::span<const int32_t> tokens, int8_t mode = 0);

@@ -56,6 +56,10 @@ int main(int argc, char** argv) {
                   "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
                   "(default 0.01; 1 tolerates any)")
       ->check(ptk::cli::NonNegative());
+  app->add_option("--resume-interval", opt.resume_interval_s,
+                  "Seconds between resume points: a rerun after a kill continues from the last one (default 60; 0: "
+                  "always start over)")
+      ->check(ptk::cli::NonNegative());
   app->add_flag("--quiet", quiet, "No progress line and no per-interval log lines");
   // Megatron flags ptk does not implement: accepted by the parser so that they give a clear error.
   app->add_flag("--split-sentences", split_sentences, "Not supported (NLTK sentence splitting): an error");

@@ -172,6 +172,20 @@ TEST(TokenizeErrors, GzipInputsAreDecoded) {
   EXPECT_NE(cut.output.find("cut.json.gz: truncated gzip data"), std::string::npos) << cut.output;
 }
 
+// A resume record that is damaged (or from a run with other inputs or settings) is not believed:
+// the run starts over, says so, and its output is the plain run's.
+TEST(TokenizeErrors, ForeignOrDamagedResumeRecordMeansStartingOver) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n{\"text\": \"again\"}\n");
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "ref"))).exit_code, 0);
+  testing::WriteFile(dir / "out_text_document.ptk-resume", "PTKRESUME1\n" + std::string(200, 'z'));
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("damaged (checksum); starting over"), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+  EXPECT_FALSE(testing::Exists(dir / "out_text_document.ptk-resume"));
+}
+
 TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
   TempDir dir;
   std::string data;
@@ -198,6 +212,27 @@ TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
     EXPECT_FALSE(testing::Exists(out + "_text_document.idx")) << in;
     EXPECT_EQ(testing::Leftovers(testing::Dirname(out)), "") << in;
   }
+}
+
+// Regression (issue 11): numbers that were not numbers gave "unexpected exception: std::bad_alloc"
+// or a 300-digit range. Now: exit 2 and one short line naming the flag.
+TEST(TokenizeErrors, BadNumbersAreShortUsageErrors) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"x\"}\n");
+  for (const char* flag : {"--batch-mb nan", "--batch-mb inf", "--batch-mb -1", "--workers 0", "--workers abc",
+                           "--max-bad-fraction nan", "--batch-mb 100000"}) {
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} {}", dir / "in.jsonl", dir / "out", flag)));
+    EXPECT_EQ(r.exit_code, 2) << flag << ": " << r.output;
+    EXPECT_NE(r.output.find(std::string(flag).substr(0, std::string(flag).find(' '))), std::string::npos)
+        << flag << ": " << r.output;
+    EXPECT_LT(r.output.size(), 300u) << flag << ": " << r.output;
+    EXPECT_EQ(r.output.find("exception"), std::string::npos) << r.output;
+  }
+  auto slurm =
+      RunCmd(fmt::format("SLURM_ARRAY_TASK_ID=abc SLURM_ARRAY_TASK_COUNT=2 {} --quiet --input {} --output-dir {}",
+                         testing::Tool("ptk-extract"), dir / "in.jsonl", dir / "x"));
+  EXPECT_EQ(slurm.exit_code, 2) << slurm.output;
+  EXPECT_NE(slurm.output.find("SLURM_ARRAY_TASK_ID=\"abc\" is not an integer"), std::string::npos) << slurm.output;
 }
 
 TEST(TokenizeErrors, UsageErrors) {
