@@ -1,13 +1,16 @@
 // Command-line conventions shared by every tool.
 #include "common/cli.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <vector>
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <set>
 
 #include <fmt/core.h>
@@ -25,6 +28,82 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
   return app;
 }
 
+namespace {
+
+// Long option names -> supported (false for the kUnsupportedGroup ones).
+void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names) {
+  for (const CLI::Option* opt : app.get_options())
+    for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = opt->get_group() != kUnsupportedGroup;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) CollectLongNames(*sub, names);
+}
+
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// Reads long options as Python's argparse does (Megatron's and NeMo's scripts use it): an
+// unambiguous prefix stands for the option (--vocab for --vocab-file), `--flag=value` works; an
+// ambiguous prefix or an unknown flag is a usage error naming the candidates or the closest flag.
+absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv) {
+  std::map<std::string, bool> names;
+  CollectLongNames(app, &names);
+  std::vector<std::string> out;
+  bool options_done = false;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i == 0 || options_done || arg.size() < 3 || arg.compare(0, 2, "--") != 0) {
+      if (arg == "--") options_done = true;
+      out.push_back(std::move(arg));
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(0, eq);
+    const std::string rest = eq == std::string::npos ? "" : arg.substr(eq);
+    if (names.count(name)) {
+      out.push_back(std::move(arg));
+      continue;
+    }
+    std::vector<std::string> matches, supported;
+    for (auto it = names.lower_bound(name); it != names.end() && it->first.compare(0, name.size(), name) == 0; ++it) {
+      matches.push_back(it->first);
+      if (it->second) supported.push_back(it->first);
+    }
+    if (matches.size() > 1 && supported.size() == 1) matches = supported;
+    if (matches.size() == 1) {
+      out.push_back(matches[0] + rest);
+      continue;
+    }
+    if (matches.size() > 1) {
+      std::string list;
+      for (const auto& m : matches) list += (list.empty() ? "" : ", ") + m;
+      return UsageError(fmt::format("ambiguous option {} could match {}", name, list));
+    }
+    std::string best;
+    size_t best_d = std::string::npos;
+    for (const auto& [n, ok] : names) {
+      const size_t d = EditDistance(name, n);
+      if (d < best_d) {
+        best_d = d;
+        best = n;
+      }
+    }
+    if (!best.empty() && best_d <= std::max<size_t>(2, name.size() / 4))
+      return UsageError(fmt::format("unknown flag {}; did you mean {}?", name, best));
+    return UsageError(fmt::format("unknown flag {}", name));
+  }
+  return out;
+}
+
+}  // namespace
+
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   // Every tool: a file-size limit (ulimit -f, a quota) must surface as EFBIG, handled like a full
   // disk (exit 3, the file named, nothing half-written), not kill the process.
@@ -39,8 +118,16 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     std::printf("%s: option table OK (%zu options)\n", app.get_name().c_str(), app.get_options().size());
     return kExitOk;
   }
+  auto args = ArgparseForms(app, argc, argv);
+  if (!args.ok()) {
+    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
+                 std::string(StatusMessage(args.status())).c_str() + 7);
+    return kExitUsage;
+  }
+  std::vector<char*> cargv;
+  for (auto& a : *args) cargv.push_back(a.data());
   try {
-    app.parse(argc, argv);
+    app.parse(static_cast<int>(cargv.size()), cargv.data());
   } catch (const CLI::CallForHelp&) {
     std::fputs(app.help().c_str(), stdout);
     return kExitOk;

@@ -28,6 +28,10 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 // Checks the table: every option has a long name and help text, and no flag is repeated.
 absl::Status CheckOptionTable(const CLI::App& app);
 
+// Option group of flags accepted only to be refused with a reason (Megatron/NeMo flags ptk does
+// not implement). An abbreviation that also matches a supported flag means the supported one.
+inline constexpr const char* kUnsupportedGroup = "Not supported (accepted to say why)";
+
 // Validators with one short message ("must be a positive number, not 0"); unlike CLI11's
 // PositiveNumber they refuse nan and inf and do not print the range of a double.
 const CLI::Validator& Positive();     // > 0

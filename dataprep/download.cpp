@@ -14,11 +14,40 @@
 
 #include "dataprep/download_internal.h"
 
+#include "common/output_lock.h"
+
 namespace ptk {
 
 using namespace download_detail;
 
 // ---------------------------------------------------------------- public helpers
+
+// What a killed run left while writing a file's partial-download record (`X.part.json.ptk-tmp-*`)
+// or the file itself, and its lock files: removed when the file's lock can be had (nobody is
+// writing it then). The
+// state directory is left alone (its files are not locked; their temporaries are unique).
+void RemoveTemporariesOfKilledRuns(const std::string& local_dir) {
+  auto files = ListFilesRecursive(local_dir);
+  if (!files.ok()) return;
+  for (const auto& rel : *files) {
+    if (rel.rfind(std::string(kStateDir) + "/", 0) == 0) continue;
+    const std::string_view lock_suffix = OutputLock::kSuffix;
+    if (rel.size() > lock_suffix.size() &&
+        rel.compare(rel.size() - lock_suffix.size(), lock_suffix.size(), lock_suffix) == 0) {
+      // A killed run's lock file: taking and releasing the lock removes it (unless a run holds it).
+      (void)OutputLock::Acquire(JoinPath(local_dir, rel.substr(0, rel.size() - lock_suffix.size())));
+      continue;
+    }
+    const size_t at = rel.find(".ptk-tmp-");
+    if (at == std::string::npos) continue;
+    std::string target = rel.substr(0, at);
+    for (std::string_view suf : {".part.json", ".part"})
+      if (target.size() > suf.size() && target.compare(target.size() - suf.size(), suf.size(), suf) == 0)
+        target.resize(target.size() - suf.size());
+    auto lock = OutputLock::Acquire(JoinPath(local_dir, target));
+    if (lock.ok()) (void)RemoveFileIfExists(JoinPath(local_dir, rel));
+  }
+}
 
 absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path) {
   if (path.empty()) return absl::InvalidArgumentError("empty path in the listing");
@@ -59,6 +88,7 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   if (opt.local_dir.empty()) return absl::InvalidArgumentError("--local-dir is required");
   if (opt.repo.empty() == opt.url_list.empty()) return absl::InvalidArgumentError("give either --repo or --url-list");
   PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(opt.local_dir, kStateDir)));
+  RemoveTemporariesOfKilledRuns(opt.local_dir);
   Session s(opt);
   HttpClient http;
   DownloadSummary sum;

@@ -62,11 +62,16 @@ int main(int argc, char** argv) {
       ->check(ptk::cli::NonNegative());
   app->add_flag("--quiet", quiet, "No progress line and no per-interval log lines");
   // Megatron flags ptk does not implement: accepted by the parser so that they give a clear error.
-  app->add_flag("--split-sentences", split_sentences, "Not supported (NLTK sentence splitting): an error");
-  app->add_flag("--keep-newlines", keep_newlines, "Not supported (only with --split-sentences): an error");
-  app->add_option("--lang", lang, "Not supported (only with --split-sentences): an error");
-  app->add_option("--tokenizer-model", tokenizer_model, "Not supported (SentencePiece/tiktoken models): an error");
-  app->add_option("--vocab-size", vocab_size, "Not supported (the vocab file defines the size): an error");
+  app->add_flag("--split-sentences", split_sentences, "Not supported (NLTK sentence splitting): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_flag("--keep-newlines", keep_newlines, "Not supported (only with --split-sentences): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_option("--lang", lang, "Not supported (only with --split-sentences): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_option("--tokenizer-model", tokenizer_model, "Not supported (SentencePiece/tiktoken models): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_option("--vocab-size", vocab_size, "Not supported (the vocab file defines the size): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {

@@ -253,6 +253,32 @@ TEST(TokenizeErrors, UsageErrors) {
   EXPECT_NE(baddir.output.find("/nonexistent/dir"), std::string::npos);
 }
 
+// Issue 12: argparse's forms, as the tutorials write them. Neuron's line passes --vocab and --merge
+// (prefixes of --vocab-file and --merge-file); --flag=value works; a typo gets the closest flag; an
+// ambiguous prefix lists the candidates.
+TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n");
+  const std::string vocab = testing::SourceDir() + "/tokenizer/data/gpt2-vocab.json";
+  const std::string merges = testing::SourceDir() + "/tokenizer/data/gpt2-merges.txt";
+  auto neuron = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --vocab {} --merge {} --dataset-impl mmap "
+                                       "--tokenizer-type GPT2BPETokenizer --workers 2 --append-eod",
+                                       dir / "in.jsonl", dir / "n", vocab, merges)));
+  ASSERT_EQ(neuron.exit_code, 0) << neuron.output;
+  auto eq = RunCmd(Tok(fmt::format("--input={} --output-prefix={} --json-keys=text --append", dir / "in.jsonl",
+                                   dir / "e")));
+  ASSERT_EQ(eq.exit_code, 0) << eq.output;
+  EXPECT_EQ(testing::ReadFile(dir / "e_text_document.bin"), testing::ReadFile(dir / "n_text_document.bin"));
+  auto typo = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --apend-eod", dir / "in.jsonl", dir / "t")));
+  EXPECT_EQ(typo.exit_code, 2);
+  EXPECT_NE(typo.output.find("unknown flag --apend-eod; did you mean --append-eod?"), std::string::npos)
+      << typo.output;
+  auto amb = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --m x", dir / "in.jsonl", dir / "t")));
+  EXPECT_EQ(amb.exit_code, 2);
+  EXPECT_NE(amb.output.find("ambiguous option --m could match --max-bad-fraction, --merge-file"), std::string::npos)
+      << amb.output;
+}
+
 TEST(TokenizeErrors, HundredMegabyteDocument) {
   TempDir dir;
   {
