@@ -26,6 +26,14 @@ absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::
 absl::StatusOr<std::vector<std::string>> CollectInputs(const std::vector<std::string>& args,
                                                        const std::vector<std::string>& dir_suffixes, PathOrder order);
 
+// ptk-tokenize's inputs: files and globs as given (each glob's matches in natural order). A
+// directory stands for every regular file below it, extension-less ones such as WikiExtractor's
+// wiki_00 included (hidden files, ptk's own sidecars, locks and temporaries, and Megatron outputs
+// *_document.bin/.idx left out), in natural order; with `filter` (NeMo's --files-filter, e.g.
+// "**/*.json*") only those whose path below the directory matches it.
+absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<std::string>& args,
+                                                              const std::string& filter);
+
 void SortPaths(std::vector<std::string>* paths, PathOrder order);
 
 }  // namespace ptk

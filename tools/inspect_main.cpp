@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
   std::string prefix, vocab_file, merge_file, format = "both";
   int64_t doc = -1;
   bool verify = false, stats = false, multimodal = false;
-  app->add_option("prefix", prefix, "Dataset path without .bin/.idx");
+  app->add_option("prefix", prefix, "Dataset: PREFIX, PREFIX.bin or PREFIX.idx");
   app->add_option("--doc", doc, "Print document N (0-based): its token ids and decoded text");
   app->add_option("--format", format, "What --doc prints: ids, text or both")
       ->check(CLI::IsMember({"ids", "text", "both"}));
@@ -93,6 +93,7 @@ int main(int argc, char** argv) {
       return absl::OkStatus();
     }
     if (prefix.empty()) return ptk::cli::UsageError("give the dataset PREFIX");
+    PTK_ASSIGN_OR_RETURN(prefix, ptk::ResolveDatasetPrefix(prefix));  // PREFIX, PREFIX.bin or PREFIX.idx
     PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, multimodal));
     if (verify) {
       PTK_RETURN_IF_ERROR(ds->Verify());

@@ -7,6 +7,7 @@
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "dataprep/input_list.h"
 #include "dataprep/json_record.h"
 #include "dataprep/tokenize_pipeline.h"
 #include "tokenizer/gpt2_tokenizer.h"
@@ -26,8 +27,19 @@ int main(int argc, char** argv) {
   double batch_mb = 1.0;
 
   app->add_option("--input", inputs,
-                  "Input files or globs, read in the order given (matches of one glob in natural order)")
+                  "Input files, globs or directories, read in the order given (a glob's matches, and the files below "
+                  "a directory, in natural order; extension-less files such as wiki_00 included)")
       ->required();
+  // NeMo's preprocess_data_for_megatron.py flags.
+  std::string tokenizer_library = "megatron", files_filter, delimiter, retrieval_db;
+  bool preproc_folder = false, apply_ftfy = false, need_pad_id = false;
+  int64_t chunk_size = 0, chunk_stride = 0;
+  app->add_option("--tokenizer-library", tokenizer_library,
+                  "NeMo: the tokenizer library; only megatron (GPT-2 BPE) is implemented");
+  app->add_flag("--preproc-folder", preproc_folder,
+                "NeMo: --input is a directory; its files matching --files-filter (default **/*.json*) are inputs");
+  app->add_option("--files-filter", files_filter,
+                  "NeMo: glob of the files to take below an --input directory (e.g. '**/*.json*')");
   app->add_option("--output-prefix", opt.output_prefix, "Output path prefix: writes PREFIX_{key}_document.bin/.idx")
       ->required();
   app->add_option("--json-keys", opt.json_keys, "Keys to extract from each JSON line; one dataset per key");
@@ -72,6 +84,20 @@ int main(int argc, char** argv) {
       ->group(ptk::cli::kUnsupportedGroup);
   app->add_option("--vocab-size", vocab_size, "Not supported (the vocab file defines the size): an error")
       ->group(ptk::cli::kUnsupportedGroup);
+  app->add_flag("--apply-ftfy", apply_ftfy,
+                "Not supported (NeMo's ftfy text repair is a Python library ptk does not reimplement): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_flag("--need-pad-id", need_pad_id, "Not supported (adds a pad token, changing the GPT-2 vocab): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_option("--delimiter", delimiter, "Not supported (NeMo retrieval/tabular data): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_option("--retrieval-db", retrieval_db, "Not supported (NeMo retrieval databases): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_option("--chunk_size,--chunk-size", chunk_size, "Not supported (NeMo retrieval chunks): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
+  app->add_option("--chunk_stride_size,--chunk-stride-size", chunk_stride,
+                  "Not supported (NeMo retrieval chunks): an error")
+      ->group(ptk::cli::kUnsupportedGroup);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
@@ -85,12 +111,29 @@ int main(int argc, char** argv) {
           "--split-sentences/--keep-newlines/--lang (NLTK sentence splitting) are not supported");
     if (!tokenizer_model.empty()) return ptk::cli::UsageError("--tokenizer-model is not supported (GPT-2 BPE only)");
     if (vocab_size != 0) return ptk::cli::UsageError("--vocab-size is not supported (the vocab file defines it)");
+    if (tokenizer_library != "megatron")
+      return ptk::cli::UsageError(fmt::format(
+          "--tokenizer-library {} is not supported: only megatron (GPT-2 BPE) is; use NeMo's script for others",
+          tokenizer_library));
+    if (apply_ftfy)
+      return ptk::cli::UsageError(
+          "--apply-ftfy is not supported: ftfy is a Python library; run it over the jsonl first, or drop the flag");
+    if (need_pad_id)
+      return ptk::cli::UsageError("--need-pad-id is not supported: it adds a pad token to the vocab (GPT-2 has none)");
+    if (!delimiter.empty() || !retrieval_db.empty() || chunk_size != 0 || chunk_stride != 0)
+      return ptk::cli::UsageError(
+          "--delimiter/--retrieval-db/--chunk_size/--chunk_stride_size (NeMo retrieval data) are not supported");
+    if (preproc_folder) {
+      if (inputs.size() != 1 || !ptk::IsDirectory(inputs[0]))
+        return ptk::cli::UsageError("--preproc-folder: --input must name one directory");
+      if (files_filter.empty()) files_filter = "**/*.json*";  // NeMo's default
+    }
     if (vocab_file.empty() != merge_file.empty())
       return ptk::cli::UsageError("--vocab-file and --merge-file go together");
     std::string out_dir = ptk::Dirname(opt.output_prefix);
     if (!ptk::IsDirectory(out_dir))
       return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
-    PTK_ASSIGN_OR_RETURN(opt.inputs, ptk::ExpandGlobs(inputs));
+    PTK_ASSIGN_OR_RETURN(opt.inputs, ptk::ExpandTokenizeInputs(inputs, files_filter));
     opt.workers = workers;
     if (batch_mb > 4096) return ptk::cli::UsageError(fmt::format("--batch-mb {} is more than 4096", batch_mb));
     opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(batch_mb * (1 << 20)));

@@ -4,6 +4,7 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "dataprep/json_record.h"
@@ -261,22 +262,66 @@ TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
   testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n");
   const std::string vocab = testing::SourceDir() + "/tokenizer/data/gpt2-vocab.json";
   const std::string merges = testing::SourceDir() + "/tokenizer/data/gpt2-merges.txt";
-  auto neuron = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --vocab {} --merge {} --dataset-impl mmap "
-                                       "--tokenizer-type GPT2BPETokenizer --workers 2 --append-eod",
-                                       dir / "in.jsonl", dir / "n", vocab, merges)));
+  auto neuron =
+      RunCmd(Tok(fmt::format("--input {} --output-prefix {} --vocab {} --merge {} --dataset-impl mmap "
+                             "--tokenizer-type GPT2BPETokenizer --workers 2 --append-eod",
+                             dir / "in.jsonl", dir / "n", vocab, merges)));
   ASSERT_EQ(neuron.exit_code, 0) << neuron.output;
-  auto eq = RunCmd(Tok(fmt::format("--input={} --output-prefix={} --json-keys=text --append", dir / "in.jsonl",
-                                   dir / "e")));
+  auto eq =
+      RunCmd(Tok(fmt::format("--input={} --output-prefix={} --json-keys=text --append", dir / "in.jsonl", dir / "e")));
   ASSERT_EQ(eq.exit_code, 0) << eq.output;
   EXPECT_EQ(testing::ReadFile(dir / "e_text_document.bin"), testing::ReadFile(dir / "n_text_document.bin"));
   auto typo = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --apend-eod", dir / "in.jsonl", dir / "t")));
   EXPECT_EQ(typo.exit_code, 2);
-  EXPECT_NE(typo.output.find("unknown flag --apend-eod; did you mean --append-eod?"), std::string::npos)
-      << typo.output;
+  EXPECT_NE(typo.output.find("unknown flag --apend-eod; did you mean --append-eod?"), std::string::npos) << typo.output;
   auto amb = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --m x", dir / "in.jsonl", dir / "t")));
   EXPECT_EQ(amb.exit_code, 2);
   EXPECT_NE(amb.output.find("ambiguous option --m could match --max-bad-fraction, --merge-file"), std::string::npos)
       << amb.output;
+}
+
+// Issue 12: --input takes a directory (as NeMo's --preproc-folder does); WikiExtractor's
+// extension-less wiki_00 files are inputs; NeMo's flags are honoured or refused with a reason;
+// ptk-inspect takes PREFIX, PREFIX.bin or PREFIX.idx and hints at _text_document.
+TEST(TokenizeErrors, DirectoriesNemoFlagsAndInspectForms) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "wiki/AA");
+  std::filesystem::create_directories(dir / "wiki/AB");
+  testing::WriteFile(dir / "wiki/AA/wiki_00", "{\"text\": \"first\"}\n");
+  testing::WriteFile(dir / "wiki/AA/wiki_01", "{\"text\": \"second\"}\n");
+  testing::WriteFile(dir / "wiki/AB/wiki_00", "{\"text\": \"third\"}\n");
+  testing::WriteFile(dir / "wiki/AB/notes.json", "{\"text\": \"fourth\"}\n");
+  testing::WriteFile(dir / "wiki/.hidden", "not an input");
+  testing::WriteFile(dir / "wiki/AA/wiki_00.ptk-done", "not an input");
+  testing::WriteFile(dir / "all.jsonl",
+                     // natural order of the paths below wiki/: AA/wiki_00, AA/wiki_01, AB/notes.json, AB/wiki_00
+                     "{\"text\": \"first\"}\n{\"text\": \"second\"}\n{\"text\": \"fourth\"}\n{\"text\": \"third\"}\n");
+  testing::WriteFile(dir / "json.jsonl", "{\"text\": \"fourth\"}\n");
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "all.jsonl", dir / "ref"))).exit_code, 0);
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "json.jsonl", dir / "ref1"))).exit_code, 0);
+  auto d = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "wiki", dir / "d")));
+  ASSERT_EQ(d.exit_code, 0) << d.output;
+  EXPECT_EQ(testing::ReadFile(dir / "d_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+  auto nemo = RunCmd(Tok(fmt::format("--input {} --preproc-folder --tokenizer-library megatron --output-prefix {}",
+                                     dir / "wiki", dir / "n")));
+  ASSERT_EQ(nemo.exit_code, 0) << nemo.output;  // NeMo's default filter **/*.json*: notes.json only
+  EXPECT_EQ(testing::ReadFile(dir / "n_text_document.bin"), testing::ReadFile(dir / "ref1_text_document.bin"));
+  for (const char* refused :
+       {"--apply-ftfy", "--tokenizer-library sentencepiece", "--need-pad-id", "--retrieval-db x", "--chunk_size 64"}) {
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {} {}", dir / "wiki", dir / "x", refused)));
+    EXPECT_EQ(r.exit_code, 2) << refused << ": " << r.output;
+    EXPECT_NE(r.output.find("not supported"), std::string::npos) << refused << ": " << r.output;
+    EXPECT_NE(r.output.find(std::string(refused).substr(0, std::string(refused).find(' '))), std::string::npos)
+        << r.output;
+  }
+  const std::string inspect = testing::Tool("ptk-inspect") + " --verify ";
+  for (const char* form : {"ref_text_document", "ref_text_document.bin", "ref_text_document.idx"}) {
+    auto r = RunCmd(inspect + dir / form);
+    EXPECT_EQ(r.exit_code, 0) << form << ": " << r.output;
+  }
+  auto hint = RunCmd(inspect + dir / "ref");
+  EXPECT_EQ(hint.exit_code, 1) << hint.output;
+  EXPECT_NE(hint.output.find("did you mean " + dir / "ref_text_document"), std::string::npos) << hint.output;
 }
 
 TEST(TokenizeErrors, HundredMegabyteDocument) {
