@@ -10,6 +10,7 @@
 
 #include "common/file_util.h"
 #include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/status.h"
 #include "indexed_dataset/data_loader.h"
 #include "trainer/checkpoint.h"
@@ -192,7 +193,14 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   TrainState state;
   state.seed = o.seed;
   TrainSummary summary;
-  if (rank == 0 && !o.save.empty()) PTK_RETURN_IF_ERROR(RemoveStaleCheckpointTemporaries(o.save));
+  // One training run per --save directory: a second (a requeue while the first still runs) stops
+  // here naming the first, instead of interleaving checkpoints with it.
+  std::unique_ptr<OutputLock> save_lock;
+  if (rank == 0 && !o.save.empty()) {
+    PTK_RETURN_IF_ERROR(MakeDirs(o.save));
+    PTK_ASSIGN_OR_RETURN(save_lock, OutputLock::Acquire(JoinPath(o.save, "ptk-train")));
+    PTK_RETURN_IF_ERROR(RemoveStaleCheckpointTemporaries(o.save));
+  }
   if (!o.load.empty()) {
     auto latest = LatestCheckpointIteration(o.load);
     if (latest.ok()) {

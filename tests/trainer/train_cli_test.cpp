@@ -127,6 +127,24 @@ TEST_F(TrainCli, SigtermSavesAndExitsCleanly) {
   EXPECT_EQ(Load(dir_ / "s", *it).state.iteration, *it);
 }
 
+// A second ptk-train on the same --save (a requeue while the first still runs) stops at once, naming
+// the first, and leaves its checkpoints alone; the first finishes normally.
+TEST_F(TrainCli, SecondRunOnOneSaveDirIsRefused) {
+  const std::string save = ShellQuote(dir_ / "s");
+  std::string cmd =
+      "bash -c " + ShellQuote(Train("--save " + save + " --save-interval 50", 100) + " > " +
+                              ShellQuote(dir_ / "first.log") + " 2>&1 & pid=$!; sleep 1; " +
+                              Train("--save " + save, 4) + "; echo second_rc=$?; wait $pid; echo first_rc=$?");
+  auto r = RunCmd(cmd);
+  EXPECT_NE(r.output.find("second_rc=1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("is being written by another run"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("first_rc=0"), std::string::npos) << r.output << testing::ReadFile(dir_ / "first.log");
+  auto it = LatestCheckpointIteration(dir_ / "s");
+  ASSERT_TRUE(it.ok()) << it.status();
+  EXPECT_EQ(*it, 100);
+  EXPECT_FALSE(testing::Exists(dir_ / "s/ptk-train.ptk-lock"));
+}
+
 TEST_F(TrainCli, KillDuringSavesKeepsLatestWhole) {
   const std::string save = dir_ / "k";
   for (int attempt = 0; attempt < 5; ++attempt) {
