@@ -34,7 +34,7 @@ if [ "${PTK_SKIP_INSTALL:-0}" != 1 ]; then
 fi
 if [ "${PTK_SKIP_BUILD:-0}" != 1 ]; then
   cmake -S "$ROOT" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build "$ROOT/build" -j "$JOBS" --target ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-train
+  cmake --build "$ROOT/build" -j "$JOBS" --target ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train
 fi
 
 mkdir -p "$OUT"

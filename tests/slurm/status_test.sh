@@ -48,4 +48,21 @@ PLAN_FILE=$D/chunks/concat-plan.json PREPROCESSED_DIR=$D/preprocessed PTK_BIN=$B
 mapfile -t prefixes < <(eval "$(grep -m1 'mapfile -t prefixes' "$SRC/slurm/train.sbatch" | sed 's/^mapfile -t prefixes < <(\(.*\))$/\1/')")
 [ "${#prefixes[@]}" = 2 ] || fail "train would read ${#prefixes[@]} datasets: ${prefixes[*]}"
 [ "${prefixes[1]}" = "$D/preprocessed/train_01_text_document" ] || fail "train prefixes: ${prefixes[*]}"
+# submit-pipeline.sh --dry-run without a controller (issue 12): a failing sinfo and no sbatch.
+mkdir -p "$W/fakebin"
+printf '#!/bin/sh\necho "sinfo: error: Unable to contact slurm controller" >&2\nexit 1\n' > "$W/fakebin/sinfo"
+chmod +x "$W/fakebin/sinfo"
+for t in bash sed tr grep head mkdir dirname cat printf env; do ln -sf "$(command -v $t)" "$W/fakebin/$t" 2>/dev/null || true; done
+dry=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 bash "$SRC/slurm/submit-pipeline.sh" --dry-run 2>&1) ||
+  fail "dry-run without a controller failed: $dry"
+echo "$dry" | grep -q "partitions not checked" || fail "dry-run note missing: $dry"
+[ "$(echo "$dry" | grep -c '^sbatch ')" = 6 ] || fail "dry-run printed no sbatch lines: $dry"
+# A wrong partition names the variable to set (HyperPod's only partition is dev).
+printf '#!/bin/sh\necho "dev*"\n' > "$W/fakebin/sinfo"
+bad=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 bash "$SRC/slurm/submit-pipeline.sh" --dry-run 2>&1) && fail "accepted"
+echo "$bad" | grep -q "set DOWNLOAD_PARTITION to one of: dev" || fail "partition message: $bad"
+ok=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 DOWNLOAD_PARTITION=dev PREP_PARTITION=dev TRAIN_PARTITION=dev \
+     bash "$SRC/slurm/submit-pipeline.sh" --dry-run 2>&1) || fail "dev partitions refused: $ok"
+help=$(bash "$SRC/slurm/submit-pipeline.sh" --help)
+echo "$help" | grep -q "Usage: slurm/submit-pipeline.sh" || fail "--help: $help"
 echo "status_test: OK"
