@@ -72,8 +72,8 @@ struct ReadPoint {
 
 class LineReader {
  public:
-  LineReader(const std::vector<std::string>& files, size_t batch_bytes, const ReadPoint& start = {})
-      : files_(files), batch_bytes_(batch_bytes), start_(start) {
+  LineReader(const std::vector<std::string>& files, size_t batch_bytes, const ReadPoint& start, bool announce)
+      : files_(files), batch_bytes_(batch_bytes), start_(start), announce_(announce) {
     file_ = static_cast<int>(start.file);
     global_line_ = start.global_line;
   }
@@ -84,8 +84,10 @@ class LineReader {
       if (!src_) {
         if (file_ >= static_cast<int>(files_.size())) return std::unique_ptr<Batch>();
         PTK_ASSIGN_OR_RETURN(src_, OpenByteSource(files_[file_]));
-        std::printf("Opening %s\n", files_[file_].c_str());
-        std::fflush(stdout);
+        if (announce_) {  // Megatron's line
+          std::printf("Opening %s\n", files_[file_].c_str());
+          std::fflush(stdout);
+        }
         line_no_ = 1;
         at_file_start_ = true;
         consumed_ = 0;
@@ -194,6 +196,7 @@ class LineReader {
   uint64_t last_raw_ = 0;
   uint64_t consumed_ = 0;  // decoded bytes of the current file handed out in batches
   ReadPoint start_;
+  bool announce_ = true;
 };
 
 // Code points in a UTF-8 byte string (continuation bytes are not counted).
@@ -543,12 +546,14 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   ProgressReporter progress(
       {.label = "tokenize", .item_unit = "docs", .bytes_total = total_raw, .enabled = opt.progress});
 
-  std::printf("Processing data with %d workers.\n", workers);
-  std::fflush(stdout);
+  if (opt.megatron_log) {  // --quiet is quiet
+    std::printf("Processing data with %d workers.\n", workers);
+    std::fflush(stdout);
+  }
   // The caller's --workers, in an arena of this call's own: no process-wide oneTBB setting.
   tbb::task_arena arena(workers);
   tbb::enumerable_thread_specific<std::unique_ptr<Worker>> tls;
-  LineReader reader(opt.inputs, opt.batch_bytes, resume ? resume->next : ReadPoint{});
+  LineReader reader(opt.inputs, opt.batch_bytes, resume ? resume->next : ReadPoint{}, opt.megatron_log);
   TokenizeStats stats;
   std::vector<FileTally> tallies(opt.inputs.size());
   if (resume) {
