@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Prints the blend that training reads for the datasets the pipeline prepared: the plan's chunks,
+# in plan order (never a glob), as Megatron's --data-path ("W1 P1 W2 P2 ...") or NeMo's
+# model.data.data_prefix ("[W1,P1,W2,P2,...]").
+# Usage: STAGE_PATH=... slurm/data-path.sh [--weights equal|tokens] [--format megatron|nemo]
+#   equal:  every chunk the same weight (1/N, as the seeds write it); tokens: weights by token count.
+# Exit 1 when a dataset of the plan is missing or fails ptk-inspect --verify.
+set -euo pipefail
+PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+: "${PTK_BIN:=$(cd "$PTK_SLURM_DIR/.." && pwd)/build/bin}"
+weights=equal
+format=megatron
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --weights) weights=${2:-}; shift 2 ;;
+    --format) format=${2:-}; shift 2 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *) echo "data-path: unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$weights" in equal|tokens) ;; *) echo "data-path: --weights equal|tokens, not '$weights'" >&2; exit 2 ;; esac
+case "$format" in megatron|nemo) ;; *) echo "data-path: --format megatron|nemo, not '$format'" >&2; exit 2 ;; esac
+[ -n "${STAGE_PATH:-}" ] || { echo "data-path: STAGE_PATH is not set" >&2; exit 2; }
+source "$PTK_SLURM_DIR/config.sh"
+[ -f "$PLAN_FILE" ] || { echo "data-path: no concat plan at $PLAN_FILE" >&2; exit 1; }
+prefixes=() tokens=()
+while IFS= read -r chunk; do
+  p="$PREPROCESSED_DIR/$(basename "$chunk" .jsonl)_text_document"
+  out=$("$PTK_BIN/ptk-inspect" "$p" --verify >/dev/null 2>&1 && "$PTK_BIN/ptk-inspect" "$p") ||
+    { echo "data-path: $p is missing or damaged (ptk-inspect --verify $p)" >&2; exit 1; }
+  prefixes+=("$p")
+  tokens+=("$(echo "$out" | sed -n 's/^tokens: *//p')")
+done < <("$PTK_BIN/ptk-concat" list --plan "$PLAN_FILE")
+n=${#prefixes[@]}
+[ "$n" -gt 0 ] || { echo "data-path: the plan has no chunks" >&2; exit 1; }
+total=0
+for t in "${tokens[@]}"; do total=$((total + t)); done
+items=()
+for i in "${!prefixes[@]}"; do
+  if [ "$weights" = equal ]; then
+    w=$(awk -v n="$n" 'BEGIN { printf "%.6g", 1 / n }')
+  else
+    w=$(awk -v t="${tokens[$i]}" -v s="$total" 'BEGIN { printf "%.6g", (s > 0 ? t / s : 0) }')
+  fi
+  items+=("$w" "${prefixes[$i]}")
+done
+if [ "$format" = megatron ]; then
+  echo "${items[*]}"
+else
+  (IFS=,; echo "[${items[*]}]")
+fi
