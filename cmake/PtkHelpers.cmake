@@ -14,6 +14,7 @@ function(ptk_add_tool name source)
   add_executable(${name} ${source})
   target_link_libraries(${name} PRIVATE ${ARGN})
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin)
+  install(TARGETS ${name} RUNTIME DESTINATION bin)
 endfunction()
 
 # ptk_add_test(NAME SOURCES... DEPS... LABELS...) -> gtest binary registered with CTest

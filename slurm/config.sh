@@ -3,7 +3,8 @@
 #
 #   STAGE_PATH            (required) working area, as in the Azure/NeMo recipes
 #   DATASET_FOLDER_NAME   slimpajama          -> $STAGE_PATH/$DATASET_FOLDER_NAME/{raw,extracted,chunks,preprocessed}
-#   PTK_BIN               ptk binaries        (default: build/bin of this checkout)
+#   PTK_BIN               ptk binaries        (default: bin/ of the install tree these scripts are in, else
+#                                             build/bin of this checkout)
 #   HF_REPO               cerebras/SlimPajama-627B      HF_REPO_TYPE dataset   HF_REVISION main
 #   HF_INCLUDE            'train/**'          HF_EXCLUDE (unset)   HF_ENDPOINT / HF_TOKEN as for huggingface_hub
 #   DOWNLOAD_PARTITION    htc                 DOWNLOAD_TASKS 1     DOWNLOAD_JOBS 16    DOWNLOAD_VERIFY 0
@@ -16,6 +17,13 @@
 #   TRAIN_ITERS 100       TRAIN_ARGS (model/optimizer flags as for pretrain_gpt.py; default a small GPT)
 #   CKPT_DIR $STAGE_PATH/checkpoints   TRAIN_TIME_LIMIT = TIME_LIMIT
 
+if [ -z "${PTK_BIN:-}" ]; then
+  # An install tree (PREFIX/share/ptk/slurm -> PREFIX/bin), wherever it was copied; else a checkout.
+  for d in "$PTK_SLURM_DIR/../../../bin" "$PTK_SLURM_DIR/../build/bin"; do
+    if [ -x "$d/ptk-tokenize" ]; then PTK_BIN=$(cd "$d" && pwd); break; fi
+  done
+  : "${PTK_BIN:=$PTK_SLURM_DIR/../build/bin}"
+fi
 : "${DATASET_FOLDER_NAME:=slimpajama}"
 : "${HF_REPO:=cerebras/SlimPajama-627B}"
 : "${HF_REPO_TYPE:=dataset}"

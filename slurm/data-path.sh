@@ -7,7 +7,6 @@
 # Exit 1 when a dataset of the plan is missing or fails ptk-inspect --verify.
 set -euo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-: "${PTK_BIN:=$(cd "$PTK_SLURM_DIR/.." && pwd)/build/bin}"
 weights=equal
 format=megatron
 while [ $# -gt 0 ]; do

@@ -5,7 +5,6 @@
 # Usage: STAGE_PATH=... slurm/status.sh      Exit 0 when every stage is complete.
 set -uo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-: "${PTK_BIN:=$(cd "$PTK_SLURM_DIR/.." && pwd)/build/bin}"
 [ -n "${STAGE_PATH:-}" ] || { echo "status: STAGE_PATH is not set" >&2; exit 2; }
 source "$PTK_SLURM_DIR/config.sh"
 

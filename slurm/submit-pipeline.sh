@@ -12,8 +12,6 @@
 set -euo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PTK_SLURM_DIR
-: "${PTK_BIN:=$(cd "$PTK_SLURM_DIR/.." && pwd)/build/bin}"
-export PTK_BIN
 
 from=download
 dry=0
@@ -29,6 +27,7 @@ done
 die() { echo "submit-pipeline: error: $*" >&2; exit 2; }
 [ -n "${STAGE_PATH:-}" ] || die "STAGE_PATH is not set (the working area for downloads, chunks and datasets)"
 source "$PTK_SLURM_DIR/config.sh"
+export PTK_BIN
 case " $STAGES " in *" $from "*) ;; *) die "--from $from: not a stage (one of: $STAGES)" ;; esac
 
 # ---- check the configuration now rather than an hour later in a failed job

@@ -71,4 +71,17 @@ ok=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 DOWNLOAD_PARTITION=dev PR
      bash "$SRC/slurm/submit-pipeline.sh" --dry-run 2>&1) || fail "dev partitions refused: $ok"
 help=$(bash "$SRC/slurm/submit-pipeline.sh" --help)
 echo "$help" | grep -q "Usage: slurm/submit-pipeline.sh" || fail "--help: $help"
+# cmake --install gives a relocatable tree (issue 12): installed, moved elsewhere, it runs, and its
+# Slurm scripts find its binaries without PTK_BIN.
+cmake --install "$BIN/.." --prefix "$W/inst" >/dev/null || fail "cmake --install"
+mv "$W/inst" "$W/moved"
+M=$W/moved
+"$M/bin/ptk-tokenize" --quiet --input "$W/in/s0.jsonl" --output-prefix "$W/inst_out" \
+  --vocab-file "$M/share/ptk/gpt2/gpt2-vocab.json" --merge-file "$M/share/ptk/gpt2/gpt2-merges.txt" >/dev/null 2>&1 ||
+  fail "the moved ptk-tokenize"
+"$M/bin/ptk-inspect" --verify "$W/inst_out_text_document" >/dev/null || fail "the moved ptk-inspect"
+printf '#!/bin/sh\necho "htc"; echo "hpc*"; echo "gpu"\n' > "$W/fakebin/sinfo"
+moved=$(env -u PTK_BIN PATH=$W/fakebin STAGE_PATH=$W/stage3 bash "$M/share/ptk/slurm/submit-pipeline.sh" --dry-run 2>&1) ||
+  fail "submit-pipeline from the moved tree: $moved"
+echo "$moved" | grep -q "sbatch .*$M/share/ptk/slurm/download.sbatch" || fail "moved tree's sbatch lines: $moved"
 echo "status_test: OK"
