@@ -2,6 +2,8 @@
 # Every setting is an environment variable with the seeds' defaults; set them before submitting.
 #
 #   STAGE_PATH            (required) working area, as in the Azure/NeMo recipes
+#   PARTITION, NNODES, TASKS_PER_NODE   the tutorials' names: defaults of the *_PARTITION settings,
+#                         TRAIN_NODES and TRAIN_TASKS_PER_NODE (HyperPod: PARTITION=dev)
 #   DATASET_FOLDER_NAME   slimpajama          -> $STAGE_PATH/$DATASET_FOLDER_NAME/{raw,extracted,chunks,preprocessed}
 #   PTK_BIN               ptk binaries        (default: bin/ of the install tree these scripts are in, else
 #                                             build/bin of this checkout)
@@ -17,6 +19,10 @@
 #   TRAIN_ITERS 100       TRAIN_ARGS (model/optimizer flags as for pretrain_gpt.py; default a small GPT)
 #   CKPT_DIR $STAGE_PATH/checkpoints   TRAIN_TIME_LIMIT = TIME_LIMIT
 
+if [ -z "${STAGE_PATH:-}" ]; then
+  echo "ptk: STAGE_PATH is not set: export STAGE_PATH=/path/to/work/area (then sbatch or submit-pipeline.sh)" >&2
+  exit 2
+fi
 if [ -z "${PTK_BIN:-}" ]; then
   # An install tree (PREFIX/share/ptk/slurm -> PREFIX/bin), wherever it was copied; else a checkout.
   for d in "$PTK_SLURM_DIR/../../../bin" "$PTK_SLURM_DIR/../build/bin"; do
@@ -30,11 +36,11 @@ fi
 : "${HF_REVISION:=main}"
 : "${HF_INCLUDE:=train/**}"
 : "${HF_EXCLUDE:=}"
-: "${DOWNLOAD_PARTITION:=htc}"
+: "${DOWNLOAD_PARTITION:=${PARTITION:-htc}}"
 : "${DOWNLOAD_TASKS:=1}"
 : "${DOWNLOAD_JOBS:=16}"
 : "${DOWNLOAD_VERIFY:=0}"
-: "${PREP_PARTITION:=hpc}"
+: "${PREP_PARTITION:=${PARTITION:-hpc}}"
 : "${EXTRACT_TASKS:=32}"
 : "${EXTRACT_CONCURRENCY:=8}"
 : "${EXTRACT_JOBS:=4}"
@@ -50,9 +56,9 @@ fi
 : "${CPUS_PER_TASK:=4}"
 : "${TIME_LIMIT:=24:00:00}"
 : "${SBATCH_EXTRA:=}"
-: "${TRAIN_PARTITION:=gpu}"
-: "${TRAIN_NODES:=1}"
-: "${TRAIN_TASKS_PER_NODE:=1}"
+: "${TRAIN_PARTITION:=${PARTITION:-gpu}}"
+: "${TRAIN_NODES:=${NNODES:-1}}"
+: "${TRAIN_TASKS_PER_NODE:=${TASKS_PER_NODE:-1}}"
 : "${TRAIN_CPUS_PER_TASK:=$CPUS_PER_TASK}"
 : "${TRAIN_ITERS:=100}"
 : "${TRAIN_TIME_LIMIT:=$TIME_LIMIT}"

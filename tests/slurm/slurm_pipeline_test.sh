@@ -50,6 +50,9 @@ run_pipeline
 cat "$WORK/wait.out"
 [ "$WAIT_RC" = 0 ] || { tail -n 30 "$STAGE_PATH"/results/*/*.out; fail "the pipeline did not complete"; }
 "$SRC/slurm/status.sh" || fail "status.sh does not report the pipeline complete"
+cmp -s "$STAGE_PATH/slimpajama/bpe/vocab.json" "$SRC/tokenizer/data/gpt2-vocab.json" &&
+  cmp -s "$STAGE_PATH/slimpajama/bpe/merges.txt" "$SRC/tokenizer/data/gpt2-merges.txt" ||
+  fail "the GPT-2 files are not in \$STAGE_PATH/slimpajama/bpe/ where the seeds' training scripts look"
 
 echo "== reference: the same tools in one process"
 REF=$WORK/ref
@@ -150,4 +153,15 @@ expect_submit_error "STAGE_PATH is not set" -u STAGE_PATH
 expect_submit_error "partition 'nosuch' does not exist" PREP_PARTITION=nosuch
 expect_submit_error "VOCAB_FILE=/nonexistent/vocab.json does not exist" VOCAB_FILE=/nonexistent/vocab.json MERGE_FILE=/x
 expect_submit_error "must be a positive integer" EXTRACT_TASKS=0
+
+echo "== 6. a stage script submitted directly with sbatch, as the tutorials do (configured by the environment)"
+set +e
+(cd "$WORK" && env -u PTK_SLURM_DIR SBATCH_PARTITION=hpc sbatch --wait --output "$WORK/direct-%j.out" \
+   "$SRC/slurm/tokenize.sbatch" > "$WORK/direct.id" 2>&1)
+direct_rc=$?
+set -e
+direct_log=$(ls "$WORK"/direct-*.out 2>/dev/null | head -1)
+[ "$direct_rc" = 0 ] || { cat "$WORK/direct.id" "$direct_log" 2>/dev/null; fail "direct sbatch of tokenize.sbatch failed"; }
+[ "$(grep -c 'already done' "$direct_log")" = 4 ] || { cat "$direct_log"; fail "the direct job did not find the 4 datasets"; }
+echo "   sbatch slurm/tokenize.sbatch: found its configuration and the 4 finished datasets"
 echo "PASS"
