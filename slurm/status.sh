@@ -21,11 +21,23 @@ if [ -n "$manifest" ]; then
 else
   line download "not started"; complete=0
 fi
-# extract: inputs vs outputs with a sidecar
-n_in=$(find "$RAW_DIR" -type f \( -name '*.zst' -o -name '*.xz' \) 2>/dev/null | wc -l)
-n_out=$(find "$EXTRACT_DIR" -type f -name '*.ptk-done' 2>/dev/null | wc -l)
-line extract "$n_out of $n_in files extracted"
-[ "$n_in" -gt 0 ] && [ "$n_out" -ge "$n_in" ] || complete=0
+# extract: inputs vs outputs whose sidecar matches the input as it is now (size and mtime): an
+# output of an input that changed since (a re-download, a corrupted file) is stale, not extracted.
+n_in=$(find "$RAW_DIR" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) 2>/dev/null | wc -l)
+read -r n_out n_stale < <({
+  find "$RAW_DIR" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) -printf 'IN\t%p\t%s\t%T@\n'
+  find "$EXTRACT_DIR" -type f -name '*.ptk-done' -exec cat {} + ; } 2>/dev/null | awk -F'\t' '
+  $1 == "IN" { split($4, t, "."); cur[$2] = $3 " " t[1] substr(t[2] "000000000", 1, 9); next }
+  match($0, /"source": "[^"]*"/) {
+    src = substr($0, RSTART + 11, RLENGTH - 12)
+    match($0, /"source_size": [0-9]+/); sz = substr($0, RSTART + 15, RLENGTH - 15)
+    match($0, /"source_mtime_ns": [0-9]+/); mt = substr($0, RSTART + 19, RLENGTH - 19)
+    side[src] = sz " " mt }
+  END { ok = 0; stale = 0
+        for (s in side) { if (!(s in cur) || cur[s] == side[s]) ok++; else stale++ }  # gone: --delete-input
+        print ok, stale }')
+line extract "$n_out of $n_in files extracted${n_stale:+$([ "$n_stale" -gt 0 ] && echo ", $n_stale stale (the input changed since)")}"
+[ "$n_in" -gt 0 ] && [ "$n_out" -ge "$n_in" ] && [ "${n_stale:-0}" -eq 0 ] || complete=0
 # concat: the plan's chunks with a sidecar; any other chunk in CHUNK_DIR is an error (not this plan's data)
 plan_chunks=()
 if [ -f "$PLAN_FILE" ]; then
@@ -71,17 +83,67 @@ latest=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0
 line train "checkpoint at iteration $latest of $TRAIN_ITERS (in $CKPT_DIR)"
 [ "$latest" -ge "$TRAIN_ITERS" ] 2>/dev/null || complete=0
 
-# jobs of the last submission
+# jobs of the last submission: per stage, its tasks done / running / pending / failed / cancelled;
+# failed tasks with their log files; one resubmit command, for the first stage that failed (its
+# dependents were cancelled because of it and need nothing of their own).
 if [ -f "$RESULTS_DIR/jobs.txt" ] && command -v scontrol >/dev/null; then
-  echo "jobs (last submission):"
+  echo "jobs (last submission, $(date -r "$RESULTS_DIR/jobs.txt" '+%F %T')):"
+  root=""
   while read -r stage id; do
-    states=$(scontrol show job -o "$id" 2>/dev/null | sed -n 's/.*JobId=\([0-9_]*\) .*ArrayTaskId=\([^ ]*\) .*JobState=\([A-Z_]*\) Reason=\([^ ]*\) .*ExitCode=\([0-9:]*\).*/\2:\3(\4,exit \5)/p; s/.*JobId=\([0-9]*\) .*JobState=\([A-Z_]*\) Reason=\([^ ]*\) .*ExitCode=\([0-9:]*\).*/\2(\3,exit \4)/p' | sort -u | tr '\n' ' ')
-    printf '  %-12s %-8s %s\n' "$stage" "$id" "${states:-finished (no longer known to slurmctld)}"
-    if [[ "$states" =~ (FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE) ]]; then
-      echo "  -> $stage job $id has failed or cancelled tasks; logs in $RESULTS_DIR/$stage/; resubmit with slurm/submit-pipeline.sh --from $stage"
+    recs=$(scontrol show job -o "$id" 2>/dev/null)
+    if [ -z "$recs" ]; then
+      printf '  %-12s job %-8s finished (no longer known to slurmctld)\n' "$stage" "$id"
+      continue
+    fi
+    # "TASK STATE REASON EXIT" per record; a pending array range (3-71%8) counts as its tasks.
+    table=$(echo "$recs" | awk '{
+      task = ""; state = ""; reason = ""; code = ""; jid = ""; ajid = ""
+      for (i = 1; i <= NF; i++) {
+        if ($i ~ /^JobId=/) jid = substr($i, 7)
+        else if ($i ~ /^ArrayJobId=/) ajid = substr($i, 12)
+        else if ($i ~ /^ArrayTaskId=/) task = substr($i, 13)
+        else if ($i ~ /^JobState=/) state = substr($i, 10)
+        else if ($i ~ /^Reason=/) reason = substr($i, 8)
+        else if ($i ~ /^ExitCode=/) code = substr($i, 10)
+      }
+      print (task == "" ? jid : (ajid == "" ? jid : ajid) "_" task), state, reason, code }')
+    counts=$(echo "$table" | awk '{
+      n = 1; t = $1; sub(/^[0-9]+_/, "", t); sub(/%.*/, "", t)
+      if (t ~ /^[0-9]+-[0-9]+$/) { split(t, r, "-"); n = r[2] - r[1] + 1 }
+      if ($2 == "COMPLETED") d += n
+      else if ($2 == "RUNNING" || $2 == "COMPLETING") ru += n
+      else if ($2 == "PENDING" || $2 == "REQUEUED") p += n
+      else if ($2 == "CANCELLED") c += n
+      else f += n }
+      END { printf "%d %d %d %d %d", d, ru, p, f, c }')
+    read -r n_done n_run n_pend n_fail n_canc <<< "$counts"
+    printf '  %-12s job %-8s %d done, %d running, %d pending, %d failed%s\n' "$stage" "$id" "$n_done" "$n_run" \
+      "$n_pend" "$n_fail" "$([ "$n_canc" -gt 0 ] && echo ", $n_canc cancelled")"
+    if [ "$n_fail" -gt 0 ]; then
       complete=0
+      [ -n "$root" ] || root=$stage
+      echo "$table" | awk '$2 != "COMPLETED" && $2 != "RUNNING" && $2 != "COMPLETING" && $2 != "PENDING" &&
+                           $2 != "REQUEUED" && $2 != "CANCELLED"' | head -n 10 |
+        while read -r task state reason code; do
+          printf '      %s %s (exit %s): log %s/%s/%s.out\n' "$task" "$state" "$code" "$RESULTS_DIR" "$stage" "$task"
+        done
+      [ "$n_fail" -le 10 ] || echo "      ... and $((n_fail - 10)) more failed tasks"
+    elif [ "$n_canc" -gt 0 ]; then
+      complete=0
+      reason=$(echo "$table" | awk '$2 == "CANCELLED" { print $3; exit }')
+      [ "$reason" = DependencyNeverSatisfied ] && echo "      (cancelled because an earlier stage failed)"
     fi
   done < "$RESULTS_DIR/jobs.txt"
+  if [ -n "$root" ]; then
+    if [ "$root" = extract ] && grep -qlE "(corrupt|truncated) (zstd|xz|gzip) data" "$RESULTS_DIR"/extract/*.out 2>/dev/null; then
+      # A damaged download: extracting again cannot help; fetch it again, verified.
+      echo "  -> the first failure is in stage extract: a downloaded file is damaged; download again, verified:"
+      echo "     DOWNLOAD_VERIFY=1 STAGE_PATH=$STAGE_PATH $PTK_SLURM_DIR/submit-pipeline.sh --from download"
+    else
+      echo "  -> the first failure is in stage $root; after fixing its cause (see the logs above), resubmit:"
+      echo "     STAGE_PATH=$STAGE_PATH $PTK_SLURM_DIR/submit-pipeline.sh --from $root"
+    fi
+  fi
 fi
 if [ "$complete" = 1 ]; then echo "status: every stage is complete; datasets in $PREPROCESSED_DIR, checkpoints in $CKPT_DIR"; exit 0; fi
 exit 1

@@ -97,6 +97,14 @@ done
 grep -q "corrupt zstd data" "$STAGE_PATH"/results/extract/"${extract_id}"_*.out || fail "the failing task's log does not say why"
 "$SRC/slurm/status.sh" > "$WORK/status.out" && fail "status.sh reports success after a failed task"
 grep -q "FAILED" "$WORK/status.out" || { cat "$WORK/status.out"; fail "status.sh does not show the failed task"; }
+cat "$WORK/status.out"
+grep -qE "^      ${extract_id}_[0-9]+ FAILED \(exit 1:0\): log .*/results/extract/${extract_id}_[0-9]+\.out" "$WORK/status.out" ||
+  fail "status.sh does not list the failed task with its log"
+[ "$(grep -c -- '--from' "$WORK/status.out")" = 1 ] || fail "status.sh should give one resubmit command (the root cause)"
+grep -q -- "DOWNLOAD_VERIFY=1 .*submit-pipeline.sh --from download" "$WORK/status.out" ||
+  fail "the resubmit command does not re-download the damaged input"
+grep -qE "^extract .*1 stale \(the input changed since\)" "$WORK/status.out" ||
+  fail "status.sh reports the stale output of the corrupted input as extracted"
 
 echo "== 3. resubmission from the download stage (re-verified) completes the job"
 DOWNLOAD_VERIFY=1 run_pipeline --from download
