@@ -95,6 +95,8 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
 
   std::vector<RemoteFile> files;
   if (!opt.repo.empty()) {
+    // Said before the first request, so that a hub that does not answer is never met with silence.
+    log::Info("asking {} for {} {}@{}", opt.endpoint, opt.repo_type, opt.repo, opt.revision);
     PTK_ASSIGN_OR_RETURN(sum.commit, PinRevision(s, http));
     const std::string manifest =
         JoinPath(JoinPath(opt.local_dir, kStateDir), fmt::format("manifest-{}.jsonl", sum.commit));
