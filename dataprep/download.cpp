@@ -202,7 +202,7 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
           sum.bytes_downloaded += r.bytes;
         } else {
           sum.failures.push_back({todo[i].path, r.error});
-          if (!s.disk_full) log::Error("{}: {}", todo[i].path, r.error);
+          if (!s.disk_full) log::Error("{}: {}", todo[i].path, StatusMessage(r.error));
         }
         if (s.disk_full) stop_scheduling = true;
         progress.AddItems(1);

@@ -53,7 +53,7 @@ struct RemoteFile {
 
 struct DownloadFailure {
   std::string path;
-  std::string error;
+  absl::Status error;
 };
 
 struct DownloadSummary {

@@ -230,7 +230,7 @@ struct FileResult {
   bool ok = false;
   bool fetched = false;
   uint64_t bytes = 0;
-  std::string error;
+  absl::Status error;  // why it failed (ok when it did not)
 };
 
 class FileDownloader {

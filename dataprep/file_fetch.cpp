@@ -32,14 +32,14 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
   const std::string meta_path = part + ".json";
   absl::Status mk = MakeDirs(Dirname(f.local_path));
   if (!mk.ok()) {
-    res.error = std::string(StatusMessage(mk));
+    res.error = mk;
     return res;
   }
   // One downloader per file: another run on this --local-dir (a requeued job that still runs)
   // holding it makes this file fail at once, naming that run; its .part is never touched.
   auto lock = OutputLock::Acquire(f.local_path);
   if (!lock.ok()) {
-    res.error = std::string(StatusMessage(lock.status()));
+    res.error = lock.status();
     return res;
   }
   const bool git = f.sha256.empty() && !f.git_sha1.empty();
@@ -63,7 +63,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
   // Never through a symlink: a planted `.part` link would make the download overwrite its target.
   int fd = ::open(part.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
-    res.error = std::string(StatusMessage(ErrnoToStatus(errno, fmt::format("open {}", part))));
+    res.error = ErrnoToStatus(errno, fmt::format("open {}", part));
     if (errno == ENOSPC || errno == EDQUOT) s_.disk_full = true;
     return res;
   }
@@ -129,11 +129,14 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     offset = 0;
     restart_hash();
   };
-  auto fail = [&](const std::string& why) {
+  // A failure that retrying did not (or cannot) mend: the transfer's error (kUnavailable), unless
+  // the status says more (disk full, a lock held by another run, ...).
+  auto fail = [&](const absl::Status& why) {
     res.error = why;
     ::close(fd);
     return res;
   };
+  auto fail_msg = [&](const std::string& why) { return fail(absl::UnavailableError(why)); };
 
   while (!s_.stop) {
     const bool hub = IsHub(url);
@@ -236,11 +239,11 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     };
     absl::Status st = http_.Get(req, &resp, &sink);
     flush_wbuf();
-    if (!st.ok()) return fail(std::string(StatusMessage(st)));
+    if (!st.ok()) return fail(st);
     if (hub) s_.limiter.Observe(resp);
     if (!write_error.ok()) {
       if (write_error.code() == absl::StatusCode::kResourceExhausted) s_.disk_full = true;
-      return fail(std::string(StatusMessage(write_error)));
+      return fail(write_error);
     }
     const bool progressed = offset > attempt_start;
     if (progressed) {
@@ -254,12 +257,14 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       if (!failing_since) failing_since = now;
       const double failing_s = std::chrono::duration<double>(now - *failing_since).count();
       if (++no_progress > s_.opt.max_retries) {
-        res.error = fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries);
+        res.error = absl::UnavailableError(
+            fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries));
         return false;
       }
       if (failing_s + sleep_s > s_.opt.max_retry_time_s) {
-        res.error = fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,
-                                HumanDuration(failing_s), HumanDuration(s_.opt.max_retry_time_s));
+        res.error = absl::DeadlineExceededError(
+            fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,
+                        HumanDuration(failing_s), HumanDuration(s_.opt.max_retry_time_s)));
         return false;
       }
       // Never silent: what failed and when the next attempt is.
@@ -283,20 +288,20 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     const long code = resp.status;
     if (code >= 300 && code < 400) {
       std::string loc = resp.Header("location");
-      if (loc.empty()) return fail(fmt::format("{}: redirect without a Location", url));
+      if (loc.empty()) return fail_msg(fmt::format("{}: redirect without a Location", url));
       if (++redirects > kMaxRedirects)
-        return fail(fmt::format("{}: more than {} redirects (a redirect loop?)", url, kMaxRedirects));
+        return fail_msg(fmt::format("{}: more than {} redirects (a redirect loop?)", url, kMaxRedirects));
       std::string linked = resp.Header("x-linked-size");
       if (!linked.empty() && !ParseUint64(linked))
-        return fail(fmt::format("the Hub sent a malformed X-Linked-Size {:?}", linked));
+        return fail_msg(fmt::format("the Hub sent a malformed X-Linked-Size {:?}", linked));
       if (!linked.empty() && size_known && ParseUint64(linked) != expected)
-        return fail(fmt::format("the Hub says {} bytes, the listing {}: the listing is stale", linked, expected));
+        return fail_msg(fmt::format("the Hub says {} bytes, the listing {}: the listing is stale", linked, expected));
       std::string ltag = StripQuotes(resp.Header("x-linked-etag"));
       if (!ltag.empty() && !f.sha256.empty() && IsHex(ltag, 64) && ltag != f.sha256)
-        return fail(fmt::format("the Hub's sha256 {} differs from the listing's {}", ltag, f.sha256));
+        return fail_msg(fmt::format("the Hub's sha256 {} differs from the listing's {}", ltag, f.sha256));
       const std::string next = ResolveUrl(url, loc);
       if (!IsHttpUrl(next))
-        return fail(fmt::format("{}: redirected to {:?}; only http:// and https:// are followed", url, next));
+        return fail_msg(fmt::format("{}: redirected to {:?}; only http:// and https:// are followed", url, next));
       url = next;
       continue;
     }
@@ -328,7 +333,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         etag.clear();
         write_meta("");
         if (digest_failures >= 3)
-          return fail(fmt::format("{} still mismatches after 3 downloads", git ? "git sha1" : "sha256"));
+          return fail_msg(fmt::format("{} still mismatches after 3 downloads", git ? "git sha1" : "sha256"));
         url = ResolveUrlFor(f);
         continue;
       }
@@ -336,7 +341,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       ::close(fd);
       if (!fin.ok()) {
         if (fin.code() == absl::StatusCode::kResourceExhausted) s_.disk_full = true;
-        res.error = std::string(StatusMessage(fin));
+        res.error = fin;
         return res;
       }
       res.ok = true;
@@ -347,7 +352,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       ++s_.rate_limited;
       s_.limiter.On429(resp, no_progress);
       if (!hub && !retry("429 from the download host", s_.limiter.Backoff(no_progress))) return fail(res.error);
-      if (hub && ++no_progress > s_.opt.max_retries + 20) return fail("rate limited too many times");
+      if (hub && ++no_progress > s_.opt.max_retries + 20) return fail_msg("rate limited too many times");
       continue;
     }
     if (!hub && (code == 403 || code == 400 || code == 410 || code == 404) && f.url.empty()) {
@@ -361,10 +366,10 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       if (!retry(fmt::format("HTTP {}", code), s_.limiter.Backoff(no_progress))) return fail(res.error);
       continue;
     }
-    return fail(fmt::format("{}: {}", url, HubErrorText(resp)));
+    return fail_msg(fmt::format("{}: {}", url, HubErrorText(resp)));
   }
   ::close(fd);
-  res.error = "interrupted";
+  res.error = absl::CancelledError("interrupted");
   return res;
 }
 

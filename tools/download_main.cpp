@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
         s.already_present, s.failures.size(), s.resolves, s.retries, s.rate_limited, s.seconds,
         s.bytes_downloaded / 1e6 / std::max(s.seconds, 1e-9));
     if (!s.failures.empty()) {
-      for (const auto& f : s.failures) ptk::log::Error("failed: {}: {}", f.path, f.error);
+      for (const auto& f : s.failures) ptk::log::Error("failed: {}: {}", f.path, ptk::StatusMessage(f.error));
       return absl::UnavailableError(
           fmt::format("{} of {} files failed; rerun to retry them", s.failures.size(), s.files_in_shard));
     }

@@ -366,7 +366,9 @@ TEST(Download, HostileServer) {
   EXPECT_NE(r.output.find("malformed X-Linked-Size"), std::string::npos) << r.output;
   std::string hostname = testing::ReadFile("/etc/hostname");
   while (!hostname.empty() && hostname.back() == '\n') hostname.pop_back();
-  if (!hostname.empty()) EXPECT_EQ(r.output.find("\n" + hostname + "\n"), std::string::npos) << r.output;
+  if (!hostname.empty()) {
+    EXPECT_EQ(r.output.find("\n" + hostname + "\n"), std::string::npos) << r.output;
+  }
   // The bad Content-Range and the absurd RateLimit were retried, and those files arrived intact.
   for (const char* ok : {"train/chunk2/example_train_1.jsonl.zst", "train/chunk2/example_train_2.jsonl.zst"})
     EXPECT_EQ(testing::ReadFile(dir / ("out/" + std::string(ok))), testing::ReadFile(dir / ("repo/" + std::string(ok))))
@@ -384,8 +386,12 @@ TEST(Download, HostileServer) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_EQ(m.exit_code, 1) << mode[0] << ": " << m.output;
     EXPECT_LT(secs, 30) << mode[0];
-    if (mode[0] == "--api-redirect-loop") EXPECT_NE(m.output.find("redirect loop"), std::string::npos) << m.output;
-    if (mode[0] == "--endless-listing") EXPECT_NE(m.output.find("passed the limit"), std::string::npos) << m.output;
+    if (mode[0] == "--api-redirect-loop") {
+      EXPECT_NE(m.output.find("redirect loop"), std::string::npos) << m.output;
+    }
+    if (mode[0] == "--endless-listing") {
+      EXPECT_NE(m.output.find("passed the limit"), std::string::npos) << m.output;
+    }
     if (mode[0] == "--control-paths") {
       EXPECT_NE(m.output.find("control character"), std::string::npos) << m.output;
       EXPECT_EQ(m.output.find('\x1b'), std::string::npos) << "raw ESC in the log";
