@@ -13,7 +13,8 @@
 #   PREP_PARTITION        hpc                 (extract, concat, tokenize)
 #   EXTRACT_TASKS 32      EXTRACT_CONCURRENCY 8    EXTRACT_JOBS 4    DROP_SETS "" (e.g. RedPajamaBook)
 #   CONCAT_CHUNKS 72      CONCAT_TASKS = CONCAT_CHUNKS   CONCAT_CONCURRENCY 16
-#   TOKENIZE_TASKS = CONCAT_CHUNKS   TOKENIZE_CONCURRENCY 16   APPEND_EOD 1   VOCAB_FILE/MERGE_FILE (built-in GPT-2)
+#   TOKENIZE_TASKS = CONCAT_CHUNKS   TOKENIZE_CONCURRENCY 16   TOKENIZE_LOG_INTERVAL 100000   APPEND_EOD 1
+#   VOCAB_FILE/MERGE_FILE (built-in GPT-2)
 #   CPUS_PER_TASK 4       TIME_LIMIT 24:00:00   SBATCH_EXTRA (e.g. "--account=proj --qos=normal")
 #   TRAIN_PARTITION gpu   TRAIN_NODES 1   TRAIN_TASKS_PER_NODE 1 (ranks)   TRAIN_CPUS_PER_TASK = CPUS_PER_TASK
 #   TRAIN_ITERS 100       TRAIN_ARGS (model/optimizer flags as for pretrain_gpt.py; default a small GPT)
@@ -50,6 +51,7 @@ fi
 : "${CONCAT_CONCURRENCY:=16}"
 : "${TOKENIZE_TASKS:=$CONCAT_CHUNKS}"
 : "${TOKENIZE_CONCURRENCY:=16}"
+: "${TOKENIZE_LOG_INTERVAL:=100000}"   # Megatron's "Processed N documents" line every this many documents
 : "${APPEND_EOD:=1}"
 : "${VOCAB_FILE:=}"
 : "${MERGE_FILE:=}"
