@@ -53,9 +53,7 @@ inline void WriteFile(const std::string& path, const std::string& data) {
 
 inline bool Exists(const std::string& path) { return std::filesystem::exists(path); }
 
-inline std::string Dirname(const std::string& path) {
-  return std::filesystem::path(path).parent_path().string();
-}
+inline std::string Dirname(const std::string& path) { return std::filesystem::path(path).parent_path().string(); }
 
 // Names (below `dir`, recursively) of what a writer must never leave behind once it has exited:
 // temporaries, locks, publish journals, verify scratch files. Empty when clean.
@@ -100,6 +98,24 @@ inline std::string ShellQuote(const std::string& s) {
       out += c;
   }
   return out + "'";
+}
+
+// Starts `sh -c "exec CMD"` in the background with stdout and stderr in `log`; see WaitExit.
+inline pid_t SpawnShell(const std::string& cmd, const std::string& log) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    const std::string sh = "exec " + cmd + " >" + ShellQuote(log) + " 2>&1";
+    ::execl("/bin/sh", "sh", "-c", sh.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Waits for a SpawnShell process: its exit code, or 128 + the signal that ended it.
+inline int WaitExit(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
 }  // namespace ptk::testing

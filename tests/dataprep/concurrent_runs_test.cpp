@@ -25,22 +25,6 @@ using testing::TempDir;
 
 constexpr int kTrials = 20;
 
-pid_t Spawn(const std::string& cmd, const std::string& log) {
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    const std::string sh = "exec " + cmd + " >" + testing::ShellQuote(log) + " 2>&1";
-    ::execl("/bin/sh", "sh", "-c", sh.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  return pid;
-}
-
-int Wait(pid_t pid) {
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
 // Text that xz cannot squeeze to nothing, so that decoding takes a while (~0.3 s).
 std::string Docs(int n, int seed) {
   std::mt19937 rng(seed);
@@ -72,13 +56,13 @@ Tally Race(const TempDir& dir, const std::string& cmd, const std::string& out_di
       EXPECT_EQ(RunCmd(reset).exit_code, 0);  // both runs really write
     }
     const std::string log_a = dir / "a.log", log_b = dir / "b.log";
-    pid_t a = Spawn(cmd, log_a);
+    pid_t a = testing::SpawnShell(cmd, log_a);
     ::usleep(static_cast<useconds_t>(rng() % 150000));
-    pid_t b = Spawn(cmd, log_b);
+    pid_t b = testing::SpawnShell(cmd, log_b);
     ::usleep(static_cast<useconds_t>(rng() % 300000));
     const bool kill_first = trial % 2 == 1;
     ::kill(kill_first ? a : b, SIGKILL);
-    const int rc_a = Wait(a), rc_b = Wait(b);
+    const int rc_a = testing::WaitExit(a), rc_b = testing::WaitExit(b);
     const int survivor_rc = kill_first ? rc_b : rc_a;
     const std::string survivor_log = testing::ReadFile(kill_first ? log_b : log_a);
     const int victim_rc = kill_first ? rc_a : rc_b;
@@ -180,10 +164,10 @@ TEST(ConcurrentRuns, KilledTokenizeResumes) {
     std::filesystem::create_directories(dir / "out");
     const int kills = trial % 2 ? 2 : 1;
     for (int k = 0; k < kills; ++k) {
-      pid_t pid = Spawn(tok, dir / "killed.log");
+      pid_t pid = testing::SpawnShell(tok, dir / "killed.log");
       ::usleep(static_cast<useconds_t>(60000 + rng() % 400000));
       ::kill(pid, SIGKILL);
-      if (Wait(pid) == 128 + SIGKILL) ++killed;
+      if (testing::WaitExit(pid) == 128 + SIGKILL) ++killed;
     }
     auto rerun = RunCmd(tok);
     ASSERT_EQ(rerun.exit_code, 0) << "trial " << trial << ": " << rerun.output;

@@ -302,28 +302,17 @@ TEST(Download, TwoRunsOnOneLocalDir) {
   int refused = 0, killed = 0;
   for (int trial = 0; trial < 20; ++trial) {
     std::filesystem::remove_all(dir / "out");
-    const std::string cmd = "exec env " + Download(hub, dir / "out", "--jobs 2");
-    auto spawn = [&](const std::string& log) {
-      pid_t pid = ::fork();
-      if (pid == 0) {
-        const std::string sh = cmd + " >" + log + " 2>&1";
-        ::execl("/bin/sh", "sh", "-c", sh.c_str(), static_cast<char*>(nullptr));
-        ::_exit(127);
-      }
-      return pid;
-    };
-    pid_t a = spawn(dir / "a.log");
+    const std::string cmd = "env " + Download(hub, dir / "out", "--jobs 2");
+    pid_t a = testing::SpawnShell(cmd, dir / "a.log");
     ::usleep(static_cast<useconds_t>(rng() % 100000));
-    pid_t b = spawn(dir / "b.log");
+    pid_t b = testing::SpawnShell(cmd, dir / "b.log");
     ::usleep(static_cast<useconds_t>(rng() % 300000));
     ::kill(trial % 2 ? a : b, SIGKILL);
-    int st_a = 0, st_b = 0;
-    ::waitpid(a, &st_a, 0);
-    ::waitpid(b, &st_b, 0);
-    const int survivor = trial % 2 ? st_b : st_a;
+    const int rc_a = testing::WaitExit(a), rc_b = testing::WaitExit(b);
+    const int survivor = trial % 2 ? rc_b : rc_a;
     const std::string log = testing::ReadFile(trial % 2 ? dir / "b.log" : dir / "a.log");
-    if ((trial % 2 ? st_a : st_b) == SIGKILL) ++killed;
-    if (!(WIFEXITED(survivor) && WEXITSTATUS(survivor) == 0)) {
+    if ((trial % 2 ? rc_a : rc_b) == 128 + SIGKILL) ++killed;
+    if (survivor != 0) {
       EXPECT_NE(log.find("is being written by another run"), std::string::npos) << "trial " << trial << ": " << log;
       EXPECT_EQ(log.find("No such file"), std::string::npos) << log;
       ++refused;
