@@ -226,6 +226,7 @@ class DoneLog {
 
 // ---- file_fetch.cpp
 absl::StatusOr<std::string> HashFile(const std::string& path, bool git, uint64_t size);
+class FileFetch;
 struct FileResult {
   bool ok = false;
   bool fetched = false;
@@ -247,7 +248,7 @@ class FileDownloader {
     return fmt::format("{}/{}s/{}/resolve/{}/{}", s_.opt.endpoint, s_.opt.repo_type, s_.opt.repo, commit_,
                        UrlQuote(f.path, true));
   }
-  absl::Status Finish(const RemoteFile& f, const std::string& part, int fd);
+  friend class FileFetch;  // file_fetch.cpp: one file's attempts
 
   Session& s_;
   HttpClient& http_;

@@ -1,11 +1,13 @@
 // ptk-download: one file fetched, resumed and verified.
+//
+// Three parts: PartFile (the `.part` on disk, its running digest and what is known of the remote
+// object), RetryBudget (how long one file keeps being retried) and FileFetch (the loop of HTTP
+// attempts and what each answer means).
 #include "dataprep/download_internal.h"
 
 #include "common/output_lock.h"
 
 namespace ptk::download_detail {
-
-// ---------------------------------------------------------------- one file
 
 absl::StatusOr<std::string> HashFile(const std::string& path, bool git, uint64_t size) {
   Sha256 h(git ? Sha256::Algorithm::kSha1 : Sha256::Algorithm::kSha256);
@@ -17,359 +19,436 @@ absl::StatusOr<std::string> HashFile(const std::string& path, bool git, uint64_t
   return h.HexDigest();
 }
 
-absl::Status FileDownloader::Finish(const RemoteFile& f, const std::string& part, int fd) {
-  // The data is durable before the rename; the directories (the renames) are fsynced once per
-  // run, at its end (a rename lost in a crash leaves a complete, fsynced .part to resume).
-  PTK_RETURN_IF_ERROR(FsyncFile(fd, part));
-  PTK_RETURN_IF_ERROR(RenameFile(part, f.local_path));
-  (void)RemoveFileIfExists(part + ".json");
-  return done_.Append(DoneLogKey(f));
-}
+namespace {
 
-FileResult FileDownloader::Run(const RemoteFile& f) {
-  FileResult res;
-  const std::string part = f.local_path + ".part";
-  const std::string meta_path = part + ".json";
-  absl::Status mk = MakeDirs(Dirname(f.local_path));
-  if (!mk.ok()) {
-    res.error = mk;
-    return res;
+// The `.part` of one file: the bytes received so far, their running digest, and what the
+// transfers learnt of the remote object (its size, its ETag). Closed on destruction.
+class PartFile {
+ public:
+  explicit PartFile(const RemoteFile& f)
+      : f_(f),
+        path_(f.local_path + ".part"),
+        meta_path_(path_ + ".json"),
+        git_(f.sha256.empty() && !f.git_sha1.empty()),
+        want_digest_(git_ ? f.git_sha1 : f.sha256),
+        hasher_(git_ ? Sha256::Algorithm::kSha1 : Sha256::Algorithm::kSha256),
+        expected_(f.size),
+        size_known_(f.size_known) {
+    wbuf_.reserve(kWriteSize);
   }
-  // One downloader per file: another run on this --local-dir (a requeued job that still runs)
-  // holding it makes this file fail at once, naming that run; its .part is never touched.
-  auto lock = OutputLock::Acquire(f.local_path);
-  if (!lock.ok()) {
-    res.error = lock.status();
-    return res;
+  ~PartFile() {
+    if (fd_ >= 0) ::close(fd_);
   }
-  const bool git = f.sha256.empty() && !f.git_sha1.empty();
-  const std::string want_digest = git ? f.git_sha1 : f.sha256;
-  // A .part is only resumed if it was started for this very file (same size and digest).
-  std::string etag;
-  {
-    auto meta = ReadFileToString(meta_path);
-    std::string expect = fmt::format("{}\t{}", f.size, want_digest);
+  PartFile(const PartFile&) = delete;
+  PartFile& operator=(const PartFile&) = delete;
+
+  // Opens the `.part` (never through a symlink: a planted link would make the download overwrite
+  // its target) and resumes it when its record says it was started for this very file (same size
+  // and digest); otherwise starts over. The bytes already there are re-read for the digest.
+  absl::Status Open(ProgressReporter& progress) {
+    auto meta = ReadFileToString(meta_path_);
     if (meta.ok()) {
-      size_t nl = meta->find('\n');
-      if (meta->substr(0, nl) != expect)
-        (void)RemoveFileIfExists(part);
+      const size_t nl = meta->find('\n');
+      if (meta->substr(0, nl) != MetaKey())
+        (void)RemoveFileIfExists(path_);
       else if (nl != std::string::npos)
-        etag = meta->substr(nl + 1);
-    } else if (PathExists(part)) {
-      (void)RemoveFileIfExists(part);  // no record of what it was: start over
+        etag_ = meta->substr(nl + 1);
+    } else if (PathExists(path_)) {
+      (void)RemoveFileIfExists(path_);  // no record of what it was: start over
     }
-    while (!etag.empty() && (etag.back() == '\n' || etag.back() == '\r')) etag.pop_back();
-  }
-  // Never through a symlink: a planted `.part` link would make the download overwrite its target.
-  int fd = ::open(part.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0) {
-    res.error = ErrnoToStatus(errno, fmt::format("open {}", part));
-    if (errno == ENOSPC || errno == EDQUOT) s_.disk_full = true;
-    return res;
-  }
-  // What the .part is (size, digest, ETag): atomic but not fsynced. Losing it in a crash only
-  // means the .part is not resumed; a stale one cannot pass the final size + digest check.
-  auto write_meta = [&](const std::string& tag) {
-    (void)WriteFileAtomic(meta_path, fmt::format("{}\t{}\n{}\n", f.size, want_digest, tag), /*durable=*/false);
-  };
-  write_meta(etag);
-  struct stat st;
-  ::fstat(fd, &st);
-  uint64_t offset = static_cast<uint64_t>(st.st_size);
-  if (f.size_known && offset > f.size) {
-    (void)::ftruncate(fd, 0);
-    offset = 0;
-  }
-  ::lseek(fd, static_cast<off_t>(offset), SEEK_SET);
-
-  // Hash of the bytes already in the .part (re-read on resume).
-  Sha256 hasher(git ? Sha256::Algorithm::kSha1 : Sha256::Algorithm::kSha256);
-  auto restart_hash = [&]() {
-    hasher.Reset();
-    if (git) {
-      std::string hdr = fmt::format("blob {}", f.size);
-      hasher.Update(hdr.data(), hdr.size() + 1);
+    while (!etag_.empty() && (etag_.back() == '\n' || etag_.back() == '\r')) etag_.pop_back();
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd_ < 0) return ErrnoToStatus(errno, fmt::format("open {}", path_));
+    WriteMeta();
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path_));
+    offset_ = static_cast<uint64_t>(st.st_size);
+    if (size_known_ && offset_ > expected_) {
+      (void)::ftruncate(fd_, 0);
+      offset_ = 0;
     }
-  };
-  restart_hash();
-  if (offset > 0) {
-    std::vector<char> buf(1 << 20);
-    uint64_t done = 0;
-    while (done < offset) {
-      ssize_t n = ::pread(fd, buf.data(), std::min<uint64_t>(buf.size(), offset - done), static_cast<off_t>(done));
+    ::lseek(fd_, static_cast<off_t>(offset_), SEEK_SET);
+    RestartHash();
+    std::vector<char> buf(offset_ > 0 ? kWriteSize : 0);
+    for (uint64_t done = 0; done < offset_;) {
+      ssize_t n = ::pread(fd_, buf.data(), std::min<uint64_t>(buf.size(), offset_ - done), static_cast<off_t>(done));
       if (n <= 0) break;
-      hasher.Update(buf.data(), static_cast<size_t>(n));
+      hasher_.Update(buf.data(), static_cast<size_t>(n));
       done += static_cast<uint64_t>(n);
     }
-    progress_.AddBytes(offset);
+    progress.AddBytes(offset_);
+    return absl::OkStatus();
   }
 
-  std::string url = ResolveUrlFor(f);
-  uint64_t expected = f.size;
-  bool size_known = f.size_known;
-  int no_progress = 0, digest_failures = 0, redirects = 0;
-  std::optional<std::chrono::steady_clock::time_point> failing_since;
-  absl::Status write_error;
-  // libcurl hands the body over in 16 KiB pieces; they are gathered into writes of 1 MiB, or of
-  // what came in the last half second on a slow link (so a kill loses little). The buffer is
-  // always written out when a transfer ends, before anything looks at the .part.
-  std::vector<char> wbuf;
-  wbuf.reserve(1 << 20);
-  auto last_flush = std::chrono::steady_clock::now();
-  auto flush_wbuf = [&]() {
-    last_flush = std::chrono::steady_clock::now();
-    if (wbuf.empty() || !write_error.ok()) return;
-    write_error = WriteAll(fd, wbuf.data(), wbuf.size(), part);
-    wbuf.clear();
-  };
-  auto truncate_to_zero = [&]() {
-    wbuf.clear();
-    (void)::ftruncate(fd, 0);
-    ::lseek(fd, 0, SEEK_SET);
-    offset = 0;
-    restart_hash();
-  };
-  // A failure that retrying did not (or cannot) mend: the transfer's error (kUnavailable), unless
-  // the status says more (disk full, a lock held by another run, ...).
-  auto fail = [&](const absl::Status& why) {
-    res.error = why;
-    ::close(fd);
-    return res;
-  };
-  auto fail_msg = [&](const std::string& why) { return fail(absl::UnavailableError(why)); };
+  // Before each attempt: what is there now, and no problem yet.
+  void BeginAttempt() {
+    attempt_start_ = offset_;
+    problem_.clear();
+  }
+  bool Progressed() const { return offset_ > attempt_start_; }
+  // A response that does not fit this `.part` (a wrong Content-Range, a body longer than the file,
+  // an encoded body): the transfer was stopped and the bytes must not be kept.
+  const std::string& problem() const { return problem_; }
 
-  while (!s_.stop) {
-    const bool hub = IsHub(url);
-    if (hub && f.url.empty()) {
-      s_.limiter.WaitForResolve(s_.stop);
-      ++s_.resolves;
+  // The response headers of a 200 or 206: accepted when they continue this `.part` (or start it
+  // over, which truncates it); false, with problem() set, when they cannot.
+  bool AcceptHeaders(const HttpResponse& r) {
+    if (r.status == 200 && offset_ > 0 && !r.Header("content-range").empty()) {
+      // Some servers answer a Range request with 200 and just the slice (and its Content-Range):
+      // accept it exactly when the range is the one asked for.
+      static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+))");
+      std::smatch m;
+      const std::string cr = r.Header("content-range");
+      if (!(std::regex_search(cr, m, re) && ParseUint64(m[1].str()) == offset_ && size_known_ &&
+            ParseUint64(m[3].str()) == expected_ && ParseUint64(m[2].str()) == expected_ - 1))
+        Restart();
+      return true;
     }
-    if (s_.stop) break;
-    HttpRequest req = s_.Req(url);
-    if (offset > 0) {
-      req.headers.push_back(fmt::format("Range: bytes={}-", offset));
-      if (!etag.empty()) req.headers.push_back("If-Range: " + etag);
+    if (r.status == 200) {
+      if (offset_ > 0) Restart();  // the server ignored Range (or the object changed)
+      const std::string cl = r.Header("content-length");
+      if (!size_known_ && !cl.empty()) {
+        auto v = ParseUint64(cl);
+        if (!v) return Refuse(fmt::format("Content-Length {:?}", cl));
+        expected_ = *v;
+        size_known_ = true;
+      }
+    } else {  // 206
+      static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+|\*))");
+      std::smatch m;
+      const std::string cr = r.Header("content-range");
+      const bool matched = std::regex_search(cr, m, re);
+      const auto first = matched ? ParseUint64(m[1].str()) : std::nullopt;
+      const auto last = matched ? ParseUint64(m[2].str()) : std::nullopt;
+      const bool star = matched && m[3] == "*";
+      const auto total = matched && !star ? ParseUint64(m[3].str()) : std::nullopt;
+      if (!matched || !first || !last || (!star && !total) || *first != offset_ ||
+          (total && size_known_ && *total != expected_) || (total && (*total == 0 || *last != *total - 1)))
+        return Refuse(cr);
+      if (!size_known_ && total) {
+        expected_ = *total;
+        size_known_ = true;
+      }
     }
-    uint64_t attempt_start = offset;
-    bool range_ok = true;
-    std::string bad_range;
+    const std::string enc = r.Header("content-encoding");
+    if (!enc.empty() && enc != "identity") return Refuse("Content-Encoding " + enc);
+    const std::string tag = r.Header("etag");
+    if (!tag.empty() && tag != etag_) {
+      etag_ = tag;
+      WriteMeta();
+    }
+    return true;
+  }
+
+  // Body bytes of an accepted response. They are gathered into writes of 1 MiB, or of what came in
+  // the last half second on a slow link (so a kill loses little); Flush() writes the rest.
+  bool AcceptBody(const char* p, size_t n, ProgressReporter& progress) {
+    if (size_known_ && offset_ + n > expected_) return Refuse("body longer than the expected size");
+    wbuf_.insert(wbuf_.end(), p, p + n);
+    if (wbuf_.size() >= kWriteSize || std::chrono::steady_clock::now() - last_flush_ > std::chrono::milliseconds(500)) {
+      Flush();
+      if (!write_error_.ok()) return false;
+    }
+    hasher_.Update(p, n);
+    offset_ += n;
+    progress.AddBytes(n);
+    return true;
+  }
+  void Flush() {
+    last_flush_ = std::chrono::steady_clock::now();
+    if (wbuf_.empty() || !write_error_.ok()) return;
+    write_error_ = WriteAll(fd_, wbuf_.data(), wbuf_.size(), path_);
+    wbuf_.clear();
+  }
+  const absl::Status& write_error() const { return write_error_; }
+
+  // Empties the `.part`: the next attempt starts from byte 0.
+  void Restart() {
+    wbuf_.clear();
+    (void)::ftruncate(fd_, 0);
+    ::lseek(fd_, 0, SEEK_SET);
+    offset_ = 0;
+    RestartHash();
+  }
+  // After a digest mismatch: start over and forget the ETag (the next transfer must not resume).
+  void Discard() {
+    Restart();
+    etag_.clear();
+    WriteMeta();
+  }
+  // Whether the bytes are the file's, by its listed digest (no digest listed: by size alone).
+  bool DigestMatches(std::string* got) {
+    *got = hasher_.HexDigest();
+    return want_digest_.empty() || *got == want_digest_;
+  }
+  // The data is durable before the rename; the directories (the renames) are fsynced once per run,
+  // at its end (a rename lost in a crash leaves a complete, fsynced `.part` to resume).
+  absl::Status MoveIntoPlace() {
+    PTK_RETURN_IF_ERROR(FsyncFile(fd_, path_));
+    PTK_RETURN_IF_ERROR(RenameFile(path_, f_.local_path));
+    (void)RemoveFileIfExists(meta_path_);
+    return absl::OkStatus();
+  }
+
+  uint64_t offset() const { return offset_; }
+  uint64_t expected() const { return expected_; }
+  bool size_known() const { return size_known_; }
+  const std::string& etag() const { return etag_; }
+  const std::string& want_digest() const { return want_digest_; }
+  const char* digest_name() const { return git_ ? "git sha1" : "sha256"; }
+
+ private:
+  static constexpr size_t kWriteSize = 1 << 20;
+  std::string MetaKey() const { return fmt::format("{}\t{}", f_.size, want_digest_); }
+  // What the `.part` is (size, digest, ETag): atomic but not fsynced. Losing it in a crash only
+  // means the `.part` is not resumed; a stale one cannot pass the final size + digest check.
+  void WriteMeta() { (void)WriteFileAtomic(meta_path_, fmt::format("{}\n{}\n", MetaKey(), etag_), /*durable=*/false); }
+  void RestartHash() {
+    hasher_.Reset();
+    if (git_) {
+      const std::string hdr = fmt::format("blob {}", f_.size);
+      hasher_.Update(hdr.data(), hdr.size() + 1);
+    }
+  }
+  bool Refuse(std::string why) {
+    problem_ = std::move(why);
+    return false;
+  }
+
+  const RemoteFile& f_;
+  const std::string path_, meta_path_;
+  const bool git_;
+  const std::string want_digest_;
+  Sha256 hasher_;
+  int fd_ = -1;
+  uint64_t offset_ = 0, attempt_start_ = 0, expected_;
+  bool size_known_;
+  std::string etag_, problem_;
+  std::vector<char> wbuf_;
+  std::chrono::steady_clock::time_point last_flush_ = std::chrono::steady_clock::now();
+  absl::Status write_error_;
+};
+
+// How long one file keeps being retried: --max-retries attempts without progress, and no longer
+// than --max-retry-time since its last progress. Never silent: every retry is logged with what
+// failed and when the next attempt is.
+class RetryBudget {
+ public:
+  RetryBudget(Session& s, const std::string& path) : s_(s), path_(path) {}
+  void Progressed() {
+    failures_ = 0;
+    failing_since_.reset();
+  }
+  int failures() const { return failures_; }
+  int AddFailure() { return ++failures_; }
+  // OkStatus after sleeping sleep_s: try again. Otherwise why to give up.
+  absl::Status Again(const std::string& why, double sleep_s) {
+    ++s_.retries;
+    const auto now = std::chrono::steady_clock::now();
+    if (!failing_since_) failing_since_ = now;
+    const double failing_s = std::chrono::duration<double>(now - *failing_since_).count();
+    if (++failures_ > s_.opt.max_retries)
+      return absl::UnavailableError(
+          fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries));
+    if (failing_s + sleep_s > s_.opt.max_retry_time_s)
+      return absl::DeadlineExceededError(
+          fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,
+                      HumanDuration(failing_s), HumanDuration(s_.opt.max_retry_time_s)));
+    log::Warning("{}: {}; attempt {} of {} in {}", log::Printable(path_), why, failures_ + 1, s_.opt.max_retries + 1,
+                 HumanDuration(sleep_s));
+    SleepFor(sleep_s, s_.stop);
+    return absl::OkStatus();
+  }
+  // The backoff before the next attempt: none right after progress, else growing per failure.
+  double Backoff(bool progressed) const { return progressed ? 0.0 : s_.limiter.Backoff(failures_); }
+
+ private:
+  Session& s_;
+  const std::string& path_;
+  int failures_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> failing_since_;
+};
+
+}  // namespace
+
+// One file's attempts until it is in place, verified, or given up on. A failure that retrying did
+// not (or cannot) mend is kUnavailable, unless the status says more (disk full, a lock held by
+// another run, a deadline, ...).
+class FileFetch {
+ public:
+  FileFetch(FileDownloader& d, const RemoteFile& f, PartFile& part, FileResult& res)
+      : d_(d), s_(d.s_), f_(f), part_(part), res_(res), budget_(d.s_, f.path), url_(d.ResolveUrlFor(f)) {}
+
+  absl::Status Run() {
+    while (!s_.stop) {
+      const bool hub = d_.IsHub(url_);
+      if (hub && f_.url.empty()) {
+        s_.limiter.WaitForResolve(s_.stop);
+        ++s_.resolves;
+      }
+      if (s_.stop) break;
+      HttpResponse resp;
+      PTK_RETURN_IF_ERROR(Transfer(resp));
+      if (hub) s_.limiter.Observe(resp);
+      PTK_RETURN_IF_ERROR(part_.write_error());
+      const bool progressed = part_.Progressed();
+      if (progressed) {
+        budget_.Progressed();
+        res_.fetched = true;
+      }
+      PTK_ASSIGN_OR_RETURN(const bool done, OnResponse(resp, hub, progressed));
+      if (done) return absl::OkStatus();
+    }
+    return absl::CancelledError("interrupted");
+  }
+
+ private:
+  // One GET from the `.part`'s end (with If-Range on the known ETag); the body goes into the `.part`.
+  absl::Status Transfer(HttpResponse& resp) {
+    HttpRequest req = s_.Req(url_);
+    if (part_.offset() > 0) {
+      req.headers.push_back(fmt::format("Range: bytes={}-", part_.offset()));
+      if (!part_.etag().empty()) req.headers.push_back("If-Range: " + part_.etag());
+    }
+    part_.BeginAttempt();
     BodySink sink;
     sink.on_headers = [&](const HttpResponse& r) {
-      if (r.status == 200 && offset > 0 && !r.Header("content-range").empty()) {
-        // Some servers answer a Range request with 200 and just the slice (and its Content-Range):
-        // accept it exactly when the range is the one asked for.
-        static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+))");
-        std::smatch m;
-        std::string cr = r.Header("content-range");
-        if (std::regex_search(cr, m, re) && ParseUint64(m[1].str()) == offset && size_known &&
-            ParseUint64(m[3].str()) == expected && ParseUint64(m[2].str()) == expected - 1) {
-          return true;
-        }
-        truncate_to_zero();
-        return true;
-      }
-      if (r.status == 200) {
-        if (offset > 0) truncate_to_zero();  // the server ignored Range (or the object changed)
-        std::string cl = r.Header("content-length");
-        if (!size_known && !cl.empty()) {
-          auto v = ParseUint64(cl);
-          if (!v) {
-            range_ok = false;
-            bad_range = fmt::format("Content-Length {:?}", cl);
-            return false;
-          }
-          expected = *v;
-          size_known = true;
-        }
-      } else if (r.status == 206) {
-        static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+|\*))");
-        std::smatch m;
-        std::string cr = r.Header("content-range");
-        const bool matched = std::regex_search(cr, m, re);
-        const auto first = matched ? ParseUint64(m[1].str()) : std::nullopt;
-        const auto last = matched ? ParseUint64(m[2].str()) : std::nullopt;
-        const bool star = matched && m[3] == "*";
-        const auto total = matched && !star ? ParseUint64(m[3].str()) : std::nullopt;
-        if (!matched || !first || !last || (!star && !total) || *first != offset ||
-            (total && size_known && *total != expected) || (total && (*total == 0 || *last != *total - 1))) {
-          range_ok = false;
-          bad_range = cr;
-          return false;
-        }
-        if (!size_known && total) {
-          expected = *total;
-          size_known = true;
-        }
-      } else {
-        return true;  // an error body: collected for the message, not written
-      }
-      std::string enc = r.Header("content-encoding");
-      if (!enc.empty() && enc != "identity") {
-        bad_range = "Content-Encoding " + enc;
-        range_ok = false;
-        return false;
-      }
-      std::string tag = r.Header("etag");
-      if (!tag.empty() && tag != etag) {
-        etag = tag;
-        write_meta(etag);
-      }
-      return true;
+      return (r.status != 200 && r.status != 206) || part_.AcceptHeaders(r);
     };
-    HttpResponse resp;
     sink.on_data = [&](const char* p, size_t n) {
-      if (resp.status != 200 && resp.status != 206) {
+      if (resp.status != 200 && resp.status != 206) {  // an error body: kept for the message
         if (resp.body.size() < 4096) resp.body.append(p, std::min<size_t>(n, 4096 - resp.body.size()));
         return true;
       }
-      if (size_known && offset + n > expected) {  // longer than the listing says: corrupt
-        bad_range = "body longer than the expected size";
-        range_ok = false;
-        return false;
-      }
-      wbuf.insert(wbuf.end(), p, p + n);
-      if (wbuf.size() >= (1u << 20) || std::chrono::steady_clock::now() - last_flush > std::chrono::milliseconds(500)) {
-        flush_wbuf();
-        if (!write_error.ok()) return false;
-      }
-      hasher.Update(p, n);
-      offset += n;
-      progress_.AddBytes(n);
-      return true;
+      return part_.AcceptBody(p, n, d_.progress_);
     };
-    absl::Status st = http_.Get(req, &resp, &sink);
-    flush_wbuf();
-    if (!st.ok()) return fail(st);
-    if (hub) s_.limiter.Observe(resp);
-    if (!write_error.ok()) {
-      if (write_error.code() == absl::StatusCode::kResourceExhausted) s_.disk_full = true;
-      return fail(write_error);
-    }
-    const bool progressed = offset > attempt_start;
-    if (progressed) {
-      no_progress = 0;
-      res.fetched = true;
-    }
-    if (progressed) failing_since.reset();
-    auto retry = [&](const std::string& why, double sleep_s) -> bool {
-      ++s_.retries;
-      const auto now = std::chrono::steady_clock::now();
-      if (!failing_since) failing_since = now;
-      const double failing_s = std::chrono::duration<double>(now - *failing_since).count();
-      if (++no_progress > s_.opt.max_retries) {
-        res.error = absl::UnavailableError(
-            fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries));
-        return false;
-      }
-      if (failing_s + sleep_s > s_.opt.max_retry_time_s) {
-        res.error = absl::DeadlineExceededError(
-            fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,
-                        HumanDuration(failing_s), HumanDuration(s_.opt.max_retry_time_s)));
-        return false;
-      }
-      // Never silent: what failed and when the next attempt is.
-      log::Warning("{}: {}; attempt {} of {} in {}", log::Printable(f.path), why, no_progress + 1,
-                   s_.opt.max_retries + 1, HumanDuration(sleep_s));
-      SleepFor(sleep_s, s_.stop);
-      return true;
-    };
-    if (!range_ok) {
-      // Wrong Content-Range or a body that does not fit: start over without Range.
-      truncate_to_zero();
-      if (!retry(fmt::format("bad partial response ({})", bad_range), 0)) return fail(res.error);
-      continue;
+    absl::Status st = d_.http_.Get(req, &resp, &sink);
+    part_.Flush();  // always, before anything looks at the `.part`
+    return st;
+  }
+
+  // What the answer means: true when the file is in place; false to try again.
+  absl::StatusOr<bool> OnResponse(const HttpResponse& resp, bool hub, bool progressed) {
+    if (!part_.problem().empty()) {  // a response that does not fit: start over without Range
+      part_.Restart();
+      PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("bad partial response ({})", part_.problem()), 0));
+      return false;
     }
     if (resp.curl_code != 0) {
-      if (!retry(fmt::format("transfer error: {}", resp.curl_error),
-                 progressed ? 0.0 : s_.limiter.Backoff(no_progress)))
-        return fail(res.error);
-      continue;
+      PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("transfer error: {}", resp.curl_error), budget_.Backoff(progressed)));
+      return false;
     }
     const long code = resp.status;
     if (code >= 300 && code < 400) {
-      std::string loc = resp.Header("location");
-      if (loc.empty()) return fail_msg(fmt::format("{}: redirect without a Location", url));
-      if (++redirects > kMaxRedirects)
-        return fail_msg(fmt::format("{}: more than {} redirects (a redirect loop?)", url, kMaxRedirects));
-      std::string linked = resp.Header("x-linked-size");
-      if (!linked.empty() && !ParseUint64(linked))
-        return fail_msg(fmt::format("the Hub sent a malformed X-Linked-Size {:?}", linked));
-      if (!linked.empty() && size_known && ParseUint64(linked) != expected)
-        return fail_msg(fmt::format("the Hub says {} bytes, the listing {}: the listing is stale", linked, expected));
-      std::string ltag = StripQuotes(resp.Header("x-linked-etag"));
-      if (!ltag.empty() && !f.sha256.empty() && IsHex(ltag, 64) && ltag != f.sha256)
-        return fail_msg(fmt::format("the Hub's sha256 {} differs from the listing's {}", ltag, f.sha256));
-      const std::string next = ResolveUrl(url, loc);
-      if (!IsHttpUrl(next))
-        return fail_msg(fmt::format("{}: redirected to {:?}; only http:// and https:// are followed", url, next));
-      url = next;
-      continue;
+      PTK_RETURN_IF_ERROR(FollowRedirect(resp));
+      return false;
     }
-    if (code == 200 || code == 206 || code == 416) {
-      if (code == 416) {
-        static const std::regex re(R"(bytes\s+\*/(\d+))");
-        std::smatch m;
-        std::string cr = resp.Header("content-range");
-        bool complete =
-            std::regex_search(cr, m, re) && size_known && ParseUint64(m[1].str()) == expected && offset == expected;
-        if (!complete) {
-          truncate_to_zero();
-          if (!retry(fmt::format("416 with Content-Range {:?}", cr), 0)) return fail(res.error);
-          continue;
-        }
-      }
-      if (size_known && offset < expected) {  // the connection ended early but cleanly
-        if (!retry(fmt::format("short body ({} of {} bytes)", offset, expected),
-                   progressed ? 0 : s_.limiter.Backoff(no_progress)))
-          return fail(res.error);
-        continue;
-      }
-      std::string digest = hasher.HexDigest();
-      if (!want_digest.empty() && digest != want_digest) {
-        ++digest_failures;
-        log::Warning("{}: {} mismatch (got {}, want {}); downloading it again", f.path, git ? "git sha1" : "sha256",
-                     digest, want_digest);
-        truncate_to_zero();
-        etag.clear();
-        write_meta("");
-        if (digest_failures >= 3)
-          return fail_msg(fmt::format("{} still mismatches after 3 downloads", git ? "git sha1" : "sha256"));
-        url = ResolveUrlFor(f);
-        continue;
-      }
-      absl::Status fin = Finish(f, part, fd);
-      ::close(fd);
-      if (!fin.ok()) {
-        if (fin.code() == absl::StatusCode::kResourceExhausted) s_.disk_full = true;
-        res.error = fin;
-        return res;
-      }
-      res.ok = true;
-      res.bytes = offset;
-      return res;
-    }
+    if (code == 200 || code == 206 || code == 416) return OnBodyEnd(resp, progressed);
     if (code == 429) {
       ++s_.rate_limited;
-      s_.limiter.On429(resp, no_progress);
-      if (!hub && !retry("429 from the download host", s_.limiter.Backoff(no_progress))) return fail(res.error);
-      if (hub && ++no_progress > s_.opt.max_retries + 20) return fail_msg("rate limited too many times");
-      continue;
+      s_.limiter.On429(resp, budget_.failures());
+      if (!hub) PTK_RETURN_IF_ERROR(budget_.Again("429 from the download host", budget_.Backoff(false)));
+      if (hub && budget_.AddFailure() > s_.opt.max_retries + 20)
+        return absl::UnavailableError("rate limited too many times");
+      return false;
     }
-    if (!hub && (code == 403 || code == 400 || code == 410 || code == 404) && f.url.empty()) {
+    if (!hub && (code == 403 || code == 400 || code == 410 || code == 404) && f_.url.empty()) {
       // A signed CDN URL that expired or was refused: resolve again (costs one resolve).
-      url = ResolveUrlFor(f);
-      if (!retry(fmt::format("download host answered {}; resolving again", code), s_.limiter.Backoff(no_progress)))
-        return fail(res.error);
-      continue;
+      url_ = d_.ResolveUrlFor(f_);
+      PTK_RETURN_IF_ERROR(
+          budget_.Again(fmt::format("download host answered {}; resolving again", code), budget_.Backoff(false)));
+      return false;
     }
     if (code == 408 || code >= 500) {
-      if (!retry(fmt::format("HTTP {}", code), s_.limiter.Backoff(no_progress))) return fail(res.error);
-      continue;
+      PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("HTTP {}", code), budget_.Backoff(false)));
+      return false;
     }
-    return fail_msg(fmt::format("{}: {}", url, HubErrorText(resp)));
+    return absl::UnavailableError(fmt::format("{}: {}", url_, HubErrorText(resp)));
   }
-  ::close(fd);
-  res.error = absl::CancelledError("interrupted");
+
+  // A redirect, checked against what the listing says of the file (the Hub's X-Linked-* headers).
+  absl::Status FollowRedirect(const HttpResponse& resp) {
+    const std::string loc = resp.Header("location");
+    if (loc.empty()) return absl::UnavailableError(fmt::format("{}: redirect without a Location", url_));
+    if (++redirects_ > kMaxRedirects)
+      return absl::UnavailableError(fmt::format("{}: more than {} redirects (a redirect loop?)", url_, kMaxRedirects));
+    const std::string linked = resp.Header("x-linked-size");
+    if (!linked.empty() && !ParseUint64(linked))
+      return absl::UnavailableError(fmt::format("the Hub sent a malformed X-Linked-Size {:?}", linked));
+    if (!linked.empty() && part_.size_known() && ParseUint64(linked) != part_.expected())
+      return absl::UnavailableError(
+          fmt::format("the Hub says {} bytes, the listing {}: the listing is stale", linked, part_.expected()));
+    const std::string ltag = StripQuotes(resp.Header("x-linked-etag"));
+    if (!ltag.empty() && !f_.sha256.empty() && IsHex(ltag, 64) && ltag != f_.sha256)
+      return absl::UnavailableError(fmt::format("the Hub's sha256 {} differs from the listing's {}", ltag, f_.sha256));
+    const std::string next = ResolveUrl(url_, loc);
+    if (!IsHttpUrl(next))
+      return absl::UnavailableError(
+          fmt::format("{}: redirected to {:?}; only http:// and https:// are followed", url_, next));
+    url_ = next;
+    return absl::OkStatus();
+  }
+
+  // A transfer that ended (200, 206, or 416 for a range past the end): complete and verified, the
+  // `.part` becomes the file; short or mismatching, another attempt.
+  absl::StatusOr<bool> OnBodyEnd(const HttpResponse& resp, bool progressed) {
+    if (resp.status == 416) {
+      static const std::regex re(R"(bytes\s+\*/(\d+))");
+      std::smatch m;
+      const std::string cr = resp.Header("content-range");
+      const bool complete = std::regex_search(cr, m, re) && part_.size_known() &&
+                            ParseUint64(m[1].str()) == part_.expected() && part_.offset() == part_.expected();
+      if (!complete) {
+        part_.Restart();
+        PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("416 with Content-Range {:?}", cr), 0));
+        return false;
+      }
+    }
+    if (part_.size_known() && part_.offset() < part_.expected()) {  // the connection ended early but cleanly
+      PTK_RETURN_IF_ERROR(budget_.Again(
+          fmt::format("short body ({} of {} bytes)", part_.offset(), part_.expected()), budget_.Backoff(progressed)));
+      return false;
+    }
+    std::string digest;
+    if (!part_.DigestMatches(&digest)) {
+      log::Warning("{}: {} mismatch (got {}, want {}); downloading it again", f_.path, part_.digest_name(), digest,
+                   part_.want_digest());
+      part_.Discard();
+      if (++digest_failures_ >= 3)
+        return absl::UnavailableError(fmt::format("{} still mismatches after 3 downloads", part_.digest_name()));
+      url_ = d_.ResolveUrlFor(f_);
+      return false;
+    }
+    PTK_RETURN_IF_ERROR(part_.MoveIntoPlace());
+    PTK_RETURN_IF_ERROR(d_.done_.Append(DoneLogKey(f_)));
+    res_.bytes = part_.offset();
+    return true;
+  }
+
+  FileDownloader& d_;
+  Session& s_;
+  const RemoteFile& f_;
+  PartFile& part_;
+  FileResult& res_;
+  RetryBudget budget_;
+  std::string url_;
+  int redirects_ = 0, digest_failures_ = 0;
+};
+
+FileResult FileDownloader::Run(const RemoteFile& f) {
+  FileResult res;
+  res.error = [&]() -> absl::Status {
+    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(f.local_path)));
+    // One downloader per file: another run on this --local-dir (a requeued job that still runs)
+    // holding it makes this file fail at once, naming that run; its .part is never touched.
+    PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(f.local_path));
+    PartFile part(f);
+    PTK_RETURN_IF_ERROR(part.Open(progress_));
+    return FileFetch(*this, f, part, res).Run();
+  }();
+  res.ok = res.error.ok();
+  // A full disk stops the whole run (no other file can be written either).
+  if (res.error.code() == absl::StatusCode::kResourceExhausted) s_.disk_full = true;
   return res;
 }
 
