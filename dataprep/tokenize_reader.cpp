@@ -1,0 +1,114 @@
+// ptk-tokenize's first stage: input files -> batches of whole lines.
+#include <cstdio>
+#include <cstring>
+
+#include "common/status.h"
+#include "dataprep/tokenize_stages.h"
+
+namespace ptk::tokenize_detail {
+
+absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
+  while (true) {
+    if (!src_) {
+      if (file_ >= static_cast<int>(files_.size())) return std::unique_ptr<Batch>();
+      PTK_ASSIGN_OR_RETURN(src_, OpenByteSource(files_[file_]));
+      if (announce_) {  // Megatron's line
+        std::printf("Opening %s\n", files_[file_].c_str());
+        std::fflush(stdout);
+      }
+      line_no_ = 1;
+      at_file_start_ = true;
+      consumed_ = 0;
+      if (file_ == start_.file && start_.offset > 0) {  // resuming inside this file
+        PTK_RETURN_IF_ERROR(src_->Skip(start_.offset));
+        consumed_ = start_.offset;
+        line_no_ = start_.line_no;
+        at_file_start_ = false;
+      }
+      carry_.clear();
+      last_raw_ = 0;
+    }
+    auto b = std::make_unique<Batch>();
+    b->file = file_;
+    size_t cap = std::max(batch_bytes_, carry_.size() * 2) + (64 << 10);
+    b->data.reset(new char[cap + kPadding]);
+    std::memcpy(b->data.get(), carry_.data(), carry_.size());
+    size_t size = carry_.size();
+    size_t scan_from = 0;
+    size_t last_nl = std::string::npos;
+    carry_.clear();
+    bool eof = false;
+    while (true) {
+      if (size >= batch_bytes_ && last_nl != std::string::npos) break;
+      if (size == cap) {
+        if (last_nl != std::string::npos) break;
+        size_t ncap = cap * 2;  // a line longer than the batch: grow until it ends
+        std::unique_ptr<char[]> nd(new char[ncap + kPadding]);
+        std::memcpy(nd.get(), b->data.get(), size);
+        b->data = std::move(nd);
+        cap = ncap;
+      }
+      PTK_ASSIGN_OR_RETURN(size_t n, src_->Read(b->data.get() + size, cap - size));
+      if (n == 0) {
+        eof = true;
+        break;
+      }
+      size += n;
+      const void* nl = memrchr(b->data.get() + scan_from, '\n', size - scan_from);
+      if (nl) last_nl = static_cast<size_t>(static_cast<const char*>(nl) - b->data.get());
+      scan_from = size;
+    }
+    size_t end = size;
+    if (!eof) {
+      end = last_nl + 1;
+      carry_.assign(b->data.get() + end, size - end);
+    }
+    b->size = end;
+    std::memset(b->data.get() + end, 0, kPadding);
+    // Split into lines as Python's universal newlines do (Megatron reads with open(..., "r")):
+    // "\n", "\r\n" and a bare "\r" each end a line.
+    size_t pos = 0;
+    while (pos < end) {
+      const void* nl = std::memchr(b->data.get() + pos, '\n', end - pos);
+      const size_t stop = nl ? static_cast<size_t>(static_cast<const char*>(nl) - b->data.get()) : end;
+      while (true) {
+        const void* cr = std::memchr(b->data.get() + pos, '\r', stop - pos);
+        if (!cr) break;
+        const size_t at = static_cast<size_t>(static_cast<const char*>(cr) - b->data.get());
+        if (at + 1 == stop && nl) break;  // "\r\n"
+        b->lines.push_back({pos, at - pos});
+        pos = at + 1;
+      }
+      size_t len = stop - pos;
+      if (len > 0 && b->data[pos + len - 1] == '\r') --len;
+      if (pos < stop || nl) b->lines.push_back({pos, len});
+      pos = stop + 1;
+    }
+    if (at_file_start_ && !b->lines.empty()) {
+      auto& l0 = b->lines[0];
+      if (l0.len >= 3 && std::memcmp(b->data.get() + l0.off, "\xEF\xBB\xBF", 3) == 0) {  // UTF-8 BOM
+        l0.off += 3;
+        l0.len -= 3;
+      }
+      at_file_start_ = false;
+    }
+    b->first_line_no = line_no_;
+    b->first_global_line = global_line_;
+    b->file_offset = consumed_;
+    b->last_of_file = eof;
+    consumed_ += end;
+    line_no_ += static_cast<int64_t>(b->lines.size());
+    global_line_ += static_cast<int64_t>(b->lines.size());
+    uint64_t raw = src_->raw_bytes_read();
+    b->raw_bytes = raw - last_raw_;
+    last_raw_ = raw;
+    if (eof) {
+      src_.reset();
+      ++file_;
+    }
+    if (b->lines.empty()) continue;  // an empty file
+    return b;
+  }
+}
+
+}  // namespace ptk::tokenize_detail

@@ -1,0 +1,405 @@
+// ptk-tokenize's last stage: documents into the .bin/.idx builders, counters, resume points,
+// the final checks.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/core.h>
+
+#include "absl/strings/ascii.h"
+
+#include "common/file_util.h"
+#include "common/hash.h"
+#include "common/logging.h"
+#include "common/output_lock.h"
+#include "common/py_format.h"
+#include "common/status.h"
+#include "dataprep/tokenize_stages.h"
+#include "indexed_dataset/merge.h"
+
+namespace ptk::tokenize_detail {
+namespace {
+
+std::string TopLevelKeys(std::string_view line) {
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (p.parse(std::string(line)).get(obj)) return "";
+  std::string keys;
+  for (auto field : obj) keys += (keys.empty() ? "" : ", ") + std::string(field.key);
+  return keys.empty() ? "(none)" : keys;
+}
+
+// The likely reason why a file gave no document, from its first line.
+std::string LikelyCause(const FileTally& t, const TokenizeOptions& opt) {
+  const std::string first(absl::StripAsciiWhitespace(t.first_line));
+  if (!t.keys_seen.empty())
+    return fmt::format("; its records have no key {:?}: the first one has {} (choose with --json-keys)",
+                       opt.json_keys.front(), t.keys_seen);
+  if (!first.empty() && first.front() == '[')
+    return "; it looks like a JSON array, not JSON lines (one object per line): convert it with `jq -c '.[]'`";
+  if (first == "{" || (first.size() > 1 && first.front() == '{' && first.back() != '}'))
+    return "; it looks like pretty-printed JSON, not JSON lines (one object per line): convert it with `jq -c .`";
+  int control = 0;
+  for (unsigned char c : t.first_line) control += (c < 0x20 && c != '\t') || c == 0x7f;
+  if (control > 0) return "; it does not look like text (binary data, or a compression ptk does not detect?)";
+  return "";
+}
+
+absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<FileTally>& tallies) {
+  int64_t docs = 0, bad = 0;
+  std::string first_bad;
+  for (size_t f = 0; f < tallies.size(); ++f) {
+    const FileTally& t = tallies[f];
+    docs += t.documents;
+    bad += t.bad;
+    if (first_bad.empty()) first_bad = t.first_bad;
+    if (t.documents > 0) continue;
+    const std::string& name = opt.inputs[f];
+    if (t.bad == 0) return absl::FailedPreconditionError(fmt::format("{}: no document in it (empty file)", name));
+    return absl::FailedPreconditionError(
+        fmt::format("{}: no document could be read: {} records, none usable{}; first: {}", name, t.bad,
+                    LikelyCause(t, opt), log::Printable(t.first_bad)));
+  }
+  if (bad > 0 && static_cast<double>(bad) > opt.max_bad_fraction * static_cast<double>(docs + bad))
+    return absl::FailedPreconditionError(
+        fmt::format("{} of {} records ({:.2f}%) could not be read, more than --max-bad-fraction {}; first: {}", bad,
+                    docs + bad, 100.0 * static_cast<double>(bad) / static_cast<double>(docs + bad),
+                    opt.max_bad_fraction, log::Printable(first_bad)));
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- resume record
+// PREFIX.ptk-resume, rewritten atomically every --resume-interval seconds: where reading goes on,
+// the counters, and each key's builder checkpoint (its fsynced temporary .bin and index so far).
+// A killed run's rerun with the same inputs and settings continues from there; the output is the
+// same bytes as an uninterrupted run's.
+
+constexpr std::string_view kResumeMagic = "PTKRESUME1\n";
+
+struct ResumeState {
+  std::string fingerprint;
+  ReadPoint next;
+  TokenizeStats stats;
+  std::vector<std::pair<int64_t, int64_t>> tallies;  // documents, bad records per input
+  std::vector<BuilderCheckpoint> builders;           // per key
+};
+
+// What must be equal for a resume to give the same bytes: inputs (name, size, mtime), keys, the
+// options that change ids, and the tokenizer (its size, EOD id and the ids of a probe text).
+std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  std::string s = "ptk-tokenize resume v1\n";
+  for (const auto& f : opt.inputs) {
+    struct stat st {};
+    (void)::stat(f.c_str(), &st);
+    s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+  }
+  for (const auto& k : opt.json_keys) s += "key " + k + "\n";
+  s += fmt::format("{} {} {} {} {}\n", opt.append_eod, opt.endoftext_as_text, opt.strict, tok.vocab_size(), tok.eod());
+  Gpt2Encoder enc(tok);
+  std::vector<int32_t> ids;
+  enc.Encode("ptk resume probe: Hello, world! 12345 \xc3\xa9t\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd <|endoftext|>", &ids);
+  for (int32_t id : ids) s += fmt::format("{} ", id);
+  return Sha256Hex(s);
+}
+
+void PutI64(std::string& o, int64_t v) { o.append(reinterpret_cast<const char*>(&v), 8); }
+
+std::string SerializeResume(const ResumeState& r) {
+  std::string o(kResumeMagic);
+  o += r.fingerprint + "\n";
+  for (int64_t v : {r.next.file, static_cast<int64_t>(r.next.offset), r.next.line_no, r.next.global_line}) PutI64(o, v);
+  const TokenizeStats& t = r.stats;
+  for (int64_t v : {t.documents, t.empty_documents, t.tokens, static_cast<int64_t>(t.bytes),
+                    static_cast<int64_t>(t.chars), t.lines, t.skipped, t.invalid_utf8, t.lone_surrogates})
+    PutI64(o, v);
+  for (int64_t v : t.skipped_by_kind) PutI64(o, v);
+  PutI64(o, static_cast<int64_t>(r.tallies.size()));
+  for (const auto& [docs, bad] : r.tallies) {
+    PutI64(o, docs);
+    PutI64(o, bad);
+  }
+  PutI64(o, static_cast<int64_t>(r.builders.size()));
+  for (const auto& b : r.builders) {
+    const std::string name = Basename(b.bin_tmp);
+    PutI64(o, static_cast<int64_t>(name.size()));
+    o += name;
+    PutI64(o, static_cast<int64_t>(b.bin_bytes));
+    PutI64(o, b.tokens);
+    PutI64(o, static_cast<int64_t>(b.lengths.size()));
+    o.append(reinterpret_cast<const char*>(b.lengths.data()), 4 * b.lengths.size());
+    PutI64(o, static_cast<int64_t>(b.doc_idx.size()));
+    o.append(reinterpret_cast<const char*>(b.doc_idx.data()), 8 * b.doc_idx.size());
+  }
+  o += Xxh3Hex(o);  // 32 hex digits: a damaged record is refused, not half-believed
+  return o;
+}
+
+absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
+  PTK_ASSIGN_OR_RETURN(std::string data, ReadFileToString(path));
+  auto bad = [&](const char* what) { return absl::DataLossError(fmt::format("{}: {}", path, what)); };
+  if (data.size() < kResumeMagic.size() + 65 + 32 || data.compare(0, kResumeMagic.size(), kResumeMagic) != 0)
+    return bad("not a ptk-tokenize resume record");
+  const std::string body = data.substr(0, data.size() - 32);
+  if (Xxh3Hex(body) != data.substr(data.size() - 32)) return bad("damaged (checksum)");
+  size_t pos = kResumeMagic.size();
+  ResumeState r;
+  r.fingerprint = body.substr(pos, 64);
+  pos += 65;
+  bool ok = true;
+  auto get = [&]() -> int64_t {
+    if (pos + 8 > body.size()) {
+      ok = false;
+      return 0;
+    }
+    int64_t v;
+    std::memcpy(&v, body.data() + pos, 8);
+    pos += 8;
+    return v;
+  };
+  auto count = [&](int64_t limit) -> size_t {
+    const int64_t n = get();
+    if (n < 0 || n > limit) ok = false;
+    return ok ? static_cast<size_t>(n) : 0;
+  };
+  r.next.file = get();
+  r.next.offset = static_cast<uint64_t>(get());
+  r.next.line_no = get();
+  r.next.global_line = get();
+  TokenizeStats& t = r.stats;
+  t.documents = get();
+  t.empty_documents = get();
+  t.tokens = get();
+  t.bytes = static_cast<uint64_t>(get());
+  t.chars = static_cast<uint64_t>(get());
+  t.lines = get();
+  t.skipped = get();
+  t.invalid_utf8 = get();
+  t.lone_surrogates = get();
+  for (int64_t& v : t.skipped_by_kind) v = get();
+  const int64_t room = static_cast<int64_t>(body.size());
+  r.tallies.resize(count(room / 16));
+  for (auto& [docs, badn] : r.tallies) {
+    docs = get();
+    badn = get();
+  }
+  r.builders.resize(count(64));
+  for (auto& b : r.builders) {
+    const size_t n = count(4096);
+    if (!ok || pos + n > body.size()) return bad("truncated");
+    b.bin_tmp = JoinPath(Dirname(path), body.substr(pos, n));
+    pos += n;
+    b.bin_bytes = static_cast<uint64_t>(get());
+    b.tokens = get();
+    b.lengths.resize(count(room / 4));
+    if (!ok || pos + 4 * b.lengths.size() > body.size()) return bad("truncated");
+    std::memcpy(b.lengths.data(), body.data() + pos, 4 * b.lengths.size());
+    pos += 4 * b.lengths.size();
+    b.doc_idx.resize(count(room / 8));
+    if (!ok || pos + 8 * b.doc_idx.size() > body.size()) return bad("truncated");
+    std::memcpy(b.doc_idx.data(), body.data() + pos, 8 * b.doc_idx.size());
+    pos += 8 * b.doc_idx.size();
+  }
+  if (!ok || pos != body.size()) return bad("truncated or damaged");
+  return r;
+}
+
+}  // namespace
+
+DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress)
+    : opt_(opt),
+      tok_(tok),
+      progress_(progress),
+      nkeys_(opt.json_keys.size()),
+      // Round-robin partitions change the document order (line k goes to partition k mod P, then
+      // the partitions are concatenated); contiguous ones (--keep-sequential-samples) do not.
+      nparts_((opt.partitions > 1 && !opt.keep_sequential_samples) ? opt.partitions : 1),
+      resumable_(nparts_ == 1 && opt.resume_interval_s > 0 &&
+                 std::find(opt.inputs.begin(), opt.inputs.end(), "-") == opt.inputs.end()),
+      journal_(OutputPrefixFor(opt.output_prefix, opt.json_keys[0]) + ".ptk-resume"),
+      builders_(nparts_),
+      tallies_(opt.inputs.size()) {}
+
+DocumentSink::~DocumentSink() {
+  // Success or error, this run is over: its record goes (an unfinished builder's temporary, which
+  // the record names, is removed by the builder). Only a killed run leaves one.
+  if (journal_owned_) (void)RemoveFileIfExists(journal_);
+}
+
+std::string DocumentSink::PartPrefix(int part, size_t key) const {
+  const std::string final_prefix = OutputPrefixFor(opt_.output_prefix, opt_.json_keys[key]);
+  return nparts_ == 1 ? final_prefix : fmt::format("{}.ptk-part{}", final_prefix, part);
+}
+
+absl::StatusOr<ReadPoint> DocumentSink::Open() {
+  const DType dtype = OptimalDType(tok_.vocab_size());
+  std::optional<ResumeState> resume;
+  if (resumable_) {
+    fingerprint_ = ResumeFingerprint(opt_, tok_);
+    if (PathExists(journal_)) {
+      auto r = ParseResume(journal_);
+      if (r.ok() && r->fingerprint == fingerprint_ && r->builders.size() == nkeys_ &&
+          r->tallies.size() == opt_.inputs.size() && r->next.file >= 0 &&
+          r->next.file <= static_cast<int64_t>(opt_.inputs.size()))
+        resume = std::move(*r);
+      else
+        log::Warning("{}: {}; starting over", journal_,
+                     r.ok() ? "left by a run with other inputs or settings" : StatusMessage(r.status()));
+    }
+  }
+  if (resume) {
+    for (size_t k = 0; k < nkeys_; ++k) {
+      auto b = IndexedDatasetBuilder::Resume(PartPrefix(0, k), dtype, resume->builders[k]);
+      if (!b.ok()) {
+        if (IsOutputBusy(b.status())) return b.status();  // another run's: its record is not ours
+        log::Warning("cannot resume ({}); starting over", StatusMessage(b.status()));
+        builders_[0].clear();
+        resume.reset();
+        break;
+      }
+      builders_[0].push_back(std::move(*b));
+    }
+  }
+  if (!resume) {
+    for (int p = 0; p < nparts_; ++p)
+      for (size_t k = 0; k < nkeys_; ++k) {
+        PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(PartPrefix(p, k), dtype));
+        builders_[p].push_back(std::move(b));
+      }
+  }
+  // The builders hold the outputs' locks: the record is ours from here on.
+  journal_owned_ = resumable_;
+  if (resumable_) RemoveStaleTemporaries(journal_);  // a record being written when a run was killed
+  if (!resume) return ReadPoint{};
+  stats_ = resume->stats;
+  for (size_t f = 0; f < tallies_.size(); ++f) {
+    tallies_[f].documents = resume->tallies[f].first;
+    tallies_[f].bad = resume->tallies[f].second;
+  }
+  log::Info("resuming a killed run from {}:{} ({} documents already written)",
+            resume->next.file < static_cast<int64_t>(opt_.inputs.size()) ? opt_.inputs[resume->next.file] : "the end",
+            resume->next.line_no, stats_.documents);
+  return resume->next;
+}
+
+absl::Status DocumentSink::ReportBad(const Batch& b, size_t i) {
+  const std::string where = fmt::format("{}:{}", opt_.inputs[b.file], b.first_line_no + static_cast<int64_t>(i));
+  if (opt_.strict)
+    return absl::InvalidArgumentError(
+        fmt::format("{}: bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]));
+  if (warnings_ < opt_.max_warnings) {
+    log::Warning("{}: skipped bad record ({}): {}", where, RecordStatusName(b.status[i]), b.messages[i]);
+    if (++warnings_ == opt_.max_warnings) log::Warning("further bad records are counted but not shown");
+  }
+  return absl::OkStatus();
+}
+
+// Line i of b, a good record: one document per key. `offsets` walks b's per-key results
+// ([0, nkeys): ids, [nkeys, 2 nkeys): sequence lengths, [2 nkeys, 3 nkeys): documents).
+absl::Status DocumentSink::AddDocument(const Batch& b, size_t i, std::vector<size_t>& offsets) {
+  const int p = nparts_ == 1 ? 0 : static_cast<int>((b.first_global_line + static_cast<int64_t>(i)) % nparts_);
+  bool empty = true;
+  for (size_t k = 0; k < nkeys_; ++k) {
+    size_t& tok_off = offsets[k];
+    size_t& seq_off = offsets[nkeys_ + k];
+    size_t& doc_off = offsets[2 * nkeys_ + k];
+    const int32_t nseq = b.doc_nseq[k][doc_off++];
+    int64_t ntok = 0;
+    for (int32_t s = 0; s < nseq; ++s) ntok += b.seq_lens[k][seq_off + s];
+    std::span<const int32_t> t(b.tokens[k].data() + tok_off, static_cast<size_t>(ntok));
+    std::span<const int32_t> l(b.seq_lens[k].data() + seq_off, static_cast<size_t>(nseq));
+    PTK_RETURN_IF_ERROR(builders_[p][k]->AddDocument(t, l));
+    tok_off += static_cast<size_t>(ntok);
+    seq_off += static_cast<size_t>(nseq);
+    stats_.tokens += ntok;
+    if (ntok > 0) empty = false;
+  }
+  if (empty) ++stats_.empty_documents;
+  ++stats_.documents;
+  progress_.AddItems(1);
+  if (opt_.megatron_log && opt_.log_interval > 0 && stats_.documents % opt_.log_interval == 0) {
+    const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    log::Raw(fmt::format("Processed {} documents ({} docs/s, {} MB/s).", stats_.documents,
+                         py::FloatRepr(stats_.documents / el), py::FloatRepr(stats_.chars / el / 1024 / 1024)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DocumentSink::Consume(const Batch& b) {
+  stats_.lines += static_cast<int64_t>(b.lines.size());
+  stats_.bytes += b.size;
+  stats_.chars += b.chars;
+  stats_.invalid_utf8 += b.invalid_utf8;
+  stats_.lone_surrogates += b.lone_surrogates;
+  std::vector<size_t> offsets(3 * nkeys_, 0);
+  FileTally& tally = tallies_[static_cast<size_t>(b.file)];
+  for (size_t i = 0; i < b.lines.size(); ++i) {
+    const std::string_view line(b.data.get() + b.lines[i].off, b.lines[i].len);
+    if (tally.first_line.empty() && b.status[i] != RecordStatus::kBlank)
+      tally.first_line = std::string(line.substr(0, 256));
+    if (b.status[i] != RecordStatus::kOk) {
+      ++stats_.skipped;
+      ++stats_.skipped_by_kind[static_cast<int>(b.status[i])];
+      if (b.status[i] != RecordStatus::kBlank) {
+        ++tally.bad;
+        if (tally.first_bad.empty())
+          tally.first_bad = fmt::format("{}:{}: {}", opt_.inputs[b.file], b.first_line_no + static_cast<int64_t>(i),
+                                        b.messages[i]);
+        if (b.status[i] == RecordStatus::kMissingKey && tally.keys_seen.empty()) tally.keys_seen = TopLevelKeys(line);
+      }
+      PTK_RETURN_IF_ERROR(ReportBad(b, i));
+      continue;
+    }
+    ++tally.documents;
+    if (opt_.strict && b.replaced[i])
+      return absl::InvalidArgumentError(
+          fmt::format("{}:{}: invalid UTF-8 or a lone surrogate escape replaced by U+FFFD (--strict)",
+                      opt_.inputs[b.file], b.first_line_no + static_cast<int64_t>(i)));
+    PTK_RETURN_IF_ERROR(AddDocument(b, i, offsets));
+  }
+  if (resumable_ && std::chrono::duration<double>(std::chrono::steady_clock::now() - last_resume_point_).count() >=
+                        opt_.resume_interval_s)
+    PTK_RETURN_IF_ERROR(WriteResumePoint(b));
+  return absl::OkStatus();
+}
+
+// Everything up to the end of b is in the builders: record where to go on.
+absl::Status DocumentSink::WriteResumePoint(const Batch& b) {
+  const int64_t n = static_cast<int64_t>(b.lines.size());
+  ResumeState r;
+  r.fingerprint = fingerprint_;
+  r.next = b.last_of_file ? ReadPoint{b.file + 1, 0, 1, b.first_global_line + n}
+                          : ReadPoint{b.file, b.file_offset + b.size, b.first_line_no + n, b.first_global_line + n};
+  r.stats = stats_;
+  for (const auto& t : tallies_) r.tallies.emplace_back(t.documents, t.bad);
+  for (size_t k = 0; k < nkeys_; ++k) {
+    PTK_ASSIGN_OR_RETURN(auto cp, builders_[0][k]->Checkpoint());
+    r.builders.push_back(std::move(cp));
+  }
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(journal_, SerializeResume(r)));
+  last_resume_point_ = std::chrono::steady_clock::now();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
+  PTK_RETURN_IF_ERROR(CheckInputsWereRead(opt_, tallies_));
+  std::vector<std::string> finals;
+  for (size_t k = 0; k < nkeys_; ++k) finals.push_back(OutputPrefixFor(opt_.output_prefix, opt_.json_keys[k]));
+  if (nparts_ == 1) {
+    for (size_t k = 0; k < nkeys_; ++k) PTK_RETURN_IF_ERROR(builders_[0][k]->Finalize());
+  } else {
+    for (size_t k = 0; k < nkeys_; ++k) {
+      std::vector<std::string> parts;
+      for (int p = 0; p < nparts_; ++p) {
+        PTK_RETURN_IF_ERROR(builders_[p][k]->Finalize());
+        parts.push_back(PartPrefix(p, k));
+      }
+      PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k]).status());
+      for (const auto& part : parts) PTK_RETURN_IF_ERROR(RemoveIndexedDataset(part));
+    }
+  }
+  stats_.outputs = finals;
+  return stats_;
+}
+
+}  // namespace ptk::tokenize_detail

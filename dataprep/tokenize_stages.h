@@ -1,0 +1,152 @@
+// ptk-tokenize's three pipeline stages (internal to ptk::dataprep; see tokenize_pipeline.h):
+//   LineReader   (serial, in order)  input files -> batches of whole lines   tokenize_reader.cpp
+//   BatchEncoder (parallel)          JSON parse + GPT-2 ids per batch         tokenize_encode.cpp
+//   DocumentSink (serial, in order)  ids -> .bin/.idx builders, counters,     tokenize_sink.cpp
+//                                    resume points, the final checks
+// RunTokenize (tokenize_pipeline.cpp) wires them into a oneTBB pipeline.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <simdjson.h>
+
+#include "absl/status/statusor.h"
+
+#include "common/progress.h"
+#include "dataprep/byte_source.h"
+#include "dataprep/json_record.h"
+#include "dataprep/tokenize_pipeline.h"
+#include "indexed_dataset/indexed_dataset.h"
+#include "tokenizer/gpt2_tokenizer.h"
+
+namespace ptk::tokenize_detail {
+
+inline constexpr size_t kPadding = simdjson::SIMDJSON_PADDING;
+
+// A batch of whole lines from one input file, and what the workers made of them.
+struct Batch {
+  std::unique_ptr<char[]> data;  // lines, followed by kPadding readable bytes
+  size_t size = 0;
+  struct Line {
+    size_t off, len;
+  };
+  std::vector<Line> lines;
+  int file = 0;
+  int64_t first_line_no = 1;      // 1-based line number of lines[0] in its file
+  int64_t first_global_line = 0;  // 0-based index over all inputs (partition assignment)
+  uint64_t file_offset = 0;       // decoded byte offset of lines[0]'s batch start in its file
+  bool last_of_file = false;      // the file ends with this batch
+  uint64_t raw_bytes = 0;         // input bytes consumed for this batch (progress)
+
+  // Results, per key: ids and sequence lengths of all documents, and per line the number of
+  // sequences; status per line.
+  std::vector<std::vector<int32_t>> tokens, seq_lens, doc_nseq;
+  std::vector<RecordStatus> status;
+  std::vector<std::string> messages;  // for bad lines (index parallel to `status`, empty for ok)
+  uint64_t chars = 0;
+  int64_t invalid_utf8 = 0, lone_surrogates = 0;
+  std::vector<uint8_t> replaced;  // per line: some character was replaced by U+FFFD
+};
+
+// Where reading starts (or resumes): a file, a decoded byte offset at a line start, the line
+// numbers there.
+struct ReadPoint {
+  int64_t file = 0;
+  uint64_t offset = 0;
+  int64_t line_no = 1, global_line = 0;
+};
+// Reads the inputs in order as batches of whole lines (about batch_bytes each, or one longer
+// line), split as Python's universal newlines do, a UTF-8 BOM dropped; starts at `start`.
+class LineReader {
+ public:
+  LineReader(const std::vector<std::string>& files, size_t batch_bytes, const ReadPoint& start, bool announce)
+      : files_(files), batch_bytes_(batch_bytes), file_(static_cast<int>(start.file)),
+        global_line_(start.global_line), start_(start), announce_(announce) {}
+
+  // Next batch, nullptr at the end of all input.
+  absl::StatusOr<std::unique_ptr<Batch>> Next();
+
+ private:
+  const std::vector<std::string>& files_;
+  size_t batch_bytes_;
+  int file_ = 0;
+  std::unique_ptr<ByteSource> src_;
+  std::string carry_;
+  int64_t line_no_ = 1, global_line_ = 0;
+  bool at_file_start_ = true;
+  uint64_t last_raw_ = 0;
+  uint64_t consumed_ = 0;  // decoded bytes of the current file handed out in batches
+  ReadPoint start_;
+  bool announce_ = true;
+};
+
+// One worker's parser and encoder (a worker encodes one batch at a time).
+class BatchEncoder {
+ public:
+  BatchEncoder(const Gpt2Tokenizer& tok, const TokenizeOptions& opt);
+  // Parses every line of b and fills its results (ids, sequence lengths, statuses).
+  void Encode(Batch& b);
+
+ private:
+  const TokenizeOptions& opt_;
+  JsonRecordParser parser_;
+  Gpt2Encoder encoder_;
+  int32_t eod_;
+};
+
+// What the sink saw of one input: enough to fail a run that read nothing, and to say why.
+struct FileTally {
+  int64_t documents = 0, bad = 0;  // bad: records that could not be read (blank lines aside)
+  std::string first_line;          // the first non-blank line's beginning
+  std::string first_bad;           // "file:line: message" of the first bad record
+  std::string keys_seen;           // the keys of the first record that lacked a --json-keys key
+};
+
+// The last stage: each batch's documents into the builders in input order, the counters, the
+// bad-record reports and, every --resume-interval, a resume point; at the end the checks that the
+// inputs were read and the outputs published. The resume record is removed with the sink (only a
+// killed run leaves one); unfinished builders remove their temporaries.
+class DocumentSink {
+ public:
+  DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress);
+  ~DocumentSink();
+  DocumentSink(const DocumentSink&) = delete;
+  DocumentSink& operator=(const DocumentSink&) = delete;
+
+  // Takes the outputs: a killed run's, when its resume record matches these inputs and settings,
+  // else new ones. Returns where reading starts.
+  absl::StatusOr<ReadPoint> Open();
+  // One batch, in input order. An error (a bad record with --strict, a write failure) ends the run.
+  absl::Status Consume(const Batch& b);
+  // After the last batch: fails a run whose inputs gave no document (or too many bad records),
+  // else finalizes the outputs (merging round-robin partitions).
+  absl::StatusOr<TokenizeStats> Finish();
+
+ private:
+  std::string PartPrefix(int part, size_t key) const;
+  absl::Status ReportBad(const Batch& b, size_t i);
+  absl::Status AddDocument(const Batch& b, size_t i, std::vector<size_t>& offsets);
+  absl::Status WriteResumePoint(const Batch& b);
+
+  const TokenizeOptions& opt_;
+  const Gpt2Tokenizer& tok_;
+  ProgressReporter& progress_;
+  const size_t nkeys_;
+  const int nparts_;  // round-robin partitions (1 when contiguous)
+  const bool resumable_;
+  const std::string journal_;  // PREFIX.ptk-resume
+  bool journal_owned_ = false;  // the outputs are ours: the record is removed with the sink
+  std::string fingerprint_;
+  std::vector<std::vector<std::unique_ptr<IndexedDatasetBuilder>>> builders_;  // [part][key]
+  TokenizeStats stats_;
+  std::vector<FileTally> tallies_;
+  int warnings_ = 0;
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_resume_point_ = start_;
+};
+
+}  // namespace ptk::tokenize_detail
