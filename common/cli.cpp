@@ -145,6 +145,17 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   return std::nullopt;
 }
 
+void Refusals::Add(CLI::Option* opt, std::string why) {
+  opt->description("Not supported: " + why)->group(kUnsupportedGroup);
+  refused_.emplace_back(opt, std::move(why));
+}
+
+absl::Status Refusals::Check() const {
+  for (const auto& [opt, why] : refused_)
+    if (opt->count() > 0) return UsageError(fmt::format("{} is not supported: {}", opt->get_name(), why));
+  return absl::OkStatus();
+}
+
 absl::Status CheckOptionTable(const CLI::App& app) {
   std::set<std::string> seen;
   for (const CLI::Option* opt : app.get_options()) {

@@ -5,6 +5,8 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -31,6 +33,23 @@ absl::Status CheckOptionTable(const CLI::App& app);
 // Option group of flags accepted only to be refused with a reason (Megatron/NeMo flags ptk does
 // not implement). An abbreviation that also matches a supported flag means the supported one.
 inline constexpr const char* kUnsupportedGroup = "Not supported (accepted to say why)";
+
+// Flags of the program a tool replaces that it does not implement, in kUnsupportedGroup: the
+// parser accepts them so that using one is a usage error saying why and what to do instead.
+class Refusals {
+ public:
+  explicit Refusals(CLI::App& app) : app_(app) {}
+  // `names` as CLI11 takes them ("--chunk_size,--chunk-size"); a flag, or an option with a value.
+  void Flag(const std::string& names, std::string why) { Add(app_.add_flag(names), std::move(why)); }
+  void Option(const std::string& names, std::string why) { Add(app_.add_option(names)->expected(1), std::move(why)); }
+  // After parsing: a usage error for the first refused flag given ("--apply-ftfy is not supported: ...").
+  absl::Status Check() const;
+
+ private:
+  void Add(CLI::Option* opt, std::string why);
+  CLI::App& app_;
+  std::vector<std::pair<const CLI::Option*, std::string>> refused_;
+};
 
 // Validators with one short message ("must be a positive number, not 0"); unlike CLI11's
 // PositiveNumber they refuse nan and inf and do not print the range of a double.

@@ -19,11 +19,9 @@ int main(int argc, char** argv) {
       "to Megatron-LM's tools/preprocess_data.py with the same flags. Outputs: PREFIX_{key}_document.{bin,idx}.");
   ptk::TokenizeOptions opt;
   std::vector<std::string> inputs;
-  std::string tokenizer_type = "GPT2BPETokenizer", vocab_file, merge_file, dataset_impl = "mmap", lang;
+  std::string tokenizer_type = "GPT2BPETokenizer", vocab_file, merge_file, dataset_impl = "mmap";
   int workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  bool split_sentences = false, keep_newlines = false, quiet = false;
-  std::string tokenizer_model;
-  int64_t vocab_size = 0;
+  bool quiet = false;
   double batch_mb = 1.0;
 
   app->add_option("--input", inputs,
@@ -31,9 +29,8 @@ int main(int argc, char** argv) {
                   "a directory, in natural order; extension-less files such as wiki_00 included)")
       ->required();
   // NeMo's preprocess_data_for_megatron.py flags.
-  std::string tokenizer_library = "megatron", files_filter, delimiter, retrieval_db;
-  bool preproc_folder = false, apply_ftfy = false, need_pad_id = false;
-  int64_t chunk_size = 0, chunk_stride = 0;
+  std::string tokenizer_library = "megatron", files_filter;
+  bool preproc_folder = false;
   app->add_option("--tokenizer-library", tokenizer_library,
                   "NeMo: the tokenizer library; only megatron (GPT-2 BPE) is implemented");
   app->add_flag("--preproc-folder", preproc_folder,
@@ -73,31 +70,18 @@ int main(int argc, char** argv) {
                   "always start over)")
       ->check(ptk::cli::NonNegative());
   app->add_flag("--quiet", quiet, "No progress line and no per-interval log lines");
-  // Megatron flags ptk does not implement: accepted by the parser so that they give a clear error.
-  app->add_flag("--split-sentences", split_sentences, "Not supported (NLTK sentence splitting): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_flag("--keep-newlines", keep_newlines, "Not supported (only with --split-sentences): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_option("--lang", lang, "Not supported (only with --split-sentences): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_option("--tokenizer-model", tokenizer_model, "Not supported (SentencePiece/tiktoken models): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_option("--vocab-size", vocab_size, "Not supported (the vocab file defines the size): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_flag("--apply-ftfy", apply_ftfy,
-                "Not supported (NeMo's ftfy text repair is a Python library ptk does not reimplement): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_flag("--need-pad-id", need_pad_id, "Not supported (adds a pad token, changing the GPT-2 vocab): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_option("--delimiter", delimiter, "Not supported (NeMo retrieval/tabular data): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_option("--retrieval-db", retrieval_db, "Not supported (NeMo retrieval databases): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_option("--chunk_size,--chunk-size", chunk_size, "Not supported (NeMo retrieval chunks): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
-  app->add_option("--chunk_stride_size,--chunk-stride-size", chunk_stride,
-                  "Not supported (NeMo retrieval chunks): an error")
-      ->group(ptk::cli::kUnsupportedGroup);
+  // Megatron and NeMo flags ptk does not implement: each a usage error saying why.
+  ptk::cli::Refusals refused(*app);
+  refused.Flag("--split-sentences", "NLTK sentence splitting is not implemented");
+  refused.Flag("--keep-newlines", "it goes with --split-sentences (NLTK sentence splitting)");
+  refused.Option("--lang", "it goes with --split-sentences (NLTK sentence splitting)");
+  refused.Option("--tokenizer-model", "SentencePiece/tiktoken models are not implemented (GPT-2 BPE only)");
+  refused.Option("--vocab-size", "the vocab file defines the size");
+  refused.Flag("--apply-ftfy", "ftfy is a Python library; run it over the jsonl first, or drop the flag");
+  refused.Flag("--need-pad-id", "it adds a pad token to the vocab (GPT-2 has none)");
+  for (const char* retrieval : {"--delimiter", "--retrieval-db", "--chunk_size,--chunk-size",
+                                "--chunk_stride_size,--chunk-stride-size"})
+    refused.Option(retrieval, "NeMo retrieval data is not implemented");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
@@ -106,23 +90,11 @@ int main(int argc, char** argv) {
           fmt::format("--tokenizer-type {} is not supported; ptk implements GPT2BPETokenizer", tokenizer_type));
     if (dataset_impl != "mmap")
       return ptk::cli::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", dataset_impl));
-    if (split_sentences || keep_newlines || !lang.empty())
-      return ptk::cli::UsageError(
-          "--split-sentences/--keep-newlines/--lang (NLTK sentence splitting) are not supported");
-    if (!tokenizer_model.empty()) return ptk::cli::UsageError("--tokenizer-model is not supported (GPT-2 BPE only)");
-    if (vocab_size != 0) return ptk::cli::UsageError("--vocab-size is not supported (the vocab file defines it)");
+    PTK_RETURN_IF_ERROR(refused.Check());
     if (tokenizer_library != "megatron")
       return ptk::cli::UsageError(fmt::format(
           "--tokenizer-library {} is not supported: only megatron (GPT-2 BPE) is; use NeMo's script for others",
           tokenizer_library));
-    if (apply_ftfy)
-      return ptk::cli::UsageError(
-          "--apply-ftfy is not supported: ftfy is a Python library; run it over the jsonl first, or drop the flag");
-    if (need_pad_id)
-      return ptk::cli::UsageError("--need-pad-id is not supported: it adds a pad token to the vocab (GPT-2 has none)");
-    if (!delimiter.empty() || !retrieval_db.empty() || chunk_size != 0 || chunk_stride != 0)
-      return ptk::cli::UsageError(
-          "--delimiter/--retrieval-db/--chunk_size/--chunk_stride_size (NeMo retrieval data) are not supported");
     if (preproc_folder) {
       if (inputs.size() != 1 || !ptk::IsDirectory(inputs[0]))
         return ptk::cli::UsageError("--preproc-folder: --input must name one directory");
