@@ -18,7 +18,7 @@
 
 #include "common/file_util.h"
 #include "common/hash.h"
-#include "common/json_escape.h"
+#include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
 #include "common/parallel.h"
@@ -125,17 +125,15 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
 }
 
 absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path) {
-  std::string s = fmt::format("{{\"version\": 1, \"output_dir\": \"{}\", \"chunks\": [\n", JsonEscape(plan.output_dir));
-  for (size_t k = 0; k < plan.chunks.size(); ++k) {
-    const auto& c = plan.chunks[k];
-    s += fmt::format("  {{\"name\": \"{}\", \"bytes\": {}, \"inputs\": [", JsonEscape(c.name), c.bytes);
-    for (size_t i = 0; i < c.inputs.size(); ++i)
-      s += fmt::format("{}{{\"path\": \"{}\", \"size\": {}}}", i ? ", " : "", JsonEscape(c.inputs[i].path),
-                       c.inputs[i].size);
-    s += k + 1 < plan.chunks.size() ? "]},\n" : "]}\n";
+  JsonWriter w;
+  w.BeginObject().Field("version", 1).Field("output_dir", plan.output_dir).Key("chunks").BeginArray(/*one_per_line=*/true);
+  for (const auto& c : plan.chunks) {
+    w.BeginObject().Field("name", c.name).Field("bytes", c.bytes).Key("inputs").BeginArray();
+    for (const auto& in : c.inputs) w.BeginObject().Field("path", in.path).Field("size", in.size).EndObject();
+    w.EndArray().EndObject();
   }
-  s += "]}\n";
-  return WriteFileAtomic(path, s);
+  w.EndArray().EndObject();
+  return WriteFileAtomic(path, w.str() + "\n");
 }
 
 absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
@@ -246,8 +244,14 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   PTK_RETURN_IF_ERROR(out->Commit(durable));
   PTK_RETURN_IF_ERROR(
       WriteFileAtomic(out_path + std::string(kDoneSuffix),
-                      fmt::format("{{\"inputs_sha256\": \"{}\", \"size\": {}, \"xxh3_128\": \"{}\", \"inputs\": {}}}\n",
-                                  digest, res.bytes, sum, c.inputs.size()),
+                      JsonWriter()
+                              .BeginObject()
+                              .Field("inputs_sha256", digest)
+                              .Field("size", res.bytes)
+                              .Field("xxh3_128", sum)
+                              .Field("inputs", c.inputs.size())
+                              .EndObject()
+                              .str() + "\n",
                       durable));
   return res;
 }

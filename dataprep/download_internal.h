@@ -29,7 +29,7 @@
 
 #include "common/file_util.h"
 #include "common/hash.h"
-#include "common/json_escape.h"
+#include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/numbers.h"
 #include "common/parallel.h"

@@ -4,8 +4,15 @@
 namespace ptk::download_detail {
 
 std::string ManifestLine(const RemoteFile& f) {
-  return fmt::format("{{\"path\": \"{}\", \"size\": {}, \"sha256\": \"{}\", \"git_sha1\": \"{}\"}}\n",
-                     JsonEscape(f.path), f.size, f.sha256, f.git_sha1);
+  return JsonWriter()
+             .BeginObject()
+             .Field("path", f.path)
+             .Field("size", f.size)
+             .Field("sha256", f.sha256)
+             .Field("git_sha1", f.git_sha1)
+             .EndObject()
+             .str() +
+         "\n";
 }
 
 absl::StatusOr<std::vector<RemoteFile>> ReadManifest(const std::string& path) {

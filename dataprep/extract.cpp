@@ -15,7 +15,7 @@
 
 #include "common/file_util.h"
 #include "common/hash.h"
-#include "common/json_escape.h"
+#include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/mmap_file.h"
 #include "common/output_lock.h"
@@ -50,10 +50,19 @@ std::string DropKey(const std::vector<std::string>& drops) {
 // The sidecar written after an output is complete; a rerun skips the file when it still matches.
 std::string SidecarJson(const std::string& input, const SourceId& src, uint64_t out_size, const std::string& sum,
                         const std::string& drops, int64_t records, int64_t dropped) {
-  return fmt::format(
-      "{{\"source\": \"{}\", \"source_size\": {}, \"source_mtime_ns\": {}, \"output_size\": {}, "
-      "\"output_xxh3_128\": \"{}\", \"drop_sets\": \"{}\", \"records\": {}, \"dropped\": {}}}\n",
-      JsonEscape(input), src.size, src.mtime_ns, out_size, sum, JsonEscape(drops), records, dropped);
+  return JsonWriter()
+             .BeginObject()
+             .Field("source", input)
+             .Field("source_size", src.size)
+             .Field("source_mtime_ns", src.mtime_ns)
+             .Field("output_size", out_size)
+             .Field("output_xxh3_128", sum)
+             .Field("drop_sets", drops)
+             .Field("records", records)
+             .Field("dropped", dropped)
+             .EndObject()
+             .str() +
+         "\n";
 }
 
 // The output's checksum as its sidecar recorded it ("" when the sidecar has none).

@@ -10,6 +10,7 @@
 #include <fmt/core.h>
 
 #include "common/hash.h"
+#include "common/json_writer.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -199,10 +200,20 @@ absl::Status IndexedDatasetBuilder::Finalize() {
   PTK_RETURN_IF_ERROR(bin_->Seal());
   PTK_ASSIGN_OR_RETURN(std::string bin_sum, Xxh3FileHex(bin_->tmp_path()));
   PTK_ASSIGN_OR_RETURN(auto done_writer, AtomicFileWriter::Create(DoneSidecarPath(prefix_)));
-  PTK_RETURN_IF_ERROR(done_writer->Write(fmt::format(
-      "{{\"format\": \"ptk-indexed-dataset-done v1\", \"bin_size\": {}, \"bin_xxh3_128\": \"{}\", \"idx_size\": {}, "
-      "\"idx_xxh3_128\": \"{}\", \"dtype\": \"{}\", \"sequences\": {}, \"documents\": {}, \"tokens\": {}}}\n",
-      bin_->bytes_written(), bin_sum, idx.size(), Xxh3Hex(idx), DTypeName(dtype_), s, d - 1, tokens_)));
+  PTK_RETURN_IF_ERROR(done_writer->Write(JsonWriter()
+                                             .BeginObject()
+                                             .Field("format", "ptk-indexed-dataset-done v1")
+                                             .Field("bin_size", bin_->bytes_written())
+                                             .Field("bin_xxh3_128", bin_sum)
+                                             .Field("idx_size", idx.size())
+                                             .Field("idx_xxh3_128", Xxh3Hex(idx))
+                                             .Field("dtype", DTypeName(dtype_))
+                                             .Field("sequences", s)
+                                             .Field("documents", d - 1)
+                                             .Field("tokens", tokens_)
+                                             .EndObject()
+                                             .str() +
+                                         "\n"));
   PTK_RETURN_IF_ERROR(done_writer->Seal());
   absl::Status st = PublishTogether(PublishJournalPath(prefix_), {{bin_->tmp_path(), BinPath(prefix_)},
                                                                   {idx_writer->tmp_path(), IdxPath(prefix_)},

@@ -10,6 +10,7 @@
 #include <tbb/global_control.h>
 
 #include "common/cli.h"
+#include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/slurm_env.h"
 #include "common/status.h"
@@ -33,16 +34,10 @@ int CpusOfThisProcess() {
 }
 
 std::string ArgsJson(int argc, char** argv) {
-  std::string s = "[";
-  for (int i = 1; i < argc; ++i) {
-    s += i > 1 ? ", \"" : "\"";
-    for (const char* p = argv[i]; *p; ++p) {
-      if (*p == '"' || *p == '\\') s += '\\';
-      if (static_cast<unsigned char>(*p) >= 0x20) s += *p;
-    }
-    s += '"';
-  }
-  return s + "]";
+  ptk::JsonWriter w;
+  w.BeginArray();
+  for (int i = 1; i < argc; ++i) w.Value(argv[i]);
+  return w.EndArray().str();
 }
 
 }  // namespace

@@ -13,7 +13,7 @@
 #include "absl/strings/ascii.h"
 #include "common/file_util.h"
 #include "common/hash.h"
-#include "common/json_escape.h"
+#include "common/json_writer.h"
 #include "common/status.h"
 
 namespace ptk::trainer {
@@ -25,11 +25,17 @@ constexpr char kTracker[] = "latest_checkpointed_iteration.txt";
 
 // The fields of the model configuration that must match for a checkpoint to load.
 std::string ModelJson(const GPTConfig& c) {
-  return fmt::format(
-      "{{\"num_layers\": {}, \"hidden_size\": {}, \"num_attention_heads\": {}, \"ffn_hidden_size\": {}, "
-      "\"max_position_embeddings\": {}, \"padded_vocab_size\": {}, \"untie_embeddings_and_output_weights\": {}}}",
-      c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.max_position_embeddings,
-      c.padded_vocab_size, c.untie_embeddings_and_output_weights ? "true" : "false");
+  return JsonWriter()
+      .BeginObject()
+      .Field("num_layers", c.num_layers)
+      .Field("hidden_size", c.hidden_size)
+      .Field("num_attention_heads", c.num_attention_heads)
+      .Field("ffn_hidden_size", c.ffn_hidden_size)
+      .Field("max_position_embeddings", c.max_position_embeddings)
+      .Field("padded_vocab_size", c.padded_vocab_size)
+      .Field("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights)
+      .EndObject()
+      .str();
 }
 
 }  // namespace
@@ -50,21 +56,31 @@ absl::Status SaveCheckpoint(const std::string& save, const GPTModel& model, cons
   std::error_code ec;
   std::filesystem::remove_all(tmp_dir, ec);
   PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(tmp_dir, "mp_rank_00")));
-  std::string tensors;
+  JsonWriter w;
+  w.BeginObject()
+      .Field("format", "ptk-checkpoint")
+      .Field("version", kFormatVersion)
+      .Field("checkpoint_version", 3.0)
+      .Field("iteration", state.iteration)
+      .Field("consumed_train_samples", state.consumed_train_samples)
+      .Field("consumed_valid_samples", state.consumed_valid_samples)
+      .Field("opt_param_scheduler_num_steps", state.scheduler_num_steps)
+      .Field("adam_step", state.adam_step)
+      .Field("skipped_iterations", state.skipped_iterations)
+      .Field("seed", state.seed)
+      .Field("wall_seconds", state.wall_seconds)
+      .Field("num_params", model.num_params())
+      .Key("model")
+      .Raw(ModelJson(model.config()))
+      .Key("tensors")
+      .BeginArray();
   for (const ParamInfo& p : model.params_info()) {
-    std::string shape;
-    for (int64_t d : p.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
-    tensors += fmt::format("{}{{\"name\": \"{}\", \"shape\": [{}], \"offset\": {}}}", tensors.empty() ? "" : ", ",
-                           JsonEscape(p.name), shape, p.offset);
+    w.BeginObject().Field("name", p.name).Key("shape").BeginArray();
+    for (int64_t d : p.shape) w.Value(d);
+    w.EndArray().Field("offset", p.offset).EndObject();
   }
-  const std::string header = fmt::format(
-      "{{\"format\": \"ptk-checkpoint\", \"version\": {}, \"checkpoint_version\": 3.0, \"iteration\": {}, "
-      "\"consumed_train_samples\": {}, \"consumed_valid_samples\": {}, \"opt_param_scheduler_num_steps\": {}, "
-      "\"adam_step\": {}, \"skipped_iterations\": {}, \"seed\": {}, \"wall_seconds\": {}, \"num_params\": {}, "
-      "\"model\": {}, \"tensors\": [{}], \"args\": {}}}",
-      kFormatVersion, state.iteration, state.consumed_train_samples, state.consumed_valid_samples,
-      state.scheduler_num_steps, state.adam_step, state.skipped_iterations, state.seed, state.wall_seconds,
-      model.num_params(), ModelJson(model.config()), tensors, args_json.empty() ? "{}" : args_json);
+  w.EndArray().Key("args").Raw(args_json.empty() ? "{}" : args_json).EndObject();
+  const std::string& header = w.str();
   const std::string file = JoinPath(tmp_dir, "mp_rank_00/model_optim_rng.ptk");
   {
     PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(file));
