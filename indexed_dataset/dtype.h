@@ -55,41 +55,25 @@ inline std::string_view DTypeName(DType t) {
 // DType.optimal_dtype: uint16 when the vocabulary has fewer than 65500 entries, else int32.
 inline DType OptimalDType(int64_t vocab_size) { return vocab_size < 65500 ? DType::kUInt16 : DType::kInt32; }
 
+// Element i of a little-endian array of T (unaligned), as int64 (floats are truncated).
+template <typename T>
+inline int64_t LoadAs(const uint8_t* base, int64_t i) {
+  T v;
+  std::memcpy(&v, base + sizeof(T) * static_cast<size_t>(i), sizeof(T));
+  return static_cast<int64_t>(v);
+}
+
 // Reads element i of a little-endian array of `t` as int64 (floats are truncated).
 inline int64_t LoadToken(const uint8_t* base, int64_t i, DType t) {
   switch (t) {
-    case DType::kUInt8: return base[i];
-    case DType::kInt8: return static_cast<int8_t>(base[i]);
-    case DType::kInt16: {
-      int16_t v;
-      std::memcpy(&v, base + 2 * i, 2);
-      return v;
-    }
-    case DType::kUInt16: {
-      uint16_t v;
-      std::memcpy(&v, base + 2 * i, 2);
-      return v;
-    }
-    case DType::kInt32: {
-      int32_t v;
-      std::memcpy(&v, base + 4 * i, 4);
-      return v;
-    }
-    case DType::kInt64: {
-      int64_t v;
-      std::memcpy(&v, base + 8 * i, 8);
-      return v;
-    }
-    case DType::kFloat32: {
-      float v;
-      std::memcpy(&v, base + 4 * i, 4);
-      return static_cast<int64_t>(v);
-    }
-    case DType::kFloat64: {
-      double v;
-      std::memcpy(&v, base + 8 * i, 8);
-      return static_cast<int64_t>(v);
-    }
+    case DType::kUInt8: return LoadAs<uint8_t>(base, i);
+    case DType::kInt8: return LoadAs<int8_t>(base, i);
+    case DType::kInt16: return LoadAs<int16_t>(base, i);
+    case DType::kUInt16: return LoadAs<uint16_t>(base, i);
+    case DType::kInt32: return LoadAs<int32_t>(base, i);
+    case DType::kInt64: return LoadAs<int64_t>(base, i);
+    case DType::kFloat32: return LoadAs<float>(base, i);
+    case DType::kFloat64: return LoadAs<double>(base, i);
   }
   return 0;
 }

@@ -210,23 +210,37 @@ void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_
     DropoutCpu(x + b * batch.t * c, batch.t * c, p, seed,
                DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, site));
 }
-}  // namespace
 
-namespace {
 void AttentionStreams(const ModelBatch& batch, int64_t layer, std::vector<uint64_t>* streams) {
   for (int64_t b = 0; b < batch.b; ++b)
     (*streams)[b] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, kAttentionProbs);
+}
+
+// What one forward or backward pass over `batch` works with: tokens n, hidden c, ffn f, padded
+// vocab vp, the dropout rates (zero when not training), the attention shape, the layer count.
+struct PassDims {
+  int64_t n, c, f, vp;
+  double hp, ap;
+  AttentionShape shape;
+  uint64_t layers;
+};
+PassDims DimsOf(const GPTConfig& cf, const ModelBatch& batch, bool train) {
+  return {batch.b * batch.t,
+          cf.hidden_size,
+          cf.ffn_hidden_size,
+          cf.padded_vocab_size,
+          train ? cf.hidden_dropout : 0.0,
+          train ? cf.attention_dropout : 0.0,
+          AttentionShape{batch.b, batch.t, cf.num_attention_heads, cf.head_dim()},
+          static_cast<uint64_t>(cf.num_layers)};
 }
 }  // namespace
 
 void GPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config_;
   Activations& a = *act_;
-  const int64_t n = batch.b * batch.t, c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size;
-  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+  const auto [n, c, f, vp, hp, ap, shape, L] = DimsOf(cf, batch, train);
   const float* P = params_.data();
-  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads, cf.head_dim()};
-  const uint64_t L = static_cast<uint64_t>(cf.num_layers);
 
   EmbeddingForwardCpu(a.resid[0].data(), batch.tokens, batch.position_ids, P + a.wte, P + a.wpe, n, c);
   DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
@@ -257,12 +271,9 @@ void GPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
 void GPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config_;
   Activations& a = *act_;
-  const int64_t n = batch.b * batch.t, c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size;
-  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+  const auto [n, c, f, vp, hp, ap, shape, L] = DimsOf(cf, batch, train);
   const float* P = params_.data();
   float* G = grads_.data();
-  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads, cf.head_dim()};
-  const uint64_t L = static_cast<uint64_t>(cf.num_layers);
 
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
   MatmulBackwardCpu(a.dln.data(), G + a.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(), P + a.out_w,
