@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <string>
 
-#include "indexed_dataset/data_loader.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
+#include "indexed_dataset/data_loader.h"
 
 int main(int argc, char** argv) {
   if (argc < 9) {

@@ -31,9 +31,9 @@ RankInfo RankFromEnv();
 // The ranks of a data-parallel training job and where they meet. torchrun's variables (RANK,
 // WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win; otherwise an srun step's (SLURM_PROCID,
 // SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_NODEID), with MASTER_ADDR defaulting to the first host
-// of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST and MASTER_PORT to 20000 + (7 * SLURM_JOB_ID + SLURM_RESTART_COUNT) % 20000;
-// otherwise one process. A batch script outside srun is one process (SLURM_NTASKS alone counts
-// the tasks srun would start, not this one).
+// of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST and MASTER_PORT to 20000 + (7 * SLURM_JOB_ID + SLURM_RESTART_COUNT) %
+// 20000; otherwise one process. A batch script outside srun is one process (SLURM_NTASKS alone counts the tasks srun
+// would start, not this one).
 struct TrainingRanks {
   int rank = 0, world_size = 1, local_rank = 0, node_rank = 0;
   std::string master_addr = "127.0.0.1";

@@ -126,7 +126,11 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
 
 absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path) {
   JsonWriter w;
-  w.BeginObject().Field("version", 1).Field("output_dir", plan.output_dir).Key("chunks").BeginArray(/*one_per_line=*/true);
+  w.BeginObject()
+      .Field("version", 1)
+      .Field("output_dir", plan.output_dir)
+      .Key("chunks")
+      .BeginArray(/*one_per_line=*/true);
   for (const auto& c : plan.chunks) {
     w.BeginObject().Field("name", c.name).Field("bytes", c.bytes).Key("inputs").BeginArray();
     for (const auto& in : c.inputs) w.BeginObject().Field("path", in.path).Field("size", in.size).EndObject();
@@ -242,17 +246,17 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   // next run), never a new chunk described by an old sidecar.
   PTK_RETURN_IF_ERROR(RemoveFileIfExists(out_path + std::string(kDoneSuffix)));
   PTK_RETURN_IF_ERROR(out->Commit(durable));
-  PTK_RETURN_IF_ERROR(
-      WriteFileAtomic(out_path + std::string(kDoneSuffix),
-                      JsonWriter()
-                              .BeginObject()
-                              .Field("inputs_sha256", digest)
-                              .Field("size", res.bytes)
-                              .Field("xxh3_128", sum)
-                              .Field("inputs", c.inputs.size())
-                              .EndObject()
-                              .str() + "\n",
-                      durable));
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(out_path + std::string(kDoneSuffix),
+                                      JsonWriter()
+                                              .BeginObject()
+                                              .Field("inputs_sha256", digest)
+                                              .Field("size", res.bytes)
+                                              .Field("xxh3_128", sum)
+                                              .Field("inputs", c.inputs.size())
+                                              .EndObject()
+                                              .str() +
+                                          "\n",
+                                      durable));
   return res;
 }
 

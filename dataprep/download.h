@@ -33,8 +33,8 @@ struct DownloadOptions {
   double max_retry_time_s = 1800.0;  // a file (or an API call) failing this long without progress gives up
   double stall_timeout_s = 60.0;
   double connect_timeout_s = 10.0;  // as huggingface_hub's default
-  double api_timeout_s = 300.0;  // whole-request limit for Hub API calls (listing pages, revision)
-  int page_size_hint = 0;        // not sent; the server paginates
+  double api_timeout_s = 300.0;     // whole-request limit for Hub API calls (listing pages, revision)
+  int page_size_hint = 0;           // not sent; the server paginates
   ShardSpec shard;
   bool verify = false;     // re-hash files already present
   bool list_only = false;  // write the manifest and stop

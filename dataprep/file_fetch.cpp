@@ -335,7 +335,8 @@ class FileFetch {
       return false;
     }
     if (resp.curl_code != 0) {
-      PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("transfer error: {}", resp.curl_error), budget_.Backoff(progressed)));
+      PTK_RETURN_IF_ERROR(
+          budget_.Again(fmt::format("transfer error: {}", resp.curl_error), budget_.Backoff(progressed)));
       return false;
     }
     const long code = resp.status;
@@ -405,8 +406,8 @@ class FileFetch {
       }
     }
     if (part_.size_known() && part_.offset() < part_.expected()) {  // the connection ended early but cleanly
-      PTK_RETURN_IF_ERROR(budget_.Again(
-          fmt::format("short body ({} of {} bytes)", part_.offset(), part_.expected()), budget_.Backoff(progressed)));
+      PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("short body ({} of {} bytes)", part_.offset(), part_.expected()),
+                                        budget_.Backoff(progressed)));
       return false;
     }
     std::string digest;

@@ -343,8 +343,8 @@ absl::Status DocumentSink::Consume(const Batch& b) {
       if (b.status[i] != RecordStatus::kBlank) {
         ++tally.bad;
         if (tally.first_bad.empty())
-          tally.first_bad = fmt::format("{}:{}: {}", opt_.inputs[b.file], b.first_line_no + static_cast<int64_t>(i),
-                                        b.messages[i]);
+          tally.first_bad =
+              fmt::format("{}:{}: {}", opt_.inputs[b.file], b.first_line_no + static_cast<int64_t>(i), b.messages[i]);
         if (b.status[i] == RecordStatus::kMissingKey && tally.keys_seen.empty()) tally.keys_seen = TopLevelKeys(line);
       }
       PTK_RETURN_IF_ERROR(ReportBad(b, i));

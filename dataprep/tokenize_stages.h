@@ -64,8 +64,12 @@ struct ReadPoint {
 class LineReader {
  public:
   LineReader(const std::vector<std::string>& files, size_t batch_bytes, const ReadPoint& start, bool announce)
-      : files_(files), batch_bytes_(batch_bytes), file_(static_cast<int>(start.file)),
-        global_line_(start.global_line), start_(start), announce_(announce) {}
+      : files_(files),
+        batch_bytes_(batch_bytes),
+        file_(static_cast<int>(start.file)),
+        global_line_(start.global_line),
+        start_(start),
+        announce_(announce) {}
 
   // Next batch, nullptr at the end of all input.
   absl::StatusOr<std::unique_ptr<Batch>> Next();
@@ -138,7 +142,7 @@ class DocumentSink {
   const size_t nkeys_;
   const int nparts_;  // round-robin partitions (1 when contiguous)
   const bool resumable_;
-  const std::string journal_;  // PREFIX.ptk-resume
+  const std::string journal_;   // PREFIX.ptk-resume
   bool journal_owned_ = false;  // the outputs are ours: the record is removed with the sink
   std::string fingerprint_;
   std::vector<std::vector<std::unique_ptr<IndexedDatasetBuilder>>> builders_;  // [part][key]

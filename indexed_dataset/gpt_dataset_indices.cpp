@@ -260,8 +260,7 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   if (st.ok()) st = save_doc;
   if (st.ok()) st = save_sample;
   // Caches are validated on load and rebuilt when damaged: atomic, not durable.
-  if (st.ok() && save)
-    st = WriteFileAtomic(cache_prefix_ + "description.txt", description_, /*durable=*/false);
+  if (st.ok() && save) st = WriteFileAtomic(cache_prefix_ + "description.txt", description_, /*durable=*/false);
   if (!st.ok()) log::Warning("cannot save the GPTDataset index cache ({}); continuing without it", StatusMessage(st));
   return absl::OkStatus();
 }

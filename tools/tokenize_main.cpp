@@ -79,8 +79,8 @@ int main(int argc, char** argv) {
   refused.Option("--vocab-size", "the vocab file defines the size");
   refused.Flag("--apply-ftfy", "ftfy is a Python library; run it over the jsonl first, or drop the flag");
   refused.Flag("--need-pad-id", "it adds a pad token to the vocab (GPT-2 has none)");
-  for (const char* retrieval : {"--delimiter", "--retrieval-db", "--chunk_size,--chunk-size",
-                                "--chunk_stride_size,--chunk-stride-size"})
+  for (const char* retrieval :
+       {"--delimiter", "--retrieval-db", "--chunk_size,--chunk-size", "--chunk_stride_size,--chunk-stride-size"})
     refused.Option(retrieval, "NeMo retrieval data is not implemented");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 

@@ -52,7 +52,8 @@ TEST(JsonWriterTest, StringsAreEscapedAndParseBack) {
 TEST(JsonWriterTest, OnePerLineArrays) {
   JsonWriter w;
   w.BeginObject().Field("v", 1).Key("chunks").BeginArray(/*one_per_line=*/true);
-  for (int i = 0; i < 2; ++i) w.BeginObject().Field("n", i).Key("in").BeginArray().Value(i).Value(i).EndArray().EndObject();
+  for (int i = 0; i < 2; ++i)
+    w.BeginObject().Field("n", i).Key("in").BeginArray().Value(i).Value(i).EndArray().EndObject();
   w.EndArray().EndObject();
   EXPECT_EQ(w.str(), "{\"v\": 1, \"chunks\": [\n  {\"n\": 0, \"in\": [0, 0]},\n  {\"n\": 1, \"in\": [1, 1]}\n]}");
   JsonWriter empty;

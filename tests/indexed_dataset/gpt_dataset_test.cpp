@@ -13,8 +13,8 @@
 
 #include "common/file_util.h"
 #include "common/py_format.h"
-#include "indexed_dataset/data_loader.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
+#include "indexed_dataset/data_loader.h"
 #include "indexed_dataset/numpy_random.h"
 #include "tests/test_util.h"
 
