@@ -9,6 +9,11 @@
 #                                             build/bin of this checkout)
 #   HF_REPO               cerebras/SlimPajama-627B      HF_REPO_TYPE dataset   HF_REVISION main
 #   HF_INCLUDE            'train/**'          HF_EXCLUDE (unset)   HF_ENDPOINT / HF_TOKEN as for huggingface_hub
+#   VALID_SUBDIR          validation          the repo folder of the validation split (SlimPajama's validation/):
+#                         downloaded too, kept out of the chunks, tokenized into
+#                         preprocessed/${VALID_SUBDIR}_text_document; training evaluates on it
+#                         (--train-data-path + --valid-data-path). Empty, or no such folder: no
+#                         validation split (training splits --data-path by --split).
 #   DOWNLOAD_PARTITION    htc                 DOWNLOAD_TASKS 1     DOWNLOAD_JOBS 16    DOWNLOAD_VERIFY 0
 #   PREP_PARTITION        hpc                 (extract, concat, tokenize)
 #   EXTRACT_TASKS 32      EXTRACT_CONCURRENCY 8    EXTRACT_JOBS 4    DROP_SETS "" (e.g. RedPajamaBook)
@@ -37,6 +42,7 @@ fi
 : "${HF_REVISION:=main}"
 : "${HF_INCLUDE:=train/**}"
 : "${HF_EXCLUDE:=}"
+: "${VALID_SUBDIR=validation}"
 : "${DOWNLOAD_PARTITION:=${PARTITION:-htc}}"
 : "${DOWNLOAD_TASKS:=1}"
 : "${DOWNLOAD_JOBS:=16}"
@@ -75,5 +81,19 @@ RESULTS_DIR="$STAGE_PATH/results"
 PLAN_FILE="$CHUNK_DIR/concat-plan.json"
 CKPT_DIR="${CKPT_DIR:-$STAGE_PATH/checkpoints}"
 STAGES="download extract concat-plan concat tokenize train"
+VALID_DIR="$EXTRACT_DIR/$VALID_SUBDIR"                      # the extracted validation split
+VALID_DATASET="$PREPROCESSED_DIR/${VALID_SUBDIR}_text_document"
+
+# Whether this run has a validation split: configured, and its folder was extracted.
+ptk_has_valid() { [ -n "$VALID_SUBDIR" ] && [ -d "$VALID_DIR" ]; }
+# What a dataset is made from, as its stamp records it: a chunk's sidecar, or for the validation
+# folder a digest of its files' sidecars (a re-extracted file changes it).
+ptk_source_id() {
+  if [ -d "$1" ]; then
+    find "$1" -name '*.ptk-done' -type f | LC_ALL=C sort | xargs -r cat | sha256sum | cut -d' ' -f1
+  else
+    cat "$1.ptk-done" 2>/dev/null || stat -c '%s %Y' "$1"
+  fi
+}
 
 ptk_log() { printf '[%s] %s\n' "$(date '+%F %T')" "$*"; }

@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # Prints the blend that training reads for the datasets the pipeline prepared: the plan's chunks,
 # in plan order (never a glob), as Megatron's --data-path ("W1 P1 W2 P2 ...") or NeMo's
-# model.data.data_prefix ("[W1,P1,W2,P2,...]").
-# Usage: STAGE_PATH=... slurm/data-path.sh [--weights equal|tokens] [--format megatron|nemo]
+# model.data.data_prefix ("[W1,P1,W2,P2,...]"); with --splits, Megatron's per-split flags for the
+# chunks and the validation split ("--train-data-path W1 P1 ... --valid-data-path 1 V").
+# Usage: STAGE_PATH=... slurm/data-path.sh [--weights equal|tokens] [--format megatron|nemo] [--splits]
 #   equal:  every chunk the same weight (1/N, as the seeds write it); tokens: weights by token count.
-# Exit 1 when a dataset of the plan is missing or fails ptk-inspect --verify.
+# Exit 1 when a dataset of the plan (or, with --splits, the validation split) is missing or fails
+# ptk-inspect --verify.
 set -euo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 weights=equal
 format=megatron
+splits=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --weights) weights=${2:-}; shift 2 ;;
     --format) format=${2:-}; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    --splits) splits=1; shift ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "data-path: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 case "$weights" in equal|tokens) ;; *) echo "data-path: --weights equal|tokens, not '$weights'" >&2; exit 2 ;; esac
 case "$format" in megatron|nemo) ;; *) echo "data-path: --format megatron|nemo, not '$format'" >&2; exit 2 ;; esac
+[ "$splits" = 0 ] || [ "$format" = megatron ] ||
+  { echo "data-path: --splits prints Megatron's --train/valid-data-path flags; use --format megatron" >&2; exit 2; }
 [ -n "${STAGE_PATH:-}" ] || { echo "data-path: STAGE_PATH is not set" >&2; exit 2; }
 source "$PTK_SLURM_DIR/config.sh"
 [ -f "$PLAN_FILE" ] || { echo "data-path: no concat plan at $PLAN_FILE" >&2; exit 1; }
@@ -43,7 +49,12 @@ for i in "${!prefixes[@]}"; do
   fi
   items+=("$w" "${prefixes[$i]}")
 done
-if [ "$format" = megatron ]; then
+if [ "$splits" = 1 ]; then
+  ptk_has_valid || { echo "data-path: no validation split (VALID_SUBDIR=$VALID_SUBDIR, $VALID_DIR absent)" >&2; exit 1; }
+  "$PTK_BIN/ptk-inspect" "$VALID_DATASET" --verify >/dev/null 2>&1 ||
+    { echo "data-path: $VALID_DATASET is missing or damaged (ptk-inspect --verify $VALID_DATASET)" >&2; exit 1; }
+  echo "--train-data-path ${items[*]} --valid-data-path 1 $VALID_DATASET"
+elif [ "$format" = megatron ]; then
   echo "${items[*]}"
 else
   (IFS=,; echo "[${items[*]}]")

@@ -56,23 +56,27 @@ if [ -f "$PLAN_FILE" ]; then
 else
   line concat "no plan yet"; complete=0
 fi
-# tokenize: the plan's chunks vs verified datasets; a dataset of no plan chunk is an error
+# tokenize: the plan's chunks (and the validation split) vs verified datasets; a dataset of no plan
+# chunk is an error
+items=("${plan_chunks[@]}")
+ptk_has_valid && items+=("$VALID_DIR")
 n_ok=0; n_want=0; missing=()
-for chunk in "${plan_chunks[@]}"; do
+for chunk in "${items[@]}"; do
   n_want=$((n_want + 1))
   name=$(basename "$chunk" .jsonl)
-  # Complete = verified (checksums included) and made from this very chunk (its stamp is the chunk's sidecar).
-  if [ -f "$PREPROCESSED_DIR/$name.ptk-tokenized" ] && [ -f "$chunk.ptk-done" ] &&
-     [ "$(cat "$PREPROCESSED_DIR/$name.ptk-tokenized")" = "$(cat "$chunk.ptk-done")" ] &&
+  # Complete = verified (checksums included) and made from these very inputs (its stamp: the chunk's
+  # sidecar, or the digest of the validation files' sidecars).
+  if [ -f "$PREPROCESSED_DIR/$name.ptk-tokenized" ] && { [ -d "$chunk" ] || [ -f "$chunk.ptk-done" ]; } &&
+     [ "$(cat "$PREPROCESSED_DIR/$name.ptk-tokenized")" = "$(ptk_source_id "$chunk")" ] &&
      "$PTK_BIN/ptk-inspect" "$PREPROCESSED_DIR/${name}_text_document" --verify >/dev/null 2>&1; then
     n_ok=$((n_ok + 1))
   else
     missing+=("$name")
   fi
 done
-line tokenize "$n_ok of $n_want datasets complete${missing:+ (missing: ${missing[*]:0:8})}"
+line tokenize "$n_ok of $n_want datasets complete$(ptk_has_valid && echo " (incl. $VALID_SUBDIR)")${missing:+ (missing: ${missing[*]:0:8})}"
 [ "$n_want" -gt 0 ] && [ "$n_ok" -eq "$n_want" ] || complete=0
-stray=$(comm -13 <(for c in "${plan_chunks[@]}"; do echo "$PREPROCESSED_DIR/$(basename "$c" .jsonl)_text_document.idx"; done | LC_ALL=C sort) \
+stray=$(comm -13 <(for c in "${items[@]}"; do echo "$PREPROCESSED_DIR/$(basename "$c" .jsonl)_text_document.idx"; done | LC_ALL=C sort) \
                  <(find "$PREPROCESSED_DIR" -maxdepth 1 -name '*_text_document.idx' -type f 2>/dev/null | LC_ALL=C sort))
 if [ -n "$stray" ]; then
   line "" "error: $(echo "$stray" | wc -l) datasets of no chunk in the plan (training ignores them): $(echo "$stray" | head -3 | xargs -r -n1 basename | tr '\n' ' ')"

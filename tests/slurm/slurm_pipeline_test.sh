@@ -56,30 +56,41 @@ cmp -s "$STAGE_PATH/slimpajama/bpe/vocab.json" "$SRC/tokenizer/data/gpt2-vocab.j
 
 echo "== reference: the same tools in one process"
 REF=$WORK/ref
-"$BIN/ptk-download" --quiet --repo cerebras/SlimPajama-627B --include 'train/**' --local-dir "$REF/raw"
+"$BIN/ptk-download" --quiet --repo cerebras/SlimPajama-627B --include 'train/**' --include 'validation/**' --local-dir "$REF/raw"
 "$BIN/ptk-extract" --quiet "$REF/raw" --output-dir "$REF/extracted"
-"$BIN/ptk-concat" --quiet --input "$REF/extracted" --output-dir "$REF/chunks" --chunks 4
+"$BIN/ptk-concat" --quiet --input "$REF/extracted/train" --output-dir "$REF/chunks" --chunks 4
 mkdir -p "$REF/pre"
 for c in "$REF"/chunks/train_*.jsonl; do
   n=$(basename "$c" .jsonl)
   "$BIN/ptk-tokenize" --quiet --input "$c" --output-prefix "$REF/pre/$n" --append-eod --workers 2 >/dev/null
 done
+# The validation split: SlimPajama's validation/ folder, one dataset.
+"$BIN/ptk-tokenize" --quiet --input "$REF/extracted/validation" --output-prefix "$REF/pre/validation" --append-eod \
+  --workers 2 >/dev/null
 compare() {
   local n=0
   for f in "$REF"/pre/*_text_document.bin "$REF"/pre/*_text_document.idx; do
     cmp -s "$f" "$STAGE_PATH/slimpajama/preprocessed/$(basename "$f")" || fail "$(basename "$f") differs from the single-process run"
     n=$((n + 1))
   done
-  [ "$n" = 8 ] || fail "expected 4 datasets, compared $n files"
+  [ "$n" = 10 ] || fail "expected 5 datasets (4 chunks, validation), compared $n files"
 }
 compare
-echo "   4 datasets byte-identical to the single-process run"
+echo "   4 chunk datasets and the validation split byte-identical to the single-process run"
 train_log=$(ls "$STAGE_PATH"/results/train/*.out | head -1)
 grep -q 'data parallel: 2 ranks (srun)' "$train_log" || { cat "$train_log"; fail "train did not run 2 ranks under srun"; }
 grep -q 'iteration        6/       6' "$train_log" || { cat "$train_log"; fail "train did not reach iteration 6"; }
 [ "$(cat "$STAGE_PATH/checkpoints/latest_checkpointed_iteration.txt")" = 6 ] || fail "no checkpoint at iteration 6"
 [ "$(grep -c '] iteration ' "$train_log")" = 3 ] || { cat "$train_log"; fail "expected 3 log lines from rank 0 only"; }
-echo "   train: 2 ranks under srun, checkpoint at iteration 6"
+grep -q '+ validation .*/validation_text_document' "$train_log" &&
+  grep -q 'validation loss at the end of training for val data' "$train_log" ||
+  { cat "$train_log"; fail "train did not evaluate on the validation split"; }
+grep -q "^tokenize .*5 of 5 datasets complete (incl. validation)" <("$SRC/slurm/status.sh") ||
+  fail "status.sh does not count the validation split"
+dp=$("$SRC/slurm/data-path.sh" --splits)
+[ "$dp" = "--train-data-path $(for i in 00 01 02 03; do printf '0.25 %s ' "$STAGE_PATH/slimpajama/preprocessed/train_${i}_text_document"; done)--valid-data-path 1 $STAGE_PATH/slimpajama/preprocessed/validation_text_document" ] ||
+  fail "data-path.sh --splits: $dp"
+echo "   train: 2 ranks under srun, evaluated on the validation split, checkpoint at iteration 6"
 
 echo "== 2. a corrupted download: one extract task fails, its dependents never run"
 victim=$(find "$STAGE_PATH/slimpajama/raw/train" -name '*.zst' | LC_ALL=C sort | head -1)
@@ -170,6 +181,6 @@ direct_rc=$?
 set -e
 direct_log=$(ls "$WORK"/direct-*.out 2>/dev/null | head -1)
 [ "$direct_rc" = 0 ] || { cat "$WORK/direct.id" "$direct_log" 2>/dev/null; fail "direct sbatch of tokenize.sbatch failed"; }
-[ "$(grep -c 'already done' "$direct_log")" = 4 ] || { cat "$direct_log"; fail "the direct job did not find the 4 datasets"; }
-echo "   sbatch slurm/tokenize.sbatch: found its configuration and the 4 finished datasets"
+[ "$(grep -c 'already done' "$direct_log")" = 5 ] || { cat "$direct_log"; fail "the direct job did not find the 5 datasets"; }
+echo "   sbatch slurm/tokenize.sbatch: found its configuration and the 5 finished datasets"
 echo "PASS"
