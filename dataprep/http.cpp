@@ -2,10 +2,13 @@
 #include "dataprep/http.h"
 
 #include <curl/curl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <mutex>
+#include <vector>
 
 #include <fmt/core.h>
 
@@ -73,9 +76,27 @@ size_t WriteCb(char* data, size_t size, size_t n, void* user) {
 
 }  // namespace
 
+std::string FindCaBundle() {
+  for (const char* env : {"CURL_CA_BUNDLE", "SSL_CERT_FILE"})
+    if (const char* v = std::getenv(env); v && *v) return v;
+  std::vector<std::string> candidates;
+  const curl_version_info_data* info = curl_version_info(CURLVERSION_NOW);
+  if (info->age >= CURLVERSION_SEVENTH && info->cainfo) candidates.push_back(info->cainfo);
+  for (const char* p : {"/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
+                        "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem", "/etc/ssl/ca-bundle.pem",
+                        "/etc/ssl/cert.pem"})
+    candidates.push_back(p);
+  for (const auto& c : candidates)
+    if (::access(c.c_str(), R_OK) == 0) return c;
+  return "";
+}
+
 HttpClient::HttpClient() {
   std::call_once(g_curl_init, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
   curl_ = curl_easy_init();
+  ca_bundle_ = FindCaBundle();
+  const curl_version_info_data* info = curl_version_info(CURLVERSION_NOW);
+  no_ca_path_ = info->age >= CURLVERSION_SEVENTH && info->capath && ::access(info->capath, R_OK) != 0;
 }
 
 HttpClient::~HttpClient() { curl_easy_cleanup(static_cast<CURL*>(curl_)); }
@@ -99,6 +120,8 @@ absl::Status HttpClient::Get(const HttpRequest& req, HttpResponse* resp, BodySin
   curl_easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(c, CURLOPT_USERAGENT, "ptk-download/0.1");
+  if (!ca_bundle_.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, ca_bundle_.c_str());
+  if (no_ca_path_) curl_easy_setopt(c, CURLOPT_CAPATH, static_cast<const char*>(nullptr));
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(req.connect_timeout_s * 1000));
   if (req.stall_timeout_s > 0) {
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);

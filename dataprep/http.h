@@ -49,6 +49,12 @@ struct BodySink {
   std::function<bool(const char*, size_t)> on_data;
 };
 
+// The CA certificate bundle https is verified with: $CURL_CA_BUNDLE or $SSL_CERT_FILE when set
+// (as curl and Python honour them), else the first readable file of libcurl's built-in path and
+// the other distributions' usual places (RHEL, SUSE, Alpine): a portable ptk tree built on Debian
+// runs where the certificates are kept elsewhere. Empty: none found (libcurl's default is used).
+std::string FindCaBundle();
+
 class HttpClient {
  public:
   HttpClient();
@@ -62,6 +68,8 @@ class HttpClient {
 
  private:
   void* curl_;
+  std::string ca_bundle_;
+  bool no_ca_path_ = false;  // libcurl's built-in CA directory does not exist here
 };
 
 // "http://host:port/path" -> "host:port" (lower-case); empty when unparsable.

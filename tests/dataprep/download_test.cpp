@@ -16,6 +16,7 @@
 
 #include "common/hash.h"
 #include "dataprep/download.h"
+#include "dataprep/http.h"
 #include "tests/dataprep/fake_hub.h"
 #include "tests/test_util.h"
 
@@ -446,6 +447,21 @@ TEST(DownloadHelpers, PathsAreSanitizedAndFlattened) {
   EXPECT_TRUE(GlobMatch("train/**", "train/chunk1/a.zst"));
   EXPECT_TRUE(GlobMatch("train/*", "train/chunk1/a.zst"));  // huggingface_hub's fnmatch: '*' crosses '/'
   EXPECT_FALSE(GlobMatch("train/**", "validation/chunk1/a.zst"));
+}
+
+// A portable tree built on Debian finds the CA certificates where other distributions keep them.
+TEST(Http, CaBundleFromTheEnvironmentOrTheUsualPlaces) {
+  ::unsetenv("CURL_CA_BUNDLE");
+  ::unsetenv("SSL_CERT_FILE");
+  const std::string found = FindCaBundle();
+  if (!found.empty()) EXPECT_EQ(::access(found.c_str(), R_OK), 0) << found;
+  if (::access("/etc/ssl/certs/ca-certificates.crt", R_OK) == 0) EXPECT_EQ(found, "/etc/ssl/certs/ca-certificates.crt");
+  ::setenv("SSL_CERT_FILE", "/opt/site/certs.pem", 1);
+  EXPECT_EQ(FindCaBundle(), "/opt/site/certs.pem");
+  ::setenv("CURL_CA_BUNDLE", "/opt/site/curl.pem", 1);
+  EXPECT_EQ(FindCaBundle(), "/opt/site/curl.pem");
+  ::unsetenv("CURL_CA_BUNDLE");
+  ::unsetenv("SSL_CERT_FILE");
 }
 
 }  // namespace
