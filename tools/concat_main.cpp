@@ -20,9 +20,12 @@ struct RunArgs {
   bool quiet = false, no_fsync = false;
 };
 
-void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required) {
+// `positional`: the positional arguments' name. It differs between the app and its subcommands:
+// CLI11 2.4 (Ubuntu 24.04) refuses a subcommand option --input while the parent has a positional
+// named "input".
+void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required, const std::string& positional) {
   auto* in =
-      app->add_option("--input,input", r->inputs,
+      app->add_option("--input," + positional, r->inputs,
                       "jsonl files, globs or directories (directories: every .jsonl/.jsonl.zst/.jsonl.xz below)");
   auto* out = app->add_option("--output-dir", r->output_dir, "Where the chunks are written");
   if (required) {
@@ -92,7 +95,7 @@ int main(int argc, char** argv) {
                                "deterministic order. A file without a final newline never merges two records.");
   ptk::ConcatPlanRequest top;
   RunArgs top_run;
-  AddPlanOptions(app.get(), &top, false);
+  AddPlanOptions(app.get(), &top, false, "inputs");
   app->add_option("--plan", top_run.plan_path, "Plan file (default: OUTPUT_DIR/concat-plan.json)");
   app->add_option("--jobs", top_run.jobs, "Chunks built at once")->check(ptk::cli::Positive());
   app->add_flag("--quiet", top_run.quiet, "No progress output");
@@ -104,7 +107,7 @@ int main(int argc, char** argv) {
   ptk::ConcatPlanRequest plan_req;
   std::string plan_path;
   auto* plan_cmd = app->add_subcommand("plan", "Write the plan (which inputs form which chunk) and stop");
-  AddPlanOptions(plan_cmd, &plan_req, true);
+  AddPlanOptions(plan_cmd, &plan_req, true, "input");
   plan_cmd->add_option("--plan", plan_path, "Plan file to write (default: OUTPUT_DIR/concat-plan.json)");
 
   RunArgs run_args;
