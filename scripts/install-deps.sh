@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Installs every Debian package that ptk's build, tests and benchmarks need.
 # Idempotent: when everything is already installed it only checks and returns.
-# Usage: scripts/install-deps.sh [--with-python-ref]   (run as root on Debian bookworm)
+# Usage: scripts/install-deps.sh [--with-python-ref | --build-only]   (as root on Debian bookworm)
 #   --with-python-ref  also installs the Python pieces the compatibility tests use
 #                      (python3-numpy, python3-torch from Debian; megatron-core from PyPI).
+#   --build-only       only what building the programs needs (scripts/build.sh
+#                      -DPTK_BUILD_TESTS=OFF -DPTK_BUILD_BENCH=OFF): the Dockerfile's set; the same
+#                      package names serve on Ubuntu 24.04 (the base of NGC's and NVIDIA's CUDA images).
 set -euo pipefail
 
+BUILD_PKGS=(
+  build-essential cmake ninja-build pkg-config ca-certificates
+  libabsl-dev libfmt-dev libcli11-dev libsimdjson-dev libtbb-dev
+  libcurl4-openssl-dev libssl-dev libzstd-dev liblzma-dev zlib1g-dev libopenblas-dev libgloo-dev libxxhash-dev
+)
 PKGS=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libabsl-dev libfmt-dev libcli11-dev libsimdjson-dev libtbb-dev
   libcurl4-openssl-dev libssl-dev libzstd-dev liblzma-dev libre2-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libgloo-dev libxxhash-dev zlib1g-dev
   zstd xz-utils curl aria2 python3 python3-venv python3-pip python3-matplotlib
-  slurmctld slurmd slurm-client munge
+  slurmctld slurmd slurm-client munge debootstrap
 )
 REF_PKGS=(python3-numpy python3-torch python3-packaging)
 
@@ -20,6 +28,7 @@ want_ref=0
 for a in "$@"; do
   case "$a" in
     --with-python-ref) want_ref=1 ;;
+    --build-only) PKGS=("${BUILD_PKGS[@]}") ;;
     *) echo "install-deps.sh: unknown argument: $a" >&2; exit 2 ;;
   esac
 done

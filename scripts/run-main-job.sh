@@ -33,8 +33,9 @@ if [ "${PTK_SKIP_INSTALL:-0}" != 1 ]; then
   else sudo bash "$ROOT/scripts/install-deps.sh"; fi
 fi
 if [ "${PTK_SKIP_BUILD:-0}" != 1 ]; then
-  cmake -S "$ROOT" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build "$ROOT/build" -j "$JOBS" --target ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train
+  targets=()
+  for t in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train; do targets+=(--target "$t"); done
+  PTK_JOBS=$JOBS bash "$ROOT/scripts/build.sh" "$ROOT/build" "${targets[@]}"
 fi
 
 mkdir -p "$OUT"

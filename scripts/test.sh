@@ -13,8 +13,7 @@ JOBS=${PTK_JOBS:-$(nproc)}
 
 bash scripts/install-deps.sh --with-python-ref
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j "$JOBS"
+bash scripts/build.sh build
 (cd build && ctest --output-on-failure -j "$JOBS" --timeout 900)
 
 # Reader robustness under AddressSanitizer/UBSan: only the targets that matter, to keep CI short.
