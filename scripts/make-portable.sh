@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Makes a portable ptk tree for CPU nodes without containers: it runs on any x86-64 Linux (kernel
+# 3.2 or newer), whatever its glibc and libraries, from wherever it is copied.
+#
+# Usage: scripts/make-portable.sh OUT_DIR [BUILD_DIR]      (BUILD_DIR: build, built first)
+#
+#   OUT_DIR/bin/ptk-*          launchers: run the program below with the bundled loader and libraries
+#   OUT_DIR/libexec/ptk/ptk-*  the programs (as `cmake --install` puts them in bin/)
+#   OUT_DIR/lib/ptk/           every shared library they load, glibc and its loader included
+#   OUT_DIR/share/ptk/         the GPT-2 files and the slurm/ scripts (PTK_BIN defaults to OUT_DIR/bin)
+#
+# Why a loader and not only an $ORIGIN rpath: programs built on Debian bookworm need glibc 2.34+
+# symbols, which older systems (RHEL 8: 2.28, Debian 11: 2.31) lack; the bundled loader runs them
+# with the bundled glibc and never touches the system's. Nothing is installed or set for child
+# processes (no LD_LIBRARY_PATH). https finds the system's CA certificates (see FindCaBundle).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: scripts/make-portable.sh OUT_DIR [BUILD_DIR]}
+BUILD=${2:-build}
+
+[ "$(uname -m)" = x86_64 ] || { echo "make-portable: x86-64 only" >&2; exit 2; }
+if [ "${PTK_SKIP_BUILD:-0}" != 1 ]; then  # the tests set it: their build is done
+  if [ ! -f "$BUILD/CMakeCache.txt" ]; then
+    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  fi
+  cmake --build "$BUILD" -j "${PTK_JOBS:-$(nproc)}" >/dev/null
+fi
+
+stage="$OUT.ptk-tmp-$$"
+rm -rf "$stage"
+trap 'rm -rf "$stage"' EXIT
+cmake --install "$BUILD" --prefix "$stage" >/dev/null
+mkdir -p "$stage/libexec/ptk" "$stage/lib/ptk"
+programs=()
+for p in "$stage"/bin/ptk-*; do
+  name=$(basename "$p")
+  mv "$p" "$stage/libexec/ptk/$name"
+  programs+=("$name")
+done
+[ ${#programs[@]} -gt 0 ] || { echo "make-portable: no ptk programs were installed from $BUILD" >&2; exit 1; }
+strip --strip-debug "$stage"/libexec/ptk/ptk-*  # debug info stays in the build tree
+
+# The libraries: what ldd resolves for each program (glibc and the loader included), plus what
+# oneTBB loads by name at run time (its scalable allocator).
+loader=""
+declare -A libs=()
+for name in "${programs[@]}"; do
+  while read -r line; do
+    case "$line" in
+      *"=> not found"*) echo "make-portable: $name: ${line%% *} not found" >&2; exit 1 ;;
+      *"libcuda.so"*|*"libnvidia-"*) ;;  # the GPU driver's: always the host's own
+      *"=> /"*) path=${line#*=> }; libs[${path%% (*}]=1 ;;
+      /*ld-linux*) loader=${line%% (*} ;;
+    esac
+  done < <(ldd "$stage/libexec/ptk/$name")
+done
+[ -n "$loader" ] || { echo "make-portable: no dynamic loader found by ldd" >&2; exit 1; }
+for l in "${!libs[@]}"; do
+  case "$(basename "$l")" in libtbb.so.*) for m in "$(dirname "$l")"/libtbbmalloc.so.2; do [ -f "$m" ] && libs[$m]=1; done ;; esac
+done
+for l in "${!libs[@]}" "$loader"; do cp -L "$l" "$stage/lib/ptk/$(basename "$l")"; done
+cp -L "$loader" "$stage/lib/ptk/ld-linux-x86-64.so.2"
+
+for name in "${programs[@]}"; do
+  cat > "$stage/bin/$name" <<EOF
+#!/bin/sh
+# ptk portable tree: runs libexec/ptk/$name with the glibc and libraries bundled in lib/ptk
+# (made by scripts/make-portable.sh; the system's own libraries are not used).
+self=\$(readlink -f "\$0" 2>/dev/null) || self=\$0
+root=\${self%/bin/*}
+exec "\$root/lib/ptk/ld-linux-x86-64.so.2" --library-path "\$root/lib/ptk" --argv0 "\$0" "\$root/libexec/ptk/$name" "\$@"
+EOF
+  chmod 755 "$stage/bin/$name"
+done
+# Each launcher runs here, from the staging path (nothing points back to the build).
+for name in "${programs[@]}"; do
+  "$stage/bin/$name" --help >/dev/null || { echo "make-portable: $name --help failed in the portable tree" >&2; exit 1; }
+done
+
+rm -rf "$OUT"
+mkdir -p "$(dirname "$OUT")"
+mv "$stage" "$OUT"
+trap - EXIT
+echo "make-portable: $OUT: ${#programs[@]} programs, $(ls "$OUT/lib/ptk" | wc -l) libraries ($(du -sh "$OUT" | cut -f1)); glibc $(ldd --version | head -1 | awk '{print $NF}') bundled"
