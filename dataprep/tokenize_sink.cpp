@@ -16,6 +16,7 @@
 #include "common/py_format.h"
 #include "common/status.h"
 #include "dataprep/tokenize_stages.h"
+#include "tokenizer/pretokenizer.h"
 #include "indexed_dataset/merge.h"
 
 namespace ptk::tokenize_detail {
@@ -96,9 +97,9 @@ std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& t
   }
   for (const auto& k : opt.json_keys) s += "key " + k + "\n";
   s += fmt::format("{} {} {} {} {}\n", opt.append_eod, opt.endoftext_as_text, opt.strict, tok.vocab_size(), tok.eod());
-  Gpt2Encoder enc(tok);
-  std::vector<int32_t> ids;
-  enc.Encode("ptk resume probe: Hello, world! 12345 \xc3\xa9t\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd <|endoftext|>", &ids);
+  std::vector<int32_t> ids;  // plain BPE of the pieces: no encoder (and its cache) to build
+  ForEachPiece("ptk resume probe: Hello, world! 12345 \xc3\xa9t\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd <|endoftext|>",
+               [&](const uint8_t* b, const uint8_t* e) { tok.BpePiece(b, static_cast<size_t>(e - b), &ids); });
   for (int32_t id : ids) s += fmt::format("{} ", id);
   return Sha256Hex(s);
 }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <queue>
+#include <type_traits>
 
 #include <fmt/core.h>
 #include <simdjson.h>
@@ -22,6 +23,10 @@ extern const char ptk_gpt2_vocab_start[];
 extern const char ptk_gpt2_vocab_end[];
 extern const char ptk_gpt2_merges_start[];
 extern const char ptk_gpt2_merges_end[];
+#ifndef PTK_TOKENIZER_NO_TABLES  // defined only for the generator of those tables
+extern const char ptk_gpt2_tables_start[];
+extern const char ptk_gpt2_tables_end[];
+#endif
 }
 
 namespace ptk {
@@ -110,8 +115,145 @@ std::string_view Gpt2Tokenizer::DefaultMergesTxt() {
   return std::string_view(ptk_gpt2_merges_start, static_cast<size_t>(ptk_gpt2_merges_end - ptk_gpt2_merges_start));
 }
 
+std::string_view Gpt2Tokenizer::DefaultTables() {
+#ifndef PTK_TOKENIZER_NO_TABLES
+  return std::string_view(ptk_gpt2_tables_start, static_cast<size_t>(ptk_gpt2_tables_end - ptk_gpt2_tables_start));
+#else
+  return {};
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadDefault() {
+  if (!DefaultTables().empty()) {
+    auto t = FromTables(DefaultTables());
+    if (t.ok()) return t;
+  }
   return FromStrings(DefaultVocabJson(), DefaultMergesTxt(), "built-in gpt2");
+}
+
+namespace {
+
+constexpr std::string_view kTablesMagic = "PTKGPT2TABLES\x01\n";
+
+class BlobWriter {
+ public:
+  template <typename T>
+  void Put(const T& v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    out_.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  void PutBytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
+  std::string& str() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class BlobReader {
+ public:
+  explicit BlobReader(std::string_view b) : b_(b) {}
+  template <typename T>
+  bool Get(T* v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    return GetBytes(v, sizeof(T));
+  }
+  bool GetBytes(void* p, size_t n) {
+    if (b_.size() - pos_ < n) return false;
+    std::memcpy(p, b_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  bool done() const { return pos_ == b_.size(); }
+
+ private:
+  std::string_view b_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+// Layout: magic, the struct sizes (a blob of another layout is refused), the vocabulary's bytes,
+// byte ids, EOD, the merge table, the short-token table and the long tokens, all native-endian
+// (the blob is made by the same build that reads it).
+std::string Gpt2Tokenizer::SerializeTables() const {
+  BlobWriter w;
+  w.PutBytes(kTablesMagic.data(), kTablesMagic.size());
+  w.Put(static_cast<uint32_t>(sizeof(PieceSlot)));
+  w.Put(static_cast<uint32_t>(sizeof(MergeSlot)));
+  w.Put(static_cast<uint64_t>(id_to_bytes_.size()));
+  for (const std::string& b : id_to_bytes_) {
+    w.Put(static_cast<uint32_t>(b.size()));
+    w.PutBytes(b.data(), b.size());
+  }
+  w.PutBytes(byte_to_id_, sizeof byte_to_id_);
+  w.Put(eod_id_);
+  w.Put(num_merges_);
+  w.Put(static_cast<uint64_t>(merge_table_.size()));
+  w.Put(merge_shift_);
+  w.PutBytes(merge_table_.data(), merge_table_.size() * sizeof(MergeSlot));
+  w.Put(static_cast<uint64_t>(short_table_.size()));
+  w.Put(static_cast<uint64_t>(short_count_));
+  w.PutBytes(short_table_.data(), short_table_.size() * sizeof(PieceSlot));
+  std::vector<std::pair<std::string, int32_t>> longs(long_tokens_.begin(), long_tokens_.end());
+  std::sort(longs.begin(), longs.end());  // the same bytes for the same tables
+  w.Put(static_cast<uint64_t>(longs.size()));
+  for (const auto& [bytes, id] : longs) {
+    w.Put(static_cast<uint32_t>(bytes.size()));
+    w.PutBytes(bytes.data(), bytes.size());
+    w.Put(id);
+  }
+  return std::move(w.str());
+}
+
+absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromTables(std::string_view blob) {
+  auto bad = [](const char* what) {
+    return absl::DataLossError(fmt::format("tokenizer tables: {}", what));
+  };
+  BlobReader r(blob);
+  std::string magic(kTablesMagic.size(), '\0');
+  uint32_t piece_size = 0, merge_size = 0;
+  if (!r.GetBytes(magic.data(), magic.size()) || magic != kTablesMagic) return bad("not a ptk tokenizer table blob");
+  if (!r.Get(&piece_size) || !r.Get(&merge_size) || piece_size != sizeof(PieceSlot) || merge_size != sizeof(MergeSlot))
+    return bad("made by a build with another layout");
+  std::unique_ptr<Gpt2Tokenizer> t(new Gpt2Tokenizer());
+  uint64_t n = 0;
+  if (!r.Get(&n) || n > (1u << 24)) return bad("vocabulary size");
+  t->id_to_bytes_.resize(n);
+  for (std::string& b : t->id_to_bytes_) {
+    uint32_t len = 0;
+    if (!r.Get(&len) || len > blob.size()) return bad("truncated vocabulary");
+    b.resize(len);
+    if (!r.GetBytes(b.data(), len)) return bad("truncated vocabulary");
+  }
+  uint64_t merge_slots = 0, short_slots = 0, short_count = 0, nlong = 0;
+  if (!r.GetBytes(t->byte_to_id_, sizeof t->byte_to_id_) || !r.Get(&t->eod_id_) || !r.Get(&t->num_merges_) ||
+      !r.Get(&merge_slots) || !r.Get(&t->merge_shift_))
+    return bad("truncated header");
+  if (merge_slots == 0 || (merge_slots & (merge_slots - 1)) != 0 || merge_slots > blob.size() ||
+      t->merge_shift_ != 64 - __builtin_ctzll(merge_slots))
+    return bad("merge table size");
+  t->merge_table_.resize(merge_slots);
+  t->merge_mask_ = merge_slots - 1;
+  if (!r.GetBytes(t->merge_table_.data(), merge_slots * sizeof(MergeSlot)) || !r.Get(&short_slots) ||
+      !r.Get(&short_count))
+    return bad("truncated merge table");
+  if (short_slots == 0 || (short_slots & (short_slots - 1)) != 0 || short_slots > blob.size())
+    return bad("short table size");
+  t->short_table_.resize(short_slots);
+  t->short_mask_ = short_slots - 1;
+  t->short_count_ = short_count;
+  if (!r.GetBytes(t->short_table_.data(), short_slots * sizeof(PieceSlot)) || !r.Get(&nlong))
+    return bad("truncated short table");
+  for (uint64_t i = 0; i < nlong; ++i) {
+    uint32_t len = 0;
+    int32_t id = 0;
+    if (!r.Get(&len) || len > blob.size()) return bad("truncated long tokens");
+    std::string bytes(len, '\0');
+    if (!r.GetBytes(bytes.data(), len) || !r.Get(&id)) return bad("truncated long tokens");
+    t->long_tokens_[bytes] = id;
+  }
+  if (!r.done()) return bad("trailing bytes");
+  return t;
 }
 
 absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadOrDefault(const std::string& vocab_path,
@@ -202,7 +344,12 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   int64_t line_no = 0;
   uint32_t rank = 0;
   std::string joined;
-  merges_.reserve(60000);
+  struct Merge {
+    int32_t a, b;
+    MergeInfo info;
+  };
+  std::vector<Merge> merges;
+  merges.reserve(60000);
   while (pos < merges_txt.size()) {
     size_t eol = merges_txt.find('\n', pos);
     if (eol == std::string_view::npos) eol = merges_txt.size();
@@ -224,11 +371,21 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     if (ia < 0 || ib < 0 || ic < 0)
       return absl::InvalidArgumentError(fmt::format("{}: merges line {} ({:?}) uses a symbol that is not in the vocab",
                                                     origin, line_no, std::string(line)));
-    merges_[(static_cast<uint64_t>(static_cast<uint32_t>(ia)) << 32) | static_cast<uint32_t>(ib)] = MergeInfo{rank, ic};
+    merges.push_back({ia, ib, MergeInfo{rank, ic}});
     mergeable[ic] = true;
     ++rank;
   }
   num_merges_ = rank;
+  // At most 3/4 full.
+  size_t merge_slots = 16;
+  merge_shift_ = 60;
+  while (merge_slots * 3 < merges.size() * 4) {
+    merge_slots <<= 1;
+    --merge_shift_;
+  }
+  merge_table_.assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
+  merge_mask_ = merge_slots - 1;
+  for (const Merge& mg : merges) InsertMerge(mg.a, mg.b, mg.info);
 
   // ---- whole-token tables: only tokens that BPE itself produces for their own bytes
   size_t slots = 1;
@@ -261,6 +418,14 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     }
   }
   return absl::OkStatus();
+}
+
+// A pair listed twice keeps its last rank, as a map assignment would.
+void Gpt2Tokenizer::InsertMerge(int32_t a, int32_t b, MergeInfo info) {
+  const uint64_t key = PairKey(a, b);
+  uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> merge_shift_;
+  while (merge_table_[h].key != kNoPair && merge_table_[h].key != key) h = (h + 1) & merge_mask_;
+  merge_table_[h] = MergeSlot{key, info};
 }
 
 int32_t Gpt2Tokenizer::LookupShort(uint64_t k0, uint64_t k1, uint32_t len) const {
@@ -298,72 +463,65 @@ std::string Gpt2Tokenizer::Decode(std::span<const int32_t> ids) const {
 }
 
 void Gpt2Tokenizer::BpePiece(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
-  if (n <= 64)
+  if (n <= kShortPiece)
     BpeShort(p, n, out);
   else
     BpeLong(p, n, out);
 }
 
 // Megatron/OpenAI's algorithm: repeatedly take the adjacent pair of lowest merge rank and merge all
-// its non-overlapping occurrences left to right. Ranks of adjacent pairs are kept in an array and
-// recomputed only next to a merge.
+// its non-overlapping occurrences left to right. The symbols form a linked list in stack arrays
+// (pieces here are at most 64 bytes): a merge unlinks one node and re-ranks its two neighbours'
+// pairs; nothing is allocated or moved.
 void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
   if (n == 0) return;
   if (n == 1) {
     out->push_back(byte_to_id_[p[0]]);
     return;
   }
-  thread_local std::vector<int32_t> sym;
-  thread_local std::vector<uint32_t> rk;
-  thread_local std::vector<int32_t> newid;
-  thread_local std::vector<size_t> dirty;
-  sym.resize(n);
-  rk.resize(n);
-  newid.resize(n);
-  for (size_t i = 0; i < n; ++i) sym[i] = byte_to_id_[p[i]];
-  auto rank_at = [&](size_t i) {
-    const MergeInfo* mi = FindMerge(sym[i], sym[i + 1]);
-    if (mi) {
-      newid[i] = mi->id;
-      return mi->rank;
-    }
-    return kNoRank;
+  PTK_CHECK(n <= kShortPiece);
+  constexpr uint8_t kNone = 0xFF;
+  int32_t sym[kShortPiece], merged[kShortPiece];
+  uint32_t rk[kShortPiece];
+  uint8_t next[kShortPiece], prev[kShortPiece];
+  const uint8_t end = static_cast<uint8_t>(n);
+  for (size_t i = 0; i < n; ++i) {
+    sym[i] = byte_to_id_[p[i]];
+    next[i] = static_cast<uint8_t>(i + 1);
+    prev[i] = i == 0 ? kNone : static_cast<uint8_t>(i - 1);
+  }
+  // The rank of the pair starting at node i (kNoRank at the last node or for no merge).
+  auto rank_at = [&](uint8_t i) -> uint32_t {
+    const uint8_t j = next[i];
+    if (j == end) return kNoRank;
+    const MergeInfo* mi = FindMerge(sym[i], sym[j]);
+    if (!mi) return kNoRank;
+    merged[i] = mi->id;
+    return mi->rank;
   };
-  size_t m = n;
-  for (size_t i = 0; i + 1 < m; ++i) rk[i] = rank_at(i);
-  rk[m - 1] = kNoRank;
-  while (m > 1) {
+  for (uint8_t i = 0; i < end; ++i) rk[i] = rank_at(i);
+  while (true) {
     uint32_t best = kNoRank;
-    size_t bi = 0;
-    for (size_t i = 0; i + 1 < m; ++i) {
+    uint8_t first = kNone;
+    for (uint8_t i = 0; i != end; i = next[i]) {
       if (rk[i] < best) {
         best = rk[i];
-        bi = i;
+        first = i;
       }
     }
-    if (best == kNoRank) break;
-    dirty.clear();
-    size_t w = bi, j = bi;
-    while (j < m) {
-      if (j + 1 < m && rk[j] == best) {
-        sym[w] = newid[j];
-        dirty.push_back(w);
-        if (w > 0) dirty.push_back(w - 1);
-        j += 2;
-      } else {
-        sym[w] = sym[j];
-        rk[w] = rk[j];
-        newid[w] = newid[j];
-        j += 1;
-      }
-      ++w;
+    if (first == kNone) break;
+    // Every occurrence of that pair, left to right; a merged node's new pairs have other ranks.
+    for (uint8_t i = first; i != end; i = next[i]) {
+      if (rk[i] != best) continue;
+      const uint8_t j = next[i];
+      sym[i] = merged[i];
+      next[i] = next[j];
+      if (next[j] != end) prev[next[j]] = i;
+      rk[i] = rank_at(i);
+      if (prev[i] != kNone) rk[prev[i]] = rank_at(prev[i]);
     }
-    m = w;
-    if (bi > 0) dirty.push_back(bi - 1);
-    for (size_t d : dirty) rk[d] = (d + 1 < m) ? rank_at(d) : kNoRank;
-    rk[m - 1] = kNoRank;
   }
-  out->insert(out->end(), sym.begin(), sym.begin() + static_cast<ptrdiff_t>(m));
+  for (uint8_t i = 0; i != end; i = next[i]) out->push_back(sym[i]);
 }
 
 // O(n log n) variant for long pieces: a heap of (rank, position) over a linked list of symbols,
@@ -421,7 +579,15 @@ Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok),
   while (max_slots_ < opt_.cache_slots) max_slots_ <<= 1;
   max_slots_ = std::max(max_slots_, min_slots);
   AllocateCache(min_slots);
-  ResetCache();
+  if (min_slots == tok_.short_table_.size()) {  // the same hash and size: the same layout
+    std::memcpy(static_cast<void*>(cache_.get()), tok_.short_table_.data(), min_slots * sizeof(CacheSlot));
+  } else {
+    for (const auto& s : tok_.short_table_)
+      if (s.len != 0) InsertSlot(s);
+  }
+  cache_used_ = tok_.short_count_;
+  // Ids of pieces with more than 3 ids: a quarter of the table's bytes at most.
+  max_overflow_ = max_slots_ * sizeof(CacheSlot) / 4 / sizeof(int32_t);
 }
 
 void Gpt2Encoder::FreeDeleter::operator()(CacheSlot* p) const { std::free(p); }
@@ -447,14 +613,28 @@ inline void Gpt2Encoder::InsertSlot(const CacheSlot& s) {
   cache_[h] = s;
 }
 
-// Back to the whole-token entries only.
-void Gpt2Encoder::ResetCache() {
-  std::memset(static_cast<void*>(cache_.get()), 0, cache_slots_ * sizeof(CacheSlot));
-  for (const auto& s : tok_.short_table_)
-    if (s.len != 0) InsertSlot(s);
-  cache_used_ = tok_.short_count_;
-  overflow_.clear();
-  long_cache_.clear();
+bool Gpt2Encoder::MakeRoom() {
+  if (cache_used_ * 2 < cache_slots_) return true;
+  if (cache_slots_ >= max_slots_) return false;  // full: keep what is there
+  // Double the table, keeping every entry.
+  std::unique_ptr<CacheSlot[], FreeDeleter> old = std::move(cache_);
+  const size_t old_slots = cache_slots_;
+  AllocateCache(old_slots * 2);
+  for (size_t i = 0; i < old_slots; ++i)
+    if (old[i].len != 0) InsertSlot(old[i]);
+  return true;
+}
+
+size_t Gpt2Encoder::cache_bytes() const {
+  return cache_slots_ * sizeof(CacheSlot) + overflow_.capacity() * sizeof(int32_t) +
+         long_slots_.size() * sizeof(LongSlot) + arena_.capacity();
+}
+
+size_t Gpt2Encoder::max_cache_bytes() const {
+  size_t long_slots = 16;
+  while (long_slots * sizeof(LongSlot) * 4 < opt_.long_cache_bytes) long_slots <<= 1;
+  return max_slots_ * sizeof(CacheSlot) + max_overflow_ * sizeof(int32_t) * 2 +
+         (opt_.long_cache_bytes > 0 ? long_slots * sizeof(LongSlot) : 0) + opt_.long_cache_bytes * 2;
 }
 
 inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
@@ -483,17 +663,11 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
   scratch_.clear();
   tok_.BpePiece(pc.p, pc.n, &scratch_);
   std::copy(scratch_.begin(), scratch_.end(), out);
-  if (cache_used_ * 2 >= cache_slots_) {
-    if (cache_slots_ < max_slots_) {
-      // Double the table, keeping every entry.
-      std::unique_ptr<CacheSlot[], FreeDeleter> old = std::move(cache_);
-      const size_t old_slots = cache_slots_;
-      AllocateCache(old_slots * 2);
-      for (size_t i = 0; i < old_slots; ++i)
-        if (old[i].len != 0) InsertSlot(old[i]);
-    } else {
-      ResetCache();
-    }
+  const bool overflow = scratch_.size() > 3;
+  const size_t slots_before = cache_slots_;
+  if ((overflow && overflow_.size() + scratch_.size() > max_overflow_) || !MakeRoom())
+    return out + scratch_.size();
+  if (cache_slots_ != slots_before) {  // the table grew: find the free slot again
     h = pc.h & cache_mask_;
     while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
   }
@@ -501,7 +675,7 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
   s.k0 = pc.k0;
   s.k1 = pc.k1;
   s.len = len;
-  if (scratch_.size() <= 3) {
+  if (!overflow) {
     s.n = static_cast<uint8_t>(scratch_.size());
     std::copy(scratch_.begin(), scratch_.end(), s.ids);
   } else {
@@ -514,6 +688,30 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
   return out + scratch_.size();
 }
 
+const Gpt2Encoder::LongSlot* Gpt2Encoder::FindLong(const uint8_t* p, size_t n, uint64_t hash) const {
+  const uint64_t mask = long_slots_.size() - 1;
+  for (uint64_t h = hash & mask;; h = (h + 1) & mask) {
+    const LongSlot& s = long_slots_[h];
+    if (s.hash == 0) return nullptr;
+    if (s.hash == hash && s.len == n && std::memcmp(arena_.data() + s.off, p, n) == 0) return &s;
+  }
+}
+
+void Gpt2Encoder::InsertLong(const uint8_t* p, size_t n, uint64_t hash, const int32_t* ids, size_t nids) {
+  const size_t off = arena_.size();
+  const size_t ids_at = (off + n + 3) & ~size_t{3};
+  // Full (a quarter of the slots, or the byte budget): keep what is there.
+  if ((long_used_ + 1) * 4 > long_slots_.size() || ids_at + 4 * nids > opt_.long_cache_bytes) return;
+  arena_.resize(ids_at + 4 * nids);
+  std::memcpy(arena_.data() + off, p, n);
+  std::memcpy(arena_.data() + ids_at, ids, 4 * nids);
+  const uint64_t mask = long_slots_.size() - 1;
+  uint64_t h = hash & mask;
+  while (long_slots_[h].hash != 0) h = (h + 1) & mask;
+  long_slots_[h] = LongSlot{hash, static_cast<uint32_t>(off), static_cast<uint16_t>(n), static_cast<uint16_t>(nids)};
+  ++long_used_;
+}
+
 int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
   std::string_view piece(reinterpret_cast<const char*>(p), n);
   int32_t id = tok_.LookupLong(piece);
@@ -522,20 +720,26 @@ int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
     return out + 1;
   }
   // Long pieces: cache only moderately long ones (very long runs are rare and unique).
-  if (n <= 256) {
-    auto it = long_cache_.find(absl::string_view(piece.data(), piece.size()));
-    if (it != long_cache_.end()) {
+  if (long_slots_.empty() && opt_.long_cache_bytes > 0) {  // on the first one: most texts have none
+    size_t slots = 16;
+    while (slots * sizeof(LongSlot) * 4 < opt_.long_cache_bytes) slots <<= 1;
+    long_slots_.assign(slots, LongSlot{});
+  }
+  const bool cacheable = n <= 256 && !long_slots_.empty();
+  uint64_t hash = 0;
+  if (cacheable) {
+    hash = std::hash<std::string_view>()(piece) | 1;  // never 0 (the empty mark)
+    if (const LongSlot* s = FindLong(p, n, hash)) {
       ++hits_;
-      return std::copy(it->second.begin(), it->second.end(), out);
+      const size_t ids_at = (s->off + s->len + 3) & ~size_t{3};
+      std::memcpy(out, arena_.data() + ids_at, 4 * s->nids);
+      return out + s->nids;
     }
   }
   ++misses_;
   scratch_.clear();
   tok_.BpePiece(p, n, &scratch_);
-  if (n <= 256) {
-    if (long_cache_.size() >= 16384) long_cache_.clear();
-    long_cache_.emplace(std::string(piece), scratch_);
-  }
+  if (cacheable) InsertLong(p, n, hash, scratch_.data(), scratch_.size());
   return std::copy(scratch_.begin(), scratch_.end(), out);
 }
 
@@ -565,32 +769,39 @@ int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
   return out;
 }
 
-// Every token covers at least one byte, so text.size() (+1 per special token) bounds the ids.
-void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
-  const size_t old = out->size();
-  out->resize(old + text.size());
-  int32_t* end = EncodeOrdinaryRaw(text, out->data() + old);
-  out->resize(static_cast<size_t>(end - out->data()));
-}
-
-void Gpt2Encoder::Encode(std::string_view text, std::vector<int32_t>* out) {
-  if (!opt_.special_endoftext || text.find(Gpt2Tokenizer::kEndOfText) == std::string_view::npos) {
-    EncodeOrdinary(text, out);
-    return;
-  }
+// Every token covers at least one byte, so text.size() bounds the ids (a special token's 13 bytes
+// give one id).
+int32_t* Gpt2Encoder::EncodeTo(std::string_view text, int32_t* out) {
+  if (!opt_.special_endoftext || text.find(Gpt2Tokenizer::kEndOfText) == std::string_view::npos)
+    return EncodeOrdinaryRaw(text, out);
   // Hugging Face splits added special tokens out of the text first; each segment is then
   // pre-tokenized on its own (so "a <|endoftext|>" keeps a separate trailing-space piece).
   size_t pos = 0;
   while (true) {
     size_t hit = text.find(Gpt2Tokenizer::kEndOfText, pos);
-    if (hit == std::string_view::npos) {
-      EncodeOrdinary(text.substr(pos), out);
-      return;
-    }
-    EncodeOrdinary(text.substr(pos, hit - pos), out);
-    out->push_back(tok_.eod());
+    if (hit == std::string_view::npos) return EncodeOrdinaryRaw(text.substr(pos), out);
+    out = EncodeOrdinaryRaw(text.substr(pos, hit - pos), out);
+    *out++ = tok_.eod();
     pos = hit + Gpt2Tokenizer::kEndOfText.size();
   }
+}
+
+void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
+  if (buf_cap_ < text.size()) {
+    buf_cap_ = std::max(text.size(), buf_cap_ * 2);
+    buf_.reset(new int32_t[buf_cap_]);  // not zero-filled: only what EncodeOrdinaryRaw writes is read
+  }
+  int32_t* end = EncodeOrdinaryRaw(text, buf_.get());
+  out->insert(out->end(), buf_.get(), end);
+}
+
+void Gpt2Encoder::Encode(std::string_view text, std::vector<int32_t>* out) {
+  if (buf_cap_ < text.size()) {
+    buf_cap_ = std::max(text.size(), buf_cap_ * 2);
+    buf_.reset(new int32_t[buf_cap_]);
+  }
+  int32_t* end = EncodeTo(text, buf_.get());
+  out->insert(out->end(), buf_.get(), end);
 }
 
 }  // namespace ptk

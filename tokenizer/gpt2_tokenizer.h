@@ -37,6 +37,13 @@ class Gpt2Tokenizer {
   static std::string_view DefaultVocabJson();
   static std::string_view DefaultMergesTxt();
 
+  // A built tokenizer's tables as one blob, and back. The GPT-2 tables are made at build time
+  // (tools/gen_gpt2_tables.cpp) and embedded, so LoadDefault copies them instead of parsing the
+  // vocab and merges: start-up in milliseconds. A blob of another build's layout is refused.
+  std::string SerializeTables() const;
+  static std::string_view DefaultTables();  // the embedded blob (empty in the generator itself)
+  static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> FromTables(std::string_view blob);
+
   int64_t vocab_size() const { return static_cast<int64_t>(id_to_bytes_.size()); }  // 50257 for GPT-2
   int32_t eod() const { return eod_id_; }                                           // 50256
   int64_t num_merges() const { return num_merges_; }
@@ -49,7 +56,9 @@ class Gpt2Tokenizer {
 
   // Plain BPE of one piece (no cache), for tests and the cache-miss path.
   void BpePiece(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
-  // The two merge algorithms behind BpePiece: linear scans for short pieces, a heap for long ones.
+  // The two merge algorithms behind BpePiece: linear scans over a linked list in stack arrays for
+  // pieces of at most kShortPiece bytes, a heap for longer ones.
+  static constexpr size_t kShortPiece = 64;
   void BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
   void BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
 
@@ -65,10 +74,25 @@ class Gpt2Tokenizer {
     uint32_t rank;
     int32_t id;
   };
-  const MergeInfo* FindMerge(int32_t a, int32_t b) const {
-    auto it = merges_.find((static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b));
-    return it == merges_.end() ? nullptr : &it->second;
+  // Pair ranks in a flat open-addressed table (about 1 MB for GPT-2's 50,000 merges): one multiply
+  // and, nearly always, one cache line per lookup.
+  struct MergeSlot {
+    uint64_t key;  // (a << 32) | b; kNoPair = empty
+    MergeInfo info;
+  };
+  static constexpr uint64_t kNoPair = ~0ull;
+  static uint64_t PairKey(int32_t a, int32_t b) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
   }
+  const MergeInfo* FindMerge(int32_t a, int32_t b) const {
+    const uint64_t key = PairKey(a, b);
+    for (uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> merge_shift_;; h = (h + 1) & merge_mask_) {
+      const MergeSlot& s = merge_table_[h];
+      if (s.key == key) return &s.info;
+      if (s.key == kNoPair) return nullptr;
+    }
+  }
+  void InsertMerge(int32_t a, int32_t b, MergeInfo info);
 
   // One slot of the piece tables: a piece of at most 16 bytes and its ids.
   struct PieceSlot {
@@ -84,7 +108,9 @@ class Gpt2Tokenizer {
   uint64_t short_mask_ = 0;
   size_t short_count_ = 0;
   absl::flat_hash_map<std::string, int32_t> long_tokens_;  // whole tokens longer than 16 bytes
-  absl::flat_hash_map<uint64_t, MergeInfo> merges_;
+  std::vector<MergeSlot> merge_table_;
+  uint64_t merge_mask_ = 0;
+  int merge_shift_ = 64;
   std::vector<std::string> id_to_bytes_;
   int32_t byte_to_id_[256];
   int32_t eod_id_ = -1;
@@ -98,9 +124,13 @@ class Gpt2Encoder {
     // Literal "<|endoftext|>" in the text becomes the EOD id (Hugging Face / current Megatron-LM).
     // false: it is encoded as ordinary text (legacy Megatron GPT2 tokenizer, tiktoken encode_ordinary).
     bool special_endoftext = true;
-    // Piece cache: starts with room for the vocabulary, doubles when half full up to this many
-    // slots (32 bytes each), then resets to the vocabulary.
-    size_t cache_slots = 1 << 19;
+    // Piece cache (pieces of at most 16 bytes): starts with room for the vocabulary and doubles
+    // when half full, up to this many slots of 32 bytes (64 MiB at the default); a full cache
+    // keeps what it holds (nothing learnt is thrown away) and takes no new pieces.
+    size_t cache_slots = 1 << 21;
+    // Longer pieces (17 to 256 bytes): the same kind of table, at most this many bytes of pieces
+    // and ids (plus 16 bytes a slot).
+    size_t long_cache_bytes = 16 << 20;
   };
   explicit Gpt2Encoder(const Gpt2Tokenizer& tok) : Gpt2Encoder(tok, Options()) {}
   Gpt2Encoder(const Gpt2Tokenizer& tok, Options options);
@@ -110,6 +140,13 @@ class Gpt2Encoder {
   void Encode(std::string_view text, std::vector<int32_t>* out);
   // Same without special-token handling.
   void EncodeOrdinary(std::string_view text, std::vector<int32_t>* out);
+  // Writes the ids at out, which has room for text.size() ids (every id covers at least one byte;
+  // a special token's 13 bytes give one id); returns the end. No allocation, no zero-filling.
+  int32_t* EncodeTo(std::string_view text, int32_t* out);
+
+  // Memory the caches hold now (bytes), and the most they may hold.
+  size_t cache_bytes() const;
+  size_t max_cache_bytes() const;
 
   uint64_t cache_hits() const { return hits_; }
   uint64_t cache_misses() const { return misses_; }
@@ -129,9 +166,18 @@ class Gpt2Encoder {
   int32_t* EncodeOrdinaryRaw(std::string_view text, int32_t* out);
   using CacheSlot = Gpt2Tokenizer::PieceSlot;
   static constexpr uint8_t kOverflow = Gpt2Tokenizer::kOverflow;
-  void ResetCache();
   void AllocateCache(size_t slots);
   void InsertSlot(const CacheSlot& s);
+  // Room for one more short piece: grows the table when half full; false when it may not grow.
+  bool MakeRoom();
+  // Long pieces: a flat table over an arena of their bytes and ids.
+  struct LongSlot {
+    uint64_t hash;  // 0 = empty
+    uint32_t off;   // bytes at arena_[off, off + len), then nids ids (4-byte aligned)
+    uint16_t len, nids;
+  };
+  const LongSlot* FindLong(const uint8_t* p, size_t n, uint64_t hash) const;
+  void InsertLong(const uint8_t* p, size_t n, uint64_t hash, const int32_t* ids, size_t nids);
 
   const Gpt2Tokenizer& tok_;
   Options opt_;
@@ -145,9 +191,14 @@ class Gpt2Encoder {
   size_t cache_slots_ = 0, max_slots_ = 0;
   uint64_t cache_mask_ = 0;
   size_t cache_used_ = 0;
-  std::vector<int32_t> overflow_;
-  absl::flat_hash_map<std::string, std::vector<int32_t>> long_cache_;
+  std::vector<int32_t> overflow_;  // ids of cached short pieces with more than 3
+  size_t max_overflow_ = 0;
+  std::vector<LongSlot> long_slots_;
+  std::vector<uint8_t> arena_;
+  size_t long_used_ = 0;
   std::vector<int32_t> scratch_;
+  std::unique_ptr<int32_t[]> buf_;  // EncodeOrdinary's ids before they are appended
+  size_t buf_cap_ = 0;
   uint64_t hits_ = 0, misses_ = 0;
 };
 

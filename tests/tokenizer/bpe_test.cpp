@@ -44,8 +44,8 @@ TEST(Bpe, EveryMergeableTokenEncodesToItself) {
 }
 
 TEST(Bpe, CacheIsTransparent) {
-  // A tiny cache that resets constantly must give the same ids as an uncached BPE.
-  Gpt2Encoder small(Tok(), {.special_endoftext = true, .cache_slots = 16});
+  // A cache full from the start (short and long pieces) must give the same ids as an uncached BPE.
+  Gpt2Encoder small(Tok(), {.special_endoftext = true, .cache_slots = 16, .long_cache_bytes = 64});
   Gpt2Encoder big(Tok());
   std::mt19937 rng(3);
   const char* words[] = {" the",         " quick",
@@ -66,6 +66,30 @@ TEST(Bpe, CacheIsTransparent) {
     ASSERT_EQ(a, c);
   }
   EXPECT_GT(big.cache_hits(), 0u);
+  EXPECT_LE(small.cache_bytes(), small.max_cache_bytes());
+  EXPECT_LE(big.cache_bytes(), big.max_cache_bytes());
+}
+
+TEST(Bpe, CacheKeepsWhatItLearntAndStaysBounded) {
+  // Distinct pieces beyond the cache's room: nothing is thrown away (a piece seen early still hits
+  // after the cache filled up) and the memory stays within the stated bound.
+  Gpt2Encoder enc(Tok(), {.special_endoftext = true, .cache_slots = 1 << 18, .long_cache_bytes = 1 << 16});
+  std::vector<int32_t> ids;
+  enc.Encode(" zqxjkvw", &ids);
+  enc.Encode(" zqxjkvwzqxjkvwzqxjkvwzqxjkvw", &ids);  // 29 bytes: a long piece
+  std::mt19937 rng(5);
+  for (int i = 0; i < 300000; ++i) {
+    std::string w = " ";
+    for (int k = 0; k < 6; ++k) w += static_cast<char>('a' + rng() % 26);
+    enc.Encode(w, &ids);
+  }
+  const uint64_t misses = enc.cache_misses();
+  ids.clear();
+  enc.Encode(" zqxjkvw", &ids);
+  enc.Encode(" zqxjkvwzqxjkvwzqxjkvwzqxjkvw", &ids);
+  EXPECT_EQ(enc.cache_misses(), misses) << "pieces learnt before the cache filled were forgotten";
+  EXPECT_LE(enc.cache_bytes(), enc.max_cache_bytes());
+  EXPECT_LE(enc.max_cache_bytes(), (size_t{1} << 18) * 32 * 3 / 2 + 4 * (size_t{1} << 16));
 }
 
 TEST(Bpe, LongPiecesAreNotQuadratic) {
@@ -123,4 +147,28 @@ TEST(Gpt2Tokenizer, LoadFromFilesEqualsBuiltIn) {
 }
 
 }  // namespace
+// The tables embedded at build time are the ones the vocab and merges give; a damaged or foreign
+// blob is refused, never half-read.
+TEST(Bpe, PrecomputedTablesEqualBuiltOnes) {
+  auto built = Gpt2Tokenizer::FromStrings(Gpt2Tokenizer::DefaultVocabJson(), Gpt2Tokenizer::DefaultMergesTxt());
+  ASSERT_TRUE(built.ok());
+  const std::string blob = (*built)->SerializeTables();
+  EXPECT_EQ(Tok().SerializeTables(), blob);
+  auto embedded = Gpt2Tokenizer::FromTables(Gpt2Tokenizer::DefaultTables());  // what LoadDefault uses
+  ASSERT_TRUE(embedded.ok()) << embedded.status();
+  EXPECT_EQ((*embedded)->SerializeTables(), blob);
+  auto back = Gpt2Tokenizer::FromTables(blob);
+  ASSERT_TRUE(back.ok()) << back.status();
+  std::vector<int32_t> a, b;
+  Gpt2Encoder(**back).Encode("Hello, world! \xd0\x9f\xd1\x80\xd0\xb8\xd0\xb2\xd0\xb5\xd1\x82 <|endoftext|> 12345", &a);
+  Gpt2Encoder(**built).Encode("Hello, world! \xd0\x9f\xd1\x80\xd0\xb8\xd0\xb2\xd0\xb5\xd1\x82 <|endoftext|> 12345", &b);
+  EXPECT_EQ(a, b);
+  EXPECT_FALSE(Gpt2Tokenizer::FromTables(blob.substr(0, blob.size() / 2)).ok());
+  EXPECT_FALSE(Gpt2Tokenizer::FromTables(blob + "x").ok());
+  EXPECT_FALSE(Gpt2Tokenizer::FromTables("not tables").ok());
+  std::string other = blob;
+  other[other.find('\n') + 1] ^= 1;  // a PieceSlot of another size: another build's layout
+  EXPECT_FALSE(Gpt2Tokenizer::FromTables(other).ok());
+}
+
 }  // namespace ptk
