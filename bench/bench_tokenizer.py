@@ -25,7 +25,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 REFS = ["tiktoken==0.14.0", "tokenizers==0.23.3", "gigatoken==0.10.0", "numpy"]
 
 
-def ensure_venv(build):
+def ensure_venv(build, script=None):
+    """Re-executes `script` (default: this file) in build/bench-venv, with the reference libraries."""
     venv = os.path.join(build, "bench-venv")
     py = os.path.join(venv, "bin", "python")
     if os.environ.get("PTK_BENCH_IN_VENV") == "1":
@@ -34,7 +35,7 @@ def ensure_venv(build):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         subprocess.run([py, "-m", "pip", "install", "-q", *REFS], check=True)
     env = dict(os.environ, PTK_BENCH_IN_VENV="1")
-    os.execve(py, [py, os.path.abspath(__file__), *sys.argv[1:]], env)
+    os.execve(py, [py, os.path.abspath(script or __file__), *sys.argv[1:]], env)
 
 
 def cpu_name():
