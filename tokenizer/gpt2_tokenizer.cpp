@@ -470,9 +470,12 @@ void Gpt2Tokenizer::BpePiece(const uint8_t* p, size_t n, std::vector<int32_t>* o
 }
 
 // Megatron/OpenAI's algorithm: repeatedly take the adjacent pair of lowest merge rank and merge all
-// its non-overlapping occurrences left to right. The symbols form a linked list in stack arrays
-// (pieces here are at most 64 bytes): a merge unlinks one node and re-ranks its two neighbours'
-// pairs; nothing is allocated or moved.
+// its non-overlapping occurrences left to right. Pieces here are at most 64 bytes; everything lives
+// in stack arrays indexed by the position a symbol started at, so left to right is index order:
+// rk[i] is the rank of the pair starting at live symbol i (kNoRank for the last symbol and for
+// symbols merged away), and each round is two plain scans of rk (its minimum, then its occurrences)
+// with no pointer chasing, no allocation and no compaction; a merge unlinks one symbol and re-ranks
+// the two pairs next to it.
 void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
   if (n == 0) return;
   if (n == 1) {
@@ -490,7 +493,6 @@ void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* o
     next[i] = static_cast<uint8_t>(i + 1);
     prev[i] = i == 0 ? kNone : static_cast<uint8_t>(i - 1);
   }
-  // The rank of the pair starting at node i (kNoRank at the last node or for no merge).
   auto rank_at = [&](uint8_t i) -> uint32_t {
     const uint8_t j = next[i];
     if (j == end) return kNoRank;
@@ -502,18 +504,12 @@ void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* o
   for (uint8_t i = 0; i < end; ++i) rk[i] = rank_at(i);
   while (true) {
     uint32_t best = kNoRank;
-    uint8_t first = kNone;
-    for (uint8_t i = 0; i != end; i = next[i]) {
-      if (rk[i] < best) {
-        best = rk[i];
-        first = i;
-      }
-    }
-    if (first == kNone) break;
-    // Every occurrence of that pair, left to right; a merged node's new pairs have other ranks.
-    for (uint8_t i = first; i != end; i = next[i]) {
+    for (uint8_t i = 0; i < end; ++i) best = std::min(best, rk[i]);
+    if (best == kNoRank) break;
+    for (uint8_t i = 0; i < end; ++i) {
       if (rk[i] != best) continue;
-      const uint8_t j = next[i];
+      const uint8_t j = next[i];  // merged away: never a pair start again
+      rk[j] = kNoRank;
       sym[i] = merged[i];
       next[i] = next[j];
       if (next[j] != end) prev[next[j]] = i;
