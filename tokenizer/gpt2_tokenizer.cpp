@@ -188,12 +188,24 @@ std::string Gpt2Tokenizer::SerializeTables() const {
   w.PutBytes(byte_to_id_, sizeof byte_to_id_);
   w.Put(eod_id_);
   w.Put(num_merges_);
+  // The hash tables sparsely (the occupied slots with their indices): the same layout, half the bytes.
   w.Put(static_cast<uint64_t>(merge_table_.size()));
   w.Put(merge_shift_);
-  w.PutBytes(merge_table_.data(), merge_table_.size() * sizeof(MergeSlot));
+  uint64_t used = 0;
+  for (const MergeSlot& m : merge_table_) used += m.key != kNoPair;
+  w.Put(used);
+  for (size_t i = 0; i < merge_table_.size(); ++i) {
+    if (merge_table_[i].key == kNoPair) continue;
+    w.Put(static_cast<uint32_t>(i));
+    w.Put(merge_table_[i]);
+  }
   w.Put(static_cast<uint64_t>(short_table_.size()));
   w.Put(static_cast<uint64_t>(short_count_));
-  w.PutBytes(short_table_.data(), short_table_.size() * sizeof(PieceSlot));
+  for (size_t i = 0; i < short_table_.size(); ++i) {
+    if (short_table_[i].len == 0) continue;
+    w.Put(static_cast<uint32_t>(i));
+    w.Put(short_table_[i]);
+  }
   std::vector<std::pair<std::string, int32_t>> longs(long_tokens_.begin(), long_tokens_.end());
   std::sort(longs.begin(), longs.end());  // the same bytes for the same tables
   w.Put(static_cast<uint64_t>(longs.size()));
@@ -232,18 +244,26 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromTables(std::st
   if (merge_slots == 0 || (merge_slots & (merge_slots - 1)) != 0 || merge_slots > blob.size() ||
       t->merge_shift_ != 64 - __builtin_ctzll(merge_slots))
     return bad("merge table size");
-  t->merge_table_.resize(merge_slots);
+  t->merge_table_.assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
   t->merge_mask_ = merge_slots - 1;
-  if (!r.GetBytes(t->merge_table_.data(), merge_slots * sizeof(MergeSlot)) || !r.Get(&short_slots) ||
-      !r.Get(&short_count))
-    return bad("truncated merge table");
-  if (short_slots == 0 || (short_slots & (short_slots - 1)) != 0 || short_slots > blob.size())
+  uint64_t used = 0;
+  if (!r.Get(&used) || used > merge_slots) return bad("merge count");
+  for (uint64_t k = 0; k < used; ++k) {
+    uint32_t i = 0;
+    if (!r.Get(&i) || i >= merge_slots || !r.Get(&t->merge_table_[i])) return bad("truncated merge table");
+  }
+  if (!r.Get(&short_slots) || !r.Get(&short_count)) return bad("truncated merge table");
+  if (short_slots == 0 || (short_slots & (short_slots - 1)) != 0 || short_slots > blob.size() ||
+      short_count > short_slots)
     return bad("short table size");
-  t->short_table_.resize(short_slots);
+  t->short_table_.assign(short_slots, PieceSlot{});
   t->short_mask_ = short_slots - 1;
   t->short_count_ = short_count;
-  if (!r.GetBytes(t->short_table_.data(), short_slots * sizeof(PieceSlot)) || !r.Get(&nlong))
-    return bad("truncated short table");
+  for (uint64_t k = 0; k < short_count; ++k) {
+    uint32_t i = 0;
+    if (!r.Get(&i) || i >= short_slots || !r.Get(&t->short_table_[i])) return bad("truncated short table");
+  }
+  if (!r.Get(&nlong)) return bad("truncated short table");
   for (uint64_t i = 0; i < nlong; ++i) {
     uint32_t len = 0;
     int32_t id = 0;
