@@ -82,9 +82,9 @@ std::string FindCaBundle() {
   std::vector<std::string> candidates;
   const curl_version_info_data* info = curl_version_info(CURLVERSION_NOW);
   if (info->age >= CURLVERSION_SEVENTH && info->cainfo) candidates.push_back(info->cainfo);
-  for (const char* p : {"/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
-                        "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem", "/etc/ssl/ca-bundle.pem",
-                        "/etc/ssl/cert.pem"})
+  for (const char* p :
+       {"/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
+        "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem", "/etc/ssl/ca-bundle.pem", "/etc/ssl/cert.pem"})
     candidates.push_back(p);
   for (const auto& c : candidates)
     if (::access(c.c_str(), R_OK) == 0) return c;

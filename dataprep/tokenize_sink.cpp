@@ -16,8 +16,8 @@
 #include "common/py_format.h"
 #include "common/status.h"
 #include "dataprep/tokenize_stages.h"
-#include "tokenizer/pretokenizer.h"
 #include "indexed_dataset/merge.h"
+#include "tokenizer/pretokenizer.h"
 
 namespace ptk::tokenize_detail {
 namespace {
