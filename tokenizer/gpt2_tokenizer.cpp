@@ -656,22 +656,22 @@ int32_t* Gpt2Encoder::EncodeTo(std::string_view text, int32_t* out) {
   }
 }
 
-void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
-  if (buf_cap_ < text.size()) {
-    buf_cap_ = std::max(text.size(), buf_cap_ * 2);
-    buf_.reset(new int32_t[buf_cap_]);  // not zero-filled: only what EncodeOrdinaryRaw writes is read
+int32_t* Gpt2Encoder::Buffer(size_t n) {
+  if (buf_cap_ < n) {
+    buf_cap_ = std::max(n, buf_cap_ * 2);
+    buf_.reset(new int32_t[buf_cap_]);  // not zero-filled: only what the encoder writes is read
   }
-  int32_t* end = EncodeOrdinaryRaw(text, buf_.get());
-  out->insert(out->end(), buf_.get(), end);
+  return buf_.get();
+}
+
+void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
+  int32_t* begin = Buffer(text.size());
+  out->insert(out->end(), begin, EncodeOrdinaryRaw(text, begin));
 }
 
 void Gpt2Encoder::Encode(std::string_view text, std::vector<int32_t>* out) {
-  if (buf_cap_ < text.size()) {
-    buf_cap_ = std::max(text.size(), buf_cap_ * 2);
-    buf_.reset(new int32_t[buf_cap_]);
-  }
-  int32_t* end = EncodeTo(text, buf_.get());
-  out->insert(out->end(), buf_.get(), end);
+  int32_t* begin = Buffer(text.size());
+  out->insert(out->end(), begin, EncodeTo(text, begin));
 }
 
 }  // namespace ptk

@@ -197,7 +197,8 @@ class Gpt2Encoder {
   std::vector<uint8_t> arena_;
   size_t long_used_ = 0;
   std::vector<int32_t> scratch_;
-  std::unique_ptr<int32_t[]> buf_;  // EncodeOrdinary's ids before they are appended
+  int32_t* Buffer(size_t n);        // buf_ with room for n ids
+  std::unique_ptr<int32_t[]> buf_;  // Encode's ids before they are appended
   size_t buf_cap_ = 0;
   uint64_t hits_ = 0, misses_ = 0;
 };
