@@ -10,6 +10,10 @@
 #include <queue>
 #include <type_traits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <fmt/core.h>
 #include <simdjson.h>
 
@@ -348,19 +352,56 @@ void Gpt2Tokenizer::BpePiece(const uint8_t* p, size_t n, std::vector<int32_t>* o
 // its non-overlapping occurrences left to right. Pieces here are at most 64 bytes; everything lives
 // in stack arrays indexed by the position a symbol started at, so left to right is index order:
 // rk[i] is the rank of the pair starting at live symbol i (kNoRank for the last symbol and for
-// symbols merged away), and each round is two plain scans of rk (its minimum, then its occurrences)
-// with no pointer chasing, no allocation and no compaction; a merge unlinks one symbol and re-ranks
-// the two pairs next to it.
-void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
-  if (n == 0) return;
-  if (n == 1) {
-    out->push_back(byte_to_id_[p[0]]);
-    return;
+// symbols merged away). Each round takes the minimum of rk and a bit mask of its occurrences (8
+// ranks at a time with AVX2, chosen at run time; a portable loop otherwise), then walks the mask's
+// bits: no pointer chasing, no allocation, no compaction, no unpredictable branch per symbol. A
+// merge unlinks one symbol and re-ranks the two pairs next to it.
+namespace {
+
+struct ScalarRounds {
+  static uint32_t Min(const uint32_t* rk, unsigned end) {
+    uint32_t best = kNoRank;
+    for (unsigned i = 0; i < end; ++i) best = std::min(best, rk[i]);
+    return best;
   }
-  PTK_CHECK(n <= kShortPiece);
+  static uint64_t Occurrences(const uint32_t* rk, unsigned end, uint32_t best) {
+    uint64_t m = 0;
+    for (unsigned i = 0; i < end; ++i) m |= static_cast<uint64_t>(rk[i] == best) << i;
+    return m;
+  }
+};
+
+#if defined(__x86_64__)
+struct Avx2Rounds {  // rk holds kNoRank up to the next multiple of 8 past end
+  __attribute__((target("avx2"))) static uint32_t Min(const uint32_t* rk, unsigned end) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rk));
+    for (unsigned i = 8; i < end; i += 8)
+      v = _mm256_min_epu32(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rk + i)));
+    __m128i x = _mm_min_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  }
+  __attribute__((target("avx2"))) static uint64_t Occurrences(const uint32_t* rk, unsigned end, uint32_t best) {
+    const __m256i b = _mm256_set1_epi32(static_cast<int>(best));
+    uint64_t m = 0;
+    for (unsigned i = 0; i < end; i += 8) {
+      const __m256i eq = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rk + i)), b);
+      m |= static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(eq)))) << i;
+    }
+    return m;
+  }
+};
+#endif
+
+}  // namespace
+
+template <typename Rounds>
+inline __attribute__((always_inline)) void Gpt2Tokenizer::BpeShortRounds(const uint8_t* p, size_t n,
+                                                                         std::vector<int32_t>* out) const {
   constexpr uint8_t kNone = 0xFF;
   int32_t sym[kShortPiece], merged[kShortPiece];
-  uint32_t rk[kShortPiece];
+  alignas(32) uint32_t rk[kShortPiece];
   uint8_t next[kShortPiece], prev[kShortPiece];
   const uint8_t end = static_cast<uint8_t>(n);
   for (size_t i = 0; i < n; ++i) {
@@ -377,13 +418,14 @@ void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* o
     return mi->rank;
   };
   for (uint8_t i = 0; i < end; ++i) rk[i] = rank_at(i);
+  for (unsigned i = end; i % 8 != 0; ++i) rk[i] = kNoRank;
   while (true) {
-    uint32_t best = kNoRank;
-    for (uint8_t i = 0; i < end; ++i) best = std::min(best, rk[i]);
+    const uint32_t best = Rounds::Min(rk, end);
     if (best == kNoRank) break;
-    for (uint8_t i = 0; i < end; ++i) {
-      if (rk[i] != best) continue;
-      const uint8_t j = next[i];  // merged away: never a pair start again
+    for (uint64_t m = Rounds::Occurrences(rk, end, best); m != 0; m &= m - 1) {
+      const uint8_t i = static_cast<uint8_t>(__builtin_ctzll(m));
+      if (rk[i] != best) continue;  // the right half of a merge made earlier in this round
+      const uint8_t j = next[i];    // merged away: never a pair start again
       rk[j] = kNoRank;
       sym[i] = merged[i];
       next[i] = next[j];
@@ -393,6 +435,33 @@ void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* o
     }
   }
   for (uint8_t i = 0; i != end; i = next[i]) out->push_back(sym[i]);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void Gpt2Tokenizer::BpeShortAvx2(const uint8_t* p, size_t n,
+                                                                 std::vector<int32_t>* out) const {
+  BpeShortRounds<Avx2Rounds>(p, n, out);
+}
+#endif
+
+void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
+  if (n == 0) return;
+  if (n == 1) {
+    out->push_back(byte_to_id_[p[0]]);
+    return;
+  }
+  PTK_CHECK(n <= kShortPiece);
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return BpeShortAvx2(p, n, out);
+#endif
+  BpeShortRounds<ScalarRounds>(p, n, out);
+}
+
+void Gpt2Tokenizer::BpeShortPortable(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
+  if (n <= 1) return BpeShort(p, n, out);
+  PTK_CHECK(n <= kShortPiece);
+  BpeShortRounds<ScalarRounds>(p, n, out);
 }
 
 // O(n log n) variant for long pieces: a heap of (rank, position) over a linked list of symbols,
@@ -461,19 +530,23 @@ Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok),
   max_overflow_ = max_slots_ * sizeof(CacheSlot) / 4 / sizeof(int32_t);
 }
 
-void Gpt2Encoder::FreeDeleter::operator()(CacheSlot* p) const { std::free(p); }
+void Gpt2Encoder::FreeDeleter::operator()(CacheSlot* p) const { ::munmap(p, bytes); }
 
-// Zeroed memory, on transparent huge pages where available: random probes into a multi-megabyte
-// table otherwise miss the TLB on nearly every piece.
+// Fresh anonymous pages: zero already (the kernel fills them on first touch, so no memset pass over
+// tens of megabytes), 2 MiB aligned and on transparent huge pages where available: random probes
+// into a multi-megabyte table otherwise miss the TLB on nearly every piece.
 void Gpt2Encoder::AllocateCache(size_t slots) {
-  const size_t bytes = slots * sizeof(CacheSlot);
   constexpr size_t kHuge = 2u << 20;
-  const size_t alloc = (bytes + kHuge - 1) / kHuge * kHuge;
-  void* mem = std::aligned_alloc(kHuge, alloc);
-  PTK_CHECK(mem != nullptr);
+  const size_t alloc = (slots * sizeof(CacheSlot) + kHuge - 1) / kHuge * kHuge;
+  void* raw = ::mmap(nullptr, alloc + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  PTK_CHECK(raw != MAP_FAILED);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+  if (aligned > start) ::munmap(raw, aligned - start);
+  if (start + kHuge > aligned) ::munmap(reinterpret_cast<void*>(aligned + alloc), start + kHuge - aligned);
+  void* mem = reinterpret_cast<void*>(aligned);
   ::madvise(mem, alloc, MADV_HUGEPAGE);
-  std::memset(mem, 0, bytes);
-  cache_.reset(static_cast<CacheSlot*>(mem));
+  cache_ = std::unique_ptr<CacheSlot[], FreeDeleter>(static_cast<CacheSlot*>(mem), FreeDeleter{alloc});
   cache_slots_ = slots;
   cache_mask_ = slots - 1;
 }

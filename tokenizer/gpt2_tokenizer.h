@@ -60,6 +60,9 @@ class Gpt2Tokenizer {
   // pieces of at most kShortPiece bytes, a heap for longer ones.
   static constexpr size_t kShortPiece = 64;
   void BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
+  // BpeShort's portable rounds, whatever the CPU (BpeShort takes AVX2 where the CPU has it), so
+  // tests compare both paths on any machine.
+  void BpeShortPortable(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
   void BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
 
   // Whole-token lookup of a piece of at most 16 bytes; -1 if absent.
@@ -93,6 +96,9 @@ class Gpt2Tokenizer {
     }
   }
   void InsertMerge(int32_t a, int32_t b, MergeInfo info);
+  template <typename Rounds>
+  void BpeShortRounds(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
+  void BpeShortAvx2(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
 
   // One slot of the piece tables: a piece of at most 16 bytes and its ids.
   struct PieceSlot {
@@ -184,7 +190,10 @@ class Gpt2Encoder {
   // Whole tokens (copied from the tokenizer) plus BPE results of pieces of at most 16 bytes.
   // Backed by transparent huge pages where available: random probes into a multi-megabyte table
   // otherwise miss the TLB on nearly every piece.
-  struct FreeDeleter {
+  struct FreeDeleter {  // unmaps the table's pages
+    FreeDeleter() : bytes(0) {}
+    explicit FreeDeleter(size_t b) : bytes(b) {}
+    size_t bytes;
     void operator()(CacheSlot* p) const;
   };
   std::unique_ptr<CacheSlot[], FreeDeleter> cache_;

@@ -49,18 +49,41 @@ inline constexpr uint8_t kAsciiClass[128] = {
 };
 // clang-format on
 
-// Class and byte length of the character at p (p < end).
-inline unicode::CharClass ClassAt(const uint8_t* p, const uint8_t* end, int* len) {
-  if (*p < 0x80) {
+// Classes of non-ASCII characters by their first two bytes, where those decide (pretokenizer.cpp).
+inline constexpr uint8_t kPrefixUndecided = 0xFF;
+inline constexpr uint8_t kPrefixMixed = 4;  // a valid 3-byte prefix: the third byte decides
+extern const uint8_t* const kPrefixClass;
+// Decodes and looks up the character at p (any byte string; invalid bytes are single "other" chars).
+unicode::CharClass ClassAtExact(const uint8_t* p, const uint8_t* end, int* len);
+
+// Class and byte length of the character at p (p < end): ASCII by a 128-byte table, most other
+// characters by their two-byte prefix (one load, no decoding), the rest decoded exactly.
+__attribute__((always_inline)) inline unicode::CharClass ClassAt(const uint8_t* p, const uint8_t* end, int* len) {
+  const uint8_t c0 = *p;
+  if (c0 < 0x80) {
     *len = 1;
-    return static_cast<unicode::CharClass>(kAsciiClass[*p]);
+    return static_cast<unicode::CharClass>(kAsciiClass[c0]);
   }
-  uint32_t cp = unicode::DecodeUtf8(p, end, len);
-  return unicode::ClassOf(cp);
+  if (end - p >= 3) {  // the prefix and a possible third byte are readable
+    const uint8_t k = kPrefixClass[static_cast<uint32_t>(c0) << 8 | p[1]];
+    if (k != kPrefixUndecided) {
+      if (c0 < 0xE0) {
+        *len = 2;
+        return static_cast<unicode::CharClass>(k);
+      }
+      if ((p[2] & 0xC0) == 0x80) {
+        *len = 3;
+        if (k != kPrefixMixed) return static_cast<unicode::CharClass>(k);
+        return unicode::ClassOf(((c0 & 0x0Fu) << 12) | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu));
+      }
+    }
+  }
+  return ClassAtExact(p, end, len);
 }
 
 // End of the maximal run of class k starting at p.
-inline const uint8_t* RunEnd(const uint8_t* p, const uint8_t* end, unicode::CharClass k) {
+__attribute__((always_inline)) inline const uint8_t* RunEnd(const uint8_t* p, const uint8_t* end,
+                                                            unicode::CharClass k) {
   while (p < end) {
     if (*p < 0x80) {
       if (kAsciiClass[*p] != k) return p;
@@ -76,7 +99,7 @@ inline const uint8_t* RunEnd(const uint8_t* p, const uint8_t* end, unicode::Char
 
 // End of the letter run starting at p: ASCII letters 16 at a time (SSE2 is part of baseline
 // x86-64, so no run-time dispatch is needed), then any non-ASCII letters.
-inline const uint8_t* LetterRunEnd(const uint8_t* p, const uint8_t* end) {
+__attribute__((always_inline)) inline const uint8_t* LetterRunEnd(const uint8_t* p, const uint8_t* end) {
 #if defined(__SSE2__)
   while (end - p >= 16) {
     __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -96,74 +119,60 @@ inline const uint8_t* LetterRunEnd(const uint8_t* p, const uint8_t* end) {
   return RunEnd(p, end, unicode::kLetter);
 }
 
-inline const uint8_t* ClassRunEnd(const uint8_t* p, const uint8_t* end, unicode::CharClass k) {
+__attribute__((always_inline)) inline const uint8_t* ClassRunEnd(const uint8_t* p, const uint8_t* end,
+                                                                 unicode::CharClass k) {
   return k == unicode::kLetter ? LetterRunEnd(p, end) : RunEnd(p, end, k);
 }
 
 }  // namespace pretok_detail
 
-// Calls emit(const uint8_t* begin, const uint8_t* end) for every piece of `text`, in order.
-// Never reads outside [text.data(), text.data() + text.size()). Invalid UTF-8 bytes act as
-// single "other" characters.
-template <typename Emit>
-inline void ForEachPiece(std::string_view text, Emit&& emit) {
+// End of the piece that starts at p (p < end). Invalid UTF-8 bytes act as single "other"
+// characters; never reads at or past end.
+__attribute__((always_inline)) inline const uint8_t* PieceEnd(const uint8_t* p, const uint8_t* const end) {
   using namespace pretok_detail;
   using unicode::CharClass;
+  if (*p == '\'' && end - p >= 2) {
+    const uint8_t c1 = p[1];
+    if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') return p + 2;
+    if (end - p >= 3) {
+      const uint8_t c2 = p[2];
+      if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) return p + 3;
+    }
+  }
+  int len;
+  const CharClass k = ClassAt(p, end, &len);
+  if (k != unicode::kSpace) return ClassRunEnd(p + len, end, k);
+  if (*p == ' ' && p + 1 < end) {
+    int len2;
+    const CharClass k2 = ClassAt(p + 1, end, &len2);
+    if (k2 != unicode::kSpace) return ClassRunEnd(p + 1 + len2, end, k2);
+  }
+  // Whitespace run starting at p.
+  const uint8_t* last = p;  // start of the last whitespace char seen
+  const uint8_t* q = p + len;
+  int count = 1;
+  while (q < end) {
+    int l;
+    if (ClassAt(q, end, &l) != unicode::kSpace) break;
+    last = q;
+    q += l;
+    ++count;
+  }
+  if (q == end) return end;
+  return count >= 2 ? last : q;
+}
+
+// Calls emit(const uint8_t* begin, const uint8_t* end) for every piece of `text`, in order.
+// Never reads outside [text.data(), text.data() + text.size()). Invalid UTF-8 bytes act as
+// single "other" characters. One call site, so the compiler inlines emit into the loop.
+template <typename Emit>
+inline void ForEachPiece(std::string_view text, Emit&& emit) {
   const uint8_t* p = reinterpret_cast<const uint8_t*>(text.data());
   const uint8_t* const end = p + text.size();
   while (p < end) {
-    const uint8_t* const start = p;
-    int len;
-    CharClass k = ClassAt(p, end, &len);
-    if (*p == '\'' && end - p >= 2) {
-      const uint8_t c1 = p[1];
-      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
-        emit(start, p + 2);
-        p += 2;
-        continue;
-      }
-      if (end - p >= 3) {
-        const uint8_t c2 = p[2];
-        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
-          emit(start, p + 3);
-          p += 3;
-          continue;
-        }
-      }
-    }
-    if (k != unicode::kSpace) {
-      p = ClassRunEnd(p + len, end, k);
-      emit(start, p);
-      continue;
-    }
-    if (*p == ' ' && p + 1 < end) {
-      int len2;
-      CharClass k2 = ClassAt(p + 1, end, &len2);
-      if (k2 != unicode::kSpace) {
-        p = ClassRunEnd(p + 1 + len2, end, k2);
-        emit(start, p);
-        continue;
-      }
-    }
-    // Whitespace run starting at p.
-    const uint8_t* last = p;  // start of the last whitespace char seen
-    const uint8_t* q = p + len;
-    int count = 1;
-    while (q < end) {
-      int l;
-      if (ClassAt(q, end, &l) != unicode::kSpace) break;
-      last = q;
-      q += l;
-      ++count;
-    }
-    if (q == end) {
-      p = end;
-    } else if (count >= 2) {
-      p = last;
-    } else {
-      p = q;
-    }
-    emit(start, p);
+    const uint8_t* const q = PieceEnd(p, end);
+    emit(p, q);
+    p = q;
   }
 }
 

@@ -23,11 +23,35 @@ TEST(Bpe, ShortAndLongAlgorithmsAgree) {
     size_t n = 1 + rng() % 60;
     std::string s;
     for (size_t i = 0; i < n; ++i) s += alphabet[rng() % alphabet.size()];
-    std::vector<int32_t> a, b;
+    std::vector<int32_t> a, b, c;
     Tok().BpeShort(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &a);
     Tok().BpeLong(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &b);
+    Tok().BpeShortPortable(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &c);
     ASSERT_EQ(a, b) << s;
+    ASSERT_EQ(c, b) << s;
     ASSERT_EQ(Tok().DecodeBytes(a), s);
+  }
+}
+
+// The round's minimum and its occurrences are taken 8 ranks at a time on AVX2 machines: every piece
+// length up to kShortPiece (the padding past the last symbol included), with repeated pairs that
+// merge several times in one round, must give the portable path's ids.
+TEST(Bpe, VectorAndPortableRoundsAgreeAtEveryLength) {
+  std::mt19937 rng(11);
+  const std::string alphabets[] = {"aaaa", "ab", "  \n", "\xD0\xB0\xD0\xB1", "\xE0\xA4\x95\xE0\xA5\x8D", "e s.t0"};
+  for (const std::string& alphabet : alphabets) {
+    for (size_t n = 2; n <= Gpt2Tokenizer::kShortPiece; ++n) {
+      for (int iter = 0; iter < 20; ++iter) {
+        std::string s;
+        for (size_t i = 0; i < n; ++i) s += alphabet[rng() % alphabet.size()];
+        std::vector<int32_t> a, b, c;
+        Tok().BpeShort(reinterpret_cast<const uint8_t*>(s.data()), n, &a);
+        Tok().BpeShortPortable(reinterpret_cast<const uint8_t*>(s.data()), n, &b);
+        Tok().BpeLong(reinterpret_cast<const uint8_t*>(s.data()), n, &c);
+        ASSERT_EQ(a, b) << n;
+        ASSERT_EQ(a, c) << n;
+      }
+    }
   }
 }
 

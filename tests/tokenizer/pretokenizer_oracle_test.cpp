@@ -133,6 +133,31 @@ TEST(PretokenizerOracle, RandomCodePointsFuzz) {
   }
 }
 
+// The two-byte prefix table (and its "third byte decides" rows) against decoding every character:
+// every sequence of up to three bytes that starts with a non-ASCII byte, valid or not, with and
+// without room after it, must get the exact path's class and length.
+TEST(PretokenizerOracle, PrefixTableMatchesExactDecodingForEveryByteSequence) {
+  uint8_t buf[4];
+  for (uint32_t c0 = 0x80; c0 < 0x100; ++c0) {
+    for (uint32_t c1 = 0; c1 < 0x100; ++c1) {
+      for (uint32_t c2 = 0; c2 < 0x100; ++c2) {
+        buf[0] = static_cast<uint8_t>(c0);
+        buf[1] = static_cast<uint8_t>(c1);
+        buf[2] = static_cast<uint8_t>(c2);
+        buf[3] = 'a';
+        for (int avail = 1; avail <= 4; ++avail) {
+          int fast_len = 0, exact_len = 0;
+          const auto fast = pretok_detail::ClassAt(buf, buf + avail, &fast_len);
+          const auto exact = pretok_detail::ClassAtExact(buf, buf + avail, &exact_len);
+          if (fast != exact || fast_len != exact_len)
+            FAIL() << fmt::format("bytes {:02x} {:02x} {:02x}, {} readable: class {} len {}, exact {} len {}", c0, c1,
+                                  c2, avail, int(fast), fast_len, int(exact), exact_len);
+        }
+      }
+    }
+  }
+}
+
 TEST(PretokenizerOracle, DocumentedExamples) {
   auto pieces = [](const std::string& s) {
     std::vector<std::string> v;
