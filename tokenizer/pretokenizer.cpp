@@ -4,8 +4,8 @@
 namespace ptk::pretok_detail {
 namespace {
 
-// One entry per (first byte, second byte) of a non-ASCII character: its class when those two bytes
-// decide it (a whole 2-byte character, or a 3-byte prefix whose 64 characters share one class), else
+// One entry per (first byte, second byte) of a non-ASCII character: 1 + its class when those two
+// bytes decide it (a whole 2-byte character, or a 3-byte prefix whose 64 characters share one class), else
 // kPrefixUndecided. Invalid prefixes (overlong forms, surrogates, bad continuation bytes) and 4-byte
 // characters stay undecided and take the exact path. A valid 3-byte prefix whose characters differ
 // (Indic scripts interleave letters and combining marks) is kPrefixMixed: looked up by code point.
@@ -13,8 +13,10 @@ struct PrefixTable {
   uint8_t cls[1 << 16];
   PrefixTable() {
     for (uint8_t& c : cls) c = kPrefixUndecided;
+    auto entry = [](unicode::CharClass k) { return static_cast<uint8_t>(1 + k); };
     for (uint32_t c0 = 0xC2; c0 < 0xE0; ++c0)
-      for (uint32_t c1 = 0x80; c1 < 0xC0; ++c1) cls[c0 << 8 | c1] = unicode::ClassOf(((c0 & 0x1F) << 6) | (c1 & 0x3F));
+      for (uint32_t c1 = 0x80; c1 < 0xC0; ++c1)
+        cls[c0 << 8 | c1] = entry(unicode::ClassOf(((c0 & 0x1F) << 6) | (c1 & 0x3F)));
     for (uint32_t c0 = 0xE0; c0 < 0xF0; ++c0) {
       for (uint32_t c1 = 0x80; c1 < 0xC0; ++c1) {
         const uint32_t base = ((c0 & 0x0F) << 12) | ((c1 & 0x3F) << 6);
@@ -22,7 +24,7 @@ struct PrefixTable {
         const unicode::CharClass k = unicode::ClassOf(base);
         bool uniform = true;
         for (uint32_t c2 = 1; c2 < 64 && uniform; ++c2) uniform = unicode::ClassOf(base | c2) == k;
-        cls[c0 << 8 | c1] = uniform ? k : kPrefixMixed;
+        cls[c0 << 8 | c1] = uniform ? entry(k) : kPrefixMixed;
       }
     }
   }

@@ -50,8 +50,11 @@ inline constexpr uint8_t kAsciiClass[128] = {
 // clang-format on
 
 // Classes of non-ASCII characters by their first two bytes, where those decide (pretokenizer.cpp).
-inline constexpr uint8_t kPrefixUndecided = 0xFF;
-inline constexpr uint8_t kPrefixMixed = 4;  // a valid 3-byte prefix: the third byte decides
+// Entries: 0 undecided (the exact path), 1 + class, or kPrefixMixed (a valid 3-byte prefix: the
+// third byte decides). Undecided is 0 so that the table, zero before its dynamic initialisation,
+// can only send characters down the exact path, whatever the order of static initialisers.
+inline constexpr uint8_t kPrefixUndecided = 0;
+inline constexpr uint8_t kPrefixMixed = 5;
 extern const uint8_t* const kPrefixClass;
 // Decodes and looks up the character at p (any byte string; invalid bytes are single "other" chars).
 unicode::CharClass ClassAtExact(const uint8_t* p, const uint8_t* end, int* len);
@@ -69,11 +72,11 @@ __attribute__((always_inline)) inline unicode::CharClass ClassAt(const uint8_t* 
     if (k != kPrefixUndecided) {
       if (c0 < 0xE0) {
         *len = 2;
-        return static_cast<unicode::CharClass>(k);
+        return static_cast<unicode::CharClass>(k - 1);
       }
       if ((p[2] & 0xC0) == 0x80) {
         *len = 3;
-        if (k != kPrefixMixed) return static_cast<unicode::CharClass>(k);
+        if (k != kPrefixMixed) return static_cast<unicode::CharClass>(k - 1);
         return unicode::ClassOf(((c0 & 0x0Fu) << 12) | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu));
       }
     }
