@@ -21,7 +21,8 @@
 namespace ptk {
 
 AtomicFileWriter::AtomicFileWriter(std::string path, std::string tmp_path, int fd)
-    : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd), buf_(1 << 20) {}
+    // The buffer is not zero-filled: its pages are faulted in only as they are written.
+    : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd), buf_(new char[kBufSize]) {}
 
 absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
@@ -63,18 +64,18 @@ AtomicFileWriter::~AtomicFileWriter() {
 absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
   if (done_) return absl::FailedPreconditionError(fmt::format("{}: write after close", path_));
   const char* p = static_cast<const char*>(data);
-  if (buf_used_ + size <= buf_.size()) {
-    std::memcpy(buf_.data() + buf_used_, p, size);
+  if (buf_used_ + size <= kBufSize) {
+    std::memcpy(buf_.get() + buf_used_, p, size);
     buf_used_ += size;
   } else {
     PTK_RETURN_IF_ERROR(Flush());
-    if (size >= buf_.size()) {
+    if (size >= kBufSize) {
       PTK_RETURN_IF_ERROR(WriteAll(fd_, p, size, Describe()));
       bytes_written_ += size;
       StartWriteback();
       return absl::OkStatus();
     } else {
-      std::memcpy(buf_.data(), p, size);
+      std::memcpy(buf_.get(), p, size);
       buf_used_ = size;
     }
   }
@@ -134,7 +135,7 @@ std::string AtomicFileWriter::Describe() const { return fmt::format("{} (tempora
 
 absl::Status AtomicFileWriter::Flush() {
   if (buf_used_ == 0) return absl::OkStatus();
-  absl::Status st = WriteAll(fd_, buf_.data(), buf_used_, Describe());
+  absl::Status st = WriteAll(fd_, buf_.get(), buf_used_, Describe());
   buf_used_ = 0;
   StartWriteback();
   return st;
@@ -229,9 +230,9 @@ absl::Status CompletePendingPublish(const std::string& journal) {
 absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::function<void(const char*, size_t)>& fn) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
-  std::vector<char> buf(chunk);
+  std::unique_ptr<char[]> buf(new char[chunk]);  // not zero-filled: read() writes what is used
   while (true) {
-    ssize_t n = ::read(fd, buf.data(), buf.size());
+    ssize_t n = ::read(fd, buf.get(), chunk);
     if (n < 0) {
       if (errno == EINTR) continue;
       int e = errno;
@@ -239,7 +240,7 @@ absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::fu
       return ErrnoToStatus(e, fmt::format("read {}", path));
     }
     if (n == 0) break;
-    fn(buf.data(), static_cast<size_t>(n));
+    fn(buf.get(), static_cast<size_t>(n));
   }
   ::close(fd);
   return absl::OkStatus();

@@ -65,7 +65,8 @@ class AtomicFileWriter {
   bool done_ = false;
   uint64_t bytes_written_ = 0;
   uint64_t synced_ = 0;  // bytes handed to StartWriteback
-  std::vector<char> buf_;
+  static constexpr size_t kBufSize = 1 << 20;
+  std::unique_ptr<char[]> buf_;
   size_t buf_used_ = 0;
 };
 

@@ -80,7 +80,7 @@ std::string Xxh3Hex(std::string_view data) {
 
 absl::StatusOr<std::string> Xxh3FileHex(const std::string& path) {
   Xxh3 h;
-  PTK_RETURN_IF_ERROR(ReadFileChunks(path, 4 << 20, [&](const char* p, size_t n) { h.Update(p, n); }));
+  PTK_RETURN_IF_ERROR(ReadFileChunks(path, 1 << 20, [&](const char* p, size_t n) { h.Update(p, n); }));
   return h.HexDigest();
 }
 

@@ -31,14 +31,22 @@ BatchEncoder::BatchEncoder(const Gpt2Tokenizer& tok, const TokenizeOptions& opt)
       eod_(tok.eod()) {}
 
 void BatchEncoder::Encode(Batch& b) {
+  // A recycled batch: every result is set again, buffers keep their memory.
   const size_t nkeys = opt_.json_keys.size();
-  b.tokens.assign(nkeys, {});
-  b.seq_lens.assign(nkeys, {});
-  b.doc_nseq.assign(nkeys, {});
+  b.tokens.resize(nkeys);
+  b.seq_lens.resize(nkeys);
+  b.doc_nseq.resize(nkeys);
+  for (size_t k = 0; k < nkeys; ++k) {
+    b.tokens[k].clear();
+    b.seq_lens[k].clear();
+    b.doc_nseq[k].clear();
+  }
   b.status.assign(b.lines.size(), RecordStatus::kOk);
-  b.messages.assign(b.lines.size(), std::string());
+  b.messages.resize(b.lines.size());
+  for (std::string& m : b.messages) m.clear();
   b.replaced.assign(b.lines.size(), 0);
-  for (size_t k = 0; k < nkeys; ++k) b.tokens[k].reserve(b.size / 3 + 16);
+  b.chars = 0;
+  b.invalid_utf8 = b.lone_surrogates = 0;
   for (size_t i = 0; i < b.lines.size(); ++i) {
     const auto& ln = b.lines[i];
     std::string_view line(b.data.get() + ln.off, ln.len);
@@ -55,13 +63,14 @@ void BatchEncoder::Encode(Batch& b) {
     const auto& fields = parser_.fields();
     for (size_t k = 0; k < nkeys; ++k) {
       // Megatron: each sentence tokenized on its own; empty ones dropped; EOD on the last one.
-      auto& toks = b.tokens[k];
+      IdBuffer& toks = b.tokens[k];
       auto& lens = b.seq_lens[k];
       int32_t nseq = 0;
       for (std::string_view sentence : fields[k]) {
-        size_t before = toks.size();
-        encoder_.Encode(sentence, &toks);
-        size_t n = toks.size() - before;
+        // Straight into the batch's buffer: EncodeTo needs room for one id a byte at most.
+        const size_t before = toks.size();
+        toks.Commit(encoder_.EncodeTo(sentence, toks.Reserve(sentence.size())));
+        const size_t n = toks.size() - before;
         if (n > 0) {
           lens.push_back(static_cast<int32_t>(n));
           ++nseq;

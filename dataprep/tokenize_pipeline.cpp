@@ -42,7 +42,8 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   // Builders are destroyed unfinalized on error: their temporaries are removed.
   DocumentSink sink(opt, tok, progress);
   PTK_ASSIGN_OR_RETURN(const ReadPoint start, sink.Open());
-  LineReader reader(opt.inputs, opt.batch_bytes, start, opt.megatron_log);
+  BatchPool pool;  // declared before the reader: batches go back to it until the pipeline ends
+  LineReader reader(opt.inputs, opt.batch_bytes, start, opt.megatron_log, pool);
 
   if (opt.megatron_log) {  // --quiet is quiet
     std::printf("Processing data with %d workers.\n", workers);
@@ -104,6 +105,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
           if (stop) return;
           sink_error = sink.Consume(*b);
           if (!sink_error.ok()) stop = true;
+          pool.Give(std::move(b));
         }));
   });
   PTK_HAPPENS_AFTER(&reader);

@@ -28,10 +28,15 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
       carry_.clear();
       last_raw_ = 0;
     }
-    auto b = std::make_unique<Batch>();
+    std::unique_ptr<Batch> b = pool_.Take();  // its buffers are reused, every field set below
     b->file = file_;
+    b->lines.clear();
     size_t cap = std::max(batch_bytes_, carry_.size() * 2) + (64 << 10);
-    b->data.reset(new char[cap + kPadding]);
+    if (b->data_cap < cap) {
+      b->data.reset(new char[cap + kPadding]);
+      b->data_cap = cap;
+    }
+    cap = b->data_cap;
     std::memcpy(b->data.get(), carry_.data(), carry_.size());
     size_t size = carry_.size();
     size_t scan_from = 0;
@@ -46,7 +51,7 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
         std::unique_ptr<char[]> nd(new char[ncap + kPadding]);
         std::memcpy(nd.get(), b->data.get(), size);
         b->data = std::move(nd);
-        cap = ncap;
+        b->data_cap = cap = ncap;
       }
       PTK_ASSIGN_OR_RETURN(size_t n, src_->Read(b->data.get() + size, cap - size));
       if (n == 0) {
@@ -106,7 +111,10 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
       src_.reset();
       ++file_;
     }
-    if (b->lines.empty()) continue;  // an empty file
+    if (b->lines.empty()) {  // an empty file
+      pool_.Give(std::move(b));
+      continue;
+    }
     return b;
   }
 }

@@ -5,9 +5,12 @@
 //                                    resume points, the final checks
 // RunTokenize (tokenize_pipeline.cpp) wires them into a oneTBB pipeline.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,9 +30,41 @@ namespace ptk::tokenize_detail {
 
 inline constexpr size_t kPadding = simdjson::SIMDJSON_PADDING;
 
-// A batch of whole lines from one input file, and what the workers made of them.
+// Ids of one batch and key, written in place by the encoder: grows without zero-filling and keeps
+// its memory when the batch is reused, so a run touches the same pages batch after batch.
+class IdBuffer {
+ public:
+  size_t size() const { return size_; }
+  const int32_t* data() const { return data_.get(); }
+  int32_t& back() { return data_[size_ - 1]; }
+  void clear() { size_ = 0; }
+  // Room for n more ids after the current ones; returns where they go (Commit says how many went).
+  int32_t* Reserve(size_t n) {
+    if (cap_ - size_ < n) {
+      const size_t cap = std::max(size_ + n, cap_ * 2);
+      std::unique_ptr<int32_t[]> d(new int32_t[cap]);  // not zero-filled: only written ids are read
+      if (size_ > 0) std::memcpy(d.get(), data_.get(), size_ * sizeof(int32_t));
+      data_ = std::move(d);
+      cap_ = cap;
+    }
+    return data_.get() + size_;
+  }
+  void Commit(const int32_t* end) { size_ = static_cast<size_t>(end - data_.get()); }
+  void push_back(int32_t v) {
+    *Reserve(1) = v;
+    ++size_;
+  }
+
+ private:
+  std::unique_ptr<int32_t[]> data_;
+  size_t size_ = 0, cap_ = 0;
+};
+
+// A batch of whole lines from one input file, and what the workers made of them. Batches are
+// recycled (BatchPool): every field is set again for each use, buffers keep their memory.
 struct Batch {
   std::unique_ptr<char[]> data;  // lines, followed by kPadding readable bytes
+  size_t data_cap = 0;           // bytes of data before the padding
   size_t size = 0;
   struct Line {
     size_t off, len;
@@ -44,12 +79,35 @@ struct Batch {
 
   // Results, per key: ids and sequence lengths of all documents, and per line the number of
   // sequences; status per line.
-  std::vector<std::vector<int32_t>> tokens, seq_lens, doc_nseq;
+  std::vector<IdBuffer> tokens;
+  std::vector<std::vector<int32_t>> seq_lens, doc_nseq;
   std::vector<RecordStatus> status;
   std::vector<std::string> messages;  // for bad lines (index parallel to `status`, empty for ok)
   uint64_t chars = 0;
   int64_t invalid_utf8 = 0, lone_surrogates = 0;
   std::vector<uint8_t> replaced;  // per line: some character was replaced by U+FFFD
+};
+
+// Batches that went through the pipeline, for the reader to fill again: their line buffers and id
+// buffers are reused instead of allocated (and faulted in) anew for every batch. The reader takes,
+// the sink gives back; both may run at once.
+class BatchPool {
+ public:
+  std::unique_ptr<Batch> Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return std::make_unique<Batch>();
+    std::unique_ptr<Batch> b = std::move(free_.back());
+    free_.pop_back();
+    return b;
+  }
+  void Give(std::unique_ptr<Batch> b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Batch>> free_;
 };
 
 // Where reading starts (or resumes): a file, a decoded byte offset at a line start, the line
@@ -63,13 +121,15 @@ struct ReadPoint {
 // line), split as Python's universal newlines do, a UTF-8 BOM dropped; starts at `start`.
 class LineReader {
  public:
-  LineReader(const std::vector<std::string>& files, size_t batch_bytes, const ReadPoint& start, bool announce)
+  LineReader(const std::vector<std::string>& files, size_t batch_bytes, const ReadPoint& start, bool announce,
+             BatchPool& pool)
       : files_(files),
         batch_bytes_(batch_bytes),
         file_(static_cast<int>(start.file)),
         global_line_(start.global_line),
         start_(start),
-        announce_(announce) {}
+        announce_(announce),
+        pool_(pool) {}
 
   // Next batch, nullptr at the end of all input.
   absl::StatusOr<std::unique_ptr<Batch>> Next();
@@ -86,6 +146,7 @@ class LineReader {
   uint64_t consumed_ = 0;  // decoded bytes of the current file handed out in batches
   ReadPoint start_;
   bool announce_ = true;
+  BatchPool& pool_;
 };
 
 // One worker's parser and encoder (a worker encodes one batch at a time).

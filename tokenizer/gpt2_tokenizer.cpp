@@ -512,6 +512,38 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
 
 // ---------------------------------------------------------------- encoder
 
+ZeroPages::ZeroPages(size_t bytes) {
+  if (bytes == 0) return;
+  constexpr size_t kHuge = 2u << 20;
+  const size_t alloc = (bytes + kHuge - 1) / kHuge * kHuge;
+  // NORESERVE: what is reserved but never touched is not counted against the commit limit.
+  void* raw =
+      ::mmap(nullptr, alloc + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  PTK_CHECK(raw != MAP_FAILED);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+  if (aligned > start) ::munmap(raw, aligned - start);
+  if (start + kHuge > aligned) ::munmap(reinterpret_cast<void*>(aligned + alloc), start + kHuge - aligned);
+  p_ = reinterpret_cast<void*>(aligned);
+  bytes_ = alloc;
+  ::madvise(p_, alloc, MADV_HUGEPAGE);
+}
+
+ZeroPages& ZeroPages::operator=(ZeroPages&& o) noexcept {
+  if (this != &o) {
+    if (p_) ::munmap(p_, bytes_);
+    p_ = o.p_;
+    bytes_ = o.bytes_;
+    o.p_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+ZeroPages::~ZeroPages() {
+  if (p_) ::munmap(p_, bytes_);
+}
+
 Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok), opt_(options) {
   size_t min_slots = 1;
   while (min_slots < tok.short_count_ * 2) min_slots <<= 1;
@@ -520,7 +552,7 @@ Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok),
   max_slots_ = std::max(max_slots_, min_slots);
   AllocateCache(min_slots);
   if (min_slots == tok_.short_table_.size()) {  // the same hash and size: the same layout
-    std::memcpy(static_cast<void*>(cache_.get()), tok_.short_table_.data(), min_slots * sizeof(CacheSlot));
+    std::memcpy(static_cast<void*>(cache_), tok_.short_table_.data(), min_slots * sizeof(CacheSlot));
   } else {
     for (const auto& s : tok_.short_table_)
       if (s.len != 0) InsertSlot(s);
@@ -528,25 +560,12 @@ Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok),
   cache_used_ = tok_.short_count_;
   // Ids of pieces with more than 3 ids: a quarter of the table's bytes at most.
   max_overflow_ = max_slots_ * sizeof(CacheSlot) / 4 / sizeof(int32_t);
+  overflow_mem_ = ZeroPages(max_overflow_ * sizeof(int32_t));
 }
 
-void Gpt2Encoder::FreeDeleter::operator()(CacheSlot* p) const { ::munmap(p, bytes); }
-
-// Fresh anonymous pages: zero already (the kernel fills them on first touch, so no memset pass over
-// tens of megabytes), 2 MiB aligned and on transparent huge pages where available: random probes
-// into a multi-megabyte table otherwise miss the TLB on nearly every piece.
 void Gpt2Encoder::AllocateCache(size_t slots) {
-  constexpr size_t kHuge = 2u << 20;
-  const size_t alloc = (slots * sizeof(CacheSlot) + kHuge - 1) / kHuge * kHuge;
-  void* raw = ::mmap(nullptr, alloc + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  PTK_CHECK(raw != MAP_FAILED);
-  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
-  if (aligned > start) ::munmap(raw, aligned - start);
-  if (start + kHuge > aligned) ::munmap(reinterpret_cast<void*>(aligned + alloc), start + kHuge - aligned);
-  void* mem = reinterpret_cast<void*>(aligned);
-  ::madvise(mem, alloc, MADV_HUGEPAGE);
-  cache_ = std::unique_ptr<CacheSlot[], FreeDeleter>(static_cast<CacheSlot*>(mem), FreeDeleter{alloc});
+  cache_mem_ = ZeroPages(slots * sizeof(CacheSlot));
+  cache_ = cache_mem_.as<CacheSlot>();
   cache_slots_ = slots;
   cache_mask_ = slots - 1;
 }
@@ -561,24 +580,25 @@ bool Gpt2Encoder::MakeRoom() {
   if (cache_used_ * 2 < cache_slots_) return true;
   if (cache_slots_ >= max_slots_) return false;  // full: keep what is there
   // Double the table, keeping every entry.
-  std::unique_ptr<CacheSlot[], FreeDeleter> old = std::move(cache_);
-  const size_t old_slots = cache_slots_;
-  AllocateCache(old_slots * 2);
-  for (size_t i = 0; i < old_slots; ++i)
-    if (old[i].len != 0) InsertSlot(old[i]);
+  ZeroPages old = std::move(cache_mem_);
+  const CacheSlot* old_slots = old.as<CacheSlot>();
+  const size_t old_count = cache_slots_;
+  AllocateCache(old_count * 2);
+  for (size_t i = 0; i < old_count; ++i)
+    if (old_slots[i].len != 0) InsertSlot(old_slots[i]);
   return true;
 }
 
 size_t Gpt2Encoder::cache_bytes() const {
-  return cache_slots_ * sizeof(CacheSlot) + overflow_.capacity() * sizeof(int32_t) +
-         long_slots_.size() * sizeof(LongSlot) + arena_.capacity();
+  return cache_slots_ * sizeof(CacheSlot) + overflow_size_ * sizeof(int32_t) + long_nslots_ * sizeof(LongSlot) +
+         arena_size_;
 }
 
 size_t Gpt2Encoder::max_cache_bytes() const {
   size_t long_slots = 16;
   while (long_slots * sizeof(LongSlot) * 4 < opt_.long_cache_bytes) long_slots <<= 1;
-  return max_slots_ * sizeof(CacheSlot) + max_overflow_ * sizeof(int32_t) * 2 +
-         (opt_.long_cache_bytes > 0 ? long_slots * sizeof(LongSlot) : 0) + opt_.long_cache_bytes * 2;
+  return max_slots_ * sizeof(CacheSlot) + max_overflow_ * sizeof(int32_t) +
+         (opt_.long_cache_bytes > 0 ? long_slots * sizeof(LongSlot) : 0) + opt_.long_cache_bytes;
 }
 
 inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
@@ -593,7 +613,7 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
       }
       ++hits_;
       if (s.n == kOverflow) {
-        const int32_t* src = overflow_.data() + s.ids[0];
+        const int32_t* src = overflow_mem_.as<int32_t>() + s.ids[0];
         for (int32_t i = 0; i < s.ids[1]; ++i) out[i] = src[i];
         return out + s.ids[1];
       }
@@ -609,7 +629,7 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
   std::copy(scratch_.begin(), scratch_.end(), out);
   const bool overflow = scratch_.size() > 3;
   const size_t slots_before = cache_slots_;
-  if ((overflow && overflow_.size() + scratch_.size() > max_overflow_) || !MakeRoom()) return out + scratch_.size();
+  if ((overflow && overflow_size_ + scratch_.size() > max_overflow_) || !MakeRoom()) return out + scratch_.size();
   if (cache_slots_ != slots_before) {  // the table grew: find the free slot again
     h = pc.h & cache_mask_;
     while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
@@ -623,35 +643,40 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
     std::copy(scratch_.begin(), scratch_.end(), s.ids);
   } else {
     s.n = kOverflow;
-    s.ids[0] = static_cast<int32_t>(overflow_.size());
+    s.ids[0] = static_cast<int32_t>(overflow_size_);
     s.ids[1] = static_cast<int32_t>(scratch_.size());
-    overflow_.insert(overflow_.end(), scratch_.begin(), scratch_.end());
+    std::copy(scratch_.begin(), scratch_.end(), overflow_mem_.as<int32_t>() + overflow_size_);
+    overflow_size_ += scratch_.size();
   }
   ++cache_used_;
   return out + scratch_.size();
 }
 
 const Gpt2Encoder::LongSlot* Gpt2Encoder::FindLong(const uint8_t* p, size_t n, uint64_t hash) const {
-  const uint64_t mask = long_slots_.size() - 1;
+  const LongSlot* slots = long_mem_.as<LongSlot>();
+  const uint8_t* arena = arena_mem_.as<uint8_t>();
+  const uint64_t mask = long_nslots_ - 1;
   for (uint64_t h = hash & mask;; h = (h + 1) & mask) {
-    const LongSlot& s = long_slots_[h];
+    const LongSlot& s = slots[h];
     if (s.hash == 0) return nullptr;
-    if (s.hash == hash && s.len == n && std::memcmp(arena_.data() + s.off, p, n) == 0) return &s;
+    if (s.hash == hash && s.len == n && std::memcmp(arena + s.off, p, n) == 0) return &s;
   }
 }
 
 void Gpt2Encoder::InsertLong(const uint8_t* p, size_t n, uint64_t hash, const int32_t* ids, size_t nids) {
-  const size_t off = arena_.size();
+  const size_t off = arena_size_;
   const size_t ids_at = (off + n + 3) & ~size_t{3};
   // Full (a quarter of the slots, or the byte budget): keep what is there.
-  if ((long_used_ + 1) * 4 > long_slots_.size() || ids_at + 4 * nids > opt_.long_cache_bytes) return;
-  arena_.resize(ids_at + 4 * nids);
-  std::memcpy(arena_.data() + off, p, n);
-  std::memcpy(arena_.data() + ids_at, ids, 4 * nids);
-  const uint64_t mask = long_slots_.size() - 1;
+  if ((long_used_ + 1) * 4 > long_nslots_ || ids_at + 4 * nids > opt_.long_cache_bytes) return;
+  uint8_t* arena = arena_mem_.as<uint8_t>();
+  std::memcpy(arena + off, p, n);
+  std::memcpy(arena + ids_at, ids, 4 * nids);
+  arena_size_ = ids_at + 4 * nids;
+  LongSlot* slots = long_mem_.as<LongSlot>();
+  const uint64_t mask = long_nslots_ - 1;
   uint64_t h = hash & mask;
-  while (long_slots_[h].hash != 0) h = (h + 1) & mask;
-  long_slots_[h] = LongSlot{hash, static_cast<uint32_t>(off), static_cast<uint16_t>(n), static_cast<uint16_t>(nids)};
+  while (slots[h].hash != 0) h = (h + 1) & mask;
+  slots[h] = LongSlot{hash, static_cast<uint32_t>(off), static_cast<uint16_t>(n), static_cast<uint16_t>(nids)};
   ++long_used_;
 }
 
@@ -663,19 +688,21 @@ int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
     return out + 1;
   }
   // Long pieces: cache only moderately long ones (very long runs are rare and unique).
-  if (long_slots_.empty() && opt_.long_cache_bytes > 0) {  // on the first one: most texts have none
+  if (long_nslots_ == 0 && opt_.long_cache_bytes > 0) {  // on the first one: most texts have none
     size_t slots = 16;
     while (slots * sizeof(LongSlot) * 4 < opt_.long_cache_bytes) slots <<= 1;
-    long_slots_.assign(slots, LongSlot{});
+    long_mem_ = ZeroPages(slots * sizeof(LongSlot));
+    arena_mem_ = ZeroPages(opt_.long_cache_bytes);
+    long_nslots_ = slots;
   }
-  const bool cacheable = n <= 256 && !long_slots_.empty();
+  const bool cacheable = n <= 256 && long_nslots_ != 0;
   uint64_t hash = 0;
   if (cacheable) {
     hash = std::hash<std::string_view>()(piece) | 1;  // never 0 (the empty mark)
     if (const LongSlot* s = FindLong(p, n, hash)) {
       ++hits_;
       const size_t ids_at = (s->off + s->len + 3) & ~size_t{3};
-      std::memcpy(out, arena_.data() + ids_at, 4 * s->nids);
+      std::memcpy(out, arena_mem_.as<uint8_t>() + ids_at, 4 * s->nids);
       return out + s->nids;
     }
   }

@@ -123,6 +123,28 @@ class Gpt2Tokenizer {
   int64_t num_merges_ = 0;
 };
 
+// Anonymous memory straight from mmap: zero until written and faulted in only where touched, 2 MiB
+// aligned with transparent huge pages advised. Reserving the most a buffer may ever need costs
+// nothing until it is used, and the buffer never moves (no copying, no zero-filling, no fresh pages
+// for a bigger copy).
+class ZeroPages {
+ public:
+  ZeroPages() = default;
+  explicit ZeroPages(size_t bytes);
+  ZeroPages(ZeroPages&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
+  ZeroPages& operator=(ZeroPages&& o) noexcept;
+  ~ZeroPages();
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // Per-thread encoder: owns the piece cache. Not thread-safe; cheap to create.
 class Gpt2Encoder {
  public:
@@ -188,22 +210,20 @@ class Gpt2Encoder {
   const Gpt2Tokenizer& tok_;
   Options opt_;
   // Whole tokens (copied from the tokenizer) plus BPE results of pieces of at most 16 bytes.
-  // Backed by transparent huge pages where available: random probes into a multi-megabyte table
-  // otherwise miss the TLB on nearly every piece.
-  struct FreeDeleter {  // unmaps the table's pages
-    FreeDeleter() : bytes(0) {}
-    explicit FreeDeleter(size_t b) : bytes(b) {}
-    size_t bytes;
-    void operator()(CacheSlot* p) const;
-  };
-  std::unique_ptr<CacheSlot[], FreeDeleter> cache_;
+  // On huge pages where available: random probes into a multi-megabyte table otherwise miss the
+  // TLB on nearly every piece.
+  ZeroPages cache_mem_;
+  CacheSlot* cache_ = nullptr;
   size_t cache_slots_ = 0, max_slots_ = 0;
   uint64_t cache_mask_ = 0;
   size_t cache_used_ = 0;
-  std::vector<int32_t> overflow_;  // ids of cached short pieces with more than 3
-  size_t max_overflow_ = 0;
-  std::vector<LongSlot> long_slots_;
-  std::vector<uint8_t> arena_;
+  // Ids of cached short pieces with more than 3, reserved at their most and filled in order.
+  ZeroPages overflow_mem_;
+  size_t overflow_size_ = 0, max_overflow_ = 0;
+  // Long pieces: slots (a quarter used at most) and an arena of their bytes and ids, reserved at
+  // their most on the first long piece.
+  ZeroPages long_mem_, arena_mem_;
+  size_t long_nslots_ = 0, arena_size_ = 0;
   size_t long_used_ = 0;
   std::vector<int32_t> scratch_;
   int32_t* Buffer(size_t n);        // buf_ with room for n ids

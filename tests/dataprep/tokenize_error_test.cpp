@@ -96,6 +96,37 @@ TEST(TokenizeErrors, InvalidUtf8AndLoneSurrogatesAreReplacedAndCounted) {
   EXPECT_NE(s.output.find("in.jsonl:1: invalid UTF-8"), std::string::npos) << s.output;
 }
 
+// Batches are recycled (their buffers reused): nothing of one batch may reach the next. Batches of
+// about 64 KB (the smallest read), a bad record, a replaced byte and a long document in the first
+// ones: the counts and the documents must equal one batch's, for one and two workers.
+TEST(TokenizeErrors, RecycledBatchesCarryNothingOver) {
+  TempDir dir;
+  std::string in = "{\"text\": \"" + std::string(5000, 'x') + " long document\"}\n";
+  in += "not json\n";
+  in +=
+      "{\"text\": \"a\xff"
+      "b\"}\n";
+  for (int i = 0; i < 8000; ++i)
+    in += fmt::format("{{\"text\": \"doc {} \u00e9t\u00e9 {}\"}}\n", i, std::string(i % 7, 'y'));
+  testing::WriteFile(dir / "in.jsonl", in);
+  auto one =
+      RunCmd(Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction 1", dir / "in.jsonl", dir / "one")));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = Docs(dir / "one_text_document");
+  ASSERT_EQ(want.size(), 8002u);
+  for (const char* workers : {"1", "2"}) {
+    const std::string prefix = (dir / "small") + workers;
+    auto r =
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction 1 --batch-mb 0.00001 --workers {}",
+                               dir / "in.jsonl", prefix, workers)));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("skipped 1 bad records of 8003 lines"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("replaced 1 invalid UTF-8 sequences and 0 lone surrogate escapes"), std::string::npos)
+        << r.output;
+    EXPECT_EQ(Docs(prefix + "_text_document"), want) << workers;
+  }
+}
+
 TEST(TokenizeErrors, BomCrlfAndMissingFinalNewline) {
   TempDir dir;
   testing::WriteFile(dir / "in.jsonl", "\xEF\xBB\xBF{\"text\": \"Hello world\"}\r\n{\"text\": \"Hello world\"}");
