@@ -88,6 +88,8 @@ struct ResumeState {
 
 // What must be equal for a resume to give the same bytes: inputs (name, size, mtime), keys, the
 // options that change ids, and the tokenizer (its size, EOD id and the ids of a probe text).
+// XXH3-128, not SHA-256: a content check, not a security one, and OpenSSL's first use costs
+// milliseconds of start-up (a quarter of a small run's).
 std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
   std::string s = "ptk-tokenize resume v1\n";
   for (const auto& f : opt.inputs) {
@@ -101,7 +103,7 @@ std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& t
   ForEachPiece("ptk resume probe: Hello, world! 12345 \xc3\xa9t\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd <|endoftext|>",
                [&](const uint8_t* b, const uint8_t* e) { tok.BpePiece(b, static_cast<size_t>(e - b), &ids); });
   for (int32_t id : ids) s += fmt::format("{} ", id);
-  return Sha256Hex(s);
+  return Xxh3Hex(s);
 }
 
 void PutI64(std::string& o, int64_t v) { o.append(reinterpret_cast<const char*>(&v), 8); }

@@ -121,7 +121,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromTables(std::st
   if (merge_slots == 0 || (merge_slots & (merge_slots - 1)) != 0 || merge_slots > blob.size() ||
       t->merge_shift_ != 64 - __builtin_ctzll(merge_slots))
     return bad("merge table size");
-  t->merge_table_.assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
+  t->merge_table_.Assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
   t->merge_mask_ = merge_slots - 1;
   uint64_t used = 0;
   if (!r.Get(&used) || used > merge_slots) return bad("merge count");
@@ -133,7 +133,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromTables(std::st
   if (short_slots == 0 || (short_slots & (short_slots - 1)) != 0 || short_slots > blob.size() ||
       short_count > short_slots)
     return bad("short table size");
-  t->short_table_.assign(short_slots, PieceSlot{});
+  t->short_table_.Assign(short_slots, PieceSlot{});
   t->short_mask_ = short_slots - 1;
   t->short_count_ = short_count;
   for (uint64_t k = 0; k < short_count; ++k) {

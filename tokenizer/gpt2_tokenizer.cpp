@@ -262,14 +262,14 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     merge_slots <<= 1;
     --merge_shift_;
   }
-  merge_table_.assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
+  merge_table_.Assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
   merge_mask_ = merge_slots - 1;
   for (const Merge& mg : merges) InsertMerge(mg.a, mg.b, mg.info);
 
   // ---- whole-token tables: only tokens that BPE itself produces for their own bytes
   size_t slots = 1;
   while (slots < static_cast<size_t>(n) * 2) slots <<= 1;
-  short_table_.assign(slots, PieceSlot{});
+  short_table_.Assign(slots, PieceSlot{});
   short_mask_ = slots - 1;
   short_count_ = 0;
   std::vector<int32_t> ids;

@@ -5,17 +5,68 @@
 // Gpt2Encoder, which owns a bounded piece -> ids cache and scratch buffers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 
 namespace ptk {
+
+// Anonymous memory straight from mmap: zero until written and faulted in only where touched, 2 MiB
+// aligned with transparent huge pages advised. Reserving the most a buffer may ever need costs
+// nothing until it is used, and the buffer never moves (no copying, no zero-filling, no fresh pages
+// for a bigger copy).
+class ZeroPages {
+ public:
+  ZeroPages() = default;
+  explicit ZeroPages(size_t bytes);
+  ZeroPages(ZeroPages&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
+  ZeroPages& operator=(ZeroPages&& o) noexcept;
+  ~ZeroPages();
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// n elements of a trivially copyable T on ZeroPages: filling a table costs page faults only where
+// entries land, with huge pages a handful instead of one per 4 KB.
+template <typename T>
+class PageArray {
+ public:
+  // n elements, each `fill` (written only when fill is not all zero bytes).
+  void Assign(size_t n, const T& fill) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    mem_ = ZeroPages(n * sizeof(T));
+    n_ = n;
+    const T zero{};
+    if (std::memcmp(&fill, &zero, sizeof(T)) != 0) std::fill(data(), data() + n, fill);
+  }
+  size_t size() const { return n_; }
+  T* data() { return mem_.as<T>(); }
+  const T* data() const { return mem_.as<T>(); }
+  T& operator[](size_t i) { return data()[i]; }
+  const T& operator[](size_t i) const { return data()[i]; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + n_; }
+
+ private:
+  ZeroPages mem_;
+  size_t n_ = 0;
+};
 
 class Gpt2Tokenizer {
  public:
@@ -110,39 +161,17 @@ class Gpt2Tokenizer {
   };
   static constexpr uint8_t kOverflow = 0xFF;
   // Whole tokens of at most 16 bytes, open addressing; encoders start their caches from a copy.
-  std::vector<PieceSlot> short_table_;
+  PageArray<PieceSlot> short_table_;
   uint64_t short_mask_ = 0;
   size_t short_count_ = 0;
   absl::flat_hash_map<std::string, int32_t> long_tokens_;  // whole tokens longer than 16 bytes
-  std::vector<MergeSlot> merge_table_;
+  PageArray<MergeSlot> merge_table_;
   uint64_t merge_mask_ = 0;
   int merge_shift_ = 64;
   std::vector<std::string> id_to_bytes_;
   int32_t byte_to_id_[256];
   int32_t eod_id_ = -1;
   int64_t num_merges_ = 0;
-};
-
-// Anonymous memory straight from mmap: zero until written and faulted in only where touched, 2 MiB
-// aligned with transparent huge pages advised. Reserving the most a buffer may ever need costs
-// nothing until it is used, and the buffer never moves (no copying, no zero-filling, no fresh pages
-// for a bigger copy).
-class ZeroPages {
- public:
-  ZeroPages() = default;
-  explicit ZeroPages(size_t bytes);
-  ZeroPages(ZeroPages&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
-  ZeroPages& operator=(ZeroPages&& o) noexcept;
-  ~ZeroPages();
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
 };
 
 // Per-thread encoder: owns the piece cache. Not thread-safe; cheap to create.
