@@ -59,6 +59,10 @@ int main(int argc, char** argv) {
   }
   const std::string path = argv[1];
   const std::string outdir = argc > 2 ? argv[2] : std::filesystem::temp_directory_path().string();
+  if (!std::filesystem::is_directory(outdir)) {
+    std::fprintf(stderr, "tokenize_cost_split: %s is not a directory\n", outdir.c_str());
+    return 2;
+  }
   const int repeats = argc > 3 ? std::max(1, std::atoi(argv[3])) : 5;
 
   std::string jsonl;

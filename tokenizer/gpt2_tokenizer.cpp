@@ -601,7 +601,8 @@ size_t Gpt2Encoder::max_cache_bytes() const {
          (opt_.long_cache_bytes > 0 ? long_slots * sizeof(LongSlot) : 0) + opt_.long_cache_bytes;
 }
 
-inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
+// The hit path, inlined into the piece loop; a miss goes out of line.
+__attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
   const uint8_t len = static_cast<uint8_t>(pc.n);
   uint64_t h = pc.h & cache_mask_;
   while (true) {
@@ -623,6 +624,12 @@ inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
     if (s.len == 0) break;
     h = (h + 1) & cache_mask_;
   }
+  return EncodeMiss(pc, h, out);
+}
+
+// BPE of a short piece not in the cache, whose free slot is h; cached while there is room.
+__attribute__((noinline)) int32_t* Gpt2Encoder::EncodeMiss(const Pending& pc, uint64_t h, int32_t* out) {
+  const uint8_t len = static_cast<uint8_t>(pc.n);
   ++misses_;
   scratch_.clear();
   tok_.BpePiece(pc.p, pc.n, &scratch_);

@@ -219,6 +219,7 @@ class Gpt2Encoder {
   static constexpr int kBatch = 32;
   // Appends the ids of one piece at *out (room for n ids is guaranteed); returns the new end.
   int32_t* EncodeShort(const Pending& pc, int32_t* out);
+  int32_t* EncodeMiss(const Pending& pc, uint64_t h, int32_t* out);
   int32_t* EncodeLong(const uint8_t* p, size_t n, int32_t* out);
   int32_t* EncodeOrdinaryRaw(std::string_view text, int32_t* out);
   using CacheSlot = Gpt2Tokenizer::PieceSlot;
