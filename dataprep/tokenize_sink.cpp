@@ -76,7 +76,10 @@ absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<F
 // A killed run's rerun with the same inputs and settings continues from there; the output is the
 // same bytes as an uninterrupted run's.
 
-constexpr std::string_view kResumeMagic = "PTKRESUME1\n";
+// Version 2: the fingerprint is XXH3-128 (32 hex digits; version 1 held SHA-256's 64). A record
+// of another version is foreign: the run starts over.
+constexpr std::string_view kResumeMagic = "PTKRESUME2\n";
+constexpr size_t kFingerprintChars = 32;
 
 struct ResumeState {
   std::string fingerprint;
@@ -141,14 +144,16 @@ std::string SerializeResume(const ResumeState& r) {
 absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
   PTK_ASSIGN_OR_RETURN(std::string data, ReadFileToString(path));
   auto bad = [&](const char* what) { return absl::DataLossError(fmt::format("{}: {}", path, what)); };
-  if (data.size() < kResumeMagic.size() + 65 + 32 || data.compare(0, kResumeMagic.size(), kResumeMagic) != 0)
+  if (data.size() < kResumeMagic.size() + kFingerprintChars + 1 + 32 ||
+      data.compare(0, kResumeMagic.size(), kResumeMagic) != 0)
     return bad("not a ptk-tokenize resume record");
   const std::string body = data.substr(0, data.size() - 32);
   if (Xxh3Hex(body) != data.substr(data.size() - 32)) return bad("damaged (checksum)");
   size_t pos = kResumeMagic.size();
   ResumeState r;
-  r.fingerprint = body.substr(pos, 64);
-  pos += 65;
+  r.fingerprint = body.substr(pos, kFingerprintChars);
+  if (body[pos + kFingerprintChars] != '\n') return bad("not a ptk-tokenize resume record");
+  pos += kFingerprintChars + 1;
   bool ok = true;
   auto get = [&]() -> int64_t {
     if (pos + 8 > body.size()) {

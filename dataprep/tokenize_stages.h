@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 
 #include "common/progress.h"
+#include "common/zero_pages.h"
 #include "dataprep/byte_source.h"
 #include "dataprep/json_record.h"
 #include "dataprep/tokenize_pipeline.h"
@@ -30,34 +31,33 @@ namespace ptk::tokenize_detail {
 
 inline constexpr size_t kPadding = simdjson::SIMDJSON_PADDING;
 
-// Ids of one batch and key, written in place by the encoder: grows without zero-filling and keeps
-// its memory when the batch is reused, so a run touches the same pages batch after batch.
+// Ids of one batch and key, written in place by the encoder: grows without zero-filling (fresh
+// zero pages, huge where available) and keeps its memory when the batch is reused, so a run
+// touches the same pages batch after batch.
 class IdBuffer {
  public:
   size_t size() const { return size_; }
-  const int32_t* data() const { return data_.get(); }
-  int32_t& back() { return data_[size_ - 1]; }
+  const int32_t* data() const { return mem_.as<int32_t>(); }
+  int32_t& back() { return mem_.as<int32_t>()[size_ - 1]; }
   void clear() { size_ = 0; }
   // Room for n more ids after the current ones; returns where they go (Commit says how many went).
   int32_t* Reserve(size_t n) {
-    if (cap_ - size_ < n) {
-      const size_t cap = std::max(size_ + n, cap_ * 2);
-      std::unique_ptr<int32_t[]> d(new int32_t[cap]);  // not zero-filled: only written ids are read
-      if (size_ > 0) std::memcpy(d.get(), data_.get(), size_ * sizeof(int32_t));
-      data_ = std::move(d);
-      cap_ = cap;
+    if (mem_.bytes() / sizeof(int32_t) - size_ < n) {
+      ZeroPages bigger(std::max(size_ + n, mem_.bytes() / sizeof(int32_t) * 2) * sizeof(int32_t));
+      if (size_ > 0) std::memcpy(bigger.as<int32_t>(), mem_.as<int32_t>(), size_ * sizeof(int32_t));
+      mem_ = std::move(bigger);
     }
-    return data_.get() + size_;
+    return mem_.as<int32_t>() + size_;
   }
-  void Commit(const int32_t* end) { size_ = static_cast<size_t>(end - data_.get()); }
+  void Commit(const int32_t* end) { size_ = static_cast<size_t>(end - mem_.as<int32_t>()); }
   void push_back(int32_t v) {
     *Reserve(1) = v;
     ++size_;
   }
 
  private:
-  std::unique_ptr<int32_t[]> data_;
-  size_t size_ = 0, cap_ = 0;
+  ZeroPages mem_;
+  size_t size_ = 0;
 };
 
 // A batch of whole lines from one input file, and what the workers made of them. Batches are

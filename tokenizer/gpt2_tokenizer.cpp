@@ -512,38 +512,6 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
 
 // ---------------------------------------------------------------- encoder
 
-ZeroPages::ZeroPages(size_t bytes) {
-  if (bytes == 0) return;
-  constexpr size_t kHuge = 2u << 20;
-  const size_t alloc = (bytes + kHuge - 1) / kHuge * kHuge;
-  // NORESERVE: what is reserved but never touched is not counted against the commit limit.
-  void* raw =
-      ::mmap(nullptr, alloc + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  PTK_CHECK(raw != MAP_FAILED);
-  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
-  if (aligned > start) ::munmap(raw, aligned - start);
-  if (start + kHuge > aligned) ::munmap(reinterpret_cast<void*>(aligned + alloc), start + kHuge - aligned);
-  p_ = reinterpret_cast<void*>(aligned);
-  bytes_ = alloc;
-  ::madvise(p_, alloc, MADV_HUGEPAGE);
-}
-
-ZeroPages& ZeroPages::operator=(ZeroPages&& o) noexcept {
-  if (this != &o) {
-    if (p_) ::munmap(p_, bytes_);
-    p_ = o.p_;
-    bytes_ = o.bytes_;
-    o.p_ = nullptr;
-    o.bytes_ = 0;
-  }
-  return *this;
-}
-
-ZeroPages::~ZeroPages() {
-  if (p_) ::munmap(p_, bytes_);
-}
-
 Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok), opt_(options) {
   size_t min_slots = 1;
   while (min_slots < tok.short_count_ * 2) min_slots <<= 1;

@@ -210,12 +210,20 @@ TEST(TokenizeErrors, ForeignOrDamagedResumeRecordMeansStartingOver) {
   TempDir dir;
   testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n{\"text\": \"again\"}\n");
   ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "ref"))).exit_code, 0);
-  testing::WriteFile(dir / "out_text_document.ptk-resume", "PTKRESUME1\n" + std::string(200, 'z'));
-  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("damaged (checksum); starting over"), std::string::npos) << r.output;
-  EXPECT_EQ(testing::ReadFile(dir / "out_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
-  EXPECT_FALSE(testing::Exists(dir / "out_text_document.ptk-resume"));
+  // A damaged record of this version, then one of version 1 (an older ptk's, SHA-256 fingerprint).
+  for (const auto& [record, says] : {std::pair<std::string, std::string>{"PTKRESUME2\n" + std::string(200, 'z'),
+                                                                         "damaged (checksum); starting over"},
+                                     {"PTKRESUME1\n" + std::string(64, 'a') + "\n" + std::string(200, 'z'),
+                                      "not a ptk-tokenize resume record; starting over"}}) {
+    std::filesystem::remove(dir / "out_text_document.bin");
+    std::filesystem::remove(dir / "out_text_document.idx");
+    testing::WriteFile(dir / "out_text_document.ptk-resume", record);
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "out")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << r.output;
+    EXPECT_EQ(testing::ReadFile(dir / "out_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+    EXPECT_FALSE(testing::Exists(dir / "out_text_document.ptk-resume"));
+  }
 }
 
 TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
