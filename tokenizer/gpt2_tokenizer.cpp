@@ -531,8 +531,11 @@ Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok),
   overflow_mem_ = ZeroPages(max_overflow_ * sizeof(int32_t));
 }
 
+// The table's most (max_slots_) is reserved once; it uses the first `slots` and grows in place, so
+// a run touches (and the kernel zero-fills) the final table's pages once instead of every
+// generation's.
 void Gpt2Encoder::AllocateCache(size_t slots) {
-  cache_mem_ = ZeroPages(slots * sizeof(CacheSlot));
+  cache_mem_ = ZeroPages(max_slots_ * sizeof(CacheSlot));
   cache_ = cache_mem_.as<CacheSlot>();
   cache_slots_ = slots;
   cache_mask_ = slots - 1;
@@ -547,13 +550,24 @@ inline void Gpt2Encoder::InsertSlot(const CacheSlot& s) {
 bool Gpt2Encoder::MakeRoom() {
   if (cache_used_ * 2 < cache_slots_) return true;
   if (cache_slots_ >= max_slots_) return false;  // full: keep what is there
-  // Double the table, keeping every entry.
-  ZeroPages old = std::move(cache_mem_);
-  const CacheSlot* old_slots = old.as<CacheSlot>();
-  const size_t old_count = cache_slots_;
-  AllocateCache(old_count * 2);
-  for (size_t i = 0; i < old_count; ++i)
-    if (old_slots[i].len != 0) InsertSlot(old_slots[i]);
+  // Double the table in place, keeping every entry. The new upper half is untouched zero pages.
+  // Each old slot is visited once, cyclically from an empty one (so every cluster from its first
+  // slot), its entry taken out and inserted again from its home in the doubled table. An entry so
+  // placed lands either in a slot already visited or in the upper half (which nothing is taken out
+  // of), with only such slots before it on its probe path, so no later removal can cut the path;
+  // or, wrapping past the end, in a slot not yet visited, which the walk reaches and re-inserts.
+  const size_t old = cache_slots_;
+  size_t start = 0;
+  while (cache_[start].len != 0) ++start;  // at most half full: there is an empty slot
+  cache_slots_ = old * 2;
+  cache_mask_ = cache_slots_ - 1;
+  for (size_t k = 1; k < old; ++k) {
+    const size_t i = (start + k) & (old - 1);
+    if (cache_[i].len == 0) continue;
+    const CacheSlot e = cache_[i];
+    cache_[i].len = 0;
+    InsertSlot(e);
+  }
   return true;
 }
 

@@ -116,6 +116,33 @@ TEST(Bpe, CacheKeepsWhatItLearntAndStaysBounded) {
   EXPECT_LE(enc.max_cache_bytes(), (size_t{1} << 18) * 32 * 3 / 2 + 4 * (size_t{1} << 16));
 }
 
+TEST(Bpe, CacheGrowsInPlaceAndFindsEveryPiece) {
+  // The table doubles in place three times (2^17 -> 2^20 slots); afterwards every piece learnt on
+  // the way must still be found (a probe path cut by the in-place re-insertion would miss, and BPE
+  // would run again), with the same ids.
+  Gpt2Encoder enc(Tok(), {.special_endoftext = true, .cache_slots = 1 << 20, .long_cache_bytes = 0});
+  std::mt19937 rng(8);
+  std::vector<std::string> words;
+  std::vector<std::vector<int32_t>> first;
+  for (int i = 0; i < 420000; ++i) {
+    std::string w = i % 3 ? " " : "";
+    const int len = 4 + static_cast<int>(rng() % 10);
+    for (int k = 0; k < len; ++k) w += static_cast<char>('a' + rng() % 26);
+    std::vector<int32_t> ids;
+    enc.Encode(w, &ids);
+    words.push_back(std::move(w));
+    first.push_back(std::move(ids));
+  }
+  EXPECT_GE(enc.cache_bytes(), (size_t{1} << 20) * 32) << "the table did not grow to 2^20 slots";
+  const uint64_t misses = enc.cache_misses();
+  for (size_t i = 0; i < words.size(); ++i) {
+    std::vector<int32_t> ids;
+    enc.Encode(words[i], &ids);
+    ASSERT_EQ(ids, first[i]) << words[i];
+  }
+  EXPECT_EQ(enc.cache_misses(), misses) << "pieces learnt before a growth were not found after it";
+}
+
 TEST(Bpe, LongPiecesAreNotQuadratic) {
   // 1 MB single pieces of several shapes; checked for content, timing is the benchmark's job.
   for (const std::string unit : {"a", "^", "-", "0", " ", "xy"}) {
