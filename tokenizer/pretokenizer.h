@@ -165,15 +165,106 @@ __attribute__((always_inline)) inline const uint8_t* PieceEnd(const uint8_t* p, 
   return count >= 2 ? last : q;
 }
 
+namespace pretok_detail {
+
+#if defined(__SSE2__)
+// Bytes a block needs readable: 64 positions and the 16 after them (the rules look ahead).
+inline constexpr ptrdiff_t kBlockBytes = 80;
+
+// Piece starts among the 64 bytes at p, which begin a piece, as a bit mask (bit 0 set), when the
+// 80 bytes at p are all ASCII (*last_high = -1); else 0 with *last_high set to the offset of the
+// last non-ASCII byte among them. Every set bit is a true piece start; the piece at the highest one may end past the
+// block. The rules of PieceEnd as mask arithmetic over class masks (SSE2, part of baseline x86-64):
+//   a letter/number/other run starts a piece unless a space (U+0020) comes just before it;
+//   a whitespace run starts a piece, and so does its last character when it has two or more and a
+//   non-space follows (which the last character then joins, if it is a space, or stands alone);
+//   an apostrophe that starts a piece followed by s|t|m|d or re|ve|ll is a piece of its own.
+__attribute__((always_inline)) inline uint64_t AsciiBoundaries(const uint8_t* p, int* last_high) {
+  const auto bits = [](__m128i m) -> uint64_t { return static_cast<uint32_t>(_mm_movemask_epi8(m)); };
+  const auto below = [](__m128i v, char lo, int n) {  // lo <= v < lo + n, bytewise (n < 128)
+    return _mm_cmplt_epi8(_mm_add_epi8(v, _mm_set1_epi8(static_cast<char>(-128 - lo))),
+                          _mm_set1_epi8(static_cast<char>(-128 + n)));
+  };
+  __m128i v[5];
+  for (int c = 0; c < 5; ++c) v[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c));
+  // Not all ASCII (most blocks of most scripts): say where the last non-ASCII byte is, as no block
+  // that starts at or before it can be all ASCII either.
+  if (_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(_mm_or_si128(v[0], v[1]), _mm_or_si128(v[2], v[3])), v[4])) != 0) {
+    const uint64_t high = bits(v[0]) | bits(v[1]) << 16 | bits(v[2]) << 32 | bits(v[3]) << 48;
+    const uint64_t high4 = bits(v[4]);
+    *last_high = high4 != 0 ? 64 + (63 - __builtin_clzll(high4)) : 63 - __builtin_clzll(high);
+    return 0;
+  }
+  uint64_t lo_l = 0, lo_n = 0, lo_s = 0, lo_sp = 0, lo_ap = 0;
+  for (int c = 0; c < 4; ++c) {
+    const __m128i sp = _mm_cmpeq_epi8(v[c], _mm_set1_epi8(' '));
+    lo_l |= bits(below(_mm_or_si128(v[c], _mm_set1_epi8(0x20)), 'a', 26)) << (16 * c);
+    lo_n |= bits(below(v[c], '0', 10)) << (16 * c);
+    lo_s |= bits(_mm_or_si128(sp, below(v[c], 9, 5))) << (16 * c);  // U+0009..U+000D, U+0020
+    lo_sp |= bits(sp) << (16 * c);
+    lo_ap |= bits(_mm_cmpeq_epi8(v[c], _mm_set1_epi8('\''))) << (16 * c);
+  }
+  *last_high = -1;
+  const __m128i v4 = v[4];
+  const uint64_t s64 = bits(_mm_or_si128(_mm_cmpeq_epi8(v4, _mm_set1_epi8(' ')), below(v4, 9, 5))) & 1;
+  // Class changes from the previous character (bit 0, the block's start, is a piece start anyway).
+  const uint64_t change = ((lo_l ^ (lo_l << 1)) | (lo_n ^ (lo_n << 1)) | (lo_s ^ (lo_s << 1))) & ~1ull;
+  const uint64_t run_start = change & ~lo_s & ~(lo_sp << 1);
+  const uint64_t ws_start = change & lo_s;
+  const uint64_t s_next = (lo_s >> 1) | (s64 << 63);
+  const uint64_t ws_last = lo_s & (lo_s << 1) & ~s_next;
+  uint64_t b = run_start | ws_start | ws_last | 1;
+  // Contractions, at apostrophes that start a piece (rare: handled one by one).
+  for (uint64_t a = lo_ap & b; a != 0; a &= a - 1) {
+    const int i = __builtin_ctzll(a);
+    const uint8_t c1 = p[i + 1], c2 = p[i + 2];
+    int len = 0;
+    if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd')
+      len = 2;
+    else if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l'))
+      len = 3;
+    if (len == 0) continue;
+    if (i + 1 < 64) b &= ~(1ull << (i + 1));
+    if (i + len < 64) b |= 1ull << (i + len);
+  }
+  return b;
+}
+#endif
+
+}  // namespace pretok_detail
+
 // Calls emit(const uint8_t* begin, const uint8_t* end) for every piece of `text`, in order.
 // Never reads outside [text.data(), text.data() + text.size()). Invalid UTF-8 bytes act as
-// single "other" characters. One call site, so the compiler inlines emit into the loop.
+// single "other" characters. ASCII stretches go 64 bytes at a time (AsciiBoundaries: the piece
+// ends come from class masks, one bit popped per piece, no branch per character); the rest piece
+// by piece (PieceEnd). One call site, so the compiler inlines emit into the loop.
 template <typename Emit>
 inline void ForEachPiece(std::string_view text, Emit&& emit) {
   const uint8_t* p = reinterpret_cast<const uint8_t*>(text.data());
   const uint8_t* const end = p + text.size();
+#if defined(__SSE2__)
+  uint64_t pending = 0;  // piece ends still to hand out, as offsets from base
+  const uint8_t* base = p;
+  const uint8_t* next_try = p;  // no block starts before this (a non-ASCII byte is in the way)
+#endif
   while (p < end) {
-    const uint8_t* const q = PieceEnd(p, end);
+    const uint8_t* q;
+#if defined(__SSE2__)
+    if (pending == 0 && p >= next_try && end - p >= pretok_detail::kBlockBytes) {
+      int last_high = -1;
+      pending = pretok_detail::AsciiBoundaries(p, &last_high) & ~1ull;
+      base = p;
+      if (pending == 0) next_try = p + last_high + 1;  // past the last non-ASCII byte (or this piece)
+    }
+    if (pending != 0) {
+      q = base + __builtin_ctzll(pending);
+      pending &= pending - 1;
+    } else {
+      q = PieceEnd(p, end);
+    }
+#else
+    q = PieceEnd(p, end);
+#endif
     emit(p, q);
     p = q;
   }

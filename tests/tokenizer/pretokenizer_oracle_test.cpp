@@ -113,6 +113,43 @@ TEST(PretokenizerOracle, AdversarialAlphabetFuzz) {
   }
 }
 
+// Long ASCII stretches go through the 64-byte block path (AsciiBoundaries): blocks over every
+// ASCII byte and over the bytes the rules care about (apostrophes, contraction letters, runs of
+// spaces, tabs and newlines), now and then a non-ASCII character, lengths past several blocks;
+// equal to the oracle, and to the character-at-a-time path (PieceEnd alone).
+TEST(PretokenizerOracle, AsciiBlocksFuzz) {
+  Oracle oracle;
+  const std::string rules =
+      "asStmdrevlL'''    \t\n\r\x0b\x0c"
+      "09.,!-_\x1c";
+  std::mt19937 rng(20261123);
+  for (int iter = 0; iter < 6000; ++iter) {
+    std::string s;
+    const size_t n = 1 + rng() % 400;
+    const int mode = iter % 4;
+    while (s.size() < n) {
+      if (mode == 3 && rng() % 97 == 0) {
+        AppendUtf8(0xE9, &s);
+      } else if (mode == 0) {
+        s += static_cast<char>(rng() % 128);
+      } else {
+        s += rules[rng() % rules.size()];
+      }
+      if (mode == 2 && rng() % 23 == 0) s += std::string(1 + rng() % 90, rng() % 2 ? ' ' : 'x');
+    }
+    std::vector<std::pair<size_t, size_t>> slow;
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(s.data());
+    for (const uint8_t* p = b; p < b + s.size();) {
+      const uint8_t* q = PieceEnd(p, b + s.size());
+      slow.emplace_back(static_cast<size_t>(p - b), static_cast<size_t>(q - p));
+      p = q;
+    }
+    const auto got = Pretokenize(s);
+    ASSERT_EQ(got, slow) << "input: " << Show(s);
+    ASSERT_EQ(got, oracle.Split(s)) << "input: " << Show(s);
+  }
+}
+
 TEST(PretokenizerOracle, RandomCodePointsFuzz) {
   Oracle oracle;
   std::mt19937 rng(99);
