@@ -7,8 +7,9 @@ the same file, each in a fresh process too:
   tiktoken, HF tokenizers per document on texts parsed beforehand
 ptk-tokenize is timed as a whole process (start-up, reading, parsing, writing included); the Python
 references from just before their tokenizer is built to the last id (interpreter start-up and
-imports excluded). Median of --runs fresh processes each. Repeat passes (a warm cache: the same
-text again in one process) are reported separately. Corpora: the multilingual one
+imports excluded). Median of --runs fresh processes each, the engines taking turns run by run (so
+that the machine's drifts reach them alike). Repeat passes (a warm cache: one more pass over the
+same text in the same process, ptk's tokenizer and gigatoken's alike) are reported separately. Corpora: the multilingual one
 (bench/multilingual_corpus.py: Debian's translations, 175 languages) and the bundled sample.
 Every engine's ids are checked against tiktoken's first.
 
@@ -127,28 +128,35 @@ def main():
         assert [int(i) for d in docs for i in gt.encode(d)] == want, f"gigatoken disagrees on {name}"
         print(f"\n{name}: {len(docs)} documents, {mb:.1f} MB of text; ids of ptk-tokenize and gigatoken equal tiktoken's")
 
-        res = {}
-        res["ptk-tokenize 1 worker (process)"] = statistics.median(
-            ptk_tokenize(a.build, corpus, prefix, 1) for _ in range(a.runs))
-        res["ptk-tokenize 2 workers (process)"] = statistics.median(
-            ptk_tokenize(a.build, corpus, prefix, 2) for _ in range(a.runs))
-        repeat = []
-        for engine, label in (("gigatoken-file", "gigatoken file API 1 thread"),
-                              ("gigatoken-docs", "gigatoken per document 1 thread"),
-                              ("tiktoken", "tiktoken 1 thread"), ("hf", "HF tokenizers 1 thread")):
-            runs = [run_child(py, engine, corpus, rank_file, ref_env.VOCAB, ref_env.MERGES) for _ in range(a.runs)]
-            res[label] = statistics.median(r["seconds"] for r in runs)
-            if engine == "gigatoken-docs":
-                repeat = [r["repeat_seconds"] for r in runs]
-        out = subprocess.run([os.path.join(a.build, "bench", "tokenizer_bench"), corpus, "1", "3"],
-                             capture_output=True, text=True, check=True).stdout
-        pb = json.loads(out)
+        # Rounds: every engine once per round, in turn, so that the machine's drifts (a shared VM's
+        # speed moves by tens of percent over minutes) reach all of them alike; medians per engine.
+        engines = (("gigatoken-file", "gigatoken file API 1 thread"),
+                   ("gigatoken-docs", "gigatoken per document 1 thread"),
+                   ("tiktoken", "tiktoken 1 thread"), ("hf", "HF tokenizers 1 thread"))
+        times = {"ptk-tokenize 1 worker (process)": [], "ptk-tokenize 2 workers (process)": []}
+        times.update({label: [] for _, label in engines})
+        repeat, ptk_repeat = [], []
+        for _ in range(a.runs):
+            times["ptk-tokenize 1 worker (process)"].append(ptk_tokenize(a.build, corpus, prefix, 1))
+            for engine, label in engines:
+                r = run_child(py, engine, corpus, rank_file, ref_env.VOCAB, ref_env.MERGES)
+                times[label].append(r["seconds"])
+                if engine == "gigatoken-docs":
+                    repeat.append(r["repeat_seconds"])
+            times["ptk-tokenize 2 workers (process)"].append(ptk_tokenize(a.build, corpus, prefix, 2))
+            # ptk's repeat pass as gigatoken's: one pass over the text a second time, in its process.
+            out = subprocess.run([os.path.join(a.build, "bench", "tokenizer_bench"), corpus, "1", "1"],
+                                 capture_output=True, text=True, check=True).stdout
+            ptk_repeat.append(json.loads(out)["st_warm_mb_s"])
+        res = {k: statistics.median(v) for k, v in times.items()}
+        res = {k: res[k] for k in ["ptk-tokenize 1 worker (process)", "ptk-tokenize 2 workers (process)"] +
+               [label for _, label in engines]}
         mbs = {k: mb / v for k, v in res.items()}
         giga = max(mbs["gigatoken file API 1 thread"], mbs["gigatoken per document 1 thread"])
         print(f"{'first pass, fresh process':44} {'MB/s':>8} {'vs fastest gigatoken 1T':>24}")
         for k, v in mbs.items():
             print(f"{k:44} {v:8.1f} {v / giga:23.2f}x")
-        rep = {"ptk tokenizer 1 thread (repeat pass)": pb["st_warm_mb_s"],
+        rep = {"ptk tokenizer 1 thread (repeat pass)": statistics.median(ptk_repeat),
                "gigatoken per document (repeat pass)": mb / statistics.median(repeat)}
         print(f"{'repeat pass, same process':44} {'MB/s':>8}")
         for k, v in rep.items():
