@@ -15,7 +15,10 @@ namespace ptk {
 class ZeroPages {
  public:
   ZeroPages() = default;
-  explicit ZeroPages(size_t bytes);
+  explicit ZeroPages(size_t bytes);  // fails (PTK_CHECK) when the system refuses the address space
+  // The same, or an empty ZeroPages (bytes() == 0) when the system refuses (strict overcommit,
+  // `ulimit -v`), for callers that can do with less.
+  static ZeroPages Try(size_t bytes);
   ZeroPages(ZeroPages&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
   ZeroPages& operator=(ZeroPages&& o) noexcept;
   ~ZeroPages();

@@ -512,7 +512,8 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
 
 // ---------------------------------------------------------------- encoder
 
-Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok), opt_(options) {
+Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options)
+    : tok_(tok), opt_(options), long_budget_(options.long_cache_bytes) {
   size_t min_slots = 1;
   while (min_slots < tok.short_count_ * 2) min_slots <<= 1;
   max_slots_ = 1;
@@ -526,16 +527,28 @@ Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options) : tok_(tok),
       if (s.len != 0) InsertSlot(s);
   }
   cache_used_ = tok_.short_count_;
-  // Ids of pieces with more than 3 ids: a quarter of the table's bytes at most.
-  max_overflow_ = max_slots_ * sizeof(CacheSlot) / 4 / sizeof(int32_t);
-  overflow_mem_ = ZeroPages(max_overflow_ * sizeof(int32_t));
+  // Ids of pieces with more than 3 ids: a quarter of the table's bytes at most (less, or none, where
+  // the system refuses the address space: such pieces are then not cached).
+  for (max_overflow_ = max_slots_ * sizeof(CacheSlot) / 4 / sizeof(int32_t); max_overflow_ >= 1024;
+       max_overflow_ /= 2) {
+    overflow_mem_ = ZeroPages::Try(max_overflow_ * sizeof(int32_t));
+    if (overflow_mem_.bytes() != 0) break;
+  }
+  if (overflow_mem_.bytes() == 0) max_overflow_ = 0;
 }
 
 // The table's most (max_slots_) is reserved once; it uses the first `slots` and grows in place, so
 // a run touches (and the kernel zero-fills) the final table's pages once instead of every
 // generation's.
 void Gpt2Encoder::AllocateCache(size_t slots) {
-  cache_mem_ = ZeroPages(max_slots_ * sizeof(CacheSlot));
+  // Where the system refuses that much address space (strict overcommit, `ulimit -v`), a smaller
+  // most: the cache then stops growing sooner. Not even the starting table: that is out of memory.
+  while (true) {
+    cache_mem_ = ZeroPages::Try(max_slots_ * sizeof(CacheSlot));
+    if (cache_mem_.bytes() != 0 || max_slots_ <= slots) break;
+    max_slots_ /= 2;
+  }
+  PTK_CHECK(cache_mem_.bytes() != 0);
   cache_ = cache_mem_.as<CacheSlot>();
   cache_slots_ = slots;
   cache_mask_ = slots - 1;
@@ -578,9 +591,9 @@ size_t Gpt2Encoder::cache_bytes() const {
 
 size_t Gpt2Encoder::max_cache_bytes() const {
   size_t long_slots = 16;
-  while (long_slots * sizeof(LongSlot) * 4 < opt_.long_cache_bytes) long_slots <<= 1;
+  while (long_slots * sizeof(LongSlot) * 4 < long_budget_) long_slots <<= 1;
   return max_slots_ * sizeof(CacheSlot) + max_overflow_ * sizeof(int32_t) +
-         (opt_.long_cache_bytes > 0 ? long_slots * sizeof(LongSlot) : 0) + opt_.long_cache_bytes;
+         (long_budget_ > 0 ? long_slots * sizeof(LongSlot) : 0) + long_budget_;
 }
 
 // The hit path, inlined into the piece loop; a miss goes out of line.
@@ -656,7 +669,7 @@ void Gpt2Encoder::InsertLong(const uint8_t* p, size_t n, uint64_t hash, const in
   const size_t off = arena_size_;
   const size_t ids_at = (off + n + 3) & ~size_t{3};
   // Full (a quarter of the slots, or the byte budget): keep what is there.
-  if ((long_used_ + 1) * 4 > long_nslots_ || ids_at + 4 * nids > opt_.long_cache_bytes) return;
+  if ((long_used_ + 1) * 4 > long_nslots_ || ids_at + 4 * nids > long_budget_) return;
   uint8_t* arena = arena_mem_.as<uint8_t>();
   std::memcpy(arena + off, p, n);
   std::memcpy(arena + ids_at, ids, 4 * nids);
@@ -677,12 +690,18 @@ int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
     return out + 1;
   }
   // Long pieces: cache only moderately long ones (very long runs are rare and unique).
-  if (long_nslots_ == 0 && opt_.long_cache_bytes > 0) {  // on the first one: most texts have none
+  if (long_nslots_ == 0 && long_budget_ > 0) {  // on the first one: most texts have none
     size_t slots = 16;
-    while (slots * sizeof(LongSlot) * 4 < opt_.long_cache_bytes) slots <<= 1;
-    long_mem_ = ZeroPages(slots * sizeof(LongSlot));
-    arena_mem_ = ZeroPages(opt_.long_cache_bytes);
-    long_nslots_ = slots;
+    while (slots * sizeof(LongSlot) * 4 < long_budget_) slots <<= 1;
+    long_mem_ = ZeroPages::Try(slots * sizeof(LongSlot));
+    arena_mem_ = ZeroPages::Try(long_budget_);
+    if (long_mem_.bytes() != 0 && arena_mem_.bytes() != 0) {
+      long_nslots_ = slots;
+    } else {  // refused address space: long pieces go uncached
+      long_mem_ = ZeroPages();
+      arena_mem_ = ZeroPages();
+      long_budget_ = 0;
+    }
   }
   const bool cacheable = n <= 256 && long_nslots_ != 0;
   uint64_t hash = 0;

@@ -208,6 +208,7 @@ class Gpt2Encoder {
   // their most on the first long piece.
   ZeroPages long_mem_, arena_mem_;
   size_t long_nslots_ = 0, arena_size_ = 0;
+  size_t long_budget_ = 0;  // opt_.long_cache_bytes, or 0 where the address space was refused
   size_t long_used_ = 0;
   std::vector<int32_t> scratch_;
   int32_t* Buffer(size_t n);        // buf_ with room for n ids

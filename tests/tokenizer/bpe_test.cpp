@@ -2,6 +2,11 @@
 // transparent, bad vocab/merges files are rejected with a clear message.
 #include <random>
 
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <cstdlib>
+
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
@@ -142,6 +147,41 @@ TEST(Bpe, CacheGrowsInPlaceAndFindsEveryPiece) {
   }
   EXPECT_EQ(enc.cache_misses(), misses) << "pieces learnt before a growth were not found after it";
 }
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // sanitizers reserve terabytes
+// Caches are reserved at their most up front. Where the system refuses that much address space
+// (strict overcommit, `ulimit -v`), an encoder must still work, with smaller caches, not abort.
+TEST(Bpe, EncoderWorksWhenTheAddressSpaceIsShort) {
+  const Gpt2Tokenizer& tok = Tok();
+  std::string text;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 20000; ++i) {
+    text += " w";
+    for (int k = 0; k < 3 + static_cast<int>(rng() % 8); ++k) text += static_cast<char>('a' + rng() % 26);
+  }
+  text += " " + std::string(40, 'q') + "zz";  // a long piece
+  std::vector<int32_t> want;
+  Gpt2Encoder(tok).Encode(text, &want);
+  const auto limited = [&]() {
+    // Room for about 40 MiB more than is mapped now: less than the 64 MiB cache, its 16 MiB of
+    // overflow ids and the long-piece arena.
+    long pages = 0;
+    FILE* f = std::fopen("/proc/self/statm", "r");
+    if (f == nullptr || std::fscanf(f, "%ld", &pages) != 1) std::exit(3);
+    std::fclose(f);
+    const rlim_t limit = static_cast<rlim_t>(pages) * 4096 + (40u << 20);
+    struct rlimit r = {limit, limit};
+    if (::setrlimit(RLIMIT_AS, &r) != 0) std::exit(4);
+    Gpt2Encoder enc(tok);
+    std::vector<int32_t> got;
+    enc.Encode(text, &got);
+    got.clear();
+    enc.Encode(text, &got);  // again, from the (smaller) caches
+    std::exit(got == want && enc.max_cache_bytes() < (64u << 20) ? 0 : 1);
+  };
+  EXPECT_EXIT(limited(), ::testing::ExitedWithCode(0), "");
+}
+#endif
 
 TEST(Bpe, LongPiecesAreNotQuadratic) {
   // 1 MB single pieces of several shapes; checked for content, timing is the benchmark's job.
