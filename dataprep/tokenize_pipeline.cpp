@@ -6,6 +6,7 @@
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -43,7 +44,12 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   DocumentSink sink(opt, tok, progress);
   PTK_ASSIGN_OR_RETURN(const ReadPoint start, sink.Open());
   BatchPool pool;  // declared before the reader: batches go back to it until the pipeline ends
-  LineReader reader(opt.inputs, opt.batch_bytes, start, opt.megatron_log, pool);
+  size_t batch_bytes = opt.batch_bytes;
+  if (batch_bytes == 0) {  // from the inputs' size; 1 MiB when it is unknown (standard input)
+    const uint64_t per = total_raw == 0 ? (1 << 20) : total_raw / (8 * static_cast<uint64_t>(workers));
+    batch_bytes = static_cast<size_t>(std::clamp<uint64_t>(per, 256 << 10, 1 << 20));
+  }
+  LineReader reader(opt.inputs, batch_bytes, start, opt.megatron_log, pool);
 
   if (opt.megatron_log) {  // --quiet is quiet
     std::printf("Processing data with %d workers.\n", workers);

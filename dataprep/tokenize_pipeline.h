@@ -27,7 +27,9 @@ struct TokenizeOptions {
   int64_t log_interval = 1000;
   bool strict = false;             // first bad record or replaced character is an error
   bool endoftext_as_text = false;  // legacy: literal <|endoftext|> encoded as ordinary text
-  size_t batch_bytes = 1 << 20;
+  // Input bytes a batch (a worker's unit of work); 0: chosen from the inputs' size, 256 KiB to 1 MiB,
+  // about 8 batches a worker, so that on small inputs the workers finish together.
+  size_t batch_bytes = 0;
   int max_warnings = 10;  // bad records shown; all are counted
   // The run fails (nothing published) when more than this fraction of the non-blank records
   // cannot be read, and whenever an input yields no document at all.

@@ -60,7 +60,10 @@ int main(int argc, char** argv) {
       "--endoftext-as-text", opt.endoftext_as_text,
       "Legacy: encode a literal <|endoftext|> in the text as ordinary tokens (Megatron's pre-2026 GPT-2 "
       "tokenizer, tiktoken encode_ordinary). Default: it becomes id 50256, as current Megatron-LM (Hugging Face)");
-  app->add_option("--batch-mb", batch_mb, "Input batch size in MiB handed to one worker")->check(ptk::cli::Positive());
+  auto* batch_opt = app->add_option("--batch-mb", batch_mb,
+                                    "Input batch size in MiB handed to one worker (default: from the input size, "
+                                    "0.25 to 1, about 8 batches a worker)")
+                        ->check(ptk::cli::Positive());
   app->add_option("--max-bad-fraction", opt.max_bad_fraction,
                   "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
                   "(default 0.01; 1 tolerates any)")
@@ -108,7 +111,7 @@ int main(int argc, char** argv) {
     PTK_ASSIGN_OR_RETURN(opt.inputs, ptk::ExpandTokenizeInputs(inputs, files_filter));
     opt.workers = workers;
     if (batch_mb > 4096) return ptk::cli::UsageError(fmt::format("--batch-mb {} is more than 4096", batch_mb));
-    opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(batch_mb * (1 << 20)));
+    if (batch_opt->count() > 0) opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(batch_mb * (1 << 20)));
     opt.progress = !quiet;
     opt.megatron_log = !quiet;
     PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
