@@ -43,12 +43,14 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   // Builders are destroyed unfinalized on error: their temporaries are removed.
   DocumentSink sink(opt, tok, progress);
   PTK_ASSIGN_OR_RETURN(const ReadPoint start, sink.Open());
-  BatchPool pool;  // declared before the reader: batches go back to it until the pipeline ends
   size_t batch_bytes = opt.batch_bytes;
   if (batch_bytes == 0) {  // from the inputs' size; 1 MiB when it is unknown (standard input)
     const uint64_t per = total_raw == 0 ? (1 << 20) : total_raw / (8 * static_cast<uint64_t>(workers));
     batch_bytes = static_cast<size_t>(std::clamp<uint64_t>(per, 256 << 10, 1 << 20));
   }
+  // Declared before the reader: batches go back to it until the pipeline ends. A batch's buffer is
+  // about twice batch_bytes at most unless a longer line made it grow.
+  BatchPool pool(4 * batch_bytes + (256 << 10));
   LineReader reader(opt.inputs, batch_bytes, start, opt.megatron_log, pool);
 
   if (opt.megatron_log) {  // --quiet is quiet

@@ -93,6 +93,9 @@ struct Batch {
 // the sink gives back; both may run at once.
 class BatchPool {
  public:
+  // Batches whose line buffer grew past keep_bytes (a line longer than a batch: a 100 MB document)
+  // are freed rather than kept, so that memory returns to its bound after such a line.
+  explicit BatchPool(size_t keep_bytes) : keep_bytes_(keep_bytes) {}
   std::unique_ptr<Batch> Take() {
     std::lock_guard<std::mutex> lock(mu_);
     if (free_.empty()) return std::make_unique<Batch>();
@@ -101,11 +104,13 @@ class BatchPool {
     return b;
   }
   void Give(std::unique_ptr<Batch> b) {
+    if (b->data_cap > keep_bytes_) return;
     std::lock_guard<std::mutex> lock(mu_);
     free_.push_back(std::move(b));
   }
 
  private:
+  const size_t keep_bytes_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Batch>> free_;
 };

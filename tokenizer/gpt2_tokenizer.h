@@ -5,14 +5,11 @@
 // Gpt2Encoder, which owns a bounded piece -> ids cache and scratch buffers.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
-#include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
