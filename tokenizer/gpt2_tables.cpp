@@ -12,7 +12,7 @@ namespace ptk {
 
 namespace {
 
-constexpr std::string_view kTablesMagic = "PTKGPT2TABLES\x01\n";
+constexpr std::string_view kTablesMagic = "PTKGPT2TABLES\x02\n";
 
 class BlobWriter {
  public:
@@ -52,13 +52,13 @@ class BlobReader {
 }  // namespace
 
 // Layout: magic, the struct sizes (a blob of another layout is refused), the vocabulary's bytes,
-// byte ids, EOD, the merge table, the short-token table and the long tokens, all native-endian
+// byte ids, EOD, the pair table, the BPE symbols' ids, the short-token table and the long tokens, all native-endian
 // (the blob is made by the same build that reads it).
 std::string Gpt2Tokenizer::SerializeTables() const {
   BlobWriter w;
   w.PutBytes(kTablesMagic.data(), kTablesMagic.size());
   w.Put(static_cast<uint32_t>(sizeof(PieceSlot)));
-  w.Put(static_cast<uint32_t>(sizeof(MergeSlot)));
+  w.Put(static_cast<uint32_t>(sizeof(PairBucket)));
   w.Put(static_cast<uint64_t>(id_to_bytes_.size()));
   for (const std::string& b : id_to_bytes_) {
     w.Put(static_cast<uint32_t>(b.size()));
@@ -68,16 +68,20 @@ std::string Gpt2Tokenizer::SerializeTables() const {
   w.Put(eod_id_);
   w.Put(num_merges_);
   // The hash tables sparsely (the occupied slots with their indices): the same layout, half the bytes.
-  w.Put(static_cast<uint64_t>(merge_table_.size()));
-  w.Put(merge_shift_);
+  w.Put(static_cast<uint64_t>(pairs_.size()));
+  w.Put(pair_shift_);
+  w.Put(pair_mul_);
   uint64_t used = 0;
-  for (const MergeSlot& m : merge_table_) used += m.key != kNoPair;
+  for (const PairBucket& b : pairs_) used += (b.w[0] != kNoPairWord) + (b.w[1] != kNoPairWord);
   w.Put(used);
-  for (size_t i = 0; i < merge_table_.size(); ++i) {
-    if (merge_table_[i].key == kNoPair) continue;
+  for (size_t i = 0; i < pairs_.size() * 2; ++i) {
+    const uint64_t word = pairs_[i / 2].w[i % 2];
+    if (word == kNoPairWord) continue;
     w.Put(static_cast<uint32_t>(i));
-    w.Put(merge_table_[i]);
+    w.Put(word);
   }
+  w.Put(static_cast<uint64_t>(sym_ids_.size()));
+  w.PutBytes(sym_ids_.data(), sym_ids_.size() * sizeof(int32_t));
   w.Put(static_cast<uint64_t>(short_table_.size()));
   w.Put(static_cast<uint64_t>(short_count_));
   for (size_t i = 0; i < short_table_.size(); ++i) {
@@ -100,9 +104,9 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromTables(std::st
   auto bad = [](const char* what) { return absl::DataLossError(fmt::format("tokenizer tables: {}", what)); };
   BlobReader r(blob);
   std::string magic(kTablesMagic.size(), '\0');
-  uint32_t piece_size = 0, merge_size = 0;
+  uint32_t piece_size = 0, pair_size = 0;
   if (!r.GetBytes(magic.data(), magic.size()) || magic != kTablesMagic) return bad("not a ptk tokenizer table blob");
-  if (!r.Get(&piece_size) || !r.Get(&merge_size) || piece_size != sizeof(PieceSlot) || merge_size != sizeof(MergeSlot))
+  if (!r.Get(&piece_size) || !r.Get(&pair_size) || piece_size != sizeof(PieceSlot) || pair_size != sizeof(PairBucket))
     return bad("made by a build with another layout");
   std::unique_ptr<Gpt2Tokenizer> t(new Gpt2Tokenizer());
   uint64_t n = 0;
@@ -114,22 +118,28 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromTables(std::st
     b.resize(len);
     if (!r.GetBytes(b.data(), len)) return bad("truncated vocabulary");
   }
-  uint64_t merge_slots = 0, short_slots = 0, short_count = 0, nlong = 0;
+  uint64_t buckets = 0, short_slots = 0, short_count = 0, nlong = 0, nsym = 0;
   if (!r.GetBytes(t->byte_to_id_, sizeof t->byte_to_id_) || !r.Get(&t->eod_id_) || !r.Get(&t->num_merges_) ||
-      !r.Get(&merge_slots) || !r.Get(&t->merge_shift_))
+      !r.Get(&buckets) || !r.Get(&t->pair_shift_) || !r.Get(&t->pair_mul_))
     return bad("truncated header");
-  if (merge_slots == 0 || (merge_slots & (merge_slots - 1)) != 0 || merge_slots > blob.size() ||
-      t->merge_shift_ != 64 - __builtin_ctzll(merge_slots))
-    return bad("merge table size");
-  t->merge_table_.Assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
-  t->merge_mask_ = merge_slots - 1;
+  if (buckets < 2 || (buckets & (buckets - 1)) != 0 || buckets > blob.size() ||
+      t->pair_shift_ != 64 - __builtin_ctzll(buckets))
+    return bad("pair table size");
+  t->pairs_.Assign(buckets, PairBucket{{kNoPairWord, kNoPairWord}});
   uint64_t used = 0;
-  if (!r.Get(&used) || used > merge_slots) return bad("merge count");
+  if (!r.Get(&used) || used > buckets * 2) return bad("pair count");
   for (uint64_t k = 0; k < used; ++k) {
     uint32_t i = 0;
-    if (!r.Get(&i) || i >= merge_slots || !r.Get(&t->merge_table_[i])) return bad("truncated merge table");
+    if (!r.Get(&i) || i >= buckets * 2 || !r.Get(&t->pairs_[i / 2].w[i % 2])) return bad("truncated pair table");
   }
-  if (!r.Get(&short_slots) || !r.Get(&short_count)) return bad("truncated merge table");
+  if (!r.Get(&nsym) || t->num_merges_ < 0 || nsym != 256 + static_cast<uint64_t>(t->num_merges_) ||
+      nsym >= kNoSymbol)
+    return bad("symbol count");
+  t->sym_ids_.resize(nsym);
+  if (!r.GetBytes(t->sym_ids_.data(), nsym * sizeof(int32_t))) return bad("truncated symbols");
+  for (int32_t id : t->sym_ids_)
+    if (id < 0 || id >= static_cast<int64_t>(n)) return bad("symbol id");
+  if (!r.Get(&short_slots) || !r.Get(&short_count)) return bad("truncated short table header");
   if (short_slots == 0 || (short_slots & (short_slots - 1)) != 0 || short_slots > blob.size() ||
       short_count > short_slots)
     return bad("short table size");

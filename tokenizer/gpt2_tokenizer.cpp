@@ -223,11 +223,7 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   int64_t line_no = 0;
   uint32_t rank = 0;
   std::string joined;
-  struct Merge {
-    int32_t a, b;
-    MergeInfo info;
-  };
-  std::vector<Merge> merges;
+  std::vector<MergeLine> merges;
   merges.reserve(60000);
   while (pos < merges_txt.size()) {
     size_t eol = merges_txt.find('\n', pos);
@@ -250,21 +246,12 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     if (ia < 0 || ib < 0 || ic < 0)
       return absl::InvalidArgumentError(fmt::format("{}: merges line {} ({:?}) uses a symbol that is not in the vocab",
                                                     origin, line_no, std::string(line)));
-    merges.push_back({ia, ib, MergeInfo{rank, ic}});
+    merges.push_back({ia, ib, ic});
     mergeable[ic] = true;
     ++rank;
   }
   num_merges_ = rank;
-  // At most 3/4 full.
-  size_t merge_slots = 16;
-  merge_shift_ = 60;
-  while (merge_slots * 3 < merges.size() * 4) {
-    merge_slots <<= 1;
-    --merge_shift_;
-  }
-  merge_table_.Assign(merge_slots, MergeSlot{kNoPair, MergeInfo{0, 0}});
-  merge_mask_ = merge_slots - 1;
-  for (const Merge& mg : merges) InsertMerge(mg.a, mg.b, mg.info);
+  PTK_RETURN_IF_ERROR(BuildMerges(merges, origin));
 
   // ---- whole-token tables: only tokens that BPE itself produces for their own bytes
   size_t slots = 1;
@@ -299,12 +286,88 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   return absl::OkStatus();
 }
 
-// A pair listed twice keeps its last rank, as a map assignment would.
-void Gpt2Tokenizer::InsertMerge(int32_t a, int32_t b, MergeInfo info) {
-  const uint64_t key = PairKey(a, b);
-  uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> merge_shift_;
-  while (merge_table_[h].key != kNoPair && merge_table_[h].key != key) h = (h + 1) & merge_mask_;
-  merge_table_[h] = MergeSlot{key, info};
+absl::Status Gpt2Tokenizer::BuildMerges(const std::vector<MergeLine>& merges, std::string_view origin) {
+  const size_t nsym = 256 + merges.size();
+  if (nsym >= kNoSymbol)
+    return absl::InvalidArgumentError(
+        fmt::format("{}: {} merges; at most {} are supported", origin, merges.size(), kNoSymbol - 257));
+  sym_ids_.assign(nsym, -1);
+  // A token's symbols: its byte, and 256 + r for every line r that makes it (GPT-2 makes each
+  // token once; other files may repeat a token under another split).
+  absl::flat_hash_map<int32_t, std::vector<uint32_t>> syms;
+  for (uint32_t b = 0; b < 256; ++b) {
+    sym_ids_[b] = byte_to_id_[b];
+    syms[byte_to_id_[b]].push_back(b);
+  }
+  // A pair listed twice keeps its last rank, as a map assignment would: earlier lines are dead.
+  absl::flat_hash_map<uint64_t, uint32_t> last;
+  auto id_pair = [](const MergeLine& m) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(m.a)) << 32) | static_cast<uint32_t>(m.b);
+  };
+  for (uint32_t r = 0; r < merges.size(); ++r) last[id_pair(merges[r])] = r;
+  for (uint32_t r = 0; r < merges.size(); ++r) {
+    sym_ids_[256 + r] = merges[r].id;
+    if (last[id_pair(merges[r])] == r) syms[merges[r].id].push_back(256 + r);
+  }
+  std::vector<std::pair<uint64_t, uint32_t>> entries;
+  entries.reserve(merges.size());
+  for (uint32_t r = 0; r < merges.size(); ++r) {
+    if (last[id_pair(merges[r])] != r) continue;
+    auto xs = syms.find(merges[r].a), ys = syms.find(merges[r].b);
+    if (xs == syms.end() || ys == syms.end()) continue;  // a symbol BPE never makes
+    for (uint32_t x : xs->second)
+      for (uint32_t y : ys->second) entries.emplace_back(PairKey(x, y), r);
+    if (entries.size() > (size_t{1} << 26))
+      return absl::InvalidArgumentError(
+          fmt::format("{}: its merges repeat tokens so often that their pairs exceed {}", origin, size_t{1} << 26));
+  }
+  // At most 85 % full (two-choice cuckoo tables of two-slot buckets fill to ~89 %).
+  size_t buckets = 16;
+  while (buckets * 2 * 85 < entries.size() * 100) buckets <<= 1;
+  while (!BuildPairTable(entries, buckets)) buckets <<= 1;
+  return absl::OkStatus();
+}
+
+bool Gpt2Tokenizer::BuildPairTable(const std::vector<std::pair<uint64_t, uint32_t>>& entries, size_t buckets) {
+  // Multipliers from a fixed sequence, tried in turn: the same table for the same merges.
+  uint64_t seed = 0x243F6A8885A308D3ull;
+  auto next = [&seed] {  // splitmix64
+    uint64_t z = (seed += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  pair_shift_ = 64 - __builtin_ctzll(buckets);
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    pair_mul_[0] = next() | 1;
+    pair_mul_[1] = next() | 1;
+    pairs_.Assign(buckets, PairBucket{{kNoPairWord, kNoPairWord}});
+    bool ok = true;
+    for (const auto& [key, rank] : entries) {
+      uint64_t w = (key << kRankBits) | rank;
+      bool placed = false;
+      for (int kick = 0; kick < 500 && !placed; ++kick) {
+        const uint64_t k = w >> kRankBits;
+        PairBucket* b[2] = {&pairs_[(k * pair_mul_[0]) >> pair_shift_], &pairs_[(k * pair_mul_[1]) >> pair_shift_]};
+        for (PairBucket* bk : b)
+          for (uint64_t& slot : bk->w)
+            if (!placed && slot == kNoPairWord) {
+              slot = w;
+              placed = true;
+            }
+        if (!placed) {  // evict a random occupant of the two buckets and place it next
+          const uint64_t z = next();
+          std::swap(w, b[z & 1]->w[(z >> 1) & 1]);
+        }
+      }
+      if (!placed) {
+        ok = false;
+        break;
+      }
+    }
+    if (ok) return true;
+  }
+  return false;
 }
 
 int32_t Gpt2Tokenizer::LookupShort(uint64_t k0, uint64_t k1, uint32_t len) const {
@@ -399,24 +462,22 @@ struct Avx2Rounds {  // rk holds kNoRank up to the next multiple of 8 past end
 template <typename Rounds>
 inline __attribute__((always_inline)) void Gpt2Tokenizer::BpeShortRounds(const uint8_t* p, size_t n,
                                                                          std::vector<int32_t>* out) const {
-  constexpr uint8_t kNone = 0xFF;
-  int32_t sym[kShortPiece], merged[kShortPiece];
-  alignas(32) uint32_t rk[kShortPiece];
-  uint8_t next[kShortPiece], prev[kShortPiece];
+  // Index `end` is the symbol after the last and `kHead` the one before the first: both kNoSymbol,
+  // which pairs with nothing, so a pair's rank is looked up without asking where the piece ends.
+  constexpr uint8_t kHead = kShortPiece + 1;
+  uint32_t sym[kShortPiece + 2];
+  alignas(32) uint32_t rk[kShortPiece + 2];
+  uint8_t next[kShortPiece + 2], prev[kShortPiece + 2];
   const uint8_t end = static_cast<uint8_t>(n);
   for (size_t i = 0; i < n; ++i) {
-    sym[i] = byte_to_id_[p[i]];
+    sym[i] = p[i];
     next[i] = static_cast<uint8_t>(i + 1);
-    prev[i] = i == 0 ? kNone : static_cast<uint8_t>(i - 1);
+    prev[i] = static_cast<uint8_t>(i - 1);
   }
-  auto rank_at = [&](uint8_t i) -> uint32_t {
-    const uint8_t j = next[i];
-    if (j == end) return kNoRank;
-    const MergeInfo* mi = FindMerge(sym[i], sym[j]);
-    if (!mi) return kNoRank;
-    merged[i] = mi->id;
-    return mi->rank;
-  };
+  prev[0] = kHead;
+  next[kHead] = 0;
+  sym[kHead] = sym[end] = kNoSymbol;
+  auto rank_at = [&](uint8_t i) -> uint32_t { return PairRank(sym[i], sym[next[i]]); };
   for (uint8_t i = 0; i < end; ++i) rk[i] = rank_at(i);
   for (unsigned i = end; i % 8 != 0; ++i) rk[i] = kNoRank;
   while (true) {
@@ -427,14 +488,14 @@ inline __attribute__((always_inline)) void Gpt2Tokenizer::BpeShortRounds(const u
       if (rk[i] != best) continue;  // the right half of a merge made earlier in this round
       const uint8_t j = next[i];    // merged away: never a pair start again
       rk[j] = kNoRank;
-      sym[i] = merged[i];
+      sym[i] = 256 + best;
       next[i] = next[j];
-      if (next[j] != end) prev[next[j]] = i;
+      prev[next[j]] = i;
       rk[i] = rank_at(i);
-      if (prev[i] != kNone) rk[prev[i]] = rank_at(prev[i]);
+      rk[prev[i]] = rank_at(prev[i]);  // rk[kHead] when i is the first: outside the rounds' range
     }
   }
-  for (uint8_t i = 0; i != end; i = next[i]) out->push_back(sym[i]);
+  for (uint8_t i = 0; i != end; i = next[i]) out->push_back(sym_ids_[sym[i]]);
 }
 
 #if defined(__x86_64__)
@@ -469,11 +530,11 @@ void Gpt2Tokenizer::BpeShortPortable(const uint8_t* p, size_t n, std::vector<int
 // left-to-right rule of BpeShort.
 void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
   if (n == 0) return;
-  std::vector<int32_t> sym(n);
+  std::vector<uint32_t> sym(n);
   std::vector<int64_t> prev(n), next(n);
   std::vector<uint32_t> ver(n, 0);
   for (size_t i = 0; i < n; ++i) {
-    sym[i] = byte_to_id_[p[i]];
+    sym[i] = p[i];
     prev[i] = static_cast<int64_t>(i) - 1;
     next[i] = (i + 1 < n) ? static_cast<int64_t>(i + 1) : -1;
   }
@@ -488,8 +549,8 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
     if (i < 0) return;
     int64_t j = next[i];
     if (j < 0) return;
-    const MergeInfo* mi = FindMerge(sym[i], sym[j]);
-    if (mi) heap.push(Entry{mi->rank, i, ver[i], ver[j]});
+    const uint32_t rank = PairRank(sym[i], sym[j]);
+    if (rank != kNoRank) heap.push(Entry{rank, i, ver[i], ver[j]});
   };
   for (size_t i = 0; i + 1 < n; ++i) push(static_cast<int64_t>(i));
   while (!heap.empty()) {
@@ -497,9 +558,8 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
     heap.pop();
     int64_t i = e.pos, j = next[i];
     if (j < 0 || ver[i] != e.ver_l || ver[j] != e.ver_r) continue;
-    const MergeInfo* mi = FindMerge(sym[i], sym[j]);
-    if (!mi || mi->rank != e.rank) continue;
-    sym[i] = mi->id;
+    if (PairRank(sym[i], sym[j]) != e.rank) continue;
+    sym[i] = 256 + e.rank;
     ++ver[i];
     ++ver[j];
     next[i] = next[j];
@@ -507,7 +567,7 @@ void Gpt2Tokenizer::BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* ou
     push(prev[i]);
     push(i);
   }
-  for (int64_t i = 0; i >= 0; i = next[i]) out->push_back(sym[i]);
+  for (int64_t i = 0; i >= 0; i = next[i]) out->push_back(sym_ids_[sym[i]]);
 }
 
 // ---------------------------------------------------------------- encoder

@@ -75,29 +75,41 @@ class Gpt2Tokenizer {
   friend class Gpt2Encoder;
   Gpt2Tokenizer() = default;
   absl::Status Build(std::string_view vocab_json, std::string_view merges_txt, std::string_view origin);
-  struct MergeInfo {
-    uint32_t rank;
-    int32_t id;
+  // BPE runs over symbols, not vocab ids: 0..255 are the bytes, 256 + r is the token that merge
+  // line r makes (sym_ids_ gives a symbol's vocab id). So the symbol a merge makes is its rank
+  // plus 256, and a pair needs one number: its rank.
+  // Pair -> rank in a two-choice cuckoo table of 16-byte buckets, each two packed words (the pair's
+  // 42-bit key above its 22-bit rank): a lookup loads the same two buckets whether the pair is there
+  // or not and picks the rank without a branch; 512 KB for GPT-2's 50,000 merges.
+  struct PairBucket {
+    uint64_t w[2];
   };
-  // Pair ranks in a flat open-addressed table (about 1 MB for GPT-2's 50,000 merges): one multiply
-  // and, nearly always, one cache line per lookup.
-  struct MergeSlot {
-    uint64_t key;  // (a << 32) | b; kNoPair = empty
-    MergeInfo info;
+  static constexpr int kSymbolBits = 21, kRankBits = 22;
+  static constexpr uint64_t kRankMask = (uint64_t{1} << kRankBits) - 1;
+  static constexpr uint64_t kNoPairWord = ~0ull;  // its key (all ones) is no pair's key
+  static constexpr uint32_t kNoSymbol = (1u << kSymbolBits) - 1;  // never in a pair
+  static constexpr uint32_t kNoRank = ~0u;
+  static uint64_t PairKey(uint32_t x, uint32_t y) { return (uint64_t{x} << kSymbolBits) | y; }
+  // The rank of the merge of symbols x and y, kNoRank if they do not merge.
+  uint32_t PairRank(uint32_t x, uint32_t y) const {
+    const uint64_t key = PairKey(x, y);
+    const PairBucket& b0 = pairs_[(key * pair_mul_[0]) >> pair_shift_];
+    const PairBucket& b1 = pairs_[(key * pair_mul_[1]) >> pair_shift_];
+    uint32_t r = kNoRank;
+    r = (b0.w[0] >> kRankBits) == key ? static_cast<uint32_t>(b0.w[0] & kRankMask) : r;
+    r = (b0.w[1] >> kRankBits) == key ? static_cast<uint32_t>(b0.w[1] & kRankMask) : r;
+    r = (b1.w[0] >> kRankBits) == key ? static_cast<uint32_t>(b1.w[0] & kRankMask) : r;
+    r = (b1.w[1] >> kRankBits) == key ? static_cast<uint32_t>(b1.w[1] & kRankMask) : r;
+    return r;
+  }
+  // A merges.txt line as vocab ids: a + b -> id.
+  struct MergeLine {
+    int32_t a, b, id;
   };
-  static constexpr uint64_t kNoPair = ~0ull;
-  static uint64_t PairKey(int32_t a, int32_t b) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
-  }
-  const MergeInfo* FindMerge(int32_t a, int32_t b) const {
-    const uint64_t key = PairKey(a, b);
-    for (uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> merge_shift_;; h = (h + 1) & merge_mask_) {
-      const MergeSlot& s = merge_table_[h];
-      if (s.key == key) return &s.info;
-      if (s.key == kNoPair) return nullptr;
-    }
-  }
-  void InsertMerge(int32_t a, int32_t b, MergeInfo info);
+  // Merge lines in rank order -> sym_ids_ and the pair table.
+  absl::Status BuildMerges(const std::vector<MergeLine>& merges, std::string_view origin);
+  // Fills pairs_ with (key, rank) words in `buckets` buckets: false when cuckoo insertion fails.
+  bool BuildPairTable(const std::vector<std::pair<uint64_t, uint32_t>>& entries, size_t buckets);
   template <typename Rounds>
   void BpeShortRounds(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
   void BpeShortAvx2(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
@@ -116,9 +128,10 @@ class Gpt2Tokenizer {
   uint64_t short_mask_ = 0;
   size_t short_count_ = 0;
   absl::flat_hash_map<std::string, int32_t> long_tokens_;  // whole tokens longer than 16 bytes
-  PageArray<MergeSlot> merge_table_;
-  uint64_t merge_mask_ = 0;
-  int merge_shift_ = 64;
+  PageArray<PairBucket> pairs_;
+  uint64_t pair_mul_[2] = {1, 1};
+  int pair_shift_ = 64;
+  std::vector<int32_t> sym_ids_;  // BPE symbol -> vocab id
   std::vector<std::string> id_to_bytes_;
   int32_t byte_to_id_[256];
   int32_t eod_id_ = -1;

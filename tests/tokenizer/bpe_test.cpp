@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 
 #include <gtest/gtest.h>
 
@@ -224,6 +225,105 @@ TEST(Gpt2Tokenizer, BadFilesAreClearErrors) {
   EXPECT_FALSE(no_eot.ok());
   auto missing = Gpt2Tokenizer::Load("/nonexistent/vocab.json", "/nonexistent/merges.txt");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+// GPT-2's byte-level alphabet (bytes_to_unicode): the vocab key of each byte's token.
+std::string ByteLevelKey(uint8_t b) {
+  uint32_t cp = b;
+  if (!((b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE))) {
+    int n = 0;
+    for (int c = 0; c < b; ++c)
+      n += !((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE));
+    cp = 256 + n;
+  }
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// The merge rule as GPT-2's encoder.py states it, over token strings: take the adjacent pair of
+// lowest rank (a pair listed twice keeps its last rank: a dict assignment), merge its occurrences
+// left to right, repeat.
+std::vector<std::string> ReferenceBpe(const std::string& piece,
+                                      const std::map<std::pair<std::string, std::string>, int>& ranks) {
+  std::vector<std::string> w;
+  for (char c : piece) w.emplace_back(1, c);
+  while (w.size() > 1) {
+    int best = -1;
+    std::pair<std::string, std::string> pair;
+    for (size_t i = 0; i + 1 < w.size(); ++i) {
+      auto it = ranks.find({w[i], w[i + 1]});
+      if (it != ranks.end() && (best < 0 || it->second < best)) {
+        best = it->second;
+        pair = it->first;
+      }
+    }
+    if (best < 0) break;
+    std::vector<std::string> merged;
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (i + 1 < w.size() && w[i] == pair.first && w[i + 1] == pair.second) {
+        merged.push_back(w[i] + w[i + 1]);
+        ++i;
+      } else {
+        merged.push_back(w[i]);
+      }
+    }
+    w = std::move(merged);
+  }
+  return w;
+}
+
+// BPE runs over symbols (bytes, and 256 + the line that made a token), not vocab ids. Files other
+// than GPT-2's may make one token by two lines ("ab c" and "a bc") and list a pair twice: the ids
+// must still be the reference rule's, on the short, portable and long paths.
+TEST(Bpe, TokensMadeByTwoLinesAndPairsListedTwice) {
+  const std::vector<std::pair<std::string, std::string>> lines = {
+      {"b", "c"}, {"a", "b"}, {"a", "a"}, {"ab", "c"}, {"a", "bc"}, {"abc", "abc"}, {"a", "b"}, {"abc", "a"}, {"c", "abc"},
+      {"c", "c"}, {"cc", "cc"}, {"b", "cc"}, {"bcc", "cc"}};
+  std::map<std::string, int> vocab;
+  std::string vocab_json = "{";
+  for (int b = 0; b < 256; ++b) vocab[ByteLevelKey(static_cast<uint8_t>(b))] = b;
+  std::string merges_txt = "#version: 0.2\n";
+  std::map<std::pair<std::string, std::string>, int> ranks;
+  for (size_t r = 0; r < lines.size(); ++r) {
+    vocab.emplace(lines[r].first + lines[r].second, static_cast<int>(vocab.size()));
+    merges_txt += lines[r].first + " " + lines[r].second + "\n";
+    ranks[lines[r]] = static_cast<int>(r);
+  }
+  vocab.emplace("<|endoftext|>", static_cast<int>(vocab.size()));
+  for (const auto& [key, id] : vocab) {
+    if (vocab_json.size() > 1) vocab_json += ",";
+    std::string escaped;
+    for (char c : key) escaped += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+    vocab_json += "\"" + escaped + "\": " + std::to_string(id);
+  }
+  vocab_json += "}";
+  auto tok = Gpt2Tokenizer::FromStrings(vocab_json, merges_txt, "test");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  std::mt19937 rng(5);
+  const std::string alphabet = "aabbcccx";
+  for (int iter = 0; iter < 4000; ++iter) {
+    const size_t n = 2 + rng() % 90;
+    std::string s;
+    for (size_t i = 0; i < n; ++i) s += alphabet[rng() % alphabet.size()];
+    std::vector<int32_t> want;
+    for (const std::string& t : ReferenceBpe(s, ranks)) want.push_back(vocab.at(t.size() == 1 ? ByteLevelKey(t[0]) : t));
+    std::vector<int32_t> got, portable, longer;
+    const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+    (*tok)->BpePiece(p, n, &got);
+    ASSERT_EQ(got, want) << s;
+    (*tok)->BpeLong(p, n, &longer);
+    ASSERT_EQ(longer, want) << s;
+    if (n <= Gpt2Tokenizer::kShortPiece) {
+      (*tok)->BpeShortPortable(p, n, &portable);
+      ASSERT_EQ(portable, want) << s;
+    }
+  }
 }
 
 TEST(Gpt2Tokenizer, LoadFromFilesEqualsBuiltIn) {
