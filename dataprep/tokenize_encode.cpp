@@ -67,9 +67,10 @@ void BatchEncoder::Encode(Batch& b) {
       auto& lens = b.seq_lens[k];
       int32_t nseq = 0;
       for (std::string_view sentence : fields[k]) {
-        // Straight into the batch's buffer: EncodeTo needs room for one id a byte at most.
+        // Straight into the batch's buffer: EncodeTo needs room for one id a byte at most (and
+        // its slack).
         const size_t before = toks.size();
-        toks.Commit(encoder_.EncodeTo(sentence, toks.Reserve(sentence.size())));
+        toks.Commit(encoder_.EncodeTo(sentence, toks.Reserve(sentence.size() + Gpt2Encoder::kEncodeSlack)));
         const size_t n = toks.size() - before;
         if (n > 0) {
           lens.push_back(static_cast<int32_t>(n));

@@ -663,18 +663,15 @@ __attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeShort(const Pe
   while (true) {
     const CacheSlot& s = cache_[h];
     if (s.len == len && s.k0 == pc.k0 && s.k1 == pc.k1) {
-      if (s.n == 1) {
-        *out = s.ids[0];
-        return out + 1;
+      if (__builtin_expect(s.n != kOverflow, 1)) {  // 1 to 3 ids: all three copied, no branch on how many
+        out[0] = s.ids[0];
+        out[1] = s.ids[1];
+        out[2] = s.ids[2];
+        return out + s.n;
       }
-      ++hits_;
-      if (s.n == kOverflow) {
-        const int32_t* src = overflow_mem_.as<int32_t>() + s.ids[0];
-        for (int32_t i = 0; i < s.ids[1]; ++i) out[i] = src[i];
-        return out + s.ids[1];
-      }
-      for (int i = 0; i < s.n; ++i) out[i] = s.ids[i];
-      return out + s.n;
+      const int32_t* src = overflow_mem_.as<int32_t>() + s.ids[0];
+      for (int32_t i = 0; i < s.ids[1]; ++i) out[i] = src[i];
+      return out + s.ids[1];
     }
     if (s.len == 0) break;
     h = (h + 1) & cache_mask_;
@@ -768,7 +765,6 @@ int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
   if (cacheable) {
     hash = std::hash<std::string_view>()(piece) | 1;  // never 0 (the empty mark)
     if (const LongSlot* s = FindLong(p, n, hash)) {
-      ++hits_;
       const size_t ids_at = (s->off + s->len + 3) & ~size_t{3};
       std::memcpy(out, arena_mem_.as<uint8_t>() + ids_at, 4 * s->nids);
       return out + s->nids;
@@ -786,6 +782,7 @@ int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
   Pending batch[kBatch];
   int count = 0;
   auto flush = [&]() {
+    lookups_ += static_cast<uint64_t>(count);
     for (int i = 0; i < count; ++i) {
       const Pending& pc = batch[i];
       out = pc.n <= 16 ? EncodeShort(pc, out) : EncodeLong(pc.p, pc.n, out);
@@ -808,7 +805,7 @@ int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
 }
 
 // Every token covers at least one byte, so text.size() bounds the ids (a special token's 13 bytes
-// give one id).
+// give one id); a cached piece's ids are copied three at a time, hence kEncodeSlack.
 int32_t* Gpt2Encoder::EncodeTo(std::string_view text, int32_t* out) {
   if (!opt_.special_endoftext || text.find(Gpt2Tokenizer::kEndOfText) == std::string_view::npos)
     return EncodeOrdinaryRaw(text, out);
@@ -833,12 +830,12 @@ int32_t* Gpt2Encoder::Buffer(size_t n) {
 }
 
 void Gpt2Encoder::EncodeOrdinary(std::string_view text, std::vector<int32_t>* out) {
-  int32_t* begin = Buffer(text.size());
+  int32_t* begin = Buffer(text.size() + kEncodeSlack);
   out->insert(out->end(), begin, EncodeOrdinaryRaw(text, begin));
 }
 
 void Gpt2Encoder::Encode(std::string_view text, std::vector<int32_t>* out) {
-  int32_t* begin = Buffer(text.size());
+  int32_t* begin = Buffer(text.size() + kEncodeSlack);
   out->insert(out->end(), begin, EncodeTo(text, begin));
 }
 

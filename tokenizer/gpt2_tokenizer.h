@@ -161,15 +161,17 @@ class Gpt2Encoder {
   void Encode(std::string_view text, std::vector<int32_t>* out);
   // Same without special-token handling.
   void EncodeOrdinary(std::string_view text, std::vector<int32_t>* out);
-  // Writes the ids at out, which has room for text.size() ids (every id covers at least one byte;
-  // a special token's 13 bytes give one id); returns the end. No allocation, no zero-filling.
+  // Writes the ids at out, which has room for text.size() + kEncodeSlack ids (every id covers at
+  // least one byte, a special token's 13 bytes give one id, and up to kEncodeSlack values past the
+  // last id may be overwritten); returns the end. No allocation, no zero-filling.
+  static constexpr size_t kEncodeSlack = 2;
   int32_t* EncodeTo(std::string_view text, int32_t* out);
 
   // Memory the caches hold now (bytes), and the most they may hold.
   size_t cache_bytes() const;
   size_t max_cache_bytes() const;
 
-  uint64_t cache_hits() const { return hits_; }
+  uint64_t cache_hits() const { return lookups_ - misses_; }
   uint64_t cache_misses() const { return misses_; }
 
  private:
@@ -224,7 +226,7 @@ class Gpt2Encoder {
   int32_t* Buffer(size_t n);        // buf_ with room for n ids
   std::unique_ptr<int32_t[]> buf_;  // Encode's ids before they are appended
   size_t buf_cap_ = 0;
-  uint64_t hits_ = 0, misses_ = 0;
+  uint64_t lookups_ = 0, misses_ = 0;
 };
 
 }  // namespace ptk
