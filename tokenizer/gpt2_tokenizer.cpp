@@ -459,70 +459,236 @@ struct Avx2Rounds {  // rk holds kNoRank up to the next multiple of 8 past end
 
 }  // namespace
 
-template <typename Rounds>
-inline __attribute__((always_inline)) void Gpt2Tokenizer::BpeShortRounds(const uint8_t* p, size_t n,
-                                                                         std::vector<int32_t>* out) const {
-  // Index `end` is the symbol after the last and `kHead` the one before the first: both kNoSymbol,
-  // which pairs with nothing, so a pair's rank is looked up without asking where the piece ends.
-  constexpr uint8_t kHead = kShortPiece + 1;
+// One short piece's merge state. Index `end` is the symbol after the last and kHead the one before
+// the first: both kNoSymbol, which pairs with nothing, so a pair's rank is looked up without asking
+// where the piece ends.
+struct Gpt2Tokenizer::ShortMerge {
+  static constexpr uint8_t kHead = kShortPiece + 1;
   uint32_t sym[kShortPiece + 2];
   alignas(32) uint32_t rk[kShortPiece + 2];
   uint8_t next[kShortPiece + 2], prev[kShortPiece + 2];
-  const uint8_t end = static_cast<uint8_t>(n);
+  uint8_t end;
+};
+
+inline __attribute__((always_inline)) void Gpt2Tokenizer::ShortStart(ShortMerge& s, const uint8_t* p,
+                                                                     size_t n) const {
+  s.end = static_cast<uint8_t>(n);
   for (size_t i = 0; i < n; ++i) {
-    sym[i] = p[i];
-    next[i] = static_cast<uint8_t>(i + 1);
-    prev[i] = static_cast<uint8_t>(i - 1);
+    s.sym[i] = p[i];
+    s.next[i] = static_cast<uint8_t>(i + 1);
+    s.prev[i] = static_cast<uint8_t>(i - 1);
   }
-  prev[0] = kHead;
-  next[kHead] = 0;
-  sym[kHead] = sym[end] = kNoSymbol;
-  auto rank_at = [&](uint8_t i) -> uint32_t { return PairRank(sym[i], sym[next[i]]); };
-  for (uint8_t i = 0; i < end; ++i) rk[i] = rank_at(i);
-  for (unsigned i = end; i % 8 != 0; ++i) rk[i] = kNoRank;
-  while (true) {
-    const uint32_t best = Rounds::Min(rk, end);
-    if (best == kNoRank) break;
-    for (uint64_t m = Rounds::Occurrences(rk, end, best); m != 0; m &= m - 1) {
-      const uint8_t i = static_cast<uint8_t>(__builtin_ctzll(m));
-      if (rk[i] != best) continue;  // the right half of a merge made earlier in this round
-      const uint8_t j = next[i];    // merged away: never a pair start again
-      rk[j] = kNoRank;
-      sym[i] = 256 + best;
-      next[i] = next[j];
-      prev[next[j]] = i;
-      rk[i] = rank_at(i);
-      rk[prev[i]] = rank_at(prev[i]);  // rk[kHead] when i is the first: outside the rounds' range
-    }
+  s.prev[0] = ShortMerge::kHead;
+  s.next[ShortMerge::kHead] = 0;
+  s.sym[ShortMerge::kHead] = s.sym[s.end] = kNoSymbol;
+  for (uint8_t i = 0; i < s.end; ++i) s.rk[i] = PairRank(s.sym[i], s.sym[s.next[i]]);
+  for (unsigned i = s.end; i % 8 != 0; ++i) s.rk[i] = kNoRank;
+}
+
+// One round: the lowest rank's occurrences merged left to right; false when nothing merges.
+template <typename Rounds>
+inline __attribute__((always_inline)) bool Gpt2Tokenizer::ShortRound(ShortMerge& s) const {
+  const uint32_t best = Rounds::Min(s.rk, s.end);
+  if (best == kNoRank) return false;
+  for (uint64_t m = Rounds::Occurrences(s.rk, s.end, best); m != 0; m &= m - 1) {
+    const uint8_t i = static_cast<uint8_t>(__builtin_ctzll(m));
+    if (s.rk[i] != best) continue;  // the right half of a merge made earlier in this round
+    const uint8_t j = s.next[i];    // merged away: never a pair start again
+    s.rk[j] = kNoRank;
+    s.sym[i] = 256 + best;
+    s.next[i] = s.next[j];
+    s.prev[s.next[j]] = i;
+    s.rk[i] = PairRank(s.sym[i], s.sym[s.next[i]]);
+    const uint8_t h = s.prev[i];  // kHead when i is the first: rk[kHead] is outside the rounds' range
+    s.rk[h] = PairRank(s.sym[h], s.sym[i]);
   }
-  for (uint8_t i = 0; i != end; i = next[i]) out->push_back(sym_ids_[sym[i]]);
+  return true;
+}
+
+inline size_t Gpt2Tokenizer::ShortIds(const ShortMerge& s, int32_t* out) const {
+  size_t k = 0;
+  for (uint8_t i = 0; i != s.end; i = s.next[i]) out[k++] = sym_ids_[s.sym[i]];
+  return k;
+}
+
+template <typename Rounds>
+inline __attribute__((always_inline)) size_t Gpt2Tokenizer::BpeShortRounds(const uint8_t* p, size_t n,
+                                                                           int32_t* out) const {
+  ShortMerge s;
+  ShortStart(s, p, n);
+  while (ShortRound<Rounds>(s)) {
+  }
+  return ShortIds(s, out);
+}
+
+// Two pieces' rounds taken in turn: each round waits on its pair lookups, and the other piece's
+// round runs meanwhile.
+template <typename Rounds>
+inline __attribute__((always_inline)) void Gpt2Tokenizer::BpeShortPairRounds(ShortPiece* a, ShortPiece* b) const {
+  ShortMerge x, y;
+  ShortStart(x, a->p, a->n);
+  ShortStart(y, b->p, b->n);
+  bool more_x = true, more_y = true;
+  while (more_x && more_y) {
+    more_x = ShortRound<Rounds>(x);
+    more_y = ShortRound<Rounds>(y);
+  }
+  while (more_x) more_x = ShortRound<Rounds>(x);
+  while (more_y) more_y = ShortRound<Rounds>(y);
+  a->count = ShortIds(x, a->out);
+  b->count = ShortIds(y, b->out);
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void Gpt2Tokenizer::BpeShortAvx2(const uint8_t* p, size_t n,
-                                                                 std::vector<int32_t>* out) const {
-  BpeShortRounds<Avx2Rounds>(p, n, out);
+// Pieces of at most 16 bytes on AVX2: the ranks live in two vector registers and a merge blends its
+// three new ranks in, instead of storing them and reading them back as vectors (a vector load of
+// fresh scalar stores cannot be forwarded: it waits until they retire, which serialises rounds).
+struct Gpt2Tokenizer::Short16 {
+  static constexpr uint8_t kHead = 17;
+  uint32_t sym[18];
+  uint8_t next[18], prev[18];
+  uint8_t end;
+  __m256i r0, r1;  // ranks of the pairs starting at 0..7 and 8..15
+};
+
+// Lane `lane` of the 16 ranks in r0:r1 set to `rank` (no lane for lane >= 16).
+__attribute__((target("avx2"), always_inline)) inline void SetLane(__m256i& r0, __m256i& r1, uint32_t lane,
+                                                                   uint32_t rank) {
+  const __m256i l = _mm256_set1_epi32(static_cast<int>(lane)), r = _mm256_set1_epi32(static_cast<int>(rank));
+  r0 = _mm256_blendv_epi8(r0, r, _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), l));
+  r1 = _mm256_blendv_epi8(r1, r, _mm256_cmpeq_epi32(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15), l));
 }
+
+__attribute__((target("avx2"), always_inline)) inline void Gpt2Tokenizer::Start16(Short16& s, const uint8_t* p,
+                                                                                  size_t n) const {
+  s.end = static_cast<uint8_t>(n);
+  for (size_t i = 0; i < n; ++i) {
+    s.sym[i] = p[i];
+    s.next[i] = static_cast<uint8_t>(i + 1);
+    s.prev[i] = static_cast<uint8_t>(i - 1);
+  }
+  s.prev[0] = Short16::kHead;
+  s.next[Short16::kHead] = 0;
+  s.sym[Short16::kHead] = s.sym[s.end] = kNoSymbol;
+  alignas(32) uint32_t rk[16];
+  for (size_t i = 0; i < 16; ++i) rk[i] = i < n ? PairRank(s.sym[i], s.sym[s.next[i]]) : kNoRank;
+  s.r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rk));
+  s.r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rk + 8));
+}
+
+__attribute__((target("avx2"), always_inline)) inline bool Gpt2Tokenizer::Round16(Short16& s) const {
+  __m256i v = _mm256_min_epu32(s.r0, s.r1);
+  __m128i x = _mm_min_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+  const uint32_t best = static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  if (best == kNoRank) return false;
+  const __m256i b = _mm256_set1_epi32(static_cast<int>(best));
+  uint32_t m = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(s.r0, b)))) |
+               static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(s.r1, b)))) << 8;
+  while (m != 0) {  // left to right; the right half of a merge is no longer an occurrence
+    const uint8_t i = static_cast<uint8_t>(__builtin_ctz(m));
+    const uint8_t j = s.next[i];
+    m &= m - 1;
+    m &= ~(1u << j);
+    const uint8_t after = s.next[j];
+    s.sym[i] = 256 + best;
+    s.next[i] = after;
+    s.prev[after] = i;
+    const uint8_t h = s.prev[i];
+    const uint32_t ri = PairRank(s.sym[i], s.sym[after]), rh = PairRank(s.sym[h], s.sym[i]);
+    SetLane(s.r0, s.r1, j, kNoRank);
+    SetLane(s.r0, s.r1, i, ri);
+    SetLane(s.r0, s.r1, h, rh);  // lane kHead: none
+  }
+  return true;
+}
+
+__attribute__((target("avx2"))) size_t Gpt2Tokenizer::BpeShortAvx2(const uint8_t* p, size_t n, int32_t* out) const {
+  if (n <= 16) {
+    Short16 s;
+    Start16(s, p, n);
+    while (Round16(s)) {
+    }
+    size_t k = 0;
+    for (uint8_t i = 0; i != s.end; i = s.next[i]) out[k++] = sym_ids_[s.sym[i]];
+    return k;
+  }
+  return BpeShortRounds<Avx2Rounds>(p, n, out);
+}
+__attribute__((target("avx2"))) void Gpt2Tokenizer::BpeShortPairAvx2(ShortPiece* a, ShortPiece* b) const {
+  if (a->n <= 16 && b->n <= 16) {
+    Short16 x, y;
+    Start16(x, a->p, a->n);
+    Start16(y, b->p, b->n);
+    bool more_x = true, more_y = true;
+    while (more_x && more_y) {
+      more_x = Round16(x);
+      more_y = Round16(y);
+    }
+    while (more_x) more_x = Round16(x);
+    while (more_y) more_y = Round16(y);
+    size_t k = 0;
+    for (uint8_t i = 0; i != x.end; i = x.next[i]) a->out[k++] = sym_ids_[x.sym[i]];
+    a->count = k;
+    k = 0;
+    for (uint8_t i = 0; i != y.end; i = y.next[i]) b->out[k++] = sym_ids_[y.sym[i]];
+    b->count = k;
+    return;
+  }
+  BpeShortPairRounds<Avx2Rounds>(a, b);
+}
+static const bool kAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 #endif
 
-void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
-  if (n == 0) return;
+size_t Gpt2Tokenizer::BpeShortTo(const uint8_t* p, size_t n, int32_t* out) const {
+  if (n == 0) return 0;
   if (n == 1) {
-    out->push_back(byte_to_id_[p[0]]);
-    return;
+    *out = byte_to_id_[p[0]];
+    return 1;
   }
   PTK_CHECK(n <= kShortPiece);
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return BpeShortAvx2(p, n, out);
+  if (kAvx2) return BpeShortAvx2(p, n, out);
 #endif
-  BpeShortRounds<ScalarRounds>(p, n, out);
+  return BpeShortRounds<ScalarRounds>(p, n, out);
+}
+
+void Gpt2Tokenizer::BpeShortPair(ShortPiece* a, ShortPiece* b) const {
+  PTK_CHECK(a->n <= kShortPiece && b->n <= kShortPiece);
+  if (a->n < 2 || b->n < 2) {
+    a->count = BpeShortTo(a->p, a->n, a->out);
+    b->count = BpeShortTo(b->p, b->n, b->out);
+    return;
+  }
+#if defined(__x86_64__)
+  if (kAvx2) return BpeShortPairAvx2(a, b);
+#endif
+  BpeShortPairRounds<ScalarRounds>(a, b);
+}
+
+void Gpt2Tokenizer::BpeShortPairPortable(ShortPiece* a, ShortPiece* b) const {
+  PTK_CHECK(a->n <= kShortPiece && b->n <= kShortPiece);
+  if (a->n < 2 || b->n < 2) {
+    a->count = BpeShortTo(a->p, a->n, a->out);
+    b->count = BpeShortTo(b->p, b->n, b->out);
+    return;
+  }
+  BpeShortPairRounds<ScalarRounds>(a, b);
+}
+
+void Gpt2Tokenizer::BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
+  const size_t old = out->size();
+  out->resize(old + n);
+  out->resize(old + BpeShortTo(p, n, out->data() + old));
 }
 
 void Gpt2Tokenizer::BpeShortPortable(const uint8_t* p, size_t n, std::vector<int32_t>* out) const {
   if (n <= 1) return BpeShort(p, n, out);
   PTK_CHECK(n <= kShortPiece);
-  BpeShortRounds<ScalarRounds>(p, n, out);
+  const size_t old = out->size();
+  out->resize(old + n);
+  out->resize(old + BpeShortRounds<ScalarRounds>(p, n, out->data() + old));
 }
 
 // O(n log n) variant for long pieces: a heap of (rank, position) over a linked list of symbols,
@@ -620,9 +786,14 @@ inline void Gpt2Encoder::InsertSlot(const CacheSlot& s) {
   cache_[h] = s;
 }
 
-bool Gpt2Encoder::MakeRoom() {
-  if (cache_used_ * 2 < cache_slots_) return true;
-  if (cache_slots_ >= max_slots_) return false;  // full: keep what is there
+// Room for n more short pieces: the table doubles if they could take it past half full, before
+// the batch that brings them looks anything up (so slot pointers stay valid through a batch). A full
+// table keeps what it holds and takes nothing new.
+inline void Gpt2Encoder::MakeRoom(size_t n) {
+  if ((cache_used_ + n) * 2 > cache_slots_ && cache_slots_ < max_slots_) Grow();
+}
+
+void Gpt2Encoder::Grow() {
   // Double the table in place, keeping every entry. The new upper half is untouched zero pages.
   // Each old slot is visited once, cyclically from an empty one (so every cluster from its first
   // slot), its entry taken out and inserted again from its home in the doubled table. An entry so
@@ -641,7 +812,6 @@ bool Gpt2Encoder::MakeRoom() {
     cache_[i].len = 0;
     InsertSlot(e);
   }
-  return true;
 }
 
 size_t Gpt2Encoder::cache_bytes() const {
@@ -656,59 +826,106 @@ size_t Gpt2Encoder::max_cache_bytes() const {
          (long_budget_ > 0 ? long_slots * sizeof(LongSlot) : 0) + long_budget_;
 }
 
-// The hit path, inlined into the piece loop; a miss goes out of line.
-__attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeShort(const Pending& pc, int32_t* out) {
+// A short piece's slot, or nullptr.
+__attribute__((always_inline)) inline const Gpt2Encoder::CacheSlot* Gpt2Encoder::FindShort(const Pending& pc) const {
   const uint8_t len = static_cast<uint8_t>(pc.n);
-  uint64_t h = pc.h & cache_mask_;
-  while (true) {
+  for (uint64_t h = pc.h & cache_mask_;; h = (h + 1) & cache_mask_) {
     const CacheSlot& s = cache_[h];
-    if (s.len == len && s.k0 == pc.k0 && s.k1 == pc.k1) {
-      if (__builtin_expect(s.n != kOverflow, 1)) {  // 1 to 3 ids: all three copied, no branch on how many
-        out[0] = s.ids[0];
-        out[1] = s.ids[1];
-        out[2] = s.ids[2];
-        return out + s.n;
-      }
-      const int32_t* src = overflow_mem_.as<int32_t>() + s.ids[0];
-      for (int32_t i = 0; i < s.ids[1]; ++i) out[i] = src[i];
-      return out + s.ids[1];
-    }
-    if (s.len == 0) break;
-    h = (h + 1) & cache_mask_;
+    if (s.len == len && s.k0 == pc.k0 && s.k1 == pc.k1) return &s;
+    if (s.len == 0) return nullptr;
   }
-  return EncodeMiss(pc, h, out);
 }
 
-// BPE of a short piece not in the cache, whose free slot is h; cached while there is room.
-__attribute__((noinline)) int32_t* Gpt2Encoder::EncodeMiss(const Pending& pc, uint64_t h, int32_t* out) {
+// A short piece's ids into the cache, while it is at most half full and the overflow ids have room
+// (a piece met twice in one batch is learnt once).
+void Gpt2Encoder::LearnShort(const Pending& pc, const int32_t* ids, size_t n) {
+  const bool overflow = n > 3;
+  if ((cache_used_ + 1) * 2 > cache_slots_ || (overflow && overflow_size_ + n > max_overflow_)) return;
   const uint8_t len = static_cast<uint8_t>(pc.n);
-  ++misses_;
-  scratch_.clear();
-  tok_.BpePiece(pc.p, pc.n, &scratch_);
-  std::copy(scratch_.begin(), scratch_.end(), out);
-  const bool overflow = scratch_.size() > 3;
-  const size_t slots_before = cache_slots_;
-  if ((overflow && overflow_size_ + scratch_.size() > max_overflow_) || !MakeRoom()) return out + scratch_.size();
-  if (cache_slots_ != slots_before) {  // the table grew: find the free slot again
-    h = pc.h & cache_mask_;
-    while (cache_[h].len != 0) h = (h + 1) & cache_mask_;
+  uint64_t h = pc.h & cache_mask_;
+  for (;; h = (h + 1) & cache_mask_) {
+    const CacheSlot& s = cache_[h];
+    if (s.len == len && s.k0 == pc.k0 && s.k1 == pc.k1) return;
+    if (s.len == 0) break;
   }
   CacheSlot& s = cache_[h];
   s.k0 = pc.k0;
   s.k1 = pc.k1;
   s.len = len;
   if (!overflow) {
-    s.n = static_cast<uint8_t>(scratch_.size());
-    std::copy(scratch_.begin(), scratch_.end(), s.ids);
+    s.n = static_cast<uint8_t>(n);
+    std::copy(ids, ids + n, s.ids);
   } else {
     s.n = kOverflow;
     s.ids[0] = static_cast<int32_t>(overflow_size_);
-    s.ids[1] = static_cast<int32_t>(scratch_.size());
-    std::copy(scratch_.begin(), scratch_.end(), overflow_mem_.as<int32_t>() + overflow_size_);
-    overflow_size_ += scratch_.size();
+    s.ids[1] = static_cast<int32_t>(n);
+    std::copy(ids, ids + n, overflow_mem_.as<int32_t>() + overflow_size_);
+    overflow_size_ += n;
   }
   ++cache_used_;
-  return out + scratch_.size();
+}
+
+// One batch of pieces: first every short piece is looked up, and the misses are merged two at a time
+// (BpeShortPair: one's rounds run while the other's wait on their lookups) and learnt; then the ids
+// are written in order.
+__attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeBatch(const Pending* batch, int count,
+                                                                        int32_t* out) {
+  lookups_ += static_cast<uint64_t>(count);
+  MakeRoom(static_cast<size_t>(count));
+  const CacheSlot* found[kBatch];
+  int32_t learnt[kBatch][16];  // a miss's ids (a piece of at most 16 bytes has at most 16)
+  uint8_t nlearnt[kBatch];
+  int waiting = -1;  // a miss waiting for another
+  for (int i = 0; i < count; ++i) {
+    const Pending& pc = batch[i];
+    found[i] = nullptr;
+    if (pc.n > 16) continue;
+    found[i] = FindShort(pc);
+    if (found[i] != nullptr) continue;
+    if (waiting < 0) {
+      waiting = i;
+      continue;
+    }
+    LearnTwo(batch[waiting], learnt[waiting], &nlearnt[waiting], pc, learnt[i], &nlearnt[i]);
+    waiting = -1;
+  }
+  if (waiting >= 0) {
+    const Pending& pc = batch[waiting];
+    nlearnt[waiting] = static_cast<uint8_t>(tok_.BpeShortTo(pc.p, pc.n, learnt[waiting]));
+    ++misses_;
+    LearnShort(pc, learnt[waiting], nlearnt[waiting]);
+  }
+  for (int i = 0; i < count; ++i) {
+    const Pending& pc = batch[i];
+    if (const CacheSlot* s = found[i]) {
+      if (__builtin_expect(s->n != kOverflow, 1)) {  // 1 to 3 ids: all three copied, no branch on how many
+        out[0] = s->ids[0];
+        out[1] = s->ids[1];
+        out[2] = s->ids[2];
+        out += s->n;
+      } else {
+        const int32_t* src = overflow_mem_.as<int32_t>() + s->ids[0];
+        for (int32_t k = 0; k < s->ids[1]; ++k) out[k] = src[k];
+        out += s->ids[1];
+      }
+    } else if (pc.n > 16) {
+      out = EncodeLong(pc.p, pc.n, out);
+    } else {
+      out = std::copy(learnt[i], learnt[i] + nlearnt[i], out);
+    }
+  }
+  return out;
+}
+
+__attribute__((noinline)) void Gpt2Encoder::LearnTwo(const Pending& a, int32_t* ida, uint8_t* na, const Pending& b,
+                                                     int32_t* idb, uint8_t* nb) {
+  Gpt2Tokenizer::ShortPiece x{a.p, a.n, ida, 0}, y{b.p, b.n, idb, 0};
+  tok_.BpeShortPair(&x, &y);
+  *na = static_cast<uint8_t>(x.count);
+  *nb = static_cast<uint8_t>(y.count);
+  misses_ += 2;
+  LearnShort(a, ida, x.count);
+  LearnShort(b, idb, y.count);
 }
 
 const Gpt2Encoder::LongSlot* Gpt2Encoder::FindLong(const uint8_t* p, size_t n, uint64_t hash) const {
@@ -782,11 +999,7 @@ int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
   Pending batch[kBatch];
   int count = 0;
   auto flush = [&]() {
-    lookups_ += static_cast<uint64_t>(count);
-    for (int i = 0; i < count; ++i) {
-      const Pending& pc = batch[i];
-      out = pc.n <= 16 ? EncodeShort(pc, out) : EncodeLong(pc.p, pc.n, out);
-    }
+    out = EncodeBatch(batch, count, out);
     count = 0;
   };
   ForEachPiece(text, [&](const uint8_t* b, const uint8_t* e) {

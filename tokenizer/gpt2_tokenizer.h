@@ -65,6 +65,19 @@ class Gpt2Tokenizer {
   // BpeShort's portable rounds, whatever the CPU (BpeShort takes AVX2 where the CPU has it), so
   // tests compare both paths on any machine.
   void BpeShortPortable(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
+  // BpeShort writing at out (room for n ids); returns how many.
+  size_t BpeShortTo(const uint8_t* p, size_t n, int32_t* out) const;
+  // Two pieces of at most kShortPiece bytes merged together, the rounds of one running while the
+  // other's wait on their pair lookups; the same ids as BpeShort on each. out: room for n ids;
+  // count: how many were written.
+  struct ShortPiece {
+    const uint8_t* p;
+    size_t n;
+    int32_t* out;
+    size_t count;
+  };
+  void BpeShortPair(ShortPiece* a, ShortPiece* b) const;
+  void BpeShortPairPortable(ShortPiece* a, ShortPiece* b) const;  // the portable rounds, for tests
   void BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
 
   // Whole-token lookup of a piece of at most 16 bytes; -1 if absent.
@@ -110,9 +123,20 @@ class Gpt2Tokenizer {
   absl::Status BuildMerges(const std::vector<MergeLine>& merges, std::string_view origin);
   // Fills pairs_ with (key, rank) words in `buckets` buckets: false when cuckoo insertion fails.
   bool BuildPairTable(const std::vector<std::pair<uint64_t, uint32_t>>& entries, size_t buckets);
+  struct ShortMerge;
+  void ShortStart(ShortMerge& s, const uint8_t* p, size_t n) const;
   template <typename Rounds>
-  void BpeShortRounds(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
-  void BpeShortAvx2(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
+  bool ShortRound(ShortMerge& s) const;
+  size_t ShortIds(const ShortMerge& s, int32_t* out) const;
+  template <typename Rounds>
+  size_t BpeShortRounds(const uint8_t* p, size_t n, int32_t* out) const;
+  template <typename Rounds>
+  void BpeShortPairRounds(ShortPiece* a, ShortPiece* b) const;
+  size_t BpeShortAvx2(const uint8_t* p, size_t n, int32_t* out) const;
+  struct Short16;
+  void Start16(Short16& s, const uint8_t* p, size_t n) const;
+  bool Round16(Short16& s) const;
+  void BpeShortPairAvx2(ShortPiece* a, ShortPiece* b) const;
 
   // One slot of the piece tables: a piece of at most 16 bytes and its ids.
   struct PieceSlot {
@@ -172,6 +196,7 @@ class Gpt2Encoder {
   size_t max_cache_bytes() const;
 
   uint64_t cache_hits() const { return lookups_ - misses_; }
+  size_t cache_entries() const { return cache_used_; }  // short pieces cached (whole tokens included)
   uint64_t cache_misses() const { return misses_; }
 
  private:
@@ -184,16 +209,18 @@ class Gpt2Encoder {
   };
   static constexpr int kBatch = 32;
   // Appends the ids of one piece at *out (room for n ids is guaranteed); returns the new end.
-  int32_t* EncodeShort(const Pending& pc, int32_t* out);
-  int32_t* EncodeMiss(const Pending& pc, uint64_t h, int32_t* out);
+  using CacheSlot = Gpt2Tokenizer::PieceSlot;
+  int32_t* EncodeBatch(const Pending* batch, int count, int32_t* out);
+  const CacheSlot* FindShort(const Pending& pc) const;
+  void LearnShort(const Pending& pc, const int32_t* ids, size_t n);
+  void LearnTwo(const Pending& a, int32_t* ida, uint8_t* na, const Pending& b, int32_t* idb, uint8_t* nb);
   int32_t* EncodeLong(const uint8_t* p, size_t n, int32_t* out);
   int32_t* EncodeOrdinaryRaw(std::string_view text, int32_t* out);
-  using CacheSlot = Gpt2Tokenizer::PieceSlot;
   static constexpr uint8_t kOverflow = Gpt2Tokenizer::kOverflow;
   void AllocateCache(size_t slots);
   void InsertSlot(const CacheSlot& s);
-  // Room for one more short piece: grows the table when half full; false when it may not grow.
-  bool MakeRoom();
+  void MakeRoom(size_t n);
+  void Grow();
   // Long pieces: a flat table over an arena of their bytes and ids.
   struct LongSlot {
     uint64_t hash;  // 0 = empty

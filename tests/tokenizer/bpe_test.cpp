@@ -61,6 +61,34 @@ TEST(Bpe, VectorAndPortableRoundsAgreeAtEveryLength) {
   }
 }
 
+// Misses are merged two at a time, their rounds interleaved (pieces of at most 16 bytes in vector
+// registers on AVX2): every pairing of lengths, on both paths, gives each piece's own ids.
+TEST(Bpe, PairedMergesEqualSingleOnes) {
+  std::mt19937 rng(13);
+  const std::string alphabets[] = {"aaaa", "ab", " e s.t0", "\xD0\xB0\xD0\xB1\xD0\xB2", "\xE0\xA4\x95\xE0\xA5\x8D"};
+  for (int iter = 0; iter < 20000; ++iter) {
+    std::string s[2];
+    for (std::string& x : s) {
+      const std::string& alphabet = alphabets[rng() % 5];
+      const size_t n = rng() % 4 == 0 ? rng() % (Gpt2Tokenizer::kShortPiece + 1) : rng() % 17;
+      for (size_t i = 0; i < n; ++i) x += alphabet[rng() % alphabet.size()];
+    }
+    std::vector<int32_t> want[2];
+    for (int k = 0; k < 2; ++k) Tok().BpeShort(reinterpret_cast<const uint8_t*>(s[k].data()), s[k].size(), &want[k]);
+    for (bool portable : {false, true}) {
+      int32_t out[2][Gpt2Tokenizer::kShortPiece];
+      Gpt2Tokenizer::ShortPiece a{reinterpret_cast<const uint8_t*>(s[0].data()), s[0].size(), out[0], 0};
+      Gpt2Tokenizer::ShortPiece b{reinterpret_cast<const uint8_t*>(s[1].data()), s[1].size(), out[1], 0};
+      if (portable)
+        Tok().BpeShortPairPortable(&a, &b);
+      else
+        Tok().BpeShortPair(&a, &b);
+      ASSERT_EQ(std::vector<int32_t>(out[0], out[0] + a.count), want[0]) << s[0] << " | " << s[1] << " " << portable;
+      ASSERT_EQ(std::vector<int32_t>(out[1], out[1] + b.count), want[1]) << s[0] << " | " << s[1] << " " << portable;
+    }
+  }
+}
+
 TEST(Bpe, EveryMergeableTokenEncodesToItself) {
   int checked = 0;
   for (int32_t id = 0; id < 50256; ++id) {
@@ -98,6 +126,28 @@ TEST(Bpe, CacheIsTransparent) {
   EXPECT_GT(big.cache_hits(), 0u);
   EXPECT_LE(small.cache_bytes(), small.max_cache_bytes());
   EXPECT_LE(big.cache_bytes(), big.max_cache_bytes());
+}
+
+// A batch's misses are learnt after the batch is looked up, so a new piece met twice in one batch
+// misses twice: it must still be cached once.
+TEST(Bpe, APieceMetTwiceInABatchIsLearntOnce) {
+  std::mt19937 rng(17);
+  std::string once, twice;
+  for (int i = 0; i < 3000; ++i) {
+    std::string w = " ";
+    for (int k = 0; k < 7; ++k) w += static_cast<char>('a' + rng() % 26);
+    once += w;
+    twice += w + w;
+  }
+  Gpt2Encoder a(Tok()), b(Tok());
+  std::vector<int32_t> x, y;
+  a.Encode(once, &x);
+  b.Encode(twice, &y);
+  EXPECT_EQ(a.cache_entries(), b.cache_entries());
+  EXPECT_GT(a.cache_entries(), 50000u);
+  x.clear();
+  a.Encode(twice, &x);
+  EXPECT_EQ(x, y);
 }
 
 TEST(Bpe, CacheKeepsWhatItLearntAndStaysBounded) {
