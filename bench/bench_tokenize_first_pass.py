@@ -5,7 +5,8 @@ the same file, each in a fresh process too:
   gigatoken file API      Tokenizer.encode_files(JsonlFileSource([file]), parallel=False)
   gigatoken per document  Tokenizer.encode on texts parsed beforehand (parsing not timed)
   tiktoken, HF tokenizers per document on texts parsed beforehand
-ptk-tokenize is timed as a whole process (start-up, reading, parsing, writing included); the Python
+ptk-tokenize is timed as a whole process (start-up, reading, parsing, writing a new .bin/.idx
+included: the last run's output is removed first, as a user's output prefix is new); the Python
 references from just before their tokenizer is built to the last id (interpreter start-up and
 imports excluded). Median of --runs fresh processes each, the engines taking turns run by run (so
 that the machine's drifts reach them alike). Repeat passes (a warm cache: one more pass over the
@@ -76,6 +77,10 @@ def run_child(venv_py, engine, corpus, rank_file, vocab, merges):
 
 
 def ptk_tokenize(build, corpus, prefix, workers):
+    # A fresh output, as a user's run writes: replacing the last run's 30 MB .bin would add the file
+    # system's freeing of it (~10 ms on ext4) to ptk's time.
+    for f in glob.glob(glob.escape(prefix) + "_text_document.*"):
+        os.remove(f)
     t = time.perf_counter()
     subprocess.run([os.path.join(build, "bin", "ptk-tokenize"), "--quiet", "--input", corpus, "--output-prefix", prefix,
                     "--workers", str(workers), "--endoftext-as-text"], check=True, capture_output=True)
