@@ -840,7 +840,8 @@ __attribute__((always_inline)) inline const Gpt2Encoder::CacheSlot* Gpt2Encoder:
 // (a piece met twice in one batch is learnt once).
 void Gpt2Encoder::LearnShort(const Pending& pc, const int32_t* ids, size_t n) {
   const bool overflow = n > 3;
-  if ((cache_used_ + 1) * 2 > cache_slots_ || (overflow && overflow_size_ + n > max_overflow_)) return;
+  // (16 overflow ids stay readable past the last piece's: hits copy sixteen.)
+  if ((cache_used_ + 1) * 2 > cache_slots_ || (overflow && overflow_size_ + n + 16 > max_overflow_)) return;
   const uint8_t len = static_cast<uint8_t>(pc.n);
   uint64_t h = pc.h & cache_mask_;
   for (;; h = (h + 1) & cache_mask_) {
@@ -903,15 +904,15 @@ __attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeBatch(const Pe
         out[1] = s->ids[1];
         out[2] = s->ids[2];
         out += s->n;
-      } else {
-        const int32_t* src = overflow_mem_.as<int32_t>() + s->ids[0];
-        for (int32_t k = 0; k < s->ids[1]; ++k) out[k] = src[k];
+      } else {  // 4 to 16 ids: sixteen copied, again no branch on how many
+        std::memcpy(out, overflow_mem_.as<int32_t>() + s->ids[0], 16 * sizeof(int32_t));
         out += s->ids[1];
       }
     } else if (pc.n > 16) {
       out = EncodeLong(pc.p, pc.n, out);
     } else {
-      out = std::copy(learnt[i], learnt[i] + nlearnt[i], out);
+      std::memcpy(out, learnt[i], 16 * sizeof(int32_t));
+      out += nlearnt[i];
     }
   }
   return out;
@@ -1018,7 +1019,7 @@ int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
 }
 
 // Every token covers at least one byte, so text.size() bounds the ids (a special token's 13 bytes
-// give one id); a cached piece's ids are copied three at a time, hence kEncodeSlack.
+// give one id); a cached piece's ids are copied 3 or 16 at a time, hence kEncodeSlack.
 int32_t* Gpt2Encoder::EncodeTo(std::string_view text, int32_t* out) {
   if (!opt_.special_endoftext || text.find(Gpt2Tokenizer::kEndOfText) == std::string_view::npos)
     return EncodeOrdinaryRaw(text, out);

@@ -188,7 +188,7 @@ class Gpt2Encoder {
   // Writes the ids at out, which has room for text.size() + kEncodeSlack ids (every id covers at
   // least one byte, a special token's 13 bytes give one id, and up to kEncodeSlack values past the
   // last id may be overwritten); returns the end. No allocation, no zero-filling.
-  static constexpr size_t kEncodeSlack = 2;
+  static constexpr size_t kEncodeSlack = 16;
   int32_t* EncodeTo(std::string_view text, int32_t* out);
 
   // Memory the caches hold now (bytes), and the most they may hold.
