@@ -110,6 +110,24 @@ inline void LoadKey(const uint8_t* p, size_t n, const uint8_t* limit, uint64_t* 
   std::memcpy(k1, tmp + 8, 8);
 }
 
+// Hash of a piece of more than 16 bytes (16 at a time, the last 16 overlapping); never 0 (the
+// long-piece table's empty mark).
+inline uint64_t HashLong(const uint8_t* p, size_t n) {
+  uint64_t h = n * 0x9E3779B97F4A7C15ull, a, b;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    std::memcpy(&a, p + i, 8);
+    std::memcpy(&b, p + i + 8, 8);
+    h = HashKey(a ^ h, b, static_cast<uint32_t>(n));
+  }
+  if (i < n) {
+    std::memcpy(&a, p + n - 16, 8);
+    std::memcpy(&b, p + n - 8, 8);
+    h = HashKey(a ^ h, b, static_cast<uint32_t>(n));
+  }
+  return h | 1;
+}
+
 }  // namespace
 
 std::string_view Gpt2Tokenizer::DefaultVocabJson() {
@@ -909,7 +927,7 @@ __attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeBatch(const Pe
         out += s->ids[1];
       }
     } else if (pc.n > 16) {
-      out = EncodeLong(pc.p, pc.n, out);
+      out = EncodeLong(pc, out);
     } else {
       std::memcpy(out, learnt[i], 16 * sizeof(int32_t));
       out += nlearnt[i];
@@ -957,14 +975,11 @@ void Gpt2Encoder::InsertLong(const uint8_t* p, size_t n, uint64_t hash, const in
   ++long_used_;
 }
 
-int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
-  std::string_view piece(reinterpret_cast<const char*>(p), n);
-  int32_t id = tok_.LookupLong(piece);
-  if (id >= 0) {
-    *out = id;
-    return out + 1;
-  }
-  // Long pieces: cache only moderately long ones (very long runs are rare and unique).
+// Pieces of more than 16 bytes: the long-piece cache (pieces up to kLongCached bytes, their hash
+// computed and slot prefetched with the batch), then the vocabulary's long tokens, then BPE.
+int32_t* Gpt2Encoder::EncodeLong(const Pending& pc, int32_t* out) {
+  const uint8_t* p = pc.p;
+  const size_t n = pc.n;
   if (long_nslots_ == 0 && long_budget_ > 0) {  // on the first one: most texts have none
     size_t slots = 16;
     while (slots * sizeof(LongSlot) * 4 < long_budget_) slots <<= 1;
@@ -978,20 +993,24 @@ int32_t* Gpt2Encoder::EncodeLong(const uint8_t* p, size_t n, int32_t* out) {
       long_budget_ = 0;
     }
   }
-  const bool cacheable = n <= 256 && long_nslots_ != 0;
-  uint64_t hash = 0;
+  const bool cacheable = n <= kLongCached && long_nslots_ != 0;
   if (cacheable) {
-    hash = std::hash<std::string_view>()(piece) | 1;  // never 0 (the empty mark)
-    if (const LongSlot* s = FindLong(p, n, hash)) {
+    if (const LongSlot* s = FindLong(p, n, pc.h)) {
       const size_t ids_at = (s->off + s->len + 3) & ~size_t{3};
       std::memcpy(out, arena_mem_.as<uint8_t>() + ids_at, 4 * s->nids);
       return out + s->nids;
     }
   }
+  const int32_t id = tok_.LookupLong(std::string_view(reinterpret_cast<const char*>(p), n));
+  if (id >= 0) {  // a whole token: cached too, so that the next time is one lookup
+    if (cacheable) InsertLong(p, n, pc.h, &id, 1);
+    *out = id;
+    return out + 1;
+  }
   ++misses_;
   scratch_.clear();
   tok_.BpePiece(p, n, &scratch_);
-  if (cacheable) InsertLong(p, n, hash, scratch_.data(), scratch_.size());
+  if (cacheable) InsertLong(p, n, pc.h, scratch_.data(), scratch_.size());
   return std::copy(scratch_.begin(), scratch_.end(), out);
 }
 
@@ -1011,6 +1030,9 @@ int32_t* Gpt2Encoder::EncodeOrdinaryRaw(std::string_view text, int32_t* out) {
       LoadKey(b, pc.n, end, &pc.k0, &pc.k1);
       pc.h = HashKey(pc.k0, pc.k1, pc.n);
       __builtin_prefetch(&cache_[pc.h & cache_mask_]);
+    } else if (pc.n <= kLongCached) {
+      pc.h = HashLong(b, pc.n);
+      if (long_nslots_ != 0) __builtin_prefetch(long_mem_.as<LongSlot>() + (pc.h & (long_nslots_ - 1)));
     }
     if (count == kBatch) flush();
   });

@@ -204,7 +204,7 @@ class Gpt2Encoder {
   // which hides the memory latency of the multi-megabyte table.
   struct Pending {
     const uint8_t* p;
-    uint64_t k0, k1, h;  // h: full hash, masked at lookup (the table may grow meanwhile)
+    uint64_t k0, k1, h;  // h: full hash (of the key, or HashLong), masked at lookup (the table may grow)
     uint32_t n;
   };
   static constexpr int kBatch = 32;
@@ -214,7 +214,8 @@ class Gpt2Encoder {
   const CacheSlot* FindShort(const Pending& pc) const;
   void LearnShort(const Pending& pc, const int32_t* ids, size_t n);
   void LearnTwo(const Pending& a, int32_t* ida, uint8_t* na, const Pending& b, int32_t* idb, uint8_t* nb);
-  int32_t* EncodeLong(const uint8_t* p, size_t n, int32_t* out);
+  static constexpr size_t kLongCached = 256;  // longer pieces are rare and unique: not cached
+  int32_t* EncodeLong(const Pending& pc, int32_t* out);
   int32_t* EncodeOrdinaryRaw(std::string_view text, int32_t* out);
   static constexpr uint8_t kOverflow = Gpt2Tokenizer::kOverflow;
   void AllocateCache(size_t slots);

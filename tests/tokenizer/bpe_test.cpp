@@ -101,6 +101,25 @@ TEST(Bpe, EveryMergeableTokenEncodesToItself) {
   EXPECT_EQ(checked, 50256);
 }
 
+// Whole tokens of more than 16 bytes are found in the vocabulary the first time and in the long-piece
+// cache after that: both give the token.
+TEST(Bpe, LongWholeTokensEncodeToThemselvesTwice) {
+  Gpt2Encoder enc(Tok());
+  int checked = 0;
+  for (int32_t id = 0; id < 50256; ++id) {
+    const std::string_view b = Tok().TokenBytes(id);
+    if (b.size() <= 16 || Pretokenize(b).size() != 1) continue;
+    for (int round = 0; round < 2; ++round) {
+      std::vector<int32_t> ids;
+      enc.EncodeOrdinary(b, &ids);
+      ASSERT_EQ(ids, std::vector<int32_t>{id}) << "token " << id << ", round " << round;
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 50);  // 72 in GPT-2
+  EXPECT_EQ(enc.cache_misses(), 0u);
+}
+
 TEST(Bpe, CacheIsTransparent) {
   // A cache full from the start (short and long pieces) must give the same ids as an uncached BPE.
   Gpt2Encoder small(Tok(), {.special_endoftext = true, .cache_slots = 16, .long_cache_bytes = 64});
