@@ -171,32 +171,27 @@ namespace pretok_detail {
 // Bytes a block needs readable: 64 positions and the 16 after them (the rules look ahead).
 inline constexpr ptrdiff_t kBlockBytes = 80;
 
-// Piece starts among the 64 bytes at p, which begin a piece, as a bit mask (bit 0 set), when the
-// 80 bytes at p are all ASCII (*last_high = -1); else 0 with *last_high set to the offset of the
-// last non-ASCII byte among them. Every set bit is a true piece start; the piece at the highest one may end past the
-// block. The rules of PieceEnd as mask arithmetic over class masks (SSE2, part of baseline x86-64):
+// Piece starts among the 64 bytes at p, which begin a piece, as a bit mask (bit 0 set), when those
+// bytes hold ASCII and 2-byte characters other than whitespace (Latin with diacritics, Greek,
+// Cyrillic, Armenian, Hebrew, Arabic...), *last_bad = -1; else 0 with *last_bad set to the offset
+// of the last byte that stops a block (no block that starts at or before it can pass). Every set
+// bit is a true piece start; the piece at the highest one may end past the block. The 80 bytes at
+// p must be readable. The rules of PieceEnd as mask arithmetic over class masks (SSE2, part of
+// baseline x86-64), a 2-byte character's two bytes both carrying its class:
 //   a letter/number/other run starts a piece unless a space (U+0020) comes just before it;
 //   a whitespace run starts a piece, and so does its last character when it has two or more and a
 //   non-space follows (which the last character then joins, if it is a space, or stands alone);
 //   an apostrophe that starts a piece followed by s|t|m|d or re|ve|ll is a piece of its own.
-__attribute__((always_inline)) inline uint64_t AsciiBoundaries(const uint8_t* p, int* last_high) {
+__attribute__((always_inline)) inline uint64_t BlockBoundaries(const uint8_t* p, int* last_bad) {
   const auto bits = [](__m128i m) -> uint64_t { return static_cast<uint32_t>(_mm_movemask_epi8(m)); };
-  const auto below = [](__m128i v, char lo, int n) {  // lo <= v < lo + n, bytewise (n < 128)
+  const auto below = [](__m128i v, int lo, int n) {  // lo <= v < lo + n, bytewise as unsigned (n < 128)
     return _mm_cmplt_epi8(_mm_add_epi8(v, _mm_set1_epi8(static_cast<char>(-128 - lo))),
                           _mm_set1_epi8(static_cast<char>(-128 + n)));
   };
   __m128i v[5];
   for (int c = 0; c < 5; ++c) v[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c));
-  // Not all ASCII (most blocks of most scripts): say where the last non-ASCII byte is, as no block
-  // that starts at or before it can be all ASCII either.
-  if (_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(_mm_or_si128(v[0], v[1]), _mm_or_si128(v[2], v[3])), v[4])) != 0) {
-    const uint64_t high = bits(v[0]) | bits(v[1]) << 16 | bits(v[2]) << 32 | bits(v[3]) << 48;
-    const uint64_t high4 = bits(v[4]);
-    *last_high = high4 != 0 ? 64 + (63 - __builtin_clzll(high4)) : 63 - __builtin_clzll(high);
-    return 0;
-  }
   uint64_t lo_l = 0, lo_n = 0, lo_s = 0, lo_sp = 0, lo_ap = 0;
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < 4; ++c) {  // non-ASCII bytes are in none of these
     const __m128i sp = _mm_cmpeq_epi8(v[c], _mm_set1_epi8(' '));
     lo_l |= bits(below(_mm_or_si128(v[c], _mm_set1_epi8(0x20)), 'a', 26)) << (16 * c);
     lo_n |= bits(below(v[c], '0', 10)) << (16 * c);
@@ -204,9 +199,50 @@ __attribute__((always_inline)) inline uint64_t AsciiBoundaries(const uint8_t* p,
     lo_sp |= bits(sp) << (16 * c);
     lo_ap |= bits(_mm_cmpeq_epi8(v[c], _mm_set1_epi8('\''))) << (16 * c);
   }
-  *last_high = -1;
   const __m128i v4 = v[4];
-  const uint64_t s64 = bits(_mm_or_si128(_mm_cmpeq_epi8(v4, _mm_set1_epi8(' ')), below(v4, 9, 5))) & 1;
+  uint64_t s64;  // the character after the block is whitespace
+  const uint64_t high = bits(v[0]) | bits(v[1]) << 16 | bits(v[2]) << 32 | bits(v[3]) << 48;
+  const uint64_t high4 = bits(v4);
+  if ((high | high4) == 0) {
+    s64 = bits(_mm_or_si128(_mm_cmpeq_epi8(v4, _mm_set1_epi8(' ')), below(v4, 9, 5))) & 1;
+  } else {
+    uint64_t lead = 0, cont = 0;  // bytes C2..DF (a 2-byte character's first), 80..BF
+    for (int c = 0; c < 4; ++c) {
+      lead |= bits(below(v[c], 0xC2, 30)) << (16 * c);
+      cont |= bits(below(v[c], 0x80, 64)) << (16 * c);
+    }
+    const uint64_t cont4 = bits(below(v4, 0x80, 64));
+    // Well formed: every first byte followed by a continuation byte, every continuation byte after a
+    // first byte, and no other non-ASCII byte (a first byte at 63 without a continuation byte at 64
+    // is undecided in the table below).
+    const uint64_t bad = (high & ~(lead | cont)) | (cont ^ (lead << 1));
+    if (bad != 0) {
+      *last_bad = 63 - __builtin_clzll(bad);
+      return 0;
+    }
+    // The characters' classes from the two-byte table (whitespace, an ill-formed pair, or a table
+    // not yet initialised stops the block).
+    bool stop = false;
+    for (uint64_t m = lead; m != 0; m &= m - 1) {
+      const int i = __builtin_ctzll(m);
+      const uint8_t k = kPrefixClass[static_cast<uint32_t>(p[i]) << 8 | p[i + 1]];
+      const uint64_t both = uint64_t{3} << i;  // bit 64 of the one at 63 falls off
+      lo_l |= k == 1 + unicode::kLetter ? both : 0;
+      lo_n |= k == 1 + unicode::kNumber ? both : 0;
+      stop |= (k == kPrefixUndecided) | (k == 1 + unicode::kSpace);
+      if (stop) {
+        *last_bad = i + 1;
+        return 0;
+      }
+    }
+    if (high4 & 1 & ~cont4) {  // a character starts at 64: its class, exactly
+      int len;
+      s64 = ClassAt(p + 64, p + kBlockBytes, &len) == unicode::kSpace;
+    } else {
+      s64 = bits(_mm_or_si128(_mm_cmpeq_epi8(v4, _mm_set1_epi8(' ')), below(v4, 9, 5))) & 1;
+    }
+  }
+  *last_bad = -1;
   // Class changes from the previous character (bit 0, the block's start, is a piece start anyway).
   const uint64_t change = ((lo_l ^ (lo_l << 1)) | (lo_n ^ (lo_n << 1)) | (lo_s ^ (lo_s << 1))) & ~1ull;
   const uint64_t run_start = change & ~lo_s & ~(lo_sp << 1);
@@ -235,7 +271,7 @@ __attribute__((always_inline)) inline uint64_t AsciiBoundaries(const uint8_t* p,
 
 // Calls emit(const uint8_t* begin, const uint8_t* end) for every piece of `text`, in order.
 // Never reads outside [text.data(), text.data() + text.size()). Invalid UTF-8 bytes act as
-// single "other" characters. ASCII stretches go 64 bytes at a time (AsciiBoundaries: the piece
+// single "other" characters. Stretches of ASCII and 2-byte characters go 64 bytes at a time (BlockBoundaries: the piece
 // ends come from class masks, one bit popped per piece, no branch per character); the rest piece
 // by piece (PieceEnd). One call site, so the compiler inlines emit into the loop.
 template <typename Emit>
@@ -245,16 +281,16 @@ inline void ForEachPiece(std::string_view text, Emit&& emit) {
 #if defined(__SSE2__)
   uint64_t pending = 0;  // piece ends still to hand out, as offsets from base
   const uint8_t* base = p;
-  const uint8_t* next_try = p;  // no block starts before this (a non-ASCII byte is in the way)
+  const uint8_t* next_try = p;  // no block starts before this (a byte that stops blocks is in the way)
 #endif
   while (p < end) {
     const uint8_t* q;
 #if defined(__SSE2__)
     if (pending == 0 && p >= next_try && end - p >= pretok_detail::kBlockBytes) {
-      int last_high = -1;
-      pending = pretok_detail::AsciiBoundaries(p, &last_high) & ~1ull;
+      int last_bad = -1;
+      pending = pretok_detail::BlockBoundaries(p, &last_bad) & ~1ull;
       base = p;
-      if (pending == 0) next_try = p + last_high + 1;  // past the last non-ASCII byte (or this piece)
+      if (pending == 0) next_try = p + last_bad + 1;  // past the last byte that stops a block (or this piece)
     }
     if (pending != 0) {
       q = base + __builtin_ctzll(pending);

@@ -113,7 +113,7 @@ TEST(PretokenizerOracle, AdversarialAlphabetFuzz) {
   }
 }
 
-// Long ASCII stretches go through the 64-byte block path (AsciiBoundaries): blocks over every
+// Long ASCII stretches go through the 64-byte block path (BlockBoundaries): blocks over every
 // ASCII byte and over the bytes the rules care about (apostrophes, contraction letters, runs of
 // spaces, tabs and newlines), now and then a non-ASCII character, lengths past several blocks;
 // equal to the oracle, and to the character-at-a-time path (PieceEnd alone).
@@ -147,6 +147,50 @@ TEST(PretokenizerOracle, AsciiBlocksFuzz) {
     const auto got = Pretokenize(s);
     ASSERT_EQ(got, slow) << "input: " << Show(s);
     ASSERT_EQ(got, oracle.Split(s)) << "input: " << Show(s);
+  }
+}
+
+// Blocks may hold 2-byte characters too (BlockBoundaries): letters, numbers and others of several
+// scripts among the ASCII that the rules care about, with the 2-byte whitespace, 3-byte characters
+// and invalid bytes that stop a block, at every offset: equal to the character path and to PCRE2.
+TEST(PretokenizerOracle, TwoByteBlocksFuzz) {
+  Oracle oracle;
+  const std::string ascii = "asStmdL'''    \t\n09.,!-";
+  const char* const two[] = {"\xC3\xA9" /* e acute */,   "\xC3\x97" /* times (Sm) */, "\xD0\x96" /* Zhe */,
+                             "\xD9\xA3" /* Arabic-Indic 3 (Nd) */, "\xC2\xB9" /* superscript 1 (No) */,
+                             "\xC2\xAA" /* ordinal a (Lo) */, "\xCC\x81" /* combining acute (Mn) */,
+                             "\xC2\xAB" /* guillemet */, "\xCE\xB1" /* alpha */, "\xD7\x90" /* alef */};
+  const char* const stoppers[] = {"\xC2\xA0" /* NBSP */, "\xC2\x85" /* NEL */, "\xE4\xB8\xAD" /* CJK */,
+                                  "\xE3\x80\x80" /* ideographic space */, "\x80", "\xC3", "\xC3(",
+                                  "\xF0\x9F\x98\x80"};
+  std::mt19937 rng(20261124);
+  for (int iter = 0; iter < 8000; ++iter) {
+    std::string s;
+    const size_t n = 1 + rng() % 400;
+    const int stop_rate = iter % 3 == 0 ? 0 : (iter % 3 == 1 ? 300 : 40);
+    bool valid = true;  // PCRE2 takes valid UTF-8 only
+    while (s.size() < n) {
+      const uint32_t r = rng() % 1000;
+      if (stop_rate != 0 && r % stop_rate == 0) {
+        const size_t k = rng() % 8;
+        valid &= k < 4 || k == 7;
+        s += stoppers[k];
+      } else if (r < 450)
+        s += two[rng() % 10];
+      else
+        s += ascii[rng() % ascii.size()];
+      if (rng() % 61 == 0) s += std::string(1 + rng() % 70, rng() % 2 ? ' ' : 'x');
+    }
+    std::vector<std::pair<size_t, size_t>> slow;
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(s.data());
+    for (const uint8_t* p = b; p < b + s.size();) {
+      const uint8_t* q = PieceEnd(p, b + s.size());
+      slow.emplace_back(static_cast<size_t>(p - b), static_cast<size_t>(q - p));
+      p = q;
+    }
+    const auto got = Pretokenize(s);
+    ASSERT_EQ(got, slow) << "input: " << Show(s);
+    if (valid && iter % 2 == 0) ASSERT_EQ(got, oracle.Split(s)) << "input: " << Show(s);
   }
 }
 
