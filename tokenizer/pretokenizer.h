@@ -172,12 +172,12 @@ namespace pretok_detail {
 inline constexpr ptrdiff_t kBlockBytes = 80;
 
 // Piece starts among the 64 bytes at p, which begin a piece, as a bit mask (bit 0 set), when those
-// bytes hold ASCII and 2-byte characters other than whitespace (Latin with diacritics, Greek,
-// Cyrillic, Armenian, Hebrew, Arabic...), *last_bad = -1; else 0 with *last_bad set to the offset
+// bytes hold ASCII, 2-byte and 3-byte characters other than whitespace (Latin with diacritics,
+// Greek, Cyrillic, Hebrew, Arabic, Indic scripts, CJK...), *last_bad = -1; else 0 with *last_bad set to the offset
 // of the last byte that stops a block (no block that starts at or before it can pass). Every set
 // bit is a true piece start; the piece at the highest one may end past the block. The 80 bytes at
 // p must be readable. The rules of PieceEnd as mask arithmetic over class masks (SSE2, part of
-// baseline x86-64), a 2-byte character's two bytes both carrying its class:
+// baseline x86-64), a character's bytes all carrying its class:
 //   a letter/number/other run starts a piece unless a space (U+0020) comes just before it;
 //   a whitespace run starts a piece, and so does its last character when it has two or more and a
 //   non-space follows (which the last character then joins, if it is a space, or stands alone);
@@ -206,31 +206,40 @@ __attribute__((always_inline)) inline uint64_t BlockBoundaries(const uint8_t* p,
   if ((high | high4) == 0) {
     s64 = bits(_mm_or_si128(_mm_cmpeq_epi8(v4, _mm_set1_epi8(' ')), below(v4, 9, 5))) & 1;
   } else {
-    uint64_t lead = 0, cont = 0;  // bytes C2..DF (a 2-byte character's first), 80..BF
+    uint64_t lead2 = 0, lead3 = 0, cont = 0;  // bytes C2..DF, E0..EF (first bytes), 80..BF
     for (int c = 0; c < 4; ++c) {
-      lead |= bits(below(v[c], 0xC2, 30)) << (16 * c);
+      lead2 |= bits(below(v[c], 0xC2, 30)) << (16 * c);
+      lead3 |= bits(below(v[c], 0xE0, 16)) << (16 * c);
       cont |= bits(below(v[c], 0x80, 64)) << (16 * c);
     }
     const uint64_t cont4 = bits(below(v4, 0x80, 64));
-    // Well formed: every first byte followed by a continuation byte, every continuation byte after a
-    // first byte, and no other non-ASCII byte (a first byte at 63 without a continuation byte at 64
-    // is undecided in the table below).
-    const uint64_t bad = (high & ~(lead | cont)) | (cont ^ (lead << 1));
+    // Well formed: every first byte followed by its continuation bytes, every continuation byte where
+    // a first byte says, and no other non-ASCII byte (continuation bytes past 63 are checked below).
+    const uint64_t bad = (high & ~(lead2 | lead3 | cont)) | (cont ^ ((lead2 << 1) | (lead3 << 1) | (lead3 << 2)));
     if (bad != 0) {
       *last_bad = 63 - __builtin_clzll(bad);
       return 0;
     }
-    // The characters' classes from the two-byte table (whitespace, an ill-formed pair, or a table
-    // not yet initialised stops the block).
-    bool stop = false;
-    for (uint64_t m = lead; m != 0; m &= m - 1) {
+    // The characters' classes from the two-byte table, or by code point where a 3-byte prefix's
+    // characters differ; whitespace, an ill-formed character (overlong, surrogate, a continuation
+    // byte missing past 63) or a table not yet initialised stops the block. A character's bytes
+    // all carry its class (bits past 63 fall off).
+    for (uint64_t m = lead2 | lead3; m != 0; m &= m - 1) {
       const int i = __builtin_ctzll(m);
-      const uint8_t k = kPrefixClass[static_cast<uint32_t>(p[i]) << 8 | p[i + 1]];
-      const uint64_t both = uint64_t{3} << i;  // bit 64 of the one at 63 falls off
-      lo_l |= k == 1 + unicode::kLetter ? both : 0;
-      lo_n |= k == 1 + unicode::kNumber ? both : 0;
-      stop |= (k == kPrefixUndecided) | (k == 1 + unicode::kSpace);
-      if (stop) {
+      const uint8_t c0 = p[i];
+      uint8_t k = kPrefixClass[static_cast<uint32_t>(c0) << 8 | p[i + 1]];
+      uint64_t bytes = uint64_t{3} << i;
+      bool stop = false;
+      if (c0 >= 0xE0) {
+        bytes = uint64_t{7} << i;
+        stop = (p[i + 2] & 0xC0) != 0x80;
+        if (k == kPrefixMixed)
+          k = static_cast<uint8_t>(
+              1 + unicode::ClassOf(((c0 & 0x0Fu) << 12) | ((p[i + 1] & 0x3Fu) << 6) | (p[i + 2] & 0x3Fu)));
+      }
+      lo_l |= k == 1 + unicode::kLetter ? bytes : 0;
+      lo_n |= k == 1 + unicode::kNumber ? bytes : 0;
+      if (stop | (k == kPrefixUndecided) | (k == 1 + unicode::kSpace)) {
         *last_bad = i + 1;
         return 0;
       }
@@ -271,7 +280,8 @@ __attribute__((always_inline)) inline uint64_t BlockBoundaries(const uint8_t* p,
 
 // Calls emit(const uint8_t* begin, const uint8_t* end) for every piece of `text`, in order.
 // Never reads outside [text.data(), text.data() + text.size()). Invalid UTF-8 bytes act as
-// single "other" characters. Stretches of ASCII and 2-byte characters go 64 bytes at a time (BlockBoundaries: the piece
+// single "other" characters. Stretches without 4-byte characters, non-ASCII whitespace or invalid
+// bytes go 64 bytes at a time (BlockBoundaries: the piece
 // ends come from class masks, one bit popped per piece, no branch per character); the rest piece
 // by piece (PieceEnd). One call site, so the compiler inlines emit into the loop.
 template <typename Emit>

@@ -150,19 +150,36 @@ TEST(PretokenizerOracle, AsciiBlocksFuzz) {
   }
 }
 
-// Blocks may hold 2-byte characters too (BlockBoundaries): letters, numbers and others of several
-// scripts among the ASCII that the rules care about, with the 2-byte whitespace, 3-byte characters
-// and invalid bytes that stop a block, at every offset: equal to the character path and to PCRE2.
-TEST(PretokenizerOracle, TwoByteBlocksFuzz) {
+// Blocks may hold 2- and 3-byte characters too (BlockBoundaries): letters, numbers and others of
+// several scripts (Latin, Cyrillic, Arabic, Hebrew, Devanagari with its combining marks, CJK,
+// fullwidth forms) among the ASCII that the rules care about, with the non-ASCII whitespace, 4-byte
+// characters and invalid bytes that stop a block, at every offset: equal to the character path and
+// to PCRE2.
+TEST(PretokenizerOracle, MultiByteBlocksFuzz) {
   Oracle oracle;
   const std::string ascii = "asStmdL'''    \t\n09.,!-";
-  const char* const two[] = {"\xC3\xA9" /* e acute */,   "\xC3\x97" /* times (Sm) */, "\xD0\x96" /* Zhe */,
-                             "\xD9\xA3" /* Arabic-Indic 3 (Nd) */, "\xC2\xB9" /* superscript 1 (No) */,
-                             "\xC2\xAA" /* ordinal a (Lo) */, "\xCC\x81" /* combining acute (Mn) */,
-                             "\xC2\xAB" /* guillemet */, "\xCE\xB1" /* alpha */, "\xD7\x90" /* alef */};
-  const char* const stoppers[] = {"\xC2\xA0" /* NBSP */, "\xC2\x85" /* NEL */, "\xE4\xB8\xAD" /* CJK */,
-                                  "\xE3\x80\x80" /* ideographic space */, "\x80", "\xC3", "\xC3(",
-                                  "\xF0\x9F\x98\x80"};
+  const char* const chars[] = {
+      "\xC3\xA9" /* e acute */,         "\xC3\x97" /* times (Sm) */,     "\xD0\x96" /* Zhe */,
+      "\xD9\xA3" /* Arabic-Indic 3 */,  "\xC2\xB9" /* superscript 1 */,  "\xC2\xAA" /* ordinal a (Lo) */,
+      "\xCC\x81" /* combining acute */, "\xC2\xAB" /* guillemet */,      "\xD7\x90" /* alef */,
+      "\xE4\xB8\xAD" /* CJK */,         "\xE3\x80\x81" /* ideographic comma */,
+      "\xEF\xBC\xA1" /* fullwidth A */, "\xEF\xBC\x81" /* fullwidth ! */, "\xE0\xA4\x95" /* Devanagari ka */,
+      "\xE0\xA5\x8D" /* virama (Mn) */, "\xE0\xA5\xA9" /* Devanagari 3 */, "\xE2\x82\xAC" /* euro */,
+      "\xE0\xA4\xBE" /* sign aa (Mc) */};
+  constexpr size_t kChars = sizeof(chars) / sizeof(chars[0]);
+  const char* const stoppers[] = {"\xC2\xA0" /* NBSP */,
+                                  "\xC2\x85" /* NEL */,
+                                  "\xE3\x80\x80" /* ideographic space */,
+                                  "\xE2\x80\xA8" /* line separator */,
+                                  "\xF0\x9F\x98\x80" /* emoji */,
+                                  "\x80",
+                                  "\xC3",
+                                  "\xC3(",
+                                  "\xE4\xB8",
+                                  "\xED\xA0\x80" /* surrogate */,
+                                  "\xE0\x80\x80" /* overlong */};
+  constexpr size_t kStoppers = sizeof(stoppers) / sizeof(stoppers[0]);
+  constexpr size_t kValidStoppers = 5;  // the first five are valid UTF-8
   std::mt19937 rng(20261124);
   for (int iter = 0; iter < 8000; ++iter) {
     std::string s;
@@ -172,11 +189,11 @@ TEST(PretokenizerOracle, TwoByteBlocksFuzz) {
     while (s.size() < n) {
       const uint32_t r = rng() % 1000;
       if (stop_rate != 0 && r % stop_rate == 0) {
-        const size_t k = rng() % 8;
-        valid &= k < 4 || k == 7;
+        const size_t k = rng() % kStoppers;
+        valid &= k < kValidStoppers;
         s += stoppers[k];
       } else if (r < 450)
-        s += two[rng() % 10];
+        s += chars[rng() % kChars];
       else
         s += ascii[rng() % ascii.size()];
       if (rng() % 61 == 0) s += std::string(1 + rng() % 70, rng() % 2 ? ' ' : 'x');
