@@ -207,7 +207,7 @@ class Gpt2Encoder {
     uint64_t k0, k1, h;  // h: full hash (of the key, or HashLong), masked at lookup (the table may grow)
     uint32_t n;
   };
-  static constexpr int kBatch = 32;
+  static constexpr int kBatch = 128;
   // Appends the ids of one piece at *out (room for n ids is guaranteed); returns the new end.
   using CacheSlot = Gpt2Tokenizer::PieceSlot;
   int32_t* EncodeBatch(const Pending* batch, int count, int32_t* out);
