@@ -488,17 +488,31 @@ struct Gpt2Tokenizer::ShortMerge {
   uint8_t end;
 };
 
-inline __attribute__((always_inline)) void Gpt2Tokenizer::ShortStart(ShortMerge& s, const uint8_t* p,
-                                                                     size_t n) const {
+// A piece's bytes as linked symbols, between the two kNoSymbol ends (S: ShortMerge or Short16).
+template <typename S>
+inline __attribute__((always_inline)) void Gpt2Tokenizer::LinkSymbols(S& s, const uint8_t* p, size_t n) {
   s.end = static_cast<uint8_t>(n);
   for (size_t i = 0; i < n; ++i) {
     s.sym[i] = p[i];
     s.next[i] = static_cast<uint8_t>(i + 1);
     s.prev[i] = static_cast<uint8_t>(i - 1);
   }
-  s.prev[0] = ShortMerge::kHead;
-  s.next[ShortMerge::kHead] = 0;
-  s.sym[ShortMerge::kHead] = s.sym[s.end] = kNoSymbol;
+  s.prev[0] = S::kHead;
+  s.next[S::kHead] = 0;
+  s.sym[S::kHead] = s.sym[s.end] = kNoSymbol;
+}
+
+// The vocab ids of the merged symbols, in order; returns how many.
+template <typename S>
+inline size_t Gpt2Tokenizer::SymbolIds(const S& s, int32_t* out) const {
+  size_t k = 0;
+  for (uint8_t i = 0; i != s.end; i = s.next[i]) out[k++] = sym_ids_[s.sym[i]];
+  return k;
+}
+
+inline __attribute__((always_inline)) void Gpt2Tokenizer::ShortStart(ShortMerge& s, const uint8_t* p,
+                                                                     size_t n) const {
+  LinkSymbols(s, p, n);
   for (uint8_t i = 0; i < s.end; ++i) s.rk[i] = PairRank(s.sym[i], s.sym[s.next[i]]);
   for (unsigned i = s.end; i % 8 != 0; ++i) s.rk[i] = kNoRank;
 }
@@ -523,12 +537,6 @@ inline __attribute__((always_inline)) bool Gpt2Tokenizer::ShortRound(ShortMerge&
   return true;
 }
 
-inline size_t Gpt2Tokenizer::ShortIds(const ShortMerge& s, int32_t* out) const {
-  size_t k = 0;
-  for (uint8_t i = 0; i != s.end; i = s.next[i]) out[k++] = sym_ids_[s.sym[i]];
-  return k;
-}
-
 template <typename Rounds>
 inline __attribute__((always_inline)) size_t Gpt2Tokenizer::BpeShortRounds(const uint8_t* p, size_t n,
                                                                            int32_t* out) const {
@@ -536,7 +544,7 @@ inline __attribute__((always_inline)) size_t Gpt2Tokenizer::BpeShortRounds(const
   ShortStart(s, p, n);
   while (ShortRound<Rounds>(s)) {
   }
-  return ShortIds(s, out);
+  return SymbolIds(s, out);
 }
 
 // Two pieces' rounds taken in turn: each round waits on its pair lookups, and the other piece's
@@ -553,8 +561,8 @@ inline __attribute__((always_inline)) void Gpt2Tokenizer::BpeShortPairRounds(Sho
   }
   while (more_x) more_x = ShortRound<Rounds>(x);
   while (more_y) more_y = ShortRound<Rounds>(y);
-  a->count = ShortIds(x, a->out);
-  b->count = ShortIds(y, b->out);
+  a->count = SymbolIds(x, a->out);
+  b->count = SymbolIds(y, b->out);
 }
 
 #if defined(__x86_64__)
@@ -579,15 +587,7 @@ __attribute__((target("avx2"), always_inline)) inline void SetLane(__m256i& r0, 
 
 __attribute__((target("avx2"), always_inline)) inline void Gpt2Tokenizer::Start16(Short16& s, const uint8_t* p,
                                                                                   size_t n) const {
-  s.end = static_cast<uint8_t>(n);
-  for (size_t i = 0; i < n; ++i) {
-    s.sym[i] = p[i];
-    s.next[i] = static_cast<uint8_t>(i + 1);
-    s.prev[i] = static_cast<uint8_t>(i - 1);
-  }
-  s.prev[0] = Short16::kHead;
-  s.next[Short16::kHead] = 0;
-  s.sym[Short16::kHead] = s.sym[s.end] = kNoSymbol;
+  LinkSymbols(s, p, n);
   alignas(32) uint32_t rk[16];
   for (size_t i = 0; i < 16; ++i) rk[i] = i < n ? PairRank(s.sym[i], s.sym[s.next[i]]) : kNoRank;
   s.r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rk));
@@ -628,9 +628,7 @@ __attribute__((target("avx2"))) size_t Gpt2Tokenizer::BpeShortAvx2(const uint8_t
     Start16(s, p, n);
     while (Round16(s)) {
     }
-    size_t k = 0;
-    for (uint8_t i = 0; i != s.end; i = s.next[i]) out[k++] = sym_ids_[s.sym[i]];
-    return k;
+    return SymbolIds(s, out);
   }
   return BpeShortRounds<Avx2Rounds>(p, n, out);
 }
@@ -646,12 +644,8 @@ __attribute__((target("avx2"))) void Gpt2Tokenizer::BpeShortPairAvx2(ShortPiece*
     }
     while (more_x) more_x = Round16(x);
     while (more_y) more_y = Round16(y);
-    size_t k = 0;
-    for (uint8_t i = 0; i != x.end; i = x.next[i]) a->out[k++] = sym_ids_[x.sym[i]];
-    a->count = k;
-    k = 0;
-    for (uint8_t i = 0; i != y.end; i = y.next[i]) b->out[k++] = sym_ids_[y.sym[i]];
-    b->count = k;
+    a->count = SymbolIds(x, a->out);
+    b->count = SymbolIds(y, b->out);
     return;
   }
   BpeShortPairRounds<Avx2Rounds>(a, b);
@@ -672,7 +666,7 @@ size_t Gpt2Tokenizer::BpeShortTo(const uint8_t* p, size_t n, int32_t* out) const
   return BpeShortRounds<ScalarRounds>(p, n, out);
 }
 
-void Gpt2Tokenizer::BpeShortPair(ShortPiece* a, ShortPiece* b) const {
+void Gpt2Tokenizer::BpeShortPair(ShortPiece* a, ShortPiece* b, bool portable) const {
   PTK_CHECK(a->n <= kShortPiece && b->n <= kShortPiece);
   if (a->n < 2 || b->n < 2) {
     a->count = BpeShortTo(a->p, a->n, a->out);
@@ -680,18 +674,8 @@ void Gpt2Tokenizer::BpeShortPair(ShortPiece* a, ShortPiece* b) const {
     return;
   }
 #if defined(__x86_64__)
-  if (kAvx2) return BpeShortPairAvx2(a, b);
+  if (kAvx2 && !portable) return BpeShortPairAvx2(a, b);
 #endif
-  BpeShortPairRounds<ScalarRounds>(a, b);
-}
-
-void Gpt2Tokenizer::BpeShortPairPortable(ShortPiece* a, ShortPiece* b) const {
-  PTK_CHECK(a->n <= kShortPiece && b->n <= kShortPiece);
-  if (a->n < 2 || b->n < 2) {
-    a->count = BpeShortTo(a->p, a->n, a->out);
-    b->count = BpeShortTo(b->p, b->n, b->out);
-    return;
-  }
   BpeShortPairRounds<ScalarRounds>(a, b);
 }
 

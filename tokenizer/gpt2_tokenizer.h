@@ -69,15 +69,14 @@ class Gpt2Tokenizer {
   size_t BpeShortTo(const uint8_t* p, size_t n, int32_t* out) const;
   // Two pieces of at most kShortPiece bytes merged together, the rounds of one running while the
   // other's wait on their pair lookups; the same ids as BpeShort on each. out: room for n ids;
-  // count: how many were written.
+  // count: how many were written. portable: the portable rounds whatever the CPU (for tests).
   struct ShortPiece {
     const uint8_t* p;
     size_t n;
     int32_t* out;
     size_t count;
   };
-  void BpeShortPair(ShortPiece* a, ShortPiece* b) const;
-  void BpeShortPairPortable(ShortPiece* a, ShortPiece* b) const;  // the portable rounds, for tests
+  void BpeShortPair(ShortPiece* a, ShortPiece* b, bool portable = false) const;
   void BpeLong(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
 
   // Whole-token lookup of a piece of at most 16 bytes; -1 if absent.
@@ -127,7 +126,10 @@ class Gpt2Tokenizer {
   void ShortStart(ShortMerge& s, const uint8_t* p, size_t n) const;
   template <typename Rounds>
   bool ShortRound(ShortMerge& s) const;
-  size_t ShortIds(const ShortMerge& s, int32_t* out) const;
+  template <typename S>
+  static void LinkSymbols(S& s, const uint8_t* p, size_t n);
+  template <typename S>
+  size_t SymbolIds(const S& s, int32_t* out) const;
   template <typename Rounds>
   size_t BpeShortRounds(const uint8_t* p, size_t n, int32_t* out) const;
   template <typename Rounds>

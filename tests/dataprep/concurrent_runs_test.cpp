@@ -194,7 +194,9 @@ TEST(ConcurrentRuns, KilledTokenizeResumes) {
     ASSERT_EQ(rerun.exit_code, 0) << "trial " << trial << ": " << rerun.output;
     const bool resuming = rerun.output.find("resuming a killed run") != std::string::npos;
     resumed += resuming;
-    if (!landed) EXPECT_FALSE(resuming) << "trial " << trial << ": nothing was killed: " << rerun.output;
+    if (!landed) {
+      EXPECT_FALSE(resuming) << "trial " << trial << ": nothing was killed: " << rerun.output;
+    }
     ASSERT_EQ(testing::ReadFile(dir / "out/ds_text_document.bin"), bin) << "trial " << trial << ": " << rerun.output;
     ASSERT_EQ(testing::ReadFile(dir / "out/ds_text_document.idx"), idx) << "trial " << trial;
     EXPECT_FALSE(testing::Exists(dir / "out/ds_text_document.ptk-resume")) << "trial " << trial;

@@ -454,8 +454,12 @@ TEST(Http, CaBundleFromTheEnvironmentOrTheUsualPlaces) {
   ::unsetenv("CURL_CA_BUNDLE");
   ::unsetenv("SSL_CERT_FILE");
   const std::string found = FindCaBundle();
-  if (!found.empty()) EXPECT_EQ(::access(found.c_str(), R_OK), 0) << found;
-  if (::access("/etc/ssl/certs/ca-certificates.crt", R_OK) == 0) EXPECT_EQ(found, "/etc/ssl/certs/ca-certificates.crt");
+  if (!found.empty()) {
+    EXPECT_EQ(::access(found.c_str(), R_OK), 0) << found;
+  }
+  if (::access("/etc/ssl/certs/ca-certificates.crt", R_OK) == 0) {
+    EXPECT_EQ(found, "/etc/ssl/certs/ca-certificates.crt");
+  }
   ::setenv("SSL_CERT_FILE", "/opt/site/certs.pem", 1);
   EXPECT_EQ(FindCaBundle(), "/opt/site/certs.pem");
   ::setenv("CURL_CA_BUNDLE", "/opt/site/curl.pem", 1);

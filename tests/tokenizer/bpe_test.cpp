@@ -79,10 +79,7 @@ TEST(Bpe, PairedMergesEqualSingleOnes) {
       int32_t out[2][Gpt2Tokenizer::kShortPiece];
       Gpt2Tokenizer::ShortPiece a{reinterpret_cast<const uint8_t*>(s[0].data()), s[0].size(), out[0], 0};
       Gpt2Tokenizer::ShortPiece b{reinterpret_cast<const uint8_t*>(s[1].data()), s[1].size(), out[1], 0};
-      if (portable)
-        Tok().BpeShortPairPortable(&a, &b);
-      else
-        Tok().BpeShortPair(&a, &b);
+      Tok().BpeShortPair(&a, &b, portable);
       ASSERT_EQ(std::vector<int32_t>(out[0], out[0] + a.count), want[0]) << s[0] << " | " << s[1] << " " << portable;
       ASSERT_EQ(std::vector<int32_t>(out[1], out[1] + b.count), want[1]) << s[0] << " | " << s[1] << " " << portable;
     }
