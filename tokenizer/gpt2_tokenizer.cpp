@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <queue>
 #include <type_traits>
 
@@ -35,8 +34,6 @@ extern const char ptk_gpt2_tables_end[];
 
 namespace ptk {
 namespace {
-
-constexpr uint32_t kNoRank = std::numeric_limits<uint32_t>::max();
 
 // GPT-2's bytes_to_unicode: printable bytes map to themselves, the other 68 to U+0100 + n.
 struct ByteLevelMap {
@@ -441,7 +438,7 @@ namespace {
 
 struct ScalarRounds {
   static uint32_t Min(const uint32_t* rk, unsigned end) {
-    uint32_t best = kNoRank;
+    uint32_t best = Gpt2Tokenizer::kNoRank;
     for (unsigned i = 0; i < end; ++i) best = std::min(best, rk[i]);
     return best;
   }

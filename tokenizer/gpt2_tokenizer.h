@@ -61,6 +61,7 @@ class Gpt2Tokenizer {
   // The two merge algorithms behind BpePiece: linear scans over a linked list in stack arrays for
   // pieces of at most kShortPiece bytes, a heap for longer ones.
   static constexpr size_t kShortPiece = 64;
+  static constexpr uint32_t kNoRank = ~0u;  // the rank of a pair that does not merge
   void BpeShort(const uint8_t* p, size_t n, std::vector<int32_t>* out) const;
   // BpeShort's portable rounds, whatever the CPU (BpeShort takes AVX2 where the CPU has it), so
   // tests compare both paths on any machine.
@@ -100,7 +101,6 @@ class Gpt2Tokenizer {
   static constexpr uint64_t kRankMask = (uint64_t{1} << kRankBits) - 1;
   static constexpr uint64_t kNoPairWord = ~0ull;  // its key (all ones) is no pair's key
   static constexpr uint32_t kNoSymbol = (1u << kSymbolBits) - 1;  // never in a pair
-  static constexpr uint32_t kNoRank = ~0u;
   static uint64_t PairKey(uint32_t x, uint32_t y) { return (uint64_t{x} << kSymbolBits) | y; }
   // The rank of the merge of symbols x and y, kNoRank if they do not merge.
   uint32_t PairRank(uint32_t x, uint32_t y) const {
