@@ -145,7 +145,7 @@ absl::Status AtomicFileWriter::Flush() {
 // little left to do and disk writes overlap with the caller's work.
 void AtomicFileWriter::StartWriteback() {
   const uint64_t on_disk = bytes_written_ - buf_used_;
-  if (on_disk - synced_ < (16u << 20)) return;
+  if (on_disk - synced_ < (1u << 20)) return;
   ::sync_file_range(fd_, static_cast<off64_t>(synced_), static_cast<off64_t>(on_disk - synced_), SYNC_FILE_RANGE_WRITE);
   synced_ = on_disk;
 }

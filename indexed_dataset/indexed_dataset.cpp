@@ -59,7 +59,9 @@ IndexedDatasetBuilder::IndexedDatasetBuilder(std::string prefix, DType dtype, bo
       dtype_(dtype),
       multimodal_(multimodal),
       lock_(std::move(lock)),
-      bin_(std::move(bin)) {}
+      bin_(std::move(bin)) {
+  if (bin_->bytes_written() == 0) bin_hash_ = std::make_unique<Xxh3>();
+}
 
 absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Create(const std::string& prefix,
                                                                                      DType dtype, bool multimodal) {
@@ -101,7 +103,10 @@ absl::StatusOr<BuilderCheckpoint> IndexedDatasetBuilder::Checkpoint() {
 absl::Status IndexedDatasetBuilder::WriteTokens(std::span<const int32_t> tokens) {
   if (tokens.empty()) return absl::OkStatus();
   const size_t isz = DTypeSize(dtype_);
-  if (dtype_ == DType::kInt32) return bin_->Write(tokens.data(), tokens.size() * 4);
+  if (dtype_ == DType::kInt32) {
+    if (bin_hash_) bin_hash_->Update(tokens.data(), tokens.size() * 4);
+    return bin_->Write(tokens.data(), tokens.size() * 4);
+  }
   scratch_.resize(tokens.size() * isz);
   switch (dtype_) {
     case DType::kUInt16: ConvertTokens<uint16_t>(tokens, scratch_.data()); break;
@@ -113,6 +118,7 @@ absl::Status IndexedDatasetBuilder::WriteTokens(std::span<const int32_t> tokens)
     case DType::kFloat64: ConvertTokens<double>(tokens, scratch_.data()); break;
     case DType::kInt32: break;
   }
+  if (bin_hash_) bin_hash_->Update(scratch_.data(), scratch_.size());
   return bin_->Write(scratch_.data(), scratch_.size());
 }
 
@@ -171,6 +177,7 @@ absl::Status IndexedDatasetBuilder::AddIndex(const std::string& other_prefix) {
   for (int64_t j = 1; j <= other->num_documents(); ++j) doc_idx_.push_back(offset + other->document_index(j));
   const uint64_t nbytes = static_cast<uint64_t>(other->num_tokens()) * DTypeSize(dtype_);
   tokens_ += other->num_tokens();
+  bin_hash_.reset();  // hashed from the file at Finalize
   return bin_->AppendFileRange(BinPath(other_prefix), 0, nbytes);
 }
 
@@ -198,7 +205,12 @@ absl::Status IndexedDatasetBuilder::Finalize() {
   PTK_RETURN_IF_ERROR(idx_writer->Write(idx));
   PTK_RETURN_IF_ERROR(idx_writer->Seal());
   PTK_RETURN_IF_ERROR(bin_->Seal());
-  PTK_ASSIGN_OR_RETURN(std::string bin_sum, Xxh3FileHex(bin_->tmp_path()));
+  std::string bin_sum;
+  if (bin_hash_) {
+    bin_sum = bin_hash_->HexDigest();
+  } else {
+    PTK_ASSIGN_OR_RETURN(bin_sum, Xxh3FileHex(bin_->tmp_path()));
+  }
   PTK_ASSIGN_OR_RETURN(auto done_writer, AtomicFileWriter::Create(DoneSidecarPath(prefix_)));
   PTK_RETURN_IF_ERROR(done_writer->Write(JsonWriter()
                                              .BeginObject()

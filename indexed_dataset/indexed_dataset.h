@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/file_util.h"
+#include "common/hash.h"
 #include "common/mmap_file.h"
 #include "common/output_lock.h"
 #include "indexed_dataset/dtype.h"
@@ -114,6 +115,10 @@ class IndexedDatasetBuilder {
   std::vector<uint8_t> scratch_;
   int64_t tokens_ = 0;
   bool finalized_ = false;
+  // The .bin's XXH3 as its bytes are written, for the sidecar: no re-read at Finalize. Null once
+  // bytes arrive some other way (a resumed temporary's kept part, AddIndex's file copies); then
+  // Finalize hashes the file.
+  std::unique_ptr<Xxh3> bin_hash_;
 };
 
 // Reader: both files memory-mapped; O(1) zero-copy access to sequences and documents. Open()

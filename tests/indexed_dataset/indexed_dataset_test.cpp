@@ -346,6 +346,61 @@ TEST(IndexedDatasetBuilder, SidecarChecksumsCatchLaterDamage) {
   EXPECT_FALSE(*none);
 }
 
+// The sidecar's .bin checksum is computed as the bytes are written (no re-read at Finalize); it must
+// still equal the file's whichever way its bytes arrived: as int32 or converted, appended from other
+// files (AddIndex), or kept from a killed writer's temporary (Resume).
+TEST(IndexedDatasetBuilder, SidecarChecksumMatchesTheFileWhateverWroteIt) {
+  TempDir dir;
+  auto verified = [](const std::string& prefix) {
+    auto ds = IndexedDataset::Open(prefix);
+    if (!ds.ok()) return ::testing::AssertionFailure() << ds.status();
+    auto ok = (*ds)->VerifyChecksums();
+    if (!ok.ok()) return ::testing::AssertionFailure() << ok.status();
+    if (!*ok) return ::testing::AssertionFailure() << prefix << ": no sidecar";
+    return ::testing::AssertionSuccess();
+  };
+  const auto docs = RandomDocs(40, 60000, 3), more = RandomDocs(30, 60000, 4);
+  WriteDocs(dir / "i32", DType::kInt32, docs);
+  EXPECT_TRUE(verified(dir / "i32"));
+  WriteDocs(dir / "u16", DType::kUInt16, docs);
+  EXPECT_TRUE(verified(dir / "u16"));
+  {  // sequences one by one
+    auto b = IndexedDatasetBuilder::Create(dir / "items", DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (const auto& d : docs) {
+      size_t at = 0;
+      for (int32_t len : d.lengths) {
+        ASSERT_TRUE((*b)->AddItem(std::span<const int32_t>(d.tokens).subspan(at, len)).ok());
+        at += len;
+      }
+      (*b)->EndDocument();
+    }
+    ASSERT_TRUE((*b)->Finalize().ok());
+    EXPECT_TRUE(verified(dir / "items"));
+  }
+  // Appended from other files.
+  WriteDocs(dir / "more", DType::kUInt16, more);
+  ASSERT_TRUE(MergeDatasets({dir / "u16", dir / "more"}, dir / "merged").ok());
+  EXPECT_TRUE(verified(dir / "merged"));
+  // Resumed from a checkpoint: the writer "killed" (its temporary restored after it cleaned up).
+  {
+    auto b = IndexedDatasetBuilder::Create(dir / "resumed", DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (const auto& d : docs) ASSERT_TRUE((*b)->AddDocument(d.tokens, d.lengths).ok());
+    auto cp = (*b)->Checkpoint();
+    ASSERT_TRUE(cp.ok()) << cp.status();
+    const std::string kept = testing::ReadFile(cp->bin_tmp);
+    b->reset();
+    testing::WriteFile(cp->bin_tmp, kept + "bytes written after the checkpoint");
+    auto r = IndexedDatasetBuilder::Resume(dir / "resumed", DType::kUInt16, *cp);
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (const auto& d : more) ASSERT_TRUE((*r)->AddDocument(d.tokens, d.lengths).ok());
+    ASSERT_TRUE((*r)->Finalize().ok());
+    EXPECT_TRUE(verified(dir / "resumed"));
+    EXPECT_EQ(testing::ReadFile(dir / "resumed.bin"), testing::ReadFile(dir / "merged.bin"));
+  }
+}
+
 // A writer killed between its renames leaves the publish journal; the next reader completes it, so
 // nobody sees a new .bin beside an old .idx.
 TEST(IndexedDatasetBuilder, InterruptedPublishIsCompletedByTheNextReader) {
