@@ -47,6 +47,8 @@ std::string Xxh3Hex(std::string_view data);
 absl::StatusOr<std::string> Xxh3FileHex(const std::string& path);
 
 std::string Sha256Hex(std::string_view data);
+// n bytes as 2n lowercase hex digits.
+std::string LowerHex(const unsigned char* d, size_t n);
 std::string Md5Hex(std::string_view data);
 std::string Sha1Hex(std::string_view data);
 
