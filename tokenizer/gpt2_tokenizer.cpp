@@ -144,8 +144,8 @@ std::string_view Gpt2Tokenizer::DefaultTables() {
 
 absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadDefault() {
   if (!DefaultTables().empty()) {
-    auto t = FromTables(DefaultTables());
-    if (t.ok()) return t;
+    std::unique_ptr<Gpt2Tokenizer> t(new Gpt2Tokenizer());
+    if (t->Attach(DefaultTables(), /*trusted=*/true).ok()) return t;
   }
   return FromStrings(DefaultVocabJson(), DefaultMergesTxt(), "built-in gpt2");
 }
@@ -198,7 +198,7 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     entries.emplace_back(id, std::string(field.key));
   }
   const int64_t n = static_cast<int64_t>(entries.size());
-  id_to_bytes_.assign(n, std::string());
+  std::vector<std::string> id_to_bytes(n);
   std::vector<bool> seen(n, false), byte_level(n, false);
   std::string bytes;
   for (auto& [id, key] : entries) {
@@ -207,13 +207,23 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     if (seen[id]) return absl::InvalidArgumentError(fmt::format("{}: vocab id {} appears twice", origin, id));
     seen[id] = true;
     if (ByteLevelDecode(key, &bytes)) {
-      id_to_bytes_[id] = bytes;
+      id_to_bytes[id] = bytes;
       byte_level[id] = true;
     } else {
-      id_to_bytes_[id] = key;  // an added token outside the byte-level alphabet: literal text
+      id_to_bytes[id] = key;  // an added token outside the byte-level alphabet: literal text
     }
     str_to_id[key] = static_cast<int32_t>(id);
   }
+  vocab_off_built_.assign(1, 0);
+  for (const std::string& b : id_to_bytes) {
+    vocab_bytes_built_ += b;
+    if (vocab_bytes_built_.size() > UINT32_MAX)
+      return absl::InvalidArgumentError(fmt::format("{}: the vocab's tokens exceed 4 GB", origin));
+    vocab_off_built_.push_back(static_cast<uint32_t>(vocab_bytes_built_.size()));
+  }
+  vocab_off_ = vocab_off_built_;
+  vocab_bytes_ = vocab_bytes_built_.data();
+  vocab_n_ = n;
   auto eot = str_to_id.find(std::string(kEndOfText));
   if (eot == str_to_id.end()) return absl::InvalidArgumentError(fmt::format("{}: vocab has no {}", origin, kEndOfText));
   eod_id_ = eot->second;
@@ -271,13 +281,14 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   // ---- whole-token tables: only tokens that BPE itself produces for their own bytes
   size_t slots = 1;
   while (slots < static_cast<size_t>(n) * 2) slots <<= 1;
-  short_table_.Assign(slots, PieceSlot{});
+  short_built_.Assign(slots, PieceSlot{});
+  short_table_ = std::span<const PieceSlot>(short_built_.data(), slots);
   short_mask_ = slots - 1;
   short_count_ = 0;
   std::vector<int32_t> ids;
   for (int64_t id = 0; id < n; ++id) {
     if (!mergeable[id] || !byte_level[id]) continue;
-    const std::string& tb = id_to_bytes_[id];
+    const std::string_view tb = TokenBytes(static_cast<int32_t>(id));
     if (!known_good) {
       // BPE must produce the token itself for its own bytes, or the whole-token shortcut would
       // change the ids. True for every GPT-2 token (checked by tests/tokenizer/bpe_test.cpp), so
@@ -291,11 +302,11 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
       LoadKey(reinterpret_cast<const uint8_t*>(tb.data()), tb.size(), reinterpret_cast<const uint8_t*>(tb.data()), &k0,
               &k1);
       uint64_t h = HashKey(k0, k1, static_cast<uint32_t>(tb.size())) & short_mask_;
-      while (short_table_[h].len != 0) h = (h + 1) & short_mask_;
-      short_table_[h] = PieceSlot{k0, k1, static_cast<uint8_t>(tb.size()), 1, 0, {static_cast<int32_t>(id), 0, 0}};
+      while (short_built_[h].len != 0) h = (h + 1) & short_mask_;
+      short_built_[h] = PieceSlot{k0, k1, static_cast<uint8_t>(tb.size()), 1, 0, {static_cast<int32_t>(id), 0, 0}};
       ++short_count_;
     } else {
-      long_tokens_[tb] = static_cast<int32_t>(id);
+      long_tokens_[std::string(tb)] = static_cast<int32_t>(id);
     }
   }
   return absl::OkStatus();
@@ -306,12 +317,13 @@ absl::Status Gpt2Tokenizer::BuildMerges(const std::vector<MergeLine>& merges, st
   if (nsym >= kNoSymbol)
     return absl::InvalidArgumentError(
         fmt::format("{}: {} merges; at most {} are supported", origin, merges.size(), kNoSymbol - 257));
-  sym_ids_.assign(nsym, -1);
+  sym_ids_built_.assign(nsym, -1);
+  sym_ids_ = sym_ids_built_;
   // A token's symbols: its byte, and 256 + r for every line r that makes it (GPT-2 makes each
   // token once; other files may repeat a token under another split).
   absl::flat_hash_map<int32_t, std::vector<uint32_t>> syms;
   for (uint32_t b = 0; b < 256; ++b) {
-    sym_ids_[b] = byte_to_id_[b];
+    sym_ids_built_[b] = byte_to_id_[b];
     syms[byte_to_id_[b]].push_back(b);
   }
   // A pair listed twice keeps its last rank, as a map assignment would: earlier lines are dead.
@@ -321,7 +333,7 @@ absl::Status Gpt2Tokenizer::BuildMerges(const std::vector<MergeLine>& merges, st
   };
   for (uint32_t r = 0; r < merges.size(); ++r) last[id_pair(merges[r])] = r;
   for (uint32_t r = 0; r < merges.size(); ++r) {
-    sym_ids_[256 + r] = merges[r].id;
+    sym_ids_built_[256 + r] = merges[r].id;
     if (last[id_pair(merges[r])] == r) syms[merges[r].id].push_back(256 + r);
   }
   std::vector<std::pair<uint64_t, uint32_t>> entries;
@@ -356,14 +368,15 @@ bool Gpt2Tokenizer::BuildPairTable(const std::vector<std::pair<uint64_t, uint32_
   for (int attempt = 0; attempt < 8; ++attempt) {
     pair_mul_[0] = next() | 1;
     pair_mul_[1] = next() | 1;
-    pairs_.Assign(buckets, PairBucket{{kNoPairWord, kNoPairWord}});
+    pairs_built_.Assign(buckets, PairBucket{{kNoPairWord, kNoPairWord}});
     bool ok = true;
     for (const auto& [key, rank] : entries) {
       uint64_t w = (key << kRankBits) | rank;
       bool placed = false;
       for (int kick = 0; kick < 500 && !placed; ++kick) {
         const uint64_t k = w >> kRankBits;
-        PairBucket* b[2] = {&pairs_[(k * pair_mul_[0]) >> pair_shift_], &pairs_[(k * pair_mul_[1]) >> pair_shift_]};
+        PairBucket* b[2] = {&pairs_built_[(k * pair_mul_[0]) >> pair_shift_],
+                            &pairs_built_[(k * pair_mul_[1]) >> pair_shift_]};
         for (PairBucket* bk : b)
           for (uint64_t& slot : bk->w)
             if (!placed && slot == kNoPairWord) {
@@ -380,7 +393,10 @@ bool Gpt2Tokenizer::BuildPairTable(const std::vector<std::pair<uint64_t, uint32_
         break;
       }
     }
-    if (ok) return true;
+    if (ok) {
+      pairs_ = std::span<const PairBucket>(pairs_built_.data(), buckets);
+      return true;
+    }
   }
   return false;
 }
@@ -401,8 +417,8 @@ int32_t Gpt2Tokenizer::LookupLong(std::string_view piece) const {
 }
 
 std::string_view Gpt2Tokenizer::TokenBytes(int32_t id) const {
-  if (id < 0 || id >= static_cast<int32_t>(id_to_bytes_.size())) return {};
-  return id_to_bytes_[id];
+  if (id < 0 || id >= vocab_n_) return {};
+  return std::string_view(vocab_bytes_ + vocab_off_[id], vocab_off_[id + 1] - vocab_off_[id]);
 }
 
 std::string Gpt2Tokenizer::DecodeBytes(std::span<const int32_t> ids) const {

@@ -40,13 +40,15 @@ class Gpt2Tokenizer {
   static std::string_view DefaultMergesTxt();
 
   // A built tokenizer's tables as one blob, and back. The GPT-2 tables are made at build time
-  // (tools/gen_gpt2_tables.cpp) and embedded, so LoadDefault copies them instead of parsing the
-  // vocab and merges: start-up in milliseconds. A blob of another build's layout is refused.
+  // (tools/gen_gpt2_tables.cpp) and embedded in the layout the tokenizer uses, so LoadDefault reads
+  // them where they are (nothing parsed, copied or zero-filled; the binary's pages are mapped as
+  // they are read). FromTables copies a blob it is given and checks every entry; a blob of another
+  // build's layout is refused.
   std::string SerializeTables() const;
   static std::string_view DefaultTables();  // the embedded blob (empty in the generator itself)
   static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> FromTables(std::string_view blob);
 
-  int64_t vocab_size() const { return static_cast<int64_t>(id_to_bytes_.size()); }  // 50257 for GPT-2
+  int64_t vocab_size() const { return vocab_n_; }  // 50257 for GPT-2
   int32_t eod() const { return eod_id_; }                                           // 50256
   int64_t num_merges() const { return num_merges_; }
 
@@ -88,6 +90,10 @@ class Gpt2Tokenizer {
   friend class Gpt2Encoder;
   Gpt2Tokenizer() = default;
   absl::Status Build(std::string_view vocab_json, std::string_view merges_txt, std::string_view origin);
+  // The tables in `blob` (SerializeTables' layout), read in place: it must outlive the tokenizer.
+  // trusted (the embedded blob, made and read back by this build): the whole-token table's slots
+  // are not each checked.
+  absl::Status Attach(std::string_view blob, bool trusted);
   // BPE runs over symbols, not vocab ids: 0..255 are the bytes, 256 + r is the token that merge
   // line r makes (sym_ids_ gives a symbol's vocab id). So the symbol a merge makes is its rank
   // plus 256, and a pair needs one number: its rank.
@@ -149,16 +155,28 @@ class Gpt2Tokenizer {
     int32_t ids[3];
   };
   static constexpr uint8_t kOverflow = 0xFF;
+  // The tables are read-only views: into the embedded blob (LoadDefault), into a copy of a blob
+  // (FromTables), or into the containers below (built from vocab and merges).
   // Whole tokens of at most 16 bytes, open addressing; encoders start their caches from a copy.
-  PageArray<PieceSlot> short_table_;
+  std::span<const PieceSlot> short_table_;
   uint64_t short_mask_ = 0;
   size_t short_count_ = 0;
   absl::flat_hash_map<std::string, int32_t> long_tokens_;  // whole tokens longer than 16 bytes
-  PageArray<PairBucket> pairs_;
+  std::span<const PairBucket> pairs_;
   uint64_t pair_mul_[2] = {1, 1};
   int pair_shift_ = 64;
-  std::vector<int32_t> sym_ids_;  // BPE symbol -> vocab id
-  std::vector<std::string> id_to_bytes_;
+  std::span<const int32_t> sym_ids_;  // BPE symbol -> vocab id
+  // Token id -> its bytes: vocab_bytes_[vocab_off_[id], vocab_off_[id + 1]).
+  std::span<const uint32_t> vocab_off_;
+  const char* vocab_bytes_ = nullptr;
+  int64_t vocab_n_ = 0;
+  // What the views point into when they are not the embedded blob.
+  ZeroPages blob_copy_;
+  PageArray<PieceSlot> short_built_;
+  PageArray<PairBucket> pairs_built_;
+  std::vector<int32_t> sym_ids_built_;
+  std::vector<uint32_t> vocab_off_built_;
+  std::string vocab_bytes_built_;
   int32_t byte_to_id_[256];
   int32_t eod_id_ = -1;
   int64_t num_merges_ = 0;

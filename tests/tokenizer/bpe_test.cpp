@@ -428,4 +428,49 @@ TEST(Bpe, PrecomputedTablesEqualBuiltOnes) {
   EXPECT_FALSE(Gpt2Tokenizer::FromTables(other).ok());
 }
 
+// The tables are read where they lie, so what a blob says is used to index memory: a blob whose
+// entries point outside the tables is refused, naming what is wrong (found here by their values:
+// the pair of the first merge line, the slot of the token "the", the first token offsets, the
+// first byte symbols' ids).
+TEST(Bpe, TablesPointingOutsideThemselvesAreRefused) {
+  const std::string blob = Tok().SerializeTables();
+  // The first (or, last = true, the last) place the bytes of a pattern occur.
+  auto find = [&](const void* pattern, size_t n, bool last = false) {
+    const std::string_view p(static_cast<const char*>(pattern), n);
+    return last ? blob.rfind(p) : blob.find(p);
+  };
+  auto refused = [&](size_t at, const void* value, size_t n, const char* why) {
+    if (at == std::string::npos) return ::testing::AssertionFailure() << why << ": pattern not found";
+    std::string damaged = blob;
+    std::memcpy(damaged.data() + at, value, n);
+    auto t = Gpt2Tokenizer::FromTables(damaged);
+    if (t.ok()) return ::testing::AssertionFailure() << why << ": accepted";
+    if (std::string(t.status().message()).find(why) == std::string::npos)
+      return ::testing::AssertionFailure() << why << ": refused for another reason: " << t.status();
+    return ::testing::AssertionSuccess();
+  };
+  // Merge line 0 ("Ġ t") pairs the symbols of bytes 0x20 and 't' with rank 0; a rank past the last
+  // merge would name a symbol that does not exist.
+  const uint64_t word = ((uint64_t{0x20} << 21 | 't') << 22) | 0;
+  const uint64_t bad_word = word | ((uint64_t{1} << 22) - 1);
+  EXPECT_TRUE(refused(find(&word, 8), &bad_word, 8, "pair rank"));
+  // The slot of "the" (id 1169): one inline id.
+  const uint64_t the_key[2] = {0x656874, 0};
+  const size_t slot = find(the_key, 16);
+  const uint8_t overflow = 0xFF, long_len = 17;
+  const int32_t past_vocab = 50257;
+  EXPECT_TRUE(refused(slot + 17, &overflow, 1, "short token"));
+  EXPECT_TRUE(refused(slot + 16, &long_len, 1, "short token"));
+  EXPECT_TRUE(refused(slot + 20, &past_vocab, 4, "short token"));
+  // Token offsets 255, 256, 258 (256 one-byte tokens, then "Ġt"): one going backwards.
+  const uint32_t offsets[3] = {255, 256, 258}, backwards = 0x10000;
+  EXPECT_TRUE(refused(find(offsets, 12) + 4, &backwards, 4, "vocabulary offsets"));
+  // Bytes 0..7 are ids 188..195: in the header's byte ids, and last in the symbols' ids.
+  const int32_t byte_ids[8] = {188, 189, 190, 191, 192, 193, 194, 195};
+  EXPECT_TRUE(refused(find(byte_ids, 32), &past_vocab, 4, "byte id"));
+  EXPECT_TRUE(refused(find(byte_ids, 32, /*last=*/true), &past_vocab, 4, "symbol id"));
+  // The same blob undamaged reads back.
+  EXPECT_TRUE(Gpt2Tokenizer::FromTables(blob).ok());
+}
+
 }  // namespace ptk

@@ -1,6 +1,6 @@
 // Build-time generator of the GPT-2 tables embedded in ptk::tokenizer: builds the tokenizer from
 // the shipped vocab and merges (compiled in), checks that the blob reads back to the same tables,
-// and writes it. Gpt2Tokenizer::LoadDefault then copies the tables instead of building them.
+// and writes it. Gpt2Tokenizer::LoadDefault then reads the tables where they lie in the binary.
 // Usage: gen_gpt2_tables OUT.bin
 #include <cstdio>
 
