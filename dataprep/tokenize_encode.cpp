@@ -38,6 +38,9 @@ void BatchEncoder::Encode(Batch& b) {
   b.doc_nseq.resize(nkeys);
   for (size_t k = 0; k < nkeys; ++k) {
     b.tokens[k].clear();
+    // Room for the whole batch at once (an id covers at least a byte): the buffer never regrows,
+    // so no copy and no second set of fresh pages; only what is written is touched.
+    b.tokens[k].Reserve(b.size + Gpt2Encoder::kEncodeSlack);
     b.seq_lens[k].clear();
     b.doc_nseq[k].clear();
   }

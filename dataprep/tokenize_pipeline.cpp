@@ -52,6 +52,9 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   // about twice batch_bytes at most unless a longer line made it grow.
   BatchPool pool(4 * batch_bytes + (256 << 10));
   LineReader reader(opt.inputs, batch_bytes, start, opt.megatron_log, pool);
+  // With several workers, batches shrink towards the end of the input (a quarter of what is left
+  // with two workers): the last big batch no longer keeps one worker busy while the others wait.
+  if (opt.batch_bytes == 0 && workers > 1) reader.ShrinkTowardsTheEnd(total_raw, 1.0 / (2 * workers));
 
   if (opt.megatron_log) {  // --quiet is quiet
     std::printf("Processing data with %d workers.\n", workers);
@@ -66,7 +69,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
 
   arena.execute([&] {
     tbb::parallel_pipeline(
-        static_cast<size_t>(2 * workers + 2),
+        static_cast<size_t>(workers + 2),
         tbb::make_filter<void, Batch*>(tbb::filter_mode::serial_in_order, [&](tbb::flow_control& fc) -> Batch* {
           // oneTBB orders the calls of a serial stage and hands batches on; TSan cannot see how.
           PTK_HAPPENS_AFTER(&reader);

@@ -7,6 +7,18 @@
 
 namespace ptk::tokenize_detail {
 
+size_t LineReader::BatchTarget() const {
+  // The first batch is whole: nothing is known yet of how much a stored byte decodes to.
+  if (tail_share_ <= 0 || total_raw_ == 0 || raw_done_ == 0 || decoded_done_ == 0) return batch_bytes_;
+  const uint64_t raw_left = total_raw_ > raw_done_ ? total_raw_ - raw_done_ : 0;
+  // Decoded bytes a stored byte gives (compressed inputs), as seen so far (a decompressor reads
+  // ahead, so early on this underestimates and batches shrink a little sooner than they need to).
+  const double expand = static_cast<double>(decoded_done_) / static_cast<double>(raw_done_);
+  const double want = static_cast<double>(raw_left) * expand * tail_share_;
+  if (want >= static_cast<double>(batch_bytes_)) return batch_bytes_;
+  return std::max(std::min(kMinTailBatch, batch_bytes_), static_cast<size_t>(want));
+}
+
 absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
   while (true) {
     if (!src_) {
@@ -31,6 +43,7 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
     std::unique_ptr<Batch> b = pool_.Take();  // its buffers are reused, every field set below
     b->file = file_;
     b->lines.clear();
+    const size_t target = BatchTarget();
     size_t cap = std::max(batch_bytes_, carry_.size() * 2) + (64 << 10);
     if (b->data_cap < cap) {
       b->data.reset(new char[cap + kPadding]);
@@ -44,7 +57,7 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
     carry_.clear();
     bool eof = false;
     while (true) {
-      if (size >= batch_bytes_ && last_nl != std::string::npos) break;
+      if (size >= target && last_nl != std::string::npos) break;
       if (size == cap) {
         if (last_nl != std::string::npos) break;
         size_t ncap = cap * 2;  // a line longer than the batch: grow until it ends
@@ -53,7 +66,10 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
         b->data = std::move(nd);
         b->data_cap = cap = ncap;
       }
-      PTK_ASSIGN_OR_RETURN(size_t n, src_->Read(b->data.get() + size, cap - size));
+      // Up to the target and a little past it, where the last line's end should lie; then on in
+      // 64 KiB steps until a line ends.
+      const size_t room = std::min(cap - size, size < target ? target - size + (16 << 10) : size_t{64 << 10});
+      PTK_ASSIGN_OR_RETURN(size_t n, src_->Read(b->data.get() + size, room));
       if (n == 0) {
         eof = true;
         break;
@@ -107,6 +123,8 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
     uint64_t raw = src_->raw_bytes_read();
     b->raw_bytes = raw - last_raw_;
     last_raw_ = raw;
+    raw_done_ += b->raw_bytes;
+    decoded_done_ += end;
     if (eof) {
       src_.reset();
       ++file_;

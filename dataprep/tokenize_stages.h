@@ -138,10 +138,22 @@ class LineReader {
 
   // Next batch, nullptr at the end of all input.
   absl::StatusOr<std::unique_ptr<Batch>> Next();
+  // Batches shrink as the input runs out: about a `share` of what is left (estimated from the
+  // inputs' total size, `total_raw` bytes as stored), never below kMinTailBatch, so that the workers
+  // finish together instead of one encoding the last big batch while the others wait.
+  static constexpr size_t kMinTailBatch = 64 << 10;
+  void ShrinkTowardsTheEnd(uint64_t total_raw, double share) {
+    total_raw_ = total_raw;
+    tail_share_ = share;
+  }
 
  private:
+  size_t BatchTarget() const;
   const std::vector<std::string>& files_;
   size_t batch_bytes_;
+  uint64_t total_raw_ = 0;
+  double tail_share_ = 0;
+  uint64_t raw_done_ = 0, decoded_done_ = 0;  // over all files, in handed-out batches
   int file_ = 0;
   std::unique_ptr<ByteSource> src_;
   std::string carry_;
