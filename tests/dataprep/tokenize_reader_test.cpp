@@ -83,7 +83,9 @@ TEST(LineReader, BatchesShrinkTowardsTheEnd) {
     for (size_t n : tail.sizes) whole += n >= batch ? n : 0;
     EXPECT_GE(whole * (path == plain ? 2 : 4), text.size());
     for (size_t i = 1; i < tail.sizes.size() && path == plain; ++i)
-      if (tail.sizes[i - 1] < batch) EXPECT_LE(tail.sizes[i], tail.sizes[i - 1] + (16 << 10) + 3000) << i;
+      if (tail.sizes[i - 1] < batch) {
+        EXPECT_LE(tail.sizes[i], tail.sizes[i - 1] + (16 << 10) + 3000) << i;
+      }
     for (size_t i = tail.sizes.size() - 4; i < tail.sizes.size(); ++i)
       EXPECT_LE(tail.sizes[i], LineReader::kMinTailBatch + (16 << 10) + 3000) << i;
   }
