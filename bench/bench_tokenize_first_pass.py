@@ -9,7 +9,8 @@ ptk-tokenize is timed as a whole process (start-up, reading, parsing, writing a 
 included: the last run's output is removed first, as a user's output prefix is new); the Python
 references from just before their tokenizer is built to the last id (interpreter start-up and
 imports excluded). Median of --runs fresh processes each, the engines taking turns run by run (so
-that the machine's drifts reach them alike). Repeat passes (a warm cache: one more pass over the
+that the machine's drifts reach them alike; ptk's one- and two-worker runs back to back, each first
+in turn, so that neither always follows the Python engines' freeing of their memory). Repeat passes (a warm cache: one more pass over the
 same text in the same process, ptk's tokenizer and gigatoken's alike) are reported separately. Corpora: the multilingual one
 (bench/multilingual_corpus.py: Debian's translations, 175 languages) and the bundled sample.
 Every engine's ids are checked against tiktoken's first.
@@ -141,14 +142,18 @@ def main():
         times = {"ptk-tokenize 1 worker (process)": [], "ptk-tokenize 2 workers (process)": []}
         times.update({label: [] for _, label in engines})
         repeat, ptk_repeat = [], []
-        for _ in range(a.runs):
-            times["ptk-tokenize 1 worker (process)"].append(ptk_tokenize(a.build, corpus, prefix, 1))
+        for run in range(a.runs):
+            # ptk's two runs side by side, in turn first: each process's first touch of fresh memory
+            # costs more right after a big process (the Python engines) has freed its own, and the
+            # two-worker run touches more; so neither one always follows the Python engines.
+            for workers in ((1, 2) if run % 2 == 0 else (2, 1)):
+                label = f"ptk-tokenize {workers} worker{'s' if workers > 1 else ''} (process)"
+                times[label].append(ptk_tokenize(a.build, corpus, prefix, workers))
             for engine, label in engines:
                 r = run_child(py, engine, corpus, rank_file, ref_env.VOCAB, ref_env.MERGES)
                 times[label].append(r["seconds"])
                 if engine == "gigatoken-docs":
                     repeat.append(r["repeat_seconds"])
-            times["ptk-tokenize 2 workers (process)"].append(ptk_tokenize(a.build, corpus, prefix, 2))
             # ptk's repeat pass as gigatoken's: one pass over the text a second time, in its process.
             out = subprocess.run([os.path.join(a.build, "bench", "tokenizer_bench"), corpus, "1", "1"],
                                  capture_output=True, text=True, check=True).stdout
