@@ -808,25 +808,46 @@ inline void Gpt2Encoder::MakeRoom(size_t n) {
   if ((cache_used_ + n) * 2 > cache_slots_ && cache_slots_ < max_slots_) Grow();
 }
 
-void Gpt2Encoder::Grow() {
-  // Double the table in place, keeping every entry. The new upper half is untouched zero pages.
-  // Each old slot is visited once, cyclically from an empty one (so every cluster from its first
-  // slot), its entry taken out and inserted again from its home in the doubled table. An entry so
-  // placed lands either in a slot already visited or in the upper half (which nothing is taken out
-  // of), with only such slots before it on its probe path, so no later removal can cut the path;
-  // or, wrapping past the end, in a slot not yet visited, which the walk reaches and re-inserts.
-  const size_t old = cache_slots_;
+namespace {
+// Doubles an open-addressing table (linear probing) of `old` slots in place, keeping every entry;
+// the new upper half must be empty (untouched zero pages). Each old slot is visited once,
+// cyclically from an empty one (so every cluster from its first slot), its entry taken out and
+// inserted again from its home in the doubled table. An entry so placed lands either in a slot
+// already visited or in the upper half (which nothing is taken out of), with only such slots before
+// it on its probe path, so no later removal can cut the path; or, wrapping past the end, in a slot
+// not yet visited, which the walk reaches and re-inserts. used(slot), clear(slot), home(slot, mask).
+template <typename Slot, typename Used, typename Clear, typename Home>
+void DoubleInPlace(Slot* slots, size_t old, Used used, Clear clear, Home home) {
   size_t start = 0;
-  while (cache_[start].len != 0) ++start;  // at most half full: there is an empty slot
-  cache_slots_ = old * 2;
-  cache_mask_ = cache_slots_ - 1;
+  while (used(slots[start])) ++start;  // never full: there is an empty slot
+  const uint64_t mask = old * 2 - 1;
   for (size_t k = 1; k < old; ++k) {
     const size_t i = (start + k) & (old - 1);
-    if (cache_[i].len == 0) continue;
-    const CacheSlot e = cache_[i];
-    cache_[i].len = 0;
-    InsertSlot(e);
+    if (!used(slots[i])) continue;
+    const Slot e = slots[i];
+    clear(slots[i]);
+    uint64_t h = home(e, mask);
+    while (used(slots[h])) h = (h + 1) & mask;
+    slots[h] = e;
   }
+}
+}  // namespace
+
+void Gpt2Encoder::Grow() {
+  DoubleInPlace(
+      cache_, cache_slots_, [](const CacheSlot& s) { return s.len != 0; }, [](CacheSlot& s) { s.len = 0; },
+      [](const CacheSlot& s, uint64_t mask) { return HashKey(s.k0, s.k1, s.len) & mask; });
+  cache_slots_ *= 2;
+  cache_mask_ = cache_slots_ - 1;
+}
+
+// The long-piece table grows the same way (at a quarter full), from a table of one huge page: a text
+// with a few long pieces no longer has the kernel zero the most's 4 MiB.
+void Gpt2Encoder::GrowLong() {
+  DoubleInPlace(
+      long_mem_.as<LongSlot>(), long_nslots_, [](const LongSlot& s) { return s.hash != 0; },
+      [](LongSlot& s) { s.hash = 0; }, [](const LongSlot& s, uint64_t mask) { return s.hash & mask; });
+  long_nslots_ *= 2;
 }
 
 size_t Gpt2Encoder::cache_bytes() const {
@@ -958,8 +979,12 @@ const Gpt2Encoder::LongSlot* Gpt2Encoder::FindLong(const uint8_t* p, size_t n, u
 void Gpt2Encoder::InsertLong(const uint8_t* p, size_t n, uint64_t hash, const int32_t* ids, size_t nids) {
   const size_t off = arena_size_;
   const size_t ids_at = (off + n + 3) & ~size_t{3};
-  // Full (a quarter of the slots, or the byte budget): keep what is there.
-  if ((long_used_ + 1) * 4 > long_nslots_ || ids_at + 4 * nids > long_budget_) return;
+  // Full (a quarter of the most slots, or the byte budget): keep what is there.
+  if (ids_at + 4 * nids > long_budget_) return;
+  if ((long_used_ + 1) * 4 > long_nslots_) {
+    if (long_nslots_ >= long_max_slots_) return;
+    GrowLong();
+  }
   uint8_t* arena = arena_mem_.as<uint8_t>();
   std::memcpy(arena + off, p, n);
   std::memcpy(arena + ids_at, ids, 4 * nids);
@@ -983,7 +1008,8 @@ int32_t* Gpt2Encoder::EncodeLong(const Pending& pc, int32_t* out) {
     long_mem_ = ZeroPages::Try(slots * sizeof(LongSlot));
     arena_mem_ = ZeroPages::Try(long_budget_);
     if (long_mem_.bytes() != 0 && arena_mem_.bytes() != 0) {
-      long_nslots_ = slots;
+      long_max_slots_ = slots;
+      long_nslots_ = std::min<size_t>(slots, (2u << 20) / sizeof(LongSlot));
     } else {  // refused address space: long pieces go uncached
       long_mem_ = ZeroPages();
       arena_mem_ = ZeroPages();

@@ -250,6 +250,7 @@ class Gpt2Encoder {
   };
   const LongSlot* FindLong(const uint8_t* p, size_t n, uint64_t hash) const;
   void InsertLong(const uint8_t* p, size_t n, uint64_t hash, const int32_t* ids, size_t nids);
+  void GrowLong();
 
   const Gpt2Tokenizer& tok_;
   Options opt_;
@@ -267,7 +268,7 @@ class Gpt2Encoder {
   // Long pieces: slots (a quarter used at most) and an arena of their bytes and ids, reserved at
   // their most on the first long piece.
   ZeroPages long_mem_, arena_mem_;
-  size_t long_nslots_ = 0, arena_size_ = 0;
+  size_t long_nslots_ = 0, long_max_slots_ = 0, arena_size_ = 0;
   size_t long_budget_ = 0;  // opt_.long_cache_bytes, or 0 where the address space was refused
   size_t long_used_ = 0;
   std::vector<int32_t> scratch_;

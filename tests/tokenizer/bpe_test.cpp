@@ -215,6 +215,31 @@ TEST(Bpe, CacheGrowsInPlaceAndFindsEveryPiece) {
   EXPECT_EQ(enc.cache_misses(), misses) << "pieces learnt before a growth were not found after it";
 }
 
+TEST(Bpe, LongPieceCacheGrowsInPlaceAndFindsEveryPiece) {
+  // 40,000 distinct pieces of 21 bytes: the long-piece table starts at 2^17 slots and doubles once
+  // at a quarter full; afterwards every piece learnt before must still be found, with its ids.
+  Gpt2Encoder enc(Tok(), {.special_endoftext = true, .cache_slots = 1 << 17, .long_cache_bytes = 16 << 20});
+  std::mt19937 rng(11);
+  std::vector<std::string> pieces;
+  std::vector<std::vector<int32_t>> first;
+  for (int i = 0; i < 40000; ++i) {
+    std::string w = " ";
+    for (int k = 0; k < 20; ++k) w += static_cast<char>('a' + rng() % 26);
+    std::vector<int32_t> ids;
+    enc.Encode(w, &ids);
+    pieces.push_back(std::move(w));
+    first.push_back(std::move(ids));
+  }
+  EXPECT_GE(enc.cache_bytes(), (size_t{1} << 18) * 16) << "the long-piece table did not double";
+  const uint64_t misses = enc.cache_misses();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    std::vector<int32_t> ids;
+    enc.Encode(pieces[i], &ids);
+    ASSERT_EQ(ids, first[i]) << pieces[i];
+  }
+  EXPECT_EQ(enc.cache_misses(), misses) << "long pieces learnt before the doubling were not found after it";
+}
+
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // sanitizers reserve terabytes
 // Caches are reserved at their most up front. Where the system refuses that much address space
 // (strict overcommit, `ulimit -v`), an encoder must still work, with smaller caches, not abort.
