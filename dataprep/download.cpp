@@ -49,6 +49,35 @@ void RemoveTemporariesOfKilledRuns(const std::string& local_dir) {
   }
 }
 
+absl::StatusOr<bool> download_detail::PresentAndVerified(const RemoteFile& f, const std::set<std::string>& done,
+                                                         bool verify, DoneLog& log) {
+  auto sz = FileSize(f.local_path);
+  bool present = sz.ok() && (!f.size_known || *sz == f.size);
+  const std::string key = DoneLogKey(f);
+  if (present && (verify || !done.count(key))) {
+    const bool git = f.sha256.empty() && !f.git_sha1.empty();
+    const std::string want = git ? f.git_sha1 : f.sha256;
+    if (!want.empty()) {
+      auto h = HashFile(f.local_path, git, *sz);
+      present = h.ok() && *h == want;
+      if (!present) log::Warning("{}: present but its digest does not match; downloading it again", f.local_path);
+    } else if (!f.size_known) {
+      present = done.count(key) > 0;  // nothing to check it against
+    }
+    if (present && !done.count(key)) PTK_RETURN_IF_ERROR(log.Append(key));
+  }
+  return present;
+}
+
+void download_detail::RemoveStalePart(const RemoteFile& f) {
+  const std::string part = f.local_path + ".part";
+  if (!PathExists(part) && !PathExists(part + ".json")) return;
+  auto lock = OutputLock::Acquire(f.local_path);
+  if (!lock.ok()) return;  // a run is writing it: its own business
+  (void)RemoveFileIfExists(part);
+  (void)RemoveFileIfExists(part + ".json");
+}
+
 absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path) {
   if (path.empty()) return absl::InvalidArgumentError("empty path in the listing");
   if (path[0] == '/' || path.find('\\') != std::string::npos || path.find('\0') != std::string::npos)
@@ -149,22 +178,10 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   uint64_t todo_bytes = 0, total_bytes = 0;
   for (const auto& f : mine) {
     total_bytes += f.size;
-    auto sz = FileSize(f.local_path);
-    bool present = sz.ok() && (!f.size_known || *sz == f.size);
-    if (present && (opt.verify || !done.count(DoneLogKey(f)))) {
-      const bool git = f.sha256.empty() && !f.git_sha1.empty();
-      const std::string want = git ? f.git_sha1 : f.sha256;
-      if (!want.empty()) {
-        auto h = HashFile(f.local_path, git, *sz);
-        present = h.ok() && *h == want;
-        if (!present) log::Warning("{}: present but its digest does not match; downloading it again", f.local_path);
-      } else if (!f.size_known) {
-        present = done.count(DoneLogKey(f)) > 0;  // nothing to check it against
-      }
-      if (present && !done.count(DoneLogKey(f))) PTK_RETURN_IF_ERROR(log_file.Append(DoneLogKey(f)));
-    }
+    PTK_ASSIGN_OR_RETURN(const bool present, PresentAndVerified(f, done, opt.verify, log_file));
     if (present) {
       ++sum.already_present;
+      RemoveStalePart(f);
     } else {
       todo.push_back(f);
       todo_bytes += f.size;
@@ -197,7 +214,9 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
         dl.commit_ = sum.commit;
         FileResult r = dl.Run(todo[i]);
         std::lock_guard<std::mutex> lock(mu);
-        if (r.ok) {
+        if (r.ok && r.already_present) {
+          ++sum.already_present;
+        } else if (r.ok) {
           ++sum.downloaded;
           sum.bytes_downloaded += r.bytes;
         } else {

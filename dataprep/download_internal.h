@@ -200,6 +200,15 @@ absl::StatusOr<std::vector<RemoteFile>> ReadManifest(const std::string& path);
 absl::StatusOr<std::vector<RemoteFile>> ReadUrlList(const std::string& path);
 std::string DoneLogKey(const RemoteFile& f);
 std::set<std::string> ReadDoneLogs(const std::string& dir);
+class DoneLog;
+// Whether f.local_path holds f, complete: its size, then its digest (without --verify, a done-log
+// line in `done` stands for it; with no digest to check, only such a line does). A file found good
+// that had no line gets one in `log`.
+absl::StatusOr<bool> PresentAndVerified(const RemoteFile& f, const std::set<std::string>& done, bool verify,
+                                        DoneLog& log);
+// Removes the `.part` (and its record) a killed run left beside a file that is complete, when
+// nobody holds the file's lock.
+void RemoveStalePart(const RemoteFile& f);
 class DoneLog {
  public:
   absl::Status Open(const std::string& path) {
@@ -230,6 +239,7 @@ class FileFetch;
 struct FileResult {
   bool ok = false;
   bool fetched = false;
+  bool already_present = false;  // another run on the --local-dir finished it meanwhile
   uint64_t bytes = 0;
   absl::Status error;  // why it failed (ok when it did not)
 };

@@ -443,6 +443,21 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     // One downloader per file: another run on this --local-dir (a requeued job that still runs)
     // holding it makes this file fail at once, naming that run; its .part is never touched.
     PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(f.local_path));
+    // Another run on this --local-dir (a requeued job beside the first) may have finished the file
+    // since this one listed it: then it is done, and no `.part` is started for it (one killed
+    // later would be left beside the complete file).
+    auto sz = FileSize(f.local_path);
+    if (sz.ok() && (!f.size_known || *sz == f.size)) {
+      PTK_ASSIGN_OR_RETURN(const bool present,
+                           PresentAndVerified(f, ReadDoneLogs(JoinPath(s_.opt.local_dir, kStateDir)),
+                                              /*verify=*/false, done_));
+      if (present) {
+        (void)RemoveFileIfExists(f.local_path + ".part");
+        (void)RemoveFileIfExists(f.local_path + ".part.json");
+        res.already_present = true;
+        return absl::OkStatus();
+      }
+    }
     PartFile part(f);
     PTK_RETURN_IF_ERROR(part.Open(progress_));
     return FileFetch(*this, f, part, res).Run();

@@ -291,6 +291,27 @@ TEST(Download, UrlListVerifiesSha256) {
   EXPECT_EQ(testing::ReadFile(dir / "o/README.md"), good);
 }
 
+// Regression (CI, TwoRunsOnOneLocalDir): a run that started a file another run had just finished,
+// then was killed, left its `.part` beside the complete file, and no later run removed it. A rerun
+// now removes such a leftover (and a run that takes a file's lock after another finished it does
+// not start one).
+TEST(Download, StalePartBesideACompleteFileIsRemoved) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto first = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string done = dir / ("out/" + paths[0]);
+  testing::WriteFile(done + ".part", "a killed run's first bytes");
+  testing::WriteFile(done + ".part.json", "{}");
+  auto again = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  EXPECT_FALSE(testing::Exists(done + ".part.json"));
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+}
+
 // Regression (issue 11): two runs on one --local-dir (a requeued job while the first still runs)
 // failed with "rename ... .part: No such file or directory". 20 trials, one run killed at a random
 // moment in each, then a rerun: every file byte-identical, nothing left behind.
