@@ -50,7 +50,7 @@ void RemoveTemporariesOfKilledRuns(const std::string& local_dir) {
 }
 
 absl::StatusOr<bool> download_detail::PresentAndVerified(const RemoteFile& f, const std::set<std::string>& done,
-                                                         bool verify, DoneLog& log) {
+                                                         bool verify, DoneLog& log, bool warn) {
   auto sz = FileSize(f.local_path);
   bool present = sz.ok() && (!f.size_known || *sz == f.size);
   const std::string key = DoneLogKey(f);
@@ -60,7 +60,8 @@ absl::StatusOr<bool> download_detail::PresentAndVerified(const RemoteFile& f, co
     if (!want.empty()) {
       auto h = HashFile(f.local_path, git, *sz);
       present = h.ok() && *h == want;
-      if (!present) log::Warning("{}: present but its digest does not match; downloading it again", f.local_path);
+      if (!present && warn)
+        log::Warning("{}: present but its digest does not match; downloading it again", f.local_path);
     } else if (!f.size_known) {
       present = done.count(key) > 0;  // nothing to check it against
     }

@@ -201,11 +201,11 @@ absl::StatusOr<std::vector<RemoteFile>> ReadUrlList(const std::string& path);
 std::string DoneLogKey(const RemoteFile& f);
 std::set<std::string> ReadDoneLogs(const std::string& dir);
 class DoneLog;
-// Whether f.local_path holds f, complete: its size, then its digest (without --verify, a done-log
+// Whether f.local_path holds f, complete: its size, then its digest (without verify, a done-log
 // line in `done` stands for it; with no digest to check, only such a line does). A file found good
-// that had no line gets one in `log`.
+// that had no line gets one in `log`; one found damaged is reported (warn) and is not f.
 absl::StatusOr<bool> PresentAndVerified(const RemoteFile& f, const std::set<std::string>& done, bool verify,
-                                        DoneLog& log);
+                                        DoneLog& log, bool warn = true);
 // Removes the `.part` (and its record) a killed run left beside a file that is complete, when
 // nobody holds the file's lock.
 void RemoveStalePart(const RemoteFile& f);

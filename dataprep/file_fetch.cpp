@@ -445,12 +445,13 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(f.local_path));
     // Another run on this --local-dir (a requeued job beside the first) may have finished the file
     // since this one listed it: then it is done, and no `.part` is started for it (one killed
-    // later would be left beside the complete file).
+    // later would be left beside the complete file). Its digest decides, not the done logs: the
+    // file may be one this run found damaged (--verify), which they still list.
     auto sz = FileSize(f.local_path);
     if (sz.ok() && (!f.size_known || *sz == f.size)) {
       PTK_ASSIGN_OR_RETURN(const bool present,
                            PresentAndVerified(f, ReadDoneLogs(JoinPath(s_.opt.local_dir, kStateDir)),
-                                              /*verify=*/false, done_));
+                                              /*verify=*/true, done_, /*warn=*/false));
       if (present) {
         (void)RemoveFileIfExists(f.local_path + ".part");
         (void)RemoveFileIfExists(f.local_path + ".part.json");

@@ -291,6 +291,27 @@ TEST(Download, UrlListVerifiesSha256) {
   EXPECT_EQ(testing::ReadFile(dir / "o/README.md"), good);
 }
 
+// A file damaged in place (same size) is found by --verify and downloaded again, though the done
+// logs still list it: the check a run makes once it holds a file's lock (was it finished meanwhile?)
+// goes by the digest, not by those logs.
+TEST(Download, VerifyDownloadsADamagedFileAgain) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto first = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string victim = dir / ("out/" + paths[0]);
+  std::string bytes = testing::ReadFile(victim);
+  ASSERT_FALSE(bytes.empty());
+  bytes[bytes.size() / 2] ^= 0x20;
+  testing::WriteFile(victim, bytes);
+  auto again = RunCmd(Download(hub, dir / "out", "--jobs 2 --verify"));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("digest does not match"), std::string::npos) << again.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+}
+
 // Regression (CI, TwoRunsOnOneLocalDir): a run that started a file another run had just finished,
 // then was killed, left its `.part` beside the complete file, and no later run removed it. A rerun
 // now removes such a leftover (and a run that takes a file's lock after another finished it does
