@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include <chrono>
+#include <functional>
 #include <random>
 #include <set>
 
@@ -291,25 +292,37 @@ TEST(Download, UrlListVerifiesSha256) {
   EXPECT_EQ(testing::ReadFile(dir / "o/README.md"), good);
 }
 
+// Downloads the repo into dir/out, lets `spoil` change what is there (it is given the first file's
+// local path), then runs again with `flags`: the second run's result. The tree must end as the repo.
+testing::CommandResult RerunAfter(TempDir& dir, const std::function<void(const std::string&)>& spoil,
+                                  const std::string& flags) {
+  auto paths = MakeRepo(dir / "repo");
+  FakeHub hub(dir / "repo", {}, dir.path());
+  EXPECT_TRUE(hub.ok());
+  auto first = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+  EXPECT_EQ(first.exit_code, 0) << first.output;
+  spoil(dir / ("out/" + paths[0]));
+  auto again = RunCmd(Download(hub, dir / "out", "--jobs 2 " + flags));
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  return again;
+}
+
 // A file damaged in place (same size) is found by --verify and downloaded again, though the done
 // logs still list it: the check a run makes once it holds a file's lock (was it finished meanwhile?)
 // goes by the digest, not by those logs.
 TEST(Download, VerifyDownloadsADamagedFileAgain) {
   TempDir dir;
-  auto paths = MakeRepo(dir / "repo");
-  FakeHub hub(dir / "repo", {}, dir.path());
-  ASSERT_TRUE(hub.ok());
-  auto first = RunCmd(Download(hub, dir / "out", "--jobs 2"));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  const std::string victim = dir / ("out/" + paths[0]);
-  std::string bytes = testing::ReadFile(victim);
-  ASSERT_FALSE(bytes.empty());
-  bytes[bytes.size() / 2] ^= 0x20;
-  testing::WriteFile(victim, bytes);
-  auto again = RunCmd(Download(hub, dir / "out", "--jobs 2 --verify"));
-  ASSERT_EQ(again.exit_code, 0) << again.output;
+  auto again = RerunAfter(
+      dir,
+      [](const std::string& victim) {
+        std::string bytes = testing::ReadFile(victim);
+        ASSERT_FALSE(bytes.empty());
+        bytes[bytes.size() / 2] ^= 0x20;
+        testing::WriteFile(victim, bytes);
+      },
+      "--verify");
   EXPECT_NE(again.output.find("digest does not match"), std::string::npos) << again.output;
-  ExpectSameTree(dir / "repo", dir / "out", paths);
 }
 
 // Regression (CI, TwoRunsOnOneLocalDir): a run that started a file another run had just finished,
@@ -318,17 +331,15 @@ TEST(Download, VerifyDownloadsADamagedFileAgain) {
 // not start one).
 TEST(Download, StalePartBesideACompleteFileIsRemoved) {
   TempDir dir;
-  auto paths = MakeRepo(dir / "repo");
-  FakeHub hub(dir / "repo", {}, dir.path());
-  ASSERT_TRUE(hub.ok());
-  auto first = RunCmd(Download(hub, dir / "out", "--jobs 2"));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  const std::string done = dir / ("out/" + paths[0]);
-  testing::WriteFile(done + ".part", "a killed run's first bytes");
-  testing::WriteFile(done + ".part.json", "{}");
-  auto again = RunCmd(Download(hub, dir / "out", "--jobs 2"));
-  ASSERT_EQ(again.exit_code, 0) << again.output;
-  ExpectSameTree(dir / "repo", dir / "out", paths);
+  std::string done;
+  RerunAfter(
+      dir,
+      [&](const std::string& complete) {
+        done = complete;
+        testing::WriteFile(done + ".part", "a killed run's first bytes");
+        testing::WriteFile(done + ".part.json", "{}");
+      },
+      "");
   EXPECT_FALSE(testing::Exists(done + ".part.json"));
   EXPECT_EQ(testing::Leftovers(dir / "out"), "");
 }
