@@ -70,13 +70,15 @@ absl::StatusOr<bool> download_detail::PresentAndVerified(const RemoteFile& f, co
   return present;
 }
 
+void download_detail::RemovePartOf(const RemoteFile& f) {
+  (void)RemoveFileIfExists(f.local_path + ".part");
+  (void)RemoveFileIfExists(f.local_path + ".part.json");
+}
+
 void download_detail::RemoveStalePart(const RemoteFile& f) {
-  const std::string part = f.local_path + ".part";
-  if (!PathExists(part) && !PathExists(part + ".json")) return;
+  if (!PathExists(f.local_path + ".part") && !PathExists(f.local_path + ".part.json")) return;
   auto lock = OutputLock::Acquire(f.local_path);
-  if (!lock.ok()) return;  // a run is writing it: its own business
-  (void)RemoveFileIfExists(part);
-  (void)RemoveFileIfExists(part + ".json");
+  if (lock.ok()) RemovePartOf(f);  // (else a run is writing it: its own business)
 }
 
 absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path) {

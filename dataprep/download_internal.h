@@ -206,8 +206,9 @@ class DoneLog;
 // that had no line gets one in `log`; one found damaged is reported (warn) and is not f.
 absl::StatusOr<bool> PresentAndVerified(const RemoteFile& f, const std::set<std::string>& done, bool verify,
                                         DoneLog& log, bool warn = true);
-// Removes the `.part` (and its record) a killed run left beside a file that is complete, when
-// nobody holds the file's lock.
+// Removes the `.part` (and its record) a killed run left beside a file that is complete: by the
+// holder of the file's lock (RemovePartOf), or when nobody holds it (RemoveStalePart).
+void RemovePartOf(const RemoteFile& f);
 void RemoveStalePart(const RemoteFile& f);
 class DoneLog {
  public:

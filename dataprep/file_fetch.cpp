@@ -453,8 +453,7 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
                            PresentAndVerified(f, ReadDoneLogs(JoinPath(s_.opt.local_dir, kStateDir)),
                                               /*verify=*/true, done_, /*warn=*/false));
       if (present) {
-        (void)RemoveFileIfExists(f.local_path + ".part");
-        (void)RemoveFileIfExists(f.local_path + ".part.json");
+        RemovePartOf(f);
         res.already_present = true;
         return absl::OkStatus();
       }
