@@ -15,7 +15,15 @@ same text in the same process, ptk's tokenizer and gigatoken's alike) are report
 (bench/multilingual_corpus.py: Debian's translations, 175 languages) and the bundled sample.
 Every engine's ids are checked against tiktoken's first.
 
-Usage: python3 bench/bench_tokenize_first_pass.py [--build build] [--runs 3] [--corpus-mb 24]
+Two workers against one: ptk's runs are cheap, so each round times --ptk-pairs pairs (one- and
+two-worker processes back to back, each first in turn), and besides the ratio of the medians the
+median of the pairs' own ratios is reported (a pair's two runs see the same state of the machine).
+A process on a one-line file is timed beside them: what every run pays that a second worker cannot
+share (exec and loading, start-up, the finishing fsyncs and renames, exit). With F that time and T1
+the one-worker time, T1 / (F + (T1 - F) / 2) is the most two workers could gain if everything else
+split evenly between them (Amdahl); it is printed beside the measured ratio.
+
+Usage: python3 bench/bench_tokenize_first_pass.py [--build build] [--runs 3] [--ptk-pairs 3] [--corpus-mb 24]
 Prints a table per corpus and one JSON line.
 """
 import argparse
@@ -93,6 +101,7 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--corpus-mb", type=float, default=24.0)
+    ap.add_argument("--ptk-pairs", type=int, default=3, help="ptk one/two-worker pairs per round")
     a = ap.parse_args()
     bench_tokenizer.ensure_venv(a.build, __file__)  # re-executes this script in the venv
     sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
@@ -141,14 +150,22 @@ def main():
                    ("tiktoken", "tiktoken 1 thread"), ("hf", "HF tokenizers 1 thread"))
         times = {"ptk-tokenize 1 worker (process)": [], "ptk-tokenize 2 workers (process)": []}
         times.update({label: [] for _, label in engines})
-        repeat, ptk_repeat = [], []
+        repeat, ptk_repeat, pair_ratios, fixed = [], [], [], []
+        one_line = os.path.join(tmp, "one-line.jsonl")
+        with open(one_line, "w") as f:
+            f.write(json.dumps({"text": "Hello world"}) + "\n")
         for run in range(a.runs):
             # ptk's two runs side by side, in turn first: each process's first touch of fresh memory
             # costs more right after a big process (the Python engines) has freed its own, and the
             # two-worker run touches more; so neither one always follows the Python engines.
-            for workers in ((1, 2) if run % 2 == 0 else (2, 1)):
-                label = f"ptk-tokenize {workers} worker{'s' if workers > 1 else ''} (process)"
-                times[label].append(ptk_tokenize(a.build, corpus, prefix, workers))
+            for pair in range(a.ptk_pairs):
+                t = {}
+                for workers in ((1, 2) if (run * a.ptk_pairs + pair) % 2 == 0 else (2, 1)):
+                    t[workers] = ptk_tokenize(a.build, corpus, prefix, workers)
+                    label = f"ptk-tokenize {workers} worker{'s' if workers > 1 else ''} (process)"
+                    times[label].append(t[workers])
+                pair_ratios.append(t[1] / t[2])
+                fixed.append(ptk_tokenize(a.build, one_line, prefix + "-one-line", 1))
             for engine, label in engines:
                 r = run_child(py, engine, corpus, rank_file, ref_env.VOCAB, ref_env.MERGES)
                 times[label].append(r["seconds"])
@@ -166,6 +183,13 @@ def main():
         print(f"{'first pass, fresh process':44} {'MB/s':>8} {'vs fastest gigatoken 1T':>24}")
         for k, v in mbs.items():
             print(f"{k:44} {v:8.1f} {v / giga:23.2f}x")
+        t1, t2, f = (res["ptk-tokenize 1 worker (process)"], res["ptk-tokenize 2 workers (process)"],
+                     statistics.median(fixed))
+        paired, bound = statistics.median(pair_ratios), t1 / (f + (t1 - f) / 2)
+        print(f"{'ptk 2 workers / 1 worker':44} {t1 / t2:8.2f}x ratio of medians, {paired:.2f}x median of "
+              f"{len(pair_ratios)} pairs")
+        print(f"{'ptk process on a one-line file':44} {f * 1e3:8.1f} ms: 2 workers / 1 worker at most {bound:.2f}x "
+              f"(Amdahl)")
         rep = {"ptk tokenizer 1 thread (repeat pass)": statistics.median(ptk_repeat),
                "gigatoken per document (repeat pass)": mb / statistics.median(repeat)}
         print(f"{'repeat pass, same process':44} {'MB/s':>8}")
@@ -173,11 +197,14 @@ def main():
             print(f"{k:44} {v:8.1f}")
         summary[name] = {
             "mb": round(mb, 2),
+            "ptk_one_line_process_ms": round(f * 1e3, 1),
             "first_pass_mb_s": {k: round(v, 1) for k, v in mbs.items()},
             "repeat_pass_mb_s": {k: round(v, 1) for k, v in rep.items()},
             "ratios": {
                 "ptk_1w_vs_gigatoken_fastest_1t": round(mbs["ptk-tokenize 1 worker (process)"] / giga, 2),
                 "ptk_2w_vs_1w": round(mbs["ptk-tokenize 2 workers (process)"] / mbs["ptk-tokenize 1 worker (process)"], 2),
+                "ptk_2w_vs_1w_median_of_pairs": round(paired, 2),
+                "ptk_2w_vs_1w_amdahl_bound": round(bound, 2),
                 "ptk_repeat_vs_gigatoken_repeat": round(rep["ptk tokenizer 1 thread (repeat pass)"] /
                                                         rep["gigatoken per document (repeat pass)"], 2),
             },
