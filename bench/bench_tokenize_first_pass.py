@@ -103,6 +103,8 @@ def main():
     ap.add_argument("--corpus-mb", type=float, default=24.0)
     ap.add_argument("--ptk-pairs", type=int, default=3, help="ptk one/two-worker pairs per round")
     a = ap.parse_args()
+    if a.runs < 1 or a.ptk_pairs < 1:
+        ap.error("--runs and --ptk-pairs must be at least 1")
     bench_tokenizer.ensure_venv(a.build, __file__)  # re-executes this script in the venv
     sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
     import ref_env
