@@ -132,6 +132,9 @@ def main():
 
     py = sys.executable
     summary = {}
+    one_line = os.path.join(tmp, "one-line.jsonl")  # the fixed cost of a ptk-tokenize process
+    with open(one_line, "w") as f:
+        f.write(json.dumps({"text": "Hello world"}) + "\n")
     for name, corpus in corpora.items():
         docs = [json.loads(l)["text"] for l in open(corpus, encoding="utf-8") if l.strip()]
         mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
@@ -153,9 +156,6 @@ def main():
         times = {"ptk-tokenize 1 worker (process)": [], "ptk-tokenize 2 workers (process)": []}
         times.update({label: [] for _, label in engines})
         repeat, ptk_repeat, pair_ratios, fixed = [], [], [], []
-        one_line = os.path.join(tmp, "one-line.jsonl")
-        with open(one_line, "w") as f:
-            f.write(json.dumps({"text": "Hello world"}) + "\n")
         for run in range(a.runs):
             # ptk's two runs side by side, in turn first: each process's first touch of fresh memory
             # costs more right after a big process (the Python engines) has freed its own, and the

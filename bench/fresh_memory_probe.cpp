@@ -7,6 +7,8 @@
 // memory, or touches it from more threads, draws more of them. No anchor: a property of the machine
 // that explains the spread of ptk-tokenize's timings (tokenizer/README.md).
 // Usage: fresh_memory_probe [MIB=16] [THREADS=1] [ROUNDS=40] [PAUSE_MS=200]
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,9 +19,12 @@
 #include "common/zero_pages.h"
 
 namespace {
+// Milliseconds to map and write `bytes` of fresh memory, or a negative value where the system
+// refuses that much address space.
 double TouchMs(size_t bytes) {
   const auto t0 = std::chrono::steady_clock::now();
-  ptk::ZeroPages mem(bytes);
+  ptk::ZeroPages mem = ptk::ZeroPages::Try(bytes);
+  if (mem.bytes() == 0) return -1;
   volatile char* p = mem.as<char>();
   for (size_t i = 0; i < bytes; i += 4096) p[i] = 1;
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -35,12 +40,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: fresh_memory_probe [MIB>0] [THREADS>0] [ROUNDS>0] [PAUSE_MS>=0]\n");
     return 2;
   }
+  // All threads' memory at once must fit in half the machine's: the probe measures, it must not
+  // make the system swap or kill it.
+  const size_t phys_mib =
+      static_cast<size_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE)) >> 20;
+  if (mib > phys_mib / 2 / static_cast<size_t>(threads)) {
+    std::fprintf(stderr, "fresh_memory_probe: MIB x THREADS must stay under half this machine's %zu MiB\n",
+                 phys_mib);
+    return 2;
+  }
   std::vector<double> ms;  // per round: the slowest thread's time
   for (int r = 0; r < rounds; ++r) {
     std::vector<double> t(static_cast<size_t>(threads));
     std::vector<std::thread> ts;
     for (int i = 0; i < threads; ++i) ts.emplace_back([&, i] { t[static_cast<size_t>(i)] = TouchMs(mib << 20); });
     for (auto& th : ts) th.join();
+    if (*std::min_element(t.begin(), t.end()) < 0) {
+      std::fprintf(stderr, "fresh_memory_probe: the system refused %zu MiB of address space\n", mib);
+      return 1;
+    }
     ms.push_back(*std::max_element(t.begin(), t.end()));
     std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
   }
