@@ -21,6 +21,9 @@ absl::StatusOr<std::string> HashFile(const std::string& path, bool git, uint64_t
 
 namespace {
 
+// A strong entity tag ("xyzzy", not W/"xyzzy"): the only kind If-Range may carry (RFC 9110 13.1.5).
+bool IsStrongEtag(const std::string& tag) { return tag.size() >= 2 && tag.front() == '"' && tag.back() == '"'; }
+
 // The `.part` of one file: the bytes received so far, their running digest, and what the
 // transfers learnt of the remote object (its size, its ETag). Closed on destruction.
 class PartFile {
@@ -90,33 +93,53 @@ class PartFile {
   // an encoded body): the transfer was stopped and the bytes must not be kept.
   const std::string& problem() const { return problem_; }
 
+  // Whether the bytes of the `.part` may be continued with a Range request. A resume must be able
+  // to prove that it continues the same object: a strong ETag (sent as If-Range, and required on
+  // the 206), or a digest that checks the whole file once it is complete. Without either (a URL
+  // list with no sha256 from a server that sends no ETag) a `.part` is never continued.
+  bool Resumable() const { return IsStrongEtag(etag_) || !want_digest_.empty(); }
+  bool IfRangeUsable() const { return IsStrongEtag(etag_); }
+
   // The response headers of a 200 or 206: accepted when they continue this `.part` (or start it
-  // over, which truncates it); false, with problem() set, when they cannot.
+  // over, which truncates it); false, with problem() set, when they cannot. Never a splice: a
+  // response that cannot show it continues the bytes already there starts the file over.
   bool AcceptHeaders(const HttpResponse& r) {
-    if (r.status == 200 && offset_ > 0 && !r.Header("content-range").empty()) {
-      // Some servers answer a Range request with 200 and just the slice (and its Content-Range):
-      // accept it exactly when the range is the one asked for.
-      static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+))");
-      std::smatch m;
-      const std::string cr = r.Header("content-range");
-      if (!(std::regex_search(cr, m, re) && ParseUint64(m[1].str()) == offset_ && size_known_ &&
-            ParseUint64(m[3].str()) == expected_ && ParseUint64(m[2].str()) == expected_ - 1))
-        Restart();
-      return true;
-    }
+    const std::string tag = r.Header("etag");
+    const std::string cr = r.Header("content-range");
     if (r.status == 200) {
-      if (offset_ > 0) Restart();  // the server ignored Range (or the object changed)
+      // A 200 is the whole object from byte 0, whatever was asked (RFC 9110 14.4: Content-Range
+      // means something on a 206 and a 416 only). A server that sends a slice with a 200 is caught
+      // by its length, or by a Content-Range that does not cover the whole body.
+      if (offset_ > 0) Restart();
       const std::string cl = r.Header("content-length");
-      if (!size_known_ && !cl.empty()) {
-        auto v = ParseUint64(cl);
-        if (!v) return Refuse(fmt::format("Content-Length {:?}", cl));
-        expected_ = *v;
+      std::optional<uint64_t> length;
+      if (!cl.empty()) {
+        length = ParseUint64(cl);
+        if (!length) return Refuse(fmt::format("Content-Length {:?}", cl));
+        if (size_known_ && *length != expected_)
+          return Refuse(
+              fmt::format("a 200 of {} bytes for a file of {} bytes (Content-Range {:?})", *length, expected_, cr));
+      }
+      if (!cr.empty()) {
+        static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+))");
+        std::smatch m;
+        const bool whole = std::regex_search(cr, m, re) && ParseUint64(m[1].str()) == 0u && ParseUint64(m[3].str()) &&
+                           ParseUint64(m[2].str()) == *ParseUint64(m[3].str()) - 1 &&
+                           (!length || ParseUint64(m[3].str()) == *length) &&
+                           (!size_known_ || ParseUint64(m[3].str()) == expected_);
+        if (!whole)
+          return Refuse(
+              fmt::format("a 200 with Content-Range {:?}: a 200's body starts at byte 0, this one says it "
+                          "does not",
+                          cr));
+      }
+      if (length && !size_known_) {
+        expected_ = *length;
         size_known_ = true;
       }
     } else {  // 206
       static const std::regex re(R"(bytes\s+(\d+)-(\d+)/(\d+|\*))");
       std::smatch m;
-      const std::string cr = r.Header("content-range");
       const bool matched = std::regex_search(cr, m, re);
       const auto first = matched ? ParseUint64(m[1].str()) : std::nullopt;
       const auto last = matched ? ParseUint64(m[2].str()) : std::nullopt;
@@ -124,7 +147,14 @@ class PartFile {
       const auto total = matched && !star ? ParseUint64(m[3].str()) : std::nullopt;
       if (!matched || !first || !last || (!star && !total) || *first != offset_ ||
           (total && size_known_ && *total != expected_) || (total && (*total == 0 || *last != *total - 1)))
-        return Refuse(cr);
+        return Refuse(cr.empty() ? std::string("a 206 without Content-Range") : fmt::format("Content-Range {:?}", cr));
+      // The 206 must be of the object the `.part` was started with: the same ETag (strong
+      // comparison, as If-Range uses). A server or cache that ignored If-Range is caught here.
+      if (offset_ > 0 && !etag_.empty() && tag != etag_)
+        return Refuse(
+            fmt::format("a 206 with ETag {} for a .part started with ETag {}: the file changed on the "
+                        "server, starting over",
+                        tag.empty() ? "(none)" : tag, etag_));
       if (!size_known_ && total) {
         expected_ = *total;
         size_known_ = true;
@@ -132,8 +162,7 @@ class PartFile {
     }
     const std::string enc = r.Header("content-encoding");
     if (!enc.empty() && enc != "identity") return Refuse("Content-Encoding " + enc);
-    const std::string tag = r.Header("etag");
-    if (!tag.empty() && tag != etag_) {
+    if (offset_ == 0 && tag != etag_) {  // the .part starts here: it is of this object
       etag_ = tag;
       WriteMeta();
     }
@@ -306,9 +335,16 @@ class FileFetch {
   // One GET from the `.part`'s end (with If-Range on the known ETag); the body goes into the `.part`.
   absl::Status Transfer(HttpResponse& resp) {
     HttpRequest req = s_.Req(url_);
+    if (part_.offset() > 0 && !part_.Resumable()) {
+      log::Info(
+          "{}: {} bytes downloaded, but without an ETag or a digest nothing can show that a resume continues "
+          "the same file: starting over",
+          log::Printable(f_.path), part_.offset());
+      part_.Discard();
+    }
     if (part_.offset() > 0) {
       req.headers.push_back(fmt::format("Range: bytes={}-", part_.offset()));
-      if (!part_.etag().empty()) req.headers.push_back("If-Range: " + part_.etag());
+      if (part_.IfRangeUsable()) req.headers.push_back("If-Range: " + part_.etag());
     }
     part_.BeginAttempt();
     BodySink sink;
@@ -330,7 +366,7 @@ class FileFetch {
   // What the answer means: true when the file is in place; false to try again.
   absl::StatusOr<bool> OnResponse(const HttpResponse& resp, bool hub, bool progressed) {
     if (!part_.problem().empty()) {  // a response that does not fit: start over without Range
-      part_.Restart();
+      part_.Discard();
       PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("bad partial response ({})", part_.problem()), 0));
       return false;
     }
@@ -397,10 +433,14 @@ class FileFetch {
       static const std::regex re(R"(bytes\s+\*/(\d+))");
       std::smatch m;
       const std::string cr = resp.Header("content-range");
+      const std::string tag = resp.Header("etag");
       const bool complete = std::regex_search(cr, m, re) && part_.size_known() &&
-                            ParseUint64(m[1].str()) == part_.expected() && part_.offset() == part_.expected();
+                            ParseUint64(m[1].str()) == part_.expected() && part_.offset() == part_.expected() &&
+                            // the same object: by its ETag, or (an ETag missing) by the digest checked below
+                            (part_.want_digest().empty() ? tag == part_.etag()
+                                                         : tag.empty() || part_.etag().empty() || tag == part_.etag());
       if (!complete) {
-        part_.Restart();
+        part_.Discard();
         PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("416 with Content-Range {:?}", cr), 0));
         return false;
       }

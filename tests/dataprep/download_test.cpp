@@ -443,6 +443,52 @@ TEST(Download, HostileServer) {
   }
 }
 
+// Issue 27: a resume that cannot show that it continues the same bytes starts the file over; it is
+// never spliced. The file comes from a URL list without a sha256 (nothing checks the result), and
+// each case drops the first transfer at 50,000 bytes, then answers the resume wrongly: a 206 of a
+// replaced object (another ETag) though If-Range named the old one, a 200 carrying the Content-Range
+// asked for but a body from byte 0 (as long as the range, or the whole file), a 206 without
+// Content-Range. Each failed on the old main with a spliced file and exit 0 (but range200_full).
+TEST(Download, AResumeThatCannotProveItContinuesStartsOver) {
+  struct Case {
+    std::string fault;
+    bool size_given;
+    bool changed;  // the object was replaced: the result must be the new version, whole
+  };
+  for (const Case& c :
+       {Case{"changed_206", true, true}, Case{"changed_206", false, true}, Case{"range200", true, false},
+        Case{"range200", false, false}, Case{"range200_full", true, false}, Case{"206_no_range", true, false}}) {
+    const std::string what = c.fault + (c.size_given ? " (size= given)" : " (no size)");
+    TempDir dir;
+    auto paths = MakeRepo(dir / "repo", 200000);
+    const std::string path = paths[0];
+    const std::string original = testing::ReadFile(dir / ("repo/" + path));
+    std::string v2 = original;
+    for (auto& ch : v2) ch = static_cast<char>(ch ^ 0x5A);
+    const std::string after = c.changed ? "changed" : "ok";
+    testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["drop:50000", "{}", "{}", "{}", "{}"]}})", path,
+                                                        c.fault, after, after, after));
+    FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+    ASSERT_TRUE(hub.ok());
+    testing::WriteFile(dir / "list.txt",
+                       fmt::format("{}/datasets/cerebras/SlimPajama-627B/resolve/main/{} {}path=f.bin\n", hub.hub(),
+                                   path, c.size_given ? fmt::format("size={} ", original.size()) : ""));
+    auto r =
+        RunCmd(fmt::format("{} --quiet --url-list {} --endpoint {} --local-dir {} --retry-base 0.01 "
+                           "--stall-timeout 1",
+                           testing::Tool("ptk-download"), dir / "list.txt", hub.hub(), dir / "out"));
+    ASSERT_EQ(r.exit_code, 0) << what << ": " << r.output;
+    const std::string got = testing::ReadFile(dir / "out/f.bin");
+    EXPECT_EQ(got.size(), original.size()) << what;
+    EXPECT_TRUE(got == (c.changed ? v2 : original)) << what << ": the file is a splice of two transfers";
+    auto gets = hub.CdnGets(path);
+    ASSERT_GE(gets.size(), 3u) << what;
+    EXPECT_EQ(gets[1], "bytes=50000-") << what;
+    EXPECT_EQ(gets[2], "") << what << ": the third transfer did not start over";
+    EXPECT_EQ(testing::Leftovers(dir / "out"), "") << what;
+  }
+}
+
 // A .part planted as a symlink must not make the download write through it.
 TEST(Download, PartSymlinkIsNotFollowed) {
   TempDir dir;

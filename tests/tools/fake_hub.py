@@ -19,6 +19,12 @@ the k-th request for that path (CDN GET, or Hub resolve for faults prefixed "hub
 Hostile faults (issue 11), per file at the Hub resolve ("hub:" prefix): redirect_file (302 to file:///etc/hostname),
 redirect_gopher (302 to gopher://), redirect_loop (302 to itself), bad_linked_size (X-Linked-Size: 12abc); on the
 CDN: bad_content_range (206 with a 30-digit Content-Range), bad_ratelimit (429 with a 30-digit RateLimit).
+Issue 27, on the CDN: changed (the object was replaced: other bytes, ETag "v2", If-Range honoured), changed_206 (the
+same, but a resume is answered 206 whatever If-Range says), range200 (a Range request answered 200 with the
+Content-Range asked for, but a body that starts at byte 0, cut to the range's length), range200_full (the same with
+the whole file as body), 206_no_range (206 without Content-Range); at the Hub: drip_redirect (a 302 whose body comes
+one byte every 0.1 s). Whole-server: --looping-listing same (every page's Link rel=next is the first page's cursor)
+or fresh (a new URL every time, the same entries).
 Hostile modes for the whole server: --api-redirect-loop (every API call redirects to itself), --endless-listing
 (the tree listing never ends), --control-paths (the listing names files with \n, ESC, \r, TAB, BEL, DEL).
 GET /_stats returns what happened (requests per path, Range starts, where Authorization went, windows);
@@ -259,6 +265,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             h.update({"Location": loc, "X-Linked-Size": linked, "X-Linked-Etag": f'"{f["sha256"]}"',
                       "ETag": f'"{f["git_sha1"]}"', "X-Xet-Hash": f["sha256"][::-1],
                       "Link": f'<{self.server.hub_origin}/api/datasets/{repo}/xet-read-token/{COMMIT}>; rel="xet-auth"'})
+            if fault == "drip_redirect":
+                return self.drip(302, 100000, h)
             return self.send(302, b"Found. Redirecting to the file's storage...", h)
         if st.args.small_mode == "307":
             h["Location"] = f"/api/resolve-cache/datasets/{repo}/{COMMIT}/{urllib.parse.quote(fpath)}?etag=%22{f['git_sha1']}%22"
@@ -285,6 +293,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
             h = {}
         body = json.dumps({"error": "You have been rate-limited; you can retry this action later."}).encode()
         self.send(429, body, h, "application/json")
+
+    def drip(self, code, n, headers):
+        self.send_response(code)
+        for k, v in dict(headers, **{"Content-Length": str(n)}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        try:
+            for _ in range(n):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
 
     def endless(self):
         self.send_response(200)
@@ -326,7 +347,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         size = st.args.page_size
         page = entries[cursor:cursor + size]
         h = self.rl_headers("api")
-        if cursor + size < len(entries):
+        with st.lock:
+            st.stats["listing_pages"] = st.stats.get("listing_pages", 0) + 1
+            n = st.stats["listing_pages"]
+        if st.args.looping_listing == "same":
+            qs = "recursive=true&expand=false&cursor=0"
+            h["Link"] = f'<{self.server.hub_origin}/api/datasets/{st.args.repo}/tree/{COMMIT}?{qs}>; rel="next"'
+        elif st.args.looping_listing == "fresh":
+            qs = f"recursive=true&expand=false&cursor=0&n={n}"
+            h["Link"] = f'<{self.server.hub_origin}/api/datasets/{st.args.repo}/tree/{COMMIT}?{qs}>; rel="next"'
+        elif cursor + size < len(entries):
             qs = f"recursive=true&expand=false&cursor={cursor + size}"
             h["Link"] = f'<{self.server.hub_origin}/api/datasets/{st.args.repo}/tree/{COMMIT}?{qs}>; rel="next"'
         self.send(200, json.dumps(page).encode(), h, "application/json")
@@ -368,6 +398,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if fault == "replace":
             data = bytes(b ^ 0x55 for b in data)  # an old version of the object
             etag = '"old-version"'
+        if fault in ("changed", "changed_206"):
+            data = bytes(b ^ 0x5A for b in data)  # a new version of the object
+            etag = '"v2"'
         return self.send_body(data, {"ETag": etag, "Accept-Ranges": "bytes"}, rng, fault)
 
     def send_body(self, data, headers, rng, fault="ok"):
@@ -375,6 +408,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         start, end = 0, n - 1
         status = 200
         if_range = self.headers.get("If-Range")
+        if fault == "changed_206":
+            if_range = None  # a broken cache: answers the range of the new object whatever If-Range says
         if rng and fault != "ignore_range" and not (if_range and if_range != headers.get("ETag")):
             spec = rng.replace("bytes=", "")
             a, _, b = spec.partition("-")
@@ -394,6 +429,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if fault == "slice200":
                 status = 200
         body = bytearray(data[start:end + 1])
+        if status == 206 and fault in ("range200", "range200_full"):
+            status = 200  # the Content-Range asked for, but the body starts at byte 0
+            body = bytearray(data if fault == "range200_full" else data[:end + 1 - start])
+        if status == 206 and fault == "206_no_range":
+            del h["Content-Range"]
         if fault.startswith("flip:"):
             k = int(fault.split(":")[1]) - start
             if 0 <= k < len(body):
@@ -466,6 +506,7 @@ def main():
     ap.add_argument("--api-redirect-loop", action="store_true")
     ap.add_argument("--endless-listing", action="store_true")
     ap.add_argument("--control-paths", action="store_true")
+    ap.add_argument("--looping-listing", choices=["same", "fresh"], default=None)
     a = ap.parse_args()
     state = State(a)
     hub = Server(("127.0.0.1", a.hub_port), Handler)
