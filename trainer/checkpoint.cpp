@@ -6,6 +6,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <limits>
+#include <map>
 
 #include <fmt/core.h>
 #include <simdjson.h>
@@ -14,6 +16,8 @@
 #include "common/file_util.h"
 #include "common/hash.h"
 #include "common/json_writer.h"
+#include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/status.h"
 
 namespace ptk::trainer {
@@ -22,6 +26,19 @@ namespace {
 constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
 constexpr int kFormatVersion = 1;
 constexpr char kTracker[] = "latest_checkpointed_iteration.txt";
+constexpr char kTmpTag[] = ".ptk-tmp-";  // a save's new directory, before it is renamed in
+constexpr char kOldTag[] = ".ptk-old-";  // an older copy of the same iteration, renamed aside
+constexpr size_t kDigestChars = 64;      // hex SHA-256 at the end of the file
+
+SaveStepHook& Hook() {
+  static SaveStepHook hook;
+  return hook;
+}
+
+absl::Status Step(std::string_view name) {
+  if (Hook()) return Hook()(name);
+  return absl::OkStatus();
+}
 
 // The fields of the model configuration that must match for a checkpoint to load.
 std::string ModelJson(const GPTConfig& c) {
@@ -38,7 +55,25 @@ std::string ModelJson(const GPTConfig& c) {
       .str();
 }
 
+// Megatron's own formats, recognised so that --load on one says what it is: the legacy torch
+// format (mp_rank_00/model_optim_rng.pt) and torch_dist (*.distcp shards, metadata.json, common.pt).
+std::string MegatronTorchCheckpointIn(const std::string& dir) {
+  const std::string legacy = JoinPath(dir, "mp_rank_00/model_optim_rng.pt");
+  if (PathExists(legacy)) return legacy;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 7 && name.compare(name.size() - 7, 7, ".distcp") == 0) return e.path().string();
+    if (name == "common.pt") return e.path().string();
+    if (name.rfind("mp_rank_", 0) == 0 && PathExists(JoinPath(e.path().string(), "model_optim_rng.pt")))
+      return JoinPath(e.path().string(), "model_optim_rng.pt");
+  }
+  return "";
+}
+
 }  // namespace
+
+void SetSaveStepHookForTesting(SaveStepHook hook) { Hook() = std::move(hook); }
 
 std::string CheckpointDir(const std::string& save, int64_t iteration) {
   return JoinPath(save, fmt::format("iter_{:07d}", iteration));
@@ -47,15 +82,150 @@ std::string CheckpointFile(const std::string& save, int64_t iteration) {
   return JoinPath(CheckpointDir(save, iteration), "mp_rank_00/model_optim_rng.ptk");
 }
 
-absl::Status SaveCheckpoint(const std::string& save, const GPTModel& model, const std::vector<float>& exp_avg,
-                            const std::vector<float>& exp_avg_sq, const TrainState& state,
+absl::Status VerifyCheckpointFile(const std::string& file) {
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: incomplete or corrupt checkpoint: {}", file, why));
+  };
+  if (!PathExists(file)) return absl::NotFoundError(fmt::format("{}: missing", file));
+  PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(file));
+  if (size < sizeof kMagic + 8 + kDigestChars) return bad(fmt::format("{} bytes, too short", size));
+  const uint64_t body = size - kDigestChars;
+  Sha256 sha;
+  std::string head, tail;
+  uint64_t pos = 0;
+  PTK_RETURN_IF_ERROR(ReadFileChunks(file, 4 << 20, [&](const char* p, size_t n) {
+    if (head.size() < sizeof kMagic) head.append(p, std::min(n, sizeof kMagic - head.size()));
+    const uint64_t hashed = pos < body ? std::min<uint64_t>(n, body - pos) : 0;
+    sha.Update(p, hashed);
+    tail.append(p + hashed, n - hashed);
+    pos += n;
+  }));
+  if (pos != size) return bad(fmt::format("read {} of {} bytes (the file changed)", pos, size));
+  if (std::memcmp(head.data(), kMagic, sizeof kMagic) != 0) return bad("not a ptk checkpoint (bad magic)");
+  if (sha.HexDigest() != tail) return bad(fmt::format("SHA-256 mismatch over {} bytes", body));
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status RemoveAllOrError(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec) return absl::InternalError(fmt::format("{}: cannot remove: {}", path, ec.message()));
+  return absl::OkStatus();
+}
+
+// The checkpoint file: magic, header length, header, then each array's bytes, then the hex
+// SHA-256 of everything before it. Committed (fsynced, renamed) inside the temporary directory.
+absl::Status WriteCheckpointFile(const std::string& file, const std::string& header,
+                                 std::initializer_list<std::span<const float>> arrays) {
+  PTK_RETURN_IF_ERROR(Step("write checkpoint file"));
+  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(file));
+  Sha256 sha;
+  auto put = [&](const void* data, size_t size) -> absl::Status {
+    sha.Update(data, size);
+    return w->Write(data, size);
+  };
+  const uint64_t len = header.size();
+  PTK_RETURN_IF_ERROR(put(kMagic, sizeof kMagic));
+  PTK_RETURN_IF_ERROR(put(&len, sizeof len));
+  PTK_RETURN_IF_ERROR(put(header.data(), header.size()));
+  for (std::span<const float> a : arrays) PTK_RETURN_IF_ERROR(put(a.data(), a.size_bytes()));
+  PTK_RETURN_IF_ERROR(w->Write(sha.HexDigest()));
+  PTK_RETURN_IF_ERROR(Step("fsync checkpoint file"));
+  return w->Commit();
+}
+
+// Moves the complete temporary directory of an iteration into place. An existing directory of
+// the same iteration (a rerun over a finished run) is renamed aside and removed only once the new
+// one is in place: at every instant one complete copy is iter_N or lies aside for
+// RecoverCheckpointDir to rename back.
+absl::Status PublishDirectory(const std::string& save, const std::string& tmp_dir, const std::string& final_dir,
+                              const std::string& old_dir) {
+  PTK_RETURN_IF_ERROR(Step("fsync temporary directory"));
+  PTK_RETURN_IF_ERROR(FsyncDir(JoinPath(tmp_dir, "mp_rank_00")));
+  PTK_RETURN_IF_ERROR(FsyncDir(tmp_dir));
+  const bool replacing = PathExists(final_dir);  // rename(2) cannot replace a non-empty directory
+  if (replacing) {
+    PTK_RETURN_IF_ERROR(RemoveAllOrError(old_dir));
+    PTK_RETURN_IF_ERROR(Step("rename old directory aside"));
+    PTK_RETURN_IF_ERROR(RenameFile(final_dir, old_dir));
+  }
+  PTK_RETURN_IF_ERROR(Step("rename new directory in"));
+  PTK_RETURN_IF_ERROR(RenameFile(tmp_dir, final_dir));
+  PTK_RETURN_IF_ERROR(Step("fsync save directory"));
+  PTK_RETURN_IF_ERROR(FsyncDir(save));
+  if (replacing) {
+    PTK_RETURN_IF_ERROR(Step("remove old directory"));
+    PTK_RETURN_IF_ERROR(RemoveAllOrError(old_dir));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteTracker(const std::string& save, int64_t iteration) {
+  PTK_RETURN_IF_ERROR(Step("write tracker"));
+  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(JoinPath(save, kTracker)));
+  PTK_RETURN_IF_ERROR(w->Write(std::to_string(iteration)));
+  PTK_RETURN_IF_ERROR(Step("commit tracker"));
+  return w->Commit();
+}
+
+// The copies of one iteration directory (iter_0000100) that saves left aside: the older copies
+// a rerun moved aside first (the tracker may name them), then new ones never renamed in.
+struct AsideCopies {
+  std::vector<std::string> paths;
+  size_t num_old = 0;
+};
+absl::StatusOr<AsideCopies> FindAsideCopies(const std::string& save, const std::string& base) {
+  std::vector<std::string> tmp, old;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(base + kTmpTag, 0) == 0) tmp.push_back(e.path().string());
+    if (name.rfind(base + kOldTag, 0) == 0) old.push_back(e.path().string());
+  }
+  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
+  std::sort(old.begin(), old.end());
+  std::sort(tmp.begin(), tmp.end());
+  AsideCopies a;
+  a.paths = old;
+  a.paths.insert(a.paths.end(), tmp.begin(), tmp.end());
+  a.num_old = old.size();
+  return a;
+}
+
+// For one iteration directory name: when the directory is missing, renames back the first
+// complete copy lying aside (an old one, or a new one too when `restore_new`); then removes the
+// copies left aside.
+absl::Status RecoverIteration(const std::string& save, const std::string& base, bool restore_new) {
+  PTK_ASSIGN_OR_RETURN(AsideCopies copies, FindAsideCopies(save, base));
+  std::vector<std::string>& aside = copies.paths;
+  const std::string final_dir = JoinPath(save, base);
+  if (!PathExists(final_dir)) {
+    for (auto it = aside.begin(); it != aside.end(); ++it) {
+      if (!restore_new && it - aside.begin() >= static_cast<std::ptrdiff_t>(copies.num_old)) break;
+      absl::Status whole = VerifyCheckpointFile(JoinPath(*it, "mp_rank_00/model_optim_rng.ptk"));
+      if (!whole.ok()) continue;
+      PTK_RETURN_IF_ERROR(RenameFile(*it, final_dir));
+      PTK_RETURN_IF_ERROR(FsyncDir(save));
+      log::Info("{}: restored from {}, a complete copy an interrupted save left aside", final_dir, *it);
+      aside.erase(it);
+      break;
+    }
+  }
+  for (const std::string& path : aside) PTK_RETURN_IF_ERROR(RemoveAllOrError(path));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
+                            std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
                             const std::string& args_json) {
   PTK_RETURN_IF_ERROR(MakeDirs(save));
   const std::string final_dir = CheckpointDir(save, state.iteration);
-  const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());
-  std::error_code ec;
-  std::filesystem::remove_all(tmp_dir, ec);
-  PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(tmp_dir, "mp_rank_00")));
+  const std::string tmp_dir = fmt::format("{}{}{}", final_dir, kTmpTag, ::getpid());
+  const std::string old_dir = fmt::format("{}{}{}", final_dir, kOldTag, ::getpid());
   JsonWriter w;
   w.BeginObject()
       .Field("format", "ptk-checkpoint")
@@ -69,84 +239,123 @@ absl::Status SaveCheckpoint(const std::string& save, const GPTModel& model, cons
       .Field("skipped_iterations", state.skipped_iterations)
       .Field("seed", state.seed)
       .Field("wall_seconds", state.wall_seconds)
-      .Field("num_params", model.num_params())
+      .Field("num_params", layout.num_params)
       .Key("model")
-      .Raw(ModelJson(model.config()))
-      .Key("tensors")
+      .Raw(ModelJson(layout.config))
+      .Key("settings")
       .BeginArray();
-  for (const ParamInfo& p : model.params_info()) {
+  for (const auto& [name, value] : state.settings) w.BeginArray().Value(name).Value(value).EndArray();
+  w.EndArray().Key("tensors").BeginArray();
+  for (const ParamInfo& p : layout.infos) {
     w.BeginObject().Field("name", p.name).Key("shape").BeginArray();
     for (int64_t d : p.shape) w.Value(d);
     w.EndArray().Field("offset", p.offset).EndObject();
   }
   w.EndArray().Key("args").Raw(args_json.empty() ? "{}" : args_json).EndObject();
-  const std::string& header = w.str();
-  const std::string file = JoinPath(tmp_dir, "mp_rank_00/model_optim_rng.ptk");
-  {
-    PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(file));
-    Sha256 sha;
-    auto put = [&](const void* data, size_t size) -> absl::Status {
-      sha.Update(data, size);
-      return w->Write(data, size);
-    };
-    uint64_t len = header.size();
-    PTK_RETURN_IF_ERROR(put(kMagic, sizeof kMagic));
-    PTK_RETURN_IF_ERROR(put(&len, sizeof len));
-    PTK_RETURN_IF_ERROR(put(header.data(), header.size()));
-    const size_t bytes = static_cast<size_t>(model.num_params()) * sizeof(float);
-    PTK_RETURN_IF_ERROR(put(model.params(), bytes));
-    PTK_RETURN_IF_ERROR(put(exp_avg.data(), bytes));
-    PTK_RETURN_IF_ERROR(put(exp_avg_sq.data(), bytes));
-    PTK_RETURN_IF_ERROR(w->Write(sha.HexDigest()));
-    PTK_RETURN_IF_ERROR(w->Commit());
+  const size_t n = static_cast<size_t>(layout.num_params);
+  if (params.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n)
+    return absl::InternalError("SaveCheckpoint: the arrays do not match the parameter layout");
+
+  absl::Status st = [&]() -> absl::Status {
+    PTK_RETURN_IF_ERROR(Step("create temporary directory"));
+    PTK_RETURN_IF_ERROR(RemoveAllOrError(tmp_dir));
+    PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(tmp_dir, "mp_rank_00")));
+    PTK_RETURN_IF_ERROR(WriteCheckpointFile(JoinPath(tmp_dir, "mp_rank_00/model_optim_rng.ptk"), w.str(),
+                                            {params, exp_avg, exp_avg_sq}));
+    PTK_RETURN_IF_ERROR(PublishDirectory(save, tmp_dir, final_dir, old_dir));
+    return WriteTracker(save, state.iteration);
+  }();
+  if (!st.ok()) {
+    // Whatever step failed: the iteration's directory back in place if a copy of it lies aside,
+    // and nothing of this save left behind (a full disk must not leave empty directories).
+    absl::Status undo = RecoverIteration(save, Basename(final_dir), /*restore_new=*/false);
+    if (!undo.ok()) log::Warning("after a failed save: {}", StatusMessage(undo));
   }
-  PTK_RETURN_IF_ERROR(FsyncDir(JoinPath(tmp_dir, "mp_rank_00")));
-  PTK_RETURN_IF_ERROR(FsyncDir(tmp_dir));
-  // An older directory of the same iteration (a rerun) is moved aside first: rename(2) cannot
-  // replace a non-empty directory.
-  if (PathExists(final_dir)) {
-    const std::string old = fmt::format("{}.ptk-old-{}", final_dir, ::getpid());
-    PTK_RETURN_IF_ERROR(RenameFile(final_dir, old));
-    std::filesystem::remove_all(old, ec);
-  }
-  PTK_RETURN_IF_ERROR(RenameFile(tmp_dir, final_dir));
-  PTK_RETURN_IF_ERROR(FsyncDir(save));
-  return WriteFileAtomic(JoinPath(save, kTracker), std::to_string(state.iteration));
+  return st;
 }
 
-absl::Status RemoveStaleCheckpointTemporaries(const std::string& save) {
-  std::error_code ec;
+absl::Status RecoverCheckpointDir(const std::string& save) {
   if (!IsDirectory(save)) return absl::OkStatus();
+  std::vector<std::string> bases;
+  std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("iter_", 0) != 0) continue;
-    if (name.find(".ptk-tmp-") == std::string::npos && name.find(".ptk-old-") == std::string::npos) continue;
-    std::filesystem::remove_all(e.path(), ec);
-    if (ec) return absl::InternalError(fmt::format("{}: cannot remove: {}", e.path().string(), ec.message()));
+    for (const char* tag : {kTmpTag, kOldTag})
+      if (const size_t at = name.find(tag); at != std::string::npos) bases.push_back(name.substr(0, at));
   }
+  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
+  std::sort(bases.begin(), bases.end());
+  bases.erase(std::unique(bases.begin(), bases.end()), bases.end());
+  for (const std::string& base : bases) PTK_RETURN_IF_ERROR(RecoverIteration(save, base, /*restore_new=*/true));
+  RemoveStaleTemporaries(JoinPath(save, kTracker));
   return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {
   const std::string tracker = JoinPath(load, kTracker);
-  if (!PathExists(tracker)) return absl::NotFoundError(fmt::format("{}: no checkpoint (no {})", load, kTracker));
+  if (!PathExists(tracker)) {
+    if (IsDirectory(load)) {
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(load, ec))
+        if (e.path().filename().string().rfind("iter_", 0) == 0 && e.is_directory(ec)) {
+          if (std::string torch = MegatronTorchCheckpointIn(e.path().string()); !torch.empty())
+            return absl::FailedPreconditionError(fmt::format(
+                "{}: no {}, and {} is a Megatron checkpoint in PyTorch's format, which ptk-train does not read; "
+                "convert it to ptk's format (trainer/README.md, 'Converting a Megatron checkpoint') or train "
+                "without --load",
+                load, kTracker, torch));
+        }
+    }
+    return absl::NotFoundError(fmt::format("{}: no checkpoint (no {})", load, kTracker));
+  }
   PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(tracker));
-  text = std::string(absl::StripAsciiWhitespace(text));
-  if (text == "release")
+  const absl::string_view stripped = absl::StripAsciiWhitespace(text);
+  const std::string_view digits(stripped.data(), stripped.size());
+  if (digits == "release")
     return absl::InvalidArgumentError(tracker +
                                       ": 'release' checkpoints (converted Megatron weights) are not supported");
-  char* end = nullptr;
-  long long it = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || it < 0)
-    return absl::DataLossError(fmt::format("{}: not an iteration number: '{}'", tracker, text));
-  return static_cast<int64_t>(it);
+  auto bad = [&](const std::string& why) {
+    const std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
+    return absl::DataLossError(fmt::format("{}: not an iteration number: {:?} ({})", tracker, shown, why));
+  };
+  if (digits.empty()) return bad("empty");
+  int64_t it = 0;
+  for (char c : digits) {
+    if (c < '0' || c > '9') return bad(fmt::format("holds {:?}", std::string(1, c)));
+    if (it > (std::numeric_limits<int64_t>::max() - (c - '0')) / 10)
+      return bad("larger than any iteration: it overflows a 64-bit integer");
+    it = it * 10 + (c - '0');
+  }
+  return it;
 }
 
-absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, GPTModel* model, std::vector<float>* exp_avg,
-                            std::vector<float>* exp_avg_sq, TrainState* state) {
-  const std::string file = CheckpointFile(load, iteration);
-  if (!PathExists(file))
-    return absl::NotFoundError(fmt::format("{}: missing (the tracker names iteration {})", file, iteration));
+absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const ParamLayout& layout,
+                            std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
+                            TrainState* state) {
+  std::string file = CheckpointFile(load, iteration);
+  if (!PathExists(file)) {
+    const std::string dir = CheckpointDir(load, iteration);
+    if (std::string torch = IsDirectory(dir) ? MegatronTorchCheckpointIn(dir) : ""; !torch.empty())
+      return absl::FailedPreconditionError(
+          fmt::format("{} is a Megatron checkpoint in PyTorch's format (the tracker names iteration {}); ptk-train "
+                      "reads only its own {}: convert it to ptk's format (trainer/README.md, 'Converting a Megatron "
+                      "checkpoint') or train without --load",
+                      torch, iteration, Basename(file)));
+    // A save killed while it replaced this iteration (a run that --load-s without --save on this
+    // directory does not recover it): a complete copy aside is as good.
+    PTK_ASSIGN_OR_RETURN(AsideCopies copies, FindAsideCopies(load, Basename(dir)));
+    for (const std::string& copy : copies.paths) {
+      const std::string aside = JoinPath(copy, "mp_rank_00/model_optim_rng.ptk");
+      if (VerifyCheckpointFile(aside).ok()) {
+        log::Info("{}: missing; loading {}, the complete copy an interrupted save left aside", file, aside);
+        file = aside;
+        break;
+      }
+    }
+    if (!PathExists(file))
+      return absl::NotFoundError(fmt::format("{}: missing (the tracker names iteration {})", file, iteration));
+  }
   PTK_ASSIGN_OR_RETURN(std::string data, ReadFileToString(file));
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint, refusing to load it: {}", file, why));
@@ -168,17 +377,18 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, GPTModel
   if (h["num_params"].get(num_params) || h["model"].get(saved_model)) return corrupt("header misses the model");
   simdjson::dom::parser mine_parser;
   simdjson::dom::element mine;
-  if (mine_parser.parse(ModelJson(model->config())).get(mine)) return absl::InternalError("model description");
+  if (mine_parser.parse(ModelJson(layout.config)).get(mine)) return absl::InternalError("model description");
   const std::string saved_json = simdjson::minify(saved_model), mine_json = simdjson::minify(mine);
-  if (num_params != model->num_params() || saved_json != mine_json)
+  if (num_params != layout.num_params || saved_json != mine_json)
     return absl::FailedPreconditionError(fmt::format(
         "{}: the checkpoint's model {} ({} parameters) differs from this run's {} ({} parameters): model flags differ "
         "from the saved run's",
-        file, saved_json, num_params, mine_json, model->num_params()));
+        file, saved_json, num_params, mine_json, layout.num_params));
   const size_t bytes = static_cast<size_t>(num_params) * sizeof(float);
   const size_t payload = sizeof kMagic + 8 + len;
   if (payload + 3 * bytes != body.size()) return corrupt("payload size does not match the header");
-  std::memcpy(model->params(), data.data() + payload, bytes);
+  params->resize(num_params);
+  std::memcpy(params->data(), data.data() + payload, bytes);
   exp_avg->resize(num_params);
   exp_avg_sq->resize(num_params);
   std::memcpy(exp_avg->data(), data.data() + payload + bytes, bytes);
@@ -198,6 +408,17 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, GPTModel
   state->seed = seed;
   double wall = 0;
   if (!h["wall_seconds"].get(wall)) state->wall_seconds = wall;
+  state->settings.clear();
+  simdjson::dom::array settings;
+  if (!h["settings"].get(settings)) {
+    for (simdjson::dom::element pair : settings) {
+      simdjson::dom::array kv;
+      std::string_view name, value;
+      if (pair.get(kv) || kv.size() != 2 || kv.at(0).get(name) || kv.at(1).get(value))
+        return corrupt("malformed settings in the header");
+      state->settings.emplace_back(std::string(name), std::string(value));
+    }
+  }
   if (state->iteration != iteration)
     return corrupt(fmt::format("holds iteration {}, the directory says {}", state->iteration, iteration));
   return absl::OkStatus();

@@ -1,13 +1,20 @@
 // Checkpoints in Megatron's directory layout: <save>/iter_0000100/mp_rank_00/model_optim_rng.ptk
 // and <save>/latest_checkpointed_iteration.txt. One file holds model, AdamW moments, scheduler,
-// RNG seed and data position, with a SHA-256 over all of it. A save goes to a temporary
-// directory that is fsynced and renamed into place before the tracker file is atomically
-// replaced, so a kill at any point leaves the previous checkpoint whole and `latest` pointing at
-// it. A damaged or mismatched checkpoint is refused, never loaded.
+// RNG seed, data position and the run's settings, with a SHA-256 over all of it. A save writes a
+// temporary directory, fsyncs it and renames it into place (an older copy of the same iteration is
+// renamed aside first and removed only once the new one is in place) before the tracker file is
+// atomically replaced; RecoverCheckpointDir puts back an iteration whose directory a kill left
+// aside. So at every instant `latest` names a whole checkpoint, or one that the next run's
+// recovery restores from a verified copy. A damaged or mismatched checkpoint is refused, never
+// loaded.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -24,25 +31,47 @@ struct TrainState {
   int64_t skipped_iterations = 0;
   uint64_t seed = 0;
   double wall_seconds = 0;  // training time so far, for progress reporting
+  // The settings a resumed run compares with its own (flag name, value), e.g. {"--seed", "1234"}.
+  // Empty in checkpoints written before they were recorded.
+  std::vector<std::pair<std::string, std::string>> settings;
 };
 
 std::string CheckpointDir(const std::string& save, int64_t iteration);   // <save>/iter_0000100
 std::string CheckpointFile(const std::string& save, int64_t iteration);  // .../mp_rank_00/model_optim_rng.ptk
 
-// Writes the checkpoint of `iteration` and then points the tracker at it.
-absl::Status SaveCheckpoint(const std::string& save, const GPTModel& model, const std::vector<float>& exp_avg,
-                            const std::vector<float>& exp_avg_sq, const TrainState& state,
+// Writes the checkpoint of `iteration` and then points the tracker at it. A save that fails (a
+// full disk) removes what it wrote and leaves the previous checkpoint and the tracker as they were.
+// `params`, `exp_avg` and `exp_avg_sq` are host copies in `layout`'s order.
+absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
+                            std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
                             const std::string& args_json);
 
-// Removes what killed saves left in `save` (iter_*.ptk-tmp-PID, iter_*.ptk-old-PID). One run
-// writes to one --save directory at a time.
-absl::Status RemoveStaleCheckpointTemporaries(const std::string& save);
+// Makes `save` whole again after a killed save: an iteration directory that is missing while a
+// complete copy of it (its checksum verified) lies aside as iter_*.ptk-tmp-* or iter_*.ptk-old-*
+// is renamed back; every other temporary a save leaves (those directories, the tracker's
+// temporaries) is removed. Call only while holding the directory's run lock (one run writes to one
+// --save directory at a time).
+absl::Status RecoverCheckpointDir(const std::string& save);
+
+// Checks that a checkpoint file is complete: magic, length and its own SHA-256.
+absl::Status VerifyCheckpointFile(const std::string& file);
 
 // The iteration named by <load>/latest_checkpointed_iteration.txt; NotFound when there is none.
+// Anything but decimal digits (surrounding whitespace aside) is refused as DataLoss.
 absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load);
 
-// Loads into `model` (whose configuration must match the saved one), the moments and the state.
-absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, GPTModel* model, std::vector<float>* exp_avg,
-                            std::vector<float>* exp_avg_sq, TrainState* state);
+// Loads the parameters (whose layout must match the saved one: same model flags), the moments and
+// the state. A directory holding Megatron's own PyTorch checkpoint (model_optim_rng.pt, torch_dist
+// shards) is refused saying so.
+absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const ParamLayout& layout,
+                            std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
+                            TrainState* state);
+
+// Fault injection for tests: SaveCheckpoint calls the hook before each step of a save (its
+// renames, fsyncs, writes and removals, by name, e.g. "rename new directory in"); a non-OK status
+// fails the save at that step as an I/O error would, and a hook may end the process there (a kill).
+// Not thread-safe; an empty function removes the hook.
+using SaveStepHook = std::function<absl::Status(std::string_view step)>;
+void SetSaveStepHookForTesting(SaveStepHook hook);
 
 }  // namespace ptk::trainer

@@ -1,0 +1,301 @@
+// Checkpoint saves under fault injection: a kill (in a child process) or an I/O failure at every
+// step of a save, over a fresh iteration and over a rerun that replaces an existing one, leaves a
+// loadable `latest` and, after the next run's recovery, no temporaries; strict tracker parsing;
+// Megatron's own torch checkpoints recognised; settings kept for the resume checks.
+#include "trainer/checkpoint.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace ptk::trainer {
+namespace {
+
+using testing::TempDir;
+
+ParamLayout SmallLayout() {
+  GPTConfig c;
+  c.num_layers = 1;
+  c.hidden_size = 8;
+  c.num_attention_heads = 2;
+  c.ffn_hidden_size = 32;
+  c.seq_length = c.max_position_embeddings = 8;
+  c.vocab_size = c.padded_vocab_size = 64;
+  auto layout = ParamLayout::Create(c);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  return *layout;
+}
+
+// Arrays whose every value is `tag` (params), tag + 0.5 (exp_avg), tag + 0.25 (exp_avg_sq): a
+// loaded checkpoint tells which save wrote it.
+struct Arrays {
+  std::vector<float> p, m, v;
+};
+Arrays Filled(const ParamLayout& layout, float tag) {
+  const size_t n = static_cast<size_t>(layout.num_params);
+  return {std::vector<float>(n, tag), std::vector<float>(n, tag + 0.5f), std::vector<float>(n, tag + 0.25f)};
+}
+
+absl::Status Save(const std::string& dir, const ParamLayout& layout, int64_t iteration, float tag) {
+  Arrays a = Filled(layout, tag);
+  TrainState s;
+  s.iteration = iteration;
+  s.consumed_train_samples = iteration * 4;
+  s.settings = {{"--seed", "1234"}, {"--data-path", "a b"}};
+  return SaveCheckpoint(dir, layout, a.p, a.m, a.v, s, "[\"--lr\", \"1e-3\"]");
+}
+
+// The tag of the checkpoint `latest` names, after checking that it loads; -1 when it does not.
+float LatestTag(const std::string& dir, const ParamLayout& layout, int64_t* iteration) {
+  auto it = LatestCheckpointIteration(dir);
+  EXPECT_TRUE(it.ok()) << it.status();
+  if (!it.ok()) return -1;
+  *iteration = *it;
+  std::vector<float> p, m, v;
+  TrainState s;
+  absl::Status st = LoadCheckpoint(dir, *it, layout, &p, &m, &v, &s);
+  EXPECT_TRUE(st.ok()) << st;
+  if (!st.ok()) return -1;
+  EXPECT_EQ(s.iteration, *it);
+  EXPECT_EQ(m[0], p[0] + 0.5f);
+  EXPECT_EQ(v.back(), p[0] + 0.25f);
+  return p[0];
+}
+
+// Everything in `dir` that is not an iteration directory, the tracker or another file a run
+// leaves on purpose.
+std::string Litter(const std::string& dir) {
+  std::string out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name == "latest_checkpointed_iteration.txt") continue;
+    if (name.rfind("iter_", 0) == 0 && name.find('.') == std::string::npos) continue;
+    out += name + " ";
+  }
+  return out + testing::Leftovers(dir);
+}
+
+// Runs Save in a child whose hook kills it (SIGKILL) at the `kill_at`-th step. Returns the step's
+// name, or "" when the save finished before reaching it.
+std::string SaveKilledAt(const std::string& dir, const ParamLayout& layout, int64_t iteration, float tag, int kill_at) {
+  int fds[2];
+  EXPECT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    int steps = 0;
+    SetSaveStepHookForTesting([&](std::string_view step) {
+      if (steps++ == kill_at) {
+        (void)!::write(fds[1], step.data(), step.size());
+        ::raise(SIGKILL);
+      }
+      return absl::OkStatus();
+    });
+    absl::Status st = Save(dir, layout, iteration, tag);
+    ::_exit(st.ok() ? 0 : 1);
+  }
+  ::close(fds[1]);
+  std::string step;
+  char buf[256];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) step.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  EXPECT_EQ(::waitpid(pid, &status, 0), pid);
+  if (step.empty()) {
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the save failed without a fault";
+  } else {
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  }
+  return step;
+}
+
+// A kill at every step of a save: iteration 2 saved over `latest` = 1 (fresh), or iteration 2
+// saved again over `latest` = 2 (a rerun of a finished run, the case that lost both copies).
+void KillAtEveryStep(bool rerun) {
+  const ParamLayout layout = SmallLayout();
+  int steps = 0;
+  for (int k = 0;; ++k) {
+    TempDir dir;
+    const std::string save = dir / "ckpt";
+    ASSERT_TRUE(Save(save, layout, 1, 1.0f).ok());
+    if (rerun) {
+      ASSERT_TRUE(Save(save, layout, 2, 2.0f).ok());
+    }
+    const std::string step = SaveKilledAt(save, layout, 2, 3.0f, k);
+    SCOPED_TRACE("killed at step " + std::to_string(k) + " (" + step + ")" + (rerun ? ", rerun" : ", fresh"));
+    // Before any recovery, `latest` names a checkpoint that loads (from a copy aside if need be).
+    int64_t it = 0;
+    float tag = LatestTag(save, layout, &it);
+    // The next run's start-up recovery: the same checkpoint, in place, and nothing else left.
+    ASSERT_TRUE(RecoverCheckpointDir(save).ok());
+    int64_t it2 = 0;
+    EXPECT_EQ(LatestTag(save, layout, &it2), tag);
+    EXPECT_EQ(it2, it);
+    EXPECT_EQ(Litter(save), "");
+    if (rerun) {
+      EXPECT_EQ(it, 2);
+      EXPECT_TRUE(tag == 2.0f || tag == 3.0f) << tag;
+    } else {
+      EXPECT_TRUE((it == 1 && tag == 1.0f) || (it == 2 && tag == 3.0f)) << it << " " << tag;
+    }
+    if (testing::Exists(CheckpointDir(save, 2))) {
+      EXPECT_TRUE(VerifyCheckpointFile(CheckpointFile(save, 2)).ok());
+    }
+    if (step.empty()) {
+      EXPECT_EQ(it, 2);
+      EXPECT_EQ(tag, 3.0f);
+      break;
+    }
+    ++steps;
+  }
+  // create, write, fsync file, fsync dir, [rename aside], rename in, fsync save dir, [remove old],
+  // write tracker, commit tracker.
+  EXPECT_EQ(steps, rerun ? 10 : 8);
+}
+
+TEST(Checkpoint, KillAtEveryStepOfAFreshSaveLeavesALoadableLatest) { KillAtEveryStep(false); }
+TEST(Checkpoint, KillAtEveryStepOfARerunSaveLeavesALoadableLatest) { KillAtEveryStep(true); }
+
+// A save that fails at any step (a full disk) returns the error and leaves the previous state:
+// `latest` loadable and nothing of its own behind, without waiting for the next run.
+void FailAtEveryStep(bool rerun) {
+  const ParamLayout layout = SmallLayout();
+  for (int k = 0;; ++k) {
+    TempDir dir;
+    const std::string save = dir / "ckpt";
+    ASSERT_TRUE(Save(save, layout, 1, 1.0f).ok());
+    if (rerun) {
+      ASSERT_TRUE(Save(save, layout, 2, 2.0f).ok());
+    }
+    int steps = 0;
+    std::string failed_at;
+    bool renamed_in = false;  // the failure came after the new directory was renamed into place
+    SetSaveStepHookForTesting([&](std::string_view step) {
+      if (steps++ != k) {
+        renamed_in |= step == "rename new directory in";
+        return absl::OkStatus();
+      }
+      failed_at = std::string(step);
+      return absl::ResourceExhaustedError("injected: no space left on device");
+    });
+    absl::Status st = Save(save, layout, 2, 3.0f);
+    SetSaveStepHookForTesting(nullptr);
+    SCOPED_TRACE("failed at step " + std::to_string(k) + " (" + failed_at + ")" + (rerun ? ", rerun" : ", fresh"));
+    EXPECT_EQ(Litter(save), "");
+    int64_t it = 0;
+    const float tag = LatestTag(save, layout, &it);
+    if (failed_at.empty()) {
+      EXPECT_TRUE(st.ok()) << st;
+      EXPECT_EQ(tag, 3.0f);
+      break;
+    }
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    EXPECT_EQ(it, rerun ? 2 : 1);
+    // Until the new directory is in place, what was there before (a failed save does not put its
+    // own copy in); after, the new directory of iteration 2, with or without the tracker moved.
+    EXPECT_EQ(tag, rerun && renamed_in ? 3.0f : rerun ? 2.0f : 1.0f);
+    EXPECT_EQ(testing::Exists(CheckpointDir(save, 2)), rerun || renamed_in);
+  }
+}
+
+TEST(Checkpoint, FailureAtEveryStepOfAFreshSaveLeavesNoTemporaries) { FailAtEveryStep(false); }
+TEST(Checkpoint, FailureAtEveryStepOfARerunSaveLeavesNoTemporaries) { FailAtEveryStep(true); }
+
+// The sequence: a rerun killed between moving the old copy aside and renaming the new one
+// in; the next run must restore a copy, never delete the only complete ones.
+TEST(Checkpoint, RecoveryRestoresAnIterationLeftAside) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  const std::string save = dir / "ckpt";
+  ASSERT_TRUE(Save(save, layout, 2, 2.0f).ok());
+  std::filesystem::rename(CheckpointDir(save, 2), CheckpointDir(save, 2) + ".ptk-old-4242");
+  // A damaged copy beside it is not trusted.
+  std::filesystem::copy(CheckpointDir(save, 2) + ".ptk-old-4242", CheckpointDir(save, 2) + ".ptk-tmp-4243",
+                        std::filesystem::copy_options::recursive);
+  const std::string bad = CheckpointDir(save, 2) + ".ptk-tmp-4243/mp_rank_00/model_optim_rng.ptk";
+  std::string bytes = testing::ReadFile(bad);
+  bytes[bytes.size() / 2] ^= 1;
+  testing::WriteFile(bad, bytes);
+  EXPECT_FALSE(VerifyCheckpointFile(bad).ok());
+  testing::WriteFile(save + "/latest_checkpointed_iteration.txt.ptk-tmp-4242-abc", "3");
+  ASSERT_TRUE(RecoverCheckpointDir(save).ok());
+  EXPECT_EQ(Litter(save), "");
+  int64_t it = 0;
+  EXPECT_EQ(LatestTag(save, layout, &it), 2.0f);
+  // A truncated file is not complete either.
+  testing::WriteFile(bad, bytes.substr(0, bytes.size() - 10));
+  EXPECT_FALSE(VerifyCheckpointFile(bad).ok());
+}
+
+TEST(Checkpoint, TrackerIsParsedStrictly) {
+  TempDir dir;
+  const std::string tracker = dir / "latest_checkpointed_iteration.txt";
+  auto parse = [&](const std::string& text) {
+    testing::WriteFile(tracker, text);
+    return LatestCheckpointIteration(dir.path());
+  };
+  EXPECT_EQ(*parse("7"), 7);
+  EXPECT_EQ(*parse(" 12\n"), 12);  // Megatron reads int(f.read().strip())
+  for (const std::string& bad : {std::string("4\0garbage", 9), std::string("4\0", 2), std::string(""),
+                                 std::string("-3"), std::string("+3"), std::string("3 4"), std::string("0x10")}) {
+    auto r = parse(bad);
+    ASSERT_FALSE(r.ok()) << "accepted " << bad.size() << " bytes";
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    EXPECT_NE(r.status().message().find("not an iteration number"), absl::string_view::npos) << r.status();
+  }
+  auto nines = parse(std::string(24, '9'));
+  ASSERT_FALSE(nines.ok());
+  EXPECT_NE(nines.status().message().find("overflows"), absl::string_view::npos) << nines.status();
+  EXPECT_EQ(*parse("9223372036854775807"), 9223372036854775807);
+  EXPECT_FALSE(parse("9223372036854775808").ok());
+}
+
+TEST(Checkpoint, MegatronTorchCheckpointIsNamedAsSuch) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  std::filesystem::create_directories(dir / "iter_0000005/mp_rank_00");
+  testing::WriteFile(dir / "iter_0000005/mp_rank_00/model_optim_rng.pt", "PK\x03\x04 torch zip");
+  // Without a tracker (copied without it) and with one.
+  auto it = LatestCheckpointIteration(dir.path());
+  ASSERT_FALSE(it.ok());
+  EXPECT_EQ(it.status().code(), absl::StatusCode::kFailedPrecondition) << it.status();
+  EXPECT_NE(it.status().message().find("PyTorch's format"), absl::string_view::npos) << it.status();
+  testing::WriteFile(dir / "latest_checkpointed_iteration.txt", "5");
+  std::vector<float> p, m, v;
+  TrainState s;
+  absl::Status st = LoadCheckpoint(dir.path(), 5, layout, &p, &m, &v, &s);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("model_optim_rng.pt is a Megatron checkpoint in PyTorch's format"),
+            absl::string_view::npos)
+      << st;
+  EXPECT_NE(st.message().find("Converting a Megatron checkpoint"), absl::string_view::npos) << st;
+  // torch_dist: shards and metadata in the iteration directory.
+  std::filesystem::remove_all(dir / "iter_0000005");
+  std::filesystem::create_directories(dir / "iter_0000005");
+  testing::WriteFile(dir / "iter_0000005/__0_0.distcp", "x");
+  st = LoadCheckpoint(dir.path(), 5, layout, &p, &m, &v, &s);
+  EXPECT_NE(st.message().find("PyTorch's format"), absl::string_view::npos) << st;
+}
+
+TEST(Checkpoint, SettingsComeBack) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  ASSERT_TRUE(Save(dir.path(), layout, 3, 1.0f).ok());
+  std::vector<float> p, m, v;
+  TrainState s;
+  ASSERT_TRUE(LoadCheckpoint(dir.path(), 3, layout, &p, &m, &v, &s).ok());
+  ASSERT_EQ(s.settings.size(), 2u);
+  EXPECT_EQ(s.settings[0], std::make_pair(std::string("--seed"), std::string("1234")));
+  EXPECT_EQ(s.settings[1], std::make_pair(std::string("--data-path"), std::string("a b")));
+}
+
+}  // namespace
+}  // namespace ptk::trainer
