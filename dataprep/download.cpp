@@ -81,6 +81,23 @@ void download_detail::RemoveStalePart(const RemoteFile& f) {
   if (lock.ok()) RemovePartOf(f);  // (else a run is writing it: its own business)
 }
 
+std::string BookkeepingClash(const std::string& rel, const std::set<std::string>& listed) {
+  if (rel.find(".ptk-") != std::string::npos)
+    return fmt::format(
+        "{:?} is a name of ptk's own: names with \".ptk-\" are its state directory ({}/), locks, temporaries and "
+        "sidecars",
+        log::Printable(rel), kStateDir);
+  for (std::string_view suffix : {".part", ".part.json"}) {
+    if (rel.size() <= suffix.size() || rel.compare(rel.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const std::string base = rel.substr(0, rel.size() - suffix.size());
+    if (listed.count(base))
+      return fmt::format("{:?} is where ptk-download keeps {} of {:?}, also in the listing", log::Printable(rel),
+                         suffix == ".part" ? "the partial download" : "the record of the partial download",
+                         log::Printable(base));
+  }
+  return "";
+}
+
 absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path) {
   if (path.empty()) return absl::InvalidArgumentError("empty path in the listing");
   if (path[0] == '/' || path.find('\\') != std::string::npos || path.find('\0') != std::string::npos)
@@ -115,6 +132,14 @@ bool GlobMatch(const std::string& pattern, const std::string& path) {
   return ::fnmatch(pattern.c_str(), path.c_str(), 0) == 0;
 }
 
+namespace {
+std::string FormatPatterns(const std::vector<std::string>& patterns) {
+  std::string out;
+  for (const auto& p : patterns) out += fmt::format("{}{:?}", out.empty() ? "" : " ", p);
+  return out;
+}
+}  // namespace
+
 absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   const auto t0 = Clock::now();
   if (opt.local_dir.empty()) return absl::InvalidArgumentError("--local-dir is required");
@@ -126,6 +151,7 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   DownloadSummary sum;
 
   std::vector<RemoteFile> files;
+  std::set<std::string> all_rels;  // every file's name below --local-dir
   if (!opt.repo.empty()) {
     // Said before the first request, so that a hub that does not answer is never met with silence.
     log::Info("asking {} for {} {}@{}", opt.endpoint, opt.repo_type, opt.repo, opt.revision);
@@ -141,13 +167,32 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
       for (const auto& f : files) text += ManifestLine(f);
       PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text));
     }
+    // Names below --local-dir of the whole listing (not only the selection): a file this run does
+    // not select may be on disk from another run, where this run's bookkeeping must not meet it.
+    for (const auto& f : files) {
+      auto clean = SanitizeRepoPath(f.path);
+      if (clean.ok()) all_rels.insert(opt.flat ? FlatName(*clean) : *clean);
+    }
     std::vector<RemoteFile> kept;
+    std::vector<bool> include_used(opt.include.size(), false);
     for (auto& f : files) {
       bool inc = opt.include.empty();
-      for (const auto& p : opt.include) inc = inc || GlobMatch(p, f.path);
+      for (size_t i = 0; i < opt.include.size(); ++i)
+        if (GlobMatch(opt.include[i], f.path)) include_used[i] = inc = true;
       for (const auto& p : opt.exclude) inc = inc && !GlobMatch(p, f.path);
       if (inc) kept.push_back(std::move(f));
     }
+    // A selection that is empty is a mistake (a typo in a pattern), never a silent success. One
+    // pattern among several that matches nothing is said (the Slurm scripts add a validation
+    // folder's pattern that some repos lack).
+    if (kept.empty() && (!opt.include.empty() || !opt.exclude.empty()))
+      return absl::NotFoundError(
+          fmt::format("--include {} {}select no file of {} {}@{} ({} files listed)", FormatPatterns(opt.include),
+                      opt.exclude.empty() ? "" : fmt::format("with --exclude {} ", FormatPatterns(opt.exclude)),
+                      opt.repo_type, opt.repo, sum.commit.substr(0, 12), files.size()));
+    for (size_t i = 0; i < opt.include.size(); ++i)
+      if (!include_used[i])
+        log::Warning("--include {:?} matches no file of {}@{}", opt.include[i], opt.repo, sum.commit.substr(0, 12));
     files = std::move(kept);
   } else {
     PTK_ASSIGN_OR_RETURN(files, ReadUrlList(opt.url_list));
@@ -156,6 +201,7 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   for (auto& f : files) {
     PTK_ASSIGN_OR_RETURN(std::string clean, SanitizeRepoPath(f.path));
     f.local_path = JoinPath(opt.local_dir, opt.flat ? FlatName(clean) : clean);
+    all_rels.insert(opt.flat ? FlatName(clean) : clean);
     if (!locals.insert(f.local_path).second)
       return absl::InvalidArgumentError(fmt::format("two files would be written to {}{}", f.local_path,
                                                     opt.flat ? " (--flat: narrow the selection with --include)" : ""));
@@ -180,6 +226,14 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   std::vector<RemoteFile> todo;
   uint64_t todo_bytes = 0, total_bytes = 0;
   for (const auto& f : mine) {
+    const std::string rel = f.local_path.substr(opt.local_dir.size() + (opt.local_dir.back() == '/' ? 0 : 1));
+    if (std::string clash = BookkeepingClash(rel, all_rels); !clash.empty()) {
+      sum.failures.push_back(
+          {f.path, absl::FailedPreconditionError(fmt::format(
+                       "not downloaded: {}; exclude it (--exclude {:?}) or download it elsewhere", clash, f.path))});
+      log::Error("{}: {}", log::Printable(f.path), StatusMessage(sum.failures.back().error));
+      continue;
+    }
     total_bytes += f.size;
     PTK_ASSIGN_OR_RETURN(const bool present, PresentAndVerified(f, done, opt.verify, log_file));
     if (present) {

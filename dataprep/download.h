@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,11 @@ absl::StatusOr<std::string> FindHfToken(const std::string& token_file);
 
 // Helpers exposed for tests.
 absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path);
+// Why a file may not be written at `rel` below --local-dir: the name is one of ptk's own (any name
+// with ".ptk-": the state directory .ptk-download/, locks, temporaries, sidecars), or the partial
+// download (NAME.part) or its record (NAME.part.json) of a file NAME in `listed`. "" when it may.
+// Such a file is refused by name (a failed file, exit 1), never downloaded over ptk's bookkeeping.
+std::string BookkeepingClash(const std::string& rel, const std::set<std::string>& listed);
 std::string FlatName(const std::string& repo_path);
 bool GlobMatch(const std::string& pattern, const std::string& path);
 

@@ -489,6 +489,64 @@ TEST(Download, AResumeThatCannotProveItContinuesStartsOver) {
   }
 }
 
+// Issue 27: a repo's own files never meet ptk-download's bookkeeping. On the old main x.bin got
+// x.bin.part's bytes and x.bin.part was missing, a file under .ptk-download/ overwrote the done log,
+// y.jsonl.ptk-lock and y.jsonl.part.json vanished, all with exit 0 ("3 downloaded, 0 failed").
+// Now the files whose names are ptk's are refused by name (exit 1, on every run) and the others
+// arrive intact.
+TEST(Download, RepoFilesNamedLikePtksBookkeepingAreRefusedByName) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> repo = {
+      {"x.bin", std::string(70000, 'x')},
+      {"x.bin.part", std::string(30000, 'p')},
+      {".ptk-download/done-0-of-1.tsv", "a repo file\n"},
+      {"y.jsonl", "{\"text\": \"y\"}\n"},
+      {"y.jsonl.ptk-lock", "a repo file named like a lock\n"},
+      {"y.jsonl.part.json", "{\"a repo file\": 1}\n"},
+      {"z.jsonl.part", "a .part of nothing listed: an ordinary name\n"}};
+  for (const auto& [path, data] : repo) {
+    std::filesystem::create_directories(std::filesystem::path(dir / ("repo/" + path)).parent_path());
+    testing::WriteFile(dir / ("repo/" + path), data);
+  }
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  for (int run = 0; run < 2; ++run) {
+    auto r = RunCmd(Download(hub, dir / "out", "--jobs 3"));
+    EXPECT_EQ(r.exit_code, 1) << "run " << run << ": " << r.output;
+    for (const char* refused : {"x.bin.part", ".ptk-download/done-0-of-1.tsv", "y.jsonl.ptk-lock", "y.jsonl.part.json"})
+      EXPECT_NE(r.output.find(fmt::format("failed: {}: not downloaded", refused)), std::string::npos)
+          << "run " << run << ": " << refused << " not refused by name: " << r.output;
+    EXPECT_NE(r.output.find("4 of 7 files failed"), std::string::npos) << r.output;
+    for (const char* ok : {"x.bin", "y.jsonl", "z.jsonl.part"})
+      EXPECT_TRUE(testing::ReadFile(dir / ("out/" + std::string(ok))) ==
+                  testing::ReadFile(dir / ("repo/" + std::string(ok))))
+          << "run " << run << ": " << ok;
+    EXPECT_FALSE(testing::Exists(dir / "out/x.bin.part")) << "run " << run;
+    EXPECT_FALSE(testing::Exists(dir / "out/y.jsonl.ptk-lock")) << "run " << run;
+    EXPECT_NE(testing::ReadFile(dir / "out/.ptk-download/done-0-of-1.tsv"), "a repo file\n");
+    EXPECT_EQ(testing::Leftovers(dir / "out"), "") << "run " << run;
+  }
+}
+
+// Issue 27: --include that selects nothing (a typo) is an error, not "0 downloaded" and exit 0; one
+// pattern of several that matches nothing is said.
+TEST(Download, IncludeThatSelectsNothingIsAnError) {
+  TempDir dir;
+  MakeRepo(dir / "repo", 2000);
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto none = RunCmd(Download(hub, dir / "out", "--include 'trian/**'"));
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  EXPECT_NE(none.output.find("--include \"trian/**\" select no file"), std::string::npos) << none.output;
+  auto excluded = RunCmd(Download(hub, dir / "out", "--include 'README.md' --exclude '*.md'"));
+  EXPECT_EQ(excluded.exit_code, 1) << excluded.output;
+  EXPECT_NE(excluded.output.find("with --exclude \"*.md\""), std::string::npos) << excluded.output;
+  auto one = RunCmd(Download(hub, dir / "out", "--include 'README.md' --include 'validaton/**'"));
+  EXPECT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("--include \"validaton/**\" matches no file"), std::string::npos) << one.output;
+  EXPECT_TRUE(testing::Exists(dir / "out/README.md"));
+}
+
 // A .part planted as a symlink must not make the download write through it.
 TEST(Download, PartSymlinkIsNotFollowed) {
   TempDir dir;
