@@ -80,7 +80,9 @@ int main(int argc, char** argv) {
         threads == static_cast<int>(std::thread::hardware_concurrency()))
       threads = std::max(1, threads / std::max(1, ranks.world_size));
     tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads));
-    openblas_set_num_threads(threads);
+    // OpenBLAS single-threaded: the CPU ops cut every product into fixed tiles and run them on
+    // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
+    openblas_set_num_threads(1);
     if (flags.exit_signal_handler) {
       struct sigaction sa = {};
       sa.sa_handler = OnExitSignal;

@@ -1,14 +1,20 @@
+// The model interface that the training step, the loop and checkpoints use, whatever the backend:
 // Megatron's GPT (pretrain_gpt.py with learned absolute positions, pre-LayerNorm blocks, GELU MLP,
-// tied or untied output layer) as an fp32 CPU model: parameters and gradients in one flat buffer
-// each (the all-reduce, the optimizer and checkpoints see one array), activations kept per layer
-// for the backward pass.
+// tied or untied output layer). The parameter layout (names, shapes, offsets, init) is shared by
+// every backend; a backend owns the parameters, gradients and AdamW moments in its own memory and
+// hands the step and checkpoints host copies only. trainer/cpu/ holds the fp32 CPU backend,
+// trainer/cuda/ the CUDA one.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "trainer/comm.h"
 
 namespace ptk::trainer {
 
@@ -44,8 +50,31 @@ struct ParamInfo {
   float init_value = 0.0f;
 };
 
-// One micro-batch as the model sees it: (b, t) tokens, labels, positions and loss mask, and the
-// global position of each sample in the training stream (keys the dropout masks).
+// Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer.
+struct LayerParams {
+  int64_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
+};
+
+// Where every parameter lives in the one flat buffer: Megatron-core's names and order, shared by
+// every backend and by checkpoints.
+struct ParamLayout {
+  GPTConfig config;
+  std::vector<ParamInfo> infos;
+  std::vector<LayerParams> layers;
+  int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
+  int64_t out_w = 0;  // == wte when the output layer is tied to the embedding
+  int64_t num_params = 0;
+
+  static absl::StatusOr<ParamLayout> Create(const GPTConfig& config);
+  const ParamInfo* Find(const std::string& name) const;
+  // Megatron's init: N(0, std) for weights, the two output projections of every layer with
+  // std / sqrt(2 * layers), biases 0, LayerNorm weights 1. Deterministic in `seed`; `out` holds
+  // num_params floats.
+  void InitWeights(uint64_t seed, std::span<float> out) const;
+};
+
+// One micro-batch as the model sees it (host memory): (b, t) tokens, labels, positions and loss
+// mask, and the global position of each sample in the training stream (keys the dropout masks).
 struct ModelBatch {
   int64_t b = 0, t = 0;
   const int32_t* tokens = nullptr;
@@ -60,45 +89,76 @@ struct LossSum {
   double tokens = 0;    // sum of loss_mask
 };
 
+// Causal self-attention's shape: batch, sequence, heads, head dimension.
+struct AttentionShape {
+  int64_t b, t, nh, hd;
+};
+
+// torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in
+// AdamW mode.
+struct AdamWParams {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;  // 1-based
+};
+
+enum class Device { kCpu, kCuda };
+// Megatron's precision flags: none (fp32), --bf16, --fp16. Master weights, gradients, AdamW
+// moments, LayerNorm statistics, softmax and the loss stay fp32 in every mode.
+enum class Precision { kFp32, kBf16, kFp16 };
+std::string_view DeviceName(Device d);
+std::string_view PrecisionName(Precision p);
+
 class GPTModel {
  public:
-  static absl::StatusOr<std::unique_ptr<GPTModel>> Create(const GPTConfig& config);
+  virtual ~GPTModel() = default;
+  GPTModel(const GPTModel&) = delete;
+  GPTModel& operator=(const GPTModel&) = delete;
 
-  const GPTConfig& config() const { return config_; }
-  const std::vector<ParamInfo>& params_info() const { return infos_; }
-  int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
-  float* params() { return params_.data(); }
-  const float* params() const { return params_.data(); }
-  float* grads() { return grads_.data(); }
-  const ParamInfo* FindParam(const std::string& name) const;
+  const GPTConfig& config() const { return layout_.config; }
+  const ParamLayout& layout() const { return layout_; }
+  const std::vector<ParamInfo>& params_info() const { return layout_.infos; }
+  int64_t num_params() const { return layout_.num_params; }
+  const ParamInfo* FindParam(const std::string& name) const { return layout_.Find(name); }
 
-  // Megatron's init: N(0, std) for weights, the two output projections of every layer with
-  // std / sqrt(2 * layers), biases 0, LayerNorm weights 1. Deterministic in `seed`.
-  void InitWeights(uint64_t seed);
-  void ZeroGrads();
+  virtual Device device() const = 0;
+  virtual Precision precision() const = 0;
+  // One line for the log: "cpu fp32", "cuda:0 (NVIDIA H100 80GB HBM3) bf16".
+  virtual std::string Describe() const = 0;
 
+  // Host copies of the backend's fp32 state, each num_params floats in the layout's order.
+  virtual absl::Status ReadParams(std::span<float> out) const = 0;
+  virtual absl::Status WriteParams(std::span<const float> in) = 0;
+  virtual absl::Status ReadGrads(std::span<float> out) const = 0;
+  virtual absl::Status ReadMoments(std::span<float> exp_avg, std::span<float> exp_avg_sq) const = 0;
+  virtual absl::Status WriteMoments(std::span<const float> exp_avg, std::span<const float> exp_avg_sq) = 0;
+  // ParamLayout::InitWeights on the host, then WriteParams: the same bits on every backend.
+  absl::Status InitWeights(uint64_t seed);
+
+  virtual absl::Status ZeroGrads() = 0;
   // Forward and backward of one micro-batch: returns the masked loss sum and token count, and adds
-  // d(loss_scale * sum(loss * mask)) to the gradients. `train` applies dropout (keyed by seed).
-  absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed);
+  // d(loss_scale * sum(loss * mask)) to the fp32 gradients. `train` applies dropout (keyed by seed).
+  virtual absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
+                                                  uint64_t seed) = 0;
   // Forward only (evaluation, no dropout). With `logits`, the (b, t, padded vocab) logits are
-  // copied out.
-  absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits = nullptr);
+  // copied out as fp32.
+  virtual absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits = nullptr) = 0;
 
-  ~GPTModel();
+  // The optimizer step's pieces, on the backend's own buffers.
+  // Sums the gradients over the communicator's ranks (every rank ends with the same bits).
+  virtual absl::Status AllReduceGrads(Communicator* comm) = 0;
+  // Sum of squares of all gradients, in double; the same bits for any thread count.
+  virtual absl::StatusOr<double> GradSumSquares() = 0;
+  virtual absl::Status ScaleGrads(double s) = 0;
+  // AdamW over every tensor: `decay` for weights, `no_decay` for those marked no_weight_decay.
+  virtual absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) = 0;
 
- private:
-  struct Activations;
-  explicit GPTModel(const GPTConfig& config);
-  absl::Status Prepare(const ModelBatch& batch);
-  // Up to the logits.
-  void RunForward(const ModelBatch& batch, bool train, uint64_t seed);
-  // From the logits, which the loss step has turned into their gradient.
-  void RunBackward(const ModelBatch& batch, bool train, uint64_t seed);
-
-  GPTConfig config_;
-  std::vector<ParamInfo> infos_;
-  std::vector<float> params_, grads_;
-  std::unique_ptr<Activations> act_;
+ protected:
+  explicit GPTModel(ParamLayout layout) : layout_(std::move(layout)) {}
+  ParamLayout layout_;
 };
+
+// Checks a batch against the configuration (shape, token and position ids in range): a token id
+// outside the vocabulary is a data error, found before any backend indexes memory with it.
+absl::Status ValidateBatch(const GPTConfig& config, const ModelBatch& batch);
 
 }  // namespace ptk::trainer

@@ -4,28 +4,24 @@
 #include <cmath>
 
 #include "common/status.h"
-#include "trainer/ops_cpu.h"
 
 namespace ptk::trainer {
 
 Optimizer::Optimizer(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule,
                      Communicator* comm)
-    : model_(model), config_(config), scheduler_(schedule), comm_(comm) {
-  m_.assign(static_cast<size_t>(model->num_params()), 0.0f);
-  v_.assign(static_cast<size_t>(model->num_params()), 0.0f);
-}
+    : model_(model), config_(config), scheduler_(schedule), comm_(comm) {}
 
 absl::StatusOr<StepResult> Optimizer::Step(const std::vector<ModelBatch>& micro_batches, int64_t global_batch_size,
                                            uint64_t seed) {
   PTK_ASSIGN_OR_RETURN(StepResult r, ComputeGradients(micro_batches, seed));
-  ApplyUpdate(r, global_batch_size);
+  PTK_RETURN_IF_ERROR(ApplyUpdate(r, global_batch_size));
   return r;
 }
 
 absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed) {
   StepResult r;
   r.lr = scheduler_.lr();
-  model_->ZeroGrads();
+  PTK_RETURN_IF_ERROR(model_->ZeroGrads());
   const double num_micro = static_cast<double>(micro_batches.size());
   const double dp = static_cast<double>(comm_->size());
   double local[2] = {0, 0};
@@ -39,35 +35,29 @@ absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBa
     local[0] += s.loss_sum;
     local[1] += s.tokens;
   }
-  PTK_RETURN_IF_ERROR(comm_->AllReduceSum(model_->grads(), model_->num_params()));
+  PTK_RETURN_IF_ERROR(model_->AllReduceGrads(comm_));
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
   r.loss_sum = local[0];
   r.tokens = local[1];
-  float* g = model_->grads();
-  const int64_t n = model_->num_params();
-  r.grad_norm = std::sqrt(SumSquaresCpu(g, n));
+  PTK_ASSIGN_OR_RETURN(const double sum_squares, model_->GradSumSquares());
+  r.grad_norm = std::sqrt(sum_squares);
   r.skipped = !std::isfinite(r.grad_norm) || !std::isfinite(r.loss_sum);
   return r;
 }
 
-void Optimizer::ApplyUpdate(const StepResult& r, int64_t global_batch_size) {
-  if (r.skipped) return;
-  float* g = model_->grads();
-  const int64_t n = model_->num_params();
+absl::Status Optimizer::ApplyUpdate(const StepResult& r, int64_t global_batch_size) {
+  if (r.skipped) return absl::OkStatus();
   if (config_.clip_grad > 0) {
     const double coeff = config_.clip_grad / (r.grad_norm + 1e-6);
-    if (coeff < 1.0) ScaleCpu(g, n, static_cast<float>(coeff));
+    if (coeff < 1.0) PTK_RETURN_IF_ERROR(model_->ScaleGrads(coeff));
   }
   ++adam_step_;
   AdamWParams a{r.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, scheduler_.weight_decay(), adam_step_};
   AdamWParams no_wd = a;
   no_wd.weight_decay = 0.0;
-  float* p = model_->params();
-  for (const ParamInfo& info : model_->params_info()) {
-    const int64_t o = info.offset;
-    AdamWCpu(p + o, g + o, m_.data() + o, v_.data() + o, info.size, info.no_weight_decay ? no_wd : a);
-  }
+  PTK_RETURN_IF_ERROR(model_->AdamWUpdate(a, no_wd));
   scheduler_.Step(global_batch_size);
+  return absl::OkStatus();
 }
 
 }  // namespace ptk::trainer

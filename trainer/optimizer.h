@@ -38,13 +38,11 @@ class Optimizer {
   // model and fills loss, tokens, grad_norm and skipped; ApplyUpdate clips, updates and steps the
   // scheduler unless the result is marked skipped.
   absl::StatusOr<StepResult> ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed);
-  void ApplyUpdate(const StepResult& r, int64_t global_batch_size);
+  absl::Status ApplyUpdate(const StepResult& r, int64_t global_batch_size);
 
   OptimizerParamScheduler& scheduler() { return scheduler_; }
   const OptimizerParamScheduler& scheduler() const { return scheduler_; }
-  // AdamW state: the first and second moments (same layout as the parameters) and the step count.
-  std::vector<float>& exp_avg() { return m_; }
-  std::vector<float>& exp_avg_sq() { return v_; }
+  // AdamW's step count (the moments live in the model's backend).
   int64_t adam_step() const { return adam_step_; }
   void set_adam_step(int64_t s) { adam_step_ = s; }
 
@@ -53,7 +51,6 @@ class Optimizer {
   OptimizerConfig config_;
   OptimizerParamScheduler scheduler_;
   Communicator* comm_;
-  std::vector<float> m_, v_;
   int64_t adam_step_ = 0;
 };
 

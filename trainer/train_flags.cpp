@@ -1,6 +1,11 @@
 // ptk-train's Megatron-compatible option table and its resolution into TrainOptions.
 #include "trainer/train_flags.h"
 
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
 #include <fmt/core.h>
 #include <simdjson.h>
 
@@ -11,52 +16,110 @@ namespace ptk::trainer {
 namespace {
 
 // Flags of Megatron's that change only speed or memory, never results, on the paths ptk runs.
+enum class Arg { kNone, kText, kCount, kPositiveInt, kPositive, kLevel };  // kLevel: 0, 1 or 2
 struct CompatFlag {
   const char* name;
-  bool takes_value;
+  Arg arg;
   const char* note;
 };
 constexpr CompatFlag kCompatFlags[] = {
-    {"--use-distributed-optimizer", false, "optimizer state is replicated on CPU ranks (same results)"},
-    {"--overlap-grad-reduce", false, "gradients are all-reduced after backward (same results)"},
-    {"--overlap-param-gather", false, "no parameter gather on CPU ranks (same results)"},
-    {"--sequence-parallel", false, "no effect without tensor parallelism"},
-    {"--attention-backend", true, "attention runs through ptk's BLAS path"},
-    {"--use-flash-attn", false, "attention runs through ptk's BLAS path"},
-    {"--transformer-impl", true, "ptk has one implementation"},
-    {"--use-mcore-models", false, "ptk's model is Megatron-core's GPT layout"},
-    {"--use-legacy-models", false, "ptk's model is Megatron-core's GPT layout"},
-    {"--no-masked-softmax-fusion", false, "kernel fusion flag"},
-    {"--no-bias-gelu-fusion", false, "kernel fusion flag"},
-    {"--no-bias-dropout-fusion", false, "kernel fusion flag"},
-    {"--no-gradient-accumulation-fusion", false, "kernel fusion flag"},
-    {"--no-rope-fusion", false, "kernel fusion flag"},
-    {"--no-async-tensor-model-parallel-allreduce", false, "no tensor parallelism"},
-    {"--accumulate-allreduce-grads-in-fp32", false, "gradients are fp32 already"},
-    {"--distributed-backend", true, "CPU ranks use gloo"},
-    {"--num-workers", true, "one prefetching loader thread per rank"},
-    {"--ckpt-format", true, "checkpoints are ptk's single-file format in Megatron's directory layout"},
-    {"--async-save", false, "checkpoints are written synchronously"},
-    {"--use-checkpoint-opt_param-scheduler", false, "the scheduler is always restored from the checkpoint"},
-    {"--log-throughput", false, "the throughput field is always printed"},
-    {"--log-timers-to-tensorboard", false, "metrics go to metrics.jsonl"},
-    {"--log-validation-ppl-to-tensorboard", false, "metrics go to metrics.jsonl"},
-    {"--log-memory-to-tensorboard", false, "metrics go to metrics.jsonl"},
-    {"--timing-log-level", true, "timers are not itemised"},
-    {"--wandb-project", true, "no Weights & Biases client; metrics go to metrics.jsonl"},
-    {"--wandb-exp-name", true, "no Weights & Biases client"},
-    {"--manual-gc", false, "no garbage collector"},
-    {"--use-cpu-initialization", false, "initialisation is on the CPU already"},
-    {"--no-persist-layer-norm", false, "kernel choice"},
-    {"--initial-loss-scale", true, "loss scaling applies to --fp16 only"},
-    {"--min-loss-scale", true, "loss scaling applies to --fp16 only"},
-    {"--loss-scale-window", true, "loss scaling applies to --fp16 only"},
-    {"--hysteresis", true, "loss scaling applies to --fp16 only"},
-    {"--empty-unused-memory-level", true, "memory tuning"},
-    {"--cross-entropy-loss-fusion", false, "kernel fusion flag"},
+    {"--use-distributed-optimizer", Arg::kNone, "optimizer state is replicated on CPU ranks (same results)"},
+    {"--overlap-grad-reduce", Arg::kNone, "gradients are all-reduced after backward (same results)"},
+    {"--overlap-param-gather", Arg::kNone, "no parameter gather on CPU ranks (same results)"},
+    {"--sequence-parallel", Arg::kNone, "no effect without tensor parallelism"},
+    {"--attention-backend", Arg::kText, "attention runs through ptk's BLAS path"},
+    {"--use-flash-attn", Arg::kNone, "attention runs through ptk's BLAS path"},
+    {"--transformer-impl", Arg::kText, "ptk has one implementation"},
+    {"--use-mcore-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
+    {"--use-legacy-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
+    {"--no-masked-softmax-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-bias-gelu-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-bias-dropout-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-gradient-accumulation-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-rope-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-async-tensor-model-parallel-allreduce", Arg::kNone, "no tensor parallelism"},
+    {"--accumulate-allreduce-grads-in-fp32", Arg::kNone, "gradients are fp32 already"},
+    {"--distributed-backend", Arg::kText, "CPU ranks use gloo"},
+    {"--num-workers", Arg::kCount, "one prefetching loader thread per rank"},
+    {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
+    {"--async-save", Arg::kNone, "checkpoints are written synchronously"},
+    {"--use-checkpoint-opt_param-scheduler", Arg::kNone, "the scheduler is always restored from the checkpoint"},
+    {"--log-throughput", Arg::kNone, "the throughput field is always printed"},
+    {"--log-timers-to-tensorboard", Arg::kNone, "metrics go to metrics.jsonl"},
+    {"--log-validation-ppl-to-tensorboard", Arg::kNone, "metrics go to metrics.jsonl"},
+    {"--log-memory-to-tensorboard", Arg::kNone, "metrics go to metrics.jsonl"},
+    {"--timing-log-level", Arg::kLevel, "timers are not itemised"},
+    {"--wandb-project", Arg::kText, "no Weights & Biases client; metrics go to metrics.jsonl"},
+    {"--wandb-exp-name", Arg::kText, "no Weights & Biases client"},
+    {"--manual-gc", Arg::kNone, "no garbage collector"},
+    {"--use-cpu-initialization", Arg::kNone, "initialisation is on the CPU already"},
+    {"--no-persist-layer-norm", Arg::kNone, "kernel choice"},
+    {"--initial-loss-scale", Arg::kPositive, "loss scaling applies to --fp16 only"},
+    {"--min-loss-scale", Arg::kPositive, "loss scaling applies to --fp16 only"},
+    {"--loss-scale-window", Arg::kPositive, "loss scaling applies to --fp16 only"},
+    {"--hysteresis", Arg::kPositiveInt, "loss scaling applies to --fp16 only"},
+    {"--empty-unused-memory-level", Arg::kLevel, "memory tuning"},
+    {"--cross-entropy-loss-fusion", Arg::kNone, "kernel fusion flag"},
 };
 
 absl::Status Refuse(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
+
+// Range checks, attached where each flag is declared (CLI11 runs them on the text before
+// converting it): a value outside the range, or not a number, is a usage error naming the flag.
+// Sizes and counts are capped where products of them would overflow 64-bit integers.
+constexpr int64_t kMaxSize = (int64_t{1} << 31) - 1;  // a dimension, a vocabulary, a batch
+constexpr int64_t kMaxCount = int64_t{1} << 40;       // iterations, samples
+
+std::string Shown(const std::string& in) { return fmt::format("{:?}", in.size() > 40 ? in.substr(0, 40) + "..." : in); }
+
+CLI::Validator IntIn(int64_t lo, int64_t hi) {
+  const std::string range = fmt::format("an integer in [{}, {}]", lo, hi);
+  return CLI::Validator(
+      [=](std::string& in) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const long long v = std::strtoll(in.c_str(), &end, 10);
+        if (in.empty() || end != in.c_str() + in.size() || errno == ERANGE || v < lo || v > hi)
+          return fmt::format("must be {}, not {}", range, Shown(in));
+        return "";
+      },
+      range);
+}
+
+// A finite number in the range from lo to hi, each end open or closed.
+CLI::Validator RealIn(double lo, bool lo_open, double hi, bool hi_open) {
+  std::string range;
+  if (std::isinf(hi)) {
+    range = fmt::format("a finite number {} {}", lo_open ? ">" : ">=", lo);
+  } else {
+    range = fmt::format("a number in {}{}, {}{}", lo_open ? "(" : "[", lo, hi, hi_open ? ")" : "]");
+  }
+  return CLI::Validator(
+      [=](std::string& in) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const double v = std::strtod(in.c_str(), &end);
+        if (in.empty() || end != in.c_str() + in.size() || errno == ERANGE || !std::isfinite(v) ||
+            (lo_open ? v <= lo : v < lo) || (hi_open ? v >= hi : v > hi))
+          return fmt::format("must be {}, not {}", range, Shown(in));
+        return "";
+      },
+      range);
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+const CLI::Validator& Positive() {
+  static const CLI::Validator v = RealIn(0, true, kInf, false);
+  return v;
+}
+const CLI::Validator& NonNegative() {
+  static const CLI::Validator v = RealIn(0, false, kInf, false);
+  return v;
+}
+const CLI::Validator& Probability() {  // dropout: [0, 1)
+  static const CLI::Validator v = RealIn(0, false, 1, true);
+  return v;
+}
 
 }  // namespace
 
@@ -74,21 +137,29 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   // As argparse: a flag given twice takes the last value (scripts append overrides).
   app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // Model.
-  app->add_option("--num-layers", f->num_layers, "Number of transformer layers")->required();
-  app->add_option("--hidden-size", f->hidden_size, "Transformer hidden size")->required();
-  app->add_option("--num-attention-heads", f->num_attention_heads, "Number of attention heads")->required();
-  app->add_option("--ffn-hidden-size", f->ffn_hidden_size, "MLP hidden size (default 4 x --hidden-size)");
-  app->add_option("--kv-channels", f->kv_channels, "Head dimension (must equal hidden/heads)");
-  app->add_option("--seq-length", f->seq_length, "Sequence length")->required();
-  app->add_option("--max-position-embeddings", f->max_position_embeddings,
-                  "Position table size (default --seq-length)");
+  app->add_option("--num-layers", f->num_layers, "Number of transformer layers")->required()->check(IntIn(1, kMaxSize));
+  app->add_option("--hidden-size", f->hidden_size, "Transformer hidden size")->required()->check(IntIn(1, kMaxSize));
+  app->add_option("--num-attention-heads", f->num_attention_heads, "Number of attention heads")
+      ->required()
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--ffn-hidden-size", f->ffn_hidden_size, "MLP hidden size (default 4 x --hidden-size)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--kv-channels", f->kv_channels, "Head dimension (must equal hidden/heads)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--seq-length", f->seq_length, "Sequence length")->required()->check(IntIn(1, kMaxSize));
+  app->add_option("--max-position-embeddings", f->max_position_embeddings, "Position table size (default --seq-length)")
+      ->check(IntIn(1, kMaxSize));
   app->add_option("--make-vocab-size-divisible-by", f->make_vocab_size_divisible_by,
-                  "Pad the vocabulary to a multiple of this");
-  app->add_option("--vocab-size", f->vocab_size, "Vocabulary size (default: from --vocab-file, 50257 for GPT-2)");
-  app->add_option("--layernorm-epsilon", f->layernorm_epsilon, "LayerNorm epsilon");
-  app->add_option("--hidden-dropout", f->hidden_dropout, "Dropout on embeddings and block outputs");
-  app->add_option("--attention-dropout", f->attention_dropout, "Dropout on attention probabilities");
-  app->add_option("--init-method-std", f->init_method_std, "Standard deviation of the normal init");
+                  "Pad the vocabulary to a multiple of this")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--vocab-size", f->vocab_size, "Vocabulary size (default: from --vocab-file, 50257 for GPT-2)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--layernorm-epsilon", f->layernorm_epsilon, "LayerNorm epsilon")->check(Positive());
+  app->add_option("--hidden-dropout", f->hidden_dropout, "Dropout on embeddings and block outputs")
+      ->check(Probability());
+  app->add_option("--attention-dropout", f->attention_dropout, "Dropout on attention probabilities")
+      ->check(Probability());
+  app->add_option("--init-method-std", f->init_method_std, "Standard deviation of the normal init")->check(Positive());
   app->add_flag("--untie-embeddings-and-output-weights", f->untie,
                 "Separate output layer instead of the word embeddings");
   app->add_flag("--recompute-activations", f->recompute_activations,
@@ -98,34 +169,46 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--position-embedding-type", f->position_embedding_type, "learned_absolute (the only one ptk has)");
   app->add_option("--normalization", f->normalization, "LayerNorm (the only one ptk has)");
   // Batch and length.
-  app->add_option("--micro-batch-size", f->micro_batch_size, "Samples per micro-batch per rank");
+  app->add_option("--micro-batch-size", f->micro_batch_size, "Samples per micro-batch per rank")
+      ->check(IntIn(1, kMaxSize));
   app->add_option("--global-batch-size", f->global_batch_size,
-                  "Samples per iteration over all ranks (default mbs x ranks)");
-  app->add_option("--train-iters", f->train_iters, "Iterations to train");
-  app->add_option("--train-samples", f->train_samples, "Samples to train (instead of --train-iters)");
+                  "Samples per iteration over all ranks (default mbs x ranks)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--train-iters", f->train_iters, "Iterations to train")->check(IntIn(1, kMaxCount));
+  app->add_option("--train-samples", f->train_samples, "Samples to train (instead of --train-iters)")
+      ->check(IntIn(1, kMaxCount));
   // Optimizer and schedule.
   app->add_option("--optimizer", f->optimizer, "adam (AdamW, the only one ptk has)");
-  app->add_option("--lr", f->lr, "Peak learning rate")->required();
-  app->add_option("--min-lr", f->min_lr, "Learning rate at the end of the decay");
-  app->add_option("--lr-warmup-init", f->lr_warmup_init, "Learning rate at the start of the warm-up");
+  app->add_option("--lr", f->lr, "Peak learning rate")->required()->check(NonNegative());
+  app->add_option("--min-lr", f->min_lr, "Learning rate at the end of the decay")->check(NonNegative());
+  app->add_option("--lr-warmup-init", f->lr_warmup_init, "Learning rate at the start of the warm-up")
+      ->check(NonNegative());
   app->add_option("--lr-decay-style", f->lr_decay_style, "constant, linear, cosine, inverse-square-root or WSD");
-  app->add_option("--lr-decay-iters", f->lr_decay_iters, "Decay length in iterations (default --train-iters)");
-  app->add_option("--lr-decay-samples", f->lr_decay_samples, "Decay length in samples (with --train-samples)");
-  app->add_option("--lr-warmup-iters", f->lr_warmup_iters, "Warm-up length in iterations");
-  app->add_option("--lr-warmup-samples", f->lr_warmup_samples, "Warm-up length in samples");
-  app->add_option("--lr-warmup-fraction", f->lr_warmup_fraction, "Warm-up as a fraction of the decay length");
+  app->add_option("--lr-decay-iters", f->lr_decay_iters, "Decay length in iterations (default --train-iters)")
+      ->check(IntIn(1, kMaxCount));
+  app->add_option("--lr-decay-samples", f->lr_decay_samples, "Decay length in samples (with --train-samples)")
+      ->check(IntIn(1, kMaxCount));
+  app->add_option("--lr-warmup-iters", f->lr_warmup_iters, "Warm-up length in iterations")->check(IntIn(0, kMaxCount));
+  app->add_option("--lr-warmup-samples", f->lr_warmup_samples, "Warm-up length in samples")->check(IntIn(0, kMaxCount));
+  app->add_option("--lr-warmup-fraction", f->lr_warmup_fraction, "Warm-up as a fraction of the decay length")
+      ->check(RealIn(0, false, 1, false));
   app->add_option("--lr-wsd-decay-style", f->lr_wsd_decay_style,
                   "WSD anneal: linear, cosine, exponential or minus_sqrt");
-  app->add_option("--lr-wsd-decay-iters", f->lr_wsd_decay_iters, "WSD anneal length in iterations");
-  app->add_option("--lr-wsd-decay-samples", f->lr_wsd_decay_samples, "WSD anneal length in samples");
-  app->add_option("--weight-decay", f->weight_decay, "AdamW weight decay (not on biases and LayerNorm)");
-  app->add_option("--start-weight-decay", f->start_weight_decay, "Weight decay at the start (with an increment style)");
-  app->add_option("--end-weight-decay", f->end_weight_decay, "Weight decay at the end (with an increment style)");
+  app->add_option("--lr-wsd-decay-iters", f->lr_wsd_decay_iters, "WSD anneal length in iterations")
+      ->check(IntIn(1, kMaxCount));
+  app->add_option("--lr-wsd-decay-samples", f->lr_wsd_decay_samples, "WSD anneal length in samples")
+      ->check(IntIn(1, kMaxCount));
+  app->add_option("--weight-decay", f->weight_decay, "AdamW weight decay (not on biases and LayerNorm)")
+      ->check(NonNegative());
+  app->add_option("--start-weight-decay", f->start_weight_decay, "Weight decay at the start (with an increment style)")
+      ->check(NonNegative());
+  app->add_option("--end-weight-decay", f->end_weight_decay, "Weight decay at the end (with an increment style)")
+      ->check(NonNegative());
   app->add_option("--weight-decay-incr-style", f->weight_decay_incr_style, "constant, linear or cosine");
-  app->add_option("--adam-beta1", f->adam_beta1, "AdamW beta1");
-  app->add_option("--adam-beta2", f->adam_beta2, "AdamW beta2");
-  app->add_option("--adam-eps", f->adam_eps, "AdamW epsilon");
-  app->add_option("--clip-grad", f->clip_grad, "Clip the global gradient norm to this (0: off)");
+  app->add_option("--adam-beta1", f->adam_beta1, "AdamW beta1")->check(RealIn(0, false, 1, true));
+  app->add_option("--adam-beta2", f->adam_beta2, "AdamW beta2")->check(RealIn(0, false, 1, true));
+  app->add_option("--adam-eps", f->adam_eps, "AdamW epsilon")->check(Positive());
+  app->add_option("--clip-grad", f->clip_grad, "Clip the global gradient norm to this (0: off)")->check(NonNegative());
   // Data.
   app->add_option("--data-path", f->data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
@@ -136,7 +219,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--test-data-path", f->test_data_path, "Prefixes of the test split only")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app->add_option("--split", f->split, "Train/valid/test proportions of --data-path");
-  app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)");
+  app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)")->check(IntIn(0, 4294967295));
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
   app->add_flag("--mock-data", f->mock_data, "Synthetic data instead of --data-path");
   app->add_option("--vocab-file", f->vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
@@ -148,39 +231,55 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--reset-attention-mask", f->reset_attention_mask,
                 "Not supported: attention is causal over the whole sequence");
   // Evaluation, logging, checkpoints.
-  app->add_option("--eval-interval", f->eval_interval, "Evaluate on the validation split every N iterations");
-  app->add_option("--eval-iters", f->eval_iters, "Global batches per evaluation (0: none)");
-  app->add_option("--log-interval", f->log_interval, "Print the log line every N iterations");
+  app->add_option("--eval-interval", f->eval_interval, "Evaluate on the validation split every N iterations")
+      ->check(IntIn(1, kMaxCount));
+  app->add_option("--eval-iters", f->eval_iters, "Global batches per evaluation (0: none)")->check(IntIn(0, kMaxCount));
+  app->add_option("--log-interval", f->log_interval, "Print the log line every N iterations")
+      ->check(IntIn(1, kMaxCount));
   app->add_option("--tensorboard-dir", f->tensorboard_dir,
                   "Directory for metrics.jsonl (TensorBoard event files are not written)");
   app->add_option("--metrics-file", f->metrics_file,
                   "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
   app->add_option("--save", f->save, "Checkpoint directory to write");
   app->add_option("--load", f->load, "Checkpoint directory to resume from");
-  app->add_option("--save-interval", f->save_interval, "Save every N iterations");
-  app->add_option("--exit-interval", f->exit_interval, "Save and exit when the iteration is a multiple of N");
-  app->add_option("--exit-duration-in-mins", f->exit_duration_in_mins, "Save and exit after this many minutes");
+  app->add_option("--save-interval", f->save_interval, "Save every N iterations")->check(IntIn(0, kMaxCount));
+  app->add_option("--exit-interval", f->exit_interval, "Save and exit when the iteration is a multiple of N")
+      ->check(IntIn(0, kMaxCount));
+  app->add_option("--exit-duration-in-mins", f->exit_duration_in_mins, "Save and exit after this many minutes")
+      ->check(NonNegative());
   app->add_flag("--exit-signal-handler", f->exit_signal_handler,
                 "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
   app->add_flag("--no-load-optim", f->no_load_optim, "Do not restore the optimizer state");
   app->add_flag("--no-load-rng", f->no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", f->finetune, "Load weights only; iteration and data start at 0");
+  app->add_flag("--check-for-nan-in-loss-and-grad,!--no-check-for-nan-in-loss-and-grad",
+                f->check_for_nan_in_loss_and_grad,
+                "Stop when the loss or the gradient norm is NaN/Inf (default; --no-...: skip the iteration instead)");
   // Precision, parallelism, device.
   app->add_flag("--fp16", f->fp16, "fp16 mixed precision (CUDA backend only)");
   app->add_flag("--bf16", f->bf16, "bf16 mixed precision (CUDA backend only)");
   app->add_option("--device", f->device, "ptk: cpu (cuda needs the CUDA backend)");
-  app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size, "Must be 1: ptk is data parallel");
-  app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel");
-  app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel");
+  app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size, "Must be 1: ptk is data parallel")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
+      ->check(IntIn(1, kMaxSize));
   app->add_option("--distributed-timeout-minutes", f->distributed_timeout_minutes,
-                  "Rendezvous and collective timeout: a rank that waits longer for the others fails");
-  app->add_option("--threads", f->threads, "ptk: CPU threads per rank (default: the cores given to this rank)");
+                  "Rendezvous and collective timeout: a rank that waits longer for the others fails")
+      ->check(RealIn(0, true, 1e6, false));
+  app->add_option("--threads", f->threads, "ptk: CPU threads per rank (default: the cores given to this rank)")
+      ->check(IntIn(0, 65536));
   for (const CompatFlag& c : kCompatFlags) {
     std::string name = c.name;
     std::string help = std::string("Accepted for compatibility: ") + c.note;
-    if (c.takes_value) {
-      app->add_option_function<std::string>(
+    if (c.arg != Arg::kNone) {
+      CLI::Option* opt = app->add_option_function<std::string>(
           name, [f, name](const std::string& v) { f->compat[name] = v; }, help);
+      if (c.arg == Arg::kCount) opt->check(IntIn(0, kMaxSize));
+      if (c.arg == Arg::kPositiveInt) opt->check(IntIn(1, kMaxSize));
+      if (c.arg == Arg::kPositive) opt->check(Positive());
+      if (c.arg == Arg::kLevel) opt->check(IntIn(0, 2));
     } else {
       app->add_flag_callback(
           name, [f, name] { f->compat[name] = ""; }, help);
@@ -294,6 +393,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   o.no_load_optim = f.no_load_optim;
   o.no_load_rng = f.no_load_rng;
   o.finetune = f.finetune;
+  o.check_for_nan_in_loss_and_grad = f.check_for_nan_in_loss_and_grad;
   o.metrics_path = !f.metrics_file.empty()      ? f.metrics_file
                    : !f.tensorboard_dir.empty() ? JoinPath(f.tensorboard_dir, "metrics.jsonl")
                                                 : "";

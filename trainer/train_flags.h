@@ -45,6 +45,7 @@ struct TrainFlags {
   double exit_duration_in_mins = 0;
   std::string save, load, tensorboard_dir, metrics_file;
   bool exit_signal_handler = false, no_load_optim = false, no_load_rng = false, finetune = false;
+  bool check_for_nan_in_loss_and_grad = true;
   // precision, parallelism, device
   bool fp16 = false, bf16 = false;
   std::string device = "cpu";
@@ -55,7 +56,8 @@ struct TrainFlags {
   std::map<std::string, std::string> compat;
 };
 
-// Adds every flag to `app`, writing into `flags`.
+// Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,
+// where it is declared: a value out of range (or NaN, or not a number) is a usage error.
 void AddTrainFlags(CLI::App* app, TrainFlags* flags);
 
 // After parsing: refuses what ptk cannot do (one line naming the flag), collects notes for flags

@@ -93,6 +93,42 @@ absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, int64_t gbs, int64_t
   return s;
 }
 
+// --metrics-file: one JSON line per iteration, each written and flushed with its errors checked
+// (a full disk stops the run with exit 3 instead of leaving an empty file behind a success).
+class MetricsFile {
+ public:
+  ~MetricsFile() {
+    if (f_) std::fclose(f_);
+  }
+  absl::Status Open(const std::string& path) {
+    path_ = path;
+    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(path)));
+    f_ = std::fopen(path.c_str(), "a");
+    if (!f_) return ErrnoToStatus(errno, "open " + path);
+    return absl::OkStatus();
+  }
+  bool is_open() const { return f_ != nullptr; }
+  absl::Status Append(const std::string& line) {
+    if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
+      return ErrnoToStatus(errno, "write " + path_);
+    return absl::OkStatus();
+  }
+  absl::Status Close() {
+    if (!f_) return absl::OkStatus();
+    const int rc = std::fclose(f_);
+    f_ = nullptr;
+    if (rc != 0) return ErrnoToStatus(errno, "close " + path_);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string path_;
+  FILE* f_ = nullptr;
+};
+
+// A JSON number, or null for NaN/Inf (which JSON cannot spell).
+std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
+
 // Views of a loader's micro-batch for the model.
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
   *keys = mb.indices;
@@ -108,6 +144,18 @@ double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
                f = static_cast<double>(c.ffn_hidden_size), v = static_cast<double>(c.padded_vocab_size);
   // 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) + ffn/h + V/(2 l h)); groups == heads here.
   return 12.0 * b * s * l * h * h * ((2.0 + s / (2.0 * h)) + f / h + v / (2.0 * l * h));
+}
+
+absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank) {
+  const bool loss_bad = !std::isfinite(r.loss_sum), grad_bad = !std::isfinite(r.grad_norm);
+  if (!loss_bad && !grad_bad) return absl::OkStatus();
+  const double bad = loss_bad ? r.loss_sum : r.grad_norm;
+  return absl::AbortedError(fmt::format(
+      "iteration {} (rank {}): the {} is {} (lm loss {}, grad norm {}); stopping, as Megatron does with "
+      "--check-for-nan-in-loss-and-grad (lower --lr, or resume from the last checkpoint; "
+      "--no-check-for-nan-in-loss-and-grad skips such iterations instead)",
+      iteration, rank, loss_bad ? "loss" : "gradient norm", std::isnan(bad) ? "NaN" : "infinite",
+      std::fabs(r.lm_loss()), std::fabs(r.grad_norm)));
 }
 
 std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) {
@@ -187,8 +235,8 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   if (absl::Status st = sc.Validate(); !st.ok()) return usage(std::string(StatusMessage(st)));
 
   // ---- model, optimizer, checkpoint
-  PTK_ASSIGN_OR_RETURN(auto model, GPTModel::Create(o.model));
-  model->InitWeights(o.seed);
+  PTK_ASSIGN_OR_RETURN(std::unique_ptr<GPTModel> model, CreateModel(o.model, o.backend));
+  PTK_RETURN_IF_ERROR(model->InitWeights(o.seed));
   Optimizer opt(model.get(), o.optimizer, sc, comm);
   TrainState state;
   state.seed = o.seed;
@@ -199,22 +247,22 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   if (rank == 0 && !o.save.empty()) {
     PTK_RETURN_IF_ERROR(MakeDirs(o.save));
     PTK_ASSIGN_OR_RETURN(save_lock, OutputLock::Acquire(JoinPath(o.save, "ptk-train")));
-    PTK_RETURN_IF_ERROR(RemoveStaleCheckpointTemporaries(o.save));
+    PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save));
   }
   if (!o.load.empty()) {
     auto latest = LatestCheckpointIteration(o.load);
     if (latest.ok()) {
       TrainState loaded;
-      std::vector<float> m, v;
-      PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load, *latest, model.get(), &m, &v, &loaded));
+      std::vector<float> params, m, v;
+      PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load, *latest, model->layout(), &params, &m, &v, &loaded));
+      PTK_RETURN_IF_ERROR(model->WriteParams(params));
       if (o.finetune) {
         log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
                   *latest);
       } else {
         state = loaded;
         if (!o.no_load_optim) {
-          opt.exp_avg() = std::move(m);
-          opt.exp_avg_sq() = std::move(v);
+          PTK_RETURN_IF_ERROR(model->WriteMoments(m, v));
           opt.set_adam_step(loaded.adam_step);
         }
         opt.scheduler().set_num_steps(loaded.scheduler_num_steps);
@@ -245,18 +293,8 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     log::Info("model: {} parameters; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
               model->num_params(), num_micro, mbs, dp, gbs);
 
-  FILE* metrics = nullptr;
-  if (rank == 0 && !o.metrics_path.empty()) {
-    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(o.metrics_path)));
-    metrics = std::fopen(o.metrics_path.c_str(), "a");
-    if (!metrics) return ErrnoToStatus(errno, "open " + o.metrics_path);
-  }
-  struct Closer {
-    FILE* f;
-    ~Closer() {
-      if (f) std::fclose(f);
-    }
-  } closer{metrics};
+  MetricsFile metrics;
+  if (rank == 0 && !o.metrics_path.empty()) PTK_RETURN_IF_ERROR(metrics.Open(o.metrics_path));
 
   DataLoader train_loader(data.train,
                           PretrainingSampler(data.train->size(), state.consumed_train_samples, mbs, rank, dp), mbs);
@@ -301,7 +339,11 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       state.scheduler_num_steps = opt.scheduler().num_steps();
       state.adam_step = opt.adam_step();
       auto t0 = Clock::now();
-      PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save, *model, opt.exp_avg(), opt.exp_avg_sq(), state, o.args_json));
+      const size_t n = static_cast<size_t>(model->num_params());
+      std::vector<float> params(n), m(n), v(n);
+      PTK_RETURN_IF_ERROR(model->ReadParams(params));
+      PTK_RETURN_IF_ERROR(model->ReadMoments(m, v));
+      PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save, model->layout(), params, m, v, state, o.args_json));
       print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
                         state.iteration, o.save, std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
     }
@@ -324,6 +366,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       batches[m] = View(*held[m], &keys[m]);
     }
     PTK_ASSIGN_OR_RETURN(StepResult r, opt.Step(batches, gbs, state.seed));
+    if (o.check_for_nan_in_loss_and_grad) PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state.iteration + 1, rank));
     ++state.iteration;
     state.consumed_train_samples += gbs;
     ++interval_iters;
@@ -337,14 +380,12 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     }
     summary.last_lm_loss = r.lm_loss();
     const double lr_now = opt.scheduler().lr();  // Megatron logs the rate after the scheduler step
-    if (metrics) {
-      std::fprintf(metrics,
-                   "{\"iteration\": %lld, \"consumed_samples\": %lld, \"lm_loss\": %.9g, \"grad_norm\": %.9g, "
-                   "\"learning_rate\": %.9g, \"skipped\": %s, \"tokens\": %.0f}\n",
-                   static_cast<long long>(state.iteration), static_cast<long long>(state.consumed_train_samples),
-                   r.lm_loss(), r.grad_norm, lr_now, r.skipped ? "true" : "false", r.tokens);
-      std::fflush(metrics);
-    }
+    if (metrics.is_open())
+      PTK_RETURN_IF_ERROR(metrics.Append(fmt::format(
+          "{{\"iteration\": {}, \"consumed_samples\": {}, \"lm_loss\": {}, \"grad_norm\": {}, \"learning_rate\": "
+          "{}, \"skipped\": {}, \"tokens\": {:.0f}}}\n",
+          state.iteration, state.consumed_train_samples, JsonNumber(r.lm_loss()), JsonNumber(r.grad_norm),
+          JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
     if (state.iteration % o.log_interval == 0) {
       const double secs = std::chrono::duration<double>(Clock::now() - interval_start).count();
       LogLineFields f;
@@ -392,6 +433,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       summary.iteration = state.iteration;
       summary.consumed_train_samples = state.consumed_train_samples;
       summary.skipped_iterations = state.skipped_iterations;
+      PTK_RETURN_IF_ERROR(metrics.Close());
       return summary;
     }
   }
@@ -409,6 +451,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   summary.iteration = state.iteration;
   summary.consumed_train_samples = state.consumed_train_samples;
   summary.skipped_iterations = state.skipped_iterations;
+  PTK_RETURN_IF_ERROR(metrics.Close());
   return summary;
 }
 

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "trainer/comm.h"
+#include "trainer/backend.h"
 #include "trainer/gpt_model.h"
 #include "trainer/optimizer.h"
 
@@ -20,6 +21,7 @@ namespace ptk::trainer {
 
 struct TrainOptions {
   GPTConfig model;  // vocab_size / padded_vocab_size filled by the caller
+  BackendOptions backend;  // --device, precision
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 0;  // 0: micro_batch_size * data-parallel size
   int64_t train_iters = 0;        // one of train_iters / train_samples
@@ -50,6 +52,9 @@ struct TrainOptions {
   int64_t save_interval = 0, exit_interval = 0;
   double exit_duration_in_mins = 0;
   bool no_load_optim = false, no_load_rng = false, finetune = false;
+  // Megatron's --check-for-nan-in-loss-and-grad: a NaN/Inf loss or gradient norm stops the run
+  // (naming the iteration and which of the two); off, such an iteration is skipped and counted.
+  bool check_for_nan_in_loss_and_grad = true;
   std::string metrics_path;  // per-iteration metrics as JSON lines (rank 0)
   std::string args_json;     // the command line, stored in checkpoints
 
@@ -75,6 +80,10 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& options);
 // Megatron's num_floating_point_operations for one iteration of this model (dense GPT, GELU MLP,
 // causal attention counted as half of the full score matrix).
 double FlopsPerIteration(const GPTConfig& c, int64_t global_batch_size);
+
+// Megatron's --check-for-nan-in-loss-and-grad on one step's (all-reduced) result: an error naming
+// the iteration, the rank and whether the loss or the gradient norm went NaN/Inf; OK otherwise.
+absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank);
 
 // The log line Megatron's training_log prints.
 struct LogLineFields {

@@ -12,6 +12,7 @@
 #include <simdjson.h>
 
 #include "tests/test_util.h"
+#include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
 #include "trainer/optimizer.h"
 
@@ -78,10 +79,10 @@ class GptGolden : public ::testing::TestWithParam<std::string> {
     for (int64_t i = 0; i < b_ * t_; ++i) positions_[i] = static_cast<int32_t>(i % t_);
     keys_.assign(b_, 0);
   }
-  std::unique_ptr<GPTModel> MakeModel(bool recompute = false) {
+  std::unique_ptr<CpuGPTModel> MakeModel(bool recompute = false) {
     GPTConfig c = config_;
     c.recompute_activations = recompute;
-    auto m = GPTModel::Create(c);
+    auto m = CpuGPTModel::Create(c);
     EXPECT_TRUE(m.ok()) << m.status();
     for (const ParamInfo& p : (*m)->params_info()) {
       std::vector<float> w = g_->Tensor<float>("init:" + p.name);

@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "trainer/lr_schedule.h"
-#include "trainer/ops_cpu.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::trainer {
 namespace {

@@ -5,7 +5,7 @@
 #include <limits>
 #include <vector>
 
-#include "trainer/ops_cpu.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::trainer {
 namespace {

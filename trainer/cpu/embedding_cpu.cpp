@@ -1,7 +1,7 @@
 // Token + learned absolute position embeddings, forward and backward.
 #include <tbb/parallel_for.h>
 
-#include "trainer/ops_cpu.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::trainer {
 namespace {

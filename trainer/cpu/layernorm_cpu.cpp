@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-#include "trainer/ops_cpu.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::trainer {
 namespace {

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#include "trainer/ops_cpu.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::trainer {
 namespace {

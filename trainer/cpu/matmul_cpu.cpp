@@ -1,12 +1,22 @@
 // Matrix products through OpenBLAS's cblas (no hand-written GEMM), forward and backward.
 #include <cblas.h>
+#include <tbb/parallel_for.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
-#include "trainer/ops_cpu.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::trainer {
+
+namespace {
+// GEMM tiles of C: fixed sizes, so how C is cut never depends on the thread count. OpenBLAS picks
+// its kernel (and so the rounding) by the problem's shape and by its own thread count; ptk-train
+// runs OpenBLAS single-threaded and spreads these tiles over oneTBB's threads instead, so the
+// same product gives the same bits with 1 or 32 threads.
+constexpr int64_t kTileRows = 256, kTileCols = 1024;
+}  // namespace
 
 template <typename T>
 void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
@@ -17,9 +27,17 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
     else
       return &cblas_dgemm;
   }();
-  gemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-       static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
-       static_cast<int>(ldc));
+  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows, col_tiles = (n + kTileCols - 1) / kTileCols;
+  tbb::parallel_for(int64_t{0}, row_tiles * col_tiles, [&](int64_t tile) {
+    const int64_t i0 = tile / col_tiles * kTileRows, j0 = tile % col_tiles * kTileCols;
+    const int64_t mi = std::min(kTileRows, m - i0), nj = std::min(kTileCols, n - j0);
+    // Row i of op(A) and column j of op(B) in row-major storage.
+    const T* ai = ta ? a + i0 : a + i0 * lda;
+    const T* bj = tb ? b + j0 * ldb : b + j0;
+    gemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(mi),
+         static_cast<int>(nj), static_cast<int>(k), alpha, ai, static_cast<int>(lda), bj, static_cast<int>(ldb), beta,
+         c + i0 * ldc + j0, static_cast<int>(ldc));
+  });
 }
 
 template <typename T>

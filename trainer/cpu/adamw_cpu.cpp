@@ -4,7 +4,8 @@
 #include <cmath>
 #include <vector>
 
-#include "trainer/ops_cpu.h"
+#include "trainer/cpu/ops_cpu.h"
+#include "trainer/op_math.h"
 
 namespace ptk::trainer {
 namespace {
@@ -13,23 +14,10 @@ constexpr int64_t kBlock = 16384;
 
 template <typename T>
 void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a) {
-  const double bc1 = 1.0 - std::pow(a.beta1, static_cast<double>(a.step));
-  const double bc2 = 1.0 - std::pow(a.beta2, static_cast<double>(a.step));
-  const T decay = static_cast<T>(1.0 - a.lr * a.weight_decay);
-  const T b1 = static_cast<T>(a.beta1), b2 = static_cast<T>(a.beta2);
-  const T step_size = static_cast<T>(a.lr / bc1);
-  const T bc2_sqrt = static_cast<T>(std::sqrt(bc2));
-  const T eps = static_cast<T>(a.eps);
+  const AdamWCoefficients<T> c = MakeAdamWCoefficients<T>(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step);
   tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
     int64_t end = std::min(n, (blk + 1) * kBlock);
-    for (int64_t i = blk * kBlock; i < end; ++i) {
-      T gi = g[i];
-      p[i] *= decay;
-      m[i] = b1 * m[i] + (T(1) - b1) * gi;
-      v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
-      T denom = std::sqrt(v[i]) / bc2_sqrt + eps;
-      p[i] -= step_size * m[i] / denom;
-    }
+    for (int64_t i = blk * kBlock; i < end; ++i) AdamWElement(p[i], g[i], m[i], v[i], c);
   });
 }
 

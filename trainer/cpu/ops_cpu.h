@@ -8,6 +8,9 @@
 
 #include <cstdint>
 
+#include "trainer/counter_rng.h"
+#include "trainer/gpt_model.h"
+
 namespace ptk::trainer {
 
 // ---- matmul_cpu.cpp --------------------------------------------------------------------------
@@ -55,11 +58,7 @@ void GeluBackwardCpu(T* dinp, const T* inp, const T* dout, int64_t n);
 // Counter-based dropout: element i of stream `stream` is kept when a hash of (seed, stream, i)
 // falls below 1-p, so the same mask comes back in backward and in recomputation, for any
 // thread count. Kept elements are scaled by 1/(1-p).
-uint32_t DropoutKeepThreshold(double p);  // keep when the 32-bit hash < threshold
-bool DropoutKeep(uint64_t seed, uint64_t stream, uint64_t i, uint32_t threshold);
-// The stream of one dropout site of one sample: the global sample position (so a mask does not
-// depend on the micro-batch size or the data-parallel layout), the layer and the site.
-uint64_t DropoutStream(uint64_t sample, uint64_t layer, uint64_t site);
+// The keys (DropoutKey, DropoutStream, DropoutKeepThreshold) are in trainer/counter_rng.h.
 // inout(n) *= mask / (1 - p), in place (forward and backward are the same operation).
 template <typename T>
 void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
@@ -68,9 +67,7 @@ void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
 // Causal self-attention over Megatron's fused QKV layout: qkv(b, t, nh, 3, hd) (per head q, k, v).
 // out(b, t, nh*hd). probs(b, nh, t, t) receives the softmax (before dropout); attention dropout
 // with probability p uses stream streams[batch] + head (streams may be null when p is 0).
-struct AttentionShape {
-  int64_t b, t, nh, hd;
-};
+// AttentionShape is in trainer/gpt_model.h (shared with the CUDA ops).
 template <typename T>
 void AttentionForwardCpu(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
                          const uint64_t* streams);
@@ -93,13 +90,8 @@ template <typename T>
 void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
 
 // ---- adamw_cpu.cpp ---------------------------------------------------------------------------
-// torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in
-// AdamW mode: p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
-// p -= lr * (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps).
-struct AdamWParams {
-  double lr, beta1, beta2, eps, weight_decay;
-  int64_t step;  // 1-based
-};
+// AdamW over n elements (AdamWParams in trainer/gpt_model.h; the element update is AdamWElement
+// in trainer/op_math.h).
 template <typename T>
 void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a);
 

@@ -1,0 +1,297 @@
+// Megatron's GPT on the CPU: forward and backward over the fp32 CPU ops, parameters, gradients and
+// AdamW moments in host vectors.
+#include "trainer/cpu/cpu_gpt_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/counter_rng.h"
+#include "trainer/cpu/ops_cpu.h"
+
+namespace ptk::trainer {
+
+struct CpuGPTModel::Activations {
+  int64_t b = 0, t = 0;
+  // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
+  std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean, ln2_rstd,
+      fc1, gelu;
+  std::vector<float> lnf, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln, dff, dqkv, datt, scratch;
+  std::vector<int32_t> targets;
+  std::vector<uint64_t> streams;
+};
+
+CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)), act_(std::make_unique<Activations>()) {
+  const size_t n = static_cast<size_t>(num_params());
+  params_.assign(n, 0.0f);
+  grads_.assign(n, 0.0f);
+  exp_avg_.assign(n, 0.0f);
+  exp_avg_sq_.assign(n, 0.0f);
+}
+CpuGPTModel::~CpuGPTModel() = default;
+
+absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig& config) {
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config));
+  return std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
+}
+
+namespace {
+absl::Status CheckSize(const char* what, size_t got, int64_t want) {
+  if (static_cast<int64_t>(got) == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format("{}: {} values for a model of {} parameters", what, got, want));
+}
+}  // namespace
+
+absl::Status CpuGPTModel::ReadParams(std::span<float> out) const {
+  PTK_RETURN_IF_ERROR(CheckSize("ReadParams", out.size(), num_params()));
+  std::copy(params_.begin(), params_.end(), out.begin());
+  return absl::OkStatus();
+}
+absl::Status CpuGPTModel::WriteParams(std::span<const float> in) {
+  PTK_RETURN_IF_ERROR(CheckSize("WriteParams", in.size(), num_params()));
+  std::copy(in.begin(), in.end(), params_.begin());
+  return absl::OkStatus();
+}
+absl::Status CpuGPTModel::ReadGrads(std::span<float> out) const {
+  PTK_RETURN_IF_ERROR(CheckSize("ReadGrads", out.size(), num_params()));
+  std::copy(grads_.begin(), grads_.end(), out.begin());
+  return absl::OkStatus();
+}
+absl::Status CpuGPTModel::ReadMoments(std::span<float> m, std::span<float> v) const {
+  PTK_RETURN_IF_ERROR(CheckSize("ReadMoments", m.size(), num_params()));
+  PTK_RETURN_IF_ERROR(CheckSize("ReadMoments", v.size(), num_params()));
+  std::copy(exp_avg_.begin(), exp_avg_.end(), m.begin());
+  std::copy(exp_avg_sq_.begin(), exp_avg_sq_.end(), v.begin());
+  return absl::OkStatus();
+}
+absl::Status CpuGPTModel::WriteMoments(std::span<const float> m, std::span<const float> v) {
+  PTK_RETURN_IF_ERROR(CheckSize("WriteMoments", m.size(), num_params()));
+  PTK_RETURN_IF_ERROR(CheckSize("WriteMoments", v.size(), num_params()));
+  std::copy(m.begin(), m.end(), exp_avg_.begin());
+  std::copy(v.begin(), v.end(), exp_avg_sq_.begin());
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::ZeroGrads() {
+  std::fill(grads_.begin(), grads_.end(), 0.0f);
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::AllReduceGrads(Communicator* comm) { return comm->AllReduceSum(grads_.data(), num_params()); }
+
+absl::StatusOr<double> CpuGPTModel::GradSumSquares() { return SumSquaresCpu(grads_.data(), num_params()); }
+
+absl::Status CpuGPTModel::ScaleGrads(double s) {
+  ScaleCpu(grads_.data(), num_params(), static_cast<float>(s));
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) {
+  float *p = params_.data(), *g = grads_.data(), *m = exp_avg_.data(), *v = exp_avg_sq_.data();
+  for (const ParamInfo& info : params_info()) {
+    const int64_t o = info.offset;
+    AdamWCpu(p + o, g + o, m + o, v + o, info.size, info.no_weight_decay ? no_decay : decay);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
+  PTK_RETURN_IF_ERROR(ValidateBatch(config(), batch));
+  const GPTConfig& cf = config();
+  const int64_t n = batch.b * batch.t;
+  Activations& a = *act_;
+  if (a.b == batch.b && a.t == batch.t) return absl::OkStatus();
+  a.b = batch.b;
+  a.t = batch.t;
+  const int64_t c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size, L = cf.num_layers;
+  const int64_t probs = batch.b * cf.num_attention_heads * batch.t * batch.t;
+  auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
+    v.assign(static_cast<size_t>(count), std::vector<float>(static_cast<size_t>(size)));
+  };
+  per_layer(a.resid, L + 1, n * c);
+  per_layer(a.resid_mid, L, n * c);
+  per_layer(a.ln1, L, n * c);
+  per_layer(a.ln1_mean, L, n);
+  per_layer(a.ln1_rstd, L, n);
+  per_layer(a.qkv, L, n * 3 * c);
+  per_layer(a.probs, cf.recompute_activations ? 1 : L, probs);
+  per_layer(a.atty, L, n * c);
+  per_layer(a.ln2, L, n * c);
+  per_layer(a.ln2_mean, L, n);
+  per_layer(a.ln2_rstd, L, n);
+  per_layer(a.fc1, L, n * f);
+  per_layer(a.gelu, L, n * f);
+  a.lnf.assign(n * c, 0.0f);
+  a.lnf_mean.assign(n, 0.0f);
+  a.lnf_rstd.assign(n, 0.0f);
+  a.logits.assign(n * vp, 0.0f);
+  a.losses.assign(n, 0.0f);
+  a.dloss.assign(n, 0.0f);
+  a.tmp.assign(n * c, 0.0f);
+  a.dresid.assign(n * c, 0.0f);
+  a.dtmp.assign(n * c, 0.0f);
+  a.dln.assign(n * c, 0.0f);
+  a.dff.assign(n * f, 0.0f);
+  a.dqkv.assign(n * 3 * c, 0.0f);
+  a.datt.assign(n * c, 0.0f);
+  a.scratch.assign(2 * batch.t * batch.t, 0.0f);
+  a.targets.assign(n, 0);
+  a.streams.assign(batch.b, 0);
+  return absl::OkStatus();
+}
+
+namespace {
+// Dropout of a (b, t, c) buffer, each sample row with its own stream.
+void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_t seed, uint64_t layer, uint64_t site) {
+  if (p <= 0.0) return;
+  for (int64_t b = 0; b < batch.b; ++b)
+    DropoutCpu(x + b * batch.t * c, batch.t * c, p, seed,
+               DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, site));
+}
+
+void AttentionStreams(const ModelBatch& batch, int64_t layer, std::vector<uint64_t>* streams) {
+  for (int64_t b = 0; b < batch.b; ++b)
+    (*streams)[b] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, kAttentionProbs);
+}
+
+// What one forward or backward pass over `batch` works with: tokens n, hidden c, ffn f, padded
+// vocab vp, the dropout rates (zero when not training), the attention shape, the layer count.
+struct PassDims {
+  int64_t n, c, f, vp;
+  double hp, ap;
+  AttentionShape shape;
+  uint64_t layers;
+};
+PassDims DimsOf(const GPTConfig& cf, const ModelBatch& batch, bool train) {
+  return {batch.b * batch.t,
+          cf.hidden_size,
+          cf.ffn_hidden_size,
+          cf.padded_vocab_size,
+          train ? cf.hidden_dropout : 0.0,
+          train ? cf.attention_dropout : 0.0,
+          AttentionShape{batch.b, batch.t, cf.num_attention_heads, cf.head_dim()},
+          static_cast<uint64_t>(cf.num_layers)};
+}
+}  // namespace
+
+void CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  Activations& a = *act_;
+  const auto [n, c, f, vp, hp, ap, shape, L] = DimsOf(cf, batch, train);
+  const float* P = params_.data();
+
+  EmbeddingForwardCpu(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, P + layout_.wpe, n, c);
+  DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
+  for (int64_t l = 0; l < cf.num_layers; ++l) {
+    const LayerParams& lp = layout_.layers[l];
+    LayerNormForwardCpu(a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
+                        P + lp.ln1_b, n, c, cf.layernorm_epsilon);
+    MatmulForwardCpu(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * c);
+    if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
+    float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+    AttentionForwardCpu(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    MatmulForwardCpu(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, P + lp.proj_b, n, c, c);
+    DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
+    for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
+    LayerNormForwardCpu(a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(),
+                        P + lp.ln2_w, P + lp.ln2_b, n, c, cf.layernorm_epsilon);
+    MatmulForwardCpu(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
+    GeluForwardCpu(a.gelu[l].data(), a.fc1[l].data(), n * f);
+    MatmulForwardCpu(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, P + lp.fc2_b, n, f, c);
+    DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
+    for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
+  }
+  LayerNormForwardCpu(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(), P + layout_.lnf_w,
+                      P + layout_.lnf_b, n, c, cf.layernorm_epsilon);
+  MatmulForwardCpu(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
+}
+
+void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  Activations& a = *act_;
+  const auto [n, c, f, vp, hp, ap, shape, L] = DimsOf(cf, batch, train);
+  const float* P = params_.data();
+  float* G = grads_.data();
+
+  std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+  MatmulBackwardCpu(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(), P + layout_.out_w,
+                    n, c, vp);
+  std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
+  LayerNormBackwardCpu(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(), a.resid[cf.num_layers].data(),
+                       P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
+  for (int64_t l = cf.num_layers - 1; l >= 0; --l) {
+    const LayerParams& lp = layout_.layers[l];
+    // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
+    a.dtmp = a.dresid;
+    DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
+    std::fill(a.dff.begin(), a.dff.end(), 0.0f);
+    MatmulBackwardCpu(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
+    GeluBackwardCpu(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
+    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+    MatmulBackwardCpu(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
+    LayerNormBackwardCpu(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(), P + lp.ln2_w,
+                         a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
+    // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
+    a.dtmp = a.dresid;
+    DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
+    std::fill(a.datt.begin(), a.datt.end(), 0.0f);
+    MatmulBackwardCpu(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n, c,
+                      c);
+    if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
+    float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+    if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
+      AttentionForwardCpu(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    AttentionBackwardCpu(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
+                         a.scratch.data());
+    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+    MatmulBackwardCpu(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
+                      3 * c);
+    LayerNormBackwardCpu(a.dresid.data(), G + lp.ln1_w, G + lp.ln1_b, a.dln.data(), a.resid[l].data(), P + lp.ln1_w,
+                         a.ln1_mean[l].data(), a.ln1_rstd[l].data(), n, c);
+  }
+  DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
+  EmbeddingBackwardCpu(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens, batch.position_ids, n, c);
+}
+
+namespace {
+LossSum SumLosses(const std::vector<float>& losses, const float* mask, int64_t n) {
+  LossSum s;
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask[i] == 0.0f) continue;
+    s.loss_sum += static_cast<double>(losses[i]) * mask[i];
+    s.tokens += mask[i];
+  }
+  return s;
+}
+}  // namespace
+
+absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
+                                                  uint64_t seed) {
+  PTK_RETURN_IF_ERROR(Prepare(batch));
+  bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+  if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+  RunForward(batch, train, seed);
+  Activations& a = *act_;
+  const int64_t n = batch.b * batch.t;
+  for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
+  SoftmaxCrossEntropyFusedCpu(a.logits.data(), a.losses.data(), batch.labels, a.dloss.data(), n,
+                              config().padded_vocab_size);
+  LossSum s = SumLosses(a.losses, batch.loss_mask, n);
+  RunBackward(batch, train, seed);
+  return s;
+}
+
+absl::StatusOr<LossSum> CpuGPTModel::Forward(const ModelBatch& batch, std::vector<float>* logits) {
+  PTK_RETURN_IF_ERROR(Prepare(batch));
+  RunForward(batch, /*train=*/false, 0);
+  Activations& a = *act_;
+  SoftmaxCrossEntropyForwardCpu(a.losses.data(), a.logits.data(), batch.labels, batch.b * batch.t,
+                                config().padded_vocab_size);
+  if (logits) *logits = a.logits;
+  return SumLosses(act_->losses, batch.loss_mask, batch.b * batch.t);
+}
+
+}  // namespace ptk::trainer

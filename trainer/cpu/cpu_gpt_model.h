@@ -1,0 +1,56 @@
+// The fp32 CPU backend of GPTModel: the oracle every other backend is checked against. Parameters,
+// gradients and AdamW moments in host vectors (one flat buffer each, the layout's order);
+// activations kept per layer for the backward pass.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "trainer/gpt_model.h"
+
+namespace ptk::trainer {
+
+class CpuGPTModel final : public GPTModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config);
+  ~CpuGPTModel() override;
+
+  // The host buffers themselves (tests and the gradient checks read and poke them).
+  float* params() { return params_.data(); }
+  const float* params() const { return params_.data(); }
+  float* grads() { return grads_.data(); }
+
+  Device device() const override { return Device::kCpu; }
+  Precision precision() const override { return Precision::kFp32; }
+  std::string Describe() const override { return "cpu fp32"; }
+
+  absl::Status ReadParams(std::span<float> out) const override;
+  absl::Status WriteParams(std::span<const float> in) override;
+  absl::Status ReadGrads(std::span<float> out) const override;
+  absl::Status ReadMoments(std::span<float> exp_avg, std::span<float> exp_avg_sq) const override;
+  absl::Status WriteMoments(std::span<const float> exp_avg, std::span<const float> exp_avg_sq) override;
+
+  absl::Status ZeroGrads() override;
+  absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
+                                          uint64_t seed) override;
+  absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits = nullptr) override;
+
+  absl::Status AllReduceGrads(Communicator* comm) override;
+  absl::StatusOr<double> GradSumSquares() override;
+  absl::Status ScaleGrads(double s) override;
+  absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override;
+
+ private:
+  struct Activations;
+  explicit CpuGPTModel(ParamLayout layout);
+  absl::Status Prepare(const ModelBatch& batch);
+  // Up to the logits.
+  void RunForward(const ModelBatch& batch, bool train, uint64_t seed);
+  // From the logits, which the loss step has turned into their gradient.
+  void RunBackward(const ModelBatch& batch, bool train, uint64_t seed);
+
+  std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
+  std::unique_ptr<Activations> act_;
+};
+
+}  // namespace ptk::trainer

@@ -1,0 +1,96 @@
+// What every CUDA op of the trainer shares: checked calls that turn a failed CUDA, cuBLAS or cuDNN
+// call into an absl::Status naming the call, the op and the shapes; the per-model context (stream,
+// library handles, workspace); the activation types (fp32, bf16, fp16) and their conversions.
+#pragma once
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+
+namespace ptk::trainer::cuda {
+
+// "op (shapes): call failed: reason". `where` names the op and its shapes.
+absl::Status CudaError(cudaError_t err, std::string_view call, std::string_view where);
+absl::Status CublasError(cublasStatus_t err, std::string_view call, std::string_view where);
+
+// The state one model's ops share. Created by the model, borrowed by every launcher.
+struct CudaContext {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  cublasLtHandle_t cublaslt = nullptr;
+  void* workspace = nullptr;  // cuBLASLt / cuDNN workspace
+  size_t workspace_bytes = 0;
+  void* cudnn = nullptr;      // cudnnHandle_t (kept opaque so this header needs no cudnn.h)
+  bool deterministic = false;  // --deterministic-mode: no atomics-ordered reductions, fixed algorithms
+  int sm_major = 0, sm_minor = 0, num_sms = 0;
+};
+
+// Activation types: float (fp32 mode), __nv_bfloat16 (--bf16), __half (--fp16). Arithmetic is fp32.
+template <typename T>
+__host__ __device__ __forceinline__ float ToFloat(T x) {
+  return static_cast<float>(x);
+}
+template <>
+__host__ __device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__host__ __device__ __forceinline__ float ToFloat<__half>(__half x) {
+  return __half2float(x);
+}
+template <typename T>
+__host__ __device__ __forceinline__ T FromFloat(float x) {
+  return static_cast<T>(x);
+}
+template <>
+__host__ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);  // round to nearest even
+}
+template <>
+__host__ __device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half(x);  // round to nearest even
+}
+
+// cudaDataType of an activation type (for cuBLASLt / cuDNN descriptors).
+template <typename T>
+constexpr cudaDataType_t CudaDataType();
+template <>
+constexpr cudaDataType_t CudaDataType<float>() {
+  return CUDA_R_32F;
+}
+template <>
+constexpr cudaDataType_t CudaDataType<__nv_bfloat16>() {
+  return CUDA_R_16BF;
+}
+template <>
+constexpr cudaDataType_t CudaDataType<__half>() {
+  return CUDA_R_16F;
+}
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace ptk::trainer::cuda
+
+// Returns a Status from the enclosing function when a CUDA runtime call fails.
+#define PTK_CUDA_RETURN_IF_ERROR(call, where)                                                     \
+  do {                                                                                            \
+    cudaError_t ptk_cuda_err_ = (call);                                                           \
+    if (ptk_cuda_err_ != cudaSuccess) return ::ptk::trainer::cuda::CudaError(ptk_cuda_err_, #call, (where)); \
+  } while (0)
+// After a kernel launch: a bad configuration shows here, an asynchronous fault at the next sync.
+#define PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where) PTK_CUDA_RETURN_IF_ERROR(cudaGetLastError(), (where))
+#define PTK_CUBLAS_RETURN_IF_ERROR(call, where)                                                        \
+  do {                                                                                                 \
+    cublasStatus_t ptk_cublas_err_ = (call);                                                           \
+    if (ptk_cublas_err_ != CUBLAS_STATUS_SUCCESS)                                                      \
+      return ::ptk::trainer::cuda::CublasError(ptk_cublas_err_, #call, (where));                       \
+  } while (0)

@@ -1,0 +1,140 @@
+// The CUDA ops of the GPT trainer, one file per op (<op>_cuda.cu) beside its CPU op
+// (trainer/cpu/<op>_cpu.cpp), launchers in the CPU op's argument order plus the context (stream,
+// handles, workspace). T is the activation type: float (fp32 mode, compared tightly with the CPU
+// ops), __nv_bfloat16 (--bf16) or __half (--fp16). Master weights, gradients, AdamW moments,
+// LayerNorm statistics, softmax and losses are fp32 in every mode. Every pointer is device memory
+// unless said otherwise. As on the CPU, backward functions accumulate (+=) into parameter
+// gradients; what they do to input gradients is said per op. Reductions are in a fixed order:
+// the same inputs give the same bits, run after run (no atomics whose order varies).
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "trainer/cuda/cuda_common.h"
+#include "trainer/gpt_model.h"
+
+namespace ptk::trainer::cuda {
+
+// ---- matmul_cuda.cu (cuBLASLt) -----------------------------------------------------------------
+// out(n, oc) = inp(n, ic) @ w(oc, ic)^T + bias(oc)   (bias may be null; fp32 accumulation, no TF32
+// in fp32 mode). With gelu_out: out receives the pre-activation and gelu_out(n, oc) = gelu(out)
+// (cuBLASLt's GELU_AUX_BIAS epilogue where it applies, else a separate GELU kernel).
+template <typename T>
+absl::Status MatmulForward(T* out, const T* inp, const T* w, const T* bias, int64_t n, int64_t ic, int64_t oc,
+                           const CudaContext& ctx, T* gelu_out = nullptr);
+// dinp(n, ic) = dout @ w  (assigned when accumulate_dinp is false, else added);
+// dw(oc, ic) += dout^T @ inp in fp32; dbias(oc) += column sums of dout in fp32.
+// dinp or dbias may be null.
+template <typename T>
+absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, const T* inp, const T* w, int64_t n,
+                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp = false);
+
+// ---- layernorm_cuda.cu -------------------------------------------------------------------------
+// out(n, c) = (inp - mean) * rstd * w + b with fp32 statistics mean(n), rstd(n); w, b fp32 (the
+// master weights: LayerNorm parameters are never rounded).
+template <typename T>
+absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b,
+                              int64_t n, int64_t c, double eps, const CudaContext& ctx);
+// The residual add fused in front: resid_out = a + b, then out = LayerNorm(resid_out).
+template <typename T>
+absl::Status ResidualLayerNormForward(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b,
+                                      const float* w, const float* bias, int64_t n, int64_t c, double eps,
+                                      const CudaContext& ctx);
+// dinp(n, c) += d(out)/d(inp) applied to dout; dw, db (fp32) +=.
+template <typename T>
+absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                               const float* mean, const float* rstd, int64_t n, int64_t c, const CudaContext& ctx);
+
+// ---- embedding_cuda.cu -------------------------------------------------------------------------
+// out(n, c) = wte[tokens[i]] + wpe[positions[i]]   (wte, wpe in T: the compute copies)
+template <typename T>
+absl::Status EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe,
+                              int64_t n, int64_t c, const CudaContext& ctx);
+// dwte[tokens[i]] += dout[i], dwpe[positions[i]] += dout[i] in fp32, deterministic (rows that share
+// a token are summed in order of i). tokens_host / positions_host: the same ids in host memory,
+// used to plan the deterministic accumulation.
+template <typename T>
+absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens,
+                               const int32_t* positions, const int32_t* tokens_host, const int32_t* positions_host,
+                               int64_t n, int64_t c, int64_t vocab_rows, int64_t position_rows,
+                               const CudaContext& ctx);
+
+// ---- gelu_cuda.cu ------------------------------------------------------------------------------
+// GeluValue / GeluDerivative of trainer/op_math.h in fp32.
+template <typename T>
+absl::Status GeluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx);
+// dinp = dout * gelu'(inp)   (assigns; dinp may equal dout)
+template <typename T>
+absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx);
+
+// ---- dropout_cuda.cu ---------------------------------------------------------------------------
+// The CPU's counter-hash dropout (trainer/counter_rng.h): row r of `rows` rows of `row_len`
+// elements uses stream streams[r] (device memory); element i of a row is kept when
+// DropoutKeep(seed, streams[r], i, DropoutKeepThreshold(p)), and kept elements are scaled by
+// 1/(1-p). The same masks as DropoutCpu over each row. In place; forward and backward alike.
+template <typename T>
+absl::Status DropoutRows(T* inout, int64_t rows, int64_t row_len, const uint64_t* streams, double p, uint64_t seed,
+                         const CudaContext& ctx);
+
+// ---- attention_cuda.cu -------------------------------------------------------------------------
+// Causal self-attention over Megatron's fused QKV layout qkv(b, t, nh, 3, hd); out(b, t, nh*hd).
+// fp32 mode (T = float): batched cuBLAS products and a causal softmax kernel, probs(b, nh, t, t)
+// saved for backward; attention dropout with probability p keys stream streams[batch] + head
+// (device memory, may be null when p is 0) exactly as AttentionForwardCpu.
+absl::Status AttentionForward(float* out, float* probs, const float* qkv, const AttentionShape& s, double p,
+                              uint64_t seed, const uint64_t* streams, const CudaContext& ctx);
+// dqkv(b, t, 3c) is assigned. scratch: AttentionBackwardScratch(s) floats.
+absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* probs,
+                               const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams,
+                               float* scratch, const CudaContext& ctx);
+int64_t AttentionBackwardScratch(const AttentionShape& s);
+// bf16 / fp16 (T = __nv_bfloat16 or __half): cuDNN's fused flash attention (graph API through
+// cudnn-frontend), never a t x t matrix in memory. stats(b, nh, t): fp32 softmax statistics kept
+// for backward. Attention dropout, when p > 0, is cuDNN's own (Philox keyed by seed and offset):
+// the only mask that differs from the CPU backend's.
+template <typename T>
+absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const AttentionShape& s, double p,
+                                   uint64_t seed, uint64_t offset, const CudaContext& ctx);
+template <typename T>
+absl::Status FlashAttentionBackward(T* dqkv, const T* dout, const T* out, const float* stats, const T* qkv,
+                                    const AttentionShape& s, double p, uint64_t seed, uint64_t offset,
+                                    const CudaContext& ctx);
+
+// ---- softmax_xent_cuda.cu ----------------------------------------------------------------------
+// losses(n) = logsumexp(logits(n, vp)) - logits[target], in fp32 over every column (padded ones
+// included), as SoftmaxCrossEntropyForwardCpu.
+template <typename T>
+absl::Status SoftmaxCrossEntropyForward(float* losses, const T* logits, const int32_t* targets, int64_t n,
+                                        int64_t vp, const CudaContext& ctx);
+// Both at once (training): losses(n) as the forward, logits overwritten with
+// (softmax - onehot) * dlosses[i]. Rows are independent, so the caller may run it on chunks of rows.
+template <typename T>
+absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* targets, const float* dlosses,
+                                      int64_t n, int64_t vp, const CudaContext& ctx);
+
+// ---- adamw_cuda.cu -----------------------------------------------------------------------------
+// AdamW over n fp32 elements (AdamWElement of trainer/op_math.h); when p_compute is not null it
+// receives the updated weights rounded to T (the compute copy of bf16/fp16 modes).
+template <typename T>
+absl::Status AdamW(float* p, const float* g, float* m, float* v, int64_t n, const AdamWParams& a, T* p_compute,
+                   const CudaContext& ctx);
+// Sum of squares in double over fixed blocks, written to *out (device memory). partials:
+// SumSquaresPartials(n) doubles of device scratch.
+absl::Status SumSquares(double* out, const float* x, int64_t n, double* partials, const CudaContext& ctx);
+int64_t SumSquaresPartials(int64_t n);
+// x *= s
+absl::Status Scale(float* x, int64_t n, float s, const CudaContext& ctx);
+
+// ---- cast_cuda.cu ------------------------------------------------------------------------------
+// out = round-to-nearest-even(in) and back; residual add out = a + b (out may alias a or b).
+template <typename T>
+absl::Status CastFromFloat(T* out, const float* in, int64_t n, const CudaContext& ctx);
+template <typename T>
+absl::Status CastToFloat(float* out, const T* in, int64_t n, const CudaContext& ctx);
+template <typename T>
+absl::Status ResidualAdd(T* out, const T* a, const T* b, int64_t n, const CudaContext& ctx);
+// Whether any element of x(n) is NaN or Inf, as 0/1 in *flag (device int).
+absl::Status NonFiniteFlag(int* flag, const float* x, int64_t n, const CudaContext& ctx);
+
+}  // namespace ptk::trainer::cuda
