@@ -40,6 +40,9 @@ absl::StatusOr<std::array<double, 3>> ParseAndNormalizeSplit(const std::string& 
       return absl::InvalidArgumentError(fmt::format("--split {:?}: {:?} is not a number", split, it->str()));
     }
   }
+  if (v.empty())
+    return absl::InvalidArgumentError(fmt::format(
+        "usage: --split {:?} holds no number: give the train, valid and test proportions, such as 969,30,1", split));
   if (v.size() > 3) return absl::InvalidArgumentError(fmt::format("--split {:?} has more than three parts", split));
   while (v.size() < 3) v.push_back(0.0);
   double sum = py::NumpySum(v.data(), v.size());

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -161,6 +162,7 @@ class TcpStore : public gloo::rendezvous::Store {
     if (fd_ >= 0) ::close(fd_);
   }
   absl::Status Connect(const std::string& host, int port, std::chrono::milliseconds timeout) {
+    timeout_ = timeout;
     const auto deadline = Clock::now() + timeout;
     std::string last = "no attempt";
     while (Clock::now() < deadline) {
@@ -197,21 +199,36 @@ class TcpStore : public gloo::rendezvous::Store {
     char ack = 0;
     if (!SendAll(fd_, &op, 1) || !SendBlob(fd_, key) || !SendBlob(fd_, std::string(data.begin(), data.end())) ||
         !RecvAll(fd_, &ack, 1))
-      throw std::runtime_error("rendezvous: lost the connection to rank 0 (set " + key + ")");
+      throw std::runtime_error("lost the connection to rank 0 (which serves the rendezvous): did rank 0 exit?");
   }
   std::vector<char> get(const std::string& key) override {
     uint8_t op = 'G';
     std::string v;
-    if (!SendAll(fd_, &op, 1) || !SendBlob(fd_, key) || !RecvBlob(fd_, &v))
-      throw std::runtime_error("rendezvous: rank 0 did not answer for key " + key + " (timeout or lost connection)");
+    errno = 0;
+    if (!SendAll(fd_, &op, 1) || !SendBlob(fd_, key) || !RecvBlob(fd_, &v)) {
+      const int e = errno;
+      // gloo's full-mesh rendezvous waits for each rank's address under the rank's number.
+      const bool is_rank = !key.empty() && key.find_first_not_of("0123456789") == std::string::npos;
+      const std::string what = is_rank ? "rank " + key : "key '" + key + "'";
+      if (e == EAGAIN || e == EWOULDBLOCK)
+        throw std::runtime_error(fmt::format(
+            "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the "
+            "same MASTER_ADDR and MASTER_PORT{}",
+            what, timeout_.count() / 1000.0, world_size_, is_rank ? "; is that rank running?" : ""));
+      throw std::runtime_error(fmt::format(
+          "lost the connection to rank 0 (which serves the rendezvous) while waiting for {}: did rank 0 exit?", what));
+    }
     return {v.begin(), v.end()};
   }
+  void set_world_size(int n) { world_size_ = n; }
   void wait(const std::vector<std::string>& keys) override {
     for (const std::string& k : keys) get(k);  // get blocks until the key exists
   }
 
  private:
   int fd_ = -1;
+  int world_size_ = 0;
+  std::chrono::milliseconds timeout_{0};
 };
 
 class GlooCommunicator : public Communicator {
@@ -280,6 +297,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
     PTK_RETURN_IF_ERROR(comm->server_->Start(o.master_port));
   }
   comm->store_ = std::make_unique<TcpStore>();
+  comm->store_->set_world_size(o.world_size);
   PTK_RETURN_IF_ERROR(comm->store_->Connect(o.rank == 0 ? "127.0.0.1" : o.master_addr, o.master_port, o.timeout));
   try {
     gloo::transport::tcp::attr attr;
@@ -297,8 +315,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
     comm->context_->setTimeout(o.timeout);
     comm->context_->connectFullMesh(*comm->store_, comm->device_);
   } catch (const std::exception& e) {
-    return absl::UnavailableError(fmt::format("rank {} of {}: gloo rendezvous through {}:{} failed: {}", o.rank,
-                                              o.world_size, o.master_addr, o.master_port, e.what()));
+    return absl::UnavailableError(fmt::format("rank {} of {}: rendezvous at {}:{} failed: {}", o.rank, o.world_size,
+                                              o.master_addr, o.master_port, e.what()));
   }
   return std::unique_ptr<Communicator>(std::move(comm));
 }

@@ -9,18 +9,20 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
-#include "trainer/comm.h"
 #include "trainer/backend.h"
+#include "trainer/comm.h"
 #include "trainer/gpt_model.h"
 #include "trainer/optimizer.h"
 
 namespace ptk::trainer {
 
 struct TrainOptions {
-  GPTConfig model;  // vocab_size / padded_vocab_size filled by the caller
+  GPTConfig model;         // vocab_size / padded_vocab_size filled by the caller
   BackendOptions backend;  // --device, precision
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 0;  // 0: micro_batch_size * data-parallel size
@@ -80,6 +82,15 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& options);
 // Megatron's num_floating_point_operations for one iteration of this model (dense GPT, GELU MLP,
 // causal attention counted as half of the full score matrix).
 double FlopsPerIteration(const GPTConfig& c, int64_t global_batch_size);
+
+// A run's settings, each under its flag name, e.g. {"--seed", "1234"}.
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+// Start-up handshake between data-parallel ranks, before any collective whose size depends on the
+// flags (gloo aborts the process when ranks all-reduce different sizes): every rank compares its
+// settings with rank 0's, and all of them fail alike with one line naming the first differing
+// rank and setting and both values (a usage error).
+absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine);
 
 // Megatron's --check-for-nan-in-loss-and-grad on one step's (all-reduced) result: an error naming
 // the iteration, the rank and whether the loss or the gradient norm went NaN/Inf; OK otherwise.
