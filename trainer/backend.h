@@ -13,6 +13,7 @@ struct BackendOptions {
   Precision precision = Precision::kFp32;
   int device_index = 0;        // the CUDA device (the local rank; CUDA_VISIBLE_DEVICES applies)
   bool deterministic = false;  // --deterministic-mode: only bitwise-reproducible kernels
+  int64_t micro_batch_size = 1;  // the CUDA backend plans its activations for it
 };
 
 // Whether this build has the CUDA backend, and how many CUDA devices are visible (0 without CUDA,

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "trainer/comm.h"
+#include "trainer/op_types.h"
 
 namespace ptk::trainer {
 
@@ -87,18 +88,6 @@ struct ModelBatch {
 struct LossSum {
   double loss_sum = 0;  // sum over tokens of loss * loss_mask
   double tokens = 0;    // sum of loss_mask
-};
-
-// Causal self-attention's shape: batch, sequence, heads, head dimension.
-struct AttentionShape {
-  int64_t b, t, nh, hd;
-};
-
-// torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in
-// AdamW mode.
-struct AdamWParams {
-  double lr, beta1, beta2, eps, weight_decay;
-  int64_t step;  // 1-based
 };
 
 enum class Device { kCpu, kCuda };

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "trainer/counter_rng.h"
-#include "trainer/gpt_model.h"
+#include "trainer/op_types.h"
 
 namespace ptk::trainer {
 
@@ -67,7 +67,7 @@ void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
 // Causal self-attention over Megatron's fused QKV layout: qkv(b, t, nh, 3, hd) (per head q, k, v).
 // out(b, t, nh*hd). probs(b, nh, t, t) receives the softmax (before dropout); attention dropout
 // with probability p uses stream streams[batch] + head (streams may be null when p is 0).
-// AttentionShape is in trainer/gpt_model.h (shared with the CUDA ops).
+// AttentionShape is in trainer/op_types.h (shared with the CUDA ops).
 template <typename T>
 void AttentionForwardCpu(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
                          const uint64_t* streams);
@@ -90,7 +90,7 @@ template <typename T>
 void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
 
 // ---- adamw_cpu.cpp ---------------------------------------------------------------------------
-// AdamW over n elements (AdamWParams in trainer/gpt_model.h; the element update is AdamWElement
+// AdamW over n elements (AdamWParams in trainer/op_types.h; the element update is AdamWElement
 // in trainer/op_math.h).
 template <typename T>
 void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a);

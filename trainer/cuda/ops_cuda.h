@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "trainer/cuda/cuda_common.h"
-#include "trainer/gpt_model.h"
+#include "trainer/op_types.h"
 
 namespace ptk::trainer::cuda {
 
@@ -93,6 +93,9 @@ int64_t AttentionBackwardScratch(const AttentionShape& s);
 // cudnn-frontend), never a t x t matrix in memory. stats(b, nh, t): fp32 softmax statistics kept
 // for backward. Attention dropout, when p > 0, is cuDNN's own (Philox keyed by seed and offset):
 // the only mask that differs from the CPU backend's.
+// The cuDNN handle of a context (ctx->cudnn), on its stream; created by a bf16/fp16 model.
+absl::Status CreateCudnnHandle(CudaContext* ctx);
+void DestroyCudnnHandle(CudaContext* ctx);
 template <typename T>
 absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const AttentionShape& s, double p,
                                    uint64_t seed, uint64_t offset, const CudaContext& ctx);

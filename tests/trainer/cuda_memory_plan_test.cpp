@@ -1,0 +1,116 @@
+// The CUDA model's memory plan, checked on the CPU (no device needed): sizes from the
+// configuration, alignment and no overlap, the parameters' place independent of the batch shape
+// (a re-plan moves them verbatim), what recomputation and bf16 save, and the out-of-memory text.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "trainer/cuda/memory_plan.h"
+#include "trainer/gpt_model.h"
+
+namespace ptk::trainer::cuda {
+namespace {
+
+GPTConfig Gpt2Small() {
+  GPTConfig c;
+  c.num_layers = 12;
+  c.hidden_size = 768;
+  c.num_attention_heads = 12;
+  c.ffn_hidden_size = 3072;
+  c.seq_length = c.max_position_embeddings = 1024;
+  c.vocab_size = 50257;
+  c.padded_vocab_size = 50304;
+  return c;
+}
+
+MemoryPlan MustPlan(const GPTConfig& c, const PlanOptions& o) {
+  auto layout = ParamLayout::Create(c);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  auto plan = PlanMemory(c, layout->num_params, o);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return *plan;
+}
+
+TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 16;
+  const MemoryPlan m = MustPlan(c, o);
+  const int64_t params = ParamLayout::Create(c)->num_params;
+  EXPECT_EQ(params, 124475904);  // GPT-2 small with the padded vocabulary, tied output layer
+  EXPECT_EQ(m[m.master].bytes, params * 4);
+  EXPECT_EQ(m[m.compute].bytes, params * 2);
+  EXPECT_EQ(m[m.grads].bytes, params * 4);
+  EXPECT_EQ(m[m.qkv].bytes, 12 * 16 * 1024 * 3 * 768 * 2);
+  EXPECT_EQ(m[m.attn_saved].bytes, 12 * 16 * 12 * 1024 * 4);  // softmax statistics only: no t x t matrix
+  int64_t end = 0;
+  for (const PlannedBuffer& b : m.buffers) {
+    EXPECT_EQ(b.offset % MemoryPlan::kAlignment, 0) << b.name;
+    EXPECT_GE(b.offset, end) << b.name << " overlaps the buffer before it";
+    end = b.offset + b.bytes;
+  }
+  EXPECT_LE(end, m.total_bytes);
+  // The logits never hold more than the budget: the loss runs over chunks of rows.
+  EXPECT_LE(m[m.logits].bytes, o.logits_budget_bytes);
+  EXPECT_LT(m.logit_chunk_rows, m.n);
+}
+
+TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions small, large;
+  small.micro_batch_size = 1;
+  small.seq_length = 128;
+  large.micro_batch_size = 8;
+  const MemoryPlan a = MustPlan(c, small), b = MustPlan(c, large);
+  for (int i : {a.master, a.compute, a.grads, a.exp_avg, a.exp_avg_sq}) {
+    EXPECT_EQ(a[i].offset, b[i].offset) << a[i].name;
+    EXPECT_EQ(a[i].bytes, b[i].bytes) << a[i].name;
+  }
+  EXPECT_GT(b.total_bytes, a.total_bytes);
+}
+
+TEST(CudaMemoryPlan, Fp32KeepsProbabilitiesPerLayerUnlessRecomputed) {
+  GPTConfig c = Gpt2Small();
+  c.num_layers = 2;
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 256;
+  const MemoryPlan kept = MustPlan(c, o);
+  EXPECT_EQ(kept[kept.attn_saved].bytes, 2 * 2 * 12 * 256 * 256 * 4);
+  EXPECT_EQ(kept[kept.compute].bytes, 0);  // fp32: the products read the master weights
+  c.recompute_activations = true;
+  const MemoryPlan recomputed = MustPlan(c, o);
+  EXPECT_EQ(recomputed[recomputed.attn_saved].bytes, 2 * 12 * 256 * 256 * 4);
+  EXPECT_LT(recomputed.total_bytes, kept.total_bytes);
+}
+
+TEST(CudaMemoryPlan, LargestNamesTheBiggestBuffersAndWhatShrinksThem) {
+  GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.micro_batch_size = 8;  // fp32: 12 layers of 8 x 12 x 1024 x 1024 probabilities = 4.5 GiB
+  const MemoryPlan m = MustPlan(c, o);
+  const std::string largest = m.Largest(2);
+  EXPECT_NE(largest.find("attention probabilities"), std::string::npos) << largest;
+  EXPECT_NE(largest.find("4.50 GiB"), std::string::npos) << largest;
+  EXPECT_NE(largest.find("--recompute-activations"), std::string::npos) << largest;
+}
+
+TEST(CudaMemoryPlan, RefusesShapesOutsideTheConfig) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.micro_batch_size = 0;
+  EXPECT_FALSE(PlanMemory(c, 1, o).ok());
+  o.micro_batch_size = 1;
+  o.seq_length = 2048;
+  EXPECT_FALSE(PlanMemory(c, 1, o).ok());
+}
+
+TEST(CudaMemoryPlan, FormatsBytes) {
+  EXPECT_EQ(FormatBytes(512), "512 B");
+  EXPECT_EQ(FormatBytes(3 << 20), "3.0 MiB");
+  EXPECT_EQ(FormatBytes(int64_t{3} << 30), "3.00 GiB");
+}
+
+}  // namespace
+}  // namespace ptk::trainer::cuda

@@ -1,0 +1,569 @@
+// Megatron's GPT on one GPU: the CPU model's pass (trainer/cpu/cpu_gpt_model.cpp) over the CUDA ops,
+// with the residual adds fused into the LayerNorms, the GELU into fc1's epilogue, and the loss over
+// the vocabulary computed in chunks of rows (the LM head's backward runs chunk by chunk right after
+// its loss, so no (tokens x vocabulary) matrix is ever kept).
+#include "trainer/cuda/cuda_gpt_model.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/counter_rng.h"
+#include "trainer/cuda/cuda_common.h"
+#include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::trainer::cuda {
+
+int VisibleDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: not sticky, clear it
+    return 0;
+  }
+  return n;
+}
+
+namespace {
+
+// Page-locked host memory: the micro-batch inputs and the losses travel through it, so the copies
+// are asynchronous and run at full PCIe speed.
+class Pinned {
+ public:
+  Pinned() = default;
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  ~Pinned() {
+    if (p_) cudaFreeHost(p_);
+  }
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    if (p_) cudaFreeHost(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+    PTK_CUDA_RETURN_IF_ERROR(cudaMallocHost(&p_, bytes), fmt::format("pinned host buffer of {}", FormatBytes(bytes)));
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename U>
+  U* at(size_t offset) {
+    return reinterpret_cast<U*>(static_cast<char*>(p_) + offset);
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+int64_t AlignUp(int64_t x) { return (x + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment; }
+
+template <typename T>
+constexpr Precision PrecisionOf() {
+  if constexpr (std::is_same_v<T, float>)
+    return Precision::kFp32;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return Precision::kBf16;
+  else
+    return Precision::kFp16;
+}
+
+template <typename T>
+class CudaGPTModelImpl final : public GPTModel {
+ public:
+  static constexpr bool kFlash = !std::is_same_v<T, float>;
+
+  CudaGPTModelImpl(ParamLayout layout) : GPTModel(std::move(layout)) {}
+  ~CudaGPTModelImpl() override {
+    if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
+    if (arena_) cudaFree(arena_);
+    if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
+    if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
+    if (ctx_.cublas) cublasDestroy(ctx_.cublas);
+    if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
+  }
+
+  absl::Status Init(int device, bool deterministic, int64_t micro_batch_size) {
+    const int visible = VisibleDeviceCount();
+    if (visible == 0)
+      return absl::FailedPreconditionError(
+          "--device cuda: no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them all); "
+          "train with --device cpu, or run on a GPU node");
+    if (device < 0 || device >= visible)
+      return absl::InvalidArgumentError(fmt::format(
+          "usage: CUDA device {} (the local rank) does not exist: {} device(s) visible; start one process per GPU",
+          device, visible));
+    PTK_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), fmt::format("selecting CUDA device {}", device));
+    cudaDeviceProp prop{};
+    PTK_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device), fmt::format("properties of device {}", device));
+    ctx_.device = device;
+    ctx_.sm_major = prop.major;
+    ctx_.sm_minor = prop.minor;
+    ctx_.num_sms = prop.multiProcessorCount;
+    ctx_.deterministic = deterministic;
+    device_name_ = prop.name;
+    if (kFlash && prop.major < 8)
+      return absl::FailedPreconditionError(fmt::format(
+          "--{}: cuda:{} ({}) is sm_{}{}; bf16/fp16 training (cuDNN's fused attention) needs sm_80 or newer "
+          "(A100, H100); train in fp32 (no precision flag) on this GPU",
+          PrecisionName(PrecisionOf<T>()), device, prop.name, prop.major, prop.minor));
+    PTK_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking), "creating the stream");
+    PTK_CUBLAS_RETURN_IF_ERROR(cublasCreate(&ctx_.cublas), "creating the cuBLAS handle");
+    PTK_CUBLAS_RETURN_IF_ERROR(cublasSetStream(ctx_.cublas, ctx_.stream), "cuBLAS stream");
+    // fp32 mode is IEEE fp32: no TF32 (it is the mode compared tightly with the CPU).
+    PTK_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(ctx_.cublas, CUBLAS_PEDANTIC_MATH), "cuBLAS math mode");
+    PTK_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&ctx_.cublaslt), "creating the cuBLASLt handle");
+    if (kFlash) PTK_RETURN_IF_ERROR(CreateCudnnHandle(&ctx_));
+    return Plan(micro_batch_size, config().seq_length);
+  }
+
+  Device device() const override { return Device::kCuda; }
+  Precision precision() const override { return PrecisionOf<T>(); }
+  std::string Describe() const override {
+    return fmt::format("cuda:{} ({}, sm_{}{}) {}{}", ctx_.device, device_name_, ctx_.sm_major, ctx_.sm_minor,
+                       PrecisionName(PrecisionOf<T>()), ctx_.deterministic ? ", deterministic" : "");
+  }
+
+  absl::Status ReadParams(std::span<float> out) const override { return Download(plan_.master, out); }
+  absl::Status WriteParams(std::span<const float> in) override {
+    PTK_RETURN_IF_ERROR(Upload(plan_.master, in));
+    if (kFlash) PTK_RETURN_IF_ERROR(CastFromFloat<T>(Compute(0), Master(0), num_params(), ctx_));
+    return Sync("writing the parameters");
+  }
+  absl::Status ReadGrads(std::span<float> out) const override { return Download(plan_.grads, out); }
+  absl::Status ReadMoments(std::span<float> m, std::span<float> v) const override {
+    PTK_RETURN_IF_ERROR(Download(plan_.exp_avg, m));
+    return Download(plan_.exp_avg_sq, v);
+  }
+  absl::Status WriteMoments(std::span<const float> m, std::span<const float> v) override {
+    PTK_RETURN_IF_ERROR(Upload(plan_.exp_avg, m));
+    return Upload(plan_.exp_avg_sq, v);
+  }
+
+  absl::Status ZeroGrads() override {
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(Grad(0), 0, plan_[plan_.grads].bytes, ctx_.stream), "zeroing gradients");
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
+                                          uint64_t seed) override {
+    const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+    if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+    PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale, dropout));
+    PTK_RETURN_IF_ERROR(RunForward(train, seed));
+    PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
+    PTK_RETURN_IF_ERROR(RunBackward(train, seed));
+    return Losses(batch);
+  }
+
+  absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits) override {
+    PTK_RETURN_IF_ERROR(Prepare(batch, 0.0, /*dropout=*/false));
+    PTK_RETURN_IF_ERROR(RunForward(/*train=*/false, 0));
+    PTK_RETURN_IF_ERROR(RunHead(/*backward=*/false, logits));
+    return Losses(batch);
+  }
+
+  absl::Status AllReduceGrads(Communicator* comm) override {
+    if (comm->size() == 1) return absl::OkStatus();
+    // A host-memory communicator (gloo): the gradients travel through the host.
+    host_grads_.resize(static_cast<size_t>(num_params()));
+    PTK_RETURN_IF_ERROR(Download(plan_.grads, host_grads_));
+    PTK_RETURN_IF_ERROR(comm->AllReduceSum(host_grads_.data(), num_params()));
+    return Upload(plan_.grads, host_grads_);
+  }
+
+  absl::StatusOr<double> GradSumSquares() override {
+    double* partials = Buf<double>(plan_.reduce);
+    double* result = partials + SumSquaresPartials(num_params());
+    PTK_RETURN_IF_ERROR(SumSquares(result, Grad(0), num_params(), partials, ctx_));
+    double host = 0;
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, result, sizeof host, cudaMemcpyDeviceToHost, ctx_.stream),
+                             "reading the gradient norm");
+    PTK_RETURN_IF_ERROR(Sync("the gradient norm"));
+    return host;
+  }
+
+  absl::Status ScaleGrads(double s) override {
+    return Scale(Grad(0), num_params(), static_cast<float>(s), ctx_);
+  }
+
+  absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override {
+    for (const ParamInfo& p : params_info()) {
+      T* compute = kFlash ? Compute(p.offset) : nullptr;
+      PTK_RETURN_IF_ERROR(AdamW<T>(Master(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + p.offset,
+                                   Buf<float>(plan_.exp_avg_sq) + p.offset, p.size,
+                                   p.no_weight_decay ? no_decay : decay, compute, ctx_));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  template <typename U>
+  U* Buf(int index) const {
+    return reinterpret_cast<U*>(arena_ + plan_[index].offset);
+  }
+  float* Master(int64_t offset) const { return Buf<float>(plan_.master) + offset; }
+  float* Grad(int64_t offset) const { return Buf<float>(plan_.grads) + offset; }
+  // The weights the products read: the master itself in fp32 mode, its rounded copy otherwise.
+  T* Compute(int64_t offset) const {
+    if constexpr (kFlash)
+      return Buf<T>(plan_.compute) + offset;
+    else
+      return Master(offset);
+  }
+  T* Act(int index, int64_t layer, int64_t per_layer) const { return Buf<T>(index) + layer * per_layer; }
+  float* Stats(int index, int64_t layer) const { return Buf<float>(index) + layer * 2 * plan_.n; }
+
+  absl::Status Sync(std::string_view what) const {
+    PTK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_.stream), fmt::format("{} on cuda:{}", what, ctx_.device));
+    return absl::OkStatus();
+  }
+  absl::Status CheckSize(std::string_view what, size_t got) const {
+    if (static_cast<int64_t>(got) == num_params()) return absl::OkStatus();
+    return absl::InvalidArgumentError(fmt::format("{}: {} values for a model of {} parameters", what, got, num_params()));
+  }
+  absl::Status Download(int index, std::span<float> out) const {
+    PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, out.size()));
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.data(), Buf<float>(index), out.size() * sizeof(float),
+                                             cudaMemcpyDeviceToHost, ctx_.stream),
+                             fmt::format("copying {} to the host", plan_[index].name));
+    return Sync(plan_[index].name);
+  }
+  absl::Status Upload(int index, std::span<const float> in) {
+    PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, in.size()));
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(index), in.data(), in.size() * sizeof(float),
+                                             cudaMemcpyHostToDevice, ctx_.stream),
+                             fmt::format("copying {} to the device", plan_[index].name));
+    return Sync(plan_[index].name);
+  }
+
+  // (Re)plans the device memory for (b, t) and allocates it in one piece; the parameters, gradients
+  // and moments (the plan's first buffers, whose offsets do not depend on the shape) move along.
+  absl::Status Plan(int64_t b, int64_t t) {
+    PlanOptions o;
+    o.precision = PrecisionOf<T>();
+    o.micro_batch_size = b;
+    o.seq_length = t;
+    o.attention_scratch_floats =
+        kFlash ? 0 : AttentionBackwardScratch(AttentionShape{b, t, config().num_attention_heads, config().head_dim()});
+    o.reduce_doubles = SumSquaresPartials(num_params());
+    PTK_ASSIGN_OR_RETURN(MemoryPlan plan, PlanMemory(config(), num_params(), o));
+    size_t free_bytes = 0, total_bytes = 0;
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "querying free device memory");
+    const int64_t kept = arena_ ? plan_[plan_.exp_avg_sq].offset + plan_[plan_.exp_avg_sq].bytes : 0;
+    auto oom = [&](std::string_view why) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "CUDA out of memory on cuda:{} ({}): the model needs {} for micro-batches of {}x{} ({}), {} free of {}: {}. "
+          "Largest buffers: {}",
+          ctx_.device, device_name_, FormatBytes(plan.total_bytes), b, t, PrecisionName(PrecisionOf<T>()),
+          FormatBytes(static_cast<int64_t>(free_bytes)), FormatBytes(static_cast<int64_t>(total_bytes)), why,
+          plan.Largest(4)));
+    };
+    if (plan.total_bytes > static_cast<int64_t>(free_bytes) + (arena_ ? plan_.total_bytes : 0))
+      return oom("lower what the largest buffers name");
+    char* arena = nullptr;
+    if (cudaMalloc(&arena, static_cast<size_t>(plan.total_bytes)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return oom("cudaMalloc refused the allocation (fragmentation or another process)");
+    }
+    if (arena_) {
+      cudaError_t e = cudaMemcpyAsync(arena, arena_, static_cast<size_t>(kept), cudaMemcpyDeviceToDevice, ctx_.stream);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(ctx_.stream);
+      if (e != cudaSuccess) {
+        cudaFree(arena);
+        return CudaError(e, "cudaMemcpyAsync", "moving the parameters to a re-planned allocation");
+      }
+      cudaFree(arena_);
+    }
+    arena_ = arena;
+    plan_ = std::move(plan);
+    ctx_.workspace = Buf<void>(plan_.workspace);
+    ctx_.workspace_bytes = static_cast<size_t>(plan_[plan_.workspace].bytes);
+    if (kept == 0) {
+      // A fresh model: zero everything persistent (moments start at zero; parameters are written).
+      PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(arena_, 0, static_cast<size_t>(plan_[plan_.workspace].offset), ctx_.stream),
+                               "zeroing the model's memory");
+    }
+    PTK_RETURN_IF_ERROR(pinned_.Reserve(static_cast<size_t>(InputBytes(plan_.n) + StreamTableSize(config().num_layers,
+                                                                                                  plan_.b) * 8)));
+    PTK_RETURN_IF_ERROR(losses_.Reserve(static_cast<size_t>(plan_.n) * sizeof(float)));
+    return Sync("planning device memory");
+  }
+
+  // Checks the batch, re-plans when it is larger than planned, and copies its inputs (tokens,
+  // labels, positions, the per-token loss weights, the dropout streams) through pinned memory.
+  absl::Status Prepare(const ModelBatch& batch, double loss_scale, bool dropout) {
+    PTK_RETURN_IF_ERROR(ValidateBatch(config(), batch));
+    if (batch.b > plan_.b || batch.t > plan_.t)
+      PTK_RETURN_IF_ERROR(Plan(std::max(batch.b, plan_.b), std::max(batch.t, plan_.t)));
+    b_ = batch.b;
+    t_ = batch.t;
+    n_ = batch.b * batch.t;
+    const size_t n = static_cast<size_t>(n_);
+    const int64_t stride = AlignUp(static_cast<int64_t>(n) * 4);
+    // The stream is idle here (the previous pass synchronised reading its losses): the pinned
+    // buffer can be refilled.
+    std::memcpy(pinned_.at<int32_t>(0), batch.tokens, n * 4);
+    std::memcpy(pinned_.at<int32_t>(stride), batch.labels, n * 4);
+    std::memcpy(pinned_.at<int32_t>(2 * stride), batch.position_ids, n * 4);
+    float* w = pinned_.at<float>(3 * stride);
+    for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
+    const int64_t in_bytes = InputBytes(n_);
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<char>(plan_.inputs), pinned_.at<char>(0), static_cast<size_t>(in_bytes),
+                                             cudaMemcpyHostToDevice, ctx_.stream),
+                             fmt::format("copying a {}x{} micro-batch to the device", b_, t_));
+    if (dropout) {
+      const int64_t L = config().num_layers;
+      uint64_t* table = pinned_.at<uint64_t>(static_cast<size_t>(in_bytes));
+      for (int64_t l = 0; l <= L; ++l)
+        for (int64_t site = 0; site < 4; ++site)
+          for (int64_t r = 0; r < b_; ++r)
+            table[StreamIndex(l, site, b_) + r] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]),
+                                                                static_cast<uint64_t>(l), static_cast<uint64_t>(site));
+      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<uint64_t>(plan_.streams), table,
+                                               static_cast<size_t>(StreamTableSize(L, b_)) * 8, cudaMemcpyHostToDevice,
+                                               ctx_.stream),
+                               "copying the dropout streams to the device");
+      // cuDNN's attention dropout (bf16/fp16) takes one seed per call: the first sample's key
+      // for the layer, so that recomputation and backward see the same mask.
+      flash_keys_.assign(static_cast<size_t>(L), 0);
+      for (int64_t l = 0; l < L; ++l) flash_keys_[static_cast<size_t>(l)] = table[StreamIndex(l, kAttentionProbs, b_)];
+    }
+    tokens_host_ = batch.tokens;
+    positions_host_ = batch.position_ids;
+    return absl::OkStatus();
+  }
+  const int32_t* Tokens() const { return Buf<int32_t>(plan_.inputs); }
+  const int32_t* Labels() const { return Buf<int32_t>(plan_.inputs) + AlignUp(n_ * 4) / 4; }
+  const int32_t* Positions() const { return Buf<int32_t>(plan_.inputs) + 2 * AlignUp(n_ * 4) / 4; }
+  const float* LossWeights() const { return reinterpret_cast<const float*>(Buf<int32_t>(plan_.inputs) + 3 * AlignUp(n_ * 4) / 4); }
+  const uint64_t* Streams(int64_t layer, int64_t site) const {
+    return Buf<uint64_t>(plan_.streams) + StreamIndex(layer, site, b_);
+  }
+
+  absl::Status Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed) {
+    if (p <= 0.0) return absl::OkStatus();
+    return DropoutRows<T>(x, b_, t_ * config().hidden_size, Streams(layer, site), p, seed, ctx_);
+  }
+
+  // Up to the final LayerNorm's output.
+  absl::Status RunForward(bool train, uint64_t seed) {
+    const GPTConfig& cf = config();
+    const ParamLayout& pl = layout();
+    const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, L = cf.num_layers;
+    const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+    const double eps = cf.layernorm_epsilon;
+    const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
+    T* tmp = Buf<T>(plan_.tmp);
+
+    PTK_RETURN_IF_ERROR(
+        EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte), Compute(pl.wpe), n, c, ctx_));
+    PTK_RETURN_IF_ERROR(Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed));
+    const LayerParams& first = pl.layers[0];
+    PTK_RETURN_IF_ERROR(LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
+                                            Stats(plan_.ln1_stats, 0) + n, Act(plan_.resid, 0, n * c),
+                                            Master(first.ln1_w), Master(first.ln1_b), n, c, eps, ctx_));
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
+      T* qkv = Act(plan_.qkv, l, n * 3 * c);
+      T* atty = Act(plan_.atty, l, n * c);
+      PTK_RETURN_IF_ERROR(
+          MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, 3 * c, ctx_));
+      PTK_RETURN_IF_ERROR(AttentionFwd(atty, qkv, l, shape, ap, seed));
+      PTK_RETURN_IF_ERROR(MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_));
+      PTK_RETURN_IF_ERROR(Dropout(tmp, l, kAttentionOutDropout, hp, seed));
+      PTK_RETURN_IF_ERROR(ResidualLayerNormForward<T>(
+          Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c), Stats(plan_.ln2_stats, l),
+          Stats(plan_.ln2_stats, l) + n, Act(plan_.resid, l, n * c), tmp, Master(lp.ln2_w), Master(lp.ln2_b), n, c,
+          eps, ctx_));
+      PTK_RETURN_IF_ERROR(MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
+                                           Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f)));
+      PTK_RETURN_IF_ERROR(
+          MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), Compute(lp.fc2_b), n, f, c, ctx_));
+      PTK_RETURN_IF_ERROR(Dropout(tmp, l, kMlpOutDropout, hp, seed));
+      // resid[l+1] = resid_mid[l] + tmp, then the next LayerNorm (the next layer's or the final one).
+      const bool last = l + 1 == L;
+      const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
+      T* ln_out = last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c);
+      float* stats = last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1);
+      PTK_RETURN_IF_ERROR(ResidualLayerNormForward<T>(
+          Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n, Act(plan_.resid_mid, l, n * c), tmp,
+          Master(last ? pl.lnf_w : next->ln1_w), Master(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
+    if constexpr (kFlash) {
+      const uint64_t key = ap > 0 ? flash_keys_[static_cast<size_t>(l)] : 0;
+      return FlashAttentionForward<T>(atty, Buf<float>(plan_.attn_saved) + l * b_ * config().num_attention_heads * t_,
+                                      qkv, shape, ap, seed ^ key, 0, ctx_);
+    } else {
+      float* probs = Buf<float>(plan_.attn_saved) +
+                     (config().recompute_activations ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
+      return AttentionForward(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr, ctx_);
+    }
+  }
+
+  // The LM head and the loss, chunk by chunk of rows. With backward, each chunk's logits become
+  // their gradient at once and flow back into the final LayerNorm's gradient (dln) and the output
+  // weight's gradient; without, the losses (and, when asked, the logits) are all that is kept.
+  absl::Status RunHead(bool backward, std::vector<float>* logits_out) {
+    const GPTConfig& cf = config();
+    const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size, out_w = layout().out_w;
+    const int64_t rows_per_chunk = std::min<int64_t>(plan_.logit_chunk_rows, n);
+    T* logits = Buf<T>(plan_.logits);
+    const T* lnf = Buf<T>(plan_.lnf);
+    float* losses = Buf<float>(plan_.losses);
+    if (logits_out) logits_out->assign(static_cast<size_t>(n * vp), 0.0f);
+    std::vector<T> chunk_host;
+    for (int64_t r0 = 0; r0 < n; r0 += rows_per_chunk) {
+      const int64_t rows = std::min(rows_per_chunk, n - r0);
+      PTK_RETURN_IF_ERROR(MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w), static_cast<const T*>(nullptr), rows, c,
+                                           vp, ctx_));
+      if (backward) {
+        PTK_RETURN_IF_ERROR(
+            SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows, vp, ctx_));
+        PTK_RETURN_IF_ERROR(MatmulBackward<T>(Buf<T>(plan_.dln) + r0 * c, Grad(out_w), nullptr, logits, lnf + r0 * c,
+                                              Compute(out_w), rows, c, vp, ctx_));
+        continue;
+      }
+      PTK_RETURN_IF_ERROR(SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_));
+      if (logits_out) {
+        chunk_host.resize(static_cast<size_t>(rows * vp));
+        PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(chunk_host.data(), logits, chunk_host.size() * sizeof(T),
+                                                 cudaMemcpyDeviceToHost, ctx_.stream),
+                                 "copying logits to the host");
+        PTK_RETURN_IF_ERROR(Sync("copying logits"));
+        float* dst = logits_out->data() + r0 * vp;
+        for (size_t i = 0; i < chunk_host.size(); ++i) dst[i] = ToFloat(chunk_host[i]);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.
+  absl::Status RunBackward(bool train, uint64_t seed) {
+    const GPTConfig& cf = config();
+    const ParamLayout& pl = layout();
+    const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, L = cf.num_layers;
+    const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+    const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
+    const size_t act_bytes = static_cast<size_t>(n * c) * sizeof(T);
+    T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff),
+      *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
+
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
+    PTK_RETURN_IF_ERROR(LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
+                                             Master(pl.lnf_w), Buf<float>(plan_.lnf_stats),
+                                             Buf<float>(plan_.lnf_stats) + n, n, c, ctx_));
+    for (int64_t l = L - 1; l >= 0; --l) {
+      const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
+      // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
+      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
+                               "copying the residual gradient");
+      PTK_RETURN_IF_ERROR(Dropout(dtmp, l, kMlpOutDropout, hp, seed));
+      PTK_RETURN_IF_ERROR(MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dtmp, Act(plan_.gelu, l, n * f),
+                                            Compute(lp.fc2_w), n, f, c, ctx_));
+      PTK_RETURN_IF_ERROR(GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_));
+      PTK_RETURN_IF_ERROR(MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
+                                            Compute(lp.fc1_w), n, c, f, ctx_));
+      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln,
+                                               Act(plan_.resid_mid, l, n * c), Master(lp.ln2_w),
+                                               Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c, ctx_));
+      // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
+      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
+                               "copying the residual gradient");
+      PTK_RETURN_IF_ERROR(Dropout(dtmp, l, kAttentionOutDropout, hp, seed));
+      PTK_RETURN_IF_ERROR(MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * c),
+                                            Compute(lp.proj_w), n, c, c, ctx_));
+      PTK_RETURN_IF_ERROR(AttentionBwd(dqkv, datt, l, shape, ap, seed));
+      PTK_RETURN_IF_ERROR(MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
+                                            Compute(lp.qkv_w), n, c, 3 * c, ctx_));
+      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
+                                               Master(lp.ln1_w), Stats(plan_.ln1_stats, l),
+                                               Stats(plan_.ln1_stats, l) + n, n, c, ctx_));
+    }
+    PTK_RETURN_IF_ERROR(Dropout(dresid, L, kEmbeddingDropout, hp, seed));
+    return EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
+                                n, c, cf.padded_vocab_size, cf.max_position_embeddings, ctx_);
+  }
+
+  absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
+    const int64_t n = n_, c = config().hidden_size;
+    const T* qkv = Act(plan_.qkv, l, n * 3 * c);
+    if constexpr (kFlash) {
+      const uint64_t key = ap > 0 ? flash_keys_[static_cast<size_t>(l)] : 0;
+      return FlashAttentionBackward<T>(dqkv, datt, Act(plan_.atty, l, n * c),
+                                       Buf<float>(plan_.attn_saved) + l * b_ * config().num_attention_heads * t_, qkv,
+                                       shape, ap, seed ^ key, 0, ctx_);
+    } else {
+      const bool recompute = config().recompute_activations;
+      float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
+      const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
+      if (recompute)  // the probabilities again; the output lands in a scratch buffer
+        PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
+      return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);
+    }
+  }
+
+  // The masked loss sum and token count, summed on the host exactly as the CPU model does.
+  absl::StatusOr<LossSum> Losses(const ModelBatch& batch) {
+    const size_t n = static_cast<size_t>(n_);
+    float* host = losses_.at<float>(0);
+    PTK_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(host, Buf<float>(plan_.losses), n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
+        "copying the losses to the host");
+    PTK_RETURN_IF_ERROR(Sync(fmt::format("the pass over a {}x{} micro-batch", b_, t_)));
+    LossSum s;
+    for (size_t i = 0; i < n; ++i) {
+      if (batch.loss_mask[i] == 0.0f) continue;
+      s.loss_sum += static_cast<double>(host[i]) * batch.loss_mask[i];
+      s.tokens += batch.loss_mask[i];
+    }
+    return s;
+  }
+
+  CudaContext ctx_;
+  std::string device_name_;
+  MemoryPlan plan_;
+  char* arena_ = nullptr;
+  Pinned pinned_, losses_;
+  int64_t b_ = 0, t_ = 0, n_ = 0;
+  const int32_t* tokens_host_ = nullptr;
+  const int32_t* positions_host_ = nullptr;
+  std::vector<uint64_t> flash_keys_;
+  std::vector<float> host_grads_;
+};
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int device, bool deterministic,
+                                                int64_t micro_batch_size) {
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config));
+  auto m = std::make_unique<CudaGPTModelImpl<T>>(std::move(layout));
+  PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size));
+  return std::unique_ptr<GPTModel>(std::move(m));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& config, Precision precision,
+                                                             int device_index, bool deterministic,
+                                                             int64_t micro_batch_size) {
+  switch (precision) {
+    case Precision::kBf16:
+      return Make<__nv_bfloat16>(config, device_index, deterministic, micro_batch_size);
+    case Precision::kFp16:
+      return Make<__half>(config, device_index, deterministic, micro_batch_size);
+    case Precision::kFp32:
+      break;
+  }
+  return Make<float>(config, device_index, deterministic, micro_batch_size);
+}
+
+}  // namespace ptk::trainer::cuda

@@ -1,0 +1,107 @@
+// The CUDA model's memory plan (pure host code).
+#include "trainer/cuda/memory_plan.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include <fmt/core.h>
+
+#include "absl/status/statusor.h"
+
+namespace ptk::trainer::cuda {
+namespace {
+int64_t Align(int64_t x) { return (x + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment; }
+}  // namespace
+
+int64_t InputBytes(int64_t n) { return 3 * Align(n * 4) + Align(n * 4); }
+
+std::string FormatBytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (int64_t{1} << 30)) return fmt::format("{:.2f} GiB", b / (1 << 30));
+  if (bytes >= (int64_t{1} << 20)) return fmt::format("{:.1f} MiB", b / (1 << 20));
+  if (bytes >= (int64_t{1} << 10)) return fmt::format("{:.1f} KiB", b / (1 << 10));
+  return fmt::format("{} B", bytes);
+}
+
+std::string MemoryPlan::Largest(int count) const {
+  std::vector<size_t> order(buffers.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return buffers[a].bytes > buffers[b].bytes; });
+  std::string out;
+  for (int i = 0; i < count && i < static_cast<int>(order.size()); ++i) {
+    const PlannedBuffer& p = buffers[order[static_cast<size_t>(i)]];
+    if (p.bytes == 0) break;
+    out += fmt::format("{}{} {}{}", i ? "; " : "", p.name, FormatBytes(p.bytes),
+                       p.lower.empty() ? "" : fmt::format(" (lower: {})", p.lower));
+  }
+  return out;
+}
+
+absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, const PlanOptions& o) {
+  if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
+  const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
+  if (t < 1 || t > cf.seq_length)
+    return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
+  MemoryPlan m;
+  m.b = o.micro_batch_size;
+  m.t = t;
+  m.n = m.b * t;
+  m.flash = o.precision != Precision::kFp32;
+  m.act_bytes = m.flash ? 2 : 4;
+  const int64_t L = cf.num_layers, c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size,
+                nh = cf.num_attention_heads, n = m.n, a = m.act_bytes;
+  m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
+  m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
+  int64_t offset = 0;
+  auto add = [&](std::string name, int64_t bytes, std::string lower = "") {
+    PlannedBuffer p{std::move(name), bytes, offset, std::move(lower)};
+    offset += Align(bytes);
+    m.buffers.push_back(std::move(p));
+    return static_cast<int>(m.buffers.size() - 1);
+  };
+  const std::string act_lower = "--micro-batch-size or --seq-length";
+  m.master = add("parameters (fp32 master)", num_params * 4, "the model size");
+  m.compute = add(fmt::format("parameters ({} compute copy)", m.flash ? PrecisionName(o.precision) : "fp32"),
+                  m.flash ? num_params * a : 0, "the model size");
+  m.grads = add("gradients (fp32)", num_params * 4, "the model size");
+  m.exp_avg = add("AdamW exp_avg (fp32)", num_params * 4, "the model size");
+  m.exp_avg_sq = add("AdamW exp_avg_sq (fp32)", num_params * 4, "the model size");
+  m.resid = add("activations: residual stream (layers + 1)", (L + 1) * n * c * a, act_lower);
+  m.resid_mid = add("activations: residual after attention", L * n * c * a, act_lower);
+  m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);
+  m.ln1_stats = add("activations: input LayerNorm statistics", L * 2 * n * 4, act_lower);
+  m.qkv = add("activations: QKV", L * n * 3 * c * a, act_lower);
+  m.atty = add("activations: attention output", L * n * c * a, act_lower);
+  if (m.flash)
+    m.attn_saved = add("activations: flash attention softmax statistics", L * m.b * nh * t * 4, act_lower);
+  else
+    m.attn_saved = add(fmt::format("activations: attention probabilities ({} layer(s) of b*heads*t*t)", m.probs_layers),
+                       m.probs_layers * m.b * nh * t * t * 4,
+                       act_lower + ", or --recompute-activations, or --bf16 (fused attention)");
+  m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
+  m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);
+  m.fc1 = add("activations: MLP fc1 (pre-GELU)", L * n * f * a, act_lower);
+  m.gelu = add("activations: MLP GELU", L * n * f * a, act_lower);
+  m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
+  m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
+  m.logits = add(fmt::format("logits ({} rows x padded vocabulary {})", m.logit_chunk_rows, vp),
+                 m.logit_chunk_rows * vp * a, "nothing needed: the logits are computed in chunks");
+  m.losses = add("per-token losses", n * 4);
+  m.dloss = add("per-token loss weights", n * 4);
+  m.tmp = add("scratch: projection output", n * c * a, act_lower);
+  m.dresid = add("scratch: residual gradient", n * c * a, act_lower);
+  m.dtmp = add("scratch: branch gradient", n * c * a, act_lower);
+  m.dln = add("scratch: LayerNorm gradient", n * c * a, act_lower);
+  m.dff = add("scratch: MLP gradient", n * f * a, act_lower);
+  m.dqkv = add("scratch: QKV gradient", n * 3 * c * a, act_lower);
+  m.datt = add("scratch: attention output gradient", n * c * a, act_lower);
+  m.attn_scratch = add("scratch: attention backward", m.flash ? 0 : o.attention_scratch_floats * 4, act_lower);
+  m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
+  m.streams = add("dropout stream keys", StreamTableSize(L, m.b) * 8);
+  m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
+  m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
+  m.total_bytes = offset;
+  return m;
+}
+
+}  // namespace ptk::trainer::cuda

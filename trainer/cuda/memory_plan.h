@@ -1,0 +1,74 @@
+// The CUDA backend's device memory, planned once from the configuration: every buffer by name
+// and size (parameters, the fp32 master copy, gradients, AdamW moments, activations, workspace),
+// laid out in one allocation. Pure host code: CI checks the plan without a GPU, and an
+// out-of-memory message can name the buffers and what to lower.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "trainer/gpt_model.h"
+
+namespace ptk::trainer::cuda {
+
+struct PlannedBuffer {
+  std::string name;     // e.g. "activations: attention probabilities (per layer)"
+  int64_t bytes = 0;    // the whole buffer (all layers)
+  int64_t offset = 0;   // from the start of the allocation, kAlignment-aligned
+  std::string lower;    // what shrinks it, for the out-of-memory message
+};
+
+// Every buffer of the CUDA model; each field is an index into `buffers`.
+struct MemoryPlan {
+  static constexpr int64_t kAlignment = 256;
+
+  // The shape it was planned for.
+  int64_t b = 0, t = 0, n = 0;  // n = b * t tokens
+  int64_t logit_chunk_rows = 0;  // rows of the (rows, padded vocab) logits buffer
+  int64_t act_bytes = 0;         // bytes of one activation element (4 fp32, 2 bf16/fp16)
+  bool flash = false;            // bf16/fp16: fused attention, no t x t matrix
+  int64_t probs_layers = 0;      // fp32: layers whose probabilities are kept (1 with recompute)
+
+  std::vector<PlannedBuffer> buffers;
+  int64_t total_bytes = 0;
+
+  // Parameters and optimizer.
+  int master = -1, compute = -1, grads = -1, exp_avg = -1, exp_avg_sq = -1;
+  // Activations kept for backward (per layer unless said otherwise).
+  int resid = -1, resid_mid = -1, ln1 = -1, ln1_stats = -1, qkv = -1, atty = -1, attn_saved = -1, ln2 = -1,
+      ln2_stats = -1, fc1 = -1, gelu = -1, lnf = -1, lnf_stats = -1;
+  // Scratch of one pass.
+  int logits = -1, losses = -1, dloss = -1, tmp = -1, dresid = -1, dtmp = -1, dln = -1, dff = -1, dqkv = -1,
+      datt = -1, attn_scratch = -1, inputs = -1, streams = -1, reduce = -1, workspace = -1;
+
+  const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
+  // "name: 1.23 GiB" for the largest buffers, largest first.
+  std::string Largest(int count) const;
+};
+
+struct PlanOptions {
+  Precision precision = Precision::kFp32;
+  int64_t micro_batch_size = 1;
+  int64_t seq_length = 0;          // 0: the config's
+  int64_t logits_budget_bytes = 256 << 20;  // the logits are computed in chunks of rows within this
+  int64_t workspace_bytes = 64 << 20;       // cuBLASLt and cuDNN
+  int64_t attention_scratch_floats = 0;     // AttentionBackwardScratch of the shape (fp32 mode)
+  int64_t reduce_doubles = 0;               // SumSquaresPartials of the parameter count
+};
+
+// Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four
+// sites (embedding, attention output, MLP output, attention probabilities), b rows each.
+inline int64_t StreamTableSize(int64_t num_layers, int64_t b) { return (num_layers + 1) * 4 * b; }
+inline int64_t StreamIndex(int64_t layer, int64_t site, int64_t b) { return (layer * 4 + site) * b; }
+
+// The bytes a micro-batch's host inputs take in the pinned staging buffer (and on the device):
+// tokens, labels, positions (int32) and the per-token loss weights (fp32), 256-byte aligned each.
+int64_t InputBytes(int64_t n);
+
+absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& config, int64_t num_params, const PlanOptions& options);
+
+// "1.50 GiB", "12.0 MiB", "512 B".
+std::string FormatBytes(int64_t bytes);
+
+}  // namespace ptk::trainer::cuda
