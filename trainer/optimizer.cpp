@@ -1,15 +1,48 @@
 // The training step: micro-batches, all-reduce, NaN check, clipping, AdamW, scheduler.
 #include "trainer/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "common/status.h"
 
 namespace ptk::trainer {
 
+absl::Status LossScaleConfig::Validate() const {
+  auto bad = [](const std::string& m) { return absl::InvalidArgumentError("usage: " + m); };
+  if (!(scale > 0) || !std::isfinite(scale)) return bad("the loss scale must be a positive finite number");
+  if (!(min_scale > 0) || !std::isfinite(min_scale)) return bad("--min-loss-scale must be a positive finite number");
+  if (dynamic && min_scale > scale) return bad("--min-loss-scale must not exceed --initial-loss-scale");
+  if (window < 1) return bad("--loss-scale-window must be at least 1");
+  if (hysteresis < 1) return bad("--hysteresis must be at least 1");
+  return absl::OkStatus();
+}
+
+LossScaler::LossScaler(const LossScaleConfig& config) : config_(config) {
+  state_.scale = config.scale;
+  state_.hysteresis_tracker = config.hysteresis;
+}
+
+void LossScaler::Update(bool found_inf) {
+  if (!config_.dynamic) return;
+  if (found_inf) {
+    state_.growth_tracker = 0;
+    state_.hysteresis_tracker -= 1;
+    if (state_.hysteresis_tracker <= 0) state_.scale = std::max(state_.scale * 0.5, config_.min_scale);
+    return;
+  }
+  state_.growth_tracker += 1;
+  if (state_.growth_tracker == config_.window) {
+    state_.growth_tracker = 0;
+    state_.hysteresis_tracker = config_.hysteresis;
+    state_.scale *= 2.0;
+  }
+}
+
 Optimizer::Optimizer(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule,
-                     Communicator* comm)
-    : model_(model), config_(config), scheduler_(schedule), comm_(comm) {}
+                     Communicator* comm, const LossScaleConfig& loss_scale)
+    : model_(model), config_(config), scheduler_(schedule), scaler_(loss_scale), comm_(comm) {}
 
 absl::StatusOr<StepResult> Optimizer::Step(const std::vector<ModelBatch>& micro_batches, int64_t global_batch_size,
                                            uint64_t seed) {
@@ -21,6 +54,7 @@ absl::StatusOr<StepResult> Optimizer::Step(const std::vector<ModelBatch>& micro_
 absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed) {
   StepResult r;
   r.lr = scheduler_.lr();
+  r.loss_scale = scaler_.scale();
   PTK_RETURN_IF_ERROR(model_->ZeroGrads());
   const double num_micro = static_cast<double>(micro_batches.size());
   const double dp = static_cast<double>(comm_->size());
@@ -31,7 +65,7 @@ absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBa
     double tokens = 0;
     for (int64_t i = 0; i < mb.b * mb.t; ++i) tokens += mb.loss_mask[i];
     const double scale = tokens > 0 ? 1.0 / (tokens * num_micro * dp) : 0.0;
-    PTK_ASSIGN_OR_RETURN(LossSum s, model_->ForwardBackward(mb, scale, /*train=*/true, seed));
+    PTK_ASSIGN_OR_RETURN(LossSum s, model_->ForwardBackward(mb, scale * r.loss_scale, /*train=*/true, seed));
     local[0] += s.loss_sum;
     local[1] += s.tokens;
   }
@@ -40,17 +74,25 @@ absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBa
   r.loss_sum = local[0];
   r.tokens = local[1];
   PTK_ASSIGN_OR_RETURN(const double sum_squares, model_->GradSumSquares());
-  r.grad_norm = std::sqrt(sum_squares);
+  r.grad_norm = std::sqrt(sum_squares) / r.loss_scale;  // of the unscaled gradients
   r.skipped = !std::isfinite(r.grad_norm) || !std::isfinite(r.loss_sum);
+  // fp16's dynamic scaling skips an overflowing step and backs off: Megatron's found_inf, not a
+  // NaN to stop the run for (a NaN loss still is one).
+  r.overflow = scaler_.dynamic() && !std::isfinite(r.grad_norm) && std::isfinite(r.loss_sum);
   return r;
 }
 
 absl::Status Optimizer::ApplyUpdate(const StepResult& r, int64_t global_batch_size) {
+  scaler_.Update(r.skipped);
   if (r.skipped) return absl::OkStatus();
+  // One pass over the gradients: unscale and clip together (Megatron unscales, then clips the
+  // unscaled norm).
+  double factor = 1.0 / r.loss_scale;
   if (config_.clip_grad > 0) {
     const double coeff = config_.clip_grad / (r.grad_norm + 1e-6);
-    if (coeff < 1.0) PTK_RETURN_IF_ERROR(model_->ScaleGrads(coeff));
+    if (coeff < 1.0) factor *= coeff;
   }
+  if (factor != 1.0) PTK_RETURN_IF_ERROR(model_->ScaleGrads(factor));
   ++adam_step_;
   AdamWParams a{r.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, scheduler_.weight_decay(), adam_step_};
   AdamWParams no_wd = a;

@@ -18,17 +18,55 @@ struct OptimizerConfig {
   double clip_grad = 1.0;  // 0 disables clipping
 };
 
+// Megatron's loss scaling for --fp16: ConstantGradScaler (--loss-scale) or DynamicGradScaler
+// (--initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis; growth x2, backoff x0.5).
+// fp32 and bf16 train with the constant scale 1.
+struct LossScaleConfig {
+  bool dynamic = false;
+  double scale = 1.0;  // the constant scale, or the dynamic scaler's initial one
+  double min_scale = 1.0;
+  int64_t window = 1000;   // good steps between two growths
+  int64_t hysteresis = 2;  // overflows tolerated before a backoff
+  absl::Status Validate() const;
+};
+
+// The dynamic scaler's state (saved in checkpoints so a resume continues bit for bit).
+struct LossScaleState {
+  double scale = 1.0;
+  int64_t growth_tracker = 0;
+  int64_t hysteresis_tracker = 0;
+};
+
+class LossScaler {
+ public:
+  explicit LossScaler(const LossScaleConfig& config);
+  double scale() const { return state_.scale; }
+  bool dynamic() const { return config_.dynamic; }
+  // After each step: an overflow (Inf/NaN in the scaled gradients) backs off once the hysteresis
+  // is spent; `window` good steps in a row double the scale.
+  void Update(bool found_inf);
+  const LossScaleState& state() const { return state_; }
+  void set_state(const LossScaleState& s) { state_ = s; }
+
+ private:
+  LossScaleConfig config_;
+  LossScaleState state_;
+};
+
 struct StepResult {
   double loss_sum = 0, tokens = 0;  // over all micro-batches and ranks
-  double grad_norm = 0;             // before clipping
+  double grad_norm = 0;             // before clipping, of the unscaled gradients
   bool skipped = false;             // NaN/Inf in the loss or the gradients: no update
+  bool overflow = false;            // skipped by fp16 dynamic loss scaling (not a NaN to stop on)
+  double loss_scale = 1.0;          // the scale this step's gradients were computed with
   double lr = 0;                    // the learning rate used by this step
   double lm_loss() const { return tokens > 0 ? loss_sum / tokens : 0.0; }
 };
 
 class Optimizer {
  public:
-  Optimizer(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule, Communicator* comm);
+  Optimizer(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule, Communicator* comm,
+            const LossScaleConfig& loss_scale = {});
 
   // micro_batches: this rank's micro-batches of one global batch; global_batch_size advances the
   // scheduler after a successful update.
@@ -40,6 +78,7 @@ class Optimizer {
   absl::StatusOr<StepResult> ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed);
   absl::Status ApplyUpdate(const StepResult& r, int64_t global_batch_size);
 
+  LossScaler& loss_scaler() { return scaler_; }
   OptimizerParamScheduler& scheduler() { return scheduler_; }
   const OptimizerParamScheduler& scheduler() const { return scheduler_; }
   // AdamW's step count (the moments live in the model's backend).
@@ -50,6 +89,7 @@ class Optimizer {
   GPTModel* model_;
   OptimizerConfig config_;
   OptimizerParamScheduler scheduler_;
+  LossScaler scaler_;
   Communicator* comm_;
   int64_t adam_step_ = 0;
 };
