@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
+#include <limits>
 #include <regex>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
+#include "trainer/training.h"
 
 namespace ptk::trainer {
 namespace {
@@ -160,8 +163,31 @@ TEST_F(TrainCli, KillDuringSavesKeepsLatestWhole) {
   auto done = RunCmd(Train("--save " + ShellQuote(save) + " --load " + ShellQuote(save) + " --eval-iters 0", 3));
   // train_iters 3 is behind the checkpoint: nothing to do, still a clean exit.
   EXPECT_EQ(done.exit_code, 0) << done.output;
-  auto ls = RunCmd("ls " + ShellQuote(save));
+  auto ls = RunCmd("ls -a " + ShellQuote(save));
   EXPECT_EQ(ls.output.find("ptk-tmp"), std::string::npos) << "temporary checkpoint directories left: " << ls.output;
+  EXPECT_EQ(ls.output.find("ptk-old"), std::string::npos) << "old checkpoint directories left: " << ls.output;
+}
+
+// A rerun over a finished run (same --save, no --load) saves the same iterations again, replacing
+// each directory: kills during those saves must leave `latest` loadable and the next run no litter
+// (issue 26: a kill between moving the old directory aside and renaming the new one in lost both).
+TEST_F(TrainCli, KillDuringARerunsSavesKeepsLatestWhole) {
+  const std::string save = dir_ / "r";
+  const std::string run = Train("--save-interval 1 --eval-iters 0 --save " + ShellQuote(save), 6);
+  ASSERT_EQ(RunCmd(run).exit_code, 0);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    std::string delay = std::to_string(0.4 + 0.23 * attempt);
+    RunCmd("bash -c " + ShellQuote(run + " >/dev/null 2>&1 & pid=$!; sleep " + delay + "; kill -9 $pid; wait $pid"));
+    auto it = LatestCheckpointIteration(save);
+    ASSERT_TRUE(it.ok()) << it.status();
+    // Loadable now (from a copy aside if the kill hit mid-replacement) and after the next start-up.
+    EXPECT_EQ(Load(save, *it).state.iteration, *it);
+    auto next = RunCmd(Train("--save " + ShellQuote(save) + " --load " + ShellQuote(save) + " --eval-iters 0", 6));
+    EXPECT_EQ(next.exit_code, 0) << next.output;
+    EXPECT_EQ(testing::Leftovers(save), "");
+    auto ls = RunCmd("ls -a " + ShellQuote(save));
+    EXPECT_EQ(ls.output.find("ptk-old"), std::string::npos) << ls.output;
+  }
 }
 
 TEST_F(TrainCli, DamagedOrMismatchedCheckpointIsRefused) {
@@ -279,6 +305,168 @@ TEST_F(TrainCli, SamplesBasedScheduleAndMockData) {
   EXPECT_NE(r.output.find("iteration       10/      10 | consumed samples:           40"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("learning rate: 0.000000E+00"), std::string::npos) << r.output;  // WSD annealed to --min-lr
+}
+
+// Issue 26, point 4: values no run can use are refused where the flag is declared, in one line
+// naming the flag, before anything runs (exit 2).
+TEST_F(TrainCli, ImpossibleNumbersAreRefusedNamingTheFlag) {
+  for (const std::string& bad : std::vector<std::string>{"--lr nan",
+                                                         "--lr inf",
+                                                         "--adam-beta1 1.5",
+                                                         "--adam-eps -1",
+                                                         "--make-vocab-size-divisible-by 0",
+                                                         "--vocab-size -5",
+                                                         "--ffn-hidden-size -1",
+                                                         "--threads -1",
+                                                         "--save-interval -1",
+                                                         "--eval-interval 0",
+                                                         "--distributed-timeout-minutes nan",
+                                                         "--exit-duration-in-mins nan",
+                                                         "--seed -1",
+                                                         "--seed 4294967296",
+                                                         "--hidden-dropout 1",
+                                                         "--lr-warmup-fraction 2",
+                                                         "--micro-batch-size 0",
+                                                         "--train-iters 1e3",
+                                                         "--num-workers -1",
+                                                         "--hysteresis 0"}) {
+    auto r = RunCmd(Train(bad + " --save " + ShellQuote(dir_ / "never"), 2));
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    const std::string flag = bad.substr(0, bad.find(' '));
+    EXPECT_NE(r.output.find("usage error: " + flag + ": must be"), std::string::npos) << bad << ": " << r.output;
+    EXPECT_FALSE(testing::Exists(dir_ / "never")) << bad;
+  }
+  // Inside the ranges: accepted.
+  auto ok = RunCmd(Train("--seed 0 --save-interval 0 --exit-interval 0 --threads 0 --hidden-dropout 0", 2));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+// Point 5: a loss that goes NaN stops the run with the iteration, the rank and which went bad;
+// Megatron's --no-check-for-nan-in-loss-and-grad skips such iterations instead.
+TEST_F(TrainCli, NanLossStopsTheRun) {
+  const std::string mock =
+      testing::Tool("ptk-train") +
+      " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2"
+      " --global-batch-size 4 --train-iters 30 --lr 1e6 --mock-data --eval-iters 0 --log-interval 5 --threads 1 ";
+  auto r = RunCmd(mock + "--save " + ShellQuote(dir_ / "nan"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("error: iteration \\d+ \\(rank 0\\): the loss is NaN")))
+      << r.output;
+  EXPECT_NE(r.output.find("--no-check-for-nan-in-loss-and-grad"), std::string::npos) << r.output;
+  auto skip = RunCmd(mock + "--no-check-for-nan-in-loss-and-grad --metrics-file " + ShellQuote(dir_ / "m.jsonl"));
+  EXPECT_EQ(skip.exit_code, 0) << skip.output;
+  EXPECT_NE(testing::ReadFile(dir_ / "m.jsonl").find("\"lm_loss\": null"), std::string::npos);
+  auto on = RunCmd(mock + "--no-check-for-nan-in-loss-and-grad --check-for-nan-in-loss-and-grad");
+  EXPECT_EQ(on.exit_code, 1) << on.output;
+}
+
+TEST(NanCheck, NamesLossOrGradient) {
+  StepResult r;
+  r.loss_sum = 10;
+  r.tokens = 4;
+  r.grad_norm = 1;
+  EXPECT_TRUE(CheckForNanInLossAndGrad(r, 7, 1).ok());
+  r.grad_norm = std::numeric_limits<double>::infinity();
+  absl::Status st = CheckForNanInLossAndGrad(r, 7, 1);
+  EXPECT_NE(st.message().find("iteration 7 (rank 1): the gradient norm is infinite"), absl::string_view::npos) << st;
+  r.loss_sum = std::nan("");
+  st = CheckForNanInLossAndGrad(r, 8, 0);
+  EXPECT_NE(st.message().find("iteration 8 (rank 0): the loss is NaN"), absl::string_view::npos) << st;
+}
+
+// Point 6: a full disk (here a file-size limit: EFBIG, the same path as ENOSPC) while the metrics
+// or a checkpoint are written is exit 3 naming the file; a failed save leaves no temporaries.
+TEST_F(TrainCli, FullDiskIsExit3) {
+  const std::string mock =
+      testing::Tool("ptk-train") +
+      " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2"
+      " --global-batch-size 4 --train-iters 40 --lr 1e-3 --mock-data --eval-iters 0 --log-interval 5 --threads 1 ";
+  auto m = RunCmd("ulimit -f 1; " + mock + "--metrics-file " + ShellQuote(dir_ / "m.jsonl"));
+  EXPECT_EQ(m.exit_code, 3) << m.output;
+  EXPECT_NE(m.output.find("m.jsonl"), std::string::npos) << m.output;
+  const std::string save = dir_ / "full";
+  auto c = RunCmd("ulimit -f 1024; " + mock + "--save-interval 10 --save " + ShellQuote(save));
+  EXPECT_EQ(c.exit_code, 3) << c.output;
+  EXPECT_NE(c.output.find("model_optim_rng.ptk"), std::string::npos) << c.output;
+  EXPECT_EQ(testing::Leftovers(save), "");
+  auto ls = RunCmd("ls -a " + ShellQuote(save));
+  EXPECT_EQ(ls.output.find("iter_"), std::string::npos) << "a failed save left a directory: " << ls.output;
+}
+
+// Point 7: ranks started with different model flags fail at start-up in one line naming the flag
+// (no gloo abort); a bad RANK is a usage error.
+TEST_F(TrainCli, RanksWithDifferentFlagsFailInOneLine) {
+  const std::string base = Train("--threads 1", 4);
+  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() +
+                                          "; RANK=1 " + base + " --hidden-size 64 > " + ShellQuote(dir_ / "r1.log") +
+                                          " 2>&1 & RANK=0 " + base + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+  EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output << testing::ReadFile(dir_ / "r1.log");
+  EXPECT_NE(r.output.find("rank 1 was started with --hidden-size 64, rank 0 with --hidden-size 32"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
+  auto bad = RunCmd("RANK=2 WORLD_SIZE=2 " + base);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("not a valid rank"), std::string::npos) << bad.output;
+  // Point 8: a rank that never comes is named.
+  auto alone = RunCmd("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() + " " + base +
+                      " --distributed-timeout-minutes 0.03");
+  EXPECT_EQ(alone.exit_code, 1) << alone.output;
+  EXPECT_NE(alone.output.find("rank 1 did not join within"), std::string::npos) << alone.output;
+}
+
+// Point 8: messages that say what is wrong.
+TEST_F(TrainCli, DataAndCheckpointMistakesAreNamed) {
+  // The default split leaves the test split of this small dataset empty; with --eval-iters 0
+  // nothing is asked of it.
+  auto small = RunCmd(Train("--split 969,30,1 --eval-iters 0", 2));
+  EXPECT_EQ(small.exit_code, 0) << small.output;
+  auto split = RunCmd(Train("--split abc", 2));
+  EXPECT_EQ(split.exit_code, 2) << split.output;
+  EXPECT_NE(split.output.find("--split \"abc\" holds no number"), std::string::npos) << split.output;
+  for (const char* w : {"-1", "0", "nan"}) {
+    std::string cmd = Train("", 2);
+    const std::string given = "--data-path " + ShellQuote(prefix_);
+    cmd.replace(cmd.find(given), given.size(), "--data-path " + std::string(w) + " " + ShellQuote(prefix_));
+    auto r = RunCmd(cmd);
+    EXPECT_EQ(r.exit_code, 2) << w << ": " << r.output;
+    EXPECT_EQ(r.output.find("samples were requested"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("weight"), std::string::npos) << r.output;
+  }
+  // Megatron's own checkpoint (torch format) under --load.
+  std::filesystem::create_directories(dir_ / "mg/iter_0000010/mp_rank_00");
+  testing::WriteFile(dir_ / "mg/iter_0000010/mp_rank_00/model_optim_rng.pt", "PK torch");
+  testing::WriteFile(dir_ / "mg/latest_checkpointed_iteration.txt", "10");
+  auto mg = RunCmd(Train("--load " + ShellQuote(dir_ / "mg"), 2));
+  EXPECT_EQ(mg.exit_code, 1) << mg.output;
+  EXPECT_NE(mg.output.find("is a Megatron checkpoint in PyTorch's format"), std::string::npos) << mg.output;
+  // A tracker with a NUL after the number, and one that overflows.
+  ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "c"), 2)).exit_code, 0);
+  testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", std::string("2\0garbage", 9));
+  auto nul = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
+  EXPECT_EQ(nul.exit_code, 1) << nul.output;
+  EXPECT_NE(nul.output.find("not an iteration number"), std::string::npos) << nul.output;
+  testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", std::string(24, '9'));
+  auto big = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
+  EXPECT_NE(big.output.find("overflows"), std::string::npos) << big.output;
+}
+
+// Point 9: a resume with another seed, global batch size, sequence length or data says so.
+TEST_F(TrainCli, ResumeWithOtherDataSettingsSaysWhatChanged) {
+  const std::string ck = ShellQuote(dir_ / "s");
+  ASSERT_EQ(RunCmd(Train("--save " + ck, 2)).exit_code, 0);
+  auto same = RunCmd(Train("--save " + ck + " --load " + ck, 3));
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_EQ(same.output.find("resuming with"), std::string::npos) << same.output;
+  auto other = RunCmd(Train("--save " + ck + " --load " + ck +
+                                " --seed 99 --global-batch-size 8 --seq-length 16 --max-position-embeddings 32 "
+                                "--split 90,10,0",
+                            5));
+  EXPECT_EQ(other.exit_code, 0) << other.output;
+  for (const char* what :
+       {"resuming with --seed 99 (the checkpoint of iteration 3 was saved with --seed 1234)",
+        "resuming with --global-batch-size 8 (the checkpoint of iteration 3 was saved with --global-batch-size 4)",
+        "resuming with --seq-length 16 (", "resuming with --split 90,10,0 ("})
+    EXPECT_NE(other.output.find(what), std::string::npos) << what << "\n" << other.output;
 }
 
 }  // namespace
