@@ -1,0 +1,146 @@
+// The training step's loss scaling (Megatron's fp16 scalers) on the CPU model: a power-of-two
+// constant scale changes no bit, an overflow under dynamic scaling is a skipped step that backs
+// the scale off, and the dynamic scaler's growth / hysteresis / floor follow Megatron's.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/optimizer.h"
+
+namespace ptk::trainer {
+namespace {
+
+struct Fixture {
+  GPTConfig config;
+  std::vector<int32_t> tokens, labels, positions;
+  std::vector<float> mask;
+  std::vector<int64_t> keys;
+  Fixture() {
+    config.num_layers = 2;
+    config.hidden_size = 16;
+    config.num_attention_heads = 2;
+    config.ffn_hidden_size = 64;
+    config.seq_length = config.max_position_embeddings = 8;
+    config.vocab_size = 97;
+    config.padded_vocab_size = 128;
+    config.hidden_dropout = config.attention_dropout = 0.1;
+    const int64_t n = 2 * 8;
+    for (int64_t i = 0; i < n; ++i) {
+      tokens.push_back(static_cast<int32_t>((i * 37 + 5) % 97));
+      labels.push_back(static_cast<int32_t>((i * 11 + 3) % 97));
+      positions.push_back(static_cast<int32_t>(i % 8));
+      mask.push_back(i % 5 == 4 ? 0.0f : 1.0f);
+    }
+    keys = {3, 4};
+  }
+  ModelBatch Batch() const {
+    return ModelBatch{2, 8, tokens.data(), labels.data(), positions.data(), mask.data(), keys.data()};
+  }
+};
+
+SchedulerConfig Schedule() {
+  SchedulerConfig s;
+  s.max_lr = 1e-2;
+  s.min_lr = 1e-3;
+  s.decay_style = "constant";
+  s.decay_steps = 100;
+  s.start_wd = s.end_wd = 0.1;
+  s.wd_incr_steps = 100;
+  return s;
+}
+
+std::vector<float> TrainThreeSteps(const LossScaleConfig& ls, std::vector<StepResult>* results = nullptr) {
+  Fixture f;
+  auto model = CpuGPTModel::Create(f.config);
+  EXPECT_TRUE(model.ok()) << model.status();
+  EXPECT_TRUE((*model)->InitWeights(7).ok());
+  auto comm = MakeLocalCommunicator();
+  Optimizer opt(model->get(), OptimizerConfig{}, Schedule(), comm.get(), ls);
+  for (int i = 0; i < 3; ++i) {
+    auto r = opt.Step({f.Batch()}, 2, 11);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (results) results->push_back(*r);
+  }
+  return std::vector<float>((*model)->params(), (*model)->params() + (*model)->num_params());
+}
+
+TEST(LossScaling, PowerOfTwoConstantScaleChangesNoBit) {
+  const std::vector<float> plain = TrainThreeSteps(LossScaleConfig{});
+  LossScaleConfig scaled;
+  scaled.scale = 1024;  // scaling by 2^k and back is exact in fp32 (no overflow here)
+  EXPECT_TRUE(plain == TrainThreeSteps(scaled));
+}
+
+TEST(LossScaling, OverflowIsASkippedStepThatBacksTheScaleOff) {
+  LossScaleConfig ls;
+  ls.dynamic = true;
+  ls.scale = 0x1.0p+140;  // the scaled loss weights overflow fp32
+  ls.min_scale = 1.0;
+  ls.hysteresis = 1;
+  std::vector<StepResult> results;
+  const std::vector<float> after = TrainThreeSteps(ls, &results);
+  ASSERT_EQ(results.size(), 3u);
+  for (const StepResult& r : results) {
+    EXPECT_TRUE(r.skipped);
+    EXPECT_TRUE(r.overflow) << "an overflow under dynamic scaling is not a NaN stop";
+  }
+  EXPECT_EQ(results[1].loss_scale, 0x1.0p+139);
+  EXPECT_EQ(results[2].loss_scale, 0x1.0p+138);
+  // Nothing was updated: the parameters are the initial ones.
+  Fixture f;
+  auto init = CpuGPTModel::Create(f.config);
+  ASSERT_TRUE(init.ok());
+  ASSERT_TRUE((*init)->InitWeights(7).ok());
+  EXPECT_TRUE(after == std::vector<float>((*init)->params(), (*init)->params() + (*init)->num_params()));
+}
+
+TEST(LossScaling, DynamicScalerFollowsMegatron) {
+  LossScaleConfig c;
+  c.dynamic = true;
+  c.scale = 64;
+  c.min_scale = 16;
+  c.window = 3;
+  c.hysteresis = 2;
+  LossScaler s(c);
+  s.Update(true);  // first overflow: hysteresis 2 -> 1, scale kept
+  EXPECT_EQ(s.scale(), 64);
+  s.Update(true);  // hysteresis spent: back off
+  EXPECT_EQ(s.scale(), 32);
+  s.Update(true);
+  EXPECT_EQ(s.scale(), 16);
+  s.Update(true);  // floor
+  EXPECT_EQ(s.scale(), 16);
+  s.Update(false);
+  s.Update(false);
+  EXPECT_EQ(s.scale(), 16);
+  s.Update(false);  // window good steps: grow, hysteresis restored
+  EXPECT_EQ(s.scale(), 32);
+  EXPECT_EQ(s.state().hysteresis_tracker, 2);
+  s.Update(true);
+  EXPECT_EQ(s.scale(), 32);
+  LossScaler constant(LossScaleConfig{false, 8.0});
+  constant.Update(true);
+  EXPECT_EQ(constant.scale(), 8.0);
+}
+
+TEST(LossScaling, BadSettingsAreUsageErrors) {
+  LossScaleConfig c;
+  c.scale = 0;
+  EXPECT_FALSE(c.Validate().ok());
+  c = {};
+  c.dynamic = true;
+  c.scale = 4;
+  c.min_scale = 8;
+  EXPECT_FALSE(c.Validate().ok());
+  c = {};
+  c.window = 0;
+  EXPECT_FALSE(c.Validate().ok());
+  c = {};
+  c.hysteresis = 0;
+  EXPECT_FALSE(c.Validate().ok());
+  EXPECT_TRUE(LossScaleConfig{}.Validate().ok());
+}
+
+}  // namespace
+}  // namespace ptk::trainer
