@@ -186,10 +186,11 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
     // pattern among several that matches nothing is said (the Slurm scripts add a validation
     // folder's pattern that some repos lack).
     if (kept.empty() && (!opt.include.empty() || !opt.exclude.empty()))
-      return absl::NotFoundError(
-          fmt::format("--include {} {}select no file of {} {}@{} ({} files listed)", FormatPatterns(opt.include),
-                      opt.exclude.empty() ? "" : fmt::format("with --exclude {} ", FormatPatterns(opt.exclude)),
-                      opt.repo_type, opt.repo, sum.commit.substr(0, 12), files.size()));
+      return absl::NotFoundError(fmt::format("no file of {} {}@{} ({} files listed) is selected by {}{}{}",
+                                             opt.repo_type, opt.repo, sum.commit.substr(0, 12), files.size(),
+                                             opt.include.empty() ? "" : "--include " + FormatPatterns(opt.include),
+                                             opt.include.empty() || opt.exclude.empty() ? "" : " with ",
+                                             opt.exclude.empty() ? "" : "--exclude " + FormatPatterns(opt.exclude)));
     for (size_t i = 0; i < opt.include.size(); ++i)
       if (!include_used[i])
         log::Warning("--include {:?} matches no file of {}@{}", opt.include[i], opt.repo, sum.commit.substr(0, 12));

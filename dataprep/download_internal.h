@@ -62,11 +62,19 @@ class RateLimiter {
  public:
   RateLimiter(double base_s, double max_s) : base_s_(base_s), max_s_(max_s), rng_(std::random_device{}()) {}
 
-  void WaitForResolve(const std::atomic<bool>& stop) {
+  // Waits until a resolve may be sent. A pause that would last past `deadline` (what the caller's
+  // --max-retry-time leaves) is not slept through: DeadlineExceeded, saying why and how long.
+  absl::Status WaitForResolve(const std::atomic<bool>& stop, Clock::time_point deadline, double max_retry_time_s) {
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop) {
       auto now = Clock::now();
       if (now < paused_until_) {
+        if (paused_until_ > deadline)
+          return absl::DeadlineExceededError(fmt::format(
+              "{}: the Hub asks to wait {} more, longer than --max-retry-time {} allows ({} left); rerun later",
+              pause_why_, HumanDuration(std::chrono::duration<double>(paused_until_ - now).count()),
+              HumanDuration(max_retry_time_s),
+              HumanDuration(std::max(0.0, std::chrono::duration<double>(deadline - now).count()))));
         cv_.wait_until(lock, paused_until_);
         continue;
       }
@@ -82,8 +90,9 @@ class RateLimiter {
         reset_at_ = now + std::chrono::seconds(window_s_ > 0 ? window_s_ : 1);
       }
       if (known_) --remaining_;  // optimistic: the response corrects it
-      return;
+      return absl::OkStatus();
     }
+    return absl::CancelledError("interrupted");
   }
 
   // Every Hub response carries the current window state.
@@ -145,6 +154,7 @@ class RateLimiter {
     auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
     if (until > paused_until_) {
       paused_until_ = until;
+      pause_why_ = why;
       log::Info("{}: pausing all resolves for {:.1f} s", why, s);
     }
   }
@@ -154,7 +164,7 @@ class RateLimiter {
   Clock::time_point paused_until_{}, reset_at_{};
   bool known_ = false;
   int64_t remaining_ = 0, quota_ = 0, window_s_ = 0;
-  std::string policy_;
+  std::string policy_, pause_why_;
   double base_s_, max_s_;
   std::mutex rng_mu_;
   std::mt19937_64 rng_;
@@ -187,6 +197,9 @@ struct Session {
   }
 };
 inline constexpr int kMaxRedirects = 10;
+// Pages of one tree listing at most: the Hub sends up to 1,000 entries a page (SlimPajama's 59,166
+// train files take 60 pages), so 100,000 pages are far beyond any repo.
+inline constexpr int kMaxListingPages = 100000;
 
 // GET of a Hub API URL with retries on 429/5xx/transport errors; follows relative redirects.
 absl::StatusOr<HttpResponse> ApiGet(Session& s, HttpClient& http, std::string url);

@@ -269,7 +269,17 @@ class RetryBudget {
     failing_since_.reset();
   }
   int failures() const { return failures_; }
-  int AddFailure() { return ++failures_; }
+  // A failure that is not retried through Again (a 429 of the Hub: the limiter decides the wait).
+  int AddFailure() {
+    if (!failing_since_) failing_since_ = std::chrono::steady_clock::now();
+    return ++failures_;
+  }
+  // Until when this file may still wait for an answer: --max-retry-time after its last progress.
+  std::chrono::steady_clock::time_point Deadline() const {
+    return failing_since_.value_or(std::chrono::steady_clock::now()) +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(s_.opt.max_retry_time_s));
+  }
   // OkStatus after sleeping sleep_s: try again. Otherwise why to give up.
   absl::Status Again(const std::string& why, double sleep_s) {
     ++s_.retries;
@@ -312,7 +322,7 @@ class FileFetch {
     while (!s_.stop) {
       const bool hub = d_.IsHub(url_);
       if (hub && f_.url.empty()) {
-        s_.limiter.WaitForResolve(s_.stop);
+        PTK_RETURN_IF_ERROR(s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s));
         ++s_.resolves;
       }
       if (s_.stop) break;

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include <fmt/core.h>
@@ -19,12 +21,22 @@ namespace {
 
 std::once_flag g_curl_init;
 
+using Clock = std::chrono::steady_clock;
+
 struct Ctx {
-  HttpResponse* resp;
-  BodySink* sink;
+  HttpResponse* resp = nullptr;
+  BodySink* sink = nullptr;
   bool headers_done = false;
   bool in_redirect = false;
   uint64_t max_body = 0;
+  // Deadlines the low-speed check cannot give (a server that drips a byte a second never stalls):
+  // the response's headers complete within connect + stall timeout of the start, and the body of
+  // an answer that is not a 2xx (a redirect, an error: a few bytes) within the stall timeout of its
+  // headers.
+  Clock::time_point start = Clock::now();
+  std::optional<Clock::time_point> header_end;
+  double header_limit_s = 0, side_body_limit_s = 0;
+  std::string cut;  // why the transfer was cut by a deadline
 };
 
 std::string Trim(const std::string& s) { return std::string(absl::StripAsciiWhitespace(s)); }
@@ -37,6 +49,11 @@ size_t HeaderCb(char* data, size_t size, size_t n, void* user) {
     size_t sp = line.find(' ');
     c->resp->status = sp == std::string::npos ? 0 : std::atol(line.c_str() + sp + 1);
     c->headers_done = false;
+    c->header_end.reset();
+    return size * n;
+  }
+  if (line == "\r\n" || line == "\n") {
+    c->header_end = Clock::now();
     return size * n;
   }
   size_t colon = line.find(':');
@@ -74,6 +91,28 @@ size_t WriteCb(char* data, size_t size, size_t n, void* user) {
   return len;
 }
 
+int XferInfoCb(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  Ctx* c = static_cast<Ctx*>(user);
+  const auto now = Clock::now();
+  if (!c->header_end) {
+    const double waited = std::chrono::duration<double>(now - c->start).count();
+    if (c->header_limit_s > 0 && waited > c->header_limit_s) {
+      c->cut = fmt::format("no complete response headers after {:.1f} s (a server sending them too slowly)", waited);
+      return 1;
+    }
+    return 0;
+  }
+  const long status = c->resp->status;
+  if (status >= 200 && status < 300) return 0;  // the content: the low-speed check and the total timeout
+  const double waited = std::chrono::duration<double>(now - *c->header_end).count();
+  if (c->side_body_limit_s > 0 && waited > c->side_body_limit_s) {
+    c->cut =
+        fmt::format("the body of an HTTP {} answer still coming after {:.1f} s (--stall-timeout); cut", status, waited);
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 std::string FindCaBundle() {
@@ -106,7 +145,9 @@ absl::Status HttpClient::Get(const HttpRequest& req, HttpResponse* resp, BodySin
   if (!c) return absl::InternalError("curl_easy_init failed");
   curl_easy_reset(c);
   *resp = HttpResponse();
-  Ctx ctx{resp, sink};
+  Ctx ctx;
+  ctx.resp = resp;
+  ctx.sink = sink;
   ctx.max_body = req.max_body_bytes;
   if (!IsHttpUrl(req.url))
     return absl::InvalidArgumentError(fmt::format("{:?}: only http:// and https:// URLs are fetched", req.url));
@@ -135,6 +176,11 @@ absl::Status HttpClient::Get(const HttpRequest& req, HttpResponse* resp, BodySin
   // Larger receive buffer: fewer recv() calls, write() calls and callbacks per MB (default 16 KiB).
   curl_easy_setopt(c, CURLOPT_BUFFERSIZE, 512L * 1024);
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
+  ctx.header_limit_s = req.stall_timeout_s > 0 ? req.connect_timeout_s + req.stall_timeout_s : 0;
+  ctx.side_body_limit_s = req.stall_timeout_s;
+  curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, XferInfoCb);
+  curl_easy_setopt(c, CURLOPT_XFERINFODATA, &ctx);
+  curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
   CURLcode rc = curl_easy_perform(c);
   curl_slist_free_all(hdrs);
   long code = 0;
@@ -147,6 +193,7 @@ absl::Status HttpClient::Get(const HttpRequest& req, HttpResponse* resp, BodySin
   }
   resp->curl_code = rc;
   if (rc != CURLE_OK) resp->curl_error = errbuf[0] ? errbuf : curl_easy_strerror(rc);
+  if (!ctx.cut.empty()) resp->curl_error = ctx.cut;
   if (resp->body_limit_hit)
     resp->curl_error = fmt::format("the response body passed the limit of {} bytes; stopped reading", ctx.max_body);
   return absl::OkStatus();

@@ -19,8 +19,11 @@ struct HttpRequest {
   std::string url;
   std::vector<std::string> headers;  // "Name: value"
   double connect_timeout_s = 30;
-  double stall_timeout_s = 60;  // abort when no byte arrives for this long
-  double total_timeout_s = 0;   // 0: none
+  // Abort when no byte arrives for this long; also the most the headers may take (after the
+  // connect timeout), and the most the body of an answer that is not a 2xx (a redirect's, an
+  // error's) may take after its headers: a server dripping a byte a second is cut too.
+  double stall_timeout_s = 60;
+  double total_timeout_s = 0;  // 0: none
   // A body collected in HttpResponse::body (no sink) longer than this aborts the transfer
   // (HttpResponse::body_limit_hit): a server that never stops sending is not read forever.
   uint64_t max_body_bytes = 64ull << 20;

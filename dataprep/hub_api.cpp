@@ -62,7 +62,10 @@ absl::StatusOr<HttpResponse> ApiGet(Session& s, HttpClient& http, std::string ur
     if (r.status == 429) {
       ++s.rate_limited;
       s.limiter.On429(r, attempt);
-      s.limiter.WaitForResolve(s.stop);
+      const auto deadline = *failing_since + std::chrono::duration_cast<Clock::duration>(
+                                                 std::chrono::duration<double>(s.opt.max_retry_time_s));
+      absl::Status waited = s.limiter.WaitForResolve(s.stop, deadline, s.opt.max_retry_time_s);
+      if (!waited.ok()) return Annotate(waited, url);
     } else {
       const double wait = s.limiter.Backoff(attempt);
       // Never silent while the Hub does not answer: what failed and when the next attempt is.
@@ -105,7 +108,19 @@ absl::StatusOr<std::vector<RemoteFile>> ListTree(Session& s, HttpClient& http, c
   std::vector<RemoteFile> files;
   std::string url = fmt::format("{}/tree/{}?recursive=true&expand=false", ApiBase(s.opt), sha);
   int pages = 0;
+  // A listing ends: a next link already followed, or a page that lists nothing new, is a loop (a
+  // cursor that comes back), and the pages are counted.
+  std::set<std::string> urls_seen, paths_seen;
+  int empty_pages = 0;  // in a row
   while (!url.empty()) {
+    if (!urls_seen.insert(url).second)
+      return absl::DataLossError(fmt::format(
+          "listing {} {}: after {} pages the Hub's Link rel=next points back to a page already read ({}): a "
+          "pagination loop",
+          s.opt.repo_type, s.opt.repo, pages, url));
+    if (pages >= kMaxListingPages)
+      return absl::DataLossError(fmt::format("listing {} {}: more than {} pages (a pagination loop?); last next {}",
+                                             s.opt.repo_type, s.opt.repo, kMaxListingPages, url));
     PTK_ASSIGN_OR_RETURN(HttpResponse r, ApiGet(s, http, url));
     if (r.status != 200) return absl::NotFoundError(fmt::format("listing {}: {}", url, HubErrorText(r)));
     simdjson::dom::parser p;
@@ -113,10 +128,12 @@ absl::StatusOr<std::vector<RemoteFile>> ListTree(Session& s, HttpClient& http, c
     simdjson::dom::array arr;
     if (p.parse(r.body).get(root) || root.get_array().get(arr))
       return absl::DataLossError(fmt::format("listing {}: not a JSON array", url));
+    size_t fresh = 0;
     for (auto e : arr) {
       std::string_view type, path;
       if (e["type"].get(type) || e["path"].get(path))
         return absl::DataLossError(fmt::format("listing {}: bad entry", url));
+      fresh += paths_seen.emplace(path).second;
       if (type != "file") continue;
       RemoteFile f;
       f.path = std::string(path);
@@ -139,6 +156,16 @@ absl::StatusOr<std::vector<RemoteFile>> ListTree(Session& s, HttpClient& http, c
     }
     ++pages;
     std::string next = NextLink(r.Header("link"));
+    empty_pages = arr.size() == 0 ? empty_pages + 1 : 0;
+    if (!next.empty() && empty_pages >= 10)
+      return absl::DataLossError(
+          fmt::format("listing {} {}: {} empty pages in a row, each linking to another: a pagination loop? (last {})",
+                      s.opt.repo_type, s.opt.repo, empty_pages, url));
+    if (!next.empty() && fresh == 0 && arr.size() > 0)
+      return absl::DataLossError(
+          fmt::format("listing {} {}: page {} ({}) lists only entries of earlier pages and links to another: a "
+                      "pagination loop",
+                      s.opt.repo_type, s.opt.repo, pages, url));
     url = next.empty() ? "" : ResolveUrl(url, next);
   }
   log::Info("listed {} files of {} {}@{} in {} page(s)", files.size(), s.opt.repo_type, s.opt.repo, sha.substr(0, 12),

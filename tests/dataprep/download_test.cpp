@@ -537,7 +537,7 @@ TEST(Download, IncludeThatSelectsNothingIsAnError) {
   ASSERT_TRUE(hub.ok());
   auto none = RunCmd(Download(hub, dir / "out", "--include 'trian/**'"));
   EXPECT_EQ(none.exit_code, 1) << none.output;
-  EXPECT_NE(none.output.find("--include \"trian/**\" select no file"), std::string::npos) << none.output;
+  EXPECT_NE(none.output.find("is selected by --include \"trian/**\""), std::string::npos) << none.output;
   auto excluded = RunCmd(Download(hub, dir / "out", "--include 'README.md' --exclude '*.md'"));
   EXPECT_EQ(excluded.exit_code, 1) << excluded.output;
   EXPECT_NE(excluded.output.find("with --exclude \"*.md\""), std::string::npos) << excluded.output;
@@ -545,6 +545,74 @@ TEST(Download, IncludeThatSelectsNothingIsAnError) {
   EXPECT_EQ(one.exit_code, 0) << one.output;
   EXPECT_NE(one.output.find("--include \"validaton/**\" matches no file"), std::string::npos) << one.output;
   EXPECT_TRUE(testing::Exists(dir / "out/README.md"));
+}
+
+// Issue 27: every loop of requests ends. A listing whose Link rel=next comes back to a page
+// already read (the same URL, or new URLs with the same entries) was followed forever (682 requests
+// in 30 s): now an error naming the loop.
+TEST(Download, ALoopingListingIsAnError) {
+  TempDir dir;
+  MakeRepo(dir / "repo", 1000);
+  for (const char* mode : {"same", "fresh"}) {
+    TempDir d;
+    FakeHub hub(dir / "repo", {"--looping-listing", mode, "--page-size", "2"}, d.path());
+    ASSERT_TRUE(hub.ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = RunCmd("timeout 60 env " + Download(hub, d / "out", ""));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(r.exit_code, 1) << mode << ": " << r.output;
+    EXPECT_LT(secs, 30) << mode;
+    EXPECT_NE(r.output.find("pagination loop"), std::string::npos) << mode << ": " << r.output;
+    EXPECT_LE(hub.Stat("listing_pages"), 3) << mode;
+  }
+}
+
+// Issue 27: a Hub that drips a redirect's body a byte every 0.1 s (above the low-speed limit) hung
+// the run past --stall-timeout and --max-retry-time. Now such a body is cut after --stall-timeout:
+// a file whose first resolve drips arrives; one whose every resolve drips fails within
+// --max-retry-time.
+TEST(Download, ADrippingRedirectIsCut) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 20000);
+  testing::WriteFile(dir / "faults.json",
+                     fmt::format(R"({{"{}": ["hub:drip_redirect"], "{}": [{}]}})", paths[0], paths[1], [] {
+                       std::string l;
+                       for (int i = 0; i < 40; ++i) l += std::string(i ? ", " : "") + "\"hub:drip_redirect\"";
+                       return l;
+                     }()));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = RunCmd("timeout 120 env " + Download(hub, dir / "out", "--jobs 2 --max-retry-time 5 --max-retries 100"));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(secs, 40) << r.output;
+  EXPECT_NE(r.output.find("still coming after"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("failed: " + paths[1]), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--max-retry-time"), std::string::npos) << r.output;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    if (i == 1) continue;
+    EXPECT_TRUE(testing::ReadFile(dir / ("out/" + paths[i])) == testing::ReadFile(dir / ("repo/" + paths[i])))
+        << paths[i];
+  }
+}
+
+// Issue 27: a rate-limit pause longer than --max-retry-time leaves (Retry-After: 3600) was slept
+// through for an hour; now the run fails at once saying so.
+TEST(Download, ARateLimitPauseLongerThanTheRetryTimeFails) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 2000);
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["hub:429_retry_after:3600"]}})", paths[0]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = RunCmd("timeout 60 env " + Download(hub, dir / "out", "--jobs 1 --max-retry-time 5"));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(secs, 30) << r.output;
+  EXPECT_NE(r.output.find("Retry-After 3600"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("longer than --max-retry-time"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("failed: " + paths[0]), std::string::npos) << r.output;
 }
 
 // A .part planted as a symlink must not make the download write through it.
