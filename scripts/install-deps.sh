@@ -34,6 +34,12 @@ for a in "$@"; do
 done
 [ "$want_ref" = 1 ] && PKGS+=("${REF_PKGS[@]}")
 
+# The CUDA backend (built wherever nvcc is, as CMake finds it) also needs cuDNN and NVIDIA's
+# header-only cudnn-frontend (from PyPI, below), so pip joins the packages there.
+NVCC=$(command -v nvcc || true)
+[ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+[ -n "$NVCC" ] && PKGS+=(python3 python3-pip)
+
 missing=()
 for p in "${PKGS[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
@@ -69,5 +75,45 @@ if [ "$want_ref" = 1 ]; then
       --break-system-packages megatron-core==0.16.1 >&2 2>/dev/null ||
     /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$REF_DIR" megatron-core==0.16.1 >&2
     touch "$REF_DIR/.megatron-core-0.16.1"
+  fi
+fi
+
+if [ -n "$NVCC" ]; then
+  # cuDNN itself: NVIDIA's CUDA images configure NVIDIA's apt repository but ship no cuDNN; its
+  # package for this CUDA major version (libcudnn9-dev-cuda-NN) is installed when no cudnn.h is found.
+  CUDA_HOME_DIR=$(cd "$(dirname "$NVCC")/.." && pwd)
+  have_cudnn=0
+  for h in "$CUDA_HOME_DIR"/include/cudnn.h /usr/include/cudnn.h /usr/include/*-linux-gnu/cudnn.h; do
+    [ -f "$h" ] && have_cudnn=1
+  done
+  if [ "$have_cudnn" = 0 ]; then
+    CUDA_MAJOR=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+    CUDNN_PKG="libcudnn9-dev-cuda-$CUDA_MAJOR"
+    if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
+    $SUDO apt-get update -qq || true
+    if apt-cache show "$CUDNN_PKG" >/dev/null 2>&1; then
+      echo "install-deps: installing $CUDNN_PKG (cuDNN for the CUDA backend)" >&2
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$CUDNN_PKG" >/tmp/ptk-apt.log 2>&1 || {
+        tail -30 /tmp/ptk-apt.log >&2; echo "install-deps: apt-get install $CUDNN_PKG failed" >&2; exit 1; }
+    else
+      echo "install-deps: warning: nvcc is at $NVCC but no cudnn.h was found and apt has no $CUDNN_PKG;" \
+           "install cuDNN 9 for CUDA $CUDA_MAJOR (or build with -DPTK_CUDA=OFF)" >&2
+    fi
+  fi
+  # cudnn-frontend, pinned: 1.18.0 is NVIDIA's recommended frontend for cuDNN 9.18.1 and later (this
+  # tree is built against cuDNN 9.19); its headers compile as C++17 under nvcc 13. Only its include/
+  # is used (trainer/cuda/CMakeLists.txt looks in $FE_DIR/include); the Python module is never loaded.
+  FE_VERSION=1.18.0
+  FE_DIR="${PTK_CUDNN_FRONTEND_DIR:-/opt/ptk-cudnn-frontend}"
+  if [ ! -f "$FE_DIR/.nvidia-cudnn-frontend-$FE_VERSION" ] || [ ! -f "$FE_DIR/include/cudnn_frontend.h" ]; then
+    echo "install-deps: installing nvidia-cudnn-frontend $FE_VERSION (headers) into $FE_DIR" >&2
+    mkdir -p "$FE_DIR"
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --upgrade --target "$FE_DIR" \
+      --break-system-packages "nvidia-cudnn-frontend==$FE_VERSION" >&2 2>/dev/null ||
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --upgrade --target "$FE_DIR" \
+      "nvidia-cudnn-frontend==$FE_VERSION" >&2
+    [ -f "$FE_DIR/include/cudnn_frontend.h" ] || {
+      echo "install-deps: nvidia-cudnn-frontend $FE_VERSION has no include/cudnn_frontend.h in $FE_DIR" >&2; exit 1; }
+    touch "$FE_DIR/.nvidia-cudnn-frontend-$FE_VERSION"
   fi
 fi

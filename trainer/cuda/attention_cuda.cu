@@ -1,0 +1,2 @@
+// (in progress)
+#include "trainer/cuda/ops_cuda.h"
