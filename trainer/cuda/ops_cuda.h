@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "trainer/cuda/cuda_common.h"
@@ -32,33 +33,63 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
 
 // ---- layernorm_cuda.cu -------------------------------------------------------------------------
 // out(n, c) = (inp - mean) * rstd * w + b with fp32 statistics mean(n), rstd(n); w, b fp32 (the
-// master weights: LayerNorm parameters are never rounded).
+// master weights: LayerNorm parameters are never rounded). Statistics summed in double, as the CPU
+// op; mean and rstd may be null (evaluation).
 template <typename T>
 absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b,
                               int64_t n, int64_t c, double eps, const CudaContext& ctx);
-// The residual add fused in front: resid_out = a + b, then out = LayerNorm(resid_out).
+// The residual add fused in front: resid_out = a + b (rounded to T), then out = LayerNorm(resid_out).
+// resid_out may be a or b.
 template <typename T>
 absl::Status ResidualLayerNormForward(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b,
                                       const float* w, const float* bias, int64_t n, int64_t c, double eps,
                                       const CudaContext& ctx);
-// dinp(n, c) += d(out)/d(inp) applied to dout; dw, db (fp32) +=.
+// dinp(n, c) += d(out)/d(inp) applied to dout; dw, db (fp32) +=, without atomics: per-block
+// partials in `scratch` (LayerNormBackwardScratch(n, c) floats of device memory), then summed in
+// a fixed order. c is limited by the shared memory per block (2c floats: c <= ~28k on sm_90).
 template <typename T>
 absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
-                               const float* mean, const float* rstd, int64_t n, int64_t c, const CudaContext& ctx);
+                               const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                               const CudaContext& ctx);
+int64_t LayerNormBackwardScratch(int64_t n, int64_t c);
 
 // ---- embedding_cuda.cu -------------------------------------------------------------------------
 // out(n, c) = wte[tokens[i]] + wpe[positions[i]]   (wte, wpe in T: the compute copies)
 template <typename T>
 absl::Status EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe,
                               int64_t n, int64_t c, const CudaContext& ctx);
-// dwte[tokens[i]] += dout[i], dwpe[positions[i]] += dout[i] in fp32, deterministic (rows that share
-// a token are summed in order of i). tokens_host / positions_host: the same ids in host memory,
-// used to plan the deterministic accumulation.
+// The deterministic embedding backward's plan: the rows grouped by token id and by position id,
+// built on the host from tokens_host / positions_host (a counting sort: ids in increasing order,
+// each id's rows in increasing order) and uploaded through pinned staging. Reserve it once for the
+// most rows of a micro-batch; it is reused call after call (its staging is rewritten only once the
+// previous upload has completed: the event `uploaded`).
+struct EmbeddingBackwardPlan {
+  EmbeddingBackwardPlan() = default;
+  ~EmbeddingBackwardPlan();  // frees what Reserve allocated
+  EmbeddingBackwardPlan(const EmbeddingBackwardPlan&) = delete;
+  EmbeddingBackwardPlan& operator=(const EmbeddingBackwardPlan&) = delete;
+  // Pinned staging and device memory of EmbeddingBackwardPlanInts(max_n) int32 each, on the current
+  // device, for up to max_n rows (frees what it held before).
+  absl::Status Reserve(int64_t max_n);
+
+  int64_t max_n = 0;
+  int32_t* host = nullptr;    // pinned staging
+  int32_t* device = nullptr;  // the plan on the device
+  cudaEvent_t uploaded = nullptr;
+  std::vector<int32_t> counts;  // host scratch of the counting sort (one per id)
+};
+int64_t EmbeddingBackwardPlanInts(int64_t max_n);
+// dwte[tokens[i]] += dout[i], dwpe[positions[i]] += dout[i] in fp32, deterministic: one block per
+// (id, channel chunk) adds the id's rows in order of i to the gradient it loads, exactly the CPU
+// op's order of additions (fp32: the CPU's bits). tokens_host / positions_host: the ids in host
+// memory, from which the plan is built (they are checked against vocab_rows / position_rows: an id
+// out of range is an error before anything is launched); tokens / positions (device) are not read.
+// The host waits for the previous call's upload before it rewrites the plan's staging.
 template <typename T>
 absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens,
                                const int32_t* positions, const int32_t* tokens_host, const int32_t* positions_host,
                                int64_t n, int64_t c, int64_t vocab_rows, int64_t position_rows,
-                               const CudaContext& ctx);
+                               EmbeddingBackwardPlan* plan, const CudaContext& ctx);
 
 // ---- gelu_cuda.cu ------------------------------------------------------------------------------
 // GeluValue / GeluDerivative of trainer/op_math.h in fp32.

@@ -1,0 +1,316 @@
+// LayerNorm over the last dimension on the device, forward (optionally with the residual add in
+// front) and backward. As the CPU op: statistics in double over the row (two passes: mean, then
+// the squared deviations), y = float((x - mean) * rstd) * w + b with the product and the sum
+// rounded apart (no contraction: fp32 forward gives the CPU's bits up to the order of the double
+// sums), mean and rstd stored as fp32; backward in double per element, dinp +=, and the weight
+// gradients reduced without atomics: per-block partial sums (each channel owned by one thread, the
+// block's rows in order) into a scratch, then a second kernel sums the partials in a fixed order
+// in double and adds them to dw, db.
+#include <cmath>
+
+#include "trainer/cuda/kernel_util.cuh"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::trainer::cuda {
+namespace {
+
+constexpr int kForwardThreads = 256;  // one warp per row, 8 rows at a time
+constexpr int kBackwardMaxThreads = 512;
+constexpr int64_t kBackwardMinRows = 16;    // rows per block at least...
+constexpr int64_t kBackwardMaxBlocks = 512;  // ...and at most this many blocks (a function of n only)
+constexpr int kReduceGroups = 8;            // the second kernel: 8 interleaved groups of partials per channel
+
+int64_t BackwardBlocks(int64_t n) {
+  int64_t b = CeilDiv(n, kBackwardMinRows);
+  if (b < 1) b = 1;
+  return b < kBackwardMaxBlocks ? b : kBackwardMaxBlocks;
+}
+
+template <typename T, int N, bool kResidual>
+__global__ void LayerNormForwardKernel(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b,
+                                       const float* w, const float* bias, int64_t n, int64_t c, double eps) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = blockDim.x >> 5;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * warps;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); row < n; row += stride) {
+    const int64_t off = row * c;
+    // With the residual, the stored (rounded) sum is what is normalised, as the CPU model does.
+    const T* x = kResidual ? resid_out + off : a + off;
+    double sum = 0;
+    for (int64_t j = static_cast<int64_t>(lane) * N; j < c; j += 32 * N) {
+      float v[N];
+      if constexpr (kResidual) {
+        float u[N];
+        kernel::LoadFloats<N>(a + off + j, v);
+        kernel::LoadFloats<N>(b + off + j, u);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = v[k] + u[k];
+        kernel::StoreFloats<N>(resid_out + off + j, v);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = ToFloat(FromFloat<T>(v[k]));
+      } else {
+        kernel::LoadFloats<N>(x + j, v);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) sum += static_cast<double>(v[k]);
+    }
+    const double m = kernel::WarpSum(sum) / static_cast<double>(c);
+    double var = 0;
+    for (int64_t j = static_cast<int64_t>(lane) * N; j < c; j += 32 * N) {
+      float v[N];
+      kernel::LoadFloats<N>(x + j, v);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const double d = static_cast<double>(v[k]) - m;
+        var += d * d;
+      }
+    }
+    const double r = 1.0 / sqrt(kernel::WarpSum(var) / static_cast<double>(c) + eps);
+    for (int64_t j = static_cast<int64_t>(lane) * N; j < c; j += 32 * N) {
+      float v[N], wv[N], bv[N];
+      kernel::LoadFloats<N>(x + j, v);
+      kernel::LoadFloats<N>(w + j, wv);
+      kernel::LoadFloats<N>(bias + j, bv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const auto xhat = static_cast<float>((static_cast<double>(v[k]) - m) * r);
+        v[k] = __fadd_rn(__fmul_rn(xhat, wv[k]), bv[k]);
+      }
+      kernel::StoreFloats<N>(out + off + j, v);
+    }
+    if (lane == 0) {
+      if (mean != nullptr) mean[row] = static_cast<float>(m);
+      if (rstd != nullptr) rstd[row] = static_cast<float>(r);
+    }
+  }
+}
+
+// Block k takes rows [k * rows_per_block, ...) in order; thread t owns the channel packs t,
+// t + blockDim, ... of every row (so the shared partials need no synchronisation).
+template <typename T, int N>
+__global__ void LayerNormBackwardKernel(T* dinp, float* scratch, const T* dout, const T* inp, const float* w,
+                                        const float* mean, const float* rstd, int64_t n, int64_t c,
+                                        int64_t rows_per_block) {
+  extern __shared__ float part[];  // dw partials [c], db partials [c]
+  __shared__ double red[66];
+  const int64_t step = static_cast<int64_t>(blockDim.x) * N;
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * N;
+  for (int64_t j = first; j < c; j += step) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      part[j + k] = 0.0f;
+      part[c + j + k] = 0.0f;
+    }
+  }
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < n ? r0 + rows_per_block : n;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t off = row * c;
+    const double m = mean[row], r = rstd[row];
+    // dxhat = dy * w; dx = r * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    double s1 = 0, s2 = 0;
+    for (int64_t j = first; j < c; j += step) {
+      float x[N], dy[N], wv[N];
+      kernel::LoadFloats<N>(inp + off + j, x);
+      kernel::LoadFloats<N>(dout + off + j, dy);
+      kernel::LoadFloats<N>(w + j, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const double xhat = (static_cast<double>(x[k]) - m) * r;
+        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
+        s1 += dxhat;
+        s2 += dxhat * xhat;
+        part[j + k] += static_cast<float>(static_cast<double>(dy[k]) * xhat);
+        part[c + j + k] += dy[k];
+      }
+    }
+    kernel::BlockSum2(s1, s2, red);
+    s1 /= static_cast<double>(c);
+    s2 /= static_cast<double>(c);
+    for (int64_t j = first; j < c; j += step) {
+      float x[N], dy[N], wv[N], g[N];
+      kernel::LoadFloats<N>(inp + off + j, x);
+      kernel::LoadFloats<N>(dout + off + j, dy);
+      kernel::LoadFloats<N>(w + j, wv);
+      kernel::LoadFloats<N>(dinp + off + j, g);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const double xhat = (static_cast<double>(x[k]) - m) * r;
+        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
+        g[k] = g[k] + static_cast<float>(r * (dxhat - s1 - xhat * s2));
+      }
+      kernel::StoreFloats<N>(dinp + off + j, g);
+    }
+  }
+  float* mine = scratch + static_cast<int64_t>(blockIdx.x) * 2 * c;
+  for (int64_t j = first; j < c; j += step) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      mine[j + k] = part[j + k];
+      mine[c + j + k] = part[c + j + k];
+    }
+  }
+}
+
+// dw[j] += sum over blocks of the partials, in double, in a fixed order: group y (threadIdx.y)
+// sums blocks y, y + 8, ... in order, then the 8 groups are added in order.
+__global__ void LayerNormBackwardReduceKernel(float* dw, float* db, const float* scratch, int64_t blocks, int64_t c) {
+  __shared__ double sw[kReduceGroups][32], sb[kReduceGroups][32];
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  double aw = 0, ab = 0;
+  if (j < c) {
+#pragma unroll 4
+    for (int64_t k = threadIdx.y; k < blocks; k += kReduceGroups) {
+      aw += static_cast<double>(scratch[k * 2 * c + j]);
+      ab += static_cast<double>(scratch[k * 2 * c + c + j]);
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < c) {
+    double tw = 0, tb = 0;
+#pragma unroll
+    for (int y = 0; y < kReduceGroups; ++y) {
+      tw += sw[y][threadIdx.x];
+      tb += sb[y][threadIdx.x];
+    }
+    dw[j] += static_cast<float>(tw);
+    db[j] += static_cast<float>(tb);
+  }
+}
+
+template <typename T, bool kResidual>
+absl::Status LaunchForward(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b, const float* w,
+                           const float* bias, int64_t n, int64_t c, double eps, const CudaContext& ctx) {
+  constexpr int kV = kernel::kVec<T>;
+  const bool vec = c % kV == 0 && kernel::Aligned(out, 16) && kernel::Aligned(a, 16) && kernel::Aligned(w, 16) &&
+                   kernel::Aligned(bias, 16) &&
+                   (!kResidual || (kernel::Aligned(b, 16) && kernel::Aligned(resid_out, 16)));
+  const unsigned blocks = kernel::GridBlocks(n, kForwardThreads / 32, kernel::MaxBlocks(ctx));
+  if (vec) {
+    LayerNormForwardKernel<T, kV, kResidual>
+        <<<blocks, kForwardThreads, 0, ctx.stream>>>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps);
+  } else {
+    LayerNormForwardKernel<T, 1, kResidual>
+        <<<blocks, kForwardThreads, 0, ctx.stream>>>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps);
+  }
+  return absl::OkStatus();
+}
+
+template <typename T, int N>
+absl::Status LaunchBackward(T* dinp, float* scratch, const T* dout, const T* inp, const float* w, const float* mean,
+                            const float* rstd, int64_t n, int64_t c, const CudaContext& ctx, int64_t blocks,
+                            int64_t smem) {
+  auto kernel_fn = LayerNormBackwardKernel<T, N>;
+  if (smem > 48 * 1024) {
+    PTK_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+        fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c));
+  }
+  const int threads = kernel::RowThreads(CeilDiv(c, N), kBackwardMaxThreads);
+  kernel_fn<<<static_cast<unsigned>(blocks), threads, static_cast<size_t>(smem), ctx.stream>>>(
+      dinp, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+template <typename T>
+absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b,
+                              int64_t n, int64_t c, double eps, const CudaContext& ctx) {
+  auto where = [&] { return fmt::format("LayerNormForward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c); };
+  PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
+  PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0) return absl::InvalidArgumentError(fmt::format("{}: rows of no channels", where()));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(out, "out", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(inp, "inp", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(b, "b", where));
+  PTK_KERNEL_CHECK(LaunchForward<T, false>(nullptr, out, mean, rstd, inp, nullptr, w, b, n, c, eps, ctx));
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ResidualLayerNormForward(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b,
+                                      const float* w, const float* bias, int64_t n, int64_t c, double eps,
+                                      const CudaContext& ctx) {
+  auto where = [&] {
+    return fmt::format("ResidualLayerNormForward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c);
+  };
+  PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
+  PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0) return absl::InvalidArgumentError(fmt::format("{}: rows of no channels", where()));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(resid_out, "resid_out", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(out, "out", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(a, "a", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(b, "b", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(bias, "bias", where));
+  PTK_KERNEL_CHECK(LaunchForward<T, true>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps, ctx));
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  return absl::OkStatus();
+}
+
+int64_t LayerNormBackwardScratch(int64_t n, int64_t c) { return BackwardBlocks(n) * 2 * (c > 0 ? c : 0); }
+
+template <typename T>
+absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                               const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                               const CudaContext& ctx) {
+  auto where = [&] { return fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c); };
+  PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
+  PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
+  if (n == 0 || c == 0) return absl::OkStatus();
+  PTK_KERNEL_CHECK(kernel::CheckPointer(dinp, "dinp", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(dw, "dw", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(db, "db", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(dout, "dout", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(inp, "inp", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(mean, "mean", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(rstd, "rstd", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(scratch, "scratch", where));
+  const int64_t smem = 2 * c * static_cast<int64_t>(sizeof(float));
+  int smem_max = 0;
+  PTK_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device),
+                           where());
+  // The kernel's own static shared memory (the block sums) comes on top of the partials.
+  if (smem + 2048 > smem_max) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}: the weight-gradient partials take {} bytes of shared memory per block, more than the "
+                    "device's {} (c at most {})",
+                    where(), smem, smem_max, (smem_max - 2048) / 8));
+  }
+  const int64_t blocks = BackwardBlocks(n);
+  constexpr int kV = kernel::kVec<T>;
+  const bool vec = c % kV == 0 && kernel::Aligned(dinp, 16) && kernel::Aligned(dout, 16) && kernel::Aligned(inp, 16) &&
+                   kernel::Aligned(w, 16) && kernel::Aligned(scratch, 16);
+  if (vec) {
+    PTK_KERNEL_CHECK(LaunchBackward<T, kV>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, smem));
+  } else {
+    PTK_KERNEL_CHECK(LaunchBackward<T, 1>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, smem));
+  }
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  LayerNormBackwardReduceKernel<<<static_cast<unsigned>(CeilDiv(c, 32)), dim3(32, kReduceGroups), 0, ctx.stream>>>(
+      dw, db, scratch, blocks, c);
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  return absl::OkStatus();
+}
+
+#define PTK_INSTANTIATE(T)                                                                                        \
+  template absl::Status LayerNormForward<T>(T*, float*, float*, const T*, const float*, const float*, int64_t,    \
+                                            int64_t, double, const CudaContext&);                                 \
+  template absl::Status ResidualLayerNormForward<T>(T*, T*, float*, float*, const T*, const T*, const float*,     \
+                                                    const float*, int64_t, int64_t, double, const CudaContext&);  \
+  template absl::Status LayerNormBackward<T>(T*, float*, float*, const T*, const T*, const float*, const float*, \
+                                             const float*, int64_t, int64_t, float*, const CudaContext&);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(__nv_bfloat16)
+PTK_INSTANTIATE(__half)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::trainer::cuda
