@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "trainer/cuda/cuda_common.h"
 #include "trainer/op_types.h"
 
@@ -127,6 +128,12 @@ int64_t AttentionBackwardScratch(const AttentionShape& s);
 // The cuDNN handle of a context (ctx->cudnn), on its stream; created by a bf16/fp16 model.
 absl::Status CreateCudnnHandle(CudaContext* ctx);
 void DestroyCudnnHandle(CudaContext* ctx);
+// Bytes of ctx.workspace the forward and backward graphs of this shape ask for (the larger; cuDNN's
+// backward keeps an fp32 dQ accumulator of b*nh*t*hd floats, or with ctx.deterministic a b*nh*t*t
+// bf16/fp16 dP). Builds and caches both graphs; needs the cuDNN handle. A workspace smaller than
+// this makes the ops look for a plan that fits, and fail with ResourceExhausted when none does.
+template <typename T>
+absl::StatusOr<int64_t> FlashAttentionWorkspaceBytes(const AttentionShape& s, double p, const CudaContext& ctx);
 template <typename T>
 absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const AttentionShape& s, double p,
                                    uint64_t seed, uint64_t offset, const CudaContext& ctx);
