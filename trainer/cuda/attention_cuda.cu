@@ -244,9 +244,9 @@ absl::Status Scores(float* probs, const float* qkv, const AttentionShape& s, flo
   for (int64_t b = 0; b < s.b; ++b) {
     const float* q = qkv + b * t * c3;
     // S^T(j, i) = sum_d K[j, d] Q[i, d]: A = K stored (hd, t) op T, B = Q stored (hd, t) op N.
-    absl::Status st = RunBatched({CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, q + hd, c3, 3 * hd, q, c3, 3 * hd,
-                                  probs + b * s.nh * t * t, t, t * t},
-                                 scale, s.nh, ctx, where);
+    absl::Status st = RunBatched(
+        {CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, q + hd, c3, 3 * hd, q, c3, 3 * hd, probs + b * s.nh * t * t, t, t * t},
+        scale, s.nh, ctx, where);
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
@@ -272,9 +272,9 @@ namespace fe = cudnn_frontend;
 absl::Status CudnnError(cudnnStatus_t st, std::string_view call, std::string_view where) {
   return absl::InternalError(fmt::format("cuDNN error in {}: {} failed: {}", where, call, cudnnGetErrorString(st)));
 }
-#define PTK_CUDNN_RETURN_IF_ERROR(call, where)                                 \
-  do {                                                                         \
-    cudnnStatus_t ptk_cudnn_err_ = (call);                                     \
+#define PTK_CUDNN_RETURN_IF_ERROR(call, where)                                                     \
+  do {                                                                                             \
+    cudnnStatus_t ptk_cudnn_err_ = (call);                                                         \
     if (ptk_cudnn_err_ != CUDNN_STATUS_SUCCESS) return CudnnError(ptk_cudnn_err_, #call, (where)); \
   } while (0)
 
@@ -361,13 +361,15 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
       if (dropout) opts.set_dropout(static_cast<float>(p), seed, offset);
       auto [O, Stats] = g->sdpa(Q, K, V, opts);
       O->set_output(true).set_uid(kO).set_dim(o_dim).set_stride(o_stride);
-      Stats->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim(stats_dim).set_stride(
-          stats_stride);
+      Stats->set_output(true)
+          .set_uid(kStats)
+          .set_data_type(fe::DataType_t::FLOAT)
+          .set_dim(stats_dim)
+          .set_stride(stats_stride);
     } else {
-      auto O = g->tensor(
-          fe::graph::Tensor_attributes().set_name("O").set_uid(kO).set_dim(o_dim).set_stride(o_stride));
-      auto dO = g->tensor(
-          fe::graph::Tensor_attributes().set_name("dO").set_uid(kDO).set_dim(o_dim).set_stride(o_stride));
+      auto O = g->tensor(fe::graph::Tensor_attributes().set_name("O").set_uid(kO).set_dim(o_dim).set_stride(o_stride));
+      auto dO =
+          g->tensor(fe::graph::Tensor_attributes().set_name("dO").set_uid(kDO).set_dim(o_dim).set_stride(o_stride));
       auto Stats = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("Stats")
                                  .set_uid(kStats)
@@ -424,8 +426,8 @@ FlashKey MakeKey(const CudaContext& ctx, bool backward, const AttentionShape& s,
   uint64_t bits = 0;
   static_assert(sizeof(bits) == sizeof(p));
   std::memcpy(&bits, &p, sizeof(p));
-  return FlashKey{ctx.cudnn,         static_cast<int>(CudaDataType<T>()), backward, s.b, s.t, s.nh, s.hd, bits,
-                  backward && ctx.deterministic};
+  return FlashKey{ctx.cudnn, static_cast<int>(CudaDataType<T>()), backward, s.b, s.t, s.nh, s.hd,
+                  bits,      backward && ctx.deterministic};
 }
 
 template <typename T>
@@ -481,9 +483,8 @@ absl::Status RngPointer(const CudaContext& ctx, uint64_t seed, uint64_t offset, 
 absl::Status ExecuteGraph(const FlashGraph& fg, std::unordered_map<int64_t, void*>& pack, const CudaContext& ctx,
                           const std::string& where) {
   if (fg.workspace > 0 && (!ctx.workspace || static_cast<int64_t>(ctx.workspace_bytes) < fg.workspace))
-    return absl::ResourceExhaustedError(
-        fmt::format("{}: cuDNN's plan needs {} bytes of workspace, the context has {}", where, fg.workspace,
-                    ctx.workspace ? ctx.workspace_bytes : 0));
+    return absl::ResourceExhaustedError(fmt::format("{}: cuDNN's plan needs {} bytes of workspace, the context has {}",
+                                                    where, fg.workspace, ctx.workspace ? ctx.workspace_bytes : 0));
   PTK_CUDNN_RETURN_IF_ERROR(cudnnSetStream(static_cast<cudnnHandle_t>(ctx.cudnn), ctx.stream), where);
   try {
     fe::error_t e = fg.graph->execute(static_cast<cudnnHandle_t>(ctx.cudnn), pack, ctx.workspace);
@@ -566,30 +567,28 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
       pd = scratch;
     }
     // dV^T(d, j) = sum_i dY[i, d] P'[i, j]: A = dY stored (hd, t) op N, B = P' stored (t, t) op T.
-    if (absl::Status st =
-            RunBatched({CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, dy, c, hd, pd, t, t * t, dv, c3, 3 * hd}, 1.0f, nh, ctx,
-                       where);
+    if (absl::Status st = RunBatched({CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, dy, c, hd, pd, t, t * t, dv, c3, 3 * hd},
+                                     1.0f, nh, ctx, where);
         !st.ok())
       return st;
     // dP'^T(j, i) = sum_d V[j, d] dY[i, d]: A = V stored (hd, t) op T, B = dY stored (hd, t) op N.
-    if (absl::Status st =
-            RunBatched({CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, v, c3, 3 * hd, dy, c, hd, scratch, t, t * t}, 1.0f, nh,
-                       ctx, where);
+    if (absl::Status st = RunBatched({CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, v, c3, 3 * hd, dy, c, hd, scratch, t, t * t},
+                                     1.0f, nh, ctx, where);
         !st.ok())
       return st;
     SoftmaxBackwardKernel<<<static_cast<unsigned>(rows), threads, 0, ctx.stream>>>(scratch, probs, row0, t, nh, scale,
-                                                                                    d);
+                                                                                   d);
     PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
     // dQ^T(d, i) = sum_j K[j, d] dS[i, j]: A = K stored (hd, t) op N, B = dS stored (t, t) op N.
     if (absl::Status st =
-            RunBatched({CUBLAS_OP_N, CUBLAS_OP_N, hd, t, t, k, c3, 3 * hd, scratch, t, t * t, dq, c3, 3 * hd}, 1.0f,
-                       nh, ctx, where);
+            RunBatched({CUBLAS_OP_N, CUBLAS_OP_N, hd, t, t, k, c3, 3 * hd, scratch, t, t * t, dq, c3, 3 * hd}, 1.0f, nh,
+                       ctx, where);
         !st.ok())
       return st;
     // dK^T(d, j) = sum_i Q[i, d] dS[i, j]: A = Q stored (hd, t) op N, B = dS stored (t, t) op T.
     if (absl::Status st =
-            RunBatched({CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, q, c3, 3 * hd, scratch, t, t * t, dk, c3, 3 * hd}, 1.0f,
-                       nh, ctx, where);
+            RunBatched({CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, q, c3, 3 * hd, scratch, t, t * t, dk, c3, 3 * hd}, 1.0f, nh,
+                       ctx, where);
         !st.ok())
       return st;
   }
@@ -602,9 +601,9 @@ absl::Status CreateCudnnHandle(CudaContext* ctx) {
   if (ctx->cudnn) return absl::OkStatus();
   const size_t version = cudnnGetVersion();
   if (version < 90000)
-    return absl::FailedPreconditionError(fmt::format(
-        "cuDNN {} was loaded at run time; ptk's fused attention needs cuDNN 9 (built against {})", version,
-        CUDNN_VERSION));
+    return absl::FailedPreconditionError(
+        fmt::format("cuDNN {} was loaded at run time; ptk's fused attention needs cuDNN 9 (built against {})", version,
+                    CUDNN_VERSION));
   cudnnHandle_t h = nullptr;
   PTK_CUDNN_RETURN_IF_ERROR(cudnnCreate(&h), "creating the cuDNN handle");
   if (cudnnStatus_t st = cudnnSetStream(h, ctx->stream); st != CUDNN_STATUS_SUCCESS) {
@@ -640,7 +639,8 @@ void DestroyCudnnHandle(CudaContext* ctx) {
 
 template <typename T>
 absl::StatusOr<int64_t> FlashAttentionWorkspaceBytes(const AttentionShape& s, double p, const CudaContext& ctx) {
-  const std::string where = fmt::format("FlashAttentionWorkspaceBytes<{}>({}, p={})", FlashType<T>(), ShapeString(s), p);
+  const std::string where =
+      fmt::format("FlashAttentionWorkspaceBytes<{}>({}, p={})", FlashType<T>(), ShapeString(s), p);
   if (absl::Status st = CheckFlash<T>(s, p, ctx, where); !st.ok()) return st;
   int64_t most = 0;
   for (bool backward : {false, true}) {
@@ -652,8 +652,8 @@ absl::StatusOr<int64_t> FlashAttentionWorkspaceBytes(const AttentionShape& s, do
 }
 
 template <typename T>
-absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const AttentionShape& s, double p,
-                                   uint64_t seed, uint64_t offset, const CudaContext& ctx) {
+absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
+                                   uint64_t offset, const CudaContext& ctx) {
   const std::string where = fmt::format("FlashAttentionForward<{}>({}, p={})", FlashType<T>(), ShapeString(s), p);
   if (absl::Status st = CheckFlash<T>(s, p, ctx, where); !st.ok()) return st;
   if (!out || !stats || !qkv) return absl::InvalidArgumentError(fmt::format("{}: out, stats, qkv must be set", where));
@@ -661,8 +661,7 @@ absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const Att
   const int64_t limit = ctx.workspace ? static_cast<int64_t>(ctx.workspace_bytes) : 0;
   if (absl::Status st = FindGraph(MakeKey<T>(ctx, false, s, p), p, ctx, limit, where, &fg); !st.ok()) return st;
   T* q = const_cast<T*>(qkv);
-  std::unordered_map<int64_t, void*> pack{
-      {kQ, q}, {kK, q + s.hd}, {kV, q + 2 * s.hd}, {kO, out}, {kStats, stats}};
+  std::unordered_map<int64_t, void*> pack{{kQ, q}, {kK, q + s.hd}, {kV, q + 2 * s.hd}, {kO, out}, {kStats, stats}};
   if (p > 0.0) {
     int64_t* rng = nullptr;
     if (absl::Status st = RngPointer(ctx, seed, offset, where, &rng); !st.ok()) return st;
@@ -703,13 +702,12 @@ absl::Status FlashAttentionBackward(T* dqkv, const T* dout, const T* out, const 
   return ExecuteGraph(fg, pack, ctx, where);
 }
 
-#define PTK_INSTANTIATE(T)                                                                                          \
-  template absl::StatusOr<int64_t> FlashAttentionWorkspaceBytes<T>(const AttentionShape&, double,                  \
-                                                                   const CudaContext&);                             \
-  template absl::Status FlashAttentionForward<T>(T*, float*, const T*, const AttentionShape&, double, uint64_t,     \
-                                                 uint64_t, const CudaContext&);                                     \
-  template absl::Status FlashAttentionBackward<T>(T*, const T*, const T*, const float*, const T*,                   \
-                                                  const AttentionShape&, double, uint64_t, uint64_t,                \
+#define PTK_INSTANTIATE(T)                                                                                             \
+  template absl::StatusOr<int64_t> FlashAttentionWorkspaceBytes<T>(const AttentionShape&, double, const CudaContext&); \
+  template absl::Status FlashAttentionForward<T>(T*, float*, const T*, const AttentionShape&, double, uint64_t,        \
+                                                 uint64_t, const CudaContext&);                                        \
+  template absl::Status FlashAttentionBackward<T>(T*, const T*, const T*, const float*, const T*,                      \
+                                                  const AttentionShape&, double, uint64_t, uint64_t,                   \
                                                   const CudaContext&);
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

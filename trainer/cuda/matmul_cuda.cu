@@ -180,14 +180,12 @@ absl::Status BuildPlan(const GemmSpec& g, const void* A, const void* B, const vo
   }
   // Stored shapes: op(A) is m x k, so A is (m, k) for N and (k, m) for T; likewise B is (k, n) or (n, k).
   const bool ta = g.trans_a == CUBLAS_OP_T, tb = g.trans_b == CUBLAS_OP_T;
-  PTK_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatrixLayoutCreate(&plan->a, g.ab_type, static_cast<uint64_t>(ta ? g.k : g.m),
-                                 static_cast<uint64_t>(ta ? g.m : g.k), g.lda),
-      where);
-  PTK_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatrixLayoutCreate(&plan->b, g.ab_type, static_cast<uint64_t>(tb ? g.n : g.k),
-                                 static_cast<uint64_t>(tb ? g.k : g.n), g.ldb),
-      where);
+  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, g.ab_type, static_cast<uint64_t>(ta ? g.k : g.m),
+                                                        static_cast<uint64_t>(ta ? g.m : g.k), g.lda),
+                             where);
+  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, g.ab_type, static_cast<uint64_t>(tb ? g.n : g.k),
+                                                        static_cast<uint64_t>(tb ? g.k : g.n), g.ldb),
+                             where);
   PTK_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatrixLayoutCreate(&plan->c, g.c_type, static_cast<uint64_t>(g.m), static_cast<uint64_t>(g.n), g.ldc),
       where);
@@ -202,18 +200,18 @@ absl::Status BuildPlan(const GemmSpec& g, const void* A, const void* B, const vo
   PTK_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), where);
   const uint32_t align_a = AlignmentOf(A), align_b = AlignmentOf(B), align_c = AlignmentOf(C);
-  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                                  &align_a, sizeof(align_a)),
-                             where);
-  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                                  &align_b, sizeof(align_b)),
-                             where);
-  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                                  &align_c, sizeof(align_c)),
-                             where);
-  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                                  &align_c, sizeof(align_c)),
-                             where);
+  PTK_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)),
+      where);
+  PTK_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)),
+      where);
+  PTK_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)),
+      where);
+  PTK_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)),
+      where);
   if (ctx.deterministic) {
     const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE;
     PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
@@ -224,8 +222,8 @@ absl::Status BuildPlan(const GemmSpec& g, const void* A, const void* B, const vo
   int found = 0;
   const cublasStatus_t st =
       cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt, desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED || (st == CUBLAS_STATUS_SUCCESS && (found == 0 || result.state !=
-                                                                                             CUBLAS_STATUS_SUCCESS)))
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED ||
+      (st == CUBLAS_STATUS_SUCCESS && (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)))
     return absl::OkStatus();  // unsupported: plan->supported stays false
   if (st != CUBLAS_STATUS_SUCCESS) return CublasError(st, "cublasLtMatmulAlgoGetHeuristic", where);
   plan->algo = result.algo;
@@ -283,10 +281,10 @@ absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, fl
     PTK_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)),
         where);
-  PTK_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(ctx.cublaslt, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, C, plan.c, C,
-                                            plan.c, &plan.algo, ctx.workspace, ctx.workspace ? ctx.workspace_bytes : 0,
-                                            ctx.stream),
-                             where);
+  PTK_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmul(ctx.cublaslt, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, C, plan.c, C, plan.c, &plan.algo,
+                     ctx.workspace, ctx.workspace ? ctx.workspace_bytes : 0, ctx.stream),
+      where);
   *ran = true;
   return absl::OkStatus();
 }
@@ -402,11 +400,11 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                                       \
-  template absl::Status MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t,           \
-                                         const CudaContext&, T*);                                                \
-  template absl::Status MatmulBackward<T>(T*, float*, float*, const T*, const T*, const T*, int64_t, int64_t,    \
-                                          int64_t, const CudaContext&, bool);
+#define PTK_INSTANTIATE(T)                                                                                             \
+  template absl::Status MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t,                  \
+                                         const CudaContext&, T*);                                                      \
+  template absl::Status MatmulBackward<T>(T*, float*, float*, const T*, const T*, const T*, int64_t, int64_t, int64_t, \
+                                          const CudaContext&, bool);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
