@@ -1,0 +1,729 @@
+// The hand-written CUDA ops, each against its CPU op (trainer/cpu/), for fp32, bf16 and fp16 on
+// random inputs of awkward sizes (channels not a multiple of 4 or 8, one row, a 50304-column
+// vocabulary, pointers off the 16-byte boundary), and their determinism. gpu-labelled: skipped
+// (exit 77) without a device.
+//
+// Tolerances. fp32: |gpu - cpu| <= rel * |cpu| + abs with rel = 1e-5 and abs as stated per op
+// (1e-6 where the value is O(1)); bitwise where the GPU does the very same fp32 operations in the
+// same order: embedding forward and backward, dropout, AdamW (adamw_cuda.cu is built with
+// --fmad=false; sqrt and division are IEEE without fast math), Scale, the casts and the residual
+// add. bf16 / fp16: the CPU op runs in fp32 on the inputs rounded to T, and the GPU's output, rounded
+// to T once, must be within one unit in the last place of T of it (2^-7 relative for bf16, 2^-10
+// for fp16) on top of the fp32 tolerance; what stays fp32 (LayerNorm statistics, weight
+// gradients, losses) keeps the fp32 tolerance.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "trainer/counter_rng.h"
+#include "trainer/cpu/ops_cpu.h"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::trainer::cuda {
+namespace {
+
+// ---- device memory and conversions --------------------------------------------------------------
+
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t n) : n_(n) {
+    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T) + 64) != cudaSuccess) {
+      throw std::runtime_error("cudaMalloc failed");
+    }
+  }
+  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) { Upload(host); }
+  ~DeviceArray() { cudaFree(p_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  T* get() const { return p_; }
+  void Upload(const std::vector<T>& host, size_t offset = 0) {
+    if (cudaMemcpy(p_ + offset, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
+      throw std::runtime_error("cudaMemcpy to the device failed");
+    }
+  }
+  std::vector<T> Download(size_t count, size_t offset = 0) const {
+    std::vector<T> host(count);
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpy(host.data(), p_ + offset, count * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      throw std::runtime_error(std::string("a kernel or the copy back failed: ") +
+                               cudaGetErrorString(cudaGetLastError()));
+    }
+    return host;
+  }
+  std::vector<T> Download() const { return Download(n_); }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+template <typename T>
+std::vector<T> ToT(const std::vector<float>& x) {
+  std::vector<T> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = FromFloat<T>(x[i]);
+  return out;
+}
+template <typename T>
+std::vector<float> ToF(const std::vector<T>& x) {
+  std::vector<float> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = ToFloat(x[i]);
+  return out;
+}
+// x rounded to T and back: the values a T-typed kernel reads.
+template <typename T>
+std::vector<float> RoundTrip(const std::vector<float>& x) {
+  return ToF(ToT<T>(x));
+}
+
+std::vector<float> Normal(size_t n, uint32_t seed, float mean = 0.0f, float sd = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(mean, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+// ---- comparisons ---------------------------------------------------------------------------------
+
+template <typename T>
+struct Prec;
+template <>
+struct Prec<float> {
+  static constexpr double ulp = 0.0;  // no rounding of the output
+  static constexpr double floor = 0.0;
+};
+template <>
+struct Prec<__nv_bfloat16> {
+  static constexpr double ulp = 1.0 / 128;  // 2^-7: one unit in the last place, relative
+  static constexpr double floor = 0.0;      // bf16 has fp32's exponent range
+};
+template <>
+struct Prec<__half> {
+  static constexpr double ulp = 1.0 / 1024;  // 2^-10
+  static constexpr double floor = 6e-8;      // fp16's subnormal spacing
+};
+
+// Every got[i] within rel * |want| + abs (+ one ulp of T when `rounded` to T) of want[i].
+template <typename T = float>
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double rel, double abs,
+                 const std::string& what, bool rounded = false) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  const double ulp = rounded ? Prec<T>::ulp : 0.0, floor = rounded ? Prec<T>::floor : 0.0;
+  int64_t bad = 0, first = -1;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    const double err = std::fabs(g - w), tol = (rel + ulp) * std::fabs(w) + abs + floor;
+    const bool ok = err <= tol || (std::isnan(g) && std::isnan(w));
+    if (!ok) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++bad;
+    }
+    if (std::isfinite(err)) worst = std::max(worst, err / (tol > 0 ? tol : 1e-300));
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " outside the tolerance; first at " << first
+                    << " (got " << (first >= 0 ? got[first] : 0.0f) << ", want " << (first >= 0 ? want[first] : 0.0f)
+                    << "); worst error / tolerance " << worst;
+}
+
+template <typename V>
+void ExpectBitwise(const std::vector<V>& got, const std::vector<V>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int64_t bad = 0, first = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(V)) != 0) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " differ in their bits; first at " << first;
+}
+
+#define EXPECT_OK(expr)                                      \
+  do {                                                       \
+    const ::absl::Status ptk_test_status_ = (expr);          \
+    EXPECT_TRUE(ptk_test_status_.ok()) << ptk_test_status_; \
+  } while (0)
+#define ASSERT_OK(expr)                                      \
+  do {                                                       \
+    const ::absl::Status ptk_test_status_ = (expr);          \
+    ASSERT_TRUE(ptk_test_status_.ok()) << ptk_test_status_; \
+  } while (0)
+
+// ---- fixtures ------------------------------------------------------------------------------------
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(cudaGetDevice(&ctx_.device), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreate(&ctx_.stream), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&ctx_.num_sms, cudaDevAttrMultiProcessorCount, ctx_.device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&ctx_.sm_major, cudaDevAttrComputeCapabilityMajor, ctx_.device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&ctx_.sm_minor, cudaDevAttrComputeCapabilityMinor, ctx_.device), cudaSuccess);
+  }
+  void TearDown() override {
+    EXPECT_EQ(cudaStreamSynchronize(ctx_.stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(ctx_.stream), cudaSuccess);
+  }
+  CudaContext ctx_;
+};
+
+template <typename T>
+class TypedCudaOps : public CudaOps {};
+
+struct TypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    if (std::is_same_v<T, float>) return "fp32";
+    if (std::is_same_v<T, __nv_bfloat16>) return "bf16";
+    return "fp16";
+  }
+};
+using ActivationTypes = ::testing::Types<float, __nv_bfloat16, __half>;
+TYPED_TEST_SUITE(TypedCudaOps, ActivationTypes, TypeNames);
+
+struct Shape {
+  int64_t n, c;
+};
+
+// ---- LayerNorm -----------------------------------------------------------------------------------
+
+// fp32: out within 1e-5 rel / 1e-6 abs (expected within an ulp: the same double statistics and
+// the same rounding of the product and the sum), mean and rstd within 1e-6 rel.
+TYPED_TEST(TypedCudaOps, LayerNormForwardMatchesCpu) {
+  using T = TypeParam;
+  for (Shape s : {Shape{1, 9}, Shape{70, 768}, Shape{33, 1027}, Shape{5, 1536}, Shape{3, 1}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " c=" + std::to_string(s.c);
+    const auto x = RoundTrip<T>(Normal(s.n * s.c, 1, 0.3f, 2.0f));
+    const auto w = Normal(s.c, 2, 1.0f, 0.2f), b = Normal(s.c, 3, 0.0f, 0.2f);
+    std::vector<float> out(s.n * s.c), mean(s.n), rstd(s.n);
+    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), s.n, s.c, 1e-5);
+
+    DeviceArray<T> dx(ToT<T>(x)), dout(s.n * s.c);
+    DeviceArray<float> dw(w), db(b), dmean(s.n), drstd(s.n);
+    ASSERT_OK(LayerNormForward<T>(dout.get(), dmean.get(), drstd.get(), dx.get(), dw.get(), db.get(), s.n, s.c, 1e-5,
+                                  this->ctx_));
+    ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out " + what, true);
+    ExpectClose(dmean.Download(), mean, 1e-6, 1e-7, "mean " + what);
+    ExpectClose(drstd.Download(), rstd, 1e-6, 1e-7, "rstd " + what);
+    // Evaluation: no statistics kept.
+    ASSERT_OK(LayerNormForward<T>(dout.get(), nullptr, nullptr, dx.get(), dw.get(), db.get(), s.n, s.c, 1e-5,
+                                  this->ctx_));
+    ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out without statistics " + what, true);
+  }
+}
+
+// resid_out = round(a + b) bitwise; out as LayerNormForward of it. Also with resid_out == a.
+TYPED_TEST(TypedCudaOps, ResidualLayerNormForwardMatchesCpu) {
+  using T = TypeParam;
+  for (Shape s : {Shape{1, 9}, Shape{70, 768}, Shape{17, 1027}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " c=" + std::to_string(s.c);
+    const auto a = ToT<T>(Normal(s.n * s.c, 4)), b = ToT<T>(Normal(s.n * s.c, 5, 0.1f, 0.5f));
+    const auto w = Normal(s.c, 6, 1.0f, 0.2f), bias = Normal(s.c, 7, 0.0f, 0.2f);
+    std::vector<T> resid(s.n * s.c);
+    for (size_t i = 0; i < resid.size(); ++i) resid[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
+    const auto rf = ToF(resid);
+    std::vector<float> out(s.n * s.c), mean(s.n), rstd(s.n);
+    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), rf.data(), w.data(), bias.data(), s.n, s.c, 1e-5);
+
+    for (bool in_place : {false, true}) {
+      DeviceArray<T> da(a), dbb(b), dresid(s.n * s.c), dout(s.n * s.c);
+      DeviceArray<float> dw(w), dbias(bias), dmean(s.n), drstd(s.n);
+      T* resid_out = in_place ? da.get() : dresid.get();
+      ASSERT_OK(ResidualLayerNormForward<T>(resid_out, dout.get(), dmean.get(), drstd.get(), da.get(), dbb.get(),
+                                            dw.get(), dbias.get(), s.n, s.c, 1e-5, this->ctx_));
+      const std::string w2 = what + (in_place ? " in place" : "");
+      ExpectBitwise((in_place ? da : dresid).Download(), resid, "resid_out " + w2);
+      ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out " + w2, true);
+      ExpectClose(dmean.Download(), mean, 1e-6, 1e-7, "mean " + w2);
+      ExpectClose(drstd.Download(), rstd, 1e-6, 1e-7, "rstd " + w2);
+    }
+  }
+}
+
+// dinp (+= onto a non-zero start) within 1e-5 rel / 1e-5 abs (its terms are O(1) and cancel);
+// dw, db (+=) within 1e-5 rel + 1e-6 * sum over rows of |term| (fp32 partials summed in double);
+// two runs give the same bits.
+TYPED_TEST(TypedCudaOps, LayerNormBackwardMatchesCpuAndIsDeterministic) {
+  using T = TypeParam;
+  for (Shape s : {Shape{1, 9}, Shape{70, 9}, Shape{1000, 768}, Shape{9000, 33}, Shape{40, 1027}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " c=" + std::to_string(s.c);
+    const int64_t nc = s.n * s.c;
+    const auto x = RoundTrip<T>(Normal(nc, 10, 0.2f, 1.5f)), dy = RoundTrip<T>(Normal(nc, 11));
+    const auto w = Normal(s.c, 12, 1.0f, 0.3f), b = Normal(s.c, 13);
+    const auto dinp0 = RoundTrip<T>(Normal(nc, 14, 0.0f, 0.5f));
+    const auto dw0 = Normal(s.c, 15), db0 = Normal(s.c, 16);
+    std::vector<float> out(nc), mean(s.n), rstd(s.n);
+    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), s.n, s.c, 1e-5);
+    std::vector<float> dinp = dinp0, dw = dw0, db = db0;
+    LayerNormBackwardCpu(dinp.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                         s.n, s.c);
+    // The size of what dw and db sum, per channel.
+    std::vector<float> sw(s.c, 0.0f), sb(s.c, 0.0f);
+    for (int64_t i = 0; i < s.n; ++i) {
+      for (int64_t j = 0; j < s.c; ++j) {
+        const double xhat = (static_cast<double>(x[i * s.c + j]) - mean[i]) * rstd[i];
+        sw[j] += static_cast<float>(std::fabs(dy[i * s.c + j] * xhat));
+        sb[j] += std::fabs(dy[i * s.c + j]);
+      }
+    }
+
+    std::vector<T> got_dinp[2];
+    std::vector<float> got_dw[2], got_db[2];
+    for (int run = 0; run < 2; ++run) {
+      DeviceArray<T> ddinp(ToT<T>(dinp0)), ddy(ToT<T>(dy)), dx(ToT<T>(x));
+      DeviceArray<float> ddw(dw0), ddb(db0), dw_(w), dmean(mean), drstd(rstd);
+      DeviceArray<float> scratch(LayerNormBackwardScratch(s.n, s.c));
+      ASSERT_OK(LayerNormBackward<T>(ddinp.get(), ddw.get(), ddb.get(), ddy.get(), dx.get(), dw_.get(), dmean.get(),
+                                     drstd.get(), s.n, s.c, scratch.get(), this->ctx_));
+      got_dinp[run] = ddinp.Download();
+      got_dw[run] = ddw.Download();
+      got_db[run] = ddb.Download();
+    }
+    ExpectClose<T>(ToF(got_dinp[0]), dinp, 1e-5, 1e-5, "dinp " + what, true);
+    for (int64_t j = 0; j < s.c; ++j) {
+      EXPECT_NEAR(got_dw[0][j], dw[j], 1e-5 * std::fabs(dw[j]) + 1e-6 * sw[j] + 1e-7) << "dw[" << j << "] " << what;
+      EXPECT_NEAR(got_db[0][j], db[j], 1e-5 * std::fabs(db[j]) + 1e-6 * sb[j] + 1e-7) << "db[" << j << "] " << what;
+    }
+    ExpectBitwise(got_dinp[1], got_dinp[0], "dinp, two runs " + what);
+    ExpectBitwise(got_dw[1], got_dw[0], "dw, two runs " + what);
+    ExpectBitwise(got_db[1], got_db[0], "db, two runs " + what);
+  }
+}
+
+// ---- embedding -----------------------------------------------------------------------------------
+
+// Forward bitwise (one fp32 add, rounded once); backward bitwise against the CPU op (the same fp32
+// additions in the same order), with repeated tokens and reset position ids, and run to run.
+TYPED_TEST(TypedCudaOps, EmbeddingMatchesCpuBitwiseAndIsDeterministic) {
+  using T = TypeParam;
+  const int64_t vocab = 50, positions_rows = 40;
+  for (Shape s : {Shape{1, 9}, Shape{300, 1}, Shape{300, 9}, Shape{257, 768}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " c=" + std::to_string(s.c);
+    std::mt19937 gen(static_cast<uint32_t>(s.n * 31 + s.c));
+    std::vector<int32_t> tokens(s.n), positions(s.n);
+    for (int64_t i = 0; i < s.n; ++i) {
+      // A third of the rows share token 7; the rest are spread with repeats.
+      tokens[i] = i % 3 == 0 ? 7 : static_cast<int32_t>(gen() % vocab);
+      // Position ids reset every 37 rows (reset-position-ids at document ends), some arbitrary.
+      positions[i] = i % 11 == 5 ? static_cast<int32_t>(gen() % positions_rows) : static_cast<int32_t>(i % 37);
+    }
+    const auto wte = RoundTrip<T>(Normal(vocab * s.c, 20)), wpe = RoundTrip<T>(Normal(positions_rows * s.c, 21));
+    std::vector<float> out(s.n * s.c);
+    EmbeddingForwardCpu(out.data(), tokens.data(), positions.data(), wte.data(), wpe.data(), s.n, s.c);
+
+    DeviceArray<int32_t> dtok(tokens), dpos(positions);
+    DeviceArray<T> dwte(ToT<T>(wte)), dwpe(ToT<T>(wpe)), dout(s.n * s.c);
+    ASSERT_OK(EmbeddingForward<T>(dout.get(), dtok.get(), dpos.get(), dwte.get(), dwpe.get(), s.n, s.c, this->ctx_));
+    ExpectBitwise(dout.Download(), ToT<T>(out), "forward " + what);
+
+    const auto dy = RoundTrip<T>(Normal(s.n * s.c, 22));
+    const auto gte0 = Normal(vocab * s.c, 23), gpe0 = Normal(positions_rows * s.c, 24);
+    std::vector<float> gte = gte0, gpe = gpe0;
+    EmbeddingBackwardCpu(gte.data(), gpe.data(), dy.data(), tokens.data(), positions.data(), s.n, s.c);
+    EmbeddingBackwardPlan plan;
+    ASSERT_OK(plan.Reserve(s.n + 5));
+    std::vector<float> runs[2][2];
+    for (int run = 0; run < 2; ++run) {
+      DeviceArray<float> dgte(gte0), dgpe(gpe0);
+      DeviceArray<T> ddy(ToT<T>(dy));
+      ASSERT_OK(EmbeddingBackward<T>(dgte.get(), dgpe.get(), ddy.get(), dtok.get(), dpos.get(), tokens.data(),
+                                     positions.data(), s.n, s.c, vocab, positions_rows, &plan, this->ctx_));
+      runs[run][0] = dgte.Download();
+      runs[run][1] = dgpe.Download();
+    }
+    ExpectBitwise(runs[0][0], gte, "dwte " + what);
+    ExpectBitwise(runs[0][1], gpe, "dwpe " + what);
+    ExpectBitwise(runs[1][0], runs[0][0], "dwte, two runs " + what);
+    ExpectBitwise(runs[1][1], runs[0][1], "dwpe, two runs " + what);
+  }
+}
+
+TEST_F(CudaOps, EmbeddingBackwardRefusesBadIdsAndASmallPlan) {
+  const int64_t n = 4, c = 3;
+  std::vector<int32_t> tokens = {1, 2, 50, 0}, positions = {0, 1, 2, 3};
+  DeviceArray<int32_t> dtok(tokens), dpos(positions);
+  DeviceArray<float> dgte(std::vector<float>(50 * c, 1.0f)), dgpe(std::vector<float>(4 * c, 1.0f)),
+      dy(std::vector<float>(n * c, 2.0f));
+  EmbeddingBackwardPlan plan;
+  ASSERT_OK(plan.Reserve(n));
+  const absl::Status st = EmbeddingBackward<float>(dgte.get(), dgpe.get(), dy.get(), dtok.get(), dpos.get(), tokens.data(),
+                                             positions.data(), n, c, 50, 4, &plan, ctx_);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("token id 50 at row 2"), std::string::npos) << st;
+  EXPECT_EQ(dgte.Download(), std::vector<float>(50 * c, 1.0f));  // nothing launched
+  tokens[2] = 3;
+  positions[3] = -1;
+  const absl::Status st2 = EmbeddingBackward<float>(dgte.get(), dgpe.get(), dy.get(), dtok.get(), dpos.get(),
+                                                    tokens.data(), positions.data(), n, c, 50, 4, &plan, ctx_);
+  EXPECT_NE(st2.message().find("position id -1 at row 3"), std::string::npos) << st2;
+  positions[3] = 3;
+  EmbeddingBackwardPlan small;
+  ASSERT_OK(small.Reserve(n - 1));
+  const absl::Status st3 = EmbeddingBackward<float>(dgte.get(), dgpe.get(), dy.get(), dtok.get(), dpos.get(),
+                                                    tokens.data(), positions.data(), n, c, 50, 4, &small, ctx_);
+  EXPECT_EQ(st3.code(), absl::StatusCode::kInvalidArgument) << st3;
+  EXPECT_OK(EmbeddingBackward<float>(dgte.get(), dgpe.get(), dy.get(), dtok.get(), dpos.get(), tokens.data(),
+                                     positions.data(), n, c, 50, 4, &plan, ctx_));
+}
+
+// ---- GELU ----------------------------------------------------------------------------------------
+
+// fp32: forward within 1e-5 rel / 1e-6 abs (the device's tanhf against glibc's), backward within
+// 1e-5 rel / 1e-5 * |dout| abs (1 - tanh^2 cancels for |x| > 4). Sizes below, at and past a pack,
+// pointers one element off the 16-byte boundary (scalar head), backward in place.
+TYPED_TEST(TypedCudaOps, GeluMatchesCpu) {
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4099}, int64_t{100003}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      const std::string what = "n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+      const auto x = RoundTrip<T>(Normal(n, 30, 0.0f, 3.0f)), dy = RoundTrip<T>(Normal(n, 31));
+      std::vector<float> y(n), dx(n);
+      GeluForwardCpu(y.data(), x.data(), n);
+      GeluBackwardCpu(dx.data(), x.data(), dy.data(), n);
+      DeviceArray<T> dxin(n + offset), dyout(n + offset), dd(n + offset);
+      dxin.Upload(ToT<T>(x), offset);
+      dd.Upload(ToT<T>(dy), offset);
+      ASSERT_OK(GeluForward<T>(dyout.get() + offset, dxin.get() + offset, n, this->ctx_));
+      ExpectClose<T>(ToF(dyout.Download(n, offset)), y, 1e-5, 1e-6, "forward " + what, true);
+      ASSERT_OK(GeluBackward<T>(dd.get() + offset, dxin.get() + offset, dd.get() + offset, n, this->ctx_));
+      const auto got = ToF(dd.Download(n, offset));
+      std::vector<float> want_err(n);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double tol = (1e-5 + Prec<T>::ulp) * std::fabs(dx[i]) + 1e-5 * std::fabs(dy[i]) + Prec<T>::floor;
+        bad += !(std::fabs(got[i] - dx[i]) <= tol);
+      }
+      EXPECT_EQ(bad, 0) << "backward (in place) " << what;
+    }
+  }
+}
+
+// ---- dropout -------------------------------------------------------------------------------------
+
+// The CPU's masks exactly: fp32 bitwise against DropoutCpu over each row; bf16/fp16 bitwise against
+// the same keep decisions with round(x * 1/(1-p)).
+TYPED_TEST(TypedCudaOps, DropoutRowsIsTheCpuMask) {
+  using T = TypeParam;
+  const int64_t rows = 3;
+  for (int64_t row_len : {int64_t{8 * 1000}, int64_t{9 * 1001}, int64_t{1}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      for (double p : {0.1, 0.5}) {
+        const std::string what =
+            "row_len=" + std::to_string(row_len) + " offset=" + std::to_string(offset) + " p=" + std::to_string(p);
+        const uint64_t seed = 777;
+        std::vector<uint64_t> streams(rows);
+        for (int64_t r = 0; r < rows; ++r) streams[r] = DropoutStream(static_cast<uint64_t>(100 + r), 3, kMlpOutDropout);
+        const auto x = ToT<T>(Normal(rows * row_len, 40));
+        std::vector<T> want(x.size());
+        if constexpr (std::is_same_v<T, float>) {
+          want = x;
+          for (int64_t r = 0; r < rows; ++r) DropoutCpu(want.data() + r * row_len, row_len, p, seed, streams[r]);
+        } else {
+          const uint32_t threshold = DropoutKeepThreshold(p);
+          const auto scale = static_cast<float>(1.0 / (1.0 - p));
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t i = 0; i < row_len; ++i) {
+              const size_t k = static_cast<size_t>(r * row_len + i);
+              want[k] = DropoutKeep(seed, streams[r], static_cast<uint64_t>(i), threshold)
+                            ? FromFloat<T>(ToFloat(x[k]) * scale)
+                            : FromFloat<T>(0.0f);
+            }
+          }
+        }
+        DeviceArray<T> dx(x.size() + offset);
+        dx.Upload(x, offset);
+        DeviceArray<uint64_t> dstreams(streams);
+        ASSERT_OK(DropoutRows<T>(dx.get() + offset, rows, row_len, dstreams.get(), p, seed, this->ctx_));
+        ExpectBitwise(dx.Download(x.size(), offset), want, what);
+      }
+    }
+  }
+}
+
+TEST_F(CudaOps, DropoutRowsEdgeProbabilities) {
+  const int64_t rows = 2, row_len = 1000;
+  const auto x = Normal(rows * row_len, 41);
+  std::vector<uint64_t> streams = {1, 2};
+  DeviceArray<float> dx(x);
+  DeviceArray<uint64_t> dstreams(streams);
+  ASSERT_OK(DropoutRows<float>(dx.get(), rows, row_len, dstreams.get(), 0.0, 5, ctx_));
+  ExpectBitwise(dx.Download(), x, "p = 0 keeps everything");
+  ASSERT_OK(DropoutRows<float>(dx.get(), rows, row_len, dstreams.get(), 1.0, 5, ctx_));
+  ExpectBitwise(dx.Download(), std::vector<float>(x.size(), 0.0f), "p = 1 drops everything");
+  EXPECT_EQ(DropoutRows<float>(dx.get(), rows, row_len, dstreams.get(), -0.1, 5, ctx_).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DropoutRows<float>(dx.get(), rows, row_len, dstreams.get(), std::nan(""), 5, ctx_).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DropoutRows<float>(dx.get(), rows, row_len, nullptr, 0.1, 5, ctx_).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// ---- softmax cross-entropy -----------------------------------------------------------------------
+
+// Losses within 1e-5 rel / 1e-5 abs in every mode (fp32 softmax over the T inputs); dlogits
+// within 1e-5 rel (+ one ulp of T) and, for the target's column (softmax - 1, which cancels),
+// 2e-7 * |dloss| abs. Rows with a zero dloss (masked tokens) and columns that underflow included.
+TYPED_TEST(TypedCudaOps, SoftmaxCrossEntropyMatchesCpu) {
+  using T = TypeParam;
+  for (Shape s : {Shape{1, 7}, Shape{5, 50257}, Shape{64, 50304}, Shape{3, 1}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " vp=" + std::to_string(s.c);
+    const int64_t vp = s.c;
+    auto raw = Normal(s.n * vp, 50, 0.0f, 3.0f);
+    for (int64_t i = 0; i < s.n; ++i) {  // a few dominant and vanishing columns per row
+      raw[i * vp + (i * 7919) % vp] = 30.0f;
+      raw[i * vp + (i * 104729 + 3) % vp] = -60.0f;
+    }
+    const auto logits = RoundTrip<T>(raw);
+    std::vector<int32_t> targets(s.n);
+    std::vector<float> dl(s.n);
+    std::mt19937 gen(51);
+    for (int64_t i = 0; i < s.n; ++i) {
+      targets[i] = static_cast<int32_t>(gen() % vp);
+      dl[i] = i % 4 == 3 ? 0.0f : 0.5f + static_cast<float>(gen() % 1000) / 1000.0f;
+    }
+    if (s.n > 1) targets[1] = static_cast<int32_t>((1 * 7919) % vp);  // a target on the dominant column
+    std::vector<float> losses(s.n), fused_losses(s.n), grad = logits;
+    SoftmaxCrossEntropyForwardCpu(losses.data(), logits.data(), targets.data(), s.n, vp);
+    SoftmaxCrossEntropyFusedCpu(grad.data(), fused_losses.data(), targets.data(), dl.data(), s.n, vp);
+
+    DeviceArray<T> dlogits(ToT<T>(logits));
+    DeviceArray<int32_t> dtargets(targets);
+    DeviceArray<float> dlosses(s.n), ddl(dl);
+    ASSERT_OK(SoftmaxCrossEntropyForward<T>(dlosses.get(), dlogits.get(), dtargets.get(), s.n, vp, this->ctx_));
+    ExpectClose(dlosses.Download(), losses, 1e-5, 1e-5, "forward losses " + what);
+    ExpectBitwise(dlogits.Download(), ToT<T>(logits), "forward leaves the logits " + what);
+
+    ASSERT_OK(SoftmaxCrossEntropyFused<T>(dlogits.get(), dlosses.get(), dtargets.get(), ddl.get(), s.n, vp,
+                                          this->ctx_));
+    ExpectClose(dlosses.Download(), fused_losses, 1e-5, 1e-5, "fused losses " + what);
+    const auto got = ToF(dlogits.Download());
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < s.n; ++i) {
+      for (int64_t j = 0; j < vp; ++j) {
+        const size_t k = static_cast<size_t>(i * vp + j);
+        const double abs = j == targets[i] ? 2e-7 * std::fabs(dl[i]) : 1e-12;
+        const double tol = (1e-5 + Prec<T>::ulp) * std::fabs(grad[k]) + abs + Prec<T>::floor;
+        if (!(std::fabs(got[k] - grad[k]) <= tol)) {
+          if (first < 0) first = static_cast<int64_t>(k);
+          ++bad;
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0) << "dlogits " << what << ": first at " << first << " got "
+                      << (first >= 0 ? got[first] : 0.0f) << " want " << (first >= 0 ? grad[first] : 0.0f);
+  }
+}
+
+TEST_F(CudaOps, SoftmaxCrossEntropyTargetOutOfRangeGivesNaN) {
+  const int64_t n = 2, vp = 16;
+  const auto logits = Normal(n * vp, 52);
+  std::vector<int32_t> targets = {3, 16};
+  DeviceArray<float> dlogits(logits), dlosses(n);
+  DeviceArray<int32_t> dtargets(targets);
+  ASSERT_OK(SoftmaxCrossEntropyForward<float>(dlosses.get(), dlogits.get(), dtargets.get(), n, vp, ctx_));
+  const auto losses = dlosses.Download();
+  EXPECT_TRUE(std::isfinite(losses[0]));
+  EXPECT_TRUE(std::isnan(losses[1]));
+}
+
+// ---- AdamW, sums of squares, scaling ---------------------------------------------------------------
+
+// fp32: p, m, v bitwise equal to AdamWCpu's over three steps (the same AdamWElement, no contracted
+// multiply-adds, IEEE sqrt and division); the compute copy bitwise equal to round(p).
+TYPED_TEST(TypedCudaOps, AdamWIsAdamWCpuBitwise) {
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1000003}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      const std::string what = "n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+      auto p = Normal(n, 60), m = Normal(n, 61, 0.0f, 0.01f), v = Normal(n, 62, 0.0f, 0.01f);
+      for (float& x : v) x = x * x;
+      DeviceArray<float> dp(n + offset), dg(n + offset), dm(n + offset), dv(n + offset);
+      DeviceArray<T> dpc(n + offset);
+      dp.Upload(p, offset);
+      dm.Upload(m, offset);
+      dv.Upload(v, offset);
+      for (int64_t step = 1; step <= 3; ++step) {
+        const auto g = Normal(n, static_cast<uint32_t>(63 + step), 0.0f, 0.1f);
+        const AdamWParams a{1e-3 * static_cast<double>(step), 0.9, 0.95, 1e-8, 0.1, step + 10};
+        AdamWCpu(p.data(), g.data(), m.data(), v.data(), n, a);
+        dg.Upload(g, offset);
+        ASSERT_OK(AdamW<T>(dp.get() + offset, dg.get() + offset, dm.get() + offset, dv.get() + offset, n, a,
+                           dpc.get() + offset, this->ctx_));
+      }
+      ExpectBitwise(dp.Download(n, offset), p, "p " + what);
+      ExpectBitwise(dm.Download(n, offset), m, "m " + what);
+      ExpectBitwise(dv.Download(n, offset), v, "v " + what);
+      ExpectBitwise(dpc.Download(n, offset), ToT<T>(p), "compute copy " + what);
+    }
+  }
+}
+
+TEST_F(CudaOps, AdamWWithoutComputeCopyAndBadStep) {
+  const int64_t n = 5;
+  DeviceArray<float> p(std::vector<float>(n, 1.0f)), g(std::vector<float>(n, 0.5f)), m(n), v(n);
+  ASSERT_EQ(cudaMemset(m.get(), 0, n * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(v.get(), 0, n * sizeof(float)), cudaSuccess);
+  AdamWParams a{1e-2, 0.9, 0.999, 1e-8, 0.0, 1};
+  ASSERT_OK(AdamW<float>(p.get(), g.get(), m.get(), v.get(), n, a, nullptr, ctx_));
+  std::vector<float> hp(n, 1.0f), hg(n, 0.5f), hm(n, 0.0f), hv(n, 0.0f);
+  AdamWCpu(hp.data(), hg.data(), hm.data(), hv.data(), n, a);
+  ExpectBitwise(p.Download(), hp, "p");
+  a.step = 0;
+  EXPECT_EQ(AdamW<float>(p.get(), g.get(), m.get(), v.get(), n, a, nullptr, ctx_).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Two runs give the same bits; within 1e-12 rel of SumSquaresCpu (both sum exact double squares).
+TEST_F(CudaOps, SumSquaresIsReproducibleAndMatchesCpu) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{1000003}, int64_t{(1 << 22) + 3}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      const std::string what = "n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+      const auto x = Normal(n, 70, 0.01f, 1.0f);
+      DeviceArray<float> dx(n + offset);
+      if (n > 0) dx.Upload(x, offset);
+      DeviceArray<double> partials(SumSquaresPartials(n)), out(2);
+      ASSERT_OK(SumSquares(out.get(), dx.get() + offset, n, partials.get(), ctx_));
+      ASSERT_OK(SumSquares(out.get() + 1, dx.get() + offset, n, partials.get(), ctx_));
+      const auto got = out.Download(2);
+      const double want = SumSquaresCpu(x.data(), n);
+      ExpectBitwise(std::vector<double>{got[1]}, std::vector<double>{got[0]}, "two runs " + what);
+      EXPECT_NEAR(got[0], want, 1e-12 * want) << what;
+    }
+  }
+}
+
+TEST_F(CudaOps, ScaleIsScaleCpuBitwise) {
+  for (int64_t n : {int64_t{1}, int64_t{1000003}}) {
+    auto x = Normal(n, 71);
+    DeviceArray<float> dx(n + 1);
+    dx.Upload(x, 1);
+    ASSERT_OK(Scale(dx.get() + 1, n, 0.37f, ctx_));
+    ScaleCpu(x.data(), n, 0.37f);
+    ExpectBitwise(dx.Download(n, 1), x, "n=" + std::to_string(n));
+  }
+}
+
+// ---- casts, residual add, non-finite flag --------------------------------------------------------
+
+TYPED_TEST(TypedCudaOps, CastsAndResidualAddBitwise) {
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{9}, int64_t{100003}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      const std::string what = "n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+      auto x = Normal(n, 80, 0.0f, 10.0f);
+      x[0] = 1e-40f;  // an fp32 subnormal
+      DeviceArray<float> dx(n + offset), dback(n + offset);
+      DeviceArray<T> dt(n + offset);
+      dx.Upload(x, offset);
+      ASSERT_OK(CastFromFloat<T>(dt.get() + offset, dx.get() + offset, n, this->ctx_));
+      const auto xt = ToT<T>(x);
+      ExpectBitwise(dt.Download(n, offset), xt, "CastFromFloat " + what);
+      ASSERT_OK(CastToFloat<T>(dback.get() + offset, dt.get() + offset, n, this->ctx_));
+      ExpectBitwise(dback.Download(n, offset), ToF(xt), "CastToFloat " + what);
+
+      const auto a = ToT<T>(Normal(n, 81)), b = ToT<T>(Normal(n, 82));
+      std::vector<T> sum(n);
+      for (int64_t i = 0; i < n; ++i) sum[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
+      DeviceArray<T> da(n + offset), db(n + offset), dout(n + offset);
+      da.Upload(a, offset);
+      db.Upload(b, offset);
+      ASSERT_OK(ResidualAdd<T>(dout.get() + offset, da.get() + offset, db.get() + offset, n, this->ctx_));
+      ExpectBitwise(dout.Download(n, offset), sum, "ResidualAdd " + what);
+      ASSERT_OK(ResidualAdd<T>(da.get() + offset, da.get() + offset, db.get() + offset, n, this->ctx_));
+      ExpectBitwise(da.Download(n, offset), sum, "ResidualAdd in place " + what);
+    }
+  }
+}
+
+// Round to nearest, ties to even, on the device: exact halfway points and their neighbours.
+TEST_F(CudaOps, CastFromFloatRoundsToNearestEven) {
+  const std::vector<float> x = {1.0f + 0x1p-8f,  1.0f + 3 * 0x1p-8f,  -(1.0f + 0x1p-8f), 1.0f + 0x1p-8f + 0x1p-20f,
+                                1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 65504.0f,          70000.0f};
+  DeviceArray<float> dx(x);
+  DeviceArray<__nv_bfloat16> db(x.size());
+  DeviceArray<__half> dh(x.size());
+  ASSERT_OK(CastFromFloat<__nv_bfloat16>(db.get(), dx.get(), static_cast<int64_t>(x.size()), ctx_));
+  ASSERT_OK(CastFromFloat<__half>(dh.get(), dx.get(), static_cast<int64_t>(x.size()), ctx_));
+  const auto gb = db.Download();
+  const auto gh = dh.Download();
+  auto bits = [](auto v) {
+    uint16_t u;
+    std::memcpy(&u, &v, 2);
+    return u;
+  };
+  EXPECT_EQ(bits(gb[0]), 0x3F80);  // 1 + 2^-8 -> 1 (even)
+  EXPECT_EQ(bits(gb[1]), 0x3F82);  // 1 + 3 * 2^-8 -> 1 + 2^-6 (even)
+  EXPECT_EQ(bits(gb[2]), 0xBF80);
+  EXPECT_EQ(bits(gb[3]), 0x3F81);  // just past the halfway point -> up
+  EXPECT_EQ(bits(gh[4]), 0x3C00);  // 1 + 2^-11 -> 1 (even)
+  EXPECT_EQ(bits(gh[5]), 0x3C02);  // 1 + 3 * 2^-11 -> 1 + 2^-9 (even)
+  EXPECT_EQ(bits(gh[6]), 0x7BFF);  // fp16's largest
+  EXPECT_EQ(bits(gh[7]), 0x7C00);  // past it: +Inf
+}
+
+TEST_F(CudaOps, NonFiniteFlag) {
+  const int64_t n = 100003;
+  auto x = Normal(n, 90);
+  DeviceArray<float> dx(n + 1);
+  DeviceArray<int> flag(1);
+  auto check = [&](int64_t offset, int want, const std::string& what) {
+    ASSERT_OK(NonFiniteFlag(flag.get(), dx.get() + offset, n, ctx_));
+    EXPECT_EQ(flag.Download()[0], want) << what;
+  };
+  dx.Upload(x, 1);
+  check(1, 0, "finite");
+  x[n - 1] = std::numeric_limits<float>::quiet_NaN();
+  dx.Upload(x, 1);
+  check(1, 1, "NaN in the tail");
+  x[n - 1] = 0.0f;
+  x[0] = -std::numeric_limits<float>::infinity();
+  dx.Upload(x, 1);
+  check(1, 1, "-Inf in the head");
+  x[0] = 0.0f;
+  x[n / 2] = std::numeric_limits<float>::infinity();
+  dx.Upload(x, 1);
+  check(1, 1, "+Inf in the middle");
+  ASSERT_OK(NonFiniteFlag(flag.get(), dx.get(), 0, ctx_));
+  EXPECT_EQ(flag.Download()[0], 0) << "n = 0";
+}
+
+// ---- argument checks ------------------------------------------------------------------------------
+
+TEST_F(CudaOps, LaunchersRefuseBadArguments) {
+  DeviceArray<float> buf(64);
+  float* p = buf.get();
+  auto invalid = [](const absl::Status& s) { return s.code() == absl::StatusCode::kInvalidArgument; };
+  EXPECT_TRUE(invalid(GeluForward<float>(p, p, -1, ctx_)));
+  EXPECT_TRUE(invalid(GeluForward<float>(nullptr, p, 4, ctx_)));
+  EXPECT_TRUE(invalid(CastFromFloat<__half>(nullptr, p, 4, ctx_)));
+  EXPECT_TRUE(invalid(Scale(p, -5, 1.0f, ctx_)));
+  EXPECT_TRUE(invalid(LayerNormForward<float>(p, p, p, p, p, nullptr, 2, 4, 1e-5, ctx_)));
+  EXPECT_TRUE(invalid(LayerNormBackward<float>(p, p, p, p, p, p, p, p, 2, 4, nullptr, ctx_)));
+  EXPECT_TRUE(invalid(SoftmaxCrossEntropyForward<float>(p, p, nullptr, 2, 4, ctx_)));
+  EXPECT_TRUE(invalid(SumSquares(nullptr, p, 4, nullptr, ctx_)));
+  const absl::Status s = GeluForward<__nv_bfloat16>(nullptr, nullptr, 7, ctx_);
+  EXPECT_NE(s.message().find("GeluForward<bf16>(n=7)"), std::string::npos) << s;
+  // Nothing to do is not an error.
+  EXPECT_OK(GeluForward<float>(nullptr, nullptr, 0, ctx_));
+  EXPECT_OK(LayerNormBackward<float>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4,
+                                     nullptr, ctx_));
+}
+
+}  // namespace
+}  // namespace ptk::trainer::cuda
