@@ -257,7 +257,8 @@ TYPED_TEST(TypedCudaOps, ResidualLayerNormForwardMatchesCpu) {
 }
 
 // dinp (+= onto a non-zero start) within 1e-5 rel / 1e-5 abs (its terms are O(1) and cancel);
-// dw, db (+=) within 1e-5 rel + 1e-6 * sum over rows of |term| (fp32 partials summed in double);
+// dw, db (+=) within 1e-5 rel + 2e-6 * sum over rows of |term| (fp32 partials of at most 32 rows,
+// each add within 2^-24 of its sum, then summed in double);
 // two runs give the same bits.
 TYPED_TEST(TypedCudaOps, LayerNormBackwardMatchesCpuAndIsDeterministic) {
   using T = TypeParam;
@@ -297,8 +298,8 @@ TYPED_TEST(TypedCudaOps, LayerNormBackwardMatchesCpuAndIsDeterministic) {
     }
     ExpectClose<T>(ToF(got_dinp[0]), dinp, 1e-5, 1e-5, "dinp " + what, true);
     for (int64_t j = 0; j < s.c; ++j) {
-      EXPECT_NEAR(got_dw[0][j], dw[j], 1e-5 * std::fabs(dw[j]) + 1e-6 * sw[j] + 1e-7) << "dw[" << j << "] " << what;
-      EXPECT_NEAR(got_db[0][j], db[j], 1e-5 * std::fabs(db[j]) + 1e-6 * sb[j] + 1e-7) << "db[" << j << "] " << what;
+      EXPECT_NEAR(got_dw[0][j], dw[j], 1e-5 * std::fabs(dw[j]) + 2e-6 * sw[j] + 1e-7) << "dw[" << j << "] " << what;
+      EXPECT_NEAR(got_db[0][j], db[j], 1e-5 * std::fabs(db[j]) + 2e-6 * sb[j] + 1e-7) << "db[" << j << "] " << what;
     }
     ExpectBitwise(got_dinp[1], got_dinp[0], "dinp, two runs " + what);
     ExpectBitwise(got_dw[1], got_dw[0], "dw, two runs " + what);
@@ -478,7 +479,7 @@ TEST_F(CudaOps, DropoutRowsEdgeProbabilities) {
 
 // Losses within 1e-5 rel / 1e-5 abs in every mode (fp32 softmax over the T inputs); dlogits
 // within 1e-5 rel (+ one ulp of T) and, for the target's column (softmax - 1, which cancels),
-// 2e-7 * |dloss| abs. Rows with a zero dloss (masked tokens) and columns that underflow included.
+// 1e-6 * |dloss| abs. Rows with a zero dloss (masked tokens) and columns that underflow included.
 TYPED_TEST(TypedCudaOps, SoftmaxCrossEntropyMatchesCpu) {
   using T = TypeParam;
   for (Shape s : {Shape{1, 7}, Shape{5, 50257}, Shape{64, 50304}, Shape{3, 1}}) {
@@ -517,7 +518,7 @@ TYPED_TEST(TypedCudaOps, SoftmaxCrossEntropyMatchesCpu) {
     for (int64_t i = 0; i < s.n; ++i) {
       for (int64_t j = 0; j < vp; ++j) {
         const size_t k = static_cast<size_t>(i * vp + j);
-        const double abs = j == targets[i] ? 2e-7 * std::fabs(dl[i]) : 1e-12;
+        const double abs = j == targets[i] ? 1e-6 * std::fabs(dl[i]) : 1e-12;
         const double tol = (1e-5 + Prec<T>::ulp) * std::fabs(grad[k]) + abs + Prec<T>::floor;
         if (!(std::fabs(got[k] - grad[k]) <= tol)) {
           if (first < 0) first = static_cast<int64_t>(k);
