@@ -107,7 +107,9 @@ void LaunchBackward(float* dtable, const T* dout, const int32_t* plan, int64_t n
 }  // namespace
 
 EmbeddingBackwardPlan::~EmbeddingBackwardPlan() {
-  // Errors here cannot be reported: a destructor frees what it can.
+  // Errors here cannot be reported: a destructor frees what it can, once the last upload has left
+  // the staging.
+  if (uploaded != nullptr) (void)cudaEventSynchronize(uploaded);
   if (host != nullptr) (void)cudaFreeHost(host);
   if (device != nullptr) (void)cudaFree(device);
   if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
