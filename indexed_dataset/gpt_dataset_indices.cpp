@@ -33,7 +33,7 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     if (tpe == 0 && *num_samples > 0)
       return absl::FailedPreconditionError(
           fmt::format("{}: the {} split holds no tokens ({} documents) but {} samples were requested; adjust --split "
-                      "or the sample counts",
+                      "or the sample counts (--eval-iters 0 asks none of the valid and test splits)",
                       dataset_->prefix(), SplitName(split_), ndocs, *num_samples));
     if (tpe > 0) epochs = std::max<int64_t>(1, (requested + tpe - 1) / tpe);
   }
