@@ -402,13 +402,10 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
     if (e.is_good()) (void)(e = (step = "build_plans", g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE)));
     if (e.is_bad()) {
       std::string why = fmt::format("{}: {}", step, e.get_message());
-      if (max_workspace >= 0)
-        return absl::ResourceExhaustedError(fmt::format(
-            "{}: cuDNN has no fused-attention plan for this shape within the {}-byte workspace ({}); plan the "
-            "workspace with FlashAttentionWorkspaceBytes",
-            where, max_workspace, why));
       return absl::UnimplementedError(
-          fmt::format("{}: cuDNN has no fused attention for this shape and type: {}", where, why));
+          fmt::format("{}: cuDNN has no fused attention for this {}{}: {}", where,
+                      max_workspace >= 0 ? "workspace limit, shape and type" : "shape and type",
+                      max_workspace >= 0 ? fmt::format(" ({} bytes)", max_workspace) : "", why));
     }
     int64_t ws = 0;
     (void)(e = g->get_workspace_size(ws));
@@ -453,9 +450,22 @@ absl::Status FindGraph(const FlashKey& key, double p, const CudaContext& ctx, in
     return absl::OkStatus();
   }
   FlashGraph built;
-  if (absl::Status s = BuildFlashGraph(key, p, static_cast<cudnnHandle_t>(ctx.cudnn), max_workspace, where, &built);
-      !s.ok())
-    return s;
+  absl::Status s = BuildFlashGraph(key, p, static_cast<cudnnHandle_t>(ctx.cudnn), max_workspace, where, &built);
+  if (!s.ok() && max_workspace >= 0) {
+    // No plan within the limit: is it the limit? A plan without one says how much it would take.
+    FlashGraph free_plan;
+    if (BuildFlashGraph(key, p, static_cast<cudnnHandle_t>(ctx.cudnn), -1, where, &free_plan).ok()) {
+      st.graphs[key] = free_plan;  // what FlashAttentionWorkspaceBytes reports
+      if (free_plan.workspace > max_workspace)
+        return absl::ResourceExhaustedError(fmt::format(
+            "{}: cuDNN's fused attention needs {} bytes of workspace for this shape, the context has {} (size the "
+            "workspace with FlashAttentionWorkspaceBytes)",
+            where, free_plan.workspace, max_workspace));
+      *out = free_plan;  // cuDNN's choice among fewer plans failed, its free choice fits
+      return absl::OkStatus();
+    }
+  }
+  if (!s.ok()) return s;
   st.graphs[key] = built;
   *out = built;
   return absl::OkStatus();
