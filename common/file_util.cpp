@@ -12,7 +12,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <set>
 
 #include <fmt/core.h>
 
@@ -405,36 +407,106 @@ absl::StatusOr<std::vector<std::string>> ExpandGlobs(const std::vector<std::stri
   return out;
 }
 
-absl::StatusOr<std::vector<std::string>> ListFilesRecursive(const std::string& dir) {
-  std::vector<std::string> out;
-  std::function<absl::Status(const std::string&)> walk = [&](const std::string& rel) -> absl::Status {
-    std::string full = rel.empty() ? dir : JoinPath(dir, rel);
+namespace {
+std::string KindOf(mode_t mode) {
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
+FileIdentity IdentityOf(const struct stat& st) {
+  FileIdentity id;
+  id.dev = static_cast<uint64_t>(st.st_dev);
+  id.ino = static_cast<uint64_t>(st.st_ino);
+  id.regular = S_ISREG(st.st_mode);
+  id.directory = S_ISDIR(st.st_mode);
+  id.kind = KindOf(st.st_mode);
+  return id;
+}
+}  // namespace
+
+absl::StatusOr<FileIdentity> IdentifyFile(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path));
+  return IdentityOf(st);
+}
+
+absl::StatusOr<std::vector<WalkedFile>> WalkDirectory(const std::string& dir) {
+  struct Found {
+    WalkedFile file;
+    bool via_link;  // the name goes through a symbolic link
+  };
+  std::vector<Found> found;
+  std::set<std::pair<uint64_t, uint64_t>> dirs_entered;
+  struct stat root;
+  if (::stat(dir.c_str(), &root) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", dir));
+  if (!S_ISDIR(root.st_mode)) return absl::FailedPreconditionError(fmt::format("{} is not a directory", dir));
+  dirs_entered.emplace(root.st_dev, root.st_ino);
+  std::deque<std::string> linked_dirs;  // entered after every directory reached without a link
+  std::function<absl::Status(const std::string&, bool)> walk = [&](const std::string& rel,
+                                                                   bool via_link) -> absl::Status {
+    const std::string full = rel.empty() ? dir : JoinPath(dir, rel);
     DIR* d = ::opendir(full.c_str());
     if (!d) return ErrnoToStatus(errno, fmt::format("opendir {}", full));
-    std::vector<std::pair<std::string, bool>> entries;
+    std::vector<std::string> names;
     while (struct dirent* e = ::readdir(d)) {
       std::string name = e->d_name;
-      if (name == "." || name == "..") continue;
-      std::string child = rel.empty() ? name : rel + "/" + name;
-      struct stat st;
-      if (::stat(JoinPath(dir, child).c_str(), &st) != 0) continue;
-      if (S_ISDIR(st.st_mode))
-        entries.emplace_back(child, true);
-      else if (S_ISREG(st.st_mode))
-        entries.emplace_back(child, false);
+      if (name != "." && name != "..") names.push_back(std::move(name));
     }
     ::closedir(d);
-    for (auto& [child, is_dir] : entries) {
-      if (is_dir) {
-        PTK_RETURN_IF_ERROR(walk(child));
-      } else {
-        out.push_back(child);
+    std::sort(names.begin(), names.end());
+    for (const auto& name : names) {
+      const std::string child = rel.empty() ? name : rel + "/" + name;
+      const std::string path = JoinPath(dir, child);
+      struct stat lst, st;
+      if (::lstat(path.c_str(), &lst) != 0) continue;  // gone meanwhile
+      const bool link = S_ISLNK(lst.st_mode);
+      if (::stat(path.c_str(), &st) != 0) {
+        FileIdentity id;
+        id.kind = errno == ELOOP ? "a symbolic link that loops" : "a broken symbolic link";
+        found.push_back({{child, id}, true});
+        continue;
       }
+      if (S_ISDIR(st.st_mode)) {
+        if (link) {
+          linked_dirs.push_back(child);
+        } else if (dirs_entered.emplace(st.st_dev, st.st_ino).second) {
+          PTK_RETURN_IF_ERROR(walk(child, via_link));
+        }
+        continue;
+      }
+      found.push_back({{child, IdentityOf(st)}, via_link || link});
     }
     return absl::OkStatus();
   };
-  PTK_RETURN_IF_ERROR(walk(""));
-  std::sort(out.begin(), out.end());
+  PTK_RETURN_IF_ERROR(walk("", false));
+  while (!linked_dirs.empty()) {
+    const std::string rel = linked_dirs.front();
+    linked_dirs.pop_front();
+    struct stat st;
+    if (::stat(JoinPath(dir, rel).c_str(), &st) != 0 || !dirs_entered.emplace(st.st_dev, st.st_ino).second) continue;
+    PTK_RETURN_IF_ERROR(walk(rel, true));
+  }
+  // One name per file: without a link first, then byte order.
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return a.via_link != b.via_link ? !a.via_link : a.file.rel < b.file.rel;
+  });
+  std::set<std::pair<uint64_t, uint64_t>> files_seen;
+  std::vector<WalkedFile> out;
+  for (auto& f : found)
+    if (f.file.id.ino == 0 || files_seen.emplace(f.file.id.dev, f.file.id.ino).second) out.push_back(std::move(f.file));
+  std::sort(out.begin(), out.end(), [](const WalkedFile& a, const WalkedFile& b) { return a.rel < b.rel; });
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> ListFilesRecursive(const std::string& dir) {
+  PTK_ASSIGN_OR_RETURN(auto files, WalkDirectory(dir));
+  std::vector<std::string> out;
+  for (auto& f : files)
+    if (f.id.regular) out.push_back(std::move(f.rel));
   return out;
 }
 

@@ -114,7 +114,29 @@ bool NaturalLess(std::string_view a, std::string_view b);
 // order of the patterns and sorts the matches of each pattern with NaturalLess; "-" passes through.
 absl::StatusOr<std::vector<std::string>> ExpandGlobs(const std::vector<std::string>& patterns);
 
-// Recursively lists regular files under `dir` (relative paths, sorted bytewise).
+// What a path names, its symbolic links followed: its (device, inode), which identify a file
+// however it is reached (`in/f`, `in/./f`, a link to it, a hard link), and its kind.
+struct FileIdentity {
+  uint64_t dev = 0, ino = 0;
+  bool regular = false, directory = false;
+  std::string kind;  // "a regular file", "a directory", "a FIFO", "a socket", "a character device", ...
+};
+absl::StatusOr<FileIdentity> IdentifyFile(const std::string& path);
+
+// One file found below a directory by WalkDirectory.
+struct WalkedFile {
+  std::string rel;  // path below the directory
+  FileIdentity id;  // for a broken or looping link: kind says so, regular false
+};
+// Every file below `dir`, symbolic links followed, each directory entered once and each file listed
+// once by (device, inode): a link back to a directory above (`sub/up -> ..`) neither multiplies
+// the files nor loops, and a file reached by several names is listed under one. Real directories
+// are walked before the ones reached through links, and a name without a link is preferred; among
+// the rest, the first name in byte order. Non-regular files (FIFOs, sockets, devices, broken
+// links) are listed with their kind, for the caller to refuse or report. Sorted bytewise by rel.
+absl::StatusOr<std::vector<WalkedFile>> WalkDirectory(const std::string& dir);
+
+// The regular files of WalkDirectory(dir) (relative paths, sorted bytewise).
 absl::StatusOr<std::vector<std::string>> ListFilesRecursive(const std::string& dir);
 
 std::string HumanBytes(double bytes);       // "1.5 GiB"

@@ -261,27 +261,32 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
 }
 
 absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
+  std::vector<LeftOutFile> left_out;
   PTK_ASSIGN_OR_RETURN(auto files,
                        CollectInputs(r.inputs, {".jsonl", ".jsonl.zst", ".jsonl.xz", ".jsonl.gz", ".json", ".json.gz"},
-                                     r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural));
+                                     r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural, &left_out));
   std::vector<ConcatInput> inputs;
   std::error_code ec;
   const std::filesystem::path out_real = std::filesystem::canonical(r.output_dir, ec);
   const bool out_exists = !ec;
   std::filesystem::path plan_real;
   if (!r.plan_path.empty()) plan_real = std::filesystem::weakly_canonical(r.plan_path, ec);
-  for (const auto& f : files) {
+  auto ours = [&](const std::string& f) {  // the plan, or inside the output directory: chunks, plans, sidecars
     const std::filesystem::path real = std::filesystem::weakly_canonical(f, ec);
-    if (!ec) {
-      if (!plan_real.empty() && real == plan_real) continue;
-      if (out_exists) {
-        auto [o, _] = std::mismatch(out_real.begin(), out_real.end(), real.begin(), real.end());
-        if (o == out_real.end()) continue;  // inside the output directory: chunks, plans, sidecars
-      }
-    }
+    if (ec) return false;
+    if (!plan_real.empty() && real == plan_real) return true;
+    if (!out_exists) return false;
+    auto [o, _] = std::mismatch(out_real.begin(), out_real.end(), real.begin(), real.end());
+    return o == out_real.end();
+  };
+  for (const auto& f : files) {
+    if (ours(f)) continue;
     PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(f));
     inputs.push_back({f, size});
   }
+  // Every other file below a directory input that is not taken is said, with the reason.
+  std::erase_if(left_out, [&](const LeftOutFile& l) { return ours(l.path); });
+  ReportLeftOut(left_out);
   auto plan = MakeConcatPlan(inputs, r.output_dir, r.plan);
   if (!plan.ok() && plan.status().code() == absl::StatusCode::kInvalidArgument)
     return absl::InvalidArgumentError("usage: " + std::string(StatusMessage(plan.status())));

@@ -4,10 +4,14 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cctype>
+#include <map>
+#include <utility>
 
 #include <fmt/core.h>
 
 #include "common/file_util.h"
+#include "common/logging.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -21,39 +25,111 @@ void SortPaths(std::vector<std::string>* paths, PathOrder order) {
   paths->erase(std::unique(paths->begin(), paths->end()), paths->end());
 }
 
+namespace {
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string Lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+// ptk's own files (sidecars, locks, temporaries, journals): never inputs, never worth a word.
+bool PtkOwn(const std::string& rel) { return rel.find(".ptk-") != std::string::npos; }
+
+std::string SuffixList(const std::vector<std::string>& suffixes) {
+  std::string s;
+  for (const auto& x : suffixes) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+// Why a regular file below a directory is not an input of a tool that takes `suffixes`.
+std::string LeftOutReason(const std::string& rel, const std::vector<std::string>& suffixes) {
+  const std::string name = Basename(rel);
+  const std::string lower = Lower(name);
+  for (const auto& suf : suffixes)
+    if (EndsWith(lower, suf))
+      return fmt::format("its extension is not in lower case (taken: {})", SuffixList(suffixes));
+  static const std::pair<const char*, const char*> kOther[] = {
+      {".bz2", "bzip2"}, {".lz4", "lz4"}, {".lzma", "lzma"}, {".br", "brotli"},      {".zip", "zip"},
+      {".7z", "7-zip"},  {".tar", "tar"}, {".tgz", "tar"},   {".z", "compress (.Z)"}};
+  for (const auto& [ext, what] : kOther)
+    if (EndsWith(lower, ext))
+      return fmt::format("{} is not a format ptk reads (taken: {})", what, SuffixList(suffixes));
+  const size_t dot = name.rfind('.');
+  if (dot == std::string::npos || dot == 0) return fmt::format("no extension (taken: {})", SuffixList(suffixes));
+  return fmt::format("extension {} (taken: {})", name.substr(dot), SuffixList(suffixes));
+}
+
+std::string NotRegular(const std::string& path, const FileIdentity& id, std::string_view hint) {
+  return fmt::format("{} is {}, not a regular file: inputs are read from regular files{}", path, id.kind, hint);
+}
+
+}  // namespace
+
+void ReportLeftOut(const std::vector<LeftOutFile>& left_out) {
+  for (const auto& l : left_out) log::Warning("left out {}: {}", log::Printable(l.path), l.reason);
+}
+
 absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::string>& args,
-                                                         const std::vector<std::string>& dir_suffixes,
-                                                         PathOrder order) {
+                                                         const std::vector<std::string>& dir_suffixes, PathOrder order,
+                                                         std::vector<LeftOutFile>* left_out) {
   std::vector<InputFile> out;
+  std::vector<LeftOutFile> ignored;
+  if (!left_out) left_out = &ignored;
   for (const auto& a : args) {
     if (IsDirectory(a)) {
-      PTK_ASSIGN_OR_RETURN(auto rel, ListFilesRecursive(a));
-      for (const auto& r : rel) {
-        for (const auto& suf : dir_suffixes) {
-          if (r.size() >= suf.size() && r.compare(r.size() - suf.size(), suf.size(), suf) == 0) {
-            out.push_back({JoinPath(a, r), r});
-            break;
-          }
+      PTK_ASSIGN_OR_RETURN(auto files, WalkDirectory(a));
+      for (const auto& f : files) {
+        if (PtkOwn(f.rel)) continue;
+        const std::string path = JoinPath(a, f.rel);
+        if (!f.id.regular) {
+          left_out->push_back({path, f.id.kind + ", not a regular file"});
+          continue;
         }
+        const bool taken = std::any_of(dir_suffixes.begin(), dir_suffixes.end(),
+                                       [&](const std::string& suf) { return EndsWith(f.rel, suf); });
+        if (taken)
+          out.push_back({path, f.rel, f.id.dev, f.id.ino});
+        else
+          left_out->push_back({path, LeftOutReason(f.rel, dir_suffixes)});
       }
       continue;
     }
     PTK_ASSIGN_OR_RETURN(auto files, ExpandGlobs({a}));
-    for (const auto& f : files) out.push_back({f, Basename(f)});
+    for (const auto& f : files) {
+      PTK_ASSIGN_OR_RETURN(FileIdentity id, IdentifyFile(f));
+      if (id.directory && f != a) {  // a glob's match that is a directory: its files are not taken
+        left_out->push_back({f, fmt::format("a directory matched by {:?} (name the directory to take its files)", a)});
+        continue;
+      }
+      if (!id.regular) return absl::FailedPreconditionError(NotRegular(f, id, ""));
+      out.push_back({f, Basename(f), id.dev, id.ino});
+    }
   }
   auto less = [order](const InputFile& x, const InputFile& y) {
     return order == PathOrder::kNatural ? NaturalLess(x.path, y.path) : x.path < y.path;
   };
   std::sort(out.begin(), out.end(), less);
-  out.erase(
-      std::unique(out.begin(), out.end(), [](const InputFile& x, const InputFile& y) { return x.path == y.path; }),
-      out.end());
-  return out;
+  std::map<std::pair<uint64_t, uint64_t>, std::string> first;
+  std::vector<InputFile> once;
+  for (auto& f : out) {
+    auto [it, fresh] = first.emplace(std::make_pair(f.dev, f.ino), f.path);
+    if (fresh) {
+      once.push_back(std::move(f));
+    } else if (f.path != it->second) {
+      log::Warning("{} is the same file as {}: taken once", log::Printable(f.path), log::Printable(it->second));
+    }
+  }
+  return once;
 }
 
 absl::StatusOr<std::vector<std::string>> CollectInputs(const std::vector<std::string>& args,
-                                                       const std::vector<std::string>& dir_suffixes, PathOrder order) {
-  PTK_ASSIGN_OR_RETURN(auto files, CollectInputFiles(args, dir_suffixes, order));
+                                                       const std::vector<std::string>& dir_suffixes, PathOrder order,
+                                                       std::vector<LeftOutFile>* left_out) {
+  PTK_ASSIGN_OR_RETURN(auto files, CollectInputFiles(args, dir_suffixes, order, left_out));
   std::vector<std::string> out;
   for (auto& f : files) out.push_back(std::move(f.path));
   return out;
@@ -73,9 +149,9 @@ bool TokenizeCandidate(const std::string& rel) {
     if (slash == std::string::npos) break;
     start = slash + 1;
   }
-  if (rel.find(".ptk-") != std::string::npos) return false;
+  if (PtkOwn(rel)) return false;
   for (std::string_view suf : {"_document.bin", "_document.idx"})
-    if (rel.size() >= suf.size() && rel.compare(rel.size() - suf.size(), suf.size(), suf) == 0) return false;
+    if (EndsWith(rel, suf)) return false;
   return true;
 }
 }  // namespace
@@ -83,21 +159,47 @@ bool TokenizeCandidate(const std::string& rel) {
 absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<std::string>& args,
                                                               const std::string& filter) {
   std::vector<std::string> out;
+  std::map<std::pair<uint64_t, uint64_t>, std::string> first;  // each file read once
+  auto take = [&](const std::string& path, const FileIdentity& id) {
+    auto [it, fresh] = first.emplace(std::make_pair(id.dev, id.ino), path);
+    if (fresh)
+      out.push_back(path);
+    else
+      log::Warning("{} is the same file as {}: read once", log::Printable(path), log::Printable(it->second));
+  };
   for (const auto& a : args) {
     if (a != "-" && IsDirectory(a)) {
-      PTK_ASSIGN_OR_RETURN(auto rels, ListFilesRecursive(a));
+      PTK_ASSIGN_OR_RETURN(auto files, WalkDirectory(a));
       std::vector<std::string> mine;
-      for (const auto& rel : rels)
-        if (TokenizeCandidate(rel) && (filter.empty() || GlobLike(filter, rel))) mine.push_back(JoinPath(a, rel));
+      std::map<std::string, FileIdentity> ids;
+      for (const auto& f : files) {
+        if (!TokenizeCandidate(f.rel) || (!filter.empty() && !GlobLike(filter, f.rel))) continue;
+        const std::string path = JoinPath(a, f.rel);
+        if (!f.id.regular) {
+          log::Warning("left out {}: {}, not a regular file", log::Printable(path), f.id.kind);
+          continue;
+        }
+        mine.push_back(path);
+        ids[path] = f.id;
+      }
       if (mine.empty())
         return absl::NotFoundError(fmt::format("{}: no input files in this directory{}", a,
                                                filter.empty() ? "" : fmt::format(" match {:?}", filter)));
       SortPaths(&mine, PathOrder::kNatural);
-      out.insert(out.end(), mine.begin(), mine.end());
+      for (const auto& p : mine) take(p, ids[p]);
       continue;
     }
     PTK_ASSIGN_OR_RETURN(auto files, ExpandGlobs({a}));
-    out.insert(out.end(), files.begin(), files.end());
+    for (const auto& f : files) {
+      if (f == "-") {
+        out.push_back(f);
+        continue;
+      }
+      PTK_ASSIGN_OR_RETURN(FileIdentity id, IdentifyFile(f));
+      if (!id.regular)
+        return absl::FailedPreconditionError(NotRegular(f, id, id.directory ? "" : "; for a stream, use - (stdin)"));
+      take(f, id);
+    }
   }
   return out;
 }

@@ -1,6 +1,7 @@
 // Expanding the inputs of the dataprep tools: files, globs and directories, in a documented order.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -16,21 +17,39 @@ enum class PathOrder {
 struct InputFile {
   std::string path;  // as found
   std::string rel;   // path below the directory argument it came from; the base name otherwise
+  uint64_t dev = 0, ino = 0;
+};
+
+// A file below a directory argument that is not an input, and why.
+struct LeftOutFile {
+  std::string path;
+  std::string reason;
 };
 
 // Files: kept. Globs: expanded. Directories: every regular file below whose name ends with one of
-// `dir_suffixes` (recursively). The whole list is then sorted by `order` (of the paths) and
-// de-duplicated.
+// `dir_suffixes` (recursively, WalkDirectory: links followed, each directory and file once). The
+// whole list is then sorted by `order` (of the paths), and a file reached twice (by two spellings,
+// a link, a hard link: the same device and inode) is kept once, its first path (a warning names the
+// other). A named (or matched) input that is not a regular file (a FIFO, a device) is an error
+// naming it. The files below a directory that are not taken go to `left_out` with the reason (a
+// name with another or an upper-case extension, no extension, a FIFO, a broken link), but ptk's own
+// (any name with ".ptk-": sidecars, locks, temporaries), which are left out without a word.
 absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::string>& args,
-                                                         const std::vector<std::string>& dir_suffixes, PathOrder order);
+                                                         const std::vector<std::string>& dir_suffixes, PathOrder order,
+                                                         std::vector<LeftOutFile>* left_out = nullptr);
 absl::StatusOr<std::vector<std::string>> CollectInputs(const std::vector<std::string>& args,
-                                                       const std::vector<std::string>& dir_suffixes, PathOrder order);
+                                                       const std::vector<std::string>& dir_suffixes, PathOrder order,
+                                                       std::vector<LeftOutFile>* left_out = nullptr);
+// Logs each left-out file (a warning: "left out PATH: REASON").
+void ReportLeftOut(const std::vector<LeftOutFile>& left_out);
 
 // ptk-tokenize's inputs: files and globs as given (each glob's matches in natural order). A
 // directory stands for every regular file below it, extension-less ones such as WikiExtractor's
 // wiki_00 included (hidden files, ptk's own sidecars, locks and temporaries, and Megatron outputs
 // *_document.bin/.idx left out), in natural order; with `filter` (NeMo's --files-filter, e.g.
-// "**/*.json*") only those whose path below the directory matches it.
+// "**/*.json*") only those whose path below the directory matches it. Each file is read once
+// however often it is reached (by device and inode; a warning names the repeats); a named input
+// that is not a regular file (a FIFO: use - for a stream) is an error; "-" is stdin.
 absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<std::string>& args,
                                                               const std::string& filter);
 

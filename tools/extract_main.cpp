@@ -1,4 +1,6 @@
 // ptk-extract: .zst / .xz -> .jsonl, streaming, per-file parallel, resumable, shardable.
+#include <set>
+
 #include <fmt/core.h>
 
 #include "common/cli.h"
@@ -37,12 +39,17 @@ int main(int argc, char** argv) {
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     ptk::ExtractOptions opt;
-    PTK_ASSIGN_OR_RETURN(auto files,
-                         ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz", ".gz"}, ptk::PathOrder::kNatural));
+    std::vector<ptk::LeftOutFile> left_out;
+    PTK_ASSIGN_OR_RETURN(auto files, ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz", ".gz"},
+                                                            ptk::PathOrder::kNatural, &left_out));
+    std::set<std::string> outputs;  // this tool's own outputs beside their inputs are not worth a word
     for (const auto& f : files) {
       opt.inputs.push_back(f.path);
       opt.relative_outputs.push_back(f.rel);
+      outputs.insert(ptk::ExtractOutputPath(f.path, f.rel, output_dir));
     }
+    std::erase_if(left_out, [&](const ptk::LeftOutFile& l) { return outputs.count(l.path) > 0; });
+    ptk::ReportLeftOut(left_out);
     if (opt.inputs.empty()) {
       // A rerun of a finished --delete-input job: the inputs are gone, their outputs are complete.
       if (delete_input) {

@@ -2,6 +2,7 @@
 // damaged inputs, --drop-set, kill -9 and rerun; concat plans (balance, NeMo's 800-file grouping in
 // C-locale order), newline safety, array-task chunks.
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <random>
 
@@ -351,6 +352,64 @@ TEST(Concat, OutputInsideInputIsExcludedHoweverItIsSpelled) {
 // Issue 11: a full disk is exit 3 in every tool (extract and concat said 1), the message names the
 // file, nothing half-written is published and a rerun with space finishes the job. `ulimit -f`
 // (KiB) makes writes past it fail with EFBIG, the same path as ENOSPC.
+// Issue 27: a directory with a link back up (sub/up -> ..) made concat write 41 copies of every line
+// and extract 41 outputs (two links: until killed); a FIFO made an empty chunk (exit 0) or hung
+// extract; in/f0.jsonl and in/./f0.jsonl were both taken; .JSONL, .bz2 and extension-less files
+// were left out without a word. Now each file is taken once (device and inode), a FIFO named as an
+// input is refused by name, and every file a directory leaves out is reported with the reason.
+TEST(Concat, EachFileOnceFifosRefusedAndLeftOutFilesReported) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in/sub");
+  std::filesystem::create_directories(dir / "in/sub2");
+  const std::string a = Jsonl(300, 21);
+  testing::WriteFile(dir / "in/f0.jsonl", a);
+  testing::WriteFile(dir / "in/g.jsonl.zst", testing::ZstdCompress(a));
+  std::filesystem::create_symlink("..", dir / "in/sub/up");
+  std::filesystem::create_symlink("..", dir / "in/sub2/up2");
+  ASSERT_EQ(::mkfifo((dir / "in/pipe.jsonl").c_str(), 0644), 0);
+  testing::WriteFile(dir / "in/UPPER.JSONL", a);
+  testing::WriteFile(dir / "in/b.jsonl.bz2", "BZh9");
+  testing::WriteFile(dir / "in/wiki_00", a);
+  testing::WriteFile(dir / "in/f0.jsonl.ptk-done", "{}");  // ptk's own: left out without a word
+  auto c = RunCmd(fmt::format("timeout 60 {} --quiet --input {} --output-dir {} --chunks 1",
+                              testing::Tool("ptk-concat"), dir / "in", dir / "c"));
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "c/train_00.jsonl") == a + a) << "each file once";
+  for (const char* left : {"in/pipe.jsonl: a FIFO", "in/UPPER.JSONL: its extension is not in lower case",
+                           "in/b.jsonl.bz2: bzip2 is not a format", "in/wiki_00: no extension"})
+    EXPECT_NE(c.output.find("left out " + dir / left), std::string::npos) << left << ": " << c.output;
+  EXPECT_EQ(c.output.find("ptk-done"), std::string::npos) << c.output;
+  // One file, two spellings.
+  auto twice = RunCmd(fmt::format("{} --quiet --input {} {} --output-dir {} --chunks 1", testing::Tool("ptk-concat"),
+                                  dir / "in/f0.jsonl", dir / "in/./f0.jsonl", dir / "c2"));
+  ASSERT_EQ(twice.exit_code, 0) << twice.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "c2/train_00.jsonl") == a);
+  // A FIFO named as input: refused by name, no chunk.
+  auto fifo = RunCmd(fmt::format("timeout 60 {} --quiet --input {} --output-dir {}", testing::Tool("ptk-concat"),
+                                 dir / "in/pipe.jsonl", dir / "c3"));
+  EXPECT_EQ(fifo.exit_code, 1) << fifo.output;
+  EXPECT_NE(fifo.output.find(dir / "in/pipe.jsonl" + " is a FIFO"), std::string::npos) << fifo.output;
+  EXPECT_FALSE(testing::Exists(dir / "c3/train_00.jsonl"));
+
+  // ptk-extract: one output per file, the left-out files said, a FIFO refused.
+  auto e = RunCmd(
+      fmt::format("timeout 60 {} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "x"));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("1 extracted"), std::string::npos) << e.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "x/g.jsonl") == a);
+  size_t outputs = 0;
+  for (const auto& f : std::filesystem::recursive_directory_iterator(dir / "x")) outputs += f.is_regular_file();
+  EXPECT_EQ(outputs, 2u) << "g.jsonl and its sidecar only";
+  for (const char* left : {"in/pipe.jsonl: a FIFO", "in/b.jsonl.bz2: bzip2 is not a format", "in/wiki_00: no extension",
+                           "in/f0.jsonl: extension .jsonl"})
+    EXPECT_NE(e.output.find("left out " + dir / left), std::string::npos) << left << ": " << e.output;
+  ASSERT_EQ(::mkfifo((dir / "pipe.jsonl.zst").c_str(), 0644), 0);
+  auto efifo = RunCmd(fmt::format("timeout 60 {} --quiet {} --output-dir {}", testing::Tool("ptk-extract"),
+                                  dir / "pipe.jsonl.zst", dir / "x2"));
+  EXPECT_EQ(efifo.exit_code, 1) << efifo.output;
+  EXPECT_NE(efifo.output.find(dir / "pipe.jsonl.zst" + " is a FIFO"), std::string::npos) << efifo.output;
+}
+
 TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");

@@ -1,6 +1,8 @@
 // ptk-tokenize on bad input: bad records are skipped with file:line warnings (or fail under
 // --strict), invalid text is repaired and counted, damaged compressed input fails with no output,
 // unsupported flags are usage errors. Never a crash or a hang.
+#include <sys/stat.h>
+
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
@@ -361,6 +363,47 @@ TEST(TokenizeErrors, DirectoriesNemoFlagsAndInspectForms) {
   auto hint = RunCmd(inspect + dir / "ref");
   EXPECT_EQ(hint.exit_code, 1) << hint.output;
   EXPECT_NE(hint.output.find("did you mean " + dir / "ref_text_document"), std::string::npos) << hint.output;
+}
+
+// Issue 27: a directory with a link back up (sub/up -> ..) made 41 copies of every document (two
+// such links: a run until killed); a FIFO lost a record or hung. Files are now identified by device
+// and inode: read once however they are reached; a FIFO named as input is refused by name (stdin is
+// -), one below a directory is left out with a warning.
+TEST(TokenizeErrors, EachFileIsReadOnceAndFifosAreRefused) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in/sub");
+  std::filesystem::create_directories(dir / "in/sub2");
+  std::string docs;
+  for (int i = 0; i < 200; ++i) docs += fmt::format("{{\"text\": \"document {}\"}}\n", i);
+  testing::WriteFile(dir / "in/f0.jsonl", docs);
+  testing::WriteFile(dir / "ref.jsonl", docs);
+  std::filesystem::create_symlink("..", dir / "in/sub/up");
+  std::filesystem::create_symlink("..", dir / "in/sub2/up2");
+  std::filesystem::create_symlink("f0.jsonl", dir / "in/link.jsonl");
+  ASSERT_EQ(::mkfifo((dir / "in/pipe.jsonl").c_str(), 0644), 0);
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "ref.jsonl", dir / "ref"))).exit_code, 0);
+  auto r = RunCmd("timeout 60 " + Tok(fmt::format("--input {} --output-prefix {}", dir / "in", dir / "d")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(Docs(dir / "d_text_document").size(), 200u) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "d_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+  EXPECT_NE(r.output.find("left out " + dir / "in/pipe.jsonl" + ": a FIFO"), std::string::npos) << r.output;
+  // One file, two spellings: read once.
+  auto twice = RunCmd(
+      Tok(fmt::format("--input {} {} --output-prefix {}", dir / "in/f0.jsonl", dir / "in/./f0.jsonl", dir / "t")));
+  ASSERT_EQ(twice.exit_code, 0) << twice.output;
+  EXPECT_EQ(Docs(dir / "t_text_document").size(), 200u);
+  EXPECT_NE(twice.output.find("is the same file as"), std::string::npos) << twice.output;
+  // A FIFO named as input: refused by name, nothing written, no hang.
+  auto fifo =
+      RunCmd("timeout 60 " + Tok(fmt::format("--input {} --output-prefix {}", dir / "in/pipe.jsonl", dir / "p")));
+  EXPECT_EQ(fifo.exit_code, 1) << fifo.output;
+  EXPECT_NE(fifo.output.find(dir / "in/pipe.jsonl" + " is a FIFO, not a regular file"), std::string::npos)
+      << fifo.output;
+  EXPECT_FALSE(testing::Exists(dir / "p_text_document.bin"));
+  // stdin stays an input.
+  auto in = RunCmd(Tok(fmt::format("--input - --output-prefix {} < {}", dir / "s", dir / "ref.jsonl")));
+  ASSERT_EQ(in.exit_code, 0) << in.output;
+  EXPECT_EQ(testing::ReadFile(dir / "s_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
 }
 
 TEST(TokenizeErrors, HundredMegabyteDocument) {
