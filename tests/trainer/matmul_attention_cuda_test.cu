@@ -171,8 +171,9 @@ void ExpectClose(const std::vector<G>& got, const std::vector<R>& ref, const Tol
 struct MatmulShape {
   int64_t n, ic, oc;
 };
-// t not a multiple of 8, n*ic off every tile, oc odd; and a GPT-like aligned one.
-const MatmulShape kMatmulShapes[] = {{37, 51, 29}, {130, 77, 255}, {64, 96, 160}, {256, 128, 512}};
+// t not a multiple of 8, n*ic off every tile, oc odd; and GPT-like aligned ones.
+// (1100 rows: dbias summed in chunks of 512 rows through the workspace.)
+const MatmulShape kMatmulShapes[] = {{37, 51, 29}, {130, 77, 255}, {64, 96, 160}, {256, 128, 512}, {1100, 64, 96}};
 
 TEST(MatmulCuda, Fp32ForwardMatchesCpu) {
   Gpu gpu;

@@ -19,6 +19,8 @@
 // cuBLASLt has no algorithm for falls back to cublasGemmEx (the same types) and, for the
 // epilogues, to the separate bias and GELU kernels below. With ctx.deterministic, split-K
 // reduction schemes are excluded (cuBLASLt orders them anyway; this is the conservative choice).
+// dbias is a column-sum kernel (fp32, a fixed order) rather than the BGRADB epilogue, which
+// assigns instead of accumulating and rounds to the output type.
 //
 // GELU: fp32 mode always runs the separate kernel (GeluValue of trainer/op_math.h, the CPU's own
 // formula), so fp32 stays within rounding of the CPU. bf16/fp16 use cuBLASLt's GELU_AUX(_BIAS)
@@ -71,25 +73,42 @@ __global__ void BroadcastRowsKernel(T* __restrict__ out, const T* __restrict__ b
     out[i] = bias[i % oc];
 }
 
-// dbias[j] += sum over the n rows of dout[i, j]: one block per 32 columns, 32 row lanes each
-// summing every 32nd row in double, then lane sums added in lane order. The order depends only on
-// n, so the same inputs give the same bits. As the CPU: the sum in double, rounded once to fp32
-// and added.
+// dbias[j] += sum over the n rows of dout[i, j], in a fixed order: blocks of 32 columns x a chunk of
+// kChunkRows rows, 32 row lanes each summing every 32nd row of the chunk in double, lane sums added
+// in lane order; then the chunks' sums added in chunk order (a second kernel, the partial sums in
+// the context's workspace, which no library call is using between calls on the stream). The order
+// depends only on n and on whether the workspace holds the partials, so the same inputs give the
+// same bits. As the CPU: the sum in double, rounded once to fp32 and added.
 constexpr int kColTile = 32, kRowLanes = 32;
+constexpr int64_t kChunkRows = 512;
 template <typename T>
-__global__ void ColumnSumKernel(float* __restrict__ dbias, const T* __restrict__ dout, int64_t n, int64_t oc) {
-  __shared__ double partial[kRowLanes][kColTile + 1];
+__global__ void ColumnSumKernel(double* __restrict__ partial, float* __restrict__ dbias, const T* __restrict__ dout,
+                                int64_t n, int64_t oc, int64_t chunk_rows) {
+  __shared__ double lanes[kRowLanes][kColTile + 1];
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < n ? r0 + chunk_rows : n;
   double acc = 0.0;
   if (col < oc)
-    for (int64_t r = threadIdx.y; r < n; r += kRowLanes) acc += static_cast<double>(ToFloat(dout[r * oc + col]));
-  partial[threadIdx.y][threadIdx.x] = acc;
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowLanes) acc += static_cast<double>(ToFloat(dout[r * oc + col]));
+  lanes[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < oc) {
     double sum = 0.0;
-    for (int y = 0; y < kRowLanes; ++y) sum += partial[y][threadIdx.x];
-    dbias[col] = dbias[col] + static_cast<float>(sum);
+    for (int y = 0; y < kRowLanes; ++y) sum += lanes[y][threadIdx.x];
+    if (partial)
+      partial[static_cast<int64_t>(blockIdx.y) * oc + col] = sum;
+    else
+      dbias[col] = dbias[col] + static_cast<float>(sum);
   }
+}
+__global__ void ColumnSumFinishKernel(float* __restrict__ dbias, const double* __restrict__ partial, int64_t chunks,
+                                      int64_t oc) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= oc) return;
+  double sum = 0.0;
+  for (int64_t k = 0; k < chunks; ++k) sum += partial[k * oc + col];
+  dbias[col] = dbias[col] + static_cast<float>(sum);
 }
 
 unsigned Blocks(int64_t work, int threads) {
@@ -393,9 +412,20 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
     if (absl::Status s = Gemm(g, inp, dout, dw, 1.0f, 1.0f, ctx, where); !s.ok()) return s;
   }
   if (dbias) {
+    // chunks of kChunkRows rows when the workspace holds their partial sums (chunks x oc doubles),
+    // else one chunk of all the rows
+    int64_t chunks = CeilDiv(n, kChunkRows);
+    if (chunks > 65535 || !ctx.workspace || static_cast<size_t>(chunks * oc) * sizeof(double) > ctx.workspace_bytes)
+      chunks = 1;
+    double* partial = chunks > 1 ? static_cast<double*>(ctx.workspace) : nullptr;
+    const dim3 grid(static_cast<unsigned>(CeilDiv(oc, kColTile)), static_cast<unsigned>(chunks));
     const dim3 block(kColTile, kRowLanes);
-    ColumnSumKernel<T><<<static_cast<unsigned>(CeilDiv(oc, kColTile)), block, 0, ctx.stream>>>(dbias, dout, n, oc);
+    ColumnSumKernel<T><<<grid, block, 0, ctx.stream>>>(partial, dbias, dout, n, oc, chunks > 1 ? kChunkRows : n);
     PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
+    if (partial) {
+      ColumnSumFinishKernel<<<Blocks(oc, 256), 256, 0, ctx.stream>>>(dbias, partial, chunks, oc);
+      PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
+    }
   }
   return absl::OkStatus();
 }
