@@ -199,7 +199,22 @@ absl::Status PublishTogether(const std::string& journal, const std::vector<std::
           fmt::format("publish {}: file names must not contain tabs or newlines", journal));
     text += a + "\t" + b + "\n";
   }
+  // A final name that cannot take a file (a directory) fails the publish before there is a
+  // journal: nothing is renamed, and the temporaries stay the caller's to remove.
+  for (const auto& [tmp, final_path] : files) {
+    struct stat st;
+    if (::lstat(final_path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+      return absl::FailedPreconditionError(
+          fmt::format("cannot publish {}: a directory is in its place; nothing was published", final_path));
+  }
   PTK_RETURN_IF_ERROR(WriteFileAtomic(journal, text, durable));
+  // Until the first rename is done nothing is published: a failure there is undone (the journal
+  // removed), as if the publish had not begun.
+  if (!files.empty() && ::rename(files[0].first.c_str(), files[0].second.c_str()) != 0) {
+    const int e = errno;
+    (void)RemoveFileIfExists(journal);
+    return ErrnoToStatus(e, fmt::format("publish {} -> {}; nothing was published", files[0].first, files[0].second));
+  }
   return CompletePendingPublish(journal);
 }
 

@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include <fmt/core.h>
 #include <simdjson.h>
@@ -28,6 +29,28 @@ namespace ptk {
 namespace {
 
 constexpr std::string_view kDoneSuffix = ".ptk-done";
+// Written (durably) before an output is published and removed once its sidecar is: an output a
+// kill left without a sidecar is still known to be ptk-extract's own.
+constexpr std::string_view kPendingSuffix = ".ptk-extracting";
+
+// Whether ptk-extract wrote `output` (or was publishing it when it was killed): its sidecar or its
+// pending record names a source. Anything else at that path is not overwritten without --force.
+bool WrittenByExtract(const std::string& output) {
+  for (std::string_view suffix : {kDoneSuffix, kPendingSuffix}) {
+    auto side = ReadFileToString(output + std::string(suffix));
+    if (!side.ok()) continue;
+    simdjson::dom::parser p;
+    simdjson::dom::element e;
+    std::string_view source;
+    if (!p.parse(*side).get(e) && !e["source"].get(source)) return true;
+  }
+  return false;
+}
+
+bool Occupied(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
 
 struct SourceId {
   uint64_t size = 0;
@@ -105,8 +128,20 @@ class SetFilter {
     if (line.find("redpajama_set_name") == std::string_view::npos) return false;
     simdjson::dom::element e;
     if (parser_.parse(line.data(), line.size(), true).get(e)) return false;
+    // A key given twice: the last one counts, as in Python's json (and ptk-tokenize).
+    auto last = [](simdjson::dom::element obj, std::string_view key) -> std::optional<simdjson::dom::element> {
+      simdjson::dom::object o;
+      if (obj.get(o)) return std::nullopt;
+      std::optional<simdjson::dom::element> found;
+      for (auto field : o)
+        if (field.key == key) found = field.value;
+      return found;
+    };
+    auto meta = last(e, "meta");
+    if (!meta) return false;
+    auto name = last(*meta, "redpajama_set_name");
     std::string_view set;
-    if (e["meta"]["redpajama_set_name"].get(set)) return false;
+    if (!name || name->get(set)) return false;
     for (const auto& d : drops_)
       if (set == d) return true;
     return false;
@@ -216,13 +251,20 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
     return out->Write(p, n);
   }));
   res->bytes_out = out->bytes_written();
-  // The old sidecar goes before the new output appears: a kill in between leaves an output
-  // without a sidecar (redone by the next run), never a new output described by an old sidecar.
-  PTK_RETURN_IF_ERROR(RemoveFileIfExists(output + std::string(kDoneSuffix)));
-  PTK_RETURN_IF_ERROR(out->Commit());
-  return WriteFileAtomic(
-      output + std::string(kDoneSuffix),
-      SidecarJson(input, src, res->bytes_out, sum.HexDigest(), DropKey(opt.drop_sets), res->records, res->dropped));
+  // The pending record first (the output is ptk-extract's from here on, whatever happens), then
+  // the old sidecar goes before the new output appears: a kill in between leaves an output without
+  // a sidecar (redone by the next run), never a new output described by an old sidecar.
+  const std::string pending = output + std::string(kPendingSuffix);
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(pending, JsonWriter().BeginObject().Field("source", input).EndObject().str()));
+  absl::Status st = RemoveFileIfExists(output + std::string(kDoneSuffix));
+  if (st.ok()) st = out->Commit();
+  if (st.ok())
+    st = WriteFileAtomic(
+        output + std::string(kDoneSuffix),
+        SidecarJson(input, src, res->bytes_out, sum.HexDigest(), DropKey(opt.drop_sets), res->records, res->dropped));
+  // Kept after a failure only where an output is left (it is this tool's, to be redone).
+  if (st.ok() || !Occupied(output)) PTK_RETURN_IF_ERROR(RemoveFileIfExists(pending));
+  return st;
 }
 
 // --verify: the output's checksum against its sidecar, then (when the source still exists) the
@@ -342,6 +384,13 @@ absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
     if (!src.ok()) {
       r.state = ExtractFileResult::State::kFailed;
       r.error = src.status();
+    } else if (r.output != r.input && !opt.force && Occupied(r.output) && !WrittenByExtract(r.output)) {
+      // As zstd -d: a file this tool did not write is never overwritten unasked.
+      r.state = ExtractFileResult::State::kFailed;
+      r.error = absl::AlreadyExistsError(
+          fmt::format("{} already exists and was not written by ptk-extract (no {} beside it): not overwritten; "
+                      "remove it, or pass --force",
+                      r.output, kDoneSuffix));
     } else if (r.output == r.input) {
       r.state = ExtractFileResult::State::kSkipped;  // already plain, in place
     } else if (LooksComplete(r.input, r.output, drops, true, *src)) {

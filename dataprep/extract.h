@@ -22,6 +22,9 @@ struct ExtractOptions {
   bool delete_input = false;
   std::vector<std::string> drop_sets;  // records whose meta.redpajama_set_name is one of these are dropped
   bool verify = false;                 // re-decode and compare outputs that look complete
+  // Overwrite an existing output that ptk-extract did not write (one without its sidecar or pending
+  // record). Without it such an output is a failed file naming it, as `zstd -d` refuses.
+  bool force = false;
   bool progress = true;
 };
 

@@ -29,6 +29,13 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   using namespace tokenize_detail;
   if (opt.inputs.empty()) return absl::InvalidArgumentError("no input files");
   if (opt.json_keys.empty()) return absl::InvalidArgumentError("no --json-keys");
+  // One dataset per key: a key named twice would be two writers of one PREFIX_KEY_document.
+  for (size_t i = 0; i < opt.json_keys.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (opt.json_keys[i] == opt.json_keys[j])
+        return absl::InvalidArgumentError(
+            fmt::format("usage: --json-keys names {:?} twice; each key is one dataset ({}), give it once",
+                        opt.json_keys[i], OutputPrefixFor(opt.output_prefix, opt.json_keys[i])));
   if (opt.partitions < 1) return absl::InvalidArgumentError("--partitions must be >= 1");
   const auto t_start = std::chrono::steady_clock::now();
   const int workers = std::max(1, opt.workers);

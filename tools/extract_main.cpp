@@ -34,6 +34,9 @@ int main(int argc, char** argv) {
   app->add_option("--drop-set", drop_sets,
                   "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)");
   app->add_flag("--verify", verify, "Re-decode inputs whose outputs look complete and compare byte for byte");
+  bool force = false;
+  app->add_flag("--force", force,
+                "Overwrite existing outputs that ptk-extract did not write (default: refused, as zstd -d refuses)");
   app->add_flag("--quiet", quiet, "No progress output");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
@@ -68,6 +71,7 @@ int main(int argc, char** argv) {
     opt.delete_input = delete_input;
     opt.drop_sets = drop_sets;
     opt.verify = verify;
+    opt.force = force;
     opt.progress = !quiet;
     PTK_ASSIGN_OR_RETURN(ptk::ExtractSummary s, ptk::RunExtract(opt));
     ptk::log::Info(

@@ -1,7 +1,10 @@
 // common/: atomic writer, natural order, globbing, shard resolution.
 #include "common/file_util.h"
 
+#include <sys/stat.h>
+
 #include <cstdlib>
+#include <filesystem>
 
 #include <gtest/gtest.h>
 
@@ -95,6 +98,43 @@ TEST(PublishTogether, InterruptedPublishIsCompletedFromTheJournal) {
   // A damaged journal is an error, not a guess.
   testing::WriteFile(dir / "j", "ptk-publish v1\na.new");
   EXPECT_EQ(CompletePendingPublish(dir / "j").code(), absl::StatusCode::kDataLoss);
+}
+
+// Issue 27: a publish onto a directory left its journal (and so the caller's temporaries) behind.
+// Now nothing is published and no journal is written; the temporaries stay the caller's.
+TEST(PublishTogether, ADirectoryInAFinalPlacePublishesNothing) {
+  TempDir dir;
+  testing::WriteFile(dir / "a.new", "new a");
+  testing::WriteFile(dir / "b.new", "new b");
+  std::filesystem::create_directories(dir / "b");
+  auto st = PublishTogether(dir / "j", {{dir / "a.new", dir / "a"}, {dir / "b.new", dir / "b"}});
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(std::string(st.message()).find("a directory is in its place"), std::string::npos) << st;
+  EXPECT_FALSE(testing::Exists(dir / "j"));
+  EXPECT_FALSE(testing::Exists(dir / "a"));
+  EXPECT_TRUE(testing::Exists(dir / "a.new"));
+}
+
+// Issue 27: a directory with a link back up was walked until the path was too long (41 copies of
+// every file); a file reached twice was listed twice.
+TEST(WalkDirectory, EachDirectoryAndFileOnceByDeviceAndInode) {
+  TempDir dir;
+  ASSERT_TRUE(MakeDirs(dir / "x/sub").ok());
+  ASSERT_TRUE(MakeDirs(dir / "x/real").ok());
+  testing::WriteFile(dir / "x/f", "1");
+  testing::WriteFile(dir / "x/real/g", "2");
+  std::filesystem::create_symlink("..", dir / "x/sub/up");
+  std::filesystem::create_symlink("real", dir / "x/a_link");  // sorts before real/: the real name still wins
+  std::filesystem::create_symlink("f", dir / "x/f_link");
+  std::filesystem::create_symlink("nowhere", dir / "x/broken");
+  std::filesystem::create_hard_link(dir / "x/f", dir / "x/hard");
+  ASSERT_EQ(::mkfifo((dir / "x/pipe").c_str(), 0644), 0);
+  auto files = WalkDirectory(dir / "x");
+  ASSERT_TRUE(files.ok()) << files.status();
+  std::vector<std::string> got;
+  for (const auto& f : *files) got.push_back(f.rel + (f.id.regular ? "" : " (" + f.id.kind + ")"));
+  EXPECT_EQ(got, (std::vector<std::string>{"broken (a broken symbolic link)", "f", "pipe (a FIFO)", "real/g"}));
+  EXPECT_EQ(*ListFilesRecursive(dir / "x"), (std::vector<std::string>{"f", "real/g"}));
 }
 
 TEST(AtomicFileWriter, AppendFileRange) {

@@ -136,6 +136,74 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// Issue 27: ptk-extract overwrote an a.jsonl it did not write (zstd -d refuses). Now such a file is a
+// failed input naming it, --force overwrites it, and ptk-extract's own outputs are still redone or
+// skipped: those with a sidecar, and one a kill left between its publish and its sidecar (its
+// pending record says it is ptk-extract's).
+TEST(Extract, NeverOverwritesAFileItDidNotWrite) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(200, 31);
+  testing::WriteFile(dir / "in/a.jsonl.zst", testing::ZstdCompress(a));
+  testing::WriteFile(dir / "in/a.jsonl", "someone's own notes\n");
+  const std::string extract = fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "in/a.jsonl.zst");
+  auto r = RunCmd(extract);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "in/a.jsonl" + " already exists and was not written by ptk-extract"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("--force"), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "in/a.jsonl"), "someone's own notes\n");
+  auto forced = RunCmd(extract + " --force");
+  ASSERT_EQ(forced.exit_code, 0) << forced.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/a.jsonl") == a);
+  // Its own output: a rerun skips it; damaged (with its sidecar), it is redone without --force.
+  auto again = RunCmd(extract);
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("0 extracted, 1 already complete"), std::string::npos) << again.output;
+  testing::WriteFile(dir / "in/a.jsonl", "half");
+  auto redo = RunCmd(extract);
+  ASSERT_EQ(redo.exit_code, 0) << redo.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/a.jsonl") == a);
+  // Killed after the output was published but before its sidecar: the pending record stands for it.
+  std::filesystem::remove(dir / "in/a.jsonl.ptk-done");
+  testing::WriteFile(dir / "in/a.jsonl.ptk-extracting", fmt::format("{{\"source\": \"{}\"}}", dir / "in/a.jsonl.zst"));
+  auto after_kill = RunCmd(extract);
+  ASSERT_EQ(after_kill.exit_code, 0) << after_kill.output;
+  EXPECT_NE(after_kill.output.find("1 extracted"), std::string::npos) << after_kill.output;
+  EXPECT_FALSE(testing::Exists(dir / "in/a.jsonl.ptk-extracting"));
+  EXPECT_TRUE(testing::Exists(dir / "in/a.jsonl.ptk-done"));
+  // Neither a sidecar nor a pending record: not its own.
+  std::filesystem::remove(dir / "in/a.jsonl.ptk-done");
+  EXPECT_EQ(RunCmd(extract).exit_code, 1);
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
+// Issue 27: --drop-set kept the first of duplicate keys; Python's json (and ptk-tokenize) keep the
+// last, at every level.
+TEST(Extract, DropSetTakesTheLastOfDuplicateKeys) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string keep1 =
+      R"({"meta": {"redpajama_set_name": "RedPajamaBook", "redpajama_set_name": "RedPajamaC4"}, "text": "keep"})"
+      "\n";
+  const std::string drop1 =
+      R"({"meta": {"redpajama_set_name": "RedPajamaC4", "redpajama_set_name": "RedPajamaBook"}, "text": "drop"})"
+      "\n";
+  const std::string keep2 =
+      R"({"meta": {"redpajama_set_name": "RedPajamaBook"}, "meta": {"redpajama_set_name": "RedPajamaC4"}, "text": "k"})"
+      "\n";
+  const std::string drop2 =
+      R"({"meta": {"redpajama_set_name": "RedPajamaC4"}, "meta": {"redpajama_set_name": "RedPajamaBook"}, "text": "d"})"
+      "\n";
+  const std::string keep3 = R"({"meta": {"redpajama_set_name": "RedPajamaBook", "redpajama_set_name": 7}})"
+                            "\n";
+  testing::WriteFile(dir / "in/a.jsonl.zst", testing::ZstdCompress(keep1 + drop1 + keep2 + drop2 + keep3));
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBook", testing::Tool("ptk-extract"),
+                              dir / "in", dir / "out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/a.jsonl"), keep1 + keep2 + keep3);
+}
+
 TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");

@@ -406,6 +406,29 @@ TEST(TokenizeErrors, EachFileIsReadOnceAndFifosAreRefused) {
   EXPECT_EQ(testing::ReadFile(dir / "s_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
 }
 
+// Issue 27: --json-keys text text was reported as blocked by another run's lock (its own); a publish
+// over a directory left *.ptk-tmp-* files and a .ptk-publish journal behind.
+TEST(TokenizeErrors, DuplicateKeysAndADirectoryInTheOutputsPlace) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"}\n");
+  auto dup =
+      RunCmd(Tok(fmt::format("--input {} --output-prefix {} --json-keys text text", dir / "in.jsonl", dir / "d")));
+  EXPECT_EQ(dup.exit_code, 2) << dup.output;
+  EXPECT_NE(dup.output.find("--json-keys names \"text\" twice"), std::string::npos) << dup.output;
+  EXPECT_EQ(dup.output.find("another run"), std::string::npos) << dup.output;
+  for (const char* blocked : {"p_text_document.bin", "p_text_document.idx"}) {
+    TempDir out;
+    std::filesystem::create_directories(out / blocked);
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", out / "p")));
+    EXPECT_EQ(r.exit_code, 1) << blocked << ": " << r.output;
+    EXPECT_NE(r.output.find("a directory is in its place"), std::string::npos) << blocked << ": " << r.output;
+    EXPECT_EQ(testing::Leftovers(out.path()), "") << blocked;
+    size_t entries = 0;
+    for (const auto& e : std::filesystem::directory_iterator(out.path())) entries += e.exists();
+    EXPECT_EQ(entries, 1u) << blocked << ": only the directory is left";
+  }
+}
+
 TEST(TokenizeErrors, HundredMegabyteDocument) {
   TempDir dir;
   {
