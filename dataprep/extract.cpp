@@ -29,22 +29,21 @@ namespace ptk {
 namespace {
 
 constexpr std::string_view kDoneSuffix = ".ptk-done";
-// Written (durably) before an output is published and removed once its sidecar is: an output a
-// kill left without a sidecar is still known to be ptk-extract's own.
+// Written before an output is published and removed once its sidecar is: an output a kill (or a
+// crash: the output's publish fsyncs their directory) left without a sidecar is still known to be
+// ptk-extract's own. Its existence is what counts.
 constexpr std::string_view kPendingSuffix = ".ptk-extracting";
 
 // Whether ptk-extract wrote `output` (or was publishing it when it was killed): its sidecar or its
 // pending record names a source. Anything else at that path is not overwritten without --force.
 bool WrittenByExtract(const std::string& output) {
-  for (std::string_view suffix : {kDoneSuffix, kPendingSuffix}) {
-    auto side = ReadFileToString(output + std::string(suffix));
-    if (!side.ok()) continue;
-    simdjson::dom::parser p;
-    simdjson::dom::element e;
-    std::string_view source;
-    if (!p.parse(*side).get(e) && !e["source"].get(source)) return true;
-  }
-  return false;
+  if (PathExists(output + std::string(kPendingSuffix))) return true;
+  auto side = ReadFileToString(output + std::string(kDoneSuffix));
+  if (!side.ok()) return false;
+  simdjson::dom::parser p;
+  simdjson::dom::element e;
+  std::string_view source;
+  return !p.parse(*side).get(e) && !e["source"].get(source);
 }
 
 bool Occupied(const std::string& path) {
@@ -255,7 +254,8 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
   // the old sidecar goes before the new output appears: a kill in between leaves an output without
   // a sidecar (redone by the next run), never a new output described by an old sidecar.
   const std::string pending = output + std::string(kPendingSuffix);
-  PTK_RETURN_IF_ERROR(WriteFileAtomic(pending, JsonWriter().BeginObject().Field("source", input).EndObject().str()));
+  PTK_RETURN_IF_ERROR(WriteFileAtomic(pending, JsonWriter().BeginObject().Field("source", input).EndObject().str(),
+                                      /*durable=*/false));
   absl::Status st = RemoveFileIfExists(output + std::string(kDoneSuffix));
   if (st.ok()) st = out->Commit();
   if (st.ok())
