@@ -241,9 +241,12 @@ absl::Status BuildPlan(const GemmSpec& g, const void* A, const void* B, const vo
   int found = 0;
   const cublasStatus_t st =
       cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt, desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED ||
+  // No algorithm (NOT_SUPPORTED, or an epilogue/type combination this cuBLASLt rejects as
+  // INVALID_VALUE): unsupported, plan->supported stays false and the caller falls back to
+  // cublasGemmEx and the separate kernels, which fail loudly if the product itself is invalid.
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE ||
       (st == CUBLAS_STATUS_SUCCESS && (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)))
-    return absl::OkStatus();  // unsupported: plan->supported stays false
+    return absl::OkStatus();
   if (st != CUBLAS_STATUS_SUCCESS) return CublasError(st, "cublasLtMatmulAlgoGetHeuristic", where);
   plan->algo = result.algo;
   plan->supported = true;
