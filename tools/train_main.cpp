@@ -43,7 +43,8 @@ std::string ArgsJson(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto app = ptk::cli::MakeApp("ptk-train", "Train Megatron's GPT on Megatron-format data (fp32 CPU backend).");
+  auto app = ptk::cli::MakeApp("ptk-train",
+                               "Train Megatron's GPT on Megatron-format data (CUDA: fp32, bf16, fp16; CPU: fp32).");
   ptk::trainer::TrainFlags flags;
   ptk::trainer::AddTrainFlags(app.get(), &flags);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
@@ -97,6 +98,8 @@ int main(int argc, char** argv) {
       options.exit_signal = &g_exit_signal;
     }
     options.comm = comm.get();
+    // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
+    options.backend.device_index = ranks.local_rank;
     options.args_json = ArgsJson(argc, argv);
     PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainSummary s, ptk::trainer::RunTraining(options));
     if (comm->rank() == 0) {

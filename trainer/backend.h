@@ -11,8 +11,8 @@ namespace ptk::trainer {
 struct BackendOptions {
   Device device = Device::kCpu;
   Precision precision = Precision::kFp32;
-  int device_index = 0;        // the CUDA device (the local rank; CUDA_VISIBLE_DEVICES applies)
-  bool deterministic = false;  // --deterministic-mode: only bitwise-reproducible kernels
+  int device_index = 0;          // the CUDA device (the local rank; CUDA_VISIBLE_DEVICES applies)
+  bool deterministic = false;    // --deterministic-mode: only bitwise-reproducible kernels
   int64_t micro_batch_size = 1;  // the CUDA backend plans its activations for it
 };
 

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -236,8 +237,12 @@ absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, 
       .Field("consumed_valid_samples", state.consumed_valid_samples)
       .Field("opt_param_scheduler_num_steps", state.scheduler_num_steps)
       .Field("adam_step", state.adam_step)
-      .Field("skipped_iterations", state.skipped_iterations)
-      .Field("seed", state.seed)
+      .Field("skipped_iterations", state.skipped_iterations);
+  if (state.loss_scale)
+    w.Field("loss_scale", state.loss_scale->scale)
+        .Field("loss_scale_growth_tracker", state.loss_scale->growth_tracker)
+        .Field("loss_scale_hysteresis_tracker", state.loss_scale->hysteresis_tracker);
+  w.Field("seed", state.seed)
       .Field("wall_seconds", state.wall_seconds)
       .Field("num_params", layout.num_params)
       .Key("model")
@@ -403,6 +408,18 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   PTK_RETURN_IF_ERROR(get("opt_param_scheduler_num_steps", &state->scheduler_num_steps));
   PTK_RETURN_IF_ERROR(get("adam_step", &state->adam_step));
   PTK_RETURN_IF_ERROR(get("skipped_iterations", &state->skipped_iterations));
+  // fp16's dynamic loss scaler, when the saving run had one.
+  state->loss_scale.reset();
+  double scale = 0;
+  if (!h["loss_scale"].get(scale)) {
+    if (!(scale > 0) || !std::isfinite(scale)) return corrupt("loss_scale is not a positive number");
+    LossScaleState ls;
+    ls.scale = scale;
+    if (h["loss_scale_growth_tracker"].get(ls.growth_tracker) ||
+        h["loss_scale_hysteresis_tracker"].get(ls.hysteresis_tracker))
+      return corrupt("header misses the loss scaler's trackers");
+    state->loss_scale = ls;
+  }
   uint64_t seed = 0;
   if (h["seed"].get(seed)) return corrupt("header misses seed");
   state->seed = seed;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -19,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "trainer/gpt_model.h"
+#include "trainer/optimizer.h"
 
 namespace ptk::trainer {
 
@@ -29,6 +31,7 @@ struct TrainState {
   int64_t scheduler_num_steps = 0;  // samples
   int64_t adam_step = 0;
   int64_t skipped_iterations = 0;
+  std::optional<LossScaleState> loss_scale;  // --fp16's dynamic scaler; none otherwise
   uint64_t seed = 0;
   double wall_seconds = 0;  // training time so far, for progress reporting
   // The settings a resumed run compares with its own (flag name, value), e.g. {"--seed", "1234"}.

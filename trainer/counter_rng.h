@@ -52,6 +52,11 @@ inline double CounterNormal(uint64_t key, uint64_t i) {
 }
 
 // Dropout sites within a layer (the stream's `site`); attention probabilities key per head.
-enum DropoutSite : uint64_t { kEmbeddingDropout = 0, kAttentionOutDropout = 1, kMlpOutDropout = 2, kAttentionProbs = 3 };
+enum DropoutSite : uint64_t {
+  kEmbeddingDropout = 0,
+  kAttentionOutDropout = 1,
+  kMlpOutDropout = 2,
+  kAttentionProbs = 3
+};
 
 }  // namespace ptk::trainer

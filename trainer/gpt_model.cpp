@@ -40,12 +40,9 @@ int64_t PaddedVocabSize(int64_t vocab_size, int64_t divisible_by) {
 std::string_view DeviceName(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 std::string_view PrecisionName(Precision p) {
   switch (p) {
-    case Precision::kBf16:
-      return "bf16";
-    case Precision::kFp16:
-      return "fp16";
-    case Precision::kFp32:
-      break;
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+    case Precision::kFp32: break;
   }
   return "fp32";
 }

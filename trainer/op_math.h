@@ -31,7 +31,7 @@ PTK_HD T GeluDerivative(T x) {
 // corrections in double, then rounded to T as the CPU op always did).
 template <typename T>
 struct AdamWCoefficients {
-  T decay;      // 1 - lr * weight_decay
+  T decay;  // 1 - lr * weight_decay
   T beta1, beta2;
   T step_size;  // lr / (1 - beta1^step)
   T bc2_sqrt;   // sqrt(1 - beta2^step)
@@ -42,8 +42,9 @@ inline AdamWCoefficients<T> MakeAdamWCoefficients(double lr, double beta1, doubl
                                                   double weight_decay, int64_t step) {
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  return {static_cast<T>(1.0 - lr * weight_decay), static_cast<T>(beta1), static_cast<T>(beta2),
-          static_cast<T>(lr / bc1), static_cast<T>(std::sqrt(bc2)), static_cast<T>(eps)};
+  return {
+      static_cast<T>(1.0 - lr * weight_decay), static_cast<T>(beta1), static_cast<T>(beta2), static_cast<T>(lr / bc1),
+      static_cast<T>(std::sqrt(bc2)),          static_cast<T>(eps)};
 }
 // One element: p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
 // p -= step_size * m / (sqrt(v)/sqrt(bc2) + eps).

@@ -54,10 +54,6 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--manual-gc", Arg::kNone, "no garbage collector"},
     {"--use-cpu-initialization", Arg::kNone, "initialisation is on the CPU already"},
     {"--no-persist-layer-norm", Arg::kNone, "kernel choice"},
-    {"--initial-loss-scale", Arg::kPositive, "loss scaling applies to --fp16 only"},
-    {"--min-loss-scale", Arg::kPositive, "loss scaling applies to --fp16 only"},
-    {"--loss-scale-window", Arg::kPositive, "loss scaling applies to --fp16 only"},
-    {"--hysteresis", Arg::kPositiveInt, "loss scaling applies to --fp16 only"},
     {"--empty-unused-memory-level", Arg::kLevel, "memory tuning"},
     {"--cross-entropy-loss-fusion", Arg::kNone, "kernel fusion flag"},
 };
@@ -256,9 +252,24 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
                 f->check_for_nan_in_loss_and_grad,
                 "Stop when the loss or the gradient norm is NaN/Inf (default; --no-...: skip the iteration instead)");
   // Precision, parallelism, device.
-  app->add_flag("--fp16", f->fp16, "fp16 mixed precision (CUDA backend only)");
-  app->add_flag("--bf16", f->bf16, "bf16 mixed precision (CUDA backend only)");
-  app->add_option("--device", f->device, "ptk: cpu (cuda needs the CUDA backend)");
+  app->add_flag("--fp16", f->fp16,
+                "fp16 mixed precision with dynamic loss scaling (--device cuda; fp32 master weights, moments, loss)");
+  app->add_flag("--bf16", f->bf16, "bf16 mixed precision (--device cuda; fp32 master weights, moments, loss)");
+  app->add_option("--device", f->device,
+                  "ptk: cpu or cuda (default: cuda where this build has CUDA and a GPU is visible, else cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_flag("--deterministic-mode", f->deterministic_mode,
+                "Bitwise-reproducible kernels only: two runs give identical loss lines (the CPU backend always is)");
+  app->add_option("--loss-scale", f->loss_scale, "fp16: a constant loss scale instead of dynamic scaling")
+      ->check(RealIn(0, true, 1e300, false));
+  app->add_option("--initial-loss-scale", f->initial_loss_scale, "fp16: the dynamic loss scale's start (2^32)")
+      ->check(RealIn(0, true, 1e300, false));
+  app->add_option("--min-loss-scale", f->min_loss_scale, "fp16: the dynamic loss scale's floor (1)")
+      ->check(RealIn(0, true, 1e300, false));
+  app->add_option("--loss-scale-window", f->loss_scale_window, "fp16: good steps before the scale doubles (1000)")
+      ->check(RealIn(1, false, 1e15, false));
+  app->add_option("--hysteresis", f->hysteresis, "fp16: overflows tolerated before the scale halves (2)")
+      ->check(IntIn(1, kMaxSize));
   app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel")
@@ -297,12 +308,16 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (f.context_parallel_size != 1)
     return Refuse(
         fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
-  if (f.device != "cpu")
-    return Refuse(fmt::format("--device {}: this ptk-train has the fp32 CPU backend only; use --device cpu", f.device));
-  if (f.fp16 || f.bf16)
+  if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
+  const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
+  if (device == Device::kCuda && !CudaBuilt())
     return Refuse(
-        fmt::format("--{}: the CPU backend trains in fp32; drop the flag (mixed precision is the CUDA backend's)",
-                    f.fp16 ? "fp16" : "bf16"));
+        "--device cuda: this ptk-train was built without CUDA (no nvcc at build time); build with "
+        "scripts/build.sh -DPTK_CUDA=ON on a machine with the CUDA toolkit, or train with --device cpu");
+  if (device == Device::kCpu && (f.fp16 || f.bf16))
+    return Refuse(
+        fmt::format("--{}: the CPU backend trains in fp32; drop the flag, or train on a GPU (--device cuda){}",
+                    f.fp16 ? "fp16" : "bf16", f.device.empty() ? " (no CUDA device is visible here)" : ""));
   if (f.optimizer != "adam") return Refuse("--optimizer " + f.optimizer + ": ptk has AdamW (--optimizer adam) only");
   if (f.tokenizer_type != "GPT2BPETokenizer")
     return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
@@ -394,6 +409,19 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   o.no_load_rng = f.no_load_rng;
   o.finetune = f.finetune;
   o.check_for_nan_in_loss_and_grad = f.check_for_nan_in_loss_and_grad;
+  o.backend.device = device;
+  o.backend.precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
+  o.backend.deterministic = f.deterministic_mode;
+  if (f.fp16) {
+    o.loss_scale.dynamic = !f.loss_scale.has_value();
+    o.loss_scale.scale = f.loss_scale.value_or(f.initial_loss_scale);
+    o.loss_scale.min_scale = f.min_loss_scale;
+    o.loss_scale.window = static_cast<int64_t>(f.loss_scale_window);
+    o.loss_scale.hysteresis = f.hysteresis;
+    if (absl::Status st = o.loss_scale.Validate(); !st.ok()) return st;
+  } else if (f.loss_scale) {
+    notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
+  }
   o.metrics_path = !f.metrics_file.empty()      ? f.metrics_file
                    : !f.tensorboard_dir.empty() ? JoinPath(f.tensorboard_dir, "metrics.jsonl")
                                                 : "";

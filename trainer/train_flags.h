@@ -47,8 +47,12 @@ struct TrainFlags {
   bool exit_signal_handler = false, no_load_optim = false, no_load_rng = false, finetune = false;
   bool check_for_nan_in_loss_and_grad = true;
   // precision, parallelism, device
-  bool fp16 = false, bf16 = false;
-  std::string device = "cpu";
+  bool fp16 = false, bf16 = false, deterministic_mode = false;
+  std::string device;  // "": cuda where the build has CUDA and a GPU is visible, else cpu
+  // Megatron's loss scaling (fp16): --loss-scale fixes the scale; else dynamic from --initial-loss-scale.
+  std::optional<double> loss_scale;
+  double initial_loss_scale = 4294967296.0, min_loss_scale = 1.0, loss_scale_window = 1000;
+  int64_t hysteresis = 2;
   int64_t tensor_model_parallel_size = 1, pipeline_model_parallel_size = 1, context_parallel_size = 1;
   int64_t threads = 0;  // ptk: CPU threads per rank (0: all cores of this rank's share)
   double distributed_timeout_minutes = 5;

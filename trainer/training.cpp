@@ -204,6 +204,12 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--check-for-nan-in-loss-and-grad", o.check_for_nan_in_loss_and_grad ? "on" : "off"},
       {"--device", std::string(DeviceName(o.backend.device))},
       {"--bf16/--fp16", std::string(PrecisionName(o.backend.precision))},
+      {"--deterministic-mode", o.backend.deterministic ? "on" : "off"},
+      {"--loss-scale (fp16)", o.loss_scale.dynamic ? "dynamic" : num(o.loss_scale.scale)},
+      {"--initial-loss-scale", num(o.loss_scale.scale)},
+      {"--min-loss-scale", num(o.loss_scale.min_scale)},
+      {"--loss-scale-window", std::to_string(o.loss_scale.window)},
+      {"--hysteresis", std::to_string(o.loss_scale.hysteresis)},
   };
 }
 
@@ -253,6 +259,14 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
           "the {} samples consumed so far were {} tokens long: the position in the data no longer "
           "matches the saved run's",
           loaded.consumed_train_samples, before.count(flag) ? before.at(flag) : "?");
+    } else if (flag == "--device" || flag == "--bf16/--fp16") {
+      auto it = before.find(flag);
+      if (it != before.end() && it->second != value)
+        log::Info(
+            "resuming with {} (the checkpoint of iteration {} was saved with {}): the fp32 master weights and AdamW "
+            "moments carry over exactly; the arithmetic from here is this backend's",
+            Shown(flag, value), loaded.iteration, Shown(flag, it->second));
+      continue;
     } else if (flag == "--global-batch-size") {
       why = fmt::format(
           "iterations now take {} samples; the learning-rate schedule (in samples) and the data position go on from "
@@ -362,7 +376,7 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);
   s += fmt::format(" global batch size: {:5d} |", f.global_batch_size);
   if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
-  s += " loss scale: 1.0 |";
+  s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
   s += fmt::format(" grad norm: {:.3f} |", f.grad_norm);
   s += fmt::format(" number of skipped iterations: {:3d} |", f.skipped);
   s += fmt::format(" number of nan iterations: {:3d} |", f.nan);
@@ -437,9 +451,11 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   PTK_RETURN_IF_ERROR(CheckRanksAgree(comm, settings));
 
   // ---- model, optimizer, checkpoint
-  PTK_ASSIGN_OR_RETURN(std::unique_ptr<GPTModel> model, CreateModel(o.model, o.backend));
+  BackendOptions backend = o.backend;
+  backend.micro_batch_size = mbs;
+  PTK_ASSIGN_OR_RETURN(std::unique_ptr<GPTModel> model, CreateModel(o.model, backend));
   PTK_RETURN_IF_ERROR(model->InitWeights(o.seed));
-  Optimizer opt(model.get(), o.optimizer, sc, comm);
+  Optimizer opt(model.get(), o.optimizer, sc, comm, o.loss_scale);
   TrainState state;
   state.seed = o.seed;
   TrainSummary summary;
@@ -468,6 +484,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
         if (!o.no_load_optim) {
           PTK_RETURN_IF_ERROR(model->WriteMoments(m, v));
           opt.set_adam_step(loaded.adam_step);
+          if (o.loss_scale.dynamic && loaded.loss_scale) opt.loss_scaler().set_state(*loaded.loss_scale);
         }
         opt.scheduler().set_num_steps(loaded.scheduler_num_steps);
         if (o.no_load_rng) state.seed = o.seed;
@@ -495,8 +512,9 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, gbs, train_iters));
   const double flops = FlopsPerIteration(o.model, gbs);
   if (rank == 0)
-    log::Info("model: {} parameters; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
-              model->num_params(), num_micro, mbs, dp, gbs);
+    log::Info(
+        "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
+        model->num_params(), model->Describe(), num_micro, mbs, dp, gbs);
 
   MetricsFile metrics;
   if (rank == 0 && !o.metrics_path.empty()) PTK_RETURN_IF_ERROR(metrics.Open(o.metrics_path));
@@ -543,6 +561,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     if (rank == 0) {
       state.scheduler_num_steps = opt.scheduler().num_steps();
       state.adam_step = opt.adam_step();
+      if (opt.loss_scaler().dynamic()) state.loss_scale = opt.loss_scaler().state();
       state.settings = settings;
       auto t0 = Clock::now();
       const size_t n = static_cast<size_t>(model->num_params());
@@ -572,13 +591,15 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       batches[m] = View(*held[m], &keys[m]);
     }
     PTK_ASSIGN_OR_RETURN(StepResult r, opt.Step(batches, gbs, state.seed));
-    if (o.check_for_nan_in_loss_and_grad) PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state.iteration + 1, rank));
+    // fp16's dynamic loss scaling skips an overflowing step by design; anything else non-finite stops.
+    if (o.check_for_nan_in_loss_and_grad && !r.overflow)
+      PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state.iteration + 1, rank));
     ++state.iteration;
     state.consumed_train_samples += gbs;
     ++interval_iters;
     if (r.skipped) {
       ++interval_skipped;
-      ++interval_nan;
+      if (!r.overflow) ++interval_nan;
       ++state.skipped_iterations;
     } else {
       ++interval_advanced;
@@ -604,6 +625,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       f.learning_rate = lr_now;
       f.lm_loss = interval_advanced > 0 ? interval_loss / static_cast<double>(interval_advanced) : 0.0;
       f.grad_norm = r.grad_norm;
+      f.loss_scale = r.loss_scale;
       f.skipped = interval_skipped;
       f.nan = interval_nan;
       print(FormatLogLine(f, Timestamp()));

@@ -22,8 +22,9 @@
 namespace ptk::trainer {
 
 struct TrainOptions {
-  GPTConfig model;         // vocab_size / padded_vocab_size filled by the caller
-  BackendOptions backend;  // --device, precision
+  GPTConfig model;             // vocab_size / padded_vocab_size filled by the caller
+  BackendOptions backend;      // --device, precision, --deterministic-mode
+  LossScaleConfig loss_scale;  // --fp16's scaler (scale 1 otherwise)
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 0;  // 0: micro_batch_size * data-parallel size
   int64_t train_iters = 0;        // one of train_iters / train_samples
@@ -99,7 +100,7 @@ absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, in
 // The log line Megatron's training_log prints.
 struct LogLineFields {
   int64_t iteration = 0, train_iters = 0, consumed_samples = 0, global_batch_size = 0;
-  double elapsed_ms = 0, tflops_per_gpu = 0, learning_rate = 0, lm_loss = 0, grad_norm = 0;
+  double elapsed_ms = 0, tflops_per_gpu = 0, learning_rate = 0, lm_loss = 0, grad_norm = 0, loss_scale = 1.0;
   int64_t skipped = 0, nan = 0;
 };
 std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp);

@@ -204,8 +204,8 @@ void CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed)
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
-  LayerNormForwardCpu(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(), P + layout_.lnf_w,
-                      P + layout_.lnf_b, n, c, cf.layernorm_epsilon);
+  LayerNormForwardCpu(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(),
+                      P + layout_.lnf_w, P + layout_.lnf_b, n, c, cf.layernorm_epsilon);
   MatmulForwardCpu(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
 }
 
@@ -217,11 +217,11 @@ void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed
   float* G = grads_.data();
 
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-  MatmulBackwardCpu(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(), P + layout_.out_w,
-                    n, c, vp);
+  MatmulBackwardCpu(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
+                    P + layout_.out_w, n, c, vp);
   std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
-  LayerNormBackwardCpu(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(), a.resid[cf.num_layers].data(),
-                       P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
+  LayerNormBackwardCpu(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(),
+                       a.resid[cf.num_layers].data(), P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
   for (int64_t l = cf.num_layers - 1; l >= 0; --l) {
     const LayerParams& lp = layout_.layers[l];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
@@ -269,7 +269,7 @@ LossSum SumLosses(const std::vector<float>& losses, const float* mask, int64_t n
 }  // namespace
 
 absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
-                                                  uint64_t seed) {
+                                                     uint64_t seed) {
   PTK_RETURN_IF_ERROR(Prepare(batch));
   bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");

@@ -29,7 +29,7 @@ struct CudaContext {
   cublasLtHandle_t cublaslt = nullptr;
   void* workspace = nullptr;  // cuBLASLt / cuDNN workspace
   size_t workspace_bytes = 0;
-  void* cudnn = nullptr;      // cudnnHandle_t (kept opaque so this header needs no cudnn.h)
+  void* cudnn = nullptr;       // cudnnHandle_t (kept opaque so this header needs no cudnn.h)
   bool deterministic = false;  // --deterministic-mode: no atomics-ordered reductions, fixed algorithms
   int sm_major = 0, sm_minor = 0, num_sms = 0;
 };
@@ -81,16 +81,16 @@ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace ptk::trainer::cuda
 
 // Returns a Status from the enclosing function when a CUDA runtime call fails.
-#define PTK_CUDA_RETURN_IF_ERROR(call, where)                                                     \
-  do {                                                                                            \
-    cudaError_t ptk_cuda_err_ = (call);                                                           \
+#define PTK_CUDA_RETURN_IF_ERROR(call, where)                                                                \
+  do {                                                                                                       \
+    cudaError_t ptk_cuda_err_ = (call);                                                                      \
     if (ptk_cuda_err_ != cudaSuccess) return ::ptk::trainer::cuda::CudaError(ptk_cuda_err_, #call, (where)); \
   } while (0)
 // After a kernel launch: a bad configuration shows here, an asynchronous fault at the next sync.
 #define PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where) PTK_CUDA_RETURN_IF_ERROR(cudaGetLastError(), (where))
-#define PTK_CUBLAS_RETURN_IF_ERROR(call, where)                                                        \
-  do {                                                                                                 \
-    cublasStatus_t ptk_cublas_err_ = (call);                                                           \
-    if (ptk_cublas_err_ != CUBLAS_STATUS_SUCCESS)                                                      \
-      return ::ptk::trainer::cuda::CublasError(ptk_cublas_err_, #call, (where));                       \
+#define PTK_CUBLAS_RETURN_IF_ERROR(call, where)                                  \
+  do {                                                                           \
+    cublasStatus_t ptk_cublas_err_ = (call);                                     \
+    if (ptk_cublas_err_ != CUBLAS_STATUS_SUCCESS)                                \
+      return ::ptk::trainer::cuda::CublasError(ptk_cublas_err_, #call, (where)); \
   } while (0)

@@ -61,7 +61,9 @@ class Pinned {
   size_t bytes_ = 0;
 };
 
-int64_t AlignUp(int64_t x) { return (x + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment; }
+int64_t AlignUp(int64_t x) {
+  return (x + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment;
+}
 
 template <typename T>
 constexpr Precision PrecisionOf() {
@@ -188,9 +190,7 @@ class CudaGPTModelImpl final : public GPTModel {
     return host;
   }
 
-  absl::Status ScaleGrads(double s) override {
-    return Scale(Grad(0), num_params(), static_cast<float>(s), ctx_);
-  }
+  absl::Status ScaleGrads(double s) override { return Scale(Grad(0), num_params(), static_cast<float>(s), ctx_); }
 
   absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override {
     for (const ParamInfo& p : params_info()) {
@@ -225,20 +225,21 @@ class CudaGPTModelImpl final : public GPTModel {
   }
   absl::Status CheckSize(std::string_view what, size_t got) const {
     if (static_cast<int64_t>(got) == num_params()) return absl::OkStatus();
-    return absl::InvalidArgumentError(fmt::format("{}: {} values for a model of {} parameters", what, got, num_params()));
+    return absl::InvalidArgumentError(
+        fmt::format("{}: {} values for a model of {} parameters", what, got, num_params()));
   }
   absl::Status Download(int index, std::span<float> out) const {
     PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, out.size()));
-    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.data(), Buf<float>(index), out.size() * sizeof(float),
-                                             cudaMemcpyDeviceToHost, ctx_.stream),
-                             fmt::format("copying {} to the host", plan_[index].name));
+    PTK_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.data(), Buf<float>(index), out.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
+        fmt::format("copying {} to the host", plan_[index].name));
     return Sync(plan_[index].name);
   }
   absl::Status Upload(int index, std::span<const float> in) {
     PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, in.size()));
-    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(index), in.data(), in.size() * sizeof(float),
-                                             cudaMemcpyHostToDevice, ctx_.stream),
-                             fmt::format("copying {} to the device", plan_[index].name));
+    PTK_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(Buf<float>(index), in.data(), in.size() * sizeof(float), cudaMemcpyHostToDevice, ctx_.stream),
+        fmt::format("copying {} to the device", plan_[index].name));
     return Sync(plan_[index].name);
   }
 
@@ -252,6 +253,15 @@ class CudaGPTModelImpl final : public GPTModel {
     o.attention_scratch_floats =
         kFlash ? 0 : AttentionBackwardScratch(AttentionShape{b, t, config().num_attention_heads, config().head_dim()});
     o.reduce_doubles = SumSquaresPartials(num_params());
+    o.layernorm_scratch_floats = LayerNormBackwardScratch(b * t, config().hidden_size);
+    if constexpr (kFlash) {
+      // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
+      // in deterministic mode): the plan makes room for the larger of it and the products'.
+      const AttentionShape shape{b, t, config().num_attention_heads, config().head_dim()};
+      PTK_ASSIGN_OR_RETURN(const int64_t flash,
+                           FlashAttentionWorkspaceBytes<T>(shape, config().attention_dropout, ctx_));
+      o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, flash);
+    }
     PTK_ASSIGN_OR_RETURN(MemoryPlan plan, PlanMemory(config(), num_params(), o));
     size_t free_bytes = 0, total_bytes = 0;
     PTK_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "querying free device memory");
@@ -286,12 +296,14 @@ class CudaGPTModelImpl final : public GPTModel {
     ctx_.workspace_bytes = static_cast<size_t>(plan_[plan_.workspace].bytes);
     if (kept == 0) {
       // A fresh model: zero everything persistent (moments start at zero; parameters are written).
-      PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(arena_, 0, static_cast<size_t>(plan_[plan_.workspace].offset), ctx_.stream),
-                               "zeroing the model's memory");
+      PTK_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(arena_, 0, static_cast<size_t>(plan_[plan_.workspace].offset), ctx_.stream),
+          "zeroing the model's memory");
     }
-    PTK_RETURN_IF_ERROR(pinned_.Reserve(static_cast<size_t>(InputBytes(plan_.n) + StreamTableSize(config().num_layers,
-                                                                                                  plan_.b) * 8)));
+    PTK_RETURN_IF_ERROR(
+        pinned_.Reserve(static_cast<size_t>(InputBytes(plan_.n) + StreamTableSize(config().num_layers, plan_.b) * 8)));
     PTK_RETURN_IF_ERROR(losses_.Reserve(static_cast<size_t>(plan_.n) * sizeof(float)));
+    PTK_RETURN_IF_ERROR(embedding_plan_.Reserve(plan_.n));
     return Sync("planning device memory");
   }
 
@@ -314,8 +326,8 @@ class CudaGPTModelImpl final : public GPTModel {
     float* w = pinned_.at<float>(3 * stride);
     for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
     const int64_t in_bytes = InputBytes(n_);
-    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<char>(plan_.inputs), pinned_.at<char>(0), static_cast<size_t>(in_bytes),
-                                             cudaMemcpyHostToDevice, ctx_.stream),
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<char>(plan_.inputs), pinned_.at<char>(0),
+                                             static_cast<size_t>(in_bytes), cudaMemcpyHostToDevice, ctx_.stream),
                              fmt::format("copying a {}x{} micro-batch to the device", b_, t_));
     if (dropout) {
       const int64_t L = config().num_layers;
@@ -325,10 +337,10 @@ class CudaGPTModelImpl final : public GPTModel {
           for (int64_t r = 0; r < b_; ++r)
             table[StreamIndex(l, site, b_) + r] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]),
                                                                 static_cast<uint64_t>(l), static_cast<uint64_t>(site));
-      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<uint64_t>(plan_.streams), table,
-                                               static_cast<size_t>(StreamTableSize(L, b_)) * 8, cudaMemcpyHostToDevice,
-                                               ctx_.stream),
-                               "copying the dropout streams to the device");
+      PTK_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(Buf<uint64_t>(plan_.streams), table, static_cast<size_t>(StreamTableSize(L, b_)) * 8,
+                          cudaMemcpyHostToDevice, ctx_.stream),
+          "copying the dropout streams to the device");
       // cuDNN's attention dropout (bf16/fp16) takes one seed per call: the first sample's key
       // for the layer, so that recomputation and backward see the same mask.
       flash_keys_.assign(static_cast<size_t>(L), 0);
@@ -341,7 +353,9 @@ class CudaGPTModelImpl final : public GPTModel {
   const int32_t* Tokens() const { return Buf<int32_t>(plan_.inputs); }
   const int32_t* Labels() const { return Buf<int32_t>(plan_.inputs) + AlignUp(n_ * 4) / 4; }
   const int32_t* Positions() const { return Buf<int32_t>(plan_.inputs) + 2 * AlignUp(n_ * 4) / 4; }
-  const float* LossWeights() const { return reinterpret_cast<const float*>(Buf<int32_t>(plan_.inputs) + 3 * AlignUp(n_ * 4) / 4); }
+  const float* LossWeights() const {
+    return reinterpret_cast<const float*>(Buf<int32_t>(plan_.inputs) + 3 * AlignUp(n_ * 4) / 4);
+  }
   const uint64_t* Streams(int64_t layer, int64_t site) const {
     return Buf<uint64_t>(plan_.streams) + StreamIndex(layer, site, b_);
   }
@@ -361,8 +375,8 @@ class CudaGPTModelImpl final : public GPTModel {
     const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
     T* tmp = Buf<T>(plan_.tmp);
 
-    PTK_RETURN_IF_ERROR(
-        EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte), Compute(pl.wpe), n, c, ctx_));
+    PTK_RETURN_IF_ERROR(EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
+                                            Compute(pl.wpe), n, c, ctx_));
     PTK_RETURN_IF_ERROR(Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed));
     const LayerParams& first = pl.layers[0];
     PTK_RETURN_IF_ERROR(LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
@@ -377,10 +391,10 @@ class CudaGPTModelImpl final : public GPTModel {
       PTK_RETURN_IF_ERROR(AttentionFwd(atty, qkv, l, shape, ap, seed));
       PTK_RETURN_IF_ERROR(MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_));
       PTK_RETURN_IF_ERROR(Dropout(tmp, l, kAttentionOutDropout, hp, seed));
-      PTK_RETURN_IF_ERROR(ResidualLayerNormForward<T>(
-          Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c), Stats(plan_.ln2_stats, l),
-          Stats(plan_.ln2_stats, l) + n, Act(plan_.resid, l, n * c), tmp, Master(lp.ln2_w), Master(lp.ln2_b), n, c,
-          eps, ctx_));
+      PTK_RETURN_IF_ERROR(ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
+                                                      Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
+                                                      Act(plan_.resid, l, n * c), tmp, Master(lp.ln2_w),
+                                                      Master(lp.ln2_b), n, c, eps, ctx_));
       PTK_RETURN_IF_ERROR(MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                            Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f)));
       PTK_RETURN_IF_ERROR(
@@ -424,8 +438,8 @@ class CudaGPTModelImpl final : public GPTModel {
     std::vector<T> chunk_host;
     for (int64_t r0 = 0; r0 < n; r0 += rows_per_chunk) {
       const int64_t rows = std::min(rows_per_chunk, n - r0);
-      PTK_RETURN_IF_ERROR(MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w), static_cast<const T*>(nullptr), rows, c,
-                                           vp, ctx_));
+      PTK_RETURN_IF_ERROR(
+          MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w), static_cast<const T*>(nullptr), rows, c, vp, ctx_));
       if (backward) {
         PTK_RETURN_IF_ERROR(
             SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows, vp, ctx_));
@@ -459,9 +473,9 @@ class CudaGPTModelImpl final : public GPTModel {
       *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
 
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
-    PTK_RETURN_IF_ERROR(LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
-                                             Master(pl.lnf_w), Buf<float>(plan_.lnf_stats),
-                                             Buf<float>(plan_.lnf_stats) + n, n, c, ctx_));
+    PTK_RETURN_IF_ERROR(LayerNormBackward<T>(
+        dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Master(pl.lnf_w),
+        Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_));
     for (int64_t l = L - 1; l >= 0; --l) {
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
@@ -473,9 +487,9 @@ class CudaGPTModelImpl final : public GPTModel {
       PTK_RETURN_IF_ERROR(GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_));
       PTK_RETURN_IF_ERROR(MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
                                             Compute(lp.fc1_w), n, c, f, ctx_));
-      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln,
-                                               Act(plan_.resid_mid, l, n * c), Master(lp.ln2_w),
-                                               Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c, ctx_));
+      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(
+          dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c), Master(lp.ln2_w),
+          Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_));
       // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
                                "copying the residual gradient");
@@ -485,13 +499,14 @@ class CudaGPTModelImpl final : public GPTModel {
       PTK_RETURN_IF_ERROR(AttentionBwd(dqkv, datt, l, shape, ap, seed));
       PTK_RETURN_IF_ERROR(MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
                                             Compute(lp.qkv_w), n, c, 3 * c, ctx_));
-      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
-                                               Master(lp.ln1_w), Stats(plan_.ln1_stats, l),
-                                               Stats(plan_.ln1_stats, l) + n, n, c, ctx_));
+      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(
+          dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c), Master(lp.ln1_w),
+          Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_));
     }
     PTK_RETURN_IF_ERROR(Dropout(dresid, L, kEmbeddingDropout, hp, seed));
-    return EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
-                                n, c, cf.padded_vocab_size, cf.max_position_embeddings, ctx_);
+    return EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_,
+                                positions_host_, n, c, cf.padded_vocab_size, cf.max_position_embeddings,
+                                &embedding_plan_, ctx_);
   }
 
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
@@ -539,11 +554,12 @@ class CudaGPTModelImpl final : public GPTModel {
   const int32_t* positions_host_ = nullptr;
   std::vector<uint64_t> flash_keys_;
   std::vector<float> host_grads_;
+  EmbeddingBackwardPlan embedding_plan_;
 };
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int device, bool deterministic,
-                                                int64_t micro_batch_size) {
+                                               int64_t micro_batch_size) {
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config));
   auto m = std::make_unique<CudaGPTModelImpl<T>>(std::move(layout));
   PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size));
@@ -556,12 +572,9 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& co
                                                              int device_index, bool deterministic,
                                                              int64_t micro_batch_size) {
   switch (precision) {
-    case Precision::kBf16:
-      return Make<__nv_bfloat16>(config, device_index, deterministic, micro_batch_size);
-    case Precision::kFp16:
-      return Make<__half>(config, device_index, deterministic, micro_batch_size);
-    case Precision::kFp32:
-      break;
+    case Precision::kBf16: return Make<__nv_bfloat16>(config, device_index, deterministic, micro_batch_size);
+    case Precision::kFp16: return Make<__half>(config, device_index, deterministic, micro_batch_size);
+    case Precision::kFp32: break;
   }
   return Make<float>(config, device_index, deterministic, micro_batch_size);
 }

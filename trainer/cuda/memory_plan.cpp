@@ -96,6 +96,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.dqkv = add("scratch: QKV gradient", n * 3 * c * a, act_lower);
   m.datt = add("scratch: attention output gradient", n * c * a, act_lower);
   m.attn_scratch = add("scratch: attention backward", m.flash ? 0 : o.attention_scratch_floats * 4, act_lower);
+  m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
   m.streams = add("dropout stream keys", StreamTableSize(L, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);

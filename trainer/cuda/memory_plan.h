@@ -13,10 +13,10 @@
 namespace ptk::trainer::cuda {
 
 struct PlannedBuffer {
-  std::string name;     // e.g. "activations: attention probabilities (per layer)"
-  int64_t bytes = 0;    // the whole buffer (all layers)
-  int64_t offset = 0;   // from the start of the allocation, kAlignment-aligned
-  std::string lower;    // what shrinks it, for the out-of-memory message
+  std::string name;    // e.g. "activations: attention probabilities (per layer)"
+  int64_t bytes = 0;   // the whole buffer (all layers)
+  int64_t offset = 0;  // from the start of the allocation, kAlignment-aligned
+  std::string lower;   // what shrinks it, for the out-of-memory message
 };
 
 // Every buffer of the CUDA model; each field is an index into `buffers`.
@@ -24,7 +24,7 @@ struct MemoryPlan {
   static constexpr int64_t kAlignment = 256;
 
   // The shape it was planned for.
-  int64_t b = 0, t = 0, n = 0;  // n = b * t tokens
+  int64_t b = 0, t = 0, n = 0;   // n = b * t tokens
   int64_t logit_chunk_rows = 0;  // rows of the (rows, padded vocab) logits buffer
   int64_t act_bytes = 0;         // bytes of one activation element (4 fp32, 2 bf16/fp16)
   bool flash = false;            // bf16/fp16: fused attention, no t x t matrix
@@ -39,8 +39,8 @@ struct MemoryPlan {
   int resid = -1, resid_mid = -1, ln1 = -1, ln1_stats = -1, qkv = -1, atty = -1, attn_saved = -1, ln2 = -1,
       ln2_stats = -1, fc1 = -1, gelu = -1, lnf = -1, lnf_stats = -1;
   // Scratch of one pass.
-  int logits = -1, losses = -1, dloss = -1, tmp = -1, dresid = -1, dtmp = -1, dln = -1, dff = -1, dqkv = -1,
-      datt = -1, attn_scratch = -1, inputs = -1, streams = -1, reduce = -1, workspace = -1;
+  int logits = -1, losses = -1, dloss = -1, tmp = -1, dresid = -1, dtmp = -1, dln = -1, dff = -1, dqkv = -1, datt = -1,
+      attn_scratch = -1, ln_scratch = -1, inputs = -1, streams = -1, reduce = -1, workspace = -1;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -50,11 +50,12 @@ struct MemoryPlan {
 struct PlanOptions {
   Precision precision = Precision::kFp32;
   int64_t micro_batch_size = 1;
-  int64_t seq_length = 0;          // 0: the config's
+  int64_t seq_length = 0;                   // 0: the config's
   int64_t logits_budget_bytes = 256 << 20;  // the logits are computed in chunks of rows within this
   int64_t workspace_bytes = 64 << 20;       // cuBLASLt and cuDNN
   int64_t attention_scratch_floats = 0;     // AttentionBackwardScratch of the shape (fp32 mode)
   int64_t reduce_doubles = 0;               // SumSquaresPartials of the parameter count
+  int64_t layernorm_scratch_floats = 0;     // LayerNormBackwardScratch of the tokens and hidden size
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four

@@ -1,0 +1,273 @@
+// The CUDA model against the CPU model (gpu-labelled: exits 77 without a device). One step's loss
+// and gradients, a 50-step loss curve, determinism, checkpoint state crossing backends, and errors
+// that must be statuses, never crashes. Tolerances: fp32 (no TF32) is compared tightly, bf16/fp16
+// loosely, stated per check below.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cuda/cuda_gpt_model.h"
+#include "trainer/optimizer.h"
+
+namespace ptk::trainer {
+namespace {
+
+GPTConfig SmallConfig(bool dropout) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 256;
+  c.seq_length = c.max_position_embeddings = 64;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1024;
+  c.hidden_dropout = dropout ? 0.1 : 0.0;
+  c.attention_dropout = dropout ? 0.1 : 0.0;
+  return c;
+}
+
+// Deterministic synthetic micro-batches: a learnable pattern (next token = f(previous)), some
+// masked positions, so that the loss falls over a few dozen steps.
+struct Batches {
+  int64_t b = 4, t = 64;
+  std::vector<std::vector<int32_t>> tokens, labels;
+  std::vector<int32_t> positions;
+  std::vector<float> mask;
+  std::vector<std::vector<int64_t>> keys;
+  Batches(int count, int64_t vocab) {
+    for (int64_t i = 0; i < b * t; ++i) {
+      positions.push_back(static_cast<int32_t>(i % t));
+      mask.push_back(i % 13 == 12 ? 0.0f : 1.0f);
+    }
+    uint64_t h = 12345;
+    for (int k = 0; k < count; ++k) {
+      std::vector<int32_t> tok(static_cast<size_t>(b * t)), lab(tok.size());
+      for (int64_t r = 0; r < b; ++r) {
+        h = h * 6364136223846793005ULL + 1442695040888963407ULL;
+        int32_t x = static_cast<int32_t>((h >> 33) % static_cast<uint64_t>(vocab));
+        for (int64_t j = 0; j < t; ++j) {
+          tok[static_cast<size_t>(r * t + j)] = x;
+          x = static_cast<int32_t>((x * 7 + 3) % vocab);
+          lab[static_cast<size_t>(r * t + j)] = x;
+        }
+      }
+      tokens.push_back(tok);
+      labels.push_back(lab);
+      keys.push_back({k * 4 + 0, k * 4 + 1, k * 4 + 2, k * 4 + 3});
+    }
+  }
+  ModelBatch Get(int k) const {
+    return ModelBatch{b,
+                      t,
+                      tokens[static_cast<size_t>(k)].data(),
+                      labels[static_cast<size_t>(k)].data(),
+                      positions.data(),
+                      mask.data(),
+                      keys[static_cast<size_t>(k)].data()};
+  }
+};
+
+std::unique_ptr<GPTModel> Cuda(const GPTConfig& c, Precision p, bool deterministic = true) {
+  auto m = cuda::CreateCudaGPTModel(c, p, 0, deterministic, 4);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return nullptr;
+  EXPECT_TRUE((*m)->InitWeights(1234).ok());
+  return std::move(*m);
+}
+std::unique_ptr<GPTModel> Cpu(const GPTConfig& c) {
+  auto m = CpuGPTModel::Create(c);
+  EXPECT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE((*m)->InitWeights(1234).ok());
+  return std::unique_ptr<GPTModel>(std::move(*m));
+}
+
+// ||a - b|| / ||b|| over a range.
+double RelL2(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+SchedulerConfig Schedule() {
+  SchedulerConfig s;
+  s.max_lr = 3e-3;
+  s.min_lr = 3e-4;
+  s.warmup_steps = 8;
+  s.decay_steps = 200;
+  s.decay_style = "cosine";
+  s.start_wd = s.end_wd = 0.1;
+  s.wd_incr_steps = 200;
+  return s;
+}
+
+void ExpectOneStepMatches(Precision p, double loss_tol, double grad_tol, bool dropout) {
+  const GPTConfig c = SmallConfig(dropout);
+  Batches data(1, c.vocab_size);
+  auto cpu = Cpu(c);
+  auto gpu = Cuda(c, p);
+  ASSERT_TRUE(gpu);
+  ASSERT_TRUE(cpu->ZeroGrads().ok());
+  ASSERT_TRUE(gpu->ZeroGrads().ok());
+  const double scale = 1.0 / 200.0;
+  auto a = cpu->ForwardBackward(data.Get(0), scale, /*train=*/true, 99);
+  auto b = gpu->ForwardBackward(data.Get(0), scale, /*train=*/true, 99);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->tokens, b->tokens);
+  EXPECT_NEAR(b->loss_sum / b->tokens, a->loss_sum / a->tokens, loss_tol * a->loss_sum / a->tokens) << PrecisionName(p);
+  std::vector<float> ga(static_cast<size_t>(cpu->num_params())), gb(ga.size());
+  ASSERT_TRUE(cpu->ReadGrads(ga).ok());
+  ASSERT_TRUE(gpu->ReadGrads(gb).ok());
+  for (const ParamInfo& info : cpu->params_info())
+    EXPECT_LE(RelL2(gb.data() + info.offset, ga.data() + info.offset, info.size), grad_tol)
+        << info.name << " " << PrecisionName(p);
+}
+
+// fp32 with dropout: the same masks on both backends (the counter hash), so gradients agree to
+// rounding (1e-5 on the loss, 1e-4 relative L2 per tensor).
+TEST(CudaModel, Fp32StepMatchesTheCpuWithDropout) { ExpectOneStepMatches(Precision::kFp32, 1e-5, 1e-4, true); }
+// bf16/fp16: 8/11-bit mantissas in the products; attention dropout off (cuDNN's own mask there).
+TEST(CudaModel, Bf16StepMatchesTheCpu) { ExpectOneStepMatches(Precision::kBf16, 1e-2, 6e-2, false); }
+TEST(CudaModel, Fp16StepMatchesTheCpu) { ExpectOneStepMatches(Precision::kFp16, 5e-3, 3e-2, false); }
+
+std::vector<double> Curve(GPTModel* model, const Batches& data, int steps, const LossScaleConfig& ls = {}) {
+  auto comm = MakeLocalCommunicator();
+  Optimizer opt(model, OptimizerConfig{0.9, 0.95, 1e-8, 1.0}, Schedule(), comm.get(), ls);
+  std::vector<double> losses;
+  for (int i = 0; i < steps; ++i) {
+    auto r = opt.Step({data.Get(i % 10)}, data.b, 7);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) break;
+    losses.push_back(r->lm_loss());
+  }
+  return losses;
+}
+
+// 50 steps: fp32 within 1e-3 relative of the CPU's curve at every step; bf16 within 3e-2; both
+// learn (the last loss well below the first).
+TEST(CudaModel, FiftyStepsFollowTheCpuCurve) {
+  const GPTConfig c = SmallConfig(/*dropout=*/false);
+  Batches data(10, c.vocab_size);
+  auto cpu = Cpu(c);
+  const std::vector<double> ref = Curve(cpu.get(), data, 50);
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    auto gpu = Cuda(c, p);
+    ASSERT_TRUE(gpu);
+    const std::vector<double> got = Curve(gpu.get(), data, 50);
+    ASSERT_EQ(got.size(), ref.size());
+    const double tol = p == Precision::kFp32 ? 1e-3 : 3e-2;
+    for (size_t i = 0; i < ref.size(); ++i)
+      EXPECT_NEAR(got[i], ref[i], tol * ref[i]) << "step " << i + 1 << " " << PrecisionName(p);
+    EXPECT_LT(got.back(), 0.7 * got.front()) << PrecisionName(p);
+  }
+  LossScaleConfig fp16;
+  fp16.dynamic = true;
+  fp16.scale = 65536;
+  auto half = Cuda(c, Precision::kFp16);
+  ASSERT_TRUE(half);
+  const std::vector<double> got = Curve(half.get(), data, 50, fp16);
+  ASSERT_EQ(got.size(), ref.size());
+  EXPECT_NEAR(got.back(), ref.back(), 5e-2 * ref.back());
+}
+
+// Two runs, same seed: the same bits (no reduction whose order varies) in every precision.
+TEST(CudaModel, SameSeedSameBits) {
+  const GPTConfig c = SmallConfig(/*dropout=*/true);
+  Batches data(10, c.vocab_size);
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    std::vector<float> first;
+    for (int run = 0; run < 2; ++run) {
+      auto gpu = Cuda(c, p, /*deterministic=*/true);
+      ASSERT_TRUE(gpu);
+      Curve(gpu.get(), data, 5);
+      std::vector<float> params(static_cast<size_t>(gpu->num_params()));
+      ASSERT_TRUE(gpu->ReadParams(params).ok());
+      if (run == 0)
+        first = params;
+      else
+        EXPECT_TRUE(first == params) << PrecisionName(p);
+    }
+  }
+}
+
+// The state a checkpoint holds crosses backends exactly: read from the GPU, written to the CPU
+// model and back, the parameters and moments come back bit for bit, and the CPU continues the
+// GPU's run (next step's loss within fp32 tolerance).
+TEST(CudaModel, StateCrossesBackendsExactly) {
+  const GPTConfig c = SmallConfig(/*dropout=*/false);
+  Batches data(10, c.vocab_size);
+  auto gpu = Cuda(c, Precision::kFp32);
+  ASSERT_TRUE(gpu);
+  Curve(gpu.get(), data, 3);
+  const size_t n = static_cast<size_t>(gpu->num_params());
+  std::vector<float> p(n), m(n), v(n);
+  ASSERT_TRUE(gpu->ReadParams(p).ok());
+  ASSERT_TRUE(gpu->ReadMoments(m, v).ok());
+  auto cpu = Cpu(c);
+  ASSERT_TRUE(cpu->WriteParams(p).ok());
+  ASSERT_TRUE(cpu->WriteMoments(m, v).ok());
+  auto back = Cuda(c, Precision::kBf16);
+  ASSERT_TRUE(back);
+  ASSERT_TRUE(back->WriteParams(p).ok());
+  ASSERT_TRUE(back->WriteMoments(m, v).ok());
+  std::vector<float> p2(n), m2(n), v2(n);
+  ASSERT_TRUE(back->ReadParams(p2).ok());
+  ASSERT_TRUE(back->ReadMoments(m2, v2).ok());
+  EXPECT_TRUE(p == p2 && m == m2 && v == v2) << "the fp32 master state must survive a bf16 model";
+  auto a = cpu->Forward(data.Get(4));
+  auto b = gpu->Forward(data.Get(4));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NEAR(b->loss_sum, a->loss_sum, 1e-5 * a->loss_sum);
+}
+
+// Evaluation's logits come back in fp32 and match the CPU's.
+TEST(CudaModel, ForwardLogitsMatchTheCpu) {
+  const GPTConfig c = SmallConfig(false);
+  Batches data(1, c.vocab_size);
+  auto cpu = Cpu(c);
+  auto gpu = Cuda(c, Precision::kFp32);
+  ASSERT_TRUE(gpu);
+  std::vector<float> la, lb;
+  ASSERT_TRUE(cpu->Forward(data.Get(0), &la).ok());
+  ASSERT_TRUE(gpu->Forward(data.Get(0), &lb).ok());
+  ASSERT_EQ(la.size(), lb.size());
+  EXPECT_LE(RelL2(lb.data(), la.data(), static_cast<int64_t>(la.size())), 1e-5);
+}
+
+// Bad input and impossible sizes are statuses, never a crash or a hang.
+TEST(CudaModel, ErrorsAreStatuses) {
+  const GPTConfig c = SmallConfig(false);
+  Batches data(1, c.vocab_size);
+  auto gpu = Cuda(c, Precision::kBf16);
+  ASSERT_TRUE(gpu);
+  std::vector<int32_t> bad = data.tokens[0];
+  bad[5] = static_cast<int32_t>(c.padded_vocab_size);
+  ModelBatch mb = data.Get(0);
+  mb.tokens = bad.data();
+  auto r = gpu->ForwardBackward(mb, 1.0, false, 0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(std::string(r.status().message()).find("outside the vocabulary"), std::string::npos) << r.status();
+  // The model is still usable after a refused batch.
+  EXPECT_TRUE(gpu->ForwardBackward(data.Get(0), 1.0, false, 0).ok());
+  // A plan far beyond the device's memory: ResourceExhausted naming the buffers, not a crash.
+  GPTConfig huge = c;
+  huge.seq_length = huge.max_position_embeddings = 4096;
+  huge.num_layers = 48;
+  auto oom = cuda::CreateCudaGPTModel(huge, Precision::kFp32, 0, false, 4096);
+  ASSERT_FALSE(oom.ok());
+  EXPECT_EQ(oom.status().code(), absl::StatusCode::kResourceExhausted) << oom.status();
+  EXPECT_NE(std::string(oom.status().message()).find("attention probabilities"), std::string::npos) << oom.status();
+  // A device that does not exist.
+  auto missing = cuda::CreateCudaGPTModel(c, Precision::kFp32, 4096, false, 1);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(std::string(missing.status().message()).find("does not exist"), std::string::npos) << missing.status();
+}
+
+}  // namespace
+}  // namespace ptk::trainer
