@@ -20,7 +20,7 @@ PKGS=(
   libcurl4-openssl-dev libssl-dev libzstd-dev liblzma-dev libre2-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libgloo-dev libxxhash-dev zlib1g-dev
   zstd xz-utils curl aria2 python3 python3-venv python3-pip python3-matplotlib
-  slurmctld slurmd slurm-client munge debootstrap
+  slurmctld slurmd slurm-client munge debootstrap strace
 )
 REF_PKGS=(python3-numpy python3-torch python3-packaging)
 
