@@ -13,12 +13,14 @@ BUILD_PKGS=(
   build-essential cmake ninja-build pkg-config ca-certificates
   libabsl-dev libfmt-dev libcli11-dev libsimdjson-dev libtbb-dev
   libcurl4-openssl-dev libssl-dev libzstd-dev liblzma-dev zlib1g-dev libopenblas-dev libgloo-dev libxxhash-dev
+  libprotobuf-dev protobuf-compiler libisal-dev
 )
 PKGS=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libabsl-dev libfmt-dev libcli11-dev libsimdjson-dev libtbb-dev
   libcurl4-openssl-dev libssl-dev libzstd-dev liblzma-dev libre2-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libgloo-dev libxxhash-dev zlib1g-dev
+  libprotobuf-dev protobuf-compiler libisal-dev
   zstd xz-utils curl aria2 python3 python3-venv python3-pip python3-matplotlib
   slurmctld slurmd slurm-client munge debootstrap strace
 )
