@@ -51,6 +51,17 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
     s.index = (*id - mn) / step;
     s.count = *cnt;
     s.source = "SLURM_ARRAY_TASK_ID";
+  } else if (std::getenv("JOB_COMPLETION_INDEX") && *std::getenv("JOB_COMPLETION_INDEX")) {
+    std::optional<int64_t> id, cnt;
+    PTK_ASSIGN_OR_RETURN(id, EnvIntChecked("JOB_COMPLETION_INDEX"));
+    PTK_ASSIGN_OR_RETURN(cnt, EnvIntChecked("JOB_COMPLETIONS"));
+    if (!cnt.has_value())
+      return absl::InvalidArgumentError(
+          "usage: JOB_COMPLETION_INDEX is set but JOB_COMPLETIONS is not (set it in the Job's container env to "
+          "the Job's spec.completions)");
+    s.index = *id;
+    s.count = *cnt;
+    s.source = "JOB_COMPLETION_INDEX";
   } else {
     s.source = "default";
   }

@@ -12,12 +12,14 @@ namespace ptk {
 struct ShardSpec {
   int64_t index = 0;
   int64_t count = 1;
-  std::string source;  // "flags", "SLURM_ARRAY_TASK_ID", or "default"
+  std::string source;  // "flags", "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX" or "default"
 };
 
 // Picks the shard of an array job. Explicit values win; otherwise SLURM_ARRAY_TASK_ID /
 // SLURM_ARRAY_TASK_COUNT (normalised with SLURM_ARRAY_TASK_MIN and _STEP, so --array=1-8 or
-// --array=0-14:2 give indices 0..count-1); otherwise 0 of 1.
+// --array=0-14:2 give indices 0..count-1); otherwise a Kubernetes Indexed Job's JOB_COMPLETION_INDEX
+// with JOB_COMPLETIONS (the Job's spec.completions, which Kubernetes does not pass: the manifest
+// sets it, as k8s/*.yaml-template do); otherwise 0 of 1.
 absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::optional<int64_t> count);
 
 struct RankInfo {

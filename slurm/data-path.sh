@@ -7,17 +7,23 @@
 #   equal:  every chunk the same weight (1/N, as the seeds write it); tokens: weights by token count.
 # Exit 1 when a dataset of the plan (or, with --splits, the validation split) is missing or fails
 # ptk-inspect --verify.
+#        STAGE_PATH=... slurm/data-path.sh --train-args
+#   the data flags train.sbatch gives ptk-train, for $(...) in a shell (k8s/pytorchjob.yaml-template):
+#   "--train-data-path P1 P2 ... --valid-data-path V" with a tokenized validation split, else
+#   "--data-path P1 P2 ..." (no weights: Megatron weighs each by its size); not verified (ptk-train checks).
 set -euo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 weights=equal
 format=megatron
 splits=0
+train_args=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --weights) weights=${2:-}; shift 2 ;;
     --format) format=${2:-}; shift 2 ;;
     --splits) splits=1; shift ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    --train-args) train_args=1; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "data-path: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -28,6 +34,16 @@ case "$format" in megatron|nemo) ;; *) echo "data-path: --format megatron|nemo, 
 [ -n "${STAGE_PATH:-}" ] || { echo "data-path: STAGE_PATH is not set" >&2; exit 2; }
 source "$PTK_SLURM_DIR/config.sh"
 [ -f "$PLAN_FILE" ] || { echo "data-path: no concat plan at $PLAN_FILE" >&2; exit 1; }
+if [ "$train_args" = 1 ]; then  # as train.sbatch builds them
+  mapfile -t prefixes < <("$PTK_BIN/ptk-concat" list --plan "$PLAN_FILE" | sed "s|.*/||; s|\.jsonl\$||; s|^|$PREPROCESSED_DIR/|; s|\$|_text_document|")
+  [ ${#prefixes[@]} -gt 0 ] || { echo "data-path: the plan has no chunks" >&2; exit 1; }
+  if ptk_has_valid && [ -f "$VALID_DATASET.idx" ]; then
+    echo "--train-data-path ${prefixes[*]} --valid-data-path $VALID_DATASET"
+  else
+    echo "--data-path ${prefixes[*]}"
+  fi
+  exit 0
+fi
 prefixes=() tokens=()
 while IFS= read -r chunk; do
   p="$PREPROCESSED_DIR/$(basename "$chunk" .jsonl)_text_document"

@@ -111,9 +111,10 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--plan", plan_path, "Plan file to write (default: OUTPUT_DIR/concat-plan.json)");
 
   RunArgs run_args;
-  auto* run_cmd = app->add_subcommand("run",
-                                      "Build chunks of an existing plan: one (--chunk-index), this array task's "
-                                      "share (--shard-index/--num-shards or SLURM_ARRAY_TASK_ID), or all");
+  auto* run_cmd =
+      app->add_subcommand("run",
+                          "Build chunks of an existing plan: one (--chunk-index), this array task's "
+                          "share (--shard-index/--num-shards, SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX), or all");
   run_cmd->add_option("--plan", run_args.plan_path, "Plan file written by `ptk-concat plan`")->required();
   auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)");
   run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")->excludes(ci);
@@ -122,9 +123,19 @@ int main(int argc, char** argv) {
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
   std::string list_plan;
+  std::vector<std::string> list_with;
+  bool list_this_task = false;
+  std::optional<int64_t> list_shard_index, list_num_shards;
   auto* list_cmd = app->add_subcommand(
       "list", "Print the plan's chunk files, one per line, in order: what later stages read (never a glob)");
   list_cmd->add_option("--plan", list_plan, "Plan file written by `ptk-concat plan`")->required();
+  list_cmd->add_option("--with", list_with, "Items listed after the chunks (e.g. the validation folder); repeatable");
+  list_cmd->add_flag("--this-task", list_this_task,
+                     "Only this array task's share of the items (item k when k % count == index): the task from "
+                     "--shard-index/--num-shards, SLURM_ARRAY_TASK_ID/COUNT or JOB_COMPLETION_INDEX/JOB_COMPLETIONS, "
+                     "as `run` takes it");
+  list_cmd->add_option("--shard-index", list_shard_index, "With --this-task: this task's shard");
+  list_cmd->add_option("--num-shards", list_num_shards, "With --this-task: number of shards");
   app->require_subcommand(0, 1);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
@@ -132,7 +143,20 @@ int main(int argc, char** argv) {
     if (plan_cmd->parsed()) return PlanAndWrite(plan_req, plan_path).status();
     if (list_cmd->parsed()) {
       PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(list_plan));
-      for (const auto& path : ptk::PlanChunkPaths(plan)) std::printf("%s\n", path.c_str());
+      std::vector<std::string> items = ptk::PlanChunkPaths(plan);
+      items.insert(items.end(), list_with.begin(), list_with.end());
+      if ((list_shard_index || list_num_shards) && !list_this_task)
+        return ptk::cli::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
+      ptk::ShardSpec shard;  // everything
+      if (list_this_task) {
+        PTK_ASSIGN_OR_RETURN(shard, ptk::ResolveShard(list_shard_index, list_num_shards));
+        int64_t mine = 0;
+        for (size_t k = 0; k < items.size(); ++k) mine += ptk::InShard(static_cast<int64_t>(k), shard) ? 1 : 0;
+        ptk::log::Info("task {} of {} (from {}): {} of {} items", shard.index, shard.count, shard.source, mine,
+                       items.size());
+      }
+      for (size_t k = 0; k < items.size(); ++k)
+        if (ptk::InShard(static_cast<int64_t>(k), shard)) std::printf("%s\n", items[k].c_str());
       return absl::OkStatus();
     }
     if (run_cmd->parsed()) {

@@ -49,8 +49,9 @@ int main(int argc, char** argv) {
   app->add_option("--stall-timeout", opt.stall_timeout_s,
                   "Abort and resume a transfer that receives nothing for this long, seconds")
       ->check(ptk::cli::Positive());
-  app->add_option("--shard-index", shard_index, "This task's shard (default: from SLURM_ARRAY_TASK_ID)");
-  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT)");
+  app->add_option("--shard-index", shard_index,
+                  "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)");
+  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)");
   app->add_flag("--flat", opt.flat, "Flat names like the seed scripts: example_train_chunk1_shard0.jsonl.zst");
   app->add_flag("--verify", opt.verify, "Re-hash files already present instead of trusting the done log");
   app->add_flag("--list-only", opt.list_only, "List the repo, save the manifest, download nothing");

@@ -16,7 +16,8 @@ int main(int argc, char** argv) {
       "Decompress .zst/.xz/.gz files (and pass plain ones through) to .jsonl, streaming and multi-frame aware. Files "
       "are "
       "processed in parallel (--jobs) and split across array tasks (--shard-index/--num-shards, default from "
-      "SLURM_ARRAY_TASK_ID/COUNT). Outputs appear atomically; a rerun skips outputs already complete.");
+      "SLURM_ARRAY_TASK_ID/COUNT or a Kubernetes Indexed Job's JOB_COMPLETION_INDEX/JOB_COMPLETIONS). Outputs appear "
+      "atomically; a rerun skips outputs already complete.");
   std::vector<std::string> inputs, drop_sets;
   std::string output_dir;
   int jobs = 4;
@@ -28,8 +29,9 @@ int main(int argc, char** argv) {
       "--output-dir", output_dir,
       "Where the .jsonl files go, keeping the layout below a directory argument (default: next to each input)");
   app->add_option("--jobs", jobs, "Files decompressed at once")->check(ptk::cli::Positive());
-  app->add_option("--shard-index", shard_index, "This task's shard (default: from SLURM_ARRAY_TASK_ID)");
-  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT)");
+  app->add_option("--shard-index", shard_index,
+                  "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)");
+  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)");
   app->add_flag("--delete-input", delete_input, "Delete each input after its output is complete");
   app->add_option("--drop-set", drop_sets,
                   "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)");

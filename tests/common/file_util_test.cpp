@@ -227,5 +227,45 @@ TEST(ResolveShard, FlagsEnvAndDefaults) {
   ::unsetenv("SLURM_ARRAY_TASK_STEP");
 }
 
+// A Kubernetes Indexed Job's pod: JOB_COMPLETION_INDEX, with the count the manifest passes as
+// JOB_COMPLETIONS; flags and Slurm's variables still win; bad values are usage errors naming them.
+TEST(ResolveShard, KubernetesIndexedJob) {
+  ::unsetenv("SLURM_ARRAY_TASK_ID");
+  ::setenv("JOB_COMPLETION_INDEX", "2", 1);
+  ::setenv("JOB_COMPLETIONS", "3", 1);
+  auto k = ResolveShard(std::nullopt, std::nullopt);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_EQ(k->index, 2);
+  EXPECT_EQ(k->count, 3);
+  EXPECT_EQ(k->source, "JOB_COMPLETION_INDEX");
+  auto f = ResolveShard(0, 2);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->index, 0);
+  EXPECT_EQ(f->source, "flags");
+  ::setenv("SLURM_ARRAY_TASK_ID", "1", 1);
+  ::setenv("SLURM_ARRAY_TASK_COUNT", "4", 1);
+  auto s = ResolveShard(std::nullopt, std::nullopt);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->index, 1);
+  EXPECT_EQ(s->source, "SLURM_ARRAY_TASK_ID");
+  ::unsetenv("SLURM_ARRAY_TASK_ID");
+  ::unsetenv("SLURM_ARRAY_TASK_COUNT");
+  ::setenv("JOB_COMPLETION_INDEX", "3", 1);
+  auto out = ResolveShard(std::nullopt, std::nullopt);
+  ASSERT_FALSE(out.ok());
+  EXPECT_NE(out.status().message().find("shard index 3 is outside [0, 3) (from JOB_COMPLETION_INDEX)"),
+            std::string::npos)
+      << out.status();
+  ::setenv("JOB_COMPLETIONS", "x", 1);
+  auto bad = ResolveShard(std::nullopt, std::nullopt);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("JOB_COMPLETIONS=\"x\" is not an integer"), std::string::npos) << bad.status();
+  ::unsetenv("JOB_COMPLETIONS");
+  auto missing = ResolveShard(std::nullopt, std::nullopt);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("JOB_COMPLETIONS is not"), std::string::npos) << missing.status();
+  ::unsetenv("JOB_COMPLETION_INDEX");
+}
+
 }  // namespace
 }  // namespace ptk

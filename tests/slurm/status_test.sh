@@ -48,6 +48,9 @@ PLAN_FILE=$D/chunks/concat-plan.json PREPROCESSED_DIR=$D/preprocessed PTK_BIN=$B
 mapfile -t prefixes < <(eval "$(grep -m1 'mapfile -t prefixes' "$SRC/slurm/train.sbatch" | sed 's/^mapfile -t prefixes < <(\(.*\))$/\1/')")
 [ "${#prefixes[@]}" = 2 ] || fail "train would read ${#prefixes[@]} datasets: ${prefixes[*]}"
 [ "${prefixes[1]}" = "$D/preprocessed/train_01_text_document" ] || fail "train prefixes: ${prefixes[*]}"
+# data-path.sh --train-args (what k8s/pytorchjob.yaml-template gives ptk-train): the same datasets.
+ta=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh" --train-args)
+[ "$ta" = "--data-path ${prefixes[*]}" ] || fail "data-path --train-args: $ta"
 # data-path.sh: the plan's datasets as Megatron's --data-path / NeMo's data_prefix.
 dp=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh")
 [ "$dp" = "0.5 $D/preprocessed/train_00_text_document 0.5 $D/preprocessed/train_01_text_document" ] || fail "data-path: $dp"
