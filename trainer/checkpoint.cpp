@@ -242,6 +242,25 @@ absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, 
     w.Field("loss_scale", state.loss_scale->scale)
         .Field("loss_scale_growth_tracker", state.loss_scale->growth_tracker)
         .Field("loss_scale_hysteresis_tracker", state.loss_scale->hysteresis_tracker);
+  if (state.scheduler) {
+    // Megatron's OptimizerParamScheduler.state_dict names, and ptk's settings it does not save.
+    const SchedulerConfig& c = *state.scheduler;
+    w.Key("opt_param_scheduler")
+        .BeginObject()
+        .Field("max_lr", c.max_lr)
+        .Field("min_lr", c.min_lr)
+        .Field("lr_warmup_steps", c.warmup_steps)
+        .Field("lr_decay_steps", c.decay_steps)
+        .Field("lr_decay_style", c.decay_style)
+        .Field("start_wd", c.start_wd)
+        .Field("end_wd", c.end_wd)
+        .Field("wd_incr_steps", c.wd_incr_steps)
+        .Field("wd_incr_style", c.wd_incr_style)
+        .Field("init_lr", c.init_lr)
+        .Field("wsd_decay_steps", c.wsd_decay_steps)
+        .Field("lr_wsd_decay_style", c.wsd_decay_style)
+        .EndObject();
+  }
   w.Field("seed", state.seed)
       .Field("wall_seconds", state.wall_seconds)
       .Field("num_params", layout.num_params)
@@ -419,6 +438,24 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
         h["loss_scale_hysteresis_tracker"].get(ls.hysteresis_tracker))
       return corrupt("header misses the loss scaler's trackers");
     state->loss_scale = ls;
+  }
+  // The scheduler's settings, when the saving ptk recorded them.
+  state->scheduler.reset();
+  simdjson::dom::object sched;
+  if (!h["opt_param_scheduler"].get(sched)) {
+    SchedulerConfig c;
+    std::string_view decay_style, wd_incr_style, wsd_style;
+    if (sched["max_lr"].get(c.max_lr) || sched["min_lr"].get(c.min_lr) ||
+        sched["lr_warmup_steps"].get(c.warmup_steps) || sched["lr_decay_steps"].get(c.decay_steps) ||
+        sched["lr_decay_style"].get(decay_style) || sched["start_wd"].get(c.start_wd) ||
+        sched["end_wd"].get(c.end_wd) || sched["wd_incr_steps"].get(c.wd_incr_steps) ||
+        sched["wd_incr_style"].get(wd_incr_style) || sched["init_lr"].get(c.init_lr) ||
+        sched["wsd_decay_steps"].get(c.wsd_decay_steps) || sched["lr_wsd_decay_style"].get(wsd_style))
+      return corrupt("malformed opt_param_scheduler in the header");
+    c.decay_style = decay_style;
+    c.wd_incr_style = wd_incr_style;
+    c.wsd_decay_style = wsd_style;
+    state->scheduler = c;
   }
   uint64_t seed = 0;
   if (h["seed"].get(seed)) return corrupt("header misses seed");

@@ -1,5 +1,6 @@
 // Checkpoints in Megatron's directory layout: <save>/iter_0000100/mp_rank_00/model_optim_rng.ptk
-// and <save>/latest_checkpointed_iteration.txt. One file holds model, AdamW moments, scheduler,
+// and <save>/latest_checkpointed_iteration.txt. One file holds model, AdamW moments, scheduler (its
+// step and its settings),
 // RNG seed, data position and the run's settings, with a SHA-256 over all of it. A save writes a
 // temporary directory, fsyncs it and renames it into place (an older copy of the same iteration is
 // renamed aside first and removed only once the new one is in place) before the tracker file is
@@ -32,6 +33,9 @@ struct TrainState {
   int64_t adam_step = 0;
   int64_t skipped_iterations = 0;
   std::optional<LossScaleState> loss_scale;  // --fp16's dynamic scaler; none otherwise
+  // The scheduler's settings (Megatron's OptimizerParamScheduler.state_dict), compared with the
+  // command line's on resume. None in checkpoints written before they were recorded.
+  std::optional<SchedulerConfig> scheduler;
   uint64_t seed = 0;
   double wall_seconds = 0;  // training time so far, for progress reporting
   // The settings a resumed run compares with its own (flag name, value), e.g. {"--seed", "1234"}.

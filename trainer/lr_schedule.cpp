@@ -30,6 +30,91 @@ absl::Status SchedulerConfig::Validate() const {
   return absl::OkStatus();
 }
 
+namespace {
+
+std::string Length(int64_t samples, int64_t per_iteration) {
+  if (per_iteration > 0 && samples % per_iteration == 0)
+    return fmt::format("{} iterations ({} samples)", samples / per_iteration, samples);
+  return fmt::format("{} samples", samples);
+}
+std::string Rate(double v) { return fmt::format("{}", v); }
+
+}  // namespace
+
+std::vector<SchedulerDifference> CompareSchedulers(const SchedulerConfig& here, const SchedulerConfig& saved,
+                                                   int64_t samples_per_iteration) {
+  std::vector<SchedulerDifference> out;
+  auto len = [&](int64_t v) { return Length(v, samples_per_iteration); };
+  auto any = [&](auto pred) { return pred(here) || pred(saved); };
+  const bool decays = any([](const SchedulerConfig& c) { return c.decay_style != "constant"; });
+  const bool warms = any([](const SchedulerConfig& c) { return c.warmup_steps > 0; });
+  const bool wsd = any([](const SchedulerConfig& c) { return c.decay_style == "WSD"; });
+  const bool wd_incr = any([](const SchedulerConfig& c) { return c.wd_incr_style != "constant"; });
+  auto add = [&](bool relevant, bool differ, const char* what, const char* flags, std::string a, std::string b) {
+    if (relevant && differ) out.push_back({what, flags, std::move(a), std::move(b)});
+  };
+  add(true, here.max_lr != saved.max_lr, "peak learning rate", "--lr", Rate(here.max_lr), Rate(saved.max_lr));
+  add(decays, here.min_lr != saved.min_lr, "minimum learning rate", "--min-lr", Rate(here.min_lr), Rate(saved.min_lr));
+  add(warms, here.init_lr != saved.init_lr, "warm-up start", "--lr-warmup-init", Rate(here.init_lr),
+      Rate(saved.init_lr));
+  add(true, here.warmup_steps != saved.warmup_steps, "warm-up length",
+      "--lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction", len(here.warmup_steps),
+      len(saved.warmup_steps));
+  add(decays, here.decay_steps != saved.decay_steps, "decay length",
+      "--lr-decay-iters or --lr-decay-samples, by default --train-iters or --train-samples", len(here.decay_steps),
+      len(saved.decay_steps));
+  add(true, here.decay_style != saved.decay_style, "decay style", "--lr-decay-style", here.decay_style,
+      saved.decay_style);
+  add(wsd, here.wsd_decay_steps != saved.wsd_decay_steps, "WSD anneal length",
+      "--lr-wsd-decay-iters or --lr-wsd-decay-samples", len(here.wsd_decay_steps), len(saved.wsd_decay_steps));
+  add(wsd, here.wsd_decay_style != saved.wsd_decay_style, "WSD anneal style", "--lr-wsd-decay-style",
+      here.wsd_decay_style, saved.wsd_decay_style);
+  add(wd_incr, here.start_wd != saved.start_wd, "start weight decay", "--start-weight-decay, by default --weight-decay",
+      Rate(here.start_wd), Rate(saved.start_wd));
+  add(true, here.end_wd != saved.end_wd, wd_incr ? "end weight decay" : "weight decay",
+      wd_incr ? "--end-weight-decay, by default --weight-decay" : "--weight-decay", Rate(here.end_wd),
+      Rate(saved.end_wd));
+  add(wd_incr, here.wd_incr_steps != saved.wd_incr_steps, "weight-decay increment length",
+      "--train-iters or --train-samples", len(here.wd_incr_steps), len(saved.wd_incr_steps));
+  add(true, here.wd_incr_style != saved.wd_incr_style, "weight-decay increment style", "--weight-decay-incr-style",
+      here.wd_incr_style, saved.wd_incr_style);
+  return out;
+}
+
+absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& here, const SchedulerConfig& saved,
+                                                        SchedulerOnLoad mode, int64_t checkpoint_iteration,
+                                                        int64_t samples_per_iteration,
+                                                        std::vector<std::string>* notes) {
+  const std::vector<SchedulerDifference> diffs = CompareSchedulers(here, saved, samples_per_iteration);
+  if (diffs.empty()) return here;
+  std::string list;
+  for (const SchedulerDifference& d : diffs) {
+    if (!list.empty()) list += "; ";
+    if (mode == SchedulerOnLoad::kCheck)
+      list += fmt::format("{} ({}): {} here, {} in the checkpoint", d.what, d.flags, d.here, d.saved);
+    else if (mode == SchedulerOnLoad::kUseCheckpoint)
+      list += fmt::format("{} {} (this command line: {})", d.what, d.saved, d.here);
+    else
+      list += fmt::format("{} {} (the checkpoint's: {})", d.what, d.here, d.saved);
+  }
+  switch (mode) {
+    case SchedulerOnLoad::kCheck:
+      return absl::InvalidArgumentError(fmt::format(
+          "usage: the learning-rate schedule differs from the one the checkpoint of iteration {} was saved with: {}. "
+          "As in Megatron, a resume stops here: add --use-checkpoint-opt_param-scheduler to go on with the "
+          "checkpoint's schedule, or --override-opt_param-scheduler to take this command line's",
+          checkpoint_iteration, list));
+    case SchedulerOnLoad::kUseCheckpoint:
+      notes->push_back("--use-checkpoint-opt_param-scheduler: going on with the checkpoint's schedule: " + list);
+      return saved;
+    case SchedulerOnLoad::kOverride:
+      notes->push_back("--override-opt_param-scheduler: this command line's schedule replaces the checkpoint's: " +
+                       list);
+      return here;
+  }
+  return here;
+}
+
 double OptimizerParamScheduler::lr() const {
   const SchedulerConfig& c = config_;
   const double n = static_cast<double>(num_steps_);

@@ -4,8 +4,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace ptk::trainer {
 
@@ -25,6 +27,35 @@ struct SchedulerConfig {
   absl::Status Validate() const;
 };
 
+// What a resume does with the scheduler settings a checkpoint recorded when they differ from the
+// command line's (Megatron's OptimizerParamScheduler.load_state_dict / _check_and_set).
+enum class SchedulerOnLoad {
+  kCheck,          // stop, naming what differs (Megatron's default)
+  kOverride,       // --override-opt_param-scheduler: the command line's settings
+  kUseCheckpoint,  // --use-checkpoint-opt_param-scheduler: the checkpoint's settings
+};
+
+// One setting that differs: its name, the flags that set it, and both values as shown to a user.
+struct SchedulerDifference {
+  std::string what, flags, here, saved;
+};
+
+// The settings of `saved` that differ from `here` and change some learning rate or weight decay:
+// Megatron's (peak and minimum rate, warm-up and decay lengths, decay style, start and end weight
+// decay, its increment length and style) and ptk's others (warm-up start, WSD anneal length and
+// style). A setting the style in use ignores is not compared (the increment length under constant
+// weight decay, WSD's under another style). `samples_per_iteration` > 0 also shows lengths in
+// iterations (a --train-iters run); 0 shows samples only.
+std::vector<SchedulerDifference> CompareSchedulers(const SchedulerConfig& here, const SchedulerConfig& saved,
+                                                   int64_t samples_per_iteration);
+
+// The settings a resumed run goes on with: `here` when nothing differs or with kOverride, `saved`
+// with kUseCheckpoint; with kCheck a difference is a usage error naming each setting, both values
+// and the two flags that resolve it. `notes` gets what was kept or replaced when something differs.
+absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& here, const SchedulerConfig& saved,
+                                                        SchedulerOnLoad mode, int64_t checkpoint_iteration,
+                                                        int64_t samples_per_iteration, std::vector<std::string>* notes);
+
 class OptimizerParamScheduler {
  public:
   explicit OptimizerParamScheduler(const SchedulerConfig& config) : config_(config) {}
@@ -35,6 +66,7 @@ class OptimizerParamScheduler {
   int64_t num_steps() const { return num_steps_; }
   void set_num_steps(int64_t n) { num_steps_ = n; }
   const SchedulerConfig& config() const { return config_; }
+  void set_config(const SchedulerConfig& config) { config_ = config; }
 
  private:
   SchedulerConfig config_;

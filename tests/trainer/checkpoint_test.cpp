@@ -297,5 +297,49 @@ TEST(Checkpoint, SettingsComeBack) {
   EXPECT_EQ(s.settings[1], std::make_pair(std::string("--data-path"), std::string("a b")));
 }
 
+// Issue 29, point 1: the scheduler's settings come back from a checkpoint; one written without
+// them (by an earlier ptk) still loads, with none.
+TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  Arrays a = Filled(layout, 1.0f);
+  TrainState s;
+  s.iteration = 5;
+  s.scheduler_num_steps = 40;
+  SchedulerConfig c;
+  c.init_lr = 1e-7;
+  c.max_lr = 3e-3;
+  c.min_lr = 0.1 / 3;
+  c.warmup_steps = 8;
+  c.decay_steps = 400;
+  c.decay_style = "WSD";
+  c.wsd_decay_steps = 80;
+  c.wsd_decay_style = "minus_sqrt";
+  c.start_wd = 0.01;
+  c.end_wd = 0.1;
+  c.wd_incr_steps = 400;
+  c.wd_incr_style = "cosine";
+  s.scheduler = c;
+  ASSERT_TRUE(SaveCheckpoint(dir.path(), layout, a.p, a.m, a.v, s, "").ok());
+  s.iteration = 6;
+  s.scheduler.reset();
+  ASSERT_TRUE(SaveCheckpoint(dir.path(), layout, a.p, a.m, a.v, s, "").ok());
+  std::vector<float> p, m, v;
+  TrainState got;
+  ASSERT_TRUE(LoadCheckpoint(dir.path(), 5, layout, &p, &m, &v, &got).ok());
+  ASSERT_TRUE(got.scheduler.has_value());
+  EXPECT_TRUE(CompareSchedulers(*got.scheduler, c, 0).empty());
+  EXPECT_EQ(got.scheduler->init_lr, c.init_lr);
+  EXPECT_EQ(got.scheduler->min_lr, c.min_lr);  // bit for bit through the JSON
+  EXPECT_EQ(got.scheduler->wsd_decay_steps, 80);
+  EXPECT_EQ(got.scheduler->wsd_decay_style, "minus_sqrt");
+  EXPECT_EQ(got.scheduler_num_steps, 40);
+  absl::Status st = LoadCheckpoint(dir.path(), 6, layout, &p, &m, &v, &got);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_FALSE(got.scheduler.has_value());
+  const std::string header = testing::ReadFile(CheckpointFile(dir.path(), 6));
+  EXPECT_EQ(header.find("opt_param_scheduler\""), std::string::npos);
+}
+
 }  // namespace
 }  // namespace ptk::trainer

@@ -9,8 +9,8 @@
 
 #include <gtest/gtest.h>
 
-#include "trainer/lr_schedule.h"
 #include "trainer/cpu/ops_cpu.h"
+#include "trainer/lr_schedule.h"
 
 namespace ptk::trainer {
 namespace {
@@ -311,6 +311,82 @@ TEST(Schedule, MegatronFormulas) {
   c.warmup_steps = 10;
   c.decay_style = "exotic";
   EXPECT_FALSE(c.Validate().ok());
+}
+
+// Issue 29, point 1: Megatron's OptimizerParamScheduler.load_state_dict. The checkpoint's settings
+// against the command line's: a difference stops the resume, naming it and the two flags;
+// --override-opt_param-scheduler takes the command line's, --use-checkpoint-opt_param-scheduler the
+// checkpoint's. Settings the style in use ignores are not compared.
+TEST(Schedule, ResumeComparesTheCheckpointsSettingsAsMegatron) {
+  SchedulerConfig saved;
+  saved.max_lr = 1e-3;
+  saved.min_lr = 1e-4;
+  saved.decay_steps = 20 * 8;  // --train-iters 20, global batch 8
+  saved.decay_style = "cosine";
+  saved.wd_incr_steps = 20 * 8;
+  SchedulerConfig here = saved;
+  std::vector<std::string> notes;
+  auto same = ResolveResumedScheduler(here, saved, SchedulerOnLoad::kCheck, 20, 8, &notes);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(notes.empty());
+  // --train-iters 40: a longer decay, and a longer weight-decay increment that constant weight
+  // decay ignores.
+  here.decay_steps = here.wd_incr_steps = 40 * 8;
+  auto stop = ResolveResumedScheduler(here, saved, SchedulerOnLoad::kCheck, 20, 8, &notes);
+  ASSERT_FALSE(stop.ok());
+  const std::string msg(stop.status().message());
+  EXPECT_EQ(msg.rfind("usage: ", 0), 0u) << msg;
+  for (const char* part : {"checkpoint of iteration 20", "decay length (--lr-decay-iters or --lr-decay-samples",
+                           "40 iterations (320 samples) here, 20 iterations (160 samples) in the checkpoint",
+                           "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"})
+    EXPECT_NE(msg.find(part), std::string::npos) << part << "\n" << msg;
+  EXPECT_EQ(msg.find("increment"), std::string::npos) << msg;
+  EXPECT_EQ(CompareSchedulers(here, saved, 8).size(), 1u);
+  auto kept = ResolveResumedScheduler(here, saved, SchedulerOnLoad::kUseCheckpoint, 20, 8, &notes);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(kept->decay_steps, 160);
+  EXPECT_EQ(kept->wd_incr_steps, 160);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0].find("the checkpoint's schedule: decay length 20 iterations (160 samples) (this command line: "
+                          "40 iterations (320 samples))"),
+            std::string::npos)
+      << notes[0];
+  auto replaced = ResolveResumedScheduler(here, saved, SchedulerOnLoad::kOverride, 20, 8, &notes);
+  ASSERT_TRUE(replaced.ok());
+  EXPECT_EQ(replaced->decay_steps, 320);
+  // The issue's numbers: iteration 21 of the resumed run (step 20 x 8 samples done, 21 after).
+  OptimizerParamScheduler s(*kept);
+  s.set_num_steps(21 * 8);
+  EXPECT_EQ(s.lr(), 1e-4);  // past the checkpoint's decay: the minimum
+  s.set_config(*replaced);
+  EXPECT_GT(s.lr(), 4e-4);  // the command line's longer cosine
+  // Each of Megatron's settings is compared; an increment that is used is too.
+  for (int k = 0; k < 8; ++k) {
+    SchedulerConfig h = saved;
+    if (k == 0) h.max_lr = 2e-3;
+    if (k == 1) h.min_lr = 0;
+    if (k == 2) h.warmup_steps = 8;
+    if (k == 3) h.decay_style = "linear";
+    if (k == 4) h.end_wd = h.start_wd = 0.1;
+    if (k == 5) h.wd_incr_style = "linear";
+    if (k == 6) {
+      h.wd_incr_style = saved.wd_incr_style = "cosine";
+      h.wd_incr_steps = 99;
+    }
+    if (k == 7) {
+      h.warmup_steps = saved.warmup_steps = 8;
+      h.init_lr = 1e-5;
+    }
+    EXPECT_EQ(CompareSchedulers(h, saved, 8).size(), 1u) << k;
+    saved.wd_incr_style = "constant";
+  }
+  // Under a constant rate the minimum and the decay length are not used.
+  SchedulerConfig cst = saved;
+  cst.decay_style = "constant";
+  SchedulerConfig cst2 = cst;
+  cst2.min_lr = 0;
+  cst2.decay_steps = 999;
+  EXPECT_TRUE(CompareSchedulers(cst2, cst, 8).empty());
 }
 
 }  // namespace
