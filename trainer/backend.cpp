@@ -39,7 +39,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   }
 #if defined(PTK_WITH_CUDA)
   return cuda::CreateCudaGPTModel(config, backend.precision, backend.device_index, backend.deterministic,
-                                  backend.micro_batch_size);
+                                  backend.micro_batch_size, backend.profile);
 #else
   return absl::FailedPreconditionError(
       "--device cuda: this ptk-train was built without CUDA (no nvcc at build time); build with "

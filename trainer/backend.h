@@ -14,6 +14,7 @@ struct BackendOptions {
   int device_index = 0;          // the CUDA device (the local rank; CUDA_VISIBLE_DEVICES applies)
   bool deterministic = false;    // --deterministic-mode: only bitwise-reproducible kernels
   int64_t micro_batch_size = 1;  // the CUDA backend plans its activations for it
+  bool profile = false;          // --ptk-profile-ops: time every op (CUDA events)
 };
 
 // Whether this build has the CUDA backend, and how many CUDA devices are visible (0 without CUDA,

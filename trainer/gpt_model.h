@@ -141,6 +141,10 @@ class GPTModel {
   // AdamW over every tensor: `decay` for weights, `no_decay` for those marked no_weight_decay.
   virtual absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) = 0;
 
+  // With BackendOptions::profile on a backend that times its ops: GPU time per iteration by op
+  // category, as lines of text; empty otherwise.
+  virtual std::string ProfileReport() const { return ""; }
+
  protected:
   explicit GPTModel(ParamLayout layout) : layout_(std::move(layout)) {}
   ParamLayout layout_;

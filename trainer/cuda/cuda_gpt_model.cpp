@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <type_traits>
 #include <vector>
 
@@ -83,6 +84,8 @@ class CudaGPTModelImpl final : public GPTModel {
   CudaGPTModelImpl(ParamLayout layout) : GPTModel(std::move(layout)) {}
   ~CudaGPTModelImpl() override {
     if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
+    for (auto& m : marks_) cudaEventDestroy(m.second);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     if (arena_) cudaFree(arena_);
     if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
     if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
@@ -90,7 +93,8 @@ class CudaGPTModelImpl final : public GPTModel {
     if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
   }
 
-  absl::Status Init(int device, bool deterministic, int64_t micro_batch_size) {
+  absl::Status Init(int device, bool deterministic, int64_t micro_batch_size, bool profile) {
+    profile_ = profile;
     const int visible = VisibleDeviceCount();
     if (visible == 0)
       return absl::FailedPreconditionError(
@@ -157,6 +161,7 @@ class CudaGPTModelImpl final : public GPTModel {
     const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
     if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
     PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale, dropout));
+    Begin();
     PTK_RETURN_IF_ERROR(RunForward(train, seed));
     PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
     PTK_RETURN_IF_ERROR(RunBackward(train, seed));
@@ -180,9 +185,10 @@ class CudaGPTModelImpl final : public GPTModel {
   }
 
   absl::StatusOr<double> GradSumSquares() override {
+    Begin();
     double* partials = Buf<double>(plan_.reduce);
     double* result = partials + SumSquaresPartials(num_params());
-    PTK_RETURN_IF_ERROR(SumSquares(result, Grad(0), num_params(), partials, ctx_));
+    PTK_RETURN_IF_ERROR(Op("grad norm", SumSquares(result, Grad(0), num_params(), partials, ctx_)));
     double host = 0;
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, result, sizeof host, cudaMemcpyDeviceToHost, ctx_.stream),
                              "reading the gradient norm");
@@ -190,14 +196,19 @@ class CudaGPTModelImpl final : public GPTModel {
     return host;
   }
 
-  absl::Status ScaleGrads(double s) override { return Scale(Grad(0), num_params(), static_cast<float>(s), ctx_); }
+  absl::Status ScaleGrads(double s) override {
+    Begin();
+    return Op("grad scale", Scale(Grad(0), num_params(), static_cast<float>(s), ctx_));
+  }
 
   absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override {
+    Begin();
+    ++profiled_steps_;
     for (const ParamInfo& p : params_info()) {
       T* compute = kFlash ? Compute(p.offset) : nullptr;
-      PTK_RETURN_IF_ERROR(AdamW<T>(Master(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + p.offset,
-                                   Buf<float>(plan_.exp_avg_sq) + p.offset, p.size,
-                                   p.no_weight_decay ? no_decay : decay, compute, ctx_));
+      PTK_RETURN_IF_ERROR(Op("adamw", AdamW<T>(Master(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + p.offset,
+                                               Buf<float>(plan_.exp_avg_sq) + p.offset, p.size,
+                                               p.no_weight_decay ? no_decay : decay, compute, ctx_)));
     }
     return absl::OkStatus();
   }
@@ -221,8 +232,66 @@ class CudaGPTModelImpl final : public GPTModel {
 
   absl::Status Sync(std::string_view what) const {
     PTK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_.stream), fmt::format("{} on cuda:{}", what, ctx_.device));
+    CollectProfile();
     return absl::OkStatus();
   }
+
+  // --ptk-profile-ops: an event after each op; at each synchronisation the time between
+  // consecutive events is added to the op's category. Begin() starts a sequence (the time before it,
+  // the host's, is nobody's).
+  void Begin() {
+    if (profile_) RecordMark(nullptr);
+  }
+  absl::Status Op(const char* category, absl::Status status) {
+    if (profile_ && status.ok()) RecordMark(category);
+    return status;
+  }
+  void RecordMark(const char* category) {
+    cudaEvent_t e = nullptr;
+    if (free_events_.empty()) {
+      if (cudaEventCreate(&e) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+      }
+    } else {
+      e = free_events_.back();
+      free_events_.pop_back();
+    }
+    cudaEventRecord(e, ctx_.stream);
+    marks_.emplace_back(category, e);
+  }
+  void CollectProfile() const {
+    for (size_t i = 0; i < marks_.size(); ++i) {
+      if (marks_[i].first && i > 0) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, marks_[i - 1].second, marks_[i].second) == cudaSuccess)
+          op_ms_[marks_[i].first] += ms;
+        else
+          (void)cudaGetLastError();
+      }
+    }
+    for (auto& m : marks_) free_events_.push_back(m.second);
+    marks_.clear();
+  }
+
+ public:
+  std::string ProfileReport() const override {
+    if (!profile_ || profiled_steps_ == 0) return "";
+    CollectProfile();
+    double total = 0;
+    for (const auto& [name, ms] : op_ms_) total += ms;
+    std::vector<std::pair<double, std::string>> rows;
+    for (const auto& [name, ms] : op_ms_) rows.emplace_back(ms, name);
+    std::sort(rows.rbegin(), rows.rend());
+    const double steps = static_cast<double>(profiled_steps_);
+    std::string out = fmt::format("ptk op profile: GPU time per iteration over {} iterations, {:.2f} ms in ops\n",
+                                  profiled_steps_, total / steps);
+    for (const auto& [ms, name] : rows)
+      out += fmt::format("  {:<12} {:9.3f} ms {:5.1f}%\n", name, ms / steps, 100.0 * ms / std::max(total, 1e-9));
+    return out;
+  }
+
+ private:
   absl::Status CheckSize(std::string_view what, size_t got) const {
     if (static_cast<int64_t>(got) == num_params()) return absl::OkStatus();
     return absl::InvalidArgumentError(
@@ -375,39 +444,45 @@ class CudaGPTModelImpl final : public GPTModel {
     const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
     T* tmp = Buf<T>(plan_.tmp);
 
-    PTK_RETURN_IF_ERROR(EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
-                                            Compute(pl.wpe), n, c, ctx_));
-    PTK_RETURN_IF_ERROR(Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed));
+    PTK_RETURN_IF_ERROR(Op("embedding", EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(),
+                                                            Compute(pl.wte), Compute(pl.wpe), n, c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
     const LayerParams& first = pl.layers[0];
-    PTK_RETURN_IF_ERROR(LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
-                                            Stats(plan_.ln1_stats, 0) + n, Act(plan_.resid, 0, n * c),
-                                            Master(first.ln1_w), Master(first.ln1_b), n, c, eps, ctx_));
+    PTK_RETURN_IF_ERROR(
+        Op("layernorm",
+           LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), Stats(plan_.ln1_stats, 0) + n,
+                               Act(plan_.resid, 0, n * c), Master(first.ln1_w), Master(first.ln1_b), n, c, eps, ctx_)));
     for (int64_t l = 0; l < L; ++l) {
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       T* qkv = Act(plan_.qkv, l, n * 3 * c);
       T* atty = Act(plan_.atty, l, n * c);
+      PTK_RETURN_IF_ERROR(Op("matmul", MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w),
+                                                        Compute(lp.qkv_b), n, c, 3 * c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
       PTK_RETURN_IF_ERROR(
-          MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, 3 * c, ctx_));
-      PTK_RETURN_IF_ERROR(AttentionFwd(atty, qkv, l, shape, ap, seed));
-      PTK_RETURN_IF_ERROR(MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_));
-      PTK_RETURN_IF_ERROR(Dropout(tmp, l, kAttentionOutDropout, hp, seed));
-      PTK_RETURN_IF_ERROR(ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
+          Op("matmul", MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
+      PTK_RETURN_IF_ERROR(
+          Op("layernorm", ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
                                                       Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
                                                       Act(plan_.resid, l, n * c), tmp, Master(lp.ln2_w),
-                                                      Master(lp.ln2_b), n, c, eps, ctx_));
-      PTK_RETURN_IF_ERROR(MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
-                                           Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f)));
+                                                      Master(lp.ln2_b), n, c, eps, ctx_)));
       PTK_RETURN_IF_ERROR(
-          MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), Compute(lp.fc2_b), n, f, c, ctx_));
-      PTK_RETURN_IF_ERROR(Dropout(tmp, l, kMlpOutDropout, hp, seed));
+          Op("matmul", MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
+                                        Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
+      PTK_RETURN_IF_ERROR(Op("matmul", MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w),
+                                                        Compute(lp.fc2_b), n, f, c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
       // resid[l+1] = resid_mid[l] + tmp, then the next LayerNorm (the next layer's or the final one).
       const bool last = l + 1 == L;
       const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
       T* ln_out = last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c);
       float* stats = last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1);
-      PTK_RETURN_IF_ERROR(ResidualLayerNormForward<T>(
-          Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n, Act(plan_.resid_mid, l, n * c), tmp,
-          Master(last ? pl.lnf_w : next->ln1_w), Master(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_));
+      PTK_RETURN_IF_ERROR(
+          Op("layernorm",
+             ResidualLayerNormForward<T>(Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n,
+                                         Act(plan_.resid_mid, l, n * c), tmp, Master(last ? pl.lnf_w : next->ln1_w),
+                                         Master(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_)));
     }
     return absl::OkStatus();
   }
@@ -438,16 +513,17 @@ class CudaGPTModelImpl final : public GPTModel {
     std::vector<T> chunk_host;
     for (int64_t r0 = 0; r0 < n; r0 += rows_per_chunk) {
       const int64_t rows = std::min(rows_per_chunk, n - r0);
-      PTK_RETURN_IF_ERROR(
-          MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w), static_cast<const T*>(nullptr), rows, c, vp, ctx_));
+      PTK_RETURN_IF_ERROR(Op("matmul", MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w),
+                                                        static_cast<const T*>(nullptr), rows, c, vp, ctx_)));
       if (backward) {
-        PTK_RETURN_IF_ERROR(
-            SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows, vp, ctx_));
-        PTK_RETURN_IF_ERROR(MatmulBackward<T>(Buf<T>(plan_.dln) + r0 * c, Grad(out_w), nullptr, logits, lnf + r0 * c,
-                                              Compute(out_w), rows, c, vp, ctx_));
+        PTK_RETURN_IF_ERROR(Op("loss", SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0,
+                                                                   LossWeights() + r0, rows, vp, ctx_)));
+        PTK_RETURN_IF_ERROR(Op("matmul", MatmulBackward<T>(Buf<T>(plan_.dln) + r0 * c, Grad(out_w), nullptr, logits,
+                                                           lnf + r0 * c, Compute(out_w), rows, c, vp, ctx_)));
         continue;
       }
-      PTK_RETURN_IF_ERROR(SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_));
+      PTK_RETURN_IF_ERROR(
+          Op("loss", SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_)));
       if (logits_out) {
         chunk_host.resize(static_cast<size_t>(rows * vp));
         PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(chunk_host.data(), logits, chunk_host.size() * sizeof(T),
@@ -473,40 +549,47 @@ class CudaGPTModelImpl final : public GPTModel {
       *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
 
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
-    PTK_RETURN_IF_ERROR(LayerNormBackward<T>(
-        dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Master(pl.lnf_w),
-        Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_));
+    PTK_RETURN_IF_ERROR(Op(
+        "layernorm", LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
+                                          Master(pl.lnf_w), Buf<float>(plan_.lnf_stats),
+                                          Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_)));
     for (int64_t l = L - 1; l >= 0; --l) {
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
                                "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Dropout(dtmp, l, kMlpOutDropout, hp, seed));
-      PTK_RETURN_IF_ERROR(MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dtmp, Act(plan_.gelu, l, n * f),
-                                            Compute(lp.fc2_w), n, f, c, ctx_));
-      PTK_RETURN_IF_ERROR(GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_));
-      PTK_RETURN_IF_ERROR(MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
-                                            Compute(lp.fc1_w), n, c, f, ctx_));
-      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(
-          dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c), Master(lp.ln2_w),
-          Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_));
+      PTK_RETURN_IF_ERROR(Op("copies", absl::OkStatus()));
+      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(dtmp, l, kMlpOutDropout, hp, seed)));
+      PTK_RETURN_IF_ERROR(Op("matmul", MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dtmp,
+                                                         Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n, f, c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("gelu", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("matmul", MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff,
+                                                         Act(plan_.ln2, l, n * c), Compute(lp.fc1_w), n, c, f, ctx_)));
+      PTK_RETURN_IF_ERROR(Op(
+          "layernorm", LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
+                                            Master(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
+                                            n, c, Buf<float>(plan_.ln_scratch), ctx_)));
       // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
                                "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Dropout(dtmp, l, kAttentionOutDropout, hp, seed));
-      PTK_RETURN_IF_ERROR(MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * c),
-                                            Compute(lp.proj_w), n, c, c, ctx_));
-      PTK_RETURN_IF_ERROR(AttentionBwd(dqkv, datt, l, shape, ap, seed));
-      PTK_RETURN_IF_ERROR(MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
-                                            Compute(lp.qkv_w), n, c, 3 * c, ctx_));
-      PTK_RETURN_IF_ERROR(LayerNormBackward<T>(
-          dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c), Master(lp.ln1_w),
-          Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_));
+      PTK_RETURN_IF_ERROR(Op("copies", absl::OkStatus()));
+      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(dtmp, l, kAttentionOutDropout, hp, seed)));
+      PTK_RETURN_IF_ERROR(
+          Op("matmul", MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * c),
+                                         Compute(lp.proj_w), n, c, c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("attention", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
+      PTK_RETURN_IF_ERROR(
+          Op("matmul", MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
+                                         Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op(
+          "layernorm", LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
+                                            Master(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n,
+                                            n, c, Buf<float>(plan_.ln_scratch), ctx_)));
     }
-    PTK_RETURN_IF_ERROR(Dropout(dresid, L, kEmbeddingDropout, hp, seed));
-    return EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_,
-                                positions_host_, n, c, cf.padded_vocab_size, cf.max_position_embeddings,
-                                &embedding_plan_, ctx_);
+    PTK_RETURN_IF_ERROR(Op("dropout", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
+    return Op("embedding", EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_,
+                                                positions_host_, n, c, cf.padded_vocab_size, cf.max_position_embeddings,
+                                                &embedding_plan_, ctx_));
   }
 
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
@@ -555,14 +638,19 @@ class CudaGPTModelImpl final : public GPTModel {
   std::vector<uint64_t> flash_keys_;
   std::vector<float> host_grads_;
   EmbeddingBackwardPlan embedding_plan_;
+  bool profile_ = false;
+  int64_t profiled_steps_ = 0;
+  mutable std::vector<std::pair<const char*, cudaEvent_t>> marks_;
+  mutable std::vector<cudaEvent_t> free_events_;
+  mutable std::map<std::string, double> op_ms_;
 };
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int device, bool deterministic,
-                                               int64_t micro_batch_size) {
+                                               int64_t micro_batch_size, bool profile) {
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config));
   auto m = std::make_unique<CudaGPTModelImpl<T>>(std::move(layout));
-  PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size));
+  PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size, profile));
   return std::unique_ptr<GPTModel>(std::move(m));
 }
 
@@ -570,13 +658,13 @@ absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int devi
 
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& config, Precision precision,
                                                              int device_index, bool deterministic,
-                                                             int64_t micro_batch_size) {
+                                                             int64_t micro_batch_size, bool profile) {
   switch (precision) {
-    case Precision::kBf16: return Make<__nv_bfloat16>(config, device_index, deterministic, micro_batch_size);
-    case Precision::kFp16: return Make<__half>(config, device_index, deterministic, micro_batch_size);
+    case Precision::kBf16: return Make<__nv_bfloat16>(config, device_index, deterministic, micro_batch_size, profile);
+    case Precision::kFp16: return Make<__half>(config, device_index, deterministic, micro_batch_size, profile);
     case Precision::kFp32: break;
   }
-  return Make<float>(config, device_index, deterministic, micro_batch_size);
+  return Make<float>(config, device_index, deterministic, micro_batch_size, profile);
 }
 
 }  // namespace ptk::trainer::cuda

@@ -15,9 +15,10 @@ namespace ptk::trainer::cuda {
 int VisibleDeviceCount();
 
 // The model on device `device_index` (CUDA_VISIBLE_DEVICES applies). micro_batch_size plans the
-// activations for (micro_batch_size, seq_length); a larger batch later re-plans.
+// activations for (micro_batch_size, seq_length); a larger batch later re-plans. profile times every
+// op with CUDA events (ProfileReport).
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& config, Precision precision,
                                                              int device_index, bool deterministic,
-                                                             int64_t micro_batch_size);
+                                                             int64_t micro_batch_size, bool profile = false);
 
 }  // namespace ptk::trainer::cuda
