@@ -41,7 +41,7 @@ done
 strip --strip-debug "$stage"/libexec/ptk/ptk-*  # debug info stays in the build tree
 
 # The libraries: what ldd resolves for each program (glibc and the loader included), plus what
-# oneTBB loads by name at run time (its scalable allocator).
+# oneTBB and cuDNN load by name at run time (the scalable allocator; cuDNN's sub-libraries).
 loader=""
 declare -A libs=()
 for name in "${programs[@]}"; do
@@ -56,7 +56,12 @@ for name in "${programs[@]}"; do
 done
 [ -n "$loader" ] || { echo "make-portable: no dynamic loader found by ldd" >&2; exit 1; }
 for l in "${!libs[@]}"; do
-  case "$(basename "$l")" in libtbb.so.*) for m in "$(dirname "$l")"/libtbbmalloc.so.2; do [ -f "$m" ] && libs[$m]=1; done ;; esac
+  case "$(basename "$l")" in
+    libtbb.so.*) for m in "$(dirname "$l")"/libtbbmalloc.so.2; do [ -f "$m" ] && libs[$m]=1; done ;;
+    # cuDNN 9 loads its graph, engine and heuristic libraries by name at run time (ldd does not see
+    # them): without them the CUDA backend's fused attention fails on the first bf16 step.
+    libcudnn.so.*) for m in "$(dirname "$l")"/libcudnn_*.so.9; do [ -f "$m" ] && libs[$m]=1; done ;;
+  esac
 done
 for l in "${!libs[@]}" "$loader"; do cp -L "$l" "$stage/lib/ptk/$(basename "$l")"; done
 cp -L "$loader" "$stage/lib/ptk/ld-linux-x86-64.so.2"
