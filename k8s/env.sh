@@ -1,0 +1,131 @@
+# ptk on Kubernetes: the variables the k8s/*.yaml-template files use, with their defaults.
+# Source it, then render each template with envsubst, as the EKS tutorial does:
+#
+#   export IMAGE=123456789012.dkr.ecr.us-west-2.amazonaws.com/ptk:latest PVC_NAME=fsx-claim
+#   source k8s/env.sh
+#   envsubst < k8s/download-job.yaml-template > download-job.yaml && kubectl apply -f download-job.yaml
+#
+# Every setting is an environment variable; one already set is kept. Unlike slurm/config.sh this file
+# exports them, because envsubst reads the environment. The templates hold no other $ reference, so a
+# plain `envsubst` (no variable list) renders them; a variable left unset renders as an empty string,
+# which is why sourcing this file first matters.
+#
+#   IMAGE                 ptk:latest       the image of ptk's Dockerfile, as pushed to your registry (the
+#                                          tutorial's REPO_URI is taken when IMAGE is unset)
+#   PVC_NAME              fsx-claim        the shared volume (ReadWriteMany: FSx for Lustre, EFS, NFS)
+#   MOUNT_PATH            /fsx             where every pod mounts it
+#   STAGE_PATH            $MOUNT_PATH/ptk  working area, laid out as the Slurm path's:
+#                                          $STAGE_PATH/$DATASET_FOLDER_NAME/{raw,extracted,chunks,preprocessed}
+#   DATASET_FOLDER_NAME   slimpajama
+#   HF_REPO               cerebras/SlimPajama-627B   HF_REPO_TYPE dataset   HF_REVISION main
+#   HF_INCLUDE            train/**         VALID_SUBDIR validation (the repo folder of the validation split;
+#                                          downloaded too, kept out of the chunks, tokenized on its own)
+#   HF_ENDPOINT           https://huggingface.co     (a mirror, or the test's local hub)
+#   HF_TOKEN_SECRET       hf-token         a Secret whose key `token` is the Hugging Face token (optional:
+#                                          kubectl create secret generic hf-token --from-literal=token=hf_...)
+#   DOWNLOAD_TASKS 1      DOWNLOAD_JOBS 16 (files at once per pod)
+#   EXTRACT_TASKS 32      EXTRACT_PARALLELISM 8
+#   CONCAT_CHUNKS 72      CONCAT_PARALLELISM 16    (one pod per chunk)
+#   TOKENIZE_TASKS = CONCAT_CHUNKS                 TOKENIZE_PARALLELISM 16
+#   CPUS_PER_TASK 4       MEMORY_PER_TASK 8Gi      requests of each data pod (its --jobs / --workers)
+#   BACKOFF_LIMIT_PER_INDEX 3                      reruns of one index before it counts as failed
+# Training (k8s/pytorchjob.yaml-template, or k8s/train-job.yaml-template without the training operator):
+#   NUM_WORKERS 2         ranks, one pod each (WORKER_REPLICAS = NUM_WORKERS - 1 beside the PyTorchJob's Master)
+#   GPU_PER_WORKER 1      nvidia.com/gpu per pod (0: the CPU backend)    CPUS_PER_WORKER 8   MEMORY_PER_WORKER 64Gi
+#   MASTER_PORT 23456     the rendezvous port of rank 0
+#   NUM_LAYERS 12  HIDDEN_SIZE 768  NUM_ATTENTION_HEADS 12  SEQ_LENGTH 1024  MAX_POSITION_EMBEDDINGS = SEQ_LENGTH
+#   MICRO_BATCH_SIZE 4  GLOBAL_BATCH_SIZE 32  TRAIN_ITERS 5000  LR 6e-4  MIN_LR 6e-5  LR_WARMUP_ITERS 200
+#   SAVE_INTERVAL 500  EVAL_INTERVAL 500  EVAL_ITERS 10  LOG_INTERVAL 10
+#   TRAIN_EXTRA_ARGS      ""               more ptk-train flags (e.g. --bf16; --device cpu)
+#   CKPT_DIR              $STAGE_PATH/checkpoints
+#   TRAIN_BACKOFF_LIMIT 10  restarts of training containers before the job fails
+#   TRAIN_GRACE_SECONDS 180 from SIGTERM (preemption, kubectl delete) to SIGKILL: the ranks save a checkpoint
+
+: "${IMAGE:=${REPO_URI:-ptk:latest}}"
+: "${PVC_NAME:=fsx-claim}"
+: "${MOUNT_PATH:=/fsx}"
+: "${STAGE_PATH:=$MOUNT_PATH/ptk}"
+: "${DATASET_FOLDER_NAME:=slimpajama}"
+: "${HF_REPO:=cerebras/SlimPajama-627B}"
+: "${HF_REPO_TYPE:=dataset}"
+: "${HF_REVISION:=main}"
+: "${HF_INCLUDE:=train/**}"
+: "${VALID_SUBDIR=validation}"
+: "${HF_ENDPOINT:=https://huggingface.co}"
+: "${HF_TOKEN_SECRET:=hf-token}"
+: "${DOWNLOAD_TASKS:=1}"
+: "${DOWNLOAD_JOBS:=16}"
+: "${EXTRACT_TASKS:=32}"
+: "${EXTRACT_PARALLELISM:=8}"
+: "${CONCAT_CHUNKS:=72}"
+: "${CONCAT_PARALLELISM:=16}"
+: "${TOKENIZE_TASKS:=$CONCAT_CHUNKS}"
+: "${TOKENIZE_PARALLELISM:=16}"
+: "${CPUS_PER_TASK:=4}"
+: "${MEMORY_PER_TASK:=8Gi}"
+: "${BACKOFF_LIMIT_PER_INDEX:=3}"
+: "${NUM_WORKERS:=2}"
+: "${GPU_PER_WORKER:=1}"
+: "${CPUS_PER_WORKER:=8}"
+: "${MEMORY_PER_WORKER:=64Gi}"
+: "${MASTER_PORT:=23456}"
+: "${NUM_LAYERS:=12}"
+: "${HIDDEN_SIZE:=768}"
+: "${NUM_ATTENTION_HEADS:=12}"
+: "${SEQ_LENGTH:=1024}"
+: "${MAX_POSITION_EMBEDDINGS:=$SEQ_LENGTH}"
+: "${MICRO_BATCH_SIZE:=4}"
+: "${GLOBAL_BATCH_SIZE:=32}"
+: "${TRAIN_ITERS:=5000}"
+: "${LR:=6e-4}"
+: "${MIN_LR:=6e-5}"
+: "${LR_WARMUP_ITERS:=200}"
+: "${SAVE_INTERVAL:=500}"
+: "${EVAL_INTERVAL:=500}"
+: "${EVAL_ITERS:=10}"
+: "${LOG_INTERVAL:=10}"
+: "${TRAIN_EXTRA_ARGS:=}"
+: "${CKPT_DIR:=$STAGE_PATH/checkpoints}"
+: "${TRAIN_BACKOFF_LIMIT:=10}"
+: "${TRAIN_GRACE_SECONDS:=180}"
+
+PTK_K8S_VARS="IMAGE PVC_NAME MOUNT_PATH STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE
+  VALID_SUBDIR HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
+  CONCAT_PARALLELISM TOKENIZE_TASKS TOKENIZE_PARALLELISM CPUS_PER_TASK MEMORY_PER_TASK BACKOFF_LIMIT_PER_INDEX NUM_WORKERS
+  WORKER_REPLICAS GPU_PER_WORKER CPUS_PER_WORKER MEMORY_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS
+  SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS SAVE_INTERVAL
+  EVAL_INTERVAL EVAL_ITERS LOG_INTERVAL TRAIN_EXTRA_ARGS CKPT_DIR TRAIN_BACKOFF_LIMIT TRAIN_GRACE_SECONDS"
+# Checked here rather than by a pod an hour later.
+ptk_k8s_check() {
+  local v
+  for v in DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS CONCAT_PARALLELISM TOKENIZE_TASKS \
+           TOKENIZE_PARALLELISM CPUS_PER_TASK NUM_WORKERS CPUS_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE \
+           NUM_ATTENTION_HEADS SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS \
+           SAVE_INTERVAL EVAL_INTERVAL LOG_INTERVAL TRAIN_GRACE_SECONDS; do
+    [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "k8s/env.sh: $v=${!v} must be a positive integer" >&2; return 2; }
+  done
+  for v in BACKOFF_LIMIT_PER_INDEX GPU_PER_WORKER EVAL_ITERS TRAIN_BACKOFF_LIMIT; do
+    [[ "${!v}" =~ ^(0|[1-9][0-9]*)$ ]] || { echo "k8s/env.sh: $v=${!v} must be a number >= 0" >&2; return 2; }
+  done
+  case "$STAGE_PATH/" in
+    "$MOUNT_PATH"/*) ;;
+    *) echo "k8s/env.sh: STAGE_PATH=$STAGE_PATH is not on the shared volume (MOUNT_PATH=$MOUNT_PATH)" >&2; return 2 ;;
+  esac
+  [ -n "$VALID_SUBDIR" ] || {
+    echo "k8s/env.sh: VALID_SUBDIR is empty; the templates download it: name the repo's validation folder (a name" \
+         "the repo lacks gives a warning and training splits --data-path instead)" >&2
+    return 2
+  }
+  [ $((GLOBAL_BATCH_SIZE % (MICRO_BATCH_SIZE * NUM_WORKERS))) = 0 ] || {
+    echo "k8s/env.sh: GLOBAL_BATCH_SIZE=$GLOBAL_BATCH_SIZE is not a multiple of MICRO_BATCH_SIZE x NUM_WORKERS" \
+         "($MICRO_BATCH_SIZE x $NUM_WORKERS)" >&2
+    return 2
+  }
+}
+if ptk_k8s_check; then
+  WORKER_REPLICAS=$((NUM_WORKERS - 1))
+  # shellcheck disable=SC2086
+  export $PTK_K8S_VARS
+else
+  false  # the status of `source k8s/env.sh`
+fi

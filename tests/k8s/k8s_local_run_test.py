@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""k8s/'s manifests run as their pods would run (issue 32), without a cluster (tests/k8s/podsim.py):
+
+  1. the templates are rendered as README says (source k8s/env.sh, envsubst) for the bundled sample,
+     served as the dataset repo by tests/tools/fake_hub.py, the shared volume a local directory;
+  2. download -> extract -> concat-plan -> concat -> tokenize run as the Indexed Jobs' pods, in parallel
+     as the controller runs them (JOB_COMPLETION_INDEX, the manifests' env and commands): a download
+     pod killed mid-file is replaced and resumes the file with a Range request, a tokenize pod killed
+     mid-file is replaced and redoes it; the chunks and datasets are byte-identical to a
+     single-process run of the same tools (what the Slurm path gives, tests/slurm/slurm_pipeline_test.sh)
+     and nothing is left behind;
+  3. ptk-train as the plain Indexed Job (+ headless Service) variant, 2 ranks over loopback, and as
+     the PyTorchJob with its Worker (rank 1) killed after the first checkpoint: the ranks restart in
+     place, resume from the checkpoint, and end with checkpoints byte-identical to the uninterrupted
+     run's; every iteration is logged.
+
+Usage: k8s_local_run_test.py BIN_DIR SOURCE_DIR
+"""
+import glob
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+BIN, SRC = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+sys.path.insert(0, os.path.join(SRC, "tests", "k8s"))
+import podsim  # noqa: E402
+
+T0 = time.time()
+WORK = tempfile.mkdtemp(prefix="ptk-k8s-run-")
+VOL = os.path.join(WORK, "fsx")  # the PVC, mounted at /fsx in every pod
+DATA = os.path.join(VOL, "ptk", "slimpajama")
+os.makedirs(VOL)
+
+
+def say(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def fail(msg, sim=None):
+    print(f"FAIL: {msg}", flush=True)
+    if sim is not None:
+        for t, pod, what in sim.events[-40:]:
+            print(f"  event {t - T0:6.1f}s {pod}: {what}")
+        for log in sorted(glob.glob(os.path.join(sim.log_dir, "*.log")))[-6:]:
+            print(f"---- {log}\n" + open(log, errors="replace").read()[-3000:])
+    sys.exit(1)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+# ---- the local hub: the sample as cerebras/SlimPajama-627B; one file's first transfer is slow
+SLOW = "train/chunk1/example_train_0.jsonl.zst"
+faults = os.path.join(WORK, "faults.json")
+json.dump({SLOW: ["slow:40000"]}, open(faults, "w"))
+ports = os.path.join(WORK, "ports")
+hub = subprocess.Popen([sys.executable, os.path.join(SRC, "tests", "tools", "fake_hub.py"), "--repo-dir",
+                        os.path.join(SRC, "sample", "slimpajama-mini"), "--port-file", ports, "--faults", faults],
+                       stdout=subprocess.DEVNULL, stderr=open(os.path.join(WORK, "hub.log"), "w"))
+try:
+    for _ in range(200):
+        if os.path.exists(ports) and os.path.getsize(ports) > 0:
+            break
+        time.sleep(0.05)
+    endpoint = next(line.split()[1] for line in open(ports) if line.startswith("HUB"))
+
+    # ---- 1. render, as README says
+    config = {
+        "IMAGE": "ptk:test", "PVC_NAME": "fsx-claim", "MOUNT_PATH": "/fsx", "STAGE_PATH": "/fsx/ptk",
+        "HF_ENDPOINT": endpoint, "DOWNLOAD_TASKS": "2", "DOWNLOAD_JOBS": "4", "EXTRACT_TASKS": "3",
+        "EXTRACT_PARALLELISM": "2", "CONCAT_CHUNKS": "4", "CONCAT_PARALLELISM": "2", "TOKENIZE_TASKS": "3",
+        "TOKENIZE_PARALLELISM": "2", "CPUS_PER_TASK": "1", "MEMORY_PER_TASK": "1Gi",
+        "NUM_WORKERS": "2", "GPU_PER_WORKER": "0", "CPUS_PER_WORKER": "1", "MEMORY_PER_WORKER": "2Gi",
+        "MASTER_PORT": str(free_port()), "NUM_LAYERS": "1", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "2",
+        "SEQ_LENGTH": "64", "MICRO_BATCH_SIZE": "2", "GLOBAL_BATCH_SIZE": "8", "TRAIN_ITERS": "120",
+        "LR": "1e-3", "MIN_LR": "1e-4", "LR_WARMUP_ITERS": "5", "SAVE_INTERVAL": "40", "EVAL_INTERVAL": "60",
+        "EVAL_ITERS": "1", "LOG_INTERVAL": "20", "TRAIN_GRACE_SECONDS": "30",
+    }
+
+    def render(template, **extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JOB_COMPLETION"))}
+        env.update(config)
+        env.update(extra)
+        out = subprocess.run(["bash", "-c", f'source k8s/env.sh && envsubst < "k8s/{template}.yaml-template"'],
+                             cwd=SRC, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            fail(f"rendering {template}: {out.stderr}")
+        return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+    sim = podsim.Sim(VOL, BIN, os.path.join(SRC, "slurm"), os.path.join(WORK, "pods"),
+                     secrets={"hf-token": {"token": "hf_k8s_test_token"}})
+
+    def run(template, chaos=None, **extra):
+        (job,) = render(template, **extra)
+        say(f"{job['kind']} {job['metadata']['name']}: {job['spec'].get('completions', 1)} completions, "
+            f"parallelism {job['spec'].get('parallelism', 1)}")
+        r = sim.run_job(job, chaos=chaos, timeout=240)
+        if not r["succeeded"]:
+            fail(f"{job['metadata']['name']} failed: indexes {r['failed_indexes']}, {r['reason']}", sim)
+        return r
+
+    def open_files(pid_root):
+        """Paths the process group of pid_root (the pod's container) has open."""
+        out = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if os.getpgid(int(pid)) != pid_root:
+                    continue
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+        return out
+
+    def comms(pid_root):
+        out = []
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.getpgid(int(pid)) == pid_root:
+                    out.append(open(f"/proc/{pid}/comm").read().strip())
+            except OSError:
+                continue
+        return out
+
+    # ---- 2. the data stages
+    part = os.path.join(DATA, "raw", SLOW) + ".part"
+    killed = []
+
+    def kill_download_mid_file(running):
+        if killed or not os.path.exists(part) or os.path.getsize(part) < 30000:
+            return []
+        holders = [p for p in running if any(f.endswith(SLOW + ".part") for f in open_files(p.proc.pid))]
+        if len(holders) != 1:
+            return []
+        killed.append((holders[0], os.path.getsize(part)))
+        return holders
+
+    r = run("download-job", chaos=kill_download_mid_file)
+    if not killed:
+        fail("the download pod writing the slow file was never caught mid-file", sim)
+    victim, at = killed[0]
+    reruns = [p for p in r["pods"] if p.index == victim.index and p is not victim]
+    if victim.exit_code != 137 or len(reruns) != 1 or reruns[0].exit_code != 0:
+        fail(f"download index {victim.index}: killed pod exit {victim.exit_code}, reruns {len(reruns)}", sim)
+    stats = json.load(urllib.request.urlopen(endpoint + "/_stats"))
+    gets = stats["cdn_gets"].get(SLOW, [])
+    resumed = [g for g in gets if g.startswith("bytes=") and int(g[6:].split("-")[0]) > 0]
+    if len(gets) != 2 or not resumed:
+        fail(f"the killed file was not resumed with a Range request: CDN requests {gets}")
+    for f in glob.glob(os.path.join(SRC, "sample", "slimpajama-mini", "*", "chunk*", "*.zst")):
+        rel = os.path.relpath(f, os.path.join(SRC, "sample", "slimpajama-mini"))
+        if not rel.startswith(("train/", "validation/")):
+            continue
+        got = os.path.join(DATA, "raw", rel)
+        if not os.path.exists(got) or sha(got) != sha(f):
+            fail(f"raw/{rel} differs from the repo's file")
+    if glob.glob(os.path.join(DATA, "raw", "**", "*.part"), recursive=True):
+        fail("a .part file was left behind")
+    say(f"   download pod {victim.name} killed mid-file ({at} bytes of {SLOW}); its replacement resumed it "
+        f"({resumed[0]}); every file verified")
+
+    run("extract-job")
+    run("concat-plan-job")
+    run("concat-job")
+    tok_killed = []
+
+    def kill_tokenize_mid_file(running):
+        if tok_killed:
+            return []
+        for p in running:
+            if "ptk-tokenize" in comms(p.proc.pid):
+                tok_killed.append(p)
+                return [p]
+        return []
+
+    r = run("tokenize-job", chaos=kill_tokenize_mid_file)
+    if not tok_killed or tok_killed[0].exit_code != 137:
+        fail("no tokenize pod was killed mid-file", sim)
+    if not [p for p in r["pods"] if p.index == tok_killed[0].index and p.exit_code == 0]:
+        fail("the killed tokenize index was not rerun", sim)
+    say(f"   tokenize pod {tok_killed[0].name} killed while ptk-tokenize ran; its replacement finished the index")
+
+    # ---- the same tools in one process: what the Slurm path and the main job give
+    REF = os.path.join(WORK, "ref")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JOB_COMPLETION"))}
+    env.update(HF_ENDPOINT=endpoint, HF_TOKEN="hf_k8s_test_token")
+
+    def tool(*argv):
+        out = subprocess.run([os.path.join(BIN, argv[0]), *argv[1:]], env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            fail(f"reference {' '.join(argv)}: {out.stderr[-2000:]}")
+
+    say("reference: the same tools in one process")
+    tool("ptk-download", "--quiet", "--repo", "cerebras/SlimPajama-627B", "--include", "train/**", "--include",
+         "validation/**", "--local-dir", f"{REF}/raw")
+    tool("ptk-extract", "--quiet", f"{REF}/raw", "--output-dir", f"{REF}/extracted")
+    tool("ptk-concat", "--quiet", "--input", f"{REF}/extracted/train", "--output-dir", f"{REF}/chunks", "--chunks", "4")
+    os.makedirs(f"{REF}/pre")
+    for c in sorted(glob.glob(f"{REF}/chunks/train_*.jsonl")):
+        n = os.path.basename(c)[:-len(".jsonl")]
+        tool("ptk-tokenize", "--quiet", "--input", c, "--output-prefix", f"{REF}/pre/{n}", "--append-eod",
+             "--workers", "2")
+    tool("ptk-tokenize", "--quiet", "--input", f"{REF}/extracted/validation", "--output-prefix",
+         f"{REF}/pre/validation", "--append-eod", "--workers", "2")
+    compared = 0
+    for f in sorted(glob.glob(f"{REF}/chunks/train_*.jsonl")) + sorted(glob.glob(f"{REF}/pre/*_text_document.bin")) + \
+            sorted(glob.glob(f"{REF}/pre/*_text_document.idx")):
+        sub = "chunks" if "/chunks/" in f else "preprocessed"
+        got = os.path.join(DATA, sub, os.path.basename(f))
+        if not os.path.exists(got) or sha(got) != sha(f):
+            fail(f"{sub}/{os.path.basename(f)} differs from the single-process run")
+        compared += 1
+    if compared != 4 + 10:
+        fail(f"compared {compared} files, expected 4 chunks and 5 datasets")
+    for name, ref in (("vocab.json", "gpt2-vocab.json"), ("merges.txt", "gpt2-merges.txt")):
+        if sha(os.path.join(DATA, "bpe", name)) != sha(os.path.join(SRC, "tokenizer", "data", ref)):
+            fail(f"bpe/{name} is not the GPT-2 file")
+    litter = [f for f in glob.glob(os.path.join(VOL, "**", "*"), recursive=True)
+              if any(m in os.path.basename(f) for m in (".ptk-tmp", ".ptk-resume", ".ptk-publish", ".part"))
+              or os.path.basename(f).startswith((".vocab.json.", ".merges.txt."))]
+    if litter:
+        fail(f"left behind: {litter}")
+    say("   4 chunks and 5 datasets (4 chunks, validation) byte-identical to the single-process run; no litter")
+
+    # ---- 3. training: the Indexed Job variant uninterrupted, then the PyTorchJob with rank 1 killed
+    tb = os.path.join(VOL, "ptk", "results", "train", "tensorboard", "metrics.jsonl")
+    docs = render("train-job", CKPT_DIR="/fsx/ptk/ckpt-indexed")
+    svc = next(d for d in docs if d["kind"] == "Service")
+    job = next(d for d in docs if d["kind"] == "Job")
+    if job["spec"]["template"]["spec"]["subdomain"] != svc["metadata"]["name"]:
+        fail("the Job's pods are not under the headless Service's name")
+    say("Job ptk-train (Indexed, 2 ranks) + headless Service ptk-train")
+    r = sim.run_job(job, timeout=240)
+    if not r["succeeded"]:
+        fail("the Indexed Job's training failed", sim)
+    log0 = open(os.path.join(sim.log_dir, "ptk-train-0-0.pytorch.log")).read()
+    if "data parallel: 2 ranks (torchrun variables)" not in log0 or "iteration      120/     120" not in log0:
+        fail("rank 0 of the Indexed Job did not train 2 ranks to iteration 120:\n" + log0[-3000:])
+    if "validation loss at the end of training for val data" not in log0:
+        fail("training did not evaluate on the validation split:\n" + log0[-3000:])
+    ref_ckpt = os.path.join(VOL, "ptk", "ckpt-indexed")
+    os.rename(tb, tb + ".indexed")
+    say("   2 ranks over loopback (rank 0 reached as ptk-train-0.ptk-train), iteration 120, checkpoints 40/80/120")
+
+    (pj,) = render("pytorchjob", CKPT_DIR="/fsx/ptk/ckpt-pytorchjob")
+    ckpt = os.path.join(VOL, "ptk", "ckpt-pytorchjob")
+    worker_killed = []
+
+    def kill_worker_after_first_checkpoint(running):
+        if worker_killed:
+            return []
+        try:
+            latest = int(open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read())
+        except (OSError, ValueError):
+            return []
+        lines = sum(1 for _ in open(tb)) if os.path.exists(tb) else 0
+        if latest >= 40 and 50 <= lines < 110:
+            w = [p for p in running if p.replica == ("Worker", 0)]
+            worker_killed.extend(w)
+            return w
+        return []
+
+    say("PyTorchJob ptk-train: Master + 1 Worker; the Worker (rank 1) killed after the checkpoint at 40")
+    r = sim.run_pytorchjob(pj, chaos=kill_worker_after_first_checkpoint, timeout=300)
+    if not worker_killed:
+        fail("the Worker was never killed mid-run (training too fast?)", sim)
+    if not r["succeeded"]:
+        fail(f"the PyTorchJob did not recover: {r['exit_codes']}", sim)
+    restarts = {p.name: p.restarts for p in r["pods"]}
+    if restarts.get("ptk-train-worker-0", 0) < 1:
+        fail(f"the Worker was not restarted in place: {restarts}", sim)
+    mlog = open(os.path.join(sim.log_dir, "ptk-train-master-0.pytorch.log")).read()
+    if "loaded checkpoint" not in mlog or "iteration      120/     120" not in mlog:
+        fail("the restarted ranks did not resume from the checkpoint to iteration 120:\n" + mlog[-4000:], sim)
+    its = sorted({json.loads(line)["iteration"] for line in open(tb)})
+    if its != list(range(1, 121)):
+        fail(f"iterations logged: {its[:5]}...{its[-5:]} ({len(its)} distinct), expected 1..120")
+    def checkpoint(path):
+        """A ptk checkpoint (trainer/checkpoint.cpp): magic, u64 header length, JSON header, the arrays
+        (parameters, AdamW moments), a hex SHA-256. The header's training wall time differs between runs, and
+        its record of the command line names each run's checkpoint directory."""
+        b = open(path, "rb").read()
+        n = int.from_bytes(b[8:16], "little")
+        header = json.loads(b[16:16 + n].decode().replace("/ckpt-pytorchjob", "/ckpt-indexed"))
+        header.pop("wall_seconds")
+        return header, hashlib.sha256(b[16 + n:-64]).hexdigest()
+
+    files = sorted(os.path.relpath(f, ref_ckpt) for f in glob.glob(os.path.join(ref_ckpt, "**", "*.ptk"), recursive=True))
+    if [os.path.relpath(f, ckpt) for f in sorted(glob.glob(os.path.join(ckpt, "**", "*.ptk"), recursive=True))] != files \
+            or len(files) != 3:
+        fail(f"checkpoints: {files} (uninterrupted) vs {os.listdir(ckpt)}")
+    for f in files:
+        if checkpoint(os.path.join(ckpt, f)) != checkpoint(os.path.join(ref_ckpt, f)):
+            fail(f"checkpoint {f} differs from the uninterrupted run's (weights, moments or state)")
+    if open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() != "120":
+        fail("latest_checkpointed_iteration.txt is not 120")
+    say(f"   the Worker killed ({worker_killed[0].name}), both ranks restarted in place {restarts}, resumed from the "
+        "checkpoint: iterations 1..120 all logged; checkpoints 40/80/120 (weights, moments, state) bit-identical to "
+        "the uninterrupted run's")
+    print(f"k8s local run: OK ({time.time() - T0:.0f} s)")
+finally:
+    hub.kill()
+    hub.wait()
+    if os.environ.get("PTK_KEEP_WORK"):
+        print(f"work directory kept: {WORK}")
+    else:
+        shutil.rmtree(WORK, ignore_errors=True)
