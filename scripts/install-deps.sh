@@ -3,7 +3,8 @@
 # Idempotent: when everything is already installed it only checks and returns.
 # Usage: scripts/install-deps.sh [--with-python-ref | --build-only]   (as root on Debian bookworm)
 #   --with-python-ref  also installs the Python pieces the compatibility tests use
-#                      (python3-numpy, python3-torch from Debian; megatron-core from PyPI).
+#                      (python3-numpy, python3-torch from Debian; megatron-core, tensorboard and
+#                      transformers from PyPI).
 #   --build-only       only what building the programs needs (scripts/build.sh
 #                      -DPTK_BUILD_TESTS=OFF -DPTK_BUILD_BENCH=OFF): the Dockerfile's set; the same
 #                      package names serve on Ubuntu 24.04 (the base of NGC's and NVIDIA's CUDA images).
@@ -24,7 +25,9 @@ PKGS=(
   zstd xz-utils curl aria2 python3 python3-venv python3-pip python3-matplotlib
   slurmctld slurmd slurm-client munge debootstrap strace
 )
-REF_PKGS=(python3-numpy python3-torch python3-packaging)
+REF_PKGS=(python3-numpy python3-torch python3-packaging
+  python3-absl python3-protobuf python3-yaml python3-requests python3-tqdm python3-filelock python3-regex
+  python3-typing-extensions)
 
 want_ref=0
 for a in "$@"; do
@@ -77,6 +80,21 @@ if [ "$want_ref" = 1 ]; then
       --break-system-packages megatron-core==0.16.1 >&2 2>/dev/null ||
     /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$REF_DIR" megatron-core==0.16.1 >&2
     touch "$REF_DIR/.megatron-core-0.16.1"
+  fi
+  # TensorBoard's own event reader and Hugging Face transformers, for the tests of ptk-train's event
+  # files and ptk-convert's GPT-2 export only, pinned and without their dependencies (Debian's
+  # torch, numpy, protobuf, absl, yaml, requests, tqdm, filelock, regex serve). transformers 4.44.2
+  # runs on Debian's torch 1.13 (GPT2LMHeadModel loads, runs and generates; current releases require
+  # torch 2); huggingface-hub, tokenizers and safetensors are versions it accepts.
+  PYREF_PINS=(tensorboard==2.17.1 transformers==4.44.2 huggingface-hub==0.24.6 tokenizers==0.19.1 safetensors==0.4.4)
+  PINS_TAG=$(printf '%s\n' "${PYREF_PINS[@]}" | sha256sum | cut -c1-12)
+  if [ ! -f "$REF_DIR/.hf-tb-$PINS_TAG" ]; then
+    echo "install-deps: installing ${PYREF_PINS[*]} into $REF_DIR" >&2
+    mkdir -p "$REF_DIR"
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --upgrade --target "$REF_DIR" \
+      --break-system-packages "${PYREF_PINS[@]}" >&2 2>/dev/null ||
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --upgrade --target "$REF_DIR" "${PYREF_PINS[@]}" >&2
+    touch "$REF_DIR/.hf-tb-$PINS_TAG"
   fi
 fi
 

@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "common/slurm_env.h"
 #include "common/status.h"
+#include "tokenizer/gpt2_tokenizer.h"
 #include "trainer/comm.h"
 #include "trainer/comm_gloo.h"
 #include "trainer/train_flags.h"
@@ -101,6 +102,19 @@ int main(int argc, char** argv) {
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
     options.args_json = ArgsJson(argc, argv);
+    // --sample-interval: the GPT-2 tokenizer (--vocab-file/--merge-file, or ptk's built-in files)
+    // encodes the prompt and decodes the samples; the trainer itself never tokenizes.
+    std::unique_ptr<ptk::Gpt2Tokenizer> tokenizer;
+    if (options.sample.interval > 0) {
+      PTK_ASSIGN_OR_RETURN(tokenizer, ptk::Gpt2Tokenizer::LoadOrDefault(flags.vocab_file, flags.merge_file));
+      if (flags.sample_prompt.empty()) {
+        options.sample.prompt = {tokenizer->eod()};
+      } else {
+        ptk::Gpt2Encoder encoder(*tokenizer);
+        encoder.Encode(flags.sample_prompt, &options.sample.prompt);
+      }
+      options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
+    }
     PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainSummary s, ptk::trainer::RunTraining(options));
     if (comm->rank() == 0) {
       ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,

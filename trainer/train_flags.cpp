@@ -44,10 +44,10 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
     {"--async-save", Arg::kNone, "checkpoints are written synchronously"},
     {"--use-checkpoint-opt_param-scheduler", Arg::kNone, "the scheduler is always restored from the checkpoint"},
-    {"--log-throughput", Arg::kNone, "the throughput field is always printed"},
-    {"--log-timers-to-tensorboard", Arg::kNone, "metrics go to metrics.jsonl"},
-    {"--log-validation-ppl-to-tensorboard", Arg::kNone, "metrics go to metrics.jsonl"},
-    {"--log-memory-to-tensorboard", Arg::kNone, "metrics go to metrics.jsonl"},
+    {"--log-throughput", Arg::kNone,
+     "the throughput field is always printed (and written to TensorBoard with --log-timers-to-tensorboard)"},
+    {"--log-memory-to-tensorboard", Arg::kNone, "no memory statistics are written to TensorBoard"},
+    {"--tensorboard-queue-size", Arg::kPositiveInt, "events are written at every --log-interval and evaluation"},
     {"--timing-log-level", Arg::kLevel, "timers are not itemised"},
     {"--wandb-project", Arg::kText, "no Weights & Biases client; metrics go to metrics.jsonl"},
     {"--wandb-exp-name", Arg::kText, "no Weights & Biases client"},
@@ -233,7 +233,27 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--log-interval", f->log_interval, "Print the log line every N iterations")
       ->check(IntIn(1, kMaxCount));
   app->add_option("--tensorboard-dir", f->tensorboard_dir,
-                  "Directory for metrics.jsonl (TensorBoard event files are not written)");
+                  "Write TensorBoard event files (Megatron's scalars) and metrics.jsonl to this directory");
+  app->add_option("--tensorboard-log-interval", f->tensorboard_log_interval,
+                  "Write the per-iteration scalars every N iterations")
+      ->check(IntIn(1, kMaxCount));
+  app->add_flag("!--no-log-loss-scale-to-tensorboard", f->log_loss_scale_to_tensorboard,
+                "Do not write loss-scale to TensorBoard");
+  app->add_flag("--log-validation-ppl-to-tensorboard", f->log_validation_ppl_to_tensorboard,
+                "Write the validation perplexity to TensorBoard");
+  app->add_flag("--log-world-size-to-tensorboard", f->log_world_size_to_tensorboard,
+                "Write the number of ranks to TensorBoard");
+  app->add_flag("--log-timers-to-tensorboard", f->log_timers_to_tensorboard,
+                "Write iteration-time (and throughput, with --log-throughput) to TensorBoard");
+  app->add_option("--sample-interval", f->sample_interval,
+                  "ptk: print a continuation of --sample-prompt every N iterations (0: never)")
+      ->check(IntIn(0, kMaxCount));
+  app->add_option("--sample-prompt", f->sample_prompt,
+                  "ptk: the text a sample continues (default: <|endoftext|>, an unconditional sample)");
+  app->add_option("--sample-length", f->sample_length, "ptk: tokens per sample (32)")->check(IntIn(1, 4096));
+  app->add_option("--sample-temperature", f->sample_temperature,
+                  "ptk: 0 (default) picks the likeliest token; above 0 draws, keyed by --seed and the iteration")
+      ->check(RealIn(0, false, 100, false));
   app->add_option("--metrics-file", f->metrics_file,
                   "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
   app->add_option("--save", f->save, "Checkpoint directory to write");
@@ -422,12 +442,20 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   } else if (f.loss_scale) {
     notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
   }
+  o.tensorboard.dir = f.tensorboard_dir;
+  o.tensorboard.log_interval = f.tensorboard_log_interval;
+  o.tensorboard.log_loss_scale = f.log_loss_scale_to_tensorboard;
+  o.tensorboard.log_validation_ppl = f.log_validation_ppl_to_tensorboard;
+  o.tensorboard.log_world_size = f.log_world_size_to_tensorboard;
+  o.tensorboard.log_timers = f.log_timers_to_tensorboard;
+  o.tensorboard.log_throughput = f.compat.count("--log-throughput") > 0;
+  o.sample.interval = f.sample_interval;
+  o.sample.prompt_text = f.sample_prompt;
+  o.sample.length = f.sample_length;
+  o.sample.temperature = f.sample_temperature;
   o.metrics_path = !f.metrics_file.empty()      ? f.metrics_file
                    : !f.tensorboard_dir.empty() ? JoinPath(f.tensorboard_dir, "metrics.jsonl")
                                                 : "";
-  if (!f.tensorboard_dir.empty())
-    notes->push_back("--tensorboard-dir: metrics are written to " + o.metrics_path +
-                     " (JSON lines; TensorBoard event files are not written)");
   return o;
 }
 

@@ -44,6 +44,13 @@ struct TrainFlags {
   int64_t eval_interval = 1000, eval_iters = 100, log_interval = 100, save_interval = 0, exit_interval = 0;
   double exit_duration_in_mins = 0;
   std::string save, load, tensorboard_dir, metrics_file;
+  int64_t tensorboard_log_interval = 1;
+  bool log_loss_scale_to_tensorboard = true, log_validation_ppl_to_tensorboard = false,
+       log_world_size_to_tensorboard = false, log_timers_to_tensorboard = false;
+  // ptk: text samples (the caller tokenizes the prompt)
+  int64_t sample_interval = 0, sample_length = 32;
+  std::string sample_prompt;
+  double sample_temperature = 0;
   bool exit_signal_handler = false, no_load_optim = false, no_load_rng = false, finetune = false;
   bool check_for_nan_in_loss_and_grad = true;
   // precision, parallelism, device

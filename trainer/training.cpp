@@ -15,7 +15,10 @@
 #include "common/output_lock.h"
 #include "common/status.h"
 #include "indexed_dataset/data_loader.h"
+#include "tensorboard/summary_writer.h"
 #include "trainer/checkpoint.h"
+#include "trainer/counter_rng.h"
+#include "trainer/sampling.h"
 
 namespace ptk::trainer {
 namespace {
@@ -421,6 +424,15 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
         fmt::format("--train-iters {} x global batch {} samples is more than ptk can count", train_iters, gbs));
   if (o.log_interval < 1) return usage("--log-interval must be at least 1");
   if (o.save_interval > 0 && o.save.empty()) return usage("--save-interval needs --save");
+  if (!o.tensorboard.dir.empty() && o.tensorboard.log_interval < 1)
+    return usage("--tensorboard-log-interval must be at least 1");
+  if (o.sample.interval > 0) {
+    if (o.sample.prompt.empty() || !o.sample.decode)
+      return usage("--sample-interval needs a prompt encoded by the GPT-2 tokenizer");
+    if (static_cast<int64_t>(o.sample.prompt.size()) >= o.model.seq_length)
+      return usage(fmt::format("--sample-prompt is {} tokens: it must be shorter than --seq-length {}",
+                               o.sample.prompt.size(), o.model.seq_length));
+  }
 
   // ---- scheduler in samples (Megatron's get_optimizer_param_scheduler)
   SchedulerConfig sc;
@@ -518,6 +530,17 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
 
   MetricsFile metrics;
   if (rank == 0 && !o.metrics_path.empty()) PTK_RETURN_IF_ERROR(metrics.Open(o.metrics_path));
+  // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
+  std::unique_ptr<tensorboard::SummaryWriter> tb;
+  if (rank == 0 && !o.tensorboard.dir.empty()) {
+    PTK_ASSIGN_OR_RETURN(tb, tensorboard::SummaryWriter::Create(o.tensorboard.dir));
+    log::Info("TensorBoard events: {}", tb->path());
+  }
+  // Megatron's pairs: the value at the iteration, and "<tag> vs samples" at the samples consumed.
+  auto tb_scalar = [&](const std::string& tag, double value) {
+    tb->AddScalar(tag, value, state.iteration);
+    tb->AddScalar(tag + " vs samples", value, state.consumed_train_samples);
+  };
 
   DataLoader train_loader(data.train,
                           PretrainingSampler(data.train->size(), state.consumed_train_samples, mbs, rank, dp), mbs);
@@ -531,7 +554,9 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   std::vector<ModelBatch> batches(static_cast<size_t>(num_micro));
 
   // Forward-only evaluation over eval_iters global batches (Megatron's evaluate).
-  auto evaluate = [&](DataLoader* loader, const std::string& prefix, int64_t* consumed) -> absl::StatusOr<double> {
+  // tb_tag: "lm loss validation" (Megatron's tag), "lm loss test".
+  auto evaluate = [&](DataLoader* loader, const std::string& prefix, int64_t* consumed,
+                      const std::string& tb_tag) -> absl::StatusOr<double> {
     double sums[2] = {0, 0};
     for (int64_t it = 0; it < o.eval_iters; ++it) {
       for (int64_t m = 0; m < num_micro; ++m) {
@@ -552,7 +577,26 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     print(bar);
     print(line);
     print(bar);
+    if (tb) {
+      tb_scalar(tb_tag, loss);
+      if (o.tensorboard.log_validation_ppl) tb_scalar(tb_tag + " ppl", std::exp(std::min(20.0, loss)));
+      PTK_RETURN_IF_ERROR(tb->Flush());
+    }
     return loss;
+  };
+
+  // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
+  auto sample = [&]() -> absl::Status {
+    if (rank != 0) return absl::OkStatus();
+    GenerateOptions g;
+    g.new_tokens = o.sample.length;
+    g.temperature = o.sample.temperature;
+    g.seed = Mix64(state.seed ^ (static_cast<uint64_t>(state.iteration) << 20));
+    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model.get(), o.sample.prompt, g));
+    print(fmt::format(" sample at iteration {:8d} ({}): {:?} -> {:?}", state.iteration,
+                      o.sample.temperature > 0 ? fmt::format("temperature {}", o.sample.temperature) : "greedy",
+                      o.sample.prompt_text, o.sample.decode(ids)));
+    return absl::OkStatus();
   };
 
   auto save = [&]() -> absl::Status {
@@ -613,6 +657,15 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
           "{}, \"skipped\": {}, \"tokens\": {:.0f}}}\n",
           state.iteration, state.consumed_train_samples, JsonNumber(r.lm_loss()), JsonNumber(r.grad_norm),
           JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
+    // Megatron's training_log: its scalars every --tensorboard-log-interval iterations.
+    if (tb && state.iteration % o.tensorboard.log_interval == 0) {
+      tb_scalar("learning-rate", lr_now);
+      tb_scalar("batch-size", static_cast<double>(gbs));
+      tb_scalar("lm loss", r.lm_loss());
+      if (o.tensorboard.log_loss_scale) tb_scalar("loss-scale", r.loss_scale);
+      if (o.tensorboard.log_world_size) tb_scalar("world-size", dp);
+      if (!r.overflow) tb_scalar("grad-norm", r.grad_norm);  // Megatron has no norm for an overflow
+    }
     if (state.iteration % o.log_interval == 0) {
       const double secs = std::chrono::duration<double>(Clock::now() - interval_start).count();
       LogLineFields f;
@@ -629,15 +682,23 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       f.skipped = interval_skipped;
       f.nan = interval_nan;
       print(FormatLogLine(f, Timestamp()));
+      if (tb) {
+        if (o.tensorboard.log_timers) {
+          tb->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state.iteration);
+          if (o.tensorboard.log_throughput) tb->AddScalar("throughput", f.tflops_per_gpu, state.iteration);
+        }
+        PTK_RETURN_IF_ERROR(tb->Flush());
+      }
       interval_start = Clock::now();
       interval_iters = interval_advanced = interval_skipped = interval_nan = 0;
       interval_loss = 0;
     }
     if (valid_loader && o.eval_interval > 0 && state.iteration % o.eval_interval == 0) {
       PTK_ASSIGN_OR_RETURN(double vl, evaluate(valid_loader.get(), fmt::format("iteration {}", state.iteration),
-                                               &state.consumed_valid_samples));
+                                               &state.consumed_valid_samples, "lm loss validation"));
       summary.last_validation_loss = vl;
     }
+    if (o.sample.interval > 0 && state.iteration % o.sample.interval == 0) PTK_RETURN_IF_ERROR(sample());
     state.wall_seconds = wall_before + std::chrono::duration<double>(Clock::now() - start).count();
 
     // Megatron's checkpoint_and_decide_exit: ranks agree on every reason through one all-reduce.
@@ -662,24 +723,28 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       summary.consumed_train_samples = state.consumed_train_samples;
       summary.skipped_iterations = state.skipped_iterations;
       PTK_RETURN_IF_ERROR(metrics.Close());
+      if (tb) PTK_RETURN_IF_ERROR(tb->Close());
       return summary;
     }
   }
   print(fmt::format("[after training is done] datetime: {} ", Timestamp()));
   if (last_saved != state.iteration && !o.save.empty()) PTK_RETURN_IF_ERROR(save());
   if (valid_loader) {
-    PTK_ASSIGN_OR_RETURN(double vl, evaluate(valid_loader.get(), "the end of training for val data", nullptr));
+    PTK_ASSIGN_OR_RETURN(
+        double vl, evaluate(valid_loader.get(), "the end of training for val data", nullptr, "lm loss validation"));
     summary.last_validation_loss = vl;
   }
   if (data.test) {
     DataLoader test_loader(data.test, PretrainingSampler(data.test->size(), 0, mbs, rank, dp), mbs);
-    PTK_ASSIGN_OR_RETURN(double tl, evaluate(&test_loader, "the end of training for test data", nullptr));
+    PTK_ASSIGN_OR_RETURN(double tl,
+                         evaluate(&test_loader, "the end of training for test data", nullptr, "lm loss test"));
     summary.test_loss = tl;
   }
   summary.iteration = state.iteration;
   summary.consumed_train_samples = state.consumed_train_samples;
   summary.skipped_iterations = state.skipped_iterations;
   PTK_RETURN_IF_ERROR(metrics.Close());
+  if (tb) PTK_RETURN_IF_ERROR(tb->Close());
   return summary;
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +21,28 @@
 #include "trainer/optimizer.h"
 
 namespace ptk::trainer {
+
+// --tensorboard-dir: Megatron's scalars in TensorBoard event files (rank 0), selected by its flags.
+struct TensorBoardOptions {
+  std::string dir;                  // empty: no event files
+  int64_t log_interval = 1;         // --tensorboard-log-interval
+  bool log_loss_scale = true;       // off: --no-log-loss-scale-to-tensorboard
+  bool log_validation_ppl = false;  // --log-validation-ppl-to-tensorboard
+  bool log_world_size = false;      // --log-world-size-to-tensorboard
+  bool log_timers = false;          // --log-timers-to-tensorboard: iteration-time (s)
+  bool log_throughput = false;      // --log-throughput: with log_timers, throughput (TFLOP/s/GPU)
+};
+
+// --sample-interval: rank 0 prints a continuation of a prompt every `interval` iterations. The
+// trainer does not tokenize: the caller passes the prompt's ids and a decoder.
+struct SampleOptions {
+  int64_t interval = 0;  // 0: no samples
+  std::vector<int32_t> prompt;
+  std::string prompt_text;  // as given, for the printed line
+  int64_t length = 32;
+  double temperature = 0;  // 0: greedy; else drawn, keyed by --seed and the iteration
+  std::function<std::string(std::span<const int32_t>)> decode;
+};
 
 struct TrainOptions {
   GPTConfig model;             // vocab_size / padded_vocab_size filled by the caller
@@ -59,7 +82,9 @@ struct TrainOptions {
   // (naming the iteration and which of the two); off, such an iteration is skipped and counted.
   bool check_for_nan_in_loss_and_grad = true;
   std::string metrics_path;  // per-iteration metrics as JSON lines (rank 0)
-  std::string args_json;     // the command line, stored in checkpoints
+  TensorBoardOptions tensorboard;
+  SampleOptions sample;
+  std::string args_json;  // the command line, stored in checkpoints
 
   // Set asynchronously by the caller's signal handler (--exit-signal-handler): save and exit.
   const std::atomic<int>* exit_signal = nullptr;

@@ -1,0 +1,33 @@
+// Text continuations from the model being trained (ptk-train --sample-interval), as llm.c prints
+// them: the model's Forward over the whole context for every new token (no KV cache: samples are
+// short), greedy or drawn at a temperature with a counter-based generator (the same seed, the same
+// tokens).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "trainer/gpt_model.h"
+
+namespace ptk::trainer {
+
+struct GenerateOptions {
+  int64_t new_tokens = 32;
+  double temperature = 0;  // 0: greedy (the first of equal maxima); > 0: softmax(logits / temperature)
+  uint64_t seed = 0;       // keys the draws when temperature > 0
+};
+
+// The `new_tokens` ids that continue `prompt` (at least one id). The context is the last
+// --seq-length ids; only the real vocabulary (config().vocab_size) is drawn from: the padded rows'
+// logits are never chosen. Forward runs on a length rounded up to a multiple of 64 (causal
+// attention: the positions after the last id do not change its logits), so a backend sees few
+// distinct shapes.
+absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const int32_t> prompt,
+                                              const GenerateOptions& options);
+
+// The next id from one position's logits (vocab_size of them are considered).
+int32_t PickToken(std::span<const float> logits, int64_t vocab_size, double temperature, uint64_t key);
+
+}  // namespace ptk::trainer
