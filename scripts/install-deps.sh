@@ -4,7 +4,8 @@
 # Usage: scripts/install-deps.sh [--with-python-ref | --build-only]   (as root on Debian bookworm)
 #   --with-python-ref  also installs the Python pieces the compatibility tests use
 #                      (python3-numpy, python3-torch from Debian; megatron-core, tensorboard and
-#                      transformers from PyPI).
+#                      transformers from PyPI) and the Kubernetes manifest validator of tests/k8s
+#                      (kubernetes-validate from PyPI).
 #   --build-only       only what building the programs needs (scripts/build.sh
 #                      -DPTK_BUILD_TESTS=OFF -DPTK_BUILD_BENCH=OFF): the Dockerfile's set; the same
 #                      package names serve on Ubuntu 24.04 (the base of NGC's and NVIDIA's CUDA images).
@@ -24,6 +25,7 @@ PKGS=(
   libprotobuf-dev protobuf-compiler libisal-dev
   zstd xz-utils curl aria2 python3 python3-venv python3-pip python3-matplotlib
   slurmctld slurmd slurm-client munge debootstrap strace
+  gettext-base python3-yaml
 )
 REF_PKGS=(python3-numpy python3-torch python3-packaging
   python3-absl python3-protobuf python3-yaml python3-requests python3-tqdm python3-filelock python3-regex
@@ -95,6 +97,25 @@ if [ "$want_ref" = 1 ]; then
       --break-system-packages "${PYREF_PINS[@]}" >&2 2>/dev/null ||
     /usr/bin/python3 -m pip install -q --no-deps --no-compile --upgrade --target "$REF_DIR" "${PYREF_PINS[@]}" >&2
     touch "$REF_DIR/.hf-tb-$PINS_TAG"
+  fi
+  # kubernetes-validate (Kubernetes' JSON schemas per release) and the jsonschema it runs on, for
+  # tests/k8s/k8s_manifests_test.py only, in a folder of their own so that their jsonschema, packaging
+  # and typing-extensions never shadow Debian's for the other reference tests. Pinned with their
+  # dependencies.
+  KV_DIR="$REF_DIR/kubernetes-validate"
+  KV_PINS=(kubernetes-validate==1.37.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
+           rpds-py==2026.9.1 attrs==26.1.0 typing-extensions==4.16.0 importlib-resources==7.1.0 packaging==26.3)
+  KV_TAG=$(printf '%s\n' "${KV_PINS[@]}" | sha256sum | cut -c1-12)
+  if [ ! -f "$KV_DIR/.kubernetes-validate-$KV_TAG" ]; then
+    echo "install-deps: installing ${KV_PINS[*]} into $KV_DIR" >&2
+    rm -rf "$KV_DIR"
+    mkdir -p "$KV_DIR"
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$KV_DIR" \
+      --break-system-packages "${KV_PINS[@]}" >&2 2>/dev/null ||
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$KV_DIR" "${KV_PINS[@]}" >&2
+    PYTHONPATH="$KV_DIR" /usr/bin/python3 -c 'import kubernetes_validate, jsonschema' ||
+      { echo "install-deps: kubernetes-validate does not import from $KV_DIR" >&2; exit 1; }
+    touch "$KV_DIR/.kubernetes-validate-$KV_TAG"
   fi
 fi
 
