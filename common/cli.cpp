@@ -1,27 +1,36 @@
 // Command-line conventions shared by every tool.
 #include "common/cli.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <csignal>
-#include <cstdlib>
-#include <vector>
-
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <set>
+#include <vector>
 
 #include <fmt/core.h>
 
+#include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status.h"
 
 namespace ptk::cli {
 
+#ifndef PTK_VERSION
+#define PTK_VERSION "unknown"
+#endif
+
+std::string VersionString() { return std::string("ptk ") + PTK_VERSION; }
+
 std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& description) {
   auto app = std::make_unique<CLI::App>(description, name);
+  app->set_version_flag("--version", name + " (" + VersionString() + ")", "Print the version and exit");
   app->option_defaults()->always_capture_default();
   app->get_formatter()->column_width(34);
   log::SetProgramName(name);
@@ -30,11 +39,14 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 
 namespace {
 
-// Long option names -> supported (false for the kUnsupportedGroup ones).
-void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names) {
-  for (const CLI::Option* opt : app.get_options())
+// Long option names -> supported (false for the kUnsupportedGroup ones); short ones ("-h").
+void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, std::set<std::string>* shorts) {
+  for (const CLI::Option* opt : app.get_options()) {
     for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = opt->get_group() != kUnsupportedGroup;
-  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) CollectLongNames(*sub, names);
+    for (const std::string& n : opt->get_snames()) shorts->insert("-" + n);
+  }
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    CollectLongNames(*sub, names, shorts);
 }
 
 size_t EditDistance(const std::string& a, const std::string& b) {
@@ -52,13 +64,42 @@ size_t EditDistance(const std::string& a, const std::string& b) {
 // Reads long options as Python's argparse does (Megatron's and NeMo's scripts use it): an
 // unambiguous prefix stands for the option (--vocab for --vocab-file), `--flag=value` works; an
 // ambiguous prefix or an unknown flag is a usage error naming the candidates or the closest flag.
+// A long flag written with one dash (-input, -workers: Go's and some Python scripts' spelling):
+// argparse and CLI11 would take it for short flags or a value and report something else (a
+// required --input missing, an unexpected "2"). The error names the long flag it most likely is.
+absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string, bool>& names) {
+  const std::string name = "-" + arg.substr(0, arg.find('='));
+  std::vector<std::string> matches;
+  for (auto it = names.lower_bound(name); it != names.end() && it->first.compare(0, name.size(), name) == 0; ++it)
+    matches.push_back(it->first);
+  std::string best = names.count(name) ? name : matches.size() == 1 ? matches[0] : "";
+  if (best.empty()) {
+    size_t best_d = std::string::npos;
+    for (const auto& [n, ok] : names)
+      if (const size_t d = EditDistance(name, n); d < best_d) {
+        best_d = d;
+        best = n;
+      }
+    if (best_d > std::max<size_t>(2, name.size() / 4)) best.clear();
+  }
+  const std::string given = arg.substr(0, arg.find('='));
+  if (best.empty())
+    return UsageError(fmt::format("unknown flag {} (ptk's flags are long ones, with two dashes)", given));
+  return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, best));
+}
+
 absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv) {
   std::map<std::string, bool> names;
-  CollectLongNames(app, &names);
+  std::set<std::string> shorts;
+  CollectLongNames(app, &names, &shorts);
   std::vector<std::string> out;
   bool options_done = false;
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
+    // -x... where -x is no short flag: a long flag with one dash (not a negative number, not "-").
+    if (i > 0 && !options_done && arg.size() >= 2 && arg[0] == '-' &&
+        std::isalpha(static_cast<unsigned char>(arg[1])) && !shorts.count(arg.substr(0, 2)))
+      return OneDashLongFlag(arg, names);
     if (i == 0 || options_done || arg.size() < 3 || arg.compare(0, 2, "--") != 0) {
       if (arg == "--") options_done = true;
       out.push_back(std::move(arg));
@@ -153,6 +194,40 @@ void Refusals::Add(CLI::Option* opt, std::string why) {
 absl::Status Refusals::Check() const {
   for (const auto& [opt, why] : refused_)
     if (opt->count() > 0) return UsageError(fmt::format("{} is not supported: {}", opt->get_name(), why));
+  return absl::OkStatus();
+}
+
+absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefix, const std::string& example_suffix) {
+  if (prefix.empty()) return UsageError(flag + " is empty: give a path and the start of the file names, e.g. out/NAME");
+  const size_t slash = prefix.find_last_of('/');
+  const std::string name = slash == std::string::npos ? prefix : prefix.substr(slash + 1);
+  if (!name.empty() && name != "." && name != "..") return absl::OkStatus();
+  const std::string dir = name.empty() ? prefix.substr(0, prefix.find_last_not_of('/') + 1) : prefix;
+  const std::string example = (dir.empty() ? "/" : dir + "/") + "NAME";
+  return UsageError(fmt::format(
+      "{} {} names a directory, not a prefix: it would write the hidden file {}{}; give the directory and the start "
+      "of the file names, e.g. {} {} (writes {}{})",
+      flag, prefix, prefix, example_suffix, flag, example, example, example_suffix));
+}
+
+absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string& merge_file) {
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--vocab-file", vocab_file},
+                                   std::pair<const char*, const std::string&>{"--merge-file", merge_file}}) {
+    if (path.empty()) continue;
+    std::string why;
+    if (!PathExists(path))
+      why = "no such file";
+    else if (IsDirectory(path))
+      why = "is a directory";
+    else if (::access(path.c_str(), R_OK) != 0)
+      why = "cannot be read";
+    else
+      continue;
+    return absl::NotFoundError(
+        fmt::format("{} {}: {}; ptk has GPT-2's vocab.json and merges.txt built in: leave out --vocab-file and "
+                    "--merge-file to use them",
+                    flag, path, why));
+  }
   return absl::OkStatus();
 }
 

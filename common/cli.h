@@ -19,12 +19,17 @@ inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitDiskFull = 3;
 
-// Creates an App with ptk's formatting conventions.
+// ptk's version, as --version prints it ("ptk 0.1.0").
+std::string VersionString();
+
+// Creates an App with ptk's formatting conventions and a --version flag.
 std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& description);
 
 // Parses argv. Returns nullopt to continue, or the exit code to return (0 after --help/--version,
-// kExitUsage after a usage error, which is printed as one line plus a hint). With the environment
-// variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
+// kExitUsage after a usage error, which is printed as one line plus a hint). Long flags are read
+// as Python's argparse reads them (unambiguous prefixes, --flag=value); an unknown one, or a long
+// flag written with one dash (-input), is a usage error suggesting the flag meant. With the
+// environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
 std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 
 // Checks the table: every option has a long name and help text, and no flag is repeated.
@@ -58,6 +63,16 @@ const CLI::Validator& NonNegative();  // >= 0
 
 // A usage error raised after parsing (bad flag combination): exit code 2.
 inline absl::Status UsageError(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
+
+// An output prefix (--output-prefix): a directory, then the start of the file names. One that ends
+// in '/' (or names . or ..) has no file name part, and would write hidden files such as
+// outdir/_text_document.bin: a usage error showing what to give. `example_suffix` is what the tool
+// appends ("_text_document.bin").
+absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefix, const std::string& example_suffix);
+
+// --vocab-file / --merge-file, when given, must name files that can be read: otherwise a NotFound
+// naming the flag and saying that ptk has GPT-2's files built in (leave both flags out).
+absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string& merge_file);
 
 // Maps a failed Status to the exit code main returns after printing it.
 int ExitCodeFor(const absl::Status& status);

@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
     ptk::DecodeFn decode;
     std::unique_ptr<ptk::Gpt2Tokenizer> tok;
     if (format != "ids" && (doc >= 0 || sample_opt->count() > 0)) {
+      PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(vocab_file, merge_file));
       PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
       decode = [&tok](const std::vector<int32_t>& ids) { return tok->Decode(ids); };
     }

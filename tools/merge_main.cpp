@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (input_dir.empty() && inputs.empty()) return ptk::cli::UsageError("give --input DIR or --inputs PREFIX...");
+    PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputPrefix("--output-prefix", output_prefix, ".bin"));
     std::string out_dir = ptk::Dirname(output_prefix);
     if (!ptk::IsDirectory(out_dir))
       return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", out_dir));

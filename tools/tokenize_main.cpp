@@ -105,6 +105,10 @@ int main(int argc, char** argv) {
     }
     if (vocab_file.empty() != merge_file.empty())
       return ptk::cli::UsageError("--vocab-file and --merge-file go together");
+    PTK_RETURN_IF_ERROR(
+        ptk::cli::CheckOutputPrefix("--output-prefix", opt.output_prefix,
+                                    "_" + (opt.json_keys.empty() ? "text" : opt.json_keys[0]) + "_document.bin"));
+    PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(vocab_file, merge_file));
     std::string out_dir = ptk::Dirname(opt.output_prefix);
     if (!ptk::IsDirectory(out_dir))
       return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));

@@ -321,6 +321,76 @@ TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
       << amb.output;
 }
 
+// Issue 29, points 5 and 7: what a newcomer types. A long flag with one dash gets the flag meant
+// (was "--input is required" and "arguments were not expected: 2 -workers"); an output prefix that
+// is a directory is refused (was outdir/_text_document.bin, a hidden file); a missing vocab file
+// names --vocab-file and the built-in files; every tool has --version.
+TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n");
+  std::filesystem::create_directories(dir / "outdir");
+  auto input = RunCmd(Tok(fmt::format("-input {} --output-prefix {}", dir / "in.jsonl", dir / "o")));
+  EXPECT_EQ(input.exit_code, 2) << input.output;
+  EXPECT_NE(input.output.find("unknown flag -input; did you mean --input?"), std::string::npos) << input.output;
+  auto workers = RunCmd(Tok(fmt::format("--input {} --output-prefix {} -workers 2", dir / "in.jsonl", dir / "o")));
+  EXPECT_EQ(workers.exit_code, 2) << workers.output;
+  EXPECT_NE(workers.output.find("unknown flag -workers; did you mean --workers?"), std::string::npos) << workers.output;
+  auto eq = RunCmd(Tok(fmt::format("-input={} --output-prefix {}", dir / "in.jsonl", dir / "o")));
+  EXPECT_NE(eq.output.find("unknown flag -input; did you mean --input?"), std::string::npos) << eq.output;
+  auto other = RunCmd(Tok(fmt::format("--input {} --output-prefix {} -zzzzqq", dir / "in.jsonl", dir / "o")));
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("unknown flag -zzzzqq (ptk's flags are long ones, with two dashes)"), std::string::npos)
+      << other.output;
+  // Values that begin with a dash stay values: stdin, a negative number.
+  auto stdin_run =
+      RunCmd(fmt::format("printf '{{\"text\": \"x\"}}\\n' | {}", Tok("--input - --output-prefix " + dir / "s")));
+  EXPECT_EQ(stdin_run.exit_code, 0) << stdin_run.output;
+  auto negative = RunCmd(Tok(fmt::format("--input {} --output-prefix {} --batch-mb -1", dir / "in.jsonl", dir / "o")));
+  EXPECT_EQ(negative.exit_code, 2) << negative.output;
+  EXPECT_NE(negative.output.find("--batch-mb"), std::string::npos) << negative.output;
+  EXPECT_EQ(negative.output.find("unknown flag"), std::string::npos) << negative.output;
+  EXPECT_FALSE(testing::Exists(dir / "o_text_document.bin"));
+
+  for (const std::string& prefix : {dir / "outdir/", dir / "outdir//", dir / "outdir/."}) {
+    auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", prefix)));
+    EXPECT_EQ(r.exit_code, 2) << prefix << ": " << r.output;
+    EXPECT_NE(r.output.find("--output-prefix " + prefix + " names a directory, not a prefix"), std::string::npos)
+        << r.output;
+    if (prefix.back() == '/') {
+      EXPECT_NE(r.output.find("e.g. --output-prefix " + dir / "outdir/NAME (writes " + dir / "outdir/NAME" +
+                              "_text_document.bin)"),
+                std::string::npos)
+          << r.output;
+    }
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir / "outdir"));
+  auto merge = RunCmd(testing::Tool("ptk-merge") + " --inputs " + dir / "s_text_document" + " --output-prefix " +
+                      dir / "outdir/");
+  EXPECT_EQ(merge.exit_code, 2) << merge.output;
+  EXPECT_NE(merge.output.find("(writes " + dir / "outdir/NAME.bin)"), std::string::npos) << merge.output;
+  EXPECT_TRUE(std::filesystem::is_empty(dir / "outdir"));
+
+  auto vocab =
+      RunCmd(Tok(fmt::format("--input {} --output-prefix {} --vocab-file gpt2-vocab.json --merge-file "
+                             "gpt2-merges.txt",
+                             dir / "in.jsonl", dir / "o")));
+  EXPECT_EQ(vocab.exit_code, 1) << vocab.output;
+  EXPECT_NE(vocab.output.find("--vocab-file gpt2-vocab.json: no such file; ptk has GPT-2's vocab.json and "
+                              "merges.txt built in: leave out --vocab-file and --merge-file to use them"),
+            std::string::npos)
+      << vocab.output;
+  const std::string real_vocab = testing::SourceDir() + "/tokenizer/data/gpt2-vocab.json";
+  auto merges = RunCmd(testing::Tool("ptk-inspect") + " " + dir / "s_text_document" + " --doc 0 --vocab-file " +
+                       real_vocab + " --merge-file " + dir.path());
+  EXPECT_EQ(merges.exit_code, 1) << merges.output;
+  EXPECT_NE(merges.output.find("--merge-file " + dir.path() + ": is a directory; ptk has GPT-2's"), std::string::npos)
+      << merges.output;
+
+  auto version = RunCmd(testing::Tool("ptk-tokenize") + " --version");
+  EXPECT_EQ(version.exit_code, 0) << version.output;
+  EXPECT_EQ(version.output.rfind("ptk-tokenize (ptk ", 0), 0u) << version.output;
+}
+
 // Issue 12: --input takes a directory (as NeMo's --preproc-folder does); WikiExtractor's
 // extension-less wiki_00 files are inputs; NeMo's flags are honoured or refused with a reason;
 // ptk-inspect takes PREFIX, PREFIX.bin or PREFIX.idx and hints at _text_document.
