@@ -55,11 +55,7 @@ absl::Status RemoveIndexedDataset(const std::string& prefix) {
 
 IndexedDatasetBuilder::IndexedDatasetBuilder(std::string prefix, DType dtype, bool multimodal,
                                              std::unique_ptr<OutputLock> lock, std::unique_ptr<AtomicFileWriter> bin)
-    : prefix_(std::move(prefix)),
-      dtype_(dtype),
-      multimodal_(multimodal),
-      lock_(std::move(lock)),
-      bin_(std::move(bin)) {
+    : prefix_(std::move(prefix)), dtype_(dtype), multimodal_(multimodal), lock_(std::move(lock)), bin_(std::move(bin)) {
   if (bin_->bytes_written() == 0) bin_hash_ = std::make_unique<Xxh3>();
 }
 
@@ -250,7 +246,36 @@ void IndexedDatasetBuilder::Abort() {
 
 // ---------------------------------------------------------------- reader
 
+absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool accept_file_names) {
+  std::string prefix = arg;
+  for (std::string_view ext : {".bin", ".idx"})
+    if (prefix.size() > ext.size() && prefix.compare(prefix.size() - ext.size(), ext.size(), ext) == 0)
+      prefix.resize(prefix.size() - ext.size());
+  const bool exists = PathExists(IdxPath(prefix)) || PathExists(BinPath(prefix));
+  if (exists && (accept_file_names || prefix == arg)) return prefix;
+  if (exists)
+    return absl::NotFoundError(fmt::format(
+        "{}: no dataset here: a dataset is named by its prefix, without .bin or .idx: did you mean {}?", arg, prefix));
+  std::vector<std::string> near;
+  if (PathExists(IdxPath(prefix + "_text_document"))) {
+    near.push_back(prefix + "_text_document");
+  } else if (auto found = ExpandGlobs({prefix + "*_document.idx"}); found.ok()) {
+    for (const auto& f : *found) near.push_back(f.substr(0, f.size() - 4));
+  }
+  if (near.empty())
+    return absl::NotFoundError(
+        fmt::format("{}: no dataset here (neither {} nor {} exists)", arg, IdxPath(prefix), BinPath(prefix)));
+  std::string list;
+  for (size_t i = 0; i < near.size() && i < 4; ++i) list += (i ? ", " : "") + near[i];
+  return absl::NotFoundError(fmt::format(
+      "{}: no dataset here; ptk-tokenize and Megatron name their outputs PREFIX_{{key}}_document: did you mean {}{}?",
+      arg, list, near.size() > 4 ? ", ..." : ""));
+}
+
 absl::StatusOr<std::unique_ptr<IndexedDataset>> IndexedDataset::Open(const std::string& prefix, bool multimodal) {
+  // Nothing of the dataset here: say which name was meant, when one near it holds a dataset.
+  if (!PathExists(IdxPath(prefix)) && !PathExists(BinPath(prefix)) && !PathExists(PublishJournalPath(prefix)))
+    PTK_RETURN_IF_ERROR(ResolveDatasetPrefix(prefix, /*accept_file_names=*/false).status());
   if (PathExists(PublishJournalPath(prefix))) {
     absl::Status st = CompletePendingPublish(PublishJournalPath(prefix));
     if (!st.ok())

@@ -25,6 +25,14 @@ inline constexpr size_t kIndexHeaderSize = 34;  // magic 9 + version 8 + dtype 1
 inline std::string BinPath(const std::string& prefix) { return prefix + ".bin"; }
 inline std::string IdxPath(const std::string& prefix) { return prefix + ".idx"; }
 
+// What a user gave for a dataset -> its PREFIX, when PREFIX.idx or PREFIX.bin exists (with
+// `accept_file_names`, PREFIX.bin and PREFIX.idx stand for PREFIX, as ptk-inspect takes them).
+// Otherwise NotFound naming what was looked for and, when a near name holds a dataset, suggesting
+// it: the prefix without .bin/.idx, PREFIX_text_document or another PREFIX*_document (ptk-tokenize
+// and Megatron name their outputs PREFIX_{key}_document). IndexedDataset::Open answers a missing
+// dataset with the same message, so every --data-path and --inputs gets the suggestion.
+absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool accept_file_names = true);
+
 // A run of tokens inside the mapped .bin (zero-copy).
 struct TokenSpan {
   const uint8_t* data = nullptr;

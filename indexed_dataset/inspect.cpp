@@ -98,26 +98,4 @@ absl::StatusOr<std::string> FormatGPTSample(const DataArgs& args, const GPTDatas
   return out;
 }
 
-absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg) {
-  std::string prefix = arg;
-  for (std::string_view ext : {".bin", ".idx"})
-    if (prefix.size() > ext.size() && prefix.compare(prefix.size() - ext.size(), ext.size(), ext) == 0)
-      prefix.resize(prefix.size() - ext.size());
-  if (PathExists(IdxPath(prefix)) || PathExists(BinPath(prefix))) return prefix;
-  std::vector<std::string> near;
-  if (PathExists(IdxPath(prefix + "_text_document"))) {
-    near.push_back(prefix + "_text_document");
-  } else if (auto found = ExpandGlobs({prefix + "*_document.idx"}); found.ok()) {
-    for (const auto& f : *found) near.push_back(f.substr(0, f.size() - 4));
-  }
-  if (near.empty())
-    return absl::NotFoundError(
-        fmt::format("{}: no dataset here (neither {} nor {} exists)", arg, IdxPath(prefix), BinPath(prefix)));
-  std::string list;
-  for (size_t i = 0; i < near.size() && i < 4; ++i) list += (i ? ", " : "") + near[i];
-  return absl::NotFoundError(fmt::format(
-      "{}: no dataset here; ptk-tokenize and Megatron name their outputs PREFIX_{{key}}_document: did you mean {}{}?",
-      arg, list, near.size() > 4 ? ", ..." : ""));
-}
-
 }  // namespace ptk

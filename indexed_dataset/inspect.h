@@ -35,8 +35,4 @@ absl::StatusOr<std::string> FormatDocument(const IndexedDataset& ds, int64_t doc
 absl::StatusOr<std::string> FormatGPTSample(const DataArgs& args, const GPTDatasetConfig& config, Split split,
                                             int64_t index, const DecodeFn& decode);
 
-// What the user typed for a dataset (PREFIX, PREFIX.bin or PREFIX.idx) -> PREFIX. When no such
-// pair exists but PREFIX_text_document (or another PREFIX*_document) does, the error says so.
-absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg);
-
 }  // namespace ptk

@@ -179,5 +179,34 @@ TEST_F(CorruptIndexTest, RandomByteFlipsNeverCrash) {
   EXPECT_GT(rejected, 2000);
 }
 
+// Issue 29, point 4: a path where a prefix belongs (PREFIX.bin), or a prefix without its
+// _text_document, gets the name meant from Open itself, so every --data-path and --inputs has it
+// (was a bare "cannot open my.idx").
+TEST(OpenMissingDataset, SuggestsThePrefixMeant) {
+  TempDir dir;
+  const std::string prefix = dir / "my_text_document";
+  auto b = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);
+  ASSERT_TRUE(b.ok());
+  std::vector<int32_t> t = {1, 2}, l = {2};
+  ASSERT_TRUE((*b)->AddDocument(t, l).ok());
+  ASSERT_TRUE((*b)->Finalize().ok());
+  for (const auto& [given, expect] : std::vector<std::pair<std::string, std::string>>{
+           {dir / "my",
+            "ptk-tokenize and Megatron name their outputs PREFIX_{key}_document: did you mean " + prefix + "?"},
+           {prefix + ".bin", "a dataset is named by its prefix, without .bin or .idx: did you mean " + prefix + "?"},
+           {prefix + ".idx", "did you mean " + prefix + "?"},
+           {dir / "other", "no dataset here (neither " + dir / "other.idx nor " + dir / "other.bin exists)"}}) {
+    auto ds = IndexedDataset::Open(given);
+    ASSERT_FALSE(ds.ok()) << given;
+    EXPECT_EQ(ds.status().code(), absl::StatusCode::kNotFound) << ds.status();
+    EXPECT_NE(ds.status().message().find(expect), std::string::npos) << ds.status();
+  }
+  // ptk-inspect's form takes PREFIX.bin and PREFIX.idx for PREFIX.
+  auto inspect = ResolveDatasetPrefix(prefix + ".bin");
+  ASSERT_TRUE(inspect.ok()) << inspect.status();
+  EXPECT_EQ(*inspect, prefix);
+  EXPECT_TRUE(IndexedDataset::Open(prefix).ok());
+}
+
 }  // namespace
 }  // namespace ptk
