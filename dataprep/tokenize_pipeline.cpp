@@ -37,6 +37,21 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
             fmt::format("usage: --json-keys names {:?} twice; each key is one dataset ({}), give it once",
                         opt.json_keys[i], OutputPrefixFor(opt.output_prefix, opt.json_keys[i])));
   if (opt.partitions < 1) return absl::InvalidArgumentError("--partitions must be >= 1");
+  // A rerun with the inputs and settings every output's sidecar records: nothing to do.
+  if (!opt.force) {
+    const std::string source = OutputSource(opt, tok);
+    TokenizeStats done;
+    done.up_to_date = !source.empty();
+    for (size_t k = 0; k < opt.json_keys.size() && done.up_to_date; ++k) {
+      const std::string prefix = OutputPrefixFor(opt.output_prefix, opt.json_keys[k]);
+      int64_t documents = 0, tokens = 0;
+      done.up_to_date = OutputUpToDate(prefix, source, &documents, &tokens);
+      done.documents = documents;
+      done.tokens += tokens;
+      done.outputs.push_back(prefix);
+    }
+    if (done.up_to_date) return done;
+  }
   const auto t_start = std::chrono::steady_clock::now();
   const int workers = std::max(1, opt.workers);
 

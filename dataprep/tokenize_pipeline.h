@@ -39,6 +39,10 @@ struct TokenizeOptions {
   double resume_interval_s = 60;
   bool progress = true;
   bool megatron_log = true;  // "Processed N documents (X docs/s, Y MB/s)." lines
+  // Every output's PREFIX.ptk-done sidecar records the inputs (names, sizes, mtimes) and the
+  // settings it was made from: a rerun whose would be the same leaves the outputs as they are
+  // (TokenizeStats::up_to_date). force: tokenize and publish again all the same.
+  bool force = false;
 };
 
 struct TokenizeStats {
@@ -53,7 +57,10 @@ struct TokenizeStats {
   int64_t invalid_utf8 = 0;
   int64_t lone_surrogates = 0;
   double seconds = 0;
-  std::vector<std::string> outputs;  // prefixes written
+  std::vector<std::string> outputs;  // prefixes written (or found up to date)
+  // Every output's sidecar records these inputs and settings: nothing was read or written
+  // (documents and tokens are the outputs').
+  bool up_to_date = false;
 };
 
 std::string OutputPrefixFor(const std::string& output_prefix, const std::string& key);

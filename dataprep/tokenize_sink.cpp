@@ -93,8 +93,8 @@ struct ResumeState {
 // options that change ids, and the tokenizer (its size, EOD id and the ids of a probe text).
 // XXH3-128, not SHA-256: a content check, not a security one, and OpenSSL's first use costs
 // milliseconds of start-up (a quarter of a small run's).
-std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
-  std::string s = "ptk-tokenize resume v1\n";
+std::string InputsAndSettings(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  std::string s;
   for (const auto& f : opt.inputs) {
     struct stat st {};
     (void)::stat(f.c_str(), &st);
@@ -106,7 +106,10 @@ std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& t
   ForEachPiece("ptk resume probe: Hello, world! 12345 \xc3\xa9t\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd <|endoftext|>",
                [&](const uint8_t* b, const uint8_t* e) { tok.BpePiece(b, static_cast<size_t>(e - b), &ids); });
   for (int32_t id : ids) s += fmt::format("{} ", id);
-  return Xxh3Hex(s);
+  return s;
+}
+std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  return Xxh3Hex("ptk-tokenize resume v1\n" + InputsAndSettings(opt, tok));
 }
 
 void PutI64(std::string& o, int64_t v) { o.append(reinterpret_cast<const char*>(&v), 8); }
@@ -214,6 +217,31 @@ absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
 
 }  // namespace
 
+std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  if (std::find(opt.inputs.begin(), opt.inputs.end(), "-") != opt.inputs.end()) return "";
+  const int order = opt.partitions > 1 && !opt.keep_sequential_samples ? opt.partitions : 1;
+  return "ptk-tokenize " + Xxh3Hex(fmt::format("ptk-tokenize output v1\n{}round-robin {}\nmax bad {}\n",
+                                               InputsAndSettings(opt, tok), order, opt.max_bad_fraction));
+}
+
+bool OutputUpToDate(const std::string& prefix, const std::string& source, int64_t* documents, int64_t* tokens) {
+  if (source.empty() || PathExists(PublishJournalPath(prefix)) || PathExists(prefix + ".ptk-resume")) return false;
+  auto side = ReadFileToString(DoneSidecarPath(prefix));
+  if (!side.ok()) return false;
+  simdjson::dom::parser parser;
+  simdjson::dom::element e;
+  std::string_view recorded;
+  uint64_t bin_size = 0, idx_size = 0;
+  if (parser.parse(*side).get(e) || e["source"].get(recorded) || recorded != source || e["bin_size"].get(bin_size) ||
+      e["idx_size"].get(idx_size) || e["documents"].get(*documents) || e["tokens"].get(*tokens))
+    return false;
+  struct stat bin {
+  }, idx{};
+  return ::stat(BinPath(prefix).c_str(), &bin) == 0 && S_ISREG(bin.st_mode) &&
+         static_cast<uint64_t>(bin.st_size) == bin_size && ::stat(IdxPath(prefix).c_str(), &idx) == 0 &&
+         S_ISREG(idx.st_mode) && static_cast<uint64_t>(idx.st_size) == idx_size;
+}
+
 DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress)
     : opt_(opt),
       tok_(tok),
@@ -225,6 +253,7 @@ DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok,
       resumable_(nparts_ == 1 && opt.resume_interval_s > 0 &&
                  std::find(opt.inputs.begin(), opt.inputs.end(), "-") == opt.inputs.end()),
       journal_(OutputPrefixFor(opt.output_prefix, opt.json_keys[0]) + ".ptk-resume"),
+      source_(OutputSource(opt, tok)),
       builders_(nparts_),
       tallies_(opt.inputs.size()) {}
 
@@ -275,6 +304,9 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
         builders_[p].push_back(std::move(b));
       }
   }
+  for (auto& part : builders_)
+    for (auto& b : part)
+      if (nparts_ == 1) b->SetSource(source_);
   // The builders hold the outputs' locks: the record is ours from here on.
   journal_owned_ = resumable_;
   if (resumable_) RemoveStaleTemporaries(journal_);  // a record being written when a run was killed
@@ -402,7 +434,7 @@ absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
         PTK_RETURN_IF_ERROR(builders_[p][k]->Finalize());
         parts.push_back(PartPrefix(p, k));
       }
-      PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k]).status());
+      PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k], /*multimodal=*/false, source_).status());
       for (const auto& part : parts) PTK_RETURN_IF_ERROR(RemoveIndexedDataset(part));
     }
   }

@@ -192,6 +192,16 @@ struct FileTally {
 // bad-record reports and, every --resume-interval, a resume point; at the end the checks that the
 // inputs were read and the outputs published. The resume record is removed with the sink (only a
 // killed run leaves one); unfinished builders remove their temporaries.
+// What every output's sidecar records as its source ("source" in PREFIX.ptk-done): a fingerprint
+// of the inputs (names, sizes, mtimes), the keys, the settings that change the bytes (EOD,
+// <|endoftext|> handling, the partition order, --strict, --max-bad-fraction) and the tokenizer.
+// "" when an input is stdin: a rerun cannot be compared with it.
+std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok);
+
+// PREFIX was made from `source` and is whole: its sidecar records `source`, the .bin and .idx have
+// the sizes it records, and no publish or resume is pending. Sets *documents and *tokens.
+bool OutputUpToDate(const std::string& prefix, const std::string& source, int64_t* documents, int64_t* tokens);
+
 class DocumentSink {
  public:
   DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress);
@@ -223,6 +233,7 @@ class DocumentSink {
   const std::string journal_;   // PREFIX.ptk-resume
   bool journal_owned_ = false;  // the outputs are ours: the record is removed with the sink
   std::string fingerprint_;
+  const std::string source_;  // OutputSource, recorded in the outputs' sidecars
   std::vector<std::vector<std::unique_ptr<IndexedDatasetBuilder>>> builders_;  // [part][key]
   TokenizeStats stats_;
   std::vector<FileTally> tallies_;

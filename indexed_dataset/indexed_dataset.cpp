@@ -208,20 +208,19 @@ absl::Status IndexedDatasetBuilder::Finalize() {
     PTK_ASSIGN_OR_RETURN(bin_sum, Xxh3FileHex(bin_->tmp_path()));
   }
   PTK_ASSIGN_OR_RETURN(auto done_writer, AtomicFileWriter::Create(DoneSidecarPath(prefix_)));
-  PTK_RETURN_IF_ERROR(done_writer->Write(JsonWriter()
-                                             .BeginObject()
-                                             .Field("format", "ptk-indexed-dataset-done v1")
-                                             .Field("bin_size", bin_->bytes_written())
-                                             .Field("bin_xxh3_128", bin_sum)
-                                             .Field("idx_size", idx.size())
-                                             .Field("idx_xxh3_128", Xxh3Hex(idx))
-                                             .Field("dtype", DTypeName(dtype_))
-                                             .Field("sequences", s)
-                                             .Field("documents", d - 1)
-                                             .Field("tokens", tokens_)
-                                             .EndObject()
-                                             .str() +
-                                         "\n"));
+  JsonWriter side;
+  side.BeginObject()
+      .Field("format", "ptk-indexed-dataset-done v1")
+      .Field("bin_size", bin_->bytes_written())
+      .Field("bin_xxh3_128", bin_sum)
+      .Field("idx_size", idx.size())
+      .Field("idx_xxh3_128", Xxh3Hex(idx))
+      .Field("dtype", DTypeName(dtype_))
+      .Field("sequences", s)
+      .Field("documents", d - 1)
+      .Field("tokens", tokens_);
+  if (!source_.empty()) side.Field("source", source_);
+  PTK_RETURN_IF_ERROR(done_writer->Write(side.EndObject().str() + "\n"));
   PTK_RETURN_IF_ERROR(done_writer->Seal());
   absl::Status st = PublishTogether(PublishJournalPath(prefix_), {{bin_->tmp_path(), BinPath(prefix_)},
                                                                   {idx_writer->tmp_path(), IdxPath(prefix_)},

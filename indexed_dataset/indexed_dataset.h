@@ -96,6 +96,9 @@ class IndexedDatasetBuilder {
                            std::span<const int8_t> modes = {});
   // Appends every sequence and document of another dataset (Megatron's add_index).
   absl::Status AddIndex(const std::string& other_prefix);
+  // What the writer made the dataset from (its inputs and settings, e.g. a fingerprint), recorded as
+  // "source" in the PREFIX.ptk-done sidecar: a rerun that would make the same dataset can see so.
+  void SetSource(std::string source) { source_ = std::move(source); }
   // Writes PREFIX.idx and makes both files visible.
   absl::Status Finalize();
   // Drops everything written (temporary files removed). Also done by the destructor if not finalized.
@@ -122,6 +125,7 @@ class IndexedDatasetBuilder {
   std::vector<int8_t> modes_;
   std::vector<uint8_t> scratch_;
   int64_t tokens_ = 0;
+  std::string source_;
   bool finalized_ = false;
   // The .bin's XXH3 as its bytes are written, for the sidecar: no re-read at Finalize. Null once
   // bytes arrive some other way (a resumed temporary's kept part, AddIndex's file copies); then

@@ -47,7 +47,7 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
 }
 
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs, const std::string& output_prefix,
-                                         bool multimodal) {
+                                         bool multimodal, const std::string& source) {
   if (inputs.empty()) return absl::InvalidArgumentError("nothing to merge");
   for (const auto& in : inputs)
     if (in == output_prefix)
@@ -55,6 +55,7 @@ absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs,
   PTK_ASSIGN_OR_RETURN(auto first, IndexedDataset::Open(inputs[0], multimodal));
   PTK_ASSIGN_OR_RETURN(auto builder, IndexedDatasetBuilder::Create(output_prefix, first->dtype(), multimodal));
   first.reset();
+  builder->SetSource(source);
   for (const auto& in : inputs) PTK_RETURN_IF_ERROR(builder->AddIndex(in));
   MergeStats st{builder->num_documents(), builder->num_sequences(), builder->num_tokens()};
   PTK_RETURN_IF_ERROR(builder->Finalize());

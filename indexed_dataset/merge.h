@@ -17,8 +17,9 @@ struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;
 };
 // Appends the inputs in the given order into `output_prefix` (dtype of the first input; every
-// input must share it).
+// input must share it). `source`, when given, is recorded in the sidecar (IndexedDatasetBuilder::SetSource).
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes,
-                                         const std::string& output_prefix, bool multimodal = false);
+                                         const std::string& output_prefix, bool multimodal = false,
+                                         const std::string& source = "");
 
 }  // namespace ptk

@@ -73,6 +73,9 @@ int main(int argc, char** argv) {
                   "always start over)")
       ->check(ptk::cli::NonNegative());
   app->add_flag("--quiet", quiet, "No progress line and no per-interval log lines");
+  app->add_flag("--force", opt.force,
+                "Tokenize again even when every output's .ptk-done sidecar records these inputs and settings (a "
+                "rerun leaves such outputs as they are)");
   // Megatron and NeMo flags ptk does not implement: each a usage error saying why.
   ptk::cli::Refusals refused(*app);
   refused.Flag("--split-sentences", "NLTK sentence splitting is not implemented");
@@ -120,6 +123,15 @@ int main(int argc, char** argv) {
     opt.megatron_log = !quiet;
     PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
     PTK_ASSIGN_OR_RETURN(ptk::TokenizeStats s, ptk::RunTokenize(opt, *tok));
+    if (s.up_to_date) {
+      for (const auto& p : s.outputs)
+        ptk::log::Info(
+            "{}: up to date, not rewritten: its .ptk-done sidecar records these inputs and settings "
+            "(--force tokenizes again)",
+            p);
+      ptk::log::Info("done: nothing to do ({} documents, {} tokens already written)", s.documents, s.tokens);
+      return absl::OkStatus();
+    }
 
     ptk::log::Info(
         "done: {} documents ({} empty), {} tokens from {:.1f} MB of JSON lines in {:.2f} s ({:.1f} MB/s, {} workers)",

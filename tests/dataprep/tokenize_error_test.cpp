@@ -1,6 +1,7 @@
 // ptk-tokenize on bad input: bad records are skipped with file:line warnings (or fail under
 // --strict), invalid text is repaired and counted, damaged compressed input fails with no output,
 // unsupported flags are usage errors. Never a crash or a hang.
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <fmt/core.h>
@@ -389,6 +390,78 @@ TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
   auto version = RunCmd(testing::Tool("ptk-tokenize") + " --version");
   EXPECT_EQ(version.exit_code, 0) << version.output;
   EXPECT_EQ(version.output.rfind("ptk-tokenize (ptk ", 0), 0u) << version.output;
+}
+
+// Issue 29, point 2: a rerun whose inputs and settings every output's sidecar records leaves the
+// outputs alone and says so (the main job's rerun rewrote five datasets); anything that changes
+// the bytes (an input, a flag, a damaged output) or --force tokenizes again; stdin never compares.
+TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
+  TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"Hello world\", \"title\": \"A\"}\n");
+  testing::WriteFile(dir / "b.jsonl",
+                     "{\"text\": \"Second\", \"title\": \"B\"}\n{\"text\": \"Third\", \"title\": \"C\"}\n");
+  const std::string out = dir / "out";
+  const std::string bin = out + "_text_document.bin", title_bin = out + "_title_document.bin";
+  auto run = [&](const std::string& extra) {
+    return RunCmd(Tok(fmt::format("--input {} {} --output-prefix {} --json-keys text title {}", dir / "a.jsonl",
+                                  dir / "b.jsonl", out, extra)));
+  };
+  // The files' identity and modification time: rewritten files are new files (rename).
+  auto stamp = [](const std::string& path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return std::string("missing");
+    return fmt::format("{}:{}.{}", st.st_ino, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+  };
+  auto stamps = [&] {
+    std::string s;
+    for (const char* k : {"text", "title"})
+      for (const char* ext : {".bin", ".idx", ".ptk-done"}) s += stamp(out + "_" + k + "_document" + ext) + " ";
+    return s;
+  };
+  auto first = run("--append-eod");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string before = stamps(), bytes = testing::ReadFile(bin);
+  auto again = run("--append-eod --workers 1");  // the worker count does not change the bytes
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find(out + "_text_document: up to date, not rewritten: its .ptk-done sidecar records these "
+                                    "inputs and settings (--force tokenizes again)"),
+            std::string::npos)
+      << again.output;
+  EXPECT_NE(again.output.find(out + "_title_document: up to date"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("done: nothing to do (3 documents, "), std::string::npos) << again.output;
+  EXPECT_EQ(stamps(), before);
+
+  // Another setting, a changed input, --force, a damaged output: tokenized again.
+  for (const std::string change : {"eod", "input", "force", "damage", "partitions"}) {
+    SCOPED_TRACE(change);
+    std::string extra = "--append-eod";
+    if (change == "eod") extra = "";
+    if (change == "force") extra += " --force";
+    if (change == "partitions") extra += " --partitions 2";
+    if (change == "input") {
+      struct timespec times[2] = {{0, UTIME_OMIT}, {1000000000, 0}};
+      ASSERT_EQ(::utimensat(AT_FDCWD, (dir / "b.jsonl").c_str(), times, 0), 0);
+    }
+    if (change == "damage") std::filesystem::resize_file(title_bin, 1);
+    const std::string was = stamps();
+    auto r = run(extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("up to date"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("wrote " + bin), std::string::npos) << r.output;
+    EXPECT_NE(stamps(), was);
+    if (change != "eod" && change != "partitions") {  // round-robin partitions reorder the documents
+      EXPECT_EQ(testing::ReadFile(bin), bytes);
+    }
+    // ... and the run after it is skipped again (round-robin partitions record it too).
+    auto same = run(extra == "--append-eod --force" ? "--append-eod" : extra);
+    EXPECT_NE(same.output.find("up to date"), std::string::npos) << same.output;
+  }
+  // Standard input cannot be compared with a sidecar: always tokenized.
+  for (int i = 0; i < 2; ++i) {
+    auto r = RunCmd(fmt::format("cat {} | {}", dir / "a.jsonl", Tok("--input - --output-prefix " + dir / "s")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("up to date"), std::string::npos) << r.output;
+  }
 }
 
 // Issue 12: --input takes a directory (as NeMo's --preproc-folder does); WikiExtractor's
