@@ -28,7 +28,8 @@
 #   CONCAT_CHUNKS 72      CONCAT_PARALLELISM 16    (one pod per chunk)
 #   TOKENIZE_TASKS = CONCAT_CHUNKS                 TOKENIZE_PARALLELISM 16
 #   CPUS_PER_TASK 4       MEMORY_PER_TASK 8Gi      requests of each data pod (its --jobs / --workers)
-#   BACKOFF_LIMIT_PER_INDEX 3                      reruns of one index before it counts as failed
+#   BACKOFF_LIMIT_PER_INDEX 3                      reruns of one index before it counts as failed (and
+#                                                  the backoffLimit of the one-pod concat-plan Job)
 # Training (k8s/pytorchjob.yaml-template, or k8s/train-job.yaml-template without the training operator):
 #   NUM_WORKERS 2         ranks, one pod each (WORKER_REPLICAS = NUM_WORKERS - 1 beside the PyTorchJob's Master)
 #   GPU_PER_WORKER 1      nvidia.com/gpu per pod (0: the CPU backend)    CPUS_PER_WORKER 8   MEMORY_PER_WORKER 64Gi

@@ -8,7 +8,9 @@
      pod killed mid-file is replaced and resumes the file with a Range request, a tokenize pod killed
      mid-file is replaced and redoes it; the chunks and datasets are byte-identical to a
      single-process run of the same tools (what the Slurm path gives, tests/slurm/slurm_pipeline_test.sh)
-     and nothing is left behind;
+     and nothing is left behind; an extract index that fails on a damaged download fails alone after its
+     retries, and a verified re-download and the Job applied again repair it (README's resume steps);
+     a usage error fails its index at once;
   3. ptk-train as the plain Indexed Job (+ headless Service) variant, 2 ranks over loopback, and as
      the PyTorchJob with its Worker (rank 1) killed after the first checkpoint: the ranks restart in
      place, resume from the checkpoint, and end with checkpoints byte-identical to the uninterrupted
@@ -241,6 +243,42 @@ try:
     if litter:
         fail(f"left behind: {litter}")
     say("   4 chunks and 5 datasets (4 chunks, validation) byte-identical to the single-process run; no litter")
+
+    # ---- README's "resume after a failure": an index that fails for good, then delete and apply again
+    victim = sorted(glob.glob(os.path.join(DATA, "raw", "train", "**", "*.zst"), recursive=True))[0]
+    with open(victim, "r+b") as f:  # damaged on the volume: extract fails on it at every try
+        f.seek(os.path.getsize(victim) // 2)
+        f.write(b"garbage!")
+    (job,) = render("extract-job")
+    say("Job ptk-extract again, over a damaged download")
+    r = sim.run_job(job, timeout=120)
+    tries = [p for p in r["pods"] if p.exit_code != 0]
+    if r["succeeded"] or len(r["failed_indexes"]) != 1 or len(tries) != 4:
+        fail(f"a damaged input: succeeded {r['succeeded']}, failed indexes {r['failed_indexes']}, {len(tries)} failed "
+             "pods (expected one index failing 1 + BACKOFF_LIMIT_PER_INDEX 3 times)", sim)
+    bad_log = open(os.path.join(sim.log_dir, f"{tries[-1].name}.ptk.log")).read()
+    if "corrupt zstd data" not in bad_log:
+        fail("the failed pod's log does not say why:\n" + bad_log[-2000:])
+    (dl,) = render("download-job")
+    dl["spec"]["template"]["spec"]["containers"][0]["args"].append("--verify")  # README: re-download verified
+    if not sim.run_job(dl, timeout=120)["succeeded"]:
+        fail("the verified re-download failed", sim)
+    if sha(victim) != sha(os.path.join(SRC, "sample", "slimpajama-mini", os.path.relpath(victim, f"{DATA}/raw"))):
+        fail("--verify did not repair the damaged download")
+    run("extract-job")
+    for f in glob.glob(f"{REF}/extracted/**/*.jsonl", recursive=True):
+        if sha(f) != sha(os.path.join(DATA, "extracted", os.path.relpath(f, f"{REF}/extracted"))):
+            fail(f"extracted/{os.path.relpath(f, REF + '/extracted')} differs after the repair")
+    say(f"   index {r['failed_indexes'][0]} failed 4 times ('corrupt zstd data'), the others completed; a verified "
+        "re-download and the Job applied again repaired it")
+    (job,) = render("extract-job")
+    job["spec"]["template"]["spec"]["containers"][0]["env"][0]["value"] = "2"  # JOB_COMPLETIONS != completions 3
+    r = sim.run_job(job, timeout=60)
+    two = [p for p in r["pods"] if p.index == 2]
+    if r["failed_indexes"] != [2] or len(two) != 1 or two[0].exit_code != 2:
+        fail(f"a usage error: failed indexes {r['failed_indexes']}, index 2 ran {len(two)} times "
+             f"(exit {[p.exit_code for p in two]}); FailIndex should stop it at once", sim)
+    say("   a usage error (JOB_COMPLETIONS 2 for 3 completions): index 2 exits 2 and fails at once (FailIndex)")
 
     # ---- 3. training: the Indexed Job variant uninterrupted, then the PyTorchJob with rank 1 killed
     tb = os.path.join(VOL, "ptk", "results", "train", "tensorboard", "metrics.jsonl")
