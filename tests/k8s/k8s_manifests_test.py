@@ -115,6 +115,15 @@ def render(template, config):
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+# ---- the image the templates name: the Dockerfile's portable tree in /opt/ptk, its bin/ on PATH, and
+# the slurm/ scripts the pods run installed beside it (cmake --install puts slurm/ in share/ptk/slurm)
+dockerfile = open(os.path.join(SRC, "Dockerfile")).read()
+check("--portable /opt/ptk" in dockerfile and re.search(r"^ENV PATH=/opt/ptk/bin:", dockerfile, re.M),
+      "the Dockerfile no longer puts ptk in /opt/ptk with /opt/ptk/bin on PATH (the templates rely on it)")
+check(re.search(r"install\(DIRECTORY \$\{PROJECT_SOURCE_DIR\}/slurm/ DESTINATION share/ptk/slurm",
+                open(os.path.join(SRC, "CMakeLists.txt")).read()),
+      "CMakeLists.txt no longer installs slurm/ into share/ptk/slurm (the templates run scripts from there)")
+
 # ---- schemas
 crd = yaml.safe_load(open(os.path.join(SRC, "tests", "k8s", "pytorchjob-crd", "kubeflow.org_pytorchjobs.yaml")))
 version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
