@@ -200,6 +200,8 @@ try:
         fail("no tokenize pod was killed mid-file", sim)
     if not [p for p in r["pods"] if p.index == tok_killed[0].index and p.exit_code == 0]:
         fail("the killed tokenize index was not rerun", sim)
+    if sim.uts and "workers on ptk-tokenize-1\n" not in open(os.path.join(sim.log_dir, "ptk-tokenize-1-0.ptk.log")).read():
+        fail("the tokenize pod of index 1 does not run under its pod's hostname ptk-tokenize-1")
     say(f"   tokenize pod {tok_killed[0].name} killed while ptk-tokenize ran; its replacement finished the index")
 
     # ---- the same tools in one process: what the Slurm path and the main job give

@@ -30,7 +30,8 @@ tree has them), and the cluster's DNS is a table of names (the Master's service,
 that resolve to 127.0.0.1, replaced in env values, command and args. Restart back-off is 0.2 s
 doubling instead of the kubelet's 10 s. The operator's injected init container (an nslookup loop in
 alpine) is not run: its DNS wait has nothing to wait for here. Each container runs in its own process
-group, in a scratch directory (the image's WORKDIR would be the checkout's slurm/).
+group, in a scratch directory (the image's WORKDIR would be the checkout's slurm/), and, as root, in a
+UTS namespace of its own whose hostname is the pod's (otherwise only HOSTNAME says it).
 """
 import os
 import re
@@ -94,6 +95,8 @@ class Sim:
         self.secrets = secrets or {}
         self.dns = set(dns)
         self.restart_backoff = restart_backoff
+        # A UTS namespace per container (root only) gives it the pod's hostname; else HOSTNAME alone.
+        self.uts = os.geteuid() == 0 and subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode == 0
         self.events = []  # (time, pod, what) for the test's checks and for failure messages
         self.lock = threading.Lock()
         os.makedirs(log_dir, exist_ok=True)
@@ -157,6 +160,8 @@ class Sim:
             raise RuntimeError(f"{pod.name}: container {c['name']} has no command (the image has no entrypoint)")
         env = {k: self.localize(v, mounts) for k, v in env.items()}
         argv = [self.localize(a, mounts) for a in argv]
+        if self.uts:  # the pod's own hostname, as gethostname() and `hostname` see it
+            argv = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', pod.hostname] + argv
         cwd = tempfile.mkdtemp(prefix="pod-cwd-", dir=self.log_dir)
         log = open(os.path.join(self.log_dir, f"{pod.name}.{tag}.log"), "ab")
         log.write(f"== {pod.name} {c['name']} attempt {pod.restarts}: {argv}\n".encode())
