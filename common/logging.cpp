@@ -12,6 +12,21 @@ std::string& Name() {
 }
 Level g_min_level = Level::kInfo;
 std::mutex g_mu;
+std::string g_status;  // the status line on stderr now, guarded by g_mu
+
+// Writes `text` to `f` with the status line taken away before and drawn again after it. Holds g_mu.
+void WriteAround(FILE* f, std::string_view text) {
+  if (!g_status.empty()) {
+    std::fputs("\r\033[K", stderr);
+    std::fflush(stderr);
+  }
+  std::fwrite(text.data(), 1, text.size(), f);
+  std::fflush(f);
+  if (!g_status.empty()) {
+    std::fwrite(g_status.data(), 1, g_status.size(), stderr);
+    std::fflush(stderr);
+  }
+}
 }  // namespace
 
 void SetProgramName(std::string_view name) { Name() = std::string(name); }
@@ -29,14 +44,25 @@ void Write(Level level, std::string_view message) {
   }
   std::string line = fmt::format("{}: {}{}\n", Name(), tag, message);
   std::lock_guard<std::mutex> lock(g_mu);
-  std::fwrite(line.data(), 1, line.size(), stderr);
-  std::fflush(stderr);
+  WriteAround(stderr, line);
 }
 
 void Raw(std::string_view line) {
   std::lock_guard<std::mutex> lock(g_mu);
-  std::fwrite(line.data(), 1, line.size(), stderr);
-  std::fputc('\n', stderr);
+  WriteAround(stderr, std::string(line) + "\n");
+}
+
+void Out(std::string_view line) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  WriteAround(stdout, std::string(line) + "\n");
+}
+
+void SetStatusLine(std::string_view line) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (line.empty() && g_status.empty()) return;
+  g_status = line;
+  std::fputs("\r\033[K", stderr);
+  std::fwrite(g_status.data(), 1, g_status.size(), stderr);
   std::fflush(stderr);
 }
 

@@ -22,6 +22,12 @@ void Write(Level level, std::string_view message);
 std::string Printable(std::string_view text);
 // Writes a raw line to stderr (no prefix): used for Megatron-shaped progress lines.
 void Raw(std::string_view line);
+// Writes a line to stdout (Megatron prints "Opening FILE" there), after the status line is cleared.
+void Out(std::string_view line);
+// The transient status line on a terminal (ProgressReporter's rate and ETA), drawn in place on
+// stderr; "" removes it. Every line written through this file clears it first and draws it again
+// below, so a log line and the status line never run together on one screen line.
+void SetStatusLine(std::string_view line);
 
 template <typename... Args>
 void Debug(fmt::format_string<Args...> f, Args&&... args) {

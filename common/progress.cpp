@@ -19,13 +19,10 @@ ProgressReporter::ProgressReporter(Options options) : opt_(std::move(options)) {
   bytes_total_ = opt_.bytes_total;
   tty_ = ::isatty(STDERR_FILENO) == 1;
   if (opt_.interval_s < 0) {
-    if (tty_) {
-      opt_.interval_s = 0.25;
-    } else {
-      const char* env = std::getenv("PTK_PROGRESS_INTERVAL");
-      opt_.interval_s = env ? std::atof(env) : 30.0;
-      if (opt_.interval_s <= 0) opt_.interval_s = 30.0;
-    }
+    const char* env = std::getenv("PTK_PROGRESS_INTERVAL");
+    const double fallback = tty_ ? 0.25 : 30.0;
+    opt_.interval_s = env ? std::atof(env) : fallback;
+    if (!(opt_.interval_s > 0)) opt_.interval_s = fallback;
   }
   if (opt_.enabled) thread_ = std::thread([this] { Run(); });
 }
@@ -77,8 +74,7 @@ void ProgressReporter::Run() {
     if (stop_) break;
     std::string line = Line();
     if (tty_) {
-      std::fprintf(stderr, "\r\033[K%s", line.c_str());
-      std::fflush(stderr);
+      log::SetStatusLine(line);
     } else {
       log::Info("{}", line);
     }
@@ -93,10 +89,7 @@ void ProgressReporter::Finish() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  if (tty_ && opt_.enabled) {
-    std::fprintf(stderr, "\r\033[K");
-    std::fflush(stderr);
-  }
+  if (tty_ && opt_.enabled) log::SetStatusLine("");
 }
 
 }  // namespace ptk

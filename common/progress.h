@@ -1,5 +1,6 @@
-// Progress reporting for long work: a redrawn line with rate and ETA on a TTY, periodic log lines
-// otherwise (every PTK_PROGRESS_INTERVAL seconds, default 30). Counters are thread-safe.
+// Progress reporting for long work: a redrawn line with rate and ETA on a TTY (every 0.25 s; log
+// lines scroll above it, log::SetStatusLine), periodic log lines otherwise (every 30 s);
+// PTK_PROGRESS_INTERVAL (seconds) sets either. Counters are thread-safe.
 #pragma once
 
 #include <atomic>
@@ -19,7 +20,7 @@ class ProgressReporter {
     std::string item_unit = "items";
     uint64_t items_total = 0;  // 0 = unknown
     uint64_t bytes_total = 0;  // 0 = unknown
-    double interval_s = -1;    // <0: 0.25 s on a TTY, $PTK_PROGRESS_INTERVAL or 30 s otherwise
+    double interval_s = -1;    // <0: $PTK_PROGRESS_INTERVAL, else 0.25 s on a TTY and 30 s otherwise
     bool enabled = true;
   };
   explicit ProgressReporter(Options options);

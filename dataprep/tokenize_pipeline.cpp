@@ -15,6 +15,7 @@
 #include <fmt/core.h>
 
 #include "common/happens_before.h"
+#include "common/logging.h"
 #include "common/progress.h"
 #include "common/status.h"
 #include "dataprep/tokenize_stages.h"
@@ -78,10 +79,7 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   // with two workers): the last big batch no longer keeps one worker busy while the others wait.
   if (opt.batch_bytes == 0 && workers > 1) reader.ShrinkTowardsTheEnd(total_raw, 1.0 / (2 * workers));
 
-  if (opt.megatron_log) {  // --quiet is quiet
-    std::printf("Processing data with %d workers.\n", workers);
-    std::fflush(stdout);
-  }
+  if (opt.megatron_log) log::Out(fmt::format("Processing data with {} workers.", workers));  // --quiet is quiet
   // The caller's --workers, in an arena of this call's own: no process-wide oneTBB setting.
   tbb::task_arena arena(workers);
   tbb::enumerable_thread_specific<std::unique_ptr<BatchEncoder>> encoders;

@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/tokenize_stages.h"
 
@@ -24,10 +25,7 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
     if (!src_) {
       if (file_ >= static_cast<int>(files_.size())) return std::unique_ptr<Batch>();
       PTK_ASSIGN_OR_RETURN(src_, OpenByteSource(files_[file_]));
-      if (announce_) {  // Megatron's line
-        std::printf("Opening %s\n", files_[file_].c_str());
-        std::fflush(stdout);
-      }
+      if (announce_) log::Out("Opening " + files_[file_]);  // Megatron's line (stdout)
       line_no_ = 1;
       at_file_start_ = true;
       consumed_ = 0;

@@ -464,6 +464,61 @@ TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
   }
 }
 
+// What a terminal shows for `out`: \r returns to the start of the line, ESC[K erases to its end,
+// \n ends it; other bytes overwrite. The lines, the last one unfinished.
+std::vector<std::string> Screen(const std::string& out) {
+  std::vector<std::string> lines(1);
+  size_t col = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    std::string& line = lines.back();
+    if (out[i] == '\r') {
+      col = 0;
+    } else if (out[i] == '\n') {
+      lines.emplace_back();
+      col = 0;
+    } else if (out.compare(i, 3, "\033[K") == 0) {
+      line.resize(std::min(line.size(), col));
+      i += 2;
+    } else {
+      if (col < line.size())
+        line[col] = out[i];
+      else
+        line += out[i];
+      ++col;
+    }
+  }
+  return lines;
+}
+
+// Issue 29, point 6: on a terminal the rate/ETA line is redrawn in place; Megatron's "Processed N
+// documents" and "Opening FILE" lines (and warnings) now take it away and draw it again below them
+// (were "...ETA 0.2s, elapsed 0.3sProcessed 3000 documents").
+TEST(TokenizeErrors, ProgressLineAndLogLinesDoNotRunTogetherOnATerminal) {
+  if (RunCmd("script -qfec true /dev/null").exit_code != 0) GTEST_SKIP() << "no script(1) for a terminal";
+  TempDir dir;
+  std::string docs;
+  for (int i = 0; i < 20000; ++i) docs += fmt::format("{{\"text\": \"document {} of a terminal test\"}}\n", i);
+  testing::WriteFile(dir / "a.jsonl", docs);
+  testing::WriteFile(dir / "b.jsonl", docs + "not json\n");
+  const std::string cmd = fmt::format(
+      "{} --input {} {} --output-prefix {} --workers 1 --log-interval 500 --batch-mb 0.05 --max-bad-fraction 1",
+      testing::Tool("ptk-tokenize"), dir / "a.jsonl", dir / "b.jsonl", dir / "out");
+  // A status line every millisecond: many chances to collide.
+  auto r = RunCmd("PTK_PROGRESS_INTERVAL=0.001 script -qfec " + testing::ShellQuote(cmd) + " /dev/null");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_NE(r.output.find("\r\033[Ktokenize: "), std::string::npos) << "no status line drawn: " << r.output;
+  int processed = 0;
+  for (const std::string& line : Screen(r.output)) {
+    for (const char* start : {"Processed ", "Opening ", "ptk-tokenize: "}) {
+      const size_t at = line.find(start);
+      if (at == std::string::npos) continue;
+      EXPECT_EQ(at, 0u) << "a line ran into another on the screen: " << line;
+      processed += std::string(start) == "Processed ";
+    }
+  }
+  EXPECT_EQ(processed, 80);
+}
+
 // Issue 12: --input takes a directory (as NeMo's --preproc-folder does); WikiExtractor's
 // extension-less wiki_00 files are inputs; NeMo's flags are honoured or refused with a reason;
 // ptk-inspect takes PREFIX, PREFIX.bin or PREFIX.idx and hints at _text_document.
