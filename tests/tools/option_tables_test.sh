@@ -5,7 +5,7 @@
 set -uo pipefail
 BIN=$1
 fail=0
-for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train; do
+for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train ptk-convert; do
   [ -x "$BIN/$tool" ] || { echo "FAIL: $tool not built"; fail=1; continue; }
   PTK_CHECK_OPTIONS=1 "$BIN/$tool" || { echo "FAIL: $tool's option table"; fail=1; }
   "$BIN/$tool" --help >/dev/null || { echo "FAIL: $tool --help"; fail=1; }

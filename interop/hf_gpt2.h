@@ -1,0 +1,68 @@
+// ptk checkpoints <-> Hugging Face GPT-2 directories (what transformers' GPT2LMHeadModel,
+// lm-eval-harness and vLLM load): ptk-convert's work, flags as Megatron's tools/checkpoint/convert.py.
+//
+// ptk -> hf: config.json (model_type gpt2, activation gelu_new: the tanh GELU ptk computes;
+// n_positions = --max-position-embeddings; layer_norm_epsilon; tie_word_embeddings false for an
+// untied output layer), model.safetensors (fp32; Megatron's fused per-head QKV rows reordered into
+// c_attn's [q | k | v] columns; every linear weight transposed into Conv1D's (in, out); the padded
+// vocabulary rows dropped: HF's logits are the first vocab_size of ptk's, the padded ones, which no
+// label ever names, are gone), vocab.json, merges.txt, tokenizer_config.json,
+// generation_config.json. Each file is replaced atomically.
+// hf -> ptk: the directory's config.json and model.safetensors checked against each other (every
+// tensor present with its shape and nothing else; the tensor's name in every refusal), the
+// padded rows filled as Megatron's checkpoint saver fills them (copies of the last row), written
+// as a ptk checkpoint of iteration 0 with zero AdamW moments, for ptk-train --load ... --finetune
+// (or --no-load-optim).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "trainer/gpt_model.h"
+
+namespace ptk::interop {
+
+struct ConvertOptions {
+  std::string loader;  // "ptk" or "hf"
+  std::string saver;   // "hf" or "ptk"
+  std::string load_dir, save_dir;
+  // ptk -> hf: the tokenizer's vocabulary size (0: the one the checkpoint's run recorded), and the
+  // tokenizer files to ship (empty: ptk's built-in GPT-2 files).
+  int64_t true_vocab_size = 0;
+  std::string vocab_file, merge_file;
+  // hf -> ptk: the padded vocabulary, as ptk-train's flag.
+  int64_t make_vocab_size_divisible_by = 128;
+  std::string args_json;  // stored in the checkpoint an import writes
+};
+
+struct ConvertSummary {
+  std::string source, destination;  // the files read and the directory written
+  int64_t iteration = 0;            // the checkpoint's
+  trainer::GPTConfig config;
+  int64_t num_params = 0;   // as stored in the destination
+  std::string train_flags;  // hf -> ptk: the model flags ptk-train needs to load the result
+  std::vector<std::string> notes;
+};
+
+absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& options);
+
+// The latest checkpoint of a ptk-train --save directory with its model configuration: the header's
+// model description, completed by the settings the run recorded (--vocab-size unless
+// `true_vocab_size` is given, --layernorm-epsilon, the dropouts, --init-method-std; Megatron's
+// defaults, with a note, where a checkpoint does not record them), verified whole by LoadCheckpoint.
+struct PtkCheckpoint {
+  std::string file;
+  int64_t iteration = 0;
+  trainer::GPTConfig config;
+  std::vector<float> params;  // in trainer::ParamLayout order
+  std::vector<std::string> notes;
+};
+absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size = 0);
+
+// The directions on their own.
+absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
+absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);
+
+}  // namespace ptk::interop

@@ -1,0 +1,288 @@
+// ptk-convert's mapping, without transformers (hf_transformers_test.py runs the exported model in
+// it): the HF tensors hold Megatron's weights where GPT-2 has them (c_attn's [q | k | v] columns,
+// Conv1D's transposed weights, the padded rows dropped), import undoes it (padded rows copies of the
+// last one), export -> import -> export is byte-identical, and a mismatched or damaged HF directory
+// is refused naming the tensor.
+#include "interop/hf_gpt2.h"
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "interop/safetensors.h"
+#include "tests/test_util.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk::interop {
+namespace {
+
+using ptk::testing::ReadFile;
+using ptk::testing::RunCmd;
+using ptk::testing::ShellQuote;
+using ptk::testing::TempDir;
+using ptk::testing::WriteFile;
+using trainer::GPTConfig;
+using trainer::ParamLayout;
+
+class HfConvert : public ::testing::Test {
+ protected:
+  // A ptk checkpoint of a small model with distinct weights, as ptk-train saves it.
+  void Save(bool untie, const std::string& dir, bool record_vocab = true) {
+    c_.num_layers = 2;
+    c_.hidden_size = 8;
+    c_.num_attention_heads = 2;
+    c_.ffn_hidden_size = 24;
+    c_.seq_length = 16;
+    c_.max_position_embeddings = 16;
+    c_.vocab_size = 50257;
+    c_.padded_vocab_size = 50304;
+    c_.layernorm_epsilon = 1e-6;
+    c_.untie_embeddings_and_output_weights = untie;
+    auto layout = ParamLayout::Create(c_);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    layout_ = *layout;
+    params_.resize(static_cast<size_t>(layout_.num_params));
+    layout_.InitWeights(5, params_);
+    for (size_t i = 0; i < params_.size(); ++i) params_[i] += 1e-3f * static_cast<float>(i % 97);  // no 0/1 runs
+    std::vector<float> zeros(params_.size(), 0.0f);
+    trainer::TrainState st;
+    st.iteration = 7;
+    st.settings = {{"--layernorm-epsilon", "1e-06"}, {"--hidden-dropout", "0"}, {"--attention-dropout", "0.05"}};
+    if (record_vocab) st.settings.push_back({"--vocab-size", "50257"});
+    ASSERT_TRUE(trainer::SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
+  }
+  ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
+                      const std::string& to) {
+    ConvertOptions o;
+    o.loader = loader;
+    o.saver = saver;
+    o.load_dir = from;
+    o.save_dir = to;
+    return o;
+  }
+  // Tensor `name` of an exported directory.
+  std::vector<float> Tensor(const std::string& dir, const std::string& name, std::vector<int64_t>* shape = nullptr) {
+    auto f = SafetensorsFile::Open(dir + "/model.safetensors");
+    EXPECT_TRUE(f.ok()) << f.status();
+    const SafetensorsTensor* t = (*f)->Find(name);
+    EXPECT_NE(t, nullptr) << name;
+    if (!t) return {};
+    if (shape) *shape = t->shape;
+    return *(*f)->ReadFloat(*t);
+  }
+  float P(int64_t offset) const { return params_[static_cast<size_t>(offset)]; }
+
+  TempDir dir_;
+  GPTConfig c_;
+  ParamLayout layout_;
+  std::vector<float> params_;
+};
+
+TEST_F(HfConvert, ExportPutsMegatronsWeightsWhereGpt2HasThem) {
+  Save(false, dir_ / "ck");
+  auto s = ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf"));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->iteration, 7);
+  const int64_t C = 8, hd = 4, F = 24;
+  std::vector<int64_t> shape;
+  // wte: the real rows only.
+  std::vector<float> wte = Tensor(dir_ / "hf", "transformer.wte.weight", &shape);
+  EXPECT_EQ(shape, (std::vector<int64_t>{50257, C}));
+  EXPECT_EQ(wte[50256 * C + 3], P(layout_.wte + 50256 * C + 3));
+  // c_attn: HF column w*C + n*hd + d of input i is Megatron's row (n*3 + w)*hd + d.
+  const auto& lp = layout_.layers[1];
+  std::vector<float> qkv = Tensor(dir_ / "hf", "transformer.h.1.attn.c_attn.weight", &shape);
+  EXPECT_EQ(shape, (std::vector<int64_t>{C, 3 * C}));
+  for (int64_t n = 0; n < 2; ++n)
+    for (int64_t w = 0; w < 3; ++w)
+      for (int64_t d = 0; d < hd; ++d)
+        for (int64_t i = 0; i < C; ++i)
+          ASSERT_EQ(qkv[i * 3 * C + w * C + n * hd + d], P(lp.qkv_w + ((n * 3 + w) * hd + d) * C + i));
+  std::vector<float> qkv_b = Tensor(dir_ / "hf", "transformer.h.1.attn.c_attn.bias");
+  EXPECT_EQ(qkv_b[2 * C + 1 * hd + 3], P(lp.qkv_b + (1 * 3 + 2) * hd + 3));  // v of head 1, d 3
+  // Conv1D weights are (in, out): Megatron's (out, in) transposed.
+  std::vector<float> fc = Tensor(dir_ / "hf", "transformer.h.1.mlp.c_fc.weight", &shape);
+  EXPECT_EQ(shape, (std::vector<int64_t>{C, F}));
+  EXPECT_EQ(fc[5 * F + 17], P(lp.fc1_w + 17 * C + 5));
+  std::vector<float> proj = Tensor(dir_ / "hf", "transformer.h.1.mlp.c_proj.weight", &shape);
+  EXPECT_EQ(shape, (std::vector<int64_t>{F, C}));
+  EXPECT_EQ(proj[17 * C + 5], P(lp.fc2_w + 5 * F + 17));
+  // Tied: no lm_head in the file; config.json says how it was computed.
+  auto f = SafetensorsFile::Open(dir_ / "hf/model.safetensors");
+  EXPECT_EQ((*f)->Find("lm_head.weight"), nullptr);
+  EXPECT_EQ((*f)->tensors().size(), 2u + 2u * 12u + 2u);
+  EXPECT_EQ((*f)->metadata().at("format"), "pt");
+  const std::string config = ReadFile(dir_ / "hf/config.json");
+  for (const char* want :
+       {"\"activation_function\": \"gelu_new\"", "\"layer_norm_epsilon\": 1e-06", "\"n_positions\": 16",
+        "\"vocab_size\": 50257", "\"tie_word_embeddings\": true", "\"n_inner\": 24", "\"resid_pdrop\": 0.0",
+        "\"attn_pdrop\": 0.05", "\"model_type\": \"gpt2\""})
+    EXPECT_NE(config.find(want), std::string::npos) << want << "\n" << config;
+  EXPECT_EQ(ReadFile(dir_ / "hf/vocab.json"), ReadFile(ptk::testing::SourceDir() + "/tokenizer/data/gpt2-vocab.json"));
+  EXPECT_EQ(ReadFile(dir_ / "hf/merges.txt"), ReadFile(ptk::testing::SourceDir() + "/tokenizer/data/gpt2-merges.txt"));
+  EXPECT_EQ(ptk::testing::Leftovers(dir_.path()), "");
+}
+
+TEST_F(HfConvert, ExportImportExportIsByteIdenticalTiedAndUntied) {
+  for (bool untie : {false, true}) {
+    const std::string tag = untie ? "u" : "t";
+    Save(untie, dir_ / ("ck" + tag));
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("ck" + tag), dir_ / ("hf" + tag))).ok());
+    auto imp = ImportFromHf(Opts("hf", "ptk", dir_ / ("hf" + tag), dir_ / ("back" + tag)));
+    ASSERT_TRUE(imp.ok()) << imp.status();
+    EXPECT_EQ(imp->destination, trainer::CheckpointFile(dir_ / ("back" + tag), 0));
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
+    for (const char* f : {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json",
+                          "vocab.json", "merges.txt"})
+      EXPECT_EQ(ReadFile(dir_ / ("hf" + tag + "/" + f)), ReadFile(dir_ / ("hf2" + tag + "/" + f))) << tag << " " << f;
+    // The imported checkpoint: the same weights, padded rows copies of the last real row, moments zero.
+    std::vector<float> params, m, v;
+    trainer::TrainState st;
+    ASSERT_TRUE(trainer::LoadCheckpoint(dir_ / ("back" + tag), 0, layout_, &params, &m, &v, &st).ok());
+    const int64_t C = 8;
+    for (int64_t i = 0; i < layout_.num_params; ++i) {
+      const bool padded_wte = i >= layout_.wte + 50257 * C && i < layout_.wte + 50304 * C;
+      const bool padded_out = untie && i >= layout_.out_w + 50257 * C && i < layout_.out_w + 50304 * C;
+      if (padded_wte || padded_out) {
+        const int64_t base = padded_wte ? layout_.wte : layout_.out_w;
+        ASSERT_EQ(params[i], P(base + 50256 * C + (i - base) % C)) << i;
+      } else {
+        ASSERT_EQ(params[i], P(i)) << i;
+      }
+    }
+    EXPECT_EQ(m, std::vector<float>(m.size(), 0.0f));
+    EXPECT_EQ(st.iteration, 0);
+    if (untie) {
+      EXPECT_NE(ReadFile(dir_ / "hfu/config.json").find("\"tie_word_embeddings\": false"), std::string::npos);
+      EXPECT_EQ(Tensor(dir_ / "hfu", "lm_head.weight")[3], P(layout_.out_w + 3));
+    }
+  }
+}
+
+// Rewrites `dir`/model.safetensors through `edit` (name -> tensor; erase, add or reshape).
+void EditWeights(
+    const std::string& dir,
+    const std::function<void(std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>*)>& edit) {
+  auto f = SafetensorsFile::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status();
+  std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> t;
+  for (const SafetensorsTensor& x : (*f)->tensors()) t[x.name] = {x.shape, *(*f)->ReadFloat(x)};
+  f->reset();
+  edit(&t);
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, v] : t) entries.push_back({name, v.first, v.second});
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", entries, {{"format", "pt"}}).ok());
+}
+
+TEST_F(HfConvert, MismatchedOrDamagedDirectoriesAreRefusedNamingTheTensor) {
+  Save(false, dir_ / "ck");
+  auto fresh = [&](const std::string& name) {
+    const std::string d = dir_ / name;
+    EXPECT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", d)).ok());
+    return d;
+  };
+  int n = 0;
+  auto import_error = [&](const std::string& d) {
+    auto r = ImportFromHf(Opts("hf", "ptk", d, dir_ / ("out" + std::to_string(n++))));
+    EXPECT_FALSE(r.ok());
+    return r.ok() ? std::string() : std::string(r.status().message());
+  };
+  std::string d = fresh("missing");
+  EditWeights(d, [](auto* t) { t->erase("transformer.h.1.mlp.c_fc.bias"); });
+  EXPECT_NE(import_error(d).find("tensor transformer.h.1.mlp.c_fc.bias: missing (config.json asks for shape [24])"),
+            std::string::npos);
+  d = fresh("extra");
+  EditWeights(d, [](auto* t) { (*t)["transformer.h.2.ln_1.weight"] = {{8}, std::vector<float>(8, 1.0f)}; });
+  EXPECT_NE(import_error(d).find("tensor transformer.h.2.ln_1.weight: not a weight of the GPT-2 model"),
+            std::string::npos);
+  d = fresh("shape");
+  WriteFile(d + "/config.json",
+            std::regex_replace(ReadFile(d + "/config.json"), std::regex("\"n_inner\": 24"), "\"n_inner\": 32"));
+  EXPECT_NE(import_error(d).find("tensor transformer.h.0.mlp.c_fc.weight: shape [8, 24], config.json asks for [8, 32]"),
+            std::string::npos);
+  d = fresh("nan");
+  EditWeights(d, [](auto* t) { (*t)["transformer.ln_f.bias"].second[2] = std::nanf(""); });
+  EXPECT_NE(import_error(d).find("tensor transformer.ln_f.bias: holds a NaN"), std::string::npos);
+  d = fresh("lmhead");
+  EditWeights(d, [](auto* t) {
+    auto wte = (*t)["transformer.wte.weight"];
+    wte.second[11] += 1.0f;
+    (*t)["lm_head.weight"] = wte;
+  });
+  EXPECT_NE(import_error(d).find("tensor lm_head.weight: differs from transformer.wte.weight, but config.json ties"),
+            std::string::npos);
+  // An lm_head equal to the embedding (as some files carry it) is fine.
+  d = fresh("lmhead-same");
+  EditWeights(d, [](auto* t) { (*t)["lm_head.weight"] = (*t)["transformer.wte.weight"]; });
+  EXPECT_TRUE(ImportFromHf(Opts("hf", "ptk", d, dir_ / "ok-lmhead")).ok());
+  d = fresh("truncated");
+  const std::string w = ReadFile(d + "/model.safetensors");
+  WriteFile(d + "/model.safetensors", w.substr(0, w.size() - 4));
+  EXPECT_NE(import_error(d).find("not a valid safetensors file"), std::string::npos);
+  d = fresh("act");
+  WriteFile(d + "/config.json", std::regex_replace(ReadFile(d + "/config.json"), std::regex("gelu_new"), "gelu"));
+  EXPECT_NE(import_error(d).find("activation_function \"gelu\": ptk computes the tanh GELU"), std::string::npos);
+  d = fresh("type");
+  WriteFile(d + "/config.json",
+            std::regex_replace(ReadFile(d + "/config.json"), std::regex("\"layer_norm_epsilon\": 1e-06"),
+                               "\"layer_norm_epsilon\": \"small\""));
+  EXPECT_NE(import_error(d).find("layer_norm_epsilon is not a number"), std::string::npos);
+  d = fresh("bin");
+  std::remove((d + "/model.safetensors").c_str());
+  WriteFile(d + "/pytorch_model.bin", "x");
+  EXPECT_NE(import_error(d).find("a PyTorch pickle (pytorch_model.bin)"), std::string::npos);
+}
+
+TEST_F(HfConvert, ExportNeedsTheVocabularySize) {
+  Save(false, dir_ / "ck", /*record_vocab=*/false);
+  auto r = ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("give --true-vocab-size"), absl::string_view::npos) << r.status();
+  ConvertOptions o = Opts("ptk", "hf", dir_ / "ck", dir_ / "hf");
+  o.true_vocab_size = 50257;
+  EXPECT_TRUE(ExportToHf(o).ok());
+  o.true_vocab_size = 50000;  // the built-in GPT-2 files have 50257 entries
+  r = ExportToHf(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("the model's vocabulary has 50000 entries, the tokenizer's 50257"),
+            absl::string_view::npos)
+      << r.status();
+}
+
+TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
+  Save(false, dir_ / "ck");
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  auto ok = RunCmd(tool + " --model-type GPT --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") +
+                   " --save-dir " + ShellQuote(dir_ / "hf"));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("(iteration 7)"), std::string::npos) << ok.output;
+  auto back = RunCmd(tool + " --loader hf --saver ptk --load-dir " + ShellQuote(dir_ / "hf") + " --save-dir " +
+                     ShellQuote(dir_ / "back"));
+  EXPECT_EQ(back.exit_code, 0) << back.output;
+  EXPECT_NE(back.output.find("continue training with: ptk-train --num-layers 2 --hidden-size 8 --num-attention-heads 2 "
+                             "--ffn-hidden-size 24 --max-position-embeddings 16 --layernorm-epsilon 1e-06"),
+            std::string::npos)
+      << back.output;
+  auto same = RunCmd(tool + " --loader ptk --saver ptk --load-dir a --save-dir b");
+  EXPECT_EQ(same.exit_code, 2) << same.output;
+  auto tp = RunCmd(tool + " --loader ptk --saver hf --load-dir a --save-dir b --target-tensor-parallel-size 2");
+  EXPECT_EQ(tp.exit_code, 2) << tp.output;
+  auto none = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "nothing") + " --save-dir b");
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  EXPECT_NE(none.output.find("no checkpoint"), std::string::npos) << none.output;
+  // A full disk (a file-size limit: EFBIG, as ENOSPC) is exit 3 naming the file.
+  auto full = RunCmd("ulimit -f 64; " + tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") +
+                     " --save-dir " + ShellQuote(dir_ / "full"));
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_NE(full.output.find("model.safetensors"), std::string::npos) << full.output;
+  EXPECT_EQ(ptk::testing::Leftovers(dir_ / "full"), "");
+}
+
+}  // namespace
+}  // namespace ptk::interop

@@ -1,0 +1,66 @@
+// For hf_transformers_test.py: ptk's own logits (GPTModel::Forward on the CPU backend) of a ptk
+// checkpoint for given token sequences, and greedy continuations (trainer/sampling).
+// Usage: logits_tool CKPT_DIR SEQUENCES.txt OUT.f32   (one sequence of ids per line; OUT: for each
+//          sequence its (t, vocab_size) logits as little-endian float32, the padded rows left out)
+//        logits_tool CKPT_DIR --generate N ID...       (prints the N greedy ids that follow)
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "interop/hf_gpt2.h"
+#include "trainer/backend.h"
+#include "trainer/sampling.h"
+
+namespace {
+
+absl::Status Run(int argc, char** argv) {
+  if (argc < 4) return absl::InvalidArgumentError("usage: logits_tool CKPT_DIR SEQUENCES.txt OUT.f32");
+  PTK_ASSIGN_OR_RETURN(ptk::interop::PtkCheckpoint ck, ptk::interop::LoadPtkCheckpoint(argv[1]));
+  ptk::trainer::GPTConfig c = ck.config;
+  c.hidden_dropout = c.attention_dropout = 0;
+  PTK_ASSIGN_OR_RETURN(auto model, ptk::trainer::CreateModel(c, ptk::trainer::BackendOptions{}));
+  PTK_RETURN_IF_ERROR(model->WriteParams(ck.params));
+  if (std::string(argv[2]) == "--generate") {
+    ptk::trainer::GenerateOptions g;
+    g.new_tokens = std::stoll(argv[3]);
+    std::vector<int32_t> prompt;
+    for (int i = 4; i < argc; ++i) prompt.push_back(std::stoi(argv[i]));
+    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, ptk::trainer::Generate(model.get(), prompt, g));
+    for (int32_t id : ids) std::printf("%d ", id);
+    std::printf("\n");
+    return absl::OkStatus();
+  }
+  std::ifstream in(argv[2]);
+  std::ofstream out(argv[3], std::ios::binary);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ss(line);
+    std::vector<int32_t> tokens;
+    for (int32_t id; ss >> id;) tokens.push_back(id);
+    const int64_t t = static_cast<int64_t>(tokens.size());
+    std::vector<int32_t> labels(tokens.size(), 0), pos(tokens.size());
+    for (int64_t i = 0; i < t; ++i) pos[i] = static_cast<int32_t>(i);
+    std::vector<float> mask(tokens.size(), 0.0f), logits;
+    ptk::trainer::ModelBatch b{1, t, tokens.data(), labels.data(), pos.data(), mask.data(), nullptr};
+    PTK_RETURN_IF_ERROR(model->Forward(b, &logits).status());
+    for (int64_t i = 0; i < t; ++i)
+      out.write(reinterpret_cast<const char*>(logits.data() + i * c.padded_vocab_size),
+                static_cast<std::streamsize>(c.vocab_size * sizeof(float)));
+  }
+  if (!out.flush()) return absl::InternalError(std::string("cannot write ") + argv[3]);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::Status st = Run(argc, argv);
+  if (!st.ok()) {
+    std::fprintf(stderr, "logits_tool: %s\n", std::string(st.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
