@@ -15,7 +15,8 @@
 #   8. plot-loss.py   the loss curve as train/loss.png
 #
 # Usage: bash scripts/run-main-job.sh [OUTPUT_DIR]     (default: main-job/ in the checkout)
-# Rerunning is cheap: verified downloads, complete extractions and chunks are not redone.
+# Rerunning is cheap: verified downloads, complete extractions, chunks and datasets whose inputs and
+# settings did not change are not redone, and training finds its checkpoints complete.
 # Environment: PTK_JOBS (build and worker parallelism, default nproc); PTK_SKIP_INSTALL=1 and
 # PTK_SKIP_BUILD=1 with PTK_BIN=DIR use binaries built elsewhere (the CTest main_job_test does).
 set -euo pipefail
@@ -87,8 +88,7 @@ for p in "${datasets[@]}"; do case $p in */train_*) blend+=("1" "$p") ;; esac; d
 echo
 echo "GPTDataset: blend of the train chunks, --split 98,2,0 --seq-length 128 --seed 1234, sample 0:"
 "$BIN/ptk-inspect" --data-path "${blend[@]}" --split 98,2,0 --seq-length 128 --seed 1234 \
-  --train-samples 1000 --valid-samples 100 --test-samples 0 --sample 0 | head -c 1500
-echo
+  --train-samples 1000 --valid-samples 100 --test-samples 0 --sample 0
 
 step "7/8 ptk-train: GPT (2 layers, hidden 128, seq 128) on the train chunks, fp32 on the CPU"
 TRAIN=(--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
@@ -98,11 +98,22 @@ TRAIN=(--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128
   --log-interval 5 --eval-interval 25 --eval-iters 2
   --save "$OUT/train/checkpoints" --load "$OUT/train/checkpoints" --save-interval 25
   --tensorboard-dir "$OUT/train/tensorboard" --threads "$JOBS")
-echo "first run: stops at iteration 25 (--exit-interval 25) after saving a checkpoint"
-"$BIN/ptk-train" "${TRAIN[@]}" --exit-interval 25
-echo
-echo "second run: --load resumes from the checkpoint and trains to iteration 50"
-"$BIN/ptk-train" "${TRAIN[@]}"
+# A rerun finds the checkpoints where the last run left them: it says so, and runs what is left.
+latest=$(cat "$OUT/train/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+[[ $latest =~ ^[0-9]+$ ]] || latest=0
+if [ "$latest" -ge 50 ]; then
+  echo "train/checkpoints holds a finished run (iteration $latest): ptk-train finds nothing to train"
+  echo "(remove $OUT/train to train again)"
+  "$BIN/ptk-train" "${TRAIN[@]}"
+else
+  if [ "$latest" -lt 25 ]; then
+    echo "first run: stops at iteration 25 (--exit-interval 25) after saving a checkpoint"
+    "$BIN/ptk-train" "${TRAIN[@]}" --exit-interval 25
+    echo
+  fi
+  echo "second run: --load resumes from the checkpoint and trains to iteration 50"
+  "$BIN/ptk-train" "${TRAIN[@]}"
+fi
 
 step "8/8 loss curve"
 /usr/bin/python3 "$ROOT/scripts/plot-loss.py" "$OUT/train/tensorboard/metrics.jsonl" -o "$OUT/train/loss.png" \
@@ -119,5 +130,5 @@ $(for p in "${datasets[@]}"; do printf '                    %s  (%s + .idx)\n' "
   train/          checkpoints/ (iter_0000025, iter_0000050, latest_checkpointed_iteration.txt),
                   tensorboard/metrics.jsonl and loss.png (the loss curve)
   hub.log         the local hub's log
-Rerun this script and the verified work is skipped.
+Rerun this script and the verified work is skipped (and training finds itself complete).
 EOF

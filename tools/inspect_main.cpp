@@ -6,10 +6,41 @@
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "common/utf8.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "indexed_dataset/inspect.h"
 #include "tokenizer/gpt2_tokenizer.h"
+
+namespace {
+
+// A GPTDataset sample's text. A sample starts and ends at token boundaries anywhere in a document,
+// and byte-level BPE tokens split characters: the bytes of characters cut at the edges would show
+// as U+FFFD and read as damage. They are left out, and a note says so.
+std::string SampleText(const ptk::Gpt2Tokenizer& tok, const std::vector<int32_t>& ids) {
+  const std::string raw = tok.DecodeBytes(ids);
+  auto continuation = [&](size_t i) { return (static_cast<unsigned char>(raw[i]) & 0xC0) == 0x80; };
+  size_t head = 0;
+  while (head < raw.size() && head < 3 && continuation(head)) ++head;
+  size_t tail = 0;  // bytes of a character begun in the last 3 bytes but not finished
+  for (size_t back = 1; back <= 3 && back <= raw.size() - head; ++back) {
+    const unsigned char c = static_cast<unsigned char>(raw[raw.size() - back]);
+    if ((c & 0xC0) == 0x80) continue;
+    const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    if (need > back) tail = back;
+    break;
+  }
+  std::string text;
+  ptk::AppendUtf8Replacing(std::string_view(raw).substr(head, raw.size() - head - tail), &text);
+  if (head > 0 || tail > 0)
+    text += fmt::format(
+        "\n(not shown: {} byte(s) of the character the sample starts inside, {} of the one it ends "
+        "inside; byte-level BPE tokens split characters)",
+        head, tail);
+  return text;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp("ptk-inspect", "Inspect a Megatron indexed dataset (PREFIX.bin + PREFIX.idx).");
@@ -68,6 +99,7 @@ int main(int argc, char** argv) {
     }
     if (sample_opt->count() > 0) {
       if (seq_length < 2) return ptk::cli::UsageError("--sample needs --seq-length");
+      if (decode) decode = [&tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids); };
       ptk::DataArgs args;
       args.data_path =
           data_path.empty() && train_path.empty() && valid_path.empty() && test_path.empty() && !prefix.empty()

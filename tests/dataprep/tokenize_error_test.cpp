@@ -9,11 +9,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "dataprep/json_record.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/dataprep/compress_util.h"
 #include "tests/test_util.h"
+#include "tokenizer/gpt2_tokenizer.h"
 
 namespace ptk {
 namespace {
@@ -517,6 +519,34 @@ TEST(TokenizeErrors, ProgressLineAndLogLinesDoNotRunTogetherOnATerminal) {
     }
   }
   EXPECT_EQ(processed, 80);
+}
+
+// Issue 29, point 9: a GPTDataset sample starts and ends at token boundaries, and byte-level BPE
+// tokens split characters: ptk-inspect --sample leaves out the bytes of the characters cut at its
+// edges and says so (the main job printed "\ufffd\ufffd..." at the start of sample 0).
+TEST(TokenizeErrors, InspectSampleTextIsNotCutInsideACharacter) {
+  TempDir dir;
+  auto tok = Gpt2Tokenizer::LoadDefault();
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  std::map<unsigned char, int32_t> byte_token;
+  for (int32_t id = 0; id < 256; ++id) byte_token[static_cast<unsigned char>((*tok)->TokenBytes(id)[0])] = id;
+  // The last byte of "\u00e9", "abc", then the first two bytes of a three-byte character (the
+  // sample's text is its 5 input tokens: the sixth is only a label).
+  std::vector<int32_t> doc = {byte_token[0xA9], byte_token['a'],  byte_token['b'],
+                              byte_token['c'],  byte_token[0xE0], byte_token[0xAA]};
+  std::vector<int32_t> lengths = {static_cast<int32_t>(doc.size())};
+  auto b = IndexedDatasetBuilder::Create(dir / "d_text_document", DType::kUInt16);
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE((*b)->AddDocument(doc, lengths).ok());
+  ASSERT_TRUE((*b)->Finalize().ok());
+  auto r = RunCmd(testing::Tool("ptk-inspect") + " " + dir / "d_text_document" +
+                  " --sample 0 --seq-length 5 --split 1,0,0 --train-samples 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("text:\nabc\n(not shown: 1 byte(s) of the character the sample starts inside, 1 of the "
+                          "one it ends inside"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("\xEF\xBF\xBD"), std::string::npos) << r.output;  // no U+FFFD
 }
 
 // Issue 12: --input takes a directory (as NeMo's --preproc-folder does); WikiExtractor's
