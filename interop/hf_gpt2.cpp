@@ -343,6 +343,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   const std::string tokenizer_config = PrettyConfig({
       {"add_prefix_space", Bool(false)},
       {"bos_token", Str(eot)},
+      {"clean_up_tokenization_spaces", Bool(false)},  // decode gives the text's bytes, as ptk's Decode
       {"eos_token", Str(eot)},
       {"model_max_length", Int(c.max_position_embeddings)},
       {"tokenizer_class", Str("GPT2Tokenizer")},

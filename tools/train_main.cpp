@@ -116,7 +116,10 @@ int main(int argc, char** argv) {
       options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
     }
     PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainSummary s, ptk::trainer::RunTraining(options));
-    if (comm->rank() == 0) {
+    if (comm->rank() == 0 && s.nothing_to_train) {
+      ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
+                     s.consumed_train_samples);
+    } else if (comm->rank() == 0) {
       ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,
                      s.consumed_train_samples, s.last_lm_loss,
                      s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",

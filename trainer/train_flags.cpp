@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 #include <simdjson.h>
 
+#include "common/cli.h"
 #include "common/file_util.h"
 #include "common/status.h"
 
@@ -43,7 +44,6 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--num-workers", Arg::kCount, "one prefetching loader thread per rank"},
     {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
     {"--async-save", Arg::kNone, "checkpoints are written synchronously"},
-    {"--use-checkpoint-opt_param-scheduler", Arg::kNone, "the scheduler is always restored from the checkpoint"},
     {"--log-throughput", Arg::kNone,
      "the throughput field is always printed (and written to TensorBoard with --log-timers-to-tensorboard)"},
     {"--log-memory-to-tensorboard", Arg::kNone, "no memory statistics are written to TensorBoard"},
@@ -56,6 +56,55 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--no-persist-layer-norm", Arg::kNone, "kernel choice"},
     {"--empty-unused-memory-level", Arg::kLevel, "memory tuning"},
     {"--cross-entropy-loss-fusion", Arg::kNone, "kernel fusion flag"},
+    // Model flags that name what ptk's model does already, or that Megatron ignores here.
+    {"--add-qkv-bias", Arg::kNone, "the QKV projection has a bias already (every linear layer of ptk's model has one)"},
+    {"--num-query-groups", Arg::kPositiveInt, "no effect without --group-query-attention, as in Megatron"},
+    {"--openai-gelu", Arg::kNone, "ptk's GELU is this tanh approximation already"},
+    {"--attention-softmax-in-fp32", Arg::kNone, "the attention softmax is computed in fp32 already"},
+    {"--apply-query-key-layer-scaling", Arg::kNone,
+     "it only keeps fp16 attention scores from overflowing in Megatron's unfused softmax"},
+    {"--rotary-base", Arg::kPositive, "no effect without --position-embedding-type rope, as in Megatron"},
+    {"--rotary-percent", Arg::kPositive, "no effect without --position-embedding-type rope, as in Megatron"},
+    {"--rotary-interleaved", Arg::kNone, "no effect without --position-embedding-type rope, as in Megatron"},
+    {"--rotary-seq-len-interpolation-factor", Arg::kPositive,
+     "no effect without --position-embedding-type rope, as in Megatron"},
+    {"--use-rope-scaling", Arg::kNone, "no effect without --position-embedding-type rope, as in Megatron"},
+};
+
+// Megatron's flags for models other than GPT-3's (the Llama, Qwen and Mixtral lines): accepted by the
+// parser only to be refused with what ptk's model has instead (a bare "unknown flag" leaves a
+// Megatron user guessing whether it was a typo).
+struct ModelRefusal {
+  const char* name;
+  bool takes_value;
+  const char* why;
+};
+constexpr const char* kRope =
+    "rotary position embeddings (RoPE) are not implemented; ptk's model learns absolute positions "
+    "(--position-embedding-type learned_absolute)";
+constexpr ModelRefusal kModelRefusals[] = {
+    {"--swiglu", false, "the SwiGLU gated MLP (Llama's) is not implemented; ptk's MLP is GPT-3's, fc1 -> GELU -> fc2"},
+    {"--squared-relu", false, "the squared-ReLU activation is not implemented; ptk's MLP uses GELU"},
+    {"--group-query-attention", false,
+     "grouped-query attention is not implemented; ptk's attention has a key and value head per query head "
+     "(multi-head attention)"},
+    {"--disable-bias-linear", false,
+     "linear layers without biases are not implemented; ptk's all have one (Megatron's default, GPT-3's)"},
+    {"--use-rotary-position-embeddings", false, kRope},
+    {"--no-position-embedding", false, "a model without position embeddings is not implemented; ptk's learns them"},
+    {"--qk-layernorm", false, "LayerNorm on queries and keys is not implemented"},
+    {"--apply-layernorm-1p", false, "LayerNorm with a zero-centred gamma is not implemented"},
+    {"--apply-residual-connection-post-layernorm", false,
+     "the residual is taken before LayerNorm in ptk's model (pre-LN, Megatron's default)"},
+    {"--multi-latent-attention", false, "multi-latent attention is not implemented"},
+    {"--num-experts", true, "mixture of experts is not implemented; ptk's MLP is dense"},
+    {"--moe-router-topk", true, "mixture of experts is not implemented; ptk's MLP is dense"},
+    {"--init-method-xavier-uniform", false, "ptk initialises as Megatron's default, N(0, --init-method-std)"},
+    {"--fp8-format", true, "fp8 training is not implemented; use --bf16 or --fp16 on a GPU"},
+    {"--num-layers-per-virtual-pipeline-stage", true, "ptk-train is data parallel only (no pipeline)"},
+    {"--tokenizer-model", true,
+     "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "
+     "tiktoken model is not used"},
 };
 
 absl::Status Refuse(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
@@ -150,7 +199,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--vocab-size", f->vocab_size, "Vocabulary size (default: from --vocab-file, 50257 for GPT-2)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--layernorm-epsilon", f->layernorm_epsilon, "LayerNorm epsilon")->check(Positive());
+  app->add_option("--layernorm-epsilon,--norm-epsilon", f->layernorm_epsilon, "LayerNorm epsilon")->check(Positive());
   app->add_option("--hidden-dropout", f->hidden_dropout, "Dropout on embeddings and block outputs")
       ->check(Probability());
   app->add_option("--attention-dropout", f->attention_dropout, "Dropout on attention probabilities")
@@ -162,8 +211,17 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
                 "Recompute attention probabilities in backward (selective)");
   app->add_option("--recompute-granularity", f->recompute_granularity,
                   "selective (as --recompute-activations) or full");
-  app->add_option("--position-embedding-type", f->position_embedding_type, "learned_absolute (the only one ptk has)");
-  app->add_option("--normalization", f->normalization, "LayerNorm (the only one ptk has)");
+  app->add_option("--position-embedding-type", f->position_embedding_type,
+                  "learned_absolute (the only one ptk has; rope and none are refused saying so)");
+  app->add_option("--normalization", f->normalization,
+                  "LayerNorm (the only one ptk has; RMSNorm is refused saying so)");
+  for (const ModelRefusal& r : kModelRefusals) {
+    const std::string name = r.name;
+    CLI::Option* opt = r.takes_value ? app->add_option_function<std::string>(
+                                           name, [f, name](const std::string& v) { f->refused[name] = v; })
+                                     : app->add_flag_callback(name, [f, name] { f->refused[name] = ""; });
+    opt->description(std::string("Not supported: ") + r.why)->group(cli::kUnsupportedGroup);
+  }
   // Batch and length.
   app->add_option("--micro-batch-size", f->micro_batch_size, "Samples per micro-batch per rank")
       ->check(IntIn(1, kMaxSize));
@@ -268,6 +326,11 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--no-load-optim", f->no_load_optim, "Do not restore the optimizer state");
   app->add_flag("--no-load-rng", f->no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", f->finetune, "Load weights only; iteration and data start at 0");
+  app->add_flag("--override-opt_param-scheduler", f->override_opt_param_scheduler,
+                "On resume, take the learning-rate schedule of this command line where the checkpoint's differs");
+  app->add_flag("--use-checkpoint-opt_param-scheduler", f->use_checkpoint_opt_param_scheduler,
+                "On resume, keep the checkpoint's learning-rate schedule where this command line's differs (default: "
+                "stop, naming what differs)");
   app->add_flag("--check-for-nan-in-loss-and-grad,!--no-check-for-nan-in-loss-and-grad",
                 f->check_for_nan_in_loss_and_grad,
                 "Stop when the loss or the gradient norm is NaN/Inf (default; --no-...: skip the iteration instead)");
@@ -341,9 +404,31 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (f.optimizer != "adam") return Refuse("--optimizer " + f.optimizer + ": ptk has AdamW (--optimizer adam) only");
   if (f.tokenizer_type != "GPT2BPETokenizer")
     return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
-  if (f.position_embedding_type != "learned_absolute")
-    return Refuse("--position-embedding-type " + f.position_embedding_type + ": ptk has learned_absolute only");
-  if (f.normalization != "LayerNorm") return Refuse("--normalization " + f.normalization + ": ptk has LayerNorm only");
+  {  // Another model than ptk's: every flag that asks for one, the first with its reason.
+    std::vector<std::pair<std::string, std::string>> other;
+    for (const ModelRefusal& r : kModelRefusals)
+      if (auto it = f.refused.find(r.name); it != f.refused.end())
+        other.emplace_back(it->second.empty() ? it->first : it->first + " " + it->second, r.why);
+    if (f.position_embedding_type != "learned_absolute")
+      other.emplace_back("--position-embedding-type " + f.position_embedding_type,
+                         f.position_embedding_type == "rope"
+                             ? kRope
+                             : "ptk's model learns absolute positions (learned_absolute), the only type "
+                               "it has");
+    if (f.normalization != "LayerNorm")
+      other.emplace_back("--normalization " + f.normalization,
+                         f.normalization == "RMSNorm"
+                             ? "RMSNorm is not implemented; ptk's model uses LayerNorm (GPT-3's)"
+                             : "ptk's model uses LayerNorm, the only normalization it has");
+    if (!other.empty()) {
+      std::string also;
+      for (size_t i = 1; i < other.size(); ++i) also += (i > 1 ? ", " : "") + other[i].first;
+      return Refuse(fmt::format(
+          "{}: {}. ptk-train trains Megatron's GPT-3-style GPT (learned absolute positions, LayerNorm, GELU MLP, "
+          "biases, multi-head attention){}",
+          other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
+    }
+  }
   if (f.reset_attention_mask)
     return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
   if (f.dataloader_type != "single")
@@ -370,6 +455,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (f.vocab_size > 0) {
     m.vocab_size = f.vocab_size;
   } else {
+    PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(f.vocab_file, f.merge_file));
     PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(f.vocab_file));
   }
   m.padded_vocab_size = PaddedVocabSize(m.vocab_size, f.make_vocab_size_divisible_by);
@@ -428,6 +514,11 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   o.no_load_optim = f.no_load_optim;
   o.no_load_rng = f.no_load_rng;
   o.finetune = f.finetune;
+  if (f.override_opt_param_scheduler && f.use_checkpoint_opt_param_scheduler)
+    return Refuse("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one");
+  o.scheduler_on_load = f.override_opt_param_scheduler         ? SchedulerOnLoad::kOverride
+                        : f.use_checkpoint_opt_param_scheduler ? SchedulerOnLoad::kUseCheckpoint
+                                                               : SchedulerOnLoad::kCheck;
   o.check_for_nan_in_loss_and_grad = f.check_for_nan_in_loss_and_grad;
   o.backend.device = device;
   o.backend.precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;

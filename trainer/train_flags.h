@@ -52,6 +52,7 @@ struct TrainFlags {
   std::string sample_prompt;
   double sample_temperature = 0;
   bool exit_signal_handler = false, no_load_optim = false, no_load_rng = false, finetune = false;
+  bool override_opt_param_scheduler = false, use_checkpoint_opt_param_scheduler = false;
   bool check_for_nan_in_loss_and_grad = true;
   // precision, parallelism, device
   bool fp16 = false, bf16 = false, deterministic_mode = false;
@@ -65,6 +66,8 @@ struct TrainFlags {
   double distributed_timeout_minutes = 5;
   // Flags accepted only for compatibility, by name -> value given ("" for a bare flag).
   std::map<std::string, std::string> compat;
+  // Megatron's flags for other models than ptk's, given: refused saying why.
+  std::map<std::string, std::string> refused;
 };
 
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,

@@ -204,6 +204,8 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--no-load-optim", o.no_load_optim ? "on" : "off"},
       {"--no-load-rng", o.no_load_rng ? "on" : "off"},
       {"--finetune", o.finetune ? "on" : "off"},
+      {"--override-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kOverride ? "on" : "off"},
+      {"--use-checkpoint-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint ? "on" : "off"},
       {"--check-for-nan-in-loss-and-grad", o.check_for_nan_in_loss_and_grad ? "on" : "off"},
       {"--device", std::string(DeviceName(o.backend.device))},
       {"--bf16/--fp16", std::string(PrecisionName(o.backend.precision))},
@@ -499,6 +501,22 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
           if (o.loss_scale.dynamic && loaded.loss_scale) opt.loss_scaler().set_state(*loaded.loss_scale);
         }
         opt.scheduler().set_num_steps(loaded.scheduler_num_steps);
+        // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule, and
+        // --no-load-optim takes this command line's optimizer settings, schedule included.
+        if (loaded.scheduler && !o.no_load_optim && loaded.iteration < train_iters) {
+          std::vector<std::string> notes;
+          PTK_ASSIGN_OR_RETURN(SchedulerConfig chosen,
+                               ResolveResumedScheduler(sc, *loaded.scheduler, o.scheduler_on_load, loaded.iteration,
+                                                       o.train_iters > 0 ? gbs : 0, &notes));
+          opt.scheduler().set_config(chosen);
+          for (const std::string& n : notes)
+            if (rank == 0) log::Info("{}", n);
+        } else if (!loaded.scheduler && o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint && rank == 0) {
+          log::Warning(
+              "--use-checkpoint-opt_param-scheduler: the checkpoint of iteration {} does not record its schedule "
+              "(an earlier ptk wrote it); going on with this command line's",
+              loaded.iteration);
+        }
         if (o.no_load_rng) state.seed = o.seed;
         summary.resumed = true;
         if (rank == 0)
@@ -514,11 +532,18 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   }
 
   if (state.iteration >= train_iters) {
-    log::Info("the checkpoint is at iteration {} ({} samples consumed), nothing to train: --train-iters is {}",
-              state.iteration, state.consumed_train_samples, train_iters);
+    if (rank == 0)
+      log::Info(
+          "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} "
+          "to train further",
+          o.load, state.iteration, state.consumed_train_samples,
+          o.train_iters > 0 ? fmt::format("--train-iters is {}", o.train_iters)
+                            : fmt::format("--train-samples {} make {} iterations", o.train_samples, train_iters),
+          o.train_iters > 0 ? "--train-iters" : "--train-samples");
     summary.iteration = state.iteration;
     summary.consumed_train_samples = state.consumed_train_samples;
     summary.exit_reason = "nothing to train";
+    summary.nothing_to_train = true;
     return summary;
   }
   PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, gbs, train_iters));
@@ -604,6 +629,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     PTK_RETURN_IF_ERROR(comm->Barrier());
     if (rank == 0) {
       state.scheduler_num_steps = opt.scheduler().num_steps();
+      state.scheduler = opt.scheduler().config();
       state.adam_step = opt.adam_step();
       if (opt.loss_scaler().dynamic()) state.loss_scale = opt.loss_scaler().state();
       state.settings = settings;

@@ -78,6 +78,9 @@ struct TrainOptions {
   int64_t save_interval = 0, exit_interval = 0;
   double exit_duration_in_mins = 0;
   bool no_load_optim = false, no_load_rng = false, finetune = false;
+  // A resume whose scheduler settings differ from the checkpoint's: stop (Megatron's default), or
+  // --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
+  SchedulerOnLoad scheduler_on_load = SchedulerOnLoad::kCheck;
   // Megatron's --check-for-nan-in-loss-and-grad: a NaN/Inf loss or gradient norm stops the run
   // (naming the iteration and which of the two); off, such an iteration is skipped and counted.
   bool check_for_nan_in_loss_and_grad = true;
@@ -99,7 +102,8 @@ struct TrainSummary {
   double last_lm_loss = 0;
   std::optional<double> last_validation_loss, test_loss;
   int64_t skipped_iterations = 0;
-  std::string exit_reason;  // "" when train_iters was reached
+  std::string exit_reason;        // "" when train_iters was reached
+  bool nothing_to_train = false;  // --load was at --train-iters already: no iteration ran
   bool resumed = false;
 };
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <regex>
 #include <string>
 #include <vector>
@@ -160,7 +161,10 @@ TEST_F(TrainCli, KillDuringSavesKeepsLatestWhole) {
     Saved s = Load(save, *it);
     EXPECT_EQ(s.state.iteration, *it);
   }
-  auto done = RunCmd(Train("--save " + ShellQuote(save) + " --load " + ShellQuote(save) + " --eval-iters 0", 3));
+  // (Killed before iteration 3, the longer schedule of the killed run is the checkpoint's.)
+  auto done = RunCmd(Train(
+      "--save " + ShellQuote(save) + " --load " + ShellQuote(save) + " --eval-iters 0 --override-opt_param-scheduler",
+      3));
   // train_iters 3 is behind the checkpoint: nothing to do, still a clean exit.
   EXPECT_EQ(done.exit_code, 0) << done.output;
   auto ls = RunCmd("ls -a " + ShellQuote(save));
@@ -500,13 +504,14 @@ TEST_F(TrainCli, DataAndCheckpointMistakesAreNamed) {
 // Point 9: a resume with another seed, global batch size, sequence length or data says so.
 TEST_F(TrainCli, ResumeWithOtherDataSettingsSaysWhatChanged) {
   const std::string ck = ShellQuote(dir_ / "s");
-  ASSERT_EQ(RunCmd(Train("--save " + ck, 2)).exit_code, 0);
-  auto same = RunCmd(Train("--save " + ck + " --load " + ck, 3));
+  ASSERT_EQ(RunCmd(Train("--save " + ck + " --lr-decay-iters 10", 2)).exit_code, 0);
+  auto same = RunCmd(Train("--save " + ck + " --load " + ck + " --lr-decay-iters 10", 3));
   EXPECT_EQ(same.exit_code, 0) << same.output;
   EXPECT_EQ(same.output.find("resuming with"), std::string::npos) << same.output;
+  // The learning-rate schedule is in samples: a global batch of 8 doubles its lengths.
   auto other = RunCmd(Train("--save " + ck + " --load " + ck +
                                 " --seed 99 --global-batch-size 8 --seq-length 16 --max-position-embeddings 32 "
-                                "--split 90,10,0",
+                                "--split 90,10,0 --lr-decay-iters 10 --override-opt_param-scheduler",
                             5));
   EXPECT_EQ(other.exit_code, 0) << other.output;
   for (const char* what :
@@ -514,6 +519,144 @@ TEST_F(TrainCli, ResumeWithOtherDataSettingsSaysWhatChanged) {
         "resuming with --global-batch-size 8 (the checkpoint of iteration 3 was saved with --global-batch-size 4)",
         "resuming with --seq-length 16 (", "resuming with --split 90,10,0 ("})
     EXPECT_NE(other.output.find(what), std::string::npos) << what << "\n" << other.output;
+}
+
+// The learning rate of each iteration in a --metrics-file.
+std::map<int, std::string> LearningRates(const std::string& metrics) {
+  std::map<int, std::string> out;
+  std::regex line(R"re(\{"iteration": (\d+), .*"learning_rate": ([^,]+),)re");
+  for (auto it = std::sregex_iterator(metrics.begin(), metrics.end(), line); it != std::sregex_iterator(); ++it)
+    out[std::stoi((*it)[1])] = (*it)[2];
+  return out;
+}
+
+// Issue 29, point 1: a resume whose schedule differs from the checkpoint's stops, as Megatron's
+// does, unless --use-checkpoint-opt_param-scheduler (the checkpoint's schedule goes on: past its
+// decay, the minimum rate) or --override-opt_param-scheduler (the command line's: the rates of an
+// uninterrupted run with these flags). A finished run finds nothing to train and says so.
+TEST_F(TrainCli, ResumeKeepsOrReplacesTheScheduleAsMegatron) {
+  const std::string ck = ShellQuote(dir_ / "ck");
+  ASSERT_EQ(RunCmd(Train("--save " + ck, 4)).exit_code, 0);
+  auto stop = RunCmd(Train("--load " + ck, 8));
+  EXPECT_EQ(stop.exit_code, 2) << stop.output;
+  for (const char* part : {"the learning-rate schedule differs from the one the checkpoint of iteration 4 was saved",
+                           "decay length (--lr-decay-iters or --lr-decay-samples, by default --train-iters or "
+                           "--train-samples): 8 iterations (32 samples) here, 4 iterations (16 samples) in the "
+                           "checkpoint",
+                           "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"})
+    EXPECT_NE(stop.output.find(part), std::string::npos) << part << "\n" << stop.output;
+  EXPECT_EQ(stop.output.find("iteration        5/"), std::string::npos) << stop.output;
+
+  auto kept = RunCmd(Train("--load " + ck + " --use-checkpoint-opt_param-scheduler --save " +
+                               ShellQuote(dir_ / "kept") + " --metrics-file " + ShellQuote(dir_ / "kept.jsonl"),
+                           8));
+  ASSERT_EQ(kept.exit_code, 0) << kept.output;
+  EXPECT_NE(kept.output.find("going on with the checkpoint's schedule: decay length 4 iterations (16 samples)"),
+            std::string::npos)
+      << kept.output;
+  const auto kept_lr = LearningRates(testing::ReadFile(dir_ / "kept.jsonl"));
+  ASSERT_EQ(kept_lr.size(), 4u);
+  for (const auto& [it, lr] : kept_lr) EXPECT_EQ(std::stod(lr), 5e-4) << "iteration " << it;  // --min-lr
+  // The checkpoint it saved records the schedule it ran (the first run's).
+  Saved k = Load(dir_ / "kept", 8);
+  ASSERT_TRUE(k.state.scheduler.has_value());
+  EXPECT_EQ(k.state.scheduler->decay_steps, 16);
+
+  auto replaced = RunCmd(Train(
+      "--load " + ck + " --override-opt_param-scheduler --metrics-file " + ShellQuote(dir_ / "replaced.jsonl"), 8));
+  ASSERT_EQ(replaced.exit_code, 0) << replaced.output;
+  EXPECT_NE(replaced.output.find("--override-opt_param-scheduler: this command line's schedule replaces"),
+            std::string::npos)
+      << replaced.output;
+  ASSERT_EQ(RunCmd(Train("--metrics-file " + ShellQuote(dir_ / "whole.jsonl"), 8)).exit_code, 0);
+  auto whole_lr = LearningRates(testing::ReadFile(dir_ / "whole.jsonl"));
+  const auto replaced_lr = LearningRates(testing::ReadFile(dir_ / "replaced.jsonl"));
+  ASSERT_EQ(replaced_lr.size(), 4u);
+  for (const auto& [it, lr] : replaced_lr) EXPECT_EQ(lr, whole_lr[it]) << "iteration " << it;
+  EXPECT_GT(std::stod(replaced_lr.at(5)), 1e-3);
+
+  auto both = RunCmd(Train("--load " + ck + " --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler", 8));
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+
+  // Point 3: a finished run (another --train-iters no larger, so its schedule does not matter).
+  for (int iters : {4, 3}) {
+    auto done = RunCmd(Train("--load " + ck, iters));
+    EXPECT_EQ(done.exit_code, 0) << done.output;
+    EXPECT_NE(done.output.find("nothing to train: the checkpoint in " + dir_ / "ck" +
+                               " is at iteration 4 (16 samples consumed) and --train-iters is " +
+                               std::to_string(iters) + "; give a larger --train-iters to train further"),
+              std::string::npos)
+        << done.output;
+    EXPECT_NE(done.output.find("done: nothing to train; the run is complete at iteration 4 (16 samples consumed)"),
+              std::string::npos)
+        << done.output;
+    EXPECT_EQ(done.output.find("lm loss"), std::string::npos) << done.output;
+  }
+}
+
+// Issue 29, point 8: Megatron's flags for other models (a Qwen/Llama line) get a reason, every one of
+// them named, not a bare "unknown flag"; those that ask for what ptk's model does already, or that
+// Megatron ignores without another flag, are accepted with a note.
+TEST_F(TrainCli, OtherModelsFlagsAreRefusedSayingWhy) {
+  auto qwen = RunCmd(Train(
+      "--swiglu --group-query-attention --num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear "
+      "--add-qkv-bias --normalization RMSNorm --norm-epsilon 1e-6 --rotary-base 1000000",
+      1));
+  EXPECT_EQ(qwen.exit_code, 2) << qwen.output;
+  EXPECT_NE(qwen.output.find("usage error: --swiglu: the SwiGLU gated MLP (Llama's) is not implemented"),
+            std::string::npos)
+      << qwen.output;
+  EXPECT_NE(qwen.output.find("also not implemented here: --group-query-attention, --disable-bias-linear, "
+                             "--use-rotary-position-embeddings, --normalization RMSNorm"),
+            std::string::npos)
+      << qwen.output;
+  EXPECT_LE(std::count(qwen.output.begin(), qwen.output.end(), '\n'), 2) << qwen.output;
+  for (const auto& [flag, why] : std::vector<std::pair<std::string, std::string>>{
+           {"--squared-relu", "squared-ReLU activation is not implemented"},
+           {"--position-embedding-type rope", "rotary position embeddings (RoPE) are not implemented"},
+           {"--normalization RMSNorm", "RMSNorm is not implemented"},
+           {"--group-query-attention", "grouped-query attention is not implemented"},
+           {"--qk-layernorm", "LayerNorm on queries and keys"},
+           {"--num-experts 8", "mixture of experts is not implemented"},
+           {"--tokenizer-model tok.model", "reads GPT-2 BPE data"}}) {
+    auto r = RunCmd(Train(flag, 1));
+    EXPECT_EQ(r.exit_code, 2) << flag << ": " << r.output;
+    EXPECT_NE(r.output.find(flag + ": "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(why), std::string::npos) << flag << ": " << r.output;
+    EXPECT_EQ(r.output.find("unknown flag"), std::string::npos) << r.output;
+  }
+  auto ok =
+      RunCmd(Train("--add-qkv-bias --num-query-groups 4 --openai-gelu --norm-epsilon 1e-5 --rotary-base 10000", 2));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  for (const char* note : {"note: --add-qkv-bias: accepted, the QKV projection has a bias already",
+                           "note: --num-query-groups 4: accepted, no effect without --group-query-attention",
+                           "note: --rotary-base 10000: accepted, no effect without --position-embedding-type rope"})
+    EXPECT_NE(ok.output.find(note), std::string::npos) << note << "\n" << ok.output;
+}
+
+// Issue 29, points 4 and 7: --data-path without _text_document, or with .bin, names the prefix
+// meant (was "cannot open my.idx"); a missing --vocab-file says GPT-2's files are built in; -lr
+// gets --lr.
+TEST_F(TrainCli, NewcomerMistakesAreNamed) {
+  const std::string given_prefix = dir_ / "data";
+  for (const std::string& given : {given_prefix, prefix_ + ".bin"}) {
+    std::string cmd = Train("", 2);
+    const std::string flag = "--data-path " + ShellQuote(prefix_);
+    cmd.replace(cmd.find(flag), flag.size(), "--data-path " + ShellQuote(given));
+    auto r = RunCmd(cmd);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(given + ": no dataset here"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("did you mean " + prefix_ + "?"), std::string::npos) << r.output;
+  }
+  auto vocab = RunCmd(Train("--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt", 2));
+  EXPECT_EQ(vocab.exit_code, 1) << vocab.output;
+  EXPECT_NE(vocab.output.find("--vocab-file gpt2-vocab.json: no such file; ptk has GPT-2's vocab.json and merges.txt "
+                              "built in: leave out --vocab-file and --merge-file to use them"),
+            std::string::npos)
+      << vocab.output;
+  auto lr = RunCmd(Train("-lr 1e-3", 2));
+  EXPECT_EQ(lr.exit_code, 2) << lr.output;
+  EXPECT_NE(lr.output.find("unknown flag -lr; did you mean --lr?"), std::string::npos) << lr.output;
 }
 
 }  // namespace

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""ptk-convert against Hugging Face transformers itself (4.44.2 from PyPI on Debian's torch 1.13,
+CPU; installed by scripts/install-deps.sh --with-python-ref into /opt/ptk-pyref).
+
+Checks:
+  * a model trained by ptk-train (tied, and untied) and exported with --saver hf loads with
+    GPT2LMHeadModel.from_pretrained with no missing, unexpected or mismatched weight and no warning;
+    its logits equal ptk's Forward (logits_tool) within 1e-4 on several sequences (1 to 64 tokens);
+  * the exported tokenizer (AutoTokenizer on the directory) encodes as ptk's, and HF's greedy
+    generation continues ptk-train's --sample-prompt with ptk-train's printed sample;
+  * a model saved by transformers (save_pretrained, safetensors) imported with --saver ptk gives
+    ptk the same logits within 1e-4, and ptk-train --load ... --finetune trains on from it with the
+    flags ptk-convert prints; export -> import -> export is byte-identical;
+  * safetensors' own reader opens ptk's file.
+Usage: hf_transformers_test.py BIN_DIR TEST_BIN_DIR
+"""
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+
+BIN, TEST_BIN = sys.argv[1], sys.argv[2]
+for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
+    if p and os.path.isdir(p) and p not in sys.path:
+        sys.path.insert(0, p)
+import numpy  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+failures = 0
+TOL = 1e-4
+
+
+def check(cond, what):
+    global failures
+    if not cond:
+        failures += 1
+        print("FAIL:", what)
+
+
+def run(args, expect=0):
+    r = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check(r.returncode == expect, "exit {} (expected {}) for {}:\n{}".format(r.returncode, expect, " ".join(args),
+                                                                             r.stdout[-3000:]))
+    return r.stdout
+
+
+# Every warning transformers logs while loading (missing/unexpected weights are logged, not raised).
+class Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+transformers.logging.set_verbosity_warning()
+capture = Capture()
+transformers.logging.get_logger().addHandler(capture)
+
+
+def load_hf(path):
+    capture.records.clear()
+    model, info = GPT2LMHeadModel.from_pretrained(path, output_loading_info=True)
+    check(all(not v for v in info.values()), "{}: loading info {}".format(path, info))
+    check(not capture.records, "{}: warnings while loading: {}".format(path, capture.records))
+    return model.eval()
+
+
+def hf_logits(model, seq):
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0].numpy()
+
+
+def ptk_logits(ckpt, seqs, vocab, tmp):
+    seq_file, out = os.path.join(tmp, "seqs.txt"), os.path.join(tmp, "logits.f32")
+    with open(seq_file, "w") as f:
+        for s in seqs:
+            f.write(" ".join(map(str, s)) + "\n")
+    run([os.path.join(TEST_BIN, "logits_tool"), ckpt, seq_file, out])
+    flat = numpy.fromfile(out, dtype=numpy.float32)
+    res, at = [], 0
+    for s in seqs:
+        res.append(flat[at:at + len(s) * vocab].reshape(len(s), vocab))
+        at += len(s) * vocab
+    check(at == flat.size, "logits_tool wrote {} values, {} expected".format(flat.size, at))
+    return res
+
+
+def compare_logits(ckpt, hf_dir, seqs, vocab, tmp, what):
+    model = load_hf(hf_dir) if isinstance(hf_dir, str) else hf_dir
+    for seq, ours in zip(seqs, ptk_logits(ckpt, seqs, vocab, tmp)):
+        theirs = hf_logits(model, seq)
+        check(theirs.shape == ours.shape, "{}: shapes {} {}".format(what, theirs.shape, ours.shape))
+        if theirs.shape == ours.shape:
+            diff = float(numpy.abs(theirs - ours).max())
+            check(diff <= TOL, "{}: {} tokens: logits differ by {} (> {})".format(what, len(seq), diff, TOL))
+            check(float(numpy.abs(ours).max()) > 1.0, "{}: logits too small to test anything".format(what))
+    return model
+
+
+rng = random.Random(31)
+SEQS = [[50256], [464, 2106, 286, 262, 995, 318, 257]] + [[rng.randrange(50257) for _ in range(n)] for n in (33, 64)]
+SEQS.append([50256] * 5 + [rng.randrange(50257) for _ in range(20)])
+TRAIN = [os.path.join(BIN, "ptk-train"), "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--micro-batch-size", "4", "--lr", "3e-3", "--mock-data", "--threads", "2",
+         "--eval-iters", "0", "--log-interval", "10", "--layernorm-epsilon", "1e-6", "--init-method-std", "0.2"]
+CONVERT = os.path.join(BIN, "ptk-convert")
+
+with tempfile.TemporaryDirectory() as tmp:
+    # ---- tied: trained, sampled, exported, loaded, compared
+    ck, hf = os.path.join(tmp, "ck"), os.path.join(tmp, "hf")
+    prompt = "The history of the"
+    out = run(TRAIN + ["--train-iters", "20", "--save", ck, "--sample-interval", "20", "--sample-prompt", prompt,
+                       "--sample-length", "8"])
+    sample = re.search(r' sample at iteration +20 \(greedy\): "The history of the" -> "(.*)"\n', out)
+    check(sample is not None, "ptk-train printed its sample:\n" + out[-2000:])
+    run([CONVERT, "--model-type", "GPT", "--loader", "ptk", "--saver", "hf", "--load-dir", ck, "--save-dir", hf])
+    model = compare_logits(ck, hf, SEQS, 50257, tmp, "tied")
+    # The test can tell: the exact GELU in place of the tanh one moves the logits past the tolerance.
+    exact = GPT2LMHeadModel.from_pretrained(hf, activation_function="gelu").eval()
+    worst = max(float(numpy.abs(hf_logits(exact, s) - hf_logits(model, s)).max()) for s in SEQS)
+    check(worst > 10 * TOL, "the exact GELU changes the logits by only {}: the model is too weak a test".format(worst))
+    config = GPT2Config.from_pretrained(hf)
+    check(config.activation_function == "gelu_new" and config.n_positions == 64 and config.vocab_size == 50257
+          and config.layer_norm_epsilon == 1e-6 and config.tie_word_embeddings, "config.json: {}".format(config))
+    with safe_open(os.path.join(hf, "model.safetensors"), framework="pt") as f:
+        check(f.metadata() == {"format": "pt"} and "transformer.h.1.attn.c_attn.weight" in f.keys(),
+              "safetensors' reader: {} {}".format(f.metadata(), sorted(f.keys())[:3]))
+    tok = AutoTokenizer.from_pretrained(hf)
+    ids = tok(prompt)["input_ids"]
+    check(ids == [464, 2106, 286, 262], "the exported tokenizer encodes {!r} as {}".format(prompt, ids))
+    gen = list(ids)  # greedy through transformers' forward, past <|endoftext|> as ptk-train's sample goes
+    for _ in range(8):
+        gen.append(int(hf_logits(model, gen)[-1].argmax()))
+    gen = torch.tensor(gen[len(ids):])
+    ptk_ids = [int(x) for x in run([os.path.join(TEST_BIN, "logits_tool"), ck, "--generate", "8"]
+                                   + [str(i) for i in ids]).split()]
+    check(gen.tolist() == ptk_ids, "greedy continuation: transformers {} ptk {}".format(gen.tolist(), ptk_ids))
+    if sample and "\\" not in sample.group(1):  # the printed text is escaped ({:?}) only where it must be
+        check(tok.decode(gen) == sample.group(1),
+              "transformers' greedy text {!r} vs ptk-train's sample {!r}".format(tok.decode(gen), sample.group(1)))
+
+    # ---- export -> import -> export, byte for byte
+    back, hf2 = os.path.join(tmp, "back"), os.path.join(tmp, "hf2")
+    run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hf, "--save-dir", back])
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", back, "--save-dir", hf2])
+    for name in sorted(os.listdir(hf)):
+        check(open(os.path.join(hf, name), "rb").read() == open(os.path.join(hf2, name), "rb").read(),
+              "export -> import -> export: {} differs".format(name))
+
+    # ---- untied output layer: lm_head.weight with tie_word_embeddings false
+    cku, hfu = os.path.join(tmp, "cku"), os.path.join(tmp, "hfu")
+    run(TRAIN + ["--train-iters", "6", "--save", cku, "--untie-embeddings-and-output-weights"])
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", cku, "--save-dir", hfu])
+    mu = compare_logits(cku, hfu, SEQS, 50257, tmp, "untied")
+    check(not mu.config.tie_word_embeddings and
+          not torch.equal(mu.lm_head.weight, mu.transformer.wte.weight), "untied: lm_head is its own tensor")
+
+    # ---- a model transformers made, imported into ptk
+    torch.manual_seed(31)
+    src = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=48, n_head=3, n_positions=40, vocab_size=50257,
+                                     initializer_range=0.1, layer_norm_epsilon=1e-5)).eval()
+    with torch.no_grad():  # LayerNorms and biases away from their 1/0 init, so they are tested too
+        for name, p in src.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    hfsrc, ckin = os.path.join(tmp, "hfsrc"), os.path.join(tmp, "ckin")
+    src.save_pretrained(hfsrc, safe_serialization=True)
+    out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfsrc, "--save-dir", ckin])
+    compare_logits(ckin, src, [s for s in SEQS if len(s) <= 40], 50257, tmp, "imported")
+    flags = re.search(r"continue training with: ptk-train (.*) --seq-length N", out)
+    check(flags is not None, "ptk-convert prints ptk-train's flags:\n" + out)
+    if flags:
+        tr = run([os.path.join(BIN, "ptk-train")] + flags.group(1).split() +
+                 ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
+                  "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--finetune"])
+        check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
+
+print("hf_transformers_test: {}".format("OK" if failures == 0 else "{} failure(s)".format(failures)))
+sys.exit(1 if failures else 0)
