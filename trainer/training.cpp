@@ -297,6 +297,25 @@ absl::StatusOr<std::string> BroadcastText(Communicator* comm, const std::string&
   return out;
 }
 
+// --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
+// and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random
+// weights instead would be a silent mistake. A usage error naming that directory; OK otherwise.
+absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
+  if (!PathExists(load)) return absl::OkStatus();  // a new run's directory
+  std::string dir = load;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  for (int up = 0; up < 3 && !dir.empty() && dir != "/" && dir != "."; ++up) {
+    dir = Dirname(dir);
+    if (PathExists(JoinPath(dir, "latest_checkpointed_iteration.txt")))
+      return absl::InvalidArgumentError(
+          fmt::format("usage: --load {} is inside a checkpoint directory: --load takes the directory that holds "
+                      "latest_checkpointed_iteration.txt (it resumes from the iteration that file names): did you "
+                      "mean --load {}?",
+                      load, dir));
+  }
+  return absl::OkStatus();
+}
+
 // Views of a loader's micro-batch for the model.
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
   *keys = mb.indices;
@@ -525,7 +544,13 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
         if (rank == 0) ReportResumeChanges(loaded.settings, settings, loaded, o.no_load_rng);
       }
     } else if (absl::IsNotFound(latest.status())) {
-      log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
+      PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o.load));
+      // --load and --save one directory is how every first run starts; another --load was meant to
+      // hold a checkpoint.
+      if (rank == 0 && o.load != o.save)
+        log::Warning("--load {}; starting from random initialization", StatusMessage(latest.status()));
+      else if (rank == 0)
+        log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
     } else {
       return latest.status();
     }

@@ -654,6 +654,20 @@ TEST_F(TrainCli, NewcomerMistakesAreNamed) {
                               "built in: leave out --vocab-file and --merge-file to use them"),
             std::string::npos)
       << vocab.output;
+  // --load given one iteration's directory, or the file in it (was: training from random weights).
+  const std::string ck = dir_ / "ck";
+  ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(ck), 2)).exit_code, 0);
+  for (const std::string& inside :
+       {ck + "/iter_0000002", ck + "/iter_0000002/mp_rank_00/", ck + "/iter_0000002/mp_rank_00/model_optim_rng.ptk"}) {
+    auto r = RunCmd(Train("--load " + ShellQuote(inside), 4));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("--load " + inside + " is inside a checkpoint directory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("did you mean --load " + ck + "?"), std::string::npos) << r.output;
+  }
+  auto none = RunCmd(Train("--load " + ShellQuote(dir_ / "nothing-here"), 2));
+  EXPECT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_NE(none.output.find("warning: --load " + dir_ / "nothing-here" + ": no checkpoint"), std::string::npos)
+      << none.output;
   auto lr = RunCmd(Train("-lr 1e-3", 2));
   EXPECT_EQ(lr.exit_code, 2) << lr.output;
   EXPECT_NE(lr.output.find("unknown flag -lr; did you mean --lr?"), std::string::npos) << lr.output;
