@@ -12,7 +12,9 @@
 #   6. ptk-inspect    verify, summary, and GPTDataset sample 0 as Megatron would give it
 #   7. ptk-train      a small GPT on the train chunks (CPU): stopped at iteration 25 with a
 #                     checkpoint, then resumed with --load to iteration 50
+#                     (TensorBoard event files in train/tensorboard, a text sample every 25 iterations)
 #   8. plot-loss.py   the loss curve as train/loss.png
+#   9. ptk-convert    the trained model as a Hugging Face GPT-2 directory (train/hf), and its last sample
 #
 # Usage: bash scripts/run-main-job.sh [OUTPUT_DIR]     (default: main-job/ in the checkout)
 # Rerunning is cheap: verified downloads, complete extractions, chunks and datasets whose inputs and
@@ -28,14 +30,14 @@ T0=$(date +%s.%N)
 
 step() { printf '\n\033[1m== [%5.1fs] %s\033[0m\n' "$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN{print a-b}')" "$*"; }
 
-step "0/8 install dependencies and build ptk ($JOBS jobs)"
+step "0/9 install dependencies and build ptk ($JOBS jobs)"
 if [ "${PTK_SKIP_INSTALL:-0}" != 1 ]; then
   if [ "$(id -u)" = 0 ]; then bash "$ROOT/scripts/install-deps.sh"
   else sudo bash "$ROOT/scripts/install-deps.sh"; fi
 fi
 if [ "${PTK_SKIP_BUILD:-0}" != 1 ]; then
   targets=()
-  for t in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train; do targets+=(--target "$t"); done
+  for t in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train ptk-convert; do targets+=(--target "$t"); done
   PTK_JOBS=$JOBS bash "$ROOT/scripts/build.sh" "$ROOT/build" "${targets[@]}"
 fi
 
@@ -44,7 +46,7 @@ HUB_PID=
 cleanup() { [ -n "$HUB_PID" ] && kill "$HUB_PID" 2>/dev/null; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-step "1/8 serve sample/slimpajama-mini as the dataset repo cerebras/SlimPajama-627B on 127.0.0.1"
+step "1/9 serve sample/slimpajama-mini as the dataset repo cerebras/SlimPajama-627B on 127.0.0.1"
 rm -f "$OUT/.hub-ports"
 python3 "$ROOT/tests/tools/fake_hub.py" --repo-dir "$ROOT/sample/slimpajama-mini" \
   --port-file "$OUT/.hub-ports" >"$OUT/hub.log" 2>&1 &
@@ -55,17 +57,17 @@ export HF_ENDPOINT HF_TOKEN=hf_main_job_token
 HF_ENDPOINT=$(awk '/HUB/{print $2}' "$OUT/.hub-ports")
 echo "hub: $HF_ENDPOINT (files are redirected to a separate CDN host, as on huggingface.co)"
 
-step "2/8 ptk-download: list the repo at a pinned commit, download in parallel, verify size + sha256"
+step "2/9 ptk-download: list the repo at a pinned commit, download in parallel, verify size + sha256"
 "$BIN/ptk-download" --repo cerebras/SlimPajama-627B --repo-type dataset --local-dir "$OUT/raw" --jobs 8
 
-step "3/8 ptk-extract: .jsonl.zst -> .jsonl, $JOBS files at a time"
+step "3/9 ptk-extract: .jsonl.zst -> .jsonl, $JOBS files at a time"
 "$BIN/ptk-extract" "$OUT/raw" --output-dir "$OUT/extracted" --jobs "$JOBS"
 
-step "4/8 ptk-concat: train -> 4 chunks balanced by bytes (a plan, then the chunks)"
+step "4/9 ptk-concat: train -> 4 chunks balanced by bytes (a plan, then the chunks)"
 "$BIN/ptk-concat" plan --input "$OUT/extracted/train" --output-dir "$OUT/chunks" --chunks 4
 "$BIN/ptk-concat" run --plan "$OUT/chunks/concat-plan.json" --jobs "$JOBS"
 
-step "5/8 ptk-tokenize: GPT-2 BPE -> Megatron .bin/.idx (as preprocess_data.py --append-eod)"
+step "5/9 ptk-tokenize: GPT-2 BPE -> Megatron .bin/.idx (as preprocess_data.py --append-eod)"
 mkdir -p "$OUT/preprocessed"
 for chunk in "$OUT"/chunks/train_*.jsonl; do
   name=$(basename "$chunk" .jsonl)
@@ -75,7 +77,7 @@ done
 "$BIN/ptk-tokenize" --input "$OUT/extracted/validation/chunk*/*.jsonl" --output-prefix "$OUT/preprocessed/validation" \
   --json-keys text --append-eod --workers "$JOBS" --log-interval 2000
 
-step "6/8 ptk-inspect: verify every dataset, summarise one, and show GPTDataset sample 0"
+step "6/9 ptk-inspect: verify every dataset, summarise one, and show GPTDataset sample 0"
 datasets=()
 for idx in "$OUT"/preprocessed/*_text_document.idx; do
   prefix=${idx%.idx}
@@ -90,34 +92,44 @@ echo "GPTDataset: blend of the train chunks, --split 98,2,0 --seq-length 128 --s
 "$BIN/ptk-inspect" --data-path "${blend[@]}" --split 98,2,0 --seq-length 128 --seed 1234 \
   --train-samples 1000 --valid-samples 100 --test-samples 0 --sample 0
 
-step "7/8 ptk-train: GPT (2 layers, hidden 128, seq 128) on the train chunks, fp32 on the CPU"
+step "7/9 ptk-train: GPT (2 layers, hidden 128, seq 128) on the train chunks, fp32 on the CPU"
 TRAIN=(--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
   --micro-batch-size 8 --global-batch-size 8 --train-iters 50 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
   --lr-warmup-iters 5 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --seed 1234
   --data-path "${blend[@]}" --split 98,2,0 --data-cache-path "$OUT/train/index-cache"
   --log-interval 5 --eval-interval 25 --eval-iters 2
   --save "$OUT/train/checkpoints" --load "$OUT/train/checkpoints" --save-interval 25
-  --tensorboard-dir "$OUT/train/tensorboard" --threads "$JOBS")
+  --tensorboard-dir "$OUT/train/tensorboard" --threads "$JOBS"
+  --sample-interval 25 --sample-prompt "The history of" --sample-length 24)
+# ptk-train's output also goes to train/train.log (the samples are shown again at the end).
+mkdir -p "$OUT/train"
+train() { "$BIN/ptk-train" "${TRAIN[@]}" "$@" 2>&1 | tee -a "$OUT/train/train.log"; }
 # A rerun finds the checkpoints where the last run left them: it says so, and runs what is left.
 latest=$(cat "$OUT/train/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
 [[ $latest =~ ^[0-9]+$ ]] || latest=0
 if [ "$latest" -ge 50 ]; then
   echo "train/checkpoints holds a finished run (iteration $latest): ptk-train finds nothing to train"
   echo "(remove $OUT/train to train again)"
-  "$BIN/ptk-train" "${TRAIN[@]}"
+  train
 else
   if [ "$latest" -lt 25 ]; then
     echo "first run: stops at iteration 25 (--exit-interval 25) after saving a checkpoint"
-    "$BIN/ptk-train" "${TRAIN[@]}" --exit-interval 25
+    train --exit-interval 25
     echo
   fi
   echo "second run: --load resumes from the checkpoint and trains to iteration 50"
-  "$BIN/ptk-train" "${TRAIN[@]}"
+  train
 fi
 
-step "8/8 loss curve"
+step "8/9 loss curve"
 /usr/bin/python3 "$ROOT/scripts/plot-loss.py" "$OUT/train/tensorboard/metrics.jsonl" -o "$OUT/train/loss.png" \
   --title "ptk-train on sample/slimpajama-mini: lm loss"
+
+step "9/9 the model for Hugging Face transformers: ptk-convert --loader ptk --saver hf"
+"$BIN/ptk-convert" --model-type GPT --loader ptk --saver hf --load-dir "$OUT/train/checkpoints" \
+  --save-dir "$OUT/train/hf"
+echo "its last sample (ptk-train --sample-interval 25, greedy):"
+grep ' sample at iteration' "$OUT/train/train.log" | tail -1
 
 step "done"
 cat <<EOF
@@ -128,7 +140,9 @@ outputs (under $OUT):
   preprocessed/   Megatron datasets, for --data-path:
 $(for p in "${datasets[@]}"; do printf '                    %s  (%s + .idx)\n' "$p" "$(du -h "$p.bin" | cut -f1)"; done)
   train/          checkpoints/ (iter_0000025, iter_0000050, latest_checkpointed_iteration.txt),
-                  tensorboard/metrics.jsonl and loss.png (the loss curve)
+                  tensorboard/ (event files: tensorboard --logdir $OUT/train/tensorboard; metrics.jsonl),
+                  loss.png (the loss curve), train.log (ptk-train's lines and samples),
+                  hf/ (GPT2LMHeadModel.from_pretrained("$OUT/train/hf") in transformers)
   hub.log         the local hub's log
 Rerun this script and the verified work is skipped (and training finds itself complete).
 EOF

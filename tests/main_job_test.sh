@@ -26,6 +26,13 @@ first=$(grep -o 'iteration        5/.*lm loss: [0-9.E+-]*' "$WORK/log1" | sed 's
 last=$(grep -o 'iteration       50/.*lm loss: [0-9.E+-]*' "$WORK/log1" | sed 's/.*lm loss: //')
 awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 1.0)}' || fail "the loss did not fall ($first -> $last)"
 [ -s "$WORK/out/train/loss.png" ] || fail "no loss curve"
+# Issue 31: an event file per ptk-train run, samples at 25 and 50, the model exported for transformers.
+[ "$(ls "$WORK"/out/train/tensorboard/events.out.tfevents.* | wc -l)" = 2 ] || fail "expected two event files"
+grep -q ' sample at iteration       25 (greedy): "The history of" -> "' "$WORK/log1" || fail "no sample at 25"
+grep -q ' sample at iteration       50 (greedy): "The history of" -> "' "$WORK/log1" || fail "no sample at 50"
+for f in model.safetensors config.json vocab.json merges.txt; do
+  [ -s "$WORK/out/train/hf/$f" ] || fail "the Hugging Face export has no $f"
+done
 [ "$(cat "$WORK/out/train/checkpoints/latest_checkpointed_iteration.txt")" = 50 ] || fail "latest is not 50"
 sha256sum "$WORK"/out/preprocessed/*.bin "$WORK"/out/preprocessed/*.idx > "$WORK/sums1"
 stat -c '%n %i %Y' "$WORK"/out/preprocessed/* > "$WORK/stat1"
@@ -45,4 +52,6 @@ grep -q 'nothing to train: the checkpoint in .* is at iteration 50 (.* samples c
   fail "the rerun trained again"
 grep -q 'done: nothing to train' "$WORK/log2" || fail "no 'nothing to train' summary"
 grep -q 'last lm loss 0.000000' "$WORK/log2" && fail "the rerun reports a loss it did not compute"
+grep -A1 'its last sample' "$WORK/log2" | grep -q ' sample at iteration       50' || fail "the rerun shows no sample"
+[ "$(ls "$WORK"/out/train/tensorboard/events.out.tfevents.* | wc -l)" = 2 ] || fail "a rerun that trains nothing wrote events"
 echo "main job: OK"
