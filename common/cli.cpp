@@ -210,25 +210,25 @@ absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefi
       flag, prefix, prefix, example_suffix, flag, example, example, example_suffix));
 }
 
+absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint) {
+  if (path.empty()) return absl::OkStatus();
+  std::string why;
+  if (!PathExists(path))
+    why = "no such file";
+  else if (IsDirectory(path))
+    why = "is a directory";
+  else if (::access(path.c_str(), R_OK) != 0)
+    why = "cannot be read";
+  else
+    return absl::OkStatus();
+  return absl::NotFoundError(fmt::format("{} {}: {}{}", flag, path, why, hint.empty() ? "" : "; " + hint));
+}
+
 absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string& merge_file) {
-  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--vocab-file", vocab_file},
-                                   std::pair<const char*, const std::string&>{"--merge-file", merge_file}}) {
-    if (path.empty()) continue;
-    std::string why;
-    if (!PathExists(path))
-      why = "no such file";
-    else if (IsDirectory(path))
-      why = "is a directory";
-    else if (::access(path.c_str(), R_OK) != 0)
-      why = "cannot be read";
-    else
-      continue;
-    return absl::NotFoundError(
-        fmt::format("{} {}: {}; ptk has GPT-2's vocab.json and merges.txt built in: leave out --vocab-file and "
-                    "--merge-file to use them",
-                    flag, path, why));
-  }
-  return absl::OkStatus();
+  const std::string hint =
+      "ptk has GPT-2's vocab.json and merges.txt built in: leave out --vocab-file and --merge-file to use them";
+  PTK_RETURN_IF_ERROR(CheckInputFile("--vocab-file", vocab_file, hint));
+  return CheckInputFile("--merge-file", merge_file, hint);
 }
 
 absl::Status CheckOptionTable(const CLI::App& app) {

@@ -70,6 +70,10 @@ inline absl::Status UsageError(const std::string& msg) { return absl::InvalidArg
 // appends ("_text_document.bin").
 absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefix, const std::string& example_suffix);
 
+// A file a flag names, when given, must be a file that can be read: otherwise a NotFound "FLAG
+// PATH: no such file" (is a directory, cannot be read), followed by "; " and `hint` when one is given.
+absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint = "");
+
 // --vocab-file / --merge-file, when given, must name files that can be read: otherwise a NotFound
 // naming the flag and saying that ptk has GPT-2's files built in (leave both flags out).
 absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string& merge_file);

@@ -140,8 +140,16 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    // --plan names the file `ptk-concat plan` wrote; its output directory is a likely slip.
+    auto check_plan = [](const std::string& path) {
+      const std::string in_dir = ptk::JoinPath(path, "concat-plan.json");
+      return ptk::cli::CheckInputFile(
+          "--plan", path,
+          ptk::IsDirectory(path) && ptk::PathExists(in_dir) ? "did you mean --plan " + in_dir + "?" : "");
+    };
     if (plan_cmd->parsed()) return PlanAndWrite(plan_req, plan_path).status();
     if (list_cmd->parsed()) {
+      PTK_RETURN_IF_ERROR(check_plan(list_plan));
       PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(list_plan));
       std::vector<std::string> items = ptk::PlanChunkPaths(plan);
       items.insert(items.end(), list_with.begin(), list_with.end());
@@ -160,6 +168,7 @@ int main(int argc, char** argv) {
       return absl::OkStatus();
     }
     if (run_cmd->parsed()) {
+      PTK_RETURN_IF_ERROR(check_plan(run_args.plan_path));
       PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(run_args.plan_path));
       return Run(plan, run_args);
     }

@@ -112,6 +112,14 @@ int main(int argc, char** argv) {
         ptk::cli::CheckOutputPrefix("--output-prefix", opt.output_prefix,
                                     "_" + (opt.json_keys.empty() ? "text" : opt.json_keys[0]) + "_document.bin"));
     PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(vocab_file, merge_file));
+    for (const std::string& key : opt.json_keys)  // a dataset's name given for the prefix
+      if (const std::string tail = "_" + key + "_document";
+          opt.output_prefix.size() > tail.size() && opt.output_prefix.ends_with(tail))
+        ptk::log::Warning(
+            "--output-prefix {} ends in {}, which ptk-tokenize (as Megatron) appends itself: the output is {}; give "
+            "--output-prefix {} for {}",
+            opt.output_prefix, tail, ptk::OutputPrefixFor(opt.output_prefix, key),
+            opt.output_prefix.substr(0, opt.output_prefix.size() - tail.size()), opt.output_prefix);
     std::string out_dir = ptk::Dirname(opt.output_prefix);
     if (!ptk::IsDirectory(out_dir))
       return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));

@@ -389,6 +389,28 @@ TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
   EXPECT_NE(merges.output.find("--merge-file " + dir.path() + ": is a directory; ptk has GPT-2's"), std::string::npos)
       << merges.output;
 
+  // A dataset's name for the prefix: Megatron's doubled name, said.
+  auto doubled = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "d_text_document")));
+  EXPECT_EQ(doubled.exit_code, 0) << doubled.output;
+  EXPECT_NE(doubled.output.find("warning: --output-prefix " + dir / "d_text_document" +
+                                " ends in _text_document, which ptk-tokenize (as Megatron) appends itself: the output "
+                                "is " +
+                                dir / "d_text_document_text_document; give --output-prefix " + dir / "d"),
+            std::string::npos)
+      << doubled.output;
+  // Other tools' file flags: the flag named; a plan's directory for its plan file.
+  std::filesystem::create_directories(dir / "chunks");
+  testing::WriteFile(dir / "chunks/concat-plan.json", "{}");
+  auto plan = RunCmd(testing::Tool("ptk-concat") + " run --plan " + dir / "chunks");
+  EXPECT_EQ(plan.exit_code, 1) << plan.output;
+  EXPECT_NE(plan.output.find("--plan " + dir / "chunks: is a directory; did you mean --plan " +
+                             dir / "chunks/concat-plan.json?"),
+            std::string::npos)
+      << plan.output;
+  auto urls = RunCmd(testing::Tool("ptk-download") + " --url-list " + dir / "urls.txt --local-dir " + dir / "dl");
+  EXPECT_EQ(urls.exit_code, 1) << urls.output;
+  EXPECT_NE(urls.output.find("--url-list " + dir / "urls.txt: no such file"), std::string::npos) << urls.output;
+
   auto version = RunCmd(testing::Tool("ptk-tokenize") + " --version");
   EXPECT_EQ(version.exit_code, 0) << version.output;
   EXPECT_EQ(version.output.rfind("ptk-tokenize (ptk ", 0), 0u) << version.output;
