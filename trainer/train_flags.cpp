@@ -341,6 +341,8 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--device", f->device,
                   "ptk: cpu or cuda (default: cuda where this build has CUDA and a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_flag("--ptk-profile-ops", f->profile_ops,
+                "ptk: time every CUDA op with events and print the GPU time per iteration by op at the end");
   app->add_flag("--deterministic-mode", f->deterministic_mode,
                 "Bitwise-reproducible kernels only: two runs give identical loss lines (the CPU backend always is)");
   app->add_option("--loss-scale", f->loss_scale, "fp16: a constant loss scale instead of dynamic scaling")
@@ -523,6 +525,9 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   o.backend.device = device;
   o.backend.precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
   o.backend.deterministic = f.deterministic_mode;
+  o.backend.profile = f.profile_ops;
+  if (f.profile_ops && device != Device::kCuda)
+    notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
   if (f.fp16) {
     o.loss_scale.dynamic = !f.loss_scale.has_value();
     o.loss_scale.scale = f.loss_scale.value_or(f.initial_loss_scale);

@@ -55,7 +55,7 @@ struct TrainFlags {
   bool override_opt_param_scheduler = false, use_checkpoint_opt_param_scheduler = false;
   bool check_for_nan_in_loss_and_grad = true;
   // precision, parallelism, device
-  bool fp16 = false, bf16 = false, deterministic_mode = false;
+  bool fp16 = false, bf16 = false, deterministic_mode = false, profile_ops = false;
   std::string device;  // "": cuda where the build has CUDA and a GPU is visible, else cpu
   // Megatron's loss scaling (fp16): --loss-scale fixes the scale; else dynamic from --initial-loss-scale.
   std::optional<double> loss_scale;

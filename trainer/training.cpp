@@ -779,6 +779,10 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     }
   }
   print(fmt::format("[after training is done] datetime: {} ", Timestamp()));
+  if (std::string report = model->ProfileReport(); rank == 0 && !report.empty()) {
+    if (report.back() == '\n') report.pop_back();
+    print(report);
+  }
   if (last_saved != state.iteration && !o.save.empty()) PTK_RETURN_IF_ERROR(save());
   if (valid_loader) {
     PTK_ASSIGN_OR_RETURN(
