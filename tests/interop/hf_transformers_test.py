@@ -9,8 +9,8 @@ Checks:
   * the exported tokenizer (AutoTokenizer on the directory) encodes as ptk's, and HF's greedy
     generation continues ptk-train's --sample-prompt with ptk-train's printed sample;
   * a model saved by transformers (save_pretrained, safetensors) imported with --saver ptk gives
-    ptk the same logits within 1e-4, and ptk-train --load ... --finetune trains on from it with the
-    flags ptk-convert prints; export -> import -> export is byte-identical;
+    ptk the same logits within 1e-4, and ptk-train --load ... --finetune (and --no-load-optim)
+    trains on from it with the flags ptk-convert prints; export -> import -> export is byte-identical;
   * safetensors' own reader opens ptk's file.
 Usage: hf_transformers_test.py BIN_DIR TEST_BIN_DIR
 """
@@ -182,6 +182,11 @@ with tempfile.TemporaryDirectory() as tmp:
                  ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
                   "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--finetune"])
         check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
+        tr = run([os.path.join(BIN, "ptk-train")] + flags.group(1).split() +
+                 ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
+                  "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--no-load-optim"])
+        check("loaded checkpoint" in tr and " iteration        2/       2 |" in tr,
+              "ptk-train --no-load-optim from the import:\n" + tr)
 
 print("hf_transformers_test: {}".format("OK" if failures == 0 else "{} failure(s)".format(failures)))
 sys.exit(1 if failures else 0)
