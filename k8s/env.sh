@@ -39,7 +39,8 @@
 #   SAVE_INTERVAL 500  EVAL_INTERVAL 500  EVAL_ITERS 10  LOG_INTERVAL 10
 #   TRAIN_EXTRA_ARGS      ""               more ptk-train flags (e.g. --bf16; --device cpu)
 #   CKPT_DIR              $STAGE_PATH/checkpoints
-#   TRAIN_BACKOFF_LIMIT 10  restarts of training containers before the job fails
+#   TRAIN_BACKOFF_LIMIT 20  restarts of training containers before the job fails (one rank stopped restarts
+#                         all NUM_WORKERS: each preemption costs NUM_WORKERS restarts)
 #   TRAIN_GRACE_SECONDS 180 from SIGTERM (preemption, kubectl delete) to SIGKILL: the ranks save a checkpoint
 
 : "${IMAGE:=${REPO_URI:-ptk:latest}}"
@@ -87,7 +88,7 @@
 : "${LOG_INTERVAL:=10}"
 : "${TRAIN_EXTRA_ARGS:=}"
 : "${CKPT_DIR:=$STAGE_PATH/checkpoints}"
-: "${TRAIN_BACKOFF_LIMIT:=10}"
+: "${TRAIN_BACKOFF_LIMIT:=20}"
 : "${TRAIN_GRACE_SECONDS:=180}"
 
 PTK_K8S_VARS="IMAGE PVC_NAME MOUNT_PATH STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE

@@ -12,9 +12,10 @@
      retries, and a verified re-download and the Job applied again repair it (README's resume steps);
      a usage error fails its index at once;
   3. ptk-train as the plain Indexed Job (+ headless Service) variant, 2 ranks over loopback, and as
-     the PyTorchJob with its Worker (rank 1) killed after the first checkpoint: the ranks restart in
-     place, resume from the checkpoint, and end with checkpoints byte-identical to the uninterrupted
-     run's; every iteration is logged.
+     the PyTorchJob with its Worker (rank 1) SIGKILLed after the first checkpoint and its Master
+     SIGTERMed after the second (all ranks save and stop, and k8s/train.sh exits 143 and 75 so that
+     they run again rather than count as done): the ranks restart in place, resume from the latest checkpoint,
+     and end with checkpoints bit-identical to the uninterrupted run's; every iteration is logged.
 
 Usage: k8s_local_run_test.py BIN_DIR SOURCE_DIR
 """
@@ -22,6 +23,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -304,34 +306,49 @@ try:
 
     (pj,) = render("pytorchjob", CKPT_DIR="/fsx/ptk/ckpt-pytorchjob")
     ckpt = os.path.join(VOL, "ptk", "ckpt-pytorchjob")
-    worker_killed = []
+    worker_killed, master_stopped = [], []
 
-    def kill_worker_after_first_checkpoint(running):
-        if worker_killed:
-            return []
+    def kill_worker_then_stop_master(running):
+        """SIGKILL the Worker (rank 1) between the checkpoints at 40 and 80; once the restarted ranks
+        have saved at 80, SIGTERM the Master (rank 0), as a preemption would."""
         try:
             latest = int(open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read())
         except (OSError, ValueError):
             return []
         lines = sum(1 for _ in open(tb)) if os.path.exists(tb) else 0
-        if latest >= 40 and 50 <= lines < 110:
+        if not worker_killed and latest >= 40 and 50 <= lines < 110:
             w = [p for p in running if p.replica == ("Worker", 0)]
             worker_killed.extend(w)
             return w
+        if worker_killed and not master_stopped and latest >= 80:
+            m = [p for p in running if p.replica == ("Master", 0) and p.restarts >= 1]
+            if m:
+                master_stopped.extend(m)
+                sim.terminate(m[0])
         return []
 
-    say("PyTorchJob ptk-train: Master + 1 Worker; the Worker (rank 1) killed after the checkpoint at 40")
-    r = sim.run_pytorchjob(pj, chaos=kill_worker_after_first_checkpoint, timeout=300)
-    if not worker_killed:
-        fail("the Worker was never killed mid-run (training too fast?)", sim)
+    say("PyTorchJob ptk-train: Master + 1 Worker; the Worker (rank 1) SIGKILLed after the checkpoint at 40, the "
+        "Master (rank 0) SIGTERMed after the one at 80")
+    try:
+        r = sim.run_pytorchjob(pj, chaos=kill_worker_then_stop_master, timeout=150)
+    except TimeoutError as e:
+        fail(str(e), sim)
+    if not worker_killed or not master_stopped:
+        fail("the Worker was never killed or the Master never stopped mid-run (training too fast?)", sim)
     if not r["succeeded"]:
         fail(f"the PyTorchJob did not recover: {r['exit_codes']}", sim)
     restarts = {p.name: p.restarts for p in r["pods"]}
-    if restarts.get("ptk-train-worker-0", 0) < 1:
-        fail(f"the Worker was not restarted in place: {restarts}", sim)
+    if restarts.get("ptk-train-worker-0", 0) < 2 or restarts.get("ptk-train-master-0", 0) < 2:
+        fail(f"the ranks were not restarted in place after each stop: {restarts}", sim)
     mlog = open(os.path.join(sim.log_dir, "ptk-train-master-0.pytorch.log")).read()
     if "loaded checkpoint" not in mlog or "iteration      120/     120" not in mlog:
         fail("the restarted ranks did not resume from the checkpoint to iteration 120:\n" + mlog[-4000:], sim)
+    wlog = open(os.path.join(sim.log_dir, "ptk-train-worker-0.pytorch.log")).read()
+    if not re.search(r"train.sh: ptk-train stopped at iteration 8\d of 120 on SIGTERM with a checkpoint saved; exit 143",
+                     mlog) or not re.search(r"train.sh: ptk-train stopped at iteration 8\d of 120 with a checkpoint "
+                                            r"saved; exit 75", wlog):
+        fail("the SIGTERMed Master and the Worker that stopped with it did not exit 143 and 75 (their pods would "
+             "have counted as succeeded):\n" + mlog[-3000:] + wlog[-3000:], sim)
     its = sorted({json.loads(line)["iteration"] for line in open(tb)})
     if its != list(range(1, 121)):
         fail(f"iterations logged: {its[:5]}...{its[-5:]} ({len(its)} distinct), expected 1..120")
@@ -346,17 +363,17 @@ try:
         return header, hashlib.sha256(b[16 + n:-64]).hexdigest()
 
     files = sorted(os.path.relpath(f, ref_ckpt) for f in glob.glob(os.path.join(ref_ckpt, "**", "*.ptk"), recursive=True))
-    if [os.path.relpath(f, ckpt) for f in sorted(glob.glob(os.path.join(ckpt, "**", "*.ptk"), recursive=True))] != files \
-            or len(files) != 3:
-        fail(f"checkpoints: {files} (uninterrupted) vs {os.listdir(ckpt)}")
+    extra = sorted(set(os.listdir(ckpt)) - set(os.listdir(ref_ckpt)))
+    if len(files) != 3 or len(extra) != 1:  # the checkpoints at 40, 80, 120, and the one the SIGTERM saved
+        fail(f"checkpoints: {files} (uninterrupted) vs {sorted(os.listdir(ckpt))}")
     for f in files:
         if checkpoint(os.path.join(ckpt, f)) != checkpoint(os.path.join(ref_ckpt, f)):
             fail(f"checkpoint {f} differs from the uninterrupted run's (weights, moments or state)")
     if open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() != "120":
         fail("latest_checkpointed_iteration.txt is not 120")
-    say(f"   the Worker killed ({worker_killed[0].name}), both ranks restarted in place {restarts}, resumed from the "
-        "checkpoint: iterations 1..120 all logged; checkpoints 40/80/120 (weights, moments, state) bit-identical to "
-        "the uninterrupted run's")
+    say(f"   both ranks restarted in place after each stop {restarts}, the SIGTERMed Master saved {extra[0]}, it "
+        "exited 143 and the Worker 75, each restart resumed from the latest checkpoint: iterations 1..120 all logged; checkpoints "
+        "40/80/120 (weights, moments, state) bit-identical to the uninterrupted run's")
     print(f"k8s local run: OK ({time.time() - T0:.0f} s)")
 finally:
     hub.kill()

@@ -120,9 +120,10 @@ def render(template, config):
 dockerfile = open(os.path.join(SRC, "Dockerfile")).read()
 check("--portable /opt/ptk" in dockerfile and re.search(r"^ENV PATH=/opt/ptk/bin:", dockerfile, re.M),
       "the Dockerfile no longer puts ptk in /opt/ptk with /opt/ptk/bin on PATH (the templates rely on it)")
-check(re.search(r"install\(DIRECTORY \$\{PROJECT_SOURCE_DIR\}/slurm/ DESTINATION share/ptk/slurm",
-                open(os.path.join(SRC, "CMakeLists.txt")).read()),
-      "CMakeLists.txt no longer installs slurm/ into share/ptk/slurm (the templates run scripts from there)")
+for d in ("slurm", "k8s"):
+    check(re.search(r"install\(DIRECTORY \$\{PROJECT_SOURCE_DIR\}/" + d + r"/ DESTINATION share/ptk/" + d,
+                    open(os.path.join(SRC, "CMakeLists.txt")).read()),
+          f"CMakeLists.txt no longer installs {d}/ into share/ptk/{d} (the templates run scripts from there)")
 
 # ---- schemas
 crd = yaml.safe_load(open(os.path.join(SRC, "tests", "k8s", "pytorchjob-crd", "kubeflow.org_pytorchjobs.yaml")))
@@ -186,9 +187,10 @@ def pod_checks(where, spec, cfg):
             for ref in re.findall(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)", s):
                 check(ref in defined, f"{where}: $({ref}) refers to no env entry")
             for p in re.findall(r"/opt/ptk/[\w./-]+", s):
-                if p.startswith("/opt/ptk/share/ptk/slurm/"):
-                    check(os.path.exists(os.path.join(SRC, "slurm", p[len("/opt/ptk/share/ptk/slurm/"):])),
-                          f"{where}: {p}: no such script in slurm/ (installed there by cmake --install)")
+                m = re.match(r"/opt/ptk/share/ptk/(slurm|k8s)/(.*)", p)
+                if m:
+                    check(os.path.exists(os.path.join(SRC, m.group(1), m.group(2))),
+                          f"{where}: {p}: no such script in {m.group(1)}/ (installed there by cmake --install)")
                 else:
                     check(p.startswith("/opt/ptk/bin/"), f"{where}: {p} is not in the Dockerfile's /opt/ptk tree")
         for e in ctr.get("env", []):

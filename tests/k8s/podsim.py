@@ -25,8 +25,8 @@ what Kubernetes adds, and the Job / PyTorchJob controllers' retry rules are appl
 
 What stands in for the cluster: the shared volume is a local directory (the volumeMount's
 mountPath is replaced by it in command, args and env values), the image's /opt/ptk/bin is the build's
-bin directory and /opt/ptk/share/ptk/slurm this checkout's slurm/ (where the Dockerfile's portable
-tree has them), and the cluster's DNS is a table of names (the Master's service, `<pod>.<subdomain>`)
+bin directory and /opt/ptk/share/ptk/{slurm,k8s} this checkout's slurm/ and k8s/ (where the
+Dockerfile's portable tree has them), and the cluster's DNS is a table of names (the Master's service, `<pod>.<subdomain>`)
 that resolve to 127.0.0.1, replaced in env values, command and args. Restart back-off is 0.2 s
 doubling instead of the kubelet's 10 s. The operator's injected init container (an nslookup loop in
 alpine) is not run: its DNS wait has nothing to wait for here. Each container runs in its own process
@@ -92,6 +92,7 @@ class Sim:
 
     def __init__(self, volume_dir, bin_dir, slurm_dir, log_dir, secrets=None, dns=(), restart_backoff=0.2):
         self.volume_dir, self.bin_dir, self.slurm_dir, self.log_dir = volume_dir, bin_dir, slurm_dir, log_dir
+        self.k8s_dir = os.path.join(os.path.dirname(slurm_dir), "k8s")
         self.secrets = secrets or {}
         self.dns = set(dns)
         self.restart_backoff = restart_backoff
@@ -108,7 +109,8 @@ class Sim:
     # ---- what the image and the cluster stand for
     def mapping(self, mounts):
         m = [(mp, self.volume_dir) for mp in mounts] + [("/opt/ptk/bin", self.bin_dir),
-                                                         ("/opt/ptk/share/ptk/slurm", self.slurm_dir)]
+                                                         ("/opt/ptk/share/ptk/slurm", self.slurm_dir),
+                                                         ("/opt/ptk/share/ptk/k8s", self.k8s_dir)]
         return sorted(m, key=lambda x: -len(x[0]))
 
     def localize(self, s, mounts):
@@ -205,6 +207,16 @@ class Sim:
         self.event(pod, "killed" + (" (DisruptionTarget)" if disruption else ""))
         try:
             os.killpg(pod.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def terminate(self, pod):
+        """SIGTERM to the container's first process only, as the kubelet stops a container (preemption,
+        eviction, kubectl delete). Here the container is then restarted in place when it fails (OnFailure),
+        where a cluster would run the rank in a new pod: either way the rank runs again."""
+        self.event(pod, "SIGTERM")
+        try:
+            os.kill(pod.proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# ptk-train in a Kubernetes pod (k8s/pytorchjob.yaml-template, k8s/train-job.yaml-template; installed in
+# the image as /opt/ptk/share/ptk/k8s/train.sh). The pod's arguments are ptk-train's flags; this adds
+# the data flags slurm/train.sbatch gives it (slurm/data-path.sh --train-args: the plan's chunks and the
+# validation split) and TRAIN_EXTRA_ARGS, runs ptk-train as its child, passing SIGTERM on, and exits 0
+# only when training is complete.
+# Why: a rank stopped by SIGTERM (preemption, eviction, a drained node) saves a checkpoint
+# (--exit-signal-handler) and exits 0, and so do all the other ranks, which agree to stop with it.
+# Exit 0 would make their pods Succeeded, and the Job or the PyTorchJob would take those ranks as done
+# and never run them again. When the latest checkpoint (--save) is short of --train-iters, this exits
+# 143 for its own SIGTERM and 75 otherwise, so that the rank runs again and resumes (--load).
+# Environment: STAGE_PATH, DATASET_FOLDER_NAME, VALID_SUBDIR and PTK_BIN (read by slurm/config.sh),
+# TRAIN_EXTRA_ARGS; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for ptk-train.
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+data=$(bash "$here/../slurm/data-path.sh" --train-args) || exit
+iters="" save=""
+prev=""
+for a in "$@"; do
+  case "$prev" in --train-iters) iters=$a ;; --save) save=$a ;; esac
+  case "$a" in --train-iters=*) iters=${a#*=} ;; --save=*) save=${a#*=} ;; esac
+  prev=$a
+done
+stopped=0
+# shellcheck disable=SC2086  # the data flags and TRAIN_EXTRA_ARGS are lists of words
+"${PTK_BIN:-/opt/ptk/bin}/ptk-train" "$@" $data ${TRAIN_EXTRA_ARGS:-} &
+child=$!
+trap 'stopped=1; kill -TERM "$child" 2>/dev/null' TERM INT
+while :; do
+  wait "$child"
+  rc=$?
+  kill -0 "$child" 2>/dev/null || break  # else the trap cut the wait short: wait for the save
+done
+[ "$rc" = 0 ] || exit "$rc"
+if [ -n "$iters" ] && [ -n "$save" ]; then
+  latest=$(cat "$save/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+  if ! [ "$latest" -ge "$iters" ] 2>/dev/null; then
+    code=$([ "$stopped" = 1 ] && echo 143 || echo 75)
+    echo "train.sh: ptk-train stopped at iteration $latest of $iters$([ "$stopped" = 1 ] && echo " on SIGTERM")" \
+         "with a checkpoint saved; exit $code, so that this rank runs again and resumes" >&2
+    exit "$code"
+  fi
+elif [ "$stopped" = 1 ]; then
+  exit 143
+fi
+exit 0
