@@ -32,7 +32,8 @@
 #                                                  the backoffLimit of the one-pod concat-plan Job)
 # Training (k8s/pytorchjob.yaml-template, or k8s/train-job.yaml-template without the training operator):
 #   NUM_WORKERS 2         ranks, one pod each (WORKER_REPLICAS = NUM_WORKERS - 1 beside the PyTorchJob's Master)
-#   GPU_PER_WORKER 1      nvidia.com/gpu per pod (0: the CPU backend)    CPUS_PER_WORKER 8   MEMORY_PER_WORKER 64Gi
+#   GPU_PER_WORKER 1      nvidia.com/gpu per pod (a rank uses one; 0: the CPU backend)
+#   CPUS_PER_WORKER 8     MEMORY_PER_WORKER 64Gi
 #   MASTER_PORT 23456     the rendezvous port of rank 0
 #   NUM_LAYERS 12  HIDDEN_SIZE 768  NUM_ATTENTION_HEADS 12  SEQ_LENGTH 1024  MAX_POSITION_EMBEDDINGS = SEQ_LENGTH
 #   MICRO_BATCH_SIZE 4  GLOBAL_BATCH_SIZE 32  TRAIN_ITERS 5000  LR 6e-4  MIN_LR 6e-5  LR_WARMUP_ITERS 200
