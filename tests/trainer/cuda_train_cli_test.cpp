@@ -227,17 +227,19 @@ TEST_F(CudaTrainCli, KillAndLoadResumesBitForBit) {
 // A checkpoint saved by a CUDA run continues on the CPU (fp32: within 2e-3 of the CUDA run's own
 // continuation), and one saved by the CPU continues on the GPU in bf16.
 TEST_F(CudaTrainCli, CheckpointsCrossBackends) {
+  // Resumed to 14 iterations: the command line's longer schedule (a resume stops otherwise, as Megatron's).
+  const std::string longer = "--override-opt_param-scheduler ";
   ASSERT_EQ(MustTrain("--device cuda --save " + Dir("from_cuda"), 10).size(), 10u);
   const std::vector<Line> on_cuda =
-      MustTrain("--device cuda --load " + Dir("from_cuda") + " --save " + Dir("cuda_cont"), 14);
+      MustTrain(longer + "--device cuda --load " + Dir("from_cuda") + " --save " + Dir("cuda_cont"), 14);
   const std::vector<Line> on_cpu =
-      MustTrain("--device cpu --load " + Dir("from_cuda") + " --save " + Dir("cpu_cont"), 14);
+      MustTrain(longer + "--device cpu --load " + Dir("from_cuda") + " --save " + Dir("cpu_cont"), 14);
   ASSERT_EQ(on_cuda.size(), 4u);
   ASSERT_EQ(on_cpu.size(), 4u);
   for (size_t i = 0; i < on_cpu.size(); ++i)
     EXPECT_NEAR(on_cpu[i].lm_loss, on_cuda[i].lm_loss, 2e-3 * on_cuda[i].lm_loss) << "iteration " << 11 + i;
   ASSERT_EQ(MustTrain("--device cpu --save " + Dir("from_cpu"), 10).size(), 10u);
-  CmdRun back = Shell(Train("--device cuda --bf16 --load " + Dir("from_cpu") + " --save " + Dir("back"), 14));
+  CmdRun back = Shell(Train(longer + "--device cuda --bf16 --load " + Dir("from_cpu") + " --save " + Dir("back"), 14));
   ASSERT_EQ(back.exit_code, 0) << back.output;
   const std::vector<Line> bf16 = Lines(back.output);
   ASSERT_EQ(bf16.size(), 4u);
