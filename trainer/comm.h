@@ -4,7 +4,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -15,13 +18,37 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // In-place sums over all ranks; every rank ends with the same bits.
+  // The backend's name for the log: "local", "gloo", "nccl".
+  virtual std::string_view backend() const = 0;
+
+  // ---- Host memory, on every backend (NCCL stages through device memory).
+  // In-place sums over all ranks; every rank ends with the same bits. gloo adds floats in rank
+  // order, ((x0 + x1) + x2) + ..., element by element, whatever the length: a sum over a whole
+  // buffer, over its buckets, or ReduceScatterSum's pieces give each element the same bits.
   virtual absl::Status AllReduceSum(float* data, int64_t n) = 0;
   virtual absl::Status AllReduceSum(double* data, int64_t n) = 0;
+  // In place: `data` holds size() consecutive pieces, counts[r] floats for rank r (any may be 0);
+  // this rank's piece ends as the sum over the ranks of their copies of it, in AllReduceSum's order
+  // (the same bits AllReduceSum gives those elements); the other pieces keep their values.
+  virtual absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) = 0;
+  // In place: rank r's piece (bytes[r] bytes, after the pieces of ranks below r) to every rank.
+  virtual absl::Status AllGather(void* data, std::span<const int64_t> bytes) = 0;
   // Rank `root`'s bytes to every rank.
   virtual absl::Status Broadcast(void* data, int64_t bytes, int root) = 0;
   virtual absl::Status Barrier() = 0;
+
+  // ---- Device memory (the current CUDA device's), where device_collectives() says so (NCCL):
+  // enqueued on `stream` (a cudaStream_t) and complete when the stream reaches them. The pieces
+  // are as above.
+  virtual bool device_collectives() const { return false; }
+  virtual absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream);
+  virtual absl::Status ReduceScatterSumDevice(float* data, std::span<const int64_t> counts, void* stream);
+  virtual absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream);
 };
+
+// Offsets of consecutive pieces of the given sizes (size + 1 entries, the last one the total);
+// InvalidArgument when `sizes` is not one per rank or a size is negative.
+absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes, int world_size);
 
 // One process: every collective is the identity.
 std::unique_ptr<Communicator> MakeLocalCommunicator();

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -23,6 +24,8 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include "common/status.h"
 
@@ -235,8 +238,101 @@ class GlooCommunicator : public Communicator {
  public:
   int rank() const override { return context_->rank; }
   int size() const override { return context_->size; }
-  absl::Status AllReduceSum(float* data, int64_t n) override { return Reduce(data, n); }
+  std::string_view backend() const override { return "gloo"; }
+  // Floats: a reduce-scatter in rank order over near-equal pieces, then an all-gather (gloo's own
+  // ring would add each element in an order that depends on where it lies in the buffer).
+  absl::Status AllReduceSum(float* data, int64_t n) override {
+    if (n <= 0 || size() == 1) return absl::OkStatus();
+    std::vector<int64_t> counts(static_cast<size_t>(size())), bytes(counts.size());
+    for (int r = 0; r < size(); ++r) {
+      counts[static_cast<size_t>(r)] = n / size() + (r < n % size() ? 1 : 0);
+      bytes[static_cast<size_t>(r)] = counts[static_cast<size_t>(r)] * static_cast<int64_t>(sizeof(float));
+    }
+    PTK_RETURN_IF_ERROR(ReduceScatterSum(data, counts));
+    return AllGather(data, bytes);
+  }
   absl::Status AllReduceSum(double* data, int64_t n) override { return Reduce(data, n); }
+
+  // Round k moves chunk k (kChunk floats) of every piece to its owner, which adds the copies in
+  // rank order: memory beside the buffer is (ranks - 1) chunks.
+  absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) override {
+    PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> off, PieceOffsets(counts, size()));
+    const int world = size(), me = rank();
+    if (world == 1) return absl::OkStatus();
+    int64_t rounds = 0;
+    for (int64_t c : counts) rounds = std::max(rounds, (c + kChunk - 1) / kChunk);
+    if (rounds == 0) return absl::OkStatus();
+    const int64_t mine = counts[static_cast<size_t>(me)], cap = std::min(kChunk, mine);
+    scratch_.resize(static_cast<size_t>((world - 1) * cap));
+    const std::chrono::milliseconds timeout = context_->getTimeout();
+    return Guard("reduce-scatter", [&] {
+      auto in = context_->createUnboundBuffer(data, static_cast<size_t>(off.back()) * sizeof(float));
+      std::unique_ptr<gloo::transport::UnboundBuffer> out;
+      if (cap > 0) out = context_->createUnboundBuffer(scratch_.data(), scratch_.size() * sizeof(float));
+      // Rank q's copy of this rank's chunk lands in scratch slot q (q < me) or q - 1.
+      auto from = [&](int q) { return scratch_.data() + (q < me ? q : q - 1) * cap; };
+      for (int64_t k = 0; k < rounds; ++k) {
+        const uint64_t slot = gloo::Slot::build(kSlotPrefix, tag_++);
+        const int64_t at = k * kChunk, len = std::clamp<int64_t>(mine - at, 0, kChunk);
+        int recvs = 0, sends = 0;
+        for (int q = 0; q < world && len > 0; ++q) {
+          if (q == me) continue;
+          out->recv(q, slot, static_cast<size_t>(from(q) - scratch_.data()) * sizeof(float),
+                    static_cast<size_t>(len) * sizeof(float));
+          ++recvs;
+        }
+        for (int q = 0; q < world; ++q) {
+          const int64_t lq = std::clamp<int64_t>(counts[static_cast<size_t>(q)] - at, 0, kChunk);
+          if (q == me || lq == 0) continue;
+          in->send(q, slot, static_cast<size_t>(off[static_cast<size_t>(q)] + at) * sizeof(float),
+                   static_cast<size_t>(lq) * sizeof(float));
+          ++sends;
+        }
+        for (; recvs > 0; --recvs)
+          if (!out->waitRecv(timeout)) throw std::runtime_error("receive aborted");
+        for (; sends > 0; --sends)
+          if (!in->waitSend(timeout)) throw std::runtime_error("send aborted");
+        // ((x0 + x1) + x2) + ...: accumulated in rank 0's copy (this rank's own values when it is
+        // rank 0), element by element.
+        float* own = data + off[static_cast<size_t>(me)] + at;
+        float* acc = me == 0 ? own : from(0);
+        for (int q = 1; q < world; ++q) {
+          const float* x = q == me ? own : from(q);
+          for (int64_t i = 0; i < len; ++i) acc[i] += x[i];
+        }
+        if (acc != own) std::copy(acc, acc + len, own);
+      }
+    });
+  }
+
+  absl::Status AllGather(void* data, std::span<const int64_t> bytes) override {
+    PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> off, PieceOffsets(bytes, size()));
+    const int world = size(), me = rank();
+    if (world == 1 || off.back() == 0) return absl::OkStatus();
+    const std::chrono::milliseconds timeout = context_->getTimeout();
+    return Guard("all-gather", [&] {
+      auto buf = context_->createUnboundBuffer(data, static_cast<size_t>(off.back()));
+      const uint64_t slot = gloo::Slot::build(kSlotPrefix, tag_++);
+      int recvs = 0, sends = 0;
+      for (int q = 0; q < world; ++q) {
+        const size_t uq = static_cast<size_t>(q);
+        if (q == me) continue;
+        if (bytes[uq] > 0) {
+          buf->recv(q, slot, static_cast<size_t>(off[uq]), static_cast<size_t>(bytes[uq]));
+          ++recvs;
+        }
+        if (bytes[static_cast<size_t>(me)] > 0) {
+          buf->send(q, slot, static_cast<size_t>(off[static_cast<size_t>(me)]),
+                    static_cast<size_t>(bytes[static_cast<size_t>(me)]));
+          ++sends;
+        }
+      }
+      for (; recvs > 0; --recvs)
+        if (!buf->waitRecv(timeout)) throw std::runtime_error("receive aborted");
+      for (; sends > 0; --sends)
+        if (!buf->waitSend(timeout)) throw std::runtime_error("send aborted");
+    });
+  }
   absl::Status Broadcast(void* data, int64_t bytes, int root) override {
     return Guard("broadcast", [&] {
       gloo::BroadcastOptions o(context_);
@@ -281,7 +377,10 @@ class GlooCommunicator : public Communicator {
     }
     return absl::OkStatus();
   }
+  static constexpr int64_t kChunk = int64_t{1} << 18;  // floats per reduce-scatter round and rank (1 MiB)
+  static constexpr uint8_t kSlotPrefix = 0x50;         // ptk's own collectives (gloo's use 0x01-0x08)
   uint32_t tag_ = 1;
+  std::vector<float> scratch_;
 };
 
 bool IsLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }

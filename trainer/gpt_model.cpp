@@ -119,6 +119,16 @@ absl::Status GPTModel::InitWeights(uint64_t seed) {
   return WriteParams(host);
 }
 
+absl::Status GPTModel::ShardOptimizerState(const ParamShard& shard) {
+  if (shard_) return absl::FailedPreconditionError("the optimizer state is sharded already");
+  if (shard.num_params != num_params())
+    return absl::InvalidArgumentError(
+        fmt::format("a shard of {} parameters for a model of {}", shard.num_params, num_params()));
+  PTK_RETURN_IF_ERROR(ResizeMoments(shard));
+  shard_ = shard;
+  return absl::OkStatus();
+}
+
 absl::Status ValidateBatch(const GPTConfig& cf, const ModelBatch& batch) {
   if (batch.b < 1 || batch.t < 1 || batch.t > cf.seq_length)
     return absl::InvalidArgumentError(

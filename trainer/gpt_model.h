@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/comm.h"
 #include "trainer/op_types.h"
+#include "trainer/param_shard.h"
 
 namespace ptk::trainer {
 
@@ -114,7 +116,8 @@ class GPTModel {
   // One line for the log: "cpu fp32", "cuda:0 (NVIDIA H100 80GB HBM3) bf16".
   virtual std::string Describe() const = 0;
 
-  // Host copies of the backend's fp32 state, each num_params floats in the layout's order.
+  // Host copies of the backend's fp32 state, each num_params floats in the layout's order; the
+  // moments are moments_size() floats (the shard's range under ZeRO-1).
   virtual absl::Status ReadParams(std::span<float> out) const = 0;
   virtual absl::Status WriteParams(std::span<const float> in) = 0;
   virtual absl::Status ReadGrads(std::span<float> out) const = 0;
@@ -137,9 +140,29 @@ class GPTModel {
   virtual absl::Status AllReduceGrads(Communicator* comm) = 0;
   // Sum of squares of all gradients, in double; the same bits for any thread count.
   virtual absl::StatusOr<double> GradSumSquares() = 0;
+  // Scales the gradients of the range the model updates (all, or the shard's under ZeRO-1).
   virtual absl::Status ScaleGrads(double s) = 0;
-  // AdamW over every tensor: `decay` for weights, `no_decay` for those marked no_weight_decay.
+  // AdamW over the range the model updates (every tensor, or their parts in the shard's range):
+  // `decay` for weights, `no_decay` for those marked no_weight_decay.
   virtual absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) = 0;
+
+  // ---- ZeRO-1 (--use-distributed-optimizer). From this call on the model keeps AdamW's moments
+  // for shard.begin()..shard.end() only (zero), and ScaleGrads / AdamWUpdate / Read/WriteMoments
+  // work on that range. Once, before training and before moments are written.
+  absl::Status ShardOptimizerState(const ParamShard& shard);
+  const std::optional<ParamShard>& shard() const { return shard_; }
+  int64_t moments_begin() const { return shard_ ? shard_->begin() : 0; }
+  int64_t moments_size() const { return shard_ ? shard_->size() : num_params(); }
+  // The shard's gradients summed over the ranks (Communicator::ReduceScatterSum: the bits
+  // AllReduceGrads gives them); the other ranges keep this rank's own sums.
+  virtual absl::Status ReduceScatterGrads(Communicator* comm) = 0;
+  // Partial sums of squares (double) of the gradients in [begin, end), appended to `out` in order:
+  // adding every rank's partials of its shard, rank after rank, from 0.0 gives GradSumSquares()'s
+  // bits where the backend sums the same pieces (the CPU: fixed blocks of ParamShard::kAlignment,
+  // so any rank count; CUDA: one partial per range, so one rank).
+  virtual absl::Status GradSumSquaresPartials(int64_t begin, int64_t end, std::vector<double>* out) = 0;
+  // Each rank's range of the (updated) parameters to every rank.
+  virtual absl::Status AllGatherParams(Communicator* comm) = 0;
 
   // With BackendOptions::profile on a backend that times its ops: GPU time per iteration by op
   // category, as lines of text; empty otherwise.
@@ -147,7 +170,10 @@ class GPTModel {
 
  protected:
   explicit GPTModel(ParamLayout layout) : layout_(std::move(layout)) {}
+  // ShardOptimizerState's work in the backend: moments for the shard's range only, zeroed.
+  virtual absl::Status ResizeMoments(const ParamShard& shard) = 0;
   ParamLayout layout_;
+  std::optional<ParamShard> shard_;
 };
 
 // Checks a batch against the configuration (shape, token and position ids in range): a token id

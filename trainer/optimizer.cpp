@@ -5,12 +5,14 @@
 #include <cmath>
 #include <string>
 
+#include <fmt/core.h>
+
 #include "common/status.h"
 
 namespace ptk::trainer {
 
 absl::Status LossScaleConfig::Validate() const {
-  auto bad = [](const std::string& m) { return absl::InvalidArgumentError("usage: " + m); };
+  auto bad = [](const std::string& m) { return UsageError(m); };
   if (!(scale > 0) || !std::isfinite(scale)) return bad("the loss scale must be a positive finite number");
   if (!(min_scale > 0) || !std::isfinite(min_scale)) return bad("--min-loss-scale must be a positive finite number");
   if (dynamic && min_scale > scale) return bad("--min-loss-scale must not exceed --initial-loss-scale");
@@ -69,11 +71,15 @@ absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBa
     local[0] += s.loss_sum;
     local[1] += s.tokens;
   }
-  PTK_RETURN_IF_ERROR(model_->AllReduceGrads(comm_));
+  // ZeRO-1: each rank's shard of the gradients summed over the ranks, the rest left alone.
+  if (model_->shard())
+    PTK_RETURN_IF_ERROR(model_->ReduceScatterGrads(comm_));
+  else
+    PTK_RETURN_IF_ERROR(model_->AllReduceGrads(comm_));
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
   r.loss_sum = local[0];
   r.tokens = local[1];
-  PTK_ASSIGN_OR_RETURN(const double sum_squares, model_->GradSumSquares());
+  PTK_ASSIGN_OR_RETURN(const double sum_squares, model_->shard() ? ShardedGradSumSquares() : model_->GradSumSquares());
   r.grad_norm = std::sqrt(sum_squares) / r.loss_scale;  // of the unscaled gradients
   r.skipped = !std::isfinite(r.grad_norm) || !std::isfinite(r.loss_sum);
   // fp16's dynamic scaling skips an overflowing step and backs off: Megatron's found_inf, not a
@@ -98,8 +104,36 @@ absl::Status Optimizer::ApplyUpdate(const StepResult& r, int64_t global_batch_si
   AdamWParams no_wd = a;
   no_wd.weight_decay = 0.0;
   PTK_RETURN_IF_ERROR(model_->AdamWUpdate(a, no_wd));
+  // ZeRO-1: each rank updated its shard; every rank needs all of them for the next forward.
+  if (model_->shard()) PTK_RETURN_IF_ERROR(model_->AllGatherParams(comm_));
   scheduler_.Step(global_batch_size);
   return absl::OkStatus();
+}
+
+absl::StatusOr<double> Optimizer::ShardedGradSumSquares() {
+  const ParamShard& shard = *model_->shard();
+  std::vector<double> mine;
+  PTK_RETURN_IF_ERROR(model_->GradSumSquaresPartials(shard.begin(), shard.end(), &mine));
+  // Every rank's partials, in rank order, then added in that order from 0.0.
+  const size_t world = static_cast<size_t>(comm_->size()), me = static_cast<size_t>(comm_->rank());
+  std::vector<int64_t> counts(world, 0), eight(world, static_cast<int64_t>(sizeof(int64_t)));
+  counts[me] = static_cast<int64_t>(mine.size());
+  PTK_RETURN_IF_ERROR(comm_->AllGather(counts.data(), eight));
+  std::vector<int64_t> bytes(world);
+  int64_t before = 0, total = 0;
+  for (size_t r = 0; r < world; ++r) {
+    if (counts[r] < 0 || counts[r] > (int64_t{1} << 40))
+      return absl::InternalError(fmt::format("rank {} sent {} gradient-norm partials", r, counts[r]));
+    if (r < me) before += counts[r];
+    total += counts[r];
+    bytes[r] = counts[r] * static_cast<int64_t>(sizeof(double));
+  }
+  std::vector<double> all(static_cast<size_t>(total), 0.0);
+  std::copy(mine.begin(), mine.end(), all.begin() + before);
+  PTK_RETURN_IF_ERROR(comm_->AllGather(all.data(), bytes));
+  double s = 0;
+  for (double v : all) s += v;
+  return s;
 }
 
 }  // namespace ptk::trainer

@@ -1,6 +1,8 @@
 // One training step as Megatron's train_step does it: forward/backward over the micro-batches of
 // this rank, gradient all-reduce across data-parallel ranks, NaN/Inf check, global-norm clipping,
-// AdamW (no weight decay on biases and LayerNorm parameters), then the scheduler.
+// AdamW (no weight decay on biases and LayerNorm parameters), then the scheduler. With a model
+// whose optimizer state is sharded (GPTModel::ShardOptimizerState, --use-distributed-optimizer):
+// reduce-scatter, the norm from every rank's partials, AdamW on the shard, all-gather.
 #pragma once
 
 #include <cstdint>
@@ -86,6 +88,9 @@ class Optimizer {
   void set_adam_step(int64_t s) { adam_step_ = s; }
 
  private:
+  // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
+  absl::StatusOr<double> ShardedGradSumSquares();
+
   GPTModel* model_;
   OptimizerConfig config_;
   OptimizerParamScheduler scheduler_;

@@ -24,9 +24,10 @@ struct CompatFlag {
   const char* note;
 };
 constexpr CompatFlag kCompatFlags[] = {
-    {"--use-distributed-optimizer", Arg::kNone, "optimizer state is replicated on CPU ranks (same results)"},
     {"--overlap-grad-reduce", Arg::kNone, "gradients are all-reduced after backward (same results)"},
-    {"--overlap-param-gather", Arg::kNone, "no parameter gather on CPU ranks (same results)"},
+    {"--overlap-param-gather", Arg::kNone,
+     "with --use-distributed-optimizer the parameters are all-gathered after the update, not during the next "
+     "forward (same results)"},
     {"--sequence-parallel", Arg::kNone, "no effect without tensor parallelism"},
     {"--attention-backend", Arg::kText, "attention runs through ptk's BLAS path"},
     {"--use-flash-attn", Arg::kNone, "attention runs through ptk's BLAS path"},
@@ -107,7 +108,7 @@ constexpr ModelRefusal kModelRefusals[] = {
      "tiktoken model is not used"},
 };
 
-absl::Status Refuse(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
+absl::Status Refuse(const std::string& msg) { return UsageError(msg); }
 
 // Range checks, attached where each flag is declared (CLI11 runs them on the text before
 // converting it): a value outside the range, or not a number, is a usage error naming the flag.
@@ -361,6 +362,9 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
+  app->add_flag("--use-distributed-optimizer", f->use_distributed_optimizer,
+                "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
+                "moments); gradients reduce-scattered, parameters all-gathered");
   app->add_option("--distributed-timeout-minutes", f->distributed_timeout_minutes,
                   "Rendezvous and collective timeout: a rank that waits longer for the others fails")
       ->check(RealIn(0, true, 1e6, false));
@@ -538,6 +542,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   } else if (f.loss_scale) {
     notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
   }
+  o.use_distributed_optimizer = f.use_distributed_optimizer;
   o.tensorboard.dir = f.tensorboard_dir;
   o.tensorboard.log_interval = f.tensorboard_log_interval;
   o.tensorboard.log_loss_scale = f.log_loss_scale_to_tensorboard;

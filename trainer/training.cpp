@@ -18,6 +18,7 @@
 #include "tensorboard/summary_writer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/counter_rng.h"
+#include "trainer/param_shard.h"
 #include "trainer/sampling.h"
 
 namespace ptk::trainer {
@@ -207,6 +208,7 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--override-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kOverride ? "on" : "off"},
       {"--use-checkpoint-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint ? "on" : "off"},
       {"--check-for-nan-in-loss-and-grad", o.check_for_nan_in_loss_and_grad ? "on" : "off"},
+      {"--use-distributed-optimizer", o.use_distributed_optimizer ? "on" : "off"},
       {"--device", std::string(DeviceName(o.backend.device))},
       {"--bf16/--fp16", std::string(PrecisionName(o.backend.precision))},
       {"--deterministic-mode", o.backend.deterministic ? "on" : "off"},
@@ -307,8 +309,8 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
   for (int up = 0; up < 3 && !dir.empty() && dir != "/" && dir != "."; ++up) {
     dir = Dirname(dir);
     if (PathExists(JoinPath(dir, "latest_checkpointed_iteration.txt")))
-      return absl::InvalidArgumentError(
-          fmt::format("usage: --load {} is inside a checkpoint directory: --load takes the directory that holds "
+      return UsageError(
+          fmt::format("--load {} is inside a checkpoint directory: --load takes the directory that holds "
                       "latest_checkpointed_iteration.txt (it resumes from the iteration that file names): did you "
                       "mean --load {}?",
                       load, dir));
@@ -363,12 +365,12 @@ absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine) {
   const size_t index = static_cast<size_t>(first_diff[static_cast<size_t>(first)]) - 1;
   const std::string others = differing > 1 ? fmt::format(" ({} ranks differ from rank 0)", differing) : "";
   if (index >= root_order.size())
-    return absl::InvalidArgumentError(fmt::format(
-        "usage: rank {} runs another ptk-train version than rank 0 (their settings differ in kind){}", first, others));
+    return UsageError(fmt::format(
+        "rank {} runs another ptk-train version than rank 0 (their settings differ in kind){}", first, others));
   const std::string& flag = root_order[index];
   auto it = other.find(flag);
-  return absl::InvalidArgumentError(fmt::format(
-      "usage: rank {} was started with {}, rank 0 with {}: every rank needs the same flags{}", first,
+  return UsageError(fmt::format(
+      "rank {} was started with {}, rank 0 with {}: every rank needs the same flags{}", first,
       it == other.end() ? "(no such setting)" : Shown(flag, it->second), Shown(flag, root.at(flag)), others));
 }
 
@@ -424,7 +426,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       std::fflush(stdout);
     }
   };
-  auto usage = [](const std::string& m) { return absl::InvalidArgumentError("usage: " + m); };
+  auto usage = [](const std::string& m) { return UsageError(m); };
 
   // ---- batch arithmetic and lengths, as Megatron's argument validation
   const int64_t mbs = o.micro_batch_size;
@@ -487,6 +489,17 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   BackendOptions backend = o.backend;
   backend.micro_batch_size = mbs;
   PTK_ASSIGN_OR_RETURN(std::unique_ptr<GPTModel> model, CreateModel(o.model, backend));
+  if (o.use_distributed_optimizer) {
+    PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model->num_params(), dp, rank));
+    PTK_RETURN_IF_ERROR(model->ShardOptimizerState(shard));
+    if (dp == 1)
+      log::Info(
+          "note: --use-distributed-optimizer: accepted, one rank keeps the whole optimizer state (it is sharded over "
+          "data-parallel ranks)");
+    else if (rank == 0)
+      log::Info("distributed optimizer: each of {} ranks keeps {} of the {} parameters' AdamW state", dp,
+                shard.shard_size, model->num_params());
+  }
   PTK_RETURN_IF_ERROR(model->InitWeights(o.seed));
   Optimizer opt(model.get(), o.optimizer, sc, comm, o.loss_scale);
   TrainState state;
@@ -515,7 +528,12 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       } else {
         state = loaded;
         if (!o.no_load_optim) {
-          PTK_RETURN_IF_ERROR(model->WriteMoments(m, v));
+          // This rank's range of the moments (all of them without ZeRO-1): any rank count loads them.
+          PTK_RETURN_IF_ERROR(
+              model->WriteMoments(std::span<const float>(m).subspan(static_cast<size_t>(model->moments_begin()),
+                                                                    static_cast<size_t>(model->moments_size())),
+                                  std::span<const float>(v).subspan(static_cast<size_t>(model->moments_begin()),
+                                                                    static_cast<size_t>(model->moments_size()))));
           opt.set_adam_step(loaded.adam_step);
           if (o.loss_scale.dynamic && loaded.loss_scale) opt.loss_scaler().set_state(*loaded.loss_scale);
         }
@@ -652,17 +670,36 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   auto save = [&]() -> absl::Status {
     if (o.save.empty()) return absl::OkStatus();
     PTK_RETURN_IF_ERROR(comm->Barrier());
+    auto t0 = Clock::now();
+    const size_t n = static_cast<size_t>(model->num_params());
+    std::vector<float> m, v;
+    if (model->shard()) {
+      // ZeRO-1: every rank's shard of the moments put together (the file holds the whole state, so
+      // a run on another number of ranks loads it).
+      m.assign(n, 0.0f);
+      v.assign(n, 0.0f);
+      const size_t begin = static_cast<size_t>(model->moments_begin()),
+                   size = static_cast<size_t>(model->moments_size());
+      PTK_RETURN_IF_ERROR(
+          model->ReadMoments(std::span<float>(m).subspan(begin, size), std::span<float>(v).subspan(begin, size)));
+      std::vector<int64_t> bytes = model->shard()->Counts();
+      for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+      PTK_RETURN_IF_ERROR(comm->AllGather(m.data(), bytes));
+      PTK_RETURN_IF_ERROR(comm->AllGather(v.data(), bytes));
+    }
     if (rank == 0) {
       state.scheduler_num_steps = opt.scheduler().num_steps();
       state.scheduler = opt.scheduler().config();
       state.adam_step = opt.adam_step();
       if (opt.loss_scaler().dynamic()) state.loss_scale = opt.loss_scaler().state();
       state.settings = settings;
-      auto t0 = Clock::now();
-      const size_t n = static_cast<size_t>(model->num_params());
-      std::vector<float> params(n), m(n), v(n);
+      std::vector<float> params(n);
       PTK_RETURN_IF_ERROR(model->ReadParams(params));
-      PTK_RETURN_IF_ERROR(model->ReadMoments(m, v));
+      if (!model->shard()) {
+        m.resize(n);
+        v.resize(n);
+        PTK_RETURN_IF_ERROR(model->ReadMoments(m, v));
+      }
       PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save, model->layout(), params, m, v, state, o.args_json));
       print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
                         state.iteration, o.save, std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));

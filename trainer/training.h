@@ -92,6 +92,9 @@ struct TrainOptions {
   // Set asynchronously by the caller's signal handler (--exit-signal-handler): save and exit.
   const std::atomic<int>* exit_signal = nullptr;
   Communicator* comm = nullptr;  // null: a single process
+  // --use-distributed-optimizer (Megatron's ZeRO-1): each rank keeps and updates its shard of the
+  // optimizer state (ParamShard); gradients reduce-scattered, parameters all-gathered.
+  bool use_distributed_optimizer = false;
   // Where rank 0's Megatron-shaped lines go (stdout by default).
   std::function<void(const std::string&)> print;
 };

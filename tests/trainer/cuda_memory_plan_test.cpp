@@ -56,6 +56,32 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
   EXPECT_LT(m.logit_chunk_rows, m.n);
 }
 
+// --use-distributed-optimizer: the parameter and gradient buffers padded to the shard layout (NCCL's
+// equal pieces), the moments for the rank's shard only.
+TEST(CudaMemoryPlan, DistributedOptimizerKeepsTheShardsMoments) {
+  const GPTConfig c = Gpt2Small();
+  const int64_t params = ParamLayout::Create(c)->num_params;
+  auto shard = ParamShard::Create(params, 8, 7);
+  ASSERT_TRUE(shard.ok());
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.padded_params = shard->padded_size;
+  o.moment_params = shard->size();
+  const MemoryPlan m = MustPlan(c, o);
+  EXPECT_EQ(m[m.master].bytes, shard->padded_size * 4);
+  EXPECT_EQ(m[m.compute].bytes, shard->padded_size * 2);
+  EXPECT_EQ(m[m.grads].bytes, shard->padded_size * 4);
+  EXPECT_EQ(m[m.exp_avg].bytes, shard->size() * 4);
+  EXPECT_EQ(m[m.exp_avg_sq].bytes, shard->size() * 4);
+  EXPECT_LT(shard->size() * 8, params);
+  EXPECT_NE(m[m.exp_avg].name.find("this rank's shard"), std::string::npos);
+  const MemoryPlan whole = MustPlan(c, PlanOptions{.precision = Precision::kBf16});
+  EXPECT_LT(m.total_bytes, whole.total_bytes - 6 * params);  // 7/8 of 8 bytes per parameter, less the padding
+  EXPECT_NE(whole[whole.exp_avg].lower.find("--use-distributed-optimizer"), std::string::npos);
+  o.padded_params = params - 1;
+  EXPECT_FALSE(PlanMemory(c, params, o).ok());
+}
+
 TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
   const GPTConfig c = Gpt2Small();
   PlanOptions small, large;

@@ -6,11 +6,15 @@
 
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/op_math.h"
+#include "trainer/param_shard.h"
 
 namespace ptk::trainer {
 namespace {
 constexpr int64_t kBlock = 16384;
-}
+// ZeRO-1's gradient norm adds the ranks' per-block partials (CpuGPTModel::GradSumSquaresPartials):
+// its ranges must start on these blocks for the norm to have the whole buffer's bits.
+static_assert(kBlock == ParamShard::kAlignment);
+}  // namespace
 
 template <typename T>
 void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a) {

@@ -61,15 +61,15 @@ absl::Status CpuGPTModel::ReadGrads(std::span<float> out) const {
   return absl::OkStatus();
 }
 absl::Status CpuGPTModel::ReadMoments(std::span<float> m, std::span<float> v) const {
-  PTK_RETURN_IF_ERROR(CheckSize("ReadMoments", m.size(), num_params()));
-  PTK_RETURN_IF_ERROR(CheckSize("ReadMoments", v.size(), num_params()));
+  PTK_RETURN_IF_ERROR(CheckSize("ReadMoments", m.size(), moments_size()));
+  PTK_RETURN_IF_ERROR(CheckSize("ReadMoments", v.size(), moments_size()));
   std::copy(exp_avg_.begin(), exp_avg_.end(), m.begin());
   std::copy(exp_avg_sq_.begin(), exp_avg_sq_.end(), v.begin());
   return absl::OkStatus();
 }
 absl::Status CpuGPTModel::WriteMoments(std::span<const float> m, std::span<const float> v) {
-  PTK_RETURN_IF_ERROR(CheckSize("WriteMoments", m.size(), num_params()));
-  PTK_RETURN_IF_ERROR(CheckSize("WriteMoments", v.size(), num_params()));
+  PTK_RETURN_IF_ERROR(CheckSize("WriteMoments", m.size(), moments_size()));
+  PTK_RETURN_IF_ERROR(CheckSize("WriteMoments", v.size(), moments_size()));
   std::copy(m.begin(), m.end(), exp_avg_.begin());
   std::copy(v.begin(), v.end(), exp_avg_sq_.begin());
   return absl::OkStatus();
@@ -85,17 +85,54 @@ absl::Status CpuGPTModel::AllReduceGrads(Communicator* comm) { return comm->AllR
 absl::StatusOr<double> CpuGPTModel::GradSumSquares() { return SumSquaresCpu(grads_.data(), num_params()); }
 
 absl::Status CpuGPTModel::ScaleGrads(double s) {
-  ScaleCpu(grads_.data(), num_params(), static_cast<float>(s));
+  ScaleCpu(grads_.data() + moments_begin(), moments_size(), static_cast<float>(s));
   return absl::OkStatus();
 }
 
 absl::Status CpuGPTModel::AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) {
   float *p = params_.data(), *g = grads_.data(), *m = exp_avg_.data(), *v = exp_avg_sq_.data();
-  for (const ParamInfo& info : params_info()) {
-    const int64_t o = info.offset;
-    AdamWCpu(p + o, g + o, m + o, v + o, info.size, info.no_weight_decay ? no_decay : decay);
+  if (!shard()) {
+    for (const ParamInfo& info : params_info()) {
+      const int64_t o = info.offset;
+      AdamWCpu(p + o, g + o, m + o, v + o, info.size, info.no_weight_decay ? no_decay : decay);
+    }
+    return absl::OkStatus();
+  }
+  // The moments hold the shard's range only.
+  const int64_t base = shard()->begin();
+  for (const ParamPiece& piece : PiecesIn(layout(), base, shard()->end())) {
+    const int64_t o = piece.offset;
+    AdamWCpu(p + o, g + o, m + (o - base), v + (o - base), piece.size, piece.no_weight_decay ? no_decay : decay);
   }
   return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::ResizeMoments(const ParamShard& shard) {
+  exp_avg_.assign(static_cast<size_t>(shard.size()), 0.0f);
+  exp_avg_sq_.assign(static_cast<size_t>(shard.size()), 0.0f);
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::ReduceScatterGrads(Communicator* comm) {
+  if (!shard()) return absl::FailedPreconditionError("ReduceScatterGrads needs a sharded optimizer state");
+  return comm->ReduceScatterSum(grads_.data(), shard()->Counts());
+}
+
+absl::Status CpuGPTModel::GradSumSquaresPartials(int64_t begin, int64_t end, std::vector<double>* out) {
+  if (begin < 0 || end > num_params() || begin > end || (begin < end && begin % ParamShard::kAlignment != 0))
+    return absl::InvalidArgumentError(
+        fmt::format("GradSumSquaresPartials: range [{}, {}) of {} parameters", begin, end, num_params()));
+  // The blocks SumSquaresCpu adds over the whole buffer, one partial each.
+  for (int64_t b = begin; b < end; b += ParamShard::kAlignment)
+    out->push_back(SumSquaresCpu(grads_.data() + b, std::min(ParamShard::kAlignment, end - b)));
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::AllGatherParams(Communicator* comm) {
+  if (!shard()) return absl::FailedPreconditionError("AllGatherParams needs a sharded optimizer state");
+  std::vector<int64_t> bytes = shard()->Counts();
+  for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+  return comm->AllGather(params_.data(), bytes);
 }
 
 absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {

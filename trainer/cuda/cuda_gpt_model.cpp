@@ -101,8 +101,8 @@ class CudaGPTModelImpl final : public GPTModel {
           "--device cuda: no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them all); "
           "train with --device cpu, or run on a GPU node");
     if (device < 0 || device >= visible)
-      return absl::InvalidArgumentError(fmt::format(
-          "usage: CUDA device {} (the local rank) does not exist: {} device(s) visible; start one process per GPU",
+      return UsageError(fmt::format(
+          "CUDA device {} (the local rank) does not exist: {} device(s) visible; start one process per GPU",
           device, visible));
     PTK_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), fmt::format("selecting CUDA device {}", device));
     cudaDeviceProp prop{};
@@ -135,20 +135,20 @@ class CudaGPTModelImpl final : public GPTModel {
                        PrecisionName(PrecisionOf<T>()), ctx_.deterministic ? ", deterministic" : "");
   }
 
-  absl::Status ReadParams(std::span<float> out) const override { return Download(plan_.master, out); }
+  absl::Status ReadParams(std::span<float> out) const override { return Download(plan_.master, out, num_params()); }
   absl::Status WriteParams(std::span<const float> in) override {
-    PTK_RETURN_IF_ERROR(Upload(plan_.master, in));
+    PTK_RETURN_IF_ERROR(Upload(plan_.master, in, num_params()));
     if (kFlash) PTK_RETURN_IF_ERROR(CastFromFloat<T>(Compute(0), Master(0), num_params(), ctx_));
     return Sync("writing the parameters");
   }
-  absl::Status ReadGrads(std::span<float> out) const override { return Download(plan_.grads, out); }
+  absl::Status ReadGrads(std::span<float> out) const override { return Download(plan_.grads, out, num_params()); }
   absl::Status ReadMoments(std::span<float> m, std::span<float> v) const override {
-    PTK_RETURN_IF_ERROR(Download(plan_.exp_avg, m));
-    return Download(plan_.exp_avg_sq, v);
+    PTK_RETURN_IF_ERROR(Download(plan_.exp_avg, m, moments_size()));
+    return Download(plan_.exp_avg_sq, v, moments_size());
   }
   absl::Status WriteMoments(std::span<const float> m, std::span<const float> v) override {
-    PTK_RETURN_IF_ERROR(Upload(plan_.exp_avg, m));
-    return Upload(plan_.exp_avg_sq, v);
+    PTK_RETURN_IF_ERROR(Upload(plan_.exp_avg, m, moments_size()));
+    return Upload(plan_.exp_avg_sq, v, moments_size());
   }
 
   absl::Status ZeroGrads() override {
@@ -177,11 +177,66 @@ class CudaGPTModelImpl final : public GPTModel {
 
   absl::Status AllReduceGrads(Communicator* comm) override {
     if (comm->size() == 1) return absl::OkStatus();
+    if (comm->device_collectives()) return comm->AllReduceSumDevice(Grad(0), num_params(), ctx_.stream);
     // A host-memory communicator (gloo): the gradients travel through the host.
     host_grads_.resize(static_cast<size_t>(num_params()));
-    PTK_RETURN_IF_ERROR(Download(plan_.grads, host_grads_));
+    PTK_RETURN_IF_ERROR(Download(plan_.grads, host_grads_, num_params()));
     PTK_RETURN_IF_ERROR(comm->AllReduceSum(host_grads_.data(), num_params()));
-    return Upload(plan_.grads, host_grads_);
+    return Upload(plan_.grads, host_grads_, num_params());
+  }
+
+  absl::Status ReduceScatterGrads(Communicator* comm) override {
+    if (!shard()) return absl::FailedPreconditionError("ReduceScatterGrads needs a sharded optimizer state");
+    if (comm->size() == 1) return absl::OkStatus();
+    if (comm->device_collectives()) {
+      // The padded buffer in equal pieces (NCCL's reduce-scatter); the padding is zero.
+      const std::vector<int64_t> counts(static_cast<size_t>(comm->size()), shard()->shard_size);
+      return comm->ReduceScatterSumDevice(Grad(0), counts, ctx_.stream);
+    }
+    host_grads_.resize(static_cast<size_t>(num_params()));
+    PTK_RETURN_IF_ERROR(Download(plan_.grads, host_grads_, num_params()));
+    PTK_RETURN_IF_ERROR(comm->ReduceScatterSum(host_grads_.data(), shard()->Counts()));
+    return UploadRange(plan_.grads, host_grads_.data() + shard()->begin(), shard()->begin(), shard()->size());
+  }
+
+  absl::Status GradSumSquaresPartials(int64_t begin, int64_t end, std::vector<double>* out) override {
+    if (begin < 0 || end > num_params() || begin > end)
+      return absl::InvalidArgumentError(
+          fmt::format("GradSumSquaresPartials: range [{}, {}) of {} parameters", begin, end, num_params()));
+    if (begin == end) return absl::OkStatus();
+    // One partial: SumSquares over the range (over [0, n), GradSumSquares' own bits).
+    Begin();
+    double* partials = Buf<double>(plan_.reduce);
+    double* result = partials + SumSquaresPartials(end - begin);
+    PTK_RETURN_IF_ERROR(Op("grad norm", SumSquares(result, Grad(begin), end - begin, partials, ctx_)));
+    double host = 0;
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, result, sizeof host, cudaMemcpyDeviceToHost, ctx_.stream),
+                             "reading the gradient norm");
+    PTK_RETURN_IF_ERROR(Sync("the gradient norm"));
+    out->push_back(host);
+    return absl::OkStatus();
+  }
+
+  absl::Status AllGatherParams(Communicator* comm) override {
+    if (!shard()) return absl::FailedPreconditionError("AllGatherParams needs a sharded optimizer state");
+    if (comm->size() == 1) return absl::OkStatus();
+    // The fp32 master is gathered (the LayerNorms read it, checkpoints save it); the compute copy
+    // is cast from it again, as AdamW's own cast rounds.
+    if (comm->device_collectives()) {
+      const std::vector<int64_t> bytes(static_cast<size_t>(comm->size()),
+                                       shard()->shard_size * static_cast<int64_t>(sizeof(float)));
+      PTK_RETURN_IF_ERROR(comm->AllGatherDevice(Master(0), bytes, ctx_.stream));
+    } else {
+      host_grads_.resize(static_cast<size_t>(num_params()));
+      PTK_RETURN_IF_ERROR(
+          DownloadRange(plan_.master, host_grads_.data() + shard()->begin(), shard()->begin(), shard()->size()));
+      std::vector<int64_t> bytes = shard()->Counts();
+      for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+      PTK_RETURN_IF_ERROR(comm->AllGather(host_grads_.data(), bytes));
+      PTK_RETURN_IF_ERROR(Upload(plan_.master, host_grads_, num_params()));
+    }
+    if (kFlash) PTK_RETURN_IF_ERROR(Op("adamw", CastFromFloat<T>(Compute(0), Master(0), num_params(), ctx_)));
+    return absl::OkStatus();
   }
 
   absl::StatusOr<double> GradSumSquares() override {
@@ -198,19 +253,37 @@ class CudaGPTModelImpl final : public GPTModel {
 
   absl::Status ScaleGrads(double s) override {
     Begin();
-    return Op("grad scale", Scale(Grad(0), num_params(), static_cast<float>(s), ctx_));
+    return Op("grad scale", Scale(Grad(moments_begin()), moments_size(), static_cast<float>(s), ctx_));
   }
 
   absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override {
     Begin();
     ++profiled_steps_;
-    for (const ParamInfo& p : params_info()) {
+    // The moments hold [moments_begin(), ...) only under ZeRO-1.
+    const int64_t base = moments_begin();
+    for (const ParamPiece& p : PiecesIn(layout(), base, base + moments_size())) {
       T* compute = kFlash ? Compute(p.offset) : nullptr;
-      PTK_RETURN_IF_ERROR(Op("adamw", AdamW<T>(Master(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + p.offset,
-                                               Buf<float>(plan_.exp_avg_sq) + p.offset, p.size,
-                                               p.no_weight_decay ? no_decay : decay, compute, ctx_)));
+      PTK_RETURN_IF_ERROR(
+          Op("adamw", AdamW<T>(Master(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + (p.offset - base),
+                               Buf<float>(plan_.exp_avg_sq) + (p.offset - base), p.size,
+                               p.no_weight_decay ? no_decay : decay, compute, ctx_)));
     }
     return absl::OkStatus();
+  }
+
+ protected:
+  // Re-planned with the padded parameter buffers and the shard's moments (zero); the parameters
+  // come back through the host.
+  absl::Status ResizeMoments(const ParamShard& shard) override {
+    std::vector<float> params(static_cast<size_t>(num_params()));
+    PTK_RETURN_IF_ERROR(ReadParams(params));
+    PTK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_.stream), "before re-planning device memory");
+    cudaFree(arena_);
+    arena_ = nullptr;
+    padded_params_ = shard.padded_size;
+    moment_params_ = shard.size();
+    PTK_RETURN_IF_ERROR(Plan(plan_.b, plan_.t));
+    return WriteParams(params);
   }
 
  private:
@@ -292,23 +365,32 @@ class CudaGPTModelImpl final : public GPTModel {
   }
 
  private:
-  absl::Status CheckSize(std::string_view what, size_t got) const {
-    if (static_cast<int64_t>(got) == num_params()) return absl::OkStatus();
+  absl::Status CheckSize(std::string_view what, size_t got, int64_t want) const {
+    if (static_cast<int64_t>(got) == want) return absl::OkStatus();
     return absl::InvalidArgumentError(
-        fmt::format("{}: {} values for a model of {} parameters", what, got, num_params()));
+        fmt::format("{}: {} values for {} (a model of {} parameters)", what, got, want, num_params()));
   }
-  absl::Status Download(int index, std::span<float> out) const {
-    PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, out.size()));
-    PTK_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(out.data(), Buf<float>(index), out.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
-        fmt::format("copying {} to the host", plan_[index].name));
+  absl::Status Download(int index, std::span<float> out, int64_t want) const {
+    PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, out.size(), want));
+    return DownloadRange(index, out.data(), 0, want);
+  }
+  absl::Status Upload(int index, std::span<const float> in, int64_t want) {
+    PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, in.size(), want));
+    return UploadRange(index, in.data(), 0, want);
+  }
+  // `count` floats of buffer `index` from element `at`.
+  absl::Status DownloadRange(int index, float* out, int64_t at, int64_t count) const {
+    if (count == 0) return absl::OkStatus();
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, Buf<float>(index) + at, static_cast<size_t>(count) * sizeof(float),
+                                             cudaMemcpyDeviceToHost, ctx_.stream),
+                             fmt::format("copying {} to the host", plan_[index].name));
     return Sync(plan_[index].name);
   }
-  absl::Status Upload(int index, std::span<const float> in) {
-    PTK_RETURN_IF_ERROR(CheckSize(plan_[index].name, in.size()));
-    PTK_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(Buf<float>(index), in.data(), in.size() * sizeof(float), cudaMemcpyHostToDevice, ctx_.stream),
-        fmt::format("copying {} to the device", plan_[index].name));
+  absl::Status UploadRange(int index, const float* in, int64_t at, int64_t count) {
+    if (count == 0) return absl::OkStatus();
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(index) + at, in, static_cast<size_t>(count) * sizeof(float),
+                                             cudaMemcpyHostToDevice, ctx_.stream),
+                             fmt::format("copying {} to the device", plan_[index].name));
     return Sync(plan_[index].name);
   }
 
@@ -322,6 +404,8 @@ class CudaGPTModelImpl final : public GPTModel {
     o.attention_scratch_floats =
         kFlash ? 0 : AttentionBackwardScratch(AttentionShape{b, t, config().num_attention_heads, config().head_dim()});
     o.reduce_doubles = SumSquaresPartials(num_params());
+    o.padded_params = padded_params_;
+    o.moment_params = moment_params_;
     o.layernorm_scratch_floats = LayerNormBackwardScratch(b * t, config().hidden_size);
     if constexpr (kFlash) {
       // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
@@ -636,7 +720,9 @@ class CudaGPTModelImpl final : public GPTModel {
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;
   std::vector<uint64_t> flash_keys_;
-  std::vector<float> host_grads_;
+  std::vector<float> host_grads_;  // host staging for a host-memory communicator (gloo)
+  int64_t padded_params_ = 0;      // ZeRO-1's plan (PlanOptions)
+  int64_t moment_params_ = -1;
   EmbeddingBackwardPlan embedding_plan_;
   bool profile_ = false;
   int64_t profiled_steps_ = 0;

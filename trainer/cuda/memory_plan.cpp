@@ -60,12 +60,21 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     return static_cast<int>(m.buffers.size() - 1);
   };
   const std::string act_lower = "--micro-batch-size or --seq-length";
-  m.master = add("parameters (fp32 master)", num_params * 4, "the model size");
+  if (o.padded_params != 0 && o.padded_params < num_params)
+    return absl::InvalidArgumentError("memory plan: padded parameter count below the parameter count");
+  if (o.moment_params > num_params) return absl::InvalidArgumentError("memory plan: moments beyond the parameters");
+  const int64_t np = o.padded_params > 0 ? o.padded_params : num_params;
+  const bool sharded = o.moment_params >= 0;
+  const int64_t nm = sharded ? o.moment_params : num_params;
+  const std::string model_lower =
+      sharded ? "the model size" : "the model size, or --use-distributed-optimizer over several ranks";
+  m.master = add("parameters (fp32 master)", np * 4, "the model size");
   m.compute = add(fmt::format("parameters ({} compute copy)", m.flash ? PrecisionName(o.precision) : "fp32"),
-                  m.flash ? num_params * a : 0, "the model size");
-  m.grads = add("gradients (fp32)", num_params * 4, "the model size");
-  m.exp_avg = add("AdamW exp_avg (fp32)", num_params * 4, "the model size");
-  m.exp_avg_sq = add("AdamW exp_avg_sq (fp32)", num_params * 4, "the model size");
+                  m.flash ? np * a : 0, "the model size");
+  m.grads = add("gradients (fp32)", np * 4, "the model size");
+  m.exp_avg = add(sharded ? "AdamW exp_avg (fp32, this rank's shard)" : "AdamW exp_avg (fp32)", nm * 4, model_lower);
+  m.exp_avg_sq =
+      add(sharded ? "AdamW exp_avg_sq (fp32, this rank's shard)" : "AdamW exp_avg_sq (fp32)", nm * 4, model_lower);
   m.resid = add("activations: residual stream (layers + 1)", (L + 1) * n * c * a, act_lower);
   m.resid_mid = add("activations: residual after attention", L * n * c * a, act_lower);
   m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);

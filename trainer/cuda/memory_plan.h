@@ -55,7 +55,11 @@ struct PlanOptions {
   int64_t workspace_bytes = 64 << 20;       // cuBLASLt and cuDNN
   int64_t attention_scratch_floats = 0;     // AttentionBackwardScratch of the shape (fp32 mode)
   int64_t reduce_doubles = 0;               // SumSquaresPartials of the parameter count
-  int64_t layernorm_scratch_floats = 0;     // LayerNormBackwardScratch of the tokens and hidden size
+  // ZeRO-1 (--use-distributed-optimizer): the parameter and gradient buffers padded to the shard
+  // layout's padded size (0: the parameter count), the moments for this rank's shard only (-1: all).
+  int64_t padded_params = 0;
+  int64_t moment_params = -1;
+  int64_t layernorm_scratch_floats = 0;  // LayerNormBackwardScratch of the tokens and hidden size
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four

@@ -1,0 +1,161 @@
+// The communicators' collectives at 2 and 3 gloo ranks (threads on loopback): ReduceScatterSum adds
+// each element in rank order, whatever the pieces (empty ones, pieces of several rounds), and leaves
+// the other pieces alone; AllGather; AllReduceSum over a whole buffer, over its buckets and as
+// reduce-scatter + all-gather gives every element the same bits; the local communicator.
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/trainer/gloo_ranks.h"
+#include "trainer/comm.h"
+
+namespace ptk::trainer {
+namespace {
+
+using testing::RunRanks;
+
+// Rank r's values: wide-ranging floats whose sums round differently in different orders.
+std::vector<float> Values(int rank, int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+  uint64_t h = 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(rank + 1);
+  for (int64_t i = 0; i < n; ++i) {
+    h = h * 6364136223846793005ULL + 1442695040888963407ULL;
+    const double mant = static_cast<double>(h >> 40) / static_cast<double>(1 << 24) - 0.5;
+    v[static_cast<size_t>(i)] = static_cast<float>(mant * std::ldexp(1.0, static_cast<int>((h >> 20) % 24) - 12));
+  }
+  return v;
+}
+
+// ((x0 + x1) + x2) + ... in float, element by element.
+std::vector<float> RankOrderSums(int world, int64_t n) {
+  std::vector<std::vector<float>> v;
+  for (int r = 0; r < world; ++r) v.push_back(Values(r, n));
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = v[0][static_cast<size_t>(i)];
+    for (int r = 1; r < world; ++r) acc += v[static_cast<size_t>(r)][static_cast<size_t>(i)];
+    out[static_cast<size_t>(i)] = acc;
+  }
+  return out;
+}
+
+bool SameBits(const float* a, const float* b, int64_t n) { return std::memcmp(a, b, static_cast<size_t>(n) * 4) == 0; }
+
+TEST(Communicator, RankOrderIsNotCommutativeForTheseValues) {
+  // The test values are chosen so that the order of addition shows in the bits at 3 ranks.
+  const int64_t n = 4096;
+  auto a = Values(0, n), b = Values(1, n), c = Values(2, n);
+  int differ = 0;
+  for (int64_t i = 0; i < n; ++i) differ += ((a[i] + b[i]) + c[i]) != ((b[i] + c[i]) + a[i]);
+  EXPECT_GT(differ, 100);
+}
+
+class Collectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(Collectives, ReduceScatterAddsInRankOrderAndLeavesOtherPieces) {
+  const int world = GetParam();
+  // Unequal pieces: one empty, one of several 2^18-float rounds, one of a few floats.
+  std::vector<int64_t> counts = {600000, 0, 7};
+  counts.resize(static_cast<size_t>(world));
+  if (world == 2) counts = {5, 700001};
+  const int64_t n = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  const std::vector<float> want = RankOrderSums(world, n);
+  std::mutex mu;
+  RunRanks(world, [&](Communicator* comm, int rank) {
+    std::vector<float> data = Values(rank, n);
+    const std::vector<float> before = data;
+    absl::Status st = comm->ReduceScatterSum(data.data(), counts);
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_TRUE(st.ok()) << st;
+    int64_t at = 0;
+    for (int r = 0; r < world; ++r) {
+      const int64_t c = counts[static_cast<size_t>(r)];
+      if (r == rank)
+        EXPECT_TRUE(SameBits(data.data() + at, want.data() + at, c)) << "rank " << rank << ": its piece";
+      else
+        EXPECT_TRUE(SameBits(data.data() + at, before.data() + at, c)) << "rank " << rank << " changed piece " << r;
+      at += c;
+    }
+  });
+}
+
+TEST_P(Collectives, AllGatherUnequalPieces) {
+  const int world = GetParam();
+  std::vector<int64_t> bytes = {3, 0, 1 << 20};
+  bytes.resize(static_cast<size_t>(world));
+  const int64_t total = std::accumulate(bytes.begin(), bytes.end(), int64_t{0});
+  std::mutex mu;
+  RunRanks(world, [&](Communicator* comm, int rank) {
+    std::vector<uint8_t> data(static_cast<size_t>(total), 0xEE);
+    int64_t at = 0;
+    for (int r = 0; r < rank; ++r) at += bytes[static_cast<size_t>(r)];
+    for (int64_t i = 0; i < bytes[static_cast<size_t>(rank)]; ++i)
+      data[static_cast<size_t>(at + i)] = static_cast<uint8_t>(rank * 31 + i);
+    absl::Status st = comm->AllGather(data.data(), bytes);
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_TRUE(st.ok()) << st;
+    int64_t pos = 0;
+    for (int r = 0; r < world; ++r)
+      for (int64_t i = 0; i < bytes[static_cast<size_t>(r)]; ++i, ++pos)
+        ASSERT_EQ(data[static_cast<size_t>(pos)], static_cast<uint8_t>(r * 31 + i))
+            << "rank " << rank << " byte " << pos;
+  });
+}
+
+TEST_P(Collectives, AllReduceHasTheSameBitsWholeInBucketsOrScattered) {
+  const int world = GetParam();
+  const int64_t n = 300007;
+  const std::vector<float> want = RankOrderSums(world, n);
+  std::mutex mu;
+  RunRanks(world, [&](Communicator* comm, int rank) {
+    std::vector<float> whole = Values(rank, n), buckets = whole, scattered = whole;
+    absl::Status st = comm->AllReduceSum(whole.data(), n);
+    // Buckets of odd sizes, last to first (as backward produces them).
+    const std::vector<int64_t> cuts = {0, 1, 4097, 100000, 262145, n};
+    for (size_t b = cuts.size() - 1; b > 0 && st.ok(); --b)
+      st = comm->AllReduceSum(buckets.data() + cuts[b - 1], cuts[b] - cuts[b - 1]);
+    std::vector<int64_t> counts(static_cast<size_t>(world), n / world), bytes(counts.size());
+    counts.back() += n % world;
+    for (size_t r = 0; r < counts.size(); ++r) bytes[r] = counts[r] * 4;
+    if (st.ok()) st = comm->ReduceScatterSum(scattered.data(), counts);
+    if (st.ok()) st = comm->AllGather(scattered.data(), bytes);
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_TRUE(SameBits(whole.data(), want.data(), n)) << "rank " << rank << ": whole";
+    EXPECT_TRUE(SameBits(buckets.data(), want.data(), n)) << "rank " << rank << ": in buckets";
+    EXPECT_TRUE(SameBits(scattered.data(), want.data(), n)) << "rank " << rank << ": reduce-scatter + all-gather";
+  });
+}
+
+TEST_P(Collectives, PiecesMustBeOnePerRank) {
+  const int world = GetParam();
+  RunRanks(world, [&](Communicator* comm, int) {
+    float x[4] = {};
+    const std::vector<int64_t> wrong(static_cast<size_t>(world + 1), 1);
+    EXPECT_TRUE(absl::IsInvalidArgument(comm->ReduceScatterSum(x, wrong)));
+    EXPECT_TRUE(absl::IsInvalidArgument(comm->AllGather(x, wrong)));
+    EXPECT_TRUE(absl::IsUnimplemented(comm->AllReduceSumDevice(x, 4, nullptr)));
+    EXPECT_FALSE(comm->device_collectives());
+    EXPECT_EQ(comm->backend(), "gloo");
+    EXPECT_TRUE(comm->Barrier().ok());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Values(2, 3));
+
+TEST(Communicator, LocalIsTheIdentity) {
+  auto comm = MakeLocalCommunicator();
+  std::vector<float> x = Values(0, 10), before = x;
+  const std::vector<int64_t> counts = {10};
+  ASSERT_TRUE(comm->ReduceScatterSum(x.data(), counts).ok());
+  ASSERT_TRUE(comm->AllGather(x.data(), std::vector<int64_t>{40}).ok());
+  EXPECT_EQ(x, before);
+  EXPECT_TRUE(absl::IsInvalidArgument(comm->ReduceScatterSum(x.data(), std::vector<int64_t>{5, 5})));
+}
+
+}  // namespace
+}  // namespace ptk::trainer

@@ -1,0 +1,184 @@
+// ptk-train's data parallelism end to end, ranks as processes over loopback gloo:
+// --use-distributed-optimizer (ZeRO-1) at 2 and 3 ranks trains with the bits of the plain
+// all-reduce path (losses, weights, moments), and its checkpoints hold the whole state, so a run
+// saved by 2 ranks resumes on 3 and on 1 exactly as a plain run does.
+#include <unistd.h>
+
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "indexed_dataset/indexed_dataset.h"
+#include "tests/test_util.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk::trainer {
+namespace {
+
+using ptk::testing::RunCmd;
+using ptk::testing::ShellQuote;
+using ptk::testing::TempDir;
+
+struct Saved {
+  std::vector<float> params, m, v;
+  TrainState state;
+};
+
+class DataParallelCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = dir_ / "data_text_document";
+    auto b = IndexedDatasetBuilder::Create(prefix_, OptimalDType(50257));
+    ASSERT_TRUE(b.ok());
+    uint64_t h = 12345;
+    for (int d = 0; d < 300; ++d) {
+      h = h * 6364136223846793005ULL + 1442695040888963407ULL;
+      int len = 20 + static_cast<int>((h >> 33) % 150), start = static_cast<int>((h >> 13) % 900);
+      std::vector<int32_t> doc;
+      for (int i = 0; i < len; ++i) doc.push_back(start + i % 50);
+      doc.push_back(50256);
+      std::vector<int32_t> lengths = {static_cast<int32_t>(doc.size())};
+      ASSERT_TRUE((*b)->AddDocument(doc, lengths).ok());
+    }
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  // Global batch 6: 1, 2 and 3 ranks split it evenly. Dropout on (Megatron's defaults).
+  std::string Train(const std::string& extra, int64_t iters = 6) {
+    return ptk::testing::Tool("ptk-train") +
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1"
+           " --global-batch-size 6 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
+           " --weight-decay 0.1 --adam-beta2 0.95 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1"
+           " --threads 1 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
+           std::to_string(iters) + " " + extra;
+  }
+  // `world` ranks of `cmd` (rank 0 in the foreground); the output is rank 0's, then one line with
+  // every rank's exit code ("rc=0 0 0").
+  ptk::testing::CommandResult Ranks(int world, const std::string& cmd) {
+    static int calls = 0;
+    const std::string port = std::to_string(22000 + (::getpid() * 7 + 13 * calls++) % 20000);
+    std::string script =
+        "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
+    for (int r = 1; r < world; ++r)
+      script += "RANK=" + std::to_string(r) + " " + cmd + " > " +
+                ShellQuote(dir_ / ("r" + std::to_string(r) + ".log")) + " 2>&1 & pids=\"$pids $!\"; ";
+    script += "RANK=0 " + cmd + "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
+    return RunCmd("bash -c " + ShellQuote(script));
+  }
+  static std::string AllZero(int world) {
+    std::string s = "rc=0";
+    for (int r = 1; r < world; ++r) s += " 0";
+    return s;
+  }
+  std::string Logs(int world) {
+    std::string out;
+    for (int r = 1; r < world; ++r) out += ptk::testing::ReadFile(dir_ / ("r" + std::to_string(r) + ".log"));
+    return out;
+  }
+  Saved Load(const std::string& dir, int64_t iteration) {
+    GPTConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 32;
+    c.num_attention_heads = 4;
+    c.ffn_hidden_size = 128;
+    c.seq_length = c.max_position_embeddings = 32;
+    c.vocab_size = 50257;
+    c.padded_vocab_size = 50304;
+    auto layout = ParamLayout::Create(c);
+    EXPECT_TRUE(layout.ok());
+    Saved s;
+    absl::Status st = LoadCheckpoint(dir, iteration, *layout, &s.params, &s.m, &s.v, &s.state);
+    EXPECT_TRUE(st.ok()) << st;
+    return s;
+  }
+  // The "lm loss: ..." and "grad norm: ..." fields of every log line, in order.
+  static std::vector<std::string> LossLines(const std::string& out) {
+    std::vector<std::string> v;
+    std::regex re(R"(iteration +\d+/ +\d+ .*\| lm loss: \S+ \|.*\| grad norm: \S+ \|)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it) {
+      std::string line = it->str();
+      line = std::regex_replace(
+          line, std::regex(R"(elapsed time per iteration \(ms\): \S+ \| throughput per GPU \(TFLOP/s/GPU\): \S+ \|)"),
+          "");
+      v.push_back(line);
+    }
+    return v;
+  }
+  static void ExpectSameState(const Saved& a, const Saved& b, const std::string& what) {
+    EXPECT_EQ(a.state.iteration, b.state.iteration) << what;
+    EXPECT_EQ(a.state.consumed_train_samples, b.state.consumed_train_samples) << what;
+    EXPECT_EQ(a.state.adam_step, b.state.adam_step) << what;
+    EXPECT_TRUE(a.params == b.params) << what << ": weights differ";
+    EXPECT_TRUE(a.m == b.m) << what << ": exp_avg differs";
+    EXPECT_TRUE(a.v == b.v) << what << ": exp_avg_sq differs";
+  }
+  TempDir dir_;
+  std::string prefix_;
+};
+
+TEST_F(DataParallelCli, DistributedOptimizerHasThePlainPathsBitsAtTwoAndThreeRanks) {
+  for (int world : {2, 3}) {
+    const std::string w = std::to_string(world);
+    auto plain = Ranks(world, Train("--save " + ShellQuote(dir_ / ("plain" + w))));
+    ASSERT_NE(plain.output.find(AllZero(world)), std::string::npos) << plain.output << Logs(world);
+    auto zero = Ranks(world, Train("--use-distributed-optimizer --save " + ShellQuote(dir_ / ("zero" + w))));
+    ASSERT_NE(zero.output.find(AllZero(world)), std::string::npos) << zero.output << Logs(world);
+    EXPECT_NE(zero.output.find("distributed optimizer: each of " + w + " ranks keeps"), std::string::npos)
+        << zero.output;
+    const auto a = LossLines(plain.output), b = LossLines(zero.output);
+    ASSERT_EQ(a.size(), 6u) << plain.output;
+    EXPECT_EQ(a, b) << "the log lines' losses and norms differ at " << world << " ranks";
+    ExpectSameState(Load(dir_ / ("plain" + w), 6), Load(dir_ / ("zero" + w), 6), w + " ranks");
+  }
+}
+
+TEST_F(DataParallelCli, ShardedStateSavedByTwoRanksResumesOnThreeAndOne) {
+  // Saved at iteration 3 by 2 ranks, with and without ZeRO-1: the same file contents.
+  for (const char* mode : {"plain", "zero"}) {
+    const std::string flag = std::string(mode) == "zero" ? "--use-distributed-optimizer " : "";
+    const std::string save = ShellQuote(dir_ / (std::string(mode) + "2"));
+    auto r = Ranks(2, Train(flag + "--exit-interval 3 --save " + save));
+    ASSERT_NE(r.output.find(AllZero(2)), std::string::npos) << r.output << Logs(2);
+    ASSERT_NE(r.output.find("exiting program at iteration 3"), std::string::npos) << r.output;
+  }
+  ExpectSameState(Load(dir_ / "plain2", 3), Load(dir_ / "zero2", 3), "saved by 2 ranks");
+  // Resumed by 3 ranks and by 1, each from its own copy, to iteration 6.
+  for (const char* mode : {"plain", "zero"}) {
+    const std::string flag = std::string(mode) == "zero" ? "--use-distributed-optimizer " : "";
+    for (int world : {3, 1}) {
+      const std::string dst = dir_ / (std::string(mode) + "2to" + std::to_string(world));
+      ASSERT_EQ(RunCmd("cp -r " + ShellQuote(dir_ / (std::string(mode) + "2")) + " " + ShellQuote(dst)).exit_code, 0);
+      auto r = world == 1 ? RunCmd(Train(flag + "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)))
+                          : Ranks(world, Train(flag + "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)));
+      if (world == 1) {
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+      } else {
+        ASSERT_NE(r.output.find(AllZero(world)), std::string::npos) << r.output << Logs(world);
+      }
+      EXPECT_NE(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
+      EXPECT_EQ(r.output.find("iteration        3/"), std::string::npos) << "the resumed run started over";
+    }
+  }
+  ExpectSameState(Load(dir_ / "plain2to3", 6), Load(dir_ / "zero2to3", 6), "resumed by 3 ranks");
+  ExpectSameState(Load(dir_ / "plain2to1", 6), Load(dir_ / "zero2to1", 6), "resumed by 1 rank");
+  // The schedule and data position carried over: 6 iterations of 6 samples.
+  EXPECT_EQ(Load(dir_ / "zero2to3", 6).state.consumed_train_samples, 36);
+}
+
+TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {
+  const std::string cmd = Train("", 2);
+  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                                          std::to_string(23000 + ::getpid() % 20000) + "; RANK=1 " + cmd +
+                                          " --use-distributed-optimizer > /dev/null 2>&1 & RANK=0 " + cmd +
+                                          "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+  EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 was started with --use-distributed-optimizer on, rank 0 with "
+                          "--use-distributed-optimizer off"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace ptk::trainer

@@ -1,0 +1,31 @@
+// What every communicator shares: the piece arithmetic of the gather/scatter collectives, and the
+// device-memory collectives' answer on a backend without them.
+#include "trainer/comm.h"
+
+#include <fmt/core.h>
+
+namespace ptk::trainer {
+
+absl::Status Communicator::AllReduceSumDevice(float*, int64_t, void*) {
+  return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
+}
+absl::Status Communicator::ReduceScatterSumDevice(float*, std::span<const int64_t>, void*) {
+  return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
+}
+absl::Status Communicator::AllGatherDevice(void*, std::span<const int64_t>, void*) {
+  return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
+}
+
+absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes, int world_size) {
+  if (static_cast<int64_t>(sizes.size()) != world_size)
+    return absl::InvalidArgumentError(
+        fmt::format("a collective over {} pieces on {} ranks: one piece per rank", sizes.size(), world_size));
+  std::vector<int64_t> offsets(sizes.size() + 1, 0);
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    if (sizes[r] < 0) return absl::InvalidArgumentError(fmt::format("piece {} has a negative size", r));
+    offsets[r + 1] = offsets[r] + sizes[r];
+  }
+  return offsets;
+}
+
+}  // namespace ptk::trainer
