@@ -129,6 +129,43 @@ absl::Status GPTModel::ShardOptimizerState(const ParamShard& shard) {
   return absl::OkStatus();
 }
 
+absl::Status GPTModel::StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets) {
+  if (reduce_comm_) return absl::FailedPreconditionError("a gradient reduction is armed already");
+  int64_t at = num_params();
+  for (const GradRange& b : buckets) {  // contiguous, descending, tiling the buffer
+    if (b.end != at || b.begin >= b.end)
+      return absl::InvalidArgumentError("gradient buckets must tile the buffer from its end down");
+    at = b.begin;
+  }
+  if (at != 0) return absl::InvalidArgumentError("gradient buckets must tile the buffer from its end down");
+  if (ready_order_.empty()) ready_order_ = BackwardReadyOrder(layout_);
+  tracker_ = BucketTracker(buckets);
+  reduce_comm_ = comm;
+  absl::Status st = BeginBucketReduction(buckets);
+  if (!st.ok()) reduce_comm_ = nullptr;
+  return st;
+}
+
+absl::Status GPTModel::FinishGradReduction() {
+  if (!reduce_comm_) return absl::FailedPreconditionError("no gradient reduction is armed");
+  absl::Status st = EndBucketReduction();
+  if (st.ok() && !tracker_.AllDone())
+    st = absl::InternalError("backward did not finish every gradient bucket (was ForwardBackward run?)");
+  reduce_comm_ = nullptr;
+  return st;
+}
+
+void GPTModel::GradsReady(size_t index) {
+  if (!reduce_comm_) return;
+  const GradRange& r = ready_order_[index];
+  for (int b : tracker_.MarkReady(r.begin, r.end)) LaunchBucket(b, tracker_.buckets()[static_cast<size_t>(b)]);
+}
+
+absl::Status GPTModel::ReduceHostBucket(float* grads, const GradRange& range) {
+  if (shard_) return reduce_comm_->ReduceScatterSum(grads + range.begin, shard_->CountsIn(range.begin, range.end));
+  return reduce_comm_->AllReduceSum(grads + range.begin, range.size());
+}
+
 absl::Status ValidateBatch(const GPTConfig& cf, const ModelBatch& batch) {
   if (batch.b < 1 || batch.t < 1 || batch.t > cf.seq_length)
     return absl::InvalidArgumentError(

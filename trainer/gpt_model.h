@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "trainer/comm.h"
+#include "trainer/grad_buckets.h"
 #include "trainer/op_types.h"
 #include "trainer/param_shard.h"
 
@@ -164,6 +165,15 @@ class GPTModel {
   // Each rank's range of the (updated) parameters to every rank.
   virtual absl::Status AllGatherParams(Communicator* comm) = 0;
 
+  // ---- --overlap-grad-reduce. Arms the next ForwardBackward (a step's last micro-batch): as its
+  // backward finishes each bucket's gradients (buckets: contiguous ranges, e.g. MakeGradBuckets),
+  // the bucket's reduction over `comm` starts, on a thread (host memory) or a stream (device
+  // memory) of the backend's own: the sum AllReduceGrads makes, or under ZeRO-1 the shard pieces
+  // ReduceScatterGrads makes, element for element the same. FinishGradReduction waits for every
+  // bucket and returns the first error; call it after that ForwardBackward, failed or not.
+  absl::Status StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets);
+  absl::Status FinishGradReduction();
+
   // With BackendOptions::profile on a backend that times its ops: GPU time per iteration by op
   // category, as lines of text; empty otherwise.
   virtual std::string ProfileReport() const { return ""; }
@@ -172,8 +182,25 @@ class GPTModel {
   explicit GPTModel(ParamLayout layout) : layout_(std::move(layout)) {}
   // ShardOptimizerState's work in the backend: moments for the shard's range only, zeroed.
   virtual absl::Status ResizeMoments(const ParamShard& shard) = 0;
+
+  // Backends call GradsReady(i) as their backward finishes range i of BackwardReadyOrder; while a
+  // reduction is armed it launches every bucket that completes (LaunchBucket, which must not
+  // block on the collective).
+  void GradsReady(size_t index);
+  virtual absl::Status BeginBucketReduction(const std::vector<GradRange>& buckets) = 0;
+  virtual void LaunchBucket(int bucket, const GradRange& range) = 0;
+  virtual absl::Status EndBucketReduction() = 0;  // every launched bucket done; the first error
+  // One bucket of host-memory gradients (`grads` the whole buffer) over reduce_comm_: its sum, or
+  // under ZeRO-1 each rank's piece of it.
+  absl::Status ReduceHostBucket(float* grads, const GradRange& range);
+  Communicator* reduce_comm_ = nullptr;  // while a reduction is armed
+
   ParamLayout layout_;
   std::optional<ParamShard> shard_;
+
+ private:
+  std::vector<GradRange> ready_order_;
+  BucketTracker tracker_;
 };
 
 // Checks a batch against the configuration (shape, token and position ids in range): a token id

@@ -44,7 +44,11 @@ void LossScaler::Update(bool found_inf) {
 
 Optimizer::Optimizer(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule,
                      Communicator* comm, const LossScaleConfig& loss_scale)
-    : model_(model), config_(config), scheduler_(schedule), scaler_(loss_scale), comm_(comm) {}
+    : model_(model), config_(config), scheduler_(schedule), scaler_(loss_scale), comm_(comm) {
+  if (config.overlap_grad_reduce)
+    buckets_ = MakeGradBuckets(
+        model->layout(), config.ddp_bucket_size > 0 ? config.ddp_bucket_size : DefaultDdpBucketSize(comm->size()));
+}
 
 absl::StatusOr<StepResult> Optimizer::Step(const std::vector<ModelBatch>& micro_batches, int64_t global_batch_size,
                                            uint64_t seed) {
@@ -61,21 +65,30 @@ absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBa
   const double num_micro = static_cast<double>(micro_batches.size());
   const double dp = static_cast<double>(comm_->size());
   double local[2] = {0, 0};
-  for (const ModelBatch& mb : micro_batches) {
+  const bool overlap = !buckets_.empty();
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
+    const ModelBatch& mb = micro_batches[k];
     // Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
     // gradients are averaged over data-parallel ranks.
     double tokens = 0;
     for (int64_t i = 0; i < mb.b * mb.t; ++i) tokens += mb.loss_mask[i];
     const double scale = tokens > 0 ? 1.0 / (tokens * num_micro * dp) : 0.0;
-    PTK_ASSIGN_OR_RETURN(LossSum s, model_->ForwardBackward(mb, scale * r.loss_scale, /*train=*/true, seed));
-    local[0] += s.loss_sum;
-    local[1] += s.tokens;
+    // --overlap-grad-reduce: the last micro-batch's backward starts each bucket's reduction.
+    const bool arm = overlap && k + 1 == micro_batches.size();
+    if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
+    absl::StatusOr<LossSum> s = model_->ForwardBackward(mb, scale * r.loss_scale, /*train=*/true, seed);
+    if (arm) {
+      absl::Status reduced = model_->FinishGradReduction();
+      if (s.ok() && !reduced.ok()) return reduced;
+    }
+    if (!s.ok()) return s.status();
+    local[0] += s->loss_sum;
+    local[1] += s->tokens;
   }
-  // ZeRO-1: each rank's shard of the gradients summed over the ranks, the rest left alone.
-  if (model_->shard())
-    PTK_RETURN_IF_ERROR(model_->ReduceScatterGrads(comm_));
-  else
-    PTK_RETURN_IF_ERROR(model_->AllReduceGrads(comm_));
+  // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
+  // summed over the ranks, the rest left alone.
+  if (!overlap && model_->shard()) PTK_RETURN_IF_ERROR(model_->ReduceScatterGrads(comm_));
+  if (!overlap && !model_->shard()) PTK_RETURN_IF_ERROR(model_->AllReduceGrads(comm_));
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
   r.loss_sum = local[0];
   r.tokens = local[1];

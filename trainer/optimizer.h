@@ -18,6 +18,10 @@ namespace ptk::trainer {
 struct OptimizerConfig {
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8;
   double clip_grad = 1.0;  // 0 disables clipping
+  // --overlap-grad-reduce: the last micro-batch's backward reduces buckets of --ddp-bucket-size
+  // elements (0: Megatron's default, DefaultDdpBucketSize) as it completes them.
+  bool overlap_grad_reduce = false;
+  int64_t ddp_bucket_size = 0;
 };
 
 // Megatron's loss scaling for --fp16: ConstantGradScaler (--loss-scale) or DynamicGradScaler
@@ -80,6 +84,8 @@ class Optimizer {
   absl::StatusOr<StepResult> ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed);
   absl::Status ApplyUpdate(const StepResult& r, int64_t global_batch_size);
 
+  // --overlap-grad-reduce's buckets, in the order backward completes them (empty without it).
+  const std::vector<GradRange>& buckets() const { return buckets_; }
   LossScaler& loss_scaler() { return scaler_; }
   OptimizerParamScheduler& scheduler() { return scheduler_; }
   const OptimizerParamScheduler& scheduler() const { return scheduler_; }
@@ -93,6 +99,7 @@ class Optimizer {
 
   GPTModel* model_;
   OptimizerConfig config_;
+  std::vector<GradRange> buckets_;  // --overlap-grad-reduce's
   OptimizerParamScheduler scheduler_;
   LossScaler scaler_;
   Communicator* comm_;

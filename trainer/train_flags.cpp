@@ -24,7 +24,6 @@ struct CompatFlag {
   const char* note;
 };
 constexpr CompatFlag kCompatFlags[] = {
-    {"--overlap-grad-reduce", Arg::kNone, "gradients are all-reduced after backward (same results)"},
     {"--overlap-param-gather", Arg::kNone,
      "with --use-distributed-optimizer the parameters are all-gathered after the update, not during the next "
      "forward (same results)"},
@@ -365,6 +364,13 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--use-distributed-optimizer", f->use_distributed_optimizer,
                 "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
                 "moments); gradients reduce-scattered, parameters all-gathered");
+  app->add_flag("--overlap-grad-reduce", f->overlap_grad_reduce,
+                "Reduce the gradients in buckets while the last micro-batch's backward still runs (the same sums as "
+                "after backward)");
+  app->add_option("--ddp-bucket-size", f->ddp_bucket_size,
+                  "Elements per bucket of --overlap-grad-reduce (default: Megatron's max(40M, 1M x data-parallel "
+                  "size))")
+      ->check(IntIn(1, kMaxCount));
   app->add_option("--distributed-timeout-minutes", f->distributed_timeout_minutes,
                   "Rendezvous and collective timeout: a rank that waits longer for the others fails")
       ->check(RealIn(0, true, 1e6, false));
@@ -543,6 +549,10 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
   }
   o.use_distributed_optimizer = f.use_distributed_optimizer;
+  o.optimizer.overlap_grad_reduce = f.overlap_grad_reduce;
+  o.optimizer.ddp_bucket_size = f.ddp_bucket_size;
+  if (f.ddp_bucket_size > 0 && !f.overlap_grad_reduce)
+    notes->push_back("--ddp-bucket-size: accepted, buckets matter with --overlap-grad-reduce only");
   o.tensorboard.dir = f.tensorboard_dir;
   o.tensorboard.log_interval = f.tensorboard_log_interval;
   o.tensorboard.log_loss_scale = f.log_loss_scale_to_tensorboard;

@@ -209,6 +209,8 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--use-checkpoint-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint ? "on" : "off"},
       {"--check-for-nan-in-loss-and-grad", o.check_for_nan_in_loss_and_grad ? "on" : "off"},
       {"--use-distributed-optimizer", o.use_distributed_optimizer ? "on" : "off"},
+      {"--overlap-grad-reduce", o.optimizer.overlap_grad_reduce ? "on" : "off"},
+      {"--ddp-bucket-size", std::to_string(o.optimizer.ddp_bucket_size)},
       {"--device", std::string(DeviceName(o.backend.device))},
       {"--bf16/--fp16", std::string(PrecisionName(o.backend.precision))},
       {"--deterministic-mode", o.backend.deterministic ? "on" : "off"},
@@ -502,6 +504,12 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   }
   PTK_RETURN_IF_ERROR(model->InitWeights(o.seed));
   Optimizer opt(model.get(), o.optimizer, sc, comm, o.loss_scale);
+  if (rank == 0 && !opt.buckets().empty()) {
+    int64_t largest = 0;
+    for (const GradRange& b : opt.buckets()) largest = std::max(largest, b.size());
+    log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
+              opt.buckets().size(), largest);
+  }
   TrainState state;
   state.seed = o.seed;
   TrainSummary summary;

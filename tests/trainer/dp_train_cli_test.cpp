@@ -1,7 +1,8 @@
 // ptk-train's data parallelism end to end, ranks as processes over loopback gloo:
 // --use-distributed-optimizer (ZeRO-1) at 2 and 3 ranks trains with the bits of the plain
 // all-reduce path (losses, weights, moments), and its checkpoints hold the whole state, so a run
-// saved by 2 ranks resumes on 3 and on 1 exactly as a plain run does.
+// saved by 2 ranks resumes on 3 and on 1 exactly as a plain run does; --overlap-grad-reduce
+// (buckets reduced during backward) has the bits of the reduction after backward.
 #include <unistd.h>
 
 #include <regex>
@@ -165,6 +166,21 @@ TEST_F(DataParallelCli, ShardedStateSavedByTwoRanksResumesOnThreeAndOne) {
   ExpectSameState(Load(dir_ / "plain2to1", 6), Load(dir_ / "zero2to1", 6), "resumed by 1 rank");
   // The schedule and data position carried over: 6 iterations of 6 samples.
   EXPECT_EQ(Load(dir_ / "zero2to3", 6).state.consumed_train_samples, 36);
+}
+
+TEST_F(DataParallelCli, OverlappedReductionHasTheBitsOfAReductionAfterBackward) {
+  // 3 ranks: each element's sum in rank order, whole or in buckets; with and without ZeRO-1.
+  auto after = Ranks(3, Train("--save " + ShellQuote(dir_ / "after")));
+  ASSERT_NE(after.output.find(AllZero(3)), std::string::npos) << after.output << Logs(3);
+  for (const char* zero : {"", "--use-distributed-optimizer "}) {
+    const std::string save = dir_ / (std::string("overlap") + (*zero ? "zero" : ""));
+    auto r =
+        Ranks(3, Train(std::string(zero) + "--overlap-grad-reduce --ddp-bucket-size 5000 --save " + ShellQuote(save)));
+    ASSERT_NE(r.output.find(AllZero(3)), std::string::npos) << r.output << Logs(3);
+    EXPECT_NE(r.output.find("--overlap-grad-reduce: 3 gradient bucket(s) of up to"), std::string::npos) << r.output;
+    EXPECT_EQ(LossLines(after.output), LossLines(r.output)) << zero;
+    ExpectSameState(Load(dir_ / "after", 6), Load(save, 6), std::string("overlapped ") + zero);
+  }
 }
 
 TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {

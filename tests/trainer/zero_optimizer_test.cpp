@@ -1,8 +1,9 @@
-// ZeRO-1 (--use-distributed-optimizer) on the CPU model at 1, 2 and 3 gloo ranks (threads on
-// loopback): every step's loss, gradient norm and parameters have the bits of the plain
-// all-reduce path, and the shards' moments put together are the plain path's moments; a model
-// smaller than the ranks' blocks leaves ranks with empty shards and still trains the same; the
-// shard arithmetic (padding, ranges, a bucket's pieces, tensors cut at shard boundaries).
+// ZeRO-1 (--use-distributed-optimizer) and the gradient reduction overlapped with backward
+// (--overlap-grad-reduce) on the CPU model at 1, 2 and 3 gloo ranks (threads on loopback): every
+// step's loss, gradient norm and parameters have the bits of the plain all-reduce after backward,
+// and the shards' moments put together are the plain path's moments; a model smaller than the
+// ranks' blocks leaves a rank with an empty shard and still trains the same; the shard arithmetic
+// (padding, ranges, a bucket's pieces, tensors cut at shard boundaries).
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -69,8 +70,10 @@ struct Trace {
 
 constexpr int kSteps = 4;
 
-// One rank's run; with `zero`, the moments of every rank are put together into the trace.
-Trace TrainRun(const GPTConfig& config, Communicator* comm, bool zero, double clip = 1.0) {
+// One rank's run; with `zero`, the moments of every rank are put together into the trace. A
+// positive `bucket` reduces the gradients in buckets of that many elements during the last
+// micro-batch's backward (--overlap-grad-reduce --ddp-bucket-size).
+Trace TrainRun(const GPTConfig& config, Communicator* comm, bool zero, int64_t bucket = 0) {
   Trace t;
   auto model = CpuGPTModel::Create(config);
   EXPECT_TRUE(model.ok()) << model.status();
@@ -82,8 +85,12 @@ Trace TrainRun(const GPTConfig& config, Communicator* comm, bool zero, double cl
   }
   EXPECT_TRUE((*model)->InitWeights(7).ok());
   OptimizerConfig oc;
-  oc.clip_grad = clip;
+  oc.overlap_grad_reduce = bucket > 0;
+  oc.ddp_bucket_size = bucket;
   Optimizer opt(model->get(), oc, Schedule(), comm);
+  if (bucket > 0) {
+    EXPECT_GT(opt.buckets().size(), 2u);
+  }
   for (int step = 0; step < kSteps; ++step) {
     Batch b0(config, comm->rank(), step, 0), b1(config, comm->rank(), step, 1);
     auto r = opt.Step({b0.View(), b1.View()}, 4 * comm->size(), 99);
@@ -124,15 +131,26 @@ void ExpectSame(const Trace& plain, const Trace& zero, const std::string& what) 
   EXPECT_TRUE(SameBits(plain.exp_avg_sq, zero.exp_avg_sq)) << what << ": exp_avg_sq";
 }
 
-// Plain and ZeRO-1 runs at `world` gloo ranks: every rank's trace has the plain run's bits.
+// Plain and ZeRO-1 runs at `world` gloo ranks, each also with the reduction overlapped with
+// backward in buckets: every rank's trace has the plain run's bits.
 void CompareAt(int world, const GPTConfig& config) {
-  std::vector<Trace> plain(static_cast<size_t>(world)), zero(static_cast<size_t>(world));
-  RunRanks(world,
-           [&](Communicator* comm, int rank) { plain[static_cast<size_t>(rank)] = TrainRun(config, comm, false); });
-  RunRanks(world,
-           [&](Communicator* comm, int rank) { zero[static_cast<size_t>(rank)] = TrainRun(config, comm, true); });
-  for (int r = 0; r < world; ++r)
-    ExpectSame(plain[static_cast<size_t>(r)], zero[static_cast<size_t>(r)], "rank " + std::to_string(r));
+  const size_t w = static_cast<size_t>(world);
+  std::vector<Trace> plain(w), zero(w), plain_overlap(w), zero_overlap(w);
+  constexpr int64_t kBucket = 5000;  // several buckets, cut across layers and shard boundaries
+  auto run = [&](std::vector<Trace>* out, bool z, int64_t bucket) {
+    RunRanks(world, [&](Communicator* comm, int rank) {
+      (*out)[static_cast<size_t>(rank)] = TrainRun(config, comm, z, bucket);
+    });
+  };
+  run(&plain, false, 0);
+  run(&zero, true, 0);
+  run(&plain_overlap, false, kBucket);
+  run(&zero_overlap, true, kBucket);
+  for (size_t r = 0; r < w; ++r) {
+    ExpectSame(plain[r], zero[r], "rank " + std::to_string(r));
+    ExpectSame(plain[r], plain_overlap[r], "rank " + std::to_string(r) + ", overlapped");
+    ExpectSame(plain[r], zero_overlap[r], "rank " + std::to_string(r) + ", ZeRO-1 overlapped");
+  }
   // The clipping was active (the test exercises the norm's bits through the update).
   EXPECT_GT(plain[0].steps[0].grad_norm, 1.0);
 }
@@ -140,7 +158,10 @@ void CompareAt(int world, const GPTConfig& config) {
 TEST(ZeroOptimizer, OneRankEqualsThePlainStep) {
   const GPTConfig c = Config(2000);
   auto comm = MakeLocalCommunicator();
-  ExpectSame(TrainRun(c, comm.get(), false), TrainRun(c, comm.get(), true), "1 rank");
+  const Trace plain = TrainRun(c, comm.get(), false);
+  ExpectSame(plain, TrainRun(c, comm.get(), true), "1 rank");
+  ExpectSame(plain, TrainRun(c, comm.get(), false, 3000), "1 rank, overlapped");
+  ExpectSame(plain, TrainRun(c, comm.get(), true, 3000), "1 rank, ZeRO-1 overlapped");
 }
 
 TEST(ZeroOptimizer, TwoRanksEqualThePlainAllReduce) { CompareAt(2, Config(2000)); }

@@ -135,6 +135,21 @@ absl::Status CpuGPTModel::AllGatherParams(Communicator* comm) {
   return comm->AllGather(params_.data(), bytes);
 }
 
+absl::Status CpuGPTModel::BeginBucketReduction(const std::vector<GradRange>& buckets) {
+  buckets_ = buckets;
+  worker_ = std::make_unique<BucketWorker>(
+      [this](int bucket) { return ReduceHostBucket(grads_.data(), buckets_[static_cast<size_t>(bucket)]); });
+  return absl::OkStatus();
+}
+
+void CpuGPTModel::LaunchBucket(int bucket, const GradRange&) { worker_->Enqueue(bucket); }
+
+absl::Status CpuGPTModel::EndBucketReduction() {
+  absl::Status st = worker_->Finish();
+  worker_.reset();
+  return st;
+}
+
 absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   PTK_RETURN_IF_ERROR(ValidateBatch(config(), batch));
   const GPTConfig& cf = config();
@@ -259,6 +274,7 @@ void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed
   std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
   LayerNormBackwardCpu(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(),
                        a.resid[cf.num_layers].data(), P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
+  GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
   for (int64_t l = cf.num_layers - 1; l >= 0; --l) {
     const LayerParams& lp = layout_.layers[l];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
@@ -288,9 +304,11 @@ void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed
                       3 * c);
     LayerNormBackwardCpu(a.dresid.data(), G + lp.ln1_w, G + lp.ln1_b, a.dln.data(), a.resid[l].data(), P + lp.ln1_w,
                          a.ln1_mean[l].data(), a.ln1_rstd[l].data(), n, c);
+    GradsReady(static_cast<size_t>(cf.num_layers - l));  // layer l
   }
   DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
   EmbeddingBackwardCpu(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens, batch.position_ids, n, c);
+  GradsReady(static_cast<size_t>(cf.num_layers) + 1);  // the embeddings
 }
 
 namespace {

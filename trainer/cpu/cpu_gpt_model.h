@@ -45,6 +45,10 @@ class CpuGPTModel final : public GPTModel {
 
  protected:
   absl::Status ResizeMoments(const ParamShard& shard) override;
+  // --overlap-grad-reduce: a communication thread reduces each bucket as backward completes it.
+  absl::Status BeginBucketReduction(const std::vector<GradRange>& buckets) override;
+  void LaunchBucket(int bucket, const GradRange& range) override;
+  absl::Status EndBucketReduction() override;
 
  private:
   struct Activations;
@@ -57,6 +61,8 @@ class CpuGPTModel final : public GPTModel {
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
   std::unique_ptr<Activations> act_;
+  std::unique_ptr<BucketWorker> worker_;
+  std::vector<GradRange> buckets_;  // the armed reduction's
 };
 
 }  // namespace ptk::trainer

@@ -83,7 +83,12 @@ class CudaGPTModelImpl final : public GPTModel {
 
   CudaGPTModelImpl(ParamLayout layout) : GPTModel(std::move(layout)) {}
   ~CudaGPTModelImpl() override {
+    worker_.reset();
+    if (comm_stream_) cudaStreamSynchronize(comm_stream_);
     if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
+    for (cudaEvent_t e : bucket_events_) cudaEventDestroy(e);
+    if (comm_done_) cudaEventDestroy(comm_done_);
+    if (comm_stream_) cudaStreamDestroy(comm_stream_);
     for (auto& m : marks_) cudaEventDestroy(m.second);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     if (arena_) cudaFree(arena_);
@@ -284,6 +289,83 @@ class CudaGPTModelImpl final : public GPTModel {
     moment_params_ = shard.size();
     PTK_RETURN_IF_ERROR(Plan(plan_.b, plan_.t));
     return WriteParams(params);
+  }
+
+  // --overlap-grad-reduce. Each bucket, once the compute stream has enqueued its last gradient
+  // op, is marked by an event; with NCCL the communication stream waits for the event and runs the
+  // collective on the device buffer, with a host communicator (gloo) a thread waits for it, copies
+  // the bucket out, reduces it and copies it back. Finishing makes the compute stream wait for all.
+  absl::Status BeginBucketReduction(const std::vector<GradRange>& buckets) override {
+    if (!comm_stream_)
+      PTK_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking),
+                               "creating the gradient communication stream");
+    if (!comm_done_)
+      PTK_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming),
+                               "creating a communication event");
+    while (bucket_events_.size() < buckets.size()) {
+      cudaEvent_t e = nullptr;
+      PTK_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating a bucket event");
+      bucket_events_.push_back(e);
+    }
+    buckets_ = buckets;
+    launch_error_ = absl::OkStatus();
+    if (reduce_comm_->device_collectives()) return absl::OkStatus();
+    host_grads_.resize(static_cast<size_t>(num_params()));
+    worker_ = std::make_unique<BucketWorker>([this](int bucket) { return HostBucket(bucket); });
+    return absl::OkStatus();
+  }
+
+  void LaunchBucket(int bucket, const GradRange& range) override {
+    if (!launch_error_.ok()) return;
+    cudaEvent_t ready = bucket_events_[static_cast<size_t>(bucket)];
+    if (cudaError_t e = cudaEventRecord(ready, ctx_.stream); e != cudaSuccess) {
+      launch_error_ = CudaError(e, "cudaEventRecord", "marking a gradient bucket");
+      return;
+    }
+    if (!reduce_comm_->device_collectives()) {
+      worker_->Enqueue(bucket);
+      return;
+    }
+    if (cudaError_t e = cudaStreamWaitEvent(comm_stream_, ready, 0); e != cudaSuccess) {
+      launch_error_ = CudaError(e, "cudaStreamWaitEvent", "ordering a gradient bucket's reduction");
+      return;
+    }
+    launch_error_ = shard() ? reduce_comm_->ReduceScatterSumDevice(
+                                  Grad(range.begin), shard()->CountsIn(range.begin, range.end), comm_stream_)
+                            : reduce_comm_->AllReduceSumDevice(Grad(range.begin), range.size(), comm_stream_);
+  }
+
+  absl::Status EndBucketReduction() override {
+    absl::Status st = launch_error_;
+    if (worker_) {
+      absl::Status w = worker_->Finish();
+      worker_.reset();
+      if (st.ok()) st = w;
+    }
+    // The compute stream goes on (norm, update) only after every bucket's collective.
+    if (cudaError_t e = cudaEventRecord(comm_done_, comm_stream_); e != cudaSuccess && st.ok())
+      st = CudaError(e, "cudaEventRecord", "the end of the gradient reduction");
+    if (cudaError_t e = cudaStreamWaitEvent(ctx_.stream, comm_done_, 0); e != cudaSuccess && st.ok())
+      st = CudaError(e, "cudaStreamWaitEvent", "waiting for the gradient reduction");
+    return st;
+  }
+
+  // On the worker thread: one bucket through the host.
+  absl::Status HostBucket(int bucket) {
+    const GradRange r = buckets_[static_cast<size_t>(bucket)];
+    const size_t bytes = static_cast<size_t>(r.size()) * sizeof(float);
+    float* host = host_grads_.data() + r.begin;
+    PTK_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_.device), "selecting the device on the communication thread");
+    PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(bucket_events_[static_cast<size_t>(bucket)]),
+                             "waiting for a gradient bucket");
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, Grad(r.begin), bytes, cudaMemcpyDeviceToHost, comm_stream_),
+                             "copying a gradient bucket to the host");
+    PTK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(comm_stream_), "copying a gradient bucket to the host");
+    PTK_RETURN_IF_ERROR(ReduceHostBucket(host_grads_.data(), r));
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Grad(r.begin), host, bytes, cudaMemcpyHostToDevice, comm_stream_),
+                             "copying a reduced gradient bucket to the device");
+    PTK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(comm_stream_), "copying a reduced gradient bucket to the device");
+    return absl::OkStatus();
   }
 
  private:
@@ -637,6 +719,7 @@ class CudaGPTModelImpl final : public GPTModel {
         "layernorm", LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
                                           Master(pl.lnf_w), Buf<float>(plan_.lnf_stats),
                                           Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_)));
+    GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
     for (int64_t l = L - 1; l >= 0; --l) {
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
@@ -669,11 +752,14 @@ class CudaGPTModelImpl final : public GPTModel {
           "layernorm", LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
                                             Master(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n,
                                             n, c, Buf<float>(plan_.ln_scratch), ctx_)));
+      GradsReady(static_cast<size_t>(L - l));  // layer l
     }
     PTK_RETURN_IF_ERROR(Op("dropout", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
-    return Op("embedding", EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_,
-                                                positions_host_, n, c, cf.padded_vocab_size, cf.max_position_embeddings,
-                                                &embedding_plan_, ctx_));
+    PTK_RETURN_IF_ERROR(Op("embedding", EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(),
+                                                             tokens_host_, positions_host_, n, c, cf.padded_vocab_size,
+                                                             cf.max_position_embeddings, &embedding_plan_, ctx_)));
+    GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
+    return absl::OkStatus();
   }
 
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
@@ -722,6 +808,13 @@ class CudaGPTModelImpl final : public GPTModel {
   std::vector<uint64_t> flash_keys_;
   std::vector<float> host_grads_;  // host staging for a host-memory communicator (gloo)
   int64_t padded_params_ = 0;      // ZeRO-1's plan (PlanOptions)
+  // --overlap-grad-reduce: the communication stream, an event per bucket, the host thread (gloo).
+  cudaStream_t comm_stream_ = nullptr;
+  cudaEvent_t comm_done_ = nullptr;
+  std::vector<cudaEvent_t> bucket_events_;
+  std::vector<GradRange> buckets_;
+  std::unique_ptr<BucketWorker> worker_;
+  absl::Status launch_error_;
   int64_t moment_params_ = -1;
   EmbeddingBackwardPlan embedding_plan_;
   bool profile_ = false;

@@ -1,0 +1,114 @@
+// Gradient buckets for the reduction overlapped with backward.
+#include "trainer/grad_buckets.h"
+
+#include <algorithm>
+
+#include "trainer/gpt_model.h"
+
+namespace ptk::trainer {
+
+std::vector<GradRange> BackwardReadyOrder(const ParamLayout& layout) {
+  std::vector<GradRange> out;
+  out.push_back({layout.lnf_w, layout.num_params});  // the final LayerNorm, then an untied output layer
+  for (size_t l = layout.layers.size(); l-- > 0;) {
+    const int64_t begin = layout.layers[l].ln1_w;
+    const int64_t end = l + 1 < layout.layers.size() ? layout.layers[l + 1].ln1_w : layout.lnf_w;
+    out.push_back({begin, end});
+  }
+  out.push_back({layout.wte, layout.layers.empty() ? layout.lnf_w : layout.layers[0].ln1_w});
+  return out;
+}
+
+std::vector<GradRange> MakeGradBuckets(const ParamLayout& layout, int64_t bucket_size) {
+  std::vector<GradRange> buckets;
+  GradRange open;
+  bool has_open = false;
+  for (const GradRange& r : BackwardReadyOrder(layout)) {
+    // Ranges come in descending order, each ending where the open bucket begins.
+    open = has_open ? GradRange{r.begin, open.end} : r;
+    has_open = true;
+    if (open.size() >= bucket_size) {
+      buckets.push_back(open);
+      has_open = false;
+    }
+  }
+  if (has_open) buckets.push_back(open);
+  return buckets;
+}
+
+int64_t DefaultDdpBucketSize(int data_parallel_size) {
+  return std::max<int64_t>(40000000, int64_t{1000000} * data_parallel_size);
+}
+
+BucketTracker::BucketTracker(std::vector<GradRange> buckets) : buckets_(std::move(buckets)) {
+  for (const GradRange& b : buckets_) remaining_.push_back(b.size());
+}
+
+std::vector<int> BucketTracker::MarkReady(int64_t begin, int64_t end) {
+  std::vector<int> done;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const int64_t overlap = std::min(end, buckets_[i].end) - std::max(begin, buckets_[i].begin);
+    if (overlap <= 0 || remaining_[i] == 0) continue;
+    remaining_[i] -= overlap;
+    if (remaining_[i] <= 0) {
+      remaining_[i] = 0;
+      done.push_back(static_cast<int>(i));
+    }
+  }
+  return done;
+}
+
+bool BucketTracker::AllDone() const {
+  return std::all_of(remaining_.begin(), remaining_.end(), [](int64_t r) { return r == 0; });
+}
+
+BucketWorker::BucketWorker(std::function<absl::Status(int)> work)
+    : work_(std::move(work)), thread_([this] { Loop(); }) {}
+
+BucketWorker::~BucketWorker() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void BucketWorker::Enqueue(int bucket) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(bucket);
+  }
+  cv_.notify_all();
+}
+
+absl::Status BucketWorker::Finish() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+  absl::Status st = error_;
+  error_ = absl::OkStatus();
+  return st;
+}
+
+void BucketWorker::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping
+    const int bucket = queue_.front();
+    queue_.pop_front();
+    if (!error_.ok()) {
+      cv_.notify_all();
+      continue;
+    }
+    busy_ = true;
+    lock.unlock();
+    absl::Status st = work_(bucket);
+    lock.lock();
+    busy_ = false;
+    if (!st.ok() && error_.ok()) error_ = st;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace ptk::trainer
