@@ -162,7 +162,7 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   auto args = ArgparseForms(app, argc, argv);
   if (!args.ok()) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
-                 std::string(StatusMessage(args.status())).c_str() + 7);
+                 std::string(StatusMessage(args.status())).c_str());
     return kExitUsage;
   }
   std::vector<char*> cargv;
@@ -283,8 +283,7 @@ const CLI::Validator& NonNegative() {
 int ExitCodeFor(const absl::Status& status) {
   if (status.ok()) return kExitOk;
   if (status.code() == absl::StatusCode::kResourceExhausted) return kExitDiskFull;
-  if (status.code() == absl::StatusCode::kInvalidArgument && StatusMessage(status).rfind("usage: ", 0) == 0)
-    return kExitUsage;
+  if (IsUsageError(status)) return kExitUsage;
   return kExitFailure;
 }
 
@@ -297,9 +296,9 @@ int RunMain(const std::function<absl::Status()>& body) {
   }
   if (st.ok()) return kExitOk;
   std::string msg(StatusMessage(st));
-  if (msg.rfind("usage: ", 0) == 0) {
+  if (IsUsageError(st)) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", log::ProgramName().c_str(),
-                 msg.c_str() + 7);
+                 msg.c_str());
   } else {
     log::Error("{}", msg);
   }

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/status/status.h"
+#include "common/status.h"
 
 namespace ptk::cli {
 
@@ -61,9 +62,6 @@ class Refusals {
 const CLI::Validator& Positive();     // > 0
 const CLI::Validator& NonNegative();  // >= 0
 
-// A usage error raised after parsing (bad flag combination): exit code 2.
-inline absl::Status UsageError(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
-
 // An output prefix (--output-prefix): a directory, then the start of the file names. One that ends
 // in '/' (or names . or ..) has no file name part, and would write hidden files such as
 // outdir/_text_document.bin: a usage error showing what to give. `example_suffix` is what the tool
@@ -78,10 +76,12 @@ absl::Status CheckInputFile(const std::string& flag, const std::string& path, co
 // naming the flag and saying that ptk has GPT-2's files built in (leave both flags out).
 absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string& merge_file);
 
-// Maps a failed Status to the exit code main returns after printing it.
+// Maps a failed Status to the exit code main returns after printing it: kResourceExhausted 3, a
+// usage error (ptk::UsageError, common/status.h: the payload, not the message, says so) 2, others 1.
 int ExitCodeFor(const absl::Status& status);
 
-// Runs `body` in main: prints a failed Status as one line "prog: error: ..." and returns its code.
+// Runs `body` in main: prints a failed Status as one line "prog: error: ..." (a usage error as
+// "prog: usage error: ..." and a hint to run --help) and returns its code.
 int RunMain(const std::function<absl::Status()>& body);
 
 }  // namespace ptk::cli

@@ -23,8 +23,7 @@ absl::StatusOr<std::optional<int64_t>> EnvIntChecked(const char* name) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return std::optional<int64_t>();
   int64_t x;
-  if (!absl::SimpleAtoi(v, &x))
-    return absl::InvalidArgumentError(fmt::format("usage: {}={:?} is not an integer", name, std::string(v)));
+  if (!absl::SimpleAtoi(v, &x)) return UsageError(fmt::format("{}={:?} is not an integer", name, std::string(v)));
   return std::optional<int64_t>(x);
 }
 }  // namespace
@@ -33,7 +32,7 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
   ShardSpec s;
   if (index.has_value() || count.has_value()) {
     if (!index.has_value() || !count.has_value())
-      return absl::InvalidArgumentError("--shard-index and --num-shards must be given together");
+      return UsageError("--shard-index and --num-shards must be given together");
     s.index = *index;
     s.count = *count;
     s.source = "flags";
@@ -45,8 +44,7 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
     PTK_ASSIGN_OR_RETURN(step_v, EnvIntChecked("SLURM_ARRAY_TASK_STEP"));
     const int64_t mn = mn_v.value_or(0);
     int64_t step = step_v.value_or(1);
-    if (!cnt.has_value())
-      return absl::InvalidArgumentError("usage: SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not");
+    if (!cnt.has_value()) return UsageError("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not");
     if (step <= 0) step = 1;
     s.index = (*id - mn) / step;
     s.count = *cnt;
@@ -56,8 +54,8 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
     PTK_ASSIGN_OR_RETURN(id, EnvIntChecked("JOB_COMPLETION_INDEX"));
     PTK_ASSIGN_OR_RETURN(cnt, EnvIntChecked("JOB_COMPLETIONS"));
     if (!cnt.has_value())
-      return absl::InvalidArgumentError(
-          "usage: JOB_COMPLETION_INDEX is set but JOB_COMPLETIONS is not (set it in the Job's container env to "
+      return UsageError(
+          "JOB_COMPLETION_INDEX is set but JOB_COMPLETIONS is not (set it in the Job's container env to "
           "the Job's spec.completions)");
     s.index = *id;
     s.count = *cnt;
@@ -65,12 +63,9 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
   } else {
     s.source = "default";
   }
-  if (s.count < 1)
-    return absl::InvalidArgumentError(
-        fmt::format("usage: number of shards must be >= 1, got {} (from {})", s.count, s.source));
+  if (s.count < 1) return UsageError(fmt::format("number of shards must be >= 1, got {} (from {})", s.count, s.source));
   if (s.index < 0 || s.index >= s.count)
-    return absl::InvalidArgumentError(
-        fmt::format("usage: shard index {} is outside [0, {}) (from {})", s.index, s.count, s.source));
+    return UsageError(fmt::format("shard index {} is outside [0, {}) (from {})", s.index, s.count, s.source));
   return s;
 }
 

@@ -6,11 +6,30 @@
 
 #include <fmt/core.h>
 
+#include "absl/strings/cord.h"
+
 namespace ptk {
 
 absl::Status Annotate(const absl::Status& status, std::string_view context) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), fmt::format("{}: {}", context, StatusMessage(status)));
+  absl::Status out(status.code(), fmt::format("{}: {}", context, StatusMessage(status)));
+  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
+namespace {
+absl::string_view AbslView(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+}  // namespace
+
+absl::Status UsageError(std::string_view msg) { return AsUsageError(absl::InvalidArgumentError(AbslView(msg))); }
+
+bool IsUsageError(const absl::Status& status) {
+  return !status.ok() && status.GetPayload(AbslView(kUsageErrorUrl)).has_value();
+}
+
+absl::Status AsUsageError(absl::Status status) {
+  if (!status.ok()) status.SetPayload(AbslView(kUsageErrorUrl), absl::Cord());
+  return status;
 }
 
 absl::Status ErrnoToStatus(int err, std::string_view what) {

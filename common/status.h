@@ -14,8 +14,19 @@ namespace ptk {
 // The message of a status as std::string_view (Debian's Abseil has its own string_view type).
 inline std::string_view StatusMessage(const absl::Status& s) { return {s.message().data(), s.message().size()}; }
 
-// Prefixes a status message with context ("path: ..."), keeping the code.
+// Prefixes a status message with context ("path: ..."), keeping the code and the payloads (so a
+// usage error stays one).
 absl::Status Annotate(const absl::Status& status, std::string_view context);
+
+// A usage error: a bad flag, flag value, flag combination or environment setting, whoever finds it
+// (a main or a library). It is kInvalidArgument carrying the payload kUsageErrorUrl, a typed part of
+// the status that Annotate keeps; the message has no prefix. cli::RunMain prints it as
+// "PROG: usage error: MESSAGE" and exits 2; other kInvalidArgument statuses (a bad record) exit 1.
+inline constexpr std::string_view kUsageErrorUrl = "type.googleapis.com/ptk.UsageError";
+absl::Status UsageError(std::string_view msg);
+bool IsUsageError(const absl::Status& status);
+// `status` marked as a usage error (message and code kept); an ok status stays ok.
+absl::Status AsUsageError(absl::Status status);
 
 // errno -> absl::Status with "what: strerror" message. ENOSPC/EDQUOT map to kResourceExhausted.
 absl::Status ErrnoToStatus(int err, std::string_view what);

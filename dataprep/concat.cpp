@@ -288,8 +288,7 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   std::erase_if(left_out, [&](const LeftOutFile& l) { return ours(l.path); });
   ReportLeftOut(left_out);
   auto plan = MakeConcatPlan(inputs, r.output_dir, r.plan);
-  if (!plan.ok() && plan.status().code() == absl::StatusCode::kInvalidArgument)
-    return absl::InvalidArgumentError("usage: " + std::string(StatusMessage(plan.status())));
+  if (!plan.ok() && plan.status().code() == absl::StatusCode::kInvalidArgument) return AsUsageError(plan.status());
   return plan;
 }
 

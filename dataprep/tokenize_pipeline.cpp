@@ -34,9 +34,8 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   for (size_t i = 0; i < opt.json_keys.size(); ++i)
     for (size_t j = 0; j < i; ++j)
       if (opt.json_keys[i] == opt.json_keys[j])
-        return absl::InvalidArgumentError(
-            fmt::format("usage: --json-keys names {:?} twice; each key is one dataset ({}), give it once",
-                        opt.json_keys[i], OutputPrefixFor(opt.output_prefix, opt.json_keys[i])));
+        return UsageError(fmt::format("--json-keys names {:?} twice; each key is one dataset ({}), give it once",
+                                      opt.json_keys[i], OutputPrefixFor(opt.output_prefix, opt.json_keys[i])));
   if (opt.partitions < 1) return absl::InvalidArgumentError("--partitions must be >= 1");
   // A rerun with the inputs and settings every output's sidecar records: nothing to do.
   if (!opt.force) {

@@ -34,13 +34,11 @@ absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::s
       double sum = 0;
       for (size_t k = 0; k < w.size(); ++k) {
         if (!std::isfinite(w[k]) || w[k] < 0)
-          return absl::InvalidArgumentError(
-              fmt::format("usage: data path weight {:?} (of {}) must be a finite number >= 0", list[2 * k],
-                          strip(list[2 * k + 1])));
+          return UsageError(fmt::format("data path weight {:?} (of {}) must be a finite number >= 0", list[2 * k],
+                                        strip(list[2 * k + 1])));
         sum += w[k];
       }
-      if (!(sum > 0))
-        return absl::InvalidArgumentError("usage: every data path weight is 0: give at least one dataset a weight > 0");
+      if (!(sum > 0)) return UsageError("every data path weight is 0: give at least one dataset a weight > 0");
       for (size_t i = 1; i < list.size(); i += 2) prefixes->push_back(strip(list[i]));
       *weights = w;
       return absl::OkStatus();

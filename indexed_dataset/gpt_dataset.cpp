@@ -37,17 +37,16 @@ absl::StatusOr<std::array<double, 3>> ParseAndNormalizeSplit(const std::string& 
     try {
       v.push_back(std::stod(it->str()));
     } catch (...) {
-      return absl::InvalidArgumentError(fmt::format("usage: --split {:?}: {:?} is not a number", split, it->str()));
+      return UsageError(fmt::format("--split {:?}: {:?} is not a number", split, it->str()));
     }
   }
   if (v.empty())
-    return absl::InvalidArgumentError(fmt::format(
-        "usage: --split {:?} holds no number: give the train, valid and test proportions, such as 969,30,1", split));
-  if (v.size() > 3)
-    return absl::InvalidArgumentError(fmt::format("usage: --split {:?} has more than three parts", split));
+    return UsageError(fmt::format(
+        "--split {:?} holds no number: give the train, valid and test proportions, such as 969,30,1", split));
+  if (v.size() > 3) return UsageError(fmt::format("--split {:?} has more than three parts", split));
   while (v.size() < 3) v.push_back(0.0);
   double sum = py::NumpySum(v.data(), v.size());
-  if (!(sum > 0)) return absl::InvalidArgumentError(fmt::format("usage: --split {:?} sums to zero", split));
+  if (!(sum > 0)) return UsageError(fmt::format("--split {:?} sums to zero", split));
   auto n = py::NumpyNormalize(v);
   return std::array<double, 3>{n[0], n[1], n[2]};
 }

@@ -266,14 +266,13 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   } else if (auto it = header.settings.find("--vocab-size"); it != header.settings.end()) {
     c.vocab_size = std::atoll(it->second.c_str());
   } else {
-    return absl::InvalidArgumentError(fmt::format(
-        "usage: {} does not record the tokenizer's vocabulary size (its padded size is {}): give --true-vocab-size",
-        out.file, c.padded_vocab_size));
+    return UsageError(fmt::format(
+        "{} does not record the tokenizer's vocabulary size (its padded size is {}): give --true-vocab-size", out.file,
+        c.padded_vocab_size));
   }
   if (c.vocab_size < 1 || c.vocab_size > c.padded_vocab_size)
-    return absl::InvalidArgumentError(
-        fmt::format("usage: a vocabulary of {} does not fit the checkpoint's padded vocabulary of {}", c.vocab_size,
-                    c.padded_vocab_size));
+    return UsageError(fmt::format("a vocabulary of {} does not fit the checkpoint's padded vocabulary of {}",
+                                  c.vocab_size, c.padded_vocab_size));
   auto seq = header.settings.find("--seq-length");
   c.seq_length = seq != header.settings.end() ? std::atoll(seq->second.c_str()) : c.max_position_embeddings;
   c.seq_length = std::clamp<int64_t>(c.seq_length, 1, c.max_position_embeddings);
@@ -301,8 +300,8 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 
   PTK_ASSIGN_OR_RETURN(auto tokenizer, Gpt2Tokenizer::LoadOrDefault(o.vocab_file, o.merge_file));
   if (tokenizer->vocab_size() != c.vocab_size)
-    return absl::InvalidArgumentError(fmt::format(
-        "usage: the model's vocabulary has {} entries, the tokenizer's {} ({}): give --vocab-file and --merge-file "
+    return UsageError(fmt::format(
+        "the model's vocabulary has {} entries, the tokenizer's {} ({}): give --vocab-file and --merge-file "
         "of the tokenizer the model was trained with",
         c.vocab_size, tokenizer->vocab_size(), o.vocab_file.empty() ? "ptk's built-in GPT-2 files" : o.vocab_file));
   PTK_ASSIGN_OR_RETURN(std::string vocab_json, ReadOrDefault(o.vocab_file, Gpt2Tokenizer::DefaultVocabJson()));
@@ -548,9 +547,9 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
 absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& o) {
   if (o.loader == "ptk" && o.saver == "hf") return ExportToHf(o);
   if (o.loader == "hf" && o.saver == "ptk") return ImportFromHf(o);
-  return absl::InvalidArgumentError(fmt::format(
-      "usage: --loader {} --saver {}: ptk-convert converts --loader ptk --saver hf and --loader hf --saver ptk",
-      o.loader, o.saver));
+  return UsageError(
+      fmt::format("--loader {} --saver {}: ptk-convert converts --loader ptk --saver hf and --loader hf --saver ptk",
+                  o.loader, o.saver));
 }
 
 }  // namespace ptk::interop

@@ -154,7 +154,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadOrDefault(cons
                                                                             const std::string& merges_path) {
   if (vocab_path.empty() && merges_path.empty()) return LoadDefault();
   if (vocab_path.empty() || merges_path.empty())
-    return absl::InvalidArgumentError("usage: --vocab-file and --merge-file go together (or give neither for GPT-2's)");
+    return UsageError("--vocab-file and --merge-file go together (or give neither for GPT-2's)");
   return Load(vocab_path, merges_path);
 }
 

@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
       std::vector<std::string> items = ptk::PlanChunkPaths(plan);
       items.insert(items.end(), list_with.begin(), list_with.end());
       if ((list_shard_index || list_num_shards) && !list_this_task)
-        return ptk::cli::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
+        return ptk::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
       ptk::ShardSpec shard;  // everything
       if (list_this_task) {
         PTK_ASSIGN_OR_RETURN(shard, ptk::ResolveShard(list_shard_index, list_num_shards));
@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
       return Run(plan, run_args);
     }
     if (top.inputs.empty() || top.output_dir.empty())
-      return ptk::cli::UsageError("give --input and --output-dir (or use the plan / run subcommands)");
+      return ptk::UsageError("give --input and --output-dir (or use the plan / run subcommands)");
     PTK_ASSIGN_OR_RETURN(auto plan, PlanAndWrite(top, top_run.plan_path));
     return Run(plan, top_run);
   });

@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    if (opt.repo.empty() == opt.url_list.empty()) return ptk::cli::UsageError("give either --repo or --url-list");
+    if (opt.repo.empty() == opt.url_list.empty()) return ptk::UsageError("give either --repo or --url-list");
     PTK_RETURN_IF_ERROR(ptk::cli::CheckInputFile("--url-list", opt.url_list));
     while (!opt.endpoint.empty() && opt.endpoint.back() == '/') opt.endpoint.pop_back();
     PTK_ASSIGN_OR_RETURN(opt.token, ptk::FindHfToken(token_file));

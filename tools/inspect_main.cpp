@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
       decode = [&tok](const std::vector<int32_t>& ids) { return tok->Decode(ids); };
     }
     if (sample_opt->count() > 0) {
-      if (seq_length < 2) return ptk::cli::UsageError("--sample needs --seq-length");
+      if (seq_length < 2) return ptk::UsageError("--sample needs --seq-length");
       if (decode) decode = [&tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids); };
       ptk::DataArgs args;
       args.data_path =
@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
       std::fputs(text.c_str(), stdout);
       return absl::OkStatus();
     }
-    if (prefix.empty()) return ptk::cli::UsageError("give the dataset PREFIX");
+    if (prefix.empty()) return ptk::UsageError("give the dataset PREFIX");
     PTK_ASSIGN_OR_RETURN(prefix, ptk::ResolveDatasetPrefix(prefix));  // PREFIX, PREFIX.bin or PREFIX.idx
     PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, multimodal));
     if (verify) {

@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    if (input_dir.empty() && inputs.empty()) return ptk::cli::UsageError("give --input DIR or --inputs PREFIX...");
+    if (input_dir.empty() && inputs.empty()) return ptk::UsageError("give --input DIR or --inputs PREFIX...");
     PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputPrefix("--output-prefix", output_prefix, ".bin"));
     std::string out_dir = ptk::Dirname(output_prefix);
     if (!ptk::IsDirectory(out_dir))

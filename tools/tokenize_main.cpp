@@ -92,22 +92,21 @@ int main(int argc, char** argv) {
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (tokenizer_type != "GPT2BPETokenizer")
-      return ptk::cli::UsageError(
+      return ptk::UsageError(
           fmt::format("--tokenizer-type {} is not supported; ptk implements GPT2BPETokenizer", tokenizer_type));
     if (dataset_impl != "mmap")
-      return ptk::cli::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", dataset_impl));
+      return ptk::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", dataset_impl));
     PTK_RETURN_IF_ERROR(refused.Check());
     if (tokenizer_library != "megatron")
-      return ptk::cli::UsageError(fmt::format(
+      return ptk::UsageError(fmt::format(
           "--tokenizer-library {} is not supported: only megatron (GPT-2 BPE) is; use NeMo's script for others",
           tokenizer_library));
     if (preproc_folder) {
       if (inputs.size() != 1 || !ptk::IsDirectory(inputs[0]))
-        return ptk::cli::UsageError("--preproc-folder: --input must name one directory");
+        return ptk::UsageError("--preproc-folder: --input must name one directory");
       if (files_filter.empty()) files_filter = "**/*.json*";  // NeMo's default
     }
-    if (vocab_file.empty() != merge_file.empty())
-      return ptk::cli::UsageError("--vocab-file and --merge-file go together");
+    if (vocab_file.empty() != merge_file.empty()) return ptk::UsageError("--vocab-file and --merge-file go together");
     PTK_RETURN_IF_ERROR(
         ptk::cli::CheckOutputPrefix("--output-prefix", opt.output_prefix,
                                     "_" + (opt.json_keys.empty() ? "text" : opt.json_keys[0]) + "_document.bin"));
@@ -125,7 +124,7 @@ int main(int argc, char** argv) {
       return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
     PTK_ASSIGN_OR_RETURN(opt.inputs, ptk::ExpandTokenizeInputs(inputs, files_filter));
     opt.workers = workers;
-    if (batch_mb > 4096) return ptk::cli::UsageError(fmt::format("--batch-mb {} is more than 4096", batch_mb));
+    if (batch_mb > 4096) return ptk::UsageError(fmt::format("--batch-mb {} is more than 4096", batch_mb));
     if (batch_opt->count() > 0) opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(batch_mb * (1 << 20)));
     opt.progress = !quiet;
     opt.megatron_log = !quiet;

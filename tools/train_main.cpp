@@ -55,8 +55,8 @@ int main(int argc, char** argv) {
     PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainOptions options, ptk::trainer::ResolveTrainFlags(flags, &notes));
     auto env_ranks = ptk::TrainingRanksFromEnv();
     // A bad RANK / WORLD_SIZE / MASTER_PORT is a usage error (exit 2), as a bad flag.
-    if (absl::IsInvalidArgument(env_ranks.status()) && ptk::StatusMessage(env_ranks.status()).rfind("usage: ", 0) != 0)
-      return absl::InvalidArgumentError(fmt::format("usage: environment: {}", ptk::StatusMessage(env_ranks.status())));
+    if (absl::IsInvalidArgument(env_ranks.status()) && !ptk::IsUsageError(env_ranks.status()))
+      return ptk::UsageError(fmt::format("environment: {}", ptk::StatusMessage(env_ranks.status())));
     PTK_ASSIGN_OR_RETURN(ptk::TrainingRanks ranks, std::move(env_ranks));
     std::unique_ptr<ptk::trainer::Communicator> comm;
     if (ranks.world_size == 1) {

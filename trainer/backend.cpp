@@ -32,8 +32,8 @@ Device DefaultDevice() { return CudaDeviceCount() > 0 ? Device::kCuda : Device::
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   if (backend.device == Device::kCpu) {
     if (backend.precision != Precision::kFp32)
-      return absl::InvalidArgumentError(fmt::format(
-          "usage: --{} needs --device cuda: the CPU backend trains in fp32 only", PrecisionName(backend.precision)));
+      return UsageError(fmt::format("--{} needs --device cuda: the CPU backend trains in fp32 only",
+                                    PrecisionName(backend.precision)));
     PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m, CpuGPTModel::Create(config));
     return std::unique_ptr<GPTModel>(std::move(m));
   }

@@ -6,6 +6,8 @@
 
 #include <fmt/core.h>
 
+#include "common/status.h"
+
 namespace ptk::trainer {
 
 absl::Status SchedulerConfig::Validate() const {
@@ -99,8 +101,8 @@ absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& h
   }
   switch (mode) {
     case SchedulerOnLoad::kCheck:
-      return absl::InvalidArgumentError(fmt::format(
-          "usage: the learning-rate schedule differs from the one the checkpoint of iteration {} was saved with: {}. "
+      return UsageError(fmt::format(
+          "the learning-rate schedule differs from the one the checkpoint of iteration {} was saved with: {}. "
           "As in Megatron, a resume stops here: add --use-checkpoint-opt_param-scheduler to go on with the "
           "checkpoint's schedule, or --override-opt_param-scheduler to take this command line's",
           checkpoint_iteration, list));

@@ -12,7 +12,7 @@
 namespace ptk::trainer {
 
 absl::Status LossScaleConfig::Validate() const {
-  auto bad = [](const std::string& m) { return absl::InvalidArgumentError("usage: " + m); };
+  auto bad = [](const std::string& m) { return UsageError(m); };
   if (!(scale > 0) || !std::isfinite(scale)) return bad("the loss scale must be a positive finite number");
   if (!(min_scale > 0) || !std::isfinite(min_scale)) return bad("--min-loss-scale must be a positive finite number");
   if (dynamic && min_scale > scale) return bad("--min-loss-scale must not exceed --initial-loss-scale");

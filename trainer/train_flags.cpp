@@ -107,7 +107,7 @@ constexpr ModelRefusal kModelRefusals[] = {
      "tiktoken model is not used"},
 };
 
-absl::Status Refuse(const std::string& msg) { return absl::InvalidArgumentError("usage: " + msg); }
+absl::Status Refuse(const std::string& msg) { return UsageError(msg); }
 
 // Range checks, attached where each flag is declared (CLI11 runs them on the text before
 // converting it): a value outside the range, or not a number, is a usage error naming the flag.

@@ -311,8 +311,8 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
   for (int up = 0; up < 3 && !dir.empty() && dir != "/" && dir != "."; ++up) {
     dir = Dirname(dir);
     if (PathExists(JoinPath(dir, "latest_checkpointed_iteration.txt")))
-      return absl::InvalidArgumentError(
-          fmt::format("usage: --load {} is inside a checkpoint directory: --load takes the directory that holds "
+      return UsageError(
+          fmt::format("--load {} is inside a checkpoint directory: --load takes the directory that holds "
                       "latest_checkpointed_iteration.txt (it resumes from the iteration that file names): did you "
                       "mean --load {}?",
                       load, dir));
@@ -367,13 +367,13 @@ absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine) {
   const size_t index = static_cast<size_t>(first_diff[static_cast<size_t>(first)]) - 1;
   const std::string others = differing > 1 ? fmt::format(" ({} ranks differ from rank 0)", differing) : "";
   if (index >= root_order.size())
-    return absl::InvalidArgumentError(fmt::format(
-        "usage: rank {} runs another ptk-train version than rank 0 (their settings differ in kind){}", first, others));
+    return UsageError(fmt::format(
+        "rank {} runs another ptk-train version than rank 0 (their settings differ in kind){}", first, others));
   const std::string& flag = root_order[index];
   auto it = other.find(flag);
-  return absl::InvalidArgumentError(fmt::format(
-      "usage: rank {} was started with {}, rank 0 with {}: every rank needs the same flags{}", first,
-      it == other.end() ? "(no such setting)" : Shown(flag, it->second), Shown(flag, root.at(flag)), others));
+  return UsageError(fmt::format("rank {} was started with {}, rank 0 with {}: every rank needs the same flags{}", first,
+                                it == other.end() ? "(no such setting)" : Shown(flag, it->second),
+                                Shown(flag, root.at(flag)), others));
 }
 
 double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
@@ -428,7 +428,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       std::fflush(stdout);
     }
   };
-  auto usage = [](const std::string& m) { return absl::InvalidArgumentError("usage: " + m); };
+  auto usage = [](const std::string& m) { return UsageError(m); };
 
   // ---- batch arithmetic and lengths, as Megatron's argument validation
   const int64_t mbs = o.micro_batch_size;

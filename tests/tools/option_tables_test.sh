@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every tool's option table passes CheckOptionTable (long names, help text, no flag defined twice),
 # every tool answers --help and --version with exit 0, and a one-dash long flag with the flag meant.
+# Every tool's wrong flags and bad values exit 2 with "usage error: ...", whether the option table,
+# the main or a library finds them (a usage error is a typed part of the status, common/status.h).
 # Usage: option_tables_test.sh BIN_DIR
 set -uo pipefail
 BIN=$1
@@ -15,5 +17,63 @@ for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-mer
   [ "$rc" = 2 ] && [[ $out == *"unknown flag -version; did you mean --version?"* ]] ||
     { echo "FAIL: $tool -version (rc $rc): $out"; fail=1; }
 done
+
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+mkdir -p "$T/in"
+echo '{"text": "a"}' >"$T/in/a.jsonl"
+: >"$T/x.zst"
+# usage CMD... -- EXPECTED: CMD (env VAR=... allowed) exits 2 printing "usage error: EXPECTED".
+usage() {
+  local cmd=() expected
+  while [ "$1" != -- ]; do cmd+=("$1"); shift; done
+  expected=$2
+  out=$("${cmd[@]}" 2>&1 </dev/null); rc=$?
+  [ "$rc" = 2 ] && [[ $out == *"usage error: $expected"* ]] ||
+    { echo "FAIL: ${cmd[*]}: rc $rc, expected 2 and 'usage error: $expected': $out"; fail=1; }
+}
+for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train ptk-convert; do
+  usage "$BIN/$tool" --no-such-flag -- "unknown flag --no-such-flag"
+done
+TRAIN=("$BIN/ptk-train" --num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --lr 1e-3
+  --train-iters 1 --micro-batch-size 1)
+# Bad values (the option table's validators).
+usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0 -- "--jobs: Value 0 not in range"
+usage "$BIN/ptk-extract" "$T/x.zst" --jobs abc -- '--jobs: must be a positive number, not "abc"'
+usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chunks: must be a positive number'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0 -- "--workers: must be"
+usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2 not in"
+usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
+usage "$BIN/ptk-convert" --loader xx --saver hf --load-dir "$T" --save-dir "$T/o" -- "--loader: xx not in"
+usage "${TRAIN[@]}" --data-path "$T/p" --micro-batch-size 0 -- "--micro-batch-size: must be an integer in [1,"
+# Found by a main.
+usage "$BIN/ptk-download" --local-dir "$T/d" -- "give either --repo or --url-list"
+usage "$BIN/ptk-merge" --output-prefix "$T/m" -- "give --input DIR or --inputs PREFIX"
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 -- "--sample needs --seq-length"
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --dataset-impl lazy -- "--dataset-impl lazy"
+usage env RANK=x WORLD_SIZE=2 "${TRAIN[@]}" --data-path "$T/p" -- "environment: torchrun-style launch"
+# Found by a library (common, dataprep, tokenizer, indexed_dataset, trainer, interop).
+usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --shard-index 1 -- \
+  "--shard-index and --num-shards must be given together"
+usage env SLURM_ARRAY_TASK_ID=x "$BIN/ptk-download" --local-dir "$T/d" --repo a/b -- \
+  'SLURM_ARRAY_TASK_ID="x" is not an integer'
+usage env JOB_COMPLETION_INDEX=1 "$BIN/ptk-extract" "$T/x.zst" -- "JOB_COMPLETION_INDEX is set but JOB_COMPLETIONS"
+usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --name-pattern 'a/{}' -- \
+  '--name-pattern "a/{}" gives an invalid file name'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --json-keys text text -- \
+  '--json-keys names "text" twice'
+usage "$BIN/ptk-inspect" --sample 0 --seq-length 8 --format ids --data-path 0 "$T/p" -- "every data path weight is 0"
+usage "$BIN/ptk-inspect" --sample 0 --seq-length 8 --format ids --data-path -1 "$T/p" -- \
+  'data path weight "-1" (of '
+usage "${TRAIN[@]}" --data-path "$T/p" --split 1,2,3,4 -- '--split "1,2,3,4" has more than three parts'
+usage "${TRAIN[@]}" --data-path "$T/p" --bf16 -- "--bf16: the CPU backend trains in fp32"
+usage "${TRAIN[@]}" --data-path "$T/p" --global-batch-size 3 --micro-batch-size 2 -- \
+  "--global-batch-size (3) must be a multiple of --micro-batch-size (2)"
+usage "${TRAIN[@]}" --data-path "$T/p" --tensor-model-parallel-size 2 -- "--tensor-model-parallel-size 2:"
+usage "$BIN/ptk-convert" --loader hf --saver hf --load-dir "$T" --save-dir "$T/o" -- \
+  "--loader hf --saver hf: ptk-convert converts"
+# Not a usage error: a dataset that does not exist is exit 1.
+out=$("${TRAIN[@]}" --data-path "$T/p" 2>&1); rc=$?
+[ "$rc" = 1 ] && [[ $out != *"usage error"* ]] || { echo "FAIL: a missing dataset: rc $rc: $out"; fail=1; }
 [ "$fail" = 0 ] && echo "option tables: OK"
 exit "$fail"

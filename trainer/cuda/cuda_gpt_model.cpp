@@ -106,9 +106,9 @@ class CudaGPTModelImpl final : public GPTModel {
           "--device cuda: no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them all); "
           "train with --device cpu, or run on a GPU node");
     if (device < 0 || device >= visible)
-      return absl::InvalidArgumentError(fmt::format(
-          "usage: CUDA device {} (the local rank) does not exist: {} device(s) visible; start one process per GPU",
-          device, visible));
+      return UsageError(
+          fmt::format("CUDA device {} (the local rank) does not exist: {} device(s) visible; start one process per GPU",
+                      device, visible));
     PTK_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), fmt::format("selecting CUDA device {}", device));
     cudaDeviceProp prop{};
     PTK_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device), fmt::format("properties of device {}", device));
