@@ -1,8 +1,11 @@
 // BlendedMegatronDatasetBuilder: Megatron's data arguments -> one top-level dataset per split.
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 
+#include <cctype>
+#include <charconv>
 #include <cmath>
 #include <map>
+#include <string_view>
 
 #include <fmt/core.h>
 
@@ -10,6 +13,20 @@
 #include "common/status.h"
 
 namespace ptk {
+namespace {
+
+// A data path weight: the whole string a decimal number (leading white space and a sign allowed,
+// inf and nan too, as strtod reads them), or nullopt; a value out of double's range is no weight.
+std::optional<double> ParseWeight(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  if (s.size() > 1 && s.front() == '+' && s[1] != '-' && s[1] != '+') s.remove_prefix(1);  // from_chars takes no '+'
+  double x = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+  return x;
+}
+
+}  // namespace
 
 absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,
                         std::optional<std::vector<double>>* weights) {
@@ -21,12 +38,9 @@ absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::s
     std::vector<double> w;
     bool all_numbers = true;
     for (size_t i = 0; i < list.size(); i += 2) {
-      try {
-        size_t used = 0;
-        double x = std::stod(list[i], &used);
-        if (used != list[i].size()) throw std::invalid_argument("");
-        w.push_back(x);
-      } catch (...) {
+      if (std::optional<double> x = ParseWeight(list[i])) {
+        w.push_back(*x);
+      } else {
         all_numbers = false;
       }
     }

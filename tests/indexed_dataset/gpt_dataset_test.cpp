@@ -13,6 +13,7 @@
 
 #include "common/file_util.h"
 #include "common/py_format.h"
+#include "common/status.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "indexed_dataset/data_loader.h"
 #include "indexed_dataset/numpy_random.h"
@@ -534,6 +535,29 @@ TEST(GPTDataset, LargeSplitsEqualAStraightforwardBuild) {
     ASSERT_EQ(sh.size(), ns);
     for (int64_t i = 0; i < ns; ++i) ASSERT_EQ(sh.at(i), shuf[static_cast<size_t>(i)]) << "shuffle_index[" << i << "]";
   }
+}
+
+// Megatron's --data-path: weights and prefixes, or prefixes alone; a number is the whole string.
+TEST(ParseBlend, WeightsArePrefixedNumbersAndBadWeightsAreUsageErrors) {
+  std::vector<std::string> prefixes;
+  std::optional<std::vector<double>> weights;
+  ASSERT_TRUE(ParseBlend({"0.3", "a", " +0.7", " b "}, &prefixes, &weights).ok());
+  EXPECT_EQ(prefixes, (std::vector<std::string>{"a", "b"}));
+  ASSERT_TRUE(weights.has_value());
+  EXPECT_EQ(*weights, (std::vector<double>{0.3, 0.7}));
+  // Not numbers (a trailing letter, out of double's range): every entry is a prefix.
+  for (const char* not_a_number : {"1x", "1e999", "", "+-1", "0x1p3"}) {
+    ASSERT_TRUE(ParseBlend({not_a_number, "a"}, &prefixes, &weights).ok()) << not_a_number;
+    EXPECT_FALSE(weights.has_value()) << not_a_number;
+    EXPECT_EQ(prefixes.size(), 2u) << not_a_number;
+  }
+  for (const std::vector<std::string>& bad :
+       std::vector<std::vector<std::string>>{{"-1", "a", "1", "b"}, {"inf", "a"}, {"nan", "a"}, {"0", "a", "0", "b"}}) {
+    absl::Status st = ParseBlend(bad, &prefixes, &weights);
+    EXPECT_TRUE(IsUsageError(st)) << bad[0] << ": " << st;
+  }
+  const absl::Status mixed = ParseBlend({"1", "a", "b", "c"}, &prefixes, &weights);
+  EXPECT_TRUE(absl::IsInvalidArgument(mixed)) << mixed;
 }
 
 }  // namespace
