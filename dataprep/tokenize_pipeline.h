@@ -3,7 +3,7 @@
 //
 // oneTBB pipeline over batches of whole lines: serial in-order read -> parallel parse (simdjson)
 // and encode -> serial in-order write. Output bytes do not depend on the number of workers.
-// Memory is bounded: at most 2*workers+2 batches are in flight, each holding its lines (about
+// Memory is bounded: at most workers + 2 batches are in flight, each holding its lines (about
 // --batch-bytes, or one longer line) and their ids.
 #pragma once
 
