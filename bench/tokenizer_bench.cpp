@@ -11,7 +11,7 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/file_io.h"
 #include "dataprep/json_record.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tokenizer/pretokenizer.h"

@@ -8,7 +8,7 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/human_format.h"
 #include "common/logging.h"
 
 namespace ptk {

@@ -2,7 +2,7 @@
 // sidecars and resume records) do not load libcrypto.
 #include <xxhash.h>
 
-#include "common/file_util.h"
+#include "common/file_io.h"
 #include "common/hash.h"
 #include "common/status.h"
 

@@ -16,7 +16,9 @@
 #include <fmt/format.h>
 #include <simdjson.h>
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/json_writer.h"
 #include "common/logging.h"

@@ -6,7 +6,10 @@
 #include <fmt/core.h>
 
 #include "absl/strings/ascii.h"
-#include "common/file_util.h"
+#include "common/atomic_file.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "common/human_format.h"
 #include "common/logging.h"
 #include "common/parallel.h"
 #include "common/progress.h"

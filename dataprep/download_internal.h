@@ -27,8 +27,9 @@
 #include <fmt/core.h>
 #include <simdjson.h>
 
-#include "common/file_util.h"
+#include "common/file_io.h"
 #include "common/hash.h"
+#include "common/human_format.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/numbers.h"

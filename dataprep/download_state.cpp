@@ -1,4 +1,6 @@
 // ptk-download's state on disk: the listing manifest, URL lists, done logs.
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "dataprep/download_internal.h"
 
 namespace ptk::download_detail {

@@ -14,7 +14,9 @@
 #include <fmt/core.h>
 #include <simdjson.h>
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/json_writer.h"
 #include "common/logging.h"

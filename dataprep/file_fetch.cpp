@@ -5,6 +5,10 @@
 // attempts and what each answer means).
 #include "dataprep/download_internal.h"
 
+#include "common/atomic_file.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "common/human_format.h"
 #include "common/output_lock.h"
 
 namespace ptk::download_detail {

@@ -1,4 +1,5 @@
 // ptk-download: the Hub API (listing at a pinned revision) and its small helpers.
+#include "common/human_format.h"
 #include "dataprep/download_internal.h"
 
 namespace ptk::download_detail {

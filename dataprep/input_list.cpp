@@ -10,7 +10,7 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
 

@@ -9,7 +9,9 @@
 
 #include "absl/strings/ascii.h"
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/logging.h"
 #include "common/output_lock.h"

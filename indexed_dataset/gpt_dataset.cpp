@@ -11,7 +11,8 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/logging.h"
 #include "common/status.h"

@@ -10,7 +10,7 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "indexed_dataset/gpt_dataset.h"

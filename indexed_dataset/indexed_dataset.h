@@ -11,7 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/file_util.h"
+#include "common/atomic_file.h"
 #include "common/hash.h"
 #include "common/mmap_file.h"
 #include "common/output_lock.h"

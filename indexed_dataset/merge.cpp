@@ -9,7 +9,7 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/file_paths.h"
 #include "common/status.h"
 #include "indexed_dataset/indexed_dataset.h"
 

@@ -9,7 +9,7 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
 #include "common/status.h"
 
 namespace ptk {

@@ -10,7 +10,7 @@
 #include <fmt/core.h>
 #include <simdjson.h>
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
 #include "common/json_writer.h"
 #include "common/status.h"
 

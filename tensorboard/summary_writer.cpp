@@ -12,7 +12,8 @@
 #include <fmt/core.h>
 #include <isa-l/crc.h>
 
-#include "common/file_util.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/status.h"
 #include "tensorboard_event.pb.h"
 

@@ -7,7 +7,7 @@
 #include <fmt/core.h>
 #include <simdjson.h>
 
-#include "common/file_util.h"
+#include "common/file_io.h"
 #include "common/status.h"
 #include "common/utf8.h"
 #include "tokenizer/gpt2_piece_key.h"

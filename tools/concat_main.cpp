@@ -5,7 +5,8 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
-#include "common/file_util.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/slurm_env.h"
 #include "common/status.h"

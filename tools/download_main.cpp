@@ -6,7 +6,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
-#include "common/file_util.h"
+#include "common/human_format.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/download.h"

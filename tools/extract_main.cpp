@@ -4,7 +4,6 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
-#include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/extract.h"

@@ -2,7 +2,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
-#include "common/file_util.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "indexed_dataset/merge.h"

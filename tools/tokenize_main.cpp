@@ -4,7 +4,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
-#include "common/file_util.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/input_list.h"

@@ -1,5 +1,8 @@
 // common/: atomic writer, natural order, globbing, shard resolution.
-#include "common/file_util.h"
+#include "common/atomic_file.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "common/human_format.h"
 
 #include <sys/stat.h>
 

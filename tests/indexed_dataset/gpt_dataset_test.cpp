@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
 #include "common/py_format.h"
 #include "common/status.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"

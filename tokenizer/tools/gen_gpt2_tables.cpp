@@ -4,7 +4,7 @@
 // Usage: gen_gpt2_tables OUT.bin
 #include <cstdio>
 
-#include "common/file_util.h"
+#include "common/atomic_file.h"
 #include "common/status.h"
 #include "tokenizer/gpt2_tokenizer.h"
 
