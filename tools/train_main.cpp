@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include <tbb/global_control.h>
@@ -16,7 +17,7 @@
 #include "common/status.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "trainer/comm.h"
-#include "trainer/comm_gloo.h"
+#include "trainer/distributed.h"
 #include "trainer/train_flags.h"
 #include "trainer/training.h"
 
@@ -58,23 +59,27 @@ int main(int argc, char** argv) {
     if (absl::IsInvalidArgument(env_ranks.status()) && !ptk::IsUsageError(env_ranks.status()))
       return ptk::UsageError(fmt::format("environment: {}", ptk::StatusMessage(env_ranks.status())));
     PTK_ASSIGN_OR_RETURN(ptk::TrainingRanks ranks, std::move(env_ranks));
-    std::unique_ptr<ptk::trainer::Communicator> comm;
-    if (ranks.world_size == 1) {
-      comm = ptk::trainer::MakeLocalCommunicator();
-    } else {
-      ptk::trainer::GlooOptions g;
-      g.rank = ranks.rank;
-      g.world_size = ranks.world_size;
-      g.master_addr = ranks.master_addr;
-      g.master_port = ranks.master_port;
-      if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) g.iface = iface;
-      if (flags.distributed_timeout_minutes > 0)
-        g.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.distributed_timeout_minutes * 60000));
-      PTK_ASSIGN_OR_RETURN(comm, ptk::trainer::MakeGlooCommunicator(g));
-      if (ranks.rank == 0)
-        ptk::log::Info("data parallel: {} ranks ({}), rendezvous at {}:{}", ranks.world_size, ranks.source,
-                       ranks.master_addr, ranks.master_port);
-    }
+    ptk::trainer::DistributedOptions d;
+    d.backend = options.distributed_backend;
+    d.backend_given = !flags.distributed_backend.empty();
+    d.rank = ranks.rank;
+    d.world_size = ranks.world_size;
+    d.local_rank = ranks.local_rank;
+    d.master_addr = ranks.master_addr;
+    d.master_port = ranks.master_port;
+    if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) d.gloo_iface = iface;
+    if (flags.distributed_timeout_minutes > 0)
+      d.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.distributed_timeout_minutes * 60000));
+    // NCCL's watchdog aborted a collective and this process did not come back from the GPU: end it,
+    // so that the job fails instead of hanging until its time limit.
+    d.on_stuck = [](const absl::Status& st) {
+      ptk::log::Error("{}; the process did not return from the GPU after the abort: exiting", ptk::StatusMessage(st));
+      std::_Exit(1);
+    };
+    PTK_ASSIGN_OR_RETURN(std::unique_ptr<ptk::trainer::Communicator> comm, ptk::trainer::CreateCommunicator(d));
+    if (ranks.rank == 0 && comm->size() > 1)
+      ptk::log::Info("data parallel: {} ranks ({}), {}, rendezvous at {}:{}", ranks.world_size, ranks.source,
+                     comm->backend(), ranks.master_addr, ranks.master_port);
     if (comm->rank() == 0)
       for (const std::string& n : notes) ptk::log::Info("note: {}", n);
 

@@ -1,20 +1,9 @@
-// gloo communicator and the TCP key-value store its rendezvous uses.
+// gloo communicator (its rendezvous: trainer/rendezvous.h).
 #include "trainer/comm_gloo.h"
 
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstring>
-#include <map>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
@@ -28,210 +17,33 @@
 #include <gloo/types.h>
 
 #include "common/status.h"
+#include "trainer/rendezvous.h"
 
 namespace ptk::trainer {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+std::string Suffix(const std::string& s) { return s.empty() ? "" : "; " + s; }
 
-// ---- wire helpers: [u8 op][u32 key][key]([u32 value][value]) ; replies [u32 value][value]
-bool SendAll(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t w = ::send(fd, c, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-bool RecvAll(int fd, void* p, size_t n) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    ssize_t r = ::recv(fd, c, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-bool SendBlob(int fd, const std::string& s) {
-  uint32_t n = static_cast<uint32_t>(s.size());
-  return SendAll(fd, &n, 4) && SendAll(fd, s.data(), s.size());
-}
-bool RecvBlob(int fd, std::string* s) {
-  uint32_t n = 0;
-  if (!RecvAll(fd, &n, 4) || n > (64u << 20)) return false;
-  s->resize(n);
-  return RecvAll(fd, s->data(), n);
-}
-
-// Rank 0's store: one thread, poll(2) over the listening socket and the clients.
-class StoreServer {
+// gloo's Store interface over the rendezvous store. gloo catches nothing: failures throw, turned
+// into a Status by the communicator.
+class GlooStore : public gloo::rendezvous::Store {
  public:
-  ~StoreServer() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-    for (int fd : clients_) ::close(fd);
-    if (listen_fd_ >= 0) ::close(listen_fd_);
-  }
-  absl::Status Start(int port) {
-    listen_fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
-    bool v6 = listen_fd_ >= 0;
-    if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (listen_fd_ < 0) return ErrnoToStatus(errno, "rendezvous socket");
-    int one = 1, zero = 0;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc;
-    if (v6) {
-      ::setsockopt(listen_fd_, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-      sockaddr_in6 a{};
-      a.sin6_family = AF_INET6;
-      a.sin6_addr = in6addr_any;
-      a.sin6_port = htons(static_cast<uint16_t>(port));
-      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    } else {
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_ANY);
-      a.sin_port = htons(static_cast<uint16_t>(port));
-      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    }
-    if (rc != 0)
-      return ErrnoToStatus(errno, fmt::format("rank 0: rendezvous on MASTER_PORT {} (is another job using it?)", port));
-    if (::listen(listen_fd_, 512) != 0) return ErrnoToStatus(errno, "rendezvous listen");
-    thread_ = std::thread([this] { Loop(); });
-    return absl::OkStatus();
-  }
-
- private:
-  void Loop() {
-    std::map<int, std::vector<std::string>> waiting;  // fd -> keys it waits for (one get at a time)
-    while (!stop_) {
-      std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
-      for (int fd : clients_) fds.push_back({fd, POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
-      if (fds[0].revents & POLLIN) {
-        int c = ::accept(listen_fd_, nullptr, nullptr);
-        if (c >= 0) clients_.push_back(c);
-      }
-      for (size_t i = 1; i < fds.size(); ++i) {
-        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        int fd = fds[i].fd;
-        uint8_t op = 0;
-        std::string key, value;
-        bool ok = RecvAll(fd, &op, 1) && RecvBlob(fd, &key);
-        if (ok && op == 'S') {
-          ok = RecvBlob(fd, &value);
-          if (ok) {
-            kv_[key] = value;
-            ok = SendAll(fd, "k", 1);
-          }
-        } else if (ok && op == 'G') {
-          waiting[fd].push_back(key);
-        } else {
-          ok = false;
-        }
-        if (!ok) {
-          ::close(fd);
-          waiting.erase(fd);
-          clients_.erase(std::find(clients_.begin(), clients_.end(), fd));
-        }
-      }
-      for (auto it = waiting.begin(); it != waiting.end();) {  // answer gets whose key has arrived
-        auto& keys = it->second;
-        while (!keys.empty() && kv_.count(keys.front())) {
-          SendBlob(it->first, kv_[keys.front()]);
-          keys.erase(keys.begin());
-        }
-        it = keys.empty() ? waiting.erase(it) : std::next(it);
-      }
-    }
-  }
-  int listen_fd_ = -1;
-  std::vector<int> clients_;
-  std::map<std::string, std::string> kv_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
-// gloo's Store interface over one connection to rank 0's server. gloo catches nothing: failures
-// throw gloo::IoException, turned into a Status by the communicator.
-class TcpStore : public gloo::rendezvous::Store {
- public:
-  ~TcpStore() override {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  absl::Status Connect(const std::string& host, int port, std::chrono::milliseconds timeout) {
-    timeout_ = timeout;
-    const auto deadline = Clock::now() + timeout;
-    std::string last = "no attempt";
-    while (Clock::now() < deadline) {
-      addrinfo hints{}, *res = nullptr;
-      hints.ai_socktype = SOCK_STREAM;
-      int g = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-      if (g != 0) return absl::InvalidArgumentError(fmt::format("MASTER_ADDR {}: {}", host, gai_strerror(g)));
-      for (addrinfo* a = res; a; a = a->ai_next) {
-        int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-        if (fd < 0) continue;
-        if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-          timeval tv{static_cast<time_t>(timeout.count() / 1000),
-                     static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
-          ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-          int one = 1;
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-          fd_ = fd;
-          ::freeaddrinfo(res);
-          return absl::OkStatus();
-        }
-        last = std::strerror(errno);
-        ::close(fd);
-      }
-      ::freeaddrinfo(res);
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-    return absl::DeadlineExceededError(
-        fmt::format("rendezvous: rank 0 at {}:{} did not answer within {} s ({}); is rank 0 running, "
-                    "MASTER_ADDR/MASTER_PORT right?",
-                    host, port, timeout.count() / 1000, last));
-  }
+  explicit GlooStore(RendezvousStore* store) : store_(store) {}
   void set(const std::string& key, const std::vector<char>& data) override {
-    uint8_t op = 'S';
-    char ack = 0;
-    if (!SendAll(fd_, &op, 1) || !SendBlob(fd_, key) || !SendBlob(fd_, std::string(data.begin(), data.end())) ||
-        !RecvAll(fd_, &ack, 1))
-      throw std::runtime_error("lost the connection to rank 0 (which serves the rendezvous): did rank 0 exit?");
+    absl::Status st = store_->Set(key, std::string(data.begin(), data.end()));
+    if (!st.ok()) throw std::runtime_error(std::string(StatusMessage(st)));
   }
   std::vector<char> get(const std::string& key) override {
-    uint8_t op = 'G';
-    std::string v;
-    errno = 0;
-    if (!SendAll(fd_, &op, 1) || !SendBlob(fd_, key) || !RecvBlob(fd_, &v)) {
-      const int e = errno;
-      // gloo's full-mesh rendezvous waits for each rank's address under the rank's number.
-      const bool is_rank = !key.empty() && key.find_first_not_of("0123456789") == std::string::npos;
-      const std::string what = is_rank ? "rank " + key : "key '" + key + "'";
-      if (e == EAGAIN || e == EWOULDBLOCK)
-        throw std::runtime_error(fmt::format(
-            "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the "
-            "same MASTER_ADDR and MASTER_PORT{}",
-            what, timeout_.count() / 1000.0, world_size_, is_rank ? "; is that rank running?" : ""));
-      throw std::runtime_error(fmt::format(
-          "lost the connection to rank 0 (which serves the rendezvous) while waiting for {}: did rank 0 exit?", what));
-    }
-    return {v.begin(), v.end()};
+    absl::StatusOr<std::string> v = store_->Get(key);
+    if (!v.ok()) throw std::runtime_error(std::string(StatusMessage(v.status())));
+    return {v->begin(), v->end()};
   }
-  void set_world_size(int n) { world_size_ = n; }
   void wait(const std::vector<std::string>& keys) override {
     for (const std::string& k : keys) get(k);  // get blocks until the key exists
   }
 
  private:
-  int fd_ = -1;
-  int world_size_ = 0;
-  std::chrono::milliseconds timeout_{0};
+  RendezvousStore* store_;
 };
 
 class GlooCommunicator : public Communicator {
@@ -350,8 +162,8 @@ class GlooCommunicator : public Communicator {
     });
   }
 
-  std::unique_ptr<StoreServer> server_;
-  std::unique_ptr<TcpStore> store_;
+  std::unique_ptr<RendezvousStore> store_;
+  std::unique_ptr<GlooStore> gloo_store_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
 
@@ -372,8 +184,10 @@ class GlooCommunicator : public Communicator {
     try {
       f();
     } catch (const std::exception& e) {
+      const std::string why = e.what();
       return absl::UnavailableError(
-          fmt::format("rank {}: {} failed (a rank died or the network failed): {}", context_->rank, what, e.what()));
+          fmt::format("rank {} (host {}): {} failed (a rank died or the network failed): {}{}", context_->rank,
+                      store_->host(), what, why, Suffix(store_->DiagnosePeers(what + std::string(": ") + why))));
     }
     return absl::OkStatus();
   }
@@ -391,13 +205,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
     return absl::InvalidArgumentError(fmt::format("rank {} of {}: not a valid rank", o.rank, o.world_size));
   auto comm = std::make_unique<GlooCommunicator>();
-  if (o.rank == 0) {
-    comm->server_ = std::make_unique<StoreServer>();
-    PTK_RETURN_IF_ERROR(comm->server_->Start(o.master_port));
-  }
-  comm->store_ = std::make_unique<TcpStore>();
-  comm->store_->set_world_size(o.world_size);
-  PTK_RETURN_IF_ERROR(comm->store_->Connect(o.rank == 0 ? "127.0.0.1" : o.master_addr, o.master_port, o.timeout));
+  PTK_ASSIGN_OR_RETURN(comm->store_,
+                       RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout));
+  comm->gloo_store_ = std::make_unique<GlooStore>(comm->store_.get());
   try {
     gloo::transport::tcp::attr attr;
     if (!o.iface.empty()) {
@@ -412,7 +222,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
     comm->device_ = gloo::transport::tcp::CreateDevice(attr);
     comm->context_ = std::make_shared<gloo::rendezvous::Context>(o.rank, o.world_size);
     comm->context_->setTimeout(o.timeout);
-    comm->context_->connectFullMesh(*comm->store_, comm->device_);
+    comm->context_->connectFullMesh(*comm->gloo_store_, comm->device_);
   } catch (const std::exception& e) {
     return absl::UnavailableError(fmt::format("rank {} of {}: rendezvous at {}:{} failed: {}", o.rank, o.world_size,
                                               o.master_addr, o.master_port, e.what()));

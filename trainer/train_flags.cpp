@@ -12,6 +12,7 @@
 #include "common/cli.h"
 #include "common/file_util.h"
 #include "common/status.h"
+#include "trainer/distributed.h"
 
 namespace ptk::trainer {
 namespace {
@@ -40,7 +41,6 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--no-rope-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-async-tensor-model-parallel-allreduce", Arg::kNone, "no tensor parallelism"},
     {"--accumulate-allreduce-grads-in-fp32", Arg::kNone, "gradients are fp32 already"},
-    {"--distributed-backend", Arg::kText, "CPU ranks use gloo"},
     {"--num-workers", Arg::kCount, "one prefetching loader thread per rank"},
     {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
     {"--async-save", Arg::kNone, "checkpoints are written synchronously"},
@@ -364,6 +364,10 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--use-distributed-optimizer", f->use_distributed_optimizer,
                 "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
                 "moments); gradients reduce-scattered, parameters all-gathered");
+  app->add_option("--distributed-backend", f->distributed_backend,
+                  "nccl (one process per GPU) or gloo (CPU ranks; GPUs through host memory); default: nccl with "
+                  "--device cuda, gloo on the CPU")
+      ->check(CLI::IsMember({"nccl", "gloo"}));
   app->add_flag("--overlap-grad-reduce", f->overlap_grad_reduce,
                 "Reduce the gradients in buckets while the last micro-batch's backward still runs (the same sums as "
                 "after backward)");
@@ -549,6 +553,13 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
   }
   o.use_distributed_optimizer = f.use_distributed_optimizer;
+  o.distributed_backend = !f.distributed_backend.empty()      ? f.distributed_backend
+                          : o.backend.device == Device::kCuda ? "nccl"
+                                                              : "gloo";
+  if (o.distributed_backend == "nccl" && o.backend.device != Device::kCuda)
+    return Refuse("--distributed-backend nccl needs --device cuda (NCCL moves GPU memory); CPU ranks use gloo");
+  if (!DistributedBackendBuilt(o.distributed_backend))
+    return Refuse("--distributed-backend nccl: this ptk-train was built without CUDA (and NCCL); use gloo");
   o.optimizer.overlap_grad_reduce = f.overlap_grad_reduce;
   o.optimizer.ddp_bucket_size = f.ddp_bucket_size;
   if (f.ddp_bucket_size > 0 && !f.overlap_grad_reduce)

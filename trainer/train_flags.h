@@ -65,7 +65,8 @@ struct TrainFlags {
   int64_t threads = 0;  // ptk: CPU threads per rank (0: all cores of this rank's share)
   double distributed_timeout_minutes = 5;
   bool use_distributed_optimizer = false, overlap_grad_reduce = false;
-  int64_t ddp_bucket_size = 0;  // 0: Megatron's default
+  std::string distributed_backend;  // "": nccl with --device cuda, else gloo
+  int64_t ddp_bucket_size = 0;      // 0: Megatron's default
   // Flags accepted only for compatibility, by name -> value given ("" for a bare flag).
   std::map<std::string, std::string> compat;
   // Megatron's flags for other models than ptk's, given: refused saying why.

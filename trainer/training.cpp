@@ -211,6 +211,7 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--use-distributed-optimizer", o.use_distributed_optimizer ? "on" : "off"},
       {"--overlap-grad-reduce", o.optimizer.overlap_grad_reduce ? "on" : "off"},
       {"--ddp-bucket-size", std::to_string(o.optimizer.ddp_bucket_size)},
+      {"--distributed-backend", o.distributed_backend},
       {"--device", std::string(DeviceName(o.backend.device))},
       {"--bf16/--fp16", std::string(PrecisionName(o.backend.precision))},
       {"--deterministic-mode", o.backend.deterministic ? "on" : "off"},

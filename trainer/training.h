@@ -95,6 +95,8 @@ struct TrainOptions {
   // --use-distributed-optimizer (Megatron's ZeRO-1): each rank keeps and updates its shard of the
   // optimizer state (ParamShard); gradients reduce-scattered, parameters all-gathered.
   bool use_distributed_optimizer = false;
+  // --distributed-backend: the communicator's (the caller makes it; ranks must agree).
+  std::string distributed_backend = "gloo";
   // Where rank 0's Megatron-shaped lines go (stdout by default).
   std::function<void(const std::string&)> print;
 };

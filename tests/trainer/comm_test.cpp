@@ -2,6 +2,7 @@
 // each element in rank order, whatever the pieces (empty ones, pieces of several rounds), and leaves
 // the other pieces alone; AllGather; AllReduceSum over a whole buffer, over its buckets and as
 // reduce-scatter + all-gather gives every element the same bits; the local communicator.
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -12,6 +13,7 @@
 
 #include "tests/trainer/gloo_ranks.h"
 #include "trainer/comm.h"
+#include "trainer/rendezvous.h"
 
 namespace ptk::trainer {
 namespace {
@@ -155,6 +157,39 @@ TEST(Communicator, LocalIsTheIdentity) {
   ASSERT_TRUE(comm->AllGather(x.data(), std::vector<int64_t>{40}).ok());
   EXPECT_EQ(x, before);
   EXPECT_TRUE(absl::IsInvalidArgument(comm->ReduceScatterSum(x.data(), std::vector<int64_t>{5, 5})));
+}
+
+}  // namespace
+}  // namespace ptk::trainer
+
+namespace ptk::trainer {
+namespace {
+
+// A rank whose communicator goes away (its process exited) fails the others' next collective at
+// once, and their error names it with its host; they learn it from rank 0's rendezvous store.
+TEST(Communicator, ARankThatLeavesIsNamed) {
+  std::mutex mu;
+  std::vector<std::string> errors(3);
+  std::vector<double> seconds(3, 0);
+  testing::RunRanks(3, [&](Communicator* comm, int rank) {
+    std::vector<float> x(1000, 1.0f);
+    ASSERT_TRUE(comm->AllReduceSum(x.data(), 1000).ok());
+    if (rank == 2) return;  // RunRanks destroys this rank's communicator when its body returns
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status st = absl::OkStatus();
+    for (int i = 0; i < 100 && st.ok(); ++i) st = comm->AllReduceSum(x.data(), 1000);
+    std::lock_guard<std::mutex> lock(mu);
+    errors[static_cast<size_t>(rank)] = std::string(st.message());
+    seconds[static_cast<size_t>(rank)] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  });
+  for (int r : {0, 1}) {
+    EXPECT_NE(errors[static_cast<size_t>(r)].find("failed (a rank died or the network failed)"), std::string::npos)
+        << errors[static_cast<size_t>(r)];
+    EXPECT_NE(errors[static_cast<size_t>(r)].find("rank 2 (host " + HostName() + ") exited"), std::string::npos)
+        << errors[static_cast<size_t>(r)];
+    EXPECT_LT(seconds[static_cast<size_t>(r)], 4.0) << errors[static_cast<size_t>(r)];
+  }
 }
 
 }  // namespace

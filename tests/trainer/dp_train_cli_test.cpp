@@ -183,6 +183,59 @@ TEST_F(DataParallelCli, OverlappedReductionHasTheBitsOfAReductionAfterBackward) 
   }
 }
 
+// Faults: a rank killed, or a rank that hangs (stopped), ends the others with exit 1 within
+// --distributed-timeout-minutes, their error naming that rank and its host; never a hang.
+TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
+  const std::string cmd = Train("--use-distributed-optimizer --distributed-timeout-minutes 0.1", 100000);
+  const std::string host = ptk::testing::ReadFile("/proc/sys/kernel/hostname");
+  const std::string h = host.substr(0, host.find('\n'));
+  for (const char* fault : {"KILL", "STOP"}) {
+    static int calls = 0;
+    const std::string port = std::to_string(24000 + (::getpid() * 3 + 17 * calls++) % 20000);
+    // Rank 1 of 3 gets the signal once training runs; ranks 0 and 2 must end by themselves.
+    auto r = RunCmd("bash -c " +
+                    ShellQuote("export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd +
+                               " >/dev/null 2>&1 & p1=$!; RANK=2 " + cmd + " > " + ShellQuote(dir_ / "r2.log") +
+                               " 2>&1 & p2=$!; RANK=0 " + cmd + " > " + ShellQuote(dir_ / "r0.log") +
+                               " 2>&1 & p0=$!; for i in $(seq 100); do grep -q '^training' " +
+                               ShellQuote(dir_ / "r0.log") + " && break; sleep 0.2; done; sleep 1; kill -" + fault +
+                               " $p1; start=$SECONDS; wait $p0; rc0=$?; wait $p2; rc2=$?; "
+                               "echo rc0=$rc0 rc2=$rc2 after=$((SECONDS-start)); kill -9 $p1; wait $p1"));
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc0=(\\d+) rc2=(\\d+) after=(\\d+)"))) << r.output;
+    const std::string r0 = ptk::testing::ReadFile(dir_ / "r0.log"), r2 = ptk::testing::ReadFile(dir_ / "r2.log");
+    EXPECT_EQ(m[1], "1") << fault << "\n" << r0;
+    EXPECT_EQ(m[2], "1") << fault << "\n" << r2;
+    // Killed: at once. Hung: the 6 s timeout, then a few seconds for the others to report.
+    EXPECT_LE(std::stoi(m[3]), std::string(fault) == "KILL" ? 10 : 30) << fault;
+    const std::string want = std::string(fault) == "KILL"
+                                 ? "rank 1 (host " + h + ") exited (its connection to the rendezvous closed"
+                                 : "rank 1 (host " + h + ") did not report a failure: it hangs";
+    for (const std::string& log : {r0, r2}) {
+      EXPECT_NE(log.find("failed (a rank died or the network failed)"), std::string::npos) << fault << "\n" << log;
+      EXPECT_NE(log.find(want), std::string::npos) << fault << "\n" << log;
+    }
+  }
+}
+
+// --distributed-backend: gloo for CPU ranks (named in rank 0's line), nccl refused on the CPU and
+// in a build without CUDA, as a usage error.
+TEST_F(DataParallelCli, DistributedBackendFollowsTheDevice) {
+  auto r = Ranks(2, Train("--distributed-backend gloo", 2));
+  ASSERT_NE(r.output.find(AllZero(2)), std::string::npos) << r.output << Logs(2);
+  EXPECT_NE(r.output.find("data parallel: 2 ranks (torchrun variables), gloo, rendezvous at"), std::string::npos)
+      << r.output;
+  auto nccl = RunCmd(Train("--device cpu --distributed-backend nccl", 2));
+  EXPECT_EQ(nccl.exit_code, 2) << nccl.output;
+  EXPECT_NE(nccl.output.find("--distributed-backend nccl needs --device cuda"), std::string::npos) << nccl.output;
+  auto bad = RunCmd(Train("--distributed-backend mpi", 2));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  // One process with gloo named: no rendezvous (no port taken), it trains.
+  auto one = RunCmd(Train("--distributed-backend gloo", 2));
+  EXPECT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(one.output.find("data parallel"), std::string::npos) << one.output;
+}
+
 TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {
   const std::string cmd = Train("", 2);
   auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +

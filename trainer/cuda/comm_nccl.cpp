@@ -1,0 +1,404 @@
+// The NCCL communicator: rendezvous through rank 0's store, nonblocking initialisation, collectives
+// on device memory (and host memory staged through the device), a watchdog that aborts on a NCCL
+// error or a collective older than the timeout.
+#include "trainer/cuda/comm_nccl.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/rendezvous.h"
+
+namespace ptk::trainer::cuda {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kScratchBytes = size_t{64} << 20;  // host collectives go through this much device memory at a time
+
+class NcclCommunicator : public Communicator {
+ public:
+  ~NcclCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    // An aborted communicator is freed by ncclCommAbort already.
+    if (comm_ && !aborted_) {
+      if (stream_ && cudaStreamSynchronize(stream_) == cudaSuccess)
+        ncclCommDestroy(comm_);
+      else
+        ncclCommAbort(comm_);
+    }
+    for (const Pending& p : pending_) cudaEventDestroy(p.done);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    if (scratch_) cudaFree(scratch_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init(const NcclOptions& o) {
+    options_ = o;
+    timeout_ = o.timeout;
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess) {
+      (void)cudaGetLastError();
+      visible = 0;
+    }
+    if (visible == 0)
+      return absl::FailedPreconditionError(
+          "--distributed-backend nccl: no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides "
+          "them all); train with --device cpu (gloo), or run on a GPU node");
+    if (o.local_rank < 0 || o.local_rank >= visible)
+      return UsageError(
+          fmt::format("local rank {} has no GPU: {} device(s) visible on this node; start one process per GPU "
+                      "(srun --ntasks-per-node equal to --gpus-per-node)",
+                      o.local_rank, visible));
+    device_ = o.local_rank;
+    PTK_RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "selecting the rank's GPU"));
+    PTK_ASSIGN_OR_RETURN(store_,
+                         RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout));
+    // NCCL's unique id, from rank 0 through the store (fresh every run: a requeue meets no stale id).
+    ncclUniqueId id;
+    std::memset(&id, 0, sizeof id);
+    if (o.rank == 0) {
+      PTK_RETURN_IF_ERROR(Nccl(ncclGetUniqueId(&id), "ncclGetUniqueId"));
+      PTK_RETURN_IF_ERROR(store_->Set("ptk/nccl-unique-id", std::string(id.internal, sizeof id.internal)));
+    } else {
+      PTK_ASSIGN_OR_RETURN(std::string bytes, store_->Get("ptk/nccl-unique-id"));
+      if (bytes.size() != sizeof id.internal) return absl::InternalError("rank 0 published a malformed NCCL id");
+      std::memcpy(id.internal, bytes.data(), sizeof id.internal);
+    }
+    PTK_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating NCCL's stream"));
+    // Nonblocking, so that a rank that never comes cannot hold initialisation forever: it is
+    // polled up to the timeout and aborted.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclResult_t r = ncclCommInitRankConfig(&comm_, o.world_size, id, o.rank, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      comm_ = nullptr;
+      return Failed("NCCL initialisation", ncclGetErrorString(r));
+    }
+    PTK_RETURN_IF_ERROR(Settle(r, "NCCL initialisation"));
+    watchdog_ = std::thread([this] { Watch(); });
+    return absl::OkStatus();
+  }
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.world_size; }
+  std::string_view backend() const override { return "nccl"; }
+  bool device_collectives() const override { return true; }
+
+  // ---- device memory, on the caller's stream
+  absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream) override {
+    if (n <= 0) return absl::OkStatus();
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    return Run("all-reduce", s,
+               [&] { return ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, ncclSum, comm_, s); });
+  }
+  absl::Status ReduceScatterSumDevice(float* data, std::span<const int64_t> counts, void* stream) override {
+    PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> off, PieceOffsets(counts, size()));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const size_t me = static_cast<size_t>(rank());
+    if (off.back() == 0) return absl::OkStatus();
+    if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; }))
+      return Run("reduce-scatter", s, [&] {
+        return ncclReduceScatter(data, data + off[me], static_cast<size_t>(counts[0]), ncclFloat, ncclSum, comm_, s);
+      });
+    // Pieces of different sizes (a bucket's): one reduce to each piece's owner.
+    return Run("reduce-scatter", s, [&] {
+      ncclResult_t r = ncclGroupStart();
+      for (size_t q = 0; q < counts.size() && r == ncclSuccess; ++q)
+        if (counts[q] > 0)
+          r = ncclReduce(data + off[q], data + off[q], static_cast<size_t>(counts[q]), ncclFloat, ncclSum,
+                         static_cast<int>(q), comm_, s);
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+  absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream) override {
+    PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> off, PieceOffsets(bytes, size()));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    char* d = static_cast<char*>(data);
+    const size_t me = static_cast<size_t>(rank());
+    if (off.back() == 0) return absl::OkStatus();
+    if (std::all_of(bytes.begin(), bytes.end(), [&](int64_t b) { return b == bytes[0]; }))
+      return Run("all-gather", s,
+                 [&] { return ncclAllGather(d + off[me], d, static_cast<size_t>(bytes[0]), ncclUint8, comm_, s); });
+    return Run("all-gather", s, [&] {
+      ncclResult_t r = ncclGroupStart();
+      for (size_t q = 0; q < bytes.size() && r == ncclSuccess; ++q)
+        if (bytes[q] > 0)
+          r = ncclBroadcast(d + off[q], d + off[q], static_cast<size_t>(bytes[q]), ncclUint8, static_cast<int>(q),
+                            comm_, s);
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+
+  // ---- host memory, staged through the scratch buffer on this communicator's stream
+  absl::Status AllReduceSum(float* data, int64_t n) override { return StagedAllReduce(data, n, ncclFloat); }
+  absl::Status AllReduceSum(double* data, int64_t n) override { return StagedAllReduce(data, n, ncclDouble); }
+  absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) override {
+    PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> off, PieceOffsets(counts, size()));
+    PTK_RETURN_IF_ERROR(EnsureScratch());
+    const size_t chunk = kScratchBytes / sizeof(float);
+    for (int q = 0; q < size(); ++q) {
+      for (int64_t at = 0; at < counts[static_cast<size_t>(q)]; at += static_cast<int64_t>(chunk)) {
+        const size_t c = std::min<size_t>(chunk, static_cast<size_t>(counts[static_cast<size_t>(q)] - at));
+        float* host = data + off[static_cast<size_t>(q)] + at;
+        PTK_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(scratch_, host, c * sizeof(float), cudaMemcpyHostToDevice, stream_),
+                                 "staging a reduce-scatter"));
+        PTK_RETURN_IF_ERROR(Run("reduce-scatter", stream_, [&] {
+          return ncclReduce(scratch_, scratch_, c, ncclFloat, ncclSum, q, comm_, stream_);
+        }));
+        if (q == rank())
+          PTK_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host, scratch_, c * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+                                   "staging a reduce-scatter"));
+        PTK_RETURN_IF_ERROR(WaitStream("reduce-scatter"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status AllGather(void* data, std::span<const int64_t> bytes) override {
+    PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> off, PieceOffsets(bytes, size()));
+    for (int q = 0; q < size(); ++q)
+      PTK_RETURN_IF_ERROR(StagedBroadcast(static_cast<char*>(data) + off[static_cast<size_t>(q)],
+                                          bytes[static_cast<size_t>(q)], q, "all-gather"));
+    return absl::OkStatus();
+  }
+  absl::Status Broadcast(void* data, int64_t bytes, int root) override {
+    return StagedBroadcast(static_cast<char*>(data), bytes, root, "broadcast");
+  }
+  absl::Status Barrier() override {
+    float one = 1.0f;
+    return StagedAllReduce(&one, 1, ncclFloat);
+  }
+
+ private:
+  struct Pending {
+    cudaEvent_t done;
+    Clock::time_point since;
+    std::string what;
+  };
+
+  absl::Status Cuda(cudaError_t e, std::string_view what) {
+    if (e == cudaSuccess) return absl::OkStatus();
+    (void)cudaGetLastError();
+    return absl::InternalError(
+        fmt::format("rank {} (cuda:{}): {}: {}", options_.rank, device_, what, cudaGetErrorString(e)));
+  }
+  absl::Status Nccl(ncclResult_t r, std::string_view what) {
+    if (r == ncclSuccess) return absl::OkStatus();
+    return absl::InternalError(fmt::format("{}: {}", what, ncclGetErrorString(r)));
+  }
+  // An error naming this rank and host, what failed, and what the store knows of the others.
+  absl::Status Failed(const std::string& what, const std::string& why) {
+    const std::string peers = store_ ? store_->DiagnosePeers(what + ": " + why) : "";
+    return absl::UnavailableError(
+        fmt::format("rank {} (host {}, cuda:{}): {} failed (a rank died or the network "
+                    "failed): {}{}",
+                    options_.rank, HostName(), device_, what, why, peers.empty() ? "" : "; " + peers));
+  }
+  absl::Status AbortedStatus() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return abort_status_;
+  }
+
+  // A nonblocking communicator's call returns ncclInProgress until NCCL has taken it in: poll its
+  // state up to the timeout (then abort).
+  absl::Status Settle(ncclResult_t r, const std::string& what) {
+    const auto deadline = Clock::now() + timeout_;
+    while (r == ncclInProgress) {
+      if (aborted_) return AbortedStatus();
+      if (Clock::now() > deadline) {
+        Abort(Failed(what,
+                     fmt::format("not done within {} s (--distributed-timeout-minutes)", timeout_.count() / 1000.0)));
+        return AbortedStatus();
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess) r = ncclInternalError;
+    }
+    if (r == ncclSuccess) return absl::OkStatus();
+    absl::Status st = Failed(what, fmt::format("{} ({})", ncclGetErrorString(r), ncclGetLastError(comm_)));
+    Abort(st);
+    return st;
+  }
+
+  // Enqueues one collective (or group) on `s` and hands its completion to the watchdog. A stream
+  // other than the previous collective's first waits for it: every rank's collectives run in the
+  // order they were issued, whichever streams carry them.
+  template <typename F>
+  absl::Status Run(const char* what, cudaStream_t s, F&& enqueue) {
+    if (aborted_) return AbortedStatus();
+    if (last_event_ && s != last_stream_)
+      PTK_RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(s, last_event_, 0), "ordering collectives across streams"));
+    PTK_RETURN_IF_ERROR(Settle(enqueue(), what));
+    cudaEvent_t e = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_events_.empty()) {
+        e = free_events_.back();
+        free_events_.pop_back();
+      }
+    }
+    if (!e) PTK_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event"));
+    PTK_RETURN_IF_ERROR(Cuda(cudaEventRecord(e, s), "recording a collective's event"));
+    last_event_ = e;
+    last_stream_ = s;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.push_back({e, Clock::now(), what});
+    }
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  // The host side of a staged collective waits for its stream, never longer than the watchdog
+  // lets it (an abort ends the wait).
+  absl::Status WaitStream(const char* what) {
+    for (int spins = 0;; ++spins) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) return Cuda(e, what);
+      if (aborted_) return AbortedStatus();
+      std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
+    }
+  }
+
+  absl::Status EnsureScratch() {
+    if (scratch_) return absl::OkStatus();
+    return Cuda(cudaMalloc(&scratch_, kScratchBytes), "allocating NCCL's staging buffer");
+  }
+
+  template <typename T>
+  absl::Status StagedAllReduce(T* data, int64_t n, ncclDataType_t type) {
+    if (n <= 0) return absl::OkStatus();
+    PTK_RETURN_IF_ERROR(EnsureScratch());
+    const size_t chunk = kScratchBytes / sizeof(T);
+    for (int64_t at = 0; at < n; at += static_cast<int64_t>(chunk)) {
+      const size_t c = std::min<size_t>(chunk, static_cast<size_t>(n - at));
+      PTK_RETURN_IF_ERROR(
+          Cuda(cudaMemcpyAsync(scratch_, data + at, c * sizeof(T), cudaMemcpyHostToDevice, stream_), "staging"));
+      PTK_RETURN_IF_ERROR(Run("all-reduce", stream_,
+                              [&] { return ncclAllReduce(scratch_, scratch_, c, type, ncclSum, comm_, stream_); }));
+      PTK_RETURN_IF_ERROR(
+          Cuda(cudaMemcpyAsync(data + at, scratch_, c * sizeof(T), cudaMemcpyDeviceToHost, stream_), "staging"));
+      PTK_RETURN_IF_ERROR(WaitStream("all-reduce"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status StagedBroadcast(char* data, int64_t bytes, int root, const char* what) {
+    if (bytes <= 0) return absl::OkStatus();
+    PTK_RETURN_IF_ERROR(EnsureScratch());
+    for (int64_t at = 0; at < bytes; at += static_cast<int64_t>(kScratchBytes)) {
+      const size_t c = std::min<size_t>(kScratchBytes, static_cast<size_t>(bytes - at));
+      if (rank() == root)
+        PTK_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(scratch_, data + at, c, cudaMemcpyHostToDevice, stream_), what));
+      PTK_RETURN_IF_ERROR(
+          Run(what, stream_, [&] { return ncclBroadcast(scratch_, scratch_, c, ncclUint8, root, comm_, stream_); }));
+      if (rank() != root)
+        PTK_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(data + at, scratch_, c, cudaMemcpyDeviceToHost, stream_), what));
+      PTK_RETURN_IF_ERROR(WaitStream(what));
+    }
+    return absl::OkStatus();
+  }
+
+  void Abort(const absl::Status& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_) return;
+      abort_status_ = why;
+      aborted_at_ = Clock::now();
+    }
+    ncclCommAbort(comm_);  // ends the kernels of the collectives in flight
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+  // Every 100 ms: NCCL's asynchronous error, the oldest collective's age; after an abort, whether
+  // the training thread came back.
+  void Watch() {
+    cudaSetDevice(device_);
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+      if (stop_) break;
+      if (aborted_) {
+        // The training thread has not ended (and destroyed this communicator) since the abort.
+        if (!stuck_reported_ && Clock::now() - aborted_at_ > options_.stuck_grace && options_.on_stuck) {
+          stuck_reported_ = true;
+          const absl::Status st = abort_status_;
+          lock.unlock();
+          options_.on_stuck(st);
+          lock.lock();
+        }
+        continue;
+      }
+      while (!pending_.empty() && cudaEventQuery(pending_.front().done) == cudaSuccess) {
+        free_events_.push_back(pending_.front().done);
+        pending_.pop_front();
+      }
+      (void)cudaGetLastError();
+      std::string problem, what;
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+        what = pending_.empty() ? "a collective" : pending_.front().what;
+        problem = fmt::format("NCCL reported {} ({})", ncclGetErrorString(async), ncclGetLastError(comm_));
+      } else if (!pending_.empty() && Clock::now() - pending_.front().since > timeout_) {
+        what = pending_.front().what;
+        problem = fmt::format("not complete after {} s (--distributed-timeout-minutes); the communicator was aborted",
+                              timeout_.count() / 1000.0);
+      }
+      if (problem.empty()) continue;
+      lock.unlock();
+      Abort(Failed(what, problem));
+      lock.lock();
+    }
+  }
+
+  NcclOptions options_;
+  std::chrono::milliseconds timeout_{0};
+  int device_ = 0;
+  std::unique_ptr<RendezvousStore> store_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t last_event_ = nullptr;  // the last collective's, on last_stream_
+  cudaStream_t last_stream_ = nullptr;
+  void* scratch_ = nullptr;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
+  std::atomic<bool> aborted_{false};
+  absl::Status abort_status_;
+  Clock::time_point aborted_at_;
+  bool stop_ = false, stuck_reported_ = false;
+  std::thread watchdog_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const NcclOptions& o) {
+  if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
+    return absl::InvalidArgumentError(fmt::format("rank {} of {}: not a valid rank", o.rank, o.world_size));
+  auto comm = std::make_unique<NcclCommunicator>();
+  PTK_RETURN_IF_ERROR(comm->Init(o));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace ptk::trainer::cuda

@@ -1,0 +1,37 @@
+// Data-parallel collectives between GPUs through NCCL, one process per GPU: the ranks meet at
+// MASTER_ADDR:MASTER_PORT through the rendezvous store gloo uses (trainer/rendezvous.h), where rank 0
+// publishes NCCL's unique id; each rank's device is its local rank (CUDA_VISIBLE_DEVICES applies).
+// Device-memory collectives run on the caller's stream; the host-memory ones stage through a device
+// buffer on the communicator's own stream. A watchdog thread checks NCCL's asynchronous errors and
+// the age of every collective in flight: past --distributed-timeout-minutes, or on an error, it
+// aborts the communicator (ncclCommAbort), and every later call fails with a message naming this
+// rank and host and what the store knows of the others (the rank that exited, or the one that
+// hangs).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "trainer/comm.h"
+
+namespace ptk::trainer::cuda {
+
+struct NcclOptions {
+  int rank = 0, world_size = 1, local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous, initialisation, each collective
+  // Called once, on the watchdog thread, when the communicator was aborted and the training thread
+  // has not come back from the device within `stuck_grace` (a kernel that the abort did not end):
+  // the caller decides what to do (ptk-train's main prints the error and exits 1). The library never
+  // ends the process itself.
+  std::function<void(const absl::Status&)> on_stuck;
+  std::chrono::milliseconds stuck_grace{std::chrono::seconds(60)};
+};
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const NcclOptions& options);
+
+}  // namespace ptk::trainer::cuda

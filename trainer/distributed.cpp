@@ -1,0 +1,53 @@
+// Choosing and creating the data-parallel communicator.
+#include "trainer/distributed.h"
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/comm_gloo.h"
+#if defined(PTK_WITH_CUDA)
+#include "trainer/cuda/comm_nccl.h"
+#endif
+
+namespace ptk::trainer {
+
+bool DistributedBackendBuilt(const std::string& backend) {
+#if defined(PTK_WITH_CUDA)
+  return backend == "gloo" || backend == "nccl";
+#else
+  return backend == "gloo";
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const DistributedOptions& o) {
+  if (o.backend != "gloo" && o.backend != "nccl")
+    return UsageError(fmt::format("--distributed-backend {}: ptk has gloo and nccl", o.backend));
+  if (!DistributedBackendBuilt(o.backend))
+    return UsageError("--distributed-backend nccl: this ptk-train was built without CUDA (and NCCL); use gloo");
+  // One process: no communication, unless NCCL was asked for by name (as Megatron, which always
+  // starts its process group); then its rendezvous takes any free port, nobody else comes.
+  if (o.world_size == 1 && !(o.backend_given && o.backend == "nccl")) return MakeLocalCommunicator();
+  if (o.backend == "nccl") {
+#if defined(PTK_WITH_CUDA)
+    cuda::NcclOptions n;
+    n.rank = o.rank;
+    n.world_size = o.world_size;
+    n.local_rank = o.local_rank;
+    n.master_addr = o.master_addr;
+    n.master_port = o.world_size == 1 ? 0 : o.master_port;
+    n.timeout = o.timeout;
+    n.on_stuck = o.on_stuck;
+    return cuda::MakeNcclCommunicator(n);
+#endif
+  }
+  GlooOptions g;
+  g.rank = o.rank;
+  g.world_size = o.world_size;
+  g.master_addr = o.master_addr;
+  g.master_port = o.master_port;
+  g.iface = o.gloo_iface;
+  g.timeout = o.timeout;
+  return MakeGlooCommunicator(g);
+}
+
+}  // namespace ptk::trainer

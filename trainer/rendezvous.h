@@ -1,0 +1,66 @@
+// Where data-parallel ranks meet: rank 0 serves a small key-value store over TCP at
+// MASTER_ADDR:MASTER_PORT (gloo's addresses, NCCL's unique id go through it), and every rank keeps
+// its connection to it for the whole run. Nothing from an earlier run can be read there (a requeued
+// job reuses its job id, so a file-based rendezvous could find stale addresses). The store also
+// tells a rank whose collective failed what became of the others: a rank whose connection closed
+// has exited (killed, crashed); a rank that neither exited nor reported its own failure hangs.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ptk::trainer {
+
+class RendezvousServer;
+
+class RendezvousStore {
+ public:
+  ~RendezvousStore();
+  RendezvousStore(const RendezvousStore&) = delete;
+  RendezvousStore& operator=(const RendezvousStore&) = delete;
+
+  // Rank 0 starts the server on `port` (all interfaces; 0: any free port, for a rank alone) and
+  // connects to it; the others connect to master_addr:port, retrying until `timeout`. Each rank
+  // registers its rank and host name.
+  static absl::StatusOr<std::unique_ptr<RendezvousStore>> Connect(int rank, int world_size,
+                                                                  const std::string& master_addr, int port,
+                                                                  std::chrono::milliseconds timeout);
+
+  absl::Status Set(const std::string& key, const std::string& value);
+  // Waits up to the timeout for the key. A key that is a rank number (gloo's full-mesh rendezvous
+  // waits for each rank's address under it) that never comes is "rank N did not join within T s".
+  absl::StatusOr<std::string> Get(const std::string& key);
+
+  // After a collective failed on this rank: records that, gives the others a few seconds to report
+  // theirs, and says what rank 0's store knows: "rank 1 (host node-b) exited", "rank 2 (host
+  // node-c) did not report a failure: it hangs or is cut off", or that rank 0 itself does not
+  // answer. Never fails; the text is for the error message.
+  std::string DiagnosePeers(const std::string& what_failed);
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  const std::string& host() const { return host_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+ private:
+  RendezvousStore() = default;
+  absl::Status Request(char op, const std::string& key, const std::string* value, std::string* reply);
+
+  std::unique_ptr<RendezvousServer> server_;  // rank 0
+  int fd_ = -1;
+  int rank_ = 0, world_size_ = 1;
+  std::string host_;
+  std::chrono::milliseconds timeout_{0};
+  std::mutex mu_;  // one request at a time on the connection
+  bool diagnosed_ = false;
+};
+
+// This machine's host name.
+std::string HostName();
+
+}  // namespace ptk::trainer
