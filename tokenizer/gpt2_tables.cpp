@@ -1,5 +1,5 @@
 // Gpt2Tokenizer's tables as one blob (SerializeTables / FromTables / Attach): what
-// tools/gen_gpt2_tables.cpp writes at build time and LoadDefault reads in place.
+// generators/gen_gpt2_tables.cpp writes at build time and LoadDefault reads in place.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>

@@ -40,10 +40,10 @@ class Gpt2Tokenizer {
   static std::string_view DefaultMergesTxt();
 
   // A built tokenizer's tables as one blob, and back. The GPT-2 tables are made at build time
-  // (tools/gen_gpt2_tables.cpp) and embedded in the layout the tokenizer uses, so LoadDefault reads
-  // them where they are (nothing parsed, copied or zero-filled; the binary's pages are mapped as
-  // they are read). FromTables copies a blob it is given and checks every entry; a blob of another
-  // build's layout is refused.
+  // (generators/gen_gpt2_tables.cpp) and embedded in the layout the tokenizer uses, so LoadDefault
+  // reads them where they are (nothing parsed, copied or zero-filled; the binary's pages are mapped
+  // as they are read). FromTables copies a blob it is given and checks every entry; a blob of
+  // another build's layout is refused.
   std::string SerializeTables() const;
   static std::string_view DefaultTables();  // the embedded blob (empty in the generator itself)
   static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> FromTables(std::string_view blob);

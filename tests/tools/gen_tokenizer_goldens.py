@@ -7,7 +7,7 @@ For every corpus case it records
   hf_ordinary  the same with split_special_tokens=True (<|endoftext|> as ordinary text);
   tiktoken     tiktoken "gpt2" encode_ordinary, stored only where it differs from hf_ordinary
                (that happens only for code points first assigned after Unicode 16.0, see
-               tokenizer/tools/gen_unicode_tables.py).
+               tokenizer/generators/gen_unicode_tables.py).
 Big repeated inputs store the count and sha256 of the ids (little-endian int32) instead of the ids.
 
 Reference versions used for the committed file: transformers 4.57.6, tokenizers 0.22.2, tiktoken 0.14.0.
