@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Data-preparation benchmarks, each side by side in the same run with what users run today:
-  download  ptk-download vs aria2c and curl, N files from a local fake Hub (tests/tools/fake_hub.py)
+  download  ptk-download vs aria2c and curl, N files from a local fake Hub (tests/support/fake_hub.py)
   extract   ptk-extract vs `zstd -d` and `xz -d`, one file; and N files on all cores (linear scaling)
   concat    ptk-concat vs `cat`, M files into one chunk
 Every tool's output is checked against the others before its time counts. Best of --repeats runs,
@@ -159,7 +159,7 @@ def main():
         with open(os.path.join(repo, "train", f"example_train_{i}.jsonl.zst"), "wb") as f:
             f.write(os.urandom(a.download_mb * 1000000))
     ports = os.path.join(tmp, "ports")
-    hub = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "tools", "fake_hub.py"), "--repo-dir", repo,
+    hub = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "fake_hub.py"), "--repo-dir", repo,
                             "--port-file", ports], stdout=subprocess.DEVNULL)
     try:
         for _ in range(200):

@@ -49,7 +49,7 @@ def main():
     for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
         if p and os.path.isdir(p):
             sys.path.insert(0, p)
-    sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
     import numpy
     import megatron_shim
     megatron_shim.install(training_args=False)

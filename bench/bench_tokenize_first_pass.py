@@ -106,7 +106,7 @@ def main():
     if a.runs < 1 or a.ptk_pairs < 1:
         ap.error("--runs and --ptk-pairs must be at least 1")
     bench_tokenizer.ensure_venv(a.build, __file__)  # re-executes this script in the venv
-    sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
     import ref_env
     import numpy
     import tiktoken

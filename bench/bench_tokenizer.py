@@ -67,7 +67,7 @@ def main():
                     help="the default corpus is the sample's train text this many times (steady state, not start-up)")
     a = ap.parse_args()
     ensure_venv(a.build)
-    sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
     import ref_env
     import tiktoken
     import tokenizers

@@ -1,6 +1,6 @@
 """ptk-train's training throughput against PyTorch on the CPU, in the same run.
 
-Same model (Megatron's GPT as ptk builds it, tests/tools/gen_trainer_goldens.py's PyTorch twin),
+Same model (Megatron's GPT as ptk builds it, tests/support/gen_trainer_goldens.py's PyTorch twin),
 same threads, micro-batch, sequence length and vocabulary, fp32, no dropout; one full training
 step each (forward, backward, clipping, AdamW). PyTorch eager always, torch.compile where the
 installed torch has it (Debian bookworm's 1.13 does not). ptk's figure comes from its own log lines
@@ -20,7 +20,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "tools"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

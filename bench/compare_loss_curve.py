@@ -3,8 +3,8 @@
 The issue's run: GPT with 2 layers, hidden 128, 4 heads, seq 128, batch 8, 300 iterations, cosine
 1e-3 -> 1e-4 after 30 warm-up iterations, AdamW beta2 0.95, weight decay 0.1, clip 1.0, no
 dropout. The samples are megatron-core's own GPTDataset (PyPI megatron-core through
-tests/tools/megatron_shim.py) over the same .bin/.idx files, in Megatron's order; ptk-train reads
-the same files with its own GPTDataset. The PyTorch model is tests/tools/gen_trainer_goldens.py's
+tests/support/megatron_shim.py) over the same .bin/.idx files, in Megatron's order; ptk-train reads
+the same files with its own GPTDataset. The PyTorch model is tests/support/gen_trainer_goldens.py's
 (float32 here), initialised as Megatron does with torch's RNG (not the same initial weights as
 ptk: the comparison is of training behaviour, the goldens test the arithmetic).
 
@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 sys.path.insert(0, os.environ.get("PTK_PYREF_DIR", "/opt/ptk-pyref"))
 
 import numpy as np  # noqa: E402

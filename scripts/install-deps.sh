@@ -73,7 +73,7 @@ fi
 if [ "$want_ref" = 1 ]; then
   # megatron-core from PyPI, for the compatibility tests only (never a runtime dependency).
   # Installed without its dependencies: Debian's numpy/torch serve, with the import shims in
-  # tests/tools/megatron_shim.py.
+  # tests/support/megatron_shim.py.
   REF_DIR="${PTK_PYREF_DIR:-/opt/ptk-pyref}"
   if [ ! -f "$REF_DIR/.megatron-core-0.16.1" ]; then
     echo "install-deps: installing megatron-core 0.16.1 into $REF_DIR" >&2

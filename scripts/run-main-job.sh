@@ -3,7 +3,7 @@
 # sample/slimpajama-mini (real public-domain / freely licensed text shaped like SlimPajama-627B).
 #
 #   0. installs the Debian packages (scripts/install-deps.sh) and builds ptk into build/
-#   1. serves the sample as a Hugging Face dataset repo on 127.0.0.1 (tests/tools/fake_hub.py: Hub
+#   1. serves the sample as a Hugging Face dataset repo on 127.0.0.1 (tests/support/fake_hub.py: Hub
 #      API + a CDN host, pinned commit, sha256 listing, rate-limit headers)
 #   2. ptk-download   the repo  -> raw/            (verified, resumable)
 #   3. ptk-extract    .zst      -> extracted/      (per-file parallel)
@@ -48,7 +48,7 @@ trap cleanup EXIT
 
 step "1/9 serve sample/slimpajama-mini as the dataset repo cerebras/SlimPajama-627B on 127.0.0.1"
 rm -f "$OUT/.hub-ports"
-python3 "$ROOT/tests/tools/fake_hub.py" --repo-dir "$ROOT/sample/slimpajama-mini" \
+python3 "$ROOT/tests/support/fake_hub.py" --repo-dir "$ROOT/sample/slimpajama-mini" \
   --port-file "$OUT/.hub-ports" >"$OUT/hub.log" 2>&1 &
 HUB_PID=$!
 for _ in $(seq 200); do [ -s "$OUT/.hub-ports" ] && break; sleep 0.05; done

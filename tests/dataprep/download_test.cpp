@@ -1,4 +1,4 @@
-// ptk-download against a fake Hub + CDN (tests/tools/fake_hub.py): listing and pagination, auth
+// ptk-download against a fake Hub + CDN (tests/support/fake_hub.py): listing and pagination, auth
 // kept off the CDN, every injected fault survived with byte-identical files, rate limits honoured,
 // kill -9 and resume, sharding, disk full, clear errors.
 #include <signal.h>

@@ -1,4 +1,4 @@
-// Test helper: runs tests/tools/fake_hub.py (a fake Hugging Face Hub + CDN on 127.0.0.1).
+// Test helper: runs tests/support/fake_hub.py (a fake Hugging Face Hub + CDN on 127.0.0.1).
 #pragma once
 
 #include <fcntl.h>
@@ -25,7 +25,7 @@ class FakeHub {
   FakeHub(const std::string& repo_dir, const std::vector<std::string>& args, const std::string& work_dir) {
     port_file_ = work_dir + "/hub-ports";
     ::unlink(port_file_.c_str());
-    std::vector<std::string> argv = {"/usr/bin/python3", SourceDir() + "/tests/tools/fake_hub.py",
+    std::vector<std::string> argv = {"/usr/bin/python3", SourceDir() + "/tests/support/fake_hub.py",
                                      "--repo-dir",       repo_dir,
                                      "--port-file",      port_file_};
     argv.insert(argv.end(), args.begin(), args.end());

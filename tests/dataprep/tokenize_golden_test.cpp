@@ -1,5 +1,5 @@
 // ptk-tokenize against Megatron-LM's own tools/preprocess_data.py: byte-identical .bin/.idx for the
-// same flags (goldens: tests/tools/gen_megatron_preprocess_golden.py), for any --workers and batch size.
+// same flags (goldens: tests/support/gen_megatron_preprocess_golden.py), for any --workers and batch size.
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 

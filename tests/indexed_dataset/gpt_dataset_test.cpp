@@ -1,5 +1,5 @@
 // GPTDataset / BlendedDataset against megatron-core's own code (goldens:
-// tests/tools/gen_gpt_dataset_goldens.py): identical indices, byte-identical .npy cache files with
+// tests/support/gen_gpt_dataset_goldens.py): identical indices, byte-identical .npy cache files with
 // Megatron's names, identical samples; cache reuse and repair; numpy-compatible arithmetic.
 #include <unistd.h>
 
@@ -38,7 +38,7 @@ struct Config {
   bool masks = false;
 };
 
-// Mirrors CONFIGS in tests/tools/gen_gpt_dataset_goldens.py.
+// Mirrors CONFIGS in tests/support/gen_gpt_dataset_goldens.py.
 std::vector<Config> Configs() {
   using S = std::array<std::optional<int64_t>, 3>;
   std::vector<Config> c;

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 BIN, TEST_BIN, SRC = sys.argv[1], sys.argv[2], sys.argv[3]
-sys.path.insert(0, os.path.join(SRC, "tests", "tools"))
+sys.path.insert(0, os.path.join(SRC, "tests", "support"))
 for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
     if p and os.path.isdir(p) and p not in sys.path:
         sys.path.insert(0, p)

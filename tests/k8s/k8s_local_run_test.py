@@ -2,7 +2,7 @@
 """k8s/'s manifests run as their pods would run (issue 32), without a cluster (tests/k8s/podsim.py):
 
   1. the templates are rendered as README says (source k8s/env.sh, envsubst) for the bundled sample,
-     served as the dataset repo by tests/tools/fake_hub.py, the shared volume a local directory;
+     served as the dataset repo by tests/support/fake_hub.py, the shared volume a local directory;
   2. download -> extract -> concat-plan -> concat -> tokenize run as the Indexed Jobs' pods, in parallel
      as the controller runs them (JOB_COMPLETION_INDEX, the manifests' env and commands): a download
      pod killed mid-file is replaced and resumes the file with a Range request, a tokenize pod killed
@@ -76,7 +76,7 @@ SLOW = "train/chunk1/example_train_0.jsonl.zst"
 faults = os.path.join(WORK, "faults.json")
 json.dump({SLOW: ["slow:40000"]}, open(faults, "w"))
 ports = os.path.join(WORK, "ports")
-hub = subprocess.Popen([sys.executable, os.path.join(SRC, "tests", "tools", "fake_hub.py"), "--repo-dir",
+hub = subprocess.Popen([sys.executable, os.path.join(SRC, "tests", "support", "fake_hub.py"), "--repo-dir",
                         os.path.join(SRC, "sample", "slimpajama-mini"), "--port-file", ports, "--faults", faults],
                        stdout=subprocess.DEVNULL, stderr=open(os.path.join(WORK, "hub.log"), "w"))
 try:

@@ -63,7 +63,7 @@ echo "$out" | grep -q "GLIBC_2\.3[2-9]' not found" || { echo "$out"; fail "unexp
 echo "   as built: $(echo "$out" | grep -o "version .GLIBC_2\.3[2-9]. not found" | sed -n 1p)"
 
 echo "== the pipeline inside $SUITE with the portable tree"
-python3 "$SRC/tests/tools/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file "$WORK/ports" \
+python3 "$SRC/tests/support/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file "$WORK/ports" \
   > "$WORK/hub.log" 2>&1 &
 HUB_PID=$!
 for _ in $(seq 200); do [ -s "$WORK/ports" ] && break; sleep 0.05; done

@@ -26,7 +26,7 @@ trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 eval "$("$SRC/tests/slurm/start-slurm.sh" 2>"$WORK/slurm-start.log")" || { cat "$WORK/slurm-start.log"; fail "cannot start Slurm"; }
-python3 "$SRC/tests/tools/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file "$WORK/ports" >/dev/null 2>&1 &
+python3 "$SRC/tests/support/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file "$WORK/ports" >/dev/null 2>&1 &
 HUB_PID=$!
 for _ in $(seq 100); do [ -f "$WORK/ports" ] && break; sleep 0.05; done
 export HF_ENDPOINT=$(awk '/HUB/{print $2}' "$WORK/ports") HF_TOKEN=hf_test_token

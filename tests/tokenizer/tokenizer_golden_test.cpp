@@ -1,5 +1,5 @@
 // Gpt2Tokenizer against goldens produced by the real reference tokenizers
-// (tests/tools/gen_tokenizer_goldens.py: Hugging Face GPT2TokenizerFast and tiktoken).
+// (tests/support/gen_tokenizer_goldens.py: Hugging Face GPT2TokenizerFast and tiktoken).
 #include <fstream>
 
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// The CPU GPT against PyTorch (tests/tools/gen_trainer_goldens.py, float64 reference): logits,
+// The CPU GPT against PyTorch (tests/support/gen_trainer_goldens.py, float64 reference): logits,
 // loss and every gradient within 1e-5 relative error, the weights after 10 AdamW steps with
 // clipping and Megatron's cosine schedule within 1e-4, for tied and untied output layers.
 #include <cmath>

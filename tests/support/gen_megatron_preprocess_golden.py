@@ -11,7 +11,7 @@ transformers 4.x, and Debian's python3-numpy/python3-torch, e.g.
   python3 -m pip install --target /tmp/mlref --no-deps megatron-core==0.16.1 transformers==4.57.6 \
       tokenizers==0.22.2 "huggingface_hub<1.0" safetensors regex pyyaml requests tqdm filelock packaging fsspec \
       typing_extensions certifi charset_normalizer idna urllib3
-  PYTHONPATH=/tmp/mlref /usr/bin/python3 tests/tools/gen_megatron_preprocess_golden.py --megatron-lm ~/Megatron-LM
+  PYTHONPATH=/tmp/mlref /usr/bin/python3 tests/support/gen_megatron_preprocess_golden.py --megatron-lm ~/Megatron-LM
 The committed goldens were produced from Megatron-LM commit 00736f4c796c3b9b4bc0609320064a0afdcd8edc's
 tools/preprocess_data.py with megatron-core 0.16.1 and transformers 4.57.6.
 """

@@ -10,7 +10,7 @@ the index cache and samples that megatron-core's own GPTDataset / BlendedDataset
 Paths inside descriptions are relative ("gpt_data/A", tokenizer "gpt2-vocab.json"), so the test
 replays them from a copy of this directory. Runs under Debian's python3 (numpy 1.24, torch 1.13)
 with megatron-core 0.16.1 and transformers 4.x on PYTHONPATH (see gen_megatron_preprocess_golden.py):
-  PYTHONPATH=/tmp/mlref /usr/bin/python3 tests/tools/gen_gpt_dataset_goldens.py
+  PYTHONPATH=/tmp/mlref /usr/bin/python3 tests/support/gen_gpt_dataset_goldens.py
 """
 import argparse
 import json

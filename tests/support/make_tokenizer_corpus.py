@@ -11,7 +11,7 @@ Sources, all redistributable:
   * WordNet 3.0 glosses (Debian package wordnet-base, WordNet licence): English prose;
   * deterministic random strings over an adversarial alphabet.
 
-Usage: python3 tests/tools/make_tokenizer_corpus.py [--cldr DIR] [--wordnet DIR] > tests/data/tokenizer/corpus.jsonl
+Usage: python3 tests/support/make_tokenizer_corpus.py [--cldr DIR] [--wordnet DIR] > tests/data/tokenizer/corpus.jsonl
 (the directories default to the Debian install locations; `apt-get install unicode-cldr-core wordnet-base`).
 """
 import argparse

@@ -12,7 +12,7 @@ Big repeated inputs store the count and sha256 of the ids (little-endian int32) 
 
 Reference versions used for the committed file: transformers 4.57.6, tokenizers 0.22.2, tiktoken 0.14.0.
 Usage: pip install "transformers<5" tokenizers tiktoken
-       python3 tests/tools/gen_tokenizer_goldens.py > tests/data/tokenizer/golden.jsonl
+       python3 tests/support/gen_tokenizer_goldens.py > tests/data/tokenizer/golden.jsonl
 """
 import hashlib
 import json

@@ -3,7 +3,7 @@ QKV in Megatron's per-head [q k v] layout, tied or untied output layer, padded v
 in PyTorch (float64, CPU) from given weights and inputs; logits, loss, every gradient, and the
 weights after 10 AdamW steps with clipping and Megatron's cosine schedule with warm-up.
 
-Usage: /usr/bin/python3 tests/tools/gen_trainer_goldens.py OUT_DIR
+Usage: /usr/bin/python3 tests/support/gen_trainer_goldens.py OUT_DIR
 Writes OUT_DIR/gpt_{tied,untied}.json (configuration, per-step figures, tensor directory) and
 OUT_DIR/gpt_{tied,untied}.bin (the tensors, little-endian float32 / int32).
 """
@@ -164,7 +164,7 @@ def generate(untie, out_dir):
         directory[k] = {"offset": off, "shape": list(arr.shape), "dtype": dtype}
         blob += data
         off += len(data)
-    meta = {"generator": "tests/tools/gen_trainer_goldens.py", "torch": torch.__version__, "config": c,
+    meta = {"generator": "tests/support/gen_trainer_goldens.py", "torch": torch.__version__, "config": c,
             "first_micro_batch_loss": first_loss, "steps": steps, "tensors": directory}
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump(meta, f, indent=1)
