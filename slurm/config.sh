@@ -22,7 +22,12 @@
 #   VOCAB_FILE/MERGE_FILE (built-in GPT-2)
 #   CPUS_PER_TASK 4       TIME_LIMIT 24:00:00   SBATCH_EXTRA (e.g. "--account=proj --qos=normal")
 #   TRAIN_PARTITION gpu   TRAIN_NODES 1   TRAIN_TASKS_PER_NODE 1 (ranks)   TRAIN_CPUS_PER_TASK = CPUS_PER_TASK
-#   TRAIN_ITERS 100       TRAIN_ARGS (model/optimizer flags as for pretrain_gpt.py; default a small GPT)
+#   TRAIN_GPUS_PER_NODE 0 (>0: --gpus-per-node; give TRAIN_TASKS_PER_NODE the same number: a rank per GPU)
+#   NUM_LAYERS 12  HIDDEN_SIZE 512  NUM_ATTENTION_HEADS 8  SEQ_LENGTH 1024 (the Azure tutorial's system
+#                         check; MAX_POSITION_EMBEDDINGS = SEQ_LENGTH); a flag in TRAIN_ARGS wins
+#   TRAIN_ITERS 100       TRAIN_ARGS (the other flags as for pretrain_gpt.py: batch, optimizer, schedule, ...)
+#   DATA_PATH / MOCK_DATA=1  train on these instead of the pipeline's chunks (train.sbatch alone)
+#   NCCL_ENV none         ib (Azure InfiniBand) or efa (AWS EFA): the tutorials' NCCL settings (train.sbatch)
 #   CKPT_DIR $STAGE_PATH/checkpoints   TRAIN_TIME_LIMIT = TIME_LIMIT
 
 if [ -z "${STAGE_PATH:-}" ]; then
@@ -68,9 +73,14 @@ fi
 : "${TRAIN_NODES:=${NNODES:-1}}"
 : "${TRAIN_TASKS_PER_NODE:=${TASKS_PER_NODE:-1}}"
 : "${TRAIN_CPUS_PER_TASK:=$CPUS_PER_TASK}"
+: "${TRAIN_GPUS_PER_NODE:=0}"
+: "${NUM_LAYERS:=12}"
+: "${HIDDEN_SIZE:=512}"
+: "${NUM_ATTENTION_HEADS:=8}"
+: "${SEQ_LENGTH:=1024}"
 : "${TRAIN_ITERS:=100}"
 : "${TRAIN_TIME_LIMIT:=$TIME_LIMIT}"
-: "${TRAIN_ARGS:=--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --adam-beta2 0.95 --split 98,2,0 --log-interval 10 --eval-interval 50 --eval-iters 2 --save-interval 50}"
+: "${TRAIN_ARGS:=--micro-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --adam-beta2 0.95 --split 98,2,0 --log-interval 10 --eval-interval 50 --eval-iters 2 --save-interval 50}"
 
 DATA_DIR="$STAGE_PATH/$DATASET_FOLDER_NAME"
 RAW_DIR="$DATA_DIR/raw"

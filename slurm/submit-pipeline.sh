@@ -58,9 +58,10 @@ if [ -n "$VOCAB_FILE$MERGE_FILE" ]; then
 fi
 for v in DOWNLOAD_TASKS EXTRACT_TASKS EXTRACT_CONCURRENCY CONCAT_CHUNKS CONCAT_TASKS CONCAT_CONCURRENCY TOKENIZE_TASKS TOKENIZE_LOG_INTERVAL \
          TOKENIZE_CONCURRENCY CPUS_PER_TASK DOWNLOAD_JOBS EXTRACT_JOBS TRAIN_NODES TRAIN_TASKS_PER_NODE TRAIN_CPUS_PER_TASK \
-         TRAIN_ITERS; do
+         TRAIN_ITERS NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v=${!v} must be a positive integer"
 done
+[[ "$TRAIN_GPUS_PER_NODE" =~ ^[0-9]+$ ]] || die "TRAIN_GPUS_PER_NODE=$TRAIN_GPUS_PER_NODE must be a number (0: no GPUs)"
 if [ "$from" != download ]; then
   [ -d "$RAW_DIR" ] || die "--from $from but nothing was downloaded into $RAW_DIR yet"
 fi
@@ -69,7 +70,7 @@ mkdir -p "$RESULTS_DIR"/{download,extract,concat-plan,concat,tokenize,train}
 export STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE HF_EXCLUDE DOWNLOAD_PARTITION DOWNLOAD_TASKS \
        DOWNLOAD_JOBS DOWNLOAD_VERIFY PREP_PARTITION EXTRACT_TASKS EXTRACT_CONCURRENCY EXTRACT_JOBS DROP_SETS CONCAT_CHUNKS \
        CONCAT_TASKS CONCAT_CONCURRENCY TOKENIZE_TASKS TOKENIZE_CONCURRENCY TOKENIZE_LOG_INTERVAL APPEND_EOD VOCAB_FILE MERGE_FILE CPUS_PER_TASK \
-       TRAIN_ITERS TRAIN_ARGS CKPT_DIR
+       TRAIN_ITERS TRAIN_ARGS CKPT_DIR NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH
 
 prev=""
 started=0
@@ -112,7 +113,10 @@ for stage in $STAGES; do
     concat-plan) submit concat-plan "$PREP_PARTITION" "" concat-plan.sbatch ;;
     concat) submit concat "$PREP_PARTITION" "0-$((CONCAT_TASKS - 1))%$CONCAT_CONCURRENCY" concat.sbatch ;;
     tokenize) submit tokenize "$PREP_PARTITION" "0-$((TOKENIZE_TASKS - 1))%$TOKENIZE_CONCURRENCY" tokenize.sbatch ;;
-    train) submit train "$TRAIN_PARTITION" "" train.sbatch --nodes "$TRAIN_NODES" --ntasks-per-node "$TRAIN_TASKS_PER_NODE" ;;
+    train)
+      gpus=()
+      [ "$TRAIN_GPUS_PER_NODE" -gt 0 ] && gpus=(--gpus-per-node "$TRAIN_GPUS_PER_NODE")
+      submit train "$TRAIN_PARTITION" "" train.sbatch --nodes "$TRAIN_NODES" --ntasks-per-node "$TRAIN_TASKS_PER_NODE" "${gpus[@]}" ;;
   esac
 done
 [ "$dry" = 1 ] || echo "logs: $RESULTS_DIR/<stage>/   status: STAGE_PATH=$STAGE_PATH $PTK_SLURM_DIR/status.sh" >&2

@@ -218,6 +218,37 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
   }
 }
 
+// SIGTERM (Slurm's pre-emption, or --signal's USR1) to one rank only: the ranks agree through a
+// collective, every rank saves the same iteration (ZeRO-1's moments gathered) and exits 0; that
+// checkpoint equals an uninterrupted plain run's at the same iteration.
+TEST_F(DataParallelCli, ASignalToOneRankSavesTheSameIterationOnAll) {
+  const std::string cmd = Train(
+      "--use-distributed-optimizer --exit-signal-handler --eval-iters 0 --save " + ShellQuote(dir_ / "sig"), 100000);
+  const std::string port = std::to_string(25000 + ::getpid() % 20000);
+  auto r = RunCmd("bash -c " +
+                  ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd +
+                             " > " + ShellQuote(dir_ / "r1.log") + " 2>&1 & p1=$!; RANK=0 " + cmd + " > " +
+                             ShellQuote(dir_ / "r0.log") + " 2>&1 & p0=$!; for i in $(seq 200); do grep -q " +
+                             "'iteration        5/' " + ShellQuote(dir_ / "r0.log") +
+                             " && break; sleep 0.1; done; kill -TERM $p1; wait $p0; rc0=$?; wait $p1; "
+                             "echo rc0=$rc0 rc1=$?"));
+  const std::string r0 = ptk::testing::ReadFile(dir_ / "r0.log");
+  ASSERT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << r0 << Logs(2);
+  EXPECT_NE(r0.find("exiting on signal"), std::string::npos) << r0;
+  auto latest = LatestCheckpointIteration(dir_ / "sig");
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  ASSERT_GE(*latest, 5);
+  EXPECT_NE(r0.find("successfully saved checkpoint from iteration " +
+                    std::string(7 - std::to_string(*latest).size(), ' ') + std::to_string(*latest)),
+            std::string::npos)
+      << r0;
+  auto plain = Ranks(
+      2, Train("--eval-iters 0 --exit-interval " + std::to_string(*latest) + " --save " + ShellQuote(dir_ / "plain"),
+               100000));
+  ASSERT_NE(plain.output.find(AllZero(2)), std::string::npos) << plain.output << Logs(2);
+  ExpectSameState(Load(dir_ / "plain", *latest), Load(dir_ / "sig", *latest), "saved on the signal");
+}
+
 // --distributed-backend: gloo for CPU ranks (named in rank 0's line), nccl refused on the CPU and
 // in a build without CUDA, as a usage error.
 TEST_F(DataParallelCli, DistributedBackendFollowsTheDevice) {

@@ -181,7 +181,9 @@ class CudaGPTModelImpl final : public GPTModel {
   }
 
   absl::Status AllReduceGrads(Communicator* comm) override {
-    if (comm->size() == 1) return absl::OkStatus();
+    // One rank: nothing to sum, except through NCCL (a world of one runs its collectives, as the
+    // gpu-labelled tests check them).
+    if (comm->size() == 1 && !comm->device_collectives()) return absl::OkStatus();
     if (comm->device_collectives()) return comm->AllReduceSumDevice(Grad(0), num_params(), ctx_.stream);
     // A host-memory communicator (gloo): the gradients travel through the host.
     host_grads_.resize(static_cast<size_t>(num_params()));
@@ -192,7 +194,7 @@ class CudaGPTModelImpl final : public GPTModel {
 
   absl::Status ReduceScatterGrads(Communicator* comm) override {
     if (!shard()) return absl::FailedPreconditionError("ReduceScatterGrads needs a sharded optimizer state");
-    if (comm->size() == 1) return absl::OkStatus();
+    if (comm->size() == 1 && !comm->device_collectives()) return absl::OkStatus();
     if (comm->device_collectives()) {
       // The padded buffer in equal pieces (NCCL's reduce-scatter); the padding is zero.
       const std::vector<int64_t> counts(static_cast<size_t>(comm->size()), shard()->shard_size);
@@ -224,7 +226,7 @@ class CudaGPTModelImpl final : public GPTModel {
 
   absl::Status AllGatherParams(Communicator* comm) override {
     if (!shard()) return absl::FailedPreconditionError("AllGatherParams needs a sharded optimizer state");
-    if (comm->size() == 1) return absl::OkStatus();
+    if (comm->size() == 1 && !comm->device_collectives()) return absl::OkStatus();
     // The fp32 master is gathered (the LayerNorms read it, checkpoints save it); the compute copy
     // is cast from it again, as AdamW's own cast rounds.
     if (comm->device_collectives()) {
