@@ -27,7 +27,7 @@
 #include "absl/container/flat_hash_set.h"
 
 #include "common/file_io.h"
-#include "dataprep/json_record.h"
+#include "dataprep/tokenize/json_record.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tokenizer/pretokenizer.h"

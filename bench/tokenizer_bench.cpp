@@ -12,7 +12,7 @@
 #include <fmt/core.h>
 
 #include "common/file_io.h"
-#include "dataprep/json_record.h"
+#include "dataprep/tokenize/json_record.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tokenizer/pretokenizer.h"
 

@@ -10,7 +10,7 @@
 #include "common/logging.h"
 #include "common/slurm_env.h"
 #include "common/status.h"
-#include "dataprep/concat.h"
+#include "dataprep/concat/concat.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include "common/human_format.h"
 #include "common/logging.h"
 #include "common/status.h"
-#include "dataprep/download.h"
+#include "dataprep/download/download.h"
 
 int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);

@@ -6,8 +6,8 @@
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/status.h"
-#include "dataprep/extract.h"
-#include "dataprep/input_list.h"
+#include "dataprep/extract/extract.h"
+#include "dataprep/input/input_list.h"
 
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(

@@ -7,9 +7,9 @@
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
-#include "dataprep/input_list.h"
-#include "dataprep/json_record.h"
-#include "dataprep/tokenize_pipeline.h"
+#include "dataprep/input/input_list.h"
+#include "dataprep/tokenize/json_record.h"
+#include "dataprep/tokenize/tokenize_pipeline.h"
 #include "tokenizer/gpt2_tokenizer.h"
 
 int main(int argc, char** argv) {

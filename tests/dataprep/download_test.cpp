@@ -16,8 +16,8 @@
 #include <gtest/gtest.h>
 
 #include "common/hash.h"
-#include "dataprep/download.h"
-#include "dataprep/http.h"
+#include "dataprep/download/download.h"
+#include "dataprep/download/http.h"
 #include "tests/dataprep/fake_hub.h"
 #include "tests/test_util.h"
 

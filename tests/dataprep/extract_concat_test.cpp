@@ -9,8 +9,8 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
-#include "dataprep/concat.h"
-#include "dataprep/input_list.h"
+#include "dataprep/concat/concat.h"
+#include "dataprep/input/input_list.h"
 #include "tests/dataprep/compress_util.h"
 #include "tests/test_util.h"
 

@@ -14,7 +14,7 @@
 
 #include <simdjson.h>
 
-#include "dataprep/http.h"
+#include "dataprep/download/http.h"
 #include "tests/test_util.h"
 
 namespace ptk::testing {

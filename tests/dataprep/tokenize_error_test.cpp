@@ -11,7 +11,7 @@
 #include <fstream>
 #include <map>
 
-#include "dataprep/json_record.h"
+#include "dataprep/tokenize/json_record.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/dataprep/compress_util.h"
 #include "tests/test_util.h"

@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "dataprep/tokenize_stages.h"
+#include "dataprep/tokenize/tokenize_stages.h"
 #include "tests/dataprep/compress_util.h"
 #include "tests/test_util.h"
 

@@ -1,5 +1,5 @@
 // ptk-extract's engine.
-#include "dataprep/extract.h"
+#include "dataprep/extract/extract.h"
 
 #include <sys/stat.h>
 
@@ -25,7 +25,7 @@
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
-#include "dataprep/byte_source.h"
+#include "dataprep/input/byte_source.h"
 
 namespace ptk {
 namespace {

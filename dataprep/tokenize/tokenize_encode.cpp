@@ -1,7 +1,7 @@
 // ptk-tokenize's parallel stage: a batch's JSON lines -> GPT-2 ids, Megatron's way.
 #include <cstring>
 
-#include "dataprep/tokenize_stages.h"
+#include "dataprep/tokenize/tokenize_stages.h"
 
 namespace ptk::tokenize_detail {
 namespace {

@@ -17,7 +17,7 @@
 #include "common/output_lock.h"
 #include "common/py_format.h"
 #include "common/status.h"
-#include "dataprep/tokenize_stages.h"
+#include "dataprep/tokenize/tokenize_stages.h"
 #include "indexed_dataset/merge.h"
 #include "tokenizer/pretokenizer.h"
 

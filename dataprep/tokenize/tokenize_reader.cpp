@@ -4,7 +4,7 @@
 
 #include "common/logging.h"
 #include "common/status.h"
-#include "dataprep/tokenize_stages.h"
+#include "dataprep/tokenize/tokenize_stages.h"
 
 namespace ptk::tokenize_detail {
 

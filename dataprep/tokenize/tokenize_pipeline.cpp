@@ -1,5 +1,5 @@
 // ptk-tokenize's engine: the three stages of tokenize_stages.h in a oneTBB pipeline.
-#include "dataprep/tokenize_pipeline.h"
+#include "dataprep/tokenize/tokenize_pipeline.h"
 
 #include <sys/stat.h>
 #include <tbb/enumerable_thread_specific.h>
@@ -18,7 +18,7 @@
 #include "common/logging.h"
 #include "common/progress.h"
 #include "common/status.h"
-#include "dataprep/tokenize_stages.h"
+#include "dataprep/tokenize/tokenize_stages.h"
 
 namespace ptk {
 

@@ -1,5 +1,5 @@
 // ptk-download: the Hub's rate-limit headers and the shared limiter's sleep.
-#include "dataprep/download_internal.h"
+#include "dataprep/download/download_internal.h"
 
 namespace ptk::download_detail {
 

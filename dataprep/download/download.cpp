@@ -1,5 +1,5 @@
 // ptk-download's engine: RunDownload orchestrates listing, state, rate limits and file fetches.
-#include "dataprep/download.h"
+#include "dataprep/download/download.h"
 
 #include <fnmatch.h>
 
@@ -15,7 +15,7 @@
 #include "common/progress.h"
 #include "common/status.h"
 
-#include "dataprep/download_internal.h"
+#include "dataprep/download/download_internal.h"
 
 #include "common/output_lock.h"
 

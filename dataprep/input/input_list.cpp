@@ -1,5 +1,5 @@
 // Expanding the inputs of the dataprep tools.
-#include "dataprep/input_list.h"
+#include "dataprep/input/input_list.h"
 
 #include <fnmatch.h>
 

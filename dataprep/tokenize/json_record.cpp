@@ -1,5 +1,5 @@
 // JSON-lines record parsing with Python json semantics.
-#include "dataprep/json_record.h"
+#include "dataprep/tokenize/json_record.h"
 
 #include <cstring>
 

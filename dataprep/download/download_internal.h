@@ -36,8 +36,8 @@
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
-#include "dataprep/download.h"
-#include "dataprep/http.h"
+#include "dataprep/download/download.h"
+#include "dataprep/download/http.h"
 
 namespace ptk::download_detail {
 

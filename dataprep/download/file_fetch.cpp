@@ -3,7 +3,7 @@
 // Three parts: PartFile (the `.part` on disk, its running digest and what is known of the remote
 // object), RetryBudget (how long one file keeps being retried) and FileFetch (the loop of HTTP
 // attempts and what each answer means).
-#include "dataprep/download_internal.h"
+#include "dataprep/download/download_internal.h"
 
 #include "common/atomic_file.h"
 #include "common/file_io.h"

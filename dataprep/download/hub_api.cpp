@@ -1,6 +1,6 @@
 // ptk-download: the Hub API (listing at a pinned revision) and its small helpers.
 #include "common/human_format.h"
-#include "dataprep/download_internal.h"
+#include "dataprep/download/download_internal.h"
 
 namespace ptk::download_detail {
 

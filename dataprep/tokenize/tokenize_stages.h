@@ -21,9 +21,9 @@
 
 #include "common/progress.h"
 #include "common/zero_pages.h"
-#include "dataprep/byte_source.h"
-#include "dataprep/json_record.h"
-#include "dataprep/tokenize_pipeline.h"
+#include "dataprep/input/byte_source.h"
+#include "dataprep/tokenize/json_record.h"
+#include "dataprep/tokenize/tokenize_pipeline.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "tokenizer/gpt2_tokenizer.h"
 

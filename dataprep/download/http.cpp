@@ -1,5 +1,5 @@
 // HTTP over libcurl.
-#include "dataprep/http.h"
+#include "dataprep/download/http.h"
 
 #include <curl/curl.h>
 #include <unistd.h>

@@ -1,5 +1,5 @@
 // ptk-concat's engine.
-#include "dataprep/concat.h"
+#include "dataprep/concat/concat.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -26,8 +26,8 @@
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
-#include "dataprep/byte_source.h"
-#include "dataprep/input_list.h"
+#include "dataprep/input/byte_source.h"
+#include "dataprep/input/input_list.h"
 
 namespace ptk {
 namespace {

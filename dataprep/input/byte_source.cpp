@@ -1,5 +1,5 @@
 // Streaming byte sources.
-#include "dataprep/byte_source.h"
+#include "dataprep/input/byte_source.h"
 
 #include <fcntl.h>
 #include <lzma.h>

@@ -1,7 +1,7 @@
 // ptk-download's state on disk: the listing manifest, URL lists, done logs.
 #include "common/file_io.h"
 #include "common/file_paths.h"
-#include "dataprep/download_internal.h"
+#include "dataprep/download/download_internal.h"
 
 namespace ptk::download_detail {
 
