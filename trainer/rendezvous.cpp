@@ -299,6 +299,10 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
 
 std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
   diagnosed_ = true;
+  // Rank 0 answers at once unless it hangs itself: a few seconds, not another timeout.
+  const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
+  timeval tv{static_cast<time_t>(wait.count() / 1000), static_cast<suseconds_t>(wait.count() % 1000 * 1000)};
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   if (!Set(kFailedPrefix + std::to_string(rank_), what_failed).ok())
     return rank_ == 0 ? "" : "rank 0 (which serves the rendezvous) does not answer: it exited or hangs";
   // The others' failures arrive within moments of this one's when a rank died; give them a few

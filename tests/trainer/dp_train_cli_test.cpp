@@ -184,36 +184,49 @@ TEST_F(DataParallelCli, OverlappedReductionHasTheBitsOfAReductionAfterBackward) 
 }
 
 // Faults: a rank killed, or a rank that hangs (stopped), ends the others with exit 1 within
-// --distributed-timeout-minutes, their error naming that rank and its host; never a hang.
+// --distributed-timeout-minutes, their error naming that rank and its host; never a hang. Rank 0
+// hanging (it serves the rendezvous) is named as such.
 TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
   const std::string cmd = Train("--use-distributed-optimizer --distributed-timeout-minutes 0.1", 100000);
   const std::string host = ptk::testing::ReadFile("/proc/sys/kernel/hostname");
   const std::string h = host.substr(0, host.find('\n'));
-  for (const char* fault : {"KILL", "STOP"}) {
+  struct Fault {
+    const char* signal;
+    int victim;
+    int seconds;  // at most, from the signal to the others' exit
+    std::string named;
+  };
+  const Fault faults[] = {
+      {"KILL", 1, 10, "rank 1 (host " + h + ") exited (its connection to the rendezvous closed"},
+      // The 6 s timeout, then a few seconds for the others to report.
+      {"STOP", 1, 30, "rank 1 (host " + h + ") did not report a failure: it hangs"},
+      {"STOP", 0, 30, "rank 0 (which serves the rendezvous) does not answer: it exited or hangs"},
+  };
+  for (const Fault& f : faults) {
     static int calls = 0;
     const std::string port = std::to_string(24000 + (::getpid() * 3 + 17 * calls++) % 20000);
-    // Rank 1 of 3 gets the signal once training runs; ranks 0 and 2 must end by themselves.
-    auto r = RunCmd("bash -c " +
-                    ShellQuote("export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd +
-                               " >/dev/null 2>&1 & p1=$!; RANK=2 " + cmd + " > " + ShellQuote(dir_ / "r2.log") +
-                               " 2>&1 & p2=$!; RANK=0 " + cmd + " > " + ShellQuote(dir_ / "r0.log") +
-                               " 2>&1 & p0=$!; for i in $(seq 100); do grep -q '^training' " +
-                               ShellQuote(dir_ / "r0.log") + " && break; sleep 0.2; done; sleep 1; kill -" + fault +
-                               " $p1; start=$SECONDS; wait $p0; rc0=$?; wait $p2; rc2=$?; "
-                               "echo rc0=$rc0 rc2=$rc2 after=$((SECONDS-start)); kill -9 $p1; wait $p1"));
+    std::string script = "export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
+    for (int rank : {0, 1, 2})
+      script += "RANK=" + std::to_string(rank) + " " + cmd + " > " +
+                ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
+    // Once training runs, the victim gets the signal; the two others must end by themselves.
+    const std::string v = std::to_string(f.victim), a = f.victim == 0 ? "1" : "0";
+    script += "for i in $(seq 100); do grep -q '^training' " + ShellQuote(dir_ / "r0.log") +
+              " && break; sleep 0.2; done; sleep 1; kill -" + f.signal + " $p" + v + "; start=$SECONDS; wait $p" + a +
+              "; ra=$?; wait $p2; rb=$?; echo rc=$ra,$rb after=$((SECONDS-start)); "
+              "kill -9 $p" +
+              v + "; wait $p" + v;
+    auto r = RunCmd("bash -c " + ShellQuote(script));
     std::smatch m;
-    ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc0=(\\d+) rc2=(\\d+) after=(\\d+)"))) << r.output;
-    const std::string r0 = ptk::testing::ReadFile(dir_ / "r0.log"), r2 = ptk::testing::ReadFile(dir_ / "r2.log");
-    EXPECT_EQ(m[1], "1") << fault << "\n" << r0;
-    EXPECT_EQ(m[2], "1") << fault << "\n" << r2;
-    // Killed: at once. Hung: the 6 s timeout, then a few seconds for the others to report.
-    EXPECT_LE(std::stoi(m[3]), std::string(fault) == "KILL" ? 10 : 30) << fault;
-    const std::string want = std::string(fault) == "KILL"
-                                 ? "rank 1 (host " + h + ") exited (its connection to the rendezvous closed"
-                                 : "rank 1 (host " + h + ") did not report a failure: it hangs";
-    for (const std::string& log : {r0, r2}) {
-      EXPECT_NE(log.find("failed (a rank died or the network failed)"), std::string::npos) << fault << "\n" << log;
-      EXPECT_NE(log.find(want), std::string::npos) << fault << "\n" << log;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc=(\\d+),(\\d+) after=(\\d+)"))) << r.output;
+    const std::string what = std::string(f.signal) + " rank " + v;
+    EXPECT_EQ(m[1], "1") << what;
+    EXPECT_EQ(m[2], "1") << what;
+    EXPECT_LE(std::stoi(m[3]), f.seconds) << what;
+    for (const std::string& other : {a, std::string("2")}) {
+      const std::string log = ptk::testing::ReadFile(dir_ / ("r" + other + ".log"));
+      EXPECT_NE(log.find("failed (a rank died or the network failed)"), std::string::npos) << what << "\n" << log;
+      EXPECT_NE(log.find(f.named), std::string::npos) << what << "\n" << log;
     }
   }
 }
