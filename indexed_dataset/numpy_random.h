@@ -19,7 +19,7 @@
 #endif
 
 namespace ptk {
-namespace numpy_random_internal {
+namespace numpy_random_detail {
 
 #if defined(__x86_64__)
 // GCC 12's AVX-512 shift intrinsics start from an undefined vector and trip -Wuninitialized.
@@ -72,7 +72,7 @@ __attribute__((target("avx512f"))) inline void Mt19937RefillAvx512(uint32_t* mt,
 #pragma GCC diagnostic pop
 #endif
 
-}  // namespace numpy_random_internal
+}  // namespace numpy_random_detail
 
 // MT19937 with the exact output of std::mt19937 (and numpy's legacy seeding), producing its 624
 // words per refill sixteen at a time with AVX-512 where the CPU has it, else four at a time with
@@ -119,8 +119,8 @@ class Mt19937 {
 #endif
   void Refill() {
 #if defined(__x86_64__)
-    if (numpy_random_internal::HaveAvx512()) {
-      numpy_random_internal::Mt19937RefillAvx512(mt_, out_);
+    if (numpy_random_detail::HaveAvx512()) {
+      numpy_random_detail::Mt19937RefillAvx512(mt_, out_);
       pos_ = 0;
       return;
     }
@@ -163,7 +163,7 @@ class Mt19937 {
 template <typename Int>
 struct DrawRing;
 
-namespace numpy_random_internal {
+namespace numpy_random_detail {
 
 #if defined(__x86_64__)
 // Sixteen generator outputs at a time while the bound b is at least low + 15 (so the mask stays
@@ -202,7 +202,7 @@ __attribute__((target("avx512f"))) inline size_t AcceptAvx512(const uint32_t* x,
 }
 #endif
 
-}  // namespace numpy_random_internal
+}  // namespace numpy_random_detail
 
 class NumpyRandomState {
  public:
@@ -249,8 +249,7 @@ class NumpyRandomState {
         size_t j = 0;
 #if defined(__x86_64__)
         if constexpr (std::is_same_v<Int, uint32_t>)
-          if (numpy_random_internal::HaveAvx512())
-            j = numpy_random_internal::AcceptAvx512(x, n, mask, low, &b, out, &k);
+          if (numpy_random_detail::HaveAvx512()) j = numpy_random_detail::AcceptAvx512(x, n, mask, low, &b, out, &k);
 #endif
         for (; j < n && b >= low; ++j) {
           const uint32_t v = x[j] & mask;

@@ -26,7 +26,7 @@
 #include "tokenizer/gpt2_tokenizer.h"
 #include "trainer/checkpoint.h"
 
-namespace ptk::interop {
+namespace ptk {
 namespace {
 
 using trainer::GPTConfig;
@@ -554,4 +554,4 @@ absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& o) {
                   o.loader, o.saver));
 }
 
-}  // namespace ptk::interop
+}  // namespace ptk

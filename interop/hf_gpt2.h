@@ -22,7 +22,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/gpt_model.h"
 
-namespace ptk::interop {
+namespace ptk {
 
 struct ConvertOptions {
   std::string loader;  // "ptk" or "hf"
@@ -65,4 +65,4 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);
 
-}  // namespace ptk::interop
+}  // namespace ptk

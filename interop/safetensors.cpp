@@ -14,7 +14,7 @@
 #include "common/json_writer.h"
 #include "common/status.h"
 
-namespace ptk::interop {
+namespace ptk {
 namespace {
 
 constexpr uint64_t kMaxHeader = 100'000'000;  // the reference implementation's limit
@@ -205,4 +205,4 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat(const SafetensorsT
   return out;
 }
 
-}  // namespace ptk::interop
+}  // namespace ptk

@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "common/mmap_file.h"
 
-namespace ptk::interop {
+namespace ptk {
 
 // A tensor to write: fp32, row-major.
 struct SafetensorsEntry {
@@ -66,4 +66,4 @@ class SafetensorsFile {
 // Bytes per element of a safetensors dtype; 0 for an unknown one.
 int DtypeSize(std::string_view dtype);
 
-}  // namespace ptk::interop
+}  // namespace ptk

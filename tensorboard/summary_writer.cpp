@@ -17,7 +17,7 @@
 #include "common/status.h"
 #include "tensorboard_event.pb.h"
 
-namespace ptk::tensorboard {
+namespace ptk {
 namespace {
 
 void PutLe(std::string* out, uint64_t v, int bytes) {
@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<SummaryWriter>> SummaryWriter::Create(const std::
   }
   std::unique_ptr<SummaryWriter> w(new SummaryWriter(path, f));
   // The first record names the format, as every TensorFlow event file's does.
-  proto::Event e;
+  tensorboard::proto::Event e;
   e.set_wall_time(start);
   e.set_file_version("brain.Event:2");
   e.mutable_source_metadata()->set_writer(options.writer);
@@ -102,10 +102,10 @@ SummaryWriter::~SummaryWriter() {
 void SummaryWriter::AddEvent(const std::string& serialized) { pending_ += FrameRecord(serialized); }
 
 void SummaryWriter::AddScalar(std::string_view tag, double value, int64_t step, double wall_time) {
-  proto::Event e;
+  tensorboard::proto::Event e;
   e.set_wall_time(wall_time >= 0 ? wall_time : WallTimeNow());
   e.set_step(step);
-  proto::Summary::Value* v = e.mutable_summary()->add_value();
+  tensorboard::proto::Summary::Value* v = e.mutable_summary()->add_value();
   v->set_tag(std::string(tag));
   v->set_simple_value(static_cast<float>(value));
   AddEvent(e.SerializeAsString());
@@ -129,4 +129,4 @@ absl::Status SummaryWriter::Close() {
   return st;
 }
 
-}  // namespace ptk::tensorboard
+}  // namespace ptk

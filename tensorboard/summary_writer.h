@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace ptk::tensorboard {
+namespace ptk {
 
 // CRC-32C (Castagnoli) of `data`, continuing `crc` (0 to start), as TFRecord framing uses it.
 uint32_t Crc32c(std::string_view data, uint32_t crc = 0);
@@ -60,4 +60,4 @@ class SummaryWriter {
 // Wall-clock time in seconds since the epoch, as TensorBoard's events carry it.
 double WallTimeNow();
 
-}  // namespace ptk::tensorboard
+}  // namespace ptk

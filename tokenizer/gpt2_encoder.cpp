@@ -11,9 +11,9 @@
 
 namespace ptk {
 
-using gpt2_internal::HashKey;
-using gpt2_internal::HashLong;
-using gpt2_internal::LoadKey;
+using gpt2_detail::HashKey;
+using gpt2_detail::HashLong;
+using gpt2_detail::LoadKey;
 
 Gpt2Encoder::Gpt2Encoder(const Gpt2Tokenizer& tok, Options options)
     : tok_(tok), opt_(options), long_budget_(options.long_cache_bytes) {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace ptk::gpt2_internal {
+namespace ptk::gpt2_detail {
 
 // wyhash-style "mum" mix: every key bit reaches the low bits used as the table index.
 inline uint64_t HashKey(uint64_t k0, uint64_t k1, uint32_t len) {
@@ -62,4 +62,4 @@ inline uint64_t HashLong(const uint8_t* p, size_t n) {
   return h | 1;
 }
 
-}  // namespace ptk::gpt2_internal
+}  // namespace ptk::gpt2_detail

@@ -64,8 +64,8 @@ bool ByteLevelDecode(std::string_view s, std::string* out) {
 
 }  // namespace
 
-using gpt2_internal::HashKey;
-using gpt2_internal::LoadKey;
+using gpt2_detail::HashKey;
+using gpt2_detail::LoadKey;
 
 std::string_view Gpt2Tokenizer::DefaultVocabJson() {
   return std::string_view(ptk_gpt2_vocab_start, static_cast<size_t>(ptk_gpt2_vocab_end - ptk_gpt2_vocab_start));

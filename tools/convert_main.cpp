@@ -13,7 +13,7 @@ int main(int argc, char** argv) {
       "ptk-convert",
       "Convert a ptk checkpoint to a Hugging Face GPT-2 directory (--loader ptk --saver hf) or back (--loader hf "
       "--saver ptk).");
-  ptk::interop::ConvertOptions o;
+  ptk::ConvertOptions o;
   std::string model_type = "GPT";
   int64_t target_tp = 1, target_pp = 1, max_queue_size = 50;
   app->add_option("--model-type", model_type, "GPT (the only model ptk has)")->check(CLI::IsMember({"GPT"}));
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
     args.BeginArray();
     for (int i = 1; i < argc; ++i) args.Value(argv[i]);
     o.args_json = args.EndArray().str();
-    PTK_ASSIGN_OR_RETURN(ptk::interop::ConvertSummary s, ptk::interop::RunConvert(o));
+    PTK_ASSIGN_OR_RETURN(ptk::ConvertSummary s, ptk::RunConvert(o));
     for (const std::string& n : s.notes) ptk::log::Info("note: {}", n);
     const auto& c = s.config;
     ptk::log::Info(

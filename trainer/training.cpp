@@ -608,9 +608,9 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
   MetricsFile metrics;
   if (rank == 0 && !o.metrics_path.empty()) PTK_RETURN_IF_ERROR(metrics.Open(o.metrics_path));
   // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
-  std::unique_ptr<tensorboard::SummaryWriter> tb;
+  std::unique_ptr<SummaryWriter> tb;
   if (rank == 0 && !o.tensorboard.dir.empty()) {
-    PTK_ASSIGN_OR_RETURN(tb, tensorboard::SummaryWriter::Create(o.tensorboard.dir));
+    PTK_ASSIGN_OR_RETURN(tb, SummaryWriter::Create(o.tensorboard.dir));
     log::Info("TensorBoard events: {}", tb->path());
   }
   // Megatron's pairs: the value at the iteration, and "<tag> vs samples" at the samples consumed.

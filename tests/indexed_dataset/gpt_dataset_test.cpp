@@ -339,13 +339,13 @@ class NumpyCompatPaths : public ::testing::TestWithParam<bool> {
   // run with false.
   void SetUp() override {
 #if defined(__x86_64__)
-    saved_ = numpy_random_internal::Avx512Enabled();
-    numpy_random_internal::Avx512Enabled() = GetParam() && saved_;
+    saved_ = numpy_random_detail::Avx512Enabled();
+    numpy_random_detail::Avx512Enabled() = GetParam() && saved_;
 #endif
   }
   void TearDown() override {
 #if defined(__x86_64__)
-    numpy_random_internal::Avx512Enabled() = saved_;
+    numpy_random_detail::Avx512Enabled() = saved_;
 #endif
   }
   bool saved_ = false;

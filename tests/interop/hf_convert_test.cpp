@@ -19,7 +19,7 @@
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
-namespace ptk::interop {
+namespace ptk {
 namespace {
 
 using ptk::testing::ReadFile;
@@ -285,4 +285,4 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
 }
 
 }  // namespace
-}  // namespace ptk::interop
+}  // namespace ptk

@@ -18,7 +18,7 @@ namespace {
 
 absl::Status Run(int argc, char** argv) {
   if (argc < 4) return absl::InvalidArgumentError("usage: logits_tool CKPT_DIR SEQUENCES.txt OUT.f32");
-  PTK_ASSIGN_OR_RETURN(ptk::interop::PtkCheckpoint ck, ptk::interop::LoadPtkCheckpoint(argv[1]));
+  PTK_ASSIGN_OR_RETURN(ptk::PtkCheckpoint ck, ptk::LoadPtkCheckpoint(argv[1]));
   ptk::trainer::GPTConfig c = ck.config;
   c.hidden_dropout = c.attention_dropout = 0;
   PTK_ASSIGN_OR_RETURN(auto model, ptk::trainer::CreateModel(c, ptk::trainer::BackendOptions{}));

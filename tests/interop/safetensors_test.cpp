@@ -11,7 +11,7 @@
 
 #include "tests/test_util.h"
 
-namespace ptk::interop {
+namespace ptk {
 namespace {
 
 using ptk::testing::ReadFile;
@@ -144,4 +144,4 @@ TEST(Safetensors, OtherDtypesAreReadAsBytesButNotAsWeights) {
 }
 
 }  // namespace
-}  // namespace ptk::interop
+}  // namespace ptk

@@ -17,7 +17,7 @@
 
 #include "tests/test_util.h"
 
-namespace ptk::tensorboard {
+namespace ptk {
 namespace {
 
 uint32_t Le32(const std::string& s, size_t at) {
@@ -139,4 +139,4 @@ TEST(SummaryWriter, UnwritableDirectoryIsAnError) {
 }
 
 }  // namespace
-}  // namespace ptk::tensorboard
+}  // namespace ptk
