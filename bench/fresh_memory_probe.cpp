@@ -5,7 +5,7 @@
 // zeroing MIB MiB); on a VM whose host takes back memory the guest has freed, some rounds cost tens
 // of times more (the host faulting its own pages in again), and a process that touches more fresh
 // memory, or touches it from more threads, draws more of them. No anchor: a property of the machine
-// that explains the spread of ptk-tokenize's timings (tokenizer/README.md).
+// that explains the spread of ptk-tokenize's timings (docs/tokenizer.md).
 // Usage: fresh_memory_probe [MIB=16] [THREADS=1] [ROUNDS=40] [PAUSE_MS=200]
 #include <unistd.h>
 
