@@ -21,7 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "trainer/gpt_model.h"
-#include "trainer/optimizer.h"
+#include "trainer/train_step.h"
 
 namespace ptk::trainer {
 

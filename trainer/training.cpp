@@ -504,7 +504,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
                 shard.shard_size, model->num_params());
   }
   PTK_RETURN_IF_ERROR(model->InitWeights(o.seed));
-  Optimizer opt(model.get(), o.optimizer, sc, comm, o.loss_scale);
+  TrainStep opt(model.get(), o.optimizer, sc, comm, o.loss_scale);
   if (rank == 0 && !opt.buckets().empty()) {
     int64_t largest = 0;
     for (const GradRange& b : opt.buckets()) largest = std::max(largest, b.size());

@@ -18,7 +18,7 @@
 #include "trainer/backend.h"
 #include "trainer/comm.h"
 #include "trainer/gpt_model.h"
-#include "trainer/optimizer.h"
+#include "trainer/train_step.h"
 
 namespace ptk::trainer {
 

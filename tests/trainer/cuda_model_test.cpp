@@ -10,7 +10,7 @@
 
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/cuda/cuda_gpt_model.h"
-#include "trainer/optimizer.h"
+#include "trainer/train_step.h"
 
 namespace ptk::trainer {
 namespace {
@@ -138,7 +138,7 @@ TEST(CudaModel, Fp16StepMatchesTheCpu) { ExpectOneStepMatches(Precision::kFp16, 
 
 std::vector<double> Curve(GPTModel* model, const Batches& data, int steps, const LossScaleConfig& ls = {}) {
   auto comm = MakeLocalCommunicator();
-  Optimizer opt(model, OptimizerConfig{0.9, 0.95, 1e-8, 1.0}, Schedule(), comm.get(), ls);
+  TrainStep opt(model, OptimizerConfig{0.9, 0.95, 1e-8, 1.0}, Schedule(), comm.get(), ls);
   std::vector<double> losses;
   for (int i = 0; i < steps; ++i) {
     auto r = opt.Step({data.Get(i % 10)}, data.b, 7);

@@ -14,7 +14,7 @@
 #include "tests/test_util.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
-#include "trainer/optimizer.h"
+#include "trainer/train_step.h"
 
 namespace ptk::trainer {
 namespace {
@@ -143,7 +143,7 @@ TEST_P(GptGolden, GradientsMatchPyTorch) {
   for (bool recompute : {false, true}) {
     auto model = MakeModel(recompute);
     auto comm = MakeLocalCommunicator();
-    Optimizer opt(model.get(), OptConfig(), Schedule(), comm.get());
+    TrainStep opt(model.get(), OptConfig(), Schedule(), comm.get());
     auto r = opt.ComputeGradients(Step(0), 0);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_NEAR(r->lm_loss(), g_->meta["steps"].at(0)["lm_loss"].get_double(), 1e-5);
@@ -159,7 +159,7 @@ TEST_P(GptGolden, GradientsMatchPyTorch) {
 TEST_P(GptGolden, TenAdamWStepsMatchPyTorch) {
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
-  Optimizer opt(model.get(), OptConfig(), Schedule(), comm.get());
+  TrainStep opt(model.get(), OptConfig(), Schedule(), comm.get());
   const int64_t steps = g_->Int("steps");
   for (int64_t s = 0; s < steps; ++s) {
     auto r = opt.Step(Step(s), g_->Int("global_batch_size"), 0);
@@ -178,7 +178,7 @@ TEST_P(GptGolden, TenAdamWStepsMatchPyTorch) {
 TEST_P(GptGolden, NanLossSkipsTheUpdate) {
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
-  Optimizer opt(model.get(), OptConfig(), Schedule(), comm.get());
+  TrainStep opt(model.get(), OptConfig(), Schedule(), comm.get());
   ASSERT_TRUE(opt.Step(Step(0), 4, 0).ok());  // one good step first
   const ParamInfo* p = model->FindParam("decoder.final_layernorm.weight");
   ASSERT_NE(p, nullptr);

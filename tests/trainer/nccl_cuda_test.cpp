@@ -21,8 +21,8 @@
 
 #include "trainer/cuda/comm_nccl.h"
 #include "trainer/cuda/cuda_gpt_model.h"
-#include "trainer/optimizer.h"
 #include "trainer/param_shard.h"
+#include "trainer/train_step.h"
 
 namespace ptk::trainer {
 namespace {
@@ -129,7 +129,7 @@ Trace Train(Precision precision, Communicator* comm, bool zero, bool overlap) {
   sc.decay_steps = 100;
   sc.start_wd = sc.end_wd = 0.1;
   sc.wd_incr_steps = 100;
-  Optimizer opt(model->get(), oc, sc, comm);
+  TrainStep opt(model->get(), oc, sc, comm);
   if (overlap) {
     EXPECT_GT(opt.buckets().size(), 2u);
   }

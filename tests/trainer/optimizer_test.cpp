@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "trainer/cpu/cpu_gpt_model.h"
-#include "trainer/optimizer.h"
+#include "trainer/train_step.h"
 
 namespace ptk::trainer {
 namespace {
@@ -56,7 +56,7 @@ std::vector<float> TrainThreeSteps(const LossScaleConfig& ls, std::vector<StepRe
   EXPECT_TRUE(model.ok()) << model.status();
   EXPECT_TRUE((*model)->InitWeights(7).ok());
   auto comm = MakeLocalCommunicator();
-  Optimizer opt(model->get(), OptimizerConfig{}, Schedule(), comm.get(), ls);
+  TrainStep opt(model->get(), OptimizerConfig{}, Schedule(), comm.get(), ls);
   for (int i = 0; i < 3; ++i) {
     auto r = opt.Step({f.Batch()}, 2, 11);
     EXPECT_TRUE(r.ok()) << r.status();

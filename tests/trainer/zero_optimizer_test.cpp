@@ -12,8 +12,8 @@
 
 #include "tests/trainer/gloo_ranks.h"
 #include "trainer/cpu/cpu_gpt_model.h"
-#include "trainer/optimizer.h"
 #include "trainer/param_shard.h"
+#include "trainer/train_step.h"
 
 namespace ptk::trainer {
 namespace {
@@ -87,7 +87,7 @@ Trace TrainRun(const GPTConfig& config, Communicator* comm, bool zero, int64_t b
   OptimizerConfig oc;
   oc.overlap_grad_reduce = bucket > 0;
   oc.ddp_bucket_size = bucket;
-  Optimizer opt(model->get(), oc, Schedule(), comm);
+  TrainStep opt(model->get(), oc, Schedule(), comm);
   if (bucket > 0) {
     EXPECT_GT(opt.buckets().size(), 2u);
   }

@@ -1,4 +1,4 @@
-// One training step as Megatron's train_step does it: forward/backward over the micro-batches of
+// TrainStep: one training step as Megatron's train_step does it: forward/backward over the micro-batches of
 // this rank, gradient all-reduce across data-parallel ranks, NaN/Inf check, global-norm clipping,
 // AdamW (no weight decay on biases and LayerNorm parameters), then the scheduler. With a model
 // whose optimizer state is sharded (GPTModel::ShardOptimizerState, --use-distributed-optimizer):
@@ -69,9 +69,9 @@ struct StepResult {
   double lm_loss() const { return tokens > 0 ? loss_sum / tokens : 0.0; }
 };
 
-class Optimizer {
+class TrainStep {
  public:
-  Optimizer(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule, Communicator* comm,
+  TrainStep(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule, Communicator* comm,
             const LossScaleConfig& loss_scale = {});
 
   // micro_batches: this rank's micro-batches of one global batch; global_batch_size advances the

@@ -1,5 +1,5 @@
 // The training step: micro-batches, all-reduce, NaN check, clipping, AdamW, scheduler.
-#include "trainer/optimizer.h"
+#include "trainer/train_step.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +42,7 @@ void LossScaler::Update(bool found_inf) {
   }
 }
 
-Optimizer::Optimizer(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule,
+TrainStep::TrainStep(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule,
                      Communicator* comm, const LossScaleConfig& loss_scale)
     : model_(model), config_(config), scheduler_(schedule), scaler_(loss_scale), comm_(comm) {
   if (config.overlap_grad_reduce)
@@ -50,14 +50,14 @@ Optimizer::Optimizer(GPTModel* model, const OptimizerConfig& config, const Sched
         model->layout(), config.ddp_bucket_size > 0 ? config.ddp_bucket_size : DefaultDdpBucketSize(comm->size()));
 }
 
-absl::StatusOr<StepResult> Optimizer::Step(const std::vector<ModelBatch>& micro_batches, int64_t global_batch_size,
+absl::StatusOr<StepResult> TrainStep::Step(const std::vector<ModelBatch>& micro_batches, int64_t global_batch_size,
                                            uint64_t seed) {
   PTK_ASSIGN_OR_RETURN(StepResult r, ComputeGradients(micro_batches, seed));
   PTK_RETURN_IF_ERROR(ApplyUpdate(r, global_batch_size));
   return r;
 }
 
-absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed) {
+absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed) {
   StepResult r;
   r.lr = scheduler_.lr();
   r.loss_scale = scaler_.scale();
@@ -101,7 +101,7 @@ absl::StatusOr<StepResult> Optimizer::ComputeGradients(const std::vector<ModelBa
   return r;
 }
 
-absl::Status Optimizer::ApplyUpdate(const StepResult& r, int64_t global_batch_size) {
+absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_size) {
   scaler_.Update(r.skipped);
   if (r.skipped) return absl::OkStatus();
   // One pass over the gradients: unscale and clip together (Megatron unscales, then clips the
@@ -123,7 +123,7 @@ absl::Status Optimizer::ApplyUpdate(const StepResult& r, int64_t global_batch_si
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> Optimizer::ShardedGradSumSquares() {
+absl::StatusOr<double> TrainStep::ShardedGradSumSquares() {
   const ParamShard& shard = *model_->shard();
   std::vector<double> mine;
   PTK_RETURN_IF_ERROR(model_->GradSumSquaresPartials(shard.begin(), shard.end(), &mine));
