@@ -50,6 +50,22 @@ TrainStep::TrainStep(GPTModel* model, const OptimizerConfig& config, const Sched
         model->layout(), config.ddp_bucket_size > 0 ? config.ddp_bucket_size : DefaultDdpBucketSize(comm->size()));
 }
 
+TrainStepState TrainStep::State() const {
+  TrainStepState s;
+  s.adam_step = adam_step_;
+  s.scheduler_num_steps = scheduler_.num_steps();
+  s.schedule = scheduler_.config();
+  if (scaler_.dynamic()) s.loss_scale = scaler_.state();
+  return s;
+}
+
+void TrainStep::Restore(const TrainStepState& s) {
+  adam_step_ = s.adam_step;
+  scheduler_.set_num_steps(s.scheduler_num_steps);
+  scheduler_.set_config(s.schedule);
+  if (scaler_.dynamic() && s.loss_scale) scaler_.set_state(*s.loss_scale);
+}
+
 absl::StatusOr<StepResult> TrainStep::Step(const std::vector<ModelBatch>& micro_batches, int64_t global_batch_size,
                                            uint64_t seed) {
   PTK_ASSIGN_OR_RETURN(StepResult r, ComputeGradients(micro_batches, seed));

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -69,6 +70,15 @@ struct StepResult {
   double lm_loss() const { return tokens > 0 ? loss_sum / tokens : 0.0; }
 };
 
+// What the step keeps between iterations besides AdamW's moments (which live in the model's
+// backend): what a checkpoint saves of it (State) and a resume puts back (Restore).
+struct TrainStepState {
+  int64_t adam_step = 0;                     // AdamW's step count
+  int64_t scheduler_num_steps = 0;           // the scheduler's position, in samples
+  SchedulerConfig schedule;                  // the scheduler's settings
+  std::optional<LossScaleState> loss_scale;  // the dynamic scaler's (--fp16); none with a constant scale
+};
+
 class TrainStep {
  public:
   TrainStep(GPTModel* model, const OptimizerConfig& config, const SchedulerConfig& schedule, Communicator* comm,
@@ -84,14 +94,15 @@ class TrainStep {
   absl::StatusOr<StepResult> ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed);
   absl::Status ApplyUpdate(const StepResult& r, int64_t global_batch_size);
 
+  TrainStepState State() const;
+  // Puts a saved state back; a loss scale is taken by a dynamic scaler only (none keeps its own).
+  void Restore(const TrainStepState& state);
+
   // --overlap-grad-reduce's buckets, in the order backward completes them (empty without it).
   const std::vector<GradRange>& buckets() const { return buckets_; }
-  LossScaler& loss_scaler() { return scaler_; }
-  OptimizerParamScheduler& scheduler() { return scheduler_; }
   const OptimizerParamScheduler& scheduler() const { return scheduler_; }
   // AdamW's step count (the moments live in the model's backend).
   int64_t adam_step() const { return adam_step_; }
-  void set_adam_step(int64_t s) { adam_step_ = s; }
 
  private:
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.

@@ -536,6 +536,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
                   *latest);
       } else {
         state = loaded;
+        TrainStepState step_state = opt.State();
         if (!o.no_load_optim) {
           // This rank's range of the moments (all of them without ZeRO-1): any rank count loads them.
           PTK_RETURN_IF_ERROR(
@@ -543,10 +544,10 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
                                                                     static_cast<size_t>(model->moments_size())),
                                   std::span<const float>(v).subspan(static_cast<size_t>(model->moments_begin()),
                                                                     static_cast<size_t>(model->moments_size()))));
-          opt.set_adam_step(loaded.adam_step);
-          if (o.loss_scale.dynamic && loaded.loss_scale) opt.loss_scaler().set_state(*loaded.loss_scale);
+          step_state.adam_step = loaded.adam_step;
+          step_state.loss_scale = loaded.loss_scale;
         }
-        opt.scheduler().set_num_steps(loaded.scheduler_num_steps);
+        step_state.scheduler_num_steps = loaded.scheduler_num_steps;
         // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule, and
         // --no-load-optim takes this command line's optimizer settings, schedule included.
         if (loaded.scheduler && !o.no_load_optim && loaded.iteration < train_iters) {
@@ -554,7 +555,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
           PTK_ASSIGN_OR_RETURN(SchedulerConfig chosen,
                                ResolveResumedScheduler(sc, *loaded.scheduler, o.scheduler_on_load, loaded.iteration,
                                                        o.train_iters > 0 ? gbs : 0, &notes));
-          opt.scheduler().set_config(chosen);
+          step_state.schedule = chosen;
           for (const std::string& n : notes)
             if (rank == 0) log::Info("{}", n);
         } else if (!loaded.scheduler && o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint && rank == 0) {
@@ -563,6 +564,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
               "(an earlier ptk wrote it); going on with this command line's",
               loaded.iteration);
         }
+        opt.Restore(step_state);
         if (o.no_load_rng) state.seed = o.seed;
         summary.resumed = true;
         if (rank == 0)
@@ -697,10 +699,11 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       PTK_RETURN_IF_ERROR(comm->AllGather(v.data(), bytes));
     }
     if (rank == 0) {
-      state.scheduler_num_steps = opt.scheduler().num_steps();
-      state.scheduler = opt.scheduler().config();
-      state.adam_step = opt.adam_step();
-      if (opt.loss_scaler().dynamic()) state.loss_scale = opt.loss_scaler().state();
+      const TrainStepState step_state = opt.State();
+      state.adam_step = step_state.adam_step;
+      state.scheduler_num_steps = step_state.scheduler_num_steps;
+      state.scheduler = step_state.schedule;
+      if (step_state.loss_scale) state.loss_scale = step_state.loss_scale;
       state.settings = settings;
       std::vector<float> params(n);
       PTK_RETURN_IF_ERROR(model->ReadParams(params));
