@@ -16,9 +16,9 @@
 #include "common/slurm_env.h"
 #include "common/status.h"
 #include "tokenizer/gpt2_tokenizer.h"
+#include "tools/train_flags.h"
 #include "trainer/comm.h"
 #include "trainer/distributed.h"
-#include "trainer/train_flags.h"
 #include "trainer/training.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);

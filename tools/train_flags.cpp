@@ -1,5 +1,5 @@
 // ptk-train's Megatron-compatible option table and its resolution into TrainOptions.
-#include "trainer/train_flags.h"
+#include "tools/train_flags.h"
 
 #include <cerrno>
 #include <cmath>
