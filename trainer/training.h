@@ -3,103 +3,19 @@
 // --log-interval iterations, evaluation, checkpoints, exit on signal / interval / duration.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <optional>
-#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "indexed_dataset/blended_megatron_dataset_builder.h"
-#include "trainer/backend.h"
 #include "trainer/comm.h"
 #include "trainer/gpt_model.h"
+#include "trainer/train_options.h"
 #include "trainer/train_step.h"
 
 namespace ptk::trainer {
-
-// --tensorboard-dir: Megatron's scalars in TensorBoard event files (rank 0), selected by its flags.
-struct TensorBoardOptions {
-  std::string dir;                  // empty: no event files
-  int64_t log_interval = 1;         // --tensorboard-log-interval
-  bool log_loss_scale = true;       // off: --no-log-loss-scale-to-tensorboard
-  bool log_validation_ppl = false;  // --log-validation-ppl-to-tensorboard
-  bool log_world_size = false;      // --log-world-size-to-tensorboard
-  bool log_timers = false;          // --log-timers-to-tensorboard: iteration-time (s)
-  bool log_throughput = false;      // --log-throughput: with log_timers, throughput (TFLOP/s/GPU)
-};
-
-// --sample-interval: rank 0 prints a continuation of a prompt every `interval` iterations. The
-// trainer does not tokenize: the caller passes the prompt's ids and a decoder.
-struct SampleOptions {
-  int64_t interval = 0;  // 0: no samples
-  std::vector<int32_t> prompt;
-  std::string prompt_text;  // as given, for the printed line
-  int64_t length = 32;
-  double temperature = 0;  // 0: greedy; else drawn, keyed by --seed and the iteration
-  std::function<std::string(std::span<const int32_t>)> decode;
-};
-
-struct TrainOptions {
-  GPTConfig model;             // vocab_size / padded_vocab_size filled by the caller
-  BackendOptions backend;      // --device, precision, --deterministic-mode
-  LossScaleConfig loss_scale;  // --fp16's scaler (scale 1 otherwise)
-  int64_t micro_batch_size = 1;
-  int64_t global_batch_size = 0;  // 0: micro_batch_size * data-parallel size
-  int64_t train_iters = 0;        // one of train_iters / train_samples
-  int64_t train_samples = 0;
-
-  OptimizerConfig optimizer;
-  double lr = 0, min_lr = 0, lr_warmup_init = 0;
-  std::string lr_decay_style = "linear";
-  int64_t lr_decay_iters = 0, lr_decay_samples = 0;
-  int64_t lr_warmup_iters = 0, lr_warmup_samples = 0;
-  std::optional<double> lr_warmup_fraction;
-  std::string lr_wsd_decay_style = "exponential";
-  int64_t lr_wsd_decay_iters = 0, lr_wsd_decay_samples = 0;
-  double weight_decay = 0.01;
-  std::optional<double> start_weight_decay, end_weight_decay;
-  std::string weight_decay_incr_style = "constant";
-
-  DataArgs data;
-  bool mock_data = false;
-  std::optional<std::string> data_cache_path;
-  uint32_t seed = 1234;
-  std::string vocab_file, merge_file;
-  bool eod_mask_loss = false, reset_position_ids = false;
-
-  int64_t eval_interval = 1000, eval_iters = 100;
-  int64_t log_interval = 100;
-  std::string save, load;
-  int64_t save_interval = 0, exit_interval = 0;
-  double exit_duration_in_mins = 0;
-  bool no_load_optim = false, no_load_rng = false, finetune = false;
-  // A resume whose scheduler settings differ from the checkpoint's: stop (Megatron's default), or
-  // --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
-  SchedulerOnLoad scheduler_on_load = SchedulerOnLoad::kCheck;
-  // Megatron's --check-for-nan-in-loss-and-grad: a NaN/Inf loss or gradient norm stops the run
-  // (naming the iteration and which of the two); off, such an iteration is skipped and counted.
-  bool check_for_nan_in_loss_and_grad = true;
-  std::string metrics_path;  // per-iteration metrics as JSON lines (rank 0)
-  TensorBoardOptions tensorboard;
-  SampleOptions sample;
-  std::string args_json;  // the command line, stored in checkpoints
-
-  // Set asynchronously by the caller's signal handler (--exit-signal-handler): save and exit.
-  const std::atomic<int>* exit_signal = nullptr;
-  Communicator* comm = nullptr;  // null: a single process
-  // --use-distributed-optimizer (Megatron's ZeRO-1): each rank keeps and updates its shard of the
-  // optimizer state (ParamShard); gradients reduce-scattered, parameters all-gathered.
-  bool use_distributed_optimizer = false;
-  // --distributed-backend: the communicator's (the caller makes it; ranks must agree).
-  std::string distributed_backend = "gloo";
-  // Where rank 0's Megatron-shaped lines go (stdout by default).
-  std::function<void(const std::string&)> print;
-};
 
 struct TrainSummary {
   int64_t iteration = 0;
