@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <ctime>
 #include <limits>
-#include <map>
 
 #include <fmt/core.h>
 
@@ -19,6 +18,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/counter_rng.h"
 #include "trainer/param_shard.h"
+#include "trainer/run_settings.h"
 #include "trainer/sampling.h"
 
 namespace ptk::trainer {
@@ -135,173 +135,6 @@ class MetricsFile {
 // A JSON number, or null for NaN/Inf (which JSON cannot spell).
 std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
 
-std::string Joined(const std::vector<std::string>& v) {
-  std::string out;
-  for (const std::string& x : v) out += (out.empty() ? "" : " ") + x;
-  return out;
-}
-
-// What every rank must agree on (checked at start-up) and what a checkpoint records of its run:
-// each setting under its Megatron flag name, resolved (the global batch size as used).
-Settings RunSettings(const TrainOptions& o, int64_t gbs) {
-  const GPTConfig& m = o.model;
-  auto num = [](double v) { return fmt::format("{}", v); };
-  auto opt = [&](const std::optional<double>& v) { return v ? num(*v) : std::string("(default)"); };
-  return {
-      {"--num-layers", std::to_string(m.num_layers)},
-      {"--hidden-size", std::to_string(m.hidden_size)},
-      {"--num-attention-heads", std::to_string(m.num_attention_heads)},
-      {"--ffn-hidden-size", std::to_string(m.ffn_hidden_size)},
-      {"--seq-length", std::to_string(m.seq_length)},
-      {"--max-position-embeddings", std::to_string(m.max_position_embeddings)},
-      {"--vocab-size", std::to_string(m.vocab_size)},
-      {"--make-vocab-size-divisible-by (padded vocabulary)", std::to_string(m.padded_vocab_size)},
-      {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights ? "on" : "off"},
-      {"--layernorm-epsilon", num(m.layernorm_epsilon)},
-      {"--hidden-dropout", num(m.hidden_dropout)},
-      {"--attention-dropout", num(m.attention_dropout)},
-      {"--init-method-std", num(m.init_method_std)},
-      {"--recompute-activations", m.recompute_activations ? "on" : "off"},
-      {"--micro-batch-size", std::to_string(o.micro_batch_size)},
-      {"--global-batch-size", std::to_string(gbs)},
-      {"--train-iters", std::to_string(o.train_iters)},
-      {"--train-samples", std::to_string(o.train_samples)},
-      {"--lr", num(o.lr)},
-      {"--min-lr", num(o.min_lr)},
-      {"--lr-warmup-init", num(o.lr_warmup_init)},
-      {"--lr-decay-style", o.lr_decay_style},
-      {"--lr-decay-iters", std::to_string(o.lr_decay_iters)},
-      {"--lr-decay-samples", std::to_string(o.lr_decay_samples)},
-      {"--lr-warmup-iters", std::to_string(o.lr_warmup_iters)},
-      {"--lr-warmup-samples", std::to_string(o.lr_warmup_samples)},
-      {"--lr-warmup-fraction", opt(o.lr_warmup_fraction)},
-      {"--lr-wsd-decay-style", o.lr_wsd_decay_style},
-      {"--lr-wsd-decay-iters", std::to_string(o.lr_wsd_decay_iters)},
-      {"--lr-wsd-decay-samples", std::to_string(o.lr_wsd_decay_samples)},
-      {"--weight-decay", num(o.weight_decay)},
-      {"--start-weight-decay", opt(o.start_weight_decay)},
-      {"--end-weight-decay", opt(o.end_weight_decay)},
-      {"--weight-decay-incr-style", o.weight_decay_incr_style},
-      {"--adam-beta1", num(o.optimizer.adam_beta1)},
-      {"--adam-beta2", num(o.optimizer.adam_beta2)},
-      {"--adam-eps", num(o.optimizer.adam_eps)},
-      {"--clip-grad", num(o.optimizer.clip_grad)},
-      {"--data-path", Joined(o.data.data_path)},
-      {"--train-data-path", Joined(o.data.per_split_data_path[0])},
-      {"--valid-data-path", Joined(o.data.per_split_data_path[1])},
-      {"--test-data-path", Joined(o.data.per_split_data_path[2])},
-      {"--split", o.data.split},
-      {"--mock-data", o.mock_data ? "on" : "off"},
-      {"--seed", std::to_string(o.seed)},
-      {"--eod-mask-loss", o.eod_mask_loss ? "on" : "off"},
-      {"--reset-position-ids", o.reset_position_ids ? "on" : "off"},
-      {"--eval-interval", std::to_string(o.eval_interval)},
-      {"--eval-iters", std::to_string(o.eval_iters)},
-      {"--save", o.save},
-      {"--load", o.load},
-      {"--save-interval", std::to_string(o.save_interval)},
-      {"--exit-interval", std::to_string(o.exit_interval)},
-      {"--exit-duration-in-mins", num(o.exit_duration_in_mins)},
-      {"--no-load-optim", o.no_load_optim ? "on" : "off"},
-      {"--no-load-rng", o.no_load_rng ? "on" : "off"},
-      {"--finetune", o.finetune ? "on" : "off"},
-      {"--override-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kOverride ? "on" : "off"},
-      {"--use-checkpoint-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint ? "on" : "off"},
-      {"--check-for-nan-in-loss-and-grad", o.check_for_nan_in_loss_and_grad ? "on" : "off"},
-      {"--use-distributed-optimizer", o.use_distributed_optimizer ? "on" : "off"},
-      {"--overlap-grad-reduce", o.optimizer.overlap_grad_reduce ? "on" : "off"},
-      {"--ddp-bucket-size", std::to_string(o.optimizer.ddp_bucket_size)},
-      {"--distributed-backend", o.distributed_backend},
-      {"--device", std::string(DeviceName(o.backend.device))},
-      {"--bf16/--fp16", std::string(PrecisionName(o.backend.precision))},
-      {"--deterministic-mode", o.backend.deterministic ? "on" : "off"},
-      {"--loss-scale (fp16)", o.loss_scale.dynamic ? "dynamic" : num(o.loss_scale.scale)},
-      {"--initial-loss-scale", num(o.loss_scale.scale)},
-      {"--min-loss-scale", num(o.loss_scale.min_scale)},
-      {"--loss-scale-window", std::to_string(o.loss_scale.window)},
-      {"--hysteresis", std::to_string(o.loss_scale.hysteresis)},
-  };
-}
-
-std::string Serialize(const Settings& settings) {
-  std::string out;
-  for (const auto& [name, value] : settings) out += name + '\t' + value + '\n';
-  return out;
-}
-std::map<std::string, std::string> Deserialize(const std::string& text) {
-  std::map<std::string, std::string> out;
-  size_t pos = 0;
-  while (pos < text.size()) {
-    const size_t tab = text.find('\t', pos), nl = text.find('\n', pos);
-    if (tab == std::string::npos || nl == std::string::npos || tab > nl) break;
-    out[text.substr(pos, tab - pos)] = text.substr(tab + 1, nl - tab - 1);
-    pos = nl + 1;
-  }
-  return out;
-}
-std::string Shown(const std::string& flag, const std::string& value) {
-  return value.empty() ? fmt::format("no {}", flag) : fmt::format("{} {}", flag, value);
-}
-
-// Megatron resumes with another data order or batch size without a word (its
-// check_checkpoint_args compares only the model's shape, which LoadCheckpoint refuses): ptk says
-// what changed since the checkpoint was saved and what it means for the run.
-void ReportResumeChanges(const Settings& saved, const Settings& now, const TrainState& loaded, bool no_load_rng) {
-  if (saved.empty()) return;  // a checkpoint from before settings were recorded
-  const std::map<std::string, std::string> before(saved.begin(), saved.end());
-  const std::string data = fmt::format(
-      "the {} samples consumed so far count against another sample order: the samples read from here are not the "
-      "ones the saved run would have read next",
-      loaded.consumed_train_samples);
-  for (const auto& [flag, value] : now) {
-    std::string why;
-    if (flag == "--data-path" || flag == "--train-data-path" || flag == "--valid-data-path" ||
-        flag == "--test-data-path" || flag == "--split" || flag == "--mock-data") {
-      why = data;
-    } else if (flag == "--seed") {
-      why = no_load_rng ? "the data order and dropout follow the new seed (--no-load-rng)"
-                        : fmt::format(
-                              "the data order follows the new seed from here, while dropout keeps the checkpoint's "
-                              "seed {} (--no-load-rng makes dropout follow the new one too)",
-                              loaded.seed);
-    } else if (flag == "--seq-length") {
-      why = fmt::format(
-          "the {} samples consumed so far were {} tokens long: the position in the data no longer "
-          "matches the saved run's",
-          loaded.consumed_train_samples, before.count(flag) ? before.at(flag) : "?");
-    } else if (flag == "--device" || flag == "--bf16/--fp16") {
-      auto it = before.find(flag);
-      if (it != before.end() && it->second != value)
-        log::Info(
-            "resuming with {} (the checkpoint of iteration {} was saved with {}): the fp32 master weights and AdamW "
-            "moments carry over exactly; the arithmetic from here is this backend's",
-            Shown(flag, value), loaded.iteration, Shown(flag, it->second));
-      continue;
-    } else if (flag == "--global-batch-size") {
-      why = fmt::format(
-          "iterations now take {} samples; the learning-rate schedule (in samples) and the data position go on from "
-          "the {} samples consumed",
-          value, loaded.consumed_train_samples);
-    } else {
-      continue;
-    }
-    auto it = before.find(flag);
-    if (it == before.end() || it->second == value) continue;
-    log::Warning("resuming with {} (the checkpoint of iteration {} was saved with {}): {}", Shown(flag, value),
-                 loaded.iteration, Shown(flag, it->second), why);
-  }
-}
-
-// `root`'s bytes to every rank (their size first: the others do not know it).
-absl::StatusOr<std::string> BroadcastText(Communicator* comm, const std::string& text, int root) {
-  int64_t len = comm->rank() == root ? static_cast<int64_t>(text.size()) : 0;
-  PTK_RETURN_IF_ERROR(comm->Broadcast(&len, sizeof len, root));
-  if (len < 0 || len > (int64_t{1} << 26)) return absl::InternalError("rank handshake: implausible length");
-  std::string out = comm->rank() == root ? text : std::string(static_cast<size_t>(len), '\0');
-  if (len > 0) PTK_RETURN_IF_ERROR(comm->Broadcast(out.data(), len, root));
-  return out;
-}
-
 // --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
 // and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random
 // weights instead would be a silent mistake. A usage error naming that directory; OK otherwise.
@@ -329,53 +162,6 @@ ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
 }
 
 }  // namespace
-
-absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine) {
-  if (comm->size() == 1) return absl::OkStatus();
-  const int rank = comm->rank(), size = comm->size();
-  // Rank 0's settings to every rank; each finds the first of them it differs in (index + 1).
-  PTK_ASSIGN_OR_RETURN(std::string root_text, BroadcastText(comm, Serialize(mine), 0));
-  const std::map<std::string, std::string> root = Deserialize(root_text);
-  std::vector<std::string> root_order;
-  for (size_t pos = 0; pos < root_text.size();) {
-    const size_t tab = root_text.find('\t', pos), nl = root_text.find('\n', pos);
-    if (tab == std::string::npos || nl == std::string::npos) break;
-    root_order.push_back(root_text.substr(pos, tab - pos));
-    pos = nl + 1;
-  }
-  std::map<std::string, std::string> own(mine.begin(), mine.end());
-  std::vector<double> first_diff(static_cast<size_t>(size), 0.0);
-  for (size_t i = 0; i < root_order.size(); ++i) {
-    auto it = own.find(root_order[i]);
-    if (it == own.end() || it->second != root.at(root_order[i])) {
-      first_diff[static_cast<size_t>(rank)] = static_cast<double>(i + 1);
-      break;
-    }
-  }
-  if (first_diff[static_cast<size_t>(rank)] == 0 && own.size() != root.size())
-    first_diff[static_cast<size_t>(rank)] = static_cast<double>(root_order.size() + 1);
-  PTK_RETURN_IF_ERROR(comm->AllReduceSum(first_diff.data(), size));
-  int differing = 0, first = -1;
-  for (int r = 0; r < size; ++r)
-    if (first_diff[static_cast<size_t>(r)] != 0) {
-      ++differing;
-      if (first < 0) first = r;
-    }
-  if (first < 0) return absl::OkStatus();
-  // The first differing rank's own settings, so that every rank can name both values.
-  PTK_ASSIGN_OR_RETURN(std::string other_text, BroadcastText(comm, Serialize(mine), first));
-  const std::map<std::string, std::string> other = Deserialize(other_text);
-  const size_t index = static_cast<size_t>(first_diff[static_cast<size_t>(first)]) - 1;
-  const std::string others = differing > 1 ? fmt::format(" ({} ranks differ from rank 0)", differing) : "";
-  if (index >= root_order.size())
-    return UsageError(fmt::format(
-        "rank {} runs another ptk-train version than rank 0 (their settings differ in kind){}", first, others));
-  const std::string& flag = root_order[index];
-  auto it = other.find(flag);
-  return UsageError(fmt::format("rank {} was started with {}, rank 0 with {}: every rank needs the same flags{}", first,
-                                it == other.end() ? "(no such setting)" : Shown(flag, it->second),
-                                Shown(flag, root.at(flag)), others));
-}
 
 double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
   const double b = static_cast<double>(gbs), s = static_cast<double>(c.seq_length),

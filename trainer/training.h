@@ -34,15 +34,6 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& options);
 // causal attention counted as half of the full score matrix).
 double FlopsPerIteration(const GPTConfig& c, int64_t global_batch_size);
 
-// A run's settings, each under its flag name, e.g. {"--seed", "1234"}.
-using Settings = std::vector<std::pair<std::string, std::string>>;
-
-// Start-up handshake between data-parallel ranks, before any collective whose size depends on the
-// flags (gloo aborts the process when ranks all-reduce different sizes): every rank compares its
-// settings with rank 0's, and all of them fail alike with one line naming the first differing
-// rank and setting and both values (a usage error).
-absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine);
-
 // Megatron's --check-for-nan-in-loss-and-grad on one step's (all-reduced) result: an error naming
 // the iteration, the rank and whether the loss or the gradient norm went NaN/Inf; OK otherwise.
 absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank);

@@ -1,0 +1,35 @@
+// The run's settings, each under its Megatron flag name: what every data-parallel rank must agree
+// on (compared at start-up, before any collective whose size depends on them) and what a
+// checkpoint records of its run, so that a resume can say what changed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "trainer/checkpoint.h"
+#include "trainer/comm.h"
+#include "trainer/train_options.h"
+
+namespace ptk::trainer {
+
+// A run's settings, each under its flag name, e.g. {"--seed", "1234"}.
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+// The settings of a run of `options` with global batch size `gbs` (as used), in a fixed order.
+Settings RunSettings(const TrainOptions& options, int64_t gbs);
+
+// Start-up handshake between data-parallel ranks, before any collective whose size depends on the
+// flags (gloo aborts the process when ranks all-reduce different sizes): every rank compares its
+// settings with rank 0's, and all of them fail alike with one line naming the first differing
+// rank and setting and both values (a usage error).
+absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine);
+
+// Megatron resumes with another data order or batch size without a word (its
+// check_checkpoint_args compares only the model's shape, which LoadCheckpoint refuses): ptk says
+// what changed since the checkpoint was saved and what it means for the run.
+void ReportResumeChanges(const Settings& saved, const Settings& now, const TrainState& loaded, bool no_load_rng);
+
+}  // namespace ptk::trainer
