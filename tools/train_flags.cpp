@@ -12,7 +12,6 @@
 #include "common/cli.h"
 #include "common/file_util.h"
 #include "common/status.h"
-#include "trainer/distributed.h"
 
 namespace ptk::trainer {
 namespace {
@@ -179,35 +178,37 @@ absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {
 }
 
 void AddTrainFlags(CLI::App* app, TrainFlags* f) {
+  TrainOptions& o = f->options;
+  GPTConfig& m = o.model;
   // As argparse: a flag given twice takes the last value (scripts append overrides).
   app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // Model.
-  app->add_option("--num-layers", f->num_layers, "Number of transformer layers")->required()->check(IntIn(1, kMaxSize));
-  app->add_option("--hidden-size", f->hidden_size, "Transformer hidden size")->required()->check(IntIn(1, kMaxSize));
-  app->add_option("--num-attention-heads", f->num_attention_heads, "Number of attention heads")
+  app->add_option("--num-layers", m.num_layers, "Number of transformer layers")->required()->check(IntIn(1, kMaxSize));
+  app->add_option("--hidden-size", m.hidden_size, "Transformer hidden size")->required()->check(IntIn(1, kMaxSize));
+  app->add_option("--num-attention-heads", m.num_attention_heads, "Number of attention heads")
       ->required()
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--ffn-hidden-size", f->ffn_hidden_size, "MLP hidden size (default 4 x --hidden-size)")
+  app->add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 x --hidden-size)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--kv-channels", f->kv_channels, "Head dimension (must equal hidden/heads)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--seq-length", f->seq_length, "Sequence length")->required()->check(IntIn(1, kMaxSize));
-  app->add_option("--max-position-embeddings", f->max_position_embeddings, "Position table size (default --seq-length)")
+  app->add_option("--seq-length", m.seq_length, "Sequence length")->required()->check(IntIn(1, kMaxSize));
+  app->add_option("--max-position-embeddings", m.max_position_embeddings, "Position table size (default --seq-length)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--make-vocab-size-divisible-by", f->make_vocab_size_divisible_by,
                   "Pad the vocabulary to a multiple of this")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--vocab-size", f->vocab_size, "Vocabulary size (default: from --vocab-file, 50257 for GPT-2)")
+  app->add_option("--vocab-size", m.vocab_size, "Vocabulary size (default: from --vocab-file, 50257 for GPT-2)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--layernorm-epsilon,--norm-epsilon", f->layernorm_epsilon, "LayerNorm epsilon")->check(Positive());
-  app->add_option("--hidden-dropout", f->hidden_dropout, "Dropout on embeddings and block outputs")
+  app->add_option("--layernorm-epsilon,--norm-epsilon", m.layernorm_epsilon, "LayerNorm epsilon")->check(Positive());
+  app->add_option("--hidden-dropout", m.hidden_dropout, "Dropout on embeddings and block outputs")
       ->check(Probability());
-  app->add_option("--attention-dropout", f->attention_dropout, "Dropout on attention probabilities")
+  app->add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
       ->check(Probability());
-  app->add_option("--init-method-std", f->init_method_std, "Standard deviation of the normal init")->check(Positive());
-  app->add_flag("--untie-embeddings-and-output-weights", f->untie,
+  app->add_option("--init-method-std", m.init_method_std, "Standard deviation of the normal init")->check(Positive());
+  app->add_flag("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights,
                 "Separate output layer instead of the word embeddings");
-  app->add_flag("--recompute-activations", f->recompute_activations,
+  app->add_flag("--recompute-activations", m.recompute_activations,
                 "Recompute attention probabilities in backward (selective)");
   app->add_option("--recompute-granularity", f->recompute_granularity,
                   "selective (as --recompute-activations) or full");
@@ -223,116 +224,124 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
     opt->description(std::string("Not supported: ") + r.why)->group(cli::kUnsupportedGroup);
   }
   // Batch and length.
-  app->add_option("--micro-batch-size", f->micro_batch_size, "Samples per micro-batch per rank")
+  app->add_option("--micro-batch-size", o.micro_batch_size, "Samples per micro-batch per rank")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--global-batch-size", f->global_batch_size,
+  app->add_option("--global-batch-size", o.global_batch_size,
                   "Samples per iteration over all ranks (default mbs x ranks)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--train-iters", f->train_iters, "Iterations to train")->check(IntIn(1, kMaxCount));
-  app->add_option("--train-samples", f->train_samples, "Samples to train (instead of --train-iters)")
+  app->add_option("--train-iters", o.train_iters, "Iterations to train")->check(IntIn(1, kMaxCount));
+  app->add_option("--train-samples", o.train_samples, "Samples to train (instead of --train-iters)")
       ->check(IntIn(1, kMaxCount));
   // Optimizer and schedule.
   app->add_option("--optimizer", f->optimizer, "adam (AdamW, the only one ptk has)");
-  app->add_option("--lr", f->lr, "Peak learning rate")->required()->check(NonNegative());
-  app->add_option("--min-lr", f->min_lr, "Learning rate at the end of the decay")->check(NonNegative());
-  app->add_option("--lr-warmup-init", f->lr_warmup_init, "Learning rate at the start of the warm-up")
+  app->add_option("--lr", o.schedule.max_lr, "Peak learning rate")->required()->check(NonNegative());
+  app->add_option("--min-lr", o.schedule.min_lr, "Learning rate at the end of the decay")->check(NonNegative());
+  app->add_option("--lr-warmup-init", o.schedule.init_lr, "Learning rate at the start of the warm-up")
       ->check(NonNegative());
-  app->add_option("--lr-decay-style", f->lr_decay_style, "constant, linear, cosine, inverse-square-root or WSD");
-  app->add_option("--lr-decay-iters", f->lr_decay_iters, "Decay length in iterations (default --train-iters)")
+  app->add_option("--lr-decay-style", o.schedule.decay_style, "constant, linear, cosine, inverse-square-root or WSD");
+  app->add_option("--lr-decay-iters", o.schedule_options.lr_decay_iters,
+                  "Decay length in iterations (default --train-iters)")
       ->check(IntIn(1, kMaxCount));
-  app->add_option("--lr-decay-samples", f->lr_decay_samples, "Decay length in samples (with --train-samples)")
+  app->add_option("--lr-decay-samples", o.schedule_options.lr_decay_samples,
+                  "Decay length in samples (with --train-samples)")
       ->check(IntIn(1, kMaxCount));
-  app->add_option("--lr-warmup-iters", f->lr_warmup_iters, "Warm-up length in iterations")->check(IntIn(0, kMaxCount));
-  app->add_option("--lr-warmup-samples", f->lr_warmup_samples, "Warm-up length in samples")->check(IntIn(0, kMaxCount));
-  app->add_option("--lr-warmup-fraction", f->lr_warmup_fraction, "Warm-up as a fraction of the decay length")
+  app->add_option("--lr-warmup-iters", o.schedule_options.lr_warmup_iters, "Warm-up length in iterations")
+      ->check(IntIn(0, kMaxCount));
+  app->add_option("--lr-warmup-samples", o.schedule_options.lr_warmup_samples, "Warm-up length in samples")
+      ->check(IntIn(0, kMaxCount));
+  app->add_option("--lr-warmup-fraction", o.schedule_options.lr_warmup_fraction,
+                  "Warm-up as a fraction of the decay length")
       ->check(RealIn(0, false, 1, false));
-  app->add_option("--lr-wsd-decay-style", f->lr_wsd_decay_style,
+  app->add_option("--lr-wsd-decay-style", o.schedule.wsd_decay_style,
                   "WSD anneal: linear, cosine, exponential or minus_sqrt");
-  app->add_option("--lr-wsd-decay-iters", f->lr_wsd_decay_iters, "WSD anneal length in iterations")
+  app->add_option("--lr-wsd-decay-iters", o.schedule_options.lr_wsd_decay_iters, "WSD anneal length in iterations")
       ->check(IntIn(1, kMaxCount));
-  app->add_option("--lr-wsd-decay-samples", f->lr_wsd_decay_samples, "WSD anneal length in samples")
+  app->add_option("--lr-wsd-decay-samples", o.schedule_options.lr_wsd_decay_samples, "WSD anneal length in samples")
       ->check(IntIn(1, kMaxCount));
-  app->add_option("--weight-decay", f->weight_decay, "AdamW weight decay (not on biases and LayerNorm)")
+  app->add_option("--weight-decay", o.schedule_options.weight_decay, "AdamW weight decay (not on biases and LayerNorm)")
       ->check(NonNegative());
-  app->add_option("--start-weight-decay", f->start_weight_decay, "Weight decay at the start (with an increment style)")
+  app->add_option("--start-weight-decay", o.schedule_options.start_weight_decay,
+                  "Weight decay at the start (with an increment style)")
       ->check(NonNegative());
-  app->add_option("--end-weight-decay", f->end_weight_decay, "Weight decay at the end (with an increment style)")
+  app->add_option("--end-weight-decay", o.schedule_options.end_weight_decay,
+                  "Weight decay at the end (with an increment style)")
       ->check(NonNegative());
-  app->add_option("--weight-decay-incr-style", f->weight_decay_incr_style, "constant, linear or cosine");
-  app->add_option("--adam-beta1", f->adam_beta1, "AdamW beta1")->check(RealIn(0, false, 1, true));
-  app->add_option("--adam-beta2", f->adam_beta2, "AdamW beta2")->check(RealIn(0, false, 1, true));
-  app->add_option("--adam-eps", f->adam_eps, "AdamW epsilon")->check(Positive());
-  app->add_option("--clip-grad", f->clip_grad, "Clip the global gradient norm to this (0: off)")->check(NonNegative());
+  app->add_option("--weight-decay-incr-style", o.schedule.wd_incr_style, "constant, linear or cosine");
+  app->add_option("--adam-beta1", o.optimizer.adam_beta1, "AdamW beta1")->check(RealIn(0, false, 1, true));
+  app->add_option("--adam-beta2", o.optimizer.adam_beta2, "AdamW beta2")->check(RealIn(0, false, 1, true));
+  app->add_option("--adam-eps", o.optimizer.adam_eps, "AdamW epsilon")->check(Positive());
+  app->add_option("--clip-grad", o.optimizer.clip_grad, "Clip the global gradient norm to this (0: off)")
+      ->check(NonNegative());
   // Data.
-  app->add_option("--data-path", f->data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")
+  app->add_option("--data-path", o.data.data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app->add_option("--train-data-path", f->train_data_path, "Prefixes of the train split only")
+  app->add_option("--train-data-path", o.data.per_split_data_path[0], "Prefixes of the train split only")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app->add_option("--valid-data-path", f->valid_data_path, "Prefixes of the validation split only")
+  app->add_option("--valid-data-path", o.data.per_split_data_path[1], "Prefixes of the validation split only")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app->add_option("--test-data-path", f->test_data_path, "Prefixes of the test split only")
+  app->add_option("--test-data-path", o.data.per_split_data_path[2], "Prefixes of the test split only")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app->add_option("--split", f->split, "Train/valid/test proportions of --data-path");
+  app->add_option("--split", o.data.split, "Train/valid/test proportions of --data-path");
   app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)")->check(IntIn(0, 4294967295));
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
-  app->add_flag("--mock-data", f->mock_data, "Synthetic data instead of --data-path");
-  app->add_option("--vocab-file", f->vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
-  app->add_option("--merge-file", f->merge_file, "GPT-2 merges.txt");
+  app->add_flag("--mock-data", o.mock_data, "Synthetic data instead of --data-path");
+  app->add_option("--vocab-file", o.vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
+  app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt");
   app->add_option("--tokenizer-type", f->tokenizer_type, "GPT2BPETokenizer (the only one ptk has)");
   app->add_option("--dataloader-type", f->dataloader_type, "single (Megatron's pretraining sampler)");
-  app->add_flag("--eod-mask-loss", f->eod_mask_loss, "No loss on end-of-document tokens");
-  app->add_flag("--reset-position-ids", f->reset_position_ids, "Restart positions after each end-of-document token");
+  app->add_flag("--eod-mask-loss", o.eod_mask_loss, "No loss on end-of-document tokens");
+  app->add_flag("--reset-position-ids", o.reset_position_ids, "Restart positions after each end-of-document token");
   app->add_flag("--reset-attention-mask", f->reset_attention_mask,
                 "Not supported: attention is causal over the whole sequence");
   // Evaluation, logging, checkpoints.
-  app->add_option("--eval-interval", f->eval_interval, "Evaluate on the validation split every N iterations")
+  app->add_option("--eval-interval", o.eval_interval, "Evaluate on the validation split every N iterations")
       ->check(IntIn(1, kMaxCount));
-  app->add_option("--eval-iters", f->eval_iters, "Global batches per evaluation (0: none)")->check(IntIn(0, kMaxCount));
-  app->add_option("--log-interval", f->log_interval, "Print the log line every N iterations")
+  app->add_option("--eval-iters", o.eval_iters, "Global batches per evaluation (0: none)")->check(IntIn(0, kMaxCount));
+  app->add_option("--log-interval", o.log_interval, "Print the log line every N iterations")
       ->check(IntIn(1, kMaxCount));
-  app->add_option("--tensorboard-dir", f->tensorboard_dir,
+  app->add_option("--tensorboard-dir", o.tensorboard.dir,
                   "Write TensorBoard event files (Megatron's scalars) and metrics.jsonl to this directory");
-  app->add_option("--tensorboard-log-interval", f->tensorboard_log_interval,
+  app->add_option("--tensorboard-log-interval", o.tensorboard.log_interval,
                   "Write the per-iteration scalars every N iterations")
       ->check(IntIn(1, kMaxCount));
-  app->add_flag("!--no-log-loss-scale-to-tensorboard", f->log_loss_scale_to_tensorboard,
+  app->add_flag("!--no-log-loss-scale-to-tensorboard", o.tensorboard.log_loss_scale,
                 "Do not write loss-scale to TensorBoard");
-  app->add_flag("--log-validation-ppl-to-tensorboard", f->log_validation_ppl_to_tensorboard,
+  app->add_flag("--log-validation-ppl-to-tensorboard", o.tensorboard.log_validation_ppl,
                 "Write the validation perplexity to TensorBoard");
-  app->add_flag("--log-world-size-to-tensorboard", f->log_world_size_to_tensorboard,
+  app->add_flag("--log-world-size-to-tensorboard", o.tensorboard.log_world_size,
                 "Write the number of ranks to TensorBoard");
-  app->add_flag("--log-timers-to-tensorboard", f->log_timers_to_tensorboard,
+  app->add_flag("--log-timers-to-tensorboard", o.tensorboard.log_timers,
                 "Write iteration-time (and throughput, with --log-throughput) to TensorBoard");
-  app->add_option("--sample-interval", f->sample_interval,
+  app->add_option("--sample-interval", o.sample.interval,
                   "ptk: print a continuation of --sample-prompt every N iterations (0: never)")
       ->check(IntIn(0, kMaxCount));
-  app->add_option("--sample-prompt", f->sample_prompt,
+  app->add_option("--sample-prompt", o.sample.prompt_text,
                   "ptk: the text a sample continues (default: <|endoftext|>, an unconditional sample)");
-  app->add_option("--sample-length", f->sample_length, "ptk: tokens per sample (32)")->check(IntIn(1, 4096));
-  app->add_option("--sample-temperature", f->sample_temperature,
+  app->add_option("--sample-length", o.sample.length, "ptk: tokens per sample (32)")->check(IntIn(1, 4096));
+  app->add_option("--sample-temperature", o.sample.temperature,
                   "ptk: 0 (default) picks the likeliest token; above 0 draws, keyed by --seed and the iteration")
       ->check(RealIn(0, false, 100, false));
   app->add_option("--metrics-file", f->metrics_file,
                   "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
-  app->add_option("--save", f->save, "Checkpoint directory to write");
-  app->add_option("--load", f->load, "Checkpoint directory to resume from");
-  app->add_option("--save-interval", f->save_interval, "Save every N iterations")->check(IntIn(0, kMaxCount));
-  app->add_option("--exit-interval", f->exit_interval, "Save and exit when the iteration is a multiple of N")
+  app->add_option("--save", o.save, "Checkpoint directory to write");
+  app->add_option("--load", o.load, "Checkpoint directory to resume from");
+  app->add_option("--save-interval", o.save_interval, "Save every N iterations")->check(IntIn(0, kMaxCount));
+  app->add_option("--exit-interval", o.exit_interval, "Save and exit when the iteration is a multiple of N")
       ->check(IntIn(0, kMaxCount));
-  app->add_option("--exit-duration-in-mins", f->exit_duration_in_mins, "Save and exit after this many minutes")
+  app->add_option("--exit-duration-in-mins", o.exit_duration_in_mins, "Save and exit after this many minutes")
       ->check(NonNegative());
   app->add_flag("--exit-signal-handler", f->exit_signal_handler,
                 "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
-  app->add_flag("--no-load-optim", f->no_load_optim, "Do not restore the optimizer state");
-  app->add_flag("--no-load-rng", f->no_load_rng, "Do not restore the random seed");
-  app->add_flag("--finetune", f->finetune, "Load weights only; iteration and data start at 0");
+  app->add_flag("--no-load-optim", o.no_load_optim, "Do not restore the optimizer state");
+  app->add_flag("--no-load-rng", o.no_load_rng, "Do not restore the random seed");
+  app->add_flag("--finetune", o.finetune, "Load weights only; iteration and data start at 0");
   app->add_flag("--override-opt_param-scheduler", f->override_opt_param_scheduler,
                 "On resume, take the learning-rate schedule of this command line where the checkpoint's differs");
   app->add_flag("--use-checkpoint-opt_param-scheduler", f->use_checkpoint_opt_param_scheduler,
                 "On resume, keep the checkpoint's learning-rate schedule where this command line's differs (default: "
                 "stop, naming what differs)");
   app->add_flag("--check-for-nan-in-loss-and-grad,!--no-check-for-nan-in-loss-and-grad",
-                f->check_for_nan_in_loss_and_grad,
+                o.check_for_nan_in_loss_and_grad,
                 "Stop when the loss or the gradient norm is NaN/Inf (default; --no-...: skip the iteration instead)");
   // Precision, parallelism, device.
   app->add_flag("--fp16", f->fp16,
@@ -341,9 +350,9 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--device", f->device,
                   "ptk: cpu or cuda (default: cuda where this build has CUDA and a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app->add_flag("--ptk-profile-ops", f->profile_ops,
+  app->add_flag("--ptk-profile-ops", o.backend.profile,
                 "ptk: time every CUDA op with events and print the GPU time per iteration by op at the end");
-  app->add_flag("--deterministic-mode", f->deterministic_mode,
+  app->add_flag("--deterministic-mode", o.backend.deterministic,
                 "Bitwise-reproducible kernels only: two runs give identical loss lines (the CPU backend always is)");
   app->add_option("--loss-scale", f->loss_scale, "fp16: a constant loss scale instead of dynamic scaling")
       ->check(RealIn(0, true, 1e300, false));
@@ -361,17 +370,17 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
-  app->add_flag("--use-distributed-optimizer", f->use_distributed_optimizer,
+  app->add_flag("--use-distributed-optimizer", o.use_distributed_optimizer,
                 "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
                 "moments); gradients reduce-scattered, parameters all-gathered");
   app->add_option("--distributed-backend", f->distributed_backend,
                   "nccl (one process per GPU) or gloo (CPU ranks; GPUs through host memory); default: nccl with "
                   "--device cuda, gloo on the CPU")
       ->check(CLI::IsMember({"nccl", "gloo"}));
-  app->add_flag("--overlap-grad-reduce", f->overlap_grad_reduce,
+  app->add_flag("--overlap-grad-reduce", o.optimizer.overlap_grad_reduce,
                 "Reduce the gradients in buckets while the last micro-batch's backward still runs (the same sums as "
                 "after backward)");
-  app->add_option("--ddp-bucket-size", f->ddp_bucket_size,
+  app->add_option("--ddp-bucket-size", o.optimizer.ddp_bucket_size,
                   "Elements per bucket of --overlap-grad-reduce (default: Megatron's max(40M, 1M x data-parallel "
                   "size))")
       ->check(IntIn(1, kMaxCount));
@@ -449,7 +458,9 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
   if (f.dataloader_type != "single")
     return Refuse("--dataloader-type " + f.dataloader_type + ": ptk has Megatron's pretraining sampler (single) only");
-  if (f.kv_channels != 0 && f.num_attention_heads > 0 && f.kv_channels * f.num_attention_heads != f.hidden_size)
+  const GPTConfig& model = f.options.model;
+  if (f.kv_channels != 0 && model.num_attention_heads > 0 &&
+      f.kv_channels * model.num_attention_heads != model.hidden_size)
     return Refuse("--kv-channels must equal --hidden-size / --num-attention-heads in ptk");
   if (!f.recompute_granularity.empty() && f.recompute_granularity != "selective" && f.recompute_granularity != "full")
     return Refuse("--recompute-granularity must be selective or full");
@@ -457,90 +468,29 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     for (const CompatFlag& c : kCompatFlags)
       if (name == c.name)
         notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, c.note));
-  if (f.data_path.empty() && f.train_data_path.empty() && !f.mock_data)
-    return Refuse("give --data-path (or --train-data-path), or --mock-data");
-
-  TrainOptions o;
+  TrainOptions o = f.options;
   GPTConfig& m = o.model;
-  m.num_layers = f.num_layers;
-  m.hidden_size = f.hidden_size;
-  m.num_attention_heads = f.num_attention_heads;
-  m.ffn_hidden_size = f.ffn_hidden_size > 0 ? f.ffn_hidden_size : 4 * f.hidden_size;
-  m.seq_length = f.seq_length;
-  m.max_position_embeddings = f.max_position_embeddings > 0 ? f.max_position_embeddings : f.seq_length;
-  if (f.vocab_size > 0) {
-    m.vocab_size = f.vocab_size;
-  } else {
-    PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(f.vocab_file, f.merge_file));
-    PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(f.vocab_file));
+  if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
+  if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
+  if (m.vocab_size == 0) {
+    PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
+    PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
   }
   m.padded_vocab_size = PaddedVocabSize(m.vocab_size, f.make_vocab_size_divisible_by);
-  m.untie_embeddings_and_output_weights = f.untie;
-  m.layernorm_epsilon = f.layernorm_epsilon;
-  m.hidden_dropout = f.hidden_dropout;
-  m.attention_dropout = f.attention_dropout;
-  m.init_method_std = f.init_method_std;
-  m.recompute_activations = f.recompute_activations || !f.recompute_granularity.empty();
-  if (absl::Status st = m.Validate(); !st.ok()) return Refuse(std::string(StatusMessage(st)));
+  if (!f.recompute_granularity.empty()) m.recompute_activations = true;
   if (f.recompute_granularity == "full")
     notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");
 
-  o.micro_batch_size = f.micro_batch_size;
-  o.global_batch_size = f.global_batch_size;
-  o.train_iters = f.train_iters;
-  o.train_samples = f.train_samples;
-  o.optimizer.adam_beta1 = f.adam_beta1;
-  o.optimizer.adam_beta2 = f.adam_beta2;
-  o.optimizer.adam_eps = f.adam_eps;
-  o.optimizer.clip_grad = f.clip_grad;
-  o.lr = f.lr;
-  o.min_lr = f.min_lr;
-  o.lr_warmup_init = f.lr_warmup_init;
-  o.lr_decay_style = f.lr_decay_style;
-  o.lr_decay_iters = f.lr_decay_iters;
-  o.lr_decay_samples = f.lr_decay_samples;
-  o.lr_warmup_iters = f.lr_warmup_iters;
-  o.lr_warmup_samples = f.lr_warmup_samples;
-  o.lr_warmup_fraction = f.lr_warmup_fraction;
-  o.lr_wsd_decay_style = f.lr_wsd_decay_style;
-  o.lr_wsd_decay_iters = f.lr_wsd_decay_iters;
-  o.lr_wsd_decay_samples = f.lr_wsd_decay_samples;
-  o.weight_decay = f.weight_decay;
-  o.start_weight_decay = f.start_weight_decay;
-  o.end_weight_decay = f.end_weight_decay;
-  o.weight_decay_incr_style = f.weight_decay_incr_style;
-  o.data.data_path = f.data_path;
-  o.data.per_split_data_path = {f.train_data_path, f.valid_data_path, f.test_data_path};
-  o.data.split = f.split;
-  o.mock_data = f.mock_data;
   if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
   o.seed = static_cast<uint32_t>(f.seed);
-  o.vocab_file = f.vocab_file;
-  o.merge_file = f.merge_file;
-  o.eod_mask_loss = f.eod_mask_loss;
-  o.reset_position_ids = f.reset_position_ids;
-  o.eval_interval = f.eval_interval;
-  o.eval_iters = f.eval_iters;
-  o.log_interval = f.log_interval;
-  o.save = f.save;
-  o.load = f.load;
-  o.save_interval = f.save_interval;
-  o.exit_interval = f.exit_interval;
-  o.exit_duration_in_mins = f.exit_duration_in_mins;
-  o.no_load_optim = f.no_load_optim;
-  o.no_load_rng = f.no_load_rng;
-  o.finetune = f.finetune;
   if (f.override_opt_param_scheduler && f.use_checkpoint_opt_param_scheduler)
     return Refuse("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one");
   o.scheduler_on_load = f.override_opt_param_scheduler         ? SchedulerOnLoad::kOverride
                         : f.use_checkpoint_opt_param_scheduler ? SchedulerOnLoad::kUseCheckpoint
                                                                : SchedulerOnLoad::kCheck;
-  o.check_for_nan_in_loss_and_grad = f.check_for_nan_in_loss_and_grad;
   o.backend.device = device;
   o.backend.precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
-  o.backend.deterministic = f.deterministic_mode;
-  o.backend.profile = f.profile_ops;
-  if (f.profile_ops && device != Device::kCuda)
+  if (o.backend.profile && device != Device::kCuda)
     notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
   if (f.fp16) {
     o.loss_scale.dynamic = !f.loss_scale.has_value();
@@ -548,35 +498,17 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     o.loss_scale.min_scale = f.min_loss_scale;
     o.loss_scale.window = static_cast<int64_t>(f.loss_scale_window);
     o.loss_scale.hysteresis = f.hysteresis;
-    if (absl::Status st = o.loss_scale.Validate(); !st.ok()) return st;
   } else if (f.loss_scale) {
     notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
   }
-  o.use_distributed_optimizer = f.use_distributed_optimizer;
   o.distributed_backend = !f.distributed_backend.empty()      ? f.distributed_backend
                           : o.backend.device == Device::kCuda ? "nccl"
                                                               : "gloo";
-  if (o.distributed_backend == "nccl" && o.backend.device != Device::kCuda)
-    return Refuse("--distributed-backend nccl needs --device cuda (NCCL moves GPU memory); CPU ranks use gloo");
-  if (!DistributedBackendBuilt(o.distributed_backend))
-    return Refuse("--distributed-backend nccl: this ptk-train was built without CUDA (and NCCL); use gloo");
-  o.optimizer.overlap_grad_reduce = f.overlap_grad_reduce;
-  o.optimizer.ddp_bucket_size = f.ddp_bucket_size;
-  if (f.ddp_bucket_size > 0 && !f.overlap_grad_reduce)
+  if (o.optimizer.ddp_bucket_size > 0 && !o.optimizer.overlap_grad_reduce)
     notes->push_back("--ddp-bucket-size: accepted, buckets matter with --overlap-grad-reduce only");
-  o.tensorboard.dir = f.tensorboard_dir;
-  o.tensorboard.log_interval = f.tensorboard_log_interval;
-  o.tensorboard.log_loss_scale = f.log_loss_scale_to_tensorboard;
-  o.tensorboard.log_validation_ppl = f.log_validation_ppl_to_tensorboard;
-  o.tensorboard.log_world_size = f.log_world_size_to_tensorboard;
-  o.tensorboard.log_timers = f.log_timers_to_tensorboard;
   o.tensorboard.log_throughput = f.compat.count("--log-throughput") > 0;
-  o.sample.interval = f.sample_interval;
-  o.sample.prompt_text = f.sample_prompt;
-  o.sample.length = f.sample_length;
-  o.sample.temperature = f.sample_temperature;
   o.metrics_path = !f.metrics_file.empty()      ? f.metrics_file
-                   : !f.tensorboard_dir.empty() ? JoinPath(f.tensorboard_dir, "metrics.jsonl")
+                   : !o.tensorboard.dir.empty() ? JoinPath(o.tensorboard.dir, "metrics.jsonl")
                                                 : "";
   return o;
 }

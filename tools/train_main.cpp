@@ -59,6 +59,21 @@ int main(int argc, char** argv) {
     if (absl::IsInvalidArgument(env_ranks.status()) && !ptk::IsUsageError(env_ranks.status()))
       return ptk::UsageError(fmt::format("environment: {}", ptk::StatusMessage(env_ranks.status())));
     PTK_ASSIGN_OR_RETURN(ptk::TrainingRanks ranks, std::move(env_ranks));
+    // --sample-interval: the GPT-2 tokenizer (--vocab-file/--merge-file, or ptk's built-in files)
+    // encodes the prompt and decodes the samples; the trainer itself never tokenizes.
+    std::unique_ptr<ptk::Gpt2Tokenizer> tokenizer;
+    if (options.sample.interval > 0) {
+      PTK_ASSIGN_OR_RETURN(tokenizer, ptk::Gpt2Tokenizer::LoadOrDefault(options.vocab_file, options.merge_file));
+      if (options.sample.prompt_text.empty()) {
+        options.sample.prompt = {tokenizer->eod()};
+      } else {
+        ptk::Gpt2Encoder encoder(*tokenizer);
+        encoder.Encode(options.sample.prompt_text, &options.sample.prompt);
+      }
+      options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
+    }
+    // Every check between settings, before any rank waits for another.
+    PTK_ASSIGN_OR_RETURN(const ptk::trainer::TrainPlan plan, ptk::trainer::PlanTraining(options, ranks.world_size));
     ptk::trainer::DistributedOptions d;
     d.backend = options.distributed_backend;
     d.backend_given = !flags.distributed_backend.empty();
@@ -107,20 +122,7 @@ int main(int argc, char** argv) {
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
     options.args_json = ArgsJson(argc, argv);
-    // --sample-interval: the GPT-2 tokenizer (--vocab-file/--merge-file, or ptk's built-in files)
-    // encodes the prompt and decodes the samples; the trainer itself never tokenizes.
-    std::unique_ptr<ptk::Gpt2Tokenizer> tokenizer;
-    if (options.sample.interval > 0) {
-      PTK_ASSIGN_OR_RETURN(tokenizer, ptk::Gpt2Tokenizer::LoadOrDefault(flags.vocab_file, flags.merge_file));
-      if (flags.sample_prompt.empty()) {
-        options.sample.prompt = {tokenizer->eod()};
-      } else {
-        ptk::Gpt2Encoder encoder(*tokenizer);
-        encoder.Encode(flags.sample_prompt, &options.sample.prompt);
-      }
-      options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
-    }
-    PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainSummary s, ptk::trainer::RunTraining(options));
+    PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainSummary s, ptk::trainer::RunTraining(options, plan));
     if (comm->rank() == 0 && s.nothing_to_train) {
       ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
                      s.consumed_train_samples);

@@ -1,5 +1,7 @@
 // ptk-train's options: what RunTraining is asked to do (the model, its backend, the batch, the
-// schedule, data, evaluation, logging, checkpoints, the ranks), each under its Megatron flag.
+// schedule, data, evaluation, logging, checkpoints, the ranks), each under its Megatron flag; and
+// the plan they make, resolved once: every check between two settings, the batch arithmetic and
+// the schedule in samples.
 #pragma once
 
 #include <atomic>
@@ -10,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "trainer/backend.h"
 #include "trainer/comm.h"
@@ -41,6 +44,20 @@ struct SampleOptions {
   std::function<std::string(std::span<const int32_t>)> decode;
 };
 
+// The schedule's flags that PlanTraining resolves into SchedulerConfig once the global batch size
+// is known: lengths in iterations (a --train-iters run) or in samples (a --train-samples run), and
+// the weight decay, which --start-weight-decay / --end-weight-decay replace at either end.
+struct ScheduleOptions {
+  int64_t lr_decay_iters = 0, lr_decay_samples = 0;  // 0: the whole run
+  int64_t lr_warmup_iters = 0, lr_warmup_samples = 0;
+  std::optional<double> lr_warmup_fraction;  // of the decay length, instead of the two above
+  int64_t lr_wsd_decay_iters = 0, lr_wsd_decay_samples = 0;
+  double weight_decay = 0.01;
+  std::optional<double> start_weight_decay, end_weight_decay;
+};
+
+// A setting's own range is checked where ptk-train's option table declares its flag; how settings
+// go together is PlanTraining's.
 struct TrainOptions {
   GPTConfig model;             // vocab_size / padded_vocab_size filled by the caller
   BackendOptions backend;      // --device, precision, --deterministic-mode
@@ -51,16 +68,11 @@ struct TrainOptions {
   int64_t train_samples = 0;
 
   OptimizerConfig optimizer;
-  double lr = 0, min_lr = 0, lr_warmup_init = 0;
-  std::string lr_decay_style = "linear";
-  int64_t lr_decay_iters = 0, lr_decay_samples = 0;
-  int64_t lr_warmup_iters = 0, lr_warmup_samples = 0;
-  std::optional<double> lr_warmup_fraction;
-  std::string lr_wsd_decay_style = "exponential";
-  int64_t lr_wsd_decay_iters = 0, lr_wsd_decay_samples = 0;
-  double weight_decay = 0.01;
-  std::optional<double> start_weight_decay, end_weight_decay;
-  std::string weight_decay_incr_style = "constant";
+  // The rates (--lr, --min-lr, --lr-warmup-init) and styles (--lr-decay-style,
+  // --lr-wsd-decay-style, --weight-decay-incr-style); PlanTraining fills in the rest from
+  // schedule_options.
+  SchedulerConfig schedule;
+  ScheduleOptions schedule_options;
 
   DataArgs data;
   bool mock_data = false;
@@ -97,5 +109,21 @@ struct TrainOptions {
   // Where rank 0's Megatron-shaped lines go (stdout by default).
   std::function<void(const std::string&)> print;
 };
+
+// What RunTraining runs, resolved once from the options and the number of data-parallel ranks.
+struct TrainPlan {
+  int data_parallel_size = 1;
+  int64_t micro_batch_size = 1;
+  int64_t micro_batches = 1;      // per rank and iteration (gradient accumulation)
+  int64_t global_batch_size = 1;  // micro_batch_size x micro_batches x data_parallel_size
+  int64_t train_iters = 0;        // --train-iters, or the whole global batches of --train-samples
+  int64_t train_samples = 0;      // train_iters x global_batch_size: what the run consumes
+  SchedulerConfig schedule;       // options.schedule completed, its lengths in samples
+};
+
+// Megatron's argument validation and get_optimizer_param_scheduler in one place: every check
+// between two settings of `options` (a usage error naming the flags) and the plan they make with
+// `data_parallel_size` ranks.
+absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& options, int data_parallel_size);
 
 }  // namespace ptk::trainer

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdio>
 #include <ctime>
-#include <limits>
 
 #include <fmt/core.h>
 
@@ -65,7 +64,7 @@ struct Splits {
   std::shared_ptr<TopLevelDataset> train, valid, test;
 };
 
-absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, int64_t gbs, int64_t train_iters) {
+absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, const TrainPlan& plan) {
   GPTDatasetConfig cfg;
   cfg.random_seed = o.seed;
   cfg.sequence_length = o.model.seq_length;
@@ -75,9 +74,9 @@ absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, int64_t gbs, int64_t
   cfg.eod_mask_loss = o.eod_mask_loss;
   cfg.reset_position_ids = o.reset_position_ids;
   // Megatron's train_valid_test_num_samples.
+  const int64_t gbs = plan.global_batch_size, train_samples = plan.train_samples;
   const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
-  const int64_t train_samples = train_iters * gbs;
-  const int64_t valid_samples = (train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
+  const int64_t valid_samples = (plan.train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
   const int64_t test_samples = eval_iters * gbs;
   Splits s;
   if (o.mock_data) {
@@ -198,7 +197,7 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   return s;
 }
 
-absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
+absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan& plan) {
   std::unique_ptr<Communicator> local;
   Communicator* comm = o.comm;
   if (!comm) {
@@ -215,61 +214,12 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
       std::fflush(stdout);
     }
   };
-  auto usage = [](const std::string& m) { return UsageError(m); };
-
-  // ---- batch arithmetic and lengths, as Megatron's argument validation
-  const int64_t mbs = o.micro_batch_size;
-  if (mbs < 1) return usage("--micro-batch-size must be at least 1");
-  const int64_t gbs = o.global_batch_size > 0 ? o.global_batch_size : mbs * dp;
-  if (gbs % (mbs * dp) != 0)
-    return usage(
-        fmt::format("--global-batch-size ({}) must be a multiple of --micro-batch-size ({}) x data-parallel "
-                    "size ({})",
-                    gbs, mbs, dp));
-  const int64_t num_micro = gbs / (mbs * dp);
-  if ((o.train_iters > 0) == (o.train_samples > 0))
-    return usage("give exactly one of --train-iters and --train-samples");
-  const int64_t train_iters = o.train_iters > 0 ? o.train_iters : o.train_samples / gbs;
-  if (train_iters < 1) return usage("--train-samples is smaller than one global batch");
-  if (train_iters > std::numeric_limits<int64_t>::max() / 2 / gbs)
-    return usage(
-        fmt::format("--train-iters {} x global batch {} samples is more than ptk can count", train_iters, gbs));
-  if (o.log_interval < 1) return usage("--log-interval must be at least 1");
-  if (o.save_interval > 0 && o.save.empty()) return usage("--save-interval needs --save");
-  if (!o.tensorboard.dir.empty() && o.tensorboard.log_interval < 1)
-    return usage("--tensorboard-log-interval must be at least 1");
-  if (o.sample.interval > 0) {
-    if (o.sample.prompt.empty() || !o.sample.decode)
-      return usage("--sample-interval needs a prompt encoded by the GPT-2 tokenizer");
-    if (static_cast<int64_t>(o.sample.prompt.size()) >= o.model.seq_length)
-      return usage(fmt::format("--sample-prompt is {} tokens: it must be shorter than --seq-length {}",
-                               o.sample.prompt.size(), o.model.seq_length));
-  }
-
-  // ---- scheduler in samples (Megatron's get_optimizer_param_scheduler)
-  SchedulerConfig sc;
-  sc.init_lr = o.lr_warmup_init;
-  sc.max_lr = o.lr;
-  sc.min_lr = o.min_lr;
-  sc.decay_style = o.lr_decay_style;
-  sc.wsd_decay_style = o.lr_wsd_decay_style;
-  if (o.train_iters > 0) {
-    const int64_t decay_iters = o.lr_decay_iters > 0 ? o.lr_decay_iters : train_iters;
-    sc.decay_steps = decay_iters * gbs;
-    sc.wsd_decay_steps = o.lr_wsd_decay_iters * gbs;
-    sc.warmup_steps =
-        o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps) : o.lr_warmup_iters * gbs;
-  } else {
-    sc.decay_steps = o.lr_decay_samples > 0 ? o.lr_decay_samples : o.train_samples;
-    sc.wsd_decay_steps = o.lr_wsd_decay_samples;
-    sc.warmup_steps =
-        o.lr_warmup_fraction ? static_cast<int64_t>(*o.lr_warmup_fraction * sc.decay_steps) : o.lr_warmup_samples;
-  }
-  sc.start_wd = o.start_weight_decay.value_or(o.weight_decay);
-  sc.end_wd = o.end_weight_decay.value_or(o.weight_decay);
-  sc.wd_incr_style = o.weight_decay_incr_style;
-  sc.wd_incr_steps = train_iters * gbs;
-  if (absl::Status st = sc.Validate(); !st.ok()) return usage(std::string(StatusMessage(st)));
+  if (plan.data_parallel_size != dp)
+    return absl::InvalidArgumentError(
+        fmt::format("a plan for {} data-parallel ranks, a communicator of {}", plan.data_parallel_size, dp));
+  const int64_t mbs = plan.micro_batch_size, gbs = plan.global_batch_size, num_micro = plan.micro_batches,
+                train_iters = plan.train_iters;
+  const SchedulerConfig& sc = plan.schedule;
   // Before any collective whose size depends on the flags.
   const Settings settings = RunSettings(o, gbs);
   PTK_RETURN_IF_ERROR(CheckRanksAgree(comm, settings));
@@ -386,7 +336,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o) {
     summary.nothing_to_train = true;
     return summary;
   }
-  PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, gbs, train_iters));
+  PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, plan));
   const double flops = FlopsPerIteration(o.model, gbs);
   if (rank == 0)
     log::Info(

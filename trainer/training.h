@@ -28,7 +28,8 @@ struct TrainSummary {
   bool resumed = false;
 };
 
-absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& options);
+// Runs `plan` (PlanTraining's, for options.comm's number of ranks).
+absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& options, const TrainPlan& plan);
 
 // Megatron's num_floating_point_operations for one iteration of this model (dense GPT, GELU MLP,
 // causal attention counted as half of the full score matrix).

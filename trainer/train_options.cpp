@@ -1,0 +1,83 @@
+// PlanTraining: how ptk-train's settings go together, checked and resolved once.
+#include "trainer/train_options.h"
+
+#include <limits>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+
+namespace ptk::trainer {
+namespace {
+
+// Megatron's get_optimizer_param_scheduler: the schedule's lengths in samples.
+SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
+  const ScheduleOptions& s = o.schedule_options;
+  SchedulerConfig sc = o.schedule;
+  const int64_t gbs = p.global_batch_size;
+  if (o.train_iters > 0) {
+    const int64_t decay_iters = s.lr_decay_iters > 0 ? s.lr_decay_iters : p.train_iters;
+    sc.decay_steps = decay_iters * gbs;
+    sc.wsd_decay_steps = s.lr_wsd_decay_iters * gbs;
+    sc.warmup_steps =
+        s.lr_warmup_fraction ? static_cast<int64_t>(*s.lr_warmup_fraction * sc.decay_steps) : s.lr_warmup_iters * gbs;
+  } else {
+    sc.decay_steps = s.lr_decay_samples > 0 ? s.lr_decay_samples : o.train_samples;
+    sc.wsd_decay_steps = s.lr_wsd_decay_samples;
+    sc.warmup_steps =
+        s.lr_warmup_fraction ? static_cast<int64_t>(*s.lr_warmup_fraction * sc.decay_steps) : s.lr_warmup_samples;
+  }
+  sc.start_wd = s.start_weight_decay.value_or(s.weight_decay);
+  sc.end_wd = s.end_weight_decay.value_or(s.weight_decay);
+  sc.wd_incr_steps = p.train_samples;
+  return sc;
+}
+
+}  // namespace
+
+absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
+  auto usage = [](const std::string& m) { return UsageError(m); };
+  if (absl::Status st = o.model.Validate(); !st.ok()) return usage(std::string(StatusMessage(st)));
+  if (o.data.data_path.empty() && o.data.per_split_data_path[0].empty() && !o.mock_data)
+    return usage("give --data-path (or --train-data-path), or --mock-data");
+  PTK_RETURN_IF_ERROR(o.loss_scale.Validate());
+  if (o.distributed_backend == "nccl" && o.backend.device != Device::kCuda)
+    return usage("--distributed-backend nccl needs --device cuda (NCCL moves GPU memory); CPU ranks use gloo");
+
+  // The batch, as Megatron's argument validation.
+  TrainPlan p;
+  p.data_parallel_size = dp;
+  p.micro_batch_size = o.micro_batch_size;
+  const int64_t mbs = o.micro_batch_size;
+  p.global_batch_size = o.global_batch_size > 0 ? o.global_batch_size : mbs * dp;
+  const int64_t gbs = p.global_batch_size;
+  if (gbs % (mbs * dp) != 0)
+    return usage(
+        fmt::format("--global-batch-size ({}) must be a multiple of --micro-batch-size ({}) x data-parallel "
+                    "size ({})",
+                    gbs, mbs, dp));
+  p.micro_batches = gbs / (mbs * dp);
+  if ((o.train_iters > 0) == (o.train_samples > 0))
+    return usage("give exactly one of --train-iters and --train-samples");
+  p.train_iters = o.train_iters > 0 ? o.train_iters : o.train_samples / gbs;
+  if (p.train_iters < 1) return usage("--train-samples is smaller than one global batch");
+  if (p.train_iters > std::numeric_limits<int64_t>::max() / 2 / gbs)
+    return usage(
+        fmt::format("--train-iters {} x global batch {} samples is more than ptk can count", p.train_iters, gbs));
+  p.train_samples = p.train_iters * gbs;
+
+  if (o.save_interval > 0 && o.save.empty()) return usage("--save-interval needs --save");
+  if (o.sample.interval > 0) {
+    if (o.sample.prompt.empty() || !o.sample.decode)
+      return usage("--sample-interval needs a prompt encoded by the GPT-2 tokenizer");
+    if (static_cast<int64_t>(o.sample.prompt.size()) >= o.model.seq_length)
+      return usage(fmt::format("--sample-prompt is {} tokens: it must be shorter than --seq-length {}",
+                               o.sample.prompt.size(), o.model.seq_length));
+  }
+
+  p.schedule = ResolveSchedule(o, p);
+  if (absl::Status st = p.schedule.Validate(); !st.ok()) return usage(std::string(StatusMessage(st)));
+  return p;
+}
+
+}  // namespace ptk::trainer
