@@ -197,6 +197,461 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   return s;
 }
 
+namespace {
+
+// One run of RunTraining, step by step (Megatron's pretrain and train): set up, resume, then
+// iterations of train, log, evaluate, sample, save and decide to exit; then finish.
+class Trainer {
+ public:
+  Trainer(const TrainOptions& options, const TrainPlan& plan, Communicator* comm)
+      : o_(options), plan_(plan), comm_(comm), rank_(comm->rank()), dp_(comm->size()) {}
+
+  absl::StatusOr<TrainSummary> Run() {
+    PTK_RETURN_IF_ERROR(SetUp());
+    PTK_RETURN_IF_ERROR(Resume());
+    if (state_.iteration >= plan_.train_iters) return NothingToTrain();
+    PTK_RETURN_IF_ERROR(OpenDataAndOutputs());
+    start_ = interval_.start = Clock::now();
+    wall_before_ = state_.wall_seconds;
+    Print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
+    Print("training ...");
+    while (state_.iteration < plan_.train_iters) {
+      PTK_ASSIGN_OR_RETURN(const StepResult r, TrainIteration());
+      PTK_RETURN_IF_ERROR(Log(r));
+      if (valid_loader_ && o_.eval_interval > 0 && state_.iteration % o_.eval_interval == 0) {
+        PTK_ASSIGN_OR_RETURN(summary_.last_validation_loss,
+                             Evaluate(valid_loader_.get(), fmt::format("iteration {}", state_.iteration),
+                                      &state_.consumed_valid_samples, "lm loss validation"));
+      }
+      if (o_.sample.interval > 0 && state_.iteration % o_.sample.interval == 0) PTK_RETURN_IF_ERROR(Sample());
+      state_.wall_seconds = wall_before_ + std::chrono::duration<double>(Clock::now() - start_).count();
+      PTK_ASSIGN_OR_RETURN(const std::string reason, SaveAndDecideExit());
+      if (!reason.empty()) return Exit(reason);
+    }
+    return Finish();
+  }
+
+ private:
+  // Rank 0's Megatron-shaped lines.
+  void Print(const std::string& line) const {
+    if (rank_ != 0) return;
+    if (o_.print) {
+      o_.print(line);
+    } else {
+      std::fputs((line + "\n").c_str(), stdout);
+      std::fflush(stdout);
+    }
+  }
+
+  // The ranks agree on the settings, the model and its training step are made, and rank 0 takes
+  // --save for this run and puts back what a killed save left aside.
+  absl::Status SetUp() {
+    // Before any collective whose size depends on the flags.
+    settings_ = RunSettings(o_, plan_.global_batch_size);
+    PTK_RETURN_IF_ERROR(CheckRanksAgree(comm_, settings_));
+    BackendOptions backend = o_.backend;
+    backend.micro_batch_size = plan_.micro_batch_size;
+    PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
+    if (o_.use_distributed_optimizer) {
+      PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
+      PTK_RETURN_IF_ERROR(model_->ShardOptimizerState(shard));
+      if (dp_ == 1)
+        log::Info(
+            "note: --use-distributed-optimizer: accepted, one rank keeps the whole optimizer state (it is sharded "
+            "over data-parallel ranks)");
+      else if (rank_ == 0)
+        log::Info("distributed optimizer: each of {} ranks keeps {} of the {} parameters' AdamW state", dp_,
+                  shard.shard_size, model_->num_params());
+    }
+    PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
+    step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
+    if (rank_ == 0 && !step_->buckets().empty()) {
+      int64_t largest = 0;
+      for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
+      log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
+                step_->buckets().size(), largest);
+    }
+    state_.seed = o_.seed;
+    // One training run per --save directory: a second (a requeue while the first still runs) stops
+    // here naming the first, instead of interleaving checkpoints with it.
+    if (rank_ == 0 && !o_.save.empty()) {
+      PTK_RETURN_IF_ERROR(MakeDirs(o_.save));
+      PTK_ASSIGN_OR_RETURN(save_lock_, OutputLock::Acquire(JoinPath(o_.save, "ptk-train")));
+      PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
+    }
+    return absl::OkStatus();
+  }
+
+  // --load: the weights, and unless --finetune the iteration, data position, moments and the
+  // training step's state (Megatron's load_checkpoint); a directory without a checkpoint starts a
+  // new run.
+  absl::Status Resume() {
+    if (o_.load.empty()) return absl::OkStatus();
+    // Every rank reads --load once rank 0 has put back what a killed save left aside.
+    if (!o_.save.empty()) PTK_RETURN_IF_ERROR(comm_->Barrier());
+    absl::StatusOr<int64_t> latest = LatestCheckpointIteration(o_.load);
+    if (absl::IsNotFound(latest.status())) {
+      PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o_.load));
+      // --load and --save one directory is how every first run starts; another --load was meant to
+      // hold a checkpoint.
+      if (rank_ == 0 && o_.load != o_.save)
+        log::Warning("--load {}; starting from random initialization", StatusMessage(latest.status()));
+      else if (rank_ == 0)
+        log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
+      return absl::OkStatus();
+    }
+    PTK_RETURN_IF_ERROR(latest.status());
+    TrainState loaded;
+    std::vector<float> params, m, v;
+    PTK_RETURN_IF_ERROR(LoadCheckpoint(o_.load, *latest, model_->layout(), &params, &m, &v, &loaded));
+    PTK_RETURN_IF_ERROR(model_->WriteParams(params));
+    if (o_.finetune) {
+      log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
+                *latest);
+      return absl::OkStatus();
+    }
+    state_ = loaded;
+    TrainStepState step_state = step_->State();
+    if (!o_.no_load_optim) {
+      // This rank's range of the moments (all of them without ZeRO-1): any rank count loads them.
+      const size_t begin = static_cast<size_t>(model_->moments_begin()),
+                   size = static_cast<size_t>(model_->moments_size());
+      PTK_RETURN_IF_ERROR(model_->WriteMoments(std::span<const float>(m).subspan(begin, size),
+                                               std::span<const float>(v).subspan(begin, size)));
+      step_state.adam_step = loaded.adam_step;
+      step_state.loss_scale = loaded.loss_scale;
+    }
+    step_state.scheduler_num_steps = loaded.scheduler_num_steps;
+    // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule, and
+    // --no-load-optim takes this command line's optimizer settings, schedule included.
+    if (loaded.scheduler && !o_.no_load_optim && loaded.iteration < plan_.train_iters) {
+      std::vector<std::string> notes;
+      PTK_ASSIGN_OR_RETURN(
+          step_state.schedule,
+          ResolveResumedScheduler(plan_.schedule, *loaded.scheduler, o_.scheduler_on_load, loaded.iteration,
+                                  o_.train_iters > 0 ? plan_.global_batch_size : 0, &notes));
+      for (const std::string& n : notes)
+        if (rank_ == 0) log::Info("{}", n);
+    } else if (!loaded.scheduler && o_.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint && rank_ == 0) {
+      log::Warning(
+          "--use-checkpoint-opt_param-scheduler: the checkpoint of iteration {} does not record its schedule (an "
+          "earlier ptk wrote it); going on with this command line's",
+          loaded.iteration);
+    }
+    step_->Restore(step_state);
+    if (o_.no_load_rng) state_.seed = o_.seed;
+    summary_.resumed = true;
+    if (rank_ == 0)
+      log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o_.load, *latest),
+                loaded.iteration, loaded.consumed_train_samples);
+    if (rank_ == 0) ReportResumeChanges(loaded.settings, settings_, loaded, o_.no_load_rng);
+    return absl::OkStatus();
+  }
+
+  // --load was at the last iteration already: said so, no iteration runs.
+  TrainSummary NothingToTrain() {
+    if (rank_ == 0)
+      log::Info(
+          "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} "
+          "to train further",
+          o_.load, state_.iteration, state_.consumed_train_samples,
+          o_.train_iters > 0
+              ? fmt::format("--train-iters is {}", o_.train_iters)
+              : fmt::format("--train-samples {} make {} iterations", o_.train_samples, plan_.train_iters),
+          o_.train_iters > 0 ? "--train-iters" : "--train-samples");
+    summary_.iteration = state_.iteration;
+    summary_.consumed_train_samples = state_.consumed_train_samples;
+    summary_.exit_reason = "nothing to train";
+    summary_.nothing_to_train = true;
+    return summary_;
+  }
+
+  // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.
+  absl::Status OpenDataAndOutputs() {
+    PTK_ASSIGN_OR_RETURN(data_, BuildDatasets(o_, plan_));
+    flops_ = FlopsPerIteration(o_.model, plan_.global_batch_size);
+    const int64_t mbs = plan_.micro_batch_size;
+    if (rank_ == 0)
+      log::Info(
+          "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
+          model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, dp_, plan_.global_batch_size);
+    if (rank_ == 0 && !o_.metrics_path.empty()) PTK_RETURN_IF_ERROR(metrics_.Open(o_.metrics_path));
+    // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
+    if (rank_ == 0 && !o_.tensorboard.dir.empty()) {
+      PTK_ASSIGN_OR_RETURN(tb_, SummaryWriter::Create(o_.tensorboard.dir));
+      log::Info("TensorBoard events: {}", tb_->path());
+    }
+    train_loader_ = std::make_unique<DataLoader>(
+        data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
+    if (data_.valid)
+      valid_loader_ = std::make_unique<DataLoader>(
+          data_.valid, PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, rank_, dp_), mbs);
+    const size_t num_micro = static_cast<size_t>(plan_.micro_batches);
+    held_.resize(num_micro);
+    keys_.resize(num_micro);
+    batches_.resize(num_micro);
+    return absl::OkStatus();
+  }
+
+  // One iteration: this rank's micro-batches through the training step (Megatron's train_step).
+  absl::StatusOr<StepResult> TrainIteration() {
+    for (size_t m = 0; m < held_.size(); ++m) {
+      PTK_ASSIGN_OR_RETURN(held_[m], train_loader_->Next());
+      if (!held_[m]) return absl::OutOfRangeError("the training data ran out before --train-iters");
+      batches_[m] = View(*held_[m], &keys_[m]);
+    }
+    PTK_ASSIGN_OR_RETURN(StepResult r, step_->Step(batches_, plan_.global_batch_size, state_.seed));
+    // fp16's dynamic loss scaling skips an overflowing step by design; anything else non-finite stops.
+    if (o_.check_for_nan_in_loss_and_grad && !r.overflow)
+      PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state_.iteration + 1, rank_));
+    ++state_.iteration;
+    state_.consumed_train_samples += plan_.global_batch_size;
+    ++interval_.iters;
+    if (r.skipped) {
+      ++interval_.skipped;
+      if (!r.overflow) ++interval_.nan;
+      ++state_.skipped_iterations;
+    } else {
+      ++interval_.advanced;
+      interval_.loss += r.lm_loss();
+    }
+    summary_.last_lm_loss = r.lm_loss();
+    return r;
+  }
+
+  // Megatron's pairs: the value at the iteration, and "<tag> vs samples" at the samples consumed.
+  void TensorBoardScalar(const std::string& tag, double value) {
+    tb_->AddScalar(tag, value, state_.iteration);
+    tb_->AddScalar(tag + " vs samples", value, state_.consumed_train_samples);
+  }
+
+  // Megatron's training_log: --metrics-file's line every iteration, TensorBoard's scalars every
+  // --tensorboard-log-interval, the log line (averaged over the interval) every --log-interval.
+  absl::Status Log(const StepResult& r) {
+    const double lr_now = step_->scheduler().lr();  // Megatron logs the rate after the scheduler step
+    if (metrics_.is_open())
+      PTK_RETURN_IF_ERROR(metrics_.Append(fmt::format(
+          "{{\"iteration\": {}, \"consumed_samples\": {}, \"lm_loss\": {}, \"grad_norm\": {}, \"learning_rate\": "
+          "{}, \"skipped\": {}, \"tokens\": {:.0f}}}\n",
+          state_.iteration, state_.consumed_train_samples, JsonNumber(r.lm_loss()), JsonNumber(r.grad_norm),
+          JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
+    if (tb_ && state_.iteration % o_.tensorboard.log_interval == 0) {
+      TensorBoardScalar("learning-rate", lr_now);
+      TensorBoardScalar("batch-size", static_cast<double>(plan_.global_batch_size));
+      TensorBoardScalar("lm loss", r.lm_loss());
+      if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.loss_scale);
+      if (o_.tensorboard.log_world_size) TensorBoardScalar("world-size", dp_);
+      if (!r.overflow) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has no norm for an overflow
+    }
+    if (state_.iteration % o_.log_interval != 0) return absl::OkStatus();
+    const double secs = std::chrono::duration<double>(Clock::now() - interval_.start).count();
+    const double iters = static_cast<double>(interval_.iters);
+    LogLineFields f;
+    f.iteration = state_.iteration;
+    f.train_iters = plan_.train_iters;
+    f.consumed_samples = state_.consumed_train_samples;
+    f.global_batch_size = plan_.global_batch_size;
+    f.elapsed_ms = secs * 1000.0 / iters;
+    f.tflops_per_gpu = flops_ / (secs / iters * 1e12 * dp_);
+    f.learning_rate = lr_now;
+    f.lm_loss = interval_.advanced > 0 ? interval_.loss / static_cast<double>(interval_.advanced) : 0.0;
+    f.grad_norm = r.grad_norm;
+    f.loss_scale = r.loss_scale;
+    f.skipped = interval_.skipped;
+    f.nan = interval_.nan;
+    Print(FormatLogLine(f, Timestamp()));
+    if (tb_) {
+      if (o_.tensorboard.log_timers) {
+        tb_->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state_.iteration);
+        if (o_.tensorboard.log_throughput) tb_->AddScalar("throughput", f.tflops_per_gpu, state_.iteration);
+      }
+      PTK_RETURN_IF_ERROR(tb_->Flush());
+    }
+    interval_ = Interval{};
+    interval_.start = Clock::now();
+    return absl::OkStatus();
+  }
+
+  // Forward-only evaluation over eval_iters global batches (Megatron's evaluate), its lines and
+  // scalars; tb_tag is Megatron's "lm loss validation", or "lm loss test".
+  absl::StatusOr<double> Evaluate(DataLoader* loader, const std::string& prefix, int64_t* consumed,
+                                  const std::string& tb_tag) {
+    double sums[2] = {0, 0};
+    for (int64_t it = 0; it < o_.eval_iters; ++it) {
+      for (int64_t m = 0; m < plan_.micro_batches; ++m) {
+        PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
+        if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
+        std::vector<int64_t> k;
+        PTK_ASSIGN_OR_RETURN(LossSum s, model_->Forward(View(*mb, &k)));
+        sums[0] += s.loss_sum;
+        sums[1] += s.tokens;
+      }
+      if (consumed) *consumed += plan_.global_batch_size;
+    }
+    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(sums, 2));
+    const double loss = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+    std::string line = fmt::format(" validation loss at {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ", prefix,
+                                   loss, std::exp(std::min(20.0, loss)));
+    std::string bar(line.size() + 1, '-');
+    Print(bar);
+    Print(line);
+    Print(bar);
+    if (tb_) {
+      TensorBoardScalar(tb_tag, loss);
+      if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(tb_tag + " ppl", std::exp(std::min(20.0, loss)));
+      PTK_RETURN_IF_ERROR(tb_->Flush());
+    }
+    return loss;
+  }
+
+  // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
+  absl::Status Sample() {
+    if (rank_ != 0) return absl::OkStatus();
+    GenerateOptions g;
+    g.new_tokens = o_.sample.length;
+    g.temperature = o_.sample.temperature;
+    g.seed = Mix64(state_.seed ^ (static_cast<uint64_t>(state_.iteration) << 20));
+    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g));
+    Print(fmt::format(" sample at iteration {:8d} ({}): {:?} -> {:?}", state_.iteration,
+                      o_.sample.temperature > 0 ? fmt::format("temperature {}", o_.sample.temperature) : "greedy",
+                      o_.sample.prompt_text, o_.sample.decode(ids)));
+    return absl::OkStatus();
+  }
+
+  // A checkpoint of this iteration in --save (none without it): the weights, the moments (ZeRO-1's
+  // shards gathered, so that any number of ranks loads the file), the training step's state.
+  absl::Status Save() {
+    if (o_.save.empty()) return absl::OkStatus();
+    PTK_RETURN_IF_ERROR(comm_->Barrier());
+    auto t0 = Clock::now();
+    const size_t n = static_cast<size_t>(model_->num_params());
+    std::vector<float> m, v;
+    if (model_->shard()) {
+      m.assign(n, 0.0f);
+      v.assign(n, 0.0f);
+      const size_t begin = static_cast<size_t>(model_->moments_begin()),
+                   size = static_cast<size_t>(model_->moments_size());
+      PTK_RETURN_IF_ERROR(
+          model_->ReadMoments(std::span<float>(m).subspan(begin, size), std::span<float>(v).subspan(begin, size)));
+      std::vector<int64_t> bytes = model_->shard()->Counts();
+      for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+      PTK_RETURN_IF_ERROR(comm_->AllGather(m.data(), bytes));
+      PTK_RETURN_IF_ERROR(comm_->AllGather(v.data(), bytes));
+    }
+    if (rank_ == 0) {
+      const TrainStepState step_state = step_->State();
+      state_.adam_step = step_state.adam_step;
+      state_.scheduler_num_steps = step_state.scheduler_num_steps;
+      state_.scheduler = step_state.schedule;
+      if (step_state.loss_scale) state_.loss_scale = step_state.loss_scale;
+      state_.settings = settings_;
+      std::vector<float> params(n);
+      PTK_RETURN_IF_ERROR(model_->ReadParams(params));
+      if (!model_->shard()) {
+        m.resize(n);
+        v.resize(n);
+        PTK_RETURN_IF_ERROR(model_->ReadMoments(m, v));
+      }
+      PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, model_->layout(), params, m, v, state_, o_.args_json));
+      Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
+                        state_.iteration, o_.save,
+                        std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
+    }
+    last_saved_ = state_.iteration;
+    return comm_->Barrier();
+  }
+
+  // Megatron's checkpoint_and_decide_exit: the ranks agree on every reason through one all-reduce;
+  // a save every --save-interval; the reason to exit (a signal, --exit-duration-in-mins,
+  // --exit-interval), or "" to go on.
+  absl::StatusOr<std::string> SaveAndDecideExit() {
+    double flags[2] = {o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0,
+                       std::chrono::duration<double>(Clock::now() - start_).count() / 60.0};
+    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(flags, 2));
+    if (flags[0] > 0) return std::string("exiting on signal");
+    if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
+    const double minutes = flags[1] / dp_;  // the ranks' mean
+    if (o_.exit_duration_in_mins > 0 && minutes > o_.exit_duration_in_mins)
+      return fmt::format("exiting program after {:.1f} minutes", minutes);
+    if (o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0)
+      return fmt::format("exiting program at iteration {}", state_.iteration);
+    return std::string();
+  }
+
+  // An exit before the last iteration: this iteration saved, the reason printed.
+  absl::StatusOr<TrainSummary> Exit(const std::string& reason) {
+    if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
+    Print(reason);
+    summary_.exit_reason = reason;
+    return Close();
+  }
+
+  // After the last iteration (Megatron's pretrain after train): the profile, a save, the final
+  // evaluation on the validation and test splits.
+  absl::StatusOr<TrainSummary> Finish() {
+    Print(fmt::format("[after training is done] datetime: {} ", Timestamp()));
+    if (std::string report = model_->ProfileReport(); rank_ == 0 && !report.empty()) {
+      if (report.back() == '\n') report.pop_back();
+      Print(report);
+    }
+    if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
+    if (valid_loader_) {
+      PTK_ASSIGN_OR_RETURN(
+          summary_.last_validation_loss,
+          Evaluate(valid_loader_.get(), "the end of training for val data", nullptr, "lm loss validation"));
+    }
+    if (data_.test) {
+      const int64_t mbs = plan_.micro_batch_size;
+      DataLoader test_loader(data_.test, PretrainingSampler(data_.test->size(), 0, mbs, rank_, dp_), mbs);
+      PTK_ASSIGN_OR_RETURN(summary_.test_loss,
+                           Evaluate(&test_loader, "the end of training for test data", nullptr, "lm loss test"));
+    }
+    return Close();
+  }
+
+  // The summary; the metrics and event files closed with their errors checked.
+  absl::StatusOr<TrainSummary> Close() {
+    summary_.iteration = state_.iteration;
+    summary_.consumed_train_samples = state_.consumed_train_samples;
+    summary_.skipped_iterations = state_.skipped_iterations;
+    PTK_RETURN_IF_ERROR(metrics_.Close());
+    if (tb_) PTK_RETURN_IF_ERROR(tb_->Close());
+    return summary_;
+  }
+
+  // The log line's averages since the last one.
+  struct Interval {
+    Clock::time_point start;
+    int64_t iters = 0, advanced = 0, skipped = 0, nan = 0;
+    double loss = 0;  // over the iterations that advanced
+  };
+
+  const TrainOptions& o_;
+  const TrainPlan& plan_;
+  Communicator* const comm_;
+  const int rank_, dp_;
+  Settings settings_;
+  std::unique_ptr<GPTModel> model_;
+  std::unique_ptr<TrainStep> step_;
+  std::unique_ptr<OutputLock> save_lock_;
+  TrainState state_;
+  TrainSummary summary_;
+  Splits data_;
+  std::unique_ptr<DataLoader> train_loader_, valid_loader_;
+  std::vector<std::unique_ptr<MicroBatch>> held_;  // this iteration's micro-batches
+  std::vector<std::vector<int64_t>> keys_;
+  std::vector<ModelBatch> batches_;
+  MetricsFile metrics_;
+  std::unique_ptr<SummaryWriter> tb_;
+  double flops_ = 0;  // per iteration
+  Clock::time_point start_;
+  double wall_before_ = 0;  // training time of the runs before this one
+  Interval interval_;
+  int64_t last_saved_ = -1;
+};
+
+}  // namespace
+
 absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan& plan) {
   std::unique_ptr<Communicator> local;
   Communicator* comm = o.comm;
@@ -204,388 +659,10 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
     local = MakeLocalCommunicator();
     comm = local.get();
   }
-  const int rank = comm->rank(), dp = comm->size();
-  auto print = [&](const std::string& line) {
-    if (rank != 0) return;
-    if (o.print) {
-      o.print(line);
-    } else {
-      std::fputs((line + "\n").c_str(), stdout);
-      std::fflush(stdout);
-    }
-  };
-  if (plan.data_parallel_size != dp)
+  if (plan.data_parallel_size != comm->size())
     return absl::InvalidArgumentError(
-        fmt::format("a plan for {} data-parallel ranks, a communicator of {}", plan.data_parallel_size, dp));
-  const int64_t mbs = plan.micro_batch_size, gbs = plan.global_batch_size, num_micro = plan.micro_batches,
-                train_iters = plan.train_iters;
-  const SchedulerConfig& sc = plan.schedule;
-  // Before any collective whose size depends on the flags.
-  const Settings settings = RunSettings(o, gbs);
-  PTK_RETURN_IF_ERROR(CheckRanksAgree(comm, settings));
-
-  // ---- model, optimizer, checkpoint
-  BackendOptions backend = o.backend;
-  backend.micro_batch_size = mbs;
-  PTK_ASSIGN_OR_RETURN(std::unique_ptr<GPTModel> model, CreateModel(o.model, backend));
-  if (o.use_distributed_optimizer) {
-    PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model->num_params(), dp, rank));
-    PTK_RETURN_IF_ERROR(model->ShardOptimizerState(shard));
-    if (dp == 1)
-      log::Info(
-          "note: --use-distributed-optimizer: accepted, one rank keeps the whole optimizer state (it is sharded over "
-          "data-parallel ranks)");
-    else if (rank == 0)
-      log::Info("distributed optimizer: each of {} ranks keeps {} of the {} parameters' AdamW state", dp,
-                shard.shard_size, model->num_params());
-  }
-  PTK_RETURN_IF_ERROR(model->InitWeights(o.seed));
-  TrainStep opt(model.get(), o.optimizer, sc, comm, o.loss_scale);
-  if (rank == 0 && !opt.buckets().empty()) {
-    int64_t largest = 0;
-    for (const GradRange& b : opt.buckets()) largest = std::max(largest, b.size());
-    log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
-              opt.buckets().size(), largest);
-  }
-  TrainState state;
-  state.seed = o.seed;
-  TrainSummary summary;
-  // One training run per --save directory: a second (a requeue while the first still runs) stops
-  // here naming the first, instead of interleaving checkpoints with it.
-  std::unique_ptr<OutputLock> save_lock;
-  if (rank == 0 && !o.save.empty()) {
-    PTK_RETURN_IF_ERROR(MakeDirs(o.save));
-    PTK_ASSIGN_OR_RETURN(save_lock, OutputLock::Acquire(JoinPath(o.save, "ptk-train")));
-    PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save));
-  }
-  // Every rank reads --load once rank 0 has put back what a killed save left aside.
-  if (!o.load.empty() && !o.save.empty()) PTK_RETURN_IF_ERROR(comm->Barrier());
-  if (!o.load.empty()) {
-    auto latest = LatestCheckpointIteration(o.load);
-    if (latest.ok()) {
-      TrainState loaded;
-      std::vector<float> params, m, v;
-      PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load, *latest, model->layout(), &params, &m, &v, &loaded));
-      PTK_RETURN_IF_ERROR(model->WriteParams(params));
-      if (o.finetune) {
-        log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
-                  *latest);
-      } else {
-        state = loaded;
-        TrainStepState step_state = opt.State();
-        if (!o.no_load_optim) {
-          // This rank's range of the moments (all of them without ZeRO-1): any rank count loads them.
-          PTK_RETURN_IF_ERROR(
-              model->WriteMoments(std::span<const float>(m).subspan(static_cast<size_t>(model->moments_begin()),
-                                                                    static_cast<size_t>(model->moments_size())),
-                                  std::span<const float>(v).subspan(static_cast<size_t>(model->moments_begin()),
-                                                                    static_cast<size_t>(model->moments_size()))));
-          step_state.adam_step = loaded.adam_step;
-          step_state.loss_scale = loaded.loss_scale;
-        }
-        step_state.scheduler_num_steps = loaded.scheduler_num_steps;
-        // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule, and
-        // --no-load-optim takes this command line's optimizer settings, schedule included.
-        if (loaded.scheduler && !o.no_load_optim && loaded.iteration < train_iters) {
-          std::vector<std::string> notes;
-          PTK_ASSIGN_OR_RETURN(SchedulerConfig chosen,
-                               ResolveResumedScheduler(sc, *loaded.scheduler, o.scheduler_on_load, loaded.iteration,
-                                                       o.train_iters > 0 ? gbs : 0, &notes));
-          step_state.schedule = chosen;
-          for (const std::string& n : notes)
-            if (rank == 0) log::Info("{}", n);
-        } else if (!loaded.scheduler && o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint && rank == 0) {
-          log::Warning(
-              "--use-checkpoint-opt_param-scheduler: the checkpoint of iteration {} does not record its schedule "
-              "(an earlier ptk wrote it); going on with this command line's",
-              loaded.iteration);
-        }
-        opt.Restore(step_state);
-        if (o.no_load_rng) state.seed = o.seed;
-        summary.resumed = true;
-        if (rank == 0)
-          log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o.load, *latest),
-                    loaded.iteration, loaded.consumed_train_samples);
-        if (rank == 0) ReportResumeChanges(loaded.settings, settings, loaded, o.no_load_rng);
-      }
-    } else if (absl::IsNotFound(latest.status())) {
-      PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o.load));
-      // --load and --save one directory is how every first run starts; another --load was meant to
-      // hold a checkpoint.
-      if (rank == 0 && o.load != o.save)
-        log::Warning("--load {}; starting from random initialization", StatusMessage(latest.status()));
-      else if (rank == 0)
-        log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
-    } else {
-      return latest.status();
-    }
-  }
-
-  if (state.iteration >= train_iters) {
-    if (rank == 0)
-      log::Info(
-          "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} "
-          "to train further",
-          o.load, state.iteration, state.consumed_train_samples,
-          o.train_iters > 0 ? fmt::format("--train-iters is {}", o.train_iters)
-                            : fmt::format("--train-samples {} make {} iterations", o.train_samples, train_iters),
-          o.train_iters > 0 ? "--train-iters" : "--train-samples");
-    summary.iteration = state.iteration;
-    summary.consumed_train_samples = state.consumed_train_samples;
-    summary.exit_reason = "nothing to train";
-    summary.nothing_to_train = true;
-    return summary;
-  }
-  PTK_ASSIGN_OR_RETURN(Splits data, BuildDatasets(o, plan));
-  const double flops = FlopsPerIteration(o.model, gbs);
-  if (rank == 0)
-    log::Info(
-        "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
-        model->num_params(), model->Describe(), num_micro, mbs, dp, gbs);
-
-  MetricsFile metrics;
-  if (rank == 0 && !o.metrics_path.empty()) PTK_RETURN_IF_ERROR(metrics.Open(o.metrics_path));
-  // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
-  std::unique_ptr<SummaryWriter> tb;
-  if (rank == 0 && !o.tensorboard.dir.empty()) {
-    PTK_ASSIGN_OR_RETURN(tb, SummaryWriter::Create(o.tensorboard.dir));
-    log::Info("TensorBoard events: {}", tb->path());
-  }
-  // Megatron's pairs: the value at the iteration, and "<tag> vs samples" at the samples consumed.
-  auto tb_scalar = [&](const std::string& tag, double value) {
-    tb->AddScalar(tag, value, state.iteration);
-    tb->AddScalar(tag + " vs samples", value, state.consumed_train_samples);
-  };
-
-  DataLoader train_loader(data.train,
-                          PretrainingSampler(data.train->size(), state.consumed_train_samples, mbs, rank, dp), mbs);
-  std::unique_ptr<DataLoader> valid_loader;
-  if (data.valid)
-    valid_loader = std::make_unique<DataLoader>(
-        data.valid, PretrainingSampler(data.valid->size(), state.consumed_valid_samples, mbs, rank, dp), mbs);
-
-  std::vector<std::unique_ptr<MicroBatch>> held(static_cast<size_t>(num_micro));
-  std::vector<std::vector<int64_t>> keys(static_cast<size_t>(num_micro));
-  std::vector<ModelBatch> batches(static_cast<size_t>(num_micro));
-
-  // Forward-only evaluation over eval_iters global batches (Megatron's evaluate).
-  // tb_tag: "lm loss validation" (Megatron's tag), "lm loss test".
-  auto evaluate = [&](DataLoader* loader, const std::string& prefix, int64_t* consumed,
-                      const std::string& tb_tag) -> absl::StatusOr<double> {
-    double sums[2] = {0, 0};
-    for (int64_t it = 0; it < o.eval_iters; ++it) {
-      for (int64_t m = 0; m < num_micro; ++m) {
-        PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
-        if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
-        std::vector<int64_t> k;
-        PTK_ASSIGN_OR_RETURN(LossSum s, model->Forward(View(*mb, &k)));
-        sums[0] += s.loss_sum;
-        sums[1] += s.tokens;
-      }
-      if (consumed) *consumed += gbs;
-    }
-    PTK_RETURN_IF_ERROR(comm->AllReduceSum(sums, 2));
-    const double loss = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
-    std::string line = fmt::format(" validation loss at {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ", prefix,
-                                   loss, std::exp(std::min(20.0, loss)));
-    std::string bar(line.size() + 1, '-');
-    print(bar);
-    print(line);
-    print(bar);
-    if (tb) {
-      tb_scalar(tb_tag, loss);
-      if (o.tensorboard.log_validation_ppl) tb_scalar(tb_tag + " ppl", std::exp(std::min(20.0, loss)));
-      PTK_RETURN_IF_ERROR(tb->Flush());
-    }
-    return loss;
-  };
-
-  // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
-  auto sample = [&]() -> absl::Status {
-    if (rank != 0) return absl::OkStatus();
-    GenerateOptions g;
-    g.new_tokens = o.sample.length;
-    g.temperature = o.sample.temperature;
-    g.seed = Mix64(state.seed ^ (static_cast<uint64_t>(state.iteration) << 20));
-    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model.get(), o.sample.prompt, g));
-    print(fmt::format(" sample at iteration {:8d} ({}): {:?} -> {:?}", state.iteration,
-                      o.sample.temperature > 0 ? fmt::format("temperature {}", o.sample.temperature) : "greedy",
-                      o.sample.prompt_text, o.sample.decode(ids)));
-    return absl::OkStatus();
-  };
-
-  auto save = [&]() -> absl::Status {
-    if (o.save.empty()) return absl::OkStatus();
-    PTK_RETURN_IF_ERROR(comm->Barrier());
-    auto t0 = Clock::now();
-    const size_t n = static_cast<size_t>(model->num_params());
-    std::vector<float> m, v;
-    if (model->shard()) {
-      // ZeRO-1: every rank's shard of the moments put together (the file holds the whole state, so
-      // a run on another number of ranks loads it).
-      m.assign(n, 0.0f);
-      v.assign(n, 0.0f);
-      const size_t begin = static_cast<size_t>(model->moments_begin()),
-                   size = static_cast<size_t>(model->moments_size());
-      PTK_RETURN_IF_ERROR(
-          model->ReadMoments(std::span<float>(m).subspan(begin, size), std::span<float>(v).subspan(begin, size)));
-      std::vector<int64_t> bytes = model->shard()->Counts();
-      for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
-      PTK_RETURN_IF_ERROR(comm->AllGather(m.data(), bytes));
-      PTK_RETURN_IF_ERROR(comm->AllGather(v.data(), bytes));
-    }
-    if (rank == 0) {
-      const TrainStepState step_state = opt.State();
-      state.adam_step = step_state.adam_step;
-      state.scheduler_num_steps = step_state.scheduler_num_steps;
-      state.scheduler = step_state.schedule;
-      if (step_state.loss_scale) state.loss_scale = step_state.loss_scale;
-      state.settings = settings;
-      std::vector<float> params(n);
-      PTK_RETURN_IF_ERROR(model->ReadParams(params));
-      if (!model->shard()) {
-        m.resize(n);
-        v.resize(n);
-        PTK_RETURN_IF_ERROR(model->ReadMoments(m, v));
-      }
-      PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save, model->layout(), params, m, v, state, o.args_json));
-      print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
-                        state.iteration, o.save, std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
-    }
-    return comm->Barrier();
-  };
-
-  const auto start = Clock::now();
-  const double wall_before = state.wall_seconds;
-  auto interval_start = Clock::now();
-  int64_t interval_iters = 0, interval_advanced = 0, interval_skipped = 0, interval_nan = 0;
-  double interval_loss = 0;
-  int64_t last_saved = -1;
-  print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
-  print("training ...");
-
-  while (state.iteration < train_iters) {
-    for (int64_t m = 0; m < num_micro; ++m) {
-      PTK_ASSIGN_OR_RETURN(held[m], train_loader.Next());
-      if (!held[m]) return absl::OutOfRangeError("the training data ran out before --train-iters");
-      batches[m] = View(*held[m], &keys[m]);
-    }
-    PTK_ASSIGN_OR_RETURN(StepResult r, opt.Step(batches, gbs, state.seed));
-    // fp16's dynamic loss scaling skips an overflowing step by design; anything else non-finite stops.
-    if (o.check_for_nan_in_loss_and_grad && !r.overflow)
-      PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state.iteration + 1, rank));
-    ++state.iteration;
-    state.consumed_train_samples += gbs;
-    ++interval_iters;
-    if (r.skipped) {
-      ++interval_skipped;
-      if (!r.overflow) ++interval_nan;
-      ++state.skipped_iterations;
-    } else {
-      ++interval_advanced;
-      interval_loss += r.lm_loss();
-    }
-    summary.last_lm_loss = r.lm_loss();
-    const double lr_now = opt.scheduler().lr();  // Megatron logs the rate after the scheduler step
-    if (metrics.is_open())
-      PTK_RETURN_IF_ERROR(metrics.Append(fmt::format(
-          "{{\"iteration\": {}, \"consumed_samples\": {}, \"lm_loss\": {}, \"grad_norm\": {}, \"learning_rate\": "
-          "{}, \"skipped\": {}, \"tokens\": {:.0f}}}\n",
-          state.iteration, state.consumed_train_samples, JsonNumber(r.lm_loss()), JsonNumber(r.grad_norm),
-          JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
-    // Megatron's training_log: its scalars every --tensorboard-log-interval iterations.
-    if (tb && state.iteration % o.tensorboard.log_interval == 0) {
-      tb_scalar("learning-rate", lr_now);
-      tb_scalar("batch-size", static_cast<double>(gbs));
-      tb_scalar("lm loss", r.lm_loss());
-      if (o.tensorboard.log_loss_scale) tb_scalar("loss-scale", r.loss_scale);
-      if (o.tensorboard.log_world_size) tb_scalar("world-size", dp);
-      if (!r.overflow) tb_scalar("grad-norm", r.grad_norm);  // Megatron has no norm for an overflow
-    }
-    if (state.iteration % o.log_interval == 0) {
-      const double secs = std::chrono::duration<double>(Clock::now() - interval_start).count();
-      LogLineFields f;
-      f.iteration = state.iteration;
-      f.train_iters = train_iters;
-      f.consumed_samples = state.consumed_train_samples;
-      f.global_batch_size = gbs;
-      f.elapsed_ms = secs * 1000.0 / static_cast<double>(interval_iters);
-      f.tflops_per_gpu = flops / (secs / static_cast<double>(interval_iters) * 1e12 * dp);
-      f.learning_rate = lr_now;
-      f.lm_loss = interval_advanced > 0 ? interval_loss / static_cast<double>(interval_advanced) : 0.0;
-      f.grad_norm = r.grad_norm;
-      f.loss_scale = r.loss_scale;
-      f.skipped = interval_skipped;
-      f.nan = interval_nan;
-      print(FormatLogLine(f, Timestamp()));
-      if (tb) {
-        if (o.tensorboard.log_timers) {
-          tb->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state.iteration);
-          if (o.tensorboard.log_throughput) tb->AddScalar("throughput", f.tflops_per_gpu, state.iteration);
-        }
-        PTK_RETURN_IF_ERROR(tb->Flush());
-      }
-      interval_start = Clock::now();
-      interval_iters = interval_advanced = interval_skipped = interval_nan = 0;
-      interval_loss = 0;
-    }
-    if (valid_loader && o.eval_interval > 0 && state.iteration % o.eval_interval == 0) {
-      PTK_ASSIGN_OR_RETURN(double vl, evaluate(valid_loader.get(), fmt::format("iteration {}", state.iteration),
-                                               &state.consumed_valid_samples, "lm loss validation"));
-      summary.last_validation_loss = vl;
-    }
-    if (o.sample.interval > 0 && state.iteration % o.sample.interval == 0) PTK_RETURN_IF_ERROR(sample());
-    state.wall_seconds = wall_before + std::chrono::duration<double>(Clock::now() - start).count();
-
-    // Megatron's checkpoint_and_decide_exit: ranks agree on every reason through one all-reduce.
-    double flags[2] = {o.exit_signal && o.exit_signal->load() != 0 ? 1.0 : 0.0,
-                       std::chrono::duration<double>(Clock::now() - start).count() / 60.0};
-    PTK_RETURN_IF_ERROR(comm->AllReduceSum(flags, 2));
-    std::string reason;
-    if (flags[0] > 0) reason = "exiting on signal";
-    if (reason.empty() && o.save_interval > 0 && state.iteration % o.save_interval == 0) {
-      PTK_RETURN_IF_ERROR(save());
-      last_saved = state.iteration;
-    }
-    if (reason.empty() && o.exit_duration_in_mins > 0 && flags[1] / dp > o.exit_duration_in_mins)
-      reason = fmt::format("exiting program after {:.1f} minutes", flags[1] / dp);
-    if (reason.empty() && o.exit_interval > 0 && state.iteration % o.exit_interval == 0)
-      reason = fmt::format("exiting program at iteration {}", state.iteration);
-    if (!reason.empty()) {
-      if (last_saved != state.iteration) PTK_RETURN_IF_ERROR(save());
-      print(reason);
-      summary.exit_reason = reason;
-      summary.iteration = state.iteration;
-      summary.consumed_train_samples = state.consumed_train_samples;
-      summary.skipped_iterations = state.skipped_iterations;
-      PTK_RETURN_IF_ERROR(metrics.Close());
-      if (tb) PTK_RETURN_IF_ERROR(tb->Close());
-      return summary;
-    }
-  }
-  print(fmt::format("[after training is done] datetime: {} ", Timestamp()));
-  if (std::string report = model->ProfileReport(); rank == 0 && !report.empty()) {
-    if (report.back() == '\n') report.pop_back();
-    print(report);
-  }
-  if (last_saved != state.iteration && !o.save.empty()) PTK_RETURN_IF_ERROR(save());
-  if (valid_loader) {
-    PTK_ASSIGN_OR_RETURN(
-        double vl, evaluate(valid_loader.get(), "the end of training for val data", nullptr, "lm loss validation"));
-    summary.last_validation_loss = vl;
-  }
-  if (data.test) {
-    DataLoader test_loader(data.test, PretrainingSampler(data.test->size(), 0, mbs, rank, dp), mbs);
-    PTK_ASSIGN_OR_RETURN(double tl,
-                         evaluate(&test_loader, "the end of training for test data", nullptr, "lm loss test"));
-    summary.test_loss = tl;
-  }
-  summary.iteration = state.iteration;
-  summary.consumed_train_samples = state.consumed_train_samples;
-  summary.skipped_iterations = state.skipped_iterations;
-  PTK_RETURN_IF_ERROR(metrics.Close());
-  if (tb) PTK_RETURN_IF_ERROR(tb->Close());
-  return summary;
+        fmt::format("a plan for {} data-parallel ranks, a communicator of {}", plan.data_parallel_size, comm->size()));
+  return Trainer(o, plan, comm).Run();
 }
 
 }  // namespace ptk::trainer
