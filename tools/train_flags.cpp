@@ -10,7 +10,7 @@
 #include <simdjson.h>
 
 #include "common/cli.h"
-#include "common/file_util.h"
+#include "common/file_paths.h"
 #include "common/status.h"
 
 namespace ptk::trainer {

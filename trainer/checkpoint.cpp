@@ -14,7 +14,9 @@
 #include <simdjson.h>
 
 #include "absl/strings/ascii.h"
-#include "common/file_util.h"
+#include "common/atomic_file.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/json_writer.h"
 #include "common/logging.h"

@@ -8,7 +8,8 @@
 
 #include <fmt/core.h>
 
-#include "common/file_util.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
 #include "common/status.h"
