@@ -45,7 +45,7 @@ st=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/status.sh" 2>&1 || true)
 echo "$st" | grep -q "tokenize     2 of 2 datasets complete" || fail "after retokenizing: $st"
 # What train.sbatch gives --data-path: the plan's two datasets only, in plan order.
 PLAN_FILE=$D/chunks/concat-plan.json PREPROCESSED_DIR=$D/preprocessed PTK_BIN=$BIN
-mapfile -t prefixes < <(eval "$(grep -m1 'mapfile -t prefixes' "$SRC/slurm/train.sbatch" | sed 's/^mapfile -t prefixes < <(\(.*\))$/\1/')")
+mapfile -t prefixes < <(eval "$(grep -m1 'mapfile -t prefixes' "$SRC/slurm/train.sbatch" | sed 's/^[[:space:]]*mapfile -t prefixes < <(\(.*\))$/\1/')")
 [ "${#prefixes[@]}" = 2 ] || fail "train would read ${#prefixes[@]} datasets: ${prefixes[*]}"
 [ "${prefixes[1]}" = "$D/preprocessed/train_01_text_document" ] || fail "train prefixes: ${prefixes[*]}"
 # data-path.sh --train-args (what k8s/pytorchjob.yaml-template gives ptk-train): the same datasets.
