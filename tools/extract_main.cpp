@@ -64,7 +64,10 @@ int main(int argc, char** argv) {
           return absl::OkStatus();
         }
       }
-      return absl::NotFoundError("no input files");
+      std::string given;
+      for (const std::string& in : inputs) given += (given.empty() ? "" : ", ") + in;
+      return absl::NotFoundError(fmt::format("no input files: nothing to extract in {}{}", given,
+                                             left_out.empty() ? " (empty)" : " (every file left out, listed above)"));
     }
     PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     opt.output_dir = output_dir;

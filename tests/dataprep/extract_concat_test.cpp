@@ -62,6 +62,14 @@ TEST(Extract, DecodesZstXzAndPlainKeepingTheLayout) {
   EXPECT_EQ(ver.exit_code, 0) << ver.output;
 }
 
+TEST(Extract, ADirectoryWithNothingToExtractIsNamed) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "empty");
+  auto r = RunCmd(fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "empty"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "empty"), std::string::npos) << r.output;
+}
+
 TEST(Extract, DamagedInputsFailAloneWithOffsetAndNoOutput) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
