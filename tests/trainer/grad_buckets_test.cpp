@@ -5,6 +5,7 @@
 // that order while backward still runs (it starts before ForwardBackward returns, and backward does
 // not wait for it), with the sum a reduction after backward gives.
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -15,10 +16,9 @@
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/grad_buckets.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 GPTConfig Config(bool untied) {
   GPTConfig c;
@@ -99,20 +99,26 @@ TEST(GradBuckets, WorkerRunsInOrderAndReportsTheFirstError) {
 // gradient buffer, length, when), and its first call holds the worker for `hold`.
 class RecordingComm : public Communicator {
  public:
+  // The first reduction holds until Release() (or `hold` passes): a backward that overlaps its
+  // reductions returns while the first one is still held; one that waits for them cannot.
   RecordingComm(const float* base, std::chrono::milliseconds hold) : base_(base), hold_(hold) {}
   int rank() const override { return 0; }
   int size() const override { return 2; }
   std::string_view backend() const override { return "recording"; }
   absl::Status AllReduceSum(float* data, int64_t n) override {
-    const auto start = Clock::now();
-    if (calls.empty()) std::this_thread::sleep_for(hold_);
-    std::lock_guard<std::mutex> lock(mu);
-    calls.push_back({data - base_, data - base_ + n});
-    if (calls.size() == 1) {
-      first_start = start;
-      first_end = Clock::now();
+    std::unique_lock<std::mutex> lock(mu);
+    if (calls.empty()) {
+      first_started = true;
+      started_cv.notify_all();
+      held_until_released = cv.wait_for(lock, hold_, [this] { return released; });
     }
+    calls.push_back({data - base_, data - base_ + n});
     return absl::OkStatus();
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+    cv.notify_all();
   }
   absl::Status AllReduceSum(double*, int64_t) override { return absl::OkStatus(); }
   absl::Status ReduceScatterSum(float*, std::span<const int64_t>) override { return absl::OkStatus(); }
@@ -121,8 +127,11 @@ class RecordingComm : public Communicator {
   absl::Status Barrier() override { return absl::OkStatus(); }
 
   std::mutex mu;
+  std::condition_variable cv, started_cv;
   std::vector<GradRange> calls;
-  Clock::time_point first_start, first_end;
+  bool first_started = false;        // the first bucket's reduction began
+  bool released = false;             // the test let it go
+  bool held_until_released = false;  // it was still held when the test let it go
 
  private:
   const float* base_;
@@ -155,18 +164,26 @@ TEST(GradBuckets, CpuBackwardReducesEachBucketInOrderWhileItRuns) {
     ASSERT_TRUE(model.ok());
     ASSERT_TRUE((*model)->InitWeights(3).ok());
     const std::vector<GradRange> buckets = MakeGradBuckets((*model)->layout(), 1);
-    RecordingComm comm((*model)->grads(), std::chrono::milliseconds(1500));
+    // Held for up to 120 s: a backward that waited for the reduction would return only then.
+    RecordingComm comm((*model)->grads(), std::chrono::seconds(120));
     Batch batch(4, 64);
     ASSERT_TRUE((*model)->ZeroGrads().ok());
     ASSERT_TRUE((*model)->StartGradReduction(&comm, buckets).ok());
     auto fb = (*model)->ForwardBackward(batch.View(), 1.0, /*train=*/true, 1);
-    const auto returned = Clock::now();
+    // Backward handed the first bucket over before FinishGradReduction: it starts without it.
+    bool started_without_finish;
+    {
+      std::unique_lock<std::mutex> lock(comm.mu);
+      started_without_finish = comm.started_cv.wait_for(lock, std::chrono::seconds(120),
+                                                        [&] { return comm.first_started; });
+    }
+    comm.Release();
     ASSERT_TRUE(fb.ok()) << fb.status();
     ASSERT_TRUE((*model)->FinishGradReduction().ok());
     ASSERT_EQ(comm.calls, buckets) << "each bucket once, in backward order";
-    // The first bucket's reduction started during backward, and backward went on without it.
-    EXPECT_LT(comm.first_start, returned);
-    EXPECT_LT(returned, comm.first_end);
+    // The first bucket's reduction started before Finish, and backward went on without it.
+    EXPECT_TRUE(started_without_finish);
+    EXPECT_TRUE(comm.held_until_released) << "backward waited for the first bucket's reduction";
   }
 }
 
@@ -221,4 +238,4 @@ TEST(GradBuckets, BucketsMustTileTheBufferAndFinishNeedsAStart) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk
