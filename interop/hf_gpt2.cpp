@@ -29,10 +29,6 @@
 namespace ptk {
 namespace {
 
-using trainer::GPTConfig;
-using trainer::ParamInfo;
-using trainer::ParamLayout;
-
 // HF's names, as GPT2LMHeadModel.save_pretrained writes them.
 constexpr char kPrefix[] = "transformer.";
 constexpr char kLmHead[] = "lm_head.weight";
@@ -222,7 +218,7 @@ void MapParams(const ParamLayout& layout, std::vector<float>* params, std::vecto
   vocab("wte.weight", layout.wte);
   copy("wpe.weight", layout.wpe);
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    const trainer::LayerParams& lp = layout.layers[static_cast<size_t>(l)];
+    const LayerParams& lp = layout.layers[static_cast<size_t>(l)];
     const std::string p = fmt::format("h.{}.", l);
     copy(p + "ln_1.weight", lp.ln1_w);
     copy(p + "ln_1.bias", lp.ln1_b);
@@ -258,8 +254,8 @@ absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_v
 
 absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size) {
   PtkCheckpoint out;
-  PTK_ASSIGN_OR_RETURN(out.iteration, trainer::LatestCheckpointIteration(load_dir));
-  out.file = trainer::CheckpointFile(load_dir, out.iteration);
+  PTK_ASSIGN_OR_RETURN(out.iteration, LatestCheckpointIteration(load_dir));
+  out.file = CheckpointFile(load_dir, out.iteration);
   PTK_ASSIGN_OR_RETURN(CheckpointHeader header, ReadCheckpointHeader(out.file));
   GPTConfig& c = header.config;
   // What the model description leaves to the run's settings.
@@ -284,8 +280,8 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   c.init_method_std = SettingOr(header, "--init-method-std", 0.02, &out.notes);
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   std::vector<float> m, v;
-  trainer::TrainState state;
-  PTK_RETURN_IF_ERROR(trainer::LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &m, &v, &state));
+  TrainState state;
+  PTK_RETURN_IF_ERROR(LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &m, &v, &state));
   out.config = c;
   return out;
 }
@@ -446,7 +442,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   PTK_RETURN_IF_ERROR(get_int("n_positions", &c.max_position_embeddings, std::nullopt));
   PTK_RETURN_IF_ERROR(get_int("vocab_size", &c.vocab_size, std::nullopt));
   c.seq_length = c.max_position_embeddings;
-  c.padded_vocab_size = trainer::PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by);
+  c.padded_vocab_size = PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by);
   PTK_RETURN_IF_ERROR(get("tie_word_embeddings", true, &tie, "true or false"));
   c.untie_embeddings_and_output_weights = !tie;
   // Numbers: simdjson reads integers as doubles too (a dropout of 0).
@@ -506,7 +502,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
   MapParams(layout, &params, &tensors, /*to_hf=*/false);
   const std::vector<float> zeros(params.size(), 0.0f);
-  trainer::TrainState state;
+  TrainState state;
   state.seed = 1234;
   auto num = [](double v) { return fmt::format("{}", v); };  // as ptk-train records its settings
   state.settings = {
@@ -526,9 +522,9 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   // As a training run: one writer per --save directory, and what a killed save left put right.
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
-  PTK_RETURN_IF_ERROR(trainer::RecoverCheckpointDir(o.save_dir));
-  PTK_RETURN_IF_ERROR(trainer::SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
-  s.destination = trainer::CheckpointFile(o.save_dir, 0);
+  PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
+  PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
+  s.destination = CheckpointFile(o.save_dir, 0);
   s.num_params = layout.num_params;
   s.train_flags = fmt::format(
       "--num-layers {} --hidden-size {} --num-attention-heads {} --ffn-hidden-size {} --max-position-embeddings {} "

@@ -40,7 +40,7 @@ struct ConvertOptions {
 struct ConvertSummary {
   std::string source, destination;  // the files read and the directory written
   int64_t iteration = 0;            // the checkpoint's
-  trainer::GPTConfig config;
+  GPTConfig config;
   int64_t num_params = 0;   // as stored in the destination
   std::string train_flags;  // hf -> ptk: the model flags ptk-train needs to load the result
   std::vector<std::string> notes;
@@ -55,8 +55,8 @@ absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& options);
 struct PtkCheckpoint {
   std::string file;
   int64_t iteration = 0;
-  trainer::GPTConfig config;
-  std::vector<float> params;  // in trainer::ParamLayout order
+  GPTConfig config;
+  std::vector<float> params;  // in ParamLayout order
   std::vector<std::string> notes;
 };
 absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size = 0);

@@ -13,7 +13,7 @@
 #include "common/file_paths.h"
 #include "common/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 // Flags of Megatron's that change only speed or memory, never results, on the paths ptk runs.
@@ -513,4 +513,4 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   return o;
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/training.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct TrainFlags {
   // A flag that is one setting of the run writes it here, where RunTraining reads it.
@@ -64,4 +64,4 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& flags, std::vec
 // GPT-2 vocabulary size: entries of --vocab-file, or 50257 for ptk's built-in GPT-2 files.
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -47,13 +47,13 @@ std::string ArgsJson(int argc, char** argv) {
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp("ptk-train",
                                "Train Megatron's GPT on Megatron-format data (CUDA: fp32, bf16, fp16; CPU: fp32).");
-  ptk::trainer::TrainFlags flags;
-  ptk::trainer::AddTrainFlags(app.get(), &flags);
+  ptk::TrainFlags flags;
+  ptk::AddTrainFlags(app.get(), &flags);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     std::vector<std::string> notes;
-    PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainOptions options, ptk::trainer::ResolveTrainFlags(flags, &notes));
+    PTK_ASSIGN_OR_RETURN(ptk::TrainOptions options, ptk::ResolveTrainFlags(flags, &notes));
     auto env_ranks = ptk::TrainingRanksFromEnv();
     // A bad RANK / WORLD_SIZE / MASTER_PORT is a usage error (exit 2), as a bad flag.
     if (absl::IsInvalidArgument(env_ranks.status()) && !ptk::IsUsageError(env_ranks.status()))
@@ -73,8 +73,8 @@ int main(int argc, char** argv) {
       options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
     }
     // Every check between settings, before any rank waits for another.
-    PTK_ASSIGN_OR_RETURN(const ptk::trainer::TrainPlan plan, ptk::trainer::PlanTraining(options, ranks.world_size));
-    ptk::trainer::DistributedOptions d;
+    PTK_ASSIGN_OR_RETURN(const ptk::TrainPlan plan, ptk::PlanTraining(options, ranks.world_size));
+    ptk::DistributedOptions d;
     d.backend = options.distributed_backend;
     d.backend_given = !flags.distributed_backend.empty();
     d.rank = ranks.rank;
@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
       ptk::log::Error("{}; the process did not return from the GPU after the abort: exiting", ptk::StatusMessage(st));
       std::_Exit(1);
     };
-    PTK_ASSIGN_OR_RETURN(std::unique_ptr<ptk::trainer::Communicator> comm, ptk::trainer::CreateCommunicator(d));
+    PTK_ASSIGN_OR_RETURN(std::unique_ptr<ptk::Communicator> comm, ptk::CreateCommunicator(d));
     if (ranks.rank == 0 && comm->size() > 1)
       ptk::log::Info("data parallel: {} ranks ({}), {}, rendezvous at {}:{}", ranks.world_size, ranks.source,
                      comm->backend(), ranks.master_addr, ranks.master_port);
@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
     options.args_json = ArgsJson(argc, argv);
-    PTK_ASSIGN_OR_RETURN(ptk::trainer::TrainSummary s, ptk::trainer::RunTraining(options, plan));
+    PTK_ASSIGN_OR_RETURN(ptk::TrainSummary s, ptk::RunTraining(options, plan));
     if (comm->rank() == 0 && s.nothing_to_train) {
       ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
                      s.consumed_train_samples);

@@ -9,7 +9,7 @@
 #include "trainer/cuda/cuda_gpt_model.h"
 #endif
 
-namespace ptk::trainer {
+namespace ptk {
 
 bool CudaBuilt() {
 #if defined(PTK_WITH_CUDA)
@@ -47,4 +47,4 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
 #endif
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -6,7 +6,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct BackendOptions {
   Device device = Device::kCpu;
@@ -28,4 +28,4 @@ Device DefaultDevice();
 // without CUDA, with no device visible, or --bf16 on a GPU before sm_80 is an error that says so.
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -23,7 +23,7 @@
 #include "common/output_lock.h"
 #include "common/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
@@ -480,4 +480,4 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   return absl::OkStatus();
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

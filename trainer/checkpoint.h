@@ -23,7 +23,7 @@
 #include "trainer/gpt_model.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct TrainState {
   int64_t iteration = 0;
@@ -81,4 +81,4 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
 using SaveStepHook = std::function<absl::Status(std::string_view step)>;
 void SetSaveStepHookForTesting(SaveStepHook hook);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

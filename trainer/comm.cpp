@@ -4,7 +4,7 @@
 
 #include <fmt/core.h>
 
-namespace ptk::trainer {
+namespace ptk {
 
 absl::Status Communicator::AllReduceSumDevice(float*, int64_t, void*) {
   return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
@@ -28,4 +28,4 @@ absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes
   return offsets;
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 class Communicator {
  public:
@@ -53,4 +53,4 @@ absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes
 // One process: every collective is the identity.
 std::unique_ptr<Communicator> MakeLocalCommunicator();
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -19,7 +19,7 @@
 #include "common/status.h"
 #include "trainer/rendezvous.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 std::string Suffix(const std::string& s) { return s.empty() ? "" : "; " + s; }
@@ -230,4 +230,4 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

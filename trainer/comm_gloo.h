@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/comm.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct GlooOptions {
   int rank = 0, world_size = 1;
@@ -24,4 +24,4 @@ struct GlooOptions {
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOptions& options);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

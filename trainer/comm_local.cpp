@@ -1,7 +1,7 @@
 // The single-process communicator.
 #include "trainer/comm.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 class LocalCommunicator : public Communicator {
  public:
@@ -21,4 +21,4 @@ class LocalCommunicator : public Communicator {
 
 std::unique_ptr<Communicator> MakeLocalCommunicator() { return std::make_unique<LocalCommunicator>(); }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

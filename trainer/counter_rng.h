@@ -9,7 +9,7 @@
 
 #include "trainer/host_device.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 PTK_HD uint64_t Mix64(uint64_t z) {  // splitmix64's finalizer
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -59,4 +59,4 @@ enum DropoutSite : uint64_t {
   kAttentionProbs = 3
 };
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -9,7 +9,7 @@
 #include "trainer/cuda/comm_nccl.h"
 #endif
 
-namespace ptk::trainer {
+namespace ptk {
 
 bool DistributedBackendBuilt(const std::string& backend) {
 #if defined(PTK_WITH_CUDA)
@@ -50,4 +50,4 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
   return MakeGlooCommunicator(g);
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/comm.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct DistributedOptions {
   std::string backend = "gloo";  // "gloo" or "nccl"
@@ -31,4 +31,4 @@ bool DistributedBackendBuilt(const std::string& backend);
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const DistributedOptions& options);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -10,7 +10,7 @@
 #include "common/status.h"
 #include "trainer/counter_rng.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 absl::Status GPTConfig::Validate() const {
   auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
@@ -185,4 +185,4 @@ absl::Status ValidateBatch(const GPTConfig& cf, const ModelBatch& batch) {
   return absl::OkStatus();
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -20,7 +20,7 @@
 #include "trainer/op_types.h"
 #include "trainer/param_shard.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct GPTConfig {
   int64_t num_layers = 0;
@@ -207,4 +207,4 @@ class GPTModel {
 // outside the vocabulary is a data error, found before any backend indexes memory with it.
 absl::Status ValidateBatch(const GPTConfig& config, const ModelBatch& batch);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

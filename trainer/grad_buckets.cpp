@@ -5,7 +5,7 @@
 
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 std::vector<GradRange> BackwardReadyOrder(const ParamLayout& layout) {
   std::vector<GradRange> out;
@@ -111,4 +111,4 @@ void BucketWorker::Loop() {
   }
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

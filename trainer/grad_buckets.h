@@ -14,7 +14,7 @@
 
 #include "absl/status/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct ParamLayout;
 
@@ -76,4 +76,4 @@ class BucketWorker {
   std::thread thread_;
 };
 
-}  // namespace ptk::trainer
+}  // namespace ptk

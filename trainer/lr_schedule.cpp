@@ -8,7 +8,7 @@
 
 #include "common/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 absl::Status SchedulerConfig::Validate() const {
   auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
@@ -165,4 +165,4 @@ double OptimizerParamScheduler::weight_decay() const {
   return c.start_wd + coeff * delta;
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

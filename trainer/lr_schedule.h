@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct SchedulerConfig {
   double init_lr = 0.0;                         // --lr-warmup-init
@@ -73,4 +73,4 @@ class OptimizerParamScheduler {
   int64_t num_steps_ = 0;
 };
 
-}  // namespace ptk::trainer
+}  // namespace ptk

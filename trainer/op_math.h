@@ -9,7 +9,7 @@
 
 #include "trainer/host_device.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 // gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
 template <typename T>
@@ -57,4 +57,4 @@ PTK_HD void AdamWElement(T& p, T g, T& m, T& v, const AdamWCoefficients<T>& c) {
   p -= c.step_size * m / denom;
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

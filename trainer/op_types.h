@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace ptk::trainer {
+namespace ptk {
 
 // Causal self-attention's shape: batch, sequence, heads, head dimension.
 struct AttentionShape {
@@ -18,4 +18,4 @@ struct AdamWParams {
   int64_t step;  // 1-based
 };
 
-}  // namespace ptk::trainer
+}  // namespace ptk

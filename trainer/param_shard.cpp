@@ -7,7 +7,7 @@
 
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 absl::StatusOr<ParamShard> ParamShard::Create(int64_t num_params, int world_size, int rank) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
@@ -42,4 +42,4 @@ std::vector<ParamPiece> PiecesIn(const ParamLayout& layout, int64_t begin, int64
   return out;
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct ParamLayout;
 
@@ -47,4 +47,4 @@ struct ParamPiece {
 };
 std::vector<ParamPiece> PiecesIn(const ParamLayout& layout, int64_t begin, int64_t end);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -19,7 +19,7 @@
 
 #include "common/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 using Clock = std::chrono::steady_clock;
 
@@ -361,4 +361,4 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
   return "every rank reports a failure: the network between them failed";
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 class RendezvousServer;
 
@@ -63,4 +63,4 @@ class RendezvousStore {
 // This machine's host name.
 std::string HostName();
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -8,7 +8,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 std::string Joined(const std::vector<std::string>& v) {
@@ -224,4 +224,4 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
   }
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -13,7 +13,7 @@
 #include "trainer/comm.h"
 #include "trainer/train_options.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 // A run's settings, each under its flag name, e.g. {"--seed", "1234"}.
 using Settings = std::vector<std::pair<std::string, std::string>>;
@@ -32,4 +32,4 @@ absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine);
 // what changed since the checkpoint was saved and what it means for the run.
 void ReportResumeChanges(const Settings& saved, const Settings& now, const TrainState& loaded, bool no_load_rng);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

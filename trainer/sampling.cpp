@@ -9,7 +9,7 @@
 #include "common/status.h"
 #include "trainer/counter_rng.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 int32_t PickToken(std::span<const float> logits, int64_t vocab_size, double temperature, uint64_t key) {
   const size_t n = std::min(logits.size(), static_cast<size_t>(vocab_size));
@@ -62,4 +62,4 @@ absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const i
   return std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(prompt.size()), ids.end());
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

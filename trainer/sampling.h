@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct GenerateOptions {
   int64_t new_tokens = 32;
@@ -30,4 +30,4 @@ absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const i
 // The next id from one position's logits (vocab_size of them are considered).
 int32_t PickToken(std::span<const float> logits, int64_t vocab_size, double temperature, uint64_t key);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

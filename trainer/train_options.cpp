@@ -7,7 +7,7 @@
 
 #include "common/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 // Megatron's get_optimizer_param_scheduler: the schedule's lengths in samples.
@@ -80,4 +80,4 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
   return p;
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -20,7 +20,7 @@
 #include "trainer/lr_schedule.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 // --tensorboard-dir: Megatron's scalars in TensorBoard event files (rank 0), selected by its flags.
 struct TensorBoardOptions {
@@ -126,4 +126,4 @@ struct TrainPlan {
 // `data_parallel_size` ranks.
 absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& options, int data_parallel_size);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -9,7 +9,7 @@
 
 #include "common/status.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 absl::Status LossScaleConfig::Validate() const {
   auto bad = [](const std::string& m) { return UsageError(m); };
@@ -165,4 +165,4 @@ absl::StatusOr<double> TrainStep::ShardedGradSumSquares() {
   return s;
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

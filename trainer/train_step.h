@@ -14,7 +14,7 @@
 #include "trainer/gpt_model.h"
 #include "trainer/lr_schedule.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct OptimizerConfig {
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8;
@@ -117,4 +117,4 @@ class TrainStep {
   int64_t adam_step_ = 0;
 };
 
-}  // namespace ptk::trainer
+}  // namespace ptk

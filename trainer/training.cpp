@@ -21,7 +21,7 @@
 #include "trainer/run_settings.h"
 #include "trainer/sampling.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -666,4 +666,4 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
   return Trainer(o, plan, comm).Run();
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -15,7 +15,7 @@
 #include "trainer/train_options.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct TrainSummary {
   int64_t iteration = 0;
@@ -47,4 +47,4 @@ struct LogLineFields {
 };
 std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

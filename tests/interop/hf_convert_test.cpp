@@ -27,8 +27,6 @@ using ptk::testing::RunCmd;
 using ptk::testing::ShellQuote;
 using ptk::testing::TempDir;
 using ptk::testing::WriteFile;
-using trainer::GPTConfig;
-using trainer::ParamLayout;
 
 class HfConvert : public ::testing::Test {
  protected:
@@ -51,11 +49,11 @@ class HfConvert : public ::testing::Test {
     layout_.InitWeights(5, params_);
     for (size_t i = 0; i < params_.size(); ++i) params_[i] += 1e-3f * static_cast<float>(i % 97);  // no 0/1 runs
     std::vector<float> zeros(params_.size(), 0.0f);
-    trainer::TrainState st;
+    TrainState st;
     st.iteration = 7;
     st.settings = {{"--layernorm-epsilon", "1e-06"}, {"--hidden-dropout", "0"}, {"--attention-dropout", "0.05"}};
     if (record_vocab) st.settings.push_back({"--vocab-size", "50257"});
-    ASSERT_TRUE(trainer::SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
+    ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
   }
   ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
                       const std::string& to) {
@@ -136,15 +134,15 @@ TEST_F(HfConvert, ExportImportExportIsByteIdenticalTiedAndUntied) {
     ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("ck" + tag), dir_ / ("hf" + tag))).ok());
     auto imp = ImportFromHf(Opts("hf", "ptk", dir_ / ("hf" + tag), dir_ / ("back" + tag)));
     ASSERT_TRUE(imp.ok()) << imp.status();
-    EXPECT_EQ(imp->destination, trainer::CheckpointFile(dir_ / ("back" + tag), 0));
+    EXPECT_EQ(imp->destination, CheckpointFile(dir_ / ("back" + tag), 0));
     ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
     for (const char* f : {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json",
                           "vocab.json", "merges.txt"})
       EXPECT_EQ(ReadFile(dir_ / ("hf" + tag + "/" + f)), ReadFile(dir_ / ("hf2" + tag + "/" + f))) << tag << " " << f;
     // The imported checkpoint: the same weights, padded rows copies of the last real row, moments zero.
     std::vector<float> params, m, v;
-    trainer::TrainState st;
-    ASSERT_TRUE(trainer::LoadCheckpoint(dir_ / ("back" + tag), 0, layout_, &params, &m, &v, &st).ok());
+    TrainState st;
+    ASSERT_TRUE(LoadCheckpoint(dir_ / ("back" + tag), 0, layout_, &params, &m, &v, &st).ok());
     const int64_t C = 8;
     for (int64_t i = 0; i < layout_.num_params; ++i) {
       const bool padded_wte = i >= layout_.wte + 50257 * C && i < layout_.wte + 50304 * C;

@@ -19,16 +19,16 @@ namespace {
 absl::Status Run(int argc, char** argv) {
   if (argc < 4) return absl::InvalidArgumentError("usage: logits_tool CKPT_DIR SEQUENCES.txt OUT.f32");
   PTK_ASSIGN_OR_RETURN(ptk::PtkCheckpoint ck, ptk::LoadPtkCheckpoint(argv[1]));
-  ptk::trainer::GPTConfig c = ck.config;
+  ptk::GPTConfig c = ck.config;
   c.hidden_dropout = c.attention_dropout = 0;
-  PTK_ASSIGN_OR_RETURN(auto model, ptk::trainer::CreateModel(c, ptk::trainer::BackendOptions{}));
+  PTK_ASSIGN_OR_RETURN(auto model, ptk::CreateModel(c, ptk::BackendOptions{}));
   PTK_RETURN_IF_ERROR(model->WriteParams(ck.params));
   if (std::string(argv[2]) == "--generate") {
-    ptk::trainer::GenerateOptions g;
+    ptk::GenerateOptions g;
     g.new_tokens = std::stoll(argv[3]);
     std::vector<int32_t> prompt;
     for (int i = 4; i < argc; ++i) prompt.push_back(std::stoi(argv[i]));
-    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, ptk::trainer::Generate(model.get(), prompt, g));
+    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, ptk::Generate(model.get(), prompt, g));
     for (int32_t id : ids) std::printf("%d ", id);
     std::printf("\n");
     return absl::OkStatus();
@@ -44,7 +44,7 @@ absl::Status Run(int argc, char** argv) {
     std::vector<int32_t> labels(tokens.size(), 0), pos(tokens.size());
     for (int64_t i = 0; i < t; ++i) pos[i] = static_cast<int32_t>(i);
     std::vector<float> mask(tokens.size(), 0.0f), logits;
-    ptk::trainer::ModelBatch b{1, t, tokens.data(), labels.data(), pos.data(), mask.data(), nullptr};
+    ptk::ModelBatch b{1, t, tokens.data(), labels.data(), pos.data(), mask.data(), nullptr};
     PTK_RETURN_IF_ERROR(model->Forward(b, &logits).status());
     for (int64_t i = 0; i < t; ++i)
       out.write(reinterpret_cast<const char*>(logits.data() + i * c.padded_vocab_size),

@@ -16,7 +16,7 @@
 
 #include "tests/test_util.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 using testing::TempDir;
@@ -342,4 +342,4 @@ TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

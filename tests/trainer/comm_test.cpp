@@ -15,7 +15,7 @@
 #include "trainer/comm.h"
 #include "trainer/rendezvous.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 using testing::RunRanks;
@@ -160,9 +160,9 @@ TEST(Communicator, LocalIsTheIdentity) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 // A rank whose communicator goes away (its process exited) fails the others' next collective at
@@ -193,4 +193,4 @@ TEST(Communicator, ARankThatLeavesIsNamed) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -8,7 +8,7 @@
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 GPTConfig Gpt2Small() {
@@ -139,4 +139,4 @@ TEST(CudaMemoryPlan, FormatsBytes) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -12,7 +12,7 @@
 #include "trainer/cuda/cuda_gpt_model.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 GPTConfig SmallConfig(bool dropout) {
@@ -270,4 +270,4 @@ TEST(CudaModel, ErrorsAreStatuses) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -25,7 +25,7 @@
 
 #include "indexed_dataset/indexed_dataset.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 namespace fs = std::filesystem;
@@ -260,4 +260,4 @@ TEST_F(CudaTrainCli, Fp16ScalesTheLossAndLearns) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -15,7 +15,7 @@
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 using ptk::testing::RunCmd;
@@ -294,4 +294,4 @@ TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -14,7 +14,7 @@
 
 #include "trainer/comm_gloo.h"
 
-namespace ptk::trainer::testing {
+namespace ptk::testing {
 
 // A port per call and process (tests of one binary run one after another).
 inline int NextPort() {
@@ -41,4 +41,4 @@ inline void RunRanks(int world, const std::function<void(Communicator*, int)>& b
   for (auto& t : threads) t.join();
 }
 
-}  // namespace ptk::trainer::testing
+}  // namespace ptk::testing

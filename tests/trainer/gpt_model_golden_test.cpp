@@ -16,7 +16,7 @@
 #include "trainer/gpt_model.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 struct Golden {
@@ -198,4 +198,4 @@ TEST_P(GptGolden, NanLossSkipsTheUpdate) {
 INSTANTIATE_TEST_SUITE_P(Trainer, GptGolden, ::testing::Values("gpt_tied", "gpt_untied"));
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -33,7 +33,7 @@
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cuda/ops_cuda.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
@@ -538,4 +538,4 @@ TEST(FlashAttentionCuda, RefusedShapesAndMissingHandleAreStatuses) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -24,7 +24,7 @@
 #include "trainer/param_shard.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 std::unique_ptr<Communicator> NcclOfOne() {
@@ -228,4 +228,4 @@ TEST(NcclOfOne, PtkTrainWithNcclMatchesThePlainRun) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -17,7 +17,7 @@
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/op_math.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 // gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Megatron's / torch's tanh approximation.
@@ -220,4 +220,4 @@ TEST(OpMath, DropoutCpuIsDropoutKeepElementByElement) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -33,7 +33,7 @@
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cuda/ops_cuda.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 // ---- device memory and conversions --------------------------------------------------------------
@@ -727,4 +727,4 @@ TEST_F(CudaOps, LaunchersRefuseBadArguments) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

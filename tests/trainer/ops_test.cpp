@@ -13,7 +13,7 @@
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/lr_schedule.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 std::vector<double> Random(size_t n, uint32_t seed, double scale = 1.0) {
@@ -391,4 +391,4 @@ TEST(Schedule, ResumeComparesTheCheckpointsSettingsAsMegatron) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

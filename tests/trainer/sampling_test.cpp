@@ -14,7 +14,7 @@
 #include "tests/test_util.h"
 #include "trainer/backend.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 TEST(PickToken, GreedyTakesTheFirstMaximumOfTheRealVocabulary) {
@@ -143,4 +143,4 @@ TEST(SampleCli, PrintsTheSameGreedySampleInEveryRun) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

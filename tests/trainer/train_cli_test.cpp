@@ -19,7 +19,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/training.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 using testing::RunCmd;
@@ -674,4 +674,4 @@ TEST_F(TrainCli, NewcomerMistakesAreNamed) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

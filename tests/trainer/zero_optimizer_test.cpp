@@ -15,7 +15,7 @@
 #include "trainer/param_shard.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 using testing::RunRanks;
@@ -240,4 +240,4 @@ TEST(ZeroOptimizer, ShardingIsOnceAndSizesAreChecked) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -8,7 +8,7 @@
 #include "trainer/op_math.h"
 #include "trainer/param_shard.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 constexpr int64_t kBlock = 16384;
 // ZeRO-1's gradient norm adds the ranks' per-block partials (CpuGPTModel::GradSumSquaresPartials):
@@ -55,4 +55,4 @@ template double SumSquaresCpu<double>(const double*, int64_t);
 template void ScaleCpu<float>(float*, int64_t, float);
 template void ScaleCpu<double>(double*, int64_t, double);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

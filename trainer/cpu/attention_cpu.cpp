@@ -7,7 +7,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 // Applies dropout to the causal part of a T x T matrix in place (same mask in forward/backward).
@@ -112,4 +112,4 @@ PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -12,7 +12,7 @@
 #include "trainer/counter_rng.h"
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 struct CpuGPTModel::Activations {
   int64_t b = 0, t = 0;
@@ -349,4 +349,4 @@ absl::StatusOr<LossSum> CpuGPTModel::Forward(const ModelBatch& batch, std::vecto
   return SumLosses(act_->losses, batch.loss_mask, batch.b * batch.t);
 }
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -8,7 +8,7 @@
 
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 class CpuGPTModel final : public GPTModel {
  public:
@@ -65,4 +65,4 @@ class CpuGPTModel final : public GPTModel {
   std::vector<GradRange> buckets_;  // the armed reduction's
 };
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -5,7 +5,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 constexpr int64_t kBlock = 4096;
 }  // namespace
@@ -26,4 +26,4 @@ void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream) {
 template void DropoutCpu<float>(float*, int64_t, double, uint64_t, uint64_t);
 template void DropoutCpu<double>(double*, int64_t, double, uint64_t, uint64_t);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -3,7 +3,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 constexpr int64_t kChannelBlock = 64;
 }
@@ -46,4 +46,4 @@ PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer
+}  // namespace ptk

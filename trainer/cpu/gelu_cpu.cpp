@@ -6,7 +6,7 @@
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/op_math.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 constexpr int64_t kBlock = 4096;
 }  // namespace
@@ -32,4 +32,4 @@ template void GeluForwardCpu<double>(double*, const double*, int64_t);
 template void GeluBackwardCpu<float>(float*, const float*, const float*, int64_t);
 template void GeluBackwardCpu<double>(double*, const double*, const double*, int64_t);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -6,7 +6,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 constexpr int64_t kRowBlock = 64;  // fixed blocks: the weight-gradient sums do not depend on threads
 }
@@ -83,4 +83,4 @@ PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -8,7 +8,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 namespace {
 // GEMM tiles of C: fixed sizes, so how C is cut never depends on the thread count. OpenBLAS picks
@@ -76,4 +76,4 @@ PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer
+}  // namespace ptk

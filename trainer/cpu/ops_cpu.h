@@ -11,7 +11,7 @@
 #include "trainer/counter_rng.h"
 #include "trainer/op_types.h"
 
-namespace ptk::trainer {
+namespace ptk {
 
 // ---- matmul_cpu.cpp --------------------------------------------------------------------------
 // Row-major C(m,n) = alpha * op(A)(m,k) * op(B)(k,n) + beta * C, through cblas_{s,d}gemm.
@@ -102,4 +102,4 @@ double SumSquaresCpu(const T* x, int64_t n);
 template <typename T>
 void ScaleCpu(T* x, int64_t n, T s);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

@@ -8,7 +8,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 constexpr int kLanes = 16;
@@ -140,4 +140,4 @@ template void SoftmaxCrossEntropyForwardCpu<double>(double*, const double*, cons
 template void SoftmaxCrossEntropyBackwardCpu<float>(float*, const int32_t*, const float*, int64_t, int64_t);
 template void SoftmaxCrossEntropyBackwardCpu<double>(double*, const int32_t*, const double*, int64_t, int64_t);
 
-}  // namespace ptk::trainer
+}  // namespace ptk

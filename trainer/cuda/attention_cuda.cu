@@ -42,7 +42,7 @@
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/ops_cuda.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 std::string ShapeString(const AttentionShape& s) {
@@ -723,4 +723,4 @@ PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -20,7 +20,7 @@
 #include "common/status.h"
 #include "trainer/rendezvous.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -401,4 +401,4 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const NcclOpt
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/comm.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 
 struct NcclOptions {
   int rank = 0, world_size = 1, local_rank = 0;
@@ -34,4 +34,4 @@ struct NcclOptions {
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const NcclOptions& options);
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

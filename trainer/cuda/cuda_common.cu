@@ -3,7 +3,7 @@
 
 #include "trainer/cuda/cuda_common.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 
 absl::Status CudaError(cudaError_t err, std::string_view call, std::string_view where) {
   std::string msg = fmt::format("CUDA error in {}: {} failed: {} ({})", where, call, cudaGetErrorString(err),
@@ -18,4 +18,4 @@ absl::Status CublasError(cublasStatus_t err, std::string_view call, std::string_
                   cublasGetStatusName(err)));
 }
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

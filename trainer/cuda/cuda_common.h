@@ -15,7 +15,7 @@
 
 #include "absl/status/status.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 
 // "op (shapes): call failed: reason". `where` names the op and its shapes.
 absl::Status CudaError(cudaError_t err, std::string_view call, std::string_view where);
@@ -78,19 +78,18 @@ constexpr cudaDataType_t CudaDataType<__half>() {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda
 
 // Returns a Status from the enclosing function when a CUDA runtime call fails.
-#define PTK_CUDA_RETURN_IF_ERROR(call, where)                                                                \
-  do {                                                                                                       \
-    cudaError_t ptk_cuda_err_ = (call);                                                                      \
-    if (ptk_cuda_err_ != cudaSuccess) return ::ptk::trainer::cuda::CudaError(ptk_cuda_err_, #call, (where)); \
+#define PTK_CUDA_RETURN_IF_ERROR(call, where)                                                       \
+  do {                                                                                              \
+    cudaError_t ptk_cuda_err_ = (call);                                                             \
+    if (ptk_cuda_err_ != cudaSuccess) return ::ptk::cuda::CudaError(ptk_cuda_err_, #call, (where)); \
   } while (0)
 // After a kernel launch: a bad configuration shows here, an asynchronous fault at the next sync.
 #define PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where) PTK_CUDA_RETURN_IF_ERROR(cudaGetLastError(), (where))
-#define PTK_CUBLAS_RETURN_IF_ERROR(call, where)                                  \
-  do {                                                                           \
-    cublasStatus_t ptk_cublas_err_ = (call);                                     \
-    if (ptk_cublas_err_ != CUBLAS_STATUS_SUCCESS)                                \
-      return ::ptk::trainer::cuda::CublasError(ptk_cublas_err_, #call, (where)); \
+#define PTK_CUBLAS_RETURN_IF_ERROR(call, where)                                                                     \
+  do {                                                                                                              \
+    cublasStatus_t ptk_cublas_err_ = (call);                                                                        \
+    if (ptk_cublas_err_ != CUBLAS_STATUS_SUCCESS) return ::ptk::cuda::CublasError(ptk_cublas_err_, #call, (where)); \
   } while (0)

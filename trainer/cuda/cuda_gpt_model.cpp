@@ -20,7 +20,7 @@
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 
 int VisibleDeviceCount() {
   int n = 0;
@@ -848,4 +848,4 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& co
   return Make<float>(config, device_index, deterministic, micro_batch_size, profile);
 }
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

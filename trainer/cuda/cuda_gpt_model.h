@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 
 // Visible CUDA devices; 0 without a driver or a device.
 int VisibleDeviceCount();
@@ -21,4 +21,4 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& co
                                                              int device_index, bool deterministic,
                                                              int64_t micro_batch_size, bool profile = false);
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "trainer/cuda/cuda_common.h"
 
-namespace ptk::trainer::cuda::kernel {
+namespace ptk::cuda::kernel {
 
 // "fp32", "bf16", "fp16": for the messages that name an op's instantiation.
 template <typename T>
@@ -182,7 +182,7 @@ absl::Status CheckPointer(const void* p, std::string_view what, const Where& whe
   return absl::InvalidArgumentError(fmt::format("{}: {} is null", where(), what));
 }
 
-}  // namespace ptk::trainer::cuda::kernel
+}  // namespace ptk::cuda::kernel
 
 // Returns from the enclosing function when the Status expression (commas allowed) is not ok.
 #define PTK_KERNEL_CHECK(...)                                  \

@@ -11,7 +11,7 @@
 #include "trainer/cuda/kernel_util.cuh"
 #include "trainer/cuda/ops_cuda.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 constexpr int kForwardThreads = 256;  // one warp per row, 8 rows at a time
@@ -313,4 +313,4 @@ PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -42,7 +42,7 @@
 #include "trainer/cuda/ops_cuda.h"
 #include "trainer/op_math.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 template <typename T>
@@ -443,4 +443,4 @@ PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 int64_t Align(int64_t x) { return (x + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment; }
 }  // namespace
@@ -114,4 +114,4 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   return m;
 }
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

@@ -10,7 +10,7 @@
 
 #include "trainer/gpt_model.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 
 struct PlannedBuffer {
   std::string name;    // e.g. "activations: attention probabilities (per layer)"
@@ -76,4 +76,4 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& config, int64_t num_param
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string FormatBytes(int64_t bytes);
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

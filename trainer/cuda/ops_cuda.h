@@ -16,7 +16,7 @@
 #include "trainer/cuda/cuda_common.h"
 #include "trainer/op_types.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 
 // ---- matmul_cuda.cu (cuBLASLt) -----------------------------------------------------------------
 // out(n, oc) = inp(n, ic) @ w(oc, ic)^T + bias(oc)   (bias may be null; fp32 accumulation, no TF32
@@ -37,8 +37,8 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
 // master weights: LayerNorm parameters are never rounded). Statistics summed in double, as the CPU
 // op; mean and rstd may be null (evaluation).
 template <typename T>
-absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b,
-                              int64_t n, int64_t c, double eps, const CudaContext& ctx);
+absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b, int64_t n,
+                              int64_t c, double eps, const CudaContext& ctx);
 // The residual add fused in front: resid_out = a + b (rounded to T), then out = LayerNorm(resid_out).
 // resid_out may be a or b.
 template <typename T>
@@ -87,10 +87,10 @@ int64_t EmbeddingBackwardPlanInts(int64_t max_n);
 // out of range is an error before anything is launched); tokens / positions (device) are not read.
 // The host waits for the previous call's upload before it rewrites the plan's staging.
 template <typename T>
-absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens,
-                               const int32_t* positions, const int32_t* tokens_host, const int32_t* positions_host,
-                               int64_t n, int64_t c, int64_t vocab_rows, int64_t position_rows,
-                               EmbeddingBackwardPlan* plan, const CudaContext& ctx);
+absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions,
+                               const int32_t* tokens_host, const int32_t* positions_host, int64_t n, int64_t c,
+                               int64_t vocab_rows, int64_t position_rows, EmbeddingBackwardPlan* plan,
+                               const CudaContext& ctx);
 
 // ---- gelu_cuda.cu ------------------------------------------------------------------------------
 // GeluValue / GeluDerivative of trainer/op_math.h in fp32.
@@ -135,8 +135,8 @@ void DestroyCudnnHandle(CudaContext* ctx);
 template <typename T>
 absl::StatusOr<int64_t> FlashAttentionWorkspaceBytes(const AttentionShape& s, double p, const CudaContext& ctx);
 template <typename T>
-absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const AttentionShape& s, double p,
-                                   uint64_t seed, uint64_t offset, const CudaContext& ctx);
+absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
+                                   uint64_t offset, const CudaContext& ctx);
 template <typename T>
 absl::Status FlashAttentionBackward(T* dqkv, const T* dout, const T* out, const float* stats, const T* qkv,
                                     const AttentionShape& s, double p, uint64_t seed, uint64_t offset,
@@ -146,13 +146,13 @@ absl::Status FlashAttentionBackward(T* dqkv, const T* dout, const T* out, const 
 // losses(n) = logsumexp(logits(n, vp)) - logits[target], in fp32 over every column (padded ones
 // included), as SoftmaxCrossEntropyForwardCpu.
 template <typename T>
-absl::Status SoftmaxCrossEntropyForward(float* losses, const T* logits, const int32_t* targets, int64_t n,
-                                        int64_t vp, const CudaContext& ctx);
+absl::Status SoftmaxCrossEntropyForward(float* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp,
+                                        const CudaContext& ctx);
 // Both at once (training): losses(n) as the forward, logits overwritten with
 // (softmax - onehot) * dlosses[i]. Rows are independent, so the caller may run it on chunks of rows.
 template <typename T>
-absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* targets, const float* dlosses,
-                                      int64_t n, int64_t vp, const CudaContext& ctx);
+absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* targets, const float* dlosses, int64_t n,
+                                      int64_t vp, const CudaContext& ctx);
 
 // ---- adamw_cuda.cu -----------------------------------------------------------------------------
 // AdamW over n fp32 elements (AdamWElement of trainer/op_math.h); when p_compute is not null it
@@ -178,4 +178,4 @@ absl::Status ResidualAdd(T* out, const T* a, const T* b, int64_t n, const CudaCo
 // Whether any element of x(n) is NaN or Inf, as 0/1 in *flag (device int).
 absl::Status NonFiniteFlag(int* flag, const float* x, int64_t n, const CudaContext& ctx);
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda

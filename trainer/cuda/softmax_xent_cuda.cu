@@ -9,7 +9,7 @@
 #include "trainer/cuda/kernel_util.cuh"
 #include "trainer/cuda/ops_cuda.h"
 
-namespace ptk::trainer::cuda {
+namespace ptk::cuda {
 namespace {
 
 constexpr int kMaxThreads = 512;
@@ -171,4 +171,4 @@ PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk::trainer::cuda
+}  // namespace ptk::cuda
