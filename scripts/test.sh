@@ -20,7 +20,7 @@ bash scripts/build.sh build
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
   -DPTK_SANITIZE=address,undefined >/dev/null
 ASAN_TESTS=(indexed_dataset_error_test indexed_dataset_test utf8_test json_writer_test bpe_test gpt_dataset_test ops_test
-  gpt_model_golden_test)
+  gpt_model_golden_test op_math_test train_step_test grad_buckets_test safetensors_test)
 cmake --build build-asan -j "$JOBS" --target "${ASAN_TESTS[@]}"
 for t in "${ASAN_TESTS[@]}"; do
   filter=()

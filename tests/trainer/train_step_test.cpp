@@ -8,7 +8,7 @@
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/train_step.h"
 
-namespace ptk::trainer {
+namespace ptk {
 namespace {
 
 struct Fixture {
@@ -143,4 +143,4 @@ TEST(LossScaling, BadSettingsAreUsageErrors) {
 }
 
 }  // namespace
-}  // namespace ptk::trainer
+}  // namespace ptk
