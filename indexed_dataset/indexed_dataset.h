@@ -54,6 +54,12 @@ struct TokenSpan {
 inline std::string DoneSidecarPath(const std::string& prefix) { return prefix + ".ptk-done"; }
 inline std::string PublishJournalPath(const std::string& prefix) { return prefix + ".ptk-publish"; }
 
+// PREFIX was made from `source` and is whole: its PREFIX.ptk-done sidecar records `source`
+// (IndexedDatasetBuilder::SetSource), the .bin and .idx are regular files of the sizes it records,
+// and no publish is pending. Sets *documents and *tokens from the sidecar. An empty source never
+// matches. What lets a rerun of a stage that wrote PREFIX skip it.
+bool DatasetMadeFrom(const std::string& prefix, std::string_view source, int64_t* documents, int64_t* tokens);
+
 // Removes PREFIX.bin, PREFIX.idx and PREFIX.ptk-done (those that exist); the .idx goes first.
 absl::Status RemoveIndexedDataset(const std::string& prefix);
 

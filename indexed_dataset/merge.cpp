@@ -2,6 +2,7 @@
 #include "indexed_dataset/merge.h"
 
 #include <dirent.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -10,6 +11,7 @@
 #include <fmt/core.h>
 
 #include "common/file_paths.h"
+#include "common/hash.h"
 #include "common/status.h"
 #include "indexed_dataset/indexed_dataset.h"
 
@@ -44,6 +46,17 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
   std::sort(out.begin(), out.end());
   if (out.empty()) return absl::NotFoundError(fmt::format("{}: no .bin/.idx pairs to merge", dir));
   return out;
+}
+
+absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, bool multimodal) {
+  std::string s = fmt::format("ptk-merge output v1\nmultimodal {}\n", multimodal);
+  for (const auto& in : inputs)
+    for (const std::string& f : {BinPath(in), IdxPath(in)}) {
+      struct stat st {};
+      if (::stat(f.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("cannot read {}", f));
+      s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+    }
+  return "ptk-merge " + Xxh3Hex(s);
 }
 
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs, const std::string& output_prefix,

@@ -16,6 +16,12 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
 struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;
 };
+// What a merge of `input_prefixes` records as its "source" (MergeDatasets' `source`): a fingerprint
+// of the inputs in order (each .bin and .idx by path, size and modification time) and of
+// --multimodal. An output whose sidecar records it (DatasetMadeFrom) is that merge, whole: a rerun
+// can skip it. An input that cannot be stat'ed is an error naming it.
+absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& input_prefixes, bool multimodal);
+
 // Appends the inputs in the given order into `output_prefix` (dtype of the first input; every
 // input must share it). `source`, when given, is recorded in the sidecar (IndexedDatasetBuilder::SetSource).
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes,

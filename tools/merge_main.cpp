@@ -5,6 +5,7 @@
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "indexed_dataset/indexed_dataset.h"
 #include "indexed_dataset/merge.h"
 
 int main(int argc, char** argv) {
@@ -15,12 +16,15 @@ int main(int argc, char** argv) {
                         "given order is kept.");
   std::string input_dir, output_prefix;
   std::vector<std::string> inputs;
-  bool multimodal = false;
+  bool multimodal = false, force = false;
   auto* in_opt =
       app->add_option("--input", input_dir, "Directory holding the PREFIX.bin/.idx pairs to merge (sorted order)");
   app->add_option("--inputs", inputs, "Prefixes to merge, in this order")->excludes(in_opt);
   app->add_option("--output-prefix", output_prefix, "Output path without .bin/.idx")->required();
   app->add_flag("--multimodal", multimodal, "The datasets carry a per-sequence modes array");
+  app->add_flag("--force", force,
+                "Merge again even when the output's .ptk-done sidecar records these inputs (same files, sizes and "
+                "times) and settings");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
@@ -34,7 +38,17 @@ int main(int argc, char** argv) {
         return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", input_dir));
       PTK_ASSIGN_OR_RETURN(inputs, ptk::FindPrefixesInDir(input_dir));
     }
-    PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal));
+    PTK_ASSIGN_OR_RETURN(const std::string source, ptk::MergeSource(inputs, multimodal));
+    int64_t documents = 0, tokens = 0;
+    if (!force && ptk::DatasetMadeFrom(output_prefix, source, &documents, &tokens)) {
+      ptk::log::Info(
+          "{}: up to date, not rewritten: its .ptk-done sidecar records these {} inputs and settings "
+          "(--force merges again)",
+          output_prefix, inputs.size());
+      ptk::log::Info("done: nothing to do ({} documents, {} tokens already written)", documents, tokens);
+      return absl::OkStatus();
+    }
+    PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal, source));
     ptk::log::Info("merged {} datasets into {}: {} documents, {} sequences, {} tokens", inputs.size(), output_prefix,
                    st.documents, st.sequences, st.tokens);
     return absl::OkStatus();

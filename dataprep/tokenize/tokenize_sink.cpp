@@ -227,21 +227,7 @@ std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
 }
 
 bool OutputUpToDate(const std::string& prefix, const std::string& source, int64_t* documents, int64_t* tokens) {
-  if (source.empty() || PathExists(PublishJournalPath(prefix)) || PathExists(prefix + ".ptk-resume")) return false;
-  auto side = ReadFileToString(DoneSidecarPath(prefix));
-  if (!side.ok()) return false;
-  simdjson::dom::parser parser;
-  simdjson::dom::element e;
-  std::string_view recorded;
-  uint64_t bin_size = 0, idx_size = 0;
-  if (parser.parse(*side).get(e) || e["source"].get(recorded) || recorded != source || e["bin_size"].get(bin_size) ||
-      e["idx_size"].get(idx_size) || e["documents"].get(*documents) || e["tokens"].get(*tokens))
-    return false;
-  struct stat bin {
-  }, idx{};
-  return ::stat(BinPath(prefix).c_str(), &bin) == 0 && S_ISREG(bin.st_mode) &&
-         static_cast<uint64_t>(bin.st_size) == bin_size && ::stat(IdxPath(prefix).c_str(), &idx) == 0 &&
-         S_ISREG(idx.st_mode) && static_cast<uint64_t>(idx.st_size) == idx_size;
+  return !PathExists(prefix + ".ptk-resume") && DatasetMadeFrom(prefix, source, documents, tokens);
 }
 
 DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress)

@@ -198,8 +198,8 @@ struct FileTally {
 // "" when an input is stdin: a rerun cannot be compared with it.
 std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok);
 
-// PREFIX was made from `source` and is whole: its sidecar records `source`, the .bin and .idx have
-// the sizes it records, and no publish or resume is pending. Sets *documents and *tokens.
+// PREFIX was made from `source` and is whole (DatasetMadeFrom), and no resume is pending. Sets
+// *documents and *tokens.
 bool OutputUpToDate(const std::string& prefix, const std::string& source, int64_t* documents, int64_t* tokens);
 
 class DocumentSink {

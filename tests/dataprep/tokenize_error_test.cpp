@@ -488,6 +488,68 @@ TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
   }
 }
 
+TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
+  testing::TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  testing::WriteFile(dir / "b.jsonl", "{\"text\": \"Third\"}\n");
+  for (const char* p : {"a", "b"})
+    ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / (std::string(p) + ".jsonl"),
+                                     dir / p))).exit_code,
+              0);
+  const std::string a = dir / "a_text_document", b = dir / "b_text_document", out = dir / "m";
+  auto merge = [&](const std::string& inputs, const std::string& extra) {
+    return RunCmd(testing::Tool("ptk-merge") + " --inputs " + inputs + " --output-prefix " + out + " " + extra);
+  };
+  auto stamp = [&] {
+    std::string s;
+    for (const char* ext : {".bin", ".idx", ".ptk-done"}) {
+      struct stat st {};
+      s += ::stat((out + ext).c_str(), &st) != 0
+               ? std::string("missing ")
+               : fmt::format("{}:{}.{} ", st.st_ino, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+    }
+    return s;
+  };
+  auto first = merge(a + " " + b, "");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("merged 2 datasets into " + out + ": 3 documents"), std::string::npos) << first.output;
+  const std::string before = stamp(), bytes = testing::ReadFile(out + ".bin");
+  auto again = merge(a + " " + b, "");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find(out + ": up to date, not rewritten: its .ptk-done sidecar records these 2 inputs and "
+                                    "settings (--force merges again)"),
+            std::string::npos)
+      << again.output;
+  EXPECT_NE(again.output.find("done: nothing to do (3 documents, "), std::string::npos) << again.output;
+  EXPECT_EQ(stamp(), before);
+  // Another order, --force, a changed input, a damaged output: merged again, and the rerun skipped.
+  for (const std::string change : {"order", "force", "input", "damage"}) {
+    SCOPED_TRACE(change);
+    std::string inputs = a + " " + b, extra;
+    if (change == "order") inputs = b + " " + a;
+    if (change == "force") extra = "--force";
+    if (change == "input") {
+      struct timespec times[2] = {{0, UTIME_OMIT}, {1000000000, 0}};
+      ASSERT_EQ(::utimensat(AT_FDCWD, (b + ".idx").c_str(), times, 0), 0);
+    }
+    if (change == "damage") std::filesystem::resize_file(out + ".bin", 1);
+    const std::string was = stamp();
+    auto r = merge(inputs, extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("up to date"), std::string::npos) << r.output;
+    EXPECT_NE(stamp(), was);
+    if (change != "order") {
+      EXPECT_EQ(testing::ReadFile(out + ".bin"), bytes);
+    }
+    auto same = merge(inputs, "");
+    EXPECT_NE(same.output.find("up to date"), std::string::npos) << same.output;
+  }
+  // A missing input is named, not skipped over.
+  auto gone = merge(a + " " + dir / "nope", "");
+  EXPECT_EQ(gone.exit_code, 1) << gone.output;
+  EXPECT_NE(gone.output.find(dir / "nope.bin"), std::string::npos) << gone.output;
+}
+
 // What a terminal shows for `out`: \r returns to the start of the line, ESC[K erases to its end,
 // \n ends it; other bytes overwrite. The lines, the last one unfinished.
 std::vector<std::string> Screen(const std::string& out) {
