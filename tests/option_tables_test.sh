@@ -46,6 +46,7 @@ usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2
 usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
 usage "$BIN/ptk-convert" --loader xx --saver hf --load-dir "$T" --save-dir "$T/o" -- "--loader: xx not in"
 usage "${TRAIN[@]}" --data-path "$T/p" --micro-batch-size 0 -- "--micro-batch-size: must be an integer in [1,"
+usage "${TRAIN[@]}" --data-path "$T/p" --sample-prompt hi -- "--sample-prompt requires --sample-interval"
 # Found by a main.
 usage "$BIN/ptk-download" --local-dir "$T/d" -- "give either --repo or --url-list"
 usage "$BIN/ptk-merge" --output-prefix "$T/m" -- "give --input DIR or --inputs PREFIX"

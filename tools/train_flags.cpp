@@ -312,15 +312,20 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
                 "Write the number of ranks to TensorBoard");
   app->add_flag("--log-timers-to-tensorboard", o.tensorboard.log_timers,
                 "Write iteration-time (and throughput, with --log-throughput) to TensorBoard");
-  app->add_option("--sample-interval", o.sample.interval,
-                  "ptk: print a continuation of --sample-prompt every N iterations (0: never)")
-      ->check(IntIn(0, kMaxCount));
+  auto* sample_interval = app->add_option("--sample-interval", o.sample.interval,
+                                          "ptk: print a continuation of --sample-prompt every N iterations (0: never)")
+                              ->check(IntIn(0, kMaxCount));
+  // Without --sample-interval no sample is printed: a sample flag alone is a mistake, not a no-op.
   app->add_option("--sample-prompt", o.sample.prompt_text,
-                  "ptk: the text a sample continues (default: <|endoftext|>, an unconditional sample)");
-  app->add_option("--sample-length", o.sample.length, "ptk: tokens per sample (32)")->check(IntIn(1, 4096));
+                  "ptk: the text a sample continues (default: <|endoftext|>, an unconditional sample)")
+      ->needs(sample_interval);
+  app->add_option("--sample-length", o.sample.length, "ptk: tokens per sample (32)")
+      ->check(IntIn(1, 4096))
+      ->needs(sample_interval);
   app->add_option("--sample-temperature", o.sample.temperature,
                   "ptk: 0 (default) picks the likeliest token; above 0 draws, keyed by --seed and the iteration")
-      ->check(RealIn(0, false, 100, false));
+      ->check(RealIn(0, false, 100, false))
+      ->needs(sample_interval);
   app->add_option("--metrics-file", f->metrics_file,
                   "ptk: per-iteration metrics as JSON lines (default TENSORBOARD_DIR/metrics.jsonl)");
   app->add_option("--save", o.save, "Checkpoint directory to write");
