@@ -16,6 +16,7 @@
 
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 #include "trainer/training.h"
 
@@ -30,20 +31,7 @@ class TrainCli : public ::testing::Test {
  protected:
   void SetUp() override {
     prefix_ = dir_ / "data_text_document";
-    auto b = IndexedDatasetBuilder::Create(prefix_, OptimalDType(50257));
-    ASSERT_TRUE(b.ok());
-    // Learnable documents: runs of consecutive ids from a document-specific start, ending in EOD.
-    uint64_t h = 12345;
-    for (int d = 0; d < 400; ++d) {
-      h = h * 6364136223846793005ULL + 1442695040888963407ULL;
-      int len = 20 + static_cast<int>((h >> 33) % 150), start = static_cast<int>((h >> 13) % 900);
-      std::vector<int32_t> doc;
-      for (int i = 0; i < len; ++i) doc.push_back(start + i % 50);
-      doc.push_back(50256);
-      std::vector<int32_t> lengths = {static_cast<int32_t>(doc.size())};
-      ASSERT_TRUE((*b)->AddDocument(doc, lengths).ok());
-    }
-    ASSERT_TRUE((*b)->Finalize().ok());
+    ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(prefix_, 400));
   }
   std::string Train(const std::string& extra, int64_t iters = 8) {
     return testing::Tool("ptk-train") +
@@ -77,27 +65,8 @@ TEST_F(TrainCli, LogsLikeMegatronAndLearns) {
   EXPECT_NE(metrics.find("{\"iteration\": 40, \"consumed_samples\": 160, \"lm_loss\": "), std::string::npos);
 }
 
-// Model, moments, scheduler and data position of a saved checkpoint.
-struct Saved {
-  std::vector<float> params, m, v;
-  TrainState state;
-};
-Saved Load(const std::string& dir, int64_t iteration) {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 128;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 50257;
-  c.padded_vocab_size = 50304;
-  auto layout = ParamLayout::Create(c);
-  EXPECT_TRUE(layout.ok());
-  Saved s;
-  absl::Status st = LoadCheckpoint(dir, iteration, *layout, &s.params, &s.m, &s.v, &s.state);
-  EXPECT_TRUE(st.ok()) << st;
-  return s;
-}
+using Saved = testing::SavedCheckpoint;
+Saved Load(const std::string& dir, int64_t iteration) { return testing::LoadTinyCheckpoint(dir, iteration); }
 
 TEST_F(TrainCli, StoppedAndResumedEqualsUninterrupted) {
   // Dropout on (Megatron's defaults): the masks must come back the same after the resume.
