@@ -7,22 +7,11 @@
 namespace ptk::cuda {
 namespace {
 
-template <typename T>
-struct CastFromFloatOp {
-  T* out;
-  const float* in;
-  template <int N>
-  __device__ __forceinline__ void Apply(int64_t i) const {
-    float x[N];
-    kernel::LoadFloats<N>(in + i, x);
-    kernel::StoreFloats<N>(out + i, x);
-  }
-};
-
-template <typename T>
-struct CastToFloatOp {
-  float* out;
-  const T* in;
+// Either direction between fp32 and the activation type: loads widen to float, stores round.
+template <typename To, typename From>
+struct CastOp {
+  To* out;
+  const From* in;
   template <int N>
   __device__ __forceinline__ void Apply(int64_t i) const {
     float x[N];
@@ -75,7 +64,7 @@ absl::Status CastFromFloat(T* out, const float* in, int64_t n, const CudaContext
   constexpr int kV = kernel::kVec<T>;  // 16 bytes of T, 16 or 32 bytes of float
   const int64_t head = kernel::HeadTo16(out, sizeof(T));
   const bool vec = kernel::AlignedAt(in, head, sizeof(float), 16);
-  kernel::LaunchElementwise<kV>(CastFromFloatOp<T>{out, in}, n, head, vec, ctx);
+  kernel::LaunchElementwise<kV>(CastOp<T, float>{out, in}, n, head, vec, ctx);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
@@ -90,7 +79,7 @@ absl::Status CastToFloat(float* out, const T* in, int64_t n, const CudaContext& 
   constexpr int kV = kernel::kVec<T>;
   const int64_t head = kernel::HeadTo16(in, sizeof(T));
   const bool vec = kernel::AlignedAt(out, head, sizeof(float), 16);
-  kernel::LaunchElementwise<kV>(CastToFloatOp<T>{out, in}, n, head, vec, ctx);
+  kernel::LaunchElementwise<kV>(CastOp<float, T>{out, in}, n, head, vec, ctx);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
