@@ -3,6 +3,7 @@
 // Whatever the interleaving, the output ends byte-identical to an undisturbed run, the run that
 // was refused says which run holds the output, and nothing is left behind (issue 11).
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -164,6 +165,27 @@ TEST(ConcurrentRuns, TokenizeSamePrefix) {
 // byte-identical to an uninterrupted run's. 20 trials. The kills fall between a fifth and nine
 // tenths of an undisturbed run's time (fixed delays stopped killing anything once the tokenizer got
 // faster).
+// The modification time of `path` in nanoseconds, -1 when it does not exist.
+int64_t MtimeNs(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return -1;
+  return int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+// Waits until `record` was written after `after_ns` (MtimeNs) while `pid` runs: true then, false when
+// the process ended first (it is left to WaitExit to reap) or 60 s passed.
+bool WaitForNewRecord(pid_t pid, const std::string& record, int64_t after_ns) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < until) {
+    if (MtimeNs(record) > after_ns) return true;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid)
+      return false;
+    ::usleep(500);
+  }
+  return false;
+}
+
 TEST(ConcurrentRuns, KilledTokenizeResumes) {
   TempDir dir;
   std::filesystem::create_directories(dir / "out");
@@ -184,10 +206,16 @@ TEST(ConcurrentRuns, KilledTokenizeResumes) {
     const int kills = trial % 2 ? 2 : 1;
     bool landed = false;
     for (int k = 0; k < kills; ++k) {
+      const std::string record = dir / "out/ds_text_document.ptk-resume";
+      const int64_t before = MtimeNs(record);
       pid_t pid = testing::SpawnShell(tok, dir / "killed.log");
-      // A resumed run has less left to do: its kill comes sooner.
-      const double from = k == 0 ? 0.2 : 0.05, span = k == 0 ? 0.7 : 0.35;
-      ::usleep(static_cast<useconds_t>(run_us * (from + span * (rng() % 1000) / 1000.0)));
+      // Killed at a random moment after the run recorded where it is (the first record, or for a
+      // resumed run one of its own): by its progress, not the clock, so that a loaded machine's
+      // slower or faster run still dies mid-way. A resumed run has less left to do: sooner.
+      if (WaitForNewRecord(pid, record, before)) {
+        const double span = k == 0 ? 0.5 : 0.25;
+        ::usleep(static_cast<useconds_t>(run_us * span * (rng() % 1000) / 1000.0));
+      }
       ::kill(pid, SIGKILL);
       landed = testing::WaitExit(pid) == 128 + SIGKILL;
       killed += landed;
