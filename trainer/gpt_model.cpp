@@ -119,6 +119,16 @@ absl::Status GPTModel::InitWeights(uint64_t seed) {
   return WriteParams(host);
 }
 
+absl::Status GPTModel::ReadOwnedParams(std::span<float> out) const {
+  if (static_cast<int64_t>(out.size()) != moments_size())
+    return absl::InvalidArgumentError(
+        fmt::format("ReadOwnedParams: {} values for a range of {} parameters", out.size(), moments_size()));
+  std::vector<float> all(static_cast<size_t>(num_params()));
+  PTK_RETURN_IF_ERROR(ReadParams(all));
+  std::copy_n(all.begin() + moments_begin(), moments_size(), out.begin());
+  return absl::OkStatus();
+}
+
 absl::Status GPTModel::ShardOptimizerState(const ParamShard& shard) {
   if (shard_) return absl::FailedPreconditionError("the optimizer state is sharded already");
   if (shard.num_params != num_params())

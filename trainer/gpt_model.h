@@ -120,6 +120,11 @@ class GPTModel {
   // Host copies of the backend's fp32 state, each num_params floats in the layout's order; the
   // moments are moments_size() floats (the shard's range under ZeRO-1).
   virtual absl::Status ReadParams(std::span<float> out) const = 0;
+  // The fp32 parameters of the range this rank updates: moments_size() floats from
+  // moments_begin() (all of them without ZeRO-1). What a rank contributes when a checkpoint gathers
+  // the parameters: under ZeRO-1 in bf16/fp16 the CUDA backend keeps the fp32 master of its shard
+  // only, and ReadParams is refused there. This default reads them all and keeps the range.
+  virtual absl::Status ReadOwnedParams(std::span<float> out) const;
   virtual absl::Status WriteParams(std::span<const float> in) = 0;
   virtual absl::Status ReadGrads(std::span<float> out) const = 0;
   virtual absl::Status ReadMoments(std::span<float> exp_avg, std::span<float> exp_avg_sq) const = 0;

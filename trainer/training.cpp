@@ -526,16 +526,20 @@ class Trainer {
     PTK_RETURN_IF_ERROR(comm_->Barrier());
     auto t0 = Clock::now();
     const size_t n = static_cast<size_t>(model_->num_params());
-    std::vector<float> m, v;
+    std::vector<float> params, m, v;
     if (model_->shard()) {
+      // Each rank's range of the weights and moments (a sharded master holds no more), gathered.
+      params.assign(n, 0.0f);
       m.assign(n, 0.0f);
       v.assign(n, 0.0f);
       const size_t begin = static_cast<size_t>(model_->moments_begin()),
                    size = static_cast<size_t>(model_->moments_size());
+      PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(std::span<float>(params).subspan(begin, size)));
       PTK_RETURN_IF_ERROR(
           model_->ReadMoments(std::span<float>(m).subspan(begin, size), std::span<float>(v).subspan(begin, size)));
       std::vector<int64_t> bytes = model_->shard()->Counts();
       for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+      PTK_RETURN_IF_ERROR(comm_->AllGather(params.data(), bytes));
       PTK_RETURN_IF_ERROR(comm_->AllGather(m.data(), bytes));
       PTK_RETURN_IF_ERROR(comm_->AllGather(v.data(), bytes));
     }
@@ -546,9 +550,9 @@ class Trainer {
       state_.scheduler = step_state.schedule;
       if (step_state.loss_scale) state_.loss_scale = step_state.loss_scale;
       state_.settings = settings_;
-      std::vector<float> params(n);
-      PTK_RETURN_IF_ERROR(model_->ReadParams(params));
       if (!model_->shard()) {
+        params.resize(n);
+        PTK_RETURN_IF_ERROR(model_->ReadParams(params));
         m.resize(n);
         v.resize(n);
         PTK_RETURN_IF_ERROR(model_->ReadMoments(m, v));

@@ -57,8 +57,9 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
 }
 
 // --use-distributed-optimizer: the parameter and gradient buffers padded to the shard layout (NCCL's
-// equal pieces), the moments for the rank's shard only.
-TEST(CudaMemoryPlan, DistributedOptimizerKeepsTheShardsMoments) {
+// equal pieces), the moments for the rank's shard only, and in bf16/fp16 the fp32 master too (the
+// LayerNorms' fp32 parameters whole beside it); in fp32 the master is the weights, whole.
+TEST(CudaMemoryPlan, DistributedOptimizerKeepsTheShardsMomentsAndMaster) {
   const GPTConfig c = Gpt2Small();
   const int64_t params = ParamLayout::Create(c)->num_params;
   auto shard = ParamShard::Create(params, 8, 7);
@@ -68,7 +69,11 @@ TEST(CudaMemoryPlan, DistributedOptimizerKeepsTheShardsMoments) {
   o.padded_params = shard->padded_size;
   o.moment_params = shard->size();
   const MemoryPlan m = MustPlan(c, o);
-  EXPECT_EQ(m[m.master].bytes, shard->padded_size * 4);
+  EXPECT_TRUE(m.master_sharded);
+  EXPECT_EQ(m[m.master].bytes, shard->size() * 4);
+  EXPECT_NE(m[m.master].name.find("this rank's shard"), std::string::npos);
+  ASSERT_GE(m.ln_master, 0);
+  EXPECT_EQ(m[m.ln_master].bytes, (4 * 12 + 2) * 768 * 4);
   EXPECT_EQ(m[m.compute].bytes, shard->padded_size * 2);
   EXPECT_EQ(m[m.grads].bytes, shard->padded_size * 4);
   EXPECT_EQ(m[m.exp_avg].bytes, shard->size() * 4);
@@ -76,10 +81,53 @@ TEST(CudaMemoryPlan, DistributedOptimizerKeepsTheShardsMoments) {
   EXPECT_LT(shard->size() * 8, params);
   EXPECT_NE(m[m.exp_avg].name.find("this rank's shard"), std::string::npos);
   const MemoryPlan whole = MustPlan(c, PlanOptions{.precision = Precision::kBf16});
-  EXPECT_LT(m.total_bytes, whole.total_bytes - 6 * params);  // 7/8 of 8 bytes per parameter, less the padding
+  EXPECT_FALSE(whole.master_sharded);
+  EXPECT_EQ(whole.ln_master, -1);
+  EXPECT_EQ(whole[whole.master].bytes, params * 4);
+  // 7/8 of 12 bytes per parameter (master and moments), less the padding and the LayerNorms.
+  EXPECT_LT(m.total_bytes, whole.total_bytes - 10 * params);
   EXPECT_NE(whole[whole.exp_avg].lower.find("--use-distributed-optimizer"), std::string::npos);
+  // fp32: the master is what the products read; every rank keeps it whole.
+  o.precision = Precision::kFp32;
+  const MemoryPlan fp32 = MustPlan(c, o);
+  EXPECT_FALSE(fp32.master_sharded);
+  EXPECT_EQ(fp32.ln_master, -1);
+  EXPECT_EQ(fp32[fp32.master].bytes, shard->padded_size * 4);
+  EXPECT_EQ(fp32[fp32.exp_avg].bytes, shard->size() * 4);
+  o.precision = Precision::kBf16;
   o.padded_params = params - 1;
   EXPECT_FALSE(PlanMemory(c, params, o).ok());
+}
+
+// The LayerNorms' fp32 copy beside a sharded master: every LayerNorm tensor of the layout, once, in
+// runs of neighbours that follow each other in the compact buffer.
+TEST(CudaMemoryPlan, LayerNormRunsCoverEveryLayerNormParameterOnce) {
+  for (bool untied : {false, true}) {
+    GPTConfig c = Gpt2Small();
+    c.untie_embeddings_and_output_weights = untied;
+    auto layout = ParamLayout::Create(c);
+    ASSERT_TRUE(layout.ok());
+    const std::vector<LayerNormRun> runs = LayerNormRuns(*layout);
+    EXPECT_EQ(runs.size(), 2u * 12 + 1);  // ln1 and ln2 of each layer, weight and bias adjacent; the final one
+    int64_t compact = 0, previous_end = 0;
+    for (const LayerNormRun& r : runs) {
+      EXPECT_EQ(r.compact, compact);
+      EXPECT_GE(r.begin, previous_end);
+      compact += r.end - r.begin;
+      previous_end = r.end;
+    }
+    EXPECT_EQ(compact, LayerNormParamCount(c));
+    // Exactly the tensors whose names say LayerNorm.
+    int64_t named = 0;
+    for (const ParamInfo& p : layout->infos) {
+      const bool norm = p.name.find("layernorm") != std::string::npos;
+      bool inside = false;
+      for (const LayerNormRun& r : runs) inside |= p.offset >= r.begin && p.offset + p.size <= r.end;
+      EXPECT_EQ(inside, norm) << p.name;
+      if (norm) named += p.size;
+    }
+    EXPECT_EQ(named, LayerNormParamCount(c));
+  }
 }
 
 TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
@@ -89,7 +137,7 @@ TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
   small.seq_length = 128;
   large.micro_batch_size = 8;
   const MemoryPlan a = MustPlan(c, small), b = MustPlan(c, large);
-  for (int i : {a.master, a.compute, a.grads, a.exp_avg, a.exp_avg_sq}) {
+  for (int i : {a.master, a.compute, a.grads, a.exp_avg, a.exp_avg_sq}) {  // and ln_master, when there is one
     EXPECT_EQ(a[i].offset, b[i].offset) << a[i].name;
     EXPECT_EQ(a[i].bytes, b[i].bytes) << a[i].name;
   }

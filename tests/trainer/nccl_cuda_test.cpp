@@ -1,5 +1,5 @@
 // NCCL with a world of one on one GPU (gpu-labelled: exits 77 without a device; a one-GPU machine
-// cannot host two NCCL ranks). The communicator's device-memory collectives (equal and unequal
+// cannot host two NCCL ranks), and gloo ranks sharing that GPU for ZeRO-1's sharded master. The communicator's device-memory collectives (equal and unequal
 // pieces, in place) and host-memory ones (staged through the device); then the CUDA model trained
 // through it: the plain all-reduce, the reduction overlapped with backward on its own stream
 // (--overlap-grad-reduce), ZeRO-1 with one rank (--use-distributed-optimizer), and both, give the
@@ -19,6 +19,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/trainer/gloo_ranks.h"
 #include "trainer/cuda/comm_nccl.h"
 #include "trainer/cuda/cuda_gpt_model.h"
 #include "trainer/param_shard.h"
@@ -170,6 +171,100 @@ TEST(NcclOfOne, OverlapAndDistributedOptimizerEqualThePlainStep) {
     ExpectSame(plain, Train(p, nccl.get(), false, true), name + ": NCCL, overlapped");
     ExpectSame(plain, Train(p, nccl.get(), true, false), name + ": NCCL, distributed optimizer");
     ExpectSame(plain, Train(p, nccl.get(), true, true), name + ": NCCL, distributed optimizer overlapped");
+  }
+}
+
+// Several ranks on one GPU: gloo ranks as threads, each with its own CUDA model (gradients through
+// the host). Under ZeRO-1 in bf16 each rank keeps the fp32 master of its shard only and the
+// LayerNorms' fp32 copy whole; with clipping off (the norm's partials are summed in another order
+// on CUDA) the sharded run has the plain all-reduce's bits: losses, weights (gathered from every
+// rank's ReadOwnedParams, as a checkpoint gathers them) and moments, also with the reduction
+// overlapped in buckets. A rank's ReadParams of the whole model is refused while its master is a
+// shard.
+Trace TrainGlooRank(Precision precision, Communicator* comm, bool zero, bool overlap) {
+  Trace t;
+  auto model = cuda::CreateCudaGPTModel(Config(), precision, 0, /*deterministic=*/true, 4);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return t;
+  const int64_t n = (*model)->num_params();
+  if (zero) {
+    EXPECT_TRUE((*model)->ShardOptimizerState(*ParamShard::Create(n, comm->size(), comm->rank())).ok());
+  }
+  EXPECT_TRUE((*model)->InitWeights(5).ok());
+  OptimizerConfig oc;
+  oc.clip_grad = 0;
+  oc.overlap_grad_reduce = overlap;
+  oc.ddp_bucket_size = 60000;
+  SchedulerConfig sc;
+  sc.max_lr = 3e-3;
+  sc.min_lr = 3e-4;
+  sc.decay_style = "cosine";
+  sc.decay_steps = 100;
+  sc.start_wd = sc.end_wd = 0.1;
+  sc.wd_incr_steps = 100;
+  TrainStep opt(model->get(), oc, sc, comm);
+  for (int step = 0; step < 5; ++step) {
+    Batch a(step, 2 * comm->rank()), b(step, 2 * comm->rank() + 1);
+    auto r = opt.Step({a.View(), b.View()}, 8 * comm->size(), 77);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return t;
+    t.losses.push_back(r->lm_loss());
+    t.norms.push_back(r->grad_norm);
+  }
+  const int64_t begin = (*model)->moments_begin(), size = (*model)->moments_size();
+  t.params.assign(static_cast<size_t>(n), 0.0f);
+  t.m.assign(static_cast<size_t>(n), 0.0f);
+  t.v.assign(static_cast<size_t>(n), 0.0f);
+  if (!zero) {
+    EXPECT_TRUE((*model)->ReadParams(t.params).ok());
+    EXPECT_TRUE((*model)->ReadMoments(t.m, t.v).ok());
+    return t;
+  }
+  std::vector<float> whole(static_cast<size_t>(n));
+  if (precision != Precision::kFp32 && comm->size() > 1) {
+    EXPECT_TRUE(absl::IsFailedPrecondition((*model)->ReadParams(whole))) << "the master is a shard";
+  }
+  EXPECT_TRUE((*model)->ReadOwnedParams(std::span<float>(t.params).subspan(begin, size)).ok());
+  EXPECT_TRUE((*model)->ReadMoments(std::span<float>(t.m).subspan(begin, size),
+                                    std::span<float>(t.v).subspan(begin, size))
+                  .ok());
+  std::vector<int64_t> bytes = (*model)->shard()->Counts();
+  for (int64_t& x : bytes) x *= 4;
+  for (std::vector<float>* buf : {&t.params, &t.m, &t.v}) EXPECT_TRUE(comm->AllGather(buf->data(), bytes).ok());
+  return t;
+}
+
+TEST(GlooRanksOnOneGpu, ShardedMasterEqualsThePlainAllReduce) {
+  for (Precision p : {Precision::kBf16, Precision::kFp32}) {
+    for (int world : {2, 3}) {
+      const std::string name = std::string(PrecisionName(p)) + ", " + std::to_string(world) + " ranks";
+      const size_t w = static_cast<size_t>(world);
+      std::vector<Trace> plain(w), zero(w), zero_overlap(w);
+      auto run = [&](std::vector<Trace>* out, bool z, bool overlap) {
+        testing::RunRanks(world, [&](Communicator* comm, int rank) {
+          (*out)[static_cast<size_t>(rank)] = TrainGlooRank(p, comm, z, overlap);
+        });
+      };
+      run(&plain, false, false);
+      run(&zero, true, false);
+      run(&zero_overlap, true, true);
+      for (size_t r = 0; r < w; ++r) {
+        const std::string who = name + ", rank " + std::to_string(r);
+        for (const Trace* t : {&zero[r], &zero_overlap[r]}) {
+          const std::string what = who + (t == &zero[r] ? "" : ", overlapped");
+          EXPECT_EQ(plain[r].losses, t->losses) << what;
+          ASSERT_EQ(plain[r].norms.size(), t->norms.size()) << what;
+          for (size_t i = 0; i < t->norms.size(); ++i) EXPECT_NEAR(plain[r].norms[i], t->norms[i], 1e-9 * t->norms[i]);
+          ASSERT_EQ(plain[r].params.size(), t->params.size()) << what;
+          EXPECT_EQ(std::memcmp(plain[r].params.data(), t->params.data(), t->params.size() * 4), 0) << what << ": weights";
+          EXPECT_EQ(std::memcmp(plain[r].m.data(), t->m.data(), t->m.size() * 4), 0) << what << ": exp_avg";
+          EXPECT_EQ(std::memcmp(plain[r].v.data(), t->v.data(), t->v.size() * 4), 0) << what << ": exp_avg_sq";
+        }
+      }
+      // The ranks trained one model: every rank's weights are rank 0's.
+      for (size_t r = 1; r < w; ++r)
+        EXPECT_EQ(std::memcmp(plain[0].params.data(), plain[r].params.data(), plain[0].params.size() * 4), 0) << name;
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 // and the shards' moments put together are the plain path's moments; a model smaller than the
 // ranks' blocks leaves a rank with an empty shard and still trains the same; the shard arithmetic
 // (padding, ranges, a bucket's pieces, tensors cut at shard boundaries).
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -237,6 +238,26 @@ TEST(ZeroOptimizer, ShardingIsOnceAndSizesAreChecked) {
   EXPECT_TRUE(absl::IsInvalidArgument((*model)->ReadMoments(small, small)));
   std::vector<double> partials;
   EXPECT_TRUE(absl::IsInvalidArgument((*model)->GradSumSquaresPartials(1, 5, &partials)));
+}
+
+// What a rank contributes when a checkpoint gathers the weights: its shard's range of them.
+TEST(ZeroOptimizer, ReadOwnedParamsIsTheShardsRange) {
+  auto model = CpuGPTModel::Create(Config(128));
+  ASSERT_TRUE(model.ok());
+  ASSERT_TRUE((*model)->InitWeights(9).ok());
+  const int64_t n = (*model)->num_params();
+  std::vector<float> all(static_cast<size_t>(n)), owned(static_cast<size_t>(n));
+  ASSERT_TRUE((*model)->ReadParams(all).ok());
+  ASSERT_TRUE((*model)->ReadOwnedParams(owned).ok());  // unsharded: all of them
+  EXPECT_EQ(owned, all);
+  auto shard = ParamShard::Create(n, 3, 1);
+  ASSERT_TRUE(shard.ok());
+  ASSERT_TRUE((*model)->ShardOptimizerState(*shard).ok());
+  ASSERT_GT(shard->size(), 0);
+  std::vector<float> mine(static_cast<size_t>(shard->size()));
+  ASSERT_TRUE((*model)->ReadOwnedParams(mine).ok());
+  EXPECT_TRUE(std::equal(mine.begin(), mine.end(), all.begin() + shard->begin()));
+  EXPECT_TRUE(absl::IsInvalidArgument((*model)->ReadOwnedParams(all)));
 }
 
 }  // namespace

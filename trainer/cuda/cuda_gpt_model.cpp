@@ -140,8 +140,27 @@ class CudaGPTModelImpl final : public GPTModel {
                        PrecisionName(PrecisionOf<T>()), ctx_.deterministic ? ", deterministic" : "");
   }
 
-  absl::Status ReadParams(std::span<float> out) const override { return Download(plan_.master, out, num_params()); }
+  absl::Status ReadParams(std::span<float> out) const override {
+    // A sharded master holds every parameter only where one rank's shard covers them all.
+    if (plan_.master_sharded && (master_begin_ != 0 || master_size_ != num_params()))
+      return absl::FailedPreconditionError(fmt::format(
+          "ReadParams: this rank keeps the fp32 master of parameters [{}, {}) only (--use-distributed-optimizer "
+          "in {}); read that range with ReadOwnedParams and gather it over the ranks",
+          master_begin_, master_begin_ + master_size_, PrecisionName(PrecisionOf<T>())));
+    return Download(plan_.master, out, num_params());
+  }
+  absl::Status ReadOwnedParams(std::span<float> out) const override {
+    PTK_RETURN_IF_ERROR(CheckSize("ReadOwnedParams", out.size(), moments_size()));
+    return DownloadRange(plan_.master, out.data(), plan_.master_sharded ? 0 : moments_begin(), moments_size());
+  }
   absl::Status WriteParams(std::span<const float> in) override {
+    if (plan_.master_sharded) {
+      // Every parameter through the gradient buffer (free between steps): the shard's master, the
+      // LayerNorms' fp32 copy and the compute copy are taken from it.
+      PTK_RETURN_IF_ERROR(Upload(plan_.grads, in, num_params()));
+      PTK_RETURN_IF_ERROR(TakeParamsFromGrads("writing the parameters"));
+      return Sync("writing the parameters");
+    }
     PTK_RETURN_IF_ERROR(Upload(plan_.master, in, num_params()));
     if (kFlash) PTK_RETURN_IF_ERROR(CastFromFloat<T>(Compute(0), Master(0), num_params(), ctx_));
     return Sync("writing the parameters");
@@ -226,6 +245,8 @@ class CudaGPTModelImpl final : public GPTModel {
 
   absl::Status AllGatherParams(Communicator* comm) override {
     if (!shard()) return absl::FailedPreconditionError("AllGatherParams needs a sharded optimizer state");
+    // A sharded master refreshes the LayerNorms' fp32 copy even for a world of one.
+    if (plan_.master_sharded) return GatherShardedMaster(comm);
     if (comm->size() == 1 && !comm->device_collectives()) return absl::OkStatus();
     // The fp32 master is gathered (the LayerNorms read it, checkpoints save it); the compute copy
     // is cast from it again, as AdamW's own cast rounds.
@@ -271,7 +292,7 @@ class CudaGPTModelImpl final : public GPTModel {
     for (const ParamPiece& p : PiecesIn(layout(), base, base + moments_size())) {
       T* compute = kFlash ? Compute(p.offset) : nullptr;
       PTK_RETURN_IF_ERROR(
-          Op("adamw", AdamW<T>(Master(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + (p.offset - base),
+          Op("adamw", AdamW<T>(MasterOf(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + (p.offset - base),
                                Buf<float>(plan_.exp_avg_sq) + (p.offset - base), p.size,
                                p.no_weight_decay ? no_decay : decay, compute, ctx_)));
     }
@@ -289,6 +310,8 @@ class CudaGPTModelImpl final : public GPTModel {
     arena_ = nullptr;
     padded_params_ = shard.padded_size;
     moment_params_ = shard.size();
+    master_begin_ = shard.begin();
+    master_size_ = shard.size();
     PTK_RETURN_IF_ERROR(Plan(plan_.b, plan_.t));
     return WriteParams(params);
   }
@@ -376,6 +399,22 @@ class CudaGPTModelImpl final : public GPTModel {
     return reinterpret_cast<U*>(arena_ + plan_[index].offset);
   }
   float* Master(int64_t offset) const { return Buf<float>(plan_.master) + offset; }
+  // The fp32 master of the parameter at `offset` of the flat layout, which AdamW updates: under a
+  // sharded master (bf16/fp16 with ZeRO-1) inside this rank's shard only.
+  float* MasterOf(int64_t offset) const {
+    return plan_.master_sharded ? Buf<float>(plan_.master) + (offset - master_begin_) : Master(offset);
+  }
+  // A LayerNorm's fp32 weight or bias (`offset` is the tensor's start in the flat layout).
+  const float* Ln(int64_t offset) const {
+    if (!plan_.master_sharded) return Master(offset);
+    return Buf<float>(plan_.ln_master) + LnCompactOffset(offset);
+  }
+  int64_t LnCompactOffset(int64_t offset) const {
+    for (const LayerNormRun& r : ln_runs_)
+      if (offset >= r.begin && offset < r.end) return r.compact + (offset - r.begin);
+    PTK_CHECK_MSG(false, fmt::format("parameter offset {} is no LayerNorm's", offset));
+    return 0;
+  }
   float* Grad(int64_t offset) const { return Buf<float>(plan_.grads) + offset; }
   // The weights the products read: the master itself in fp32 mode, its rounded copy otherwise.
   T* Compute(int64_t offset) const {
@@ -470,6 +509,53 @@ class CudaGPTModelImpl final : public GPTModel {
                              fmt::format("copying {} to the host", plan_[index].name));
     return Sync(plan_[index].name);
   }
+  // Under a sharded master: the gradient buffer holds every fp32 parameter (gathered, or written);
+  // this rank's shard of the master, the LayerNorms' fp32 copy and the compute copy are taken from
+  // it, then the buffer is zeroed again. On the stream; the caller synchronises.
+  absl::Status TakeParamsFromGrads(std::string_view what) {
+    const size_t f = sizeof(float);
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(plan_.master), Grad(master_begin_),
+                                             static_cast<size_t>(master_size_) * f, cudaMemcpyDeviceToDevice,
+                                             ctx_.stream),
+                             fmt::format("{}: the shard's fp32 master [{}, {})", what, master_begin_,
+                                         master_begin_ + master_size_));
+    for (const LayerNormRun& r : ln_runs_)
+      PTK_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(Buf<float>(plan_.ln_master) + r.compact, Grad(r.begin), static_cast<size_t>(r.end - r.begin) * f,
+                          cudaMemcpyDeviceToDevice, ctx_.stream),
+          fmt::format("{}: LayerNorm parameters [{}, {})", what, r.begin, r.end));
+    PTK_RETURN_IF_ERROR(CastFromFloat<T>(Compute(0), Grad(0), num_params(), ctx_));
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(Grad(0), 0, plan_[plan_.grads].bytes, ctx_.stream),
+                             fmt::format("{}: zeroing gradients", what));
+    return absl::OkStatus();
+  }
+
+  // AllGatherParams under a sharded master: every rank's updated shard of the fp32 master is
+  // gathered into the gradient buffer (the step no longer needs the gradients), from which the
+  // compute copy is cast and the LayerNorms' fp32 copy taken, as with a whole master.
+  absl::Status GatherShardedMaster(Communicator* comm) {
+    const size_t f = sizeof(float);
+    if (comm->device_collectives() || comm->size() == 1) {
+      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Grad(master_begin_), Buf<float>(plan_.master),
+                                               static_cast<size_t>(master_size_) * f, cudaMemcpyDeviceToDevice,
+                                               ctx_.stream),
+                               "gathering the fp32 master: this rank's shard");
+      if (comm->device_collectives()) {
+        const std::vector<int64_t> bytes(static_cast<size_t>(comm->size()),
+                                         shard()->shard_size * static_cast<int64_t>(f));
+        PTK_RETURN_IF_ERROR(comm->AllGatherDevice(Grad(0), bytes, ctx_.stream));
+      }
+    } else {
+      host_grads_.resize(static_cast<size_t>(num_params()));
+      PTK_RETURN_IF_ERROR(DownloadRange(plan_.master, host_grads_.data() + master_begin_, 0, master_size_));
+      std::vector<int64_t> bytes = shard()->Counts();
+      for (int64_t& b : bytes) b *= static_cast<int64_t>(f);
+      PTK_RETURN_IF_ERROR(comm->AllGather(host_grads_.data(), bytes));
+      PTK_RETURN_IF_ERROR(Upload(plan_.grads, host_grads_, num_params()));
+    }
+    return TakeParamsFromGrads("gathering the fp32 master");
+  }
+
   absl::Status UploadRange(int index, const float* in, int64_t at, int64_t count) {
     if (count == 0) return absl::OkStatus();
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(index) + at, in, static_cast<size_t>(count) * sizeof(float),
@@ -619,7 +705,7 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_RETURN_IF_ERROR(
         Op("layernorm",
            LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), Stats(plan_.ln1_stats, 0) + n,
-                               Act(plan_.resid, 0, n * c), Master(first.ln1_w), Master(first.ln1_b), n, c, eps, ctx_)));
+                               Act(plan_.resid, 0, n * c), Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps, ctx_)));
     for (int64_t l = 0; l < L; ++l) {
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       T* qkv = Act(plan_.qkv, l, n * 3 * c);
@@ -633,8 +719,8 @@ class CudaGPTModelImpl final : public GPTModel {
       PTK_RETURN_IF_ERROR(
           Op("layernorm", ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
                                                       Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
-                                                      Act(plan_.resid, l, n * c), tmp, Master(lp.ln2_w),
-                                                      Master(lp.ln2_b), n, c, eps, ctx_)));
+                                                      Act(plan_.resid, l, n * c), tmp, Ln(lp.ln2_w),
+                                                      Ln(lp.ln2_b), n, c, eps, ctx_)));
       PTK_RETURN_IF_ERROR(
           Op("matmul", MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                         Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
@@ -649,8 +735,8 @@ class CudaGPTModelImpl final : public GPTModel {
       PTK_RETURN_IF_ERROR(
           Op("layernorm",
              ResidualLayerNormForward<T>(Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n,
-                                         Act(plan_.resid_mid, l, n * c), tmp, Master(last ? pl.lnf_w : next->ln1_w),
-                                         Master(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_)));
+                                         Act(plan_.resid_mid, l, n * c), tmp, Ln(last ? pl.lnf_w : next->ln1_w),
+                                         Ln(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_)));
     }
     return absl::OkStatus();
   }
@@ -719,7 +805,7 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
     PTK_RETURN_IF_ERROR(Op(
         "layernorm", LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
-                                          Master(pl.lnf_w), Buf<float>(plan_.lnf_stats),
+                                          Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats),
                                           Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_)));
     GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
     for (int64_t l = L - 1; l >= 0; --l) {
@@ -736,7 +822,7 @@ class CudaGPTModelImpl final : public GPTModel {
                                                          Act(plan_.ln2, l, n * c), Compute(lp.fc1_w), n, c, f, ctx_)));
       PTK_RETURN_IF_ERROR(Op(
           "layernorm", LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
-                                            Master(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
+                                            Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
                                             n, c, Buf<float>(plan_.ln_scratch), ctx_)));
       // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
@@ -752,7 +838,7 @@ class CudaGPTModelImpl final : public GPTModel {
                                          Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
       PTK_RETURN_IF_ERROR(Op(
           "layernorm", LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
-                                            Master(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n,
+                                            Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n,
                                             n, c, Buf<float>(plan_.ln_scratch), ctx_)));
       GradsReady(static_cast<size_t>(L - l));  // layer l
     }
@@ -818,6 +904,10 @@ class CudaGPTModelImpl final : public GPTModel {
   std::unique_ptr<BucketWorker> worker_;
   absl::Status launch_error_;
   int64_t moment_params_ = -1;
+  // The shard whose fp32 master this rank keeps when plan_.master_sharded.
+  int64_t master_begin_ = 0, master_size_ = 0;
+  // The LayerNorms' parameters as runs of the flat layout, each at `compact` in ln_master.
+  std::vector<LayerNormRun> ln_runs_ = LayerNormRuns(layout());
   EmbeddingBackwardPlan embedding_plan_;
   bool profile_ = false;
   int64_t profiled_steps_ = 0;

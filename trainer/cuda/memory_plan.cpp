@@ -37,6 +37,26 @@ std::string MemoryPlan::Largest(int count) const {
   return out;
 }
 
+std::vector<LayerNormRun> LayerNormRuns(const ParamLayout& pl) {
+  const int64_t c = pl.config.hidden_size;
+  std::vector<int64_t> starts;
+  for (const LayerParams& lp : pl.layers)
+    for (int64_t o : {lp.ln1_w, lp.ln1_b, lp.ln2_w, lp.ln2_b}) starts.push_back(o);
+  starts.push_back(pl.lnf_w);
+  starts.push_back(pl.lnf_b);
+  std::sort(starts.begin(), starts.end());
+  std::vector<LayerNormRun> runs;
+  int64_t compact = 0;
+  for (int64_t o : starts) {
+    if (!runs.empty() && runs.back().end == o)
+      runs.back().end += c;
+    else
+      runs.push_back({o, o + c, compact});
+    compact += c;
+  }
+  return runs;
+}
+
 absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, const PlanOptions& o) {
   if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
   const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
@@ -68,7 +88,13 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   const int64_t nm = sharded ? o.moment_params : num_params;
   const std::string model_lower =
       sharded ? "the model size" : "the model size, or --use-distributed-optimizer over several ranks";
-  m.master = add("parameters (fp32 master)", np * 4, "the model size");
+  m.master_sharded = sharded && m.flash;
+  if (m.master_sharded) {
+    m.master = add("parameters (fp32 master, this rank's shard)", nm * 4, model_lower);
+    m.ln_master = add("LayerNorm parameters (fp32, all of them)", LayerNormParamCount(cf) * 4, "the model size");
+  } else {
+    m.master = add("parameters (fp32 master)", np * 4, "the model size");
+  }
   m.compute = add(fmt::format("parameters ({} compute copy)", m.flash ? PrecisionName(o.precision) : "fp32"),
                   m.flash ? np * a : 0, "the model size");
   m.grads = add("gradients (fp32)", np * 4, "the model size");

@@ -33,8 +33,13 @@ struct MemoryPlan {
   std::vector<PlannedBuffer> buffers;
   int64_t total_bytes = 0;
 
-  // Parameters and optimizer.
-  int master = -1, compute = -1, grads = -1, exp_avg = -1, exp_avg_sq = -1;
+  // Parameters and optimizer. bf16/fp16 under ZeRO-1 (master_sharded): `master` holds the fp32
+  // master of this rank's shard only, as Megatron's distributed optimizer keeps it, and
+  // `ln_master` the LayerNorms' fp32 weights and biases whole (the kernels read them in fp32;
+  // LayerNormParamCount floats, in the layout's order). Otherwise `master` holds every parameter
+  // and ln_master is -1.
+  bool master_sharded = false;
+  int master = -1, ln_master = -1, compute = -1, grads = -1, exp_avg = -1, exp_avg_sq = -1;
   // Activations kept for backward (per layer unless said otherwise).
   int resid = -1, resid_mid = -1, ln1 = -1, ln1_stats = -1, qkv = -1, atty = -1, attn_saved = -1, ln2 = -1,
       ln2_stats = -1, fc1 = -1, gelu = -1, lnf = -1, lnf_stats = -1;
@@ -56,7 +61,8 @@ struct PlanOptions {
   int64_t attention_scratch_floats = 0;     // AttentionBackwardScratch of the shape (fp32 mode)
   int64_t reduce_doubles = 0;               // SumSquaresPartials of the parameter count
   // ZeRO-1 (--use-distributed-optimizer): the parameter and gradient buffers padded to the shard
-  // layout's padded size (0: the parameter count), the moments for this rank's shard only (-1: all).
+  // layout's padded size (0: the parameter count), the moments for this rank's shard only (-1: all);
+  // in bf16/fp16 the fp32 master too.
   int64_t padded_params = 0;
   int64_t moment_params = -1;
   int64_t layernorm_scratch_floats = 0;  // LayerNormBackwardScratch of the tokens and hidden size
@@ -70,6 +76,20 @@ inline int64_t StreamIndex(int64_t layer, int64_t site, int64_t b) { return (lay
 // The bytes a micro-batch's host inputs take in the pinned staging buffer (and on the device):
 // tokens, labels, positions (int32) and the per-token loss weights (fp32), 256-byte aligned each.
 int64_t InputBytes(int64_t n);
+
+// The LayerNorms' parameters (every layer's two, and the final one): weight and bias, hidden size
+// each.
+inline int64_t LayerNormParamCount(const GPTConfig& config) {
+  return (4 * config.num_layers + 2) * config.hidden_size;
+}
+
+// Where the LayerNorms' parameters lie in the flat layout, as runs of adjacent tensors (a layer's
+// LayerNorm weight and bias are neighbours), in layout order; `compact` is the run's start in
+// ln_master, where the runs follow each other. Together they hold LayerNormParamCount floats.
+struct LayerNormRun {
+  int64_t begin = 0, end = 0, compact = 0;
+};
+std::vector<LayerNormRun> LayerNormRuns(const ParamLayout& layout);
 
 absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& config, int64_t num_params, const PlanOptions& options);
 
