@@ -111,16 +111,21 @@ struct Trace {
   std::vector<float> params, m, v;
 };
 
-Trace Train(Precision precision, Communicator* comm, bool zero, bool overlap) {
+// One rank's run: micro-batches of its own, ZeRO-1 over comm's ranks with `zero`. Under ZeRO-1 the
+// weights and moments come from every rank's range, gathered as a checkpoint gathers them (a
+// rank's ReadParams of the whole model is refused while its master is a shard of several).
+Trace Train(Precision precision, Communicator* comm, bool zero, bool overlap, double clip_grad = 1.0) {
   Trace t;
   auto model = cuda::CreateCudaGPTModel(Config(), precision, 0, /*deterministic=*/true, 4);
   EXPECT_TRUE(model.ok()) << model.status();
   if (!model.ok()) return t;
+  const int64_t n = (*model)->num_params();
   if (zero) {
-    EXPECT_TRUE((*model)->ShardOptimizerState(*ParamShard::Create((*model)->num_params(), 1, 0)).ok());
+    EXPECT_TRUE((*model)->ShardOptimizerState(*ParamShard::Create(n, comm->size(), comm->rank())).ok());
   }
   EXPECT_TRUE((*model)->InitWeights(5).ok());
   OptimizerConfig oc;
+  oc.clip_grad = clip_grad;
   oc.overlap_grad_reduce = overlap;
   oc.ddp_bucket_size = 60000;  // several buckets
   SchedulerConfig sc;
@@ -135,19 +140,33 @@ Trace Train(Precision precision, Communicator* comm, bool zero, bool overlap) {
     EXPECT_GT(opt.buckets().size(), 2u);
   }
   for (int step = 0; step < 5; ++step) {
-    Batch a(step, 0), b(step, 1);
-    auto r = opt.Step({a.View(), b.View()}, 8, 77);
+    Batch a(step, 2 * comm->rank()), b(step, 2 * comm->rank() + 1);
+    auto r = opt.Step({a.View(), b.View()}, 8 * comm->size(), 77);
     EXPECT_TRUE(r.ok()) << r.status();
     if (!r.ok()) return t;
     t.losses.push_back(r->lm_loss());
     t.norms.push_back(r->grad_norm);
   }
-  const size_t n = static_cast<size_t>((*model)->num_params());
-  t.params.resize(n);
-  t.m.resize(n);
-  t.v.resize(n);
-  EXPECT_TRUE((*model)->ReadParams(t.params).ok());
-  EXPECT_TRUE((*model)->ReadMoments(t.m, t.v).ok());
+  t.params.assign(static_cast<size_t>(n), 0.0f);
+  t.m.assign(static_cast<size_t>(n), 0.0f);
+  t.v.assign(static_cast<size_t>(n), 0.0f);
+  if (!zero) {
+    EXPECT_TRUE((*model)->ReadParams(t.params).ok());
+    EXPECT_TRUE((*model)->ReadMoments(t.m, t.v).ok());
+    return t;
+  }
+  if (precision != Precision::kFp32 && comm->size() > 1) {
+    std::vector<float> whole(static_cast<size_t>(n));
+    EXPECT_TRUE(absl::IsFailedPrecondition((*model)->ReadParams(whole))) << "the master is a shard";
+  }
+  const int64_t begin = (*model)->moments_begin(), size = (*model)->moments_size();
+  EXPECT_TRUE((*model)->ReadOwnedParams(std::span<float>(t.params).subspan(begin, size)).ok());
+  EXPECT_TRUE((*model)->ReadMoments(std::span<float>(t.m).subspan(begin, size),
+                                    std::span<float>(t.v).subspan(begin, size))
+                  .ok());
+  std::vector<int64_t> bytes = (*model)->shard()->Counts();
+  for (int64_t& x : bytes) x *= 4;
+  for (std::vector<float>* buf : {&t.params, &t.m, &t.v}) EXPECT_TRUE(comm->AllGather(buf->data(), bytes).ok());
   return t;
 }
 
@@ -179,61 +198,7 @@ TEST(NcclOfOne, OverlapAndDistributedOptimizerEqualThePlainStep) {
 // LayerNorms' fp32 copy whole; with clipping off (the norm's partials are summed in another order
 // on CUDA) the sharded run has the plain all-reduce's bits: losses, weights (gathered from every
 // rank's ReadOwnedParams, as a checkpoint gathers them) and moments, also with the reduction
-// overlapped in buckets. A rank's ReadParams of the whole model is refused while its master is a
-// shard.
-Trace TrainGlooRank(Precision precision, Communicator* comm, bool zero, bool overlap) {
-  Trace t;
-  auto model = cuda::CreateCudaGPTModel(Config(), precision, 0, /*deterministic=*/true, 4);
-  EXPECT_TRUE(model.ok()) << model.status();
-  if (!model.ok()) return t;
-  const int64_t n = (*model)->num_params();
-  if (zero) {
-    EXPECT_TRUE((*model)->ShardOptimizerState(*ParamShard::Create(n, comm->size(), comm->rank())).ok());
-  }
-  EXPECT_TRUE((*model)->InitWeights(5).ok());
-  OptimizerConfig oc;
-  oc.clip_grad = 0;
-  oc.overlap_grad_reduce = overlap;
-  oc.ddp_bucket_size = 60000;
-  SchedulerConfig sc;
-  sc.max_lr = 3e-3;
-  sc.min_lr = 3e-4;
-  sc.decay_style = "cosine";
-  sc.decay_steps = 100;
-  sc.start_wd = sc.end_wd = 0.1;
-  sc.wd_incr_steps = 100;
-  TrainStep opt(model->get(), oc, sc, comm);
-  for (int step = 0; step < 5; ++step) {
-    Batch a(step, 2 * comm->rank()), b(step, 2 * comm->rank() + 1);
-    auto r = opt.Step({a.View(), b.View()}, 8 * comm->size(), 77);
-    EXPECT_TRUE(r.ok()) << r.status();
-    if (!r.ok()) return t;
-    t.losses.push_back(r->lm_loss());
-    t.norms.push_back(r->grad_norm);
-  }
-  const int64_t begin = (*model)->moments_begin(), size = (*model)->moments_size();
-  t.params.assign(static_cast<size_t>(n), 0.0f);
-  t.m.assign(static_cast<size_t>(n), 0.0f);
-  t.v.assign(static_cast<size_t>(n), 0.0f);
-  if (!zero) {
-    EXPECT_TRUE((*model)->ReadParams(t.params).ok());
-    EXPECT_TRUE((*model)->ReadMoments(t.m, t.v).ok());
-    return t;
-  }
-  std::vector<float> whole(static_cast<size_t>(n));
-  if (precision != Precision::kFp32 && comm->size() > 1) {
-    EXPECT_TRUE(absl::IsFailedPrecondition((*model)->ReadParams(whole))) << "the master is a shard";
-  }
-  EXPECT_TRUE((*model)->ReadOwnedParams(std::span<float>(t.params).subspan(begin, size)).ok());
-  EXPECT_TRUE((*model)->ReadMoments(std::span<float>(t.m).subspan(begin, size),
-                                    std::span<float>(t.v).subspan(begin, size))
-                  .ok());
-  std::vector<int64_t> bytes = (*model)->shard()->Counts();
-  for (int64_t& x : bytes) x *= 4;
-  for (std::vector<float>* buf : {&t.params, &t.m, &t.v}) EXPECT_TRUE(comm->AllGather(buf->data(), bytes).ok());
-  return t;
-}
-
+// overlapped in buckets.
 TEST(GlooRanksOnOneGpu, ShardedMasterEqualsThePlainAllReduce) {
   for (Precision p : {Precision::kBf16, Precision::kFp32}) {
     for (int world : {2, 3}) {
@@ -242,7 +207,7 @@ TEST(GlooRanksOnOneGpu, ShardedMasterEqualsThePlainAllReduce) {
       std::vector<Trace> plain(w), zero(w), zero_overlap(w);
       auto run = [&](std::vector<Trace>* out, bool z, bool overlap) {
         testing::RunRanks(world, [&](Communicator* comm, int rank) {
-          (*out)[static_cast<size_t>(rank)] = TrainGlooRank(p, comm, z, overlap);
+          (*out)[static_cast<size_t>(rank)] = Train(p, comm, z, overlap, /*clip_grad=*/0);
         });
       };
       run(&plain, false, false);
