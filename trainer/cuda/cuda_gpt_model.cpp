@@ -159,6 +159,7 @@ class CudaGPTModelImpl final : public GPTModel {
       // LayerNorms' fp32 copy and the compute copy are taken from it.
       PTK_RETURN_IF_ERROR(Upload(plan_.grads, in, num_params()));
       PTK_RETURN_IF_ERROR(TakeParamsFromGrads("writing the parameters"));
+      PTK_RETURN_IF_ERROR(ZeroGrads());  // written outside a step: leave no weights as gradients
       return Sync("writing the parameters");
     }
     PTK_RETURN_IF_ERROR(Upload(plan_.master, in, num_params()));
@@ -511,7 +512,8 @@ class CudaGPTModelImpl final : public GPTModel {
   }
   // Under a sharded master: the gradient buffer holds every fp32 parameter (gathered, or written);
   // this rank's shard of the master, the LayerNorms' fp32 copy and the compute copy are taken from
-  // it, then the buffer is zeroed again. On the stream; the caller synchronises.
+  // it. The buffer keeps the weights until the next step's ZeroGrads (TrainStep zeroes it before
+  // every accumulation): no second pass over it per step. On the stream; the caller synchronises.
   absl::Status TakeParamsFromGrads(std::string_view what) {
     const size_t f = sizeof(float);
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(plan_.master), Grad(master_begin_),
@@ -524,10 +526,7 @@ class CudaGPTModelImpl final : public GPTModel {
           cudaMemcpyAsync(Buf<float>(plan_.ln_master) + r.compact, Grad(r.begin), static_cast<size_t>(r.end - r.begin) * f,
                           cudaMemcpyDeviceToDevice, ctx_.stream),
           fmt::format("{}: LayerNorm parameters [{}, {})", what, r.begin, r.end));
-    PTK_RETURN_IF_ERROR(CastFromFloat<T>(Compute(0), Grad(0), num_params(), ctx_));
-    PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(Grad(0), 0, plan_[plan_.grads].bytes, ctx_.stream),
-                             fmt::format("{}: zeroing gradients", what));
-    return absl::OkStatus();
+    return CastFromFloat<T>(Compute(0), Grad(0), num_params(), ctx_);
   }
 
   // AllGatherParams under a sharded master: every rank's updated shard of the fp32 master is
