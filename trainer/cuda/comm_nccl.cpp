@@ -7,7 +7,6 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -17,7 +16,9 @@
 
 #include <fmt/core.h>
 
+#include "common/logging.h"
 #include "common/status.h"
+#include "trainer/cuda/nccl_guard.h"
 #include "trainer/rendezvous.h"
 
 namespace ptk::cuda {
@@ -26,6 +27,32 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kScratchBytes = size_t{64} << 20;  // host collectives go through this much device memory at a time
+
+static_assert(kNcclSuccess == ncclSuccess && kNcclInternalError == ncclInternalError &&
+              kNcclInProgress == ncclInProgress);
+
+// NcclGuard's calls on a real communicator.
+class RealNcclCalls : public NcclCalls {
+ public:
+  explicit RealNcclCalls(ncclComm_t comm) : comm_(comm) {}
+  int GetAsyncError(int* async) override {
+    ncclResult_t a = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &a);
+    *async = a;
+    return r;
+  }
+  std::string LastError() override {
+    const char* e = ncclGetLastError(comm_);
+    return e ? e : "";
+  }
+  std::string ErrorString(int result) override { return ncclGetErrorString(static_cast<ncclResult_t>(result)); }
+  int Finalize() override { return ncclCommFinalize(comm_); }
+  int Destroy() override { return ncclCommDestroy(comm_); }
+  int Abort() override { return ncclCommAbort(comm_); }
+
+ private:
+  ncclComm_t comm_;
+};
 
 class NcclCommunicator : public Communicator {
  public:
@@ -36,12 +63,13 @@ class NcclCommunicator : public Communicator {
     }
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    // An aborted communicator is freed by ncclCommAbort already.
-    if (comm_ && !aborted_) {
-      if (stream_ && cudaStreamSynchronize(stream_) == cudaSuccess)
-        ncclCommDestroy(comm_);
-      else
-        ncclCommAbort(comm_);
+    // Finalized (polled to completion) and destroyed, or aborted when its stream does not drain or
+    // the finalize fails; nothing when it was aborted (ncclCommAbort freed it).
+    if (guard_) {
+      const bool drained = !stream_ || cudaStreamSynchronize(stream_) == cudaSuccess;
+      if (!drained) (void)cudaGetLastError();
+      if (absl::Status st = guard_->Close(drained); !st.ok())
+        log::Warning("rank {} (cuda:{}): {}", options_.rank, device_, std::string(st.message()));
     }
     for (const Pending& p : pending_) cudaEventDestroy(p.done);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
@@ -91,7 +119,11 @@ class NcclCommunicator : public Communicator {
       comm_ = nullptr;
       return Failed("NCCL initialisation", ncclGetErrorString(r));
     }
-    PTK_RETURN_IF_ERROR(Settle(r, "NCCL initialisation"));
+    guard_ = std::make_unique<NcclGuard>(std::make_unique<RealNcclCalls>(comm_), timeout_,
+                                         [this](const std::string& what, const std::string& why) {
+                                           return Failed(what, why);
+                                         });
+    PTK_RETURN_IF_ERROR(guard_->Settle(r, "NCCL initialisation"));
     watchdog_ = std::thread([this] { Watch(); });
     return absl::OkStatus();
   }
@@ -212,40 +244,19 @@ class NcclCommunicator : public Communicator {
                     "failed): {}{}",
                     options_.rank, HostName(), device_, what, why, peers.empty() ? "" : "; " + peers));
   }
-  absl::Status AbortedStatus() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return abort_status_;
-  }
-
-  // A nonblocking communicator's call returns ncclInProgress until NCCL has taken it in: poll its
-  // state up to the timeout (then abort).
-  absl::Status Settle(ncclResult_t r, const std::string& what) {
-    const auto deadline = Clock::now() + timeout_;
-    while (r == ncclInProgress) {
-      if (aborted_) return AbortedStatus();
-      if (Clock::now() > deadline) {
-        Abort(Failed(what,
-                     fmt::format("not done within {} s (--distributed-timeout-minutes)", timeout_.count() / 1000.0)));
-        return AbortedStatus();
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-      if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess) r = ncclInternalError;
-    }
-    if (r == ncclSuccess) return absl::OkStatus();
-    absl::Status st = Failed(what, fmt::format("{} ({})", ncclGetErrorString(r), ncclGetLastError(comm_)));
-    Abort(st);
-    return st;
-  }
+  bool aborted() const { return guard_->aborted(); }
+  absl::Status AbortedStatus() const { return guard_->abort_status(); }
 
   // Enqueues one collective (or group) on `s` and hands its completion to the watchdog. A stream
   // other than the previous collective's first waits for it: every rank's collectives run in the
-  // order they were issued, whichever streams carry them.
+  // order they were issued, whichever streams carry them. The enqueue runs under the guard's lock
+  // (never after an abort); a nonblocking ncclInProgress is settled by polling.
   template <typename F>
   absl::Status Run(const char* what, cudaStream_t s, F&& enqueue) {
-    if (aborted_) return AbortedStatus();
+    if (aborted()) return AbortedStatus();
     if (last_event_ && s != last_stream_)
       PTK_RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(s, last_event_, 0), "ordering collectives across streams"));
-    PTK_RETURN_IF_ERROR(Settle(enqueue(), what));
+    PTK_RETURN_IF_ERROR(guard_->Call(what, [&] { return static_cast<int>(enqueue()); }));
     cudaEvent_t e = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -273,7 +284,7 @@ class NcclCommunicator : public Communicator {
       const cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return Cuda(e, what);
-      if (aborted_) return AbortedStatus();
+      if (aborted()) return AbortedStatus();
       std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
     }
   }
@@ -317,16 +328,10 @@ class NcclCommunicator : public Communicator {
     return absl::OkStatus();
   }
 
+  // ncclCommAbort (once) ends the kernels of the collectives in flight; the guard sets its flag
+  // under its lock first, so no call reaches the freed communicator.
   void Abort(const absl::Status& why) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (aborted_) return;
-      abort_status_ = why;
-      aborted_at_ = Clock::now();
-    }
-    ncclCommAbort(comm_);  // ends the kernels of the collectives in flight
-    aborted_ = true;
-    cv_.notify_all();
+    if (guard_->Abort(why)) cv_.notify_all();
   }
 
   // Every 100 ms: NCCL's asynchronous error, the oldest collective's age; after an abort, whether
@@ -337,11 +342,11 @@ class NcclCommunicator : public Communicator {
     while (!stop_) {
       cv_.wait_for(lock, std::chrono::milliseconds(100));
       if (stop_) break;
-      if (aborted_) {
+      if (aborted()) {
         // The training thread has not ended (and destroyed this communicator) since the abort.
-        if (!stuck_reported_ && Clock::now() - aborted_at_ > options_.stuck_grace && options_.on_stuck) {
+        if (!stuck_reported_ && Clock::now() - guard_->aborted_at() > options_.stuck_grace && options_.on_stuck) {
           stuck_reported_ = true;
-          const absl::Status st = abort_status_;
+          const absl::Status st = AbortedStatus();
           lock.unlock();
           options_.on_stuck(st);
           lock.lock();
@@ -353,11 +358,10 @@ class NcclCommunicator : public Communicator {
         pending_.pop_front();
       }
       (void)cudaGetLastError();
-      std::string problem, what;
-      ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      std::string what;
+      std::string problem = guard_->AsyncProblem();  // under the guard's lock (this one is taken before it)
+      if (!problem.empty()) {
         what = pending_.empty() ? "a collective" : pending_.front().what;
-        problem = fmt::format("NCCL reported {} ({})", ncclGetErrorString(async), ncclGetLastError(comm_));
       } else if (!pending_.empty() && Clock::now() - pending_.front().since > timeout_) {
         what = pending_.front().what;
         problem = fmt::format("not complete after {} s (--distributed-timeout-minutes); the communicator was aborted",
@@ -374,7 +378,8 @@ class NcclCommunicator : public Communicator {
   std::chrono::milliseconds timeout_{0};
   int device_ = 0;
   std::unique_ptr<RendezvousStore> store_;
-  ncclComm_t comm_ = nullptr;
+  ncclComm_t comm_ = nullptr;  // called only through guard_ (under its lock, never after an abort)
+  std::unique_ptr<NcclGuard> guard_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t last_event_ = nullptr;  // the last collective's, on last_stream_
   cudaStream_t last_stream_ = nullptr;
@@ -384,9 +389,6 @@ class NcclCommunicator : public Communicator {
   std::condition_variable cv_;
   std::deque<Pending> pending_;
   std::vector<cudaEvent_t> free_events_;
-  std::atomic<bool> aborted_{false};
-  absl::Status abort_status_;
-  Clock::time_point aborted_at_;
   bool stop_ = false, stuck_reported_ = false;
   std::thread watchdog_;
 };
