@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 #include <thread>
 
 #include <tbb/global_control.h>
@@ -121,6 +122,9 @@ int main(int argc, char** argv) {
     options.comm = comm.get();
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
+    // PTK_CUDA_SYNC_OPS=1: the CUDA model synchronises after every op and names the one that fails.
+    if (const char* sync = std::getenv("PTK_CUDA_SYNC_OPS"); sync && std::string_view(sync) == "1")
+      options.backend.sync_ops = true;
     options.args_json = ArgsJson(argc, argv);
     PTK_ASSIGN_OR_RETURN(ptk::TrainSummary s, ptk::RunTraining(options, plan));
     if (comm->rank() == 0 && s.nothing_to_train) {

@@ -38,8 +38,10 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return std::unique_ptr<GPTModel>(std::move(m));
   }
 #if defined(PTK_WITH_CUDA)
+  cuda::CudaModelOptions cuda_options;
+  cuda_options.sync_ops = backend.sync_ops;
   return cuda::CreateCudaGPTModel(config, backend.precision, backend.device_index, backend.deterministic,
-                                  backend.micro_batch_size, backend.profile);
+                                  backend.micro_batch_size, backend.profile, cuda_options);
 #else
   return absl::FailedPreconditionError(
       "--device cuda: this ptk-train was built without CUDA (no nvcc at build time); build with "

@@ -15,6 +15,7 @@ struct BackendOptions {
   bool deterministic = false;    // --deterministic-mode: only bitwise-reproducible kernels
   int64_t micro_batch_size = 1;  // the CUDA backend plans its activations for it
   bool profile = false;          // --ptk-profile-ops: time every op (CUDA events)
+  bool sync_ops = false;         // CUDA: synchronise after every op, name the one that fails (PTK_CUDA_SYNC_OPS=1)
 };
 
 // Whether this build has the CUDA backend, and how many CUDA devices are visible (0 without CUDA,

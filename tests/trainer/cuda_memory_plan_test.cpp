@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/gpt_model.h"
@@ -54,6 +55,35 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
   // The logits never hold more than the budget: the loss runs over chunks of rows.
   EXPECT_LE(m[m.logits].bytes, o.logits_budget_bytes);
   EXPECT_LT(m.logit_chunk_rows, m.n);
+}
+
+// The test hook of cuda_model_test's ChunkedLmHeadMatchesOneChunk (CudaModelOptions'
+// logits_budget_bytes, passed on as PlanOptions::logits_budget_bytes): a budget of 100 rows of
+// the padded vocabulary splits its 4x64 micro-batch (256 rows) into three ragged chunks, 100, 100
+// and 56, in fp32 and bf16.
+TEST(CudaMemoryPlan, LogitsBudgetSplitsTheHeadIntoRaggedChunks) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 256;
+  c.seq_length = c.max_position_embeddings = 64;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1024;
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    PlanOptions o;
+    o.precision = p;
+    o.micro_batch_size = 4;
+    const MemoryPlan one = MustPlan(c, o);
+    EXPECT_EQ(one.logit_chunk_rows, 256) << "the default budget: one chunk";
+    o.logits_budget_bytes = 100 * 1024 * (p == Precision::kFp32 ? 4 : 2);
+    const MemoryPlan m = MustPlan(c, o);
+    EXPECT_EQ(m.logit_chunk_rows, 100);
+    std::vector<int64_t> chunks;  // RunHead's loop
+    for (int64_t r0 = 0; r0 < m.n; r0 += m.logit_chunk_rows) chunks.push_back(std::min(m.logit_chunk_rows, m.n - r0));
+    EXPECT_EQ(chunks, (std::vector<int64_t>{100, 100, 56}));
+    EXPECT_EQ(m[m.logits].bytes, o.logits_budget_bytes);
+  }
 }
 
 // --use-distributed-optimizer: the parameter and gradient buffers padded to the shard layout (NCCL's

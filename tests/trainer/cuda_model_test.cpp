@@ -37,7 +37,7 @@ struct Batches {
   std::vector<int32_t> positions;
   std::vector<float> mask;
   std::vector<std::vector<int64_t>> keys;
-  Batches(int count, int64_t vocab) {
+  Batches(int count, int64_t vocab, int64_t b_ = 4, int64_t t_ = 64) : b(b_), t(t_) {
     for (int64_t i = 0; i < b * t; ++i) {
       positions.push_back(static_cast<int32_t>(i % t));
       mask.push_back(i % 13 == 12 ? 0.0f : 1.0f);
@@ -56,7 +56,9 @@ struct Batches {
       }
       tokens.push_back(tok);
       labels.push_back(lab);
-      keys.push_back({k * 4 + 0, k * 4 + 1, k * 4 + 2, k * 4 + 3});
+      std::vector<int64_t> k_keys;
+      for (int64_t r = 0; r < b; ++r) k_keys.push_back(k * b + r);
+      keys.push_back(k_keys);
     }
   }
   ModelBatch Get(int k) const {
@@ -70,8 +72,9 @@ struct Batches {
   }
 };
 
-std::unique_ptr<GPTModel> Cuda(const GPTConfig& c, Precision p, bool deterministic = true) {
-  auto m = cuda::CreateCudaGPTModel(c, p, 0, deterministic, 4);
+std::unique_ptr<GPTModel> Cuda(const GPTConfig& c, Precision p, bool deterministic = true,
+                               const cuda::CudaModelOptions& options = {}, bool profile = false) {
+  auto m = cuda::CreateCudaGPTModel(c, p, 0, deterministic, 4, profile, options);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return nullptr;
   EXPECT_TRUE((*m)->InitWeights(1234).ok());
@@ -267,6 +270,172 @@ TEST(CudaModel, ErrorsAreStatuses) {
   auto missing = cuda::CreateCudaGPTModel(c, Precision::kFp32, 4096, false, 1);
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(std::string(missing.status().message()).find("does not exist"), std::string::npos) << missing.status();
+}
+
+// The LM head in chunks of rows (the 256 MiB logits budget never splits these small shapes): a
+// budget of 100 rows splits a 4x64 micro-batch's 256 rows into chunks of 100, 100 and 56 (the
+// plan's arithmetic: cuda_memory_plan_test LogitsBudgetSplitsTheHeadIntoRaggedChunks). Loss,
+// gradients and evaluation's logits against the one-chunk model: fp32 within 1e-6 (loss) and 1e-5
+// (relative L2 per tensor, logits), bf16 within 1e-3 and 1e-2 (another product shape may round
+// differently; the chunks' dW adds in another order).
+TEST(CudaModel, ChunkedLmHeadMatchesOneChunk) {
+  const GPTConfig c = SmallConfig(/*dropout=*/false);
+  Batches data(1, c.vocab_size);
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    cuda::CudaModelOptions chunked;
+    chunked.logits_budget_bytes = 100 * c.padded_vocab_size * (p == Precision::kFp32 ? 4 : 2);
+    auto one = Cuda(c, p);
+    auto three = Cuda(c, p, true, chunked);
+    ASSERT_TRUE(one && three);
+    ASSERT_TRUE(one->ZeroGrads().ok());
+    ASSERT_TRUE(three->ZeroGrads().ok());
+    auto a = one->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5);
+    auto b = three->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    const double loss_tol = p == Precision::kFp32 ? 1e-6 : 1e-3, tol = p == Precision::kFp32 ? 1e-5 : 1e-2;
+    EXPECT_EQ(a->tokens, b->tokens);
+    EXPECT_NEAR(b->loss_sum, a->loss_sum, loss_tol * a->loss_sum) << PrecisionName(p);
+    std::vector<float> ga(static_cast<size_t>(one->num_params())), gb(ga.size());
+    ASSERT_TRUE(one->ReadGrads(ga).ok());
+    ASSERT_TRUE(three->ReadGrads(gb).ok());
+    for (const ParamInfo& info : one->params_info())
+      EXPECT_LE(RelL2(gb.data() + info.offset, ga.data() + info.offset, info.size), tol)
+          << info.name << " " << PrecisionName(p);
+    std::vector<float> la, lb;
+    ASSERT_TRUE(one->Forward(data.Get(0), &la).ok());
+    ASSERT_TRUE(three->Forward(data.Get(0), &lb).ok());
+    ASSERT_EQ(la.size(), lb.size());
+    EXPECT_LE(RelL2(lb.data(), la.data(), static_cast<int64_t>(la.size())), tol) << PrecisionName(p);
+  }
+}
+
+// One training run's results with the step's grad norms.
+std::vector<StepResult> Steps(GPTModel* model, const Batches& data, int steps) {
+  auto comm = MakeLocalCommunicator();
+  TrainStep opt(model, OptimizerConfig{0.9, 0.95, 1e-8, 1.0}, Schedule(), comm.get());
+  std::vector<StepResult> out;
+  for (int i = 0; i < steps; ++i) {
+    auto r = opt.Step({data.Get(i)}, data.b, 7);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) break;
+    out.push_back(*r);
+  }
+  return out;
+}
+
+// GPT-2 small's shape (12 layers, hidden 768, 12 heads, vocabulary 50257 padded to 50304, 1024
+// tokens, a 2x1024 micro-batch: the LM head over 50304 columns, cuDNN's attention at head
+// dimension 64): 5 iterations in bf16 against fp32 from the same weights. Each iteration's loss
+// within 1e-2 relative, its grad norm within 5e-2 relative (bf16's 8-bit mantissa in every
+// product and activation); no iteration skipped.
+TEST(CudaModel, Gpt2SmallBf16FollowsFp32ForFiveIterations) {
+  GPTConfig c;
+  c.num_layers = 12;
+  c.hidden_size = 768;
+  c.num_attention_heads = 12;
+  c.ffn_hidden_size = 3072;
+  c.seq_length = c.max_position_embeddings = 1024;
+  c.vocab_size = 50257;
+  c.padded_vocab_size = 50304;
+  c.hidden_dropout = c.attention_dropout = 0.0;
+  Batches data(5, c.vocab_size, /*b=*/2, /*t=*/1024);
+  auto fp32 = Cuda(c, Precision::kFp32);
+  auto bf16 = Cuda(c, Precision::kBf16);
+  ASSERT_TRUE(fp32 && bf16);
+  const std::vector<StepResult> ref = Steps(fp32.get(), data, 5);
+  const std::vector<StepResult> got = Steps(bf16.get(), data, 5);
+  ASSERT_EQ(ref.size(), 5u);
+  ASSERT_EQ(got.size(), 5u);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_FALSE(ref[i].skipped || got[i].skipped) << "iteration " << i + 1;
+    EXPECT_NEAR(got[i].lm_loss(), ref[i].lm_loss(), 1e-2 * ref[i].lm_loss()) << "iteration " << i + 1;
+    EXPECT_NEAR(got[i].grad_norm, ref[i].grad_norm, 5e-2 * ref[i].grad_norm) << "iteration " << i + 1;
+  }
+}
+
+// Per-sample gradients of sample r: the micro-batch's loss mask keeps sample r's tokens only (no
+// other sample contributes to any gradient).
+std::vector<float> SampleGrads(GPTModel* m, const ModelBatch& mb, uint64_t seed) {
+  std::vector<float> g(static_cast<size_t>(m->num_params()));
+  EXPECT_TRUE(m->ZeroGrads().ok());
+  auto r = m->ForwardBackward(mb, 1.0 / 64, /*train=*/true, seed);
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(m->ReadGrads(g).ok());
+  return g;
+}
+
+// Dropout masks depend on (seed, sample, layer, site) alone in bf16/fp16 too: cuDNN's attention
+// dropout runs one sample per call with the sample's key. Each sample's gradients at micro-batch
+// size 4 (the others masked out of the loss) equal its gradients at micro-batch size 1, within
+// bf16/fp16 rounding of products of another shape (relative L2 3e-2); another sample's key (another
+// mask) moves them by more than 0.2, so the check can tell masks apart. Attention dropout 0.5 and
+// no hidden dropout: the masks checked are cuDNN's.
+TEST(CudaModel, HalfPrecisionDropoutMasksDependOnTheSampleAlone) {
+  GPTConfig c = SmallConfig(/*dropout=*/false);
+  c.attention_dropout = 0.5;
+  Batches data(1, c.vocab_size);
+  const int64_t t = data.t;
+  for (Precision p : {Precision::kBf16, Precision::kFp16}) {
+    auto gpu = Cuda(c, p);
+    ASSERT_TRUE(gpu);
+    for (int64_t r = 0; r < data.b; ++r) {
+      std::vector<float> only_r(data.mask.size(), 0.0f);
+      for (int64_t j = 0; j < t; ++j)
+        only_r[static_cast<size_t>(r * t + j)] = data.mask[static_cast<size_t>(r * t + j)];
+      ModelBatch four = data.Get(0);
+      four.loss_mask = only_r.data();
+      const std::vector<float> g4 = SampleGrads(gpu.get(), four, 99);
+      const size_t off = static_cast<size_t>(r * t);
+      const int64_t* key = data.keys[0].data() + r;
+      ModelBatch one{1,
+                     t,
+                     data.tokens[0].data() + off,
+                     data.labels[0].data() + off,
+                     data.positions.data(),
+                     data.mask.data() + off,
+                     key};
+      const std::vector<float> g1 = SampleGrads(gpu.get(), one, 99);
+      const int64_t other = data.keys[0][static_cast<size_t>((r + 1) % data.b)] + 1000;
+      one.sample_keys = &other;
+      const std::vector<float> g_other = SampleGrads(gpu.get(), one, 99);
+      const int64_t n = gpu->num_params();
+      EXPECT_LE(RelL2(g1.data(), g4.data(), n), 3e-2) << "sample " << r << " " << PrecisionName(p);
+      EXPECT_GT(RelL2(g_other.data(), g4.data(), n), 0.2) << "sample " << r << " " << PrecisionName(p);
+    }
+  }
+}
+
+// PTK_CUDA_SYNC_OPS=1 (sync_ops) synchronises after every op and changes no result: one step's
+// loss and gradients bit for bit against the model without it. --ptk-profile-ops' report ends with
+// the count of cuBLASLt fallbacks (the line the bench parses).
+TEST(CudaModel, SyncOpsChangesNothingAndTheProfileCountsFallbacks) {
+  const GPTConfig c = SmallConfig(/*dropout=*/true);
+  Batches data(1, c.vocab_size);
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    cuda::CudaModelOptions sync;
+    sync.sync_ops = true;
+    auto plain = Cuda(c, p);
+    auto synced = Cuda(c, p, true, sync, /*profile=*/true);
+    ASSERT_TRUE(plain && synced);
+    std::vector<std::vector<float>> grads;
+    std::vector<double> losses;
+    for (GPTModel* m : {plain.get(), synced.get()}) {
+      ASSERT_TRUE(m->ZeroGrads().ok());
+      auto r = m->ForwardBackward(data.Get(0), 1.0 / 200, true, 3);
+      ASSERT_TRUE(r.ok()) << r.status();
+      losses.push_back(r->loss_sum);
+      grads.emplace_back(static_cast<size_t>(m->num_params()));
+      ASSERT_TRUE(m->ReadGrads(grads.back()).ok());
+    }
+    EXPECT_EQ(losses[0], losses[1]) << PrecisionName(p);
+    EXPECT_TRUE(grads[0] == grads[1]) << PrecisionName(p);
+    // The profile needs an update to report.
+    const AdamWParams a{1e-3, 0.9, 0.95, 1e-8, 0.1, 1};
+    ASSERT_TRUE(synced->AdamWUpdate(a, a).ok());
+    const std::string report = synced->ProfileReport();
+    EXPECT_NE(report.find("cuBLASLt fallbacks: "), std::string::npos) << report;
+    std::printf("%s", report.c_str());
+  }
 }
 
 }  // namespace

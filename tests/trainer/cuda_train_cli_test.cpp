@@ -247,14 +247,36 @@ TEST_F(CudaTrainCli, CheckpointsCrossBackends) {
   EXPECT_NE(back.output.find("carry over exactly"), std::string::npos) << back.output;
 }
 
-// fp16 with dynamic loss scaling: the scale starts at 2^32, overflows are skipped iterations (not
-// NaN stops), and the run learns.
+// Skipped iterations over a run's log lines (Megatron's "number of skipped iterations" counts
+// those since the previous line).
+int64_t SkippedIterations(const std::string& out) {
+  static const std::regex re(R"(number of skipped iterations: +(\d+) \|)");
+  int64_t n = 0;
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+    n += std::stoll((*it)[1]);
+  return n;
+}
+
+// fp16 with dynamic loss scaling, from Megatron's default start (2^32): the first iterations
+// overflow and are skipped (not NaN stops) while the scale halves.
+TEST_F(CudaTrainCli, Fp16SkipsOverflowsFromTheDefaultScale) {
+  CmdRun r = Shell(Train("--device cuda --fp16 --attention-dropout 0", 5));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("loss scale: 4294967296.0"), std::string::npos) << r.output.substr(0, 4000);
+  EXPECT_GE(SkippedIterations(r.output), 1) << r.output.substr(0, 4000);
+  EXPECT_EQ(r.output.find("nan iterations:   1"), std::string::npos);
+}
+
+// fp16 from a scale where it learns (2^16, as mixed-precision recipes start): at most 2 of 50
+// iterations skipped, and the loss falls by more than 1 nat.
 TEST_F(CudaTrainCli, Fp16ScalesTheLossAndLearns) {
-  CmdRun r = Shell(Train("--device cuda --fp16 --attention-dropout 0", 50));
+  CmdRun r = Shell(Train("--device cuda --fp16 --initial-loss-scale 65536 --attention-dropout 0", 50));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::vector<Line> lines = Lines(r.output);
   ASSERT_FALSE(lines.empty());
-  EXPECT_NE(r.output.find("loss scale: 4294967296.0"), std::string::npos) << r.output.substr(0, 4000);
+  EXPECT_NE(r.output.find("loss scale: 65536.0"), std::string::npos) << r.output.substr(0, 4000);
+  EXPECT_LE(SkippedIterations(r.output), 2) << r.output.substr(0, 4000);
+  EXPECT_GE(lines.size(), 48u);
   EXPECT_LT(lines.back().lm_loss, lines.front().lm_loss - 1.0);
   EXPECT_EQ(r.output.find("nan iterations:   1"), std::string::npos);
 }

@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -20,6 +22,24 @@ namespace ptk::cuda {
 // "op (shapes): call failed: reason". `where` names the op and its shapes.
 absl::Status CudaError(cudaError_t err, std::string_view call, std::string_view where);
 absl::Status CublasError(cublasStatus_t err, std::string_view call, std::string_view where);
+
+// The products cuBLASLt had no algorithm for, which ran through cublasGemmEx and the separate bias
+// and GELU kernels instead (slower): each distinct one (op, shape, types, epilogue) with its number
+// of calls. The first call of each is warned about (matmul_cuda.cu); --ptk-profile-ops prints the
+// count.
+struct GemmFallbacks {
+  std::mutex mu;
+  std::map<std::string, int64_t> calls;
+  // Records one call; true when `what` is new (the caller warns).
+  bool Note(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu);
+    return ++calls[what] == 1;
+  }
+  int64_t distinct() {
+    std::lock_guard<std::mutex> lock(mu);
+    return static_cast<int64_t>(calls.size());
+  }
+};
 
 // The state one model's ops share. Created by the model, borrowed by every launcher.
 struct CudaContext {
@@ -32,6 +52,7 @@ struct CudaContext {
   void* cudnn = nullptr;       // cudnnHandle_t (kept opaque so this header needs no cudnn.h)
   bool deterministic = false;  // --deterministic-mode: no atomics-ordered reductions, fixed algorithms
   int sm_major = 0, sm_minor = 0, num_sms = 0;
+  GemmFallbacks* fallbacks = nullptr;  // the model's count of cuBLASLt fallbacks (may be null)
 };
 
 // Activation types: float (fp32 mode), __nv_bfloat16 (--bf16), __half (--fp16). Arithmetic is fp32.

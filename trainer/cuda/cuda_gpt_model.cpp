@@ -9,14 +9,17 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
 #include <fmt/core.h>
 
+#include "common/logging.h"
 #include "common/status.h"
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/cuda_common.h"
+#include "trainer/cuda/cuda_versions.h"
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
 
@@ -32,6 +35,17 @@ int VisibleDeviceCount() {
 }
 
 namespace {
+
+// The first CUDA model of the process logs the versions it runs with (driver, runtime, cuBLASLt,
+// cuDNN, NCCL, the GPU) and warns about each runtime library older than the build's headers.
+void LogVersionsOnce(int device) {
+  static std::once_flag once;
+  std::call_once(once, [device] {
+    std::vector<std::string> warnings;
+    log::Info("{}", DescribeCudaVersions(QueryCudaVersions(device), &warnings));
+    for (const std::string& w : warnings) log::Warning("{}", w);
+  });
+}
 
 // Page-locked host memory: the micro-batch inputs and the losses travel through it, so the copies
 // are asynchronous and run at full PCIe speed.
@@ -98,8 +112,13 @@ class CudaGPTModelImpl final : public GPTModel {
     if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
   }
 
-  absl::Status Init(int device, bool deterministic, int64_t micro_batch_size, bool profile) {
+  absl::Status Init(int device, bool deterministic, int64_t micro_batch_size, bool profile,
+                    const CudaModelOptions& options) {
     profile_ = profile;
+    sync_ops_ = options.sync_ops;
+    logits_budget_bytes_ = options.logits_budget_bytes;
+    if (logits_budget_bytes_ < 0)
+      return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
     const int visible = VisibleDeviceCount();
     if (visible == 0)
       return absl::FailedPreconditionError(
@@ -118,6 +137,7 @@ class CudaGPTModelImpl final : public GPTModel {
     ctx_.num_sms = prop.multiProcessorCount;
     ctx_.deterministic = deterministic;
     device_name_ = prop.name;
+    LogVersionsOnce(device);
     if (kFlash && prop.major < 8)
       return absl::FailedPreconditionError(fmt::format(
           "--{}: cuda:{} ({}) is sm_{}{}; bf16/fp16 training (cuDNN's fused attention) needs sm_80 or newer "
@@ -126,8 +146,12 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking), "creating the stream");
     PTK_CUBLAS_RETURN_IF_ERROR(cublasCreate(&ctx_.cublas), "creating the cuBLAS handle");
     PTK_CUBLAS_RETURN_IF_ERROR(cublasSetStream(ctx_.cublas, ctx_.stream), "cuBLAS stream");
-    // fp32 mode is IEEE fp32: no TF32 (it is the mode compared tightly with the CPU).
-    PTK_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(ctx_.cublas, CUBLAS_PEDANTIC_MATH), "cuBLAS math mode");
+    // fp32 mode is IEEE fp32: no TF32 (it is the mode compared tightly with the CPU). bf16/fp16 keep
+    // cuBLAS's default math mode, which lets their products (cublasGemmEx, the strided-batched
+    // fallbacks) use the tensor cores.
+    if constexpr (!kFlash)
+      PTK_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(ctx_.cublas, CUBLAS_PEDANTIC_MATH), "cuBLAS math mode");
+    ctx_.fallbacks = &fallbacks_;
     PTK_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&ctx_.cublaslt), "creating the cuBLASLt handle");
     if (kFlash) PTK_RETURN_IF_ERROR(CreateCudnnHandle(&ctx_));
     return Plan(micro_batch_size, config().seq_length);
@@ -235,7 +259,7 @@ class CudaGPTModelImpl final : public GPTModel {
     Begin();
     double* partials = Buf<double>(plan_.reduce);
     double* result = partials + SumSquaresPartials(end - begin);
-    PTK_RETURN_IF_ERROR(Op("grad norm", SumSquares(result, Grad(begin), end - begin, partials, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("grad norm", "grad norm", SumSquares(result, Grad(begin), end - begin, partials, ctx_)));
     double host = 0;
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, result, sizeof host, cudaMemcpyDeviceToHost, ctx_.stream),
                              "reading the gradient norm");
@@ -264,7 +288,8 @@ class CudaGPTModelImpl final : public GPTModel {
       PTK_RETURN_IF_ERROR(comm->AllGather(host_grads_.data(), bytes));
       PTK_RETURN_IF_ERROR(Upload(plan_.master, host_grads_, num_params()));
     }
-    if (kFlash) PTK_RETURN_IF_ERROR(Op("adamw", CastFromFloat<T>(Compute(0), Master(0), num_params(), ctx_)));
+    if (kFlash)
+      PTK_RETURN_IF_ERROR(Op("adamw", "compute copy", CastFromFloat<T>(Compute(0), Master(0), num_params(), ctx_)));
     return absl::OkStatus();
   }
 
@@ -272,7 +297,7 @@ class CudaGPTModelImpl final : public GPTModel {
     Begin();
     double* partials = Buf<double>(plan_.reduce);
     double* result = partials + SumSquaresPartials(num_params());
-    PTK_RETURN_IF_ERROR(Op("grad norm", SumSquares(result, Grad(0), num_params(), partials, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("grad norm", "grad norm", SumSquares(result, Grad(0), num_params(), partials, ctx_)));
     double host = 0;
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, result, sizeof host, cudaMemcpyDeviceToHost, ctx_.stream),
                              "reading the gradient norm");
@@ -282,7 +307,7 @@ class CudaGPTModelImpl final : public GPTModel {
 
   absl::Status ScaleGrads(double s) override {
     Begin();
-    return Op("grad scale", Scale(Grad(moments_begin()), moments_size(), static_cast<float>(s), ctx_));
+    return Op("grad scale", "grad scale", Scale(Grad(moments_begin()), moments_size(), static_cast<float>(s), ctx_));
   }
 
   absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override {
@@ -292,10 +317,10 @@ class CudaGPTModelImpl final : public GPTModel {
     const int64_t base = moments_begin();
     for (const ParamPiece& p : PiecesIn(layout(), base, base + moments_size())) {
       T* compute = kFlash ? Compute(p.offset) : nullptr;
-      PTK_RETURN_IF_ERROR(
-          Op("adamw", AdamW<T>(MasterOf(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + (p.offset - base),
-                               Buf<float>(plan_.exp_avg_sq) + (p.offset - base), p.size,
-                               p.no_weight_decay ? no_decay : decay, compute, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("adamw", "adamw",
+                             AdamW<T>(MasterOf(p.offset), Grad(p.offset), Buf<float>(plan_.exp_avg) + (p.offset - base),
+                                      Buf<float>(plan_.exp_avg_sq) + (p.offset - base), p.size,
+                                      p.no_weight_decay ? no_decay : decay, compute, ctx_)));
     }
     return absl::OkStatus();
   }
@@ -427,21 +452,69 @@ class CudaGPTModelImpl final : public GPTModel {
   T* Act(int index, int64_t layer, int64_t per_layer) const { return Buf<T>(index) + layer * per_layer; }
   float* Stats(int index, int64_t layer) const { return Buf<float>(index) + layer * 2 * plan_.n; }
 
+  // An error here may come from any op enqueued since the last synchronisation (kernels fault
+  // asynchronously): without PTK_CUDA_SYNC_OPS the message says how to find the op.
   absl::Status Sync(std::string_view what) const {
-    PTK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_.stream), fmt::format("{} on cuda:{}", what, ctx_.device));
+    if (cudaError_t e = cudaStreamSynchronize(ctx_.stream); e != cudaSuccess) {
+      const absl::Status st = CudaError(e, "cudaStreamSynchronize", fmt::format("{} on cuda:{}", what, ctx_.device));
+      if (sync_ops_) return st;
+      return absl::Status(st.code(), fmt::format("{} (an asynchronous error of an op enqueued before this point; rerun "
+                                                 "with PTK_CUDA_SYNC_OPS=1 to synchronise after every op and name the "
+                                                 "one that failed, its shapes and layer)",
+                                                 std::string(st.message())));
+    }
     CollectProfile();
     return absl::OkStatus();
   }
 
   // --ptk-profile-ops: an event after each op; at each synchronisation the time between
   // consecutive events is added to the op's category. Begin() starts a sequence (the time before it,
-  // the host's, is nobody's).
+  // the host's, is nobody's). With PTK_CUDA_SYNC_OPS=1 (CudaModelOptions::sync_ops) every op is
+  // followed by a synchronisation, and the first error names the op (`name`), its shapes and layer.
   void Begin() {
+    layer_ = -1;
     if (profile_) RecordMark(nullptr);
   }
-  absl::Status Op(const char* category, absl::Status status) {
-    if (profile_ && status.ok()) RecordMark(category);
+  absl::Status Op(const char* category, const char* name, absl::Status status) {
+    if (!status.ok())
+      return absl::Status(status.code(), fmt::format("{}: {}", OpWhere(name), std::string(status.message())));
+    if (profile_) RecordMark(category);
+    if (sync_ops_) {
+      if (cudaError_t e = cudaStreamSynchronize(ctx_.stream); e != cudaSuccess)
+        return CudaError(e, "cudaStreamSynchronize after the op (PTK_CUDA_SYNC_OPS=1)", OpWhere(name));
+    }
     return status;
+  }
+  // "op fc1+gelu (n=4096 x c=768 -> 3072) of layer 3 of 12, a 4x1024 micro-batch, bf16, cuda:0".
+  std::string OpWhere(const char* name) const {
+    const GPTConfig& cf = config();
+    const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size;
+    const std::string_view op(name);
+    auto has = [&](std::string_view w) { return op.find(w) != std::string_view::npos; };
+    std::string shapes;
+    if (has("qkv"))
+      shapes = fmt::format("n={} x c={} -> {}", n, c, 3 * c);
+    else if (has("proj"))
+      shapes = fmt::format("n={} x c={} -> {}", n, c, c);
+    else if (has("fc1"))
+      shapes = fmt::format("n={} x c={} -> {}", n, c, f);
+    else if (has("fc2"))
+      shapes = fmt::format("n={} x {} -> c={}", n, f, c);
+    else if (has("gelu"))
+      shapes = fmt::format("n={} x {}", n, f);
+    else if (has("lm head") || has("loss"))
+      shapes = fmt::format("rows {}..{} of n={} x c={} -> padded vocabulary {}", head_row0_, head_row0_ + head_rows_, n,
+                           c, vp);
+    else if (has("attention") && !has("dropout"))
+      shapes = fmt::format("b={} t={} heads={} head dim={}{}", b_, t_, cf.num_attention_heads, cf.head_dim(),
+                           kFlash ? " (cuDNN fused attention)" : "");
+    else if (has("grad") || has("adamw") || has("compute copy"))
+      shapes = fmt::format("{} parameters", num_params());
+    else
+      shapes = fmt::format("n={} x c={}", n, c);
+    return fmt::format("op {} ({}){}, a {}x{} micro-batch, {}, cuda:{}", name, shapes,
+                       layer_ >= 0 ? fmt::format(" of layer {} of {}", layer_, cf.num_layers) : "", b_, t_,
+                       PrecisionName(PrecisionOf<T>()), ctx_.device);
   }
   void RecordMark(const char* category) {
     cudaEvent_t e = nullptr;
@@ -485,6 +558,11 @@ class CudaGPTModelImpl final : public GPTModel {
                                   profiled_steps_, total / steps);
     for (const auto& [ms, name] : rows)
       out += fmt::format("  {:<12} {:9.3f} ms {:5.1f}%\n", name, ms / steps, 100.0 * ms / std::max(total, 1e-9));
+    // Products cuBLASLt had no algorithm for (cublasGemmEx and separate bias/GELU kernels instead):
+    // the number of distinct ones, then each with its calls.
+    std::lock_guard<std::mutex> lock(fallbacks_.mu);
+    out += fmt::format("  cuBLASLt fallbacks: {}\n", fallbacks_.calls.size());
+    for (const auto& [what, calls] : fallbacks_.calls) out += fmt::format("    {} ({} calls)\n", what, calls);
     return out;
   }
 
@@ -576,13 +654,21 @@ class CudaGPTModelImpl final : public GPTModel {
     o.padded_params = padded_params_;
     o.moment_params = moment_params_;
     o.layernorm_scratch_floats = LayerNormBackwardScratch(b * t, config().hidden_size);
+    if (logits_budget_bytes_ > 0) o.logits_budget_bytes = logits_budget_bytes_;
     if constexpr (kFlash) {
       // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
-      // in deterministic mode): the plan makes room for the larger of it and the products'.
+      // in deterministic mode): the plan makes room for the larger of it and the products'. Without
+      // attention dropout (and in evaluation) attention runs over the whole micro-batch; with it,
+      // training runs one sample per call (AttentionFwd).
       const AttentionShape shape{b, t, config().num_attention_heads, config().head_dim()};
-      PTK_ASSIGN_OR_RETURN(const int64_t flash,
-                           FlashAttentionWorkspaceBytes<T>(shape, config().attention_dropout, ctx_));
+      PTK_ASSIGN_OR_RETURN(const int64_t flash, FlashAttentionWorkspaceBytes<T>(shape, 0.0, ctx_));
       o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, flash);
+      if (config().attention_dropout > 0) {
+        PTK_ASSIGN_OR_RETURN(const int64_t one,
+                             FlashAttentionWorkspaceBytes<T>(AttentionShape{1, t, shape.nh, shape.hd},
+                                                             config().attention_dropout, ctx_));
+        o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, one);
+      }
     }
     PTK_ASSIGN_OR_RETURN(MemoryPlan plan, PlanMemory(config(), num_params(), o));
     size_t free_bytes = 0, total_bytes = 0;
@@ -663,10 +749,14 @@ class CudaGPTModelImpl final : public GPTModel {
           cudaMemcpyAsync(Buf<uint64_t>(plan_.streams), table, static_cast<size_t>(StreamTableSize(L, b_)) * 8,
                           cudaMemcpyHostToDevice, ctx_.stream),
           "copying the dropout streams to the device");
-      // cuDNN's attention dropout (bf16/fp16) takes one seed per call: the first sample's key
-      // for the layer, so that recomputation and backward see the same mask.
-      flash_keys_.assign(static_cast<size_t>(L), 0);
-      for (int64_t l = 0; l < L; ++l) flash_keys_[static_cast<size_t>(l)] = table[StreamIndex(l, kAttentionProbs, b_)];
+      // cuDNN's attention dropout (bf16/fp16) takes one seed per call, and its mask depends on a
+      // sample's place in the call's batch: with dropout, attention runs one sample per call, seeded
+      // with the sample's key for the layer, so that the mask depends on (seed, sample, layer)
+      // alone (not on the micro-batch size or the data-parallel layout), and backward sees it again.
+      flash_keys_.assign(static_cast<size_t>(L * b_), 0);
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t r = 0; r < b_; ++r)
+          flash_keys_[static_cast<size_t>(l * b_ + r)] = table[StreamIndex(l, kAttentionProbs, b_) + r];
     }
     tokens_host_ = batch.tokens;
     positions_host_ = batch.position_ids;
@@ -697,54 +787,67 @@ class CudaGPTModelImpl final : public GPTModel {
     const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
     T* tmp = Buf<T>(plan_.tmp);
 
-    PTK_RETURN_IF_ERROR(Op("embedding", EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(),
-                                                            Compute(pl.wte), Compute(pl.wpe), n, c, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
+    layer_ = -1;
+    PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
+                           EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
+                                               Compute(pl.wpe), n, c, ctx_)));
+    PTK_RETURN_IF_ERROR(
+        Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
     const LayerParams& first = pl.layers[0];
     PTK_RETURN_IF_ERROR(
-        Op("layernorm",
+        Op("layernorm", "ln1",
            LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), Stats(plan_.ln1_stats, 0) + n,
                                Act(plan_.resid, 0, n * c), Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps, ctx_)));
     for (int64_t l = 0; l < L; ++l) {
+      layer_ = l;
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       T* qkv = Act(plan_.qkv, l, n * 3 * c);
       T* atty = Act(plan_.atty, l, n * c);
-      PTK_RETURN_IF_ERROR(Op("matmul", MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w),
-                                                        Compute(lp.qkv_b), n, c, 3 * c, ctx_)));
-      PTK_RETURN_IF_ERROR(Op("attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
       PTK_RETURN_IF_ERROR(
-          Op("matmul", MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_)));
-      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
+          Op("matmul", "qkv",
+             MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, 3 * c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("attention", "attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
       PTK_RETURN_IF_ERROR(
-          Op("layernorm", ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
-                                                      Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
-                                                      Act(plan_.resid, l, n * c), tmp, Ln(lp.ln2_w),
-                                                      Ln(lp.ln2_b), n, c, eps, ctx_)));
+          Op("matmul", "proj", MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("dropout", "attention-out dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
+      PTK_RETURN_IF_ERROR(Op(
+          "layernorm", "residual+ln2",
+          ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
+                                      Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
+                                      Act(plan_.resid, l, n * c), tmp, Ln(lp.ln2_w), Ln(lp.ln2_b), n, c, eps, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("matmul", "fc1+gelu",
+                             MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
+                                              Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
       PTK_RETURN_IF_ERROR(
-          Op("matmul", MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
-                                        Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
-      PTK_RETURN_IF_ERROR(Op("matmul", MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w),
-                                                        Compute(lp.fc2_b), n, f, c, ctx_)));
-      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
+          Op("matmul", "fc2",
+             MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), Compute(lp.fc2_b), n, f, c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
       // resid[l+1] = resid_mid[l] + tmp, then the next LayerNorm (the next layer's or the final one).
       const bool last = l + 1 == L;
       const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
       T* ln_out = last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c);
       float* stats = last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1);
       PTK_RETURN_IF_ERROR(
-          Op("layernorm",
+          Op("layernorm", "residual+ln",
              ResidualLayerNormForward<T>(Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n,
                                          Act(plan_.resid_mid, l, n * c), tmp, Ln(last ? pl.lnf_w : next->ln1_w),
                                          Ln(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_)));
     }
+    layer_ = -1;
     return absl::OkStatus();
   }
 
   absl::Status AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
     if constexpr (kFlash) {
-      const uint64_t key = ap > 0 ? flash_keys_[static_cast<size_t>(l)] : 0;
-      return FlashAttentionForward<T>(atty, Buf<float>(plan_.attn_saved) + l * b_ * config().num_attention_heads * t_,
-                                      qkv, shape, ap, seed ^ key, 0, ctx_);
+      const int64_t nh = config().num_attention_heads, c = config().hidden_size;
+      float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
+      if (ap <= 0) return FlashAttentionForward<T>(atty, stats, qkv, shape, 0.0, 0, 0, ctx_);
+      // Dropout: one sample per call, its own key (Prepare).
+      const AttentionShape one{1, t_, nh, config().head_dim()};
+      for (int64_t r = 0; r < b_; ++r)
+        PTK_RETURN_IF_ERROR(FlashAttentionForward<T>(atty + r * t_ * c, stats + r * nh * t_, qkv + r * t_ * 3 * c, one,
+                                                     ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
+      return absl::OkStatus();
     } else {
       float* probs = Buf<float>(plan_.attn_saved) +
                      (config().recompute_activations ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
@@ -764,19 +867,25 @@ class CudaGPTModelImpl final : public GPTModel {
     float* losses = Buf<float>(plan_.losses);
     if (logits_out) logits_out->assign(static_cast<size_t>(n * vp), 0.0f);
     std::vector<T> chunk_host;
+    layer_ = -1;
     for (int64_t r0 = 0; r0 < n; r0 += rows_per_chunk) {
       const int64_t rows = std::min(rows_per_chunk, n - r0);
-      PTK_RETURN_IF_ERROR(Op("matmul", MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w),
-                                                        static_cast<const T*>(nullptr), rows, c, vp, ctx_)));
+      head_row0_ = r0;
+      head_rows_ = rows;
+      PTK_RETURN_IF_ERROR(Op(
+          "matmul", "lm head",
+          MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w), static_cast<const T*>(nullptr), rows, c, vp, ctx_)));
       if (backward) {
-        PTK_RETURN_IF_ERROR(Op("loss", SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0,
-                                                                   LossWeights() + r0, rows, vp, ctx_)));
-        PTK_RETURN_IF_ERROR(Op("matmul", MatmulBackward<T>(Buf<T>(plan_.dln) + r0 * c, Grad(out_w), nullptr, logits,
-                                                           lnf + r0 * c, Compute(out_w), rows, c, vp, ctx_)));
+        PTK_RETURN_IF_ERROR(
+            Op("loss", "loss+dlogits",
+               SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows, vp, ctx_)));
+        PTK_RETURN_IF_ERROR(Op("matmul", "lm head backward",
+                               MatmulBackward<T>(Buf<T>(plan_.dln) + r0 * c, Grad(out_w), nullptr, logits, lnf + r0 * c,
+                                                 Compute(out_w), rows, c, vp, ctx_)));
         continue;
       }
       PTK_RETURN_IF_ERROR(
-          Op("loss", SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_)));
+          Op("loss", "loss", SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_)));
       if (logits_out) {
         chunk_host.resize(static_cast<size_t>(rows * vp));
         PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(chunk_host.data(), logits, chunk_host.size() * sizeof(T),
@@ -801,50 +910,61 @@ class CudaGPTModelImpl final : public GPTModel {
     T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff),
       *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
 
+    layer_ = -1;
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
-    PTK_RETURN_IF_ERROR(Op(
-        "layernorm", LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
-                                          Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats),
-                                          Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch), ctx_)));
+    PTK_RETURN_IF_ERROR(
+        Op("layernorm", "final ln backward",
+           LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Ln(pl.lnf_w),
+                                Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
+                                Buf<float>(plan_.ln_scratch), ctx_)));
     GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
     for (int64_t l = L - 1; l >= 0; --l) {
+      layer_ = l;
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
                                "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Op("copies", absl::OkStatus()));
-      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(dtmp, l, kMlpOutDropout, hp, seed)));
-      PTK_RETURN_IF_ERROR(Op("matmul", MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dtmp,
-                                                         Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n, f, c, ctx_)));
-      PTK_RETURN_IF_ERROR(Op("gelu", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
-      PTK_RETURN_IF_ERROR(Op("matmul", MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff,
-                                                         Act(plan_.ln2, l, n * c), Compute(lp.fc1_w), n, c, f, ctx_)));
-      PTK_RETURN_IF_ERROR(Op(
-          "layernorm", LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
-                                            Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
-                                            n, c, Buf<float>(plan_.ln_scratch), ctx_)));
+      PTK_RETURN_IF_ERROR(Op("copies", "copies", absl::OkStatus()));
+      PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout backward", Dropout(dtmp, l, kMlpOutDropout, hp, seed)));
+      PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
+                             MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dtmp, Act(plan_.gelu, l, n * f),
+                                               Compute(lp.fc2_w), n, f, c, ctx_)));
+      PTK_RETURN_IF_ERROR(
+          Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("matmul", "fc1 backward",
+                             MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
+                                               Compute(lp.fc1_w), n, c, f, ctx_)));
+      PTK_RETURN_IF_ERROR(
+          Op("layernorm", "ln2 backward",
+             LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
+                                  Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
+                                  Buf<float>(plan_.ln_scratch), ctx_)));
       // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
                                "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Op("copies", absl::OkStatus()));
-      PTK_RETURN_IF_ERROR(Op("dropout", Dropout(dtmp, l, kAttentionOutDropout, hp, seed)));
+      PTK_RETURN_IF_ERROR(Op("copies", "copies", absl::OkStatus()));
       PTK_RETURN_IF_ERROR(
-          Op("matmul", MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * c),
-                                         Compute(lp.proj_w), n, c, c, ctx_)));
-      PTK_RETURN_IF_ERROR(Op("attention", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
+          Op("dropout", "attention-out dropout backward", Dropout(dtmp, l, kAttentionOutDropout, hp, seed)));
+      PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
+                             MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * c),
+                                               Compute(lp.proj_w), n, c, c, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
+      PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
+                             MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
+                                               Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
       PTK_RETURN_IF_ERROR(
-          Op("matmul", MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
-                                         Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
-      PTK_RETURN_IF_ERROR(Op(
-          "layernorm", LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
-                                            Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n,
-                                            n, c, Buf<float>(plan_.ln_scratch), ctx_)));
+          Op("layernorm", "ln1 backward",
+             LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c), Ln(lp.ln1_w),
+                                  Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
+                                  Buf<float>(plan_.ln_scratch), ctx_)));
       GradsReady(static_cast<size_t>(L - l));  // layer l
     }
-    PTK_RETURN_IF_ERROR(Op("dropout", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
-    PTK_RETURN_IF_ERROR(Op("embedding", EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(),
-                                                             tokens_host_, positions_host_, n, c, cf.padded_vocab_size,
-                                                             cf.max_position_embeddings, &embedding_plan_, ctx_)));
+    layer_ = -1;
+    PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
+    PTK_RETURN_IF_ERROR(Op(
+        "embedding", "embedding backward",
+        EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
+                             n, c, cf.padded_vocab_size, cf.max_position_embeddings, &embedding_plan_, ctx_)));
     GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
     return absl::OkStatus();
   }
@@ -853,10 +973,19 @@ class CudaGPTModelImpl final : public GPTModel {
     const int64_t n = n_, c = config().hidden_size;
     const T* qkv = Act(plan_.qkv, l, n * 3 * c);
     if constexpr (kFlash) {
-      const uint64_t key = ap > 0 ? flash_keys_[static_cast<size_t>(l)] : 0;
-      return FlashAttentionBackward<T>(dqkv, datt, Act(plan_.atty, l, n * c),
-                                       Buf<float>(plan_.attn_saved) + l * b_ * config().num_attention_heads * t_, qkv,
-                                       shape, ap, seed ^ key, 0, ctx_);
+      const int64_t nh = config().num_attention_heads;
+      const T* out = Act(plan_.atty, l, n * c);
+      const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
+      if (ap <= 0) return FlashAttentionBackward<T>(dqkv, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_);
+      // Dropout: one sample per call with the forward's key, so the same mask.
+      const AttentionShape one{1, t_, nh, config().head_dim()};
+      for (int64_t r = 0; r < b_; ++r) {
+        const int64_t row = r * t_;
+        PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dqkv + row * 3 * c, datt + row * c, out + row * c,
+                                                      stats + r * nh * t_, qkv + row * 3 * c, one, ap,
+                                                      seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
+      }
+      return absl::OkStatus();
     } else {
       const bool recompute = config().recompute_activations;
       float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
@@ -885,6 +1014,7 @@ class CudaGPTModelImpl final : public GPTModel {
   }
 
   CudaContext ctx_;
+  mutable GemmFallbacks fallbacks_;  // ctx_.fallbacks
   std::string device_name_;
   MemoryPlan plan_;
   char* arena_ = nullptr;
@@ -909,6 +1039,10 @@ class CudaGPTModelImpl final : public GPTModel {
   std::vector<LayerNormRun> ln_runs_ = LayerNormRuns(layout());
   EmbeddingBackwardPlan embedding_plan_;
   bool profile_ = false;
+  bool sync_ops_ = false;            // PTK_CUDA_SYNC_OPS=1: CudaModelOptions::sync_ops
+  int64_t logits_budget_bytes_ = 0;  // CudaModelOptions::logits_budget_bytes (0: the plan's default)
+  // What OpWhere names: the layer being run (-1: none), the LM head's chunk of rows.
+  int64_t layer_ = -1, head_row0_ = 0, head_rows_ = 0;
   int64_t profiled_steps_ = 0;
   mutable std::vector<std::pair<const char*, cudaEvent_t>> marks_;
   mutable std::vector<cudaEvent_t> free_events_;
@@ -917,10 +1051,11 @@ class CudaGPTModelImpl final : public GPTModel {
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int device, bool deterministic,
-                                               int64_t micro_batch_size, bool profile) {
+                                               int64_t micro_batch_size, bool profile,
+                                               const CudaModelOptions& options) {
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config));
   auto m = std::make_unique<CudaGPTModelImpl<T>>(std::move(layout));
-  PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size, profile));
+  PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size, profile, options));
   return std::unique_ptr<GPTModel>(std::move(m));
 }
 
@@ -928,13 +1063,15 @@ absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int devi
 
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& config, Precision precision,
                                                              int device_index, bool deterministic,
-                                                             int64_t micro_batch_size, bool profile) {
+                                                             int64_t micro_batch_size, bool profile,
+                                                             const CudaModelOptions& options) {
   switch (precision) {
-    case Precision::kBf16: return Make<__nv_bfloat16>(config, device_index, deterministic, micro_batch_size, profile);
-    case Precision::kFp16: return Make<__half>(config, device_index, deterministic, micro_batch_size, profile);
+    case Precision::kBf16:
+      return Make<__nv_bfloat16>(config, device_index, deterministic, micro_batch_size, profile, options);
+    case Precision::kFp16: return Make<__half>(config, device_index, deterministic, micro_batch_size, profile, options);
     case Precision::kFp32: break;
   }
-  return Make<float>(config, device_index, deterministic, micro_batch_size, profile);
+  return Make<float>(config, device_index, deterministic, micro_batch_size, profile, options);
 }
 
 }  // namespace ptk::cuda

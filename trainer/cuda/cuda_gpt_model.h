@@ -14,11 +14,23 @@ namespace ptk::cuda {
 // Visible CUDA devices; 0 without a driver or a device.
 int VisibleDeviceCount();
 
+// Settings of the CUDA model beside the run's flags. The library reads no environment: ptk-train's
+// main fills sync_ops from PTK_CUDA_SYNC_OPS.
+struct CudaModelOptions {
+  // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
+  // finding a kernel fault, which otherwise surfaces at the next synchronisation).
+  bool sync_ops = false;
+  // The LM head's logits are computed in chunks of rows within this many bytes; 0: the plan's
+  // default (256 MiB). Tests make it small to run the head in several chunks.
+  int64_t logits_budget_bytes = 0;
+};
+
 // The model on device `device_index` (CUDA_VISIBLE_DEVICES applies). micro_batch_size plans the
 // activations for (micro_batch_size, seq_length); a larger batch later re-plans. profile times every
 // op with CUDA events (ProfileReport).
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateCudaGPTModel(const GPTConfig& config, Precision precision,
                                                              int device_index, bool deterministic,
-                                                             int64_t micro_batch_size, bool profile = false);
+                                                             int64_t micro_batch_size, bool profile = false,
+                                                             const CudaModelOptions& options = {});
 
 }  // namespace ptk::cuda

@@ -39,6 +39,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "common/logging.h"
 #include "trainer/cuda/ops_cuda.h"
 #include "trainer/op_math.h"
 
@@ -253,8 +254,43 @@ absl::Status BuildPlan(const GemmSpec& g, const void* A, const void* B, const vo
   return absl::OkStatus();
 }
 
+const char* EpilogueName(cublasLtEpilogue_t e) {
+  switch (e) {
+    case CUBLASLT_EPILOGUE_BIAS: return "bias";
+    case CUBLASLT_EPILOGUE_GELU_AUX: return "GELU_AUX";
+    case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: return "GELU_AUX_BIAS";
+    default: return "none";
+  }
+}
+const char* TypeName(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_32F: return "fp32";
+    case CUDA_R_16BF: return "bf16";
+    case CUDA_R_16F: return "fp16";
+    default: return "?";
+  }
+}
+
+// A product cuBLASLt found no algorithm for: counted in the model's GemmFallbacks, warned about
+// the first time this (op, shape, types, epilogue) falls back.
+void NoteFallback(const GemmSpec& g, const CudaContext& ctx, const std::string& where) {
+  const std::string what =
+      fmt::format("{}: cuBLAS m={} n={} k={} op(A)={} op(B)={}, A/B {}, C/D {}, epilogue {}", where, g.m, g.n, g.k,
+                  g.trans_a == CUBLAS_OP_T ? "T" : "N", g.trans_b == CUBLAS_OP_T ? "T" : "N", TypeName(g.ab_type),
+                  TypeName(g.c_type), EpilogueName(g.epilogue));
+  if (ctx.fallbacks && !ctx.fallbacks->Note(what)) return;
+  if (!ctx.fallbacks) {  // no model to count it: warn once per process
+    static std::mutex mu;
+    static auto* seen = new std::map<std::string, int>;
+    std::lock_guard<std::mutex> lock(mu);
+    if ((*seen)[what]++ > 0) return;
+  }
+  log::Warning("cuBLASLt has no algorithm for {} on cuda:{}: falling back to cublasGemmEx{} (slower)", what, ctx.device,
+               g.epilogue == CUBLASLT_EPILOGUE_DEFAULT ? "" : " and a separate kernel for the epilogue");
+}
+
 // D = alpha op(A) op(B) + beta C (C = D), through a cached cuBLASLt plan. *ran is false when
-// cuBLASLt has no algorithm for it (nothing was launched).
+// cuBLASLt has no algorithm for it (nothing was launched; the fallback is counted and warned).
 absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, float alpha, float beta,
                     const CudaContext& ctx, const std::string& where, bool* ran) {
   *ran = false;
@@ -295,7 +331,10 @@ absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, fl
     it = cache.emplace(key, plan).first;
   }
   const Plan& plan = it->second;
-  if (!plan.supported) return absl::OkStatus();
+  if (!plan.supported) {
+    NoteFallback(g, ctx, where);
+    return absl::OkStatus();
+  }
   if (g.bias)
     PTK_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)), where);

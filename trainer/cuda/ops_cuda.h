@@ -124,7 +124,8 @@ int64_t AttentionBackwardScratch(const AttentionShape& s);
 // bf16 / fp16 (T = __nv_bfloat16 or __half): cuDNN's fused flash attention (graph API through
 // cudnn-frontend), never a t x t matrix in memory. stats(b, nh, t): fp32 softmax statistics kept
 // for backward. Attention dropout, when p > 0, is cuDNN's own (Philox keyed by seed and offset):
-// the only mask that differs from the CPU backend's.
+// the only mask that differs from the CPU backend's. It depends on a sample's place in the batch,
+// so the model calls these one sample at a time (s.b = 1) with the sample's own seed.
 // The cuDNN handle of a context (ctx->cudnn), on its stream; created by a bf16/fp16 model.
 absl::Status CreateCudnnHandle(CudaContext* ctx);
 void DestroyCudnnHandle(CudaContext* ctx);
