@@ -12,8 +12,9 @@
 //    no call starts after it;
 //  - a nonblocking call's ncclInProgress is polled (ncclCommGetAsyncError) up to a deadline, each
 //    poll under mu_, the sleeps between polls without it (the watchdog can abort meanwhile);
-//  - Close (the destructor's) finalizes (ncclCommFinalize, polled to completion) before
-//    ncclCommDestroy; a finalize that fails or does not finish aborts instead, and says so.
+//  - Close (the destructor's) finalizes (ncclCommFinalize, then ncclCommGetAsyncError polled
+//    until the communicator leaves ncclInProgress) before ncclCommDestroy; a finalize that fails
+//    or does not finish aborts instead, and says so.
 // Header-only and free of CUDA and NCCL headers.
 #pragma once
 
@@ -148,12 +149,18 @@ class NcclGuard {
     if (!healthy) {
       problem = "its stream did not drain";
     } else {
+      // A nonblocking communicator's finalize returns at once (ncclSuccess, or ncclInProgress) and
+      // leaves the communicator in progress until every operation is flushed: its state is polled
+      // until it leaves ncclInProgress.
       int r = calls_->Finalize();
       const auto deadline = Clock::now() + timeout_;
-      while (r == kNcclInProgress && Clock::now() <= deadline) {
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-        int async = kNcclSuccess;
-        r = calls_->GetAsyncError(&async) == kNcclSuccess ? async : kNcclInternalError;
+      if (r == kNcclSuccess || r == kNcclInProgress) {
+        while (true) {
+          int async = kNcclSuccess;
+          r = calls_->GetAsyncError(&async) == kNcclSuccess ? async : kNcclInternalError;
+          if (r != kNcclInProgress || Clock::now() > deadline) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
       }
       if (r == kNcclSuccess) {
         r = calls_->Destroy();
