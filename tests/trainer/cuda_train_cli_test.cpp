@@ -247,6 +247,28 @@ TEST_F(CudaTrainCli, CheckpointsCrossBackends) {
   EXPECT_NE(back.output.find("carry over exactly"), std::string::npos) << back.output;
 }
 
+// PTK_CUDA_SYNC_OPS=1 reaches the model (ptk-train's main reads it) and changes no bit: bf16 with
+// dropout, --deterministic-mode, the same loss and grad norm text as without it. The start-up line
+// names the driver, the libraries beside the build's headers, and the GPU.
+TEST_F(CudaTrainCli, SyncOpsSwitchChangesNoBitAndVersionsAreLogged) {
+  const std::string flags = "--device cuda --deterministic-mode --bf16";
+  CmdRun plain = Shell(Train(flags, 5));
+  CmdRun synced = Shell("PTK_CUDA_SYNC_OPS=1 " + Train(flags, 5));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(synced.exit_code, 0) << synced.output;
+  const std::vector<Line> a = Lines(plain.output), b = Lines(synced.output);
+  ASSERT_EQ(a.size(), 5u);
+  ASSERT_EQ(b.size(), a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].loss, b[i].loss) << "iteration " << i + 1;
+    EXPECT_EQ(a[i].grad_norm, b[i].grad_norm) << "iteration " << i + 1;
+  }
+  static const std::regex versions(
+      R"(CUDA: driver [0-9.]+, runtime [0-9.]+ \(built with [0-9.]+\), cuBLASLt [0-9.]+ \(built with [0-9.]+\), )"
+      R"(cuDNN [0-9.]+ \(built with [0-9.]+\), NCCL [0-9.]+ \(built with [0-9.]+\), GPU cuda:0 .+, sm_\d+)");
+  EXPECT_TRUE(std::regex_search(plain.output, versions)) << plain.output.substr(0, 4000);
+}
+
 // Skipped iterations over a run's log lines (Megatron's "number of skipped iterations" counts
 // those since the previous line).
 int64_t SkippedIterations(const std::string& out) {
