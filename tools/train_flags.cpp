@@ -1,6 +1,7 @@
 // ptk-train's Megatron-compatible option table and its resolution into TrainOptions.
 #include "tools/train_flags.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -247,14 +248,25 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
   for (int i = 0; i < 3; ++i) {
     simdjson::dom::element e;
     if (obj[keys[i]].get(e)) continue;
+    std::string_view text;
+    if (!e.get(text)) {  // a string: its whitespace-separated words, as Megatron splits it
+      size_t pos = 0;
+      while ((pos = text.find_first_not_of(" \t\r\n", pos)) != std::string_view::npos) {
+        const size_t end = std::min(text.find_first_of(" \t\r\n", pos), text.size());
+        data->per_split_data_path[i].emplace_back(text.substr(pos, end - pos));
+        pos = end;
+      }
+      continue;
+    }
     simdjson::dom::array arr;
     if (e.get(arr))
-      return UsageError(fmt::format("--per-split-data-args-path {}: \"{}\" must be a list of strings", path, keys[i]));
+      return UsageError(
+          fmt::format("--per-split-data-args-path {}: \"{}\" must be a string or a list of strings", path, keys[i]));
     for (simdjson::dom::element w : arr) {
       std::string_view v;
       if (w.get(v))
         return UsageError(
-            fmt::format("--per-split-data-args-path {}: \"{}\" must be a list of strings", path, keys[i]));
+            fmt::format("--per-split-data-args-path {}: \"{}\" must be a string or a list of strings", path, keys[i]));
       data->per_split_data_path[i].emplace_back(v);
     }
   }

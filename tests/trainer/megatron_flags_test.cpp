@@ -185,6 +185,13 @@ TEST_F(MegatronFlags, DataArgsPathReadsTheDataPathsFromAFile) {
       RunCmd(common + "--data-args-path " + ShellQuote(dir_ / "data-args.txt") + " --data-path " + ShellQuote(prefix_));
   EXPECT_EQ(both.exit_code, 2) << both.output;
   EXPECT_NE(both.output.find("--data-args-path and --data-path: give one"), std::string::npos) << both.output;
+  // --per-split-data-args-path: Megatron's JSON of the splits' lists (or strings, split on whitespace).
+  testing::WriteFile(dir_ / "splits.json",
+                     "{\"train\": [\"1.0\", \"" + prefix_ + "\"], \"valid\": \"1.0 " + prefix_ + "\", \"test\": []}");
+  auto splits = RunCmd(common + "--eval-iters 1 --eval-interval 2 --per-split-data-args-path " +
+                       ShellQuote(dir_ / "splits.json"));
+  ASSERT_EQ(splits.exit_code, 0) << splits.output;
+  EXPECT_NE(splits.output.find(" validation loss at iteration 2 | "), std::string::npos) << splits.output;
   auto missing = RunCmd(common + "--data-args-path " + ShellQuote(dir_ / "nope.txt"));
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_NE(missing.output.find("nope.txt"), std::string::npos) << missing.output;
