@@ -67,6 +67,12 @@ std::string ProgressReporter::Line() const {
   return s;
 }
 
+void ProgressReporter::Refresh() {
+  if (!tty_ || !opt_.enabled) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!stop_) log::SetStatusLine(Line());
+}
+
 void ProgressReporter::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {

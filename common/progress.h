@@ -36,6 +36,9 @@ class ProgressReporter {
   void Finish();
   // The current status line (what would be printed now).
   std::string Line() const;
+  // Draws the status line now (a TTY only), so that it says what a log line just printed says
+  // instead of what it said at its last periodic redraw.
+  void Refresh();
 
  private:
   void Run();

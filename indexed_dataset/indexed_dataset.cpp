@@ -283,6 +283,11 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
   } else if (auto found = ExpandGlobs({prefix + "*_document.idx"}); found.ok()) {
     for (const auto& f : *found) near.push_back(f.substr(0, f.size() - 4));
   }
+  if (near.empty() && arg.find_first_of(" \t") != std::string::npos)
+    return absl::NotFoundError(fmt::format(
+        "{:?}: no dataset here; it holds spaces: weights and prefixes are separate arguments, as Megatron takes them "
+        "(--data-path 0.3 A 0.7 B, unquoted, or \"$DATA_PATH\" without quotes)",
+        arg));
   if (near.empty())
     return absl::NotFoundError(
         fmt::format("{}: no dataset here (neither {} nor {} exists)", arg, IdxPath(prefix), BinPath(prefix)));

@@ -4,7 +4,8 @@
 Usage: python3 scripts/plot-loss.py METRICS.jsonl [METRICS2.jsonl ...] -o loss.png [--title T]
 Each file is one curve (a resumed run appends to the same file, so one file is one run). Lines
 that are not JSON objects with "iteration" and "lm_loss" are an error naming the file and line.
-Needs matplotlib (Debian: python3-matplotlib, installed by scripts/install-deps.sh).
+Needs matplotlib (Debian: python3-matplotlib, installed by scripts/install-deps.sh): a Python
+without it (a virtualenv's first on PATH) reruns the script with one that has it, or names it.
 """
 import argparse
 import json
@@ -29,6 +30,36 @@ def read(path):
     return its, [losses[i] for i in its]
 
 
+# Interpreters that may have matplotlib where the one running this does not (a virtualenv or pyenv
+# Python first on PATH, while Debian's python3-matplotlib is installed for /usr/bin/python3).
+CANDIDATES = ["/usr/bin/python3", "/usr/local/bin/python3", "python3", "python"]
+
+
+def has_matplotlib(python):
+    import subprocess
+    try:
+        return subprocess.run([python, "-c", "import matplotlib"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_where_matplotlib_is():
+    """Reruns this script with an interpreter that has matplotlib, or says exactly what to do."""
+    import shutil
+    if not os.environ.get("PTK_PLOT_LOSS_REEXEC"):
+        for c in CANDIDATES:
+            path = shutil.which(c)
+            if path and path != sys.executable and has_matplotlib(path):
+                print(f"plot-loss: note: {sys.executable} has no matplotlib; running {path}, which has it",
+                      file=sys.stderr)
+                os.environ["PTK_PLOT_LOSS_REEXEC"] = "1"
+                os.execv(path, [path, os.path.abspath(__file__)] + sys.argv[1:])
+    sys.exit(f"plot-loss: matplotlib is missing for {sys.executable} and for every other python3 found "
+             f"({', '.join(CANDIDATES)}): install it for one of them (Debian: apt-get install python3-matplotlib, "
+             f"for /usr/bin/python3; or {sys.executable} -m pip install matplotlib)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("metrics", nargs="+")
@@ -40,7 +71,7 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        sys.exit("plot-loss: matplotlib is missing (apt-get install python3-matplotlib)")
+        run_where_matplotlib_is()
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     for path in args.metrics:
         its, losses = read(path)

@@ -6,7 +6,15 @@
 set -uo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [ -n "${STAGE_PATH:-}" ] || { echo "status: STAGE_PATH is not set" >&2; exit 2; }
+# What the last submission ran with (submit-pipeline.sh records it beside the job ids), over this
+# shell's variables: TRAIN_ITERS=10 at submit time is the goal, whatever this shell says.
+submitted="$STAGE_PATH/results/submitted-settings.sh"
+if [ -f "$submitted" ]; then
+  # shellcheck source=/dev/null
+  source "$submitted"
+fi
 source "$PTK_SLURM_DIR/config.sh"
+[ -f "$submitted" ] && echo "settings: as submitted ($submitted, $(date -r "$submitted" '+%F %T'))"
 
 complete=1
 line() { printf '%-12s %s\n' "$1" "$2"; }
@@ -83,9 +91,13 @@ if [ -n "$stray" ]; then
   complete=0
 fi
 # train: the checkpoint tracker vs TRAIN_ITERS
-latest=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
-line train "checkpoint at iteration $latest of $TRAIN_ITERS (in $CKPT_DIR)"
-[ "$latest" -ge "$TRAIN_ITERS" ] 2>/dev/null || complete=0
+if latest=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null) && [ -n "$latest" ]; then
+  line train "checkpoint at iteration $latest of $TRAIN_ITERS (in $CKPT_DIR)"
+  [ "$latest" -ge "$TRAIN_ITERS" ] 2>/dev/null || complete=0
+else
+  line train "no checkpoint yet (training to iteration $TRAIN_ITERS; checkpoints in $CKPT_DIR)"
+  complete=0
+fi
 
 # jobs of the last submission: per stage, its tasks done / running / pending / failed / cancelled;
 # failed tasks with their log files; one resubmit command, for the first stage that failed (its

@@ -76,6 +76,17 @@ prev=""
 started=0
 jobs_file="$RESULTS_DIR/jobs.txt"
 [ "$dry" = 1 ] || : > "$jobs_file"
+# The settings of this submission beside its job ids: status.sh judges the jobs by them, not by the
+# variables of whatever shell it runs in.
+if [ "$dry" = 0 ]; then
+  {
+    echo "# the settings submit-pipeline.sh submitted with, $(date '+%F %T'); read by status.sh"
+    for v in DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE HF_EXCLUDE VALID_SUBDIR CONCAT_CHUNKS \
+             TRAIN_ITERS TRAIN_ARGS CKPT_DIR NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH; do
+      printf '%s=%q\n' "$v" "${!v}"
+    done
+  } > "$RESULTS_DIR/submitted-settings.sh.tmp" && mv -f "$RESULTS_DIR/submitted-settings.sh.tmp" "$RESULTS_DIR/submitted-settings.sh"
+fi
 submit() {  # stage partition array(or "") script [extra sbatch args...]
   local stage=$1 part=$2 array=$3 script=$4
   shift 4

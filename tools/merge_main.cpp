@@ -37,6 +37,11 @@ int main(int argc, char** argv) {
       if (!ptk::IsDirectory(input_dir))
         return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", input_dir));
       PTK_ASSIGN_OR_RETURN(inputs, ptk::FindPrefixesInDir(input_dir));
+    } else {
+      // PREFIX, PREFIX.bin or PREFIX.idx; a prefix without its _text_document gets the hint.
+      for (std::string& in : inputs) {
+        PTK_ASSIGN_OR_RETURN(in, ptk::ResolveDatasetPrefix(in));
+      }
     }
     PTK_ASSIGN_OR_RETURN(const std::string source, ptk::MergeSource(inputs, multimodal));
     int64_t documents = 0, tokens = 0;

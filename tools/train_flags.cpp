@@ -1,6 +1,7 @@
 // ptk-train's Megatron-compatible option table and its resolution into TrainOptions.
 #include "tools/train_flags.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -10,8 +11,10 @@
 #include <simdjson.h>
 
 #include "common/cli.h"
+#include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/status.h"
+#include "trainer/checkpoint.h"
 
 namespace ptk {
 namespace {
@@ -55,6 +58,15 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--no-persist-layer-norm", Arg::kNone, "kernel choice"},
     {"--empty-unused-memory-level", Arg::kLevel, "memory tuning"},
     {"--cross-entropy-loss-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--ckpt-fully-parallel-load", Arg::kNone, "checkpoints are ptk's single file, read by rank 0"},
+    {"--ckpt-fully-parallel-save", Arg::kNone, "checkpoints are ptk's single file, written by rank 0"},
+    {"--use-persistent-ckpt-worker", Arg::kNone, "checkpoints are written synchronously"},
+    {"--ckpt-assume-constant-structure", Arg::kNone, "checkpoints are ptk's single file"},
+    {"--use-sharp", Arg::kNone, "NCCL's SHARP in-network reductions are left to NCCL's own settings"},
+    {"--tp-comm-overlap", Arg::kNone, "no tensor parallelism"},
+    {"--data-impl", Arg::kText, "ptk reads Megatron's mmap .bin/.idx format"},
+    {"--profile-step-start", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
+    {"--profile-step-end", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
     // Model flags that name what ptk's model does already, or that Megatron ignores here.
     {"--add-qkv-bias", Arg::kNone, "the QKV projection has a bias already (every linear layer of ptk's model has one)"},
     {"--num-query-groups", Arg::kPositiveInt, "no effect without --group-query-attention, as in Megatron"},
@@ -165,7 +177,184 @@ const CLI::Validator& Probability() {  // dropout: [0, 1)
   return v;
 }
 
+// The model's flags --use-checkpoint-args takes from the checkpoint (Megatron's
+// load_args_from_checkpoint), as the checkpoint's settings name them.
+constexpr const char* kCheckpointModelFlags[] = {
+    "--num-layers",      "--hidden-size",       "--num-attention-heads",
+    "--ffn-hidden-size", "--seq-length",        "--max-position-embeddings",
+    "--vocab-size",      "--layernorm-epsilon", "--untie-embeddings-and-output-weights",
+    "--hidden-dropout",  "--attention-dropout",
+};
+
+// The flags of Megatron's logging, batch ramp, data files and profiling, and --help's required
+// flags shown without a default.
+void AddMoreTrainFlags(CLI::App* app, TrainFlags* f) {
+  TrainOptions& o = f->options;
+  app->add_flag("--log-params-norm", o.log_params_norm,
+                "Log the L2 norm of the weights (log line 'params norm:', TensorBoard params-norm)");
+  app->add_flag("--log-num-zeros-in-grad", o.log_num_zeros_in_grad,
+                "Log the number of zeros among the gradients (log line 'num zeros:', TensorBoard num-zeros)");
+  app->add_option("--rampup-batch-size", o.rampup_batch_size,
+                  "START INCR SAMPLES: grow the global batch from START by INCR up to --global-batch-size over "
+                  "SAMPLES samples (Megatron's ramp; with --train-samples)")
+      ->expected(3)
+      ->check(IntIn(1, kMaxCount))
+      ->default_str("");
+  app->add_flag_callback(
+         "--use-checkpoint-args",
+         [app, f] {
+           f->use_checkpoint_args = true;
+           // The model's shape comes from --load's checkpoint: its flags are no longer required
+           // (callbacks run before CLI11 checks the required options).
+           for (const char* name : kCheckpointModelFlags) app->get_option(name)->required(false);
+         },
+         "Take the model's flags from --load's latest checkpoint (a flag given with another value is refused)")
+      ->trigger_on_parse();
+  app->add_option("--data-args-path", f->data_args_path,
+                  "A file holding the --data-path arguments ([W1] P1 [W2] P2 ..., whitespace-separated)");
+  app->add_option("--per-split-data-args-path", f->per_split_data_args_path,
+                  "A JSON file {\"train\": [...], \"valid\": [...], \"test\": [...]} of per-split data paths");
+  app->add_flag("--profile", f->profile,
+                "Profile the run: ptk's per-op CUDA timing, printed at the end (as --ptk-profile-ops)");
+  // A required flag's help says REQUIRED, with no default that does not exist (the value the
+  // variable happens to hold before parsing).
+  for (CLI::Option* opt : app->get_options())
+    if (opt->get_required()) opt->default_str("");
+}
+
+// Megatron's get_blend_from_list over a file's whitespace-separated words (--data-args-path).
+absl::StatusOr<std::vector<std::string>> ReadDataArgs(const std::string& path, const char* flag) {
+  PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  std::vector<std::string> words;
+  size_t pos = 0;
+  while (true) {
+    pos = text.find_first_not_of(" \t\r\n\f\v", pos);
+    if (pos == std::string::npos) break;
+    const size_t end = text.find_first_of(" \t\r\n\f\v", pos);
+    words.push_back(text.substr(pos, end - pos));
+    pos = end;
+  }
+  if (words.empty()) return UsageError(fmt::format("{} {}: the file names no dataset", flag, path));
+  return words;
+}
+
+absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (auto err = p.load(path).get(obj))
+    return UsageError(
+        fmt::format("--per-split-data-args-path {}: not a JSON object ({})", path, simdjson::error_message(err)));
+  const char* keys[] = {"train", "valid", "test"};
+  for (int i = 0; i < 3; ++i) {
+    simdjson::dom::element e;
+    if (obj[keys[i]].get(e)) continue;
+    std::string_view text;
+    if (!e.get(text)) {  // a string: its whitespace-separated words, as Megatron splits it
+      size_t pos = 0;
+      while ((pos = text.find_first_not_of(" \t\r\n", pos)) != std::string_view::npos) {
+        const size_t end = std::min(text.find_first_of(" \t\r\n", pos), text.size());
+        data->per_split_data_path[i].emplace_back(text.substr(pos, end - pos));
+        pos = end;
+      }
+      continue;
+    }
+    simdjson::dom::array arr;
+    if (e.get(arr))
+      return UsageError(
+          fmt::format("--per-split-data-args-path {}: \"{}\" must be a string or a list of strings", path, keys[i]));
+    for (simdjson::dom::element w : arr) {
+      std::string_view v;
+      if (w.get(v))
+        return UsageError(
+            fmt::format("--per-split-data-args-path {}: \"{}\" must be a string or a list of strings", path, keys[i]));
+      data->per_split_data_path[i].emplace_back(v);
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector<std::string>* notes) {
+  if (!f->use_checkpoint_args) return absl::OkStatus();
+  const std::string& load = f->options.load;
+  if (load.empty()) return UsageError("--use-checkpoint-args needs --load (the checkpoint to take the model from)");
+  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(load);
+  if (absl::IsNotFound(latest.status()))
+    return UsageError(
+        fmt::format("--use-checkpoint-args: no checkpoint in --load {} ({})", load, StatusMessage(latest.status())));
+  PTK_RETURN_IF_ERROR(latest.status());
+  PTK_ASSIGN_OR_RETURN(const auto saved, ReadCheckpointSettings(load, *latest));
+  const std::map<std::string, std::string> ckpt(saved.begin(), saved.end());
+  GPTConfig& m = f->options.model;
+  std::vector<std::string> missing;
+  for (const char* name : kCheckpointModelFlags) {
+    const CLI::Option* opt = app.get_option(name);
+    auto it = ckpt.find(name);
+    if (it == ckpt.end()) {
+      if (opt->get_required() || opt->count() == 0) missing.push_back(name);
+      continue;
+    }
+    const std::string& value = it->second;
+    const std::string flag = name;
+    const bool on = value == "on";
+    if (opt->count() > 0) {  // given: must agree with the checkpoint
+      std::string mine;
+      if (flag == "--untie-embeddings-and-output-weights") {
+        mine = m.untie_embeddings_and_output_weights ? "on" : "off";
+      } else {
+        mine = opt->as<std::string>();
+        // The same number written otherwise (1e-5, 0.00001) is no conflict.
+        char* end = nullptr;
+        const double a = std::strtod(mine.c_str(), &end), b = std::strtod(value.c_str(), nullptr);
+        if (end != mine.c_str() && *end == '\0' && a == b) mine = value;
+      }
+      if (mine != value)
+        return UsageError(fmt::format(
+            "--use-checkpoint-args: {} {} differs from the checkpoint's {} {} (iteration {} in {}): drop the flag "
+            "to take the checkpoint's, or drop --use-checkpoint-args",
+            flag, mine, flag, value, *latest, load));
+      continue;
+    }
+    auto as_int = [&](int64_t* out) -> absl::Status {
+      char* end = nullptr;
+      const long long v = std::strtoll(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || v < 1)
+        return absl::DataLossError(fmt::format("{}: checkpoint records {} {:?}", load, flag, value));
+      *out = v;
+      return absl::OkStatus();
+    };
+    auto as_real = [&](double* out) -> absl::Status {
+      char* end = nullptr;
+      const double v = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || !std::isfinite(v))
+        return absl::DataLossError(fmt::format("{}: checkpoint records {} {:?}", load, flag, value));
+      *out = v;
+      return absl::OkStatus();
+    };
+    if (flag == "--num-layers") PTK_RETURN_IF_ERROR(as_int(&m.num_layers));
+    if (flag == "--hidden-size") PTK_RETURN_IF_ERROR(as_int(&m.hidden_size));
+    if (flag == "--num-attention-heads") PTK_RETURN_IF_ERROR(as_int(&m.num_attention_heads));
+    if (flag == "--ffn-hidden-size") PTK_RETURN_IF_ERROR(as_int(&m.ffn_hidden_size));
+    if (flag == "--seq-length") PTK_RETURN_IF_ERROR(as_int(&m.seq_length));
+    if (flag == "--max-position-embeddings") PTK_RETURN_IF_ERROR(as_int(&m.max_position_embeddings));
+    if (flag == "--vocab-size") PTK_RETURN_IF_ERROR(as_int(&m.vocab_size));
+    if (flag == "--layernorm-epsilon") PTK_RETURN_IF_ERROR(as_real(&m.layernorm_epsilon));
+    if (flag == "--hidden-dropout") PTK_RETURN_IF_ERROR(as_real(&m.hidden_dropout));
+    if (flag == "--attention-dropout") PTK_RETURN_IF_ERROR(as_real(&m.attention_dropout));
+    if (flag == "--untie-embeddings-and-output-weights") m.untie_embeddings_and_output_weights = on;
+    notes->push_back(
+        fmt::format("--use-checkpoint-args: {} {} from the checkpoint of iteration {}", flag, value, *latest));
+  }
+  for (const std::string& name : missing)
+    if (app.get_option(name)->count() == 0 && (name == "--num-layers" || name == "--hidden-size" ||
+                                               name == "--num-attention-heads" || name == "--seq-length"))
+      return UsageError(
+          fmt::format("--use-checkpoint-args: the checkpoint of iteration {} in {} does not record {}: "
+                      "give it",
+                      *latest, load, name));
+  return absl::OkStatus();
+}
 
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {
   if (vocab_file.empty()) return 50257;
@@ -409,6 +598,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
           name, [f, name] { f->compat[name] = ""; }, help);
     }
   }
+  AddMoreTrainFlags(app, f);
 }
 
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
@@ -487,6 +677,25 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");
 
   if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
+  if (!f.data_args_path.empty()) {
+    if (!o.data.data_path.empty()) return Refuse("--data-args-path and --data-path: give one");
+    auto words = ReadDataArgs(f.data_args_path, "--data-args-path");
+    if (!words.ok() && !IsUsageError(words.status()))
+      return UsageError(fmt::format("--data-args-path: {}", StatusMessage(words.status())));
+    PTK_RETURN_IF_ERROR(words.status());
+    o.data.data_path = *std::move(words);
+  }
+  if (!f.per_split_data_args_path.empty()) {
+    if (!o.data.data_path.empty() || !o.data.per_split_data_path[0].empty() || !o.data.per_split_data_path[1].empty() ||
+        !o.data.per_split_data_path[2].empty())
+      return Refuse(
+          "--per-split-data-args-path and --data-path / --train-data-path / --valid-data-path / --test-data-path / "
+          "--data-args-path: give one");
+    PTK_RETURN_IF_ERROR(ReadPerSplitDataArgs(f.per_split_data_args_path, &o.data));
+  }
+  if (o.save_interval > 0 && o.save.empty())
+    notes->push_back(
+        fmt::format("--save-interval {} without --save: nothing is saved (as in Megatron)", o.save_interval));
   o.seed = static_cast<uint32_t>(f.seed);
   if (f.override_opt_param_scheduler && f.use_checkpoint_opt_param_scheduler)
     return Refuse("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one");
@@ -495,7 +704,16 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
                                                                : SchedulerOnLoad::kCheck;
   o.backend.device = device;
   o.backend.precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
-  if (o.backend.profile && device != Device::kCuda)
+  if (f.profile) {
+    if (device == Device::kCuda) {
+      o.backend.profile = true;
+      notes->push_back(
+          "--profile: ptk times every CUDA op and prints the GPU time per op at the end (no PyTorch or Nsight "
+          "trace is written)");
+    } else {
+      notes->push_back("--profile: accepted, the CPU backend has no profiler (ptk profiles CUDA ops only)");
+    }
+  } else if (o.backend.profile && device != Device::kCuda)
     notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
   if (f.fp16) {
     o.loss_scale.dynamic = !f.loss_scale.has_value();

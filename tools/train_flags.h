@@ -48,7 +48,12 @@ struct TrainFlags {
   // Flags accepted only for compatibility, by name -> value given ("" for a bare flag).
   std::map<std::string, std::string> compat;
   // Megatron's flags for other models than ptk's, given: refused saying why.
-  std::map<std::string, std::string> refused;
+  std::map<std::string, std::string>
+      refused;  // --use-checkpoint-args: the model's flags from --load's latest checkpoint (ApplyCheckpointArgs).
+  bool use_checkpoint_args = false;
+  // --data-args-path / --per-split-data-args-path: the data paths from a file, as Megatron reads it.
+  std::string data_args_path, per_split_data_args_path;
+  bool profile = false;  // --profile: ptk's per-op CUDA timing
 };
 
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,
@@ -60,6 +65,11 @@ void AddTrainFlags(CLI::App* app, TrainFlags* flags);
 // their own (the defaults that depend on other flags, the precision, the device, the
 // communicator's backend). How settings go together is checked by PlanTraining.
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& flags, std::vector<std::string>* notes);
+
+// --use-checkpoint-args, after parsing and before ResolveTrainFlags: the model's flags that the
+// command line leaves out are taken from the settings of --load's latest checkpoint (a line for
+// each in `notes`); one given with another value than the checkpoint's is a usage error naming both.
+absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* flags, std::vector<std::string>* notes);
 
 // GPT-2 vocabulary size: entries of --vocab-file, or 50257 for ptk's built-in GPT-2 files.
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file);

@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     std::vector<std::string> notes;
+    PTK_RETURN_IF_ERROR(ptk::ApplyCheckpointArgs(*app, &flags, &notes));
     PTK_ASSIGN_OR_RETURN(ptk::TrainOptions options, ptk::ResolveTrainFlags(flags, &notes));
     auto env_ranks = ptk::TrainingRanksFromEnv();
     // A bad RANK / WORLD_SIZE / MASTER_PORT is a usage error (exit 2), as a bad flag.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 
@@ -478,6 +479,54 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   if (state->iteration != iteration)
     return corrupt(fmt::format("holds iteration {}, the directory says {}", state->iteration, iteration));
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointSettings(const std::string& load,
+                                                                                        int64_t iteration) {
+  const std::string file = CheckpointFile(load, iteration);
+  auto corrupt = [&](const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
+  };
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::NotFoundError(fmt::format("{}: cannot open (the tracker names iteration {})", file, iteration));
+  char magic[sizeof kMagic];
+  uint64_t len = 0;
+  if (!in.read(magic, sizeof magic) || std::memcmp(magic, kMagic, sizeof kMagic) != 0)
+    return corrupt("not a ptk checkpoint (bad magic)");
+  if (!in.read(reinterpret_cast<char*>(&len), sizeof len) || len > (uint64_t{1} << 30))
+    return corrupt("bad header length");
+  std::string header(len, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(len))) return corrupt("header past the end");
+  simdjson::dom::parser parser;
+  simdjson::dom::element h;
+  if (parser.parse(header).get(h)) return corrupt("header is not JSON");
+  std::vector<std::pair<std::string, std::string>> out;
+  simdjson::dom::array settings;
+  if (!h["settings"].get(settings)) {
+    for (simdjson::dom::element pair : settings) {
+      simdjson::dom::array kv;
+      std::string_view name, value;
+      if (pair.get(kv) || kv.size() != 2 || kv.at(0).get(name) || kv.at(1).get(value))
+        return corrupt("malformed settings in the header");
+      out.emplace_back(std::string(name), std::string(value));
+    }
+    if (!out.empty()) return out;
+  }
+  simdjson::dom::object model;
+  if (h["model"].get(model)) return corrupt("header misses the model");
+  const std::pair<const char*, const char*> names[] = {{"num_layers", "--num-layers"},
+                                                       {"hidden_size", "--hidden-size"},
+                                                       {"num_attention_heads", "--num-attention-heads"},
+                                                       {"ffn_hidden_size", "--ffn-hidden-size"},
+                                                       {"max_position_embeddings", "--max-position-embeddings"}};
+  for (const auto& [key, flag] : names) {
+    int64_t v = 0;
+    if (!model[key].get(v)) out.emplace_back(flag, std::to_string(v));
+  }
+  bool untie = false;
+  if (!model["untie_embeddings_and_output_weights"].get(untie))
+    out.emplace_back("--untie-embeddings-and-output-weights", untie ? "on" : "off");
+  return out;
 }
 
 }  // namespace ptk

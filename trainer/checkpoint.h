@@ -74,6 +74,12 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
                             std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                             TrainState* state);
 
+// The settings the checkpoint of `iteration` in `load` records of its run (flag name, value), read
+// from its header alone (LoadCheckpoint verifies the file). A checkpoint that records none (an
+// earlier ptk, a conversion) gives its model's shape under the flags' names instead.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointSettings(const std::string& load,
+                                                                                        int64_t iteration);
+
 // Fault injection for tests: SaveCheckpoint calls the hook before each step of a save (its
 // renames, fsyncs, writes and removals, by name, e.g. "rename new directory in"); a non-OK status
 // fails the save at that step as an I/O error would, and a hook may end the process there (a kill).

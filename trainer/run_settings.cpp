@@ -1,6 +1,11 @@
 // The run's settings under their flag names: the ranks' start-up handshake, the resume report.
 #include "trainer/run_settings.h"
 
+#include <limits.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <iterator>
 #include <map>
 
 #include <fmt/core.h>
@@ -16,6 +21,26 @@ std::string Joined(const std::vector<std::string>& v) {
   for (const std::string& x : v) out += (out.empty() ? "" : " ") + x;
   return out;
 }
+
+// A data path as resolved files: each prefix whose .bin exists as its real path (symbolic links
+// and the working directory resolved), weights and anything else as given.
+std::string Resolved(const std::vector<std::string>& v) {
+  std::string out;
+  for (const std::string& x : v) {
+    char buf[PATH_MAX];
+    std::string word = x;
+    if (::realpath((x + ".bin").c_str(), buf) != nullptr) {
+      word = buf;
+      word.resize(word.size() - 4);
+    }
+    out += (out.empty() ? "" : " ") + word;
+  }
+  return out;
+}
+
+// The data flags whose resolved files a resume compares (where both runs recorded them).
+constexpr const char* kDataPathFlags[] = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"};
+std::string ResolvedName(const std::string& flag) { return flag + " (resolved)"; }
 
 std::string Serialize(const Settings& settings) {
   std::string out;
@@ -72,6 +97,11 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--recompute-activations", m.recompute_activations ? "on" : "off"},
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
+      {"--rampup-batch-size", Joined([&] {
+         std::vector<std::string> r;
+         for (int64_t x : o.rampup_batch_size) r.push_back(std::to_string(x));
+         return r;
+       }())},
       {"--train-iters", std::to_string(o.train_iters)},
       {"--train-samples", std::to_string(o.train_samples)},
       {"--lr", num(o.schedule.max_lr)},
@@ -98,6 +128,10 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--train-data-path", Joined(o.data.per_split_data_path[0])},
       {"--valid-data-path", Joined(o.data.per_split_data_path[1])},
       {"--test-data-path", Joined(o.data.per_split_data_path[2])},
+      {ResolvedName("--data-path"), Resolved(o.data.data_path)},
+      {ResolvedName("--train-data-path"), Resolved(o.data.per_split_data_path[0])},
+      {ResolvedName("--valid-data-path"), Resolved(o.data.per_split_data_path[1])},
+      {ResolvedName("--test-data-path"), Resolved(o.data.per_split_data_path[2])},
       {"--split", o.data.split},
       {"--mock-data", o.mock_data ? "on" : "off"},
       {"--seed", std::to_string(o.seed)},
@@ -131,8 +165,13 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
   };
 }
 
-absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine) {
+absl::Status CheckRanksAgree(Communicator* comm, const Settings& all) {
   if (comm->size() == 1) return absl::OkStatus();
+  // Resolved paths may differ between nodes that mount the same files elsewhere: the paths as
+  // given are compared.
+  Settings mine;
+  for (const auto& kv : all)
+    if (!kv.first.ends_with(" (resolved)")) mine.push_back(kv);
   const int rank = comm->rank(), size = comm->size();
   // Rank 0's settings to every rank; each finds the first of them it differs in (index + 1).
   PTK_ASSIGN_OR_RETURN(std::string root_text, BroadcastText(comm, Serialize(mine), 0));
@@ -181,6 +220,7 @@ absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine) {
 void ReportResumeChanges(const Settings& saved, const Settings& now, const TrainState& loaded, bool no_load_rng) {
   if (saved.empty()) return;  // a checkpoint from before settings were recorded
   const std::map<std::string, std::string> before(saved.begin(), saved.end());
+  const std::map<std::string, std::string> after(now.begin(), now.end());
   const std::string data = fmt::format(
       "the {} samples consumed so far count against another sample order: the samples read from here are not the "
       "ones the saved run would have read next",
@@ -219,6 +259,11 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
     }
     auto it = before.find(flag);
     if (it == before.end() || it->second == value) continue;
+    // The same files named another way (a relative path from another working directory, a link).
+    if (std::find(std::begin(kDataPathFlags), std::end(kDataPathFlags), flag) != std::end(kDataPathFlags)) {
+      auto was = before.find(ResolvedName(flag)), is = after.find(ResolvedName(flag));
+      if (was != before.end() && is != after.end() && was->second == is->second) continue;
+    }
     log::Warning("resuming with {} (the checkpoint of iteration {} was saved with {}): {}", Shown(flag, value),
                  loaded.iteration, Shown(flag, it->second), why);
   }

@@ -1,6 +1,7 @@
 // PlanTraining: how ptk-train's settings go together, checked and resolved once.
 #include "trainer/train_options.h"
 
+#include <algorithm>
 #include <limits>
 
 #include <fmt/core.h>
@@ -29,11 +30,60 @@ SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
   }
   sc.start_wd = s.start_weight_decay.value_or(s.weight_decay);
   sc.end_wd = s.end_weight_decay.value_or(s.weight_decay);
-  sc.wd_incr_steps = p.train_samples;
+  // Megatron: train_iters x global batch, or --train-samples for a sample-based run with a ramp.
+  sc.wd_incr_steps = p.rampup_start > 0 ? o.train_samples : p.train_samples;
   return sc;
 }
 
+// --rampup-batch-size START INCR SAMPLES: Megatron's checks (arguments.py and
+// RampupBatchsizeNumMicroBatchesCalculator) and its update_train_iters: the iterations of the
+// ramp, then the whole global batches of what --train-samples leaves.
+absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
+  const std::vector<int64_t>& r = o.rampup_batch_size;
+  const std::string given = fmt::format("--rampup-batch-size {} {} {}", r[0], r[1], r[2]);
+  if (o.train_iters > 0)
+    return UsageError(given +
+                      ": a batch-size ramp needs sample-based training (--train-samples instead of "
+                      "--train-iters), as in Megatron");
+  const int64_t gbs = p->global_batch_size, unit = p->micro_batch_size * p->data_parallel_size;
+  if (r[0] > gbs)
+    return UsageError(fmt::format("{}: the start batch size is larger than --global-batch-size {}", given, gbs));
+  if (r[0] == gbs) return UsageError(fmt::format("{}: the start batch size is --global-batch-size already", given));
+  if ((gbs - r[0]) % r[1] != 0)
+    return UsageError(
+        fmt::format("{}: --global-batch-size {} minus the start batch size ({}) is not a multiple of "
+                    "the increment",
+                    given, gbs, gbs - r[0]));
+  for (int64_t b = r[0]; b <= gbs; b += r[1])
+    if (b % unit != 0)
+      return UsageError(
+          fmt::format("{}: the ramp's batch size {} is not a multiple of --micro-batch-size ({}) x "
+                      "data-parallel size ({})",
+                      given, b, p->micro_batch_size, p->data_parallel_size));
+  p->rampup_start = r[0];
+  p->rampup_increment = r[1];
+  p->rampup_samples = r[2];
+  int64_t iterations = 0, consumed = 0;
+  while (consumed <= p->rampup_samples && consumed <= o.train_samples) {
+    consumed += p->GlobalBatchSizeAt(consumed);
+    ++iterations;
+  }
+  int64_t constant = 0;
+  if (o.train_samples > consumed) constant = (o.train_samples - consumed) / gbs;
+  p->train_iters = iterations + constant;
+  p->train_samples = consumed + constant * gbs;
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+int64_t TrainPlan::GlobalBatchSizeAt(int64_t consumed) const {
+  if (rampup_start == 0 || consumed > rampup_samples) return global_batch_size;
+  const double per_increment =
+      static_cast<double>(rampup_samples) / static_cast<double>((global_batch_size - rampup_start) / rampup_increment);
+  const int64_t steps = static_cast<int64_t>(static_cast<double>(consumed) / per_increment);
+  return std::min(global_batch_size, rampup_start + steps * rampup_increment);
+}
 
 absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
   auto usage = [](const std::string& m) { return UsageError(m); };
@@ -59,14 +109,16 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
   p.micro_batches = gbs / (mbs * dp);
   if ((o.train_iters > 0) == (o.train_samples > 0))
     return usage("give exactly one of --train-iters and --train-samples");
-  p.train_iters = o.train_iters > 0 ? o.train_iters : o.train_samples / gbs;
-  if (p.train_iters < 1) return usage("--train-samples is smaller than one global batch");
-  if (p.train_iters > std::numeric_limits<int64_t>::max() / 2 / gbs)
-    return usage(
-        fmt::format("--train-iters {} x global batch {} samples is more than ptk can count", p.train_iters, gbs));
-  p.train_samples = p.train_iters * gbs;
-
-  if (o.save_interval > 0 && o.save.empty()) return usage("--save-interval needs --save");
+  if (!o.rampup_batch_size.empty()) {
+    PTK_RETURN_IF_ERROR(PlanRampup(o, &p));
+  } else {
+    p.train_iters = o.train_iters > 0 ? o.train_iters : o.train_samples / gbs;
+    if (p.train_iters < 1) return usage("--train-samples is smaller than one global batch");
+    if (p.train_iters > std::numeric_limits<int64_t>::max() / 2 / gbs)
+      return usage(
+          fmt::format("--train-iters {} x global batch {} samples is more than ptk can count", p.train_iters, gbs));
+    p.train_samples = p.train_iters * gbs;
+  }
   if (o.sample.interval > 0) {
     if (o.sample.prompt.empty() || !o.sample.decode)
       return usage("--sample-interval needs a prompt encoded by the GPT-2 tokenizer");

@@ -66,6 +66,10 @@ struct TrainOptions {
   int64_t global_batch_size = 0;  // 0: micro_batch_size * data-parallel size
   int64_t train_iters = 0;        // one of train_iters / train_samples
   int64_t train_samples = 0;
+  // --rampup-batch-size START INCR SAMPLES (Megatron's RampupBatchsizeNumMicroBatchesCalculator):
+  // the global batch grows from START by INCR up to --global-batch-size over SAMPLES samples.
+  // Empty: the batch is --global-batch-size throughout.
+  std::vector<int64_t> rampup_batch_size;
 
   OptimizerConfig optimizer;
   // The rates (--lr, --min-lr, --lr-warmup-init) and styles (--lr-decay-style,
@@ -83,6 +87,9 @@ struct TrainOptions {
 
   int64_t eval_interval = 1000, eval_iters = 100;
   int64_t log_interval = 100;
+  // --log-params-norm / --log-num-zeros-in-grad: Megatron's "params norm:" and "num zeros:" log
+  // fields and TensorBoard scalars (params-norm, num-zeros).
+  bool log_params_norm = false, log_num_zeros_in_grad = false;
   std::string save, load;
   int64_t save_interval = 0, exit_interval = 0;
   double exit_duration_in_mins = 0;
@@ -119,6 +126,15 @@ struct TrainPlan {
   int64_t train_iters = 0;        // --train-iters, or the whole global batches of --train-samples
   int64_t train_samples = 0;      // train_iters x global_batch_size: what the run consumes
   SchedulerConfig schedule;       // options.schedule completed, its lengths in samples
+  // --rampup-batch-size (0: none): the global batch at `consumed` samples is GlobalBatchSizeAt.
+  int64_t rampup_start = 0, rampup_increment = 0, rampup_samples = 0;
+
+  // Megatron's running global batch size after `consumed` training samples: the start size plus
+  // one increment per (rampup samples / increments) samples consumed, then global_batch_size.
+  int64_t GlobalBatchSizeAt(int64_t consumed) const;
+  int64_t MicroBatchesAt(int64_t consumed) const {
+    return GlobalBatchSizeAt(consumed) / (micro_batch_size * data_parallel_size);
+  }
 };
 
 // Megatron's argument validation and get_optimizer_param_scheduler in one place: every check

@@ -114,6 +114,14 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   // fp16's dynamic scaling skips an overflowing step and backs off: Megatron's found_inf, not a
   // NaN to stop the run for (a NaN loss still is one).
   r.overflow = scaler_.dynamic() && !std::isfinite(r.grad_norm) && std::isfinite(r.loss_sum);
+  if (count_zeros_ && !r.skipped) {
+    std::vector<float> grads(static_cast<size_t>(model_->num_params()));
+    PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
+    const auto begin = grads.begin() + model_->moments_begin();
+    double zeros = static_cast<double>(std::count(begin, begin + model_->moments_size(), 0.0f));
+    if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&zeros, 1));
+    r.num_zeros_in_grad = zeros;
+  }
   return r;
 }
 

@@ -67,6 +67,9 @@ struct StepResult {
   bool overflow = false;            // skipped by fp16 dynamic loss scaling (not a NaN to stop on)
   double loss_scale = 1.0;          // the scale this step's gradients were computed with
   double lr = 0;                    // the learning rate used by this step
+  // --log-num-zeros-in-grad (Megatron's count_zeros_fp32): zeros among the reduced gradients, when
+  // the step was asked to count them and was not skipped.
+  std::optional<double> num_zeros_in_grad;
   double lm_loss() const { return tokens > 0 ? loss_sum / tokens : 0.0; }
 };
 
@@ -103,6 +106,9 @@ class TrainStep {
   const OptimizerParamScheduler& scheduler() const { return scheduler_; }
   // AdamW's step count (the moments live in the model's backend).
   int64_t adam_step() const { return adam_step_; }
+  // Whether the next steps count the zeros among the reduced gradients (a host copy of them; with
+  // ZeRO-1 each rank's shard, summed over the ranks): every rank must ask alike.
+  void set_count_zeros_in_grad(bool on) { count_zeros_ = on; }
 
  private:
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
@@ -115,6 +121,7 @@ class TrainStep {
   LossScaler scaler_;
   Communicator* comm_;
   int64_t adam_step_ = 0;
+  bool count_zeros_ = false;
 };
 
 }  // namespace ptk

@@ -154,6 +154,8 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
   return absl::OkStatus();
 }
 
+double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
+
 // Views of a loader's micro-batch for the model.
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
   *keys = mb.indices;
@@ -193,6 +195,8 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
   s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
   s += fmt::format(" grad norm: {:.3f} |", f.grad_norm);
+  if (f.num_zeros_in_grad) s += fmt::format(" num zeros: {:.1f} |", *f.num_zeros_in_grad);
+  if (f.params_norm) s += fmt::format(" params norm: {:.3f} |", *f.params_norm);
   s += fmt::format(" number of skipped iterations: {:3d} |", f.skipped);
   s += fmt::format(" number of nan iterations: {:3d} |", f.nan);
   return s;
@@ -208,16 +212,35 @@ class Trainer {
       : o_(options), plan_(plan), comm_(comm), rank_(comm->rank()), dp_(comm->size()) {}
 
   absl::StatusOr<TrainSummary> Run() {
+    auto t0 = Clock::now();
     PTK_RETURN_IF_ERROR(SetUp());
+    if (rank_ == 0) log::Info("start-up: model built and initialised ({:.1f} s)", Seconds(t0));
+    t0 = Clock::now();
     PTK_RETURN_IF_ERROR(Resume());
+    if (rank_ == 0 && summary_.resumed) log::Info("start-up: checkpoint loaded ({:.1f} s)", Seconds(t0));
     if (state_.iteration >= plan_.train_iters) return NothingToTrain();
+    t0 = Clock::now();
+    if (rank_ == 0)
+      log::Info("start-up: building the datasets and their indices{} ...",
+                o_.mock_data         ? " (mock data)"
+                : o_.data_cache_path ? " (cached in " + *o_.data_cache_path + ")"
+                                     : "");
     PTK_RETURN_IF_ERROR(OpenDataAndOutputs());
+    if (rank_ == 0) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
     start_ = interval_.start = Clock::now();
     wall_before_ = state_.wall_seconds;
     Print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
     Print("training ...");
+    const int64_t first = state_.iteration + 1;
+    if (rank_ == 0)
+      log::Info("start-up: iteration {} running (its log line comes at iteration {}) ...", first,
+                (first + o_.log_interval - 1) / o_.log_interval * o_.log_interval);
     while (state_.iteration < plan_.train_iters) {
+      PTK_RETURN_IF_ERROR(UpdateBatchSize());
+      t0 = Clock::now();
       PTK_ASSIGN_OR_RETURN(const StepResult r, TrainIteration());
+      if (rank_ == 0 && state_.iteration == first)
+        log::Info("start-up: iteration {} done ({:.1f} s)", first, Seconds(t0));
       PTK_RETURN_IF_ERROR(Log(r));
       if (valid_loader_ && o_.eval_interval > 0 && state_.iteration % o_.eval_interval == 0) {
         PTK_ASSIGN_OR_RETURN(summary_.last_validation_loss,
@@ -370,7 +393,6 @@ class Trainer {
   // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.
   absl::Status OpenDataAndOutputs() {
     PTK_ASSIGN_OR_RETURN(data_, BuildDatasets(o_, plan_));
-    flops_ = FlopsPerIteration(o_.model, plan_.global_batch_size);
     const int64_t mbs = plan_.micro_batch_size;
     if (rank_ == 0)
       log::Info(
@@ -387,7 +409,41 @@ class Trainer {
     if (data_.valid)
       valid_loader_ = std::make_unique<DataLoader>(
           data_.valid, PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, rank_, dp_), mbs);
-    const size_t num_micro = static_cast<size_t>(plan_.micro_batches);
+    return absl::OkStatus();
+  }
+
+  // Whether iteration `it` writes the log line or TensorBoard's scalars (the params norm and the
+  // count of zeros are computed for those only: every rank decides alike).
+  bool LogsThisIteration(int64_t it) const {
+    return it % o_.log_interval == 0 || (!o_.tensorboard.dir.empty() && it % o_.tensorboard.log_interval == 0);
+  }
+
+  // Megatron's calc_params_l2_norm: the L2 norm of the fp32 weights (with ZeRO-1, each rank's
+  // shard summed over the ranks).
+  absl::StatusOr<double> ParamsNorm() {
+    std::vector<float> own(static_cast<size_t>(model_->moments_size()));
+    PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
+    double sum = 0;
+    for (float x : own) sum += static_cast<double>(x) * x;
+    if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
+    return std::sqrt(sum);
+  }
+
+  // --rampup-batch-size: Megatron's update_num_microbatches before each iteration, from the samples
+  // consumed (a resume takes the batch size of where it stopped); when the number of micro-batches
+  // grows, Megatron saves a checkpoint first (with --save).
+  absl::Status UpdateBatchSize() {
+    const int64_t gbs = plan_.GlobalBatchSizeAt(state_.consumed_train_samples);
+    if (gbs == current_gbs_) return absl::OkStatus();
+    if (rank_ == 0 && plan_.rampup_start > 0) {
+      if (current_gbs_ == 0)
+        log::Info("setting initial batch size to {}", gbs);
+      else
+        log::Info("ramping up batch size from {} to {}", current_gbs_, gbs);
+    }
+    if (current_gbs_ != 0 && state_.iteration != 0 && last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
+    current_gbs_ = gbs;
+    const size_t num_micro = static_cast<size_t>(plan_.MicroBatchesAt(state_.consumed_train_samples));
     held_.resize(num_micro);
     keys_.resize(num_micro);
     batches_.resize(num_micro);
@@ -396,17 +452,18 @@ class Trainer {
 
   // One iteration: this rank's micro-batches through the training step (Megatron's train_step).
   absl::StatusOr<StepResult> TrainIteration() {
+    step_->set_count_zeros_in_grad(o_.log_num_zeros_in_grad && LogsThisIteration(state_.iteration + 1));
     for (size_t m = 0; m < held_.size(); ++m) {
       PTK_ASSIGN_OR_RETURN(held_[m], train_loader_->Next());
       if (!held_[m]) return absl::OutOfRangeError("the training data ran out before --train-iters");
       batches_[m] = View(*held_[m], &keys_[m]);
     }
-    PTK_ASSIGN_OR_RETURN(StepResult r, step_->Step(batches_, plan_.global_batch_size, state_.seed));
+    PTK_ASSIGN_OR_RETURN(StepResult r, step_->Step(batches_, current_gbs_, state_.seed));
     // fp16's dynamic loss scaling skips an overflowing step by design; anything else non-finite stops.
     if (o_.check_for_nan_in_loss_and_grad && !r.overflow)
       PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state_.iteration + 1, rank_));
     ++state_.iteration;
-    state_.consumed_train_samples += plan_.global_batch_size;
+    state_.consumed_train_samples += current_gbs_;
     ++interval_.iters;
     if (r.skipped) {
       ++interval_.skipped;
@@ -430,6 +487,10 @@ class Trainer {
   // --tensorboard-log-interval, the log line (averaged over the interval) every --log-interval.
   absl::Status Log(const StepResult& r) {
     const double lr_now = step_->scheduler().lr();  // Megatron logs the rate after the scheduler step
+    std::optional<double> params_norm;
+    if (o_.log_params_norm && LogsThisIteration(state_.iteration)) {
+      PTK_ASSIGN_OR_RETURN(params_norm, ParamsNorm());
+    }
     if (metrics_.is_open())
       PTK_RETURN_IF_ERROR(metrics_.Append(fmt::format(
           "{{\"iteration\": {}, \"consumed_samples\": {}, \"lm_loss\": {}, \"grad_norm\": {}, \"learning_rate\": "
@@ -438,11 +499,13 @@ class Trainer {
           JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
     if (tb_ && state_.iteration % o_.tensorboard.log_interval == 0) {
       TensorBoardScalar("learning-rate", lr_now);
-      TensorBoardScalar("batch-size", static_cast<double>(plan_.global_batch_size));
+      TensorBoardScalar("batch-size", static_cast<double>(current_gbs_));
       TensorBoardScalar("lm loss", r.lm_loss());
       if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.loss_scale);
       if (o_.tensorboard.log_world_size) TensorBoardScalar("world-size", dp_);
       if (!r.overflow) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has no norm for an overflow
+      if (r.num_zeros_in_grad) TensorBoardScalar("num-zeros", *r.num_zeros_in_grad);
+      if (params_norm) TensorBoardScalar("params-norm", *params_norm);
     }
     if (state_.iteration % o_.log_interval != 0) return absl::OkStatus();
     const double secs = std::chrono::duration<double>(Clock::now() - interval_.start).count();
@@ -451,9 +514,11 @@ class Trainer {
     f.iteration = state_.iteration;
     f.train_iters = plan_.train_iters;
     f.consumed_samples = state_.consumed_train_samples;
-    f.global_batch_size = plan_.global_batch_size;
+    f.global_batch_size = current_gbs_;
     f.elapsed_ms = secs * 1000.0 / iters;
-    f.tflops_per_gpu = flops_ / (secs / iters * 1e12 * dp_);
+    f.tflops_per_gpu = FlopsPerIteration(o_.model, current_gbs_) / (secs / iters * 1e12 * dp_);
+    f.num_zeros_in_grad = r.num_zeros_in_grad;
+    f.params_norm = params_norm;
     f.learning_rate = lr_now;
     f.lm_loss = interval_.advanced > 0 ? interval_.loss / static_cast<double>(interval_.advanced) : 0.0;
     f.grad_norm = r.grad_norm;
@@ -648,7 +713,7 @@ class Trainer {
   std::vector<ModelBatch> batches_;
   MetricsFile metrics_;
   std::unique_ptr<SummaryWriter> tb_;
-  double flops_ = 0;  // per iteration
+  int64_t current_gbs_ = 0;  // this iteration's global batch (--rampup-batch-size changes it)
   Clock::time_point start_;
   double wall_before_ = 0;  // training time of the runs before this one
   Interval interval_;

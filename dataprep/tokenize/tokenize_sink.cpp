@@ -346,6 +346,9 @@ absl::Status DocumentSink::AddDocument(const Batch& b, size_t i, std::vector<siz
   ++stats_.documents;
   progress_.AddItems(1);
   if (opt_.megatron_log && opt_.log_interval > 0 && stats_.documents % opt_.log_interval == 0) {
+    // The status line first, so that the log line below redraws it saying what the log line says
+    // (not the count of its last periodic redraw).
+    progress_.Refresh();
     const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     log::Raw(fmt::format("Processed {} documents ({} docs/s, {} MB/s).", stats_.documents,
                          py::FloatRepr(stats_.documents / el), py::FloatRepr(stats_.chars / el / 1024 / 1024)));

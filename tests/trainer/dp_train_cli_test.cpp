@@ -264,5 +264,33 @@ TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {
       << r.output;
 }
 
+// --log-params-norm and --log-num-zeros-in-grad under ZeRO-1 (each rank's shard, summed over the
+// ranks) print what the plain all-reduce path prints, through a --rampup-batch-size ramp (2, 4, 6)
+// whose batches the two ranks split alike.
+TEST_F(DataParallelCli, ParamsNormZerosAndRampUnderTheDistributedOptimizer) {
+  const std::string flags =
+      "--log-params-norm --log-num-zeros-in-grad --rampup-batch-size 2 2 8 --train-samples 30 --lr-warmup-iters 0 "
+      "--lr-warmup-samples 2";
+  // --train-iters of Train() replaced: a ramp is sample-based.
+  auto strip_iters = [](std::string cmd) { return std::regex_replace(cmd, std::regex(" --train-iters \\d+"), ""); };
+  auto plain = Ranks(2, strip_iters(Train(flags)));
+  ASSERT_NE(plain.output.find(AllZero(2)), std::string::npos) << plain.output << Logs(2);
+  auto zero1 = Ranks(2, strip_iters(Train(flags + " --use-distributed-optimizer")));
+  ASSERT_NE(zero1.output.find(AllZero(2)), std::string::npos) << zero1.output << Logs(2);
+  auto fields = [](const std::string& out) {
+    std::vector<std::string> v;
+    std::regex re(R"(global batch size: +(\d+) \|.*\| num zeros: (\S+) \| params norm: (\S+) \|)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+      v.push_back((*it)[1].str() + " " + (*it)[2].str() + " " + (*it)[3].str());
+    return v;
+  };
+  const std::vector<std::string> a = fields(plain.output), b = fields(zero1.output);
+  // The ramp while at most 8 samples are consumed: 2, 2, 4, 6 (14 samples); then (30 - 14) // 6 of 6.
+  ASSERT_EQ(a.size(), 6u) << plain.output;
+  EXPECT_EQ(a, b) << plain.output << "\n" << zero1.output;
+  EXPECT_EQ(a.front().substr(0, 2), "2 ");
+  EXPECT_EQ(a.back().substr(0, 2), "6 ");
+}
+
 }  // namespace
 }  // namespace ptk

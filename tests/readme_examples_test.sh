@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# README's example commands run as printed, on the bundled sample: every `build/bin/...` line of the
+# sections whose examples run on it (the jsonl -> train -> Hugging Face recipe, ptk-tokenize,
+# ptk-inspect, ptk-merge), extracted from README.md
+# (continuation lines joined, comments dropped) and run in a directory laid out as they expect:
+# my.jsonl, data/train_*.jsonl.zst and wiki/ (the sample's files), the GPT-2 files, out/a_text_document and out/b_text_document, parts/.
+# Usage: readme_examples_test.sh BIN_DIR SOURCE_DIR
+set -euo pipefail
+BIN=$1
+SRC=$2
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+cd "$W"
+mkdir -p build data out parts wiki
+ln -s "$BIN" build/bin
+cp "$SRC/tokenizer/data/gpt2-vocab.json" "$SRC/tokenizer/data/gpt2-merges.txt" .
+n=0
+for f in "$SRC"/sample/slimpajama-mini/train/chunk*/*.jsonl.zst; do
+  ln -s "$f" "data/train_$n.jsonl.zst"
+  [ "$n" -lt 2 ] && ln -s "$f" "wiki/wiki_$n.jsonl.zst"
+  n=$((n + 1))
+done
+[ "$n" -gt 1 ] || fail "no sample files under $SRC/sample/slimpajama-mini/train"
+# The datasets the examples name (made by the same tool, not by the README's lines).
+# Half the sample each (about 970 documents: --split 969,30,1 leaves the test split a document).
+half=$((n / 2))
+"$BIN/ptk-tokenize" --quiet --input $(seq -f 'data/train_%g.jsonl.zst' 0 $((half - 1))) --output-prefix out/a \
+  --append-eod >/dev/null 2>&1
+"$BIN/ptk-tokenize" --quiet --input $(seq -f 'data/train_%g.jsonl.zst' "$half" $((n - 1))) --output-prefix out/b \
+  --append-eod >/dev/null 2>&1
+for p in a b; do
+  for e in bin idx; do cp "out/${p}_text_document.$e" "${p}_text_document.$e"; cp "out/${p}_text_document.$e" "parts/${p}_text_document.$e"; done
+done
+
+# The example lines of one README section (`## NAME` up to the next `## `).
+examples() {
+  awk -v sec="## $1" '
+    $0 == sec { on = 1; next }
+    on && /^## / { exit }
+    on && /^```/ { code = !code; next }
+    on && code { print }' "$SRC/README.md" |
+    awk '{ if (cont != "") { $0 = cont " " $0; cont = "" }
+           if ($0 ~ /\\$/) { sub(/\\$/, ""); cont = $0; next }
+           print }' |
+    sed -E 's/[[:space:]]+#[^"'"'"']*$//' | grep -E '^build/bin/'
+}
+ran=0
+cat data/train_0.jsonl.zst data/train_1.jsonl.zst | zstd -dcq > my.jsonl
+for section in "From your own jsonl to a Hugging Face model" ptk-tokenize ptk-inspect ptk-merge; do
+  mapfile -t lines < <(examples "$section")
+  [ "${#lines[@]}" -gt 0 ] || fail "no examples found under '## $section'"
+  for cmd in "${lines[@]}"; do
+    echo "+ $cmd"
+    out=$(bash -c "$cmd" 2>&1) || fail "README example failed as printed: $cmd
+$out"
+    ran=$((ran + 1))
+  done
+done
+[ "$ran" -ge 12 ] || fail "only $ran examples ran"
+[ -f my-gpt2/model.safetensors ] || fail "the recipe wrote no Hugging Face model"
+# The ptk-inspect blend (weights and prefixes as separate words) printed a GPTDataset sample.
+bash -c "$(examples ptk-inspect | grep -- '--data-path')" 2>&1 | grep -q "sample 42" ||
+  fail "the --data-path example printed no sample 42"
+# What README promises of dataset names: ptk-merge --inputs gets the _text_document hint, and a
+# .bin or .idx name is the dataset (not PREFIX.bin.bin).
+set +e
+hint=$(build/bin/ptk-merge --inputs out/a out/b_text_document --output-prefix out/m1 2>&1)
+rc=$?
+set -e
+[ "$rc" != 0 ] || fail "ptk-merge took a prefix without its _text_document"
+echo "$hint" | grep -q "did you mean out/a_text_document?" || fail "no hint from ptk-merge: $hint"
+build/bin/ptk-merge --inputs out/a_text_document.bin out/b_text_document.idx --output-prefix out/m2 >/dev/null 2>&1 ||
+  fail "ptk-merge --inputs PREFIX.bin"
+[ -f out/m2.bin ] && [ ! -e out/m2.bin.bin ] || fail "ptk-merge wrote $(ls out/m2*)"
+build/bin/ptk-inspect out/m2 --verify >/dev/null 2>&1 || fail "out/m2 does not verify"
+echo "readme_examples_test: OK ($ran examples)"
