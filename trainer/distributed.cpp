@@ -26,8 +26,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
     // NCCL lives in the CUDA backend's module: loaded here, and only here on this path.
     auto cuda = LoadCudaBackend();
     if (!cuda.ok())
-      return absl::FailedPreconditionError(
-          fmt::format("--distributed-backend nccl: {}", StatusMessage(cuda.status())));
+      return absl::FailedPreconditionError(fmt::format("--distributed-backend nccl: {}", StatusMessage(cuda.status())));
     cuda::NcclOptions n;
     n.rank = o.rank;
     n.world_size = o.world_size;
