@@ -94,10 +94,10 @@ done
 # Each launcher runs here, from the staging path (nothing points back to the build); each module's
 # libraries resolve inside the tree.
 for m in "${modules[@]}"; do
-  deps=$("$stage/lib/ptk/ld-linux-x86-64.so.2" --library-path "$stage/lib/ptk" --list "$m" 2>&1) || true
-  case "$deps" in
-    *"not found"*) echo "make-portable: $(basename "$m") in the portable tree: $deps" >&2; exit 1 ;;
-  esac
+  if ! deps=$("$stage/lib/ptk/ld-linux-x86-64.so.2" --library-path "$stage/lib/ptk" --list "$m" 2>&1) ||
+     [[ $deps == *"not found"* ]]; then
+    echo "make-portable: $(basename "$m") in the portable tree: $deps" >&2; exit 1
+  fi
 done
 # Each launcher runs here, from the staging path (nothing points back to the build).
 for name in "${programs[@]}"; do
