@@ -23,7 +23,8 @@ case "${1:-}" in
     bash scripts/build.sh build-cuda -DCMAKE_BUILD_TYPE=Release -DPTK_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" \
       -DPTK_BUILD_BENCH=OFF
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
-    PROGRAMS="ptk-train ptk-tokenize" bash "$pack" build-cuda .gpu
+    # The CUDA backend's module goes beside the programs (ptk-train loads it from its own folder).
+    PROGRAMS="ptk-train ptk-tokenize ../lib/ptk/libptk_backend_cuda.so" bash "$pack" build-cuda .gpu
     echo "gpu-check: copy the project tree with .gpu/ to the GPU machine and run: bash scripts/gpu-check.sh run"
     ;;
   run)

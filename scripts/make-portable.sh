@@ -6,7 +6,8 @@
 #
 #   OUT_DIR/bin/ptk-*          launchers: run the program below with the bundled loader and libraries
 #   OUT_DIR/libexec/ptk/ptk-*  the programs (as `cmake --install` puts them in bin/)
-#   OUT_DIR/lib/ptk/           every shared library they load, glibc and its loader included
+#   OUT_DIR/lib/ptk/           every shared library they load, glibc and its loader included, and the
+#                              CUDA backend's module with its CUDA libraries (loaded for --device cuda only)
 #   OUT_DIR/share/ptk/         the GPT-2 files and the slurm/ scripts (PTK_BIN defaults to OUT_DIR/bin)
 #
 # Why a loader and not only an $ORIGIN rpath: programs built on Debian bookworm need glibc 2.34+
@@ -38,7 +39,11 @@ for p in "$stage"/bin/ptk-*; do
   programs+=("$name")
 done
 [ ${#programs[@]} -gt 0 ] || { echo "make-portable: no ptk programs were installed from $BUILD" >&2; exit 1; }
-strip --strip-debug "$stage"/libexec/ptk/ptk-*  # debug info stays in the build tree
+# The CUDA backend (where the build has one): a module that ptk-train loads from lib/ptk/ only for
+# --device cuda; its CUDA libraries are bundled beside it, and a CPU run never loads them.
+modules=()
+for m in "$stage"/lib/ptk/libptk_backend_*.so; do [ -f "$m" ] && modules+=("$m"); done
+strip --strip-debug "$stage"/libexec/ptk/ptk-* "${modules[@]}"  # debug info stays in the build tree
 
 # The libraries: what ldd resolves for each program (glibc and the loader included), plus what
 # oneTBB and cuDNN load by name at run time (the scalable allocator; cuDNN's sub-libraries).
@@ -53,6 +58,15 @@ for name in "${programs[@]}"; do
       /*ld-linux*) loader=${line%% (*} ;;
     esac
   done < <(ldd "$stage/libexec/ptk/$name")
+done
+for m in "${modules[@]}"; do
+  while read -r line; do
+    case "$line" in
+      *"=> not found"*) echo "make-portable: $(basename "$m"): ${line%% *} not found" >&2; exit 1 ;;
+      *"libcuda.so"*|*"libnvidia-"*) ;;
+      *"=> /"*) path=${line#*=> }; libs[${path%% (*}]=1 ;;
+    esac
+  done < <(ldd "$m")
 done
 [ -n "$loader" ] || { echo "make-portable: no dynamic loader found by ldd" >&2; exit 1; }
 for l in "${!libs[@]}"; do
@@ -76,6 +90,14 @@ root=\${self%/bin/*}
 exec "\$root/lib/ptk/ld-linux-x86-64.so.2" --library-path "\$root/lib/ptk" --argv0 "\$0" "\$root/libexec/ptk/$name" "\$@"
 EOF
   chmod 755 "$stage/bin/$name"
+done
+# Each launcher runs here, from the staging path (nothing points back to the build); each module's
+# libraries resolve inside the tree.
+for m in "${modules[@]}"; do
+  if ! deps=$("$stage/lib/ptk/ld-linux-x86-64.so.2" --library-path "$stage/lib/ptk" --list "$m" 2>&1) ||
+     [[ $deps == *"not found"* ]]; then
+    echo "make-portable: $(basename "$m") in the portable tree: $deps" >&2; exit 1
+  fi
 done
 # Each launcher runs here, from the staging path (nothing points back to the build).
 for name in "${programs[@]}"; do

@@ -617,6 +617,13 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     return Refuse(
         "--device cuda: this ptk-train was built without CUDA (no nvcc at build time); build with "
         "scripts/build.sh -DPTK_CUDA=ON on a machine with the CUDA toolkit, or train with --device cpu");
+  if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
+    if (auto cuda = LoadCudaBackend(); !cuda.ok())
+      return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
+  } else if (f.device.empty() && CudaBuilt() && NvidiaDriverPresent()) {
+    if (auto cuda = LoadCudaBackend(); !cuda.ok())
+      notes->push_back(fmt::format("no --device given and {}: training on the CPU", StatusMessage(cuda.status())));
+  }
   if (device == Device::kCpu && (f.fp16 || f.bf16))
     return Refuse(
         fmt::format("--{}: the CPU backend trains in fp32; drop the flag, or train on a GPU (--device cuda){}",

@@ -1,5 +1,6 @@
 // ptk-train: Megatron's pretrain_gpt.py flags, data and log lines, on ptk's fp32 CPU trainer.
 #include <sched.h>
+#include <pthread.h>
 #include <signal.h>
 
 #include <atomic>
@@ -51,6 +52,22 @@ int main(int argc, char** argv) {
   ptk::TrainFlags flags;
   ptk::AddTrainFlags(app.get(), &flags);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  // --exit-signal-handler: the handlers first, before anything that takes time (the tokenizer, the
+  // data, a rendezvous, the CUDA backend's libraries), so that a SIGTERM right after the start saves
+  // and exits at the first iteration instead of killing the process. A signal the launcher blocked
+  // is unblocked now that its handler exists (one sent before is pending, and delivered here).
+  if (flags.exit_signal_handler) {
+    struct sigaction sa = {};
+    sa.sa_handler = OnExitSignal;
+    sigemptyset(&sa.sa_mask);
+    sigset_t handled;
+    sigemptyset(&handled);
+    for (int sig : {SIGTERM, SIGUSR1, SIGINT}) {
+      sigaction(sig, &sa, nullptr);
+      sigaddset(&handled, sig);
+    }
+    pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
+  }
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     std::vector<std::string> notes;
@@ -111,15 +128,7 @@ int main(int argc, char** argv) {
     // OpenBLAS single-threaded: the CPU ops cut every product into fixed tiles and run them on
     // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
     openblas_set_num_threads(1);
-    if (flags.exit_signal_handler) {
-      struct sigaction sa = {};
-      sa.sa_handler = OnExitSignal;
-      sigemptyset(&sa.sa_mask);
-      sigaction(SIGTERM, &sa, nullptr);
-      sigaction(SIGUSR1, &sa, nullptr);
-      sigaction(SIGINT, &sa, nullptr);
-      options.exit_signal = &g_exit_signal;
-    }
+    if (flags.exit_signal_handler) options.exit_signal = &g_exit_signal;  // installed at the start of main
     options.comm = comm.get();
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;

@@ -1,13 +1,18 @@
-// The backend factory: the CPU model, or the CUDA model where the build has it.
+// The backend factory: the CPU model, or the CUDA model from the CUDA backend's module where the
+// build has it (loaded only when asked for: a CPU run loads no CUDA library).
 #include "trainer/backend.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
 
 #include <fmt/core.h>
 
 #include "common/status.h"
 #include "trainer/cpu/cpu_gpt_model.h"
-#if defined(PTK_WITH_CUDA)
-#include "trainer/cuda/cuda_gpt_model.h"
-#endif
+#include "trainer/cuda/backend_module.h"
 
 namespace ptk {
 
@@ -19,12 +24,59 @@ bool CudaBuilt() {
 #endif
 }
 
+namespace {
+
+absl::StatusOr<const cuda::Backend*> Load() {
+  if (!CudaBuilt())
+    return absl::FailedPreconditionError(
+        "this ptk-train was built without CUDA (no nvcc at build time); build with scripts/build.sh -DPTK_CUDA=ON "
+        "on a machine with the CUDA toolkit, or train with --device cpu");
+  // Beside the program itself where it is there (a pack of programs in one folder), else by name:
+  // ptk-train's RUNPATH ($ORIGIN/../lib/ptk: the build tree, an installed tree), LD_LIBRARY_PATH (a
+  // portable tree's lib/ptk/), the system's paths. RTLD_NOW: a symbol the module cannot resolve is
+  // this error, not a crash in the middle of a run.
+  std::string path = cuda::kCudaBackendModule;
+  std::error_code ec;
+  const std::filesystem::path program = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const std::filesystem::path beside = program.parent_path() / cuda::kCudaBackendModule;
+    if (access(beside.c_str(), F_OK) == 0) path = beside.string();
+  }
+  void* module = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (module == nullptr) {
+    const char* why = dlerror();
+    return absl::FailedPreconditionError(fmt::format(
+        "the CUDA backend cannot be loaded: {}. It is {} in lib/ptk/ beside the bin/ of ptk-train and needs the CUDA "
+        "runtime, cuBLAS, cuDNN 9 and NCCL 2 libraries of the CUDA version it was built with (the system's, "
+        "LD_LIBRARY_PATH's, or a portable tree's lib/ptk/); without them, train with --device cpu",
+        why ? why : "unknown error", cuda::kCudaBackendModule));
+  }
+  auto entry = reinterpret_cast<cuda::BackendEntryFn>(dlsym(module, cuda::kCudaBackendEntry));
+  if (entry == nullptr)
+    return absl::FailedPreconditionError(
+        fmt::format("the CUDA backend cannot be loaded: {} has no {} (a module of another ptk version?); reinstall "
+                    "ptk-train and lib/ptk/ from one build",
+                    cuda::kCudaBackendModule, cuda::kCudaBackendEntry));
+  return entry();
+}
+
+}  // namespace
+
+absl::StatusOr<const cuda::Backend*> LoadCudaBackend() {
+  static const absl::StatusOr<const cuda::Backend*> backend = Load();  // once, thread-safe
+  return backend;
+}
+
+bool NvidiaDriverPresent() {
+  for (const char* path : {"/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg"})
+    if (access(path, F_OK) == 0) return true;
+  return false;
+}
+
 int CudaDeviceCount() {
-#if defined(PTK_WITH_CUDA)
-  return cuda::VisibleDeviceCount();
-#else
-  return 0;
-#endif
+  if (!CudaBuilt() || !NvidiaDriverPresent()) return 0;
+  auto backend = LoadCudaBackend();
+  return backend.ok() ? (*backend)->VisibleDeviceCount() : 0;
 }
 
 Device DefaultDevice() { return CudaDeviceCount() > 0 ? Device::kCuda : Device::kCpu; }
@@ -37,16 +89,16 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m, CpuGPTModel::Create(config));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
-#if defined(PTK_WITH_CUDA)
-  cuda::CudaModelOptions cuda_options;
-  cuda_options.sync_ops = backend.sync_ops;
-  return cuda::CreateCudaGPTModel(config, backend.precision, backend.device_index, backend.deterministic,
-                                  backend.micro_batch_size, backend.profile, cuda_options);
-#else
-  return absl::FailedPreconditionError(
-      "--device cuda: this ptk-train was built without CUDA (no nvcc at build time); build with "
-      "scripts/build.sh -DPTK_CUDA=ON on a machine with the CUDA toolkit, or train with --device cpu");
-#endif
+  auto cuda = LoadCudaBackend();
+  if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
+  cuda::ModelOptions o;
+  o.precision = backend.precision;
+  o.device_index = backend.device_index;
+  o.deterministic = backend.deterministic;
+  o.micro_batch_size = backend.micro_batch_size;
+  o.profile = backend.profile;
+  o.sync_ops = backend.sync_ops;
+  return (*cuda)->CreateModel(config, o);
 }
 
 }  // namespace ptk

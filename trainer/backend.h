@@ -18,15 +18,31 @@ struct BackendOptions {
   bool sync_ops = false;         // CUDA: synchronise after every op, name the one that fails (PTK_CUDA_SYNC_OPS=1)
 };
 
-// Whether this build has the CUDA backend, and how many CUDA devices are visible (0 without CUDA,
-// without a driver or without a device).
+namespace cuda {
+class Backend;
+}
+
+// Whether this build has the CUDA backend (the module lib/ptk/libptk_backend_cuda.so, built where
+// nvcc was found).
 bool CudaBuilt();
+// The CUDA backend, loaded on first use (dlopen; kept for the life of the process): the module is
+// found through ptk-train's RUNPATH ($ORIGIN/../lib/ptk), LD_LIBRARY_PATH, then the system's paths.
+// FailedPrecondition with one line naming what is missing (the loader's words: the module, or the
+// CUDA library it needs) when it cannot be loaded, or when the build has no CUDA backend. Nothing
+// else loads a CUDA library: a CPU run never calls this.
+absl::StatusOr<const cuda::Backend*> LoadCudaBackend();
+// Whether an NVIDIA driver is installed (/proc/driver/nvidia, /dev/nvidiactl, or WSL's /dev/dxg):
+// without one, no CUDA device can be visible, and the CUDA backend is not loaded to find out.
+bool NvidiaDriverPresent();
+// How many CUDA devices are visible: 0 without the CUDA backend, without a driver or without a
+// device (loads the backend only where a driver is installed).
 int CudaDeviceCount();
 // ptk-train's default --device: cuda where the build has CUDA and a device is visible, else cpu.
 Device DefaultDevice();
 
 // The model on the chosen backend. Never falls back to another backend: --device cuda in a build
-// without CUDA, with no device visible, or --bf16 on a GPU before sm_80 is an error that says so.
+// without CUDA, where the CUDA backend cannot be loaded, with no device visible, or --bf16 on a GPU
+// before sm_80 is an error that says so.
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend);
 
 }  // namespace ptk

@@ -4,19 +4,14 @@
 #include <fmt/core.h>
 
 #include "common/status.h"
+#include "trainer/backend.h"
 #include "trainer/comm_gloo.h"
-#if defined(PTK_WITH_CUDA)
-#include "trainer/cuda/comm_nccl.h"
-#endif
+#include "trainer/cuda/backend_module.h"
 
 namespace ptk {
 
 bool DistributedBackendBuilt(const std::string& backend) {
-#if defined(PTK_WITH_CUDA)
-  return backend == "gloo" || backend == "nccl";
-#else
-  return backend == "gloo";
-#endif
+  return backend == "gloo" || (backend == "nccl" && CudaBuilt());
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const DistributedOptions& o) {
@@ -28,7 +23,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
   // starts its process group); then its rendezvous takes any free port, nobody else comes.
   if (o.world_size == 1 && !(o.backend_given && o.backend == "nccl")) return MakeLocalCommunicator();
   if (o.backend == "nccl") {
-#if defined(PTK_WITH_CUDA)
+    // NCCL lives in the CUDA backend's module: loaded here, and only here on this path.
+    auto cuda = LoadCudaBackend();
+    if (!cuda.ok())
+      return absl::FailedPreconditionError(fmt::format("--distributed-backend nccl: {}", StatusMessage(cuda.status())));
     cuda::NcclOptions n;
     n.rank = o.rank;
     n.world_size = o.world_size;
@@ -37,8 +35,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
     n.master_port = o.world_size == 1 ? 0 : o.master_port;
     n.timeout = o.timeout;
     n.on_stuck = o.on_stuck;
-    return cuda::MakeNcclCommunicator(n);
-#endif
+    return (*cuda)->CreateNcclCommunicator(n);
   }
   GlooOptions g;
   g.rank = o.rank;

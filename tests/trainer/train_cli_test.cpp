@@ -2,6 +2,9 @@
 // with the same bits as an uninterrupted one; SIGTERM saves and exits; kill -9 during saves never
 // leaves a damaged `latest`; damaged or mismatched checkpoints are refused; the seeds' flags are
 // honoured or refused with one line.
+#include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -97,6 +100,31 @@ TEST_F(TrainCli, SigtermSavesAndExitsCleanly) {
   ASSERT_TRUE(it.ok()) << it.status();
   EXPECT_GT(*it, 0);
   EXPECT_EQ(Load(dir_ / "s", *it).state.iteration, *it);
+}
+
+// A SIGTERM as soon as the process exists, before main has run: with --exit-signal-handler it is
+// handled, never the death of the process. The launcher here blocks SIGTERM (so that the signal
+// cannot land before the handler exists, whatever the machine's load): ptk-train installs its
+// handler first thing, unblocks the signal, and saves and exits at the first iteration.
+TEST_F(TrainCli, SigtermAtTheStartIsHandled) {
+  sigset_t term, old;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  ASSERT_EQ(pthread_sigmask(SIG_BLOCK, &term, &old), 0);
+  const std::string log = dir_ / "early.log";
+  // 30 iterations: a ptk-train that never took the signal would train them all and save at the end.
+  pid_t pid = testing::SpawnShell(Train("--exit-signal-handler --save " + ShellQuote(dir_ / "e"), 30), log);
+  ASSERT_EQ(pthread_sigmask(SIG_SETMASK, &old, nullptr), 0);
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  const int rc = testing::WaitExit(pid);
+  const std::string out = testing::ReadFile(log);
+  EXPECT_EQ(rc, 0) << "128 + the signal that ended it, or the exit code:\n" << out;
+  EXPECT_NE(out.find("exiting on signal"), std::string::npos) << out;
+  auto it = LatestCheckpointIteration(dir_ / "e");
+  ASSERT_TRUE(it.ok()) << it.status() << out;
+  EXPECT_EQ(*it, 1);
+  EXPECT_EQ(Load(dir_ / "e", 1).state.iteration, 1);
 }
 
 // A second ptk-train on the same --save (a requeue while the first still runs) stops at once, naming

@@ -1,0 +1,31 @@
+// libptk_backend_cuda.so's entry point (backend_module.h): the CUDA model and the NCCL communicator
+// behind the interface ptk-train loads.
+#include "trainer/cuda/backend_module.h"
+
+#include "trainer/cuda/comm_nccl.h"
+#include "trainer/cuda/cuda_gpt_model.h"
+
+namespace ptk::cuda {
+namespace {
+
+class CudaBackend final : public Backend {
+ public:
+  int VisibleDeviceCount() const override { return cuda::VisibleDeviceCount(); }
+  absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const ModelOptions& o) const override {
+    CudaModelOptions options;
+    options.sync_ops = o.sync_ops;
+    return CreateCudaGPTModel(config, o.precision, o.device_index, o.deterministic, o.micro_batch_size, o.profile,
+                              options);
+  }
+  absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& options) const override {
+    return MakeNcclCommunicator(options);
+  }
+};
+
+}  // namespace
+}  // namespace ptk::cuda
+
+extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v1() {
+  static const ptk::cuda::CudaBackend backend;
+  return &backend;
+}

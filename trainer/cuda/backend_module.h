@@ -1,0 +1,46 @@
+// The CUDA backend as ptk-train sees it: the one entry point of the module libptk_backend_cuda.so,
+// which trainer/backend.cpp loads with dlopen only when --device cuda or NCCL asks for it (as ggml
+// loads its backends), so that ptk-train starts, and trains on the CPU, where no CUDA library is
+// installed. The module and ptk-train come from one build (same compiler, same headers): the
+// interface may pass C++ types. Change it only together with kCudaBackendEntry's version.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "trainer/comm.h"
+#include "trainer/cuda/comm_nccl.h"
+#include "trainer/gpt_model.h"
+
+namespace ptk::cuda {
+
+// What the module makes: the model (CreateCudaGPTModel's arguments), the NCCL communicator, and
+// how many devices are visible (0 without a driver or a device).
+struct ModelOptions {
+  Precision precision = Precision::kFp32;
+  int device_index = 0;
+  bool deterministic = false;
+  int64_t micro_batch_size = 1;
+  bool profile = false;
+  bool sync_ops = false;  // PTK_CUDA_SYNC_OPS=1: synchronise after every op, name the one that fails
+};
+
+class Backend {
+ public:
+  virtual int VisibleDeviceCount() const = 0;
+  virtual absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config,
+                                                                const ModelOptions& options) const = 0;
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& options) const = 0;
+
+ protected:
+  ~Backend() = default;  // the module's own static object: never deleted through this interface
+};
+
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v1(void).
+inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v1";
+using BackendEntryFn = const Backend* (*)();
+
+}  // namespace ptk::cuda
+
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v1();
