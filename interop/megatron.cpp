@@ -359,6 +359,11 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       const PyValue* groups = inner->Get("param_groups");
       const PyValue* state = inner->Get("state");
       if (!groups || groups->kind != PyValue::Kind::kList) continue;
+      // The distributed optimizer's state_dict keeps its groups without their parameters (the state
+      // is in distrib_optim.pt): no moments here.
+      if (std::any_of(groups->items.begin(), groups->items.end(),
+                      [](const PyRef& g) { return g->Get("params") == nullptr; }))
+        continue;
       std::vector<std::string> decay, no_decay;
       for (const auto& [n, d] : order) (d ? decay : no_decay).push_back(n);
       std::vector<std::vector<std::string>*> assign;
@@ -541,6 +546,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.max_position_embeddings, c.seq_length,
       c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "",
       c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "");
+  if (divisible != 128) s.train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
   s.notes.push_back(fmt::format("read {} tensor- x {} pipeline-parallel shards ({} layer names){}", tp, pp,
                                 te ? "Transformer Engine" : "local", have_moments ? ", with the AdamW moments" : ""));
   return s;

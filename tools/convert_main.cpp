@@ -75,7 +75,11 @@ int main(int argc, char** argv) {
         s.source, s.iteration, s.destination, c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
         c.max_position_embeddings, c.vocab_size, c.untie_embeddings_and_output_weights ? ", untied output layer" : "",
         s.num_params);
-    if (!s.train_flags.empty())
+    if (!s.train_flags.empty() && o.loader == "megatron")
+      ptk::log::Info(
+          "resume training with: ptk-train {} --load {} ... (the batch and schedule flags of the Megatron run)",
+          s.train_flags, o.save_dir);
+    else if (!s.train_flags.empty())
       ptk::log::Info("continue training with: ptk-train {} --seq-length N (N <= {}) --load {} --finetune ...",
                      s.train_flags, c.max_position_embeddings, o.save_dir);
     return absl::OkStatus();

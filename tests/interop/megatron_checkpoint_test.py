@@ -266,6 +266,15 @@ def main():
                                             ["--tp", "2", "--pp", "1", "--impl", "local", "--untie"], 56)
         ptk12, _ = import_matches_reference(tmp, "t1p2-te-untied", ["--tp", "1", "--pp", "2", "--untie", "--layers",
                                                                       "4"], 56)
+        # ptk-train resumes the imported checkpoint where Megatron stopped (iteration 20, 160 samples).
+        resumed = os.path.join(tmp, "resumed")
+        p = run(os.path.join(BIN, "ptk-train"), "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads",
+                "4", "--seq-length", "8", "--max-position-embeddings", "16", "--vocab-size", "50",
+                "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2", "--global-batch-size", "8",
+                "--train-iters", "22", "--lr", "3e-4", "--mock-data", "--eval-iters", "0", "--log-interval", "1",
+                "--use-checkpoint-opt_param-scheduler", "--threads", "1", "--load", ptk1, "--save", resumed, ok=False)
+        check(p.returncode == 0 and " 21/" in p.stdout + p.stderr and " 20/" not in p.stdout + p.stderr,
+              f"ptk-train resumes the imported checkpoint at iteration 21:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
         # ptk -> megatron -> ptk at several sizes and both layer specs.
         for label, src, tp, pp, impl in (("x-t2p2", ptk1, 2, 2, "transformer_engine"),
                                          ("x-t1p1", ptk22, 1, 1, "local"),

@@ -4,6 +4,9 @@
 // naming the file: a truncated archive, a CRC mismatch, an unknown global, an unknown opcode.
 #include "interop/torch_format.h"
 
+#include <sys/wait.h>
+
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -116,6 +119,37 @@ TEST(TorchFormat, RoundTripsTheValuesACheckpointHolds) {
     }
     EXPECT_EQ(entries, 6);  // data.pkl, byteorder, three storages, version
     EXPECT_EQ(bytes.find("PK\x06\x06") != std::string::npos, zip64);
+  }
+}
+
+// PyTorch's own torch.load reads what ptk writes, zip64 records included (Debian's python3-torch).
+TEST(TorchFormat, TorchLoadReadsTheFiles) {
+  TempDir dir;
+  Sample s = MakeSample();
+  for (bool zip64 : {false, true})
+    ASSERT_TRUE(WriteTorchFile(dir / (zip64 ? "z64.pt" : "plain.pt"), *s.root, s.blobs, zip64).ok());
+  {
+    const std::string script =
+        "import sys, zipfile\n"
+        "try:\n"
+        "  import torch\n"
+        "except ImportError:\n"
+        "  sys.exit(77)\n"
+        "for path in sys.argv[1:]:\n"
+        "  sd = torch.load(path)\n"
+        "  assert zipfile.ZipFile(path).testzip() is None\n"
+        "  a = sd['args']\n"
+        "  assert (a.num_layers, a.big, a.negative, a.lr, a.bf16) == (12, 1 << 40, -7, 3e-4, True), a\n"
+        "  assert a.params_dtype == torch.bfloat16 and a.betas == (0.9, 0.95) and a.name.endswith('\\xe9')\n"
+        "  w = sd['model']['a.weight']\n"
+        "  assert w.dtype == torch.float32 and w.shape == (2, 3) and w[0, 1].item() == -2.25, w\n"
+        "  assert sd['model']['a.bias'].dtype == torch.bfloat16 and sd['model']['a.half'].dtype == torch.float16\n"
+        "  assert sd['model']['a._extra_state'] is None and sd['state'] == {3: 'three'}\n";
+    ptk::testing::WriteFile(dir / "check.py", script);
+    const int rc = std::system(
+        ("/usr/bin/python3 " + (dir / "check.py") + " " + (dir / "plain.pt") + " " + (dir / "z64.pt")).c_str());
+    if (WIFEXITED(rc) && WEXITSTATUS(rc) == 77) GTEST_SKIP() << "no python3-torch";
+    EXPECT_EQ(rc, 0);
   }
 }
 
