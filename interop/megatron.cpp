@@ -401,7 +401,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   // Gather: weights (fp32 masters where the optimizer has them), moments.
   std::vector<float> weights(static_cast<size_t>(layout.num_params)), m1(weights.size(), 0.0f),
       m2(weights.size(), 0.0f);
-  bool have_moments = true, used_masters = false;
+  bool have_moments = true, used_masters = false, low_precision = false;
   int64_t adam_step = 0;
   for (const MegParam& m : params) {
     const std::vector<int64_t> full = [&] {
@@ -439,6 +439,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
           used_masters = true;
         }
       }
+      if (src->dtype != DType::kFloat32) low_precision = true;
       PTK_ASSIGN_OR_RETURN(std::vector<float> shard, rf.reader->ReadFloat(*src, name));
       CopyShard(w.data(), shard.data(), rows, cols, m.split, t, tp, /*gather=*/true);
       // Its moments.
@@ -482,6 +483,10 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
                           : "the checkpoint holds no AdamW moments (saved with --no-save-optim, or before a step): "
                             "they start at zero");
   }
+  if (low_precision)
+    s.notes.push_back(
+        "some weights are the model's bf16/fp16 copies widened to fp32: the checkpoint holds no fp32 master for them "
+        "(a distributed optimizer keeps them in distrib_optim.pt)");
   if (used_masters) s.notes.push_back("the weights are the optimizer's fp32 master copies (a --bf16/--fp16 run)");
   if (ckpt_padded > c.padded_vocab_size)
     s.notes.push_back(
@@ -773,8 +778,9 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
           torchfmt::DictSet(model.get(), module + "._extra_state", torchfmt::MakeNone());
         };
         for (size_t i = 0; i < pend.size(); ++i) {
-          const Pending& pd = pend[i];
+          Pending& pd = pend[i];
           torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape));
+          std::vector<float>().swap(pd.w);  // the blob holds the bytes now
           // Megatron's linear layers carry an (empty) extra state, after their bias.
           static const std::regex kLinear(R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2))\.bias)");
           std::smatch mm;
@@ -790,6 +796,8 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
             torchfmt::DictSet(entry.get(), "step", step);
             torchfmt::DictSet(entry.get(), "exp_avg", tensor(pd.a, pd.shape));
             torchfmt::DictSet(entry.get(), "exp_avg_sq", tensor(pd.b, pd.shape));
+            std::vector<float>().swap(pd.a);
+            std::vector<float>().swap(pd.b);
             by_id.emplace_back(ids[i], entry);
           }
         }

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <string>
 
+#include <fmt/core.h>
+
 #include "common/cli.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
@@ -53,15 +55,13 @@ int main(int argc, char** argv) {
   app->add_option("--max-queue-size", max_queue_size, "Accepted for compatibility (no queue: one process)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
-  if (o.saver != "megatron" && (o.target_tensor_parallel_size != 1 || o.target_pipeline_parallel_size != 1)) {
-    std::fprintf(stderr,
-                 "ptk-convert: --target-tensor/pipeline-parallel-size other than 1 need --saver megatron (%s "
-                 "checkpoints are not split)\n",
-                 o.saver.c_str());
-    return 2;
-  }
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    if (o.saver != "megatron" && (o.target_tensor_parallel_size != 1 || o.target_pipeline_parallel_size != 1))
+      return ptk::UsageError(fmt::format(
+          "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
+          "checkpoint ({} output is whole)",
+          o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
     ptk::JsonWriter args;
     args.BeginArray();
     for (int i = 1; i < argc; ++i) args.Value(argv[i]);

@@ -17,6 +17,7 @@ Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--impl transformer_engine|l
 """
 import argparse
 import collections
+import io
 import os
 import random
 
@@ -64,6 +65,10 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="the optimizer as DistributedOptimizer.state_dict leaves it in model_optim_rng.pt (groups "
+                         "without their parameters, no state) beside a distrib_optim.pt (a stand-in here: ptk "
+                         "does not read it)")
     ap.add_argument("--untie", action="store_true")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
@@ -105,10 +110,6 @@ def main():
         if n.endswith("layernorm.weight"):
             full[n] += 1.0
     grads = [{n: torch.randn(shapes[n], generator=gen) for n, _ in names} for _ in range(2)]
-    if not a.untie and pp > 1:
-        # The last stage's copy of the embedding (Megatron's shared output layer): same values and
-        # (all-reduced) gradients as the first stage's.
-        pass
     split = dict(names)
     per_stage = a.layers // pp
 
@@ -127,7 +128,7 @@ def main():
         make_vocab_size_divisible_by=a.divisible, tokenizer_type="NullTokenizer",
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None, transformer_impl=a.impl, ckpt_format="torch",
-        use_distributed_optimizer=False, fp16=False, bf16=a.bf16,
+        use_distributed_optimizer=a.distributed_optimizer, fp16=False, bf16=a.bf16,
         params_dtype=torch.bfloat16 if a.bf16 else torch.float32, micro_batch_size=2, global_batch_size=8,
         consumed_train_samples=8 * a.iteration, consumed_valid_samples=16, seed=1234, lr=3e-4,
         min_lr=3e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
@@ -179,11 +180,23 @@ def main():
                     if lname.endswith(linear + ".bias"):
                         if a.impl == "transformer_engine" and linear == "linear_proj":
                             model[lname[: -len("linear_proj.bias")] + "core_attention._extra_state"] = None
-                        model[lname[: -len(".bias")] + "._extra_state"] = None
+                        # Transformer Engine's extra state: None, an io.BytesIO (older TE) or an empty
+                        # uint8 tensor (newer TE), as different versions save it.
+                        extra = None
+                        if a.impl == "transformer_engine" and linear == "linear_qkv":
+                            extra = io.BytesIO(b"fp8 meta")
+                        elif a.impl == "transformer_engine" and linear == "linear_fc1":
+                            extra = torch.empty(0, dtype=torch.uint8)
+                        model[lname[: -len(".bias")] + "._extra_state"] = extra
             if last:
                 model["output_layer._extra_state"] = None
             opt_sd = opt.state_dict()
-            if a.bf16:
+            if a.distributed_optimizer:
+                inner = {k: v for k, v in opt_sd.items() if k != "state"}
+                for g in inner["param_groups"]:
+                    del g["params"]
+                optimizer = {"optimizer": inner}
+            elif a.bf16:
                 optimizer = {"optimizer": opt_sd,
                              "fp32_from_fp16_params": [[p_.detach().clone() for p_ in g["params"]] for g in groups]}
             else:
@@ -197,6 +210,9 @@ def main():
             rank = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             os.makedirs(os.path.join(iter_dir, rank), exist_ok=True)
             torch.save(state_dict, os.path.join(iter_dir, rank, "model_optim_rng.pt"))
+            if a.distributed_optimizer:
+                torch.save({"per_bucket_numel": [], "param_state_sharding_type": "fully_sharded_model_space"},
+                           os.path.join(iter_dir, rank, "distrib_optim.pt"))
             # The merged reference: each rank's piece of every tensor it owns.
             for gname, lname in stage:
                 if lname == "output_layer.weight" and gname != "output_layer.weight":
