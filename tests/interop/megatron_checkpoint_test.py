@@ -328,6 +328,16 @@ def main():
               "a rerun leaves the iteration's directory whole")
         check(not [x for x in os.listdir(out) if ".ptk-" in x], "a rerun leaves no temporaries")
 
+        # A full disk (a file-size limit: EFBIG, as ENOSPC) is exit 3, and the directory keeps no
+        # iteration, no tracker and no temporary.
+        full = os.path.join(tmp, "full")
+        p = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 16; exec "$@"', "x", CONVERT, "--loader", "ptk",
+                            "--saver", "megatron", "--load-dir", ptk21, "--save-dir", full,
+                            "--target-tensor-parallel-size", "2", "--make-vocab-size-divisible-by", "8"],
+                           capture_output=True, text=True)
+        check(p.returncode == 3 and "model_optim_rng.pt" in p.stderr, f"a full disk is exit 3: {p.returncode} {p.stderr}")
+        left = [x for x in os.listdir(full) if not x.startswith("ptk-convert")] if os.path.isdir(full) else []
+        check(left == [], f"a failed save leaves nothing: {left}")
         # Refusals.
         bad = os.path.join(tmp, "bad")
         shutil.copytree(os.path.join(tmp, "t2p2-te-bf16-meg"), bad)
