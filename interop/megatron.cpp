@@ -520,6 +520,21 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   } else {
     state.scheduler_num_steps = state.consumed_train_samples;
   }
+  if (const PyValue* opt = root.Get("optimizer")) {
+    const PyValue* gs = opt->Get("grad_scaler");
+    if (gs && gs->kind == PyValue::Kind::kDict && BoolAttr(args, "fp16", false)) {
+      LossScaleState ls;
+      if (const PyValue* sc = gs->Get("scale"); sc && sc->kind == PyValue::Kind::kTensor) {
+        PTK_ASSIGN_OR_RETURN(std::vector<float> v, first.reader->ReadFloat(sc->tensor, "grad_scaler.scale"));
+        if (!v.empty()) ls.scale = v[0];
+      } else if (sc && sc->IsNumber()) {
+        ls.scale = sc->Number();
+      }
+      ls.growth_tracker = static_cast<int64_t>(NumAttr(gs, "growth_tracker").value_or(0));
+      ls.hysteresis_tracker = static_cast<int64_t>(NumAttr(gs, "hysteresis_tracker").value_or(0));
+      if (ls.scale > 0 && std::isfinite(ls.scale)) state.loss_scale = ls;
+    }
+  }
   auto num = [](double v) { return fmt::format("{}", v); };
   state.settings = {
       {"--num-layers", std::to_string(c.num_layers)},
@@ -536,6 +551,9 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       {"--attention-dropout", num(c.attention_dropout)},
       {"--init-method-std", num(c.init_method_std)},
       {"--seed", std::to_string(state.seed)},
+      {"--bf16/--fp16", BoolAttr(args, "bf16", false)   ? "bf16"
+                        : BoolAttr(args, "fp16", false) ? "fp16"
+                                                        : "fp32"},
   };
   if (auto gbs = NumAttr(args, "global_batch_size"))
     state.settings.emplace_back("--global-batch-size", std::to_string(static_cast<int64_t>(*gbs)));
@@ -613,6 +631,12 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   const bool te = o.saver_transformer_impl == "transformer_engine";
   const bool tied_copy = !c.untie_embeddings_and_output_weights && pp > 1;
   const bool with_moments = state.adam_step > 0;
+  // As the saving run trained: fp32, or bf16/fp16 model weights with the fp32 masters in the optimizer.
+  const std::string precision = SettingStr(state, "--bf16/--fp16", "fp32");
+  const bool mixed = precision == "bf16" || precision == "fp16";
+  const DType model_dtype = precision == "bf16"   ? DType::kBFloat16
+                            : precision == "fp16" ? DType::kFloat16
+                                                  : DType::kFloat32;
 
   // The args Namespace: what Megatron's load checks (check_checkpoint_args) and its converter reads.
   PyRef ns_attrs = torchfmt::MakeDict();
@@ -658,9 +682,12 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   set_s("transformer_impl", o.saver_transformer_impl);
   set_s("ckpt_format", "torch");
   set_b("use_distributed_optimizer", false);
-  set_b("fp16", false);
-  set_b("bf16", false);
-  torchfmt::DictSet(a, "params_dtype", torchfmt::MakeGlobal("torch.float32"));
+  set_b("fp16", precision == "fp16");
+  set_b("bf16", precision == "bf16");
+  torchfmt::DictSet(a, "params_dtype",
+                    torchfmt::MakeGlobal(precision == "bf16"   ? "torch.bfloat16"
+                                         : precision == "fp16" ? "torch.float16"
+                                                               : "torch.float32"));
   set_i("iteration", state.iteration);
   set_i("train_iters", static_cast<int64_t>(SettingNum(state, "--train-iters", 0)));
   set_i("micro_batch_size", static_cast<int64_t>(SettingNum(state, "--micro-batch-size", 1)));
@@ -769,17 +796,19 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         PyRef adam_state = torchfmt::MakeDict();
         std::vector<std::pair<int64_t, PyRef>> by_id;
         int key = 0;
-        auto tensor = [&](const std::vector<float>& data, const std::vector<int64_t>& shape) {
+        auto tensor = [&](const std::vector<float>& data, const std::vector<int64_t>& shape, DType dtype) {
           const std::string k = std::to_string(key++);
-          blobs.push_back(torchfmt::MakeBlob(k, DType::kFloat32, data.data(), static_cast<int64_t>(data.size())));
-          return torchfmt::MakeTensor(k, DType::kFloat32, shape);
+          blobs.push_back(torchfmt::MakeBlob(k, dtype, data.data(), static_cast<int64_t>(data.size())));
+          return torchfmt::MakeTensor(k, dtype, shape);
         };
+        std::vector<PyRef> masters_decay, masters_no_decay;  // fp32_from_fp16_params, by group
         auto extra = [&](const std::string& module) {
           torchfmt::DictSet(model.get(), module + "._extra_state", torchfmt::MakeNone());
         };
         for (size_t i = 0; i < pend.size(); ++i) {
           Pending& pd = pend[i];
-          torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape));
+          torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape, model_dtype));
+          if (mixed) (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
           std::vector<float>().swap(pd.w);  // the blob holds the bytes now
           // Megatron's linear layers carry an (empty) extra state, after their bias.
           static const std::regex kLinear(R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2))\.bias)");
@@ -792,10 +821,10 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
           (pd.decay ? decay_ids : no_decay_ids).push_back(torchfmt::MakeInt(ids[i]));
           if (with_moments) {
             PyRef entry = torchfmt::MakeDict();
-            PyRef step = tensor({static_cast<float>(state.adam_step)}, {});
+            PyRef step = tensor({static_cast<float>(state.adam_step)}, {}, DType::kFloat32);
             torchfmt::DictSet(entry.get(), "step", step);
-            torchfmt::DictSet(entry.get(), "exp_avg", tensor(pd.a, pd.shape));
-            torchfmt::DictSet(entry.get(), "exp_avg_sq", tensor(pd.b, pd.shape));
+            torchfmt::DictSet(entry.get(), "exp_avg", tensor(pd.a, pd.shape, DType::kFloat32));
+            torchfmt::DictSet(entry.get(), "exp_avg_sq", tensor(pd.b, pd.shape, DType::kFloat32));
             std::vector<float>().swap(pd.a);
             std::vector<float>().swap(pd.b);
             by_id.emplace_back(ids[i], entry);
@@ -831,6 +860,22 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         torchfmt::DictSet(optimizer.get(), "state", adam_state);
         torchfmt::DictSet(optimizer.get(), "param_groups",
                           torchfmt::MakeList({group(decay_ids, 1.0), group(no_decay_ids, 0.0)}));
+        if (mixed) {  // Float16OptimizerWithFloat16Params.state_dict
+          PyRef wrapped = torchfmt::MakeDict();
+          torchfmt::DictSet(wrapped.get(), "optimizer", optimizer);
+          if (precision == "fp16") {
+            const LossScaleState ls = state.loss_scale.value_or(LossScaleState{});
+            PyRef gs = torchfmt::MakeDict();
+            torchfmt::DictSet(gs.get(), "scale", tensor({static_cast<float>(ls.scale)}, {1}, DType::kFloat32));
+            torchfmt::DictSet(gs.get(), "growth_tracker", torchfmt::MakeInt(ls.growth_tracker));
+            torchfmt::DictSet(gs.get(), "hysteresis_tracker", torchfmt::MakeInt(ls.hysteresis_tracker));
+            torchfmt::DictSet(wrapped.get(), "grad_scaler", gs);
+          }
+          torchfmt::DictSet(wrapped.get(), "fp32_from_fp16_params",
+                            torchfmt::MakeList({torchfmt::MakeList(std::move(masters_decay)),
+                                                torchfmt::MakeList(std::move(masters_no_decay))}));
+          optimizer = wrapped;
+        }
         PyRef root = torchfmt::MakeDict();
         PyValue* r = root.get();
         torchfmt::DictSet(r, "args", args);
@@ -871,10 +916,12 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
                     "ranks, as Megatron pads it) with copies of the last token's row",
                     c.padded_vocab_size, vm, o.make_vocab_size_divisible_by, tp));
   s.notes.push_back(fmt::format(
-      "wrote {} tensor- x {} pipeline-parallel shards ({} layer names) as an fp32 run with Megatron's plain optimizer "
+      "wrote {} tensor- x {} pipeline-parallel shards ({} layer names) as a{} run with Megatron's plain optimizer "
       "saves them{}; no rng_state (ptk's generators are not PyTorch's): Megatron loads it with --ckpt-format torch "
-      "--no-load-rng",
-      tp, pp, te ? "Transformer Engine" : "local", with_moments ? ", AdamW moments included" : ", no AdamW step yet"));
+      "--no-load-rng{}",
+      tp, pp, te ? "Transformer Engine" : "local",
+      mixed ? fmt::format(" --{} (fp32 masters in the optimizer)", precision) : "n fp32",
+      with_moments ? ", AdamW moments included" : ", no AdamW step yet", mixed ? fmt::format(" --{}", precision) : ""));
   return s;
 }
 

@@ -9,8 +9,9 @@
 // weights where the optimizer holds them (--bf16/--fp16 runs) and AdamW's moments from the
 // optimizer's state (Megatron's parameter groups: the weights, then the biases and LayerNorms), and
 // writes a ptk checkpoint of the same iteration, consumed samples and schedule.
-// ptk -> megatron splits a ptk checkpoint at --target-tensor/pipeline-parallel-size, as an fp32
-// run of Megatron with the plain (non-distributed) optimizer saves it; the vocabulary is padded to a
+// ptk -> megatron splits a ptk checkpoint at --target-tensor/pipeline-parallel-size, as a run of
+// Megatron with the plain (non-distributed) optimizer saves it in the precision the ptk run trained
+// (fp32; bf16/fp16 weights with the fp32 masters in the optimizer); the vocabulary is padded to a
 // multiple of --make-vocab-size-divisible-by x tensor-parallel size as Megatron pads it (new rows:
 // copies of the last token's row, zero moments).
 #pragma once

@@ -96,7 +96,7 @@ def import_matches_reference(tmp, label, gen_flags, ptk_vocab_rows):
     return ptk, p
 
 
-def export_and_check(tmp, label, ptk, tp, pp, impl, h, arr):
+def export_and_check(tmp, label, ptk, tp, pp, impl, h, arr, precision):
     """ptk -> megatron at tp x pp: torch.load reads every shard with megatron-core's names and shapes,
     the shards merge back to ptk's tensors; then megatron -> ptk is bit for bit."""
     meg = os.path.join(tmp, label + "-meg")
@@ -143,9 +143,12 @@ def export_and_check(tmp, label, ptk, tp, pp, impl, h, arr):
             check(sorted(names) == sorted(want), f"{label} {rank}: state-dict names {sorted(set(names) ^ set(want))}")
             vp = a.padded_vocab_size
             f = a.ffn_hidden_size
+            dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+            check(dtype == precision, f"{label} {rank}: saved as the ptk run trained ({precision}), not {dtype}")
+            check(a.params_dtype == dtype, f"{label} {rank}: args.params_dtype {a.params_dtype}")
             for k in names:
                 v = model[k]
-                check(v.dtype == torch.float32, f"{label} {rank}: {k} is fp32")
+                check(v.dtype == dtype, f"{label} {rank}: {k} is {dtype}")
                 if k.endswith("word_embeddings.weight") or k == "output_layer.weight":
                     shape = (vp // tp, hidden)
                 elif k.endswith("position_embeddings.weight"):
@@ -165,8 +168,13 @@ def export_and_check(tmp, label, ptk, tp, pp, impl, h, arr):
                 else:
                     shape = (hidden,)
                 check(tuple(v.shape) == shape, f"{label} {rank}: {k} shape {tuple(v.shape)}, megatron-core's {shape}")
-            # The optimizer: torch Adam's state_dict with Megatron's two groups.
+            # The optimizer: torch Adam's state_dict with Megatron's two groups (wrapped with the fp32
+            # masters by group in a bf16/fp16 run, as Float16OptimizerWithFloat16Params saves it).
             opt = sd["optimizer"]
+            masters = None
+            if dtype != torch.float32:
+                masters = opt["fp32_from_fp16_params"]
+                opt = opt["optimizer"]
             groups = opt["param_groups"]
             check(len(groups) == 2 and groups[1]["wd_mult"] == 0.0, f"{label} {rank}: two parameter groups")
             params_in_order = [k for k in names]
@@ -178,9 +186,15 @@ def export_and_check(tmp, label, ptk, tp, pp, impl, h, arr):
             for idx, k in enumerate(decay + no_decay):
                 st = opt["state"][idx]
                 check(st["exp_avg"].shape == model[k].shape, f"{label} {rank}: exp_avg of {k}")
-                merged.setdefault((p, k), {})[t] = (model[k], st["exp_avg"], st["exp_avg_sq"], float(st["step"]))
+                w = model[k]
+                if masters is not None:
+                    g, pos = (0, idx) if idx < len(decay) else (1, idx - len(decay))
+                    w = masters[g][pos]
+                    check(w.dtype == torch.float32 and torch.equal(w.to(dtype), model[k]),
+                          f"{label} {rank}: the model's {k} is its fp32 master rounded")
+                merged.setdefault((p, k), {})[t] = (w, st["exp_avg"], st["exp_avg_sq"], float(st["step"]))
             # A torch Adam over these parameters takes the state as Megatron's loader hands it.
-            plist = [torch.nn.Parameter(model[k].clone()) for k in decay + no_decay]
+            plist = [torch.nn.Parameter(model[k].float()) for k in decay + no_decay]
             adam = torch.optim.Adam([{"params": plist[:len(decay)]}, {"params": plist[len(decay):]}])
             adam.load_state_dict(opt)
     # The merged shards equal ptk's tensors (the padded rows beyond ptk's are copies of the last token's).
@@ -288,13 +302,16 @@ def main():
         check(p.returncode == 0 and " 21/" in p.stdout + p.stderr and " 20/" not in p.stdout + p.stderr,
               f"ptk-train resumes the imported checkpoint at iteration 21:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
         # ptk -> megatron -> ptk at several sizes and both layer specs.
-        for label, src, tp, pp, impl in (("x-t2p2", ptk1, 2, 2, "transformer_engine"),
-                                         ("x-t1p1", ptk22, 1, 1, "local"),
-                                         ("x-t2p1", ptk21, 2, 1, "transformer_engine"),
-                                         ("x-t1p4", ptk12, 1, 4, "local"),
-                                         ("x-t4p2", ptk12, 4, 2, "transformer_engine")):
+        # A bf16 run's checkpoint is written as Megatron's --bf16 saves it (bf16 weights, fp32 masters).
+        for label, src, tp, pp, impl, precision in (
+                ("x-t2p2", ptk1, 2, 2, "transformer_engine", torch.float32),
+                ("x-t1p1-bf16", ptk22, 1, 1, "local", torch.bfloat16),
+                ("x-t2p2-bf16", ptk22, 2, 2, "transformer_engine", torch.bfloat16),
+                ("x-t2p1", ptk21, 2, 1, "transformer_engine", torch.float32),
+                ("x-t1p4", ptk12, 1, 4, "local", torch.float32),
+                ("x-t4p2", ptk12, 4, 2, "transformer_engine", torch.float32)):
             h, arr = read_ptk(src)
-            export_and_check(tmp, label, src, tp, pp, impl, h, arr)
+            export_and_check(tmp, label, src, tp, pp, impl, h, arr, precision)
         # Megatron -> ptk -> Megatron at the same size: every tensor and moment as Megatron wrote it
         # (fp32 run), the padded rows beyond ptk's aside.
         src = os.path.join(tmp, "t2p1-local-untied-meg")
@@ -321,6 +338,30 @@ def main():
                 if vocab:  # the rows beyond ptk's padded vocabulary (56) are Megatron's TP padding, not ptk's
                     full = [f[:56] for f in full]
                 check(torch.equal(full[0], full[1]), f"megatron -> ptk -> megatron: {which} of {k}")
+        # The same for a --bf16 run at T2 x P2: the bf16 weights (ptk rounds its fp32 masters to bf16 as
+        # torch does), the fp32 masters and the moments as Megatron wrote them.
+        for rank in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
+            t = int(rank[8:10])
+            a = torch.load(os.path.join(tmp, "t2p2-te-bf16-meg", "iter_0000020", rank, "model_optim_rng.pt"))
+            b = torch.load(os.path.join(tmp, "x-t2p2-bf16-meg", "iter_0000020", rank, "model_optim_rng.pt"))
+            names = [k for k, v in a["model"].items() if torch.is_tensor(v) and not k.endswith("_extra_state")]
+            order = [k for k in names if a["model"][k].dim() > 1] + [k for k in names if a["model"][k].dim() == 1]
+            decay = sum(1 for k in names if a["model"][k].dim() > 1)
+
+            def rows(k, x):  # a vocabulary shard's rows within ptk's 56
+                if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    return x[:max(0, min(x.shape[0], 56 - t * x.shape[0]))]
+                return x
+            for i, k in enumerate(order):
+                g, pos = (0, i) if i < decay else (1, i - decay)
+                pairs = [(a["model"][k], b["model"][k]),
+                         (a["optimizer"]["fp32_from_fp16_params"][g][pos], b["optimizer"]["fp32_from_fp16_params"][g][pos]),
+                         (a["optimizer"]["optimizer"]["state"][i]["exp_avg"], b["optimizer"]["optimizer"]["state"][i]["exp_avg"]),
+                         (a["optimizer"]["optimizer"]["state"][i]["exp_avg_sq"],
+                          b["optimizer"]["optimizer"]["state"][i]["exp_avg_sq"])]
+                for which, (x, y) in zip(("bf16 weight", "fp32 master", "exp_avg", "exp_avg_sq"), pairs):
+                    check(x.dtype == y.dtype and torch.equal(rows(k, x), rows(k, y)),
+                          f"bf16 megatron -> ptk -> megatron: {which} of {k} in {rank}")
         # A rerun over the same directory replaces the iteration whole.
         convert("ptk", "megatron", ptk21, out, "--target-tensor-parallel-size", "2",
                 "--make-vocab-size-divisible-by", "8")
