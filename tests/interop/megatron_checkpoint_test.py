@@ -301,6 +301,16 @@ def main():
                 "--use-checkpoint-opt_param-scheduler", "--threads", "1", "--load", ptk1, "--save", resumed, ok=False)
         check(p.returncode == 0 and " 21/" in p.stdout + p.stderr and " 20/" not in p.stdout + p.stderr,
               f"ptk-train resumes the imported checkpoint at iteration 21:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        # --fp16: fp16 weights, fp32 masters, the dynamic loss scaler carried both ways.
+        ptk_fp16, _ = import_matches_reference(tmp, "t1p1-fp16", ["--tp", "1", "--pp", "1", "--fp16"], 56)
+        h16, arr16 = read_ptk(ptk_fp16)
+        check(h16.get("loss_scale") == 65536.0 and h16.get("loss_scale_growth_tracker") == 3 and
+              h16.get("loss_scale_hysteresis_tracker") == 2, f"fp16: the loss scaler carried: {h16.get('loss_scale')}")
+        export_and_check(tmp, "x-t2p1-fp16", ptk_fp16, 2, 1, "transformer_engine", h16, arr16, torch.float16)
+        gs = torch.load(os.path.join(tmp, "x-t2p1-fp16-meg", "iter_0000020", "mp_rank_00",
+                                     "model_optim_rng.pt"))["optimizer"]["grad_scaler"]
+        check(float(gs["scale"]) == 65536.0 and gs["growth_tracker"] == 3 and gs["hysteresis_tracker"] == 2,
+              f"fp16: the loss scaler written as Megatron's grad_scaler: {gs}")
         # ptk -> megatron -> ptk at several sizes and both layer specs.
         # A bf16 run's checkpoint is written as Megatron's --bf16 saves it (bf16 weights, fp32 masters).
         for label, src, tp, pp, impl, precision in (

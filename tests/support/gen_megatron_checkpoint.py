@@ -6,13 +6,13 @@ of that rank: Transformer Engine or local layer names, layers renumbered per pip
 column-parallel tensors split along their rows, row-parallel ones along their columns, the
 vocabulary padded to a multiple of make_vocab_size_divisible_by x TP), optimizer (a real
 torch.optim.Adam's state_dict after two steps, with Megatron's two parameter groups: weight decay,
-then the 1-D parameters with wd_mult 0; --bf16 wraps it as Float16OptimizerWithFloat16Params does,
-with the fp32 masters), opt_param_scheduler and rng_state (Python, numpy and torch generator states).
+then the 1-D parameters with wd_mult 0; --bf16/--fp16 wraps it as Float16OptimizerWithFloat16Params does,
+with the fp32 masters, and --fp16's loss scaler), opt_param_scheduler and rng_state (Python, numpy and torch generator states).
 
 Beside it, <out>/reference.pt holds the merged full tensors (weights: fp32 masters; exp_avg,
 exp_avg_sq) under ptk's (local) names, for the test to compare against.
 
-Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--impl transformer_engine|local] [--bf16]
+Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--impl transformer_engine|local] [--bf16|--fp16]
        [--untie] [--layers L] [--hidden H] [--heads N] [--vocab V] [--iteration I]
 """
 import argparse
@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--distributed-optimizer", action="store_true",
                     help="the optimizer as DistributedOptimizer.state_dict leaves it in model_optim_rng.pt (groups "
                          "without their parameters, no state) beside a distrib_optim.pt (a stand-in here: ptk "
@@ -128,8 +129,8 @@ def main():
         make_vocab_size_divisible_by=a.divisible, tokenizer_type="NullTokenizer",
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None, transformer_impl=a.impl, ckpt_format="torch",
-        use_distributed_optimizer=a.distributed_optimizer, fp16=False, bf16=a.bf16,
-        params_dtype=torch.bfloat16 if a.bf16 else torch.float32, micro_batch_size=2, global_batch_size=8,
+        use_distributed_optimizer=a.distributed_optimizer, fp16=a.fp16, bf16=a.bf16,
+        params_dtype=torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32, micro_batch_size=2, global_batch_size=8,
         consumed_train_samples=8 * a.iteration, consumed_valid_samples=16, seed=1234, lr=3e-4,
         min_lr=3e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
         lr_decay_style="cosine", train_iters=100, num_experts=None, iteration=a.iteration)
@@ -175,7 +176,7 @@ def main():
             model = collections.OrderedDict()
             for gname, lname in stage:
                 w = params[lname].detach()
-                model[lname] = w.to(torch.bfloat16) if a.bf16 else w.clone()
+                model[lname] = w.to(torch.bfloat16) if a.bf16 else w.to(torch.float16) if a.fp16 else w.clone()
                 for linear in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
                     if lname.endswith(linear + ".bias"):
                         if a.impl == "transformer_engine" and linear == "linear_proj":
@@ -196,9 +197,12 @@ def main():
                 for g in inner["param_groups"]:
                     del g["params"]
                 optimizer = {"optimizer": inner}
-            elif a.bf16:
+            elif a.bf16 or a.fp16:
                 optimizer = {"optimizer": opt_sd,
                              "fp32_from_fp16_params": [[p_.detach().clone() for p_ in g["params"]] for g in groups]}
+                if a.fp16:  # DynamicGradScaler.state_dict
+                    optimizer["grad_scaler"] = {"scale": torch.tensor([65536.0]), "growth_tracker": 3,
+                                                "hysteresis_tracker": 2}
             else:
                 optimizer = opt_sd
             rng_state = [{"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
