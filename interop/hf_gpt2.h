@@ -39,7 +39,6 @@ struct ConvertOptions {
   // (transformer_engine: linear_qkv.layer_norm_weight ...; local: input_layernorm.weight ...).
   int64_t target_tensor_parallel_size = 1, target_pipeline_parallel_size = 1;
   std::string saver_transformer_impl = "transformer_engine";
-  bool force_zip64 = false;  // tests: zip64 records even in small files
 };
 
 struct ConvertSummary {

@@ -885,7 +885,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         torchfmt::DictSet(r, "optimizer", optimizer);
         torchfmt::DictSet(r, "opt_param_scheduler", sched);
         torchfmt::DictSet(r, "num_floating_point_operations_so_far", torchfmt::MakeInt(0));
-        PTK_RETURN_IF_ERROR(torchfmt::WriteTorchFile(JoinPath(dir, kFile), *root, blobs, o.force_zip64));
+        PTK_RETURN_IF_ERROR(torchfmt::WriteTorchFile(JoinPath(dir, kFile), *root, blobs));
         PTK_RETURN_IF_ERROR(FsyncDir(dir));
       }
     PTK_RETURN_IF_ERROR(FsyncDir(tmp_dir));
