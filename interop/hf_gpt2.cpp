@@ -22,6 +22,7 @@
 #include "common/output_lock.h"
 #include "common/py_format.h"
 #include "common/status.h"
+#include "interop/megatron.h"
 #include "interop/safetensors.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "trainer/checkpoint.h"
@@ -545,8 +546,10 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
 absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& o) {
   if (o.loader == "ptk" && o.saver == "hf") return ExportToHf(o);
   if (o.loader == "hf" && o.saver == "ptk") return ImportFromHf(o);
+  if (o.loader == "megatron" && o.saver == "ptk") return ImportFromMegatron(o);
+  if (o.loader == "ptk" && o.saver == "megatron") return ExportToMegatron(o);
   return UsageError(
-      fmt::format("--loader {} --saver {}: ptk-convert converts --loader ptk --saver hf and --loader hf --saver ptk",
+      fmt::format("--loader {} --saver {}: ptk-convert converts ptk to hf or megatron, and hf or megatron to ptk",
                   o.loader, o.saver));
 }
 

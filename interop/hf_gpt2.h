@@ -25,8 +25,8 @@
 namespace ptk {
 
 struct ConvertOptions {
-  std::string loader;  // "ptk" or "hf"
-  std::string saver;   // "hf" or "ptk"
+  std::string loader;  // "ptk", "hf" or "megatron"
+  std::string saver;   // "hf", "ptk" or "megatron"
   std::string load_dir, save_dir;
   // ptk -> hf: the tokenizer's vocabulary size (0: the one the checkpoint's run recorded), and the
   // tokenizer files to ship (empty: ptk's built-in GPT-2 files).
@@ -35,6 +35,10 @@ struct ConvertOptions {
   // hf -> ptk: the padded vocabulary, as ptk-train's flag.
   int64_t make_vocab_size_divisible_by = 128;
   std::string args_json;  // stored in the checkpoint an import writes
+  // ptk -> megatron: the tensor- and pipeline-parallel sizes to write, and the layer names
+  // (transformer_engine: linear_qkv.layer_norm_weight ...; local: input_layernorm.weight ...).
+  int64_t target_tensor_parallel_size = 1, target_pipeline_parallel_size = 1;
+  std::string saver_transformer_impl = "transformer_engine";
 };
 
 struct ConvertSummary {

@@ -1,6 +1,10 @@
-// ptk-convert: ptk checkpoints <-> Hugging Face GPT-2 directories, with the flags of Megatron's
-// tools/checkpoint/convert.py (--model-type, --loader, --saver, --load-dir, --save-dir).
+// ptk-convert: ptk checkpoints <-> Hugging Face GPT-2 directories and Megatron checkpoints (its
+// torch format), with the flags of Megatron's tools/checkpoint/convert.py (--model-type, --loader,
+// --saver, --load-dir, --save-dir, --target-tensor/pipeline-parallel-size).
 #include <cstdio>
+#include <string>
+
+#include <fmt/core.h>
 
 #include "common/cli.h"
 #include "common/json_writer.h"
@@ -11,38 +15,53 @@
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(
       "ptk-convert",
-      "Convert a ptk checkpoint to a Hugging Face GPT-2 directory (--loader ptk --saver hf) or back (--loader hf "
-      "--saver ptk).");
+      "Convert a ptk checkpoint to a Hugging Face GPT-2 directory (--loader ptk --saver hf) or a Megatron checkpoint "
+      "in its torch format (--saver megatron), or back (--loader hf / megatron --saver ptk).");
   ptk::ConvertOptions o;
   std::string model_type = "GPT";
-  int64_t target_tp = 1, target_pp = 1, max_queue_size = 50;
+  int64_t max_queue_size = 50;
   app->add_option("--model-type", model_type, "GPT (the only model ptk has)")->check(CLI::IsMember({"GPT"}));
-  app->add_option("--loader", o.loader, "What --load-dir holds: ptk (a ptk-train --save directory) or hf")
+  app->add_option("--loader", o.loader,
+                  "What --load-dir holds: ptk (a ptk-train --save directory), hf, or megatron (a Megatron --save "
+                  "directory in --ckpt-format torch, any tensor/pipeline-parallel sizes)")
       ->required()
-      ->check(CLI::IsMember({"ptk", "hf"}));
-  app->add_option("--saver", o.saver, "What to write to --save-dir: hf or ptk")
+      ->check(CLI::IsMember({"ptk", "hf", "megatron"}));
+  app->add_option("--saver", o.saver, "What to write to --save-dir: hf, megatron or ptk")
       ->required()
-      ->check(CLI::IsMember({"hf", "ptk"}));
+      ->check(CLI::IsMember({"hf", "ptk", "megatron"}));
   app->add_option("--load-dir", o.load_dir, "The checkpoint directory (its latest iteration) or HF directory to read")
       ->required();
   app->add_option("--save-dir", o.save_dir, "The HF directory or ptk checkpoint directory to write")->required();
   app->add_option("--true-vocab-size", o.true_vocab_size,
-                  "ptk -> hf: the tokenizer's vocabulary size (default: the one the training run recorded)")
+                  "ptk -> hf/megatron: the tokenizer's vocabulary size (default: the one the training run recorded); "
+                  "megatron -> ptk: default args.vocab_size, or 50257 for GPT2BPETokenizer")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   app->add_option("--vocab-file", o.vocab_file, "ptk -> hf: the vocab.json to ship (default: ptk's GPT-2 file)");
   app->add_option("--merge-file", o.merge_file, "ptk -> hf: the merges.txt to ship (default: ptk's GPT-2 file)");
   app->add_option("--make-vocab-size-divisible-by", o.make_vocab_size_divisible_by,
-                  "hf -> ptk: pad the vocabulary to a multiple of this, as ptk-train will (128)")
+                  "hf -> ptk: pad the vocabulary to a multiple of this, as ptk-train will; ptk -> megatron: the value "
+                  "the run was trained with (Megatron pads to a multiple of it x tensor-parallel size) (128)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
-  app->add_option("--target-tensor-parallel-size", target_tp, "Must be 1: ptk checkpoints are one file")
-      ->check(CLI::Range(1, 1));
-  app->add_option("--target-pipeline-parallel-size", target_pp, "Must be 1: ptk checkpoints are one file")
-      ->check(CLI::Range(1, 1));
+  app->add_option("--target-tensor-parallel-size", o.target_tensor_parallel_size,
+                  "--saver megatron: the tensor-parallel size to split into (1); other savers: must be 1")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  app->add_option("--target-pipeline-parallel-size", o.target_pipeline_parallel_size,
+                  "--saver megatron: the pipeline-parallel size to split into (1); other savers: must be 1")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  app->add_option("--saver-transformer-impl", o.saver_transformer_impl,
+                  "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
+                  "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
+      ->check(CLI::IsMember({"transformer_engine", "local"}));
   app->add_option("--max-queue-size", max_queue_size, "Accepted for compatibility (no queue: one process)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    if (o.saver != "megatron" && (o.target_tensor_parallel_size != 1 || o.target_pipeline_parallel_size != 1))
+      return ptk::UsageError(fmt::format(
+          "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
+          "checkpoint ({} output is whole)",
+          o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
     ptk::JsonWriter args;
     args.BeginArray();
     for (int i = 1; i < argc; ++i) args.Value(argv[i]);
@@ -56,7 +75,11 @@ int main(int argc, char** argv) {
         s.source, s.iteration, s.destination, c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
         c.max_position_embeddings, c.vocab_size, c.untie_embeddings_and_output_weights ? ", untied output layer" : "",
         s.num_params);
-    if (!s.train_flags.empty())
+    if (!s.train_flags.empty() && o.loader == "megatron")
+      ptk::log::Info(
+          "resume training with: ptk-train {} --load {} ... (the batch and schedule flags of the Megatron run)",
+          s.train_flags, o.save_dir);
+    else if (!s.train_flags.empty())
       ptk::log::Info("continue training with: ptk-train {} --seq-length N (N <= {}) --load {} --finetune ...",
                      s.train_flags, c.max_position_embeddings, o.save_dir);
     return absl::OkStatus();

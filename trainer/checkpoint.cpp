@@ -75,6 +75,16 @@ std::string MegatronTorchCheckpointIn(const std::string& dir) {
   return "";
 }
 
+// What to do with Megatron's checkpoint `torch` (a file MegatronTorchCheckpointIn found) under `load`.
+std::string ConvertHint(const std::string& torch, const std::string& load) {
+  const bool legacy = torch.size() > 19 && torch.compare(torch.size() - 19, 19, "/model_optim_rng.pt") == 0;
+  return legacy ? fmt::format("convert it with ptk-convert --loader megatron --saver ptk --load-dir {} --save-dir DIR",
+                              load)
+                : fmt::format("a torch_dist checkpoint: convert it to Megatron's torch format (Megatron's "
+                              "--ckpt-convert-format torch), then with ptk-convert --loader megatron --saver ptk "
+                              "--load-dir ... --save-dir DIR");
+}
+
 }  // namespace
 
 void SetSaveStepHookForTesting(SaveStepHook hook) { Hook() = std::move(hook); }
@@ -329,9 +339,8 @@ absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {
           if (std::string torch = MegatronTorchCheckpointIn(e.path().string()); !torch.empty())
             return absl::FailedPreconditionError(fmt::format(
                 "{}: no {}, and {} is a Megatron checkpoint in PyTorch's format, which ptk-train does not read; "
-                "convert it to ptk's format (trainer/README.md, 'Converting a Megatron checkpoint') or train "
-                "without --load",
-                load, kTracker, torch));
+                "{}, or train without --load",
+                load, kTracker, torch, ConvertHint(torch, load)));
         }
     }
     return absl::NotFoundError(fmt::format("{}: no checkpoint (no {})", load, kTracker));
@@ -366,9 +375,8 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
     if (std::string torch = IsDirectory(dir) ? MegatronTorchCheckpointIn(dir) : ""; !torch.empty())
       return absl::FailedPreconditionError(
           fmt::format("{} is a Megatron checkpoint in PyTorch's format (the tracker names iteration {}); ptk-train "
-                      "reads only its own {}: convert it to ptk's format (trainer/README.md, 'Converting a Megatron "
-                      "checkpoint') or train without --load",
-                      torch, iteration, Basename(file)));
+                      "reads only its own {}: {}, or train without --load",
+                      torch, iteration, Basename(file), ConvertHint(torch, load)));
     // A save killed while it replaced this iteration (a run that --load-s without --save on this
     // directory does not recover it): a complete copy aside is as good.
     PTK_ASSIGN_OR_RETURN(AsideCopies copies, FindAsideCopies(load, Basename(dir)));

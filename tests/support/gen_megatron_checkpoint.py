@@ -1,0 +1,239 @@
+"""Writes a Megatron-LM checkpoint in its `torch` format (--ckpt-format torch) the way Megatron's
+training loop saves one, with PyTorch's own torch.save: <out>/latest_checkpointed_iteration.txt and
+<out>/iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt per tensor- and pipeline-parallel rank, each a dict
+of args (argparse.Namespace), checkpoint_version 3.0, iteration, model (megatron-core's GPT state dict
+of that rank: Transformer Engine or local layer names, layers renumbered per pipeline stage,
+column-parallel tensors split along their rows, row-parallel ones along their columns, the
+vocabulary padded to a multiple of make_vocab_size_divisible_by x TP), optimizer (a real
+torch.optim.Adam's state_dict after two steps, with Megatron's two parameter groups: weight decay,
+then the 1-D parameters with wd_mult 0; --bf16/--fp16 wraps it as Float16OptimizerWithFloat16Params does,
+with the fp32 masters, and --fp16's loss scaler), opt_param_scheduler and rng_state (Python, numpy and torch generator states).
+
+Beside it, <out>/reference.pt holds the merged full tensors (weights: fp32 masters; exp_avg,
+exp_avg_sq) under ptk's (local) names, for the test to compare against.
+
+Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--impl transformer_engine|local] [--bf16|--fp16]
+       [--untie] [--layers L] [--hidden H] [--heads N] [--vocab V] [--iteration I]
+"""
+import argparse
+import collections
+import io
+import os
+import random
+
+import numpy
+import torch
+
+
+def megatron_names(layers, untie):
+    """Megatron-core's GPTModel parameters in named_parameters order (local layer spec names) with
+    their split: 0 column-parallel (rows), 1 row-parallel (columns), None replicated."""
+    out = [("embedding.word_embeddings.weight", 0), ("embedding.position_embeddings.weight", None)]
+    for layer in range(layers):
+        p = f"decoder.layers.{layer}."
+        out += [
+            (p + "input_layernorm.weight", None), (p + "input_layernorm.bias", None),
+            (p + "self_attention.linear_qkv.weight", 0), (p + "self_attention.linear_qkv.bias", 0),
+            (p + "self_attention.linear_proj.weight", 1), (p + "self_attention.linear_proj.bias", None),
+            (p + "pre_mlp_layernorm.weight", None), (p + "pre_mlp_layernorm.bias", None),
+            (p + "mlp.linear_fc1.weight", 0), (p + "mlp.linear_fc1.bias", 0),
+            (p + "mlp.linear_fc2.weight", 1), (p + "mlp.linear_fc2.bias", None),
+        ]
+    out += [("decoder.final_layernorm.weight", None), ("decoder.final_layernorm.bias", None)]
+    if untie:
+        out.append(("output_layer.weight", 0))
+    return out
+
+
+TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+def padded(vocab, divisible, tp):
+    multiple = divisible * tp
+    return (vocab + multiple - 1) // multiple * multiple
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--fp16", action="store_true")
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="the optimizer as DistributedOptimizer.state_dict leaves it in model_optim_rng.pt (groups "
+                         "without their parameters, no state) beside a distrib_optim.pt (a stand-in here: ptk "
+                         "does not read it)")
+    ap.add_argument("--untie", action="store_true")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=50)
+    ap.add_argument("--seq", type=int, default=8)
+    ap.add_argument("--positions", type=int, default=16)
+    ap.add_argument("--divisible", type=int, default=8)
+    ap.add_argument("--iteration", type=int, default=20)
+    a = ap.parse_args()
+    tp, pp, h, f = a.tp, a.pp, a.hidden, 4 * a.hidden
+    vp = padded(a.vocab, a.divisible, tp)
+    gen = torch.Generator().manual_seed(1234 + 7 * tp + pp)
+
+    # The full model, and two steps of full gradients (split across ranks like the tensors).
+    names = megatron_names(a.layers, a.untie)
+    shapes = {}
+    for name, _ in names:
+        if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
+            shapes[name] = (vp, h)
+        elif name.endswith("position_embeddings.weight"):
+            shapes[name] = (a.positions, h)
+        elif "linear_qkv.weight" in name:
+            shapes[name] = (3 * h, h)
+        elif "linear_qkv.bias" in name:
+            shapes[name] = (3 * h,)
+        elif "linear_proj.weight" in name:
+            shapes[name] = (h, h)
+        elif "linear_fc1.weight" in name:
+            shapes[name] = (f, h)
+        elif "linear_fc1.bias" in name:
+            shapes[name] = (f,)
+        elif "linear_fc2.weight" in name:
+            shapes[name] = (h, f)
+        else:
+            shapes[name] = (h,)
+    full = {n: torch.randn(shapes[n], generator=gen) * 0.02 for n, _ in names}
+    for n in full:
+        if n.endswith("layernorm.weight"):
+            full[n] += 1.0
+    grads = [{n: torch.randn(shapes[n], generator=gen) for n, _ in names} for _ in range(2)]
+    split = dict(names)
+    per_stage = a.layers // pp
+
+    def shard(t, s, rank):
+        if s is None:
+            return t.clone()
+        return torch.chunk(t, tp, dim=s)[rank].clone()
+
+    args = argparse.Namespace(
+        num_layers=a.layers, hidden_size=h, ffn_hidden_size=f, num_attention_heads=a.heads,
+        kv_channels=h // a.heads, group_query_attention=False, num_query_groups=a.heads,
+        max_position_embeddings=a.positions, seq_length=a.seq, position_embedding_type="learned_absolute",
+        add_position_embedding=True, normalization="LayerNorm", layernorm_epsilon=1e-5, apply_layernorm_1p=False,
+        swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=a.untie, hidden_dropout=0.1,
+        attention_dropout=0.1, init_method_std=0.02, vocab_size=a.vocab, padded_vocab_size=vp,
+        make_vocab_size_divisible_by=a.divisible, tokenizer_type="NullTokenizer",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None, transformer_impl=a.impl, ckpt_format="torch",
+        use_distributed_optimizer=a.distributed_optimizer, fp16=a.fp16, bf16=a.bf16,
+        params_dtype=torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32, micro_batch_size=2, global_batch_size=8,
+        consumed_train_samples=8 * a.iteration, consumed_valid_samples=16, seed=1234, lr=3e-4,
+        min_lr=3e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
+        lr_decay_style="cosine", train_iters=100, num_experts=None, iteration=a.iteration)
+    sched = {"max_lr": 3e-4, "lr_warmup_steps": 80, "num_steps": 8 * a.iteration, "lr_decay_style": "cosine",
+             "lr_decay_steps": 800, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
+             "wd_incr_steps": 800}
+
+    iter_dir = os.path.join(a.out, f"iter_{a.iteration:07d}")
+    reference = {"weight": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for p in range(pp):
+        first, last = p == 0, p == pp - 1
+        stage = []  # (global name, local name) in named_parameters order
+        for n, _ in names:
+            if n.startswith("embedding."):
+                if first:
+                    stage.append((n, n))
+            elif n.startswith("decoder.layers."):
+                layer = int(n.split(".")[2])
+                if layer // per_stage == p:
+                    rest = n.split(".", 3)[3]
+                    loc = f"decoder.layers.{layer - p * per_stage}."
+                    stage.append((n, loc + (TE_NAMES.get(rest, rest) if a.impl == "transformer_engine" else rest)))
+            elif last:
+                stage.append((n, n))
+        if last and not a.untie and pp > 1:
+            stage.append(("embedding.word_embeddings.weight", "output_layer.weight"))
+        for t in range(tp):
+            params = collections.OrderedDict()
+            for gname, lname in stage:
+                params[lname] = torch.nn.Parameter(shard(full[gname], split.get(gname, 0), t))
+            decay = [params[l] for g, l in stage if params[l].dim() > 1]
+            no_decay = [params[l] for g, l in stage if params[l].dim() == 1]
+            groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
+                       "is_decoupled_lr": False, "default_config": True, "max_lr": 3e-4, "min_lr": 3e-5},
+                      {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False,
+                       "is_decoupled_lr": False, "default_config": True, "max_lr": 3e-4, "min_lr": 3e-5}]
+            groups = [g for g in groups if g["params"]]
+            opt = torch.optim.Adam(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+            for step in range(2):
+                for gname, lname in stage:
+                    params[lname].grad = shard(grads[step][gname], split.get(gname, 0), t)
+                opt.step()
+            model = collections.OrderedDict()
+            for gname, lname in stage:
+                w = params[lname].detach()
+                model[lname] = w.to(torch.bfloat16) if a.bf16 else w.to(torch.float16) if a.fp16 else w.clone()
+                for linear in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+                    if lname.endswith(linear + ".bias"):
+                        if a.impl == "transformer_engine" and linear == "linear_proj":
+                            model[lname[: -len("linear_proj.bias")] + "core_attention._extra_state"] = None
+                        # Transformer Engine's extra state: None, an io.BytesIO (older TE) or an empty
+                        # uint8 tensor (newer TE), as different versions save it.
+                        extra = None
+                        if a.impl == "transformer_engine" and linear == "linear_qkv":
+                            extra = io.BytesIO(b"fp8 meta")
+                        elif a.impl == "transformer_engine" and linear == "linear_fc1":
+                            extra = torch.empty(0, dtype=torch.uint8)
+                        model[lname[: -len(".bias")] + "._extra_state"] = extra
+            if last:
+                model["output_layer._extra_state"] = None
+            opt_sd = opt.state_dict()
+            if a.distributed_optimizer:
+                inner = {k: v for k, v in opt_sd.items() if k != "state"}
+                for g in inner["param_groups"]:
+                    del g["params"]
+                optimizer = {"optimizer": inner}
+            elif a.bf16 or a.fp16:
+                optimizer = {"optimizer": opt_sd,
+                             "fp32_from_fp16_params": [[p_.detach().clone() for p_ in g["params"]] for g in groups]}
+                if a.fp16:  # DynamicGradScaler.state_dict
+                    optimizer["grad_scaler"] = {"scale": torch.tensor([65536.0]), "growth_tracker": 3,
+                                                "hysteresis_tracker": 2}
+            else:
+                optimizer = opt_sd
+            rng_state = [{"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+                          "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.zeros(16, dtype=torch.uint8),
+                          "rng_tracker_states": {}}]
+            state_dict = {"args": args, "checkpoint_version": 3.0, "iteration": a.iteration, "model": model,
+                          "optimizer": optimizer, "opt_param_scheduler": sched, "rng_state": rng_state,
+                          "num_floating_point_operations_so_far": 12345}
+            rank = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            os.makedirs(os.path.join(iter_dir, rank), exist_ok=True)
+            torch.save(state_dict, os.path.join(iter_dir, rank, "model_optim_rng.pt"))
+            if a.distributed_optimizer:
+                torch.save({"per_bucket_numel": [], "param_state_sharding_type": "fully_sharded_model_space"},
+                           os.path.join(iter_dir, rank, "distrib_optim.pt"))
+            # The merged reference: each rank's piece of every tensor it owns.
+            for gname, lname in stage:
+                if lname == "output_layer.weight" and gname != "output_layer.weight":
+                    continue
+                st = opt.state[params[lname]]
+                for key, val in (("weight", params[lname].detach()), ("exp_avg", st["exp_avg"]),
+                                 ("exp_avg_sq", st["exp_avg_sq"])):
+                    reference[key].setdefault(gname, {})[t] = val.clone()
+    merged = {k: {} for k in reference}
+    for key, per in reference.items():
+        for gname, pieces in per.items():
+            s = split.get(gname, 0)
+            merged[key][gname] = pieces[0] if s is None else torch.cat([pieces[t] for t in range(tp)], dim=s)
+    torch.save(merged, os.path.join(a.out, "reference.pt"))
+    with open(os.path.join(a.out, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(a.iteration))
+
+
+if __name__ == "__main__":
+    main()
