@@ -118,7 +118,7 @@ ptk_k8s_check() {
            SAVE_INTERVAL EVAL_INTERVAL LOG_INTERVAL TRAIN_GRACE_SECONDS; do
     [[ "${!v}" =~ ^[1-9][0-9]{0,8}$ ]] || { ptk_k8s_bad "$v" "must be a positive integer (at most 9 digits)"; return 2; }
   done
-  for v in BACKOFF_LIMIT_PER_INDEX GPU_PER_WORKER EVAL_ITERS TRAIN_BACKOFF_LIMIT; do
+  for v in BACKOFF_LIMIT_PER_INDEX GPU_PER_WORKER EVAL_ITERS TRAIN_BACKOFF_LIMIT LR_WARMUP_ITERS; do
     [[ "${!v}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { ptk_k8s_bad "$v" "must be a number >= 0 (at most 9 digits)"; return 2; }
   done
   [ "$MASTER_PORT" -le 65535 ] || { ptk_k8s_bad MASTER_PORT "must be a port number (1 to 65535)"; return 2; }

@@ -122,6 +122,8 @@ CASES = [
     ("NUM_WORKERS", "9" * 20, None, True),
     ("TRAIN_BACKOFF_LIMIT", "-1", None, True),
     ("GPU_PER_WORKER", "1\n", None, True),
+    ("LR_WARMUP_ITERS", "5x", None, True),
+    ("SAVE_INTERVAL", "1e3", None, True),
 ]
 BASE = {"STAGE_PATH": "/fsx/ptk", "MOUNT_PATH": "/fsx"}
 
