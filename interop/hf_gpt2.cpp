@@ -343,9 +343,12 @@ absl::Status CheckExportTarget(const std::string& target, bool force) {
   for (const auto& e : std::filesystem::directory_iterator(target, ec)) {
     const std::string name = e.path().filename().string();
     std::error_code ec2;
+    // An export's files, and the temporaries of one that an older ptk-convert, which replaced the
+    // files one by one, left when killed.
     const bool ours =
-        e.is_regular_file(ec2) && std::find_if(std::begin(kExportFiles), std::end(kExportFiles),
-                                               [&](const char* f) { return name == f; }) != std::end(kExportFiles);
+        e.is_regular_file(ec2) && std::find_if(std::begin(kExportFiles), std::end(kExportFiles), [&](const char* f) {
+                                    return name == f || name.rfind(std::string(f) + ".ptk-tmp", 0) == 0;
+                                  }) != std::end(kExportFiles);
     if (!ours) foreign.push_back(name);
   }
   if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", target, ec.message()));

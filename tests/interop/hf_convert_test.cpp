@@ -405,8 +405,11 @@ TEST_F(HfConvert, ExportIntoAForeignDirectoryIsRefusedUnlessForced) {
   EXPECT_EQ(forced.exit_code, 0) << forced.output;
   EXPECT_EQ(Entries(hf),
             "config.json generation_config.json merges.txt model.safetensors tokenizer_config.json vocab.json ");
+  WriteFile(hf + "/model.safetensors.ptk-tmp-123-abc", "a killed older ptk-convert's temporary");
   auto again = RunCmd(cmd);  // an export over an export
   EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(Entries(hf),
+            "config.json generation_config.json merges.txt model.safetensors tokenizer_config.json vocab.json ");
   EXPECT_EQ(Beside(hf), "");
   // A file, or a symbolic link, as the target.
   WriteFile(dir_ / "file", "x");
