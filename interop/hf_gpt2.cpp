@@ -363,6 +363,20 @@ absl::Status CheckExportTarget(const std::string& target, bool force) {
       target, foreign.size() == 1 ? "an entry" : fmt::format("{} entries", foreign.size()), shown));
 }
 
+// The export replaces `target` whole (with --force, whatever it holds): never a directory that
+// holds what the export reads, or the current directory.
+absl::Status CheckNotInside(const std::string& target, const char* what, const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  std::error_code ec;
+  const std::string t = std::filesystem::weakly_canonical(target, ec).string();
+  if (ec) return absl::OkStatus();
+  const std::string p = std::filesystem::weakly_canonical(path, ec).string();
+  if (ec || (p != t && p.rfind(t + "/", 0) != 0)) return absl::OkStatus();
+  return UsageError(fmt::format(
+      "--save-dir {}: holds {} ({}), and an export replaces its directory whole: give a directory of its own", target,
+      what, path));
+}
+
 // Swaps the complete, synced export `tmp` in as `target` (see above); `old` names the aside copy of
 // the two-rename path.
 absl::Status PublishExport(const std::string& tmp, const std::string& target, const std::string& old) {
@@ -546,6 +560,11 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(dir));
   PTK_RETURN_IF_ERROR(RecoverExport(dir));
   PTK_RETURN_IF_ERROR(CheckExportTarget(dir, o.force));
+  for (const auto& [what, path] : {std::pair<const char*, std::string>{"--load-dir", o.load_dir},
+                                   {"--vocab-file", o.vocab_file},
+                                   {"--merge-file", o.merge_file},
+                                   {"the current directory", "."}})
+    PTK_RETURN_IF_ERROR(CheckNotInside(dir, what, path));
   const std::string tmp = fmt::format("{}{}{}", dir, kExportNewTag, ::getpid());
   const std::string old = fmt::format("{}{}{}", dir, kExportOldTag, ::getpid());
   const std::vector<std::pair<std::string, const std::string*>> small = {{"config.json", &config},

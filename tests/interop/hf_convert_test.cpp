@@ -411,6 +411,16 @@ TEST_F(HfConvert, ExportIntoAForeignDirectoryIsRefusedUnlessForced) {
   EXPECT_EQ(Entries(hf),
             "config.json generation_config.json merges.txt model.safetensors tokenizer_config.json vocab.json ");
   EXPECT_EQ(Beside(hf), "");
+  // Never the directory that holds what the export reads, or the current directory, even with --force.
+  auto around = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") + " --save-dir " +
+                       ShellQuote(dir_.path()) + " --force");
+  EXPECT_EQ(around.exit_code, 2) << around.output;
+  EXPECT_NE(around.output.find("holds --load-dir"), std::string::npos) << around.output;
+  EXPECT_TRUE(LatestCheckpointIteration(dir_ / "ck").ok());
+  auto here = RunCmd("cd " + ShellQuote(hf) + " && " + tool + " --loader ptk --saver hf --load-dir " +
+                     ShellQuote(dir_ / "ck") + " --save-dir . --force");
+  EXPECT_EQ(here.exit_code, 2) << here.output;
+  EXPECT_NE(here.output.find("holds the current directory"), std::string::npos) << here.output;
   // A file, or a symbolic link, as the target.
   WriteFile(dir_ / "file", "x");
   EXPECT_TRUE(IsUsageError(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "file")).status()));
