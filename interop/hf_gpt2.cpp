@@ -2,9 +2,12 @@
 #include "interop/hf_gpt2.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -12,13 +15,16 @@
 #include <regex>
 #include <utility>
 
+#include <fcntl.h>
 #include <fmt/core.h>
 #include <simdjson.h>
+#include <unistd.h>
 
 #include "common/atomic_file.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/json_writer.h"
+#include "common/logging.h"
 #include "common/output_lock.h"
 #include "common/py_format.h"
 #include "common/status.h"
@@ -251,7 +257,200 @@ absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_v
   return ReadFileToString(path);
 }
 
+// ---- Publishing an export whole. The new export is written into TARGET.ptk-tmp-PID beside the
+// target and swapped in: rename(2) when there is no target, else renameat2(RENAME_EXCHANGE) (one
+// atomic step: readers see the old directory or the new one), or where the filesystem cannot
+// exchange (EINVAL: NFS, some FUSE), two renames: the target aside as TARGET.ptk-old-PID, the new
+// one in. The copy left beside is removed last. RecoverExport, run by the next export under the
+// lock, renames an old copy back when a kill fell between the two renames and removes the rest.
+constexpr char kExportNewTag[] = ".ptk-tmp-";
+constexpr char kExportOldTag[] = ".ptk-old-";
+// What an export writes: a directory holding these and nothing else is a ptk export.
+constexpr const char* kExportFiles[] = {"config.json", "generation_config.json", "tokenizer_config.json", "vocab.json",
+                                        "merges.txt",  "model.safetensors"};
+
+ExportStepHook& ExportHook() {
+  static ExportStepHook hook;
+  return hook;
+}
+absl::Status ExportStep(std::string_view name) { return ExportHook() ? ExportHook()(name) : absl::OkStatus(); }
+
+absl::Status RemoveTree(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec) return absl::InternalError(fmt::format("{}: cannot remove: {}", path, ec.message()));
+  return absl::OkStatus();
+}
+
+// --save-dir as one absolute directory name ("hf/", "./hf" and "hf" are one target).
+absl::StatusOr<std::string> ExportTarget(const std::string& save_dir) {
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(save_dir, ec);
+  if (ec || save_dir.empty()) return UsageError(fmt::format("--save-dir {:?}: not a usable directory name", save_dir));
+  std::string dir = p.lexically_normal().string();
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  if (dir == "/") return UsageError("--save-dir /: an export needs a directory of its own");
+  return dir;
+}
+
+// The copies of `target` that earlier exports left beside it: (old copies, new copies), sorted.
+absl::StatusOr<std::pair<std::vector<std::string>, std::vector<std::string>>> ExportCopies(const std::string& target) {
+  std::pair<std::vector<std::string>, std::vector<std::string>> out;
+  const std::string base = Basename(target);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(Dirname(target), ec)) {
+    const std::string name = e.path().filename().string();
+    std::error_code ec2;
+    if (!e.is_directory(ec2)) continue;
+    if (name.rfind(base + kExportOldTag, 0) == 0) out.first.push_back(e.path().string());
+    if (name.rfind(base + kExportNewTag, 0) == 0) out.second.push_back(e.path().string());
+  }
+  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", Dirname(target), ec.message()));
+  std::sort(out.first.begin(), out.first.end());
+  std::sort(out.second.begin(), out.second.end());
+  return out;
+}
+
+// What a killed or failed export left beside `target`: an old copy renamed back when the target is
+// missing (a kill between the two renames), every other copy removed. Call under the target's lock.
+absl::Status RecoverExport(const std::string& target) {
+  PTK_ASSIGN_OR_RETURN(auto copies, ExportCopies(target));
+  auto& [olds, news] = copies;
+  if (!PathExists(target) && !olds.empty()) {
+    PTK_RETURN_IF_ERROR(RenameFile(olds.front(), target));
+    PTK_RETURN_IF_ERROR(FsyncDir(Dirname(target)));
+    log::Info("{}: the export an interrupted ptk-convert had renamed aside ({}) is put back", target, olds.front());
+    olds.erase(olds.begin());
+  }
+  for (const std::string& p : olds) PTK_RETURN_IF_ERROR(RemoveTree(p));
+  for (const std::string& p : news) PTK_RETURN_IF_ERROR(RemoveTree(p));
+  RemoveStaleTemporaries(target);
+  return absl::OkStatus();
+}
+
+// The target may be missing, empty or an earlier export (exactly the files an export writes);
+// anything else (another model's files beside ours) is replaced only with --force.
+absl::Status CheckExportTarget(const std::string& target, bool force) {
+  std::error_code ec;
+  const auto st = std::filesystem::symlink_status(target, ec);
+  if (ec || st.type() == std::filesystem::file_type::not_found) return absl::OkStatus();
+  if (st.type() == std::filesystem::file_type::symlink)
+    return UsageError(fmt::format(
+        "--save-dir {}: is a symbolic link (an export replaces its directory whole): give the directory it names",
+        target));
+  if (st.type() != std::filesystem::file_type::directory)
+    return UsageError(fmt::format("--save-dir {}: exists and is not a directory", target));
+  std::vector<std::string> foreign;
+  for (const auto& e : std::filesystem::directory_iterator(target, ec)) {
+    const std::string name = e.path().filename().string();
+    std::error_code ec2;
+    // An export's files, and the temporaries of one that an older ptk-convert, which replaced the
+    // files one by one, left when killed.
+    const bool ours =
+        e.is_regular_file(ec2) && std::find_if(std::begin(kExportFiles), std::end(kExportFiles), [&](const char* f) {
+                                    return name == f || name.rfind(std::string(f) + ".ptk-tmp", 0) == 0;
+                                  }) != std::end(kExportFiles);
+    if (!ours) foreign.push_back(name);
+  }
+  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", target, ec.message()));
+  if (foreign.empty() || force) return absl::OkStatus();
+  std::sort(foreign.begin(), foreign.end());
+  std::string shown;
+  for (size_t i = 0; i < foreign.size() && i < 5; ++i) shown += (i ? ", " : "") + foreign[i];
+  if (foreign.size() > 5) shown += fmt::format(" and {} more", foreign.size() - 5);
+  return UsageError(fmt::format(
+      "--save-dir {}: holds {} that a ptk export does not write ({}): give a new or empty directory, or --force "
+      "to replace the directory whole (everything in it is removed)",
+      target, foreign.size() == 1 ? "an entry" : fmt::format("{} entries", foreign.size()), shown));
+}
+
+// The export replaces `target` whole (with --force, whatever it holds): never a directory that
+// holds what the export reads, or the current directory.
+absl::Status CheckNotInside(const std::string& target, const char* what, const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  std::error_code ec;
+  const std::string t = std::filesystem::weakly_canonical(target, ec).string();
+  if (ec) return absl::OkStatus();
+  const std::string p = std::filesystem::weakly_canonical(path, ec).string();
+  if (ec || (p != t && p.rfind(t + "/", 0) != 0)) return absl::OkStatus();
+  return UsageError(fmt::format(
+      "--save-dir {}: holds {} ({}), and an export replaces its directory whole: give a directory of its own", target,
+      what, path));
+}
+
+// Swaps the complete, synced export `tmp` in as `target` (see above); `old` names the aside copy of
+// the two-rename path.
+absl::Status PublishExport(const std::string& tmp, const std::string& target, const std::string& old) {
+  const std::string parent = Dirname(target);
+  std::string leftover;  // the old export, once out of the target's place
+  if (!PathExists(target)) {
+    PTK_RETURN_IF_ERROR(ExportStep("rename new export in"));
+    PTK_RETURN_IF_ERROR(RenameFile(tmp, target));
+  } else {
+    absl::Status exchange = ExportStep("exchange directories");
+    int err = 0;
+    if (exchange.ok()) {
+      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+        leftover = tmp;
+      } else {
+        err = errno;
+      }
+    } else if (absl::IsUnimplemented(exchange)) {
+      err = EINVAL;  // a test's hook: as on a filesystem that cannot exchange
+    } else {
+      return exchange;
+    }
+    if (leftover.empty()) {
+      if (err != EINVAL && err != ENOSYS && err != ENOTSUP)
+        return ErrnoToStatus(err, fmt::format("exchange {} and {}", tmp, target));
+      PTK_RETURN_IF_ERROR(ExportStep("rename old export aside"));
+      PTK_RETURN_IF_ERROR(RenameFile(target, old));
+      PTK_RETURN_IF_ERROR(ExportStep("rename new export in"));
+      PTK_RETURN_IF_ERROR(RenameFile(tmp, target));
+      leftover = old;
+    }
+  }
+  PTK_RETURN_IF_ERROR(ExportStep("fsync parent directory"));
+  PTK_RETURN_IF_ERROR(FsyncDir(parent));
+  if (leftover.empty()) return absl::OkStatus();
+  PTK_RETURN_IF_ERROR(ExportStep("remove old export"));
+  return RemoveTree(leftover);
+}
+
+// An import writes iteration 0 and points the tracker at it: into the --save of a training run it
+// would move `latest` back and make the next ptk-train --load restart from the imported weights.
+// So the directory must hold no checkpoint but iteration 0 (a new directory, or an earlier import,
+// which a rerun replaces).
+absl::Status CheckImportTarget(const std::string& save) {
+  std::vector<std::string> iterations;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("iter_", 0) == 0 && name != Basename(CheckpointDir(save, 0))) iterations.push_back(name);
+  }
+  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
+  std::sort(iterations.begin(), iterations.end());
+  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(save);
+  std::string held;
+  if (latest.ok() && *latest != 0) {
+    held = fmt::format("its latest checkpoint is iteration {}", *latest);
+  } else if (!latest.ok() && !absl::IsNotFound(latest.status())) {
+    held = std::string(StatusMessage(latest.status()));
+  } else if (!iterations.empty()) {
+    held = fmt::format("it holds {}{}", iterations.back(),
+                       iterations.size() > 1 ? fmt::format(" and {} more", iterations.size() - 1) : "");
+  }
+  if (held.empty()) return absl::OkStatus();
+  return UsageError(fmt::format(
+      "--save-dir {}: holds a training run's checkpoints ({}); an import (iteration 0) would move "
+      "latest_checkpointed_iteration.txt back. Import into a new directory, then ptk-train --load NEW --finetune "
+      "--save {} to continue from the imported weights",
+      save, held, save));
+}
+
 }  // namespace
+
+void SetExportStepHookForTesting(ExportStepHook hook) { ExportHook() = std::move(hook); }
 
 absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size) {
   PtkCheckpoint out;
@@ -309,6 +508,13 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 
   std::vector<HfTensor> tensors = HfTensorsOf(c);
   MapParams(layout, &params, &tensors, /*to_hf=*/true);
+  // Weights that no reader can use are refused here, as the import refuses them.
+  for (const HfTensor& t : tensors)
+    for (size_t i = 0; i < t.data.size(); ++i)
+      if (!std::isfinite(t.data[i]))
+        return absl::DataLossError(fmt::format(
+            "{}: tensor {} (element {}) holds {}: a model with non-finite weights is not exported", ck.file,
+            t.name == kLmHead ? t.name : kPrefix + t.name, i, std::isnan(t.data[i]) ? "a NaN" : "an infinity"));
   std::vector<SafetensorsEntry> entries;
   for (const HfTensor& t : tensors) entries.push_back({t.name == kLmHead ? t.name : kPrefix + t.name, t.shape, t.data});
 
@@ -348,20 +554,43 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
       {"unk_token", Str(eot)},
   });
 
-  // One export into a directory at a time (a lock file beside it); each file replaced atomically.
-  std::string dir = o.save_dir;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  PTK_RETURN_IF_ERROR(MakeDirs(dir));
+  // One export into a directory at a time (a lock file beside it), published whole: every file written
+  // into a new directory beside the target, which then takes the target's place (PublishExport).
+  PTK_ASSIGN_OR_RETURN(const std::string dir, ExportTarget(o.save_dir));
+  PTK_RETURN_IF_ERROR(MakeDirs(Dirname(dir)));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(dir));
+  PTK_RETURN_IF_ERROR(RecoverExport(dir));
+  PTK_RETURN_IF_ERROR(CheckExportTarget(dir, o.force));
+  for (const auto& [what, path] : {std::pair<const char*, std::string>{"--load-dir", o.load_dir},
+                                   {"--vocab-file", o.vocab_file},
+                                   {"--merge-file", o.merge_file},
+                                   {"the current directory", "."}})
+    PTK_RETURN_IF_ERROR(CheckNotInside(dir, what, path));
+  const std::string tmp = fmt::format("{}{}{}", dir, kExportNewTag, ::getpid());
+  const std::string old = fmt::format("{}{}{}", dir, kExportOldTag, ::getpid());
   const std::vector<std::pair<std::string, const std::string*>> small = {{"config.json", &config},
                                                                          {"generation_config.json", &generation},
                                                                          {"tokenizer_config.json", &tokenizer_config},
                                                                          {"vocab.json", &vocab_json},
                                                                          {"merges.txt", &merges_txt}};
-  RemoveStaleTemporaries(JoinPath(dir, "model.safetensors"));
-  for (const auto& [name, text] : small) RemoveStaleTemporaries(JoinPath(dir, name));
-  PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, "model.safetensors"), entries, {{"format", "pt"}}));
-  for (const auto& [name, text] : small) PTK_RETURN_IF_ERROR(WriteFileAtomic(JoinPath(dir, name), *text));
+  absl::Status written = [&]() -> absl::Status {
+    PTK_RETURN_IF_ERROR(MakeDirs(tmp));
+    PTK_RETURN_IF_ERROR(ExportStep("write model.safetensors"));
+    PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(tmp, "model.safetensors"), entries, {{"format", "pt"}}));
+    for (const auto& [name, text] : small) {
+      PTK_RETURN_IF_ERROR(ExportStep("write " + name));
+      PTK_RETURN_IF_ERROR(WriteFileAtomic(JoinPath(tmp, name), *text));
+    }
+    PTK_RETURN_IF_ERROR(ExportStep("fsync new export"));
+    PTK_RETURN_IF_ERROR(FsyncDir(tmp));
+    return PublishExport(tmp, dir, old);
+  }();
+  if (!written.ok()) {
+    // Whatever failed (a full disk): the target as it was, nothing of this export left beside it.
+    absl::Status undo = RecoverExport(dir);
+    if (!undo.ok()) log::Warning("after a failed export: {}", StatusMessage(undo));
+    return written;
+  }
   s.destination = dir;
   s.config = c;
   for (const HfTensor& t : tensors) s.num_params += static_cast<int64_t>(t.data.size());
@@ -524,6 +753,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
+  PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir));
   PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
   s.destination = CheckpointFile(o.save_dir, 0);
   s.num_params = layout.num_params;

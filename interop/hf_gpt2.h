@@ -16,7 +16,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -39,6 +41,8 @@ struct ConvertOptions {
   // (transformer_engine: linear_qkv.layer_norm_weight ...; local: input_layernorm.weight ...).
   int64_t target_tensor_parallel_size = 1, target_pipeline_parallel_size = 1;
   std::string saver_transformer_impl = "transformer_engine";
+  // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
+  bool force = false;
 };
 
 struct ConvertSummary {
@@ -65,8 +69,22 @@ struct PtkCheckpoint {
 };
 absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size = 0);
 
+// ptk -> hf publishes the export whole: written into SAVE.ptk-tmp-PID beside --save-dir and swapped
+// in (renameat2 RENAME_EXCHANGE; two renames where the filesystem cannot exchange, the old export
+// aside as SAVE.ptk-old-PID, renamed back by the next export if a kill fell between them). A
+// --save-dir holding anything but an export's files is refused unless `force`.
+// hf -> ptk refuses a --save-dir that holds a training run's checkpoints (any iteration but 0).
 // The directions on their own.
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);
+
+// Fault injection for tests: ExportToHf calls the hook before each step of writing and publishing
+// an export, by name ("write config.json", "exchange directories", "rename old export aside",
+// "rename new export in", "remove old export", ...); a non-OK status fails the export there as an
+// I/O error would (Unimplemented at "exchange directories": as a filesystem without
+// RENAME_EXCHANGE, the two renames follow), and a hook may end the process there (a kill).
+// Not thread-safe; an empty function removes the hook.
+using ExportStepHook = std::function<absl::Status(std::string_view step)>;
+void SetExportStepHookForTesting(ExportStepHook hook);
 
 }  // namespace ptk

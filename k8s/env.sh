@@ -1,14 +1,19 @@
 # ptk on Kubernetes: the variables the k8s/*.yaml-template files use, with their defaults.
-# Source it, then render each template with envsubst, as the EKS tutorial does:
+# Render each template with k8s/render.sh, which sources this file (every value checked against what
+# its place in the YAML allows) and writes each value quoted and escaped:
 #
 #   export IMAGE=123456789012.dkr.ecr.us-west-2.amazonaws.com/ptk:latest PVC_NAME=fsx-claim
-#   source k8s/env.sh
-#   envsubst < k8s/download-job.yaml-template > download-job.yaml && kubectl apply -f download-job.yaml
+#   bash k8s/render.sh k8s/download-job.yaml-template > download-job.yaml && kubectl apply -f download-job.yaml
 #
-# Every setting is an environment variable; one already set is kept. Unlike slurm/config.sh this file
-# exports them, because envsubst reads the environment. The templates hold no other $ reference, so a
-# plain `envsubst` (no variable list) renders them; a variable left unset renders as an empty string,
-# which is why sourcing this file first matters.
+# Every setting is an environment variable; one already set is kept. Sourcing this file checks them and
+# exports them (`source k8s/env.sh` fails naming the first bad one). A plain `envsubst` (the EKS
+# tutorial's way) pastes values into the YAML unescaped: a quote or a newline in a value changes the
+# manifest, so render.sh is the supported path. Integers: decimal, at most 9 digits; LR, MIN_LR:
+# decimal numbers; names (PVC_NAME, HF_TOKEN_SECRET): DNS subdomains of at most 253 characters;
+# MEMORY_*: Kubernetes quantities; IMAGE: an image reference; MOUNT_PATH: an absolute path of
+# [A-Za-z0-9._/-]; HF_REPO: a Hub repo id; HF_ENDPOINT: an http(s) URL; no value holds a control
+# character (a newline, a tab); the free-form ones (STAGE_PATH, CKPT_DIR, HF_INCLUDE, VALID_SUBDIR,
+# TRAIN_EXTRA_ARGS) may hold quotes, which render.sh escapes.
 #
 #   IMAGE                 ptk:latest       the image of ptk's Dockerfile, as pushed to your registry (the
 #                                          tutorial's REPO_URI is taken when IMAGE is unset)
@@ -98,18 +103,62 @@ PTK_K8S_VARS="IMAGE PVC_NAME MOUNT_PATH STAGE_PATH DATASET_FOLDER_NAME HF_REPO H
   WORKER_REPLICAS GPU_PER_WORKER CPUS_PER_WORKER MEMORY_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS
   SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS SAVE_INTERVAL
   EVAL_INTERVAL EVAL_ITERS LOG_INTERVAL TRAIN_EXTRA_ARGS CKPT_DIR TRAIN_BACKOFF_LIMIT TRAIN_GRACE_SECONDS"
-# Checked here rather than by a pod an hour later.
+# Checked here rather than by a pod an hour later, each value against what its place in the YAML
+# allows (k8s/render.sh quotes and escapes every string on top of it).
+ptk_k8s_bad() {  # VARIABLE WHY: the one line that names it (the value shown as bash would quote it)
+  local shown=${!1}
+  [ "${#shown}" -le 80 ] || shown="${shown:0:80}..."
+  echo "k8s/env.sh: $1=$(printf '%q' "$shown") $2" >&2
+}
 ptk_k8s_check() {
-  local v
+  local v val
   for v in DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS CONCAT_PARALLELISM TOKENIZE_TASKS \
            TOKENIZE_PARALLELISM CPUS_PER_TASK NUM_WORKERS CPUS_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE \
            NUM_ATTENTION_HEADS SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS \
            SAVE_INTERVAL EVAL_INTERVAL LOG_INTERVAL TRAIN_GRACE_SECONDS; do
-    [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "k8s/env.sh: $v=${!v} must be a positive integer" >&2; return 2; }
+    [[ "${!v}" =~ ^[1-9][0-9]{0,8}$ ]] || { ptk_k8s_bad "$v" "must be a positive integer (at most 9 digits)"; return 2; }
   done
-  for v in BACKOFF_LIMIT_PER_INDEX GPU_PER_WORKER EVAL_ITERS TRAIN_BACKOFF_LIMIT; do
-    [[ "${!v}" =~ ^(0|[1-9][0-9]*)$ ]] || { echo "k8s/env.sh: $v=${!v} must be a number >= 0" >&2; return 2; }
+  for v in BACKOFF_LIMIT_PER_INDEX GPU_PER_WORKER EVAL_ITERS TRAIN_BACKOFF_LIMIT LR_WARMUP_ITERS; do
+    [[ "${!v}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { ptk_k8s_bad "$v" "must be a number >= 0 (at most 9 digits)"; return 2; }
   done
+  [ "$MASTER_PORT" -le 65535 ] || { ptk_k8s_bad MASTER_PORT "must be a port number (1 to 65535)"; return 2; }
+  for v in $PTK_K8S_VARS; do
+    [ "$v" = WORKER_REPLICAS ] && continue
+    val=${!v}
+    [[ "$val" != *[[:cntrl:]]* ]] || { ptk_k8s_bad "$v" "holds a control character (a newline, a tab)"; return 2; }
+    [ "${#val}" -le 4096 ] || { ptk_k8s_bad "$v" "is longer than 4096 characters"; return 2; }
+  done
+  for v in LR MIN_LR; do
+    [[ "${!v}" =~ ^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]{1,3})?$ ]] ||
+      { ptk_k8s_bad "$v" "must be a decimal number (6e-4, 0.0006)"; return 2; }
+  done
+  local dns='^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$'
+  for v in PVC_NAME HF_TOKEN_SECRET; do
+    val=${!v}
+    [[ "$val" =~ $dns && ${#val} -le 253 ]] ||
+      { ptk_k8s_bad "$v" "must be a Kubernetes object name (lower-case letters, digits, '-' and '.', at most 253)"; return 2; }
+  done
+  for v in MEMORY_PER_TASK MEMORY_PER_WORKER; do
+    [[ "${!v}" =~ ^[0-9]{1,12}(\.[0-9]{1,6})?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$ ]] ||
+      { ptk_k8s_bad "$v" "must be a Kubernetes memory quantity (8Gi, 512Mi)"; return 2; }
+  done
+  [[ "$IMAGE" =~ ^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,511}$ ]] ||
+    { ptk_k8s_bad IMAGE "must be an image reference (registry/name:tag or @sha256:...)"; return 2; }
+  [[ "$MOUNT_PATH" =~ ^/[A-Za-z0-9._/-]*$ ]] ||
+    { ptk_k8s_bad MOUNT_PATH "must be an absolute path of letters, digits, '.', '_', '-' and '/'"; return 2; }
+  for v in STAGE_PATH CKPT_DIR; do
+    [[ "${!v}" == /* ]] || { ptk_k8s_bad "$v" "must be an absolute path"; return 2; }
+  done
+  [[ "$HF_REPO" =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$ ]] ||
+    { ptk_k8s_bad HF_REPO "must be a Hugging Face repo id (owner/name: letters, digits, '.', '_', '-')"; return 2; }
+  [[ "$HF_REPO_TYPE" =~ ^(dataset|model|space)$ ]] || { ptk_k8s_bad HF_REPO_TYPE "must be dataset, model or space"; return 2; }
+  [[ "$HF_REVISION" =~ ^[A-Za-z0-9._/-]{1,255}$ ]] ||
+    { ptk_k8s_bad HF_REVISION "must be a branch, tag or commit (letters, digits, '.', '_', '-', '/')"; return 2; }
+  local url="^https?://[][A-Za-z0-9._~:/?#@!\$&'()*+,;=%-]+\$"
+  [[ "$HF_ENDPOINT" =~ $url ]] ||
+    { ptk_k8s_bad HF_ENDPOINT "must be an http(s) URL without spaces, quotes or backslashes"; return 2; }
+  [[ "$DATASET_FOLDER_NAME" =~ ^[A-Za-z0-9._-]{1,255}$ && "$DATASET_FOLDER_NAME" != . && "$DATASET_FOLDER_NAME" != .. ]] ||
+    { ptk_k8s_bad DATASET_FOLDER_NAME "must be one folder name (letters, digits, '.', '_', '-')"; return 2; }
   case "$STAGE_PATH/" in
     "$MOUNT_PATH"/*) ;;
     *) echo "k8s/env.sh: STAGE_PATH=$STAGE_PATH is not on the shared volume (MOUNT_PATH=$MOUNT_PATH)" >&2; return 2 ;;

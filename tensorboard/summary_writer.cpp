@@ -120,6 +120,13 @@ absl::Status SummaryWriter::Flush() {
   return absl::OkStatus();
 }
 
+absl::Status SummaryWriter::Sync() {
+  if (!f_) return absl::OkStatus();
+  PTK_RETURN_IF_ERROR(Flush());
+  if (::fsync(::fileno(f_)) != 0) return ErrnoToStatus(errno, "fsync " + path_);
+  return absl::OkStatus();
+}
+
 absl::Status SummaryWriter::Close() {
   if (!f_) return absl::OkStatus();
   absl::Status st = Flush();

@@ -44,6 +44,9 @@ class SummaryWriter {
   void AddScalar(std::string_view tag, double value, int64_t step, double wall_time = -1);
   // Writes what was added since the last flush and flushes it to the kernel.
   absl::Status Flush();
+  // Flush and fsync: what was added is on disk (a checkpoint saves after it, so that the events of
+  // the iterations it covers outlive a kill or a crash right after it).
+  absl::Status Sync();
   // Flush, fsync and close. Further calls do nothing.
   absl::Status Close();
 

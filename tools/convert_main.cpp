@@ -38,6 +38,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   app->add_option("--vocab-file", o.vocab_file, "ptk -> hf: the vocab.json to ship (default: ptk's GPT-2 file)");
   app->add_option("--merge-file", o.merge_file, "ptk -> hf: the merges.txt to ship (default: ptk's GPT-2 file)");
+  app->add_flag("--force", o.force,
+                "ptk -> hf: replace a --save-dir that holds files an export does not write (they are removed)");
   app->add_option("--make-vocab-size-divisible-by", o.make_vocab_size_divisible_by,
                   "hf -> ptk: pad the vocabulary to a multiple of this, as ptk-train will; ptk -> megatron: the value "
                   "the run was trained with (Megatron pads to a multiple of it x tensor-parallel size) (128)")

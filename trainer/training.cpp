@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
+
+#include <sys/stat.h>
 
 #include <fmt/core.h>
 
@@ -117,6 +120,15 @@ class MetricsFile {
   absl::Status Append(const std::string& line) {
     if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
       return ErrnoToStatus(errno, "write " + path_);
+    return absl::OkStatus();
+  }
+  // On disk (a regular file; /dev/null and pipes have nothing to sync), before a checkpoint.
+  absl::Status Sync() {
+    if (!f_) return absl::OkStatus();
+    if (std::fflush(f_) != 0) return ErrnoToStatus(errno, "write " + path_);
+    struct stat st;
+    if (::fstat(::fileno(f_), &st) == 0 && S_ISREG(st.st_mode) && ::fsync(::fileno(f_)) != 0)
+      return ErrnoToStatus(errno, "fsync " + path_);
     return absl::OkStatus();
   }
   absl::Status Close() {
@@ -398,9 +410,54 @@ class Trainer {
       log::Info(
           "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
           model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, dp_, plan_.global_batch_size);
-    if (rank_ == 0 && !o_.metrics_path.empty()) PTK_RETURN_IF_ERROR(metrics_.Open(o_.metrics_path));
+    // --metrics-file and --tensorboard-dir: one run writes to each at a time (a second run while the
+    // first one still writes is refused naming it, instead of interleaving lines or event files);
+    // runs one after the other append, as Megatron's do (a resume, a requeue), and a run that starts
+    // anew where an earlier run left events or lines says so.
+    const bool fresh = state_.iteration == 0;
+    if (rank_ == 0 && !o_.metrics_path.empty()) {
+      std::error_code ec;
+      const auto type = std::filesystem::status(o_.metrics_path, ec).type();
+      if (type == std::filesystem::file_type::regular || type == std::filesystem::file_type::not_found) {
+        PTK_RETURN_IF_ERROR(MakeDirs(Dirname(o_.metrics_path)));
+        auto lock = OutputLock::Acquire(o_.metrics_path);
+        if (IsOutputBusy(lock.status()))
+          return absl::AbortedError(fmt::format("--metrics-file {}", StatusMessage(lock.status())));
+        PTK_RETURN_IF_ERROR(lock.status());
+        metrics_lock_ = *std::move(lock);
+        const auto size = std::filesystem::file_size(o_.metrics_path, ec);
+        if (!ec && size > 0 && fresh)
+          log::Warning(
+              "--metrics-file {} holds {} bytes of an earlier run; this run starts at iteration 0 and appends its "
+              "lines after them",
+              o_.metrics_path, size);
+      }
+      PTK_RETURN_IF_ERROR(metrics_.Open(o_.metrics_path));
+    }
     // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
     if (rank_ == 0 && !o_.tensorboard.dir.empty()) {
+      PTK_RETURN_IF_ERROR(MakeDirs(o_.tensorboard.dir));
+      const std::string events = JoinPath(o_.tensorboard.dir, "events");
+      auto lock = OutputLock::Acquire(events);
+      if (IsOutputBusy(lock.status())) {
+        std::string msg(StatusMessage(lock.status()));
+        if (msg.rfind(events, 0) == 0) msg = o_.tensorboard.dir + msg.substr(events.size());
+        return absl::AbortedError(fmt::format(
+            "--tensorboard-dir {}; or give this run its own directory (TensorBoard shows each subdirectory of its "
+            "--logdir as a run)",
+            msg));
+      }
+      PTK_RETURN_IF_ERROR(lock.status());
+      tb_lock_ = *std::move(lock);
+      int earlier = 0;
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(o_.tensorboard.dir, ec))
+        earlier += e.path().filename().string().find("tfevents") != std::string::npos;
+      if (earlier > 0 && fresh)
+        log::Warning(
+            "--tensorboard-dir {} holds {} event file(s) of an earlier run; this run starts at iteration 0, and "
+            "TensorBoard shows both as one run (give each run its own subdirectory to tell them apart)",
+            o_.tensorboard.dir, earlier);
       PTK_ASSIGN_OR_RETURN(tb_, SummaryWriter::Create(o_.tensorboard.dir));
       log::Info("TensorBoard events: {}", tb_->path());
     }
@@ -622,6 +679,10 @@ class Trainer {
         v.resize(n);
         PTK_RETURN_IF_ERROR(model_->ReadMoments(m, v));
       }
+      // What this checkpoint covers is on disk in the event and metrics files before the tracker
+      // names it: a kill right after the save loses no logged iteration the checkpoint holds.
+      if (tb_) PTK_RETURN_IF_ERROR(tb_->Sync());
+      PTK_RETURN_IF_ERROR(metrics_.Sync());
       PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, model_->layout(), params, m, v, state_, o_.args_json));
       Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
                         state_.iteration, o_.save,
@@ -711,6 +772,7 @@ class Trainer {
   std::vector<std::unique_ptr<MicroBatch>> held_;  // this iteration's micro-batches
   std::vector<std::vector<int64_t>> keys_;
   std::vector<ModelBatch> batches_;
+  std::unique_ptr<OutputLock> metrics_lock_, tb_lock_;  // released after the files below are closed
   MetricsFile metrics_;
   std::unique_ptr<SummaryWriter> tb_;
   int64_t current_gbs_ = 0;  // this iteration's global batch (--rampup-batch-size changes it)

@@ -7,14 +7,19 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <regex>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include "common/status.h"
 #include "interop/safetensors.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
@@ -279,7 +284,301 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
                      " --save-dir " + ShellQuote(dir_ / "full"));
   EXPECT_EQ(full.exit_code, 3) << full.output;
   EXPECT_NE(full.output.find("model.safetensors"), std::string::npos) << full.output;
-  EXPECT_EQ(ptk::testing::Leftovers(dir_ / "full"), "");
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "full")) << "a partial export";
+  EXPECT_EQ(ptk::testing::Leftovers(dir_.path()), "");
+  for (const auto& e : std::filesystem::directory_iterator(dir_.path()))
+    EXPECT_EQ(e.path().filename().string().find("full."), std::string::npos) << e.path();
+}
+
+// An import writes iteration 0: into a training run's --save it would move `latest` back, so it is
+// refused there (an earlier import, iteration 0 alone, is replaced: reruns are idempotent).
+TEST_F(HfConvert, ImportRefusesATrainingRunsSaveDirectory) {
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  const std::string run = dir_ / "run";
+  std::vector<float> zeros(params_.size(), 0.0f);
+  for (int64_t it : {4, 8}) {
+    TrainState st;
+    st.iteration = it;
+    ASSERT_TRUE(SaveCheckpoint(run, layout_, params_, zeros, zeros, st, "[]").ok());
+  }
+  auto r = ImportFromHf(Opts("hf", "ptk", dir_ / "hf", run));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find("holds a training run's checkpoints (its latest checkpoint is iteration 8)"),
+            absl::string_view::npos)
+      << r.status();
+  EXPECT_EQ(*LatestCheckpointIteration(run), 8);
+  EXPECT_FALSE(std::filesystem::exists(CheckpointDir(run, 0)));
+  // The tool: exit 2, latest still 8.
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  auto cli = RunCmd(tool + " --loader hf --saver ptk --load-dir " + ShellQuote(dir_ / "hf") + " --save-dir " +
+                    ShellQuote(run));
+  EXPECT_EQ(cli.exit_code, 2) << cli.output;
+  EXPECT_EQ(ReadFile(run + "/latest_checkpointed_iteration.txt"), "8");
+  // Iterations without a tracker (a run killed before its tracker moved) are a run's too.
+  std::filesystem::remove(run + "/latest_checkpointed_iteration.txt");
+  EXPECT_FALSE(ImportFromHf(Opts("hf", "ptk", dir_ / "hf", run)).ok());
+  EXPECT_FALSE(std::filesystem::exists(CheckpointDir(run, 0)));
+  // A new directory, and the same import again into it.
+  for (int i = 0; i < 2; ++i) {
+    auto again = ImportFromHf(Opts("hf", "ptk", dir_ / "hf", dir_ / "imported"));
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(*LatestCheckpointIteration(dir_ / "imported"), 0);
+  }
+}
+
+// Non-finite weights are refused at export, naming the tensor, as the import refuses them.
+TEST_F(HfConvert, ExportRefusesNanAndInfinityNamingTheTensor) {
+  Save(false, dir_ / "ck");
+  params_[static_cast<size_t>(layout_.layers[1].ln1_b + 2)] = std::nanf("");
+  std::vector<float> zeros(params_.size(), 0.0f);
+  TrainState st;
+  st.iteration = 9;
+  st.settings = {{"--vocab-size", "50257"}};
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "ck", layout_, params_, zeros, zeros, st, "[]").ok());
+  auto r = ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tensor transformer.h.1.ln_1.bias (element 2) holds a NaN"),
+            absl::string_view::npos)
+      << r.status();
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "hf"));
+  params_[static_cast<size_t>(layout_.layers[1].ln1_b + 2)] = 0.5f;
+  params_[static_cast<size_t>(layout_.wpe + 8 * 3 + 1)] = -INFINITY;
+  st.iteration = 10;
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "ck", layout_, params_, zeros, zeros, st, "[]").ok());
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  auto cli = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") + " --save-dir " +
+                    ShellQuote(dir_ / "hf"));
+  EXPECT_EQ(cli.exit_code, 1) << cli.output;
+  EXPECT_NE(cli.output.find("tensor transformer.wpe.weight (element 25) holds an infinity"), std::string::npos)
+      << cli.output;
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "hf"));
+}
+
+// The names of a directory's entries, sorted, and what lies beside it (NAME.*: copies, locks).
+std::string Entries(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) names.insert(e.path().filename().string());
+  std::string out;
+  for (const std::string& n : names) out += n + " ";
+  return out;
+}
+std::string Beside(const std::string& target) {
+  std::string out;
+  const std::filesystem::path t(target);
+  for (const auto& e : std::filesystem::directory_iterator(t.parent_path())) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(t.filename().string() + ".", 0) == 0) out += n + " ";
+  }
+  return out;
+}
+
+constexpr const char* kSixFiles[] = {"config.json", "generation_config.json", "tokenizer_config.json", "vocab.json",
+                                     "merges.txt",  "model.safetensors"};
+
+// A target that holds another model's files (tokenizer.json, pytorch_model.bin, an index) is
+// refused, untouched; --force replaces it whole; an earlier export is replaced without it.
+TEST_F(HfConvert, ExportIntoAForeignDirectoryIsRefusedUnlessForced) {
+  Save(false, dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  std::filesystem::create_directories(hf + "/sub");
+  for (const char* f : {"tokenizer.json", "pytorch_model.bin", "model.safetensors.index.json", "config.json"})
+    WriteFile(hf + "/" + f, f);
+  auto r = ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find(
+                "holds 4 entries that a ptk export does not write (model.safetensors.index.json, pytorch_model.bin, "
+                "sub, tokenizer.json)"),
+            absl::string_view::npos)
+      << r.status();
+  EXPECT_EQ(Entries(hf), "config.json model.safetensors.index.json pytorch_model.bin sub tokenizer.json ");
+  EXPECT_EQ(ReadFile(hf + "/config.json"), "config.json");
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  const std::string cmd =
+      tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(hf);
+  auto refused = RunCmd(cmd);
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("--force"), std::string::npos) << refused.output;
+  auto forced = RunCmd(cmd + " --force");
+  EXPECT_EQ(forced.exit_code, 0) << forced.output;
+  EXPECT_EQ(Entries(hf),
+            "config.json generation_config.json merges.txt model.safetensors tokenizer_config.json vocab.json ");
+  WriteFile(hf + "/model.safetensors.ptk-tmp-123-abc", "a killed older ptk-convert's temporary");
+  auto again = RunCmd(cmd);  // an export over an export
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(Entries(hf),
+            "config.json generation_config.json merges.txt model.safetensors tokenizer_config.json vocab.json ");
+  EXPECT_EQ(Beside(hf), "");
+  // Never the directory that holds what the export reads, or the current directory, even with --force.
+  auto around = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") + " --save-dir " +
+                       ShellQuote(dir_.path()) + " --force");
+  EXPECT_EQ(around.exit_code, 2) << around.output;
+  EXPECT_NE(around.output.find("holds --load-dir"), std::string::npos) << around.output;
+  EXPECT_TRUE(LatestCheckpointIteration(dir_ / "ck").ok());
+  auto here = RunCmd("cd " + ShellQuote(hf) + " && " + tool + " --loader ptk --saver hf --load-dir " +
+                     ShellQuote(dir_ / "ck") + " --save-dir . --force");
+  EXPECT_EQ(here.exit_code, 2) << here.output;
+  EXPECT_NE(here.output.find("holds the current directory"), std::string::npos) << here.output;
+  // A file, or a symbolic link, as the target.
+  WriteFile(dir_ / "file", "x");
+  EXPECT_TRUE(IsUsageError(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "file")).status()));
+  std::filesystem::create_directory_symlink(hf, dir_ / "link");
+  EXPECT_TRUE(IsUsageError(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "link")).status()));
+}
+
+// A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow
+// model's model.safetensors (400 KB) fits under but vocab.json does not: EFBIG, as ENOSPC) is exit 3
+// and leaves no partial export, and over an earlier export leaves that one whole.
+TEST_F(HfConvert, AFullDiskPartWayLeavesNoPartialExport) {
+  GPTConfig c;
+  c.num_layers = 1;
+  c.hidden_size = 2;
+  c.num_attention_heads = 1;
+  c.ffn_hidden_size = 8;
+  c.seq_length = c.max_position_embeddings = 8;
+  c.vocab_size = 50257;
+  c.padded_vocab_size = 50304;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> p(static_cast<size_t>(layout->num_params), 0.125f);
+  TrainState st;
+  st.iteration = 2;
+  st.settings = {{"--vocab-size", "50257"}};
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "narrow", *layout, p, p, p, st, "[]").ok());
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  const std::string cmd =
+      "ulimit -f 1600; " + tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "narrow") + " --save-dir ";
+  auto full = RunCmd(cmd + ShellQuote(dir_ / "hf"));
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_NE(full.output.find("vocab.json"), std::string::npos) << full.output;  // past model.safetensors
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "hf")) << Entries(dir_ / "hf");
+  EXPECT_EQ(Beside(dir_ / "hf"), "");
+  // Over an earlier export (of the other model): that one stays, whole.
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  const std::string before = ReadFile(dir_ / "hf/model.safetensors") + ReadFile(dir_ / "hf/config.json");
+  full = RunCmd(cmd + ShellQuote(dir_ / "hf"));
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_TRUE(ReadFile(dir_ / "hf/model.safetensors") + ReadFile(dir_ / "hf/config.json") == before)
+      << "the earlier export is not whole: " << Entries(dir_ / "hf");
+  EXPECT_EQ(Beside(dir_ / "hf"), "");
+}
+
+// An export killed at any step over an older export leaves the old export whole or the new one
+// whole (with RENAME_EXCHANGE; without it, between the two renames, no directory, which the next
+// export puts back); a failure at any step (a full disk) leaves the old one. Model A and model B
+// differ in every file but the tokenizer's.
+TEST_F(HfConvert, AKilledOrFailedExportLeavesTheOldOrTheNewExportWhole) {
+  Save(false, dir_ / "a");
+  for (float& p : params_) p *= 0.5f;
+  {
+    c_.max_position_embeddings = 12;  // B: another model (config.json differs too)
+    c_.seq_length = 12;
+    auto layout = ParamLayout::Create(c_);
+    ASSERT_TRUE(layout.ok());
+    std::vector<float> p(static_cast<size_t>(layout->num_params), 0.25f);
+    TrainState st;
+    st.iteration = 3;
+    st.settings = {{"--vocab-size", "50257"}};
+    ASSERT_TRUE(SaveCheckpoint(dir_ / "b", *layout, p, p, p, st, "[]").ok());
+  }
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "a", dir_ / "ref-a")).ok());
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "b", dir_ / "ref-b")).ok());
+  auto files_of = [&](const std::string& d) {
+    std::map<std::string, std::string> m;
+    for (const char* f : kSixFiles) m[f] = ReadFile(d + "/" + f);
+    return m;
+  };
+  const auto a = files_of(dir_ / "ref-a"), b = files_of(dir_ / "ref-b");
+  ASSERT_NE(a.at("config.json"), b.at("config.json"));
+  ASSERT_NE(a.at("model.safetensors"), b.at("model.safetensors"));
+  const std::string six =
+      "config.json generation_config.json merges.txt model.safetensors tokenizer_config.json vocab.json ";
+  const std::string hf = dir_ / "hf";
+  // Which export `hf` holds whole: "a", "b", "none" (no directory) or "mixed".
+  auto state = [&]() -> std::string {
+    if (!std::filesystem::exists(hf)) return "none";
+    if (Entries(hf) != six) return "mixed: " + Entries(hf);
+    const auto now = files_of(hf);
+    return now == a ? "a" : now == b ? "b" : "mixed";
+  };
+  const std::vector<std::string> steps = {
+      "write model.safetensors", "write config.json",      "write merges.txt",
+      "fsync new export",        "exchange directories",   "rename old export aside",
+      "rename new export in",    "fsync parent directory", "remove old export"};
+  int kills = 0;
+  for (bool exchange : {true, false}) {
+    for (const std::string& at : steps) {
+      if (exchange && (at == "rename old export aside" || at == "rename new export in")) continue;
+      SCOPED_TRACE((exchange ? "exchange, killed at " : "two renames, killed at ") + at);
+      ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "a", hf)).ok());
+      ASSERT_EQ(state(), "a");
+      const pid_t pid = ::fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        SetExportStepHookForTesting([&](std::string_view step) -> absl::Status {
+          if (step == at) ::_exit(9);
+          if (!exchange && step == "exchange directories") return absl::UnimplementedError("no RENAME_EXCHANGE");
+          return absl::OkStatus();
+        });
+        ::_exit(ExportToHf(Opts("ptk", "hf", dir_ / "b", hf)).ok() ? 0 : 1);
+      }
+      int status = 0;
+      ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+      ASSERT_TRUE(WIFEXITED(status));
+      EXPECT_EQ(WEXITSTATUS(status), 9);
+      ++kills;
+      const std::string after = state();
+      const bool before_swap = at.rfind("write", 0) == 0 || at == "fsync new export" || at == "exchange directories" ||
+                               at == "rename old export aside";
+      if (!exchange && at == "rename new export in") {
+        EXPECT_EQ(after, "none");  // the one window of the two-rename path
+      } else {
+        EXPECT_EQ(after, before_swap ? "a" : "b");
+      }
+      // The next export puts right what the kill left: here one that fails at its first write (a
+      // full disk) leaves A's or B's export whole, and nothing beside it but what it found there.
+      SetExportStepHookForTesting([](std::string_view step) -> absl::Status {
+        if (step == "write model.safetensors") return absl::ResourceExhaustedError("No space left on device");
+        return absl::OkStatus();
+      });
+      auto failed = ExportToHf(Opts("ptk", "hf", dir_ / "b", hf));
+      SetExportStepHookForTesting(nullptr);
+      ASSERT_FALSE(failed.ok());
+      EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+      EXPECT_EQ(state(), after == "none" ? "a" : after);
+      EXPECT_EQ(Beside(hf), "");
+    }
+  }
+  EXPECT_EQ(kills, 16);
+  // A failure at any step before the swap (a full disk at the third file, an error at the
+  // exchange or the first rename) leaves A's export as it was, and nothing beside it.
+  for (bool exchange : {true, false})
+    for (const std::string& at : {std::string("write vocab.json"), std::string("fsync new export"),
+                                  std::string("exchange directories"), std::string("rename old export aside")}) {
+      SCOPED_TRACE("failed at " + at);
+      ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "a", hf)).ok());
+      SetExportStepHookForTesting([&](std::string_view step) -> absl::Status {
+        if (step == at) return absl::ResourceExhaustedError("No space left on device");
+        if (!exchange && step == "exchange directories") return absl::UnimplementedError("no RENAME_EXCHANGE");
+        return absl::OkStatus();
+      });
+      auto r = ExportToHf(Opts("ptk", "hf", dir_ / "b", hf));
+      SetExportStepHookForTesting(nullptr);
+      const bool reached = exchange ? at != "rename old export aside" : true;
+      if (reached) {
+        ASSERT_FALSE(r.ok());
+        EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+      }
+      EXPECT_EQ(state(), reached ? "a" : "b");
+      EXPECT_EQ(Beside(hf), "");
+    }
+  // Without a hook: B over A in one piece, nothing beside.
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "b", hf)).ok());
+  EXPECT_EQ(state(), "b");
+  EXPECT_EQ(Beside(hf), "");
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """k8s/'s manifests run as their pods would run (issue 32), without a cluster (tests/k8s/podsim.py):
 
-  1. the templates are rendered as README says (source k8s/env.sh, envsubst) for the bundled sample,
+  1. the templates are rendered as README says (k8s/render.sh) for the bundled sample,
      served as the dataset repo by tests/support/fake_hub.py, the shared volume a local directory;
   2. download -> extract -> concat-plan -> concat -> tokenize run as the Indexed Jobs' pods, in parallel
      as the controller runs them (JOB_COMPLETION_INDEX, the manifests' env and commands): a download
@@ -103,7 +103,7 @@ try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JOB_COMPLETION"))}
         env.update(config)
         env.update(extra)
-        out = subprocess.run(["bash", "-c", f'source k8s/env.sh && envsubst < "k8s/{template}.yaml-template"'],
+        out = subprocess.run(["bash", "k8s/render.sh", f"k8s/{template}.yaml-template"],
                              cwd=SRC, env=env, capture_output=True, text=True)
         if out.returncode != 0:
             fail(f"rendering {template}: {out.stderr}")

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Every manifest k8s/ renders is one a cluster accepts (issue 32), checked offline:
 
-  - rendered as README says (source k8s/env.sh, plain envsubst), with the defaults and with the test's
-    small settings; the templates hold no $ reference but k8s/env.sh's variables, so nothing is
-    emptied by envsubst, and no variable is left unset;
+  - rendered as README says (k8s/render.sh: env.sh's checks, every value quoted and escaped), with the
+    defaults and with the test's small settings; the templates hold no $ reference but k8s/env.sh's
+    variables, no variable is left unset, and every ${...} outside double quotes is an integer setting
+    (hostile values: k8s_render_test.py);
   - Job and Service against Kubernetes' own schemas (kubernetes-validate, strict: an unknown field is
     an error, as `kubectl apply`'s server-side field validation makes it) for 1.29 (the first release
     with backoffLimitPerIndex, podReplacementPolicy and FailIndex on by default) and the newest the
@@ -85,6 +86,8 @@ TEMPLATES = sorted(f[:-len(".yaml-template")] for f in os.listdir(os.path.join(S
                    if f.endswith(".yaml-template"))
 check(TEMPLATES == ["concat-job", "concat-plan-job", "download-job", "extract-job", "pytorchjob", "tokenize-job",
                     "train-job"], f"templates: {TEMPLATES}")
+INTEGER_VARS = set(re.search(r"for v in (DOWNLOAD_TASKS[^;]*);", env_sh).group(1).replace("\\", " ").split()) | set(
+    re.search(r"for v in (BACKOFF_LIMIT_PER_INDEX[^;]*);", env_sh).group(1).split()) | {"WORKER_REPLICAS"}
 used = set()
 for t in TEMPLATES:
     text = open(os.path.join(SRC, "k8s", t + ".yaml-template")).read()
@@ -95,6 +98,10 @@ for t in TEMPLATES:
             continue
         check(m.group(1) == "{", f"{t}: ${name} without braces (write ${{{name}}})")
         check(name in VARS, f"{t}: ${{{name}}} is not one of k8s/env.sh's variables: envsubst would empty it")
+        line = text[text.rfind("\n", 0, m.start()) + 1:text.find("\n", m.start())]
+        # Unquoted: only the settings env.sh allows as decimal digits (render.sh escapes the rest for "...").
+        quoted = re.fullmatch(r'\s*(- )?([\w./-]+: )?"[^"]*"\s*', line) is not None
+        check(quoted or name in INTEGER_VARS, f"{t}: ${{{name}}} outside double quotes: {line.strip()}")
         used.add(name)
 check(set(VARS) == used, f"variables of k8s/env.sh no template uses: {sorted(set(VARS) - used)}")
 
@@ -107,11 +114,11 @@ TEST_CONFIG = {"IMAGE": "registry.example/ptk:1.0", "MOUNT_PATH": "/data", "STAG
 def render(template, config):
     env = {k: v for k, v in os.environ.items() if k not in VARS and k != "REPO_URI"}
     env.update(config)
-    out = subprocess.run(["bash", "-c", f'source k8s/env.sh && envsubst < "k8s/{template}.yaml-template"'], cwd=SRC,
+    out = subprocess.run(["bash", "k8s/render.sh", f"k8s/{template}.yaml-template"], cwd=SRC,
                          env=env, capture_output=True, text=True)
     if not check(out.returncode == 0, f"rendering {template}: {out.stderr}"):
         return []
-    check("${" not in out.stdout, f"{template}: a ${{...}} left after envsubst")
+    check("${" not in out.stdout, f"{template}: a ${{...}} left after rendering")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 

@@ -12,7 +12,12 @@ Checks:
     --log-timers-to-tensorboard --log-throughput; --no-log-loss-scale-to-tensorboard,
     --log-world-size-to-tensorboard and --tensorboard-log-interval select as in Megatron;
   * a byte flipped in an event file is refused by TensorBoard's reader (the CRCs are real);
-  * a full disk while events are written is exit 3 naming the event file.
+  * a full disk while events are written is exit 3 naming the event file;
+  * what a checkpoint covers is in an event file before the tracker names it: killed at each fsync
+    (strace's fault injection) with --save-interval 7 --log-interval 5, every iteration up to the
+    tracker's (21 among them) is in an event file and in metrics.jsonl;
+  * a second run while the first still writes to the same --tensorboard-dir or --metrics-file is
+    refused in one line naming it; a run afterwards starts there, saying that it appends.
 Usage: tensorboard_reader_test.py BIN_DIR
 """
 import glob
@@ -23,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 BIN = sys.argv[1]
 for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
@@ -171,6 +177,76 @@ with tempfile.TemporaryDirectory() as tmp:
     r = subprocess.run(["bash", "-c", "ulimit -f 2; " + cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     check(r.returncode == 3 and "events.out.tfevents." in r.stdout,
           "a full disk: exit {} (want 3) naming the event file:\n{}".format(r.returncode, r.stdout[-2000:]))
+
+    # ---- killed right after a save: the iterations the checkpoint covers are in an event file
+    tiny = [os.path.join(BIN, "ptk-train"), "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "8", "--vocab-size", "64", "--make-vocab-size-divisible-by", "1", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--threads", "1",
+            "--train-iters", "21", "--save-interval", "7", "--log-interval", "5"]
+    if subprocess.run(["strace", "-qq", "-o", "/dev/null", "true"], capture_output=True).returncode != 0:
+        print("SKIPPED (strace cannot trace here): the kills after a save")
+    else:
+        kills = covered = 0
+        for k in range(1, 200):
+            d = os.path.join(tmp, "kill{}".format(k))
+            tbk, ckk = os.path.join(d, "tb"), os.path.join(d, "ck")
+            r = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync", "-e",
+                                "inject=fsync:signal=KILL:when={}".format(k)] + tiny +
+                               ["--save", ckk, "--tensorboard-dir", tbk], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+            if r.returncode == 0:
+                break
+            kills += 1
+            try:
+                latest = int(open(os.path.join(ckk, "latest_checkpointed_iteration.txt")).read())
+            except (OSError, ValueError):
+                continue  # killed before the first save
+            steps = set()
+            for f in glob.glob(os.path.join(tbk, "events.out.tfevents.*")):
+                try:
+                    for e in EventFileLoader(f).Load():
+                        if any(v.tag == "lm loss" for v in e.summary.value):
+                            steps.add(e.step)
+                except Exception:  # a record cut by the kill ends the file; the whole ones count
+                    pass
+            missing = sorted(set(range(1, latest + 1)) - steps)
+            check(not missing, "killed at fsync #{} with the tracker at {}: iterations {} in no event file".format(
+                k, latest, missing))
+            its = {json.loads(line)["iteration"] for line in open(os.path.join(tbk, "metrics.jsonl")) if line.strip()}
+            check(set(range(1, latest + 1)) <= its, "killed at fsync #{}: metrics.jsonl misses some of 1..{}".format(
+                k, latest))
+            covered += latest == 21
+        check(kills >= 5 and covered >= 1, "{} kills, {} right after the save of iteration 21".format(kills, covered))
+        print("{} kills at an fsync, {} of them after the save of iteration 21: every checkpointed iteration in an "
+              "event file".format(kills, covered))
+
+    # ---- a second run while the first still writes: refused in one line naming the directory or file
+    tbc = os.path.join(tmp, "tbc")
+    first = subprocess.Popen(tiny[:-6] + ["--train-iters", "100000000", "--log-interval", "1", "--tensorboard-dir",
+                                          tbc], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(6000):
+            if glob.glob(os.path.join(tbc, "events.out.tfevents.*")) or first.poll() is not None:
+                break
+            time.sleep(0.01)
+        check(first.poll() is None, "the first run is running")
+        second = run(tiny[:-6] + ["--train-iters", "5", "--tensorboard-dir", tbc], expect=1)
+        bad = [line for line in second.splitlines() if "metrics.jsonl" in line and "another run" in line]
+        check(len(bad) == 1 and "--metrics-file" in bad[0], "the second run names --metrics-file:\n" + second)
+        second = run(tiny[:-6] + ["--train-iters", "5", "--tensorboard-dir", tbc, "--metrics-file",
+                      os.path.join(tmp, "other.jsonl")], expect=1)
+        bad = [line for line in second.splitlines() if "--tensorboard-dir" in line]
+        check(len(bad) == 1 and "{} is being written by another run".format(tbc) in bad[0],
+              "the second run names --tensorboard-dir:\n" + second)
+        check(len(glob.glob(os.path.join(tbc, "events.out.tfevents.*"))) == 1, "the refused runs wrote no event file")
+    finally:
+        first.kill()
+        first.wait()
+    # After it: a new run (from iteration 0) appends, saying so; the events and lines are the new run's too.
+    third = run(tiny[:-6] + ["--train-iters", "3", "--log-interval", "1", "--tensorboard-dir", tbc])
+    check("holds 1 event file(s) of an earlier run" in third and "appends its lines after them" in third,
+          "a new run into the directory says that it appends:\n" + third)
+    check(len(glob.glob(os.path.join(tbc, "events.out.tfevents.*"))) == 2, "the new run's event file beside")
 
 print("tensorboard_reader_test: {}".format("OK" if failures == 0 else "{} failure(s)".format(failures)))
 sys.exit(1 if failures else 0)
