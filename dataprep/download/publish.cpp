@@ -1,0 +1,181 @@
+// ptk-download: what happens to a file's bytes once they are on disk: hashed as they land
+// (StreamHasher, off the receiving thread), then made durable and put in place (Publisher: one
+// fsync for a batch of files).
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "dataprep/download/download_internal.h"
+
+namespace ptk::download_detail {
+
+// ---------------------------------------------------------------- StreamHasher
+
+namespace {
+constexpr size_t kHashRead = 1 << 20;
+}
+
+StreamHasher::StreamHasher() : buf_(kHashRead) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+StreamHasher::~StreamHasher() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    quit_ = true;
+  }
+  work_cv_.notify_all();
+  thread_.join();
+}
+
+void StreamHasher::Start(int fd, bool git, uint64_t git_size) {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return !busy_; });  // the thread no longer reads the previous file
+  fd_ = fd;
+  target_ = hashed_ = 0;
+  error_ = absl::OkStatus();
+  sha_ = std::make_unique<Sha256>(git ? Sha256::Algorithm::kSha1 : Sha256::Algorithm::kSha256);
+  if (git) {
+    const std::string hdr = fmt::format("blob {}", git_size);
+    sha_->Update(hdr.data(), hdr.size() + 1);  // includes the NUL
+  }
+}
+
+void StreamHasher::Advance(uint64_t end) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (end <= target_) return;
+    target_ = end;
+  }
+  work_cv_.notify_one();
+}
+
+absl::StatusOr<std::string> StreamHasher::Finish(uint64_t end) {
+  Advance(end);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return (hashed_ >= end && !busy_) || !error_.ok(); });
+  done_cv_.wait(lock, [&] { return !busy_; });
+  fd_ = -1;
+  if (!error_.ok()) return error_;
+  return sha_->HexDigest();
+}
+
+void StreamHasher::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return quit_ || (fd_ >= 0 && hashed_ < target_ && error_.ok()); });
+    if (quit_) return;
+    const int fd = fd_;
+    const uint64_t from = hashed_;
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(target_ - hashed_, kHashRead));
+    busy_ = true;
+    lock.unlock();
+    ssize_t got = ::pread(fd, buf_.data(), n, static_cast<off_t>(from));
+    absl::Status err;
+    if (got < 0)
+      err = ErrnoToStatus(errno, "reading back a download to hash it");
+    else if (got == 0)
+      err = absl::DataLossError(fmt::format("a download ends at byte {}, before the bytes written", from));
+    else
+      sha_->Update(buf_.data(), static_cast<size_t>(got));
+    lock.lock();
+    busy_ = false;
+    if (!err.ok())
+      error_ = err;
+    else
+      hashed_ += static_cast<uint64_t>(got);
+    done_cv_.notify_all();
+  }
+}
+
+// ---------------------------------------------------------------- Publisher
+
+namespace {
+
+// The data of a `.part` is durable before the rename; the directories (the renames) are fsynced
+// once per run, at its end (a rename lost in a crash leaves a complete, fsynced `.part` to resume).
+absl::Status PutInPlace(DoneLog& done, PublishItem& item) {
+  PTK_RETURN_IF_ERROR(RenameFile(item.part_path, item.final_path));
+  (void)RemoveFileIfExists(item.meta_path);
+  PTK_RETURN_IF_ERROR(done.Append(item.done_key));
+  return absl::OkStatus();
+}
+
+void CloseItem(PublishItem& item) {
+  if (item.fd >= 0) ::close(item.fd);
+  item.fd = -1;
+  item.lock.reset();
+}
+
+}  // namespace
+
+absl::Status Publish(Session& s, DoneLog& done, PublishItem item) {
+  if (s.publisher) {
+    s.publisher->Submit(std::move(item));
+    return absl::OkStatus();
+  }
+  absl::Status st = FsyncFile(item.fd, item.part_path);
+  if (st.ok()) st = PutInPlace(done, item);
+  CloseItem(item);
+  return st;
+}
+
+Publisher::Publisher(DoneLog& done) : done_(done) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Publisher::~Publisher() {
+  Drain();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    quit_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void Publisher::Submit(PublishItem item) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(item));
+  }
+  cv_.notify_one();
+}
+
+void Publisher::Drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+std::vector<std::pair<PublishItem, absl::Status>> Publisher::TakeFailures() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::move(failures_);
+}
+
+void Publisher::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return quit_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // quit_
+    std::vector<PublishItem> batch = std::move(queue_);
+    queue_.clear();
+    busy_ = true;
+    lock.unlock();
+    // One sync for the batch: syncfs writes back every file of the filesystem at once (one journal
+    // commit), where an fsync per file costs a commit each (~10 ms on a VM disk). A batch of one,
+    // or a syncfs that reports an error, goes file by file (so that the error names its file).
+    bool synced = false;
+    if (batch.size() > 1) synced = ::syncfs(batch.front().fd) == 0;
+    std::vector<std::pair<PublishItem, absl::Status>> failed;
+    for (auto& item : batch) {
+      absl::Status st = synced ? absl::OkStatus() : FsyncFile(item.fd, item.part_path);
+      if (st.ok()) st = PutInPlace(done_, item);
+      CloseItem(item);
+      if (!st.ok()) failed.emplace_back(std::move(item), st);
+    }
+    lock.lock();
+    for (auto& f : failed) failures_.push_back(std::move(f));
+    busy_ = false;
+    idle_cv_.notify_all();
+  }
+}
+
+}  // namespace ptk::download_detail
