@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -260,9 +261,9 @@ struct PublishItem {
   std::unique_ptr<OutputLock> lock;  // the file's lock, released once it is in place
 };
 
-// Makes verified files durable and puts them in place, off the download workers: one fsync for a
-// batch of files (syncfs when several wait), then each `.part` renamed over its name, its record
-// removed, its done-log line appended, its lock released. A file whose sync or rename fails keeps its
+// Makes verified files durable and puts them in place, off the download workers: each `.part`
+// fdatasynced (by a few threads at once, so that the journal commits them together), renamed over
+// its name, its record removed, its done-log line appended, its lock released. A file whose sync or rename fails keeps its
 // complete `.part` (the next run publishes it without a transfer) and is reported by Failures().
 class Publisher {
  public:
@@ -278,10 +279,12 @@ class Publisher {
   DoneLog& done_;
   std::mutex mu_;
   std::condition_variable cv_, idle_cv_;
-  std::vector<PublishItem> queue_;
+  static constexpr int kThreads = 8;
+  std::deque<PublishItem> queue_;
   std::vector<std::pair<PublishItem, absl::Status>> failures_;
-  bool busy_ = false, quit_ = false;
-  std::thread thread_;
+  int busy_ = 0;
+  bool quit_ = false;
+  std::vector<std::thread> threads_;
 };
 
 // ---- hub_api.cpp
