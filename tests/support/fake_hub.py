@@ -65,6 +65,7 @@ class State:
                     "sha256": hashlib.sha256(data).hexdigest(),
                     "git_sha1": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
                     "lfs": lfs,
+                    "pointer_oid": hashlib.sha1(b"ptr" + data).hexdigest(),  # once, not per listing
                 }
         self.by_sha = {f["sha256"]: p for p, f in self.files.items()}
         self.faults = {}
@@ -335,7 +336,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     dirs.add(d)
                     entries.append({"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d})
             f = st.files[p]
-            e = {"type": "file", "oid": f["git_sha1"] if not f["lfs"] else hashlib.sha1(b"ptr" + f["data"]).hexdigest(),
+            e = {"type": "file", "oid": f["git_sha1"] if not f["lfs"] else f["pointer_oid"],
                  "size": len(f["data"]), "path": p}
             if f["lfs"]:
                 e["lfs"] = {"oid": f["sha256"], "size": len(f["data"]), "pointerSize": 133}
