@@ -156,7 +156,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5, help="best of (download: at most 3)")
     ap.add_argument("--stages", nargs="+", default=["extract", "concat", "download"],
                     choices=["extract", "concat", "download"])
-    ap.add_argument("--small-files", type=int, default=96, help="download: how many small files")
+    ap.add_argument("--small-files", type=int, default=200, help="download: how many small files")
     ap.add_argument("--small-kb", type=int, default=256, help="download: size of each small file, KB")
     ap.add_argument("--large-files", type=int, default=3, help="download: how many large files")
     ap.add_argument("--large-mb", type=int, default=80, help="download: size of each large file, MB")

@@ -84,8 +84,7 @@ int main(int argc, char** argv) {
         "resolves, {} retries, {} rate-limited, {:.1f} s ({:.1f} MB/s)",
         opt.shard.index, opt.shard.count, s.downloaded, ptk::HumanBytes(static_cast<double>(s.bytes_downloaded)),
         s.ranged_files, s.range_requests, s.already_present, s.failures.size(), s.resolves, s.retries, s.rate_limited,
-        s.seconds,
-        s.bytes_downloaded / 1e6 / std::max(s.seconds, 1e-9));
+        s.seconds, s.bytes_downloaded / 1e6 / std::max(s.seconds, 1e-9));
     if (!s.failures.empty()) {
       for (const auto& f : s.failures) ptk::log::Error("failed: {}: {}", f.path, ptk::StatusMessage(f.error));
       return absl::UnavailableError(

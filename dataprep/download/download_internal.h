@@ -34,9 +34,9 @@
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/numbers.h"
+#include "common/output_lock.h"
 #include "common/parallel.h"
 #include "common/progress.h"
-#include "common/output_lock.h"
 #include "common/status.h"
 #include "dataprep/download/download.h"
 #include "dataprep/download/http.h"
@@ -263,8 +263,8 @@ struct PublishItem {
 
 // Makes verified files durable and puts them in place, off the download workers: each `.part`
 // fdatasynced (by a few threads at once, so that the journal commits them together), renamed over
-// its name, its record removed, its done-log line appended, its lock released. A file whose sync or rename fails keeps its
-// complete `.part` (the next run publishes it without a transfer) and is reported by Failures().
+// its name, its record removed, its done-log line appended, its lock released. A file whose sync or rename fails keeps
+// its complete `.part` (the next run publishes it without a transfer) and is reported by Failures().
 class Publisher {
  public:
   explicit Publisher(DoneLog& done);

@@ -252,14 +252,7 @@ class PartFile {
 class FileFetch {
  public:
   FileFetch(FileDownloader& d, const RemoteFile& f, PartFile& part, FileResult& res, std::unique_ptr<OutputLock>& lock)
-      : d_(d),
-        s_(d.s_),
-        f_(f),
-        part_(part),
-        res_(res),
-        lock_(lock),
-        budget_(d.s_, f.path),
-        url_(d.ResolveUrlFor(f)) {}
+      : d_(d), s_(d.s_), f_(f), part_(part), res_(res), lock_(lock), budget_(d.s_, f.path), url_(d.ResolveUrlFor(f)) {}
 
   absl::Status Run() {
     while (!s_.stop) {

@@ -9,8 +9,8 @@
 
 #include <chrono>
 #include <functional>
-#include <random>
 #include <optional>
+#include <random>
 #include <set>
 #include <sstream>
 
