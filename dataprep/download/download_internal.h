@@ -238,6 +238,8 @@ class StreamHasher {
   void Advance(uint64_t end);
   // Waits until [0, end) is hashed: its hex digest, or why the bytes could not be read.
   absl::StatusOr<std::string> Finish(uint64_t end);
+  // Stops hashing the current file (one that failed) before its fd is closed.
+  void Abandon();
 
  private:
   void Loop();

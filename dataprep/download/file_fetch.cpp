@@ -40,7 +40,9 @@ class PartFile {
         expected_(f.size),
         size_known_(f.size_known) {}
   ~PartFile() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ < 0) return;
+    hasher_.Abandon();
+    ::close(fd_);
   }
   PartFile(const PartFile&) = delete;
   PartFile& operator=(const PartFile&) = delete;

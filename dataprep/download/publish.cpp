@@ -77,6 +77,13 @@ absl::StatusOr<std::string> StreamHasher::Finish(uint64_t end) {
   return sha_->HexDigest();
 }
 
+void StreamHasher::Abandon() {
+  std::unique_lock<std::mutex> lock(mu_);
+  target_ = hashed_;
+  done_cv_.wait(lock, [&] { return !busy_; });
+  fd_ = -1;
+}
+
 void StreamHasher::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {

@@ -51,7 +51,9 @@ class RangedFetch {
         resolve_url_(d.ResolveUrlFor(f)),
         url_(resolve_url_) {}
   ~RangedFetch() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ < 0) return;
+    d_.hasher_.Abandon();
+    ::close(fd_);
   }
 
   absl::Status Run(std::unique_ptr<OutputLock>& lock) {
