@@ -38,6 +38,18 @@ int main(int argc, char** argv) {
   app->add_option("--token-file", token_file,
                   "File holding the Hub token (default: $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token)");
   app->add_option("--jobs", opt.jobs, "Files downloaded at once")->check(CLI::Range(1, 256));
+  app->add_option("--connections-per-file", opt.connections_per_file,
+                  "Connections a large file is fetched over at once, as byte ranges written in place (1: one "
+                  "connection a file)")
+      ->check(CLI::Range(1, 64));
+  app->add_option("--split-above", opt.split_above,
+                  "Files of at least this many bytes (size and digest listed) are fetched as ranges")
+      ->check(CLI::Range(uint64_t{1}, UINT64_MAX));
+  app->add_option("--piece-size", opt.piece_size,
+                  "Bytes per range request (default: the file's size / 8 per connection, 1-32 MiB)")
+      ->check(CLI::Range(uint64_t{65536}, UINT64_MAX));
+  app->add_option("--max-connections", opt.max_connections, "Connections open at once, all files together")
+      ->check(CLI::Range(1, 1024));
   app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")
       ->check(ptk::cli::NonNegative());
   app->add_option("--max-retry-time", opt.max_retry_time_s,
@@ -68,11 +80,11 @@ int main(int argc, char** argv) {
     PTK_ASSIGN_OR_RETURN(ptk::DownloadSummary s, ptk::RunDownload(opt));
     if (opt.list_only) return absl::OkStatus();
     ptk::log::Info(
-        "shard {}/{}: {} downloaded ({}), {} already present, {} failed; {} resolves, {} retries, {} rate-limited, "
-        "{:.1f} s ({:.1f} MB/s)",
+        "shard {}/{}: {} downloaded ({}; {} as ranges, {} range requests), {} already present, {} failed; {} "
+        "resolves, {} retries, {} rate-limited, {:.1f} s ({:.1f} MB/s)",
         opt.shard.index, opt.shard.count, s.downloaded, ptk::HumanBytes(static_cast<double>(s.bytes_downloaded)),
-        s.already_present, s.failures.size(), s.resolves, s.retries, s.rate_limited, s.seconds,
-        s.bytes_downloaded / 1e6 / std::max(s.seconds, 1e-9));
+        s.ranged_files, s.range_requests, s.already_present, s.failures.size(), s.resolves, s.retries, s.rate_limited,
+        s.seconds, s.bytes_downloaded / 1e6 / std::max(s.seconds, 1e-9));
     if (!s.failures.empty()) {
       for (const auto& f : s.failures) ptk::log::Error("failed: {}: {}", f.path, ptk::StatusMessage(f.error));
       return absl::UnavailableError(

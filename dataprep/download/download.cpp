@@ -161,6 +161,12 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
     PTK_ASSIGN_OR_RETURN(sum.commit, PinRevision(s, http));
     const std::string manifest =
         JoinPath(JoinPath(opt.local_dir, kStateDir), fmt::format("manifest-{}.jsonl", sum.commit));
+    {
+      // What a run killed while writing the listing left (its temporary, its lock): removed when no
+      // run is writing it now.
+      auto lock = OutputLock::Acquire(manifest);
+      if (lock.ok()) RemoveStaleTemporaries(manifest);
+    }
     if (PathExists(manifest)) {
       PTK_ASSIGN_OR_RETURN(files, ReadManifest(manifest));
       log::Info("using the listing of {}@{} saved in {}", opt.repo, sum.commit.substr(0, 12), manifest);
@@ -168,7 +174,9 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
       PTK_ASSIGN_OR_RETURN(files, ListTree(s, http, sum.commit));
       std::string text;
       for (const auto& f : files) text += ManifestLine(f);
-      PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text));
+      // Another run writing it meanwhile writes the same listing: this one need not.
+      auto lock = OutputLock::Acquire(manifest);
+      if (lock.ok()) PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text));
     }
     // Names below --local-dir of the whole listing (not only the selection): a file this run does
     // not select may be on disk from another run, where this run's bookkeeping must not meet it.
@@ -266,12 +274,18 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
                              .enabled = opt.progress});
   std::mutex mu;
   std::atomic<bool> stop_scheduling{false};
+  // Verified files are made durable and renamed by the publisher, a batch per fsync, while the
+  // workers go on with the next files.
+  Publisher publisher(log_file);
+  s.publisher = &publisher;
   ParallelForEach(
       todo.size(), opt.jobs,
       [&](size_t i) {
         thread_local std::unique_ptr<HttpClient> client;
+        thread_local std::unique_ptr<StreamHasher> hasher;
         if (!client) client = std::make_unique<HttpClient>();
-        FileDownloader dl(s, *client, log_file, progress);
+        if (!hasher) hasher = std::make_unique<StreamHasher>();
+        FileDownloader dl(s, *client, *hasher, log_file, progress);
         dl.commit_ = sum.commit;
         FileResult r = dl.Run(todo[i]);
         std::lock_guard<std::mutex> lock(mu);
@@ -288,6 +302,15 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
         progress.AddItems(1);
       },
       &stop_scheduling);
+  publisher.Drain();
+  for (auto& [item, error] : publisher.TakeFailures()) {
+    --sum.downloaded;
+    sum.bytes_downloaded -= item.bytes;
+    if (error.code() == absl::StatusCode::kResourceExhausted) s.disk_full = true;
+    if (!s.disk_full) log::Error("{}: {}", item.path, StatusMessage(error));
+    sum.failures.push_back({item.path, error});
+  }
+  s.publisher = nullptr;
   progress.Finish();
   // Make this run's renames and done-log lines durable.
   std::set<std::string> dirs;
@@ -301,6 +324,8 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   sum.resolves = s.resolves;
   sum.retries = s.retries;
   sum.rate_limited = s.rate_limited;
+  sum.ranged_files = s.ranged_files;
+  sum.range_requests = s.range_requests;
   sum.disk_full = s.disk_full;
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (sum.disk_full) {

@@ -27,7 +27,13 @@ struct DownloadOptions {
   std::string local_dir;
   std::string token;  // sent as a Bearer token to the Hub host only; never logged
   bool flat = false;  // train/chunk1/example_train_0.jsonl.zst -> example_train_chunk1_shard0.jsonl.zst
-  int jobs = 8;
+  int jobs = 8;  // files downloaded at once
+  // A file of at least split_above bytes (its size and digest known) is fetched as byte ranges over
+  // up to connections_per_file connections at once, written in place; 1 turns splitting off.
+  int connections_per_file = 8;
+  uint64_t split_above = 64ull << 20;
+  uint64_t piece_size = 0;  // bytes per range request; 0: size / (8 * connections_per_file), 1-32 MiB
+  int max_connections = 64;  // connections open at once, all files together
   int max_retries = 8;        // attempts without progress per file
   double retry_base_s = 1.0;  // exponential backoff with full jitter
   double retry_max_s = 60.0;
@@ -64,6 +70,7 @@ struct DownloadSummary {
   int64_t downloaded = 0, already_present = 0;
   uint64_t bytes_downloaded = 0;
   int64_t resolves = 0, retries = 0, rate_limited = 0;
+  int64_t ranged_files = 0, range_requests = 0;  // files fetched as concurrent ranges, and their requests
   std::vector<DownloadFailure> failures;
   bool disk_full = false;
   double seconds = 0;

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -33,6 +34,7 @@
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/numbers.h"
+#include "common/output_lock.h"
 #include "common/parallel.h"
 #include "common/progress.h"
 #include "common/status.h"
@@ -172,6 +174,121 @@ class RateLimiter {
 };
 void SleepFor(double s, const std::atomic<bool>& stop);
 
+class DoneLog;
+
+// Writes all of [p, p + n) at `offset` of fd (pwrite until done; EINTR retried).
+inline absl::Status PwriteAll(int fd, const char* p, size_t n, uint64_t offset, const std::string& what) {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, fmt::format("write {}", what));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+// ---- publish.cpp
+// How many connections are open at once, all files together (--max-connections).
+class ConnectionSlots {
+ public:
+  explicit ConnectionSlots(int n) : free_(std::max(1, n)) {}
+  void Acquire() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return free_ > 0; });
+    --free_;
+  }
+  bool TryAcquire() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_ <= 0) return false;
+    --free_;
+    return true;
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++free_;
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int free_;
+};
+
+// SHA-256 (or git SHA-1) of a file as its bytes land, off the receive path: the receiving thread
+// writes, then says how far the file is contiguous (Advance); this object's own thread reads those
+// bytes back from the page cache and hashes them. OpenSSL's SHA-256 uses the CPU's SHA extensions
+// where there are some. One per download worker, reused file after file.
+class StreamHasher {
+ public:
+  StreamHasher();
+  ~StreamHasher();
+  StreamHasher(const StreamHasher&) = delete;
+  StreamHasher& operator=(const StreamHasher&) = delete;
+  // Starts over on `fd` (the git blob header of a `git_size`-byte file first when `git`); forgets
+  // the file hashed before. The fd must stay open until Finish or the next Start.
+  void Start(int fd, bool git, uint64_t git_size);
+  // Bytes [0, end) are in the file: they may be hashed.
+  void Advance(uint64_t end);
+  // Waits until [0, end) is hashed: its hex digest, or why the bytes could not be read.
+  absl::StatusOr<std::string> Finish(uint64_t end);
+  // Stops hashing the current file (one that failed) before its fd is closed.
+  void Abandon();
+
+ private:
+  void Loop();
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  int fd_ = -1;
+  uint64_t target_ = 0, hashed_ = 0;
+  bool busy_ = false, quit_ = false;
+  absl::Status error_;
+  std::unique_ptr<Sha256> sha_;
+  std::vector<char> buf_;
+  std::thread thread_;
+};
+
+// A complete, verified `.part` waiting to become its file.
+struct PublishItem {
+  std::string path;  // repo path, for messages
+  int fd = -1;       // the `.part`, open; closed once published
+  std::string part_path, final_path, meta_path, done_key;
+  uint64_t bytes = 0;
+  std::unique_ptr<OutputLock> lock;  // the file's lock, released once it is in place
+};
+
+// Makes verified files durable and puts them in place, off the download workers: each `.part`
+// fdatasynced (by a few threads at once, so that the journal commits them together), renamed over
+// its name, its record removed, its done-log line appended, its lock released. A file whose sync or rename fails keeps
+// its complete `.part` (the next run publishes it without a transfer) and is reported by Failures().
+class Publisher {
+ public:
+  explicit Publisher(DoneLog& done);
+  ~Publisher();
+  void Submit(PublishItem item);
+  // Waits until every submitted file is published (or failed).
+  void Drain();
+  std::vector<std::pair<PublishItem, absl::Status>> TakeFailures();
+
+ private:
+  void Loop();
+  DoneLog& done_;
+  std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  static constexpr int kThreads = 8;
+  std::deque<PublishItem> queue_;
+  std::vector<std::pair<PublishItem, absl::Status>> failures_;
+  int busy_ = 0;
+  bool quit_ = false;
+  std::vector<std::thread> threads_;
+};
+
 // ---- hub_api.cpp
 struct Session {
   const DownloadOptions& opt;
@@ -179,9 +296,14 @@ struct Session {
   std::string hub_authority;
   std::atomic<bool> stop{false};
   std::atomic<bool> disk_full{false};
-  std::atomic<int64_t> resolves{0}, retries{0}, rate_limited{0};
+  std::atomic<int64_t> resolves{0}, retries{0}, rate_limited{0}, ranged_files{0}, range_requests{0};
+  ConnectionSlots slots;
+  Publisher* publisher = nullptr;  // RunDownload's; files are published inline when null
   explicit Session(const DownloadOptions& o)
-      : opt(o), limiter(o.retry_base_s, o.retry_max_s), hub_authority(UrlAuthority(o.endpoint)) {}
+      : opt(o),
+        limiter(o.retry_base_s, o.retry_max_s),
+        hub_authority(UrlAuthority(o.endpoint)),
+        slots(o.max_connections) {}
 
   std::vector<std::string> Headers(const std::string& url) const {
     std::vector<std::string> h;
@@ -259,10 +381,78 @@ struct FileResult {
   absl::Status error;  // why it failed (ok when it did not)
 };
 
+// How long one file keeps being retried: --max-retries attempts without progress, and no longer
+// than --max-retry-time since its last progress. Never silent: every retry is logged with what
+// failed and when the next attempt is. Thread-safe (the connections of a ranged file share one).
+class RetryBudget {
+ public:
+  RetryBudget(Session& s, const std::string& path) : s_(s), path_(path) {}
+  void Progressed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    failures_ = 0;
+    failing_since_.reset();
+  }
+  int failures() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failures_;
+  }
+  // A failure that is not retried through Again (a 429 of the Hub: the limiter decides the wait).
+  int AddFailure() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failing_since_) failing_since_ = std::chrono::steady_clock::now();
+    return ++failures_;
+  }
+  // Until when this file may still wait for an answer: --max-retry-time after its last progress.
+  std::chrono::steady_clock::time_point Deadline() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failing_since_.value_or(std::chrono::steady_clock::now()) +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(s_.opt.max_retry_time_s));
+  }
+  // OkStatus after sleeping sleep_s: try again. Otherwise why to give up.
+  absl::Status Again(const std::string& why, double sleep_s) {
+    ++s_.retries;
+    int attempt;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto now = std::chrono::steady_clock::now();
+      if (!failing_since_) failing_since_ = now;
+      const double failing_s = std::chrono::duration<double>(now - *failing_since_).count();
+      if (++failures_ > s_.opt.max_retries)
+        return absl::UnavailableError(
+            fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries));
+      if (failing_s + sleep_s > s_.opt.max_retry_time_s)
+        return absl::DeadlineExceededError(
+            fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,
+                        HumanDuration(failing_s), HumanDuration(s_.opt.max_retry_time_s)));
+      attempt = failures_ + 1;
+    }
+    log::Warning("{}: {}; attempt {} of {} in {}", log::Printable(path_), why, attempt, s_.opt.max_retries + 1,
+                 HumanDuration(sleep_s));
+    SleepFor(sleep_s, s_.stop);
+    return absl::OkStatus();
+  }
+  // The backoff before the next attempt: none right after progress, else growing per failure.
+  double Backoff(bool progressed) const { return progressed ? 0.0 : s_.limiter.Backoff(failures()); }
+
+ private:
+  Session& s_;
+  const std::string& path_;
+  mutable std::mutex mu_;
+  int failures_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> failing_since_;
+};
+
+// A strong entity tag ("xyzzy", not W/"xyzzy"): the only kind If-Range may carry (RFC 9110 13.1.5).
+inline bool IsStrongEtag(const std::string& tag) { return tag.size() >= 2 && tag.front() == '"' && tag.back() == '"'; }
+
+// Makes a verified `.part` its file: through the session's publisher (batched fsync), or inline.
+absl::Status Publish(Session& s, DoneLog& done, PublishItem item);
+
 class FileDownloader {
  public:
-  FileDownloader(Session& s, HttpClient& http, DoneLog& done, ProgressReporter& progress)
-      : s_(s), http_(http), done_(done), progress_(progress) {}
+  FileDownloader(Session& s, HttpClient& http, StreamHasher& hasher, DoneLog& done, ProgressReporter& progress)
+      : s_(s), http_(http), hasher_(hasher), done_(done), progress_(progress) {}
 
   FileResult Run(const RemoteFile& f);
 
@@ -273,10 +463,16 @@ class FileDownloader {
     return fmt::format("{}/{}s/{}/resolve/{}/{}", s_.opt.endpoint, s_.opt.repo_type, s_.opt.repo, commit_,
                        UrlQuote(f.path, true));
   }
-  friend class FileFetch;  // file_fetch.cpp: one file's attempts
+  // Whether f is fetched as concurrent byte ranges (ranged_fetch.cpp), and that fetch: kUnimplemented
+  // when the server does not serve ranges (the caller then fetches the file over one connection).
+  bool Ranged(const RemoteFile& f) const;
+  absl::Status RunRanged(const RemoteFile& f, FileResult& res, std::unique_ptr<OutputLock>& lock);
+  friend class FileFetch;    // file_fetch.cpp: one file's attempts
+  friend class RangedFetch;  // ranged_fetch.cpp: one file's pieces over several connections
 
   Session& s_;
   HttpClient& http_;
+  StreamHasher& hasher_;
   DoneLog& done_;
   ProgressReporter& progress_;
 

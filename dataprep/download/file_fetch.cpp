@@ -25,48 +25,49 @@ absl::StatusOr<std::string> HashFile(const std::string& path, bool git, uint64_t
 
 namespace {
 
-// A strong entity tag ("xyzzy", not W/"xyzzy"): the only kind If-Range may carry (RFC 9110 13.1.5).
-bool IsStrongEtag(const std::string& tag) { return tag.size() >= 2 && tag.front() == '"' && tag.back() == '"'; }
-
-// The `.part` of one file: the bytes received so far, their running digest, and what the
-// transfers learnt of the remote object (its size, its ETag). Closed on destruction.
+// The `.part` of one file: the bytes received so far, their running digest (kept by the worker's
+// StreamHasher, off the receive path), and what the transfers learnt of the remote object (its
+// size, its ETag). Closed on destruction, unless handed to the publisher.
 class PartFile {
  public:
-  explicit PartFile(const RemoteFile& f)
+  PartFile(const RemoteFile& f, StreamHasher& hasher)
       : f_(f),
         path_(f.local_path + ".part"),
         meta_path_(path_ + ".json"),
         git_(f.sha256.empty() && !f.git_sha1.empty()),
         want_digest_(git_ ? f.git_sha1 : f.sha256),
-        hasher_(git_ ? Sha256::Algorithm::kSha1 : Sha256::Algorithm::kSha256),
+        hasher_(hasher),
         expected_(f.size),
-        size_known_(f.size_known) {
-    wbuf_.reserve(kWriteSize);
-  }
+        size_known_(f.size_known) {}
   ~PartFile() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ < 0) return;
+    hasher_.Abandon();
+    ::close(fd_);
   }
   PartFile(const PartFile&) = delete;
   PartFile& operator=(const PartFile&) = delete;
 
   // Opens the `.part` (never through a symlink: a planted link would make the download overwrite
   // its target) and resumes it when its record says it was started for this very file (same size
-  // and digest); otherwise starts over. The bytes already there are re-read for the digest.
+  // and digest); otherwise starts over. The bytes already there are re-read for the digest (by the
+  // hasher, while the transfer goes on). The record is written once the first answer's headers are
+  // accepted (a `.part` without one is never resumed).
   absl::Status Open(ProgressReporter& progress) {
     auto meta = ReadFileToString(meta_path_);
     if (meta.ok()) {
       const size_t nl = meta->find('\n');
-      if (meta->substr(0, nl) != MetaKey())
+      if (meta->substr(0, nl) != MetaKey()) {
         (void)RemoveFileIfExists(path_);
-      else if (nl != std::string::npos)
-        etag_ = meta->substr(nl + 1);
+      } else if (nl != std::string::npos) {
+        etag_ = meta->substr(nl + 1, meta->find('\n', nl + 1) - nl - 1);
+        meta_ok_ = true;
+      }
     } else if (PathExists(path_)) {
       (void)RemoveFileIfExists(path_);  // no record of what it was: start over
     }
     while (!etag_.empty() && (etag_.back() == '\n' || etag_.back() == '\r')) etag_.pop_back();
     fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd_ < 0) return ErrnoToStatus(errno, fmt::format("open {}", path_));
-    WriteMeta();
     struct stat st;
     if (::fstat(fd_, &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path_));
     offset_ = static_cast<uint64_t>(st.st_size);
@@ -74,15 +75,8 @@ class PartFile {
       (void)::ftruncate(fd_, 0);
       offset_ = 0;
     }
-    ::lseek(fd_, static_cast<off_t>(offset_), SEEK_SET);
     RestartHash();
-    std::vector<char> buf(offset_ > 0 ? kWriteSize : 0);
-    for (uint64_t done = 0; done < offset_;) {
-      ssize_t n = ::pread(fd_, buf.data(), std::min<uint64_t>(buf.size(), offset_ - done), static_cast<off_t>(done));
-      if (n <= 0) break;
-      hasher_.Update(buf.data(), static_cast<size_t>(n));
-      done += static_cast<uint64_t>(n);
-    }
+    hasher_.Advance(offset_);
     progress.AddBytes(offset_);
     return absl::OkStatus();
   }
@@ -166,40 +160,29 @@ class PartFile {
     }
     const std::string enc = r.Header("content-encoding");
     if (!enc.empty() && enc != "identity") return Refuse("Content-Encoding " + enc);
-    if (offset_ == 0 && tag != etag_) {  // the .part starts here: it is of this object
+    if (offset_ == 0 && (tag != etag_ || !meta_ok_)) {  // the .part starts here: it is of this object
       etag_ = tag;
       WriteMeta();
     }
     return true;
   }
 
-  // Body bytes of an accepted response. They are gathered into writes of 1 MiB, or of what came in
-  // the last half second on a slow link (so a kill loses little); Flush() writes the rest.
+  // Body bytes of an accepted response, written in place from libcurl's receive buffer (no copy
+  // of ours); the hasher reads them back from the page cache on its own thread.
   bool AcceptBody(const char* p, size_t n, ProgressReporter& progress) {
     if (size_known_ && offset_ + n > expected_) return Refuse("body longer than the expected size");
-    wbuf_.insert(wbuf_.end(), p, p + n);
-    if (wbuf_.size() >= kWriteSize || std::chrono::steady_clock::now() - last_flush_ > std::chrono::milliseconds(500)) {
-      Flush();
-      if (!write_error_.ok()) return false;
-    }
-    hasher_.Update(p, n);
+    write_error_ = PwriteAll(fd_, p, n, offset_, path_);
+    if (!write_error_.ok()) return false;
     offset_ += n;
+    hasher_.Advance(offset_);
     progress.AddBytes(n);
     return true;
-  }
-  void Flush() {
-    last_flush_ = std::chrono::steady_clock::now();
-    if (wbuf_.empty() || !write_error_.ok()) return;
-    write_error_ = WriteAll(fd_, wbuf_.data(), wbuf_.size(), path_);
-    wbuf_.clear();
   }
   const absl::Status& write_error() const { return write_error_; }
 
   // Empties the `.part`: the next attempt starts from byte 0.
   void Restart() {
-    wbuf_.clear();
     (void)::ftruncate(fd_, 0);
-    ::lseek(fd_, 0, SEEK_SET);
     offset_ = 0;
     RestartHash();
   }
@@ -210,17 +193,23 @@ class PartFile {
     WriteMeta();
   }
   // Whether the bytes are the file's, by its listed digest (no digest listed: by size alone).
-  bool DigestMatches(std::string* got) {
-    *got = hasher_.HexDigest();
+  absl::StatusOr<bool> DigestMatches(std::string* got) {
+    PTK_ASSIGN_OR_RETURN(*got, hasher_.Finish(offset_));
     return want_digest_.empty() || *got == want_digest_;
   }
-  // The data is durable before the rename; the directories (the renames) are fsynced once per run,
-  // at its end (a rename lost in a crash leaves a complete, fsynced `.part` to resume).
-  absl::Status MoveIntoPlace() {
-    PTK_RETURN_IF_ERROR(FsyncFile(fd_, path_));
-    PTK_RETURN_IF_ERROR(RenameFile(path_, f_.local_path));
-    (void)RemoveFileIfExists(meta_path_);
-    return absl::OkStatus();
+  // Hands the complete, verified `.part` (its fd and the file's lock) to be made durable and
+  // renamed into place.
+  absl::Status MoveIntoPlace(Session& s, DoneLog& done, std::unique_ptr<OutputLock> lock) {
+    PublishItem item;
+    item.path = f_.path;
+    item.fd = std::exchange(fd_, -1);
+    item.part_path = path_;
+    item.final_path = f_.local_path;
+    item.meta_path = meta_path_;
+    item.done_key = DoneLogKey(f_);
+    item.bytes = offset_;
+    item.lock = std::move(lock);
+    return Publish(s, done, std::move(item));
   }
 
   uint64_t offset() const { return offset_; }
@@ -231,18 +220,14 @@ class PartFile {
   const char* digest_name() const { return git_ ? "git sha1" : "sha256"; }
 
  private:
-  static constexpr size_t kWriteSize = 1 << 20;
   std::string MetaKey() const { return fmt::format("{}\t{}", f_.size, want_digest_); }
   // What the `.part` is (size, digest, ETag): atomic but not fsynced. Losing it in a crash only
   // means the `.part` is not resumed; a stale one cannot pass the final size + digest check.
-  void WriteMeta() { (void)WriteFileAtomic(meta_path_, fmt::format("{}\n{}\n", MetaKey(), etag_), /*durable=*/false); }
-  void RestartHash() {
-    hasher_.Reset();
-    if (git_) {
-      const std::string hdr = fmt::format("blob {}", f_.size);
-      hasher_.Update(hdr.data(), hdr.size() + 1);
-    }
+  void WriteMeta() {
+    (void)WriteFileAtomic(meta_path_, fmt::format("{}\n{}\n", MetaKey(), etag_), /*durable=*/false);
+    meta_ok_ = true;
   }
+  void RestartHash() { hasher_.Start(fd_, git_, f_.size); }
   bool Refuse(std::string why) {
     problem_ = std::move(why);
     return false;
@@ -252,64 +237,13 @@ class PartFile {
   const std::string path_, meta_path_;
   const bool git_;
   const std::string want_digest_;
-  Sha256 hasher_;
+  StreamHasher& hasher_;
   int fd_ = -1;
   uint64_t offset_ = 0, attempt_start_ = 0, expected_;
   bool size_known_;
+  bool meta_ok_ = false;  // the record on disk is this `.part`'s
   std::string etag_, problem_;
-  std::vector<char> wbuf_;
-  std::chrono::steady_clock::time_point last_flush_ = std::chrono::steady_clock::now();
   absl::Status write_error_;
-};
-
-// How long one file keeps being retried: --max-retries attempts without progress, and no longer
-// than --max-retry-time since its last progress. Never silent: every retry is logged with what
-// failed and when the next attempt is.
-class RetryBudget {
- public:
-  RetryBudget(Session& s, const std::string& path) : s_(s), path_(path) {}
-  void Progressed() {
-    failures_ = 0;
-    failing_since_.reset();
-  }
-  int failures() const { return failures_; }
-  // A failure that is not retried through Again (a 429 of the Hub: the limiter decides the wait).
-  int AddFailure() {
-    if (!failing_since_) failing_since_ = std::chrono::steady_clock::now();
-    return ++failures_;
-  }
-  // Until when this file may still wait for an answer: --max-retry-time after its last progress.
-  std::chrono::steady_clock::time_point Deadline() const {
-    return failing_since_.value_or(std::chrono::steady_clock::now()) +
-           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-               std::chrono::duration<double>(s_.opt.max_retry_time_s));
-  }
-  // OkStatus after sleeping sleep_s: try again. Otherwise why to give up.
-  absl::Status Again(const std::string& why, double sleep_s) {
-    ++s_.retries;
-    const auto now = std::chrono::steady_clock::now();
-    if (!failing_since_) failing_since_ = now;
-    const double failing_s = std::chrono::duration<double>(now - *failing_since_).count();
-    if (++failures_ > s_.opt.max_retries)
-      return absl::UnavailableError(
-          fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries));
-    if (failing_s + sleep_s > s_.opt.max_retry_time_s)
-      return absl::DeadlineExceededError(
-          fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,
-                      HumanDuration(failing_s), HumanDuration(s_.opt.max_retry_time_s)));
-    log::Warning("{}: {}; attempt {} of {} in {}", log::Printable(path_), why, failures_ + 1, s_.opt.max_retries + 1,
-                 HumanDuration(sleep_s));
-    SleepFor(sleep_s, s_.stop);
-    return absl::OkStatus();
-  }
-  // The backoff before the next attempt: none right after progress, else growing per failure.
-  double Backoff(bool progressed) const { return progressed ? 0.0 : s_.limiter.Backoff(failures_); }
-
- private:
-  Session& s_;
-  const std::string& path_;
-  int failures_ = 0;
-  std::optional<std::chrono::steady_clock::time_point> failing_since_;
 };
 
 }  // namespace
@@ -319,8 +253,8 @@ class RetryBudget {
 // another run, a deadline, ...).
 class FileFetch {
  public:
-  FileFetch(FileDownloader& d, const RemoteFile& f, PartFile& part, FileResult& res)
-      : d_(d), s_(d.s_), f_(f), part_(part), res_(res), budget_(d.s_, f.path), url_(d.ResolveUrlFor(f)) {}
+  FileFetch(FileDownloader& d, const RemoteFile& f, PartFile& part, FileResult& res, std::unique_ptr<OutputLock>& lock)
+      : d_(d), s_(d.s_), f_(f), part_(part), res_(res), lock_(lock), budget_(d.s_, f.path), url_(d.ResolveUrlFor(f)) {}
 
   absl::Status Run() {
     while (!s_.stop) {
@@ -372,9 +306,7 @@ class FileFetch {
       }
       return part_.AcceptBody(p, n, d_.progress_);
     };
-    absl::Status st = d_.http_.Get(req, &resp, &sink);
-    part_.Flush();  // always, before anything looks at the `.part`
-    return st;
+    return d_.http_.Get(req, &resp, &sink);
   }
 
   // What the answer means: true when the file is in place; false to try again.
@@ -465,7 +397,8 @@ class FileFetch {
       return false;
     }
     std::string digest;
-    if (!part_.DigestMatches(&digest)) {
+    PTK_ASSIGN_OR_RETURN(const bool matches, part_.DigestMatches(&digest));
+    if (!matches) {
       log::Warning("{}: {} mismatch (got {}, want {}); downloading it again", f_.path, part_.digest_name(), digest,
                    part_.want_digest());
       part_.Discard();
@@ -474,9 +407,8 @@ class FileFetch {
       url_ = d_.ResolveUrlFor(f_);
       return false;
     }
-    PTK_RETURN_IF_ERROR(part_.MoveIntoPlace());
-    PTK_RETURN_IF_ERROR(d_.done_.Append(DoneLogKey(f_)));
     res_.bytes = part_.offset();
+    PTK_RETURN_IF_ERROR(part_.MoveIntoPlace(s_, d_.done_, std::move(lock_)));
     return true;
   }
 
@@ -485,6 +417,7 @@ class FileFetch {
   const RemoteFile& f_;
   PartFile& part_;
   FileResult& res_;
+  std::unique_ptr<OutputLock>& lock_;
   RetryBudget budget_;
   std::string url_;
   int redirects_ = 0, digest_failures_ = 0;
@@ -512,9 +445,21 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
         return absl::OkStatus();
       }
     }
-    PartFile part(f);
+    // One connection for this file (a ranged fetch opens more while --max-connections allows).
+    s_.slots.Acquire();
+    struct SlotRelease {
+      ConnectionSlots& slots;
+      ~SlotRelease() { slots.Release(); }
+    } slot{s_.slots};
+    if (Ranged(f)) {
+      absl::Status st = RunRanged(f, res, lock);
+      if (!absl::IsUnimplemented(st)) return st;
+      // The server answered a range with the whole file: one stream, from byte 0.
+      log::Info("{}: {}; downloading it over one connection", log::Printable(f.path), StatusMessage(st));
+    }
+    PartFile part(f, hasher_);
     PTK_RETURN_IF_ERROR(part.Open(progress_));
-    return FileFetch(*this, f, part, res).Run();
+    return FileFetch(*this, f, part, res, lock).Run();
   }();
   res.ok = res.error.ok();
   // A full disk stops the whole run (no other file can be written either).

@@ -9,8 +9,10 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <random>
 #include <set>
+#include <sstream>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
@@ -130,6 +132,155 @@ TEST(Download, EveryFaultIsSurvivedWithIdenticalBytes) {
   ASSERT_GE(gets_flip.size(), 2u);
   EXPECT_EQ(gets_flip[1], "");
   EXPECT_NE(r.output.find("sha256 mismatch"), std::string::npos) << r.output;
+}
+
+// Large files as concurrent byte ranges (here: above 100,000 bytes, pieces of 64 KiB, 3 connections
+// a file): each MakeRepo file is 3 pieces.
+constexpr const char* kRanged = "--split-above 100000 --piece-size 65536 --connections-per-file 3";
+
+// The fake CDN's Range headers "bytes=A-B" as (A, B); an empty pair for a request without Range.
+std::vector<std::pair<uint64_t, uint64_t>> Ranges(const std::vector<std::string>& gets) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const auto& g : gets) {
+    uint64_t a = 0, b = 0;
+    if (std::sscanf(g.c_str(), "bytes=%lu-%lu", &a, &b) == 2)
+      out.emplace_back(a, b);
+    else
+      out.emplace_back(0, 0);
+  }
+  return out;
+}
+
+// Every way a piece's server can fail, one file each after its first (good) piece: a 200 with the
+// whole body or a slice to a range request, a wrong Content-Range (start, total, absurd, missing), a
+// piece cut short (resumed inside the piece), a piece that stalls (cut by --stall-timeout, retried), a
+// flipped byte (the whole file's sha256 fails: fetched again), an old version of the object (another
+// ETag: started over), and a server that ignores Range from the first request (fetched over one
+// connection). Every file ends byte-identical.
+TEST(DownloadRanged, EveryPieceFaultIsSurvivedWithIdenticalBytes) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  std::string faults = R"({
+    "train/chunk1/example_train_0.jsonl.zst": ["ok", "ignore_range", "range200", "range200_full", "slice200", "ok"],
+    "train/chunk1/example_train_1.jsonl.zst": ["ok", "bad_range_start", "bad_range_total", "206_no_range",
+                                               "bad_content_range", "ok"],
+    "train/chunk1/example_train_2.jsonl.zst": ["ok", "drop:1000", "short", "ok"],
+    "train/chunk2/example_train_0.jsonl.zst": ["ok", "stall:3", "ok"],
+    "train/chunk2/example_train_1.jsonl.zst": ["ok", "flip:70000", "flip:70000", "ok"],
+    "train/chunk2/example_train_2.jsonl.zst": ["ok", "replace", "ok"],
+    "validation/chunk1/example_holdout_0.jsonl.zst": ["ignore_range", "ok"]
+  })";
+  testing::WriteFile(dir / "faults.json", faults);
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", std::string("--jobs 4 ") + kRanged));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+  EXPECT_EQ(hub.Stat("auth_on_cdn"), 0);
+  for (const char* said : {"bad range response", "a 200 (the whole file) to a request for bytes", "sha256 mismatch",
+                           "changed on the server", "over one connection", "transfer error"})
+    EXPECT_NE(r.output.find(said), std::string::npos) << said << ": " << r.output;
+  // The train files went as ranges only, within their pieces.
+  for (size_t i = 0; i + 1 < paths.size(); ++i)
+    for (const auto& [a, b] : Ranges(hub.CdnGets(paths[i]))) {
+      EXPECT_LE(a, b) << paths[i];
+      EXPECT_EQ(a / 65536, b / 65536) << paths[i] << ": a range across pieces";
+    }
+  // The piece cut short was resumed where it was cut, not from its start.
+  bool mid_piece = false;
+  for (const auto& [a, b] : Ranges(hub.CdnGets(paths[2]))) mid_piece = mid_piece || a % 65536 != 0;
+  EXPECT_TRUE(mid_piece) << "no piece was resumed inside itself";
+  // The server that ignored Range from the start: the file then came over one connection, whole.
+  auto holdout = hub.CdnGets(paths.back());
+  ASSERT_GE(holdout.size(), 2u);
+  EXPECT_EQ(holdout.back(), "");
+}
+
+// kill -9 in the middle of a ranged download, then a rerun: each piece resumes where the record says
+// it was (the rerun asks for exactly the bytes the record lacks, some from inside a piece), and the
+// file is byte-identical (its sha256 covers the bytes from before the kill, read back).
+TEST(DownloadRanged, KillNineMidDownloadResumesEachPiece) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "repo/train");
+  std::mt19937 rng(11);
+  std::string data(2000000, '\0');
+  for (auto& ch : data) ch = static_cast<char>(rng());
+  testing::WriteFile(dir / "repo/train/big.bin", data);
+  const std::string flags = "--split-above 1000000 --piece-size 262144 --connections-per-file 4";
+  const std::string record = dir / "out/train/big.bin.part.json";
+  auto recorded = [&]() -> std::optional<uint64_t> {  // bytes the record says are in place
+    std::string text = testing::Exists(record) ? testing::ReadFile(record) : "";
+    size_t l2 = text.find('\n', text.find('\n') + 1);
+    if (l2 == std::string::npos || text.find('\n', l2 + 1) == std::string::npos) return std::nullopt;
+    std::istringstream in(text.substr(l2 + 1));
+    uint64_t sum = 0, v;
+    while (in >> v) sum += v;
+    return sum;
+  };
+  uint64_t at_kill = 0;
+  {
+    FakeHub slow(dir / "repo", {"--bytes-per-second", "300000"}, dir.path());
+    ASSERT_TRUE(slow.ok());
+    pid_t pid = testing::SpawnShell("env " + Download(slow, dir / "out", flags), dir / "a.log");
+    for (int i = 0; i < 1000; ++i) {
+      auto got = recorded();
+      if (got && *got >= 400000) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ::kill(pid, SIGKILL);
+    testing::WaitExit(pid);
+    auto got = recorded();
+    ASSERT_TRUE(got.has_value()) << testing::ReadFile(dir / "a.log");
+    at_kill = *got;
+  }
+  ASSERT_GE(at_kill, 400000u);
+  ASSERT_LT(at_kill, data.size()) << "the download ended before the kill";
+  ASSERT_FALSE(testing::Exists(dir / "out/train/big.bin"));
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", flags));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "out/train/big.bin") == data);
+  EXPECT_FALSE(testing::Exists(record));
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+  uint64_t asked = 0;
+  bool mid_piece = false;
+  for (const auto& [a, b] : Ranges(hub.CdnGets("train/big.bin"))) {
+    asked += b - a + 1;
+    mid_piece = mid_piece || a % 262144 != 0;
+  }
+  EXPECT_EQ(asked, data.size() - at_kill) << "the rerun fetched bytes the record had";
+  EXPECT_TRUE(mid_piece) << "no piece resumed inside itself";
+  EXPECT_EQ(hub.Resolves("train/big.bin"), 1);
+}
+
+// --max-connections bounds the connections of all files together: 3 files of 4 connections each
+// over at most 3 (the fake CDN counts the requests it answers at once); without the bound they go
+// above 3. One resolve per ranged file however many pieces.
+TEST(DownloadRanged, ConnectionsAreBoundedByMaxConnections) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 600000);
+  paths.resize(3);
+  const std::string include = fmt::format("--include '{}' --include '{}' --include '{}'", paths[0], paths[1], paths[2]);
+  const std::string flags = "--jobs 3 --split-above 100000 --piece-size 65536 --connections-per-file 4 " + include;
+  for (int max : {3, 64}) {
+    TempDir d;
+    FakeHub hub(dir / "repo", {"--bytes-per-second", "2000000"}, d.path());
+    ASSERT_TRUE(hub.ok());
+    auto r = RunCmd(Download(hub, d / "out", flags + fmt::format(" --max-connections {}", max)));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    ExpectSameTree(dir / "repo", d / "out", paths);
+    if (max == 3) {
+      EXPECT_LE(hub.Stat("cdn_max_in_flight"), 3) << hub.StatsJson();
+    } else {
+      EXPECT_GT(hub.Stat("cdn_max_in_flight"), 3) << hub.StatsJson();
+    }
+    for (const auto& p : paths) {
+      EXPECT_EQ(hub.Resolves(p), 1) << p;
+      EXPECT_GE(hub.CdnGets(p).size(), 9u) << p << ": not fetched as pieces";
+    }
+  }
 }
 
 TEST(Download, ResolverQuotaIsHonouredAcrossWorkers) {

@@ -27,7 +27,8 @@ one byte every 0.1 s). Whole-server: --looping-listing same (every page's Link r
 or fresh (a new URL every time, the same entries).
 Hostile modes for the whole server: --api-redirect-loop (every API call redirects to itself), --endless-listing
 (the tree listing never ends), --control-paths (the listing names files with \n, ESC, \r, TAB, BEL, DEL).
-GET /_stats returns what happened (requests per path, Range starts, where Authorization went, windows);
+GET /_stats returns what happened (requests per path, Range headers, where Authorization went, windows, the most
+CDN requests answered at once);
 POST /_reset clears the statistics.
 
 Usage: fake_hub.py --repo-dir DIR --repo ns/name [--port-file F] [--page-size N] [--quota Q --window W] ...
@@ -64,6 +65,7 @@ class State:
                     "sha256": hashlib.sha256(data).hexdigest(),
                     "git_sha1": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
                     "lfs": lfs,
+                    "pointer_oid": hashlib.sha1(b"ptr" + data).hexdigest(),  # once, not per listing
                 }
         self.by_sha = {f["sha256"]: p for p, f in self.files.items()}
         self.faults = {}
@@ -76,7 +78,8 @@ class State:
     def reset_stats(self):
         self.attempts = {}  # (kind, path) -> count
         self.stats = {"resolves": {}, "cdn_gets": {}, "auth_on_cdn": 0, "auth_on_hub": 0, "hub_requests": 0,
-                      "accept_encoding": 0, "windows": {}, "api_calls": 0, "rate_limited": 0, "tokens_seen": []}
+                      "accept_encoding": 0, "windows": {}, "api_calls": 0, "rate_limited": 0, "tokens_seen": [],
+                      "cdn_in_flight": 0, "cdn_max_in_flight": 0}
 
     def next_fault(self, kind, path):
         with self.lock:
@@ -333,7 +336,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     dirs.add(d)
                     entries.append({"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d})
             f = st.files[p]
-            e = {"type": "file", "oid": f["git_sha1"] if not f["lfs"] else hashlib.sha1(b"ptr" + f["data"]).hexdigest(),
+            e = {"type": "file", "oid": f["git_sha1"] if not f["lfs"] else f["pointer_oid"],
                  "size": len(f["data"]), "path": p}
             if f["lfs"]:
                 e["lfs"] = {"oid": f["sha256"], "size": len(f["data"]), "pointerSize": 133}
@@ -363,6 +366,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     # ---------------------------------------------------------------- CDN
     def cdn_get(self):
+        st = self.st
+        with st.lock:  # CDN requests being answered at once: the client's connections, bounded
+            st.stats["cdn_in_flight"] += 1
+            st.stats["cdn_max_in_flight"] = max(st.stats["cdn_max_in_flight"], st.stats["cdn_in_flight"])
+        try:
+            return self.cdn_answer()
+        finally:
+            with st.lock:
+                st.stats["cdn_in_flight"] -= 1
+
+    def cdn_answer(self):
         st = self.st
         url = urllib.parse.urlsplit(self.path)
         q = urllib.parse.parse_qs(url.query)
