@@ -116,7 +116,7 @@ cuda_built = header("CUDA")
 if lib:
     lib.cudaDriverGetVersion(ctypes.byref(v)); d = v.value
     lib.cudaRuntimeGetVersion(ctypes.byref(v)); r = v.value
-    print(f"driver supports CUDA {d // 1000}.{d % 1000 // 10}")
+    print(f"driver supports CUDA {d // 1000}.{d % 1000 // 10}" if d else "driver: none found by the CUDA runtime")
     if cuda_built and d and (d // 1000, d % 1000 // 10) < cuda_built[:2]:
         print(f"WARNING: the driver supports CUDA {d // 1000}.{d % 1000 // 10}, older than the CUDA {cuda_built[0]}.{cuda_built[1]} ptk was built with")
     show("CUDA runtime", cuda_built, (r // 1000, r % 1000 // 10), where)

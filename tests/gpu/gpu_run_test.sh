@@ -120,6 +120,26 @@ check "tests the budget leaves no time for fail as not run" has spent "TIME pass
 check "a spent budget fails the run" [ "$(rc spent)" = 1 ]
 check "a spent budget: the counts" [ "$(last spent)" = "0 passed, 2 failed, 0 skipped" ]
 
+# The versions against real CUDA libraries where they are (a CUDA build's machine): a "ptk-train" linked to
+# cudart, cuBLASLt, cuDNN and NCCL, whose build claims a newer cuDNN than the one here: a warning.
+L=/usr/local/cuda/lib64
+if [ -e $L/libcudart.so ] && [ -e $L/libcublasLt.so ] && [ -e $L/libcudnn.so ] && [ -e $L/libnccl.so ]; then
+  rm -rf "$T/stage"
+  mkdir -p "$T/stage/ptk-gpu/bin" "$T/stage/ptk-gpu/tests" "$T/real"
+  echo 'int main(void) { return 0; }' > "$T/m.c"
+  cc -o "$T/stage/ptk-gpu/bin/ptk-train" "$T/m.c" -Wl,--no-as-needed -L$L -lcudart -lcublasLt -lcudnn -lnccl
+  echo '[]' > "$T/stage/ptk-gpu/tests/gpu-tests.json"
+  printf 'ptk-train (ptk 0.1.0)\nbackends: CPU; CUDA 13.0 for sm_90 (cuBLASLt 1.0.0, cuDNN 99.0.0); NCCL 1.0.0\n' \
+    > "$T/stage/ptk-gpu/build-versions.txt"
+  tar -C "$T/stage" -cJf "$T/real/ptk-gpu.tar.xz" ptk-gpu
+  run real -- --pack "$T/real"
+  check "the CUDA runtime ptk-train loads is named" grep -q "^CUDA runtime: [0-9]*\.[0-9]* ($L/libcudart.so" "$T/real.out"
+  check "a cuDNN older than the build's headers: a warning" grep -q "^WARNING: cuDNN [0-9.]* here is older than the 99.0.0 headers" "$T/real.out"
+  check "a newer NCCL: no warning" bash -c "! grep -q 'WARNING: NCCL' '$T/real.out'"
+else
+  echo "(no CUDA libraries in $L: the versions against real libraries are not checked)"
+fi
+
 if [ "$fail" != 0 ]; then
   for f in "$T"/*.out; do echo "---- $f"; cat "$f"; done
 fi
