@@ -50,6 +50,7 @@ make_pack() {
         echo "[ RUN      ] Ops.Bad"; echo "x.cu:12: Failure"; echo "[  FAILED  ] Ops.Bad (3 ms)"
         echo "[  FAILED  ] 1 test, listed below:"; echo "[  FAILED  ] Ops.Bad"; exit 1' ;;
       hang) body='echo "[ RUN      ] Slow.Forever"; exec sleep 600' ;;
+      cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
     esac
     printf '#!/bin/sh\n%s\n' "$body" > "$p/tests/${t}_test"
     chmod +x "$p/tests/${t}_test"
@@ -114,6 +115,15 @@ run hanging FAKE_GPUS=1 PTK_GPU_TEST_TIMEOUT=2 -- --pack "$T/hangs"
 check "a hanging test is stopped at its limit and fails" has hanging "FAIL hang_test (stopped after 2s"
 check "a hanging test: the tests after it still run" [ "$(last hanging)" = "1 passed, 1 failed, 0 skipped" ]
 check "the hanging case is the one rerun" has hanging "rerun with PTK_CUDA_SYNC_OPS=1: exit 124"
+
+make_pack "$T/cli" cuda_train_cli
+: > "$T/record"
+run quick FAKE_GPUS=1 -- --pack "$T/cli"
+run full FAKE_GPUS=1 -- --pack "$T/cli" --full
+printf 'cli: --gtest_filter=-%s\ncli: \n' \
+  "CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends" > "$T/want"
+check "quick leaves the slowest CLI cases out, --full runs them" cmp -s "$T/record" "$T/want"
+check "--full says so first" [ "$(sed -n 1p "$T/full.out")" = "== versions (profile full, budget 570s)" ]
 
 run spent FAKE_GPUS=1 -- --pack "$T/passes" --budget 5
 check "tests the budget leaves no time for fail as not run" has spent "TIME pass_test: not run"
