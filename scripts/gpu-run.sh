@@ -69,7 +69,10 @@ dir=$work/ptk-gpu
 site=$(timeout 60 python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null || true)
 nv=""
 for d in "$site"/nvidia/*/lib; do [ -d "$d" ] && nv="$nv:$d"; done
-ptk_ld="$dir/lib:/usr/local/cuda/lib64$nv${machine_ld:+:$machine_ld}"
+# The build's own shared libraries (a CUDA backend module) lie at their place in the build tree: their
+# folders too, for a binary linked to one (its build-tree RUNPATH does not exist here).
+own=$(find "$dir" -name 'lib*.so*' ! -path "$dir/lib/*" -printf '%h\n' | sort -u | paste -sd:)
+ptk_ld="$dir/lib${own:+:$own}:/usr/local/cuda/lib64$nv${machine_ld:+:$machine_ld}"
 ptk_env=(env "LD_LIBRARY_PATH=$ptk_ld" "PATH=$dir/bin:$PATH" "PTK_SOURCE_DIR=$root")
 left() { echo $(($1 - $(date +%s))); }
 
