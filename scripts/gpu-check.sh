@@ -39,7 +39,7 @@ case "${1:-}" in
     exec bash scripts/gpu-run.sh --pack "$ROOT/.gpu" "$@"
     ;;
   *)
-    sed -n '2,18p' "$0"
+    sed -n '2,16p' "$0"
     exit 2
     ;;
 esac
