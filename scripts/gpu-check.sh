@@ -26,7 +26,9 @@ case "${1:-}" in
     # module where the build has one.
     first=()
     [ -f build-cuda/CMakeCache.txt ] || first=(-G Ninja)
-    cmake -S . -B build-cuda "${first[@]}" "${defs[@]}" >/dev/null
+    mkdir -p build-cuda  # build.sh below configures again and prints what it builds
+    cmake -S . -B build-cuda "${first[@]}" "${defs[@]}" > build-cuda/configure.log 2>&1 ||
+      { cat build-cuda/configure.log >&2; exit 1; }
     targets=(--target ptk-train --target ptk-tokenize)
     for t in $(ctest --test-dir build-cuda -N -L gpu | awk '/Test +#/ {print $3}'); do targets+=(--target "$t"); done
     cmake --build build-cuda --target help | grep -q '^ptk_backend_cuda:' && targets+=(--target ptk_backend_cuda)
