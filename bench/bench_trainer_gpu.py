@@ -13,10 +13,16 @@ bf16 with fp32 master weights, no dropout, AdamW (0.9, 0.95), clip 1.0, one micr
 Prints one JSON line per (shape, engine) and a summary line with tokens/s, MFU (Megatron's formula:
 per token 6 x matrix parameters incl. the tied output layer + 12 x layers x hidden x seq, against 989.4
 TFLOP/s dense bf16) and the ratios ptk / PyTorch compiled and ptk / PyTorch eager; with --profile, ptk's
-per-op time split of one step (its --ptk-profile-ops table).
+per-op time split of one step (its --ptk-profile-ops table). Each ptk row names its cuBLASLt fallbacks (the
+products cuBLASLt found no algorithm for, run by cublasGemmEx and separate epilogue kernels), as ptk-train
+prints them ("cuBLASLt fallbacks: N"), "n/a" where it printed no count.
 
-Usage (on the GPU machine, after `../shared/gpu/pack.sh`): bash .gpu/run.sh python3 bench/bench_trainer_gpu.py
-  [--shapes 124m,syscheck,350m] [--iters 30] [--no-torch] [--no-compile] [--profile]
+ptk-train runs with --ptk-library-path first on its LD_LIBRARY_PATH (the pack's libraries); PyTorch, in
+this process, with the environment the bench was started with.
+
+Usage (on the GPU machine: scripts/gpu-check.sh run starts it): python3 bench/bench_trainer_gpu.py
+  [--bin ptk-train] [--ptk-library-path DIRS] [--shapes 124m,syscheck,350m] [--iters 30] [--no-torch]
+  [--no-compile] [--profile]
 """
 import argparse
 import json
@@ -43,7 +49,13 @@ def flops_per_token(s):
     return 6 * matrix + 12 * L * h * seq
 
 
-def ptk_run(binary, s, iters, profile):
+def fallbacks(text):
+    """ptk-train's count of cuBLASLt fallbacks ("cuBLASLt fallbacks: N"), or "n/a" where it printed none."""
+    counts = re.findall(r"cuBLASLt fallbacks: ([0-9]+)", text)
+    return int(counts[-1]) if counts else "n/a"
+
+
+def ptk_run(binary, s, iters, profile, library_path):
     cmd = [binary, "--device", "cuda", "--bf16", "--mock-data", "--num-layers", str(s["layers"]), "--hidden-size",
            str(s["hidden"]), "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]),
            "--max-position-embeddings", str(s["seq"]), "--micro-batch-size", str(s["mbs"]), "--global-batch-size",
@@ -52,8 +64,11 @@ def ptk_run(binary, s, iters, profile):
            "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--vocab-size", str(VOCAB)]
     if profile:
         cmd += ["--ptk-profile-ops"]
+    env = dict(os.environ)
+    if library_path:
+        env["LD_LIBRARY_PATH"] = library_path
     t0 = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         return dict(error=f"ptk-train exit {out.returncode}: {(out.stderr or out.stdout)[-2000:]}")
     ms = [float(m) for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", out.stdout)]
@@ -61,7 +76,8 @@ def ptk_run(binary, s, iters, profile):
     if len(ms) < 3:
         return dict(error="too few log lines: " + out.stdout[-2000:])
     timed = ms[2:]  # the first two intervals (10 iterations) are warm-up
-    r = dict(ms_step=sum(timed) / len(timed), loss=float(loss[-1]) if loss else None, wall_s=round(time.time() - t0, 1))
+    r = dict(ms_step=sum(timed) / len(timed), loss=float(loss[-1]) if loss else None, wall_s=round(time.time() - t0, 1),
+             cublaslt_fallbacks=fallbacks(out.stdout + out.stderr))
     if profile:
         table = out.stdout[out.stdout.find("ptk op profile"):] if "ptk op profile" in out.stdout else ""
         r["profile"] = table.strip()
@@ -142,6 +158,7 @@ def torch_run(s, iters, compile_):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin", default=None, help="ptk-train, or a folder holding it (default: PATH)")
+    ap.add_argument("--ptk-library-path", default="", help="LD_LIBRARY_PATH for ptk-train only (the pack's libraries)")
     ap.add_argument("--shapes", default="124m,syscheck,350m")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-torch", action="store_true")
@@ -155,13 +172,13 @@ def main():
         sys.exit("bench_trainer_gpu: no ptk-train (give --bin, or run under .gpu/run.sh)")
     if a.iters < 15:
         sys.exit("bench_trainer_gpu: --iters must be at least 15 (10 are warm-up)")
-    summary = []
+    summary, failed = [], False
     for name in a.shapes.split(","):
         if name not in SHAPES:
             sys.exit(f"bench_trainer_gpu: unknown shape {name} (have {', '.join(SHAPES)})")
         s = SHAPES[name]
         tokens = s["mbs"] * s["seq"]
-        rows = {"ptk": ptk_run(binary, s, a.iters, False)}
+        rows = {"ptk": ptk_run(binary, s, a.iters, False, a.ptk_library_path)}
         if not a.no_torch:
             rows["torch_eager"] = torch_run(s, a.iters, False)
             if not a.no_compile:
@@ -178,10 +195,17 @@ def main():
             if line.get("ptk") and line.get(ref):
                 line[f"ptk_over_{ref}"] = round(line["ptk"] / line[ref], 3)
         if a.profile:
-            p = ptk_run(binary, s, 15, True)
+            p = ptk_run(binary, s, 15, True, a.ptk_library_path)
             print(p.get("profile") or p.get("error", ""), flush=True)
+            if rows["ptk"].get("cublaslt_fallbacks") == "n/a":
+                rows["ptk"]["cublaslt_fallbacks"] = p.get("cublaslt_fallbacks", "n/a")
+        line["ptk_cublaslt_fallbacks"] = rows["ptk"].get("cublaslt_fallbacks", "n/a")
+        print(f"{name}: cuBLASLt fallbacks: {line['ptk_cublaslt_fallbacks']}", flush=True)
         summary.append(line)
+        failed = failed or any("error" in r for r in rows.values())
     print(json.dumps(dict(summary=summary)), flush=True)
+    if failed:
+        sys.exit("bench_trainer_gpu: a run failed (its row above has the error)")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ function(ptk_add_test name)
 endfunction()
 
 # ptk_add_gpu_test(NAME SOURCES... DEPS...) -> a CUDA test (only where nvcc was found) labelled gpu.
-# Its main (tests/gpu_test_main.cpp) exits 77 when no CUDA device is present: CTest shows it skipped.
+# Its main (tests/gpu_test_main.cpp) exits 77 only without an NVIDIA driver or with one that reports no
+# device (CTest shows it skipped); any other CUDA error fails it.
 function(ptk_add_gpu_test name)
   cmake_parse_arguments(A "" "TIMEOUT" "SOURCES;DEPS" ${ARGN})
   if(NOT PTK_WITH_CUDA)

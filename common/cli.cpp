@@ -22,15 +22,10 @@
 
 namespace ptk::cli {
 
-#ifndef PTK_VERSION
-#define PTK_VERSION "unknown"
-#endif
-
-std::string VersionString() { return std::string("ptk ") + PTK_VERSION; }
-
 std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& description) {
   auto app = std::make_unique<CLI::App>(description, name);
-  app->set_version_flag("--version", name + " (" + VersionString() + ")", "Print the version and exit");
+  app->set_version_flag("--version", name + " (" + VersionString() + ")\n" + BuildDescription(),
+                        "Print the version, commit, build type and backends, and exit");
   app->option_defaults()->always_capture_default();
   app->get_formatter()->column_width(34);
   log::SetProgramName(name);

@@ -3,9 +3,11 @@
 # every tool answers --help and --version with exit 0, and a one-dash long flag with the flag meant.
 # Every tool's wrong flags and bad values exit 2 with "usage error: ...", whether the option table,
 # the main or a library finds them (a usage error is a typed part of the status, common/status.h).
-# Usage: option_tables_test.sh BIN_DIR
+# --version names the commit (one of the source tree's where it is a git checkout), the build type
+# and the backends built in (PTK_WITH_CUDA=ON: CUDA with its architectures, and NCCL).
+# Usage: option_tables_test.sh BIN_DIR [SOURCE_DIR]
 set -uo pipefail
-BIN=$1
+BIN=$1 SRC=${2:-}
 fail=0
 for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-train ptk-convert; do
   [ -x "$BIN/$tool" ] || { echo "FAIL: $tool not built"; fail=1; continue; }
@@ -13,6 +15,19 @@ for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-mer
   "$BIN/$tool" --help >/dev/null || { echo "FAIL: $tool --help"; fail=1; }
   # Issue 29: --version, and a long flag written with one dash names the flag meant (common/cli).
   v=$("$BIN/$tool" --version) && [[ $v == "$tool (ptk "* ]] || { echo "FAIL: $tool --version: $v"; fail=1; }
+  commit=$(sed -n 's/^commit: \([^ ]*\)$/\1/p' <<<"$v")
+  [ -n "$commit" ] || { echo "FAIL: $tool --version names no commit: $v"; fail=1; }
+  if [ -n "$SRC" ] && [ -n "$commit" ] && [[ $commit != unknown ]] && git -C "$SRC" rev-parse --git-dir >/dev/null 2>&1; then
+    git -C "$SRC" cat-file -e "${commit%-dirty}^{commit}" 2>/dev/null ||
+      { echo "FAIL: $tool --version: $commit is no commit of $SRC"; fail=1; }
+  fi
+  grep -qE '^build type: [A-Za-z]+' <<<"$v" || { echo "FAIL: $tool --version names no build type: $v"; fail=1; }
+  if [ "${PTK_WITH_CUDA:-OFF}" = ON ]; then
+    grep -qE '^backends: CPU; CUDA [0-9.]+ for .*sm_[0-9]+.*; NCCL [0-9.]+$' <<<"$v" ||
+      { echo "FAIL: $tool --version: no CUDA and NCCL backends: $v"; fail=1; }
+  else
+    grep -qx 'backends: CPU' <<<"$v" || { echo "FAIL: $tool --version: backends not 'CPU': $v"; fail=1; }
+  fi
   out=$("$BIN/$tool" -version 2>&1); rc=$?
   [ "$rc" = 2 ] && [[ $out == *"unknown flag -version; did you mean --version?"* ]] ||
     { echo "FAIL: $tool -version (rc $rc): $out"; fail=1; }

@@ -2,7 +2,7 @@
 // against the CPU backend's loss curve in fp32 and bf16, --deterministic-mode, a kill -9 and --load
 // resuming bit for bit, and checkpoints crossing between the CPU and CUDA backends.
 //
-// Runs where the packed build runs (../shared/gpu/run.sh: no source tree, no build tree), so it
+// Runs where the packed build runs (scripts/gpu-run.sh: no source tree, no build tree), so it
 // finds ptk-train through PTK_TRAIN or PATH, and its data through PTK_SOURCE_DIR: with that and
 // ptk-tokenize on PATH it tokenizes the bundled sample (sample/slimpajama-mini), else it writes a
 // synthetic dataset with the indexed_dataset builder.

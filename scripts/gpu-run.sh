@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# On the GPU machine: the packed build's gpu-labelled tests, then the bench, inside a time budget
+# (scripts/gpu-check.sh run runs it; scripts/gpu-pack.sh made the pack).
+#
+# Usage: scripts/gpu-run.sh [--full] [--pack DIR] [--budget SECONDS] [--no-bench] [BENCH ARGS...]
+#   quick (default): the gpu tests but their slowest cases, then bench/bench_trainer_gpu.py at GPT-2
+#                    124M (16 x 1024, bf16) beside PyTorch eager; ends within --budget (420 s) even when
+#                    tests hang: each test runs under `timeout`, cut to what is left before the bench's share
+#   --full:          every test case, and the bench at 124M and 350M beside PyTorch eager and compiled
+#                    (--budget 570 s by default, one 10-minute command; what it leaves out fails as not run)
+#   --pack DIR:      where gpu-pack.sh put ptk-gpu.tar.xz (default: .gpu beside this script's folder, or
+#                    this script's own folder when it is the pack's run.sh)
+#   BENCH ARGS:      passed on to the bench (e.g. --iters 40)
+# Environment: OUT=DIR puts the logs there as at most five files: versions.txt, tests.log (every test's
+# output and the reruns of failures), bench.log, summary.txt, and the console's copy gpu-check.log.
+# PTK_GPU_TEST_TIMEOUT=S caps every test at S seconds.
+#
+# Prints first the driver, GPU, CUDA runtime, cuBLASLt, cuDNN and NCCL that ptk-train loads, beside the
+# versions of the headers it was built with (a warning for each library older than its header). A
+# failing test is run again, its failed cases only, with PTK_CUDA_SYNC_OPS=1 (the backend synchronizes
+# after every op and names the one that failed) and under compute-sanitizer where it is installed, each
+# time-boxed; the verdict stays a failure. Ends with the line "N passed, N failed, N skipped".
+# Exit status 1 when a test failed, ran out of time, or skipped while nvidia-smi lists a GPU (there a
+# skip is a false pass), or when the bench failed.
+set -uo pipefail
+started=$(date +%s)
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+profile=quick budget="" bench=1 pack="" bench_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --full) profile=full; shift ;;
+    --quick) profile=quick; shift ;;
+    --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
+    --pack) pack=${2:?--pack needs a folder}; shift 2 ;;
+    --no-bench) bench=0; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) bench_args+=("$1"); shift ;;
+  esac
+done
+if [ -z "$pack" ]; then
+  if [ -f "$here/ptk-gpu.tar.xz" ]; then pack=$here; else pack=$root/.gpu; fi
+fi
+[ -f "$pack/ptk-gpu.tar.xz" ] || { echo "gpu-run: no $pack/ptk-gpu.tar.xz: run 'bash scripts/gpu-check.sh pack' first" >&2; exit 2; }
+if [ -z "$budget" ]; then
+  if [ $profile = quick ]; then budget=420; else budget=570; fi
+fi
+# What the bench keeps for itself: the tests stop being started (and are cut) at budget - reserve.
+if [ $bench = 0 ]; then reserve=0; elif [ $profile = quick ]; then reserve=150; else reserve=270; fi
+deadline=$((started + budget))
+tests_deadline=$((deadline - reserve))
+out=${OUT:-}
+[ -z "$out" ] || mkdir -p "$out" || exit 2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+logdir=${out:-$work}
+testlog=$logdir/tests.log
+: > "$testlog"
+# Everything printed also lands in gpu-check.log.
+if [ -n "$out" ]; then exec > >(tee "$out/gpu-check.log") 2>&1; fi
+
+# The machine's own environment, for PyTorch; ptk's: the packed libraries first, then the CUDA
+# toolkit's and the NVIDIA libraries of the machine's Python environment (cuDNN, NCCL, cuBLAS wheels).
+machine_ld=${LD_LIBRARY_PATH:-}
+python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='tar')" \
+  "$pack/ptk-gpu.tar.xz" "$work" 2>/dev/null ||
+  tar -C "$work" -xJf "$pack/ptk-gpu.tar.xz" || { echo "gpu-run: cannot unpack $pack/ptk-gpu.tar.xz"; exit 1; }
+dir=$work/ptk-gpu
+site=$(timeout 60 python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null || true)
+nv=""
+for d in "$site"/nvidia/*/lib; do [ -d "$d" ] && nv="$nv:$d"; done
+# The build's own shared libraries (a CUDA backend module) lie at their place in the build tree: their
+# folders too, for a binary linked to one (its build-tree RUNPATH does not exist here).
+own=$(find "$dir" -name 'lib*.so*' ! -path "$dir/lib/*" -printf '%h\n' | sort -u | paste -sd:)
+ptk_ld="$dir/lib${own:+:$own}:/usr/local/cuda/lib64$nv${machine_ld:+:$machine_ld}"
+ptk_env=(env "LD_LIBRARY_PATH=$ptk_ld" "PATH=$dir/bin:$PATH" "PTK_SOURCE_DIR=$root")
+left() { echo $(($1 - $(date +%s))); }
+
+# ---- versions ----------------------------------------------------------------
+gpus=$(timeout 15 nvidia-smi -L 2>/dev/null | grep '^GPU ' || true)
+{
+  echo "== versions (profile $profile, budget ${budget}s)"
+  if [ -n "$gpus" ]; then
+    timeout 15 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null |
+      awk -F', ' '{print "GPU: " $1 " (" $3 "), driver " $2}'
+  else
+    echo "GPU: none listed by nvidia-smi"
+  fi
+  # The libraries ptk-train and the packed modules load, as the loader resolves them with ptk's path.
+  libs=$(find "$dir" -type f \( -path "$dir/bin/*" -o -name 'lib*.so*' \) ! -path "$dir/lib/*" \
+         -exec env LD_LIBRARY_PATH="$ptk_ld" ldd {} \; 2>/dev/null | awk '$2 == "=>" {print $1, $3}' | sort -u)
+  timeout 60 "${ptk_env[@]}" python3 - "$dir/build-versions.txt" "$libs" <<'PY'
+import ctypes, re, sys
+built_text = open(sys.argv[1]).read() if sys.argv[1] else ""
+print(built_text.strip())
+resolved = dict(line.split(" ", 1) for line in sys.argv[2].splitlines() if " " in line)
+def header(name):
+    m = re.search(name + r" ([0-9][0-9.]*)", built_text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+def load(prefix):
+    for soname, path in resolved.items():
+        if soname.startswith(prefix):
+            if path == "not":
+                return None, f"{soname} NOT FOUND"
+            try:
+                return ctypes.CDLL(path), path
+            except OSError as e:
+                return None, f"{path}: {e}"
+    return None, "not used by the packed programs"
+def show(label, built, got, where):
+    text = ".".join(map(str, got)) if got else "?"
+    line = f"{label}: {text} ({where}); built with {'.'.join(map(str, built)) if built else '?'}"
+    if got and built and got[:len(built)] < built:
+        line += f"\nWARNING: {label} {text} here is older than the {'.'.join(map(str, built))} headers ptk was built with"
+    print(line)
+v = ctypes.c_int(0)
+lib, where = load("libcudart.so")
+cuda_built = header("CUDA")
+if lib:
+    lib.cudaDriverGetVersion(ctypes.byref(v)); d = v.value
+    lib.cudaRuntimeGetVersion(ctypes.byref(v)); r = v.value
+    print(f"driver supports CUDA {d // 1000}.{d % 1000 // 10}" if d else "driver: none found by the CUDA runtime")
+    if cuda_built and d and (d // 1000, d % 1000 // 10) < cuda_built[:2]:
+        print(f"WARNING: the driver supports CUDA {d // 1000}.{d % 1000 // 10}, older than the CUDA {cuda_built[0]}.{cuda_built[1]} ptk was built with")
+    show("CUDA runtime", cuda_built, (r // 1000, r % 1000 // 10), where)
+else:
+    print(f"CUDA runtime: {where}")
+lib, where = load("libcublasLt.so")
+n = lib.cublasLtGetVersion() if lib else 0
+show("cuBLASLt", header("cuBLASLt"), (n // 10000, n // 100 % 100, n % 100) if n else None, where)
+lib, where = load("libcudnn.so")
+n = lib.cudnnGetVersion() if lib else 0
+show("cuDNN", header("cuDNN"), (n // 10000, n // 100 % 100, n % 100) if n >= 90000 else (n // 1000, n // 100 % 10, n % 100) if n else None, where)
+lib, where = load("libnccl.so")
+if lib and lib.ncclGetVersion(ctypes.byref(v)) == 0:
+    n = v.value
+    show("NCCL", header("NCCL"), (n // 10000, n // 100 % 100, n % 100) if n >= 20900 else (n // 1000, n // 100 % 10, n % 100), where)
+else:
+    show("NCCL", header("NCCL"), None, where)
+PY
+  missing=$(echo "$libs" | awk '$2 == "not" {print $1}' | sort -u | paste -sd' ')
+  [ -z "$missing" ] || echo "WARNING: libraries not found for the packed programs: $missing"
+  command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ] ||
+    echo "compute-sanitizer: not installed (failures are rerun with PTK_CUDA_SYNC_OPS=1 only)"
+} 2>&1 | tee "$logdir/versions.txt"
+
+# ---- tests -------------------------------------------------------------------
+# The slowest cases, left to --full: each runs ptk-train four or five times where another case checks
+# the same property faster (determinism: CudaModel.SameSeedSameBits; state across backends:
+# CudaModel.StateCrossesBackendsExactly).
+declare -A quick_exclude=(
+  [cuda_train_cli_test]="CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends"
+)
+# Each test's cap in seconds (the deadline cuts it further); unknown tests get 120.
+declare -A cap=([cuda_toolchain_test]=30 [matmul_attention_cuda_test]=90 [ops_cuda_test]=90 [cuda_model_test]=120
+  [cuda_train_cli_test]=180 [nccl_cuda_test]=120)
+[ $profile = quick ] || cap[cuda_train_cli_test]=300  # its two slowest cases too
+sanitizer=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer; } || true)
+pass=0 fail=0 skip=0
+results=()
+# run_box SECONDS LABEL CMD...: runs CMD in $work/run with ptk's environment, appending to tests.log.
+run_box() {
+  local secs=$1 label=$2
+  shift 2
+  echo "==== $label (time box ${secs}s)" >> "$testlog"
+  mkdir -p "$work/run"
+  (cd "$work/run" && "${ptk_env[@]}" timeout -k 10 "$secs" "$@") >> "$testlog" 2>&1
+}
+# The gtest cases that failed, or the one running when the test was stopped, in the log since LINE.
+failed_cases() {
+  tail -n +"$1" "$testlog" | awk '
+    /^\[ RUN      \] / {running = $4}
+    /^\[       OK \] / || /^\[  SKIPPED \] / {running = ""}
+    /^\[  FAILED  \] / && $4 ~ /\./ {f[$4] = 1; running = ""}
+    END {for (c in f) print c; if (running != "") print running}' | sort -u | paste -sd:
+}
+while IFS=$'\t' read -r name exe args; do
+  filter=()
+  if [ $profile = quick ] && [ -n "${quick_exclude[$name]:-}" ]; then filter=("--gtest_filter=-${quick_exclude[$name]}"); fi
+  limit=${PTK_GPU_TEST_TIMEOUT:-${cap[$name]:-120}}
+  need=$((limit < 15 ? limit : 15))  # what is worth starting a test or a rerun for
+  secs=$(left $tests_deadline)
+  [ "$secs" -le "$limit" ] || secs=$limit
+  if [ "$secs" -lt "$need" ]; then
+    fail=$((fail + 1)); results+=("TIME $name: not run, the budget's ${budget}s were spent")
+    echo "TIME $name: not run (the budget is spent)"; continue
+  fi
+  eval "argv=(${args//@PACK@/$dir})"
+  line=$(($(wc -l < "$testlog") + 1))
+  t0=$(date +%s)
+  run_box "$secs" "$name ${filter[*]}" "$dir/$exe" "${argv[@]}" "${filter[@]}"; rc=$?
+  t=$(($(date +%s) - t0))
+  skipped_cases=$(tail -n +"$line" "$testlog" | awk '/^\[  SKIPPED \] / && $4 ~ /\./ {print $4}' | sort -u | wc -l)
+  if [ $rc -eq 0 ] && [ "$skipped_cases" -eq 0 ]; then
+    pass=$((pass + 1)); echo "PASS $name (${t}s)"
+  elif [ $rc -eq 0 ] || [ $rc -eq 77 ]; then
+    why=$([ $rc -eq 77 ] && tail -n +"$line" "$testlog" | grep -m1 '^SKIP' || echo "$skipped_cases case(s) skipped")
+    skip=$((skip + 1)); results+=("SKIP $name: $why"); echo "SKIP $name ($why)"
+  else
+    what="exit $rc"
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && what="stopped after ${secs}s"
+    fail=$((fail + 1)); results+=("FAIL $name ($what)"); echo "FAIL $name ($what, ${t}s)"
+    tail -n +"$line" "$testlog" | grep -E '^\[  FAILED  \]|Failure|error|FAIL' | head -20 | sed 's/^/    /'
+    cases=$(failed_cases "$line")
+    refilter=("${filter[@]}")
+    [ -z "$cases" ] || refilter=("--gtest_filter=$cases")
+    # Attribution, time-boxed: the failed cases again with every op synchronized and named, then under
+    # compute-sanitizer.
+    box=$(left $tests_deadline)
+    [ "$box" -le "$limit" ] || box=$limit
+    if [ "$box" -ge "$need" ]; then
+      run_box "$box" "$name rerun with PTK_CUDA_SYNC_OPS=1 ${refilter[*]}" env PTK_CUDA_SYNC_OPS=1 "$dir/$exe" "${argv[@]}" "${refilter[@]}"
+      echo "    rerun with PTK_CUDA_SYNC_OPS=1: exit $? (tests.log)"
+    fi
+    box=$(left $tests_deadline)
+    [ "$box" -le 120 ] || box=120
+    if [ -n "$sanitizer" ] && [ "$box" -ge 30 ]; then
+      run_box "$box" "$name under compute-sanitizer ${refilter[*]}" "$sanitizer" --target-processes all --error-exitcode 99 "$dir/$exe" "${argv[@]}" "${refilter[@]}"
+      echo "    under compute-sanitizer: exit $? (tests.log)"
+    fi
+  fi
+done < <(python3 -c "
+import json, shlex, sys
+for t in json.load(open(sys.argv[1])):
+    print(t['name'], t['exe'], ' '.join(shlex.quote(a) for a in t['args']), sep='\t')" "$dir/tests/gpu-tests.json")
+if [ -n "$gpus" ] && [ $skip -gt 0 ]; then
+  echo "FAIL: nvidia-smi lists a GPU and $skip gpu test(s) skipped: on a GPU machine a skip is a failure"
+fi
+
+# ---- bench -------------------------------------------------------------------
+bench_rc=0
+if [ $bench = 1 ]; then
+  if [ $profile = quick ]; then
+    bargs=(--shapes 124m --no-compile --profile)
+  else
+    bargs=(--shapes 124m,350m --profile)
+  fi
+  secs=$(($(left $deadline) - 5))
+  if [ "$secs" -lt 30 ]; then
+    echo "bench: not run (the budget is spent)"; bench_rc=1
+  else
+    echo "== bench (time box ${secs}s): ptk-train with the pack's libraries, PyTorch with this machine's"
+    # PyTorch gets the environment this script started with; ptk-train, through the bench, the pack's.
+    (cd "$root" && env LD_LIBRARY_PATH="$machine_ld" timeout -k 10 "$secs" python3 bench/bench_trainer_gpu.py \
+      --bin "$dir/bin/ptk-train" --ptk-library-path "$ptk_ld" "${bargs[@]}" "${bench_args[@]}") 2>&1 |
+      tee "$logdir/bench.log"
+    bench_rc=${PIPESTATUS[0]}
+    [ $bench_rc -eq 0 ] || echo "bench: FAIL (exit $bench_rc)"
+  fi
+fi
+
+# ---- summary -----------------------------------------------------------------
+status=0
+[ $fail -eq 0 ] || status=1
+[ -z "$gpus" ] || [ $skip -eq 0 ] || status=1
+[ $bench_rc -eq 0 ] || status=1
+{
+  echo "profile $profile, $(($(date +%s) - started))s of ${budget}s; GPU: ${gpus:-none listed}"
+  for r in "${results[@]}"; do echo "$r"; done
+  [ $bench = 0 ] || echo "bench: $([ $bench_rc -eq 0 ] && echo ok || echo "failed (exit $bench_rc)")"
+  echo "$pass passed, $fail failed, $skip skipped"
+} > "$work/summary.txt"
+[ -z "$out" ] || cp "$work/summary.txt" "$out/summary.txt"
+grep -v ' passed, ' "$work/summary.txt" | sed -n '2,$p'
+echo "$pass passed, $fail failed, $skip skipped"
+exit $status

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# scripts/gpu-run.sh (what `scripts/gpu-check.sh run` runs on a GPU machine) tells the truth, driven with a
+# fake nvidia-smi on PATH and a pack of fake test binaries: where nvidia-smi lists a GPU a skipped gpu
+# test (exit 77, or a gtest case skipped) fails the run, where it lists none skips are fine; a failing
+# test fails the run and is rerun, its failed case only, with PTK_CUDA_SYNC_OPS=1; a hanging test is
+# stopped at its time limit; tests the budget leaves no time for fail as not run; the run ends with
+# "N passed, N failed, N skipped" and leaves at most eight log files in $OUT.
+# Usage: gpu_run_test.sh SOURCE_DIR
+set -uo pipefail
+SRC=$1
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+fail=0
+check() {  # check WHAT CONDITION...
+  local what=$1
+  shift
+  if "$@"; then echo "ok: $what"; else echo "FAIL: $what"; fail=1; fi
+}
+
+# nvidia-smi: FAKE_GPUS=1 lists an H100, else fails as it does without a driver.
+mkdir -p "$T/fakebin"
+cat > "$T/fakebin/nvidia-smi" <<'EOF'
+#!/bin/sh
+[ "${FAKE_GPUS:-0}" = 1 ] || { echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."; exit 9; }
+case "$*" in
+  -L) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-0000-0000-0000-000000000000)" ;;
+  *) echo "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB" ;;
+esac
+EOF
+chmod +x "$T/fakebin/nvidia-smi"
+
+# make_pack DIR TEST...: a pack as scripts/gpu-pack.sh makes it, whose tests are the fake ones named
+# (pass, skip77, skipcase, fail, hang): shell scripts printing what a gtest binary prints.
+make_pack() {
+  local pack=$1
+  shift
+  local p=$T/stage/ptk-gpu
+  rm -rf "$T/stage"
+  mkdir -p "$p/bin" "$p/tests" "$p/lib" "$pack"
+  printf '#!/bin/sh\necho "ptk-train (ptk 0.1.0)"\n' > "$p/bin/ptk-train"
+  printf 'ptk-train (ptk 0.1.0)\nbackends: CPU; CUDA 13.0 for sm_90 (cuBLASLt 13.1.0, cuDNN 9.19.0); NCCL 2.28.9\n' > "$p/build-versions.txt"
+  local json="[" sep=""
+  for t in "$@"; do
+    case $t in
+      pass) body='echo "[ RUN      ] A.B"; echo "[       OK ] A.B (1 ms)"; exit 0' ;;
+      skip77) body='echo "SKIP: the NVIDIA driver (CUDA 13.0) reports no device (no CUDA-capable device is detected)"; exit 77' ;;
+      skipcase) body='echo "[ RUN      ] A.C"; echo "[  SKIPPED ] A.C (0 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.C"; exit 0' ;;
+      fail) body='echo "run: PTK_CUDA_SYNC_OPS=${PTK_CUDA_SYNC_OPS:-unset} $*" >> "$FAKE_RECORD"
+        echo "[ RUN      ] Ops.Good"; echo "[       OK ] Ops.Good (1 ms)"
+        echo "[ RUN      ] Ops.Bad"; echo "x.cu:12: Failure"; echo "[  FAILED  ] Ops.Bad (3 ms)"
+        echo "[  FAILED  ] 1 test, listed below:"; echo "[  FAILED  ] Ops.Bad"; exit 1' ;;
+      hang) body='echo "[ RUN      ] Slow.Forever"; exec sleep 600' ;;
+      cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
+    esac
+    printf '#!/bin/sh\n%s\n' "$body" > "$p/tests/${t}_test"
+    chmod +x "$p/tests/${t}_test"
+    json+="$sep{\"name\": \"${t}_test\", \"exe\": \"tests/${t}_test\", \"args\": []}"
+    sep=", "
+  done
+  echo "$json]" > "$p/tests/gpu-tests.json"
+  chmod +x "$p/bin/ptk-train"
+  tar -C "$T/stage" -cJf "$pack/ptk-gpu.tar.xz" ptk-gpu
+}
+# run NAME [VAR=VALUE...] -- ARGS...: gpu-run.sh with the fake nvidia-smi; output in $T/NAME.out, rc in $T/NAME.rc.
+run() {
+  local name=$1 vars=()
+  shift
+  while [ "$1" != -- ]; do vars+=("$1"); shift; done
+  shift
+  env PATH="$T/fakebin:$PATH" FAKE_RECORD="$T/record" "${vars[@]}" bash "$SRC/scripts/gpu-run.sh" --no-bench "$@" \
+    > "$T/$name.out" 2>&1
+  echo $? > "$T/$name.rc"
+}
+last() { tail -1 "$T/$1.out"; }
+rc() { cat "$T/$1.rc"; }
+has() { grep -qF -- "$2" "$T/$1.out"; }
+
+make_pack "$T/skips" pass skip77 skipcase
+run gpu FAKE_GPUS=1 OUT="$T/out-gpu" -- --pack "$T/skips"
+check "a GPU listed and tests skipped: the run fails" [ "$(rc gpu)" = 1 ]
+check "a GPU listed: the counts are the last line" [ "$(last gpu)" = "1 passed, 0 failed, 2 skipped" ]
+check "a GPU listed: the skips are named as the failure" has gpu "nvidia-smi lists a GPU and 2 gpu test(s) skipped"
+check "a GPU listed: the versions come first" [ "$(sed -n 1p "$T/gpu.out")" = "== versions (profile quick, budget 420s)" ]
+check "a GPU listed: its name and driver are printed" has gpu "GPU: NVIDIA H100 80GB HBM3 (81559 MiB), driver 580.159.04"
+check "a GPU listed: the build's header versions are printed" has gpu "cuDNN 9.19.0"
+check "a gtest case skipped inside a passing binary is a skip" has gpu "SKIP skipcase_test (1 case(s) skipped)"
+check "the logs in OUT are at most eight files" [ "$(find "$T/out-gpu" -type f | wc -l)" -le 8 ]
+for f in versions.txt tests.log summary.txt gpu-check.log; do
+  check "OUT has $f" [ -s "$T/out-gpu/$f" ]
+done
+check "summary.txt ends with the counts" [ "$(tail -1 "$T/out-gpu/summary.txt")" = "1 passed, 0 failed, 2 skipped" ]
+
+run nogpu -- --pack "$T/skips"
+check "no GPU listed: skips are fine" [ "$(rc nogpu)" = 0 ]
+check "no GPU listed: the counts are the last line" [ "$(last nogpu)" = "1 passed, 0 failed, 2 skipped" ]
+check "no GPU listed: said so" has nogpu "GPU: none listed by nvidia-smi"
+
+make_pack "$T/passes" pass pass
+run allpass FAKE_GPUS=1 -- --pack "$T/passes"
+check "a GPU listed and every test passed: the run passes" [ "$(rc allpass)" = 0 ]
+check "every test passed: the counts" [ "$(last allpass)" = "2 passed, 0 failed, 0 skipped" ]
+
+make_pack "$T/fails" pass fail
+: > "$T/record"
+run failing FAKE_GPUS=1 OUT="$T/out-fail" -- --pack "$T/fails"
+check "a failing test fails the run" [ "$(rc failing)" = 1 ]
+check "a failing test: the counts" [ "$(last failing)" = "1 passed, 1 failed, 0 skipped" ]
+check "a failing test is named with its failed case" has failing "[  FAILED  ] Ops.Bad"
+check "the failed case is rerun alone with PTK_CUDA_SYNC_OPS=1" \
+  grep -qx "run: PTK_CUDA_SYNC_OPS=1 --gtest_filter=Ops.Bad" "$T/record"
+check "the rerun's output is in tests.log" grep -q "rerun with PTK_CUDA_SYNC_OPS=1 --gtest_filter=Ops.Bad" "$T/out-fail/tests.log"
+
+make_pack "$T/hangs" hang pass
+run hanging FAKE_GPUS=1 PTK_GPU_TEST_TIMEOUT=2 -- --pack "$T/hangs"
+check "a hanging test is stopped at its limit and fails" has hanging "FAIL hang_test (stopped after 2s"
+check "a hanging test: the tests after it still run" [ "$(last hanging)" = "1 passed, 1 failed, 0 skipped" ]
+check "the hanging case is the one rerun" has hanging "rerun with PTK_CUDA_SYNC_OPS=1: exit 124"
+
+make_pack "$T/cli" cuda_train_cli
+: > "$T/record"
+run quick FAKE_GPUS=1 -- --pack "$T/cli"
+run full FAKE_GPUS=1 -- --pack "$T/cli" --full
+printf 'cli: --gtest_filter=-%s\ncli: \n' \
+  "CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends" > "$T/want"
+check "quick leaves the slowest CLI cases out, --full runs them" cmp -s "$T/record" "$T/want"
+check "--full says so first" [ "$(sed -n 1p "$T/full.out")" = "== versions (profile full, budget 570s)" ]
+
+run spent FAKE_GPUS=1 -- --pack "$T/passes" --budget 5
+check "tests the budget leaves no time for fail as not run" has spent "TIME pass_test: not run"
+check "a spent budget fails the run" [ "$(rc spent)" = 1 ]
+check "a spent budget: the counts" [ "$(last spent)" = "0 passed, 2 failed, 0 skipped" ]
+
+# The versions against real CUDA libraries where they are (a CUDA build's machine): a "ptk-train" linked to
+# cudart, cuBLASLt, cuDNN and NCCL, whose build claims a newer cuDNN than the one here: a warning.
+L=/usr/local/cuda/lib64
+if [ -e $L/libcudart.so ] && [ -e $L/libcublasLt.so ] && [ -e $L/libcudnn.so ] && [ -e $L/libnccl.so ]; then
+  rm -rf "$T/stage"
+  mkdir -p "$T/stage/ptk-gpu/bin" "$T/stage/ptk-gpu/tests" "$T/real"
+  echo 'int main(void) { return 0; }' > "$T/m.c"
+  cc -o "$T/stage/ptk-gpu/bin/ptk-train" "$T/m.c" -Wl,--no-as-needed -L$L -lcudart -lcublasLt -lcudnn -lnccl
+  echo '[]' > "$T/stage/ptk-gpu/tests/gpu-tests.json"
+  printf 'ptk-train (ptk 0.1.0)\nbackends: CPU; CUDA 13.0 for sm_90 (cuBLASLt 1.0.0, cuDNN 99.0.0); NCCL 1.0.0\n' \
+    > "$T/stage/ptk-gpu/build-versions.txt"
+  tar -C "$T/stage" -cJf "$T/real/ptk-gpu.tar.xz" ptk-gpu
+  run real -- --pack "$T/real"
+  check "the CUDA runtime ptk-train loads is named" grep -q "^CUDA runtime: [0-9]*\.[0-9]* ($L/libcudart.so" "$T/real.out"
+  check "a cuDNN older than the build's headers: a warning" grep -q "^WARNING: cuDNN [0-9.]* here is older than the 99.0.0 headers" "$T/real.out"
+  check "a newer NCCL: no warning" bash -c "! grep -q 'WARNING: NCCL' '$T/real.out'"
+else
+  echo "(no CUDA libraries in $L: the versions against real libraries are not checked)"
+fi
+
+if [ "$fail" != 0 ]; then
+  for f in "$T"/*.out; do echo "---- $f"; cat "$f"; done
+fi
+[ "$fail" = 0 ] && echo "gpu-run: OK"
+exit "$fail"
