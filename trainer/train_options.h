@@ -114,11 +114,12 @@ struct TrainOptions {
 struct TrainPlan {
   int data_parallel_size = 1;
   int64_t micro_batch_size = 1;
-  int64_t micro_batches = 1;      // per rank and iteration (gradient accumulation)
-  int64_t global_batch_size = 1;  // micro_batch_size x micro_batches x data_parallel_size
-  int64_t train_iters = 0;        // --train-iters, or the whole global batches of --train-samples
-  int64_t train_samples = 0;      // train_iters x global_batch_size: what the run consumes
-  SchedulerConfig schedule;       // options.schedule completed, its lengths in samples
+  int64_t micro_batches = 1;          // per rank and iteration (gradient accumulation)
+  int64_t global_batch_size = 1;      // micro_batch_size x micro_batches x data_parallel_size
+  int64_t train_iters = 0;            // --train-iters, or the whole global batches of --train-samples
+  int64_t train_samples = 0;          // train_iters x global_batch_size: what the run consumes
+  SchedulerConfig schedule;           // options.schedule completed, its lengths in samples
+  std::vector<std::string> warnings;  // for rank 0 to print (a setting that costs more than it seems)
 };
 
 // Megatron's argument validation and get_optimizer_param_scheduler in one place: every check
