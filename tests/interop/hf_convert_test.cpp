@@ -302,7 +302,9 @@ TEST_F(HfConvert, ConfigJsonIsReadAsPythonsJsonReadsItAndRangeChecked) {
       {"\"initializer_range\": 1e9", "initializer_range 1000000000.0 is outside (0.0, 1.0]"},
       {"\"n_head\": 4294967298", "n_head is not a positive integer of at most 2147483647"},
       {"\"n_layer\": 1e300", "n_layer is not a positive integer"},
-      {"\"n_layer\": 1000000, \"n_embd\": 1000000", "parameters: more than ptk can hold"},
+      {"\"n_layer\": 1000000, \"n_embd\": 1000000",
+       "n_layer 1000000, n_embd 1000000, n_inner 24, vocab_size 50257 and n_positions 16 make 4e+18 parameters: more "
+       "than ptk can hold"},
       {"\"vocab_size\": -3", "vocab_size is not a positive integer"},
   };
   for (const auto& [value, expected] : bad) {
