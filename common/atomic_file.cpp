@@ -84,8 +84,7 @@ absl::Status AtomicFileWriter::Write(const void* data, size_t size) {
 absl::Status AtomicFileWriter::AppendFileRange(const std::string& src_path, uint64_t offset, uint64_t length) {
   if (done_) return absl::FailedPreconditionError(fmt::format("{}: write after close", path_));
   PTK_RETURN_IF_ERROR(Flush());
-  int in = ::open(src_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (in < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", src_path));
+  PTK_ASSIGN_OR_RETURN(const int in, OpenRegularFile(src_path));
   absl::Status st = CopyFdRange(in, offset, fd_, length, fmt::format("{} into {}", src_path, Describe()));
   ::close(in);
   if (st.ok()) {

@@ -138,6 +138,73 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
   return out;
 }
 
+// Numbers on the command line are decimal, as argparse's int() and float() read them: CLI11 reads
+// integers with strtoll's base 0 (0x10 is 16, 010 is 8) and reals with strtold (0x10, inf, nan).
+// Every INT/UINT/FLOAT option (and each element of a list of them) gets this check; an integer
+// with a leading zero (octal to CLI11, decimal to Python) is refused too.
+constexpr const char* kDecimalValidator = "ptk-decimal";
+
+std::string DecimalError(const std::string& in, const char* what) {
+  return fmt::format("{:?} is not {} (numbers are decimal: no 0x, 0o, 0b, inf or nan)",
+                     in.size() > 40 ? in.substr(0, 40) + "..." : in, what);
+}
+
+CLI::Validator DecimalValidator(bool integer) {
+  CLI::Validator v(
+      [integer](std::string& in) -> std::string {
+        size_t i = (!in.empty() && (in[0] == '-' || in[0] == '+')) ? 1 : 0;
+        const size_t digits_begin = i;
+        while (i < in.size() && std::isdigit(static_cast<unsigned char>(in[i]))) ++i;
+        size_t int_digits = i - digits_begin;
+        if (integer) {
+          if (int_digits == 0 || i != in.size()) return DecimalError(in, "a decimal integer");
+          // CLI11 would read 010 as octal 8; Python's int() as 10. Neither guess: refused.
+          if (int_digits > 1 && in[digits_begin] == '0')
+            return fmt::format("{:?} has a leading zero (numbers are decimal: write {})", in,
+                               in.substr(0, digits_begin) +
+                                   in.substr(std::min(in.find_first_not_of('0', digits_begin), in.size() - 1)));
+          return "";
+        }
+        size_t frac_digits = 0;
+        if (i < in.size() && in[i] == '.') {
+          ++i;
+          const size_t b = i;
+          while (i < in.size() && std::isdigit(static_cast<unsigned char>(in[i]))) ++i;
+          frac_digits = i - b;
+        }
+        if (int_digits + frac_digits == 0) return DecimalError(in, "a decimal number");
+        if (i < in.size() && (in[i] == 'e' || in[i] == 'E')) {
+          ++i;
+          if (i < in.size() && (in[i] == '-' || in[i] == '+')) ++i;
+          const size_t b = i;
+          while (i < in.size() && std::isdigit(static_cast<unsigned char>(in[i]))) ++i;
+          if (i == b) return DecimalError(in, "a decimal number");
+        }
+        if (i != in.size()) return DecimalError(in, "a decimal number");
+        return "";
+      },
+      "");
+  v.name(kDecimalValidator);
+  return v;
+}
+
+void RequireDecimalNumbers(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    if (opt->get_type_size() == 0) continue;  // a flag without a value
+    const std::string type = opt->get_type_name();
+    const std::string base = type.substr(0, type.find(':'));
+    const bool integer = base == "INT" || base == "UINT";
+    if (!integer && base != "FLOAT") continue;
+    try {
+      opt->get_validator(kDecimalValidator);
+      continue;  // already checked (Parse called again on this app)
+    } catch (const CLI::OptionNotFound&) {
+    }
+    opt->check(DecimalValidator(integer));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalNumbers(*sub);
+}
+
 }  // namespace
 
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
@@ -160,6 +227,7 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
                  std::string(StatusMessage(args.status())).c_str());
     return kExitUsage;
   }
+  RequireDecimalNumbers(app);
   std::vector<char*> cargv;
   for (auto& a : *args) cargv.push_back(a.data());
   try {

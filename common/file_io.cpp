@@ -52,9 +52,34 @@ absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length
   return absl::OkStatus();
 }
 
-absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::function<void(const char*, size_t)>& fn) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+absl::StatusOr<int> OpenRegularFile(const std::string& path) {
+  // O_NONBLOCK: open(2) of a FIFO returns at once instead of waiting for a writer; cleared below
+  // (it means nothing for a regular file, but a descriptor handed on should not carry it).
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return ErrnoToStatus(e, fmt::format("stat {}", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                                              : "a special file";
+    return absl::InvalidArgumentError(fmt::format("{} is {}, not a regular file: ptk reads regular files", path, kind));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return fd;
+}
+
+absl::Status ReadFileChunks(const std::string& path, size_t chunk, const std::function<void(const char*, size_t)>& fn) {
+  PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path));
   std::unique_ptr<char[]> buf(new char[chunk]);  // not zero-filled: read() writes what is used
   while (true) {
     ssize_t n = ::read(fd, buf.get(), chunk);

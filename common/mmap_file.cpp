@@ -10,22 +10,18 @@
 
 #include <fmt/core.h>
 
+#include "common/file_io.h"
 #include "common/status.h"
 
 namespace ptk {
 
 absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& path, Advice advice) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
+  PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path));  // a FIFO refused, not waited on
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     int e = errno;
     ::close(fd);
     return ErrnoToStatus(e, fmt::format("stat {}", path));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(fmt::format("{}: not a regular file", path));
   }
   size_t size = static_cast<size_t>(st.st_size);
   const uint8_t* data = nullptr;

@@ -2,10 +2,12 @@
 #include "common/slurm_env.h"
 
 #include <cstdlib>
+#include <limits>
 
 #include <fmt/core.h>
 
 #include "absl/strings/numbers.h"
+#include "common/numbers.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -18,14 +20,31 @@ std::optional<int64_t> EnvInt(const char* name) {
   return x;
 }
 
-// As EnvInt, but a value that is set and is not an integer is a usage error naming the variable.
+// As EnvInt, but a value that is set and is not a decimal integer is a usage error naming the
+// variable (no sign but '-', no spaces, no hex: what a launcher writes).
 absl::StatusOr<std::optional<int64_t>> EnvIntChecked(const char* name) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return std::optional<int64_t>();
-  int64_t x;
-  if (!absl::SimpleAtoi(v, &x)) return UsageError(fmt::format("{}={:?} is not an integer", name, std::string(v)));
-  return std::optional<int64_t>(x);
+  std::optional<int64_t> x = ParseInt64(v);
+  if (!x) return UsageError(fmt::format("{}={:?} is not an integer", name, std::string(v)));
+  return x;
 }
+
+// A launch variable that must be set (when `required`) and lie in [lo, hi]: anything else is a
+// usage error naming the variable, its value and what it must be. `hi_why` says where hi comes from.
+absl::StatusOr<std::optional<int64_t>> EnvIntIn(const char* name, int64_t lo, int64_t hi, bool required,
+                                                const std::string& hi_why = "") {
+  PTK_ASSIGN_OR_RETURN(std::optional<int64_t> v, EnvIntChecked(name));
+  if (!v) {
+    if (required) return UsageError(fmt::format("{} is not set", name));
+    return v;
+  }
+  if (*v < lo || *v > hi)
+    return UsageError(fmt::format("{}={} is outside [{}, {}]{}", name, *v, lo, hi, hi_why.empty() ? "" : " " + hi_why));
+  return v;
+}
+
+constexpr int64_t kMaxRanks = std::numeric_limits<int>::max();
 }  // namespace
 
 absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::optional<int64_t> count) {
@@ -109,36 +128,69 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
     const char* v = std::getenv(name);
     return v ? v : "";
   };
+  // Every number is decimal and in range, each a usage error naming the variable: a launcher's
+  // typo must not shrink the job to one rank or make two ranks 0.
   if (!env("WORLD_SIZE").empty() || !env("RANK").empty()) {
-    auto rank = EnvInt("RANK"), world = EnvInt("WORLD_SIZE");
-    if (!rank || !world) return absl::InvalidArgumentError("torchrun-style launch: set both RANK and WORLD_SIZE");
-    t.rank = static_cast<int>(*rank);
+    if (env("WORLD_SIZE").empty() || env("RANK").empty())
+      return UsageError(fmt::format("torchrun-style launch: {} is set but {} is not; set both RANK and WORLD_SIZE",
+                                    env("RANK").empty() ? "WORLD_SIZE" : "RANK",
+                                    env("RANK").empty() ? "RANK" : "WORLD_SIZE"));
+    std::optional<int64_t> world, rank, local, group;
+    PTK_ASSIGN_OR_RETURN(world, EnvIntIn("WORLD_SIZE", 1, kMaxRanks, true));
+    const std::string below = fmt::format("(WORLD_SIZE={})", *world);
+    PTK_ASSIGN_OR_RETURN(rank, EnvIntIn("RANK", 0, *world - 1, true, below));
+    PTK_ASSIGN_OR_RETURN(local, EnvIntIn("LOCAL_RANK", 0, *world - 1, false, below));
+    PTK_ASSIGN_OR_RETURN(group, EnvIntIn("GROUP_RANK", 0, *world - 1, false, below));
     t.world_size = static_cast<int>(*world);
-    if (auto l = EnvInt("LOCAL_RANK")) t.local_rank = static_cast<int>(*l);
-    if (auto n = EnvInt("GROUP_RANK")) t.node_rank = static_cast<int>(*n);
+    t.rank = static_cast<int>(*rank);
+    t.local_rank = static_cast<int>(local.value_or(0));
+    t.node_rank = static_cast<int>(group.value_or(0));
     t.source = "torchrun variables";
-  } else if (auto step_tasks = EnvInt("SLURM_STEP_NUM_TASKS")) {
-    t.world_size = static_cast<int>(*step_tasks);
-    if (auto r = EnvInt("SLURM_PROCID")) t.rank = static_cast<int>(*r);
-    if (auto l = EnvInt("SLURM_LOCALID")) t.local_rank = static_cast<int>(*l);
-    if (auto n = EnvInt("SLURM_NODEID")) t.node_rank = static_cast<int>(*n);
-    std::string nodes = !env("SLURM_STEP_NODELIST").empty() ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
-    if (!nodes.empty()) t.master_addr = FirstSlurmHost(nodes);
-    // A requeued job keeps its id: the restart count moves the port, so that a rank left over
-    // from the previous run cannot hold it.
-    if (auto job = EnvInt("SLURM_JOB_ID"))
-      t.master_port = 20000 + static_cast<int>((*job * 7 + EnvInt("SLURM_RESTART_COUNT").value_or(0)) % 20000);
-    t.source = "srun";
+  } else {
+    // srun: SLURM_STEP_NUM_TASKS (set inside every step) counts the ranks; SLURM_PROCID is this one.
+    // A batch script outside srun has SLURM_PROCID 0 and no step count: one process. A rank above 0
+    // without a step count is not a launch srun makes: refused rather than run as a job of one.
+    std::optional<int64_t> step_tasks, procid, ntasks;
+    PTK_ASSIGN_OR_RETURN(step_tasks, EnvIntIn("SLURM_STEP_NUM_TASKS", 1, kMaxRanks, false));
+    PTK_ASSIGN_OR_RETURN(ntasks, EnvIntIn("SLURM_NTASKS", 1, kMaxRanks, false));  // its form only
+    (void)ntasks;
+    PTK_ASSIGN_OR_RETURN(procid, EnvIntIn("SLURM_PROCID", 0, kMaxRanks - 1, false));
+    if (!step_tasks) {
+      if (procid.value_or(0) > 0)
+        return UsageError(fmt::format(
+            "SLURM_PROCID={} without SLURM_STEP_NUM_TASKS: srun sets both in every step; start the ranks with srun "
+            "(or with torchrun's RANK and WORLD_SIZE)",
+            *procid));
+    } else {
+      if (!procid) return UsageError("SLURM_STEP_NUM_TASKS is set but SLURM_PROCID is not (srun sets both)");
+      const std::string below = fmt::format("(SLURM_STEP_NUM_TASKS={})", *step_tasks);
+      PTK_ASSIGN_OR_RETURN(procid, EnvIntIn("SLURM_PROCID", 0, *step_tasks - 1, true, below));
+      // SLURM_NODEID counts the job's nodes, not the step's: only its form is checked.
+      std::optional<int64_t> local, node;
+      PTK_ASSIGN_OR_RETURN(local, EnvIntIn("SLURM_LOCALID", 0, *step_tasks - 1, false, below));
+      PTK_ASSIGN_OR_RETURN(node, EnvIntIn("SLURM_NODEID", 0, kMaxRanks - 1, false));
+      t.world_size = static_cast<int>(*step_tasks);
+      t.rank = static_cast<int>(*procid);
+      t.local_rank = static_cast<int>(local.value_or(0));
+      t.node_rank = static_cast<int>(node.value_or(0));
+      std::string nodes_list =
+          !env("SLURM_STEP_NODELIST").empty() ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
+      if (!nodes_list.empty()) t.master_addr = FirstSlurmHost(nodes_list);
+      // A requeued job keeps its id: the restart count moves the port, so that a rank left over
+      // from the previous run cannot hold it.
+      std::optional<int64_t> job, restarts;
+      PTK_ASSIGN_OR_RETURN(job, EnvIntIn("SLURM_JOB_ID", 0, std::numeric_limits<int64_t>::max() / 8, false));
+      PTK_ASSIGN_OR_RETURN(restarts, EnvIntIn("SLURM_RESTART_COUNT", 0, std::numeric_limits<int32_t>::max(), false));
+      if (job) t.master_port = 20000 + static_cast<int>((*job * 7 + restarts.value_or(0)) % 20000);
+      t.source = "srun";
+    }
   }
   if (!env("MASTER_ADDR").empty()) t.master_addr = env("MASTER_ADDR");
   if (!env("MASTER_PORT").empty()) {
-    auto p = EnvInt("MASTER_PORT");
-    if (!p || *p < 1 || *p > 65535) return absl::InvalidArgumentError("MASTER_PORT must be a port number");
-    t.master_port = static_cast<int>(*p);
+    std::optional<int64_t> port;
+    PTK_ASSIGN_OR_RETURN(port, EnvIntIn("MASTER_PORT", 1, 65535, true));
+    t.master_port = static_cast<int>(*port);
   }
-  if (t.world_size < 1 || t.rank < 0 || t.rank >= t.world_size)
-    return absl::InvalidArgumentError(
-        fmt::format("rank {} of world size {} (from {}): not a valid rank", t.rank, t.world_size, t.source));
   return t;
 }
 

@@ -75,6 +75,16 @@ bool DatasetMadeFrom(const std::string& prefix, std::string_view source, int64_t
          S_ISREG(idx.st_mode) && static_cast<uint64_t>(idx.st_size) == idx_size;
 }
 
+std::optional<std::string> RecordedSource(const std::string& prefix) {
+  auto side = ReadFileToString(DoneSidecarPath(prefix));
+  if (!side.ok()) return std::nullopt;
+  simdjson::dom::parser parser;
+  simdjson::dom::element e;
+  std::string_view recorded;
+  if (parser.parse(*side).get(e) || e["source"].get(recorded)) return std::string();
+  return std::string(recorded);
+}
+
 IndexedDatasetBuilder::IndexedDatasetBuilder(std::string prefix, DType dtype, bool multimodal,
                                              std::unique_ptr<OutputLock> lock, std::unique_ptr<AtomicFileWriter> bin)
     : prefix_(std::move(prefix)), dtype_(dtype), multimodal_(multimodal), lock_(std::move(lock)), bin_(std::move(bin)) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -59,6 +60,9 @@ inline std::string PublishJournalPath(const std::string& prefix) { return prefix
 // and no publish is pending. Sets *documents and *tokens from the sidecar. An empty source never
 // matches. What lets a rerun of a stage that wrote PREFIX skip it.
 bool DatasetMadeFrom(const std::string& prefix, std::string_view source, int64_t* documents, int64_t* tokens);
+
+// The "source" PREFIX.ptk-done records, or nullopt when there is no sidecar (or none readable).
+std::optional<std::string> RecordedSource(const std::string& prefix);
 
 // Removes PREFIX.bin, PREFIX.idx and PREFIX.ptk-done (those that exist); the .idx goes first.
 absl::Status RemoveIndexedDataset(const std::string& prefix);

@@ -10,6 +10,7 @@
 
 #include <fmt/core.h>
 
+#include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/status.h"
@@ -49,13 +50,18 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
 }
 
 absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, bool multimodal) {
-  std::string s = fmt::format("ptk-merge output v1\nmultimodal {}\n", multimodal);
-  for (const auto& in : inputs)
+  std::string s = fmt::format("ptk-merge output v2\nmultimodal {}\n", multimodal);
+  for (const auto& in : inputs) {
     for (const std::string& f : {BinPath(in), IdxPath(in)}) {
       struct stat st {};
       if (::stat(f.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("cannot read {}", f));
       s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
     }
+    // An input ptk wrote: its sidecar (the content checksums of its .bin and .idx, what it was made
+    // from) too, so that an input made again is seen even where its size and time stayed.
+    auto side = ReadFileToString(DoneSidecarPath(in));
+    s += side.ok() ? "sidecar " + Xxh3Hex(*side) + "\n" : "no sidecar\n";
+  }
   return "ptk-merge " + Xxh3Hex(s);
 }
 

@@ -17,9 +17,10 @@ struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;
 };
 // What a merge of `input_prefixes` records as its "source" (MergeDatasets' `source`): a fingerprint
-// of the inputs in order (each .bin and .idx by path, size and modification time) and of
-// --multimodal. An output whose sidecar records it (DatasetMadeFrom) is that merge, whole: a rerun
-// can skip it. An input that cannot be stat'ed is an error naming it.
+// of the inputs in order (each .bin and .idx by path, size and modification time, and the .ptk-done
+// sidecar ptk wrote beside them, with their content checksums) and of --multimodal. An output whose
+// sidecar records it (DatasetMadeFrom) is that merge, whole: a rerun can skip it. An input that
+// cannot be stat'ed is an error naming it.
 absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& input_prefixes, bool multimodal);
 
 // Appends the inputs in the given order into `output_prefix` (dtype of the first input; every

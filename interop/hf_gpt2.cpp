@@ -1,6 +1,8 @@
 // ptk checkpoint <-> Hugging Face GPT-2 directory: the tensor mapping, config.json, the checks.
 #include "interop/hf_gpt2.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -23,6 +25,7 @@
 #include "common/atomic_file.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
+#include "common/json_keys.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
@@ -32,9 +35,15 @@
 #include "interop/safetensors.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "trainer/checkpoint.h"
+#include "trainer/model_limits.h"
 
 namespace ptk {
 namespace {
+
+// config.json's limits: a dimension as ptk-train's flags take it; the reals as GPTConfig::Validate.
+constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;
+constexpr double kMaxLayerNormEpsilon = kGptConfigMaxLayerNormEpsilon;
+constexpr double kMaxInitMethodStd = kGptConfigMaxInitMethodStd;
 
 // HF's names, as GPT2LMHeadModel.save_pretrained writes them.
 constexpr char kPrefix[] = "transformer.";
@@ -54,6 +63,10 @@ struct CheckpointHeader {
 };
 
 absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
+  {
+    PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(file));  // a FIFO refused, not waited on
+    ::close(fd);
+  }
   std::ifstream in(file, std::ios::binary);
   if (!in) return absl::NotFoundError(file + ": cannot open");
   char head[16];
@@ -68,6 +81,7 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
   simdjson::dom::parser parser;
   simdjson::dom::element h, m;
   if (parser.parse(json).get(h) || h["model"].get(m)) return bad("the header has no model description");
+  if (auto dup = FirstDuplicateJsonKey(h)) return bad(fmt::format("the header gives the key {} twice", *dup));
   CheckpointHeader out;
   GPTConfig& c = out.config;
   bool untie = false;
@@ -623,28 +637,49 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   }
   PTK_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(config_path));
   simdjson::dom::parser parser;
-  simdjson::dom::object cfg;
-  if (parser.parse(config_text).get(cfg)) return bad_config("not a JSON object");
+  simdjson::dom::object cfg_object;
+  if (parser.parse(config_text).get(cfg_object)) return bad_config("not a JSON object");
+  // As transformers reads it (Python's json.load): a key given twice takes its last value.
+  // simdjson's lookup would find the first.
+  std::map<std::string_view, simdjson::dom::element> cfg;
+  for (auto field : cfg_object) cfg[field.key] = field.value;
+  auto find = [&](const char* key, simdjson::dom::element* e) {
+    auto it = cfg.find(key);
+    if (it == cfg.end() || it->second.is_null()) return false;
+    *e = it->second;
+    return true;
+  };
+  // A dimension: a positive integer as ptk-train's flags take it (at most 2^31 - 1).
   auto get_int = [&](const char* key, int64_t* out, std::optional<int64_t> fallback) -> absl::Status {
     simdjson::dom::element e;
-    if (cfg[key].get(e) || e.is_null()) {
+    if (!find(key, &e)) {
       if (fallback) {
         *out = *fallback;
         return absl::OkStatus();
       }
       return bad_config(fmt::format("{} is missing", key));
     }
-    if (e.get(*out) || *out < 1) return bad_config(fmt::format("{} is not a positive integer", key));
+    if (e.get(*out) || *out < 1 || *out > kMaxDimension)
+      return bad_config(fmt::format("{} is not a positive integer of at most {}", key, kMaxDimension));
     return absl::OkStatus();
   };
   // A key that is absent (or null) takes HF's default; one of another type is an error naming it.
   auto get = [&](const char* key, auto fallback, auto* out, const char* what) -> absl::Status {
     simdjson::dom::element e;
-    if (cfg[key].get(e) || e.is_null()) {
+    if (!find(key, &e)) {
       *out = fallback;
       return absl::OkStatus();
     }
     if (e.get(*out)) return bad_config(fmt::format("{} is not {}", key, what));
+    return absl::OkStatus();
+  };
+  // A real number in [lo, hi] (hi excluded when hi_open), as the model can use it.
+  auto get_real = [&](const char* key, double fallback, double* out, double lo, bool lo_open, double hi,
+                      bool hi_open) -> absl::Status {
+    PTK_RETURN_IF_ERROR(get(key, fallback, out, "a number"));
+    if (!std::isfinite(*out) || (lo_open ? *out <= lo : *out < lo) || (hi_open ? *out >= hi : *out > hi))
+      return bad_config(fmt::format("{} {} is outside {}{}, {}{}", key, Num(*out), lo_open ? "(" : "[", Num(lo),
+                                    Num(hi), hi_open ? ")" : "]"));
     return absl::OkStatus();
   };
   std::string_view model_type, act;
@@ -675,12 +710,23 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   c.padded_vocab_size = PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by);
   PTK_RETURN_IF_ERROR(get("tie_word_embeddings", true, &tie, "true or false"));
   c.untie_embeddings_and_output_weights = !tie;
-  // Numbers: simdjson reads integers as doubles too (a dropout of 0).
-  PTK_RETURN_IF_ERROR(get("layer_norm_epsilon", 1e-5, &c.layernorm_epsilon, "a number"));
-  PTK_RETURN_IF_ERROR(get("resid_pdrop", 0.1, &c.hidden_dropout, "a number"));
-  PTK_RETURN_IF_ERROR(get("attn_pdrop", 0.1, &c.attention_dropout, "a number"));
-  PTK_RETURN_IF_ERROR(get("initializer_range", 0.02, &c.init_method_std, "a number"));
-  PTK_RETURN_IF_ERROR(get("embd_pdrop", c.hidden_dropout, &embd_pdrop, "a number"));
+  // Numbers: simdjson reads integers as doubles too (a dropout of 0). Each in the range the model
+  // can use (GPTConfig::Validate, as ptk-train's flags).
+  PTK_RETURN_IF_ERROR(get_real("layer_norm_epsilon", 1e-5, &c.layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
+  PTK_RETURN_IF_ERROR(get_real("resid_pdrop", 0.1, &c.hidden_dropout, 0, false, 1, true));
+  PTK_RETURN_IF_ERROR(get_real("attn_pdrop", 0.1, &c.attention_dropout, 0, false, 1, true));
+  PTK_RETURN_IF_ERROR(get_real("initializer_range", 0.02, &c.init_method_std, 0, true, kMaxInitMethodStd, false));
+  PTK_RETURN_IF_ERROR(get_real("embd_pdrop", c.hidden_dropout, &embd_pdrop, 0, false, 1, true));
+  // The parameters the dimensions imply, counted without overflow: at most what ptk can index.
+  const double h = static_cast<double>(c.hidden_size),
+               implied =
+                   static_cast<double>(c.num_layers) * (4 * h * h + 2 * h * static_cast<double>(c.ffn_hidden_size)) +
+                   h * static_cast<double>(c.vocab_size + c.max_position_embeddings);
+  if (implied > 0x1p40)
+    return bad_config(
+        fmt::format("n_layer {}, n_embd {}, n_inner {}, vocab_size {} and n_positions {} make {:.3g} "
+                    "parameters: more than ptk can hold",
+                    c.num_layers, c.hidden_size, c.ffn_hidden_size, c.vocab_size, c.max_position_embeddings, implied));
   if (absl::Status st = c.Validate(); !st.ok()) return bad_config(std::string(StatusMessage(st)));
   if (embd_pdrop != c.hidden_dropout)
     s.notes.push_back(fmt::format("embd_pdrop {} differs from resid_pdrop {}: ptk's --hidden-dropout applies to both",

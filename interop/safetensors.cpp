@@ -11,6 +11,7 @@
 #include <simdjson.h>
 
 #include "common/atomic_file.h"
+#include "common/json_keys.h"
 #include "common/json_writer.h"
 #include "common/status.h"
 
@@ -132,6 +133,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       }
       continue;
     }
+    // The reference reads an entry into a struct (serde), which refuses a field given twice;
+    // simdjson's lookup would take the first.
+    if (auto dup = FirstDuplicateJsonKey(value))
+      return bad(fmt::format("tensor {}: its entry gives {} twice", name, *dup));
     SafetensorsTensor t;
     t.name = name;
     std::string_view dtype;

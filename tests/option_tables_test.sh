@@ -67,7 +67,41 @@ usage "$BIN/ptk-download" --local-dir "$T/d" -- "give either --repo or --url-lis
 usage "$BIN/ptk-merge" --output-prefix "$T/m" -- "give --input DIR or --inputs PREFIX"
 usage "$BIN/ptk-inspect" "$T/p" --sample 0 -- "--sample needs --seq-length"
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --dataset-impl lazy -- "--dataset-impl lazy"
-usage env RANK=x WORLD_SIZE=2 "${TRAIN[@]}" --data-path "$T/p" -- "environment: torchrun-style launch"
+usage env RANK=x WORLD_SIZE=2 "${TRAIN[@]}" --data-path "$T/p" -- 'RANK="x" is not an integer'
+# Launch environments parsed strictly, each variable named (none may shrink the job to one rank).
+usage env WORLD_SIZE=4294967297 RANK=0 "${TRAIN[@]}" --data-path "$T/p" -- \
+  "WORLD_SIZE=4294967297 is outside [1, 2147483647]"
+usage env WORLD_SIZE=2 RANK=4294967296 "${TRAIN[@]}" --data-path "$T/p" -- \
+  "RANK=4294967296 is outside [0, 1] (WORLD_SIZE=2)"
+usage env SLURM_PROCID=abc "${TRAIN[@]}" --data-path "$T/p" -- 'SLURM_PROCID="abc" is not an integer'
+usage env SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=abc "${TRAIN[@]}" --data-path "$T/p" -- \
+  'SLURM_STEP_NUM_TASKS="abc" is not an integer'
+usage env SLURM_PROCID=1 SLURM_NTASKS=2 "${TRAIN[@]}" --data-path "$T/p" -- \
+  "SLURM_PROCID=1 without SLURM_STEP_NUM_TASKS"
+usage env SLURM_PROCID=2 SLURM_STEP_NUM_TASKS=2 "${TRAIN[@]}" --data-path "$T/p" -- \
+  "SLURM_PROCID=2 is outside [0, 1] (SLURM_STEP_NUM_TASKS=2)"
+usage env WORLD_SIZE=2 RANK=0 MASTER_PORT=0x50 "${TRAIN[@]}" --data-path "$T/p" -- 'MASTER_PORT="0x50" is not an integer'
+# Numbers on the command line are decimal: no hex, octal, inf or nan (CLI11 read 0x10 as 16,
+# 010 as 8). A flag's own range check may name the value first; either way it is refused.
+usage "${TRAIN[@]}" --data-path "$T/p" --sample-interval 1 --sample-temperature 0x10 -- \
+  '--sample-temperature: "0x10" is not a decimal number'
+usage "${TRAIN[@]}" --data-path "$T/p" --lr 0x1p-3 -- '--lr: "0x1p-3" is not a decimal number'
+usage "${TRAIN[@]}" --data-path "$T/p" --lr inf -- '--lr: must be a finite number >= 0, not "inf"'
+usage "${TRAIN[@]}" --data-path "$T/p" --clip-grad nan -- '--clip-grad: must be a finite number >= 0, not "nan"'
+usage "${TRAIN[@]}" --data-path "$T/p" --seed 0x10 -- '--seed: must be an integer in'
+usage "${TRAIN[@]}" --data-path "$T/p" --seed 010 -- '--seed: "010" has a leading zero (numbers are decimal: write 10)'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0x2 -- \
+  '--workers: "0x2" is not a decimal integer'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --max-bad-fraction 0x0.1p0 -- \
+  '--max-bad-fraction: "0x0.1p0" is not a decimal number'
+usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0x8 -- '--jobs: "0x8" is not a decimal integer'
+usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 010 -- '--jobs: "010" has a leading zero'
+usage "$BIN/ptk-convert" --loader ptk --saver hf --load-dir "$T" --save-dir "$T/o" --true-vocab-size 0x100 -- \
+  '--true-vocab-size: "0x100" is not a decimal integer'
+# ... and decimal numbers, with an exponent or a sign where the flag takes them, still work.
+out=$("${TRAIN[@]}" --data-path "$T/p" --lr 1.5E-3 --seed 0 --clip-grad .5 --sample-interval 1 \
+  --sample-temperature 00.5 --weight-decay +0.1 2>&1); rc=$?
+[ "$rc" = 1 ] && [[ $out != *"usage error"* ]] || { echo "FAIL: decimal numbers refused: rc $rc: $out"; fail=1; }
 # Found by a library (common, dataprep, tokenizer, indexed_dataset, trainer, interop).
 usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --shard-index 1 -- \
   "--shard-index and --num-shards must be given together"

@@ -6,6 +6,7 @@
 
 #include <fmt/core.h>
 
+#include "common/hash.h"
 #include "common/status.h"
 #include "tokenizer/gpt2_tokenizer.h"
 
@@ -115,6 +116,7 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromTables(std::st
     std::memcpy(t->blob_copy_.as<char>(), blob.data(), blob.size());
   }
   PTK_RETURN_IF_ERROR(t->Attach(std::string_view(t->blob_copy_.as<char>(), blob.size()), /*trusted=*/false));
+  t->vocab_hash_ = t->merges_hash_ = "tables-" + Xxh3Hex(blob);
   return t;
 }
 

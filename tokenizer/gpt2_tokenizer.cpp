@@ -8,6 +8,8 @@
 #include <simdjson.h>
 
 #include "common/file_io.h"
+#include "common/hash.h"
+#include "common/json_keys.h"
 #include "common/status.h"
 #include "common/utf8.h"
 #include "tokenizer/gpt2_piece_key.h"
@@ -85,7 +87,11 @@ std::string_view Gpt2Tokenizer::DefaultTables() {
 absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::LoadDefault() {
   if (!DefaultTables().empty()) {
     std::unique_ptr<Gpt2Tokenizer> t(new Gpt2Tokenizer());
-    if (t->Attach(DefaultTables(), /*trusted=*/true).ok()) return t;
+    if (t->Attach(DefaultTables(), /*trusted=*/true).ok()) {
+      t->vocab_hash_ = Xxh3Hex(DefaultVocabJson());
+      t->merges_hash_ = Xxh3Hex(DefaultMergesTxt());
+      return t;
+    }
   }
   return FromStrings(DefaultVocabJson(), DefaultMergesTxt(), "built-in gpt2");
 }
@@ -118,6 +124,8 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::FromStrings(std::s
 
 absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view merges_txt, std::string_view origin) {
   const bool known_good = vocab_json == DefaultVocabJson() && merges_txt == DefaultMergesTxt();
+  vocab_hash_ = Xxh3Hex(vocab_json);
+  merges_hash_ = Xxh3Hex(merges_txt);
   // ---- vocab.json
   simdjson::dom::parser parser;
   simdjson::padded_string padded(vocab_json);
@@ -130,6 +138,11 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     return absl::InvalidArgumentError(fmt::format("{}: vocab must be a JSON object", origin));
   absl::flat_hash_map<std::string, int32_t> str_to_id;
   std::vector<std::pair<int64_t, std::string>> entries;
+  // A token given twice: Python's json (Megatron's and HF's GPT-2 tokenizers) keeps its last id and
+  // leaves the first id without a token, a vocabulary ptk cannot represent: refused by name.
+  if (auto dup = known_good ? std::nullopt : FirstDuplicateJsonKey(root))
+    return absl::InvalidArgumentError(
+        fmt::format("{}: vocab token {:?} is given twice (Python's json would keep only its last id)", origin, *dup));
   for (auto field : obj) {
     int64_t id;
     if (field.value.get_int64().get(id))

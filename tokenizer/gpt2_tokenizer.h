@@ -49,8 +49,13 @@ class Gpt2Tokenizer {
   static absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> FromTables(std::string_view blob);
 
   int64_t vocab_size() const { return vocab_n_; }  // 50257 for GPT-2
-  int32_t eod() const { return eod_id_; }                                           // 50256
+  int32_t eod() const { return eod_id_; }          // 50256
   int64_t num_merges() const { return num_merges_; }
+  // XXH3-128 (hex) of the vocab.json and of the merges.txt text the tokenizer was built from (the
+  // built-in files' for LoadDefault; both the blob's for FromTables): what a rerun compares to
+  // know the tokenizer is the same, byte for byte, whatever the files' sizes and times.
+  const std::string& vocab_hash() const { return vocab_hash_; }
+  const std::string& merges_hash() const { return merges_hash_; }
 
   // Raw bytes of a token (no UTF-8 repair); empty for an unknown id.
   std::string_view TokenBytes(int32_t id) const;
@@ -105,7 +110,7 @@ class Gpt2Tokenizer {
   };
   static constexpr int kSymbolBits = 21, kRankBits = 22;
   static constexpr uint64_t kRankMask = (uint64_t{1} << kRankBits) - 1;
-  static constexpr uint64_t kNoPairWord = ~0ull;  // its key (all ones) is no pair's key
+  static constexpr uint64_t kNoPairWord = ~0ull;                  // its key (all ones) is no pair's key
   static constexpr uint32_t kNoSymbol = (1u << kSymbolBits) - 1;  // never in a pair
   static uint64_t PairKey(uint32_t x, uint32_t y) { return (uint64_t{x} << kSymbolBits) | y; }
   // The rank of the merge of symbols x and y, kNoRank if they do not merge.
@@ -180,6 +185,7 @@ class Gpt2Tokenizer {
   int32_t byte_to_id_[256];
   int32_t eod_id_ = -1;
   int64_t num_merges_ = 0;
+  std::string vocab_hash_, merges_hash_;
 };
 
 // Per-thread encoder: owns the piece cache. Not thread-safe; cheap to create.

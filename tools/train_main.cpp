@@ -21,6 +21,7 @@
 #include "tools/train_flags.h"
 #include "trainer/comm.h"
 #include "trainer/distributed.h"
+#include "trainer/rendezvous.h"
 #include "trainer/training.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
@@ -70,29 +71,44 @@ int main(int argc, char** argv) {
   }
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    std::vector<std::string> notes;
-    PTK_RETURN_IF_ERROR(ptk::ApplyCheckpointArgs(*app, &flags, &notes));
-    PTK_ASSIGN_OR_RETURN(ptk::TrainOptions options, ptk::ResolveTrainFlags(flags, &notes));
+    // A bad RANK / WORLD_SIZE / SLURM_* / MASTER_PORT is a usage error (exit 2) naming it, as a bad flag.
     auto env_ranks = ptk::TrainingRanksFromEnv();
-    // A bad RANK / WORLD_SIZE / MASTER_PORT is a usage error (exit 2), as a bad flag.
     if (absl::IsInvalidArgument(env_ranks.status()) && !ptk::IsUsageError(env_ranks.status()))
       return ptk::UsageError(fmt::format("environment: {}", ptk::StatusMessage(env_ranks.status())));
-    PTK_ASSIGN_OR_RETURN(ptk::TrainingRanks ranks, std::move(env_ranks));
-    // --sample-interval: the GPT-2 tokenizer (--vocab-file/--merge-file, or ptk's built-in files)
-    // encodes the prompt and decodes the samples; the trainer itself never tokenizes.
+    PTK_ASSIGN_OR_RETURN(const ptk::TrainingRanks ranks, std::move(env_ranks));
+    std::chrono::milliseconds timeout = ptk::DistributedOptions().timeout;
+    if (flags.distributed_timeout_minutes > 0)
+      timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.distributed_timeout_minutes * 60000));
+
+    std::vector<std::string> notes;
+    ptk::TrainOptions options;
     std::unique_ptr<ptk::Gpt2Tokenizer> tokenizer;
-    if (options.sample.interval > 0) {
-      PTK_ASSIGN_OR_RETURN(tokenizer, ptk::Gpt2Tokenizer::LoadOrDefault(options.vocab_file, options.merge_file));
-      if (options.sample.prompt_text.empty()) {
-        options.sample.prompt = {tokenizer->eod()};
-      } else {
-        ptk::Gpt2Encoder encoder(*tokenizer);
-        encoder.Encode(options.sample.prompt_text, &options.sample.prompt);
+    absl::StatusOr<ptk::TrainPlan> planned = [&]() -> absl::StatusOr<ptk::TrainPlan> {
+      PTK_RETURN_IF_ERROR(ptk::ApplyCheckpointArgs(*app, &flags, &notes));
+      PTK_ASSIGN_OR_RETURN(options, ptk::ResolveTrainFlags(flags, &notes));
+      // --sample-interval: the GPT-2 tokenizer (--vocab-file/--merge-file, or ptk's built-in files)
+      // encodes the prompt and decodes the samples; the trainer itself never tokenizes.
+      if (options.sample.interval > 0) {
+        PTK_ASSIGN_OR_RETURN(tokenizer, ptk::Gpt2Tokenizer::LoadOrDefault(options.vocab_file, options.merge_file));
+        if (options.sample.prompt_text.empty()) {
+          options.sample.prompt = {tokenizer->eod()};
+        } else {
+          ptk::Gpt2Encoder encoder(*tokenizer);
+          encoder.Encode(options.sample.prompt_text, &options.sample.prompt);
+        }
+        options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
       }
-      options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
+      // Every check between settings, before any rank waits for another.
+      return ptk::PlanTraining(options, ranks.world_size);
+    }();
+    // A rank whose own checks failed tells the others before it exits (through rank 0's store),
+    // so that they end now naming it instead of waiting for it until the timeout.
+    if (!planned.ok()) {
+      ptk::RendezvousStore::ReportEarlyFailure(ranks.rank, ranks.world_size, ranks.master_addr, ranks.master_port,
+                                               timeout, planned.status());
+      return planned.status();
     }
-    // Every check between settings, before any rank waits for another.
-    PTK_ASSIGN_OR_RETURN(const ptk::TrainPlan plan, ptk::PlanTraining(options, ranks.world_size));
+    const ptk::TrainPlan plan = *std::move(planned);
     ptk::DistributedOptions d;
     d.backend = options.distributed_backend;
     d.backend_given = !flags.distributed_backend.empty();
@@ -102,8 +118,7 @@ int main(int argc, char** argv) {
     d.master_addr = ranks.master_addr;
     d.master_port = ranks.master_port;
     if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) d.gloo_iface = iface;
-    if (flags.distributed_timeout_minutes > 0)
-      d.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.distributed_timeout_minutes * 60000));
+    d.timeout = timeout;
     // NCCL's watchdog aborted a collective and this process did not come back from the GPU: end it,
     // so that the job fails instead of hanging until its time limit.
     d.on_stuck = [](const absl::Status& st) {
@@ -114,8 +129,10 @@ int main(int argc, char** argv) {
     if (ranks.rank == 0 && comm->size() > 1)
       ptk::log::Info("data parallel: {} ranks ({}), {}, rendezvous at {}:{}", ranks.world_size, ranks.source,
                      comm->backend(), ranks.master_addr, ranks.master_port);
-    if (comm->rank() == 0)
+    if (comm->rank() == 0) {
       for (const std::string& n : notes) ptk::log::Info("note: {}", n);
+      for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
+    }
 
     // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
     // Ranks sharing a node share its cores unless Slurm bound each to its own.

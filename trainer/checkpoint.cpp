@@ -19,6 +19,7 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/hash.h"
+#include "common/json_keys.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
@@ -406,6 +407,8 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   simdjson::dom::parser parser;
   simdjson::dom::element h;
   if (parser.parse(data.data() + sizeof kMagic + 8, len).get(h)) return corrupt("header is not JSON");
+  // ptk writes each key once; a second one is not ptk's header (which value would be meant?).
+  if (auto dup = FirstDuplicateJsonKey(h)) return corrupt(fmt::format("the header gives the key {} twice", *dup));
   int64_t version = 0, num_params = 0;
   if (h["version"].get(version) || version != kFormatVersion) return corrupt("unsupported format version");
   simdjson::dom::element saved_model;

@@ -35,15 +35,21 @@ class GlooStore : public gloo::rendezvous::Store {
   }
   std::vector<char> get(const std::string& key) override {
     absl::StatusOr<std::string> v = store_->Get(key);
-    if (!v.ok()) throw std::runtime_error(std::string(StatusMessage(v.status())));
+    if (!v.ok()) {
+      if (absl::IsAborted(v.status()) || IsUsageError(v.status())) early_failure_ = v.status();
+      throw std::runtime_error(std::string(StatusMessage(v.status())));
+    }
     return {v->begin(), v->end()};
   }
+  // Another rank's failure before the ranks met (RendezvousStore::ReportEarlyFailure), if one came.
+  const absl::Status& early_failure() const { return early_failure_; }
   void wait(const std::vector<std::string>& keys) override {
     for (const std::string& k : keys) get(k);  // get blocks until the key exists
   }
 
  private:
   RendezvousStore* store_;
+  absl::Status early_failure_;
 };
 
 class GlooCommunicator : public Communicator {
@@ -224,6 +230,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
     comm->context_->setTimeout(o.timeout);
     comm->context_->connectFullMesh(*comm->gloo_store_, comm->device_);
   } catch (const std::exception& e) {
+    if (!comm->gloo_store_->early_failure().ok()) {
+      comm->store_->ServeUntilAllHeard(std::min<std::chrono::milliseconds>(o.timeout, std::chrono::minutes(1)));
+      return comm->gloo_store_->early_failure();
+    }
     return absl::UnavailableError(fmt::format("rank {} of {}: rendezvous at {}:{} failed: {}", o.rank, o.world_size,
                                               o.master_addr, o.master_port, e.what()));
   }

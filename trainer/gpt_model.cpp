@@ -9,6 +9,7 @@
 
 #include "common/status.h"
 #include "trainer/counter_rng.h"
+#include "trainer/model_limits.h"
 
 namespace ptk {
 
@@ -27,8 +28,10 @@ absl::Status GPTConfig::Validate() const {
   if (vocab_size < 1 || padded_vocab_size < vocab_size) return bad("the vocabulary size must be at least 1");
   if (hidden_dropout < 0 || hidden_dropout >= 1) return bad("--hidden-dropout must be in [0, 1)");
   if (attention_dropout < 0 || attention_dropout >= 1) return bad("--attention-dropout must be in [0, 1)");
-  if (!(layernorm_epsilon > 0)) return bad("--layernorm-epsilon must be positive");
-  if (!(init_method_std > 0)) return bad("--init-method-std must be positive");
+  if (!(layernorm_epsilon > 0 && layernorm_epsilon <= kGptConfigMaxLayerNormEpsilon))
+    return bad(fmt::format("--layernorm-epsilon must be in (0, {}]", kGptConfigMaxLayerNormEpsilon));
+  if (!(init_method_std > 0 && init_method_std <= kGptConfigMaxInitMethodStd))
+    return bad(fmt::format("--init-method-std must be in (0, {}]", kGptConfigMaxInitMethodStd));
   return absl::OkStatus();
 }
 

@@ -13,10 +13,12 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <set>
 #include <thread>
 
 #include <fmt/core.h>
 
+#include "common/logging.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -61,6 +63,17 @@ bool RecvBlob(int fd, std::string* s) {
 
 constexpr char kSet = 'S', kGet = 'G', kHello = 'H', kPeers = 'P';
 constexpr const char* kFailedPrefix = "ptk/failed/";
+// Set by a rank that failed before it joined (RendezvousStore::ReportEarlyFailure): "u\t" (a usage
+// error) or "f\t", then the message. Every get waiting or to come is answered with it, marked by a
+// length of kAbortMarker, so that no rank waits for one that will never join.
+constexpr const char* kAbortKey = "ptk/abort";
+constexpr uint32_t kAbortMarker = 0xFFFFFFFFu;
+
+absl::Status AbortStatus(const std::string& value) {
+  const std::string text = value.size() > 2 ? value.substr(2) : value;
+  if (value.rfind("u\t", 0) == 0) return UsageError(text);
+  return absl::AbortedError(text);
+}
 
 }  // namespace
 
@@ -117,6 +130,8 @@ class RendezvousServer {
  public:
   // Connected ranks (for rank 0's exit after a failure: the others may still ask what happened).
   int live() const { return live_; }
+  // Distinct ranks that have registered since the start.
+  int ever() const { return ever_; }
   int port() const { return port_; }  // the one bound (any free one for port 0)
 
  private:
@@ -160,7 +175,8 @@ class RendezvousServer {
         if (ok && op == kSet) {
           ok = RecvBlob(fd, &value);
           if (ok) {
-            kv_[key] = value;
+            if (key == kAbortKey && abort_.empty()) abort_ = value;  // the first rank's reason
+            if (key != kAbortKey) kv_[key] = value;
             ok = SendAll(fd, "k", 1);
           }
         } else if (ok && op == kGet) {
@@ -170,6 +186,8 @@ class RendezvousServer {
           if (ok) {
             registered_[fd] = {std::atoi(key.c_str()), value};
             live_ = static_cast<int>(registered_.size());
+            ever_ranks_.insert(registered_[fd].first);
+            ever_ = static_cast<int>(ever_ranks_.size());
             ok = SendAll(fd, "k", 1);
           }
         } else if (ok && op == kPeers) {
@@ -181,6 +199,11 @@ class RendezvousServer {
       }
       for (auto it = waiting.begin(); it != waiting.end();) {  // answer gets whose key has arrived
         auto& keys = it->second;
+        while (!keys.empty() && !abort_.empty()) {  // a rank failed before it joined: nobody waits
+          SendAll(it->first, &kAbortMarker, 4);
+          SendBlob(it->first, abort_);
+          keys.erase(keys.begin());
+        }
         while (!keys.empty() && kv_.count(keys.front())) {
           SendBlob(it->first, kv_[keys.front()]);
           keys.erase(keys.begin());
@@ -194,8 +217,10 @@ class RendezvousServer {
   std::map<std::string, std::string> kv_;
   std::map<int, std::pair<int, std::string>> registered_;  // fd -> (rank, host)
   std::map<int, std::string> left_;                        // rank -> host
+  std::set<int> ever_ranks_;                               // every rank that registered
+  std::string abort_;                                      // kAbortKey's value, once set
   std::atomic<bool> stop_{false};
-  std::atomic<int> live_{0};
+  std::atomic<int> live_{0}, ever_{0};
   int port_ = 0;
   std::thread thread_;
 };
@@ -265,8 +290,17 @@ absl::Status RendezvousStore::Request(char op, const std::string& key, const std
   const uint8_t o = static_cast<uint8_t>(op);
   errno = 0;
   bool ok = SendAll(fd_, &o, 1) && SendBlob(fd_, key) && (!value || SendBlob(fd_, *value));
-  if (ok && reply) {
-    ok = RecvBlob(fd_, reply);
+  uint32_t n = 0;
+  if (ok && reply && (ok = RecvAll(fd_, &n, 4)) && n == kAbortMarker) {
+    std::string abort;
+    if (RecvBlob(fd_, &abort)) return AbortStatus(abort);
+    ok = false;
+  } else if (ok && reply) {
+    ok = n <= (64u << 20);
+    if (ok) {
+      reply->resize(n);
+      ok = RecvAll(fd_, reply->data(), n);
+    }
   } else if (ok) {
     char ack = 0;
     ok = RecvAll(fd_, &ack, 1);
@@ -285,6 +319,7 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
   std::string v;
   absl::Status st = Request(kGet, key, nullptr, &v);
   if (st.ok()) return v;
+  if (absl::IsAborted(st) || IsUsageError(st)) return st;  // a rank failed before it joined: its reason
   // gloo's full-mesh rendezvous waits for each rank's address under the rank's number.
   const bool is_rank = !key.empty() && key.find_first_not_of("0123456789") == std::string::npos;
   const std::string what = is_rank ? "rank " + key : "key '" + key + "'";
@@ -295,6 +330,36 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
         what, timeout_.count() / 1000.0, world_size_, is_rank ? "; is that rank running?" : ""));
   return absl::UnavailableError(fmt::format(
       "lost the connection to rank 0 (which serves the rendezvous) while waiting for {}: did rank 0 exit?", what));
+}
+
+void RendezvousStore::ReportEarlyFailure(int rank, int world_size, const std::string& master_addr, int port,
+                                         std::chrono::milliseconds timeout, const absl::Status& failure) {
+  if (world_size <= 1 || failure.ok()) return;
+  // The ranks start together and check their flags in moments: a minute is plenty for rank 0 to
+  // come up (or, on rank 0, for the others to come and hear why), and bounds this rank's exit.
+  const auto wait = std::min<std::chrono::milliseconds>(timeout, std::chrono::minutes(1));
+  auto store = Connect(rank, world_size, master_addr, port, wait);
+  if (!store.ok()) return;  // no rank 0 to tell: the others time out as before
+  const std::string value =
+      fmt::format("{}\trank {} (host {}) stopped before the ranks met: {}", IsUsageError(failure) ? "u" : "f", rank,
+                  (*store)->host(), StatusMessage(failure));
+  if (!(*store)->Set(kAbortKey, value).ok()) return;
+  (*store)->ServeUntilAllHeard(wait);
+}
+
+void RendezvousStore::ServeUntilAllHeard(std::chrono::milliseconds at_most) {
+  if (!server_) return;
+  const auto start = Clock::now(), deadline = start + at_most;
+  bool said = false;
+  while (Clock::now() < deadline && (server_->ever() < world_size_ || server_->live() > 1)) {
+    if (!said && Clock::now() - start > std::chrono::seconds(5)) {
+      said = true;  // a rank that never comes: say why rank 0 does not end yet
+      log::Info("rank 0: {} of {} ranks came to hear why this run stops; waiting up to {} s for the others",
+                server_->ever(), world_size_,
+                std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {

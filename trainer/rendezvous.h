@@ -31,6 +31,18 @@ class RendezvousStore {
                                                                   const std::string& master_addr, int port,
                                                                   std::chrono::milliseconds timeout);
 
+  // For a rank about to exit with `failure` found before the ranks met (its own flag checks): tells
+  // the others through rank 0's store, so that every rank's rendezvous (each get, waiting or to
+  // come) ends at once with "rank N (host H) stopped before the ranks met: <failure>" (a usage
+  // error when `failure` is one) instead of waiting for the timeout. Rank 0 then serves its store
+  // until every rank has come and gone. Each waits at most a minute (or `timeout`); never fails.
+  static void ReportEarlyFailure(int rank, int world_size, const std::string& master_addr, int port,
+                                 std::chrono::milliseconds timeout, const absl::Status& failure);
+
+  // Rank 0 after another rank's early failure reached it: serves the store until every rank has
+  // registered and gone (they hear the failure there), at most `at_most`. Others: nothing.
+  void ServeUntilAllHeard(std::chrono::milliseconds at_most);
+
   absl::Status Set(const std::string& key, const std::string& value);
   // Waits up to the timeout for the key. A key that is a rank number (gloo's full-mesh rendezvous
   // waits for each rank's address under it) that never comes is "rank N did not join within T s".

@@ -125,6 +125,23 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
     if (static_cast<int64_t>(o.sample.prompt.size()) >= o.model.seq_length)
       return usage(fmt::format("--sample-prompt is {} tokens: it must be shorter than --seq-length {}",
                                o.sample.prompt.size(), o.model.seq_length));
+    // A sample runs the model's Forward over the whole context for every new token (no KV cache),
+    // on rank 0 alone: count the positions it forwards (sampling.cpp's lengths) against the
+    // forward and backward (about 3 forwards) rank 0 trains between two samples.
+    const int64_t seq = o.model.seq_length;
+    double sample_positions = 0;
+    for (int64_t k = 0, len = static_cast<int64_t>(o.sample.prompt.size()); k < o.sample.length; ++k, ++len) {
+      const int64_t ctx = std::min(len, seq);
+      sample_positions += static_cast<double>(std::min(seq, (ctx + 63) / 64 * 64));
+    }
+    const double train_positions = 3.0 * static_cast<double>(o.sample.interval) *
+                                   static_cast<double>(p.micro_batches * p.micro_batch_size) * static_cast<double>(seq);
+    if (sample_positions > train_positions)
+      p.warnings.push_back(fmt::format(
+          "--sample-length {}: each sample runs the model {} times over up to {} positions (no KV cache), {:.1f}x the "
+          "work of the {} iteration(s) between samples (--sample-interval): sampling will take most of the run's "
+          "time; a shorter --sample-length or a longer --sample-interval costs less",
+          o.sample.length, o.sample.length, seq, sample_positions / train_positions, o.sample.interval));
   }
 
   p.schedule = ResolveSchedule(o, p);

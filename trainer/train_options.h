@@ -127,6 +127,7 @@ struct TrainPlan {
   int64_t train_samples = 0;      // train_iters x global_batch_size: what the run consumes
   SchedulerConfig schedule;       // options.schedule completed, its lengths in samples
   // --rampup-batch-size (0: none): the global batch at `consumed` samples is GlobalBatchSizeAt.
+  std::vector<std::string> warnings;  // for rank 0 to print (a setting that costs more than it seems)
   int64_t rampup_start = 0, rampup_increment = 0, rampup_samples = 0;
 
   // Megatron's running global batch size after `consumed` training samples: the start size plus

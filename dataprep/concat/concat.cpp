@@ -219,8 +219,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     if (DetectCompression(in.path) == Compression::kNone) {
       if (in.size == 0) continue;
       PTK_RETURN_IF_ERROR(out->AppendFileRange(in.path, 0, in.size));
-      int fd = ::open(in.path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) return ErrnoToStatus(errno, fmt::format("open {}", in.path));
+      PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(in.path));
       ssize_t r = ::pread(fd, &last, 1, static_cast<off_t>(in.size - 1));
       ::close(fd);
       if (r != 1) return absl::DataLossError(fmt::format("{}: cannot read its last byte", in.path));

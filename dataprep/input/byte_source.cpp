@@ -15,6 +15,7 @@
 
 #include <fmt/core.h>
 
+#include "common/file_io.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -245,8 +246,9 @@ absl::Status ByteSource::Skip(uint64_t n) {
 
 Compression DetectCompression(const std::string& path) {
   if (path == "-") return Compression::kNone;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd >= 0) {
+  auto opened = OpenRegularFile(path);  // a FIFO is neither waited on nor read from here
+  if (opened.ok()) {
+    const int fd = *opened;
     unsigned char m[6] = {0};
     ssize_t n = ::read(fd, m, sizeof(m));
     ::close(fd);
@@ -279,8 +281,8 @@ absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& pa
   if (path == "-") {
     fd = std::make_unique<FdSource>("<stdin>", STDIN_FILENO, false);
   } else {
-    int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (f < 0) return ErrnoToStatus(errno, fmt::format("cannot open {}", path));
+    // Streams come from `-`; a named FIFO or device is refused (inputs are regular files).
+    PTK_ASSIGN_OR_RETURN(const int f, OpenRegularFile(path));
     ::posix_fadvise(f, 0, 0, POSIX_FADV_SEQUENTIAL);
     if (c == Compression::kNone) {
       unsigned char m[8] = {0};

@@ -49,8 +49,12 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
       done.documents = documents;
       done.tokens += tokens;
       done.outputs.push_back(prefix);
+      if (!done.up_to_date)  // one line saying why, for the first output that is not
+        if (const std::string why = RerunReason(prefix, source); !why.empty()) log::Info("{}", why);
     }
     if (done.up_to_date) return done;
+  } else {
+    log::Info("--force: tokenizing again, whatever the outputs' .ptk-done sidecars record");
   }
   const auto t_start = std::chrono::steady_clock::now();
   const int workers = std::max(1, opt.workers);

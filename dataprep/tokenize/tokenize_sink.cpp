@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <optional>
 
 #include <fmt/core.h>
 
@@ -91,27 +93,33 @@ struct ResumeState {
   std::vector<BuilderCheckpoint> builders;           // per key
 };
 
-// What must be equal for a resume to give the same bytes: inputs (name, size, mtime), keys, the
-// options that change ids, and the tokenizer (its size, EOD id and the ids of a probe text).
+// What must be equal for a rerun (or a resume) to give the same bytes, in parts a rerun can name:
+// - the inputs: each by name, size and modification time (make's and rsync's quick check; an
+//   input rewritten in place with its size and time kept is not seen: --force tokenizes again);
+// - the settings that change the ids or the outputs: the keys, --append-eod, <|endoftext|>
+//   handling, --strict (and, for a published output, the partition order and --max-bad-fraction);
+// - the tokenizer: the content of vocab.json and of merges.txt (Gpt2Tokenizer's XXH3-128 of each),
+//   so a changed tokenizer is never missed, whatever its files' sizes and times.
 // XXH3-128, not SHA-256: a content check, not a security one, and OpenSSL's first use costs
 // milliseconds of start-up (a quarter of a small run's).
-std::string InputsAndSettings(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+std::string InputsText(const TokenizeOptions& opt) {
   std::string s;
   for (const auto& f : opt.inputs) {
     struct stat st {};
     (void)::stat(f.c_str(), &st);
     s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
   }
+  return s;
+}
+std::string SettingsText(const TokenizeOptions& opt) {
+  std::string s;
   for (const auto& k : opt.json_keys) s += "key " + k + "\n";
-  s += fmt::format("{} {} {} {} {}\n", opt.append_eod, opt.endoftext_as_text, opt.strict, tok.vocab_size(), tok.eod());
-  std::vector<int32_t> ids;  // plain BPE of the pieces: no encoder (and its cache) to build
-  ForEachPiece("ptk resume probe: Hello, world! 12345 \xc3\xa9t\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd <|endoftext|>",
-               [&](const uint8_t* b, const uint8_t* e) { tok.BpePiece(b, static_cast<size_t>(e - b), &ids); });
-  for (int32_t id : ids) s += fmt::format("{} ", id);
+  s += fmt::format("append_eod {} endoftext_as_text {} strict {}\n", opt.append_eod, opt.endoftext_as_text, opt.strict);
   return s;
 }
 std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
-  return Xxh3Hex("ptk-tokenize resume v1\n" + InputsAndSettings(opt, tok));
+  return Xxh3Hex(fmt::format("ptk-tokenize resume v2\n{}{}vocab {}\nmerges {}\n", InputsText(opt), SettingsText(opt),
+                             tok.vocab_hash(), tok.merges_hash()));
 }
 
 void PutI64(std::string& o, int64_t v) { o.append(reinterpret_cast<const char*>(&v), 8); }
@@ -219,15 +227,64 @@ absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
 
 }  // namespace
 
+namespace {
+constexpr std::string_view kSourceTag = "ptk-tokenize v2";
+// The parts of an OutputSource, by name ("inputs" -> hash), or empty when `source` is not one.
+std::map<std::string, std::string> SourceParts(std::string_view source) {
+  std::map<std::string, std::string> parts;
+  if (!source.starts_with(kSourceTag)) return parts;
+  for (std::string_view rest = source.substr(kSourceTag.size()); !rest.empty();) {
+    rest.remove_prefix(std::min(rest.size(), rest.find_first_not_of(' ')));
+    const std::string_view item = rest.substr(0, rest.find(' '));
+    rest.remove_prefix(item.size());
+    const size_t colon = item.find(':');
+    if (colon != std::string_view::npos)
+      parts[std::string(item.substr(0, colon))] = std::string(item.substr(colon + 1));
+  }
+  return parts;
+}
+}  // namespace
+
 std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
   if (std::find(opt.inputs.begin(), opt.inputs.end(), "-") != opt.inputs.end()) return "";
   const int order = opt.partitions > 1 && !opt.keep_sequential_samples ? opt.partitions : 1;
-  return "ptk-tokenize " + Xxh3Hex(fmt::format("ptk-tokenize output v1\n{}round-robin {}\nmax bad {}\n",
-                                               InputsAndSettings(opt, tok), order, opt.max_bad_fraction));
+  return fmt::format(
+      "{} inputs:{} settings:{} vocab:{} merges:{}", kSourceTag, Xxh3Hex(InputsText(opt)),
+      Xxh3Hex(fmt::format("{}round-robin {}\nmax bad {}\n", SettingsText(opt), order, opt.max_bad_fraction)),
+      tok.vocab_hash(), tok.merges_hash());
 }
 
 bool OutputUpToDate(const std::string& prefix, const std::string& source, int64_t* documents, int64_t* tokens) {
   return !PathExists(prefix + ".ptk-resume") && DatasetMadeFrom(prefix, source, documents, tokens);
+}
+
+std::string RerunReason(const std::string& prefix, const std::string& source) {
+  if (PathExists(prefix + ".ptk-resume")) return "";  // a killed run's: Open says whether it resumes
+  const bool outputs = PathExists(BinPath(prefix)) || PathExists(IdxPath(prefix));
+  const std::optional<std::string> recorded = RecordedSource(prefix);
+  if (!recorded) {
+    if (!outputs) return "";  // a first run
+    return fmt::format("{}: tokenizing again: no .ptk-done sidecar records what its .bin/.idx were made from", prefix);
+  }
+  if (source.empty())
+    return fmt::format("{}: tokenizing again: the input is standard input, which a rerun cannot compare", prefix);
+  const auto was = SourceParts(*recorded), now = SourceParts(source);
+  if (was.size() != now.size() || was.empty())
+    return fmt::format("{}: tokenizing again: its .ptk-done sidecar is from another ptk version or tool", prefix);
+  static const std::pair<const char*, const char*> kWhat[] = {
+      {"vocab", "the vocabulary file's content (--vocab-file)"},
+      {"merges", "the merges file's content (--merge-file)"},
+      {"inputs", "the inputs (a name, size or modification time)"},
+      {"settings", "the settings that change the output (--json-keys, --append-eod, --partitions, ...)"},
+  };
+  std::string changed;
+  for (const auto& [part, what] : kWhat) {
+    auto w = was.find(part), n = now.find(part);
+    if (w == was.end() || n == now.end() || w->second != n->second)
+      changed += fmt::format("{}{}", changed.empty() ? "" : "; ", what);
+  }
+  if (!changed.empty()) return fmt::format("{}: tokenizing again: changed since it was made: {}", prefix, changed);
+  return fmt::format("{}: tokenizing again: its .bin/.idx are not the sizes its .ptk-done sidecar records", prefix);
 }
 
 DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress)

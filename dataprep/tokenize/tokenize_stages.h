@@ -192,11 +192,17 @@ struct FileTally {
 // bad-record reports and, every --resume-interval, a resume point; at the end the checks that the
 // inputs were read and the outputs published. The resume record is removed with the sink (only a
 // killed run leaves one); unfinished builders remove their temporaries.
-// What every output's sidecar records as its source ("source" in PREFIX.ptk-done): a fingerprint
-// of the inputs (names, sizes, mtimes), the keys, the settings that change the bytes (EOD,
-// <|endoftext|> handling, the partition order, --strict, --max-bad-fraction) and the tokenizer.
-// "" when an input is stdin: a rerun cannot be compared with it.
+// What every output's sidecar records as its source ("source" in PREFIX.ptk-done), in four named
+// parts: "ptk-tokenize v2 inputs:H settings:H vocab:H merges:H", H an XXH3-128: the inputs
+// (names, sizes, mtimes), the keys and the settings that change the bytes (EOD, <|endoftext|>
+// handling, the partition order, --strict, --max-bad-fraction), and the content of the vocab and
+// merges files. "" when an input is stdin: a rerun cannot be compared with it.
 std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok);
+
+// Why PREFIX, which is not up to date with `source`, is made again, as one line naming PREFIX and
+// what changed (the vocabulary's content, the merges', the inputs, the settings), or "" when there
+// is nothing to redo (no output yet, or a killed run's resume record, which Open reports on).
+std::string RerunReason(const std::string& prefix, const std::string& source);
 
 // PREFIX was made from `source` and is whole (DatasetMadeFrom), and no resume is pending. Sets
 // *documents and *tokens.

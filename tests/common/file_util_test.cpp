@@ -4,15 +4,22 @@
 #include "common/file_paths.h"
 #include "common/human_format.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "common/hash.h"
+#include "common/mmap_file.h"
 #include "common/slurm_env.h"
+#include "common/status.h"
 #include "tests/test_util.h"
 
 namespace ptk {
@@ -268,6 +275,132 @@ TEST(ResolveShard, KubernetesIndexedJob) {
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("JOB_COMPLETIONS is not"), std::string::npos) << missing.status();
   ::unsetenv("JOB_COMPLETION_INDEX");
+}
+
+// Every read of a named file takes regular files only: a FIFO (open(2) would wait for a writer
+// forever), a device or a directory is refused at once with one line naming it and what it is.
+// Each read runs in a child with an alarm, so a read that waits fails the test instead of hanging it.
+TEST(OpenRegularFile, FifosDevicesAndDirectoriesAreRefusedWithoutWaiting) {
+  testing::TempDir dir;
+  const std::string fifo = dir / "pipe", file = dir / "f";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  testing::WriteFile(file, "abc");
+  // Runs `read` in a child; its message, or "hung" when it did not return within 20 s.
+  auto in_child = [&](const std::function<absl::Status()>& read) -> std::string {
+    int fds[2];
+    EXPECT_EQ(::pipe(fds), 0);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(fds[0]);
+      ::alarm(20);
+      const absl::Status st = read();
+      const std::string msg = st.ok() ? "ok" : std::string(st.message());
+      (void)!::write(fds[1], msg.data(), msg.size());
+      ::_exit(0);
+    }
+    ::close(fds[1]);
+    std::string out;
+    char buf[512];
+    for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+    ::close(fds[0]);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return WIFSIGNALED(status) ? "hung" : out;
+  };
+  auto read_string = [](const std::string& p) { return [p] { return ReadFileToString(p).status(); }; };
+  auto map = [](const std::string& p) { return [p] { return MappedFile::Open(p).status(); }; };
+  auto append = [&](const std::string& p) {
+    return [p, &dir] {
+      auto w = AtomicFileWriter::Create(dir / "copy");
+      if (!w.ok()) return w.status();
+      return (*w)->AppendFileRange(p, 0, 1);
+    };
+  };
+  EXPECT_EQ(in_child(read_string(file)), "ok");
+  EXPECT_EQ(in_child(map(file)), "ok");
+  EXPECT_EQ(in_child(read_string(fifo)), fifo + " is a FIFO, not a regular file: ptk reads regular files");
+  EXPECT_EQ(in_child(map(fifo)), fifo + " is a FIFO, not a regular file: ptk reads regular files");
+  EXPECT_EQ(in_child(append(fifo)), fifo + " is a FIFO, not a regular file: ptk reads regular files");
+  EXPECT_EQ(in_child(read_string("/dev/null")),
+            "/dev/null is a character device, not a regular file: ptk reads "
+            "regular files");
+  EXPECT_EQ(in_child(read_string(dir.path())),
+            dir.path() + " is a directory, not a regular file: ptk reads regular files");
+  auto fd = OpenRegularFile(file);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  EXPECT_EQ(::fcntl(*fd, F_GETFL) & O_NONBLOCK, 0);  // handed on as a plain blocking descriptor
+  ::close(*fd);
+}
+
+// A launch's variables are read strictly: each number decimal and in range, a rank without a count
+// or beyond it, a variable that is not a number: a usage error naming the variable. What srun and
+// torchrun really set still works.
+TEST(TrainingRanksFromEnv, EveryLaunchVariableIsCheckedNamingIt) {
+  const char* kVars[] = {
+      "WORLD_SIZE",          "RANK",          "LOCAL_RANK",           "GROUP_RANK",          "SLURM_PROCID",
+      "SLURM_NTASKS",        "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_NODEID",        "SLURM_JOB_ID",
+      "SLURM_RESTART_COUNT", "MASTER_ADDR",   "MASTER_PORT",          "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"};
+  auto with = [&](std::vector<std::pair<const char*, const char*>> env) {
+    for (const char* v : kVars) ::unsetenv(v);
+    for (const auto& [k, v] : env) ::setenv(k, v, 1);
+    auto r = TrainingRanksFromEnv();
+    for (const char* v : kVars) ::unsetenv(v);
+    return r;
+  };
+  // Valid launches.
+  auto none = with({});
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->world_size, 1);
+  auto batch = with({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}});  // a batch script outside srun
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_EQ(batch->world_size, 1);
+  auto srun = with({{"SLURM_PROCID", "3"},
+                    {"SLURM_NTASKS", "4"},
+                    {"SLURM_STEP_NUM_TASKS", "4"},
+                    {"SLURM_LOCALID", "1"},
+                    {"SLURM_NODEID", "5"},  // the job's node numbering, not the step's
+                    {"SLURM_JOB_ID", "1234"},
+                    {"SLURM_STEP_NODELIST", "n[07-08]"}});
+  ASSERT_TRUE(srun.ok()) << srun.status();
+  EXPECT_EQ(srun->rank, 3);
+  EXPECT_EQ(srun->world_size, 4);
+  EXPECT_EQ(srun->local_rank, 1);
+  EXPECT_EQ(srun->master_addr, "n07");
+  EXPECT_EQ(srun->master_port, 20000 + 1234 * 7 % 20000);
+  auto torchrun = with({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_PORT", "29400"}});
+  ASSERT_TRUE(torchrun.ok()) << torchrun.status();
+  EXPECT_EQ(torchrun->rank, 1);
+  EXPECT_EQ(torchrun->master_port, 29400);
+  // Each refused as a usage error naming the variable.
+  const std::pair<std::vector<std::pair<const char*, const char*>>, std::string> bad[] = {
+      {{{"WORLD_SIZE", "4294967297"}, {"RANK", "0"}}, "WORLD_SIZE=4294967297 is outside [1, 2147483647]"},
+      {{{"WORLD_SIZE", "2"}, {"RANK", "4294967296"}}, "RANK=4294967296 is outside [0, 1] (WORLD_SIZE=2)"},
+      {{{"WORLD_SIZE", "2"}, {"RANK", "2"}}, "RANK=2 is outside [0, 1] (WORLD_SIZE=2)"},
+      {{{"WORLD_SIZE", "2"}, {"RANK", "-1"}}, "RANK=-1 is outside [0, 1]"},
+      {{{"WORLD_SIZE", "0x2"}, {"RANK", "0"}}, "WORLD_SIZE=\"0x2\" is not an integer"},
+      {{{"WORLD_SIZE", " 2"}, {"RANK", "0"}}, "WORLD_SIZE=\" 2\" is not an integer"},
+      {{{"WORLD_SIZE", "2"}}, "WORLD_SIZE is set but RANK is not"},
+      {{{"RANK", "1"}}, "RANK is set but WORLD_SIZE is not"},
+      {{{"WORLD_SIZE", "2"}, {"RANK", "1"}, {"LOCAL_RANK", "x"}}, "LOCAL_RANK=\"x\" is not an integer"},
+      {{{"SLURM_PROCID", "abc"}}, "SLURM_PROCID=\"abc\" is not an integer"},
+      {{{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "abc"}}, "SLURM_STEP_NUM_TASKS=\"abc\" is not an integer"},
+      {{{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}}, "SLURM_PROCID=1 without SLURM_STEP_NUM_TASKS"},
+      {{{"SLURM_PROCID", "2"}, {"SLURM_STEP_NUM_TASKS", "2"}},
+       "SLURM_PROCID=2 is outside [0, 1] (SLURM_STEP_NUM_TASKS=2)"},
+      {{{"SLURM_STEP_NUM_TASKS", "2"}}, "SLURM_STEP_NUM_TASKS is set but SLURM_PROCID is not"},
+      {{{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_LOCALID", "7"}},
+       "SLURM_LOCALID=7 is outside [0, 1] (SLURM_STEP_NUM_TASKS=2)"},
+      {{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "0"}}, "SLURM_NTASKS=0 is outside [1, 2147483647]"},
+      {{{"MASTER_PORT", "70000"}}, "MASTER_PORT=70000 is outside [1, 65535]"},
+      {{{"MASTER_PORT", "0x50"}}, "MASTER_PORT=\"0x50\" is not an integer"},
+  };
+  for (const auto& [env, expected] : bad) {
+    SCOPED_TRACE(expected);
+    auto r = with(env);
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+    EXPECT_NE(r.status().message().find(expected), absl::string_view::npos) << r.status();
+  }
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "dataprep/tokenize/json_record.h"
@@ -493,9 +494,9 @@ TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
   testing::WriteFile(dir / "b.jsonl", "{\"text\": \"Third\"}\n");
   for (const char* p : {"a", "b"})
-    ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / (std::string(p) + ".jsonl"),
-                                     dir / p))).exit_code,
-              0);
+    ASSERT_EQ(
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / (std::string(p) + ".jsonl"), dir / p))).exit_code,
+        0);
   const std::string a = dir / "a_text_document", b = dir / "b_text_document", out = dir / "m";
   auto merge = [&](const std::string& inputs, const std::string& extra) {
     return RunCmd(testing::Tool("ptk-merge") + " --inputs " + inputs + " --output-prefix " + out + " " + extra);
@@ -548,6 +549,111 @@ TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   auto gone = merge(a + " " + dir / "nope", "");
   EXPECT_EQ(gone.exit_code, 1) << gone.output;
   EXPECT_NE(gone.output.find(dir / "nope.bin"), std::string::npos) << gone.output;
+}
+
+// A changed tokenizer is never missed, whatever its files' sizes and times: two ids swapped in
+// vocab.json, or two merges swapped in merges.txt (a later rank for a first merge), each with the
+// file's size and modification time kept (touch -r), make the rerun tokenize again, saying in one
+// line which file changed, and the output equals a fresh run's. ptk-merge over the retokenized
+// input (its .bin/.idx given back their old times) merges again: the input's sidecar changed.
+TEST(TokenizeErrors, ATokenizerFileChangeIsNeverMissedByARerun) {
+  TempDir dir;
+  testing::WriteFile(dir / "a.jsonl",
+                     "{\"text\": \"the cat of the hat and the end of the day\"}\n{\"text\": \"out of the blue\"}\n");
+  const std::string vocab = dir / "vocab.json", merges = dir / "merges.txt", out = dir / "out";
+  testing::WriteFile(vocab, std::string(Gpt2Tokenizer::DefaultVocabJson()));
+  testing::WriteFile(merges, std::string(Gpt2Tokenizer::DefaultMergesTxt()));
+  auto run = [&](const std::string& prefix) {
+    return RunCmd(Tok(fmt::format("--input {} --output-prefix {} --vocab-file {} --merge-file {} --append-eod",
+                                  dir / "a.jsonl", prefix, vocab, merges)));
+  };
+  // Rewrites `path` with `text` (the same size), then gives it back its modification time.
+  auto rewrite_keeping_time = [](const std::string& path, const std::string& text) {
+    struct stat st {};
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    ASSERT_EQ(text.size(), static_cast<size_t>(st.st_size));
+    testing::WriteFile(path, text);
+    struct timespec times[2] = {st.st_atim, st.st_mtim};
+    ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+  };
+  auto first = run(out);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string doc = out + "_text_document";
+  const auto original = Docs(doc);
+  ASSERT_NE(run(out).output.find("up to date"), std::string::npos);
+  const std::string m = dir / "m";
+  auto merge = [&] { return RunCmd(testing::Tool("ptk-merge") + " --inputs " + doc + " --output-prefix " + m); };
+  ASSERT_EQ(merge().exit_code, 0);
+  ASSERT_NE(merge().output.find("up to date"), std::string::npos);
+
+  struct Change {
+    const char* what;
+    std::string path;
+    std::function<std::string(std::string)> edit;
+    const char* named;
+  };
+  const Change changes[] = {
+      {"vocab ids of ' the' and ' of' swapped", vocab,
+       [](std::string t) {
+         const std::string the = "\"\\u0120the\": 262,", of = "\"\\u0120of\": 286,";
+         const size_t a = t.find(the), b = t.find(of);
+         EXPECT_NE(a, std::string::npos);
+         EXPECT_NE(b, std::string::npos);
+         if (a == std::string::npos || b == std::string::npos) return t;
+         t.replace(a, the.size(), "\"\\u0120the\": 286,");
+         t.replace(b, of.size(), "\"\\u0120of\": 262,");
+         return t;
+       },
+       "the vocabulary file's content (--vocab-file)"},
+      {"first merge moved to a later rank", merges,
+       [](std::string t) {
+         std::vector<std::string> lines;
+         for (size_t pos = 0; pos < t.size();) {
+           const size_t nl = t.find('\n', pos);
+           lines.push_back(t.substr(pos, nl - pos));
+           pos = nl == std::string::npos ? t.size() : nl + 1;
+         }
+         // Line 1 is "\u0120 t" (line 0 is #version): swap it with the last merge of its length.
+         for (size_t i = lines.size() - 1; i > 1; --i)
+           if (lines[i].size() == lines[1].size() && lines[i] != lines[1]) {
+             std::swap(lines[1], lines[i]);
+             break;
+           }
+         std::string back;
+         for (size_t i = 0; i < lines.size(); ++i)
+           back += lines[i] + (i + 1 < lines.size() || t.back() == '\n' ? "\n" : "");
+         return back.substr(0, t.size());
+       },
+       "the merges file's content (--merge-file)"},
+  };
+  for (const Change& c : changes) {
+    SCOPED_TRACE(c.what);
+    const auto before = Docs(doc);
+    struct stat bin_st {
+    }, idx_st{};
+    ASSERT_EQ(::stat((doc + ".bin").c_str(), &bin_st), 0);
+    ASSERT_EQ(::stat((doc + ".idx").c_str(), &idx_st), 0);
+    rewrite_keeping_time(c.path, c.edit(testing::ReadFile(c.path)));
+    auto r = run(out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("up to date"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(doc + ": tokenizing again: changed since it was made: " + c.named), std::string::npos)
+        << r.output;
+    const std::string fresh = dir / ("fresh" + std::to_string(&c - changes));
+    ASSERT_EQ(run(fresh).exit_code, 0);
+    EXPECT_EQ(Docs(doc), Docs(fresh + "_text_document"));
+    EXPECT_NE(Docs(doc), before) << "the change does not change the ids: the test proves nothing";
+    EXPECT_NE(run(out).output.find("up to date"), std::string::npos);
+    // ptk-merge: the input's .bin and .idx given back their size and times; its sidecar differs.
+    struct timespec bin_times[2] = {bin_st.st_atim, bin_st.st_mtim}, idx_times[2] = {idx_st.st_atim, idx_st.st_mtim};
+    ASSERT_EQ(::utimensat(AT_FDCWD, (doc + ".bin").c_str(), bin_times, 0), 0);
+    ASSERT_EQ(::utimensat(AT_FDCWD, (doc + ".idx").c_str(), idx_times, 0), 0);
+    auto mr = merge();
+    ASSERT_EQ(mr.exit_code, 0) << mr.output;
+    EXPECT_EQ(mr.output.find("up to date"), std::string::npos) << mr.output;
+    EXPECT_EQ(Docs(m), Docs(doc));
+  }
+  EXPECT_NE(Docs(doc), original);
 }
 
 // What a terminal shows for `out`: \r returns to the start of the line, ESC[K erases to its end,

@@ -15,10 +15,12 @@
 #include <string>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/py_format.h"
 #include "common/status.h"
 #include "interop/safetensors.h"
 #include "tests/test_util.h"
@@ -240,6 +242,119 @@ TEST_F(HfConvert, MismatchedOrDamagedDirectoriesAreRefusedNamingTheTensor) {
   std::remove((d + "/model.safetensors").c_str());
   WriteFile(d + "/pytorch_model.bin", "x");
   EXPECT_NE(import_error(d).find("a PyTorch pickle (pytorch_model.bin)"), std::string::npos);
+}
+
+// config.json is read as transformers reads it (Python's json.load): a key given twice takes its
+// last value, whichever comes first; python3 itself says which values those are. Every value is
+// range-checked, naming the key.
+TEST_F(HfConvert, ConfigJsonIsReadAsPythonsJsonReadsItAndRangeChecked) {
+  Save(false, dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const std::string config = ReadFile(hf + "/config.json");
+  ASSERT_EQ(config.rfind("{", 0), 0u) << config;
+  // The object with `first` inserted after its "{" and `last` before its final "}".
+  auto with = [&](const std::string& first, const std::string& last) {
+    const size_t close = config.rfind('}');
+    return "{" + first + config.substr(1, close - 1) + last + "}";
+  };
+  // What Python's json makes of config.json: n_head, activation_function, layer_norm_epsilon and
+  // tie_word_embeddings, one per line.
+  auto python = [&](const std::string& dir) {
+    auto r =
+        RunCmd("python3 -c " +
+               ShellQuote("import json,sys; c=json.load(open(sys.argv[1])); "
+                          "print(c['n_head']); print(c['activation_function']); "
+                          "print(repr(float(c['layer_norm_epsilon']))); print(c.get('tie_word_embeddings', True))") +
+               " " + ShellQuote(dir + "/config.json"));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  };
+  auto ptk = [](const GPTConfig& c) {
+    return fmt::format("{}\ngelu_new\n{}\n{}\n", c.num_attention_heads, py::FloatRepr(c.layernorm_epsilon),
+                       c.untie_embeddings_and_output_weights ? "False" : "True");
+  };
+  int n = 0;
+  struct Case {
+    std::string first, last;
+  };
+  const Case cases[] = {
+      // The hostile values first (what simdjson's lookup finds), the exported ones last.
+      {"\"n_head\": 4, \"activation_function\": \"relu\", \"layer_norm_epsilon\": 0.5, \"tie_word_embeddings\": "
+       "false, ",
+       ""},
+      // Other values last: transformers loads them, so ptk must.
+      {"", ", \"n_head\": 4, \"layer_norm_epsilon\": 0.001, \"layer_norm_epsilon\": 0.0001"},
+  };
+  for (const Case& c : cases) {
+    const std::string d = dir_ / ("dup" + std::to_string(n++));
+    ASSERT_EQ(RunCmd("cp -r " + ShellQuote(hf) + " " + ShellQuote(d)).exit_code, 0);
+    WriteFile(d + "/config.json", with(c.first, c.last));
+    const std::string py_read = python(d);
+    auto r = ImportFromHf(Opts("hf", "ptk", d, dir_ / ("dup-out" + std::to_string(n))));
+    ASSERT_TRUE(r.ok()) << r.status() << "\n" << ReadFile(d + "/config.json");
+    EXPECT_EQ(ptk(r->config), py_read) << ReadFile(d + "/config.json");
+  }
+  // Values out of range, each refused naming the key.
+  const std::pair<std::string, std::string> bad[] = {
+      {"\"layer_norm_epsilon\": 1e300", "layer_norm_epsilon 1e+300 is outside (0.0, 1.0]"},
+      {"\"layer_norm_epsilon\": 0", "layer_norm_epsilon 0.0 is outside (0.0, 1.0]"},
+      {"\"layer_norm_epsilon\": -1e-5", "layer_norm_epsilon -1e-05 is outside (0.0, 1.0]"},
+      {"\"resid_pdrop\": 1.5", "resid_pdrop 1.5 is outside [0.0, 1.0)"},
+      {"\"attn_pdrop\": -0.1", "attn_pdrop -0.1 is outside [0.0, 1.0)"},
+      {"\"embd_pdrop\": 1", "embd_pdrop 1.0 is outside [0.0, 1.0)"},
+      {"\"initializer_range\": 0", "initializer_range 0.0 is outside (0.0, 1.0]"},
+      {"\"initializer_range\": 1e9", "initializer_range 1000000000.0 is outside (0.0, 1.0]"},
+      {"\"n_head\": 4294967298", "n_head is not a positive integer of at most 2147483647"},
+      {"\"n_layer\": 1e300", "n_layer is not a positive integer"},
+      {"\"n_layer\": 1000000, \"n_embd\": 1000000",
+       "n_layer 1000000, n_embd 1000000, n_inner 24, vocab_size 50257 and n_positions 16 make 4e+18 parameters: more "
+       "than ptk can hold"},
+      {"\"vocab_size\": -3", "vocab_size is not a positive integer"},
+  };
+  for (const auto& [value, expected] : bad) {
+    SCOPED_TRACE(value);
+    const std::string d = dir_ / ("bad" + std::to_string(n++));
+    ASSERT_EQ(RunCmd("cp -r " + ShellQuote(hf) + " " + ShellQuote(d)).exit_code, 0);
+    WriteFile(d + "/config.json", with("", ", " + value));
+    auto r = ImportFromHf(Opts("hf", "ptk", d, dir_ / ("bad-out" + std::to_string(n))));
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(d + "/config.json: " + expected), absl::string_view::npos) << r.status();
+  }
+}
+
+// A FIFO (or another file that is not a regular file) where ptk-convert reads a file is refused
+// with one line naming it; before, open(2) waited for a writer forever.
+TEST_F(HfConvert, AFifoInPlaceOfAFileIsRefusedNotWaitedOn) {
+  Save(false, dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  int n = 0;
+  for (const char* name : {"config.json", "model.safetensors"}) {
+    SCOPED_TRACE(name);
+    const std::string d = dir_ / ("fifo" + std::to_string(n++));
+    ASSERT_EQ(RunCmd("cp -r " + ShellQuote(hf) + " " + ShellQuote(d) + " && rm " + ShellQuote(d + "/" + name) +
+                     " && mkfifo " + ShellQuote(d + "/" + name))
+                  .exit_code,
+              0);
+    // timeout: without the check, the import never ends.
+    auto r = RunCmd("timeout 60 " + tool + " --loader hf --saver ptk --load-dir " + ShellQuote(d) + " --save-dir " +
+                    ShellQuote(dir_ / ("fifo-out" + std::to_string(n))));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(d + "/" + name + " is a FIFO, not a regular file"), std::string::npos) << r.output;
+  }
+  // The ptk checkpoint ptk-convert exports from, as a FIFO.
+  const std::string ck = dir_ / "ck-fifo";
+  ASSERT_EQ(RunCmd("cp -r " + ShellQuote(dir_ / "ck") + " " + ShellQuote(ck)).exit_code, 0);
+  auto latest = LatestCheckpointIteration(ck);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  const std::string file = CheckpointFile(ck, *latest);
+  ASSERT_EQ(RunCmd("rm " + ShellQuote(file) + " && mkfifo " + ShellQuote(file)).exit_code, 0);
+  auto r = RunCmd("timeout 60 " + tool + " --loader ptk --saver hf --load-dir " + ShellQuote(ck) + " --save-dir " +
+                  ShellQuote(dir_ / "ck-fifo-out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(file + " is a FIFO, not a regular file"), std::string::npos) << r.output;
 }
 
 TEST_F(HfConvert, ExportNeedsTheVocabularySize) {

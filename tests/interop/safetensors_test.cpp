@@ -124,6 +124,13 @@ TEST(Safetensors, DamageIsRefusedNamingTheTensor) {
       std::string::npos);
   EXPECT_NE(with(R"({"a":{"dtype":"F32","shape":[1]}})", four).find("tensor a: its entry needs dtype, shape and"),
             std::string::npos);
+  // A field given twice in an entry: the reference (serde) refuses it; the first would be taken.
+  EXPECT_NE(with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"dtype":"I32"}})", std::string(4, '\0'))
+                .find("tensor a: its entry gives dtype twice"),
+            std::string::npos);
+  EXPECT_NE(with(R"({"a":{"dtype":"F32","shape":[2],"shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'))
+                .find("tensor a: its entry gives shape twice"),
+            std::string::npos);
   // A valid file cut short by a byte.
   ASSERT_TRUE(WriteSafetensors(p, {{"w", {4}, std::vector<float>{1, 2, 3, 4}}}, {}).ok());
   std::string whole = ReadFile(p);

@@ -307,6 +307,14 @@ TEST(Gpt2Tokenizer, BadFilesAreClearErrors) {
   EXPECT_NE(std::string(unknown.status().message()).find("not in the vocab"), std::string::npos);
   auto no_eot = Gpt2Tokenizer::FromStrings("{\"a\": 0}", "", "v");
   EXPECT_FALSE(no_eot.ok());
+  // A token given twice: Python's json keeps its last id, leaving the first id without a token;
+  // refused naming the token (before, both ids were kept and " the" encoded as the last).
+  std::string dup = vocab.substr(0, vocab.rfind('}')) + ", \"\\u0120the\": 50257}";
+  auto twice = Gpt2Tokenizer::FromStrings(dup, Gpt2Tokenizer::DefaultMergesTxt(), "v");
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(std::string(twice.status().message()).find("v: vocab token \"\u0120the\" is given twice"),
+            std::string::npos)
+      << twice.status();
   auto missing = Gpt2Tokenizer::Load("/nonexistent/vocab.json", "/nonexistent/merges.txt");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
 }
@@ -316,8 +324,7 @@ std::string ByteLevelKey(uint8_t b) {
   uint32_t cp = b;
   if (!((b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE))) {
     int n = 0;
-    for (int c = 0; c < b; ++c)
-      n += !((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE));
+    for (int c = 0; c < b; ++c) n += !((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE));
     cp = 256 + n;
   }
   std::string s;
@@ -367,8 +374,8 @@ std::vector<std::string> ReferenceBpe(const std::string& piece,
 // must still be the reference rule's, on the short, portable and long paths.
 TEST(Bpe, TokensMadeByTwoLinesAndPairsListedTwice) {
   const std::vector<std::pair<std::string, std::string>> lines = {
-      {"b", "c"}, {"a", "b"}, {"a", "a"}, {"ab", "c"}, {"a", "bc"}, {"abc", "abc"}, {"a", "b"}, {"abc", "a"}, {"c", "abc"},
-      {"c", "c"}, {"cc", "cc"}, {"b", "cc"}, {"bcc", "cc"}};
+      {"b", "c"},   {"a", "b"},   {"a", "a"}, {"ab", "c"},  {"a", "bc"}, {"abc", "abc"}, {"a", "b"},
+      {"abc", "a"}, {"c", "abc"}, {"c", "c"}, {"cc", "cc"}, {"b", "cc"}, {"bcc", "cc"}};
   std::map<std::string, int> vocab;
   std::string vocab_json = "{";
   for (int b = 0; b < 256; ++b) vocab[ByteLevelKey(static_cast<uint8_t>(b))] = b;
@@ -396,7 +403,8 @@ TEST(Bpe, TokensMadeByTwoLinesAndPairsListedTwice) {
     std::string s;
     for (size_t i = 0; i < n; ++i) s += alphabet[rng() % alphabet.size()];
     std::vector<int32_t> want;
-    for (const std::string& t : ReferenceBpe(s, ranks)) want.push_back(vocab.at(t.size() == 1 ? ByteLevelKey(t[0]) : t));
+    for (const std::string& t : ReferenceBpe(s, ranks))
+      want.push_back(vocab.at(t.size() == 1 ? ByteLevelKey(t[0]) : t));
     std::vector<int32_t> got, portable, longer;
     const auto* p = reinterpret_cast<const uint8_t*>(s.data());
     (*tok)->BpePiece(p, n, &got);

@@ -251,6 +251,35 @@ TEST_F(DataParallelCli, DistributedBackendFollowsTheDevice) {
   EXPECT_EQ(one.output.find("data parallel"), std::string::npos) << one.output;
 }
 
+// A rank whose own flag checks fail (--bf16 on a CPU, on one rank only) tells the others through
+// the rendezvous store before it exits: every rank ends at once, exit 2, naming that rank and its
+// error. Before, the others waited silently for the 5-minute rendezvous timeout (the timeout
+// command below turns such a wait into a failure, exit 124).
+TEST_F(DataParallelCli, ARankFailingItsOwnChecksEndsEveryRankNamingIt) {
+  const std::string cmd = Train("--device cpu", 2);
+  const std::string host = ptk::testing::ReadFile("/proc/sys/kernel/hostname");
+  const std::string h = host.substr(0, host.find('\n'));
+  for (int victim : {1, 0}) {
+    SCOPED_TRACE("victim rank " + std::to_string(victim));
+    static int calls = 0;
+    const std::string port = std::to_string(26000 + (::getpid() * 5 + 11 * calls++) % 20000);
+    std::string script = "export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
+    for (int rank : {0, 1, 2})
+      script += "RANK=" + std::to_string(rank) + " timeout 120 " + cmd + (rank == victim ? " --bf16" : "") + " > " +
+                ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
+    script += "wait $p0; r0=$?; wait $p1; r1=$?; wait $p2; echo rc=$r0,$r1,$?";
+    auto r = RunCmd("bash -c " + ShellQuote(script));
+    EXPECT_NE(r.output.find("rc=2,2,2"), std::string::npos) << r.output << Logs(3);
+    const std::string why = "--bf16: the CPU backend trains in fp32";
+    const std::string named = "rank " + std::to_string(victim) + " (host " + h + ") stopped before the ranks met: ";
+    for (int rank : {0, 1, 2}) {
+      const std::string log = ptk::testing::ReadFile(dir_ / ("r" + std::to_string(rank) + ".log"));
+      EXPECT_NE(log.find(why), std::string::npos) << "rank " << rank << "\n" << log;
+      if (rank != victim) EXPECT_NE(log.find(named + why), std::string::npos) << "rank " << rank << "\n" << log;
+    }
+  }
+}
+
 TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {
   const std::string cmd = Train("", 2);
   auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +

@@ -134,12 +134,34 @@ TEST(SampleCli, PrintsTheSameGreedySampleInEveryRun) {
   auto u = ptk::testing::RunCmd(base + "--sample-temperature 0.8");
   EXPECT_EQ(u.exit_code, 0) << u.output;
   EXPECT_NE(u.output.find(" sample at iteration        4 (temperature 0.8): \"\" -> "), std::string::npos) << u.output;
+  // At this length a sample costs less than the training between two samples: no warning.
+  EXPECT_EQ(a.output.find("--sample-length"), std::string::npos) << a.output;
   // A prompt that leaves no room in --seq-length is a usage error.
   auto lng = ptk::testing::RunCmd(base + "--sample-prompt \"$(printf 'word %.0s' $(seq 40))\"");
   EXPECT_EQ(lng.exit_code, 2) << lng.output;
   EXPECT_TRUE(std::regex_search(lng.output, std::regex("--sample-prompt is 4\\d tokens: it must be shorter than "
                                                        "--seq-length 32")))
       << lng.output;
+}
+
+// A sample runs the model over the whole context for every new token (no KV cache), on rank 0: a
+// long one that costs more than the training between two samples is warned with its cost at the
+// start (--sample-length 4096 took minutes a sample on a tiny model without a word).
+TEST(SampleCli, ALongSampleIsWarnedWithItsCost) {
+  const std::string base = ptk::testing::Tool("ptk-train") +
+                           " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 32"
+                           " --micro-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --eval-iters 0"
+                           " --threads 1 --sample-interval 2 ";
+  auto r = ptk::testing::RunCmd(base + "--sample-length 4096");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // 4096 forwards of 32 positions against 3 x 2 iterations x 2 samples x 32 positions.
+  EXPECT_NE(r.output.find("warning: --sample-length 4096: each sample runs the model 4096 times over up to 32 "
+                          "positions (no KV cache), 341.3x the work of the 2 iteration(s) between samples"),
+            std::string::npos)
+      << r.output;
+  auto short_one = ptk::testing::RunCmd(base + "--sample-length 8");
+  ASSERT_EQ(short_one.exit_code, 0) << short_one.output;
+  EXPECT_EQ(short_one.output.find("--sample-length"), std::string::npos) << short_one.output;
 }
 
 }  // namespace
