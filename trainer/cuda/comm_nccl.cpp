@@ -101,10 +101,17 @@ class NcclCommunicator : public Communicator {
     // NCCL's unique id, from rank 0 through the store (fresh every run: a requeue meets no stale id).
     ncclUniqueId id;
     std::memset(&id, 0, sizeof id);
+    // Every rank joins through the store before NCCL initialises: rank 0 waits there for each of the
+    // others, so that a rank which failed its own checks (RendezvousStore::ReportEarlyFailure) ends
+    // rank 0 at once, naming it, instead of leaving it in ncclCommInitRankConfig until the timeout.
     if (o.rank == 0) {
       PTK_RETURN_IF_ERROR(Nccl(ncclGetUniqueId(&id), "ncclGetUniqueId"));
       PTK_RETURN_IF_ERROR(store_->Set("ptk/nccl-unique-id", std::string(id.internal, sizeof id.internal)));
+      for (int r = 1; r < o.world_size; ++r) {
+        PTK_RETURN_IF_ERROR(store_->Get(fmt::format("ptk/nccl-joined/{}", r)).status());
+      }
     } else {
+      PTK_RETURN_IF_ERROR(store_->Set(fmt::format("ptk/nccl-joined/{}", o.rank), "1"));
       PTK_ASSIGN_OR_RETURN(std::string bytes, store_->Get("ptk/nccl-unique-id"));
       if (bytes.size() != sizeof id.internal) return absl::InternalError("rank 0 published a malformed NCCL id");
       std::memcpy(id.internal, bytes.data(), sizeof id.internal);
