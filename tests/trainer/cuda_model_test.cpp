@@ -272,9 +272,9 @@ TEST(CudaModel, ErrorsAreStatuses) {
   EXPECT_NE(std::string(missing.status().message()).find("does not exist"), std::string::npos) << missing.status();
 }
 
-// The LM head in chunks of rows (the 256 MiB logits budget never splits these small shapes): a
-// budget of 100 rows splits a 4x64 micro-batch's 256 rows into chunks of 100, 100 and 56 (the
-// plan's arithmetic: cuda_memory_plan_test LogitsBudgetSplitsTheHeadIntoRaggedChunks). Loss,
+// The LM head in chunks of rows (the budget from free memory never splits these small shapes): a
+// budget of 100 rows splits a 4x64 micro-batch's 256 rows into balanced chunks of 86, 85 and 85
+// (the plan's arithmetic: cuda_memory_plan_test LogitsBudgetSplitsTheHeadIntoBalancedChunks). Loss,
 // gradients and evaluation's logits against the one-chunk model: fp32 within 1e-6 (loss) and 1e-5
 // (relative L2 per tensor, logits), bf16 within 1e-3 and 1e-2 (another product shape may round
 // differently; the chunks' dW adds in another order).

@@ -654,7 +654,7 @@ class CudaGPTModelImpl final : public GPTModel {
     o.padded_params = padded_params_;
     o.moment_params = moment_params_;
     o.layernorm_scratch_floats = LayerNormBackwardScratch(b * t, config().hidden_size);
-    if (logits_budget_bytes_ > 0) o.logits_budget_bytes = logits_budget_bytes_;
+    o.logits_budget_bytes = logits_budget_bytes_;  // 0: from the free memory (PlanMemoryWithin)
     if constexpr (kFlash) {
       // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
       // in deterministic mode): the plan makes room for the larger of it and the products'. Without
@@ -670,9 +670,14 @@ class CudaGPTModelImpl final : public GPTModel {
         o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, one);
       }
     }
-    PTK_ASSIGN_OR_RETURN(MemoryPlan plan, PlanMemory(config(), num_params(), o));
     size_t free_bytes = 0, total_bytes = 0;
     PTK_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "querying free device memory");
+    // The LM head in one chunk when the device has room for all its logits (the old allocation,
+    // about to be freed, counts as free).
+    PTK_ASSIGN_OR_RETURN(
+        MemoryPlan plan,
+        PlanMemoryWithin(config(), num_params(), o,
+                         static_cast<int64_t>(free_bytes) + (arena_ ? plan_.total_bytes : int64_t{0})));
     const int64_t kept = arena_ ? plan_[plan_.exp_avg_sq].offset + plan_[plan_.exp_avg_sq].bytes : 0;
     auto oom = [&](std::string_view why) {
       return absl::ResourceExhaustedError(fmt::format(
@@ -861,15 +866,18 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status RunHead(bool backward, std::vector<float>* logits_out) {
     const GPTConfig& cf = config();
     const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size, out_w = layout().out_w;
-    const int64_t rows_per_chunk = std::min<int64_t>(plan_.logit_chunk_rows, n);
     T* logits = Buf<T>(plan_.logits);
     const T* lnf = Buf<T>(plan_.lnf);
     float* losses = Buf<float>(plan_.losses);
     if (logits_out) logits_out->assign(static_cast<size_t>(n * vp), 0.0f);
     std::vector<T> chunk_host;
     layer_ = -1;
-    for (int64_t r0 = 0; r0 < n; r0 += rows_per_chunk) {
-      const int64_t rows = std::min(rows_per_chunk, n - r0);
+    // Balanced chunks of whole tiles (one when the plan had room for every row): each chunk's
+    // output-weight gradient is accumulated once, by its dW product.
+    int64_t next_row = 0;
+    for (const int64_t rows : LogitChunks(n, plan_.logit_chunk_rows)) {
+      const int64_t r0 = next_row;
+      next_row += rows;
       head_row0_ = r0;
       head_rows_ = rows;
       PTK_RETURN_IF_ERROR(Op(
