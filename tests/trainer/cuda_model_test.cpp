@@ -272,6 +272,37 @@ TEST(CudaModel, ErrorsAreStatuses) {
   EXPECT_NE(std::string(missing.status().message()).find("does not exist"), std::string::npos) << missing.status();
 }
 
+// The losses read once a step: ForwardBackwardDeferred over three micro-batches (no host
+// synchronisation between them, the inputs through alternating pinned slots), then TakeLosses,
+// against ForwardBackward's per-micro-batch sums added in order: the same loss and gradient bits
+// (deterministic mode, fp32 and bf16, with dropout).
+TEST(CudaModel, DeferredLossesMatchPerMicroBatchLossesBitwise) {
+  const GPTConfig c = SmallConfig(/*dropout=*/true);
+  Batches data(3, c.vocab_size);
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    auto each = Cuda(c, p);
+    auto deferred = Cuda(c, p);
+    ASSERT_TRUE(each && deferred);
+    ASSERT_TRUE(each->ZeroGrads().ok() && deferred->ZeroGrads().ok());
+    double loss = 0, tokens = 0;
+    for (int k = 0; k < 3; ++k) {
+      auto s = each->ForwardBackward(data.Get(k), 1.0 / 600, /*train=*/true, 9);
+      ASSERT_TRUE(s.ok()) << s.status();
+      loss += s->loss_sum;
+      tokens += s->tokens;
+      ASSERT_TRUE(deferred->ForwardBackwardDeferred(data.Get(k), 1.0 / 600, /*train=*/true, 9).ok());
+    }
+    auto taken = deferred->TakeLosses();
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    EXPECT_EQ(taken->loss_sum, loss) << PrecisionName(p);
+    EXPECT_EQ(taken->tokens, tokens) << PrecisionName(p);
+    std::vector<float> ga(static_cast<size_t>(each->num_params())), gb(ga.size());
+    ASSERT_TRUE(each->ReadGrads(ga).ok() && deferred->ReadGrads(gb).ok());
+    EXPECT_EQ(ga, gb) << PrecisionName(p);
+    EXPECT_EQ(deferred->TakeLosses()->tokens, 0.0);
+  }
+}
+
 // The LM head in chunks of rows (the budget from free memory never splits these small shapes): a
 // budget of 100 rows splits a 4x64 micro-batch's 256 rows into balanced chunks of 86, 85 and 85
 // (the plan's arithmetic: cuda_memory_plan_test LogitsBudgetSplitsTheHeadIntoBalancedChunks). Loss,

@@ -105,6 +105,8 @@ class CudaGPTModelImpl final : public GPTModel {
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
     for (auto& m : marks_) cudaEventDestroy(m.second);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : inputs_copied_)
+      if (e) cudaEventDestroy(e);
     if (arena_) cudaFree(arena_);
     if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
     if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
@@ -215,6 +217,43 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
     PTK_RETURN_IF_ERROR(RunBackward(train, seed));
     return Losses(batch);
+  }
+
+  // The pass stays enqueued: its per-token losses go to a pinned slot of their own (an
+  // asynchronous copy), and TakeLosses synchronises once for all the step's micro-batches.
+  absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
+                                       uint64_t seed) override {
+    const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+    if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+    PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale, dropout));
+    Begin();
+    PTK_RETURN_IF_ERROR(RunForward(train, seed));
+    PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
+    PTK_RETURN_IF_ERROR(RunBackward(train, seed));
+    const size_t k = pending_losses_, n = static_cast<size_t>(n_);
+    if (loss_slots_.size() <= k) loss_slots_.push_back(std::make_unique<Pinned>());
+    if (pending_masks_.size() <= k) pending_masks_.resize(k + 1);
+    PTK_RETURN_IF_ERROR(loss_slots_[k]->Reserve(n * sizeof(float)));  // slot k holds no pending copy
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(loss_slots_[k]->template at<float>(0), Buf<float>(plan_.losses),
+                                             n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
+                             "copying the losses to the host");
+    pending_masks_[k].assign(batch.loss_mask, batch.loss_mask + n);
+    pending_losses_ = k + 1;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<LossSum> TakeLosses() override {
+    const size_t k = pending_losses_;
+    pending_losses_ = 0;
+    if (k == 0) return LossSum{};
+    PTK_RETURN_IF_ERROR(Sync(fmt::format("the passes over {} micro-batches of {}x{}", k, b_, t_)));
+    LossSum total;
+    for (size_t i = 0; i < k; ++i) {
+      const LossSum s = SumLosses(loss_slots_[i]->template at<float>(0), pending_masks_[i]);
+      total.loss_sum += s.loss_sum;
+      total.tokens += s.tokens;
+    }
+    return total;
   }
 
   absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits) override {
@@ -713,8 +752,13 @@ class CudaGPTModelImpl final : public GPTModel {
           cudaMemsetAsync(arena_, 0, static_cast<size_t>(plan_[plan_.workspace].offset), ctx_.stream),
           "zeroing the model's memory");
     }
-    PTK_RETURN_IF_ERROR(
-        pinned_.Reserve(static_cast<size_t>(InputBytes(plan_.n) + StreamTableSize(config().num_layers, plan_.b) * 8)));
+    for (int i = 0; i < 2; ++i) {
+      PTK_RETURN_IF_ERROR(pinned_[i].Reserve(
+          static_cast<size_t>(InputBytes(plan_.n) + StreamTableSize(config().num_layers, plan_.b) * 8)));
+      if (!inputs_copied_[i])
+        PTK_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&inputs_copied_[i], cudaEventDisableTiming),
+                                 "creating an input-copy event");
+    }
     PTK_RETURN_IF_ERROR(losses_.Reserve(static_cast<size_t>(plan_.n) * sizeof(float)));
     PTK_RETURN_IF_ERROR(embedding_plan_.Reserve(plan_.n));
     return Sync("planning device memory");
@@ -731,20 +775,22 @@ class CudaGPTModelImpl final : public GPTModel {
     n_ = batch.b * batch.t;
     const size_t n = static_cast<size_t>(n_);
     const int64_t stride = AlignUp(static_cast<int64_t>(n) * 4);
-    // The stream is idle here (the previous pass synchronised reading its losses): the pinned
-    // buffer can be refilled.
-    std::memcpy(pinned_.at<int32_t>(0), batch.tokens, n * 4);
-    std::memcpy(pinned_.at<int32_t>(stride), batch.labels, n * 4);
-    std::memcpy(pinned_.at<int32_t>(2 * stride), batch.position_ids, n * 4);
-    float* w = pinned_.at<float>(3 * stride);
+    // This slot's previous copy to the device (two micro-batches ago) must have run before the
+    // slot is refilled; the stream may still be busy with the previous pass.
+    Pinned& pinned = pinned_[input_slot_];
+    PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(inputs_copied_[input_slot_]), "waiting for an input slot");
+    std::memcpy(pinned.at<int32_t>(0), batch.tokens, n * 4);
+    std::memcpy(pinned.at<int32_t>(stride), batch.labels, n * 4);
+    std::memcpy(pinned.at<int32_t>(2 * stride), batch.position_ids, n * 4);
+    float* w = pinned.at<float>(3 * stride);
     for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
     const int64_t in_bytes = InputBytes(n_);
-    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<char>(plan_.inputs), pinned_.at<char>(0),
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<char>(plan_.inputs), pinned.at<char>(0),
                                              static_cast<size_t>(in_bytes), cudaMemcpyHostToDevice, ctx_.stream),
                              fmt::format("copying a {}x{} micro-batch to the device", b_, t_));
     if (dropout) {
       const int64_t L = config().num_layers;
-      uint64_t* table = pinned_.at<uint64_t>(static_cast<size_t>(in_bytes));
+      uint64_t* table = pinned.at<uint64_t>(static_cast<size_t>(in_bytes));
       for (int64_t l = 0; l <= L; ++l)
         for (int64_t site = 0; site < 4; ++site)
           for (int64_t r = 0; r < b_; ++r)
@@ -763,6 +809,8 @@ class CudaGPTModelImpl final : public GPTModel {
         for (int64_t r = 0; r < b_; ++r)
           flash_keys_[static_cast<size_t>(l * b_ + r)] = table[StreamIndex(l, kAttentionProbs, b_) + r];
     }
+    PTK_CUDA_RETURN_IF_ERROR(cudaEventRecord(inputs_copied_[input_slot_], ctx_.stream), "marking an input slot");
+    input_slot_ ^= 1;
     tokens_host_ = batch.tokens;
     positions_host_ = batch.position_ids;
     return absl::OkStatus();
@@ -1012,11 +1060,14 @@ class CudaGPTModelImpl final : public GPTModel {
         cudaMemcpyAsync(host, Buf<float>(plan_.losses), n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
         "copying the losses to the host");
     PTK_RETURN_IF_ERROR(Sync(fmt::format("the pass over a {}x{} micro-batch", b_, t_)));
+    return SumLosses(host, std::span<const float>(batch.loss_mask, n));
+  }
+  static LossSum SumLosses(const float* host, std::span<const float> mask) {
     LossSum s;
-    for (size_t i = 0; i < n; ++i) {
-      if (batch.loss_mask[i] == 0.0f) continue;
-      s.loss_sum += static_cast<double>(host[i]) * batch.loss_mask[i];
-      s.tokens += batch.loss_mask[i];
+    for (size_t i = 0; i < mask.size(); ++i) {
+      if (mask[i] == 0.0f) continue;
+      s.loss_sum += static_cast<double>(host[i]) * mask[i];
+      s.tokens += mask[i];
     }
     return s;
   }
@@ -1026,7 +1077,15 @@ class CudaGPTModelImpl final : public GPTModel {
   std::string device_name_;
   MemoryPlan plan_;
   char* arena_ = nullptr;
-  Pinned pinned_, losses_;
+  // The micro-batch inputs in two pinned slots, used in turn: a slot is refilled once the copy
+  // out of it (recorded by its event) has run, so the host need not wait for the previous pass.
+  Pinned pinned_[2], losses_;
+  cudaEvent_t inputs_copied_[2] = {nullptr, nullptr};
+  int input_slot_ = 0;
+  // ForwardBackwardDeferred's per-token losses (a pinned slot per pending micro-batch) and masks.
+  std::vector<std::unique_ptr<Pinned>> loss_slots_;
+  std::vector<std::vector<float>> pending_masks_;
+  size_t pending_losses_ = 0;
   int64_t b_ = 0, t_ = 0, n_ = 0;
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;
