@@ -303,6 +303,45 @@ TEST(CudaModel, DeferredLossesMatchPerMicroBatchLossesBitwise) {
   }
 }
 
+// One step's loss and gradients of two CUDA models, one with a fused path and one with its unfused
+// oracle (CudaModelOptions::unfused), deterministic: equal bits, or within a relative L2 of `tol`
+// per tensor (and `tol` relative on the loss) where the arithmetic differs.
+void ExpectFusedMatchesUnfused(const GPTConfig& c, Precision p, const cuda::CudaModelOptions& unfused, double tol) {
+  Batches data(2, c.vocab_size);
+  auto fused = Cuda(c, p);
+  auto oracle = Cuda(c, p, true, unfused);
+  ASSERT_TRUE(fused && oracle);
+  ASSERT_TRUE(fused->ZeroGrads().ok() && oracle->ZeroGrads().ok());
+  for (int k = 0; k < 2; ++k) {
+    auto a = fused->ForwardBackward(data.Get(k), 1.0 / 400, /*train=*/true, 3);
+    auto b = oracle->ForwardBackward(data.Get(k), 1.0 / 400, /*train=*/true, 3);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    if (tol == 0)
+      EXPECT_EQ(a->loss_sum, b->loss_sum) << PrecisionName(p);
+    else
+      EXPECT_NEAR(a->loss_sum, b->loss_sum, tol * b->loss_sum) << PrecisionName(p);
+  }
+  std::vector<float> ga(static_cast<size_t>(fused->num_params())), gb(ga.size());
+  ASSERT_TRUE(fused->ReadGrads(ga).ok() && oracle->ReadGrads(gb).ok());
+  if (tol == 0) {
+    EXPECT_EQ(ga, gb) << PrecisionName(p);
+    return;
+  }
+  for (const ParamInfo& info : fused->params_info())
+    EXPECT_LT(RelL2(ga.data() + info.offset, gb.data() + info.offset, info.size), tol)
+        << info.name << " " << PrecisionName(p);
+}
+
+// The residual gradient passed to the branches' products where no dropout runs, against the copy
+// the unfused backward made: the same arithmetic, so the same bits (with dropout both copy).
+TEST(CudaModel, ResidualGradPassThroughMatchesCopyBitwise) {
+  cuda::CudaModelOptions unfused;
+  unfused.unfused.residual_grad_copy = true;
+  for (bool dropout : {false, true})
+    for (Precision p : {Precision::kFp32, Precision::kBf16})
+      ExpectFusedMatchesUnfused(SmallConfig(dropout), p, unfused, 0.0);
+}
+
 // The LM head in chunks of rows (the budget from free memory never splits these small shapes): a
 // budget of 100 rows splits a 4x64 micro-batch's 256 rows into balanced chunks of 86, 85 and 85
 // (the plan's arithmetic: cuda_memory_plan_test LogitsBudgetSplitsTheHeadIntoBalancedChunks). Loss,

@@ -119,6 +119,7 @@ class CudaGPTModelImpl final : public GPTModel {
     profile_ = profile;
     sync_ops_ = options.sync_ops;
     logits_budget_bytes_ = options.logits_budget_bytes;
+    unfused_ = options.unfused;
     if (logits_budget_bytes_ < 0)
       return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
     const int visible = VisibleDeviceCount();
@@ -978,12 +979,9 @@ class CudaGPTModelImpl final : public GPTModel {
       layer_ = l;
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
-      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
-                               "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Op("copies", "copies", absl::OkStatus()));
-      PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout backward", Dropout(dtmp, l, kMlpOutDropout, hp, seed)));
+      PTK_ASSIGN_OR_RETURN(const T* dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
       PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
-                             MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dtmp, Act(plan_.gelu, l, n * f),
+                             MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f),
                                                Compute(lp.fc2_w), n, f, c, ctx_)));
       PTK_RETURN_IF_ERROR(
           Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
@@ -996,13 +994,10 @@ class CudaGPTModelImpl final : public GPTModel {
                                   Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
                                   Buf<float>(plan_.ln_scratch), ctx_)));
       // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
-      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
-                               "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Op("copies", "copies", absl::OkStatus()));
-      PTK_RETURN_IF_ERROR(
-          Op("dropout", "attention-out dropout backward", Dropout(dtmp, l, kAttentionOutDropout, hp, seed)));
+      PTK_ASSIGN_OR_RETURN(const T* dproj,
+                           BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
       PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
-                             MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * c),
+                             MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * c),
                                                Compute(lp.proj_w), n, c, c, ctx_)));
       PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
       PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
@@ -1023,6 +1018,21 @@ class CudaGPTModelImpl final : public GPTModel {
                              n, c, cf.padded_vocab_size, cf.max_position_embeddings, &embedding_plan_, ctx_)));
     GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
     return absl::OkStatus();
+  }
+
+  // The gradient a residual branch's backward starts from: the residual gradient itself where no
+  // dropout runs on the branch's output (its product reads it before the LayerNorm's backward adds
+  // to it), else a copy with the dropout mask applied. CudaModelOptions::unfused.residual_grad_copy
+  // copies in every case (the oracle).
+  absl::StatusOr<const T*> BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, int64_t site, double p,
+                                      uint64_t seed) {
+    if (p <= 0.0 && !unfused_.residual_grad_copy) return dresid;
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
+                             "copying the residual gradient");
+    PTK_RETURN_IF_ERROR(Op("copies", "residual gradient copy", absl::OkStatus()));
+    PTK_RETURN_IF_ERROR(Op("dropout", site == kMlpOutDropout ? "mlp-out dropout backward" : "attention-out dropout backward",
+                           Dropout(dtmp, l, site, p, seed)));
+    return dtmp;
   }
 
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
@@ -1108,6 +1118,7 @@ class CudaGPTModelImpl final : public GPTModel {
   bool profile_ = false;
   bool sync_ops_ = false;            // PTK_CUDA_SYNC_OPS=1: CudaModelOptions::sync_ops
   int64_t logits_budget_bytes_ = 0;  // CudaModelOptions::logits_budget_bytes (0: the plan's default)
+  CudaModelOptions::Unfused unfused_;
   // What OpWhere names: the layer being run (-1: none), the LM head's chunk of rows.
   int64_t layer_ = -1, head_row0_ = 0, head_rows_ = 0;
   int64_t profiled_steps_ = 0;
