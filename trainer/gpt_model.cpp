@@ -209,4 +209,9 @@ absl::StatusOr<LossSum> GPTModel::TakeLosses() {
   return s;
 }
 
+absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) {
+  if (grad_scale != 1.0) PTK_RETURN_IF_ERROR(ScaleGrads(grad_scale));
+  return AdamWUpdate(decay, no_decay);
+}
+
 }  // namespace ptk

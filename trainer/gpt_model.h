@@ -160,6 +160,10 @@ class GPTModel {
   // AdamW over the range the model updates (every tensor, or their parts in the shard's range):
   // `decay` for weights, `no_decay` for those marked no_weight_decay.
   virtual absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) = 0;
+  // The gradients scaled by grad_scale (unscaling and clipping), then AdamW: ScaleGrads (skipped
+  // at 1) and AdamWUpdate by default; a backend may fold the scale into the update's one pass (the
+  // same bits; the gradient buffer may then keep the unscaled gradients).
+  virtual absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay);
 
   // ---- ZeRO-1 (--use-distributed-optimizer). From this call on the model keeps AdamW's moments
   // for shard.begin()..shard.end() only (zero), and ScaleGrads / AdamWUpdate / Read/WriteMoments

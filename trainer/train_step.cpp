@@ -132,12 +132,11 @@ absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_si
     const double coeff = config_.clip_grad / (r.grad_norm + 1e-6);
     if (coeff < 1.0) factor *= coeff;
   }
-  if (factor != 1.0) PTK_RETURN_IF_ERROR(model_->ScaleGrads(factor));
   ++adam_step_;
   AdamWParams a{r.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, scheduler_.weight_decay(), adam_step_};
   AdamWParams no_wd = a;
   no_wd.weight_decay = 0.0;
-  PTK_RETURN_IF_ERROR(model_->AdamWUpdate(a, no_wd));
+  PTK_RETURN_IF_ERROR(model_->ScaledAdamWUpdate(factor, a, no_wd));
   // ZeRO-1: each rank updated its shard; every rank needs all of them for the next forward.
   if (model_->shard()) PTK_RETURN_IF_ERROR(model_->AllGatherParams(comm_));
   scheduler_.Step(global_batch_size);

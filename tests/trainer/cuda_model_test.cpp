@@ -342,6 +342,46 @@ TEST(CudaModel, ResidualGradPassThroughMatchesCopyBitwise) {
       ExpectFusedMatchesUnfused(SmallConfig(dropout), p, unfused, 0.0);
 }
 
+// The optimizer as one AdamW launch over the table of pieces with the unscale/clip factor folded
+// in, against a scaling pass and one launch per tensor: the same fp32 arithmetic (g * factor, then
+// AdamWElement), so the same parameter and moment bits over five steps with clipping active
+// (clip 0.05), in fp32, bf16 and fp16 with dynamic loss scaling, whole and under a one-rank ZeRO-1
+// shard.
+TEST(CudaModel, MultiTensorAdamWMatchesPerTensorBitwise) {
+  const GPTConfig c = SmallConfig(/*dropout=*/false);
+  Batches data(5, c.vocab_size);
+  cuda::CudaModelOptions per_tensor;
+  per_tensor.unfused.adamw_per_tensor = true;
+  for (bool sharded : {false, true})
+    for (Precision p : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
+      std::vector<std::vector<float>> params, moments;
+      for (const cuda::CudaModelOptions& o : {cuda::CudaModelOptions{}, per_tensor}) {
+        auto model = Cuda(c, p, true, o);
+        ASSERT_TRUE(model);
+        if (sharded) {
+          ASSERT_TRUE(model->ShardOptimizerState(*ParamShard::Create(model->num_params(), 1, 0)).ok());
+        }
+        auto comm = MakeLocalCommunicator();
+        LossScaleConfig ls;
+        if (p == Precision::kFp16) ls.scale = 65536, ls.dynamic = true;
+        TrainStep opt(model.get(), OptimizerConfig{0.9, 0.95, 1e-8, 0.05}, Schedule(), comm.get(), ls);
+        for (int i = 0; i < 5; ++i) {
+          auto r = opt.Step({data.Get(i)}, data.b, 7);
+          ASSERT_TRUE(r.ok()) << r.status();
+        }
+        std::vector<float> w(static_cast<size_t>(model->num_params())), m(static_cast<size_t>(model->moments_size())),
+            v(m.size());
+        ASSERT_TRUE(model->ReadOwnedParams(w).ok());
+        ASSERT_TRUE(model->ReadMoments(m, v).ok());
+        params.push_back(w);
+        m.insert(m.end(), v.begin(), v.end());
+        moments.push_back(m);
+      }
+      EXPECT_EQ(params[0], params[1]) << PrecisionName(p) << (sharded ? " sharded" : "");
+      EXPECT_EQ(moments[0], moments[1]) << PrecisionName(p) << (sharded ? " sharded" : "");
+    }
+}
+
 // The LM head in chunks of rows (the budget from free memory never splits these small shapes): a
 // budget of 100 rows splits a 4x64 micro-batch's 256 rows into balanced chunks of 86, 85 and 85
 // (the plan's arithmetic: cuda_memory_plan_test LogitsBudgetSplitsTheHeadIntoBalancedChunks). Loss,

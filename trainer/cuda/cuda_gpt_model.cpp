@@ -18,6 +18,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "trainer/counter_rng.h"
+#include "trainer/cuda/adamw_table.h"
 #include "trainer/cuda/cuda_common.h"
 #include "trainer/cuda/cuda_versions.h"
 #include "trainer/cuda/memory_plan.h"
@@ -108,6 +109,7 @@ class CudaGPTModelImpl final : public GPTModel {
     for (cudaEvent_t e : inputs_copied_)
       if (e) cudaEventDestroy(e);
     if (arena_) cudaFree(arena_);
+    if (adamw_table_) cudaFree(adamw_table_);
     if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
     if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
     if (ctx_.cublas) cublasDestroy(ctx_.cublas);
@@ -350,6 +352,31 @@ class CudaGPTModelImpl final : public GPTModel {
     return Op("grad scale", "grad scale", Scale(Grad(moments_begin()), moments_size(), static_cast<float>(s), ctx_));
   }
 
+  // One launch over the table of the pieces this rank updates, the gradient scale folded in.
+  absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) override {
+    if (unfused_.adamw_per_tensor) return GPTModel::ScaledAdamWUpdate(grad_scale, decay, no_decay);
+    const int64_t base = moments_begin();
+    if (adamw_table_size_ < 0) {
+      const std::vector<AdamWChunk> table = AdamWTable(layout(), base, base + moments_size());
+      const size_t bytes = std::max<size_t>(1, table.size()) * sizeof(AdamWChunk);
+      PTK_CUDA_RETURN_IF_ERROR(cudaMalloc(&adamw_table_, bytes), "allocating the AdamW table");
+      if (!table.empty())
+        PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(adamw_table_, table.data(), table.size() * sizeof(AdamWChunk),
+                                                 cudaMemcpyHostToDevice, ctx_.stream),
+                                 "copying the AdamW table to the device");
+      PTK_RETURN_IF_ERROR(Sync("copying the AdamW table"));
+      adamw_table_size_ = static_cast<int64_t>(table.size());
+    }
+    Begin();
+    ++profiled_steps_;
+    T* compute = kFlash ? Compute(0) : nullptr;
+    return Op("adamw", "adamw",
+              AdamWMulti<T>(adamw_table_, adamw_table_size_, Buf<float>(plan_.master),
+                            plan_.master_sharded ? master_begin_ : 0, Grad(0), Buf<float>(plan_.exp_avg),
+                            Buf<float>(plan_.exp_avg_sq), base, compute, static_cast<float>(grad_scale), decay,
+                            no_decay, ctx_));
+  }
+
   absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override {
     Begin();
     ++profiled_steps_;
@@ -378,6 +405,9 @@ class CudaGPTModelImpl final : public GPTModel {
     moment_params_ = shard.size();
     master_begin_ = shard.begin();
     master_size_ = shard.size();
+    if (adamw_table_) cudaFree(adamw_table_);
+    adamw_table_ = nullptr;
+    adamw_table_size_ = -1;  // rebuilt for the shard's range
     PTK_RETURN_IF_ERROR(Plan(plan_.b, plan_.t));
     return WriteParams(params);
   }
@@ -1119,6 +1149,9 @@ class CudaGPTModelImpl final : public GPTModel {
   bool sync_ops_ = false;            // PTK_CUDA_SYNC_OPS=1: CudaModelOptions::sync_ops
   int64_t logits_budget_bytes_ = 0;  // CudaModelOptions::logits_budget_bytes (0: the plan's default)
   CudaModelOptions::Unfused unfused_;
+  // The multi-tensor AdamW table (adamw_table.h) on the device; built at the first update.
+  AdamWChunk* adamw_table_ = nullptr;
+  int64_t adamw_table_size_ = -1;
   // What OpWhere names: the layer being run (-1: none), the LM head's chunk of rows.
   int64_t layer_ = -1, head_row0_ = 0, head_rows_ = 0;
   int64_t profiled_steps_ = 0;

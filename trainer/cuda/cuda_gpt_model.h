@@ -29,6 +29,9 @@ struct CudaModelOptions {
     // The residual gradient copied into the branch's buffer before each branch's backward even
     // where no dropout runs (fused: the branch reads the residual gradient itself).
     bool residual_grad_copy = false;
+    // The optimizer as a scaling pass over the gradients and one AdamW launch per tensor (fused:
+    // one launch over a table of pieces, the scale folded in).
+    bool adamw_per_tensor = false;
   } unfused;
 };
 
