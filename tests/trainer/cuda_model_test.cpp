@@ -342,6 +342,19 @@ TEST(CudaModel, ResidualGradPassThroughMatchesCopyBitwise) {
       ExpectFusedMatchesUnfused(SmallConfig(dropout), p, unfused, 0.0);
 }
 
+// fc2's input gradient with GELU's derivative applied in the product (cuBLASLt's DGELU epilogue,
+// aux = fc1's pre-activation) against GELU's backward as its own pass: fp32 runs the same product
+// and kernel either way (bitwise); bf16/fp16 take the derivative from the fp32 accumulator instead
+// of the product rounded to T, one rounding apart: the loss (forward) bitwise, the gradients within
+// 2e-2 (bf16) and 1e-2 (fp16) relative L2 per tensor.
+TEST(CudaModel, DgeluEpilogueMatchesSeparateGeluBackward) {
+  cuda::CudaModelOptions unfused;
+  unfused.unfused.gelu_backward = true;
+  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp32, unfused, 0.0);
+  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kBf16, unfused, 2e-2);
+  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp16, unfused, 1e-2);
+}
+
 // The optimizer as one AdamW launch over the table of pieces with the unscale/clip factor folded
 // in, against a scaling pass and one launch per tensor: the same fp32 arithmetic (g * factor, then
 // AdamWElement), so the same parameter and moment bits over five steps with clipping active

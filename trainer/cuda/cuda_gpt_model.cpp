@@ -1012,9 +1012,11 @@ class CudaGPTModelImpl final : public GPTModel {
       PTK_ASSIGN_OR_RETURN(const T* dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
       PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
                              MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f),
-                                               Compute(lp.fc2_w), n, f, c, ctx_)));
-      PTK_RETURN_IF_ERROR(
-          Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+                                               Compute(lp.fc2_w), n, f, c, ctx_, false,
+                                               unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
+      if (unfused_.gelu_backward)
+        PTK_RETURN_IF_ERROR(
+            Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
       PTK_RETURN_IF_ERROR(Op("matmul", "fc1 backward",
                              MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
                                                Compute(lp.fc1_w), n, c, f, ctx_)));

@@ -32,6 +32,9 @@ struct CudaModelOptions {
     // The optimizer as a scaling pass over the gradients and one AdamW launch per tensor (fused:
     // one launch over a table of pieces, the scale folded in).
     bool adamw_per_tensor = false;
+    // GELU's backward as its own pass over fc1's output (fused: fc2's input gradient through
+    // cuBLASLt's DGELU epilogue in bf16/fp16).
+    bool gelu_backward = false;
   } unfused;
 };
 

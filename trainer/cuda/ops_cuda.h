@@ -27,10 +27,15 @@ absl::Status MatmulForward(T* out, const T* inp, const T* w, const T* bias, int6
                            const CudaContext& ctx, T* gelu_out = nullptr);
 // dinp(n, ic) = dout @ w  (assigned when accumulate_dinp is false, else added);
 // dw(oc, ic) += dout^T @ inp in fp32; dbias(oc) += column sums of dout in fp32.
-// dinp or dbias may be null.
+// dinp or dbias may be null. With gelu_pre (the (n, ic) pre-activation of a GELU whose output was
+// inp of this product; not with accumulate_dinp), dinp = (dout @ w) * gelu'(gelu_pre): in bf16/fp16
+// through cuBLASLt's DGELU epilogue (aux = gelu_pre: the derivative taken from the fp32
+// accumulator, one rounding), else (fp32, or no algorithm) the product then GeluBackward (the
+// product rounded to T first).
 template <typename T>
 absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, const T* inp, const T* w, int64_t n,
-                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp = false);
+                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp = false,
+                            const T* gelu_pre = nullptr);
 
 // ---- layernorm_cuda.cu -------------------------------------------------------------------------
 // out(n, c) = (inp - mean) * rstd * w + b with fp32 statistics mean(n), rstd(n); w, b fp32 (the
