@@ -355,6 +355,18 @@ TEST(CudaModel, DgeluEpilogueMatchesSeparateGeluBackward) {
   ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp16, unfused, 1e-2);
 }
 
+// LayerNorm's backward with a warp per row (four rows in flight per block, the row sums by warp
+// shuffles, each warp's dw/db partials added in warp order) against the block's rows in series:
+// the same terms summed in another fixed order, so within rounding: fp32 1e-5, bf16/fp16 1e-2
+// relative L2 per tensor (the loss, a forward value, bitwise). Both deterministic.
+TEST(CudaModel, WarpPerRowLayerNormBackwardMatchesRowsInSeries) {
+  cuda::CudaModelOptions unfused;
+  unfused.unfused.layernorm_rows_in_series = true;
+  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp32, unfused, 1e-5);
+  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kBf16, unfused, 1e-2);
+  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp16, unfused, 1e-2);
+}
+
 // The optimizer as one AdamW launch over the table of pieces with the unscale/clip factor folded
 // in, against a scaling pass and one launch per tensor: the same fp32 arithmetic (g * factor, then
 // AdamWElement), so the same parameter and moment bits over five steps with clipping active

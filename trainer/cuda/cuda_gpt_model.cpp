@@ -21,6 +21,7 @@
 #include "trainer/cuda/adamw_table.h"
 #include "trainer/cuda/cuda_common.h"
 #include "trainer/cuda/cuda_versions.h"
+#include "trainer/cuda/layernorm_oracle.h"
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
 
@@ -1001,7 +1002,7 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
     PTK_RETURN_IF_ERROR(
         Op("layernorm", "final ln backward",
-           LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Ln(pl.lnf_w),
+           LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Ln(pl.lnf_w),
                                 Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
                                 Buf<float>(plan_.ln_scratch), ctx_)));
     GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
@@ -1022,7 +1023,7 @@ class CudaGPTModelImpl final : public GPTModel {
                                                Compute(lp.fc1_w), n, c, f, ctx_)));
       PTK_RETURN_IF_ERROR(
           Op("layernorm", "ln2 backward",
-             LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
+             LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
                                   Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
                                   Buf<float>(plan_.ln_scratch), ctx_)));
       // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
@@ -1037,7 +1038,7 @@ class CudaGPTModelImpl final : public GPTModel {
                                                Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
       PTK_RETURN_IF_ERROR(
           Op("layernorm", "ln1 backward",
-             LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c), Ln(lp.ln1_w),
+             LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c), Ln(lp.ln1_w),
                                   Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
                                   Buf<float>(plan_.ln_scratch), ctx_)));
       GradsReady(static_cast<size_t>(L - l));  // layer l
@@ -1065,6 +1066,14 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_RETURN_IF_ERROR(Op("dropout", site == kMlpOutDropout ? "mlp-out dropout backward" : "attention-out dropout backward",
                            Dropout(dtmp, l, site, p, seed)));
     return dtmp;
+  }
+
+  // LayerNormBackward, or its rows-in-series oracle (CudaModelOptions::unfused).
+  absl::Status LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w, const float* mean,
+                          const float* rstd, int64_t n, int64_t c, float* scratch, const CudaContext& ctx) {
+    if (unfused_.layernorm_rows_in_series)
+      return LayerNormBackwardRowsInSeries<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
+    return LayerNormBackward<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
   }
 
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {

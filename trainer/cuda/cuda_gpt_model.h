@@ -35,6 +35,8 @@ struct CudaModelOptions {
     // GELU's backward as its own pass over fc1's output (fused: fc2's input gradient through
     // cuBLASLt's DGELU epilogue in bf16/fp16).
     bool gelu_backward = false;
+    // LayerNorm's backward with a block's rows in series (fused: a warp per row, four in flight).
+    bool layernorm_rows_in_series = false;
   } unfused;
 };
 
