@@ -578,5 +578,22 @@ TEST(CudaModel, SyncOpsChangesNothingAndTheProfileCountsFallbacks) {
   }
 }
 
+// --ptk-profile-ops splits out the optimizer (one AdamW launch, the scale folded in) and the copies
+// (the micro-batch's inputs to the device, its losses to the host) even where no dropout copies the
+// residual gradient.
+TEST(CudaModel, ProfileReportsTheOptimizerAndTheCopies) {
+  const GPTConfig c = SmallConfig(/*dropout=*/false);
+  Batches data(1, c.vocab_size);
+  auto m = Cuda(c, Precision::kBf16, true, {}, /*profile=*/true);
+  ASSERT_TRUE(m && m->ZeroGrads().ok());
+  ASSERT_TRUE(m->ForwardBackwardDeferred(data.Get(0), 1.0 / 200, true, 3).ok());
+  ASSERT_TRUE(m->TakeLosses().ok());
+  const AdamWParams a{1e-3, 0.9, 0.95, 1e-8, 0.1, 1};
+  ASSERT_TRUE(m->ScaledAdamWUpdate(0.5, a, a).ok());
+  const std::string report = m->ProfileReport();
+  EXPECT_NE(report.find("  adamw "), std::string::npos) << report;
+  EXPECT_NE(report.find("  copies "), std::string::npos) << report;
+}
+
 }  // namespace
 }  // namespace ptk

@@ -241,6 +241,7 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(loss_slots_[k]->template at<float>(0), Buf<float>(plan_.losses),
                                              n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
                              "copying the losses to the host");
+    PTK_RETURN_IF_ERROR(Op("copies", "loss copy", absl::OkStatus()));
     pending_masks_[k].assign(batch.loss_mask, batch.loss_mask + n);
     pending_losses_ = k + 1;
     return absl::OkStatus();
@@ -810,6 +811,7 @@ class CudaGPTModelImpl final : public GPTModel {
     // This slot's previous copy to the device (two micro-batches ago) must have run before the
     // slot is refilled; the stream may still be busy with the previous pass.
     Pinned& pinned = pinned_[input_slot_];
+    if (profile_) RecordMark(nullptr);  // the copies below are timed from here ("copies")
     PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(inputs_copied_[input_slot_]), "waiting for an input slot");
     std::memcpy(pinned.at<int32_t>(0), batch.tokens, n * 4);
     std::memcpy(pinned.at<int32_t>(stride), batch.labels, n * 4);
@@ -841,6 +843,7 @@ class CudaGPTModelImpl final : public GPTModel {
         for (int64_t r = 0; r < b_; ++r)
           flash_keys_[static_cast<size_t>(l * b_ + r)] = table[StreamIndex(l, kAttentionProbs, b_) + r];
     }
+    PTK_RETURN_IF_ERROR(Op("copies", "input copy", absl::OkStatus()));
     PTK_CUDA_RETURN_IF_ERROR(cudaEventRecord(inputs_copied_[input_slot_], ctx_.stream), "marking an input slot");
     input_slot_ ^= 1;
     tokens_host_ = batch.tokens;
@@ -1110,6 +1113,7 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(host, Buf<float>(plan_.losses), n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
         "copying the losses to the host");
+    PTK_RETURN_IF_ERROR(Op("copies", "loss copy", absl::OkStatus()));
     PTK_RETURN_IF_ERROR(Sync(fmt::format("the pass over a {}x{} micro-batch", b_, t_)));
     return SumLosses(host, std::span<const float>(batch.loss_mask, n));
   }
