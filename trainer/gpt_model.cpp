@@ -198,4 +198,23 @@ absl::Status ValidateBatch(const GPTConfig& cf, const ModelBatch& batch) {
   return absl::OkStatus();
 }
 
+absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
+                                               uint64_t seed) {
+  PTK_ASSIGN_OR_RETURN(const LossSum s, ForwardBackward(batch, loss_scale, train, seed));
+  deferred_.loss_sum += s.loss_sum;
+  deferred_.tokens += s.tokens;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LossSum> GPTModel::TakeLosses() {
+  const LossSum s = deferred_;
+  deferred_ = LossSum{};
+  return s;
+}
+
+absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) {
+  if (grad_scale != 1.0) PTK_RETURN_IF_ERROR(ScaleGrads(grad_scale));
+  return AdamWUpdate(decay, no_decay);
+}
+
 }  // namespace ptk

@@ -137,6 +137,15 @@ class GPTModel {
   // d(loss_scale * sum(loss * mask)) to the fp32 gradients. `train` applies dropout (keyed by seed).
   virtual absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
                                                   uint64_t seed) = 0;
+  // ForwardBackward whose loss is kept for TakeLosses instead of returned: a backend may leave the
+  // pass enqueued (CUDA: no host synchronisation per micro-batch; the losses are read once a step).
+  // This default runs ForwardBackward and keeps its LossSum.
+  virtual absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
+                                               uint64_t seed);
+  // The losses of the ForwardBackwardDeferred calls since the last TakeLosses, each micro-batch's
+  // LossSum (ForwardBackward's bits) added in call order from zero; waits for their passes. An
+  // error of any of them is returned here, and the pending losses are dropped either way.
+  virtual absl::StatusOr<LossSum> TakeLosses();
   // Forward only (evaluation, no dropout). With `logits`, the (b, t, padded vocab) logits are
   // copied out as fp32.
   virtual absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits = nullptr) = 0;
@@ -151,6 +160,10 @@ class GPTModel {
   // AdamW over the range the model updates (every tensor, or their parts in the shard's range):
   // `decay` for weights, `no_decay` for those marked no_weight_decay.
   virtual absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) = 0;
+  // The gradients scaled by grad_scale (unscaling and clipping), then AdamW: ScaleGrads (skipped
+  // at 1) and AdamWUpdate by default; a backend may fold the scale into the update's one pass (the
+  // same bits; the gradient buffer may then keep the unscaled gradients).
+  virtual absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay);
 
   // ---- ZeRO-1 (--use-distributed-optimizer). From this call on the model keeps AdamW's moments
   // for shard.begin()..shard.end() only (zero), and ScaleGrads / AdamWUpdate / Read/WriteMoments
@@ -206,6 +219,7 @@ class GPTModel {
  private:
   std::vector<GradRange> ready_order_;
   BucketTracker tracker_;
+  LossSum deferred_;  // ForwardBackwardDeferred's default
 };
 
 // Checks a batch against the configuration (shape, token and position ids in range): a token id

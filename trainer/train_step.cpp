@@ -92,15 +92,20 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     // --overlap-grad-reduce: the last micro-batch's backward starts each bucket's reduction.
     const bool arm = overlap && k + 1 == micro_batches.size();
     if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
-    absl::StatusOr<LossSum> s = model_->ForwardBackward(mb, scale * r.loss_scale, /*train=*/true, seed);
+    // The losses are read once, after the last micro-batch (TakeLosses).
+    absl::Status s = model_->ForwardBackwardDeferred(mb, scale * r.loss_scale, /*train=*/true, seed);
     if (arm) {
       absl::Status reduced = model_->FinishGradReduction();
-      if (s.ok() && !reduced.ok()) return reduced;
+      if (s.ok() && !reduced.ok()) s = reduced;
     }
-    if (!s.ok()) return s.status();
-    local[0] += s->loss_sum;
-    local[1] += s->tokens;
+    if (!s.ok()) {
+      (void)model_->TakeLosses();  // drop what the failed step left pending
+      return s;
+    }
   }
+  PTK_ASSIGN_OR_RETURN(const LossSum losses, model_->TakeLosses());
+  local[0] = losses.loss_sum;
+  local[1] = losses.tokens;
   // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
   // summed over the ranks, the rest left alone.
   if (!overlap && model_->shard()) PTK_RETURN_IF_ERROR(model_->ReduceScatterGrads(comm_));
@@ -135,12 +140,11 @@ absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_si
     const double coeff = config_.clip_grad / (r.grad_norm + 1e-6);
     if (coeff < 1.0) factor *= coeff;
   }
-  if (factor != 1.0) PTK_RETURN_IF_ERROR(model_->ScaleGrads(factor));
   ++adam_step_;
   AdamWParams a{r.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, scheduler_.weight_decay(), adam_step_};
   AdamWParams no_wd = a;
   no_wd.weight_decay = 0.0;
-  PTK_RETURN_IF_ERROR(model_->AdamWUpdate(a, no_wd));
+  PTK_RETURN_IF_ERROR(model_->ScaledAdamWUpdate(factor, a, no_wd));
   // ZeRO-1: each rank updated its shard; every rank needs all of them for the next forward.
   if (model_->shard()) PTK_RETURN_IF_ERROR(model_->AllGatherParams(comm_));
   scheduler_.Step(global_batch_size);

@@ -52,16 +52,16 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
     end = b.offset + b.bytes;
   }
   EXPECT_LE(end, m.total_bytes);
-  // The logits never hold more than the budget: the loss runs over chunks of rows.
+  // The logits never hold more than the given budget: the loss runs over chunks of rows.
   EXPECT_LE(m[m.logits].bytes, o.logits_budget_bytes);
   EXPECT_LT(m.logit_chunk_rows, m.n);
 }
 
 // The test hook of cuda_model_test's ChunkedLmHeadMatchesOneChunk (CudaModelOptions'
 // logits_budget_bytes, passed on as PlanOptions::logits_budget_bytes): a budget of 100 rows of
-// the padded vocabulary splits its 4x64 micro-batch (256 rows) into three ragged chunks, 100, 100
-// and 56, in fp32 and bf16.
-TEST(CudaMemoryPlan, LogitsBudgetSplitsTheHeadIntoRaggedChunks) {
+// the padded vocabulary splits its 4x64 micro-batch (256 rows) into three balanced chunks, 86, 85
+// and 85 (fewer rows than a tile: no tile rounding), in fp32 and bf16.
+TEST(CudaMemoryPlan, LogitsBudgetSplitsTheHeadIntoBalancedChunks) {
   GPTConfig c;
   c.num_layers = 2;
   c.hidden_size = 64;
@@ -79,11 +79,87 @@ TEST(CudaMemoryPlan, LogitsBudgetSplitsTheHeadIntoRaggedChunks) {
     o.logits_budget_bytes = 100 * 1024 * (p == Precision::kFp32 ? 4 : 2);
     const MemoryPlan m = MustPlan(c, o);
     EXPECT_EQ(m.logit_chunk_rows, 100);
-    std::vector<int64_t> chunks;  // RunHead's loop
-    for (int64_t r0 = 0; r0 < m.n; r0 += m.logit_chunk_rows) chunks.push_back(std::min(m.logit_chunk_rows, m.n - r0));
-    EXPECT_EQ(chunks, (std::vector<int64_t>{100, 100, 56}));
+    EXPECT_EQ(LogitChunks(m.n, m.logit_chunk_rows), (std::vector<int64_t>{86, 85, 85}));
     EXPECT_EQ(m[m.logits].bytes, o.logits_budget_bytes);
   }
+}
+
+// The chunks: as few as the buffer allows, balanced, whole tiles but for what n lacks of a tile
+// at the end; never the old ragged tail (16384 rows under 2668-row chunks left 376).
+TEST(CudaMemoryPlan, LogitChunksAreBalancedWholeTiles) {
+  EXPECT_EQ(LogitChunks(16384, 16384), (std::vector<int64_t>{16384}));
+  EXPECT_EQ(LogitChunks(16384, 100000), (std::vector<int64_t>{16384}));
+  EXPECT_EQ(LogitChunks(0, 100), (std::vector<int64_t>{}));
+  // 256 MiB of bf16 rows of 50304: 2668 rows, 20 tiles; 128 tiles in 7 chunks of 19 or 18.
+  EXPECT_EQ(LogitChunks(16384, 2668), (std::vector<int64_t>{2432, 2432, 2304, 2304, 2304, 2304, 2304}));
+  // n not a whole number of tiles: only the last chunk is short, by less than a tile.
+  EXPECT_EQ(LogitChunks(1000, 512), (std::vector<int64_t>{512, 488}));
+  EXPECT_EQ(LogitChunks(1100, 512), (std::vector<int64_t>{384, 384, 332}));
+  for (int64_t n : {1, 127, 128, 129, 1000, 4097, 16384, 65536 + 17})
+    for (int64_t cap : {1, 7, 100, 128, 200, 1000, 2668, 8192}) {
+      const std::vector<int64_t> chunks = LogitChunks(n, cap);
+      int64_t sum = 0, lo = n, hi = 0;
+      for (int64_t r : chunks) {
+        EXPECT_GE(r, 1);
+        EXPECT_LE(r, cap);
+        sum += r;
+        lo = std::min(lo, r);
+        hi = std::max(hi, r);
+      }
+      EXPECT_EQ(sum, n) << n << " " << cap;
+      EXPECT_EQ(static_cast<int64_t>(chunks.size()), (n + cap - 1) / cap > 1 && cap >= kLogitRowTile
+                                                          ? ((n + kLogitRowTile - 1) / kLogitRowTile +
+                                                             cap / kLogitRowTile - 1) /
+                                                                (cap / kLogitRowTile)
+                                                          : (n + cap - 1) / cap)
+          << n << " " << cap;
+      if (chunks.size() > 1 && cap >= kLogitRowTile) {
+        for (size_t i = 0; i + 1 < chunks.size(); ++i) EXPECT_EQ(chunks[i] % kLogitRowTile, 0) << n << " " << cap;
+        EXPECT_LT(hi - lo, 2 * kLogitRowTile) << n << " " << cap;
+      } else {
+        EXPECT_LE(hi - lo, 1) << n << " " << cap;
+      }
+    }
+}
+
+// The budget from the device's free memory after the plan: GPT-2 124M at 16 x 1024 in bf16 on an
+// 80 GB GPU (79 GiB free) keeps all 16384 rows of logits, one chunk; with only a few GiB free the
+// logits take what the other buffers leave, in whole tiles, and the plan still fits.
+TEST(CudaMemoryPlan, LogitsBudgetFromFreeMemory) {
+  const GPTConfig c = Gpt2Small();
+  const int64_t params = ParamLayout::Create(c)->num_params;
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 16;
+  o.logits_budget_bytes = 0;
+  const int64_t gib = int64_t{1} << 30;
+  auto big = PlanMemoryWithin(c, params, o, 79 * gib);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(big->logit_chunk_rows, 16384);
+  EXPECT_EQ(LogitChunks(big->n, big->logit_chunk_rows).size(), 1u);
+  EXPECT_LE(big->total_bytes, 79 * gib - PlanHeadroomBytes(79 * gib));
+  // The other buffers take `others`; give the plan that, 3000 rows of logits and the headroom
+  // (1 GiB below 20 GiB free): 3000 rows round down to 23 tiles.
+  PlanOptions tiny = o;
+  tiny.logits_budget_bytes = 1;  // one row
+  const MemoryPlan base = MustPlan(c, tiny);
+  const int64_t row = c.padded_vocab_size * 2;
+  const int64_t others = base.total_bytes - (base[base.logits].bytes + 255) / 256 * 256;
+  const int64_t free_bytes = others + 3000 * row + gib;
+  ASSERT_LT(free_bytes, 20 * gib);
+  EXPECT_EQ(PlanHeadroomBytes(free_bytes), gib);
+  auto mid = PlanMemoryWithin(c, params, o, free_bytes);
+  ASSERT_TRUE(mid.ok()) << mid.status();
+  EXPECT_EQ(mid->logit_chunk_rows, 23 * kLogitRowTile);
+  EXPECT_LE(mid->total_bytes, free_bytes - gib);
+  EXPECT_EQ(LogitChunks(mid->n, mid->logit_chunk_rows).size(), 6u);  // 128 tiles of at most 23
+  // Too little for even the default budget: the default, and the caller reports out of memory.
+  auto small = PlanMemoryWithin(c, params, o, others);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(small->logit_chunk_rows, kDefaultLogitsBudget / row);
+  // A given budget is used as given.
+  o.logits_budget_bytes = 100 * row;
+  EXPECT_EQ(PlanMemoryWithin(c, params, o, 79 * gib)->logit_chunk_rows, 100);
 }
 
 // --use-distributed-optimizer: the parameter and gradient buffers padded to the shard layout (NCCL's

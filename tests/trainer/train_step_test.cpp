@@ -65,6 +65,37 @@ std::vector<float> TrainThreeSteps(const LossScaleConfig& ls, std::vector<StepRe
   return std::vector<float>((*model)->params(), (*model)->params() + (*model)->num_params());
 }
 
+// The step reads its losses once (ForwardBackwardDeferred, then TakeLosses): the base class's
+// default keeps each micro-batch's LossSum and adds them in call order from zero, the bits of
+// ForwardBackward's sums added by the caller; TakeLosses empties what is pending.
+TEST(DeferredLosses, TakeLossesAddsTheMicroBatchesInOrder) {
+  Fixture f;
+  auto a = CpuGPTModel::Create(f.config);
+  auto b = CpuGPTModel::Create(f.config);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE((*a)->InitWeights(7).ok() && (*b)->InitWeights(7).ok());
+  double loss = 0, tokens = 0;
+  for (uint64_t seed : {1, 2, 3}) {
+    auto s = (*a)->ForwardBackward(f.Batch(), 0.25, true, seed);
+    ASSERT_TRUE(s.ok()) << s.status();
+    loss += s->loss_sum;
+    tokens += s->tokens;
+    ASSERT_TRUE((*b)->ForwardBackwardDeferred(f.Batch(), 0.25, true, seed).ok());
+  }
+  auto taken = (*b)->TakeLosses();
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->loss_sum, loss);
+  EXPECT_EQ(taken->tokens, tokens);
+  EXPECT_EQ(tokens, 3 * 13);  // 16 tokens, 3 masked, per micro-batch
+  auto again = (*b)->TakeLosses();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->loss_sum, 0.0);
+  EXPECT_EQ(again->tokens, 0.0);
+  std::vector<float> ga(static_cast<size_t>((*a)->num_params())), gb(ga.size());
+  ASSERT_TRUE((*a)->ReadGrads(ga).ok() && (*b)->ReadGrads(gb).ok());
+  EXPECT_EQ(ga, gb);
+}
+
 TEST(LossScaling, PowerOfTwoConstantScaleChangesNoBit) {
   const std::vector<float> plain = TrainThreeSteps(LossScaleConfig{});
   LossScaleConfig scaled;

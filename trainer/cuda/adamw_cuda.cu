@@ -3,6 +3,7 @@
 // double in a fixed order, and scaling. This file is compiled with --fmad=false (CMakeLists.txt):
 // no multiply-add is contracted, so with IEEE sqrt and division (nvcc's defaults, no fast math)
 // an fp32 AdamW step gives the CPU op's bits.
+#include "trainer/cuda/adamw_table.h"
 #include "trainer/cuda/kernel_util.cuh"
 #include "trainer/cuda/ops_cuda.h"
 #include "trainer/op_math.h"
@@ -88,7 +89,55 @@ __global__ void SumPartialsKernel(double* out, const double* partials, int64_t c
   if (threadIdx.x == 0) *out = s;
 }
 
+// Block k: chunk k of the table, its elements in strides of the block (coalesced; the pieces'
+// offsets need not be 16-byte aligned).
+template <typename T>
+__global__ void AdamWMultiKernel(const AdamWChunk* table, float* master, int64_t master_shift, const float* g,
+                                 float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
+                                 AdamWCoefficients<float> decay, AdamWCoefficients<float> no_decay) {
+  const AdamWChunk chunk = table[blockIdx.x];
+  const AdamWCoefficients<float> c = chunk.no_weight_decay ? no_decay : decay;
+  for (int j = static_cast<int>(threadIdx.x); j < chunk.size; j += static_cast<int>(blockDim.x)) {
+    const int64_t i = chunk.offset + j;
+    float p = master[i - master_shift];
+    float mm = m[i - moment_shift], vv = v[i - moment_shift];
+    const float gg = g[i] * grad_scale;
+    AdamWElement(p, gg, mm, vv, c);
+    master[i - master_shift] = p;
+    m[i - moment_shift] = mm;
+    v[i - moment_shift] = vv;
+    if (p_compute != nullptr) p_compute[i] = FromFloat<T>(p);
+  }
+}
+
 }  // namespace
+
+template <typename T>
+absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift, const float* g,
+                        float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
+                        const AdamWParams& decay, const AdamWParams& no_decay, const CudaContext& ctx) {
+  auto where = [&] {
+    return fmt::format("AdamWMulti<{}>(chunks={}, step={}, lr={}, grad scale={})", kernel::TypeName<T>(), table_size,
+                       decay.step, decay.lr, grad_scale);
+  };
+  PTK_KERNEL_CHECK(kernel::CheckCount(table_size, "table_size", where));
+  if (decay.step < 1 || no_decay.step < 1) return absl::InvalidArgumentError(fmt::format("{}: the step is 1-based", where()));
+  if (table_size == 0) return absl::OkStatus();
+  if (table_size > 0x7fffffff) return absl::InvalidArgumentError(fmt::format("{}: too many chunks for one grid", where()));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(table, "table", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(master, "master", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(g, "g", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(m, "m", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(v, "v", where));
+  auto coefficients = [](const AdamWParams& a) {
+    return MakeAdamWCoefficients<float>(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step);
+  };
+  AdamWMultiKernel<T><<<static_cast<unsigned>(table_size), 256, 0, ctx.stream>>>(
+      table, master, master_shift, g, m, v, moment_shift, p_compute, grad_scale, coefficients(decay),
+      coefficients(no_decay));
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  return absl::OkStatus();
+}
 
 template <typename T>
 absl::Status AdamW(float* p, const float* g, float* m, float* v, int64_t n, const AdamWParams& a, T* p_compute,
@@ -156,7 +205,9 @@ absl::Status Scale(float* x, int64_t n, float s, const CudaContext& ctx) {
 
 #define PTK_INSTANTIATE(T)                                                                                     \
   template absl::Status AdamW<T>(float*, const float*, float*, float*, int64_t, const AdamWParams&, T*, \
-                                 const CudaContext&);
+                                 const CudaContext&);                                                  \
+  template absl::Status AdamWMulti<T>(const AdamWChunk*, int64_t, float*, int64_t, const float*, float*, float*, \
+                                      int64_t, T*, float, const AdamWParams&, const AdamWParams&, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

@@ -18,8 +18,10 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "trainer/counter_rng.h"
+#include "trainer/cuda/adamw_table.h"
 #include "trainer/cuda/cuda_common.h"
 #include "trainer/cuda/cuda_versions.h"
+#include "trainer/cuda/layernorm_oracle.h"
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
 
@@ -105,7 +107,10 @@ class CudaGPTModelImpl final : public GPTModel {
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
     for (auto& m : marks_) cudaEventDestroy(m.second);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : inputs_copied_)
+      if (e) cudaEventDestroy(e);
     if (arena_) cudaFree(arena_);
+    if (adamw_table_) cudaFree(adamw_table_);
     if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
     if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
     if (ctx_.cublas) cublasDestroy(ctx_.cublas);
@@ -117,6 +122,7 @@ class CudaGPTModelImpl final : public GPTModel {
     profile_ = profile;
     sync_ops_ = options.sync_ops;
     logits_budget_bytes_ = options.logits_budget_bytes;
+    unfused_ = options.unfused;
     if (logits_budget_bytes_ < 0)
       return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
     const int visible = VisibleDeviceCount();
@@ -217,6 +223,44 @@ class CudaGPTModelImpl final : public GPTModel {
     return Losses(batch);
   }
 
+  // The pass stays enqueued: its per-token losses go to a pinned slot of their own (an
+  // asynchronous copy), and TakeLosses synchronises once for all the step's micro-batches.
+  absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
+                                       uint64_t seed) override {
+    const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+    if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+    PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale, dropout));
+    Begin();
+    PTK_RETURN_IF_ERROR(RunForward(train, seed));
+    PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
+    PTK_RETURN_IF_ERROR(RunBackward(train, seed));
+    const size_t k = pending_losses_, n = static_cast<size_t>(n_);
+    if (loss_slots_.size() <= k) loss_slots_.push_back(std::make_unique<Pinned>());
+    if (pending_masks_.size() <= k) pending_masks_.resize(k + 1);
+    PTK_RETURN_IF_ERROR(loss_slots_[k]->Reserve(n * sizeof(float)));  // slot k holds no pending copy
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(loss_slots_[k]->template at<float>(0), Buf<float>(plan_.losses),
+                                             n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
+                             "copying the losses to the host");
+    PTK_RETURN_IF_ERROR(Op("copies", "loss copy", absl::OkStatus()));
+    pending_masks_[k].assign(batch.loss_mask, batch.loss_mask + n);
+    pending_losses_ = k + 1;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<LossSum> TakeLosses() override {
+    const size_t k = pending_losses_;
+    pending_losses_ = 0;
+    if (k == 0) return LossSum{};
+    PTK_RETURN_IF_ERROR(Sync(fmt::format("the passes over {} micro-batches of {}x{}", k, b_, t_)));
+    LossSum total;
+    for (size_t i = 0; i < k; ++i) {
+      const LossSum s = SumLosses(loss_slots_[i]->template at<float>(0), pending_masks_[i]);
+      total.loss_sum += s.loss_sum;
+      total.tokens += s.tokens;
+    }
+    return total;
+  }
+
   absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits) override {
     PTK_RETURN_IF_ERROR(Prepare(batch, 0.0, /*dropout=*/false));
     PTK_RETURN_IF_ERROR(RunForward(/*train=*/false, 0));
@@ -310,6 +354,31 @@ class CudaGPTModelImpl final : public GPTModel {
     return Op("grad scale", "grad scale", Scale(Grad(moments_begin()), moments_size(), static_cast<float>(s), ctx_));
   }
 
+  // One launch over the table of the pieces this rank updates, the gradient scale folded in.
+  absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) override {
+    if (unfused_.adamw_per_tensor) return GPTModel::ScaledAdamWUpdate(grad_scale, decay, no_decay);
+    const int64_t base = moments_begin();
+    if (adamw_table_size_ < 0) {
+      const std::vector<AdamWChunk> table = AdamWTable(layout(), base, base + moments_size());
+      const size_t bytes = std::max<size_t>(1, table.size()) * sizeof(AdamWChunk);
+      PTK_CUDA_RETURN_IF_ERROR(cudaMalloc(&adamw_table_, bytes), "allocating the AdamW table");
+      if (!table.empty())
+        PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(adamw_table_, table.data(), table.size() * sizeof(AdamWChunk),
+                                                 cudaMemcpyHostToDevice, ctx_.stream),
+                                 "copying the AdamW table to the device");
+      PTK_RETURN_IF_ERROR(Sync("copying the AdamW table"));
+      adamw_table_size_ = static_cast<int64_t>(table.size());
+    }
+    Begin();
+    ++profiled_steps_;
+    T* compute = kFlash ? Compute(0) : nullptr;
+    return Op("adamw", "adamw",
+              AdamWMulti<T>(adamw_table_, adamw_table_size_, Buf<float>(plan_.master),
+                            plan_.master_sharded ? master_begin_ : 0, Grad(0), Buf<float>(plan_.exp_avg),
+                            Buf<float>(plan_.exp_avg_sq), base, compute, static_cast<float>(grad_scale), decay,
+                            no_decay, ctx_));
+  }
+
   absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override {
     Begin();
     ++profiled_steps_;
@@ -338,6 +407,9 @@ class CudaGPTModelImpl final : public GPTModel {
     moment_params_ = shard.size();
     master_begin_ = shard.begin();
     master_size_ = shard.size();
+    if (adamw_table_) cudaFree(adamw_table_);
+    adamw_table_ = nullptr;
+    adamw_table_size_ = -1;  // rebuilt for the shard's range
     PTK_RETURN_IF_ERROR(Plan(plan_.b, plan_.t));
     return WriteParams(params);
   }
@@ -654,7 +726,7 @@ class CudaGPTModelImpl final : public GPTModel {
     o.padded_params = padded_params_;
     o.moment_params = moment_params_;
     o.layernorm_scratch_floats = LayerNormBackwardScratch(b * t, config().hidden_size);
-    if (logits_budget_bytes_ > 0) o.logits_budget_bytes = logits_budget_bytes_;
+    o.logits_budget_bytes = logits_budget_bytes_;  // 0: from the free memory (PlanMemoryWithin)
     if constexpr (kFlash) {
       // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
       // in deterministic mode): the plan makes room for the larger of it and the products'. Without
@@ -670,9 +742,14 @@ class CudaGPTModelImpl final : public GPTModel {
         o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, one);
       }
     }
-    PTK_ASSIGN_OR_RETURN(MemoryPlan plan, PlanMemory(config(), num_params(), o));
     size_t free_bytes = 0, total_bytes = 0;
     PTK_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "querying free device memory");
+    // The LM head in one chunk when the device has room for all its logits (the old allocation,
+    // about to be freed, counts as free).
+    PTK_ASSIGN_OR_RETURN(
+        MemoryPlan plan,
+        PlanMemoryWithin(config(), num_params(), o,
+                         static_cast<int64_t>(free_bytes) + (arena_ ? plan_.total_bytes : int64_t{0})));
     const int64_t kept = arena_ ? plan_[plan_.exp_avg_sq].offset + plan_[plan_.exp_avg_sq].bytes : 0;
     auto oom = [&](std::string_view why) {
       return absl::ResourceExhaustedError(fmt::format(
@@ -708,8 +785,13 @@ class CudaGPTModelImpl final : public GPTModel {
           cudaMemsetAsync(arena_, 0, static_cast<size_t>(plan_[plan_.workspace].offset), ctx_.stream),
           "zeroing the model's memory");
     }
-    PTK_RETURN_IF_ERROR(
-        pinned_.Reserve(static_cast<size_t>(InputBytes(plan_.n) + StreamTableSize(config().num_layers, plan_.b) * 8)));
+    for (int i = 0; i < 2; ++i) {
+      PTK_RETURN_IF_ERROR(pinned_[i].Reserve(
+          static_cast<size_t>(InputBytes(plan_.n) + StreamTableSize(config().num_layers, plan_.b) * 8)));
+      if (!inputs_copied_[i])
+        PTK_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&inputs_copied_[i], cudaEventDisableTiming),
+                                 "creating an input-copy event");
+    }
     PTK_RETURN_IF_ERROR(losses_.Reserve(static_cast<size_t>(plan_.n) * sizeof(float)));
     PTK_RETURN_IF_ERROR(embedding_plan_.Reserve(plan_.n));
     return Sync("planning device memory");
@@ -726,20 +808,23 @@ class CudaGPTModelImpl final : public GPTModel {
     n_ = batch.b * batch.t;
     const size_t n = static_cast<size_t>(n_);
     const int64_t stride = AlignUp(static_cast<int64_t>(n) * 4);
-    // The stream is idle here (the previous pass synchronised reading its losses): the pinned
-    // buffer can be refilled.
-    std::memcpy(pinned_.at<int32_t>(0), batch.tokens, n * 4);
-    std::memcpy(pinned_.at<int32_t>(stride), batch.labels, n * 4);
-    std::memcpy(pinned_.at<int32_t>(2 * stride), batch.position_ids, n * 4);
-    float* w = pinned_.at<float>(3 * stride);
+    // This slot's previous copy to the device (two micro-batches ago) must have run before the
+    // slot is refilled; the stream may still be busy with the previous pass.
+    Pinned& pinned = pinned_[input_slot_];
+    if (profile_) RecordMark(nullptr);  // the copies below are timed from here ("copies")
+    PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(inputs_copied_[input_slot_]), "waiting for an input slot");
+    std::memcpy(pinned.at<int32_t>(0), batch.tokens, n * 4);
+    std::memcpy(pinned.at<int32_t>(stride), batch.labels, n * 4);
+    std::memcpy(pinned.at<int32_t>(2 * stride), batch.position_ids, n * 4);
+    float* w = pinned.at<float>(3 * stride);
     for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
     const int64_t in_bytes = InputBytes(n_);
-    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<char>(plan_.inputs), pinned_.at<char>(0),
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<char>(plan_.inputs), pinned.at<char>(0),
                                              static_cast<size_t>(in_bytes), cudaMemcpyHostToDevice, ctx_.stream),
                              fmt::format("copying a {}x{} micro-batch to the device", b_, t_));
     if (dropout) {
       const int64_t L = config().num_layers;
-      uint64_t* table = pinned_.at<uint64_t>(static_cast<size_t>(in_bytes));
+      uint64_t* table = pinned.at<uint64_t>(static_cast<size_t>(in_bytes));
       for (int64_t l = 0; l <= L; ++l)
         for (int64_t site = 0; site < 4; ++site)
           for (int64_t r = 0; r < b_; ++r)
@@ -758,6 +843,9 @@ class CudaGPTModelImpl final : public GPTModel {
         for (int64_t r = 0; r < b_; ++r)
           flash_keys_[static_cast<size_t>(l * b_ + r)] = table[StreamIndex(l, kAttentionProbs, b_) + r];
     }
+    PTK_RETURN_IF_ERROR(Op("copies", "input copy", absl::OkStatus()));
+    PTK_CUDA_RETURN_IF_ERROR(cudaEventRecord(inputs_copied_[input_slot_], ctx_.stream), "marking an input slot");
+    input_slot_ ^= 1;
     tokens_host_ = batch.tokens;
     positions_host_ = batch.position_ids;
     return absl::OkStatus();
@@ -861,15 +949,18 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status RunHead(bool backward, std::vector<float>* logits_out) {
     const GPTConfig& cf = config();
     const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size, out_w = layout().out_w;
-    const int64_t rows_per_chunk = std::min<int64_t>(plan_.logit_chunk_rows, n);
     T* logits = Buf<T>(plan_.logits);
     const T* lnf = Buf<T>(plan_.lnf);
     float* losses = Buf<float>(plan_.losses);
     if (logits_out) logits_out->assign(static_cast<size_t>(n * vp), 0.0f);
     std::vector<T> chunk_host;
     layer_ = -1;
-    for (int64_t r0 = 0; r0 < n; r0 += rows_per_chunk) {
-      const int64_t rows = std::min(rows_per_chunk, n - r0);
+    // Balanced chunks of whole tiles (one when the plan had room for every row): each chunk's
+    // output-weight gradient is accumulated once, by its dW product.
+    int64_t next_row = 0;
+    for (const int64_t rows : LogitChunks(n, plan_.logit_chunk_rows)) {
+      const int64_t r0 = next_row;
+      next_row += rows;
       head_row0_ = r0;
       head_rows_ = rows;
       PTK_RETURN_IF_ERROR(Op(
@@ -914,7 +1005,7 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
     PTK_RETURN_IF_ERROR(
         Op("layernorm", "final ln backward",
-           LayerNormBackward<T>(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Ln(pl.lnf_w),
+           LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Ln(pl.lnf_w),
                                 Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
                                 Buf<float>(plan_.ln_scratch), ctx_)));
     GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
@@ -922,31 +1013,27 @@ class CudaGPTModelImpl final : public GPTModel {
       layer_ = l;
       const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
       // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
-      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
-                               "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Op("copies", "copies", absl::OkStatus()));
-      PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout backward", Dropout(dtmp, l, kMlpOutDropout, hp, seed)));
+      PTK_ASSIGN_OR_RETURN(const T* dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
       PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
-                             MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dtmp, Act(plan_.gelu, l, n * f),
-                                               Compute(lp.fc2_w), n, f, c, ctx_)));
-      PTK_RETURN_IF_ERROR(
-          Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+                             MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f),
+                                               Compute(lp.fc2_w), n, f, c, ctx_, false,
+                                               unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
+      if (unfused_.gelu_backward)
+        PTK_RETURN_IF_ERROR(
+            Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
       PTK_RETURN_IF_ERROR(Op("matmul", "fc1 backward",
                              MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
                                                Compute(lp.fc1_w), n, c, f, ctx_)));
       PTK_RETURN_IF_ERROR(
           Op("layernorm", "ln2 backward",
-             LayerNormBackward<T>(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
+             LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
                                   Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
                                   Buf<float>(plan_.ln_scratch), ctx_)));
       // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
-      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, act_bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
-                               "copying the residual gradient");
-      PTK_RETURN_IF_ERROR(Op("copies", "copies", absl::OkStatus()));
-      PTK_RETURN_IF_ERROR(
-          Op("dropout", "attention-out dropout backward", Dropout(dtmp, l, kAttentionOutDropout, hp, seed)));
+      PTK_ASSIGN_OR_RETURN(const T* dproj,
+                           BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
       PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
-                             MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * c),
+                             MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * c),
                                                Compute(lp.proj_w), n, c, c, ctx_)));
       PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
       PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
@@ -954,7 +1041,7 @@ class CudaGPTModelImpl final : public GPTModel {
                                                Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
       PTK_RETURN_IF_ERROR(
           Op("layernorm", "ln1 backward",
-             LayerNormBackward<T>(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c), Ln(lp.ln1_w),
+             LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c), Ln(lp.ln1_w),
                                   Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
                                   Buf<float>(plan_.ln_scratch), ctx_)));
       GradsReady(static_cast<size_t>(L - l));  // layer l
@@ -967,6 +1054,29 @@ class CudaGPTModelImpl final : public GPTModel {
                              n, c, cf.padded_vocab_size, cf.max_position_embeddings, &embedding_plan_, ctx_)));
     GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
     return absl::OkStatus();
+  }
+
+  // The gradient a residual branch's backward starts from: the residual gradient itself where no
+  // dropout runs on the branch's output (its product reads it before the LayerNorm's backward adds
+  // to it), else a copy with the dropout mask applied. CudaModelOptions::unfused.residual_grad_copy
+  // copies in every case (the oracle).
+  absl::StatusOr<const T*> BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, int64_t site, double p,
+                                      uint64_t seed) {
+    if (p <= 0.0 && !unfused_.residual_grad_copy) return dresid;
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
+                             "copying the residual gradient");
+    PTK_RETURN_IF_ERROR(Op("copies", "residual gradient copy", absl::OkStatus()));
+    PTK_RETURN_IF_ERROR(Op("dropout", site == kMlpOutDropout ? "mlp-out dropout backward" : "attention-out dropout backward",
+                           Dropout(dtmp, l, site, p, seed)));
+    return dtmp;
+  }
+
+  // LayerNormBackward, or its rows-in-series oracle (CudaModelOptions::unfused).
+  absl::Status LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w, const float* mean,
+                          const float* rstd, int64_t n, int64_t c, float* scratch, const CudaContext& ctx) {
+    if (unfused_.layernorm_rows_in_series)
+      return LayerNormBackwardRowsInSeries<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
+    return LayerNormBackward<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
   }
 
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed) {
@@ -1003,12 +1113,16 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(host, Buf<float>(plan_.losses), n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
         "copying the losses to the host");
+    PTK_RETURN_IF_ERROR(Op("copies", "loss copy", absl::OkStatus()));
     PTK_RETURN_IF_ERROR(Sync(fmt::format("the pass over a {}x{} micro-batch", b_, t_)));
+    return SumLosses(host, std::span<const float>(batch.loss_mask, n));
+  }
+  static LossSum SumLosses(const float* host, std::span<const float> mask) {
     LossSum s;
-    for (size_t i = 0; i < n; ++i) {
-      if (batch.loss_mask[i] == 0.0f) continue;
-      s.loss_sum += static_cast<double>(host[i]) * batch.loss_mask[i];
-      s.tokens += batch.loss_mask[i];
+    for (size_t i = 0; i < mask.size(); ++i) {
+      if (mask[i] == 0.0f) continue;
+      s.loss_sum += static_cast<double>(host[i]) * mask[i];
+      s.tokens += mask[i];
     }
     return s;
   }
@@ -1018,7 +1132,15 @@ class CudaGPTModelImpl final : public GPTModel {
   std::string device_name_;
   MemoryPlan plan_;
   char* arena_ = nullptr;
-  Pinned pinned_, losses_;
+  // The micro-batch inputs in two pinned slots, used in turn: a slot is refilled once the copy
+  // out of it (recorded by its event) has run, so the host need not wait for the previous pass.
+  Pinned pinned_[2], losses_;
+  cudaEvent_t inputs_copied_[2] = {nullptr, nullptr};
+  int input_slot_ = 0;
+  // ForwardBackwardDeferred's per-token losses (a pinned slot per pending micro-batch) and masks.
+  std::vector<std::unique_ptr<Pinned>> loss_slots_;
+  std::vector<std::vector<float>> pending_masks_;
+  size_t pending_losses_ = 0;
   int64_t b_ = 0, t_ = 0, n_ = 0;
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;
@@ -1041,6 +1163,10 @@ class CudaGPTModelImpl final : public GPTModel {
   bool profile_ = false;
   bool sync_ops_ = false;            // PTK_CUDA_SYNC_OPS=1: CudaModelOptions::sync_ops
   int64_t logits_budget_bytes_ = 0;  // CudaModelOptions::logits_budget_bytes (0: the plan's default)
+  CudaModelOptions::Unfused unfused_;
+  // The multi-tensor AdamW table (adamw_table.h) on the device; built at the first update.
+  AdamWChunk* adamw_table_ = nullptr;
+  int64_t adamw_table_size_ = -1;
   // What OpWhere names: the layer being run (-1: none), the LM head's chunk of rows.
   int64_t layer_ = -1, head_row0_ = 0, head_rows_ = 0;
   int64_t profiled_steps_ = 0;

@@ -23,6 +23,21 @@ struct CudaModelOptions {
   // The LM head's logits are computed in chunks of rows within this many bytes; 0: the plan's
   // default (256 MiB). Tests make it small to run the head in several chunks.
   int64_t logits_budget_bytes = 0;
+  // The unfused paths the fused ones replaced, kept as their oracles (gpu tests compare the two):
+  // each true runs the old path.
+  struct Unfused {
+    // The residual gradient copied into the branch's buffer before each branch's backward even
+    // where no dropout runs (fused: the branch reads the residual gradient itself).
+    bool residual_grad_copy = false;
+    // The optimizer as a scaling pass over the gradients and one AdamW launch per tensor (fused:
+    // one launch over a table of pieces, the scale folded in).
+    bool adamw_per_tensor = false;
+    // GELU's backward as its own pass over fc1's output (fused: fc2's input gradient through
+    // cuBLASLt's DGELU epilogue in bf16/fp16).
+    bool gelu_backward = false;
+    // LayerNorm's backward with a block's rows in series (fused: a warp per row, four in flight).
+    bool layernorm_rows_in_series = false;
+  } unfused;
 };
 
 // The model on device `device_index` (CUDA_VISIBLE_DEVICES applies). micro_batch_size plans the

@@ -17,7 +17,8 @@ namespace {
 constexpr int kForwardThreads = 256;  // one warp per row, 8 rows at a time
 constexpr int kBackwardMaxThreads = 512;
 constexpr int64_t kBackwardMinRows = 16;    // rows per block at least...
-constexpr int64_t kBackwardMaxBlocks = 512;  // ...and at most this many blocks (a function of n only)
+constexpr int64_t kBackwardMaxBlocks = 512;
+constexpr int kBackwardWarps = 4;  // rows in flight per block (LayerNormBackwardWarpKernel)  // ...and at most this many blocks (a function of n only)
 constexpr int kReduceGroups = 8;            // the second kernel: 8 interleaved groups of partials per channel
 
 int64_t BackwardBlocks(int64_t n) {
@@ -152,6 +153,74 @@ __global__ void LayerNormBackwardKernel(T* dinp, float* scratch, const T* dout, 
   }
 }
 
+// A warp per row, kBackwardWarps rows in flight per block: block k takes rows
+// [k * rows_per_block, ...), warp w of it rows w, w + kBackwardWarps, ... of those, in order; lane t
+// owns the channel packs t, t + 32, ... of every row. The row sums are warp shuffles (no block
+// barrier per row); each warp adds its rows' dw/db terms to partials of its own in shared memory,
+// and at the end the block adds its warps' partials in warp order: a fixed order for a given n.
+template <typename T, int N>
+__global__ void LayerNormBackwardWarpKernel(T* dinp, float* scratch, const T* dout, const T* inp, const float* w,
+                                            const float* mean, const float* rstd, int64_t n, int64_t c,
+                                            int64_t rows_per_block) {
+  extern __shared__ float part[];  // per warp: dw partials [c], db partials [c]
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  float* mine = part + static_cast<int64_t>(warp) * 2 * c;
+  const int64_t step = 32 * N;
+  const int64_t first = static_cast<int64_t>(lane) * N;
+  for (int64_t j = first; j < c; j += step) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      mine[j + k] = 0.0f;
+      mine[c + j + k] = 0.0f;
+    }
+  }
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < n ? r0 + rows_per_block : n;
+  for (int64_t row = r0 + warp; row < r1; row += kBackwardWarps) {
+    const int64_t off = row * c;
+    const double m = mean[row], r = rstd[row];
+    double s1 = 0, s2 = 0;
+    for (int64_t j = first; j < c; j += step) {
+      float x[N], dy[N], wv[N];
+      kernel::LoadFloats<N>(inp + off + j, x);
+      kernel::LoadFloats<N>(dout + off + j, dy);
+      kernel::LoadFloats<N>(w + j, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const double xhat = (static_cast<double>(x[k]) - m) * r;
+        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
+        s1 += dxhat;
+        s2 += dxhat * xhat;
+        mine[j + k] += static_cast<float>(static_cast<double>(dy[k]) * xhat);
+        mine[c + j + k] += dy[k];
+      }
+    }
+    s1 = kernel::WarpSum(s1) / static_cast<double>(c);
+    s2 = kernel::WarpSum(s2) / static_cast<double>(c);
+    for (int64_t j = first; j < c; j += step) {
+      float x[N], dy[N], wv[N], g[N];
+      kernel::LoadFloats<N>(inp + off + j, x);
+      kernel::LoadFloats<N>(dout + off + j, dy);
+      kernel::LoadFloats<N>(w + j, wv);
+      kernel::LoadFloats<N>(dinp + off + j, g);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const double xhat = (static_cast<double>(x[k]) - m) * r;
+        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
+        g[k] = g[k] + static_cast<float>(r * (dxhat - s1 - xhat * s2));
+      }
+      kernel::StoreFloats<N>(dinp + off + j, g);
+    }
+  }
+  __syncthreads();
+  float* out = scratch + static_cast<int64_t>(blockIdx.x) * 2 * c;
+  for (int64_t j = threadIdx.x; j < 2 * c; j += blockDim.x) {
+    float s = part[j];
+    for (int v = 1; v < kBackwardWarps; ++v) s += part[static_cast<int64_t>(v) * 2 * c + j];
+    out[j] = s;
+  }
+}
+
 // dw[j] += sum over blocks of the partials, in double, in a fixed order: group y (threadIdx.y)
 // sums blocks y, y + 8, ... in order, then the 8 groups are added in order.
 __global__ void LayerNormBackwardReduceKernel(float* dw, float* db, const float* scratch, int64_t blocks, int64_t c) {
@@ -195,6 +264,21 @@ absl::Status LaunchForward(T* resid_out, T* out, float* mean, float* rstd, const
     LayerNormForwardKernel<T, 1, kResidual>
         <<<blocks, kForwardThreads, 0, ctx.stream>>>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps);
   }
+  return absl::OkStatus();
+}
+
+template <typename T, int N>
+absl::Status LaunchBackwardWarps(T* dinp, float* scratch, const T* dout, const T* inp, const float* w,
+                                 const float* mean, const float* rstd, int64_t n, int64_t c, const CudaContext& ctx,
+                                 int64_t blocks, int64_t smem) {
+  auto kernel_fn = LayerNormBackwardWarpKernel<T, N>;
+  if (smem > 48 * 1024) {
+    PTK_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+        fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c));
+  }
+  kernel_fn<<<static_cast<unsigned>(blocks), 32 * kBackwardWarps, static_cast<size_t>(smem), ctx.stream>>>(
+      dinp, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));
   return absl::OkStatus();
 }
 
@@ -258,9 +342,28 @@ absl::Status ResidualLayerNormForward(T* resid_out, T* out, float* mean, float* 
 int64_t LayerNormBackwardScratch(int64_t n, int64_t c) { return BackwardBlocks(n) * 2 * (c > 0 ? c : 0); }
 
 template <typename T>
+absl::Status LayerNormBackwardImpl(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                                   const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                                   const CudaContext& ctx, bool rows_in_series);
+
+template <typename T>
 absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
                                const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
                                const CudaContext& ctx) {
+  return LayerNormBackwardImpl(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, false);
+}
+
+template <typename T>
+absl::Status LayerNormBackwardRowsInSeries(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                                           const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                                           const CudaContext& ctx) {
+  return LayerNormBackwardImpl(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, true);
+}
+
+template <typename T>
+absl::Status LayerNormBackwardImpl(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                                   const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                                   const CudaContext& ctx, bool rows_in_series) {
   auto where = [&] { return fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c); };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
@@ -289,7 +392,18 @@ absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, con
   constexpr int kV = kernel::kVec<T>;
   const bool vec = c % kV == 0 && kernel::Aligned(dinp, 16) && kernel::Aligned(dout, 16) && kernel::Aligned(inp, 16) &&
                    kernel::Aligned(w, 16) && kernel::Aligned(scratch, 16);
-  if (vec) {
+  // A warp per row where every warp's partials fit in shared memory; else the block's rows in
+  // series (one set of partials), which is also the oracle the warp kernel is tested against.
+  const int64_t warp_smem = kBackwardWarps * smem;
+  if (!rows_in_series && warp_smem + 2048 <= smem_max) {
+    if (vec) {
+      PTK_KERNEL_CHECK(
+          LaunchBackwardWarps<T, kV>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, warp_smem));
+    } else {
+      PTK_KERNEL_CHECK(
+          LaunchBackwardWarps<T, 1>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, warp_smem));
+    }
+  } else if (vec) {
     PTK_KERNEL_CHECK(LaunchBackward<T, kV>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, smem));
   } else {
     PTK_KERNEL_CHECK(LaunchBackward<T, 1>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, smem));
@@ -307,7 +421,10 @@ absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, con
   template absl::Status ResidualLayerNormForward<T>(T*, T*, float*, float*, const T*, const T*, const float*,     \
                                                     const float*, int64_t, int64_t, double, const CudaContext&);  \
   template absl::Status LayerNormBackward<T>(T*, float*, float*, const T*, const T*, const float*, const float*, \
-                                             const float*, int64_t, int64_t, float*, const CudaContext&);
+                                             const float*, int64_t, int64_t, float*, const CudaContext&);  \
+  template absl::Status LayerNormBackwardRowsInSeries<T>(T*, float*, float*, const T*, const T*, const float*,     \
+                                                         const float*, const float*, int64_t, int64_t, float*,   \
+                                                         const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

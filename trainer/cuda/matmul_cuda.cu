@@ -259,6 +259,7 @@ const char* EpilogueName(cublasLtEpilogue_t e) {
     case CUBLASLT_EPILOGUE_BIAS: return "bias";
     case CUBLASLT_EPILOGUE_GELU_AUX: return "GELU_AUX";
     case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: return "GELU_AUX_BIAS";
+    case CUBLASLT_EPILOGUE_DGELU: return "DGELU";
     default: return "none";
   }
 }
@@ -433,7 +434,8 @@ absl::Status MatmulForward(T* out, const T* inp, const T* w, const T* bias, int6
 
 template <typename T>
 absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, const T* inp, const T* w, int64_t n,
-                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp) {
+                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp,
+                            const T* gelu_pre) {
   const std::string where = fmt::format("MatmulBackward<{}>(n={}, ic={}, oc={}{}{})", TypeLabel<T>(), n, ic, oc,
                                         dinp ? (accumulate_dinp ? ", dinp +=" : ", dinp") : "", dbias ? ", dbias" : "");
   if (n < 0 || ic <= 0 || oc <= 0)
@@ -445,9 +447,24 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
     return absl::OkStatus();
   }
   constexpr cudaDataType_t kType = CudaDataType<T>();
+  if (gelu_pre && (!dinp || accumulate_dinp))
+    return absl::InvalidArgumentError(fmt::format("{}: gelu_pre needs dinp, assigned", where));
   if (dinp) {
     GemmSpec g{CUBLAS_OP_N, CUBLAS_OP_N, ic, n, oc, ic, oc, ic, kType, kType};
-    if (absl::Status s = Gemm(g, w, dout, dinp, 1.0f, accumulate_dinp ? 1.0f : 0.0f, ctx, where); !s.ok()) return s;
+    bool fused = false;
+    if (gelu_pre && !std::is_same_v<T, float> && ic % 8 == 0) {
+      // dinp^T = DGELU(w^T dout^T, aux = the pre-activation, stored like D: ld = ic).
+      GemmSpec dgelu = g;
+      dgelu.epilogue = CUBLASLT_EPILOGUE_DGELU;
+      dgelu.aux = const_cast<T*>(gelu_pre);
+      if (absl::Status s = LtGemm(dgelu, w, dout, dinp, 1.0f, 0.0f, ctx, where, &fused); !s.ok()) return s;
+    }
+    if (!fused) {
+      if (absl::Status s = Gemm(g, w, dout, dinp, 1.0f, accumulate_dinp ? 1.0f : 0.0f, ctx, where); !s.ok())
+        return s;
+      if (gelu_pre)
+        if (absl::Status s = GeluBackward<T>(dinp, gelu_pre, dinp, n * ic, ctx); !s.ok()) return s;
+    }
   }
   {
     GemmSpec g{CUBLAS_OP_N, CUBLAS_OP_T, ic, oc, n, ic, oc, ic, kType, CUDA_R_32F};
@@ -476,7 +493,7 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
   template absl::Status MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t,                  \
                                          const CudaContext&, T*);                                                      \
   template absl::Status MatmulBackward<T>(T*, float*, float*, const T*, const T*, const T*, int64_t, int64_t, int64_t, \
-                                          const CudaContext&, bool);
+                                          const CudaContext&, bool, const T*);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

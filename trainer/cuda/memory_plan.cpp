@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include "absl/status/statusor.h"
+#include "common/status.h"
 
 namespace ptk::cuda {
 namespace {
@@ -138,6 +139,43 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
   m.total_bytes = offset;
   return m;
+}
+
+int64_t PlanHeadroomBytes(int64_t free_bytes) { return std::max<int64_t>(int64_t{1} << 30, free_bytes / 20); }
+
+absl::StatusOr<MemoryPlan> PlanMemoryWithin(const GPTConfig& cf, int64_t num_params, PlanOptions o,
+                                            int64_t free_bytes) {
+  if (o.logits_budget_bytes > 0) return PlanMemory(cf, num_params, o);
+  const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
+  const int64_t a = o.precision == Precision::kFp32 ? 4 : 2;
+  const int64_t row_bytes = std::max<int64_t>(1, cf.padded_vocab_size * a);
+  o.logits_budget_bytes = std::max<int64_t>(1, o.micro_batch_size * t) * row_bytes;  // every row: one chunk
+  PTK_ASSIGN_OR_RETURN(MemoryPlan whole, PlanMemory(cf, num_params, o));
+  const int64_t room = free_bytes - PlanHeadroomBytes(free_bytes);
+  if (whole.total_bytes <= room) return whole;
+  // What the other buffers leave, in whole tiles of rows.
+  const int64_t others = whole.total_bytes - Align(whole[whole.logits].bytes);
+  const int64_t rows = (room - others) / row_bytes / kLogitRowTile * kLogitRowTile;
+  o.logits_budget_bytes = std::max({rows, kLogitRowTile}) * row_bytes;
+  o.logits_budget_bytes = std::max(o.logits_budget_bytes, kDefaultLogitsBudget / row_bytes * row_bytes);
+  return PlanMemory(cf, num_params, o);
+}
+
+std::vector<int64_t> LogitChunks(int64_t n, int64_t cap) {
+  std::vector<int64_t> chunks;
+  if (n <= 0) return chunks;
+  cap = std::max<int64_t>(1, cap);
+  if (n <= cap) return {n};
+  if (cap < kLogitRowTile) {
+    const int64_t k = (n + cap - 1) / cap;
+    for (int64_t i = 0; i < k; ++i) chunks.push_back(n / k + (i < n % k ? 1 : 0));
+    return chunks;
+  }
+  const int64_t tiles = (n + kLogitRowTile - 1) / kLogitRowTile, per = cap / kLogitRowTile;
+  const int64_t k = (tiles + per - 1) / per;
+  for (int64_t i = 0; i < k; ++i) chunks.push_back((tiles / k + (i < tiles % k ? 1 : 0)) * kLogitRowTile);
+  chunks.back() -= tiles * kLogitRowTile - n;
+  return chunks;
 }
 
 }  // namespace ptk::cuda

@@ -52,11 +52,13 @@ struct MemoryPlan {
   std::string Largest(int count) const;
 };
 
+inline constexpr int64_t kDefaultLogitsBudget = int64_t{256} << 20;
+
 struct PlanOptions {
   Precision precision = Precision::kFp32;
   int64_t micro_batch_size = 1;
   int64_t seq_length = 0;                   // 0: the config's
-  int64_t logits_budget_bytes = 256 << 20;  // the logits are computed in chunks of rows within this
+  int64_t logits_budget_bytes = kDefaultLogitsBudget;  // the logits are computed in chunks of rows within this
   int64_t workspace_bytes = 64 << 20;       // cuBLASLt and cuDNN
   int64_t attention_scratch_floats = 0;     // AttentionBackwardScratch of the shape (fp32 mode)
   int64_t reduce_doubles = 0;               // SumSquaresPartials of the parameter count
@@ -92,6 +94,29 @@ struct LayerNormRun {
 std::vector<LayerNormRun> LayerNormRuns(const ParamLayout& layout);
 
 absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& config, int64_t num_params, const PlanOptions& options);
+
+// The rows of a logits chunk are a multiple of this (a product tile) unless the whole head is one
+// chunk or the budget holds fewer rows.
+inline constexpr int64_t kLogitRowTile = 128;
+
+// Device memory left outside the plan (cuBLAS, cuDNN and NCCL allocate their own): 1 GiB or 5% of
+// the free memory, whichever is larger.
+int64_t PlanHeadroomBytes(int64_t free_bytes);
+
+// The plan within `free_bytes` of device memory (a figure from cudaMemGetInfo, or a test's): with
+// options.logits_budget_bytes 0, the logits take all n rows (the LM head in one chunk) when
+// everything fits within free_bytes less PlanHeadroomBytes; otherwise they take what is left beyond
+// the other buffers, in whole tiles of rows (at least one tile, or the default 256 MiB budget
+// when that is larger), and the head runs in chunks. A positive logits_budget_bytes is used as
+// given (a test hook). Whether the plan then fits is the caller's check.
+absl::StatusOr<MemoryPlan> PlanMemoryWithin(const GPTConfig& config, int64_t num_params, PlanOptions options,
+                                            int64_t free_bytes);
+
+// The LM head's chunks of rows over n rows with a buffer of `cap` rows: as few chunks as fit, in
+// balanced sizes, each a whole number of kLogitRowTile tiles (the last one less what n lacks of a
+// tile) when cap holds a tile, otherwise sizes that differ by at most one row. Sums to n, each at
+// most cap.
+std::vector<int64_t> LogitChunks(int64_t n, int64_t cap);
 
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string FormatBytes(int64_t bytes);

@@ -27,10 +27,15 @@ absl::Status MatmulForward(T* out, const T* inp, const T* w, const T* bias, int6
                            const CudaContext& ctx, T* gelu_out = nullptr);
 // dinp(n, ic) = dout @ w  (assigned when accumulate_dinp is false, else added);
 // dw(oc, ic) += dout^T @ inp in fp32; dbias(oc) += column sums of dout in fp32.
-// dinp or dbias may be null.
+// dinp or dbias may be null. With gelu_pre (the (n, ic) pre-activation of a GELU whose output was
+// inp of this product; not with accumulate_dinp), dinp = (dout @ w) * gelu'(gelu_pre): in bf16/fp16
+// through cuBLASLt's DGELU epilogue (aux = gelu_pre: the derivative taken from the fp32
+// accumulator, one rounding), else (fp32, or no algorithm) the product then GeluBackward (the
+// product rounded to T first).
 template <typename T>
 absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, const T* inp, const T* w, int64_t n,
-                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp = false);
+                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp = false,
+                            const T* gelu_pre = nullptr);
 
 // ---- layernorm_cuda.cu -------------------------------------------------------------------------
 // out(n, c) = (inp - mean) * rstd * w + b with fp32 statistics mean(n), rstd(n); w, b fp32 (the
@@ -161,6 +166,17 @@ absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* t
 template <typename T>
 absl::Status AdamW(float* p, const float* g, float* m, float* v, int64_t n, const AdamWParams& a, T* p_compute,
                    const CudaContext& ctx);
+// One launch over a table of pieces (adamw_table.h: table_size chunks in device memory): chunk k
+// updates parameters [offset, offset + size) of the flat layout with the gradient scaled by
+// grad_scale first (g * grad_scale in fp32: Scale's bits, then AdamW's), `decay` or `no_decay`
+// by the chunk's group. The fp32 master of flat index i is master[i - master_shift], the moments
+// m[i - moment_shift] and v[i - moment_shift], the gradient g[i], the compute copy (may be null)
+// p_compute[i]. The same bits as Scale then AdamW piece by piece.
+struct AdamWChunk;
+template <typename T>
+absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift, const float* g,
+                        float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
+                        const AdamWParams& decay, const AdamWParams& no_decay, const CudaContext& ctx);
 // Sum of squares in double over fixed blocks, written to *out (device memory). partials:
 // SumSquaresPartials(n) doubles of device scratch.
 absl::Status SumSquares(double* out, const float* x, int64_t n, double* partials, const CudaContext& ctx);

@@ -1,0 +1,83 @@
+// The multi-tensor AdamW table, checked on the CPU (no device needed): every parameter a rank
+// updates is in exactly one chunk, with its tensor's weight-decay group, whole and under ZeRO-1's
+// shards (the union over the ranks is every parameter once), and no chunk crosses a tensor or
+// exceeds kAdamWChunk.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "trainer/cuda/adamw_table.h"
+#include "trainer/gpt_model.h"
+#include "trainer/param_shard.h"
+
+namespace ptk::cuda {
+namespace {
+
+GPTConfig Config(bool untied) {
+  GPTConfig c;
+  c.num_layers = 3;
+  c.hidden_size = 96;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 384;
+  c.seq_length = c.max_position_embeddings = 128;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1024;
+  c.untie_embeddings_and_output_weights = untied;
+  return c;
+}
+
+// covered[i] counts the chunks holding parameter i; each chunk's group must be its tensor's.
+void Cover(const ParamLayout& layout, const std::vector<AdamWChunk>& table, std::vector<int>* covered) {
+  for (const AdamWChunk& k : table) {
+    ASSERT_GE(k.size, 1);
+    ASSERT_LE(k.size, kAdamWChunk);
+    const ParamInfo* owner = nullptr;
+    for (const ParamInfo& p : layout.infos)
+      if (k.offset >= p.offset && k.offset < p.offset + p.size) owner = &p;
+    ASSERT_NE(owner, nullptr) << k.offset;
+    EXPECT_LE(k.offset + k.size, owner->offset + owner->size) << owner->name << ": a chunk crosses the tensor's end";
+    EXPECT_EQ(k.no_weight_decay != 0, owner->no_weight_decay) << owner->name;
+    for (int64_t i = k.offset; i < k.offset + k.size; ++i) ++(*covered)[static_cast<size_t>(i)];
+  }
+}
+
+TEST(CudaAdamWTable, CoversEveryParameterOnceWhole) {
+  for (bool untied : {false, true}) {
+    auto layout = ParamLayout::Create(Config(untied));
+    ASSERT_TRUE(layout.ok());
+    const std::vector<AdamWChunk> table = AdamWTable(*layout, 0, layout->num_params);
+    std::vector<int> covered(static_cast<size_t>(layout->num_params), 0);
+    Cover(*layout, table, &covered);
+    for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "parameter " << i;
+    // Both groups are present (weights decay; biases and LayerNorms do not).
+    bool decay = false, no_decay = false;
+    for (const AdamWChunk& k : table) (k.no_weight_decay ? no_decay : decay) = true;
+    EXPECT_TRUE(decay && no_decay);
+    // The word embeddings (1024 x 96 = 98304) take 12 full chunks.
+    EXPECT_GT(table.size(), layout->infos.size());
+  }
+}
+
+// ZeRO-1: rank r's table covers its shard [begin, end) and nothing else; over the ranks, every
+// parameter once (the padding of the last ranks in no chunk).
+TEST(CudaAdamWTable, ShardsCoverEveryParameterOnceOverTheRanks) {
+  auto layout = ParamLayout::Create(Config(false));
+  ASSERT_TRUE(layout.ok());
+  for (int world : {1, 2, 3, 8, 64}) {
+    std::vector<int> covered(static_cast<size_t>(layout->num_params), 0);
+    for (int rank = 0; rank < world; ++rank) {
+      auto shard = ParamShard::Create(layout->num_params, world, rank);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      const std::vector<AdamWChunk> table = AdamWTable(*layout, shard->begin(), shard->end());
+      for (const AdamWChunk& k : table) {
+        EXPECT_GE(k.offset, shard->begin());
+        EXPECT_LE(k.offset + k.size, shard->end());
+      }
+      Cover(*layout, table, &covered);
+    }
+    for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "parameter " << i << ", world " << world;
+  }
+}
+
+}  // namespace
+}  // namespace ptk::cuda
