@@ -145,7 +145,7 @@ std::string FormatPatterns(const std::vector<std::string>& patterns) {
 
 absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   const auto t0 = Clock::now();
-  if (opt.local_dir.empty()) return absl::InvalidArgumentError("--local-dir is required");
+  if (opt.local_dir.empty()) return UsageError("--local-dir is required");
   if (opt.repo.empty() == opt.url_list.empty()) return absl::InvalidArgumentError("give either --repo or --url-list");
   PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(opt.local_dir, kStateDir)));
   RemoveTemporariesOfKilledRuns(opt.local_dir);

@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include "common/status.h"
 #include "dataprep/concat/concat.h"
 #include "dataprep/input/input_list.h"
 #include "tests/dataprep/compress_util.h"
@@ -273,6 +274,23 @@ TEST(ConcatPlan, BalancedChunksKeepOrderAndCoverEverything) {
 
 // NeMo's concat.sh over SlimPajama's 59,166 extracted train files: bash's glob in the C locale,
 // 800 files per chunk -> 74 chunks (shared/reference/seed-pipelines.md §2.5).
+// Bad flags are usage errors where they are found; no inputs is not a usage error (MakeConcatPlan's
+// caller no longer turns every kInvalidArgument into one).
+TEST(ConcatPlan, OnlyBadFlagsAreUsageErrors) {
+  auto opt = [](int64_t chunks, std::string pattern) {
+    ConcatPlanOptions o;
+    o.chunks = chunks;
+    o.name_pattern = std::move(pattern);
+    return o;
+  };
+  EXPECT_TRUE(IsUsageError(MakeConcatPlan({{"a", 1}}, "out", opt(0, "")).status()));
+  EXPECT_TRUE(IsUsageError(MakeConcatPlan({{"a", 1}}, "out", opt(1, "a/{}")).status()));
+  EXPECT_TRUE(IsUsageError(MakeConcatPlan({{"a", 1}, {"b", 1}}, "out", opt(2, "x")).status()));
+  const absl::Status none = MakeConcatPlan({}, "out", {}).status();
+  EXPECT_FALSE(none.ok());
+  EXPECT_FALSE(IsUsageError(none)) << none;
+}
+
 TEST(ConcatPlan, ReproducesNemoGroupingOfSlimPajama) {
   const int last[10] = {5911, 5910, 5918, 5916, 5932, 5914, 5905, 5920, 5919, 5911};
   std::vector<std::string> names;
