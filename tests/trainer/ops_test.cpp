@@ -314,7 +314,7 @@ TEST(Schedule, MegatronFormulas) {
   EXPECT_FALSE(c.Validate().ok());
 }
 
-// Issue 29, point 1: Megatron's OptimizerParamScheduler.load_state_dict. The checkpoint's settings
+// Megatron's OptimizerParamScheduler.load_state_dict. The checkpoint's settings
 // against the command line's: a difference stops the resume, naming it and the two flags;
 // --override-opt_param-scheduler takes the command line's, --use-checkpoint-opt_param-scheduler the
 // checkpoint's. Settings the style in use ignores are not compared.
