@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nothing stale in README.md and docs/*.md: every ptk-* word names a tool of tools/CMakeLists.txt (or
 # one of the file, lock and pod names listed below), and every --flag written after a tool's name on
-# a line (continuation lines joined; up to a pipe, ;, & or a closing backtick) is in that tool's
-# --help or one of its subcommands' (ptk-tokenize also takes argparse's prefixes, as
+# a line (continuation lines joined; up to a pipe, ;, &, a comment's # or a closing backtick) is in
+# that tool's --help or one of its subcommands' (ptk-tokenize also takes argparse's prefixes, as
 # preprocess_data.py does). First checks that the checker fails on a stale tool and a stale flag.
 # Usage: docs_flags_test.sh BIN_DIR SOURCE_DIR
 set -euo pipefail
@@ -12,7 +12,7 @@ W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 # ptk-* words that are not tools: outputs' marker, lock and temporary names, directories, pods, a flag.
 NOT_TOOLS="ptk-done ptk-lock ptk-pyref ptk-tmp ptk-stage ptk-resume ptk-publish ptk-old ptk-extracting
-  ptk-train-master ptk-train-0 ptk-profile-ops"
+  ptk-train-master ptk-train-0 ptk-profile-ops ptk-ckpt"
 
 check() {  # check ROOT: README.md and docs/*.md under ROOT
   python3 - "$BIN" "$SRC" "$1" "$NOT_TOOLS" <<'PY'
@@ -42,7 +42,7 @@ for doc in [os.path.join(ROOT, 'README.md')] + sorted(glob.glob(os.path.join(ROO
         for w in re.findall(r'(?<![\w.-])(ptk-[a-z][a-z0-9-]*)', line):
             if w not in TOOLS and w not in NOT_TOOLS and not any(w.startswith(x + '-') for x in NOT_TOOLS):
                 bad.append(f'{name}: "{w}" is no ptk tool (tools: {" ".join(TOOLS)})')
-        for m in re.finditer(r'(?<![\w-])(ptk-[a-z]+)\b([^`|;&]*)', line):
+        for m in re.finditer(r'(?<![\w-])(ptk-[a-z]+)\b([^`|;&#]*)', line):
             if m.group(1) in flags:
                 bad += [f'{name}: {m.group(1)} {f} is not in its --help: {line.strip()[:120]}'
                         for f in re.findall(FLAG, m.group(2)) if not known(m.group(1), f)]
