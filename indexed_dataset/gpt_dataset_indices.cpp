@@ -6,6 +6,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <thread>
 
@@ -210,6 +211,68 @@ class SampleIdxBuilder {
   IndexArray* out_;
 };
 
+// Called as each array is final (the cache writes), on whichever thread finishes it.
+struct ArraysDone {
+  std::function<void()> shuffle_index, document_index, sample_index;
+};
+
+// The build for large splits. The random draws depend only on the generator, never on the arrays,
+// so a second thread makes them all, in numpy's order (the document shuffle or shuffles, then the
+// shuffle-index shuffle or shuffles), handing the document draws to this thread through a ring; it
+// then shuffles the shuffle index, and, once the document index is final, fills the sample rows of
+// a separate last epoch. This thread applies the document swaps as they arrive and fills the other
+// sample rows. Same draws, same swaps, same order: arrays identical to numpy's and to helpers.cpp's.
+void BuildOnTwoThreads(const EpochPlan& p, uint64_t seed, int32_t* doc, IndexArray& shuffle_index,
+                       const SampleIdxBuilder& sample_idx, const ArraysDone& done) {
+  const bool wide_draws = p.nd > static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
+  // The ring holds all the document draws up to 8 Mi of them (32 MiB), so that the drawing thread
+  // is not held back by the swaps and goes on to the shuffle index; pages are touched as written.
+  const size_t ring_size = std::min<size_t>(std::bit_ceil(std::max<size_t>(p.doc_draws, 1)), size_t{1} << 23);
+  IndexArray ring =
+      IndexArray::Owned(wide_draws ? NpyType::kInt64 : NpyType::kUInt32, {static_cast<int64_t>(ring_size)});
+  DrawRing<uint32_t> draws32;
+  DrawRing<int64_t> draws64;
+  if (wide_draws)
+    draws64.buf = ring.As<int64_t>();
+  else
+    draws32.buf = ring.As<uint32_t>();
+  draws32.capacity = draws64.capacity = ring_size;
+  std::atomic<bool> doc_done{false}, last_epoch_rows_done{false};
+  std::thread worker([&] {
+    NumpyRandomState rng(seed);
+    if (wide_draws)
+      rng.Draw(p.doc_lengths, &draws64);
+    else
+      rng.Draw(p.doc_lengths, &draws32);
+    BuildShuffleIndex(p, rng, shuffle_index);  // the same generator continues with the shuffle index
+    done.shuffle_index();
+    doc_done.wait(false, std::memory_order_acquire);
+    if (p.separate) {
+      sample_idx.FillRegion(1);  // the separate last epoch's sample rows
+      last_epoch_rows_done.store(true, std::memory_order_release);
+      last_epoch_rows_done.notify_one();
+    }
+    done.document_index();
+  });
+  auto apply_doc = [&](auto* ring) {
+    ApplyDraws(doc, static_cast<size_t>(p.doc_lengths[0]), ring, 0);
+    if (p.separate)
+      ApplyDraws(doc + p.region_a, static_cast<size_t>(p.doc_lengths[1]), ring,
+                 static_cast<size_t>(std::max<int64_t>(0, p.region_a - 1)));
+  };
+  if (wide_draws)
+    apply_doc(&draws64);
+  else
+    apply_doc(&draws32);
+  doc_done.store(true, std::memory_order_release);
+  doc_done.notify_one();
+  sample_idx.FillRegion(0);  // while the drawing thread fills a separate last epoch's rows
+  if (p.separate) last_epoch_rows_done.wait(false, std::memory_order_acquire);
+  sample_idx.Finish();
+  done.sample_index();
+  worker.join();
+}
+
 }  // namespace
 
 absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool save) {
@@ -243,14 +306,7 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   };
   BuildDocumentIndex(p, beg_, doc);
 
-  // How the work is laid out. The random draws depend only on the generator, never on the arrays,
-  // so for large splits a second thread makes them all, in numpy's order (the document shuffle or
-  // shuffles, then the shuffle-index shuffle or shuffles), handing the document draws to this
-  // thread through a ring; it then shuffles and saves the shuffle index, and, once the document
-  // index is final, fills the sample rows of a separate last epoch and saves the document index.
-  // This thread applies the document swaps as they arrive, fills the other sample rows and saves
-  // the sample index. Same draws, same swaps, same order: arrays identical to numpy's and to
-  // helpers.cpp's.
+  // Small splits in numpy's order on this thread; large ones on two (BuildOnTwoThreads).
   const bool threaded = p.doc_draws > (1u << 18);
   if (!threaded) {
     NumpyRandomState rng(config_.random_seed);
@@ -264,53 +320,10 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
     sample_idx.Finish();
     save_sample = save_array(sample_index_, "sample_index.npy");
   } else {
-    const bool wide_draws = p.nd > static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
-    // The ring holds all the document draws up to 8 Mi of them (32 MiB), so that the drawing thread
-    // is not held back by the swaps and goes on to the shuffle index; pages are touched as written.
-    const size_t ring_size = std::min<size_t>(std::bit_ceil(std::max<size_t>(p.doc_draws, 1)), size_t{1} << 23);
-    IndexArray ring =
-        IndexArray::Owned(wide_draws ? NpyType::kInt64 : NpyType::kUInt32, {static_cast<int64_t>(ring_size)});
-    DrawRing<uint32_t> draws32;
-    DrawRing<int64_t> draws64;
-    if (wide_draws)
-      draws64.buf = ring.As<int64_t>();
-    else
-      draws32.buf = ring.As<uint32_t>();
-    draws32.capacity = draws64.capacity = ring_size;
-    std::atomic<bool> doc_done{false}, last_epoch_rows_done{false};
-    std::thread worker([&] {
-      NumpyRandomState rng(config_.random_seed);
-      if (wide_draws)
-        rng.Draw(p.doc_lengths, &draws64);
-      else
-        rng.Draw(p.doc_lengths, &draws32);
-      BuildShuffleIndex(p, rng, shuffle_index_);  // the same generator continues with the shuffle index
-      save_shuffle = save_array(shuffle_index_, "shuffle_index.npy");
-      doc_done.wait(false, std::memory_order_acquire);
-      if (p.separate) {
-        sample_idx.FillRegion(1);  // the separate last epoch's sample rows
-        last_epoch_rows_done.store(true, std::memory_order_release);
-        last_epoch_rows_done.notify_one();
-      }
-      save_doc = save_array(document_index_, "document_index.npy");
-    });
-    auto apply_doc = [&](auto* ring) {
-      ApplyDraws(doc, static_cast<size_t>(p.doc_lengths[0]), ring, 0);
-      if (p.separate)
-        ApplyDraws(doc + p.region_a, static_cast<size_t>(p.doc_lengths[1]), ring,
-                   static_cast<size_t>(std::max<int64_t>(0, p.region_a - 1)));
-    };
-    if (wide_draws)
-      apply_doc(&draws64);
-    else
-      apply_doc(&draws32);
-    doc_done.store(true, std::memory_order_release);
-    doc_done.notify_one();
-    sample_idx.FillRegion(0);  // while the drawing thread fills a separate last epoch's rows
-    if (p.separate) last_epoch_rows_done.wait(false, std::memory_order_acquire);
-    sample_idx.Finish();
-    save_sample = save_array(sample_index_, "sample_index.npy");
-    worker.join();
+    BuildOnTwoThreads(p, config_.random_seed, doc, shuffle_index_, sample_idx,
+                      {.shuffle_index = [&] { save_shuffle = save_array(shuffle_index_, "shuffle_index.npy"); },
+                       .document_index = [&] { save_doc = save_array(document_index_, "document_index.npy"); },
+                       .sample_index = [&] { save_sample = save_array(sample_index_, "sample_index.npy"); }});
   }
   absl::Status st = save_shuffle;
   if (st.ok()) st = save_doc;
