@@ -16,6 +16,99 @@
 
 namespace ptk {
 
+namespace {
+
+// helpers.cpp's build_blending_indices: `size` samples, each from the dataset furthest behind its
+// (normalized) weight. Adds each dataset's sample count to `counts`.
+void BuildBlendingIndices(const std::vector<double>& weights, int64_t size, IndexArray* dataset_index,
+                          IndexArray* dataset_sample_index, std::vector<int64_t>& counts) {
+  const size_t nd = weights.size();
+  *dataset_index = IndexArray::Owned(NpyType::kInt16, {size});
+  *dataset_sample_index = IndexArray::Owned(NpyType::kInt64, {size});
+  int16_t* di = dataset_index->As<int16_t>();
+  int64_t* dsi = dataset_sample_index->As<int64_t>();
+  for (int64_t s = 0; s < size; ++s) {
+    const double x = std::max(static_cast<double>(s), 1.0);
+    size_t best = 0;
+    double best_err = weights[0] * x - static_cast<double>(counts[0]);
+    for (size_t d = 1; d < nd; ++d) {
+      double err = weights[d] * x - static_cast<double>(counts[d]);
+      if (err > best_err) {
+        best_err = err;
+        best = d;
+      }
+    }
+    di[s] = static_cast<int16_t>(best);
+    dsi[s] = counts[best]++;
+  }
+}
+
+// helpers.cpp's build_exhaustive_blending_indices: exactly sizes[d] (the integer weights) samples of
+// dataset d.
+void BuildExhaustiveBlendingIndices(const std::vector<double>& weights, IndexArray* dataset_index,
+                                    IndexArray* dataset_sample_index, std::vector<int64_t>& counts) {
+  const size_t nd = weights.size();
+  int64_t total = 0;
+  std::vector<int64_t> sizes(nd);
+  for (size_t d = 0; d < nd; ++d) total += sizes[d] = static_cast<int64_t>(weights[d]);
+  std::vector<double> w(nd);
+  for (size_t d = 0; d < nd; ++d) w[d] = static_cast<double>(sizes[d]) / static_cast<double>(total);
+  *dataset_index = IndexArray::Owned(NpyType::kInt16, {total});
+  *dataset_sample_index = IndexArray::Owned(NpyType::kInt64, {total});
+  int16_t* di = dataset_index->As<int16_t>();
+  int64_t* dsi = dataset_sample_index->As<int64_t>();
+  std::vector<bool> unspent(nd, true);
+  size_t left = nd;
+  for (size_t d = 0; d < nd; ++d)
+    if (sizes[d] == 0) {
+      unspent[d] = false;
+      --left;
+    }
+  int64_t s = 0;
+  while (left > 0) {
+    const double x = std::max(static_cast<double>(s), 1.0);
+    int64_t best = -1;
+    double best_err = std::numeric_limits<double>::lowest();
+    for (size_t d = 0; d < nd; ++d) {
+      if (!unspent[d]) continue;
+      double err = w[d] * x - static_cast<double>(counts[d]);
+      if (err > best_err) {
+        best = static_cast<int64_t>(d);
+        best_err = err;
+      }
+    }
+    di[s] = static_cast<int16_t>(best);
+    dsi[s] = counts[best]++;
+    if (static_cast<double>(sizes[best]) - static_cast<double>(counts[best]) == 0) {
+      unspent[best] = false;
+      --left;
+    }
+    ++s;
+  }
+}
+
+// The cached indices under `prefix` when they are there, whole and of this description; a warning
+// when some are there but not usable (they are rebuilt).
+bool LoadBlendCache(const std::string& prefix, const std::string& description, IndexArray* dataset_index,
+                    IndexArray* dataset_sample_index) {
+  if (!PathExists(prefix + "description.txt") && !PathExists(prefix + "dataset_index.npy") &&
+      !PathExists(prefix + "dataset_sample_index.npy"))
+    return false;
+  auto text = ReadFileToString(prefix + "description.txt");
+  auto di = IndexArray::Load(prefix + "dataset_index.npy");
+  auto dsi = IndexArray::Load(prefix + "dataset_sample_index.npy");
+  if (text.ok() && *text == description && di.ok() && dsi.ok() && di->type() == NpyType::kInt16 &&
+      dsi->type() == NpyType::kInt64 && di->shape().size() == 1 && dsi->shape() == di->shape()) {
+    *dataset_index = std::move(*di);
+    *dataset_sample_index = std::move(*dsi);
+    return true;
+  }
+  log::Warning("ignoring the blend index cache {}*: missing, corrupt or another description; rebuilding it", prefix);
+  return false;
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vector<std::shared_ptr<GPTDataset>> datasets,
                                                                       std::vector<double> weights, bool integer_weights,
                                                                       std::optional<int64_t> size, Split split,
@@ -50,85 +143,17 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
   std::string prefix;
   if (config.path_to_cache) {
     prefix = JoinPath(*config.path_to_cache, fmt::format("{}-BlendedDataset-{}-", b->hash_, SplitName(split)));
-    bool any = PathExists(prefix + "description.txt") || PathExists(prefix + "dataset_index.npy") ||
-               PathExists(prefix + "dataset_sample_index.npy");
-    if (any) {
-      auto text = ReadFileToString(prefix + "description.txt");
-      auto di = IndexArray::Load(prefix + "dataset_index.npy");
-      auto dsi = IndexArray::Load(prefix + "dataset_sample_index.npy");
-      if (text.ok() && *text == b->description_ && di.ok() && dsi.ok() && di->type() == NpyType::kInt16 &&
-          dsi->type() == NpyType::kInt64 && di->shape().size() == 1 && dsi->shape() == di->shape()) {
-        b->dataset_index_ = std::move(*di);
-        b->dataset_sample_index_ = std::move(*dsi);
-        b->from_cache_ = true;
-        return b;
-      }
-      log::Warning("ignoring the blend index cache {}*: missing, corrupt or another description; rebuilding it",
-                   prefix);
+    if (LoadBlendCache(prefix, b->description_, &b->dataset_index_, &b->dataset_sample_index_)) {
+      b->from_cache_ = true;
+      return b;
     }
   }
-  const size_t nd = datasets.size();
-  std::vector<int64_t> counts(nd, 0);
-  if (size) {
-    b->dataset_index_ = IndexArray::Owned(NpyType::kInt16, {*size});
-    b->dataset_sample_index_ = IndexArray::Owned(NpyType::kInt64, {*size});
-    int16_t* di = b->dataset_index_.As<int16_t>();
-    int64_t* dsi = b->dataset_sample_index_.As<int64_t>();
-    for (int64_t s = 0; s < *size; ++s) {
-      const double x = std::max(static_cast<double>(s), 1.0);
-      size_t best = 0;
-      double best_err = weights[0] * x - static_cast<double>(counts[0]);
-      for (size_t d = 1; d < nd; ++d) {
-        double err = weights[d] * x - static_cast<double>(counts[d]);
-        if (err > best_err) {
-          best_err = err;
-          best = d;
-        }
-      }
-      di[s] = static_cast<int16_t>(best);
-      dsi[s] = counts[best]++;
-    }
-  } else {
-    // build_exhaustive_blending_indices: exactly sizes[d] samples of dataset d.
-    int64_t total = 0;
-    std::vector<int64_t> sizes(nd);
-    for (size_t d = 0; d < nd; ++d) total += sizes[d] = static_cast<int64_t>(weights[d]);
-    std::vector<double> w(nd);
-    for (size_t d = 0; d < nd; ++d) w[d] = static_cast<double>(sizes[d]) / static_cast<double>(total);
-    b->dataset_index_ = IndexArray::Owned(NpyType::kInt16, {total});
-    b->dataset_sample_index_ = IndexArray::Owned(NpyType::kInt64, {total});
-    int16_t* di = b->dataset_index_.As<int16_t>();
-    int64_t* dsi = b->dataset_sample_index_.As<int64_t>();
-    std::vector<bool> unspent(nd, true);
-    size_t left = nd;
-    for (size_t d = 0; d < nd; ++d)
-      if (sizes[d] == 0) {
-        unspent[d] = false;
-        --left;
-      }
-    int64_t s = 0;
-    while (left > 0) {
-      const double x = std::max(static_cast<double>(s), 1.0);
-      int64_t best = -1;
-      double best_err = std::numeric_limits<double>::lowest();
-      for (size_t d = 0; d < nd; ++d) {
-        if (!unspent[d]) continue;
-        double err = w[d] * x - static_cast<double>(counts[d]);
-        if (err > best_err) {
-          best = static_cast<int64_t>(d);
-          best_err = err;
-        }
-      }
-      di[s] = static_cast<int16_t>(best);
-      dsi[s] = counts[best]++;
-      if (static_cast<double>(sizes[best]) - static_cast<double>(counts[best]) == 0) {
-        unspent[best] = false;
-        --left;
-      }
-      ++s;
-    }
-  }
-  for (size_t d = 0; d < nd; ++d)
+  std::vector<int64_t> counts(datasets.size(), 0);
+  if (size)
+    BuildBlendingIndices(weights, *size, &b->dataset_index_, &b->dataset_sample_index_, counts);
+  else
+    BuildExhaustiveBlendingIndices(weights, &b->dataset_index_, &b->dataset_sample_index_, counts);
+  for (size_t d = 0; d < datasets.size(); ++d)
     if (counts[d] > datasets[d]->size())
       return absl::FailedPreconditionError(fmt::format(
           "the {} blend asks dataset {} ({}) for {} samples but it has {}; increase --mid-level-dataset-surplus",

@@ -132,7 +132,7 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
   const bool per_split = !args.per_split_data_path[0].empty() || !args.per_split_data_path[1].empty() ||
                          !args.per_split_data_path[2].empty();
   if (per_split && !args.data_path.empty())
-    return absl::InvalidArgumentError("--data-path and --train/valid/test-data-path are incompatible");
+    return UsageError("--data-path and --train/valid/test-data-path are incompatible");
   if (!per_split && args.data_path.empty())
     return absl::InvalidArgumentError("no data: give --data-path or --train-data-path");
 

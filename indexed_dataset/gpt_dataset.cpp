@@ -138,7 +138,7 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
                                                               const std::string& dataset_path, int64_t beg, int64_t end,
                                                               std::optional<int64_t> num_samples, Split split,
                                                               const GPTDatasetConfig& config) {
-  if (config.sequence_length < 2) return absl::InvalidArgumentError("--seq-length must be at least 2");
+  if (config.sequence_length < 2) return UsageError("--seq-length must be at least 2");
   auto ds = std::shared_ptr<GPTDataset>(new GPTDataset());
   ds->dataset_ = std::move(dataset);
   ds->beg_ = beg;

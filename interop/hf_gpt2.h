@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "trainer/gpt_model.h"
+#include "trainer/param_layout.h"
 
 namespace ptk {
 

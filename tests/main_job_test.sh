@@ -15,7 +15,7 @@ run "$WORK/log1"
 [ "$(grep -c '^OK: .*index and data consistent' "$WORK/log1")" = 5 ] || { cat "$WORK/log1"; fail "expected five verified datasets"; }
 grep -q "34 downloaded (.*), 0 already present, 0 failed" "$WORK/log1" || fail "download summary missing"
 grep -q '^sample 0 (dataset ' "$WORK/log1" || fail "GPTDataset sample 0 not shown"
-# Issue 29, point 9: sample 0's text is whole characters (no U+FFFD from a cut character).
+# Sample 0's text is whole characters (no U+FFFD from a cut character).
 sed -n '/^sample 0 (dataset /,/ptk-train: GPT/p' "$WORK/log1" | LC_ALL=C grep -q $'\xEF\xBF\xBD' && fail "sample 0 shows U+FFFD"
 sed -n '/^sample 0 (dataset /,/ptk-train: GPT/p' "$WORK/log1" | iconv -f UTF-8 -t UTF-8 >/dev/null || fail "sample 0 is not UTF-8"
 grep -q 'preprocessed/validation_text_document' "$WORK/log1" || fail "output locations not printed"
@@ -26,7 +26,7 @@ first=$(grep -o 'iteration        5/.*lm loss: [0-9.E+-]*' "$WORK/log1" | sed 's
 last=$(grep -o 'iteration       50/.*lm loss: [0-9.E+-]*' "$WORK/log1" | sed 's/.*lm loss: //')
 awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 1.0)}' || fail "the loss did not fall ($first -> $last)"
 [ -s "$WORK/out/train/loss.png" ] || fail "no loss curve"
-# Issue 31: an event file per ptk-train run, samples at 25 and 50, the model exported for transformers.
+# An event file per ptk-train run, samples at 25 and 50, the model exported for transformers.
 [ "$(ls "$WORK"/out/train/tensorboard/events.out.tfevents.* | wc -l)" = 2 ] || fail "expected two event files"
 grep -q ' sample at iteration       25 (greedy): "The history of" -> "' "$WORK/log1" || fail "no sample at 25"
 grep -q ' sample at iteration       50 (greedy): "The history of" -> "' "$WORK/log1" || fail "no sample at 50"
@@ -42,7 +42,7 @@ grep -q '0 to download' "$WORK/log2" || fail "the rerun downloaded again"
 grep -q ' 0 extracted, 32 already complete' "$WORK/log2" || fail "the rerun extracted again"
 grep -q '0 chunks built, 4 already complete' "$WORK/log2" || fail "the rerun rebuilt chunks"
 sha256sum -c --quiet "$WORK/sums1" || fail "the rerun wrote different datasets"
-# Issue 29, points 2 and 3: the rerun tokenizes nothing (same files: inodes and mtimes) and says so;
+# The rerun tokenizes nothing (same files: inodes and mtimes) and says so;
 # training says it is complete, without announcing runs that do not happen.
 [ "$(grep -c '_text_document: up to date, not rewritten' "$WORK/log2")" = 5 ] || fail "the rerun tokenized again"
 stat -c '%n %i %Y' "$WORK"/out/preprocessed/* | diff "$WORK/stat1" - || fail "the rerun rewrote datasets"

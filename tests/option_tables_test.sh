@@ -13,7 +13,7 @@ for tool in ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-mer
   [ -x "$BIN/$tool" ] || { echo "FAIL: $tool not built"; fail=1; continue; }
   PTK_CHECK_OPTIONS=1 "$BIN/$tool" || { echo "FAIL: $tool's option table"; fail=1; }
   "$BIN/$tool" --help >/dev/null || { echo "FAIL: $tool --help"; fail=1; }
-  # Issue 29: --version, and a long flag written with one dash names the flag meant (common/cli).
+  # --version, and a long flag written with one dash names the flag meant (common/cli).
   v=$("$BIN/$tool" --version) && [[ $v == "$tool (ptk "* ]] || { echo "FAIL: $tool --version: $v"; fail=1; }
   commit=$(sed -n 's/^commit: \([^ ]*\)$/\1/p' <<<"$v")
   [ -n "$commit" ] || { echo "FAIL: $tool --version names no commit: $v"; fail=1; }

@@ -613,10 +613,8 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
         fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
   if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
-  if (device == Device::kCuda && !CudaBuilt())
-    return Refuse(
-        "--device cuda: this ptk-train was built without CUDA (no nvcc at build time); build with "
-        "scripts/build.sh -DPTK_CUDA=ON on a machine with the CUDA toolkit, or train with --device cpu");
+  const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
+  PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
       return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
@@ -624,10 +622,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
       notes->push_back(fmt::format("no --device given and {}: training on the CPU", StatusMessage(cuda.status())));
   }
-  if (device == Device::kCpu && (f.fp16 || f.bf16))
-    return Refuse(
-        fmt::format("--{}: the CPU backend trains in fp32; drop the flag, or train on a GPU (--device cuda){}",
-                    f.fp16 ? "fp16" : "bf16", f.device.empty() ? " (no CUDA device is visible here)" : ""));
   if (f.optimizer != "adam") return Refuse("--optimizer " + f.optimizer + ": ptk has AdamW (--optimizer adam) only");
   if (f.tokenizer_type != "GPT2BPETokenizer")
     return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
@@ -710,7 +704,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
                         : f.use_checkpoint_opt_param_scheduler ? SchedulerOnLoad::kUseCheckpoint
                                                                : SchedulerOnLoad::kCheck;
   o.backend.device = device;
-  o.backend.precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
+  o.backend.precision = precision;
   if (f.profile) {
     if (device == Device::kCuda) {
       o.backend.profile = true;

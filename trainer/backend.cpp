@@ -26,11 +26,12 @@ bool CudaBuilt() {
 
 namespace {
 
+constexpr char kBuiltWithoutCuda[] =
+    "this ptk-train was built without CUDA (no nvcc at build time); build with scripts/build.sh -DPTK_CUDA=ON on a "
+    "machine with the CUDA toolkit, or train with --device cpu";
+
 absl::StatusOr<const cuda::Backend*> Load() {
-  if (!CudaBuilt())
-    return absl::FailedPreconditionError(
-        "this ptk-train was built without CUDA (no nvcc at build time); build with scripts/build.sh -DPTK_CUDA=ON "
-        "on a machine with the CUDA toolkit, or train with --device cpu");
+  if (!CudaBuilt()) return absl::FailedPreconditionError(kBuiltWithoutCuda);
   // Beside the program itself where it is there (a pack of programs in one folder), else by name:
   // ptk-train's RUNPATH ($ORIGIN/../lib/ptk: the build tree, an installed tree), LD_LIBRARY_PATH (a
   // portable tree's lib/ptk/), the system's paths. RTLD_NOW: a symbol the module cannot resolve is
@@ -81,11 +82,18 @@ int CudaDeviceCount() {
 
 Device DefaultDevice() { return CudaDeviceCount() > 0 ? Device::kCuda : Device::kCpu; }
 
+absl::Status CheckBackendChoice(Device device, Precision precision, bool device_given) {
+  if (device == Device::kCuda && !CudaBuilt()) return UsageError(fmt::format("--device cuda: {}", kBuiltWithoutCuda));
+  if (device == Device::kCpu && precision != Precision::kFp32)
+    return UsageError(
+        fmt::format("--{}: the CPU backend trains in fp32; drop the flag, or train on a GPU (--device cuda){}",
+                    PrecisionName(precision), device_given ? "" : " (no CUDA device is visible here)"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
+  PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
-    if (backend.precision != Precision::kFp32)
-      return UsageError(fmt::format("--{} needs --device cuda: the CPU backend trains in fp32 only",
-                                    PrecisionName(backend.precision)));
     PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m, CpuGPTModel::Create(config));
     return std::unique_ptr<GPTModel>(std::move(m));
   }

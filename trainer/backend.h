@@ -40,7 +40,14 @@ int CudaDeviceCount();
 // ptk-train's default --device: cuda where the build has CUDA and a device is visible, else cpu.
 Device DefaultDevice();
 
-// The model on the chosen backend. Never falls back to another backend: --device cuda in a build
+// The refusals no backend gets around, written here only: --device cuda in a build without CUDA,
+// --fp16 / --bf16 on the CPU (fp32 only). Usage errors naming the flag; with !device_given (the
+// device was defaulted) the precision refusal says no CUDA device is visible. ptk-train checks this
+// before anything is read; CreateModel checks it again.
+absl::Status CheckBackendChoice(Device device, Precision precision, bool device_given = true);
+
+// The model on the chosen backend, in one hop from what the plan resolved (`backend` carries the
+// micro-batch size the CUDA backend plans its activations for). Never falls back to another backend: --device cuda in a build
 // without CUDA, where the CUDA backend cannot be loaded, with no device visible, or --bf16 on a GPU
 // before sm_80 is an error that says so.
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend);

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "trainer/gpt_model.h"
+#include "trainer/param_layout.h"
 #include "trainer/train_step.h"
 
 namespace ptk {

@@ -1,44 +1,14 @@
-// What every backend shares: the configuration's checks, the parameter layout and its init, the
-// batch checks.
+// What every backend shares: the model's common state (ZeRO-1 shard, gradient buckets), the batch
+// checks.
 #include "trainer/gpt_model.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include <fmt/core.h>
 
 #include "common/status.h"
-#include "trainer/counter_rng.h"
-#include "trainer/model_limits.h"
 
 namespace ptk {
-
-absl::Status GPTConfig::Validate() const {
-  auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
-  if (num_layers < 1) return bad("--num-layers must be at least 1");
-  if (hidden_size < 1) return bad("--hidden-size must be at least 1");
-  if (num_attention_heads < 1 || hidden_size % num_attention_heads != 0)
-    return bad(fmt::format("--hidden-size ({}) must be a multiple of --num-attention-heads ({})", hidden_size,
-                           num_attention_heads));
-  if (ffn_hidden_size < 1) return bad("--ffn-hidden-size must be at least 1");
-  if (seq_length < 1) return bad("--seq-length must be at least 1");
-  if (max_position_embeddings < seq_length)
-    return bad(fmt::format("--max-position-embeddings ({}) must be at least --seq-length ({})", max_position_embeddings,
-                           seq_length));
-  if (vocab_size < 1 || padded_vocab_size < vocab_size) return bad("the vocabulary size must be at least 1");
-  if (hidden_dropout < 0 || hidden_dropout >= 1) return bad("--hidden-dropout must be in [0, 1)");
-  if (attention_dropout < 0 || attention_dropout >= 1) return bad("--attention-dropout must be in [0, 1)");
-  if (!(layernorm_epsilon > 0 && layernorm_epsilon <= kGptConfigMaxLayerNormEpsilon))
-    return bad(fmt::format("--layernorm-epsilon must be in (0, {}]", kGptConfigMaxLayerNormEpsilon));
-  if (!(init_method_std > 0 && init_method_std <= kGptConfigMaxInitMethodStd))
-    return bad(fmt::format("--init-method-std must be in (0, {}]", kGptConfigMaxInitMethodStd));
-  return absl::OkStatus();
-}
-
-int64_t PaddedVocabSize(int64_t vocab_size, int64_t divisible_by) {
-  if (divisible_by <= 1) return vocab_size;
-  return (vocab_size + divisible_by - 1) / divisible_by * divisible_by;
-}
 
 std::string_view DeviceName(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 std::string_view PrecisionName(Precision p) {
@@ -48,72 +18,6 @@ std::string_view PrecisionName(Precision p) {
     case Precision::kFp32: break;
   }
   return "fp32";
-}
-
-absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config) {
-  PTK_RETURN_IF_ERROR(config.Validate());
-  ParamLayout m;
-  m.config = config;
-  const int64_t c = config.hidden_size, f = config.ffn_hidden_size, vp = config.padded_vocab_size;
-  const double std = config.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
-  int64_t offset = 0;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, double init_std, float init_value = 0.0f) {
-    ParamInfo p;
-    p.name = name;
-    p.shape = std::move(shape);
-    p.size = 1;
-    for (int64_t d : p.shape) p.size *= d;
-    p.offset = offset;
-    p.no_weight_decay = p.shape.size() == 1;
-    p.init_std = init_std;
-    p.init_value = init_value;
-    offset += p.size;
-    m.infos.push_back(std::move(p));
-    return m.infos.back().offset;
-  };
-  m.wte = add("embedding.word_embeddings.weight", {vp, c}, std);
-  m.wpe = add("embedding.position_embeddings.weight", {config.max_position_embeddings, c}, std);
-  for (int64_t l = 0; l < config.num_layers; ++l) {
-    std::string p = fmt::format("decoder.layers.{}.", l);
-    LayerParams lp;
-    lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, 1.0f);
-    lp.ln1_b = add(p + "input_layernorm.bias", {c}, 0.0);
-    lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {3 * c, c}, std);
-    lp.qkv_b = add(p + "self_attention.linear_qkv.bias", {3 * c}, 0.0);
-    lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, c}, out_std);
-    lp.proj_b = add(p + "self_attention.linear_proj.bias", {c}, 0.0);
-    lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, 1.0f);
-    lp.ln2_b = add(p + "pre_mlp_layernorm.bias", {c}, 0.0);
-    lp.fc1_w = add(p + "mlp.linear_fc1.weight", {f, c}, std);
-    lp.fc1_b = add(p + "mlp.linear_fc1.bias", {f}, 0.0);
-    lp.fc2_w = add(p + "mlp.linear_fc2.weight", {c, f}, out_std);
-    lp.fc2_b = add(p + "mlp.linear_fc2.bias", {c}, 0.0);
-    m.layers.push_back(lp);
-  }
-  m.lnf_w = add("decoder.final_layernorm.weight", {c}, 0.0, 1.0f);
-  m.lnf_b = add("decoder.final_layernorm.bias", {c}, 0.0);
-  m.out_w = config.untie_embeddings_and_output_weights ? add("output_layer.weight", {vp, c}, std) : m.wte;
-  m.num_params = offset;
-  return m;
-}
-
-const ParamInfo* ParamLayout::Find(const std::string& name) const {
-  for (const ParamInfo& p : infos)
-    if (p.name == name) return &p;
-  return nullptr;
-}
-
-void ParamLayout::InitWeights(uint64_t seed, std::span<float> out) const {
-  for (size_t k = 0; k < infos.size(); ++k) {
-    const ParamInfo& p = infos[k];
-    float* w = out.data() + p.offset;
-    if (p.init_std == 0.0) {
-      std::fill(w, w + p.size, p.init_value);
-      continue;
-    }
-    const uint64_t key = InitKey(seed, k);
-    for (int64_t i = 0; i < p.size; ++i) w[i] = static_cast<float>(p.init_std * CounterNormal(key, i));
-  }
 }
 
 absl::Status GPTModel::InitWeights(uint64_t seed) {

@@ -1,7 +1,7 @@
 // The model interface that the training step, the loop and checkpoints use, whatever the backend:
 // Megatron's GPT (pretrain_gpt.py with learned absolute positions, pre-LayerNorm blocks, GELU MLP,
-// tied or untied output layer). The parameter layout (names, shapes, offsets, init) is shared by
-// every backend; a backend owns the parameters, gradients and AdamW moments in its own memory and
+// tied or untied output layer). The parameter layout (names, shapes, offsets, init: param_layout.h)
+// is shared by every backend; a backend owns the parameters, gradients and AdamW moments in its own memory and
 // hands the step and checkpoints host copies only. trainer/cpu/ holds the fp32 CPU backend,
 // trainer/cuda/ the CUDA one.
 #pragma once
@@ -18,64 +18,10 @@
 #include "trainer/comm.h"
 #include "trainer/grad_buckets.h"
 #include "trainer/op_types.h"
+#include "trainer/param_layout.h"
 #include "trainer/param_shard.h"
 
 namespace ptk {
-
-struct GPTConfig {
-  int64_t num_layers = 0;
-  int64_t hidden_size = 0;
-  int64_t num_attention_heads = 0;
-  int64_t ffn_hidden_size = 0;  // Megatron's default: 4 * hidden_size
-  int64_t seq_length = 0;
-  int64_t max_position_embeddings = 0;
-  int64_t vocab_size = 0;         // the tokenizer's
-  int64_t padded_vocab_size = 0;  // rounded up to --make-vocab-size-divisible-by
-  bool untie_embeddings_and_output_weights = false;
-  double layernorm_epsilon = 1e-5;
-  double hidden_dropout = 0.1;
-  double attention_dropout = 0.1;
-  double init_method_std = 0.02;
-  bool recompute_activations = false;  // attention probabilities recomputed in backward (selective)
-
-  absl::Status Validate() const;
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
-};
-
-// Megatron's _vocab_size_with_padding.
-int64_t PaddedVocabSize(int64_t vocab_size, int64_t divisible_by);
-
-struct ParamInfo {
-  std::string name;  // Megatron-core's parameter name
-  std::vector<int64_t> shape;
-  int64_t offset = 0, size = 0;
-  bool no_weight_decay = false;  // biases and LayerNorm parameters (1-D), as Megatron's param groups
-  double init_std = 0.0;         // 0: constant init (see init_value)
-  float init_value = 0.0f;
-};
-
-// Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer.
-struct LayerParams {
-  int64_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
-};
-
-// Where every parameter lives in the one flat buffer: Megatron-core's names and order, shared by
-// every backend and by checkpoints.
-struct ParamLayout {
-  GPTConfig config;
-  std::vector<ParamInfo> infos;
-  std::vector<LayerParams> layers;
-  int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
-  int64_t out_w = 0;  // == wte when the output layer is tied to the embedding
-  int64_t num_params = 0;
-
-  static absl::StatusOr<ParamLayout> Create(const GPTConfig& config);
-  const ParamInfo* Find(const std::string& name) const;
-  // Megatron's init: N(0, std) for weights, the two output projections of every layer with
-  // std / sqrt(2 * layers), biases 0, LayerNorm weights 1. Deterministic in `seed`; `out` holds
-  // num_params floats.
-  void InitWeights(uint64_t seed, std::span<float> out) const;
-};
 
 // One micro-batch as the model sees it (host memory): (b, t) tokens, labels, positions and loss
 // mask, and the global position of each sample in the training stream (keys the dropout masks).

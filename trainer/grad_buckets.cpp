@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "trainer/gpt_model.h"
+#include "trainer/param_layout.h"
 
 namespace ptk {
 

@@ -5,7 +5,7 @@
 
 #include <fmt/core.h>
 
-#include "trainer/gpt_model.h"
+#include "trainer/param_layout.h"
 
 namespace ptk {
 

@@ -59,19 +59,19 @@ absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index,
     for (size_t j = i + 1; j < pat.size() && pat[j] != '}'; ++j) {
       run = std::isdigit(static_cast<unsigned char>(pat[j])) ? run + 1 : 0;
       if (run > 3)
-        return absl::InvalidArgumentError(
+        return UsageError(
             fmt::format("--name-pattern {:?}: a width or precision that large makes no file name", pattern));
     }
   }
   try {
     std::string name = fmt::format(fmt::runtime(pat), index);
     if (name.size() > 255)
-      return absl::InvalidArgumentError(fmt::format("--name-pattern {:?} gives a name longer than 255 bytes", pattern));
+      return UsageError(fmt::format("--name-pattern {:?} gives a name longer than 255 bytes", pattern));
     if (name.empty() || name.find('/') != std::string::npos)
-      return absl::InvalidArgumentError(fmt::format("--name-pattern {:?} gives an invalid file name", pattern));
+      return UsageError(fmt::format("--name-pattern {:?} gives an invalid file name", pattern));
     return name;
   } catch (const fmt::format_error& e) {
-    return absl::InvalidArgumentError(fmt::format("--name-pattern {:?}: {}", pattern, e.what()));
+    return UsageError(fmt::format("--name-pattern {:?}: {}", pattern, e.what()));
   }
 }
 
@@ -88,7 +88,7 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
     for (size_t first = 0; first < n; first += static_cast<size_t>(opt.files_per_chunk))
       ranges.emplace_back(first, std::min(n, first + static_cast<size_t>(opt.files_per_chunk)));
   } else {
-    if (opt.chunks < 1) return absl::InvalidArgumentError("--chunks must be >= 1");
+    if (opt.chunks < 1) return UsageError("--chunks must be >= 1");
     const size_t nchunks = std::min<size_t>(static_cast<size_t>(opt.chunks), n);
     long double total = 0;
     for (const auto& in : inputs) total += static_cast<long double>(in.size);
@@ -114,7 +114,7 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
                          ChunkName(opt.name_pattern, static_cast<int64_t>(k), static_cast<int64_t>(ranges.size())));
     auto [it, fresh] = names.emplace(c.name, k);
     if (!fresh)
-      return absl::InvalidArgumentError(
+      return UsageError(
           fmt::format("--name-pattern {:?} gives chunks {} and {} the same name {:?}; put {{}} (the chunk index) in it",
                       opt.name_pattern, it->second, k, c.name));
     for (size_t i = ranges[k].first; i < ranges[k].second; ++i) {
@@ -288,9 +288,7 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   // Every other file below a directory input that is not taken is said, with the reason.
   std::erase_if(left_out, [&](const LeftOutFile& l) { return ours(l.path); });
   ReportLeftOut(left_out);
-  auto plan = MakeConcatPlan(inputs, r.output_dir, r.plan);
-  if (!plan.ok() && plan.status().code() == absl::StatusCode::kInvalidArgument) return AsUsageError(plan.status());
-  return plan;
+  return MakeConcatPlan(inputs, r.output_dir, r.plan);  // a bad flag is a UsageError already
 }
 
 std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan) {

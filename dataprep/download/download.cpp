@@ -143,9 +143,184 @@ std::string FormatPatterns(const std::vector<std::string>& patterns) {
 }
 }  // namespace
 
+namespace {
+
+// The repo's files this run selects: the revision pinned to a commit (sum->commit), the listing
+// (saved per commit below --local-dir, reused by later runs), --include / --exclude. `all_rels`
+// gets the names below --local-dir of the whole listing.
+absl::StatusOr<std::vector<RemoteFile>> ListRepo(const DownloadOptions& opt, Session& s, HttpClient& http,
+                                                 DownloadSummary* sum, std::set<std::string>* all_rels) {
+  std::vector<RemoteFile> files;
+  // Said before the first request, so that a hub that does not answer is never met with silence.
+  log::Info("asking {} for {} {}@{}", opt.endpoint, opt.repo_type, opt.repo, opt.revision);
+  PTK_ASSIGN_OR_RETURN(sum->commit, PinRevision(s, http));
+  const std::string manifest =
+      JoinPath(JoinPath(opt.local_dir, kStateDir), fmt::format("manifest-{}.jsonl", sum->commit));
+  {
+    // What a run killed while writing the listing left (its temporary, its lock): removed when no
+    // run is writing it now.
+    auto lock = OutputLock::Acquire(manifest);
+    if (lock.ok()) RemoveStaleTemporaries(manifest);
+  }
+  if (PathExists(manifest)) {
+    PTK_ASSIGN_OR_RETURN(files, ReadManifest(manifest));
+    log::Info("using the listing of {}@{} saved in {}", opt.repo, sum->commit.substr(0, 12), manifest);
+  } else {
+    PTK_ASSIGN_OR_RETURN(files, ListTree(s, http, sum->commit));
+    std::string text;
+    for (const auto& f : files) text += ManifestLine(f);
+    // Another run writing it meanwhile writes the same listing: this one need not.
+    auto lock = OutputLock::Acquire(manifest);
+    if (lock.ok()) PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text));
+  }
+  // Names below --local-dir of the whole listing (not only the selection): a file this run does
+  // not select may be on disk from another run, where this run's bookkeeping must not meet it.
+  for (const auto& f : files) {
+    auto clean = SanitizeRepoPath(f.path);
+    if (clean.ok()) all_rels->insert(opt.flat ? FlatName(*clean) : *clean);
+  }
+  std::vector<RemoteFile> kept;
+  std::vector<bool> include_used(opt.include.size(), false);
+  for (auto& f : files) {
+    bool inc = opt.include.empty();
+    for (size_t i = 0; i < opt.include.size(); ++i)
+      if (GlobMatch(opt.include[i], f.path)) include_used[i] = inc = true;
+    for (const auto& p : opt.exclude) inc = inc && !GlobMatch(p, f.path);
+    if (inc) kept.push_back(std::move(f));
+  }
+  // A selection that is empty is a mistake (a typo in a pattern), never a silent success. One
+  // pattern among several that matches nothing is said (the Slurm scripts add a validation
+  // folder's pattern that some repos lack).
+  if (kept.empty() && (!opt.include.empty() || !opt.exclude.empty()))
+    return absl::NotFoundError(fmt::format("no file of {} {}@{} ({} files listed) is selected by {}{}{}", opt.repo_type,
+                                           opt.repo, sum->commit.substr(0, 12), files.size(),
+                                           opt.include.empty() ? "" : "--include " + FormatPatterns(opt.include),
+                                           opt.include.empty() || opt.exclude.empty() ? "" : " with ",
+                                           opt.exclude.empty() ? "" : "--exclude " + FormatPatterns(opt.exclude)));
+  for (size_t i = 0; i < opt.include.size(); ++i)
+    if (!include_used[i])
+      log::Warning("--include {:?} matches no file of {}@{}", opt.include[i], opt.repo, sum->commit.substr(0, 12));
+  return kept;
+}
+
+// Each file's place below --local-dir (two files in one place is an error), in path order.
+absl::Status PlaceFiles(const DownloadOptions& opt, std::vector<RemoteFile>& files, std::set<std::string>* all_rels) {
+  std::set<std::string> locals;
+  for (auto& f : files) {
+    PTK_ASSIGN_OR_RETURN(std::string clean, SanitizeRepoPath(f.path));
+    f.local_path = JoinPath(opt.local_dir, opt.flat ? FlatName(clean) : clean);
+    all_rels->insert(opt.flat ? FlatName(clean) : clean);
+    if (!locals.insert(f.local_path).second)
+      return absl::InvalidArgumentError(fmt::format("two files would be written to {}{}", f.local_path,
+                                                    opt.flat ? " (--flat: narrow the selection with --include)" : ""));
+  }
+  std::sort(files.begin(), files.end(), [](const RemoteFile& a, const RemoteFile& b) { return a.path < b.path; });
+  return absl::OkStatus();
+}
+
+struct Todo {
+  std::vector<RemoteFile> files;
+  uint64_t bytes = 0, total_bytes = 0;
+};
+
+// What of this shard's files is still to download: those already there and verified are counted
+// (sum->already_present), those whose name meets the bookkeeping are failures.
+absl::StatusOr<Todo> FilesToFetch(const DownloadOptions& opt, const std::vector<RemoteFile>& mine,
+                                  const std::set<std::string>& all_rels, const std::set<std::string>& done,
+                                  DoneLog& log_file, DownloadSummary* sum) {
+  Todo todo;
+  for (const auto& f : mine) {
+    const std::string rel = f.local_path.substr(opt.local_dir.size() + (opt.local_dir.back() == '/' ? 0 : 1));
+    if (std::string clash = BookkeepingClash(rel, all_rels); !clash.empty()) {
+      sum->failures.push_back(
+          {f.path, absl::FailedPreconditionError(fmt::format(
+                       "not downloaded: {}; exclude it (--exclude {:?}) or download it elsewhere", clash, f.path))});
+      log::Error("{}: {}", log::Printable(f.path), StatusMessage(sum->failures.back().error));
+      continue;
+    }
+    todo.total_bytes += f.size;
+    PTK_ASSIGN_OR_RETURN(const bool present, PresentAndVerified(f, done, opt.verify, log_file));
+    if (present) {
+      ++sum->already_present;
+      RemoveStalePart(f);
+    } else {
+      todo.files.push_back(f);
+      todo.bytes += f.size;
+    }
+  }
+  return todo;
+}
+
+// The files fetched on opt.jobs threads, published (fsync, rename, done log) in batches, then made
+// durable; the counts and failures go to `sum`.
+void FetchFiles(const DownloadOptions& opt, Session& s, const Todo& todo, DoneLog& log_file, DownloadSummary* sum) {
+  const std::vector<RemoteFile>& files = todo.files;
+  ProgressReporter progress({.label = "download",
+                             .item_unit = "files",
+                             .items_total = files.size(),
+                             .bytes_total = todo.bytes,
+                             .enabled = opt.progress});
+  std::mutex mu;
+  std::atomic<bool> stop_scheduling{false};
+  // Verified files are made durable and renamed by the publisher, a batch per fsync, while the
+  // workers go on with the next files.
+  Publisher publisher(log_file);
+  s.publisher = &publisher;
+  ParallelForEach(
+      files.size(), opt.jobs,
+      [&](size_t i) {
+        thread_local std::unique_ptr<HttpClient> client;
+        thread_local std::unique_ptr<StreamHasher> hasher;
+        if (!client) client = std::make_unique<HttpClient>();
+        if (!hasher) hasher = std::make_unique<StreamHasher>();
+        FileDownloader dl(s, *client, *hasher, log_file, progress);
+        dl.commit_ = sum->commit;
+        FileResult r = dl.Run(files[i]);
+        std::lock_guard<std::mutex> lock(mu);
+        if (r.ok && r.already_present) {
+          ++sum->already_present;
+        } else if (r.ok) {
+          ++sum->downloaded;
+          sum->bytes_downloaded += r.bytes;
+        } else {
+          sum->failures.push_back({files[i].path, r.error});
+          if (!s.disk_full) log::Error("{}: {}", files[i].path, StatusMessage(r.error));
+        }
+        if (s.disk_full) stop_scheduling = true;
+        progress.AddItems(1);
+      },
+      &stop_scheduling);
+  publisher.Drain();
+  for (auto& [item, error] : publisher.TakeFailures()) {
+    --sum->downloaded;
+    sum->bytes_downloaded -= item.bytes;
+    if (error.code() == absl::StatusCode::kResourceExhausted) s.disk_full = true;
+    if (!s.disk_full) log::Error("{}: {}", item.path, StatusMessage(error));
+    sum->failures.push_back({item.path, error});
+  }
+  s.publisher = nullptr;
+  progress.Finish();
+  // Make this run's renames and done-log lines durable.
+  std::set<std::string> dirs;
+  for (const auto& f : files) dirs.insert(Dirname(f.local_path));
+  for (const auto& d : dirs) {
+    absl::Status st = FsyncDir(d);
+    if (!st.ok() && PathExists(d)) log::Warning("{}", StatusMessage(st));
+  }
+  absl::Status synced = log_file.Sync();
+  if (!synced.ok()) log::Warning("{}", StatusMessage(synced));
+}
+
+uint64_t FreeBytes(const std::string& dir) {
+  struct statvfs vfs;
+  return ::statvfs(dir.c_str(), &vfs) == 0 ? static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize : 0;
+}
+
+}  // namespace
+
 absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   const auto t0 = Clock::now();
-  if (opt.local_dir.empty()) return absl::InvalidArgumentError("--local-dir is required");
+  if (opt.local_dir.empty()) return UsageError("--local-dir is required");
   if (opt.repo.empty() == opt.url_list.empty()) return absl::InvalidArgumentError("give either --repo or --url-list");
   PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(opt.local_dir, kStateDir)));
   RemoveTemporariesOfKilledRuns(opt.local_dir);
@@ -156,69 +331,11 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   std::vector<RemoteFile> files;
   std::set<std::string> all_rels;  // every file's name below --local-dir
   if (!opt.repo.empty()) {
-    // Said before the first request, so that a hub that does not answer is never met with silence.
-    log::Info("asking {} for {} {}@{}", opt.endpoint, opt.repo_type, opt.repo, opt.revision);
-    PTK_ASSIGN_OR_RETURN(sum.commit, PinRevision(s, http));
-    const std::string manifest =
-        JoinPath(JoinPath(opt.local_dir, kStateDir), fmt::format("manifest-{}.jsonl", sum.commit));
-    {
-      // What a run killed while writing the listing left (its temporary, its lock): removed when no
-      // run is writing it now.
-      auto lock = OutputLock::Acquire(manifest);
-      if (lock.ok()) RemoveStaleTemporaries(manifest);
-    }
-    if (PathExists(manifest)) {
-      PTK_ASSIGN_OR_RETURN(files, ReadManifest(manifest));
-      log::Info("using the listing of {}@{} saved in {}", opt.repo, sum.commit.substr(0, 12), manifest);
-    } else {
-      PTK_ASSIGN_OR_RETURN(files, ListTree(s, http, sum.commit));
-      std::string text;
-      for (const auto& f : files) text += ManifestLine(f);
-      // Another run writing it meanwhile writes the same listing: this one need not.
-      auto lock = OutputLock::Acquire(manifest);
-      if (lock.ok()) PTK_RETURN_IF_ERROR(WriteFileAtomic(manifest, text));
-    }
-    // Names below --local-dir of the whole listing (not only the selection): a file this run does
-    // not select may be on disk from another run, where this run's bookkeeping must not meet it.
-    for (const auto& f : files) {
-      auto clean = SanitizeRepoPath(f.path);
-      if (clean.ok()) all_rels.insert(opt.flat ? FlatName(*clean) : *clean);
-    }
-    std::vector<RemoteFile> kept;
-    std::vector<bool> include_used(opt.include.size(), false);
-    for (auto& f : files) {
-      bool inc = opt.include.empty();
-      for (size_t i = 0; i < opt.include.size(); ++i)
-        if (GlobMatch(opt.include[i], f.path)) include_used[i] = inc = true;
-      for (const auto& p : opt.exclude) inc = inc && !GlobMatch(p, f.path);
-      if (inc) kept.push_back(std::move(f));
-    }
-    // A selection that is empty is a mistake (a typo in a pattern), never a silent success. One
-    // pattern among several that matches nothing is said (the Slurm scripts add a validation
-    // folder's pattern that some repos lack).
-    if (kept.empty() && (!opt.include.empty() || !opt.exclude.empty()))
-      return absl::NotFoundError(fmt::format("no file of {} {}@{} ({} files listed) is selected by {}{}{}",
-                                             opt.repo_type, opt.repo, sum.commit.substr(0, 12), files.size(),
-                                             opt.include.empty() ? "" : "--include " + FormatPatterns(opt.include),
-                                             opt.include.empty() || opt.exclude.empty() ? "" : " with ",
-                                             opt.exclude.empty() ? "" : "--exclude " + FormatPatterns(opt.exclude)));
-    for (size_t i = 0; i < opt.include.size(); ++i)
-      if (!include_used[i])
-        log::Warning("--include {:?} matches no file of {}@{}", opt.include[i], opt.repo, sum.commit.substr(0, 12));
-    files = std::move(kept);
+    PTK_ASSIGN_OR_RETURN(files, ListRepo(opt, s, http, &sum, &all_rels));
   } else {
     PTK_ASSIGN_OR_RETURN(files, ReadUrlList(opt.url_list));
   }
-  std::set<std::string> locals;
-  for (auto& f : files) {
-    PTK_ASSIGN_OR_RETURN(std::string clean, SanitizeRepoPath(f.path));
-    f.local_path = JoinPath(opt.local_dir, opt.flat ? FlatName(clean) : clean);
-    all_rels.insert(opt.flat ? FlatName(clean) : clean);
-    if (!locals.insert(f.local_path).second)
-      return absl::InvalidArgumentError(fmt::format("two files would be written to {}{}", f.local_path,
-                                                    opt.flat ? " (--flat: narrow the selection with --include)" : ""));
-  }
-  std::sort(files.begin(), files.end(), [](const RemoteFile& a, const RemoteFile& b) { return a.path < b.path; });
+  PTK_RETURN_IF_ERROR(PlaceFiles(opt, files, &all_rels));
   sum.files_total = static_cast<int64_t>(files.size());
   if (opt.list_only) {
     log::Info("{} files selected (listing saved in {}/{})", files.size(), opt.local_dir, kStateDir);
@@ -235,92 +352,19 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   DoneLog log_file;
   PTK_RETURN_IF_ERROR(
       log_file.Open(JoinPath(state, fmt::format("done-{}-of-{}.tsv", opt.shard.index, opt.shard.count))));
-  std::vector<RemoteFile> todo;
-  uint64_t todo_bytes = 0, total_bytes = 0;
-  for (const auto& f : mine) {
-    const std::string rel = f.local_path.substr(opt.local_dir.size() + (opt.local_dir.back() == '/' ? 0 : 1));
-    if (std::string clash = BookkeepingClash(rel, all_rels); !clash.empty()) {
-      sum.failures.push_back(
-          {f.path, absl::FailedPreconditionError(fmt::format(
-                       "not downloaded: {}; exclude it (--exclude {:?}) or download it elsewhere", clash, f.path))});
-      log::Error("{}: {}", log::Printable(f.path), StatusMessage(sum.failures.back().error));
-      continue;
-    }
-    total_bytes += f.size;
-    PTK_ASSIGN_OR_RETURN(const bool present, PresentAndVerified(f, done, opt.verify, log_file));
-    if (present) {
-      ++sum.already_present;
-      RemoveStalePart(f);
-    } else {
-      todo.push_back(f);
-      todo_bytes += f.size;
-    }
-  }
+  PTK_ASSIGN_OR_RETURN(const Todo todo, FilesToFetch(opt, mine, all_rels, done, log_file, &sum));
   struct statvfs vfs;
   if (::statvfs(opt.local_dir.c_str(), &vfs) == 0) {
     uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-    if (free_bytes < todo_bytes)
+    if (free_bytes < todo.bytes)
       log::Warning("{} has {} free but {} are still to download", opt.local_dir, HumanBytes(free_bytes),
-                   HumanBytes(todo_bytes));
+                   HumanBytes(todo.bytes));
   }
   log::Info("shard {}/{}: {} of {} files ({}), {} already present and verified, {} to download", opt.shard.index,
-            opt.shard.count, mine.size(), files.size(), HumanBytes(static_cast<double>(total_bytes)),
-            sum.already_present, todo.size());
+            opt.shard.count, mine.size(), files.size(), HumanBytes(static_cast<double>(todo.total_bytes)),
+            sum.already_present, todo.files.size());
 
-  ProgressReporter progress({.label = "download",
-                             .item_unit = "files",
-                             .items_total = todo.size(),
-                             .bytes_total = todo_bytes,
-                             .enabled = opt.progress});
-  std::mutex mu;
-  std::atomic<bool> stop_scheduling{false};
-  // Verified files are made durable and renamed by the publisher, a batch per fsync, while the
-  // workers go on with the next files.
-  Publisher publisher(log_file);
-  s.publisher = &publisher;
-  ParallelForEach(
-      todo.size(), opt.jobs,
-      [&](size_t i) {
-        thread_local std::unique_ptr<HttpClient> client;
-        thread_local std::unique_ptr<StreamHasher> hasher;
-        if (!client) client = std::make_unique<HttpClient>();
-        if (!hasher) hasher = std::make_unique<StreamHasher>();
-        FileDownloader dl(s, *client, *hasher, log_file, progress);
-        dl.commit_ = sum.commit;
-        FileResult r = dl.Run(todo[i]);
-        std::lock_guard<std::mutex> lock(mu);
-        if (r.ok && r.already_present) {
-          ++sum.already_present;
-        } else if (r.ok) {
-          ++sum.downloaded;
-          sum.bytes_downloaded += r.bytes;
-        } else {
-          sum.failures.push_back({todo[i].path, r.error});
-          if (!s.disk_full) log::Error("{}: {}", todo[i].path, StatusMessage(r.error));
-        }
-        if (s.disk_full) stop_scheduling = true;
-        progress.AddItems(1);
-      },
-      &stop_scheduling);
-  publisher.Drain();
-  for (auto& [item, error] : publisher.TakeFailures()) {
-    --sum.downloaded;
-    sum.bytes_downloaded -= item.bytes;
-    if (error.code() == absl::StatusCode::kResourceExhausted) s.disk_full = true;
-    if (!s.disk_full) log::Error("{}: {}", item.path, StatusMessage(error));
-    sum.failures.push_back({item.path, error});
-  }
-  s.publisher = nullptr;
-  progress.Finish();
-  // Make this run's renames and done-log lines durable.
-  std::set<std::string> dirs;
-  for (const auto& f : todo) dirs.insert(Dirname(f.local_path));
-  for (const auto& d : dirs) {
-    absl::Status st = FsyncDir(d);
-    if (!st.ok() && PathExists(d)) log::Warning("{}", StatusMessage(st));
-  }
-  absl::Status synced = log_file.Sync();
-  if (!synced.ok()) log::Warning("{}", StatusMessage(synced));
+  FetchFiles(opt, s, todo, log_file, &sum);
   sum.resolves = s.resolves;
   sum.retries = s.retries;
   sum.rate_limited = s.rate_limited;
@@ -328,15 +372,13 @@ absl::StatusOr<DownloadSummary> RunDownload(const DownloadOptions& opt) {
   sum.range_requests = s.range_requests;
   sum.disk_full = s.disk_full;
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (sum.disk_full) {
-    uint64_t have = 0;
-    if (::statvfs(opt.local_dir.c_str(), &vfs) == 0) have = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  if (sum.disk_full)
     return absl::ResourceExhaustedError(fmt::format(
         "disk full under {}: stopped with {} file(s) left; partial downloads are kept as .part files and resume "
         "on the next run ({} free, about {} still needed)",
-        opt.local_dir, todo.size() - static_cast<size_t>(sum.downloaded), HumanBytes(static_cast<double>(have)),
-        HumanBytes(static_cast<double>(todo_bytes - sum.bytes_downloaded))));
-  }
+        opt.local_dir, todo.files.size() - static_cast<size_t>(sum.downloaded),
+        HumanBytes(static_cast<double>(FreeBytes(opt.local_dir))),
+        HumanBytes(static_cast<double>(todo.bytes - sum.bytes_downloaded))));
   return sum;
 }
 

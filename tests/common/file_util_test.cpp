@@ -60,7 +60,7 @@ TEST(AtomicFileWriter, AbandonedWriterKeepsOldContents) {
   EXPECT_FALSE(testing::Exists(tmp));
 }
 
-// Regression (issue 11): two writers of one path shared `PATH.ptk-tmp`, truncated at open, so the
+// Regression: two writers of one path shared `PATH.ptk-tmp`, truncated at open, so the
 // second zeroed what the first had written and the first published a file with holes.
 TEST(AtomicFileWriter, TwoWritersOfOnePathNeverShareATemporary) {
   TempDir dir;
@@ -110,7 +110,7 @@ TEST(PublishTogether, InterruptedPublishIsCompletedFromTheJournal) {
   EXPECT_EQ(CompletePendingPublish(dir / "j").code(), absl::StatusCode::kDataLoss);
 }
 
-// Issue 27: a publish onto a directory left its journal (and so the caller's temporaries) behind.
+// A publish onto a directory left its journal (and so the caller's temporaries) behind.
 // Now nothing is published and no journal is written; the temporaries stay the caller's.
 TEST(PublishTogether, ADirectoryInAFinalPlacePublishesNothing) {
   TempDir dir;
@@ -125,7 +125,7 @@ TEST(PublishTogether, ADirectoryInAFinalPlacePublishesNothing) {
   EXPECT_TRUE(testing::Exists(dir / "a.new"));
 }
 
-// Issue 27: a directory with a link back up was walked until the path was too long (41 copies of
+// A directory with a link back up was walked until the path was too long (41 copies of
 // every file); a file reached twice was listed twice.
 TEST(WalkDirectory, EachDirectoryAndFileOnceByDeviceAndInode) {
   TempDir dir;

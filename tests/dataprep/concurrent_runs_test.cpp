@@ -1,7 +1,7 @@
 // Two runs on one output (a Slurm requeue or a second submission while the first still runs),
 // with one of them killed at a random moment, then a rerun: real processes, 20 trials per tool.
 // Whatever the interleaving, the output ends byte-identical to an undisturbed run, the run that
-// was refused says which run holds the output, and nothing is left behind (issue 11).
+// was refused says which run holds the output, and nothing is left behind.
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -160,7 +160,7 @@ TEST(ConcurrentRuns, TokenizeSamePrefix) {
   EXPECT_GT(t.killed, 0);
 }
 
-// Issue 11: ptk-tokenize always started over. A run killed at a random moment (and, in odd trials,
+// ptk-tokenize always started over. A run killed at a random moment (and, in odd trials,
 // its rerun killed too) is continued from the last resume point by the next run, and the output is
 // byte-identical to an uninterrupted run's. 20 trials. The kills fall between a fifth and nine
 // tenths of an undisturbed run's time (fixed delays stopped killing anything once the tokenizer got

@@ -495,7 +495,7 @@ TEST(Download, StalePartBesideACompleteFileIsRemoved) {
   EXPECT_EQ(testing::Leftovers(dir / "out"), "");
 }
 
-// Regression (issue 11): two runs on one --local-dir (a requeued job while the first still runs)
+// Regression: two runs on one --local-dir (a requeued job while the first still runs)
 // failed with "rename ... .part: No such file or directory". 20 trials, one run killed at a random
 // moment in each, then a rerun: every file byte-identical, nothing left behind.
 TEST(Download, TwoRunsOnOneLocalDir) {
@@ -532,7 +532,7 @@ TEST(Download, TwoRunsOnOneLocalDir) {
   EXPECT_GT(killed, 0);
 }
 
-// Issue 11: a hostile or broken server. Each case failed on the old main: file:// and gopher://
+// A hostile or broken server. Each case failed on the old main: file:// and gopher://
 // redirects were followed, API redirect loops and endless listings never ended, malformed numbers
 // in headers aborted the process, control characters in listing paths reached the disk and the log.
 TEST(Download, HostileServer) {
@@ -594,7 +594,7 @@ TEST(Download, HostileServer) {
   }
 }
 
-// Issue 27: a resume that cannot show that it continues the same bytes starts the file over; it is
+// A resume that cannot show that it continues the same bytes starts the file over; it is
 // never spliced. The file comes from a URL list without a sha256 (nothing checks the result), and
 // each case drops the first transfer at 50,000 bytes, then answers the resume wrongly: a 206 of a
 // replaced object (another ETag) though If-Range named the old one, a 200 carrying the Content-Range
@@ -640,7 +640,7 @@ TEST(Download, AResumeThatCannotProveItContinuesStartsOver) {
   }
 }
 
-// Issue 27: a repo's own files never meet ptk-download's bookkeeping. On the old main x.bin got
+// A repo's own files never meet ptk-download's bookkeeping. On the old main x.bin got
 // x.bin.part's bytes and x.bin.part was missing, a file under .ptk-download/ overwrote the done log,
 // y.jsonl.ptk-lock and y.jsonl.part.json vanished, all with exit 0 ("3 downloaded, 0 failed").
 // Now the files whose names are ptk's are refused by name (exit 1, on every run) and the others
@@ -679,7 +679,7 @@ TEST(Download, RepoFilesNamedLikePtksBookkeepingAreRefusedByName) {
   }
 }
 
-// Issue 27: --include that selects nothing (a typo) is an error, not "0 downloaded" and exit 0; one
+// --include that selects nothing (a typo) is an error, not "0 downloaded" and exit 0; one
 // pattern of several that matches nothing is said.
 TEST(Download, IncludeThatSelectsNothingIsAnError) {
   TempDir dir;
@@ -698,7 +698,7 @@ TEST(Download, IncludeThatSelectsNothingIsAnError) {
   EXPECT_TRUE(testing::Exists(dir / "out/README.md"));
 }
 
-// Issue 27: every loop of requests ends. A listing whose Link rel=next comes back to a page
+// Every loop of requests ends. A listing whose Link rel=next comes back to a page
 // already read (the same URL, or new URLs with the same entries) was followed forever (682 requests
 // in 30 s): now an error naming the loop.
 TEST(Download, ALoopingListingIsAnError) {
@@ -718,7 +718,7 @@ TEST(Download, ALoopingListingIsAnError) {
   }
 }
 
-// Issue 27: a Hub that drips a redirect's body a byte every 0.1 s (above the low-speed limit) hung
+// A Hub that drips a redirect's body a byte every 0.1 s (above the low-speed limit) hung
 // the run past --stall-timeout and --max-retry-time. Now such a body is cut after --stall-timeout:
 // a file whose first resolve drips arrives; one whose every resolve drips fails within
 // --max-retry-time.
@@ -748,7 +748,7 @@ TEST(Download, ADrippingRedirectIsCut) {
   }
 }
 
-// Issue 27: a rate-limit pause longer than --max-retry-time leaves (Retry-After: 3600) was slept
+// A rate-limit pause longer than --max-retry-time leaves (Retry-After: 3600) was slept
 // through for an hour; now the run fails at once saying so.
 TEST(Download, ARateLimitPauseLongerThanTheRetryTimeFails) {
   TempDir dir;

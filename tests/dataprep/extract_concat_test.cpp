@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include "common/status.h"
 #include "dataprep/concat/concat.h"
 #include "dataprep/input/input_list.h"
 #include "tests/dataprep/compress_util.h"
@@ -123,7 +124,7 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
     EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 400);  // every 5th of 500 dropped
     EXPECT_FALSE(testing::Exists(dir / fmt::format("in/f_{}.jsonl.zst", i)));
   }
-  // Regression (issue 11): a rerun of the finished job found no inputs and exited 1.
+  // Regression: a rerun of the finished job found no inputs and exited 1.
   auto rerun = RunCmd(fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBook --delete-input",
                                   testing::Tool("ptk-extract"), dir / "in", dir / "out"));
   EXPECT_EQ(rerun.exit_code, 0) << rerun.output;
@@ -144,7 +145,7 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
-// Issue 27: ptk-extract overwrote an a.jsonl it did not write (zstd -d refuses). Now such a file is a
+// ptk-extract overwrote an a.jsonl it did not write (zstd -d refuses). Now such a file is a
 // failed input naming it, --force overwrites it, and ptk-extract's own outputs are still redone or
 // skipped: those with a sidecar, and one a kill left between its publish and its sidecar (its
 // pending record says it is ptk-extract's).
@@ -186,7 +187,7 @@ TEST(Extract, NeverOverwritesAFileItDidNotWrite) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
-// Issue 27: --drop-set kept the first of duplicate keys; Python's json (and ptk-tokenize) keep the
+// --drop-set kept the first of duplicate keys; Python's json (and ptk-tokenize) keep the
 // last, at every level.
 TEST(Extract, DropSetTakesTheLastOfDuplicateKeys) {
   TempDir dir;
@@ -273,6 +274,23 @@ TEST(ConcatPlan, BalancedChunksKeepOrderAndCoverEverything) {
 
 // NeMo's concat.sh over SlimPajama's 59,166 extracted train files: bash's glob in the C locale,
 // 800 files per chunk -> 74 chunks (shared/reference/seed-pipelines.md §2.5).
+// Bad flags are usage errors where they are found; no inputs is not a usage error (MakeConcatPlan's
+// caller no longer turns every kInvalidArgument into one).
+TEST(ConcatPlan, OnlyBadFlagsAreUsageErrors) {
+  auto opt = [](int64_t chunks, std::string pattern) {
+    ConcatPlanOptions o;
+    o.chunks = chunks;
+    o.name_pattern = std::move(pattern);
+    return o;
+  };
+  EXPECT_TRUE(IsUsageError(MakeConcatPlan({{"a", 1}}, "out", opt(0, "")).status()));
+  EXPECT_TRUE(IsUsageError(MakeConcatPlan({{"a", 1}}, "out", opt(1, "a/{}")).status()));
+  EXPECT_TRUE(IsUsageError(MakeConcatPlan({{"a", 1}, {"b", 1}}, "out", opt(2, "x")).status()));
+  const absl::Status none = MakeConcatPlan({}, "out", {}).status();
+  EXPECT_FALSE(none.ok());
+  EXPECT_FALSE(IsUsageError(none)) << none;
+}
+
 TEST(ConcatPlan, ReproducesNemoGroupingOfSlimPajama) {
   const int last[10] = {5911, 5910, 5918, 5916, 5932, 5914, 5905, 5920, 5919, 5911};
   std::vector<std::string> names;
@@ -372,7 +390,7 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   auto usage = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern 'bad_{{:q}}'",
                                   testing::Tool("ptk-concat"), dir / "in", dir / "o2"));
   EXPECT_EQ(usage.exit_code, 2) << usage.output;
-  // Regression (issue 11): one name for every chunk wrote them all to one file and said success.
+  // Regression: one name for every chunk wrote them all to one file and said success.
   auto same = RunCmd(fmt::format("{} --input {} --output-dir {} --chunks 3 --name-pattern same.jsonl",
                                  testing::Tool("ptk-concat"), dir / "in", dir / "o3"));
   EXPECT_EQ(same.exit_code, 2) << same.output;
@@ -383,7 +401,7 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   EXPECT_EQ(wide.exit_code, 2) << wide.output;
 }
 
-// Regression (issue 11): a 2-chunk plan into a directory holding a 4-chunk run kept train_02 and
+// Regression: a 2-chunk plan into a directory holding a 4-chunk run kept train_02 and
 // train_03, and every later stage took them for this plan's data.
 TEST(Concat, APlanOwnsItsDirectory) {
   TempDir dir;
@@ -407,7 +425,7 @@ TEST(Concat, APlanOwnsItsDirectory) {
   EXPECT_EQ(all, want);
 }
 
-// Regression (issue 11): an output directory inside the input directory, spelled differently on a
+// Regression: an output directory inside the input directory, spelled differently on a
 // rerun, made the previous chunks and the plan inputs (output doubled, exit 0).
 TEST(Concat, OutputInsideInputIsExcludedHoweverItIsSpelled) {
   TempDir dir;
@@ -425,10 +443,10 @@ TEST(Concat, OutputInsideInputIsExcludedHoweverItIsSpelled) {
   }
 }
 
-// Issue 11: a full disk is exit 3 in every tool (extract and concat said 1), the message names the
+// A full disk is exit 3 in every tool (extract and concat said 1), the message names the
 // file, nothing half-written is published and a rerun with space finishes the job. `ulimit -f`
 // (KiB) makes writes past it fail with EFBIG, the same path as ENOSPC.
-// Issue 27: a directory with a link back up (sub/up -> ..) made concat write 41 copies of every line
+// A directory with a link back up (sub/up -> ..) made concat write 41 copies of every line
 // and extract 41 outputs (two links: until killed); a FIFO made an empty chunk (exit 0) or hung
 // extract; in/f0.jsonl and in/./f0.jsonl were both taken; .JSONL, .bz2 and extension-less files
 // were left out without a word. Now each file is taken once (device and inode), a FIFO named as an
@@ -500,7 +518,7 @@ TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {
   EXPECT_FALSE(testing::Exists(dir / "x/big.jsonl"));
   auto ok = RunCmd(extract);
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
-  EXPECT_EQ(testing::ReadFile(dir / "x/big.jsonl"), text);  // .gz decoded (issue 11), not copied
+  EXPECT_EQ(testing::ReadFile(dir / "x/big.jsonl"), text);  // .gz decoded, not copied
 
   const std::string concat = fmt::format("{} --quiet --input {} --output-dir {} --chunks 1",
                                          testing::Tool("ptk-concat"), dir / "x", dir / "c");

@@ -179,7 +179,7 @@ TEST_F(CorruptIndexTest, RandomByteFlipsNeverCrash) {
   EXPECT_GT(rejected, 2000);
 }
 
-// Issue 29, point 4: a path where a prefix belongs (PREFIX.bin), or a prefix without its
+// A path where a prefix belongs (PREFIX.bin), or a prefix without its
 // _text_document, gets the name meant from Open itself, so every --data-path and --inputs has it
 // (was a bare "cannot open my.idx").
 TEST(OpenMissingDataset, SuggestsThePrefixMeant) {

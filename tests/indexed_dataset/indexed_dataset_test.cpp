@@ -293,7 +293,7 @@ TEST(IndexedDatasetBuilder, RejectsInconsistentLengths) {
   EXPECT_EQ((*b)->AddDocument(t, l).code(), absl::StatusCode::kInvalidArgument);
 }
 
-// Regression (issue 11): two writers of one prefix both wrote PREFIX.bin.ptk-tmp; the second is
+// Regression: two writers of one prefix both wrote PREFIX.bin.ptk-tmp; the second is
 // now refused at once, naming the first, and the first's output is untouched.
 TEST(IndexedDatasetBuilder, SecondWriterOfAPrefixIsRefused) {
   TempDir dir;

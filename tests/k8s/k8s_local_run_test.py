@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""k8s/'s manifests run as their pods would run (issue 32), without a cluster (tests/k8s/podsim.py):
+"""k8s/'s manifests run as their pods would run, without a cluster (tests/k8s/podsim.py):
 
   1. the templates are rendered as README says (k8s/render.sh) for the bundled sample,
      served as the dataset repo by tests/support/fake_hub.py, the shared volume a local directory;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every manifest k8s/ renders is one a cluster accepts (issue 32), checked offline:
+"""Every manifest k8s/ renders is one a cluster accepts, checked offline:
 
   - rendered as README says (k8s/render.sh: env.sh's checks, every value quoted and escaped), with the
     defaults and with the test's small settings; the templates hold no $ reference but k8s/env.sh's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# slurm/status.sh and the stage scripts read the concat plan, never a glob (issue 11): a 2-chunk
+# slurm/status.sh and the stage scripts read the concat plan, never a glob: a 2-chunk
 # plan over a directory that held a 4-chunk run reports the leftovers as errors, counts only the
 # plan's chunks, and training is given only the plan's datasets. No Slurm needed.
 # Usage: status_test.sh BIN_DIR SOURCE_DIR
@@ -57,7 +57,7 @@ dp=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh")
 dpn=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh" --weights tokens --format nemo)
 [[ "$dpn" =~ ^\[0\.5,$D/preprocessed/train_00_text_document,0\.5,$D/preprocessed/train_01_text_document\]$ ]] ||
   fail "data-path --format nemo: $dpn"
-# submit-pipeline.sh --dry-run without a controller (issue 12): a failing sinfo and no sbatch.
+# submit-pipeline.sh --dry-run without a controller: a failing sinfo and no sbatch.
 mkdir -p "$W/fakebin"
 printf '#!/bin/sh\necho "sinfo: error: Unable to contact slurm controller" >&2\nexit 1\n' > "$W/fakebin/sinfo"
 chmod +x "$W/fakebin/sinfo"
@@ -74,7 +74,7 @@ ok=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 DOWNLOAD_PARTITION=dev PR
      bash "$SRC/slurm/submit-pipeline.sh" --dry-run 2>&1) || fail "dev partitions refused: $ok"
 help=$(bash "$SRC/slurm/submit-pipeline.sh" --help)
 echo "$help" | grep -q "Usage: slurm/submit-pipeline.sh" || fail "--help: $help"
-# cmake --install gives a relocatable tree (issue 12): installed, moved elsewhere, it runs, and its
+# cmake --install gives a relocatable tree: installed, moved elsewhere, it runs, and its
 # Slurm scripts find its binaries without PTK_BIN.
 cmake --install "$BIN/.." --prefix "$W/inst" >/dev/null || fail "cmake --install"
 mv "$W/inst" "$W/moved"

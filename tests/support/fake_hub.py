@@ -16,10 +16,10 @@ Fault injection per file and attempt (--faults FILE or POST /_faults): a JSON ob
 the k-th request for that path (CDN GET, or Hub resolve for faults prefixed "hub:") gets fault k:
   drop:K  stall:S  slow:BPS  ignore_range  slice200  bad_range_start  bad_range_total  flip:K  short
   429_ratelimit  429_retry_after:N  429_plain  500  502  503  cdn_403  replace  ok
-Hostile faults (issue 11), per file at the Hub resolve ("hub:" prefix): redirect_file (302 to file:///etc/hostname),
+Hostile faults, per file at the Hub resolve ("hub:" prefix): redirect_file (302 to file:///etc/hostname),
 redirect_gopher (302 to gopher://), redirect_loop (302 to itself), bad_linked_size (X-Linked-Size: 12abc); on the
 CDN: bad_content_range (206 with a 30-digit Content-Range), bad_ratelimit (429 with a 30-digit RateLimit).
-Issue 27, on the CDN: changed (the object was replaced: other bytes, ETag "v2", If-Range honoured), changed_206 (the
+On the CDN: changed (the object was replaced: other bytes, ETag "v2", If-Range honoured), changed_206 (the
 same, but a resume is answered 206 whatever If-Range says), range200 (a Range request answered 200 with the
 Content-Range asked for, but a body that starts at byte 0, cut to the range's length), range200_full (the same with
 the whole file as body), 206_no_range (206 without Content-Range); at the Hub: drip_redirect (a 302 whose body comes

@@ -297,7 +297,7 @@ TEST(Checkpoint, SettingsComeBack) {
   EXPECT_EQ(s.settings[1], std::make_pair(std::string("--data-path"), std::string("a b")));
 }
 
-// Issue 29, point 1: the scheduler's settings come back from a checkpoint; one written without
+// The scheduler's settings come back from a checkpoint; one written without
 // them (by an earlier ptk) still loads, with none.
 TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {
   const ParamLayout layout = SmallLayout();

@@ -184,10 +184,10 @@ TEST(MatmulCuda, Fp32ForwardMatchesCpu) {
       const bool bias = variant >= 1, gelu = variant == 2;
       auto inp = Random(s.n * s.ic, 1), w = Random(s.oc * s.ic, 2), b = Random(s.oc, 3);
       std::vector<float> ref(s.n * s.oc), mag(s.n * s.oc), gref(s.n * s.oc);
-      MatmulForwardCpu<float>(ref.data(), inp.data(), w.data(), bias ? b.data() : nullptr, s.n, s.ic, s.oc);
+      cpu::MatmulForward<float>(ref.data(), inp.data(), w.data(), bias ? b.data() : nullptr, s.n, s.ic, s.oc);
       auto ainp = Abs(inp), aw = Abs(w), ab = Abs(b);
-      MatmulForwardCpu<float>(mag.data(), ainp.data(), aw.data(), bias ? ab.data() : nullptr, s.n, s.ic, s.oc);
-      GeluForwardCpu<float>(gref.data(), ref.data(), s.n * s.oc);
+      cpu::MatmulForward<float>(mag.data(), ainp.data(), aw.data(), bias ? ab.data() : nullptr, s.n, s.ic, s.oc);
+      cpu::GeluForward<float>(gref.data(), ref.data(), s.n * s.oc);
       DeviceBuffer<float> dinp(inp), dw(w), db(b), dout(s.n * s.oc), dgelu(s.n * s.oc);
       STATUS_OK(MatmulForward<float>(dout.get(), dinp.get(), dw.get(), bias ? db.get() : nullptr, s.n, s.ic, s.oc,
                                      gpu.ctx, gelu ? dgelu.get() : nullptr));
@@ -210,12 +210,12 @@ TEST(MatmulCuda, Fp32BackwardMatchesCpu) {
       auto dinp0 = Random(s.n * s.ic, 14), dw0 = Random(s.oc * s.ic, 15), db0 = Random(s.oc, 16);
       // CPU: dinp += (so from zero unless accumulating), dw +=, dbias +=
       std::vector<float> rdinp = accumulate ? dinp0 : std::vector<float>(dinp0.size(), 0.0f), rdw = dw0, rdb = db0;
-      MatmulBackwardCpu<float>(rdinp.data(), rdw.data(), rdb.data(), dout.data(), inp.data(), w.data(), s.n, s.ic,
+      cpu::MatmulBackward<float>(rdinp.data(), rdw.data(), rdb.data(), dout.data(), inp.data(), w.data(), s.n, s.ic,
                                s.oc);
       auto ainp = Abs(inp), aw = Abs(w), adout = Abs(dout);
       std::vector<float> mdinp = accumulate ? Abs(dinp0) : std::vector<float>(dinp0.size(), 0.0f), mdw = Abs(dw0),
                          mdb = Abs(db0);
-      MatmulBackwardCpu<float>(mdinp.data(), mdw.data(), mdb.data(), adout.data(), ainp.data(), aw.data(), s.n, s.ic,
+      cpu::MatmulBackward<float>(mdinp.data(), mdw.data(), mdb.data(), adout.data(), ainp.data(), aw.data(), s.n, s.ic,
                                s.oc);
       DeviceBuffer<float> d_inp(inp), d_w(w), d_dout(dout), d_dinp(dinp0), d_dw(dw0), d_db(db0);
       STATUS_OK(MatmulBackward<float>(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), s.n,
@@ -241,9 +241,9 @@ void LowPrecisionMatmul(double rtol) {
     const auto ai = Abs(xi), aw = Abs(xw), ab = Abs(xb), ad = Abs(xd);
     // forward with bias and GELU (the fused epilogue where cuBLASLt has it)
     std::vector<double> ref(s.n * s.oc), mag(s.n * s.oc), gref(s.n * s.oc);
-    MatmulForwardCpu<double>(ref.data(), xi.data(), xw.data(), xb.data(), s.n, s.ic, s.oc);
-    MatmulForwardCpu<double>(mag.data(), ai.data(), aw.data(), ab.data(), s.n, s.ic, s.oc);
-    GeluForwardCpu<double>(gref.data(), ref.data(), s.n * s.oc);
+    cpu::MatmulForward<double>(ref.data(), xi.data(), xw.data(), xb.data(), s.n, s.ic, s.oc);
+    cpu::MatmulForward<double>(mag.data(), ai.data(), aw.data(), ab.data(), s.n, s.ic, s.oc);
+    cpu::GeluForward<double>(gref.data(), ref.data(), s.n * s.oc);
     DeviceBuffer<T> d_inp(inp), d_w(w), d_b(b), d_out(s.n * s.oc), d_gelu(s.n * s.oc), d_dout(dout), d_dinp(s.n * s.ic);
     STATUS_OK(MatmulForward<T>(d_out.get(), d_inp.get(), d_w.get(), d_b.get(), s.n, s.ic, s.oc, gpu.ctx, d_gelu.get()));
     ExpectClose(
@@ -253,10 +253,10 @@ void LowPrecisionMatmul(double rtol) {
     // backward: dinp assigned, dw and dbias accumulated in fp32
     const auto dw0 = Random(s.oc * s.ic, 25), db0 = Random(s.oc, 26);
     std::vector<double> rdinp(s.n * s.ic, 0.0), rdw(dw0.begin(), dw0.end()), rdb(db0.begin(), db0.end());
-    MatmulBackwardCpu<double>(rdinp.data(), rdw.data(), rdb.data(), xd.data(), xi.data(), xw.data(), s.n, s.ic, s.oc);
+    cpu::MatmulBackward<double>(rdinp.data(), rdw.data(), rdb.data(), xd.data(), xi.data(), xw.data(), s.n, s.ic, s.oc);
     std::vector<double> mdinp(s.n * s.ic, 0.0), mdw = Abs(std::vector<double>(dw0.begin(), dw0.end())),
                                                 mdb = Abs(std::vector<double>(db0.begin(), db0.end()));
-    MatmulBackwardCpu<double>(mdinp.data(), mdw.data(), mdb.data(), ad.data(), ai.data(), aw.data(), s.n, s.ic, s.oc);
+    cpu::MatmulBackward<double>(mdinp.data(), mdw.data(), mdb.data(), ad.data(), ai.data(), aw.data(), s.n, s.ic, s.oc);
     DeviceBuffer<float> d_dw(dw0), d_db(db0);
     STATUS_OK(MatmulBackward<T>(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), s.n, s.ic,
                                 s.oc, gpu.ctx));
@@ -335,8 +335,8 @@ TEST(AttentionCuda, Fp32MatchesCpuWithAndWithoutDropout) {
       for (int64_t b = 0; b < s.b; ++b) streams[b] = DropoutStream(static_cast<uint64_t>(b + 7), 3, kAttentionProbs);
       const uint64_t seed = 1234;
       std::vector<float> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c), scratch(2 * s.t * s.t);
-      AttentionForwardCpu<float>(out.data(), probs.data(), qkv.data(), s, p, seed, streams.data());
-      AttentionBackwardCpu<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, seed, streams.data(),
+      cpu::AttentionForward<float>(out.data(), probs.data(), qkv.data(), s, p, seed, streams.data());
+      cpu::AttentionBackward<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, seed, streams.data(),
                                   scratch.data());
       DeviceBuffer<float> d_qkv(qkv), d_dout(dout), d_out(out.size()), d_probs(probs.size()), d_dqkv(dqkv.size()),
           d_scratch(AttentionBackwardScratch(s));
@@ -403,8 +403,8 @@ void FlashMatchesCpu(double fwd_tol, double bwd_tol) {
     const auto qkv = ToT<T>(Random(n * 3 * c, 61, -2.0f, 2.0f)), dout = ToT<T>(Random(n * c, 62));
     const auto xqkv = ToDouble(qkv), xdout = ToDouble(dout);
     std::vector<double> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c), scratch(2 * s.t * s.t);
-    AttentionForwardCpu<double>(out.data(), probs.data(), xqkv.data(), s, 0.0, 0, nullptr);
-    AttentionBackwardCpu<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr,
+    cpu::AttentionForward<double>(out.data(), probs.data(), xqkv.data(), s, 0.0, 0, nullptr);
+    cpu::AttentionBackward<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr,
                                  scratch.data());
     auto ws = FlashAttentionWorkspaceBytes<T>(s, 0.0, gpu.ctx);
     ASSERT_TRUE(ws.ok()) << ws.status();

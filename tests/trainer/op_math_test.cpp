@@ -1,7 +1,7 @@
 // The per-element math both backends run (trainer/op_math.h, trainer/counter_rng.h), checked on the
 // CPU against independent references: GELU against its formula in long double and a finite
 // difference, the AdamW element against torch.optim.AdamW's update written out in long double, the
-// dropout hash's keep rate and the independence of its streams, and DropoutCpu against
+// dropout hash's keep rate and the independence of its streams, and cpu::Dropout against
 // DropoutKeep applied element by element. The CUDA kernels call these very functions, so what is
 // checked here holds for them too (bf16/fp16 rounding is checked on the GPU, ops_cuda_test).
 #include <algorithm>
@@ -201,7 +201,7 @@ TEST(OpMath, DropoutCpuIsDropoutKeepElementByElement) {
   for (double p : {0.1, 0.5}) {
     const uint64_t seed = 1234, stream = DropoutStream(99, 4, kEmbeddingDropout);
     std::vector<float> y = x;
-    DropoutCpu(y.data(), n, p, seed, stream);
+    cpu::Dropout(y.data(), n, p, seed, stream);
     const uint32_t threshold = DropoutKeepThreshold(p);
     const uint64_t key = DropoutKey(seed, stream);
     const auto scale = static_cast<float>(1.0 / (1.0 - p));
@@ -215,7 +215,7 @@ TEST(OpMath, DropoutCpuIsDropoutKeepElementByElement) {
     EXPECT_EQ(mismatches, 0) << "p " << p;
   }
   std::vector<float> y = x;
-  DropoutCpu(y.data(), n, 0.0, 1, 2);
+  cpu::Dropout(y.data(), n, 0.0, 1, 2);
   EXPECT_EQ(y, x);  // p = 0 keeps everything, unscaled
 }
 

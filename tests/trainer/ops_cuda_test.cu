@@ -212,7 +212,7 @@ TYPED_TEST(TypedCudaOps, LayerNormForwardMatchesCpu) {
     const auto x = RoundTrip<T>(Normal(s.n * s.c, 1, 0.3f, 2.0f));
     const auto w = Normal(s.c, 2, 1.0f, 0.2f), b = Normal(s.c, 3, 0.0f, 0.2f);
     std::vector<float> out(s.n * s.c), mean(s.n), rstd(s.n);
-    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), s.n, s.c, 1e-5);
+    cpu::LayerNormForward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), s.n, s.c, 1e-5);
 
     DeviceArray<T> dx(ToT<T>(x)), dout(s.n * s.c);
     DeviceArray<float> dw(w), db(b), dmean(s.n), drstd(s.n);
@@ -239,7 +239,7 @@ TYPED_TEST(TypedCudaOps, ResidualLayerNormForwardMatchesCpu) {
     for (size_t i = 0; i < resid.size(); ++i) resid[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
     const auto rf = ToF(resid);
     std::vector<float> out(s.n * s.c), mean(s.n), rstd(s.n);
-    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), rf.data(), w.data(), bias.data(), s.n, s.c, 1e-5);
+    cpu::LayerNormForward(out.data(), mean.data(), rstd.data(), rf.data(), w.data(), bias.data(), s.n, s.c, 1e-5);
 
     for (bool in_place : {false, true}) {
       DeviceArray<T> da(a), dbb(b), dresid(s.n * s.c), dout(s.n * s.c);
@@ -270,9 +270,9 @@ TYPED_TEST(TypedCudaOps, LayerNormBackwardMatchesCpuAndIsDeterministic) {
     const auto dinp0 = RoundTrip<T>(Normal(nc, 14, 0.0f, 0.5f));
     const auto dw0 = Normal(s.c, 15), db0 = Normal(s.c, 16);
     std::vector<float> out(nc), mean(s.n), rstd(s.n);
-    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), s.n, s.c, 1e-5);
+    cpu::LayerNormForward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), s.n, s.c, 1e-5);
     std::vector<float> dinp = dinp0, dw = dw0, db = db0;
-    LayerNormBackwardCpu(dinp.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
+    cpu::LayerNormBackward(dinp.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
                          s.n, s.c);
     // The size of what dw and db sum, per channel.
     std::vector<float> sw(s.c, 0.0f), sb(s.c, 0.0f);
@@ -326,7 +326,7 @@ TYPED_TEST(TypedCudaOps, EmbeddingMatchesCpuBitwiseAndIsDeterministic) {
     }
     const auto wte = RoundTrip<T>(Normal(vocab * s.c, 20)), wpe = RoundTrip<T>(Normal(positions_rows * s.c, 21));
     std::vector<float> out(s.n * s.c);
-    EmbeddingForwardCpu(out.data(), tokens.data(), positions.data(), wte.data(), wpe.data(), s.n, s.c);
+    cpu::EmbeddingForward(out.data(), tokens.data(), positions.data(), wte.data(), wpe.data(), s.n, s.c);
 
     DeviceArray<int32_t> dtok(tokens), dpos(positions);
     DeviceArray<T> dwte(ToT<T>(wte)), dwpe(ToT<T>(wpe)), dout(s.n * s.c);
@@ -336,7 +336,7 @@ TYPED_TEST(TypedCudaOps, EmbeddingMatchesCpuBitwiseAndIsDeterministic) {
     const auto dy = RoundTrip<T>(Normal(s.n * s.c, 22));
     const auto gte0 = Normal(vocab * s.c, 23), gpe0 = Normal(positions_rows * s.c, 24);
     std::vector<float> gte = gte0, gpe = gpe0;
-    EmbeddingBackwardCpu(gte.data(), gpe.data(), dy.data(), tokens.data(), positions.data(), s.n, s.c);
+    cpu::EmbeddingBackward(gte.data(), gpe.data(), dy.data(), tokens.data(), positions.data(), s.n, s.c);
     EmbeddingBackwardPlan plan;
     ASSERT_OK(plan.Reserve(s.n + 5));
     std::vector<float> runs[2][2];
@@ -395,8 +395,8 @@ TYPED_TEST(TypedCudaOps, GeluMatchesCpu) {
       const std::string what = "n=" + std::to_string(n) + " offset=" + std::to_string(offset);
       const auto x = RoundTrip<T>(Normal(n, 30, 0.0f, 3.0f)), dy = RoundTrip<T>(Normal(n, 31));
       std::vector<float> y(n), dx(n);
-      GeluForwardCpu(y.data(), x.data(), n);
-      GeluBackwardCpu(dx.data(), x.data(), dy.data(), n);
+      cpu::GeluForward(y.data(), x.data(), n);
+      cpu::GeluBackward(dx.data(), x.data(), dy.data(), n);
       DeviceArray<T> dxin(n + offset), dyout(n + offset), dd(n + offset);
       dxin.Upload(ToT<T>(x), offset);
       dd.Upload(ToT<T>(dy), offset);
@@ -417,7 +417,7 @@ TYPED_TEST(TypedCudaOps, GeluMatchesCpu) {
 
 // ---- dropout -------------------------------------------------------------------------------------
 
-// The CPU's masks exactly: fp32 bitwise against DropoutCpu over each row; bf16/fp16 bitwise against
+// The CPU's masks exactly: fp32 bitwise against cpu::Dropout over each row; bf16/fp16 bitwise against
 // the same keep decisions with round(x * 1/(1-p)).
 TYPED_TEST(TypedCudaOps, DropoutRowsIsTheCpuMask) {
   using T = TypeParam;
@@ -434,7 +434,7 @@ TYPED_TEST(TypedCudaOps, DropoutRowsIsTheCpuMask) {
         std::vector<T> want(x.size());
         if constexpr (std::is_same_v<T, float>) {
           want = x;
-          for (int64_t r = 0; r < rows; ++r) DropoutCpu(want.data() + r * row_len, row_len, p, seed, streams[r]);
+          for (int64_t r = 0; r < rows; ++r) cpu::Dropout(want.data() + r * row_len, row_len, p, seed, streams[r]);
         } else {
           const uint32_t threshold = DropoutKeepThreshold(p);
           const auto scale = static_cast<float>(1.0 / (1.0 - p));
@@ -500,8 +500,8 @@ TYPED_TEST(TypedCudaOps, SoftmaxCrossEntropyMatchesCpu) {
     }
     if (s.n > 1) targets[1] = static_cast<int32_t>((1 * 7919) % vp);  // a target on the dominant column
     std::vector<float> losses(s.n), fused_losses(s.n), grad = logits;
-    SoftmaxCrossEntropyForwardCpu(losses.data(), logits.data(), targets.data(), s.n, vp);
-    SoftmaxCrossEntropyFusedCpu(grad.data(), fused_losses.data(), targets.data(), dl.data(), s.n, vp);
+    cpu::SoftmaxCrossEntropyForward(losses.data(), logits.data(), targets.data(), s.n, vp);
+    cpu::SoftmaxCrossEntropyFused(grad.data(), fused_losses.data(), targets.data(), dl.data(), s.n, vp);
 
     DeviceArray<T> dlogits(ToT<T>(logits));
     DeviceArray<int32_t> dtargets(targets);
@@ -545,7 +545,7 @@ TEST_F(CudaOps, SoftmaxCrossEntropyTargetOutOfRangeGivesNaN) {
 
 // ---- AdamW, sums of squares, scaling ---------------------------------------------------------------
 
-// fp32: p, m, v bitwise equal to AdamWCpu's over three steps (the same AdamWElement, no contracted
+// fp32: p, m, v bitwise equal to cpu::AdamW's over three steps (the same AdamWElement, no contracted
 // multiply-adds, IEEE sqrt and division); the compute copy bitwise equal to round(p).
 TYPED_TEST(TypedCudaOps, AdamWIsAdamWCpuBitwise) {
   using T = TypeParam;
@@ -562,7 +562,7 @@ TYPED_TEST(TypedCudaOps, AdamWIsAdamWCpuBitwise) {
       for (int64_t step = 1; step <= 3; ++step) {
         const auto g = Normal(n, static_cast<uint32_t>(63 + step), 0.0f, 0.1f);
         const AdamWParams a{1e-3 * static_cast<double>(step), 0.9, 0.95, 1e-8, 0.1, step + 10};
-        AdamWCpu(p.data(), g.data(), m.data(), v.data(), n, a);
+        cpu::AdamW(p.data(), g.data(), m.data(), v.data(), n, a);
         dg.Upload(g, offset);
         ASSERT_OK(AdamW<T>(dp.get() + offset, dg.get() + offset, dm.get() + offset, dv.get() + offset, n, a,
                            dpc.get() + offset, this->ctx_));
@@ -583,14 +583,14 @@ TEST_F(CudaOps, AdamWWithoutComputeCopyAndBadStep) {
   AdamWParams a{1e-2, 0.9, 0.999, 1e-8, 0.0, 1};
   ASSERT_OK(AdamW<float>(p.get(), g.get(), m.get(), v.get(), n, a, nullptr, ctx_));
   std::vector<float> hp(n, 1.0f), hg(n, 0.5f), hm(n, 0.0f), hv(n, 0.0f);
-  AdamWCpu(hp.data(), hg.data(), hm.data(), hv.data(), n, a);
+  cpu::AdamW(hp.data(), hg.data(), hm.data(), hv.data(), n, a);
   ExpectBitwise(p.Download(), hp, "p");
   a.step = 0;
   EXPECT_EQ(AdamW<float>(p.get(), g.get(), m.get(), v.get(), n, a, nullptr, ctx_).code(),
             absl::StatusCode::kInvalidArgument);
 }
 
-// Two runs give the same bits; within 1e-12 rel of SumSquaresCpu (both sum exact double squares).
+// Two runs give the same bits; within 1e-12 rel of cpu::SumSquares (both sum exact double squares).
 TEST_F(CudaOps, SumSquaresIsReproducibleAndMatchesCpu) {
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{1000003}, int64_t{(1 << 22) + 3}}) {
     for (int64_t offset : {int64_t{0}, int64_t{1}}) {
@@ -602,7 +602,7 @@ TEST_F(CudaOps, SumSquaresIsReproducibleAndMatchesCpu) {
       ASSERT_OK(SumSquares(out.get(), dx.get() + offset, n, partials.get(), ctx_));
       ASSERT_OK(SumSquares(out.get() + 1, dx.get() + offset, n, partials.get(), ctx_));
       const auto got = out.Download(2);
-      const double want = SumSquaresCpu(x.data(), n);
+      const double want = cpu::SumSquares(x.data(), n);
       ExpectBitwise(std::vector<double>{got[1]}, std::vector<double>{got[0]}, "two runs " + what);
       EXPECT_NEAR(got[0], want, 1e-12 * want) << what;
     }
@@ -615,7 +615,7 @@ TEST_F(CudaOps, ScaleIsScaleCpuBitwise) {
     DeviceArray<float> dx(n + 1);
     dx.Upload(x, 1);
     ASSERT_OK(Scale(dx.get() + 1, n, 0.37f, ctx_));
-    ScaleCpu(x.data(), n, 0.37f);
+    cpu::Scale(x.data(), n, 0.37f);
     ExpectBitwise(dx.Download(n, 1), x, "n=" + std::to_string(n));
   }
 }

@@ -54,11 +54,11 @@ TEST(Ops, MatmulGradients) {
   auto x = Random(n * ic, 1), w = Random(oc * ic, 2), b = Random(oc, 3), r = Random(n * oc, 4);
   std::vector<double> out(n * oc);
   auto objective = [&] {
-    MatmulForwardCpu(out.data(), x.data(), w.data(), b.data(), n, ic, oc);
+    cpu::MatmulForward(out.data(), x.data(), w.data(), b.data(), n, ic, oc);
     return Dot(out, r);
   };
   std::vector<double> dx(n * ic, 0), dw(oc * ic, 0), db(oc, 0);
-  MatmulBackwardCpu(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), n, ic, oc);
+  cpu::MatmulBackward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), n, ic, oc);
   CheckGradient(x, dx, objective, "dinp");
   CheckGradient(w, dw, objective, "dw");
   CheckGradient(b, db, objective, "dbias");
@@ -69,12 +69,12 @@ TEST(Ops, LayerNormGradients) {
   auto x = Random(n * c, 5), w = Random(c, 6), b = Random(c, 7), r = Random(n * c, 8);
   std::vector<double> out(n * c), mean(n), rstd(n);
   auto objective = [&] {
-    LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, c, 1e-5);
+    cpu::LayerNormForward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, c, 1e-5);
     return Dot(out, r);
   };
   objective();
   std::vector<double> dx(n * c, 0), dw(c, 0), db(c, 0);
-  LayerNormBackwardCpu(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), mean.data(), rstd.data(), n, c);
+  cpu::LayerNormBackward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), mean.data(), rstd.data(), n, c);
   CheckGradient(x, dx, objective, "dinp");
   CheckGradient(w, dw, objective, "dw");
   CheckGradient(b, db, objective, "db");
@@ -90,11 +90,11 @@ TEST(Ops, EmbeddingGradients) {
   auto wte = Random(v * c, 9), wpe = Random(p * c, 10), r = Random(n * c, 11);
   std::vector<double> out(n * c);
   auto objective = [&] {
-    EmbeddingForwardCpu(out.data(), tok.data(), pos.data(), wte.data(), wpe.data(), n, c);
+    cpu::EmbeddingForward(out.data(), tok.data(), pos.data(), wte.data(), wpe.data(), n, c);
     return Dot(out, r);
   };
   std::vector<double> dwte(v * c, 0), dwpe(p * c, 0);
-  EmbeddingBackwardCpu(dwte.data(), dwpe.data(), r.data(), tok.data(), pos.data(), n, c);
+  cpu::EmbeddingBackward(dwte.data(), dwpe.data(), r.data(), tok.data(), pos.data(), n, c);
   CheckGradient(wte, dwte, objective, "dwte");
   CheckGradient(wpe, dwpe, objective, "dwpe");
 }
@@ -104,15 +104,15 @@ TEST(Ops, GeluGradientAndValues) {
   auto x = Random(n, 12, 2.0), r = Random(n, 13);
   std::vector<double> out(n);
   auto objective = [&] {
-    GeluForwardCpu(out.data(), x.data(), n);
+    cpu::GeluForward(out.data(), x.data(), n);
     return Dot(out, r);
   };
   std::vector<double> dx(n);
-  GeluBackwardCpu(dx.data(), x.data(), r.data(), n);
+  cpu::GeluBackward(dx.data(), x.data(), r.data(), n);
   CheckGradient(x, dx, objective, "dinp");
   double y;
   double one = 1.0;
-  GeluForwardCpu(&y, &one, 1);
+  cpu::GeluForward(&y, &one, 1);
   EXPECT_NEAR(y, 0.8411919906082768, 1e-12);  // torch.nn.functional.gelu(1.0, approximate="tanh")
 }
 
@@ -122,13 +122,13 @@ TEST(Ops, SoftmaxCrossEntropyGradients) {
   std::vector<int32_t> targets = {0, 3, 10, 5, 5, 7};
   std::vector<double> losses(n);
   auto objective = [&] {
-    SoftmaxCrossEntropyForwardCpu(losses.data(), logits.data(), targets.data(), n, vp);
+    cpu::SoftmaxCrossEntropyForward(losses.data(), logits.data(), targets.data(), n, vp);
     return Dot(losses, dl);
   };
   objective();
   EXPECT_GT(losses[0], 0.0);
   std::vector<double> grad = logits;
-  SoftmaxCrossEntropyBackwardCpu(grad.data(), targets.data(), dl.data(), n, vp);
+  cpu::SoftmaxCrossEntropyBackward(grad.data(), targets.data(), dl.data(), n, vp);
   CheckGradient(logits, grad, objective, "dlogits");
 }
 
@@ -137,9 +137,9 @@ TEST(Ops, FusedSoftmaxCrossEntropyEqualsForwardThenBackward) {
   auto logits = Random(n * vp, 22, 3.0), dl = Random(n, 23);
   std::vector<int32_t> targets = {0, 12, 3, 3, 5, 9, 1};
   std::vector<double> want_loss(n), got_loss(n), want_grad = logits, got_grad = logits;
-  SoftmaxCrossEntropyForwardCpu(want_loss.data(), logits.data(), targets.data(), n, vp);
-  SoftmaxCrossEntropyBackwardCpu(want_grad.data(), targets.data(), dl.data(), n, vp);
-  SoftmaxCrossEntropyFusedCpu(got_grad.data(), got_loss.data(), targets.data(), dl.data(), n, vp);
+  cpu::SoftmaxCrossEntropyForward(want_loss.data(), logits.data(), targets.data(), n, vp);
+  cpu::SoftmaxCrossEntropyBackward(want_grad.data(), targets.data(), dl.data(), n, vp);
+  cpu::SoftmaxCrossEntropyFused(got_grad.data(), got_loss.data(), targets.data(), dl.data(), n, vp);
   for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(got_loss[i], want_loss[i], 1e-12);
   for (int64_t i = 0; i < n * vp; ++i) EXPECT_NEAR(got_grad[i], want_grad[i], 1e-12);
 }
@@ -153,9 +153,9 @@ TEST(Ops, FusedSoftmaxCrossEntropyFloatPathMatchesDouble) {
   for (double& x : logits) x = static_cast<float>(x);       // both sides start from float inputs
   std::vector<int32_t> targets = {0, 1, 50303, 17, 4000, 9, 50310, 3, 12345};
   std::vector<double> want_loss(n), want_grad = logits;
-  SoftmaxCrossEntropyFusedCpu(want_grad.data(), want_loss.data(), targets.data(), dl.data(), n, vp);
+  cpu::SoftmaxCrossEntropyFused(want_grad.data(), want_loss.data(), targets.data(), dl.data(), n, vp);
   std::vector<float> f(logits.begin(), logits.end()), got_loss(n), fdl(dl.begin(), dl.end());
-  SoftmaxCrossEntropyFusedCpu(f.data(), got_loss.data(), targets.data(), fdl.data(), n, vp);
+  cpu::SoftmaxCrossEntropyFused(f.data(), got_loss.data(), targets.data(), fdl.data(), n, vp);
   for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(got_loss[i], want_loss[i], 2e-6 * std::abs(want_loss[i])) << i;
   double num = 0, den = 0;
   for (int64_t i = 0; i < n * vp; ++i) {
@@ -172,7 +172,7 @@ void CheckAttention(double p) {
   std::vector<uint64_t> streams = {DropoutStream(11, 0, 3), DropoutStream(12, 0, 3)};
   std::vector<double> out(s.b * s.t * c), probs(s.b * s.nh * s.t * s.t);
   auto objective = [&] {
-    AttentionForwardCpu(out.data(), probs.data(), qkv.data(), s, p, 42, streams.data());
+    cpu::AttentionForward(out.data(), probs.data(), qkv.data(), s, p, 42, streams.data());
     return Dot(out, r);
   };
   objective();
@@ -190,7 +190,7 @@ void CheckAttention(double p) {
       EXPECT_NEAR(sum, 1.0, 1e-12);
     }
   std::vector<double> dqkv(qkv.size()), scratch(2 * s.t * s.t);
-  AttentionBackwardCpu(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 42, streams.data(), scratch.data());
+  cpu::AttentionBackward(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 42, streams.data(), scratch.data());
   CheckGradient(qkv, dqkv, objective, "dqkv");
 }
 
@@ -200,7 +200,7 @@ TEST(Ops, AttentionGradientsWithDropout) { CheckAttention(0.3); }
 TEST(Ops, DropoutGradientAndRate) {
   const int64_t n = 200000;
   std::vector<double> x(n, 1.0);
-  DropoutCpu(x.data(), n, 0.1, 7, DropoutStream(3, 1, 2));
+  cpu::Dropout(x.data(), n, 0.1, 7, DropoutStream(3, 1, 2));
   int64_t kept = 0;
   for (double v : x) {
     EXPECT_TRUE(v == 0.0 || std::abs(v - 1.0 / 0.9) < 1e-12);
@@ -210,11 +210,11 @@ TEST(Ops, DropoutGradientAndRate) {
   // Linear in its input, so backward is the same op.
   auto y = Random(64, 18), r = Random(64, 19);
   std::vector<double> d = r;
-  DropoutCpu(d.data(), 64, 0.5, 1, 2);
+  cpu::Dropout(d.data(), 64, 0.5, 1, 2);
   std::vector<double> tmp;
   auto objective = [&] {
     tmp = y;
-    DropoutCpu(tmp.data(), 64, 0.5, 1, 2);
+    cpu::Dropout(tmp.data(), 64, 0.5, 1, 2);
     return Dot(tmp, r);
   };
   CheckGradient(y, d, objective, "dropout");
@@ -223,11 +223,11 @@ TEST(Ops, DropoutGradientAndRate) {
 TEST(Ops, DropoutMaskIndependentOfThreads) {
   const int64_t n = 1 << 16;
   std::vector<float> one(n, 1.0f), two(n, 1.0f);
-  tbb::task_arena(1).execute([&] { DropoutCpu(one.data(), n, 0.25, 99, 5); });
-  tbb::task_arena(2).execute([&] { DropoutCpu(two.data(), n, 0.25, 99, 5); });
+  tbb::task_arena(1).execute([&] { cpu::Dropout(one.data(), n, 0.25, 99, 5); });
+  tbb::task_arena(2).execute([&] { cpu::Dropout(two.data(), n, 0.25, 99, 5); });
   EXPECT_EQ(one, two);
   std::vector<float> other(n, 1.0f);
-  DropoutCpu(other.data(), n, 0.25, 100, 5);
+  cpu::Dropout(other.data(), n, 0.25, 100, 5);
   EXPECT_NE(one, other);  // another seed, another mask
 }
 
@@ -240,11 +240,11 @@ TEST(Ops, LayerNormWeightGradientIndependentOfThreads) {
     dy[i] = static_cast<float>(rd[i]);
   }
   std::vector<float> b(c, 0.1f);
-  LayerNormForwardCpu(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, c, 1e-5);
+  cpu::LayerNormForward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, c, 1e-5);
   auto run = [&](int threads) {
     std::vector<float> dx(n * c, 0), dw(c, 0), db(c, 0);
     tbb::task_arena(threads).execute([&] {
-      LayerNormBackwardCpu(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(), n,
+      cpu::LayerNormBackward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(), n,
                            c);
     });
     dx.insert(dx.end(), dw.begin(), dw.end());
@@ -259,8 +259,8 @@ TEST(Ops, AdamWMatchesTorchFormula) {
   // two steps with gradients 0.5 then -0.25 from p = 1.0.
   double p = 1.0, m = 0, v = 0;
   double g1 = 0.5, g2 = -0.25;
-  AdamWCpu(&p, &g1, &m, &v, 1, AdamWParams{0.1, 0.9, 0.95, 1e-8, 0.1, 1});
-  AdamWCpu(&p, &g2, &m, &v, 1, AdamWParams{0.1, 0.9, 0.95, 1e-8, 0.1, 2});
+  cpu::AdamW(&p, &g1, &m, &v, 1, AdamWParams{0.1, 0.9, 0.95, 1e-8, 0.1, 1});
+  cpu::AdamW(&p, &g2, &m, &v, 1, AdamWParams{0.1, 0.9, 0.95, 1e-8, 0.1, 2});
   // Reference computed with torch 1.13: p after two steps.
   double want = 1.0 * (1 - 0.01);
   want -= 0.1 * (0.05 / 0.1) / (std::sqrt(0.05 * 0.25 / 0.05) + 1e-8);
@@ -314,7 +314,7 @@ TEST(Schedule, MegatronFormulas) {
   EXPECT_FALSE(c.Validate().ok());
 }
 
-// Issue 29, point 1: Megatron's OptimizerParamScheduler.load_state_dict. The checkpoint's settings
+// Megatron's OptimizerParamScheduler.load_state_dict. The checkpoint's settings
 // against the command line's: a difference stops the resume, naming it and the two flags;
 // --override-opt_param-scheduler takes the command line's, --use-checkpoint-opt_param-scheduler the
 // checkpoint's. Settings the style in use ignores are not compared.

@@ -171,7 +171,7 @@ TEST_F(TrainCli, KillDuringSavesKeepsLatestWhole) {
 
 // A rerun over a finished run (same --save, no --load) saves the same iterations again, replacing
 // each directory: kills during those saves must leave `latest` loadable and the next run no litter
-// (issue 26: a kill between moving the old directory aside and renaming the new one in lost both).
+// (a kill between moving the old directory aside and renaming the new one in lost both).
 TEST_F(TrainCli, KillDuringARerunsSavesKeepsLatestWhole) {
   const std::string save = dir_ / "r";
   const std::string run = Train("--save-interval 1 --eval-iters 0 --save " + ShellQuote(save), 6);
@@ -355,7 +355,7 @@ TEST_F(TrainCli, KillAtEachRenameAndFsyncOfASave) {
   }
 }
 
-// Issue 26, point 4: values no run can use are refused where the flag is declared, in one line
+// Values no run can use are refused where the flag is declared, in one line
 // naming the flag, before anything runs (exit 2).
 TEST_F(TrainCli, ImpossibleNumbersAreRefusedNamingTheFlag) {
   for (const std::string& bad : std::vector<std::string>{"--lr nan",
@@ -527,7 +527,7 @@ std::map<int, std::string> LearningRates(const std::string& metrics) {
   return out;
 }
 
-// Issue 29, point 1: a resume whose schedule differs from the checkpoint's stops, as Megatron's
+// A resume whose schedule differs from the checkpoint's stops, as Megatron's
 // does, unless --use-checkpoint-opt_param-scheduler (the checkpoint's schedule goes on: past its
 // decay, the minimum rate) or --override-opt_param-scheduler (the command line's: the rates of an
 // uninterrupted run with these flags). A finished run finds nothing to train and says so.
@@ -591,7 +591,7 @@ TEST_F(TrainCli, ResumeKeepsOrReplacesTheScheduleAsMegatron) {
   }
 }
 
-// Issue 29, point 8: Megatron's flags for other models (a Qwen/Llama line) get a reason, every one of
+// Megatron's flags for other models (a Qwen/Llama line) get a reason, every one of
 // them named, not a bare "unknown flag"; those that ask for what ptk's model does already, or that
 // Megatron ignores without another flag, are accepted with a note.
 TEST_F(TrainCli, OtherModelsFlagsAreRefusedSayingWhy) {
@@ -631,7 +631,7 @@ TEST_F(TrainCli, OtherModelsFlagsAreRefusedSayingWhy) {
     EXPECT_NE(ok.output.find(note), std::string::npos) << note << "\n" << ok.output;
 }
 
-// Issue 29, points 4 and 7: --data-path without _text_document, or with .bin, names the prefix
+// --data-path without _text_document, or with .bin, names the prefix
 // meant (was "cannot open my.idx"); a missing --vocab-file says GPT-2's files are built in; -lr
 // gets --lr.
 TEST_F(TrainCli, NewcomerMistakesAreNamed) {

@@ -5,6 +5,10 @@
 
 #include <vector>
 
+#include "absl/strings/match.h"
+
+#include "common/status.h"
+#include "trainer/backend.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/train_step.h"
 
@@ -153,6 +157,27 @@ TEST(LossScaling, DynamicScalerFollowsMegatron) {
   LossScaler constant(LossScaleConfig{false, 8.0});
   constant.Update(true);
   EXPECT_EQ(constant.scale(), 8.0);
+}
+
+// The backend refusals are written once (CheckBackendChoice): ptk-train's flags and CreateModel
+// give the same usage error.
+TEST(Backend, RefusalsAreOneUsageError) {
+  Fixture f;
+  BackendOptions o;
+  o.precision = Precision::kBf16;
+  auto m = CreateModel(f.config, o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_TRUE(IsUsageError(m.status())) << m.status();
+  EXPECT_EQ(m.status(), CheckBackendChoice(Device::kCpu, Precision::kBf16));
+  EXPECT_NE(m.status().message().find("--bf16: the CPU backend trains in fp32"), std::string::npos) << m.status();
+  EXPECT_NE(CheckBackendChoice(Device::kCpu, Precision::kFp16, false).message().find("no CUDA device is visible"),
+            std::string::npos);
+  EXPECT_TRUE(CheckBackendChoice(Device::kCpu, Precision::kFp32).ok());
+  const absl::Status cuda = CheckBackendChoice(Device::kCuda, Precision::kBf16);
+  EXPECT_EQ(cuda.ok(), CudaBuilt()) << cuda;
+  if (!CudaBuilt()) {
+    EXPECT_TRUE(IsUsageError(cuda) && absl::StrContains(cuda.message(), "built without CUDA")) << cuda;
+  }
 }
 
 TEST(LossScaling, BadSettingsAreUsageErrors) {

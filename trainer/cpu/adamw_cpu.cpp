@@ -8,7 +8,7 @@
 #include "trainer/op_math.h"
 #include "trainer/param_shard.h"
 
-namespace ptk {
+namespace ptk::cpu {
 namespace {
 constexpr int64_t kBlock = 16384;
 // ZeRO-1's gradient norm adds the ranks' per-block partials (CpuGPTModel::GradSumSquaresPartials):
@@ -17,7 +17,7 @@ static_assert(kBlock == ParamShard::kAlignment);
 }  // namespace
 
 template <typename T>
-void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a) {
+void AdamW(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a) {
   const AdamWCoefficients<T> c = MakeAdamWCoefficients<T>(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step);
   tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
     int64_t end = std::min(n, (blk + 1) * kBlock);
@@ -26,7 +26,7 @@ void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a) {
 }
 
 template <typename T>
-double SumSquaresCpu(const T* x, int64_t n) {
+double SumSquares(const T* x, int64_t n) {
   int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<double> part(static_cast<size_t>(blocks), 0.0);
   tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
@@ -41,18 +41,18 @@ double SumSquaresCpu(const T* x, int64_t n) {
 }
 
 template <typename T>
-void ScaleCpu(T* x, int64_t n, T s) {
+void Scale(T* x, int64_t n, T s) {
   tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
     int64_t end = std::min(n, (blk + 1) * kBlock);
     for (int64_t i = blk * kBlock; i < end; ++i) x[i] *= s;
   });
 }
 
-template void AdamWCpu<float>(float*, const float*, float*, float*, int64_t, const AdamWParams&);
-template void AdamWCpu<double>(double*, const double*, double*, double*, int64_t, const AdamWParams&);
-template double SumSquaresCpu<float>(const float*, int64_t);
-template double SumSquaresCpu<double>(const double*, int64_t);
-template void ScaleCpu<float>(float*, int64_t, float);
-template void ScaleCpu<double>(double*, int64_t, double);
+template void AdamW<float>(float*, const float*, float*, float*, int64_t, const AdamWParams&);
+template void AdamW<double>(double*, const double*, double*, double*, int64_t, const AdamWParams&);
+template double SumSquares<float>(const float*, int64_t);
+template double SumSquares<double>(const double*, int64_t);
+template void Scale<float>(float*, int64_t, float);
+template void Scale<double>(double*, int64_t, double);
 
-}  // namespace ptk
+}  // namespace ptk::cpu

@@ -7,7 +7,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk {
+namespace ptk::cpu {
 namespace {
 
 // Applies dropout to the causal part of a T x T matrix in place (same mask in forward/backward).
@@ -26,7 +26,7 @@ void DropoutRows(T* m, int64_t t, double p, uint64_t seed, uint64_t stream) {
 }  // namespace
 
 template <typename T>
-void AttentionForwardCpu(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
+void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
                          const uint64_t* streams) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
@@ -63,7 +63,7 @@ void AttentionForwardCpu(T* out, T* probs, const T* qkv, const AttentionShape& s
 }
 
 template <typename T>
-void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
+void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
                           uint64_t seed, const uint64_t* streams, T* scratch) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
@@ -105,11 +105,11 @@ void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, 
 }
 
 #define PTK_INSTANTIATE(T)                                                                                          \
-  template void AttentionForwardCpu<T>(T*, T*, const T*, const AttentionShape&, double, uint64_t, const uint64_t*); \
-  template void AttentionBackwardCpu<T>(T*, const T*, const T*, const T*, const AttentionShape&, double, uint64_t,  \
+  template void AttentionForward<T>(T*, T*, const T*, const AttentionShape&, double, uint64_t, const uint64_t*); \
+  template void AttentionBackward<T>(T*, const T*, const T*, const T*, const AttentionShape&, double, uint64_t,  \
                                         const uint64_t*, T*);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk
+}  // namespace ptk::cpu

@@ -82,10 +82,10 @@ absl::Status CpuGPTModel::ZeroGrads() {
 
 absl::Status CpuGPTModel::AllReduceGrads(Communicator* comm) { return comm->AllReduceSum(grads_.data(), num_params()); }
 
-absl::StatusOr<double> CpuGPTModel::GradSumSquares() { return SumSquaresCpu(grads_.data(), num_params()); }
+absl::StatusOr<double> CpuGPTModel::GradSumSquares() { return cpu::SumSquares(grads_.data(), num_params()); }
 
 absl::Status CpuGPTModel::ScaleGrads(double s) {
-  ScaleCpu(grads_.data() + moments_begin(), moments_size(), static_cast<float>(s));
+  cpu::Scale(grads_.data() + moments_begin(), moments_size(), static_cast<float>(s));
   return absl::OkStatus();
 }
 
@@ -94,7 +94,7 @@ absl::Status CpuGPTModel::AdamWUpdate(const AdamWParams& decay, const AdamWParam
   if (!shard()) {
     for (const ParamInfo& info : params_info()) {
       const int64_t o = info.offset;
-      AdamWCpu(p + o, g + o, m + o, v + o, info.size, info.no_weight_decay ? no_decay : decay);
+      cpu::AdamW(p + o, g + o, m + o, v + o, info.size, info.no_weight_decay ? no_decay : decay);
     }
     return absl::OkStatus();
   }
@@ -102,7 +102,7 @@ absl::Status CpuGPTModel::AdamWUpdate(const AdamWParams& decay, const AdamWParam
   const int64_t base = shard()->begin();
   for (const ParamPiece& piece : PiecesIn(layout(), base, shard()->end())) {
     const int64_t o = piece.offset;
-    AdamWCpu(p + o, g + o, m + (o - base), v + (o - base), piece.size, piece.no_weight_decay ? no_decay : decay);
+    cpu::AdamW(p + o, g + o, m + (o - base), v + (o - base), piece.size, piece.no_weight_decay ? no_decay : decay);
   }
   return absl::OkStatus();
 }
@@ -122,9 +122,9 @@ absl::Status CpuGPTModel::GradSumSquaresPartials(int64_t begin, int64_t end, std
   if (begin < 0 || end > num_params() || begin > end || (begin < end && begin % ParamShard::kAlignment != 0))
     return absl::InvalidArgumentError(
         fmt::format("GradSumSquaresPartials: range [{}, {}) of {} parameters", begin, end, num_params()));
-  // The blocks SumSquaresCpu adds over the whole buffer, one partial each.
+  // The blocks cpu::SumSquares adds over the whole buffer, one partial each.
   for (int64_t b = begin; b < end; b += ParamShard::kAlignment)
-    out->push_back(SumSquaresCpu(grads_.data() + b, std::min(ParamShard::kAlignment, end - b)));
+    out->push_back(cpu::SumSquares(grads_.data() + b, std::min(ParamShard::kAlignment, end - b)));
   return absl::OkStatus();
 }
 
@@ -200,7 +200,7 @@ namespace {
 void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_t seed, uint64_t layer, uint64_t site) {
   if (p <= 0.0) return;
   for (int64_t b = 0; b < batch.b; ++b)
-    DropoutCpu(x + b * batch.t * c, batch.t * c, p, seed,
+    cpu::Dropout(x + b * batch.t * c, batch.t * c, p, seed,
                DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, site));
 }
 
@@ -235,30 +235,30 @@ void CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed)
   const auto [n, c, f, vp, hp, ap, shape, L] = DimsOf(cf, batch, train);
   const float* P = params_.data();
 
-  EmbeddingForwardCpu(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, P + layout_.wpe, n, c);
+  cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, P + layout_.wpe, n, c);
   DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
   for (int64_t l = 0; l < cf.num_layers; ++l) {
     const LayerParams& lp = layout_.layers[l];
-    LayerNormForwardCpu(a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
+    cpu::LayerNormForward(a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
                         P + lp.ln1_b, n, c, cf.layernorm_epsilon);
-    MatmulForwardCpu(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * c);
+    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * c);
     if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
-    AttentionForwardCpu(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    MatmulForwardCpu(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, P + lp.proj_b, n, c, c);
+    cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, P + lp.proj_b, n, c, c);
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
-    LayerNormForwardCpu(a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(),
+    cpu::LayerNormForward(a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(),
                         P + lp.ln2_w, P + lp.ln2_b, n, c, cf.layernorm_epsilon);
-    MatmulForwardCpu(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
-    GeluForwardCpu(a.gelu[l].data(), a.fc1[l].data(), n * f);
-    MatmulForwardCpu(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, P + lp.fc2_b, n, f, c);
+    cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
+    cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
+    cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, P + lp.fc2_b, n, f, c);
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
-  LayerNormForwardCpu(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(),
+  cpu::LayerNormForward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(),
                       P + layout_.lnf_w, P + layout_.lnf_b, n, c, cf.layernorm_epsilon);
-  MatmulForwardCpu(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
+  cpu::MatmulForward(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
 }
 
 void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
@@ -269,10 +269,10 @@ void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed
   float* G = grads_.data();
 
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-  MatmulBackwardCpu(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
+  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
                     P + layout_.out_w, n, c, vp);
   std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
-  LayerNormBackwardCpu(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(),
+  cpu::LayerNormBackward(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(),
                        a.resid[cf.num_layers].data(), P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
   GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
   for (int64_t l = cf.num_layers - 1; l >= 0; --l) {
@@ -281,33 +281,33 @@ void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     std::fill(a.dff.begin(), a.dff.end(), 0.0f);
-    MatmulBackwardCpu(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
-    GeluBackwardCpu(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
+    cpu::MatmulBackward(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
+    cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    MatmulBackwardCpu(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
-    LayerNormBackwardCpu(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(), P + lp.ln2_w,
+    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
+    cpu::LayerNormBackward(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(), P + lp.ln2_w,
                          a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-    MatmulBackwardCpu(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n, c,
+    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n, c,
                       c);
     if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
-      AttentionForwardCpu(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    AttentionBackwardCpu(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
+      cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
                          a.scratch.data());
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    MatmulBackwardCpu(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
+    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
                       3 * c);
-    LayerNormBackwardCpu(a.dresid.data(), G + lp.ln1_w, G + lp.ln1_b, a.dln.data(), a.resid[l].data(), P + lp.ln1_w,
+    cpu::LayerNormBackward(a.dresid.data(), G + lp.ln1_w, G + lp.ln1_b, a.dln.data(), a.resid[l].data(), P + lp.ln1_w,
                          a.ln1_mean[l].data(), a.ln1_rstd[l].data(), n, c);
     GradsReady(static_cast<size_t>(cf.num_layers - l));  // layer l
   }
   DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
-  EmbeddingBackwardCpu(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens, batch.position_ids, n, c);
+  cpu::EmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens, batch.position_ids, n, c);
   GradsReady(static_cast<size_t>(cf.num_layers) + 1);  // the embeddings
 }
 
@@ -332,7 +332,7 @@ absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, do
   Activations& a = *act_;
   const int64_t n = batch.b * batch.t;
   for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
-  SoftmaxCrossEntropyFusedCpu(a.logits.data(), a.losses.data(), batch.labels, a.dloss.data(), n,
+  cpu::SoftmaxCrossEntropyFused(a.logits.data(), a.losses.data(), batch.labels, a.dloss.data(), n,
                               config().padded_vocab_size);
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
   RunBackward(batch, train, seed);
@@ -343,7 +343,7 @@ absl::StatusOr<LossSum> CpuGPTModel::Forward(const ModelBatch& batch, std::vecto
   PTK_RETURN_IF_ERROR(Prepare(batch));
   RunForward(batch, /*train=*/false, 0);
   Activations& a = *act_;
-  SoftmaxCrossEntropyForwardCpu(a.losses.data(), a.logits.data(), batch.labels, batch.b * batch.t,
+  cpu::SoftmaxCrossEntropyForward(a.losses.data(), a.logits.data(), batch.labels, batch.b * batch.t,
                                 config().padded_vocab_size);
   if (logits) *logits = a.logits;
   return SumLosses(act_->losses, batch.loss_mask, batch.b * batch.t);

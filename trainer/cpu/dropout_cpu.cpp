@@ -5,13 +5,13 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk {
+namespace ptk::cpu {
 namespace {
 constexpr int64_t kBlock = 4096;
 }  // namespace
 
 template <typename T>
-void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream) {
+void Dropout(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream) {
   if (p <= 0.0) return;
   const uint32_t threshold = DropoutKeepThreshold(p);
   const uint64_t key = DropoutKey(seed, stream);
@@ -23,7 +23,7 @@ void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream) {
   });
 }
 
-template void DropoutCpu<float>(float*, int64_t, double, uint64_t, uint64_t);
-template void DropoutCpu<double>(double*, int64_t, double, uint64_t, uint64_t);
+template void Dropout<float>(float*, int64_t, double, uint64_t, uint64_t);
+template void Dropout<double>(double*, int64_t, double, uint64_t, uint64_t);
 
-}  // namespace ptk
+}  // namespace ptk::cpu

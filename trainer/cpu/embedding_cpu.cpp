@@ -3,13 +3,13 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk {
+namespace ptk::cpu {
 namespace {
 constexpr int64_t kChannelBlock = 64;
 }
 
 template <typename T>
-void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
+void EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
                          int64_t c) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* a = wte + static_cast<int64_t>(tokens[i]) * c;
@@ -20,7 +20,7 @@ void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions
 }
 
 template <typename T>
-void EmbeddingBackwardCpu(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
+void EmbeddingBackward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
                           int64_t c) {
   // Each task owns a block of channels and walks the rows in order: scatter-adds without atomics,
   // in the same order for any thread count.
@@ -40,10 +40,10 @@ void EmbeddingBackwardCpu(T* dwte, T* dwpe, const T* dout, const int32_t* tokens
 }
 
 #define PTK_INSTANTIATE(T)                                                                                        \
-  template void EmbeddingForwardCpu<T>(T*, const int32_t*, const int32_t*, const T*, const T*, int64_t, int64_t); \
-  template void EmbeddingBackwardCpu<T>(T*, T*, const T*, const int32_t*, const int32_t*, int64_t, int64_t);
+  template void EmbeddingForward<T>(T*, const int32_t*, const int32_t*, const T*, const T*, int64_t, int64_t); \
+  template void EmbeddingBackward<T>(T*, T*, const T*, const int32_t*, const int32_t*, int64_t, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk
+}  // namespace ptk::cpu

@@ -6,13 +6,13 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk {
+namespace ptk::cpu {
 namespace {
 constexpr int64_t kRowBlock = 64;  // fixed blocks: the weight-gradient sums do not depend on threads
 }
 
 template <typename T>
-void LayerNormForwardCpu(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
+void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
                          double eps) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* x = inp + i * c;
@@ -33,7 +33,7 @@ void LayerNormForwardCpu(T* out, T* mean, T* rstd, const T* inp, const T* w, con
 }
 
 template <typename T>
-void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
+void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
                           int64_t n, int64_t c) {
   int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   std::vector<double> part(static_cast<size_t>(blocks * 2 * c), 0.0);
@@ -77,10 +77,10 @@ void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, co
 }
 
 #define PTK_INSTANTIATE(T)                                                                                  \
-  template void LayerNormForwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
-  template void LayerNormBackwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
+  template void LayerNormForward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
+  template void LayerNormBackward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk
+}  // namespace ptk::cpu

@@ -8,7 +8,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk {
+namespace ptk::cpu {
 
 namespace {
 // GEMM tiles of C: fixed sizes, so how C is cut never depends on the thread count. OpenBLAS picks
@@ -41,7 +41,7 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
 }
 
 template <typename T>
-void MatmulForwardCpu(T* out, const T* inp, const T* w, const T* bias, int64_t n, int64_t ic, int64_t oc) {
+void MatmulForward(T* out, const T* inp, const T* w, const T* bias, int64_t n, int64_t ic, int64_t oc) {
   if (bias) {
     for (int64_t i = 0; i < n; ++i) {
       T* row = out + i * oc;
@@ -52,7 +52,7 @@ void MatmulForwardCpu(T* out, const T* inp, const T* w, const T* bias, int64_t n
 }
 
 template <typename T>
-void MatmulBackwardCpu(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
+void MatmulBackward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
                        int64_t oc) {
   if (dinp) Gemm<T>(false, false, n, ic, oc, T(1), dout, oc, w, ic, T(1), dinp, ic);
   Gemm<T>(true, false, oc, ic, n, T(1), dout, oc, inp, ic, T(1), dw, ic);
@@ -70,10 +70,10 @@ void MatmulBackwardCpu(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, co
 #define PTK_INSTANTIATE(T)                                                                                     \
   template void Gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, int64_t, T, T*, \
                         int64_t);                                                                              \
-  template void MatmulForwardCpu<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);              \
-  template void MatmulBackwardCpu<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
+  template void MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);              \
+  template void MatmulBackward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE
 
-}  // namespace ptk
+}  // namespace ptk::cpu

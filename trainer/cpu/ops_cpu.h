@@ -11,7 +11,7 @@
 #include "trainer/counter_rng.h"
 #include "trainer/op_types.h"
 
-namespace ptk {
+namespace ptk::cpu {
 
 // ---- matmul_cpu.cpp --------------------------------------------------------------------------
 // Row-major C(m,n) = alpha * op(A)(m,k) * op(B)(k,n) + beta * C, through cblas_{s,d}gemm.
@@ -21,38 +21,38 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, 
 
 // out(n, oc) = inp(n, ic) @ w(oc, ic)^T + bias(oc)   (bias may be null)
 template <typename T>
-void MatmulForwardCpu(T* out, const T* inp, const T* w, const T* bias, int64_t n, int64_t ic, int64_t oc);
+void MatmulForward(T* out, const T* inp, const T* w, const T* bias, int64_t n, int64_t ic, int64_t oc);
 // dinp(n, ic) += dout @ w; dw(oc, ic) += dout^T @ inp; dbias(oc) += column sums of dout.
 // dinp or dbias may be null.
 template <typename T>
-void MatmulBackwardCpu(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
+void MatmulBackward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
                        int64_t oc);
 
 // ---- layernorm_cpu.cpp -----------------------------------------------------------------------
 // out(n, c) = (inp - mean) * rstd * w + b; saves mean(n) and rstd(n) for the backward pass.
 template <typename T>
-void LayerNormForwardCpu(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
+void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
                          double eps);
 template <typename T>
-void LayerNormBackwardCpu(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
+void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
                           int64_t n, int64_t c);
 
 // ---- embedding_cpu.cpp -----------------------------------------------------------------------
 // out(n, c) = wte[tokens[i]] + wpe[positions[i]]
 template <typename T>
-void EmbeddingForwardCpu(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
+void EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
                          int64_t c);
 template <typename T>
-void EmbeddingBackwardCpu(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
+void EmbeddingBackward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
                           int64_t c);
 
 // ---- gelu_cpu.cpp ----------------------------------------------------------------------------
 // Megatron's fused bias-GELU: the tanh approximation.
 template <typename T>
-void GeluForwardCpu(T* out, const T* inp, int64_t n);
+void GeluForward(T* out, const T* inp, int64_t n);
 // dinp = dout * gelu'(inp)   (assigns, does not accumulate)
 template <typename T>
-void GeluBackwardCpu(T* dinp, const T* inp, const T* dout, int64_t n);
+void GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n);
 
 // ---- dropout_cpu.cpp -------------------------------------------------------------------------
 // Counter-based dropout: element i of stream `stream` is kept when a hash of (seed, stream, i)
@@ -61,7 +61,7 @@ void GeluBackwardCpu(T* dinp, const T* inp, const T* dout, int64_t n);
 // The keys (DropoutKey, DropoutStream, DropoutKeepThreshold) are in trainer/counter_rng.h.
 // inout(n) *= mask / (1 - p), in place (forward and backward are the same operation).
 template <typename T>
-void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
+void Dropout(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
 
 // ---- attention_cpu.cpp -----------------------------------------------------------------------
 // Causal self-attention over Megatron's fused QKV layout: qkv(b, t, nh, 3, hd) (per head q, k, v).
@@ -69,37 +69,37 @@ void DropoutCpu(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
 // with probability p uses stream streams[batch] + head (streams may be null when p is 0).
 // AttentionShape is in trainer/op_types.h (shared with the CUDA ops).
 template <typename T>
-void AttentionForwardCpu(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
+void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
                          const uint64_t* streams);
 // dqkv(b, t, 3c) is assigned. scratch: 2 * t * t elements.
 template <typename T>
-void AttentionBackwardCpu(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
+void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
                           uint64_t seed, const uint64_t* streams, T* scratch);
 
 // ---- softmax_xent_cpu.cpp --------------------------------------------------------------------
 // losses(n) = logsumexp(logits(n, vp)) - logits[target]; every column, padded ones included, is in
 // the softmax (as Megatron's vocab-parallel cross entropy).
 template <typename T>
-void SoftmaxCrossEntropyForwardCpu(T* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp);
+void SoftmaxCrossEntropyForward(T* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp);
 // logits(n, vp) is overwritten with dlogits = (softmax - onehot) * dlosses[i].
 template <typename T>
-void SoftmaxCrossEntropyBackwardCpu(T* logits, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
+void SoftmaxCrossEntropyBackward(T* logits, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
 // Both at once for training (one exp per logit): losses(n) as the forward, logits overwritten as
 // the backward.
 template <typename T>
-void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
+void SoftmaxCrossEntropyFused(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp);
 
 // ---- adamw_cpu.cpp ---------------------------------------------------------------------------
 // AdamW over n elements (AdamWParams in trainer/op_types.h; the element update is AdamWElement
 // in trainer/op_math.h).
 template <typename T>
-void AdamWCpu(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a);
+void AdamW(T* p, const T* g, T* m, T* v, int64_t n, const AdamWParams& a);
 
 // Sum of squares in double, over fixed blocks (the same bits for any thread count).
 template <typename T>
-double SumSquaresCpu(const T* x, int64_t n);
+double SumSquares(const T* x, int64_t n);
 // x *= s
 template <typename T>
-void ScaleCpu(T* x, int64_t n, T s);
+void Scale(T* x, int64_t n, T s);
 
-}  // namespace ptk
+}  // namespace ptk::cpu

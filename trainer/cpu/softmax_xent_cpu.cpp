@@ -8,7 +8,7 @@
 
 #include "trainer/cpu/ops_cpu.h"
 
-namespace ptk {
+namespace ptk::cpu {
 namespace {
 
 constexpr int kLanes = 16;
@@ -84,7 +84,7 @@ void ScaleRow(double* row, int64_t vp, double scale) {
 }  // namespace
 
 template <typename T>
-void SoftmaxCrossEntropyForwardCpu(T* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp) {
+void SoftmaxCrossEntropyForward(T* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* row = logits + i * vp;
     T mx = -std::numeric_limits<T>::infinity();
@@ -96,7 +96,7 @@ void SoftmaxCrossEntropyForwardCpu(T* losses, const T* logits, const int32_t* ta
 }
 
 template <typename T>
-void SoftmaxCrossEntropyBackwardCpu(T* logits, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp) {
+void SoftmaxCrossEntropyBackward(T* logits, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     T* row = logits + i * vp;
     T d = dlosses[i];
@@ -119,7 +119,7 @@ void SoftmaxCrossEntropyBackwardCpu(T* logits, const int32_t* targets, const T* 
 }
 
 template <typename T>
-void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n,
+void SoftmaxCrossEntropyFused(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n,
                                  int64_t vp) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     T* row = logits + i * vp;
@@ -133,11 +133,11 @@ void SoftmaxCrossEntropyFusedCpu(T* logits, T* losses, const int32_t* targets, c
   });
 }
 
-template void SoftmaxCrossEntropyFusedCpu<float>(float*, float*, const int32_t*, const float*, int64_t, int64_t);
-template void SoftmaxCrossEntropyFusedCpu<double>(double*, double*, const int32_t*, const double*, int64_t, int64_t);
-template void SoftmaxCrossEntropyForwardCpu<float>(float*, const float*, const int32_t*, int64_t, int64_t);
-template void SoftmaxCrossEntropyForwardCpu<double>(double*, const double*, const int32_t*, int64_t, int64_t);
-template void SoftmaxCrossEntropyBackwardCpu<float>(float*, const int32_t*, const float*, int64_t, int64_t);
-template void SoftmaxCrossEntropyBackwardCpu<double>(double*, const int32_t*, const double*, int64_t, int64_t);
+template void SoftmaxCrossEntropyFused<float>(float*, float*, const int32_t*, const float*, int64_t, int64_t);
+template void SoftmaxCrossEntropyFused<double>(double*, double*, const int32_t*, const double*, int64_t, int64_t);
+template void SoftmaxCrossEntropyForward<float>(float*, const float*, const int32_t*, int64_t, int64_t);
+template void SoftmaxCrossEntropyForward<double>(double*, const double*, const int32_t*, int64_t, int64_t);
+template void SoftmaxCrossEntropyBackward<float>(float*, const int32_t*, const float*, int64_t, int64_t);
+template void SoftmaxCrossEntropyBackward<double>(double*, const int32_t*, const double*, int64_t, int64_t);
 
-}  // namespace ptk
+}  // namespace ptk::cpu
