@@ -350,6 +350,28 @@ TEST(DownloadRanged, A429PausesTheFileAsItsHeadersSayAndDropsAConnection) {
   }
 }
 
+// The same over one connection (a file below --split-above): a 429 from the download host with
+// Retry-After 2 or RateLimit r=0;t=1 is retried no sooner than 2 s after (the fake CDN's clock).
+TEST(Download, A429FromTheDownloadHostIsRetriedAfterTheWaitItNames) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 5000);
+  paths.resize(2);
+  testing::WriteFile(dir / "faults.json",
+                     fmt::format(R"({{"{}": ["429_retry_after:2"], "{}": ["429_ratelimit"]}})", paths[0], paths[1]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r =
+      RunCmd(Download(hub, dir / "out", fmt::format("--jobs 2 --include '{}' --include '{}'", paths[0], paths[1])));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  for (const auto& p : paths) {
+    const auto log = hub.CdnLog(p);
+    ASSERT_EQ(log.size(), 2u) << p;
+    EXPECT_EQ(log[0].fault.rfind("429", 0), 0u) << p;
+    EXPECT_GE(log[1].t - log[0].t, 2.0 - 0.05) << p;
+  }
+}
+
 TEST(Download, ResolverQuotaIsHonouredAcrossWorkers) {
   TempDir dir;
   auto paths = MakeRepo(dir / "repo", 20000);
