@@ -120,7 +120,8 @@ class RateLimiter {
   }
 
   // A 429: RateLimit r=0 -> wait t+1 s; else Retry-After; else exponential backoff with jitter.
-  void On429(const HttpResponse& r, int attempt) {
+  // Returns that wait in seconds.
+  double On429(const HttpResponse& r, int attempt) {
     RateLimitHeader h = ParseRateLimit(r.Header("ratelimit"));
     std::string ra = r.Header("retry-after");
     double s;
@@ -142,6 +143,7 @@ class RateLimiter {
       reset_at_ = Clock::now() + std::chrono::seconds(h.reset_s);
     }
     PauseLocked(s, why);
+    return s;
   }
 
   double Backoff(int attempt) {

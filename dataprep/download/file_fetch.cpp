@@ -329,8 +329,8 @@ class FileFetch {
     if (code == 200 || code == 206 || code == 416) return OnBodyEnd(resp, progressed);
     if (code == 429) {
       ++s_.rate_limited;
-      s_.limiter.On429(resp, budget_.failures());
-      if (!hub) PTK_RETURN_IF_ERROR(budget_.Again("429 from the download host", budget_.Backoff(false)));
+      const double wait_s = s_.limiter.On429(resp, budget_.failures());
+      if (!hub) PTK_RETURN_IF_ERROR(budget_.Again("429 from the download host", wait_s));  // as the 429 asks
       if (hub && budget_.AddFailure() > s_.opt.max_retries + 20)
         return absl::UnavailableError("rate limited too many times");
       return false;

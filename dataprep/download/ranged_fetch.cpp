@@ -328,6 +328,12 @@ class RangedFetch {
   absl::Status FetchPiece(HttpClient& http, Piece& piece, uint64_t gen, std::string url, bool leader) {
     int redirects = 0;
     while (!stop_) {
+      {
+        // A 429 from the download host (on any connection): no request before the wait it asked for.
+        std::unique_lock<std::mutex> lock(mu_);
+        while (!stop_ && Clock::now() < paused_until_) cv_.wait_until(lock, paused_until_);
+        if (stop_) return absl::OkStatus();
+      }
       const bool hub = d_.IsHub(url);
       if (hub && f_.url.empty()) {
         PTK_RETURN_IF_ERROR(s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s));
@@ -422,13 +428,17 @@ class RangedFetch {
       }
       if (code == 429) {
         ++s_.rate_limited;
-        s_.limiter.On429(resp, budget_.failures());
+        const double wait_s = s_.limiter.On429(resp, budget_.failures());
         {
           std::lock_guard<std::mutex> lock(mu_);
           throttled_ = true;                     // no more connections for this file
           if (active_conns_ > 1) leave_ = true;  // and one fewer
+          if (!hub) {  // and no request of this file to its server before the wait it asks for
+            paused_until_ = std::max(paused_until_, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                                       std::chrono::duration<double>(wait_s)));
+          }
         }
-        if (!hub) return budget_.Again("429 from the download host", budget_.Backoff(false));
+        if (!hub) return budget_.Again("429 from the download host", wait_s);
         if (budget_.AddFailure() > s_.opt.max_retries + 20)
           return absl::UnavailableError("rate limited too many times");
         return absl::OkStatus();
@@ -494,6 +504,7 @@ class RangedFetch {
   std::string etag_;           // the object's, from the record or the first 206
   bool settled_ = false, leader_busy_ = false, seen_206_ = false;
   bool dirty_ = false, throttled_ = false, leave_ = false;
+  Clock::time_point paused_until_{};  // no request of this file before (a 429 from its download host)
   std::atomic<bool> stop_{false};
   bool unsupported_ = false;
   std::string unsupported_why_, changed_why_;

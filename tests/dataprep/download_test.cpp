@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <optional>
 #include <random>
 #include <set>
@@ -280,6 +281,94 @@ TEST(DownloadRanged, ConnectionsAreBoundedByMaxConnections) {
       EXPECT_EQ(hub.Resolves(p), 1) << p;
       EXPECT_GE(hub.CdnGets(p).size(), 9u) << p << ": not fetched as pieces";
     }
+  }
+}
+
+// A 429 from the download host to a piece, with Retry-After (one file) or RateLimit r=0 (the
+// other): that file sends nothing more to the server before the wait the header asks for (2 s both:
+// Retry-After 2; t=1 plus a second), on any of its connections; then it goes on over one
+// connection fewer (3 before, at most 2 after) and ends byte-identical and verified. Read from the
+// fake CDN's own log (when each request came, on which connection, how many of the file's were in
+// flight), not timed here. A request another connection sent before the 429 reached the client may
+// arrive after it (the fake CDN reads a connection's next request only once it has paced out the
+// previous answer): one per other connection is allowed, never a second, a new connection, or one on
+// the connection that got the 429.
+TEST(DownloadRanged, A429PausesTheFileAsItsHeadersSayAndDropsAConnection) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 1500000);  // 23 pieces a file
+  paths.resize(2);
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["ok", "ok", "ok", "ok", "ok", "429_retry_after:2"],
+                                     "{}": ["ok", "ok", "ok", "ok", "ok", "429_ratelimit"]}})",
+                                                      paths[0], paths[1]));
+  // Paced (a piece takes ~0.15 s), so that the file's 3 connections are busy when the 429 comes.
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json", "--bytes-per-second", "500000"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out",
+                           fmt::format("--jobs 2 --split-above 100000 --piece-size 65536 --connections-per-file 3 "
+                                       "--include '{}' --include '{}'",
+                                       paths[0], paths[1])));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+  EXPECT_EQ(r.output.find("mismatch"), std::string::npos) << r.output;
+  constexpr double kWait = 2.0, kSlack = 0.05;  // the server's clock at both ends: load only makes gaps longer
+  for (const auto& p : paths) {
+    const auto log = hub.CdnLog(p);
+    size_t k = 0;
+    while (k < log.size() && log[k].fault.rfind("429", 0) != 0) ++k;
+    ASSERT_LT(k, log.size()) << p << ": no 429 served";
+    const double t429 = log[k].t;
+    std::set<int64_t> ports_before;
+    std::map<int64_t, int> in_window;  // port -> requests within the wait
+    int64_t before = 0, after = 0;
+    std::optional<double> retried;  // when the refused piece was asked again
+    for (size_t i = 0; i < log.size(); ++i) {
+      if (i <= k) {
+        before = std::max(before, log[i].in_flight);
+        ports_before.insert(log[i].port);
+        continue;
+      }
+      const double gap = log[i].t - t429;
+      if (gap < kWait - kSlack) {
+        ++in_window[log[i].port];
+        EXPECT_NE(log[i].port, log[k].port)
+            << p << ": " << log[i].range << " asked " << gap << " s after the 429, on its connection";
+        EXPECT_EQ(ports_before.count(log[i].port), 1u) << p << ": a new connection " << gap << " s after the 429";
+        EXPECT_EQ(in_window[log[i].port], 1)
+            << p << ": " << log[i].range << " asked " << gap << " s after the 429, the second on its connection";
+      } else {
+        after = std::max(after, log[i].in_flight);
+      }
+      if (!retried && log[i].range == log[k].range) retried = gap;
+    }
+    ASSERT_TRUE(retried.has_value()) << p << ": the refused piece " << log[k].range << " was not asked again";
+    EXPECT_GE(*retried, kWait - kSlack) << p;
+    EXPECT_EQ(before, 3) << p << ": not 3 connections before the 429";
+    EXPECT_GE(after, 1) << p;
+    EXPECT_LE(after, 2) << p << ": no connection fewer after the 429";
+    for (const auto& [a, b] : Ranges(hub.CdnGets(p))) EXPECT_EQ(a / 65536, b / 65536) << p;
+  }
+}
+
+// The same over one connection (a file below --split-above): a 429 from the download host with
+// Retry-After 2 or RateLimit r=0;t=1 is retried no sooner than 2 s after (the fake CDN's clock).
+TEST(Download, A429FromTheDownloadHostIsRetriedAfterTheWaitItNames) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 5000);
+  paths.resize(2);
+  testing::WriteFile(dir / "faults.json",
+                     fmt::format(R"({{"{}": ["429_retry_after:2"], "{}": ["429_ratelimit"]}})", paths[0], paths[1]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r =
+      RunCmd(Download(hub, dir / "out", fmt::format("--jobs 2 --include '{}' --include '{}'", paths[0], paths[1])));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", paths);
+  for (const auto& p : paths) {
+    const auto log = hub.CdnLog(p);
+    ASSERT_EQ(log.size(), 2u) << p;
+    EXPECT_EQ(log[0].fault.rfind("429", 0), 0u) << p;
+    EXPECT_GE(log[1].t - log[0].t, 2.0 - 0.05) << p;
   }
 }
 

@@ -78,6 +78,26 @@ class FakeHub {
     for (auto x : arr) out.emplace_back(std::string_view(x));
     return out;
   }
+  // The fake CDN's requests for one repo path, in the order they came: when (the server's clock,
+  // seconds), their Range ("" = none), the fault they got ("ok" = none) and how many requests for
+  // that path were being answered when it came, itself included, and the client's port (its
+  // connection).
+  struct CdnRequest {
+    double t = 0;
+    std::string range, fault;
+    int64_t in_flight = 0, port = 0;
+  };
+  std::vector<CdnRequest> CdnLog(const std::string& path) const {
+    simdjson::dom::parser p;
+    simdjson::dom::element e = p.parse(StatsJson());
+    std::vector<CdnRequest> out;
+    simdjson::dom::array arr;
+    if (e["cdn_log"][path].get(arr)) return out;
+    for (auto x : arr)
+      out.push_back(CdnRequest{double(x["t"]), std::string(std::string_view(x["range"])),
+                               std::string(std::string_view(x["fault"])), int64_t(x["in_flight"]), int64_t(x["port"])});
+    return out;
+  }
   int64_t Resolves(const std::string& path) const {
     simdjson::dom::parser p;
     simdjson::dom::element e = p.parse(StatsJson());

@@ -28,7 +28,8 @@ or fresh (a new URL every time, the same entries).
 Hostile modes for the whole server: --api-redirect-loop (every API call redirects to itself), --endless-listing
 (the tree listing never ends), --control-paths (the listing names files with \n, ESC, \r, TAB, BEL, DEL).
 GET /_stats returns what happened (requests per path, Range headers, where Authorization went, windows, the most
-CDN requests answered at once);
+CDN requests answered at once, cdn_log: each CDN request's time, Range, fault, the file's requests in flight and
+the client's port, which tells its connections apart);
 POST /_reset clears the statistics.
 
 Usage: fake_hub.py --repo-dir DIR --repo ns/name [--port-file F] [--page-size N] [--quota Q --window W] ...
@@ -68,6 +69,7 @@ class State:
                     "pointer_oid": hashlib.sha1(b"ptr" + data).hexdigest(),  # once, not per listing
                 }
         self.by_sha = {f["sha256"]: p for p, f in self.files.items()}
+        self.file_in_flight = {}  # repo path -> CDN requests for it being answered now
         self.faults = {}
         if args.faults:
             self.faults = json.load(open(args.faults))
@@ -79,7 +81,7 @@ class State:
         self.attempts = {}  # (kind, path) -> count
         self.stats = {"resolves": {}, "cdn_gets": {}, "auth_on_cdn": 0, "auth_on_hub": 0, "hub_requests": 0,
                       "accept_encoding": 0, "windows": {}, "api_calls": 0, "rate_limited": 0, "tokens_seen": [],
-                      "cdn_in_flight": 0, "cdn_max_in_flight": 0}
+                      "cdn_in_flight": 0, "cdn_max_in_flight": 0, "cdn_log": {}}
 
     def next_fault(self, kind, path):
         with self.lock:
@@ -392,9 +394,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if fpath is None:
             return self.send(404, b"no such object")
         rng = self.headers.get("Range")
+        fault = st.next_fault("cdn", fpath)
         with st.lock:
             st.stats["cdn_gets"].setdefault(fpath, []).append(rng or "")
-        fault = st.next_fault("cdn", fpath)
+            # When each request came (the server's clock), what it asked and got, and how many
+            # requests for this file were being answered then, itself included.
+            n = st.file_in_flight.get(fpath, 0) + 1
+            st.file_in_flight[fpath] = n
+            st.stats["cdn_log"].setdefault(fpath, []).append(
+                {"t": time.time(), "range": rng or "", "fault": fault, "in_flight": n, "port": self.client_address[1]})
+        try:
+            return self.cdn_file(fpath, sha, q, rng, fault)
+        finally:
+            with st.lock:
+                st.file_in_flight[fpath] -= 1
+
+    def cdn_file(self, fpath, sha, q, rng, fault):
+        st = self.st
         expires = int(q.get("Expires", ["0"])[0])
         if fault == "cdn_403" or expires < time.time():
             body = b"<?xml version=\"1.0\"?><Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
