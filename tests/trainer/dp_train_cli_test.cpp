@@ -177,6 +177,10 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
     static int calls = 0;
     const std::string port = std::to_string(24000 + (::getpid() * 3 + 17 * calls++) % 20000);
     std::string script = "export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
+    // The previous fault's logs go first: a background rank truncates its log only once it runs, so
+    // the wait below could otherwise find the last case's 'training' line and signal a rank that has
+    // not yet reached the rendezvous.
+    for (int rank : {0, 1, 2}) script += "rm -f " + ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + "; ";
     for (int rank : {0, 1, 2})
       script += "RANK=" + std::to_string(rank) + " " + cmd + " > " +
                 ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
@@ -264,6 +268,10 @@ TEST_F(DataParallelCli, ARankFailingItsOwnChecksEndsEveryRankNamingIt) {
     static int calls = 0;
     const std::string port = std::to_string(26000 + (::getpid() * 5 + 11 * calls++) % 20000);
     std::string script = "export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
+    // The previous fault's logs go first: a background rank truncates its log only once it runs, so
+    // the wait below could otherwise find the last case's 'training' line and signal a rank that has
+    // not yet reached the rendezvous.
+    for (int rank : {0, 1, 2}) script += "rm -f " + ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + "; ";
     for (int rank : {0, 1, 2})
       script += "RANK=" + std::to_string(rank) + " timeout 120 " + cmd + (rank == victim ? " --bf16" : "") + " > " +
                 ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
