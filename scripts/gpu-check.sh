@@ -31,7 +31,10 @@ case "${1:-}" in
       { cat build-cuda/configure.log >&2; exit 1; }
     targets=(--target ptk-train --target ptk-tokenize)
     for t in $(ctest --test-dir build-cuda -N -L gpu | awk '/Test +#/ {print $3}'); do targets+=(--target "$t"); done
-    cmake --build build-cuda --target help | grep -q '^ptk_backend_cuda:' && targets+=(--target ptk_backend_cuda)
+    # (The list is captured first: `grep -q` closing a pipe early SIGPIPEs its writer, and pipefail would
+    # then leave the CUDA module out of the pack.)
+    help=$(cmake --build build-cuda --target help)
+    grep -q '^ptk_backend_cuda:' <<<"$help" && targets+=(--target ptk_backend_cuda)
     bash scripts/build.sh build-cuda "${defs[@]}" "${targets[@]}"
     PROGRAMS="ptk-train ptk-tokenize" bash scripts/gpu-pack.sh build-cuda .gpu
     echo "gpu-check: copy the project tree with .gpu/ to the GPU machine and run: bash scripts/gpu-check.sh run"

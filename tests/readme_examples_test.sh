@@ -60,8 +60,10 @@ done
 [ "$ran" -ge 12 ] || fail "only $ran examples ran"
 [ -f my-gpt2/model.safetensors ] || fail "the recipe wrote no Hugging Face model"
 # The ptk-inspect blend (weights and prefixes as separate words) printed a GPTDataset sample.
-bash -c "$(examples ptk-inspect | grep -- '--data-path')" 2>&1 | grep -q "sample 42" ||
-  fail "the --data-path example printed no sample 42"
+# (Output captured first: `grep -q` ending the pipe early would SIGPIPE the writer, and pipefail would
+# turn a match into a failure.)
+blend=$(bash -c "$(examples ptk-inspect | grep -- '--data-path')" 2>&1) || fail "the --data-path example failed: $blend"
+grep -q "sample 42" <<<"$blend" || fail "the --data-path example printed no sample 42: $blend"
 # What README promises of dataset names: ptk-merge --inputs gets the _text_document hint, and a
 # .bin or .idx name is the dataset (not PREFIX.bin.bin).
 set +e

@@ -26,7 +26,7 @@ expect 1 "(driver supports CUDA 12.8, this runtime is CUDA" FAKE_CUDA_DRIVER_VER
 expect 1 "cudaGetDeviceCount: cudaErrorUnknown" FAKE_CUDA_RESULT=999
 expect 1 "cudaGetDeviceCount: cudaErrorInitializationError" FAKE_CUDA_RESULT=3
 # No driver at all: only where the loader cannot find a real one (a machine without a GPU).
-if ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
+if grep -q 'libcuda\.so\.1 ' <<<"$(ldconfig -p 2>/dev/null)"; then
   echo "(a driver is installed here: the no-driver case is not checked)"
 else
   out=$("$BIN" 2>&1); rc=$?
