@@ -183,8 +183,14 @@ class RendezvousServer {
           waiting[fd].push_back(key);
         } else if (ok && op == kHello) {
           ok = RecvBlob(fd, &value);
-          if (ok) {
-            registered_[fd] = {std::atoi(key.c_str()), value};
+          const int r = std::atoi(key.c_str());
+          if (ok && ever_ranks_.count(r)) {
+            // This rank joined this store before: its new incarnation (a pod restarted in place
+            // while this rank 0 still runs the old job) must not meet the old run's addresses.
+            // Refused, it retries until a fresh rank 0 serves.
+            ok = SendAll(fd, "r", 1);
+          } else if (ok) {
+            registered_[fd] = {r, value};
             live_ = static_cast<int>(registered_.size());
             ever_ranks_.insert(registered_[fd].first);
             ever_ = static_cast<int>(ever_ranks_.size());
@@ -252,6 +258,7 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   const std::string host = rank == 0 ? "127.0.0.1" : master_addr;
   const auto deadline = Clock::now() + timeout;
   std::string last = "no attempt";
+  const std::string host_name = s->host_;
   while (s->fd_ < 0 && Clock::now() < deadline) {
     addrinfo hints{}, *res = nullptr;
     hints.ai_socktype = SOCK_STREAM;
@@ -273,6 +280,16 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
       ::close(fd);
     }
     ::freeaddrinfo(res);
+    if (s->fd_ >= 0) {
+      char ack = 0;
+      const absl::Status hello = s->Request(kHello, std::to_string(rank), &host_name, nullptr, &ack);
+      if (!hello.ok() || ack != 'k') {  // 'r': that rank 0 still runs an earlier start of the job
+        last = hello.ok() ? fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank)
+                          : StatusMessage(hello);
+        ::close(s->fd_);
+        s->fd_ = -1;
+      }
+    }
     if (s->fd_ < 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   if (s->fd_ < 0)
@@ -280,12 +297,11 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
         fmt::format("rendezvous: rank 0 at {}:{} did not answer within {} s ({}); is rank 0 running, "
                     "MASTER_ADDR/MASTER_PORT right?",
                     host, port, timeout.count() / 1000, last));
-  const std::string host_name = s->host_;
-  PTK_RETURN_IF_ERROR(s->Request(kHello, std::to_string(rank), &host_name, nullptr));
   return s;
 }
 
-absl::Status RendezvousStore::Request(char op, const std::string& key, const std::string* value, std::string* reply) {
+absl::Status RendezvousStore::Request(char op, const std::string& key, const std::string* value, std::string* reply,
+                                      char* ack_out) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint8_t o = static_cast<uint8_t>(op);
   errno = 0;
@@ -304,6 +320,7 @@ absl::Status RendezvousStore::Request(char op, const std::string& key, const std
   } else if (ok) {
     char ack = 0;
     ok = RecvAll(fd_, &ack, 1);
+    if (ack_out) *ack_out = ack;
   }
   if (ok) return absl::OkStatus();
   if (errno == EAGAIN || errno == EWOULDBLOCK)

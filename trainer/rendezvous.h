@@ -26,7 +26,9 @@ class RendezvousStore {
 
   // Rank 0 starts the server on `port` (all interfaces; 0: any free port, for a rank alone) and
   // connects to it; the others connect to master_addr:port, retrying until `timeout`. Each rank
-  // registers its rank and host name.
+  // registers its rank and host name. A store that a rank of this number already joined refuses it
+  // (a restarted rank finding a rank 0 still in the job's earlier start): it retries until a fresh
+  // rank 0 serves, or the timeout.
   static absl::StatusOr<std::unique_ptr<RendezvousStore>> Connect(int rank, int world_size,
                                                                   const std::string& master_addr, int port,
                                                                   std::chrono::milliseconds timeout);
@@ -61,7 +63,9 @@ class RendezvousStore {
 
  private:
   RendezvousStore() = default;
-  absl::Status Request(char op, const std::string& key, const std::string* value, std::string* reply);
+  // `ack_out`: the one-byte answer to a request without a reply ('k'; 'r' for a refused hello).
+  absl::Status Request(char op, const std::string& key, const std::string* value, std::string* reply,
+                       char* ack_out = nullptr);
 
   std::unique_ptr<RendezvousServer> server_;  // rank 0
   int fd_ = -1;

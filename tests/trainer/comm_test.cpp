@@ -7,6 +7,7 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -190,6 +191,41 @@ TEST(Communicator, ARankThatLeavesIsNamed) {
         << errors[static_cast<size_t>(r)];
     EXPECT_LT(seconds[static_cast<size_t>(r)], 4.0) << errors[static_cast<size_t>(r)];
   }
+}
+
+// A rank restarted in place (a PyTorchJob pod) while rank 0 still runs the job's earlier start must
+// not join that rank 0's store, whose addresses are the old run's (it would wait on them for the
+// whole timeout, and the fresh rank 0 for it): the old store refuses it, and it retries until a
+// fresh rank 0 serves. With no fresh rank 0, its error says why it waited.
+TEST(Rendezvous, ARestartedRankWaitsForAFreshRankZero) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  auto old0 = RendezvousStore::Connect(0, 2, "127.0.0.1", port, milliseconds(10000));
+  ASSERT_TRUE(old0.ok()) << old0.status();
+  {
+    auto old1 = RendezvousStore::Connect(1, 2, "127.0.0.1", port, milliseconds(10000));
+    ASSERT_TRUE(old1.ok()) << old1.status();
+    ASSERT_TRUE((*old1)->Set("1", "address of the old rank 1").ok());
+  }  // rank 1 killed
+
+  auto refused = RendezvousStore::Connect(1, 2, "127.0.0.1", port, milliseconds(1000));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("still runs an earlier start of this job, which rank 1 already joined"),
+            std::string::npos)
+      << refused.status();
+
+  absl::StatusOr<std::unique_ptr<RendezvousStore>> new1 = absl::UnknownError("not yet");
+  std::thread restarted([&] { new1 = RendezvousStore::Connect(1, 2, "127.0.0.1", port, milliseconds(20000)); });
+  std::this_thread::sleep_for(milliseconds(700));
+  old0->reset();  // the old rank 0 notices and exits; its pod restarts
+  auto new0 = RendezvousStore::Connect(0, 2, "127.0.0.1", port, milliseconds(10000));
+  ASSERT_TRUE(new0.ok()) << new0.status();
+  restarted.join();
+  ASSERT_TRUE(new1.ok()) << new1.status();
+  ASSERT_TRUE((*new1)->Set("1", "address of the new rank 1").ok());
+  auto got = (*new0)->Get("1");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "address of the new rank 1");
 }
 
 }  // namespace
