@@ -120,6 +120,26 @@ constexpr ModelRefusal kModelRefusals[] = {
 
 absl::Status Refuse(const std::string& msg) { return UsageError(msg); }
 
+// GPTConfig::Validate names the model's settings as Megatron's arguments are named (hidden_size);
+// ptk-train names each as the flag that sets it (--hidden-size).
+std::string SettingsAsFlags(std::string msg) {
+  static constexpr const char* kSettings[] = {"num_layers",        "hidden_size",    "num_attention_heads",
+                                              "ffn_hidden_size",   "seq_length",     "max_position_embeddings",
+                                              "vocab_size",        "hidden_dropout", "attention_dropout",
+                                              "layernorm_epsilon", "init_method_std"};
+  auto is_word = [](char c) { return (c >= 'a' && c <= 'z') || c == '_' || c == '-'; };
+  for (const std::string setting : kSettings) {
+    std::string flag = "--" + setting;
+    std::replace(flag.begin() + 2, flag.end(), '_', '-');
+    for (size_t at = msg.find(setting); at != std::string::npos; at = msg.find(setting, at + 1)) {
+      const size_t end = at + setting.size();
+      if ((at > 0 && is_word(msg[at - 1])) || (end < msg.size() && is_word(msg[end]))) continue;
+      msg.replace(at, setting.size(), flag);
+    }
+  }
+  return msg;
+}
+
 // Range checks, attached where each flag is declared (CLI11 runs them on the text before
 // converting it): a value outside the range, or not a number, is a usage error naming the flag.
 // Sizes and counts are capped where products of them would overflow 64-bit integers.
@@ -676,6 +696,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (!f.recompute_granularity.empty()) m.recompute_activations = true;
   if (f.recompute_granularity == "full")
     notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");
+  if (absl::Status st = m.Validate(); !st.ok()) return Refuse(SettingsAsFlags(std::string(StatusMessage(st))));
 
   if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
   if (!f.data_args_path.empty()) {
