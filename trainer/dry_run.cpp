@@ -3,7 +3,6 @@
 #include "trainer/dry_run.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdlib>
 #include <limits>
 #include <vector>
@@ -11,6 +10,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/numbers.h"
 #include "common/status.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/parallel_params.h"
@@ -18,16 +18,16 @@
 namespace ptk {
 namespace {
 
-// A launcher variable: unset, or a decimal in [lo, int max]; anything else is a usage error naming it.
+// A launcher variable: unset, or a decimal in [lo, int max], read as TrainingRanksFromEnv reads
+// it; anything else is a usage error naming it.
 absl::StatusOr<std::optional<int>> EnvInt(const char* name, int lo) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const long long x = std::strtoll(v, &end, 10);
-  if (*end != '\0' || errno == ERANGE || x < lo || x > std::numeric_limits<int>::max() || !(*v >= '0' && *v <= '9'))
-    return UsageError(fmt::format("environment: {}={:?} is not an integer of at least {}", name, v, lo));
-  return static_cast<int>(x);
+  const std::optional<int64_t> x = ParseInt64(v);
+  if (!x) return UsageError(fmt::format("environment: {}={:?} is not an integer", name, std::string(v)));
+  const int64_t hi = std::numeric_limits<int>::max();
+  if (*x < lo || *x > hi) return UsageError(fmt::format("environment: {}={} is outside [{}, {}]", name, *x, lo, hi));
+  return static_cast<int>(*x);
 }
 
 // The ranks as runs of consecutive ranks, the first three runs, "..." and the last for more than
@@ -113,12 +113,14 @@ double ActivationBytesPerLayer(const GPTConfig& c, int64_t micro_batch_size, int
   return (sequence_parallel && tensor > 1 ? outside / t : outside) + inside / t;
 }
 
-absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
-  const DryRunCluster& cl = o.cluster;
+absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
   PTK_ASSIGN_OR_RETURN(const ParallelLayout layout,
-                       ParallelLayout::Create(cl.world_size, o.tensor, o.pipeline, o.context));
+                       ParallelLayout::Create(o.cluster.world_size, o.tensor, o.pipeline, o.context));
   const int T = o.tensor, P = o.pipeline, D = layout.data_size();
-  GPTConfig m = o.model;
+  DryRunPlan plan;
+  plan.data_parallel = D;
+  GPTConfig& m = plan.model;
+  m = o.model;
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
   if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
   PTK_ASSIGN_OR_RETURN(m.padded_vocab_size, TensorParallelVocabSize(m.vocab_size, o.make_vocab_size_divisible_by, T));
@@ -127,14 +129,56 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> stage_layers,
                        PipelineStageLayers(m.num_layers, P, o.first_stage_layers, o.last_stage_layers));
   const int64_t mbs = o.micro_batch_size;
-  const int64_t global = o.global_batch_size > 0 ? o.global_batch_size : mbs * D;
-  if (global % (mbs * D) != 0)
+  plan.global_batch_size = o.global_batch_size > 0 ? o.global_batch_size : mbs * D;
+  if (plan.global_batch_size % (mbs * D) != 0)
     return UsageError(
         fmt::format("--global-batch-size {} is not divisible by --micro-batch-size {} times the data-parallel size {}",
-                    global, mbs, D));
-  const int64_t micro_batches = global / (mbs * D);
-  const bool sp = o.sequence_parallel && T > 1;
+                    plan.global_batch_size, mbs, D));
+  plan.micro_batches = plan.global_batch_size / (mbs * D);
+  plan.sequence_parallel = o.sequence_parallel && T > 1;
+  // Megatron's mixed precision keeps fp32 gradients (main_grad) and an fp32 master copy beside
+  // Adam's two moments (megatron/training/theoretical_memory_usage.py: 18 bytes, 6 + 12/D with
+  // ZeRO-1); in fp32 the weights are the master.
+  const bool mixed = o.precision != Precision::kFp32;
+  plan.weight_bytes = mixed ? 2 : 4;
+  plan.optimizer_bytes = mixed ? 12 : 8;
+  plan.activation_bytes = mixed ? 2 : 4;
+  const double sb = static_cast<double>(m.seq_length) * mbs, sbh = sb * m.hidden_size;
+  for (int p = 0; p < P; ++p) {
+    StageMemory st;
+    st.layers = stage_layers[p];
+    st.params = ParamsOnModelParallelRank(m, T, P, p, st.layers);
+    st.in_flight = std::min<int64_t>(P - p, plan.micro_batches);
+    const double n = static_cast<double>(st.params), in_flight = static_cast<double>(st.in_flight);
+    st.weights = n * plan.weight_bytes;
+    st.gradients = n * plan.gradient_bytes;
+    st.optimizer = n * plan.optimizer_bytes;
+    st.optimizer_zero1 = st.optimizer / D;
+    // Megatron's terms beyond the layers (theoretical_memory_usage.py), over T: the embedding's
+    // input ids and dropout mask per micro-batch in flight, the output layer's input and fp32 logits.
+    double extra = 0;
+    if (p == 0) extra += in_flight * (8 * sb + sbh);
+    if (p == P - 1) extra += 4 * sbh + 4 * sb * static_cast<double>(m.padded_vocab_size);
+    extra /= T;
+    const double layers = static_cast<double>(st.layers) * in_flight;
+    st.activations =
+        layers * ActivationBytesPerLayer(m, mbs, T, plan.sequence_parallel, false, plan.activation_bytes) + extra;
+    st.activations_recomputed =
+        layers * ActivationBytesPerLayer(m, mbs, T, plan.sequence_parallel, true, plan.activation_bytes) + extra;
+    st.total = st.weights + st.gradients + (o.use_distributed_optimizer ? st.optimizer_zero1 : st.optimizer) +
+               (m.recompute_activations ? st.activations_recomputed : st.activations);
+    plan.stages.push_back(st);
+  }
+  return plan;
+}
 
+absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
+  PTK_ASSIGN_OR_RETURN(const DryRunPlan plan, PlanDryRun(o));
+  const DryRunCluster& cl = o.cluster;
+  PTK_ASSIGN_OR_RETURN(const ParallelLayout layout,
+                       ParallelLayout::Create(cl.world_size, o.tensor, o.pipeline, o.context));
+  const int T = o.tensor, P = o.pipeline, D = plan.data_parallel;
+  const GPTConfig& m = plan.model;
   std::string out;
   auto line = [&out](const std::string& s) { out += s + "\n"; };
   line(fmt::format("dry run: {} rank{} ({}){}; nothing is built, allocated or read", cl.world_size,
@@ -154,8 +198,8 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   line(fmt::format("> initialized tensor model parallel with size {}", T));
   line(fmt::format("> initialized pipeline model parallel with size {}", P));
   line(
-      fmt::format("layout: {} = tensor {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: rank = t + "
-                  "{}*d + {}*p)",
+      fmt::format("layout: {} ranks = tensor {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
+                  "rank = t + {}*d + {}*p)",
                   cl.world_size, T, D, P, T, T * D));
   std::vector<int> shown = {0, std::min(1, cl.world_size - 1), std::min(T, cl.world_size - 1),
                             std::min(T * D, cl.world_size - 1), cl.world_size - 1};
@@ -172,60 +216,43 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   out += GroupsLine(layout, ParallelGroup::kPipeline, "pipeline");
   out += GroupsLine(layout, ParallelGroup::kEmbedding, "embedding (first and last stage)");
   out += GroupsLine(layout, ParallelGroup::kModel, "model-parallel (tensor x pipeline)");
-  line(fmt::format("batch: global {} = micro-batch {} x {} micro-batch{} x data-parallel {}", global, mbs,
-                   micro_batches, micro_batches == 1 ? "" : "es", D));
-
+  line(fmt::format("batch: global {} = micro-batch {} x {} micro-batch{} x data-parallel {}", plan.global_batch_size,
+                   o.micro_batch_size, plan.micro_batches, plan.micro_batches == 1 ? "" : "es", D));
   // Megatron's line from the first data-parallel rank of every (tensor, pipeline) rank.
-  std::vector<int64_t> params(static_cast<size_t>(P));
-  for (int p = 0; p < P; ++p) {
-    params[p] = ParamsOnModelParallelRank(m, T, P, p, stage_layers[p]);
-    for (int t = 0; t < T; ++t) line(ParamCountLine(t, p, params[p]));
-  }
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < T; ++t) line(ParamCountLine(t, p, plan.stages[p].params));
   line(fmt::format("model: {} parameters ({} tensor x {} pipeline ranks)",
                    ParamsOnModelParallelRank(m, 1, 1, 0, m.num_layers), T, P));
 
-  // Memory per GPU.
   const bool mixed = o.precision != Precision::kFp32;
-  const double weight_bytes = mixed ? 2 : 4, grad_bytes = 4, optim_bytes = mixed ? 12 : 8;
-  const int act_bytes = mixed ? 2 : 4;
   line(fmt::format(
       "memory per GPU in GiB, {}: weights {} B, gradients {} B, optimizer state {} B per parameter ({}); ZeRO-1 "
       "(--use-distributed-optimizer) shards the optimizer state over the {} data-parallel rank{}",
-      PrecisionName(o.precision), weight_bytes, grad_bytes, optim_bytes,
+      PrecisionName(o.precision), plan.weight_bytes, plan.gradient_bytes, plan.optimizer_bytes,
       mixed ? "fp32 master weights and Adam's two moments" : "Adam's two moments", D, D == 1 ? "" : "s"));
   line(fmt::format(
       "activations: per layer sbh(18 + 4F/h) + 5as^2b bytes, sbh(34 + 5as/h) at F = 4h (Korthikanti et al. 2022, "
       "Table 2; {}-byte activations), split over T {}; --recompute-activations (selective) drops 5as^2b; "
       "s {}, b {}, stage p holds min(P - p, {}) micro-batches (1F1B), plus Megatron's embedding and output-layer "
       "terms",
-      act_bytes, sp ? "with --sequence-parallel" : "except 10sbh (no --sequence-parallel)", m.seq_length, mbs,
-      micro_batches));
+      plan.activation_bytes,
+      plan.sequence_parallel ? "with --sequence-parallel" : "except 10sbh (no --sequence-parallel)", m.seq_length,
+      o.micro_batch_size, plan.micro_batches));
   line(fmt::format("{:>6} {:>6} {:>12} {:>8} {:>9} {:>9} {:>9} {:>11} {:>10} {:>8}", "stage", "layers", "parameters",
                    "weights", "gradients", "optimizer", "ZeRO-1", "activations", "recomputed", "total"));
-  double worst = 0;
-  int worst_stage = 0;
-  const double sbh = static_cast<double>(m.seq_length) * mbs * m.hidden_size;
+  int worst = 0;
   for (int p = 0; p < P; ++p) {
-    const double n = static_cast<double>(params[p]);
-    const double in_flight = static_cast<double>(std::min<int64_t>(P - p, micro_batches));
-    double extra = 0;  // megatron/training/theoretical_memory_usage.py's terms beyond the layers
-    if (p == 0) extra += in_flight * (8.0 * m.seq_length * mbs + sbh);
-    if (p == P - 1) extra += 4.0 * sbh + 4.0 * m.seq_length * mbs * m.padded_vocab_size;
-    extra /= T;
-    const double layers = static_cast<double>(stage_layers[p]) * in_flight;
-    const double act = layers * ActivationBytesPerLayer(m, mbs, T, sp, false, act_bytes) + extra;
-    const double rec = layers * ActivationBytesPerLayer(m, mbs, T, sp, true, act_bytes) + extra;
-    const double w = n * weight_bytes, g = n * grad_bytes, opt = n * optim_bytes, zero = opt / D;
-    const double total = w + g + (o.use_distributed_optimizer ? zero : opt) + (m.recompute_activations ? rec : act);
-    if (total > worst) worst = total, worst_stage = p;
+    const StageMemory& st = plan.stages[p];
+    if (st.total > plan.stages[worst].total) worst = p;
     line(fmt::format("{:>6} {:>6} {:>12} {:>8.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>11.2f} {:>10.2f} {:>8.2f}", p,
-                     stage_layers[p], params[p], w / kGiB, g / kGiB, opt / kGiB, zero / kGiB, act / kGiB, rec / kGiB,
-                     total / kGiB));
+                     st.layers, st.params, st.weights / kGiB, st.gradients / kGiB, st.optimizer / kGiB,
+                     st.optimizer_zero1 / kGiB, st.activations / kGiB, st.activations_recomputed / kGiB,
+                     st.total / kGiB));
   }
   line(fmt::format("total: as this run is configured ({}, {}); the most loaded GPU is stage {}'s, {:.2f} GiB",
                    o.use_distributed_optimizer ? "--use-distributed-optimizer" : "no --use-distributed-optimizer",
-                   m.recompute_activations ? "--recompute-activations" : "no --recompute-activations", worst_stage,
-                   worst / kGiB));
+                   m.recompute_activations ? "--recompute-activations" : "no --recompute-activations", worst,
+                   plan.stages[worst].total / kGiB));
   return out;
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "trainer/gpt_model.h"
@@ -50,9 +51,30 @@ struct DryRunOptions {
 double ActivationBytesPerLayer(const GPTConfig& config, int64_t micro_batch_size, int tensor, bool sequence_parallel,
                                bool selective_recompute, int activation_bytes);
 
-// The plan, as lines ending in '\n'. Usage errors for what Megatron refuses: a world not divisible
-// by T × P, heads or MLP not divisible by T, layers not divisible by P, a global batch not
-// divisible by micro-batch × data-parallel size.
+// One pipeline stage's GPU (every tensor rank of a stage holds the same), in bytes.
+struct StageMemory {
+  int64_t layers = 0, params = 0;
+  int64_t in_flight = 0;  // micro-batches whose activations the stage keeps (1F1B: min(P - p, micro-batches))
+  double weights = 0, gradients = 0, optimizer = 0, optimizer_zero1 = 0, activations = 0, activations_recomputed = 0;
+  double total = 0;  // as the run is configured (ZeRO-1 or not, recomputation or not)
+};
+
+struct DryRunPlan {
+  GPTConfig model;  // defaults resolved, the vocabulary padded for T
+  int data_parallel = 1;
+  int64_t global_batch_size = 0, micro_batches = 0;
+  bool sequence_parallel = false;  // in effect (T > 1)
+  int weight_bytes = 4, gradient_bytes = 4, optimizer_bytes = 8, activation_bytes = 4;
+  std::vector<StageMemory> stages;
+};
+
+// The plan's figures. Usage errors for what Megatron refuses: a world not divisible by T × P,
+// heads or MLP not divisible by T, layers not divisible by P, a global batch not divisible by
+// micro-batch × data-parallel size.
+absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& options);
+
+// The plan as printed, lines ending in '\n': the cluster, Megatron's start-up lines, the layout,
+// the parameter line of every (tensor, pipeline) rank, the memory per GPU of each stage.
 absl::StatusOr<std::string> DryRunReport(const DryRunOptions& options);
 
 }  // namespace ptk
