@@ -46,18 +46,21 @@ std::string RankList(const std::vector<int>& g) {
 
 // Every group of a kind, or for more than four the first three, "...", and the last.
 std::string GroupsLine(const ParallelLayout& layout, ParallelGroup kind, const char* what) {
-  const auto groups = layout.Groups(kind);
-  std::string out = fmt::format("  {} groups: {} of {} rank{}:", what, groups.size(), groups.front().size(),
-                                groups.front().size() == 1 ? "" : "s");
-  for (size_t i = 0; i < groups.size(); ++i) {
-    if (groups.size() > 4 && i == 3) {
+  const int64_t n = layout.NumGroups(kind);
+  const size_t size = layout.GroupAt(kind, 0).size();
+  std::string out = fmt::format("  {} groups: {} of {} rank{}:", what, n, size, size == 1 ? "" : "s");
+  for (int64_t i = 0; i < n; ++i) {
+    if (n > 4 && i == 3) {
       out += " ...";
-      i = groups.size() - 1;
+      i = n - 1;
     }
-    out += " " + RankList(groups[i]);
+    out += " " + RankList(layout.GroupAt(kind, i));
   }
   return out + "\n";
 }
+
+// The dry run prints groups of up to the whole world: a bound on what it is asked to plan.
+constexpr int kMaxDryRunWorld = 1 << 20;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -114,6 +117,9 @@ double ActivationBytesPerLayer(const GPTConfig& c, int64_t micro_batch_size, int
 }
 
 absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
+  if (o.cluster.world_size > kMaxDryRunWorld)
+    return UsageError(fmt::format("{}={}: --dry-run plans up to {} ranks", o.cluster.world_source, o.cluster.world_size,
+                                  kMaxDryRunWorld));
   PTK_ASSIGN_OR_RETURN(const ParallelLayout layout,
                        ParallelLayout::Create(o.cluster.world_size, o.tensor, o.pipeline, o.context));
   const int T = o.tensor, P = o.pipeline, D = layout.data_size();

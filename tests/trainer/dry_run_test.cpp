@@ -184,6 +184,9 @@ TEST(DryRunReport, RefusesWhatMegatronRefuses) {
   o = Small();
   o.model.hidden_size = 60;  // not a multiple of the 8 heads
   refused(o, "--hidden-size (60) must be a multiple of --num-attention-heads (8)");
+  o = Small();
+  o.cluster.world_size = (1 << 20) + 4;
+  refused(o, "WORLD_SIZE=1048580: --dry-run plans up to 1048576 ranks");
   // Sequence parallelism at T = 1 is accepted, with Megatron's note.
   o = Small();
   o.tensor = 1;
