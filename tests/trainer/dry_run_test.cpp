@@ -183,7 +183,7 @@ TEST(DryRunReport, RefusesWhatMegatronRefuses) {
   refused(o, "--global-batch-size 6 is not divisible by --micro-batch-size 2 times the data-parallel size 2");
   o = Small();
   o.model.hidden_size = 60;  // not a multiple of the 8 heads
-  refused(o, "--hidden-size (60) must be a multiple of --num-attention-heads (8)");
+  refused(o, "num_attention_heads 8 does not divide hidden_size 60");
   o = Small();
   o.cluster.world_size = (1 << 20) + 4;
   refused(o, "WORLD_SIZE=1048580: --dry-run plans up to 1048576 ranks");
