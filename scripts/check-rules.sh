@@ -22,10 +22,8 @@ SIZE_ALLOWLIST=(
   interop/torch_format.cpp  # to split
   tools/train_flags.cpp     # to split
 )
-# Library files allowed an InvalidArgumentError("--...").
-FLAG_ALLOWLIST=(
-  dataprep/tokenize/tokenize_pipeline.cpp  # to fix
-)
+# Library files allowed an InvalidArgumentError("--...") (none).
+FLAG_ALLOWLIST=()
 
 violations=0
 report() {
