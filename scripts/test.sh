@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README's test command: installs what is missing, builds, and runs every test.
+# README's test command: checks the house rules, installs what is missing, builds, and runs every test.
+#   0. scripts/check-rules.sh                      (CONTRIBUTING's rules that a machine can check)
 #   1. scripts/install-deps.sh --with-python-ref   (Debian packages; megatron-core for the compat test)
 #   2. build/ : RelWithDebInfo build of everything (CUDA targets too when nvcc is found)
 #   3. ctest (labels unit, golden, cli, compat, slurm; gpu tests skip without a device)
@@ -10,6 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${PTK_JOBS:-$(nproc)}
+
+# The house rules a machine can check (file sizes, flag errors in libraries, unused headers): seconds,
+# so first.
+bash scripts/check-rules.sh
 
 bash scripts/install-deps.sh --with-python-ref
 

@@ -64,6 +64,35 @@ bool ByteLevelDecode(std::string_view s, std::string* out) {
   return true;
 }
 
+// vocab.json's (id, token) entries in the file's order.
+absl::StatusOr<std::vector<std::pair<int64_t, std::string>>> ParseVocabEntries(std::string_view vocab_json,
+                                                                               std::string_view origin,
+                                                                               bool known_good) {
+  simdjson::dom::parser parser;
+  simdjson::padded_string padded(vocab_json);
+  simdjson::dom::element root;
+  if (auto err = parser.parse(padded).get(root))
+    return absl::InvalidArgumentError(
+        fmt::format("{}: vocab is not valid JSON: {}", origin, simdjson::error_message(err)));
+  simdjson::dom::object obj;
+  if (root.get_object().get(obj))
+    return absl::InvalidArgumentError(fmt::format("{}: vocab must be a JSON object", origin));
+  std::vector<std::pair<int64_t, std::string>> entries;
+  // A token given twice: Python's json (Megatron's and HF's GPT-2 tokenizers) keeps its last id and
+  // leaves the first id without a token, a vocabulary ptk cannot represent: refused by name.
+  if (auto dup = known_good ? std::nullopt : FirstDuplicateJsonKey(root))
+    return absl::InvalidArgumentError(
+        fmt::format("{}: vocab token {:?} is given twice (Python's json would keep only its last id)", origin, *dup));
+  for (auto field : obj) {
+    int64_t id;
+    if (field.value.get_int64().get(id))
+      return absl::InvalidArgumentError(
+          fmt::format("{}: vocab entry {:?} has a non-integer id", origin, std::string(field.key)));
+    entries.emplace_back(id, std::string(field.key));
+  }
+  return entries;
+}
+
 }  // namespace
 
 using gpt2_detail::HashKey;
@@ -126,33 +155,26 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   const bool known_good = vocab_json == DefaultVocabJson() && merges_txt == DefaultMergesTxt();
   vocab_hash_ = Xxh3Hex(vocab_json);
   merges_hash_ = Xxh3Hex(merges_txt);
-  // ---- vocab.json
-  simdjson::dom::parser parser;
-  simdjson::padded_string padded(vocab_json);
-  simdjson::dom::element root;
-  if (auto err = parser.parse(padded).get(root))
-    return absl::InvalidArgumentError(
-        fmt::format("{}: vocab is not valid JSON: {}", origin, simdjson::error_message(err)));
-  simdjson::dom::object obj;
-  if (root.get_object().get(obj))
-    return absl::InvalidArgumentError(fmt::format("{}: vocab must be a JSON object", origin));
+  std::vector<bool> byte_level, mergeable;
+  PTK_ASSIGN_OR_RETURN(const auto str_to_id, BuildVocab(vocab_json, origin, known_good, &byte_level, &mergeable));
+  PTK_ASSIGN_OR_RETURN(const std::vector<MergeLine> merges, ParseMerges(merges_txt, origin, str_to_id, &mergeable));
+  num_merges_ = static_cast<int64_t>(merges.size());
+  PTK_RETURN_IF_ERROR(BuildMerges(merges, origin));
+  BuildWholeTokenTables(known_good, mergeable, byte_level);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<absl::flat_hash_map<std::string, int32_t>> Gpt2Tokenizer::BuildVocab(std::string_view vocab_json,
+                                                                                    std::string_view origin,
+                                                                                    bool known_good,
+                                                                                    std::vector<bool>* byte_level,
+                                                                                    std::vector<bool>* mergeable) {
+  PTK_ASSIGN_OR_RETURN(auto entries, ParseVocabEntries(vocab_json, origin, known_good));
   absl::flat_hash_map<std::string, int32_t> str_to_id;
-  std::vector<std::pair<int64_t, std::string>> entries;
-  // A token given twice: Python's json (Megatron's and HF's GPT-2 tokenizers) keeps its last id and
-  // leaves the first id without a token, a vocabulary ptk cannot represent: refused by name.
-  if (auto dup = known_good ? std::nullopt : FirstDuplicateJsonKey(root))
-    return absl::InvalidArgumentError(
-        fmt::format("{}: vocab token {:?} is given twice (Python's json would keep only its last id)", origin, *dup));
-  for (auto field : obj) {
-    int64_t id;
-    if (field.value.get_int64().get(id))
-      return absl::InvalidArgumentError(
-          fmt::format("{}: vocab entry {:?} has a non-integer id", origin, std::string(field.key)));
-    entries.emplace_back(id, std::string(field.key));
-  }
   const int64_t n = static_cast<int64_t>(entries.size());
   std::vector<std::string> id_to_bytes(n);
-  std::vector<bool> seen(n, false), byte_level(n, false);
+  std::vector<bool> seen(n, false);
+  byte_level->assign(n, false);
   std::string bytes;
   for (auto& [id, key] : entries) {
     if (id < 0 || id >= n)
@@ -161,7 +183,7 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     seen[id] = true;
     if (ByteLevelDecode(key, &bytes)) {
       id_to_bytes[id] = bytes;
-      byte_level[id] = true;
+      (*byte_level)[id] = true;
     } else {
       id_to_bytes[id] = key;  // an added token outside the byte-level alphabet: literal text
     }
@@ -181,7 +203,7 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
   if (eot == str_to_id.end()) return absl::InvalidArgumentError(fmt::format("{}: vocab has no {}", origin, kEndOfText));
   eod_id_ = eot->second;
   const ByteLevelMap& m = ByteLevel();
-  std::vector<bool> mergeable(n, false);
+  mergeable->assign(n, false);
   for (int b = 0; b < 256; ++b) {
     std::string key;
     AppendUtf8(m.byte_to_cp[b], &key);
@@ -189,17 +211,20 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
     if (it == str_to_id.end())
       return absl::InvalidArgumentError(fmt::format("{}: vocab lacks the byte token {:?} (byte {})", origin, key, b));
     byte_to_id_[b] = it->second;
-    mergeable[it->second] = true;
+    (*mergeable)[it->second] = true;
   }
+  return str_to_id;
+}
 
-  // ---- merges.txt
+absl::StatusOr<std::vector<Gpt2Tokenizer::MergeLine>> Gpt2Tokenizer::ParseMerges(
+    std::string_view merges_txt, std::string_view origin, const absl::flat_hash_map<std::string, int32_t>& str_to_id,
+    std::vector<bool>* mergeable) {
   auto find_id = [&](std::string_view k) -> int32_t {
     auto it = str_to_id.find(absl::string_view(k.data(), k.size()));
     return it == str_to_id.end() ? -1 : it->second;
   };
   size_t pos = 0;
   int64_t line_no = 0;
-  uint32_t rank = 0;
   std::string joined;
   std::vector<MergeLine> merges;
   merges.reserve(60000);
@@ -225,13 +250,14 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
       return absl::InvalidArgumentError(fmt::format("{}: merges line {} ({:?}) uses a symbol that is not in the vocab",
                                                     origin, line_no, std::string(line)));
     merges.push_back({ia, ib, ic});
-    mergeable[ic] = true;
-    ++rank;
+    (*mergeable)[ic] = true;
   }
-  num_merges_ = rank;
-  PTK_RETURN_IF_ERROR(BuildMerges(merges, origin));
+  return merges;
+}
 
-  // ---- whole-token tables: only tokens that BPE itself produces for their own bytes
+void Gpt2Tokenizer::BuildWholeTokenTables(bool known_good, const std::vector<bool>& mergeable,
+                                          const std::vector<bool>& byte_level) {
+  const int64_t n = vocab_n_;
   size_t slots = 1;
   while (slots < static_cast<size_t>(n) * 2) slots <<= 1;
   short_built_.Assign(slots, PieceSlot{});
@@ -262,7 +288,6 @@ absl::Status Gpt2Tokenizer::Build(std::string_view vocab_json, std::string_view 
       long_tokens_[std::string(tb)] = static_cast<int32_t>(id);
     }
   }
-  return absl::OkStatus();
 }
 
 absl::Status Gpt2Tokenizer::BuildMerges(const std::vector<MergeLine>& merges, std::string_view origin) {

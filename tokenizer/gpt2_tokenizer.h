@@ -95,6 +95,16 @@ class Gpt2Tokenizer {
   friend class Gpt2Encoder;
   Gpt2Tokenizer() = default;
   absl::Status Build(std::string_view vocab_json, std::string_view merges_txt, std::string_view origin);
+  // Build's first step: the vocabulary's tables (vocab_off_, eod_id_, byte_to_id_) and the token -> id
+  // map the merges are read with. byte_level[id]: the token is byte-level text; mergeable[id]: BPE
+  // can produce it (so far: it is a byte).
+  absl::StatusOr<absl::flat_hash_map<std::string, int32_t>> BuildVocab(std::string_view vocab_json,
+                                                                       std::string_view origin, bool known_good,
+                                                                       std::vector<bool>* byte_level,
+                                                                       std::vector<bool>* mergeable);
+  // Build's last step: the whole-token tables, of the tokens that BPE itself produces for their own
+  // bytes (known_good: GPT-2's own files, for which that is known).
+  void BuildWholeTokenTables(bool known_good, const std::vector<bool>& mergeable, const std::vector<bool>& byte_level);
   // The tables in `blob` (SerializeTables' layout), read in place: it must outlive the tokenizer.
   // trusted (the embedded blob, made and read back by this build): the whole-token table's slots
   // are not each checked.
@@ -129,6 +139,10 @@ class Gpt2Tokenizer {
   struct MergeLine {
     int32_t a, b, id;
   };
+  // merges.txt's lines in rank order as vocab ids; each token a line makes is marked mergeable.
+  static absl::StatusOr<std::vector<MergeLine>> ParseMerges(std::string_view merges_txt, std::string_view origin,
+                                                            const absl::flat_hash_map<std::string, int32_t>& str_to_id,
+                                                            std::vector<bool>* mergeable);
   // Merge lines in rank order -> sym_ids_ and the pair table.
   absl::Status BuildMerges(const std::vector<MergeLine>& merges, std::string_view origin);
   // Fills pairs_ with (key, rank) words in `buckets` buckets: false when cuckoo insertion fails.

@@ -1,5 +1,8 @@
 // ptk-tokenize: a drop-in for Megatron-LM's tools/preprocess_data.py (GPT-2 BPE).
+#include <algorithm>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <fmt/core.h>
 
@@ -12,72 +15,77 @@
 #include "dataprep/tokenize/tokenize_pipeline.h"
 #include "tokenizer/gpt2_tokenizer.h"
 
-int main(int argc, char** argv) {
-  auto app = ptk::cli::MakeApp(
-      "ptk-tokenize",
-      "Tokenize jsonl (plain, .zst, .xz or - for stdin) with GPT-2 BPE into Megatron .bin/.idx files, byte-identical "
-      "to Megatron-LM's tools/preprocess_data.py with the same flags. Outputs: PREFIX_{key}_document.{bin,idx}.");
+namespace {
+
+// The flags as parsed: TokenizeOptions' own, and those checked or turned into its fields.
+struct TokenizeFlags {
   ptk::TokenizeOptions opt;
   std::vector<std::string> inputs;
   std::string tokenizer_type = "GPT2BPETokenizer", vocab_file, merge_file, dataset_impl = "mmap";
+  std::string tokenizer_library = "megatron", files_filter;
+  bool preproc_folder = false;
   int workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   bool quiet = false;
   double batch_mb = 1.0;
+  CLI::Option* batch_opt = nullptr;
+};
 
-  app->add_option("--input", inputs,
-                  "Input files, globs or directories, read in the order given (a glob's matches, and the files below "
-                  "a directory, in natural order; extension-less files such as wiki_00 included)")
+// Megatron's and NeMo's flags, as their scripts take them.
+void AddOptions(CLI::App& app, TokenizeFlags* f) {
+  app.add_option("--input", f->inputs,
+                 "Input files, globs or directories, read in the order given (a glob's matches, and the files below "
+                 "a directory, in natural order; extension-less files such as wiki_00 included)")
       ->required();
   // NeMo's preprocess_data_for_megatron.py flags.
-  std::string tokenizer_library = "megatron", files_filter;
-  bool preproc_folder = false;
-  app->add_option("--tokenizer-library", tokenizer_library,
-                  "NeMo: the tokenizer library; only megatron (GPT-2 BPE) is implemented");
-  app->add_flag("--preproc-folder", preproc_folder,
-                "NeMo: --input is a directory; its files matching --files-filter (default **/*.json*) are inputs");
-  app->add_option("--files-filter", files_filter,
-                  "NeMo: glob of the files to take below an --input directory (e.g. '**/*.json*')");
-  app->add_option("--output-prefix", opt.output_prefix, "Output path prefix: writes PREFIX_{key}_document.bin/.idx")
+  app.add_option("--tokenizer-library", f->tokenizer_library,
+                 "NeMo: the tokenizer library; only megatron (GPT-2 BPE) is implemented");
+  app.add_flag("--preproc-folder", f->preproc_folder,
+               "NeMo: --input is a directory; its files matching --files-filter (default **/*.json*) are inputs");
+  app.add_option("--files-filter", f->files_filter,
+                 "NeMo: glob of the files to take below an --input directory (e.g. '**/*.json*')");
+  app.add_option("--output-prefix", f->opt.output_prefix, "Output path prefix: writes PREFIX_{key}_document.bin/.idx")
       ->required();
-  app->add_option("--json-keys", opt.json_keys, "Keys to extract from each JSON line; one dataset per key");
-  app->add_option("--tokenizer-type", tokenizer_type, "Tokenizer; only GPT2BPETokenizer is supported");
-  app->add_option("--vocab-file", vocab_file, "GPT-2 vocab.json (default: the GPT-2 vocab shipped with ptk)");
-  app->add_option("--merge-file", merge_file, "GPT-2 merges.txt (default: the GPT-2 merges shipped with ptk)");
-  app->add_flag("--append-eod", opt.append_eod, "Append <|endoftext|> (50256) to every non-empty document");
-  app->add_option("--workers", workers, "Encoding threads (default: all hardware threads)")
+  app.add_option("--json-keys", f->opt.json_keys, "Keys to extract from each JSON line; one dataset per key");
+  app.add_option("--tokenizer-type", f->tokenizer_type, "Tokenizer; only GPT2BPETokenizer is supported");
+  app.add_option("--vocab-file", f->vocab_file, "GPT-2 vocab.json (default: the GPT-2 vocab shipped with ptk)");
+  app.add_option("--merge-file", f->merge_file, "GPT-2 merges.txt (default: the GPT-2 merges shipped with ptk)");
+  app.add_flag("--append-eod", f->opt.append_eod, "Append <|endoftext|> (50256) to every non-empty document");
+  app.add_option("--workers", f->workers, "Encoding threads (default: all hardware threads)")
       ->check(ptk::cli::Positive());
-  app->add_option("--partitions", opt.partitions,
-                  "Megatron's file partitions: round-robin document order across P parts")
+  app.add_option("--partitions", f->opt.partitions,
+                 "Megatron's file partitions: round-robin document order across P parts")
       ->check(ptk::cli::Positive());
-  app->add_option("--log-interval", opt.log_interval, "Print 'Processed N documents ...' every N documents");
-  app->add_flag("--keep-sequential-samples", opt.keep_sequential_samples,
-                "With --partitions: contiguous partitions, so the document order is the input order");
-  app->add_option("--dataset-impl", dataset_impl, "Legacy Megatron flag; only mmap exists");
-  app->add_flag(
-      "--strict", opt.strict,
+  app.add_option("--log-interval", f->opt.log_interval, "Print 'Processed N documents ...' every N documents");
+  app.add_flag("--keep-sequential-samples", f->opt.keep_sequential_samples,
+               "With --partitions: contiguous partitions, so the document order is the input order");
+  app.add_option("--dataset-impl", f->dataset_impl, "Legacy Megatron flag; only mmap exists");
+  app.add_flag(
+      "--strict", f->opt.strict,
       "Fail on the first bad record, invalid UTF-8 or lone surrogate escape (default: skip or repair, count, report)");
-  app->add_flag(
-      "--endoftext-as-text", opt.endoftext_as_text,
+  app.add_flag(
+      "--endoftext-as-text", f->opt.endoftext_as_text,
       "Legacy: encode a literal <|endoftext|> in the text as ordinary tokens (Megatron's pre-2026 GPT-2 "
       "tokenizer, tiktoken encode_ordinary). Default: it becomes id 50256, as current Megatron-LM (Hugging Face)");
-  auto* batch_opt = app->add_option("--batch-mb", batch_mb,
-                                    "Input batch size in MiB handed to one worker (default: from the input size, "
-                                    "0.25 to 1, about 8 batches a worker)")
-                        ->check(ptk::cli::Positive());
-  app->add_option("--max-bad-fraction", opt.max_bad_fraction,
-                  "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
-                  "(default 0.01; 1 tolerates any)")
+  f->batch_opt = app.add_option("--batch-mb", f->batch_mb,
+                                "Input batch size in MiB handed to one worker (default: from the input size, "
+                                "0.25 to 1, about 8 batches a worker)")
+                     ->check(ptk::cli::Positive());
+  app.add_option("--max-bad-fraction", f->opt.max_bad_fraction,
+                 "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
+                 "(default 0.01; 1 tolerates any)")
       ->check(ptk::cli::NonNegative());
-  app->add_option("--resume-interval", opt.resume_interval_s,
-                  "Seconds between resume points: a rerun after a kill continues from the last one (default 60; 0: "
-                  "always start over)")
+  app.add_option("--resume-interval", f->opt.resume_interval_s,
+                 "Seconds between resume points: a rerun after a kill continues from the last one (default 60; 0: "
+                 "always start over)")
       ->check(ptk::cli::NonNegative());
-  app->add_flag("--quiet", quiet, "No progress line and no per-interval log lines");
-  app->add_flag("--force", opt.force,
-                "Tokenize again even when every output's .ptk-done sidecar records these inputs and settings (a "
-                "rerun leaves such outputs as they are)");
-  // Megatron and NeMo flags ptk does not implement: each a usage error saying why.
-  ptk::cli::Refusals refused(*app);
+  app.add_flag("--quiet", f->quiet, "No progress line and no per-interval log lines");
+  app.add_flag("--force", f->opt.force,
+               "Tokenize again even when every output's .ptk-done sidecar records these inputs and settings (a "
+               "rerun leaves such outputs as they are)");
+}
+
+// Megatron and NeMo flags ptk does not implement: each a usage error saying why.
+void RefuseUnimplemented(ptk::cli::Refusals& refused) {
   refused.Flag("--split-sentences", "NLTK sentence splitting is not implemented");
   refused.Flag("--keep-newlines", "it goes with --split-sentences (NLTK sentence splitting)");
   refused.Option("--lang", "it goes with --split-sentences (NLTK sentence splitting)");
@@ -88,74 +96,98 @@ int main(int argc, char** argv) {
   for (const char* retrieval :
        {"--delimiter", "--retrieval-db", "--chunk_size,--chunk-size", "--chunk_stride_size,--chunk-stride-size"})
     refused.Option(retrieval, "NeMo retrieval data is not implemented");
+}
+
+// The checks the option table cannot make, then TokenizeOptions completed from the flags.
+absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
+  if (f.tokenizer_type != "GPT2BPETokenizer")
+    return ptk::UsageError(
+        fmt::format("--tokenizer-type {} is not supported; ptk implements GPT2BPETokenizer", f.tokenizer_type));
+  if (f.dataset_impl != "mmap")
+    return ptk::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", f.dataset_impl));
+  PTK_RETURN_IF_ERROR(refused.Check());
+  if (f.tokenizer_library != "megatron")
+    return ptk::UsageError(fmt::format(
+        "--tokenizer-library {} is not supported: only megatron (GPT-2 BPE) is; use NeMo's script for others",
+        f.tokenizer_library));
+  if (f.preproc_folder) {
+    if (f.inputs.size() != 1 || !ptk::IsDirectory(f.inputs[0]))
+      return ptk::UsageError("--preproc-folder: --input must name one directory");
+    if (f.files_filter.empty()) f.files_filter = "**/*.json*";  // NeMo's default
+  }
+  if (f.vocab_file.empty() != f.merge_file.empty()) return ptk::UsageError("--vocab-file and --merge-file go together");
+  PTK_RETURN_IF_ERROR(
+      ptk::cli::CheckOutputPrefix("--output-prefix", f.opt.output_prefix,
+                                  "_" + (f.opt.json_keys.empty() ? "text" : f.opt.json_keys[0]) + "_document.bin"));
+  PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(f.vocab_file, f.merge_file));
+  for (const std::string& key : f.opt.json_keys)  // a dataset's name given for the prefix
+    if (const std::string tail = "_" + key + "_document";
+        f.opt.output_prefix.size() > tail.size() && f.opt.output_prefix.ends_with(tail))
+      ptk::log::Warning(
+          "--output-prefix {} ends in {}, which ptk-tokenize (as Megatron) appends itself: the output is {}; give "
+          "--output-prefix {} for {}",
+          f.opt.output_prefix, tail, ptk::OutputPrefixFor(f.opt.output_prefix, key),
+          f.opt.output_prefix.substr(0, f.opt.output_prefix.size() - tail.size()), f.opt.output_prefix);
+  std::string out_dir = ptk::Dirname(f.opt.output_prefix);
+  if (!ptk::IsDirectory(out_dir))
+    return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
+  PTK_ASSIGN_OR_RETURN(f.opt.inputs, ptk::ExpandTokenizeInputs(f.inputs, f.files_filter));
+  f.opt.workers = f.workers;
+  if (f.batch_mb > 4096) return ptk::UsageError(fmt::format("--batch-mb {} is more than 4096", f.batch_mb));
+  if (f.batch_opt->count() > 0) f.opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(f.batch_mb * (1 << 20)));
+  f.opt.progress = !f.quiet;
+  f.opt.megatron_log = !f.quiet;
+  return absl::OkStatus();
+}
+
+// What a run did, as the log's last lines.
+void ReportStats(const ptk::TokenizeStats& s, int workers) {
+  if (s.up_to_date) {
+    for (const auto& p : s.outputs)
+      ptk::log::Info(
+          "{}: up to date, not rewritten: its .ptk-done sidecar records these inputs and settings "
+          "(--force tokenizes again)",
+          p);
+    ptk::log::Info("done: nothing to do ({} documents, {} tokens already written)", s.documents, s.tokens);
+    return;
+  }
+
+  ptk::log::Info(
+      "done: {} documents ({} empty), {} tokens from {:.1f} MB of JSON lines in {:.2f} s ({:.1f} MB/s, {} workers)",
+      s.documents, s.empty_documents, s.tokens, s.bytes / 1e6, s.seconds, s.bytes / 1e6 / std::max(s.seconds, 1e-9),
+      workers);
+  if (s.skipped > 0) {
+    std::string kinds;
+    for (int k = 1; k < 6; ++k)
+      if (s.skipped_by_kind[k] > 0)
+        kinds += fmt::format("{}{} {}", kinds.empty() ? "" : ", ", s.skipped_by_kind[k],
+                             ptk::RecordStatusName(static_cast<ptk::RecordStatus>(k)));
+    ptk::log::Warning("skipped {} bad records of {} lines ({})", s.skipped, s.lines, kinds);
+  }
+  if (s.invalid_utf8 > 0 || s.lone_surrogates > 0)
+    ptk::log::Warning("replaced {} invalid UTF-8 sequences and {} lone surrogate escapes with U+FFFD", s.invalid_utf8,
+                      s.lone_surrogates);
+  for (const auto& p : s.outputs) ptk::log::Info("wrote {}.bin and {}.idx", p, p);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto app = ptk::cli::MakeApp(
+      "ptk-tokenize",
+      "Tokenize jsonl (plain, .zst, .xz or - for stdin) with GPT-2 BPE into Megatron .bin/.idx files, byte-identical "
+      "to Megatron-LM's tools/preprocess_data.py with the same flags. Outputs: PREFIX_{key}_document.{bin,idx}.");
+  TokenizeFlags f;
+  AddOptions(*app, &f);
+  ptk::cli::Refusals refused(*app);
+  RefuseUnimplemented(refused);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    if (tokenizer_type != "GPT2BPETokenizer")
-      return ptk::UsageError(
-          fmt::format("--tokenizer-type {} is not supported; ptk implements GPT2BPETokenizer", tokenizer_type));
-    if (dataset_impl != "mmap")
-      return ptk::UsageError(fmt::format("--dataset-impl {}: only mmap is supported", dataset_impl));
-    PTK_RETURN_IF_ERROR(refused.Check());
-    if (tokenizer_library != "megatron")
-      return ptk::UsageError(fmt::format(
-          "--tokenizer-library {} is not supported: only megatron (GPT-2 BPE) is; use NeMo's script for others",
-          tokenizer_library));
-    if (preproc_folder) {
-      if (inputs.size() != 1 || !ptk::IsDirectory(inputs[0]))
-        return ptk::UsageError("--preproc-folder: --input must name one directory");
-      if (files_filter.empty()) files_filter = "**/*.json*";  // NeMo's default
-    }
-    if (vocab_file.empty() != merge_file.empty()) return ptk::UsageError("--vocab-file and --merge-file go together");
-    PTK_RETURN_IF_ERROR(
-        ptk::cli::CheckOutputPrefix("--output-prefix", opt.output_prefix,
-                                    "_" + (opt.json_keys.empty() ? "text" : opt.json_keys[0]) + "_document.bin"));
-    PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(vocab_file, merge_file));
-    for (const std::string& key : opt.json_keys)  // a dataset's name given for the prefix
-      if (const std::string tail = "_" + key + "_document";
-          opt.output_prefix.size() > tail.size() && opt.output_prefix.ends_with(tail))
-        ptk::log::Warning(
-            "--output-prefix {} ends in {}, which ptk-tokenize (as Megatron) appends itself: the output is {}; give "
-            "--output-prefix {} for {}",
-            opt.output_prefix, tail, ptk::OutputPrefixFor(opt.output_prefix, key),
-            opt.output_prefix.substr(0, opt.output_prefix.size() - tail.size()), opt.output_prefix);
-    std::string out_dir = ptk::Dirname(opt.output_prefix);
-    if (!ptk::IsDirectory(out_dir))
-      return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
-    PTK_ASSIGN_OR_RETURN(opt.inputs, ptk::ExpandTokenizeInputs(inputs, files_filter));
-    opt.workers = workers;
-    if (batch_mb > 4096) return ptk::UsageError(fmt::format("--batch-mb {} is more than 4096", batch_mb));
-    if (batch_opt->count() > 0) opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(batch_mb * (1 << 20)));
-    opt.progress = !quiet;
-    opt.megatron_log = !quiet;
-    PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
-    PTK_ASSIGN_OR_RETURN(ptk::TokenizeStats s, ptk::RunTokenize(opt, *tok));
-    if (s.up_to_date) {
-      for (const auto& p : s.outputs)
-        ptk::log::Info(
-            "{}: up to date, not rewritten: its .ptk-done sidecar records these inputs and settings "
-            "(--force tokenizes again)",
-            p);
-      ptk::log::Info("done: nothing to do ({} documents, {} tokens already written)", s.documents, s.tokens);
-      return absl::OkStatus();
-    }
-
-    ptk::log::Info(
-        "done: {} documents ({} empty), {} tokens from {:.1f} MB of JSON lines in {:.2f} s ({:.1f} MB/s, {} workers)",
-        s.documents, s.empty_documents, s.tokens, s.bytes / 1e6, s.seconds, s.bytes / 1e6 / std::max(s.seconds, 1e-9),
-        workers);
-    if (s.skipped > 0) {
-      std::string kinds;
-      for (int k = 1; k < 6; ++k)
-        if (s.skipped_by_kind[k] > 0)
-          kinds += fmt::format("{}{} {}", kinds.empty() ? "" : ", ", s.skipped_by_kind[k],
-                               ptk::RecordStatusName(static_cast<ptk::RecordStatus>(k)));
-      ptk::log::Warning("skipped {} bad records of {} lines ({})", s.skipped, s.lines, kinds);
-    }
-    if (s.invalid_utf8 > 0 || s.lone_surrogates > 0)
-      ptk::log::Warning("replaced {} invalid UTF-8 sequences and {} lone surrogate escapes with U+FFFD", s.invalid_utf8,
-                        s.lone_surrogates);
-    for (const auto& p : s.outputs) ptk::log::Info("wrote {}.bin and {}.idx", p, p);
+    PTK_RETURN_IF_ERROR(CheckFlags(refused, f));
+    PTK_ASSIGN_OR_RETURN(auto tok, ptk::Gpt2Tokenizer::LoadOrDefault(f.vocab_file, f.merge_file));
+    PTK_ASSIGN_OR_RETURN(ptk::TokenizeStats s, ptk::RunTokenize(f.opt, *tok));
+    ReportStats(s, f.workers);
     return absl::OkStatus();
   });
 }

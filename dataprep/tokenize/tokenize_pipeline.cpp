@@ -11,6 +11,9 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include <fmt/core.h>
 
@@ -26,8 +29,10 @@ std::string OutputPrefixFor(const std::string& output_prefix, const std::string&
   return fmt::format("{}_{}_document", output_prefix, key);
 }
 
-absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
-  using namespace tokenize_detail;
+namespace tokenize_detail {
+namespace {
+
+absl::Status CheckTokenizeOptions(const TokenizeOptions& opt) {
   if (opt.inputs.empty()) return absl::InvalidArgumentError("no input files");
   if (opt.json_keys.empty()) return absl::InvalidArgumentError("no JSON keys: json_keys names no key to tokenize");
   // One dataset per key: a key named twice would be two writers of one PREFIX_KEY_document.
@@ -39,52 +44,56 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   if (opt.partitions < 1)
     return absl::InvalidArgumentError(
         fmt::format("partitions {}: the round-robin partition count must be at least 1", opt.partitions));
-  // A rerun with the inputs and settings every output's sidecar records: nothing to do.
-  if (!opt.force) {
-    const std::string source = OutputSource(opt, tok);
-    TokenizeStats done;
-    done.up_to_date = !source.empty();
-    for (size_t k = 0; k < opt.json_keys.size() && done.up_to_date; ++k) {
-      const std::string prefix = OutputPrefixFor(opt.output_prefix, opt.json_keys[k]);
-      int64_t documents = 0, tokens = 0;
-      done.up_to_date = OutputUpToDate(prefix, source, &documents, &tokens);
-      done.documents = documents;
-      done.tokens += tokens;
-      done.outputs.push_back(prefix);
-      if (!done.up_to_date)  // one line saying why, for the first output that is not
-        if (const std::string why = RerunReason(prefix, source); !why.empty()) log::Info("{}", why);
-    }
-    if (done.up_to_date) return done;
-  } else {
-    log::Info("--force: tokenizing again, whatever the outputs' .ptk-done sidecars record");
-  }
-  const auto t_start = std::chrono::steady_clock::now();
-  const int workers = std::max(1, opt.workers);
+  return absl::OkStatus();
+}
 
+// A rerun with the inputs and settings every output's sidecar records: the outputs' stats, as
+// nothing is to be done; nullopt when one of them is to be written again.
+std::optional<TokenizeStats> UpToDateOutputs(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  const std::string source = OutputSource(opt, tok);
+  TokenizeStats done;
+  done.up_to_date = !source.empty();
+  for (size_t k = 0; k < opt.json_keys.size() && done.up_to_date; ++k) {
+    const std::string prefix = OutputPrefixFor(opt.output_prefix, opt.json_keys[k]);
+    int64_t documents = 0, tokens = 0;
+    done.up_to_date = OutputUpToDate(prefix, source, &documents, &tokens);
+    done.documents = documents;
+    done.tokens += tokens;
+    done.outputs.push_back(prefix);
+    if (!done.up_to_date)  // one line saying why, for the first output that is not
+      if (const std::string why = RerunReason(prefix, source); !why.empty()) log::Info("{}", why);
+  }
+  if (!done.up_to_date) return std::nullopt;
+  return done;
+}
+
+// The inputs' total size in bytes (0 for standard input), for the progress line and the batch size.
+uint64_t InputBytes(const std::vector<std::string>& inputs) {
   uint64_t total_raw = 0;
-  for (const auto& f : opt.inputs) {
+  for (const auto& f : inputs) {
     struct stat st;
     if (f != "-" && ::stat(f.c_str(), &st) == 0) total_raw += static_cast<uint64_t>(st.st_size);
   }
-  ProgressReporter progress(
-      {.label = "tokenize", .item_unit = "docs", .bytes_total = total_raw, .enabled = opt.progress});
-  // Builders are destroyed unfinalized on error: their temporaries are removed.
-  DocumentSink sink(opt, tok, progress);
-  PTK_ASSIGN_OR_RETURN(const ReadPoint start, sink.Open());
+  return total_raw;
+}
+
+size_t BatchBytesFor(const TokenizeOptions& opt, uint64_t total_raw, int workers) {
   size_t batch_bytes = opt.batch_bytes;
   if (batch_bytes == 0) {  // from the inputs' size; 1 MiB when it is unknown (standard input)
     const uint64_t per = total_raw == 0 ? (1 << 20) : total_raw / (8 * static_cast<uint64_t>(workers));
     batch_bytes = static_cast<size_t>(std::clamp<uint64_t>(per, 256 << 10, 1 << 20));
   }
-  // Declared before the reader: batches go back to it until the pipeline ends. A batch's buffer is
-  // about twice batch_bytes at most unless a longer line made it grow.
-  BatchPool pool(4 * batch_bytes + (256 << 10));
-  LineReader reader(opt.inputs, batch_bytes, start, opt.megatron_log, pool);
-  // With several workers, batches shrink towards the end of the input (a quarter of what is left
-  // with two workers): the last big batch no longer keeps one worker busy while the others wait.
-  if (opt.batch_bytes == 0 && workers > 1) reader.ShrinkTowardsTheEnd(total_raw, 1.0 / (2 * workers));
+  return batch_bytes;
+}
 
-  if (opt.megatron_log) log::Out(fmt::format("Processing data with {} workers.", workers));  // --quiet is quiet
+// The errors of the pipeline's two serial stages.
+struct PipelineErrors {
+  absl::Status read, sink;
+};
+
+// The three stages in a oneTBB pipeline: the reader's batches encoded in parallel, consumed in order.
+PipelineErrors RunStages(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, int workers, LineReader& reader,
+                         DocumentSink& sink, BatchPool& pool, ProgressReporter& progress) {
   // The caller's --workers, in an arena of this call's own: no process-wide oneTBB setting.
   tbb::task_arena arena(workers);
   tbb::enumerable_thread_specific<std::unique_ptr<BatchEncoder>> encoders;
@@ -147,9 +156,42 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   PTK_HAPPENS_AFTER(&reader);
   PTK_HAPPENS_AFTER(&sink);
   for (auto& e : encoders) PTK_HAPPENS_AFTER(e.get());
+  return {read_error, sink_error};
+}
+
+}  // namespace
+}  // namespace tokenize_detail
+
+absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
+  using namespace tokenize_detail;
+  PTK_RETURN_IF_ERROR(CheckTokenizeOptions(opt));
+  if (!opt.force) {
+    if (std::optional<TokenizeStats> done = UpToDateOutputs(opt, tok)) return *done;
+  } else {
+    log::Info("--force: tokenizing again, whatever the outputs' .ptk-done sidecars record");
+  }
+  const auto t_start = std::chrono::steady_clock::now();
+  const int workers = std::max(1, opt.workers);
+  const uint64_t total_raw = InputBytes(opt.inputs);
+  ProgressReporter progress(
+      {.label = "tokenize", .item_unit = "docs", .bytes_total = total_raw, .enabled = opt.progress});
+  // Builders are destroyed unfinalized on error: their temporaries are removed.
+  DocumentSink sink(opt, tok, progress);
+  PTK_ASSIGN_OR_RETURN(const ReadPoint start, sink.Open());
+  const size_t batch_bytes = BatchBytesFor(opt, total_raw, workers);
+  // Declared before the reader: batches go back to it until the pipeline ends. A batch's buffer is
+  // about twice batch_bytes at most unless a longer line made it grow.
+  BatchPool pool(4 * batch_bytes + (256 << 10));
+  LineReader reader(opt.inputs, batch_bytes, start, opt.megatron_log, pool);
+  // With several workers, batches shrink towards the end of the input (a quarter of what is left
+  // with two workers): the last big batch no longer keeps one worker busy while the others wait.
+  if (opt.batch_bytes == 0 && workers > 1) reader.ShrinkTowardsTheEnd(total_raw, 1.0 / (2 * workers));
+
+  if (opt.megatron_log) log::Out(fmt::format("Processing data with {} workers.", workers));  // --quiet is quiet
+  const PipelineErrors errors = RunStages(opt, tok, workers, reader, sink, pool, progress);
   progress.Finish();
-  if (!sink_error.ok()) return sink_error;  // about earlier lines than a later read error
-  if (!read_error.ok()) return read_error;
+  if (!errors.sink.ok()) return errors.sink;  // about earlier lines than a later read error
+  if (!errors.read.ok()) return errors.read;
   PTK_ASSIGN_OR_RETURN(TokenizeStats stats, sink.Finish());
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   return stats;

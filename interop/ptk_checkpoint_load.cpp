@@ -1,0 +1,122 @@
+// LoadPtkCheckpoint (hf_gpt2.h): the latest checkpoint of a ptk-train --save directory, for the exports.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <simdjson.h>
+
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "common/json_keys.h"
+#include "common/py_format.h"
+#include "common/status.h"
+#include "interop/hf_gpt2.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+// The ptk checkpoint's header: magic "PTKCKPT1", u64 length, JSON (trainer/README.md). Only the
+// model description and the run's settings are read here; LoadCheckpoint then checks the file whole.
+struct CheckpointHeader {
+  GPTConfig config;
+  std::map<std::string, std::string> settings;
+};
+
+absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
+  {
+    PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(file));  // a FIFO refused, not waited on
+    ::close(fd);
+  }
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::NotFoundError(file + ": cannot open");
+  char head[16];
+  auto bad = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", file, why)); };
+  if (!in.read(head, 16) || std::memcmp(head, "PTKCKPT1", 8) != 0) return bad("not a ptk checkpoint (bad magic)");
+  uint64_t len = 0;
+  std::memcpy(&len, head + 8, 8);
+  PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(file));
+  if (len > size - 16) return bad("the header length runs past the end of the file");
+  std::string json(len, '\0');
+  if (!in.read(json.data(), static_cast<std::streamsize>(len))) return bad("cannot read the header");
+  simdjson::dom::parser parser;
+  simdjson::dom::element h, m;
+  if (parser.parse(json).get(h) || h["model"].get(m)) return bad("the header has no model description");
+  if (auto dup = FirstDuplicateJsonKey(h)) return bad(fmt::format("the header gives the key {} twice", *dup));
+  CheckpointHeader out;
+  GPTConfig& c = out.config;
+  bool untie = false;
+  if (m["num_layers"].get(c.num_layers) || m["hidden_size"].get(c.hidden_size) ||
+      m["num_attention_heads"].get(c.num_attention_heads) || m["ffn_hidden_size"].get(c.ffn_hidden_size) ||
+      m["max_position_embeddings"].get(c.max_position_embeddings) || m["padded_vocab_size"].get(c.padded_vocab_size) ||
+      m["untie_embeddings_and_output_weights"].get(untie))
+    return bad("the header's model description misses a field");
+  c.untie_embeddings_and_output_weights = untie;
+  simdjson::dom::array settings;
+  if (!h["settings"].get(settings))
+    for (simdjson::dom::element pair : settings) {
+      simdjson::dom::array kv;
+      std::string_view k, v;
+      if (!pair.get(kv) && kv.size() == 2 && !kv.at(0).get(k) && !kv.at(1).get(v))
+        out.settings[std::string(k)] = std::string(v);
+    }
+  return out;
+}
+
+// A setting of the saved run as a number; `fallback` (and a note) when it was not recorded.
+double SettingOr(const CheckpointHeader& h, const std::string& flag, double fallback, std::vector<std::string>* notes) {
+  auto it = h.settings.find(flag);
+  if (it != h.settings.end()) {
+    char* end = nullptr;
+    const double v = std::strtod(it->second.c_str(), &end);
+    if (end != it->second.c_str() && *end == '\0') return v;
+  }
+  notes->push_back(
+      fmt::format("the checkpoint does not record {}: {} (Megatron's default) assumed", flag, py::FloatRepr(fallback)));
+  return fallback;
+}
+
+}  // namespace
+
+absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int64_t true_vocab_size) {
+  PtkCheckpoint out;
+  PTK_ASSIGN_OR_RETURN(out.iteration, LatestCheckpointIteration(load_dir));
+  out.file = CheckpointFile(load_dir, out.iteration);
+  PTK_ASSIGN_OR_RETURN(CheckpointHeader header, ReadCheckpointHeader(out.file));
+  GPTConfig& c = header.config;
+  // What the model description leaves to the run's settings.
+  if (true_vocab_size > 0) {
+    c.vocab_size = true_vocab_size;
+  } else if (auto it = header.settings.find("--vocab-size"); it != header.settings.end()) {
+    c.vocab_size = std::atoll(it->second.c_str());
+  } else {
+    return UsageError(fmt::format(
+        "{} does not record the tokenizer's vocabulary size (its padded size is {}): give --true-vocab-size", out.file,
+        c.padded_vocab_size));
+  }
+  if (c.vocab_size < 1 || c.vocab_size > c.padded_vocab_size)
+    return UsageError(fmt::format("a vocabulary of {} does not fit the checkpoint's padded vocabulary of {}",
+                                  c.vocab_size, c.padded_vocab_size));
+  auto seq = header.settings.find("--seq-length");
+  c.seq_length = seq != header.settings.end() ? std::atoll(seq->second.c_str()) : c.max_position_embeddings;
+  c.seq_length = std::clamp<int64_t>(c.seq_length, 1, c.max_position_embeddings);
+  c.layernorm_epsilon = SettingOr(header, "--layernorm-epsilon", 1e-5, &out.notes);
+  c.hidden_dropout = SettingOr(header, "--hidden-dropout", 0.1, &out.notes);
+  c.attention_dropout = SettingOr(header, "--attention-dropout", 0.1, &out.notes);
+  c.init_method_std = SettingOr(header, "--init-method-std", 0.02, &out.notes);
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
+  std::vector<float> m, v;
+  TrainState state;
+  PTK_RETURN_IF_ERROR(LoadCheckpoint(load_dir, out.iteration, layout, &out.params, &m, &v, &state));
+  out.config = c;
+  return out;
+}
+
+}  // namespace ptk

@@ -1,0 +1,26 @@
+// Attention's argument checks, shared by the fp32 kernels (attention_cuda.cu) and cuDNN's (flash_attention_cuda.cu).
+#pragma once
+
+#include <climits>
+#include <string>
+
+#include <fmt/core.h>
+
+#include "absl/status/status.h"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::cuda::attention_detail {
+
+inline std::string ShapeString(const AttentionShape& s) {
+  return fmt::format("b={}, t={}, nh={}, hd={}", s.b, s.t, s.nh, s.hd);
+}
+
+inline absl::Status CheckShape(const AttentionShape& s, const std::string& where) {
+  if (s.b <= 0 || s.t <= 0 || s.nh <= 0 || s.hd <= 0)
+    return absl::InvalidArgumentError(fmt::format("{}: every size must be positive", where));
+  if (s.t > INT_MAX / 4 || 3 * s.nh * s.hd > INT_MAX || s.nh > INT_MAX)
+    return absl::InvalidArgumentError(fmt::format("{}: sizes beyond cuBLAS's int range", where));
+  return absl::OkStatus();
+}
+
+}  // namespace ptk::cuda::attention_detail

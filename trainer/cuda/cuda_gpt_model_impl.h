@@ -1,0 +1,308 @@
+// The CUDA model's class, declared for the four files that define it: setup, pass, state, ops.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "absl/status/statusor.h"
+#include "common/status.h"
+#include "trainer/cuda/adamw_table.h"
+#include "trainer/cuda/cuda_common.h"
+#include "trainer/cuda/cuda_gpt_model.h"
+#include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/ops_cuda.h"
+#include "trainer/gpt_model.h"
+
+// Implementation details of the CUDA model, named only by its files.
+namespace ptk::cuda::model_detail {
+
+// Page-locked host memory: the micro-batch inputs and the losses travel through it, so the copies
+// are asynchronous and run at full PCIe speed.
+class Pinned {
+ public:
+  Pinned() = default;
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  ~Pinned() {
+    if (p_) cudaFreeHost(p_);
+  }
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    if (p_) cudaFreeHost(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+    PTK_CUDA_RETURN_IF_ERROR(cudaMallocHost(&p_, bytes), fmt::format("pinned host buffer of {}", FormatBytes(bytes)));
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename U>
+  U* at(size_t offset) {
+    return reinterpret_cast<U*>(static_cast<char*>(p_) + offset);
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+inline int64_t AlignUp(int64_t x) {
+  return (x + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment;
+}
+
+template <typename T>
+constexpr Precision PrecisionOf() {
+  if constexpr (std::is_same_v<T, float>)
+    return Precision::kFp32;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return Precision::kBf16;
+  else
+    return Precision::kFp16;
+}
+
+// The member functions are defined in the four files by concern and instantiated there for float,
+// __nv_bfloat16 and __half (each file's PTK_INSTANTIATE).
+template <typename T>
+class CudaGPTModelImpl final : public GPTModel {
+ public:
+  static constexpr bool kFlash = !std::is_same_v<T, float>;
+  CudaGPTModelImpl(ParamLayout layout) : GPTModel(std::move(layout)) {}
+  ~CudaGPTModelImpl() override {
+    worker_.reset();
+    if (comm_stream_) cudaStreamSynchronize(comm_stream_);
+    if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
+    for (cudaEvent_t e : bucket_events_) cudaEventDestroy(e);
+    if (comm_done_) cudaEventDestroy(comm_done_);
+    if (comm_stream_) cudaStreamDestroy(comm_stream_);
+    for (auto& m : marks_) cudaEventDestroy(m.second);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : inputs_copied_)
+      if (e) cudaEventDestroy(e);
+    if (arena_) cudaFree(arena_);
+    if (adamw_table_) cudaFree(adamw_table_);
+    if (ctx_.cudnn) DestroyCudnnHandle(&ctx_);
+    if (ctx_.cublaslt) cublasLtDestroy(ctx_.cublaslt);
+    if (ctx_.cublas) cublasDestroy(ctx_.cublas);
+    if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
+  }
+
+  // cuda_gpt_model.cpp: the device, its handles and the first plan.
+  absl::Status Init(int device, bool deterministic, int64_t micro_batch_size, bool profile,
+                    const CudaModelOptions& options);
+  Device device() const override { return Device::kCuda; }
+  Precision precision() const override { return PrecisionOf<T>(); }
+  std::string Describe() const override;
+
+  // cuda_gpt_model_state.cpp: what the step and checkpoints read and write, through the host.
+  absl::Status ReadParams(std::span<float> out) const override;
+  absl::Status ReadOwnedParams(std::span<float> out) const override;
+  absl::Status WriteParams(std::span<const float> in) override;
+  absl::Status ReadGrads(std::span<float> out) const override { return Download(plan_.grads, out, num_params()); }
+  absl::Status ReadMoments(std::span<float> m, std::span<float> v) const override;
+  absl::Status WriteMoments(std::span<const float> m, std::span<const float> v) override;
+  absl::Status ZeroGrads() override;
+
+  // cuda_gpt_model_pass.cpp.
+  absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
+                                          uint64_t seed) override;
+  // The pass stays enqueued: its per-token losses go to a pinned slot of their own (an
+  // asynchronous copy), and TakeLosses synchronises once for all the step's micro-batches.
+  absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed) override;
+  absl::StatusOr<LossSum> TakeLosses() override;
+  absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits) override;
+
+  // cuda_gpt_model_state.cpp: the collectives, the gradient norm, AdamW.
+  absl::Status AllReduceGrads(Communicator* comm) override;
+  absl::Status ReduceScatterGrads(Communicator* comm) override;
+  absl::Status GradSumSquaresPartials(int64_t begin, int64_t end, std::vector<double>* out) override;
+  absl::Status AllGatherParams(Communicator* comm) override;
+  absl::StatusOr<double> GradSumSquares() override;
+  absl::Status ScaleGrads(double s) override;
+  // One launch over the table of the pieces this rank updates, the gradient scale folded in.
+  absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) override;
+  absl::Status AdamWUpdate(const AdamWParams& decay, const AdamWParams& no_decay) override;
+
+  // cuda_gpt_model_ops.cpp.
+  std::string ProfileReport() const override;
+
+ protected:
+  // cuda_gpt_model_state.cpp.
+  // Re-planned with the padded parameter buffers and the shard's moments (zero); the parameters
+  // come back through the host.
+  absl::Status ResizeMoments(const ParamShard& shard) override;
+  // --overlap-grad-reduce. Each bucket, once the compute stream has enqueued its last gradient
+  // op, is marked by an event; with NCCL the communication stream waits for the event and runs the
+  // collective on the device buffer, with a host communicator (gloo) a thread waits for it, copies
+  // the bucket out, reduces it and copies it back. Finishing makes the compute stream wait for all.
+  absl::Status BeginBucketReduction(const std::vector<GradRange>& buckets) override;
+  void LaunchBucket(int bucket, const GradRange& range) override;
+  absl::Status EndBucketReduction() override;
+  // On the worker thread: one bucket through the host.
+  absl::Status HostBucket(int bucket);
+
+ private:
+  // Views of the planned device memory.
+  template <typename U>
+  U* Buf(int index) const {
+    return reinterpret_cast<U*>(arena_ + plan_[index].offset);
+  }
+  float* Master(int64_t offset) const { return Buf<float>(plan_.master) + offset; }
+  // The fp32 master of the parameter at `offset` of the flat layout, which AdamW updates: under a
+  // sharded master (bf16/fp16 with ZeRO-1) inside this rank's shard only.
+  float* MasterOf(int64_t offset) const {
+    return plan_.master_sharded ? Buf<float>(plan_.master) + (offset - master_begin_) : Master(offset);
+  }
+  // A LayerNorm's fp32 weight or bias (`offset` is the tensor's start in the flat layout).
+  const float* Ln(int64_t offset) const {
+    if (!plan_.master_sharded) return Master(offset);
+    return Buf<float>(plan_.ln_master) + LnCompactOffset(offset);
+  }
+  int64_t LnCompactOffset(int64_t offset) const {
+    for (const LayerNormRun& r : ln_runs_)
+      if (offset >= r.begin && offset < r.end) return r.compact + (offset - r.begin);
+    PTK_CHECK_MSG(false, fmt::format("parameter offset {} is no LayerNorm's", offset));
+    return 0;
+  }
+  float* Grad(int64_t offset) const { return Buf<float>(plan_.grads) + offset; }
+  // The weights the products read: the master itself in fp32 mode, its rounded copy otherwise.
+  T* Compute(int64_t offset) const {
+    if constexpr (kFlash)
+      return Buf<T>(plan_.compute) + offset;
+    else
+      return Master(offset);
+  }
+  T* Act(int index, int64_t layer, int64_t per_layer) const { return Buf<T>(index) + layer * per_layer; }
+  float* Stats(int index, int64_t layer) const { return Buf<float>(index) + layer * 2 * plan_.n; }
+
+  // cuda_gpt_model_ops.cpp: each op through Op, each synchronisation through Sync.
+  // An error here may come from any op enqueued since the last synchronisation (kernels fault
+  // asynchronously): without PTK_CUDA_SYNC_OPS the message says how to find the op.
+  absl::Status Sync(std::string_view what) const;
+  // --ptk-profile-ops: an event after each op; at each synchronisation the time between
+  // consecutive events is added to the op's category. Begin() starts a sequence (the time before it,
+  // the host's, is nobody's). With PTK_CUDA_SYNC_OPS=1 (CudaModelOptions::sync_ops) every op is
+  // followed by a synchronisation, and the first error names the op (`name`), its shapes and layer.
+  void Begin();
+  absl::Status Op(const char* category, const char* name, absl::Status status);
+  // "op fc1+gelu (n=4096 x c=768 -> 3072) of layer 3 of 12, a 4x1024 micro-batch, bf16, cuda:0".
+  std::string OpWhere(const char* name) const;
+  void RecordMark(const char* category);
+  void CollectProfile() const;
+
+  // cuda_gpt_model_state.cpp: copies between the host and the planned buffers.
+  absl::Status CheckSize(std::string_view what, size_t got, int64_t want) const;
+  absl::Status Download(int index, std::span<float> out, int64_t want) const;
+  absl::Status Upload(int index, std::span<const float> in, int64_t want);
+  // `count` floats of buffer `index` from element `at`.
+  absl::Status DownloadRange(int index, float* out, int64_t at, int64_t count) const;
+  // Under a sharded master: the gradient buffer holds every fp32 parameter (gathered, or written);
+  // this rank's shard of the master, the LayerNorms' fp32 copy and the compute copy are taken from
+  // it. The buffer keeps the weights until the next step's ZeroGrads (TrainStep zeroes it before
+  // every accumulation): no second pass over it per step. On the stream; the caller synchronises.
+  absl::Status TakeParamsFromGrads(std::string_view what);
+  // AllGatherParams under a sharded master: every rank's updated shard of the fp32 master is
+  // gathered into the gradient buffer (the step no longer needs the gradients), from which the
+  // compute copy is cast and the LayerNorms' fp32 copy taken, as with a whole master.
+  absl::Status GatherShardedMaster(Communicator* comm);
+  absl::Status UploadRange(int index, const float* in, int64_t at, int64_t count);
+
+  // cuda_gpt_model.cpp.
+  // (Re)plans the device memory for (b, t) and allocates it in one piece; the parameters, gradients
+  // and moments (the plan's first buffers, whose offsets do not depend on the shape) move along.
+  absl::Status Plan(int64_t b, int64_t t);
+  // Checks the batch, re-plans when it is larger than planned, and copies its inputs (tokens,
+  // labels, positions, the per-token loss weights, the dropout streams) through pinned memory.
+  absl::Status Prepare(const ModelBatch& batch, double loss_scale, bool dropout);
+
+  // The micro-batch's inputs on the device (Prepare).
+  const int32_t* Tokens() const { return Buf<int32_t>(plan_.inputs); }
+  const int32_t* Labels() const { return Buf<int32_t>(plan_.inputs) + AlignUp(n_ * 4) / 4; }
+  const int32_t* Positions() const { return Buf<int32_t>(plan_.inputs) + 2 * AlignUp(n_ * 4) / 4; }
+  const float* LossWeights() const {
+    return reinterpret_cast<const float*>(Buf<int32_t>(plan_.inputs) + 3 * AlignUp(n_ * 4) / 4);
+  }
+  const uint64_t* Streams(int64_t layer, int64_t site) const {
+    return Buf<uint64_t>(plan_.streams) + StreamIndex(layer, site, b_);
+  }
+
+  // cuda_gpt_model_pass.cpp.
+  absl::Status Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
+  // Up to the final LayerNorm's output.
+  absl::Status RunForward(bool train, uint64_t seed);
+  absl::Status AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
+  // The LM head and the loss, chunk by chunk of rows. With backward, each chunk's logits become
+  // their gradient at once and flow back into the final LayerNorm's gradient (dln) and the output
+  // weight's gradient; without, the losses (and, when asked, the logits) are all that is kept.
+  absl::Status RunHead(bool backward, std::vector<float>* logits_out);
+  // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.
+  absl::Status RunBackward(bool train, uint64_t seed);
+  // The gradient a residual branch's backward starts from: the residual gradient itself where no
+  // dropout runs on the branch's output (its product reads it before the LayerNorm's backward adds
+  // to it), else a copy with the dropout mask applied. CudaModelOptions::unfused.residual_grad_copy
+  // copies in every case (the oracle).
+  absl::StatusOr<const T*> BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, int64_t site, double p,
+                                      uint64_t seed);
+  // LayerNormBackward, or its rows-in-series oracle (CudaModelOptions::unfused).
+  absl::Status LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w, const float* mean,
+                          const float* rstd, int64_t n, int64_t c, float* scratch, const CudaContext& ctx);
+  absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
+  // The masked loss sum and token count, summed on the host exactly as the CPU model does.
+  absl::StatusOr<LossSum> Losses(const ModelBatch& batch);
+  static LossSum SumLosses(const float* host, std::span<const float> mask);
+
+  CudaContext ctx_;
+  mutable GemmFallbacks fallbacks_;  // ctx_.fallbacks
+  std::string device_name_;
+  MemoryPlan plan_;
+  char* arena_ = nullptr;
+  // The micro-batch inputs in two pinned slots, used in turn: a slot is refilled once the copy
+  // out of it (recorded by its event) has run, so the host need not wait for the previous pass.
+  Pinned pinned_[2], losses_;
+  cudaEvent_t inputs_copied_[2] = {nullptr, nullptr};
+  int input_slot_ = 0;
+  // ForwardBackwardDeferred's per-token losses (a pinned slot per pending micro-batch) and masks.
+  std::vector<std::unique_ptr<Pinned>> loss_slots_;
+  std::vector<std::vector<float>> pending_masks_;
+  size_t pending_losses_ = 0;
+  int64_t b_ = 0, t_ = 0, n_ = 0;
+  const int32_t* tokens_host_ = nullptr;
+  const int32_t* positions_host_ = nullptr;
+  std::vector<uint64_t> flash_keys_;
+  std::vector<float> host_grads_;  // host staging for a host-memory communicator (gloo)
+  int64_t padded_params_ = 0;      // ZeRO-1's plan (PlanOptions)
+  // --overlap-grad-reduce: the communication stream, an event per bucket, the host thread (gloo).
+  cudaStream_t comm_stream_ = nullptr;
+  cudaEvent_t comm_done_ = nullptr;
+  std::vector<cudaEvent_t> bucket_events_;
+  std::vector<GradRange> buckets_;
+  std::unique_ptr<BucketWorker> worker_;
+  absl::Status launch_error_;
+  int64_t moment_params_ = -1;
+  // The shard whose fp32 master this rank keeps when plan_.master_sharded.
+  int64_t master_begin_ = 0, master_size_ = 0;
+  // The LayerNorms' parameters as runs of the flat layout, each at `compact` in ln_master.
+  std::vector<LayerNormRun> ln_runs_ = LayerNormRuns(layout());
+  EmbeddingBackwardPlan embedding_plan_;
+  bool profile_ = false;
+  bool sync_ops_ = false;            // PTK_CUDA_SYNC_OPS=1: CudaModelOptions::sync_ops
+  int64_t logits_budget_bytes_ = 0;  // CudaModelOptions::logits_budget_bytes (0: the plan's default)
+  CudaModelOptions::Unfused unfused_;
+  // The multi-tensor AdamW table (adamw_table.h) on the device; built at the first update.
+  AdamWChunk* adamw_table_ = nullptr;
+  int64_t adamw_table_size_ = -1;
+  // What OpWhere names: the layer being run (-1: none), the LM head's chunk of rows.
+  int64_t layer_ = -1, head_row0_ = 0, head_rows_ = 0;
+  int64_t profiled_steps_ = 0;
+  mutable std::vector<std::pair<const char*, cudaEvent_t>> marks_;
+  mutable std::vector<cudaEvent_t> free_events_;
+  mutable std::map<std::string, double> op_ms_;
+};
+
+}  // namespace ptk::cuda::model_detail

@@ -1,0 +1,377 @@
+// The CUDA model's pass: forward, the LM head and loss in chunks of rows, backward.
+//
+// Megatron's GPT on one GPU: the CPU model's pass (trainer/cpu/cpu_gpt_model.cpp) over the CUDA ops,
+// with the residual adds fused into the LayerNorms, the GELU into fc1's epilogue, and the loss over
+// the vocabulary computed in chunks of rows (the LM head's backward runs chunk by chunk right after
+// its loss, so no (tokens x vocabulary) matrix is ever kept).
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/counter_rng.h"
+#include "trainer/cuda/cuda_gpt_model_impl.h"
+#include "trainer/cuda/layernorm_oracle.h"
+#include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::cuda::model_detail {
+
+template <typename T>
+absl::StatusOr<LossSum> CudaGPTModelImpl<T>::ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
+                                                             uint64_t seed) {
+  const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+  if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+  PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale, dropout));
+  Begin();
+  PTK_RETURN_IF_ERROR(RunForward(train, seed));
+  PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
+  PTK_RETURN_IF_ERROR(RunBackward(train, seed));
+  return Losses(batch);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
+                                                          uint64_t seed) {
+  const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+  if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+  PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale, dropout));
+  Begin();
+  PTK_RETURN_IF_ERROR(RunForward(train, seed));
+  PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
+  PTK_RETURN_IF_ERROR(RunBackward(train, seed));
+  const size_t k = pending_losses_, n = static_cast<size_t>(n_);
+  if (loss_slots_.size() <= k) loss_slots_.push_back(std::make_unique<Pinned>());
+  if (pending_masks_.size() <= k) pending_masks_.resize(k + 1);
+  PTK_RETURN_IF_ERROR(loss_slots_[k]->Reserve(n * sizeof(float)));  // slot k holds no pending copy
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(loss_slots_[k]->template at<float>(0), Buf<float>(plan_.losses),
+                                           n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
+                           "copying the losses to the host");
+  PTK_RETURN_IF_ERROR(Op("copies", "loss copy", absl::OkStatus()));
+  pending_masks_[k].assign(batch.loss_mask, batch.loss_mask + n);
+  pending_losses_ = k + 1;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::StatusOr<LossSum> CudaGPTModelImpl<T>::TakeLosses() {
+  const size_t k = pending_losses_;
+  pending_losses_ = 0;
+  if (k == 0) return LossSum{};
+  PTK_RETURN_IF_ERROR(Sync(fmt::format("the passes over {} micro-batches of {}x{}", k, b_, t_)));
+  LossSum total;
+  for (size_t i = 0; i < k; ++i) {
+    const LossSum s = SumLosses(loss_slots_[i]->template at<float>(0), pending_masks_[i]);
+    total.loss_sum += s.loss_sum;
+    total.tokens += s.tokens;
+  }
+  return total;
+}
+
+template <typename T>
+absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Forward(const ModelBatch& batch, std::vector<float>* logits) {
+  PTK_RETURN_IF_ERROR(Prepare(batch, 0.0, /*dropout=*/false));
+  PTK_RETURN_IF_ERROR(RunForward(/*train=*/false, 0));
+  PTK_RETURN_IF_ERROR(RunHead(/*backward=*/false, logits));
+  return Losses(batch);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed) {
+  if (p <= 0.0) return absl::OkStatus();
+  return DropoutRows<T>(x, b_, t_ * config().hidden_size, Streams(layer, site), p, seed, ctx_);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  const ParamLayout& pl = layout();
+  const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, L = cf.num_layers;
+  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+  const double eps = cf.layernorm_epsilon;
+  const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
+  T* tmp = Buf<T>(plan_.tmp);
+
+  layer_ = -1;
+  PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
+                         EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
+                                             Compute(pl.wpe), n, c, ctx_)));
+  PTK_RETURN_IF_ERROR(
+      Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
+  const LayerParams& first = pl.layers[0];
+  PTK_RETURN_IF_ERROR(
+      Op("layernorm", "ln1",
+         LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), Stats(plan_.ln1_stats, 0) + n,
+                             Act(plan_.resid, 0, n * c), Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps, ctx_)));
+  for (int64_t l = 0; l < L; ++l) {
+    layer_ = l;
+    const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
+    T* qkv = Act(plan_.qkv, l, n * 3 * c);
+    T* atty = Act(plan_.atty, l, n * c);
+    PTK_RETURN_IF_ERROR(
+        Op("matmul", "qkv",
+           MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, 3 * c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("attention", "attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
+    PTK_RETURN_IF_ERROR(
+        Op("matmul", "proj", MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("dropout", "attention-out dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
+    PTK_RETURN_IF_ERROR(
+        Op("layernorm", "residual+ln2",
+           ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
+                                       Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
+                                       Act(plan_.resid, l, n * c), tmp, Ln(lp.ln2_w), Ln(lp.ln2_b), n, c, eps, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("matmul", "fc1+gelu",
+                           MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
+                                            Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
+    PTK_RETURN_IF_ERROR(
+        Op("matmul", "fc2",
+           MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), Compute(lp.fc2_b), n, f, c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
+    // resid[l+1] = resid_mid[l] + tmp, then the next LayerNorm (the next layer's or the final one).
+    const bool last = l + 1 == L;
+    const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
+    T* ln_out = last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c);
+    float* stats = last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1);
+    PTK_RETURN_IF_ERROR(
+        Op("layernorm", "residual+ln",
+           ResidualLayerNormForward<T>(Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n,
+                                       Act(plan_.resid_mid, l, n * c), tmp, Ln(last ? pl.lnf_w : next->ln1_w),
+                                       Ln(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_)));
+  }
+  layer_ = -1;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap,
+                                               uint64_t seed) {
+  if constexpr (kFlash) {
+    const int64_t nh = config().num_attention_heads, c = config().hidden_size;
+    float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
+    if (ap <= 0) return FlashAttentionForward<T>(atty, stats, qkv, shape, 0.0, 0, 0, ctx_);
+    // Dropout: one sample per call, its own key (Prepare).
+    const AttentionShape one{1, t_, nh, config().head_dim()};
+    for (int64_t r = 0; r < b_; ++r)
+      PTK_RETURN_IF_ERROR(FlashAttentionForward<T>(atty + r * t_ * c, stats + r * nh * t_, qkv + r * t_ * 3 * c, one,
+                                                   ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
+    return absl::OkStatus();
+  } else {
+    float* probs = Buf<float>(plan_.attn_saved) +
+                   (config().recompute_activations ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
+    return AttentionForward(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr, ctx_);
+  }
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* logits_out) {
+  const GPTConfig& cf = config();
+  const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size, out_w = layout().out_w;
+  T* logits = Buf<T>(plan_.logits);
+  const T* lnf = Buf<T>(plan_.lnf);
+  float* losses = Buf<float>(plan_.losses);
+  if (logits_out) logits_out->assign(static_cast<size_t>(n * vp), 0.0f);
+  std::vector<T> chunk_host;
+  layer_ = -1;
+  // Balanced chunks of whole tiles (one when the plan had room for every row): each chunk's
+  // output-weight gradient is accumulated once, by its dW product.
+  int64_t next_row = 0;
+  for (const int64_t rows : LogitChunks(n, plan_.logit_chunk_rows)) {
+    const int64_t r0 = next_row;
+    next_row += rows;
+    head_row0_ = r0;
+    head_rows_ = rows;
+    PTK_RETURN_IF_ERROR(
+        Op("matmul", "lm head",
+           MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w), static_cast<const T*>(nullptr), rows, c, vp, ctx_)));
+    if (backward) {
+      PTK_RETURN_IF_ERROR(
+          Op("loss", "loss+dlogits",
+             SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows, vp, ctx_)));
+      PTK_RETURN_IF_ERROR(Op("matmul", "lm head backward",
+                             MatmulBackward<T>(Buf<T>(plan_.dln) + r0 * c, Grad(out_w), nullptr, logits, lnf + r0 * c,
+                                               Compute(out_w), rows, c, vp, ctx_)));
+      continue;
+    }
+    PTK_RETURN_IF_ERROR(
+        Op("loss", "loss", SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_)));
+    if (logits_out) {
+      chunk_host.resize(static_cast<size_t>(rows * vp));
+      PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(chunk_host.data(), logits, chunk_host.size() * sizeof(T),
+                                               cudaMemcpyDeviceToHost, ctx_.stream),
+                               "copying logits to the host");
+      PTK_RETURN_IF_ERROR(Sync("copying logits"));
+      float* dst = logits_out->data() + r0 * vp;
+      for (size_t i = 0; i < chunk_host.size(); ++i) dst[i] = ToFloat(chunk_host[i]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  const ParamLayout& pl = layout();
+  const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, L = cf.num_layers;
+  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+  const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
+  const size_t act_bytes = static_cast<size_t>(n * c) * sizeof(T);
+  T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff),
+    *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
+
+  layer_ = -1;
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
+  PTK_RETURN_IF_ERROR(Op("layernorm", "final ln backward",
+                         LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
+                                    Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
+                                    Buf<float>(plan_.ln_scratch), ctx_)));
+  GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
+  for (int64_t l = L - 1; l >= 0; --l) {
+    layer_ = l;
+    const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
+    // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
+    PTK_ASSIGN_OR_RETURN(const T* dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
+    PTK_RETURN_IF_ERROR(
+        Op("matmul", "fc2 backward",
+           MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n,
+                             f, c, ctx_, false, unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
+    if (unfused_.gelu_backward)
+      PTK_RETURN_IF_ERROR(
+          Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("matmul", "fc1 backward",
+                           MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
+                                             Compute(lp.fc1_w), n, c, f, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("layernorm", "ln2 backward",
+                           LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
+                                      Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
+                                      Buf<float>(plan_.ln_scratch), ctx_)));
+    // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
+    PTK_ASSIGN_OR_RETURN(const T* dproj, BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
+    PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
+                           MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * c),
+                                             Compute(lp.proj_w), n, c, c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
+    PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
+                           MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
+                                             Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("layernorm", "ln1 backward",
+                           LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
+                                      Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
+                                      Buf<float>(plan_.ln_scratch), ctx_)));
+    GradsReady(static_cast<size_t>(L - l));  // layer l
+  }
+  layer_ = -1;
+  PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
+  PTK_RETURN_IF_ERROR(
+      Op("embedding", "embedding backward",
+         EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
+                              n, c, cf.padded_vocab_size, cf.max_position_embeddings, &embedding_plan_, ctx_)));
+  GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l,
+                                                         int64_t site, double p, uint64_t seed) {
+  if (p <= 0.0 && !unfused_.residual_grad_copy) return dresid;
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
+                           "copying the residual gradient");
+  PTK_RETURN_IF_ERROR(Op("copies", "residual gradient copy", absl::OkStatus()));
+  PTK_RETURN_IF_ERROR(Op("dropout",
+                         site == kMlpOutDropout ? "mlp-out dropout backward" : "attention-out dropout backward",
+                         Dropout(dtmp, l, site, p, seed)));
+  return dtmp;
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                                             const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                                             const CudaContext& ctx) {
+  if (unfused_.layernorm_rows_in_series)
+    return LayerNormBackwardRowsInSeries<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
+  return LayerNormBackward<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape,
+                                               double ap, uint64_t seed) {
+  const int64_t n = n_, c = config().hidden_size;
+  const T* qkv = Act(plan_.qkv, l, n * 3 * c);
+  if constexpr (kFlash) {
+    const int64_t nh = config().num_attention_heads;
+    const T* out = Act(plan_.atty, l, n * c);
+    const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
+    if (ap <= 0) return FlashAttentionBackward<T>(dqkv, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_);
+    // Dropout: one sample per call with the forward's key, so the same mask.
+    const AttentionShape one{1, t_, nh, config().head_dim()};
+    for (int64_t r = 0; r < b_; ++r) {
+      const int64_t row = r * t_;
+      PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dqkv + row * 3 * c, datt + row * c, out + row * c,
+                                                    stats + r * nh * t_, qkv + row * 3 * c, one, ap,
+                                                    seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
+    }
+    return absl::OkStatus();
+  } else {
+    const bool recompute = config().recompute_activations;
+    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
+    const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
+    if (recompute)  // the probabilities again; the output lands in a scratch buffer
+      PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
+    return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);
+  }
+}
+
+template <typename T>
+absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Losses(const ModelBatch& batch) {
+  const size_t n = static_cast<size_t>(n_);
+  float* host = losses_.at<float>(0);
+  PTK_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host, Buf<float>(plan_.losses), n * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
+      "copying the losses to the host");
+  PTK_RETURN_IF_ERROR(Op("copies", "loss copy", absl::OkStatus()));
+  PTK_RETURN_IF_ERROR(Sync(fmt::format("the pass over a {}x{} micro-batch", b_, t_)));
+  return SumLosses(host, std::span<const float>(batch.loss_mask, n));
+}
+
+template <typename T>
+LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float> mask) {
+  LossSum s;
+  for (size_t i = 0; i < mask.size(); ++i) {
+    if (mask[i] == 0.0f) continue;
+    s.loss_sum += static_cast<double>(host[i]) * mask[i];
+    s.tokens += mask[i];
+  }
+  return s;
+}
+
+#define PTK_INSTANTIATE(T)                                                                                             \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::ForwardBackward(const ModelBatch& batch, double loss_scale,    \
+                                                                        bool train, uint64_t seed);                    \
+  template absl::Status CudaGPTModelImpl<T>::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale,       \
+                                                                     bool train, uint64_t seed);                       \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::TakeLosses();                                                  \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Forward(const ModelBatch& batch, std::vector<float>* logits);  \
+  template absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);      \
+  template absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed);                                    \
+  template absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,                            \
+                                                          const AttentionShape& shape, double ap, uint64_t seed);      \
+  template absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* logits_out);                   \
+  template absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed);                                   \
+  template absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, \
+                                                                    int64_t site, double p, uint64_t seed);            \
+  template absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp,    \
+                                                        const float* w, const float* mean, const float* rstd,          \
+                                                        int64_t n, int64_t c, float* scratch, const CudaContext& ctx); \
+  template absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l,                           \
+                                                          const AttentionShape& shape, double ap, uint64_t seed);      \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Losses(const ModelBatch& batch);                               \
+  template LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float> mask);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(__nv_bfloat16)
+PTK_INSTANTIATE(__half)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::cuda::model_detail
