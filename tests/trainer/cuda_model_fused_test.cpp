@@ -19,9 +19,11 @@ using namespace cuda_model_test;  // NOLINT
 // One step's loss and gradients of two CUDA models, one with a fused path and one with its unfused
 // oracle (CudaModelOptions::unfused), deterministic: equal bits, or within a relative L2 of `tol`
 // per tensor (and `tol` relative on the loss) where the arithmetic differs.
-void ExpectFusedMatchesUnfused(const GPTConfig& c, Precision p, const cuda::CudaModelOptions& unfused, double tol) {
+// `base`: options both models share.
+void ExpectFusedMatchesUnfused(const GPTConfig& c, Precision p, const cuda::CudaModelOptions& unfused, double tol,
+                               const cuda::CudaModelOptions& base = {}) {
   Batches data(2, c.vocab_size);
-  auto fused = Cuda(c, p);
+  auto fused = Cuda(c, p, true, base);
   auto oracle = Cuda(c, p, true, unfused);
   ASSERT_TRUE(fused && oracle);
   ASSERT_TRUE(fused->ZeroGrads().ok() && oracle->ZeroGrads().ok());
@@ -53,6 +55,26 @@ TEST(CudaModel, ResidualGradPassThroughMatchesCopyBitwise) {
   for (bool dropout : {false, true})
     for (Precision p : {Precision::kFp32, Precision::kBf16})
       ExpectFusedMatchesUnfused(SmallConfig(dropout), p, unfused, 0.0);
+}
+
+// Hidden dropout (p = 0.1) inside the residual add + LayerNorm kernels, forward and backward: the
+// embedding's (with the first LayerNorm), the attention output's (residual + ln2), the MLP
+// output's (residual + the next ln1, and the final residual + the final LayerNorm), against its own
+// pass over the branch's output and, in backward, over a copy of the residual gradient. The same
+// masks at the same coordinates and the same roundings (the dropped value and the gradient rounded
+// to T as the pass stores them), so the same bits in fp32, bf16 and fp16, with the warp-per-row
+// LayerNorm backward and with the rows in series. Attention dropout (p = 0.1) runs the same way in
+// both (cuDNN's own in bf16/fp16). Without dropout both models run the same kernels (bitwise).
+TEST(CudaModel, FusedHiddenDropoutMatchesTheDropoutPassBitwise) {
+  cuda::CudaModelOptions pass;
+  pass.unfused.dropout_pass = true;
+  cuda::CudaModelOptions series = pass, series_base;
+  series.unfused.layernorm_rows_in_series = series_base.unfused.layernorm_rows_in_series = true;
+  for (bool dropout : {true, false})
+    for (Precision p : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
+      ExpectFusedMatchesUnfused(SmallConfig(dropout), p, pass, 0.0);
+      if (dropout) ExpectFusedMatchesUnfused(SmallConfig(dropout), p, series, 0.0, series_base);
+    }
 }
 
 // fc2's input gradient with GELU's derivative applied in the product (cuBLASLt's DGELU epilogue,
