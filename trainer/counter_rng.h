@@ -33,6 +33,19 @@ PTK_HD bool DropoutKeep(uint64_t seed, uint64_t stream, uint64_t i, uint32_t thr
 PTK_HD uint64_t DropoutStream(uint64_t sample, uint64_t layer, uint64_t site) {
   return Mix64(Mix64(sample + 0x2545f4914f6cdd1dULL) ^ (layer << 32) ^ (site << 16));
 }
+// Where token row `row` of a (samples * seq_len, c) activation lies in the hidden dropout masks:
+// its sample (whose stream is the sample's entry of the site's stream table) and the index of its
+// element 0 within the sample's (seq_len, c) block; element j is tested at first + j. The same
+// numbering as a dropout pass over each sample's row of seq_len * c elements (the CPU model's
+// Dropout, the CUDA DropoutRows), so the LayerNorm kernels that fuse the masks drop exactly those.
+struct TokenDropoutIndex {
+  int64_t sample;
+  uint64_t first;
+};
+PTK_HD TokenDropoutIndex TokenDropoutAt(int64_t row, int64_t seq_len, int64_t c) {
+  const int64_t sample = row / seq_len;
+  return {sample, static_cast<uint64_t>((row - sample * seq_len) * c)};
+}
 // keep when the 32-bit hash < threshold; p = 0 keeps everything.
 inline uint32_t DropoutKeepThreshold(double p) {
   double keep = 1.0 - p;

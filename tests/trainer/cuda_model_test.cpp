@@ -1,113 +1,20 @@
 // The CUDA model against the CPU model (gpu-labelled: exits 77 without a device). One step's loss
 // and gradients, a 50-step loss curve, determinism, checkpoint state crossing backends, and errors
 // that must be statuses, never crashes. Tolerances: fp32 (no TF32) is compared tightly, bf16/fp16
-// loosely, stated per check below.
+// loosely, stated per check below. The fused paths against their unfused oracles are in
+// cuda_model_fused_test.cpp (the same binary).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "trainer/cpu/cpu_gpt_model.h"
-#include "trainer/cuda/cuda_gpt_model.h"
-#include "trainer/train_step.h"
+#include "tests/trainer/cuda_model_test_util.h"
 
 namespace ptk {
 namespace {
 
-GPTConfig SmallConfig(bool dropout) {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 256;
-  c.seq_length = c.max_position_embeddings = 64;
-  c.vocab_size = 1000;
-  c.padded_vocab_size = 1024;
-  c.hidden_dropout = dropout ? 0.1 : 0.0;
-  c.attention_dropout = dropout ? 0.1 : 0.0;
-  return c;
-}
-
-// Deterministic synthetic micro-batches: a learnable pattern (next token = f(previous)), some
-// masked positions, so that the loss falls over a few dozen steps.
-struct Batches {
-  int64_t b = 4, t = 64;
-  std::vector<std::vector<int32_t>> tokens, labels;
-  std::vector<int32_t> positions;
-  std::vector<float> mask;
-  std::vector<std::vector<int64_t>> keys;
-  Batches(int count, int64_t vocab, int64_t b_ = 4, int64_t t_ = 64) : b(b_), t(t_) {
-    for (int64_t i = 0; i < b * t; ++i) {
-      positions.push_back(static_cast<int32_t>(i % t));
-      mask.push_back(i % 13 == 12 ? 0.0f : 1.0f);
-    }
-    uint64_t h = 12345;
-    for (int k = 0; k < count; ++k) {
-      std::vector<int32_t> tok(static_cast<size_t>(b * t)), lab(tok.size());
-      for (int64_t r = 0; r < b; ++r) {
-        h = h * 6364136223846793005ULL + 1442695040888963407ULL;
-        int32_t x = static_cast<int32_t>((h >> 33) % static_cast<uint64_t>(vocab));
-        for (int64_t j = 0; j < t; ++j) {
-          tok[static_cast<size_t>(r * t + j)] = x;
-          x = static_cast<int32_t>((x * 7 + 3) % vocab);
-          lab[static_cast<size_t>(r * t + j)] = x;
-        }
-      }
-      tokens.push_back(tok);
-      labels.push_back(lab);
-      std::vector<int64_t> k_keys;
-      for (int64_t r = 0; r < b; ++r) k_keys.push_back(k * b + r);
-      keys.push_back(k_keys);
-    }
-  }
-  ModelBatch Get(int k) const {
-    return ModelBatch{b,
-                      t,
-                      tokens[static_cast<size_t>(k)].data(),
-                      labels[static_cast<size_t>(k)].data(),
-                      positions.data(),
-                      mask.data(),
-                      keys[static_cast<size_t>(k)].data()};
-  }
-};
-
-std::unique_ptr<GPTModel> Cuda(const GPTConfig& c, Precision p, bool deterministic = true,
-                               const cuda::CudaModelOptions& options = {}, bool profile = false) {
-  auto m = cuda::CreateCudaGPTModel(c, p, 0, deterministic, 4, profile, options);
-  EXPECT_TRUE(m.ok()) << m.status();
-  if (!m.ok()) return nullptr;
-  EXPECT_TRUE((*m)->InitWeights(1234).ok());
-  return std::move(*m);
-}
-std::unique_ptr<GPTModel> Cpu(const GPTConfig& c) {
-  auto m = CpuGPTModel::Create(c);
-  EXPECT_TRUE(m.ok()) << m.status();
-  EXPECT_TRUE((*m)->InitWeights(1234).ok());
-  return std::unique_ptr<GPTModel>(std::move(*m));
-}
-
-// ||a - b|| / ||b|| over a range.
-double RelL2(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-SchedulerConfig Schedule() {
-  SchedulerConfig s;
-  s.max_lr = 3e-3;
-  s.min_lr = 3e-4;
-  s.warmup_steps = 8;
-  s.decay_steps = 200;
-  s.decay_style = "cosine";
-  s.start_wd = s.end_wd = 0.1;
-  s.wd_incr_steps = 200;
-  return s;
-}
+using namespace cuda_model_test;  // NOLINT
 
 void ExpectOneStepMatches(Precision p, double loss_tol, double grad_tol, bool dropout) {
   const GPTConfig c = SmallConfig(dropout);
@@ -300,147 +207,6 @@ TEST(CudaModel, DeferredLossesMatchPerMicroBatchLossesBitwise) {
     ASSERT_TRUE(each->ReadGrads(ga).ok() && deferred->ReadGrads(gb).ok());
     EXPECT_EQ(ga, gb) << PrecisionName(p);
     EXPECT_EQ(deferred->TakeLosses()->tokens, 0.0);
-  }
-}
-
-// One step's loss and gradients of two CUDA models, one with a fused path and one with its unfused
-// oracle (CudaModelOptions::unfused), deterministic: equal bits, or within a relative L2 of `tol`
-// per tensor (and `tol` relative on the loss) where the arithmetic differs.
-void ExpectFusedMatchesUnfused(const GPTConfig& c, Precision p, const cuda::CudaModelOptions& unfused, double tol) {
-  Batches data(2, c.vocab_size);
-  auto fused = Cuda(c, p);
-  auto oracle = Cuda(c, p, true, unfused);
-  ASSERT_TRUE(fused && oracle);
-  ASSERT_TRUE(fused->ZeroGrads().ok() && oracle->ZeroGrads().ok());
-  for (int k = 0; k < 2; ++k) {
-    auto a = fused->ForwardBackward(data.Get(k), 1.0 / 400, /*train=*/true, 3);
-    auto b = oracle->ForwardBackward(data.Get(k), 1.0 / 400, /*train=*/true, 3);
-    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
-    if (tol == 0)
-      EXPECT_EQ(a->loss_sum, b->loss_sum) << PrecisionName(p);
-    else
-      EXPECT_NEAR(a->loss_sum, b->loss_sum, tol * b->loss_sum) << PrecisionName(p);
-  }
-  std::vector<float> ga(static_cast<size_t>(fused->num_params())), gb(ga.size());
-  ASSERT_TRUE(fused->ReadGrads(ga).ok() && oracle->ReadGrads(gb).ok());
-  if (tol == 0) {
-    EXPECT_EQ(ga, gb) << PrecisionName(p);
-    return;
-  }
-  for (const ParamInfo& info : fused->params_info())
-    EXPECT_LT(RelL2(ga.data() + info.offset, gb.data() + info.offset, info.size), tol)
-        << info.name << " " << PrecisionName(p);
-}
-
-// The residual gradient passed to the branches' products where no dropout runs, against the copy
-// the unfused backward made: the same arithmetic, so the same bits (with dropout both copy).
-TEST(CudaModel, ResidualGradPassThroughMatchesCopyBitwise) {
-  cuda::CudaModelOptions unfused;
-  unfused.unfused.residual_grad_copy = true;
-  for (bool dropout : {false, true})
-    for (Precision p : {Precision::kFp32, Precision::kBf16})
-      ExpectFusedMatchesUnfused(SmallConfig(dropout), p, unfused, 0.0);
-}
-
-// fc2's input gradient with GELU's derivative applied in the product (cuBLASLt's DGELU epilogue,
-// aux = fc1's pre-activation) against GELU's backward as its own pass: fp32 runs the same product
-// and kernel either way (bitwise); bf16/fp16 take the derivative from the fp32 accumulator instead
-// of the product rounded to T, one rounding apart: the loss (forward) bitwise, the gradients within
-// 2e-2 (bf16) and 1e-2 (fp16) relative L2 per tensor.
-TEST(CudaModel, DgeluEpilogueMatchesSeparateGeluBackward) {
-  cuda::CudaModelOptions unfused;
-  unfused.unfused.gelu_backward = true;
-  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp32, unfused, 0.0);
-  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kBf16, unfused, 2e-2);
-  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp16, unfused, 1e-2);
-}
-
-// LayerNorm's backward with a warp per row (four rows in flight per block, the row sums by warp
-// shuffles, each warp's dw/db partials added in warp order) against the block's rows in series:
-// the same terms summed in another fixed order, so within rounding: fp32 1e-5, bf16/fp16 1e-2
-// relative L2 per tensor (the loss, a forward value, bitwise). Both deterministic.
-TEST(CudaModel, WarpPerRowLayerNormBackwardMatchesRowsInSeries) {
-  cuda::CudaModelOptions unfused;
-  unfused.unfused.layernorm_rows_in_series = true;
-  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp32, unfused, 1e-5);
-  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kBf16, unfused, 1e-2);
-  ExpectFusedMatchesUnfused(SmallConfig(false), Precision::kFp16, unfused, 1e-2);
-}
-
-// The optimizer as one AdamW launch over the table of pieces with the unscale/clip factor folded
-// in, against a scaling pass and one launch per tensor: the same fp32 arithmetic (g * factor, then
-// AdamWElement), so the same parameter and moment bits over five steps with clipping active
-// (clip 0.05), in fp32, bf16 and fp16 with dynamic loss scaling, whole and under a one-rank ZeRO-1
-// shard.
-TEST(CudaModel, MultiTensorAdamWMatchesPerTensorBitwise) {
-  const GPTConfig c = SmallConfig(/*dropout=*/false);
-  Batches data(5, c.vocab_size);
-  cuda::CudaModelOptions per_tensor;
-  per_tensor.unfused.adamw_per_tensor = true;
-  for (bool sharded : {false, true})
-    for (Precision p : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
-      std::vector<std::vector<float>> params, moments;
-      for (const cuda::CudaModelOptions& o : {cuda::CudaModelOptions{}, per_tensor}) {
-        auto model = Cuda(c, p, true, o);
-        ASSERT_TRUE(model);
-        if (sharded) {
-          ASSERT_TRUE(model->ShardOptimizerState(*ParamShard::Create(model->num_params(), 1, 0)).ok());
-        }
-        auto comm = MakeLocalCommunicator();
-        LossScaleConfig ls;
-        if (p == Precision::kFp16) ls.scale = 65536, ls.dynamic = true;
-        TrainStep opt(model.get(), OptimizerConfig{0.9, 0.95, 1e-8, 0.05}, Schedule(), comm.get(), ls);
-        for (int i = 0; i < 5; ++i) {
-          auto r = opt.Step({data.Get(i)}, data.b, 7);
-          ASSERT_TRUE(r.ok()) << r.status();
-        }
-        std::vector<float> w(static_cast<size_t>(model->num_params())), m(static_cast<size_t>(model->moments_size())),
-            v(m.size());
-        ASSERT_TRUE(model->ReadOwnedParams(w).ok());
-        ASSERT_TRUE(model->ReadMoments(m, v).ok());
-        params.push_back(w);
-        m.insert(m.end(), v.begin(), v.end());
-        moments.push_back(m);
-      }
-      EXPECT_EQ(params[0], params[1]) << PrecisionName(p) << (sharded ? " sharded" : "");
-      EXPECT_EQ(moments[0], moments[1]) << PrecisionName(p) << (sharded ? " sharded" : "");
-    }
-}
-
-// The LM head in chunks of rows (the budget from free memory never splits these small shapes): a
-// budget of 100 rows splits a 4x64 micro-batch's 256 rows into balanced chunks of 86, 85 and 85
-// (the plan's arithmetic: cuda_memory_plan_test LogitsBudgetSplitsTheHeadIntoBalancedChunks). Loss,
-// gradients and evaluation's logits against the one-chunk model: fp32 within 1e-6 (loss) and 1e-5
-// (relative L2 per tensor, logits), bf16 within 1e-3 and 1e-2 (another product shape may round
-// differently; the chunks' dW adds in another order).
-TEST(CudaModel, ChunkedLmHeadMatchesOneChunk) {
-  const GPTConfig c = SmallConfig(/*dropout=*/false);
-  Batches data(1, c.vocab_size);
-  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
-    cuda::CudaModelOptions chunked;
-    chunked.logits_budget_bytes = 100 * c.padded_vocab_size * (p == Precision::kFp32 ? 4 : 2);
-    auto one = Cuda(c, p);
-    auto three = Cuda(c, p, true, chunked);
-    ASSERT_TRUE(one && three);
-    ASSERT_TRUE(one->ZeroGrads().ok());
-    ASSERT_TRUE(three->ZeroGrads().ok());
-    auto a = one->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5);
-    auto b = three->ForwardBackward(data.Get(0), 1.0 / 200, /*train=*/true, 5);
-    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
-    const double loss_tol = p == Precision::kFp32 ? 1e-6 : 1e-3, tol = p == Precision::kFp32 ? 1e-5 : 1e-2;
-    EXPECT_EQ(a->tokens, b->tokens);
-    EXPECT_NEAR(b->loss_sum, a->loss_sum, loss_tol * a->loss_sum) << PrecisionName(p);
-    std::vector<float> ga(static_cast<size_t>(one->num_params())), gb(ga.size());
-    ASSERT_TRUE(one->ReadGrads(ga).ok());
-    ASSERT_TRUE(three->ReadGrads(gb).ok());
-    for (const ParamInfo& info : one->params_info())
-      EXPECT_LE(RelL2(gb.data() + info.offset, ga.data() + info.offset, info.size), tol)
-          << info.name << " " << PrecisionName(p);
-    std::vector<float> la, lb;
-    ASSERT_TRUE(one->Forward(data.Get(0), &la).ok());
-    ASSERT_TRUE(three->Forward(data.Get(0), &lb).ok());
-    ASSERT_EQ(la.size(), lb.size());
-    EXPECT_LE(RelL2(lb.data(), la.data(), static_cast<int64_t>(la.size())), tol) << PrecisionName(p);
   }
 }
 

@@ -1,9 +1,11 @@
 // The per-element math both backends run (trainer/op_math.h, trainer/counter_rng.h), checked on the
 // CPU against independent references: GELU against its formula in long double and a finite
 // difference, the AdamW element against torch.optim.AdamW's update written out in long double, the
-// dropout hash's keep rate and the independence of its streams, and cpu::Dropout against
-// DropoutKeep applied element by element. The CUDA kernels call these very functions, so what is
-// checked here holds for them too (bf16/fp16 rounding is checked on the GPU, ops_cuda_test).
+// dropout hash's keep rate and the independence of its streams, cpu::Dropout against DropoutKeep
+// applied element by element, and the per-token indexing of the masks that the fused LayerNorm
+// kernels use (TokenDropoutAt) against cpu::Dropout over each sample. The CUDA kernels call these
+// very functions, so what is checked here holds for them too (bf16/fp16 rounding is checked on the
+// GPU, ops_cuda_test).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -217,6 +219,41 @@ TEST(OpMath, DropoutCpuIsDropoutKeepElementByElement) {
   std::vector<float> y = x;
   cpu::Dropout(y.data(), n, 0.0, 1, 2);
   EXPECT_EQ(y, x);  // p = 0 keeps everything, unscaled
+}
+
+// The masks of the fused LayerNorm kernels, indexed per token row through TokenDropoutAt, are the
+// masks of cpu::Dropout over each sample's row of seq_len * c (the CPU model's and DropoutRows'
+// numbering): every element of a (samples * seq_len, c) activation, with seq_len > 1 and c not a
+// power of two, so that a row taken as a sample, or a position not scaled by c, would differ.
+TEST(OpMath, TokenDropoutAtIndexesTheSamplesMasks) {
+  const int64_t samples = 3, seq_len = 5, c = 7, n = samples * seq_len;
+  std::mt19937 gen(6);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n * c));
+  for (float& v : x) v = dist(gen);
+  const double p = 0.5;
+  const uint64_t seed = 4321;
+  const uint32_t threshold = DropoutKeepThreshold(p);
+  const auto scale = static_cast<float>(1.0 / (1.0 - p));
+  std::vector<uint64_t> streams(samples);  // a site's stream table: one stream per sample
+  for (int64_t r = 0; r < samples; ++r) streams[r] = DropoutStream(static_cast<uint64_t>(50 + r), 1, kMlpOutDropout);
+  std::vector<float> want = x;
+  for (int64_t r = 0; r < samples; ++r) cpu::Dropout(want.data() + r * seq_len * c, seq_len * c, p, seed, streams[r]);
+  int64_t mismatches = 0;
+  for (int64_t row = 0; row < n; ++row) {
+    const TokenDropoutIndex at = TokenDropoutAt(row, seq_len, c);
+    EXPECT_EQ(at.sample, row / seq_len) << "row " << row;
+    const uint64_t key = DropoutKey(seed, streams[static_cast<size_t>(at.sample)]);
+    for (int64_t j = 0; j < c; ++j) {
+      const size_t k = static_cast<size_t>(row * c + j);
+      const float got = DropoutKeepKeyed(key, at.first + static_cast<uint64_t>(j), threshold) ? x[k] * scale : 0.0f;
+      mismatches += std::memcmp(&got, &want[k], sizeof(float)) != 0;
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_EQ(TokenDropoutAt(0, 1, 9).first, 0u);  // one position per sample: every row a sample
+  EXPECT_EQ(TokenDropoutAt(4, 1, 9).sample, 4);
+  EXPECT_EQ(TokenDropoutAt(9, 5, 9).first, 4u * 9u);
 }
 
 }  // namespace

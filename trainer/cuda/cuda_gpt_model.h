@@ -37,6 +37,11 @@ struct CudaModelOptions {
     bool gelu_backward = false;
     // LayerNorm's backward with a block's rows in series (fused: a warp per row, four in flight).
     bool layernorm_rows_in_series = false;
+    // Hidden dropout as its own pass: over the branch's output before the residual add + LayerNorm
+    // (the embedding's in place before the first LayerNorm), and in backward over a copy of the
+    // residual gradient (fused: the masks applied inside the LayerNorm kernels, forward and
+    // backward; attention-probability dropout is unchanged either way).
+    bool dropout_pass = false;
   } unfused;
 };
 

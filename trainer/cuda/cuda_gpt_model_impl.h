@@ -249,9 +249,17 @@ class CudaGPTModelImpl final : public GPTModel {
   // copies in every case (the oracle).
   absl::StatusOr<const T*> BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, int64_t site, double p,
                                       uint64_t seed);
-  // LayerNormBackward, or its rows-in-series oracle (CudaModelOptions::unfused).
+  // LayerNormBackward, or its rows-in-series oracle (CudaModelOptions::unfused); with `drop`'s p > 0
+  // also the dropped branch's gradient into dbranch.
   absl::Status LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w, const float* mean,
-                          const float* rstd, int64_t n, int64_t c, float* scratch, const CudaContext& ctx);
+                          const float* rstd, int64_t n, int64_t c, float* scratch, const CudaContext& ctx,
+                          T* dbranch = nullptr, const LnDropout& drop = {});
+  // Hidden dropout of (layer, site) fused into a LayerNorm kernel: none where p is 0 or the unfused
+  // pass runs (CudaModelOptions::unfused.dropout_pass).
+  LnDropout FusedDropout(int64_t layer, int64_t site, double p, uint64_t seed) const {
+    if (p <= 0.0 || unfused_.dropout_pass) return {};
+    return LnDropout{Streams(layer, site), t_, p, seed};
+  }
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
   // The masked loss sum and token count, summed on the host exactly as the CPU model does.
   absl::StatusOr<LossSum> Losses(const ModelBatch& batch);

@@ -1,9 +1,10 @@
 // The CUDA model's pass: forward, the LM head and loss in chunks of rows, backward.
 //
 // Megatron's GPT on one GPU: the CPU model's pass (trainer/cpu/cpu_gpt_model.cpp) over the CUDA ops,
-// with the residual adds fused into the LayerNorms, the GELU into fc1's epilogue, and the loss over
-// the vocabulary computed in chunks of rows (the LM head's backward runs chunk by chunk right after
-// its loss, so no (tokens x vocabulary) matrix is ever kept).
+// with the residual adds (and the hidden dropout in front of them) fused into the LayerNorms, the
+// GELU into fc1's epilogue, and the loss over the vocabulary computed in chunks of rows (the LM
+// head's backward runs chunk by chunk right after its loss, so no (tokens x vocabulary) matrix is
+// ever kept).
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -95,18 +96,28 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   const double eps = cf.layernorm_epsilon;
   const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
   T* tmp = Buf<T>(plan_.tmp);
+  // Hidden dropout inside the LayerNorm kernels (FusedDropout), else as its own pass.
+  const bool fuse = hp > 0 && !unfused_.dropout_pass;
 
   layer_ = -1;
   PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
                          EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
                                              Compute(pl.wpe), n, c, ctx_)));
-  PTK_RETURN_IF_ERROR(
-      Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
   const LayerParams& first = pl.layers[0];
-  PTK_RETURN_IF_ERROR(
-      Op("layernorm", "ln1",
-         LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), Stats(plan_.ln1_stats, 0) + n,
-                             Act(plan_.resid, 0, n * c), Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps, ctx_)));
+  if (fuse) {
+    PTK_RETURN_IF_ERROR(
+        Op("layernorm", "embedding dropout+ln1",
+           DropoutLayerNormForward<T>(Act(plan_.resid, 0, n * c), Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
+                                      Stats(plan_.ln1_stats, 0) + n, Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps,
+                                      FusedDropout(L, kEmbeddingDropout, hp, seed), ctx_)));
+  } else {
+    PTK_RETURN_IF_ERROR(
+        Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
+    PTK_RETURN_IF_ERROR(
+        Op("layernorm", "ln1",
+           LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), Stats(plan_.ln1_stats, 0) + n,
+                               Act(plan_.resid, 0, n * c), Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps, ctx_)));
+  }
   for (int64_t l = 0; l < L; ++l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
@@ -118,29 +129,31 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op("attention", "attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
     PTK_RETURN_IF_ERROR(
         Op("matmul", "proj", MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("dropout", "attention-out dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
-    PTK_RETURN_IF_ERROR(
-        Op("layernorm", "residual+ln2",
-           ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c),
-                                       Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n,
-                                       Act(plan_.resid, l, n * c), tmp, Ln(lp.ln2_w), Ln(lp.ln2_b), n, c, eps, ctx_)));
+    // resid_mid[l] = resid[l] + dropout(tmp): the attention output's dropout, in the kernel when fused.
+    if (!fuse)
+      PTK_RETURN_IF_ERROR(Op("dropout", "attention-out dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
+    PTK_RETURN_IF_ERROR(Op(
+        "layernorm", fuse ? "dropout+residual+ln2" : "residual+ln2",
+        ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c), Stats(plan_.ln2_stats, l),
+                                    Stats(plan_.ln2_stats, l) + n, Act(plan_.resid, l, n * c), tmp, Ln(lp.ln2_w),
+                                    Ln(lp.ln2_b), n, c, eps, ctx_, FusedDropout(l, kAttentionOutDropout, hp, seed))));
     PTK_RETURN_IF_ERROR(Op("matmul", "fc1+gelu",
                            MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                             Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
     PTK_RETURN_IF_ERROR(
         Op("matmul", "fc2",
            MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), Compute(lp.fc2_b), n, f, c, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
-    // resid[l+1] = resid_mid[l] + tmp, then the next LayerNorm (the next layer's or the final one).
+    if (!fuse) PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
+    // resid[l+1] = resid_mid[l] + dropout(tmp), then the next LayerNorm (the next layer's or the final one).
     const bool last = l + 1 == L;
     const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
     T* ln_out = last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c);
     float* stats = last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1);
-    PTK_RETURN_IF_ERROR(
-        Op("layernorm", "residual+ln",
-           ResidualLayerNormForward<T>(Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n,
-                                       Act(plan_.resid_mid, l, n * c), tmp, Ln(last ? pl.lnf_w : next->ln1_w),
-                                       Ln(last ? pl.lnf_b : next->ln1_b), n, c, eps, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("layernorm", fuse ? "dropout+residual+ln" : "residual+ln",
+                           ResidualLayerNormForward<T>(
+                               Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n, Act(plan_.resid_mid, l, n * c),
+                               tmp, Ln(last ? pl.lnf_w : next->ln1_w), Ln(last ? pl.lnf_b : next->ln1_b), n, c, eps,
+                               ctx_, FusedDropout(l, kMlpOutDropout, hp, seed))));
   }
   layer_ = -1;
   return absl::OkStatus();
@@ -221,19 +234,27 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   const size_t act_bytes = static_cast<size_t>(n * c) * sizeof(T);
   T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff),
     *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
+  // Fused hidden dropout: each LayerNorm's backward also writes the masked gradient of the branch
+  // below it into dtmp (the embedding's into dresid itself), where the branch's backward reads it.
+  const bool fuse = hp > 0 && !unfused_.dropout_pass;
+  T* dbranch = fuse ? dtmp : nullptr;
 
   layer_ = -1;
   PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
-  PTK_RETURN_IF_ERROR(Op("layernorm", "final ln backward",
-                         LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
-                                    Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
-                                    Buf<float>(plan_.ln_scratch), ctx_)));
+  PTK_RETURN_IF_ERROR(
+      Op("layernorm", "final ln backward",
+         LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Ln(pl.lnf_w),
+                    Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch),
+                    ctx_, dbranch, FusedDropout(L - 1, kMlpOutDropout, hp, seed))));
   GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
   for (int64_t l = L - 1; l >= 0; --l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
-    PTK_ASSIGN_OR_RETURN(const T* dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
+    const T* dmlp = dtmp;  // fused: the masked gradient the LayerNorm above left
+    if (!fuse) {
+      PTK_ASSIGN_OR_RETURN(dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
+    }
     PTK_RETURN_IF_ERROR(
         Op("matmul", "fc2 backward",
            MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n,
@@ -244,12 +265,16 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op("matmul", "fc1 backward",
                            MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
                                              Compute(lp.fc1_w), n, c, f, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("layernorm", "ln2 backward",
-                           LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
-                                      Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
-                                      Buf<float>(plan_.ln_scratch), ctx_)));
+    PTK_RETURN_IF_ERROR(
+        Op("layernorm", "ln2 backward",
+           LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c), Ln(lp.ln2_w),
+                      Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c, Buf<float>(plan_.ln_scratch),
+                      ctx_, dbranch, FusedDropout(l, kAttentionOutDropout, hp, seed))));
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
-    PTK_ASSIGN_OR_RETURN(const T* dproj, BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
+    const T* dproj = dtmp;
+    if (!fuse) {
+      PTK_ASSIGN_OR_RETURN(dproj, BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
+    }
     PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
                            MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * c),
                                              Compute(lp.proj_w), n, c, c, ctx_)));
@@ -260,11 +285,14 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op("layernorm", "ln1 backward",
                            LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
                                       Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
-                                      Buf<float>(plan_.ln_scratch), ctx_)));
+                                      Buf<float>(plan_.ln_scratch), ctx_, l > 0 ? dbranch : (fuse ? dresid : nullptr),
+                                      l > 0 ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
+                                            : FusedDropout(L, kEmbeddingDropout, hp, seed))));
     GradsReady(static_cast<size_t>(L - l));  // layer l
   }
   layer_ = -1;
-  PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
+  if (!fuse)
+    PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
   PTK_RETURN_IF_ERROR(
       Op("embedding", "embedding backward",
          EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
@@ -289,10 +317,10 @@ absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtm
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
                                              const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                                             const CudaContext& ctx) {
+                                             const CudaContext& ctx, T* dbranch, const LnDropout& drop) {
   if (unfused_.layernorm_rows_in_series)
-    return LayerNormBackwardRowsInSeries<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
-  return LayerNormBackward<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx);
+    return LayerNormBackwardRowsInSeries<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop);
+  return LayerNormBackward<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop);
 }
 
 template <typename T>
@@ -364,7 +392,8 @@ LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float>
                                                                     int64_t site, double p, uint64_t seed);            \
   template absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp,    \
                                                         const float* w, const float* mean, const float* rstd,          \
-                                                        int64_t n, int64_t c, float* scratch, const CudaContext& ctx); \
+                                                        int64_t n, int64_t c, float* scratch, const CudaContext& ctx,  \
+                                                        T* dbranch, const LnDropout& drop);                            \
   template absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l,                           \
                                                           const AttentionShape& shape, double ap, uint64_t seed);      \
   template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Losses(const ModelBatch& batch);                               \

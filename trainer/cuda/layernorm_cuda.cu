@@ -6,8 +6,15 @@
 // gradients reduced without atomics: per-block partial sums (each channel owned by one thread, the
 // block's rows in order) into a scratch, then a second kernel sums the partials in a fixed order
 // in double and adds them to dw, db.
+//
+// Hidden dropout fused in (the masks of DropoutRows, indexed per token row by TokenDropoutAt of
+// trainer/counter_rng.h): the forward drops the branch before the residual add, the dropped value
+// rounded to T as the standalone pass stores it; the backward writes the masked gradient of the
+// branch beside dinp, from dinp rounded to T as stored. So either is bitwise the standalone pass
+// followed (forward) or preceded (backward) by the plain kernel.
 #include <cmath>
 
+#include "trainer/counter_rng.h"
 #include "trainer/cuda/kernel_util.cuh"
 #include "trainer/cuda/ops_cuda.h"
 
@@ -16,10 +23,10 @@ namespace {
 
 constexpr int kForwardThreads = 256;  // one warp per row, 8 rows at a time
 constexpr int kBackwardMaxThreads = 512;
-constexpr int64_t kBackwardMinRows = 16;    // rows per block at least...
-constexpr int64_t kBackwardMaxBlocks = 512;
-constexpr int kBackwardWarps = 4;  // rows in flight per block (LayerNormBackwardWarpKernel)  // ...and at most this many blocks (a function of n only)
-constexpr int kReduceGroups = 8;            // the second kernel: 8 interleaved groups of partials per channel
+constexpr int64_t kBackwardMinRows = 16;     // rows per block at least...
+constexpr int64_t kBackwardMaxBlocks = 512;  // ...and at most this many blocks (a function of n only)
+constexpr int kBackwardWarps = 4;            // rows in flight per block (LayerNormBackwardWarpKernel)
+constexpr int kReduceGroups = 8;             // the second kernel: 8 interleaved groups of partials per channel
 
 int64_t BackwardBlocks(int64_t n) {
   int64_t b = CeilDiv(n, kBackwardMinRows);
@@ -27,9 +34,40 @@ int64_t BackwardBlocks(int64_t n) {
   return b < kBackwardMaxBlocks ? b : kBackwardMaxBlocks;
 }
 
-template <typename T, int N, bool kResidual>
+// The dropout of a fused kernel, resolved on the host (LnDropout's p as the threshold and scale).
+struct RowDrop {
+  const uint64_t* streams = nullptr;
+  int64_t seq_len = 1;
+  uint64_t seed = 0;
+  uint32_t threshold = 0;
+  float scale = 1.0f;
+  // Token row `row`'s key and the mask index of its element 0.
+  __device__ __forceinline__ void Row(int64_t row, int64_t c, uint64_t* key, uint64_t* first) const {
+    const TokenDropoutIndex at = TokenDropoutAt(row, seq_len, c);
+    *key = DropoutKey(seed, streams[at.sample]);
+    *first = at.first;
+  }
+  // v dropped at mask index i, rounded to T as DropoutRows stores it (__fmul_rn: never contracted
+  // into a following add).
+  template <typename T>
+  __device__ __forceinline__ float Apply(float v, uint64_t key, uint64_t i) const {
+    return ToFloat(FromFloat<T>(DropoutKeepKeyed(key, i, threshold) ? __fmul_rn(v, scale) : 0.0f));
+  }
+};
+
+RowDrop ResolveDrop(const LnDropout& d) {
+  return RowDrop{d.streams, d.seq_len, d.seed, DropoutKeepThreshold(d.p), static_cast<float>(1.0 / (1.0 - d.p))};
+}
+
+// What the forward kernel normalises: a (kPlain); resid_out = a + b (kAdd); resid_out = a +
+// dropout(b) (kAddDropout); resid_out = dropout(b) (kDropout, a unused; b may be resid_out).
+enum ForwardMode { kPlain = 0, kAdd = 1, kAddDropout = 2, kDropout = 3 };
+
+template <typename T, int N, int kMode>
 __global__ void LayerNormForwardKernel(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b,
-                                       const float* w, const float* bias, int64_t n, int64_t c, double eps) {
+                                       const float* w, const float* bias, int64_t n, int64_t c, double eps,
+                                       RowDrop drop) {
+  constexpr bool kResidual = kMode != kPlain, kDrop = kMode == kAddDropout || kMode == kDropout;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = blockDim.x >> 5;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * warps;
@@ -37,15 +75,26 @@ __global__ void LayerNormForwardKernel(T* resid_out, T* out, float* mean, float*
     const int64_t off = row * c;
     // With the residual, the stored (rounded) sum is what is normalised, as the CPU model does.
     const T* x = kResidual ? resid_out + off : a + off;
+    uint64_t key = 0, first = 0;
+    if constexpr (kDrop) drop.Row(row, c, &key, &first);
     double sum = 0;
     for (int64_t j = static_cast<int64_t>(lane) * N; j < c; j += 32 * N) {
       float v[N];
       if constexpr (kResidual) {
         float u[N];
-        kernel::LoadFloats<N>(a + off + j, v);
         kernel::LoadFloats<N>(b + off + j, u);
+        if constexpr (kDrop) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) v[k] = v[k] + u[k];
+          for (int k = 0; k < N; ++k) u[k] = drop.template Apply<T>(u[k], key, first + static_cast<uint64_t>(j + k));
+        }
+        if constexpr (kMode == kDropout) {
+#pragma unroll
+          for (int k = 0; k < N; ++k) v[k] = u[k];
+        } else {
+          kernel::LoadFloats<N>(a + off + j, v);
+#pragma unroll
+          for (int k = 0; k < N; ++k) v[k] = v[k] + u[k];
+        }
         kernel::StoreFloats<N>(resid_out + off + j, v);
 #pragma unroll
         for (int k = 0; k < N; ++k) v[k] = ToFloat(FromFloat<T>(v[k]));
@@ -86,11 +135,27 @@ __global__ void LayerNormForwardKernel(T* resid_out, T* out, float* mean, float*
   }
 }
 
+// dinp's values g (rounded to T on the store); with kDrop, dbranch = dropout(g as stored), and
+// where dbranch is dinp only the masked gradient is kept.
+template <typename T, int N, bool kDrop>
+__device__ __forceinline__ void StoreGrad(T* dinp, T* dbranch, const float (&g)[N], const RowDrop& drop, uint64_t key,
+                                          uint64_t i) {
+  if constexpr (kDrop) {
+    float h[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) h[k] = drop.template Apply<T>(ToFloat(FromFloat<T>(g[k])), key, i + k);
+    if (dbranch != dinp) kernel::StoreFloats<N>(dinp, g);
+    kernel::StoreFloats<N>(dbranch, h);
+  } else {
+    kernel::StoreFloats<N>(dinp, g);
+  }
+}
+
 // Block k takes rows [k * rows_per_block, ...) in order; thread t owns the channel packs t,
 // t + blockDim, ... of every row (so the shared partials need no synchronisation).
-template <typename T, int N>
-__global__ void LayerNormBackwardKernel(T* dinp, float* scratch, const T* dout, const T* inp, const float* w,
-                                        const float* mean, const float* rstd, int64_t n, int64_t c,
+template <typename T, int N, bool kDrop>
+__global__ void LayerNormBackwardKernel(T* dinp, T* dbranch, RowDrop drop, float* scratch, const T* dout, const T* inp,
+                                        const float* w, const float* mean, const float* rstd, int64_t n, int64_t c,
                                         int64_t rows_per_block) {
   extern __shared__ float part[];  // dw partials [c], db partials [c]
   __shared__ double red[66];
@@ -108,6 +173,8 @@ __global__ void LayerNormBackwardKernel(T* dinp, float* scratch, const T* dout, 
   for (int64_t row = r0; row < r1; ++row) {
     const int64_t off = row * c;
     const double m = mean[row], r = rstd[row];
+    uint64_t key = 0, first_i = 0;
+    if constexpr (kDrop) drop.Row(row, c, &key, &first_i);
     // dxhat = dy * w; dx = r * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
     double s1 = 0, s2 = 0;
     for (int64_t j = first; j < c; j += step) {
@@ -140,7 +207,8 @@ __global__ void LayerNormBackwardKernel(T* dinp, float* scratch, const T* dout, 
         const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
         g[k] = g[k] + static_cast<float>(r * (dxhat - s1 - xhat * s2));
       }
-      kernel::StoreFloats<N>(dinp + off + j, g);
+      StoreGrad<T, N, kDrop>(dinp + off + j, kDrop ? dbranch + off + j : nullptr, g, drop, key,
+                             first_i + static_cast<uint64_t>(j));
     }
   }
   float* mine = scratch + static_cast<int64_t>(blockIdx.x) * 2 * c;
@@ -158,10 +226,10 @@ __global__ void LayerNormBackwardKernel(T* dinp, float* scratch, const T* dout, 
 // owns the channel packs t, t + 32, ... of every row. The row sums are warp shuffles (no block
 // barrier per row); each warp adds its rows' dw/db terms to partials of its own in shared memory,
 // and at the end the block adds its warps' partials in warp order: a fixed order for a given n.
-template <typename T, int N>
-__global__ void LayerNormBackwardWarpKernel(T* dinp, float* scratch, const T* dout, const T* inp, const float* w,
-                                            const float* mean, const float* rstd, int64_t n, int64_t c,
-                                            int64_t rows_per_block) {
+template <typename T, int N, bool kDrop>
+__global__ void LayerNormBackwardWarpKernel(T* dinp, T* dbranch, RowDrop drop, float* scratch, const T* dout,
+                                            const T* inp, const float* w, const float* mean, const float* rstd,
+                                            int64_t n, int64_t c, int64_t rows_per_block) {
   extern __shared__ float part[];  // per warp: dw partials [c], db partials [c]
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
   float* mine = part + static_cast<int64_t>(warp) * 2 * c;
@@ -179,6 +247,8 @@ __global__ void LayerNormBackwardWarpKernel(T* dinp, float* scratch, const T* do
   for (int64_t row = r0 + warp; row < r1; row += kBackwardWarps) {
     const int64_t off = row * c;
     const double m = mean[row], r = rstd[row];
+    uint64_t key = 0, first_i = 0;
+    if constexpr (kDrop) drop.Row(row, c, &key, &first_i);
     double s1 = 0, s2 = 0;
     for (int64_t j = first; j < c; j += step) {
       float x[N], dy[N], wv[N];
@@ -209,7 +279,8 @@ __global__ void LayerNormBackwardWarpKernel(T* dinp, float* scratch, const T* do
         const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
         g[k] = g[k] + static_cast<float>(r * (dxhat - s1 - xhat * s2));
       }
-      kernel::StoreFloats<N>(dinp + off + j, g);
+      StoreGrad<T, N, kDrop>(dinp + off + j, kDrop ? dbranch + off + j : nullptr, g, drop, key,
+                             first_i + static_cast<uint64_t>(j));
     }
   }
   __syncthreads();
@@ -249,44 +320,59 @@ __global__ void LayerNormBackwardReduceKernel(float* dw, float* db, const float*
   }
 }
 
-template <typename T, bool kResidual>
+template <typename T, int kMode>
 absl::Status LaunchForward(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b, const float* w,
-                           const float* bias, int64_t n, int64_t c, double eps, const CudaContext& ctx) {
+                           const float* bias, int64_t n, int64_t c, double eps, const CudaContext& ctx,
+                           RowDrop drop = {}) {
   constexpr int kV = kernel::kVec<T>;
-  const bool vec = c % kV == 0 && kernel::Aligned(out, 16) && kernel::Aligned(a, 16) && kernel::Aligned(w, 16) &&
-                   kernel::Aligned(bias, 16) &&
-                   (!kResidual || (kernel::Aligned(b, 16) && kernel::Aligned(resid_out, 16)));
+  const bool vec = c % kV == 0 && kernel::Aligned(out, 16) && (kMode == kDropout || kernel::Aligned(a, 16)) &&
+                   kernel::Aligned(w, 16) && kernel::Aligned(bias, 16) &&
+                   (kMode == kPlain || (kernel::Aligned(b, 16) && kernel::Aligned(resid_out, 16)));
   const unsigned blocks = kernel::GridBlocks(n, kForwardThreads / 32, kernel::MaxBlocks(ctx));
   if (vec) {
-    LayerNormForwardKernel<T, kV, kResidual>
-        <<<blocks, kForwardThreads, 0, ctx.stream>>>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps);
+    LayerNormForwardKernel<T, kV, kMode>
+        <<<blocks, kForwardThreads, 0, ctx.stream>>>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps, drop);
   } else {
-    LayerNormForwardKernel<T, 1, kResidual>
-        <<<blocks, kForwardThreads, 0, ctx.stream>>>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps);
+    LayerNormForwardKernel<T, 1, kMode>
+        <<<blocks, kForwardThreads, 0, ctx.stream>>>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps, drop);
   }
   return absl::OkStatus();
 }
 
-template <typename T, int N>
-absl::Status LaunchBackwardWarps(T* dinp, float* scratch, const T* dout, const T* inp, const float* w,
-                                 const float* mean, const float* rstd, int64_t n, int64_t c, const CudaContext& ctx,
-                                 int64_t blocks, int64_t smem) {
-  auto kernel_fn = LayerNormBackwardWarpKernel<T, N>;
+// A fused dropout's settings checked against n rows: p in [0, 1], the streams with p > 0, whole
+// samples of seq_len rows.
+template <typename Where>
+absl::Status CheckDropout(const LnDropout& d, int64_t n, Where where) {
+  if (!(d.p >= 0.0 && d.p <= 1.0))
+    return absl::InvalidArgumentError(fmt::format("{}: the dropout probability {} is not in [0, 1]", where(), d.p));
+  if (d.p == 0.0) return absl::OkStatus();
+  PTK_KERNEL_CHECK(kernel::CheckPointer(d.streams, "the dropout streams", where));
+  if (d.seq_len <= 0 || n % d.seq_len != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("{}: dropout over samples of seq_len={} rows, which do not tile n={}", where(), d.seq_len, n));
+  return absl::OkStatus();
+}
+
+template <typename T, int N, bool kDrop>
+absl::Status LaunchBackwardWarps(T* dinp, T* dbranch, RowDrop drop, float* scratch, const T* dout, const T* inp,
+                                 const float* w, const float* mean, const float* rstd, int64_t n, int64_t c,
+                                 const CudaContext& ctx, int64_t blocks, int64_t smem) {
+  auto kernel_fn = LayerNormBackwardWarpKernel<T, N, kDrop>;
   if (smem > 48 * 1024) {
     PTK_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
         fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c));
   }
   kernel_fn<<<static_cast<unsigned>(blocks), 32 * kBackwardWarps, static_cast<size_t>(smem), ctx.stream>>>(
-      dinp, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));
+      dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));
   return absl::OkStatus();
 }
 
-template <typename T, int N>
-absl::Status LaunchBackward(T* dinp, float* scratch, const T* dout, const T* inp, const float* w, const float* mean,
-                            const float* rstd, int64_t n, int64_t c, const CudaContext& ctx, int64_t blocks,
-                            int64_t smem) {
-  auto kernel_fn = LayerNormBackwardKernel<T, N>;
+template <typename T, int N, bool kDrop>
+absl::Status LaunchBackward(T* dinp, T* dbranch, RowDrop drop, float* scratch, const T* dout, const T* inp,
+                            const float* w, const float* mean, const float* rstd, int64_t n, int64_t c,
+                            const CudaContext& ctx, int64_t blocks, int64_t smem) {
+  auto kernel_fn = LayerNormBackwardKernel<T, N, kDrop>;
   if (smem > 48 * 1024) {
     PTK_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
@@ -294,15 +380,15 @@ absl::Status LaunchBackward(T* dinp, float* scratch, const T* dout, const T* inp
   }
   const int threads = kernel::RowThreads(CeilDiv(c, N), kBackwardMaxThreads);
   kernel_fn<<<static_cast<unsigned>(blocks), threads, static_cast<size_t>(smem), ctx.stream>>>(
-      dinp, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));
+      dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));
   return absl::OkStatus();
 }
 
 }  // namespace
 
 template <typename T>
-absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b,
-                              int64_t n, int64_t c, double eps, const CudaContext& ctx) {
+absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b, int64_t n,
+                              int64_t c, double eps, const CudaContext& ctx) {
   auto where = [&] { return fmt::format("LayerNormForward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c); };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
@@ -312,7 +398,7 @@ absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, co
   PTK_KERNEL_CHECK(kernel::CheckPointer(inp, "inp", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(b, "b", where));
-  PTK_KERNEL_CHECK(LaunchForward<T, false>(nullptr, out, mean, rstd, inp, nullptr, w, b, n, c, eps, ctx));
+  PTK_KERNEL_CHECK(LaunchForward<T, kPlain>(nullptr, out, mean, rstd, inp, nullptr, w, b, n, c, eps, ctx));
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
@@ -320,12 +406,13 @@ absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, co
 template <typename T>
 absl::Status ResidualLayerNormForward(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b,
                                       const float* w, const float* bias, int64_t n, int64_t c, double eps,
-                                      const CudaContext& ctx) {
+                                      const CudaContext& ctx, const LnDropout& drop) {
   auto where = [&] {
-    return fmt::format("ResidualLayerNormForward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c);
+    return fmt::format("ResidualLayerNormForward<{}>(n={}, c={}, p={})", kernel::TypeName<T>(), n, c, drop.p);
   };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
+  PTK_KERNEL_CHECK(CheckDropout(drop, n, where));
   if (n == 0) return absl::OkStatus();
   if (c == 0) return absl::InvalidArgumentError(fmt::format("{}: rows of no channels", where()));
   PTK_KERNEL_CHECK(kernel::CheckPointer(resid_out, "resid_out", where));
@@ -334,39 +421,82 @@ absl::Status ResidualLayerNormForward(T* resid_out, T* out, float* mean, float* 
   PTK_KERNEL_CHECK(kernel::CheckPointer(b, "b", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(bias, "bias", where));
-  PTK_KERNEL_CHECK(LaunchForward<T, true>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps, ctx));
+  if (drop.p > 0) {
+    PTK_KERNEL_CHECK(
+        LaunchForward<T, kAddDropout>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps, ctx, ResolveDrop(drop)));
+  } else {
+    PTK_KERNEL_CHECK(LaunchForward<T, kAdd>(resid_out, out, mean, rstd, a, b, w, bias, n, c, eps, ctx));
+  }
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status DropoutLayerNormForward(T* inout, T* out, float* mean, float* rstd, const float* w, const float* bias,
+                                     int64_t n, int64_t c, double eps, const LnDropout& drop, const CudaContext& ctx) {
+  auto where = [&] {
+    return fmt::format("DropoutLayerNormForward<{}>(n={}, c={}, p={})", kernel::TypeName<T>(), n, c, drop.p);
+  };
+  PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
+  PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
+  PTK_KERNEL_CHECK(CheckDropout(drop, n, where));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0) return absl::InvalidArgumentError(fmt::format("{}: rows of no channels", where()));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(inout, "inout", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(out, "out", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(bias, "bias", where));
+  if (drop.p > 0) {
+    PTK_KERNEL_CHECK(
+        LaunchForward<T, kDropout>(inout, out, mean, rstd, nullptr, inout, w, bias, n, c, eps, ctx, ResolveDrop(drop)));
+  } else {
+    PTK_KERNEL_CHECK(LaunchForward<T, kPlain>(nullptr, out, mean, rstd, inout, nullptr, w, bias, n, c, eps, ctx));
+  }
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
 
 int64_t LayerNormBackwardScratch(int64_t n, int64_t c) { return BackwardBlocks(n) * 2 * (c > 0 ? c : 0); }
 
-template <typename T>
-absl::Status LayerNormBackwardImpl(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
-                                   const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                                   const CudaContext& ctx, bool rows_in_series);
+namespace {
 
-template <typename T>
-absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
-                               const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                               const CudaContext& ctx) {
-  return LayerNormBackwardImpl(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, false);
+template <typename T, bool kDrop>
+absl::Status LaunchBackwardFor(T* dinp, T* dbranch, RowDrop drop, float* scratch, const T* dout, const T* inp,
+                               const float* w, const float* mean, const float* rstd, int64_t n, int64_t c,
+                               const CudaContext& ctx, bool rows_in_series, int64_t smem, int smem_max) {
+  const int64_t blocks = BackwardBlocks(n);
+  constexpr int kV = kernel::kVec<T>;
+  const bool vec = c % kV == 0 && kernel::Aligned(dinp, 16) && kernel::Aligned(dout, 16) && kernel::Aligned(inp, 16) &&
+                   kernel::Aligned(w, 16) && kernel::Aligned(scratch, 16) && (!kDrop || kernel::Aligned(dbranch, 16));
+  // A warp per row where every warp's partials fit in shared memory; else the block's rows in
+  // series (one set of partials), which is also the oracle the warp kernel is tested against.
+  const int64_t warp_smem = kBackwardWarps * smem;
+  if (!rows_in_series && warp_smem + 2048 <= smem_max) {
+    if (vec)
+      return LaunchBackwardWarps<T, kV, kDrop>(dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, ctx,
+                                               blocks, warp_smem);
+    return LaunchBackwardWarps<T, 1, kDrop>(dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks,
+                                            warp_smem);
+  }
+  if (vec)
+    return LaunchBackward<T, kV, kDrop>(dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks,
+                                        smem);
+  return LaunchBackward<T, 1, kDrop>(dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, smem);
 }
 
 template <typename T>
-absl::Status LayerNormBackwardRowsInSeries(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
-                                           const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                                           const CudaContext& ctx) {
-  return LayerNormBackwardImpl(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, true);
-}
-
-template <typename T>
 absl::Status LayerNormBackwardImpl(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
                                    const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                                   const CudaContext& ctx, bool rows_in_series) {
-  auto where = [&] { return fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c); };
+                                   const CudaContext& ctx, T* dbranch, const LnDropout& drop, bool rows_in_series) {
+  auto where = [&] {
+    return fmt::format("LayerNormBackward<{}>(n={}, c={}, p={})", kernel::TypeName<T>(), n, c, drop.p);
+  };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
+  PTK_KERNEL_CHECK(CheckDropout(drop, n, where));
+  if ((drop.p > 0) != (dbranch != nullptr))
+    return absl::InvalidArgumentError(
+        fmt::format("{}: the branch gradient (dbranch) is written with dropout and only then", where()));
   if (n == 0 || c == 0) return absl::OkStatus();
   PTK_KERNEL_CHECK(kernel::CheckPointer(dinp, "dinp", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(dw, "dw", where));
@@ -388,43 +518,50 @@ absl::Status LayerNormBackwardImpl(T* dinp, float* dw, float* db, const T* dout,
                     "device's {} (c at most {})",
                     where(), smem, smem_max, (smem_max - 2048) / 8));
   }
-  const int64_t blocks = BackwardBlocks(n);
-  constexpr int kV = kernel::kVec<T>;
-  const bool vec = c % kV == 0 && kernel::Aligned(dinp, 16) && kernel::Aligned(dout, 16) && kernel::Aligned(inp, 16) &&
-                   kernel::Aligned(w, 16) && kernel::Aligned(scratch, 16);
-  // A warp per row where every warp's partials fit in shared memory; else the block's rows in
-  // series (one set of partials), which is also the oracle the warp kernel is tested against.
-  const int64_t warp_smem = kBackwardWarps * smem;
-  if (!rows_in_series && warp_smem + 2048 <= smem_max) {
-    if (vec) {
-      PTK_KERNEL_CHECK(
-          LaunchBackwardWarps<T, kV>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, warp_smem));
-    } else {
-      PTK_KERNEL_CHECK(
-          LaunchBackwardWarps<T, 1>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, warp_smem));
-    }
-  } else if (vec) {
-    PTK_KERNEL_CHECK(LaunchBackward<T, kV>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, smem));
+  if (dbranch != nullptr) {
+    PTK_KERNEL_CHECK(LaunchBackwardFor<T, true>(dinp, dbranch, ResolveDrop(drop), scratch, dout, inp, w, mean, rstd, n,
+                                                c, ctx, rows_in_series, smem, smem_max));
   } else {
-    PTK_KERNEL_CHECK(LaunchBackward<T, 1>(dinp, scratch, dout, inp, w, mean, rstd, n, c, ctx, blocks, smem));
+    PTK_KERNEL_CHECK(LaunchBackwardFor<T, false>(dinp, nullptr, RowDrop{}, scratch, dout, inp, w, mean, rstd, n, c, ctx,
+                                                 rows_in_series, smem, smem_max));
   }
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   LayerNormBackwardReduceKernel<<<static_cast<unsigned>(CeilDiv(c, 32)), dim3(32, kReduceGroups), 0, ctx.stream>>>(
-      dw, db, scratch, blocks, c);
+      dw, db, scratch, BackwardBlocks(n), c);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                                        \
-  template absl::Status LayerNormForward<T>(T*, float*, float*, const T*, const float*, const float*, int64_t,    \
-                                            int64_t, double, const CudaContext&);                                 \
-  template absl::Status ResidualLayerNormForward<T>(T*, T*, float*, float*, const T*, const T*, const float*,     \
-                                                    const float*, int64_t, int64_t, double, const CudaContext&);  \
+}  // namespace
+
+template <typename T>
+absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                               const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                               const CudaContext& ctx, T* dbranch, const LnDropout& drop) {
+  return LayerNormBackwardImpl(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop, false);
+}
+
+template <typename T>
+absl::Status LayerNormBackwardRowsInSeries(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                                           const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                                           const CudaContext& ctx, T* dbranch, const LnDropout& drop) {
+  return LayerNormBackwardImpl(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop, true);
+}
+
+#define PTK_INSTANTIATE(T)                                                                                       \
+  template absl::Status LayerNormForward<T>(T*, float*, float*, const T*, const float*, const float*, int64_t,   \
+                                            int64_t, double, const CudaContext&);                                \
+  template absl::Status ResidualLayerNormForward<T>(T*, T*, float*, float*, const T*, const T*, const float*,    \
+                                                    const float*, int64_t, int64_t, double, const CudaContext&,  \
+                                                    const LnDropout&);                                           \
+  template absl::Status DropoutLayerNormForward<T>(T*, T*, float*, float*, const float*, const float*, int64_t,  \
+                                                   int64_t, double, const LnDropout&, const CudaContext&);       \
   template absl::Status LayerNormBackward<T>(T*, float*, float*, const T*, const T*, const float*, const float*, \
-                                             const float*, int64_t, int64_t, float*, const CudaContext&);  \
-  template absl::Status LayerNormBackwardRowsInSeries<T>(T*, float*, float*, const T*, const T*, const float*,     \
+                                             const float*, int64_t, int64_t, float*, const CudaContext&, T*,     \
+                                             const LnDropout&);                                                  \
+  template absl::Status LayerNormBackwardRowsInSeries<T>(T*, float*, float*, const T*, const T*, const float*,   \
                                                          const float*, const float*, int64_t, int64_t, float*,   \
-                                                         const CudaContext&);
+                                                         const CudaContext&, T*, const LnDropout&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

@@ -44,19 +44,38 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
 template <typename T>
 absl::Status LayerNormForward(T* out, float* mean, float* rstd, const T* inp, const float* w, const float* b, int64_t n,
                               int64_t c, double eps, const CudaContext& ctx);
+// Hidden dropout fused into a LayerNorm kernel. The n rows are tokens of n / seq_len samples; token
+// row i is masked with its sample's stream streams[i / seq_len] (device memory) at index
+// (i % seq_len) * c + j (TokenDropoutAt of trainer/counter_rng.h): the masks DropoutRows draws over
+// rows of seq_len * c, kept elements scaled by 1/(1-p) in fp32. p = 0: no dropout.
+struct LnDropout {
+  const uint64_t* streams = nullptr;
+  int64_t seq_len = 1;
+  double p = 0.0;
+  uint64_t seed = 0;
+};
 // The residual add fused in front: resid_out = a + b (rounded to T), then out = LayerNorm(resid_out).
-// resid_out may be a or b.
+// resid_out may be a or b. With drop.p > 0, resid_out = a + dropout(b), dropout(b) rounded to T
+// first: bitwise DropoutRows over b and then this without dropout (b itself is not changed).
 template <typename T>
 absl::Status ResidualLayerNormForward(T* resid_out, T* out, float* mean, float* rstd, const T* a, const T* b,
                                       const float* w, const float* bias, int64_t n, int64_t c, double eps,
-                                      const CudaContext& ctx);
+                                      const CudaContext& ctx, const LnDropout& drop = {});
+// inout = dropout(inout) in place, then out = LayerNorm(inout): bitwise DropoutRows and then
+// LayerNormForward (the embedding's dropout and the first LayerNorm).
+template <typename T>
+absl::Status DropoutLayerNormForward(T* inout, T* out, float* mean, float* rstd, const float* w, const float* bias,
+                                     int64_t n, int64_t c, double eps, const LnDropout& drop, const CudaContext& ctx);
 // dinp(n, c) += d(out)/d(inp) applied to dout; dw, db (fp32) +=, without atomics: per-block
 // partials in `scratch` (LayerNormBackwardScratch(n, c) floats of device memory), then summed in
 // a fixed order. c is limited by the shared memory per block (2c floats: c <= ~28k on sm_90).
+// With drop.p > 0 (and only then) dbranch(n, c) = dropout(dinp) as stored (rounded to T), the
+// gradient of the dropped branch whose residual sum was inp: bitwise a copy of dinp through
+// DropoutRows. dbranch may be dinp (then dinp keeps only the masked gradient).
 template <typename T>
 absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
                                const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                               const CudaContext& ctx);
+                               const CudaContext& ctx, T* dbranch = nullptr, const LnDropout& drop = {});
 int64_t LayerNormBackwardScratch(int64_t n, int64_t c);
 
 // ---- embedding_cuda.cu -------------------------------------------------------------------------

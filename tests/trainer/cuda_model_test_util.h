@@ -1,0 +1,112 @@
+// What cuda_model_test's files share: the small model, deterministic synthetic micro-batches, the
+// CUDA and CPU models made from the same weights, the relative L2 distance, a schedule.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cuda/cuda_gpt_model.h"
+#include "trainer/train_step.h"
+
+namespace ptk::cuda_model_test {
+
+inline GPTConfig SmallConfig(bool dropout) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 256;
+  c.seq_length = c.max_position_embeddings = 64;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1024;
+  c.hidden_dropout = dropout ? 0.1 : 0.0;
+  c.attention_dropout = dropout ? 0.1 : 0.0;
+  return c;
+}
+
+// Deterministic synthetic micro-batches: a learnable pattern (next token = f(previous)), some
+// masked positions, so that the loss falls over a few dozen steps.
+struct Batches {
+  int64_t b = 4, t = 64;
+  std::vector<std::vector<int32_t>> tokens, labels;
+  std::vector<int32_t> positions;
+  std::vector<float> mask;
+  std::vector<std::vector<int64_t>> keys;
+  Batches(int count, int64_t vocab, int64_t b_ = 4, int64_t t_ = 64) : b(b_), t(t_) {
+    for (int64_t i = 0; i < b * t; ++i) {
+      positions.push_back(static_cast<int32_t>(i % t));
+      mask.push_back(i % 13 == 12 ? 0.0f : 1.0f);
+    }
+    uint64_t h = 12345;
+    for (int k = 0; k < count; ++k) {
+      std::vector<int32_t> tok(static_cast<size_t>(b * t)), lab(tok.size());
+      for (int64_t r = 0; r < b; ++r) {
+        h = h * 6364136223846793005ULL + 1442695040888963407ULL;
+        int32_t x = static_cast<int32_t>((h >> 33) % static_cast<uint64_t>(vocab));
+        for (int64_t j = 0; j < t; ++j) {
+          tok[static_cast<size_t>(r * t + j)] = x;
+          x = static_cast<int32_t>((x * 7 + 3) % vocab);
+          lab[static_cast<size_t>(r * t + j)] = x;
+        }
+      }
+      tokens.push_back(tok);
+      labels.push_back(lab);
+      std::vector<int64_t> k_keys;
+      for (int64_t r = 0; r < b; ++r) k_keys.push_back(k * b + r);
+      keys.push_back(k_keys);
+    }
+  }
+  ModelBatch Get(int k) const {
+    return ModelBatch{b,
+                      t,
+                      tokens[static_cast<size_t>(k)].data(),
+                      labels[static_cast<size_t>(k)].data(),
+                      positions.data(),
+                      mask.data(),
+                      keys[static_cast<size_t>(k)].data()};
+  }
+};
+
+inline std::unique_ptr<GPTModel> Cuda(const GPTConfig& c, Precision p, bool deterministic = true,
+                                      const cuda::CudaModelOptions& options = {}, bool profile = false) {
+  auto m = cuda::CreateCudaGPTModel(c, p, 0, deterministic, 4, profile, options);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return nullptr;
+  EXPECT_TRUE((*m)->InitWeights(1234).ok());
+  return std::move(*m);
+}
+inline std::unique_ptr<GPTModel> Cpu(const GPTConfig& c) {
+  auto m = CpuGPTModel::Create(c);
+  EXPECT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE((*m)->InitWeights(1234).ok());
+  return std::unique_ptr<GPTModel>(std::move(*m));
+}
+
+// ||a - b|| / ||b|| over a range.
+inline double RelL2(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+inline SchedulerConfig Schedule() {
+  SchedulerConfig s;
+  s.max_lr = 3e-3;
+  s.min_lr = 3e-4;
+  s.warmup_steps = 8;
+  s.decay_steps = 200;
+  s.decay_style = "cosine";
+  s.start_wd = s.end_wd = 0.1;
+  s.wd_incr_steps = 200;
+  return s;
+}
+
+}  // namespace ptk::cuda_model_test
