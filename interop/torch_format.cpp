@@ -765,8 +765,27 @@ absl::StatusOr<std::unique_ptr<TorchArchiveReader>> TorchArchiveReader::Open(con
   auto r = std::unique_ptr<TorchArchiveReader>(new TorchArchiveReader());
   r->path_ = path;
   PTK_ASSIGN_OR_RETURN(r->file_, MappedFile::Open(path));
-  const uint8_t* d = r->file_->data();
-  const uint64_t size = r->file_->size();
+  r->base_ = r->file_->data();
+  r->size_ = r->file_->size();
+  PTK_RETURN_IF_ERROR(r->Init());
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<TorchArchiveReader>> TorchArchiveReader::OpenBytes(const std::string& where,
+                                                                                  std::string_view bytes) {
+  auto r = std::unique_ptr<TorchArchiveReader>(new TorchArchiveReader());
+  r->path_ = where;
+  r->base_ = reinterpret_cast<const uint8_t*>(bytes.data());
+  r->size_ = bytes.size();
+  PTK_RETURN_IF_ERROR(r->Init());
+  return r;
+}
+
+absl::Status TorchArchiveReader::Init() {
+  TorchArchiveReader* r = this;
+  const std::string& path = path_;
+  const uint8_t* d = base_;
+  const uint64_t size = size_;
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: not a readable PyTorch file: {}", path, why));
   };
@@ -830,7 +849,7 @@ absl::StatusOr<std::unique_ptr<TorchArchiveReader>> TorchArchiveReader::Open(con
   }
   PTK_ASSIGN_OR_RETURN(std::string_view pkl, r->EntryData("data.pkl"));
   PTK_ASSIGN_OR_RETURN(r->root_, ParsePickle(pkl, fmt::format("{}: {}data.pkl", path, r->prefix_)));
-  return r;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string_view> TorchArchiveReader::EntryData(const std::string& name) {
@@ -838,7 +857,7 @@ absl::StatusOr<std::string_view> TorchArchiveReader::EntryData(const std::string
   if (it == entries_.end())
     return absl::DataLossError(fmt::format("{}: the archive has no {}{}", path_, prefix_, name));
   Entry& e = it->second;
-  std::string_view data(reinterpret_cast<const char*>(file_->data() + e.data_offset), e.size);
+  std::string_view data(reinterpret_cast<const char*>(base_ + e.data_offset), e.size);
   if (!e.crc_checked) {
     if (Crc32(data.data(), data.size()) != e.crc)
       return absl::DataLossError(fmt::format("{}: {}{}: CRC-32 mismatch (a damaged file)", path_, prefix_, name));

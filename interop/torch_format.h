@@ -91,6 +91,10 @@ class TorchArchiveReader {
   // Maps the file and reads its central directory (zip64 too); a truncated or damaged archive is
   // refused naming the file.
   static absl::StatusOr<std::unique_ptr<TorchArchiveReader>> Open(const std::string& path);
+  // An archive held in memory that outlives the reader (an item of a torch.distributed.checkpoint
+  // .distcp file: each tensor there is a whole torch.save archive); `where` names it in errors.
+  static absl::StatusOr<std::unique_ptr<TorchArchiveReader>> OpenBytes(const std::string& where,
+                                                                       std::string_view bytes);
   // The parsed data.pkl.
   const PyValue& root() const { return *root_; }
   const std::string& path() const { return path_; }
@@ -106,7 +110,10 @@ class TorchArchiveReader {
   };
   absl::StatusOr<std::string_view> EntryData(const std::string& name);
   std::string path_, prefix_;
-  std::unique_ptr<MappedFile> file_;
+  absl::Status Init();
+  std::unique_ptr<MappedFile> file_;  // null for OpenBytes
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
   std::map<std::string, Entry> entries_;
   PyRef root_;
 };
