@@ -22,6 +22,7 @@
 #include "common/output_lock.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
+#include "interop/megatron_optim.h"
 #include "interop/torch_format.h"
 #include "trainer/checkpoint.h"
 
@@ -48,6 +49,9 @@ struct RankFile {
   const PyValue* fp32_groups = nullptr;
   std::map<std::string, int64_t> index;  // local name -> optimizer index
   std::map<std::string, std::pair<size_t, size_t>> group_pos;
+  // The distributed optimizer's distrib_optim.pt beside it: fp32 params and moments.
+  std::optional<DistribState> distrib;
+  std::optional<int64_t> distrib_step;
 };
 
 }  // namespace
@@ -76,7 +80,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   if (PathExists(JoinPath(iter_dir, ".metadata")) || PathExists(JoinPath(iter_dir, "common.pt")))
     return ImportFromMegatronDist(o, iter_dir, s.iteration);
   int64_t tp = 0, pp = 0;
-  bool with_pp = false, distrib_optim = false;
+  bool with_pp = false;
   std::error_code ec;
   static const std::regex kRank(R"(mp_rank_(\d\d)(_(\d\d\d))?)");
   for (const auto& e : std::filesystem::directory_iterator(iter_dir, ec)) {
@@ -88,7 +92,6 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       with_pp = true;
       pp = std::max<int64_t>(pp, std::atoll(m[3].str().c_str()) + 1);
     }
-    if (PathExists(JoinPath(e.path().string(), "distrib_optim.pt"))) distrib_optim = true;
   }
   if (tp == 0) return absl::NotFoundError(fmt::format("{}: no mp_rank_* directory", iter_dir));
   if (!with_pp) pp = 1;
@@ -173,11 +176,32 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       const PyValue* groups = inner->Get("param_groups");
       const PyValue* state = inner->Get("state");
       if (!groups || groups->kind != PyValue::Kind::kList) continue;
-      // The distributed optimizer's state_dict keeps its groups without their parameters (the state
-      // is in distrib_optim.pt): no moments here.
+      // The distributed optimizer's state_dict keeps its groups without their parameters (and Adam's
+      // step in each); the fp32 params and moments are in distrib_optim.pt.
       if (std::any_of(groups->items.begin(), groups->items.end(),
-                      [](const PyRef& g) { return g->Get("params") == nullptr; }))
+                      [](const PyRef& g) { return g->Get("params") == nullptr; })) {
+        const std::string dfile = JoinPath(Dirname(f), "distrib_optim.pt");
+        if (!PathExists(dfile)) continue;
+        std::vector<DistribParam> dparams;
+        for (const MegParam& m : params)
+          if (m.stage == p)
+            dparams.push_back(DistribParam{local_name(m), Elements(ShardShape(m, ckpt_padded, tp)),
+                                           tied_copy && m.info->name == "embedding.word_embeddings.weight"});
+        if (tied_copy && p == pp - 1)
+          dparams.push_back(DistribParam{"output_layer.weight", ckpt_padded / tp * c.hidden_size, true});
+        // megatron-core's bucket size: --ddp-bucket-size, else max(4e7, 1e6 x data-parallel size), only with
+        // --overlap-grad-reduce, and only on the first pipeline stage.
+        std::optional<int64_t> bucket;
+        if (BoolAttr(args, "overlap_grad_reduce", false) && p == 0) {
+          const int64_t dp = static_cast<int64_t>(NumAttr(args, "data_parallel_size").value_or(1));
+          bucket = static_cast<int64_t>(NumAttr(args, "ddp_bucket_size").value_or(std::max(4e7, 1e6 * dp)));
+        }
+        PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptim(dfile, dparams, bucket));
+        rf.distrib = std::move(d);
+        for (const PyRef& g : groups->items)
+          if (auto st = NumAttr(g.get(), "step")) rf.distrib_step = static_cast<int64_t>(*st);
         continue;
+      }
       std::vector<std::string> decay, no_decay;
       for (const auto& [n, d] : order) (d ? decay : no_decay).push_back(n);
       std::vector<std::vector<std::string>*> assign;
@@ -215,7 +239,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   // Gather: weights (fp32 masters where the optimizer has them), moments.
   std::vector<float> weights(static_cast<size_t>(layout.num_params)), m1(weights.size(), 0.0f),
       m2(weights.size(), 0.0f);
-  bool have_moments = true, used_masters = false, low_precision = false;
+  bool have_moments = true, used_masters = false, used_distrib = false, low_precision = false;
   int64_t adam_step = 0;
   for (const MegParam& m : params) {
     const std::vector<int64_t> full = [&] {
@@ -239,6 +263,15 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
                                   "ranks",
                                   name, ShapeStr(tv->tensor.shape), ShapeStr(want), tp));
       const torchfmt::TensorRef* src = &tv->tensor;
+      if (rf.distrib) {  // the distributed optimizer's fp32 params and moments
+        const int64_t at = rf.distrib->offset.at(name);
+        for (auto [from, to] :
+             {std::pair{&rf.distrib->param, &w}, {&rf.distrib->exp_avg, &a}, {&rf.distrib->exp_avg_sq, &b}})
+          CopyShard(to->data(), from->data() + at, rows, cols, m.split, t, tp, /*gather=*/true);
+        used_distrib = true;
+        if (rf.distrib_step) adam_step = *rf.distrib_step;
+        continue;
+      }
       // The fp32 master of a --bf16/--fp16 run.
       if (rf.fp32_groups && rf.group_pos.count(name)) {
         const auto [g, k] = rf.group_pos.at(name);
@@ -291,9 +324,10 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
     std::fill(m1.begin(), m1.end(), 0.0f);
     std::fill(m2.begin(), m2.end(), 0.0f);
     adam_step = 0;
-    s.notes.push_back(distrib_optim
-                          ? "the AdamW moments are in distrib_optim.pt (Megatron's distributed optimizer), which "
-                            "ptk-convert does not read: they start at zero (ptk-train --load ... --no-load-optim)"
+    s.notes.push_back(BoolAttr(args, "use_distributed_optimizer", false)
+                          ? "the distributed optimizer's distrib_optim.pt is missing (for some ranks at least): the "
+                            "AdamW moments start at zero "
+                            "(ptk-train --load ... --no-load-optim)"
                           : "the checkpoint holds no AdamW moments (saved with --no-save-optim, or before a step): "
                             "they start at zero");
   }
@@ -302,6 +336,8 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
         "some weights are the model's bf16/fp16 copies widened to fp32: the checkpoint holds no fp32 master for them "
         "(a distributed optimizer keeps them in distrib_optim.pt)");
   if (used_masters) s.notes.push_back("the weights are the optimizer's fp32 master copies (a --bf16/--fp16 run)");
+  if (used_distrib)
+    s.notes.push_back("the weights and AdamW moments are the distributed optimizer's fp32 state (distrib_optim.pt)");
   if (ckpt_padded > c.padded_vocab_size)
     s.notes.push_back(
         fmt::format("the vocabulary's {} padded rows are cut to {} (a multiple of {}, as ptk-train pads "
