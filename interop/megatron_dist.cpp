@@ -23,10 +23,12 @@ struct DistKey {
   int64_t layer = -1;  // the index on the leading axis; -1 not stacked
 };
 
-DistKey KeyOf(const MegParam& m, bool te) {
+// megatron-core's sharded keys use Transformer Engine's names for either layer spec (the local spec's
+// input_layernorm is saved as self_attention.linear_qkv.layer_norm_weight, so that each loads the other).
+DistKey KeyOf(const MegParam& m) {
   static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
   std::smatch match;
-  const std::string& name = te ? m.te_name : m.local_name;  // MegParams(layout, 1): global layer numbers
+  const std::string& name = m.te_name;  // MegParams(layout, 1): global layer numbers
   if (std::regex_match(name, match, kLayer))
     return DistKey{"decoder.layers." + match[2].str(), std::atoll(match[1].str().c_str())};
   return DistKey{name, -1};
@@ -66,12 +68,11 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
   PTK_ASSIGN_OR_RETURN(auto ck, torchdist::DistCheckpoint::Open(iter_dir));
   const std::string meta = JoinPath(iter_dir, ".metadata");
   const auto& tensors = ck->tensors();
-  const bool te = tensors.count("decoder.layers.self_attention.linear_qkv.layer_norm_weight") > 0;
 
   // The keys the model must have, each with its global shape; nothing else but the optimizer's.
   std::map<std::string, std::vector<int64_t>> want;
   for (const MegParam& m : params) {
-    const DistKey k = KeyOf(m, te);
+    const DistKey k = KeyOf(m);
     std::vector<int64_t> shape = m.info->shape;
     if (m.vocab) shape[0] = model.ckpt_padded;
     if (k.layer >= 0) shape.insert(shape.begin(), c.num_layers);
@@ -93,10 +94,8 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
       other_optimizer.insert(key);
       continue;
     }
-    return bad(meta, fmt::format("tensor {}: not a weight of the GPT model common.pt's args describe ({} layer "
-                                 "names{})",
-                                 key, te ? "Transformer Engine" : "local",
-                                 c.untie_embeddings_and_output_weights ? "" : ", output layer tied"));
+    return bad(meta, fmt::format("tensor {}: not a weight of the GPT model common.pt's args describe{}", key,
+                                 c.untie_embeddings_and_output_weights ? "" : " (output layer tied)"));
   }
   for (const auto& [key, shape] : want)
     if (!tensors.count(key)) return bad(meta, fmt::format("tensor {}: missing", key));
@@ -120,7 +119,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
   // the layer's slice, then ptk's rows (the vocabulary cut to ptk's padding: a prefix).
   std::map<std::string, std::vector<std::pair<const MegParam*, int64_t>>> by_key;
   for (const MegParam& m : params) {
-    const DistKey k = KeyOf(m, te);
+    const DistKey k = KeyOf(m);
     by_key[k.key].emplace_back(&m, k.layer);
   }
   for (int w = 0; w < 3; ++w) {
@@ -170,8 +169,8 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
                     model.ckpt_padded, c.padded_vocab_size, model.divisible, c.vocab_size));
   PTK_RETURN_IF_ERROR(SaveImported(o, args, root, reader.get(), layout, model.divisible, have_moments ? adam_step : 0,
                                    weights, m1, m2, &s));
-  s.notes.push_back(fmt::format("read a torch_dist checkpoint ({} tensors, {} layer names){}", tensors.size(),
-                                te ? "Transformer Engine" : "local", have_moments ? ", with the AdamW moments" : ""));
+  s.notes.push_back(fmt::format("read a torch_dist checkpoint ({} tensors){}", tensors.size(),
+                                have_moments ? ", with the AdamW moments" : ""));
   return s;
 }
 

@@ -10,8 +10,9 @@ out as megatron-core's dist_checkpointing (0.16) saves a GPT model with --ckpt-f
 Each tensor is a PyTorch ShardedTensor with megatron-core's sharded keys and global shapes: the layers
 stacked on a leading axis (`decoder.layers.self_attention.linear_qkv.weight` is [L, 3h, h]), one
 chunk per layer and tensor-parallel rank (column-parallel tensors split along their rows, row-parallel
-ones along their columns), as the ranks of a TP=2 run hold them; Transformer Engine's `_extra_state`
-entries are byte items (ShardedObjects); a tied model has no `output_layer.weight`. The plain
+ones along their columns), as the ranks of a TP=2 run hold them; the keys are Transformer Engine's
+names for either layer spec (megatron-core maps the local spec's LayerNorms onto them); the linear
+layers' `_extra_state` entries are byte items (ShardedObjects); a tied model has no `output_layer.weight`. The plain
 optimizer's state (a --bf16 run) is `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>`.
 
 Beside each checkpoint, expected.json holds, per ptk tensor name (the merged tensor as ptk holds it:
@@ -105,7 +106,6 @@ def write_checkpoint(out, *, layers, hidden, heads, ffn, vocab, divisible, tp, p
     multiple = divisible * tp
     vp = (vocab + multiple - 1) // multiple * multiple  # Megatron's padded vocabulary at TP=tp
     ptk_vp = (vocab + divisible - 1) // divisible * divisible  # ptk's (TP 1)
-    te = impl == "transformer_engine"
 
     def rnd(*shape):
         return torch.randn(shape, generator=gen) * 0.02
@@ -141,7 +141,10 @@ def write_checkpoint(out, *, layers, hidden, heads, ffn, vocab, divisible, tp, p
     add("embedding.word_embeddings.weight", of("embedding.word_embeddings.weight"), 0, False)
     add("embedding.position_embeddings.weight", of("embedding.position_embeddings.weight"), None, False)
     for local, te_name, split in LAYER_KEYS:
-        key = "decoder.layers." + (te_name if te and te_name else local)
+        # megatron-core's sharded keys are Transformer Engine's names for either layer spec (a local-spec
+        # GPTModel's sharded_state_dict maps input_layernorm.weight to
+        # decoder.layers.self_attention.linear_qkv.layer_norm_weight, so that the two load each other).
+        key = "decoder.layers." + (te_name or local)
         add(key, lambda i, local=local: torch.stack(
             [of(f"decoder.layers.{layer}.{local}")(i) for layer in range(layers)]), split, True)
     for name in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
@@ -149,8 +152,7 @@ def write_checkpoint(out, *, layers, hidden, heads, ffn, vocab, divisible, tp, p
     if untie:
         add("output_layer.weight", of("output_layer.weight"), 0, False)
     # Transformer Engine's per-layer extra state and the RNG state: ShardedObjects (byte items).
-    for module in (["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]
-                   if te else []):
+    for module in ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]:
         for layer in range(layers):
             for t in range(tp):
                 buf = io.BytesIO()
