@@ -150,8 +150,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       RankFile& rf = files[static_cast<size_t>(t)][static_cast<size_t>(p)];
       const std::string& f = rf.reader->path();
       std::vector<std::pair<std::string, bool>> order;  // local name, decay
-      for (const MegParam& m : params)
-        if (m.stage == p) order.emplace_back(local_name(m), m.decay);
+      for (const MegParam* m : StageOrder(params, p, te)) order.emplace_back(local_name(*m), m->decay);
       if (tied_copy && p == pp - 1) order.emplace_back("output_layer.weight", true);
       std::set<std::string> expected;
       for (const auto& [n, d] : order) expected.insert(n);
@@ -183,10 +182,9 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
         const std::string dfile = JoinPath(Dirname(f), "distrib_optim.pt");
         if (!PathExists(dfile)) continue;
         std::vector<DistribParam> dparams;
-        for (const MegParam& m : params)
-          if (m.stage == p)
-            dparams.push_back(DistribParam{local_name(m), Elements(ShardShape(m, ckpt_padded, tp)),
-                                           tied_copy && m.info->name == "embedding.word_embeddings.weight"});
+        for (const MegParam* m : StageOrder(params, p, te))
+          dparams.push_back(DistribParam{local_name(*m), Elements(ShardShape(*m, ckpt_padded, tp)),
+                                         tied_copy && m->info->name == "embedding.word_embeddings.weight"});
         if (tied_copy && p == pp - 1)
           dparams.push_back(DistribParam{"output_layer.weight", ckpt_padded / tp * c.hidden_size, true});
         // megatron-core's bucket size: --ddp-bucket-size, else max(4e7, 1e6 x data-parallel size), only with
@@ -557,10 +555,9 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
           pend.push_back(std::move(pd));
         };
         const MegParam* wte = nullptr;
-        for (const MegParam& m : mparams) {
+        for (const MegParam& m : mparams)
           if (m.info->name == "embedding.word_embeddings.weight") wte = &m;
-          if (m.stage == p) add(m, te ? m.te_name : m.local_name);
-        }
+        for (const MegParam* m : StageOrder(mparams, p, te)) add(*m, te ? m->te_name : m->local_name);
         if (tied_copy && p == pp - 1) add(*wte, "output_layer.weight");
         // Megatron's parameter order: named_parameters; groups: weights first, then 1-D ones.
         int64_t next = 0;

@@ -74,6 +74,49 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
   return out;
 }
 
+std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te) {
+  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
+  std::vector<const MegParam*> out;
+  // A layer's parameters, contiguous in ptk's order: linear_proj's moved before linear_qkv's (and,
+  // with Transformer Engine's names, before the input LayerNorm).
+  std::vector<const MegParam*> layer, proj;
+  std::string current;
+  auto flush = [&] {
+    size_t at = 0;
+    while (at < layer.size()) {
+      std::smatch m;
+      const std::string& name = layer[at]->info->name;
+      std::regex_match(name, m, kLayer);
+      const std::string rest = m[2].str();
+      if (rest.rfind("self_attention.linear_qkv.", 0) == 0 || (te && rest.rfind("input_layernorm.", 0) == 0)) break;
+      ++at;
+    }
+    for (size_t i = 0; i < layer.size(); ++i) {
+      if (i == at) out.insert(out.end(), proj.begin(), proj.end());
+      out.push_back(layer[i]);
+    }
+    if (at >= layer.size()) out.insert(out.end(), proj.begin(), proj.end());
+    layer.clear();
+    proj.clear();
+  };
+  for (const MegParam& p : params) {
+    if (p.stage != stage) continue;
+    std::smatch m;
+    if (!std::regex_match(p.info->name, m, kLayer)) {
+      flush();
+      out.push_back(&p);
+      continue;
+    }
+    if (m[1].str() != current) {
+      flush();
+      current = m[1].str();
+    }
+    (m[2].str().rfind("self_attention.linear_proj.", 0) == 0 ? proj : layer).push_back(&p);
+  }
+  flush();
+  return out;
+}
+
 // The shape of rank `t`'s shard of `m` when the vocabulary has `vocab_rows` rows.
 std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t tp) {
   std::vector<int64_t> s = m.info->shape;

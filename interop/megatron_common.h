@@ -36,6 +36,12 @@ struct MegParam {
 
 // The parameters of a model in ptk's layout order (= Megatron's named_parameters order per stage).
 absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64_t pp);
+// The parameters of pipeline stage `stage` in megatron-core's named_parameters order (what its
+// optimizer's parameter groups and its grad buffers follow, and its state_dict lists): ptk's order
+// but for each layer's linear_proj, which Attention builds before SelfAttention builds linear_qkv,
+// so it comes before linear_qkv (local names) or before the input LayerNorm linear_qkv holds
+// (Transformer Engine's names, `te`).
+std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te);
 // The shape of a rank's shard of `m` when the vocabulary has `vocab_rows` rows.
 std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t tp);
 // Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `shard`, or back

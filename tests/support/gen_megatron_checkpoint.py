@@ -26,16 +26,19 @@ import numpy
 import torch
 
 
-def megatron_names(layers, untie):
-    """Megatron-core's GPTModel parameters in named_parameters order (local layer spec names) with
-    their split: 0 column-parallel (rows), 1 row-parallel (columns), None replicated."""
+def megatron_names(layers, untie, impl):
+    """Megatron-core's GPTModel parameters in named_parameters order (under their local layer spec
+    names) with their split: 0 column-parallel (rows), 1 row-parallel (columns), None replicated.
+    Attention builds linear_proj before SelfAttention builds linear_qkv, so linear_proj comes before
+    linear_qkv, and with Transformer Engine before the input LayerNorm too (linear_qkv holds it), as
+    a local-spec GPTModel's named_parameters lists them (megatron-core 0.16.1)."""
     out = [("embedding.word_embeddings.weight", 0), ("embedding.position_embeddings.weight", None)]
     for layer in range(layers):
         p = f"decoder.layers.{layer}."
-        out += [
-            (p + "input_layernorm.weight", None), (p + "input_layernorm.bias", None),
+        ln = [(p + "input_layernorm.weight", None), (p + "input_layernorm.bias", None)]
+        proj = [(p + "self_attention.linear_proj.weight", 1), (p + "self_attention.linear_proj.bias", None)]
+        out += (proj + ln if impl == "transformer_engine" else ln + proj) + [
             (p + "self_attention.linear_qkv.weight", 0), (p + "self_attention.linear_qkv.bias", 0),
-            (p + "self_attention.linear_proj.weight", 1), (p + "self_attention.linear_proj.bias", None),
             (p + "pre_mlp_layernorm.weight", None), (p + "pre_mlp_layernorm.bias", None),
             (p + "mlp.linear_fc1.weight", 0), (p + "mlp.linear_fc1.bias", 0),
             (p + "mlp.linear_fc2.weight", 1), (p + "mlp.linear_fc2.bias", None),
@@ -132,7 +135,7 @@ def main():
     gen = torch.Generator().manual_seed(1234 + 7 * tp + pp)
 
     # The full model, and two steps of full gradients (split across ranks like the tensors).
-    names = megatron_names(a.layers, a.untie)
+    names = megatron_names(a.layers, a.untie, a.impl)
     shapes = {}
     for name, _ in names:
         if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
