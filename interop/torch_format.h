@@ -134,6 +134,11 @@ absl::Status WriteTorchFile(const std::string& path, const PyValue& root, const 
 PyRef MakeTensor(const std::string& key, DType dtype, std::vector<int64_t> shape);
 StorageBlob MakeBlob(const std::string& key, DType dtype, const float* data, int64_t n);
 
+// torch.<Name>Storage: the storage type a persistent id names for a dtype ("FloatStorage", ...), and
+// back (false for a type ptk does not read).
+std::string_view StorageTypeName(DType d);
+bool DTypeOfStorageType(std::string_view name, DType* out);
+
 uint32_t Crc32(const void* data, size_t size, uint32_t crc = 0);
 uint16_t FloatToBf16(float f);  // round to nearest even
 uint16_t FloatToHalf(float f);
