@@ -1,7 +1,7 @@
 """ptk-convert --loader megatron on Megatron's torch_dist checkpoints (PyTorch's distributed checkpoint).
 
-The checkpoints under data/torch_dist/ were written by PyTorch 2.5's own torch.distributed.checkpoint
-(make_torch_dist_fixture.py: megatron-core's sharded keys, layers stacked, chunks per layer and
+The checkpoints under tests/data/torch_dist/ were written by PyTorch 2.5's own torch.distributed.checkpoint
+(tests/support/make_torch_dist_fixture.py: megatron-core's sharded keys, layers stacked, chunks per layer and
 tensor-parallel rank); each expected.json records the SHA-256 of every merged tensor. The ptk
 checkpoint ptk-convert writes must hold each weight (the fp32 masters of the --bf16 one) and AdamW
 moment bit for bit, and the iteration, consumed samples and Adam step. Damaged copies (a .distcp
@@ -23,7 +23,7 @@ import numpy
 
 BIN = sys.argv[1]
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "data", "torch_dist")
+DATA = os.path.join(HERE, "..", "data", "torch_dist")
 CONVERT = os.path.join(BIN, "ptk-convert")
 failures = []
 

@@ -1,4 +1,4 @@
-"""Writes the committed Megatron `torch_dist` checkpoints under tests/interop/data/torch_dist/ with
+"""Writes the committed Megatron `torch_dist` checkpoints under tests/data/torch_dist/ with
 PyTorch's own torch.distributed.checkpoint.save (PyTorch >= 2.1; Debian's 1.13 has none of it), laid
 out as megatron-core's dist_checkpointing (0.16) saves a GPT model with --ckpt-format torch_dist:
 
@@ -19,7 +19,8 @@ Beside each checkpoint, expected.json holds, per ptk tensor name (the merged ten
 the vocabulary cut to ptk's padding), the SHA-256 of its float32 little-endian bytes and its first
 values, for weights (the fp32 masters where there are some), exp_avg and exp_avg_sq.
 
-Usage: make_torch_dist_fixture.py OUT_DIR   (run with a PyTorch >= 2.1, e.g. a private venv)
+Usage: make_torch_dist_fixture.py OUT_DIR   (under a PyTorch >= 2.1 in a private venv: python3 -m venv V &&
+       V/bin/pip install torch==2.5.1 && V/bin/python tests/support/make_torch_dist_fixture.py tests/data/torch_dist)
 """
 import argparse
 import hashlib
