@@ -155,11 +155,12 @@ def write_checkpoint(out, *, layers, hidden, heads, ffn, vocab, divisible, tp, p
     # Transformer Engine's per-layer extra state and the RNG state: ShardedObjects (byte items).
     for module in ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]:
         for layer in range(layers):
-            for t in range(tp):
-                buf = io.BytesIO()
-                torch.save([None], buf)
-                buf.seek(0)
-                state[f"decoder.layers.{module}._extra_state/shard_{layer}.{t}_{layers}.{tp}"] = buf
+            # A ShardedObject per layer (ShardedObject.unique_key: shard_<offset>_<shape> over the layers),
+            # the tensor-parallel replicas saved once; the data a list of the objects (None: no FP8 state).
+            buf = io.BytesIO()
+            torch.save([None], buf)
+            buf.seek(0)
+            state[f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}"] = buf
     buf = io.BytesIO()
     torch.save([{"random_rng_state": None}], buf)
     buf.seek(0)
