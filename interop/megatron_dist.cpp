@@ -148,7 +148,11 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
     if (groups && groups->kind == PyValue::Kind::kList)
       for (const auto& g : groups->items)
         if (auto st = NumAttr(g.get(), "step")) adam_step = std::max(adam_step, static_cast<int64_t>(*st));
-    if (adam_step == 0) adam_step = s.iteration;  // Megatron steps once per iteration
+    if (adam_step == 0) {  // Megatron steps once per iteration (skipped fp16 steps aside)
+      adam_step = s.iteration;
+      s.notes.push_back(
+          fmt::format("common.pt's optimizer records no Adam step: taken as the iteration, {}", s.iteration));
+    }
   } else {
     std::fill(m1.begin(), m1.end(), 0.0f);
     std::fill(m2.begin(), m2.end(), 0.0f);
