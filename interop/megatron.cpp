@@ -1,4 +1,4 @@
-// ptk checkpoint <-> Megatron-LM `torch` checkpoint: the shard layout, the names, the optimizer.
+// Megatron-LM `torch` checkpoint -> ptk checkpoint: the shards merged, the optimizer's state mapped.
 #include "interop/megatron.h"
 
 #include <unistd.h>
@@ -21,6 +21,8 @@
 #include "common/logging.h"
 #include "common/output_lock.h"
 #include "common/status.h"
+#include "interop/megatron_common.h"
+#include "interop/megatron_optim.h"
 #include "interop/torch_format.h"
 #include "trainer/checkpoint.h"
 
@@ -34,135 +36,7 @@ using torchfmt::PyValue;
 constexpr char kTracker[] = "latest_checkpointed_iteration.txt";
 constexpr char kFile[] = "model_optim_rng.pt";
 
-std::string ShapeStr(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-std::string RankDir(int64_t tp, int64_t pp, int64_t num_pp) {
-  return num_pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", tp, pp) : fmt::format("mp_rank_{:02d}", tp);
-}
-
-// One ptk parameter as Megatron holds it: which pipeline stage, its name there (per layer spec), how
-// tensor parallelism splits it.
-struct MegParam {
-  const ParamInfo* info = nullptr;
-  int64_t stage = 0;
-  std::string te_name, local_name;  // within the stage (layers renumbered from 0)
-  int split = -1;                   // -1 replicated, 0 rows (column-parallel), 1 columns (row-parallel)
-  bool vocab = false;               // rows are the padded vocabulary
-  bool decay = false;               // Megatron's first parameter group (weight decay applies)
-};
-
-// The parameters of a model in ptk's layout order (= Megatron's named_parameters order per stage).
-absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64_t pp) {
-  const GPTConfig& c = layout.config;
-  if (c.num_layers % pp != 0)
-    return UsageError(
-        fmt::format("--target-pipeline-parallel-size {} does not divide the model's {} layers", pp, c.num_layers));
-  const int64_t per_stage = c.num_layers / pp;
-  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
-  std::vector<MegParam> out;
-  for (const ParamInfo& p : layout.infos) {
-    MegParam m;
-    m.info = &p;
-    m.decay = p.shape.size() > 1;
-    std::smatch match;
-    if (std::regex_match(p.name, match, kLayer)) {
-      const int64_t l = std::atoll(match[1].str().c_str());
-      m.stage = l / per_stage;
-      const std::string rest = match[2].str();
-      m.local_name = fmt::format("decoder.layers.{}.{}", l % per_stage, rest);
-      static const std::map<std::string, std::string> kTe = {
-          {"input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"},
-          {"input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"},
-          {"pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"},
-          {"pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"},
-      };
-      auto te = kTe.find(rest);
-      m.te_name = te == kTe.end() ? m.local_name : fmt::format("decoder.layers.{}.{}", l % per_stage, te->second);
-      if (rest == "self_attention.linear_qkv.weight" || rest == "self_attention.linear_qkv.bias" ||
-          rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")
-        m.split = 0;
-      if (rest == "self_attention.linear_proj.weight" || rest == "mlp.linear_fc2.weight") m.split = 1;
-    } else {
-      m.local_name = m.te_name = p.name;
-      if (p.name.rfind("embedding.", 0) == 0) {
-        m.stage = 0;
-      } else {
-        m.stage = pp - 1;  // final_layernorm, output_layer
-      }
-      if (p.name == "embedding.word_embeddings.weight" || p.name == "output_layer.weight") {
-        m.split = 0;
-        m.vocab = true;
-      }
-    }
-    out.push_back(std::move(m));
-  }
-  return out;
-}
-
-// The shape of rank `t`'s shard of `m` when the vocabulary has `vocab_rows` rows.
-std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t tp) {
-  std::vector<int64_t> s = m.info->shape;
-  if (m.vocab) s[0] = vocab_rows;
-  if (m.split >= 0) s[static_cast<size_t>(m.split)] /= tp;
-  return s;
-}
-
-// Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `out`, or back when
-// `gather`.
-void CopyShard(float* full, float* shard, int64_t rows, int64_t cols, int split, int64_t t, int64_t tp, bool gather) {
-  if (split <= 0) {  // rows (or the whole tensor when replicated: t == 0, tp == 1)
-    const int64_t r = split == 0 ? rows / tp : rows;
-    float* f = full + t * r * cols;
-    if (gather) {
-      std::copy(shard, shard + r * cols, f);
-    } else {
-      std::copy(f, f + r * cols, shard);
-    }
-    return;
-  }
-  const int64_t c = cols / tp;
-  for (int64_t i = 0; i < rows; ++i) {
-    float* f = full + i * cols + t * c;
-    if (gather) {
-      std::copy(shard + i * c, shard + (i + 1) * c, f);
-    } else {
-      std::copy(f, f + c, shard + i * c);
-    }
-  }
-}
-
-int64_t Elements(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
-// ---- small helpers over pickled values -------------------------------------------------------
-std::optional<double> NumAttr(const PyValue* ns, const char* key) {
-  const PyValue* v = ns ? ns->Get(key) : nullptr;
-  if (!v || !v->IsNumber()) return std::nullopt;
-  return v->Number();
-}
-std::optional<std::string> StrAttr(const PyValue* ns, const char* key) {
-  const PyValue* v = ns ? ns->Get(key) : nullptr;
-  if (!v || v->kind != PyValue::Kind::kStr) return std::nullopt;
-  return v->s;
-}
-bool BoolAttr(const PyValue* ns, const char* key, bool fallback) {
-  const PyValue* v = ns ? ns->Get(key) : nullptr;
-  if (!v || v->kind == PyValue::Kind::kNone) return fallback;
-  return v->Number() != 0;
-}
-const PyValue* IntKey(const PyValue* dict, int64_t key) {
-  if (!dict || dict->kind != PyValue::Kind::kDict) return nullptr;
-  for (const auto& [k, v] : dict->dict)
-    if (k->IsInt() && k->i == key) return v.get();
-  return nullptr;
-}
+using namespace megatron;  // NOLINT: the shared helpers
 
 // ---- megatron -> ptk ---------------------------------------------------------------------------
 
@@ -175,6 +49,9 @@ struct RankFile {
   const PyValue* fp32_groups = nullptr;
   std::map<std::string, int64_t> index;  // local name -> optimizer index
   std::map<std::string, std::pair<size_t, size_t>> group_pos;
+  // The distributed optimizer's distrib_optim.pt beside it: fp32 params and moments.
+  std::optional<DistribState> distrib;
+  std::optional<int64_t> distrib_step;
 };
 
 }  // namespace
@@ -199,17 +76,15 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   }
   if (!IsDirectory(iter_dir)) return absl::NotFoundError(fmt::format("{}: missing (the tracker names it)", iter_dir));
   // The shards present: mp_rank_TT or mp_rank_TT_PPP, each with model_optim_rng.pt.
+  // Megatron's torch_dist format (PyTorch's distributed checkpoint): .metadata beside the .distcp files.
+  if (PathExists(JoinPath(iter_dir, ".metadata")) || PathExists(JoinPath(iter_dir, "common.pt")))
+    return ImportFromMegatronDist(o, iter_dir, s.iteration);
   int64_t tp = 0, pp = 0;
-  bool with_pp = false, distrib_optim = false;
+  bool with_pp = false;
   std::error_code ec;
   static const std::regex kRank(R"(mp_rank_(\d\d)(_(\d\d\d))?)");
   for (const auto& e : std::filesystem::directory_iterator(iter_dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (name == ".metadata" || (name.size() > 7 && name.compare(name.size() - 7, 7, ".distcp") == 0))
-      return absl::FailedPreconditionError(fmt::format(
-          "{}: a torch_dist checkpoint (PyTorch distributed checkpoint, {}); ptk-convert reads Megatron's torch "
-          "format: convert it with Megatron's --ckpt-convert-format torch first",
-          iter_dir, name));
     std::smatch m;
     if (!std::regex_match(name, m, kRank)) continue;
     tp = std::max<int64_t>(tp, std::atoll(m[1].str().c_str()) + 1);
@@ -217,7 +92,6 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       with_pp = true;
       pp = std::max<int64_t>(pp, std::atoll(m[3].str().c_str()) + 1);
     }
-    if (PathExists(JoinPath(e.path().string(), "distrib_optim.pt"))) distrib_optim = true;
   }
   if (tp == 0) return absl::NotFoundError(fmt::format("{}: no mp_rank_* directory", iter_dir));
   if (!with_pp) pp = 1;
@@ -248,72 +122,15 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   if (const PyValue* iter = root.Get("iteration"); iter && iter->IsInt()) s.iteration = iter->i;
 
   // The model configuration, and what ptk's GPT does not have.
+  PTK_ASSIGN_OR_RETURN(MegatronModel model, ModelFromArgs(args, s.source, o, tp));
+  s.config = model.config;
   GPTConfig& c = s.config;
-  auto need_int = [&](const char* key, int64_t* out) -> absl::Status {
-    auto v = NumAttr(args, key);
-    if (!v) return bad(s.source, fmt::format("args.{} is missing", key));
-    *out = static_cast<int64_t>(*v);
-    return absl::OkStatus();
-  };
-  PTK_RETURN_IF_ERROR(need_int("num_layers", &c.num_layers));
-  PTK_RETURN_IF_ERROR(need_int("hidden_size", &c.hidden_size));
-  PTK_RETURN_IF_ERROR(need_int("num_attention_heads", &c.num_attention_heads));
-  PTK_RETURN_IF_ERROR(need_int("max_position_embeddings", &c.max_position_embeddings));
-  int64_t ckpt_padded = 0;
-  PTK_RETURN_IF_ERROR(need_int("padded_vocab_size", &ckpt_padded));
-  c.ffn_hidden_size = static_cast<int64_t>(NumAttr(args, "ffn_hidden_size").value_or(4.0 * c.hidden_size));
-  c.seq_length = static_cast<int64_t>(NumAttr(args, "seq_length").value_or(c.max_position_embeddings));
-  c.untie_embeddings_and_output_weights = BoolAttr(args, "untie_embeddings_and_output_weights", false);
-  c.layernorm_epsilon = NumAttr(args, "layernorm_epsilon").value_or(1e-5);
-  c.hidden_dropout = NumAttr(args, "hidden_dropout").value_or(0.1);
-  c.attention_dropout = NumAttr(args, "attention_dropout").value_or(0.1);
-  c.init_method_std = NumAttr(args, "init_method_std").value_or(0.02);
-  {
-    std::vector<std::string> unsupported;
-    if (auto v = StrAttr(args, "position_embedding_type"); v && *v != "learned_absolute")
-      unsupported.push_back("--position-embedding-type " + *v);
-    if (auto v = StrAttr(args, "normalization"); v && *v != "LayerNorm") unsupported.push_back("--normalization " + *v);
-    if (BoolAttr(args, "swiglu", false)) unsupported.push_back("--swiglu");
-    if (BoolAttr(args, "group_query_attention", false)) unsupported.push_back("--group-query-attention");
-    if (!BoolAttr(args, "add_bias_linear", true)) unsupported.push_back("--disable-bias-linear");
-    if (BoolAttr(args, "apply_layernorm_1p", false)) unsupported.push_back("--apply-layernorm-1p");
-    if (BoolAttr(args, "apply_residual_connection_post_layernorm", false))
-      unsupported.push_back("--apply-residual-connection-post-layernorm");
-    if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
-    if (auto v = NumAttr(args, "kv_channels"); v && static_cast<int64_t>(*v) * c.num_attention_heads != c.hidden_size)
-      unsupported.push_back("--kv-channels other than hidden/heads");
-    if (!unsupported.empty())
-      return absl::FailedPreconditionError(fmt::format(
-          "{}: the model was trained with {}: ptk's GPT is Megatron's learned-absolute-position, LayerNorm, GELU "
-          "model with biases",
-          s.source, fmt::join(unsupported, ", ")));
-  }
+  const int64_t ckpt_padded = model.ckpt_padded, divisible = model.divisible;
   const auto tp_arg = NumAttr(args, "tensor_model_parallel_size"),
              pp_arg = NumAttr(args, "pipeline_model_parallel_size");
   if ((tp_arg && static_cast<int64_t>(*tp_arg) != tp) || (pp_arg && static_cast<int64_t>(*pp_arg) != pp))
     return bad(s.source, fmt::format("args say tensor x pipeline parallel {} x {}, the directory holds {} x {} shards",
                                      tp_arg.value_or(1), pp_arg.value_or(1), tp, pp));
-  // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
-  if (o.true_vocab_size > 0) {
-    c.vocab_size = o.true_vocab_size;
-  } else if (auto v = NumAttr(args, "vocab_size"); v && *v > 0) {
-    c.vocab_size = static_cast<int64_t>(*v);
-  } else if (StrAttr(args, "tokenizer_type").value_or("") == "GPT2BPETokenizer") {
-    c.vocab_size = 50257;
-  } else {
-    return UsageError(fmt::format("{}: args record no vocabulary size (tokenizer {}): give --true-vocab-size", s.source,
-                                  StrAttr(args, "tokenizer_type").value_or("unknown")));
-  }
-  const int64_t divisible = static_cast<int64_t>(NumAttr(args, "make_vocab_size_divisible_by").value_or(128));
-  c.padded_vocab_size = PaddedVocabSize(c.vocab_size, divisible);
-  if (c.padded_vocab_size > ckpt_padded || ckpt_padded % tp != 0)
-    return bad(s.source, fmt::format("args.padded_vocab_size {} does not hold a vocabulary of {} padded to {} over {} "
-                                     "tensor-parallel ranks",
-                                     ckpt_padded, c.vocab_size, c.padded_vocab_size, tp));
-  if (absl::Status st = c.Validate(); !st.ok()) return bad(s.source, std::string(StatusMessage(st)));
-  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0)
-    return bad(s.source, fmt::format("{} heads / ffn {} do not split over {} tensor-parallel ranks",
-                                     c.num_attention_heads, c.ffn_hidden_size, tp));
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   PTK_ASSIGN_OR_RETURN(std::vector<MegParam> params, MegParams(layout, pp));
 
@@ -333,8 +150,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       RankFile& rf = files[static_cast<size_t>(t)][static_cast<size_t>(p)];
       const std::string& f = rf.reader->path();
       std::vector<std::pair<std::string, bool>> order;  // local name, decay
-      for (const MegParam& m : params)
-        if (m.stage == p) order.emplace_back(local_name(m), m.decay);
+      for (const MegParam* m : StageOrder(params, p, te)) order.emplace_back(local_name(*m), m->decay);
       if (tied_copy && p == pp - 1) order.emplace_back("output_layer.weight", true);
       std::set<std::string> expected;
       for (const auto& [n, d] : order) expected.insert(n);
@@ -359,11 +175,31 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
       const PyValue* groups = inner->Get("param_groups");
       const PyValue* state = inner->Get("state");
       if (!groups || groups->kind != PyValue::Kind::kList) continue;
-      // The distributed optimizer's state_dict keeps its groups without their parameters (the state
-      // is in distrib_optim.pt): no moments here.
+      // The distributed optimizer's state_dict keeps its groups without their parameters (and Adam's
+      // step in each); the fp32 params and moments are in distrib_optim.pt.
       if (std::any_of(groups->items.begin(), groups->items.end(),
-                      [](const PyRef& g) { return g->Get("params") == nullptr; }))
+                      [](const PyRef& g) { return g->Get("params") == nullptr; })) {
+        const std::string dfile = JoinPath(Dirname(f), "distrib_optim.pt");
+        if (!PathExists(dfile)) continue;
+        std::vector<DistribParam> dparams;
+        for (const MegParam* m : StageOrder(params, p, te))
+          dparams.push_back(DistribParam{local_name(*m), Elements(ShardShape(*m, ckpt_padded, tp)),
+                                         tied_copy && m->info->name == "embedding.word_embeddings.weight"});
+        if (tied_copy && p == pp - 1)
+          dparams.push_back(DistribParam{"output_layer.weight", ckpt_padded / tp * c.hidden_size, true});
+        // megatron-core's bucket size: --ddp-bucket-size, else max(4e7, 1e6 x data-parallel size), only with
+        // --overlap-grad-reduce, and only on the first pipeline stage.
+        std::optional<int64_t> bucket;
+        if (BoolAttr(args, "overlap_grad_reduce", false) && p == 0) {
+          const int64_t dp = static_cast<int64_t>(NumAttr(args, "data_parallel_size").value_or(1));
+          bucket = static_cast<int64_t>(NumAttr(args, "ddp_bucket_size").value_or(std::max(4e7, 1e6 * dp)));
+        }
+        PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptim(dfile, dparams, bucket));
+        rf.distrib = std::move(d);
+        for (const PyRef& g : groups->items)
+          if (auto st = NumAttr(g.get(), "step")) rf.distrib_step = static_cast<int64_t>(*st);
         continue;
+      }
       std::vector<std::string> decay, no_decay;
       for (const auto& [n, d] : order) (d ? decay : no_decay).push_back(n);
       std::vector<std::vector<std::string>*> assign;
@@ -401,7 +237,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   // Gather: weights (fp32 masters where the optimizer has them), moments.
   std::vector<float> weights(static_cast<size_t>(layout.num_params)), m1(weights.size(), 0.0f),
       m2(weights.size(), 0.0f);
-  bool have_moments = true, used_masters = false, low_precision = false;
+  bool have_moments = true, used_masters = false, used_distrib = false, low_precision = false;
   int64_t adam_step = 0;
   for (const MegParam& m : params) {
     const std::vector<int64_t> full = [&] {
@@ -425,6 +261,15 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
                                   "ranks",
                                   name, ShapeStr(tv->tensor.shape), ShapeStr(want), tp));
       const torchfmt::TensorRef* src = &tv->tensor;
+      if (rf.distrib) {  // the distributed optimizer's fp32 params and moments
+        const int64_t at = rf.distrib->offset.at(name);
+        for (auto [from, to] :
+             {std::pair{&rf.distrib->param, &w}, {&rf.distrib->exp_avg, &a}, {&rf.distrib->exp_avg_sq, &b}})
+          CopyShard(to->data(), from->data() + at, rows, cols, m.split, t, tp, /*gather=*/true);
+        used_distrib = true;
+        if (rf.distrib_step) adam_step = *rf.distrib_step;
+        continue;
+      }
       // The fp32 master of a --bf16/--fp16 run.
       if (rf.fp32_groups && rf.group_pos.count(name)) {
         const auto [g, k] = rf.group_pos.at(name);
@@ -477,9 +322,10 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
     std::fill(m1.begin(), m1.end(), 0.0f);
     std::fill(m2.begin(), m2.end(), 0.0f);
     adam_step = 0;
-    s.notes.push_back(distrib_optim
-                          ? "the AdamW moments are in distrib_optim.pt (Megatron's distributed optimizer), which "
-                            "ptk-convert does not read: they start at zero (ptk-train --load ... --no-load-optim)"
+    s.notes.push_back(BoolAttr(args, "use_distributed_optimizer", false)
+                          ? "the distributed optimizer's distrib_optim.pt is missing (for some ranks at least): the "
+                            "AdamW moments start at zero "
+                            "(ptk-train --load ... --no-load-optim)"
                           : "the checkpoint holds no AdamW moments (saved with --no-save-optim, or before a step): "
                             "they start at zero");
   }
@@ -488,440 +334,18 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
         "some weights are the model's bf16/fp16 copies widened to fp32: the checkpoint holds no fp32 master for them "
         "(a distributed optimizer keeps them in distrib_optim.pt)");
   if (used_masters) s.notes.push_back("the weights are the optimizer's fp32 master copies (a --bf16/--fp16 run)");
+  if (used_distrib)
+    s.notes.push_back("the weights and AdamW moments are the distributed optimizer's fp32 state (distrib_optim.pt)");
   if (ckpt_padded > c.padded_vocab_size)
     s.notes.push_back(
         fmt::format("the vocabulary's {} padded rows are cut to {} (a multiple of {}, as ptk-train pads "
                     "{} tokens)",
                     ckpt_padded, c.padded_vocab_size, divisible, c.vocab_size));
 
-  // The training state.
-  TrainState state;
-  state.iteration = s.iteration;
-  state.consumed_train_samples = static_cast<int64_t>(NumAttr(args, "consumed_train_samples").value_or(0));
-  state.consumed_valid_samples = static_cast<int64_t>(NumAttr(args, "consumed_valid_samples").value_or(0));
-  state.adam_step = adam_step;
-  state.seed = static_cast<uint64_t>(NumAttr(args, "seed").value_or(1234));
-  if (const PyValue* sched = root.Get("opt_param_scheduler"); sched && sched->kind == PyValue::Kind::kDict) {
-    state.scheduler_num_steps = static_cast<int64_t>(NumAttr(sched, "num_steps").value_or(0));
-    SchedulerConfig sc;
-    sc.max_lr = NumAttr(sched, "max_lr").value_or(0);
-    sc.min_lr = NumAttr(sched, "min_lr").value_or(0);
-    sc.warmup_steps = static_cast<int64_t>(NumAttr(sched, "lr_warmup_steps").value_or(0));
-    sc.decay_steps = static_cast<int64_t>(NumAttr(sched, "lr_decay_steps").value_or(0));
-    sc.decay_style = StrAttr(sched, "lr_decay_style").value_or("linear");
-    sc.start_wd = NumAttr(sched, "start_wd").value_or(0.01);
-    sc.end_wd = NumAttr(sched, "end_wd").value_or(0.01);
-    sc.wd_incr_steps = static_cast<int64_t>(NumAttr(sched, "wd_incr_steps").value_or(0));
-    sc.wd_incr_style = StrAttr(sched, "wd_incr_style").value_or("constant");
-    sc.init_lr = NumAttr(args, "lr_warmup_init").value_or(0);
-    sc.wsd_decay_steps = static_cast<int64_t>(NumAttr(args, "lr_wsd_decay_samples").value_or(0));
-    sc.wsd_decay_style = StrAttr(args, "lr_wsd_decay_style").value_or("exponential");
-    state.scheduler = sc;
-  } else {
-    state.scheduler_num_steps = state.consumed_train_samples;
-  }
-  if (const PyValue* opt = root.Get("optimizer")) {
-    const PyValue* gs = opt->Get("grad_scaler");
-    if (gs && gs->kind == PyValue::Kind::kDict && BoolAttr(args, "fp16", false)) {
-      LossScaleState ls;
-      if (const PyValue* sc = gs->Get("scale"); sc && sc->kind == PyValue::Kind::kTensor) {
-        PTK_ASSIGN_OR_RETURN(std::vector<float> v, first.reader->ReadFloat(sc->tensor, "grad_scaler.scale"));
-        if (!v.empty()) ls.scale = v[0];
-      } else if (sc && sc->IsNumber()) {
-        ls.scale = sc->Number();
-      }
-      ls.growth_tracker = static_cast<int64_t>(NumAttr(gs, "growth_tracker").value_or(0));
-      ls.hysteresis_tracker = static_cast<int64_t>(NumAttr(gs, "hysteresis_tracker").value_or(0));
-      if (ls.scale > 0 && std::isfinite(ls.scale)) state.loss_scale = ls;
-    }
-  }
-  auto num = [](double v) { return fmt::format("{}", v); };
-  state.settings = {
-      {"--num-layers", std::to_string(c.num_layers)},
-      {"--hidden-size", std::to_string(c.hidden_size)},
-      {"--num-attention-heads", std::to_string(c.num_attention_heads)},
-      {"--ffn-hidden-size", std::to_string(c.ffn_hidden_size)},
-      {"--seq-length", std::to_string(c.seq_length)},
-      {"--max-position-embeddings", std::to_string(c.max_position_embeddings)},
-      {"--vocab-size", std::to_string(c.vocab_size)},
-      {"--make-vocab-size-divisible-by (padded vocabulary)", std::to_string(c.padded_vocab_size)},
-      {"--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights ? "on" : "off"},
-      {"--layernorm-epsilon", num(c.layernorm_epsilon)},
-      {"--hidden-dropout", num(c.hidden_dropout)},
-      {"--attention-dropout", num(c.attention_dropout)},
-      {"--init-method-std", num(c.init_method_std)},
-      {"--seed", std::to_string(state.seed)},
-      {"--bf16/--fp16", BoolAttr(args, "bf16", false)   ? "bf16"
-                        : BoolAttr(args, "fp16", false) ? "fp16"
-                                                        : "fp32"},
-  };
-  if (auto gbs = NumAttr(args, "global_batch_size"))
-    state.settings.emplace_back("--global-batch-size", std::to_string(static_cast<int64_t>(*gbs)));
-  PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
-  PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
-  PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, weights, m1, m2, state, o.args_json));
-  s.destination = CheckpointFile(o.save_dir, s.iteration);
-  s.num_params = layout.num_params;
-  s.train_flags = fmt::format(
-      "--num-layers {} --hidden-size {} --num-attention-heads {} --ffn-hidden-size {} --max-position-embeddings {} "
-      "--seq-length {}{}{}",
-      c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.max_position_embeddings, c.seq_length,
-      c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "",
-      c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "");
-  if (divisible != 128) s.train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
+  PTK_RETURN_IF_ERROR(
+      SaveImported(o, args, root, first.reader.get(), layout, divisible, adam_step, weights, m1, m2, &s));
   s.notes.push_back(fmt::format("read {} tensor- x {} pipeline-parallel shards ({} layer names){}", tp, pp,
                                 te ? "Transformer Engine" : "local", have_moments ? ", with the AdamW moments" : ""));
-  return s;
-}
-
-// ---- ptk -> megatron ---------------------------------------------------------------------------
-namespace {
-
-// A setting the ptk run recorded, as a number (fallback when absent).
-double SettingNum(const TrainState& st, const std::string& flag, double fallback) {
-  for (const auto& [k, v] : st.settings)
-    if (k == flag) {
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      if (end != v.c_str() && *end == '\0') return d;
-    }
-  return fallback;
-}
-std::string SettingStr(const TrainState& st, const std::string& flag, const std::string& fallback) {
-  for (const auto& [k, v] : st.settings)
-    if (k == flag) return v;
-  return fallback;
-}
-
-absl::Status RemoveAll(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::remove_all(path, ec);
-  if (ec) return absl::InternalError(fmt::format("{}: cannot remove: {}", path, ec.message()));
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
-  ConvertSummary s;
-  const int64_t tp = o.target_tensor_parallel_size, pp = o.target_pipeline_parallel_size;
-  if (o.saver_transformer_impl != "transformer_engine" && o.saver_transformer_impl != "local")
-    return UsageError(
-        fmt::format("--saver-transformer-impl {}: transformer_engine or local", o.saver_transformer_impl));
-  PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
-  GPTConfig& c = ck.config;
-  s.notes = ck.notes;
-  s.source = ck.file;
-  s.iteration = ck.iteration;
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  std::vector<float> params, m1, m2;
-  TrainState state;
-  PTK_RETURN_IF_ERROR(LoadCheckpoint(o.load_dir, ck.iteration, layout, &params, &m1, &m2, &state));
-  if (PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by) != c.padded_vocab_size)
-    return UsageError(
-        fmt::format("{}: a vocabulary of {} padded to {} is not a multiple of "
-                    "--make-vocab-size-divisible-by {}: give the value the run was trained with",
-                    ck.file, c.vocab_size, c.padded_vocab_size, o.make_vocab_size_divisible_by));
-  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0)
-    return UsageError(fmt::format("--target-tensor-parallel-size {} does not divide the {} heads and ffn {}", tp,
-                                  c.num_attention_heads, c.ffn_hidden_size));
-  const int64_t vm = PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by * tp);
-  PTK_ASSIGN_OR_RETURN(std::vector<MegParam> mparams, MegParams(layout, pp));
-  const bool te = o.saver_transformer_impl == "transformer_engine";
-  const bool tied_copy = !c.untie_embeddings_and_output_weights && pp > 1;
-  const bool with_moments = state.adam_step > 0;
-  // As the saving run trained: fp32, or bf16/fp16 model weights with the fp32 masters in the optimizer.
-  const std::string precision = SettingStr(state, "--bf16/--fp16", "fp32");
-  const bool mixed = precision == "bf16" || precision == "fp16";
-  const DType model_dtype = precision == "bf16"   ? DType::kBFloat16
-                            : precision == "fp16" ? DType::kFloat16
-                                                  : DType::kFloat32;
-
-  // The args Namespace: what Megatron's load checks (check_checkpoint_args) and its converter reads.
-  PyRef ns_attrs = torchfmt::MakeDict();
-  PyValue* a = ns_attrs.get();
-  auto set_i = [&](const char* k, int64_t v) { torchfmt::DictSet(a, k, torchfmt::MakeInt(v)); };
-  auto set_f = [&](const char* k, double v) { torchfmt::DictSet(a, k, torchfmt::MakeFloat(v)); };
-  auto set_s = [&](const char* k, const std::string& v) { torchfmt::DictSet(a, k, torchfmt::MakeStr(v)); };
-  auto set_b = [&](const char* k, bool v) { torchfmt::DictSet(a, k, torchfmt::MakeBool(v)); };
-  auto set_none = [&](const char* k) { torchfmt::DictSet(a, k, torchfmt::MakeNone()); };
-  set_i("num_layers", c.num_layers);
-  set_i("hidden_size", c.hidden_size);
-  set_i("ffn_hidden_size", c.ffn_hidden_size);
-  set_i("num_attention_heads", c.num_attention_heads);
-  set_i("kv_channels", c.head_dim());
-  set_b("group_query_attention", false);
-  set_i("num_query_groups", c.num_attention_heads);
-  set_i("max_position_embeddings", c.max_position_embeddings);
-  set_i("seq_length", c.seq_length);
-  set_s("position_embedding_type", "learned_absolute");
-  set_b("add_position_embedding", true);
-  set_s("normalization", "LayerNorm");
-  set_f("layernorm_epsilon", c.layernorm_epsilon);
-  set_b("apply_layernorm_1p", false);
-  set_b("apply_residual_connection_post_layernorm", false);
-  set_b("swiglu", false);
-  set_b("add_bias_linear", true);
-  set_b("add_qkv_bias", true);
-  set_b("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
-  set_f("hidden_dropout", c.hidden_dropout);
-  set_f("attention_dropout", c.attention_dropout);
-  set_f("init_method_std", c.init_method_std);
-  set_i("vocab_size", c.vocab_size);
-  set_i("padded_vocab_size", vm);
-  set_i("make_vocab_size_divisible_by", o.make_vocab_size_divisible_by);
-  set_s("tokenizer_type", "GPT2BPETokenizer");
-  set_i("tensor_model_parallel_size", tp);
-  set_i("pipeline_model_parallel_size", pp);
-  set_none("virtual_pipeline_model_parallel_size");
-  set_b("sequence_parallel", false);
-  set_i("data_parallel_size", 1);
-  set_i("world_size", tp * pp);
-  set_none("num_experts");
-  set_s("transformer_impl", o.saver_transformer_impl);
-  set_s("ckpt_format", "torch");
-  set_b("use_distributed_optimizer", false);
-  set_b("fp16", precision == "fp16");
-  set_b("bf16", precision == "bf16");
-  torchfmt::DictSet(a, "params_dtype",
-                    torchfmt::MakeGlobal(precision == "bf16"   ? "torch.bfloat16"
-                                         : precision == "fp16" ? "torch.float16"
-                                                               : "torch.float32"));
-  set_i("iteration", state.iteration);
-  set_i("train_iters", static_cast<int64_t>(SettingNum(state, "--train-iters", 0)));
-  set_i("micro_batch_size", static_cast<int64_t>(SettingNum(state, "--micro-batch-size", 1)));
-  set_i("global_batch_size", static_cast<int64_t>(SettingNum(state, "--global-batch-size", 1)));
-  set_i("consumed_train_samples", state.consumed_train_samples);
-  set_i("consumed_valid_samples", state.consumed_valid_samples);
-  set_i("skipped_train_samples", 0);
-  set_i("seed", static_cast<int64_t>(state.seed));
-  set_s("optimizer", "adam");
-  const double lr = state.scheduler ? state.scheduler->max_lr : SettingNum(state, "--lr", 0);
-  const double min_lr = state.scheduler ? state.scheduler->min_lr : SettingNum(state, "--min-lr", 0);
-  set_f("lr", lr);
-  set_f("min_lr", min_lr);
-  set_s("lr_decay_style",
-        state.scheduler ? state.scheduler->decay_style : SettingStr(state, "--lr-decay-style", "linear"));
-  const double wd = SettingNum(state, "--weight-decay", 0.01), b1 = SettingNum(state, "--adam-beta1", 0.9),
-               b2 = SettingNum(state, "--adam-beta2", 0.999), eps = SettingNum(state, "--adam-eps", 1e-8);
-  set_f("weight_decay", wd);
-  set_f("adam_beta1", b1);
-  set_f("adam_beta2", b2);
-  set_f("adam_eps", eps);
-  set_f("clip_grad", SettingNum(state, "--clip-grad", 1.0));
-  PyRef args = torchfmt::MakeNamespace(ns_attrs);
-
-  PyRef sched = torchfmt::MakeDict();
-  {
-    const SchedulerConfig sc = state.scheduler.value_or(SchedulerConfig{});
-    PyValue* d = sched.get();
-    torchfmt::DictSet(d, "max_lr", torchfmt::MakeFloat(state.scheduler ? sc.max_lr : lr));
-    torchfmt::DictSet(d, "lr_warmup_steps", torchfmt::MakeInt(sc.warmup_steps));
-    torchfmt::DictSet(d, "num_steps", torchfmt::MakeInt(state.scheduler_num_steps));
-    torchfmt::DictSet(d, "lr_decay_style", torchfmt::MakeStr(sc.decay_style));
-    torchfmt::DictSet(d, "lr_decay_steps", torchfmt::MakeInt(sc.decay_steps));
-    torchfmt::DictSet(d, "min_lr", torchfmt::MakeFloat(state.scheduler ? sc.min_lr : min_lr));
-    torchfmt::DictSet(d, "start_wd", torchfmt::MakeFloat(sc.start_wd));
-    torchfmt::DictSet(d, "end_wd", torchfmt::MakeFloat(sc.end_wd));
-    torchfmt::DictSet(d, "wd_incr_style", torchfmt::MakeStr(sc.wd_incr_style));
-    torchfmt::DictSet(d, "wd_incr_steps", torchfmt::MakeInt(sc.wd_incr_steps));
-  }
-
-  // The iteration's directory, written aside and renamed into place.
-  PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-convert")));
-  const std::string final_dir = JoinPath(o.save_dir, fmt::format("iter_{:07d}", state.iteration));
-  const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());
-  const std::string old_dir = fmt::format("{}.ptk-old-{}", final_dir, ::getpid());
-  absl::Status st = [&]() -> absl::Status {
-    PTK_RETURN_IF_ERROR(RemoveAll(tmp_dir));
-    for (int64_t p = 0; p < pp; ++p)
-      for (int64_t t = 0; t < tp; ++t) {
-        const std::string dir = JoinPath(tmp_dir, RankDir(t, p, pp));
-        PTK_RETURN_IF_ERROR(MakeDirs(dir));
-        std::vector<torchfmt::StorageBlob> blobs;
-        PyRef model = torchfmt::MakeDict();
-        // The optimizer's parameter groups (indices) and state, in Megatron's order.
-        std::vector<PyRef> decay_ids, no_decay_ids;
-        struct Pending {
-          std::vector<float> w, a, b;
-          std::vector<int64_t> shape;
-          bool decay;
-          std::string name;
-        };
-        std::vector<Pending> pend;
-        auto shard_of = [&](const MegParam& m, const std::vector<float>& src, bool pad_copy) {
-          const std::vector<int64_t>& shape = m.info->shape;
-          const int64_t rows = m.vocab ? vm : shape[0], cols = shape.size() > 1 ? shape[1] : 1;
-          std::vector<float> full;
-          const float* base = src.data() + m.info->offset;
-          if (m.vocab) {
-            full.assign(static_cast<size_t>(rows * cols), 0.0f);
-            std::copy(base, base + m.info->size, full.begin());
-            if (pad_copy)
-              for (int64_t r = c.padded_vocab_size; r < vm; ++r)
-                std::copy(base + (c.vocab_size - 1) * cols, base + c.vocab_size * cols, full.begin() + r * cols);
-          } else {
-            full.assign(base, base + m.info->size);
-          }
-          std::vector<float> out(static_cast<size_t>(rows * cols / (m.split >= 0 ? tp : 1)));
-          CopyShard(full.data(), out.data(), rows, cols, m.split, m.split >= 0 ? t : 0, m.split >= 0 ? tp : 1,
-                    /*gather=*/false);
-          return out;
-        };
-        auto add = [&](const MegParam& m, const std::string& name) {
-          Pending pd;
-          pd.name = name;
-          pd.shape = ShardShape(m, vm, tp);
-          pd.w = shard_of(m, params, true);
-          pd.a = shard_of(m, m1, false);
-          pd.b = shard_of(m, m2, false);
-          pd.decay = m.decay;
-          pend.push_back(std::move(pd));
-        };
-        const MegParam* wte = nullptr;
-        for (const MegParam& m : mparams) {
-          if (m.info->name == "embedding.word_embeddings.weight") wte = &m;
-          if (m.stage == p) add(m, te ? m.te_name : m.local_name);
-        }
-        if (tied_copy && p == pp - 1) add(*wte, "output_layer.weight");
-        // Megatron's parameter order: named_parameters; groups: weights first, then 1-D ones.
-        int64_t next = 0;
-        std::vector<int64_t> ids(pend.size());
-        for (size_t i = 0; i < pend.size(); ++i)
-          if (pend[i].decay) ids[i] = next++;
-        for (size_t i = 0; i < pend.size(); ++i)
-          if (!pend[i].decay) ids[i] = next++;
-        PyRef adam_state = torchfmt::MakeDict();
-        std::vector<std::pair<int64_t, PyRef>> by_id;
-        int key = 0;
-        auto tensor = [&](const std::vector<float>& data, const std::vector<int64_t>& shape, DType dtype) {
-          const std::string k = std::to_string(key++);
-          blobs.push_back(torchfmt::MakeBlob(k, dtype, data.data(), static_cast<int64_t>(data.size())));
-          return torchfmt::MakeTensor(k, dtype, shape);
-        };
-        std::vector<PyRef> masters_decay, masters_no_decay;  // fp32_from_fp16_params, by group
-        auto extra = [&](const std::string& module) {
-          torchfmt::DictSet(model.get(), module + "._extra_state", torchfmt::MakeNone());
-        };
-        for (size_t i = 0; i < pend.size(); ++i) {
-          Pending& pd = pend[i];
-          torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape, model_dtype));
-          if (mixed) (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
-          std::vector<float>().swap(pd.w);  // the blob holds the bytes now
-          // Megatron's linear layers carry an (empty) extra state, after their bias.
-          static const std::regex kLinear(R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2))\.bias)");
-          std::smatch mm;
-          if (std::regex_match(pd.name, mm, kLinear)) {
-            if (te && mm[2] == "linear_proj") extra(mm[1].str().substr(0, mm[1].str().size() - 11) + "core_attention");
-            extra(mm[1].str());
-          }
-          if (pd.name == "output_layer.weight") extra("output_layer");
-          (pd.decay ? decay_ids : no_decay_ids).push_back(torchfmt::MakeInt(ids[i]));
-          if (with_moments) {
-            PyRef entry = torchfmt::MakeDict();
-            PyRef step = tensor({static_cast<float>(state.adam_step)}, {}, DType::kFloat32);
-            torchfmt::DictSet(entry.get(), "step", step);
-            torchfmt::DictSet(entry.get(), "exp_avg", tensor(pd.a, pd.shape, DType::kFloat32));
-            torchfmt::DictSet(entry.get(), "exp_avg_sq", tensor(pd.b, pd.shape, DType::kFloat32));
-            std::vector<float>().swap(pd.a);
-            std::vector<float>().swap(pd.b);
-            by_id.emplace_back(ids[i], entry);
-          }
-        }
-        std::sort(by_id.begin(), by_id.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
-        for (auto& [id, entry] : by_id) torchfmt::DictSet(adam_state.get(), torchfmt::MakeInt(id), entry);
-        if (p == pp - 1 && !c.untie_embeddings_and_output_weights && pp == 1) extra("output_layer");
-        auto group = [&](std::vector<PyRef> ids_list, double wd_mult) {
-          PyRef g = torchfmt::MakeDict();
-          PyValue* d = g.get();
-          torchfmt::DictSet(d, "lr", torchfmt::MakeFloat(lr));
-          torchfmt::DictSet(d, "betas", torchfmt::MakeTuple({torchfmt::MakeFloat(b1), torchfmt::MakeFloat(b2)}));
-          torchfmt::DictSet(d, "eps", torchfmt::MakeFloat(eps));
-          torchfmt::DictSet(d, "weight_decay", torchfmt::MakeFloat(wd * wd_mult));
-          torchfmt::DictSet(d, "amsgrad", torchfmt::MakeBool(false));
-          torchfmt::DictSet(d, "maximize", torchfmt::MakeBool(false));
-          torchfmt::DictSet(d, "foreach", torchfmt::MakeNone());
-          torchfmt::DictSet(d, "capturable", torchfmt::MakeBool(false));
-          torchfmt::DictSet(d, "differentiable", torchfmt::MakeBool(false));
-          torchfmt::DictSet(d, "fused", torchfmt::MakeNone());
-          torchfmt::DictSet(d, "is_expert_parallel", torchfmt::MakeBool(false));
-          torchfmt::DictSet(d, "default_config", torchfmt::MakeBool(true));
-          torchfmt::DictSet(d, "wd_mult", torchfmt::MakeFloat(wd_mult));
-          torchfmt::DictSet(d, "lr_mult", torchfmt::MakeFloat(1.0));
-          torchfmt::DictSet(d, "is_decoupled_lr", torchfmt::MakeBool(false));
-          torchfmt::DictSet(d, "max_lr", torchfmt::MakeFloat(lr));
-          torchfmt::DictSet(d, "min_lr", torchfmt::MakeFloat(min_lr));
-          torchfmt::DictSet(d, "params", torchfmt::MakeList(std::move(ids_list)));
-          return g;
-        };
-        PyRef optimizer = torchfmt::MakeDict();
-        torchfmt::DictSet(optimizer.get(), "state", adam_state);
-        torchfmt::DictSet(optimizer.get(), "param_groups",
-                          torchfmt::MakeList({group(decay_ids, 1.0), group(no_decay_ids, 0.0)}));
-        if (mixed) {  // Float16OptimizerWithFloat16Params.state_dict
-          PyRef wrapped = torchfmt::MakeDict();
-          torchfmt::DictSet(wrapped.get(), "optimizer", optimizer);
-          if (precision == "fp16") {
-            const LossScaleState ls = state.loss_scale.value_or(LossScaleState{});
-            PyRef gs = torchfmt::MakeDict();
-            torchfmt::DictSet(gs.get(), "scale", tensor({static_cast<float>(ls.scale)}, {1}, DType::kFloat32));
-            torchfmt::DictSet(gs.get(), "growth_tracker", torchfmt::MakeInt(ls.growth_tracker));
-            torchfmt::DictSet(gs.get(), "hysteresis_tracker", torchfmt::MakeInt(ls.hysteresis_tracker));
-            torchfmt::DictSet(wrapped.get(), "grad_scaler", gs);
-          }
-          torchfmt::DictSet(wrapped.get(), "fp32_from_fp16_params",
-                            torchfmt::MakeList({torchfmt::MakeList(std::move(masters_decay)),
-                                                torchfmt::MakeList(std::move(masters_no_decay))}));
-          optimizer = wrapped;
-        }
-        PyRef root = torchfmt::MakeDict();
-        PyValue* r = root.get();
-        torchfmt::DictSet(r, "args", args);
-        torchfmt::DictSet(r, "checkpoint_version", torchfmt::MakeFloat(3.0));
-        torchfmt::DictSet(r, "iteration", torchfmt::MakeInt(state.iteration));
-        torchfmt::DictSet(r, "model", model);
-        torchfmt::DictSet(r, "optimizer", optimizer);
-        torchfmt::DictSet(r, "opt_param_scheduler", sched);
-        torchfmt::DictSet(r, "num_floating_point_operations_so_far", torchfmt::MakeInt(0));
-        PTK_RETURN_IF_ERROR(torchfmt::WriteTorchFile(JoinPath(dir, kFile), *root, blobs));
-        PTK_RETURN_IF_ERROR(FsyncDir(dir));
-      }
-    PTK_RETURN_IF_ERROR(FsyncDir(tmp_dir));
-    const bool replacing = PathExists(final_dir);
-    if (replacing) {
-      PTK_RETURN_IF_ERROR(RemoveAll(old_dir));
-      PTK_RETURN_IF_ERROR(RenameFile(final_dir, old_dir));
-    }
-    PTK_RETURN_IF_ERROR(RenameFile(tmp_dir, final_dir));
-    PTK_RETURN_IF_ERROR(FsyncDir(o.save_dir));
-    if (replacing) PTK_RETURN_IF_ERROR(RemoveAll(old_dir));
-    PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(JoinPath(o.save_dir, kTracker)));
-    PTK_RETURN_IF_ERROR(w->Write(std::to_string(state.iteration)));
-    return w->Commit();
-  }();
-  if (!st.ok()) {
-    absl::Status undo = RemoveAll(tmp_dir);
-    if (!undo.ok()) log::Warning("after a failed save: {}", StatusMessage(undo));
-    if (!PathExists(final_dir) && PathExists(old_dir)) (void)RenameFile(old_dir, final_dir);
-    return st;
-  }
-  s.destination = final_dir;
-  s.config = c;
-  s.num_params = layout.num_params;
-  if (vm > c.padded_vocab_size)
-    s.notes.push_back(
-        fmt::format("the vocabulary is padded from {} to {} rows (a multiple of {} x {} tensor-parallel "
-                    "ranks, as Megatron pads it) with copies of the last token's row",
-                    c.padded_vocab_size, vm, o.make_vocab_size_divisible_by, tp));
-  s.notes.push_back(fmt::format(
-      "wrote {} tensor- x {} pipeline-parallel shards ({} layer names) as a{} run with Megatron's plain optimizer "
-      "saves them{}; no rng_state (ptk's generators are not PyTorch's): Megatron loads it with --ckpt-format torch "
-      "--no-load-rng{}",
-      tp, pp, te ? "Transformer Engine" : "local",
-      mixed ? fmt::format(" --{} (fp32 masters in the optimizer)", precision) : "n fp32",
-      with_moments ? ", AdamW moments included" : ", no AdamW step yet", mixed ? fmt::format(" --{}", precision) : ""));
   return s;
 }
 

@@ -1,4 +1,4 @@
-// PyTorch's zip + pickle serialization, read (safely: nothing is executed) and written.
+// PyTorch's zip archives (torch.save's container) and the numbers in them; the pickle is torch_pickle.cpp.
 #include "interop/torch_format.h"
 
 #include <algorithm>
@@ -99,6 +99,7 @@ int DTypeSize(DType d) {
     default: return 1;
   }
 }
+
 namespace {
 // torch.<Name>Storage, the storage types persistent ids name.
 struct StorageName {
@@ -110,639 +111,20 @@ constexpr StorageName kStorages[] = {
     {"DoubleStorage", DType::kFloat64}, {"ByteStorage", DType::kUInt8},   {"CharStorage", DType::kInt8},
     {"IntStorage", DType::kInt32},      {"LongStorage", DType::kInt64},   {"BoolStorage", DType::kBool},
 };
-const char* StorageNameOf(DType d) {
+}  // namespace
+std::string_view StorageTypeName(DType d) {
   for (const auto& s : kStorages)
     if (s.dtype == d) return s.name;
   return "FloatStorage";
 }
-}  // namespace
-
-int64_t TensorRef::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-// ---- values ----------------------------------------------------------------------------------
-
-const PyValue* PyValue::Get(std::string_view key) const {
-  const PyValue* d = this;
-  if (kind == Kind::kObject) {
-    if (!state) return nullptr;
-    d = state.get();
-  }
-  if (d->kind != Kind::kDict) return nullptr;
-  for (const auto& [k, v] : d->dict)
-    if (k->kind == Kind::kStr && k->s == key) return v.get();
-  return nullptr;
-}
-std::string PyValue::ClassName() const { return callable ? callable->s : ""; }
-
-namespace {
-PyRef Make(PyValue::Kind k) {
-  auto v = std::make_shared<PyValue>();
-  v->kind = k;
-  return v;
-}
-}  // namespace
-PyRef MakeNone() { return Make(PyValue::Kind::kNone); }
-PyRef MakeBool(bool b) {
-  auto v = Make(PyValue::Kind::kBool);
-  v->b = b;
-  return v;
-}
-PyRef MakeInt(int64_t i) {
-  auto v = Make(PyValue::Kind::kInt);
-  v->i = i;
-  return v;
-}
-PyRef MakeFloat(double f) {
-  auto v = Make(PyValue::Kind::kFloat);
-  v->f = f;
-  return v;
-}
-PyRef MakeStr(std::string s) {
-  auto v = Make(PyValue::Kind::kStr);
-  v->s = std::move(s);
-  return v;
-}
-PyRef MakeList(std::vector<PyRef> items) {
-  auto v = Make(PyValue::Kind::kList);
-  v->items = std::move(items);
-  return v;
-}
-PyRef MakeTuple(std::vector<PyRef> items) {
-  auto v = Make(PyValue::Kind::kTuple);
-  v->items = std::move(items);
-  return v;
-}
-PyRef MakeDict() { return Make(PyValue::Kind::kDict); }
-PyRef MakeGlobal(std::string name) {
-  auto v = Make(PyValue::Kind::kGlobal);
-  v->s = std::move(name);
-  return v;
-}
-PyRef MakeNamespace(PyRef attrs) {
-  auto v = Make(PyValue::Kind::kObject);
-  v->callable = MakeGlobal("argparse.Namespace");
-  v->state = std::move(attrs);
-  return v;
-}
-void DictSet(PyValue* dict, PyRef key, PyRef value) { dict->dict.emplace_back(std::move(key), std::move(value)); }
-void DictSet(PyValue* dict, std::string key, PyRef value) { DictSet(dict, MakeStr(std::move(key)), std::move(value)); }
-
-PyRef MakeTensor(const std::string& key, DType dtype, std::vector<int64_t> shape) {
-  auto v = Make(PyValue::Kind::kTensor);
-  TensorRef& t = v->tensor;
-  t.storage_key = key;
-  t.dtype = dtype;
-  t.shape = std::move(shape);
-  t.stride.assign(t.shape.size(), 1);
-  for (size_t i = t.shape.size(); i-- > 1;) t.stride[i - 1] = t.stride[i] * t.shape[i];
-  t.storage_numel = t.numel();
-  return v;
-}
-
-StorageBlob MakeBlob(const std::string& key, DType dtype, const float* data, int64_t n) {
-  StorageBlob b;
-  b.key = key;
-  b.dtype = dtype;
-  b.bytes.resize(static_cast<size_t>(n) * DTypeSize(dtype));
-  if (dtype == DType::kFloat32) {
-    std::memcpy(b.bytes.data(), data, b.bytes.size());
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t h = dtype == DType::kBFloat16 ? FloatToBf16(data[i]) : FloatToHalf(data[i]);
-      std::memcpy(b.bytes.data() + 2 * i, &h, 2);
+bool DTypeOfStorageType(std::string_view name, DType* out) {
+  for (const auto& s : kStorages)
+    if (name == s.name) {
+      *out = s.dtype;
+      return true;
     }
-  }
-  return b;
-}
-
-// ---- the pickle reader -----------------------------------------------------------------------
-namespace {
-
-// Modules whose globals may appear (as names only: nothing is ever called).
-bool AllowedGlobal(const std::string& module, const std::string& name) {
-  static const std::set<std::string> exact = {
-      "collections.OrderedDict",
-      "collections.defaultdict",
-      "argparse.Namespace",
-      "types.SimpleNamespace",
-      "_codecs.encode",
-      "builtins.set",
-      "builtins.frozenset",
-      "builtins.slice",
-      "builtins.bytearray",
-      "builtins.complex",
-      "__builtin__.set",
-      "__builtin__.frozenset",
-      "copyreg._reconstructor",
-      "builtins.object",
-      "__builtin__.object",
-      "io.BytesIO",
-      "_io.BytesIO",
-      "pathlib.PosixPath",
-      "pathlib.Path",
-      "enum.Enum",
-  };
-  if (exact.count(module + "." + name)) return true;
-  for (const char* prefix : {"torch", "numpy", "megatron", "transformer_engine"}) {
-    const size_t n = std::strlen(prefix);
-    if (module.compare(0, n, prefix) == 0 && (module.size() == n || module[n] == '.')) return true;
-  }
   return false;
 }
-
-class Unpickler {
- public:
-  Unpickler(std::string_view data, const std::string& where) : d_(data), where_(where) {}
-
-  absl::StatusOr<PyRef> Run() {
-    while (true) {
-      if (pos_ >= d_.size()) return Bad("ends before its STOP opcode (truncated)");
-      op_at_ = pos_;
-      const uint8_t op = static_cast<uint8_t>(d_[pos_++]);
-      switch (op) {
-        case 0x80: PTK_RETURN_IF_ERROR(Skip(1)); break;  // PROTO
-        case 0x95: PTK_RETURN_IF_ERROR(Skip(8)); break;  // FRAME
-        case '}': Push(MakeDict()); break;
-        case ']': Push(MakeList()); break;
-        case ')': Push(MakeTuple()); break;
-        case 0x8f: Push(MakeList()); break;  // EMPTY_SET (kept as a list)
-        case '(': marks_.push_back(stack_.size()); break;
-        case 'X': PTK_RETURN_IF_ERROR(PushString(4, PyValue::Kind::kStr)); break;
-        case 0x8c: PTK_RETURN_IF_ERROR(PushString(1, PyValue::Kind::kStr)); break;
-        case 0x8d: PTK_RETURN_IF_ERROR(PushString(8, PyValue::Kind::kStr)); break;
-        case 'T': PTK_RETURN_IF_ERROR(PushString(4, PyValue::Kind::kStr)); break;
-        case 'U': PTK_RETURN_IF_ERROR(PushString(1, PyValue::Kind::kStr)); break;
-        case 'B': PTK_RETURN_IF_ERROR(PushString(4, PyValue::Kind::kBytes)); break;
-        case 'C': PTK_RETURN_IF_ERROR(PushString(1, PyValue::Kind::kBytes)); break;
-        case 0x8e: PTK_RETURN_IF_ERROR(PushString(8, PyValue::Kind::kBytes)); break;
-        case 'q': {
-          PTK_ASSIGN_OR_RETURN(uint64_t k, Uint(1));
-          PTK_RETURN_IF_ERROR(Put(k));
-          break;
-        }
-        case 'r': {
-          PTK_ASSIGN_OR_RETURN(uint64_t k, Uint(4));
-          PTK_RETURN_IF_ERROR(Put(k));
-          break;
-        }
-        case 0x94: PTK_RETURN_IF_ERROR(Put(memo_.size())); break;  // MEMOIZE
-        case 'h':
-        case 'j': {
-          PTK_ASSIGN_OR_RETURN(uint64_t k, Uint(op == 'h' ? 1 : 4));
-          auto it = memo_.find(k);
-          if (it == memo_.end()) return Bad(fmt::format("GET of memo {} that was never PUT", k));
-          Push(it->second);
-          break;
-        }
-        case 'J': {
-          PTK_ASSIGN_OR_RETURN(uint64_t u, Uint(4));
-          Push(MakeInt(static_cast<int32_t>(static_cast<uint32_t>(u))));
-          break;
-        }
-        case 'K':
-        case 'M': {
-          PTK_ASSIGN_OR_RETURN(uint64_t u, Uint(op == 'K' ? 1 : 2));
-          Push(MakeInt(static_cast<int64_t>(u)));
-          break;
-        }
-        case 0x8a:
-        case 0x8b: {
-          PTK_ASSIGN_OR_RETURN(uint64_t n, Uint(op == 0x8a ? 1 : 4));
-          PTK_ASSIGN_OR_RETURN(std::string_view b, Take(n));
-          if (n > 8) {  // beyond 64 bits: kept as its bytes (no weight or count is such a number)
-            auto v = Make(PyValue::Kind::kBytes);
-            v->s = std::string(b);
-            Push(v);
-            break;
-          }
-          uint64_t u = 0;
-          for (size_t i = 0; i < n; ++i) u |= static_cast<uint64_t>(static_cast<uint8_t>(b[i])) << (8 * i);
-          if (n > 0 && n < 8 && (static_cast<uint8_t>(b[n - 1]) & 0x80)) u |= ~uint64_t{0} << (8 * n);
-          Push(MakeInt(static_cast<int64_t>(u)));
-          break;
-        }
-        case 'G': {
-          PTK_ASSIGN_OR_RETURN(std::string_view b, Take(8));
-          uint64_t u = 0;
-          for (int i = 0; i < 8; ++i) u = (u << 8) | static_cast<uint8_t>(b[i]);
-          double f;
-          std::memcpy(&f, &u, 8);
-          Push(MakeFloat(f));
-          break;
-        }
-        case 0x88: Push(MakeBool(true)); break;
-        case 0x89: Push(MakeBool(false)); break;
-        case 'N': Push(MakeNone()); break;
-        case 't': {
-          PTK_ASSIGN_OR_RETURN(std::vector<PyRef> items, PopMark());
-          Push(MakeTuple(std::move(items)));
-          break;
-        }
-        case 0x85:
-        case 0x86:
-        case 0x87: {
-          const size_t n = op - 0x84;
-          if (stack_.size() < n + Floor()) return Bad("TUPLE on a short stack");
-          std::vector<PyRef> items(stack_.end() - static_cast<std::ptrdiff_t>(n), stack_.end());
-          stack_.resize(stack_.size() - n);
-          Push(MakeTuple(std::move(items)));
-          break;
-        }
-        case 's': {
-          if (stack_.size() < 3 + Floor()) return Bad("SETITEM on a short stack");
-          PyRef v = Pop(), k = Pop();
-          PTK_RETURN_IF_ERROR(SetItem(stack_.back().get(), k, v));
-          break;
-        }
-        case 'u': {
-          PTK_ASSIGN_OR_RETURN(std::vector<PyRef> items, PopMark());
-          if (items.size() % 2 || stack_.empty()) return Bad("SETITEMS with an odd number of items");
-          for (size_t i = 0; i < items.size(); i += 2)
-            PTK_RETURN_IF_ERROR(SetItem(stack_.back().get(), items[i], items[i + 1]));
-          break;
-        }
-        case 'a': {
-          if (stack_.size() < 2 + Floor()) return Bad("APPEND on a short stack");
-          PyRef v = Pop();
-          PTK_RETURN_IF_ERROR(Append(stack_.back().get(), {v}));
-          break;
-        }
-        case 'e':
-        case 0x90: {  // APPENDS, ADDITEMS
-          PTK_ASSIGN_OR_RETURN(std::vector<PyRef> items, PopMark());
-          if (stack_.empty()) return Bad("APPENDS on an empty stack");
-          PTK_RETURN_IF_ERROR(Append(stack_.back().get(), items));
-          break;
-        }
-        case 0x91: {  // FROZENSET
-          PTK_ASSIGN_OR_RETURN(std::vector<PyRef> items, PopMark());
-          Push(MakeList(std::move(items)));
-          break;
-        }
-        case 'c': {
-          PTK_ASSIGN_OR_RETURN(std::string module, Line());
-          PTK_ASSIGN_OR_RETURN(std::string name, Line());
-          PTK_RETURN_IF_ERROR(PushGlobal(module, name));
-          break;
-        }
-        case 0x93: {  // STACK_GLOBAL
-          if (stack_.size() < 2 + Floor()) return Bad("STACK_GLOBAL on a short stack");
-          PyRef name = Pop(), module = Pop();
-          if (name->kind != PyValue::Kind::kStr || module->kind != PyValue::Kind::kStr)
-            return Bad("STACK_GLOBAL of non-strings");
-          PTK_RETURN_IF_ERROR(PushGlobal(module->s, name->s));
-          break;
-        }
-        case 'R': {
-          if (stack_.size() < 2 + Floor()) return Bad("REDUCE on a short stack");
-          PyRef args = Pop(), fn = Pop();
-          if (args->kind != PyValue::Kind::kTuple) return Bad("REDUCE with arguments that are not a tuple");
-          PTK_ASSIGN_OR_RETURN(PyRef v, Call(fn, args->items));
-          Push(v);
-          break;
-        }
-        case 0x81: {  // NEWOBJ
-          if (stack_.size() < 2 + Floor()) return Bad("NEWOBJ on a short stack");
-          PyRef args = Pop(), cls = Pop();
-          if (args->kind != PyValue::Kind::kTuple) return Bad("NEWOBJ with arguments that are not a tuple");
-          PTK_ASSIGN_OR_RETURN(PyRef v, Call(cls, args->items));
-          Push(v);
-          break;
-        }
-        case 0x92: {  // NEWOBJ_EX
-          if (stack_.size() < 3 + Floor()) return Bad("NEWOBJ_EX on a short stack");
-          Pop();
-          PyRef args = Pop(), cls = Pop();
-          PTK_ASSIGN_OR_RETURN(PyRef v, Call(cls, args->items));
-          Push(v);
-          break;
-        }
-        case 'b': {
-          if (stack_.size() < 2 + Floor()) return Bad("BUILD on a short stack");
-          PyRef state = Pop();
-          PyValue* obj = stack_.back().get();
-          if (obj->kind == PyValue::Kind::kObject) {
-            obj->state = state;
-          } else if (obj->kind == PyValue::Kind::kDict && state->kind == PyValue::Kind::kDict) {
-            for (auto& kv : state->dict) obj->dict.push_back(kv);
-          }  // a tensor's BUILD (its Python attributes): nothing ptk reads
-          break;
-        }
-        case 'Q': {  // BINPERSID
-          if (stack_.size() < 1 + Floor()) return Bad("BINPERSID on an empty stack");
-          PTK_ASSIGN_OR_RETURN(PyRef v, Persistent(Pop()));
-          Push(v);
-          break;
-        }
-        case '0':
-          if (stack_.size() < 1 + Floor()) return Bad("POP on an empty stack");
-          Pop();
-          break;
-        case '1': {
-          PTK_ASSIGN_OR_RETURN(std::vector<PyRef> unused, PopMark());
-          break;
-        }
-        case '2':
-          if (stack_.empty()) return Bad("DUP on an empty stack");
-          Push(stack_.back());
-          break;
-        case '.':
-          if (stack_.size() != 1 || !marks_.empty()) return Bad("STOP with a stack that is not one value");
-          return stack_.back();
-        default:
-          return Bad(fmt::format("opcode 0x{:02x} ({:?}) is not one torch.save writes; refusing to read further", op,
-                                 std::string(1, static_cast<char>(op >= 0x20 && op < 0x7f ? op : '?'))));
-      }
-    }
-  }
-
- private:
-  absl::Status Bad(const std::string& why) const {
-    return absl::DataLossError(fmt::format("{}: byte {}: {}", where_, op_at_, why));
-  }
-  size_t Floor() const { return marks_.empty() ? 0 : marks_.back(); }
-  void Push(PyRef v) { stack_.push_back(std::move(v)); }
-  PyRef Pop() {
-    PyRef v = stack_.back();
-    stack_.pop_back();
-    return v;
-  }
-  absl::Status Skip(size_t n) { return Take(n).status(); }
-  absl::StatusOr<std::string_view> Take(uint64_t n) {
-    if (n > d_.size() - pos_) return Bad("runs past the end of the pickle (truncated)");
-    std::string_view v = d_.substr(pos_, n);
-    pos_ += n;
-    return v;
-  }
-  absl::StatusOr<uint64_t> Uint(int n) {
-    PTK_ASSIGN_OR_RETURN(std::string_view b, Take(n));
-    uint64_t u = 0;
-    for (int i = 0; i < n; ++i) u |= static_cast<uint64_t>(static_cast<uint8_t>(b[i])) << (8 * i);
-    return u;
-  }
-  absl::StatusOr<std::string> Line() {
-    const size_t nl = d_.find('\n', pos_);
-    if (nl == std::string_view::npos) return Bad("GLOBAL without its newline (truncated)");
-    std::string s(d_.substr(pos_, nl - pos_));
-    pos_ = nl + 1;
-    return s;
-  }
-  absl::Status PushString(int len_bytes, PyValue::Kind kind) {
-    PTK_ASSIGN_OR_RETURN(uint64_t n, Uint(len_bytes));
-    PTK_ASSIGN_OR_RETURN(std::string_view s, Take(n));
-    auto v = Make(kind);
-    v->s = std::string(s);
-    Push(v);
-    return absl::OkStatus();
-  }
-  absl::Status Put(uint64_t k) {
-    if (stack_.empty()) return Bad("PUT on an empty stack");
-    memo_[k] = stack_.back();
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::vector<PyRef>> PopMark() {
-    if (marks_.empty()) return Bad("no MARK to pop to");
-    const size_t m = marks_.back();
-    marks_.pop_back();
-    std::vector<PyRef> items(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
-    stack_.resize(m);
-    return items;
-  }
-  absl::Status SetItem(PyValue* target, PyRef k, PyRef v) {
-    if (target->kind == PyValue::Kind::kObject) {  // an OrderedDict subclass, a defaultdict: its items
-      if (!target->state) target->state = MakeDict();
-      target = target->state.get();
-    }
-    if (target->kind != PyValue::Kind::kDict) return Bad("SETITEM on something that is not a dict");
-    target->dict.emplace_back(std::move(k), std::move(v));
-    return absl::OkStatus();
-  }
-  absl::Status Append(PyValue* target, const std::vector<PyRef>& items) {
-    if (target->kind != PyValue::Kind::kList) return Bad("APPEND on something that is not a list");
-    target->items.insert(target->items.end(), items.begin(), items.end());
-    return absl::OkStatus();
-  }
-  absl::Status PushGlobal(const std::string& module, const std::string& name) {
-    if (!AllowedGlobal(module, name))
-      return Bad(fmt::format("unknown global {}.{}: not one a PyTorch or Megatron checkpoint holds; refusing the file",
-                             module, name));
-    Push(MakeGlobal(module + "." + name));
-    return absl::OkStatus();
-  }
-  // A call, recorded (never made); torch's rebuild functions and OrderedDict become values.
-  absl::StatusOr<PyRef> Call(const PyRef& fn, const std::vector<PyRef>& args) {
-    if (fn->kind != PyValue::Kind::kGlobal) return Bad("a call of something that is not a global");
-    const std::string& f = fn->s;
-    if (f == "collections.OrderedDict" && args.empty()) return MakeDict();
-    if (f == "torch._utils._rebuild_tensor_v2" || f == "torch._utils._rebuild_tensor") {
-      if (args.size() < 4 || args[0]->kind != PyValue::Kind::kTensor || !args[1]->IsInt() ||
-          args[2]->kind != PyValue::Kind::kTuple || args[3]->kind != PyValue::Kind::kTuple)
-        return Bad(f + " with arguments other than (storage, offset, size, stride, ...)");
-      auto v = Make(PyValue::Kind::kTensor);
-      v->tensor = args[0]->tensor;
-      v->tensor.offset = args[1]->i;
-      for (const PyRef& d : args[2]->items) {
-        if (!d->IsInt() || d->i < 0) return Bad(f + ": a size that is not a non-negative integer");
-        v->tensor.shape.push_back(d->i);
-      }
-      for (const PyRef& d : args[3]->items) {
-        if (!d->IsInt() || d->i < 0) return Bad(f + ": a stride that is not a non-negative integer");
-        v->tensor.stride.push_back(d->i);
-      }
-      if (v->tensor.shape.size() != v->tensor.stride.size()) return Bad(f + ": size and stride differ in length");
-      return v;
-    }
-    if ((f == "torch._utils._rebuild_parameter" || f == "torch._utils._rebuild_parameter_with_state") &&
-        !args.empty() && args[0]->kind == PyValue::Kind::kTensor)
-      return args[0];
-    auto v = Make(PyValue::Kind::kObject);
-    v->callable = fn;
-    v->items = args;
-    return v;
-  }
-  // ('storage', torch.<Type>Storage, key, location, numel): a storage in the archive.
-  absl::StatusOr<PyRef> Persistent(const PyRef& pid) {
-    const auto& it = pid->items;
-    if (pid->kind != PyValue::Kind::kTuple || it.size() < 5 || it[0]->kind != PyValue::Kind::kStr ||
-        it[0]->s != "storage" || it[1]->kind != PyValue::Kind::kGlobal || it[2]->kind != PyValue::Kind::kStr ||
-        !it[4]->IsInt())
-      return Bad("a persistent id other than ('storage', type, key, location, numel)");
-    auto v = Make(PyValue::Kind::kTensor);
-    const std::string& type = it[1]->s;
-    bool known = false;
-    for (const auto& s : kStorages)
-      if (type == std::string("torch.") + s.name) {
-        v->tensor.dtype = s.dtype;
-        known = true;
-      }
-    if (!known) return Bad(fmt::format("storage type {} is not one ptk reads", type));
-    v->tensor.storage_key = it[2]->s;
-    v->tensor.storage_numel = it[4]->i;
-    return v;
-  }
-
-  std::string_view d_;
-  const std::string& where_;
-  size_t pos_ = 0, op_at_ = 0;
-  std::vector<PyRef> stack_;
-  std::vector<size_t> marks_;
-  std::map<uint64_t, PyRef> memo_;
-};
-
-}  // namespace
-
-absl::StatusOr<PyRef> ParsePickle(std::string_view data, const std::string& where) {
-  return Unpickler(data, where).Run();
-}
-
-// ---- the pickle writer -----------------------------------------------------------------------
-namespace {
-
-class Pickler {
- public:
-  std::string Run(const PyValue& root) {
-    out_ += "\x80\x02";
-    Put(root);
-    out_ += '.';
-    return std::move(out_);
-  }
-
- private:
-  void U32(uint32_t v) {
-    for (int i = 0; i < 4; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xFF);
-  }
-  void Global(const std::string& dotted) {
-    const size_t dot = dotted.rfind('.');
-    // torch._utils._rebuild_tensor_v2 -> module torch._utils, name _rebuild_tensor_v2
-    out_ += 'c';
-    out_ += dotted.substr(0, dot) + "\n" + dotted.substr(dot + 1) + "\n";
-  }
-  void Int(int64_t v) {
-    if (v >= 0 && v < 256) {
-      out_ += 'K';
-      out_ += static_cast<char>(v);
-    } else if (v >= INT32_MIN && v <= INT32_MAX) {
-      out_ += 'J';
-      U32(static_cast<uint32_t>(static_cast<int32_t>(v)));
-    } else {
-      out_ += '\x8a';
-      out_ += '\x08';
-      for (int i = 0; i < 8; ++i) out_ += static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xFF);
-    }
-  }
-  void Str(const std::string& s) {
-    out_ += 'X';
-    U32(static_cast<uint32_t>(s.size()));
-    out_ += s;
-  }
-  void Tuple(const std::vector<PyRef>& items) {
-    if (items.empty()) {
-      out_ += ')';
-      return;
-    }
-    out_ += '(';
-    for (const PyRef& i : items) Put(*i);
-    out_ += 't';
-  }
-  void Put(const PyValue& v) {
-    switch (v.kind) {
-      case PyValue::Kind::kNone: out_ += 'N'; break;
-      case PyValue::Kind::kBool: out_ += v.b ? '\x88' : '\x89'; break;
-      case PyValue::Kind::kInt: Int(v.i); break;
-      case PyValue::Kind::kFloat: {
-        uint64_t u;
-        std::memcpy(&u, &v.f, 8);
-        out_ += 'G';
-        for (int i = 7; i >= 0; --i) out_ += static_cast<char>((u >> (8 * i)) & 0xFF);
-        break;
-      }
-      case PyValue::Kind::kStr: Str(v.s); break;
-      case PyValue::Kind::kBytes:
-        // Protocol 2 has no bytes opcode: torch.save's pickler writes _codecs.encode(latin1 text).
-        Global("_codecs.encode");
-        out_ += '(';
-        {
-          std::string latin1;
-          for (unsigned char c : v.s) {
-            if (c < 0x80) {
-              latin1 += static_cast<char>(c);
-            } else {
-              latin1 += static_cast<char>(0xC0 | (c >> 6));
-              latin1 += static_cast<char>(0x80 | (c & 0x3F));
-            }
-          }
-          Str(latin1);
-        }
-        Str("latin1");
-        out_ += "tR";
-        break;
-      case PyValue::Kind::kList:
-        out_ += ']';
-        if (!v.items.empty()) {
-          out_ += '(';
-          for (const PyRef& i : v.items) Put(*i);
-          out_ += 'e';
-        }
-        break;
-      case PyValue::Kind::kTuple: Tuple(v.items); break;
-      case PyValue::Kind::kDict:
-        out_ += '}';
-        if (!v.dict.empty()) {
-          out_ += '(';
-          for (const auto& [k, val] : v.dict) {
-            Put(*k);
-            Put(*val);
-          }
-          out_ += 'u';
-        }
-        break;
-      case PyValue::Kind::kGlobal: Global(v.s); break;
-      case PyValue::Kind::kObject:
-        Global(v.ClassName());
-        Tuple(v.items);
-        // argparse.Namespace and other plain classes: cls.__new__(cls) then __dict__ update.
-        out_ += '\x81';
-        if (v.state) {
-          Put(*v.state);
-          out_ += 'b';
-        }
-        break;
-      case PyValue::Kind::kTensor: {
-        const TensorRef& t = v.tensor;
-        Global("torch._utils._rebuild_tensor_v2");
-        out_ += '(';
-        out_ += '(';
-        Str("storage");
-        Global(std::string("torch.") + StorageNameOf(t.dtype));
-        Str(t.storage_key);
-        Str("cpu");
-        Int(t.storage_numel);
-        out_ += 't';
-        out_ += 'Q';
-        Int(t.offset);
-        std::vector<PyRef> shape, stride;
-        for (int64_t d : t.shape) shape.push_back(MakeInt(d));
-        for (int64_t d : t.stride) stride.push_back(MakeInt(d));
-        Tuple(shape);
-        Tuple(stride);
-        out_ += '\x89';
-        Global("collections.OrderedDict");
-        out_ += ")R";
-        out_ += "tR";
-        break;
-      }
-    }
-  }
-  std::string out_;
-};
-
-}  // namespace
-
-std::string WritePickle(const PyValue& root) { return Pickler().Run(root); }
 
 // ---- the zip archive -------------------------------------------------------------------------
 namespace {
@@ -765,8 +147,27 @@ absl::StatusOr<std::unique_ptr<TorchArchiveReader>> TorchArchiveReader::Open(con
   auto r = std::unique_ptr<TorchArchiveReader>(new TorchArchiveReader());
   r->path_ = path;
   PTK_ASSIGN_OR_RETURN(r->file_, MappedFile::Open(path));
-  const uint8_t* d = r->file_->data();
-  const uint64_t size = r->file_->size();
+  r->base_ = r->file_->data();
+  r->size_ = r->file_->size();
+  PTK_RETURN_IF_ERROR(r->Init());
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<TorchArchiveReader>> TorchArchiveReader::OpenBytes(const std::string& where,
+                                                                                  std::string_view bytes) {
+  auto r = std::unique_ptr<TorchArchiveReader>(new TorchArchiveReader());
+  r->path_ = where;
+  r->base_ = reinterpret_cast<const uint8_t*>(bytes.data());
+  r->size_ = bytes.size();
+  PTK_RETURN_IF_ERROR(r->Init());
+  return r;
+}
+
+absl::Status TorchArchiveReader::Init() {
+  TorchArchiveReader* r = this;
+  const std::string& path = path_;
+  const uint8_t* d = base_;
+  const uint64_t size = size_;
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: not a readable PyTorch file: {}", path, why));
   };
@@ -830,7 +231,7 @@ absl::StatusOr<std::unique_ptr<TorchArchiveReader>> TorchArchiveReader::Open(con
   }
   PTK_ASSIGN_OR_RETURN(std::string_view pkl, r->EntryData("data.pkl"));
   PTK_ASSIGN_OR_RETURN(r->root_, ParsePickle(pkl, fmt::format("{}: {}data.pkl", path, r->prefix_)));
-  return r;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string_view> TorchArchiveReader::EntryData(const std::string& name) {
@@ -838,7 +239,7 @@ absl::StatusOr<std::string_view> TorchArchiveReader::EntryData(const std::string
   if (it == entries_.end())
     return absl::DataLossError(fmt::format("{}: the archive has no {}{}", path_, prefix_, name));
   Entry& e = it->second;
-  std::string_view data(reinterpret_cast<const char*>(file_->data() + e.data_offset), e.size);
+  std::string_view data(reinterpret_cast<const char*>(base_ + e.data_offset), e.size);
   if (!e.crc_checked) {
     if (Crc32(data.data(), data.size()) != e.crc)
       return absl::DataLossError(fmt::format("{}: {}{}: CRC-32 mismatch (a damaged file)", path_, prefix_, name));

@@ -91,6 +91,10 @@ class TorchArchiveReader {
   // Maps the file and reads its central directory (zip64 too); a truncated or damaged archive is
   // refused naming the file.
   static absl::StatusOr<std::unique_ptr<TorchArchiveReader>> Open(const std::string& path);
+  // An archive held in memory that outlives the reader (an item of a torch.distributed.checkpoint
+  // .distcp file: each tensor there is a whole torch.save archive); `where` names it in errors.
+  static absl::StatusOr<std::unique_ptr<TorchArchiveReader>> OpenBytes(const std::string& where,
+                                                                       std::string_view bytes);
   // The parsed data.pkl.
   const PyValue& root() const { return *root_; }
   const std::string& path() const { return path_; }
@@ -106,7 +110,10 @@ class TorchArchiveReader {
   };
   absl::StatusOr<std::string_view> EntryData(const std::string& name);
   std::string path_, prefix_;
-  std::unique_ptr<MappedFile> file_;
+  absl::Status Init();
+  std::unique_ptr<MappedFile> file_;  // null for OpenBytes
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
   std::map<std::string, Entry> entries_;
   PyRef root_;
 };
@@ -126,6 +133,11 @@ absl::Status WriteTorchFile(const std::string& path, const PyValue& root, const 
 // A float32 (or bf16, fp16) tensor of `shape` over a whole new storage: the PyValue and its blob.
 PyRef MakeTensor(const std::string& key, DType dtype, std::vector<int64_t> shape);
 StorageBlob MakeBlob(const std::string& key, DType dtype, const float* data, int64_t n);
+
+// torch.<Name>Storage: the storage type a persistent id names for a dtype ("FloatStorage", ...), and
+// back (false for a type ptk does not read).
+std::string_view StorageTypeName(DType d);
+bool DTypeOfStorageType(std::string_view name, DType* out);
 
 uint32_t Crc32(const void* data, size_t size, uint32_t crc = 0);
 uint16_t FloatToBf16(float f);  // round to nearest even

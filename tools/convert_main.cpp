@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   app->add_option("--model-type", model_type, "GPT (the only model ptk has)")->check(CLI::IsMember({"GPT"}));
   app->add_option("--loader", o.loader,
                   "What --load-dir holds: ptk (a ptk-train --save directory), hf, or megatron (a Megatron --save "
-                  "directory in --ckpt-format torch, any tensor/pipeline-parallel sizes)")
+                  "directory in --ckpt-format torch, any tensor/pipeline-parallel sizes, or torch_dist)")
       ->required()
       ->check(CLI::IsMember({"ptk", "hf", "megatron"}));
   app->add_option("--saver", o.saver, "What to write to --save-dir: hf, megatron or ptk")

@@ -76,14 +76,10 @@ std::string MegatronTorchCheckpointIn(const std::string& dir) {
   return "";
 }
 
-// What to do with Megatron's checkpoint `torch` (a file MegatronTorchCheckpointIn found) under `load`.
-std::string ConvertHint(const std::string& torch, const std::string& load) {
-  const bool legacy = torch.size() > 19 && torch.compare(torch.size() - 19, 19, "/model_optim_rng.pt") == 0;
-  return legacy ? fmt::format("convert it with ptk-convert --loader megatron --saver ptk --load-dir {} --save-dir DIR",
-                              load)
-                : fmt::format("a torch_dist checkpoint: convert it to Megatron's torch format (Megatron's "
-                              "--ckpt-convert-format torch), then with ptk-convert --loader megatron --saver ptk "
-                              "--load-dir ... --save-dir DIR");
+// What to do with Megatron's checkpoint (a file MegatronTorchCheckpointIn found) under `load`: either
+// format converts with ptk-convert.
+std::string ConvertHint(const std::string& load) {
+  return fmt::format("convert it with ptk-convert --loader megatron --saver ptk --load-dir {} --save-dir DIR", load);
 }
 
 }  // namespace
@@ -341,7 +337,7 @@ absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {
             return absl::FailedPreconditionError(fmt::format(
                 "{}: no {}, and {} is a Megatron checkpoint in PyTorch's format, which ptk-train does not read; "
                 "{}, or train without --load",
-                load, kTracker, torch, ConvertHint(torch, load)));
+                load, kTracker, torch, ConvertHint(load)));
         }
     }
     return absl::NotFoundError(fmt::format("{}: no checkpoint (no {})", load, kTracker));
@@ -377,7 +373,7 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
       return absl::FailedPreconditionError(
           fmt::format("{} is a Megatron checkpoint in PyTorch's format (the tracker names iteration {}); ptk-train "
                       "reads only its own {}: {}, or train without --load",
-                      torch, iteration, Basename(file), ConvertHint(torch, load)));
+                      torch, iteration, Basename(file), ConvertHint(load)));
     // A save killed while it replaced this iteration (a run that --load-s without --save on this
     // directory does not recover it): a complete copy aside is as good.
     PTK_ASSIGN_OR_RETURN(AsideCopies copies, FindAsideCopies(load, Basename(dir)));

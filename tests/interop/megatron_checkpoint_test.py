@@ -280,17 +280,43 @@ def main():
                                             ["--tp", "2", "--pp", "1", "--impl", "local", "--untie"], 56)
         ptk12, _ = import_matches_reference(tmp, "t1p2-te-untied", ["--tp", "1", "--pp", "2", "--untie", "--layers",
                                                                       "4"], 56)
-        # Megatron's distributed optimizer keeps the moments in distrib_optim.pt, which ptk does not
-        # read: the weights come (fp32 run: exactly), the moments start at zero, and a note says so.
+        # Megatron's distributed optimizer: model_optim_rng.pt keeps the param groups and Adam's step,
+        # distrib_optim.pt the fp32 params and moments in megatron-core's grad-buffer order (reverse
+        # parameter order, starts padded to 64 elements, buckets). Bit for bit: one bucket, several
+        # (--ddp-bucket-size 1000 with --overlap-grad-reduce), a tied embedding shared across pipeline
+        # stages (its own bucket), a --bf16 run whose model holds bf16 copies.
+        import_matches_reference(tmp, "distopt-t2", ["--tp", "2", "--distributed-optimizer"], 56)
+        import_matches_reference(tmp, "distopt-buckets", ["--tp", "1", "--pp", "2", "--layers", "4",
+                                                          "--distributed-optimizer", "--ddp-bucket-size", "1000"], 56)
+        _, p = import_matches_reference(tmp, "distopt-bf16", ["--tp", "2", "--pp", "2", "--bf16",
+                                                              "--distributed-optimizer", "--ddp-bucket-size", "700"],
+                                        56)
+        check("distrib_optim.pt" in p.stderr, f"a note names distrib_optim.pt: {p.stderr}")
+        # A distrib_optim.pt whose buffer does not fit the model (another bucket size) is refused naming it.
+        meg = os.path.join(tmp, "distopt-bad")
+        gen(meg, "--tp", "1", "--distributed-optimizer")
+        rank0 = os.path.join(meg, "iter_0000020", "mp_rank_00", "model_optim_rng.pt")
+        sd = torch.load(rank0)
+        sd["args"].ddp_bucket_size, sd["args"].overlap_grad_reduce = 16, True  # a bucket per parameter: no padding
+        torch.save(sd, rank0)
+        p = convert("megatron", "ptk", meg, os.path.join(tmp, "distopt-bad-ptk"), ok=False)
+        check(p.returncode != 0 and "distrib_optim.pt: grad buffer 0 holds" in p.stderr and
+              "bucket size 16" in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+              f"a distrib_optim.pt of another layout refused in one line: {p.returncode} {p.stderr}")
+        check(not os.path.exists(os.path.join(tmp, "distopt-bad-ptk", "latest_checkpointed_iteration.txt")),
+              "nothing written for a refused distrib_optim.pt")
+        # Without distrib_optim.pt (a copy that lost it), the weights come and the moments start at zero.
         meg = os.path.join(tmp, "dist-meg")
         gen(meg, "--tp", "2", "--distributed-optimizer")
+        for t in range(2):
+            os.remove(os.path.join(meg, "iter_0000020", f"mp_rank_{t:02d}", "distrib_optim.pt"))
         p = convert("megatron", "ptk", meg, os.path.join(tmp, "dist-ptk"))
         check("distrib_optim.pt" in p.stderr + p.stdout, f"a note names distrib_optim.pt: {p.stderr}")
         h, arr = read_ptk(os.path.join(tmp, "dist-ptk"))
         ref = torch.load(os.path.join(meg, "reference.pt"))
         w = ref["weight"]["decoder.layers.1.mlp.linear_fc1.weight"].numpy()
         check(same_bits(ptk_tensor(h, arr, 0, "decoder.layers.1.mlp.linear_fc1.weight"), w),
-              "distributed optimizer: the weights bit for bit")
+              "distributed optimizer without distrib_optim.pt: the weights bit for bit")
         check(not arr[1:].any() and h["adam_step"] == 0, "distributed optimizer: zero moments, Adam step 0")
         # ptk-train resumes the imported checkpoint where Megatron stopped (iteration 20, 160 samples).
         resumed = os.path.join(tmp, "resumed")

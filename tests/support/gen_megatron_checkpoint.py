@@ -18,6 +18,7 @@ Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--impl transformer_engine|l
 import argparse
 import collections
 import io
+import math
 import os
 import random
 
@@ -25,16 +26,19 @@ import numpy
 import torch
 
 
-def megatron_names(layers, untie):
-    """Megatron-core's GPTModel parameters in named_parameters order (local layer spec names) with
-    their split: 0 column-parallel (rows), 1 row-parallel (columns), None replicated."""
+def megatron_names(layers, untie, impl):
+    """Megatron-core's GPTModel parameters in named_parameters order (under their local layer spec
+    names) with their split: 0 column-parallel (rows), 1 row-parallel (columns), None replicated.
+    Attention builds linear_proj before SelfAttention builds linear_qkv, so linear_proj comes before
+    linear_qkv, and with Transformer Engine before the input LayerNorm too (linear_qkv holds it), as
+    a local-spec GPTModel's named_parameters lists them (megatron-core 0.16.1)."""
     out = [("embedding.word_embeddings.weight", 0), ("embedding.position_embeddings.weight", None)]
     for layer in range(layers):
         p = f"decoder.layers.{layer}."
-        out += [
-            (p + "input_layernorm.weight", None), (p + "input_layernorm.bias", None),
+        ln = [(p + "input_layernorm.weight", None), (p + "input_layernorm.bias", None)]
+        proj = [(p + "self_attention.linear_proj.weight", 1), (p + "self_attention.linear_proj.bias", None)]
+        out += (proj + ln if impl == "transformer_engine" else ln + proj) + [
             (p + "self_attention.linear_qkv.weight", 0), (p + "self_attention.linear_qkv.bias", 0),
-            (p + "self_attention.linear_proj.weight", 1), (p + "self_attention.linear_proj.bias", None),
             (p + "pre_mlp_layernorm.weight", None), (p + "pre_mlp_layernorm.bias", None),
             (p + "mlp.linear_fc1.weight", 0), (p + "mlp.linear_fc1.bias", 0),
             (p + "mlp.linear_fc2.weight", 1), (p + "mlp.linear_fc2.bias", None),
@@ -53,6 +57,50 @@ TE_NAMES = {
 }
 
 
+def dist_opt_offsets(params, shared, bucket_size, dp=1):
+    """Where megatron-core's distributed optimizer keeps each parameter in distrib_optim.pt's world
+    tensors (get_parameter_state_dp_zero): _ParamAndGradBuffer lays the parameters out in reverse
+    order, each start padded to 64 elements, a bucket closed once it holds `bucket_size` elements and
+    around a shared embedding, bucket ends padded to lcm(dp, 128); the world tensor is the buckets'
+    unpadded spans concatenated. `params`: [(name, numel)] in named_parameters order."""
+    def pad(n, d):
+        return -(-n // d) * d
+    divisor = 128 * dp // math.gcd(128, dp)
+    offsets, spans = {}, []  # spans: (bucket start, unpadded end)
+    param_start = bucket_start = 0
+    in_bucket = 0
+    param_end = 0
+
+    def close(end):
+        nonlocal bucket_start, in_bucket
+        spans.append((bucket_start, end))
+        bucket_start = pad(end, divisor)
+        in_bucket = 0
+        return bucket_start
+
+    starts = {}
+    for name, numel in params[::-1]:
+        param_start = pad(param_start, 64)
+        if name in shared and in_bucket > 0:
+            param_start = close(param_start)
+        param_end = param_start + numel
+        starts[name] = (param_start, len(spans))
+        in_bucket += 1
+        if (bucket_size is not None and param_end - bucket_start >= bucket_size) or name in shared:
+            param_start = close(param_end)
+        else:
+            param_start = param_end
+    if in_bucket > 0:
+        close(param_end)
+    base, bases = 0, []
+    for s, e in spans:
+        bases.append(base - s)
+        base += e - s
+    for name, (start, bucket) in starts.items():
+        offsets[name] = start + bases[bucket]
+    return offsets, base
+
+
 def padded(vocab, divisible, tp):
     multiple = divisible * tp
     return (vocab + multiple - 1) // multiple * multiple
@@ -68,8 +116,10 @@ def main():
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--distributed-optimizer", action="store_true",
                     help="the optimizer as DistributedOptimizer.state_dict leaves it in model_optim_rng.pt (groups "
-                         "without their parameters, no state) beside a distrib_optim.pt (a stand-in here: ptk "
-                         "does not read it)")
+                         "without their parameters, no state) beside the distrib_optim.pt its "
+                         "save_parameter_state writes (the fp32 params and moments in grad-buffer order)")
+    ap.add_argument("--ddp-bucket-size", type=int, default=None,
+                    help="--ddp-bucket-size of the run (with --overlap-grad-reduce): several buckets")
     ap.add_argument("--untie", action="store_true")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
@@ -85,7 +135,7 @@ def main():
     gen = torch.Generator().manual_seed(1234 + 7 * tp + pp)
 
     # The full model, and two steps of full gradients (split across ranks like the tensors).
-    names = megatron_names(a.layers, a.untie)
+    names = megatron_names(a.layers, a.untie, a.impl)
     shapes = {}
     for name, _ in names:
         if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
@@ -133,7 +183,8 @@ def main():
         params_dtype=torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32, micro_batch_size=2, global_batch_size=8,
         consumed_train_samples=8 * a.iteration, consumed_valid_samples=16, seed=1234, lr=3e-4,
         min_lr=3e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
-        lr_decay_style="cosine", train_iters=100, num_experts=None, iteration=a.iteration)
+        lr_decay_style="cosine", train_iters=100, num_experts=None, iteration=a.iteration,
+        data_parallel_size=1, ddp_bucket_size=a.ddp_bucket_size, overlap_grad_reduce=a.ddp_bucket_size is not None)
     sched = {"max_lr": 3e-4, "lr_warmup_steps": 80, "num_steps": 8 * a.iteration, "lr_decay_style": "cosine",
              "lr_decay_steps": 800, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
              "wd_incr_steps": 800}
@@ -196,7 +247,11 @@ def main():
                 inner = {k: v for k, v in opt_sd.items() if k != "state"}
                 for g in inner["param_groups"]:
                     del g["params"]
+                    g["step"] = 2  # Adam's step, as DistributedOptimizer.state_dict moves it there
                 optimizer = {"optimizer": inner}
+                if a.fp16:
+                    optimizer["grad_scaler"] = {"scale": torch.tensor([65536.0]), "growth_tracker": 3,
+                                                "hysteresis_tracker": 2}
             elif a.bf16 or a.fp16:
                 optimizer = {"optimizer": opt_sd,
                              "fp32_from_fp16_params": [[p_.detach().clone() for p_ in g["params"]] for g in groups]}
@@ -215,7 +270,23 @@ def main():
             os.makedirs(os.path.join(iter_dir, rank), exist_ok=True)
             torch.save(state_dict, os.path.join(iter_dir, rank, "model_optim_rng.pt"))
             if a.distributed_optimizer:
-                torch.save({"per_bucket_numel": [], "param_state_sharding_type": "fully_sharded_model_space"},
+                # DistributedOptimizer.save_parameter_state: one grad buffer (the model's dtype, fp32 grads),
+                # its fp32 params and Adam moments as flat world tensors.
+                shared = set()
+                if pp > 1 and not a.untie:
+                    shared = {"embedding.word_embeddings.weight"} if first else {"output_layer.weight"} if last \
+                        else set()
+                numels = [(l, params[l].numel()) for g, l in stage]
+                offsets, total = dist_opt_offsets(numels, shared, a.ddp_bucket_size if p == 0 else None)
+                world = {k: torch.zeros(total) for k in ("param", "exp_avg", "exp_avg_sq")}
+                for g, l in stage:
+                    st = opt.state[params[l]]
+                    for k, v in (("param", params[l].detach()), ("exp_avg", st["exp_avg"]),
+                                 ("exp_avg_sq", st["exp_avg_sq"])):
+                        world[k][offsets[l]:offsets[l] + v.numel()] = v.flatten()
+                world["numel_unpadded"] = total
+                dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+                torch.save({"buckets_coalesced": True, 0: {(dtype, torch.float32): world}},
                            os.path.join(iter_dir, rank, "distrib_optim.pt"))
             # The merged reference: each rank's piece of every tensor it owns.
             for gname, lname in stage:

@@ -283,6 +283,7 @@ TEST(Checkpoint, MegatronTorchCheckpointIsNamedAsSuch) {
   testing::WriteFile(dir / "iter_0000005/__0_0.distcp", "x");
   st = LoadCheckpoint(dir.path(), 5, layout, &p, &m, &v, &s);
   EXPECT_NE(st.message().find("PyTorch's format"), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("ptk-convert --loader megatron --saver ptk"), absl::string_view::npos) << st;
 }
 
 TEST(Checkpoint, SettingsComeBack) {

@@ -1,0 +1,333 @@
+// What the Megatron checkpoint readers share: names, splits, args, the ptk checkpoint written.
+#include "interop/megatron_common.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <regex>
+
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "common/output_lock.h"
+#include "common/status.h"
+
+namespace ptk::megatron {
+
+std::string ShapeStr(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+std::string RankDir(int64_t tp, int64_t pp, int64_t num_pp) {
+  return num_pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", tp, pp) : fmt::format("mp_rank_{:02d}", tp);
+}
+
+// The parameters of a model in ptk's layout order (= Megatron's named_parameters order per stage).
+absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64_t pp) {
+  const GPTConfig& c = layout.config;
+  if (c.num_layers % pp != 0)
+    return UsageError(
+        fmt::format("--target-pipeline-parallel-size {} does not divide the model's {} layers", pp, c.num_layers));
+  const int64_t per_stage = c.num_layers / pp;
+  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
+  std::vector<MegParam> out;
+  for (const ParamInfo& p : layout.infos) {
+    MegParam m;
+    m.info = &p;
+    m.decay = p.shape.size() > 1;
+    std::smatch match;
+    if (std::regex_match(p.name, match, kLayer)) {
+      const int64_t l = std::atoll(match[1].str().c_str());
+      m.stage = l / per_stage;
+      const std::string rest = match[2].str();
+      m.local_name = fmt::format("decoder.layers.{}.{}", l % per_stage, rest);
+      static const std::map<std::string, std::string> kTe = {
+          {"input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"},
+          {"input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"},
+          {"pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"},
+          {"pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"},
+      };
+      auto te = kTe.find(rest);
+      m.te_name = te == kTe.end() ? m.local_name : fmt::format("decoder.layers.{}.{}", l % per_stage, te->second);
+      if (rest == "self_attention.linear_qkv.weight" || rest == "self_attention.linear_qkv.bias" ||
+          rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")
+        m.split = 0;
+      if (rest == "self_attention.linear_proj.weight" || rest == "mlp.linear_fc2.weight") m.split = 1;
+    } else {
+      m.local_name = m.te_name = p.name;
+      if (p.name.rfind("embedding.", 0) == 0) {
+        m.stage = 0;
+      } else {
+        m.stage = pp - 1;  // final_layernorm, output_layer
+      }
+      if (p.name == "embedding.word_embeddings.weight" || p.name == "output_layer.weight") {
+        m.split = 0;
+        m.vocab = true;
+      }
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te) {
+  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
+  std::vector<const MegParam*> out;
+  // A layer's parameters, contiguous in ptk's order: linear_proj's moved before linear_qkv's (and,
+  // with Transformer Engine's names, before the input LayerNorm).
+  std::vector<const MegParam*> layer, proj;
+  std::string current;
+  auto flush = [&] {
+    size_t at = 0;
+    while (at < layer.size()) {
+      std::smatch m;
+      const std::string& name = layer[at]->info->name;
+      std::regex_match(name, m, kLayer);
+      const std::string rest = m[2].str();
+      if (rest.rfind("self_attention.linear_qkv.", 0) == 0 || (te && rest.rfind("input_layernorm.", 0) == 0)) break;
+      ++at;
+    }
+    for (size_t i = 0; i < layer.size(); ++i) {
+      if (i == at) out.insert(out.end(), proj.begin(), proj.end());
+      out.push_back(layer[i]);
+    }
+    if (at >= layer.size()) out.insert(out.end(), proj.begin(), proj.end());
+    layer.clear();
+    proj.clear();
+  };
+  for (const MegParam& p : params) {
+    if (p.stage != stage) continue;
+    std::smatch m;
+    if (!std::regex_match(p.info->name, m, kLayer)) {
+      flush();
+      out.push_back(&p);
+      continue;
+    }
+    if (m[1].str() != current) {
+      flush();
+      current = m[1].str();
+    }
+    (m[2].str().rfind("self_attention.linear_proj.", 0) == 0 ? proj : layer).push_back(&p);
+  }
+  flush();
+  return out;
+}
+
+// The shape of rank `t`'s shard of `m` when the vocabulary has `vocab_rows` rows.
+std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t tp) {
+  std::vector<int64_t> s = m.info->shape;
+  if (m.vocab) s[0] = vocab_rows;
+  if (m.split >= 0) s[static_cast<size_t>(m.split)] /= tp;
+  return s;
+}
+
+// Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `out`, or back when
+// `gather`.
+void CopyShard(float* full, float* shard, int64_t rows, int64_t cols, int split, int64_t t, int64_t tp, bool gather) {
+  if (split <= 0) {  // rows (or the whole tensor when replicated: t == 0, tp == 1)
+    const int64_t r = split == 0 ? rows / tp : rows;
+    float* f = full + t * r * cols;
+    if (gather) {
+      std::copy(shard, shard + r * cols, f);
+    } else {
+      std::copy(f, f + r * cols, shard);
+    }
+    return;
+  }
+  const int64_t c = cols / tp;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* f = full + i * cols + t * c;
+    if (gather) {
+      std::copy(shard + i * c, shard + (i + 1) * c, f);
+    } else {
+      std::copy(f, f + c, shard + i * c);
+    }
+  }
+}
+
+int64_t Elements(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+std::optional<double> NumAttr(const PyValue* ns, const char* key) {
+  const PyValue* v = ns ? ns->Get(key) : nullptr;
+  if (!v || !v->IsNumber()) return std::nullopt;
+  return v->Number();
+}
+std::optional<std::string> StrAttr(const PyValue* ns, const char* key) {
+  const PyValue* v = ns ? ns->Get(key) : nullptr;
+  if (!v || v->kind != PyValue::Kind::kStr) return std::nullopt;
+  return v->s;
+}
+bool BoolAttr(const PyValue* ns, const char* key, bool fallback) {
+  const PyValue* v = ns ? ns->Get(key) : nullptr;
+  if (!v || v->kind == PyValue::Kind::kNone) return fallback;
+  return v->Number() != 0;
+}
+const PyValue* IntKey(const PyValue* dict, int64_t key) {
+  if (!dict || dict->kind != PyValue::Kind::kDict) return nullptr;
+  for (const auto& [k, v] : dict->dict)
+    if (k->IsInt() && k->i == key) return v.get();
+  return nullptr;
+}
+
+absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::string& source, const ConvertOptions& o,
+                                            int64_t tp) {
+  auto bad = [&](const std::string& file, const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: {}", file, why));
+  };
+  MegatronModel out;
+  GPTConfig& c = out.config;
+  auto need_int = [&](const char* key, int64_t* out) -> absl::Status {
+    auto v = NumAttr(args, key);
+    if (!v) return bad(source, fmt::format("args.{} is missing", key));
+    *out = static_cast<int64_t>(*v);
+    return absl::OkStatus();
+  };
+  PTK_RETURN_IF_ERROR(need_int("num_layers", &c.num_layers));
+  PTK_RETURN_IF_ERROR(need_int("hidden_size", &c.hidden_size));
+  PTK_RETURN_IF_ERROR(need_int("num_attention_heads", &c.num_attention_heads));
+  PTK_RETURN_IF_ERROR(need_int("max_position_embeddings", &c.max_position_embeddings));
+  PTK_RETURN_IF_ERROR(need_int("padded_vocab_size", &out.ckpt_padded));
+  c.ffn_hidden_size = static_cast<int64_t>(NumAttr(args, "ffn_hidden_size").value_or(4.0 * c.hidden_size));
+  c.seq_length = static_cast<int64_t>(NumAttr(args, "seq_length").value_or(c.max_position_embeddings));
+  c.untie_embeddings_and_output_weights = BoolAttr(args, "untie_embeddings_and_output_weights", false);
+  c.layernorm_epsilon = NumAttr(args, "layernorm_epsilon").value_or(1e-5);
+  c.hidden_dropout = NumAttr(args, "hidden_dropout").value_or(0.1);
+  c.attention_dropout = NumAttr(args, "attention_dropout").value_or(0.1);
+  c.init_method_std = NumAttr(args, "init_method_std").value_or(0.02);
+  {
+    std::vector<std::string> unsupported;
+    if (auto v = StrAttr(args, "position_embedding_type"); v && *v != "learned_absolute")
+      unsupported.push_back("--position-embedding-type " + *v);
+    if (auto v = StrAttr(args, "normalization"); v && *v != "LayerNorm") unsupported.push_back("--normalization " + *v);
+    if (BoolAttr(args, "swiglu", false)) unsupported.push_back("--swiglu");
+    if (BoolAttr(args, "group_query_attention", false)) unsupported.push_back("--group-query-attention");
+    if (!BoolAttr(args, "add_bias_linear", true)) unsupported.push_back("--disable-bias-linear");
+    if (BoolAttr(args, "apply_layernorm_1p", false)) unsupported.push_back("--apply-layernorm-1p");
+    if (BoolAttr(args, "apply_residual_connection_post_layernorm", false))
+      unsupported.push_back("--apply-residual-connection-post-layernorm");
+    if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
+    if (auto v = NumAttr(args, "kv_channels"); v && static_cast<int64_t>(*v) * c.num_attention_heads != c.hidden_size)
+      unsupported.push_back("--kv-channels other than hidden/heads");
+    if (!unsupported.empty())
+      return absl::FailedPreconditionError(fmt::format(
+          "{}: the model was trained with {}: ptk's GPT is Megatron's learned-absolute-position, LayerNorm, GELU "
+          "model with biases",
+          source, fmt::join(unsupported, ", ")));
+  }
+  // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
+  if (o.true_vocab_size > 0) {
+    c.vocab_size = o.true_vocab_size;
+  } else if (auto v = NumAttr(args, "vocab_size"); v && *v > 0) {
+    c.vocab_size = static_cast<int64_t>(*v);
+  } else if (StrAttr(args, "tokenizer_type").value_or("") == "GPT2BPETokenizer") {
+    c.vocab_size = 50257;
+  } else {
+    return UsageError(fmt::format("{}: args record no vocabulary size (tokenizer {}): give --true-vocab-size", source,
+                                  StrAttr(args, "tokenizer_type").value_or("unknown")));
+  }
+  out.divisible = static_cast<int64_t>(NumAttr(args, "make_vocab_size_divisible_by").value_or(128));
+  c.padded_vocab_size = PaddedVocabSize(c.vocab_size, out.divisible);
+  if (c.padded_vocab_size > out.ckpt_padded || out.ckpt_padded % tp != 0)
+    return bad(source, fmt::format("args.padded_vocab_size {} does not hold a vocabulary of {} padded to {} over {} "
+                                   "tensor-parallel ranks",
+                                   out.ckpt_padded, c.vocab_size, c.padded_vocab_size, tp));
+  if (absl::Status st = c.Validate(); !st.ok()) return bad(source, std::string(StatusMessage(st)));
+  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0)
+    return bad(source, fmt::format("{} heads / ffn {} do not split over {} tensor-parallel ranks",
+                                   c.num_attention_heads, c.ffn_hidden_size, tp));
+  return out;
+}
+
+absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const PyValue& root,
+                          torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
+                          int64_t adam_step, const std::vector<float>& weights, const std::vector<float>& m1,
+                          const std::vector<float>& m2, ConvertSummary* s) {
+  const GPTConfig& c = s->config;
+  // The training state.
+  TrainState state;
+  state.iteration = s->iteration;
+  state.consumed_train_samples = static_cast<int64_t>(NumAttr(args, "consumed_train_samples").value_or(0));
+  state.consumed_valid_samples = static_cast<int64_t>(NumAttr(args, "consumed_valid_samples").value_or(0));
+  state.adam_step = adam_step;
+  state.seed = static_cast<uint64_t>(NumAttr(args, "seed").value_or(1234));
+  if (const PyValue* sched = root.Get("opt_param_scheduler"); sched && sched->kind == PyValue::Kind::kDict) {
+    state.scheduler_num_steps = static_cast<int64_t>(NumAttr(sched, "num_steps").value_or(0));
+    SchedulerConfig sc;
+    sc.max_lr = NumAttr(sched, "max_lr").value_or(0);
+    sc.min_lr = NumAttr(sched, "min_lr").value_or(0);
+    sc.warmup_steps = static_cast<int64_t>(NumAttr(sched, "lr_warmup_steps").value_or(0));
+    sc.decay_steps = static_cast<int64_t>(NumAttr(sched, "lr_decay_steps").value_or(0));
+    sc.decay_style = StrAttr(sched, "lr_decay_style").value_or("linear");
+    sc.start_wd = NumAttr(sched, "start_wd").value_or(0.01);
+    sc.end_wd = NumAttr(sched, "end_wd").value_or(0.01);
+    sc.wd_incr_steps = static_cast<int64_t>(NumAttr(sched, "wd_incr_steps").value_or(0));
+    sc.wd_incr_style = StrAttr(sched, "wd_incr_style").value_or("constant");
+    sc.init_lr = NumAttr(args, "lr_warmup_init").value_or(0);
+    sc.wsd_decay_steps = static_cast<int64_t>(NumAttr(args, "lr_wsd_decay_samples").value_or(0));
+    sc.wsd_decay_style = StrAttr(args, "lr_wsd_decay_style").value_or("exponential");
+    state.scheduler = sc;
+  } else {
+    state.scheduler_num_steps = state.consumed_train_samples;
+  }
+  if (const PyValue* opt = root.Get("optimizer")) {
+    const PyValue* gs = opt->Get("grad_scaler");
+    if (gs && gs->kind == PyValue::Kind::kDict && BoolAttr(args, "fp16", false)) {
+      LossScaleState ls;
+      if (const PyValue* sc = gs->Get("scale"); sc && sc->kind == PyValue::Kind::kTensor) {
+        PTK_ASSIGN_OR_RETURN(std::vector<float> v, reader->ReadFloat(sc->tensor, "grad_scaler.scale"));
+        if (!v.empty()) ls.scale = v[0];
+      } else if (sc && sc->IsNumber()) {
+        ls.scale = sc->Number();
+      }
+      ls.growth_tracker = static_cast<int64_t>(NumAttr(gs, "growth_tracker").value_or(0));
+      ls.hysteresis_tracker = static_cast<int64_t>(NumAttr(gs, "hysteresis_tracker").value_or(0));
+      if (ls.scale > 0 && std::isfinite(ls.scale)) state.loss_scale = ls;
+    }
+  }
+  auto num = [](double v) { return fmt::format("{}", v); };
+  state.settings = {
+      {"--num-layers", std::to_string(c.num_layers)},
+      {"--hidden-size", std::to_string(c.hidden_size)},
+      {"--num-attention-heads", std::to_string(c.num_attention_heads)},
+      {"--ffn-hidden-size", std::to_string(c.ffn_hidden_size)},
+      {"--seq-length", std::to_string(c.seq_length)},
+      {"--max-position-embeddings", std::to_string(c.max_position_embeddings)},
+      {"--vocab-size", std::to_string(c.vocab_size)},
+      {"--make-vocab-size-divisible-by (padded vocabulary)", std::to_string(c.padded_vocab_size)},
+      {"--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights ? "on" : "off"},
+      {"--layernorm-epsilon", num(c.layernorm_epsilon)},
+      {"--hidden-dropout", num(c.hidden_dropout)},
+      {"--attention-dropout", num(c.attention_dropout)},
+      {"--init-method-std", num(c.init_method_std)},
+      {"--seed", std::to_string(state.seed)},
+      {"--bf16/--fp16", BoolAttr(args, "bf16", false)   ? "bf16"
+                        : BoolAttr(args, "fp16", false) ? "fp16"
+                                                        : "fp32"},
+  };
+  if (auto gbs = NumAttr(args, "global_batch_size"))
+    state.settings.emplace_back("--global-batch-size", std::to_string(static_cast<int64_t>(*gbs)));
+  PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
+  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
+  PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
+  PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, weights, m1, m2, state, o.args_json));
+  s->destination = CheckpointFile(o.save_dir, s->iteration);
+  s->num_params = layout.num_params;
+  s->train_flags = fmt::format(
+      "--num-layers {} --hidden-size {} --num-attention-heads {} --ffn-hidden-size {} --max-position-embeddings {} "
+      "--seq-length {}{}{}",
+      c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.max_position_embeddings, c.seq_length,
+      c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "",
+      c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "");
+  if (divisible != 128) s->train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
+  return absl::OkStatus();
+}
+
+}  // namespace ptk::megatron

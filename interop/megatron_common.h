@@ -1,0 +1,83 @@
+// What the readers of Megatron-LM checkpoints share (its `torch` format, its `torch_dist` format and
+// the distributed optimizer's distrib_optim.pt): the model's parameters as Megatron names and splits
+// them, the args Namespace read into a GPTConfig, and the ptk checkpoint written from what was read.
+// Internal to interop/.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "interop/hf_gpt2.h"
+#include "interop/torch_format.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk::megatron {
+
+using torchfmt::PyValue;
+
+std::string ShapeStr(const std::vector<int64_t>& s);
+// mp_rank_TT, or mp_rank_TT_PPP with pipeline parallelism.
+std::string RankDir(int64_t tp, int64_t pp, int64_t num_pp);
+int64_t Elements(const std::vector<int64_t>& s);
+
+// One ptk parameter as Megatron holds it: which pipeline stage, its name there (per layer spec), how
+// tensor parallelism splits it.
+struct MegParam {
+  const ParamInfo* info = nullptr;
+  int64_t stage = 0;
+  std::string te_name, local_name;  // within the stage (layers renumbered from 0)
+  int split = -1;                   // -1 replicated, 0 rows (column-parallel), 1 columns (row-parallel)
+  bool vocab = false;               // rows are the padded vocabulary
+  bool decay = false;               // Megatron's first parameter group (weight decay applies)
+};
+
+// The parameters of a model in ptk's layout order (= Megatron's named_parameters order per stage).
+absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64_t pp);
+// The parameters of pipeline stage `stage` in megatron-core's named_parameters order (what its
+// optimizer's parameter groups and its grad buffers follow, and its state_dict lists): ptk's order
+// but for each layer's linear_proj, which Attention builds before SelfAttention builds linear_qkv,
+// so it comes before linear_qkv (local names) or before the input LayerNorm linear_qkv holds
+// (Transformer Engine's names, `te`).
+std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te);
+// The shape of a rank's shard of `m` when the vocabulary has `vocab_rows` rows.
+std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t tp);
+// Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `shard`, or back
+// when `gather`.
+void CopyShard(float* full, float* shard, int64_t rows, int64_t cols, int split, int64_t t, int64_t tp, bool gather);
+
+// Small helpers over pickled values: an attribute of a Namespace (or a dict entry) as a number,
+// string or bool; a dict's entry under an integer key.
+std::optional<double> NumAttr(const PyValue* ns, const char* key);
+std::optional<std::string> StrAttr(const PyValue* ns, const char* key);
+bool BoolAttr(const PyValue* ns, const char* key, bool fallback);
+const PyValue* IntKey(const PyValue* dict, int64_t key);
+
+// The model Megatron's args describe, checked (features ptk's GPT lacks refused naming the flag;
+// the vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's), for a checkpoint saved at
+// tensor-parallel size `tp`. `source` names the file in errors.
+struct MegatronModel {
+  GPTConfig config;
+  int64_t ckpt_padded = 0;  // args.padded_vocab_size: the rows the checkpoint's vocabulary tensors have
+  int64_t divisible = 128;  // args.make_vocab_size_divisible_by
+};
+absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::string& source, const ConvertOptions& o,
+                                            int64_t tp);
+
+// The training state (iteration, samples, seed, schedule, loss scale from `root`'s
+// opt_param_scheduler and optimizer.grad_scaler) and the ptk checkpoint of `weights`, `m1`, `m2`
+// written into --save-dir; fills s->destination, num_params, train_flags. `reader` reads root's
+// tensors (the loss scale).
+absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const PyValue& root,
+                          torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
+                          int64_t adam_step, const std::vector<float>& weights, const std::vector<float>& m1,
+                          const std::vector<float>& m2, ConvertSummary* s);
+
+// A torch_dist checkpoint's iteration directory (.metadata, *.distcp, common.pt) -> a ptk checkpoint
+// (interop/megatron_dist.cpp). `iteration` is the tracker's (common.pt's wins).
+absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, const std::string& iter_dir,
+                                                      int64_t iteration);
+
+}  // namespace ptk::megatron

@@ -1,0 +1,98 @@
+// distrib_optim.pt: Megatron's distributed optimizer's fp32 params and Adam moments, in grad-buffer order.
+#include "interop/megatron_optim.h"
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "interop/torch_format.h"
+
+namespace ptk::megatron {
+namespace {
+
+using torchfmt::PyValue;
+
+int64_t Pad(int64_t n, int64_t d) { return (n + d - 1) / d * d; }
+
+}  // namespace
+
+int64_t DistribLayout(const std::vector<DistribParam>& params, std::optional<int64_t> bucket_size,
+                      std::map<std::string, int64_t>* offset) {
+  // As _ParamAndGradBuffer.__init__ with the distributed optimizer (data-parallel size only pads the
+  // buckets' ends, which the file leaves out: bucket starts are multiples of 128 either way).
+  int64_t param_start = 0, param_end = 0, bucket_start = 0, in_bucket = 0;
+  int64_t saved = 0;  // the unpadded elements of the buckets closed so far
+  std::map<std::string, int64_t> start_in_bucket;
+  auto close = [&](int64_t end) {
+    // The elements of the bucket [bucket_start, end) go to the world tensor at `saved`.
+    for (auto& [name, s] : start_in_bucket) (*offset)[name] = saved + (s - bucket_start);
+    start_in_bucket.clear();
+    saved += end - bucket_start;
+    bucket_start = Pad(end, 128);
+    in_bucket = 0;
+    return bucket_start;
+  };
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    param_start = Pad(param_start, 64);
+    if (it->shared && in_bucket > 0) param_start = close(param_start);
+    param_end = param_start + it->numel;
+    start_in_bucket[it->name] = param_start;
+    ++in_bucket;
+    if ((bucket_size && param_end - bucket_start >= *bucket_size) || it->shared) {
+      param_start = close(param_end);
+    } else {
+      param_start = param_end;
+    }
+  }
+  if (in_bucket > 0) close(param_end);
+  return saved;
+}
+
+absl::StatusOr<DistribState> ReadDistribOptim(const std::string& path, const std::vector<DistribParam>& params,
+                                              std::optional<int64_t> bucket_size) {
+  PTK_ASSIGN_OR_RETURN(auto reader, torchfmt::TorchArchiveReader::Open(path));
+  const PyValue& root = reader->root();
+  auto bad = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", path, why)); };
+  if (root.kind != PyValue::Kind::kDict) return bad("the pickle is not a dict: not a distributed optimizer's state");
+  if (const PyValue* t = root.Get("param_state_sharding_type"); t && t->kind == PyValue::Kind::kStr)
+    return bad(
+        fmt::format("parameter state sharded as {:?}; ptk reads the layout save_parameter_state writes "
+                    "(buckets_coalesced)",
+                    t->s));
+  const PyValue* coalesced = root.Get("buckets_coalesced");
+  if (!coalesced || coalesced->Number() == 0)
+    return bad("no buckets_coalesced: the per-bucket layout of Megatron before 2024, which ptk does not read");
+  const PyValue* buffer = nullptr;
+  for (const auto& [k, v] : root.dict) {
+    if (!k->IsInt()) continue;
+    if (k->i != 0)
+      return bad(
+          fmt::format("grad buffer {}: more than one (parameters of several dtypes, or experts): ptk reads "
+                      "one",
+                      k->i));
+    buffer = v.get();
+  }
+  if (!buffer || buffer->kind != PyValue::Kind::kDict || buffer->dict.size() != 1)
+    return bad("grad buffer 0: not one {(param dtype, grad dtype): state} entry");
+  const PyValue* state = buffer->dict[0].second.get();
+  DistribState out;
+  const int64_t total = DistribLayout(params, bucket_size, &out.offset);
+  const PyValue* n = state->Get("numel_unpadded");
+  if (!n || !n->IsInt()) return bad("grad buffer 0: no numel_unpadded");
+  if (n->i != total)
+    return bad(
+        fmt::format("grad buffer 0 holds {} elements; the {} parameters of this rank's model, laid out as "
+                    "megatron-core lays them (bucket size {}), take {}",
+                    n->i, params.size(), bucket_size ? std::to_string(*bucket_size) : "none", total));
+  for (const char* key : {"param", "exp_avg", "exp_avg_sq"}) {
+    const PyValue* t = state->Get(key);
+    if (!t || t->kind != PyValue::Kind::kTensor || t->tensor.numel() != total)
+      return bad(fmt::format("grad buffer 0: {} is not a tensor of {} elements", key, total));
+    PTK_ASSIGN_OR_RETURN(std::vector<float> v, reader->ReadFloat(t->tensor, key));
+    (std::string(key) == "param"     ? out.param
+     : std::string(key) == "exp_avg" ? out.exp_avg
+                                     : out.exp_avg_sq) = std::move(v);
+  }
+  return out;
+}
+
+}  // namespace ptk::megatron

@@ -1,0 +1,46 @@
+// Megatron's distributed optimizer (--use-distributed-optimizer) in the `torch` format: beside each
+// rank's model_optim_rng.pt (whose optimizer keeps only the param groups and Adam's step), a
+// distrib_optim.pt that DistributedOptimizer.save_parameter_state writes on data-parallel rank 0:
+//   {"buckets_coalesced": True,
+//    <grad buffer index>: {(param dtype, grad dtype): {"param": fp32[n], "exp_avg": fp32[n],
+//                                                       "exp_avg_sq": fp32[n], "numel_unpadded": n}}}
+// The world tensors hold the stage's parameters where megatron-core's grad buffer
+// (_ParamAndGradBuffer) puts them: in reverse named_parameters order, each start padded to 64
+// elements, a bucket closed once it holds --ddp-bucket-size elements (only with
+// --overlap-grad-reduce; never on a pipeline stage after the first) and around a shared (tied,
+// pipeline-parallel) embedding; the buckets' end padding is not saved (their unpadded spans are
+// concatenated).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ptk::megatron {
+
+struct DistribParam {
+  std::string name;     // the stage's local name
+  int64_t numel = 0;    // of this rank's shard
+  bool shared = false;  // the shared embedding (tied, pipeline-parallel): a bucket of its own
+};
+
+struct DistribState {
+  std::vector<float> param, exp_avg, exp_avg_sq;  // the world tensors
+  std::map<std::string, int64_t> offset;          // each parameter's first element in them
+};
+
+// Where the grad buffer puts `params` (named_parameters order) in the world tensors; their total
+// (numel_unpadded).
+int64_t DistribLayout(const std::vector<DistribParam>& params, std::optional<int64_t> bucket_size,
+                      std::map<std::string, int64_t>* offset);
+
+// Reads `path` and checks it against the layout of `params` (one grad buffer of one dtype; its
+// numel_unpadded must be the layout's total), naming the file and what differs.
+absl::StatusOr<DistribState> ReadDistribOptim(const std::string& path, const std::vector<DistribParam>& params,
+                                              std::optional<int64_t> bucket_size);
+
+}  // namespace ptk::megatron
