@@ -4,6 +4,8 @@
 
 #include <fmt/core.h>
 
+#include "common/status.h"
+
 namespace ptk {
 
 absl::Status Communicator::AllReduceSumDevice(float*, int64_t, void*) {
@@ -14,6 +16,25 @@ absl::Status Communicator::ReduceScatterSumDevice(float*, std::span<const int64_
 }
 absl::Status Communicator::AllGatherDevice(void*, std::span<const int64_t>, void*) {
   return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
+}
+
+absl::Status CheckMembers(std::span<const int> members, int rank, int world_size) {
+  bool found = false;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i] < 0 || members[i] >= world_size || (i > 0 && members[i] <= members[i - 1]))
+      return absl::InvalidArgumentError(fmt::format(
+          "a group's members must be ascending ranks below {}; member {} is {}", world_size, i, members[i]));
+    found = found || members[i] == rank;
+  }
+  if (!found) return absl::InvalidArgumentError(fmt::format("rank {} is not a member of the group it makes", rank));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Subgroup(std::span<const int> members, const std::string&) {
+  PTK_RETURN_IF_ERROR(CheckMembers(members, rank(), size()));
+  if (members.size() == 1) return MakeLocalCommunicator();
+  return absl::UnimplementedError(
+      fmt::format("the {} communicator makes no groups of several ranks ({} asked for)", backend(), members.size()));
 }
 
 absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes, int world_size) {
