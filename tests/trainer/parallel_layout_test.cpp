@@ -1,0 +1,124 @@
+// Megatron's rank order and process groups against megatron-core's own RankGenerator (golden from
+// tests/support/gen_parallel_layout_golden.py), the refusals, and the vocabulary padded for T.
+#include "trainer/parallel_layout.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/status.h"
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using testing::ReadFile;
+using testing::SourceDir;
+
+std::vector<std::vector<int>> ParseGroups(const std::string& text) {
+  std::vector<std::vector<int>> groups;
+  std::istringstream all(text);
+  std::string g, r;
+  while (std::getline(all, g, ';')) {
+    std::istringstream one(g);
+    std::vector<int> ranks;
+    while (std::getline(one, r, ',')) ranks.push_back(std::stoi(r));
+    groups.push_back(ranks);
+  }
+  return groups;
+}
+
+const std::map<std::string, ParallelGroup> kKinds = {{"tensor", ParallelGroup::kTensor},
+                                                     {"data", ParallelGroup::kData},
+                                                     {"pipeline", ParallelGroup::kPipeline},
+                                                     {"embedding", ParallelGroup::kEmbedding},
+                                                     {"model", ParallelGroup::kModel}};
+
+TEST(ParallelLayout, GroupsAreMegatronCoresRankGenerators) {
+  std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/parallel_layout_groups.txt"));
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    int world = 0, tensor = 0, pipeline = 0;
+    std::string kind_name, text;
+    fields >> world >> tensor >> pipeline >> kind_name >> text;
+    SCOPED_TRACE(line.substr(0, 80));
+    ASSERT_TRUE(kKinds.count(kind_name));
+    const ParallelGroup kind = kKinds.at(kind_name);
+    auto layout = ParallelLayout::Create(world, tensor, pipeline);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const auto want = ParseGroups(text);
+    EXPECT_EQ(layout->Groups(kind), want);
+    // Each rank's own group is the one Megatron puts it in (none for a middle stage's embedding).
+    for (int rank = 0; rank < world; ++rank) {
+      std::vector<int> mine;
+      for (const auto& g : want)
+        if (std::find(g.begin(), g.end(), rank) != g.end()) mine = g;
+      std::sort(mine.begin(), mine.end());
+      ASSERT_EQ(layout->Group(kind, rank), mine) << "rank " << rank;
+    }
+    ++lines;
+  }
+  EXPECT_EQ(lines, 11 * 5);
+}
+
+TEST(ParallelLayout, CoordinatesPutTensorRanksAdjacentThenDataThenPipeline) {
+  auto layout = ParallelLayout::Create(16, 2, 4);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ(layout->data_size(), 2);
+  EXPECT_EQ(layout->Coords(0), (RankCoords{0, 0, 0}));
+  EXPECT_EQ(layout->Coords(1), (RankCoords{1, 0, 0}));
+  EXPECT_EQ(layout->Coords(2), (RankCoords{0, 1, 0}));
+  EXPECT_EQ(layout->Coords(4), (RankCoords{0, 0, 1}));
+  EXPECT_EQ(layout->Coords(15), (RankCoords{1, 1, 3}));
+  for (int r = 0; r < 16; ++r) EXPECT_EQ(layout->Rank(layout->Coords(r)), r);
+  EXPECT_TRUE(layout->IsFirstStage(3));
+  EXPECT_TRUE(layout->IsLastStage(12));
+  EXPECT_EQ(layout->Group(ParallelGroup::kEmbedding, 5), std::vector<int>{});  // a middle stage
+  EXPECT_EQ(layout->Group(ParallelGroup::kEmbedding, 13), (std::vector<int>{1, 13}));
+  // The 175B example: T=8, P=16 on 1024 GPUs gives D=8.
+  auto big = ParallelLayout::Create(1024, 8, 16);
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->data_size(), 8);
+  EXPECT_EQ(big->Group(ParallelGroup::kData, 9), (std::vector<int>{1, 9, 17, 25, 33, 41, 49, 57}));
+  EXPECT_EQ(big->NumGroups(ParallelGroup::kTensor), 128);
+  EXPECT_EQ(big->NumGroups(ParallelGroup::kPipeline), 64);
+}
+
+TEST(ParallelLayout, RefusesWhatDoesNotDivideAsUsageErrors) {
+  auto s = ParallelLayout::Create(12, 8, 1).status();
+  EXPECT_TRUE(IsUsageError(s));
+  EXPECT_EQ(StatusMessage(s), "the world size 12 is not divisible by tensor × pipeline model parallel size 8 × 1 = 8");
+  s = ParallelLayout::Create(16, 2, 3).status();
+  EXPECT_NE(StatusMessage(s).find("2 × 3 = 6"), std::string_view::npos) << s;
+  EXPECT_TRUE(IsUsageError(ParallelLayout::Create(0, 1, 1).status()));
+  EXPECT_TRUE(IsUsageError(ParallelLayout::Create(8, 0, 1).status()));
+  EXPECT_TRUE(IsUsageError(ParallelLayout::Create(8, 1, -1).status()));
+  s = ParallelLayout::Create(8, 1, 1, 2).status();
+  EXPECT_NE(StatusMessage(s).find("--context-parallel-size 2"), std::string_view::npos) << s;
+  s = ParallelLayout::Create(8, 1, 1, 1, 4).status();
+  EXPECT_NE(StatusMessage(s).find("--expert-model-parallel-size 4"), std::string_view::npos) << s;
+  EXPECT_TRUE(ParallelLayout::Create(1, 1, 1).ok());
+}
+
+TEST(TensorParallelVocabSize, PadsToTheDivisorTimesTensorSizeAsMegatron) {
+  EXPECT_EQ(*TensorParallelVocabSize(50257, 128, 1), 50304);
+  EXPECT_EQ(*TensorParallelVocabSize(50257, 128, 2), 50432);
+  EXPECT_EQ(*TensorParallelVocabSize(50257, 128, 8), 51200);
+  EXPECT_EQ(*TensorParallelVocabSize(51200, 128, 8), 51200);  // already a multiple: unchanged
+  EXPECT_EQ(*TensorParallelVocabSize(7, 1, 4), 8);
+  EXPECT_EQ(*TensorParallelVocabSize(8, 1, 1), 8);
+  EXPECT_TRUE(IsUsageError(TensorParallelVocabSize(0, 128, 1).status()));
+  EXPECT_TRUE(IsUsageError(TensorParallelVocabSize(100, 0, 1).status()));
+  EXPECT_TRUE(IsUsageError(TensorParallelVocabSize(100, 128, 0).status()));
+  // The EKS tutorial's log line, Megatron's format to the byte.
+  EXPECT_EQ(PaddedVocabLine(50257, 51200), " > padded vocab (size: 50257) with 943 dummy tokens (new size: 51200)");
+}
+
+}  // namespace
+}  // namespace ptk

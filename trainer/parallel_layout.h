@@ -1,0 +1,64 @@
+// Megatron's parallel layout: the rank order tp-cp-ep-dp-pp (tensor ranks adjacent, then data, then
+// pipeline), each rank's coordinates, the process groups as megatron-core's RankGenerator makes them,
+// and the vocabulary padded for tensor parallelism. Pure arithmetic: no communicator, no model.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ptk {
+
+// The groups initialize_model_parallel makes. kEmbedding: the first and last stage of a pipeline
+// group (Megatron's default_embedding_ranks; one stage when P = 1). kModel: tensor × pipeline.
+enum class ParallelGroup { kTensor, kData, kPipeline, kEmbedding, kModel };
+std::string_view ParallelGroupName(ParallelGroup kind);  // "tensor", "data", "pipeline", ...
+
+struct RankCoords {
+  int tensor = 0, data = 0, pipeline = 0;
+  bool operator==(const RankCoords&) const = default;
+};
+
+class ParallelLayout {
+ public:
+  // world = tensor × data × pipeline (× context × expert, which ptk supports only at 1). Errors are
+  // usage errors naming the sizes (Megatron's refusals: world not divisible by T·P, ...).
+  static absl::StatusOr<ParallelLayout> Create(int world_size, int tensor, int pipeline, int context = 1,
+                                               int expert = 1);
+
+  int world_size() const { return world_; }
+  int tensor_size() const { return tensor_; }
+  int data_size() const { return data_; }
+  int pipeline_size() const { return pipeline_; }
+
+  // global rank = t + T·d + T·D·p (Megatron's generate_masked_orthogonal_rank_groups, cp = ep = 1).
+  RankCoords Coords(int rank) const;
+  int Rank(const RankCoords& c) const;
+  bool IsFirstStage(int rank) const { return Coords(rank).pipeline == 0; }
+  bool IsLastStage(int rank) const { return Coords(rank).pipeline == pipeline_ - 1; }
+
+  // The sorted global ranks of `rank`'s group of this kind; empty for the embedding group of a
+  // middle pipeline stage (Megatron gives such a rank no embedding group).
+  std::vector<int> Group(ParallelGroup kind, int rank) const;
+  // Every group of this kind, in the order initialize_model_parallel creates them.
+  std::vector<std::vector<int>> Groups(ParallelGroup kind) const;
+  int64_t NumGroups(ParallelGroup kind) const;
+
+ private:
+  ParallelLayout(int world, int tensor, int data, int pipeline)
+      : world_(world), tensor_(tensor), data_(data), pipeline_(pipeline) {}
+  std::vector<int> GroupAt(ParallelGroup kind, int64_t index) const;
+  int world_, tensor_, data_, pipeline_;
+};
+
+// The vocabulary Megatron trains on at tensor size T: rounded up to a multiple of
+// make_vocab_size_divisible_by × T (Megatron's _vocab_size_with_padding), so every tensor rank holds
+// an equal slice. A usage error for a size below 1.
+absl::StatusOr<int64_t> TensorParallelVocabSize(int64_t vocab_size, int64_t make_vocab_size_divisible_by, int tensor);
+// " > padded vocab (size: 50257) with 943 dummy tokens (new size: 51200)", as Megatron prints it.
+std::string PaddedVocabLine(int64_t vocab_size, int64_t padded_vocab_size);
+
+}  // namespace ptk
