@@ -16,7 +16,13 @@ struct BackendOptions {
   int64_t micro_batch_size = 1;  // the CUDA backend plans its activations for it
   bool profile = false;          // --ptk-profile-ops: time every op (CUDA events)
   bool sync_ops = false;         // CUDA: synchronise after every op, name the one that fails (PTK_CUDA_SYNC_OPS=1)
+  // The tensor-parallel group (--tensor-model-parallel-size; null or one rank: none). The CPU
+  // backend partitions the model over it; the CUDA backend refuses more than one rank.
+  Communicator* tensor_comm = nullptr;
 };
+
+// Why the CUDA backend refuses tensor parallelism (a usage error's text).
+extern const char* const kCudaTensorParallelMissing;
 
 namespace cuda {
 class Backend;

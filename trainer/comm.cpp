@@ -2,6 +2,8 @@
 // device-memory collectives' answer on a backend without them.
 #include "trainer/comm.h"
 
+#include <vector>
+
 #include <fmt/core.h>
 
 #include "common/status.h"
@@ -47,6 +49,21 @@ absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes
     offsets[r + 1] = offsets[r] + sizes[r];
   }
   return offsets;
+}
+
+absl::Status SumInRankOrder(double* data, int64_t n, Communicator* comm) {
+  const int T = comm->size();
+  if (T == 1 || n == 0) return absl::OkStatus();
+  std::vector<double> all(static_cast<size_t>(T * n));
+  std::copy(data, data + n, all.begin() + comm->rank() * n);
+  std::vector<int64_t> bytes(static_cast<size_t>(T), n * static_cast<int64_t>(sizeof(double)));
+  PTK_RETURN_IF_ERROR(comm->AllGather(all.data(), bytes));
+  for (int64_t i = 0; i < n; ++i) {
+    double s = all[static_cast<size_t>(i)];
+    for (int r = 1; r < T; ++r) s += all[static_cast<size_t>(r * n + i)];
+    data[i] = s;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ptk

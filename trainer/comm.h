@@ -60,6 +60,10 @@ absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes
 // OK when `members` are ascending ranks below world_size and `rank` is one of them.
 absl::Status CheckMembers(std::span<const int> members, int rank, int world_size);
 
+// data(n) summed over the ranks in rank order, ((x0 + x1) + x2) + ..., through an all-gather: the
+// same bits on every rank.
+absl::Status SumInRankOrder(double* data, int64_t n, Communicator* comm);
+
 // One process: every collective is the identity.
 std::unique_ptr<Communicator> MakeLocalCommunicator();
 

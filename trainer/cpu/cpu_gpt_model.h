@@ -12,7 +12,11 @@ namespace ptk {
 
 class CpuGPTModel final : public GPTModel {
  public:
-  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config);
+  // With `tensor` (a group of several ranks): this rank's partition of the model (Megatron's tensor
+  // parallelism: ParamLayout::Create's slices), its layers communicating over `tensor`, which must
+  // outlive the model.
+  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config,
+                                                             Communicator* tensor = nullptr);
   ~CpuGPTModel() override;
 
   // The host buffers themselves (tests and the gradient checks read and poke them).
@@ -54,10 +58,16 @@ class CpuGPTModel final : public GPTModel {
   struct Activations;
   explicit CpuGPTModel(ParamLayout layout);
   absl::Status Prepare(const ModelBatch& batch);
-  // Up to the logits.
-  void RunForward(const ModelBatch& batch, bool train, uint64_t seed);
+  // Up to the logits (this rank's vocabulary slice under tensor parallelism).
+  absl::Status RunForward(const ModelBatch& batch, bool train, uint64_t seed);
   // From the logits, which the loss step has turned into their gradient.
-  void RunBackward(const ModelBatch& batch, bool train, uint64_t seed);
+  absl::Status RunBackward(const ModelBatch& batch, bool train, uint64_t seed);
+  // The loss of the logits (and with `dloss` their gradient in place).
+  absl::Status Loss(const ModelBatch& batch, const float* dloss);
+  // Tensor parallelism: sums a (n, c) partial over the tensor group (a row-parallel product's
+  // output, a column-parallel product's input gradient); nothing at one tensor rank.
+  absl::Status TensorSum(float* x, int64_t count);
+  bool tp() const { return tensor_size() > 1; }
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
   std::unique_ptr<Activations> act_;
