@@ -14,7 +14,9 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/status.h"
+#include "trainer/backend.h"
 #include "trainer/checkpoint.h"
+#include "trainer/parallel_layout.h"
 
 namespace ptk {
 namespace {
@@ -558,7 +560,9 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
       ->check(RealIn(1, false, 1e15, false));
   app->add_option("--hysteresis", f->hysteresis, "fp16: overflows tolerated before the scale halves (2)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size, "Must be 1: ptk is data parallel")
+  app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size,
+                  "Tensor-parallel ranks (Megatron's layers split over adjacent ranks; CPU backend over gloo): "
+                  "WORLD_SIZE = this x data-parallel ranks (1)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
@@ -602,9 +606,6 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
 }
 
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
-  if (f.tensor_model_parallel_size != 1)
-    return Refuse(fmt::format("--tensor-model-parallel-size {}: ptk-train is data parallel only; use 1 and more ranks",
-                              f.tensor_model_parallel_size));
   if (f.pipeline_model_parallel_size != 1)
     return Refuse(fmt::format("--pipeline-model-parallel-size {}: ptk-train is data parallel only; use 1",
                               f.pipeline_model_parallel_size));
@@ -622,6 +623,11 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
       notes->push_back(fmt::format("no --device given and {}: training on the CPU", StatusMessage(cuda.status())));
   }
+  const int64_t tp = f.tensor_model_parallel_size;
+  if (tp > 1 && device == Device::kCuda) return Refuse(kCudaTensorParallelMissing);
+  if (tp > 1 && f.options.model.num_attention_heads % tp != 0)
+    return Refuse(fmt::format("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}",
+                              f.options.model.num_attention_heads, tp));
   if (f.optimizer != "adam") return Refuse("--optimizer " + f.optimizer + ": ptk has AdamW (--optimizer adam) only");
   if (f.tokenizer_type != "GPT2BPETokenizer")
     return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
@@ -672,7 +678,13 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
     PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
   }
-  m.padded_vocab_size = PaddedVocabSize(m.vocab_size, f.make_vocab_size_divisible_by);
+  if (tp > 1 && m.ffn_hidden_size % tp != 0)
+    return Refuse(
+        fmt::format("--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {}", m.ffn_hidden_size, tp));
+  o.tensor_model_parallel_size = static_cast<int>(tp);
+  // Megatron's padding: a multiple of --make-vocab-size-divisible-by x T, so the slices are equal.
+  PTK_ASSIGN_OR_RETURN(m.padded_vocab_size,
+                       TensorParallelVocabSize(m.vocab_size, f.make_vocab_size_divisible_by, static_cast<int>(tp)));
   if (!f.recompute_granularity.empty()) m.recompute_activations = true;
   if (f.recompute_granularity == "full")
     notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");

@@ -102,8 +102,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m, CpuGPTModel::Create(config, backend.tensor_comm));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
-  if (backend.tensor_comm && backend.tensor_comm->size() > 1)
-    return UsageError(kCudaTensorParallelMissing);
+  if (backend.tensor_comm && backend.tensor_comm->size() > 1) return UsageError(kCudaTensorParallelMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
   cuda::ModelOptions o;

@@ -53,9 +53,9 @@ Device DefaultDevice();
 absl::Status CheckBackendChoice(Device device, Precision precision, bool device_given = true);
 
 // The model on the chosen backend, in one hop from what the plan resolved (`backend` carries the
-// micro-batch size the CUDA backend plans its activations for). Never falls back to another backend: --device cuda in a build
-// without CUDA, where the CUDA backend cannot be loaded, with no device visible, or --bf16 on a GPU
-// before sm_80 is an error that says so.
+// micro-batch size the CUDA backend plans its activations for). Never falls back to another backend: --device cuda in a
+// build without CUDA, where the CUDA backend cannot be loaded, with no device visible, or --bf16 on a GPU before sm_80
+// is an error that says so.
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend);
 
 }  // namespace ptk

@@ -92,8 +92,7 @@ class GPTModel {
   // ForwardBackward whose loss is kept for TakeLosses instead of returned: a backend may leave the
   // pass enqueued (CUDA: no host synchronisation per micro-batch; the losses are read once a step).
   // This default runs ForwardBackward and keeps its LossSum.
-  virtual absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
-                                               uint64_t seed);
+  virtual absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed);
   // The losses of the ForwardBackwardDeferred calls since the last TakeLosses, each micro-batch's
   // LossSum (ForwardBackward's bits) added in call order from zero; waits for their passes. An
   // error of any of them is returned here, and the pending losses are dropped either way.

@@ -15,8 +15,7 @@ class CpuGPTModel final : public GPTModel {
   // With `tensor` (a group of several ranks): this rank's partition of the model (Megatron's tensor
   // parallelism: ParamLayout::Create's slices), its layers communicating over `tensor`, which must
   // outlive the model.
-  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config,
-                                                             Communicator* tensor = nullptr);
+  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config, Communicator* tensor = nullptr);
   ~CpuGPTModel() override;
 
   // The host buffers themselves (tests and the gradient checks read and poke them).
