@@ -32,7 +32,9 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--overlap-param-gather", Arg::kNone,
      "with --use-distributed-optimizer the parameters are all-gathered after the update, not during the next "
      "forward (same results)"},
-    {"--sequence-parallel", Arg::kNone, "no effect without tensor parallelism"},
+    {"--sequence-parallel", Arg::kNone,
+     "tensor parallelism runs without it: LayerNorm, dropout and the residual are not split along the sequence "
+     "(the same arithmetic, more activation memory)"},
     {"--attention-backend", Arg::kText, "attention runs through ptk's BLAS path"},
     {"--use-flash-attn", Arg::kNone, "attention runs through ptk's BLAS path"},
     {"--transformer-impl", Arg::kText, "ptk has one implementation"},
@@ -43,7 +45,7 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--no-bias-dropout-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-gradient-accumulation-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-rope-fusion", Arg::kNone, "kernel fusion flag"},
-    {"--no-async-tensor-model-parallel-allreduce", Arg::kNone, "no tensor parallelism"},
+    {"--no-async-tensor-model-parallel-allreduce", Arg::kNone, "the tensor-parallel all-reduces are synchronous"},
     {"--accumulate-allreduce-grads-in-fp32", Arg::kNone, "gradients are fp32 already"},
     {"--num-workers", Arg::kCount, "one prefetching loader thread per rank"},
     {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
@@ -65,7 +67,7 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--use-persistent-ckpt-worker", Arg::kNone, "checkpoints are written synchronously"},
     {"--ckpt-assume-constant-structure", Arg::kNone, "checkpoints are ptk's single file"},
     {"--use-sharp", Arg::kNone, "NCCL's SHARP in-network reductions are left to NCCL's own settings"},
-    {"--tp-comm-overlap", Arg::kNone, "no tensor parallelism"},
+    {"--tp-comm-overlap", Arg::kNone, "the tensor-parallel collectives are not overlapped with compute"},
     {"--data-impl", Arg::kText, "ptk reads Megatron's mmap .bin/.idx format"},
     {"--profile-step-start", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
     {"--profile-step-end", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
@@ -564,7 +566,8 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
                   "Tensor-parallel ranks (Megatron's layers split over adjacent ranks; CPU backend over gloo): "
                   "WORLD_SIZE = this x data-parallel ranks (1)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel")
+  app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size,
+                  "Must be 1: ptk has no pipeline parallelism")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
@@ -607,14 +610,18 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
 
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
   if (f.pipeline_model_parallel_size != 1)
-    return Refuse(fmt::format("--pipeline-model-parallel-size {}: ptk-train is data parallel only; use 1",
-                              f.pipeline_model_parallel_size));
+    return Refuse(
+        fmt::format("--pipeline-model-parallel-size {}: ptk-train has no pipeline parallelism (tensor and "
+                    "data parallelism only); use 1",
+                    f.pipeline_model_parallel_size));
   if (f.context_parallel_size != 1)
     return Refuse(
         fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
   if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
+  const int64_t tp = f.tensor_model_parallel_size;
+  if (tp > 1 && device == Device::kCuda) return Refuse(kCudaTensorParallelMissing);
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
@@ -623,8 +630,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
       notes->push_back(fmt::format("no --device given and {}: training on the CPU", StatusMessage(cuda.status())));
   }
-  const int64_t tp = f.tensor_model_parallel_size;
-  if (tp > 1 && device == Device::kCuda) return Refuse(kCudaTensorParallelMissing);
   if (tp > 1 && f.options.model.num_attention_heads % tp != 0)
     return Refuse(fmt::format("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}",
                               f.options.model.num_attention_heads, tp));
