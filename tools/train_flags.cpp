@@ -571,6 +571,18 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
+  app->add_option("--decoder-first-pipeline-num-layers", f->decoder_first_pipeline_num_layers,
+                  "Layers of the first pipeline stage (the rest split evenly; with --dry-run)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--decoder-last-pipeline-num-layers", f->decoder_last_pipeline_num_layers,
+                  "Layers of the last pipeline stage (the rest split evenly; with --dry-run)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_flag("--dry-run", f->dry_run,
+                "ptk: print the plan of this run on WORLD_SIZE ranks (any tensor and pipeline size): Megatron's "
+                "layout, start-up and parameter lines, memory per GPU; then exit without building the model");
+  app->add_option("--gpus-per-node", f->gpus_per_node,
+                  "ptk: GPUs per node for --dry-run (default LOCAL_WORLD_SIZE, else SLURM_GPUS_ON_NODE)")
+      ->check(IntIn(1, 65536));
   app->add_flag("--use-distributed-optimizer", o.use_distributed_optimizer,
                 "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
                 "moments); gradients reduce-scattered, parameters all-gathered");
@@ -661,6 +673,11 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
           other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
     }
   }
+  if (f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
+    return Refuse(
+        "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: ptk-train runs one pipeline "
+        "stage (--dry-run plans more)");
+  if (f.gpus_per_node > 0 && !f.dry_run) notes->push_back("--gpus-per-node: accepted, used by --dry-run only");
   if (f.reset_attention_mask)
     return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
   if (f.dataloader_type != "single")
