@@ -32,9 +32,6 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--overlap-param-gather", Arg::kNone,
      "with --use-distributed-optimizer the parameters are all-gathered after the update, not during the next "
      "forward (same results)"},
-    {"--sequence-parallel", Arg::kNone,
-     "tensor parallelism runs without it: LayerNorm, dropout and the residual are not split along the sequence "
-     "(the same arithmetic, more activation memory)"},
     {"--attention-backend", Arg::kText, "attention runs through ptk's BLAS path"},
     {"--use-flash-attn", Arg::kNone, "attention runs through ptk's BLAS path"},
     {"--transformer-impl", Arg::kText, "ptk has one implementation"},
@@ -583,6 +580,10 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--gpus-per-node", f->gpus_per_node,
                   "ptk: GPUs per node for --dry-run (default LOCAL_WORLD_SIZE, else SLURM_GPUS_ON_NODE)")
       ->check(IntIn(1, 65536));
+  app->add_flag("--sequence-parallel", o.backend.sequence_parallel,
+                "With --tensor-model-parallel-size above 1: LayerNorm, dropout and the residual split along the "
+                "sequence over the tensor ranks (all-gather before the column-parallel products, reduce-scatter "
+                "after the row-parallel ones)");
   app->add_flag("--use-distributed-optimizer", o.use_distributed_optimizer,
                 "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
                 "moments); gradients reduce-scattered, parameters all-gathered");
@@ -699,6 +700,13 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (m.vocab_size == 0) {
     PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
     PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
+  }
+  if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
+    return Refuse(fmt::format(
+        "--sequence-parallel: --seq-length {} is not divisible by --tensor-model-parallel-size {}", m.seq_length, tp));
+  if (tp == 1 && o.backend.sequence_parallel) {
+    notes->push_back("--sequence-parallel: accepted, no effect at --tensor-model-parallel-size 1 (as Megatron)");
+    o.backend.sequence_parallel = false;
   }
   if (tp > 1 && m.ffn_hidden_size % tp != 0)
     return Refuse(
