@@ -531,7 +531,7 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadCheckpointHeader(const std::string& file) {
+absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
   };
@@ -554,7 +554,7 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointS
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
   };
-  absl::StatusOr<std::string> header = ReadCheckpointHeader(file);
+  absl::StatusOr<std::string> header = ReadCheckpointHeaderText(file);
   if (absl::IsNotFound(header.status()))
     return absl::NotFoundError(fmt::format("{}: cannot open (the tracker names iteration {})", file, iteration));
   PTK_RETURN_IF_ERROR(header.status());

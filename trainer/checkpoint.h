@@ -91,7 +91,7 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
 // tensor parallelism); one tensor rank's file, whose layout must be `layout`'s (rank and size too).
 absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_t iteration);
 absl::StatusOr<int> SavedTensorSize(const std::string& file);
-absl::StatusOr<std::string> ReadCheckpointHeader(const std::string& file);
+absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file);
 absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
                                 std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                                 TrainState* state);

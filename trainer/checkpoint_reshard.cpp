@@ -11,7 +11,7 @@
 namespace ptk {
 
 absl::StatusOr<int> SavedTensorSize(const std::string& file) {
-  PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeader(file));
+  PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeaderText(file));
   simdjson::dom::parser parser;
   simdjson::dom::element h;
   if (parser.parse(header).get(h)) return absl::DataLossError(fmt::format("{}: header is not JSON", file));
