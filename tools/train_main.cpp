@@ -1,12 +1,13 @@
 // ptk-train: Megatron's pretrain_gpt.py flags, data and log lines, on ptk's fp32 CPU trainer.
-#include <sched.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string_view>
 #include <thread>
 
@@ -21,6 +22,7 @@
 #include "tools/train_flags.h"
 #include "trainer/comm.h"
 #include "trainer/distributed.h"
+#include "trainer/parallel_layout.h"
 #include "trainer/rendezvous.h"
 #include "trainer/training.h"
 
@@ -83,6 +85,7 @@ int main(int argc, char** argv) {
 
     std::vector<std::string> notes;
     ptk::TrainOptions options;
+    std::optional<ptk::ParallelLayout> layout;
     std::unique_ptr<ptk::Gpt2Tokenizer> tokenizer;
     absl::StatusOr<ptk::TrainPlan> planned = [&]() -> absl::StatusOr<ptk::TrainPlan> {
       PTK_RETURN_IF_ERROR(ptk::ApplyCheckpointArgs(*app, &flags, &notes));
@@ -99,8 +102,11 @@ int main(int argc, char** argv) {
         }
         options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
       }
+      // Megatron's rank order: tensor ranks adjacent, then data (WORLD_SIZE = T x data ranks).
+      PTK_ASSIGN_OR_RETURN(layout,
+                           ptk::ParallelLayout::Create(ranks.world_size, options.tensor_model_parallel_size, 1));
       // Every check between settings, before any rank waits for another.
-      return ptk::PlanTraining(options, ranks.world_size);
+      return ptk::PlanTraining(options, layout->data_size());
     }();
     // A rank whose own checks failed tells the others before it exits (through rank 0's store),
     // so that they end now naming it instead of waiting for it until the timeout.
@@ -126,11 +132,29 @@ int main(int argc, char** argv) {
       ptk::log::Error("{}; the process did not return from the GPU after the abort: exiting", ptk::StatusMessage(st));
       std::_Exit(1);
     };
-    PTK_ASSIGN_OR_RETURN(std::unique_ptr<ptk::Communicator> comm, ptk::CreateCommunicator(d));
-    if (ranks.rank == 0 && comm->size() > 1)
-      ptk::log::Info("data parallel: {} ranks ({}), {}, rendezvous at {}:{}", ranks.world_size, ranks.source,
-                     comm->backend(), ranks.master_addr, ranks.master_port);
-    if (comm->rank() == 0) {
+    PTK_ASSIGN_OR_RETURN(std::unique_ptr<ptk::Communicator> world, ptk::CreateCommunicator(d));
+    // The tensor and data groups of this rank (each a communicator of its own over the world's).
+    const int tp = layout->tensor_size();
+    std::unique_ptr<ptk::Communicator> tensor, data;
+    if (tp > 1) {
+      PTK_ASSIGN_OR_RETURN(tensor, world->Subgroup(layout->Group(ptk::ParallelGroup::kTensor, ranks.rank), "tensor"));
+      PTK_ASSIGN_OR_RETURN(data, world->Subgroup(layout->Group(ptk::ParallelGroup::kData, ranks.rank), "data"));
+    }
+    ptk::Communicator* comm = tp > 1 ? data.get() : world.get();
+    if (ranks.rank == 0) {
+      std::printf("%s\n", ptk::PaddedVocabLine(options.model.vocab_size, options.model.padded_vocab_size).c_str());
+      if (tp > 1)
+        std::printf(
+            "> initialized tensor model parallel with size %d\n> initialized pipeline model parallel with "
+            "size 1\n",
+            tp);
+      std::fflush(stdout);
+    }
+    if (ranks.rank == 0 && world->size() > 1)
+      ptk::log::Info("{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
+                     tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "", layout->data_size(), ranks.source,
+                     world->backend(), ranks.master_addr, ranks.master_port);
+    if (ranks.rank == 0) {
       for (const std::string& n : notes) ptk::log::Info("note: {}", n);
       for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
     }
@@ -147,7 +171,9 @@ int main(int argc, char** argv) {
     // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
     openblas_set_num_threads(1);
     if (flags.exit_signal_handler) options.exit_signal = &g_exit_signal;  // installed at the start of main
-    options.comm = comm.get();
+    options.comm = comm;
+    options.world_comm = world.get();
+    options.backend.tensor_comm = tensor.get();
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
     // PTK_CUDA_SYNC_OPS=1: the CUDA model synchronises after every op and names the one that fails.
@@ -155,10 +181,10 @@ int main(int argc, char** argv) {
       options.backend.sync_ops = true;
     options.args_json = ArgsJson(argc, argv);
     PTK_ASSIGN_OR_RETURN(ptk::TrainSummary s, ptk::RunTraining(options, plan));
-    if (comm->rank() == 0 && s.nothing_to_train) {
+    if (ranks.rank == 0 && s.nothing_to_train) {
       ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
                      s.consumed_train_samples);
-    } else if (comm->rank() == 0) {
+    } else if (ranks.rank == 0) {
       ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,
                      s.consumed_train_samples, s.last_lm_loss,
                      s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",

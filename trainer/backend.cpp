@@ -91,12 +91,19 @@ absl::Status CheckBackendChoice(Device device, Precision precision, bool device_
   return absl::OkStatus();
 }
 
+const char* const kCudaTensorParallelMissing =
+    "--tensor-model-parallel-size above 1 runs on the CPU backend only (--device cpu, gloo): the CUDA backend has no "
+    "partitioned layers yet (column- and row-parallel products, vocabulary-parallel embedding and cross-entropy "
+    "over NCCL)";
+
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
-    PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m, CpuGPTModel::Create(config));
+    PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m,
+                         CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
+  if (backend.tensor_comm && backend.tensor_comm->size() > 1) return UsageError(kCudaTensorParallelMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
   cuda::ModelOptions o;

@@ -16,7 +16,14 @@ struct BackendOptions {
   int64_t micro_batch_size = 1;  // the CUDA backend plans its activations for it
   bool profile = false;          // --ptk-profile-ops: time every op (CUDA events)
   bool sync_ops = false;         // CUDA: synchronise after every op, name the one that fails (PTK_CUDA_SYNC_OPS=1)
+  // The tensor-parallel group (--tensor-model-parallel-size; null or one rank: none). The CPU
+  // backend partitions the model over it; the CUDA backend refuses more than one rank.
+  Communicator* tensor_comm = nullptr;
+  bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
 };
+
+// Why the CUDA backend refuses tensor parallelism (a usage error's text).
+extern const char* const kCudaTensorParallelMissing;
 
 namespace cuda {
 class Backend;
@@ -47,9 +54,9 @@ Device DefaultDevice();
 absl::Status CheckBackendChoice(Device device, Precision precision, bool device_given = true);
 
 // The model on the chosen backend, in one hop from what the plan resolved (`backend` carries the
-// micro-batch size the CUDA backend plans its activations for). Never falls back to another backend: --device cuda in a build
-// without CUDA, where the CUDA backend cannot be loaded, with no device visible, or --bf16 on a GPU
-// before sm_80 is an error that says so.
+// micro-batch size the CUDA backend plans its activations for). Never falls back to another backend: --device cuda in a
+// build without CUDA, where the CUDA backend cannot be loaded, with no device visible, or --bf16 on a GPU before sm_80
+// is an error that says so.
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend);
 
 }  // namespace ptk

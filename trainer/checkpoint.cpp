@@ -89,8 +89,9 @@ void SetSaveStepHookForTesting(SaveStepHook hook) { Hook() = std::move(hook); }
 std::string CheckpointDir(const std::string& save, int64_t iteration) {
   return JoinPath(save, fmt::format("iter_{:07d}", iteration));
 }
-std::string CheckpointFile(const std::string& save, int64_t iteration) {
-  return JoinPath(CheckpointDir(save, iteration), "mp_rank_00/model_optim_rng.ptk");
+std::string MpRankFile(int tensor_rank) { return fmt::format("mp_rank_{:02d}/model_optim_rng.ptk", tensor_rank); }
+std::string CheckpointFile(const std::string& save, int64_t iteration, int tensor_rank) {
+  return JoinPath(CheckpointDir(save, iteration), MpRankFile(tensor_rank));
 }
 
 absl::Status VerifyCheckpointFile(const std::string& file) {
@@ -152,9 +153,10 @@ absl::Status WriteCheckpointFile(const std::string& file, const std::string& hea
 // one is in place: at every instant one complete copy is iter_N or lies aside for
 // RecoverCheckpointDir to rename back.
 absl::Status PublishDirectory(const std::string& save, const std::string& tmp_dir, const std::string& final_dir,
-                              const std::string& old_dir) {
+                              const std::string& old_dir, int tensor_size) {
   PTK_RETURN_IF_ERROR(Step("fsync temporary directory"));
-  PTK_RETURN_IF_ERROR(FsyncDir(JoinPath(tmp_dir, "mp_rank_00")));
+  for (int t = 0; t < tensor_size; ++t)
+    PTK_RETURN_IF_ERROR(FsyncDir(JoinPath(tmp_dir, fmt::format("mp_rank_{:02d}", t))));
   PTK_RETURN_IF_ERROR(FsyncDir(tmp_dir));
   const bool replacing = PathExists(final_dir);  // rename(2) cannot replace a non-empty directory
   if (replacing) {
@@ -233,70 +235,88 @@ absl::Status RecoverIteration(const std::string& save, const std::string& base, 
 absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
                             const std::string& args_json) {
+  const CheckpointShard shard{&layout, params, exp_avg, exp_avg_sq};
+  return SaveCheckpoint(save, std::span<const CheckpointShard>(&shard, 1), state, args_json);
+}
+
+absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointShard> shards, const TrainState& state,
+                            const std::string& args_json) {
   PTK_RETURN_IF_ERROR(MakeDirs(save));
   const std::string final_dir = CheckpointDir(save, state.iteration);
   const std::string tmp_dir = fmt::format("{}{}{}", final_dir, kTmpTag, ::getpid());
   const std::string old_dir = fmt::format("{}{}{}", final_dir, kOldTag, ::getpid());
-  JsonWriter w;
-  w.BeginObject()
-      .Field("format", "ptk-checkpoint")
-      .Field("version", kFormatVersion)
-      .Field("checkpoint_version", 3.0)
-      .Field("iteration", state.iteration)
-      .Field("consumed_train_samples", state.consumed_train_samples)
-      .Field("consumed_valid_samples", state.consumed_valid_samples)
-      .Field("opt_param_scheduler_num_steps", state.scheduler_num_steps)
-      .Field("adam_step", state.adam_step)
-      .Field("skipped_iterations", state.skipped_iterations);
-  if (state.loss_scale)
-    w.Field("loss_scale", state.loss_scale->scale)
-        .Field("loss_scale_growth_tracker", state.loss_scale->growth_tracker)
-        .Field("loss_scale_hysteresis_tracker", state.loss_scale->hysteresis_tracker);
-  if (state.scheduler) {
-    // Megatron's OptimizerParamScheduler.state_dict names, and ptk's settings it does not save.
-    const SchedulerConfig& c = *state.scheduler;
-    w.Key("opt_param_scheduler")
-        .BeginObject()
-        .Field("max_lr", c.max_lr)
-        .Field("min_lr", c.min_lr)
-        .Field("lr_warmup_steps", c.warmup_steps)
-        .Field("lr_decay_steps", c.decay_steps)
-        .Field("lr_decay_style", c.decay_style)
-        .Field("start_wd", c.start_wd)
-        .Field("end_wd", c.end_wd)
-        .Field("wd_incr_steps", c.wd_incr_steps)
-        .Field("wd_incr_style", c.wd_incr_style)
-        .Field("init_lr", c.init_lr)
-        .Field("wsd_decay_steps", c.wsd_decay_steps)
-        .Field("lr_wsd_decay_style", c.wsd_decay_style)
-        .EndObject();
+  const int tensor_size = static_cast<int>(shards.size());
+  for (int t = 0; t < tensor_size; ++t) {
+    const CheckpointShard& sh = shards[static_cast<size_t>(t)];
+    const size_t n = static_cast<size_t>(sh.layout->num_params);
+    if (sh.layout->tensor_size != tensor_size || sh.layout->tensor_rank != t || sh.params.size() != n ||
+        sh.exp_avg.size() != n || sh.exp_avg_sq.size() != n)
+      return absl::InternalError("SaveCheckpoint: the arrays do not match the parameter layouts");
   }
-  w.Field("seed", state.seed)
-      .Field("wall_seconds", state.wall_seconds)
-      .Field("num_params", layout.num_params)
-      .Key("model")
-      .Raw(ModelJson(layout.config))
-      .Key("settings")
-      .BeginArray();
-  for (const auto& [name, value] : state.settings) w.BeginArray().Value(name).Value(value).EndArray();
-  w.EndArray().Key("tensors").BeginArray();
-  for (const ParamInfo& p : layout.infos) {
-    w.BeginObject().Field("name", p.name).Key("shape").BeginArray();
-    for (int64_t d : p.shape) w.Value(d);
-    w.EndArray().Field("offset", p.offset).EndObject();
-  }
-  w.EndArray().Key("args").Raw(args_json.empty() ? "{}" : args_json).EndObject();
-  const size_t n = static_cast<size_t>(layout.num_params);
-  if (params.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n)
-    return absl::InternalError("SaveCheckpoint: the arrays do not match the parameter layout");
+  auto header = [&](const ParamLayout& layout) {
+    JsonWriter w;
+    w.BeginObject()
+        .Field("format", "ptk-checkpoint")
+        .Field("version", kFormatVersion)
+        .Field("checkpoint_version", 3.0)
+        .Field("iteration", state.iteration)
+        .Field("consumed_train_samples", state.consumed_train_samples)
+        .Field("consumed_valid_samples", state.consumed_valid_samples)
+        .Field("opt_param_scheduler_num_steps", state.scheduler_num_steps)
+        .Field("adam_step", state.adam_step)
+        .Field("skipped_iterations", state.skipped_iterations);
+    if (state.loss_scale)
+      w.Field("loss_scale", state.loss_scale->scale)
+          .Field("loss_scale_growth_tracker", state.loss_scale->growth_tracker)
+          .Field("loss_scale_hysteresis_tracker", state.loss_scale->hysteresis_tracker);
+    if (state.scheduler) {
+      // Megatron's OptimizerParamScheduler.state_dict names, and ptk's settings it does not save.
+      const SchedulerConfig& c = *state.scheduler;
+      w.Key("opt_param_scheduler")
+          .BeginObject()
+          .Field("max_lr", c.max_lr)
+          .Field("min_lr", c.min_lr)
+          .Field("lr_warmup_steps", c.warmup_steps)
+          .Field("lr_decay_steps", c.decay_steps)
+          .Field("lr_decay_style", c.decay_style)
+          .Field("start_wd", c.start_wd)
+          .Field("end_wd", c.end_wd)
+          .Field("wd_incr_steps", c.wd_incr_steps)
+          .Field("wd_incr_style", c.wd_incr_style)
+          .Field("init_lr", c.init_lr)
+          .Field("wsd_decay_steps", c.wsd_decay_steps)
+          .Field("lr_wsd_decay_style", c.wsd_decay_style)
+          .EndObject();
+    }
+    w.Field("seed", state.seed)
+        .Field("wall_seconds", state.wall_seconds)
+        .Field("num_params", layout.num_params)
+        .Field("tensor_model_parallel_size", static_cast<int64_t>(layout.tensor_size))
+        .Field("tensor_rank", static_cast<int64_t>(layout.tensor_rank))
+        .Key("model")
+        .Raw(ModelJson(layout.config))
+        .Key("settings")
+        .BeginArray();
+    for (const auto& [name, value] : state.settings) w.BeginArray().Value(name).Value(value).EndArray();
+    w.EndArray().Key("tensors").BeginArray();
+    for (const ParamInfo& p : layout.infos) {
+      w.BeginObject().Field("name", p.name).Key("shape").BeginArray();
+      for (int64_t d : p.shape) w.Value(d);
+      w.EndArray().Field("offset", p.offset).EndObject();
+    }
+    w.EndArray().Key("args").Raw(args_json.empty() ? "{}" : args_json).EndObject();
+    return w.str();
+  };
 
   absl::Status st = [&]() -> absl::Status {
     PTK_RETURN_IF_ERROR(Step("create temporary directory"));
     PTK_RETURN_IF_ERROR(RemoveAllOrError(tmp_dir));
-    PTK_RETURN_IF_ERROR(MakeDirs(JoinPath(tmp_dir, "mp_rank_00")));
-    PTK_RETURN_IF_ERROR(WriteCheckpointFile(JoinPath(tmp_dir, "mp_rank_00/model_optim_rng.ptk"), w.str(),
-                                            {params, exp_avg, exp_avg_sq}));
-    PTK_RETURN_IF_ERROR(PublishDirectory(save, tmp_dir, final_dir, old_dir));
+    for (const CheckpointShard& sh : shards) {
+      const std::string file = JoinPath(tmp_dir, MpRankFile(sh.layout->tensor_rank));
+      PTK_RETURN_IF_ERROR(MakeDirs(Dirname(file)));
+      PTK_RETURN_IF_ERROR(WriteCheckpointFile(file, header(*sh.layout), {sh.params, sh.exp_avg, sh.exp_avg_sq}));
+    }
+    PTK_RETURN_IF_ERROR(PublishDirectory(save, tmp_dir, final_dir, old_dir, tensor_size));
     return WriteTracker(save, state.iteration);
   }();
   if (!st.ok()) {
@@ -363,31 +383,42 @@ absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {
   return it;
 }
 
+absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_t iteration) {
+  const std::string dir = CheckpointDir(load, iteration);
+  const std::string file = JoinPath(dir, MpRankFile(0));
+  if (PathExists(file)) return dir;
+  if (std::string torch = IsDirectory(dir) ? MegatronTorchCheckpointIn(dir) : ""; !torch.empty())
+    return absl::FailedPreconditionError(
+        fmt::format("{} is a Megatron checkpoint in PyTorch's format (the tracker names iteration {}); ptk-train "
+                    "reads only its own {}: {}, or train without --load",
+                    torch, iteration, Basename(file), ConvertHint(load)));
+  // A save killed while it replaced this iteration (a run that --load-s without --save on this
+  // directory does not recover it): a complete copy aside is as good.
+  PTK_ASSIGN_OR_RETURN(AsideCopies copies, FindAsideCopies(load, Basename(dir)));
+  for (const std::string& copy : copies.paths) {
+    const std::string aside = JoinPath(copy, MpRankFile(0));
+    if (VerifyCheckpointFile(aside).ok()) {
+      log::Info("{}: missing; loading {}, the complete copy an interrupted save left aside", file, aside);
+      return copy;
+    }
+  }
+  return absl::NotFoundError(fmt::format("{}: missing (the tracker names iteration {})", file, iteration));
+}
+
 absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const ParamLayout& layout,
                             std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                             TrainState* state) {
-  std::string file = CheckpointFile(load, iteration);
-  if (!PathExists(file)) {
-    const std::string dir = CheckpointDir(load, iteration);
-    if (std::string torch = IsDirectory(dir) ? MegatronTorchCheckpointIn(dir) : ""; !torch.empty())
-      return absl::FailedPreconditionError(
-          fmt::format("{} is a Megatron checkpoint in PyTorch's format (the tracker names iteration {}); ptk-train "
-                      "reads only its own {}: {}, or train without --load",
-                      torch, iteration, Basename(file), ConvertHint(load)));
-    // A save killed while it replaced this iteration (a run that --load-s without --save on this
-    // directory does not recover it): a complete copy aside is as good.
-    PTK_ASSIGN_OR_RETURN(AsideCopies copies, FindAsideCopies(load, Basename(dir)));
-    for (const std::string& copy : copies.paths) {
-      const std::string aside = JoinPath(copy, "mp_rank_00/model_optim_rng.ptk");
-      if (VerifyCheckpointFile(aside).ok()) {
-        log::Info("{}: missing; loading {}, the complete copy an interrupted save left aside", file, aside);
-        file = aside;
-        break;
-      }
-    }
-    if (!PathExists(file))
-      return absl::NotFoundError(fmt::format("{}: missing (the tracker names iteration {})", file, iteration));
-  }
+  PTK_ASSIGN_OR_RETURN(const std::string dir, ResolveCheckpointDir(load, iteration));
+  PTK_ASSIGN_OR_RETURN(const int saved, SavedTensorSize(JoinPath(dir, MpRankFile(0))));
+  if (saved != layout.tensor_size)
+    return LoadResharded(dir, saved, iteration, layout, params, exp_avg, exp_avg_sq, state);
+  return LoadCheckpointFile(JoinPath(dir, MpRankFile(layout.tensor_rank)), iteration, layout, params, exp_avg,
+                            exp_avg_sq, state);
+}
+
+absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
+                                std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
+                                TrainState* state) {
   PTK_ASSIGN_OR_RETURN(std::string data, ReadFileToString(file));
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint, refusing to load it: {}", file, why));
@@ -409,6 +440,13 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   if (h["version"].get(version) || version != kFormatVersion) return corrupt("unsupported format version");
   simdjson::dom::element saved_model;
   if (h["num_params"].get(num_params) || h["model"].get(saved_model)) return corrupt("header misses the model");
+  int64_t saved_tensor_size = 1, saved_tensor_rank = 0;  // absent: ptk before tensor parallelism
+  if (h["tensor_model_parallel_size"].get(saved_tensor_size)) saved_tensor_size = 1;
+  if (h["tensor_rank"].get(saved_tensor_rank)) saved_tensor_rank = 0;
+  if (saved_tensor_size != layout.tensor_size || saved_tensor_rank != layout.tensor_rank)
+    return absl::FailedPreconditionError(fmt::format("{}: tensor rank {} of {} saved it; this is tensor rank {} of {}",
+                                                     file, saved_tensor_rank, saved_tensor_size, layout.tensor_rank,
+                                                     layout.tensor_size));
   simdjson::dom::parser mine_parser;
   simdjson::dom::element mine;
   if (mine_parser.parse(ModelJson(layout.config)).get(mine)) return absl::InternalError("model description");
@@ -488,14 +526,12 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointSettings(const std::string& load,
-                                                                                        int64_t iteration) {
-  const std::string file = CheckpointFile(load, iteration);
+absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
   };
   std::ifstream in(file, std::ios::binary);
-  if (!in) return absl::NotFoundError(fmt::format("{}: cannot open (the tracker names iteration {})", file, iteration));
+  if (!in) return absl::NotFoundError(fmt::format("{}: cannot open", file));
   char magic[sizeof kMagic];
   uint64_t len = 0;
   if (!in.read(magic, sizeof magic) || std::memcmp(magic, kMagic, sizeof kMagic) != 0)
@@ -504,9 +540,22 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointS
     return corrupt("bad header length");
   std::string header(len, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(len))) return corrupt("header past the end");
+  return header;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointSettings(const std::string& load,
+                                                                                        int64_t iteration) {
+  const std::string file = CheckpointFile(load, iteration);
+  auto corrupt = [&](const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
+  };
+  absl::StatusOr<std::string> header = ReadCheckpointHeaderText(file);
+  if (absl::IsNotFound(header.status()))
+    return absl::NotFoundError(fmt::format("{}: cannot open (the tracker names iteration {})", file, iteration));
+  PTK_RETURN_IF_ERROR(header.status());
   simdjson::dom::parser parser;
   simdjson::dom::element h;
-  if (parser.parse(header).get(h)) return corrupt("header is not JSON");
+  if (parser.parse(*header).get(h)) return corrupt("header is not JSON");
   std::vector<std::pair<std::string, std::string>> out;
   simdjson::dom::array settings;
   if (!h["settings"].get(settings)) {

@@ -43,14 +43,25 @@ struct TrainState {
   std::vector<std::pair<std::string, std::string>> settings;
 };
 
-std::string CheckpointDir(const std::string& save, int64_t iteration);   // <save>/iter_0000100
-std::string CheckpointFile(const std::string& save, int64_t iteration);  // .../mp_rank_00/model_optim_rng.ptk
+std::string CheckpointDir(const std::string& save, int64_t iteration);  // <save>/iter_0000100
+// .../mp_rank_TT/model_optim_rng.ptk: tensor rank TT's file (Megatron's layout for one pipeline stage).
+std::string CheckpointFile(const std::string& save, int64_t iteration, int tensor_rank = 0);
+std::string MpRankFile(int tensor_rank);  // mp_rank_TT/model_optim_rng.ptk
 
 // Writes the checkpoint of `iteration` and then points the tracker at it. A save that fails (a
 // full disk) removes what it wrote and leaves the previous checkpoint and the tracker as they were.
 // `params`, `exp_avg` and `exp_avg_sq` are host copies in `layout`'s order.
 absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
+                            const std::string& args_json);
+
+// Every tensor rank's part at once (shards[t]: tensor rank t's layout and arrays; one shard at
+// tensor size 1): each in its mp_rank_TT, all in the one directory the save renames into place.
+struct CheckpointShard {
+  const ParamLayout* layout = nullptr;
+  std::span<const float> params, exp_avg, exp_avg_sq;
+};
+absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointShard> shards, const TrainState& state,
                             const std::string& args_json);
 
 // Makes `save` whole again after a killed save: an iteration directory that is missing while a
@@ -68,11 +79,28 @@ absl::Status VerifyCheckpointFile(const std::string& file);
 absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load);
 
 // Loads the parameters (whose layout must match the saved one: same model flags), the moments and
-// the state. A directory holding Megatron's own PyTorch checkpoint (model_optim_rng.pt, torch_dist
-// shards) is refused saying so.
+// the state: `layout`'s tensor rank's file, or, when another tensor size saved it, this rank's
+// slices of the whole model put together from every saved rank's (LoadResharded). A directory holding Megatron's own
+// PyTorch checkpoint (model_optim_rng.pt, torch_dist shards) is refused saying so.
 absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const ParamLayout& layout,
                             std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                             TrainState* state);
+
+// LoadCheckpoint's pieces. The directory holding the checkpoint of `iteration` (iter_N, or a
+// complete copy a killed save left aside); the tensor size that saved it (1 for a ptk before
+// tensor parallelism); one tensor rank's file, whose layout must be `layout`'s (rank and size too).
+absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_t iteration);
+absl::StatusOr<int> SavedTensorSize(const std::string& file);
+absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file);
+absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
+                                std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
+                                TrainState* state);
+// A checkpoint saved at tensor size `saved` in `dir`, loaded at `layout`'s: every saved rank's
+// slices put together into the whole model (weights and moments), then `layout`'s slices cut.
+// (checkpoint_reshard.cpp, as SavedTensorSize)
+absl::Status LoadResharded(const std::string& dir, int saved, int64_t iteration, const ParamLayout& layout,
+                           std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
+                           TrainState* state);
 
 // The settings the checkpoint of `iteration` in `load` records of its run (flag name, value), read
 // from its header alone (LoadCheckpoint verifies the file). A checkpoint that records none (an

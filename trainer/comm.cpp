@@ -2,7 +2,11 @@
 // device-memory collectives' answer on a backend without them.
 #include "trainer/comm.h"
 
+#include <vector>
+
 #include <fmt/core.h>
+
+#include "common/status.h"
 
 namespace ptk {
 
@@ -16,6 +20,25 @@ absl::Status Communicator::AllGatherDevice(void*, std::span<const int64_t>, void
   return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
 }
 
+absl::Status CheckMembers(std::span<const int> members, int rank, int world_size) {
+  bool found = false;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i] < 0 || members[i] >= world_size || (i > 0 && members[i] <= members[i - 1]))
+      return absl::InvalidArgumentError(fmt::format(
+          "a group's members must be ascending ranks below {}; member {} is {}", world_size, i, members[i]));
+    found = found || members[i] == rank;
+  }
+  if (!found) return absl::InvalidArgumentError(fmt::format("rank {} is not a member of the group it makes", rank));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Subgroup(std::span<const int> members, const std::string&) {
+  PTK_RETURN_IF_ERROR(CheckMembers(members, rank(), size()));
+  if (members.size() == 1) return MakeLocalCommunicator();
+  return absl::UnimplementedError(
+      fmt::format("the {} communicator makes no groups of several ranks ({} asked for)", backend(), members.size()));
+}
+
 absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes, int world_size) {
   if (static_cast<int64_t>(sizes.size()) != world_size)
     return absl::InvalidArgumentError(
@@ -26,6 +49,21 @@ absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes
     offsets[r + 1] = offsets[r] + sizes[r];
   }
   return offsets;
+}
+
+absl::Status SumInRankOrder(double* data, int64_t n, Communicator* comm) {
+  const int T = comm->size();
+  if (T == 1 || n == 0) return absl::OkStatus();
+  std::vector<double> all(static_cast<size_t>(T * n));
+  std::copy(data, data + n, all.begin() + comm->rank() * n);
+  std::vector<int64_t> bytes(static_cast<size_t>(T), n * static_cast<int64_t>(sizeof(double)));
+  PTK_RETURN_IF_ERROR(comm->AllGather(all.data(), bytes));
+  for (int64_t i = 0; i < n; ++i) {
+    double s = all[static_cast<size_t>(i)];
+    for (int r = 1; r < T; ++r) s += all[static_cast<size_t>(r * n + i)];
+    data[i] = s;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ptk

@@ -37,6 +37,13 @@ class Communicator {
   virtual absl::Status Broadcast(void* data, int64_t bytes, int root) = 0;
   virtual absl::Status Barrier() = 0;
 
+  // A communicator over `members` (ranks of this one, ascending, this rank among them): the
+  // tensor- and data-parallel groups of a run. Every member calls it with the same members and
+  // `name`, a name no other group of the run uses; the new communicator's ranks are the members'
+  // indices. The parent must outlive it. This default makes a group of one rank (the local
+  // communicator) and refuses larger ones; gloo makes any.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members, const std::string& name);
+
   // ---- Device memory (the current CUDA device's), where device_collectives() says so (NCCL):
   // enqueued on `stream` (a cudaStream_t) and complete when the stream reaches them. The pieces
   // are as above.
@@ -49,6 +56,13 @@ class Communicator {
 // Offsets of consecutive pieces of the given sizes (size + 1 entries, the last one the total);
 // InvalidArgument when `sizes` is not one per rank or a size is negative.
 absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes, int world_size);
+
+// OK when `members` are ascending ranks below world_size and `rank` is one of them.
+absl::Status CheckMembers(std::span<const int> members, int rank, int world_size);
+
+// data(n) summed over the ranks in rank order, ((x0 + x1) + x2) + ..., through an all-gather: the
+// same bits on every rank.
+absl::Status SumInRankOrder(double* data, int64_t n, Communicator* comm);
 
 // One process: every collective is the identity.
 std::unique_ptr<Communicator> MakeLocalCommunicator();

@@ -11,6 +11,7 @@
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
@@ -168,8 +169,36 @@ class GlooCommunicator : public Communicator {
     });
   }
 
-  std::unique_ptr<RendezvousStore> store_;
-  std::unique_ptr<GlooStore> gloo_store_;
+  // A group of this communicator's ranks: a gloo context of its own over the same store (its keys
+  // under "group/<name>/") and the same transport device.
+  absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members,
+                                                         const std::string& name) override {
+    PTK_RETURN_IF_ERROR(CheckMembers(members, rank(), size()));
+    if (members.size() == 1) return MakeLocalCommunicator();
+    int me = 0;
+    while (members[static_cast<size_t>(me)] != rank()) ++me;
+    auto sub = std::make_unique<GlooCommunicator>();
+    sub->store_ = store_;
+    sub->gloo_store_ = gloo_store_;
+    sub->device_ = device_;
+    std::string members_text;
+    for (int m : members) members_text += (members_text.empty() ? "" : ",") + std::to_string(m);
+    try {
+      sub->prefix_store_ =
+          std::make_unique<gloo::rendezvous::PrefixStore>("group/" + name + "/" + members_text, *gloo_store_);
+      sub->context_ = std::make_shared<gloo::rendezvous::Context>(me, static_cast<int>(members.size()));
+      sub->context_->setTimeout(context_->getTimeout());
+      sub->context_->connectFullMesh(*sub->prefix_store_, sub->device_);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(fmt::format("rank {} (host {}): making the {} group of ranks {} failed: {}",
+                                                store_->rank(), store_->host(), name, members_text, e.what()));
+    }
+    return std::unique_ptr<Communicator>(std::move(sub));
+  }
+
+  std::shared_ptr<RendezvousStore> store_;
+  std::shared_ptr<GlooStore> gloo_store_;
+  std::unique_ptr<gloo::rendezvous::PrefixStore> prefix_store_;  // a group's
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
 
@@ -192,7 +221,7 @@ class GlooCommunicator : public Communicator {
     } catch (const std::exception& e) {
       const std::string why = e.what();
       return absl::UnavailableError(
-          fmt::format("rank {} (host {}): {} failed (a rank died or the network failed): {}{}", context_->rank,
+          fmt::format("rank {} (host {}): {} failed (a rank died or the network failed): {}{}", store_->rank(),
                       store_->host(), what, why, Suffix(store_->DiagnosePeers(what + std::string(": ") + why))));
     }
     return absl::OkStatus();
@@ -213,7 +242,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
   auto comm = std::make_unique<GlooCommunicator>();
   PTK_ASSIGN_OR_RETURN(comm->store_,
                        RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout));
-  comm->gloo_store_ = std::make_unique<GlooStore>(comm->store_.get());
+  comm->gloo_store_ = std::make_shared<GlooStore>(comm->store_.get());
   try {
     gloo::transport::tcp::attr attr;
     if (!o.iface.empty()) {

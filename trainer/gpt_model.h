@@ -58,6 +58,12 @@ class GPTModel {
   int64_t num_params() const { return layout_.num_params; }
   const ParamInfo* FindParam(const std::string& name) const { return layout_.Find(name); }
 
+  // Tensor parallelism: the tensor group this model's layers communicate over (null: none), and
+  // this rank's place in it (the layout's partition).
+  Communicator* tensor_comm() const { return tensor_comm_; }
+  int tensor_size() const { return layout_.tensor_size; }
+  int tensor_rank() const { return layout_.tensor_rank; }
+
   virtual Device device() const = 0;
   virtual Precision precision() const = 0;
   // One line for the log: "cpu fp32", "cuda:0 (NVIDIA H100 80GB HBM3) bf16".
@@ -86,8 +92,7 @@ class GPTModel {
   // ForwardBackward whose loss is kept for TakeLosses instead of returned: a backend may leave the
   // pass enqueued (CUDA: no host synchronisation per micro-batch; the losses are read once a step).
   // This default runs ForwardBackward and keeps its LossSum.
-  virtual absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
-                                               uint64_t seed);
+  virtual absl::Status ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed);
   // The losses of the ForwardBackwardDeferred calls since the last TakeLosses, each micro-batch's
   // LossSum (ForwardBackward's bits) added in call order from zero; waits for their passes. An
   // error of any of them is returned here, and the pending losses are dropped either way.
@@ -99,7 +104,9 @@ class GPTModel {
   // The optimizer step's pieces, on the backend's own buffers.
   // Sums the gradients over the communicator's ranks (every rank ends with the same bits).
   virtual absl::Status AllReduceGrads(Communicator* comm) = 0;
-  // Sum of squares of all gradients, in double; the same bits for any thread count.
+  // Sum of squares of all gradients, in double; the same bits for any thread count. Under tensor
+  // parallelism this rank's part of the whole model's: its slices, and the tensors every tensor
+  // rank holds whole counted on tensor rank 0 only (the caller sums it over the tensor group).
   virtual absl::StatusOr<double> GradSumSquares() = 0;
   // Scales the gradients of the range the model updates (all, or the shard's under ZeRO-1).
   virtual absl::Status ScaleGrads(double s) = 0;
@@ -161,6 +168,7 @@ class GPTModel {
 
   ParamLayout layout_;
   std::optional<ParamShard> shard_;
+  Communicator* tensor_comm_ = nullptr;
 
  private:
   std::vector<GradRange> ready_order_;

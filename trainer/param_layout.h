@@ -45,6 +45,11 @@ struct ParamInfo {
   bool no_weight_decay = false;  // biases and LayerNorm parameters (1-D), as Megatron's param groups
   double init_std = 0.0;         // 0: constant init (see init_value)
   float init_value = 0.0f;
+  // Tensor parallelism (Megatron's partition): -1 every tensor rank holds the whole tensor
+  // (LayerNorms, position embeddings, the row-parallel layers' biases); 0 each holds a slice of the
+  // rows (vocabulary-parallel embedding and output layer, column-parallel QKV and fc1: weights and
+  // biases); 1 a slice of the columns (row-parallel proj and fc2 weights). `shape` is the slice's.
+  int tensor_split_dim = -1;
 };
 
 // Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer.
@@ -61,13 +66,26 @@ struct ParamLayout {
   int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
   int64_t out_w = 0;  // == wte when the output layer is tied to the embedding
   int64_t num_params = 0;
+  // This layout's tensor rank of tensor_size: the slices (ParamInfo::tensor_split_dim) it holds.
+  int tensor_size = 1, tensor_rank = 0;
 
-  static absl::StatusOr<ParamLayout> Create(const GPTConfig& config);
+  // The whole model at tensor_size 1; tensor rank `tensor_rank`'s partition otherwise (heads, ffn
+  // and the padded vocabulary must divide by tensor_size: InvalidArgument naming the flag).
+  static absl::StatusOr<ParamLayout> Create(const GPTConfig& config, int tensor_size = 1, int tensor_rank = 0);
   const ParamInfo* Find(const std::string& name) const;
   // Megatron's init: N(0, std) for weights, the two output projections of every layer with
   // std / sqrt(2 * layers), biases 0, LayerNorm weights 1. Deterministic in `seed`; `out` holds
   // num_params floats.
+  // A tensor rank's slice holds the elements of the whole model's init (the same bits), so any
+  // tensor size starts from the same weights.
   void InitWeights(uint64_t seed, std::span<float> out) const;
+  // Element `i` of parameter `info` (of this layout) as an element index of the whole tensor.
+  int64_t WholeIndex(const ParamInfo& info, int64_t i) const;
 };
+
+// Copies between the whole model (`whole`, a tensor_size-1 layout's buffer) and one tensor rank's
+// slices (`shard`, `shard_layout`'s buffer; the two layouts of one configuration).
+void CopyToShard(const ParamLayout& shard_layout, std::span<const float> whole, std::span<float> shard);
+void CopyFromShard(const ParamLayout& shard_layout, std::span<const float> shard, std::span<float> whole);
 
 }  // namespace ptk

@@ -44,6 +44,7 @@ struct ParamShard {
 struct ParamPiece {
   int64_t offset = 0, size = 0;
   bool no_weight_decay = false;
+  int tensor_split_dim = -1;  // the tensor's (ParamInfo::tensor_split_dim)
 };
 std::vector<ParamPiece> PiecesIn(const ParamLayout& layout, int64_t begin, int64_t end);
 

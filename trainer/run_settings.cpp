@@ -95,6 +95,8 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--attention-dropout", num(m.attention_dropout)},
       {"--init-method-std", num(m.init_method_std)},
       {"--recompute-activations", m.recompute_activations ? "on" : "off"},
+      {"--tensor-model-parallel-size", std::to_string(o.tensor_model_parallel_size)},
+      {"--sequence-parallel", o.backend.sequence_parallel ? "on" : "off"},
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
       {"--rampup-batch-size", Joined([&] {
@@ -241,6 +243,14 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
           "the {} samples consumed so far were {} tokens long: the position in the data no longer "
           "matches the saved run's",
           loaded.consumed_train_samples, before.count(flag) ? before.at(flag) : "?");
+    } else if (flag == "--tensor-model-parallel-size") {
+      auto it = before.find(flag);
+      if (it != before.end() && it->second != value)
+        log::Info(
+            "resuming with {} (the checkpoint of iteration {} was saved with {}): the saved ranks' slices of the "
+            "weights and AdamW moments are put together and cut into this run's",
+            Shown(flag, value), loaded.iteration, Shown(flag, it->second));
+      continue;
     } else if (flag == "--device" || flag == "--bf16/--fp16") {
       auto it = before.find(flag);
       if (it != before.end() && it->second != value)

@@ -107,7 +107,11 @@ struct TrainOptions {
 
   // Set asynchronously by the caller's signal handler (--exit-signal-handler): save and exit.
   const std::atomic<int>* exit_signal = nullptr;
-  Communicator* comm = nullptr;  // null: a single process
+  Communicator* comm = nullptr;  // the data-parallel group; null: a single process
+  // --tensor-model-parallel-size: backend.tensor_comm is the tensor group (its size), and
+  // world_comm every rank of the run (null: comm alone).
+  int tensor_model_parallel_size = 1;
+  Communicator* world_comm = nullptr;
   // --use-distributed-optimizer (Megatron's ZeRO-1): each rank keeps and updates its shard of the
   // optimizer state (ParamShard); gradients reduce-scattered, parameters all-gathered.
   bool use_distributed_optimizer = false;

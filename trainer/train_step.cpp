@@ -113,7 +113,10 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
   r.loss_sum = local[0];
   r.tokens = local[1];
-  PTK_ASSIGN_OR_RETURN(const double sum_squares, model_->shard() ? ShardedGradSumSquares() : model_->GradSumSquares());
+  PTK_ASSIGN_OR_RETURN(double sum_squares, model_->shard() ? ShardedGradSumSquares() : model_->GradSumSquares());
+  // Tensor parallelism: each tensor rank's part of the whole model's (its slices; the tensors every
+  // rank holds whole counted by tensor rank 0), so the norm and the NaN check span the whole model.
+  if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum_squares, 1, model_->tensor_comm()));
   r.grad_norm = std::sqrt(sum_squares) / r.loss_scale;  // of the unscaled gradients
   r.skipped = !std::isfinite(r.grad_norm) || !std::isfinite(r.loss_sum);
   // fp16's dynamic scaling skips an overflowing step and backs off: Megatron's found_inf, not a
@@ -122,9 +125,13 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   if (count_zeros_ && !r.skipped) {
     std::vector<float> grads(static_cast<size_t>(model_->num_params()));
     PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
-    const auto begin = grads.begin() + model_->moments_begin();
-    double zeros = static_cast<double>(std::count(begin, begin + model_->moments_size(), 0.0f));
+    double zeros = 0;
+    const int64_t begin = model_->moments_begin();
+    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, begin + model_->moments_size()))
+      if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)  // whole tensors counted once
+        zeros += static_cast<double>(std::count(grads.begin() + p.offset, grads.begin() + p.offset + p.size, 0.0f));
     if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&zeros, 1));
+    if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, model_->tensor_comm()));
     r.num_zeros_in_grad = zeros;
   }
   return r;

@@ -23,6 +23,7 @@
 #include "trainer/param_shard.h"
 #include "trainer/run_settings.h"
 #include "trainer/sampling.h"
+#include "trainer/tensor_parallel_checkpoint.h"
 
 namespace ptk {
 namespace {
@@ -221,38 +222,45 @@ namespace {
 class Trainer {
  public:
   Trainer(const TrainOptions& options, const TrainPlan& plan, Communicator* comm)
-      : o_(options), plan_(plan), comm_(comm), rank_(comm->rank()), dp_(comm->size()) {}
+      : o_(options),
+        plan_(plan),
+        comm_(comm),
+        world_(options.world_comm ? options.world_comm : comm),
+        tensor_(options.backend.tensor_comm && options.backend.tensor_comm->size() > 1 ? options.backend.tensor_comm
+                                                                                       : nullptr),
+        rank_(comm->rank()),
+        dp_(comm->size()),
+        lead_(world_->rank() == 0) {}
 
   absl::StatusOr<TrainSummary> Run() {
     auto t0 = Clock::now();
     PTK_RETURN_IF_ERROR(SetUp());
-    if (rank_ == 0) log::Info("start-up: model built and initialised ({:.1f} s)", Seconds(t0));
+    if (lead_) log::Info("start-up: model built and initialised ({:.1f} s)", Seconds(t0));
     t0 = Clock::now();
     PTK_RETURN_IF_ERROR(Resume());
-    if (rank_ == 0 && summary_.resumed) log::Info("start-up: checkpoint loaded ({:.1f} s)", Seconds(t0));
+    if (lead_ && summary_.resumed) log::Info("start-up: checkpoint loaded ({:.1f} s)", Seconds(t0));
     if (state_.iteration >= plan_.train_iters) return NothingToTrain();
     t0 = Clock::now();
-    if (rank_ == 0)
+    if (lead_)
       log::Info("start-up: building the datasets and their indices{} ...",
                 o_.mock_data         ? " (mock data)"
                 : o_.data_cache_path ? " (cached in " + *o_.data_cache_path + ")"
                                      : "");
     PTK_RETURN_IF_ERROR(OpenDataAndOutputs());
-    if (rank_ == 0) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
+    if (lead_) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
     start_ = interval_.start = Clock::now();
     wall_before_ = state_.wall_seconds;
     Print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
     Print("training ...");
     const int64_t first = state_.iteration + 1;
-    if (rank_ == 0)
+    if (lead_)
       log::Info("start-up: iteration {} running (its log line comes at iteration {}) ...", first,
                 (first + o_.log_interval - 1) / o_.log_interval * o_.log_interval);
     while (state_.iteration < plan_.train_iters) {
       PTK_RETURN_IF_ERROR(UpdateBatchSize());
       t0 = Clock::now();
       PTK_ASSIGN_OR_RETURN(const StepResult r, TrainIteration());
-      if (rank_ == 0 && state_.iteration == first)
-        log::Info("start-up: iteration {} done ({:.1f} s)", first, Seconds(t0));
+      if (lead_ && state_.iteration == first) log::Info("start-up: iteration {} done ({:.1f} s)", first, Seconds(t0));
       PTK_RETURN_IF_ERROR(Log(r));
       if (valid_loader_ && o_.eval_interval > 0 && state_.iteration % o_.eval_interval == 0) {
         PTK_ASSIGN_OR_RETURN(summary_.last_validation_loss,
@@ -270,7 +278,9 @@ class Trainer {
  private:
   // Rank 0's Megatron-shaped lines.
   void Print(const std::string& line) const {
-    if (rank_ != 0) return;
+    if (lead_) PrintAnyRank(line);
+  }
+  void PrintAnyRank(const std::string& line) const {
     if (o_.print) {
       o_.print(line);
     } else {
@@ -284,24 +294,28 @@ class Trainer {
   absl::Status SetUp() {
     // Before any collective whose size depends on the flags.
     settings_ = RunSettings(o_, plan_.global_batch_size);
-    PTK_RETURN_IF_ERROR(CheckRanksAgree(comm_, settings_));
+    PTK_RETURN_IF_ERROR(CheckRanksAgree(world_, settings_));
     BackendOptions backend = o_.backend;
     backend.micro_batch_size = plan_.micro_batch_size;
     PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
     if (o_.use_distributed_optimizer) {
       PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
       PTK_RETURN_IF_ERROR(model_->ShardOptimizerState(shard));
-      if (dp_ == 1)
+      if (dp_ == 1 && lead_)
         log::Info(
             "note: --use-distributed-optimizer: accepted, one rank keeps the whole optimizer state (it is sharded "
             "over data-parallel ranks)");
-      else if (rank_ == 0)
+      else if (lead_)
         log::Info("distributed optimizer: each of {} ranks keeps {} of the {} parameters' AdamW state", dp_,
                   shard.shard_size, model_->num_params());
     }
     PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
+    // Megatron's line from each tensor rank of the first data-parallel rank.
+    if (tensor_ && rank_ == 0)
+      PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, 0): {}",
+                               tensor_->rank(), model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
-    if (rank_ == 0 && !step_->buckets().empty()) {
+    if (lead_ && !step_->buckets().empty()) {
       int64_t largest = 0;
       for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
       log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
@@ -310,7 +324,7 @@ class Trainer {
     state_.seed = o_.seed;
     // One training run per --save directory: a second (a requeue while the first still runs) stops
     // here naming the first, instead of interleaving checkpoints with it.
-    if (rank_ == 0 && !o_.save.empty()) {
+    if (lead_ && !o_.save.empty()) {
       PTK_RETURN_IF_ERROR(MakeDirs(o_.save));
       PTK_ASSIGN_OR_RETURN(save_lock_, OutputLock::Acquire(JoinPath(o_.save, "ptk-train")));
       PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
@@ -324,15 +338,15 @@ class Trainer {
   absl::Status Resume() {
     if (o_.load.empty()) return absl::OkStatus();
     // Every rank reads --load once rank 0 has put back what a killed save left aside.
-    if (!o_.save.empty()) PTK_RETURN_IF_ERROR(comm_->Barrier());
+    if (!o_.save.empty()) PTK_RETURN_IF_ERROR(world_->Barrier());
     absl::StatusOr<int64_t> latest = LatestCheckpointIteration(o_.load);
     if (absl::IsNotFound(latest.status())) {
       PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o_.load));
       // --load and --save one directory is how every first run starts; another --load was meant to
       // hold a checkpoint.
-      if (rank_ == 0 && o_.load != o_.save)
+      if (lead_ && o_.load != o_.save)
         log::Warning("--load {}; starting from random initialization", StatusMessage(latest.status()));
-      else if (rank_ == 0)
+      else if (lead_)
         log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
       return absl::OkStatus();
     }
@@ -367,8 +381,8 @@ class Trainer {
           ResolveResumedScheduler(plan_.schedule, *loaded.scheduler, o_.scheduler_on_load, loaded.iteration,
                                   o_.train_iters > 0 ? plan_.global_batch_size : 0, &notes));
       for (const std::string& n : notes)
-        if (rank_ == 0) log::Info("{}", n);
-    } else if (!loaded.scheduler && o_.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint && rank_ == 0) {
+        if (lead_) log::Info("{}", n);
+    } else if (!loaded.scheduler && o_.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint && lead_) {
       log::Warning(
           "--use-checkpoint-opt_param-scheduler: the checkpoint of iteration {} does not record its schedule (an "
           "earlier ptk wrote it); going on with this command line's",
@@ -377,16 +391,16 @@ class Trainer {
     step_->Restore(step_state);
     if (o_.no_load_rng) state_.seed = o_.seed;
     summary_.resumed = true;
-    if (rank_ == 0)
+    if (lead_)
       log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o_.load, *latest),
                 loaded.iteration, loaded.consumed_train_samples);
-    if (rank_ == 0) ReportResumeChanges(loaded.settings, settings_, loaded, o_.no_load_rng);
+    if (lead_) ReportResumeChanges(loaded.settings, settings_, loaded, o_.no_load_rng);
     return absl::OkStatus();
   }
 
   // --load was at the last iteration already: said so, no iteration runs.
   TrainSummary NothingToTrain() {
-    if (rank_ == 0)
+    if (lead_)
       log::Info(
           "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} "
           "to train further",
@@ -406,7 +420,7 @@ class Trainer {
   absl::Status OpenDataAndOutputs() {
     PTK_ASSIGN_OR_RETURN(data_, BuildDatasets(o_, plan_));
     const int64_t mbs = plan_.micro_batch_size;
-    if (rank_ == 0)
+    if (lead_)
       log::Info(
           "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
           model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, dp_, plan_.global_batch_size);
@@ -415,7 +429,7 @@ class Trainer {
     // runs one after the other append, as Megatron's do (a resume, a requeue), and a run that starts
     // anew where an earlier run left events or lines says so.
     const bool fresh = state_.iteration == 0;
-    if (rank_ == 0 && !o_.metrics_path.empty()) {
+    if (lead_ && !o_.metrics_path.empty()) {
       std::error_code ec;
       const auto type = std::filesystem::status(o_.metrics_path, ec).type();
       if (type == std::filesystem::file_type::regular || type == std::filesystem::file_type::not_found) {
@@ -435,7 +449,7 @@ class Trainer {
       PTK_RETURN_IF_ERROR(metrics_.Open(o_.metrics_path));
     }
     // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
-    if (rank_ == 0 && !o_.tensorboard.dir.empty()) {
+    if (lead_ && !o_.tensorboard.dir.empty()) {
       PTK_RETURN_IF_ERROR(MakeDirs(o_.tensorboard.dir));
       const std::string events = JoinPath(o_.tensorboard.dir, "events");
       auto lock = OutputLock::Acquire(events);
@@ -481,8 +495,14 @@ class Trainer {
     std::vector<float> own(static_cast<size_t>(model_->moments_size()));
     PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
     double sum = 0;
-    for (float x : own) sum += static_cast<double>(x) * x;
+    const int64_t begin = model_->moments_begin();
+    // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only.
+    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, begin + model_->moments_size()))
+      if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)
+        for (int64_t i = p.offset - begin; i < p.offset - begin + p.size; ++i)
+          sum += static_cast<double>(own[static_cast<size_t>(i)]) * own[static_cast<size_t>(i)];
     if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
+    if (tensor_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, tensor_));
     return std::sqrt(sum);
   }
 
@@ -492,7 +512,7 @@ class Trainer {
   absl::Status UpdateBatchSize() {
     const int64_t gbs = plan_.GlobalBatchSizeAt(state_.consumed_train_samples);
     if (gbs == current_gbs_) return absl::OkStatus();
-    if (rank_ == 0 && plan_.rampup_start > 0) {
+    if (lead_ && plan_.rampup_start > 0) {
       if (current_gbs_ == 0)
         log::Info("setting initial batch size to {}", gbs);
       else
@@ -629,7 +649,7 @@ class Trainer {
 
   // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
   absl::Status Sample() {
-    if (rank_ != 0) return absl::OkStatus();
+    if (rank_ != 0) return absl::OkStatus();  // every tensor rank of data rank 0 runs the model; lead_ prints
     GenerateOptions g;
     g.new_tokens = o_.sample.length;
     g.temperature = o_.sample.temperature;
@@ -645,51 +665,30 @@ class Trainer {
   // shards gathered, so that any number of ranks loads the file), the training step's state.
   absl::Status Save() {
     if (o_.save.empty()) return absl::OkStatus();
-    PTK_RETURN_IF_ERROR(comm_->Barrier());
+    PTK_RETURN_IF_ERROR(world_->Barrier());
     auto t0 = Clock::now();
-    const size_t n = static_cast<size_t>(model_->num_params());
-    std::vector<float> params, m, v;
-    if (model_->shard()) {
-      // Each rank's range of the weights and moments (a sharded master holds no more), gathered.
-      params.assign(n, 0.0f);
-      m.assign(n, 0.0f);
-      v.assign(n, 0.0f);
-      const size_t begin = static_cast<size_t>(model_->moments_begin()),
-                   size = static_cast<size_t>(model_->moments_size());
-      PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(std::span<float>(params).subspan(begin, size)));
-      PTK_RETURN_IF_ERROR(
-          model_->ReadMoments(std::span<float>(m).subspan(begin, size), std::span<float>(v).subspan(begin, size)));
-      std::vector<int64_t> bytes = model_->shard()->Counts();
-      for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
-      PTK_RETURN_IF_ERROR(comm_->AllGather(params.data(), bytes));
-      PTK_RETURN_IF_ERROR(comm_->AllGather(m.data(), bytes));
-      PTK_RETURN_IF_ERROR(comm_->AllGather(v.data(), bytes));
-    }
-    if (rank_ == 0) {
+    // Every tensor rank's weights and moments (ZeRO-1's shards gathered) on world rank 0.
+    PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> parts, GatherCheckpointArrays(model_.get(), comm_, tensor_));
+    if (lead_) {
       const TrainStepState step_state = step_->State();
       state_.adam_step = step_state.adam_step;
       state_.scheduler_num_steps = step_state.scheduler_num_steps;
       state_.scheduler = step_state.schedule;
       if (step_state.loss_scale) state_.loss_scale = step_state.loss_scale;
       state_.settings = settings_;
-      if (!model_->shard()) {
-        params.resize(n);
-        PTK_RETURN_IF_ERROR(model_->ReadParams(params));
-        m.resize(n);
-        v.resize(n);
-        PTK_RETURN_IF_ERROR(model_->ReadMoments(m, v));
-      }
       // What this checkpoint covers is on disk in the event and metrics files before the tracker
       // names it: a kill right after the save loses no logged iteration the checkpoint holds.
       if (tb_) PTK_RETURN_IF_ERROR(tb_->Sync());
       PTK_RETURN_IF_ERROR(metrics_.Sync());
-      PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, model_->layout(), params, m, v, state_, o_.args_json));
-      Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/1, p 1/1 ] ({:.1f} ms)",
-                        state_.iteration, o_.save,
+      std::vector<CheckpointShard> shards;
+      for (const CheckpointArrays& a : parts) shards.push_back({&a.layout, a.params, a.exp_avg, a.exp_avg_sq});
+      PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, shards, state_, o_.args_json));
+      Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/1 ] ({:.1f} ms)",
+                        state_.iteration, o_.save, parts.size(),
                         std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
     }
     last_saved_ = state_.iteration;
-    return comm_->Barrier();
+    return world_->Barrier();
   }
 
   // Megatron's checkpoint_and_decide_exit: the ranks agree on every reason through one all-reduce;
@@ -698,10 +697,10 @@ class Trainer {
   absl::StatusOr<std::string> SaveAndDecideExit() {
     double flags[2] = {o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0,
                        std::chrono::duration<double>(Clock::now() - start_).count() / 60.0};
-    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(flags, 2));
+    PTK_RETURN_IF_ERROR(world_->AllReduceSum(flags, 2));
     if (flags[0] > 0) return std::string("exiting on signal");
     if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
-    const double minutes = flags[1] / dp_;  // the ranks' mean
+    const double minutes = flags[1] / world_->size();  // the ranks' mean
     if (o_.exit_duration_in_mins > 0 && minutes > o_.exit_duration_in_mins)
       return fmt::format("exiting program after {:.1f} minutes", minutes);
     if (o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0)
@@ -721,7 +720,7 @@ class Trainer {
   // evaluation on the validation and test splits.
   absl::StatusOr<TrainSummary> Finish() {
     Print(fmt::format("[after training is done] datetime: {} ", Timestamp()));
-    if (std::string report = model_->ProfileReport(); rank_ == 0 && !report.empty()) {
+    if (std::string report = model_->ProfileReport(); lead_ && !report.empty()) {
       if (report.back() == '\n') report.pop_back();
       Print(report);
     }
@@ -759,8 +758,11 @@ class Trainer {
 
   const TrainOptions& o_;
   const TrainPlan& plan_;
-  Communicator* const comm_;
-  const int rank_, dp_;
+  Communicator* const comm_;    // the data-parallel group
+  Communicator* const world_;   // every rank (comm_ without tensor parallelism)
+  Communicator* const tensor_;  // the tensor-parallel group; null without
+  const int rank_, dp_;         // the data-parallel rank and size
+  const bool lead_;             // world rank 0: the logs, TensorBoard, metrics, the checkpoint's writer
   Settings settings_;
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;

@@ -230,3 +230,63 @@ TEST(Rendezvous, ARestartedRankWaitsForAFreshRankZero) {
 
 }  // namespace
 }  // namespace ptk
+
+namespace ptk {
+namespace {
+
+// Four ranks as two tensor groups {0,1} {2,3} and two data groups {0,2} {1,3} (Megatron's order:
+// tensor ranks adjacent): each group's collectives sum over its members only, in their order, and
+// a group's rank is the member's index; the world communicator still works beside them.
+TEST(Communicator, SubgroupsSumOverTheirMembersOnly) {
+  std::mutex mu;
+  std::vector<std::vector<float>> tensor_sums(4), data_sums(4);
+  std::vector<int> tensor_ranks(4, -1), data_ranks(4, -1);
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    const std::vector<int> tensor = {rank / 2 * 2, rank / 2 * 2 + 1}, data = {rank % 2, rank % 2 + 2};
+    auto tp = world->Subgroup(tensor, "tensor");
+    ASSERT_TRUE(tp.ok()) << tp.status();
+    auto dp = world->Subgroup(data, "data");
+    ASSERT_TRUE(dp.ok()) << dp.status();
+    EXPECT_EQ((*tp)->size(), 2);
+    EXPECT_EQ((*dp)->size(), 2);
+    std::vector<float> x = Values(rank, 5000), y = x;
+    ASSERT_TRUE((*tp)->AllReduceSum(x.data(), 5000).ok());
+    ASSERT_TRUE((*dp)->AllReduceSum(y.data(), 5000).ok());
+    double one = 1;
+    ASSERT_TRUE(world->AllReduceSum(&one, 1).ok());
+    EXPECT_EQ(one, 4.0);
+    std::lock_guard<std::mutex> lock(mu);
+    tensor_sums[static_cast<size_t>(rank)] = x;
+    data_sums[static_cast<size_t>(rank)] = y;
+    tensor_ranks[static_cast<size_t>(rank)] = (*tp)->rank();
+    data_ranks[static_cast<size_t>(rank)] = (*dp)->rank();
+  });
+  for (int r = 0; r < 4; ++r) {
+    const auto vt = Values(r / 2 * 2, 5000), vt1 = Values(r / 2 * 2 + 1, 5000);
+    const auto vd = Values(r % 2, 5000), vd1 = Values(r % 2 + 2, 5000);
+    std::vector<float> want_t(5000), want_d(5000);
+    for (size_t i = 0; i < 5000; ++i) {
+      want_t[i] = vt[i] + vt1[i];
+      want_d[i] = vd[i] + vd1[i];
+    }
+    EXPECT_TRUE(SameBits(tensor_sums[static_cast<size_t>(r)].data(), want_t.data(), 5000)) << "rank " << r;
+    EXPECT_TRUE(SameBits(data_sums[static_cast<size_t>(r)].data(), want_d.data(), 5000)) << "rank " << r;
+    EXPECT_EQ(tensor_ranks[static_cast<size_t>(r)], r % 2);
+    EXPECT_EQ(data_ranks[static_cast<size_t>(r)], r / 2);
+  }
+}
+
+TEST(Communicator, SubgroupMembersAreChecked) {
+  auto comm = MakeLocalCommunicator();
+  auto one = comm->Subgroup(std::vector<int>{0}, "tensor");
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ((*one)->size(), 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(comm->Subgroup(std::vector<int>{1}, "tensor").status()));
+  testing::RunRanks(2, [&](Communicator* world, int rank) {
+    EXPECT_TRUE(absl::IsInvalidArgument(world->Subgroup(std::vector<int>{1, 0}, "x").status()));
+    EXPECT_TRUE(absl::IsInvalidArgument(world->Subgroup(std::vector<int>{1 - rank}, "x").status()));
+  });
+}
+
+}  // namespace
+}  // namespace ptk

@@ -10,19 +10,11 @@
 
 #include "common/status.h"
 #include "trainer/counter_rng.h"
+#include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/ops_cpu.h"
+#include "trainer/cpu/tensor_parallel_cpu.h"
 
 namespace ptk {
-
-struct CpuGPTModel::Activations {
-  int64_t b = 0, t = 0;
-  // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
-  std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean, ln2_rstd,
-      fc1, gelu;
-  std::vector<float> lnf, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln, dff, dqkv, datt, scratch;
-  std::vector<int32_t> targets;
-  std::vector<uint64_t> streams;
-};
 
 CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)), act_(std::make_unique<Activations>()) {
   const size_t n = static_cast<size_t>(num_params());
@@ -33,9 +25,25 @@ CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)), act_
 }
 CpuGPTModel::~CpuGPTModel() = default;
 
-absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig& config) {
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config));
-  return std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
+absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig& config, Communicator* tensor,
+                                                                 bool sequence_parallel) {
+  const int size = tensor ? tensor->size() : 1, rank = tensor ? tensor->rank() : 0;
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank));
+  auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
+  if (size > 1) model->tensor_comm_ = tensor;
+  if (size > 1 && sequence_parallel) {
+    if (config.seq_length % size != 0)
+      return absl::InvalidArgumentError(
+          fmt::format("--sequence-parallel: --seq-length ({}) must be a multiple of --tensor-model-parallel-size ({})",
+                      config.seq_length, size));
+    model->sequence_parallel_ = true;
+  }
+  return model;
+}
+
+absl::Status CpuGPTModel::TensorSum(float* x, int64_t count) {
+  if (!tp()) return absl::OkStatus();
+  return tensor_comm_->AllReduceSum(x, count);
 }
 
 namespace {
@@ -82,7 +90,14 @@ absl::Status CpuGPTModel::ZeroGrads() {
 
 absl::Status CpuGPTModel::AllReduceGrads(Communicator* comm) { return comm->AllReduceSum(grads_.data(), num_params()); }
 
-absl::StatusOr<double> CpuGPTModel::GradSumSquares() { return cpu::SumSquares(grads_.data(), num_params()); }
+absl::StatusOr<double> CpuGPTModel::GradSumSquares() {
+  if (tensor_rank() == 0) return cpu::SumSquares(grads_.data(), num_params());
+  // Another tensor rank: its slices only (tensor rank 0 counts what every rank holds whole).
+  double s = 0;
+  for (const ParamInfo& p : params_info())
+    if (p.tensor_split_dim >= 0) s += cpu::SumSquares(grads_.data() + p.offset, p.size);
+  return s;
+}
 
 absl::Status CpuGPTModel::ScaleGrads(double s) {
   cpu::Scale(grads_.data() + moments_begin(), moments_size(), static_cast<float>(s));
@@ -123,8 +138,17 @@ absl::Status CpuGPTModel::GradSumSquaresPartials(int64_t begin, int64_t end, std
     return absl::InvalidArgumentError(
         fmt::format("GradSumSquaresPartials: range [{}, {}) of {} parameters", begin, end, num_params()));
   // The blocks cpu::SumSquares adds over the whole buffer, one partial each.
-  for (int64_t b = begin; b < end; b += ParamShard::kAlignment)
-    out->push_back(cpu::SumSquares(grads_.data() + b, std::min(ParamShard::kAlignment, end - b)));
+  for (int64_t b = begin; b < end; b += ParamShard::kAlignment) {
+    const int64_t e = std::min(b + ParamShard::kAlignment, end);
+    if (tensor_rank() == 0) {
+      out->push_back(cpu::SumSquares(grads_.data() + b, e - b));
+      continue;
+    }
+    double s = 0;  // another tensor rank: its slices only, as GradSumSquares
+    for (const ParamPiece& piece : PiecesIn(layout(), b, std::min(e, num_params())))
+      if (piece.tensor_split_dim >= 0) s += cpu::SumSquares(grads_.data() + piece.offset, piece.size);
+    out->push_back(s);
+  }
   return absl::OkStatus();
 }
 
@@ -158,8 +182,10 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   if (a.b == batch.b && a.t == batch.t) return absl::OkStatus();
   a.b = batch.b;
   a.t = batch.t;
-  const int64_t c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size, L = cf.num_layers;
-  const int64_t probs = batch.b * cf.num_attention_heads * batch.t * batch.t;
+  // This rank's slices under tensor parallelism: heads, ffn columns, vocabulary rows.
+  const int64_t T = tensor_size(), c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
+                vp = cf.padded_vocab_size / T, L = cf.num_layers;
+  const int64_t probs = batch.b * (cf.num_attention_heads / T) * batch.t * batch.t;
   auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
     v.assign(static_cast<size_t>(count), std::vector<float>(static_cast<size_t>(size)));
   };
@@ -168,9 +194,9 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   per_layer(a.ln1, L, n * c);
   per_layer(a.ln1_mean, L, n);
   per_layer(a.ln1_rstd, L, n);
-  per_layer(a.qkv, L, n * 3 * c);
+  per_layer(a.qkv, L, n * 3 * ct);
   per_layer(a.probs, cf.recompute_activations ? 1 : L, probs);
-  per_layer(a.atty, L, n * c);
+  per_layer(a.atty, L, n * ct);
   per_layer(a.ln2, L, n * c);
   per_layer(a.ln2_mean, L, n);
   per_layer(a.ln2_rstd, L, n);
@@ -187,9 +213,14 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   a.dtmp.assign(n * c, 0.0f);
   a.dln.assign(n * c, 0.0f);
   a.dff.assign(n * f, 0.0f);
-  a.dqkv.assign(n * 3 * c, 0.0f);
-  a.datt.assign(n * c, 0.0f);
+  a.dqkv.assign(n * 3 * ct, 0.0f);
+  a.datt.assign(n * ct, 0.0f);
   a.scratch.assign(2 * batch.t * batch.t, 0.0f);
+  if (sequence_parallel_) {
+    a.sp_local.assign(n * c, 0.0f);
+    a.sp_buf.assign(n * c, 0.0f);
+    a.ln_grads.assign(2 * c, 0.0f);
+  }
   a.targets.assign(n, 0);
   a.streams.assign(batch.b, 0);
   return absl::OkStatus();
@@ -201,79 +232,126 @@ void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_
   if (p <= 0.0) return;
   for (int64_t b = 0; b < batch.b; ++b)
     cpu::Dropout(x + b * batch.t * c, batch.t * c, p, seed,
-               DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, site));
+                 DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, site));
 }
 
-void AttentionStreams(const ModelBatch& batch, int64_t layer, std::vector<uint64_t>* streams) {
+// Head h's mask is stream streams[b] + h: a tensor rank whose first head is `head0` starts there, so
+// every head keeps its mask (the global head index) at any tensor size.
+void AttentionStreams(const ModelBatch& batch, int64_t layer, int64_t head0, std::vector<uint64_t>* streams) {
   for (int64_t b = 0; b < batch.b; ++b)
-    (*streams)[b] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, kAttentionProbs);
+    (*streams)[b] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, kAttentionProbs) +
+                    static_cast<uint64_t>(head0);
 }
 
-// What one forward or backward pass over `batch` works with: tokens n, hidden c, ffn f, padded
-// vocab vp, the dropout rates (zero when not training), the attention shape, the layer count.
+// What one forward or backward pass over `batch` works with: tokens n, hidden c, this rank's
+// slices of the attention's width ct, the ffn f and the padded vocab vp (all of them at one tensor
+// rank), the dropout rates (zero when not training), this rank's attention heads, the layer count.
 struct PassDims {
-  int64_t n, c, f, vp;
+  int64_t n, c, ct, f, vp;
   double hp, ap;
   AttentionShape shape;
   uint64_t layers;
 };
-PassDims DimsOf(const GPTConfig& cf, const ModelBatch& batch, bool train) {
+PassDims DimsOf(const ParamLayout& layout, const ModelBatch& batch, bool train) {
+  const GPTConfig& cf = layout.config;
+  const int64_t T = layout.tensor_size;
   return {batch.b * batch.t,
           cf.hidden_size,
-          cf.ffn_hidden_size,
-          cf.padded_vocab_size,
+          cf.hidden_size / T,
+          cf.ffn_hidden_size / T,
+          cf.padded_vocab_size / T,
           train ? cf.hidden_dropout : 0.0,
           train ? cf.attention_dropout : 0.0,
-          AttentionShape{batch.b, batch.t, cf.num_attention_heads, cf.head_dim()},
+          AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim()},
           static_cast<uint64_t>(cf.num_layers)};
+}
+// A row-parallel product's bias, added once after the sum over the tensor group.
+void AddBias(float* x, const float* bias, int64_t n, int64_t c) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < c; ++j) x[i * c + j] += bias[j];
 }
 }  // namespace
 
-void CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
+absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
+  if (sequence_parallel_) return RunForwardSequenceParallel(batch, train, seed);
   const GPTConfig& cf = config();
   Activations& a = *act_;
-  const auto [n, c, f, vp, hp, ap, shape, L] = DimsOf(cf, batch, train);
+  const auto [n, c, ct, f, vp, hp, ap, shape, L] = DimsOf(layout_, batch, train);
   const float* P = params_.data();
+  const bool tp = this->tp();
+  const int64_t head0 = tensor_rank() * shape.nh;
+  // Row-parallel products: the partial products summed over the tensor group, then the bias once.
+  // One tensor rank keeps the unsplit product with its bias (the same bits as before).
+  auto row_parallel = [&](float* out, const float* inp, int64_t w, int64_t bias, int64_t ic) -> absl::Status {
+    if (!tp) {
+      cpu::MatmulForward(out, inp, P + w, P + bias, n, ic, c);
+      return absl::OkStatus();
+    }
+    cpu::MatmulForward(out, inp, P + w, static_cast<const float*>(nullptr), n, ic, c);
+    PTK_RETURN_IF_ERROR(TensorSum(out, n * c));
+    AddBias(out, P + bias, n, c);
+    return absl::OkStatus();
+  };
 
-  cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, P + layout_.wpe, n, c);
+  if (!tp) {
+    cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, P + layout_.wpe, n, c);
+  } else {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
+    float* x = a.resid[0].data();
+    cpu::VocabSliceEmbeddingForward(x, batch.tokens, P + layout_.wte, tensor_rank() * vp, vp, n, c);
+    PTK_RETURN_IF_ERROR(TensorSum(x, n * c));
+    for (int64_t i = 0; i < n; ++i) {
+      const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[i]) * c;
+      for (int64_t j = 0; j < c; ++j) x[i * c + j] += pos[j];
+    }
+  }
   DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
   for (int64_t l = 0; l < cf.num_layers; ++l) {
     const LayerParams& lp = layout_.layers[l];
     cpu::LayerNormForward(a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
-                        P + lp.ln1_b, n, c, cf.layernorm_epsilon);
-    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * c);
-    if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
+                          P + lp.ln1_b, n, c, cf.layernorm_epsilon);
+    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * ct);
+    if (ap > 0.0) AttentionStreams(batch, l, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, P + lp.proj_b, n, c, c);
+    PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.atty[l].data(), lp.proj_w, lp.proj_b, ct));
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
     cpu::LayerNormForward(a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(),
-                        P + lp.ln2_w, P + lp.ln2_b, n, c, cf.layernorm_epsilon);
+                          P + lp.ln2_w, P + lp.ln2_b, n, c, cf.layernorm_epsilon);
     cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
     cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
-    cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, P + lp.fc2_b, n, f, c);
+    PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.gelu[l].data(), lp.fc2_w, lp.fc2_b, f));
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
   cpu::LayerNormForward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(),
-                      P + layout_.lnf_w, P + layout_.lnf_b, n, c, cf.layernorm_epsilon);
+                        P + layout_.lnf_w, P + layout_.lnf_b, n, c, cf.layernorm_epsilon);
+  // This rank's vocabulary columns of the logits (column-parallel output layer).
   cpu::MatmulForward(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
+  return absl::OkStatus();
 }
 
-void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
+// Under tensor parallelism the LayerNorms, the position embeddings and the row-parallel biases are
+// held whole by every tensor rank, and their gradients come out the same on every one without a
+// reduction: each is computed from the residual stream's gradient and activations, which every
+// rank holds with the same bits (the column-parallel products' input gradients and the row-parallel
+// outputs are summed over the group in rank order, which gives every rank the same bits).
+absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
+  if (sequence_parallel_) return RunBackwardSequenceParallel(batch, train, seed);
   const GPTConfig& cf = config();
   Activations& a = *act_;
-  const auto [n, c, f, vp, hp, ap, shape, L] = DimsOf(cf, batch, train);
+  const auto [n, c, ct, f, vp, hp, ap, shape, L] = DimsOf(layout_, batch, train);
   const float* P = params_.data();
   float* G = grads_.data();
+  const int64_t head0 = tensor_rank() * shape.nh;
 
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
   cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
-                    P + layout_.out_w, n, c, vp);
+                      P + layout_.out_w, n, c, vp);
+  PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));
   std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
   cpu::LayerNormBackward(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(),
-                       a.resid[cf.num_layers].data(), P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
+                         a.resid[cf.num_layers].data(), P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
   GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
   for (int64_t l = cf.num_layers - 1; l >= 0; --l) {
     const LayerParams& lp = layout_.layers[l];
@@ -281,34 +359,42 @@ void CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     std::fill(a.dff.begin(), a.dff.end(), 0.0f);
-    cpu::MatmulBackward(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
+    cpu::MatmulBackward(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f,
+                        c);
     cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
-    cpu::LayerNormBackward(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(), P + lp.ln2_w,
-                         a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
+    PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel fc1: its input gradient summed
+    cpu::LayerNormBackward(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(),
+                           P + lp.ln2_w, a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n, c,
-                      c);
-    if (ap > 0.0) AttentionStreams(batch, l, &a.streams);
+    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n,
+                        ct, c);
+    if (ap > 0.0) AttentionStreams(batch, l, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
-                         a.scratch.data());
+                           a.scratch.data());
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
-                      3 * c);
+                        3 * ct);
+    PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
     cpu::LayerNormBackward(a.dresid.data(), G + lp.ln1_w, G + lp.ln1_b, a.dln.data(), a.resid[l].data(), P + lp.ln1_w,
-                         a.ln1_mean[l].data(), a.ln1_rstd[l].data(), n, c);
+                           a.ln1_mean[l].data(), a.ln1_rstd[l].data(), n, c);
     GradsReady(static_cast<size_t>(cf.num_layers - l));  // layer l
   }
   DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
-  cpu::EmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens, batch.position_ids, n, c);
+  if (!tp())
+    cpu::EmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens, batch.position_ids, n, c);
+  else
+    cpu::VocabSliceEmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens,
+                                     batch.position_ids, tensor_rank() * vp, vp, n, c);
   GradsReady(static_cast<size_t>(cf.num_layers) + 1);  // the embeddings
+  return absl::OkStatus();
 }
 
 namespace {
@@ -323,30 +409,46 @@ LossSum SumLosses(const std::vector<float>& losses, const float* mask, int64_t n
 }
 }  // namespace
 
+absl::Status CpuGPTModel::Loss(const ModelBatch& batch, const float* dloss) {
+  Activations& a = *act_;
+  const int64_t n = batch.b * batch.t, vp = config().padded_vocab_size;
+  if (tp())
+    return cpu::VocabParallelCrossEntropy(a.logits.data(), a.losses.data(), batch.labels, dloss, n, vp / tensor_size(),
+                                          tensor_rank() * (vp / tensor_size()), tensor_comm_, &a.xent_work);
+  if (dloss)
+    cpu::SoftmaxCrossEntropyFused(a.logits.data(), a.losses.data(), batch.labels, dloss, n, vp);
+  else
+    cpu::SoftmaxCrossEntropyForward(a.losses.data(), a.logits.data(), batch.labels, n, vp);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
                                                      uint64_t seed) {
   PTK_RETURN_IF_ERROR(Prepare(batch));
   bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
-  RunForward(batch, train, seed);
+  PTK_RETURN_IF_ERROR(RunForward(batch, train, seed));
   Activations& a = *act_;
   const int64_t n = batch.b * batch.t;
   for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * loss_scale);
-  cpu::SoftmaxCrossEntropyFused(a.logits.data(), a.losses.data(), batch.labels, a.dloss.data(), n,
-                              config().padded_vocab_size);
+  PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
   LossSum s = SumLosses(a.losses, batch.loss_mask, n);
-  RunBackward(batch, train, seed);
+  PTK_RETURN_IF_ERROR(RunBackward(batch, train, seed));
   return s;
 }
 
 absl::StatusOr<LossSum> CpuGPTModel::Forward(const ModelBatch& batch, std::vector<float>* logits) {
   PTK_RETURN_IF_ERROR(Prepare(batch));
-  RunForward(batch, /*train=*/false, 0);
+  PTK_RETURN_IF_ERROR(RunForward(batch, /*train=*/false, 0));
   Activations& a = *act_;
-  cpu::SoftmaxCrossEntropyForward(a.losses.data(), a.logits.data(), batch.labels, batch.b * batch.t,
-                                config().padded_vocab_size);
-  if (logits) *logits = a.logits;
-  return SumLosses(act_->losses, batch.loss_mask, batch.b * batch.t);
+  const int64_t n = batch.b * batch.t;
+  if (logits && tp())  // the whole rows, gathered from the ranks' slices (text samples)
+    PTK_RETURN_IF_ERROR(cpu::GatherVocabParallelLogits(a.logits.data(), n, config().padded_vocab_size / tensor_size(),
+                                                       tensor_comm_, logits));
+  else if (logits)
+    *logits = a.logits;
+  PTK_RETURN_IF_ERROR(Loss(batch, nullptr));
+  return SumLosses(act_->losses, batch.loss_mask, n);
 }
 
 }  // namespace ptk

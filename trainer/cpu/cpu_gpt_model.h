@@ -12,7 +12,16 @@ namespace ptk {
 
 class CpuGPTModel final : public GPTModel {
  public:
-  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config);
+  // With `tensor` (a group of several ranks): this rank's partition of the model (Megatron's tensor
+  // parallelism: ParamLayout::Create's slices), its layers communicating over `tensor`, which must
+  // outlive the model.
+  // With `sequence_parallel` as well (Megatron's --sequence-parallel): LayerNorm, dropout and the
+  // residual stream on this rank's part of each sample's positions (seq_length / T of them),
+  // all-gathered before the column-parallel products and reduce-scattered after the row-parallel
+  // ones; the LayerNorms' gradients summed over the tensor group.
+  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config, Communicator* tensor = nullptr,
+                                                             bool sequence_parallel = false);
+  bool sequence_parallel() const { return sequence_parallel_; }
   ~CpuGPTModel() override;
 
   // The host buffers themselves (tests and the gradient checks read and poke them).
@@ -54,10 +63,26 @@ class CpuGPTModel final : public GPTModel {
   struct Activations;
   explicit CpuGPTModel(ParamLayout layout);
   absl::Status Prepare(const ModelBatch& batch);
-  // Up to the logits.
-  void RunForward(const ModelBatch& batch, bool train, uint64_t seed);
+  // Up to the logits (this rank's vocabulary slice under tensor parallelism).
+  absl::Status RunForward(const ModelBatch& batch, bool train, uint64_t seed);
   // From the logits, which the loss step has turned into their gradient.
-  void RunBackward(const ModelBatch& batch, bool train, uint64_t seed);
+  absl::Status RunBackward(const ModelBatch& batch, bool train, uint64_t seed);
+  // The loss of the logits (and with `dloss` their gradient in place).
+  absl::Status Loss(const ModelBatch& batch, const float* dloss);
+  // Tensor parallelism: sums a (n, c) partial over the tensor group (a row-parallel product's
+  // output, a column-parallel product's input gradient); nothing at one tensor rank.
+  absl::Status TensorSum(float* x, int64_t count);
+  bool tp() const { return tensor_size() > 1; }
+  // Sequence parallelism's passes (sequence_parallel_cpu.cpp) and their collectives: this rank's
+  // rows of a (b, t, c) buffer to and from the whole; a partial whole summed into this rank's rows.
+  absl::Status RunForwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed);
+  absl::Status RunBackwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed);
+  absl::Status GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c);
+  absl::Status ReduceScatterRows(const float* whole, float* local, const ModelBatch& batch, int64_t c);
+  // A LayerNorm's backward on this rank's rows, its weight and bias gradients summed over the group.
+  absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
+                                     const float* mean, const float* rstd, int64_t rows);
+  bool sequence_parallel_ = false;
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
   std::unique_ptr<Activations> act_;

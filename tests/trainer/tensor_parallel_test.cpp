@@ -1,0 +1,236 @@
+// Tensor parallelism on the CPU backend (Megatron's partition: column-parallel QKV and fc1,
+// row-parallel proj and fc2, vocabulary-parallel embedding and cross-entropy) over gloo ranks as
+// threads: T = 2 and 4 give one rank's loss and gradients (gathered from the slices), dropout on;
+// the tensors every tensor rank holds whole get the same gradient bits on every rank; 20 training
+// steps at T = 2, 4 and T = 2 x data 2 with ZeRO-1 follow one rank's losses within 1e-5; the same
+// with sequence parallelism.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "tests/trainer/gloo_ranks.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/param_shard.h"
+#include "trainer/train_step.h"
+
+namespace ptk {
+namespace {
+
+GPTConfig Config() {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 256;
+  c.seq_length = c.max_position_embeddings = 32;
+  c.vocab_size = 97;
+  c.padded_vocab_size = 128;
+  c.hidden_dropout = c.attention_dropout = 0.1;
+  return c;
+}
+
+// Micro-batch k of 2 samples of 32 tokens.
+struct Batches {
+  std::vector<std::vector<int32_t>> tokens, labels, positions;
+  std::vector<std::vector<float>> mask;
+  std::vector<std::vector<int64_t>> keys;
+  explicit Batches(int count) {
+    for (int k = 0; k < count; ++k) {
+      std::vector<int32_t> t, l, p;
+      std::vector<float> m;
+      for (int64_t i = 0; i < 64; ++i) {
+        t.push_back(static_cast<int32_t>((i * 37 + 5 + 13 * k) % 97));
+        l.push_back(static_cast<int32_t>((i * 11 + 3 + 7 * k) % 97));
+        p.push_back(static_cast<int32_t>(i % 32));
+        m.push_back(i % 7 == 6 ? 0.0f : 1.0f);
+      }
+      tokens.push_back(t);
+      labels.push_back(l);
+      positions.push_back(p);
+      mask.push_back(m);
+      keys.push_back({2 * k, 2 * k + 1});
+    }
+  }
+  ModelBatch Get(size_t k) const {
+    return ModelBatch{2, 32, tokens[k].data(), labels[k].data(), positions[k].data(), mask[k].data(), keys[k].data()};
+  }
+};
+
+SchedulerConfig Schedule() {
+  SchedulerConfig s;
+  s.max_lr = 3e-3;
+  s.min_lr = 3e-4;
+  s.decay_style = "cosine";
+  s.decay_steps = 20 * 4;
+  s.warmup_steps = 2 * 4;
+  s.start_wd = s.end_wd = 0.1;
+  s.wd_incr_steps = 80;
+  return s;
+}
+
+double Rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+// One forward-backward at tensor size T (T ranks as threads): the loss of each rank and the
+// gradients gathered into the whole model's layout.
+struct Pass {
+  std::vector<double> losses;
+  std::vector<float> grads;
+  bool whole_tensors_same_bits = true;
+};
+Pass OnePass(int T, bool sp = false) {
+  Pass out;
+  const GPTConfig c = Config();
+  const Batches data(1);
+  auto whole = ParamLayout::Create(c);
+  out.grads.assign(static_cast<size_t>(whole->num_params), 0.0f);
+  out.losses.assign(static_cast<size_t>(T), 0.0);
+  std::vector<std::vector<float>> rank_grads(static_cast<size_t>(T));
+  std::mutex mu;
+  auto body = [&](Communicator* tensor, int rank) {
+    auto model = CpuGPTModel::Create(c, tensor, sp);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE((*model)->InitWeights(1234).ok());
+    auto loss = (*model)->ForwardBackward(data.Get(0), 1.0, /*train=*/true, 99);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    std::lock_guard<std::mutex> lock(mu);
+    out.losses[static_cast<size_t>(rank)] = loss->loss_sum / loss->tokens;
+    const float* g = (*model)->grads();
+    rank_grads[static_cast<size_t>(rank)].assign(g, g + (*model)->num_params());
+    CopyFromShard((*model)->layout(), rank_grads[static_cast<size_t>(rank)], out.grads);
+  };
+  if (T == 1) {
+    body(nullptr, 0);
+  } else {
+    testing::RunRanks(T, body);
+  }
+  auto layout0 = ParamLayout::Create(c, T, 0);
+  for (const ParamInfo& p : layout0->infos)
+    if (p.tensor_split_dim < 0)
+      for (int r = 1; r < T; ++r)
+        out.whole_tensors_same_bits =
+            out.whole_tensors_same_bits &&
+            std::memcmp(rank_grads[0].data() + p.offset, rank_grads[static_cast<size_t>(r)].data() + p.offset,
+                        static_cast<size_t>(p.size) * sizeof(float)) == 0;
+  return out;
+}
+
+TEST(TensorParallel, ShardsOfTheInitAreTheWholeInitsSlices) {
+  const GPTConfig c = Config();
+  auto whole = ParamLayout::Create(c);
+  std::vector<float> w(static_cast<size_t>(whole->num_params)), back(w.size(), 0.0f);
+  whole->InitWeights(5, w);
+  for (int T : {2, 4}) {
+    std::fill(back.begin(), back.end(), 0.0f);
+    for (int t = 0; t < T; ++t) {
+      auto shard = ParamLayout::Create(c, T, t);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      std::vector<float> s(static_cast<size_t>(shard->num_params)), cut(s.size());
+      shard->InitWeights(5, s);
+      CopyToShard(*shard, w, cut);
+      EXPECT_EQ(s, cut) << "T=" << T << " rank " << t;
+      CopyFromShard(*shard, s, back);
+    }
+    EXPECT_EQ(back, w) << "T=" << T;
+  }
+  EXPECT_FALSE(ParamLayout::Create(c, 3, 0).ok());  // 4 heads
+}
+
+TEST(TensorParallel, ForwardBackwardMatchesOneRank) {
+  const Pass one = OnePass(1);
+  for (const auto& [T, sp] : {std::pair{2, false}, std::pair{4, false}, std::pair{2, true}, std::pair{4, true}}) {
+    const Pass tp = OnePass(T, sp);
+    EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T << " sp=" << sp;
+    double gmax = 0, dmax = 0;
+    for (size_t i = 0; i < one.grads.size(); ++i) {
+      gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
+      dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
+    }
+    for (int r = 0; r < T; ++r) {
+      EXPECT_LT(Rel(tp.losses[static_cast<size_t>(r)], one.losses[0]), 1e-6) << "T=" << T << " rank " << r;
+      EXPECT_EQ(tp.losses[static_cast<size_t>(r)], tp.losses[0]);
+    }
+    EXPECT_LT(dmax, 1e-5 * gmax) << "T=" << T << " sp=" << sp << ": largest gradient difference " << dmax << " of "
+                                 << gmax;
+    std::printf("T=%d%s: loss %.9g vs %.9g; largest gradient difference %.3g of %.3g\n", T,
+                sp ? " sequence-parallel" : "", tp.losses[0], one.losses[0], dmax, gmax);
+  }
+}
+
+// 20 steps of 2 micro-batches per iteration (global batch 4 samples) at tensor size T and data
+// size D (world T x D; Megatron's order: tensor ranks adjacent), ZeRO-1 over each data group when
+// asked: each step's lm loss on world rank 0.
+std::vector<double> Train(int T, int D, bool zero1, bool sp = false) {
+  const GPTConfig c = Config();
+  const Batches data(2 * 20);
+  std::vector<double> losses;
+  std::mutex mu;
+  auto body = [&](Communicator* world, int rank) {
+    std::unique_ptr<Communicator> tensor, dp;
+    if (world) {
+      std::vector<int> tm, dm;
+      for (int t = 0; t < T; ++t) tm.push_back(rank / T * T + t);
+      for (int d = 0; d < D; ++d) dm.push_back(rank % T + d * T);
+      auto ts = world->Subgroup(tm, "tensor");
+      ASSERT_TRUE(ts.ok()) << ts.status();
+      auto ds = world->Subgroup(dm, "data");
+      ASSERT_TRUE(ds.ok()) << ds.status();
+      tensor = std::move(*ts);
+      dp = std::move(*ds);
+    } else {
+      dp = MakeLocalCommunicator();
+    }
+    auto model = CpuGPTModel::Create(c, tensor.get(), sp);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE((*model)->InitWeights(1234).ok());
+    if (zero1) {
+      auto shard = ParamShard::Create((*model)->num_params(), dp->size(), dp->rank());
+      ASSERT_TRUE(shard.ok());
+      ASSERT_TRUE((*model)->ShardOptimizerState(*shard).ok());
+    }
+    TrainStep step(model->get(), OptimizerConfig{}, Schedule(), dp.get());
+    const int per_rank = 2 / D;
+    for (int it = 0; it < 20; ++it) {
+      std::vector<ModelBatch> mbs;
+      for (int k = 0; k < per_rank; ++k)
+        mbs.push_back(data.Get(static_cast<size_t>(2 * it + dp->rank() * per_rank + k)));
+      auto r = step.Step(mbs, 4, 77);
+      ASSERT_TRUE(r.ok()) << r.status();
+      if (rank == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        losses.push_back(r->lm_loss());
+      }
+    }
+  };
+  if (T * D == 1)
+    body(nullptr, 0);
+  else
+    testing::RunRanks(T * D, body);
+  return losses;
+}
+
+TEST(TensorParallel, TwentyStepsFollowOneRanksLosses) {
+  const std::vector<double> one = Train(1, 1, false);
+  ASSERT_EQ(one.size(), 20u);
+  struct Case {
+    int T, D;
+    bool zero1, sp;
+  };
+  for (const Case& k : {Case{2, 1, false, false}, Case{4, 1, false, false}, Case{2, 2, true, false},
+                        Case{2, 1, false, true}, Case{4, 1, false, true}, Case{2, 2, true, true}}) {
+    const std::vector<double> tp = Train(k.T, k.D, k.zero1, k.sp);
+    ASSERT_EQ(tp.size(), 20u);
+    double worst = 0;
+    for (size_t i = 0; i < 20; ++i) worst = std::max(worst, Rel(tp[i], one[i]));
+    EXPECT_LT(worst, 1e-5) << "T=" << k.T << " D=" << k.D << " sp=" << k.sp;
+    std::printf("T=%d D=%d%s%s: losses %.7f .. %.7f, largest relative difference from one rank %.3g\n", k.T, k.D,
+                k.zero1 ? " ZeRO-1" : "", k.sp ? " sequence-parallel" : "", tp.front(), tp.back(), worst);
+  }
+  EXPECT_LT(one.back(), one.front());
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,64 @@
+// The weights and moments a checkpoint holds, gathered over the data and tensor groups.
+#include "trainer/tensor_parallel_checkpoint.h"
+
+#include <span>
+
+#include "common/status.h"
+
+namespace ptk {
+
+absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* model, Communicator* data,
+                                                                     Communicator* tensor) {
+  const size_t n = static_cast<size_t>(model->num_params());
+  CheckpointArrays mine{model->layout(), {}, {}, {}};
+  std::vector<float>&params = mine.params, &m = mine.exp_avg, &v = mine.exp_avg_sq;
+  if (model->shard()) {
+    // Each data rank's range of the weights and moments (a sharded master holds no more), gathered.
+    params.assign(n, 0.0f);
+    m.assign(n, 0.0f);
+    v.assign(n, 0.0f);
+    const size_t begin = static_cast<size_t>(model->moments_begin()), size = static_cast<size_t>(model->moments_size());
+    PTK_RETURN_IF_ERROR(model->ReadOwnedParams(std::span<float>(params).subspan(begin, size)));
+    PTK_RETURN_IF_ERROR(
+        model->ReadMoments(std::span<float>(m).subspan(begin, size), std::span<float>(v).subspan(begin, size)));
+    std::vector<int64_t> bytes = model->shard()->Counts();
+    for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+    PTK_RETURN_IF_ERROR(data->AllGather(params.data(), bytes));
+    PTK_RETURN_IF_ERROR(data->AllGather(m.data(), bytes));
+    PTK_RETURN_IF_ERROR(data->AllGather(v.data(), bytes));
+  }
+  std::vector<CheckpointArrays> out;
+  if (data->rank() != 0) return out;
+  if (!model->shard()) {
+    params.resize(n);
+    PTK_RETURN_IF_ERROR(model->ReadParams(params));
+    m.resize(n);
+    v.resize(n);
+    PTK_RETURN_IF_ERROR(model->ReadMoments(m, v));
+  }
+  if (!tensor || tensor->size() == 1) {
+    out.push_back(std::move(mine));
+    return out;
+  }
+  // Every tensor rank holds as many parameters (the split dimensions divide evenly).
+  const int T = tensor->size(), me = tensor->rank();
+  std::vector<int64_t> bytes(static_cast<size_t>(T), static_cast<int64_t>(n * sizeof(float)));
+  std::vector<std::vector<float>> all(3, std::vector<float>(n * static_cast<size_t>(T)));
+  const std::vector<float>* own[3] = {&params, &m, &v};
+  for (size_t k = 0; k < 3; ++k) {
+    std::copy(own[k]->begin(), own[k]->end(), all[k].begin() + static_cast<std::ptrdiff_t>(me * n));
+    PTK_RETURN_IF_ERROR(tensor->AllGather(all[k].data(), bytes));
+  }
+  if (me != 0) return out;
+  for (int t = 0; t < T; ++t) {
+    PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, t));
+    auto slice = [&](size_t k) {
+      return std::vector<float>(all[k].begin() + static_cast<std::ptrdiff_t>(t * n),
+                                all[k].begin() + static_cast<std::ptrdiff_t>((t + 1) * n));
+    };
+    out.push_back({std::move(layout), slice(0), slice(1), slice(2)});
+  }
+  return out;
+}
+
+}  // namespace ptk
