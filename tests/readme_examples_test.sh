@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# README's example commands run as printed, on the bundled sample: every `build/bin/...` line of the
-# sections whose examples run on it (the jsonl -> train -> Hugging Face recipe, ptk-tokenize,
-# ptk-inspect, ptk-merge), extracted from README.md
+# The documented example commands run as printed, on the bundled sample: every `build/bin/...` line of
+# README.md's sections whose examples run on it (the jsonl -> train -> Hugging Face recipe,
+# ptk-tokenize, ptk-inspect, ptk-merge) and of the manuals those tools' details live in
+# (docs/ptk-tokenize.md, docs/ptk-inspect.md, docs/ptk-merge.md), extracted from the files
 # (continuation lines joined, comments dropped) and run in a directory laid out as they expect:
 # my.jsonl, data/train_*.jsonl.zst and wiki/ (the sample's files), the GPT-2 files, out/a_text_document and out/b_text_document, parts/.
+# Also: every `build/bin/` line of a README tool section is printed in that tool's manual too (the
+# README's screen is a summary of the manual, never a different command).
 # Usage: readme_examples_test.sh BIN_DIR SOURCE_DIR
 set -euo pipefail
 BIN=$1
@@ -33,38 +36,58 @@ for p in a b; do
   for e in bin idx; do cp "out/${p}_text_document.$e" "${p}_text_document.$e"; cp "out/${p}_text_document.$e" "parts/${p}_text_document.$e"; done
 done
 
-# The example lines of one README section (`## NAME` up to the next `## `).
+# The example lines of FILE: of its section `## SECTION` (up to the next `## `), or of the whole file.
 examples() {
-  awk -v sec="## $1" '
-    $0 == sec { on = 1; next }
-    on && /^## / { exit }
+  awk -v sec="${2:+## $2}" '
+    sec != "" && $0 == sec { on = 1; next }
+    sec != "" && on && /^## / { exit }
+    sec == "" { on = 1 }
     on && /^```/ { code = !code; next }
-    on && code { print }' "$SRC/README.md" |
+    on && code { print }' "$SRC/$1" |
     awk '{ if (cont != "") { $0 = cont " " $0; cont = "" }
            if ($0 ~ /\\$/) { sub(/\\$/, ""); cont = $0; next }
            print }' |
-    sed -E 's/[[:space:]]+#[^"'"'"']*$//' | grep -E '^build/bin/'
+    sed -E 's/[[:space:]]+#[^"'"'"']*$//' | grep -E '^build/bin/' || true
 }
 ran=0
-cat data/train_0.jsonl.zst data/train_1.jsonl.zst | zstd -dcq > my.jsonl
-for section in "From your own jsonl to a Hugging Face model" ptk-tokenize ptk-inspect ptk-merge; do
-  mapfile -t lines < <(examples "$section")
-  [ "${#lines[@]}" -gt 0 ] || fail "no examples found under '## $section'"
+run_examples() {  # run_examples FILE [SECTION]
+  local where="$1${2:+, section '## $2'}" lines cmd out
+  mapfile -t lines < <(examples "$@")
+  [ "${#lines[@]}" -gt 0 ] || fail "no examples found in $where"
   for cmd in "${lines[@]}"; do
     echo "+ $cmd"
-    out=$(bash -c "$cmd" 2>&1) || fail "README example failed as printed: $cmd
+    out=$(bash -c "$cmd" 2>&1) || fail "example of $where failed as printed: $cmd
 $out"
     ran=$((ran + 1))
   done
+}
+cat data/train_0.jsonl.zst data/train_1.jsonl.zst | zstd -dcq > my.jsonl
+for section in "From your own jsonl to a Hugging Face model" ptk-tokenize ptk-inspect ptk-merge; do
+  run_examples README.md "$section"
 done
-[ "$ran" -ge 12 ] || fail "only $ran examples ran"
+for tool in ptk-tokenize ptk-inspect ptk-merge; do
+  run_examples "docs/$tool.md"
+done
+[ "$ran" -ge 18 ] || fail "only $ran examples ran"
+# README's screen per tool (each `## ptk-NAME` section) prints its manual's commands, never others.
+mapfile -t tools < <(sed -n 's/^## \(ptk-[a-z]*\)$/\1/p' "$SRC/README.md")
+[ "${#tools[@]}" -ge 8 ] || fail "README.md has ${#tools[@]} tool sections (## ptk-NAME), not 8"
+for tool in "${tools[@]}"; do
+  [ -f "$SRC/docs/$tool.md" ] || fail "README.md's section '## $tool' has no manual docs/$tool.md"
+  manual=$(examples "docs/$tool.md")
+  mapfile -t lines < <(examples README.md "$tool")
+  [ "${#lines[@]}" -gt 0 ] || fail "README.md's section '## $tool' shows no example"
+  for cmd in "${lines[@]}"; do
+    grep -qxF -- "$cmd" <<<"$manual" || fail "README.md's $tool example is not in docs/$tool.md: $cmd"
+  done
+done
 [ -f my-gpt2/model.safetensors ] || fail "the recipe wrote no Hugging Face model"
 # The ptk-inspect blend (weights and prefixes as separate words) printed a GPTDataset sample.
 # (Output captured first: `grep -q` ending the pipe early would SIGPIPE the writer, and pipefail would
 # turn a match into a failure.)
-blend=$(bash -c "$(examples ptk-inspect | grep -- '--data-path')" 2>&1) || fail "the --data-path example failed: $blend"
+blend=$(bash -c "$(examples README.md ptk-inspect | grep -- '--data-path')" 2>&1) || fail "the --data-path example failed: $blend"
 grep -q "sample 42" <<<"$blend" || fail "the --data-path example printed no sample 42: $blend"
-# What README promises of dataset names: ptk-merge --inputs gets the _text_document hint, and a
+# What docs/ptk-inspect.md promises of dataset names: ptk-merge --inputs gets the _text_document hint, and a
 # .bin or .idx name is the dataset (not PREFIX.bin.bin).
 set +e
 hint=$(build/bin/ptk-merge --inputs out/a out/b_text_document --output-prefix out/m1 2>&1)

@@ -122,6 +122,26 @@ constexpr ModelRefusal kModelRefusals[] = {
 
 absl::Status Refuse(const std::string& msg) { return UsageError(msg); }
 
+// GPTConfig::Validate names the model's settings as Megatron's arguments are named (hidden_size);
+// ptk-train names each as the flag that sets it (--hidden-size).
+std::string SettingsAsFlags(std::string msg) {
+  static constexpr const char* kSettings[] = {"num_layers",        "hidden_size",    "num_attention_heads",
+                                              "ffn_hidden_size",   "seq_length",     "max_position_embeddings",
+                                              "vocab_size",        "hidden_dropout", "attention_dropout",
+                                              "layernorm_epsilon", "init_method_std"};
+  auto is_word = [](char c) { return (c >= 'a' && c <= 'z') || c == '_' || c == '-'; };
+  for (const std::string setting : kSettings) {
+    std::string flag = "--" + setting;
+    std::replace(flag.begin() + 2, flag.end(), '_', '-');
+    for (size_t at = msg.find(setting); at != std::string::npos; at = msg.find(setting, at + 1)) {
+      const size_t end = at + setting.size();
+      if ((at > 0 && is_word(msg[at - 1])) || (end < msg.size() && is_word(msg[end]))) continue;
+      msg.replace(at, setting.size(), flag);
+    }
+  }
+  return msg;
+}
+
 // Range checks, attached where each flag is declared (CLI11 runs them on the text before
 // converting it): a value outside the range, or not a number, is a usage error naming the flag.
 // Sizes and counts are capped where products of them would overflow 64-bit integers.
@@ -568,6 +588,18 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
+  app->add_option("--decoder-first-pipeline-num-layers", f->decoder_first_pipeline_num_layers,
+                  "Layers of the first pipeline stage (the rest split evenly; with --dry-run)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_option("--decoder-last-pipeline-num-layers", f->decoder_last_pipeline_num_layers,
+                  "Layers of the last pipeline stage (the rest split evenly; with --dry-run)")
+      ->check(IntIn(1, kMaxSize));
+  app->add_flag("--dry-run", f->dry_run,
+                "ptk: print the plan of this run on WORLD_SIZE ranks (any tensor and pipeline size): Megatron's "
+                "layout, start-up and parameter lines, memory per GPU; then exit without building the model");
+  app->add_option("--gpus-per-node", f->gpus_per_node,
+                  "ptk: GPUs per node for --dry-run (default LOCAL_WORLD_SIZE, else SLURM_GPUS_ON_NODE)")
+      ->check(IntIn(1, 65536));
   app->add_flag("--use-distributed-optimizer", o.use_distributed_optimizer,
                 "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
                 "moments); gradients reduce-scattered, parameters all-gathered");
@@ -656,6 +688,11 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
           other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
     }
   }
+  if (f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
+    return Refuse(
+        "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: ptk-train runs one pipeline "
+        "stage (--dry-run plans more)");
+  if (f.gpus_per_node > 0 && !f.dry_run) notes->push_back("--gpus-per-node: accepted, used by --dry-run only");
   if (f.reset_attention_mask)
     return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
   if (f.dataloader_type != "single")
@@ -688,6 +725,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (!f.recompute_granularity.empty()) m.recompute_activations = true;
   if (f.recompute_granularity == "full")
     notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");
+  if (absl::Status st = m.Validate(); !st.ok()) return Refuse(SettingsAsFlags(std::string(StatusMessage(st))));
 
   if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
   if (!f.data_args_path.empty()) {

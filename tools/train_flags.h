@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/status/statusor.h"
+#include "trainer/dry_run.h"
 #include "trainer/training.h"
 
 namespace ptk {
@@ -54,6 +55,10 @@ struct TrainFlags {
   // --data-args-path / --per-split-data-args-path: the data paths from a file, as Megatron reads it.
   std::string data_args_path, per_split_data_args_path;
   bool profile = false;  // --profile: ptk's per-op CUDA timing
+  // --dry-run: plan the run (any tensor and pipeline size) and exit; trainer/dry_run.h.
+  bool dry_run = false;
+  int64_t gpus_per_node = 0;
+  std::optional<int64_t> decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers;
 };
 
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,
@@ -70,6 +75,14 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& flags, std::vec
 // command line leaves out are taken from the settings of --load's latest checkpoint (a line for
 // each in `notes`); one given with another value than the checkpoint's is a usage error naming both.
 absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* flags, std::vector<std::string>* notes);
+
+// --dry-run: the plan's options from the flags (as ResolveTrainFlags checks them, but any tensor
+// and pipeline size, no device, no file but a --vocab-file that exists here) and the cluster.
+absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const DryRunCluster& cluster,
+                                                 std::vector<std::string>* notes);
+
+// --dry-run's main: the cluster from the environment, the plan printed by rank 0 (or one process).
+absl::Status PrintDryRun(const CLI::App& app, TrainFlags* flags);
 
 // GPT-2 vocabulary size: entries of --vocab-file, or 50257 for ptk's built-in GPT-2 files.
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file);

@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   ptk::TrainFlags flags;
   ptk::AddTrainFlags(app.get(), &flags);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  if (flags.dry_run) return ptk::cli::RunMain([&] { return ptk::PrintDryRun(*app, &flags); });
   // --exit-signal-handler: the handlers first, before anything that takes time (the tokenizer, the
   // data, a rendezvous, the CUDA backend's libraries), so that a SIGTERM right after the start saves
   // and exits at the first iteration instead of killing the process. A signal the launcher blocked

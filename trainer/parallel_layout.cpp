@@ -64,6 +64,7 @@ int64_t ParallelLayout::NumGroups(ParallelGroup kind) const {
 // Megatron numbers the groups of a kind by the coordinates the group does not span, the first
 // of them (in tp-dp-pp order) fastest.
 std::vector<int> ParallelLayout::GroupAt(ParallelGroup kind, int64_t index) const {
+  PTK_CHECK(index >= 0 && index < NumGroups(kind));
   const int i = static_cast<int>(index);
   std::vector<int> g;
   switch (kind) {

@@ -46,11 +46,12 @@ class ParallelLayout {
   // Every group of this kind, in the order initialize_model_parallel creates them.
   std::vector<std::vector<int>> Groups(ParallelGroup kind) const;
   int64_t NumGroups(ParallelGroup kind) const;
+  // The index-th group of Groups(kind), 0 <= index < NumGroups(kind), without making the others.
+  std::vector<int> GroupAt(ParallelGroup kind, int64_t index) const;
 
  private:
   ParallelLayout(int world, int tensor, int data, int pipeline)
       : world_(world), tensor_(tensor), data_(data), pipeline_(pipeline) {}
-  std::vector<int> GroupAt(ParallelGroup kind, int64_t index) const;
   int world_, tensor_, data_, pipeline_;
 };
 

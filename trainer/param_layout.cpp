@@ -12,25 +12,33 @@
 
 namespace ptk {
 
+// Worded by setting (GPTConfig's names, which are Megatron's argument names): a library knows no flags;
+// ptk-train's flag resolution turns each name into its flag.
 absl::Status GPTConfig::Validate() const {
   auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
-  if (num_layers < 1) return bad("--num-layers must be at least 1");
-  if (hidden_size < 1) return bad("--hidden-size must be at least 1");
-  if (num_attention_heads < 1 || hidden_size % num_attention_heads != 0)
-    return bad(fmt::format("--hidden-size ({}) must be a multiple of --num-attention-heads ({})", hidden_size,
-                           num_attention_heads));
-  if (ffn_hidden_size < 1) return bad("--ffn-hidden-size must be at least 1");
-  if (seq_length < 1) return bad("--seq-length must be at least 1");
+  auto at_least_1 = [&](const char* name, int64_t v) { return bad(fmt::format("{} {}: must be at least 1", name, v)); };
+  if (num_layers < 1) return at_least_1("num_layers", num_layers);
+  if (hidden_size < 1) return at_least_1("hidden_size", hidden_size);
+  if (num_attention_heads < 1) return at_least_1("num_attention_heads", num_attention_heads);
+  if (hidden_size % num_attention_heads != 0)
+    return bad(fmt::format("num_attention_heads {} does not divide hidden_size {}", num_attention_heads, hidden_size));
+  if (ffn_hidden_size < 1) return at_least_1("ffn_hidden_size", ffn_hidden_size);
+  if (seq_length < 1) return at_least_1("seq_length", seq_length);
   if (max_position_embeddings < seq_length)
-    return bad(fmt::format("--max-position-embeddings ({}) must be at least --seq-length ({})", max_position_embeddings,
-                           seq_length));
-  if (vocab_size < 1 || padded_vocab_size < vocab_size) return bad("the vocabulary size must be at least 1");
-  if (hidden_dropout < 0 || hidden_dropout >= 1) return bad("--hidden-dropout must be in [0, 1)");
-  if (attention_dropout < 0 || attention_dropout >= 1) return bad("--attention-dropout must be in [0, 1)");
+    return bad(
+        fmt::format("max_position_embeddings {} is less than seq_length {}", max_position_embeddings, seq_length));
+  if (vocab_size < 1) return at_least_1("vocab_size", vocab_size);
+  if (padded_vocab_size < vocab_size)
+    return bad(fmt::format("padded_vocab_size {} is less than vocab_size {}", padded_vocab_size, vocab_size));
+  if (hidden_dropout < 0 || hidden_dropout >= 1)
+    return bad(fmt::format("hidden_dropout {}: must be in [0, 1)", hidden_dropout));
+  if (attention_dropout < 0 || attention_dropout >= 1)
+    return bad(fmt::format("attention_dropout {}: must be in [0, 1)", attention_dropout));
   if (!(layernorm_epsilon > 0 && layernorm_epsilon <= kGptConfigMaxLayerNormEpsilon))
-    return bad(fmt::format("--layernorm-epsilon must be in (0, {}]", kGptConfigMaxLayerNormEpsilon));
+    return bad(
+        fmt::format("layernorm_epsilon {}: must be in (0, {}]", layernorm_epsilon, kGptConfigMaxLayerNormEpsilon));
   if (!(init_method_std > 0 && init_method_std <= kGptConfigMaxInitMethodStd))
-    return bad(fmt::format("--init-method-std must be in (0, {}]", kGptConfigMaxInitMethodStd));
+    return bad(fmt::format("init_method_std {}: must be in (0, {}]", init_method_std, kGptConfigMaxInitMethodStd));
   return absl::OkStatus();
 }
 

@@ -29,14 +29,16 @@ std::string OutputPrefixFor(const std::string& output_prefix, const std::string&
 absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
   using namespace tokenize_detail;
   if (opt.inputs.empty()) return absl::InvalidArgumentError("no input files");
-  if (opt.json_keys.empty()) return absl::InvalidArgumentError("no --json-keys");
+  if (opt.json_keys.empty()) return absl::InvalidArgumentError("no JSON keys: json_keys names no key to tokenize");
   // One dataset per key: a key named twice would be two writers of one PREFIX_KEY_document.
   for (size_t i = 0; i < opt.json_keys.size(); ++i)
     for (size_t j = 0; j < i; ++j)
       if (opt.json_keys[i] == opt.json_keys[j])
         return UsageError(fmt::format("--json-keys names {:?} twice; each key is one dataset ({}), give it once",
                                       opt.json_keys[i], OutputPrefixFor(opt.output_prefix, opt.json_keys[i])));
-  if (opt.partitions < 1) return absl::InvalidArgumentError("--partitions must be >= 1");
+  if (opt.partitions < 1)
+    return absl::InvalidArgumentError(
+        fmt::format("partitions {}: the round-robin partition count must be at least 1", opt.partitions));
   // A rerun with the inputs and settings every output's sidecar records: nothing to do.
   if (!opt.force) {
     const std::string source = OutputSource(opt, tok);

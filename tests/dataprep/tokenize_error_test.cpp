@@ -13,6 +13,7 @@
 #include <map>
 
 #include "dataprep/tokenize/json_record.h"
+#include "dataprep/tokenize/tokenize_pipeline.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/dataprep/compress_util.h"
 #include "tests/test_util.h"
@@ -144,7 +145,7 @@ TEST(TokenizeErrors, BomCrlfAndMissingFinalNewline) {
   EXPECT_EQ(docs[0], docs[1]);
 }
 
-// Regression (issue 11): Megatron reads with Python's universal newlines, where a bare "\r" ends a
+// Regression: Megatron reads with Python's universal newlines, where a bare "\r" ends a
 // line too: 5 documents there, 3 in ptk before.
 TEST(TokenizeErrors, BareCarriageReturnEndsALineAsInPython) {
   TempDir dir;
@@ -155,7 +156,7 @@ TEST(TokenizeErrors, BareCarriageReturnEndsALineAsInPython) {
   EXPECT_EQ(Docs(dir / "out_text_document").size(), 5u);
 }
 
-// Regression (issue 11): each of these exited 0 with an empty dataset. Now: non-zero, nothing
+// Regression: each of these exited 0 with an empty dataset. Now: non-zero, nothing
 // published, and the likely cause in the message.
 TEST(TokenizeErrors, InputsThatYieldNoDocumentFailWithTheCause) {
   TempDir dir;
@@ -186,7 +187,7 @@ TEST(TokenizeErrors, InputsThatYieldNoDocumentFailWithTheCause) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
-// Regression (issue 11): a .json.gz was parsed as JSON bytes. gzip is decoded (by its magic bytes,
+// Regression: a .json.gz was parsed as JSON bytes. gzip is decoded (by its magic bytes,
 // whatever the name says), concatenated members included, and matches the plain file.
 TEST(TokenizeErrors, GzipInputsAreDecoded) {
   TempDir dir;
@@ -260,7 +261,7 @@ TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
   }
 }
 
-// Regression (issue 11): numbers that were not numbers gave "unexpected exception: std::bad_alloc"
+// Regression: numbers that were not numbers gave "unexpected exception: std::bad_alloc"
 // or a 300-digit range. Now: exit 2 and one short line naming the flag.
 TEST(TokenizeErrors, BadNumbersAreShortUsageErrors) {
   TempDir dir;
@@ -299,7 +300,7 @@ TEST(TokenizeErrors, UsageErrors) {
   EXPECT_NE(baddir.output.find("/nonexistent/dir"), std::string::npos);
 }
 
-// Issue 12: argparse's forms, as the tutorials write them. Neuron's line passes --vocab and --merge
+// Argparse's forms, as the tutorials write them. Neuron's line passes --vocab and --merge
 // (prefixes of --vocab-file and --merge-file); --flag=value works; a typo gets the closest flag; an
 // ambiguous prefix lists the candidates.
 TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
@@ -325,7 +326,7 @@ TEST(TokenizeErrors, ArgparseFormsAsTheTutorialsWriteThem) {
       << amb.output;
 }
 
-// Issue 29, points 5 and 7: what a newcomer types. A long flag with one dash gets the flag meant
+// What a newcomer types. A long flag with one dash gets the flag meant
 // (was "--input is required" and "arguments were not expected: 2 -workers"); an output prefix that
 // is a directory is refused (was outdir/_text_document.bin, a hidden file); a missing vocab file
 // names --vocab-file and the built-in files; every tool has --version.
@@ -417,7 +418,7 @@ TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
   EXPECT_EQ(version.output.rfind("ptk-tokenize (ptk ", 0), 0u) << version.output;
 }
 
-// Issue 29, point 2: a rerun whose inputs and settings every output's sidecar records leaves the
+// A rerun whose inputs and settings every output's sidecar records leaves the
 // outputs alone and says so (the main job's rerun rewrote five datasets); anything that changes
 // the bytes (an input, a flag, a damaged output) or --force tokenizes again; stdin never compares.
 TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
@@ -682,7 +683,7 @@ std::vector<std::string> Screen(const std::string& out) {
   return lines;
 }
 
-// Issue 29, point 6: on a terminal the rate/ETA line is redrawn in place; Megatron's "Processed N
+// On a terminal the rate/ETA line is redrawn in place; Megatron's "Processed N
 // documents" and "Opening FILE" lines (and warnings) now take it away and draw it again below them
 // (were "...ETA 0.2s, elapsed 0.3sProcessed 3000 documents").
 TEST(TokenizeErrors, ProgressLineAndLogLinesDoNotRunTogetherOnATerminal) {
@@ -711,7 +712,7 @@ TEST(TokenizeErrors, ProgressLineAndLogLinesDoNotRunTogetherOnATerminal) {
   EXPECT_EQ(processed, 80);
 }
 
-// Issue 29, point 9: a GPTDataset sample starts and ends at token boundaries, and byte-level BPE
+// A GPTDataset sample starts and ends at token boundaries, and byte-level BPE
 // tokens split characters: ptk-inspect --sample leaves out the bytes of the characters cut at its
 // edges and says so (the main job printed "\ufffd\ufffd..." at the start of sample 0).
 TEST(TokenizeErrors, InspectSampleTextIsNotCutInsideACharacter) {
@@ -739,7 +740,7 @@ TEST(TokenizeErrors, InspectSampleTextIsNotCutInsideACharacter) {
   EXPECT_EQ(r.output.find("\xEF\xBF\xBD"), std::string::npos) << r.output;  // no U+FFFD
 }
 
-// Issue 12: --input takes a directory (as NeMo's --preproc-folder does); WikiExtractor's
+// --input takes a directory (as NeMo's --preproc-folder does); WikiExtractor's
 // extension-less wiki_00 files are inputs; NeMo's flags are honoured or refused with a reason;
 // ptk-inspect takes PREFIX, PREFIX.bin or PREFIX.idx and hints at _text_document.
 TEST(TokenizeErrors, DirectoriesNemoFlagsAndInspectForms) {
@@ -783,7 +784,7 @@ TEST(TokenizeErrors, DirectoriesNemoFlagsAndInspectForms) {
   EXPECT_NE(hint.output.find("did you mean " + dir / "ref_text_document"), std::string::npos) << hint.output;
 }
 
-// Issue 27: a directory with a link back up (sub/up -> ..) made 41 copies of every document (two
+// Regression: a directory with a link back up (sub/up -> ..) made 41 copies of every document (two
 // such links: a run until killed); a FIFO lost a record or hung. Files are now identified by device
 // and inode: read once however they are reached; a FIFO named as input is refused by name (stdin is
 // -), one below a directory is left out with a warning.
@@ -824,7 +825,7 @@ TEST(TokenizeErrors, EachFileIsReadOnceAndFifosAreRefused) {
   EXPECT_EQ(testing::ReadFile(dir / "s_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
 }
 
-// Issue 27: --json-keys text text was reported as blocked by another run's lock (its own); a publish
+// Regression: --json-keys text text was reported as blocked by another run's lock (its own); a publish
 // over a directory left *.ptk-tmp-* files and a .ptk-publish journal behind.
 TEST(TokenizeErrors, DuplicateKeysAndADirectoryInTheOutputsPlace) {
   TempDir dir;
@@ -895,6 +896,30 @@ TEST(JsonRecordParser, PythonCompatibleSlowPath) {
   auto list = parse("{\"text\": [\"one\", \"two\"]}");
   ASSERT_EQ(list.status, RecordStatus::kOk);
   EXPECT_EQ(p.fields()[0].size(), 2u);
+}
+
+// The library words its refusals by setting, not by flag (only ptk-tokenize's main knows the flags),
+// and refuses before it reads an input or writes an output.
+TEST(TokenizeErrors, TheLibraryNamesTheSettingNotAFlag) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n");
+  auto tok = Gpt2Tokenizer::LoadDefault();
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  TokenizeOptions opt;
+  opt.inputs = {dir / "in.jsonl"};
+  opt.output_prefix = dir / "out";
+  opt.partitions = 0;
+  auto zero = RunTokenize(opt, **tok);
+  ASSERT_FALSE(zero.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(zero.status())) << zero.status();
+  EXPECT_EQ(zero.status().message(), "partitions 0: the round-robin partition count must be at least 1");
+  opt.partitions = 1;
+  opt.json_keys.clear();
+  auto no_keys = RunTokenize(opt, **tok);
+  ASSERT_FALSE(no_keys.ok());
+  EXPECT_EQ(no_keys.status().message(), "no JSON keys: json_keys names no key to tokenize");
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+  EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin"));
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """k8s/'s manifests run as their pods would run, without a cluster (tests/k8s/podsim.py):
 
-  1. the templates are rendered as README says (k8s/render.sh) for the bundled sample,
+  1. the templates are rendered as docs/cluster.md says (k8s/render.sh) for the bundled sample,
      served as the dataset repo by tests/support/fake_hub.py, the shared volume a local directory;
   2. download -> extract -> concat-plan -> concat -> tokenize run as the Indexed Jobs' pods, in parallel
      as the controller runs them (JOB_COMPLETION_INDEX, the manifests' env and commands): a download
@@ -9,7 +9,7 @@
      mid-file is replaced and redoes it; the chunks and datasets are byte-identical to a
      single-process run of the same tools (what the Slurm path gives, tests/slurm/slurm_pipeline_test.sh)
      and nothing is left behind; an extract index that fails on a damaged download fails alone after its
-     retries, and a verified re-download and the Job applied again repair it (README's resume steps);
+     retries, and a verified re-download and the Job applied again repair it (docs/cluster.md's resume steps);
      a usage error fails its index at once;
   3. ptk-train as the plain Indexed Job (+ headless Service) variant, 2 ranks over loopback, and as
      the PyTorchJob with its Worker (rank 1) SIGKILLed after the first checkpoint and its Master
@@ -86,7 +86,7 @@ try:
         time.sleep(0.05)
     endpoint = next(line.split()[1] for line in open(ports) if line.startswith("HUB"))
 
-    # ---- 1. render, as README says
+    # ---- 1. render, as docs/cluster.md says
     config = {
         "IMAGE": "ptk:test", "PVC_NAME": "fsx-claim", "MOUNT_PATH": "/fsx", "STAGE_PATH": "/fsx/ptk",
         "HF_ENDPOINT": endpoint, "DOWNLOAD_TASKS": "2", "DOWNLOAD_JOBS": "4", "EXTRACT_TASKS": "3",
@@ -248,7 +248,7 @@ try:
         fail(f"left behind: {litter}")
     say("   4 chunks and 5 datasets (4 chunks, validation) byte-identical to the single-process run; no litter")
 
-    # ---- README's "resume after a failure": an index that fails for good, then delete and apply again
+    # ---- docs/cluster.md's "resume after a failure": an index that fails for good, then delete and apply again
     victim = sorted(glob.glob(os.path.join(DATA, "raw", "train", "**", "*.zst"), recursive=True))[0]
     with open(victim, "r+b") as f:  # damaged on the volume: extract fails on it at every try
         f.seek(os.path.getsize(victim) // 2)
@@ -264,7 +264,7 @@ try:
     if "corrupt zstd data" not in bad_log:
         fail("the failed pod's log does not say why:\n" + bad_log[-2000:])
     (dl,) = render("download-job")
-    dl["spec"]["template"]["spec"]["containers"][0]["args"].append("--verify")  # README: re-download verified
+    dl["spec"]["template"]["spec"]["containers"][0]["args"].append("--verify")  # docs/cluster.md: re-download verified
     if not sim.run_job(dl, timeout=120)["succeeded"]:
         fail("the verified re-download failed", sim)
     if sha(victim) != sha(os.path.join(SRC, "sample", "slimpajama-mini", os.path.relpath(victim, f"{DATA}/raw"))):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every manifest k8s/ renders is one a cluster accepts, checked offline:
 
-  - rendered as README says (k8s/render.sh: env.sh's checks, every value quoted and escaped), with the
+  - rendered as docs/cluster.md says (k8s/render.sh: env.sh's checks, every value quoted and escaped), with the
     defaults and with the test's small settings; the templates hold no $ reference but k8s/env.sh's
     variables, no variable is left unset, and every ${...} outside double quotes is an integer setting
     (hostile values: k8s_render_test.py);

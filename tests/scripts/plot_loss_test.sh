@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/plot-loss.py run as README prints it (`python3 scripts/plot-loss.py ...`) by a python3 that
+# scripts/plot-loss.py run as docs/ptk-train.md prints it (`python3 scripts/plot-loss.py ...`) by a python3 that
 # has no matplotlib (a virtualenv first on PATH) while another Python has it: it reruns itself with
 # that one; with no Python that has it, it names the interpreter and what to install.
 # Usage: plot_loss_test.sh SOURCE_DIR

@@ -54,6 +54,8 @@ TEST(ParallelLayout, GroupsAreMegatronCoresRankGenerators) {
     ASSERT_TRUE(layout.ok()) << layout.status();
     const auto want = ParseGroups(text);
     EXPECT_EQ(layout->Groups(kind), want);
+    ASSERT_EQ(layout->NumGroups(kind), static_cast<int64_t>(want.size()));
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(layout->GroupAt(kind, static_cast<int64_t>(i)), want[i]);
     // Each rank's own group is the one Megatron puts it in (none for a middle stage's embedding).
     for (int rank = 0; rank < world; ++rank) {
       std::vector<int> mine;

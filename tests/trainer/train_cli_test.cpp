@@ -239,6 +239,16 @@ TEST_F(TrainCli, SeedsFlagsAreHonouredOrRefusedInOneLine) {
   auto gbs = RunCmd(Train("--global-batch-size 5", 2));
   EXPECT_EQ(gbs.exit_code, 2) << gbs.output;
   EXPECT_NE(gbs.output.find("--global-batch-size (5) must be a multiple of --micro-batch-size (2)"), std::string::npos);
+  // The model's shape is checked by GPTConfig, which names settings (num_attention_heads); ptk-train
+  // names the flags.
+  auto heads = RunCmd(Train("--num-attention-heads 5", 2));
+  EXPECT_EQ(heads.exit_code, 2) << heads.output;
+  EXPECT_NE(heads.output.find("--num-attention-heads 5 does not divide --hidden-size 32"), std::string::npos)
+      << heads.output;
+  auto positions = RunCmd(Train("--max-position-embeddings 16", 2));
+  EXPECT_EQ(positions.exit_code, 2) << positions.output;
+  EXPECT_NE(positions.output.find("--max-position-embeddings 16 is less than --seq-length 32"), std::string::npos)
+      << positions.output;
   auto missing = RunCmd(Train("--data-path " + ShellQuote(dir_ / "nope_text_document"), 2));
   EXPECT_EQ(missing.exit_code, 1) << missing.output;
   EXPECT_NE(missing.output.find("nope_text_document"), std::string::npos) << missing.output;

@@ -1,4 +1,4 @@
-// AdamW over the flat fp32 buffers (AdamWElement of trainer/op_math.h, the function AdamWCpu runs,
+// AdamW over the flat fp32 buffers (AdamWElement of trainer/op_math.h, the function cpu::AdamW runs,
 // with the coefficients MakeAdamWCoefficients computes on the host), the global sum of squares in
 // double in a fixed order, and scaling. This file is compiled with --fmad=false (CMakeLists.txt):
 // no multiply-add is contracted, so with IEEE sqrt and division (nvcc's defaults, no fast math)

@@ -110,7 +110,7 @@ struct DropoutArgs {
   const uint64_t* streams = nullptr;  // device, one per batch element; head h uses streams[b] + h
 };
 
-// The dropout key of row `row` of a (b, nh, t, t) tensor: stream streams[b] + h (AttentionForwardCpu).
+// The dropout key of row `row` of a (b, nh, t, t) tensor: stream streams[b] + h (cpu::AttentionForward).
 __device__ __forceinline__ uint64_t RowKey(const DropoutArgs& d, int64_t row, int64_t t, int64_t nh) {
   const int64_t bh = row / t;
   const uint64_t stream = d.streams[bh / nh] + static_cast<uint64_t>(bh % nh);

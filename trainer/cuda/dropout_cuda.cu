@@ -51,11 +51,11 @@ absl::Status DropoutRows(T* inout, int64_t rows, int64_t row_len, const uint64_t
   if (!(p >= 0.0 && p <= 1.0)) {
     return absl::InvalidArgumentError(fmt::format("{}: the probability is not in [0, 1]", where()));
   }
-  if (p == 0.0 || rows == 0 || row_len == 0) return absl::OkStatus();  // as DropoutCpu: p = 0 keeps all
+  if (p == 0.0 || rows == 0 || row_len == 0) return absl::OkStatus();  // as cpu::Dropout: p = 0 keeps all
   PTK_KERNEL_CHECK(kernel::CheckPointer(inout, "inout", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(streams, "streams", where));
   const uint32_t threshold = DropoutKeepThreshold(p);
-  const auto scale = static_cast<float>(1.0 / (1.0 - p));  // as DropoutCpu<float>
+  const auto scale = static_cast<float>(1.0 / (1.0 - p));  // as cpu::Dropout<float>
   constexpr int kV = kernel::kVec<T>;
   if (row_len % kV == 0 && kernel::Aligned(inout, 16)) {
     Launch<T, kV>(inout, rows, row_len, streams, seed, threshold, scale, ctx);

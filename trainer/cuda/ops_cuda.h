@@ -109,7 +109,7 @@ absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const
 // The CPU's counter-hash dropout (trainer/counter_rng.h): row r of `rows` rows of `row_len`
 // elements uses stream streams[r] (device memory); element i of a row is kept when
 // DropoutKeep(seed, streams[r], i, DropoutKeepThreshold(p)), and kept elements are scaled by
-// 1/(1-p). The same masks as DropoutCpu over each row. In place; forward and backward alike.
+// 1/(1-p). The same masks as cpu::Dropout over each row. In place; forward and backward alike.
 template <typename T>
 absl::Status DropoutRows(T* inout, int64_t rows, int64_t row_len, const uint64_t* streams, double p, uint64_t seed,
                          const CudaContext& ctx);
@@ -118,7 +118,7 @@ absl::Status DropoutRows(T* inout, int64_t rows, int64_t row_len, const uint64_t
 // Causal self-attention over Megatron's fused QKV layout qkv(b, t, nh, 3, hd); out(b, t, nh*hd).
 // fp32 mode (T = float): batched cuBLAS products and a causal softmax kernel, probs(b, nh, t, t)
 // saved for backward; attention dropout with probability p keys stream streams[batch] + head
-// (device memory, may be null when p is 0) exactly as AttentionForwardCpu.
+// (device memory, may be null when p is 0) exactly as cpu::AttentionForward.
 absl::Status AttentionForward(float* out, float* probs, const float* qkv, const AttentionShape& s, double p,
                               uint64_t seed, const uint64_t* streams, const CudaContext& ctx);
 // dqkv(b, t, 3c) is assigned. scratch: AttentionBackwardScratch(s) floats.
@@ -150,7 +150,7 @@ absl::Status FlashAttentionBackward(T* dqkv, const T* dout, const T* out, const 
 
 // ---- softmax_xent_cuda.cu ----------------------------------------------------------------------
 // losses(n) = logsumexp(logits(n, vp)) - logits[target], in fp32 over every column (padded ones
-// included), as SoftmaxCrossEntropyForwardCpu.
+// included), as cpu::SoftmaxCrossEntropyForward.
 template <typename T>
 absl::Status SoftmaxCrossEntropyForward(float* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp,
                                         const CudaContext& ctx);

@@ -1,0 +1,169 @@
+// ptk-train --dry-run end to end: the tutorials' jobs planned by one process with their own flags
+// (Megatron's GPT-3 175B example on 1024 GPUs, the EKS tutorial's model at tensor 8), Megatron's
+// refusals with one line and exit 2, one printing rank under a launcher, and the new flags refused
+// in a real run.
+#include <regex>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+
+int CountOf(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// The data and tokenizer paths are the cluster's, absent here: a dry run reads neither.
+const std::string kData =
+    " --data-path /fsx/gpt2/my-gpt2_text_document --vocab-file /fsx/gpt2/gpt2-vocab.json"
+    " --merge-file /fsx/gpt2/gpt2-merges.txt --split 98,2,0";
+
+// Azure's 04-gpt175B.sh (Megatron's GPT-3 175B example): 128 nodes of 8 GPUs.
+TEST(DryRunCli, PlansTheGpt3175BExampleOn1024Gpus) {
+  auto r =
+      RunCmd("WORLD_SIZE=1024 LOCAL_WORLD_SIZE=8 " + testing::Tool("ptk-train") +
+             " --dry-run --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048"
+             " --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 512 --train-iters 1500"
+             " --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16"
+             " --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000"
+             " --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --sequence-parallel"
+             " --use-distributed-optimizer --attention-backend auto --ckpt-format torch_dist" +
+             kData);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\n > padded vocab (size: 50257) with 943 dummy tokens (new size: 51200)\n"
+                          "> initialized tensor model parallel with size 8\n"
+                          "> initialized pipeline model parallel with size 16\n"
+                          "layout: 1024 ranks = tensor 8 x data 8 x pipeline 16"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("  tensor groups: 128 of 8 ranks: [0-7] [8-15] [16-23] ... [1016-1023]\n"),
+            std::string::npos);
+  EXPECT_NE(r.output.find("batch: global 512 = micro-batch 1 x 64 micro-batches x data-parallel 8\n"),
+            std::string::npos);
+  // One line per (tensor, pipeline) rank: 8 × 16.
+  EXPECT_EQ(CountOf(r.output, " > number of parameters on (tensor, pipeline) model parallel rank ("), 128);
+  for (int t : {0, 7}) {
+    const std::string rank = " > number of parameters on (tensor, pipeline) model parallel rank (" + std::to_string(t);
+    EXPECT_NE(r.output.find(rank + ", 0): 1463270400\n"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(rank + ", 8): 1359461376\n"), std::string::npos);
+    EXPECT_NE(r.output.find(rank + ", 15): 1438129152\n"), std::string::npos);
+  }
+  EXPECT_NE(r.output.find("model: 174615846912 parameters"), std::string::npos);
+  // The memory table: a row per stage, ZeRO-1 over the 8 data-parallel ranks.
+  std::regex row(R"(\n +(\d+) +6 +(\d+) +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+)");
+  int rows = 0;
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), row); it != std::sregex_iterator(); ++it)
+    EXPECT_EQ(std::stoi((*it)[1]), rows++);
+  EXPECT_EQ(rows, 16);
+  EXPECT_NE(r.output.find("the optimizer state over the 8 data-parallel ranks"), std::string::npos);
+  EXPECT_NE(r.output.find("total: as this run is configured (--use-distributed-optimizer, no --recompute-activations);"
+                          " the most loaded GPU is stage 0's"),
+            std::string::npos);
+  EXPECT_NE(r.output.find("note: --vocab-file /fsx/gpt2/gpt2-vocab.json is not on this machine"), std::string::npos);
+  EXPECT_EQ(r.output.find("warning"), std::string::npos);
+}
+
+// awsome-distributed-training's EKS PyTorchJob (TENSOR_PARALLEL=8, one worker of 8 GPUs): its log
+// has "> number of parameters on (tensor, pipeline) model parallel rank (4, 0): 941594624".
+TEST(DryRunCli, PlansTheEksTutorialsModelAtTensorEight) {
+  auto r = RunCmd("WORLD_SIZE=8 RANK=0 LOCAL_WORLD_SIZE=8 " + testing::Tool("ptk-train") +
+                  " --dry-run --tensor-model-parallel-size=8 --pipeline-model-parallel-size=1 --num-layers=36"
+                  " --hidden-size=4096 --num-attention-heads=32 --seq-length=2048 --max-position-embeddings=2048"
+                  " --micro-batch-size=1 --global-batch-size=288 --train-samples=146484375"
+                  " --lr-decay-samples=126953125 --lr-warmup-samples=183105 --lr=6.0e-5 --min-lr=6.0e-6"
+                  " --lr-decay-style=cosine --log-interval=1 --eval-iters=40 --eval-interval=1000 --clip-grad=1.0"
+                  " --weight-decay=0.1 --adam-beta1=0.9 --adam-beta2=0.95 --init-method-std=0.006 --fp16"
+                  " --recompute-activations" +
+                  kData);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\n > padded vocab (size: 50257) with 943 dummy tokens (new size: 51200)\n"
+                          "> initialized tensor model parallel with size 8\n"
+                          "> initialized pipeline model parallel with size 1\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("\n > number of parameters on (tensor, pipeline) model parallel rank (4, 0): 941594624\n"),
+            std::string::npos);
+  EXPECT_EQ(CountOf(r.output, ": 941594624\n"), 8);
+  EXPECT_NE(r.output.find("batch: global 288 = micro-batch 1 x 288 micro-batches x data-parallel 1\n"),
+            std::string::npos);
+  EXPECT_NE(r.output.find("(no --use-distributed-optimizer, --recompute-activations)"), std::string::npos);
+}
+
+TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
+  const std::string model =
+      testing::Tool("ptk-train") + " --dry-run --num-layers 36 --hidden-size 4096 --seq-length 2048 --lr 1e-4";
+  struct Case {
+    std::string env, flags, want;
+  } cases[] = {
+      {"WORLD_SIZE=12", "--num-attention-heads 32 --tensor-model-parallel-size 8",
+       "usage error: the world size 12 is not divisible by tensor × pipeline model parallel size 8 × 1 = 8"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --tensor-model-parallel-size 8 --ffn-hidden-size 1001",
+       "usage error: --ffn-hidden-size 1001 is not divisible by --tensor-model-parallel-size 8"},
+      {"WORLD_SIZE=64", "--num-attention-heads 32 --tensor-model-parallel-size 64",
+       "usage error: --num-attention-heads 32 is not divisible by --tensor-model-parallel-size 64"},
+      {"WORLD_SIZE=40", "--num-attention-heads 32 --pipeline-model-parallel-size 5",
+       "usage error: --num-layers 36 is not divisible by --pipeline-model-parallel-size 5"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --global-batch-size 12",
+       "usage error: --global-batch-size 12 is not divisible by --micro-batch-size 1 times the data-parallel size 8"},
+      {"WORLD_SIZE=8x", "--num-attention-heads 32", "usage error: environment: WORLD_SIZE=\"8x\" is not an integer"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --swiglu", "usage error: --swiglu: the SwiGLU gated MLP"},
+  };
+  for (const Case& c : cases) {
+    auto r = RunCmd(c.env + " " + model + " " + c.flags);
+    EXPECT_EQ(r.exit_code, 2) << c.flags << "\n" << r.output;
+    // The one line, and the usage hint every tool prints after a usage error.
+    EXPECT_EQ(r.output.find("ptk-train: " + c.want), 0u) << c.flags << "\n" << r.output;
+    EXPECT_EQ(r.output.substr(r.output.find('\n') + 1), "Run with --help for more information.\n") << r.output;
+  }
+  // Uneven stages as Megatron splits them: 36 = 4 + 4 × 7 + 4 over 6 stages.
+  auto r = RunCmd("WORLD_SIZE=48 " + model +
+                  " --num-attention-heads 32 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 6"
+                  " --decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 4 --sequence-parallel");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::regex row(R"(\n +(\d+) +(\d+) +(\d+) +[0-9.]+ )");
+  std::string layers;
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), row); it != std::sregex_iterator(); ++it)
+    layers += (*it)[2].str() + " ";
+  EXPECT_EQ(layers, "4 7 7 7 7 4 ");
+}
+
+TEST(DryRunCli, OneRankPrintsAndTensorBeyondANodeIsWarned) {
+  const std::string run = testing::Tool("ptk-train") +
+                          " --dry-run --num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32"
+                          " --lr 1e-4 --tensor-model-parallel-size 8";
+  auto r = RunCmd("WORLD_SIZE=16 RANK=3 " + run);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, "");
+  r = RunCmd("SLURM_STEP_NUM_TASKS=16 SLURM_PROCID=0 SLURM_GPUS_ON_NODE=4 " + run);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("dry run: 16 ranks (SLURM_STEP_NUM_TASKS), 4 GPUs per node (SLURM_GPUS_ON_NODE)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("\nwarning: --tensor-model-parallel-size 8 is more than the 4 GPUs of a node"),
+            std::string::npos);
+  // One process, no launcher: a world of one cannot hold tensor 8.
+  r = RunCmd("env -u WORLD_SIZE -u RANK " + run);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("the world size 1 is not divisible"), std::string::npos) << r.output;
+}
+
+TEST(DryRunCli, PipelineStageFlagsAreRefusedInARealRun) {
+  auto r = RunCmd(testing::Tool("ptk-train") +
+                  " --num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --lr 1e-4 --mock-data"
+                  " --train-iters 1 --decoder-first-pipeline-num-layers 2");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("usage error: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: "
+                          "ptk-train runs one pipeline stage (--dry-run plans more)"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace ptk

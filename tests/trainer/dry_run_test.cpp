@@ -1,0 +1,262 @@
+// ptk-train --dry-run's plan: the activation formula against the paper's Table 2, the memory of each
+// stage by hand, the printed plan line for line, the refusals, and the cluster from the launcher's
+// variables.
+#include "trainer/dry_run.h"
+
+#include <cstdlib>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "common/status.h"
+
+namespace ptk {
+namespace {
+
+GPTConfig Model(int64_t layers, int64_t hidden, int64_t heads, int64_t seq, int64_t vocab) {
+  GPTConfig c;
+  c.num_layers = layers;
+  c.hidden_size = hidden;
+  c.num_attention_heads = heads;
+  c.seq_length = seq;
+  c.vocab_size = vocab;
+  return c;
+}
+
+// Korthikanti et al. 2022, Table 2 (2-byte activations, MLP of 4h), per layer and tensor rank.
+TEST(ActivationBytesPerLayer, IsThePapersTableTwo) {
+  GPTConfig c = Model(1, 4096, 32, 2048, 50257);
+  const double s = 2048, b = 4, h = 4096, a = 32, sbh = s * b * h;
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, 1, false, false, 2), sbh * (34 + 5 * a * s / h));
+  for (double t : {2.0, 8.0}) {
+    const int ti = static_cast<int>(t);
+    EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, ti, false, false, 2), sbh * (10 + 24 / t + 5 * a * s / (h * t)));
+    EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, ti, true, false, 2), sbh / t * (34 + 5 * a * s / h));
+    EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, ti, false, true, 2), sbh * (10 + 24 / t));
+    EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, ti, true, true, 2), sbh * 34 / t);
+  }
+  // Sequence parallelism without tensor parallelism changes nothing.
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, 1, true, false, 2), ActivationBytesPerLayer(c, 4, 1, false, false, 2));
+  // fp32: the values take 4 bytes, the dropout masks (2sbh + as²b) stay 1.
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, 1, false, false, 4), sbh * 66 + 9 * a * s * s * b);
+  // An MLP of F: sbh(18 + 4F/h) + 5as²b.
+  c.ffn_hidden_size = 3 * 4096;
+  EXPECT_DOUBLE_EQ(ActivationBytesPerLayer(c, 4, 1, false, false, 2), sbh * (18 + 12) + 5 * a * s * s * b);
+}
+
+DryRunOptions Small() {
+  DryRunOptions o;
+  o.model = Model(4, 64, 8, 32, 1000);
+  o.make_vocab_size_divisible_by = 8;
+  o.tensor = 2;
+  o.pipeline = 2;
+  o.micro_batch_size = 2;
+  o.global_batch_size = 16;
+  o.precision = Precision::kBf16;
+  o.cluster.world_size = 8;
+  o.cluster.world_source = "WORLD_SIZE";
+  o.cluster.gpus_per_node = 4;
+  o.cluster.gpus_source = "--gpus-per-node";
+  return o;
+}
+
+// By hand: h 64, T 2: a layer holds 6h² + 9.5h = 25184 parameters a rank; the vocabulary 1000
+// padded to 1008, a slice of 504 × 64 = 32256; positions 32 × 64 = 2048; final LayerNorm 128.
+// Activations per layer (s 32, b 2, sbh 4096, T 2, no sequence parallelism):
+// sbh(10 + 24/2 + 5·8·32/(64·2)) = 131072 bytes, 90112 without the attention core.
+TEST(PlanDryRun, MemoryOfEachStageByHand) {
+  auto plan = PlanDryRun(Small());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->data_parallel, 2);
+  EXPECT_EQ(plan->micro_batches, 4);
+  EXPECT_EQ(plan->model.padded_vocab_size, 1008);
+  ASSERT_EQ(plan->stages.size(), 2u);
+  const StageMemory& s0 = plan->stages[0];
+  EXPECT_EQ(s0.params, 2 * 25184 + 32256 + 2048);
+  EXPECT_EQ(s0.in_flight, 2);
+  EXPECT_DOUBLE_EQ(s0.weights, 2.0 * s0.params);
+  EXPECT_DOUBLE_EQ(s0.gradients, 4.0 * s0.params);
+  EXPECT_DOUBLE_EQ(s0.optimizer, 12.0 * s0.params);
+  EXPECT_DOUBLE_EQ(s0.optimizer_zero1, 6.0 * s0.params);
+  // 2 layers × 2 micro-batches, plus the embedding's ids and dropout mask (8sb + sbh) × 2 / T.
+  EXPECT_DOUBLE_EQ(s0.activations, 4 * 131072.0 + 2 * (8 * 64 + 4096) / 2.0);
+  EXPECT_DOUBLE_EQ(s0.activations_recomputed, 4 * 90112.0 + 2 * (8 * 64 + 4096) / 2.0);
+  EXPECT_DOUBLE_EQ(s0.total, s0.weights + s0.gradients + s0.optimizer + s0.activations);
+  const StageMemory& s1 = plan->stages[1];
+  EXPECT_EQ(s1.params, 2 * 25184 + 32256 + 128);
+  EXPECT_EQ(s1.in_flight, 1);
+  // The output layer's input and fp32 logits: (4sbh + 4sb·1008) / T.
+  EXPECT_DOUBLE_EQ(s1.activations, 2 * 131072.0 + (4 * 4096 + 4 * 64 * 1008) / 2.0);
+
+  DryRunOptions o = Small();
+  o.use_distributed_optimizer = true;
+  o.model.recompute_activations = true;
+  o.precision = Precision::kFp32;
+  plan = PlanDryRun(o);
+  ASSERT_TRUE(plan.ok());
+  const StageMemory& f0 = plan->stages[0];
+  EXPECT_DOUBLE_EQ(f0.weights, 4.0 * f0.params);
+  EXPECT_DOUBLE_EQ(f0.optimizer, 8.0 * f0.params);  // fp32: the weights are the master copy
+  EXPECT_DOUBLE_EQ(f0.total, f0.weights + f0.gradients + f0.optimizer / 2 + f0.activations_recomputed);
+}
+
+TEST(DryRunReport, PrintsMegatronsLinesTheLayoutAndTheMemory) {
+  auto text = DryRunReport(Small());
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::string head =
+      "dry run: 8 ranks (WORLD_SIZE), 4 GPUs per node (--gpus-per-node); nothing is built, allocated or read\n"
+      " > padded vocab (size: 1000) with 8 dummy tokens (new size: 1008)\n"
+      "> initialized tensor model parallel with size 2\n"
+      "> initialized pipeline model parallel with size 2\n"
+      "layout: 8 ranks = tensor 2 x data 2 x pipeline 2 (Megatron's rank order tp-cp-ep-dp-pp: rank = t + 2*d + "
+      "4*p)\n"
+      "  rank 0 (t 0, d 0, p 0), rank 1 (t 1, d 0, p 0), rank 2 (t 0, d 1, p 0), rank 4 (t 0, d 0, p 1), rank 7 "
+      "(t 1, d 1, p 1)\n"
+      "  tensor groups: 4 of 2 ranks: [0-1] [2-3] [4-5] [6-7]\n"
+      "  data groups: 4 of 2 ranks: [0, 2] [1, 3] [4, 6] [5, 7]\n"
+      "  pipeline groups: 4 of 2 ranks: [0, 4] [1, 5] [2, 6] [3, 7]\n"
+      "  embedding (first and last stage) groups: 4 of 2 ranks: [0, 4] [1, 5] [2, 6] [3, 7]\n"
+      "  model-parallel (tensor x pipeline) groups: 2 of 4 ranks: [0-1, 4-5] [2-3, 6-7]\n"
+      "batch: global 16 = micro-batch 2 x 4 micro-batches x data-parallel 2\n"
+      " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 84672\n"
+      " > number of parameters on (tensor, pipeline) model parallel rank (1, 0): 84672\n"
+      " > number of parameters on (tensor, pipeline) model parallel rank (0, 1): 82752\n"
+      " > number of parameters on (tensor, pipeline) model parallel rank (1, 1): 82752\n"
+      "model: 266624 parameters (2 tensor x 2 pipeline ranks)\n"
+      "memory per GPU in GiB, bf16: weights 2 B, gradients 4 B, optimizer state 12 B per parameter (fp32 master "
+      "weights and Adam's two moments); ZeRO-1 (--use-distributed-optimizer) shards the optimizer state over the 2 "
+      "data-parallel ranks\n";
+  EXPECT_EQ(text->substr(0, head.size()), head);
+  EXPECT_NE(text->find("\n stage layers   parameters  weights gradients optimizer    ZeRO-1 activations recomputed"
+                       "    total\n     0      2        84672     0.00      0.00      0.00      0.00        0.00"
+                       "       0.00     0.00\n     1      2        82752 "),
+            std::string::npos)
+      << *text;
+  EXPECT_NE(text->find("\ntotal: as this run is configured (no --use-distributed-optimizer, no "
+                       "--recompute-activations); the most loaded GPU is stage 0's, 0.00 GiB\n"),
+            std::string::npos)
+      << *text;
+  EXPECT_EQ(text->find("warning"), std::string::npos);
+
+  // Abbreviated groups of a large world: the first three, "...", the last.
+  DryRunOptions big = Small();
+  big.model = Model(96, 12288, 96, 2048, 50257);
+  big.make_vocab_size_divisible_by = 128;
+  big.tensor = 8;
+  big.pipeline = 16;
+  big.global_batch_size = 0;
+  big.cluster.world_size = 1024;
+  text = DryRunReport(big);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_NE(text->find("  data groups: 128 of 8 ranks: [0, 8, 16, ..., 56] [1, 9, 17, ..., 57] [2, 10, 18, ..., 58] "
+                       "... [967, 975, 983, ..., 1023]\n"),
+            std::string::npos)
+      << *text;
+  EXPECT_NE(text->find("  model-parallel (tensor x pipeline) groups: 8 of 128 ranks: [0-7, 64-71, 128-135, ..., "
+                       "960-967] [8-15, 72-79, 136-143, ..., 968-975]"),
+            std::string::npos);
+  EXPECT_NE(text->find("warning: --tensor-model-parallel-size 8 is more than the 4 GPUs of a node"), std::string::npos);
+}
+
+TEST(DryRunReport, RefusesWhatMegatronRefuses) {
+  auto refused = [](DryRunOptions o, const std::string& want) {
+    auto r = DryRunReport(o);
+    EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+    EXPECT_NE(StatusMessage(r.status()).find(want), std::string_view::npos) << r.status();
+  };
+  DryRunOptions o = Small();
+  o.cluster.world_size = 6;
+  refused(o, "the world size 6 is not divisible by tensor × pipeline model parallel size 2 × 2 = 4");
+  o = Small();
+  o.tensor = 16;
+  o.cluster.world_size = 32;
+  refused(o, "--num-attention-heads 8 is not divisible by --tensor-model-parallel-size 16");
+  o = Small();
+  o.pipeline = 4;
+  o.model.num_layers = 6;
+  o.cluster.world_size = 16;
+  refused(o, "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4");
+  o.first_stage_layers = 3;  // 3 layers left for 3 stages: accepted
+  EXPECT_TRUE(DryRunReport(o).ok());
+  o = Small();
+  o.global_batch_size = 6;
+  refused(o, "--global-batch-size 6 is not divisible by --micro-batch-size 2 times the data-parallel size 2");
+  o = Small();
+  o.model.hidden_size = 60;  // not a multiple of the 8 heads
+  refused(o, "num_attention_heads 8 does not divide hidden_size 60");
+  o = Small();
+  o.cluster.world_size = (1 << 20) + 4;
+  refused(o, "WORLD_SIZE=1048580: --dry-run plans up to 1048576 ranks");
+  // Sequence parallelism at T = 1 is accepted, with Megatron's note.
+  o = Small();
+  o.tensor = 1;
+  o.sequence_parallel = true;
+  auto r = DryRunReport(o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_NE(r->find("note: --sequence-parallel without tensor parallelism: Megatron turns it off (T = 1)\n"),
+            std::string::npos);
+}
+
+class EnvVars {
+ public:
+  EnvVars() {
+    for (const char* v : kNames) unsetenv(v);
+  }
+  ~EnvVars() {
+    for (const char* v : kNames) unsetenv(v);
+  }
+  static constexpr const char* kNames[] = {
+      "WORLD_SIZE", "RANK", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "LOCAL_WORLD_SIZE", "SLURM_GPUS_ON_NODE"};
+};
+
+TEST(DryRunClusterFromEnv, TakesTheLaunchersWorldAndGpusPerNode) {
+  EnvVars env;
+  auto c = DryRunClusterFromEnv(0);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->world_size, 1);
+  EXPECT_EQ(c->gpus_per_node, 0);
+  setenv("WORLD_SIZE", "1024", 1);  // no RANK needed to plan
+  setenv("SLURM_GPUS_ON_NODE", "4", 1);
+  c = DryRunClusterFromEnv(0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->world_size, 1024);
+  EXPECT_EQ(c->world_source, "WORLD_SIZE");
+  EXPECT_EQ(c->rank, 0);
+  EXPECT_EQ(c->gpus_per_node, 4);
+  EXPECT_EQ(c->gpus_source, "SLURM_GPUS_ON_NODE");
+  setenv("LOCAL_WORLD_SIZE", "8", 1);
+  setenv("RANK", "5", 1);
+  c = DryRunClusterFromEnv(0);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->gpus_per_node, 8);
+  EXPECT_EQ(c->gpus_source, "LOCAL_WORLD_SIZE");
+  EXPECT_EQ(c->rank, 5);
+  c = DryRunClusterFromEnv(2);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->gpus_per_node, 2);
+  EXPECT_EQ(c->gpus_source, "--gpus-per-node");
+  unsetenv("WORLD_SIZE");
+  unsetenv("RANK");
+  setenv("SLURM_STEP_NUM_TASKS", "16", 1);
+  setenv("SLURM_PROCID", "3", 1);
+  c = DryRunClusterFromEnv(0);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->world_size, 16);
+  EXPECT_EQ(c->world_source, "SLURM_STEP_NUM_TASKS");
+  EXPECT_EQ(c->rank, 3);
+  setenv("WORLD_SIZE", "8x", 1);
+  c = DryRunClusterFromEnv(0);
+  EXPECT_TRUE(IsUsageError(c.status()));
+  EXPECT_EQ(StatusMessage(c.status()), "environment: WORLD_SIZE=\"8x\" is not an integer");
+  setenv("WORLD_SIZE", "0", 1);
+  c = DryRunClusterFromEnv(0);
+  EXPECT_TRUE(IsUsageError(c.status()));
+  EXPECT_EQ(StatusMessage(c.status()), "environment: WORLD_SIZE=0 is outside [1, 2147483647]");
+  setenv("WORLD_SIZE", "4294967297", 1);
+  EXPECT_TRUE(IsUsageError(DryRunClusterFromEnv(0).status()));
+  setenv("WORLD_SIZE", "-3", 1);
+  EXPECT_TRUE(IsUsageError(DryRunClusterFromEnv(0).status()));
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,66 @@
+// ptk-train --dry-run's flags: the run's options as ResolveTrainFlags checks them, for any tensor
+// and pipeline size and without a device or data, turned into the plan's options.
+#include <cstdio>
+
+#include <fmt/core.h>
+
+#include "common/file_paths.h"
+#include "common/status.h"
+#include "tools/train_flags.h"
+
+namespace ptk {
+
+absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const DryRunCluster& cluster,
+                                                 std::vector<std::string>* notes) {
+  if (flags.fp16 && flags.bf16) return UsageError("--fp16 and --bf16: give one precision");
+  // The checks of a real run on a copy that one process on this machine can pass: the plan is of
+  // another machine's run (its GPUs, its files).
+  TrainFlags f = flags;
+  f.tensor_model_parallel_size = f.pipeline_model_parallel_size = f.context_parallel_size = 1;
+  f.decoder_first_pipeline_num_layers.reset();
+  f.decoder_last_pipeline_num_layers.reset();
+  f.device = "cpu";
+  f.fp16 = f.bf16 = f.profile = false;
+  f.options.backend.profile = false;
+  f.data_args_path.clear();
+  f.per_split_data_args_path.clear();
+  if (f.options.model.vocab_size == 0 && !f.options.vocab_file.empty() && !PathExists(f.options.vocab_file)) {
+    notes->push_back(fmt::format(
+        "--vocab-file {} is not on this machine: GPT-2's 50257 tokens assumed (give --vocab-size for another)",
+        f.options.vocab_file));
+    f.options.model.vocab_size = 50257;
+  }
+  if (f.options.model.vocab_size != 0) f.options.vocab_file = f.options.merge_file = "";
+  std::vector<std::string> run_notes;  // a real run's notes (on flags without effect) do not apply to the plan
+  PTK_ASSIGN_OR_RETURN(const TrainOptions o, ResolveTrainFlags(f, &run_notes));
+  DryRunOptions d;
+  d.model = o.model;
+  d.make_vocab_size_divisible_by = flags.make_vocab_size_divisible_by;
+  d.tensor = static_cast<int>(flags.tensor_model_parallel_size);
+  d.pipeline = static_cast<int>(flags.pipeline_model_parallel_size);
+  d.context = static_cast<int>(flags.context_parallel_size);
+  d.first_stage_layers = flags.decoder_first_pipeline_num_layers;
+  d.last_stage_layers = flags.decoder_last_pipeline_num_layers;
+  d.micro_batch_size = o.micro_batch_size;
+  d.global_batch_size = o.global_batch_size;
+  d.sequence_parallel = flags.compat.count("--sequence-parallel") > 0;
+  d.use_distributed_optimizer = o.use_distributed_optimizer;
+  d.precision = flags.bf16 ? Precision::kBf16 : flags.fp16 ? Precision::kFp16 : Precision::kFp32;
+  d.cluster = cluster;
+  return d;
+}
+
+absl::Status PrintDryRun(const CLI::App& app, TrainFlags* flags) {
+  PTK_ASSIGN_OR_RETURN(const DryRunCluster cluster, DryRunClusterFromEnv(static_cast<int>(flags->gpus_per_node)));
+  std::vector<std::string> notes;
+  PTK_RETURN_IF_ERROR(ApplyCheckpointArgs(app, flags, &notes));
+  PTK_ASSIGN_OR_RETURN(const DryRunOptions options, ResolveDryRunFlags(*flags, cluster, &notes));
+  PTK_ASSIGN_OR_RETURN(const std::string report, DryRunReport(options));
+  if (cluster.rank != 0) return absl::OkStatus();  // started on every rank: one prints
+  for (const std::string& n : notes) fmt::print("note: {}\n", n);
+  fmt::print("{}", report);
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+
+}  // namespace ptk

@@ -1,0 +1,97 @@
+// Megatron's split of ptk's GPT over tensor and pipeline ranks, counted.
+#include "trainer/parallel_params.h"
+
+#include <fmt/format.h>
+
+#include "common/status.h"
+
+namespace ptk {
+
+absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(int64_t num_layers, int pipeline,
+                                                         std::optional<int64_t> first_stage_layers,
+                                                         std::optional<int64_t> last_stage_layers) {
+  if (pipeline < 1)
+    return UsageError(fmt::format("--pipeline-model-parallel-size must be at least 1, not {}", pipeline));
+  if (num_layers < 1) return UsageError(fmt::format("--num-layers must be at least 1, not {}", num_layers));
+  if (!first_stage_layers && !last_stage_layers) {
+    if (num_layers % pipeline != 0)
+      return UsageError(fmt::format(
+          "--num-layers {} is not divisible by --pipeline-model-parallel-size {} (Megatron: number of layers "
+          "should be divisible by the pipeline parallel size; or give --decoder-first-pipeline-num-layers / "
+          "--decoder-last-pipeline-num-layers)",
+          num_layers, pipeline));
+    return std::vector<int64_t>(static_cast<size_t>(pipeline), num_layers / pipeline);
+  }
+  if (pipeline == 1)
+    return UsageError(
+        "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers need "
+        "--pipeline-model-parallel-size above 1");
+  int64_t middle_layers = num_layers;
+  int middle_stages = pipeline;
+  for (auto [given, flag] : {std::pair{first_stage_layers, "--decoder-first-pipeline-num-layers"},
+                             std::pair{last_stage_layers, "--decoder-last-pipeline-num-layers"}}) {
+    if (!given) continue;
+    if (*given <= 0) return UsageError(fmt::format("{} must be larger than 0, not {}", flag, *given));
+    middle_layers -= *given;
+    --middle_stages;
+  }
+  if (middle_layers < 0)
+    return UsageError(fmt::format(
+        "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers take more than --num-layers {}",
+        num_layers));
+  if ((middle_layers != 0) != (middle_stages != 0))
+    return UsageError(fmt::format("--num-layers {} leaves {} middle layers for {} middle pipeline stages", num_layers,
+                                  middle_layers, middle_stages));
+  if (middle_stages > 0 && middle_layers % middle_stages != 0)
+    return UsageError(fmt::format(
+        "--num-layers {} leaves {} layers for the middle stages, not divisible by the {} middle pipeline stages",
+        num_layers, middle_layers, middle_stages));
+  std::vector<int64_t> layers(static_cast<size_t>(pipeline), middle_stages ? middle_layers / middle_stages : 0);
+  if (first_stage_layers) layers.front() = *first_stage_layers;
+  if (last_stage_layers) layers.back() = *last_stage_layers;
+  return layers;
+}
+
+absl::Status CheckTensorSplit(const GPTConfig& c, int tensor) {
+  if (tensor < 1) return UsageError(fmt::format("--tensor-model-parallel-size must be at least 1, not {}", tensor));
+  if (c.num_attention_heads % tensor != 0)
+    return UsageError(fmt::format(
+        "--num-attention-heads {} is not divisible by --tensor-model-parallel-size {} (each tensor rank takes "
+        "whole heads)",
+        c.num_attention_heads, tensor));
+  const int64_t ffn = c.ffn_hidden_size > 0 ? c.ffn_hidden_size : 4 * c.hidden_size;
+  if (ffn % tensor != 0)
+    return UsageError(
+        fmt::format("--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {}", ffn, tensor));
+  return absl::OkStatus();
+}
+
+int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, int stage, int64_t layers_on_stage) {
+  PTK_CHECK(tensor >= 1 && pipeline >= 1 && stage >= 0 && stage < pipeline);
+  PTK_CHECK(c.padded_vocab_size % tensor == 0);
+  const int64_t h = c.hidden_size, t = tensor;
+  const int64_t ffn = c.ffn_hidden_size > 0 ? c.ffn_hidden_size : 4 * h;
+  const int64_t qkv = 3 * h;                     // kv_channels × heads × (q, k, v): multi-head attention
+  const int64_t layer = 2 * h                    // input LayerNorm
+                        + qkv * h / t + qkv / t  // column-parallel QKV
+                        + h * h / t + h          // row-parallel projection, bias whole
+                        + 2 * h                  // pre-MLP LayerNorm
+                        + ffn * h / t + ffn / t  // column-parallel fc1
+                        + h * ffn / t + h;       // row-parallel fc2, bias whole
+  const int64_t vocab_slice = c.padded_vocab_size / t * h;
+  int64_t n = layers_on_stage * layer;
+  const bool first = stage == 0, last = stage == pipeline - 1;
+  if (first) n += vocab_slice + c.max_position_embeddings * h;
+  if (last) {
+    n += 2 * h;  // final LayerNorm
+    if (c.untie_embeddings_and_output_weights || !first) n += vocab_slice;
+  }
+  return n;
+}
+
+std::string ParamCountLine(int tensor_rank, int pipeline_rank, int64_t num_params) {
+  return fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}", tensor_rank,
+                     pipeline_rank, num_params);
+}
+
+}  // namespace ptk
