@@ -78,8 +78,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
                     config.padded_vocab_size, tensor_size));
   if (config.query_groups() % tensor_size != 0)
     return absl::InvalidArgumentError(
-        fmt::format("--num-query-groups ({}) must be a multiple of --tensor-model-parallel-size ({})",
-                    config.query_groups(), tensor_size));
+        fmt::format("num_query_groups {} is not divisible by tensor size {}", config.query_groups(), tensor_size));
   ParamLayout m;
   m.config = config;
   m.tensor_size = tensor_size;

@@ -16,6 +16,7 @@
 
 #include "tests/test_util.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "trainer/backend.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
 #include "trainer/train_step.h"
@@ -233,6 +234,22 @@ TEST_F(LlamaGolden, TensorParallelRanksMatchPyTorch) {
                 1e-5)
           << p.name << " rank " << rank;
   });
+}
+
+// The CUDA backend has no RMSNorm, RoPE, SwiGLU or grouped-query kernels: it refuses the model in
+// one line naming what it lacks, before loading any CUDA library (a build without CUDA refuses the
+// device itself).
+TEST_F(LlamaGolden, TheCudaBackendRefusesTheModelSayingWhatItLacks) {
+  BackendOptions o;
+  o.device = Device::kCuda;
+  auto m = CreateModel(config_, o);
+  ASSERT_FALSE(m.ok());
+  if (CudaBuilt()) {
+    EXPECT_NE(m.status().message().find("the CUDA backend has Megatron's GPT-3 model only: it lacks RMSNorm"),
+              std::string::npos)
+        << m.status();
+  }
+  EXPECT_TRUE(CreateModel(config_, BackendOptions{}).ok());  // the CPU backend builds it
 }
 
 }  // namespace
