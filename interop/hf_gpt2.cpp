@@ -62,7 +62,7 @@ struct CheckpointHeader {
   std::map<std::string, std::string> settings;
 };
 
-absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
+absl::StatusOr<CheckpointHeader> ReadPtkCheckpointHeader(const std::string& file) {
   {
     PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(file));  // a FIFO refused, not waited on
     ::close(fd);
@@ -476,7 +476,7 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   PtkCheckpoint out;
   PTK_ASSIGN_OR_RETURN(out.iteration, LatestCheckpointIteration(load_dir));
   out.file = CheckpointFile(load_dir, out.iteration);
-  PTK_ASSIGN_OR_RETURN(CheckpointHeader header, ReadCheckpointHeader(out.file));
+  PTK_ASSIGN_OR_RETURN(CheckpointHeader header, ReadPtkCheckpointHeader(out.file));
   GPTConfig& c = header.config;
   // What the model description leaves to the run's settings.
   if (true_vocab_size > 0) {

@@ -48,7 +48,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   d.last_stage_layers = flags.decoder_last_pipeline_num_layers;
   d.micro_batch_size = o.micro_batch_size;
   d.global_batch_size = o.global_batch_size;
-  d.sequence_parallel = flags.compat.count("--sequence-parallel") > 0;
+  d.sequence_parallel = flags.options.backend.sequence_parallel;
   d.use_distributed_optimizer = o.use_distributed_optimizer;
   d.precision = flags.bf16 ? Precision::kBf16 : flags.fp16 ? Precision::kFp16 : Precision::kFp32;
   d.cluster = cluster;

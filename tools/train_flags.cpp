@@ -32,7 +32,6 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--overlap-param-gather", Arg::kNone,
      "with --use-distributed-optimizer the parameters are all-gathered after the update, not during the next "
      "forward (same results)"},
-    {"--sequence-parallel", Arg::kNone, "no effect without tensor parallelism"},
     {"--attention-backend", Arg::kText, "attention runs through ptk's BLAS path"},
     {"--use-flash-attn", Arg::kNone, "attention runs through ptk's BLAS path"},
     {"--transformer-impl", Arg::kText, "ptk has one implementation"},
@@ -43,7 +42,7 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--no-bias-dropout-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-gradient-accumulation-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-rope-fusion", Arg::kNone, "kernel fusion flag"},
-    {"--no-async-tensor-model-parallel-allreduce", Arg::kNone, "no tensor parallelism"},
+    {"--no-async-tensor-model-parallel-allreduce", Arg::kNone, "the tensor-parallel all-reduces are synchronous"},
     {"--accumulate-allreduce-grads-in-fp32", Arg::kNone, "gradients are fp32 already"},
     {"--num-workers", Arg::kCount, "one prefetching loader thread per rank"},
     {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
@@ -65,7 +64,7 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--use-persistent-ckpt-worker", Arg::kNone, "checkpoints are written synchronously"},
     {"--ckpt-assume-constant-structure", Arg::kNone, "checkpoints are ptk's single file"},
     {"--use-sharp", Arg::kNone, "NCCL's SHARP in-network reductions are left to NCCL's own settings"},
-    {"--tp-comm-overlap", Arg::kNone, "no tensor parallelism"},
+    {"--tp-comm-overlap", Arg::kNone, "the tensor-parallel collectives are not overlapped with compute"},
     {"--data-impl", Arg::kText, "ptk reads Megatron's mmap .bin/.idx format"},
     {"--profile-step-start", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
     {"--profile-step-end", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
@@ -569,7 +568,8 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
                   "Tensor-parallel ranks (Megatron's layers split over adjacent ranks; CPU backend over gloo): "
                   "WORLD_SIZE = this x data-parallel ranks (1)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size, "Must be 1: ptk is data parallel")
+  app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size,
+                  "Must be 1: ptk has no pipeline parallelism")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
@@ -585,6 +585,10 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--gpus-per-node", f->gpus_per_node,
                   "ptk: GPUs per node for --dry-run (default LOCAL_WORLD_SIZE, else SLURM_GPUS_ON_NODE)")
       ->check(IntIn(1, 65536));
+  app->add_flag("--sequence-parallel", o.backend.sequence_parallel,
+                "With --tensor-model-parallel-size above 1: LayerNorm, dropout and the residual split along the "
+                "sequence over the tensor ranks (all-gather before the column-parallel products, reduce-scatter "
+                "after the row-parallel ones)");
   app->add_flag("--use-distributed-optimizer", o.use_distributed_optimizer,
                 "ZeRO-1: each data-parallel rank keeps and updates its shard of the optimizer state (AdamW's "
                 "moments); gradients reduce-scattered, parameters all-gathered");
@@ -624,14 +628,18 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
 
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
   if (f.pipeline_model_parallel_size != 1)
-    return Refuse(fmt::format("--pipeline-model-parallel-size {}: ptk-train is data parallel only; use 1",
-                              f.pipeline_model_parallel_size));
+    return Refuse(
+        fmt::format("--pipeline-model-parallel-size {}: ptk-train has no pipeline parallelism (tensor and "
+                    "data parallelism only); use 1",
+                    f.pipeline_model_parallel_size));
   if (f.context_parallel_size != 1)
     return Refuse(
         fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
   if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
+  const int64_t tp = f.tensor_model_parallel_size;
+  if (tp > 1 && device == Device::kCuda) return Refuse(kCudaTensorParallelMissing);
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
@@ -640,8 +648,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
       notes->push_back(fmt::format("no --device given and {}: training on the CPU", StatusMessage(cuda.status())));
   }
-  const int64_t tp = f.tensor_model_parallel_size;
-  if (tp > 1 && device == Device::kCuda) return Refuse(kCudaTensorParallelMissing);
   if (tp > 1 && f.options.model.num_attention_heads % tp != 0)
     return Refuse(fmt::format("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}",
                               f.options.model.num_attention_heads, tp));
@@ -685,6 +691,17 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (m.vocab_size == 0) {
     PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
     PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
+  }
+  if (tp > 1 && o.backend.sequence_parallel && !m.gpt3())
+    return Refuse(
+        "--sequence-parallel: implemented for GPT-3's model only, not with --normalization RMSNorm, "
+        "--position-embedding-type rope|none, --swiglu, --group-query-attention, --kv-channels or --disable-bias-linear");
+  if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
+    return Refuse(fmt::format(
+        "--sequence-parallel: --seq-length {} is not divisible by --tensor-model-parallel-size {}", m.seq_length, tp));
+  if (tp == 1 && o.backend.sequence_parallel) {
+    notes->push_back("--sequence-parallel: accepted, no effect at --tensor-model-parallel-size 1 (as Megatron)");
+    o.backend.sequence_parallel = false;
   }
   if (tp > 1 && m.ffn_hidden_size % tp != 0)
     return Refuse(

@@ -105,7 +105,8 @@ const char* const kCudaLlamaMissing =
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
-    PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m, CpuGPTModel::Create(config, backend.tensor_comm));
+    PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m,
+                         CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
   if (backend.tensor_comm && backend.tensor_comm->size() > 1) return UsageError(kCudaTensorParallelMissing);

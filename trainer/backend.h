@@ -19,6 +19,7 @@ struct BackendOptions {
   // The tensor-parallel group (--tensor-model-parallel-size; null or one rank: none). The CPU
   // backend partitions the model over it; the CUDA backend refuses more than one rank.
   Communicator* tensor_comm = nullptr;
+  bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
 };
 
 // Why the CUDA backend refuses tensor parallelism (a usage error's text).

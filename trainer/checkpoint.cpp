@@ -427,17 +427,6 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_
   return absl::NotFoundError(fmt::format("{}: missing (the tracker names iteration {})", file, iteration));
 }
 
-absl::StatusOr<int> SavedTensorSize(const std::string& file) {
-  PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeader(file));
-  simdjson::dom::parser parser;
-  simdjson::dom::element h;
-  if (parser.parse(header).get(h)) return absl::DataLossError(fmt::format("{}: header is not JSON", file));
-  int64_t t = 1;
-  if (h["tensor_model_parallel_size"].get(t)) t = 1;  // ptk before tensor parallelism
-  if (t < 1 || t > (1 << 20)) return absl::DataLossError(fmt::format("{}: tensor size {} in the header", file, t));
-  return static_cast<int>(t);
-}
-
 absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const ParamLayout& layout,
                             std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                             TrainState* state) {

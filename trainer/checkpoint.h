@@ -97,7 +97,7 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
                                 TrainState* state);
 // A checkpoint saved at tensor size `saved` in `dir`, loaded at `layout`'s: every saved rank's
 // slices put together into the whole model (weights and moments), then `layout`'s slices cut.
-// (checkpoint_reshard.cpp)
+// (checkpoint_reshard.cpp, as SavedTensorSize)
 absl::Status LoadResharded(const std::string& dir, int saved, int64_t iteration, const ParamLayout& layout,
                            std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                            TrainState* state);

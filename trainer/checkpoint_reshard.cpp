@@ -1,12 +1,25 @@
-// A checkpoint saved at one tensor-parallel size loaded at another: the whole model (weights and
-// AdamW moments) put together from every saved tensor rank's slices, then this rank's cut.
+// The tensor size a checkpoint was saved at, and a checkpoint saved at one tensor-parallel size
+// loaded at another: the whole model (weights and AdamW moments) put together from every saved
+// tensor rank's slices, then this rank's cut.
 #include <fmt/core.h>
+#include <simdjson.h>
 
 #include "common/file_paths.h"
 #include "common/status.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk {
+
+absl::StatusOr<int> SavedTensorSize(const std::string& file) {
+  PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeader(file));
+  simdjson::dom::parser parser;
+  simdjson::dom::element h;
+  if (parser.parse(header).get(h)) return absl::DataLossError(fmt::format("{}: header is not JSON", file));
+  int64_t t = 1;
+  if (h["tensor_model_parallel_size"].get(t)) t = 1;  // ptk before tensor parallelism
+  if (t < 1 || t > (1 << 20)) return absl::DataLossError(fmt::format("{}: tensor size {} in the header", file, t));
+  return static_cast<int>(t);
+}
 
 absl::Status LoadResharded(const std::string& dir, int saved, int64_t iteration, const ParamLayout& layout,
                            std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,

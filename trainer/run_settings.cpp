@@ -108,6 +108,7 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--init-method-std", num(m.init_method_std)},
       {"--recompute-activations", m.recompute_activations ? "on" : "off"},
       {"--tensor-model-parallel-size", std::to_string(o.tensor_model_parallel_size)},
+      {"--sequence-parallel", o.backend.sequence_parallel ? "on" : "off"},
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
       {"--rampup-batch-size", Joined([&] {

@@ -295,8 +295,9 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000", kTaken,
        ""},
       // MODEL_PARALLEL_ARGS
-      {"--tensor-model-parallel-size 8", kRefused, "ptk-train is data parallel only"},
-      {"--pipeline-model-parallel-size 16", kRefused, "ptk-train is data parallel only"},
+      {"--tensor-model-parallel-size 8", kRefused,
+       "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"},
+      {"--pipeline-model-parallel-size 16", kRefused, "ptk-train has no pipeline parallelism"},
       // DATA_ARGS
       {"--data-path " + P + " --vocab-file " + vocab + " --merge-file " + merges + " --split 949,50,1", kTaken, "",
        true},

@@ -2,7 +2,8 @@
 // row-parallel proj and fc2, vocabulary-parallel embedding and cross-entropy) over gloo ranks as
 // threads: T = 2 and 4 give one rank's loss and gradients (gathered from the slices), dropout on;
 // the tensors every tensor rank holds whole get the same gradient bits on every rank; 20 training
-// steps at T = 2, 4 and T = 2 x data 2 with ZeRO-1 follow one rank's losses within 1e-5.
+// steps at T = 2, 4 and T = 2 x data 2 with ZeRO-1 follow one rank's losses within 1e-5; the same
+// with sequence parallelism.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -80,7 +81,7 @@ struct Pass {
   std::vector<float> grads;
   bool whole_tensors_same_bits = true;
 };
-Pass OnePass(int T) {
+Pass OnePass(int T, bool sp = false) {
   Pass out;
   const GPTConfig c = Config();
   const Batches data(1);
@@ -90,7 +91,7 @@ Pass OnePass(int T) {
   std::vector<std::vector<float>> rank_grads(static_cast<size_t>(T));
   std::mutex mu;
   auto body = [&](Communicator* tensor, int rank) {
-    auto model = CpuGPTModel::Create(c, tensor);
+    auto model = CpuGPTModel::Create(c, tensor, sp);
     ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE((*model)->InitWeights(1234).ok());
     auto loss = (*model)->ForwardBackward(data.Get(0), 1.0, /*train=*/true, 99);
@@ -140,9 +141,9 @@ TEST(TensorParallel, ShardsOfTheInitAreTheWholeInitsSlices) {
 
 TEST(TensorParallel, ForwardBackwardMatchesOneRank) {
   const Pass one = OnePass(1);
-  for (int T : {2, 4}) {
-    const Pass tp = OnePass(T);
-    EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T;
+  for (const auto& [T, sp] : {std::pair{2, false}, std::pair{4, false}, std::pair{2, true}, std::pair{4, true}}) {
+    const Pass tp = OnePass(T, sp);
+    EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T << " sp=" << sp;
     double gmax = 0, dmax = 0;
     for (size_t i = 0; i < one.grads.size(); ++i) {
       gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
@@ -152,16 +153,17 @@ TEST(TensorParallel, ForwardBackwardMatchesOneRank) {
       EXPECT_LT(Rel(tp.losses[static_cast<size_t>(r)], one.losses[0]), 1e-6) << "T=" << T << " rank " << r;
       EXPECT_EQ(tp.losses[static_cast<size_t>(r)], tp.losses[0]);
     }
-    EXPECT_LT(dmax, 1e-5 * gmax) << "T=" << T << ": largest gradient difference " << dmax << " of " << gmax;
-    std::printf("T=%d: loss %.9g vs %.9g; largest gradient difference %.3g of %.3g\n", T, tp.losses[0], one.losses[0],
-                dmax, gmax);
+    EXPECT_LT(dmax, 1e-5 * gmax) << "T=" << T << " sp=" << sp << ": largest gradient difference " << dmax << " of "
+                                 << gmax;
+    std::printf("T=%d%s: loss %.9g vs %.9g; largest gradient difference %.3g of %.3g\n", T,
+                sp ? " sequence-parallel" : "", tp.losses[0], one.losses[0], dmax, gmax);
   }
 }
 
 // 20 steps of 2 micro-batches per iteration (global batch 4 samples) at tensor size T and data
 // size D (world T x D; Megatron's order: tensor ranks adjacent), ZeRO-1 over each data group when
 // asked: each step's lm loss on world rank 0.
-std::vector<double> Train(int T, int D, bool zero1) {
+std::vector<double> Train(int T, int D, bool zero1, bool sp = false) {
   const GPTConfig c = Config();
   const Batches data(2 * 20);
   std::vector<double> losses;
@@ -181,7 +183,7 @@ std::vector<double> Train(int T, int D, bool zero1) {
     } else {
       dp = MakeLocalCommunicator();
     }
-    auto model = CpuGPTModel::Create(c, tensor.get());
+    auto model = CpuGPTModel::Create(c, tensor.get(), sp);
     ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE((*model)->InitWeights(1234).ok());
     if (zero1) {
@@ -215,16 +217,17 @@ TEST(TensorParallel, TwentyStepsFollowOneRanksLosses) {
   ASSERT_EQ(one.size(), 20u);
   struct Case {
     int T, D;
-    bool zero1;
+    bool zero1, sp;
   };
-  for (const Case& k : {Case{2, 1, false}, Case{4, 1, false}, Case{2, 2, true}}) {
-    const std::vector<double> tp = Train(k.T, k.D, k.zero1);
+  for (const Case& k : {Case{2, 1, false, false}, Case{4, 1, false, false}, Case{2, 2, true, false},
+                        Case{2, 1, false, true}, Case{4, 1, false, true}, Case{2, 2, true, true}}) {
+    const std::vector<double> tp = Train(k.T, k.D, k.zero1, k.sp);
     ASSERT_EQ(tp.size(), 20u);
     double worst = 0;
     for (size_t i = 0; i < 20; ++i) worst = std::max(worst, Rel(tp[i], one[i]));
-    EXPECT_LT(worst, 1e-5) << "T=" << k.T << " D=" << k.D;
-    std::printf("T=%d D=%d%s: losses %.7f .. %.7f, largest relative difference from one rank %.3g\n", k.T, k.D,
-                k.zero1 ? " ZeRO-1" : "", tp.front(), tp.back(), worst);
+    EXPECT_LT(worst, 1e-5) << "T=" << k.T << " D=" << k.D << " sp=" << k.sp;
+    std::printf("T=%d D=%d%s%s: losses %.7f .. %.7f, largest relative difference from one rank %.3g\n", k.T, k.D,
+                k.zero1 ? " ZeRO-1" : "", k.sp ? " sequence-parallel" : "", tp.front(), tp.back(), worst);
   }
   EXPECT_LT(one.back(), one.front());
 }

@@ -10,21 +10,11 @@
 
 #include "common/status.h"
 #include "trainer/counter_rng.h"
+#include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cpu/tensor_parallel_cpu.h"
 
 namespace ptk {
-
-struct CpuGPTModel::Activations {
-  int64_t b = 0, t = 0;
-  // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
-  std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean, ln2_rstd,
-      fc1, gelu;
-  std::vector<float> lnf, dact, rope_cos, rope_sin, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln, dff, dqkv, datt, scratch,
-      xent_work;
-  std::vector<int32_t> targets;
-  std::vector<uint64_t> streams;
-};
 
 CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)), act_(std::make_unique<Activations>()) {
   const size_t n = static_cast<size_t>(num_params());
@@ -35,11 +25,23 @@ CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)), act_
 }
 CpuGPTModel::~CpuGPTModel() = default;
 
-absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig& config, Communicator* tensor) {
+absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig& config, Communicator* tensor,
+                                                                 bool sequence_parallel) {
   const int size = tensor ? tensor->size() : 1, rank = tensor ? tensor->rank() : 0;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank));
   auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
   if (size > 1) model->tensor_comm_ = tensor;
+  if (size > 1 && sequence_parallel) {
+    if (!config.gpt3())
+      return absl::UnimplementedError(
+          "sequence parallelism is implemented for GPT-3's model only (LayerNorm, learned positions, GELU): "
+          "not for RMSNorm, RoPE, SwiGLU, grouped-query attention or bias-free layers");
+    if (config.seq_length % size != 0)
+      return absl::InvalidArgumentError(
+          fmt::format("--sequence-parallel: --seq-length ({}) must be a multiple of --tensor-model-parallel-size ({})",
+                      config.seq_length, size));
+    model->sequence_parallel_ = true;
+  }
   return model;
 }
 
@@ -227,6 +229,11 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   }
   a.datt.assign(n * ct, 0.0f);
   a.scratch.assign(2 * batch.t * batch.t, 0.0f);
+  if (sequence_parallel_) {
+    a.sp_local.assign(n * c, 0.0f);
+    a.sp_buf.assign(n * c, 0.0f);
+    a.ln_grads.assign(2 * c, 0.0f);
+  }
   a.targets.assign(n, 0);
   a.streams.assign(batch.b, 0);
   return absl::OkStatus();
@@ -299,6 +306,7 @@ void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float* dout,
 }  // namespace
 
 absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
+  if (sequence_parallel_) return RunForwardSequenceParallel(batch, train, seed);
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const auto [n, c, ct, f, vp, hp, ap, shape, L] = DimsOf(layout_, batch, train);
@@ -367,6 +375,7 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
 // rank holds with the same bits (the column-parallel products' input gradients and the row-parallel
 // outputs are summed over the group in rank order, which gives every rank the same bits).
 absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
+  if (sequence_parallel_) return RunBackwardSequenceParallel(batch, train, seed);
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const auto [n, c, ct, f, vp, hp, ap, shape, L] = DimsOf(layout_, batch, train);

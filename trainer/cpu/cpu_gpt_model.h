@@ -15,7 +15,13 @@ class CpuGPTModel final : public GPTModel {
   // With `tensor` (a group of several ranks): this rank's partition of the model (Megatron's tensor
   // parallelism: ParamLayout::Create's slices), its layers communicating over `tensor`, which must
   // outlive the model.
-  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config, Communicator* tensor = nullptr);
+  // With `sequence_parallel` as well (Megatron's --sequence-parallel): LayerNorm, dropout and the
+  // residual stream on this rank's part of each sample's positions (seq_length / T of them),
+  // all-gathered before the column-parallel products and reduce-scattered after the row-parallel
+  // ones; the LayerNorms' gradients summed over the tensor group.
+  static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config, Communicator* tensor = nullptr,
+                                                             bool sequence_parallel = false);
+  bool sequence_parallel() const { return sequence_parallel_; }
   ~CpuGPTModel() override;
 
   // The host buffers themselves (tests and the gradient checks read and poke them).
@@ -67,6 +73,16 @@ class CpuGPTModel final : public GPTModel {
   // output, a column-parallel product's input gradient); nothing at one tensor rank.
   absl::Status TensorSum(float* x, int64_t count);
   bool tp() const { return tensor_size() > 1; }
+  // Sequence parallelism's passes (sequence_parallel_cpu.cpp) and their collectives: this rank's
+  // rows of a (b, t, c) buffer to and from the whole; a partial whole summed into this rank's rows.
+  absl::Status RunForwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed);
+  absl::Status RunBackwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed);
+  absl::Status GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c);
+  absl::Status ReduceScatterRows(const float* whole, float* local, const ModelBatch& batch, int64_t c);
+  // A LayerNorm's backward on this rank's rows, its weight and bias gradients summed over the group.
+  absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
+                                     const float* mean, const float* rstd, int64_t rows);
+  bool sequence_parallel_ = false;
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
   std::unique_ptr<Activations> act_;

@@ -1,0 +1,218 @@
+// Megatron's sequence parallelism on the CPU model (--sequence-parallel with tensor parallelism):
+// each tensor rank holds positions [r·t/T, (r+1)·t/T) of every sample for the LayerNorms, dropout
+// and the residual stream; their LayerNorm outputs are all-gathered before the column-parallel
+// products (QKV, fc1, the output layer), and the row-parallel products' partial outputs (proj,
+// fc2, the vocabulary-parallel embedding) are reduce-scattered instead of all-reduced. Backward
+// mirrors it (an all-gather's gradient is a reduce-scatter and the reverse); the LayerNorms'
+// gradients, computed on this rank's rows, are summed over the tensor group. Dropout masks keep
+// their global index (sample, position, channel), so the masks are one rank's.
+#include <algorithm>
+#include <cstring>
+
+#include "common/status.h"
+#include "trainer/counter_rng.h"
+#include "trainer/cpu/cpu_activations.h"
+#include "trainer/cpu/ops_cpu.h"
+#include "trainer/cpu/tensor_parallel_cpu.h"
+
+namespace ptk {
+namespace {
+
+struct Rows {
+  int64_t T, me, b, t, tl, t0, nl;  // tl positions of each sample from t0: nl = b·tl rows here
+};
+Rows RowsOf(const ModelBatch& batch, int T, int me) {
+  const int64_t tl = batch.t / T;
+  return {T, me, batch.b, batch.t, tl, me * tl, batch.b * tl};
+}
+
+// Dropout of this rank's rows (b, tl, c), each element keyed by its place in the whole sample.
+void DropoutLocal(float* x, const ModelBatch& batch, const Rows& r, int64_t c, double p, uint64_t seed, uint64_t layer,
+                  uint64_t site) {
+  if (p <= 0.0) return;
+  const uint32_t threshold = DropoutKeepThreshold(p);
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  for (int64_t s = 0; s < r.b; ++s) {
+    const uint64_t key = DropoutKey(seed, DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), layer, site));
+    float* rows = x + s * r.tl * c;
+    const uint64_t base = static_cast<uint64_t>(r.t0 * c);
+    for (int64_t i = 0; i < r.tl * c; ++i)
+      rows[i] = DropoutKeepKeyed(key, base + static_cast<uint64_t>(i), threshold) ? rows[i] * scale : 0.0f;
+  }
+}
+
+void AddBiasRows(float* x, const float* bias, int64_t n, int64_t c) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < c; ++j) x[i * c + j] += bias[j];
+}
+
+}  // namespace
+
+absl::Status CpuGPTModel::GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c) {
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  std::vector<float>& buf = act_->sp_buf;  // [rank][sample][tl][c]
+  std::copy(local, local + r.nl * c, buf.begin() + r.me * r.nl * c);
+  std::vector<int64_t> bytes(static_cast<size_t>(r.T), r.nl * c * static_cast<int64_t>(sizeof(float)));
+  PTK_RETURN_IF_ERROR(tensor_comm_->AllGather(buf.data(), bytes));
+  for (int64_t q = 0; q < r.T; ++q)
+    for (int64_t s = 0; s < r.b; ++s)
+      std::memcpy(whole + (s * r.t + q * r.tl) * c, buf.data() + (q * r.nl + s * r.tl) * c,
+                  static_cast<size_t>(r.tl * c) * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::ReduceScatterRows(const float* whole, float* local, const ModelBatch& batch, int64_t c) {
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  std::vector<float>& buf = act_->sp_buf;
+  for (int64_t q = 0; q < r.T; ++q)
+    for (int64_t s = 0; s < r.b; ++s)
+      std::memcpy(buf.data() + (q * r.nl + s * r.tl) * c, whole + (s * r.t + q * r.tl) * c,
+                  static_cast<size_t>(r.tl * c) * sizeof(float));
+  std::vector<int64_t> counts(static_cast<size_t>(r.T), r.nl * c);
+  PTK_RETURN_IF_ERROR(tensor_comm_->ReduceScatterSum(buf.data(), counts));
+  std::copy(buf.begin() + r.me * r.nl * c, buf.begin() + (r.me + 1) * r.nl * c, local);
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
+                                                const float* mean, const float* rstd, int64_t rows) {
+  const int64_t c = config().hidden_size;
+  std::vector<float>& g = act_->ln_grads;
+  std::fill(g.begin(), g.end(), 0.0f);
+  cpu::LayerNormBackward(dinp, g.data(), g.data() + c, dout, inp, params_.data() + w, mean, rstd, rows, c);
+  PTK_RETURN_IF_ERROR(TensorSum(g.data(), 2 * c));  // the same bits on every rank
+  float* G = grads_.data();
+  for (int64_t j = 0; j < c; ++j) {
+    G[w + j] += g[j];
+    G[b + j] += g[c + j];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  Activations& a = *act_;
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
+                vp = cf.padded_vocab_size / T, L = cf.num_layers, nl = r.nl;
+  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim()};
+  const float* P = params_.data();
+  float* loc = a.sp_local.data();
+
+  // Embedding: each rank its vocabulary rows, reduce-scattered to this rank's positions, then the
+  // position embeddings of those.
+  cpu::VocabSliceEmbeddingForward(a.tmp.data(), batch.tokens, P + layout_.wte, r.me * vp, vp, n, c);
+  float* x = a.resid[0].data();
+  PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), x, batch, c));
+  for (int64_t s = 0; s < r.b; ++s)
+    for (int64_t i = 0; i < r.tl; ++i) {
+      const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[s * r.t + r.t0 + i]) * c;
+      float* y = x + (s * r.tl + i) * c;
+      for (int64_t j = 0; j < c; ++j) y[j] += pos[j];
+    }
+  DropoutLocal(x, batch, r, c, hp, seed, L, kEmbeddingDropout);
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerParams& lp = layout_.layers[l];
+    cpu::LayerNormForward(loc, a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
+                          P + lp.ln1_b, nl, c, cf.layernorm_epsilon);
+    PTK_RETURN_IF_ERROR(GatherRows(loc, a.ln1[l].data(), batch, c));
+    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * ct);
+    if (ap > 0.0)
+      for (int64_t s = 0; s < batch.b; ++s)
+        a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), l, kAttentionProbs) +
+                       static_cast<uint64_t>(r.me * shape.nh);
+    float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+    cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, static_cast<const float*>(nullptr), n, ct, c);
+    PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
+    AddBiasRows(loc, P + lp.proj_b, nl, c);
+    DropoutLocal(loc, batch, r, c, hp, seed, l, kAttentionOutDropout);
+    for (int64_t i = 0; i < nl * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + loc[i];
+    cpu::LayerNormForward(loc, a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P + lp.ln2_w,
+                          P + lp.ln2_b, nl, c, cf.layernorm_epsilon);
+    PTK_RETURN_IF_ERROR(GatherRows(loc, a.ln2[l].data(), batch, c));
+    cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
+    cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
+    cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, static_cast<const float*>(nullptr), n, f, c);
+    PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
+    AddBiasRows(loc, P + lp.fc2_b, nl, c);
+    DropoutLocal(loc, batch, r, c, hp, seed, l, kMlpOutDropout);
+    for (int64_t i = 0; i < nl * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + loc[i];
+  }
+  cpu::LayerNormForward(loc, a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[L].data(), P + layout_.lnf_w,
+                        P + layout_.lnf_b, nl, c, cf.layernorm_epsilon);
+  PTK_RETURN_IF_ERROR(GatherRows(loc, a.lnf.data(), batch, c));
+  cpu::MatmulForward(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  Activations& a = *act_;
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
+                vp = cf.padded_vocab_size / T, L = cf.num_layers, nl = r.nl;
+  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim()};
+  const float* P = params_.data();
+  float* G = grads_.data();
+  float* loc = a.sp_local.data();
+  float* dresid = a.dresid.data();  // this rank's rows (nl of them)
+
+  std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
+                      P + layout_.out_w, n, c, vp);
+  PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
+  std::fill(dresid, dresid + nl * c, 0.0f);
+  PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, layout_.lnf_w, layout_.lnf_b, loc, a.resid[L].data(),
+                                            a.lnf_mean.data(), a.lnf_rstd.data(), nl));
+  GradsReady(0);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const LayerParams& lp = layout_.layers[l];
+    // MLP: its output's gradient (this rank's rows, through dropout) gathered for fc2's backward.
+    std::copy(dresid, dresid + nl * c, loc);
+    DropoutLocal(loc, batch, r, c, hp, seed, l, kMlpOutDropout);
+    PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
+    std::fill(a.dff.begin(), a.dff.end(), 0.0f);
+    cpu::MatmulBackward(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f,
+                        c);
+    cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
+    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
+    PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
+    PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln2_w, lp.ln2_b, loc, a.resid_mid[l].data(),
+                                              a.ln2_mean[l].data(), a.ln2_rstd[l].data(), nl));
+    // Attention.
+    std::copy(dresid, dresid + nl * c, loc);
+    DropoutLocal(loc, batch, r, c, hp, seed, l, kAttentionOutDropout);
+    PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
+    std::fill(a.datt.begin(), a.datt.end(), 0.0f);
+    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n,
+                        ct, c);
+    if (ap > 0.0)
+      for (int64_t s = 0; s < batch.b; ++s)
+        a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), l, kAttentionProbs) +
+                       static_cast<uint64_t>(r.me * shape.nh);
+    float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
+    if (cf.recompute_activations)
+      cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
+                           a.scratch.data());
+    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
+                        3 * ct);
+    PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
+    PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln1_w, lp.ln1_b, loc, a.resid[l].data(), a.ln1_mean[l].data(),
+                                              a.ln1_rstd[l].data(), nl));
+    GradsReady(static_cast<size_t>(L - l));
+  }
+  DropoutLocal(dresid, batch, r, c, hp, seed, L, kEmbeddingDropout);
+  PTK_RETURN_IF_ERROR(GatherRows(dresid, a.dtmp.data(), batch, c));
+  cpu::VocabSliceEmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dtmp.data(), batch.tokens, batch.position_ids,
+                                   r.me * vp, vp, n, c);
+  GradsReady(static_cast<size_t>(L) + 1);
+  return absl::OkStatus();
+}
+
+}  // namespace ptk
