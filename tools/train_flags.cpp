@@ -111,9 +111,9 @@ absl::Status Refuse(const std::string& msg) { return UsageError(msg); }
 // GPTConfig::Validate names the model's settings as Megatron's arguments are named (hidden_size);
 // ptk-train names each as the flag that sets it (--hidden-size).
 std::string SettingsAsFlags(std::string msg) {
-  static constexpr const char* kSettings[] = {"num_layers",        "hidden_size",    "num_attention_heads",
-                                              "ffn_hidden_size",   "seq_length",     "max_position_embeddings",
-                                              "vocab_size",        "hidden_dropout", "attention_dropout",
+  static constexpr const char* kSettings[] = {"num_layers",        "hidden_size",     "num_attention_heads",
+                                              "ffn_hidden_size",   "seq_length",      "max_position_embeddings",
+                                              "vocab_size",        "hidden_dropout",  "attention_dropout",
                                               "layernorm_epsilon", "init_method_std", "num_query_groups",
                                               "kv_channels",       "rotary_base",     "rotary_percent"};
   auto is_word = [](char c) { return (c >= 'a' && c <= 'z') || c == '_' || c == '-'; };
@@ -662,10 +662,10 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     if (!other.empty()) {
       std::string also;
       for (size_t i = 1; i < other.size(); ++i) also += (i > 1 ? ", " : "") + other[i].first;
-      return Refuse(fmt::format(
-          "{}: {}. ptk-train trains Megatron's GPT-3-style GPT and the Llama line (RMSNorm, RoPE, SwiGLU, "
-          "grouped-query attention, no biases){}",
-          other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
+      return Refuse(
+          fmt::format("{}: {}. ptk-train trains Megatron's GPT-3-style GPT and the Llama line (RMSNorm, RoPE, SwiGLU, "
+                      "grouped-query attention, no biases){}",
+                      other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
     }
   }
   if (f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
@@ -695,7 +695,8 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (tp > 1 && o.backend.sequence_parallel && !m.gpt3())
     return Refuse(
         "--sequence-parallel: implemented for GPT-3's model only, not with --normalization RMSNorm, "
-        "--position-embedding-type rope|none, --swiglu, --group-query-attention, --kv-channels or --disable-bias-linear");
+        "--position-embedding-type rope|none, --swiglu, --group-query-attention, --kv-channels or "
+        "--disable-bias-linear");
   if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
     return Refuse(fmt::format(
         "--sequence-parallel: --seq-length {} is not divisible by --tensor-model-parallel-size {}", m.seq_length, tp));

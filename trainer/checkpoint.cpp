@@ -61,7 +61,7 @@ std::string ModelJson(const GPTConfig& c) {
   if (!c.gpt3() || c.add_qkv_bias) {
     w.Field("normalization", std::string(c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm"))
         .Field("position_embedding_type",
-               std::string(c.rope()                                              ? "rope"
+               std::string(c.rope()                                           ? "rope"
                            : c.position_embedding == PositionEmbedding::kNone ? "none"
                                                                               : "learned_absolute"))
         .Field("swiglu", c.swiglu)

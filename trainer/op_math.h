@@ -50,7 +50,7 @@ inline float RopeInverseFrequency(int64_t i, int64_t rd, double base, bool llama
   const double factor = 8.0, low = 1.0, high = 4.0, original = 8192.0;
   const double low_wavelen = original / low, high_wavelen = original / high;
   const double wavelen = 2.0 * 3.14159265358979323846 / static_cast<double>(inv);
-  if (wavelen < high_wavelen) return inv;                                         // high frequencies: kept
+  if (wavelen < high_wavelen) return inv;                                                   // high frequencies: kept
   if (wavelen > low_wavelen) return static_cast<float>(static_cast<double>(inv) / factor);  // low: scaled
   const double smooth = (original / wavelen - low) / (high - low);
   return static_cast<float>((1.0 - smooth) * static_cast<double>(inv) / factor + smooth * static_cast<double>(inv));

@@ -20,7 +20,9 @@ absl::Status GPTConfig::Validate() const {
   if (num_layers < 1) return at_least_1("num_layers", num_layers);
   if (hidden_size < 1) return at_least_1("hidden_size", hidden_size);
   if (num_attention_heads < 1) return at_least_1("num_attention_heads", num_attention_heads);
-  if (kv_channels < 0) return bad(fmt::format("kv_channels {}: must be at least 1 (or 0: hidden_size / num_attention_heads)", kv_channels));
+  if (kv_channels < 0)
+    return bad(
+        fmt::format("kv_channels {}: must be at least 1 (or 0: hidden_size / num_attention_heads)", kv_channels));
   if (kv_channels == 0 && hidden_size % num_attention_heads != 0)
     return bad(fmt::format("num_attention_heads {} does not divide hidden_size {}", num_attention_heads, hidden_size));
   if (num_query_groups < 0 || (num_query_groups > 0 && num_attention_heads % num_query_groups != 0))
@@ -32,8 +34,9 @@ absl::Status GPTConfig::Validate() const {
     if (!(rotary_percent > 0 && rotary_percent <= 1))
       return bad(fmt::format("rotary_percent {}: must be in (0, 1]", rotary_percent));
     if (rotary_dim() < 2 || rotary_dim() % 2 != 0)
-      return bad(fmt::format("rotary_percent {} of head dimension {} rotates {} channels: must be an even number, at least 2",
-                             rotary_percent, head_dim(), rotary_dim()));
+      return bad(
+          fmt::format("rotary_percent {} of head dimension {} rotates {} channels: must be an even number, at least 2",
+                      rotary_percent, head_dim(), rotary_dim()));
   }
   if (ffn_hidden_size < 1) return at_least_1("ffn_hidden_size", ffn_hidden_size);
   if (seq_length < 1) return at_least_1("seq_length", seq_length);
@@ -86,8 +89,9 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   const int64_t c = config.hidden_size, f = config.ffn_hidden_size, vp = config.padded_vocab_size;
   // This rank's rows of QKV (whole query groups: their query heads, key and value, Megatron's order),
   // the attention's width it holds (proj's columns), fc1's rows ([gate; up] under SwiGLU) and fc2's columns.
-  const int64_t T = tensor_size, qkv_t = config.qkv_rows() / T, att_t = config.num_attention_heads * config.head_dim() / T,
-                ft = f / T, fc1_t = (config.swiglu ? 2 : 1) * ft, vt = vp / T;
+  const int64_t T = tensor_size, qkv_t = config.qkv_rows() / T,
+                att_t = config.num_attention_heads * config.head_dim() / T, ft = f / T,
+                fc1_t = (config.swiglu ? 2 : 1) * ft, vt = vp / T;
   const int fc1_chunks = config.swiglu ? 2 : 1;
   const bool ln = config.normalization == Normalization::kLayerNorm, bias = config.add_bias_linear;
   const double std = config.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
@@ -120,7 +124,8 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, 1.0f);
     lp.ln1_b = add_if(ln, p + "input_layernorm.bias", std::vector<int64_t>{c}, 0.0);
     lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {qkv_t, c}, std, 0.0f, 0);
-    lp.qkv_b = add_if(config.qkv_bias(), p + "self_attention.linear_qkv.bias", std::vector<int64_t>{qkv_t}, 0.0, 0.0f, 0);
+    lp.qkv_b =
+        add_if(config.qkv_bias(), p + "self_attention.linear_qkv.bias", std::vector<int64_t>{qkv_t}, 0.0, 0.0f, 0);
     lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, att_t}, out_std, 0.0f, 1);
     lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
     lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, 1.0f);

@@ -96,7 +96,7 @@ struct ParamLayout {
   std::vector<ParamInfo> infos;
   std::vector<LayerParams> layers;
   int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;  // wpe -1 without learned positions, lnf_b -1 under RMSNorm
-  int64_t out_w = 0;  // == wte when the output layer is tied to the embedding
+  int64_t out_w = 0;                               // == wte when the output layer is tied to the embedding
   int64_t num_params = 0;
   // This layout's tensor rank of tensor_size: the slices (ParamInfo::tensor_split_dim) it holds.
   int tensor_size = 1, tensor_rank = 0;

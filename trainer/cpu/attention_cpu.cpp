@@ -1,6 +1,6 @@
-// Causal self-attention, multi-head or grouped-query (Megatron's core attention: scores scaled by 1/sqrt(head dim), causal
-// softmax, attention dropout), forward and backward. Both products of each (batch, head) go
-// through BLAS; the T x T probabilities are kept for backward unless the caller recomputes them.
+// Causal self-attention, multi-head or grouped-query (Megatron's core attention: scores scaled by 1/sqrt(head dim),
+// causal softmax, attention dropout), forward and backward. Both products of each (batch, head) go through BLAS; the T
+// x T probabilities are kept for backward unless the caller recomputes them.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -28,13 +28,15 @@ void DropoutRows(T* m, int64_t t, double p, uint64_t seed, uint64_t stream) {
 int64_t QueryColumn(int64_t h, int64_t per_group, int64_t hd) {
   return (h / per_group * (per_group + 2) + h % per_group) * hd;
 }
-int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd) { return (h / per_group * (per_group + 2) + per_group) * hd; }
+int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + per_group) * hd;
+}
 
 }  // namespace
 
 template <typename T>
 void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
-                         const uint64_t* streams) {
+                      const uint64_t* streams) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
   std::vector<T> dropped(p > 0.0 ? static_cast<size_t>(t * t) : 0);
@@ -71,7 +73,7 @@ void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, d
 
 template <typename T>
 void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
-                          uint64_t seed, const uint64_t* streams, T* scratch) {
+                       uint64_t seed, const uint64_t* streams, T* scratch) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
   T* pd = scratch;          // dropped probabilities (t, t)
@@ -95,9 +97,9 @@ void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, con
         DropoutRows(pd, t, p, seed, stream);
         pv = pd;
       }
-      Gemm<T>(true, false, t, hd, t, T(1), pv, t, dy, c, acc, dv, c3);   // dV = P'^T dY
-      Gemm<T>(false, true, t, t, hd, T(1), dy, c, v, c3, T(0), dp, t);   // dP' = dY V^T
-      DropoutRows(dp, t, p, seed, stream);                               // dP = dropout(dP')
+      Gemm<T>(true, false, t, hd, t, T(1), pv, t, dy, c, acc, dv, c3);  // dV = P'^T dY
+      Gemm<T>(false, true, t, t, hd, T(1), dy, c, v, c3, T(0), dp, t);  // dP' = dY V^T
+      DropoutRows(dp, t, p, seed, stream);                              // dP = dropout(dP')
       for (int64_t i = 0; i < t; ++i) {
         const T* prow = pr + i * t;
         T* drow = dp + i * t;
@@ -113,10 +115,10 @@ void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, con
   }
 }
 
-#define PTK_INSTANTIATE(T)                                                                                          \
+#define PTK_INSTANTIATE(T)                                                                                       \
   template void AttentionForward<T>(T*, T*, const T*, const AttentionShape&, double, uint64_t, const uint64_t*); \
   template void AttentionBackward<T>(T*, const T*, const T*, const T*, const AttentionShape&, double, uint64_t,  \
-                                        const uint64_t*, T*);
+                                     const uint64_t*, T*);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE

@@ -257,8 +257,8 @@ void AttentionStreams(const ModelBatch& batch, int64_t layer, int64_t head0, std
 }
 
 // What one forward or backward pass over `batch` works with: tokens n, hidden c, this rank's
-// slices of the attention's width ct (its query heads x head dimension), the ffn f and the padded vocab vp (all of them at one tensor
-// rank), the dropout rates (zero when not training), this rank's attention heads, the layer count.
+// slices of the attention's width ct (its query heads x head dimension), the ffn f and the padded vocab vp (all of them
+// at one tensor rank), the dropout rates (zero when not training), this rank's attention heads, the layer count.
 struct PassDims {
   int64_t n, c, ct, f, vp;
   double hp, ap;
@@ -413,8 +413,8 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n,
-                        ct, c);
+    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
+                        n, ct, c);
     if (ap > 0.0) AttentionStreams(batch, l, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
@@ -423,8 +423,8 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
                            a.scratch.data());
     if (cf.rope()) cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n,
-                        c, shape.qkv_width());
+    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
+                        shape.qkv_width());
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[l].data(), P, lp.ln1_w, lp.ln1_b, a.ln1_mean[l].data(),
                  a.ln1_rstd[l].data(), n, c);
@@ -432,7 +432,8 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
   }
   DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
   if (!tp())
-    cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n, c);
+    cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n,
+                           c);
   else
     cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens,
                                      batch.position_ids, tensor_rank() * vp, vp, n, c);
