@@ -59,6 +59,12 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
       m["untie_embeddings_and_output_weights"].get(untie))
     return bad("the header's model description misses a field");
   c.untie_embeddings_and_output_weights = untie;
+  if (std::string_view norm; !m["normalization"].get(norm))  // written for the Llama line only
+    return absl::UnimplementedError(fmt::format(
+        "{}: a model of Megatron's Llama line (RMSNorm, RoPE, SwiGLU, grouped-query attention or bias-free layers: "
+        "{}): ptk-convert exports GPT-3-style models only (GPT2LMHeadModel, Megatron); LlamaForCausalLM export is "
+        "not implemented",
+        file, simdjson::minify(m)));
   simdjson::dom::array settings;
   if (!h["settings"].get(settings))
     for (simdjson::dom::element pair : settings) {

@@ -69,18 +69,10 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--profile-step-start", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
     {"--profile-step-end", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
     // Model flags that name what ptk's model does already, or that Megatron ignores here.
-    {"--add-qkv-bias", Arg::kNone, "the QKV projection has a bias already (every linear layer of ptk's model has one)"},
-    {"--num-query-groups", Arg::kPositiveInt, "no effect without --group-query-attention, as in Megatron"},
     {"--openai-gelu", Arg::kNone, "ptk's GELU is this tanh approximation already"},
     {"--attention-softmax-in-fp32", Arg::kNone, "the attention softmax is computed in fp32 already"},
     {"--apply-query-key-layer-scaling", Arg::kNone,
      "it only keeps fp16 attention scores from overflowing in Megatron's unfused softmax"},
-    {"--rotary-base", Arg::kPositive, "no effect without --position-embedding-type rope, as in Megatron"},
-    {"--rotary-percent", Arg::kPositive, "no effect without --position-embedding-type rope, as in Megatron"},
-    {"--rotary-interleaved", Arg::kNone, "no effect without --position-embedding-type rope, as in Megatron"},
-    {"--rotary-seq-len-interpolation-factor", Arg::kPositive,
-     "no effect without --position-embedding-type rope, as in Megatron"},
-    {"--use-rope-scaling", Arg::kNone, "no effect without --position-embedding-type rope, as in Megatron"},
 };
 
 // Megatron's flags for models other than GPT-3's (the Llama, Qwen and Mixtral lines): accepted by the
@@ -91,19 +83,14 @@ struct ModelRefusal {
   bool takes_value;
   const char* why;
 };
-constexpr const char* kRope =
-    "rotary position embeddings (RoPE) are not implemented; ptk's model learns absolute positions "
-    "(--position-embedding-type learned_absolute)";
 constexpr ModelRefusal kModelRefusals[] = {
-    {"--swiglu", false, "the SwiGLU gated MLP (Llama's) is not implemented; ptk's MLP is GPT-3's, fc1 -> GELU -> fc2"},
+    {"--rotary-interleaved", false,
+     "the interleaved rotary layout (pairs of adjacent channels) is not implemented; ptk rotates Megatron's default "
+     "halves (channel i with i + d/2), as Llama's Hugging Face checkpoints do"},
+    {"--rotary-seq-len-interpolation-factor", true,
+     "rotary position interpolation is not implemented; Llama 3.1's scaling is --use-rope-scaling"},
+    {"--rope-scaling-factor", true, "--use-rope-scaling has Llama 3.1's factor 8 only"},
     {"--squared-relu", false, "the squared-ReLU activation is not implemented; ptk's MLP uses GELU"},
-    {"--group-query-attention", false,
-     "grouped-query attention is not implemented; ptk's attention has a key and value head per query head "
-     "(multi-head attention)"},
-    {"--disable-bias-linear", false,
-     "linear layers without biases are not implemented; ptk's all have one (Megatron's default, GPT-3's)"},
-    {"--use-rotary-position-embeddings", false, kRope},
-    {"--no-position-embedding", false, "a model without position embeddings is not implemented; ptk's learns them"},
     {"--qk-layernorm", false, "LayerNorm on queries and keys is not implemented"},
     {"--apply-layernorm-1p", false, "LayerNorm with a zero-centred gamma is not implemented"},
     {"--apply-residual-connection-post-layernorm", false,
@@ -124,10 +111,11 @@ absl::Status Refuse(const std::string& msg) { return UsageError(msg); }
 // GPTConfig::Validate names the model's settings as Megatron's arguments are named (hidden_size);
 // ptk-train names each as the flag that sets it (--hidden-size).
 std::string SettingsAsFlags(std::string msg) {
-  static constexpr const char* kSettings[] = {"num_layers",        "hidden_size",    "num_attention_heads",
-                                              "ffn_hidden_size",   "seq_length",     "max_position_embeddings",
-                                              "vocab_size",        "hidden_dropout", "attention_dropout",
-                                              "layernorm_epsilon", "init_method_std"};
+  static constexpr const char* kSettings[] = {"num_layers",        "hidden_size",     "num_attention_heads",
+                                              "ffn_hidden_size",   "seq_length",      "max_position_embeddings",
+                                              "vocab_size",        "hidden_dropout",  "attention_dropout",
+                                              "layernorm_epsilon", "init_method_std", "num_query_groups",
+                                              "kv_channels",       "rotary_base",     "rotary_percent"};
   auto is_word = [](char c) { return (c >= 'a' && c <= 'z') || c == '_' || c == '-'; };
   for (const std::string setting : kSettings) {
     std::string flag = "--" + setting;
@@ -400,7 +388,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 x --hidden-size)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--kv-channels", f->kv_channels, "Head dimension (must equal hidden/heads)")
+  app->add_option("--kv-channels", f->kv_channels, "Head dimension (default --hidden-size / --num-attention-heads)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--seq-length", m.seq_length, "Sequence length")->required()->check(IntIn(1, kMaxSize));
   app->add_option("--max-position-embeddings", m.max_position_embeddings, "Position table size (default --seq-length)")
@@ -422,10 +410,7 @@ void AddTrainFlags(CLI::App* app, TrainFlags* f) {
                 "Recompute attention probabilities in backward (selective)");
   app->add_option("--recompute-granularity", f->recompute_granularity,
                   "selective (as --recompute-activations) or full");
-  app->add_option("--position-embedding-type", f->position_embedding_type,
-                  "learned_absolute (the only one ptk has; rope and none are refused saying so)");
-  app->add_option("--normalization", f->normalization,
-                  "LayerNorm (the only one ptk has; RMSNorm is refused saying so)");
+  AddLlamaFlags(app, f);
   for (const ModelRefusal& r : kModelRefusals) {
     const std::string name = r.name;
     CLI::Option* opt = r.takes_value ? app->add_option_function<std::string>(
@@ -674,24 +659,13 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     for (const ModelRefusal& r : kModelRefusals)
       if (auto it = f.refused.find(r.name); it != f.refused.end())
         other.emplace_back(it->second.empty() ? it->first : it->first + " " + it->second, r.why);
-    if (f.position_embedding_type != "learned_absolute")
-      other.emplace_back("--position-embedding-type " + f.position_embedding_type,
-                         f.position_embedding_type == "rope"
-                             ? kRope
-                             : "ptk's model learns absolute positions (learned_absolute), the only type "
-                               "it has");
-    if (f.normalization != "LayerNorm")
-      other.emplace_back("--normalization " + f.normalization,
-                         f.normalization == "RMSNorm"
-                             ? "RMSNorm is not implemented; ptk's model uses LayerNorm (GPT-3's)"
-                             : "ptk's model uses LayerNorm, the only normalization it has");
     if (!other.empty()) {
       std::string also;
       for (size_t i = 1; i < other.size(); ++i) also += (i > 1 ? ", " : "") + other[i].first;
-      return Refuse(fmt::format(
-          "{}: {}. ptk-train trains Megatron's GPT-3-style GPT (learned absolute positions, LayerNorm, GELU MLP, "
-          "biases, multi-head attention){}",
-          other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
+      return Refuse(
+          fmt::format("{}: {}. ptk-train trains Megatron's GPT-3-style GPT and the Llama line (RMSNorm, RoPE, SwiGLU, "
+                      "grouped-query attention, no biases){}",
+                      other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
     }
   }
   if (f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
@@ -703,10 +677,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
   if (f.dataloader_type != "single")
     return Refuse("--dataloader-type " + f.dataloader_type + ": ptk has Megatron's pretraining sampler (single) only");
-  const GPTConfig& model = f.options.model;
-  if (f.kv_channels != 0 && model.num_attention_heads > 0 &&
-      f.kv_channels * model.num_attention_heads != model.hidden_size)
-    return Refuse("--kv-channels must equal --hidden-size / --num-attention-heads in ptk");
   if (!f.recompute_granularity.empty() && f.recompute_granularity != "selective" && f.recompute_granularity != "full")
     return Refuse("--recompute-granularity must be selective or full");
   for (const auto& [name, value] : f.compat)
@@ -715,12 +685,18 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
         notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, c.note));
   TrainOptions o = f.options;
   GPTConfig& m = o.model;
+  PTK_RETURN_IF_ERROR(ResolveLlamaFlags(f, device, tp, &m));
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
   if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
   if (m.vocab_size == 0) {
     PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
     PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
   }
+  if (tp > 1 && o.backend.sequence_parallel && !m.gpt3())
+    return Refuse(
+        "--sequence-parallel: implemented for GPT-3's model only, not with --normalization RMSNorm, "
+        "--position-embedding-type rope|none, --swiglu, --group-query-attention, --kv-channels or "
+        "--disable-bias-linear");
   if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
     return Refuse(fmt::format(
         "--sequence-parallel: --seq-length {} is not divisible by --tensor-model-parallel-size {}", m.seq_length, tp));

@@ -58,12 +58,22 @@ struct TrainFlags {
   // --dry-run: plan the run (any tensor and pipeline size) and exit; trainer/dry_run.h.
   bool dry_run = false;
   int64_t gpus_per_node = 0;
+  // the Llama line (llama_flags.cpp)
+  bool use_rotary_position_embeddings = false, no_position_embedding = false, group_query_attention = false,
+       disable_bias_linear = false;
+  int64_t num_query_groups = 1;
   std::optional<int64_t> decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers;
 };
 
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,
 // where it is declared: a value out of range (or NaN, or not a number) is a usage error.
 void AddTrainFlags(CLI::App* app, TrainFlags* flags);
+// The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
+void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
+// Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with
+// --group-query-attention); a usage error naming the flag for a value ptk has not, query groups
+// that tensor size `tp` does not divide, or a model the CUDA backend lacks on `device`.
+absl::Status ResolveLlamaFlags(const TrainFlags& flags, Device device, int64_t tp, GPTConfig* model);
 
 // After parsing: refuses what ptk cannot do (one line naming the flag), collects notes for flags
 // accepted without effect, and completes `flags.options` with the flags that are no setting of

@@ -96,6 +96,12 @@ const char* const kCudaTensorParallelMissing =
     "partitioned layers yet (column- and row-parallel products, vocabulary-parallel embedding and cross-entropy "
     "over NCCL)";
 
+const char* const kCudaLlamaMissing =
+    "the CUDA backend has Megatron's GPT-3 model only: it lacks RMSNorm, rotary position embeddings (and a model "
+    "without position embeddings), SwiGLU, grouped-query attention, a head dimension other than hidden / heads and "
+    "linear layers without biases (--normalization RMSNorm, --position-embedding-type rope|none, --swiglu, "
+    "--group-query-attention, --kv-channels, --disable-bias-linear run on the CPU backend: --device cpu)";
+
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
@@ -104,6 +110,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     return std::unique_ptr<GPTModel>(std::move(m));
   }
   if (backend.tensor_comm && backend.tensor_comm->size() > 1) return UsageError(kCudaTensorParallelMissing);
+  if (!config.gpt3()) return UsageError(kCudaLlamaMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
   cuda::ModelOptions o;

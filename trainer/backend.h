@@ -24,6 +24,8 @@ struct BackendOptions {
 
 // Why the CUDA backend refuses tensor parallelism (a usage error's text).
 extern const char* const kCudaTensorParallelMissing;
+// Why the CUDA backend refuses a model other than GPT-3's (GPTConfig::gpt3()): what it lacks.
+extern const char* const kCudaLlamaMissing;
 
 namespace cuda {
 class Backend;

@@ -1,5 +1,6 @@
 // Per-element math that the CPU ops and the CUDA kernels share (PTK_HD): GELU (Megatron's tanh
-// approximation) and its derivative, one AdamW element, the dropout scale. The CPU tests run these
+// approximation) and its derivative, SiLU and its derivative (SwiGLU), RoPE's inverse frequencies,
+// one AdamW element, the dropout scale. The CPU tests run these
 // very functions, so a kernel differs from its CPU op only in reduction order and in the device's
 // tanh/exp, never in the formula.
 #pragma once
@@ -25,6 +26,34 @@ PTK_HD T GeluDerivative(T x) {
   T th = std::tanh(u);
   T du = k * (T(1) + T(3) * T(0.044715) * x * x);
   return T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th * th) * du;
+}
+
+// SwiGLU's activation: silu(x) = x * sigmoid(x), and its derivative sigmoid(x) (1 + x (1 - sigmoid(x))).
+template <typename T>
+PTK_HD T SiluValue(T x) {
+  return x / (T(1) + std::exp(-x));
+}
+template <typename T>
+PTK_HD T SiluDerivative(T x) {
+  const T s = T(1) / (T(1) + std::exp(-x));
+  return s * (T(1) + x * (T(1) - s));
+}
+
+// Rotary embedding's inverse frequency of channel pair i of rd rotated channels, as Megatron's
+// RotaryEmbedding computes it in fp32: 1 / base^(2i / rd); with `llama3_scaling`, Llama 3.1's
+// rescaling (factor 8, low_freq_factor 1, high_freq_factor 4, original context 8192: Megatron-core's
+// _apply_scaling, transformers' _compute_llama3_parameters) applied to it.
+inline float RopeInverseFrequency(int64_t i, int64_t rd, double base, bool llama3_scaling) {
+  const float exponent = static_cast<float>(2 * i) / static_cast<float>(rd);
+  const float inv = 1.0f / std::pow(static_cast<float>(base), exponent);
+  if (!llama3_scaling) return inv;
+  const double factor = 8.0, low = 1.0, high = 4.0, original = 8192.0;
+  const double low_wavelen = original / low, high_wavelen = original / high;
+  const double wavelen = 2.0 * 3.14159265358979323846 / static_cast<double>(inv);
+  if (wavelen < high_wavelen) return inv;                                                   // high frequencies: kept
+  if (wavelen > low_wavelen) return static_cast<float>(static_cast<double>(inv) / factor);  // low: scaled
+  const double smooth = (original / wavelen - low) / (high - low);
+  return static_cast<float>((1.0 - smooth) * static_cast<double>(inv) / factor + smooth * static_cast<double>(inv));
 }
 
 // The scalars of one AdamW update, computed once on the host (torch.optim.AdamW's bias

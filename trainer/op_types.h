@@ -6,9 +6,14 @@
 
 namespace ptk {
 
-// Causal self-attention's shape: batch, sequence, heads, head dimension.
+// Causal self-attention's shape: batch, sequence, query heads, head dimension, and the key/value
+// heads (query groups; 0: one per query head). Each group's query heads share its key and value.
 struct AttentionShape {
   int64_t b, t, nh, hd;
+  int64_t ng = 0;
+  int64_t groups() const { return ng > 0 ? ng : nh; }
+  // Width of one token's row of the fused QKV: per group its query heads, then its key and value.
+  int64_t qkv_width() const { return (nh + 2 * groups()) * hd; }
 };
 
 // torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in

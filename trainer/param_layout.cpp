@@ -20,8 +20,24 @@ absl::Status GPTConfig::Validate() const {
   if (num_layers < 1) return at_least_1("num_layers", num_layers);
   if (hidden_size < 1) return at_least_1("hidden_size", hidden_size);
   if (num_attention_heads < 1) return at_least_1("num_attention_heads", num_attention_heads);
-  if (hidden_size % num_attention_heads != 0)
+  if (kv_channels < 0)
+    return bad(
+        fmt::format("kv_channels {}: must be at least 1 (or 0: hidden_size / num_attention_heads)", kv_channels));
+  if (kv_channels == 0 && hidden_size % num_attention_heads != 0)
     return bad(fmt::format("num_attention_heads {} does not divide hidden_size {}", num_attention_heads, hidden_size));
+  if (num_query_groups < 0 || (num_query_groups > 0 && num_attention_heads % num_query_groups != 0))
+    return bad(fmt::format("num_query_groups {} does not divide num_attention_heads {}", num_query_groups,
+                           num_attention_heads));
+  if (rope()) {
+    if (!(rotary_base > 0 && std::isfinite(rotary_base)))
+      return bad(fmt::format("rotary_base {}: must be positive", rotary_base));
+    if (!(rotary_percent > 0 && rotary_percent <= 1))
+      return bad(fmt::format("rotary_percent {}: must be in (0, 1]", rotary_percent));
+    if (rotary_dim() < 2 || rotary_dim() % 2 != 0)
+      return bad(
+          fmt::format("rotary_percent {} of head dimension {} rotates {} channels: must be an even number, at least 2",
+                      rotary_percent, head_dim(), rotary_dim()));
+  }
   if (ffn_hidden_size < 1) return at_least_1("ffn_hidden_size", ffn_hidden_size);
   if (seq_length < 1) return at_least_1("seq_length", seq_length);
   if (max_position_embeddings < seq_length)
@@ -63,18 +79,28 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     return absl::InvalidArgumentError(
         fmt::format("the padded vocabulary ({}) must be a multiple of --tensor-model-parallel-size ({})",
                     config.padded_vocab_size, tensor_size));
+  if (config.query_groups() % tensor_size != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("num_query_groups {} is not divisible by tensor size {}", config.query_groups(), tensor_size));
   ParamLayout m;
   m.config = config;
   m.tensor_size = tensor_size;
   m.tensor_rank = tensor_rank;
   const int64_t c = config.hidden_size, f = config.ffn_hidden_size, vp = config.padded_vocab_size;
-  const int64_t T = tensor_size, ct = c / T, ft = f / T, vt = vp / T;
+  // This rank's rows of QKV (whole query groups: their query heads, key and value, Megatron's order),
+  // the attention's width it holds (proj's columns), fc1's rows ([gate; up] under SwiGLU) and fc2's columns.
+  const int64_t T = tensor_size, qkv_t = config.qkv_rows() / T,
+                att_t = config.num_attention_heads * config.head_dim() / T, ft = f / T,
+                fc1_t = (config.swiglu ? 2 : 1) * ft, vt = vp / T;
+  const int fc1_chunks = config.swiglu ? 2 : 1;
+  const bool ln = config.normalization == Normalization::kLayerNorm, bias = config.add_bias_linear;
   const double std = config.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
   int64_t offset = 0;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, double init_std, float init_value = 0.0f,
-                 int split = -1) {
+                 int split = -1, int chunks = 1) {
     ParamInfo p;
     p.tensor_split_dim = T > 1 ? split : -1;
+    p.tensor_split_chunks = T > 1 && split == 0 ? chunks : 1;
     p.name = name;
     p.shape = std::move(shape);
     p.size = 1;
@@ -87,27 +113,31 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     m.infos.push_back(std::move(p));
     return m.infos.back().offset;
   };
+  // A tensor the configuration may leave out: -1 then.
+  auto add_if = [&](bool present, auto&&... args) -> int64_t { return present ? add(args...) : -1; };
   m.wte = add("embedding.word_embeddings.weight", {vt, c}, std, 0.0f, 0);
-  m.wpe = add("embedding.position_embeddings.weight", {config.max_position_embeddings, c}, std);
+  m.wpe = add_if(config.position_embedding == PositionEmbedding::kLearnedAbsolute,
+                 "embedding.position_embeddings.weight", std::vector<int64_t>{config.max_position_embeddings, c}, std);
   for (int64_t l = 0; l < config.num_layers; ++l) {
     std::string p = fmt::format("decoder.layers.{}.", l);
     LayerParams lp;
     lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, 1.0f);
-    lp.ln1_b = add(p + "input_layernorm.bias", {c}, 0.0);
-    lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {3 * ct, c}, std, 0.0f, 0);
-    lp.qkv_b = add(p + "self_attention.linear_qkv.bias", {3 * ct}, 0.0, 0.0f, 0);
-    lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, ct}, out_std, 0.0f, 1);
-    lp.proj_b = add(p + "self_attention.linear_proj.bias", {c}, 0.0);
+    lp.ln1_b = add_if(ln, p + "input_layernorm.bias", std::vector<int64_t>{c}, 0.0);
+    lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {qkv_t, c}, std, 0.0f, 0);
+    lp.qkv_b =
+        add_if(config.qkv_bias(), p + "self_attention.linear_qkv.bias", std::vector<int64_t>{qkv_t}, 0.0, 0.0f, 0);
+    lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, att_t}, out_std, 0.0f, 1);
+    lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
     lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, 1.0f);
-    lp.ln2_b = add(p + "pre_mlp_layernorm.bias", {c}, 0.0);
-    lp.fc1_w = add(p + "mlp.linear_fc1.weight", {ft, c}, std, 0.0f, 0);
-    lp.fc1_b = add(p + "mlp.linear_fc1.bias", {ft}, 0.0, 0.0f, 0);
+    lp.ln2_b = add_if(ln, p + "pre_mlp_layernorm.bias", std::vector<int64_t>{c}, 0.0);
+    lp.fc1_w = add(p + "mlp.linear_fc1.weight", {fc1_t, c}, std, 0.0f, 0, fc1_chunks);
+    lp.fc1_b = add_if(bias, p + "mlp.linear_fc1.bias", std::vector<int64_t>{fc1_t}, 0.0, 0.0f, 0, fc1_chunks);
     lp.fc2_w = add(p + "mlp.linear_fc2.weight", {c, ft}, out_std, 0.0f, 1);
-    lp.fc2_b = add(p + "mlp.linear_fc2.bias", {c}, 0.0);
+    lp.fc2_b = add_if(bias, p + "mlp.linear_fc2.bias", std::vector<int64_t>{c}, 0.0);
     m.layers.push_back(lp);
   }
   m.lnf_w = add("decoder.final_layernorm.weight", {c}, 0.0, 1.0f);
-  m.lnf_b = add("decoder.final_layernorm.bias", {c}, 0.0);
+  m.lnf_b = add_if(ln, "decoder.final_layernorm.bias", std::vector<int64_t>{c}, 0.0);
   m.out_w = config.untie_embeddings_and_output_weights ? add("output_layer.weight", {vt, c}, std, 0.0f, 0) : m.wte;
   m.num_params = offset;
   return m;
@@ -134,7 +164,10 @@ void ParamLayout::InitWeights(uint64_t seed, std::span<float> out) const {
 }
 
 int64_t ParamLayout::WholeIndex(const ParamInfo& p, int64_t i) const {
-  if (p.tensor_split_dim == 0) return tensor_rank * p.size + i;  // rows: one contiguous block
+  if (p.tensor_split_dim == 0) {  // rows: one contiguous block of each chunk
+    const int64_t chunk = p.size / p.tensor_split_chunks;
+    return (i / chunk * tensor_size + tensor_rank) * chunk + i % chunk;
+  }
   if (p.tensor_split_dim == 1) {
     const int64_t cols = p.shape[1];
     return i / cols * cols * tensor_size + tensor_rank * cols + i % cols;
@@ -153,7 +186,8 @@ void ForEachRun(const ParamLayout& shard, F&& f) {
       const int64_t cols = p.shape[1];
       for (int64_t r = 0; r < p.shape[0]; ++r) f(p.offset + r * cols, w.offset + shard.WholeIndex(p, r * cols), cols);
     } else {
-      f(p.offset, w.offset + shard.WholeIndex(p, 0), p.size);
+      const int64_t chunk = p.size / p.tensor_split_chunks;
+      for (int64_t i = 0; i < p.size; i += chunk) f(p.offset + i, w.offset + shard.WholeIndex(p, i), chunk);
     }
   }
 }

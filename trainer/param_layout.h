@@ -15,6 +15,10 @@
 
 namespace ptk {
 
+// Megatron's --normalization and --position-embedding-type.
+enum class Normalization { kLayerNorm, kRMSNorm };
+enum class PositionEmbedding { kLearnedAbsolute, kRope, kNone };
+
 struct GPTConfig {
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
@@ -30,9 +34,33 @@ struct GPTConfig {
   double attention_dropout = 0.1;
   double init_method_std = 0.02;
   bool recompute_activations = false;  // attention probabilities recomputed in backward (selective)
+  // The Llama line (Megatron's defaults: GPT-3's model). layernorm_epsilon is the epsilon of either norm.
+  Normalization normalization = Normalization::kLayerNorm;
+  PositionEmbedding position_embedding = PositionEmbedding::kLearnedAbsolute;
+  double rotary_base = 10000.0;
+  double rotary_percent = 1.0;    // the rotated share of each head's channels
+  bool use_rope_scaling = false;  // Llama 3.1's frequency scaling (factor 8, original context 8192)
+  bool swiglu = false;            // fc1 gives [gate; up] (2 x ffn_hidden_size rows), fc2 takes silu(gate) * up
+  int64_t num_query_groups = 0;   // 0: one key/value head per query head (multi-head attention)
+  int64_t kv_channels = 0;        // the head dimension; 0: hidden_size / num_attention_heads
+  bool add_bias_linear = true;    // biases of QKV, proj, fc1, fc2
+  bool add_qkv_bias = false;      // the QKV bias even without add_bias_linear
 
   absl::Status Validate() const;
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
+  int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
+  bool rope() const { return position_embedding == PositionEmbedding::kRope; }
+  // Channels rotated per head (even): int(head_dim * rotary_percent), as Megatron's RotaryEmbedding.
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent); }
+  // Rows of the QKV projection: query heads plus a key and a value head per group.
+  int64_t qkv_rows() const { return (num_attention_heads + 2 * query_groups()) * head_dim(); }
+  // Megatron's GPT-3 model (every setting of the Llama line at its default).
+  bool gpt3() const {
+    return normalization == Normalization::kLayerNorm && position_embedding == PositionEmbedding::kLearnedAbsolute &&
+           !swiglu && query_groups() == num_attention_heads && head_dim() * num_attention_heads == hidden_size &&
+           add_bias_linear;
+  }
 };
 
 // Megatron's _vocab_size_with_padding.
@@ -50,9 +78,13 @@ struct ParamInfo {
   // rows (vocabulary-parallel embedding and output layer, column-parallel QKV and fc1: weights and
   // biases); 1 a slice of the columns (row-parallel proj and fc2 weights). `shape` is the slice's.
   int tensor_split_dim = -1;
+  // With tensor_split_dim 0: the tensor is this many blocks of rows, each split across the ranks
+  // (SwiGLU's fc1: [gate; up], each rank holding its gate rows and the matching up rows).
+  int tensor_split_chunks = 1;
 };
 
-// Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer.
+// Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer; -1 for
+// a tensor the model has not (biases without add_bias_linear, norm biases under RMSNorm).
 struct LayerParams {
   int64_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
 };
@@ -63,8 +95,8 @@ struct ParamLayout {
   GPTConfig config;
   std::vector<ParamInfo> infos;
   std::vector<LayerParams> layers;
-  int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
-  int64_t out_w = 0;  // == wte when the output layer is tied to the embedding
+  int64_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;  // wpe -1 without learned positions, lnf_b -1 under RMSNorm
+  int64_t out_w = 0;                               // == wte when the output layer is tied to the embedding
   int64_t num_params = 0;
   // This layout's tensor rank of tensor_size: the slices (ParamInfo::tensor_split_dim) it holds.
   int tensor_size = 1, tensor_rank = 0;

@@ -91,6 +91,18 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--make-vocab-size-divisible-by (padded vocabulary)", std::to_string(m.padded_vocab_size)},
       {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights ? "on" : "off"},
       {"--layernorm-epsilon", num(m.layernorm_epsilon)},
+      {"--normalization", m.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm"},
+      {"--position-embedding-type", m.position_embedding == PositionEmbedding::kRope   ? "rope"
+                                    : m.position_embedding == PositionEmbedding::kNone ? "none"
+                                                                                       : "learned_absolute"},
+      {"--rotary-base", num(m.rotary_base)},
+      {"--rotary-percent", num(m.rotary_percent)},
+      {"--use-rope-scaling", m.use_rope_scaling ? "on" : "off"},
+      {"--swiglu", m.swiglu ? "on" : "off"},
+      {"--num-query-groups", std::to_string(m.query_groups())},
+      {"--kv-channels", std::to_string(m.head_dim())},
+      {"--disable-bias-linear", m.add_bias_linear ? "off" : "on"},
+      {"--add-qkv-bias", m.add_qkv_bias ? "on" : "off"},
       {"--hidden-dropout", num(m.hidden_dropout)},
       {"--attention-dropout", num(m.attention_dropout)},
       {"--init-method-std", num(m.init_method_std)},

@@ -181,9 +181,13 @@ ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
 double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
   const double b = static_cast<double>(gbs), s = static_cast<double>(c.seq_length),
                l = static_cast<double>(c.num_layers), h = static_cast<double>(c.hidden_size),
-               f = static_cast<double>(c.ffn_hidden_size), v = static_cast<double>(c.padded_vocab_size);
-  // 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) + ffn/h + V/(2 l h)); groups == heads here.
-  return 12.0 * b * s * l * h * h * ((2.0 + s / (2.0 * h)) + f / h + v / (2.0 * l * h));
+               f = static_cast<double>(c.ffn_hidden_size), v = static_cast<double>(c.padded_vocab_size),
+               heads = static_cast<double>(c.num_attention_heads), groups = static_cast<double>(c.query_groups());
+  // Megatron's num_floating_point_operations: 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) * q/h
+  // + ffn/h * (3/2 with SwiGLU) + V/(2 l h)), q = kv_channels * heads the query projection's size.
+  const double q_ratio = static_cast<double>(c.head_dim()) * heads / h, gated = c.swiglu ? 1.5 : 1.0;
+  return 12.0 * b * s * l * h * h *
+         ((1.0 + groups / heads + s / (2.0 * h)) * q_ratio + f / h * gated + v / (2.0 * l * h));
 }
 
 absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank) {

@@ -298,6 +298,36 @@ TEST(Checkpoint, SettingsComeBack) {
   EXPECT_EQ(s.settings[1], std::make_pair(std::string("--data-path"), std::string("a b")));
 }
 
+// A Llama-line model's checkpoint records its settings: it loads into the same model, and one that
+// differs only where the parameter count does not show it (the rope scaling, the rotary base) is
+// refused naming the description, not loaded into the wrong model.
+TEST(Checkpoint, LlamaLineSettingsMustMatch) {
+  GPTConfig c = SmallLayout().config;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.swiglu = true;
+  c.num_query_groups = 1;
+  c.add_bias_linear = false;
+  c.rotary_base = 500000;
+  c.use_rope_scaling = true;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  TempDir dir;
+  ASSERT_TRUE(Save(dir.path(), *layout, 3, 1.0f).ok());
+  std::vector<float> p, m, v;
+  TrainState s;
+  ASSERT_TRUE(LoadCheckpoint(dir.path(), 3, *layout, &p, &m, &v, &s).ok());
+  for (auto change : {+[](GPTConfig& g) { g.use_rope_scaling = false; }, +[](GPTConfig& g) { g.rotary_base = 1e4; }}) {
+    GPTConfig other = c;
+    change(other);
+    auto other_layout = ParamLayout::Create(other);
+    ASSERT_EQ(other_layout->num_params, layout->num_params);
+    absl::Status st = LoadCheckpoint(dir.path(), 3, *other_layout, &p, &m, &v, &s);
+    EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+    EXPECT_NE(st.message().find("\"rotary_base\":500000.0"), std::string::npos) << st;
+  }
+}
+
 // The scheduler's settings come back from a checkpoint; one written without
 // them (by an earlier ptk) still loads, with none.
 TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {

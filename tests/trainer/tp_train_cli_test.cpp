@@ -155,6 +155,36 @@ TEST_F(TensorParallelCli, TensorTimesDataRanksWithZeroOneAndOverlapGiveOneRanksL
   std::printf("T=2 x D=2, ZeRO-1, overlap: largest relative difference from one rank's: %.3g\n", worst);
 }
 
+// Megatron's Llama line (RMSNorm, RoPE base 500000 with Llama 3.1's scaling, SwiGLU, 4 query heads
+// in 2 groups, untied, no biases; dropout on): T = 2, and T = 2 x D = 2 with ZeRO-1, give one rank's
+// losses; a checkpoint resumed at T = 2 continues with the uninterrupted run's lines.
+TEST_F(TensorParallelCli, LlamaLineGivesOneRanksLossesAndResumes) {
+  const std::string llama =
+      " --normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --swiglu"
+      " --group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights";
+  auto one = RunCmd(Train(1, llama, 10));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = Losses(one.output);
+  ASSERT_EQ(ref.size(), 10u) << one.output;
+  auto t2 = Ranks(2, Train(2, llama + " --save " + ShellQuote(dir_ / "ck") + " --save-interval 5", 10));
+  ASSERT_NE(t2.output.find(AllZero(2)), std::string::npos) << t2.output << Logs(2);
+  EXPECT_LT(Worst(Losses(t2.output), ref), 1e-5);
+  auto dp = Ranks(4, Train(2, llama + " --use-distributed-optimizer", 10));
+  ASSERT_NE(dp.output.find(AllZero(4)), std::string::npos) << dp.output << Logs(4);
+  EXPECT_LT(Worst(Losses(dp.output), ref), 1e-5);
+  std::printf("Llama line: T=2 %.3g, T=2 x D=2 ZeRO-1 %.3g largest relative difference from one rank's losses\n",
+              Worst(Losses(t2.output), ref), Worst(Losses(dp.output), ref));
+  // Iteration 10 lost: resume from iteration 5's checkpoint.
+  std::filesystem::remove_all(dir_ / "ck/iter_0000010");
+  testing::WriteFile(dir_ / "ck/latest_checkpointed_iteration.txt", "5");
+  auto resumed = Ranks(2, Train(2, llama + " --load " + ShellQuote(dir_ / "ck"), 10));
+  ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output << Logs(2);
+  const auto whole = Lines(t2.output), again = Lines(resumed.output);
+  ASSERT_EQ(whole.size(), 10u);
+  ASSERT_EQ(again.size(), 5u) << resumed.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(again[i], whole[5 + i]);
+}
+
 TEST_F(TensorParallelCli, CheckpointsResumeAtTheSameAndOtherTensorSizes) {
   const std::string full = dir_ / "full", ck = dir_ / "ck";
   auto whole = Ranks(2, Train(2, "--save " + ShellQuote(full)));

@@ -1,6 +1,6 @@
-// Causal self-attention (Megatron's core attention: scores scaled by 1/sqrt(head dim), causal
-// softmax, attention dropout), forward and backward. Both products of each (batch, head) go
-// through BLAS; the T x T probabilities are kept for backward unless the caller recomputes them.
+// Causal self-attention, multi-head or grouped-query (Megatron's core attention: scores scaled by 1/sqrt(head dim),
+// causal softmax, attention dropout), forward and backward. Both products of each (batch, head) go through BLAS; the T
+// x T probabilities are kept for backward unless the caller recomputes them.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -23,19 +23,28 @@ void DropoutRows(T* m, int64_t t, double p, uint64_t seed, uint64_t stream) {
     }
 }
 
+// Columns of head h's query and of its group's key in a token's QKV row (per group: its
+// per_group query heads, the key, the value).
+int64_t QueryColumn(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + h % per_group) * hd;
+}
+int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + per_group) * hd;
+}
+
 }  // namespace
 
 template <typename T>
 void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
-                         const uint64_t* streams) {
-  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
+                      const uint64_t* streams) {
+  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
   std::vector<T> dropped(p > 0.0 ? static_cast<size_t>(t * t) : 0);
   for (int64_t b = 0; b < s.b; ++b) {
     for (int64_t h = 0; h < s.nh; ++h) {
-      const T* q = qkv + b * t * c3 + h * 3 * hd;
-      const T* k = q + hd;
-      const T* v = q + 2 * hd;
+      const T* q = qkv + b * t * c3 + QueryColumn(h, per_group, hd);
+      const T* k = qkv + b * t * c3 + KeyColumn(h, per_group, hd);
+      const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * t * t;
       Gemm<T>(false, true, t, t, hd, scale, q, c3, k, c3, T(0), pr, t);
       for (int64_t i = 0; i < t; ++i) {
@@ -64,20 +73,22 @@ void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, d
 
 template <typename T>
 void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
-                          uint64_t seed, const uint64_t* streams, T* scratch) {
-  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
+                       uint64_t seed, const uint64_t* streams, T* scratch) {
+  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
   T* pd = scratch;          // dropped probabilities (t, t)
   T* dp = scratch + t * t;  // gradient of the probabilities (t, t)
   for (int64_t b = 0; b < s.b; ++b) {
     for (int64_t h = 0; h < s.nh; ++h) {
       const uint64_t stream = p > 0.0 ? streams[b] + static_cast<uint64_t>(h) : 0;
-      const T* q = qkv + b * t * c3 + h * 3 * hd;
-      const T* k = q + hd;
-      const T* v = q + 2 * hd;
-      T* dq = dqkv + b * t * c3 + h * 3 * hd;
-      T* dk = dq + hd;
-      T* dv = dq + 2 * hd;
+      const T* q = qkv + b * t * c3 + QueryColumn(h, per_group, hd);
+      const T* k = qkv + b * t * c3 + KeyColumn(h, per_group, hd);
+      const T* v = k + hd;
+      T* dq = dqkv + b * t * c3 + QueryColumn(h, per_group, hd);
+      T* dk = dqkv + b * t * c3 + KeyColumn(h, per_group, hd);
+      T* dv = dk + hd;
+      // The group's first query head assigns its key and value gradients, the others add to them.
+      const T acc = h % per_group == 0 ? T(0) : T(1);
       const T* dy = dout + b * t * c + h * hd;
       const T* pr = probs + (b * s.nh + h) * t * t;
       const T* pv = pr;
@@ -86,9 +97,9 @@ void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, con
         DropoutRows(pd, t, p, seed, stream);
         pv = pd;
       }
-      Gemm<T>(true, false, t, hd, t, T(1), pv, t, dy, c, T(0), dv, c3);  // dV = P'^T dY
-      Gemm<T>(false, true, t, t, hd, T(1), dy, c, v, c3, T(0), dp, t);   // dP' = dY V^T
-      DropoutRows(dp, t, p, seed, stream);                               // dP = dropout(dP')
+      Gemm<T>(true, false, t, hd, t, T(1), pv, t, dy, c, acc, dv, c3);  // dV = P'^T dY
+      Gemm<T>(false, true, t, t, hd, T(1), dy, c, v, c3, T(0), dp, t);  // dP' = dY V^T
+      DropoutRows(dp, t, p, seed, stream);                              // dP = dropout(dP')
       for (int64_t i = 0; i < t; ++i) {
         const T* prow = pr + i * t;
         T* drow = dp + i * t;
@@ -99,15 +110,15 @@ void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, con
         for (int64_t j = i + 1; j < t; ++j) drow[j] = T(0);
       }
       Gemm<T>(false, false, t, hd, t, T(1), dp, t, k, c3, T(0), dq, c3);  // dQ = dS K
-      Gemm<T>(true, false, t, hd, t, T(1), dp, t, q, c3, T(0), dk, c3);   // dK = dS^T Q
+      Gemm<T>(true, false, t, hd, t, T(1), dp, t, q, c3, acc, dk, c3);    // dK = dS^T Q
     }
   }
 }
 
-#define PTK_INSTANTIATE(T)                                                                                          \
+#define PTK_INSTANTIATE(T)                                                                                       \
   template void AttentionForward<T>(T*, T*, const T*, const AttentionShape&, double, uint64_t, const uint64_t*); \
   template void AttentionBackward<T>(T*, const T*, const T*, const T*, const AttentionShape&, double, uint64_t,  \
-                                        const uint64_t*, T*);
+                                     const uint64_t*, T*);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE

@@ -32,6 +32,10 @@ absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig
   auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
   if (size > 1) model->tensor_comm_ = tensor;
   if (size > 1 && sequence_parallel) {
+    if (!config.gpt3())
+      return absl::UnimplementedError(
+          "sequence parallelism is implemented for GPT-3's model only (LayerNorm, learned positions, GELU): "
+          "not for RMSNorm, RoPE, SwiGLU, grouped-query attention or bias-free layers");
     if (config.seq_length % size != 0)
       return absl::InvalidArgumentError(
           fmt::format("--sequence-parallel: --seq-length ({}) must be a multiple of --tensor-model-parallel-size ({})",
@@ -183,7 +187,8 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   a.b = batch.b;
   a.t = batch.t;
   // This rank's slices under tensor parallelism: heads, ffn columns, vocabulary rows.
-  const int64_t T = tensor_size(), c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
+  const int64_t T = tensor_size(), c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
+                qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
                 vp = cf.padded_vocab_size / T, L = cf.num_layers;
   const int64_t probs = batch.b * (cf.num_attention_heads / T) * batch.t * batch.t;
   auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
@@ -194,13 +199,13 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   per_layer(a.ln1, L, n * c);
   per_layer(a.ln1_mean, L, n);
   per_layer(a.ln1_rstd, L, n);
-  per_layer(a.qkv, L, n * 3 * ct);
+  per_layer(a.qkv, L, n * qkv);
   per_layer(a.probs, cf.recompute_activations ? 1 : L, probs);
   per_layer(a.atty, L, n * ct);
   per_layer(a.ln2, L, n * c);
   per_layer(a.ln2_mean, L, n);
   per_layer(a.ln2_rstd, L, n);
-  per_layer(a.fc1, L, n * f);
+  per_layer(a.fc1, L, n * f1);
   per_layer(a.gelu, L, n * f);
   a.lnf.assign(n * c, 0.0f);
   a.lnf_mean.assign(n, 0.0f);
@@ -212,8 +217,16 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   a.dresid.assign(n * c, 0.0f);
   a.dtmp.assign(n * c, 0.0f);
   a.dln.assign(n * c, 0.0f);
-  a.dff.assign(n * f, 0.0f);
-  a.dqkv.assign(n * 3 * ct, 0.0f);
+  a.dff.assign(n * f1, 0.0f);
+  a.dact.assign(cf.swiglu ? n * f : 0, 0.0f);
+  a.dqkv.assign(n * qkv, 0.0f);
+  if (cf.rope()) {  // the rotary tables of this sequence length
+    const int64_t half = cf.rotary_dim() / 2;
+    a.rope_cos.assign(batch.t * half, 0.0f);
+    a.rope_sin.assign(batch.t * half, 0.0f);
+    cpu::RopeTables(a.rope_cos.data(), a.rope_sin.data(), batch.t, cf.rotary_dim(), cf.rotary_base,
+                    cf.use_rope_scaling);
+  }
   a.datt.assign(n * ct, 0.0f);
   a.scratch.assign(2 * batch.t * batch.t, 0.0f);
   if (sequence_parallel_) {
@@ -244,8 +257,8 @@ void AttentionStreams(const ModelBatch& batch, int64_t layer, int64_t head0, std
 }
 
 // What one forward or backward pass over `batch` works with: tokens n, hidden c, this rank's
-// slices of the attention's width ct, the ffn f and the padded vocab vp (all of them at one tensor
-// rank), the dropout rates (zero when not training), this rank's attention heads, the layer count.
+// slices of the attention's width ct (its query heads x head dimension), the ffn f and the padded vocab vp (all of them
+// at one tensor rank), the dropout rates (zero when not training), this rank's attention heads, the layer count.
 struct PassDims {
   int64_t n, c, ct, f, vp;
   double hp, ap;
@@ -257,18 +270,38 @@ PassDims DimsOf(const ParamLayout& layout, const ModelBatch& batch, bool train) 
   const int64_t T = layout.tensor_size;
   return {batch.b * batch.t,
           cf.hidden_size,
-          cf.hidden_size / T,
+          cf.num_attention_heads * cf.head_dim() / T,
           cf.ffn_hidden_size / T,
           cf.padded_vocab_size / T,
           train ? cf.hidden_dropout : 0.0,
           train ? cf.attention_dropout : 0.0,
-          AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim()},
+          AttentionShape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T},
           static_cast<uint64_t>(cf.num_layers)};
 }
 // A row-parallel product's bias, added once after the sum over the tensor group.
 void AddBias(float* x, const float* bias, int64_t n, int64_t c) {
+  if (!bias) return;
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < c; ++j) x[i * c + j] += bias[j];
+}
+// A tensor the configuration may leave out (offset -1): null then.
+const float* At(const float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
+float* At(float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
+
+// The configuration's norm (LayerNorm or RMSNorm, which keeps no mean and has no bias).
+void NormForward(const GPTConfig& cf, float* out, float* mean, float* rstd, const float* inp, const float* P, int64_t w,
+                 int64_t b, int64_t n, int64_t c) {
+  if (cf.normalization == Normalization::kRMSNorm)
+    cpu::RMSNormForward(out, rstd, inp, P + w, n, c, cf.layernorm_epsilon);
+  else
+    cpu::LayerNormForward(out, mean, rstd, inp, P + w, P + b, n, c, cf.layernorm_epsilon);
+}
+void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float* dout, const float* inp, const float* P,
+                  int64_t w, int64_t b, const float* mean, const float* rstd, int64_t n, int64_t c) {
+  if (cf.normalization == Normalization::kRMSNorm)
+    cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c);
+  else
+    cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c);
 }
 }  // namespace
 
@@ -284,22 +317,23 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
   // One tensor rank keeps the unsplit product with its bias (the same bits as before).
   auto row_parallel = [&](float* out, const float* inp, int64_t w, int64_t bias, int64_t ic) -> absl::Status {
     if (!tp) {
-      cpu::MatmulForward(out, inp, P + w, P + bias, n, ic, c);
+      cpu::MatmulForward(out, inp, P + w, At(P, bias), n, ic, c);
       return absl::OkStatus();
     }
     cpu::MatmulForward(out, inp, P + w, static_cast<const float*>(nullptr), n, ic, c);
     PTK_RETURN_IF_ERROR(TensorSum(out, n * c));
-    AddBias(out, P + bias, n, c);
+    AddBias(out, At(P, bias), n, c);
     return absl::OkStatus();
   };
 
   if (!tp) {
-    cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, P + layout_.wpe, n, c);
+    cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, At(P, layout_.wpe), n,
+                          c);
   } else {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
     float* x = a.resid[0].data();
     cpu::VocabSliceEmbeddingForward(x, batch.tokens, P + layout_.wte, tensor_rank() * vp, vp, n, c);
     PTK_RETURN_IF_ERROR(TensorSum(x, n * c));
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n && layout_.wpe >= 0; ++i) {
       const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[i]) * c;
       for (int64_t j = 0; j < c; ++j) x[i * c + j] += pos[j];
     }
@@ -307,25 +341,29 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
   DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
   for (int64_t l = 0; l < cf.num_layers; ++l) {
     const LayerParams& lp = layout_.layers[l];
-    cpu::LayerNormForward(a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
-                          P + lp.ln1_b, n, c, cf.layernorm_epsilon);
-    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * ct);
+    NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
+                lp.ln1_b, n, c);
+    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c, shape.qkv_width());
+    if (cf.rope()) cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     if (ap > 0.0) AttentionStreams(batch, l, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.atty[l].data(), lp.proj_w, lp.proj_b, ct));
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
-    cpu::LayerNormForward(a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(),
-                          P + lp.ln2_w, P + lp.ln2_b, n, c, cf.layernorm_epsilon);
-    cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
-    cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
+    NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
+                lp.ln2_b, n, c);
+    cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, At(P, lp.fc1_b), n, c, (cf.swiglu ? 2 : 1) * f);
+    if (cf.swiglu)
+      cpu::SwigluForward(a.gelu[l].data(), a.fc1[l].data(), n, f);
+    else
+      cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.gelu[l].data(), lp.fc2_w, lp.fc2_b, f));
     DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
-  cpu::LayerNormForward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(),
-                        P + layout_.lnf_w, P + layout_.lnf_b, n, c, cf.layernorm_epsilon);
+  NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(), P, layout_.lnf_w,
+              layout_.lnf_b, n, c);
   // This rank's vocabulary columns of the logits (column-parallel output layer).
   cpu::MatmulForward(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
   return absl::OkStatus();
@@ -350,48 +388,54 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
                       P + layout_.out_w, n, c, vp);
   PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));
   std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
-  cpu::LayerNormBackward(a.dresid.data(), G + layout_.lnf_w, G + layout_.lnf_b, a.dln.data(),
-                         a.resid[cf.num_layers].data(), P + layout_.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
+  NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[cf.num_layers].data(), P, layout_.lnf_w, layout_.lnf_b,
+               a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
   GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
   for (int64_t l = cf.num_layers - 1; l >= 0; --l) {
     const LayerParams& lp = layout_.layers[l];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
-    std::fill(a.dff.begin(), a.dff.end(), 0.0f);
-    cpu::MatmulBackward(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f,
-                        c);
-    cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
+    float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
+    std::fill(dact, dact + n * f, 0.0f);
+    cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
+    if (cf.swiglu)
+      cpu::SwigluBackward(a.dff.data(), a.fc1[l].data(), dact, n, f);
+    else
+      cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
+    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c,
+                        (cf.swiglu ? 2 : 1) * f);
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel fc1: its input gradient summed
-    cpu::LayerNormBackward(a.dresid.data(), G + lp.ln2_w, G + lp.ln2_b, a.dln.data(), a.resid_mid[l].data(),
-                           P + lp.ln2_w, a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
+    NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid_mid[l].data(), P, lp.ln2_w, lp.ln2_b,
+                 a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n,
-                        ct, c);
+    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
+                        n, ct, c);
     if (ap > 0.0) AttentionStreams(batch, l, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
                            a.scratch.data());
+    if (cf.rope()) cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
-                        3 * ct);
+    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
+                        shape.qkv_width());
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
-    cpu::LayerNormBackward(a.dresid.data(), G + lp.ln1_w, G + lp.ln1_b, a.dln.data(), a.resid[l].data(), P + lp.ln1_w,
-                           a.ln1_mean[l].data(), a.ln1_rstd[l].data(), n, c);
+    NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[l].data(), P, lp.ln1_w, lp.ln1_b, a.ln1_mean[l].data(),
+                 a.ln1_rstd[l].data(), n, c);
     GradsReady(static_cast<size_t>(cf.num_layers - l));  // layer l
   }
   DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
   if (!tp())
-    cpu::EmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens, batch.position_ids, n, c);
+    cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n,
+                           c);
   else
-    cpu::VocabSliceEmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dresid.data(), batch.tokens,
+    cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens,
                                      batch.position_ids, tensor_rank() * vp, vp, n, c);
   GradsReady(static_cast<size_t>(cf.num_layers) + 1);  // the embeddings
   return absl::OkStatus();

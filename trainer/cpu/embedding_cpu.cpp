@@ -1,4 +1,4 @@
-// Token + learned absolute position embeddings, forward and backward.
+// Token + learned absolute position embeddings (or token embeddings alone), forward and backward.
 #include <tbb/parallel_for.h>
 
 #include "trainer/cpu/ops_cpu.h"
@@ -13,8 +13,12 @@ void EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, c
                          int64_t c) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* a = wte + static_cast<int64_t>(tokens[i]) * c;
-    const T* p = wpe + static_cast<int64_t>(positions[i]) * c;
     T* y = out + i * c;
+    if (!wpe) {
+      for (int64_t j = 0; j < c; ++j) y[j] = a[j];
+      return;
+    }
+    const T* p = wpe + static_cast<int64_t>(positions[i]) * c;
     for (int64_t j = 0; j < c; ++j) y[j] = a[j] + p[j];
   });
 }
@@ -30,11 +34,10 @@ void EmbeddingBackward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, c
     for (int64_t i = 0; i < n; ++i) {
       const T* dy = dout + i * c;
       T* a = dwte + static_cast<int64_t>(tokens[i]) * c;
+      for (int64_t j = j0; j < j1; ++j) a[j] += dy[j];
+      if (!dwpe) continue;
       T* p = dwpe + static_cast<int64_t>(positions[i]) * c;
-      for (int64_t j = j0; j < j1; ++j) {
-        a[j] += dy[j];
-        p[j] += dy[j];
-      }
+      for (int64_t j = j0; j < j1; ++j) p[j] += dy[j];
     }
   });
 }

@@ -37,8 +37,38 @@ template <typename T>
 void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
                           int64_t n, int64_t c);
 
+// ---- rmsnorm_cpu.cpp -------------------------------------------------------------------------
+// RMSNorm (Llama's, Megatron's --normalization RMSNorm): out(n, c) = inp * rstd * w with
+// rstd = 1 / sqrt(mean(inp^2) + eps) (double statistics) saved for backward. No bias.
+template <typename T>
+void RMSNormForward(T* out, T* rstd, const T* inp, const T* w, int64_t n, int64_t c, double eps);
+template <typename T>
+void RMSNormBackward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, const T* rstd, int64_t n, int64_t c);
+
+// ---- rope_cpu.cpp ----------------------------------------------------------------------------
+// Rotary position embedding (Megatron's non-interleaved rotate-half form) of the query and key
+// heads of a fused QKV buffer (b, t, qkv_width) in AttentionShape's layout, in place: channels
+// [0, rd/2) and [rd/2, rd) of each head rotated by the angle of their pair at the token's place
+// in its sequence; channels from rd on untouched, the value heads untouched.
+// The tables cos/sin (t, rd/2) hold fp32 cos and sin of position * RopeInverseFrequency (op_math.h).
+void RopeTables(float* cos, float* sin, int64_t t, int64_t rd, double base, bool llama3_scaling);
+template <typename T>
+void RopeForward(T* qkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd);
+// The gradient through it (the inverse rotation), in place on dqkv.
+template <typename T>
+void RopeBackward(T* dqkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd);
+
+// ---- swiglu_cpu.cpp --------------------------------------------------------------------------
+// SwiGLU over fc1's rows [gate (f); up (f)] of each token (Megatron's torch.chunk order):
+// out(n, f) = silu(gate) * up.
+template <typename T>
+void SwigluForward(T* out, const T* inp, int64_t n, int64_t f);
+// dinp(n, 2f) is assigned.
+template <typename T>
+void SwigluBackward(T* dinp, const T* inp, const T* dout, int64_t n, int64_t f);
+
 // ---- embedding_cpu.cpp -----------------------------------------------------------------------
-// out(n, c) = wte[tokens[i]] + wpe[positions[i]]
+// out(n, c) = wte[tokens[i]] + wpe[positions[i]]   (wpe, dwpe null: no position embedding)
 template <typename T>
 void EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
                          int64_t c);
@@ -64,14 +94,16 @@ template <typename T>
 void Dropout(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
 
 // ---- attention_cpu.cpp -----------------------------------------------------------------------
-// Causal self-attention over Megatron's fused QKV layout: qkv(b, t, nh, 3, hd) (per head q, k, v).
+// Causal self-attention over Megatron's fused QKV layout: qkv(b, t, qkv_width), per query group
+// its query heads, then its key and value head (multi-head attention: per head q, k, v).
 // out(b, t, nh*hd). probs(b, nh, t, t) receives the softmax (before dropout); attention dropout
 // with probability p uses stream streams[batch] + head (streams may be null when p is 0).
 // AttentionShape is in trainer/op_types.h (shared with the CUDA ops).
 template <typename T>
 void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
                          const uint64_t* streams);
-// dqkv(b, t, 3c) is assigned. scratch: 2 * t * t elements.
+// dqkv(b, t, qkv_width) is assigned (a group's key and value gradients summed over its query
+// heads). scratch: 2 * t * t elements.
 template <typename T>
 void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
                           uint64_t seed, const uint64_t* streams, T* scratch);

@@ -35,8 +35,10 @@ void VocabSliceEmbeddingBackward(float* dwte, float* dwpe, const float* dout, co
     const int64_t j0 = blk * kChannelBlock, j1 = std::min(c, j0 + kChannelBlock);
     for (int64_t i = 0; i < n; ++i) {
       const float* dy = dout + i * c;
-      float* p = dwpe + static_cast<int64_t>(positions[i]) * c;
-      for (int64_t j = j0; j < j1; ++j) p[j] += dy[j];
+      if (dwpe) {
+        float* p = dwpe + static_cast<int64_t>(positions[i]) * c;
+        for (int64_t j = j0; j < j1; ++j) p[j] += dy[j];
+      }
       if (!InSlice(tokens[i], v0, rows)) continue;
       float* a = dwte + (tokens[i] - v0) * c;
       for (int64_t j = j0; j < j1; ++j) a[j] += dy[j];

@@ -1,0 +1,224 @@
+"""Writes the Llama-shaped trainer golden: a small Llama 3.1-style decoder written from the Llama
+papers (Touvron et al. 2023: pre-normalisation with RMSNorm, SwiGLU feed-forward, rotary position
+embeddings; Llama 2: grouped-query attention; Llama 3.1's rope frequency scaling as published with
+its weights) in PyTorch float64 on the CPU, with separate q, k, v, gate, up and down matrices and
+no biases, an untied output layer. The weights and gradients are then stored in Megatron-core's
+fused layout (Megatron's docs: linear_qkv holds per query group its query heads, then its key and
+value head; linear_fc1 holds [gate; up]), which is what ptk must reproduce. Logits, loss, every
+gradient, and the loss of 10 AdamW steps with clipping and Megatron's cosine schedule.
+
+Usage: /usr/bin/python3 tests/support/gen_llama_golden.py [OUT_DIR]
+Writes OUT_DIR/llama.json and OUT_DIR/llama.bin (little-endian float32 / int32).
+"""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+torch.set_default_dtype(torch.float64)
+
+
+def megatron_lr(num_steps, cfg):
+    warm, decay = cfg["warmup_samples"], cfg["decay_samples"]
+    if warm > 0 and num_steps <= warm:
+        return cfg["init_lr"] + (cfg["lr"] - cfg["init_lr"]) * num_steps / warm
+    if num_steps > decay:
+        return cfg["min_lr"]
+    ratio = (num_steps - warm) / (decay - warm)
+    return cfg["min_lr"] + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (cfg["lr"] - cfg["min_lr"])
+
+
+def llama31_inv_freq(dim, base):
+    """theta_i = base^(-2i/dim), then Llama 3.1's scaling: wavelengths above the original context /
+    low_freq_factor slowed by `factor`, below original / high_freq_factor kept, blended between."""
+    factor, low, high, original = 8.0, 1.0, 4.0, 8192.0
+    out = []
+    for i in range(dim // 2):
+        f = base ** (-2.0 * i / dim)
+        wavelen = 2 * math.pi / f
+        if wavelen < original / high:
+            out.append(f)
+        elif wavelen > original / low:
+            out.append(f / factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return torch.tensor(out)
+
+
+def rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rotate(x, cos, sin):
+    """x (B, H, T, hd): pairs (i, i + hd/2) rotated by angle t * theta_i."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Llama(torch.nn.Module):
+    def __init__(self, cfg, weights):
+        super().__init__()
+        self.cfg = cfg
+        self.p = torch.nn.ParameterDict()
+        for name, arr in weights.items():
+            self.p[name.replace(".", "__")] = torch.nn.Parameter(torch.tensor(arr))
+
+    def w(self, name):
+        return self.p[name.replace(".", "__")]
+
+    def forward(self, tokens):
+        c = self.cfg
+        NH, G, hd, eps = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"], c["norm_epsilon"]
+        B, T = tokens.shape
+        theta = llama31_inv_freq(hd, c["rotary_base"])
+        ang = torch.arange(T, dtype=torch.float64)[:, None] * theta[None, :]
+        cos, sin = torch.cos(ang), torch.sin(ang)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        x = self.w("tok_embeddings")[tokens]
+        for l in range(c["num_layers"]):
+            p = f"layers.{l}."
+            h = rms_norm(x, self.w(p + "attention_norm"), eps)
+            q = F.linear(h, self.w(p + "wq")).view(B, T, NH, hd).transpose(1, 2)
+            k = F.linear(h, self.w(p + "wk")).view(B, T, G, hd).transpose(1, 2)
+            v = F.linear(h, self.w(p + "wv")).view(B, T, G, hd).transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            k = k.repeat_interleave(NH // G, dim=1)  # query head j uses key/value head j // (NH/G)
+            v = v.repeat_interleave(NH // G, dim=1)
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+            a = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+            y = (a @ v).transpose(1, 2).reshape(B, T, NH * hd)
+            x = x + F.linear(y, self.w(p + "wo"))
+            h = rms_norm(x, self.w(p + "ffn_norm"), eps)
+            x = x + F.linear(F.silu(F.linear(h, self.w(p + "w_gate"))) * F.linear(h, self.w(p + "w_up")),
+                             self.w(p + "w_down"))
+        x = rms_norm(x, self.w("norm"), eps)
+        return F.linear(x, self.w("output"))
+
+
+def shapes(c):
+    C, Fh, Vp, NH, G, hd = (c["hidden_size"], c["ffn_hidden_size"], c["padded_vocab_size"], c["num_attention_heads"],
+                            c["num_query_groups"], c["kv_channels"])
+    out = [("tok_embeddings", (Vp, C), "w")]
+    for l in range(c["num_layers"]):
+        p = f"layers.{l}."
+        out += [(p + "attention_norm", (C,), "ln"), (p + "wq", (NH * hd, C), "w"), (p + "wk", (G * hd, C), "w"),
+                (p + "wv", (G * hd, C), "w"), (p + "wo", (C, NH * hd), "o"), (p + "ffn_norm", (C,), "ln"),
+                (p + "w_gate", (Fh, C), "w"), (p + "w_up", (Fh, C), "w"), (p + "w_down", (C, Fh), "o")]
+    return out + [("norm", (C,), "ln"), ("output", (Vp, C), "w")]
+
+
+def to_megatron(c, t):
+    """The reference's tensors (dict name -> array) under Megatron-core's names and fused layout."""
+    NH, G, hd = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
+    per = NH // G
+    out = {"embedding.word_embeddings.weight": t["tok_embeddings"]}
+    for l in range(c["num_layers"]):
+        p, m = f"layers.{l}.", f"decoder.layers.{l}."
+        rows = []
+        for g in range(G):  # per query group: its query heads, its key head, its value head
+            rows += [t[p + "wq"][g * per * hd:(g + 1) * per * hd], t[p + "wk"][g * hd:(g + 1) * hd],
+                     t[p + "wv"][g * hd:(g + 1) * hd]]
+        out[m + "input_layernorm.weight"] = t[p + "attention_norm"]
+        out[m + "self_attention.linear_qkv.weight"] = np.concatenate(rows)
+        out[m + "self_attention.linear_proj.weight"] = t[p + "wo"]
+        out[m + "pre_mlp_layernorm.weight"] = t[p + "ffn_norm"]
+        out[m + "mlp.linear_fc1.weight"] = np.concatenate([t[p + "w_gate"], t[p + "w_up"]])
+        out[m + "mlp.linear_fc2.weight"] = t[p + "w_down"]
+    out["decoder.final_layernorm.weight"] = t["norm"]
+    out["output_layer.weight"] = t["output"]
+    return out
+
+
+def generate(out_dir):
+    c = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+             ffn_hidden_size=40, seq_length=16, max_position_embeddings=16, vocab_size=100,
+             make_vocab_size_divisible_by=64, padded_vocab_size=128, norm_epsilon=1e-5, rotary_base=500000.0,
+             micro_batch_size=2, num_micro_batches=2, steps=10, lr=1e-2, min_lr=1e-3, init_lr=0.0,
+             warmup_iters=2, decay_iters=10, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+             clip_grad=1.0)
+    gbs = c["micro_batch_size"] * c["num_micro_batches"]
+    c["global_batch_size"] = gbs
+    c["warmup_samples"], c["decay_samples"] = c["warmup_iters"] * gbs, c["decay_iters"] * gbs
+    rng = np.random.RandomState(4321)
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * c["num_layers"])
+    weights = {}
+    for name, shape, kind in shapes(c):
+        if kind == "w":
+            weights[name] = rng.normal(0, std * 10, shape)  # larger than init: attention far from uniform
+        elif kind == "o":
+            weights[name] = rng.normal(0, out_std * 10, shape)
+        else:
+            weights[name] = 1.0 + rng.normal(0, 0.1, shape)
+    weights = {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}
+    B, T, M, S = c["micro_batch_size"], c["seq_length"], c["num_micro_batches"], c["steps"]
+    tokens = rng.randint(0, c["vocab_size"], size=(S, M, B, T)).astype(np.int32)
+    labels = rng.randint(0, c["vocab_size"], size=(S, M, B, T)).astype(np.int32)
+    loss_mask = (rng.uniform(size=(S, M, B, T)) > 0.1).astype(np.float32)
+
+    model = Llama(c, weights)
+    named = {n: model.w(n) for n, _, _ in shapes(c)}
+    decay = [p for p in named.values() if p.dim() > 1]
+    no_decay = [p for p in named.values() if p.dim() == 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=0.0, betas=(c["adam_beta1"], c["adam_beta2"]), eps=c["adam_eps"])
+    tensors, steps = {}, []
+    for s in range(S):
+        opt.zero_grad()
+        loss_sum, tok_sum = 0.0, 0.0
+        for m in range(M):
+            logits = model(torch.tensor(tokens[s, m], dtype=torch.long))
+            lb = torch.tensor(labels[s, m], dtype=torch.long)
+            mask = torch.tensor(loss_mask[s, m], dtype=torch.float64)
+            losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), lb.view(-1), reduction="none")
+            ls = (losses * mask.view(-1)).sum()
+            (ls / mask.sum() / M).backward()
+            loss_sum += ls.item()
+            tok_sum += mask.sum().item()
+            if s == 0 and m == 0:
+                tensors["logits"] = logits.detach().numpy().astype(np.float32)
+                first_loss = (ls / mask.sum()).item()
+        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in named.values())).item()
+        if s == 0:
+            grads = to_megatron(c, {n: p.grad.numpy() for n, p in named.items()})
+            for n, g in grads.items():
+                tensors["grad:" + n] = g.astype(np.float32)
+        torch.nn.utils.clip_grad_norm_(list(named.values()), c["clip_grad"])
+        lr = megatron_lr(s * gbs, c)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        steps.append({"lm_loss": loss_sum / tok_sum, "grad_norm": norm, "lr": lr})
+    for n, w in to_megatron(c, weights).items():
+        tensors["init:" + n] = w.astype(np.float32)
+    for n, w in to_megatron(c, {n: p.detach().numpy() for n, p in named.items()}).items():
+        tensors["final:" + n] = w.astype(np.float32)
+    tensors["tokens"], tensors["labels"], tensors["loss_mask"] = tokens, labels, loss_mask
+
+    directory, blob, off = {}, bytearray(), 0
+    for k, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        dtype = "int32" if arr.dtype == np.int32 else "float32"
+        data = arr.astype("<i4" if dtype == "int32" else "<f4").tobytes()
+        directory[k] = {"offset": off, "shape": list(arr.shape), "dtype": dtype}
+        blob += data
+        off += len(data)
+    meta = {"generator": "tests/support/gen_llama_golden.py", "torch": torch.__version__, "config": c,
+            "first_micro_batch_loss": first_loss, "steps": steps, "tensors": directory}
+    with open(os.path.join(out_dir, "llama.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(os.path.join(out_dir, "llama.bin"), "wb") as f:
+        f.write(blob)
+    print("llama loss", first_loss, "steps", [round(s["lm_loss"], 4) for s in steps])
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "data", "trainer")
+    os.makedirs(out, exist_ok=True)
+    generate(out)

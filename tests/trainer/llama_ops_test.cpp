@@ -1,0 +1,169 @@
+// The Llama line's CPU ops: RMSNorm, rotary embedding, SwiGLU and grouped-query attention,
+// backward against central finite differences in double precision, and their values against
+// independent definitions (transformers' Llama 3.1 frequencies, multi-head attention with the key
+// and value heads repeated).
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "trainer/cpu/ops_cpu.h"
+#include "trainer/op_math.h"
+
+namespace ptk {
+namespace {
+
+std::vector<double> Random(size_t n, uint32_t seed, double scale = 1.0) {
+  std::mt19937 g(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = d(g);
+  return v;
+}
+
+double Dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+void CheckGradient(std::vector<double>& x, const std::vector<double>& analytic,
+                   const std::function<double()>& objective, const std::string& what, double tol = 1e-6) {
+  const double h = 1e-5;
+  double max_err = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double keep = x[i];
+    x[i] = keep + h;
+    const double up = objective();
+    x[i] = keep - h;
+    const double down = objective();
+    x[i] = keep;
+    const double numeric = (up - down) / (2 * h);
+    max_err = std::max(max_err, std::abs(numeric - analytic[i]) / std::max(1.0, std::abs(numeric)));
+  }
+  EXPECT_LE(max_err, tol) << what;
+}
+
+TEST(LlamaOps, RMSNormGradientsAndValues) {
+  const int64_t n = 70, c = 9;  // more rows than one fixed block
+  auto x = Random(n * c, 5), w = Random(c, 6), r = Random(n * c, 8);
+  std::vector<double> out(n * c), rstd(n);
+  auto objective = [&] {
+    cpu::RMSNormForward(out.data(), rstd.data(), x.data(), w.data(), n, c, 1e-5);
+    return Dot(out, r);
+  };
+  objective();
+  double ss = 0;  // row 3 by the definition
+  for (int64_t j = 0; j < c; ++j) ss += x[3 * c + j] * x[3 * c + j];
+  for (int64_t j = 0; j < c; ++j) EXPECT_NEAR(out[3 * c + j], x[3 * c + j] / std::sqrt(ss / c + 1e-5) * w[j], 1e-12);
+  std::vector<double> dx(n * c, 0), dw(c, 0);
+  cpu::RMSNormBackward(dx.data(), dw.data(), r.data(), x.data(), w.data(), rstd.data(), n, c);
+  CheckGradient(x, dx, objective, "dinp");
+  CheckGradient(w, dw, objective, "dw");
+}
+
+TEST(LlamaOps, Llama31FrequenciesAreTransformers) {
+  // transformers 4.44.2 _compute_llama3_parameters (fp32), head dimension 128, rope_theta 500000.
+  const std::pair<int, double> want[] = {{0, 1.0},
+                                         {20, 0.016560440883040428},
+                                         {30, 0.0013718936825171113},
+                                         {40, 3.428102354519069e-05},
+                                         {63, 3.068925877869333e-07}};
+  for (auto [i, f] : want) EXPECT_NEAR(RopeInverseFrequency(i, 128, 500000.0, true), f, 2e-6 * f) << i;
+  EXPECT_NEAR(RopeInverseFrequency(1, 4, 10000.0, false), 0.01, 1e-9);  // 10000^(-2/4)
+}
+
+AttentionShape Gqa() { return AttentionShape{2, 5, 4, 6, 2}; }  // 4 query heads in 2 groups
+
+TEST(LlamaOps, RopeRotatesQueriesAndKeysOnly) {
+  const AttentionShape s = Gqa();
+  const int64_t rd = 4, half = rd / 2;  // rotary_percent 2/3 of head dim 6
+  std::vector<float> cos(s.t * half), sin(s.t * half);
+  cpu::RopeTables(cos.data(), sin.data(), s.t, rd, 10000.0, false);
+  auto x = Random(s.b * s.t * s.qkv_width(), 20), r = Random(x.size(), 21);
+  const std::vector<double> x0 = x;
+  std::vector<double> y;
+  auto objective = [&] {
+    y = x;
+    cpu::RopeForward(y.data(), cos.data(), sin.data(), s, rd);
+    return Dot(y, r);
+  };
+  objective();
+  const int64_t per = s.nh / s.groups();
+  for (int64_t row = 0; row < s.b * s.t; ++row) {
+    const int64_t pos = row % s.t;
+    for (int64_t g = 0; g < s.groups(); ++g)
+      for (int64_t h = 0; h < per + 2; ++h)
+        for (int64_t j = 0; j < s.hd; ++j) {
+          const int64_t at = row * s.qkv_width() + (g * (per + 2) + h) * s.hd;
+          double want = x0[at + j];
+          if (h <= per && j < rd) {  // queries and the key, rotated channels
+            const int64_t i = j % half;
+            const double a = pos * std::pow(10000.0, -2.0 * i / rd);
+            want = j < half ? x0[at + j] * std::cos(a) - x0[at + j + half] * std::sin(a)
+                            : x0[at + j] * std::cos(a) + x0[at + j - half] * std::sin(a);
+          }
+          EXPECT_NEAR(y[at + j], want, 1e-6) << "row " << row << " group " << g << " head " << h << " ch " << j;
+        }
+  }
+  std::vector<double> dx = r;
+  cpu::RopeBackward(dx.data(), cos.data(), sin.data(), s, rd);
+  CheckGradient(x, dx, objective, "dqkv");
+}
+
+TEST(LlamaOps, SwigluGradientsAndValues) {
+  const int64_t n = 7, f = 5;
+  auto x = Random(n * 2 * f, 30, 2.0), r = Random(n * f, 31);
+  std::vector<double> out(n * f);
+  auto objective = [&] {
+    cpu::SwigluForward(out.data(), x.data(), n, f);
+    return Dot(out, r);
+  };
+  objective();
+  const double g = x[2 * f + 1], u = x[2 * f + f + 1];  // row 1, column 1: gate then up
+  EXPECT_NEAR(out[f + 1], g / (1 + std::exp(-g)) * u, 1e-12);
+  std::vector<double> dx(n * 2 * f);
+  cpu::SwigluBackward(dx.data(), x.data(), r.data(), n, f);
+  CheckGradient(x, dx, objective, "dinp");
+}
+
+void CheckGqa(double p) {
+  const AttentionShape s = Gqa();
+  auto qkv = Random(s.b * s.t * s.qkv_width(), 40), r = Random(s.b * s.t * s.nh * s.hd, 41);
+  std::vector<uint64_t> streams = {DropoutStream(11, 0, 3), DropoutStream(12, 0, 3)};
+  std::vector<double> out(s.b * s.t * s.nh * s.hd), probs(s.b * s.nh * s.t * s.t);
+  auto objective = [&] {
+    cpu::AttentionForward(out.data(), probs.data(), qkv.data(), s, p, 42, streams.data());
+    return Dot(out, r);
+  };
+  objective();
+  // Multi-head attention over the same queries with each group's key and value repeated for its
+  // query heads gives the same output.
+  const AttentionShape mha{s.b, s.t, s.nh, s.hd};
+  const int64_t per = s.nh / s.groups();
+  std::vector<double> wide(s.b * s.t * mha.qkv_width());
+  for (int64_t row = 0; row < s.b * s.t; ++row)
+    for (int64_t h = 0; h < s.nh; ++h) {
+      const int64_t g = h / per, src = row * s.qkv_width() + g * (per + 2) * s.hd;
+      for (int64_t j = 0; j < s.hd; ++j) {
+        double* dst = wide.data() + row * mha.qkv_width() + h * 3 * s.hd;
+        dst[j] = qkv[src + (h % per) * s.hd + j];
+        dst[s.hd + j] = qkv[src + per * s.hd + j];
+        dst[2 * s.hd + j] = qkv[src + (per + 1) * s.hd + j];
+      }
+    }
+  std::vector<double> out_mha(out.size()), probs_mha(probs.size());
+  cpu::AttentionForward(out_mha.data(), probs_mha.data(), wide.data(), mha, p, 42, streams.data());
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], out_mha[i], 1e-12) << i;
+  std::vector<double> dqkv(qkv.size()), scratch(2 * s.t * s.t);
+  cpu::AttentionBackward(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 42, streams.data(), scratch.data());
+  CheckGradient(qkv, dqkv, objective, "dqkv");
+}
+
+TEST(LlamaOps, GroupedQueryAttentionGradients) { CheckGqa(0.0); }
+TEST(LlamaOps, GroupedQueryAttentionGradientsWithDropout) { CheckGqa(0.3); }
+
+}  // namespace
+}  // namespace ptk

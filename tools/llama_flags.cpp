@@ -1,0 +1,66 @@
+// ptk-train's flags of Megatron's Llama line (RMSNorm, rotary embeddings, SwiGLU, grouped-query
+// attention, bias-free layers): declared with AddLlamaFlags, turned into the model's settings by
+// ResolveLlamaFlags (Megatron's defaults and conventions, usage errors naming the flag).
+#include <fmt/core.h>
+
+#include "common/cli.h"
+#include "tools/train_flags.h"
+#include "trainer/backend.h"
+
+namespace ptk {
+
+void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
+  GPTConfig& m = f->options.model;
+  app->add_option("--position-embedding-type", f->position_embedding_type,
+                  "learned_absolute (GPT-3's), rope (rotary, Llama's) or none");
+  app->add_flag("--use-rotary-position-embeddings", f->use_rotary_position_embeddings,
+                "Megatron's older spelling of --position-embedding-type rope");
+  app->add_flag("--no-position-embedding", f->no_position_embedding,
+                "No learned position table (Megatron's older spelling of --position-embedding-type none)");
+  app->add_option("--normalization", f->normalization, "LayerNorm (GPT-3's) or RMSNorm (Llama's)");
+  app->add_option("--rotary-base", m.rotary_base, "RoPE's base (theta; Megatron's default 10000)");
+  app->add_option("--rotary-percent", m.rotary_percent, "Share of each head's channels RoPE rotates, in (0, 1]");
+  app->add_flag("--use-rope-scaling", m.use_rope_scaling,
+                "Llama 3.1's RoPE frequency scaling (factor 8, low/high frequency factors 1/4, original context 8192)");
+  app->add_flag("--swiglu", m.swiglu,
+                "SwiGLU MLP: fc1 gives [gate; up] (2 x --ffn-hidden-size rows), fc2 takes silu(gate) * up");
+  app->add_flag("--group-query-attention", f->group_query_attention,
+                "Grouped-query attention: --num-query-groups key/value heads, each shared by a group of query heads");
+  app->add_option("--num-query-groups", f->num_query_groups,
+                  "Key/value heads with --group-query-attention (Megatron's default 1)");
+  app->add_flag("--disable-bias-linear", f->disable_bias_linear, "Linear layers without biases (Llama's)");
+  app->add_flag("--add-qkv-bias", m.add_qkv_bias, "A QKV bias even with --disable-bias-linear (Qwen's)");
+}
+
+absl::Status ResolveLlamaFlags(const TrainFlags& f, Device device, int64_t tp, GPTConfig* m) {
+  if (f.normalization == "LayerNorm")
+    m->normalization = Normalization::kLayerNorm;
+  else if (f.normalization == "RMSNorm")
+    m->normalization = Normalization::kRMSNorm;
+  else
+    return UsageError("--normalization " + f.normalization + ": ptk has LayerNorm and RMSNorm");
+  std::string type = f.use_rotary_position_embeddings ? "rope" : f.position_embedding_type;
+  if (f.no_position_embedding && type != "rope") type = "none";  // Megatron's validate_args
+  if (type == "learned_absolute")
+    m->position_embedding = PositionEmbedding::kLearnedAbsolute;
+  else if (type == "rope")
+    m->position_embedding = PositionEmbedding::kRope;
+  else if (type == "none")
+    m->position_embedding = PositionEmbedding::kNone;
+  else
+    return UsageError("--position-embedding-type " + type + ": ptk has learned_absolute, rope and none");
+  m->kv_channels = f.kv_channels;
+  // Megatron: without --group-query-attention every query head has its key and value head.
+  m->num_query_groups = f.group_query_attention ? f.num_query_groups : 0;
+  m->add_bias_linear = !f.disable_bias_linear;
+  // Megatron's default for SwiGLU: two thirds of 4h (the parameters of a 4h GELU MLP), down to a
+  // multiple of 64.
+  if (m->ffn_hidden_size == 0 && m->swiglu) m->ffn_hidden_size = (4 * m->hidden_size * 2 / 3) / 64 * 64;
+  if (tp > 1 && m->query_groups() % tp != 0)
+    return UsageError(fmt::format("--num-query-groups {} is not divisible by --tensor-model-parallel-size {}",
+                                  m->query_groups(), tp));
+  if (device == Device::kCuda && !m->gpt3()) return UsageError(std::string("--device cuda: ") + kCudaLlamaMissing);
+  return absl::OkStatus();
+}
+
+}  // namespace ptk
