@@ -103,8 +103,13 @@ int main(int argc, char** argv) {
         options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
       }
       // Megatron's rank order: tensor ranks adjacent, then data (WORLD_SIZE = T x data ranks).
-      PTK_ASSIGN_OR_RETURN(layout,
-                           ptk::ParallelLayout::Create(ranks.world_size, options.tensor_model_parallel_size, 1));
+      auto made = ptk::ParallelLayout::Create(ranks.world_size, options.tensor_model_parallel_size, 1);
+      if (!made.ok())  // named by the flag and the launch, which the library does not know
+        return ptk::UsageError(fmt::format(
+            "--tensor-model-parallel-size {}: {}; start a multiple of {} ranks ({})", options.tensor_model_parallel_size,
+            ptk::StatusMessage(made.status()), options.tensor_model_parallel_size,
+            ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
+      layout = *std::move(made);
       // Every check between settings, before any rank waits for another.
       return ptk::PlanTraining(options, layout->data_size());
     }();

@@ -560,46 +560,4 @@ absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
   return header;
 }
 
-absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointSettings(const std::string& load,
-                                                                                        int64_t iteration) {
-  const std::string file = CheckpointFile(load, iteration);
-  auto corrupt = [&](const std::string& why) {
-    return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
-  };
-  absl::StatusOr<std::string> header = ReadCheckpointHeaderText(file);
-  if (absl::IsNotFound(header.status()))
-    return absl::NotFoundError(fmt::format("{}: cannot open (the tracker names iteration {})", file, iteration));
-  PTK_RETURN_IF_ERROR(header.status());
-  simdjson::dom::parser parser;
-  simdjson::dom::element h;
-  if (parser.parse(*header).get(h)) return corrupt("header is not JSON");
-  std::vector<std::pair<std::string, std::string>> out;
-  simdjson::dom::array settings;
-  if (!h["settings"].get(settings)) {
-    for (simdjson::dom::element pair : settings) {
-      simdjson::dom::array kv;
-      std::string_view name, value;
-      if (pair.get(kv) || kv.size() != 2 || kv.at(0).get(name) || kv.at(1).get(value))
-        return corrupt("malformed settings in the header");
-      out.emplace_back(std::string(name), std::string(value));
-    }
-    if (!out.empty()) return out;
-  }
-  simdjson::dom::object model;
-  if (h["model"].get(model)) return corrupt("header misses the model");
-  const std::pair<const char*, const char*> names[] = {{"num_layers", "--num-layers"},
-                                                       {"hidden_size", "--hidden-size"},
-                                                       {"num_attention_heads", "--num-attention-heads"},
-                                                       {"ffn_hidden_size", "--ffn-hidden-size"},
-                                                       {"max_position_embeddings", "--max-position-embeddings"}};
-  for (const auto& [key, flag] : names) {
-    int64_t v = 0;
-    if (!model[key].get(v)) out.emplace_back(flag, std::to_string(v));
-  }
-  bool untie = false;
-  if (!model["untie_embeddings_and_output_weights"].get(untie))
-    out.emplace_back("--untie-embeddings-and-output-weights", untie ? "on" : "off");
-  return out;
-}
-
 }  // namespace ptk
