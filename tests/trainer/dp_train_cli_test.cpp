@@ -13,6 +13,7 @@
 
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/test_util.h"
+#include "tests/trainer/test_ports.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -44,8 +45,7 @@ class DataParallelCli : public ::testing::Test {
   // `world` ranks of `cmd` (rank 0 in the foreground); the output is rank 0's, then one line with
   // every rank's exit code ("rc=0 0 0").
   ptk::testing::CommandResult Ranks(int world, const std::string& cmd) {
-    static int calls = 0;
-    const std::string port = std::to_string(22000 + (::getpid() * 7 + 13 * calls++) % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     std::string script =
         "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
     for (int r = 1; r < world; ++r)
@@ -174,8 +174,7 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
       {"STOP", 0, 30, "rank 0 (which serves the rendezvous) does not answer: it exited or hangs"},
   };
   for (const Fault& f : faults) {
-    static int calls = 0;
-    const std::string port = std::to_string(24000 + (::getpid() * 3 + 17 * calls++) % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     std::string script = "export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
     // The previous fault's logs go first: a background rank truncates its log only once it runs, so
     // the wait below could otherwise find the last case's 'training' line and signal a rank that has
@@ -212,7 +211,7 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
 TEST_F(DataParallelCli, ASignalToOneRankSavesTheSameIterationOnAll) {
   const std::string cmd = Train(
       "--use-distributed-optimizer --exit-signal-handler --eval-iters 0 --save " + ShellQuote(dir_ / "sig"), 100000);
-  const std::string port = std::to_string(25000 + ::getpid() % 20000);
+  const std::string port = std::to_string(testing::FreeTestPort());
   auto r = RunCmd("bash -c " +
                   ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd +
                              " > " + ShellQuote(dir_ / "r1.log") + " 2>&1 & p1=$!; RANK=0 " + cmd + " > " +
@@ -265,8 +264,7 @@ TEST_F(DataParallelCli, ARankFailingItsOwnChecksEndsEveryRankNamingIt) {
   const std::string h = host.substr(0, host.find('\n'));
   for (int victim : {1, 0}) {
     SCOPED_TRACE("victim rank " + std::to_string(victim));
-    static int calls = 0;
-    const std::string port = std::to_string(26000 + (::getpid() * 5 + 11 * calls++) % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     std::string script = "export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
     // The previous fault's logs go first: a background rank truncates its log only once it runs, so
     // the wait below could otherwise find the last case's 'training' line and signal a rank that has
@@ -291,7 +289,7 @@ TEST_F(DataParallelCli, ARankFailingItsOwnChecksEndsEveryRankNamingIt) {
 TEST_F(DataParallelCli, RanksMustAgreeOnTheDistributedOptimizer) {
   const std::string cmd = Train("", 2);
   auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-                                          std::to_string(23000 + ::getpid() % 20000) + "; RANK=1 " + cmd +
+                                          std::to_string(testing::FreeTestPort()) + "; RANK=1 " + cmd +
                                           " --use-distributed-optimizer > /dev/null 2>&1 & RANK=0 " + cmd +
                                           "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
   EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output;

@@ -12,15 +12,13 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/trainer/test_ports.h"
 #include "trainer/comm_gloo.h"
 
 namespace ptk::testing {
 
-// A port per call and process (tests of one binary run one after another).
-inline int NextPort() {
-  static std::atomic<int> n{0};
-  return 21000 + static_cast<int>(::getpid() % 15000) + 37 * n.fetch_add(1) % 4000;
-}
+// A port per call, below the ephemeral range and free when picked (test_ports.h).
+inline int NextPort() { return FreeTestPort(); }
 
 inline void RunRanks(int world, const std::function<void(Communicator*, int)>& body,
                      std::chrono::milliseconds timeout = std::chrono::seconds(60)) {

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tests/trainer/test_ports.h"
 #include "tests/trainer/train_cli_support.h"
 
 namespace ptk {
@@ -47,8 +48,7 @@ class TensorParallelCli : public ::testing::Test {
   // `world` ranks of `cmd` (rank 0 in the foreground); the output is rank 0's, then one line with
   // every rank's exit code ("rc=0 0 0").
   ptk::testing::CommandResult Ranks(int world, const std::string& cmd) {
-    static int calls = 0;
-    const std::string port = std::to_string(23000 + (::getpid() * 11 + 17 * calls++) % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     std::string script =
         "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
     for (int r = 1; r < world; ++r)

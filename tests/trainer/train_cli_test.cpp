@@ -19,6 +19,7 @@
 
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/test_util.h"
+#include "tests/trainer/test_ports.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 #include "trainer/training.h"
@@ -275,7 +276,7 @@ TEST_F(TrainCli, ExitDurationSavesAndStops) {
   EXPECT_LT(*it, 100000);
 }
 
-std::string Port() { return std::to_string(20000 + ::getpid() % 20000); }
+std::string Port() { return std::to_string(testing::FreeTestPort()); }
 
 TEST_F(TrainCli, TwoRanksEqualOneRank) {
   ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "one") + " --threads 1")).exit_code, 0);
