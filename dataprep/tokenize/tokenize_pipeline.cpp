@@ -19,6 +19,7 @@
 
 #include "common/happens_before.h"
 #include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/progress.h"
 #include "common/status.h"
 #include "dataprep/tokenize/tokenize_stages.h"
@@ -64,6 +65,13 @@ std::optional<TokenizeStats> UpToDateOutputs(const TokenizeOptions& opt, const G
       if (const std::string why = RerunReason(prefix, source); !why.empty()) log::Info("{}", why);
   }
   if (!done.up_to_date) return std::nullopt;
+  // A writer killed after the outputs were complete (a second run that took the lock just before
+  // its kill) leaves its lock file; nobody holds it, so taking and dropping the lock removes it.
+  // One a live writer holds stays (Acquire fails at once, and that is fine here).
+  for (const std::string& prefix : done.outputs) {
+    struct stat st;
+    if (::stat((prefix + OutputLock::kSuffix).c_str(), &st) == 0) (void)OutputLock::Acquire(prefix);
+  }
   return done;
 }
 

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "common/hash.h"
+#include "common/output_lock.h"
 #include "tests/dataprep/compress_util.h"
 #include "tests/test_util.h"
 
@@ -132,6 +133,32 @@ TEST(ConcurrentRuns, ExtractSameOutput) {
     ASSERT_EQ(testing::ReadFile(dir / "out/big.jsonl"), text) << when;
   });
   EXPECT_GT(t.killed, 0);
+}
+
+// A run killed just after it took the lock of outputs another run had completed leaves the lock
+// file, which nobody holds: the next run finds the outputs up to date and removes it (it failed
+// TokenizeSamePrefix once in CI: 'ds_text_document.ptk-lock' left after the rerun). A lock a live
+// run holds stays.
+TEST(ConcurrentRuns, TokenizeRerunRemovesAStaleLock) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "out");
+  testing::WriteFile(dir / "in.jsonl", Docs(200, 3));
+  const std::string tok = fmt::format("{} --quiet --input {} --output-prefix {} --workers 1 --append-eod",
+                                      testing::Tool("ptk-tokenize"), dir / "in.jsonl", dir / "out/ds");
+  ASSERT_EQ(RunCmd(tok).exit_code, 0);
+  const std::string lock = dir / "out/ds_text_document.ptk-lock";
+  testing::WriteFile(lock, "ptk-tokenize pid 999999 (killed)\n");
+  auto r = RunCmd(tok);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+  {
+    auto held = OutputLock::Acquire(dir / "out/ds_text_document");
+    ASSERT_TRUE(held.ok()) << held.status();
+    auto again = RunCmd(tok);
+    EXPECT_EQ(again.exit_code, 0) << again.output;  // up to date: nothing to write, nothing to wait for
+    EXPECT_TRUE(std::filesystem::exists(lock)) << "a held lock was removed";
+  }
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
 }
 
 TEST(ConcurrentRuns, TokenizeSamePrefix) {
