@@ -23,6 +23,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -60,11 +61,23 @@ def fail(msg, sim=None):
 
 
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    """A port for the rendezvous below the kernel's ephemeral range (the ranks' own gloo connections
+    and every other test's take ports from that range, and one could hold this port when a rank 0
+    binds it, across the several jobs that reuse it), free when picked."""
+    try:
+        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    rng = random.Random(os.getpid())
+    for _ in range(500):
+        p = rng.randrange(10000, max(lo, 12000))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", p))
+                return p
+            except OSError:
+                continue
+    sys.exit("FAIL: no free port below the ephemeral range")
 
 
 def sha(path):
