@@ -194,27 +194,30 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
     v.assign(static_cast<size_t>(count), std::vector<float>(static_cast<size_t>(size)));
   };
-  per_layer(a.resid, L + 1, n * c);
-  per_layer(a.resid_mid, L, n * c);
-  per_layer(a.ln1, L, n * c);
-  per_layer(a.ln1_mean, L, n);
-  per_layer(a.ln1_rstd, L, n);
+  // The sequence-parallel region (the residual stream, the norms and their statistics) holds this
+  // rank's rows only under sequence parallelism: b x t/T of them.
+  const int64_t rows = sequence_parallel_ ? n / T : n;
+  per_layer(a.resid, L + 1, rows * c);
+  per_layer(a.resid_mid, L, rows * c);
+  per_layer(a.ln1, L, rows * c);
+  per_layer(a.ln1_mean, L, rows);
+  per_layer(a.ln1_rstd, L, rows);
   per_layer(a.qkv, L, n * qkv);
   per_layer(a.probs, cf.recompute_activations ? 1 : L, probs);
   per_layer(a.atty, L, n * ct);
-  per_layer(a.ln2, L, n * c);
-  per_layer(a.ln2_mean, L, n);
-  per_layer(a.ln2_rstd, L, n);
+  per_layer(a.ln2, L, rows * c);
+  per_layer(a.ln2_mean, L, rows);
+  per_layer(a.ln2_rstd, L, rows);
   per_layer(a.fc1, L, n * f1);
   per_layer(a.gelu, L, n * f);
-  a.lnf.assign(n * c, 0.0f);
-  a.lnf_mean.assign(n, 0.0f);
-  a.lnf_rstd.assign(n, 0.0f);
+  a.lnf.assign(rows * c, 0.0f);
+  a.lnf_mean.assign(rows, 0.0f);
+  a.lnf_rstd.assign(rows, 0.0f);
   a.logits.assign(n * vp, 0.0f);
   a.losses.assign(n, 0.0f);
   a.dloss.assign(n, 0.0f);
   a.tmp.assign(n * c, 0.0f);
-  a.dresid.assign(n * c, 0.0f);
+  a.dresid.assign(rows * c, 0.0f);
   a.dtmp.assign(n * c, 0.0f);
   a.dln.assign(n * c, 0.0f);
   a.dff.assign(n * f1, 0.0f);
@@ -230,13 +233,28 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   a.datt.assign(n * ct, 0.0f);
   a.scratch.assign(2 * batch.t * batch.t, 0.0f);
   if (sequence_parallel_) {
-    a.sp_local.assign(n * c, 0.0f);
+    a.sp_local.assign(rows * c, 0.0f);
     a.sp_buf.assign(n * c, 0.0f);
+    a.sp_whole.assign(n * c, 0.0f);
     a.ln_grads.assign(2 * c, 0.0f);
   }
   a.targets.assign(n, 0);
   a.streams.assign(batch.b, 0);
   return absl::OkStatus();
+}
+
+int64_t CpuGPTModel::ActivationFloats() const {
+  const Activations& a = *act_;
+  int64_t floats = 0;
+  for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.probs, &a.atty,
+                             &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
+    for (const std::vector<float>& v : *layers) floats += static_cast<int64_t>(v.size());
+  for (const auto* v :
+       {&a.lnf,     &a.dact,      &a.rope_cos, &a.rope_sin, &a.lnf_mean, &a.lnf_rstd, &a.logits, &a.losses,
+        &a.dloss,   &a.tmp,       &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,      &a.dqkv,   &a.datt,
+        &a.scratch, &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads})
+    floats += static_cast<int64_t>(v->size());
+  return floats;
 }
 
 namespace {

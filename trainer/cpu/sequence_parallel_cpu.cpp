@@ -1,10 +1,12 @@
 // Megatron's sequence parallelism on the CPU model (--sequence-parallel with tensor parallelism):
 // each tensor rank holds positions [r·t/T, (r+1)·t/T) of every sample for the LayerNorms, dropout
-// and the residual stream; their LayerNorm outputs are all-gathered before the column-parallel
-// products (QKV, fc1, the output layer), and the row-parallel products' partial outputs (proj,
-// fc2, the vocabulary-parallel embedding) are reduce-scattered instead of all-reduced. Backward
-// mirrors it (an all-gather's gradient is a reduce-scatter and the reverse); the LayerNorms'
-// gradients, computed on this rank's rows, are summed over the tensor group. Dropout masks keep
+// and the residual stream, and keeps only those rows of them for backward (the activations of
+// these regions are 1/T of one rank's); their LayerNorm outputs are all-gathered into one transient
+// buffer before the column-parallel products (QKV, fc1, the output layer), and again in backward
+// for the products' weight gradients, as Megatron does, and the row-parallel products' partial
+// outputs (proj, fc2, the vocabulary-parallel embedding) are reduce-scattered instead of
+// all-reduced. Backward mirrors it (an all-gather's gradient is a reduce-scatter and the reverse);
+// the LayerNorms' gradients, computed on this rank's rows, are summed over the tensor group. Dropout masks keep
 // their global index (sample, position, channel), so the masks are one rank's.
 #include <algorithm>
 #include <cstring>
@@ -99,6 +101,7 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
   const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim()};
   const float* P = params_.data();
   float* loc = a.sp_local.data();
+  float* whole = a.sp_whole.data();  // a norm's output gathered for the product that follows it
 
   // Embedding: each rank its vocabulary rows, reduce-scattered to this rank's positions, then the
   // position embeddings of those.
@@ -114,10 +117,10 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
   DropoutLocal(x, batch, r, c, hp, seed, L, kEmbeddingDropout);
   for (int64_t l = 0; l < L; ++l) {
     const LayerParams& lp = layout_.layers[l];
-    cpu::LayerNormForward(loc, a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
+    cpu::LayerNormForward(a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
                           P + lp.ln1_b, nl, c, cf.layernorm_epsilon);
-    PTK_RETURN_IF_ERROR(GatherRows(loc, a.ln1[l].data(), batch, c));
-    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * ct);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
+    cpu::MatmulForward(a.qkv[l].data(), whole, P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * ct);
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), l, kAttentionProbs) +
@@ -129,10 +132,10 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     AddBiasRows(loc, P + lp.proj_b, nl, c);
     DropoutLocal(loc, batch, r, c, hp, seed, l, kAttentionOutDropout);
     for (int64_t i = 0; i < nl * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + loc[i];
-    cpu::LayerNormForward(loc, a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P + lp.ln2_w,
-                          P + lp.ln2_b, nl, c, cf.layernorm_epsilon);
-    PTK_RETURN_IF_ERROR(GatherRows(loc, a.ln2[l].data(), batch, c));
-    cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
+    cpu::LayerNormForward(a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(),
+                          P + lp.ln2_w, P + lp.ln2_b, nl, c, cf.layernorm_epsilon);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
+    cpu::MatmulForward(a.fc1[l].data(), whole, P + lp.fc1_w, P + lp.fc1_b, n, c, f);
     cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
     cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, static_cast<const float*>(nullptr), n, f, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
@@ -140,10 +143,10 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     DropoutLocal(loc, batch, r, c, hp, seed, l, kMlpOutDropout);
     for (int64_t i = 0; i < nl * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + loc[i];
   }
-  cpu::LayerNormForward(loc, a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[L].data(), P + layout_.lnf_w,
+  cpu::LayerNormForward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[L].data(), P + layout_.lnf_w,
                         P + layout_.lnf_b, nl, c, cf.layernorm_epsilon);
-  PTK_RETURN_IF_ERROR(GatherRows(loc, a.lnf.data(), batch, c));
-  cpu::MatmulForward(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
+  PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
+  cpu::MatmulForward(a.logits.data(), whole, P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
   return absl::OkStatus();
 }
 
@@ -158,10 +161,12 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
   const float* P = params_.data();
   float* G = grads_.data();
   float* loc = a.sp_local.data();
-  float* dresid = a.dresid.data();  // this rank's rows (nl of them)
+  float* whole = a.sp_whole.data();  // a norm's output gathered again for its product's weight gradient
+  float* dresid = a.dresid.data();   // this rank's rows (nl of them)
 
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
+  PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
+  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), whole,
                       P + layout_.out_w, n, c, vp);
   PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
   std::fill(dresid, dresid + nl * c, 0.0f);
@@ -179,7 +184,8 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
                         c);
     cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
+    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), whole, P + lp.fc1_w, n, c, f);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln2_w, lp.ln2_b, loc, a.resid_mid[l].data(),
                                               a.ln2_mean[l].data(), a.ln2_rstd[l].data(), nl));
@@ -200,8 +206,8 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
                            a.scratch.data());
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
-                        3 * ct);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
+    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), whole, P + lp.qkv_w, n, c, 3 * ct);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln1_w, lp.ln1_b, loc, a.resid[l].data(), a.ln1_mean[l].data(),
                                               a.ln1_rstd[l].data(), nl));
