@@ -1,8 +1,8 @@
 // The Hub resolver limiter: what a response says is left of the window, less the resolves still in
 // flight.
+#include <gtest/gtest.h>
 #include <atomic>
 #include <chrono>
-#include <gtest/gtest.h>
 #include "dataprep/download/download_internal.h"
 
 namespace ptk::download_detail {
