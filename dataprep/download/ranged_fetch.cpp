@@ -337,8 +337,7 @@ class RangedFetch {
       const bool hub = d_.IsHub(url);
       RateLimiter::InFlight resolve;
       if (hub && f_.url.empty()) {
-        PTK_RETURN_IF_ERROR(
-            s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s, &resolve));
+        PTK_RETURN_IF_ERROR(s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s, &resolve));
         ++s_.resolves;
       }
       uint64_t from, end;

@@ -14,8 +14,8 @@ struct CpuGPTModel::Activations {
   // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
   std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean, ln2_rstd,
       fc1, gelu;
-  std::vector<float> lnf, dact, rope_cos, rope_sin, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln, dff, dqkv, datt, scratch,
-      xent_work, sp_local, sp_buf,
+  std::vector<float> lnf, dact, rope_cos, rope_sin, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln,
+      dff, dqkv, datt, scratch, xent_work, sp_local, sp_buf,
       ln_grads;  // sequence parallelism: this rank's rows, a permutation's buffer, LayerNorm grads
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;

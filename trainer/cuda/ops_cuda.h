@@ -193,8 +193,8 @@ absl::Status AdamW(float* p, const float* g, float* m, float* v, int64_t n, cons
 // p_compute[i]. The same bits as Scale then AdamW piece by piece.
 struct AdamWChunk;
 template <typename T>
-absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift, const float* g,
-                        float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
+absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift,
+                        const float* g, float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
                         const AdamWParams& decay, const AdamWParams& no_decay, const CudaContext& ctx);
 // Sum of squares in double over fixed blocks, written to *out (device memory). partials:
 // SumSquaresPartials(n) doubles of device scratch.
