@@ -225,7 +225,8 @@ TEST_F(TensorParallelCli, AKilledTensorRankEndsEveryRankAndTheLastCheckpointResu
     EXPECT_NE(m[i], "124") << "rank " << rank << " hung\n" << log;
     EXPECT_NE(log.find(named), std::string::npos) << "rank " << rank << "\n" << log;
   }
-  EXPECT_LE(std::stoi(m[4]), 12) << "seconds from the kill to the others' exit";
+  // The closed connection is noticed at once; 30 s leaves room for a loaded CI machine.
+  EXPECT_LE(std::stoi(m[4]), 30) << "seconds from the kill to the others' exit";
   auto latest = LatestCheckpointIteration(ck);
   ASSERT_TRUE(latest.ok()) << latest.status();
   ASSERT_GE(*latest, 3);
