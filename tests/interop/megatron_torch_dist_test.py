@@ -10,7 +10,8 @@ refused with one line naming the file and key or byte offset, exit non-zero, and
 
 The checkpoints under tests/data/torch_dist_distopt/ were written by megatron-core itself
 (tests/support/make_torch_dist_distopt_fixture.py): its DistributedOptimizer's state in each sharding format
-(dp_zero_gather_scatter, fully_sharded_model_space, fully_reshardable, dp_reshardable); the fp32 params and
+(dp_zero_gather_scatter, fully_sharded_model_space, fully_reshardable, dp_reshardable; and dp_reshardable of a
+--bf16 run, whose weights are the fp32 main params, not the bf16 copies); the fp32 params and
 AdamW moments must be megatron-core's bit for bit, and ptk-train resuming from them must take one AdamW step
 from those moments and that step count.
 
@@ -30,7 +31,8 @@ from megatron_test_common import BIN, check, convert, finish, ptk_tensor, read_p
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "data", "torch_dist")
 DISTOPT = os.path.join(HERE, "..", "data", "torch_dist_distopt")
-DISTOPT_FORMATS = ("dp_zero_gather_scatter", "fully_sharded_model_space", "fully_reshardable", "dp_reshardable")
+DISTOPT_FORMATS = ("dp_zero_gather_scatter", "fully_sharded_model_space", "fully_reshardable", "dp_reshardable",
+                   "dp_reshardable_bf16")
 
 
 def converts_bit_for_bit(tmp, name, data=DATA):

@@ -1,6 +1,6 @@
 """Writes the committed torch_dist checkpoints of megatron-core's distributed optimizer under
 tests/data/torch_dist_distopt/ with megatron-core itself: a tiny GPTModel (local spec, 2 layers, hidden 16,
-untied, fp32) wrapped in megatron-core's DistributedDataParallel, its DistributedOptimizer (AdamW, what
+untied, fp32; with --bf16, Megatron-LM's --bf16 model: bf16 weights, the optimizer's fp32 main params) wrapped in megatron-core's DistributedDataParallel, its DistributedOptimizer (AdamW, what
 `--use-distributed-optimizer` builds) stepped 3 times on random tokens, then saved as Megatron-LM's
 save_checkpoint saves `--ckpt-format torch_dist`: dist_checkpointing.save of {args, iteration, model:
 model.sharded_state_dict(), optimizer: optimizer.sharded_state_dict(model_sd, metadata=
@@ -25,7 +25,7 @@ megatron-core runs here on CPU (gloo, world size 1): the few CUDA calls it makes
 tracker, tensor.type() naming torch.cuda.* types) are pointed at the CPU; nothing it writes depends on the
 device. numpy 2 lacks numpy.product, which megatron-core 0.13 calls: aliased to numpy.prod.
 
-All four hold the same trained state (same seeds, same arithmetic). Usage, in private venvs (V: PyTorch 2.5.1,
+The four fp32 ones hold the same trained state (same seeds, same arithmetic). Usage, in private venvs (V: PyTorch 2.5.1,
 W: PyTorch 2.6.0, each with numpy and psutil; megatron-core 0.16.1 is /opt/ptk-pyref):
   V/bin/python tests/support/make_torch_dist_distopt_fixture.py tests/data/torch_dist_distopt \\
       --megatron-core /opt/ptk-pyref dp_zero_gather_scatter fully_reshardable
@@ -34,6 +34,8 @@ W: PyTorch 2.6.0, each with numpy and psutil; megatron-core 0.16.1 is /opt/ptk-p
       --megatron-core /tmp/mcore013 fully_sharded_model_space
   W/bin/python tests/support/make_torch_dist_distopt_fixture.py tests/data/torch_dist_distopt \\
       --megatron-core /opt/ptk-pyref dp_reshardable
+  W/bin/python tests/support/make_torch_dist_distopt_fixture.py tests/data/torch_dist_distopt \\
+      --megatron-core /opt/ptk-pyref --bf16 dp_reshardable        # dp_reshardable_bf16: a --bf16 run
 """
 import argparse
 import hashlib
@@ -78,7 +80,8 @@ def cpu_shims(torch):
     CudaOnCpu().__enter__()
 
 
-def megatron_args(a, padded_vocab):
+def megatron_args(a, padded_vocab, params_dtype):
+    bf16 = str(params_dtype) == "torch.bfloat16"
     return argparse.Namespace(
         num_layers=a["layers"], hidden_size=a["hidden"], ffn_hidden_size=a["ffn"], num_attention_heads=a["heads"],
         kv_channels=a["hidden"] // a["heads"], group_query_attention=False, num_query_groups=a["heads"],
@@ -89,7 +92,8 @@ def megatron_args(a, padded_vocab):
         make_vocab_size_divisible_by=a["divisible"], tokenizer_type="NullTokenizer", tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, data_parallel_size=1,
         transformer_impl="local", ckpt_format="torch_dist", use_distributed_optimizer=True,
-        overlap_grad_reduce=False, fp16=False, bf16=False, micro_batch_size=a["micro"],
+        overlap_grad_reduce=False, fp16=False, bf16=bf16, accumulate_allreduce_grads_in_fp32=bf16,
+        params_dtype=params_dtype, micro_batch_size=a["micro"],
         global_batch_size=a["micro"], consumed_train_samples=a["micro"] * ITERATION, consumed_valid_samples=0,
         seed=1234, lr=a["lr"], min_lr=a["min_lr"], lr_decay_style="constant", lr_warmup_iters=0,
         weight_decay=a["weight_decay"], adam_beta1=a["beta1"], adam_beta2=a["beta2"], adam_eps=a["eps"],
@@ -100,6 +104,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--megatron-core", required=True, help="the directory holding the megatron package")
+    ap.add_argument("--bf16", action="store_true", help="a --bf16 run (bf16 weights, fp32 main params); "
+                    "the directories named FORMAT_bf16")
     ap.add_argument("formats", nargs="+")
     o = ap.parse_args()
     sys.path.insert(0, o.megatron_core)
@@ -116,6 +122,7 @@ def main():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer.module import Float16Module
         from megatron.core.transformer.transformer_config import TransformerConfig
         mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
         mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
@@ -125,16 +132,21 @@ def main():
         padded = (a["vocab"] + a["divisible"] - 1) // a["divisible"] * a["divisible"]
         cfg = TransformerConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
                                 ffn_hidden_size=a["ffn"], use_cpu_initialization=True, hidden_dropout=0.0,
-                                attention_dropout=0.0)
+                                attention_dropout=0.0, bf16=o.bf16,
+                                params_dtype=torch.bfloat16 if o.bf16 else torch.float32)
         gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded,
                        max_sequence_length=a["positions"], position_embedding_type="learned_absolute",
                        share_embeddings_and_output_weights=False)
+        # As Megatron-LM builds a --bf16 model: Float16Module (the weights in bf16) inside DDP, the gradients
+        # reduced in fp32.
         model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=True), module=gpt)
+            use_distributed_optimizer=True, grad_reduce_in_fp32=o.bf16),
+            module=Float16Module(cfg, gpt) if o.bf16 else gpt)
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=a["lr"], min_lr=a["min_lr"], weight_decay=a["weight_decay"],
             adam_beta1=a["beta1"], adam_beta2=a["beta2"], adam_eps=a["eps"], clip_grad=a["clip_grad"],
-            use_distributed_optimizer=True), [model])
+            use_distributed_optimizer=True, bf16=o.bf16, params_dtype=torch.bfloat16 if o.bf16 else torch.float32),
+            [model])
         sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=a["lr"], min_lr=a["min_lr"], lr_warmup_steps=0,
                                         lr_decay_steps=100 * a["micro"], lr_decay_style="constant",
                                         start_wd=a["weight_decay"], end_wd=a["weight_decay"],
@@ -153,7 +165,7 @@ def main():
             sched.step(increment=a["micro"])
 
         dopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
-        expected = {"iteration": ITERATION, "adam_step": ITERATION, "megatron_core": package_info.__version__,
+        expected = {"bf16": o.bf16, "iteration": ITERATION, "adam_step": ITERATION, "megatron_core": package_info.__version__,
                     "torch": torch.__version__, "lr": a["lr"], "weight_decay": a["weight_decay"],
                     "betas": [a["beta1"], a["beta2"]], "eps": a["eps"], "tensors": {}}
         for name, p in gpt.named_parameters():
@@ -166,13 +178,13 @@ def main():
                                 "first": [float(x) for x in v.flatten()[:3]]}
             expected["tensors"][name] = entry
         for fmt in o.formats:
-            out = os.path.join(o.out, fmt)
+            out = os.path.join(o.out, fmt + ("_bf16" if o.bf16 else ""))
             if os.path.exists(out):
                 shutil.rmtree(out)
             iter_dir = os.path.join(out, f"iter_{ITERATION:07d}")
             os.makedirs(iter_dir)
             model_sd = gpt.sharded_state_dict()
-            state = {"args": megatron_args(a, padded), "checkpoint_version": 3.0, "iteration": ITERATION,
+            state = {"args": megatron_args(a, padded, cfg.params_dtype), "checkpoint_version": 3.0, "iteration": ITERATION,
                      "model": model_sd,
                      "optimizer": opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": fmt}),
                      "opt_param_scheduler": sched.state_dict(), "num_floating_point_operations_so_far": 0}
