@@ -149,6 +149,15 @@ def distributed_optimizer(tmp):
             lambda d: replace_bytes(os.path.join(d, ".metadata"), bucket, b"bucket_idx_0.exp_avg_sx"),
             ".metadata", "bucket_idx_0.exp_avg_sx", "a layout ptk does not read", '"dp_reshardable"',
             src=os.path.join(DISTOPT, "dp_reshardable"))
+    def pipeline_parallel(d):
+        import torch  # Debian's PyTorch reads and rewrites common.pt
+        f = os.path.join(d, "common.pt")
+        common = torch.load(f)
+        common["args"].pipeline_model_parallel_size = 2
+        torch.save(common, f)
+    for name in ("dp_reshardable", "dp_zero_gather_scatter"):  # an object or bucket per rank: not merged
+        refused(tmp, name + "-pipeline-parallel", pipeline_parallel, ".metadata", "optimizer.distributed.dp_group_idx_0",
+                "tensor- or pipeline-parallel run", f'"{name}"', src=os.path.join(DISTOPT, name))
     key = b"optimizer.state.exp_avg_sq.output_layer.weight"
     refused(tmp, "model-space-state-missing",
             lambda d: replace_bytes(os.path.join(d, ".metadata"), key, key.replace(b"exp_avg_sq", b"exp_avg_sx")),
