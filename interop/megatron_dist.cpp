@@ -242,23 +242,11 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
       return bad(meta, fmt::format("tensor {} beside {}'s buckets: two optimizer states", *optimizer_keys.begin(),
                                    layout_name));
     scatter_distrib(d);
-    have_moments = have_masters = true;
-    if (dp_zero_groups.empty())
-      return bad(meta, fmt::format("{} state: no optimizer.distributed.dp_group_idx_0.optimizer object (the param "
-                                   "groups and Adam's step)",
-                                   layout_name));
-    PTK_ASSIGN_OR_RETURN(groups_reader, ck->OpenItem(dp_zero_groups));
-    const PyValue& g = groups_reader->root();
-    groups_holder = g.kind == PyValue::Kind::kList && g.items.size() == 1 ? g.items[0].get() : nullptr;
   } else if (!dp_zero_state.empty()) {
     // The world tensors distrib_optim.pt holds, as one object (a list of one state dict), in megatron-core's
     // grad-buffer order; the param groups in another object.
     if (!optimizer_keys.empty())
       return bad(meta, fmt::format("tensor {} beside object {}: two optimizer states", *optimizer_keys.begin(),
-                                   dp_zero_state));
-    if (dp_zero_groups.empty())
-      return bad(meta, fmt::format("object {}: no optimizer.distributed.dp_group_idx_0.optimizer object beside it "
-                                   "(the param groups and Adam's step)",
                                    dp_zero_state));
     PTK_ASSIGN_OR_RETURN(auto item, ck->OpenItem(dp_zero_state));
     const PyValue& list = item->root();
@@ -268,10 +256,6 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
                          ReadDistribState(item.get(), *list.items[0], fmt::format("{}: object {}", meta, dp_zero_state),
                                           distrib_params(), DistribBucketSize(args, 0)));
     scatter_distrib(d);
-    have_moments = have_masters = true;
-    PTK_ASSIGN_OR_RETURN(groups_reader, ck->OpenItem(dp_zero_groups));
-    const PyValue& g = groups_reader->root();
-    groups_holder = g.kind == PyValue::Kind::kList && g.items.size() == 1 ? g.items[0].get() : nullptr;
   } else if (!optimizer_keys.empty()) {
     // In model space, optimizer.state.<what>.<key>: the plain optimizer's (fp32_param: the masters of a
     // --bf16/--fp16 run), the distributed optimizer's fully_reshardable (param) and fully_sharded_model_space
@@ -286,8 +270,8 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
         const std::string key = what + base;
         auto it = tensors.find(key);
         if (it == tensors.end())
-          return bad(meta,
-                     fmt::format("tensor {}: missing ({} state, as {} is)", key, layout_name, *optimizer_keys.begin()));
+          return bad(meta, fmt::format("tensor {}: missing from {} state (which has {}, ...)", key, layout_name,
+                                       *optimizer_keys.begin()));
         PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(key));
         if (it->second.shape != want.at(base)) {
           PTK_ASSIGN_OR_RETURN(v, Unflatten(v, it->second.shape, want.at(base),
@@ -302,6 +286,17 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
                                    *optimizer_keys.begin(), layout_name));
     have_moments = true;
     have_masters = master != nullptr;
+  }
+  if (!buckets.empty() || !dp_zero_state.empty()) {
+    // The grad-buffer formats keep the param groups (and Adam's step) in an object of their own.
+    have_moments = have_masters = true;
+    if (dp_zero_groups.empty())
+      return bad(meta, fmt::format("{} state: no object optimizer.distributed.dp_group_idx_0.optimizer beside {} (the "
+                                   "param groups and Adam's step)",
+                                   layout_name, buckets.empty() ? dp_zero_state : "its buckets"));
+    PTK_ASSIGN_OR_RETURN(groups_reader, ck->OpenItem(dp_zero_groups));
+    const PyValue& g = groups_reader->root();
+    groups_holder = g.kind == PyValue::Kind::kList && g.items.size() == 1 ? g.items[0].get() : nullptr;
   }
   if (have_masters) low_precision = false;
   for (size_t i = 0; i < weights.size(); ++i)

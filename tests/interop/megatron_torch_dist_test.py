@@ -163,7 +163,7 @@ def distributed_optimizer(tmp):
             lambda d: replace_bytes(os.path.join(d, ".metadata"), key, key.replace(b"exp_avg_sq", b"exp_avg_sx")),
             ".metadata", "optimizer.state.exp_avg_sq.output_layer.weight: missing", '"fully_sharded_model_space"',
             src=os.path.join(DISTOPT, "fully_sharded_model_space"))
-    refused(tmp, "dp_zero-state-missing",
+    refused(tmp, "dp_zero-groups-missing",
             lambda d: replace_bytes(os.path.join(d, ".metadata"), b"dp_group_idx_0.optimizer/", b"dp_group_idx_0.optimizxr/"),
             ".metadata", "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1", "Adam's step",
             src=os.path.join(DISTOPT, "dp_zero_gather_scatter"))
