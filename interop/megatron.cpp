@@ -187,14 +187,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
                                          tied_copy && m->info->name == "embedding.word_embeddings.weight"});
         if (tied_copy && p == pp - 1)
           dparams.push_back(DistribParam{"output_layer.weight", ckpt_padded / tp * c.hidden_size, true});
-        // megatron-core's bucket size: --ddp-bucket-size, else max(4e7, 1e6 x data-parallel size), only with
-        // --overlap-grad-reduce, and only on the first pipeline stage.
-        std::optional<int64_t> bucket;
-        if (BoolAttr(args, "overlap_grad_reduce", false) && p == 0) {
-          const int64_t dp = static_cast<int64_t>(NumAttr(args, "data_parallel_size").value_or(1));
-          bucket = static_cast<int64_t>(NumAttr(args, "ddp_bucket_size").value_or(std::max(4e7, 1e6 * dp)));
-        }
-        PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptim(dfile, dparams, bucket));
+        PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptim(dfile, dparams, DistribBucketSize(args, p)));
         rf.distrib = std::move(d);
         for (const PyRef& g : groups->items)
           if (auto st = NumAttr(g.get(), "step")) rf.distrib_step = static_cast<int64_t>(*st);

@@ -14,6 +14,7 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "dataprep/download/download_internal.h"
+#include "dataprep/download/publish_part.h"
 
 namespace ptk::download_detail {
 
@@ -77,16 +78,7 @@ class RangedFetch {
     }
     res_.fetched = true;
     res_.bytes = f_.size;
-    PublishItem item;
-    item.path = f_.path;
-    item.fd = std::exchange(fd_, -1);
-    item.part_path = path_;
-    item.final_path = f_.local_path;
-    item.meta_path = meta_path_;
-    item.done_key = DoneLogKey(f_);
-    item.bytes = f_.size;
-    item.lock = std::move(lock);
-    return Publish(s_, d_.done_, std::move(item));
+    return PublishPart(s_, d_.done_, f_, &fd_, path_, meta_path_, f_.size, std::move(lock));
   }
 
  private:
