@@ -106,8 +106,8 @@ int main(int argc, char** argv) {
       auto made = ptk::ParallelLayout::Create(ranks.world_size, options.tensor_model_parallel_size, 1);
       if (!made.ok())  // named by the flag and the launch, which the library does not know
         return ptk::UsageError(fmt::format(
-            "--tensor-model-parallel-size {}: {}; start a multiple of {} ranks ({})", options.tensor_model_parallel_size,
-            ptk::StatusMessage(made.status()), options.tensor_model_parallel_size,
+            "--tensor-model-parallel-size {}: {}; start a multiple of {} ranks ({})",
+            options.tensor_model_parallel_size, ptk::StatusMessage(made.status()), options.tensor_model_parallel_size,
             ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
       layout = *std::move(made);
       // Every check between settings, before any rank waits for another.

@@ -102,8 +102,7 @@ absl::Status ValidateBatch(const GPTConfig& cf, const ModelBatch& batch) {
   return absl::OkStatus();
 }
 
-absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
-                                               uint64_t seed) {
+absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed) {
   PTK_ASSIGN_OR_RETURN(const LossSum s, ForwardBackward(batch, loss_scale, train, seed));
   deferred_.loss_sum += s.loss_sum;
   deferred_.tokens += s.tokens;
