@@ -234,6 +234,11 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   HfTextFiles text = HfTextFilesOf(c, eod, std::move(vocab_json), std::move(merges_txt));
   if (llama) {
     text.config = hf_detail::LlamaConfigJson(c, eod);
+    if (c.use_rope_scaling && c.max_position_embeddings <= 8192)
+      s.notes.push_back(fmt::format(
+          "--max-position-embeddings {} is not above Llama 3.1's original context (8192): transformers warns about "
+          "rope_scaling when it loads the model (RoPE has no weights: a larger value changes nothing else)",
+          c.max_position_embeddings));
     if (c.hidden_dropout != 0)
       s.notes.push_back(fmt::format("--hidden-dropout {}: LlamaForCausalLM has no hidden dropout (it is left out)",
                                     Num(c.hidden_dropout)));

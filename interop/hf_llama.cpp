@@ -270,7 +270,12 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
         "than ptk can hold",
         c.num_layers, c.hidden_size, c.ffn_hidden_size, c.vocab_size, implied));
   if (absl::Status st = c.Validate(); !st.ok()) return r.Bad(std::string(StatusMessage(st)));
-  (void)notes;
+  int64_t tp = 1;
+  PTK_RETURN_IF_ERROR(r.GetInt("pretraining_tp", &tp, 1));
+  if (tp != 1)
+    notes->push_back(fmt::format(
+        "pretraining_tp {}: transformers splits its products {} ways, ptk computes them whole (the same model)", tp,
+        tp));
   return c;
 }
 

@@ -93,6 +93,10 @@ TEST_F(HfLlama, ExportSplitsMegatronsFusedLayersAsLlamaNamesThem) {
   auto s = ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf"));
   ASSERT_TRUE(s.ok()) << s.status();
   const std::string hf = dir_ / "hf";
+  // 32 positions with Llama 3.1's scaling: transformers will warn, and the export says so.
+  bool warned = false;
+  for (const std::string& n : s->notes) warned |= n.find("transformers warns about rope_scaling") != std::string::npos;
+  EXPECT_TRUE(warned);
   const int64_t C = 16, hd = 4, F = 24;
   const auto& lp = layout_.layers[1];
   std::vector<int64_t> shape;
@@ -235,6 +239,14 @@ TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
     EXPECT_NE(r.status().message().find(k.why), std::string::npos) << r.status();
     EXPECT_NE(r.status().message().find("config.json"), std::string::npos) << r.status();
   }
+  // pretraining_tp only splits transformers' products: the same model, with a note.
+  WriteFile(hf + "/config.json",
+            std::regex_replace(config, std::regex("\"pretraining_tp\": 1"), "\"pretraining_tp\": 2"));
+  auto tp = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-tp"));
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  bool noted = false;
+  for (const std::string& n : tp->notes) noted |= n.find("pretraining_tp 2: transformers splits its products") == 0;
+  EXPECT_TRUE(noted);
   // Weights a Llama config does not name are refused naming the tensor.
   WriteFile(hf + "/config.json", config);
   auto f = SafetensorsFile::Open(hf + "/model.safetensors");
