@@ -383,6 +383,12 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         fmt::format("--saver-transformer-impl {}: transformer_engine or local", o.saver_transformer_impl));
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
   const GPTConfig& c = ck.config;
+  if (!c.gpt3())
+    return absl::UnimplementedError(fmt::format(
+        "{}: a model of Megatron's Llama line (RMSNorm, RoPE, SwiGLU, grouped-query attention, --kv-channels or "
+        "bias-free layers): --saver megatron writes GPT-3-style models only (--saver hf writes it as "
+        "LlamaForCausalLM)",
+        ck.file));
   s.notes = ck.notes;
   s.source = ck.file;
   s.iteration = ck.iteration;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk {
 
@@ -25,5 +26,31 @@ struct CpuGPTModel::Activations {
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };
+
+namespace cpu_model_detail {
+
+// A tensor the configuration may leave out (offset -1): null then.
+inline const float* At(const float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
+inline float* At(float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
+
+// The configuration's norm (LayerNorm or RMSNorm, which keeps no mean and has no bias) over n rows.
+inline void NormForward(const GPTConfig& cf, float* out, float* mean, float* rstd, const float* inp, const float* P,
+                        int64_t w, int64_t b, int64_t n, int64_t c) {
+  if (cf.normalization == Normalization::kRMSNorm)
+    cpu::RMSNormForward(out, rstd, inp, P + w, n, c, cf.layernorm_epsilon);
+  else
+    cpu::LayerNormForward(out, mean, rstd, inp, P + w, P + b, n, c, cf.layernorm_epsilon);
+}
+// Its backward: dinp accumulated, the weight's (and LayerNorm's bias's) gradients added at G + w (G + b).
+inline void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float* dout, const float* inp,
+                         const float* P, int64_t w, int64_t b, const float* mean, const float* rstd, int64_t n,
+                         int64_t c) {
+  if (cf.normalization == Normalization::kRMSNorm)
+    cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c);
+  else
+    cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c);
+}
+
+}  // namespace cpu_model_detail
 
 }  // namespace ptk

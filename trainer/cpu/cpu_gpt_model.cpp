@@ -32,10 +32,6 @@ absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig
   auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
   if (size > 1) model->tensor_comm_ = tensor;
   if (size > 1 && sequence_parallel) {
-    if (!config.gpt3())
-      return absl::UnimplementedError(
-          "sequence parallelism is implemented for GPT-3's model only (LayerNorm, learned positions, GELU): "
-          "not for RMSNorm, RoPE, SwiGLU, grouped-query attention or bias-free layers");
     if (config.seq_length % size != 0)
       return absl::InvalidArgumentError(
           fmt::format("--sequence-parallel: --seq-length ({}) must be a multiple of --tensor-model-parallel-size ({})",
@@ -302,26 +298,10 @@ void AddBias(float* x, const float* bias, int64_t n, int64_t c) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < c; ++j) x[i * c + j] += bias[j];
 }
-// A tensor the configuration may leave out (offset -1): null then.
-const float* At(const float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
-float* At(float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
-
-// The configuration's norm (LayerNorm or RMSNorm, which keeps no mean and has no bias).
-void NormForward(const GPTConfig& cf, float* out, float* mean, float* rstd, const float* inp, const float* P, int64_t w,
-                 int64_t b, int64_t n, int64_t c) {
-  if (cf.normalization == Normalization::kRMSNorm)
-    cpu::RMSNormForward(out, rstd, inp, P + w, n, c, cf.layernorm_epsilon);
-  else
-    cpu::LayerNormForward(out, mean, rstd, inp, P + w, P + b, n, c, cf.layernorm_epsilon);
-}
-void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float* dout, const float* inp, const float* P,
-                  int64_t w, int64_t b, const float* mean, const float* rstd, int64_t n, int64_t c) {
-  if (cf.normalization == Normalization::kRMSNorm)
-    cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c);
-  else
-    cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c);
-}
 }  // namespace
+using cpu_model_detail::At;
+using cpu_model_detail::NormBackward;
+using cpu_model_detail::NormForward;
 
 absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
   if (sequence_parallel_) return RunForwardSequenceParallel(batch, train, seed);
