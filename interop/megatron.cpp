@@ -121,6 +121,7 @@ absl::Status Bad(const std::string& file, const std::string& why) {
 // What the import reads everything through: the shards, the model the args describe, its Megatron
 // names and order.
 struct Import {
+  Import(const ConvertOptions& o_, ConvertSummary& s_, Shards& sh_) : o(o_), s(s_), sh(sh_) {}
   const ConvertOptions& o;
   ConvertSummary& s;
   Shards& sh;
@@ -372,7 +373,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   if (root.kind != PyValue::Kind::kDict) return Bad(s.source, "the pickle is not a dict: not a Megatron checkpoint");
   if (root.Get("model0"))
     return Bad(s.source, "virtual pipeline stages (model0, model1, ...): ptk reads one model chunk");
-  Import im{o, s, sh};
+  Import im(o, s, sh);
   im.args = root.Get("args");
   if (!im.args || im.args->kind != PyValue::Kind::kObject)
     return Bad(s.source, "no args (an argparse.Namespace): not a Megatron training checkpoint");

@@ -203,6 +203,9 @@ struct Pending {
 
 // Writes the ptk checkpoint as Megatron's shards (mp_rank_TT[_PPP]/model_optim_rng.pt).
 struct Export {
+  Export(const ConvertOptions& o_, const GPTConfig& c_, const TrainState& state_, const std::vector<float>& params_,
+         const std::vector<float>& m1_, const std::vector<float>& m2_)
+      : o(o_), c(c_), state(state_), params(params_), m1(m1_), m2(m2_) {}
   const ConvertOptions& o;
   const GPTConfig& c;
   const TrainState& state;
@@ -404,7 +407,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0)
     return UsageError(fmt::format("--target-tensor-parallel-size {} does not divide the {} heads and ffn {}", tp,
                                   c.num_attention_heads, c.ffn_hidden_size));
-  Export ex{o, c, state, params, m1, m2};
+  Export ex(o, c, state, params, m1, m2);
   ex.tp = tp;
   ex.pp = pp;
   ex.vm = PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by * tp);

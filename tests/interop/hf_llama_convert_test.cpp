@@ -162,7 +162,9 @@ TEST_F(HfLlama, ExportImportExportIsByteIdentical) {
     for (int64_t i = 0; i < layout_.num_params; ++i) {
       const bool padded = (i >= layout_.wte + 50257 * 16 && i < layout_.wte + 50304 * 16) ||
                           (!bias && i >= layout_.out_w + 50257 * 16 && i < layout_.out_w + 50304 * 16);
-      if (!padded) ASSERT_EQ(params[i], P(i)) << i;
+      if (!padded) {
+        ASSERT_EQ(params[i], P(i)) << i;
+      }
     }
   }
 }
