@@ -102,8 +102,7 @@ absl::Status ValidateBatch(const GPTConfig& cf, const ModelBatch& batch) {
   return absl::OkStatus();
 }
 
-absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train,
-                                               uint64_t seed) {
+absl::Status GPTModel::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale, bool train, uint64_t seed) {
   PTK_ASSIGN_OR_RETURN(const LossSum s, ForwardBackward(batch, loss_scale, train, seed));
   deferred_.loss_sum += s.loss_sum;
   deferred_.tokens += s.tokens;
@@ -114,6 +113,17 @@ absl::StatusOr<LossSum> GPTModel::TakeLosses() {
   const LossSum s = deferred_;
   deferred_ = LossSum{};
   return s;
+}
+
+absl::StatusOr<LossSum> GPTModel::StageForward(const ModelBatch&, int, std::span<const float>, std::span<float>,
+                                               std::optional<double>, bool, uint64_t) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
+}
+absl::Status GPTModel::StageBackward(const ModelBatch&, int, std::span<const float>, std::span<float>, bool, uint64_t) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
+}
+absl::Status GPTModel::AllReduceGradRange(Communicator*, int64_t, int64_t) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
 }
 
 absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) {

@@ -21,6 +21,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/counter_rng.h"
 #include "trainer/param_shard.h"
+#include "trainer/pipeline_schedule.h"
 #include "trainer/run_settings.h"
 #include "trainer/sampling.h"
 #include "trainer/tensor_parallel_checkpoint.h"
@@ -232,6 +233,7 @@ class Trainer {
         world_(options.world_comm ? options.world_comm : comm),
         tensor_(options.backend.tensor_comm && options.backend.tensor_comm->size() > 1 ? options.backend.tensor_comm
                                                                                        : nullptr),
+        pipe_(options.pipeline_comm && options.pipeline_comm->size() > 1 ? options.pipeline_comm : nullptr),
         rank_(comm->rank()),
         dp_(comm->size()),
         lead_(world_->rank() == 0) {}
@@ -301,6 +303,15 @@ class Trainer {
     PTK_RETURN_IF_ERROR(CheckRanksAgree(world_, settings_));
     BackendOptions backend = o_.backend;
     backend.micro_batch_size = plan_.micro_batch_size;
+    if (pipe_) {
+      if (o_.sample.interval > 0)
+        return UsageError(
+            "--sample-interval with --pipeline-model-parallel-size above 1: not implemented (text samples need the "
+            "whole model's logits on one rank)");
+      if (static_cast<int>(o_.pipeline_stage_layers.size()) != pipe_->size())
+        return absl::InternalError("the pipeline group's size is not the number of stages");
+      backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank());
+    }
     PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
     if (o_.use_distributed_optimizer) {
       PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
@@ -314,12 +325,17 @@ class Trainer {
                   shard.shard_size, model_->num_params());
     }
     PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
-    // Megatron's line from each tensor rank of the first data-parallel rank.
-    if (tensor_ && rank_ == 0)
-      PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, 0): {}",
-                               tensor_->rank(), model_->num_params()));
+    // Megatron's line from each tensor rank and stage of the first data-parallel rank.
+    if ((tensor_ || pipe_) && rank_ == 0)
+      PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
+                               tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
-    if (lead_ && !step_->buckets().empty()) {
+    if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm);
+    if (pipe_ && o_.optimizer.overlap_grad_reduce && lead_)
+      log::Info(
+          "note: --overlap-grad-reduce: with pipeline stages the gradients are reduced after the schedule's last "
+          "backward (not overlapped)");
+    if (lead_ && !step_->buckets().empty() && !pipe_) {
       int64_t largest = 0;
       for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
       log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
@@ -500,13 +516,16 @@ class Trainer {
     PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
     double sum = 0;
     const int64_t begin = model_->moments_begin();
-    // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only.
-    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, begin + model_->moments_size()))
+    // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only;
+    // pipeline parallelism: a last stage's copy of the tied embeddings left out.
+    const int64_t counted = std::min(model_->layout().norm_end(), begin + model_->moments_size());
+    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::max(begin, counted)))
       if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)
         for (int64_t i = p.offset - begin; i < p.offset - begin + p.size; ++i)
           sum += static_cast<double>(own[static_cast<size_t>(i)]) * own[static_cast<size_t>(i)];
     if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
     if (tensor_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, tensor_));
+    if (pipe_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, pipe_));
     return std::sqrt(sum);
   }
 
@@ -597,7 +616,7 @@ class Trainer {
     f.consumed_samples = state_.consumed_train_samples;
     f.global_batch_size = current_gbs_;
     f.elapsed_ms = secs * 1000.0 / iters;
-    f.tflops_per_gpu = FlopsPerIteration(o_.model, current_gbs_) / (secs / iters * 1e12 * dp_);
+    f.tflops_per_gpu = FlopsPerIteration(o_.model, current_gbs_) / (secs / iters * 1e12 * world_->size());
     f.num_zeros_in_grad = r.num_zeros_in_grad;
     f.params_norm = params_norm;
     f.learning_rate = lr_now;
@@ -629,13 +648,15 @@ class Trainer {
         PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
         if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
         std::vector<int64_t> k;
-        PTK_ASSIGN_OR_RETURN(LossSum s, model_->Forward(View(*mb, &k)));
+        PTK_ASSIGN_OR_RETURN(
+            LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k)) : model_->Forward(View(*mb, &k)));
         sums[0] += s.loss_sum;
         sums[1] += s.tokens;
       }
       if (consumed) *consumed += plan_.global_batch_size;
     }
     PTK_RETURN_IF_ERROR(comm_->AllReduceSum(sums, 2));
+    if (pipe_) PTK_RETURN_IF_ERROR(pipe_->AllReduceSum(sums, 2));  // the last stage's to every stage
     const double loss = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
     std::string line = fmt::format(" validation loss at {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ", prefix,
                                    loss, std::exp(std::min(20.0, loss)));
@@ -671,8 +692,9 @@ class Trainer {
     if (o_.save.empty()) return absl::OkStatus();
     PTK_RETURN_IF_ERROR(world_->Barrier());
     auto t0 = Clock::now();
-    // Every tensor rank's weights and moments (ZeRO-1's shards gathered) on world rank 0.
-    PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> parts, GatherCheckpointArrays(model_.get(), comm_, tensor_));
+    // Every tensor rank's and stage's weights and moments (ZeRO-1's shards gathered) on world rank 0.
+    PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> parts,
+                         GatherCheckpointArrays(model_.get(), comm_, tensor_, pipe_, o_.pipeline_stage_layers));
     if (lead_) {
       const TrainStepState step_state = step_->State();
       state_.adam_step = step_state.adam_step;
@@ -687,8 +709,9 @@ class Trainer {
       std::vector<CheckpointShard> shards;
       for (const CheckpointArrays& a : parts) shards.push_back({&a.layout, a.params, a.exp_avg, a.exp_avg_sq});
       PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, shards, state_, o_.args_json));
-      Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/1 ] ({:.1f} ms)",
-                        state_.iteration, o_.save, parts.size(),
+      const int pp = pipe_ ? pipe_->size() : 1;
+      Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/{} ] ({:.1f} ms)",
+                        state_.iteration, o_.save, parts.size() / static_cast<size_t>(pp), pp,
                         std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
     }
     last_saved_ = state_.iteration;
@@ -765,6 +788,7 @@ class Trainer {
   Communicator* const comm_;    // the data-parallel group
   Communicator* const world_;   // every rank (comm_ without tensor parallelism)
   Communicator* const tensor_;  // the tensor-parallel group; null without
+  Communicator* const pipe_;    // the pipeline group; null with one stage
   const int rank_, dp_;         // the data-parallel rank and size
   const bool lead_;             // world rank 0: the logs, TensorBoard, metrics, the checkpoint's writer
   Settings settings_;
