@@ -4,10 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
-#include <filesystem>
-
-#include <sys/stat.h>
 
 #include <fmt/core.h>
 
@@ -25,148 +21,13 @@
 #include "trainer/run_settings.h"
 #include "trainer/sampling.h"
 #include "trainer/tensor_parallel_checkpoint.h"
+#include "trainer/training_data.h"
+#include "trainer/training_log.h"
 
 namespace ptk {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// --mock-data: synthetic documents (an arithmetic run of token ids per sample, EOD-separated), the
-// same for every run with the same seed. Not Megatron's MockGPTDataset token for token.
-class MockDataset : public TopLevelDataset {
- public:
-  MockDataset(int64_t size, int64_t vocab, const GPTDatasetConfig& config) : size_(size), vocab_(vocab) {
-    config_ = config;
-    description_ = "MockGPTDataset";
-  }
-  int64_t size() const override { return size_; }
-  absl::Status Text(int64_t idx, int64_t* out, int64_t* dataset_id) const override {
-    *dataset_id = 0;
-    uint64_t h = static_cast<uint64_t>(idx) * 0x9e3779b97f4a7c15ULL + config_.random_seed;
-    h ^= h >> 29;
-    const int64_t start = static_cast<int64_t>(h % static_cast<uint64_t>(vocab_ - 1));
-    const int64_t step = 1 + static_cast<int64_t>((h >> 20) % 7);
-    const int64_t eod_every = 16 + static_cast<int64_t>((h >> 40) % 48);
-    for (int64_t i = 0; i <= config_.sequence_length; ++i)
-      out[i] = (i + 1) % eod_every == 0 ? config_.eod : (start + i * step) % (vocab_ - 1);
-    return absl::OkStatus();
-  }
-  py::Json unique_identifiers() const override { return py::Json(py::Json::Object{}); }
-
- private:
-  int64_t size_, vocab_;
-};
-
-std::string Timestamp() {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  localtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
-  return buf;
-}
-
-struct Splits {
-  std::shared_ptr<TopLevelDataset> train, valid, test;
-};
-
-absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, const TrainPlan& plan) {
-  GPTDatasetConfig cfg;
-  cfg.random_seed = o.seed;
-  cfg.sequence_length = o.model.seq_length;
-  cfg.tokenizer = Gpt2TokenizerIdentifiers(o.vocab_file.empty() ? "gpt2-vocab.json" : o.vocab_file,
-                                           o.merge_file.empty() ? "gpt2-merges.txt" : o.merge_file);
-  cfg.path_to_cache = o.data_cache_path;
-  cfg.eod_mask_loss = o.eod_mask_loss;
-  cfg.reset_position_ids = o.reset_position_ids;
-  // Megatron's train_valid_test_num_samples.
-  const int64_t gbs = plan.global_batch_size, train_samples = plan.train_samples;
-  const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
-  const int64_t valid_samples = (plan.train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
-  const int64_t test_samples = eval_iters * gbs;
-  Splits s;
-  if (o.mock_data) {
-    s.train = std::make_shared<MockDataset>(train_samples, o.model.vocab_size, cfg);
-    if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, cfg);
-    if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, cfg);
-    return s;
-  }
-  DataArgs args = o.data;
-  args.sizes = {train_samples, valid_samples, test_samples};
-  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg));
-  s.train = sets[0];
-  s.valid = eval_iters > 0 ? sets[1] : nullptr;
-  s.test = eval_iters > 0 ? sets[2] : nullptr;
-  if (!s.train) return absl::InvalidArgumentError("the train split is empty: check --split and the data paths");
-  if (s.train->size() < train_samples)
-    return absl::InvalidArgumentError(
-        fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
-  return s;
-}
-
-// --metrics-file: one JSON line per iteration, each written and flushed with its errors checked
-// (a full disk stops the run with exit 3 instead of leaving an empty file behind a success).
-class MetricsFile {
- public:
-  ~MetricsFile() {
-    if (f_) std::fclose(f_);
-  }
-  absl::Status Open(const std::string& path) {
-    path_ = path;
-    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(path)));
-    f_ = std::fopen(path.c_str(), "a");
-    if (!f_) return ErrnoToStatus(errno, "open " + path);
-    return absl::OkStatus();
-  }
-  bool is_open() const { return f_ != nullptr; }
-  absl::Status Append(const std::string& line) {
-    if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
-      return ErrnoToStatus(errno, "write " + path_);
-    return absl::OkStatus();
-  }
-  // On disk (a regular file; /dev/null and pipes have nothing to sync), before a checkpoint.
-  absl::Status Sync() {
-    if (!f_) return absl::OkStatus();
-    if (std::fflush(f_) != 0) return ErrnoToStatus(errno, "write " + path_);
-    struct stat st;
-    if (::fstat(::fileno(f_), &st) == 0 && S_ISREG(st.st_mode) && ::fsync(::fileno(f_)) != 0)
-      return ErrnoToStatus(errno, "fsync " + path_);
-    return absl::OkStatus();
-  }
-  absl::Status Close() {
-    if (!f_) return absl::OkStatus();
-    const int rc = std::fclose(f_);
-    f_ = nullptr;
-    if (rc != 0) return ErrnoToStatus(errno, "close " + path_);
-    return absl::OkStatus();
-  }
-
- private:
-  std::string path_;
-  FILE* f_ = nullptr;
-};
-
-// A JSON number, or null for NaN/Inf (which JSON cannot spell).
-std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
-
-// --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
-// and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random
-// weights instead would be a silent mistake. A usage error naming that directory; OK otherwise.
-absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
-  if (!PathExists(load)) return absl::OkStatus();  // a new run's directory
-  std::string dir = load;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  for (int up = 0; up < 3 && !dir.empty() && dir != "/" && dir != "."; ++up) {
-    dir = Dirname(dir);
-    if (PathExists(JoinPath(dir, "latest_checkpointed_iteration.txt")))
-      return UsageError(
-          fmt::format("--load {} is inside a checkpoint directory: --load takes the directory that holds "
-                      "latest_checkpointed_iteration.txt (it resumes from the iteration that file names): did you "
-                      "mean --load {}?",
-                      load, dir));
-  }
-  return absl::OkStatus();
-}
 
 double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
 
@@ -176,51 +37,6 @@ ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
   return ModelBatch{mb.micro_batch_size,    mb.seq_length,       mb.tokens.data(), mb.labels.data(),
                     mb.position_ids.data(), mb.loss_mask.data(), keys->data()};
 }
-
-}  // namespace
-
-double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
-  const double b = static_cast<double>(gbs), s = static_cast<double>(c.seq_length),
-               l = static_cast<double>(c.num_layers), h = static_cast<double>(c.hidden_size),
-               f = static_cast<double>(c.ffn_hidden_size), v = static_cast<double>(c.padded_vocab_size),
-               heads = static_cast<double>(c.num_attention_heads), groups = static_cast<double>(c.query_groups());
-  // Megatron's num_floating_point_operations: 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) * q/h
-  // + ffn/h * (3/2 with SwiGLU) + V/(2 l h)), q = kv_channels * heads the query projection's size.
-  const double q_ratio = static_cast<double>(c.head_dim()) * heads / h, gated = c.swiglu ? 1.5 : 1.0;
-  return 12.0 * b * s * l * h * h *
-         ((1.0 + groups / heads + s / (2.0 * h)) * q_ratio + f / h * gated + v / (2.0 * l * h));
-}
-
-absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank) {
-  const bool loss_bad = !std::isfinite(r.loss_sum), grad_bad = !std::isfinite(r.grad_norm);
-  if (!loss_bad && !grad_bad) return absl::OkStatus();
-  const double bad = loss_bad ? r.loss_sum : r.grad_norm;
-  return absl::AbortedError(
-      fmt::format("iteration {} (rank {}): the {} is {} (lm loss {}, grad norm {}); stopping, as Megatron does with "
-                  "--check-for-nan-in-loss-and-grad (lower --lr, or resume from the last checkpoint; "
-                  "--no-check-for-nan-in-loss-and-grad skips such iterations instead)",
-                  iteration, rank, loss_bad ? "loss" : "gradient norm", std::isnan(bad) ? "NaN" : "infinite",
-                  std::fabs(r.lm_loss()), std::fabs(r.grad_norm)));
-}
-
-std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) {
-  std::string s = fmt::format(" [{}] iteration {:8d}/{:8d} |", timestamp, f.iteration, f.train_iters);
-  s += fmt::format(" consumed samples: {:12d} |", f.consumed_samples);
-  s += fmt::format(" elapsed time per iteration (ms): {:.1f} |", f.elapsed_ms);
-  s += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", f.tflops_per_gpu);
-  s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);
-  s += fmt::format(" global batch size: {:5d} |", f.global_batch_size);
-  if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
-  s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
-  s += fmt::format(" grad norm: {:.3f} |", f.grad_norm);
-  if (f.num_zeros_in_grad) s += fmt::format(" num zeros: {:.1f} |", *f.num_zeros_in_grad);
-  if (f.params_norm) s += fmt::format(" params norm: {:.3f} |", *f.params_norm);
-  s += fmt::format(" number of skipped iterations: {:3d} |", f.skipped);
-  s += fmt::format(" number of nan iterations: {:3d} |", f.nan);
-  return s;
-}
-
-namespace {
 
 // One run of RunTraining, step by step (Megatron's pretrain and train): set up, resume, then
 // iterations of train, log, evaluate, sample, save and decide to exit; then finish.
@@ -303,15 +119,7 @@ class Trainer {
     PTK_RETURN_IF_ERROR(CheckRanksAgree(world_, settings_));
     BackendOptions backend = o_.backend;
     backend.micro_batch_size = plan_.micro_batch_size;
-    if (pipe_) {
-      if (o_.sample.interval > 0)
-        return UsageError(
-            "--sample-interval with --pipeline-model-parallel-size above 1: not implemented (text samples need the "
-            "whole model's logits on one rank)");
-      if (static_cast<int>(o_.pipeline_stage_layers.size()) != pipe_->size())
-        return absl::InternalError("the pipeline group's size is not the number of stages");
-      backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank());
-    }
+    if (pipe_) backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank());  // RunTraining checked
     PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
     if (o_.use_distributed_optimizer) {
       PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
@@ -331,15 +139,12 @@ class Trainer {
                                tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
     if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm);
-    if (pipe_ && o_.optimizer.overlap_grad_reduce && lead_)
-      log::Info(
-          "note: --overlap-grad-reduce: with pipeline stages the gradients are reduced after the schedule's last "
-          "backward (not overlapped)");
-    if (lead_ && !step_->buckets().empty() && !pipe_) {
+    if (lead_ && !step_->buckets().empty()) {
       int64_t largest = 0;
       for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
-      log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
-                step_->buckets().size(), largest);
+      log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced {}",
+                step_->buckets().size(), largest,
+                pipe_ ? "after the pipeline schedule's last backward" : "as backward completes them");
     }
     state_.seed = o_.seed;
     // One training run per --save directory: a second (a requeue while the first still runs) stops
@@ -438,7 +243,7 @@ class Trainer {
 
   // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.
   absl::Status OpenDataAndOutputs() {
-    PTK_ASSIGN_OR_RETURN(data_, BuildDatasets(o_, plan_));
+    PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_));
     const int64_t mbs = plan_.micro_batch_size;
     if (lead_)
       log::Info(
@@ -449,51 +254,10 @@ class Trainer {
     // runs one after the other append, as Megatron's do (a resume, a requeue), and a run that starts
     // anew where an earlier run left events or lines says so.
     const bool fresh = state_.iteration == 0;
-    if (lead_ && !o_.metrics_path.empty()) {
-      std::error_code ec;
-      const auto type = std::filesystem::status(o_.metrics_path, ec).type();
-      if (type == std::filesystem::file_type::regular || type == std::filesystem::file_type::not_found) {
-        PTK_RETURN_IF_ERROR(MakeDirs(Dirname(o_.metrics_path)));
-        auto lock = OutputLock::Acquire(o_.metrics_path);
-        if (IsOutputBusy(lock.status()))
-          return absl::AbortedError(fmt::format("--metrics-file {}", StatusMessage(lock.status())));
-        PTK_RETURN_IF_ERROR(lock.status());
-        metrics_lock_ = *std::move(lock);
-        const auto size = std::filesystem::file_size(o_.metrics_path, ec);
-        if (!ec && size > 0 && fresh)
-          log::Warning(
-              "--metrics-file {} holds {} bytes of an earlier run; this run starts at iteration 0 and appends its "
-              "lines after them",
-              o_.metrics_path, size);
-      }
-      PTK_RETURN_IF_ERROR(metrics_.Open(o_.metrics_path));
-    }
-    // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
+    if (lead_ && !o_.metrics_path.empty())
+      PTK_RETURN_IF_ERROR(OpenMetricsFile(o_.metrics_path, fresh, &metrics_lock_, &metrics_));
     if (lead_ && !o_.tensorboard.dir.empty()) {
-      PTK_RETURN_IF_ERROR(MakeDirs(o_.tensorboard.dir));
-      const std::string events = JoinPath(o_.tensorboard.dir, "events");
-      auto lock = OutputLock::Acquire(events);
-      if (IsOutputBusy(lock.status())) {
-        std::string msg(StatusMessage(lock.status()));
-        if (msg.rfind(events, 0) == 0) msg = o_.tensorboard.dir + msg.substr(events.size());
-        return absl::AbortedError(fmt::format(
-            "--tensorboard-dir {}; or give this run its own directory (TensorBoard shows each subdirectory of its "
-            "--logdir as a run)",
-            msg));
-      }
-      PTK_RETURN_IF_ERROR(lock.status());
-      tb_lock_ = *std::move(lock);
-      int earlier = 0;
-      std::error_code ec;
-      for (const auto& e : std::filesystem::directory_iterator(o_.tensorboard.dir, ec))
-        earlier += e.path().filename().string().find("tfevents") != std::string::npos;
-      if (earlier > 0 && fresh)
-        log::Warning(
-            "--tensorboard-dir {} holds {} event file(s) of an earlier run; this run starts at iteration 0, and "
-            "TensorBoard shows both as one run (give each run its own subdirectory to tell them apart)",
-            o_.tensorboard.dir, earlier);
-      PTK_ASSIGN_OR_RETURN(tb_, SummaryWriter::Create(o_.tensorboard.dir));
-      log::Info("TensorBoard events: {}", tb_->path());
+      PTK_ASSIGN_OR_RETURN(tb_, OpenTensorBoardDir(o_.tensorboard.dir, fresh, &tb_lock_));
     }
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
@@ -797,7 +561,7 @@ class Trainer {
   std::unique_ptr<OutputLock> save_lock_;
   TrainState state_;
   TrainSummary summary_;
-  Splits data_;
+  TrainingSplits data_;
   std::unique_ptr<DataLoader> train_loader_, valid_loader_;
   std::vector<std::unique_ptr<MicroBatch>> held_;  // this iteration's micro-batches
   std::vector<std::vector<int64_t>> keys_;
@@ -821,9 +585,12 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
     local = MakeLocalCommunicator();
     comm = local.get();
   }
-  if (plan.data_parallel_size != comm->size())
+  const int stages = o.pipeline_comm ? o.pipeline_comm->size() : 1;
+  if (plan.data_parallel_size != comm->size() ||
+      (stages > 1 && static_cast<size_t>(stages) != o.pipeline_stage_layers.size()))
     return absl::InvalidArgumentError(
-        fmt::format("a plan for {} data-parallel ranks, a communicator of {}", plan.data_parallel_size, comm->size()));
+        fmt::format("a plan for {} data-parallel ranks and {} stage(s); communicators of {} and {}",
+                    plan.data_parallel_size, o.pipeline_stage_layers.size(), comm->size(), stages));
   return Trainer(o, plan, comm).Run();
 }
 
