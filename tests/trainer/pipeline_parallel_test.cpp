@@ -4,7 +4,8 @@
 // order; Megatron's 1F1B schedule at P = 2 and 4 over 4 layers and 8 micro-batches, dropout on,
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed over the
 // embedding group within float rounding of one rank's interleaved sum), with at most P - s
-// micro-batches in flight on stage s; forward-only evaluation gives one rank's loss.
+// micro-batches in flight on stage s; forward-only evaluation gives one rank's loss; each stage
+// holds the parameters --dry-run counts for it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "tests/trainer/gloo_ranks.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/grad_buckets.h"
+#include "trainer/parallel_params.h"
 #include "trainer/pipeline_schedule.h"
 
 namespace ptk {
@@ -117,6 +119,21 @@ TEST(PipelineLayout, StagesCutTheWholeModelWithItsInitAndPutItBackTogether) {
   EXPECT_EQ(s->first_layer, 1);
   EXPECT_EQ(s->layers.size(), 3u);
   EXPECT_FALSE(ParamLayout::Create(Config(), 1, 0, PipelineStage{2, 1, 3, 2}).ok());  // past the last layer
+}
+
+// The model a stage builds holds what --dry-run counts for it (Megatron's parameter line).
+TEST(PipelineLayout, StagesHoldWhatTheDryRunCounts) {
+  for (bool untied : {false, true})
+    for (int T : {1, 2})
+      for (int P : {2, 4})
+        for (int t = 0; t < T; ++t)
+          for (const PipelineStage& st : Stages(P)) {
+            const GPTConfig c = Config(untied);
+            auto s = ParamLayout::Create(c, T, t, st);
+            ASSERT_TRUE(s.ok()) << s.status();
+            EXPECT_EQ(s->num_params, ParamsOnModelParallelRank(c, T, P, st.rank, st.num_layers))
+                << "T=" << T << " P=" << P << " stage " << st.rank << (untied ? " untied" : " tied");
+          }
 }
 
 TEST(PipelineComm, SendRecvBothWaysAtOnceInOrder) {
