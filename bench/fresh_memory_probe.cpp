@@ -45,8 +45,7 @@ int main(int argc, char** argv) {
   const size_t phys_mib =
       static_cast<size_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE)) >> 20;
   if (mib > phys_mib / 2 / static_cast<size_t>(threads)) {
-    std::fprintf(stderr, "fresh_memory_probe: MIB x THREADS must stay under half this machine's %zu MiB\n",
-                 phys_mib);
+    std::fprintf(stderr, "fresh_memory_probe: MIB x THREADS must stay under half this machine's %zu MiB\n", phys_mib);
     return 2;
   }
   std::vector<double> ms;  // per round: the slowest thread's time
@@ -63,12 +62,16 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
   }
   std::sort(ms.begin(), ms.end());
-  const auto at = [&](double q) { return ms[std::min(ms.size() - 1, static_cast<size_t>(q * static_cast<double>(ms.size())))]; };
-  std::printf("%zu MiB of fresh memory, %d thread(s) at once, %d rounds (ms, slowest thread): min %.2f median %.2f "
-              "p90 %.2f max %.2f\n",
-              mib, threads, rounds, ms.front(), at(0.5), at(0.9), ms.back());
-  std::printf("{\"mib\": %zu, \"threads\": %d, \"rounds\": %d, \"min_ms\": %.3f, \"median_ms\": %.3f, \"p90_ms\": %.3f, "
-              "\"max_ms\": %.3f}\n",
-              mib, threads, rounds, ms.front(), at(0.5), at(0.9), ms.back());
+  const auto at = [&](double q) {
+    return ms[std::min(ms.size() - 1, static_cast<size_t>(q * static_cast<double>(ms.size())))];
+  };
+  std::printf(
+      "%zu MiB of fresh memory, %d thread(s) at once, %d rounds (ms, slowest thread): min %.2f median %.2f "
+      "p90 %.2f max %.2f\n",
+      mib, threads, rounds, ms.front(), at(0.5), at(0.9), ms.back());
+  std::printf(
+      "{\"mib\": %zu, \"threads\": %d, \"rounds\": %d, \"min_ms\": %.3f, \"median_ms\": %.3f, \"p90_ms\": %.3f, "
+      "\"max_ms\": %.3f}\n",
+      mib, threads, rounds, ms.front(), at(0.5), at(0.9), ms.back());
   return 0;
 }

@@ -88,24 +88,6 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
   return s;
 }
 
-RankInfo RankFromEnv() {
-  RankInfo r;
-  if (auto v = EnvInt("SLURM_PROCID"))
-    r.rank = static_cast<int>(*v);
-  else if (auto v2 = EnvInt("RANK"))
-    r.rank = static_cast<int>(*v2);
-  if (auto v = EnvInt("SLURM_NTASKS"))
-    r.world_size = static_cast<int>(*v);
-  else if (auto v2 = EnvInt("WORLD_SIZE"))
-    r.world_size = static_cast<int>(*v2);
-  if (auto v = EnvInt("SLURM_LOCALID"))
-    r.local_rank = static_cast<int>(*v);
-  else if (auto v2 = EnvInt("LOCAL_RANK"))
-    r.local_rank = static_cast<int>(*v2);
-  if (const char* j = std::getenv("SLURM_JOB_ID")) r.job_id = j;
-  return r;
-}
-
 std::string FirstSlurmHost(const std::string& nodelist) {
   std::string first;
   int depth = 0;

@@ -22,14 +22,6 @@ struct ShardSpec {
 // sets it, as k8s/*.yaml-template do); otherwise 0 of 1.
 absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::optional<int64_t> count);
 
-struct RankInfo {
-  int rank = 0;        // SLURM_PROCID or RANK
-  int world_size = 1;  // SLURM_NTASKS or WORLD_SIZE
-  int local_rank = 0;  // SLURM_LOCALID or LOCAL_RANK
-  std::string job_id;  // SLURM_JOB_ID
-};
-RankInfo RankFromEnv();
-
 // The ranks of a data-parallel training job and where they meet. torchrun's variables (RANK,
 // WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win; otherwise an srun step's (SLURM_PROCID,
 // SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_NODEID), with MASTER_ADDR defaulting to the first host

@@ -6,6 +6,10 @@
 #            error is a UsageError, and
 #            only a main knows a value came from a flag (tools/ may)
 #   headers  every header of a library is included by some file
+#   format   every C++/CUDA file of the libraries, tools/, tests/ and bench/ as clang-format 14 (Debian
+#            bookworm's; scripts/install-deps.sh installs it) formats it with .clang-format, but
+#            generated files (a first line that says GENERATED); skipped, with a note, without
+#            clang-format 14 (other versions format differently)
 # Each violation is printed as FILE:LINE: what; the exit status is 1 when there is one.
 # Usage: scripts/check-rules.sh [ROOT]   (default: this checkout)
 set -euo pipefail
@@ -17,7 +21,6 @@ MAX_LINES=600
 FLAG_ERROR='InvalidArgumentError\((fmt::format\()?"--'
 # Files allowed over MAX_LINES: data tables, and files being split.
 SIZE_ALLOWLIST=(
-  tools/train_flags.cpp     # to split
 )
 # Library files allowed an InvalidArgumentError("--...") (none).
 FLAG_ALLOWLIST=()
@@ -71,6 +74,32 @@ while IFS= read -r f; do
   case "$f" in *.h | *.hpp | *.cuh) ;; *) continue ;; esac
   grep -qxF "$f" <<<"$includes" || report "$f:1: no file includes this header: remove it, or include it where used"
 done < <(sources "${LIBRARIES[@]}")
+
+# format
+CLANG_FORMAT=${CLANG_FORMAT:-clang-format}
+if ! command -v "$CLANG_FORMAT" >/dev/null 2>&1; then
+  echo "check-rules: note: no $CLANG_FORMAT: the format rule is skipped (scripts/install-deps.sh installs it)" >&2
+elif ! "$CLANG_FORMAT" --version | grep -qE 'version 14\.'; then
+  echo "check-rules: note: $("$CLANG_FORMAT" --version | head -1) is not clang-format 14: the format rule is" \
+    "skipped (other versions format differently)" >&2
+else
+  format_dirs=()
+  for d in "${LIBRARIES[@]}" tools tests bench; do [ -d "$d" ] && format_dirs+=("$d"); done
+  to_format=()
+  while IFS= read -r f; do
+    head -1 "$f" | grep -q GENERATED || to_format+=("$f")
+  done < <(sources "${format_dirs[@]}")
+  if [ "${#to_format[@]}" -gt 0 ]; then
+    declare -A format_seen=()
+    while IFS= read -r hit; do
+      f=${hit%%:*}
+      [ -n "${format_seen[$f]:-}" ] && continue
+      format_seen[$f]=1
+      rest=${hit#*:}
+      report "$f:${rest%%:*}: not as clang-format formats it: clang-format -i $f"
+    done < <("$CLANG_FORMAT" --style=file --dry-run "${to_format[@]}" 2>&1 | grep -E '^[^ :]+:[0-9]+:[0-9]+: (warning|error):' || true)
+  fi
+fi
 
 # Allowlist entries that no longer need to be there: a note, so that the list shrinks as files are
 # split and fixed (not a failure: the file's own change may land before the list's).

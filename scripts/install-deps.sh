@@ -25,7 +25,7 @@ PKGS=(
   libprotobuf-dev protobuf-compiler libisal-dev
   zstd xz-utils curl aria2 python3 python3-venv python3-pip python3-matplotlib
   slurmctld slurmd slurm-client munge debootstrap strace
-  gettext-base python3-yaml
+  gettext-base python3-yaml clang-format
 )
 REF_PKGS=(python3-numpy python3-torch python3-packaging
   python3-absl python3-protobuf python3-yaml python3-requests python3-tqdm python3-filelock python3-regex

@@ -50,8 +50,7 @@ inline size_t Gpt2Tokenizer::SymbolIds(const S& s, int32_t* out) const {
   return k;
 }
 
-inline __attribute__((always_inline)) void Gpt2Tokenizer::ShortStart(ShortMerge& s, const uint8_t* p,
-                                                                     size_t n) const {
+inline __attribute__((always_inline)) void Gpt2Tokenizer::ShortStart(ShortMerge& s, const uint8_t* p, size_t n) const {
   LinkSymbols(s, p, n);
   for (uint8_t i = 0; i < s.end; ++i) s.rk[i] = PairRank(s.sym[i], s.sym[s.next[i]]);
   for (unsigned i = s.end; i % 8 != 0; ++i) s.rk[i] = kNoRank;

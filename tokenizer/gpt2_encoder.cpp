@@ -167,8 +167,7 @@ void Gpt2Encoder::LearnShort(const Pending& pc, const int32_t* ids, size_t n) {
 // One batch of pieces: first every short piece is looked up, and the misses are merged two at a time
 // (BpeShortPair: one's rounds run while the other's wait on their lookups) and learnt; then the ids
 // are written in order.
-__attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeBatch(const Pending* batch, int count,
-                                                                        int32_t* out) {
+__attribute__((always_inline)) inline int32_t* Gpt2Encoder::EncodeBatch(const Pending* batch, int count, int32_t* out) {
   lookups_ += static_cast<uint64_t>(count);
   MakeRoom(static_cast<size_t>(count));
   const CacheSlot* found[kBatch];

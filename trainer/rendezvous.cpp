@@ -284,8 +284,9 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
       char ack = 0;
       const absl::Status hello = s->Request(kHello, std::to_string(rank), &host_name, nullptr, &ack);
       if (!hello.ok() || ack != 'k') {  // 'r': that rank 0 still runs an earlier start of the job
-        last = hello.ok() ? fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank)
-                          : StatusMessage(hello);
+        last = hello.ok()
+                   ? fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank)
+                   : StatusMessage(hello);
         ::close(s->fd_);
         s->fd_ = -1;
       }

@@ -27,13 +27,13 @@ struct DownloadOptions {
   std::string local_dir;
   std::string token;  // sent as a Bearer token to the Hub host only; never logged
   bool flat = false;  // train/chunk1/example_train_0.jsonl.zst -> example_train_chunk1_shard0.jsonl.zst
-  int jobs = 8;  // files downloaded at once
+  int jobs = 8;       // files downloaded at once
   // A file of at least split_above bytes (its size and digest known) is fetched as byte ranges over
   // up to connections_per_file connections at once, written in place; 1 turns splitting off.
   int connections_per_file = 8;
   uint64_t split_above = 64ull << 20;
-  uint64_t piece_size = 0;  // bytes per range request; 0: size / (8 * connections_per_file), 1-32 MiB
-  int max_connections = 64;  // connections open at once, all files together
+  uint64_t piece_size = 0;    // bytes per range request; 0: size / (8 * connections_per_file), 1-32 MiB
+  int max_connections = 64;   // connections open at once, all files together
   int max_retries = 8;        // attempts without progress per file
   double retry_base_s = 1.0;  // exponential backoff with full jitter
   double retry_max_s = 60.0;

@@ -65,9 +65,30 @@ class RateLimiter {
  public:
   RateLimiter(double base_s, double max_s) : base_s_(base_s), max_s_(max_s), rng_(std::random_device{}()) {}
 
+  // One resolve between WaitForResolve and its response (or its failure): while it lasts, what a
+  // response says is left of the window is less this and the other resolves still in flight, which
+  // the server may not have counted yet.
+  class InFlight {
+   public:
+    InFlight() = default;
+    InFlight(const InFlight&) = delete;
+    InFlight& operator=(const InFlight&) = delete;
+    ~InFlight() { Release(); }
+    void Release() {
+      if (limiter_ != nullptr) limiter_->EndResolve();
+      limiter_ = nullptr;
+    }
+
+   private:
+    friend class RateLimiter;
+    RateLimiter* limiter_ = nullptr;
+  };
+
   // Waits until a resolve may be sent. A pause that would last past `deadline` (what the caller's
   // --max-retry-time leaves) is not slept through: DeadlineExceeded, saying why and how long.
-  absl::Status WaitForResolve(const std::atomic<bool>& stop, Clock::time_point deadline, double max_retry_time_s) {
+  // With `in_flight`, the resolve counts as in flight until `in_flight` is released.
+  absl::Status WaitForResolve(const std::atomic<bool>& stop, Clock::time_point deadline, double max_retry_time_s,
+                              InFlight* in_flight = nullptr) {
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop) {
       auto now = Clock::now();
@@ -93,19 +114,34 @@ class RateLimiter {
         reset_at_ = now + std::chrono::seconds(window_s_ > 0 ? window_s_ : 1);
       }
       if (known_) --remaining_;  // optimistic: the response corrects it
+      if (in_flight != nullptr) {
+        in_flight->Release();
+        ++in_flight_;
+        in_flight->limiter_ = this;
+      }
       return absl::OkStatus();
     }
     return absl::CancelledError("interrupted");
   }
 
-  // Every Hub response carries the current window state.
+  // Every Hub response carries the current window state. The other resolves in flight (sent before
+  // this answer came, perhaps not yet counted by the server) are taken off what it says is left:
+  // four workers woken at once by a new window would otherwise each read "4 left" from the first
+  // answer and send four more. Within a window the server's count only falls, so an answer that
+  // arrives after a later one (answers overtake each other) cannot raise it again.
   void Observe(const HttpResponse& r) {
     RateLimitHeader h = ParseRateLimit(r.Header("ratelimit"));
     if (!h.ok || (h.bucket != "resolvers" && h.bucket != "RESOLVERS")) return;
     std::lock_guard<std::mutex> lock(mu_);
+    const int64_t left = h.remaining - std::max<int64_t>(0, in_flight_ - 1);
+    const auto now = Clock::now();
+    if (!known_ || now >= reset_at_) {  // the first answer of a window
+      remaining_ = left;
+      reset_at_ = now + std::chrono::seconds(h.reset_s);
+    } else {
+      remaining_ = std::min(remaining_, left);
+    }
     known_ = true;
-    remaining_ = h.remaining;
-    reset_at_ = Clock::now() + std::chrono::seconds(h.reset_s);
     std::string policy = r.Header("ratelimit-policy");
     if (!policy.empty() && policy != policy_) {
       policy_ = policy;
@@ -154,7 +190,22 @@ class RateLimiter {
 
   void Wake() { cv_.notify_all(); }
 
+  // What Observe takes off: the resolves in flight now (for tests).
+  int64_t InFlightCount() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return in_flight_;
+  }
+  int64_t RemainingForTest() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return remaining_;
+  }
+
  private:
+  void EndResolve() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (in_flight_ > 0) --in_flight_;
+  }
+
   void PauseLocked(double s, const std::string& why) {
     auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
     if (until > paused_until_) {
@@ -168,7 +219,7 @@ class RateLimiter {
   std::condition_variable cv_;
   Clock::time_point paused_until_{}, reset_at_{};
   bool known_ = false;
-  int64_t remaining_ = 0, quota_ = 0, window_s_ = 0;
+  int64_t remaining_ = 0, quota_ = 0, window_s_ = 0, in_flight_ = 0;
   std::string policy_, pause_why_;
   double base_s_, max_s_;
   std::mutex rng_mu_;

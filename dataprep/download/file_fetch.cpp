@@ -259,14 +259,16 @@ class FileFetch {
   absl::Status Run() {
     while (!s_.stop) {
       const bool hub = d_.IsHub(url_);
+      RateLimiter::InFlight resolve;
       if (hub && f_.url.empty()) {
-        PTK_RETURN_IF_ERROR(s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s));
+        PTK_RETURN_IF_ERROR(s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s, &resolve));
         ++s_.resolves;
       }
       if (s_.stop) break;
       HttpResponse resp;
       PTK_RETURN_IF_ERROR(Transfer(resp));
       if (hub) s_.limiter.Observe(resp);
+      resolve.Release();
       PTK_RETURN_IF_ERROR(part_.write_error());
       const bool progressed = part_.Progressed();
       if (progressed) {

@@ -335,8 +335,9 @@ class RangedFetch {
         if (stop_) return absl::OkStatus();
       }
       const bool hub = d_.IsHub(url);
+      RateLimiter::InFlight resolve;
       if (hub && f_.url.empty()) {
-        PTK_RETURN_IF_ERROR(s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s));
+        PTK_RETURN_IF_ERROR(s_.limiter.WaitForResolve(s_.stop, budget_.Deadline(), s_.opt.max_retry_time_s, &resolve));
         ++s_.resolves;
       }
       uint64_t from, end;
@@ -383,6 +384,7 @@ class RangedFetch {
       };
       PTK_RETURN_IF_ERROR(http.Get(req, &resp, &sink));
       if (hub) s_.limiter.Observe(resp);
+      resolve.Release();
       PTK_RETURN_IF_ERROR(write_error);
       const bool progressed = pos > from;
       if (progressed) budget_.Progressed();

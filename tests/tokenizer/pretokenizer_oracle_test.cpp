@@ -164,14 +164,24 @@ TEST(PretokenizerOracle, AsciiBlocksFuzz) {
 TEST(PretokenizerOracle, MultiByteBlocksFuzz) {
   Oracle oracle;
   const std::string ascii = "asStmdL'''    \t\n09.,!-";
-  const char* const chars[] = {
-      "\xC3\xA9" /* e acute */,         "\xC3\x97" /* times (Sm) */,     "\xD0\x96" /* Zhe */,
-      "\xD9\xA3" /* Arabic-Indic 3 */,  "\xC2\xB9" /* superscript 1 */,  "\xC2\xAA" /* ordinal a (Lo) */,
-      "\xCC\x81" /* combining acute */, "\xC2\xAB" /* guillemet */,      "\xD7\x90" /* alef */,
-      "\xE4\xB8\xAD" /* CJK */,         "\xE3\x80\x81" /* ideographic comma */,
-      "\xEF\xBC\xA1" /* fullwidth A */, "\xEF\xBC\x81" /* fullwidth ! */, "\xE0\xA4\x95" /* Devanagari ka */,
-      "\xE0\xA5\x8D" /* virama (Mn) */, "\xE0\xA5\xA9" /* Devanagari 3 */, "\xE2\x82\xAC" /* euro */,
-      "\xE0\xA4\xBE" /* sign aa (Mc) */};
+  const char* const chars[] = {"\xC3\xA9" /* e acute */,
+                               "\xC3\x97" /* times (Sm) */,
+                               "\xD0\x96" /* Zhe */,
+                               "\xD9\xA3" /* Arabic-Indic 3 */,
+                               "\xC2\xB9" /* superscript 1 */,
+                               "\xC2\xAA" /* ordinal a (Lo) */,
+                               "\xCC\x81" /* combining acute */,
+                               "\xC2\xAB" /* guillemet */,
+                               "\xD7\x90" /* alef */,
+                               "\xE4\xB8\xAD" /* CJK */,
+                               "\xE3\x80\x81" /* ideographic comma */,
+                               "\xEF\xBC\xA1" /* fullwidth A */,
+                               "\xEF\xBC\x81" /* fullwidth ! */,
+                               "\xE0\xA4\x95" /* Devanagari ka */,
+                               "\xE0\xA5\x8D" /* virama (Mn) */,
+                               "\xE0\xA5\xA9" /* Devanagari 3 */,
+                               "\xE2\x82\xAC" /* euro */,
+                               "\xE0\xA4\xBE" /* sign aa (Mc) */};
   constexpr size_t kChars = sizeof(chars) / sizeof(chars[0]);
   const char* const stoppers[] = {"\xC2\xA0" /* NBSP */,
                                   "\xC2\x85" /* NEL */,

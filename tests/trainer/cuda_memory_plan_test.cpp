@@ -107,11 +107,10 @@ TEST(CudaMemoryPlan, LogitChunksAreBalancedWholeTiles) {
         hi = std::max(hi, r);
       }
       EXPECT_EQ(sum, n) << n << " " << cap;
-      EXPECT_EQ(static_cast<int64_t>(chunks.size()), (n + cap - 1) / cap > 1 && cap >= kLogitRowTile
-                                                          ? ((n + kLogitRowTile - 1) / kLogitRowTile +
-                                                             cap / kLogitRowTile - 1) /
-                                                                (cap / kLogitRowTile)
-                                                          : (n + cap - 1) / cap)
+      EXPECT_EQ(static_cast<int64_t>(chunks.size()),
+                (n + cap - 1) / cap > 1 && cap >= kLogitRowTile
+                    ? ((n + kLogitRowTile - 1) / kLogitRowTile + cap / kLogitRowTile - 1) / (cap / kLogitRowTile)
+                    : (n + cap - 1) / cap)
           << n << " " << cap;
       if (chunks.size() > 1 && cap >= kLogitRowTile) {
         for (size_t i = 0; i + 1 < chunks.size(); ++i) EXPECT_EQ(chunks[i] % kLogitRowTile, 0) << n << " " << cap;

@@ -22,16 +22,11 @@ namespace {
 
 using ptk::testing::RunCmd;
 using ptk::testing::ShellQuote;
-using ptk::testing::TempDir;
 
 using Saved = testing::SavedCheckpoint;
 
-class DataParallelCli : public ::testing::Test {
+class DataParallelCli : public testing::RanksTest {
  protected:
-  void SetUp() override {
-    prefix_ = dir_ / "data_text_document";
-    ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(prefix_, 300));
-  }
   // Global batch 6: 1, 2 and 3 ranks split it evenly. Dropout on (Megatron's defaults).
   std::string Train(const std::string& extra, int64_t iters = 6) {
     return ptk::testing::Tool("ptk-train") +
@@ -42,42 +37,8 @@ class DataParallelCli : public ::testing::Test {
            ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
            std::to_string(iters) + " " + extra;
   }
-  // `world` ranks of `cmd` (rank 0 in the foreground); the output is rank 0's, then one line with
-  // every rank's exit code ("rc=0 0 0").
-  ptk::testing::CommandResult Ranks(int world, const std::string& cmd) {
-    const std::string port = std::to_string(testing::FreeTestPort());
-    std::string script =
-        "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
-    for (int r = 1; r < world; ++r)
-      script += "RANK=" + std::to_string(r) + " " + cmd + " > " +
-                ShellQuote(dir_ / ("r" + std::to_string(r) + ".log")) + " 2>&1 & pids=\"$pids $!\"; ";
-    script += "RANK=0 " + cmd + "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
-    return RunCmd("bash -c " + ShellQuote(script));
-  }
-  static std::string AllZero(int world) {
-    std::string s = "rc=0";
-    for (int r = 1; r < world; ++r) s += " 0";
-    return s;
-  }
-  std::string Logs(int world) {
-    std::string out;
-    for (int r = 1; r < world; ++r) out += ptk::testing::ReadFile(dir_ / ("r" + std::to_string(r) + ".log"));
-    return out;
-  }
   Saved Load(const std::string& dir, int64_t iteration) { return testing::LoadTinyCheckpoint(dir, iteration); }
-  // The "lm loss: ..." and "grad norm: ..." fields of every log line, in order.
-  static std::vector<std::string> LossLines(const std::string& out) {
-    std::vector<std::string> v;
-    std::regex re(R"(iteration +\d+/ +\d+ .*\| lm loss: \S+ \|.*\| grad norm: \S+ \|)");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it) {
-      std::string line = it->str();
-      line = std::regex_replace(
-          line, std::regex(R"(elapsed time per iteration \(ms\): \S+ \| throughput per GPU \(TFLOP/s/GPU\): \S+ \|)"),
-          "");
-      v.push_back(line);
-    }
-    return v;
-  }
+  static std::vector<std::string> LossLines(const std::string& out) { return testing::LogLinesWithoutTimes(out); }
   static void ExpectSameState(const Saved& a, const Saved& b, const std::string& what) {
     EXPECT_EQ(a.state.iteration, b.state.iteration) << what;
     EXPECT_EQ(a.state.consumed_train_samples, b.state.consumed_train_samples) << what;
@@ -86,8 +47,6 @@ class DataParallelCli : public ::testing::Test {
     EXPECT_TRUE(a.m == b.m) << what << ": exp_avg differs";
     EXPECT_TRUE(a.v == b.v) << what << ": exp_avg_sq differs";
   }
-  TempDir dir_;
-  std::string prefix_;
 };
 
 TEST_F(DataParallelCli, DistributedOptimizerHasThePlainPathsBitsAtTwoAndThreeRanks) {
@@ -281,7 +240,9 @@ TEST_F(DataParallelCli, ARankFailingItsOwnChecksEndsEveryRankNamingIt) {
     for (int rank : {0, 1, 2}) {
       const std::string log = ptk::testing::ReadFile(dir_ / ("r" + std::to_string(rank) + ".log"));
       EXPECT_NE(log.find(why), std::string::npos) << "rank " << rank << "\n" << log;
-      if (rank != victim) EXPECT_NE(log.find(named + why), std::string::npos) << "rank " << rank << "\n" << log;
+      if (rank != victim) {
+        EXPECT_NE(log.find(named + why), std::string::npos) << "rank " << rank << "\n" << log;
+      }
     }
   }
 }

@@ -113,7 +113,8 @@ TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
       {"WORLD_SIZE=8", "--num-attention-heads 32 --global-batch-size 12",
        "usage error: --global-batch-size 12 is not divisible by --micro-batch-size 1 times the data-parallel size 8"},
       {"WORLD_SIZE=8x", "--num-attention-heads 32", "usage error: environment: WORLD_SIZE=\"8x\" is not an integer"},
-      {"WORLD_SIZE=8", "--num-attention-heads 32 --swiglu", "usage error: --dry-run counts Megatron's GPT-3 model only"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --swiglu",
+       "usage error: --dry-run counts Megatron's GPT-3 model only"},
       {"WORLD_SIZE=8", "--num-attention-heads 32 --qk-layernorm", "usage error: --qk-layernorm: LayerNorm on queries"},
   };
   for (const Case& c : cases) {

@@ -19,7 +19,6 @@
 namespace ptk {
 namespace {
 
-
 GPTConfig Config(bool untied) {
   GPTConfig c;
   c.num_layers = 3;
@@ -174,8 +173,8 @@ TEST(GradBuckets, CpuBackwardReducesEachBucketInOrderWhileItRuns) {
     bool started_without_finish;
     {
       std::unique_lock<std::mutex> lock(comm.mu);
-      started_without_finish = comm.started_cv.wait_for(lock, std::chrono::seconds(120),
-                                                        [&] { return comm.first_started; });
+      started_without_finish =
+          comm.started_cv.wait_for(lock, std::chrono::seconds(120), [&] { return comm.first_started; });
     }
     comm.Release();
     ASSERT_TRUE(fb.ok()) << fb.status();

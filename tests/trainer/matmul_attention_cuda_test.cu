@@ -211,12 +211,12 @@ TEST(MatmulCuda, Fp32BackwardMatchesCpu) {
       // CPU: dinp += (so from zero unless accumulating), dw +=, dbias +=
       std::vector<float> rdinp = accumulate ? dinp0 : std::vector<float>(dinp0.size(), 0.0f), rdw = dw0, rdb = db0;
       cpu::MatmulBackward<float>(rdinp.data(), rdw.data(), rdb.data(), dout.data(), inp.data(), w.data(), s.n, s.ic,
-                               s.oc);
+                                 s.oc);
       auto ainp = Abs(inp), aw = Abs(w), adout = Abs(dout);
       std::vector<float> mdinp = accumulate ? Abs(dinp0) : std::vector<float>(dinp0.size(), 0.0f), mdw = Abs(dw0),
                          mdb = Abs(db0);
       cpu::MatmulBackward<float>(mdinp.data(), mdw.data(), mdb.data(), adout.data(), ainp.data(), aw.data(), s.n, s.ic,
-                               s.oc);
+                                 s.oc);
       DeviceBuffer<float> d_inp(inp), d_w(w), d_dout(dout), d_dinp(dinp0), d_dw(dw0), d_db(db0);
       STATUS_OK(MatmulBackward<float>(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), s.n,
                                       s.ic, s.oc, gpu.ctx, accumulate));
@@ -337,7 +337,7 @@ TEST(AttentionCuda, Fp32MatchesCpuWithAndWithoutDropout) {
       std::vector<float> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c), scratch(2 * s.t * s.t);
       cpu::AttentionForward<float>(out.data(), probs.data(), qkv.data(), s, p, seed, streams.data());
       cpu::AttentionBackward<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, seed, streams.data(),
-                                  scratch.data());
+                                    scratch.data());
       DeviceBuffer<float> d_qkv(qkv), d_dout(dout), d_out(out.size()), d_probs(probs.size()), d_dqkv(dqkv.size()),
           d_scratch(AttentionBackwardScratch(s));
       DeviceBuffer<uint64_t> d_streams(streams);
@@ -405,7 +405,7 @@ void FlashMatchesCpu(double fwd_tol, double bwd_tol) {
     std::vector<double> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c), scratch(2 * s.t * s.t);
     cpu::AttentionForward<double>(out.data(), probs.data(), xqkv.data(), s, 0.0, 0, nullptr);
     cpu::AttentionBackward<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr,
-                                 scratch.data());
+                                   scratch.data());
     auto ws = FlashAttentionWorkspaceBytes<T>(s, 0.0, gpu.ctx);
     ASSERT_TRUE(ws.ok()) << ws.status();
     EXPECT_LE(*ws, static_cast<int64_t>(gpu.ctx.workspace_bytes));

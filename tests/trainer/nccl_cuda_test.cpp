@@ -1,7 +1,7 @@
 // NCCL with a world of one on one GPU (gpu-labelled: exits 77 without a device; a one-GPU machine
-// cannot host two NCCL ranks), and gloo ranks sharing that GPU for ZeRO-1's sharded master. The communicator's device-memory collectives (equal and unequal
-// pieces, in place) and host-memory ones (staged through the device); then the CUDA model trained
-// through it: the plain all-reduce, the reduction overlapped with backward on its own stream
+// cannot host two NCCL ranks), and gloo ranks sharing that GPU for ZeRO-1's sharded master. The communicator's
+// device-memory collectives (equal and unequal pieces, in place) and host-memory ones (staged through the device); then
+// the CUDA model trained through it: the plain all-reduce, the reduction overlapped with backward on its own stream
 // (--overlap-grad-reduce), ZeRO-1 with one rank (--use-distributed-optimizer), and both, give the
 // local communicator's bits (fp32 and bf16); and ptk-train --distributed-backend nccl with both flags
 // prints the loss lines of the plain run.
@@ -161,8 +161,8 @@ Trace Train(Precision precision, Communicator* comm, bool zero, bool overlap, do
   }
   const int64_t begin = (*model)->moments_begin(), size = (*model)->moments_size();
   EXPECT_TRUE((*model)->ReadOwnedParams(std::span<float>(t.params).subspan(begin, size)).ok());
-  EXPECT_TRUE((*model)->ReadMoments(std::span<float>(t.m).subspan(begin, size),
-                                    std::span<float>(t.v).subspan(begin, size))
+  EXPECT_TRUE((*model)
+                  ->ReadMoments(std::span<float>(t.m).subspan(begin, size), std::span<float>(t.v).subspan(begin, size))
                   .ok());
   std::vector<int64_t> bytes = (*model)->shard()->Counts();
   for (int64_t& x : bytes) x *= 4;
@@ -221,7 +221,8 @@ TEST(GlooRanksOnOneGpu, ShardedMasterEqualsThePlainAllReduce) {
           ASSERT_EQ(plain[r].norms.size(), t->norms.size()) << what;
           for (size_t i = 0; i < t->norms.size(); ++i) EXPECT_NEAR(plain[r].norms[i], t->norms[i], 1e-9 * t->norms[i]);
           ASSERT_EQ(plain[r].params.size(), t->params.size()) << what;
-          EXPECT_EQ(std::memcmp(plain[r].params.data(), t->params.data(), t->params.size() * 4), 0) << what << ": weights";
+          EXPECT_EQ(std::memcmp(plain[r].params.data(), t->params.data(), t->params.size() * 4), 0)
+              << what << ": weights";
           EXPECT_EQ(std::memcmp(plain[r].m.data(), t->m.data(), t->m.size() * 4), 0) << what << ": exp_avg";
           EXPECT_EQ(std::memcmp(plain[r].v.data(), t->v.data(), t->v.size() * 4), 0) << what << ": exp_avg_sq";
         }

@@ -31,10 +31,10 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/trainer/ops_cuda_test_util.cuh"
 #include "trainer/counter_rng.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cuda/ops_cuda.h"
-#include "tests/trainer/ops_cuda_test_util.cuh"
 
 namespace ptk::cuda {
 namespace {
@@ -71,8 +71,8 @@ TYPED_TEST(TypedCudaOps, LayerNormForwardMatchesCpu) {
     ExpectClose(dmean.Download(), mean, 1e-6, 1e-7, "mean " + what);
     ExpectClose(drstd.Download(), rstd, 1e-6, 1e-7, "rstd " + what);
     // Evaluation: no statistics kept.
-    ASSERT_OK(LayerNormForward<T>(dout.get(), nullptr, nullptr, dx.get(), dw.get(), db.get(), s.n, s.c, 1e-5,
-                                  this->ctx_));
+    ASSERT_OK(
+        LayerNormForward<T>(dout.get(), nullptr, nullptr, dx.get(), dw.get(), db.get(), s.n, s.c, 1e-5, this->ctx_));
     ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out without statistics " + what, true);
   }
 }
@@ -122,7 +122,7 @@ TYPED_TEST(TypedCudaOps, LayerNormBackwardMatchesCpuAndIsDeterministic) {
     cpu::LayerNormForward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), s.n, s.c, 1e-5);
     std::vector<float> dinp = dinp0, dw = dw0, db = db0;
     cpu::LayerNormBackward(dinp.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
-                         s.n, s.c);
+                           s.n, s.c);
     // The size of what dw and db sum, per channel.
     std::vector<float> sw(s.c, 0.0f), sb(s.c, 0.0f);
     for (int64_t i = 0; i < s.n; ++i) {
@@ -212,8 +212,8 @@ TEST_F(CudaOps, EmbeddingBackwardRefusesBadIdsAndASmallPlan) {
       dy(std::vector<float>(n * c, 2.0f));
   EmbeddingBackwardPlan plan;
   ASSERT_OK(plan.Reserve(n));
-  const absl::Status st = EmbeddingBackward<float>(dgte.get(), dgpe.get(), dy.get(), dtok.get(), dpos.get(), tokens.data(),
-                                             positions.data(), n, c, 50, 4, &plan, ctx_);
+  const absl::Status st = EmbeddingBackward<float>(dgte.get(), dgpe.get(), dy.get(), dtok.get(), dpos.get(),
+                                                   tokens.data(), positions.data(), n, c, 50, 4, &plan, ctx_);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("token id 50 at row 2"), std::string::npos) << st;
   EXPECT_EQ(dgte.Download(), std::vector<float>(50 * c, 1.0f));  // nothing launched
@@ -278,7 +278,8 @@ TYPED_TEST(TypedCudaOps, DropoutRowsIsTheCpuMask) {
             "row_len=" + std::to_string(row_len) + " offset=" + std::to_string(offset) + " p=" + std::to_string(p);
         const uint64_t seed = 777;
         std::vector<uint64_t> streams(rows);
-        for (int64_t r = 0; r < rows; ++r) streams[r] = DropoutStream(static_cast<uint64_t>(100 + r), 3, kMlpOutDropout);
+        for (int64_t r = 0; r < rows; ++r)
+          streams[r] = DropoutStream(static_cast<uint64_t>(100 + r), 3, kMlpOutDropout);
         const auto x = ToT<T>(Normal(rows * row_len, 40));
         std::vector<T> want(x.size());
         if constexpr (std::is_same_v<T, float>) {
@@ -359,8 +360,8 @@ TYPED_TEST(TypedCudaOps, SoftmaxCrossEntropyMatchesCpu) {
     ExpectClose(dlosses.Download(), losses, 1e-5, 1e-5, "forward losses " + what);
     ExpectBitwise(dlogits.Download(), ToT<T>(logits), "forward leaves the logits " + what);
 
-    ASSERT_OK(SoftmaxCrossEntropyFused<T>(dlogits.get(), dlosses.get(), dtargets.get(), ddl.get(), s.n, vp,
-                                          this->ctx_));
+    ASSERT_OK(
+        SoftmaxCrossEntropyFused<T>(dlogits.get(), dlosses.get(), dtargets.get(), ddl.get(), s.n, vp, this->ctx_));
     ExpectClose(dlosses.Download(), fused_losses, 1e-5, 1e-5, "fused losses " + what);
     const auto got = ToF(dlogits.Download());
     int64_t bad = 0, first = -1;
@@ -375,8 +376,8 @@ TYPED_TEST(TypedCudaOps, SoftmaxCrossEntropyMatchesCpu) {
         }
       }
     }
-    EXPECT_EQ(bad, 0) << "dlogits " << what << ": first at " << first << " got "
-                      << (first >= 0 ? got[first] : 0.0f) << " want " << (first >= 0 ? grad[first] : 0.0f);
+    EXPECT_EQ(bad, 0) << "dlogits " << what << ": first at " << first << " got " << (first >= 0 ? got[first] : 0.0f)
+                      << " want " << (first >= 0 ? grad[first] : 0.0f);
   }
 }
 

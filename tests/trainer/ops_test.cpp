@@ -244,8 +244,8 @@ TEST(Ops, LayerNormWeightGradientIndependentOfThreads) {
   auto run = [&](int threads) {
     std::vector<float> dx(n * c, 0), dw(c, 0), db(c, 0);
     tbb::task_arena(threads).execute([&] {
-      cpu::LayerNormBackward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(), n,
-                           c);
+      cpu::LayerNormBackward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                             n, c);
     });
     dx.insert(dx.end(), dw.begin(), dw.end());
     dx.insert(dx.end(), db.begin(), db.end());

@@ -4,6 +4,7 @@
 // --sequence-parallel) (the vocabulary padded to the
 // same size at every T); checkpoints in Megatron's layout (iter_N/mp_rank_TT) resume at the same T
 // with the uninterrupted run's lines character for character, and at T = 1 and 4 within 1e-5;
+// a tensor rank killed ends every other rank naming it, and its last checkpoint resumes bit for bit;
 // sizes that do not divide are refused in one line, exit 2, on every rank.
 #include <unistd.h>
 
@@ -19,20 +20,16 @@
 #include "tests/test_util.h"
 #include "tests/trainer/test_ports.h"
 #include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
 
 namespace ptk {
 namespace {
 
 using ptk::testing::RunCmd;
 using ptk::testing::ShellQuote;
-using ptk::testing::TempDir;
 
-class TensorParallelCli : public ::testing::Test {
+class TensorParallelCli : public testing::RanksTest {
  protected:
-  void SetUp() override {
-    prefix_ = dir_ / "data_text_document";
-    ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(prefix_, 300));
-  }
   // Global batch 4 of micro-batches of 1; dropout on (Megatron's defaults). The vocabulary is padded
   // to 50688 at every T (Megatron pads to a multiple of divisible-by x T).
   std::string Train(int T, const std::string& extra, int64_t iters = 20) {
@@ -45,29 +42,6 @@ class TensorParallelCli : public ::testing::Test {
            ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
            std::to_string(iters) + " " + extra;
   }
-  // `world` ranks of `cmd` (rank 0 in the foreground); the output is rank 0's, then one line with
-  // every rank's exit code ("rc=0 0 0").
-  ptk::testing::CommandResult Ranks(int world, const std::string& cmd) {
-    const std::string port = std::to_string(testing::FreeTestPort());
-    std::string script =
-        "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
-    for (int r = 1; r < world; ++r)
-      script += "RANK=" + std::to_string(r) + " timeout 300 " + cmd + " > " +
-                ShellQuote(dir_ / ("r" + std::to_string(r) + ".log")) + " 2>&1 & pids=\"$pids $!\"; ";
-    script += "RANK=0 timeout 300 " + cmd + "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
-    return RunCmd("bash -c " + ShellQuote(script));
-  }
-  static std::string AllZero(int world) {
-    std::string s = "rc=0";
-    for (int r = 1; r < world; ++r) s += " 0";
-    return s;
-  }
-  std::string Logs(int world) {
-    std::string out;
-    for (int r = 1; r < world; ++r)
-      out += "--- rank " + std::to_string(r) + "\n" + ptk::testing::ReadFile(dir_ / ("r" + std::to_string(r) + ".log"));
-    return out;
-  }
   // Each log line's iteration and lm loss, in order.
   static std::vector<std::pair<int, double>> Losses(const std::string& out) {
     std::vector<std::pair<int, double>> v;
@@ -77,15 +51,7 @@ class TensorParallelCli : public ::testing::Test {
     return v;
   }
   // The log lines without their timestamps and timings (what a bit-for-bit resume reproduces).
-  static std::vector<std::string> Lines(const std::string& out) {
-    std::vector<std::string> v;
-    std::regex re(R"(iteration +\d+/ +\d+ .*\| lm loss: \S+ \|.*\| grad norm: \S+ \|)");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-      v.push_back(std::regex_replace(
-          it->str(),
-          std::regex(R"(elapsed time per iteration \(ms\): \S+ \| throughput per GPU \(TFLOP/s/GPU\): \S+ \|)"), ""));
-    return v;
-  }
+  static std::vector<std::string> Lines(const std::string& out) { return testing::LogLinesWithoutTimes(out); }
   // The largest relative difference between the losses of the same iterations.
   static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
     double worst = 0;
@@ -107,9 +73,6 @@ class TensorParallelCli : public ::testing::Test {
     }
     return out;
   }
-
-  TempDir dir_;
-  std::string prefix_;
 };
 
 TEST_F(TensorParallelCli, TwoAndFourTensorRanksGiveOneRanksLosses) {
@@ -226,6 +189,63 @@ TEST_F(TensorParallelCli, CheckpointsResumeAtTheSameAndOtherTensorSizes) {
     EXPECT_LT(worst, 1e-5) << "T=2 -> " << T;
     std::printf("T=2 checkpoint resumed at T=%d: largest relative difference from one rank's: %.3g\n", T, worst);
   }
+}
+
+// kill -9 of one tensor rank of T = 2 x D = 2 in the middle of training: the three others (its
+// tensor peer and the other data-parallel pair) end non-zero within --distributed-timeout-minutes,
+// each naming the dead rank; --load of the last checkpoint then continues with the lines of a run
+// never interrupted, character for character.
+TEST_F(TensorParallelCli, AKilledTensorRankEndsEveryRankAndTheLastCheckpointResumes) {
+  const std::string host = ptk::testing::ReadFile("/proc/sys/kernel/hostname");
+  const std::string named =
+      "rank 1 (host " + host.substr(0, host.find('\n')) + ") exited (its connection to the rendezvous closed";
+  // Never ending by itself (the schedule of 100000 iterations in every run below); 12 s timeout.
+  const std::string flags = "--distributed-timeout-minutes 0.2 --save-interval 3 --eval-iters 0";
+  const std::string ck = dir_ / "ck";
+  const std::string cmd = Train(2, flags + " --save " + ShellQuote(ck), 100000);
+  std::string script =
+      "export WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) + "; ";
+  for (int rank = 0; rank < 4; ++rank)
+    // The victim runs as the shell's own child (its pid is the one killed); the others under
+    // timeout, so that one which hangs exits 124 instead of blocking the test.
+    script += "RANK=" + std::to_string(rank) + (rank == 1 ? " " : " timeout 300 ") + cmd + " > " +
+              ShellQuote(RankLog(rank)) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
+  // Once a checkpoint is saved, rank 1 (tensor rank 1 of data rank 0) is killed; the others must
+  // end by themselves.
+  script += "for i in $(seq 600); do grep -q 'successfully saved checkpoint' " + ShellQuote(RankLog(0)) +
+            " && break; sleep 0.1; done; kill -KILL $p1; start=$SECONDS; wait $p0; r0=$?; wait $p2; r2=$?; "
+            "wait $p3; r3=$?; echo rc=$r0,$r2,$r3 after=$((SECONDS-start)); wait $p1";
+  auto killed = RunCmd("bash -c " + ShellQuote(script));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(killed.output, m, std::regex(R"(rc=(\d+),(\d+),(\d+) after=(\d+))"))) << killed.output;
+  for (int i : {1, 2, 3}) {
+    const int rank = i == 1 ? 0 : i;
+    const std::string log = ptk::testing::ReadFile(RankLog(rank));
+    EXPECT_NE(m[i], "0") << "rank " << rank << "\n" << log;
+    EXPECT_NE(m[i], "124") << "rank " << rank << " hung\n" << log;
+    EXPECT_NE(log.find(named), std::string::npos) << "rank " << rank << "\n" << log;
+  }
+  // The closed connection is noticed at once; 30 s leaves room for a loaded CI machine.
+  EXPECT_LE(std::stoi(m[4]), 30) << "seconds from the kill to the others' exit";
+  auto latest = LatestCheckpointIteration(ck);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  ASSERT_GE(*latest, 3);
+  // Resumed at the same layout to a few iterations past the checkpoint, and a run never
+  // interrupted to the same iteration.
+  const int64_t end = *latest + 3;
+  const std::string until = " --exit-interval " + std::to_string(end);
+  auto resumed = Ranks(4, Train(2, flags + until + " --load " + ShellQuote(ck), 100000));
+  ASSERT_NE(resumed.output.find(AllZero(4)), std::string::npos) << resumed.output << Logs(4);
+  EXPECT_NE(resumed.output.find("loaded checkpoint"), std::string::npos) << resumed.output;
+  auto whole = Ranks(4, Train(2, flags + until, 100000));
+  ASSERT_NE(whole.output.find(AllZero(4)), std::string::npos) << whole.output << Logs(4);
+  const auto again = Lines(resumed.output), uninterrupted = Lines(whole.output);
+  ASSERT_EQ(uninterrupted.size(), static_cast<size_t>(end)) << whole.output;
+  ASSERT_EQ(again.size(), 3u) << resumed.output;
+  EXPECT_EQ(again, std::vector<std::string>(uninterrupted.end() - 3, uninterrupted.end()));
+  std::printf("rank 1 killed after iteration %lld's checkpoint: the others ended in %s s; resumed %lld to %lld\n",
+              static_cast<long long>(*latest), m[4].str().c_str(), static_cast<long long>(*latest) + 1,
+              static_cast<long long>(end));
 }
 
 TEST_F(TensorParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {

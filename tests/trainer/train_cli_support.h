@@ -1,14 +1,18 @@
-// What ptk-train's end-to-end tests (train_cli_test, dp_train_cli_test) share: the dataset they
-// train on and a reader for the checkpoints their tiny model saves.
+// What ptk-train's end-to-end tests (train_cli_test, dp_train_cli_test, tp_train_cli_test) share:
+// the dataset they train on, a reader for the checkpoints their tiny model saves, and a fixture that
+// starts ranks as processes over loopback gloo.
 #pragma once
 
 #include <cstdint>
+#include <regex>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "indexed_dataset/indexed_dataset.h"
+#include "tests/test_util.h"
+#include "tests/trainer/test_ports.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk::testing {
@@ -55,5 +59,55 @@ inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iterat
   EXPECT_TRUE(st.ok()) << st;
   return s;
 }
+
+// The log lines' iteration, loss and norm fields without their timings: what a run that resumes
+// bit for bit reproduces, character for character.
+inline std::vector<std::string> LogLinesWithoutTimes(const std::string& out) {
+  std::vector<std::string> v;
+  const std::regex line(R"(iteration +\d+/ +\d+ .*\| lm loss: \S+ \|.*\| grad norm: \S+ \|)");
+  const std::regex times(R"(elapsed time per iteration \(ms\): \S+ \| throughput per GPU \(TFLOP/s/GPU\): \S+ \|)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator(); ++it)
+    v.push_back(std::regex_replace(it->str(), times, ""));
+  return v;
+}
+
+// A test directory holding PREFIX data_text_document (WriteLearnableDataset's 300 documents), and
+// ranks of ptk-train started in it as processes over loopback gloo (torchrun's variables).
+class RanksTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = dir_ / "data_text_document";
+    ASSERT_NO_FATAL_FAILURE(WriteLearnableDataset(prefix_, 300));
+  }
+  // `world` ranks of `cmd`, rank 0 in the foreground and rank r's output in DIR/r<r>.log, each under
+  // `timeout 300` (a hang fails the test instead of blocking it). The output is rank 0's, then one
+  // line with every rank's exit code ("rc=0 0 0").
+  CommandResult Ranks(int world, const std::string& cmd) {
+    const std::string port = std::to_string(FreeTestPort());
+    std::string script =
+        "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
+    for (int r = 1; r < world; ++r)
+      script += "RANK=" + std::to_string(r) + " timeout 300 " + cmd + " > " + ShellQuote(RankLog(r)) +
+                " 2>&1 & pids=\"$pids $!\"; ";
+    script += "RANK=0 timeout 300 " + cmd + "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
+    return RunCmd("bash -c " + ShellQuote(script));
+  }
+  // Ranks' line of `world` exit codes 0.
+  static std::string AllZero(int world) {
+    std::string s = "rc=0";
+    for (int r = 1; r < world; ++r) s += " 0";
+    return s;
+  }
+  std::string RankLog(int rank) const { return dir_ / ("r" + std::to_string(rank) + ".log"); }
+  // The logs of ranks 1 to world - 1 of the last Ranks, each under a header (for failure messages).
+  std::string Logs(int world) const {
+    std::string out;
+    for (int r = 1; r < world; ++r) out += "--- rank " + std::to_string(r) + "\n" + ReadFile(RankLog(r));
+    return out;
+  }
+
+  TempDir dir_;
+  std::string prefix_;
+};
 
 }  // namespace ptk::testing

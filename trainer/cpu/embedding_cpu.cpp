@@ -10,7 +10,7 @@ constexpr int64_t kChannelBlock = 64;
 
 template <typename T>
 void EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
-                         int64_t c) {
+                      int64_t c) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* a = wte + static_cast<int64_t>(tokens[i]) * c;
     T* y = out + i * c;
@@ -25,7 +25,7 @@ void EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, c
 
 template <typename T>
 void EmbeddingBackward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
-                          int64_t c) {
+                       int64_t c) {
   // Each task owns a block of channels and walks the rows in order: scatter-adds without atomics,
   // in the same order for any thread count.
   int64_t blocks = (c + kChannelBlock - 1) / kChannelBlock;
@@ -42,7 +42,7 @@ void EmbeddingBackward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, c
   });
 }
 
-#define PTK_INSTANTIATE(T)                                                                                        \
+#define PTK_INSTANTIATE(T)                                                                                     \
   template void EmbeddingForward<T>(T*, const int32_t*, const int32_t*, const T*, const T*, int64_t, int64_t); \
   template void EmbeddingBackward<T>(T*, T*, const T*, const int32_t*, const int32_t*, int64_t, int64_t);
 PTK_INSTANTIATE(float)

@@ -13,7 +13,7 @@ constexpr int64_t kRowBlock = 64;  // fixed blocks: the weight-gradient sums do 
 
 template <typename T>
 void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
-                         double eps) {
+                      double eps) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* x = inp + i * c;
     double s = 0;
@@ -34,7 +34,7 @@ void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const 
 
 template <typename T>
 void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
-                          int64_t n, int64_t c) {
+                       int64_t n, int64_t c) {
   int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   std::vector<double> part(static_cast<size_t>(blocks * 2 * c), 0.0);
   tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
@@ -76,7 +76,7 @@ void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const
   }
 }
 
-#define PTK_INSTANTIATE(T)                                                                                  \
+#define PTK_INSTANTIATE(T)                                                                               \
   template void LayerNormForward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
   template void LayerNormBackward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
 PTK_INSTANTIATE(float)

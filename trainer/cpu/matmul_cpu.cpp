@@ -53,7 +53,7 @@ void MatmulForward(T* out, const T* inp, const T* w, const T* bias, int64_t n, i
 
 template <typename T>
 void MatmulBackward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
-                       int64_t oc) {
+                    int64_t oc) {
   if (dinp) Gemm<T>(false, false, n, ic, oc, T(1), dout, oc, w, ic, T(1), dinp, ic);
   Gemm<T>(true, false, oc, ic, n, T(1), dout, oc, inp, ic, T(1), dw, ic);
   if (dbias) {
@@ -70,7 +70,7 @@ void MatmulBackward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const
 #define PTK_INSTANTIATE(T)                                                                                     \
   template void Gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, int64_t, T, T*, \
                         int64_t);                                                                              \
-  template void MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);              \
+  template void MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);                 \
   template void MatmulBackward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)

@@ -26,16 +26,15 @@ void MatmulForward(T* out, const T* inp, const T* w, const T* bias, int64_t n, i
 // dinp or dbias may be null.
 template <typename T>
 void MatmulBackward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t n, int64_t ic,
-                       int64_t oc);
+                    int64_t oc);
 
 // ---- layernorm_cpu.cpp -----------------------------------------------------------------------
 // out(n, c) = (inp - mean) * rstd * w + b; saves mean(n) and rstd(n) for the backward pass.
 template <typename T>
-void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
-                         double eps);
+void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c, double eps);
 template <typename T>
 void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
-                          int64_t n, int64_t c);
+                       int64_t n, int64_t c);
 
 // ---- rmsnorm_cpu.cpp -------------------------------------------------------------------------
 // RMSNorm (Llama's, Megatron's --normalization RMSNorm): out(n, c) = inp * rstd * w with
@@ -71,10 +70,10 @@ void SwigluBackward(T* dinp, const T* inp, const T* dout, int64_t n, int64_t f);
 // out(n, c) = wte[tokens[i]] + wpe[positions[i]]   (wpe, dwpe null: no position embedding)
 template <typename T>
 void EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe, int64_t n,
-                         int64_t c);
+                      int64_t c);
 template <typename T>
 void EmbeddingBackward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions, int64_t n,
-                          int64_t c);
+                       int64_t c);
 
 // ---- gelu_cpu.cpp ----------------------------------------------------------------------------
 // Megatron's fused bias-GELU: the tanh approximation.
@@ -101,12 +100,12 @@ void Dropout(T* inout, int64_t n, double p, uint64_t seed, uint64_t stream);
 // AttentionShape is in trainer/op_types.h (shared with the CUDA ops).
 template <typename T>
 void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
-                         const uint64_t* streams);
+                      const uint64_t* streams);
 // dqkv(b, t, qkv_width) is assigned (a group's key and value gradients summed over its query
 // heads). scratch: 2 * t * t elements.
 template <typename T>
 void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
-                          uint64_t seed, const uint64_t* streams, T* scratch);
+                       uint64_t seed, const uint64_t* streams, T* scratch);
 
 // ---- softmax_xent_cpu.cpp --------------------------------------------------------------------
 // losses(n) = logsumexp(logits(n, vp)) - logits[target]; every column, padded ones included, is in

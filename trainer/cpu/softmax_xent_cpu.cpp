@@ -119,8 +119,7 @@ void SoftmaxCrossEntropyBackward(T* logits, const int32_t* targets, const T* dlo
 }
 
 template <typename T>
-void SoftmaxCrossEntropyFused(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n,
-                                 int64_t vp) {
+void SoftmaxCrossEntropyFused(T* logits, T* losses, const int32_t* targets, const T* dlosses, int64_t n, int64_t vp) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     T* row = logits + i * vp;
     const T target_logit = row[targets[i]];

@@ -92,8 +92,8 @@ __global__ void SumPartialsKernel(double* out, const double* partials, int64_t c
 // Block k: chunk k of the table, its elements in strides of the block (coalesced; the pieces'
 // offsets need not be 16-byte aligned).
 template <typename T>
-__global__ void AdamWMultiKernel(const AdamWChunk* table, float* master, int64_t master_shift, const float* g,
-                                 float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
+__global__ void AdamWMultiKernel(const AdamWChunk* table, float* master, int64_t master_shift, const float* g, float* m,
+                                 float* v, int64_t moment_shift, T* p_compute, float grad_scale,
                                  AdamWCoefficients<float> decay, AdamWCoefficients<float> no_decay) {
   const AdamWChunk chunk = table[blockIdx.x];
   const AdamWCoefficients<float> c = chunk.no_weight_decay ? no_decay : decay;
@@ -113,17 +113,19 @@ __global__ void AdamWMultiKernel(const AdamWChunk* table, float* master, int64_t
 }  // namespace
 
 template <typename T>
-absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift, const float* g,
-                        float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
+absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift,
+                        const float* g, float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
                         const AdamWParams& decay, const AdamWParams& no_decay, const CudaContext& ctx) {
   auto where = [&] {
     return fmt::format("AdamWMulti<{}>(chunks={}, step={}, lr={}, grad scale={})", kernel::TypeName<T>(), table_size,
                        decay.step, decay.lr, grad_scale);
   };
   PTK_KERNEL_CHECK(kernel::CheckCount(table_size, "table_size", where));
-  if (decay.step < 1 || no_decay.step < 1) return absl::InvalidArgumentError(fmt::format("{}: the step is 1-based", where()));
+  if (decay.step < 1 || no_decay.step < 1)
+    return absl::InvalidArgumentError(fmt::format("{}: the step is 1-based", where()));
   if (table_size == 0) return absl::OkStatus();
-  if (table_size > 0x7fffffff) return absl::InvalidArgumentError(fmt::format("{}: too many chunks for one grid", where()));
+  if (table_size > 0x7fffffff)
+    return absl::InvalidArgumentError(fmt::format("{}: too many chunks for one grid", where()));
   PTK_KERNEL_CHECK(kernel::CheckPointer(table, "table", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(master, "master", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(g, "g", where));
@@ -142,9 +144,7 @@ absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* mast
 template <typename T>
 absl::Status AdamW(float* p, const float* g, float* m, float* v, int64_t n, const AdamWParams& a, T* p_compute,
                    const CudaContext& ctx) {
-  auto where = [&] {
-    return fmt::format("AdamW<{}>(n={}, step={}, lr={})", kernel::TypeName<T>(), n, a.step, a.lr);
-  };
+  auto where = [&] { return fmt::format("AdamW<{}>(n={}, step={}, lr={})", kernel::TypeName<T>(), n, a.step, a.lr); };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   if (a.step < 1) return absl::InvalidArgumentError(fmt::format("{}: the step is 1-based", where()));
   if (n == 0) return absl::OkStatus();
@@ -203,9 +203,9 @@ absl::Status Scale(float* x, int64_t n, float s, const CudaContext& ctx) {
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                                     \
-  template absl::Status AdamW<T>(float*, const float*, float*, float*, int64_t, const AdamWParams&, T*, \
-                                 const CudaContext&);                                                  \
+#define PTK_INSTANTIATE(T)                                                                                       \
+  template absl::Status AdamW<T>(float*, const float*, float*, float*, int64_t, const AdamWParams&, T*,          \
+                                 const CudaContext&);                                                            \
   template absl::Status AdamWMulti<T>(const AdamWChunk*, int64_t, float*, int64_t, const float*, float*, float*, \
                                       int64_t, T*, float, const AdamWParams&, const AdamWParams&, const CudaContext&);
 PTK_INSTANTIATE(float)

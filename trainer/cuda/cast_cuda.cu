@@ -114,9 +114,9 @@ absl::Status NonFiniteFlag(int* flag, const float* x, int64_t n, const CudaConte
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                       \
-  template absl::Status CastFromFloat<T>(T*, const float*, int64_t, const CudaContext&);        \
-  template absl::Status CastToFloat<T>(float*, const T*, int64_t, const CudaContext&);          \
+#define PTK_INSTANTIATE(T)                                                               \
+  template absl::Status CastFromFloat<T>(T*, const float*, int64_t, const CudaContext&); \
+  template absl::Status CastToFloat<T>(float*, const T*, int64_t, const CudaContext&);   \
   template absl::Status ResidualAdd<T>(T*, const T*, const T*, int64_t, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

@@ -126,10 +126,9 @@ class NcclCommunicator : public Communicator {
       comm_ = nullptr;
       return Failed("NCCL initialisation", ncclGetErrorString(r));
     }
-    guard_ = std::make_unique<NcclGuard>(std::make_unique<RealNcclCalls>(comm_), timeout_,
-                                         [this](const std::string& what, const std::string& why) {
-                                           return Failed(what, why);
-                                         });
+    guard_ = std::make_unique<NcclGuard>(
+        std::make_unique<RealNcclCalls>(comm_), timeout_,
+        [this](const std::string& what, const std::string& why) { return Failed(what, why); });
     PTK_RETURN_IF_ERROR(guard_->Settle(r, "NCCL initialisation"));
     watchdog_ = std::thread([this] { Watch(); });
     return absl::OkStatus();

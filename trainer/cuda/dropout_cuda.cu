@@ -24,7 +24,8 @@ __global__ void DropoutRowsKernel(T* x, int64_t rows, int64_t row_len, int64_t t
     float v[N];
     kernel::LoadFloats<N>(p, v);
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = DropoutKeepKeyed(key, static_cast<uint64_t>(i + k), threshold) ? v[k] * scale : 0.0f;
+    for (int k = 0; k < N; ++k)
+      v[k] = DropoutKeepKeyed(key, static_cast<uint64_t>(i + k), threshold) ? v[k] * scale : 0.0f;
     kernel::StoreFloats<N>(p, v);
   }
 }
@@ -34,8 +35,8 @@ void Launch(T* x, int64_t rows, int64_t row_len, const uint64_t* streams, uint64
             float scale, const CudaContext& ctx) {
   const int64_t tiles_per_row = CeilDiv(row_len, int64_t{kThreads} * N);
   const unsigned blocks = kernel::GridBlocks(rows * tiles_per_row, 1, kernel::MaxBlocks(ctx));
-  DropoutRowsKernel<T, N><<<blocks, kThreads, 0, ctx.stream>>>(x, rows, row_len, tiles_per_row, streams, seed,
-                                                                threshold, scale);
+  DropoutRowsKernel<T, N>
+      <<<blocks, kThreads, 0, ctx.stream>>>(x, rows, row_len, tiles_per_row, streams, seed, threshold, scale);
 }
 
 }  // namespace

@@ -101,7 +101,8 @@ void LaunchBackward(float* dtable, const T* dout, const int32_t* plan, int64_t n
   const int32_t* order = plan;
   const int32_t* starts = plan + n;
   const int32_t* ids = starts + groups + 1;
-  EmbeddingBackwardKernel<T, N><<<blocks, threads, 0, ctx.stream>>>(dtable, dout, order, starts, ids, groups, c, chunks);
+  EmbeddingBackwardKernel<T, N>
+      <<<blocks, threads, 0, ctx.stream>>>(dtable, dout, order, starts, ids, groups, c, chunks);
 }
 
 }  // namespace
@@ -149,8 +150,7 @@ absl::Status EmbeddingForward(T* out, const int32_t* tokens, const int32_t* posi
   PTK_KERNEL_CHECK(kernel::CheckPointer(wte, "wte", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(wpe, "wpe", where));
   constexpr int kV = kernel::kVec<T>;
-  const bool vec =
-      c % kV == 0 && kernel::Aligned(out, 16) && kernel::Aligned(wte, 16) && kernel::Aligned(wpe, 16);
+  const bool vec = c % kV == 0 && kernel::Aligned(out, 16) && kernel::Aligned(wte, 16) && kernel::Aligned(wpe, 16);
   const int n_per = vec ? kV : 1;
   const int threads = kernel::RowThreads(CeilDiv(c, n_per), kMaxThreads);
   const int64_t chunks = CeilDiv(CeilDiv(c, n_per), threads);
@@ -165,13 +165,13 @@ absl::Status EmbeddingForward(T* out, const int32_t* tokens, const int32_t* posi
 }
 
 template <typename T>
-absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens,
-                               const int32_t* positions, const int32_t* tokens_host, const int32_t* positions_host,
-                               int64_t n, int64_t c, int64_t vocab_rows, int64_t position_rows,
-                               EmbeddingBackwardPlan* plan, const CudaContext& ctx) {
+absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions,
+                               const int32_t* tokens_host, const int32_t* positions_host, int64_t n, int64_t c,
+                               int64_t vocab_rows, int64_t position_rows, EmbeddingBackwardPlan* plan,
+                               const CudaContext& ctx) {
   auto where = [&] {
-    return fmt::format("EmbeddingBackward<{}>(n={}, c={}, vocab_rows={}, position_rows={})", kernel::TypeName<T>(),
-                       n, c, vocab_rows, position_rows);
+    return fmt::format("EmbeddingBackward<{}>(n={}, c={}, vocab_rows={}, position_rows={})", kernel::TypeName<T>(), n,
+                       c, vocab_rows, position_rows);
   };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
@@ -191,8 +191,8 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
   // The previous call's upload must have left the staging before it is rewritten.
   PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(plan->uploaded), where());
   int64_t token_groups = 0, token_ints = 0, position_groups = 0, position_ints = 0;
-  PTK_KERNEL_CHECK(GroupRows(tokens_host, n, vocab_rows, "token", plan->counts, plan->host, &token_groups,
-                             &token_ints, where));
+  PTK_KERNEL_CHECK(
+      GroupRows(tokens_host, n, vocab_rows, "token", plan->counts, plan->host, &token_groups, &token_ints, where));
   PTK_KERNEL_CHECK(GroupRows(positions_host, n, position_rows, "position", plan->counts, plan->host + token_ints,
                              &position_groups, &position_ints, where));
   const size_t bytes = static_cast<size_t>(token_ints + position_ints) * sizeof(int32_t);
@@ -212,11 +212,11 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                                      \
-  template absl::Status EmbeddingForward<T>(T*, const int32_t*, const int32_t*, const T*, const T*, int64_t,   \
-                                            int64_t, const CudaContext&);                                       \
-  template absl::Status EmbeddingBackward<T>(float*, float*, const T*, const int32_t*, const int32_t*,         \
-                                             const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, \
+#define PTK_INSTANTIATE(T)                                                                                             \
+  template absl::Status EmbeddingForward<T>(T*, const int32_t*, const int32_t*, const T*, const T*, int64_t, int64_t,  \
+                                            const CudaContext&);                                                       \
+  template absl::Status EmbeddingBackward<T>(float*, float*, const T*, const int32_t*, const int32_t*, const int32_t*, \
+                                             const int32_t*, int64_t, int64_t, int64_t, int64_t,                       \
                                              EmbeddingBackwardPlan*, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

@@ -72,7 +72,7 @@ absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                  \
+#define PTK_INSTANTIATE(T)                                                         \
   template absl::Status GeluForward<T>(T*, const T*, int64_t, const CudaContext&); \
   template absl::Status GeluBackward<T>(T*, const T*, const T*, int64_t, const CudaContext&);
 PTK_INSTANTIATE(float)

@@ -165,7 +165,8 @@ inline int64_t HeadTo16(const void* p, int64_t elem_bytes) {
 // Whether element `index` of an array of `elem_bytes` elements at p is aligned to `bytes` (address
 // arithmetic only: index may lie past the end).
 inline bool AlignedAt(const void* p, int64_t index, int64_t elem_bytes, int64_t bytes) {
-  return (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(index * elem_bytes)) % static_cast<uintptr_t>(bytes) ==
+  return (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(index * elem_bytes)) %
+             static_cast<uintptr_t>(bytes) ==
          0;
 }
 
@@ -185,8 +186,8 @@ absl::Status CheckPointer(const void* p, std::string_view what, const Where& whe
 }  // namespace ptk::cuda::kernel
 
 // Returns from the enclosing function when the Status expression (commas allowed) is not ok.
-#define PTK_KERNEL_CHECK(...)                                  \
-  do {                                                         \
-    ::absl::Status ptk_check_status_ = (__VA_ARGS__);          \
-    if (!ptk_check_status_.ok()) return ptk_check_status_;     \
+#define PTK_KERNEL_CHECK(...)                              \
+  do {                                                     \
+    ::absl::Status ptk_check_status_ = (__VA_ARGS__);      \
+    if (!ptk_check_status_.ok()) return ptk_check_status_; \
   } while (0)

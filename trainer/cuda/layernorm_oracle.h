@@ -12,7 +12,6 @@ namespace ptk::cuda {
 template <typename T>
 absl::Status LayerNormBackwardRowsInSeries(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
                                            const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                                           const CudaContext& ctx, T* dbranch = nullptr,
-                                           const LnDropout& drop = {});
+                                           const CudaContext& ctx, T* dbranch = nullptr, const LnDropout& drop = {});
 
 }  // namespace ptk::cuda

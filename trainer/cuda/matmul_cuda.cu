@@ -434,8 +434,7 @@ absl::Status MatmulForward(T* out, const T* inp, const T* w, const T* bias, int6
 
 template <typename T>
 absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, const T* inp, const T* w, int64_t n,
-                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp,
-                            const T* gelu_pre) {
+                            int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp, const T* gelu_pre) {
   const std::string where = fmt::format("MatmulBackward<{}>(n={}, ic={}, oc={}{}{})", TypeLabel<T>(), n, ic, oc,
                                         dinp ? (accumulate_dinp ? ", dinp +=" : ", dinp") : "", dbias ? ", dbias" : "");
   if (n < 0 || ic <= 0 || oc <= 0)
@@ -460,8 +459,7 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
       if (absl::Status s = LtGemm(dgelu, w, dout, dinp, 1.0f, 0.0f, ctx, where, &fused); !s.ok()) return s;
     }
     if (!fused) {
-      if (absl::Status s = Gemm(g, w, dout, dinp, 1.0f, accumulate_dinp ? 1.0f : 0.0f, ctx, where); !s.ok())
-        return s;
+      if (absl::Status s = Gemm(g, w, dout, dinp, 1.0f, accumulate_dinp ? 1.0f : 0.0f, ctx, where); !s.ok()) return s;
       if (gelu_pre)
         if (absl::Status s = GeluBackward<T>(dinp, gelu_pre, dinp, n * ic, ctx); !s.ok()) return s;
     }

@@ -57,11 +57,11 @@ inline constexpr int64_t kDefaultLogitsBudget = int64_t{256} << 20;
 struct PlanOptions {
   Precision precision = Precision::kFp32;
   int64_t micro_batch_size = 1;
-  int64_t seq_length = 0;                   // 0: the config's
+  int64_t seq_length = 0;                              // 0: the config's
   int64_t logits_budget_bytes = kDefaultLogitsBudget;  // the logits are computed in chunks of rows within this
-  int64_t workspace_bytes = 64 << 20;       // cuBLASLt and cuDNN
-  int64_t attention_scratch_floats = 0;     // AttentionBackwardScratch of the shape (fp32 mode)
-  int64_t reduce_doubles = 0;               // SumSquaresPartials of the parameter count
+  int64_t workspace_bytes = 64 << 20;                  // cuBLASLt and cuDNN
+  int64_t attention_scratch_floats = 0;                // AttentionBackwardScratch of the shape (fp32 mode)
+  int64_t reduce_doubles = 0;                          // SumSquaresPartials of the parameter count
   // ZeRO-1 (--use-distributed-optimizer): the parameter and gradient buffers padded to the shard
   // layout's padded size (0: the parameter count), the moments for this rank's shard only (-1: all);
   // in bf16/fp16 the fp32 master too.
@@ -81,9 +81,7 @@ int64_t InputBytes(int64_t n);
 
 // The LayerNorms' parameters (every layer's two, and the final one): weight and bias, hidden size
 // each.
-inline int64_t LayerNormParamCount(const GPTConfig& config) {
-  return (4 * config.num_layers + 2) * config.hidden_size;
-}
+inline int64_t LayerNormParamCount(const GPTConfig& config) { return (4 * config.num_layers + 2) * config.hidden_size; }
 
 // Where the LayerNorms' parameters lie in the flat layout, as runs of adjacent tensors (a layer's
 // LayerNorm weight and bias are neighbours), in layout order; `compact` is the run's start in

@@ -145,6 +145,7 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
                                const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams,
                                float* scratch, const CudaContext& ctx);
 int64_t AttentionBackwardScratch(const AttentionShape& s);
+// ---- flash_attention_cuda.cu -------------------------------------------------------------------
 // bf16 / fp16 (T = __nv_bfloat16 or __half): cuDNN's fused flash attention (graph API through
 // cudnn-frontend), never a t x t matrix in memory. stats(b, nh, t): fp32 softmax statistics kept
 // for backward. Attention dropout, when p > 0, is cuDNN's own (Philox keyed by seed and offset):
@@ -193,8 +194,8 @@ absl::Status AdamW(float* p, const float* g, float* m, float* v, int64_t n, cons
 // p_compute[i]. The same bits as Scale then AdamW piece by piece.
 struct AdamWChunk;
 template <typename T>
-absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift, const float* g,
-                        float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
+absl::Status AdamWMulti(const AdamWChunk* table, int64_t table_size, float* master, int64_t master_shift,
+                        const float* g, float* m, float* v, int64_t moment_shift, T* p_compute, float grad_scale,
                         const AdamWParams& decay, const AdamWParams& no_decay, const CudaContext& ctx);
 // Sum of squares in double over fixed blocks, written to *out (device memory). partials:
 // SumSquaresPartials(n) doubles of device scratch.

@@ -61,8 +61,8 @@ __device__ __forceinline__ void BlockCombine(float& m, double& s, float* shared_
 // kFused: grad (the logits, overwritten) receives (softmax - onehot) * dlosses[row]; else grad is
 // null. A target outside [0, vp) gives a NaN loss (never an access outside the row).
 template <typename T, int N, bool kFused>
-__global__ void SoftmaxXentKernel(T* grad, const T* logits, float* losses, const int32_t* targets,
-                                  const float* dlosses, int64_t n, int64_t vp) {
+__global__ void SoftmaxXentKernel(T* grad, const T* logits, float* losses, const int32_t* targets, const float* dlosses,
+                                  int64_t n, int64_t vp) {
   __shared__ float shared_m[33];
   __shared__ double shared_s[33];
   for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
@@ -127,9 +127,7 @@ void Launch(T* grad, const T* logits, float* losses, const int32_t* targets, con
 template <typename T>
 absl::Status SoftmaxCrossEntropyForward(float* losses, const T* logits, const int32_t* targets, int64_t n, int64_t vp,
                                         const CudaContext& ctx) {
-  auto where = [&] {
-    return fmt::format("SoftmaxCrossEntropyForward<{}>(n={}, vp={})", kernel::TypeName<T>(), n, vp);
-  };
+  auto where = [&] { return fmt::format("SoftmaxCrossEntropyForward<{}>(n={}, vp={})", kernel::TypeName<T>(), n, vp); };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(vp, "vp", where));
   if (n == 0) return absl::OkStatus();
@@ -143,11 +141,9 @@ absl::Status SoftmaxCrossEntropyForward(float* losses, const T* logits, const in
 }
 
 template <typename T>
-absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* targets, const float* dlosses,
-                                      int64_t n, int64_t vp, const CudaContext& ctx) {
-  auto where = [&] {
-    return fmt::format("SoftmaxCrossEntropyFused<{}>(n={}, vp={})", kernel::TypeName<T>(), n, vp);
-  };
+absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* targets, const float* dlosses, int64_t n,
+                                      int64_t vp, const CudaContext& ctx) {
+  auto where = [&] { return fmt::format("SoftmaxCrossEntropyFused<{}>(n={}, vp={})", kernel::TypeName<T>(), n, vp); };
   PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(vp, "vp", where));
   if (n == 0) return absl::OkStatus();
@@ -161,9 +157,9 @@ absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* t
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                                    \
-  template absl::Status SoftmaxCrossEntropyForward<T>(float*, const T*, const int32_t*, int64_t, int64_t,    \
-                                                      const CudaContext&);                                  \
+#define PTK_INSTANTIATE(T)                                                                                      \
+  template absl::Status SoftmaxCrossEntropyForward<T>(float*, const T*, const int32_t*, int64_t, int64_t,       \
+                                                      const CudaContext&);                                      \
   template absl::Status SoftmaxCrossEntropyFused<T>(T*, float*, const int32_t*, const float*, int64_t, int64_t, \
                                                     const CudaContext&);
 PTK_INSTANTIATE(float)

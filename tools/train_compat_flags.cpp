@@ -1,0 +1,153 @@
+// ptk-train's policy for Megatron's flags that it does not implement: accepted with a note when
+// they only tune speed or memory, refused with one line saying what ptk has instead when they ask
+// for another model.
+#include <map>
+#include <utility>
+
+#include <fmt/core.h>
+
+#include "common/cli.h"
+#include "common/status.h"
+#include "tools/train_flag_parts.h"
+
+namespace ptk::train_flags {
+namespace {
+
+// Flags of Megatron's that change only speed or memory, never results, on the paths ptk runs.
+enum class Arg { kNone, kText, kCount, kPositiveInt, kPositive, kLevel };  // kLevel: 0, 1 or 2
+struct CompatFlag {
+  const char* name;
+  Arg arg;
+  const char* note;
+};
+constexpr CompatFlag kCompatFlags[] = {
+    {"--overlap-param-gather", Arg::kNone,
+     "with --use-distributed-optimizer the parameters are all-gathered after the update, not during the next "
+     "forward (same results)"},
+    {"--attention-backend", Arg::kText, "attention runs through ptk's BLAS path"},
+    {"--use-flash-attn", Arg::kNone, "attention runs through ptk's BLAS path"},
+    {"--transformer-impl", Arg::kText, "ptk has one implementation"},
+    {"--use-mcore-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
+    {"--use-legacy-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
+    {"--no-masked-softmax-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-bias-gelu-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-bias-dropout-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-gradient-accumulation-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-rope-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--no-async-tensor-model-parallel-allreduce", Arg::kNone, "the tensor-parallel all-reduces are synchronous"},
+    {"--accumulate-allreduce-grads-in-fp32", Arg::kNone, "gradients are fp32 already"},
+    {"--num-workers", Arg::kCount, "one prefetching loader thread per rank"},
+    {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
+    {"--async-save", Arg::kNone, "checkpoints are written synchronously"},
+    {"--log-throughput", Arg::kNone,
+     "the throughput field is always printed (and written to TensorBoard with --log-timers-to-tensorboard)"},
+    {"--log-memory-to-tensorboard", Arg::kNone, "no memory statistics are written to TensorBoard"},
+    {"--tensorboard-queue-size", Arg::kPositiveInt, "events are written at every --log-interval and evaluation"},
+    {"--timing-log-level", Arg::kLevel, "timers are not itemised"},
+    {"--wandb-project", Arg::kText, "no Weights & Biases client; metrics go to metrics.jsonl"},
+    {"--wandb-exp-name", Arg::kText, "no Weights & Biases client"},
+    {"--manual-gc", Arg::kNone, "no garbage collector"},
+    {"--use-cpu-initialization", Arg::kNone, "initialisation is on the CPU already"},
+    {"--no-persist-layer-norm", Arg::kNone, "kernel choice"},
+    {"--empty-unused-memory-level", Arg::kLevel, "memory tuning"},
+    {"--cross-entropy-loss-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--ckpt-fully-parallel-load", Arg::kNone, "checkpoints are ptk's single file, read by rank 0"},
+    {"--ckpt-fully-parallel-save", Arg::kNone, "checkpoints are ptk's single file, written by rank 0"},
+    {"--use-persistent-ckpt-worker", Arg::kNone, "checkpoints are written synchronously"},
+    {"--ckpt-assume-constant-structure", Arg::kNone, "checkpoints are ptk's single file"},
+    {"--use-sharp", Arg::kNone, "NCCL's SHARP in-network reductions are left to NCCL's own settings"},
+    {"--tp-comm-overlap", Arg::kNone, "the tensor-parallel collectives are not overlapped with compute"},
+    {"--data-impl", Arg::kText, "ptk reads Megatron's mmap .bin/.idx format"},
+    {"--profile-step-start", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
+    {"--profile-step-end", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
+    // Model flags that name what ptk's model does already, or that Megatron ignores here.
+    {"--openai-gelu", Arg::kNone, "ptk's GELU is this tanh approximation already"},
+    {"--attention-softmax-in-fp32", Arg::kNone, "the attention softmax is computed in fp32 already"},
+    {"--apply-query-key-layer-scaling", Arg::kNone,
+     "it only keeps fp16 attention scores from overflowing in Megatron's unfused softmax"},
+};
+
+// Megatron's flags for models other than GPT-3's (the Llama, Qwen and Mixtral lines): accepted by the
+// parser only to be refused with what ptk's model has instead (a bare "unknown flag" leaves a
+// Megatron user guessing whether it was a typo).
+struct ModelRefusal {
+  const char* name;
+  bool takes_value;
+  const char* why;
+};
+constexpr ModelRefusal kModelRefusals[] = {
+    {"--rotary-interleaved", false,
+     "the interleaved rotary layout (pairs of adjacent channels) is not implemented; ptk rotates Megatron's default "
+     "halves (channel i with i + d/2), as Llama's Hugging Face checkpoints do"},
+    {"--rotary-seq-len-interpolation-factor", true,
+     "rotary position interpolation is not implemented; Llama 3.1's scaling is --use-rope-scaling"},
+    {"--rope-scaling-factor", true, "--use-rope-scaling has Llama 3.1's factor 8 only"},
+    {"--squared-relu", false, "the squared-ReLU activation is not implemented; ptk's MLP uses GELU"},
+    {"--qk-layernorm", false, "LayerNorm on queries and keys is not implemented"},
+    {"--apply-layernorm-1p", false, "LayerNorm with a zero-centred gamma is not implemented"},
+    {"--apply-residual-connection-post-layernorm", false,
+     "the residual is taken before LayerNorm in ptk's model (pre-LN, Megatron's default)"},
+    {"--multi-latent-attention", false, "multi-latent attention is not implemented"},
+    {"--num-experts", true, "mixture of experts is not implemented; ptk's MLP is dense"},
+    {"--moe-router-topk", true, "mixture of experts is not implemented; ptk's MLP is dense"},
+    {"--init-method-xavier-uniform", false, "ptk initialises as Megatron's default, N(0, --init-method-std)"},
+    {"--fp8-format", true, "fp8 training is not implemented; use --bf16 or --fp16 on a GPU"},
+    {"--num-layers-per-virtual-pipeline-stage", true, "ptk-train is data parallel only (no pipeline)"},
+    {"--tokenizer-model", true,
+     "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "
+     "tiktoken model is not used"},
+};
+
+}  // namespace
+
+void AddModelRefusalFlags(CLI::App* app, TrainFlags* f) {
+  for (const ModelRefusal& r : kModelRefusals) {
+    const std::string name = r.name;
+    CLI::Option* opt = r.takes_value ? app->add_option_function<std::string>(
+                                           name, [f, name](const std::string& v) { f->refused[name] = v; })
+                                     : app->add_flag_callback(name, [f, name] { f->refused[name] = ""; });
+    opt->description(std::string("Not supported: ") + r.why)->group(cli::kUnsupportedGroup);
+  }
+}
+
+void AddCompatFlags(CLI::App* app, TrainFlags* f) {
+  for (const CompatFlag& c : kCompatFlags) {
+    std::string name = c.name;
+    std::string help = std::string("Accepted for compatibility: ") + c.note;
+    if (c.arg != Arg::kNone) {
+      CLI::Option* opt = app->add_option_function<std::string>(
+          name, [f, name](const std::string& v) { f->compat[name] = v; }, help);
+      if (c.arg == Arg::kCount) opt->check(IntIn(0, kMaxSize));
+      if (c.arg == Arg::kPositiveInt) opt->check(IntIn(1, kMaxSize));
+      if (c.arg == Arg::kPositive) opt->check(Positive());
+      if (c.arg == Arg::kLevel) opt->check(IntIn(0, 2));
+    } else {
+      app->add_flag_callback(
+          name, [f, name] { f->compat[name] = ""; }, help);
+    }
+  }
+}
+
+absl::Status RefuseOtherModel(const TrainFlags& f) {
+  // Another model than ptk's: every flag that asks for one, the first with its reason.
+  std::vector<std::pair<std::string, std::string>> other;
+  for (const ModelRefusal& r : kModelRefusals)
+    if (auto it = f.refused.find(r.name); it != f.refused.end())
+      other.emplace_back(it->second.empty() ? it->first : it->first + " " + it->second, r.why);
+  if (other.empty()) return absl::OkStatus();
+  std::string also;
+  for (size_t i = 1; i < other.size(); ++i) also += (i > 1 ? ", " : "") + other[i].first;
+  return UsageError(
+      fmt::format("{}: {}. ptk-train trains Megatron's GPT-3-style GPT and the Llama line (RMSNorm, RoPE, SwiGLU, "
+                  "grouped-query attention, no biases){}",
+                  other[0].first, other[0].second, also.empty() ? "" : "; also not implemented here: " + also));
+}
+
+void NoteCompatFlags(const TrainFlags& f, std::vector<std::string>* notes) {
+  for (const auto& [name, value] : f.compat)
+    for (const CompatFlag& c : kCompatFlags)
+      if (name == c.name)
+        notes->push_back(fmt::format("{}{}: accepted, {}", name, value.empty() ? "" : " " + value, c.note));
+}
+
+}  // namespace ptk::train_flags

@@ -1,0 +1,50 @@
+// What ptk-train's flag files share (tools/train_flags.h declares what the main calls): the range
+// check every numeric flag carries where it is declared, the tables of Megatron's flags accepted
+// for compatibility or refused for another model (train_compat_flags.cpp), and the model flags
+// --use-checkpoint-args takes from a checkpoint (train_checkpoint_args.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/status/status.h"
+#include "tools/train_flags.h"
+
+namespace ptk::train_flags {
+
+// Range checks (train_flag_checks.cpp), attached where each flag is declared (CLI11 runs them on
+// the text before converting it): a value outside the range, or not a number, is a usage error
+// naming the flag. Sizes and counts are capped where products of them would overflow 64-bit integers.
+constexpr int64_t kMaxSize = (int64_t{1} << 31) - 1;  // a dimension, a vocabulary, a batch
+constexpr int64_t kMaxCount = int64_t{1} << 40;       // iterations, samples
+// An integer in [lo, hi].
+CLI::Validator IntIn(int64_t lo, int64_t hi);
+// A finite number in the range from lo to hi, each end open or closed.
+CLI::Validator RealIn(double lo, bool lo_open, double hi, bool hi_open);
+const CLI::Validator& Positive();     // (0, inf)
+const CLI::Validator& NonNegative();  // [0, inf)
+const CLI::Validator& Probability();  // dropout: [0, 1)
+
+// The model's flags --use-checkpoint-args takes from the checkpoint (Megatron's
+// load_args_from_checkpoint), as the checkpoint's settings name them.
+inline constexpr const char* kCheckpointModelFlags[] = {
+    "--num-layers",      "--hidden-size",       "--num-attention-heads",
+    "--ffn-hidden-size", "--seq-length",        "--max-position-embeddings",
+    "--vocab-size",      "--layernorm-epsilon", "--untie-embeddings-and-output-weights",
+    "--hidden-dropout",  "--attention-dropout",
+};
+
+// Megatron's flags for other models than ptk's, each declared to be refused by RefuseOtherModel
+// with what ptk's model has instead (in the "unsupported" group of --help).
+void AddModelRefusalFlags(CLI::App* app, TrainFlags* f);
+// Megatron's flags that change only speed or memory, never results: accepted, noted by NoteCompatFlags.
+void AddCompatFlags(CLI::App* app, TrainFlags* f);
+// A usage error naming every refused model flag given (the first with its reason); OK when none is.
+absl::Status RefuseOtherModel(const TrainFlags& f);
+// A note for each compatibility flag given: "--flag [value]: accepted, why it changes nothing".
+void NoteCompatFlags(const TrainFlags& f, std::vector<std::string>* notes);
+
+}  // namespace ptk::train_flags

@@ -1,0 +1,271 @@
+// ptk-train's flags into TrainOptions, after parsing: what ptk cannot do refused (one line naming
+// the flag), notes for flags accepted without effect, and the settings that depend on other flags.
+#include <algorithm>
+#include <utility>
+
+#include <fmt/core.h>
+#include <simdjson.h>
+
+#include "common/cli.h"
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "common/status.h"
+#include "tools/train_flag_parts.h"
+#include "tools/train_flags.h"
+#include "trainer/backend.h"
+#include "trainer/parallel_layout.h"
+
+namespace ptk {
+namespace {
+
+absl::Status Refuse(const std::string& msg) { return UsageError(msg); }
+
+// GPTConfig::Validate names the model's settings as Megatron's arguments are named (hidden_size);
+// ptk-train names each as the flag that sets it (--hidden-size).
+std::string SettingsAsFlags(std::string msg) {
+  static constexpr const char* kSettings[] = {"num_layers",        "hidden_size",     "num_attention_heads",
+                                              "ffn_hidden_size",   "seq_length",      "max_position_embeddings",
+                                              "vocab_size",        "hidden_dropout",  "attention_dropout",
+                                              "layernorm_epsilon", "init_method_std", "num_query_groups",
+                                              "kv_channels",       "rotary_base",     "rotary_percent"};
+  auto is_word = [](char c) { return (c >= 'a' && c <= 'z') || c == '_' || c == '-'; };
+  for (const std::string setting : kSettings) {
+    std::string flag = "--" + setting;
+    std::replace(flag.begin() + 2, flag.end(), '_', '-');
+    for (size_t at = msg.find(setting); at != std::string::npos; at = msg.find(setting, at + 1)) {
+      const size_t end = at + setting.size();
+      if ((at > 0 && is_word(msg[at - 1])) || (end < msg.size() && is_word(msg[end]))) continue;
+      msg.replace(at, setting.size(), flag);
+    }
+  }
+  return msg;
+}
+
+// Megatron's get_blend_from_list over a file's whitespace-separated words (--data-args-path).
+absl::StatusOr<std::vector<std::string>> ReadDataArgs(const std::string& path, const char* flag) {
+  PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  std::vector<std::string> words;
+  size_t pos = 0;
+  while (true) {
+    pos = text.find_first_not_of(" \t\r\n\f\v", pos);
+    if (pos == std::string::npos) break;
+    const size_t end = text.find_first_of(" \t\r\n\f\v", pos);
+    words.push_back(text.substr(pos, end - pos));
+    pos = end;
+  }
+  if (words.empty()) return UsageError(fmt::format("{} {}: the file names no dataset", flag, path));
+  return words;
+}
+
+absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (auto err = p.load(path).get(obj))
+    return UsageError(
+        fmt::format("--per-split-data-args-path {}: not a JSON object ({})", path, simdjson::error_message(err)));
+  const char* keys[] = {"train", "valid", "test"};
+  for (int i = 0; i < 3; ++i) {
+    simdjson::dom::element e;
+    if (obj[keys[i]].get(e)) continue;
+    std::string_view text;
+    if (!e.get(text)) {  // a string: its whitespace-separated words, as Megatron splits it
+      size_t pos = 0;
+      while ((pos = text.find_first_not_of(" \t\r\n", pos)) != std::string_view::npos) {
+        const size_t end = std::min(text.find_first_of(" \t\r\n", pos), text.size());
+        data->per_split_data_path[i].emplace_back(text.substr(pos, end - pos));
+        pos = end;
+      }
+      continue;
+    }
+    simdjson::dom::array arr;
+    if (e.get(arr))
+      return UsageError(
+          fmt::format("--per-split-data-args-path {}: \"{}\" must be a string or a list of strings", path, keys[i]));
+    for (simdjson::dom::element w : arr) {
+      std::string_view v;
+      if (w.get(v))
+        return UsageError(
+            fmt::format("--per-split-data-args-path {}: \"{}\" must be a string or a list of strings", path, keys[i]));
+      data->per_split_data_path[i].emplace_back(v);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The flags that ask for what ptk has not (the model's, the data's, the optimizer's), after the
+// device is known; notes for the flags accepted for compatibility.
+absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std::string>* notes) {
+  if (tp > 1 && f.options.model.num_attention_heads % tp != 0)
+    return Refuse(fmt::format("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}",
+                              f.options.model.num_attention_heads, tp));
+  if (f.optimizer != "adam") return Refuse("--optimizer " + f.optimizer + ": ptk has AdamW (--optimizer adam) only");
+  if (f.tokenizer_type != "GPT2BPETokenizer")
+    return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
+  PTK_RETURN_IF_ERROR(train_flags::RefuseOtherModel(f));
+  if (f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
+    return Refuse(
+        "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: ptk-train runs one pipeline "
+        "stage (--dry-run plans more)");
+  if (f.gpus_per_node > 0 && !f.dry_run) notes->push_back("--gpus-per-node: accepted, used by --dry-run only");
+  if (f.reset_attention_mask)
+    return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
+  if (f.dataloader_type != "single")
+    return Refuse("--dataloader-type " + f.dataloader_type + ": ptk has Megatron's pretraining sampler (single) only");
+  if (!f.recompute_granularity.empty() && f.recompute_granularity != "selective" && f.recompute_granularity != "full")
+    return Refuse("--recompute-granularity must be selective or full");
+  train_flags::NoteCompatFlags(f, notes);
+  return absl::OkStatus();
+}
+
+// The model's settings that depend on other flags (Llama's, the defaults, the vocabulary from
+// --vocab-file padded for `tp` tensor ranks), sequence parallelism, checked as one model.
+absl::Status ResolveModel(const TrainFlags& f, Device device, int64_t tp, TrainOptions* out,
+                          std::vector<std::string>* notes) {
+  TrainOptions& o = *out;
+  GPTConfig& m = o.model;
+  PTK_RETURN_IF_ERROR(ResolveLlamaFlags(f, device, tp, &m));
+  if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
+  if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
+  if (m.vocab_size == 0) {
+    PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
+    PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
+  }
+  if (tp > 1 && o.backend.sequence_parallel && !m.gpt3())
+    return Refuse(
+        "--sequence-parallel: implemented for GPT-3's model only, not with --normalization RMSNorm, "
+        "--position-embedding-type rope|none, --swiglu, --group-query-attention, --kv-channels or "
+        "--disable-bias-linear");
+  if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
+    return Refuse(fmt::format(
+        "--sequence-parallel: --seq-length {} is not divisible by --tensor-model-parallel-size {}", m.seq_length, tp));
+  if (tp == 1 && o.backend.sequence_parallel) {
+    notes->push_back("--sequence-parallel: accepted, no effect at --tensor-model-parallel-size 1 (as Megatron)");
+    o.backend.sequence_parallel = false;
+  }
+  if (tp > 1 && m.ffn_hidden_size % tp != 0)
+    return Refuse(
+        fmt::format("--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {}", m.ffn_hidden_size, tp));
+  o.tensor_model_parallel_size = static_cast<int>(tp);
+  // Megatron's padding: a multiple of --make-vocab-size-divisible-by x T, so the slices are equal.
+  PTK_ASSIGN_OR_RETURN(m.padded_vocab_size,
+                       TensorParallelVocabSize(m.vocab_size, f.make_vocab_size_divisible_by, static_cast<int>(tp)));
+  if (!f.recompute_granularity.empty()) m.recompute_activations = true;
+  if (f.recompute_granularity == "full")
+    notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");
+  if (absl::Status st = m.Validate(); !st.ok()) return Refuse(SettingsAsFlags(std::string(StatusMessage(st))));
+  return absl::OkStatus();
+}
+
+// The data paths from --data-args-path / --per-split-data-args-path, and the cache path.
+absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
+  TrainOptions& o = *out;
+  if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
+  if (!f.data_args_path.empty()) {
+    if (!o.data.data_path.empty()) return Refuse("--data-args-path and --data-path: give one");
+    auto words = ReadDataArgs(f.data_args_path, "--data-args-path");
+    if (!words.ok() && !IsUsageError(words.status()))
+      return UsageError(fmt::format("--data-args-path: {}", StatusMessage(words.status())));
+    PTK_RETURN_IF_ERROR(words.status());
+    o.data.data_path = *std::move(words);
+  }
+  if (!f.per_split_data_args_path.empty()) {
+    if (!o.data.data_path.empty() || !o.data.per_split_data_path[0].empty() || !o.data.per_split_data_path[1].empty() ||
+        !o.data.per_split_data_path[2].empty())
+      return Refuse(
+          "--per-split-data-args-path and --data-path / --train-data-path / --valid-data-path / --test-data-path / "
+          "--data-args-path: give one");
+    PTK_RETURN_IF_ERROR(ReadPerSplitDataArgs(f.per_split_data_args_path, &o.data));
+  }
+  return absl::OkStatus();
+}
+
+// Checkpoints' schedule, seed, device, precision, profiling, loss scaling, communicator, metrics.
+absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
+                                std::vector<std::string>* notes) {
+  TrainOptions& o = *out;
+  if (o.save_interval > 0 && o.save.empty())
+    notes->push_back(
+        fmt::format("--save-interval {} without --save: nothing is saved (as in Megatron)", o.save_interval));
+  o.seed = static_cast<uint32_t>(f.seed);
+  if (f.override_opt_param_scheduler && f.use_checkpoint_opt_param_scheduler)
+    return Refuse("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one");
+  o.scheduler_on_load = f.override_opt_param_scheduler         ? SchedulerOnLoad::kOverride
+                        : f.use_checkpoint_opt_param_scheduler ? SchedulerOnLoad::kUseCheckpoint
+                                                               : SchedulerOnLoad::kCheck;
+  o.backend.device = device;
+  o.backend.precision = precision;
+  if (f.profile) {
+    if (device == Device::kCuda) {
+      o.backend.profile = true;
+      notes->push_back(
+          "--profile: ptk times every CUDA op and prints the GPU time per op at the end (no PyTorch or Nsight "
+          "trace is written)");
+    } else {
+      notes->push_back("--profile: accepted, the CPU backend has no profiler (ptk profiles CUDA ops only)");
+    }
+  } else if (o.backend.profile && device != Device::kCuda)
+    notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
+  if (f.fp16) {
+    o.loss_scale.dynamic = !f.loss_scale.has_value();
+    o.loss_scale.scale = f.loss_scale.value_or(f.initial_loss_scale);
+    o.loss_scale.min_scale = f.min_loss_scale;
+    o.loss_scale.window = static_cast<int64_t>(f.loss_scale_window);
+    o.loss_scale.hysteresis = f.hysteresis;
+  } else if (f.loss_scale) {
+    notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
+  }
+  o.distributed_backend = !f.distributed_backend.empty()      ? f.distributed_backend
+                          : o.backend.device == Device::kCuda ? "nccl"
+                                                              : "gloo";
+  if (o.optimizer.ddp_bucket_size > 0 && !o.optimizer.overlap_grad_reduce)
+    notes->push_back("--ddp-bucket-size: accepted, buckets matter with --overlap-grad-reduce only");
+  o.tensorboard.log_throughput = f.compat.count("--log-throughput") > 0;
+  o.metrics_path = !f.metrics_file.empty()      ? f.metrics_file
+                   : !o.tensorboard.dir.empty() ? JoinPath(o.tensorboard.dir, "metrics.jsonl")
+                                                : "";
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
+  if (f.pipeline_model_parallel_size != 1)
+    return Refuse(
+        fmt::format("--pipeline-model-parallel-size {}: ptk-train has no pipeline parallelism (tensor and "
+                    "data parallelism only); use 1",
+                    f.pipeline_model_parallel_size));
+  if (f.context_parallel_size != 1)
+    return Refuse(
+        fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
+  if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
+  const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
+  const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
+  const int64_t tp = f.tensor_model_parallel_size;
+  if (tp > 1 && device == Device::kCuda) return Refuse(kCudaTensorParallelMissing);
+  PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
+  if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
+    if (auto cuda = LoadCudaBackend(); !cuda.ok())
+      return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
+  } else if (f.device.empty() && CudaBuilt() && NvidiaDriverPresent()) {
+    if (auto cuda = LoadCudaBackend(); !cuda.ok())
+      notes->push_back(fmt::format("no --device given and {}: training on the CPU", StatusMessage(cuda.status())));
+  }
+  PTK_RETURN_IF_ERROR(RefuseWhatPtkLacks(f, tp, notes));
+  TrainOptions o = f.options;
+  PTK_RETURN_IF_ERROR(ResolveModel(f, device, tp, &o, notes));
+  PTK_RETURN_IF_ERROR(ResolveDataFlags(f, &o));
+  PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
+  return o;
+}
+
+absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {
+  if (vocab_file.empty()) return 50257;
+  if (!PathExists(vocab_file)) return absl::NotFoundError(vocab_file + ": --vocab-file does not exist");
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (p.load(vocab_file).get(obj))
+    return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
+  return static_cast<int64_t>(obj.size());
+}
+
+}  // namespace ptk
