@@ -3,8 +3,9 @@
 // on, give the loss lines of one rank within 1e-6 relative over 20 iterations; T = 2 x P = 2 x
 // data 2 (8 ranks) with ZeRO-1 within 1e-5; checkpoints in Megatron's mp_rank_TT_PPP resume at the
 // same P with the uninterrupted run's lines character for character and at P = 1 and 4 as the
-// uninterrupted run; kill -9 of a middle stage ends every rank non-zero within the timeout, and
-// --load resumes its last checkpoint bit for bit; sizes that do not divide are refused on every rank.
+// uninterrupted run, and ptk-convert exports them; kill -9 of a middle stage ends every rank
+// non-zero within the timeout, and --load resumes its last checkpoint bit for bit; sizes that do
+// not divide are refused on every rank.
 #include <unistd.h>
 
 #include <cmath>
@@ -165,6 +166,11 @@ TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {
   for (const char* mp : {"mp_rank_00_000", "mp_rank_00_001"})
     EXPECT_TRUE(std::filesystem::exists(dir_ / ("ck/iter_0000010/" + std::string(mp) + "/model_optim_rng.ptk"))) << mp;
   EXPECT_FALSE(std::filesystem::exists(dir_ / "ck/iter_0000010/mp_rank_00"));
+  // ptk-convert reads the stages put together (as any other layout).
+  auto hf = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " + ShellQuote(ck) +
+                   " --save-dir " + ShellQuote(dir_ / "hf"));
+  EXPECT_EQ(hf.exit_code, 0) << hf.output;
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "hf/model.safetensors")) << hf.output;
   for (int P : {1, 4}) {
     const std::string dst = dir_ / ("ck" + std::to_string(P));
     ASSERT_EQ(RunCmd("cp -r " + ShellQuote(ck) + " " + ShellQuote(dst)).exit_code, 0);
