@@ -6,22 +6,14 @@
 
 #include <fmt/core.h>
 
-#include "absl/strings/numbers.h"
 #include "common/numbers.h"
 #include "common/status.h"
 
 namespace ptk {
 namespace {
-std::optional<int64_t> EnvInt(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  int64_t x;
-  if (!absl::SimpleAtoi(v, &x)) return std::nullopt;
-  return x;
-}
-
-// As EnvInt, but a value that is set and is not a decimal integer is a usage error naming the
-// variable (no sign but '-', no spaces, no hex: what a launcher writes).
+// A variable's integer value (none when unset or empty); a value that is set and is not a decimal
+// integer is a usage error naming the variable (no sign but '-', no spaces, no hex: what a launcher
+// writes).
 absl::StatusOr<std::optional<int64_t>> EnvIntChecked(const char* name) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return std::optional<int64_t>();

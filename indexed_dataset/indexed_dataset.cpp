@@ -330,7 +330,7 @@ absl::StatusOr<std::unique_ptr<IndexedDataset>> IndexedDataset::Open(const std::
   return ds;
 }
 
-absl::Status IndexedDataset::Validate() {
+absl::Status IndexedDataset::ValidateHeader() {
   const std::string idx_path = IdxPath(prefix_);
   const uint8_t* p = idx_->data();
   const uint64_t size = idx_->size();
@@ -367,43 +367,35 @@ absl::Status IndexedDataset::Validate() {
   pointers_off_ = lengths_off_ + 4 * s;
   doc_idx_off_ = pointers_off_ + 8 * s;
   modes_off_ = doc_idx_off_ + 8 * d;
+  return absl::OkStatus();
+}
 
-  // document_indices: 0, monotone, ends at S. Checked on a second thread for large indices, while
-  // this one checks the lengths and pointers.
-  auto check_documents = [this, &loss]() -> absl::Status {
-    int64_t prev = document_index(0);
-    if (prev != 0) return loss(fmt::format("document_indices[0] = {} (must be 0)", prev));
-    const uint8_t* dix = idx_->data() + doc_idx_off_;
-    for (int64_t j = 1; j < num_doc_idx_; ++j) {
-      int64_t v;
-      std::memcpy(&v, dix + 8 * j, 8);
-      if (v < prev)
-        return loss(
-            fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)", j, v,
-                        j - 1, prev));
-      if (v > num_sequences_)
-        return loss(fmt::format("document_indices[{}] = {} exceeds sequence_count {}", j, v, num_sequences_));
-      prev = v;
-    }
-    if (prev != num_sequences_)
-      return loss(fmt::format("last document index is {} but sequence_count is {}", prev, num_sequences_));
-    return absl::OkStatus();
+// document_indices: 0, monotone, ends at S.
+absl::Status IndexedDataset::CheckDocumentIndices() const {
+  auto loss = [&](const std::string& what) {
+    return absl::DataLossError(fmt::format("{}: {}", IdxPath(prefix_), what));
   };
-  absl::Status documents_ok;
-  std::thread documents_thread;
-  if (num_doc_idx_ >= (1 << 18))
-    documents_thread = std::thread([&] { documents_ok = check_documents(); });
-  else
-    documents_ok = check_documents();
-  struct Joiner {
-    std::thread& t;
-    ~Joiner() {
-      if (t.joinable()) t.join();
-    }
-  } joiner{documents_thread};
+  int64_t prev = document_index(0);
+  if (prev != 0) return loss(fmt::format("document_indices[0] = {} (must be 0)", prev));
+  const uint8_t* dix = idx_->data() + doc_idx_off_;
+  for (int64_t j = 1; j < num_doc_idx_; ++j) {
+    int64_t v;
+    std::memcpy(&v, dix + 8 * j, 8);
+    if (v < prev)
+      return loss(fmt::format("document_indices[{}] = {} is smaller than document_indices[{}] = {} (must not decrease)",
+                              j, v, j - 1, prev));
+    if (v > num_sequences_)
+      return loss(fmt::format("document_indices[{}] = {} exceeds sequence_count {}", j, v, num_sequences_));
+    prev = v;
+  }
+  if (prev != num_sequences_)
+    return loss(fmt::format("last document index is {} but sequence_count is {}", prev, num_sequences_));
+  return absl::OkStatus();
+}
 
-  // Pointers consistent with the lengths, everything inside the .bin. A branch-light pass over the
-  // (unaligned) arrays first; only when it finds a problem does the second pass name the field.
+// Pointers consistent with the lengths, everything inside the .bin. A branch-light pass over the
+// (unaligned) arrays first; only when it finds a problem does the second pass name the field.
+absl::Status IndexedDataset::CheckSequences(std::thread& documents_thread, const absl::Status& documents) {
   const int64_t isz = static_cast<int64_t>(itemsize());
   const int64_t bin_size = static_cast<int64_t>(bin_->size());
   const uint8_t* lens = idx_->data() + lengths_off_;
@@ -421,26 +413,47 @@ absl::Status IndexedDataset::Validate() {
     max_len = std::max<int64_t>(max_len, len);
   }
   max_length_ = max_len;
-  if (bad || expect > bin_size) {
-    // A damaged document index is reported first, as a sequential check would.
-    if (documents_thread.joinable()) documents_thread.join();
-    PTK_RETURN_IF_ERROR(documents_ok);
-    expect = 0;
-    for (int64_t i = 0; i < num_sequences_; ++i) {
-      int32_t len = sequence_length(i);
-      int64_t ptr = sequence_pointer(i);
-      if (len < 0) return loss(fmt::format("sequence_lengths[{}] = {} is negative", i, len));
-      if (ptr != expect)
-        return loss(fmt::format("sequence_pointers[{}] = {} but the lengths before it put it at {}", i, ptr, expect));
-      expect += static_cast<int64_t>(len) * isz;
-      if (expect > bin_size)
-        return absl::DataLossError(
-            fmt::format("{}: sequence {} (pointer {}, {} tokens of {} bytes) ends at byte {}, past the "
-                        "end of the {}-byte file (truncated?)",
-                        BinPath(prefix_), i, ptr, len, isz, expect, bin_size));
-    }
-  }
   num_tokens_ = tokens;
+  if (!bad && expect <= bin_size) return absl::OkStatus();
+  // A damaged document index is reported first, as a sequential check would.
+  if (documents_thread.joinable()) documents_thread.join();
+  PTK_RETURN_IF_ERROR(documents);
+  const std::string idx_path = IdxPath(prefix_);
+  expect = 0;
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    int32_t len = sequence_length(i);
+    int64_t ptr = sequence_pointer(i);
+    if (len < 0) return absl::DataLossError(fmt::format("{}: sequence_lengths[{}] = {} is negative", idx_path, i, len));
+    if (ptr != expect)
+      return absl::DataLossError(fmt::format("{}: sequence_pointers[{}] = {} but the lengths before it put it at {}",
+                                             idx_path, i, ptr, expect));
+    expect += static_cast<int64_t>(len) * isz;
+    if (expect > bin_size)
+      return absl::DataLossError(
+          fmt::format("{}: sequence {} (pointer {}, {} tokens of {} bytes) ends at byte {}, past the "
+                      "end of the {}-byte file (truncated?)",
+                      BinPath(prefix_), i, ptr, len, isz, expect, bin_size));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status IndexedDataset::Validate() {
+  PTK_RETURN_IF_ERROR(ValidateHeader());
+  // document_indices checked on a second thread for large indices, while this one checks the
+  // lengths and pointers.
+  absl::Status documents_ok;
+  std::thread documents_thread;
+  if (num_doc_idx_ >= (1 << 18))
+    documents_thread = std::thread([&] { documents_ok = CheckDocumentIndices(); });
+  else
+    documents_ok = CheckDocumentIndices();
+  struct Joiner {
+    std::thread& t;
+    ~Joiner() {
+      if (t.joinable()) t.join();
+    }
+  } joiner{documents_thread};
+  PTK_RETURN_IF_ERROR(CheckSequences(documents_thread, documents_ok));
   if (documents_thread.joinable()) documents_thread.join();
   return documents_ok;
 }

@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -194,6 +195,12 @@ class IndexedDataset {
     return v;
   }
   absl::Status Validate();
+  // Validate's parts: the header and the arrays' offsets; document_indices; the lengths and
+  // pointers against each other and the .bin (the first problem named, after a damaged
+  // document index's, which `documents` gives when it finished).
+  absl::Status ValidateHeader();
+  absl::Status CheckDocumentIndices() const;
+  absl::Status CheckSequences(std::thread& documents_thread, const absl::Status& documents);
 
   std::string prefix_;
   std::unique_ptr<MappedFile> idx_, bin_;

@@ -20,8 +20,10 @@
 #include "common/output_lock.h"
 #include "common/py_format.h"
 #include "common/status.h"
+#include "interop/hf_config.h"
 #include "interop/hf_export_dir.h"
 #include "interop/hf_gpt2_tensors.h"
+#include "interop/hf_llama.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
 #include "tokenizer/gpt2_tokenizer.h"
@@ -31,43 +33,28 @@
 namespace ptk {
 namespace {
 
+using hf_detail::Bool;
 using hf_detail::CheckExportTarget;
 using hf_detail::CheckNotInside;
 using hf_detail::ExportNewCopy;
 using hf_detail::ExportOldCopy;
 using hf_detail::ExportStep;
 using hf_detail::ExportTarget;
+using hf_detail::HfConfigReader;
 using hf_detail::HfTensor;
 using hf_detail::HfTensorsOf;
+using hf_detail::Int;
 using hf_detail::kLmHead;
+using hf_detail::kMaxInitMethodStd;
+using hf_detail::kMaxLayerNormEpsilon;
 using hf_detail::kPrefix;
 using hf_detail::MapParams;
+using hf_detail::Num;
+using hf_detail::PrettyConfig;
 using hf_detail::PublishExport;
 using hf_detail::RecoverExport;
-
-// config.json's limits: a dimension as ptk-train's flags take it; the reals as GPTConfig::Validate.
-constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;
-constexpr double kMaxLayerNormEpsilon = kGptConfigMaxLayerNormEpsilon;
-constexpr double kMaxInitMethodStd = kGptConfigMaxInitMethodStd;
-
-std::string Shape(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-// config.json as transformers writes it: keys sorted, two-space indent.
-std::string PrettyConfig(std::vector<std::pair<std::string, std::string>> fields) {
-  std::sort(fields.begin(), fields.end());
-  std::string out = "{\n";
-  for (size_t i = 0; i < fields.size(); ++i)
-    out += fmt::format("  \"{}\": {}{}\n", fields[i].first, fields[i].second, i + 1 < fields.size() ? "," : "");
-  return out + "}\n";
-}
-std::string Num(double v) { return py::FloatRepr(v); }
-std::string Int(int64_t v) { return std::to_string(v); }
-std::string Str(std::string_view s) { return "\"" + JsonEscape(s) + "\""; }
-std::string Bool(bool b) { return b ? "true" : "false"; }
+using hf_detail::Shape;
+using hf_detail::Str;
 
 absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_view fallback) {
   if (path.empty()) return std::string(fallback);
@@ -210,6 +197,9 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   s.source = ck.file;
   s.notes = ck.notes;
   const GPTConfig& c = ck.config;
+  // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can.
+  const bool llama = !c.gpt3();
+  if (llama) PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   std::vector<float>& params = ck.params;
 
@@ -223,19 +213,36 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(std::string merges_txt, ReadOrDefault(o.merge_file, Gpt2Tokenizer::DefaultMergesTxt()));
   const int64_t eod = tokenizer->eod();
 
-  std::vector<HfTensor> tensors = HfTensorsOf(c);
-  MapParams(layout, &params, &tensors, /*to_hf=*/true);
+  std::vector<HfTensor> tensors = llama ? hf_detail::LlamaTensorsOf(c) : HfTensorsOf(c);
+  if (llama) {
+    hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/true);
+  } else {
+    MapParams(layout, &params, &tensors, /*to_hf=*/true);
+    for (HfTensor& t : tensors)
+      if (t.name != kLmHead) t.name = kPrefix + t.name;
+  }
   // Weights that no reader can use are refused here, as the import refuses them.
   for (const HfTensor& t : tensors)
     for (size_t i = 0; i < t.data.size(); ++i)
       if (!std::isfinite(t.data[i]))
-        return absl::DataLossError(fmt::format(
-            "{}: tensor {} (element {}) holds {}: a model with non-finite weights is not exported", ck.file,
-            t.name == kLmHead ? t.name : kPrefix + t.name, i, std::isnan(t.data[i]) ? "a NaN" : "an infinity"));
+        return absl::DataLossError(
+            fmt::format("{}: tensor {} (element {}) holds {}: a model with non-finite weights is not exported", ck.file,
+                        t.name, i, std::isnan(t.data[i]) ? "a NaN" : "an infinity"));
   std::vector<SafetensorsEntry> entries;
-  for (const HfTensor& t : tensors) entries.push_back({t.name == kLmHead ? t.name : kPrefix + t.name, t.shape, t.data});
+  for (const HfTensor& t : tensors) entries.push_back({t.name, t.shape, t.data});
 
-  const HfTextFiles text = HfTextFilesOf(c, eod, std::move(vocab_json), std::move(merges_txt));
+  HfTextFiles text = HfTextFilesOf(c, eod, std::move(vocab_json), std::move(merges_txt));
+  if (llama) {
+    text.config = hf_detail::LlamaConfigJson(c, eod);
+    if (c.use_rope_scaling && c.max_position_embeddings <= 8192)
+      s.notes.push_back(fmt::format(
+          "--max-position-embeddings {} is not above Llama 3.1's original context (8192): transformers warns about "
+          "rope_scaling when it loads the model (RoPE has no weights: a larger value changes nothing else)",
+          c.max_position_embeddings));
+    if (c.hidden_dropout != 0)
+      s.notes.push_back(fmt::format("--hidden-dropout {}: LlamaForCausalLM has no hidden dropout (it is left out)",
+                                    Num(c.hidden_dropout)));
+  }
   PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, entries, text));
   s.destination = dir;
   s.config = c;
@@ -249,71 +256,6 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 }
 
 namespace {
-
-// config.json's keys as transformers reads them (Python's json.load), each refusal naming the file
-// and the key. A key that is absent (or null) takes HF's default; one of another type is an error.
-class HfConfigReader {
- public:
-  explicit HfConfigReader(std::string path) : path_(std::move(path)) {}
-  HfConfigReader(const HfConfigReader&) = delete;
-  HfConfigReader& operator=(const HfConfigReader&) = delete;
-
-  absl::Status Parse(const std::string& text) {
-    simdjson::dom::object object;
-    if (parser_.parse(text).get(object)) return Bad("not a JSON object");
-    // A key given twice takes its last value (as json.load); simdjson's lookup would find the first.
-    for (auto field : object) fields_[field.key] = field.value;
-    return absl::OkStatus();
-  }
-  absl::Status Bad(const std::string& why) const {
-    return absl::InvalidArgumentError(fmt::format("{}: {}", path_, why));
-  }
-  // A dimension: a positive integer as ptk-train's flags take it (at most 2^31 - 1).
-  absl::Status GetInt(const char* key, int64_t* out, std::optional<int64_t> fallback) const {
-    simdjson::dom::element e;
-    if (!Find(key, &e)) {
-      if (fallback) {
-        *out = *fallback;
-        return absl::OkStatus();
-      }
-      return Bad(fmt::format("{} is missing", key));
-    }
-    if (e.get(*out) || *out < 1 || *out > kMaxDimension)
-      return Bad(fmt::format("{} is not a positive integer of at most {}", key, kMaxDimension));
-    return absl::OkStatus();
-  }
-  template <typename V>
-  absl::Status Get(const char* key, V fallback, V* out, const char* what) const {
-    simdjson::dom::element e;
-    if (!Find(key, &e)) {
-      *out = fallback;
-      return absl::OkStatus();
-    }
-    if (e.get(*out)) return Bad(fmt::format("{} is not {}", key, what));
-    return absl::OkStatus();
-  }
-  // A real number in [lo, hi] (lo excluded when lo_open, hi when hi_open), as the model can use it.
-  absl::Status GetReal(const char* key, double fallback, double* out, double lo, bool lo_open, double hi,
-                       bool hi_open) const {
-    PTK_RETURN_IF_ERROR(Get(key, fallback, out, "a number"));
-    if (!std::isfinite(*out) || (lo_open ? *out <= lo : *out < lo) || (hi_open ? *out >= hi : *out > hi))
-      return Bad(fmt::format("{} {} is outside {}{}, {}{}", key, Num(*out), lo_open ? "(" : "[", Num(lo), Num(hi),
-                             hi_open ? ")" : "]"));
-    return absl::OkStatus();
-  }
-
- private:
-  bool Find(const char* key, simdjson::dom::element* e) const {
-    auto it = fields_.find(key);
-    if (it == fields_.end() || it->second.is_null()) return false;
-    *e = it->second;
-    return true;
-  }
-
-  std::string path_;
-  simdjson::dom::parser parser_;
-  std::map<std::string_view, simdjson::dom::element> fields_;
-};
 
 // One model.safetensors is what ptk reads: sharded weights and PyTorch pickles are named as such.
 absl::Status CheckHfWeightsFile(const std::string& load_dir, const std::string& weights_path) {
@@ -332,11 +274,8 @@ absl::Status CheckHfWeightsFile(const std::string& load_dir, const std::string& 
 // The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU, attention
 // scaled by 1/sqrt(head_dim) alone.
 absl::Status CheckHfArchitecture(const HfConfigReader& r) {
-  std::string_view model_type, act;
+  std::string_view act;
   bool scale = true, by_layer = false, cross = false;
-  PTK_RETURN_IF_ERROR(r.Get("model_type", std::string_view(), &model_type, "a string"));
-  if (model_type != "gpt2")
-    return r.Bad(fmt::format("model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\")", model_type));
   PTK_RETURN_IF_ERROR(r.Get("activation_function", std::string_view("gelu_new"), &act, "a string"));
   if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast")
     return r.Bad(fmt::format(
@@ -380,11 +319,8 @@ absl::Status ReadHfReals(const HfConfigReader& r, GPTConfig* c, double* embd_pdr
 
 // config.json as the model ptk trains, refused where ptk would compute another model or cannot
 // hold it; what ptk cannot keep apart (embd_pdrop) becomes a note.
-absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t make_vocab_size_divisible_by,
-                                       std::vector<std::string>* notes) {
-  PTK_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(config_path));
-  HfConfigReader r(config_path);
-  PTK_RETURN_IF_ERROR(r.Parse(config_text));
+absl::StatusOr<GPTConfig> ReadGpt2Config(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
+                                         std::vector<std::string>* notes) {
   PTK_RETURN_IF_ERROR(CheckHfArchitecture(r));
   GPTConfig c;
   PTK_RETURN_IF_ERROR(ReadHfDimensions(r, make_vocab_size_divisible_by, &c));
@@ -455,6 +391,21 @@ absl::Status ReadHfTensors(const std::string& weights_path, const GPTConfig& c, 
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
 
+// config.json's model: GPT-2's (model_type "gpt2") or Llama's ("llama").
+absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t make_vocab_size_divisible_by,
+                                       std::vector<std::string>* notes) {
+  PTK_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(config_path));
+  HfConfigReader r(config_path);
+  PTK_RETURN_IF_ERROR(r.Parse(config_text));
+  std::string_view model_type;
+  PTK_RETURN_IF_ERROR(r.Get("model_type", std::string_view(), &model_type, "a string"));
+  if (model_type == "gpt2") return ReadGpt2Config(r, make_vocab_size_divisible_by, notes);
+  if (model_type == "llama") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes);
+  return r.Bad(fmt::format(
+      "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\") and Llama models (model_type \"llama\")",
+      model_type));
+}
+
 // The settings the imported checkpoint records, as a training run records them.
 std::vector<std::pair<std::string, std::string>> ImportedSettings(const GPTConfig& c) {
   return {
@@ -475,13 +426,15 @@ std::vector<std::pair<std::string, std::string>> ImportedSettings(const GPTConfi
 
 // The model flags ptk-train needs to load the imported checkpoint.
 std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divisible_by) {
-  std::string flags = fmt::format(
-      "--num-layers {} --hidden-size {} --num-attention-heads {} --ffn-hidden-size {} --max-position-embeddings {} "
-      "--layernorm-epsilon {}{}{}",
-      c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.max_position_embeddings,
-      SettingNum(c.layernorm_epsilon),
-      c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "",
-      c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "");
+  std::string flags = c.gpt3()
+                          ? fmt::format(
+                                "--num-layers {} --hidden-size {} --num-attention-heads {} --ffn-hidden-size {} "
+                                "--max-position-embeddings {} --layernorm-epsilon {}{}",
+                                c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
+                                c.max_position_embeddings, SettingNum(c.layernorm_epsilon),
+                                c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "")
+                          : hf_detail::LlamaTrainFlags(c);
+  if (c.vocab_size != 50257) flags += fmt::format(" --vocab-size {}", c.vocab_size);
   if (make_vocab_size_divisible_by != 128)
     flags += fmt::format(" --make-vocab-size-divisible-by {}", make_vocab_size_divisible_by);
   return flags;
@@ -498,15 +451,20 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
                        ReadHfConfig(JoinPath(o.load_dir, "config.json"), o.make_vocab_size_divisible_by, &s.notes));
   const GPTConfig& c = s.config;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  std::vector<HfTensor> tensors = HfTensorsOf(c);
-  PTK_RETURN_IF_ERROR(ReadHfTensors(weights_path, c, &tensors));
-
+  const bool llama = !c.gpt3();
+  std::vector<HfTensor> tensors = llama ? hf_detail::LlamaTensorsOf(c) : HfTensorsOf(c);
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
-  MapParams(layout, &params, &tensors, /*to_hf=*/false);
+  if (llama) {
+    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights_path, c, &tensors));
+    hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/false);
+  } else {
+    PTK_RETURN_IF_ERROR(ReadHfTensors(weights_path, c, &tensors));
+    MapParams(layout, &params, &tensors, /*to_hf=*/false);
+  }
   const std::vector<float> zeros(params.size(), 0.0f);
   TrainState state;
   state.seed = 1234;
-  state.settings = ImportedSettings(c);
+  state.settings = llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
   // As a training run: one writer per --save directory, and what a killed save left put right.
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));

@@ -1,5 +1,7 @@
 // ptk checkpoints <-> Hugging Face GPT-2 directories (what transformers' GPT2LMHeadModel,
 // lm-eval-harness and vLLM load): ptk-convert's work, flags as Megatron's tools/checkpoint/convert.py.
+// A model of Megatron's Llama line goes to and from LlamaForCausalLM instead (hf_llama.h), with the
+// same files, checks and publishing.
 //
 // ptk -> hf: config.json (model_type gpt2, activation gelu_new: the tanh GELU ptk computes;
 // n_positions = --max-position-embeddings; layer_norm_epsilon; tie_word_embeddings false for an

@@ -11,6 +11,7 @@
 #include "common/file_paths.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
+#include "interop/megatron_optim.h"
 #include "interop/torch_dist.h"
 
 namespace ptk::megatron {
@@ -32,6 +33,39 @@ DistKey KeyOf(const MegParam& m) {
   if (std::regex_match(name, match, kLayer))
     return DistKey{"decoder.layers." + match[2].str(), std::atoll(match[1].str().c_str())};
   return DistKey{name, -1};
+}
+
+// fully_sharded_model_space's tensor `v`, saved as `saved` ([X/x, Y/y, ..., x*y*...]: the grid of the
+// ranks' local shapes [x, y, ...], then a local shape flattened), back to `shape` ([X, Y, ...]); a shape
+// of neither form is refused.
+absl::StatusOr<std::vector<float>> Unflatten(const std::vector<float>& v, const std::vector<int64_t>& saved,
+                                             const std::vector<int64_t>& shape, const std::string& where) {
+  const size_t n = shape.size();
+  std::vector<int64_t> local(n, 1);
+  int64_t local_numel = 1;
+  bool ok = saved.size() == n + 1;
+  for (size_t d = 0; ok && d < n; ++d) {
+    ok = saved[d] > 0 && shape[d] % saved[d] == 0;
+    if (ok) local_numel *= (local[d] = shape[d] / saved[d]);
+  }
+  if (!ok || saved[n] != local_numel)
+    return absl::DataLossError(
+        fmt::format("{}: shape {}: neither the parameter's {} nor a grid of its flattened "
+                    "local shards ([X/x, ..., x*...])",
+                    where, ShapeStr(saved), ShapeStr(shape)));
+  std::vector<int64_t> stride(n, 1);
+  for (size_t d = n; d-- > 1;) stride[d - 1] = stride[d] * shape[d];
+  std::vector<float> out(v.size());
+  for (int64_t src = 0; src < static_cast<int64_t>(v.size()); ++src) {
+    int64_t grid = src / local_numel, in_local = src % local_numel, dst = 0;
+    for (size_t d = n; d-- > 0;) {
+      dst += ((grid % saved[d]) * local[d] + in_local % local[d]) * stride[d];
+      grid /= saved[d];
+      in_local /= local[d];
+    }
+    out[dst] = v[src];
+  }
+  return out;
 }
 
 }  // namespace
@@ -78,9 +112,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
     if (k.layer >= 0) shape.insert(shape.begin(), c.num_layers);
     want[k.key] = shape;
   }
-  static const char* kStates[] = {"optimizer.state.fp32_param.", "optimizer.state.exp_avg.",
-                                  "optimizer.state.exp_avg_sq."};
-  std::set<std::string> other_optimizer;
+  std::set<std::string> optimizer_keys;  // the optimizer's tensors, each to be read or refused
   for (const auto& [key, e] : tensors) {
     if (want.count(key)) {
       if (e.shape != want.at(key))
@@ -91,7 +123,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
       continue;
     }
     if (key.rfind("optimizer.", 0) == 0) {
-      other_optimizer.insert(key);
+      optimizer_keys.insert(key);
       continue;
     }
     return bad(meta, fmt::format("tensor {}: not a weight of the GPT model common.pt's args describe{}", key,
@@ -99,22 +131,33 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
   }
   for (const auto& [key, shape] : want)
     if (!tensors.count(key)) return bad(meta, fmt::format("tensor {}: missing", key));
-  // The plain optimizer's state in model space: optimizer.state.<what>.<key>, the model's shapes.
-  bool have_moments = true, have_masters = true;
-  for (const auto& [key, shape] : want)
-    for (int w = 0; w < 3; ++w) {
-      const std::string k = kStates[w] + key;
-      auto it = tensors.find(k);
-      if (it == tensors.end() || it->second.shape != shape) {
-        (w == 0 ? have_masters : have_moments) = false;
-      } else {
-        other_optimizer.erase(k);
-      }
+
+  // The optimizer's layout: common.pt's optimizer.param_state_sharding_type for the distributed optimizer.
+  const PyValue* opt_common = root.Get("optimizer");
+  const std::string sharding = opt_common ? StrAttr(opt_common, "param_state_sharding_type").value_or("") : "";
+  const std::string layout_name =
+      sharding.empty() ? "the plain optimizer's layout" : fmt::format("the distributed optimizer's {:?}", sharding);
+  // dp_zero_gather_scatter: objects optimizer.distributed.dp_group_idx_N.{param_state,optimizer}/shard_...
+  std::string dp_zero_state, dp_zero_groups;
+  for (const std::string& item : ck->byte_items()) {
+    if (item.rfind("optimizer.distributed.", 0) != 0) continue;
+    if (item.find(".param_state/") != std::string::npos) {
+      if (!dp_zero_state.empty() || item.rfind("optimizer.distributed.dp_group_idx_0.", 0) != 0 || saved_tp > 1 ||
+          NumAttr(args, "pipeline_model_parallel_size").value_or(1) > 1)
+        return bad(meta, fmt::format("object {}: {} state of a tensor- or pipeline-parallel run (an object per "
+                                     "model-parallel rank); ptk reads it saved at tensor and pipeline size 1",
+                                     item, layout_name));
+      dp_zero_state = item;
+    } else if (item.find(".optimizer/") != std::string::npos) {
+      dp_zero_groups = item;
     }
+  }
 
   std::vector<float> weights(static_cast<size_t>(layout.num_params)), m1(weights.size(), 0.0f),
       m2(weights.size(), 0.0f);
-  bool low_precision = false;
+  bool low_precision = false, have_moments = false, have_masters = false;
+  const PyValue* groups_holder = opt_common;  // what holds the param groups (and Adam's step)
+  std::unique_ptr<torchfmt::TorchArchiveReader> groups_reader;
   // Each key read once (a stacked tensor holds every layer's parameter), scattered to ptk's tensors:
   // the layer's slice, then ptk's rows (the vocabulary cut to ptk's padding: a prefix).
   std::map<std::string, std::vector<std::pair<const MegParam*, int64_t>>> by_key;
@@ -122,27 +165,148 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
     const DistKey k = KeyOf(m);
     by_key[k.key].emplace_back(&m, k.layer);
   }
-  for (int w = 0; w < 3; ++w) {
-    if (w > 0 && !have_moments) continue;
-    std::vector<float>& dst = w == 0 ? weights : w == 1 ? m1 : m2;
-    for (const auto& [base, members] : by_key) {
-      const std::string key = w == 0 ? (have_masters ? kStates[0] + base : base) : kStates[w] + base;
-      if (w == 0 && !have_masters && tensors.at(base).dtype != torchfmt::DType::kFloat32) low_precision = true;
-      PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(key));
-      for (const auto& [m, layer] : members) {
-        const int64_t per_layer = Elements(want.at(base)) / (layer >= 0 ? c.num_layers : 1);
-        const int64_t start = layer >= 0 ? layer * per_layer : 0;
-        std::copy(v.begin() + start, v.begin() + start + m->info->size, dst.begin() + m->info->offset);
+  auto scatter = [&](const std::string& base, const std::vector<float>& v, std::vector<float>& dst) {
+    for (const auto& [m, layer] : by_key.at(base)) {
+      const int64_t per_layer = Elements(want.at(base)) / (layer >= 0 ? c.num_layers : 1);
+      const int64_t start = layer >= 0 ? layer * per_layer : 0;
+      std::copy(v.begin() + start, v.begin() + start + m->info->size, dst.begin() + m->info->offset);
+    }
+  };
+  for (const auto& [base, members] : by_key) {
+    if (tensors.at(base).dtype != torchfmt::DType::kFloat32) low_precision = true;
+    PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(base));
+    scatter(base, v, weights);
+  }
+
+  // dp_reshardable: tensors optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(...).bucket_idx_B.<what>, each
+  // bucket's unpadded span of the world tensors (megatron-core's grad-buffer order).
+  static const std::regex kBucket(
+      R"(optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq))");
+  std::map<int64_t, std::map<std::string, std::string>> buckets;  // bucket -> what -> key
+  std::string bucket_dtype;
+  for (const std::string& key : optimizer_keys) {
+    std::smatch mt;
+    if (key.rfind("optimizer.distributed.", 0) != 0) continue;
+    if (!std::regex_match(key, mt, kBucket))
+      return bad(meta, fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})", key, layout_name));
+    if (mt[1].str() != "0" || mt[2].str() != "0" || (!bucket_dtype.empty() && mt[3].str() != bucket_dtype) ||
+        saved_tp > 1 || NumAttr(args, "pipeline_model_parallel_size").value_or(1) > 1)
+      return bad(meta, fmt::format("tensor {}: {} state of a tensor- or pipeline-parallel run, or of parameters of "
+                                   "several dtypes (a grad buffer each); ptk reads one, saved at tensor and "
+                                   "pipeline size 1",
+                                   key, layout_name));
+    bucket_dtype = mt[3].str();
+    buckets[std::atoll(mt[4].str().c_str())][mt[5].str()] = key;
+  }
+  // The parameters in megatron-core's grad-buffer layout (one stage: tensor and pipeline size 1).
+  auto distrib_params = [&] {
+    const bool te = StrAttr(args, "transformer_impl").value_or("transformer_engine") != "local";
+    std::vector<DistribParam> dparams;
+    for (const MegParam* m : StageOrder(params, 0, te)) {
+      std::vector<int64_t> shape = m->info->shape;
+      if (m->vocab) shape[0] = model.ckpt_padded;
+      dparams.push_back(DistribParam{m->info->name, Elements(shape), false});
+    }
+    return dparams;
+  };
+  auto scatter_distrib = [&](const DistribState& d) {
+    for (const MegParam& m : params) {
+      const int64_t at = d.offset.at(m.info->name);
+      for (auto [src, dst] : {std::pair{&d.param, &weights}, {&d.exp_avg, &m1}, {&d.exp_avg_sq, &m2}})
+        std::copy(src->begin() + at, src->begin() + at + m.info->size, dst->begin() + m.info->offset);
+    }
+  };
+
+  if (!buckets.empty()) {
+    DistribState d;
+    const std::vector<DistribParam> dparams = distrib_params();
+    const int64_t total = DistribLayout(dparams, DistribBucketSize(args, 0), &d.offset);
+    int64_t next = 0;
+    for (const auto& [b, keys] : buckets) {
+      if (b != next++)
+        return bad(meta, fmt::format("{}: bucket {} missing ({} state)", keys.begin()->second, next - 1, layout_name));
+      for (auto [what, dst] : {std::pair{"param", &d.param}, {"exp_avg", &d.exp_avg}, {"exp_avg_sq", &d.exp_avg_sq}}) {
+        auto it = keys.find(what);
+        if (it == keys.end()) return bad(meta, fmt::format("bucket {}: no tensor {} ({} state)", b, what, layout_name));
+        PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(it->second));
+        dst->insert(dst->end(), v.begin(), v.end());
+        optimizer_keys.erase(it->second);
       }
     }
+    if (static_cast<int64_t>(d.param.size()) != total || d.exp_avg.size() != d.param.size() ||
+        d.exp_avg_sq.size() != d.param.size())
+      return bad(meta, fmt::format("{} state: its {} buckets hold {} elements; the {} parameters common.pt's args "
+                                   "describe, laid out as megatron-core lays them, take {}",
+                                   layout_name, buckets.size(), d.param.size(), dparams.size(), total));
+    if (!optimizer_keys.empty())
+      return bad(meta, fmt::format("tensor {} beside {}'s buckets: two optimizer states", *optimizer_keys.begin(),
+                                   layout_name));
+    scatter_distrib(d);
+  } else if (!dp_zero_state.empty()) {
+    // The world tensors distrib_optim.pt holds, as one object (a list of one state dict), in megatron-core's
+    // grad-buffer order; the param groups in another object.
+    if (!optimizer_keys.empty())
+      return bad(meta, fmt::format("tensor {} beside object {}: two optimizer states", *optimizer_keys.begin(),
+                                   dp_zero_state));
+    PTK_ASSIGN_OR_RETURN(auto item, ck->OpenItem(dp_zero_state));
+    const PyValue& list = item->root();
+    if (list.kind != PyValue::Kind::kList || list.items.size() != 1)
+      return bad(meta, fmt::format("object {}: not the list of one state megatron-core saves", dp_zero_state));
+    PTK_ASSIGN_OR_RETURN(DistribState d,
+                         ReadDistribState(item.get(), *list.items[0], fmt::format("{}: object {}", meta, dp_zero_state),
+                                          distrib_params(), DistribBucketSize(args, 0)));
+    scatter_distrib(d);
+  } else if (!optimizer_keys.empty()) {
+    // In model space, optimizer.state.<what>.<key>: the plain optimizer's (fp32_param: the masters of a
+    // --bf16/--fp16 run), the distributed optimizer's fully_reshardable (param) and fully_sharded_model_space
+    // (fp32_param; megatron-core <= 0.13: a [X, Y, ...] tensor whose ranks hold [x, y, ...] saved as
+    // [X/x, Y/y, ..., x*y*...], each rank's flattened shard along the last axis).
+    const char* master = nullptr;
+    for (const char* m : {"optimizer.state.fp32_param.", "optimizer.state.param."})
+      if (tensors.count(m + by_key.begin()->first)) master = m;
+    for (const auto& [base, members] : by_key) {
+      for (const char* what : {"optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.", master}) {
+        if (!what) continue;
+        const std::string key = what + base;
+        auto it = tensors.find(key);
+        if (it == tensors.end())
+          return bad(meta, fmt::format("tensor {}: missing from {} state (which has {}, ...)", key, layout_name,
+                                       *optimizer_keys.begin()));
+        PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(key));
+        if (it->second.shape != want.at(base)) {
+          PTK_ASSIGN_OR_RETURN(v, Unflatten(v, it->second.shape, want.at(base),
+                                            fmt::format("{}: tensor {} ({} state)", meta, key, layout_name)));
+        }
+        scatter(base, v, what == master ? weights : std::string(what) == "optimizer.state.exp_avg." ? m1 : m2);
+        optimizer_keys.erase(key);
+      }
+    }
+    if (!optimizer_keys.empty())
+      return bad(meta, fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})",
+                                   *optimizer_keys.begin(), layout_name));
+    have_moments = true;
+    have_masters = master != nullptr;
   }
+  if (!buckets.empty() || !dp_zero_state.empty()) {
+    // The grad-buffer formats keep the param groups (and Adam's step) in an object of their own.
+    have_moments = have_masters = true;
+    if (dp_zero_groups.empty())
+      return bad(meta, fmt::format("{} state: no object optimizer.distributed.dp_group_idx_0.optimizer beside {} (the "
+                                   "param groups and Adam's step)",
+                                   layout_name, buckets.empty() ? dp_zero_state : "its buckets"));
+    PTK_ASSIGN_OR_RETURN(groups_reader, ck->OpenItem(dp_zero_groups));
+    const PyValue& g = groups_reader->root();
+    groups_holder = g.kind == PyValue::Kind::kList && g.items.size() == 1 ? g.items[0].get() : nullptr;
+  }
+  if (have_masters) low_precision = false;
   for (size_t i = 0; i < weights.size(); ++i)
     if (!std::isfinite(weights[i])) return bad(meta, fmt::format("weight element {} is NaN or infinite", i));
 
-  // Adam's step: the optimizer's param groups in common.pt (optimizer[.optimizer].param_groups[].step).
+  // Adam's step: the optimizer's param groups (optimizer[.optimizer].param_groups[].step), in common.pt or,
+  // for dp_zero_gather_scatter, in an object of its own.
   int64_t adam_step = 0;
   if (have_moments) {
-    const PyValue* opt = root.Get("optimizer");
+    const PyValue* opt = groups_holder;
     if (opt && opt->Get("optimizer")) opt = opt->Get("optimizer");
     const PyValue* groups = opt ? opt->Get("param_groups") : nullptr;
     if (groups && groups->kind == PyValue::Kind::kList)
@@ -151,21 +315,18 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
     if (adam_step == 0) {  // Megatron steps once per iteration (skipped fp16 steps aside)
       adam_step = s.iteration;
       s.notes.push_back(
-          fmt::format("common.pt's optimizer records no Adam step: taken as the iteration, {}", s.iteration));
+          fmt::format("the optimizer's param groups record no Adam step: taken as the iteration, {}", s.iteration));
     }
   } else {
-    std::fill(m1.begin(), m1.end(), 0.0f);
-    std::fill(m2.begin(), m2.end(), 0.0f);
-    s.notes.push_back(
-        other_optimizer.empty()
-            ? "the checkpoint holds no AdamW moments (saved with --no-save-optim): they start at zero"
-            : fmt::format("the optimizer's state is sharded in a layout ptk does not read ({} ...; the distributed "
-                          "optimizer's): the AdamW moments start at zero (ptk-train --load ... --no-load-optim)",
-                          *other_optimizer.begin()));
+    s.notes.push_back("the checkpoint holds no AdamW moments (saved with --no-save-optim): they start at zero");
   }
   if (low_precision)
     s.notes.push_back("the weights are the model's bf16/fp16 copies widened to fp32 (no fp32 masters saved)");
-  if (have_masters) s.notes.push_back("the weights are the optimizer's fp32 master copies (a --bf16/--fp16 run)");
+  if (!dp_zero_state.empty() || !buckets.empty())
+    s.notes.push_back(fmt::format("the weights and AdamW moments are {} fp32 state ({})", layout_name,
+                                  buckets.empty() ? dp_zero_state : "its grad-buffer buckets"));
+  else if (have_masters)
+    s.notes.push_back(fmt::format("the weights are the optimizer's fp32 master copies ({} state)", layout_name));
   if (model.ckpt_padded > c.padded_vocab_size)
     s.notes.push_back(
         fmt::format("the vocabulary's {} padded rows are cut to {} (a multiple of {}, as ptk-train pads "

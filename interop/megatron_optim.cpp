@@ -1,9 +1,12 @@
 // distrib_optim.pt: Megatron's distributed optimizer's fp32 params and Adam moments, in grad-buffer order.
 #include "interop/megatron_optim.h"
 
+#include <algorithm>
+
 #include <fmt/core.h>
 
 #include "common/status.h"
+#include "interop/megatron_common.h"
 #include "interop/torch_format.h"
 
 namespace ptk::megatron {
@@ -14,6 +17,12 @@ using torchfmt::PyValue;
 int64_t Pad(int64_t n, int64_t d) { return (n + d - 1) / d * d; }
 
 }  // namespace
+
+std::optional<int64_t> DistribBucketSize(const PyValue* args, int64_t stage) {
+  if (!BoolAttr(args, "overlap_grad_reduce", false) || stage != 0) return std::nullopt;
+  const int64_t dp = static_cast<int64_t>(NumAttr(args, "data_parallel_size").value_or(1));
+  return static_cast<int64_t>(NumAttr(args, "ddp_bucket_size").value_or(std::max(4e7, 1e6 * dp)));
+}
 
 int64_t DistribLayout(const std::vector<DistribParam>& params, std::optional<int64_t> bucket_size,
                       std::map<std::string, int64_t>* offset) {
@@ -50,7 +59,12 @@ int64_t DistribLayout(const std::vector<DistribParam>& params, std::optional<int
 absl::StatusOr<DistribState> ReadDistribOptim(const std::string& path, const std::vector<DistribParam>& params,
                                               std::optional<int64_t> bucket_size) {
   PTK_ASSIGN_OR_RETURN(auto reader, torchfmt::TorchArchiveReader::Open(path));
-  const PyValue& root = reader->root();
+  return ReadDistribState(reader.get(), reader->root(), path, params, bucket_size);
+}
+
+absl::StatusOr<DistribState> ReadDistribState(torchfmt::TorchArchiveReader* reader, const PyValue& root,
+                                              const std::string& path, const std::vector<DistribParam>& params,
+                                              std::optional<int64_t> bucket_size) {
   auto bad = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", path, why)); };
   if (root.kind != PyValue::Kind::kDict) return bad("the pickle is not a dict: not a distributed optimizer's state");
   if (const PyValue* t = root.Get("param_state_sharding_type"); t && t->kind == PyValue::Kind::kStr)

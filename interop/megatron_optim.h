@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "interop/torch_format.h"
 
 namespace ptk::megatron {
 
@@ -33,6 +34,11 @@ struct DistribState {
   std::map<std::string, int64_t> offset;          // each parameter's first element in them
 };
 
+// megatron-core's bucket size for the grad buffer of pipeline stage `stage` of the run `args` (its
+// Namespace) describes: --ddp-bucket-size, else max(4e7, 1e6 x data-parallel size), only with
+// --overlap-grad-reduce, and only on the first pipeline stage; none (one bucket) otherwise.
+std::optional<int64_t> DistribBucketSize(const torchfmt::PyValue* args, int64_t stage);
+
 // Where the grad buffer puts `params` (named_parameters order) in the world tensors; their total
 // (numel_unpadded).
 int64_t DistribLayout(const std::vector<DistribParam>& params, std::optional<int64_t> bucket_size,
@@ -41,6 +47,11 @@ int64_t DistribLayout(const std::vector<DistribParam>& params, std::optional<int
 // Reads `path` and checks it against the layout of `params` (one grad buffer of one dtype; its
 // numel_unpadded must be the layout's total), naming the file and what differs.
 absl::StatusOr<DistribState> ReadDistribOptim(const std::string& path, const std::vector<DistribParam>& params,
+                                              std::optional<int64_t> bucket_size);
+// The same from the archive `reader` holds (its root the state dict: a distrib_optim.pt, or the
+// object of a torch_dist checkpoint's dp_zero_gather_scatter param_state); `where` names it in errors.
+absl::StatusOr<DistribState> ReadDistribState(torchfmt::TorchArchiveReader* reader, const torchfmt::PyValue& root,
+                                              const std::string& where, const std::vector<DistribParam>& params,
                                               std::optional<int64_t> bucket_size);
 
 }  // namespace ptk::megatron

@@ -59,12 +59,25 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
       m["untie_embeddings_and_output_weights"].get(untie))
     return bad("the header's model description misses a field");
   c.untie_embeddings_and_output_weights = untie;
-  if (std::string_view norm; !m["normalization"].get(norm))  // written for the Llama line only
-    return absl::UnimplementedError(fmt::format(
-        "{}: a model of Megatron's Llama line (RMSNorm, RoPE, SwiGLU, grouped-query attention or bias-free layers: "
-        "{}): ptk-convert exports GPT-3-style models only (GPT2LMHeadModel, Megatron); LlamaForCausalLM export is "
-        "not implemented",
-        file, simdjson::minify(m)));
+  if (std::string_view norm; !m["normalization"].get(norm)) {  // written for the Llama line only
+    std::string_view pos;
+    bool swiglu = false, bias = true, qkv_bias = false;
+    if (m["position_embedding_type"].get(pos) || m["swiglu"].get(swiglu) ||
+        m["num_query_groups"].get(c.num_query_groups) || m["kv_channels"].get(c.kv_channels) ||
+        m["add_bias_linear"].get(bias) || m["add_qkv_bias"].get(qkv_bias) ||
+        (pos == "rope" && (m["rotary_base"].get(c.rotary_base) || m["rotary_percent"].get(c.rotary_percent) ||
+                           m["use_rope_scaling"].get(c.use_rope_scaling))))
+      return bad("the header's description of a Llama-line model misses a field");
+    if ((norm != "RMSNorm" && norm != "LayerNorm") || (pos != "rope" && pos != "none" && pos != "learned_absolute"))
+      return bad(fmt::format("the header's normalization {:?} or position_embedding_type {:?} is unknown", norm, pos));
+    c.normalization = norm == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm;
+    c.position_embedding = pos == "rope"   ? PositionEmbedding::kRope
+                           : pos == "none" ? PositionEmbedding::kNone
+                                           : PositionEmbedding::kLearnedAbsolute;
+    c.swiglu = swiglu;
+    c.add_bias_linear = bias;
+    c.add_qkv_bias = qkv_bias;
+  }
   simdjson::dom::array settings;
   if (!h["settings"].get(settings))
     for (simdjson::dom::element pair : settings) {

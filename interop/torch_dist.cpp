@@ -124,6 +124,7 @@ absl::StatusOr<std::unique_ptr<DistCheckpoint>> DistCheckpoint::Open(const std::
     const std::string cls = v->kind == PyValue::Kind::kObject ? v->ClassName() : "";
     if (cls == "torch.distributed.checkpoint.metadata.BytesStorageMetadata") {
       ck->byte_items_.push_back(k->s);
+      if (auto it = byte_where.find(k->s); it != byte_where.end()) ck->byte_chunks_[k->s] = it->second;
       continue;
     }
     if (cls != "torch.distributed.checkpoint.metadata.TensorStorageMetadata")
@@ -159,11 +160,30 @@ absl::StatusOr<const MappedFile*> DistCheckpoint::File(const std::string& relati
   const std::string path = JoinPath(dir_, relative);
   if (!PathExists(path))
     return absl::NotFoundError(
-        fmt::format("{}: missing: {}/.metadata stores tensor {} there (an incomplete copy?)", path, dir_, key));
+        fmt::format("{}: missing: {}/.metadata stores {} there (an incomplete copy?)", path, dir_, key));
   PTK_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> f, MappedFile::Open(path));
   const MappedFile* raw = f.get();
   files_[relative] = std::move(f);
   return raw;
+}
+
+absl::StatusOr<std::string_view> DistCheckpoint::ItemBytes(const Chunk& c, const std::string& what,
+                                                           std::string* where) {
+  PTK_ASSIGN_OR_RETURN(const MappedFile* f, File(c.file, what));
+  *where = fmt::format("{}: byte {} ({})", f->path(), c.offset, what);
+  if (c.offset > f->size() || c.length > f->size() - c.offset)
+    return absl::DataLossError(
+        fmt::format("{}: {} bytes stored there, the file ends after {} (truncated)", *where, c.length, f->size()));
+  return std::string_view(reinterpret_cast<const char*>(f->data() + c.offset), c.length);
+}
+
+absl::StatusOr<std::unique_ptr<torchfmt::TorchArchiveReader>> DistCheckpoint::OpenItem(const std::string& key) {
+  auto it = byte_chunks_.find(key);
+  if (it == byte_chunks_.end())
+    return absl::DataLossError(fmt::format("{}/.metadata: byte item {}: no storage entry", dir_, key));
+  std::string where;
+  PTK_ASSIGN_OR_RETURN(std::string_view bytes, ItemBytes(it->second, key, &where));
+  return torchfmt::TorchArchiveReader::OpenBytes(where, bytes);
 }
 
 absl::StatusOr<std::vector<float>> DistCheckpoint::ReadFloat(const std::string& key) {
@@ -202,12 +222,9 @@ absl::StatusOr<std::vector<float>> DistCheckpoint::ReadFloat(const std::string& 
   std::vector<int64_t> stride(nd, 1);
   for (size_t d = nd; d-- > 1;) stride[d - 1] = stride[d] * e.shape[d];
   for (const Chunk& c : e.chunks) {
-    PTK_ASSIGN_OR_RETURN(const MappedFile* f, File(c.file, key));
-    const std::string where = fmt::format("{}: byte {} ({} chunk at {})", f->path(), c.offset, key, Dims(c.offsets));
-    if (c.offset > f->size() || c.length > f->size() - c.offset)
-      return absl::DataLossError(
-          fmt::format("{}: {} bytes stored there, the file ends after {} (truncated)", where, c.length, f->size()));
-    std::string_view bytes(reinterpret_cast<const char*>(f->data() + c.offset), c.length);
+    std::string where;
+    PTK_ASSIGN_OR_RETURN(std::string_view bytes,
+                         ItemBytes(c, fmt::format("{} chunk at {}", key, Dims(c.offsets)), &where));
     PTK_ASSIGN_OR_RETURN(auto archive, torchfmt::TorchArchiveReader::OpenBytes(where, bytes));
     const PyValue& t = archive->root();
     if (t.kind != PyValue::Kind::kTensor)

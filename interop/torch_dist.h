@@ -45,6 +45,10 @@ class DistCheckpoint {
   const std::map<std::string, TensorEntry>& tensors() const { return tensors_; }
   // The keys of byte items (Megatron's ShardedObjects: extra states, RNG states, ...).
   const std::vector<std::string>& byte_items() const { return byte_items_; }
+  // A byte item that holds a torch.save archive (a ShardedObject: the pickled list of its objects),
+  // opened; one missing, truncated or not an archive is refused naming the file, the byte offset and
+  // the key.
+  absl::StatusOr<std::unique_ptr<torchfmt::TorchArchiveReader>> OpenItem(const std::string& key);
 
   // The whole tensor as fp32 (float32, bf16, fp16, float64 read), its chunks assembled; chunks that
   // leave a hole, overlap or lie outside the tensor, a data file that is missing or too short, and a
@@ -54,9 +58,12 @@ class DistCheckpoint {
 
  private:
   absl::StatusOr<const MappedFile*> File(const std::string& relative, const std::string& key);
+  // The stored item's bytes, and where they are for errors ("file: byte N (what)").
+  absl::StatusOr<std::string_view> ItemBytes(const Chunk& c, const std::string& what, std::string* where);
   std::string dir_;
   std::map<std::string, TensorEntry> tensors_;
   std::vector<std::string> byte_items_;
+  std::map<std::string, Chunk> byte_chunks_;
   std::map<std::string, std::unique_ptr<MappedFile>> files_;
 };
 

@@ -13,10 +13,10 @@
 #include "interop/hf_gpt2.h"
 
 int main(int argc, char** argv) {
-  auto app = ptk::cli::MakeApp(
-      "ptk-convert",
-      "Convert a ptk checkpoint to a Hugging Face GPT-2 directory (--loader ptk --saver hf) or a Megatron checkpoint "
-      "in its torch format (--saver megatron), or back (--loader hf / megatron --saver ptk).");
+  auto app = ptk::cli::MakeApp("ptk-convert",
+                               "Convert a ptk checkpoint to a Hugging Face GPT-2 or Llama directory (--loader ptk "
+                               "--saver hf) or a Megatron checkpoint "
+                               "in its torch format (--saver megatron), or back (--loader hf / megatron --saver ptk).");
   ptk::ConvertOptions o;
   std::string model_type = "GPT";
   int64_t max_queue_size = 50;

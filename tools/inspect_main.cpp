@@ -40,23 +40,11 @@ std::string SampleText(const ptk::Gpt2Tokenizer& tok, const std::vector<int32_t>
   return text;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  auto app = ptk::cli::MakeApp("ptk-inspect", "Inspect a Megatron indexed dataset (PREFIX.bin + PREFIX.idx).");
+// Every flag's value.
+struct InspectFlags {
   std::string prefix, vocab_file, merge_file, format = "both";
   int64_t doc = -1;
   bool verify = false, stats = false, multimodal = false;
-  app->add_option("prefix", prefix, "Dataset: PREFIX, PREFIX.bin or PREFIX.idx");
-  app->add_option("--doc", doc, "Print document N (0-based): its token ids and decoded text");
-  app->add_option("--format", format, "What --doc prints: ids, text or both")
-      ->check(CLI::IsMember({"ids", "text", "both"}));
-  app->add_flag("--verify", verify,
-                "Check integrity (header, sizes, pointers, document indices, .bin size); exit 1 on damage");
-  app->add_flag("--stats", stats, "Print a histogram of document lengths");
-  app->add_flag("--multimodal", multimodal, "The index carries a per-sequence modes array");
-  app->add_option("--vocab-file", vocab_file, "GPT-2 vocab.json for decoding (default: the built-in GPT-2 vocab)");
-  app->add_option("--merge-file", merge_file, "GPT-2 merges.txt for decoding (default: the built-in GPT-2 merges)");
   // --sample: Megatron's GPTDataset / BlendedDataset view of the data.
   int64_t sample = -1, seq_length = 0, seed = 1234;
   double surplus = 0.005;
@@ -64,87 +52,121 @@ int main(int argc, char** argv) {
   std::string split = "969, 30, 1", sample_split = "train", cache_path;
   std::optional<int64_t> train_samples, valid_samples, test_samples;
   bool eod_mask_loss = false, reset_position_ids = false, write_cache = false;
+  bool sample_given = false;
+};
+
+// Returns the --sample option (whether it was given is known only after parsing).
+CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
+  app.add_option("prefix", f.prefix, "Dataset: PREFIX, PREFIX.bin or PREFIX.idx");
+  app.add_option("--doc", f.doc, "Print document N (0-based): its token ids and decoded text");
+  app.add_option("--format", f.format, "What --doc prints: ids, text or both")
+      ->check(CLI::IsMember({"ids", "text", "both"}));
+  app.add_flag("--verify", f.verify,
+               "Check integrity (header, sizes, pointers, document indices, .bin size); exit 1 on damage");
+  app.add_flag("--stats", f.stats, "Print a histogram of document lengths");
+  app.add_flag("--multimodal", f.multimodal, "The index carries a per-sequence modes array");
+  app.add_option("--vocab-file", f.vocab_file, "GPT-2 vocab.json for decoding (default: the built-in GPT-2 vocab)");
+  app.add_option("--merge-file", f.merge_file, "GPT-2 merges.txt for decoding (default: the built-in GPT-2 merges)");
   auto* sample_opt =
-      app->add_option("--sample", sample, "Print top-level sample I as Megatron's GPTDataset/BlendedDataset gives it");
-  app->add_option("--data-path", data_path, "Megatron's --data-path (default: the prefix): 'p' or 'w1 p1 w2 p2 ...'");
-  app->add_option("--train-data-path", train_path, "Megatron's --train-data-path");
-  app->add_option("--valid-data-path", valid_path, "Megatron's --valid-data-path");
-  app->add_option("--test-data-path", test_path, "Megatron's --test-data-path");
-  app->add_option("--split", split, "Megatron's --split");
-  app->add_option("--seq-length", seq_length, "Megatron's --seq-length (required with --sample)");
-  app->add_option("--seed", seed, "Megatron's --seed");
-  app->add_option("--sample-split", sample_split, "Which split --sample reads")
+      app.add_option("--sample", f.sample, "Print top-level sample I as Megatron's GPTDataset/BlendedDataset gives it");
+  app.add_option("--data-path", f.data_path, "Megatron's --data-path (default: the prefix): 'p' or 'w1 p1 w2 p2 ...'");
+  app.add_option("--train-data-path", f.train_path, "Megatron's --train-data-path");
+  app.add_option("--valid-data-path", f.valid_path, "Megatron's --valid-data-path");
+  app.add_option("--test-data-path", f.test_path, "Megatron's --test-data-path");
+  app.add_option("--split", f.split, "Megatron's --split");
+  app.add_option("--seq-length", f.seq_length, "Megatron's --seq-length (required with --sample)");
+  app.add_option("--seed", f.seed, "Megatron's --seed");
+  app.add_option("--sample-split", f.sample_split, "Which split --sample reads")
       ->check(CLI::IsMember({"train", "valid", "test"}));
-  app->add_option("--train-samples", train_samples,
-                  "Samples of the train split (Megatron: --train-samples or train_iters*GBS)");
-  app->add_option("--valid-samples", valid_samples,
-                  "Samples of the valid split (Megatron: (iters//eval_interval+1)*eval_iters*GBS)");
-  app->add_option("--test-samples", test_samples, "Samples of the test split (Megatron: eval_iters*GBS)");
-  app->add_option("--data-cache-path", cache_path,
-                  "Megatron's --data-cache-path (index cache read from and, with --write-cache, written to)");
-  app->add_option("--mid-level-dataset-surplus", surplus, "Megatron's --mid-level-dataset-surplus");
-  app->add_flag("--eod-mask-loss", eod_mask_loss, "Megatron's --eod-mask-loss");
-  app->add_flag("--reset-position-ids", reset_position_ids, "Megatron's --reset-position-ids");
-  app->add_flag("--write-cache", write_cache,
-                "Save the index cache the way Megatron does (off by default: inspect only reads)");
+  app.add_option("--train-samples", f.train_samples,
+                 "Samples of the train split (Megatron: --train-samples or train_iters*GBS)");
+  app.add_option("--valid-samples", f.valid_samples,
+                 "Samples of the valid split (Megatron: (iters//eval_interval+1)*eval_iters*GBS)");
+  app.add_option("--test-samples", f.test_samples, "Samples of the test split (Megatron: eval_iters*GBS)");
+  app.add_option("--data-cache-path", f.cache_path,
+                 "Megatron's --data-cache-path (index cache read from and, with --write-cache, written to)");
+  app.add_option("--mid-level-dataset-surplus", f.surplus, "Megatron's --mid-level-dataset-surplus");
+  app.add_flag("--eod-mask-loss", f.eod_mask_loss, "Megatron's --eod-mask-loss");
+  app.add_flag("--reset-position-ids", f.reset_position_ids, "Megatron's --reset-position-ids");
+  app.add_flag("--write-cache", f.write_cache,
+               "Save the index cache the way Megatron does (off by default: inspect only reads)");
+  return sample_opt;
+}
+
+// --sample: top-level sample f.sample of Megatron's datasets, as text (decode given) or ids.
+absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
+  if (f.seq_length < 2) return ptk::UsageError("--sample needs --seq-length");
+  ptk::DecodeFn decode;
+  if (tok != nullptr) decode = [tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids); };
+  ptk::DataArgs args;
+  args.data_path =
+      f.data_path.empty() && f.train_path.empty() && f.valid_path.empty() && f.test_path.empty() && !f.prefix.empty()
+          ? std::vector<std::string>{f.prefix}
+          : f.data_path;
+  args.per_split_data_path = {f.train_path, f.valid_path, f.test_path};
+  args.split = f.split;
+  args.sizes = {f.train_samples, f.valid_samples, f.test_samples};
+  ptk::GPTDatasetConfig cfg;
+  cfg.sequence_length = f.seq_length;
+  cfg.random_seed = static_cast<uint32_t>(f.seed);
+  cfg.tokenizer = ptk::Gpt2TokenizerIdentifiers(f.vocab_file.empty() ? "gpt2-vocab.json" : f.vocab_file,
+                                                f.merge_file.empty() ? "gpt2-merges.txt" : f.merge_file);
+  if (!f.cache_path.empty()) cfg.path_to_cache = f.cache_path;
+  cfg.write_cache = f.write_cache;
+  cfg.mid_level_dataset_surplus = f.surplus;
+  cfg.eod_mask_loss = f.eod_mask_loss;
+  cfg.reset_position_ids = f.reset_position_ids;
+  const ptk::Split which = f.sample_split == "train"   ? ptk::Split::kTrain
+                           : f.sample_split == "valid" ? ptk::Split::kValid
+                                                       : ptk::Split::kTest;
+  PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatGPTSample(args, cfg, which, f.sample, decode));
+  std::fputs(text.c_str(), stdout);
+  return absl::OkStatus();
+}
+
+// The dataset PREFIX itself: --verify, --doc, the summary and --stats.
+absl::Status InspectDataset(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
+  if (f.prefix.empty()) return ptk::UsageError("give the dataset PREFIX");
+  PTK_ASSIGN_OR_RETURN(const std::string prefix, ptk::ResolveDatasetPrefix(f.prefix));  // PREFIX, .bin or .idx
+  PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, f.multimodal));
+  if (f.verify) {
+    PTK_RETURN_IF_ERROR(ds->Verify());
+    PTK_ASSIGN_OR_RETURN(bool summed, ds->VerifyChecksums());
+    std::printf("OK: %s: %lld documents, %lld sequences, %lld tokens; index and data consistent; %s\n", prefix.c_str(),
+                static_cast<long long>(ds->num_documents()), static_cast<long long>(ds->num_sequences()),
+                static_cast<long long>(ds->num_tokens()),
+                summed ? "checksums match the .ptk-done sidecar" : "no .ptk-done sidecar, so no checksums to check");
+    if (f.doc < 0 && !f.stats) return absl::OkStatus();
+  }
+  if (f.doc >= 0) {
+    ptk::DecodeFn decode;
+    if (tok != nullptr) decode = [tok](const std::vector<int32_t>& ids) { return tok->Decode(ids); };
+    PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatDocument(*ds, f.doc, f.format != "text", decode));
+    std::fputs(text.c_str(), stdout);
+    return absl::OkStatus();
+  }
+  ptk::DatasetSummary s = ptk::Summarize(*ds);
+  if (!f.verify) std::fputs(ptk::FormatSummary(*ds, s).c_str(), stdout);
+  if (f.stats) std::fputs(ptk::FormatHistogram(s).c_str(), stdout);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto app = ptk::cli::MakeApp("ptk-inspect", "Inspect a Megatron indexed dataset (PREFIX.bin + PREFIX.idx).");
+  InspectFlags flags;
+  CLI::Option* sample_opt = AddFlags(*app, flags);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  flags.sample_given = sample_opt->count() > 0;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    ptk::DecodeFn decode;
-    std::unique_ptr<ptk::Gpt2Tokenizer> tok;
-    if (format != "ids" && (doc >= 0 || sample_opt->count() > 0)) {
-      PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(vocab_file, merge_file));
-      PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadOrDefault(vocab_file, merge_file));
-      decode = [&tok](const std::vector<int32_t>& ids) { return tok->Decode(ids); };
+    std::unique_ptr<ptk::Gpt2Tokenizer> tok;  // only when something is decoded
+    if (flags.format != "ids" && (flags.doc >= 0 || flags.sample_given)) {
+      PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(flags.vocab_file, flags.merge_file));
+      PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadOrDefault(flags.vocab_file, flags.merge_file));
     }
-    if (sample_opt->count() > 0) {
-      if (seq_length < 2) return ptk::UsageError("--sample needs --seq-length");
-      if (decode) decode = [&tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids); };
-      ptk::DataArgs args;
-      args.data_path =
-          data_path.empty() && train_path.empty() && valid_path.empty() && test_path.empty() && !prefix.empty()
-              ? std::vector<std::string>{prefix}
-              : data_path;
-      args.per_split_data_path = {train_path, valid_path, test_path};
-      args.split = split;
-      args.sizes = {train_samples, valid_samples, test_samples};
-      ptk::GPTDatasetConfig cfg;
-      cfg.sequence_length = seq_length;
-      cfg.random_seed = static_cast<uint32_t>(seed);
-      cfg.tokenizer = ptk::Gpt2TokenizerIdentifiers(vocab_file.empty() ? "gpt2-vocab.json" : vocab_file,
-                                                    merge_file.empty() ? "gpt2-merges.txt" : merge_file);
-      if (!cache_path.empty()) cfg.path_to_cache = cache_path;
-      cfg.write_cache = write_cache;
-      cfg.mid_level_dataset_surplus = surplus;
-      cfg.eod_mask_loss = eod_mask_loss;
-      cfg.reset_position_ids = reset_position_ids;
-      const ptk::Split which = sample_split == "train"   ? ptk::Split::kTrain
-                               : sample_split == "valid" ? ptk::Split::kValid
-                                                         : ptk::Split::kTest;
-      PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatGPTSample(args, cfg, which, sample, decode));
-      std::fputs(text.c_str(), stdout);
-      return absl::OkStatus();
-    }
-    if (prefix.empty()) return ptk::UsageError("give the dataset PREFIX");
-    PTK_ASSIGN_OR_RETURN(prefix, ptk::ResolveDatasetPrefix(prefix));  // PREFIX, PREFIX.bin or PREFIX.idx
-    PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, multimodal));
-    if (verify) {
-      PTK_RETURN_IF_ERROR(ds->Verify());
-      PTK_ASSIGN_OR_RETURN(bool summed, ds->VerifyChecksums());
-      std::printf("OK: %s: %lld documents, %lld sequences, %lld tokens; index and data consistent; %s\n",
-                  prefix.c_str(), static_cast<long long>(ds->num_documents()),
-                  static_cast<long long>(ds->num_sequences()), static_cast<long long>(ds->num_tokens()),
-                  summed ? "checksums match the .ptk-done sidecar" : "no .ptk-done sidecar, so no checksums to check");
-      if (doc < 0 && !stats) return absl::OkStatus();
-    }
-    if (doc >= 0) {
-      PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatDocument(*ds, doc, format != "text", decode));
-      std::fputs(text.c_str(), stdout);
-      return absl::OkStatus();
-    }
-    ptk::DatasetSummary s = ptk::Summarize(*ds);
-    if (!verify) std::fputs(ptk::FormatSummary(*ds, s).c_str(), stdout);
-    if (stats) std::fputs(ptk::FormatHistogram(s).c_str(), stdout);
-    return absl::OkStatus();
+    if (flags.sample_given) return PrintSample(flags, tok.get());
+    return InspectDataset(flags, tok.get());
   });
 }

@@ -33,11 +33,6 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   if (f.options.model.vocab_size != 0) f.options.vocab_file = f.options.merge_file = "";
   std::vector<std::string> run_notes;  // a real run's notes (on flags without effect) do not apply to the plan
   PTK_ASSIGN_OR_RETURN(const TrainOptions o, ResolveTrainFlags(f, &run_notes));
-  if (!o.model.gpt3())
-    return UsageError(
-        "--dry-run counts Megatron's GPT-3 model only; the Llama line's flags (--normalization RMSNorm, "
-        "--position-embedding-type rope|none, --swiglu, --group-query-attention, --kv-channels, "
-        "--disable-bias-linear) are not in its parameter, FLOPs and memory counts yet");
   DryRunOptions d;
   d.model = o.model;
   d.make_vocab_size_divisible_by = flags.make_vocab_size_divisible_by;

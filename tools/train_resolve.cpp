@@ -127,11 +127,6 @@ absl::Status ResolveModel(const TrainFlags& f, Device device, int64_t tp, TrainO
     PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
     PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
   }
-  if (tp > 1 && o.backend.sequence_parallel && !m.gpt3())
-    return Refuse(
-        "--sequence-parallel: implemented for GPT-3's model only, not with --normalization RMSNorm, "
-        "--position-embedding-type rope|none, --swiglu, --group-query-attention, --kv-channels or "
-        "--disable-bias-linear");
   if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
     return Refuse(fmt::format(
         "--sequence-parallel: --seq-length {} is not divisible by --tensor-model-parallel-size {}", m.seq_length, tp));

@@ -24,6 +24,7 @@
 #include "common/logging.h"
 #include "common/output_lock.h"
 #include "common/status.h"
+#include "trainer/checkpoint_header.h"
 
 namespace ptk {
 namespace {
@@ -563,17 +564,7 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   state->seed = seed;
   double wall = 0;
   if (!h["wall_seconds"].get(wall)) state->wall_seconds = wall;
-  state->settings.clear();
-  simdjson::dom::array settings;
-  if (!h["settings"].get(settings)) {
-    for (simdjson::dom::element pair : settings) {
-      simdjson::dom::array kv;
-      std::string_view name, value;
-      if (pair.get(kv) || kv.size() != 2 || kv.at(0).get(name) || kv.at(1).get(value))
-        return corrupt("malformed settings in the header");
-      state->settings.emplace_back(std::string(name), std::string(value));
-    }
-  }
+  if (!ReadHeaderSettings(h, &state->settings)) return corrupt("malformed settings in the header");
   if (state->iteration != iteration)
     return corrupt(fmt::format("holds iteration {}, the directory says {}", state->iteration, iteration));
   return absl::OkStatus();

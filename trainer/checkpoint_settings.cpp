@@ -9,8 +9,22 @@
 
 #include "common/status.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_header.h"
 
 namespace ptk {
+
+bool ReadHeaderSettings(simdjson::dom::element header, std::vector<std::pair<std::string, std::string>>* out) {
+  out->clear();
+  simdjson::dom::array settings;
+  if (header["settings"].get(settings)) return true;
+  for (simdjson::dom::element pair : settings) {
+    simdjson::dom::array kv;
+    std::string_view name, value;
+    if (pair.get(kv) || kv.size() != 2 || kv.at(0).get(name) || kv.at(1).get(value)) return false;
+    out->emplace_back(std::string(name), std::string(value));
+  }
+  return true;
+}
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointSettings(const std::string& load,
                                                                                         int64_t iteration) {
@@ -26,17 +40,8 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointS
   simdjson::dom::element h;
   if (parser.parse(*header).get(h)) return corrupt("header is not JSON");
   std::vector<std::pair<std::string, std::string>> out;
-  simdjson::dom::array settings;
-  if (!h["settings"].get(settings)) {
-    for (simdjson::dom::element pair : settings) {
-      simdjson::dom::array kv;
-      std::string_view name, value;
-      if (pair.get(kv) || kv.size() != 2 || kv.at(0).get(name) || kv.at(1).get(value))
-        return corrupt("malformed settings in the header");
-      out.emplace_back(std::string(name), std::string(value));
-    }
-    if (!out.empty()) return out;
-  }
+  if (!ReadHeaderSettings(h, &out)) return corrupt("malformed settings in the header");
+  if (!out.empty()) return out;
   simdjson::dom::object model;
   if (h["model"].get(model)) return corrupt("header misses the model");
   const std::pair<const char*, const char*> names[] = {{"num_layers", "--num-layers"},

@@ -109,8 +109,11 @@ double ActivationBytesPerLayer(const GPTConfig& c, int64_t micro_batch_size, int
   // Outside the tensor-parallel regions: the two LayerNorms' inputs, the QKV and fc1 inputs (4sbh
   // values) and the dropout masks after the projection and fc2 (2sbh bytes).
   const double outside = v * 4 * s * b * h + 2 * s * b * h;
-  // Inside: Q, K, V and the projection's input (4sbh), GELU's and fc2's inputs (2sbF) ...
-  double inside = v * (4 * s * b * h + 2 * s * b * f);
+  // Inside: Q, K, V and the projection's input (4sbh; with query groups Q and the projection's input
+  // a·kv each, K and V G·kv each), GELU's and fc2's inputs (2sbF; SwiGLU's [gate; up] and fc2's
+  // input 3sbF) ...
+  const double q = a * static_cast<double>(c.head_dim()), kv = static_cast<double>(c.query_groups() * c.head_dim());
+  double inside = v * (s * b * (2 * q + 2 * kv) + (c.swiglu ? 3 : 2) * s * b * f);
   // ... and the attention core: softmax output and dropout output (2as²b values), dropout mask (as²b).
   if (!selective_recompute) inside += (2 * v + 1) * a * s * s * b;
   return (sequence_parallel && tensor > 1 ? outside / t : outside) + inside / t;
@@ -240,10 +243,13 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
       "activations: per layer sbh(18 + 4F/h) + 5as^2b bytes, sbh(34 + 5as/h) at F = 4h (Korthikanti et al. 2022, "
       "Table 2; {}-byte activations), split over T {}; --recompute-activations (selective) drops 5as^2b; "
       "s {}, b {}, stage p holds min(P - p, {}) micro-batches (1F1B), plus Megatron's embedding and output-layer "
-      "terms",
+      "terms{}",
       plan.activation_bytes,
       plan.sequence_parallel ? "with --sequence-parallel" : "except 10sbh (no --sequence-parallel)", m.seq_length,
-      o.micro_batch_size, plan.micro_batches));
+      o.micro_batch_size, plan.micro_batches,
+      m.gpt3() ? ""
+               : "; this Llama-line model's Q, K, V and attention output at their heads' widths (4sbh -> sb(2a + "
+                 "2G)kv), SwiGLU's gate, up and fc2 inputs 3sbF (2sbF)"));
   line(fmt::format("{:>6} {:>6} {:>12} {:>8} {:>9} {:>9} {:>9} {:>11} {:>10} {:>8}", "stage", "layers", "parameters",
                    "weights", "gradients", "optimizer", "ZeRO-1", "activations", "recomputed", "total"));
   int worst = 0;

@@ -45,6 +45,8 @@ struct DryRunOptions {
 // Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022):
 // sbh(34 + 5as/h) with 2-byte activations and an MLP of 4h, generalised to an MLP of F
 // (sbh(18 + 4F/h) + 5as²b) and to 4-byte activations (fp32: the 1-byte dropout masks stay).
+// The Llama line's shapes in the same terms: Q, K, V and the projection's input as their heads have
+// them (sb(2a·kv + 2G·kv) in place of 4sbh), SwiGLU's MLP 3sbF in place of 2sbF.
 // Tensor parallelism splits all but the LayerNorm and linear inputs and the dropout masks
 // (10sbh of the 34); sequence parallelism splits those too. Selective recomputation
 // (--recompute-activations) drops the attention core's 5as²b.

@@ -63,6 +63,11 @@ absl::Status CheckTensorSplit(const GPTConfig& c, int tensor) {
   if (ffn % tensor != 0)
     return UsageError(
         fmt::format("--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {}", ffn, tensor));
+  if (c.query_groups() % tensor != 0)
+    return UsageError(fmt::format(
+        "--num-query-groups {} is not divisible by --tensor-model-parallel-size {} (each tensor rank takes whole "
+        "query groups)",
+        c.query_groups(), tensor));
   return absl::OkStatus();
 }
 
@@ -71,19 +76,24 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
   PTK_CHECK(c.padded_vocab_size % tensor == 0);
   const int64_t h = c.hidden_size, t = tensor;
   const int64_t ffn = c.ffn_hidden_size > 0 ? c.ffn_hidden_size : 4 * h;
-  const int64_t qkv = 3 * h;                     // kv_channels × heads × (q, k, v): multi-head attention
-  const int64_t layer = 2 * h                    // input LayerNorm
-                        + qkv * h / t + qkv / t  // column-parallel QKV
-                        + h * h / t + h          // row-parallel projection, bias whole
-                        + 2 * h                  // pre-MLP LayerNorm
-                        + ffn * h / t + ffn / t  // column-parallel fc1
-                        + h * ffn / t + h;       // row-parallel fc2, bias whole
+  const int64_t norm = c.normalization == Normalization::kRMSNorm ? h : 2 * h;  // RMSNorm has no bias
+  const int64_t qkv = c.qkv_rows();                                // query heads plus a key and a value head per group
+  const int64_t attention = c.num_attention_heads * c.head_dim();  // the projection's input
+  const int64_t fc1 = (c.swiglu ? 2 : 1) * ffn;                    // SwiGLU's fc1: [gate; up]
+  const int64_t bias = c.add_bias_linear ? 1 : 0;
+  const int64_t layer = norm                                          // input norm
+                        + qkv * h / t + (c.qkv_bias() ? qkv / t : 0)  // column-parallel QKV
+                        + h * attention / t + bias * h                // row-parallel projection, bias whole
+                        + norm                                        // pre-MLP norm
+                        + fc1 * h / t + bias * fc1 / t                // column-parallel fc1
+                        + h * ffn / t + bias * h;                     // row-parallel fc2, bias whole
   const int64_t vocab_slice = c.padded_vocab_size / t * h;
   int64_t n = layers_on_stage * layer;
   const bool first = stage == 0, last = stage == pipeline - 1;
-  if (first) n += vocab_slice + c.max_position_embeddings * h;
+  if (first) n += vocab_slice;
+  if (first && c.position_embedding == PositionEmbedding::kLearnedAbsolute) n += c.max_position_embeddings * h;
   if (last) {
-    n += 2 * h;  // final LayerNorm
+    n += norm;  // final norm
     if (c.untie_embeddings_and_output_weights || !first) n += vocab_slice;
   }
   return n;

@@ -27,7 +27,9 @@ absl::Status CheckTensorSplit(const GPTConfig& config, int tensor);
 
 // The parameters one (tensor, pipeline) rank holds, as Megatron-core's GPTModel builds its stage
 // (config.padded_vocab_size already padded for T): column-parallel QKV and fc1 weights and biases
-// and row-parallel projection and fc2 weights split by T, their biases and the LayerNorms whole;
+// and row-parallel projection and fc2 weights split by T, their biases and the LayerNorms whole
+// (the Llama line's shapes: grouped K/V heads, --kv-channels, SwiGLU's [gate; up] fc1, RMSNorm's
+// weight alone, no biases under --disable-bias-linear, no position embeddings under RoPE);
 // the first stage the word (its vocabulary slice) and position embeddings, the last the final
 // LayerNorm and the output layer: its own copy of the word embeddings' slice when tied and P > 1,
 // the untied output layer's slice when untied, nothing more when tied on one stage.

@@ -4,6 +4,7 @@
 // object), RetryBudget (how long one file keeps being retried) and FileFetch (the loop of HTTP
 // attempts and what each answer means).
 #include "dataprep/download/download_internal.h"
+#include "dataprep/download/publish_part.h"
 
 #include "common/atomic_file.h"
 #include "common/file_io.h"
@@ -200,16 +201,7 @@ class PartFile {
   // Hands the complete, verified `.part` (its fd and the file's lock) to be made durable and
   // renamed into place.
   absl::Status MoveIntoPlace(Session& s, DoneLog& done, std::unique_ptr<OutputLock> lock) {
-    PublishItem item;
-    item.path = f_.path;
-    item.fd = std::exchange(fd_, -1);
-    item.part_path = path_;
-    item.final_path = f_.local_path;
-    item.meta_path = meta_path_;
-    item.done_key = DoneLogKey(f_);
-    item.bytes = offset_;
-    item.lock = std::move(lock);
-    return Publish(s, done, std::move(item));
+    return PublishPart(s, done, f_, &fd_, path_, meta_path_, offset_, std::move(lock));
   }
 
   uint64_t offset() const { return offset_; }

@@ -1,9 +1,12 @@
 // ptk-download: what happens to a file's bytes once they are on disk: hashed as they land
 // (StreamHasher, off the receiving thread), then made durable and put in place (Publisher, off the
 // download workers: their fsyncs committed together).
+#include <utility>
+
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "dataprep/download/download_internal.h"
+#include "dataprep/download/publish_part.h"
 
 namespace ptk::download_detail {
 
@@ -132,6 +135,20 @@ void CloseItem(PublishItem& item) {
 }
 
 }  // namespace
+
+absl::Status PublishPart(Session& s, DoneLog& done, const RemoteFile& f, int* fd, const std::string& part_path,
+                         const std::string& meta_path, uint64_t bytes, std::unique_ptr<OutputLock> lock) {
+  PublishItem item;
+  item.path = f.path;
+  item.fd = std::exchange(*fd, -1);
+  item.part_path = part_path;
+  item.final_path = f.local_path;
+  item.meta_path = meta_path;
+  item.done_key = DoneLogKey(f);
+  item.bytes = bytes;
+  item.lock = std::move(lock);
+  return Publish(s, done, std::move(item));
+}
 
 absl::Status Publish(Session& s, DoneLog& done, PublishItem item) {
   if (s.publisher) {

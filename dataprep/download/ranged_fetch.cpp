@@ -14,6 +14,7 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "dataprep/download/download_internal.h"
+#include "dataprep/download/publish_part.h"
 
 namespace ptk::download_detail {
 
@@ -77,16 +78,7 @@ class RangedFetch {
     }
     res_.fetched = true;
     res_.bytes = f_.size;
-    PublishItem item;
-    item.path = f_.path;
-    item.fd = std::exchange(fd_, -1);
-    item.part_path = path_;
-    item.final_path = f_.local_path;
-    item.meta_path = meta_path_;
-    item.done_key = DoneLogKey(f_);
-    item.bytes = f_.size;
-    item.lock = std::move(lock);
-    return Publish(s_, d_.done_, std::move(item));
+    return PublishPart(s_, d_.done_, f_, &fd_, path_, meta_path_, f_.size, std::move(lock));
   }
 
  private:
@@ -388,25 +380,7 @@ class RangedFetch {
       PTK_RETURN_IF_ERROR(write_error);
       const bool progressed = pos > from;
       if (progressed) budget_.Progressed();
-      switch (verdict) {
-        case Verdict::kStale: return absl::OkStatus();
-        case Verdict::kUnsupported: {
-          std::lock_guard<std::mutex> lock(mu_);
-          unsupported_ = true;
-          stop_ = true;
-          return absl::OkStatus();
-        }
-        case Verdict::kChanged: {
-          std::string why;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            why = changed_why_.empty() ? "the file changed on the server" : changed_why_;
-            if (gen == gen_) StartOverLocked();
-          }
-          return budget_.Again(why + "; starting over", 0);
-        }
-        case Verdict::kNone: break;
-      }
+      if (verdict != Verdict::kNone) return OnVerdict(verdict, gen);
       if (!problem.empty()) return budget_.Again(fmt::format("bad range response ({})", problem), 0);
       if (stop_) return absl::OkStatus();
       if (resp.curl_code != 0)
@@ -428,39 +402,71 @@ class RangedFetch {
               budget_.Backoff(progressed));
         return absl::OkStatus();
       }
-      if (code == 429) {
-        ++s_.rate_limited;
-        const double wait_s = s_.limiter.On429(resp, budget_.failures());
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          throttled_ = true;                     // no more connections for this file
-          if (active_conns_ > 1) leave_ = true;  // and one fewer
-          if (!hub) {  // and no request of this file to its server before the wait it asks for
-            paused_until_ = std::max(paused_until_, Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                                       std::chrono::duration<double>(wait_s)));
-          }
-        }
-        if (!hub) return budget_.Again("429 from the download host", wait_s);
-        if (budget_.AddFailure() > s_.opt.max_retries + 20)
-          return absl::UnavailableError("rate limited too many times");
-        return absl::OkStatus();
-      }
-      if (!hub && (code == 403 || code == 400 || code == 410 || code == 404) && f_.url.empty()) {
-        // A signed CDN URL that expired or was refused: resolve again (costs one resolve).
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (gen == gen_ && url_ == url) {
-            settled_ = false;
-            url_ = resolve_url_;
-          }
-        }
-        return budget_.Again(fmt::format("download host answered {}; resolving again", code), budget_.Backoff(false));
-      }
+      if (code == 429) return OnRateLimited(resp, hub);
+      if (!hub && (code == 403 || code == 400 || code == 410 || code == 404) && f_.url.empty())
+        return OnUrlRefused(code, gen, url);
       if (code == 408 || code >= 500 || code == 416)
         return budget_.Again(fmt::format("HTTP {} for bytes {}-{}", code, from, end - 1), budget_.Backoff(false));
       return absl::UnavailableError(fmt::format("{}: {}", url, HubErrorText(resp)));
     }
     return absl::OkStatus();
+  }
+
+  // What AcceptHeaders decided against the answer: the piece given up (stale), the file fetched
+  // whole instead (ranges unsupported), or started over (it changed on the server).
+  absl::Status OnVerdict(Verdict verdict, uint64_t gen) {
+    switch (verdict) {
+      case Verdict::kUnsupported: {
+        std::lock_guard<std::mutex> lock(mu_);
+        unsupported_ = true;
+        stop_ = true;
+        return absl::OkStatus();
+      }
+      case Verdict::kChanged: {
+        std::string why;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          why = changed_why_.empty() ? "the file changed on the server" : changed_why_;
+          if (gen == gen_) StartOverLocked();
+        }
+        return budget_.Again(why + "; starting over", 0);
+      }
+      case Verdict::kStale:
+      case Verdict::kNone: break;
+    }
+    return absl::OkStatus();
+  }
+
+  // A 429 to a piece: no more connections for this file, and one fewer; from the download host, no
+  // request of this file to it before the wait it asks for.
+  absl::Status OnRateLimited(const HttpResponse& resp, bool hub) {
+    ++s_.rate_limited;
+    const double wait_s = s_.limiter.On429(resp, budget_.failures());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      throttled_ = true;
+      if (active_conns_ > 1) leave_ = true;
+      if (!hub) {
+        paused_until_ =
+            std::max(paused_until_,
+                     Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wait_s)));
+      }
+    }
+    if (!hub) return budget_.Again("429 from the download host", wait_s);
+    if (budget_.AddFailure() > s_.opt.max_retries + 20) return absl::UnavailableError("rate limited too many times");
+    return absl::OkStatus();
+  }
+
+  // A signed CDN URL that expired or was refused: resolve again (costs one resolve).
+  absl::Status OnUrlRefused(long code, uint64_t gen, const std::string& url) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (gen == gen_ && url_ == url) {
+        settled_ = false;
+        url_ = resolve_url_;
+      }
+    }
+    return budget_.Again(fmt::format("download host answered {}; resolving again", code), budget_.Backoff(false));
   }
 
   // A redirect, checked as a single-stream fetch checks it (the Hub's X-Linked-* against the listing).

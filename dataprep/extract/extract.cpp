@@ -322,11 +322,10 @@ int64_t CountExtractedOutputs(const std::vector<std::string>& paths) {
   return n;
 }
 
-absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
-  const auto t0 = std::chrono::steady_clock::now();
-  if (!opt.output_dir.empty()) PTK_RETURN_IF_ERROR(MakeDirs(opt.output_dir));
-  ExtractSummary sum;
-  // Every input's output, checked for collisions over the whole list (not only this shard's).
+namespace {
+
+// Every input's output, checked for collisions over the whole list (not only this shard's).
+absl::StatusOr<std::vector<std::string>> OutputsOf(const ExtractOptions& opt) {
   std::vector<std::string> outputs(opt.inputs.size());
   std::map<std::string, size_t> seen;
   for (size_t i = 0; i < opt.inputs.size(); ++i) {
@@ -337,93 +336,84 @@ absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
       return absl::InvalidArgumentError(
           fmt::format("{} and {} would both be extracted to {}", opt.inputs[it->second], opt.inputs[i], outputs[i]));
   }
-  // Shard membership hangs on the file's own name (FNV-1a of its output path below output_dir),
-  // not on its position in the list: with --delete-input the list shrinks while array tasks run,
-  // and every task must still agree on who owns which file.
-  auto owner = [&](size_t i) {
-    const std::string key = i < opt.relative_outputs.size() && !opt.relative_outputs[i].empty()
-                                ? opt.relative_outputs[i]
-                                : Basename(opt.inputs[i]);
-    uint64_t h = 1469598103934665603ull;
-    for (unsigned char c : key) h = (h ^ c) * 1099511628211ull;
-    return static_cast<int64_t>(h % static_cast<uint64_t>(opt.shard.count));
-  };
-  std::vector<std::string> mine, mine_out;
-  for (size_t i = 0; i < opt.inputs.size(); ++i)
-    if (opt.shard.count <= 1 || owner(i) == opt.shard.index) {
-      mine.push_back(opt.inputs[i]);
-      mine_out.push_back(outputs[i]);
+  return outputs;
+}
+
+// The shard that owns input i. Membership hangs on the file's own name (FNV-1a of its output path
+// below output_dir), not on its position in the list: with --delete-input the list shrinks while
+// array tasks run, and every task must still agree on who owns which file.
+int64_t ShardOwner(const ExtractOptions& opt, size_t i) {
+  const std::string key = i < opt.relative_outputs.size() && !opt.relative_outputs[i].empty() ? opt.relative_outputs[i]
+                                                                                              : Basename(opt.inputs[i]);
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : key) h = (h ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(h % static_cast<uint64_t>(opt.shard.count));
+}
+
+// Before extracting r.input: its output's lock taken (held in *lock), and whether the work is
+// already done (kSkipped), cannot start (kFailed with r.error), or is to do (the state left as is).
+void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, ExtractFileResult& r,
+                           std::unique_ptr<OutputLock>* lock, ProgressReporter& progress) {
+  auto src = StatSource(r.input);
+  if (src.ok() && r.output != r.input) {
+    absl::Status made = MakeDirs(Dirname(r.output));
+    auto l = made.ok() ? OutputLock::Acquire(r.output) : absl::StatusOr<std::unique_ptr<OutputLock>>(made);
+    if (l.ok()) {
+      *lock = std::move(*l);
+      RemoveStaleTemporaries(r.output);
+    } else {
+      src = l.status();
     }
-  sum.files.resize(mine.size());
-  uint64_t total = 0;
-  for (const auto& f : mine) {
-    auto sz = FileSize(f);
-    if (sz.ok()) total += *sz;
   }
-  ProgressReporter progress({.label = "extract",
-                             .item_unit = "files",
-                             .items_total = mine.size(),
-                             .bytes_total = total,
-                             .enabled = opt.progress});
-  const std::string drops = DropKey(opt.drop_sets);
-  std::mutex mu;
-  ParallelForEach(mine.size(), opt.jobs, [&](size_t i) {
-    ExtractFileResult& r = sum.files[i];
-    r.input = mine[i];
-    r.output = mine_out[i];
-    auto src = StatSource(r.input);
-    std::unique_ptr<OutputLock> out_lock;
-    if (src.ok() && r.output != r.input) {
-      absl::Status made = MakeDirs(Dirname(r.output));
-      auto l = made.ok() ? OutputLock::Acquire(r.output) : absl::StatusOr<std::unique_ptr<OutputLock>>(made);
-      if (l.ok()) {
-        out_lock = std::move(*l);
-        RemoveStaleTemporaries(r.output);
-      } else {
-        src = l.status();
-      }
-    }
-    if (!src.ok()) {
-      r.state = ExtractFileResult::State::kFailed;
-      r.error = src.status();
-    } else if (r.output != r.input && !opt.force && Occupied(r.output) && !WrittenByExtract(r.output)) {
-      // As zstd -d: a file this tool did not write is never overwritten unasked.
-      r.state = ExtractFileResult::State::kFailed;
-      r.error = absl::AlreadyExistsError(
-          fmt::format("{} already exists and was not written by ptk-extract (no {} beside it): not overwritten; "
-                      "remove it, or pass --force",
-                      r.output, kDoneSuffix));
-    } else if (r.output == r.input) {
-      r.state = ExtractFileResult::State::kSkipped;  // already plain, in place
-    } else if (LooksComplete(r.input, r.output, drops, true, *src)) {
-      r.state = ExtractFileResult::State::kSkipped;
-      if (opt.verify) {
-        absl::Status st = VerifyOne(r.input, r.output, opt);
-        if (!st.ok()) {
-          log::Warning("{}; extracting again", StatusMessage(st));
-          r.state = ExtractFileResult::State::kFailed;
-        }
-      }
-      if (r.state == ExtractFileResult::State::kSkipped) progress.AddBytes(src->size);
-    }
-    if (r.state != ExtractFileResult::State::kSkipped && r.error.ok()) {
-      absl::Status st = ExtractOne(r.input, r.output, opt, &r, &progress);
-      if (st.ok()) {
-        r.state = ExtractFileResult::State::kExtracted;
-        if (opt.delete_input) {
-          absl::Status d = RemoveFileIfExists(r.input);
-          if (!d.ok()) log::Warning("{}", StatusMessage(d));
-        }
-      } else {
+  if (!src.ok()) {
+    r.state = ExtractFileResult::State::kFailed;
+    r.error = src.status();
+  } else if (r.output != r.input && !opt.force && Occupied(r.output) && !WrittenByExtract(r.output)) {
+    // As zstd -d: a file this tool did not write is never overwritten unasked.
+    r.state = ExtractFileResult::State::kFailed;
+    r.error = absl::AlreadyExistsError(
+        fmt::format("{} already exists and was not written by ptk-extract (no {} beside it): not overwritten; "
+                    "remove it, or pass --force",
+                    r.output, kDoneSuffix));
+  } else if (r.output == r.input) {
+    r.state = ExtractFileResult::State::kSkipped;  // already plain, in place
+  } else if (LooksComplete(r.input, r.output, drops, true, *src)) {
+    r.state = ExtractFileResult::State::kSkipped;
+    if (opt.verify) {
+      absl::Status st = VerifyOne(r.input, r.output, opt);
+      if (!st.ok()) {
+        log::Warning("{}; extracting again", StatusMessage(st));
         r.state = ExtractFileResult::State::kFailed;
-        r.error = st;
-        std::lock_guard<std::mutex> lock(mu);
-        log::Error("{}", StatusMessage(st));
       }
     }
-    progress.AddItems(1);
-  });
-  progress.Finish();
+    if (r.state == ExtractFileResult::State::kSkipped) progress.AddBytes(src->size);
+  }
+}
+
+// One listed file, start to end; its outcome in r.
+void ExtractListed(const ExtractOptions& opt, const std::string& drops, ExtractFileResult& r,
+                   ProgressReporter& progress, std::mutex& log_mu) {
+  std::unique_ptr<OutputLock> out_lock;
+  CheckBeforeExtracting(opt, drops, r, &out_lock, progress);
+  if (r.state != ExtractFileResult::State::kSkipped && r.error.ok()) {
+    absl::Status st = ExtractOne(r.input, r.output, opt, &r, &progress);
+    if (st.ok()) {
+      r.state = ExtractFileResult::State::kExtracted;
+      if (opt.delete_input) {
+        absl::Status d = RemoveFileIfExists(r.input);
+        if (!d.ok()) log::Warning("{}", StatusMessage(d));
+      }
+    } else {
+      r.state = ExtractFileResult::State::kFailed;
+      r.error = st;
+      std::lock_guard<std::mutex> lock(log_mu);
+      log::Error("{}", StatusMessage(st));
+    }
+  }
+  progress.AddItems(1);
+}
+
+void Tally(ExtractSummary& sum) {
   for (const auto& r : sum.files) {
     switch (r.state) {
       case ExtractFileResult::State::kExtracted: ++sum.extracted; break;
@@ -434,6 +424,35 @@ absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
     sum.bytes_out += r.bytes_out;
     sum.dropped += r.dropped;
   }
+}
+
+}  // namespace
+
+absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!opt.output_dir.empty()) PTK_RETURN_IF_ERROR(MakeDirs(opt.output_dir));
+  PTK_ASSIGN_OR_RETURN(const std::vector<std::string> outputs, OutputsOf(opt));
+  ExtractSummary sum;
+  uint64_t total = 0;
+  for (size_t i = 0; i < opt.inputs.size(); ++i)
+    if (opt.shard.count <= 1 || ShardOwner(opt, i) == opt.shard.index) {
+      ExtractFileResult& r = sum.files.emplace_back();
+      r.input = opt.inputs[i];
+      r.output = outputs[i];
+      auto sz = FileSize(r.input);
+      if (sz.ok()) total += *sz;
+    }
+  ProgressReporter progress({.label = "extract",
+                             .item_unit = "files",
+                             .items_total = sum.files.size(),
+                             .bytes_total = total,
+                             .enabled = opt.progress});
+  const std::string drops = DropKey(opt.drop_sets);
+  std::mutex log_mu;
+  ParallelForEach(sum.files.size(), opt.jobs,
+                  [&](size_t i) { ExtractListed(opt, drops, sum.files[i], progress, log_mu); });
+  progress.Finish();
+  Tally(sum);
   sum.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return sum;
 }

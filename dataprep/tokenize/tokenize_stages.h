@@ -149,6 +149,11 @@ class LineReader {
 
  private:
   size_t BatchTarget() const;
+  // Next's parts: the next file opened (at the resume point when it is the one resumed in); the
+  // carried bytes and then the file's into b until `target` and a line's end (or the file's end,
+  // *eof); the bytes up to the last line end are b's, the rest carried. Returns b's size.
+  absl::Status OpenNextFile();
+  absl::StatusOr<size_t> FillBatch(Batch* b, size_t target, bool* eof);
   const std::vector<std::string>& files_;
   size_t batch_bytes_;
   uint64_t total_raw_ = 0;

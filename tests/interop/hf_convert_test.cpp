@@ -135,35 +135,6 @@ TEST_F(HfConvert, ExportPutsMegatronsWeightsWhereGpt2HasThem) {
   EXPECT_EQ(ptk::testing::Leftovers(dir_.path()), "");
 }
 
-// A checkpoint of Megatron's Llama line is refused by both exporters with the reason (no
-// LlamaForCausalLM export yet), not written as a GPT-2 or Megatron GPT-3 model.
-TEST_F(HfConvert, ALlamaLineCheckpointIsRefusedNotWrittenWrong) {
-  GPTConfig c;
-  c.num_layers = 1;
-  c.hidden_size = 8;
-  c.num_attention_heads = 2;
-  c.ffn_hidden_size = 16;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 50257;
-  c.padded_vocab_size = 50304;
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding = PositionEmbedding::kRope;
-  c.swiglu = true;
-  c.add_bias_linear = false;
-  auto layout = ParamLayout::Create(c);
-  ASSERT_TRUE(layout.ok()) << layout.status();
-  std::vector<float> zeros(static_cast<size_t>(layout->num_params), 0.0f);
-  TrainState st;
-  st.iteration = 3;
-  ASSERT_TRUE(SaveCheckpoint(dir_ / "ck", *layout, zeros, zeros, zeros, st, "[]").ok());
-  auto hf = ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf"));
-  EXPECT_TRUE(absl::IsUnimplemented(hf.status())) << hf.status();
-  EXPECT_NE(hf.status().message().find("LlamaForCausalLM export is not implemented"), std::string::npos);
-  auto meg = ExportToMegatron(Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg"));
-  EXPECT_TRUE(absl::IsUnimplemented(meg.status())) << meg.status();
-  EXPECT_FALSE(std::filesystem::exists(dir_ / "hf"));
-}
-
 TEST_F(HfConvert, ExportImportExportIsByteIdenticalTiedAndUntied) {
   for (bool untie : {false, true}) {
     const std::string tag = untie ? "u" : "t";

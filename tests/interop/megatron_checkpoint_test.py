@@ -10,69 +10,22 @@ tensor), exit non-zero, and nothing written.
 
 Usage: megatron_checkpoint_test.py BIN_DIR
 """
-import hashlib
-import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
 
-import numpy
 import torch
 
-BIN = sys.argv[1]
+from megatron_test_common import BIN, CONVERT, check, convert, finish, ptk_tensor, read_ptk, run, same_bits
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GEN = os.path.join(HERE, "..", "support", "gen_megatron_checkpoint.py")
-CONVERT = os.path.join(BIN, "ptk-convert")
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
-
-
-def run(*argv, ok=True):
-    p = subprocess.run(list(argv), capture_output=True, text=True)
-    if ok and p.returncode != 0:
-        raise SystemExit(f"{argv} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
 
 
 def gen(out, *flags):
     run(sys.executable, GEN, out, *flags)
-
-
-def convert(loader, saver, load, save, *flags, ok=True):
-    return run(CONVERT, "--loader", loader, "--saver", saver, "--load-dir", load, "--save-dir", save, *flags, ok=ok)
-
-
-def read_ptk(save):
-    """The latest ptk checkpoint: header, params, exp_avg, exp_avg_sq (numpy float32)."""
-    it = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
-    data = open(os.path.join(save, f"iter_{it:07d}", "mp_rank_00", "model_optim_rng.ptk"), "rb").read()
-    assert data[:8] == b"PTKCKPT1" and hashlib.sha256(data[:-64]).hexdigest().encode() == data[-64:]
-    (n,) = struct.unpack("<Q", data[8:16])
-    h = json.loads(data[16:16 + n])
-    arr = numpy.frombuffer(data[16 + n:-64], dtype="<f4").reshape(3, h["num_params"])
-    return h, arr
-
-
-def ptk_tensor(h, arr, which, name):
-    for t in h["tensors"]:
-        if t["name"] == name:
-            size = int(numpy.prod(t["shape"]))
-            return arr[which, t["offset"]:t["offset"] + size].reshape(t["shape"])
-    raise KeyError(name)
-
-
-def same_bits(a, b):
-    a = numpy.ascontiguousarray(a, dtype=numpy.float32)
-    b = numpy.ascontiguousarray(b, dtype=numpy.float32)
-    return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def import_matches_reference(tmp, label, gen_flags, ptk_vocab_rows):
@@ -441,10 +394,7 @@ def main():
         check(p.returncode == 2, "--target-tensor-parallel-size needs --saver megatron (usage error)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if failures:
-        print(f"{len(failures)} failures")
-        sys.exit(1)
-    print("megatron checkpoint round trips: OK")
+    finish("megatron checkpoint round trips: OK")
 
 
 if __name__ == "__main__":

@@ -8,57 +8,45 @@ moment bit for bit, and the iteration, consumed samples and Adam step. Damaged c
 missing, truncated, a flipped byte, a key the model has not, args that do not match the tensors) are
 refused with one line naming the file and key or byte offset, exit non-zero, and nothing is written.
 
+The checkpoints under tests/data/torch_dist_distopt/ were written by megatron-core itself
+(tests/support/make_torch_dist_distopt_fixture.py): its DistributedOptimizer's state in each sharding format
+(dp_zero_gather_scatter, fully_sharded_model_space, fully_reshardable, dp_reshardable; and dp_reshardable of a
+--bf16 run, whose weights are the fp32 main params, not the bf16 copies); the fp32 params and
+AdamW moments must be megatron-core's bit for bit, and ptk-train resuming from them must take one AdamW step
+from those moments and that step count.
+
 Usage: megatron_torch_dist_test.py BIN_DIR
 """
 import hashlib
 import json
 import os
 import shutil
-import struct
-import subprocess
 import sys
 import tempfile
 
 import numpy
 
-BIN = sys.argv[1]
+from megatron_test_common import BIN, check, convert, finish, ptk_tensor, read_ptk, run
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "data", "torch_dist")
-CONVERT = os.path.join(BIN, "ptk-convert")
-failures = []
+DISTOPT = os.path.join(HERE, "..", "data", "torch_dist_distopt")
+DISTOPT_FORMATS = ("dp_zero_gather_scatter", "fully_sharded_model_space", "fully_reshardable", "dp_reshardable",
+                   "dp_reshardable_bf16")
 
 
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
-
-
-def convert(load, save):
-    return subprocess.run([CONVERT, "--loader", "megatron", "--saver", "ptk", "--load-dir", load, "--save-dir", save],
-                          capture_output=True, text=True)
-
-
-def read_ptk(save):
-    it = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
-    data = open(os.path.join(save, f"iter_{it:07d}", "mp_rank_00", "model_optim_rng.ptk"), "rb").read()
-    assert data[:8] == b"PTKCKPT1" and hashlib.sha256(data[:-64]).hexdigest().encode() == data[-64:]
-    (n,) = struct.unpack("<Q", data[8:16])
-    h = json.loads(data[16:16 + n])
-    return h, numpy.frombuffer(data[16 + n:-64], dtype="<f4").reshape(3, h["num_params"])
-
-
-def converts_bit_for_bit(tmp, name):
+def converts_bit_for_bit(tmp, name, data=DATA):
     save = os.path.join(tmp, name + "-ptk")
-    p = convert(os.path.join(DATA, name), save)
+    p = convert("megatron", "ptk", os.path.join(data, name), save, ok=False)
     check(p.returncode == 0, f"{name}: converts ({p.returncode}: {p.stderr.strip()})")
     if p.returncode != 0:
         return
-    exp = json.load(open(os.path.join(DATA, name, "expected.json")))
+    exp = json.load(open(os.path.join(data, name, "expected.json")))
     h, arr = read_ptk(save)
     check(h["iteration"] == exp["iteration"], f"{name}: iteration {h['iteration']}")
     check(h["adam_step"] == exp["adam_step"], f"{name}: adam step {h['adam_step']} (want {exp['adam_step']})")
-    check(h["consumed_train_samples"] == 8 * exp["iteration"], f"{name}: consumed samples")
+    batch = 2 if data == DISTOPT else 8
+    check(h["consumed_train_samples"] == batch * exp["iteration"], f"{name}: consumed samples")
     names = {t["name"]: t for t in h["tensors"]}
     check(sorted(names) == sorted(exp["tensors"]), f"{name}: tensor names {sorted(set(names) ^ set(exp['tensors']))}")
     compared = 0
@@ -79,16 +67,16 @@ def converts_bit_for_bit(tmp, name):
             compared += 1
     check(compared >= len(exp["tensors"]), f"{name}: compared {compared} tensors")
     print(f"{name}: {compared} tensors bit for bit")
+    return save
 
 
-def refused(tmp, label, mutate, *needles):
+def refused(tmp, label, mutate, *needles, src=os.path.join(DATA, "te_untied_fp32")):
     """A copy damaged by `mutate(iter_dir)`: one line naming what, exit non-zero, nothing written."""
-    src = os.path.join(DATA, "te_untied_fp32")
     ck = os.path.join(tmp, label)
     shutil.copytree(src, ck)
-    mutate(os.path.join(ck, "iter_0000030"))
+    mutate(os.path.join(ck, [d for d in os.listdir(ck) if d.startswith("iter_")][0]))
     save = os.path.join(tmp, label + "-ptk")
-    p = convert(ck, save)
+    p = convert("megatron", "ptk", ck, save, ok=False)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     check(p.returncode != 0, f"{label}: exit {p.returncode}")
     check(len(lines) == 1, f"{label}: one line, got {lines}")
@@ -98,10 +86,94 @@ def refused(tmp, label, mutate, *needles):
     print(f"{label}: {p.stderr.strip()}")
 
 
+def replace_bytes(path, old, new):
+    data = open(path, "rb").read()
+    assert old in data, (path, old)
+    open(path, "wb").write(data.replace(old, new))
+
+
+def resumes_with_the_moments(tmp, name, ptk):
+    """ptk-train resumes the converted checkpoint for one iteration: its new weights and moments are one
+    torch.optim.AdamW step (at step adam_step + 1) from the saved ones, for the gradient the new exp_avg
+    implies (g = (m' - beta1 m) / (1 - beta1)). Moments restarted at zero, or the step count restarted,
+    would not fit (the same check against zero moments is shown to fail)."""
+    exp = json.load(open(os.path.join(DISTOPT, name, "expected.json")))
+    b1, b2 = exp["betas"]
+    lr, wd, eps, step = exp["lr"], exp["weight_decay"], exp["eps"], exp["adam_step"] + 1
+    out = os.path.join(tmp, name + "-resumed")
+    p = run(os.path.join(BIN, "ptk-train"), "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+            "--ffn-hidden-size", "64", "--max-position-embeddings", "16", "--seq-length", "8",
+            "--untie-embeddings-and-output-weights", "--vocab-size", "50", "--make-vocab-size-divisible-by", "8",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", str(exp["iteration"] + 1),
+            "--lr", str(lr), "--min-lr", str(lr), "--lr-decay-style", "constant", "--weight-decay", str(wd),
+            "--adam-beta1", str(b1), "--adam-beta2", str(b2), "--adam-eps", str(eps), "--mock-data",
+            "--eval-iters", "0", "--log-interval", "1", "--threads", "1", "--load", ptk, "--save", out, ok=False)
+    check(p.returncode == 0, f"{name}: ptk-train resumes ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+    if p.returncode != 0:
+        return
+    h0, a0 = read_ptk(ptk)
+    h1, a1 = read_ptk(out)
+    check(h1["iteration"] == exp["iteration"] + 1 and h1["adam_step"] == step,
+          f"{name}: resumed at iteration {h1['iteration']}, Adam step {h1['adam_step']} (want {step})")
+    worst, worst_if_zero = 0.0, float("inf")
+    for t in h0["tensors"]:
+        p0, m0, v0 = (ptk_tensor(h0, a0, w, t["name"]).astype(numpy.float64) for w in range(3))
+        p1, m1, v1 = (ptk_tensor(h1, a1, w, t["name"]).astype(numpy.float64) for w in range(3))
+        decay = wd if len(t["shape"]) > 1 else 0.0  # Megatron's and ptk's: no decay on biases and norms
+        scale = numpy.abs(v1).max() + 1e-30
+        for m_prev, v_prev, zero in ((m0, v0, False), (0 * m0, 0 * v0, True)):
+            g = (m1 - b1 * m_prev) / (1 - b1)
+            v_err = numpy.abs(b2 * v_prev + (1 - b2) * g * g - v1).max() / scale
+            p_want = p0 * (1 - lr * decay) - lr * (m1 / (1 - b1 ** step)) / (numpy.sqrt(v1 / (1 - b2 ** step)) + eps)
+            p_err = numpy.abs(p_want - p1).max() / lr  # in units of the step's size
+            if zero:
+                worst_if_zero = min(worst_if_zero, v_err)
+            else:
+                worst = max(worst, v_err, p_err)
+    print(f"{name}: resumed one step: worst relative error {worst:.2e} (against zero moments: {worst_if_zero:.2e})")
+    check(worst < 1e-3, f"{name}: the resumed step is AdamW's from the saved moments and step (error {worst:.2e})")
+    check(worst_if_zero > 1e-2, f"{name}: zero moments would not fit ({worst_if_zero:.2e})")
+
+
+def distributed_optimizer(tmp):
+    """megatron-core's DistributedOptimizer in torch_dist (tests/support/make_torch_dist_distopt_fixture.py: a
+    tiny GPT stepped 3 times by megatron-core itself, saved in each of its sharding formats): the fp32
+    params, exp_avg and exp_avg_sq bit for bit as megatron-core held them, Adam's step carried, and a
+    resumed run continuing them; a layout ptk does not read refused naming the key and the format."""
+    for name in DISTOPT_FORMATS:
+        ptk = converts_bit_for_bit(tmp, name, DISTOPT)
+        if ptk and name in ("dp_zero_gather_scatter", "fully_sharded_model_space"):
+            resumes_with_the_moments(tmp, name, ptk)
+    bucket = b"bucket_idx_0.exp_avg_sq"
+    refused(tmp, "dp_reshardable-unknown-state",
+            lambda d: replace_bytes(os.path.join(d, ".metadata"), bucket, b"bucket_idx_0.exp_avg_sx"),
+            ".metadata", "bucket_idx_0.exp_avg_sx", "a layout ptk does not read", '"dp_reshardable"',
+            src=os.path.join(DISTOPT, "dp_reshardable"))
+    def pipeline_parallel(d):
+        import torch  # Debian's PyTorch reads and rewrites common.pt
+        f = os.path.join(d, "common.pt")
+        common = torch.load(f)
+        common["args"].pipeline_model_parallel_size = 2
+        torch.save(common, f)
+    for name in ("dp_reshardable", "dp_zero_gather_scatter"):  # an object or bucket per rank: not merged
+        refused(tmp, name + "-pipeline-parallel", pipeline_parallel, ".metadata", "optimizer.distributed.dp_group_idx_0",
+                "tensor- or pipeline-parallel run", f'"{name}"', src=os.path.join(DISTOPT, name))
+    key = b"optimizer.state.exp_avg_sq.output_layer.weight"
+    refused(tmp, "model-space-state-missing",
+            lambda d: replace_bytes(os.path.join(d, ".metadata"), key, key.replace(b"exp_avg_sq", b"exp_avg_sx")),
+            ".metadata", "optimizer.state.exp_avg_sq.output_layer.weight: missing", '"fully_sharded_model_space"',
+            src=os.path.join(DISTOPT, "fully_sharded_model_space"))
+    refused(tmp, "dp_zero-groups-missing",
+            lambda d: replace_bytes(os.path.join(d, ".metadata"), b"dp_group_idx_0.optimizer/", b"dp_group_idx_0.optimizxr/"),
+            ".metadata", "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1", "Adam's step",
+            src=os.path.join(DISTOPT, "dp_zero_gather_scatter"))
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         converts_bit_for_bit(tmp, "te_untied_fp32")
         converts_bit_for_bit(tmp, "local_tied_bf16")
+        distributed_optimizer(tmp)
 
         refused(tmp, "missing-distcp", lambda d: os.remove(os.path.join(d, "__0_1.distcp")), "__0_1.distcp: missing")
 
@@ -137,10 +209,7 @@ def main():
                 "--ffn-hidden-size 128")
 
         refused(tmp, "no-common", lambda d: os.remove(os.path.join(d, "common.pt")), "common.pt: missing")
-    if failures:
-        print(f"{len(failures)} failure(s)")
-        sys.exit(1)
-    print("ok")
+    finish("ok")
 
 
 if __name__ == "__main__":

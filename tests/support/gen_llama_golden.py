@@ -5,7 +5,9 @@ its weights) in PyTorch float64 on the CPU, with separate q, k, v, gate, up and 
 no biases, an untied output layer. The weights and gradients are then stored in Megatron-core's
 fused layout (Megatron's docs: linear_qkv holds per query group its query heads, then its key and
 value head; linear_fc1 holds [gate; up]), which is what ptk must reproduce. Logits, loss, every
-gradient, and the loss of 10 AdamW steps with clipping and Megatron's cosine schedule.
+gradient, and the loss of 10 AdamW steps with clipping and Megatron's cosine schedule; then, from the
+same weights, a 100-step loss curve on data the model can learn (each sequence a window of one fixed
+token cycle, labels the next token) with warmup 10 and cosine decay to step 100.
 
 Usage: /usr/bin/python3 tests/support/gen_llama_golden.py [OUT_DIR]
 Writes OUT_DIR/llama.json and OUT_DIR/llama.bin (little-endian float32 / int32).
@@ -135,13 +137,52 @@ def to_megatron(c, t):
     return out
 
 
+def train(c, weights, tokens, labels, loss_mask, lr_cfg, record=None):
+    """AdamW steps (Megatron's param groups: no decay on 1-D tensors) over tokens (S, M, B, T); the
+    per-step loss, grad norm and lr. `record` (a dict) receives the first logits and gradients."""
+    S, M = tokens.shape[0], tokens.shape[1]
+    model = Llama(c, weights)
+    named = {n: model.w(n) for n, _, _ in shapes(c)}
+    decay = [p for p in named.values() if p.dim() > 1]
+    no_decay = [p for p in named.values() if p.dim() == 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=0.0, betas=(c["adam_beta1"], c["adam_beta2"]), eps=c["adam_eps"])
+    steps = []
+    for s in range(S):
+        opt.zero_grad()
+        loss_sum, tok_sum = 0.0, 0.0
+        for m in range(M):
+            logits = model(torch.tensor(tokens[s, m], dtype=torch.long))
+            lb = torch.tensor(labels[s, m], dtype=torch.long)
+            mask = torch.tensor(loss_mask[s, m], dtype=torch.float64)
+            losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), lb.view(-1), reduction="none")
+            ls = (losses * mask.view(-1)).sum()
+            (ls / mask.sum() / M).backward()
+            loss_sum += ls.item()
+            tok_sum += mask.sum().item()
+            if record is not None and s == 0 and m == 0:
+                record["logits"] = logits.detach().numpy().astype(np.float32)
+                record["first_loss"] = (ls / mask.sum()).item()
+        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in named.values())).item()
+        if record is not None and s == 0:
+            record["grads"] = {n: p.grad.numpy().copy() for n, p in named.items()}
+        torch.nn.utils.clip_grad_norm_(list(named.values()), c["clip_grad"])
+        lr = megatron_lr(s * c["global_batch_size"], lr_cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        steps.append({"lm_loss": loss_sum / tok_sum, "grad_norm": norm, "lr": lr})
+    return steps, {n: p.detach().numpy() for n, p in named.items()}
+
+
 def generate(out_dir):
     c = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
              ffn_hidden_size=40, seq_length=16, max_position_embeddings=16, vocab_size=100,
              make_vocab_size_divisible_by=64, padded_vocab_size=128, norm_epsilon=1e-5, rotary_base=500000.0,
              micro_batch_size=2, num_micro_batches=2, steps=10, lr=1e-2, min_lr=1e-3, init_lr=0.0,
              warmup_iters=2, decay_iters=10, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-             clip_grad=1.0)
+             clip_grad=1.0, curve_steps=100, curve_warmup_iters=10)
     gbs = c["micro_batch_size"] * c["num_micro_batches"]
     c["global_batch_size"] = gbs
     c["warmup_samples"], c["decay_samples"] = c["warmup_iters"] * gbs, c["decay_iters"] * gbs
@@ -161,45 +202,30 @@ def generate(out_dir):
     labels = rng.randint(0, c["vocab_size"], size=(S, M, B, T)).astype(np.int32)
     loss_mask = (rng.uniform(size=(S, M, B, T)) > 0.1).astype(np.float32)
 
-    model = Llama(c, weights)
-    named = {n: model.w(n) for n, _, _ in shapes(c)}
-    decay = [p for p in named.values() if p.dim() > 1]
-    no_decay = [p for p in named.values() if p.dim() == 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=0.0, betas=(c["adam_beta1"], c["adam_beta2"]), eps=c["adam_eps"])
-    tensors, steps = {}, []
-    for s in range(S):
-        opt.zero_grad()
-        loss_sum, tok_sum = 0.0, 0.0
-        for m in range(M):
-            logits = model(torch.tensor(tokens[s, m], dtype=torch.long))
-            lb = torch.tensor(labels[s, m], dtype=torch.long)
-            mask = torch.tensor(loss_mask[s, m], dtype=torch.float64)
-            losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), lb.view(-1), reduction="none")
-            ls = (losses * mask.view(-1)).sum()
-            (ls / mask.sum() / M).backward()
-            loss_sum += ls.item()
-            tok_sum += mask.sum().item()
-            if s == 0 and m == 0:
-                tensors["logits"] = logits.detach().numpy().astype(np.float32)
-                first_loss = (ls / mask.sum()).item()
-        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in named.values())).item()
-        if s == 0:
-            grads = to_megatron(c, {n: p.grad.numpy() for n, p in named.items()})
-            for n, g in grads.items():
-                tensors["grad:" + n] = g.astype(np.float32)
-        torch.nn.utils.clip_grad_norm_(list(named.values()), c["clip_grad"])
-        lr = megatron_lr(s * gbs, c)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
-        steps.append({"lm_loss": loss_sum / tok_sum, "grad_norm": norm, "lr": lr})
+    tensors, record = {}, {}
+    steps, final = train(c, weights, tokens, labels, loss_mask, c, record)
+    tensors["logits"], first_loss = record["logits"], record["first_loss"]
+    for n, g in to_megatron(c, record["grads"]).items():
+        tensors["grad:" + n] = g.astype(np.float32)
     for n, w in to_megatron(c, weights).items():
         tensors["init:" + n] = w.astype(np.float32)
-    for n, w in to_megatron(c, {n: p.detach().numpy() for n, p in named.items()}).items():
+    for n, w in to_megatron(c, final).items():
         tensors["final:" + n] = w.astype(np.float32)
     tensors["tokens"], tensors["labels"], tensors["loss_mask"] = tokens, labels, loss_mask
+
+    # The curve: 100 steps from the same weights on a learnable task (its own random stream, so the
+    # data above is as it was).
+    crng = np.random.RandomState(100)
+    CS = c["curve_steps"]
+    cycle = crng.permutation(c["vocab_size"])[:64]
+    starts = crng.randint(0, len(cycle), size=(CS, M, B))
+    idx = (starts[..., None] + np.arange(T + 1)) % len(cycle)
+    seqs = cycle[idx].astype(np.int32)
+    ctokens, clabels = seqs[..., :-1].copy(), seqs[..., 1:].copy()
+    cmask = (crng.uniform(size=(CS, M, B, T)) > 0.1).astype(np.float32)
+    curve_lr = dict(c, warmup_samples=c["curve_warmup_iters"] * gbs, decay_samples=CS * gbs)
+    curve, _ = train(c, weights, ctokens, clabels, cmask, curve_lr)
+    tensors["curve_tokens"], tensors["curve_labels"], tensors["curve_loss_mask"] = ctokens, clabels, cmask
 
     directory, blob, off = {}, bytearray(), 0
     for k, arr in tensors.items():
@@ -210,12 +236,13 @@ def generate(out_dir):
         blob += data
         off += len(data)
     meta = {"generator": "tests/support/gen_llama_golden.py", "torch": torch.__version__, "config": c,
-            "first_micro_batch_loss": first_loss, "steps": steps, "tensors": directory}
+            "first_micro_batch_loss": first_loss, "steps": steps, "curve": curve, "tensors": directory}
     with open(os.path.join(out_dir, "llama.json"), "w") as f:
         json.dump(meta, f, indent=1)
     with open(os.path.join(out_dir, "llama.bin"), "wb") as f:
         f.write(blob)
     print("llama loss", first_loss, "steps", [round(s["lm_loss"], 4) for s in steps])
+    print("curve", [round(s["lm_loss"], 3) for s in curve[::10]], "last", round(curve[-1]["lm_loss"], 4))
 
 
 if __name__ == "__main__":

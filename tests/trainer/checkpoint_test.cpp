@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/hash.h"
 #include "tests/test_util.h"
 
 namespace ptk {
@@ -296,6 +297,32 @@ TEST(Checkpoint, SettingsComeBack) {
   ASSERT_EQ(s.settings.size(), 2u);
   EXPECT_EQ(s.settings[0], std::make_pair(std::string("--seed"), std::string("1234")));
   EXPECT_EQ(s.settings[1], std::make_pair(std::string("--data-path"), std::string("a b")));
+  auto read = ReadCheckpointSettings(dir.path(), 3);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, s.settings);
+}
+
+// A header whose settings are not [[flag, value], ...] of strings is refused by the load and by
+// ReadCheckpointSettings alike (the file's SHA-256 made right again, so that only the header speaks).
+TEST(Checkpoint, MalformedSettingsAreRefusedByBothReaders) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  ASSERT_TRUE(Save(dir.path(), layout, 3, 1.0f).ok());
+  const std::string file = CheckpointFile(dir.path(), 3);
+  std::string data = testing::ReadFile(file);
+  const std::string good = "[\"--seed\", \"1234\"]", bad = "[\"--seed\",  1234 ]";
+  ASSERT_EQ(good.size(), bad.size());
+  const size_t at = data.find(good);
+  ASSERT_NE(at, std::string::npos);
+  data.replace(at, good.size(), bad);
+  data.replace(data.size() - 64, 64, Sha256Hex(std::string_view(data.data(), data.size() - 64)));
+  testing::WriteFile(file, data);
+  std::vector<float> p, m, v;
+  TrainState s;
+  absl::Status st = LoadCheckpoint(dir.path(), 3, layout, &p, &m, &v, &s);
+  EXPECT_NE(st.message().find("malformed settings in the header"), absl::string_view::npos) << st;
+  auto read = ReadCheckpointSettings(dir.path(), 3);
+  EXPECT_NE(read.status().message().find("malformed settings in the header"), absl::string_view::npos) << read.status();
 }
 
 // A Llama-line model's checkpoint records its settings: it loads into the same model, and one that

@@ -96,6 +96,36 @@ TEST(DryRunCli, PlansTheEksTutorialsModelAtTensorEight) {
   EXPECT_NE(r.output.find("(no --use-distributed-optimizer, --recompute-activations)"), std::string::npos);
 }
 
+// Megatron's Llama 3 8B example's model flags (examples/llama), vocabulary 128256 (a multiple of
+// 128: nothing padded at T=1): Hugging Face's Meta-Llama-3-8B has 8030261248 parameters; at T=8 each
+// rank holds one query group, the vocabulary padded to 129024.
+TEST(DryRunCli, PlansLlama3_8BWithItsParameterCount) {
+  const std::string llama =
+      " --dry-run --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32"
+      " --group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192"
+      " --max-position-embeddings 8192 --position-embedding-type rope --rotary-base 500000 --use-rope-scaling"
+      " --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights"
+      " --attention-dropout 0.0 --hidden-dropout 0.0 --micro-batch-size 1 --global-batch-size 128 --bf16"
+      " --lr 3e-4 --train-iters 100 --vocab-size 128256 --data-path /fsx/llama/text_document";
+  auto r = RunCmd("WORLD_SIZE=8 " + testing::Tool("ptk-train") + llama);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 8030261248\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("model: 8030261248 parameters"), std::string::npos);
+  EXPECT_NE(r.output.find("SwiGLU's gate, up and fc2 inputs 3sbF"), std::string::npos);
+  r = RunCmd("WORLD_SIZE=16 " + testing::Tool("ptk-train") + llama +
+             " --tensor-model-parallel-size 8 --pipeline-model-parallel-size 2 --sequence-parallel");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // 16 layers of 2h + 6·128·h + h·h/8 + 3·1792·h = 27271168 each, plus the first stage's vocabulary
+  // slice 129024/8·h and the last stage's slice and final norm h.
+  EXPECT_NE(r.output.find("rank (3, 0): " + std::to_string(16 * 27271168LL + 16128LL * 4096) + "\n"),
+            std::string::npos);
+  EXPECT_NE(r.output.find("rank (7, 1): " + std::to_string(16 * 27271168LL + 16128LL * 4096 + 4096) + "\n"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
   const std::string model =
       testing::Tool("ptk-train") + " --dry-run --num-layers 36 --hidden-size 4096 --seq-length 2048 --lr 1e-4";
@@ -113,8 +143,9 @@ TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
       {"WORLD_SIZE=8", "--num-attention-heads 32 --global-batch-size 12",
        "usage error: --global-batch-size 12 is not divisible by --micro-batch-size 1 times the data-parallel size 8"},
       {"WORLD_SIZE=8x", "--num-attention-heads 32", "usage error: environment: WORLD_SIZE=\"8x\" is not an integer"},
-      {"WORLD_SIZE=8", "--num-attention-heads 32 --swiglu",
-       "usage error: --dry-run counts Megatron's GPT-3 model only"},
+      {"WORLD_SIZE=8",
+       "--num-attention-heads 32 --tensor-model-parallel-size 8 --group-query-attention --num-query-groups 4",
+       "usage error: --num-query-groups 4 is not divisible by --tensor-model-parallel-size 8"},
       {"WORLD_SIZE=8", "--num-attention-heads 32 --qk-layernorm", "usage error: --qk-layernorm: LayerNorm on queries"},
   };
   for (const Case& c : cases) {

@@ -112,6 +112,60 @@ TEST(PipelineStageLayers, EvenOrMegatronsFirstAndLastStageCounts) {
   EXPECT_TRUE(IsUsageError(PipelineStageLayers(4, 0).status()));
 }
 
+// Megatron's Llama 3 8B flags (32 layers, hidden 4096, 32 heads in 8 query groups of 128 channels,
+// SwiGLU's ffn 14336, RMSNorm, RoPE, no biases, untied, vocabulary 128256: a multiple of 128, so
+// Megatron pads nothing). By hand per layer: 2 RMSNorms 2h, QKV (32 + 2·8)·128·h, projection h·h,
+// fc1 2·14336·h, fc2 14336·h = 218112000; embedding and output layer 128256·h each, final norm h:
+// 8030261248, the count of Hugging Face's Meta-Llama-3-8B.
+GPTConfig Llama3_8B(int tensor) {
+  GPTConfig c = Gpt(32, 4096, 32, 8192, 128256, 128, tensor);
+  c.ffn_hidden_size = 14336;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.rotary_base = 500000;
+  c.swiglu = true;
+  c.num_query_groups = 8;
+  c.kv_channels = 128;
+  c.add_bias_linear = false;
+  c.untie_embeddings_and_output_weights = true;
+  return c;
+}
+
+TEST(ParamsOnModelParallelRank, Llama3_8BByHand) {
+  const GPTConfig c = Llama3_8B(1);
+  EXPECT_EQ(c.padded_vocab_size, 128256);
+  const int64_t h = 4096, layer = 2 * h + 48 * 128 * h + h * h + 2 * 14336 * h + 14336 * h;
+  EXPECT_EQ(layer, 218112000);
+  EXPECT_EQ(ParamsOnModelParallelRank(c, 1, 1, 0, 32), 32 * layer + 2 * 128256 * h + h);
+  EXPECT_EQ(ParamsOnModelParallelRank(c, 1, 1, 0, 32), 8030261248);
+  // T=8, P=4: each rank a slice of every split tensor (its query group), the RMSNorms whole.
+  // (The vocabulary padded to a multiple of 128·8: 129024.)
+  const GPTConfig t8 = Llama3_8B(8);
+  EXPECT_EQ(t8.padded_vocab_size, 129024);
+  const int64_t layer8 = 2 * h + 6 * 128 * h + h * h / 8 + 2 * 1792 * h + 1792 * h;
+  EXPECT_EQ(ParamsOnModelParallelRank(t8, 8, 4, 0, 8), 8 * layer8 + 129024 / 8 * h);
+  EXPECT_EQ(ParamsOnModelParallelRank(t8, 8, 4, 1, 8), 8 * layer8);
+  EXPECT_EQ(ParamsOnModelParallelRank(t8, 8, 4, 3, 8), 8 * layer8 + 129024 / 8 * h + h);
+}
+
+// The Llama line's shapes at T=1: ptk's own parameter table, for each flag alone and together.
+TEST(ParamsOnModelParallelRank, OneRankHoldsPtksWholeLlamaLineModel) {
+  for (int variant = 0; variant < 7; ++variant) {
+    GPTConfig c = Gpt(3, 48, 4, 40, 1000, 128, 1);
+    c.ffn_hidden_size = 200;
+    if (variant == 0 || variant == 6) c.normalization = Normalization::kRMSNorm;
+    if (variant == 1 || variant == 6) c.position_embedding = PositionEmbedding::kRope;
+    if (variant == 2) c.position_embedding = PositionEmbedding::kNone;
+    if (variant == 3 || variant == 6) c.swiglu = true;
+    if (variant == 4 || variant == 6) c.num_query_groups = 2, c.kv_channels = 16;
+    if (variant == 5 || variant == 6) c.add_bias_linear = false, c.add_qkv_bias = variant == 5;
+    c.untie_embeddings_and_output_weights = variant % 2 == 0;
+    auto layout = ParamLayout::Create(c);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(ParamsOnModelParallelRank(c, 1, 1, 0, 3), layout->num_params) << "variant " << variant;
+  }
+}
+
 TEST(CheckTensorSplit, RefusesHeadsOrMlpThatDoNotDivide) {
   GPTConfig c = Gpt(2, 96, 12, 16, 100, 1, 1);
   EXPECT_TRUE(CheckTensorSplit(c, 4).ok());
@@ -122,6 +176,11 @@ TEST(CheckTensorSplit, RefusesHeadsOrMlpThatDoNotDivide) {
             "whole heads)");
   c.ffn_hidden_size = 386;
   EXPECT_NE(StatusMessage(CheckTensorSplit(c, 4)).find("--ffn-hidden-size 386"), std::string_view::npos);
+  c.ffn_hidden_size = 384;
+  c.num_query_groups = 2;
+  EXPECT_EQ(StatusMessage(CheckTensorSplit(c, 4)),
+            "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4 (each tensor rank takes whole "
+            "query groups)");
 }
 
 }  // namespace

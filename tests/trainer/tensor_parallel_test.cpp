@@ -3,7 +3,7 @@
 // threads: T = 2 and 4 give one rank's loss and gradients (gathered from the slices), dropout on;
 // the tensors every tensor rank holds whole get the same gradient bits on every rank; 20 training
 // steps at T = 2, 4 and T = 2 x data 2 with ZeRO-1 follow one rank's losses within 1e-5; the same
-// with sequence parallelism.
+// with sequence parallelism, which keeps only its rows of the sequence-parallel region.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -157,6 +157,36 @@ TEST(TensorParallel, ForwardBackwardMatchesOneRank) {
                                  << gmax;
     std::printf("T=%d%s: loss %.9g vs %.9g; largest gradient difference %.3g of %.3g\n", T,
                 sp ? " sequence-parallel" : "", tp.losses[0], one.losses[0], dmax, gmax);
+  }
+}
+
+// Sequence parallelism keeps 1/T of its region per layer: the layer's input and its middle on the
+// residual stream, the two LayerNorms' outputs and their statistics (mean and rstd) hold b x t/T
+// rows instead of b x t; the transient buffers it adds take less than that saves.
+TEST(TensorParallel, SequenceParallelLayersKeepTheirRanksRowsOnly) {
+  const Batches data(1);
+  auto floats = [&](int T, bool sp, int64_t layers) {
+    GPTConfig c = Config();
+    c.num_layers = layers;
+    std::vector<int64_t> out(static_cast<size_t>(T), 0);
+    testing::RunRanks(T, [&](Communicator* tensor, int rank) {
+      auto model = CpuGPTModel::Create(c, tensor, sp);
+      ASSERT_TRUE(model.ok()) << model.status();
+      ASSERT_TRUE((*model)->InitWeights(1234).ok());
+      ASSERT_TRUE((*model)->ForwardBackward(data.Get(0), 1.0, /*train=*/true, 99).ok());
+      out[static_cast<size_t>(rank)] = (*model)->ActivationFloats();
+    });
+    for (int r = 1; r < T; ++r) EXPECT_EQ(out[static_cast<size_t>(r)], out[0]) << "rank " << r;
+    return out[0];
+  };
+  const int64_t n = 2 * 32, c = Config().hidden_size;  // the batch's tokens, the hidden size
+  for (int T : {2, 4}) {
+    const int64_t plain_layer = floats(T, false, 3) - floats(T, false, 2);
+    const int64_t sp_layer = floats(T, true, 3) - floats(T, true, 2);
+    EXPECT_EQ(plain_layer - sp_layer, (4 * n * c + 4 * n) * (T - 1) / T) << "T=" << T;
+    EXPECT_LT(floats(T, true, 2), floats(T, false, 2)) << "T=" << T;
+    std::printf("T=%d: activation floats per layer %lld, %lld with sequence parallelism\n", T,
+                static_cast<long long>(plain_layer), static_cast<long long>(sp_layer));
   }
 }
 

@@ -104,6 +104,29 @@ TEST_F(TensorParallelCli, TwoAndFourTensorRanksGiveOneRanksLosses) {
   }
 }
 
+// Megatron's Llama line (RMSNorm, RoPE with Llama 3.1's scaling, SwiGLU, 4 query heads in 2 groups,
+// no biases, untied; dropout on) at T=2 with and without --sequence-parallel: one rank's losses.
+TEST_F(TensorParallelCli, ALlamaLineModelWithSequenceParallelGivesOneRanksLosses) {
+  const std::string llama =
+      "--normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --swiglu "
+      "--group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights";
+  auto one_run = RunCmd(Train(1, llama, 10));
+  ASSERT_EQ(one_run.exit_code, 0) << one_run.output;
+  const auto one = Losses(one_run.output);
+  ASSERT_EQ(one.size(), 10u) << one_run.output;
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "T=2 --sequence-parallel" : "T=2");
+    auto r = Ranks(2, Train(2, llama + (sp ? " --sequence-parallel" : ""), 10));
+    ASSERT_NE(r.output.find(AllZero(2)), std::string::npos) << r.output << Logs(2);
+    const auto tp = Losses(r.output);
+    ASSERT_EQ(tp.size(), 10u) << r.output;
+    const double worst = Worst(tp, one);
+    EXPECT_LT(worst, 1e-5);
+    std::printf("Llama line, T=2%s: largest relative difference of the 10 lm losses from one rank's: %.3g\n",
+                sp ? " --sequence-parallel" : "", worst);
+  }
+}
+
 TEST_F(TensorParallelCli, TensorTimesDataRanksWithZeroOneAndOverlapGiveOneRanksLosses) {
   const auto one = Losses(OneRank());
   ASSERT_EQ(one.size(), 20u);

@@ -6,17 +6,23 @@
 #include <vector>
 
 #include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/ops_cpu.h"
 
 namespace ptk {
 
 struct CpuGPTModel::Activations {
   int64_t b = 0, t = 0;
   // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
+  // Under sequence parallelism the residual stream, the norms' outputs and their statistics hold
+  // this rank's rows only (b x t/T).
   std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean, ln2_rstd,
       fc1, gelu;
   std::vector<float> lnf, dact, rope_cos, rope_sin, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln,
-      dff, dqkv, datt, scratch, xent_work, sp_local, sp_buf,
-      ln_grads;  // sequence parallelism: this rank's rows, a permutation's buffer, LayerNorm grads
+      dff, dqkv, datt, scratch, xent_work;
+  // Sequence parallelism: this rank's rows of a product's output, a permutation's buffer, a norm's
+  // output gathered whole for the product that follows it (in backward again, for the weight's
+  // gradient, as Megatron gathers it), the LayerNorm gradients.
+  std::vector<float> sp_local, sp_buf, sp_whole, ln_grads;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };
@@ -31,5 +37,31 @@ inline LossSum SumLosses(const std::vector<float>& losses, const float* mask, in
   }
   return s;
 }
+
+namespace cpu_model_detail {
+
+// A tensor the configuration may leave out (offset -1): null then.
+inline const float* At(const float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
+inline float* At(float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
+
+// The configuration's norm (LayerNorm or RMSNorm, which keeps no mean and has no bias) over n rows.
+inline void NormForward(const GPTConfig& cf, float* out, float* mean, float* rstd, const float* inp, const float* P,
+                        int64_t w, int64_t b, int64_t n, int64_t c) {
+  if (cf.normalization == Normalization::kRMSNorm)
+    cpu::RMSNormForward(out, rstd, inp, P + w, n, c, cf.layernorm_epsilon);
+  else
+    cpu::LayerNormForward(out, mean, rstd, inp, P + w, P + b, n, c, cf.layernorm_epsilon);
+}
+// Its backward: dinp accumulated, the weight's (and LayerNorm's bias's) gradients added at G + w (G + b).
+inline void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float* dout, const float* inp,
+                         const float* P, int64_t w, int64_t b, const float* mean, const float* rstd, int64_t n,
+                         int64_t c) {
+  if (cf.normalization == Normalization::kRMSNorm)
+    cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c);
+  else
+    cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c);
+}
+
+}  // namespace cpu_model_detail
 
 }  // namespace ptk

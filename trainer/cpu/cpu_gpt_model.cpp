@@ -38,10 +38,6 @@ absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig
   auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
   if (size > 1) model->tensor_comm_ = tensor;
   if (size > 1 && sequence_parallel) {
-    if (!config.gpt3())
-      return absl::UnimplementedError(
-          "sequence parallelism is implemented for GPT-3's model only (LayerNorm, learned positions, GELU): "
-          "not for RMSNorm, RoPE, SwiGLU, grouped-query attention or bias-free layers");
     if (config.seq_length % size != 0)
       return absl::InvalidArgumentError(
           fmt::format("--sequence-parallel: --seq-length ({}) must be a multiple of --tensor-model-parallel-size ({})",
@@ -204,27 +200,30 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
     v.assign(static_cast<size_t>(count), std::vector<float>(static_cast<size_t>(size)));
   };
-  per_layer(a.resid, L + 1, n * c);
-  per_layer(a.resid_mid, L, n * c);
-  per_layer(a.ln1, L, n * c);
-  per_layer(a.ln1_mean, L, n);
-  per_layer(a.ln1_rstd, L, n);
+  // The sequence-parallel region (the residual stream, the norms and their statistics) holds this
+  // rank's rows only under sequence parallelism: b x t/T of them.
+  const int64_t rows = sequence_parallel_ ? n / T : n;
+  per_layer(a.resid, L + 1, rows * c);
+  per_layer(a.resid_mid, L, rows * c);
+  per_layer(a.ln1, L, rows * c);
+  per_layer(a.ln1_mean, L, rows);
+  per_layer(a.ln1_rstd, L, rows);
   per_layer(a.qkv, L, n * qkv);
   per_layer(a.probs, cf.recompute_activations ? 1 : L, probs);
   per_layer(a.atty, L, n * ct);
-  per_layer(a.ln2, L, n * c);
-  per_layer(a.ln2_mean, L, n);
-  per_layer(a.ln2_rstd, L, n);
+  per_layer(a.ln2, L, rows * c);
+  per_layer(a.ln2_mean, L, rows);
+  per_layer(a.ln2_rstd, L, rows);
   per_layer(a.fc1, L, n * f1);
   per_layer(a.gelu, L, n * f);
-  a.lnf.assign(n * c, 0.0f);
-  a.lnf_mean.assign(n, 0.0f);
-  a.lnf_rstd.assign(n, 0.0f);
+  a.lnf.assign(rows * c, 0.0f);
+  a.lnf_mean.assign(rows, 0.0f);
+  a.lnf_rstd.assign(rows, 0.0f);
   a.logits.assign(n * vp, 0.0f);
   a.losses.assign(n, 0.0f);
   a.dloss.assign(n, 0.0f);
   a.tmp.assign(n * c, 0.0f);
-  a.dresid.assign(n * c, 0.0f);
+  a.dresid.assign(rows * c, 0.0f);
   a.dtmp.assign(n * c, 0.0f);
   a.dln.assign(n * c, 0.0f);
   a.dff.assign(n * f1, 0.0f);
@@ -240,13 +239,28 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   a.datt.assign(n * ct, 0.0f);
   a.scratch.assign(2 * batch.t * batch.t, 0.0f);
   if (sequence_parallel_) {
-    a.sp_local.assign(n * c, 0.0f);
+    a.sp_local.assign(rows * c, 0.0f);
     a.sp_buf.assign(n * c, 0.0f);
+    a.sp_whole.assign(n * c, 0.0f);
     a.ln_grads.assign(2 * c, 0.0f);
   }
   a.targets.assign(n, 0);
   a.streams.assign(batch.b, 0);
   return absl::OkStatus();
+}
+
+int64_t CpuGPTModel::ActivationFloats() const {
+  const Activations& a = *act_;
+  int64_t floats = 0;
+  for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.probs, &a.atty,
+                             &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
+    for (const std::vector<float>& v : *layers) floats += static_cast<int64_t>(v.size());
+  for (const auto* v :
+       {&a.lnf,     &a.dact,      &a.rope_cos, &a.rope_sin, &a.lnf_mean, &a.lnf_rstd, &a.logits, &a.losses,
+        &a.dloss,   &a.tmp,       &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,      &a.dqkv,   &a.datt,
+        &a.scratch, &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads})
+    floats += static_cast<int64_t>(v->size());
+  return floats;
 }
 
 namespace {
@@ -294,26 +308,10 @@ void AddBias(float* x, const float* bias, int64_t n, int64_t c) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < c; ++j) x[i * c + j] += bias[j];
 }
-// A tensor the configuration may leave out (offset -1): null then.
-const float* At(const float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
-float* At(float* base, int64_t offset) { return offset >= 0 ? base + offset : nullptr; }
-
-// The configuration's norm (LayerNorm or RMSNorm, which keeps no mean and has no bias).
-void NormForward(const GPTConfig& cf, float* out, float* mean, float* rstd, const float* inp, const float* P, int64_t w,
-                 int64_t b, int64_t n, int64_t c) {
-  if (cf.normalization == Normalization::kRMSNorm)
-    cpu::RMSNormForward(out, rstd, inp, P + w, n, c, cf.layernorm_epsilon);
-  else
-    cpu::LayerNormForward(out, mean, rstd, inp, P + w, P + b, n, c, cf.layernorm_epsilon);
-}
-void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float* dout, const float* inp, const float* P,
-                  int64_t w, int64_t b, const float* mean, const float* rstd, int64_t n, int64_t c) {
-  if (cf.normalization == Normalization::kRMSNorm)
-    cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c);
-  else
-    cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c);
-}
 }  // namespace
+using cpu_model_detail::At;
+using cpu_model_detail::NormBackward;
+using cpu_model_detail::NormForward;
 
 absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
   if (sequence_parallel_) return RunForwardSequenceParallel(batch, train, seed);

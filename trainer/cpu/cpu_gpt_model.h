@@ -31,6 +31,9 @@ class CpuGPTModel final : public GPTModel {
   float* params() { return params_.data(); }
   const float* params() const { return params_.data(); }
   float* grads() { return grads_.data(); }
+  // The floats of the activation buffers, as the last pass sized them for its micro-batch: what is
+  // kept for backward and the transient buffers (tests compare the sequence-parallel footprint).
+  int64_t ActivationFloats() const;
 
   Device device() const override { return Device::kCpu; }
   Precision precision() const override { return Precision::kFp32; }

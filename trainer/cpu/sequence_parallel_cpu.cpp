@@ -1,10 +1,12 @@
 // Megatron's sequence parallelism on the CPU model (--sequence-parallel with tensor parallelism):
-// each tensor rank holds positions [r·t/T, (r+1)·t/T) of every sample for the LayerNorms, dropout
-// and the residual stream; their LayerNorm outputs are all-gathered before the column-parallel
-// products (QKV, fc1, the output layer), and the row-parallel products' partial outputs (proj,
-// fc2, the vocabulary-parallel embedding) are reduce-scattered instead of all-reduced. Backward
-// mirrors it (an all-gather's gradient is a reduce-scatter and the reverse); the LayerNorms'
-// gradients, computed on this rank's rows, are summed over the tensor group. Dropout masks keep
+// each tensor rank holds positions [r·t/T, (r+1)·t/T) of every sample for the norms (LayerNorm or
+// RMSNorm), dropout and the residual stream, and keeps only those rows of them for backward (the
+// activations of these regions are 1/T of one rank's); their norm outputs are all-gathered into one
+// transient buffer before the column-parallel products (QKV, fc1, the output layer), and again in
+// backward for the products' weight gradients, as Megatron does, and the row-parallel products'
+// partial outputs (proj, fc2, the vocabulary-parallel embedding) are reduce-scattered instead of
+// all-reduced. Backward mirrors it (an all-gather's gradient is a reduce-scatter and the reverse);
+// the norms' gradients, computed on this rank's rows, are summed over the tensor group. Dropout masks keep
 // their global index (sample, position, channel), so the masks are one rank's.
 #include <algorithm>
 #include <cstring>
@@ -42,11 +44,15 @@ void DropoutLocal(float* x, const ModelBatch& batch, const Rows& r, int64_t c, d
 }
 
 void AddBiasRows(float* x, const float* bias, int64_t n, int64_t c) {
+  if (!bias) return;
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < c; ++j) x[i * c + j] += bias[j];
 }
 
 }  // namespace
+using cpu_model_detail::At;
+using cpu_model_detail::NormBackward;
+using cpu_model_detail::NormForward;
 
 absl::Status CpuGPTModel::GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c) {
   const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
@@ -76,16 +82,20 @@ absl::Status CpuGPTModel::ReduceScatterRows(const float* whole, float* local, co
 
 absl::Status CpuGPTModel::LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                                 const float* mean, const float* rstd, int64_t rows) {
-  const int64_t c = config().hidden_size;
+  const int64_t c = config().hidden_size, k = b >= 0 ? 2 * c : c;  // RMSNorm: the weight alone
   std::vector<float>& g = act_->ln_grads;
   std::fill(g.begin(), g.end(), 0.0f);
-  cpu::LayerNormBackward(dinp, g.data(), g.data() + c, dout, inp, params_.data() + w, mean, rstd, rows, c);
-  PTK_RETURN_IF_ERROR(TensorSum(g.data(), 2 * c));  // the same bits on every rank
+  // This rank's rows' share of the norm's gradients (weight at 0, LayerNorm's bias at c), then summed.
+  const float* P = params_.data();
+  if (config().normalization == Normalization::kRMSNorm)
+    cpu::RMSNormBackward(dinp, g.data(), dout, inp, P + w, rstd, rows, c);
+  else
+    cpu::LayerNormBackward(dinp, g.data(), g.data() + c, dout, inp, P + w, mean, rstd, rows, c);
+  PTK_RETURN_IF_ERROR(TensorSum(g.data(), k));  // the same bits on every rank
   float* G = grads_.data();
-  for (int64_t j = 0; j < c; ++j) {
-    G[w + j] += g[j];
-    G[b + j] += g[c + j];
-  }
+  for (int64_t j = 0; j < c; ++j) G[w + j] += g[j];
+  if (b >= 0)
+    for (int64_t j = 0; j < c; ++j) G[b + j] += g[c + j];
   return absl::OkStatus();
 }
 
@@ -93,19 +103,21 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
-  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
-                vp = cf.padded_vocab_size / T, L = cf.num_layers, nl = r.nl;
+  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
+                f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T,
+                L = cf.num_layers, nl = r.nl;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim()};
+  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T};
   const float* P = params_.data();
   float* loc = a.sp_local.data();
+  float* whole = a.sp_whole.data();  // a norm's output gathered for the product that follows it
 
   // Embedding: each rank its vocabulary rows, reduce-scattered to this rank's positions, then the
   // position embeddings of those.
   cpu::VocabSliceEmbeddingForward(a.tmp.data(), batch.tokens, P + layout_.wte, r.me * vp, vp, n, c);
   float* x = a.resid[0].data();
   PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), x, batch, c));
-  for (int64_t s = 0; s < r.b; ++s)
+  for (int64_t s = 0; s < r.b && layout_.wpe >= 0; ++s)
     for (int64_t i = 0; i < r.tl; ++i) {
       const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[s * r.t + r.t0 + i]) * c;
       float* y = x + (s * r.tl + i) * c;
@@ -114,10 +126,11 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
   DropoutLocal(x, batch, r, c, hp, seed, L, kEmbeddingDropout);
   for (int64_t l = 0; l < L; ++l) {
     const LayerParams& lp = layout_.layers[l];
-    cpu::LayerNormForward(loc, a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P + lp.ln1_w,
-                          P + lp.ln1_b, nl, c, cf.layernorm_epsilon);
-    PTK_RETURN_IF_ERROR(GatherRows(loc, a.ln1[l].data(), batch, c));
-    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, P + lp.qkv_b, n, c, 3 * ct);
+    NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
+                lp.ln1_b, nl, c);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
+    cpu::MatmulForward(a.qkv[l].data(), whole, P + lp.qkv_w, At(P, lp.qkv_b), n, c, shape.qkv_width());
+    if (cf.rope()) cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), l, kAttentionProbs) +
@@ -126,24 +139,27 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, static_cast<const float*>(nullptr), n, ct, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
-    AddBiasRows(loc, P + lp.proj_b, nl, c);
+    AddBiasRows(loc, At(P, lp.proj_b), nl, c);
     DropoutLocal(loc, batch, r, c, hp, seed, l, kAttentionOutDropout);
     for (int64_t i = 0; i < nl * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + loc[i];
-    cpu::LayerNormForward(loc, a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P + lp.ln2_w,
-                          P + lp.ln2_b, nl, c, cf.layernorm_epsilon);
-    PTK_RETURN_IF_ERROR(GatherRows(loc, a.ln2[l].data(), batch, c));
-    cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, P + lp.fc1_b, n, c, f);
-    cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
+    NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
+                lp.ln2_b, nl, c);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
+    cpu::MatmulForward(a.fc1[l].data(), whole, P + lp.fc1_w, At(P, lp.fc1_b), n, c, f1);
+    if (cf.swiglu)
+      cpu::SwigluForward(a.gelu[l].data(), a.fc1[l].data(), n, f);
+    else
+      cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
     cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, static_cast<const float*>(nullptr), n, f, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
-    AddBiasRows(loc, P + lp.fc2_b, nl, c);
+    AddBiasRows(loc, At(P, lp.fc2_b), nl, c);
     DropoutLocal(loc, batch, r, c, hp, seed, l, kMlpOutDropout);
     for (int64_t i = 0; i < nl * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + loc[i];
   }
-  cpu::LayerNormForward(loc, a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[L].data(), P + layout_.lnf_w,
-                        P + layout_.lnf_b, nl, c, cf.layernorm_epsilon);
-  PTK_RETURN_IF_ERROR(GatherRows(loc, a.lnf.data(), batch, c));
-  cpu::MatmulForward(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
+  NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[L].data(), P, layout_.lnf_w,
+              layout_.lnf_b, nl, c);
+  PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
+  cpu::MatmulForward(a.logits.data(), whole, P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
   return absl::OkStatus();
 }
 
@@ -151,17 +167,20 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
   const GPTConfig& cf = config();
   Activations& a = *act_;
   const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
-  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
-                vp = cf.padded_vocab_size / T, L = cf.num_layers, nl = r.nl;
+  const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
+                f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T,
+                L = cf.num_layers, nl = r.nl;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim()};
+  const AttentionShape shape{batch.b, batch.t, cf.num_attention_heads / T, cf.head_dim(), cf.query_groups() / T};
   const float* P = params_.data();
   float* G = grads_.data();
   float* loc = a.sp_local.data();
-  float* dresid = a.dresid.data();  // this rank's rows (nl of them)
+  float* whole = a.sp_whole.data();  // a norm's output gathered again for its product's weight gradient
+  float* dresid = a.dresid.data();   // this rank's rows (nl of them)
 
   std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
+  PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
+  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), whole,
                       P + layout_.out_w, n, c, vp);
   PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
   std::fill(dresid, dresid + nl * c, 0.0f);
@@ -174,12 +193,16 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     std::copy(dresid, dresid + nl * c, loc);
     DropoutLocal(loc, batch, r, c, hp, seed, l, kMlpOutDropout);
     PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
-    std::fill(a.dff.begin(), a.dff.end(), 0.0f);
-    cpu::MatmulBackward(a.dff.data(), G + lp.fc2_w, G + lp.fc2_b, a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f,
-                        c);
-    cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
+    float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
+    std::fill(dact, dact + n * f, 0.0f);
+    cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
+    if (cf.swiglu)
+      cpu::SwigluBackward(a.dff.data(), a.fc1[l].data(), dact, n, f);
+    else
+      cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, G + lp.fc1_b, a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c, f);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
+    cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), whole, P + lp.fc1_w, n, c, f1);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln2_w, lp.ln2_b, loc, a.resid_mid[l].data(),
                                               a.ln2_mean[l].data(), a.ln2_rstd[l].data(), nl));
@@ -188,8 +211,8 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     DropoutLocal(loc, batch, r, c, hp, seed, l, kAttentionOutDropout);
     PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, G + lp.proj_b, a.dtmp.data(), a.atty[l].data(), P + lp.proj_w, n,
-                        ct, c);
+    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
+                        n, ct, c);
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), l, kAttentionProbs) +
@@ -199,9 +222,11 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
                            a.scratch.data());
+    if (cf.rope()) cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, G + lp.qkv_b, a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
-                        3 * ct);
+    PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
+    cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), whole, P + lp.qkv_w, n, c,
+                        shape.qkv_width());
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln1_w, lp.ln1_b, loc, a.resid[l].data(), a.ln1_mean[l].data(),
                                               a.ln1_rstd[l].data(), nl));
@@ -209,7 +234,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
   }
   DropoutLocal(dresid, batch, r, c, hp, seed, L, kEmbeddingDropout);
   PTK_RETURN_IF_ERROR(GatherRows(dresid, a.dtmp.data(), batch, c));
-  cpu::VocabSliceEmbeddingBackward(G + layout_.wte, G + layout_.wpe, a.dtmp.data(), batch.tokens, batch.position_ids,
+  cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dtmp.data(), batch.tokens, batch.position_ids,
                                    r.me * vp, vp, n, c);
   GradsReady(static_cast<size_t>(L) + 1);
   return absl::OkStatus();

@@ -124,6 +124,39 @@ absl::Status GeluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx
 template <typename T>
 absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx);
 
+// ---- rmsnorm_cuda.cu ---------------------------------------------------------------------------
+// The Llama line's norm, as cpu::RMSNormForward: out(n, c) = float(inp * rstd) * w with
+// rstd(n) = 1 / sqrt(mean(inp^2) + eps) in double (kept in fp32; may be null: evaluation); w fp32.
+template <typename T>
+absl::Status RMSNormForward(T* out, float* rstd, const T* inp, const float* w, int64_t n, int64_t c, double eps,
+                            const CudaContext& ctx);
+// dinp(n, c) += the input gradient (as cpu::RMSNormBackward); dw (fp32) += the weight gradient, summed
+// without atomics over 64-row blocks in double into `scratch` (RMSNormBackwardScratch(n, c) doubles
+// of device memory) and the blocks in order: the CPU op's order of additions.
+template <typename T>
+absl::Status RMSNormBackward(T* dinp, float* dw, const T* dout, const T* inp, const float* w, const float* rstd,
+                             int64_t n, int64_t c, double* scratch, const CudaContext& ctx);
+int64_t RMSNormBackwardScratch(int64_t n, int64_t c);
+
+// ---- rope_cuda.cu ------------------------------------------------------------------------------
+// Rotary embedding in place on a fused QKV (b, t, s.qkv_width()) of query groups, as cpu::RopeForward:
+// the query and key heads' channels i and i + rd/2 rotated by the fp32 tables cos/sin (t, rd/2) of
+// cpu::RopeTables (device memory); RopeBackward applies the inverse rotation to dqkv.
+template <typename T>
+absl::Status RopeForward(T* qkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd,
+                         const CudaContext& ctx);
+template <typename T>
+absl::Status RopeBackward(T* dqkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd,
+                          const CudaContext& ctx);
+
+// ---- swiglu_cuda.cu ----------------------------------------------------------------------------
+// out(n, f) = silu(gate) * up over fc1's rows [gate (f); up (f)], SiluValue of trainer/op_math.h in
+// fp32; the backward assigns dinp(n, 2f).
+template <typename T>
+absl::Status SwigluForward(T* out, const T* inp, int64_t n, int64_t f, const CudaContext& ctx);
+template <typename T>
+absl::Status SwigluBackward(T* dinp, const T* inp, const T* dout, int64_t n, int64_t f, const CudaContext& ctx);
+
 // ---- dropout_cuda.cu ---------------------------------------------------------------------------
 // The CPU's counter-hash dropout (trainer/counter_rng.h): row r of `rows` rows of `row_len`
 // elements uses stream streams[r] (device memory); element i of a row is kept when

@@ -1,0 +1,362 @@
+// Megatron's Llama line <-> Hugging Face LlamaForCausalLM: config.json, q/k/v and gate/up split out of the fused
+// layers.
+#include "interop/hf_llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <regex>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "interop/safetensors.h"
+
+namespace ptk::hf_detail {
+namespace {
+
+// Llama 3.1's frequency scaling as ptk computes it (trainer/op_math.h, Megatron's --use-rope-scaling).
+constexpr double kRopeFactor = 8.0, kRopeLowFreqFactor = 1.0, kRopeHighFreqFactor = 4.0;
+constexpr int64_t kRopeOriginalContext = 8192;
+
+int64_t Elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
+
+}  // namespace
+
+absl::Status CheckLlamaExportable(const GPTConfig& c, const std::string& file) {
+  std::vector<std::string> why;
+  if (c.normalization != Normalization::kRMSNorm)
+    why.push_back("--normalization LayerNorm (LlamaForCausalLM normalizes with RMSNorm)");
+  if (c.position_embedding != PositionEmbedding::kRope)
+    why.push_back(fmt::format("--position-embedding-type {} (LlamaForCausalLM has rotary positions only)",
+                              c.position_embedding == PositionEmbedding::kNone ? "none" : "learned_absolute"));
+  else if (c.rotary_percent != 1.0)
+    why.push_back(fmt::format(
+        "--rotary-percent {} (LlamaForCausalLM rotates every channel of a head; partial rotary is another model's)",
+        SettingNum(c.rotary_percent)));
+  if (!c.swiglu) why.push_back("no --swiglu (LlamaForCausalLM's MLP is SwiGLU's gated one)");
+  if (!c.add_bias_linear && c.add_qkv_bias)
+    why.push_back(
+        "--add-qkv-bias without the other linear biases (LlamaForCausalLM's attention_bias biases q, k, v and o "
+        "together)");
+  if (c.head_dim() * c.num_attention_heads != c.hidden_size)
+    why.push_back(fmt::format(
+        "--kv-channels {} with {} heads of hidden size {} (transformers 4.44's Llama takes head_dim = hidden_size / "
+        "num_attention_heads)",
+        c.head_dim(), c.num_attention_heads, c.hidden_size));
+  if (why.empty()) return absl::OkStatus();
+  std::string list;
+  for (const std::string& w : why) list += (list.empty() ? "" : "; ") + w;
+  return absl::FailedPreconditionError(fmt::format(
+      "{}: this model is neither GPT-2's (GPT2LMHeadModel) nor one Hugging Face's LlamaForCausalLM computes: {}", file,
+      list));
+}
+
+std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
+  const std::string rope_scaling = c.use_rope_scaling
+                                       ? PrettyConfig(
+                                             {
+                                                 {"factor", Num(kRopeFactor)},
+                                                 {"high_freq_factor", Num(kRopeHighFreqFactor)},
+                                                 {"low_freq_factor", Num(kRopeLowFreqFactor)},
+                                                 {"original_max_position_embeddings", Int(kRopeOriginalContext)},
+                                                 {"rope_type", Str("llama3")},
+                                             },
+                                             1)
+                                       : "null";
+  return PrettyConfig({
+      {"architectures", "[\n    \"LlamaForCausalLM\"\n  ]"},
+      {"attention_bias", Bool(c.add_bias_linear)},
+      {"attention_dropout", Num(c.attention_dropout)},
+      {"bos_token_id", Int(eod)},
+      {"eos_token_id", Int(eod)},
+      {"head_dim", Int(c.head_dim())},
+      {"hidden_act", Str("silu")},
+      {"hidden_size", Int(c.hidden_size)},
+      {"initializer_range", Num(c.init_method_std)},
+      {"intermediate_size", Int(c.ffn_hidden_size)},
+      {"max_position_embeddings", Int(c.max_position_embeddings)},
+      {"mlp_bias", Bool(c.add_bias_linear)},
+      {"model_type", Str("llama")},
+      {"num_attention_heads", Int(c.num_attention_heads)},
+      {"num_hidden_layers", Int(c.num_layers)},
+      {"num_key_value_heads", Int(c.query_groups())},
+      {"pretraining_tp", Int(1)},
+      {"rms_norm_eps", Num(c.layernorm_epsilon)},
+      {"rope_scaling", rope_scaling},
+      {"rope_theta", Num(c.rotary_base)},
+      {"tie_word_embeddings", Bool(!c.untie_embeddings_and_output_weights)},
+      {"torch_dtype", Str("float32")},
+      {"use_cache", Bool(true)},
+      {"vocab_size", Int(c.vocab_size)},
+  });
+}
+
+std::vector<HfTensor> LlamaTensorsOf(const GPTConfig& c) {
+  const int64_t h = c.hidden_size, f = c.ffn_hidden_size, hd = c.head_dim(), q = c.num_attention_heads * hd,
+                kv = c.query_groups() * hd;
+  const bool bias = c.add_bias_linear;
+  std::vector<HfTensor> t;
+  t.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, {}});
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    for (const auto& [name, rows] : {std::pair<const char*, int64_t>{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}}) {
+      t.push_back({p + "self_attn." + name + ".weight", {rows, h}, {}});
+      if (bias) t.push_back({p + "self_attn." + name + ".bias", {rows}, {}});
+    }
+    t.push_back({p + "self_attn.o_proj.weight", {h, q}, {}});
+    if (bias) t.push_back({p + "self_attn.o_proj.bias", {h}, {}});
+    for (const char* name : {"gate_proj", "up_proj"}) {
+      t.push_back({p + "mlp." + name + ".weight", {f, h}, {}});
+      if (bias) t.push_back({p + "mlp." + name + ".bias", {f}, {}});
+    }
+    t.push_back({p + "mlp.down_proj.weight", {h, f}, {}});
+    if (bias) t.push_back({p + "mlp.down_proj.bias", {h}, {}});
+    t.push_back({p + "input_layernorm.weight", {h}, {}});
+    t.push_back({p + "post_attention_layernorm.weight", {h}, {}});
+  }
+  t.push_back({"model.norm.weight", {h}, {}});
+  if (c.untie_embeddings_and_output_weights) t.push_back({"lm_head.weight", {c.vocab_size, h}, {}});
+  return t;
+}
+
+void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf) {
+  const GPTConfig& c = layout.config;
+  const int64_t h = c.hidden_size, f = c.ffn_hidden_size, hd = c.head_dim(), groups = c.query_groups(),
+                per_group = c.num_attention_heads / groups;
+  float* P = params->data();
+  std::map<std::string, HfTensor*> by_name;
+  for (HfTensor& t : *hf) {
+    if (to_hf) t.data.assign(static_cast<size_t>(Elements(t.shape)), 0.0f);
+    by_name[t.name] = &t;
+  }
+  // `n` values of HF tensor `name` from element `at` <-> ptk's at `offset`.
+  auto move = [&](const std::string& name, int64_t at, int64_t offset, int64_t n) {
+    float* t = by_name.at(name)->data.data() + at;
+    if (to_hf) {
+      std::copy(P + offset, P + offset + n, t);
+    } else {
+      std::copy(t, t + n, P + offset);
+    }
+  };
+  auto copy = [&](const std::string& name, int64_t offset) {
+    move(name, 0, offset, static_cast<int64_t>(by_name.at(name)->data.size()));
+  };
+  auto vocab = [&](const std::string& name, int64_t offset) {
+    copy(name, offset);  // the first vocab_size rows
+    if (!to_hf)
+      for (int64_t r = c.vocab_size; r < c.padded_vocab_size; ++r)
+        std::copy(P + offset + (c.vocab_size - 1) * h, P + offset + c.vocab_size * h, P + offset + r * h);
+  };
+  vocab("model.embed_tokens.weight", layout.wte);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const LayerParams& lp = layout.layers[static_cast<size_t>(l)];
+    const std::string p = fmt::format("model.layers.{}.", l);
+    // linear_qkv's rows: per query group its query heads, then its key head and value head.
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t s = 0; s < per_group + 2; ++s) {
+        const int64_t row = (g * (per_group + 2) + s) * hd;
+        const char* proj = s < per_group ? "q_proj" : s == per_group ? "k_proj" : "v_proj";
+        const int64_t head = s < per_group ? g * per_group + s : g;
+        move(p + "self_attn." + proj + ".weight", head * hd * h, lp.qkv_w + row * h, hd * h);
+        if (c.add_bias_linear) move(p + "self_attn." + proj + ".bias", head * hd, lp.qkv_b + row, hd);
+      }
+    copy(p + "self_attn.o_proj.weight", lp.proj_w);
+    // linear_fc1's rows: [gate; up].
+    copy(p + "mlp.gate_proj.weight", lp.fc1_w);
+    copy(p + "mlp.up_proj.weight", lp.fc1_w + f * h);
+    copy(p + "mlp.down_proj.weight", lp.fc2_w);
+    if (c.add_bias_linear) {
+      copy(p + "self_attn.o_proj.bias", lp.proj_b);
+      copy(p + "mlp.gate_proj.bias", lp.fc1_b);
+      copy(p + "mlp.up_proj.bias", lp.fc1_b + f);
+      copy(p + "mlp.down_proj.bias", lp.fc2_b);
+    }
+    copy(p + "input_layernorm.weight", lp.ln1_w);
+    copy(p + "post_attention_layernorm.weight", lp.ln2_w);
+  }
+  copy("model.norm.weight", layout.lnf_w);
+  if (c.untie_embeddings_and_output_weights) vocab("lm_head.weight", layout.out_w);
+}
+
+absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
+                                          std::vector<std::string>* notes) {
+  GPTConfig c;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.swiglu = true;
+  // Absent keys take LlamaConfig's defaults.
+  PTK_RETURN_IF_ERROR(r.GetInt("num_hidden_layers", &c.num_layers, 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("hidden_size", &c.hidden_size, 4096));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_attention_heads", &c.num_attention_heads, 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_key_value_heads", &c.num_query_groups, c.num_attention_heads));
+  PTK_RETURN_IF_ERROR(r.GetInt("intermediate_size", &c.ffn_hidden_size, 11008));
+  PTK_RETURN_IF_ERROR(r.GetInt("max_position_embeddings", &c.max_position_embeddings, 2048));
+  PTK_RETURN_IF_ERROR(r.GetInt("vocab_size", &c.vocab_size, 32000));
+  if (c.hidden_size % c.num_attention_heads != 0)
+    return r.Bad(
+        fmt::format("num_attention_heads {} does not divide hidden_size {}", c.num_attention_heads, c.hidden_size));
+  if (c.num_attention_heads % c.num_query_groups != 0)
+    return r.Bad(fmt::format("num_key_value_heads {} does not divide num_attention_heads {}", c.num_query_groups,
+                             c.num_attention_heads));
+  int64_t head_dim = 0;
+  PTK_RETURN_IF_ERROR(r.GetInt("head_dim", &head_dim, c.hidden_size / c.num_attention_heads));
+  if (head_dim != c.hidden_size / c.num_attention_heads)
+    return r.Bad(
+        fmt::format("head_dim {} is not hidden_size / num_attention_heads ({}): ptk-convert reads the Llama "
+                    "of transformers 4.44, whose heads are hidden_size / num_attention_heads wide",
+                    head_dim, c.hidden_size / c.num_attention_heads));
+  c.seq_length = c.max_position_embeddings;
+  c.padded_vocab_size = PaddedVocabSize(c.vocab_size, make_vocab_size_divisible_by);
+  bool tie = false, attention_bias = false, mlp_bias = false;
+  PTK_RETURN_IF_ERROR(r.Get("tie_word_embeddings", false, &tie, "true or false"));
+  c.untie_embeddings_and_output_weights = !tie;
+  PTK_RETURN_IF_ERROR(r.Get("attention_bias", false, &attention_bias, "true or false"));
+  PTK_RETURN_IF_ERROR(r.Get("mlp_bias", false, &mlp_bias, "true or false"));
+  if (attention_bias != mlp_bias)
+    return r.Bad(
+        fmt::format("attention_bias {} with mlp_bias {}: ptk's linear layers are biased all together (Megatron's "
+                    "--disable-bias-linear off) or none of them",
+                    Bool(attention_bias), Bool(mlp_bias)));
+  c.add_bias_linear = attention_bias;
+  std::string_view act;
+  PTK_RETURN_IF_ERROR(r.Get("hidden_act", std::string_view("silu"), &act, "a string"));
+  if (act != "silu")
+    return r.Bad(fmt::format("hidden_act {:?}: ptk's gated MLP is SwiGLU's (hidden_act \"silu\")", act));
+  PTK_RETURN_IF_ERROR(r.GetReal("rms_norm_eps", 1e-6, &c.layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
+  PTK_RETURN_IF_ERROR(r.GetReal("rope_theta", 10000.0, &c.rotary_base, 0, true, 1e300, false));
+  PTK_RETURN_IF_ERROR(r.GetReal("attention_dropout", 0.0, &c.attention_dropout, 0, false, 1, true));
+  PTK_RETURN_IF_ERROR(r.GetReal("initializer_range", 0.02, &c.init_method_std, 0, true, kMaxInitMethodStd, false));
+  c.hidden_dropout = 0.0;  // LlamaForCausalLM has none
+  double partial = 1.0;
+  PTK_RETURN_IF_ERROR(r.GetReal("partial_rotary_factor", 1.0, &partial, 0, true, 1, false));
+  if (partial != 1.0)
+    return r.Bad(
+        fmt::format("partial_rotary_factor {}: transformers' Llama rotates every channel of a head", Num(partial)));
+  simdjson::dom::element scaling;
+  if (r.Find("rope_scaling", &scaling)) {
+    // Llama 3.1's scaling with the constants ptk computes with (Megatron's --use-rope-scaling), nothing else.
+    simdjson::dom::object o;
+    std::string_view type;
+    double factor = 0, low = 0, high = 0;
+    int64_t original = 0;
+    const bool llama31 = !scaling.get(o) && (!o["rope_type"].get(type) || !o["type"].get(type)) && type == "llama3" &&
+                         !o["factor"].get(factor) && !o["low_freq_factor"].get(low) &&
+                         !o["high_freq_factor"].get(high) && !o["original_max_position_embeddings"].get(original) &&
+                         factor == kRopeFactor && low == kRopeLowFreqFactor && high == kRopeHighFreqFactor &&
+                         original == kRopeOriginalContext;
+    if (!llama31)
+      return r.Bad(fmt::format(
+          "rope_scaling {}: ptk computes Llama 3.1's (rope_type \"llama3\", factor 8.0, low_freq_factor 1.0, "
+          "high_freq_factor 4.0, original_max_position_embeddings 8192; Megatron's --use-rope-scaling) or none",
+          simdjson::minify(scaling)));
+    c.use_rope_scaling = true;
+  }
+  // The parameters the dimensions imply, counted without overflow: at most what ptk can index.
+  const double h = static_cast<double>(c.hidden_size), hd = static_cast<double>(head_dim),
+               implied = static_cast<double>(c.num_layers) *
+                             (h * hd * static_cast<double>(2 * c.num_attention_heads + 2 * c.num_query_groups) +
+                              3 * h * static_cast<double>(c.ffn_hidden_size)) +
+                         2 * h * static_cast<double>(c.vocab_size);
+  if (implied > 0x1p40)
+    return r.Bad(fmt::format(
+        "num_hidden_layers {}, hidden_size {}, intermediate_size {} and vocab_size {} make {:.3g} parameters: more "
+        "than ptk can hold",
+        c.num_layers, c.hidden_size, c.ffn_hidden_size, c.vocab_size, implied));
+  if (absl::Status st = c.Validate(); !st.ok()) return r.Bad(std::string(StatusMessage(st)));
+  int64_t tp = 1;
+  PTK_RETURN_IF_ERROR(r.GetInt("pretraining_tp", &tp, 1));
+  if (tp != 1)
+    notes->push_back(fmt::format(
+        "pretraining_tp {}: transformers splits its products {} ways, ptk computes them whole (the same model)", tp,
+        tp));
+  return c;
+}
+
+absl::Status ReadLlamaTensors(const std::string& weights_path, const GPTConfig& c, std::vector<HfTensor>* tensors) {
+  PTK_ASSIGN_OR_RETURN(auto st_file, SafetensorsFile::Open(weights_path));
+  std::map<std::string, const SafetensorsTensor*> present;
+  for (const SafetensorsTensor& t : st_file->tensors()) {
+    // The rotary tables older files carry: not weights.
+    static const std::regex kInvFreq(R"(model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq)");
+    if (std::regex_match(t.name, kInvFreq)) continue;
+    present.emplace(t.name, &t);
+  }
+  auto refuse = [&](const std::string& tensor, const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: tensor {}: {}", weights_path, tensor, why));
+  };
+  for (HfTensor& t : *tensors) {
+    auto it = present.find(t.name);
+    if (it == present.end())
+      return refuse(t.name, fmt::format("missing (config.json asks for shape {})", Shape(t.shape)));
+    if (it->second->shape != t.shape)
+      return refuse(t.name, fmt::format("shape {}, config.json asks for {}", Shape(it->second->shape), Shape(t.shape)));
+    PTK_ASSIGN_OR_RETURN(t.data, st_file->ReadFloat(*it->second));
+    for (float x : t.data)
+      if (!std::isfinite(x)) return refuse(t.name, "holds a NaN or an infinity");
+    present.erase(it);
+  }
+  if (!c.untie_embeddings_and_output_weights && present.count("lm_head.weight")) {
+    // A tied model's file may carry the output layer too: it must be the embedding.
+    const SafetensorsTensor* head = present.at("lm_head.weight");
+    PTK_ASSIGN_OR_RETURN(std::vector<float> lm, st_file->ReadFloat(*head));
+    if (head->shape != (*tensors)[0].shape || lm != (*tensors)[0].data)
+      return refuse("lm_head.weight",
+                    "differs from model.embed_tokens.weight, but config.json ties them (tie_word_embeddings)");
+    present.erase("lm_head.weight");
+  }
+  if (!present.empty())
+    return refuse(present.begin()->second->name,
+                  fmt::format("not a weight of the Llama model config.json describes ({} such tensor{})",
+                              present.size(), present.size() > 1 ? "s" : ""));
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c) {
+  return {
+      {"--num-layers", Int(c.num_layers)},
+      {"--hidden-size", Int(c.hidden_size)},
+      {"--num-attention-heads", Int(c.num_attention_heads)},
+      {"--ffn-hidden-size", Int(c.ffn_hidden_size)},
+      {"--max-position-embeddings", Int(c.max_position_embeddings)},
+      {"--vocab-size", Int(c.vocab_size)},
+      {"--make-vocab-size-divisible-by (padded vocabulary)", Int(c.padded_vocab_size)},
+      {"--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights ? "on" : "off"},
+      {"--layernorm-epsilon", SettingNum(c.layernorm_epsilon)},
+      {"--normalization", "RMSNorm"},
+      {"--position-embedding-type", "rope"},
+      {"--rotary-base", SettingNum(c.rotary_base)},
+      {"--rotary-percent", SettingNum(c.rotary_percent)},
+      {"--use-rope-scaling", c.use_rope_scaling ? "on" : "off"},
+      {"--swiglu", "on"},
+      {"--num-query-groups", Int(c.query_groups())},
+      {"--kv-channels", Int(c.head_dim())},
+      {"--disable-bias-linear", c.add_bias_linear ? "off" : "on"},
+      {"--add-qkv-bias", "off"},
+      {"--hidden-dropout", SettingNum(c.hidden_dropout)},
+      {"--attention-dropout", SettingNum(c.attention_dropout)},
+      {"--init-method-std", SettingNum(c.init_method_std)},
+  };
+}
+
+std::string LlamaTrainFlags(const GPTConfig& c) {
+  std::string flags = fmt::format(
+      "--num-layers {} --hidden-size {} --num-attention-heads {} --ffn-hidden-size {} --max-position-embeddings {} "
+      "--normalization RMSNorm --norm-epsilon {} --position-embedding-type rope --rotary-base {}{} --swiglu{}{}{}",
+      c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.max_position_embeddings,
+      SettingNum(c.layernorm_epsilon), SettingNum(c.rotary_base), c.use_rope_scaling ? " --use-rope-scaling" : "",
+      c.query_groups() != c.num_attention_heads
+          ? fmt::format(" --group-query-attention --num-query-groups {}", c.query_groups())
+          : "",
+      c.add_bias_linear ? "" : " --disable-bias-linear",
+      c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "");
+  return flags;
+}
+
+}  // namespace ptk::hf_detail

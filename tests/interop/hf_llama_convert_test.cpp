@@ -1,0 +1,268 @@
+// ptk-convert's LlamaForCausalLM mapping, without transformers (hf_llama_test.py runs the exported
+// model in it): q/k/v split out of linear_qkv's query groups, gate/up out of linear_fc1, config.json's
+// keys; export -> import -> export byte-identical; what HF's Llama cannot compute refused by the
+// export, and what ptk cannot compute refused by the import, each naming the reason.
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "interop/hf_gpt2.h"
+#include "interop/megatron.h"
+#include "interop/safetensors.h"
+#include "tests/test_util.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+using ptk::testing::ReadFile;
+using ptk::testing::TempDir;
+using ptk::testing::WriteFile;
+
+// Llama 3's shape in small: 4 query heads of 4 channels in 2 groups, SwiGLU, RMSNorm, RoPE.
+GPTConfig Llama(bool bias, bool untie) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.num_query_groups = 2;
+  c.ffn_hidden_size = 24;
+  c.seq_length = c.max_position_embeddings = 32;
+  c.vocab_size = 50257;
+  c.padded_vocab_size = 50304;
+  c.layernorm_epsilon = 1e-5;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.rotary_base = 500000;
+  c.use_rope_scaling = true;
+  c.swiglu = true;
+  c.add_bias_linear = bias;
+  c.untie_embeddings_and_output_weights = untie;
+  return c;
+}
+
+class HfLlama : public ::testing::Test {
+ protected:
+  // A checkpoint of `c` with distinct weights, as ptk-train saves it.
+  void Save(const GPTConfig& c, const std::string& dir) {
+    auto layout = ParamLayout::Create(c);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    layout_ = *layout;
+    params_.resize(static_cast<size_t>(layout_.num_params));
+    layout_.InitWeights(5, params_);
+    for (size_t i = 0; i < params_.size(); ++i) params_[i] += 1e-3f * static_cast<float>(i % 97);
+    std::vector<float> zeros(params_.size(), 0.0f);
+    TrainState st;
+    st.iteration = 4;
+    st.settings = {{"--layernorm-epsilon", "1e-05"},
+                   {"--hidden-dropout", "0"},
+                   {"--attention-dropout", "0"},
+                   {"--vocab-size", "50257"}};
+    ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
+  }
+  ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
+                      const std::string& to) {
+    ConvertOptions o;
+    o.loader = loader;
+    o.saver = saver;
+    o.load_dir = from;
+    o.save_dir = to;
+    return o;
+  }
+  std::vector<float> Tensor(const std::string& dir, const std::string& name, std::vector<int64_t>* shape = nullptr) {
+    auto f = SafetensorsFile::Open(dir + "/model.safetensors");
+    EXPECT_TRUE(f.ok()) << f.status();
+    const SafetensorsTensor* t = (*f)->Find(name);
+    EXPECT_NE(t, nullptr) << name;
+    if (!t) return {};
+    if (shape) *shape = t->shape;
+    return *(*f)->ReadFloat(*t);
+  }
+  float P(int64_t offset) const { return params_[static_cast<size_t>(offset)]; }
+
+  TempDir dir_;
+  ParamLayout layout_;
+  std::vector<float> params_;
+};
+
+TEST_F(HfLlama, ExportSplitsMegatronsFusedLayersAsLlamaNamesThem) {
+  Save(Llama(/*bias=*/true, /*untie=*/true), dir_ / "ck");
+  auto s = ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf"));
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string hf = dir_ / "hf";
+  // 32 positions with Llama 3.1's scaling: transformers will warn, and the export says so.
+  bool warned = false;
+  for (const std::string& n : s->notes) warned |= n.find("transformers warns about rope_scaling") != std::string::npos;
+  EXPECT_TRUE(warned);
+  const int64_t C = 16, hd = 4, F = 24;
+  const auto& lp = layout_.layers[1];
+  std::vector<int64_t> shape;
+  // linear_qkv's rows: group g = [q head 2g, q head 2g+1, k head g, v head g], each hd rows of C.
+  const std::vector<float> q = Tensor(hf, "model.layers.1.self_attn.q_proj.weight", &shape);
+  EXPECT_EQ(shape, (std::vector<int64_t>{4 * hd, C}));
+  const std::vector<float> k = Tensor(hf, "model.layers.1.self_attn.k_proj.weight", &shape);
+  EXPECT_EQ(shape, (std::vector<int64_t>{2 * hd, C}));
+  const std::vector<float> v = Tensor(hf, "model.layers.1.self_attn.v_proj.weight");
+  const std::vector<float> vb = Tensor(hf, "model.layers.1.self_attn.v_proj.bias");
+  for (int64_t g = 0; g < 2; ++g)
+    for (int64_t d = 0; d < hd; ++d) {
+      for (int64_t i = 0; i < C; ++i) {
+        ASSERT_EQ(q[((2 * g + 1) * hd + d) * C + i], P(lp.qkv_w + ((4 * g + 1) * hd + d) * C + i));
+        ASSERT_EQ(k[(g * hd + d) * C + i], P(lp.qkv_w + ((4 * g + 2) * hd + d) * C + i));
+        ASSERT_EQ(v[(g * hd + d) * C + i], P(lp.qkv_w + ((4 * g + 3) * hd + d) * C + i));
+      }
+      ASSERT_EQ(vb[g * hd + d], P(lp.qkv_b + (4 * g + 3) * hd + d));
+    }
+  // linear_fc1's rows: [gate; up]. nn.Linear's (out, in) is Megatron's: nothing transposed.
+  const std::vector<float> up = Tensor(hf, "model.layers.1.mlp.up_proj.weight", &shape);
+  EXPECT_EQ(shape, (std::vector<int64_t>{F, C}));
+  EXPECT_EQ(up[5 * C + 3], P(lp.fc1_w + (F + 5) * C + 3));
+  EXPECT_EQ(Tensor(hf, "model.layers.1.mlp.gate_proj.weight")[5 * C + 3], P(lp.fc1_w + 5 * C + 3));
+  EXPECT_EQ(Tensor(hf, "model.layers.1.mlp.up_proj.bias")[7], P(lp.fc1_b + F + 7));
+  EXPECT_EQ(Tensor(hf, "model.layers.1.mlp.down_proj.weight")[3 * F + 17], P(lp.fc2_w + 3 * F + 17));
+  EXPECT_EQ(Tensor(hf, "model.layers.1.self_attn.o_proj.weight")[3 * C + 2], P(lp.proj_w + 3 * C + 2));
+  EXPECT_EQ(Tensor(hf, "model.layers.1.post_attention_layernorm.weight")[2], P(lp.ln2_w + 2));
+  EXPECT_EQ(Tensor(hf, "model.norm.weight")[2], P(layout_.lnf_w + 2));
+  // The vocabulary: the real rows only, the output layer its own tensor.
+  EXPECT_EQ(Tensor(hf, "lm_head.weight", &shape)[50256 * C + 1], P(layout_.out_w + 50256 * C + 1));
+  EXPECT_EQ(shape, (std::vector<int64_t>{50257, C}));
+  auto f = SafetensorsFile::Open(hf + "/model.safetensors");
+  EXPECT_EQ((*f)->tensors().size(), 1u + 2u * 16u + 2u);  // per layer 7 weights, 7 biases, 2 norms
+  const std::string config = ReadFile(hf + "/config.json");
+  for (const char* want :
+       {"\"LlamaForCausalLM\"", "\"model_type\": \"llama\"", "\"num_key_value_heads\": 2", "\"intermediate_size\": 24",
+        "\"rms_norm_eps\": 1e-05", "\"rope_theta\": 500000.0", "\"rope_type\": \"llama3\"", "\"factor\": 8.0",
+        "\"original_max_position_embeddings\": 8192", "\"tie_word_embeddings\": false", "\"attention_bias\": true",
+        "\"mlp_bias\": true", "\"vocab_size\": 50257", "\"torch_dtype\": \"float32\"", "\"head_dim\": 4"})
+    EXPECT_NE(config.find(want), std::string::npos) << want << "\n" << config;
+}
+
+TEST_F(HfLlama, ExportImportExportIsByteIdentical) {
+  for (bool bias : {false, true}) {
+    const std::string tag = bias ? "b" : "n";
+    GPTConfig c = Llama(bias, /*untie=*/!bias);
+    c.use_rope_scaling = bias;
+    Save(c, dir_ / ("ck" + tag));
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("ck" + tag), dir_ / ("hf" + tag))).ok());
+    auto imp = ImportFromHf(Opts("hf", "ptk", dir_ / ("hf" + tag), dir_ / ("back" + tag)));
+    ASSERT_TRUE(imp.ok()) << imp.status();
+    EXPECT_NE(imp->train_flags.find("--normalization RMSNorm"), std::string::npos) << imp->train_flags;
+    EXPECT_NE(imp->train_flags.find("--group-query-attention --num-query-groups 2"), std::string::npos);
+    EXPECT_EQ(imp->train_flags.find("--disable-bias-linear") == std::string::npos, bias) << imp->train_flags;
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
+    for (const char* f : {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json"})
+      EXPECT_EQ(ReadFile(dir_ / ("hf" + tag + "/" + f)), ReadFile(dir_ / ("hf2" + tag + "/" + f))) << tag << " " << f;
+    // The imported checkpoint is the model: every weight but the padded vocabulary rows.
+    std::vector<float> params, m, v;
+    TrainState st;
+    ASSERT_TRUE(LoadCheckpoint(dir_ / ("back" + tag), 0, layout_, &params, &m, &v, &st).ok());
+    for (int64_t i = 0; i < layout_.num_params; ++i) {
+      const bool padded = (i >= layout_.wte + 50257 * 16 && i < layout_.wte + 50304 * 16) ||
+                          (!bias && i >= layout_.out_w + 50257 * 16 && i < layout_.out_w + 50304 * 16);
+      if (!padded) ASSERT_EQ(params[i], P(i)) << i;
+    }
+  }
+}
+
+TEST_F(HfLlama, ExportRefusesWhatLlamaForCausalLMCannotComputeNamingIt) {
+  struct Case {
+    const char* why;
+    void (*edit)(GPTConfig*);
+  };
+  const Case cases[] = {
+      {"--normalization LayerNorm", [](GPTConfig* c) { c->normalization = Normalization::kLayerNorm; }},
+      {"--position-embedding-type learned_absolute",
+       [](GPTConfig* c) { c->position_embedding = PositionEmbedding::kLearnedAbsolute; }},
+      {"--position-embedding-type none", [](GPTConfig* c) { c->position_embedding = PositionEmbedding::kNone; }},
+      {"--rotary-percent 0.5", [](GPTConfig* c) { c->rotary_percent = 0.5; }},
+      {"no --swiglu", [](GPTConfig* c) { c->swiglu = false; }},
+      {"--add-qkv-bias without the other linear biases", [](GPTConfig* c) { c->add_qkv_bias = true; }},
+      {"--kv-channels 8 with 4 heads of hidden size 16", [](GPTConfig* c) { c->kv_channels = 8; }},
+  };
+  int n = 0;
+  for (const Case& k : cases) {
+    GPTConfig c = Llama(/*bias=*/false, /*untie=*/true);
+    k.edit(&c);
+    const std::string ck = dir_ / ("ck" + std::to_string(n)), hf = dir_ / ("hf" + std::to_string(n));
+    ++n;
+    Save(c, ck);
+    auto r = ExportToHf(Opts("ptk", "hf", ck, hf));
+    ASSERT_FALSE(r.ok()) << k.why;
+    EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+    EXPECT_NE(r.status().message().find(k.why), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("LlamaForCausalLM"), std::string::npos) << r.status();
+    EXPECT_FALSE(std::filesystem::exists(hf)) << k.why;
+  }
+  // Megatron's format is written for GPT-3-style models only, and says so.
+  auto meg = ExportToMegatron(Opts("ptk", "megatron", dir_ / "ck0", dir_ / "meg"));
+  EXPECT_TRUE(absl::IsUnimplemented(meg.status())) << meg.status();
+  Save(Llama(false, true), dir_ / "ckl");
+  meg = ExportToMegatron(Opts("ptk", "megatron", dir_ / "ckl", dir_ / "meg"));
+  EXPECT_TRUE(absl::IsUnimplemented(meg.status())) << meg.status();
+  EXPECT_NE(meg.status().message().find("--saver megatron writes GPT-3-style models only"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "meg"));
+}
+
+TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
+  Save(Llama(/*bias=*/false, /*untie=*/true), dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const std::string config = ReadFile(hf + "/config.json");
+  struct Case {
+    std::string from, to, why;
+  };
+  const Case bad[] = {
+      {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act \"gelu\": ptk's gated MLP is SwiGLU's"},
+      {"\"rope_type\": \"llama3\"", "\"rope_type\": \"linear\"", "rope_scaling {"},
+      {"\"factor\": 8.0", "\"factor\": 16.0", "ptk computes Llama 3.1's (rope_type \"llama3\", factor 8.0"},
+      {"\"attention_bias\": false", "\"attention_bias\": true",
+       "attention_bias true with mlp_bias false: ptk's linear layers are biased all together"},
+      {"\"head_dim\": 4", "\"head_dim\": 8", "head_dim 8 is not hidden_size / num_attention_heads (4)"},
+      {"\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3",
+       "num_key_value_heads 3 does not divide num_attention_heads 4"},
+      {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"silu\", \"partial_rotary_factor\": 0.5",
+       "partial_rotary_factor 0.5"},
+      {"\"model_type\": \"llama\"", "\"model_type\": \"mistral\"",
+       "model_type \"mistral\": ptk reads GPT-2 models (model_type \"gpt2\") and Llama models"},
+  };
+  int n = 0;
+  for (const Case& k : bad) {
+    ASSERT_NE(config.find(k.from), std::string::npos) << k.from;
+    WriteFile(hf + "/config.json",
+              std::regex_replace(config, std::regex(std::regex_replace(k.from, std::regex(R"([.\[\]{}()])"), R"(\$&)")),
+                                 k.to, std::regex_constants::format_first_only));
+    auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("out" + std::to_string(n++))));
+    ASSERT_FALSE(r.ok()) << k.to;
+    EXPECT_NE(r.status().message().find(k.why), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("config.json"), std::string::npos) << r.status();
+  }
+  // pretraining_tp only splits transformers' products: the same model, with a note.
+  WriteFile(hf + "/config.json",
+            std::regex_replace(config, std::regex("\"pretraining_tp\": 1"), "\"pretraining_tp\": 2"));
+  auto tp = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-tp"));
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  bool noted = false;
+  for (const std::string& n : tp->notes) noted |= n.find("pretraining_tp 2: transformers splits its products") == 0;
+  EXPECT_TRUE(noted);
+  // Weights a Llama config does not name are refused naming the tensor.
+  WriteFile(hf + "/config.json", config);
+  auto f = SafetensorsFile::Open(hf + "/model.safetensors");
+  ASSERT_TRUE(f.ok());
+  std::vector<SafetensorsEntry> entries;
+  for (const SafetensorsTensor& t : (*f)->tensors())
+    if (t.name != "model.layers.1.mlp.up_proj.weight") entries.push_back({t.name, t.shape, *(*f)->ReadFloat(t)});
+  f->reset();
+  ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
+  auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-missing"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tensor model.layers.1.mlp.up_proj.weight: missing (config.json asks for "
+                                      "shape [24, 16])"),
+            std::string::npos)
+      << r.status();
+}
+
+}  // namespace
+}  // namespace ptk

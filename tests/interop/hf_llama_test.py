@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""ptk-convert's LlamaForCausalLM export and import against Hugging Face transformers itself (4.44.2 from
+PyPI on Debian's torch 1.13, CPU; installed by scripts/install-deps.sh --with-python-ref into /opt/ptk-pyref).
+
+Checks:
+  * a model of Megatron's Llama line trained by ptk-train (RMSNorm, RoPE with base 500000 and Llama 3.1's
+    scaling, SwiGLU, 4 query heads in 2 groups, untied, no biases) and exported with --saver hf loads with
+    LlamaForCausalLM.from_pretrained with no missing, unexpected or mismatched weight and no warning; its
+    logits equal ptk's Forward (logits_tool) within 1e-4 on several sequences; transformers' generate
+    (greedy) continues as ptk's sampler and ptk-train's printed sample;
+  * a tied model with every linear bias (attention_bias, mlp_bias) and plain RoPE, the same;
+  * a LlamaForCausalLM made by transformers (grouped heads, llama3 rope_scaling) imported with --saver ptk
+    gives the same logits; ptk-train --finetune trains on from it with the flags ptk-convert prints;
+    hf -> ptk -> hf gives back every tensor bit for bit and the config's values; ptk -> hf -> ptk -> hf
+    is byte-identical;
+  * what LlamaForCausalLM cannot compute is refused by the export (exit 1, the reason named).
+Usage: hf_llama_test.py BIN_DIR TEST_BIN_DIR
+"""
+import json
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+
+BIN, TEST_BIN = sys.argv[1], sys.argv[2]
+for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
+    if p and os.path.isdir(p) and p not in sys.path:
+        sys.path.insert(0, p)
+import numpy  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+failures = 0
+TOL = 1e-4
+
+
+def check(cond, what):
+    global failures
+    if not cond:
+        failures += 1
+        print("FAIL:", what)
+
+
+def run(args, expect=0):
+    r = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check(r.returncode == expect, "exit {} (expected {}) for {}:\n{}".format(r.returncode, expect, " ".join(args),
+                                                                             r.stdout[-3000:]))
+    return r.stdout
+
+
+class Capture(logging.Handler):  # every warning transformers logs while loading
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+transformers.logging.set_verbosity_warning()
+capture = Capture()
+transformers.logging.get_logger().addHandler(capture)
+
+
+def load_hf(path, **kwargs):
+    capture.records.clear()
+    model, info = LlamaForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    check(all(not v for v in info.values()), "{}: loading info {}".format(path, info))
+    check(not capture.records, "{}: warnings while loading: {}".format(path, capture.records))
+    return model.eval()
+
+
+def hf_logits(model, seq):
+    with torch.no_grad():
+        return model(torch.tensor([seq]), use_cache=False).logits[0].numpy()
+
+
+def ptk_logits(ckpt, seqs, vocab, tmp):
+    seq_file, out = os.path.join(tmp, "seqs.txt"), os.path.join(tmp, "logits.f32")
+    with open(seq_file, "w") as f:
+        for s in seqs:
+            f.write(" ".join(map(str, s)) + "\n")
+    run([os.path.join(TEST_BIN, "logits_tool"), ckpt, seq_file, out])
+    flat = numpy.fromfile(out, dtype=numpy.float32)
+    res, at = [], 0
+    for s in seqs:
+        res.append(flat[at:at + len(s) * vocab].reshape(len(s), vocab))
+        at += len(s) * vocab
+    check(at == flat.size, "logits_tool wrote {} values, {} expected".format(flat.size, at))
+    return res
+
+
+def compare_logits(ckpt, model, seqs, vocab, tmp, what):
+    for seq, ours in zip(seqs, ptk_logits(ckpt, seqs, vocab, tmp)):
+        theirs = hf_logits(model, seq)
+        check(theirs.shape == ours.shape, "{}: shapes {} {}".format(what, theirs.shape, ours.shape))
+        if theirs.shape == ours.shape:
+            diff = float(numpy.abs(theirs - ours).max())
+            check(diff <= TOL, "{}: {} tokens: logits differ by {} (> {})".format(what, len(seq), diff, TOL))
+            check(float(numpy.abs(ours).max()) > 1.0, "{}: logits too small to test anything".format(what))
+
+
+def tensors(path):
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+rng = random.Random(44)
+SEQS = [[50256], [464, 2106, 286, 262, 995, 318, 257]] + [[rng.randrange(50257) for _ in range(n)] for n in (33, 64)]
+# max_position_embeddings above Llama 3.1's original context, as its configs have it (transformers warns
+# about rope_scaling otherwise); RoPE has no weights that grow with it.
+TRAIN = [os.path.join(BIN, "ptk-train"), "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "16384", "--micro-batch-size", "4", "--lr", "3e-3",
+         "--mock-data", "--threads", "2", "--eval-iters", "0", "--log-interval", "10", "--init-method-std", "0.2",
+         "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type", "rope", "--swiglu",
+         "--ffn-hidden-size", "96", "--attention-dropout", "0", "--hidden-dropout", "0"]
+LLAMA3 = ["--rotary-base", "500000", "--use-rope-scaling", "--group-query-attention", "--num-query-groups", "2",
+          "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+CONVERT = os.path.join(BIN, "ptk-convert")
+
+
+def export(ck, hf, expect=0):
+    return run([CONVERT, "--model-type", "GPT", "--loader", "ptk", "--saver", "hf", "--load-dir", ck, "--save-dir",
+                hf], expect)
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    # ---- Llama 3's model: trained, sampled, exported, loaded, compared
+    ck, hf = os.path.join(tmp, "ck"), os.path.join(tmp, "hf")
+    prompt = "The history of the"
+    out = run(TRAIN + LLAMA3 + ["--train-iters", "20", "--save", ck, "--sample-interval", "20", "--sample-prompt",
+                                prompt, "--sample-length", "8"])
+    sample = re.search(r' sample at iteration +20 \(greedy\): "The history of the" -> "(.*)"\n', out)
+    check(sample is not None, "ptk-train printed its sample:\n" + out[-2000:])
+    export(ck, hf)
+    model = load_hf(hf)
+    compare_logits(ck, model, SEQS, 50257, tmp, "llama3")
+    config = json.load(open(os.path.join(hf, "config.json")))
+    want = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+            "vocab_size": 50257, "max_position_embeddings": 16384, "hidden_act": "silu", "torch_dtype": "float32",
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
+    check(all(config.get(k) == v for k, v in want.items()),
+          "config.json: {}".format({k: config.get(k) for k in want if config.get(k) != want[k]}))
+    # The test can tell: another rotary base, or the scaling left out, moves the logits past the tolerance.
+    for what, kwargs in (("rope_theta 10000", {"rope_theta": 10000.0}), ("no rope_scaling", {"rope_scaling": None})):
+        other = LlamaForCausalLM.from_pretrained(hf, **kwargs).eval()
+        worst = max(float(numpy.abs(hf_logits(other, s) - hf_logits(model, s)).max()) for s in SEQS)
+        check(worst > 10 * TOL, "{} changes the logits by only {}: too weak a test".format(what, worst))
+    tok = AutoTokenizer.from_pretrained(hf)
+    ids = tok(prompt)["input_ids"]
+    check(ids == [464, 2106, 286, 262], "the exported tokenizer encodes {!r} as {}".format(prompt, ids))
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=50256, eos_token_id=None)[0, len(ids):]
+    ptk_ids = [int(x) for x in run([os.path.join(TEST_BIN, "logits_tool"), ck, "--generate", "8"]
+                                   + [str(i) for i in ids]).split()]
+    check(gen.tolist() == ptk_ids, "greedy continuation: transformers {} ptk {}".format(gen.tolist(), ptk_ids))
+    if sample and "\\" not in sample.group(1):
+        check(tok.decode(gen) == sample.group(1),
+              "transformers' greedy text {!r} vs ptk-train's sample {!r}".format(tok.decode(gen), sample.group(1)))
+
+    # ---- ptk -> hf -> ptk -> hf, byte for byte
+    back, hf2 = os.path.join(tmp, "back"), os.path.join(tmp, "hf2")
+    run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hf, "--save-dir", back])
+    export(back, hf2)
+    for name in sorted(os.listdir(hf)):
+        check(open(os.path.join(hf, name), "rb").read() == open(os.path.join(hf2, name), "rb").read(),
+              "export -> import -> export: {} differs".format(name))
+
+    # ---- tied, every linear biased, RoPE unscaled (base 10000), multi-head attention
+    ckb, hfb = os.path.join(tmp, "ckb"), os.path.join(tmp, "hfb")
+    run(TRAIN + ["--train-iters", "6", "--save", ckb])
+    export(ckb, hfb)
+    mb = load_hf(hfb)
+    compare_logits(ckb, mb, SEQS, 50257, tmp, "tied, biased")
+    check(mb.config.tie_word_embeddings and mb.config.attention_bias and mb.config.mlp_bias and
+          mb.config.rope_scaling is None and mb.config.num_key_value_heads == 4, "tied, biased: {}".format(mb.config))
+    check(float(mb.model.layers[1].mlp.up_proj.bias.abs().max()) > 0, "the biases were trained away from 0")
+
+    # ---- a model transformers made, imported into ptk, and back
+    torch.manual_seed(44)
+    src = LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=80,
+        vocab_size=50257, max_position_embeddings=16384, rms_norm_eps=1e-5, rope_theta=500000.0,
+        initializer_range=0.1, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})).eval()
+    with torch.no_grad():  # the RMSNorm weights away from their 1 init, so they are tested too
+        for name, p in src.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    hfsrc, ckin, hfout = os.path.join(tmp, "hfsrc"), os.path.join(tmp, "ckin"), os.path.join(tmp, "hfout")
+    src.save_pretrained(hfsrc, safe_serialization=True)
+    out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfsrc, "--save-dir", ckin])
+    compare_logits(ckin, src, SEQS, 50257, tmp, "imported")
+    export(ckin, hfout)
+    a, b = tensors(hfsrc), tensors(hfout)
+    check(sorted(a) == sorted(b), "hf -> ptk -> hf: tensors {} vs {}".format(sorted(set(a) ^ set(b))[:4], ""))
+    for k in sorted(set(a) & set(b)):
+        check(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), "hf -> ptk -> hf: {} differs".format(k))
+    ca, cb = src.config.to_dict(), LlamaConfig.from_pretrained(hfout).to_dict()
+    for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+              "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "initializer_range"):
+        check(ca[k] == cb[k], "hf -> ptk -> hf: config {} {} -> {}".format(k, ca[k], cb[k]))
+    flags = re.search(r"continue training with: ptk-train (.*) --seq-length N", out)
+    check(flags is not None, "ptk-convert prints ptk-train's flags:\n" + out)
+    if flags:
+        tr = run([os.path.join(BIN, "ptk-train")] + flags.group(1).split() +
+                 ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
+                  "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--finetune"])
+        check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
+
+    # ---- what LlamaForCausalLM cannot compute: refused, nothing written
+    for what, flags, reason in (
+            ("LayerNorm", ["--normalization", "LayerNorm"], "--normalization LayerNorm"),
+            ("learned positions", ["--position-embedding-type", "learned_absolute"],
+             "--position-embedding-type learned_absolute"),
+            ("partial rotary", ["--rotary-percent", "0.5"], "--rotary-percent 0.5")):
+        ckr, hfr = os.path.join(tmp, "ckr"), os.path.join(tmp, "hfr")
+        run(TRAIN + flags + ["--train-iters", "1", "--save", ckr])
+        msg = export(ckr, hfr, expect=1)
+        check(reason in msg and "LlamaForCausalLM" in msg, "{}: refused with {!r}".format(what, msg))
+        check(not os.path.exists(hfr), "{}: the refused export left {}".format(what, hfr))
+        run(["rm", "-rf", ckr])
+
+print("hf_llama_test: {}".format("OK" if failures == 0 else "{} failure(s)".format(failures)))
+sys.exit(1 if failures else 0)

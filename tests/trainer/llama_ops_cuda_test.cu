@@ -1,0 +1,143 @@
+// The Llama line's CUDA ops (RMSNorm, RoPE, SwiGLU) against their CPU ops (trainer/cpu/), for fp32,
+// bf16 and fp16 on random inputs of awkward sizes (channels not a multiple of 8, one row, query
+// groups, partial rotary), and the RMSNorm weight gradient's determinism. gpu-labelled (part of
+// ops_cuda_test): skipped (exit 77) without a device. Tolerances as ops_cuda_test.cu states them.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/trainer/ops_cuda_test_util.cuh"
+#include "trainer/cpu/ops_cpu.h"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::cuda {
+namespace {
+
+using namespace ops_test;  // NOLINT
+
+template <typename T>
+class LlamaCudaOps : public CudaOps {};
+
+TYPED_TEST_SUITE(LlamaCudaOps, ActivationTypes, TypeNames);
+
+struct Rows {
+  int64_t n, c;
+};
+
+// fp32: out and rstd within 1e-5 rel / 1e-6 abs (the same double statistics, summed in another order).
+TYPED_TEST(LlamaCudaOps, RMSNormForwardMatchesCpu) {
+  using T = TypeParam;
+  for (Rows s : {Rows{1, 9}, Rows{70, 768}, Rows{33, 1027}, Rows{3, 1}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " c=" + std::to_string(s.c);
+    const auto x = RoundTrip<T>(Normal(s.n * s.c, 1, 0.3f, 2.0f));
+    const auto w = Normal(s.c, 2, 1.0f, 0.2f);
+    std::vector<float> out(s.n * s.c), rstd(s.n);
+    cpu::RMSNormForward(out.data(), rstd.data(), x.data(), w.data(), s.n, s.c, 1e-5);
+    DeviceArray<T> dx(ToT<T>(x)), dout(s.n * s.c);
+    DeviceArray<float> dw(w), drstd(s.n);
+    ASSERT_OK(RMSNormForward<T>(dout.get(), drstd.get(), dx.get(), dw.get(), s.n, s.c, 1e-5, this->ctx_));
+    ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out " + what, true);
+    ExpectClose(drstd.Download(), rstd, 1e-6, 1e-7, "rstd " + what);
+    ASSERT_OK(RMSNormForward<T>(dout.get(), nullptr, dx.get(), dw.get(), s.n, s.c, 1e-5, this->ctx_));
+    ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out without statistics " + what, true);
+  }
+}
+
+// dinp accumulates (+=) as the CPU op's; dw (fp32) within 1e-5 rel / 1e-5 abs, and the same bits on
+// a second run (no atomics).
+TYPED_TEST(LlamaCudaOps, RMSNormBackwardMatchesCpuAndIsDeterministic) {
+  using T = TypeParam;
+  for (Rows s : {Rows{1, 9}, Rows{130, 768}, Rows{33, 1027}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " c=" + std::to_string(s.c);
+    const auto x = RoundTrip<T>(Normal(s.n * s.c, 4, 0.3f, 2.0f));
+    const auto dy = RoundTrip<T>(Normal(s.n * s.c, 5, 0.0f, 1.0f));
+    const auto dx0 = RoundTrip<T>(Normal(s.n * s.c, 6, 0.0f, 0.5f));
+    const auto w = Normal(s.c, 7, 1.0f, 0.2f), dw0 = Normal(s.c, 8, 0.0f, 0.1f);
+    std::vector<float> y(s.n * s.c), rstd(s.n), dx = dx0, dwc = dw0;
+    cpu::RMSNormForward(y.data(), rstd.data(), x.data(), w.data(), s.n, s.c, 1e-5);
+    cpu::RMSNormBackward(dx.data(), dwc.data(), dy.data(), x.data(), w.data(), rstd.data(), s.n, s.c);
+    DeviceArray<T> ddx(ToT<T>(dx0)), ddy(ToT<T>(dy)), dx_in(ToT<T>(x));
+    DeviceArray<float> dw(w), ddw(dw0), drstd(rstd);
+    DeviceArray<double> scratch(RMSNormBackwardScratch(s.n, s.c));
+    ASSERT_OK(RMSNormBackward<T>(ddx.get(), ddw.get(), ddy.get(), dx_in.get(), dw.get(), drstd.get(), s.n, s.c,
+                                 scratch.get(), this->ctx_));
+    ExpectClose<T>(ToF(ddx.Download()), dx, 1e-5, 1e-5, "dinp " + what, true);
+    const std::vector<float> first = ddw.Download();
+    ExpectClose(first, dwc, 1e-5, 1e-5, "dw " + what);
+    ddw.Upload(dw0);
+    ASSERT_OK(RMSNormBackward<T>(ddx.get(), ddw.get(), ddy.get(), dx_in.get(), dw.get(), drstd.get(), s.n, s.c,
+                                 scratch.get(), this->ctx_));
+    ExpectBitwise(ddw.Download(), first, "dw on a second run " + what);
+  }
+}
+
+// Forward and backward on a QKV of query groups (4 heads in 2 groups, 6 in 3 with a partial rotary),
+// the tables cpu::RopeTables's; value heads untouched.
+TYPED_TEST(LlamaCudaOps, RopeMatchesCpu) {
+  using T = TypeParam;
+  struct Case {
+    AttentionShape s;
+    int64_t rd;
+  };
+  for (Case k : {Case{{2, 17, 4, 8, 2}, 8}, Case{{1, 33, 6, 12, 3}, 6}, Case{{3, 5, 4, 16, 0}, 16}}) {
+    const AttentionShape& s = k.s;
+    const std::string what = "t=" + std::to_string(s.t) + " groups=" + std::to_string(s.groups());
+    const int64_t half = k.rd / 2, size = s.b * s.t * s.qkv_width();
+    std::vector<float> cos(s.t * half), sin(s.t * half);
+    cpu::RopeTables(cos.data(), sin.data(), s.t, k.rd, 500000.0, true);
+    const auto x = RoundTrip<T>(Normal(size, 9, 0.0f, 1.0f));
+    DeviceArray<float> dcos(cos), dsin(sin);
+    for (bool backward : {false, true}) {
+      std::vector<float> want = x;
+      if (backward)
+        cpu::RopeBackward(want.data(), cos.data(), sin.data(), s, k.rd);
+      else
+        cpu::RopeForward(want.data(), cos.data(), sin.data(), s, k.rd);
+      DeviceArray<T> dx(ToT<T>(x));
+      if (backward)
+        ASSERT_OK(RopeBackward<T>(dx.get(), dcos.get(), dsin.get(), s, k.rd, this->ctx_));
+      else
+        ASSERT_OK(RopeForward<T>(dx.get(), dcos.get(), dsin.get(), s, k.rd, this->ctx_));
+      ExpectClose<T>(ToF(dx.Download()), want, 1e-5, 1e-6, (backward ? "backward " : "forward ") + what, true);
+    }
+  }
+}
+
+TYPED_TEST(LlamaCudaOps, SwigluMatchesCpu) {
+  using T = TypeParam;
+  for (Rows s : {Rows{1, 7}, Rows{65, 1000}, Rows{3, 1}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " f=" + std::to_string(s.c);
+    const auto x = RoundTrip<T>(Normal(s.n * 2 * s.c, 10, 0.0f, 2.0f));
+    const auto dy = RoundTrip<T>(Normal(s.n * s.c, 11, 0.0f, 1.0f));
+    std::vector<float> out(s.n * s.c), dx(s.n * 2 * s.c);
+    cpu::SwigluForward(out.data(), x.data(), s.n, s.c);
+    cpu::SwigluBackward(dx.data(), x.data(), dy.data(), s.n, s.c);
+    DeviceArray<T> dinp(ToT<T>(x)), dout(s.n * s.c), ddy(ToT<T>(dy)), ddx(s.n * 2 * s.c);
+    ASSERT_OK(SwigluForward<T>(dout.get(), dinp.get(), s.n, s.c, this->ctx_));
+    ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out " + what, true);
+    ASSERT_OK(SwigluBackward<T>(ddx.get(), dinp.get(), ddy.get(), s.n, s.c, this->ctx_));
+    ExpectClose<T>(ToF(ddx.Download()), dx, 1e-5, 1e-6, "dinp " + what, true);
+  }
+}
+
+TEST_F(CudaOps, LlamaOpsRefuseBadArguments) {
+  DeviceArray<float> buf(64);
+  const AttentionShape s{1, 2, 2, 4, 1};
+  EXPECT_FALSE(RMSNormForward<float>(buf.get(), nullptr, nullptr, buf.get(), 1, 4, 1e-5, ctx_).ok());
+  EXPECT_FALSE(
+      RMSNormBackward<float>(buf.get(), buf.get(), buf.get(), buf.get(), buf.get(), buf.get(), 1, 4, nullptr, ctx_)
+          .ok());
+  EXPECT_FALSE(RopeForward<float>(buf.get(), buf.get(), buf.get(), s, 3, ctx_).ok());  // odd rotated channels
+  EXPECT_FALSE(RopeForward<float>(buf.get(), buf.get(), buf.get(), s, 8, ctx_).ok());  // more than hd
+  EXPECT_FALSE(SwigluForward<float>(buf.get(), nullptr, 1, 4, ctx_).ok());
+  EXPECT_FALSE(SwigluBackward<float>(buf.get(), buf.get(), buf.get(), -1, 4, ctx_).ok());
+}
+
+}  // namespace
+}  // namespace ptk::cuda

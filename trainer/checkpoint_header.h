@@ -1,0 +1,18 @@
+// Reading a ptk checkpoint's JSON header: what trainer/checkpoint.cpp (loading a checkpoint) and
+// trainer/checkpoint_settings.cpp (its recorded settings alone) share. Internal to trainer/.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <simdjson.h>
+
+namespace ptk {
+
+// The header's "settings" ([[flag, value], ...], the run's settings as given) into *out, cleared
+// first; none when the header has no such key (a checkpoint of ptk before it recorded them). False
+// when the key holds anything else.
+bool ReadHeaderSettings(simdjson::dom::element header, std::vector<std::pair<std::string, std::string>>* out);
+
+}  // namespace ptk
