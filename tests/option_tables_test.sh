@@ -120,6 +120,10 @@ usage "${TRAIN[@]}" --data-path "$T/p" --bf16 -- "--bf16: the CPU backend trains
 usage "${TRAIN[@]}" --data-path "$T/p" --global-batch-size 3 --micro-batch-size 2 -- \
   "--global-batch-size (3) must be a multiple of --micro-batch-size (2)"
 usage "${TRAIN[@]}" --data-path "$T/p" --tensor-model-parallel-size 2 -- "--tensor-model-parallel-size 2:"
+usage "${TRAIN[@]}" --data-path "$T/p" --pipeline-model-parallel-size 2 -- \
+  "--num-layers 1 is not divisible by --pipeline-model-parallel-size 2"
+usage "${TRAIN[@]}" --data-path "$T/p" --num-layers 2 --pipeline-model-parallel-size 2 -- \
+  "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2:"
 usage "$BIN/ptk-convert" --loader hf --saver hf --load-dir "$T" --save-dir "$T/o" -- \
   "--loader hf --saver hf: ptk-convert converts"
 # Not a usage error: a dataset that does not exist is exit 1.

@@ -214,18 +214,18 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size,
                   "Tensor-parallel ranks (Megatron's layers split over adjacent ranks; CPU backend over gloo): "
-                  "WORLD_SIZE = this x data-parallel ranks (1)")
+                  "WORLD_SIZE = this x data-parallel ranks x pipeline stages (1)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size,
-                  "Must be 1: ptk has no pipeline parallelism")
+                  "Pipeline stages: the layers split over P stages, Megatron's 1F1B schedule (CPU backend, gloo)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--decoder-first-pipeline-num-layers", f->decoder_first_pipeline_num_layers,
-                  "Layers of the first pipeline stage (the rest split evenly; with --dry-run)")
+                  "Layers of the first pipeline stage (the rest split evenly)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--decoder-last-pipeline-num-layers", f->decoder_last_pipeline_num_layers,
-                  "Layers of the last pipeline stage (the rest split evenly; with --dry-run)")
+                  "Layers of the last pipeline stage (the rest split evenly)")
       ->check(IntIn(1, kMaxSize));
   app->add_flag("--dry-run", f->dry_run,
                 "ptk: print the plan of this run on WORLD_SIZE ranks (any tensor and pipeline size): Megatron's "

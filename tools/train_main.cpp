@@ -102,13 +102,20 @@ int main(int argc, char** argv) {
         }
         options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
       }
-      // Megatron's rank order: tensor ranks adjacent, then data (WORLD_SIZE = T x data ranks).
-      auto made = ptk::ParallelLayout::Create(ranks.world_size, options.tensor_model_parallel_size, 1);
-      if (!made.ok())  // named by the flag and the launch, which the library does not know
-        return ptk::UsageError(fmt::format(
-            "--tensor-model-parallel-size {}: {}; start a multiple of {} ranks ({})",
-            options.tensor_model_parallel_size, ptk::StatusMessage(made.status()), options.tensor_model_parallel_size,
-            ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
+      // Megatron's rank order: tensor ranks adjacent, then data, then pipeline stages
+      // (WORLD_SIZE = T x data ranks x P).
+      const int pp = std::max<int>(1, static_cast<int>(options.pipeline_stage_layers.size()));
+      auto made = ptk::ParallelLayout::Create(ranks.world_size, options.tensor_model_parallel_size, pp);
+      if (!made.ok()) {  // named by the flag and the launch, which the library does not know
+        const std::string flag =
+            pp > 1 ? fmt::format("--tensor-model-parallel-size {} x --pipeline-model-parallel-size {}",
+                                 options.tensor_model_parallel_size, pp)
+                   : fmt::format("--tensor-model-parallel-size {}", options.tensor_model_parallel_size);
+        return ptk::UsageError(
+            fmt::format("{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()),
+                        options.tensor_model_parallel_size * pp,
+                        ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
+      }
       layout = *std::move(made);
       // Every check between settings, before any rank waits for another.
       return ptk::PlanTraining(options, layout->data_size());
@@ -138,27 +145,39 @@ int main(int argc, char** argv) {
       std::_Exit(1);
     };
     PTK_ASSIGN_OR_RETURN(std::unique_ptr<ptk::Communicator> world, ptk::CreateCommunicator(d));
-    // The tensor and data groups of this rank (each a communicator of its own over the world's).
-    const int tp = layout->tensor_size();
-    std::unique_ptr<ptk::Communicator> tensor, data;
+    // The tensor, data, pipeline and embedding groups of this rank (each a communicator of its own
+    // over the world's), made in that order by every rank (a middle stage has no embedding group).
+    const int tp = layout->tensor_size(), pp = layout->pipeline_size();
+    std::unique_ptr<ptk::Communicator> tensor, data, pipeline, embedding;
     if (tp > 1) {
       PTK_ASSIGN_OR_RETURN(tensor, world->Subgroup(layout->Group(ptk::ParallelGroup::kTensor, ranks.rank), "tensor"));
+    }
+    if (tp > 1 || pp > 1) {
       PTK_ASSIGN_OR_RETURN(data, world->Subgroup(layout->Group(ptk::ParallelGroup::kData, ranks.rank), "data"));
     }
-    ptk::Communicator* comm = tp > 1 ? data.get() : world.get();
+    if (pp > 1) {
+      PTK_ASSIGN_OR_RETURN(pipeline,
+                           world->Subgroup(layout->Group(ptk::ParallelGroup::kPipeline, ranks.rank), "pipeline"));
+      const std::vector<int> emb = layout->Group(ptk::ParallelGroup::kEmbedding, ranks.rank);
+      if (!options.model.untie_embeddings_and_output_weights && !emb.empty()) {
+        PTK_ASSIGN_OR_RETURN(embedding, world->Subgroup(emb, "embedding"));
+      }
+    }
+    ptk::Communicator* comm = data ? data.get() : world.get();
     if (ranks.rank == 0) {
       std::printf("%s\n", ptk::PaddedVocabLine(options.model.vocab_size, options.model.padded_vocab_size).c_str());
-      if (tp > 1)
+      if (tp > 1 || pp > 1)
         std::printf(
             "> initialized tensor model parallel with size %d\n> initialized pipeline model parallel with "
-            "size 1\n",
-            tp);
+            "size %d\n",
+            tp, pp);
       std::fflush(stdout);
     }
     if (ranks.rank == 0 && world->size() > 1)
-      ptk::log::Info("{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
-                     tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "", layout->data_size(), ranks.source,
-                     world->backend(), ranks.master_addr, ranks.master_port);
+      ptk::log::Info("{}{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
+                     tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "",
+                     pp > 1 ? fmt::format("pipeline parallel: {} stages x ", pp) : "", layout->data_size(),
+                     ranks.source, world->backend(), ranks.master_addr, ranks.master_port);
     if (ranks.rank == 0) {
       for (const std::string& n : notes) ptk::log::Info("note: {}", n);
       for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
@@ -179,6 +198,8 @@ int main(int argc, char** argv) {
     options.comm = comm;
     options.world_comm = world.get();
     options.backend.tensor_comm = tensor.get();
+    options.pipeline_comm = pipeline.get();
+    options.embedding_comm = embedding.get();
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
     // PTK_CUDA_SYNC_OPS=1: the CUDA model synchronises after every op and names the one that fails.

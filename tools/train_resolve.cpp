@@ -14,6 +14,7 @@
 #include "tools/train_flags.h"
 #include "trainer/backend.h"
 #include "trainer/parallel_layout.h"
+#include "trainer/parallel_params.h"
 
 namespace ptk {
 namespace {
@@ -102,10 +103,6 @@ absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std
   if (f.tokenizer_type != "GPT2BPETokenizer")
     return Refuse("--tokenizer-type " + f.tokenizer_type + ": ptk-train reads GPT-2 BPE data (GPT2BPETokenizer) only");
   PTK_RETURN_IF_ERROR(train_flags::RefuseOtherModel(f));
-  if (f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
-    return Refuse(
-        "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: ptk-train runs one pipeline "
-        "stage (--dry-run plans more)");
   if (f.gpus_per_node > 0 && !f.dry_run) notes->push_back("--gpus-per-node: accepted, used by --dry-run only");
   if (f.reset_attention_mask)
     return Refuse("--reset-attention-mask: attention is causal over the whole sequence in ptk");
@@ -224,11 +221,14 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
 }  // namespace
 
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
-  if (f.pipeline_model_parallel_size != 1)
-    return Refuse(
-        fmt::format("--pipeline-model-parallel-size {}: ptk-train has no pipeline parallelism (tensor and "
-                    "data parallelism only); use 1",
-                    f.pipeline_model_parallel_size));
+  // Megatron's split of the layers over the pipeline stages (refusals in its terms).
+  std::vector<int64_t> stage_layers;
+  if (f.pipeline_model_parallel_size > 1 || f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers) {
+    PTK_ASSIGN_OR_RETURN(
+        stage_layers, PipelineStageLayers(f.options.model.num_layers, static_cast<int>(f.pipeline_model_parallel_size),
+                                          f.decoder_first_pipeline_num_layers, f.decoder_last_pipeline_num_layers));
+  }
+  const bool pipelined = stage_layers.size() > 1;
   if (f.context_parallel_size != 1)
     return Refuse(
         fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
@@ -237,6 +237,15 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
   const int64_t tp = f.tensor_model_parallel_size;
   if (tp > 1 && device == Device::kCuda) return Refuse(kCudaTensorParallelMissing);
+  if (pipelined && device == Device::kCuda) return Refuse(kCudaPipelineParallelMissing);
+  if (pipelined && tp > 1 && f.options.backend.sequence_parallel)
+    return Refuse(
+        "--sequence-parallel with --pipeline-model-parallel-size above 1: not implemented (ptk's pipeline stages run "
+        "tensor parallelism without sequence parallelism); drop --sequence-parallel");
+  if (pipelined && f.options.sample.interval > 0)
+    return Refuse(
+        "--sample-interval with --pipeline-model-parallel-size above 1: not implemented (a text sample needs the "
+        "whole model on one rank)");
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
@@ -250,6 +259,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(ResolveModel(f, device, tp, &o, notes));
   PTK_RETURN_IF_ERROR(ResolveDataFlags(f, &o));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
+  if (pipelined) o.pipeline_stage_layers = stage_layers;
   return o;
 }
 

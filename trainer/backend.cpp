@@ -96,6 +96,10 @@ const char* const kCudaTensorParallelMissing =
     "partitioned layers yet (column- and row-parallel products, vocabulary-parallel embedding and cross-entropy "
     "over NCCL)";
 
+const char* const kCudaPipelineParallelMissing =
+    "--pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, gloo): the CUDA backend has no "
+    "pipeline stages yet (their activations' ncclSend/ncclRecv)";
+
 const char* const kCudaLlamaMissing =
     "the CUDA backend has Megatron's GPT-3 model only: it lacks RMSNorm, rotary position embeddings (and a model "
     "without position embeddings), SwiGLU, grouped-query attention, a head dimension other than hidden / heads and "
@@ -105,11 +109,13 @@ const char* const kCudaLlamaMissing =
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
-    PTK_ASSIGN_OR_RETURN(std::unique_ptr<CpuGPTModel> m,
-                         CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel));
+    PTK_ASSIGN_OR_RETURN(
+        std::unique_ptr<CpuGPTModel> m,
+        CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel, backend.pipeline_stage));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
   if (backend.tensor_comm && backend.tensor_comm->size() > 1) return UsageError(kCudaTensorParallelMissing);
+  if (backend.pipeline_stage.size > 1) return UsageError(kCudaPipelineParallelMissing);
   if (!config.gpt3()) return UsageError(kCudaLlamaMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));

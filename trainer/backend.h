@@ -20,10 +20,15 @@ struct BackendOptions {
   // backend partitions the model over it; the CUDA backend refuses more than one rank.
   Communicator* tensor_comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
+  // --pipeline-model-parallel-size: this rank's stage (the whole model by default). The CPU backend
+  // builds the stage's part; the CUDA backend refuses more than one stage.
+  PipelineStage pipeline_stage;
 };
 
 // Why the CUDA backend refuses tensor parallelism (a usage error's text).
 extern const char* const kCudaTensorParallelMissing;
+// Why the CUDA backend refuses pipeline parallelism (a usage error's text).
+extern const char* const kCudaPipelineParallelMissing;
 // Why the CUDA backend refuses a model other than GPT-3's (GPTConfig::gpt3()): what it lacks.
 extern const char* const kCudaLlamaMissing;
 

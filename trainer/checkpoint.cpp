@@ -107,9 +107,22 @@ void SetSaveStepHookForTesting(SaveStepHook hook) { Hook() = std::move(hook); }
 std::string CheckpointDir(const std::string& save, int64_t iteration) {
   return JoinPath(save, fmt::format("iter_{:07d}", iteration));
 }
-std::string MpRankFile(int tensor_rank) { return fmt::format("mp_rank_{:02d}/model_optim_rng.ptk", tensor_rank); }
+std::string MpRankDir(int tensor_rank, int pipeline_rank, int pipeline_size) {
+  return pipeline_size > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", tensor_rank, pipeline_rank)
+                           : fmt::format("mp_rank_{:02d}", tensor_rank);
+}
+std::string MpRankFile(int tensor_rank, int pipeline_rank, int pipeline_size) {
+  return JoinPath(MpRankDir(tensor_rank, pipeline_rank, pipeline_size), "model_optim_rng.ptk");
+}
+std::string FirstRankFile(const std::string& dir) {
+  const std::string one_stage = JoinPath(dir, MpRankFile(0));
+  const std::string staged = JoinPath(dir, MpRankFile(0, 0, 2));
+  return !PathExists(one_stage) && PathExists(staged) ? staged : one_stage;
+}
 std::string CheckpointFile(const std::string& save, int64_t iteration, int tensor_rank) {
-  return JoinPath(CheckpointDir(save, iteration), MpRankFile(tensor_rank));
+  const std::string dir = CheckpointDir(save, iteration);
+  if (tensor_rank == 0) return FirstRankFile(dir);
+  return JoinPath(dir, MpRankFile(tensor_rank));
 }
 
 absl::Status VerifyCheckpointFile(const std::string& file) {
@@ -171,10 +184,9 @@ absl::Status WriteCheckpointFile(const std::string& file, const std::string& hea
 // one is in place: at every instant one complete copy is iter_N or lies aside for
 // RecoverCheckpointDir to rename back.
 absl::Status PublishDirectory(const std::string& save, const std::string& tmp_dir, const std::string& final_dir,
-                              const std::string& old_dir, int tensor_size) {
+                              const std::string& old_dir, const std::vector<std::string>& rank_dirs) {
   PTK_RETURN_IF_ERROR(Step("fsync temporary directory"));
-  for (int t = 0; t < tensor_size; ++t)
-    PTK_RETURN_IF_ERROR(FsyncDir(JoinPath(tmp_dir, fmt::format("mp_rank_{:02d}", t))));
+  for (const std::string& d : rank_dirs) PTK_RETURN_IF_ERROR(FsyncDir(JoinPath(tmp_dir, d)));
   PTK_RETURN_IF_ERROR(FsyncDir(tmp_dir));
   const bool replacing = PathExists(final_dir);  // rename(2) cannot replace a non-empty directory
   if (replacing) {
@@ -235,7 +247,7 @@ absl::Status RecoverIteration(const std::string& save, const std::string& base, 
   if (!PathExists(final_dir)) {
     for (auto it = aside.begin(); it != aside.end(); ++it) {
       if (!restore_new && it - aside.begin() >= static_cast<std::ptrdiff_t>(copies.num_old)) break;
-      absl::Status whole = VerifyCheckpointFile(JoinPath(*it, "mp_rank_00/model_optim_rng.ptk"));
+      absl::Status whole = VerifyCheckpointFile(FirstRankFile(*it));
       if (!whole.ok()) continue;
       PTK_RETURN_IF_ERROR(RenameFile(*it, final_dir));
       PTK_RETURN_IF_ERROR(FsyncDir(save));
@@ -263,13 +275,22 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
   const std::string final_dir = CheckpointDir(save, state.iteration);
   const std::string tmp_dir = fmt::format("{}{}{}", final_dir, kTmpTag, ::getpid());
   const std::string old_dir = fmt::format("{}{}{}", final_dir, kOldTag, ::getpid());
-  const int tensor_size = static_cast<int>(shards.size());
-  for (int t = 0; t < tensor_size; ++t) {
-    const CheckpointShard& sh = shards[static_cast<size_t>(t)];
+  if (shards.empty()) return absl::InternalError("SaveCheckpoint: no arrays");
+  const int tensor_size = shards[0].layout->tensor_size, pipeline_size = shards[0].layout->pipeline_size;
+  if (static_cast<int64_t>(shards.size()) != int64_t{tensor_size} * pipeline_size)
+    return absl::InternalError("SaveCheckpoint: not one shard per tensor and pipeline rank");
+  std::vector<std::string> rank_dirs;
+  std::vector<int64_t> stage_layers;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const CheckpointShard& sh = shards[i];
     const size_t n = static_cast<size_t>(sh.layout->num_params);
-    if (sh.layout->tensor_size != tensor_size || sh.layout->tensor_rank != t || sh.params.size() != n ||
+    const int t = static_cast<int>(i) % tensor_size, p = static_cast<int>(i) / tensor_size;
+    if (sh.layout->tensor_size != tensor_size || sh.layout->tensor_rank != t ||
+        sh.layout->pipeline_size != pipeline_size || sh.layout->pipeline_rank != p || sh.params.size() != n ||
         sh.exp_avg.size() != n || sh.exp_avg_sq.size() != n)
       return absl::InternalError("SaveCheckpoint: the arrays do not match the parameter layouts");
+    rank_dirs.push_back(MpRankDir(t, p, pipeline_size));
+    if (t == 0) stage_layers.push_back(static_cast<int64_t>(sh.layout->layers.size()));
   }
   auto header = [&](const ParamLayout& layout) {
     JsonWriter w;
@@ -311,10 +332,12 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
         .Field("num_params", layout.num_params)
         .Field("tensor_model_parallel_size", static_cast<int64_t>(layout.tensor_size))
         .Field("tensor_rank", static_cast<int64_t>(layout.tensor_rank))
-        .Key("model")
-        .Raw(ModelJson(layout.config))
-        .Key("settings")
+        .Field("pipeline_model_parallel_size", static_cast<int64_t>(layout.pipeline_size))
+        .Field("pipeline_rank", static_cast<int64_t>(layout.pipeline_rank))
+        .Key("pipeline_stage_layers")
         .BeginArray();
+    for (int64_t l : stage_layers) w.Value(l);
+    w.EndArray().Key("model").Raw(ModelJson(layout.config)).Key("settings").BeginArray();
     for (const auto& [name, value] : state.settings) w.BeginArray().Value(name).Value(value).EndArray();
     w.EndArray().Key("tensors").BeginArray();
     for (const ParamInfo& p : layout.infos) {
@@ -330,11 +353,12 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     PTK_RETURN_IF_ERROR(Step("create temporary directory"));
     PTK_RETURN_IF_ERROR(RemoveAllOrError(tmp_dir));
     for (const CheckpointShard& sh : shards) {
-      const std::string file = JoinPath(tmp_dir, MpRankFile(sh.layout->tensor_rank));
+      const std::string file =
+          JoinPath(tmp_dir, MpRankFile(sh.layout->tensor_rank, sh.layout->pipeline_rank, pipeline_size));
       PTK_RETURN_IF_ERROR(MakeDirs(Dirname(file)));
       PTK_RETURN_IF_ERROR(WriteCheckpointFile(file, header(*sh.layout), {sh.params, sh.exp_avg, sh.exp_avg_sq}));
     }
-    PTK_RETURN_IF_ERROR(PublishDirectory(save, tmp_dir, final_dir, old_dir, tensor_size));
+    PTK_RETURN_IF_ERROR(PublishDirectory(save, tmp_dir, final_dir, old_dir, rank_dirs));
     return WriteTracker(save, state.iteration);
   }();
   if (!st.ok()) {
@@ -403,7 +427,7 @@ absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {
 
 absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_t iteration) {
   const std::string dir = CheckpointDir(load, iteration);
-  const std::string file = JoinPath(dir, MpRankFile(0));
+  const std::string file = FirstRankFile(dir);
   if (PathExists(file)) return dir;
   if (std::string torch = IsDirectory(dir) ? MegatronTorchCheckpointIn(dir) : ""; !torch.empty())
     return absl::FailedPreconditionError(
@@ -414,7 +438,7 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_
   // directory does not recover it): a complete copy aside is as good.
   PTK_ASSIGN_OR_RETURN(AsideCopies copies, FindAsideCopies(load, Basename(dir)));
   for (const std::string& copy : copies.paths) {
-    const std::string aside = JoinPath(copy, MpRankFile(0));
+    const std::string aside = FirstRankFile(copy);
     if (VerifyCheckpointFile(aside).ok()) {
       log::Info("{}: missing; loading {}, the complete copy an interrupted save left aside", file, aside);
       return copy;
@@ -427,11 +451,16 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
                             std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                             TrainState* state) {
   PTK_ASSIGN_OR_RETURN(const std::string dir, ResolveCheckpointDir(load, iteration));
-  PTK_ASSIGN_OR_RETURN(const int saved, SavedTensorSize(JoinPath(dir, MpRankFile(0))));
-  if (saved != layout.tensor_size)
+  PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(FirstRankFile(dir)));
+  // This rank's own file when it was saved with this rank's slices and layers; else put together.
+  const bool same_stage =
+      saved.pipeline_size() == layout.pipeline_size &&
+      StageOf(saved.stage_layers, layout.pipeline_rank).first_layer == layout.first_layer &&
+      saved.stage_layers[static_cast<size_t>(layout.pipeline_rank)] == static_cast<int64_t>(layout.layers.size());
+  if (saved.tensor_size != layout.tensor_size || !same_stage)
     return LoadResharded(dir, saved, iteration, layout, params, exp_avg, exp_avg_sq, state);
-  return LoadCheckpointFile(JoinPath(dir, MpRankFile(layout.tensor_rank)), iteration, layout, params, exp_avg,
-                            exp_avg_sq, state);
+  return LoadCheckpointFile(JoinPath(dir, MpRankFile(layout.tensor_rank, layout.pipeline_rank, layout.pipeline_size)),
+                            iteration, layout, params, exp_avg, exp_avg_sq, state);
 }
 
 absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
@@ -465,6 +494,13 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
     return absl::FailedPreconditionError(fmt::format("{}: tensor rank {} of {} saved it; this is tensor rank {} of {}",
                                                      file, saved_tensor_rank, saved_tensor_size, layout.tensor_rank,
                                                      layout.tensor_size));
+  int64_t saved_pipeline_size = 1, saved_pipeline_rank = 0;  // absent: ptk before pipeline parallelism
+  if (h["pipeline_model_parallel_size"].get(saved_pipeline_size)) saved_pipeline_size = 1;
+  if (h["pipeline_rank"].get(saved_pipeline_rank)) saved_pipeline_rank = 0;
+  if (saved_pipeline_size != layout.pipeline_size || saved_pipeline_rank != layout.pipeline_rank)
+    return absl::FailedPreconditionError(fmt::format("{}: pipeline stage {} of {} saved it; this is stage {} of {}",
+                                                     file, saved_pipeline_rank, saved_pipeline_size,
+                                                     layout.pipeline_rank, layout.pipeline_size));
   simdjson::dom::parser mine_parser;
   simdjson::dom::element mine;
   if (mine_parser.parse(ModelJson(layout.config)).get(mine)) return absl::InternalError("model description");

@@ -44,9 +44,13 @@ struct TrainState {
 };
 
 std::string CheckpointDir(const std::string& save, int64_t iteration);  // <save>/iter_0000100
-// .../mp_rank_TT/model_optim_rng.ptk: tensor rank TT's file (Megatron's layout for one pipeline stage).
+// .../mp_rank_TT/model_optim_rng.ptk: tensor rank TT's file (Megatron's layout for one pipeline
+// stage); for tensor rank 0, mp_rank_00_000's where a pipelined checkpoint is there instead.
 std::string CheckpointFile(const std::string& save, int64_t iteration, int tensor_rank = 0);
-std::string MpRankFile(int tensor_rank);  // mp_rank_TT/model_optim_rng.ptk
+// mp_rank_TT/model_optim_rng.ptk, or with several pipeline stages mp_rank_TT_PPP/... (Megatron's).
+std::string MpRankFile(int tensor_rank, int pipeline_rank = 0, int pipeline_size = 1);
+// The first rank's file in an iteration directory: mp_rank_00's, or mp_rank_00_000's when only it is there.
+std::string FirstRankFile(const std::string& dir);
 
 // Writes the checkpoint of `iteration` and then points the tracker at it. A save that fails (a
 // full disk) removes what it wrote and leaves the previous checkpoint and the tracker as they were.
@@ -55,8 +59,9 @@ absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, 
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
                             const std::string& args_json);
 
-// Every tensor rank's part at once (shards[t]: tensor rank t's layout and arrays; one shard at
-// tensor size 1): each in its mp_rank_TT, all in the one directory the save renames into place.
+// Every model-parallel rank's part at once (shards[p * T + t]: tensor rank t of pipeline stage p,
+// its layout and arrays; one shard at T = P = 1): each in its mp_rank_TT (mp_rank_TT_PPP with
+// several stages), all in the one directory the save renames into place.
 struct CheckpointShard {
   const ParamLayout* layout = nullptr;
   std::span<const float> params, exp_avg, exp_avg_sq;
@@ -90,17 +95,24 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
 // complete copy a killed save left aside); the tensor size that saved it (1 for a ptk before
 // tensor parallelism); one tensor rank's file, whose layout must be `layout`'s (rank and size too).
 absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_t iteration);
-absl::StatusOr<int> SavedTensorSize(const std::string& file);
+// The tensor size and pipeline stages a checkpoint was saved with, from its first file's header
+// (one stage of all layers for a ptk before pipeline parallelism).
+struct SavedParallelism {
+  int tensor_size = 1;
+  std::vector<int64_t> stage_layers;
+  int pipeline_size() const { return static_cast<int>(stage_layers.size()); }
+};
+absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file);
 absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file);
 absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
                                 std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
                                 TrainState* state);
-// A checkpoint saved at tensor size `saved` in `dir`, loaded at `layout`'s: every saved rank's
-// slices put together into the whole model (weights and moments), then `layout`'s slices cut.
-// (checkpoint_reshard.cpp, as SavedTensorSize)
-absl::Status LoadResharded(const std::string& dir, int saved, int64_t iteration, const ParamLayout& layout,
-                           std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
-                           TrainState* state);
+// A checkpoint saved with other tensor or pipeline sizes (`saved`) in `dir`, loaded at `layout`'s:
+// every saved rank's slices put together into the whole model (weights and moments), then
+// `layout`'s slices of its stage cut. (checkpoint_reshard.cpp, as ReadSavedParallelism)
+absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved, int64_t iteration,
+                           const ParamLayout& layout, std::vector<float>* params, std::vector<float>* exp_avg,
+                           std::vector<float>* exp_avg_sq, TrainState* state);
 
 // The settings the checkpoint of `iteration` in `load` records of its run (flag name, value), read
 // from its header alone (LoadCheckpoint verifies the file). A checkpoint that records none (an

@@ -1,6 +1,6 @@
-// The tensor size a checkpoint was saved at, and a checkpoint saved at one tensor-parallel size
+// The tensor and pipeline sizes a checkpoint was saved with, and a checkpoint saved at one layout
 // loaded at another: the whole model (weights and AdamW moments) put together from every saved
-// tensor rank's slices, then this rank's cut.
+// rank's slices of its stage, then this rank's cut.
 #include <fmt/core.h>
 #include <simdjson.h>
 
@@ -10,35 +10,55 @@
 
 namespace ptk {
 
-absl::StatusOr<int> SavedTensorSize(const std::string& file) {
+absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
   PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeaderText(file));
   simdjson::dom::parser parser;
   simdjson::dom::element h;
   if (parser.parse(header).get(h)) return absl::DataLossError(fmt::format("{}: header is not JSON", file));
+  SavedParallelism saved;
   int64_t t = 1;
   if (h["tensor_model_parallel_size"].get(t)) t = 1;  // ptk before tensor parallelism
   if (t < 1 || t > (1 << 20)) return absl::DataLossError(fmt::format("{}: tensor size {} in the header", file, t));
-  return static_cast<int>(t);
+  saved.tensor_size = static_cast<int>(t);
+  simdjson::dom::array stages;
+  if (!h["pipeline_stage_layers"].get(stages)) {
+    for (simdjson::dom::element e : stages) {
+      int64_t l = 0;
+      if (e.get(l) || l < 1) return absl::DataLossError(fmt::format("{}: malformed pipeline_stage_layers", file));
+      saved.stage_layers.push_back(l);
+    }
+  }
+  if (saved.stage_layers.empty()) {  // ptk before pipeline parallelism: one stage of every layer
+    int64_t layers = 0;
+    if (h["model"]["num_layers"].get(layers) || layers < 1)
+      return absl::DataLossError(fmt::format("{}: header misses the model's num_layers", file));
+    saved.stage_layers.push_back(layers);
+  }
+  return saved;
 }
 
-absl::Status LoadResharded(const std::string& dir, int saved, int64_t iteration, const ParamLayout& layout,
-                           std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,
-                           TrainState* state) {
+absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved, int64_t iteration,
+                           const ParamLayout& layout, std::vector<float>* params, std::vector<float>* exp_avg,
+                           std::vector<float>* exp_avg_sq, TrainState* state) {
   auto whole = ParamLayout::Create(layout.config, 1, 0);
   if (!whole.ok()) return whole.status();
   const size_t n = static_cast<size_t>(whole->num_params);
   std::vector<float> p(n), m(n), v(n), sp, sm, sv;
-  for (int t = 0; t < saved; ++t) {
-    auto saved_layout = ParamLayout::Create(layout.config, saved, t);
-    if (!saved_layout.ok())
-      return absl::FailedPreconditionError(
-          fmt::format("{}: saved at tensor size {}, which this model cannot have been split into: {}", dir, saved,
-                      StatusMessage(saved_layout.status())));
-    PTK_RETURN_IF_ERROR(
-        LoadCheckpointFile(JoinPath(dir, MpRankFile(t)), iteration, *saved_layout, &sp, &sm, &sv, state));
-    CopyFromShard(*saved_layout, sp, p);
-    CopyFromShard(*saved_layout, sm, m);
-    CopyFromShard(*saved_layout, sv, v);
+  const int P = saved.pipeline_size();
+  for (int stage = 0; stage < P; ++stage) {
+    for (int t = 0; t < saved.tensor_size; ++t) {
+      auto saved_layout = ParamLayout::Create(layout.config, saved.tensor_size, t, StageOf(saved.stage_layers, stage));
+      if (!saved_layout.ok())
+        return absl::FailedPreconditionError(
+            fmt::format("{}: saved at tensor size {} and {} pipeline stage(s), which this model cannot have been split "
+                        "into: {}",
+                        dir, saved.tensor_size, P, StatusMessage(saved_layout.status())));
+      PTK_RETURN_IF_ERROR(
+          LoadCheckpointFile(JoinPath(dir, MpRankFile(t, stage, P)), iteration, *saved_layout, &sp, &sm, &sv, state));
+      CopyFromShard(*saved_layout, sp, p);
+      CopyFromShard(*saved_layout, sm, m);
+      CopyFromShard(*saved_layout, sv, v);
+    }
   }
   const size_t mine = static_cast<size_t>(layout.num_params);
   params->assign(mine, 0.0f);

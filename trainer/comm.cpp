@@ -20,6 +20,14 @@ absl::Status Communicator::AllGatherDevice(void*, std::span<const int64_t>, void
   return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
 }
 
+absl::Status Communicator::SendRecv(const void*, int64_t, int dst, void*, int64_t, int src) {
+  if (dst < 0 && src < 0) return absl::OkStatus();
+  return absl::UnimplementedError(
+      fmt::format("the {} communicator of {} rank(s) has no point-to-point sends (to {}, "
+                  "from {})",
+                  backend(), size(), dst, src));
+}
+
 absl::Status CheckMembers(std::span<const int> members, int rank, int world_size) {
   bool found = false;
   for (size_t i = 0; i < members.size(); ++i) {

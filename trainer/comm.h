@@ -44,6 +44,13 @@ class Communicator {
   // communicator) and refuses larger ones; gloo makes any.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members, const std::string& name);
 
+  // ---- Point to point (pipeline parallelism's activations and their gradients). Sends send_bytes
+  // from `send` to rank `dst` and receives recv_bytes into `recv` from rank `src`, both in flight
+  // at once, so that two ranks sending to each other never wait on each other (Megatron's batched
+  // isend/irecv); dst or src -1 leaves that half out. Messages from one rank to another arrive in
+  // the order sent. This default, a communicator of one rank, has no peer to name.
+  virtual absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes, int src);
+
   // ---- Device memory (the current CUDA device's), where device_collectives() says so (NCCL):
   // enqueued on `stream` (a cudaStream_t) and complete when the stream reaches them. The pieces
   // are as above.

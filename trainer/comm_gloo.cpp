@@ -169,6 +169,32 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  // One slot for every point-to-point message: gloo matches a pair's messages of one slot in the
+  // order they were sent, and the two ranks of a pair need not count their sends alike.
+  absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
+                        int src) override {
+    for (int peer : {dst, src})
+      if (peer >= size() || peer == rank())
+        return absl::InvalidArgumentError(
+            fmt::format("rank {} of {}: no point-to-point message to or from rank {}", rank(), size(), peer));
+    const std::chrono::milliseconds timeout = context_->getTimeout();
+    const std::string what = fmt::format("send to rank {} / receive from rank {}", dst, src);
+    return Guard(what.c_str(), [&] {
+      const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, 0);
+      std::unique_ptr<gloo::transport::UnboundBuffer> out, in;
+      if (dst >= 0 && send_bytes > 0) {
+        out = context_->createUnboundBuffer(const_cast<void*>(send), static_cast<size_t>(send_bytes));
+        out->send(dst, slot);
+      }
+      if (src >= 0 && recv_bytes > 0) {
+        in = context_->createUnboundBuffer(recv, static_cast<size_t>(recv_bytes));
+        in->recv(src, slot);
+      }
+      if (in && !in->waitRecv(timeout)) throw std::runtime_error("receive aborted");
+      if (out && !out->waitSend(timeout)) throw std::runtime_error("send aborted");
+    });
+  }
+
   // A group of this communicator's ranks: a gloo context of its own over the same store (its keys
   // under "group/<name>/") and the same transport device.
   absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members,
@@ -228,6 +254,7 @@ class GlooCommunicator : public Communicator {
   }
   static constexpr int64_t kChunk = int64_t{1} << 18;  // floats per reduce-scatter round and rank (1 MiB)
   static constexpr uint8_t kSlotPrefix = 0x50;         // ptk's own collectives (gloo's use 0x01-0x08)
+  static constexpr uint8_t kP2pSlotPrefix = 0x51;      // SendRecv's
   uint32_t tag_ = 1;
   std::vector<float> scratch_;
 };

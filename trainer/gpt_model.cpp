@@ -115,6 +115,17 @@ absl::StatusOr<LossSum> GPTModel::TakeLosses() {
   return s;
 }
 
+absl::StatusOr<LossSum> GPTModel::StageForward(const ModelBatch&, int, std::span<const float>, std::span<float>,
+                                               std::optional<double>, bool, uint64_t) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
+}
+absl::Status GPTModel::StageBackward(const ModelBatch&, int, std::span<const float>, std::span<float>, bool, uint64_t) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
+}
+absl::Status GPTModel::AllReduceGradRange(Communicator*, int64_t, int64_t) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
+}
+
 absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) {
   if (grad_scale != 1.0) PTK_RETURN_IF_ERROR(ScaleGrads(grad_scale));
   return AdamWUpdate(decay, no_decay);

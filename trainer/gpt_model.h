@@ -101,6 +101,25 @@ class GPTModel {
   // copied out as fp32.
   virtual absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits = nullptr) = 0;
 
+  // ---- Pipeline parallelism (the layout is a stage's: layout().pipeline_size > 1). One stage's part
+  // of a micro-batch's pass, its activations kept in `slot` (0 <= slot < the micro-batches a
+  // schedule keeps in flight) until its backward. `input`: the previous stage's output, (b, t,
+  // hidden) floats (empty on the first stage, which embeds the tokens); `output`: this stage's
+  // (empty on the last stage, which computes the loss). With `loss_scale` the last stage also
+  // makes the loss's gradient (d(loss_scale * sum(loss * mask))) for StageBackward; without, the
+  // pass is forward only (evaluation). The last stage returns the masked loss sum, the others zero.
+  virtual absl::StatusOr<LossSum> StageForward(const ModelBatch& batch, int slot, std::span<const float> input,
+                                               std::span<float> output, std::optional<double> loss_scale, bool train,
+                                               uint64_t seed);
+  // The backward of slot's pass: `output_grad` the next stage's gradient of this stage's output
+  // (empty on the last stage), `input_grad` receives the gradient of its input (empty on the first).
+  // Adds to the gradients, as ForwardBackward.
+  virtual absl::Status StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
+                                     std::span<float> input_grad, bool train, uint64_t seed);
+  // Sums the gradients [begin, begin + n) over `comm` (the embedding group's copies of the tied
+  // word embeddings).
+  virtual absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
+
   // The optimizer step's pieces, on the backend's own buffers.
   // Sums the gradients over the communicator's ranks (every rank ends with the same bits).
   virtual absl::Status AllReduceGrads(Communicator* comm) = 0;

@@ -8,14 +8,16 @@
 namespace ptk {
 
 std::vector<GradRange> BackwardReadyOrder(const ParamLayout& layout) {
+  // A pipeline stage without the final norm or the embeddings has an empty range in their place.
   std::vector<GradRange> out;
-  out.push_back({layout.lnf_w, layout.num_params});  // the final LayerNorm, then an untied output layer
+  const int64_t layers_end = layout.post_process ? layout.lnf_w : layout.num_params;
+  out.push_back({layers_end, layout.num_params});  // the final LayerNorm, then an untied output layer
   for (size_t l = layout.layers.size(); l-- > 0;) {
     const int64_t begin = layout.layers[l].ln1_w;
-    const int64_t end = l + 1 < layout.layers.size() ? layout.layers[l + 1].ln1_w : layout.lnf_w;
+    const int64_t end = l + 1 < layout.layers.size() ? layout.layers[l + 1].ln1_w : layers_end;
     out.push_back({begin, end});
   }
-  out.push_back({layout.wte, layout.layers.empty() ? layout.lnf_w : layout.layers[0].ln1_w});
+  out.push_back({0, layout.layers.empty() ? layers_end : layout.layers[0].ln1_w});
   return out;
 }
 

@@ -63,7 +63,88 @@ int64_t PaddedVocabSize(int64_t vocab_size, int64_t divisible_by) {
   return (vocab_size + divisible_by - 1) / divisible_by * divisible_by;
 }
 
-absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank) {
+PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank) {
+  PipelineStage s;
+  s.size = static_cast<int>(stage_layers.size());
+  s.rank = rank;
+  for (int p = 0; p < rank; ++p) s.first_layer += stage_layers[static_cast<size_t>(p)];
+  s.num_layers = stage_layers[static_cast<size_t>(rank)];
+  return s;
+}
+
+namespace {
+// A pipeline stage's tensors taken from the whole model's, in its order, at new offsets.
+absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineStage& stage) {
+  const int64_t L = whole.config.num_layers, n = stage.num_layers < 0 ? L : stage.num_layers;
+  if (stage.size < 1 || stage.rank < 0 || stage.rank >= stage.size || stage.first_layer < 0 || n < 1 ||
+      stage.first_layer + n > L)
+    return absl::InvalidArgumentError(fmt::format("pipeline stage {} of {} with layers [{}, {}) of a {}-layer model",
+                                                  stage.rank, stage.size, stage.first_layer, stage.first_layer + n, L));
+  ParamLayout s;
+  s.config = whole.config;
+  s.tensor_size = whole.tensor_size;
+  s.tensor_rank = whole.tensor_rank;
+  s.pipeline_size = stage.size;
+  s.pipeline_rank = stage.rank;
+  s.first_layer = stage.first_layer;
+  s.pre_process = stage.rank == 0;
+  s.post_process = stage.rank == stage.size - 1;
+  std::vector<size_t> index_at(static_cast<size_t>(whole.num_params + 1), 0);
+  for (size_t k = 0; k < whole.infos.size(); ++k) index_at[static_cast<size_t>(whole.infos[k].offset)] = k;
+  int64_t offset = 0;
+  auto take = [&](int64_t at, bool copy = false) -> int64_t {
+    if (at < 0) return -1;
+    const size_t k = index_at[static_cast<size_t>(at)];
+    ParamInfo p = whole.infos[k];
+    p.offset = offset;
+    p.embedding_copy = copy;
+    offset += p.size;
+    s.infos.push_back(std::move(p));
+    s.whole_index.push_back(k);
+    return s.infos.back().offset;
+  };
+  s.wte = s.wpe = s.lnf_w = s.lnf_b = s.out_w = -1;
+  if (s.pre_process) {
+    s.wte = take(whole.wte);
+    s.wpe = take(whole.wpe);
+  }
+  for (int64_t l = stage.first_layer; l < stage.first_layer + n; ++l) {
+    const LayerParams& w = whole.layers[static_cast<size_t>(l)];
+    LayerParams lp;
+    for (auto [to, from] : {std::pair{&lp.ln1_w, w.ln1_w},
+                            {&lp.ln1_b, w.ln1_b},
+                            {&lp.qkv_w, w.qkv_w},
+                            {&lp.qkv_b, w.qkv_b},
+                            {&lp.proj_w, w.proj_w},
+                            {&lp.proj_b, w.proj_b},
+                            {&lp.ln2_w, w.ln2_w},
+                            {&lp.ln2_b, w.ln2_b},
+                            {&lp.fc1_w, w.fc1_w},
+                            {&lp.fc1_b, w.fc1_b},
+                            {&lp.fc2_w, w.fc2_w},
+                            {&lp.fc2_b, w.fc2_b}})
+      *to = take(from);
+    s.layers.push_back(lp);
+  }
+  if (s.post_process) {
+    s.lnf_w = take(whole.lnf_w);
+    s.lnf_b = take(whole.lnf_b);
+    if (whole.config.untie_embeddings_and_output_weights)
+      s.out_w = take(whole.out_w);
+    else
+      s.out_w = s.pre_process ? s.wte : take(whole.wte, /*copy=*/true);  // last: the copy ends the buffer
+  }
+  s.num_params = offset;
+  return s;
+}
+}  // namespace
+
+absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank,
+                                                const PipelineStage& stage) {
+  if (stage.size != 1 || (stage.num_layers >= 0 && stage.num_layers != config.num_layers)) {
+    PTK_ASSIGN_OR_RETURN(const ParamLayout whole, Create(config, tensor_size, tensor_rank));
+    return CutStage(whole, stage);
+  }
   PTK_RETURN_IF_ERROR(config.Validate());
   if (tensor_size < 1 || tensor_rank < 0 || tensor_rank >= tensor_size)
     return absl::InvalidArgumentError(fmt::format("tensor rank {} of {}: not a valid rank", tensor_rank, tensor_size));
@@ -140,6 +221,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   m.lnf_b = add_if(ln, "decoder.final_layernorm.bias", std::vector<int64_t>{c}, 0.0);
   m.out_w = config.untie_embeddings_and_output_weights ? add("output_layer.weight", {vt, c}, std, 0.0f, 0) : m.wte;
   m.num_params = offset;
+  for (size_t k = 0; k < m.infos.size(); ++k) m.whole_index.push_back(k);
   return m;
 }
 
@@ -157,7 +239,7 @@ void ParamLayout::InitWeights(uint64_t seed, std::span<float> out) const {
       std::fill(w, w + p.size, p.init_value);
       continue;
     }
-    const uint64_t key = InitKey(seed, k);
+    const uint64_t key = InitKey(seed, WholeInfoIndex(k));  // a stage's tensors keep the whole model's init
     for (int64_t i = 0; i < p.size; ++i)
       w[i] = static_cast<float>(p.init_std * CounterNormal(key, static_cast<uint64_t>(WholeIndex(p, i))));
   }
@@ -181,7 +263,7 @@ template <typename F>
 void ForEachRun(const ParamLayout& shard, F&& f) {
   auto whole = ParamLayout::Create(shard.config);  // the configuration was validated by `shard`
   for (size_t k = 0; k < shard.infos.size(); ++k) {
-    const ParamInfo &p = shard.infos[k], &w = whole->infos[k];
+    const ParamInfo &p = shard.infos[k], &w = whole->infos[shard.WholeInfoIndex(k)];
     if (p.tensor_split_dim == 1) {
       const int64_t cols = p.shape[1];
       for (int64_t r = 0; r < p.shape[0]; ++r) f(p.offset + r * cols, w.offset + shard.WholeIndex(p, r * cols), cols);

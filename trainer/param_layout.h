@@ -81,7 +81,21 @@ struct ParamInfo {
   // With tensor_split_dim 0: the tensor is this many blocks of rows, each split across the ranks
   // (SwiGLU's fc1: [gate; up], each rank holding its gate rows and the matching up rows).
   int tensor_split_chunks = 1;
+  // Pipeline parallelism with tied embeddings: the last stage's copy of the word embeddings
+  // (Megatron's shared output weight). Its gradient is summed with the first stage's over the
+  // embedding group; norms and counts of the whole model count it once, on the first stage.
+  bool embedding_copy = false;
 };
+
+// One pipeline stage's part of the model (Megatron's pipeline parallelism): the transformer layers
+// [first_layer, first_layer + num_layers), the embeddings on stage 0, the final norm and the output
+// layer on the last stage. The default is the whole model.
+struct PipelineStage {
+  int size = 1, rank = 0;
+  int64_t first_layer = 0, num_layers = -1;  // -1: every layer
+};
+// Stage `rank` of the stages whose layer counts are `stage_layers` (PipelineStageLayers).
+PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank);
 
 // Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer; -1 for
 // a tensor the model has not (biases without add_bias_linear, norm biases under RMSNorm).
@@ -100,10 +114,25 @@ struct ParamLayout {
   int64_t num_params = 0;
   // This layout's tensor rank of tensor_size: the slices (ParamInfo::tensor_split_dim) it holds.
   int tensor_size = 1, tensor_rank = 0;
+  // Its pipeline stage: `layers` are the global layers first_layer, first_layer + 1, ...; the
+  // embeddings (wte, wpe) only with pre_process (-1 otherwise), the final norm and output layer
+  // only with post_process (-1 otherwise; out_w the embedding copy on a last stage with tied
+  // embeddings). whole_index[k]: infos[k]'s index among the whole model's (one stage) infos.
+  int pipeline_size = 1, pipeline_rank = 0;
+  int64_t first_layer = 0;
+  bool pre_process = true, post_process = true;
+  std::vector<size_t> whole_index;
+  size_t WholeInfoIndex(size_t k) const { return whole_index.empty() ? k : whole_index[k]; }
 
   // The whole model at tensor_size 1; tensor rank `tensor_rank`'s partition otherwise (heads, ffn
   // and the padded vocabulary must divide by tensor_size: InvalidArgument naming the flag).
-  static absl::StatusOr<ParamLayout> Create(const GPTConfig& config, int tensor_size = 1, int tensor_rank = 0);
+  // With `stage`: that pipeline stage's part of it.
+  static absl::StatusOr<ParamLayout> Create(const GPTConfig& config, int tensor_size = 1, int tensor_rank = 0,
+                                            const PipelineStage& stage = {});
+  // The parameters a norm of the whole model counts on this stage: all but the embedding copy.
+  bool CountedInNorms(const ParamInfo& p) const { return !p.embedding_copy; }
+  // Where the embedding copy begins (it ends the buffer); num_params without one.
+  int64_t norm_end() const { return !infos.empty() && infos.back().embedding_copy ? infos.back().offset : num_params; }
   const ParamInfo* Find(const std::string& name) const;
   // Megatron's init: N(0, std) for weights, the two output projections of every layer with
   // std / sqrt(2 * layers), biases 0, LayerNorm weights 1. Deterministic in `seed`; `out` holds
@@ -115,8 +144,8 @@ struct ParamLayout {
   int64_t WholeIndex(const ParamInfo& info, int64_t i) const;
 };
 
-// Copies between the whole model (`whole`, a tensor_size-1 layout's buffer) and one tensor rank's
-// slices (`shard`, `shard_layout`'s buffer; the two layouts of one configuration).
+// Copies between the whole model (`whole`, a tensor_size-1 one-stage layout's buffer) and one tensor
+// rank's slices of one pipeline stage (`shard`, `shard_layout`'s buffer; one configuration).
 void CopyToShard(const ParamLayout& shard_layout, std::span<const float> whole, std::span<float> shard);
 void CopyFromShard(const ParamLayout& shard_layout, std::span<const float> shard, std::span<float> whole);
 

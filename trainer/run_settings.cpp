@@ -109,6 +109,12 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--recompute-activations", m.recompute_activations ? "on" : "off"},
       {"--tensor-model-parallel-size", std::to_string(o.tensor_model_parallel_size)},
       {"--sequence-parallel", o.backend.sequence_parallel ? "on" : "off"},
+      {"--pipeline-model-parallel-size", std::to_string(std::max<size_t>(1, o.pipeline_stage_layers.size()))},
+      // The first and last stage's layers as the run has them (given or split evenly).
+      {"--decoder-first-pipeline-num-layers",
+       o.pipeline_stage_layers.size() > 1 ? std::to_string(o.pipeline_stage_layers.front()) : ""},
+      {"--decoder-last-pipeline-num-layers",
+       o.pipeline_stage_layers.size() > 1 ? std::to_string(o.pipeline_stage_layers.back()) : ""},
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
       {"--rampup-batch-size", Joined([&] {
@@ -255,7 +261,7 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
           "the {} samples consumed so far were {} tokens long: the position in the data no longer "
           "matches the saved run's",
           loaded.consumed_train_samples, before.count(flag) ? before.at(flag) : "?");
-    } else if (flag == "--tensor-model-parallel-size") {
+    } else if (flag == "--tensor-model-parallel-size" || flag == "--pipeline-model-parallel-size") {
       auto it = before.find(flag);
       if (it != before.end() && it->second != value)
         log::Info(

@@ -7,8 +7,8 @@
 
 namespace ptk {
 
-absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* model, Communicator* data,
-                                                                     Communicator* tensor) {
+namespace {
+absl::StatusOr<std::vector<CheckpointArrays>> GatherStage(GPTModel* model, Communicator* data, Communicator* tensor) {
   const size_t n = static_cast<size_t>(model->num_params());
   CheckpointArrays mine{model->layout(), {}, {}, {}};
   std::vector<float>&params = mine.params, &m = mine.exp_avg, &v = mine.exp_avg_sq;
@@ -50,13 +50,49 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* m
     PTK_RETURN_IF_ERROR(tensor->AllGather(all[k].data(), bytes));
   }
   if (me != 0) return out;
+  PipelineStage stage;
+  stage.size = model->layout().pipeline_size;
+  stage.rank = model->layout().pipeline_rank;
+  stage.first_layer = model->layout().first_layer;
+  stage.num_layers = static_cast<int64_t>(model->layout().layers.size());
   for (int t = 0; t < T; ++t) {
-    PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, t));
+    PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, t, stage));
     auto slice = [&](size_t k) {
       return std::vector<float>(all[k].begin() + static_cast<std::ptrdiff_t>(t * n),
                                 all[k].begin() + static_cast<std::ptrdiff_t>((t + 1) * n));
     };
     out.push_back({std::move(layout), slice(0), slice(1), slice(2)});
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* model, Communicator* data,
+                                                                     Communicator* tensor, Communicator* pipeline,
+                                                                     const std::vector<int64_t>& stage_layers) {
+  PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> out, GatherStage(model, data, tensor));
+  if (!pipeline || pipeline->size() == 1 || out.empty()) return out;
+  // Each later stage's entries to the first stage, over the pipeline group of data and tensor rank 0.
+  const int P = pipeline->size(), me = pipeline->rank(), T = tensor ? tensor->size() : 1;
+  if (static_cast<int>(stage_layers.size()) != P)
+    return absl::InternalError("GatherCheckpointArrays: one layer count per pipeline stage");
+  auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * sizeof(float)); };
+  if (me != 0) {
+    for (const CheckpointArrays& a : out)
+      for (const std::vector<float>* v : {&a.params, &a.exp_avg, &a.exp_avg_sq})
+        PTK_RETURN_IF_ERROR(pipeline->SendRecv(v->data(), bytes(*v), 0, nullptr, 0, -1));
+    return std::vector<CheckpointArrays>{};
+  }
+  for (int p = 1; p < P; ++p) {
+    for (int t = 0; t < T; ++t) {
+      PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, t, StageOf(stage_layers, p)));
+      const size_t n = static_cast<size_t>(layout.num_params);
+      CheckpointArrays a{std::move(layout), std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+      for (std::vector<float>* v : {&a.params, &a.exp_avg, &a.exp_avg_sq})
+        PTK_RETURN_IF_ERROR(pipeline->SendRecv(nullptr, 0, -1, v->data(), bytes(*v), p));
+      out.push_back(std::move(a));
+    }
   }
   return out;
 }

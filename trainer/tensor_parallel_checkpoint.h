@@ -17,10 +17,13 @@ struct CheckpointArrays {
   std::vector<float> params, exp_avg, exp_avg_sq;
 };
 
-// Collective over `data` (every rank, under ZeRO-1) and `tensor` (null without tensor
-// parallelism; the ranks of data rank 0). Returns the entries on data rank 0's tensor rank 0, and
-// nothing elsewhere.
+// Collective over `data` (every rank, under ZeRO-1), `tensor` (null without tensor parallelism;
+// the ranks of data rank 0) and `pipeline` (null with one stage; the stages of data and tensor
+// rank 0, whose layers are `stage_layers`). Returns the entries (p * T + t: tensor rank t of stage
+// p) on data rank 0's tensor rank 0 of the first stage, and nothing elsewhere.
 absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* model, Communicator* data,
-                                                                     Communicator* tensor);
+                                                                     Communicator* tensor,
+                                                                     Communicator* pipeline = nullptr,
+                                                                     const std::vector<int64_t>& stage_layers = {});
 
 }  // namespace ptk

@@ -112,6 +112,13 @@ struct TrainOptions {
   // world_comm every rank of the run (null: comm alone).
   int tensor_model_parallel_size = 1;
   Communicator* world_comm = nullptr;
+  // --pipeline-model-parallel-size: the layers of each stage (PipelineStageLayers; empty: one
+  // stage), backend.pipeline_stage this rank's, pipeline_comm its pipeline group and
+  // embedding_comm the first and last stage's group (null on a middle stage or without tied
+  // embeddings).
+  std::vector<int64_t> pipeline_stage_layers;
+  Communicator* pipeline_comm = nullptr;
+  Communicator* embedding_comm = nullptr;
   // --use-distributed-optimizer (Megatron's ZeRO-1): each rank keeps and updates its shard of the
   // optimizer state (ParamShard); gradients reduce-scattered, parameters all-gathered.
   bool use_distributed_optimizer = false;

@@ -81,14 +81,25 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   const double num_micro = static_cast<double>(micro_batches.size());
   const double dp = static_cast<double>(comm_->size());
   double local[2] = {0, 0};
-  const bool overlap = !buckets_.empty();
-  for (size_t k = 0; k < micro_batches.size(); ++k) {
-    const ModelBatch& mb = micro_batches[k];
-    // Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
-    // gradients are averaged over data-parallel ranks.
+  const bool overlap = !buckets_.empty() && !pipeline_;
+  // Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
+  // gradients are averaged over data-parallel ranks.
+  auto scale_of = [&](const ModelBatch& mb) {
     double tokens = 0;
     for (int64_t i = 0; i < mb.b * mb.t; ++i) tokens += mb.loss_mask[i];
-    const double scale = tokens > 0 ? 1.0 / (tokens * num_micro * dp) : 0.0;
+    return tokens > 0 ? 1.0 / (tokens * num_micro * dp) : 0.0;
+  };
+  if (pipeline_) {
+    std::vector<double> scales;
+    for (const ModelBatch& mb : micro_batches) scales.push_back(scale_of(mb) * r.loss_scale);
+    PTK_ASSIGN_OR_RETURN(const LossSum l,
+                         ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_));
+    local[0] = l.loss_sum;
+    local[1] = l.tokens;
+  }
+  for (size_t k = 0; k < micro_batches.size() && !pipeline_; ++k) {
+    const ModelBatch& mb = micro_batches[k];
+    const double scale = scale_of(mb);
     // --overlap-grad-reduce: the last micro-batch's backward starts each bucket's reduction.
     const bool arm = overlap && k + 1 == micro_batches.size();
     if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
@@ -103,20 +114,35 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
       return s;
     }
   }
-  PTK_ASSIGN_OR_RETURN(const LossSum losses, model_->TakeLosses());
-  local[0] = losses.loss_sum;
-  local[1] = losses.tokens;
+  if (!pipeline_) {
+    PTK_ASSIGN_OR_RETURN(const LossSum losses, model_->TakeLosses());
+    local[0] = losses.loss_sum;
+    local[1] = losses.tokens;
+  }
+  // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
+  // copy get the sum of both gradients (Megatron's embedding group), before the data-parallel
+  // reduction, so that ZeRO-1's shards of either stage reduce the same sums.
+  if (embedding_) {
+    const ParamLayout& lay = model_->layout();
+    const int64_t at = lay.pre_process ? lay.wte : lay.out_w;
+    const int64_t n = lay.config.padded_vocab_size / lay.tensor_size * lay.config.hidden_size;
+    PTK_RETURN_IF_ERROR(model_->AllReduceGradRange(embedding_, at, n));
+  }
   // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
   // summed over the ranks, the rest left alone.
   if (!overlap && model_->shard()) PTK_RETURN_IF_ERROR(model_->ReduceScatterGrads(comm_));
   if (!overlap && !model_->shard()) PTK_RETURN_IF_ERROR(model_->AllReduceGrads(comm_));
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
+  // Pipeline parallelism: the last stage's loss to every stage (the others add zeros).
+  if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 2));
   r.loss_sum = local[0];
   r.tokens = local[1];
   PTK_ASSIGN_OR_RETURN(double sum_squares, model_->shard() ? ShardedGradSumSquares() : model_->GradSumSquares());
   // Tensor parallelism: each tensor rank's part of the whole model's (its slices; the tensors every
-  // rank holds whole counted by tensor rank 0), so the norm and the NaN check span the whole model.
+  // rank holds whole counted by tensor rank 0), so the norm and the NaN check span the whole model;
+  // then the stages' parts (a last stage's embedding copy left out).
   if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum_squares, 1, model_->tensor_comm()));
+  if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum_squares, 1, pipeline_));
   r.grad_norm = std::sqrt(sum_squares) / r.loss_scale;  // of the unscaled gradients
   r.skipped = !std::isfinite(r.grad_norm) || !std::isfinite(r.loss_sum);
   // fp16's dynamic scaling skips an overflowing step and backs off: Megatron's found_inf, not a
@@ -127,11 +153,13 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
     double zeros = 0;
     const int64_t begin = model_->moments_begin();
-    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, begin + model_->moments_size()))
+    const int64_t counted = model_->layout().norm_end();  // a last stage's embedding copy left out
+    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::min(counted, begin + model_->moments_size())))
       if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)  // whole tensors counted once
         zeros += static_cast<double>(std::count(grads.begin() + p.offset, grads.begin() + p.offset + p.size, 0.0f));
     if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&zeros, 1));
     if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, model_->tensor_comm()));
+    if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, pipeline_));
     r.num_zeros_in_grad = zeros;
   }
   return r;

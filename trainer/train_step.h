@@ -13,6 +13,7 @@
 #include "trainer/comm.h"
 #include "trainer/gpt_model.h"
 #include "trainer/lr_schedule.h"
+#include "trainer/pipeline_schedule.h"
 
 namespace ptk {
 
@@ -106,6 +107,16 @@ class TrainStep {
   const OptimizerParamScheduler& scheduler() const { return scheduler_; }
   // AdamW's step count (the moments live in the model's backend).
   int64_t adam_step() const { return adam_step_; }
+  // Pipeline parallelism (the model one stage of several): the micro-batches run Megatron's 1F1B
+  // schedule over `pipeline` (the stage's pipeline group); with tied embeddings `embedding` (the
+  // first and last stage's group; null on a middle stage) sums the two copies' gradients before
+  // the data-parallel reduction; the loss, the grad norm and the count of zeros span the stages.
+  // --overlap-grad-reduce's buckets are then reduced after the schedule.
+  void set_pipeline(Communicator* pipeline, Communicator* embedding) {
+    pipeline_ = pipeline;
+    embedding_ = embedding;
+  }
+  const PipelineStats& pipeline_stats() const { return pipeline_stats_; }
   // Whether the next steps count the zeros among the reduced gradients (a host copy of them; with
   // ZeRO-1 each rank's shard, summed over the ranks): every rank must ask alike.
   void set_count_zeros_in_grad(bool on) { count_zeros_ = on; }
@@ -120,6 +131,9 @@ class TrainStep {
   OptimizerParamScheduler scheduler_;
   LossScaler scaler_;
   Communicator* comm_;
+  Communicator* pipeline_ = nullptr;
+  Communicator* embedding_ = nullptr;
+  PipelineStats pipeline_stats_;
   int64_t adam_step_ = 0;
   bool count_zeros_ = false;
 };

@@ -4,10 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
-#include <filesystem>
-
-#include <sys/stat.h>
 
 #include <fmt/core.h>
 
@@ -21,151 +17,17 @@
 #include "trainer/checkpoint.h"
 #include "trainer/counter_rng.h"
 #include "trainer/param_shard.h"
+#include "trainer/pipeline_schedule.h"
 #include "trainer/run_settings.h"
 #include "trainer/sampling.h"
 #include "trainer/tensor_parallel_checkpoint.h"
+#include "trainer/training_data.h"
+#include "trainer/training_log.h"
 
 namespace ptk {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// --mock-data: synthetic documents (an arithmetic run of token ids per sample, EOD-separated), the
-// same for every run with the same seed. Not Megatron's MockGPTDataset token for token.
-class MockDataset : public TopLevelDataset {
- public:
-  MockDataset(int64_t size, int64_t vocab, const GPTDatasetConfig& config) : size_(size), vocab_(vocab) {
-    config_ = config;
-    description_ = "MockGPTDataset";
-  }
-  int64_t size() const override { return size_; }
-  absl::Status Text(int64_t idx, int64_t* out, int64_t* dataset_id) const override {
-    *dataset_id = 0;
-    uint64_t h = static_cast<uint64_t>(idx) * 0x9e3779b97f4a7c15ULL + config_.random_seed;
-    h ^= h >> 29;
-    const int64_t start = static_cast<int64_t>(h % static_cast<uint64_t>(vocab_ - 1));
-    const int64_t step = 1 + static_cast<int64_t>((h >> 20) % 7);
-    const int64_t eod_every = 16 + static_cast<int64_t>((h >> 40) % 48);
-    for (int64_t i = 0; i <= config_.sequence_length; ++i)
-      out[i] = (i + 1) % eod_every == 0 ? config_.eod : (start + i * step) % (vocab_ - 1);
-    return absl::OkStatus();
-  }
-  py::Json unique_identifiers() const override { return py::Json(py::Json::Object{}); }
-
- private:
-  int64_t size_, vocab_;
-};
-
-std::string Timestamp() {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  localtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
-  return buf;
-}
-
-struct Splits {
-  std::shared_ptr<TopLevelDataset> train, valid, test;
-};
-
-absl::StatusOr<Splits> BuildDatasets(const TrainOptions& o, const TrainPlan& plan) {
-  GPTDatasetConfig cfg;
-  cfg.random_seed = o.seed;
-  cfg.sequence_length = o.model.seq_length;
-  cfg.tokenizer = Gpt2TokenizerIdentifiers(o.vocab_file.empty() ? "gpt2-vocab.json" : o.vocab_file,
-                                           o.merge_file.empty() ? "gpt2-merges.txt" : o.merge_file);
-  cfg.path_to_cache = o.data_cache_path;
-  cfg.eod_mask_loss = o.eod_mask_loss;
-  cfg.reset_position_ids = o.reset_position_ids;
-  // Megatron's train_valid_test_num_samples.
-  const int64_t gbs = plan.global_batch_size, train_samples = plan.train_samples;
-  const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
-  const int64_t valid_samples = (plan.train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
-  const int64_t test_samples = eval_iters * gbs;
-  Splits s;
-  if (o.mock_data) {
-    s.train = std::make_shared<MockDataset>(train_samples, o.model.vocab_size, cfg);
-    if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, cfg);
-    if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, cfg);
-    return s;
-  }
-  DataArgs args = o.data;
-  args.sizes = {train_samples, valid_samples, test_samples};
-  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg));
-  s.train = sets[0];
-  s.valid = eval_iters > 0 ? sets[1] : nullptr;
-  s.test = eval_iters > 0 ? sets[2] : nullptr;
-  if (!s.train) return absl::InvalidArgumentError("the train split is empty: check --split and the data paths");
-  if (s.train->size() < train_samples)
-    return absl::InvalidArgumentError(
-        fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
-  return s;
-}
-
-// --metrics-file: one JSON line per iteration, each written and flushed with its errors checked
-// (a full disk stops the run with exit 3 instead of leaving an empty file behind a success).
-class MetricsFile {
- public:
-  ~MetricsFile() {
-    if (f_) std::fclose(f_);
-  }
-  absl::Status Open(const std::string& path) {
-    path_ = path;
-    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(path)));
-    f_ = std::fopen(path.c_str(), "a");
-    if (!f_) return ErrnoToStatus(errno, "open " + path);
-    return absl::OkStatus();
-  }
-  bool is_open() const { return f_ != nullptr; }
-  absl::Status Append(const std::string& line) {
-    if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
-      return ErrnoToStatus(errno, "write " + path_);
-    return absl::OkStatus();
-  }
-  // On disk (a regular file; /dev/null and pipes have nothing to sync), before a checkpoint.
-  absl::Status Sync() {
-    if (!f_) return absl::OkStatus();
-    if (std::fflush(f_) != 0) return ErrnoToStatus(errno, "write " + path_);
-    struct stat st;
-    if (::fstat(::fileno(f_), &st) == 0 && S_ISREG(st.st_mode) && ::fsync(::fileno(f_)) != 0)
-      return ErrnoToStatus(errno, "fsync " + path_);
-    return absl::OkStatus();
-  }
-  absl::Status Close() {
-    if (!f_) return absl::OkStatus();
-    const int rc = std::fclose(f_);
-    f_ = nullptr;
-    if (rc != 0) return ErrnoToStatus(errno, "close " + path_);
-    return absl::OkStatus();
-  }
-
- private:
-  std::string path_;
-  FILE* f_ = nullptr;
-};
-
-// A JSON number, or null for NaN/Inf (which JSON cannot spell).
-std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
-
-// --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
-// and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random
-// weights instead would be a silent mistake. A usage error naming that directory; OK otherwise.
-absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
-  if (!PathExists(load)) return absl::OkStatus();  // a new run's directory
-  std::string dir = load;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  for (int up = 0; up < 3 && !dir.empty() && dir != "/" && dir != "."; ++up) {
-    dir = Dirname(dir);
-    if (PathExists(JoinPath(dir, "latest_checkpointed_iteration.txt")))
-      return UsageError(
-          fmt::format("--load {} is inside a checkpoint directory: --load takes the directory that holds "
-                      "latest_checkpointed_iteration.txt (it resumes from the iteration that file names): did you "
-                      "mean --load {}?",
-                      load, dir));
-  }
-  return absl::OkStatus();
-}
 
 double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
 
@@ -175,51 +37,6 @@ ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
   return ModelBatch{mb.micro_batch_size,    mb.seq_length,       mb.tokens.data(), mb.labels.data(),
                     mb.position_ids.data(), mb.loss_mask.data(), keys->data()};
 }
-
-}  // namespace
-
-double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
-  const double b = static_cast<double>(gbs), s = static_cast<double>(c.seq_length),
-               l = static_cast<double>(c.num_layers), h = static_cast<double>(c.hidden_size),
-               f = static_cast<double>(c.ffn_hidden_size), v = static_cast<double>(c.padded_vocab_size),
-               heads = static_cast<double>(c.num_attention_heads), groups = static_cast<double>(c.query_groups());
-  // Megatron's num_floating_point_operations: 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) * q/h
-  // + ffn/h * (3/2 with SwiGLU) + V/(2 l h)), q = kv_channels * heads the query projection's size.
-  const double q_ratio = static_cast<double>(c.head_dim()) * heads / h, gated = c.swiglu ? 1.5 : 1.0;
-  return 12.0 * b * s * l * h * h *
-         ((1.0 + groups / heads + s / (2.0 * h)) * q_ratio + f / h * gated + v / (2.0 * l * h));
-}
-
-absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank) {
-  const bool loss_bad = !std::isfinite(r.loss_sum), grad_bad = !std::isfinite(r.grad_norm);
-  if (!loss_bad && !grad_bad) return absl::OkStatus();
-  const double bad = loss_bad ? r.loss_sum : r.grad_norm;
-  return absl::AbortedError(
-      fmt::format("iteration {} (rank {}): the {} is {} (lm loss {}, grad norm {}); stopping, as Megatron does with "
-                  "--check-for-nan-in-loss-and-grad (lower --lr, or resume from the last checkpoint; "
-                  "--no-check-for-nan-in-loss-and-grad skips such iterations instead)",
-                  iteration, rank, loss_bad ? "loss" : "gradient norm", std::isnan(bad) ? "NaN" : "infinite",
-                  std::fabs(r.lm_loss()), std::fabs(r.grad_norm)));
-}
-
-std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) {
-  std::string s = fmt::format(" [{}] iteration {:8d}/{:8d} |", timestamp, f.iteration, f.train_iters);
-  s += fmt::format(" consumed samples: {:12d} |", f.consumed_samples);
-  s += fmt::format(" elapsed time per iteration (ms): {:.1f} |", f.elapsed_ms);
-  s += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", f.tflops_per_gpu);
-  s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);
-  s += fmt::format(" global batch size: {:5d} |", f.global_batch_size);
-  if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
-  s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
-  s += fmt::format(" grad norm: {:.3f} |", f.grad_norm);
-  if (f.num_zeros_in_grad) s += fmt::format(" num zeros: {:.1f} |", *f.num_zeros_in_grad);
-  if (f.params_norm) s += fmt::format(" params norm: {:.3f} |", *f.params_norm);
-  s += fmt::format(" number of skipped iterations: {:3d} |", f.skipped);
-  s += fmt::format(" number of nan iterations: {:3d} |", f.nan);
-  return s;
-}
-
-namespace {
 
 // One run of RunTraining, step by step (Megatron's pretrain and train): set up, resume, then
 // iterations of train, log, evaluate, sample, save and decide to exit; then finish.
@@ -232,6 +49,7 @@ class Trainer {
         world_(options.world_comm ? options.world_comm : comm),
         tensor_(options.backend.tensor_comm && options.backend.tensor_comm->size() > 1 ? options.backend.tensor_comm
                                                                                        : nullptr),
+        pipe_(options.pipeline_comm && options.pipeline_comm->size() > 1 ? options.pipeline_comm : nullptr),
         rank_(comm->rank()),
         dp_(comm->size()),
         lead_(world_->rank() == 0) {}
@@ -301,6 +119,7 @@ class Trainer {
     PTK_RETURN_IF_ERROR(CheckRanksAgree(world_, settings_));
     BackendOptions backend = o_.backend;
     backend.micro_batch_size = plan_.micro_batch_size;
+    if (pipe_) backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank());  // RunTraining checked
     PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
     if (o_.use_distributed_optimizer) {
       PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
@@ -314,16 +133,18 @@ class Trainer {
                   shard.shard_size, model_->num_params());
     }
     PTK_RETURN_IF_ERROR(model_->InitWeights(o_.seed));
-    // Megatron's line from each tensor rank of the first data-parallel rank.
-    if (tensor_ && rank_ == 0)
-      PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, 0): {}",
-                               tensor_->rank(), model_->num_params()));
+    // Megatron's line from each tensor rank and stage of the first data-parallel rank.
+    if ((tensor_ || pipe_) && rank_ == 0)
+      PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
+                               tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
+    if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm);
     if (lead_ && !step_->buckets().empty()) {
       int64_t largest = 0;
       for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
-      log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
-                step_->buckets().size(), largest);
+      log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced {}",
+                step_->buckets().size(), largest,
+                pipe_ ? "after the pipeline schedule's last backward" : "as backward completes them");
     }
     state_.seed = o_.seed;
     // One training run per --save directory: a second (a requeue while the first still runs) stops
@@ -422,7 +243,7 @@ class Trainer {
 
   // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.
   absl::Status OpenDataAndOutputs() {
-    PTK_ASSIGN_OR_RETURN(data_, BuildDatasets(o_, plan_));
+    PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_));
     const int64_t mbs = plan_.micro_batch_size;
     if (lead_)
       log::Info(
@@ -433,51 +254,10 @@ class Trainer {
     // runs one after the other append, as Megatron's do (a resume, a requeue), and a run that starts
     // anew where an earlier run left events or lines says so.
     const bool fresh = state_.iteration == 0;
-    if (lead_ && !o_.metrics_path.empty()) {
-      std::error_code ec;
-      const auto type = std::filesystem::status(o_.metrics_path, ec).type();
-      if (type == std::filesystem::file_type::regular || type == std::filesystem::file_type::not_found) {
-        PTK_RETURN_IF_ERROR(MakeDirs(Dirname(o_.metrics_path)));
-        auto lock = OutputLock::Acquire(o_.metrics_path);
-        if (IsOutputBusy(lock.status()))
-          return absl::AbortedError(fmt::format("--metrics-file {}", StatusMessage(lock.status())));
-        PTK_RETURN_IF_ERROR(lock.status());
-        metrics_lock_ = *std::move(lock);
-        const auto size = std::filesystem::file_size(o_.metrics_path, ec);
-        if (!ec && size > 0 && fresh)
-          log::Warning(
-              "--metrics-file {} holds {} bytes of an earlier run; this run starts at iteration 0 and appends its "
-              "lines after them",
-              o_.metrics_path, size);
-      }
-      PTK_RETURN_IF_ERROR(metrics_.Open(o_.metrics_path));
-    }
-    // --tensorboard-dir: a new event file per run (a resume adds one), as Megatron's SummaryWriter.
+    if (lead_ && !o_.metrics_path.empty())
+      PTK_RETURN_IF_ERROR(OpenMetricsFile(o_.metrics_path, fresh, &metrics_lock_, &metrics_));
     if (lead_ && !o_.tensorboard.dir.empty()) {
-      PTK_RETURN_IF_ERROR(MakeDirs(o_.tensorboard.dir));
-      const std::string events = JoinPath(o_.tensorboard.dir, "events");
-      auto lock = OutputLock::Acquire(events);
-      if (IsOutputBusy(lock.status())) {
-        std::string msg(StatusMessage(lock.status()));
-        if (msg.rfind(events, 0) == 0) msg = o_.tensorboard.dir + msg.substr(events.size());
-        return absl::AbortedError(fmt::format(
-            "--tensorboard-dir {}; or give this run its own directory (TensorBoard shows each subdirectory of its "
-            "--logdir as a run)",
-            msg));
-      }
-      PTK_RETURN_IF_ERROR(lock.status());
-      tb_lock_ = *std::move(lock);
-      int earlier = 0;
-      std::error_code ec;
-      for (const auto& e : std::filesystem::directory_iterator(o_.tensorboard.dir, ec))
-        earlier += e.path().filename().string().find("tfevents") != std::string::npos;
-      if (earlier > 0 && fresh)
-        log::Warning(
-            "--tensorboard-dir {} holds {} event file(s) of an earlier run; this run starts at iteration 0, and "
-            "TensorBoard shows both as one run (give each run its own subdirectory to tell them apart)",
-            o_.tensorboard.dir, earlier);
-      PTK_ASSIGN_OR_RETURN(tb_, SummaryWriter::Create(o_.tensorboard.dir));
-      log::Info("TensorBoard events: {}", tb_->path());
+      PTK_ASSIGN_OR_RETURN(tb_, OpenTensorBoardDir(o_.tensorboard.dir, fresh, &tb_lock_));
     }
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
@@ -500,13 +280,16 @@ class Trainer {
     PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
     double sum = 0;
     const int64_t begin = model_->moments_begin();
-    // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only.
-    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, begin + model_->moments_size()))
+    // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only;
+    // pipeline parallelism: a last stage's copy of the tied embeddings left out.
+    const int64_t counted = std::min(model_->layout().norm_end(), begin + model_->moments_size());
+    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::max(begin, counted)))
       if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)
         for (int64_t i = p.offset - begin; i < p.offset - begin + p.size; ++i)
           sum += static_cast<double>(own[static_cast<size_t>(i)]) * own[static_cast<size_t>(i)];
     if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
     if (tensor_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, tensor_));
+    if (pipe_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, pipe_));
     return std::sqrt(sum);
   }
 
@@ -597,7 +380,7 @@ class Trainer {
     f.consumed_samples = state_.consumed_train_samples;
     f.global_batch_size = current_gbs_;
     f.elapsed_ms = secs * 1000.0 / iters;
-    f.tflops_per_gpu = FlopsPerIteration(o_.model, current_gbs_) / (secs / iters * 1e12 * dp_);
+    f.tflops_per_gpu = FlopsPerIteration(o_.model, current_gbs_) / (secs / iters * 1e12 * world_->size());
     f.num_zeros_in_grad = r.num_zeros_in_grad;
     f.params_norm = params_norm;
     f.learning_rate = lr_now;
@@ -629,13 +412,15 @@ class Trainer {
         PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
         if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
         std::vector<int64_t> k;
-        PTK_ASSIGN_OR_RETURN(LossSum s, model_->Forward(View(*mb, &k)));
+        PTK_ASSIGN_OR_RETURN(
+            LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k)) : model_->Forward(View(*mb, &k)));
         sums[0] += s.loss_sum;
         sums[1] += s.tokens;
       }
       if (consumed) *consumed += plan_.global_batch_size;
     }
     PTK_RETURN_IF_ERROR(comm_->AllReduceSum(sums, 2));
+    if (pipe_) PTK_RETURN_IF_ERROR(pipe_->AllReduceSum(sums, 2));  // the last stage's to every stage
     const double loss = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
     std::string line = fmt::format(" validation loss at {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ", prefix,
                                    loss, std::exp(std::min(20.0, loss)));
@@ -671,8 +456,9 @@ class Trainer {
     if (o_.save.empty()) return absl::OkStatus();
     PTK_RETURN_IF_ERROR(world_->Barrier());
     auto t0 = Clock::now();
-    // Every tensor rank's weights and moments (ZeRO-1's shards gathered) on world rank 0.
-    PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> parts, GatherCheckpointArrays(model_.get(), comm_, tensor_));
+    // Every tensor rank's and stage's weights and moments (ZeRO-1's shards gathered) on world rank 0.
+    PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> parts,
+                         GatherCheckpointArrays(model_.get(), comm_, tensor_, pipe_, o_.pipeline_stage_layers));
     if (lead_) {
       const TrainStepState step_state = step_->State();
       state_.adam_step = step_state.adam_step;
@@ -687,8 +473,9 @@ class Trainer {
       std::vector<CheckpointShard> shards;
       for (const CheckpointArrays& a : parts) shards.push_back({&a.layout, a.params, a.exp_avg, a.exp_avg_sq});
       PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, shards, state_, o_.args_json));
-      Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/1 ] ({:.1f} ms)",
-                        state_.iteration, o_.save, parts.size(),
+      const int pp = pipe_ ? pipe_->size() : 1;
+      Print(fmt::format("  successfully saved checkpoint from iteration {:7d} to {} [ t 1/{}, p 1/{} ] ({:.1f} ms)",
+                        state_.iteration, o_.save, parts.size() / static_cast<size_t>(pp), pp,
                         std::chrono::duration<double, std::milli>(Clock::now() - t0).count()));
     }
     last_saved_ = state_.iteration;
@@ -765,6 +552,7 @@ class Trainer {
   Communicator* const comm_;    // the data-parallel group
   Communicator* const world_;   // every rank (comm_ without tensor parallelism)
   Communicator* const tensor_;  // the tensor-parallel group; null without
+  Communicator* const pipe_;    // the pipeline group; null with one stage
   const int rank_, dp_;         // the data-parallel rank and size
   const bool lead_;             // world rank 0: the logs, TensorBoard, metrics, the checkpoint's writer
   Settings settings_;
@@ -773,7 +561,7 @@ class Trainer {
   std::unique_ptr<OutputLock> save_lock_;
   TrainState state_;
   TrainSummary summary_;
-  Splits data_;
+  TrainingSplits data_;
   std::unique_ptr<DataLoader> train_loader_, valid_loader_;
   std::vector<std::unique_ptr<MicroBatch>> held_;  // this iteration's micro-batches
   std::vector<std::vector<int64_t>> keys_;
@@ -797,9 +585,12 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
     local = MakeLocalCommunicator();
     comm = local.get();
   }
-  if (plan.data_parallel_size != comm->size())
+  const int stages = o.pipeline_comm ? o.pipeline_comm->size() : 1;
+  if (plan.data_parallel_size != comm->size() ||
+      (stages > 1 && static_cast<size_t>(stages) != o.pipeline_stage_layers.size()))
     return absl::InvalidArgumentError(
-        fmt::format("a plan for {} data-parallel ranks, a communicator of {}", plan.data_parallel_size, comm->size()));
+        fmt::format("a plan for {} data-parallel ranks and {} stage(s); communicators of {} and {}",
+                    plan.data_parallel_size, o.pipeline_stage_layers.size(), comm->size(), stages));
   return Trainer(o, plan, comm).Run();
 }
 

@@ -6,9 +6,13 @@
 # Usage: check_rules_test.sh SOURCE_DIR
 set -euo pipefail
 SRC=$1
-CHECK=$SRC/scripts/check-rules.sh
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
+# The script with one file of its size allowlist named (the checkout's own list may be empty).
+CHECK=$W/check-rules.sh
+sed 's|^SIZE_ALLOWLIST=($|SIZE_ALLOWLIST=(\n  trainer/long_table.cpp  # a table|' "$SRC/scripts/check-rules.sh" >"$CHECK"
+grep -q '^  trainer/long_table.cpp' "$CHECK" || { echo "FAIL: no SIZE_ALLOWLIST=( line to extend" >&2; exit 1; }
+cp "$SRC/scripts/function-lengths.py" "$W/"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 tree() {  # a clean tree in $W/$1
@@ -19,7 +23,7 @@ tree() {  # a clean tree in $W/$1
   # tools/ may word an error as a flag; an allowlisted file may be long.
   printf 'absl::Status Check() { return absl::InvalidArgumentError("--chunks must be >= 1"); }\n' \
     >"$r/tools/x_main.cpp"
-  seq 700 | sed 's#^#// #' >"$r/trainer/training.cpp"
+  seq 700 | sed 's#^#// #' >"$r/trainer/long_table.cpp"
   cp "$SRC/.clang-format" "$r/.clang-format"
   echo "$r"
 }

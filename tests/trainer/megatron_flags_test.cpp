@@ -297,7 +297,7 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       // MODEL_PARALLEL_ARGS
       {"--tensor-model-parallel-size 8", kRefused,
        "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"},
-      {"--pipeline-model-parallel-size 16", kRefused, "ptk-train has no pipeline parallelism"},
+      {"--pipeline-model-parallel-size 16", kRefused, "is not divisible by --pipeline-model-parallel-size 16"},
       // DATA_ARGS
       {"--data-path " + P + " --vocab-file " + vocab + " --merge-file " + merges + " --split 949,50,1", kTaken, "",
        true},

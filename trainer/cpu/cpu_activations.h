@@ -27,6 +27,17 @@ struct CpuGPTModel::Activations {
   std::vector<uint64_t> streams;
 };
 
+// The masked loss sum and token count of a pass's per-token losses.
+inline LossSum SumLosses(const std::vector<float>& losses, const float* mask, int64_t n) {
+  LossSum s;
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask[i] == 0.0f) continue;
+    s.loss_sum += static_cast<double>(losses[i]) * mask[i];
+    s.tokens += mask[i];
+  }
+  return s;
+}
+
 namespace cpu_model_detail {
 
 // A tensor the configuration may leave out (offset -1): null then.

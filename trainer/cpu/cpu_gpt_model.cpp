@@ -16,7 +16,9 @@
 
 namespace ptk {
 
-CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)), act_(std::make_unique<Activations>()) {
+CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)) {
+  slots_.push_back(std::make_unique<Activations>());
+  act_ = slots_[0].get();
   const size_t n = static_cast<size_t>(num_params());
   params_.assign(n, 0.0f);
   grads_.assign(n, 0.0f);
@@ -26,9 +28,13 @@ CpuGPTModel::CpuGPTModel(ParamLayout layout) : GPTModel(std::move(layout)), act_
 CpuGPTModel::~CpuGPTModel() = default;
 
 absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig& config, Communicator* tensor,
-                                                                 bool sequence_parallel) {
+                                                                 bool sequence_parallel, const PipelineStage& stage) {
   const int size = tensor ? tensor->size() : 1, rank = tensor ? tensor->rank() : 0;
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank));
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank, stage));
+  if (stage.size > 1 && size > 1 && sequence_parallel)
+    return absl::UnimplementedError(
+        "--sequence-parallel with --pipeline-model-parallel-size above 1: not implemented (ptk's pipeline stages run "
+        "tensor parallelism without sequence parallelism)");
   auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
   if (size > 1) model->tensor_comm_ = tensor;
   if (size > 1 && sequence_parallel) {
@@ -91,11 +97,13 @@ absl::Status CpuGPTModel::ZeroGrads() {
 absl::Status CpuGPTModel::AllReduceGrads(Communicator* comm) { return comm->AllReduceSum(grads_.data(), num_params()); }
 
 absl::StatusOr<double> CpuGPTModel::GradSumSquares() {
-  if (tensor_rank() == 0) return cpu::SumSquares(grads_.data(), num_params());
+  // A last pipeline stage's copy of the tied embeddings is the first stage's to count.
+  const int64_t end = layout_.norm_end();
+  if (tensor_rank() == 0) return cpu::SumSquares(grads_.data(), end);
   // Another tensor rank: its slices only (tensor rank 0 counts what every rank holds whole).
   double s = 0;
   for (const ParamInfo& p : params_info())
-    if (p.tensor_split_dim >= 0) s += cpu::SumSquares(grads_.data() + p.offset, p.size);
+    if (p.tensor_split_dim >= 0 && p.offset < end) s += cpu::SumSquares(grads_.data() + p.offset, p.size);
   return s;
 }
 
@@ -137,15 +145,17 @@ absl::Status CpuGPTModel::GradSumSquaresPartials(int64_t begin, int64_t end, std
   if (begin < 0 || end > num_params() || begin > end || (begin < end && begin % ParamShard::kAlignment != 0))
     return absl::InvalidArgumentError(
         fmt::format("GradSumSquaresPartials: range [{}, {}) of {} parameters", begin, end, num_params()));
-  // The blocks cpu::SumSquares adds over the whole buffer, one partial each.
+  // The blocks cpu::SumSquares adds over the whole buffer, one partial each (a pipeline stage's
+  // embedding copy left out, as GradSumSquares).
+  const int64_t counted = layout_.norm_end();
   for (int64_t b = begin; b < end; b += ParamShard::kAlignment) {
     const int64_t e = std::min(b + ParamShard::kAlignment, end);
     if (tensor_rank() == 0) {
-      out->push_back(cpu::SumSquares(grads_.data() + b, e - b));
+      out->push_back(b < counted ? cpu::SumSquares(grads_.data() + b, std::min(e, counted) - b) : 0.0);
       continue;
     }
     double s = 0;  // another tensor rank: its slices only, as GradSumSquares
-    for (const ParamPiece& piece : PiecesIn(layout(), b, std::min(e, num_params())))
+    for (const ParamPiece& piece : PiecesIn(layout(), b, std::min(e, counted)))
       if (piece.tensor_split_dim >= 0) s += cpu::SumSquares(grads_.data() + piece.offset, piece.size);
     out->push_back(s);
   }
@@ -185,7 +195,7 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   // This rank's slices under tensor parallelism: heads, ffn columns, vocabulary rows.
   const int64_t T = tensor_size(), c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
                 qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
-                vp = cf.padded_vocab_size / T, L = cf.num_layers;
+                vp = cf.padded_vocab_size / T, L = static_cast<int64_t>(layout_.layers.size());
   const int64_t probs = batch.b * (cf.num_attention_heads / T) * batch.t * batch.t;
   auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
     v.assign(static_cast<size_t>(count), std::vector<float>(static_cast<size_t>(size)));
@@ -324,30 +334,35 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     return absl::OkStatus();
   };
 
-  if (!tp) {
-    cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, At(P, layout_.wpe), n,
-                          c);
-  } else {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
-    float* x = a.resid[0].data();
-    cpu::VocabSliceEmbeddingForward(x, batch.tokens, P + layout_.wte, tensor_rank() * vp, vp, n, c);
-    PTK_RETURN_IF_ERROR(TensorSum(x, n * c));
-    for (int64_t i = 0; i < n && layout_.wpe >= 0; ++i) {
-      const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[i]) * c;
-      for (int64_t j = 0; j < c; ++j) x[i * c + j] += pos[j];
+  // A later pipeline stage starts from the previous stage's output, already in resid[0].
+  if (layout_.pre_process) {
+    if (!tp) {
+      cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, At(P, layout_.wpe), n,
+                            c);
+    } else {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
+      float* x = a.resid[0].data();
+      cpu::VocabSliceEmbeddingForward(x, batch.tokens, P + layout_.wte, tensor_rank() * vp, vp, n, c);
+      PTK_RETURN_IF_ERROR(TensorSum(x, n * c));
+      for (int64_t i = 0; i < n && layout_.wpe >= 0; ++i) {
+        const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[i]) * c;
+        for (int64_t j = 0; j < c; ++j) x[i * c + j] += pos[j];
+      }
     }
+    DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
   }
-  DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
-  for (int64_t l = 0; l < cf.num_layers; ++l) {
+  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
+  for (int64_t l = 0; l < Ls; ++l) {
     const LayerParams& lp = layout_.layers[l];
+    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, n, c);
     cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c, shape.qkv_width());
     if (cf.rope()) cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
-    if (ap > 0.0) AttentionStreams(batch, l, head0, &a.streams);
+    if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.atty[l].data(), lp.proj_w, lp.proj_b, ct));
-    DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
+    DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
     NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
                 lp.ln2_b, n, c);
@@ -357,10 +372,11 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     else
       cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.gelu[l].data(), lp.fc2_w, lp.fc2_b, f));
-    DropoutRows(a.tmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
+    DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
-  NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[cf.num_layers].data(), P, layout_.lnf_w,
+  if (!layout_.post_process) return absl::OkStatus();  // resid[Ls] goes to the next stage
+  NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[Ls].data(), P, layout_.lnf_w,
               layout_.lnf_b, n, c);
   // This rank's vocabulary columns of the logits (column-parallel output layer).
   cpu::MatmulForward(a.logits.data(), a.lnf.data(), P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
@@ -381,19 +397,23 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
   float* G = grads_.data();
   const int64_t head0 = tensor_rank() * shape.nh;
 
-  std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
-                      P + layout_.out_w, n, c, vp);
-  PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));
-  std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
-  NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[cf.num_layers].data(), P, layout_.lnf_w, layout_.lnf_b,
-               a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
+  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
+  if (layout_.post_process) {  // a stage before the last starts from the next stage's gradient, in dresid
+    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+    cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
+                        P + layout_.out_w, n, c, vp);
+    PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));
+    std::fill(a.dresid.begin(), a.dresid.end(), 0.0f);
+    NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[Ls].data(), P, layout_.lnf_w, layout_.lnf_b,
+                 a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
+  }
   GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
-  for (int64_t l = cf.num_layers - 1; l >= 0; --l) {
+  for (int64_t l = Ls - 1; l >= 0; --l) {
     const LayerParams& lp = layout_.layers[l];
+    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
     a.dtmp = a.dresid;
-    DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kMlpOutDropout);
+    DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kMlpOutDropout);
     float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
     std::fill(dact, dact + n * f, 0.0f);
     cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
@@ -409,11 +429,11 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
                  a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
     a.dtmp = a.dresid;
-    DropoutRows(a.dtmp.data(), batch, c, hp, seed, l, kAttentionOutDropout);
+    DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout);
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
     cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
                         n, ct, c);
-    if (ap > 0.0) AttentionStreams(batch, l, head0, &a.streams);
+    if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
@@ -426,30 +446,21 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[l].data(), P, lp.ln1_w, lp.ln1_b, a.ln1_mean[l].data(),
                  a.ln1_rstd[l].data(), n, c);
-    GradsReady(static_cast<size_t>(cf.num_layers - l));  // layer l
+    GradsReady(static_cast<size_t>(Ls - l));  // layer l
   }
-  DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
-  if (!tp())
-    cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n,
-                           c);
-  else
-    cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens,
-                                     batch.position_ids, tensor_rank() * vp, vp, n, c);
-  GradsReady(static_cast<size_t>(cf.num_layers) + 1);  // the embeddings
+  // A later pipeline stage leaves its input's gradient in dresid, for the previous stage.
+  if (layout_.pre_process) {
+    DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
+    if (!tp())
+      cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n,
+                             c);
+    else
+      cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens,
+                                       batch.position_ids, tensor_rank() * vp, vp, n, c);
+  }
+  GradsReady(static_cast<size_t>(Ls) + 1);  // the embeddings
   return absl::OkStatus();
 }
-
-namespace {
-LossSum SumLosses(const std::vector<float>& losses, const float* mask, int64_t n) {
-  LossSum s;
-  for (int64_t i = 0; i < n; ++i) {
-    if (mask[i] == 0.0f) continue;
-    s.loss_sum += static_cast<double>(losses[i]) * mask[i];
-    s.tokens += mask[i];
-  }
-  return s;
-}
-}  // namespace
 
 absl::Status CpuGPTModel::Loss(const ModelBatch& batch, const float* dloss) {
   Activations& a = *act_;
@@ -466,6 +477,8 @@ absl::Status CpuGPTModel::Loss(const ModelBatch& batch, const float* dloss) {
 
 absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
                                                      uint64_t seed) {
+  if (layout_.pipeline_size > 1) return absl::FailedPreconditionError("a pipeline stage runs StageForward");
+  act_ = slots_[0].get();
   PTK_RETURN_IF_ERROR(Prepare(batch));
   bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
@@ -480,6 +493,8 @@ absl::StatusOr<LossSum> CpuGPTModel::ForwardBackward(const ModelBatch& batch, do
 }
 
 absl::StatusOr<LossSum> CpuGPTModel::Forward(const ModelBatch& batch, std::vector<float>* logits) {
+  if (layout_.pipeline_size > 1) return absl::FailedPreconditionError("a pipeline stage runs StageForward");
+  act_ = slots_[0].get();
   PTK_RETURN_IF_ERROR(Prepare(batch));
   PTK_RETURN_IF_ERROR(RunForward(batch, /*train=*/false, 0));
   Activations& a = *act_;

@@ -19,8 +19,11 @@ class CpuGPTModel final : public GPTModel {
   // residual stream on this rank's part of each sample's positions (seq_length / T of them),
   // all-gathered before the column-parallel products and reduce-scattered after the row-parallel
   // ones; the LayerNorms' gradients summed over the tensor group.
+  // With `stage` (several stages): that pipeline stage's part of the model (ParamLayout::Create),
+  // trained through StageForward / StageBackward.
   static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config, Communicator* tensor = nullptr,
-                                                             bool sequence_parallel = false);
+                                                             bool sequence_parallel = false,
+                                                             const PipelineStage& stage = {});
   bool sequence_parallel() const { return sequence_parallel_; }
   ~CpuGPTModel() override;
 
@@ -46,6 +49,14 @@ class CpuGPTModel final : public GPTModel {
   absl::StatusOr<LossSum> ForwardBackward(const ModelBatch& batch, double loss_scale, bool train,
                                           uint64_t seed) override;
   absl::StatusOr<LossSum> Forward(const ModelBatch& batch, std::vector<float>* logits = nullptr) override;
+  absl::StatusOr<LossSum> StageForward(const ModelBatch& batch, int slot, std::span<const float> input,
+                                       std::span<float> output, std::optional<double> loss_scale, bool train,
+                                       uint64_t seed) override;
+  absl::Status StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
+                             std::span<float> input_grad, bool train, uint64_t seed) override;
+  absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) override;
+  // The activation slots allocated so far (the most micro-batches a schedule kept in flight).
+  int activation_slots() const { return static_cast<int>(slots_.size()); }
 
   absl::Status AllReduceGrads(Communicator* comm) override;
   absl::StatusOr<double> GradSumSquares() override;
@@ -88,7 +99,10 @@ class CpuGPTModel final : public GPTModel {
   bool sequence_parallel_ = false;
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
-  std::unique_ptr<Activations> act_;
+  // One set of activations per micro-batch in flight (pipeline schedules); act_ is the pass's.
+  std::vector<std::unique_ptr<Activations>> slots_;
+  Activations* act_ = nullptr;
+  absl::Status SelectSlot(int slot);
   std::unique_ptr<BucketWorker> worker_;
   std::vector<GradRange> buckets_;  // the armed reduction's
 };

@@ -1,0 +1,252 @@
+// Pipeline parallelism on the CPU backend: a stage's layout is the whole model's tensors cut at
+// the stage's layers (the same init bits, put back together by CopyFromShard, the last stage's
+// copy of tied embeddings); SendRecv between gloo ranks (threads) in both directions at once, in
+// order; Megatron's 1F1B schedule at P = 2 and 4 over 4 layers and 8 micro-batches, dropout on,
+// gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed over the
+// embedding group within float rounding of one rank's interleaved sum), with at most P - s
+// micro-batches in flight on stage s; forward-only evaluation gives one rank's loss; each stage
+// holds the parameters --dry-run counts for it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#include "tests/trainer/gloo_ranks.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/grad_buckets.h"
+#include "trainer/parallel_params.h"
+#include "trainer/pipeline_schedule.h"
+
+namespace ptk {
+namespace {
+
+GPTConfig Config(bool untied = false) {
+  GPTConfig c;
+  c.num_layers = 4;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 128;
+  c.seq_length = c.max_position_embeddings = 16;
+  c.vocab_size = 97;
+  c.padded_vocab_size = 128;
+  c.hidden_dropout = c.attention_dropout = 0.1;
+  c.untie_embeddings_and_output_weights = untied;
+  return c;
+}
+
+// Micro-batch k of 2 samples of 16 tokens.
+struct Batches {
+  std::vector<std::vector<int32_t>> tokens, labels, positions;
+  std::vector<std::vector<float>> mask;
+  std::vector<std::vector<int64_t>> keys;
+  explicit Batches(int count) {
+    for (int k = 0; k < count; ++k) {
+      std::vector<int32_t> t, l, p;
+      std::vector<float> m;
+      for (int64_t i = 0; i < 32; ++i) {
+        t.push_back(static_cast<int32_t>((i * 37 + 5 + 13 * k) % 97));
+        l.push_back(static_cast<int32_t>((i * 11 + 3 + 7 * k) % 97));
+        p.push_back(static_cast<int32_t>(i % 16));
+        m.push_back(i % 7 == 6 ? 0.0f : 1.0f);
+      }
+      tokens.push_back(t);
+      labels.push_back(l);
+      positions.push_back(p);
+      mask.push_back(m);
+      keys.push_back({2 * k, 2 * k + 1});
+    }
+  }
+  std::vector<ModelBatch> All() const {
+    std::vector<ModelBatch> v;
+    for (size_t k = 0; k < tokens.size(); ++k)
+      v.push_back(
+          ModelBatch{2, 16, tokens[k].data(), labels[k].data(), positions[k].data(), mask[k].data(), keys[k].data()});
+    return v;
+  }
+};
+
+std::vector<PipelineStage> Stages(int P, int64_t layers = 4) {
+  std::vector<int64_t> per(static_cast<size_t>(P), layers / P);
+  std::vector<PipelineStage> v;
+  for (int p = 0; p < P; ++p) v.push_back(StageOf(per, p));
+  return v;
+}
+
+TEST(PipelineLayout, StagesCutTheWholeModelWithItsInitAndPutItBackTogether) {
+  for (bool untied : {false, true})
+    for (int P : {2, 4}) {
+      const GPTConfig c = Config(untied);
+      auto whole = ParamLayout::Create(c);
+      ASSERT_TRUE(whole.ok()) << whole.status();
+      std::vector<float> init(static_cast<size_t>(whole->num_params)), back(init.size(), -1.0f);
+      whole->InitWeights(7, init);
+      std::multiset<std::string> names;
+      for (const PipelineStage& st : Stages(P)) {
+        auto s = ParamLayout::Create(c, 1, 0, st);
+        ASSERT_TRUE(s.ok()) << s.status();
+        EXPECT_EQ(s->pre_process, st.rank == 0);
+        EXPECT_EQ(s->post_process, st.rank == P - 1);
+        EXPECT_EQ(s->layers.size(), 4u / static_cast<size_t>(P));
+        for (const ParamInfo& p : s->infos)
+          if (!p.embedding_copy) names.insert(p.name);
+        // The last stage keeps a copy of tied embeddings, as its last tensor.
+        const bool copy = st.rank == P - 1 && !untied;
+        EXPECT_EQ(!s->infos.empty() && s->infos.back().embedding_copy, copy);
+        EXPECT_EQ(s->norm_end(), copy ? s->infos.back().offset : s->num_params);
+        std::vector<float> mine(static_cast<size_t>(s->num_params)), cut(mine.size());
+        s->InitWeights(7, mine);
+        CopyToShard(*s, init, cut);
+        EXPECT_EQ(mine, cut) << "stage " << st.rank << " of " << P;
+        CopyFromShard(*s, mine, back);
+        // --overlap-grad-reduce's ranges: one per layer and two more, covering the stage.
+        const std::vector<GradRange> order = BackwardReadyOrder(*s);
+        ASSERT_EQ(order.size(), s->layers.size() + 2);
+        int64_t covered = 0;
+        for (const GradRange& r : order) covered += r.size();
+        EXPECT_EQ(covered, s->num_params);
+      }
+      std::multiset<std::string> want;
+      for (const ParamInfo& p : whole->infos) want.insert(p.name);
+      EXPECT_EQ(names, want);
+      EXPECT_EQ(back, init);
+    }
+  // Megatron's uneven first and last stages.
+  auto s = ParamLayout::Create(Config(), 1, 0, StageOf({1, 3}, 1));
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->first_layer, 1);
+  EXPECT_EQ(s->layers.size(), 3u);
+  EXPECT_FALSE(ParamLayout::Create(Config(), 1, 0, PipelineStage{2, 1, 3, 2}).ok());  // past the last layer
+}
+
+// The model a stage builds holds what --dry-run counts for it (Megatron's parameter line).
+TEST(PipelineLayout, StagesHoldWhatTheDryRunCounts) {
+  for (bool untied : {false, true})
+    for (int T : {1, 2})
+      for (int P : {2, 4})
+        for (int t = 0; t < T; ++t)
+          for (const PipelineStage& st : Stages(P)) {
+            const GPTConfig c = Config(untied);
+            auto s = ParamLayout::Create(c, T, t, st);
+            ASSERT_TRUE(s.ok()) << s.status();
+            EXPECT_EQ(s->num_params, ParamsOnModelParallelRank(c, T, P, st.rank, st.num_layers))
+                << "T=" << T << " P=" << P << " stage " << st.rank << (untied ? " untied" : " tied");
+          }
+}
+
+TEST(PipelineComm, SendRecvBothWaysAtOnceInOrder) {
+  testing::RunRanks(3, [](Communicator* comm, int r) {
+    // Each rank sends two messages to the next and receives two from the previous, in one call
+    // each, while its neighbours do the same (a ring: every rank sends before it receives).
+    const int next = (r + 1) % 3, prev = (r + 2) % 3;
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> out(1000, static_cast<float>(10 * r + k)), in(1000, -1.0f);
+      ASSERT_TRUE(comm->SendRecv(out.data(), 4000, next, in.data(), 4000, prev).ok());
+      EXPECT_EQ(in, std::vector<float>(1000, static_cast<float>(10 * prev + k)));
+    }
+    // One-sided calls pair with the other side's.
+    std::vector<float> v(10, static_cast<float>(r));
+    if (r == 0) ASSERT_TRUE(comm->SendRecv(v.data(), 40, 2, nullptr, 0, -1).ok());
+    if (r == 2) {
+      ASSERT_TRUE(comm->SendRecv(nullptr, 0, -1, v.data(), 40, 0).ok());
+      EXPECT_EQ(v, std::vector<float>(10, 0.0f));
+    }
+    EXPECT_FALSE(comm->SendRecv(v.data(), 40, r, nullptr, 0, -1).ok());  // not to itself
+  });
+  EXPECT_FALSE(MakeLocalCommunicator()->SendRecv(nullptr, 0, 0, nullptr, 0, -1).ok());
+}
+
+// One rank's loss and gradients over the micro-batches, as TrainStep would scale them.
+struct Reference {
+  LossSum loss, eval;
+  std::vector<float> grads;
+};
+Reference OneRank(const GPTConfig& c, const std::vector<ModelBatch>& mbs, const std::vector<double>& scales) {
+  Reference ref;
+  auto m = CpuGPTModel::Create(c);
+  EXPECT_TRUE(m.ok());
+  EXPECT_TRUE((*m)->InitWeights(11).ok());
+  EXPECT_TRUE((*m)->ZeroGrads().ok());
+  for (size_t k = 0; k < mbs.size(); ++k) {
+    auto l = (*m)->ForwardBackward(mbs[k], scales[k], true, 99);
+    EXPECT_TRUE(l.ok()) << l.status();
+    ref.loss.loss_sum += l->loss_sum;
+    ref.loss.tokens += l->tokens;
+  }
+  ref.grads.resize(static_cast<size_t>((*m)->num_params()));
+  EXPECT_TRUE((*m)->ReadGrads(ref.grads).ok());
+  auto e = (*m)->Forward(mbs[0]);
+  EXPECT_TRUE(e.ok());
+  ref.eval = *e;
+  return ref;
+}
+
+void CheckPipelineGivesOneRank(int P, bool untied) {
+  const GPTConfig c = Config(untied);
+  const Batches data(8);
+  const std::vector<ModelBatch> mbs = data.All();
+  std::vector<double> scales;
+  for (size_t k = 0; k < mbs.size(); ++k) scales.push_back(1.0 / (27.0 * 8.0) * (1.0 + 0.01 * static_cast<double>(k)));
+  const Reference ref = OneRank(c, mbs, scales);
+  const std::vector<PipelineStage> stages = Stages(P);
+  std::mutex mu;
+  testing::RunRanks(P, [&](Communicator* comm, int s) {
+    auto made = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(s)]);
+    ASSERT_TRUE(made.ok()) << made.status();
+    CpuGPTModel& m = **made;
+    ASSERT_TRUE(m.InitWeights(11).ok());
+    ASSERT_TRUE(m.ZeroGrads().ok());
+    PipelineStats stats;
+    auto loss = ForwardBackwardPipelining(&m, comm, mbs, scales, 99, &stats);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    // The embedding group: the first and the last stage.
+    std::unique_ptr<Communicator> emb;
+    if (!untied && (s == 0 || s == P - 1)) {
+      const std::vector<int> members = {0, P - 1};
+      auto g = comm->Subgroup(members, "embedding");
+      ASSERT_TRUE(g.ok()) << g.status();
+      emb = *std::move(g);
+      const ParamLayout& lay = m.layout();
+      ASSERT_TRUE(m.AllReduceGradRange(emb.get(), s == 0 ? lay.wte : lay.out_w, 128 * 32).ok());
+    }
+    auto eval = ForwardPipelining(&m, comm, mbs[0]);
+    ASSERT_TRUE(eval.ok()) << eval.status();
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(stats.max_in_flight, P - s) << "stage " << s;
+    EXPECT_EQ(m.activation_slots(), P - s);
+    if (s == P - 1) {
+      EXPECT_EQ(loss->loss_sum, ref.loss.loss_sum);
+      EXPECT_EQ(loss->tokens, ref.loss.tokens);
+      EXPECT_EQ(eval->loss_sum, ref.eval.loss_sum);
+    } else {
+      EXPECT_EQ(loss->tokens, 0.0);
+    }
+    std::vector<float> mine(static_cast<size_t>(m.num_params())), want(mine.size());
+    ASSERT_TRUE(m.ReadGrads(mine).ok());
+    CopyToShard(m.layout(), ref.grads, want);
+    for (const ParamInfo& p : m.params_info()) {
+      const bool tied_embedding = !untied && p.name == "embedding.word_embeddings.weight";
+      double worst = 0, scale = 0;
+      int64_t differ = 0;
+      for (int64_t i = p.offset; i < p.offset + p.size; ++i) {
+        worst = std::max(worst, std::abs(static_cast<double>(mine[i]) - want[i]));
+        scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+        differ += mine[i] != want[i];
+      }
+      if (tied_embedding)  // one rank adds the two uses micro-batch by micro-batch
+        EXPECT_LE(worst, 1e-5 * scale) << p.name << " on stage " << s;
+      else
+        EXPECT_EQ(differ, 0) << p.name << " on stage " << s << ": " << differ << " elements differ (worst " << worst
+                             << ")";
+    }
+  });
+}
+
+TEST(PipelineSchedule, TwoStagesGiveOneRanksLossAndGradients) { CheckPipelineGivesOneRank(2, false); }
+TEST(PipelineSchedule, FourStagesGiveOneRanksLossAndGradients) { CheckPipelineGivesOneRank(4, false); }
+TEST(PipelineSchedule, UntiedOutputLayer) { CheckPipelineGivesOneRank(2, true); }
+
+}  // namespace
+}  // namespace ptk

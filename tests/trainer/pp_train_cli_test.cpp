@@ -1,0 +1,266 @@
+// ptk-train's pipeline parallelism end to end, ranks as processes over loopback gloo: P = 2 and 4
+// stages of a 4-layer model (and Megatron's uneven first stage), 8 micro-batches a step, dropout
+// on, give the loss lines of one rank within 1e-6 relative over 20 iterations; T = 2 x P = 2 x
+// data 2 (8 ranks) with ZeRO-1 within 1e-5; checkpoints in Megatron's mp_rank_TT_PPP resume at the
+// same P with the uninterrupted run's lines character for character and at P = 1 and 4 as the
+// uninterrupted run, and ptk-convert exports them; kill -9 of a middle stage ends every rank
+// non-zero within the timeout, and --load resumes its last checkpoint bit for bit; sizes that do
+// not divide are refused on every rank.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/test_ports.h"
+#include "tests/trainer/train_cli_support.h"
+
+namespace ptk {
+namespace {
+
+using ptk::testing::RunCmd;
+using ptk::testing::ShellQuote;
+using ptk::testing::TempDir;
+
+class PipelineParallelCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = dir_ / "data_text_document";
+    ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(prefix_, 300));
+  }
+  // 4 layers; global batch 8 of micro-batches of 1 (8 micro-batches a step on one data rank);
+  // dropout on (Megatron's defaults). The vocabulary is padded to 50688 at every T.
+  std::string Train(int T, int P, const std::string& extra, int64_t iters = 20) {
+    return ptk::testing::Tool("ptk-train") +
+           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1"
+           " --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2"
+           " --weight-decay 0.1 --split 98,2,0 --eval-interval 10 --eval-iters 1 --log-interval 1 --threads 1"
+           " --tensor-model-parallel-size " +
+           std::to_string(T) + " --pipeline-model-parallel-size " + std::to_string(P) +
+           " --make-vocab-size-divisible-by " + std::to_string(512 / T) + " --data-path " + ShellQuote(prefix_) +
+           " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
+  }
+  // `world` ranks of `cmd` (rank 0 in the foreground); the output is rank 0's, then one line with
+  // every rank's exit code ("rc=0 0 0").
+  ptk::testing::CommandResult Ranks(int world, const std::string& cmd) {
+    const std::string port = std::to_string(testing::FreeTestPort());
+    std::string script =
+        "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
+    for (int r = 1; r < world; ++r)
+      script += "RANK=" + std::to_string(r) + " timeout 300 " + cmd + " > " +
+                ShellQuote(dir_ / ("r" + std::to_string(r) + ".log")) + " 2>&1 & pids=\"$pids $!\"; ";
+    script += "RANK=0 timeout 300 " + cmd + "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
+    return RunCmd("bash -c " + ShellQuote(script));
+  }
+  static std::string AllZero(int world) {
+    std::string s = "rc=0";
+    for (int r = 1; r < world; ++r) s += " 0";
+    return s;
+  }
+  std::string Logs(int world) {
+    std::string out;
+    for (int r = 1; r < world; ++r)
+      out += "--- rank " + std::to_string(r) + "\n" + ptk::testing::ReadFile(dir_ / ("r" + std::to_string(r) + ".log"));
+    return out;
+  }
+  // Each log line's iteration and lm loss, in order.
+  static std::vector<std::pair<int, double>> Losses(const std::string& out) {
+    std::vector<std::pair<int, double>> v;
+    std::regex re(R"(iteration +(\d+)/ +\d+ .*\| lm loss: (\S+) \|)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+      v.emplace_back(std::stoi((*it)[1]), std::strtod((*it)[2].str().c_str(), nullptr));
+    return v;
+  }
+  // The log lines without their timestamps and timings (what a bit-for-bit resume reproduces).
+  static std::vector<std::string> Lines(const std::string& out) {
+    std::vector<std::string> v;
+    std::regex re(R"(iteration +\d+/ +\d+ .*\| lm loss: \S+ \|.*\| grad norm: \S+ \|)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+      v.push_back(std::regex_replace(
+          it->str(),
+          std::regex(R"(elapsed time per iteration \(ms\): \S+ \| throughput per GPU \(TFLOP/s/GPU\): \S+ \|)"), ""));
+    return v;
+  }
+  // The largest relative difference between the losses of the same iterations.
+  static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
+    double worst = 0;
+    for (const auto& [it, loss] : a)
+      for (const auto& [rit, rloss] : ref)
+        if (it == rit) worst = std::max(worst, std::abs(loss - rloss) / std::abs(rloss));
+    return worst;
+  }
+  // The one-rank run every test compares with.
+  const std::string& OneRank() {
+    static std::string out;
+    if (out.empty()) {
+      auto r = RunCmd(Train(1, 1, ""));
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      out = r.output;
+    }
+    return out;
+  }
+
+  TempDir dir_;
+  std::string prefix_;
+};
+
+TEST_F(PipelineParallelCli, TwoAndFourStagesGiveOneRanksLosses) {
+  const auto one = Losses(OneRank());
+  ASSERT_EQ(one.size(), 20u) << OneRank();
+  EXPECT_LT(one.back().second, one.front().second);
+  struct Case {
+    int P;
+    std::string extra;
+  };
+  for (const Case& c : {Case{2, ""}, Case{4, ""}, Case{2, "--decoder-first-pipeline-num-layers 1"}}) {
+    SCOPED_TRACE("P=" + std::to_string(c.P) + " " + c.extra);
+    auto r = Ranks(c.P, Train(1, c.P, c.extra));
+    ASSERT_NE(r.output.find(AllZero(c.P)), std::string::npos) << r.output << Logs(c.P);
+    EXPECT_NE(r.output.find("> initialized pipeline model parallel with size " + std::to_string(c.P)),
+              std::string::npos)
+        << r.output;
+    // Megatron's line from each stage of the first data-parallel rank: the last stage's in its log.
+    EXPECT_NE(Logs(c.P).find(" > number of parameters on (tensor, pipeline) model parallel rank (0, " +
+                             std::to_string(c.P - 1) + "): "),
+              std::string::npos)
+        << Logs(c.P);
+    const auto pp = Losses(r.output);
+    ASSERT_EQ(pp.size(), 20u) << r.output;
+    const double worst = Worst(pp, one);
+    EXPECT_LT(worst, 1e-6);
+    // The validation loss at iterations 10 and 20, from the last stage.
+    EXPECT_NE(r.output.find("validation loss at iteration 20 | lm loss value: "), std::string::npos) << r.output;
+    std::printf("P=%d %s: largest relative difference of the 20 lm losses from one rank's: %.3g\n", c.P,
+                c.extra.c_str(), worst);
+  }
+}
+
+TEST_F(PipelineParallelCli, TensorPipelineAndDataRanksGiveOneRanksLosses) {
+  const auto one = Losses(OneRank());
+  ASSERT_EQ(one.size(), 20u);
+  auto r = Ranks(8, Train(2, 2, "--use-distributed-optimizer"));
+  ASSERT_NE(r.output.find(AllZero(8)), std::string::npos) << r.output << Logs(8);
+  EXPECT_NE(r.output.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages x data parallel: 2 ranks"),
+            std::string::npos)
+      << r.output;
+  const auto pp = Losses(r.output);
+  ASSERT_EQ(pp.size(), 20u) << r.output;
+  const double worst = Worst(pp, one);
+  EXPECT_LT(worst, 1e-5);
+  std::printf("T=2 x P=2 x D=2, ZeRO-1: largest relative difference from one rank's: %.3g\n", worst);
+}
+
+TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {
+  const std::string full = dir_ / "full", ck = dir_ / "ck";
+  auto whole = Ranks(2, Train(1, 2, "--save " + ShellQuote(full)));
+  ASSERT_NE(whole.output.find(AllZero(2)), std::string::npos) << whole.output << Logs(2);
+  auto first = Ranks(2, Train(1, 2, "--exit-interval 10 --save " + ShellQuote(ck)));
+  ASSERT_NE(first.output.find(AllZero(2)), std::string::npos) << first.output << Logs(2);
+  EXPECT_NE(first.output.find("[ t 1/1, p 1/2 ]"), std::string::npos) << first.output;
+  for (const char* mp : {"mp_rank_00_000", "mp_rank_00_001"})
+    EXPECT_TRUE(std::filesystem::exists(dir_ / ("ck/iter_0000010/" + std::string(mp) + "/model_optim_rng.ptk"))) << mp;
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "ck/iter_0000010/mp_rank_00"));
+  // ptk-convert reads the stages put together (as any other layout).
+  auto hf = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " + ShellQuote(ck) +
+                   " --save-dir " + ShellQuote(dir_ / "hf"));
+  EXPECT_EQ(hf.exit_code, 0) << hf.output;
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "hf/model.safetensors")) << hf.output;
+  for (int P : {1, 4}) {
+    const std::string dst = dir_ / ("ck" + std::to_string(P));
+    ASSERT_EQ(RunCmd("cp -r " + ShellQuote(ck) + " " + ShellQuote(dst)).exit_code, 0);
+  }
+  // The same pipeline size: the uninterrupted run's lines, character for character.
+  auto same = Ranks(2, Train(1, 2, "--load " + ShellQuote(ck) + " --save " + ShellQuote(ck)));
+  ASSERT_NE(same.output.find(AllZero(2)), std::string::npos) << same.output << Logs(2);
+  const auto resumed = Lines(same.output), uninterrupted = Lines(whole.output);
+  ASSERT_EQ(resumed.size(), 10u) << same.output;
+  ASSERT_EQ(uninterrupted.size(), 20u);
+  EXPECT_EQ(resumed, std::vector<std::string>(uninterrupted.begin() + 10, uninterrupted.end()));
+  // Another pipeline size: the stages put together and cut anew; one rank's losses within 1e-6.
+  const auto one = Losses(OneRank());
+  for (int P : {1, 4}) {
+    const std::string dst = dir_ / ("ck" + std::to_string(P));
+    auto r = P == 1 ? RunCmd(Train(1, 1, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)))
+                    : Ranks(P, Train(1, P, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)));
+    if (P == 1) {
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+    } else {
+      ASSERT_NE(r.output.find(AllZero(P)), std::string::npos) << r.output << Logs(P);
+    }
+    EXPECT_NE(r.output.find("saved with --pipeline-model-parallel-size 2)"), std::string::npos) << r.output;
+    const auto pp = Losses(r.output);
+    ASSERT_EQ(pp.size(), 10u) << r.output;
+    EXPECT_EQ(pp.front().first, 11);
+    const double worst = Worst(pp, one);
+    EXPECT_LT(worst, 1e-6) << "P=2 -> " << P;
+    std::printf("P=2 checkpoint resumed at P=%d: largest relative difference from one rank's: %.3g\n", P, worst);
+  }
+}
+
+// kill -9 of stage 1 of 4 while it trains: every other stage ends with exit 1 within the
+// distributed timeout; the last checkpoint resumes with the lines of a run never killed.
+TEST_F(PipelineParallelCli, AKilledMiddleStageEndsEveryRankAndTheRunResumes) {
+  const std::string ck = dir_ / "ck";
+  const std::string flags = "--distributed-timeout-minutes 0.2 --eval-iters 0";
+  auto ref = Ranks(4, Train(1, 4, flags + " --exit-interval 10", 1000));
+  ASSERT_NE(ref.output.find(AllZero(4)), std::string::npos) << ref.output << Logs(4);
+  const std::string cmd = Train(1, 4, flags + " --save " + ShellQuote(ck) + " --save-interval 5", 1000);
+  const std::string port = std::to_string(testing::FreeTestPort());
+  std::string script = "export WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
+  for (int rank : {0, 1, 2, 3})
+    script += "RANK=" + std::to_string(rank) + " " + cmd + " > " +
+              ShellQuote(dir_ / ("k" + std::to_string(rank) + ".log")) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
+  script += "for i in $(seq 600); do test -e " + ShellQuote(ck + "/iter_0000005") +
+            " && break; sleep 0.1; done; kill -9 $p1; start=$SECONDS; wait $p0; r0=$?; wait $p2; r2=$?; wait $p3; "
+            "r3=$?; wait $p1; echo rc=$r0,$r2,$r3 after=$((SECONDS-start))";
+  auto r = RunCmd("bash -c " + ShellQuote(script));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc=(\\d+),(\\d+),(\\d+) after=(\\d+)"))) << r.output;
+  for (int k : {1, 2, 3}) EXPECT_EQ(m[k], "1") << r.output;
+  EXPECT_LE(std::stoi(m[4]), 30) << r.output;
+  for (int rank : {0, 2}) {  // the victim's neighbours name the failed exchange
+    const std::string log = ptk::testing::ReadFile(dir_ / ("k" + std::to_string(rank) + ".log"));
+    EXPECT_NE(log.find("failed (a rank died or the network failed)"), std::string::npos) << rank << "\n" << log;
+  }
+  // The checkpoint the tracker names, resumed: the never-killed run's lines from there.
+  const std::string latest = ptk::testing::ReadFile(ck + "/latest_checkpointed_iteration.txt");
+  const int from = std::atoi(latest.c_str());
+  ASSERT_GE(from, 5) << latest;
+  ASSERT_LT(from, 10) << latest;
+  auto resumed = Ranks(4, Train(1, 4, flags + " --exit-interval 10 --load " + ShellQuote(ck), 1000));
+  ASSERT_NE(resumed.output.find(AllZero(4)), std::string::npos) << resumed.output << Logs(4);
+  const auto whole = Lines(ref.output), again = Lines(resumed.output);
+  ASSERT_EQ(whole.size(), 10u) << ref.output;
+  ASSERT_EQ(again.size(), static_cast<size_t>(10 - from)) << resumed.output;
+  for (size_t i = 0; i < again.size(); ++i) EXPECT_EQ(again[i], whole[static_cast<size_t>(from) + i]);
+}
+
+TEST_F(PipelineParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {
+  struct Case {
+    int world, P;
+    std::string says;
+  };
+  for (const Case& c : {Case{3, 2, "is not divisible by"},
+                        Case{3, 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"}}) {
+    auto r = Ranks(c.world, Train(1, c.P, "", 2));
+    EXPECT_NE(r.output.find("rc=2 2 2"), std::string::npos) << r.output << Logs(c.world);
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+    for (int rank = 1; rank < c.world; ++rank) {
+      const std::string log = ptk::testing::ReadFile(dir_ / ("r" + std::to_string(rank) + ".log"));
+      EXPECT_NE(log.find(c.says), std::string::npos) << "rank " << rank << "\n" << log;
+    }
+  }
+  // The CUDA backend has no pipeline stages yet: refused naming what is missing.
+  auto cuda = RunCmd(Train(1, 2, "--device cuda", 2));
+  EXPECT_EQ(cuda.exit_code, 2) << cuda.output;
+  EXPECT_NE(cuda.output.find("runs on the CPU backend only"), std::string::npos) << cuda.output;
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,82 @@
+// The CPU model as one pipeline stage: a micro-batch's pass over this stage's layers, from the
+// previous stage's output to the next stage's input, activations kept per slot until its backward.
+#include <algorithm>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/cpu/cpu_activations.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+
+namespace ptk {
+
+absl::Status CpuGPTModel::SelectSlot(int slot) {
+  if (slot < 0 || slot > static_cast<int>(slots_.size()))
+    return absl::InvalidArgumentError(
+        fmt::format("activation slot {}: slots are taken in order ({} so far)", slot, slots_.size()));
+  if (slot == static_cast<int>(slots_.size())) slots_.push_back(std::make_unique<Activations>());
+  act_ = slots_[static_cast<size_t>(slot)].get();
+  return absl::OkStatus();
+}
+
+namespace {
+absl::Status CheckActivation(const char* what, size_t got, int64_t want) {
+  if (static_cast<int64_t>(got) == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format("{}: {} floats where this stage exchanges {}", what, got, want));
+}
+}  // namespace
+
+absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int slot, std::span<const float> input,
+                                                  std::span<float> output, std::optional<double> loss_scale, bool train,
+                                                  uint64_t seed) {
+  PTK_RETURN_IF_ERROR(SelectSlot(slot));
+  PTK_RETURN_IF_ERROR(Prepare(batch));
+  const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+  if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+  Activations& a = *act_;
+  const int64_t n = batch.b * batch.t, nc = n * config().hidden_size;
+  PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), layout_.pre_process ? 0 : nc));
+  PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), layout_.post_process ? 0 : nc));
+  if (!layout_.pre_process) std::copy(input.begin(), input.end(), a.resid[0].begin());
+  PTK_RETURN_IF_ERROR(RunForward(batch, train, seed));
+  if (!layout_.post_process) {
+    const std::vector<float>& out = a.resid[layout_.layers.size()];
+    std::copy(out.begin(), out.end(), output.begin());
+    return LossSum{};
+  }
+  if (!loss_scale) {
+    PTK_RETURN_IF_ERROR(Loss(batch, nullptr));
+    return SumLosses(a.losses, batch.loss_mask, n);
+  }
+  // The fused loss leaves the logits' gradient in place for StageBackward (as ForwardBackward).
+  for (int64_t i = 0; i < n; ++i) a.dloss[i] = static_cast<float>(batch.loss_mask[i] * *loss_scale);
+  PTK_RETURN_IF_ERROR(Loss(batch, a.dloss.data()));
+  return SumLosses(a.losses, batch.loss_mask, n);
+}
+
+absl::Status CpuGPTModel::StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
+                                        std::span<float> input_grad, bool train, uint64_t seed) {
+  if (slot < 0 || slot >= static_cast<int>(slots_.size()))
+    return absl::InvalidArgumentError(fmt::format("StageBackward: slot {} holds no forward pass", slot));
+  PTK_RETURN_IF_ERROR(SelectSlot(slot));
+  Activations& a = *act_;
+  if (a.b != batch.b || a.t != batch.t)
+    return absl::InvalidArgumentError("StageBackward: the batch is not the shape of the slot's forward pass");
+  const int64_t nc = batch.b * batch.t * config().hidden_size;
+  PTK_RETURN_IF_ERROR(
+      CheckActivation("StageBackward output gradient", output_grad.size(), layout_.post_process ? 0 : nc));
+  PTK_RETURN_IF_ERROR(CheckActivation("StageBackward input gradient", input_grad.size(), layout_.pre_process ? 0 : nc));
+  if (!layout_.post_process) std::copy(output_grad.begin(), output_grad.end(), a.dresid.begin());
+  PTK_RETURN_IF_ERROR(RunBackward(batch, train, seed));
+  if (!layout_.pre_process) std::copy(a.dresid.begin(), a.dresid.end(), input_grad.begin());
+  return absl::OkStatus();
+}
+
+absl::Status CpuGPTModel::AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) {
+  if (begin < 0 || n < 0 || begin + n > num_params())
+    return absl::InvalidArgumentError(
+        fmt::format("AllReduceGradRange: [{}, {}) of {} parameters", begin, begin + n, num_params()));
+  return comm->AllReduceSum(grads_.data() + begin, n);
+}
+
+}  // namespace ptk

@@ -1,0 +1,36 @@
+// Megatron's pipeline schedules on one stage (forward_backward_pipelining_without_interleaving and
+// its forward-only case): the model is this rank's stage (GPTModel::StageForward / StageBackward),
+// `pipeline` the pipeline group (its rank the stage), and each micro-batch's activations, (b, t,
+// hidden) floats, and their gradients go to the adjacent stages through Communicator::SendRecv.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "trainer/comm.h"
+#include "trainer/gpt_model.h"
+
+namespace ptk {
+
+struct PipelineStats {
+  int max_in_flight = 0;  // the most micro-batches whose activations this stage held at once
+};
+
+// 1F1B over a step's micro-batches: stage s runs min(P - s - 1, m) warm-up forwards, then one
+// forward and one backward at a time, then the remaining backwards; at most P - s micro-batches'
+// activations are alive on stage s (P on the first). loss_scales[k] scales micro-batch k's loss
+// (its gradient), as ForwardBackward's loss_scale. Backwards run in micro-batch order, so each
+// stage adds its gradients in the order one rank does. Returns the masked loss sums on the last
+// stage, zero elsewhere.
+absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator* pipeline,
+                                                  const std::vector<ModelBatch>& micro_batches,
+                                                  std::span<const double> loss_scales, uint64_t seed,
+                                                  PipelineStats* stats = nullptr);
+
+// Forward only (evaluation, no dropout): each stage passes the micro-batch on. The loss sum on the
+// last stage, zero elsewhere.
+absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch);
+
+}  // namespace ptk

@@ -1,0 +1,92 @@
+// ptk-train's datasets and the check of --load (training_data.h).
+#include "trainer/training_data.h"
+
+#include <algorithm>
+
+#include <fmt/core.h>
+
+#include "common/file_paths.h"
+#include "common/status.h"
+
+namespace ptk {
+namespace {
+
+// --mock-data: synthetic documents (an arithmetic run of token ids per sample, EOD-separated), the
+// same for every run with the same seed. Not Megatron's MockGPTDataset token for token.
+class MockDataset : public TopLevelDataset {
+ public:
+  MockDataset(int64_t size, int64_t vocab, const GPTDatasetConfig& config) : size_(size), vocab_(vocab) {
+    config_ = config;
+    description_ = "MockGPTDataset";
+  }
+  int64_t size() const override { return size_; }
+  absl::Status Text(int64_t idx, int64_t* out, int64_t* dataset_id) const override {
+    *dataset_id = 0;
+    uint64_t h = static_cast<uint64_t>(idx) * 0x9e3779b97f4a7c15ULL + config_.random_seed;
+    h ^= h >> 29;
+    const int64_t start = static_cast<int64_t>(h % static_cast<uint64_t>(vocab_ - 1));
+    const int64_t step = 1 + static_cast<int64_t>((h >> 20) % 7);
+    const int64_t eod_every = 16 + static_cast<int64_t>((h >> 40) % 48);
+    for (int64_t i = 0; i <= config_.sequence_length; ++i)
+      out[i] = (i + 1) % eod_every == 0 ? config_.eod : (start + i * step) % (vocab_ - 1);
+    return absl::OkStatus();
+  }
+  py::Json unique_identifiers() const override { return py::Json(py::Json::Object{}); }
+
+ private:
+  int64_t size_, vocab_;
+};
+
+}  // namespace
+
+absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan) {
+  GPTDatasetConfig cfg;
+  cfg.random_seed = o.seed;
+  cfg.sequence_length = o.model.seq_length;
+  cfg.tokenizer = Gpt2TokenizerIdentifiers(o.vocab_file.empty() ? "gpt2-vocab.json" : o.vocab_file,
+                                           o.merge_file.empty() ? "gpt2-merges.txt" : o.merge_file);
+  cfg.path_to_cache = o.data_cache_path;
+  cfg.eod_mask_loss = o.eod_mask_loss;
+  cfg.reset_position_ids = o.reset_position_ids;
+  // Megatron's train_valid_test_num_samples.
+  const int64_t gbs = plan.global_batch_size, train_samples = plan.train_samples;
+  const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
+  const int64_t valid_samples = (plan.train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
+  const int64_t test_samples = eval_iters * gbs;
+  TrainingSplits s;
+  if (o.mock_data) {
+    s.train = std::make_shared<MockDataset>(train_samples, o.model.vocab_size, cfg);
+    if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, cfg);
+    if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, cfg);
+    return s;
+  }
+  DataArgs args = o.data;
+  args.sizes = {train_samples, valid_samples, test_samples};
+  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg));
+  s.train = sets[0];
+  s.valid = eval_iters > 0 ? sets[1] : nullptr;
+  s.test = eval_iters > 0 ? sets[2] : nullptr;
+  if (!s.train) return absl::InvalidArgumentError("the train split is empty: check --split and the data paths");
+  if (s.train->size() < train_samples)
+    return absl::InvalidArgumentError(
+        fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
+  return s;
+}
+
+absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
+  if (!PathExists(load)) return absl::OkStatus();  // a new run's directory
+  std::string dir = load;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  for (int up = 0; up < 3 && !dir.empty() && dir != "/" && dir != "."; ++up) {
+    dir = Dirname(dir);
+    if (PathExists(JoinPath(dir, "latest_checkpointed_iteration.txt")))
+      return UsageError(
+          fmt::format("--load {} is inside a checkpoint directory: --load takes the directory that holds "
+                      "latest_checkpointed_iteration.txt (it resumes from the iteration that file names): did you "
+                      "mean --load {}?",
+                      load, dir));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ptk

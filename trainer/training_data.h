@@ -1,0 +1,29 @@
+// ptk-train's datasets: the train, validation and test splits of a run (Megatron's
+// build_train_valid_test_datasets, or --mock-data's synthetic documents), and the check of --load.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
+#include "indexed_dataset/gpt_dataset.h"
+#include "trainer/train_options.h"
+
+namespace ptk {
+
+struct TrainingSplits {
+  std::shared_ptr<TopLevelDataset> train, valid, test;
+};
+
+// The splits with Megatron's train_valid_test_num_samples for the plan (valid and test null
+// without evaluation); --mock-data: synthetic documents (an arithmetic run of token ids per
+// sample, EOD-separated), the same for every run with the same seed.
+absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan);
+
+// --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
+// and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random
+// weights instead would be a silent mistake. A usage error naming that directory; OK otherwise.
+absl::Status CheckLoadIsACheckpointDirectory(const std::string& load);
+
+}  // namespace ptk

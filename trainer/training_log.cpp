@@ -1,0 +1,155 @@
+// ptk-train's log line and its numbers: Megatron's training_log format, the FLOPs formula, the
+// NaN check's message, --metrics-file (training.h, training_log.h).
+#include "trainer/training_log.h"
+
+#include <cerrno>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+
+#include <sys/stat.h>
+
+#include <fmt/core.h>
+
+#include "common/file_io.h"
+#include "common/file_paths.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "trainer/training.h"
+
+namespace ptk {
+
+MetricsFile::~MetricsFile() {
+  if (f_) std::fclose(f_);
+}
+absl::Status MetricsFile::Open(const std::string& path) {
+  path_ = path;
+  PTK_RETURN_IF_ERROR(MakeDirs(Dirname(path)));
+  f_ = std::fopen(path.c_str(), "a");
+  if (!f_) return ErrnoToStatus(errno, "open " + path);
+  return absl::OkStatus();
+}
+absl::Status MetricsFile::Append(const std::string& line) {
+  if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
+    return ErrnoToStatus(errno, "write " + path_);
+  return absl::OkStatus();
+}
+absl::Status MetricsFile::Sync() {
+  if (!f_) return absl::OkStatus();
+  if (std::fflush(f_) != 0) return ErrnoToStatus(errno, "write " + path_);
+  struct stat st;
+  if (::fstat(::fileno(f_), &st) == 0 && S_ISREG(st.st_mode) && ::fsync(::fileno(f_)) != 0)
+    return ErrnoToStatus(errno, "fsync " + path_);
+  return absl::OkStatus();
+}
+absl::Status MetricsFile::Close() {
+  if (!f_) return absl::OkStatus();
+  const int rc = std::fclose(f_);
+  f_ = nullptr;
+  if (rc != 0) return ErrnoToStatus(errno, "close " + path_);
+  return absl::OkStatus();
+}
+
+absl::Status OpenMetricsFile(const std::string& path, bool fresh, std::unique_ptr<OutputLock>* lock_out,
+                             MetricsFile* file) {
+  std::error_code ec;
+  const auto type = std::filesystem::status(path, ec).type();
+  if (type == std::filesystem::file_type::regular || type == std::filesystem::file_type::not_found) {
+    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(path)));
+    auto lock = OutputLock::Acquire(path);
+    if (IsOutputBusy(lock.status()))
+      return absl::AbortedError(fmt::format("--metrics-file {}", StatusMessage(lock.status())));
+    PTK_RETURN_IF_ERROR(lock.status());
+    *lock_out = *std::move(lock);
+    const auto size = std::filesystem::file_size(path, ec);
+    if (!ec && size > 0 && fresh)
+      log::Warning(
+          "--metrics-file {} holds {} bytes of an earlier run; this run starts at iteration 0 and appends its "
+          "lines after them",
+          path, size);
+  }
+  return file->Open(path);
+}
+
+absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir, bool fresh,
+                                                                  std::unique_ptr<OutputLock>* lock_out) {
+  PTK_RETURN_IF_ERROR(MakeDirs(dir));
+  const std::string events = JoinPath(dir, "events");
+  auto lock = OutputLock::Acquire(events);
+  if (IsOutputBusy(lock.status())) {
+    std::string msg(StatusMessage(lock.status()));
+    if (msg.rfind(events, 0) == 0) msg = dir + msg.substr(events.size());
+    return absl::AbortedError(fmt::format(
+        "--tensorboard-dir {}; or give this run its own directory (TensorBoard shows each subdirectory of its "
+        "--logdir as a run)",
+        msg));
+  }
+  PTK_RETURN_IF_ERROR(lock.status());
+  *lock_out = *std::move(lock);
+  int earlier = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    earlier += e.path().filename().string().find("tfevents") != std::string::npos;
+  if (earlier > 0 && fresh)
+    log::Warning(
+        "--tensorboard-dir {} holds {} event file(s) of an earlier run; this run starts at iteration 0, and "
+        "TensorBoard shows both as one run (give each run its own subdirectory to tell them apart)",
+        dir, earlier);
+  PTK_ASSIGN_OR_RETURN(std::unique_ptr<SummaryWriter> tb, SummaryWriter::Create(dir));
+  log::Info("TensorBoard events: {}", tb->path());
+  return tb;
+}
+
+std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
+
+std::string Timestamp() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
+  return buf;
+}
+
+double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
+  const double b = static_cast<double>(gbs), s = static_cast<double>(c.seq_length),
+               l = static_cast<double>(c.num_layers), h = static_cast<double>(c.hidden_size),
+               f = static_cast<double>(c.ffn_hidden_size), v = static_cast<double>(c.padded_vocab_size),
+               heads = static_cast<double>(c.num_attention_heads), groups = static_cast<double>(c.query_groups());
+  // Megatron's num_floating_point_operations: 12 * B * s * l * h^2 * ((1 + groups/heads + s/(2h)) * q/h
+  // + ffn/h * (3/2 with SwiGLU) + V/(2 l h)), q = kv_channels * heads the query projection's size.
+  const double q_ratio = static_cast<double>(c.head_dim()) * heads / h, gated = c.swiglu ? 1.5 : 1.0;
+  return 12.0 * b * s * l * h * h *
+         ((1.0 + groups / heads + s / (2.0 * h)) * q_ratio + f / h * gated + v / (2.0 * l * h));
+}
+
+absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, int rank) {
+  const bool loss_bad = !std::isfinite(r.loss_sum), grad_bad = !std::isfinite(r.grad_norm);
+  if (!loss_bad && !grad_bad) return absl::OkStatus();
+  const double bad = loss_bad ? r.loss_sum : r.grad_norm;
+  return absl::AbortedError(
+      fmt::format("iteration {} (rank {}): the {} is {} (lm loss {}, grad norm {}); stopping, as Megatron does with "
+                  "--check-for-nan-in-loss-and-grad (lower --lr, or resume from the last checkpoint; "
+                  "--no-check-for-nan-in-loss-and-grad skips such iterations instead)",
+                  iteration, rank, loss_bad ? "loss" : "gradient norm", std::isnan(bad) ? "NaN" : "infinite",
+                  std::fabs(r.lm_loss()), std::fabs(r.grad_norm)));
+}
+
+std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) {
+  std::string s = fmt::format(" [{}] iteration {:8d}/{:8d} |", timestamp, f.iteration, f.train_iters);
+  s += fmt::format(" consumed samples: {:12d} |", f.consumed_samples);
+  s += fmt::format(" elapsed time per iteration (ms): {:.1f} |", f.elapsed_ms);
+  s += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", f.tflops_per_gpu);
+  s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);
+  s += fmt::format(" global batch size: {:5d} |", f.global_batch_size);
+  if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
+  s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
+  s += fmt::format(" grad norm: {:.3f} |", f.grad_norm);
+  if (f.num_zeros_in_grad) s += fmt::format(" num zeros: {:.1f} |", *f.num_zeros_in_grad);
+  if (f.params_norm) s += fmt::format(" params norm: {:.3f} |", *f.params_norm);
+  s += fmt::format(" number of skipped iterations: {:3d} |", f.skipped);
+  s += fmt::format(" number of nan iterations: {:3d} |", f.nan);
+  return s;
+}
+
+}  // namespace ptk

@@ -1,0 +1,46 @@
+// ptk-train's outputs beside the log line: --metrics-file's JSON lines and the log line's clock.
+#pragma once
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/output_lock.h"
+#include "tensorboard/summary_writer.h"
+
+namespace ptk {
+
+// --metrics-file: one JSON line per iteration, each written and flushed with its errors checked
+// (a full disk stops the run with exit 3 instead of leaving an empty file behind a success).
+class MetricsFile {
+ public:
+  ~MetricsFile();
+  absl::Status Open(const std::string& path);
+  bool is_open() const { return f_ != nullptr; }
+  absl::Status Append(const std::string& line);
+  // On disk (a regular file; /dev/null and pipes have nothing to sync), before a checkpoint.
+  absl::Status Sync();
+  absl::Status Close();
+
+ private:
+  std::string path_;
+  FILE* f_ = nullptr;
+};
+
+// --metrics-file and --tensorboard-dir: one run writes to each at a time (a second run while the
+// first one still writes is refused naming it, instead of interleaving lines or event files);
+// runs one after the other append, as Megatron's do (a resume, a requeue), and a run that starts
+// anew (`fresh`) where an earlier run left events or lines says so. The lock is kept in *lock.
+absl::Status OpenMetricsFile(const std::string& path, bool fresh, std::unique_ptr<OutputLock>* lock, MetricsFile* file);
+// A new event file per run (a resume adds one), as Megatron's SummaryWriter.
+absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir, bool fresh,
+                                                                  std::unique_ptr<OutputLock>* lock);
+
+// A JSON number, or null for NaN/Inf (which JSON cannot spell).
+std::string JsonNumber(double v);
+
+// The log line's local time, "2024-05-01 12:34:56".
+std::string Timestamp();
+
+}  // namespace ptk
