@@ -17,13 +17,14 @@ struct BackendOptions {
   bool profile = false;          // --ptk-profile-ops: time every op (CUDA events)
   bool sync_ops = false;         // CUDA: synchronise after every op, name the one that fails (PTK_CUDA_SYNC_OPS=1)
   // The tensor-parallel group (--tensor-model-parallel-size; null or one rank: none). The CPU
-  // backend partitions the model over it; the CUDA backend refuses more than one rank.
+  // backend partitions the model over it (the CUDA backend's must be NCCL's: device collectives).
   Communicator* tensor_comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
 };
 
-// Why the CUDA backend refuses tensor parallelism (a usage error's text).
+// Why the CUDA backend refuses tensor parallelism over gloo, and sequence parallelism (usage errors' text).
 extern const char* const kCudaTensorParallelMissing;
+extern const char* const kCudaSequenceParallelMissing;
 // Why the CUDA backend refuses a model other than GPT-3's (GPTConfig::gpt3()): what it lacks.
 extern const char* const kCudaLlamaMissing;
 
