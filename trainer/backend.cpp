@@ -92,9 +92,14 @@ absl::Status CheckBackendChoice(Device device, Precision precision, bool device_
 }
 
 const char* const kCudaTensorParallelMissing =
-    "--tensor-model-parallel-size above 1 runs on the CPU backend only (--device cpu, gloo): the CUDA backend has no "
-    "partitioned layers yet (column- and row-parallel products, vocabulary-parallel embedding and cross-entropy "
-    "over NCCL)";
+    "--tensor-model-parallel-size above 1 on the CUDA backend needs NCCL for the tensor group "
+    "(--distributed-backend nccl, the default with --device cuda); gloo's tensor parallelism runs on the CPU "
+    "backend (--device cpu)";
+
+const char* const kCudaSequenceParallelMissing =
+    "--sequence-parallel runs on the CPU backend only (--device cpu, gloo): the CUDA backend's tensor parallelism "
+    "has no sequence-parallel LayerNorm, dropout and residual (all-gather / reduce-scatter around the products) yet; "
+    "drop --sequence-parallel to train tensor-parallel on GPUs";
 
 const char* const kCudaPipelineParallelMissing =
     "--pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, gloo): the CUDA backend has no "
@@ -114,7 +119,9 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
         CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel, backend.pipeline_stage));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
-  if (backend.tensor_comm && backend.tensor_comm->size() > 1) return UsageError(kCudaTensorParallelMissing);
+  const bool tp = backend.tensor_comm && backend.tensor_comm->size() > 1;
+  if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
+  if (tp && backend.sequence_parallel) return UsageError(kCudaSequenceParallelMissing);
   if (backend.pipeline_stage.size > 1) return UsageError(kCudaPipelineParallelMissing);
   if (!config.gpt3()) return UsageError(kCudaLlamaMissing);
   auto cuda = LoadCudaBackend();
@@ -126,6 +133,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   o.micro_batch_size = backend.micro_batch_size;
   o.profile = backend.profile;
   o.sync_ops = backend.sync_ops;
+  o.tensor_comm = tp ? backend.tensor_comm : nullptr;
   return (*cuda)->CreateModel(config, o);
 }
 

@@ -17,7 +17,7 @@ struct BackendOptions {
   bool profile = false;          // --ptk-profile-ops: time every op (CUDA events)
   bool sync_ops = false;         // CUDA: synchronise after every op, name the one that fails (PTK_CUDA_SYNC_OPS=1)
   // The tensor-parallel group (--tensor-model-parallel-size; null or one rank: none). The CPU
-  // backend partitions the model over it; the CUDA backend refuses more than one rank.
+  // backend partitions the model over it (the CUDA backend's must be NCCL's: device collectives).
   Communicator* tensor_comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
   // --pipeline-model-parallel-size: this rank's stage (the whole model by default). The CPU backend
@@ -25,9 +25,10 @@ struct BackendOptions {
   PipelineStage pipeline_stage;
 };
 
-// Why the CUDA backend refuses tensor parallelism (a usage error's text).
+// Why the CUDA backend refuses tensor parallelism over gloo, sequence parallelism and pipeline
+// parallelism (usage errors' text).
 extern const char* const kCudaTensorParallelMissing;
-// Why the CUDA backend refuses pipeline parallelism (a usage error's text).
+extern const char* const kCudaSequenceParallelMissing;
 extern const char* const kCudaPipelineParallelMissing;
 // Why the CUDA backend refuses a model other than GPT-3's (GPTConfig::gpt3()): what it lacks.
 extern const char* const kCudaLlamaMissing;

@@ -57,6 +57,36 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
   EXPECT_LT(m.logit_chunk_rows, m.n);
 }
 
+// Tensor parallelism: a rank's buffers hold its slices (heads, ffn columns, vocabulary rows) and
+// the fp32 buffers of the group's sums; the rest (the residual stream, the LayerNorms) is whole.
+TEST(CudaMemoryPlan, TensorRanksHoldTheirSlices) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 4;
+  o.logits_budget_bytes = int64_t{1} << 40;  // every row in one chunk
+  const MemoryPlan one = MustPlan(c, o);
+  o.tensor = 2;
+  auto layout = ParamLayout::Create(c, 2, 1);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto planned = PlanMemory(c, layout->num_params, o);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  const MemoryPlan& two = *planned;
+  for (int MemoryPlan::*b :
+       {&MemoryPlan::qkv, &MemoryPlan::atty, &MemoryPlan::fc1, &MemoryPlan::gelu, &MemoryPlan::attn_saved,
+        &MemoryPlan::logits, &MemoryPlan::dqkv, &MemoryPlan::datt, &MemoryPlan::dff})
+    EXPECT_EQ(two[two.*b].bytes * 2, one[one.*b].bytes) << two[two.*b].name;
+  for (int MemoryPlan::*b :
+       {&MemoryPlan::resid, &MemoryPlan::ln1, &MemoryPlan::ln2, &MemoryPlan::lnf, &MemoryPlan::dln})
+    EXPECT_EQ(two[two.*b].bytes, one[one.*b].bytes) << two[two.*b].name;
+  EXPECT_EQ(one.tp_sum, -1);
+  EXPECT_EQ(two[two.tp_sum].bytes, 4 * 1024 * 768 * 4);
+  EXPECT_EQ(two[two.tp_xent].bytes, (2 + 3) * 4 * 1024 * 4);
+  EXPECT_EQ(two[two.master].bytes, layout->num_params * 4);
+  o.tensor = 5;  // 12 heads do not divide by 5
+  EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
+}
+
 // The test hook of cuda_model_test's ChunkedLmHeadMatchesOneChunk (CudaModelOptions'
 // logits_budget_bytes, passed on as PlanOptions::logits_budget_bytes): a budget of 100 rows of
 // the padded vocabulary splits its 4x64 micro-batch (256 rows) into three balanced chunks, 86, 85

@@ -287,10 +287,14 @@ TEST_F(TensorParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {
       EXPECT_NE(log.find(c.says), std::string::npos) << "rank " << rank << "\n" << log;
     }
   }
-  // The CUDA backend has no partitioned layers yet: refused naming what is missing.
-  auto cuda = RunCmd(Train(2, "--device cuda", 2));
-  EXPECT_EQ(cuda.exit_code, 2) << cuda.output;
-  EXPECT_NE(cuda.output.find("runs on the CPU backend only"), std::string::npos) << cuda.output;
+  // The CUDA backend's tensor parallelism runs over NCCL without sequence parallelism: the rest is
+  // refused naming what is missing.
+  auto sp = RunCmd(Train(2, "--device cuda --sequence-parallel", 2));
+  EXPECT_EQ(sp.exit_code, 2) << sp.output;
+  EXPECT_NE(sp.output.find("--sequence-parallel runs on the CPU backend only"), std::string::npos) << sp.output;
+  auto gloo = RunCmd(Train(2, "--device cuda --distributed-backend gloo", 2));
+  EXPECT_EQ(gloo.exit_code, 2) << gloo.output;
+  EXPECT_NE(gloo.output.find("needs NCCL for the tensor group"), std::string::npos) << gloo.output;
 }
 
 }  // namespace

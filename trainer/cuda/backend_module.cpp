@@ -14,6 +14,7 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const ModelOptions& o) const override {
     CudaModelOptions options;
     options.sync_ops = o.sync_ops;
+    options.tensor = o.tensor_comm;
     return CreateCudaGPTModel(config, o.precision, o.device_index, o.deterministic, o.micro_batch_size, o.profile,
                               options);
   }
@@ -25,7 +26,7 @@ class CudaBackend final : public Backend {
 }  // namespace
 }  // namespace ptk::cuda
 
-extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v1() {
+extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v2() {
   static const ptk::cuda::CudaBackend backend;
   return &backend;
 }

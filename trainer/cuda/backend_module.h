@@ -22,7 +22,8 @@ struct ModelOptions {
   bool deterministic = false;
   int64_t micro_batch_size = 1;
   bool profile = false;
-  bool sync_ops = false;  // PTK_CUDA_SYNC_OPS=1: synchronise after every op, name the one that fails
+  bool sync_ops = false;                // PTK_CUDA_SYNC_OPS=1: synchronise after every op, name the one that fails
+  Communicator* tensor_comm = nullptr;  // tensor parallelism: the tensor group (NCCL), CudaModelOptions::tensor
 };
 
 class Backend {
@@ -36,11 +37,12 @@ class Backend {
   ~Backend() = default;  // the module's own static object: never deleted through this interface
 };
 
-// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v1(void).
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v2(void)
+// (v2: ModelOptions::tensor_comm).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
-inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v1";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v2";
 using BackendEntryFn = const Backend* (*)();
 
 }  // namespace ptk::cuda
 
-extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v1();
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v2();

@@ -122,16 +122,42 @@ class NcclCommunicator : public Communicator {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclResult_t r = ncclCommInitRankConfig(&comm_, o.world_size, id, o.rank, &config);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      comm_ = nullptr;
-      return Failed("NCCL initialisation", ncclGetErrorString(r));
-    }
-    guard_ = std::make_unique<NcclGuard>(
-        std::make_unique<RealNcclCalls>(comm_), timeout_,
-        [this](const std::string& what, const std::string& why) { return Failed(what, why); });
-    PTK_RETURN_IF_ERROR(guard_->Settle(r, "NCCL initialisation"));
-    watchdog_ = std::thread([this] { Watch(); });
-    return absl::OkStatus();
+    return Start(r, "NCCL initialisation");
+  }
+
+  // A group of this communicator's ranks (the tensor or data group): ncclCommSplit of this
+  // communicator, colour the group's first member. NCCL's split is collective over all of this
+  // communicator's ranks: every rank calls it for the groups of one kind (they partition the
+  // ranks, as ParallelLayout's do) at the same point. A group of one rank is the local
+  // communicator (no split: every group of the kind is then of one rank).
+  absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members,
+                                                         const std::string& name) override {
+    PTK_RETURN_IF_ERROR(CheckMembers(members, rank(), size()));
+    if (members.size() == 1) return MakeLocalCommunicator();
+    int me = 0;
+    while (members[static_cast<size_t>(me)] != rank()) ++me;
+    auto sub = std::make_unique<NcclCommunicator>();
+    sub->options_ = options_;
+    sub->options_.rank = me;
+    sub->options_.world_size = static_cast<int>(members.size());
+    sub->timeout_ = timeout_;
+    sub->device_ = device_;
+    sub->store_ = store_;
+    sub->group_ = fmt::format("{} group (world rank {})", name, rank());
+    PTK_RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "selecting the rank's GPU"));
+    PTK_RETURN_IF_ERROR(
+        sub->Cuda(cudaStreamCreateWithFlags(&sub->stream_, cudaStreamNonBlocking), "creating NCCL's stream"));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t child = nullptr;
+    int result = ncclSuccess;
+    PTK_RETURN_IF_ERROR(guard_->Call(fmt::format("making the {} group", name), [&] {
+      result = ncclCommSplit(comm_, members[0], rank(), &child, &config);
+      return result == ncclInProgress ? static_cast<int>(ncclSuccess) : result;
+    }));
+    sub->comm_ = child;
+    PTK_RETURN_IF_ERROR(sub->Start(static_cast<ncclResult_t>(result), fmt::format("making the {} group", name)));
+    return std::unique_ptr<Communicator>(std::move(sub));
   }
 
   int rank() const override { return options_.rank; }
@@ -232,6 +258,20 @@ class NcclCommunicator : public Communicator {
     std::string what;
   };
 
+  // The communicator comm_ (or the result r of making it) settled, guarded and watched.
+  absl::Status Start(ncclResult_t r, const std::string& what) {
+    if (r != ncclSuccess && r != ncclInProgress) {
+      comm_ = nullptr;
+      return Failed(what, ncclGetErrorString(r));
+    }
+    guard_ =
+        std::make_unique<NcclGuard>(std::make_unique<RealNcclCalls>(comm_), timeout_,
+                                    [this](const std::string& w, const std::string& why) { return Failed(w, why); });
+    PTK_RETURN_IF_ERROR(guard_->Settle(r, what));
+    watchdog_ = std::thread([this] { Watch(); });
+    return absl::OkStatus();
+  }
+
   absl::Status Cuda(cudaError_t e, std::string_view what) {
     if (e == cudaSuccess) return absl::OkStatus();
     (void)cudaGetLastError();
@@ -246,9 +286,10 @@ class NcclCommunicator : public Communicator {
   absl::Status Failed(const std::string& what, const std::string& why) {
     const std::string peers = store_ ? store_->DiagnosePeers(what + ": " + why) : "";
     return absl::UnavailableError(
-        fmt::format("rank {} (host {}, cuda:{}): {} failed (a rank died or the network "
+        fmt::format("rank {}{} (host {}, cuda:{}): {} failed (a rank died or the network "
                     "failed): {}{}",
-                    options_.rank, HostName(), device_, what, why, peers.empty() ? "" : "; " + peers));
+                    options_.rank, group_.empty() ? "" : " of the " + group_, HostName(), device_, what, why,
+                    peers.empty() ? "" : "; " + peers));
   }
   bool aborted() const { return guard_->aborted(); }
   absl::Status AbortedStatus() const { return guard_->abort_status(); }
@@ -383,8 +424,9 @@ class NcclCommunicator : public Communicator {
   NcclOptions options_;
   std::chrono::milliseconds timeout_{0};
   int device_ = 0;
-  std::unique_ptr<RendezvousStore> store_;
-  ncclComm_t comm_ = nullptr;  // called only through guard_ (under its lock, never after an abort)
+  std::shared_ptr<RendezvousStore> store_;  // shared with the groups made from this communicator
+  std::string group_;                       // a subgroup's name for messages; empty for the world
+  ncclComm_t comm_ = nullptr;               // called only through guard_ (under its lock, never after an abort)
   std::unique_ptr<NcclGuard> guard_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t last_event_ = nullptr;  // the last collective's, on last_stream_

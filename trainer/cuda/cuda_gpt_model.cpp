@@ -93,8 +93,9 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
 
 template <typename T>
 std::string CudaGPTModelImpl<T>::Describe() const {
-  return fmt::format("cuda:{} ({}, sm_{}{}) {}{}", ctx_.device, device_name_, ctx_.sm_major, ctx_.sm_minor,
-                     PrecisionName(PrecisionOf<T>()), ctx_.deterministic ? ", deterministic" : "");
+  return fmt::format("cuda:{} ({}, sm_{}{}) {}{}{}", ctx_.device, device_name_, ctx_.sm_major, ctx_.sm_minor,
+                     PrecisionName(PrecisionOf<T>()), ctx_.deterministic ? ", deterministic" : "",
+                     tensor_size() > 1 ? fmt::format(", tensor rank {} of {}", tensor_rank(), tensor_size()) : "");
 }
 
 template <typename T>
@@ -103,8 +104,9 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   o.precision = PrecisionOf<T>();
   o.micro_batch_size = b;
   o.seq_length = t;
-  o.attention_scratch_floats =
-      kFlash ? 0 : AttentionBackwardScratch(AttentionShape{b, t, config().num_attention_heads, config().head_dim()});
+  o.tensor = tensor_size();
+  const int64_t heads = config().num_attention_heads / tensor_size();  // this rank's
+  o.attention_scratch_floats = kFlash ? 0 : AttentionBackwardScratch(AttentionShape{b, t, heads, config().head_dim()});
   o.reduce_doubles = SumSquaresPartials(num_params());
   o.padded_params = padded_params_;
   o.moment_params = moment_params_;
@@ -115,7 +117,7 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
     // in deterministic mode): the plan makes room for the larger of it and the products'. Without
     // attention dropout (and in evaluation) attention runs over the whole micro-batch; with it,
     // training runs one sample per call (AttentionFwd).
-    const AttentionShape shape{b, t, config().num_attention_heads, config().head_dim()};
+    const AttentionShape shape{b, t, heads, config().head_dim()};
     PTK_ASSIGN_OR_RETURN(const int64_t flash, FlashAttentionWorkspaceBytes<T>(shape, 0.0, ctx_));
     o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, flash);
     if (config().attention_dropout > 0) {
@@ -205,11 +207,15 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
   if (dropout) {
     const int64_t L = config().num_layers;
     uint64_t* table = pinned.at<uint64_t>(static_cast<size_t>(in_bytes));
+    // Head h's attention mask is stream streams[b] + h: a tensor rank whose first head is head0
+    // starts there, so that every head keeps its mask at any tensor size (as the CPU model).
+    const uint64_t head0 = static_cast<uint64_t>(tensor_rank() * (config().num_attention_heads / tensor_size()));
     for (int64_t l = 0; l <= L; ++l)
       for (int64_t site = 0; site < 4; ++site)
         for (int64_t r = 0; r < b_; ++r)
           table[StreamIndex(l, site, b_) + r] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]),
-                                                              static_cast<uint64_t>(l), static_cast<uint64_t>(site));
+                                                              static_cast<uint64_t>(l), static_cast<uint64_t>(site)) +
+                                                (site == kAttentionProbs ? head0 : 0);
     PTK_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(Buf<uint64_t>(plan_.streams), table, static_cast<size_t>(StreamTableSize(L, b_)) * 8,
                         cudaMemcpyHostToDevice, ctx_.stream),
@@ -248,8 +254,14 @@ template <typename T>
 absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int device, bool deterministic,
                                                int64_t micro_batch_size, bool profile,
                                                const CudaModelOptions& options) {
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config));
+  Communicator* tensor = options.tensor;
+  const int size = tensor ? tensor->size() : 1, rank = tensor ? tensor->rank() : 0;
+  if (size > 1 && !tensor->device_collectives())
+    return absl::InvalidArgumentError(
+        fmt::format("tensor parallelism on CUDA needs NCCL for the tensor group, not {}", tensor->backend()));
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank));
   auto m = std::make_unique<CudaGPTModelImpl<T>>(std::move(layout));
+  if (size > 1) m->SetTensorComm(tensor);
   PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size, profile, options));
   return std::unique_ptr<GPTModel>(std::move(m));
 }

@@ -17,6 +17,10 @@ int VisibleDeviceCount();
 // Settings of the CUDA model beside the run's flags. The library reads no environment: ptk-train's
 // main fills sync_ops from PTK_CUDA_SYNC_OPS.
 struct CudaModelOptions {
+  // Tensor parallelism (Megatron's, as CpuGPTModel's): with a group of several ranks, this rank's
+  // partition of the model (ParamLayout::Create's slices), its layers' collectives over `tensor`
+  // on the compute stream. It must have device collectives (NCCL) and outlive the model.
+  Communicator* tensor = nullptr;
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).
   bool sync_ops = false;

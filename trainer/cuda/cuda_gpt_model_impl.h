@@ -74,6 +74,9 @@ class CudaGPTModelImpl final : public GPTModel {
  public:
   static constexpr bool kFlash = !std::is_same_v<T, float>;
   CudaGPTModelImpl(ParamLayout layout) : GPTModel(std::move(layout)) {}
+  // Tensor parallelism: the group this rank's partition communicates over (NCCL: device
+  // collectives on the compute stream); it must outlive the model.
+  void SetTensorComm(Communicator* tensor) { tensor_comm_ = tensor; }
   ~CudaGPTModelImpl() override {
     worker_.reset();
     if (comm_stream_) cudaStreamSynchronize(comm_stream_);
@@ -124,6 +127,8 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status GradSumSquaresPartials(int64_t begin, int64_t end, std::vector<double>* out) override;
   absl::Status AllGatherParams(Communicator* comm) override;
   absl::StatusOr<double> GradSumSquares() override;
+  // Sum of squares of the gradients [offset, offset + count), synchronised.
+  absl::StatusOr<double> SumSquaresOf(int64_t offset, int64_t count);
   absl::Status ScaleGrads(double s) override;
   // One launch over the table of the pieces this rank updates, the gradient scale folded in.
   absl::Status ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) override;
@@ -241,6 +246,16 @@ class CudaGPTModelImpl final : public GPTModel {
   // their gradient at once and flow back into the final LayerNorm's gradient (dln) and the output
   // weight's gradient; without, the losses (and, when asked, the logits) are all that is kept.
   absl::Status RunHead(bool backward, std::vector<float>* logits_out);
+  // Tensor parallelism: x(rows, c) summed over the tensor group (NCCL on the compute stream, in
+  // fp32 through plan_.tp_sum; with summed_in_fp32 the fp32 partial is already there), then
+  // rounded to T with a bias (a row-parallel product's, added once) or the position embeddings
+  // added (bias, positions/wpe may be null).
+  absl::Status TensorSum(T* x, int64_t rows, int64_t c, const T* bias, const int32_t* positions, const T* wpe,
+                         bool summed_in_fp32 = false);
+  // The vocabulary-parallel cross-entropy of a chunk of rows of this rank's logits slice (with
+  // dlosses the slice becomes its gradient): maxima all-gathered, sums and target logits
+  // all-reduced over the tensor group.
+  absl::Status VocabParallelLoss(T* logits, float* losses, const int32_t* labels, const float* dlosses, int64_t rows);
   // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.
   absl::Status RunBackward(bool train, uint64_t seed);
   // The gradient a residual branch's backward starts from: the residual gradient itself where no

@@ -7,8 +7,10 @@
 // ever kept).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include <fmt/core.h>
@@ -91,18 +93,38 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
-  const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, L = cf.num_layers;
+  // This rank's slices under tensor parallelism (everything at one tensor rank): attention width ct
+  // (its heads), ffn columns f.
+  const int64_t n = n_, c = cf.hidden_size, ct = c / tensor_size(), f = cf.ffn_hidden_size / tensor_size(),
+                L = cf.num_layers;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   const double eps = cf.layernorm_epsilon;
-  const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
+  const AttentionShape shape{b_, t_, cf.num_attention_heads / tensor_size(), cf.head_dim()};
   T* tmp = Buf<T>(plan_.tmp);
+  const bool tp = tensor_size() > 1;
+  // Row-parallel products: the partial products summed over the tensor group, then the bias once.
+  auto row_parallel = [&](const char* name, const T* inp, int64_t w, int64_t bias, int64_t k) -> absl::Status {
+    if (!tp) return Op("matmul", name, MatmulForward<T>(tmp, inp, Compute(w), Compute(bias), n, k, c, ctx_));
+    PTK_RETURN_IF_ERROR(
+        Op("matmul", name, MatmulForward<T>(tmp, inp, Compute(w), static_cast<const T*>(nullptr), n, k, c, ctx_)));
+    return TensorSum(tmp, n, c, Compute(bias), nullptr, nullptr);
+  };
   // Hidden dropout inside the LayerNorm kernels (FusedDropout), else as its own pass.
   const bool fuse = hp > 0 && !unfused_.dropout_pass;
 
   layer_ = -1;
-  PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
-                         EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
-                                             Compute(pl.wpe), n, c, ctx_)));
+  if (!tp) {
+    PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
+                           EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
+                                               Compute(pl.wpe), n, c, ctx_)));
+  } else {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
+    const int64_t vt = cf.padded_vocab_size / tensor_size();
+    PTK_RETURN_IF_ERROR(Op("embedding", "vocabulary-slice embedding",
+                           VocabSliceEmbeddingForward<T>(Buf<float>(plan_.tp_sum), Tokens(), Compute(pl.wte),
+                                                         tensor_rank() * vt, vt, n, c, ctx_)));
+    PTK_RETURN_IF_ERROR(TensorSum(Act(plan_.resid, 0, n * c), n, c, nullptr, Positions(), Compute(pl.wpe),
+                                  /*summed_in_fp32=*/true));
+  }
   const LayerParams& first = pl.layers[0];
   if (fuse) {
     PTK_RETURN_IF_ERROR(
@@ -121,14 +143,13 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   for (int64_t l = 0; l < L; ++l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
-    T* qkv = Act(plan_.qkv, l, n * 3 * c);
-    T* atty = Act(plan_.atty, l, n * c);
+    T* qkv = Act(plan_.qkv, l, n * 3 * ct);
+    T* atty = Act(plan_.atty, l, n * ct);
     PTK_RETURN_IF_ERROR(
         Op("matmul", "qkv",
-           MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, 3 * c, ctx_)));
+           MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, 3 * ct, ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
-    PTK_RETURN_IF_ERROR(
-        Op("matmul", "proj", MatmulForward<T>(tmp, atty, Compute(lp.proj_w), Compute(lp.proj_b), n, c, c, ctx_)));
+    PTK_RETURN_IF_ERROR(row_parallel("proj", atty, lp.proj_w, lp.proj_b, ct));
     // resid_mid[l] = resid[l] + dropout(tmp): the attention output's dropout, in the kernel when fused.
     if (!fuse)
       PTK_RETURN_IF_ERROR(Op("dropout", "attention-out dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
@@ -140,9 +161,7 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op("matmul", "fc1+gelu",
                            MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                             Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
-    PTK_RETURN_IF_ERROR(
-        Op("matmul", "fc2",
-           MatmulForward<T>(tmp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), Compute(lp.fc2_b), n, f, c, ctx_)));
+    PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * f), lp.fc2_w, lp.fc2_b, f));
     if (!fuse) PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
     // resid[l+1] = resid_mid[l] + dropout(tmp), then the next LayerNorm (the next layer's or the final one).
     const bool last = l + 1 == L;
@@ -163,7 +182,7 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap,
                                                uint64_t seed) {
   if constexpr (kFlash) {
-    const int64_t nh = config().num_attention_heads, c = config().hidden_size;
+    const int64_t nh = shape.nh, c = shape.nh * shape.hd;  // this rank's heads
     float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
     if (ap <= 0) return FlashAttentionForward<T>(atty, stats, qkv, shape, 0.0, 0, 0, ctx_);
     // Dropout: one sample per call, its own key (Prepare).
@@ -173,8 +192,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
                                                    ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
     return absl::OkStatus();
   } else {
-    float* probs = Buf<float>(plan_.attn_saved) +
-                   (config().recompute_activations ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
+    float* probs = Buf<float>(plan_.attn_saved) + (config().recompute_activations ? 0 : l) * b_ * shape.nh * t_ * t_;
     return AttentionForward(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr, ctx_);
   }
 }
@@ -182,11 +200,14 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* logits_out) {
   const GPTConfig& cf = config();
-  const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size, out_w = layout().out_w;
+  // vp: this rank's columns of the padded vocabulary under tensor parallelism (column-parallel
+  // output layer; no rank holds whole logits), all of them at one tensor rank.
+  const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size / tensor_size(), out_w = layout().out_w;
+  const bool tp = tensor_size() > 1;
   T* logits = Buf<T>(plan_.logits);
   const T* lnf = Buf<T>(plan_.lnf);
   float* losses = Buf<float>(plan_.losses);
-  if (logits_out) logits_out->assign(static_cast<size_t>(n * vp), 0.0f);
+  if (logits_out) logits_out->assign(static_cast<size_t>(n * vp * tensor_size()), 0.0f);
   std::vector<T> chunk_host;
   layer_ = -1;
   // Balanced chunks of whole tiles (one when the plan had room for every row): each chunk's
@@ -201,36 +222,106 @@ absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* log
         Op("matmul", "lm head",
            MatmulForward<T>(logits, lnf + r0 * c, Compute(out_w), static_cast<const T*>(nullptr), rows, c, vp, ctx_)));
     if (backward) {
-      PTK_RETURN_IF_ERROR(
-          Op("loss", "loss+dlogits",
-             SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows, vp, ctx_)));
+      if (tp)
+        PTK_RETURN_IF_ERROR(VocabParallelLoss(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows));
+      else
+        PTK_RETURN_IF_ERROR(
+            Op("loss", "loss+dlogits",
+               SoftmaxCrossEntropyFused<T>(logits, losses + r0, Labels() + r0, LossWeights() + r0, rows, vp, ctx_)));
       PTK_RETURN_IF_ERROR(Op("matmul", "lm head backward",
                              MatmulBackward<T>(Buf<T>(plan_.dln) + r0 * c, Grad(out_w), nullptr, logits, lnf + r0 * c,
                                                Compute(out_w), rows, c, vp, ctx_)));
       continue;
     }
-    PTK_RETURN_IF_ERROR(
-        Op("loss", "loss", SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_)));
     if (logits_out) {
       chunk_host.resize(static_cast<size_t>(rows * vp));
       PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(chunk_host.data(), logits, chunk_host.size() * sizeof(T),
                                                cudaMemcpyDeviceToHost, ctx_.stream),
                                "copying logits to the host");
       PTK_RETURN_IF_ERROR(Sync("copying logits"));
-      float* dst = logits_out->data() + r0 * vp;
-      for (size_t i = 0; i < chunk_host.size(); ++i) dst[i] = ToFloat(chunk_host[i]);
+      if (!tp) {
+        float* dst = logits_out->data() + r0 * vp;
+        for (size_t i = 0; i < chunk_host.size(); ++i) dst[i] = ToFloat(chunk_host[i]);
+      } else {  // the whole rows from every rank's slice (text samples), as the CPU model gathers them
+        const int Tn = tensor_size();
+        std::vector<float> all(static_cast<size_t>(Tn * rows * vp));
+        float* mine = all.data() + tensor_rank() * rows * vp;
+        for (size_t i = 0; i < chunk_host.size(); ++i) mine[i] = ToFloat(chunk_host[i]);
+        const std::vector<int64_t> bytes(static_cast<size_t>(Tn), rows * vp * static_cast<int64_t>(sizeof(float)));
+        PTK_RETURN_IF_ERROR(tensor_comm()->AllGather(all.data(), bytes));
+        for (int r = 0; r < Tn; ++r)
+          for (int64_t i = 0; i < rows; ++i)
+            std::copy(all.begin() + (r * rows + i) * vp, all.begin() + (r * rows + i + 1) * vp,
+                      logits_out->begin() + (r0 + i) * vp * Tn + r * vp);
+      }
     }
+    // After the copy: the vocabulary-parallel loss overwrites nothing, the plain one reads only.
+    if (tp)
+      PTK_RETURN_IF_ERROR(VocabParallelLoss(logits, losses + r0, Labels() + r0, nullptr, rows));
+    else
+      PTK_RETURN_IF_ERROR(
+          Op("loss", "loss", SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_)));
   }
+  // Column-parallel output layer: its input gradient summed over the tensor group.
+  if (backward && tp) PTK_RETURN_IF_ERROR(TensorSum(Buf<T>(plan_.dln), n, c, nullptr, nullptr, nullptr));
   return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::TensorSum(T* x, int64_t rows, int64_t c, const T* bias, const int32_t* positions,
+                                            const T* wpe, bool summed_in_fp32) {
+  float* sum = Buf<float>(plan_.tp_sum);
+  if (!summed_in_fp32) {
+    if constexpr (std::is_same_v<T, float>)
+      sum = x;  // fp32: in place
+    else
+      PTK_RETURN_IF_ERROR(Op("tensor parallel", "to fp32 for the sum", CastToFloat<T>(sum, x, rows * c, ctx_)));
+  }
+  PTK_RETURN_IF_ERROR(Op("tensor parallel", "all-reduce over the tensor group",
+                         tensor_comm()->AllReduceSumDevice(sum, rows * c, ctx_.stream)));
+  if (static_cast<void*>(sum) == static_cast<void*>(x) && !bias && !wpe) return absl::OkStatus();
+  return Op("tensor parallel", "sum finish", TensorSumFinish<T>(x, sum, bias, positions, wpe, rows, c, ctx_));
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::VocabParallelLoss(T* logits, float* losses, const int32_t* labels,
+                                                    const float* dlosses, int64_t rows) {
+  const int Tn = tensor_size();
+  const int64_t vt = config().padded_vocab_size / Tn, v0 = tensor_rank() * vt;
+  // tp_xent: maxima (ranks, rows), then the group's maxima, the sums and the target logits (rows
+  // each; the last two adjacent: one all-reduce).
+  float* maxima = Buf<float>(plan_.tp_xent);
+  float* global = maxima + Tn * rows;
+  float* sums = global + rows;
+  float* target = sums + rows;
+  PTK_RETURN_IF_ERROR(
+      Op("loss", "vocab-parallel loss: maxima",
+         VocabParallelXentLocal<T>(maxima + tensor_rank() * rows, target, logits, labels, rows, vt, v0, ctx_)));
+  const std::vector<int64_t> bytes(static_cast<size_t>(Tn), rows * static_cast<int64_t>(sizeof(float)));
+  PTK_RETURN_IF_ERROR(Op("tensor parallel", "all-gather of the row maxima",
+                         tensor_comm()->AllGatherDevice(maxima, bytes, ctx_.stream)));
+  PTK_RETURN_IF_ERROR(Op("loss", "vocab-parallel loss: sums",
+                         VocabParallelXentSums<T>(global, sums, maxima, Tn, logits, rows, vt, ctx_)));
+  PTK_RETURN_IF_ERROR(Op("tensor parallel", "all-reduce of the sums and target logits",
+                         tensor_comm()->AllReduceSumDevice(sums, 2 * rows, ctx_.stream)));
+  return Op("loss", dlosses ? "vocab-parallel loss+dlogits" : "vocab-parallel loss",
+            VocabParallelXentFinish<T>(logits, losses, global, sums, target, labels, dlosses, rows, vt, v0, ctx_));
 }
 
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
-  const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, L = cf.num_layers;
+  const int64_t n = n_, c = cf.hidden_size, ct = c / tensor_size(), f = cf.ffn_hidden_size / tensor_size(),
+                L = cf.num_layers;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  const AttentionShape shape{b_, t_, cf.num_attention_heads, cf.head_dim()};
+  const AttentionShape shape{b_, t_, cf.num_attention_heads / tensor_size(), cf.head_dim()};
+  const bool tp = tensor_size() > 1;
+  // Under tensor parallelism the LayerNorms, the position embeddings and the row-parallel biases
+  // are whole on every tensor rank and their gradients come out the same on every one without a
+  // reduction (as the CPU model's): each is computed from the residual stream's gradient, which
+  // every rank holds with the same bits (the column-parallel products' input gradients are summed
+  // over the group by NCCL, whose all-reduce leaves the same bits on every rank).
   const size_t act_bytes = static_cast<size_t>(n * c) * sizeof(T);
   T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff),
     *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
@@ -265,6 +356,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op("matmul", "fc1 backward",
                            MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
                                              Compute(lp.fc1_w), n, c, f, ctx_)));
+    if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel fc1
     PTK_RETURN_IF_ERROR(
         Op("layernorm", "ln2 backward",
            LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c), Ln(lp.ln2_w),
@@ -276,12 +368,13 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
       PTK_ASSIGN_OR_RETURN(dproj, BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
     }
     PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
-                           MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * c),
-                                             Compute(lp.proj_w), n, c, c, ctx_)));
+                           MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * ct),
+                                             Compute(lp.proj_w), n, ct, c, ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
     PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
                            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
-                                             Compute(lp.qkv_w), n, c, 3 * c, ctx_)));
+                                             Compute(lp.qkv_w), n, c, 3 * ct, ctx_)));
+    if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel QKV
     PTK_RETURN_IF_ERROR(Op("layernorm", "ln1 backward",
                            LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
                                       Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
@@ -296,7 +389,8 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   PTK_RETURN_IF_ERROR(
       Op("embedding", "embedding backward",
          EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
-                              n, c, cf.padded_vocab_size, cf.max_position_embeddings, &embedding_plan_, ctx_)));
+                              n, c, cf.padded_vocab_size / tensor_size(), cf.max_position_embeddings, &embedding_plan_,
+                              ctx_, tp ? tensor_rank() * (cf.padded_vocab_size / tensor_size()) : -1)));
   GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
   return absl::OkStatus();
 }
@@ -326,10 +420,10 @@ absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, cons
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape,
                                                double ap, uint64_t seed) {
-  const int64_t n = n_, c = config().hidden_size;
+  const int64_t n = n_, c = shape.nh * shape.hd;  // this rank's heads
   const T* qkv = Act(plan_.qkv, l, n * 3 * c);
   if constexpr (kFlash) {
-    const int64_t nh = config().num_attention_heads;
+    const int64_t nh = shape.nh;
     const T* out = Act(plan_.atty, l, n * c);
     const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
     if (ap <= 0) return FlashAttentionBackward<T>(dqkv, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_);
@@ -344,7 +438,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
     return absl::OkStatus();
   } else {
     const bool recompute = config().recompute_activations;
-    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * config().num_attention_heads * t_ * t_;
+    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * shape.nh * t_ * t_;
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
     if (recompute)  // the probabilities again; the output lands in a scratch buffer
       PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
@@ -387,6 +481,10 @@ LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float>
   template absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,                            \
                                                           const AttentionShape& shape, double ap, uint64_t seed);      \
   template absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* logits_out);                   \
+  template absl::Status CudaGPTModelImpl<T>::TensorSum(T* x, int64_t rows, int64_t c, const T* bias,                   \
+                                                       const int32_t* positions, const T* wpe, bool summed_in_fp32);   \
+  template absl::Status CudaGPTModelImpl<T>::VocabParallelLoss(T* logits, float* losses, const int32_t* labels,        \
+                                                               const float* dlosses, int64_t rows);                    \
   template absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed);                                   \
   template absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, \
                                                                     int64_t site, double p, uint64_t seed);            \

@@ -101,6 +101,16 @@ absl::Status CudaGPTModelImpl<T>::GradSumSquaresPartials(int64_t begin, int64_t 
     return absl::InvalidArgumentError(
         fmt::format("GradSumSquaresPartials: range [{}, {}) of {} parameters", begin, end, num_params()));
   if (begin == end) return absl::OkStatus();
+  if (tensor_rank() > 0) {  // another tensor rank: its slices only, as GradSumSquares
+    double s = 0;
+    for (const ParamPiece& piece : PiecesIn(layout(), begin, end)) {
+      if (piece.tensor_split_dim < 0) continue;
+      PTK_ASSIGN_OR_RETURN(const double part, SumSquaresOf(piece.offset, piece.size));
+      s += part;
+    }
+    out->push_back(s);
+    return absl::OkStatus();
+  }
   // One partial: SumSquares over the range (over [0, n), GradSumSquares' own bits).
   Begin();
   double* partials = Buf<double>(plan_.reduce);
@@ -142,10 +152,25 @@ absl::Status CudaGPTModelImpl<T>::AllGatherParams(Communicator* comm) {
 
 template <typename T>
 absl::StatusOr<double> CudaGPTModelImpl<T>::GradSumSquares() {
+  if (tensor_rank() > 0) {
+    // Another tensor rank: its slices only (tensor rank 0 counts what every rank holds whole).
+    double s = 0;
+    for (const ParamInfo& p : params_info()) {
+      if (p.tensor_split_dim < 0) continue;
+      PTK_ASSIGN_OR_RETURN(const double part, SumSquaresOf(p.offset, p.size));
+      s += part;
+    }
+    return s;
+  }
+  return SumSquaresOf(0, num_params());
+}
+
+template <typename T>
+absl::StatusOr<double> CudaGPTModelImpl<T>::SumSquaresOf(int64_t offset, int64_t count) {
   Begin();
   double* partials = Buf<double>(plan_.reduce);
-  double* result = partials + SumSquaresPartials(num_params());
-  PTK_RETURN_IF_ERROR(Op("grad norm", "grad norm", SumSquares(result, Grad(0), num_params(), partials, ctx_)));
+  double* result = partials + SumSquaresPartials(count);
+  PTK_RETURN_IF_ERROR(Op("grad norm", "grad norm", SumSquares(result, Grad(offset), count, partials, ctx_)));
   double host = 0;
   PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, result, sizeof host, cudaMemcpyDeviceToHost, ctx_.stream),
                            "reading the gradient norm");
@@ -384,6 +409,7 @@ absl::Status CudaGPTModelImpl<T>::UploadRange(int index, const float* in, int64_
                                                                     std::vector<double>* out);                      \
   template absl::Status CudaGPTModelImpl<T>::AllGatherParams(Communicator* comm);                                   \
   template absl::StatusOr<double> CudaGPTModelImpl<T>::GradSumSquares();                                            \
+  template absl::StatusOr<double> CudaGPTModelImpl<T>::SumSquaresOf(int64_t offset, int64_t count);                 \
   template absl::Status CudaGPTModelImpl<T>::ScaleGrads(double s);                                                  \
   template absl::Status CudaGPTModelImpl<T>::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay,         \
                                                                const AdamWParams& no_decay);                        \

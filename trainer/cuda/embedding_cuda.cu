@@ -59,10 +59,14 @@ __global__ void EmbeddingBackwardKernel(float* dtable, const T* dout, const int3
 template <typename Where>
 absl::Status GroupRows(const int32_t* id_of, int64_t n, int64_t rows, std::string_view what,
                        std::vector<int32_t>& counts, int32_t* out, int64_t* groups, int64_t* written,
-                       const Where& where) {
+                       const Where& where, int64_t first = -1) {
+  // A slice [first, first + rows): ids outside it are left out.
+  const int64_t shift = first >= 0 ? first : 0;
+  auto skip = [&](int32_t id) { return first >= 0 && (id < first || id >= first + rows); };
   counts.assign(static_cast<size_t>(rows), 0);
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t id = id_of[i];
+    if (skip(id_of[i])) continue;
+    const int32_t id = static_cast<int32_t>(id_of[i] - shift);
     if (id < 0 || id >= rows) {
       return absl::InvalidArgumentError(
           fmt::format("{}: {} id {} at row {} is outside [0, {})", where(), what, id, i, rows));
@@ -85,8 +89,9 @@ absl::Status GroupRows(const int32_t* id_of, int64_t n, int64_t rows, std::strin
     counts[static_cast<size_t>(id)] = pos;  // from here on: the next free slot of the id
     pos += k;
   }
-  starts[g] = static_cast<int32_t>(n);
-  for (int64_t i = 0; i < n; ++i) order[counts[static_cast<size_t>(id_of[i])]++] = static_cast<int32_t>(i);
+  starts[g] = pos;
+  for (int64_t i = 0; i < n; ++i)
+    if (!skip(id_of[i])) order[counts[static_cast<size_t>(id_of[i] - shift)]++] = static_cast<int32_t>(i);
   *groups = g;
   *written = n + 2 * g + 1;
   return absl::OkStatus();
@@ -168,7 +173,7 @@ template <typename T>
 absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions,
                                const int32_t* tokens_host, const int32_t* positions_host, int64_t n, int64_t c,
                                int64_t vocab_rows, int64_t position_rows, EmbeddingBackwardPlan* plan,
-                               const CudaContext& ctx) {
+                               const CudaContext& ctx, int64_t vocab_first) {
   auto where = [&] {
     return fmt::format("EmbeddingBackward<{}>(n={}, c={}, vocab_rows={}, position_rows={})", kernel::TypeName<T>(), n,
                        c, vocab_rows, position_rows);
@@ -191,8 +196,8 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
   // The previous call's upload must have left the staging before it is rewritten.
   PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(plan->uploaded), where());
   int64_t token_groups = 0, token_ints = 0, position_groups = 0, position_ints = 0;
-  PTK_KERNEL_CHECK(
-      GroupRows(tokens_host, n, vocab_rows, "token", plan->counts, plan->host, &token_groups, &token_ints, where));
+  PTK_KERNEL_CHECK(GroupRows(tokens_host, n, vocab_rows, "token", plan->counts, plan->host, &token_groups, &token_ints,
+                             where, vocab_first));
   PTK_KERNEL_CHECK(GroupRows(positions_host, n, position_rows, "position", plan->counts, plan->host + token_ints,
                              &position_groups, &position_ints, where));
   const size_t bytes = static_cast<size_t>(token_ints + position_ints) * sizeof(int32_t);
@@ -217,7 +222,7 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
                                             const CudaContext&);                                                       \
   template absl::Status EmbeddingBackward<T>(float*, float*, const T*, const int32_t*, const int32_t*, const int32_t*, \
                                              const int32_t*, int64_t, int64_t, int64_t, int64_t,                       \
-                                             EmbeddingBackwardPlan*, const CudaContext&);
+                                             EmbeddingBackwardPlan*, const CudaContext&, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

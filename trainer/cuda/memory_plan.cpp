@@ -69,8 +69,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.n = m.b * t;
   m.flash = o.precision != Precision::kFp32;
   m.act_bytes = m.flash ? 2 : 4;
-  const int64_t L = cf.num_layers, c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size,
-                nh = cf.num_attention_heads, n = m.n, a = m.act_bytes;
+  const int64_t T = o.tensor;
+  if (T < 1 || cf.num_attention_heads % T != 0 || cf.ffn_hidden_size % T != 0 || cf.padded_vocab_size % T != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("memory plan: heads, ffn hidden size and padded vocabulary do not divide by tensor size {}", T));
+  m.tensor = T;
+  // This rank's slices: attention width ct (its heads), ffn f, vocabulary vp.
+  const int64_t L = cf.num_layers, c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
+                vp = cf.padded_vocab_size / T, nh = cf.num_attention_heads / T, n = m.n, a = m.act_bytes;
   m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
   int64_t offset = 0;
@@ -106,8 +112,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.resid_mid = add("activations: residual after attention", L * n * c * a, act_lower);
   m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);
   m.ln1_stats = add("activations: input LayerNorm statistics", L * 2 * n * 4, act_lower);
-  m.qkv = add("activations: QKV", L * n * 3 * c * a, act_lower);
-  m.atty = add("activations: attention output", L * n * c * a, act_lower);
+  m.qkv = add("activations: QKV", L * n * 3 * ct * a, act_lower);
+  m.atty = add("activations: attention output", L * n * ct * a, act_lower);
   if (m.flash)
     m.attn_saved = add("activations: flash attention softmax statistics", L * m.b * nh * t * 4, act_lower);
   else
@@ -120,7 +126,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.gelu = add("activations: MLP GELU", L * n * f * a, act_lower);
   m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
   m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
-  m.logits = add(fmt::format("logits ({} rows x padded vocabulary {})", m.logit_chunk_rows, vp),
+  m.logits = add(fmt::format("logits ({} rows x padded vocabulary {}{})", m.logit_chunk_rows, vp,
+                             T > 1 ? " (this rank's slice)" : ""),
                  m.logit_chunk_rows * vp * a, "nothing needed: the logits are computed in chunks");
   m.losses = add("per-token losses", n * 4);
   m.dloss = add("per-token loss weights", n * 4);
@@ -129,13 +136,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.dtmp = add("scratch: branch gradient", n * c * a, act_lower);
   m.dln = add("scratch: LayerNorm gradient", n * c * a, act_lower);
   m.dff = add("scratch: MLP gradient", n * f * a, act_lower);
-  m.dqkv = add("scratch: QKV gradient", n * 3 * c * a, act_lower);
-  m.datt = add("scratch: attention output gradient", n * c * a, act_lower);
+  m.dqkv = add("scratch: QKV gradient", n * 3 * ct * a, act_lower);
+  m.datt = add("scratch: attention output gradient", n * ct * a, act_lower);
   m.attn_scratch = add("scratch: attention backward", m.flash ? 0 : o.attention_scratch_floats * 4, act_lower);
   m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
   m.streams = add("dropout stream keys", StreamTableSize(L, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
+  if (T > 1) {
+    m.tp_sum = add("tensor parallel: fp32 sums over the tensor group", n * c * 4, act_lower);
+    m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
+  }
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
   m.total_bytes = offset;
   return m;
@@ -148,7 +159,7 @@ absl::StatusOr<MemoryPlan> PlanMemoryWithin(const GPTConfig& cf, int64_t num_par
   if (o.logits_budget_bytes > 0) return PlanMemory(cf, num_params, o);
   const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
   const int64_t a = o.precision == Precision::kFp32 ? 4 : 2;
-  const int64_t row_bytes = std::max<int64_t>(1, cf.padded_vocab_size * a);
+  const int64_t row_bytes = std::max<int64_t>(1, cf.padded_vocab_size / std::max<int64_t>(1, o.tensor) * a);
   o.logits_budget_bytes = std::max<int64_t>(1, o.micro_batch_size * t) * row_bytes;  // every row: one chunk
   PTK_ASSIGN_OR_RETURN(MemoryPlan whole, PlanMemory(cf, num_params, o));
   const int64_t room = free_bytes - PlanHeadroomBytes(free_bytes);

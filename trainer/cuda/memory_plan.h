@@ -46,6 +46,10 @@ struct MemoryPlan {
   // Scratch of one pass.
   int logits = -1, losses = -1, dloss = -1, tmp = -1, dresid = -1, dtmp = -1, dln = -1, dff = -1, dqkv = -1, datt = -1,
       attn_scratch = -1, ln_scratch = -1, inputs = -1, streams = -1, reduce = -1, workspace = -1;
+  // Tensor parallelism (PlanOptions::tensor > 1; else empty): an fp32 (n, hidden) buffer for the
+  // group's sums and the vocabulary-parallel loss's per-row statistics.
+  int tp_sum = -1, tp_xent = -1;
+  int64_t tensor = 1;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -68,6 +72,9 @@ struct PlanOptions {
   int64_t padded_params = 0;
   int64_t moment_params = -1;
   int64_t layernorm_scratch_floats = 0;  // LayerNormBackwardScratch of the tokens and hidden size
+  // Tensor parallelism: this rank's slices (heads, ffn columns, vocabulary rows: each / tensor) and
+  // the fp32 buffer the tensor group's all-reduces and the vocabulary-parallel loss go through.
+  int64_t tensor = 1;
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four

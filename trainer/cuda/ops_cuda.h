@@ -109,12 +109,14 @@ int64_t EmbeddingBackwardPlanInts(int64_t max_n);
 // op's order of additions (fp32: the CPU's bits). tokens_host / positions_host: the ids in host
 // memory, from which the plan is built (they are checked against vocab_rows / position_rows: an id
 // out of range is an error before anything is launched); tokens / positions (device) are not read.
+// With vocab_first >= 0 (tensor parallelism: dwte is the rows [vocab_first, vocab_first +
+// vocab_rows) of the padded vocabulary) tokens outside the slice add to dwpe only.
 // The host waits for the previous call's upload before it rewrites the plan's staging.
 template <typename T>
 absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions,
                                const int32_t* tokens_host, const int32_t* positions_host, int64_t n, int64_t c,
                                int64_t vocab_rows, int64_t position_rows, EmbeddingBackwardPlan* plan,
-                               const CudaContext& ctx);
+                               const CudaContext& ctx, int64_t vocab_first = -1);
 
 // ---- gelu_cuda.cu ------------------------------------------------------------------------------
 // GeluValue / GeluDerivative of trainer/op_math.h in fp32.
@@ -212,6 +214,36 @@ absl::Status SoftmaxCrossEntropyForward(float* losses, const T* logits, const in
 template <typename T>
 absl::Status SoftmaxCrossEntropyFused(T* logits, float* losses, const int32_t* targets, const float* dlosses, int64_t n,
                                       int64_t vp, const CudaContext& ctx);
+
+// ---- tensor_parallel_cuda.cu -------------------------------------------------------------------
+// The twins of trainer/cpu/tensor_parallel_cpu.h's ops; the tensor group's collectives between them
+// are the caller's. out(n, c) (fp32) = wte[tokens[i] - v0] for tokens in [v0, v0 + rows), zeros for
+// the others (summed over the group, the whole embedding's row).
+template <typename T>
+absl::Status VocabSliceEmbeddingForward(float* out, const int32_t* tokens, const T* wte, int64_t v0, int64_t rows,
+                                        int64_t n, int64_t c, const CudaContext& ctx);
+// out(n, c) = round_T(sum + bias[j] + wpe[positions[i]]) (bias, wpe: either may be null; out may
+// alias sum when T is float): the finish of a row-parallel product or of the embedding.
+template <typename T>
+absl::Status TensorSumFinish(T* out, const float* sum, const T* bias, const int32_t* positions, const T* wpe, int64_t n,
+                             int64_t c, const CudaContext& ctx);
+// The vocabulary-parallel cross-entropy of a (rows, vt) slice whose columns start at v0, in three
+// passes around two collectives, as cpu::VocabParallelCrossEntropy: (1) each row's maximum into
+// maxima[row] and its target's logit into target[row] (0 when another rank holds it); the caller
+// all-gathers the maxima of the ranks into (ranks, rows) and (2) the group's maximum goes to
+// global_max, the slice's sum of exp(logit - max) to sums; the caller all-reduces sums and target;
+// (3) losses = log(sum) + max - target, and with dlosses the slice is overwritten with its
+// gradient (softmax - onehot) * dlosses[row].
+template <typename T>
+absl::Status VocabParallelXentLocal(float* maxima, float* target, const T* logits, const int32_t* targets, int64_t rows,
+                                    int64_t vt, int64_t v0, const CudaContext& ctx);
+template <typename T>
+absl::Status VocabParallelXentSums(float* global_max, float* sums, const float* maxima, int ranks, const T* logits,
+                                   int64_t rows, int64_t vt, const CudaContext& ctx);
+template <typename T>
+absl::Status VocabParallelXentFinish(T* logits, float* losses, const float* global_max, const float* sums,
+                                     const float* target, const int32_t* targets, const float* dlosses, int64_t rows,
+                                     int64_t vt, int64_t v0, const CudaContext& ctx);
 
 // ---- adamw_cuda.cu -----------------------------------------------------------------------------
 // AdamW over n fp32 elements (AdamWElement of trainer/op_math.h); when p_compute is not null it

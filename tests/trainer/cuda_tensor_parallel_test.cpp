@@ -1,0 +1,184 @@
+// The CUDA model's tensor parallelism, whole, on one GPU: T = 2 and 4 tensor ranks as threads of
+// this process sharing the device, each its own fp32 CUDA model over its slices. NCCL cannot put two
+// ranks on one GPU, so the tensor group here is gloo ranks whose device collectives are staged
+// through the host (StagedDeviceCollectives: the stream drained, the buffer copied out, gloo's
+// collective, copied back): the model's code path is the one it takes over NCCL, only the transport
+// differs. Against the CUDA model at T = 1 (dropout on): each rank's first loss within 1e-5 relative
+// (the four AdamW steps after it 1e-4), the
+// gradients gathered from the slices within 1e-4 of the largest (cuda_model_test's fp32 bounds),
+// the tensors every rank holds whole with the same gradient bits on every rank; text-sample logits
+// gathered whole; a few AdamW steps follow one rank's losses. gpu-labelled: exit 77 without a
+// device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "common/status.h"
+#include "tests/trainer/cuda_model_test_util.h"
+#include "tests/trainer/gloo_ranks.h"
+#include "trainer/param_shard.h"
+
+namespace ptk {
+namespace {
+
+using cuda_model_test::Batches;
+using cuda_model_test::SmallConfig;
+
+// A host communicator's collectives offered as device ones: on `stream`, drained first, the bytes
+// through host memory and back before the call returns.
+class StagedDeviceCollectives final : public Communicator {
+ public:
+  explicit StagedDeviceCollectives(Communicator* host) : host_(host) {}
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  std::string_view backend() const override { return "gloo, device collectives staged through the host"; }
+  absl::Status AllReduceSum(float* data, int64_t n) override { return host_->AllReduceSum(data, n); }
+  absl::Status AllReduceSum(double* data, int64_t n) override { return host_->AllReduceSum(data, n); }
+  absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) override {
+    return host_->ReduceScatterSum(data, counts);
+  }
+  absl::Status AllGather(void* data, std::span<const int64_t> bytes) override { return host_->AllGather(data, bytes); }
+  absl::Status Broadcast(void* data, int64_t bytes, int root) override { return host_->Broadcast(data, bytes, root); }
+  absl::Status Barrier() override { return host_->Barrier(); }
+  bool device_collectives() const override { return true; }
+  absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream) override {
+    std::vector<float> h(static_cast<size_t>(n));
+    PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size() * sizeof(float), stream));
+    PTK_RETURN_IF_ERROR(host_->AllReduceSum(h.data(), n));
+    return In(data, h.data(), h.size() * sizeof(float), stream);
+  }
+  absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream) override {
+    int64_t total = 0;
+    for (int64_t b : bytes) total += b;
+    std::vector<char> h(static_cast<size_t>(total));
+    PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size(), stream));
+    PTK_RETURN_IF_ERROR(host_->AllGather(h.data(), bytes));
+    return In(data, h.data(), h.size(), stream);
+  }
+  absl::Status ReduceScatterSumDevice(float* data, std::span<const int64_t> counts, void* stream) override {
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    std::vector<float> h(static_cast<size_t>(total));
+    PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size() * sizeof(float), stream));
+    PTK_RETURN_IF_ERROR(host_->ReduceScatterSum(h.data(), counts));
+    return In(data, h.data(), h.size() * sizeof(float), stream);
+  }
+
+ private:
+  static absl::Status Check(cudaError_t e) {
+    return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(e));
+  }
+  static absl::Status Out(void* host, const void* device, size_t bytes, void* stream) {
+    auto s = static_cast<cudaStream_t>(stream);
+    PTK_RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s)));
+    return Check(cudaStreamSynchronize(s));
+  }
+  static absl::Status In(void* device, const void* host, size_t bytes, void* stream) {
+    auto s = static_cast<cudaStream_t>(stream);
+    PTK_RETURN_IF_ERROR(Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s)));
+    return Check(cudaStreamSynchronize(s));
+  }
+  Communicator* host_;
+};
+
+struct TpRun {
+  std::vector<std::vector<double>> losses;  // [rank][step]
+  std::vector<float> grads;                 // the first pass's, gathered into the whole layout
+  std::vector<float> logits;                // Forward's, rank 0's (whole rows)
+  bool whole_tensors_same_bits = true;
+};
+
+// `steps` training steps at tensor size T (T = 1: one CUDA model, no group): the first pass's
+// gradients, each step's loss.
+TpRun Train(int T, int steps) {
+  const GPTConfig c = SmallConfig(/*dropout=*/true);
+  const Batches data(steps, c.vocab_size);
+  auto whole = ParamLayout::Create(c);
+  TpRun out;
+  out.grads.assign(static_cast<size_t>(whole->num_params), 0.0f);
+  out.losses.assign(static_cast<size_t>(T), {});
+  std::vector<std::vector<float>> rank_grads(static_cast<size_t>(T));
+  std::mutex mu;
+  auto body = [&](Communicator* host, int rank) {
+    StagedDeviceCollectives tensor(host);
+    cuda::CudaModelOptions o;
+    o.tensor = T > 1 ? &tensor : nullptr;
+    std::unique_ptr<GPTModel> model = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
+    ASSERT_NE(model, nullptr);
+    std::vector<float> logits;
+    auto fwd = model->Forward(data.Get(0), &logits);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    const SchedulerConfig schedule = cuda_model_test::Schedule();
+    for (int k = 0; k < steps; ++k) {
+      ASSERT_TRUE(model->ZeroGrads().ok());
+      auto loss = model->ForwardBackward(data.Get(k), 1.0 / 256, /*train=*/true, 99);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      std::vector<float> g(static_cast<size_t>(model->num_params()));
+      ASSERT_TRUE(model->ReadGrads(g).ok());
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        out.losses[static_cast<size_t>(rank)].push_back(loss->loss_sum / loss->tokens);
+        if (k == 0) {
+          rank_grads[static_cast<size_t>(rank)] = g;
+          CopyFromShard(model->layout(), g, out.grads);
+          if (rank == 0) out.logits = logits;
+        }
+      }
+      AdamWParams a{schedule.max_lr, 0.9, 0.95, 1e-8, 0.1, k + 1};
+      AdamWParams none = a;
+      none.weight_decay = 0;
+      ASSERT_TRUE(model->AdamWUpdate(a, none).ok());
+    }
+  };
+  if (T == 1) {
+    body(nullptr, 0);
+  } else {
+    testing::RunRanks(T, body);
+  }
+  auto layout0 = ParamLayout::Create(c, T, 0);
+  for (const ParamInfo& p : layout0->infos)
+    if (p.tensor_split_dim < 0)
+      for (int r = 1; r < T; ++r)
+        out.whole_tensors_same_bits =
+            out.whole_tensors_same_bits &&
+            std::memcmp(rank_grads[0].data() + p.offset, rank_grads[static_cast<size_t>(r)].data() + p.offset,
+                        static_cast<size_t>(p.size) * sizeof(float)) == 0;
+  return out;
+}
+
+TEST(CudaTensorParallel, RanksOnOneGpuFollowOneRank) {
+  const int steps = 5;
+  const TpRun one = Train(1, steps);
+  ASSERT_EQ(one.losses[0].size(), static_cast<size_t>(steps));
+  for (int T : {2, 4}) {
+    const TpRun tp = Train(T, steps);
+    EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T;
+    double gmax = 0, dmax = 0;
+    for (size_t i = 0; i < one.grads.size(); ++i) {
+      gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
+      dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
+    }
+    EXPECT_LT(dmax, 1e-4 * gmax) << "T=" << T << ": largest gradient difference " << dmax << " of " << gmax;
+    for (int r = 0; r < T; ++r) {
+      ASSERT_EQ(tp.losses[static_cast<size_t>(r)].size(), static_cast<size_t>(steps));
+      for (int k = 0; k < steps; ++k)  // the first pass within 1e-5, the steps after it 1e-4
+        EXPECT_NEAR(tp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
+            << "T=" << T << " rank " << r << " step " << k;
+    }
+    ASSERT_EQ(tp.logits.size(), one.logits.size());
+    double lmax = 0;
+    for (size_t i = 0; i < one.logits.size(); ++i)
+      lmax = std::max(lmax, static_cast<double>(std::abs(one.logits[i] - tp.logits[i])));
+    EXPECT_LT(lmax, 1e-4) << "T=" << T << ": gathered logits";
+    std::printf("T=%d: loss %.9g vs %.9g; largest gradient difference %.3g of %.3g\n", T, tp.losses[0][0],
+                one.losses[0][0], dmax, gmax);
+  }
+}
+
+}  // namespace
+}  // namespace ptk
