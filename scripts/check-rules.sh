@@ -29,8 +29,6 @@ MAX_FUNCTION_LINES=100
 # Functions allowed over MAX_FUNCTION_LINES, as FILE:NAME: tables, and functions being cut.
 FUNCTION_ALLOWLIST=(
   interop/torch_unpickle.cpp:Run       # the pickle opcodes' table: one case each
-  tools/train_main.cpp:main            # to cut
-  trainer/run_settings.cpp:RunSettings # to cut
 )
 # Library files allowed an InvalidArgumentError("--...") (none).
 FLAG_ALLOWLIST=()

@@ -47,6 +47,156 @@ std::string ArgsJson(int argc, char** argv) {
   return w.EndArray().str();
 }
 
+// --exit-signal-handler: the handlers first, before anything that takes time (the tokenizer, the
+// data, a rendezvous, the CUDA backend's libraries), so that a SIGTERM right after the start saves
+// and exits at the first iteration instead of killing the process. A signal the launcher blocked
+// is unblocked now that its handler exists (one sent before is pending, and delivered here).
+void InstallExitSignalHandlers() {
+  struct sigaction sa = {};
+  sa.sa_handler = OnExitSignal;
+  sigemptyset(&sa.sa_mask);
+  sigset_t handled;
+  sigemptyset(&handled);
+  for (int sig : {SIGTERM, SIGUSR1, SIGINT}) {
+    sigaction(sig, &sa, nullptr);
+    sigaddset(&handled, sig);
+  }
+  pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
+}
+
+// The flags resolved (notes in *notes), the tokenizer for text samples, Megatron's layout of these
+// ranks and every check between settings: all before any rank waits for another.
+absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks,
+                                       std::vector<std::string>* notes, ptk::TrainOptions* options,
+                                       std::optional<ptk::ParallelLayout>* layout,
+                                       std::unique_ptr<ptk::Gpt2Tokenizer>* tokenizer) {
+  PTK_RETURN_IF_ERROR(ptk::ApplyCheckpointArgs(app, &flags, notes));
+  PTK_ASSIGN_OR_RETURN(*options, ptk::ResolveTrainFlags(flags, notes));
+  // --sample-interval: the GPT-2 tokenizer (--vocab-file/--merge-file, or ptk's built-in files)
+  // encodes the prompt and decodes the samples; the trainer itself never tokenizes.
+  if (options->sample.interval > 0) {
+    PTK_ASSIGN_OR_RETURN(*tokenizer, ptk::Gpt2Tokenizer::LoadOrDefault(options->vocab_file, options->merge_file));
+    if (options->sample.prompt_text.empty()) {
+      options->sample.prompt = {(*tokenizer)->eod()};
+    } else {
+      ptk::Gpt2Encoder encoder(**tokenizer);
+      encoder.Encode(options->sample.prompt_text, &options->sample.prompt);
+    }
+    const ptk::Gpt2Tokenizer* tok = tokenizer->get();
+    options->sample.decode = [tok](std::span<const int32_t> ids) { return tok->Decode(ids); };
+  }
+  // Megatron's rank order: tensor ranks adjacent, then data, then pipeline stages
+  // (WORLD_SIZE = T x data ranks x P).
+  const int pp = std::max<int>(1, static_cast<int>(options->pipeline_stage_layers.size()));
+  auto made = ptk::ParallelLayout::Create(ranks.world_size, options->tensor_model_parallel_size, pp);
+  if (!made.ok()) {  // named by the flag and the launch, which the library does not know
+    const std::string flag = pp > 1
+                                 ? fmt::format("--tensor-model-parallel-size {} x --pipeline-model-parallel-size {}",
+                                               options->tensor_model_parallel_size, pp)
+                                 : fmt::format("--tensor-model-parallel-size {}", options->tensor_model_parallel_size);
+    return ptk::UsageError(
+        fmt::format("{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()),
+                    options->tensor_model_parallel_size * pp,
+                    ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
+  }
+  *layout = *std::move(made);
+  return ptk::PlanTraining(*options, (*layout)->data_size());
+}
+
+ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, const ptk::TrainFlags& flags,
+                                             const ptk::TrainingRanks& ranks, std::chrono::milliseconds timeout) {
+  ptk::DistributedOptions d;
+  d.backend = options.distributed_backend;
+  d.backend_given = !flags.distributed_backend.empty();
+  d.rank = ranks.rank;
+  d.world_size = ranks.world_size;
+  d.local_rank = ranks.local_rank;
+  d.master_addr = ranks.master_addr;
+  d.master_port = ranks.master_port;
+  if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) d.gloo_iface = iface;
+  d.timeout = timeout;
+  // NCCL's watchdog aborted a collective and this process did not come back from the GPU: end it,
+  // so that the job fails instead of hanging until its time limit.
+  d.on_stuck = [](const absl::Status& st) {
+    ptk::log::Error("{}; the process did not return from the GPU after the abort: exiting", ptk::StatusMessage(st));
+    std::_Exit(1);
+  };
+  return d;
+}
+
+// This rank's communicators: the world's, then the tensor, data, pipeline and embedding groups
+// (each a communicator of its own over the world's), made in that order by every rank (a middle
+// stage has no embedding group).
+struct Groups {
+  std::unique_ptr<ptk::Communicator> world, tensor, data, pipeline, embedding;
+  ptk::Communicator* DataOrWorld() const { return data ? data.get() : world.get(); }
+};
+absl::StatusOr<Groups> MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLayout& layout,
+                                  const ptk::TrainOptions& options, int rank) {
+  Groups g;
+  PTK_ASSIGN_OR_RETURN(g.world, ptk::CreateCommunicator(d));
+  const int tp = layout.tensor_size(), pp = layout.pipeline_size();
+  if (tp > 1) {
+    PTK_ASSIGN_OR_RETURN(g.tensor, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kTensor, rank), "tensor"));
+  }
+  if (tp > 1 || pp > 1) {
+    PTK_ASSIGN_OR_RETURN(g.data, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kData, rank), "data"));
+  }
+  if (pp > 1) {
+    PTK_ASSIGN_OR_RETURN(g.pipeline, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kPipeline, rank), "pipeline"));
+    const std::vector<int> emb = layout.Group(ptk::ParallelGroup::kEmbedding, rank);
+    if (!options.model.untie_embeddings_and_output_weights && !emb.empty()) {
+      PTK_ASSIGN_OR_RETURN(g.embedding, g.world->Subgroup(emb, "embedding"));
+    }
+  }
+  return g;
+}
+
+// Megatron's start-up lines and ptk's notes, from rank 0.
+void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, const ptk::ParallelLayout& layout,
+                const ptk::TrainingRanks& ranks, const ptk::Communicator& world,
+                const std::vector<std::string>& notes) {
+  if (ranks.rank != 0) return;
+  const int tp = layout.tensor_size(), pp = layout.pipeline_size();
+  std::printf("%s\n", ptk::PaddedVocabLine(options.model.vocab_size, options.model.padded_vocab_size).c_str());
+  if (tp > 1 || pp > 1)
+    std::printf(
+        "> initialized tensor model parallel with size %d\n> initialized pipeline model parallel with "
+        "size %d\n",
+        tp, pp);
+  std::fflush(stdout);
+  if (world.size() > 1)
+    ptk::log::Info("{}{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
+                   tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "",
+                   pp > 1 ? fmt::format("pipeline parallel: {} stages x ", pp) : "", layout.data_size(), ranks.source,
+                   world.backend(), ranks.master_addr, ranks.master_port);
+  for (const std::string& n : notes) ptk::log::Info("note: {}", n);
+  for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
+}
+
+// Threads for oneTBB: --threads, else this process's CPUs; ranks sharing a node share its cores
+// unless Slurm bound each to its own.
+int TrainingThreads(const ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks) {
+  int threads = flags.threads > 0 ? static_cast<int>(flags.threads) : CpusOfThisProcess();
+  if (flags.threads == 0 && ranks.world_size > 1 && std::getenv("SLURM_CPUS_PER_TASK") == nullptr &&
+      std::getenv("PTK_THREADS_PER_RANK") == nullptr &&
+      threads == static_cast<int>(std::thread::hardware_concurrency()))
+    threads = std::max(1, threads / std::max(1, ranks.world_size));
+  return threads;
+}
+
+void PrintDone(const ptk::TrainSummary& s) {
+  if (s.nothing_to_train) {
+    ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
+                   s.consumed_train_samples);
+    return;
+  }
+  ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,
+                 s.consumed_train_samples, s.last_lm_loss,
+                 s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
+                 s.exit_reason.empty() ? "" : " (" + s.exit_reason + ")");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -56,22 +206,7 @@ int main(int argc, char** argv) {
   ptk::AddTrainFlags(app.get(), &flags);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
   if (flags.dry_run) return ptk::cli::RunMain([&] { return ptk::PrintDryRun(*app, &flags); });
-  // --exit-signal-handler: the handlers first, before anything that takes time (the tokenizer, the
-  // data, a rendezvous, the CUDA backend's libraries), so that a SIGTERM right after the start saves
-  // and exits at the first iteration instead of killing the process. A signal the launcher blocked
-  // is unblocked now that its handler exists (one sent before is pending, and delivered here).
-  if (flags.exit_signal_handler) {
-    struct sigaction sa = {};
-    sa.sa_handler = OnExitSignal;
-    sigemptyset(&sa.sa_mask);
-    sigset_t handled;
-    sigemptyset(&handled);
-    for (int sig : {SIGTERM, SIGUSR1, SIGINT}) {
-      sigaction(sig, &sa, nullptr);
-      sigaddset(&handled, sig);
-    }
-    pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
-  }
+  if (flags.exit_signal_handler) InstallExitSignalHandlers();
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     // A bad RANK / WORLD_SIZE / SLURM_* / MASTER_PORT is a usage error (exit 2) naming it, as a bad flag.
@@ -87,39 +222,7 @@ int main(int argc, char** argv) {
     ptk::TrainOptions options;
     std::optional<ptk::ParallelLayout> layout;
     std::unique_ptr<ptk::Gpt2Tokenizer> tokenizer;
-    absl::StatusOr<ptk::TrainPlan> planned = [&]() -> absl::StatusOr<ptk::TrainPlan> {
-      PTK_RETURN_IF_ERROR(ptk::ApplyCheckpointArgs(*app, &flags, &notes));
-      PTK_ASSIGN_OR_RETURN(options, ptk::ResolveTrainFlags(flags, &notes));
-      // --sample-interval: the GPT-2 tokenizer (--vocab-file/--merge-file, or ptk's built-in files)
-      // encodes the prompt and decodes the samples; the trainer itself never tokenizes.
-      if (options.sample.interval > 0) {
-        PTK_ASSIGN_OR_RETURN(tokenizer, ptk::Gpt2Tokenizer::LoadOrDefault(options.vocab_file, options.merge_file));
-        if (options.sample.prompt_text.empty()) {
-          options.sample.prompt = {tokenizer->eod()};
-        } else {
-          ptk::Gpt2Encoder encoder(*tokenizer);
-          encoder.Encode(options.sample.prompt_text, &options.sample.prompt);
-        }
-        options.sample.decode = [&tokenizer](std::span<const int32_t> ids) { return tokenizer->Decode(ids); };
-      }
-      // Megatron's rank order: tensor ranks adjacent, then data, then pipeline stages
-      // (WORLD_SIZE = T x data ranks x P).
-      const int pp = std::max<int>(1, static_cast<int>(options.pipeline_stage_layers.size()));
-      auto made = ptk::ParallelLayout::Create(ranks.world_size, options.tensor_model_parallel_size, pp);
-      if (!made.ok()) {  // named by the flag and the launch, which the library does not know
-        const std::string flag =
-            pp > 1 ? fmt::format("--tensor-model-parallel-size {} x --pipeline-model-parallel-size {}",
-                                 options.tensor_model_parallel_size, pp)
-                   : fmt::format("--tensor-model-parallel-size {}", options.tensor_model_parallel_size);
-        return ptk::UsageError(
-            fmt::format("{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()),
-                        options.tensor_model_parallel_size * pp,
-                        ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
-      }
-      layout = *std::move(made);
-      // Every check between settings, before any rank waits for another.
-      return ptk::PlanTraining(options, layout->data_size());
-    }();
+    absl::StatusOr<ptk::TrainPlan> planned = PlanRun(*app, flags, ranks, &notes, &options, &layout, &tokenizer);
     // A rank whose own checks failed tells the others before it exits (through rank 0's store),
     // so that they end now naming it instead of waiting for it until the timeout.
     if (!planned.ok()) {
@@ -128,78 +231,22 @@ int main(int argc, char** argv) {
       return planned.status();
     }
     const ptk::TrainPlan plan = *std::move(planned);
-    ptk::DistributedOptions d;
-    d.backend = options.distributed_backend;
-    d.backend_given = !flags.distributed_backend.empty();
-    d.rank = ranks.rank;
-    d.world_size = ranks.world_size;
-    d.local_rank = ranks.local_rank;
-    d.master_addr = ranks.master_addr;
-    d.master_port = ranks.master_port;
-    if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) d.gloo_iface = iface;
-    d.timeout = timeout;
-    // NCCL's watchdog aborted a collective and this process did not come back from the GPU: end it,
-    // so that the job fails instead of hanging until its time limit.
-    d.on_stuck = [](const absl::Status& st) {
-      ptk::log::Error("{}; the process did not return from the GPU after the abort: exiting", ptk::StatusMessage(st));
-      std::_Exit(1);
-    };
-    PTK_ASSIGN_OR_RETURN(std::unique_ptr<ptk::Communicator> world, ptk::CreateCommunicator(d));
-    // The tensor, data, pipeline and embedding groups of this rank (each a communicator of its own
-    // over the world's), made in that order by every rank (a middle stage has no embedding group).
-    const int tp = layout->tensor_size(), pp = layout->pipeline_size();
-    std::unique_ptr<ptk::Communicator> tensor, data, pipeline, embedding;
-    if (tp > 1) {
-      PTK_ASSIGN_OR_RETURN(tensor, world->Subgroup(layout->Group(ptk::ParallelGroup::kTensor, ranks.rank), "tensor"));
-    }
-    if (tp > 1 || pp > 1) {
-      PTK_ASSIGN_OR_RETURN(data, world->Subgroup(layout->Group(ptk::ParallelGroup::kData, ranks.rank), "data"));
-    }
-    if (pp > 1) {
-      PTK_ASSIGN_OR_RETURN(pipeline,
-                           world->Subgroup(layout->Group(ptk::ParallelGroup::kPipeline, ranks.rank), "pipeline"));
-      const std::vector<int> emb = layout->Group(ptk::ParallelGroup::kEmbedding, ranks.rank);
-      if (!options.model.untie_embeddings_and_output_weights && !emb.empty()) {
-        PTK_ASSIGN_OR_RETURN(embedding, world->Subgroup(emb, "embedding"));
-      }
-    }
-    ptk::Communicator* comm = data ? data.get() : world.get();
-    if (ranks.rank == 0) {
-      std::printf("%s\n", ptk::PaddedVocabLine(options.model.vocab_size, options.model.padded_vocab_size).c_str());
-      if (tp > 1 || pp > 1)
-        std::printf(
-            "> initialized tensor model parallel with size %d\n> initialized pipeline model parallel with "
-            "size %d\n",
-            tp, pp);
-      std::fflush(stdout);
-    }
-    if (ranks.rank == 0 && world->size() > 1)
-      ptk::log::Info("{}{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
-                     tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "",
-                     pp > 1 ? fmt::format("pipeline parallel: {} stages x ", pp) : "", layout->data_size(),
-                     ranks.source, world->backend(), ranks.master_addr, ranks.master_port);
-    if (ranks.rank == 0) {
-      for (const std::string& n : notes) ptk::log::Info("note: {}", n);
-      for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
-    }
+    PTK_ASSIGN_OR_RETURN(
+        Groups groups, MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options, ranks.rank));
+    PrintStart(options, plan, *layout, ranks, *groups.world, notes);
 
     // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
-    // Ranks sharing a node share its cores unless Slurm bound each to its own.
-    int threads = flags.threads > 0 ? static_cast<int>(flags.threads) : CpusOfThisProcess();
-    if (flags.threads == 0 && ranks.world_size > 1 && std::getenv("SLURM_CPUS_PER_TASK") == nullptr &&
-        std::getenv("PTK_THREADS_PER_RANK") == nullptr &&
-        threads == static_cast<int>(std::thread::hardware_concurrency()))
-      threads = std::max(1, threads / std::max(1, ranks.world_size));
-    tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads));
+    tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism,
+                                    static_cast<size_t>(TrainingThreads(flags, ranks)));
     // OpenBLAS single-threaded: the CPU ops cut every product into fixed tiles and run them on
     // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
     openblas_set_num_threads(1);
     if (flags.exit_signal_handler) options.exit_signal = &g_exit_signal;  // installed at the start of main
-    options.comm = comm;
-    options.world_comm = world.get();
-    options.backend.tensor_comm = tensor.get();
-    options.pipeline_comm = pipeline.get();
-    options.embedding_comm = embedding.get();
+    options.comm = groups.DataOrWorld();
+    options.world_comm = groups.world.get();
+    options.backend.tensor_comm = groups.tensor.get();
+    options.pipeline_comm = groups.pipeline.get();
+    options.embedding_comm = groups.embedding.get();
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
     // PTK_CUDA_SYNC_OPS=1: the CUDA model synchronises after every op and names the one that fails.
@@ -207,15 +254,7 @@ int main(int argc, char** argv) {
       options.backend.sync_ops = true;
     options.args_json = ArgsJson(argc, argv);
     PTK_ASSIGN_OR_RETURN(ptk::TrainSummary s, ptk::RunTraining(options, plan));
-    if (ranks.rank == 0 && s.nothing_to_train) {
-      ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
-                     s.consumed_train_samples);
-    } else if (ranks.rank == 0) {
-      ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,
-                     s.consumed_train_samples, s.last_lm_loss,
-                     s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "",
-                     s.exit_reason.empty() ? "" : " (" + s.exit_reason + ")");
-    }
+    if (ranks.rank == 0) PrintDone(s);
     return absl::OkStatus();
   });
 }

@@ -53,6 +53,14 @@ class GlooStore : public gloo::rendezvous::Store {
   absl::Status early_failure_;
 };
 
+// Returns once every rank's side of every pair is connected. connectFullMesh returns when this
+// rank's side is; a rank that then closed its communicator at once (a failed check, the end of a
+// short run) would cut a peer still finishing its handshake ("Connection closed by peer").
+void ConnectedEverywhere(const std::shared_ptr<gloo::rendezvous::Context>& context) {
+  gloo::BarrierOptions o(context);
+  gloo::barrier(o);
+}
+
 class GlooCommunicator : public Communicator {
  public:
   int rank() const override { return context_->rank; }
@@ -215,6 +223,7 @@ class GlooCommunicator : public Communicator {
       sub->context_ = std::make_shared<gloo::rendezvous::Context>(me, static_cast<int>(members.size()));
       sub->context_->setTimeout(context_->getTimeout());
       sub->context_->connectFullMesh(*sub->prefix_store_, sub->device_);
+      ConnectedEverywhere(sub->context_);
     } catch (const std::exception& e) {
       return absl::UnavailableError(fmt::format("rank {} (host {}): making the {} group of ranks {} failed: {}",
                                                 store_->rank(), store_->host(), name, members_text, e.what()));
@@ -285,6 +294,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
     comm->context_ = std::make_shared<gloo::rendezvous::Context>(o.rank, o.world_size);
     comm->context_->setTimeout(o.timeout);
     comm->context_->connectFullMesh(*comm->gloo_store_, comm->device_);
+    ConnectedEverywhere(comm->context_);
   } catch (const std::exception& e) {
     if (!comm->gloo_store_->early_failure().ok()) {
       comm->store_->ServeUntilAllHeard(std::min<std::chrono::milliseconds>(o.timeout, std::chrono::minutes(1)));

@@ -74,12 +74,14 @@ absl::StatusOr<std::string> BroadcastText(Communicator* comm, const std::string&
 
 }  // namespace
 
-// What every rank must agree on (checked at start-up) and what a checkpoint records of its run:
-// each setting under its Megatron flag name, resolved (the global batch size as used).
-Settings RunSettings(const TrainOptions& o, int64_t gbs) {
-  const GPTConfig& m = o.model;
-  auto num = [](double v) { return fmt::format("{}", v); };
-  auto opt = [&](const std::optional<double>& v) { return v ? num(*v) : std::string("(default)"); };
+namespace {
+
+std::string Num(double v) { return fmt::format("{}", v); }
+std::string Opt(const std::optional<double>& v) { return v ? Num(*v) : std::string("(default)"); }
+
+// The model's settings.
+Settings ModelSettings(const GPTConfig& m) {
+  auto num = Num;
   return {
       {"--num-layers", std::to_string(m.num_layers)},
       {"--hidden-size", std::to_string(m.hidden_size)},
@@ -107,6 +109,12 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--attention-dropout", num(m.attention_dropout)},
       {"--init-method-std", num(m.init_method_std)},
       {"--recompute-activations", m.recompute_activations ? "on" : "off"},
+  };
+}
+
+// The parallel layout's and the batch's.
+Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
+  return {
       {"--tensor-model-parallel-size", std::to_string(o.tensor_model_parallel_size)},
       {"--sequence-parallel", o.backend.sequence_parallel ? "on" : "off"},
       {"--pipeline-model-parallel-size", std::to_string(std::max<size_t>(1, o.pipeline_stage_layers.size()))},
@@ -124,6 +132,14 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
        }())},
       {"--train-iters", std::to_string(o.train_iters)},
       {"--train-samples", std::to_string(o.train_samples)},
+  };
+}
+
+// The learning-rate and weight-decay schedule's and AdamW's.
+Settings ScheduleSettings(const TrainOptions& o) {
+  auto num = Num;
+  auto opt = Opt;
+  return {
       {"--lr", num(o.schedule.max_lr)},
       {"--min-lr", num(o.schedule.min_lr)},
       {"--lr-warmup-init", num(o.schedule.init_lr)},
@@ -144,6 +160,13 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--adam-beta2", num(o.optimizer.adam_beta2)},
       {"--adam-eps", num(o.optimizer.adam_eps)},
       {"--clip-grad", num(o.optimizer.clip_grad)},
+  };
+}
+
+// The data's, the checkpoints', the exit conditions' and the backend's.
+Settings DataAndRunSettings(const TrainOptions& o) {
+  auto num = Num;
+  return {
       {"--data-path", Joined(o.data.data_path)},
       {"--train-data-path", Joined(o.data.per_split_data_path[0])},
       {"--valid-data-path", Joined(o.data.per_split_data_path[1])},
@@ -183,6 +206,17 @@ Settings RunSettings(const TrainOptions& o, int64_t gbs) {
       {"--loss-scale-window", std::to_string(o.loss_scale.window)},
       {"--hysteresis", std::to_string(o.loss_scale.hysteresis)},
   };
+}
+
+}  // namespace
+
+// What every rank must agree on (checked at start-up) and what a checkpoint records of its run:
+// each setting under its Megatron flag name, resolved (the global batch size as used).
+Settings RunSettings(const TrainOptions& o, int64_t gbs) {
+  Settings all = ModelSettings(o.model);
+  for (Settings part : {LayoutAndBatchSettings(o, gbs), ScheduleSettings(o), DataAndRunSettings(o)})
+    all.insert(all.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+  return all;
 }
 
 absl::Status CheckRanksAgree(Communicator* comm, const Settings& all) {

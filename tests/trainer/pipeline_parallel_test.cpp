@@ -148,7 +148,9 @@ TEST(PipelineComm, SendRecvBothWaysAtOnceInOrder) {
     }
     // One-sided calls pair with the other side's.
     std::vector<float> v(10, static_cast<float>(r));
-    if (r == 0) ASSERT_TRUE(comm->SendRecv(v.data(), 40, 2, nullptr, 0, -1).ok());
+    if (r == 0) {
+      ASSERT_TRUE(comm->SendRecv(v.data(), 40, 2, nullptr, 0, -1).ok());
+    }
     if (r == 2) {
       ASSERT_TRUE(comm->SendRecv(nullptr, 0, -1, v.data(), 40, 0).ok());
       EXPECT_EQ(v, std::vector<float>(10, 0.0f));
