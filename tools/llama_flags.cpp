@@ -32,7 +32,7 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--add-qkv-bias", m.add_qkv_bias, "A QKV bias even with --disable-bias-linear (Qwen's)");
 }
 
-absl::Status ResolveLlamaFlags(const TrainFlags& f, Device device, int64_t tp, GPTConfig* m) {
+absl::Status ResolveLlamaFlags(const TrainFlags& f, int64_t tp, GPTConfig* m) {
   if (f.normalization == "LayerNorm")
     m->normalization = Normalization::kLayerNorm;
   else if (f.normalization == "RMSNorm")
@@ -59,7 +59,6 @@ absl::Status ResolveLlamaFlags(const TrainFlags& f, Device device, int64_t tp, G
   if (tp > 1 && m->query_groups() % tp != 0)
     return UsageError(fmt::format("--num-query-groups {} is not divisible by --tensor-model-parallel-size {}",
                                   m->query_groups(), tp));
-  if (device == Device::kCuda && !m->gpt3()) return UsageError(std::string("--device cuda: ") + kCudaLlamaMissing);
   return absl::OkStatus();
 }
 

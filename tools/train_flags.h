@@ -71,9 +71,9 @@ void AddTrainFlags(CLI::App* app, TrainFlags* flags);
 // The flags of Megatron's Llama line (llama_flags.cpp), added by AddTrainFlags.
 void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // Their settings into `model` (Megatron's defaults: SwiGLU's ffn size, query groups only with
-// --group-query-attention); a usage error naming the flag for a value ptk has not, query groups
-// that tensor size `tp` does not divide, or a model the CUDA backend lacks on `device`.
-absl::Status ResolveLlamaFlags(const TrainFlags& flags, Device device, int64_t tp, GPTConfig* model);
+// --group-query-attention); a usage error naming the flag for a value ptk has not, or query groups
+// that tensor size `tp` does not divide. Both backends train every mix.
+absl::Status ResolveLlamaFlags(const TrainFlags& flags, int64_t tp, GPTConfig* model);
 
 // After parsing: refuses what ptk cannot do (one line naming the flag), collects notes for flags
 // accepted without effect, and completes `flags.options` with the flags that are no setting of

@@ -116,11 +116,10 @@ absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std
 
 // The model's settings that depend on other flags (Llama's, the defaults, the vocabulary from
 // --vocab-file padded for `tp` tensor ranks), sequence parallelism, checked as one model.
-absl::Status ResolveModel(const TrainFlags& f, Device device, int64_t tp, TrainOptions* out,
-                          std::vector<std::string>* notes) {
+absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, std::vector<std::string>* notes) {
   TrainOptions& o = *out;
   GPTConfig& m = o.model;
-  PTK_RETURN_IF_ERROR(ResolveLlamaFlags(f, device, tp, &m));
+  PTK_RETURN_IF_ERROR(ResolveLlamaFlags(f, tp, &m));
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
   if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
   if (m.vocab_size == 0) {
@@ -258,7 +257,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   }
   PTK_RETURN_IF_ERROR(RefuseWhatPtkLacks(f, tp, notes));
   TrainOptions o = f.options;
-  PTK_RETURN_IF_ERROR(ResolveModel(f, device, tp, &o, notes));
+  PTK_RETURN_IF_ERROR(ResolveModel(f, tp, &o, notes));
   PTK_RETURN_IF_ERROR(ResolveDataFlags(f, &o));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;

@@ -105,12 +105,6 @@ const char* const kCudaPipelineParallelMissing =
     "--pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, gloo): the CUDA backend has no "
     "pipeline stages yet (their activations' ncclSend/ncclRecv)";
 
-const char* const kCudaLlamaMissing =
-    "the CUDA backend has Megatron's GPT-3 model only: it lacks RMSNorm, rotary position embeddings (and a model "
-    "without position embeddings), SwiGLU, grouped-query attention, a head dimension other than hidden / heads and "
-    "linear layers without biases (--normalization RMSNorm, --position-embedding-type rope|none, --swiglu, "
-    "--group-query-attention, --kv-channels, --disable-bias-linear run on the CPU backend: --device cpu)";
-
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
@@ -123,7 +117,6 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
   if (tp && backend.sequence_parallel) return UsageError(kCudaSequenceParallelMissing);
   if (backend.pipeline_stage.size > 1) return UsageError(kCudaPipelineParallelMissing);
-  if (!config.gpt3()) return UsageError(kCudaLlamaMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
   cuda::ModelOptions o;

@@ -30,8 +30,6 @@ struct BackendOptions {
 extern const char* const kCudaTensorParallelMissing;
 extern const char* const kCudaSequenceParallelMissing;
 extern const char* const kCudaPipelineParallelMissing;
-// Why the CUDA backend refuses a model other than GPT-3's (GPTConfig::gpt3()): what it lacks.
-extern const char* const kCudaLlamaMissing;
 
 namespace cuda {
 class Backend;

@@ -56,6 +56,21 @@ inline float RopeInverseFrequency(int64_t i, int64_t rd, double base, bool llama
   return static_cast<float>((1.0 - smooth) * static_cast<double>(inv) / factor + smooth * static_cast<double>(inv));
 }
 
+// RoPE's fp32 tables cos, sin (t, rd / 2): the angle position * RopeInverseFrequency(i) in fp32 (as
+// torch.outer of fp32 tensors), its cosine and sine in double rounded to fp32. Host code: the CPU op
+// and the CUDA model (which uploads them) compute the same tables.
+inline void RopeAngleTables(float* cos, float* sin, int64_t t, int64_t rd, double base, bool llama3_scaling) {
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float inv = RopeInverseFrequency(i, rd, base, llama3_scaling);
+    for (int64_t p = 0; p < t; ++p) {
+      const float angle = static_cast<float>(p) * inv;
+      cos[p * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+      sin[p * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+  }
+}
+
 // The scalars of one AdamW update, computed once on the host (torch.optim.AdamW's bias
 // corrections in double, then rounded to T as the CPU op always did).
 template <typename T>

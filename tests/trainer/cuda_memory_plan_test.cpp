@@ -265,6 +265,72 @@ TEST(CudaMemoryPlan, LayerNormRunsCoverEveryLayerNormParameterOnce) {
   }
 }
 
+// The Llama line: the fused QKV at its query heads' and groups' widths, SwiGLU's fc1 twice the ffn
+// and its output gradient, RoPE's fp32 tables, the heads-first copies of grouped-query attention in
+// bf16 (cuDNN) only; RMSNorm's weights alone among the norms' parameters; at tensor size 2 a rank's
+// query groups.
+TEST(CudaMemoryPlan, LlamaLineBuffersFollowTheConfig) {
+  GPTConfig c = Gpt2Small();
+  c.num_layers = 2;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.swiglu = true;
+  c.ffn_hidden_size = 2048;
+  c.num_attention_heads = 16;
+  c.num_query_groups = 4;
+  c.kv_channels = 128;
+  c.add_bias_linear = false;
+  c.untie_embeddings_and_output_weights = true;
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 256;
+  const int64_t n = 2 * 256, qkv = (16 + 2 * 4) * 128;
+  const MemoryPlan fp32 = MustPlan(c, o);
+  EXPECT_EQ(fp32[fp32.qkv].bytes, 2 * n * qkv * 4);
+  EXPECT_EQ(fp32[fp32.dqkv].bytes, n * qkv * 4);
+  EXPECT_EQ(fp32[fp32.atty].bytes, 2 * n * 16 * 128 * 4);
+  EXPECT_EQ(fp32[fp32.fc1].bytes, 2 * n * 2 * 2048 * 4);
+  EXPECT_EQ(fp32[fp32.gelu].bytes, 2 * n * 2048 * 4);
+  EXPECT_EQ(fp32[fp32.dff].bytes, n * 2 * 2048 * 4);
+  ASSERT_GE(fp32.dact, 0);
+  EXPECT_EQ(fp32[fp32.dact].bytes, n * 2048 * 4);
+  ASSERT_GE(fp32.rope_tables, 0);
+  EXPECT_EQ(fp32[fp32.rope_tables].bytes, 2 * 256 * 64 * 4);
+  EXPECT_EQ(fp32.qkv_heads, -1);  // fp32 attention reads Megatron's order itself
+  o.precision = Precision::kBf16;
+  const MemoryPlan bf16 = MustPlan(c, o);
+  ASSERT_GE(bf16.qkv_heads, 0);
+  ASSERT_GE(bf16.dqkv_heads, 0);
+  EXPECT_EQ(bf16[bf16.qkv_heads].bytes, n * qkv * 2);
+  EXPECT_EQ(bf16[bf16.dqkv_heads].bytes, n * qkv * 2);
+  o.tensor = 2;
+  const MemoryPlan tp = MustPlan(c, o);
+  EXPECT_EQ(tp[tp.qkv].bytes, 2 * n * qkv / 2 * 2);
+  o.tensor = 8;  // 16 heads do, 4 query groups do not split over 8 ranks
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
+  // Multi-head attention in bf16: cuDNN reads Megatron's layout, no copies.
+  c.num_query_groups = 0;
+  o.tensor = 1;
+  const MemoryPlan mha = MustPlan(c, o);
+  EXPECT_EQ(mha.qkv_heads, -1);
+  // RMSNorm: the weights alone, each layer's two and the final one, in runs that cover them once.
+  const std::vector<LayerNormRun> runs = LayerNormRuns(*layout);
+  int64_t compact = 0;
+  for (const LayerNormRun& r : runs) {
+    EXPECT_EQ(r.compact, compact);
+    EXPECT_GE(r.begin, 0);
+    compact += r.end - r.begin;
+  }
+  EXPECT_EQ(compact, LayerNormParamCount(c));
+  EXPECT_EQ(LayerNormParamCount(c), (2 * 2 + 1) * 768);
+  int64_t named = 0;
+  for (const ParamInfo& p : layout->infos)
+    if (p.name.find("layernorm") != std::string::npos) named += p.size;
+  EXPECT_EQ(named, compact);
+}
+
 TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
   const GPTConfig c = Gpt2Small();
   PlanOptions small, large;

@@ -29,6 +29,24 @@ inline GPTConfig SmallConfig(bool dropout) {
   return c;
 }
 
+// A small Llama-shaped model: RMSNorm, RoPE base 500000 with Llama 3.1's scaling, SwiGLU, 4 query
+// heads of 32 channels in 2 groups (the attention's width, 128, is not the hidden size), an untied
+// output layer, no biases, no dropout.
+inline GPTConfig LlamaConfig() {
+  GPTConfig c = SmallConfig(/*dropout=*/false);
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.rotary_base = 500000;
+  c.use_rope_scaling = true;
+  c.swiglu = true;
+  c.ffn_hidden_size = 128;
+  c.num_query_groups = 2;
+  c.kv_channels = 32;
+  c.untie_embeddings_and_output_weights = true;
+  c.add_bias_linear = false;
+  return c;
+}
+
 // Deterministic synthetic micro-batches: a learnable pattern (next token = f(previous)), some
 // masked positions, so that the loss falls over a few dozen steps.
 struct Batches {

@@ -126,6 +126,25 @@ TEST(DryRunCli, PlansLlama3_8BWithItsParameterCount) {
       << r.output;
 }
 
+// --device cuda takes the Llama line (RMSNorm, RoPE, SwiGLU, query groups, no biases, untied): a dry
+// run plans it. Only a build without CUDA refuses, and then the device, never the model.
+TEST(DryRunCli, TheCudaBackendTakesTheLlamaLine) {
+  auto r =
+      RunCmd(testing::Tool("ptk-train") +
+             " --dry-run --device cuda --bf16 --num-layers 2 --hidden-size 256 --num-attention-heads 8"
+             " --group-query-attention --num-query-groups 2 --kv-channels 64 --seq-length 512"
+             " --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --normalization RMSNorm"
+             " --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1"
+             " --global-batch-size 8 --lr 3e-4 --train-iters 10 --vocab-size 32000 --data-path /fsx/d_text_document");
+  EXPECT_EQ(r.output.find("GPT-3 model only"), std::string::npos) << r.output;
+  if (r.output.find("built without CUDA") != std::string::npos) {
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    return;
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("model: "), std::string::npos) << r.output;
+}
+
 TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
   const std::string model =
       testing::Tool("ptk-train") + " --dry-run --num-layers 36 --hidden-size 4096 --seq-length 2048 --lr 1e-4";

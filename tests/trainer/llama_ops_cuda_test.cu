@@ -1,7 +1,7 @@
-// The Llama line's CUDA ops (RMSNorm, RoPE, SwiGLU) against their CPU ops (trainer/cpu/), for fp32,
-// bf16 and fp16 on random inputs of awkward sizes (channels not a multiple of 8, one row, query
-// groups, partial rotary), and the RMSNorm weight gradient's determinism. gpu-labelled (part of
-// ops_cuda_test): skipped (exit 77) without a device. Tolerances as ops_cuda_test.cu states them.
+// The Llama line's CUDA ops (RMSNorm, with the residual add fused in, RoPE, SwiGLU) against their CPU ops
+// (trainer/cpu/), for fp32, bf16 and fp16 on random inputs of awkward sizes (channels not a multiple of 8, one row,
+// query groups, partial rotary), and the RMSNorm weight gradient's determinism. gpu-labelled (part of ops_cuda_test):
+// skipped (exit 77) without a device. Tolerances as ops_cuda_test.cu states them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -46,6 +46,31 @@ TYPED_TEST(LlamaCudaOps, RMSNormForwardMatchesCpu) {
     ExpectClose(drstd.Download(), rstd, 1e-6, 1e-7, "rstd " + what);
     ASSERT_OK(RMSNormForward<T>(dout.get(), nullptr, dx.get(), dw.get(), s.n, s.c, 1e-5, this->ctx_));
     ExpectClose<T>(ToF(dout.Download()), out, 1e-5, 1e-6, "out without statistics " + what, true);
+  }
+}
+
+// The residual add fused in front (the CUDA model's RMSNorm): bitwise ResidualAdd (the sum rounded
+// to T) and then RMSNormForward, the sum written beside the norm; also with resid_out aliasing a.
+TYPED_TEST(LlamaCudaOps, ResidualRMSNormForwardIsTheAddThenTheNorm) {
+  using T = TypeParam;
+  for (Rows s : {Rows{1, 9}, Rows{70, 768}, Rows{33, 1027}}) {
+    const std::string what = "n=" + std::to_string(s.n) + " c=" + std::to_string(s.c);
+    const auto a = RoundTrip<T>(Normal(s.n * s.c, 11, 0.2f, 1.0f)), b = RoundTrip<T>(Normal(s.n * s.c, 12, 0.0f, 0.5f));
+    const auto w = Normal(s.c, 13, 1.0f, 0.2f);
+    DeviceArray<T> da(ToT<T>(a)), db(ToT<T>(b)), sum(s.n * s.c), out(s.n * s.c), fused_sum(s.n * s.c),
+        fused_out(s.n * s.c);
+    DeviceArray<float> dw(w), rstd(s.n), fused_rstd(s.n);
+    ASSERT_OK(ResidualAdd<T>(sum.get(), da.get(), db.get(), s.n * s.c, this->ctx_));
+    ASSERT_OK(RMSNormForward<T>(out.get(), rstd.get(), sum.get(), dw.get(), s.n, s.c, 1e-5, this->ctx_));
+    ASSERT_OK(ResidualRMSNormForward<T>(fused_sum.get(), fused_out.get(), fused_rstd.get(), da.get(), db.get(),
+                                        dw.get(), s.n, s.c, 1e-5, this->ctx_));
+    ExpectBitwise(fused_sum.Download(), sum.Download(), "sum " + what);
+    ExpectBitwise(fused_out.Download(), out.Download(), "out " + what);
+    ExpectBitwise(fused_rstd.Download(), rstd.Download(), "rstd " + what);
+    ASSERT_OK(ResidualRMSNormForward<T>(da.get(), fused_out.get(), fused_rstd.get(), da.get(), db.get(), dw.get(), s.n,
+                                        s.c, 1e-5, this->ctx_));
+    ExpectBitwise(da.Download(), sum.Download(), "sum in place " + what);
+    ExpectBitwise(fused_out.Download(), out.Download(), "out, sum in place " + what);
   }
 }
 

@@ -378,6 +378,35 @@ TEST(AttentionCuda, Fp32DropoutKeepsProbsBeforeDropoutAndIsDeterministic) {
   }
 }
 
+// Grouped-query attention (Megatron's per-group QKV: a group's query heads, then its key and value
+// heads): the CPU op's algorithm, a group's key and value gradients summed over its heads in order.
+TEST(AttentionCuda, Fp32GroupedQueryMatchesCpu) {
+  Gpu gpu;
+  const AttentionShape shapes[] = {{2, 37, 4, 16, 2}, {1, 40, 6, 32, 3}, {3, 9, 4, 8, 1}};
+  for (const AttentionShape& s : shapes) {
+    for (double p : {0.0, 0.1}) {
+      SCOPED_TRACE(Name(s, p) + " groups=" + std::to_string(s.groups()));
+      const int64_t c = s.nh * s.hd, w = s.qkv_width(), n = s.b * s.t;
+      const auto qkv = Random(n * w, 43, -2.0f, 2.0f), dout = Random(n * c, 44);
+      std::vector<uint64_t> streams(s.b);
+      for (int64_t b = 0; b < s.b; ++b) streams[b] = DropoutStream(static_cast<uint64_t>(b + 3), 1, kAttentionProbs);
+      std::vector<float> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * w), scratch(2 * s.t * s.t);
+      cpu::AttentionForward<float>(out.data(), probs.data(), qkv.data(), s, p, 77, streams.data());
+      cpu::AttentionBackward<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, 77, streams.data(),
+                                    scratch.data());
+      DeviceBuffer<float> d_qkv(qkv), d_dout(dout), d_out(out.size()), d_probs(probs.size()), d_dqkv(dqkv.size()),
+          d_scratch(AttentionBackwardScratch(s));
+      DeviceBuffer<uint64_t> d_streams(streams);
+      STATUS_OK(AttentionForward(d_out.get(), d_probs.get(), d_qkv.get(), s, p, 77, d_streams.get(), gpu.ctx));
+      STATUS_OK(AttentionBackward(d_dqkv.get(), d_dout.get(), d_qkv.get(), d_probs.get(), s, p, 77, d_streams.get(),
+                                  d_scratch.get(), gpu.ctx));
+      ExpectClose(d_probs.Download(), probs, RelToMax(probs, 1e-5), "probs");
+      ExpectClose(d_out.Download(), out, RelToMax(out, 1e-5), "out");
+      ExpectClose(d_dqkv.Download(), dqkv, RelToMax(dqkv, 1e-5), "dqkv");
+    }
+  }
+}
+
 TEST(AttentionCuda, Fp32ErrorsAreStatuses) {
   Gpu gpu;
   const AttentionShape s{1, 8, 1, 8};
@@ -428,6 +457,55 @@ void FlashMatchesCpu(double fwd_tol, double bwd_tol) {
   }
 }
 TEST(FlashAttentionCuda, Bf16MatchesCpuWithoutDropout) { FlashMatchesCpu<__nv_bfloat16>(2e-2, 5e-2); }
+
+// Grouped-query attention through cuDNN: Megatron's per-group QKV copied heads first
+// (QkvGroupsToHeads), the fused attention over fewer key/value heads, the gradient copied back
+// (QkvHeadsToGroups), against the CPU op in double; the copies round-trip exactly.
+TEST(FlashAttentionCuda, Bf16GroupedQueryMatchesCpu) {
+  using T = __nv_bfloat16;
+  Gpu gpu;
+  if (gpu.ctx.sm_major < 8) GTEST_SKIP() << "cuDNN's fused attention needs sm_80 or newer";
+  STATUS_OK(CreateCudnnHandle(&gpu.ctx));
+  const AttentionShape shapes[] = {{2, 64, 4, 64, 2}, {1, 37, 6, 32, 3}, {2, 48, 4, 32, 1}};
+  for (const AttentionShape& s : shapes) {
+    SCOPED_TRACE(Name(s, 0.0) + " groups=" + std::to_string(s.groups()));
+    const int64_t c = s.nh * s.hd, w = s.qkv_width(), n = s.b * s.t;
+    const auto qkv = ToT<T>(Random(n * w, 63, -2.0f, 2.0f)), dout = ToT<T>(Random(n * c, 64));
+    const auto xqkv = ToDouble(qkv), xdout = ToDouble(dout);
+    std::vector<double> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * w), scratch(2 * s.t * s.t);
+    cpu::AttentionForward<double>(out.data(), probs.data(), xqkv.data(), s, 0.0, 0, nullptr);
+    cpu::AttentionBackward<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr,
+                                   scratch.data());
+    auto ws = FlashAttentionWorkspaceBytes<T>(s, 0.0, gpu.ctx);
+    ASSERT_TRUE(ws.ok()) << ws.status();
+    DeviceBuffer<T> d_qkv(qkv), d_heads(n * w), d_back(n * w), d_dout(dout), d_out(n * c), d_dheads(n * w),
+        d_dqkv(n * w);
+    DeviceBuffer<float> d_stats(s.b * s.nh * s.t);
+    STATUS_OK(QkvGroupsToHeads<T>(d_heads.get(), d_qkv.get(), s, gpu.ctx));
+    STATUS_OK(QkvHeadsToGroups<T>(d_back.get(), d_heads.get(), s, gpu.ctx));
+    EXPECT_TRUE(SameBits(ToDouble(d_back.Download()), xqkv)) << "the copies round-trip";
+    // Heads first: query head h, key and value of group g at their places.
+    const auto heads = ToDouble(d_heads.Download());
+    const int64_t pg = s.nh / s.groups();
+    for (int64_t row = 0; row < n; row += std::max<int64_t>(1, n / 5))
+      for (int64_t g = 0; g < s.groups(); ++g)
+        for (int64_t d = 0; d < s.hd; ++d) {
+          const double* src = xqkv.data() + row * w + g * (pg + 2) * s.hd + d;
+          EXPECT_EQ(heads[row * w + (g * pg) * s.hd + d], src[0]);
+          EXPECT_EQ(heads[row * w + (s.nh + g) * s.hd + d], src[pg * s.hd]);
+          EXPECT_EQ(heads[row * w + (s.nh + s.groups() + g) * s.hd + d], src[(pg + 1) * s.hd]);
+        }
+    STATUS_OK(FlashAttentionForward<T>(d_out.get(), d_stats.get(), d_heads.get(), s, 0.0, 0, 0, gpu.ctx));
+    STATUS_OK(FlashAttentionBackward<T>(d_dheads.get(), d_dout.get(), d_out.get(), d_stats.get(), d_heads.get(), s, 0.0,
+                                        0, 0, gpu.ctx));
+    STATUS_OK(QkvHeadsToGroups<T>(d_dqkv.get(), d_dheads.get(), s, gpu.ctx));
+    const double mo = MaxAbs(out), md = MaxAbs(dqkv);
+    ExpectClose(
+        d_out.Download(), out, [&](size_t) { return 2e-2 * mo; }, "out");
+    ExpectClose(
+        d_dqkv.Download(), dqkv, [&](size_t) { return 5e-2 * md; }, "dqkv");
+  }
+}
 TEST(FlashAttentionCuda, Fp16MatchesCpuWithoutDropout) { FlashMatchesCpu<__half>(1e-2, 2.5e-2); }
 
 // The stats cuDNN keeps are the rows' log-sum-exp of the scaled scores (natural log): checked

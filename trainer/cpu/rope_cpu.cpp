@@ -9,15 +9,7 @@
 namespace ptk::cpu {
 
 void RopeTables(float* cos, float* sin, int64_t t, int64_t rd, double base, bool llama3_scaling) {
-  const int64_t half = rd / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float inv = RopeInverseFrequency(i, rd, base, llama3_scaling);
-    for (int64_t p = 0; p < t; ++p) {
-      const float angle = static_cast<float>(p) * inv;  // fp32, as torch.outer of fp32 tensors
-      cos[p * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-      sin[p * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
-    }
-  }
+  RopeAngleTables(cos, sin, t, rd, base, llama3_scaling);
 }
 
 namespace {

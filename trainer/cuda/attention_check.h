@@ -12,13 +12,16 @@
 namespace ptk::cuda::attention_detail {
 
 inline std::string ShapeString(const AttentionShape& s) {
-  return fmt::format("b={}, t={}, nh={}, hd={}", s.b, s.t, s.nh, s.hd);
+  return fmt::format("b={}, t={}, nh={}, hd={}, groups={}", s.b, s.t, s.nh, s.hd, s.groups());
 }
 
 inline absl::Status CheckShape(const AttentionShape& s, const std::string& where) {
   if (s.b <= 0 || s.t <= 0 || s.nh <= 0 || s.hd <= 0)
     return absl::InvalidArgumentError(fmt::format("{}: every size must be positive", where));
-  if (s.t > INT_MAX / 4 || 3 * s.nh * s.hd > INT_MAX || s.nh > INT_MAX)
+  if (s.ng < 0 || s.nh % s.groups() != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("{}: {} query groups do not divide {} query heads", where, s.groups(), s.nh));
+  if (s.t > INT_MAX / 4 || s.qkv_width() > INT_MAX || s.nh > INT_MAX)
     return absl::InvalidArgumentError(fmt::format("{}: sizes beyond cuBLAS's int range", where));
   return absl::OkStatus();
 }

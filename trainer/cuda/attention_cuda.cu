@@ -1,17 +1,19 @@
 // Causal self-attention on the GPU in fp32: the CPU op's algorithm over cuBLAS products and softmax kernels.
 //
 // AttentionForward / AttentionBackward, beside trainer/cpu/attention_cpu.cpp, over Megatron's fused
-// QKV layout qkv(b, t, nh, 3, hd) (bf16/fp16 attention is cuDNN's: flash_attention_cuda.cu): the
+// QKV layout qkv(b, t, nh, 3, hd), or with grouped-query attention its per-group order (a group's
+// query heads, then its key and value heads) (bf16/fp16 attention is cuDNN's: flash_attention_cuda.cu): the
 // CPU op's algorithm, step for step, so that it is compared tightly with it. Products are cuBLAS strided-batched GEMMs
-// over the heads of one batch element (the head stride of q/k/v is 3*hd, the row stride 3*c; pedantic fp32, never
-// TF32), the causal softmax and its backward are kernels here with the CPU's arithmetic (max, exp in fp32, sums in
-// double, one rounding of 1/sum), and attention dropout uses the CPU's counter hash with the CPU's keys: stream
-// streams[batch] + head, element index i * t + j of the t x t matrix. Column-major views of the row-major matrices (see
-// matmul_cuda.cu): S^T = K Q^T, out^T = V^T P'^T, dV^T = dY^T P', dP'^T = V dY^T, dQ^T = K^T dS^T, dK^T = Q^T dS. With
-// dropout the forward has no buffer for the dropped probabilities (probs must keep them before dropout, and the op
-// takes no scratch): it writes them into probs, takes the product with V, then computes S and the softmax again into
-// probs (the same bits: the same GEMM and kernel on the same inputs). That costs one more t x t product per head than
-// the CPU, in fp32 mode only.
+// over the query groups of one batch element, one call per head index within a group (without GQA one call over
+// every head: the head stride of q/k/v is 3*hd, the row stride 3*c; pedantic fp32, never TF32); a group's key and
+// value gradients take its first head's term, then add the others' in order (beta 1), the causal softmax and its
+// backward are kernels here with the CPU's arithmetic (max, exp in fp32, sums in double, one rounding of 1/sum), and
+// attention dropout uses the CPU's counter hash with the CPU's keys: stream streams[batch] + head, element index i * t
+// + j of the t x t matrix. Column-major views of the row-major matrices (see matmul_cuda.cu): S^T = K Q^T, out^T = V^T
+// P'^T, dV^T = dY^T P', dP'^T = V dY^T, dQ^T = K^T dS^T, dK^T = Q^T dS. With dropout the forward has no buffer for the
+// dropped probabilities (probs must keep them before dropout, and the op takes no scratch): it writes them into probs,
+// takes the product with V, then computes S and the softmax again into probs (the same bits: the same GEMM and kernel
+// on the same inputs). That costs one more t x t product per head than the CPU, in fp32 mode only.
 #include <fmt/core.h>
 
 #include <climits>
@@ -175,9 +177,8 @@ struct Batched {
   int64_t ldc, stride_c;
 };
 
-absl::Status RunBatched(const Batched& g, float alpha, int64_t count, const CudaContext& ctx,
-                        const std::string& where) {
-  const float beta = 0.0f;
+absl::Status RunBatched(const Batched& g, float alpha, int64_t count, const CudaContext& ctx, const std::string& where,
+                        float beta = 0.0f) {
   PTK_CUBLAS_RETURN_IF_ERROR(
       cublasGemmStridedBatchedEx(ctx.cublas, g.ta, g.tb, static_cast<int>(g.m), static_cast<int>(g.n),
                                  static_cast<int>(g.k), &alpha, g.a, CUDA_R_32F, static_cast<int>(g.lda),
@@ -210,17 +211,39 @@ absl::Status MakeDropout(double p, uint64_t seed, const uint64_t* streams, const
   return absl::OkStatus();
 }
 
+// Where the heads lie in a token's row of the fused QKV (Megatron's order: per query group its
+// per_group query heads, then its key and value heads; one group per head without GQA): query head
+// h = g * per_group + i is at column (g * (per_group + 2) + i) * hd, its key at
+// (g * (per_group + 2) + per_group) * hd, the value one head further. The products go over the
+// groups in one batched call per head index i within a group (the stride from group to group is
+// group_stride for q, k, v and per_group heads for the probabilities, the output and the scratch):
+// without GQA that is one call over every head, as before.
+struct Heads {
+  int64_t per_group, groups, width, group_stride;
+  explicit Heads(const AttentionShape& s)
+      : per_group(s.nh / s.groups()),
+        groups(s.groups()),
+        width(s.qkv_width()),
+        group_stride((s.nh / s.groups() + 2) * s.hd) {}
+  int64_t Query(int64_t i, int64_t hd) const { return i * hd; }
+  int64_t Key(int64_t hd) const { return per_group * hd; }
+  int64_t Value(int64_t hd) const { return (per_group + 1) * hd; }
+};
+
 // S = scale Q K^T for every head of every batch element, into probs (b, nh, t, t).
 absl::Status Scores(float* probs, const float* qkv, const AttentionShape& s, float scale, const CudaContext& ctx,
                     const std::string& where) {
-  const int64_t t = s.t, hd = s.hd, c3 = 3 * s.nh * s.hd;
+  const Heads H(s);
+  const int64_t t = s.t, hd = s.hd, W = H.width, G = H.group_stride, tt = t * t;
   for (int64_t b = 0; b < s.b; ++b) {
-    const float* q = qkv + b * t * c3;
-    // S^T(j, i) = sum_d K[j, d] Q[i, d]: A = K stored (hd, t) op T, B = Q stored (hd, t) op N.
-    absl::Status st = RunBatched(
-        {CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, q + hd, c3, 3 * hd, q, c3, 3 * hd, probs + b * s.nh * t * t, t, t * t},
-        scale, s.nh, ctx, where);
-    if (!st.ok()) return st;
+    const float* row = qkv + b * t * W;
+    for (int64_t i = 0; i < H.per_group; ++i) {
+      // S^T(j, i) = sum_d K[j, d] Q[i, d]: A = K stored (hd, t) op T, B = Q stored (hd, t) op N.
+      absl::Status st = RunBatched({CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, row + H.Key(hd), W, G, row + H.Query(i, hd), W,
+                                    G, probs + (b * s.nh + i) * tt, t, H.per_group * tt},
+                                   scale, H.groups, ctx, where);
+      if (!st.ok()) return st;
+    }
   }
   return absl::OkStatus();
 }
@@ -250,18 +273,21 @@ absl::Status AttentionForward(float* out, float* probs, const float* qkv, const 
   DropoutArgs d;
   if (absl::Status st = MakeDropout(p, seed, streams, where, &d); !st.ok()) return st;
   if (absl::Status st = UseStream(ctx, where); !st.ok()) return st;
-  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, c3 = 3 * c;
+  const Heads H(s);
+  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, W = H.width, G = H.group_stride, tt = t * t;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   if (absl::Status st = Scores(probs, qkv, s, scale, ctx, where); !st.ok()) return st;
   if (absl::Status st = Softmax(probs, s, d, ctx, where); !st.ok()) return st;  // P, or P' with dropout
   for (int64_t b = 0; b < s.b; ++b) {
     // out^T(d, i) = sum_j V[j, d] P'[i, j]: A = V stored (hd, t) op N, B = P' stored (t, t) op N.
-    const float* v = qkv + b * t * c3 + 2 * hd;
-    if (absl::Status st = RunBatched({CUBLAS_OP_N, CUBLAS_OP_N, hd, t, t, v, c3, 3 * hd, probs + b * s.nh * t * t, t,
-                                      t * t, out + b * t * c, c, hd},
-                                     1.0f, s.nh, ctx, where);
-        !st.ok())
-      return st;
+    const float* v = qkv + b * t * W + H.Value(hd);
+    for (int64_t i = 0; i < H.per_group; ++i) {
+      if (absl::Status st = RunBatched({CUBLAS_OP_N, CUBLAS_OP_N, hd, t, t, v, W, G, probs + (b * s.nh + i) * tt, t,
+                                        H.per_group * tt, out + b * t * c + i * hd, c, H.per_group * hd},
+                                       1.0f, H.groups, ctx, where);
+          !st.ok())
+        return st;
+    }
   }
   if (d.on) {  // probs back to the probabilities before dropout
     if (absl::Status st = Scores(probs, qkv, s, scale, ctx, where); !st.ok()) return st;
@@ -282,20 +308,22 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
   DropoutArgs d;
   if (absl::Status st = MakeDropout(p, seed, streams, where, &d); !st.ok()) return st;
   if (absl::Status st = UseStream(ctx, where); !st.ok()) return st;
-  const int64_t t = s.t, hd = s.hd, nh = s.nh, c = nh * hd, c3 = 3 * c;
+  const Heads H(s);
+  const int64_t t = s.t, hd = s.hd, nh = s.nh, c = nh * hd, W = H.width, G = H.group_stride, tt = t * t,
+                pg = H.per_group;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   const int threads = RowThreadsFor(t);
   const int64_t rows = nh * t;  // rows of one batch element; scratch holds them
   if (rows > INT_MAX) return absl::InvalidArgumentError(fmt::format("{}: nh * t beyond one launch", where));
   for (int64_t b = 0; b < s.b; ++b) {
-    const float* q = qkv + b * t * c3;
-    const float* k = q + hd;
-    const float* v = q + 2 * hd;
-    float* dq = dqkv + b * t * c3;
-    float* dk = dq + hd;
-    float* dv = dq + 2 * hd;
+    const float* base = qkv + b * t * W;
+    const float* k = base + H.Key(hd);
+    const float* v = base + H.Value(hd);
+    float* dbase = dqkv + b * t * W;
+    float* dk = dbase + H.Key(hd);
+    float* dv = dbase + H.Value(hd);
     const float* dy = dout + b * t * c;
-    const float* pr = probs + b * nh * t * t;
+    const float* pr = probs + b * nh * tt;
     const int64_t row0 = b * nh * t;
     const float* pd = pr;
     if (d.on) {  // P' = dropout(P) into the scratch
@@ -303,31 +331,41 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
       PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
       pd = scratch;
     }
-    // dV^T(d, j) = sum_i dY[i, d] P'[i, j]: A = dY stored (hd, t) op N, B = P' stored (t, t) op T.
-    if (absl::Status st = RunBatched({CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, dy, c, hd, pd, t, t * t, dv, c3, 3 * hd},
-                                     1.0f, nh, ctx, where);
-        !st.ok())
-      return st;
-    // dP'^T(j, i) = sum_d V[j, d] dY[i, d]: A = V stored (hd, t) op T, B = dY stored (hd, t) op N.
-    if (absl::Status st = RunBatched({CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, v, c3, 3 * hd, dy, c, hd, scratch, t, t * t},
-                                     1.0f, nh, ctx, where);
-        !st.ok())
-      return st;
+    // A group's key and value gradients: its first query head's term assigned, the others' added in
+    // head order (beta 1), as the CPU op.
+    for (int64_t i = 0; i < pg; ++i) {
+      // dV^T(d, j) = sum_i dY[i, d] P'[i, j]: A = dY stored (hd, t) op N, B = P' stored (t, t) op T.
+      if (absl::Status st = RunBatched(
+              {CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, dy + i * hd, c, pg * hd, pd + i * tt, t, pg * tt, dv, W, G}, 1.0f,
+              H.groups, ctx, where, i == 0 ? 0.0f : 1.0f);
+          !st.ok())
+        return st;
+    }
+    for (int64_t i = 0; i < pg; ++i) {
+      // dP'^T(j, i) = sum_d V[j, d] dY[i, d]: A = V stored (hd, t) op T, B = dY stored (hd, t) op N.
+      if (absl::Status st = RunBatched(
+              {CUBLAS_OP_T, CUBLAS_OP_N, t, t, hd, v, W, G, dy + i * hd, c, pg * hd, scratch + i * tt, t, pg * tt},
+              1.0f, H.groups, ctx, where);
+          !st.ok())
+        return st;
+    }
     SoftmaxBackwardKernel<<<static_cast<unsigned>(rows), threads, 0, ctx.stream>>>(scratch, probs, row0, t, nh, scale,
                                                                                    d);
     PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
-    // dQ^T(d, i) = sum_j K[j, d] dS[i, j]: A = K stored (hd, t) op N, B = dS stored (t, t) op N.
-    if (absl::Status st =
-            RunBatched({CUBLAS_OP_N, CUBLAS_OP_N, hd, t, t, k, c3, 3 * hd, scratch, t, t * t, dq, c3, 3 * hd}, 1.0f, nh,
-                       ctx, where);
-        !st.ok())
-      return st;
-    // dK^T(d, j) = sum_i Q[i, d] dS[i, j]: A = Q stored (hd, t) op N, B = dS stored (t, t) op T.
-    if (absl::Status st =
-            RunBatched({CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, q, c3, 3 * hd, scratch, t, t * t, dk, c3, 3 * hd}, 1.0f, nh,
-                       ctx, where);
-        !st.ok())
-      return st;
+    for (int64_t i = 0; i < pg; ++i) {
+      // dQ^T(d, i) = sum_j K[j, d] dS[i, j]: A = K stored (hd, t) op N, B = dS stored (t, t) op N.
+      if (absl::Status st = RunBatched(
+              {CUBLAS_OP_N, CUBLAS_OP_N, hd, t, t, k, W, G, scratch + i * tt, t, pg * tt, dbase + H.Query(i, hd), W, G},
+              1.0f, H.groups, ctx, where);
+          !st.ok())
+        return st;
+      // dK^T(d, j) = sum_i Q[i, d] dS[i, j]: A = Q stored (hd, t) op N, B = dS stored (t, t) op T.
+      if (absl::Status st = RunBatched(
+              {CUBLAS_OP_N, CUBLAS_OP_T, hd, t, t, base + H.Query(i, hd), W, G, scratch + i * tt, t, pg * tt, dk, W, G},
+              1.0f, H.groups, ctx, where, i == 0 ? 0.0f : 1.0f);
+          !st.ok())
+        return st;
+    }
   }
   return absl::OkStatus();
 }

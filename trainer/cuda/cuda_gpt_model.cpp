@@ -16,6 +16,7 @@
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/cuda_gpt_model_impl.h"
 #include "trainer/cuda/cuda_versions.h"
+#include "trainer/op_math.h"
 
 namespace ptk::cuda {
 
@@ -105,24 +106,28 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   o.micro_batch_size = b;
   o.seq_length = t;
   o.tensor = tensor_size();
-  const int64_t heads = config().num_attention_heads / tensor_size();  // this rank's
-  o.attention_scratch_floats = kFlash ? 0 : AttentionBackwardScratch(AttentionShape{b, t, heads, config().head_dim()});
+  // This rank's query heads and groups.
+  const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
+                             config().query_groups() / tensor_size()};
+  o.attention_scratch_floats = kFlash ? 0 : AttentionBackwardScratch(shape);
   o.reduce_doubles = SumSquaresPartials(num_params());
   o.padded_params = padded_params_;
   o.moment_params = moment_params_;
-  o.layernorm_scratch_floats = LayerNormBackwardScratch(b * t, config().hidden_size);
+  // The norms' backward scratch: LayerNorm's partial sums in floats, RMSNorm's in doubles.
+  o.layernorm_scratch_floats = Rms() ? 2 * RMSNormBackwardScratch(b * t, config().hidden_size)
+                                     : LayerNormBackwardScratch(b * t, config().hidden_size);
   o.logits_budget_bytes = logits_budget_bytes_;  // 0: from the free memory (PlanMemoryWithin)
   if constexpr (kFlash) {
     // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
     // in deterministic mode): the plan makes room for the larger of it and the products'. Without
     // attention dropout (and in evaluation) attention runs over the whole micro-batch; with it,
     // training runs one sample per call (AttentionFwd).
-    const AttentionShape shape{b, t, heads, config().head_dim()};
     PTK_ASSIGN_OR_RETURN(const int64_t flash, FlashAttentionWorkspaceBytes<T>(shape, 0.0, ctx_));
     o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, flash);
     if (config().attention_dropout > 0) {
-      PTK_ASSIGN_OR_RETURN(const int64_t one, FlashAttentionWorkspaceBytes<T>(AttentionShape{1, t, shape.nh, shape.hd},
-                                                                              config().attention_dropout, ctx_));
+      PTK_ASSIGN_OR_RETURN(const int64_t one,
+                           FlashAttentionWorkspaceBytes<T>(AttentionShape{1, t, shape.nh, shape.hd, shape.ng},
+                                                           config().attention_dropout, ctx_));
       o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, one);
     }
   }
@@ -177,6 +182,16 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   }
   PTK_RETURN_IF_ERROR(losses_.Reserve(static_cast<size_t>(plan_.n) * sizeof(float)));
   PTK_RETURN_IF_ERROR(embedding_plan_.Reserve(plan_.n));
+  std::vector<float> rope;  // cos then sin, as the CPU model's tables (a longer t has the same first rows)
+  if (config().rope()) {
+    const int64_t half = config().rotary_dim() / 2;
+    rope.assign(static_cast<size_t>(2 * plan_.t * half), 0.0f);
+    RopeAngleTables(rope.data(), rope.data() + plan_.t * half, plan_.t, config().rotary_dim(), config().rotary_base,
+                    config().use_rope_scaling);
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(plan_.rope_tables), rope.data(), rope.size() * sizeof(float),
+                                             cudaMemcpyHostToDevice, ctx_.stream),
+                             "copying the rotary embedding tables to the device");
+  }
   return Sync("planning device memory");
 }
 

@@ -164,8 +164,10 @@ class CudaGPTModelImpl final : public GPTModel {
   float* MasterOf(int64_t offset) const {
     return plan_.master_sharded ? Buf<float>(plan_.master) + (offset - master_begin_) : Master(offset);
   }
-  // A LayerNorm's fp32 weight or bias (`offset` is the tensor's start in the flat layout).
+  // A norm's fp32 weight or bias (`offset` is the tensor's start in the flat layout; -1, RMSNorm's
+  // absent bias: null).
   const float* Ln(int64_t offset) const {
+    if (offset < 0) return nullptr;
     if (!plan_.master_sharded) return Master(offset);
     return Buf<float>(plan_.ln_master) + LnCompactOffset(offset);
   }
@@ -175,9 +177,13 @@ class CudaGPTModelImpl final : public GPTModel {
     PTK_CHECK_MSG(false, fmt::format("parameter offset {} is no LayerNorm's", offset));
     return 0;
   }
-  float* Grad(int64_t offset) const { return Buf<float>(plan_.grads) + offset; }
-  // The weights the products read: the master itself in fp32 mode, its rounded copy otherwise.
+  // A tensor's gradient; null for one the configuration leaves out (offset -1: biases under
+  // --disable-bias-linear, the position table under rotary or no position embeddings).
+  float* Grad(int64_t offset) const { return offset < 0 ? nullptr : Buf<float>(plan_.grads) + offset; }
+  // The weights the products read: the master itself in fp32 mode, its rounded copy otherwise (null
+  // for an absent tensor, as Grad).
   T* Compute(int64_t offset) const {
+    if (offset < 0) return nullptr;
     if constexpr (kFlash)
       return Buf<T>(plan_.compute) + offset;
     else
@@ -237,8 +243,26 @@ class CudaGPTModelImpl final : public GPTModel {
     return Buf<uint64_t>(plan_.streams) + StreamIndex(layer, site, b_);
   }
 
+  // This rank's attention shape for the micro-batch: its query heads and query groups.
+  AttentionShape Shape() const {
+    const GPTConfig& cf = config();
+    return AttentionShape{b_, t_, cf.num_attention_heads / tensor_size(), cf.head_dim(),
+                          cf.query_groups() / tensor_size()};
+  }
+  bool Rms() const { return config().normalization == Normalization::kRMSNorm; }
+  // RoPE's fp32 tables (cos, then sin: plan_.t x rotary dim / 2 each), uploaded by Plan.
+  const float* RopeCos() const { return Buf<float>(plan_.rope_tables); }
+  const float* RopeSin() const { return RopeCos() + plan_.t * (config().rotary_dim() / 2); }
+
   // cuda_gpt_model_pass.cpp.
   absl::Status Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
+  // The configuration's norm (rows n_, hidden c; the statistics: mean at stats, rstd at stats + n_)
+  // of resid_out = a + b, written to resid_out; of a itself when b is null (resid_out unused).
+  // LayerNorm takes the fused dropout `drop` of b; RMSNorm never has one (FusedDropout).
+  absl::Status NormForward(const char* name, T* resid_out, T* out, float* stats, const T* a, const T* b, int64_t w,
+                           int64_t bias, const LnDropout& drop);
+  // A transformer layer's fc1 and its activation: GELU in the product's epilogue, or SwiGLU after it.
+  absl::Status Fc1Forward(int64_t l);
   // Up to the final LayerNorm's output.
   absl::Status RunForward(bool train, uint64_t seed);
   absl::Status AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
@@ -256,8 +280,11 @@ class CudaGPTModelImpl final : public GPTModel {
   // dlosses the slice becomes its gradient): maxima all-gathered, sums and target logits
   // all-reduced over the tensor group.
   absl::Status VocabParallelLoss(T* logits, float* losses, const int32_t* labels, const float* dlosses, int64_t rows);
+  // cuda_gpt_model_backward.cpp.
   // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.
   absl::Status RunBackward(bool train, uint64_t seed);
+  // A layer's MLP backward, from the gradient of its output (dmlp) to fc1's input gradient in dln.
+  absl::Status MlpBackward(int64_t l, const T* dmlp);
   // The gradient a residual branch's backward starts from: the residual gradient itself where no
   // dropout runs on the branch's output (its product reads it before the LayerNorm's backward adds
   // to it), else a copy with the dropout mask applied. CudaModelOptions::unfused.residual_grad_copy
@@ -265,14 +292,17 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::StatusOr<const T*> BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, int64_t site, double p,
                                       uint64_t seed);
   // LayerNormBackward, or its rows-in-series oracle (CudaModelOptions::unfused); with `drop`'s p > 0
-  // also the dropped branch's gradient into dbranch.
+  // also the dropped branch's gradient into dbranch. Under RMSNorm, RMSNormBackward (db and mean
+  // unused; scratch taken as doubles; never a dbranch).
   absl::Status LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w, const float* mean,
                           const float* rstd, int64_t n, int64_t c, float* scratch, const CudaContext& ctx,
                           T* dbranch = nullptr, const LnDropout& drop = {});
   // Hidden dropout of (layer, site) fused into a LayerNorm kernel: none where p is 0 or the unfused
   // pass runs (CudaModelOptions::unfused.dropout_pass).
+  // RMSNorm's kernels take no dropout: its hidden dropout runs as its own pass.
+  bool FuseDropout(double p) const { return p > 0.0 && !unfused_.dropout_pass && !Rms(); }
   LnDropout FusedDropout(int64_t layer, int64_t site, double p, uint64_t seed) const {
-    if (p <= 0.0 || unfused_.dropout_pass) return {};
+    if (!FuseDropout(p)) return {};
     return LnDropout{Streams(layer, site), t_, p, seed};
   }
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);

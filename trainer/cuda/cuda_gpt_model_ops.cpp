@@ -48,26 +48,28 @@ absl::Status CudaGPTModelImpl<T>::Op(const char* category, const char* name, abs
 template <typename T>
 std::string CudaGPTModelImpl<T>::OpWhere(const char* name) const {
   const GPTConfig& cf = config();
-  const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size, vp = cf.padded_vocab_size;
+  // This rank's widths: the fused QKV's (its query heads and groups' key and value heads), the ffn's.
+  const int64_t n = n_, c = cf.hidden_size, tn = tensor_size(), qw = cf.qkv_rows() / tn, f = cf.ffn_hidden_size / tn,
+                vp = cf.padded_vocab_size / tn;
   const std::string_view op(name);
   auto has = [&](std::string_view w) { return op.find(w) != std::string_view::npos; };
   std::string shapes;
-  if (has("qkv"))
-    shapes = fmt::format("n={} x c={} -> {}", n, c, 3 * c);
+  if (has("qkv") || has("rope"))
+    shapes = fmt::format("n={} x c={} -> {}", n, c, qw);
   else if (has("proj"))
-    shapes = fmt::format("n={} x c={} -> {}", n, c, c);
+    shapes = fmt::format("n={} x {} -> c={}", n, cf.num_attention_heads / tn * cf.head_dim(), c);
   else if (has("fc1"))
-    shapes = fmt::format("n={} x c={} -> {}", n, c, f);
+    shapes = fmt::format("n={} x c={} -> {}", n, c, (cf.swiglu ? 2 : 1) * f);
   else if (has("fc2"))
     shapes = fmt::format("n={} x {} -> c={}", n, f, c);
-  else if (has("gelu"))
+  else if (has("gelu") || has("swiglu"))
     shapes = fmt::format("n={} x {}", n, f);
   else if (has("lm head") || has("loss"))
     shapes = fmt::format("rows {}..{} of n={} x c={} -> padded vocabulary {}", head_row0_, head_row0_ + head_rows_, n,
                          c, vp);
   else if (has("attention") && !has("dropout"))
-    shapes = fmt::format("b={} t={} heads={} head dim={}{}", b_, t_, cf.num_attention_heads, cf.head_dim(),
-                         kFlash ? " (cuDNN fused attention)" : "");
+    shapes = fmt::format("b={} t={} heads={} query groups={} head dim={}{}", b_, t_, cf.num_attention_heads / tn,
+                         cf.query_groups() / tn, cf.head_dim(), kFlash ? " (cuDNN fused attention)" : "");
   else if (has("grad") || has("adamw") || has("compute copy"))
     shapes = fmt::format("{} parameters", num_params());
   else

@@ -1,10 +1,13 @@
-// The CUDA model's pass: forward, the LM head and loss in chunks of rows, backward.
+// The CUDA model's pass: forward, the LM head and loss in chunks of rows (backward:
+// cuda_gpt_model_backward.cpp).
 //
 // Megatron's GPT on one GPU: the CPU model's pass (trainer/cpu/cpu_gpt_model.cpp) over the CUDA ops,
 // with the residual adds (and the hidden dropout in front of them) fused into the LayerNorms, the
 // GELU into fc1's epilogue, and the loss over the vocabulary computed in chunks of rows (the LM
 // head's backward runs chunk by chunk right after its loss, so no (tokens x vocabulary) matrix is
-// ever kept).
+// ever kept). The Llama line as the CPU model has it: RMSNorm (the residual add fused in; its
+// hidden dropout a pass of its own), RoPE in place on the QKV product's output, SwiGLU after fc1,
+// grouped-query attention, absent biases and position table skipped, an untied output layer.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -90,16 +93,46 @@ absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, dou
 }
 
 template <typename T>
+absl::Status CudaGPTModelImpl<T>::NormForward(const char* name, T* resid_out, T* out, float* stats, const T* a,
+                                              const T* b, int64_t w, int64_t bias, const LnDropout& drop) {
+  const int64_t n = n_, c = config().hidden_size;
+  const double eps = config().layernorm_epsilon;
+  if (Rms()) {
+    if (!b) return Op("rmsnorm", name, RMSNormForward<T>(out, stats + n, a, Ln(w), n, c, eps, ctx_));
+    return Op("rmsnorm", name, ResidualRMSNormForward<T>(resid_out, out, stats + n, a, b, Ln(w), n, c, eps, ctx_));
+  }
+  if (!b) return Op("layernorm", name, LayerNormForward<T>(out, stats, stats + n, a, Ln(w), Ln(bias), n, c, eps, ctx_));
+  return Op(
+      "layernorm", name,
+      ResidualLayerNormForward<T>(resid_out, out, stats, stats + n, a, b, Ln(w), Ln(bias), n, c, eps, ctx_, drop));
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::Fc1Forward(int64_t l) {
+  const GPTConfig& cf = config();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size / tensor_size();
+  const T* ln2 = Act(plan_.ln2, l, n * c);
+  if (!cf.swiglu)
+    return Op("matmul", "fc1+gelu",
+              MatmulForward<T>(Act(plan_.fc1, l, n * f), ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, f, ctx_,
+                               Act(plan_.gelu, l, n * f)));
+  // SwiGLU: fc1 gives this rank's [gate; up] (2f columns), the activation takes silu(gate) * up.
+  T* fc1 = Act(plan_.fc1, l, n * 2 * f);
+  PTK_RETURN_IF_ERROR(
+      Op("matmul", "fc1", MatmulForward<T>(fc1, ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, 2 * f, ctx_)));
+  return Op("swiglu", "swiglu", SwigluForward<T>(Act(plan_.gelu, l, n * f), fc1, n, f, ctx_));
+}
+
+template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
-  // This rank's slices under tensor parallelism (everything at one tensor rank): attention width ct
-  // (its heads), ffn columns f.
-  const int64_t n = n_, c = cf.hidden_size, ct = c / tensor_size(), f = cf.ffn_hidden_size / tensor_size(),
-                L = cf.num_layers;
+  // This rank's slices under tensor parallelism (everything at one tensor rank): its query heads and
+  // groups (shape), the attention width ct, the fused QKV's width qw.
+  const AttentionShape shape = Shape();
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = cf.num_layers;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  const double eps = cf.layernorm_epsilon;
-  const AttentionShape shape{b_, t_, cf.num_attention_heads / tensor_size(), cf.head_dim()};
   T* tmp = Buf<T>(plan_.tmp);
   const bool tp = tensor_size() > 1;
   // Row-parallel products: the partial products summed over the tensor group, then the bias once.
@@ -110,7 +143,7 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
     return TensorSum(tmp, n, c, Compute(bias), nullptr, nullptr);
   };
   // Hidden dropout inside the LayerNorm kernels (FusedDropout), else as its own pass.
-  const bool fuse = hp > 0 && !unfused_.dropout_pass;
+  const bool fuse = FuseDropout(hp);
 
   layer_ = -1;
   if (!tp) {
@@ -130,49 +163,44 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(
         Op("layernorm", "embedding dropout+ln1",
            DropoutLayerNormForward<T>(Act(plan_.resid, 0, n * c), Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
-                                      Stats(plan_.ln1_stats, 0) + n, Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps,
-                                      FusedDropout(L, kEmbeddingDropout, hp, seed), ctx_)));
+                                      Stats(plan_.ln1_stats, 0) + n, Ln(first.ln1_w), Ln(first.ln1_b), n, c,
+                                      cf.layernorm_epsilon, FusedDropout(L, kEmbeddingDropout, hp, seed), ctx_)));
   } else {
     PTK_RETURN_IF_ERROR(
         Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
-    PTK_RETURN_IF_ERROR(
-        Op("layernorm", "ln1",
-           LayerNormForward<T>(Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), Stats(plan_.ln1_stats, 0) + n,
-                               Act(plan_.resid, 0, n * c), Ln(first.ln1_w), Ln(first.ln1_b), n, c, eps, ctx_)));
+    PTK_RETURN_IF_ERROR(NormForward("ln1", nullptr, Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
+                                    Act(plan_.resid, 0, n * c), nullptr, first.ln1_w, first.ln1_b, {}));
   }
   for (int64_t l = 0; l < L; ++l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
-    T* qkv = Act(plan_.qkv, l, n * 3 * ct);
+    T* qkv = Act(plan_.qkv, l, n * qw);
     T* atty = Act(plan_.atty, l, n * ct);
     PTK_RETURN_IF_ERROR(
         Op("matmul", "qkv",
-           MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, 3 * ct, ctx_)));
+           MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
+    if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
+      PTK_RETURN_IF_ERROR(Op("rope", "rope", RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
     PTK_RETURN_IF_ERROR(row_parallel("proj", atty, lp.proj_w, lp.proj_b, ct));
     // resid_mid[l] = resid[l] + dropout(tmp): the attention output's dropout, in the kernel when fused.
     if (!fuse)
       PTK_RETURN_IF_ERROR(Op("dropout", "attention-out dropout", Dropout(tmp, l, kAttentionOutDropout, hp, seed)));
-    PTK_RETURN_IF_ERROR(Op(
-        "layernorm", fuse ? "dropout+residual+ln2" : "residual+ln2",
-        ResidualLayerNormForward<T>(Act(plan_.resid_mid, l, n * c), Act(plan_.ln2, l, n * c), Stats(plan_.ln2_stats, l),
-                                    Stats(plan_.ln2_stats, l) + n, Act(plan_.resid, l, n * c), tmp, Ln(lp.ln2_w),
-                                    Ln(lp.ln2_b), n, c, eps, ctx_, FusedDropout(l, kAttentionOutDropout, hp, seed))));
-    PTK_RETURN_IF_ERROR(Op("matmul", "fc1+gelu",
-                           MatmulForward<T>(Act(plan_.fc1, l, n * f), Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
-                                            Compute(lp.fc1_b), n, c, f, ctx_, Act(plan_.gelu, l, n * f))));
-    PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * f), lp.fc2_w, lp.fc2_b, f));
+    PTK_RETURN_IF_ERROR(NormForward(fuse ? "dropout+residual+ln2" : "residual+ln2", Act(plan_.resid_mid, l, n * c),
+                                    Act(plan_.ln2, l, n * c), Stats(plan_.ln2_stats, l), Act(plan_.resid, l, n * c),
+                                    tmp, lp.ln2_w, lp.ln2_b, FusedDropout(l, kAttentionOutDropout, hp, seed)));
+    PTK_RETURN_IF_ERROR(Fc1Forward(l));
+    PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * (cf.ffn_hidden_size / tensor_size())), lp.fc2_w,
+                                     lp.fc2_b, cf.ffn_hidden_size / tensor_size()));
     if (!fuse) PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
-    // resid[l+1] = resid_mid[l] + dropout(tmp), then the next LayerNorm (the next layer's or the final one).
+    // resid[l+1] = resid_mid[l] + dropout(tmp), then the next norm (the next layer's or the final one).
     const bool last = l + 1 == L;
     const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
-    T* ln_out = last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c);
-    float* stats = last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1);
-    PTK_RETURN_IF_ERROR(Op("layernorm", fuse ? "dropout+residual+ln" : "residual+ln",
-                           ResidualLayerNormForward<T>(
-                               Act(plan_.resid, l + 1, n * c), ln_out, stats, stats + n, Act(plan_.resid_mid, l, n * c),
-                               tmp, Ln(last ? pl.lnf_w : next->ln1_w), Ln(last ? pl.lnf_b : next->ln1_b), n, c, eps,
-                               ctx_, FusedDropout(l, kMlpOutDropout, hp, seed))));
+    PTK_RETURN_IF_ERROR(NormForward(fuse ? "dropout+residual+ln" : "residual+ln", Act(plan_.resid, l + 1, n * c),
+                                    last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c),
+                                    last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1),
+                                    Act(plan_.resid_mid, l, n * c), tmp, last ? pl.lnf_w : next->ln1_w,
+                                    last ? pl.lnf_b : next->ln1_b, FusedDropout(l, kMlpOutDropout, hp, seed)));
   }
   layer_ = -1;
   return absl::OkStatus();
@@ -182,14 +210,20 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap,
                                                uint64_t seed) {
   if constexpr (kFlash) {
-    const int64_t nh = shape.nh, c = shape.nh * shape.hd;  // this rank's heads
+    const int64_t nh = shape.nh, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
+    // Grouped-query attention: cuDNN reads the QKV heads first (a copy; the layer keeps Megatron's order).
+    if (shape.groups() != nh) {
+      T* heads = Buf<T>(plan_.qkv_heads);
+      PTK_RETURN_IF_ERROR(QkvGroupsToHeads<T>(heads, qkv, shape, ctx_));
+      qkv = heads;
+    }
     float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
     if (ap <= 0) return FlashAttentionForward<T>(atty, stats, qkv, shape, 0.0, 0, 0, ctx_);
     // Dropout: one sample per call, its own key (Prepare).
-    const AttentionShape one{1, t_, nh, config().head_dim()};
+    const AttentionShape one{1, t_, nh, shape.hd, shape.ng};
     for (int64_t r = 0; r < b_; ++r)
-      PTK_RETURN_IF_ERROR(FlashAttentionForward<T>(atty + r * t_ * c, stats + r * nh * t_, qkv + r * t_ * 3 * c, one,
-                                                   ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
+      PTK_RETURN_IF_ERROR(FlashAttentionForward<T>(atty + r * t_ * c, stats + r * nh * t_, qkv + r * t_ * qw, one, ap,
+                                                   seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
     return absl::OkStatus();
   } else {
     float* probs = Buf<float>(plan_.attn_saved) + (config().recompute_activations ? 0 : l) * b_ * shape.nh * t_ * t_;
@@ -309,144 +343,6 @@ absl::Status CudaGPTModelImpl<T>::VocabParallelLoss(T* logits, float* losses, co
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
-  const GPTConfig& cf = config();
-  const ParamLayout& pl = layout();
-  const int64_t n = n_, c = cf.hidden_size, ct = c / tensor_size(), f = cf.ffn_hidden_size / tensor_size(),
-                L = cf.num_layers;
-  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
-  const AttentionShape shape{b_, t_, cf.num_attention_heads / tensor_size(), cf.head_dim()};
-  const bool tp = tensor_size() > 1;
-  // Under tensor parallelism the LayerNorms, the position embeddings and the row-parallel biases
-  // are whole on every tensor rank and their gradients come out the same on every one without a
-  // reduction (as the CPU model's): each is computed from the residual stream's gradient, which
-  // every rank holds with the same bits (the column-parallel products' input gradients are summed
-  // over the group by NCCL, whose all-reduce leaves the same bits on every rank).
-  const size_t act_bytes = static_cast<size_t>(n * c) * sizeof(T);
-  T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff),
-    *dqkv = Buf<T>(plan_.dqkv), *datt = Buf<T>(plan_.datt);
-  // Fused hidden dropout: each LayerNorm's backward also writes the masked gradient of the branch
-  // below it into dtmp (the embedding's into dresid itself), where the branch's backward reads it.
-  const bool fuse = hp > 0 && !unfused_.dropout_pass;
-  T* dbranch = fuse ? dtmp : nullptr;
-
-  layer_ = -1;
-  PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
-  PTK_RETURN_IF_ERROR(
-      Op("layernorm", "final ln backward",
-         LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c), Ln(pl.lnf_w),
-                    Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c, Buf<float>(plan_.ln_scratch),
-                    ctx_, dbranch, FusedDropout(L - 1, kMlpOutDropout, hp, seed))));
-  GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
-  for (int64_t l = L - 1; l >= 0; --l) {
-    layer_ = l;
-    const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
-    // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
-    const T* dmlp = dtmp;  // fused: the masked gradient the LayerNorm above left
-    if (!fuse) {
-      PTK_ASSIGN_OR_RETURN(dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
-    }
-    PTK_RETURN_IF_ERROR(
-        Op("matmul", "fc2 backward",
-           MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n,
-                             f, c, ctx_, false, unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
-    if (unfused_.gelu_backward)
-      PTK_RETURN_IF_ERROR(
-          Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("matmul", "fc1 backward",
-                           MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c),
-                                             Compute(lp.fc1_w), n, c, f, ctx_)));
-    if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel fc1
-    PTK_RETURN_IF_ERROR(
-        Op("layernorm", "ln2 backward",
-           LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c), Ln(lp.ln2_w),
-                      Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c, Buf<float>(plan_.ln_scratch),
-                      ctx_, dbranch, FusedDropout(l, kAttentionOutDropout, hp, seed))));
-    // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
-    const T* dproj = dtmp;
-    if (!fuse) {
-      PTK_ASSIGN_OR_RETURN(dproj, BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
-    }
-    PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
-                           MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * ct),
-                                             Compute(lp.proj_w), n, ct, c, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
-    PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
-                           MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
-                                             Compute(lp.qkv_w), n, c, 3 * ct, ctx_)));
-    if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel QKV
-    PTK_RETURN_IF_ERROR(Op("layernorm", "ln1 backward",
-                           LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
-                                      Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
-                                      Buf<float>(plan_.ln_scratch), ctx_, l > 0 ? dbranch : (fuse ? dresid : nullptr),
-                                      l > 0 ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
-                                            : FusedDropout(L, kEmbeddingDropout, hp, seed))));
-    GradsReady(static_cast<size_t>(L - l));  // layer l
-  }
-  layer_ = -1;
-  if (!fuse)
-    PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
-  PTK_RETURN_IF_ERROR(
-      Op("embedding", "embedding backward",
-         EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
-                              n, c, cf.padded_vocab_size / tensor_size(), cf.max_position_embeddings, &embedding_plan_,
-                              ctx_, tp ? tensor_rank() * (cf.padded_vocab_size / tensor_size()) : -1)));
-  GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
-  return absl::OkStatus();
-}
-
-template <typename T>
-absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l,
-                                                         int64_t site, double p, uint64_t seed) {
-  if (p <= 0.0 && !unfused_.residual_grad_copy) return dresid;
-  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
-                           "copying the residual gradient");
-  PTK_RETURN_IF_ERROR(Op("copies", "residual gradient copy", absl::OkStatus()));
-  PTK_RETURN_IF_ERROR(Op("dropout",
-                         site == kMlpOutDropout ? "mlp-out dropout backward" : "attention-out dropout backward",
-                         Dropout(dtmp, l, site, p, seed)));
-  return dtmp;
-}
-
-template <typename T>
-absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
-                                             const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
-                                             const CudaContext& ctx, T* dbranch, const LnDropout& drop) {
-  if (unfused_.layernorm_rows_in_series)
-    return LayerNormBackwardRowsInSeries<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop);
-  return LayerNormBackward<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop);
-}
-
-template <typename T>
-absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape,
-                                               double ap, uint64_t seed) {
-  const int64_t n = n_, c = shape.nh * shape.hd;  // this rank's heads
-  const T* qkv = Act(plan_.qkv, l, n * 3 * c);
-  if constexpr (kFlash) {
-    const int64_t nh = shape.nh;
-    const T* out = Act(plan_.atty, l, n * c);
-    const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
-    if (ap <= 0) return FlashAttentionBackward<T>(dqkv, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_);
-    // Dropout: one sample per call with the forward's key, so the same mask.
-    const AttentionShape one{1, t_, nh, config().head_dim()};
-    for (int64_t r = 0; r < b_; ++r) {
-      const int64_t row = r * t_;
-      PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dqkv + row * 3 * c, datt + row * c, out + row * c,
-                                                    stats + r * nh * t_, qkv + row * 3 * c, one, ap,
-                                                    seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
-    }
-    return absl::OkStatus();
-  } else {
-    const bool recompute = config().recompute_activations;
-    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * shape.nh * t_ * t_;
-    const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
-    if (recompute)  // the probabilities again; the output lands in a scratch buffer
-      PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
-    return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);
-  }
-}
-
-template <typename T>
 absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Losses(const ModelBatch& batch) {
   const size_t n = static_cast<size_t>(n_);
   float* host = losses_.at<float>(0);
@@ -469,32 +365,27 @@ LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float>
   return s;
 }
 
-#define PTK_INSTANTIATE(T)                                                                                             \
-  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::ForwardBackward(const ModelBatch& batch, double loss_scale,    \
-                                                                        bool train, uint64_t seed);                    \
-  template absl::Status CudaGPTModelImpl<T>::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale,       \
-                                                                     bool train, uint64_t seed);                       \
-  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::TakeLosses();                                                  \
-  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Forward(const ModelBatch& batch, std::vector<float>* logits);  \
-  template absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);      \
-  template absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed);                                    \
-  template absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,                            \
-                                                          const AttentionShape& shape, double ap, uint64_t seed);      \
-  template absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* logits_out);                   \
-  template absl::Status CudaGPTModelImpl<T>::TensorSum(T* x, int64_t rows, int64_t c, const T* bias,                   \
-                                                       const int32_t* positions, const T* wpe, bool summed_in_fp32);   \
-  template absl::Status CudaGPTModelImpl<T>::VocabParallelLoss(T* logits, float* losses, const int32_t* labels,        \
-                                                               const float* dlosses, int64_t rows);                    \
-  template absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed);                                   \
-  template absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, \
-                                                                    int64_t site, double p, uint64_t seed);            \
-  template absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp,    \
-                                                        const float* w, const float* mean, const float* rstd,          \
-                                                        int64_t n, int64_t c, float* scratch, const CudaContext& ctx,  \
-                                                        T* dbranch, const LnDropout& drop);                            \
-  template absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l,                           \
-                                                          const AttentionShape& shape, double ap, uint64_t seed);      \
-  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Losses(const ModelBatch& batch);                               \
+#define PTK_INSTANTIATE(T)                                                                                            \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::ForwardBackward(const ModelBatch& batch, double loss_scale,   \
+                                                                        bool train, uint64_t seed);                   \
+  template absl::Status CudaGPTModelImpl<T>::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale,      \
+                                                                     bool train, uint64_t seed);                      \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::TakeLosses();                                                 \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Forward(const ModelBatch& batch, std::vector<float>* logits); \
+  template absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);     \
+  template absl::Status CudaGPTModelImpl<T>::NormForward(const char* name, T* resid_out, T* out, float* stats,        \
+                                                         const T* a, const T* b, int64_t w, int64_t bias,             \
+                                                         const LnDropout& drop);                                      \
+  template absl::Status CudaGPTModelImpl<T>::Fc1Forward(int64_t l);                                                   \
+  template absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed);                                   \
+  template absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,                           \
+                                                          const AttentionShape& shape, double ap, uint64_t seed);     \
+  template absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* logits_out);                  \
+  template absl::Status CudaGPTModelImpl<T>::TensorSum(T* x, int64_t rows, int64_t c, const T* bias,                  \
+                                                       const int32_t* positions, const T* wpe, bool summed_in_fp32);  \
+  template absl::Status CudaGPTModelImpl<T>::VocabParallelLoss(T* logits, float* losses, const int32_t* labels,       \
+                                                               const float* dlosses, int64_t rows);                   \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Losses(const ModelBatch& batch);                              \
   template LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float> mask);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

@@ -23,9 +23,11 @@ __global__ void EmbeddingForwardKernel(T* out, const int32_t* tokens, const int3
     if (j >= c) continue;  // N divides c: a pack is whole or absent
     float a[N], p[N];
     kernel::LoadFloats<N>(wte + static_cast<int64_t>(tokens[row]) * c + j, a);
-    kernel::LoadFloats<N>(wpe + static_cast<int64_t>(positions[row]) * c + j, p);
+    if (wpe != nullptr) {  // none under rotary (or no) position embeddings
+      kernel::LoadFloats<N>(wpe + static_cast<int64_t>(positions[row]) * c + j, p);
 #pragma unroll
-    for (int k = 0; k < N; ++k) a[k] = a[k] + p[k];
+      for (int k = 0; k < N; ++k) a[k] = a[k] + p[k];
+    }
     kernel::StoreFloats<N>(out + row * c + j, a);
   }
 }
@@ -151,9 +153,8 @@ absl::Status EmbeddingForward(T* out, const int32_t* tokens, const int32_t* posi
   if (n == 0 || c == 0) return absl::OkStatus();
   PTK_KERNEL_CHECK(kernel::CheckPointer(out, "out", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(tokens, "tokens", where));
-  PTK_KERNEL_CHECK(kernel::CheckPointer(positions, "positions", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(wte, "wte", where));
-  PTK_KERNEL_CHECK(kernel::CheckPointer(wpe, "wpe", where));
+  if (wpe != nullptr) PTK_KERNEL_CHECK(kernel::CheckPointer(positions, "positions", where));
   constexpr int kV = kernel::kVec<T>;
   const bool vec = c % kV == 0 && kernel::Aligned(out, 16) && kernel::Aligned(wte, 16) && kernel::Aligned(wpe, 16);
   const int n_per = vec ? kV : 1;
@@ -184,10 +185,9 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
   PTK_KERNEL_CHECK(kernel::CheckCount(position_rows, "position_rows", where));
   if (n == 0 || c == 0) return absl::OkStatus();
   PTK_KERNEL_CHECK(kernel::CheckPointer(dwte, "dwte", where));
-  PTK_KERNEL_CHECK(kernel::CheckPointer(dwpe, "dwpe", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(dout, "dout", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(tokens_host, "tokens_host", where));
-  PTK_KERNEL_CHECK(kernel::CheckPointer(positions_host, "positions_host", where));
+  if (dwpe != nullptr) PTK_KERNEL_CHECK(kernel::CheckPointer(positions_host, "positions_host", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(plan, "plan", where));
   if (plan->host == nullptr || plan->device == nullptr || plan->uploaded == nullptr || plan->max_n < n) {
     return absl::InvalidArgumentError(
@@ -198,8 +198,9 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
   int64_t token_groups = 0, token_ints = 0, position_groups = 0, position_ints = 0;
   PTK_KERNEL_CHECK(GroupRows(tokens_host, n, vocab_rows, "token", plan->counts, plan->host, &token_groups, &token_ints,
                              where, vocab_first));
-  PTK_KERNEL_CHECK(GroupRows(positions_host, n, position_rows, "position", plan->counts, plan->host + token_ints,
-                             &position_groups, &position_ints, where));
+  if (dwpe != nullptr)  // no position table under rotary (or no) position embeddings
+    PTK_KERNEL_CHECK(GroupRows(positions_host, n, position_rows, "position", plan->counts, plan->host + token_ints,
+                               &position_groups, &position_ints, where));
   const size_t bytes = static_cast<size_t>(token_ints + position_ints) * sizeof(int32_t);
   PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(plan->device, plan->host, bytes, cudaMemcpyHostToDevice, ctx.stream),
                            where());
@@ -208,10 +209,10 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
   const bool vec = c % kV == 0 && kernel::Aligned(dout, 16) && kernel::Aligned(dwte, 16) && kernel::Aligned(dwpe, 16);
   if (vec) {
     LaunchBackward<T, kV>(dwte, dout, plan->device, n, token_groups, c, ctx);
-    LaunchBackward<T, kV>(dwpe, dout, plan->device + token_ints, n, position_groups, c, ctx);
+    if (dwpe != nullptr) LaunchBackward<T, kV>(dwpe, dout, plan->device + token_ints, n, position_groups, c, ctx);
   } else {
     LaunchBackward<T, 1>(dwte, dout, plan->device, n, token_groups, c, ctx);
-    LaunchBackward<T, 1>(dwpe, dout, plan->device + token_ints, n, position_groups, c, ctx);
+    if (dwpe != nullptr) LaunchBackward<T, 1>(dwpe, dout, plan->device + token_ints, n, position_groups, c, ctx);
   }
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();

@@ -1,7 +1,8 @@
 // Causal self-attention on the GPU in bf16/fp16: cuDNN's fused flash attention, its graphs built and cached.
 //
 // FlashAttentionForward / Backward, beside the fp32 kernels of attention_cuda.cu, over Megatron's
-// fused QKV layout qkv(b, t, nh, 3, hd), through the cudnn-frontend graph API; Q, K, V, O, dO, dQ, dK, dV are strided
+// fused QKV layout qkv(b, t, nh, 3, hd) (grouped-query attention: heads first, QkvGroupsToHeads), through the
+// cudnn-frontend graph API; Q, K, V, O, dO, dQ, dK, dV are strided
 // views into qkv / out / dqkv (no copies), stats(b, nh, t) the fp32 log-sum-exp cuDNN keeps for backward. Graphs are
 // built once per shape (and dropout probability, direction, determinism) per cuDNN handle and cached.
 #include <cudnn.h>
@@ -52,10 +53,10 @@ struct FlashKey {
   const void* handle;
   int io_type;
   bool backward;
-  int64_t b, t, nh, hd;
-  uint64_t p_bits;  // the dropout probability, bit for bit (it is part of the graph)
+  int64_t b, t, nh, hd, groups;  // groups < nh: grouped-query attention, qkv heads first
+  uint64_t p_bits;               // the dropout probability, bit for bit (it is part of the graph)
   bool deterministic;
-  auto Tie() const { return std::tie(handle, io_type, backward, b, t, nh, hd, p_bits, deterministic); }
+  auto Tie() const { return std::tie(handle, io_type, backward, b, t, nh, hd, groups, p_bits, deterministic); }
   bool operator<(const FlashKey& o) const { return Tie() < o.Tie(); }
 };
 struct FlashGraph {
@@ -84,7 +85,11 @@ std::string FeMessage(fe::error_t e) { return e.get_message(); }
 // otherwise plans needing more than `max_workspace` bytes are set aside.
 absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle, int64_t max_workspace,
                              const std::string& where, FlashGraph* out) {
-  const int64_t b = key.b, t = key.t, nh = key.nh, hd = key.hd, c = nh * hd, c3 = 3 * c;
+  const int64_t b = key.b, t = key.t, nh = key.nh, hd = key.hd, c = nh * hd, ng = key.groups;
+  // Row width and head stride of the fused QKV: Megatron's (nh, 3, hd) without grouped-query
+  // attention, heads first (nh + 2 ng heads of hd) with it.
+  const bool grouped = ng != nh;
+  const int64_t c3 = (nh + 2 * ng) * hd, head_stride = grouped ? hd : 3 * hd;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   const bool dropout = p > 0.0;
   try {
@@ -92,18 +97,19 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
     g->set_io_data_type(key.io_type == CUDA_R_16BF ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
-    // qkv(b, t, nh, 3, hd) seen as (b, nh, t, hd): batch stride t*3c, head stride 3hd, row stride 3c.
-    auto qkv_view = [&](const char* name, int64_t uid) {
+    // qkv(b, t, nh, 3, hd) seen as (b, nh, t, hd): batch stride t*3c, head stride 3hd, row stride 3c;
+    // heads first (grouped), Q (b, nh, t, hd) and K, V (b, ng, t, hd) with head stride hd.
+    auto qkv_view = [&](const char* name, int64_t uid, int64_t heads) {
       return g->tensor(fe::graph::Tensor_attributes()
                            .set_name(name)
                            .set_uid(uid)
-                           .set_dim({b, nh, t, hd})
-                           .set_stride({t * c3, 3 * hd, c3, 1}));
+                           .set_dim({b, heads, t, hd})
+                           .set_stride({t * c3, head_stride, c3, 1}));
     };
     // out(b, t, nh*hd) as (b, nh, t, hd).
     const std::vector<int64_t> o_dim{b, nh, t, hd}, o_stride{t * c, hd, c, 1};
     const std::vector<int64_t> stats_dim{b, nh, t, 1}, stats_stride{nh * t, t, 1, 1};
-    auto Q = qkv_view("Q", kQ), K = qkv_view("K", kK), V = qkv_view("V", kV);
+    auto Q = qkv_view("Q", kQ, nh), K = qkv_view("K", kK, ng), V = qkv_view("V", kV, ng);
     std::shared_ptr<fe::graph::Tensor_attributes> seed, offset;
     if (dropout) {
       seed = g->tensor(fe::graph::Tensor_attributes()
@@ -150,10 +156,10 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
       if (dropout) opts.set_dropout(static_cast<float>(p), seed, offset);
       if (key.deterministic) opts.set_deterministic_algorithm(true);
       auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
-      const std::vector<int64_t> qkv_dim{b, nh, t, hd}, qkv_stride{t * c3, 3 * hd, c3, 1};
-      dQ->set_output(true).set_uid(kDQ).set_dim(qkv_dim).set_stride(qkv_stride);
-      dK->set_output(true).set_uid(kDK).set_dim(qkv_dim).set_stride(qkv_stride);
-      dV->set_output(true).set_uid(kDV).set_dim(qkv_dim).set_stride(qkv_stride);
+      const std::vector<int64_t> q_dim{b, nh, t, hd}, kv_dim{b, ng, t, hd}, qkv_stride{t * c3, head_stride, c3, 1};
+      dQ->set_output(true).set_uid(kDQ).set_dim(q_dim).set_stride(qkv_stride);
+      dK->set_output(true).set_uid(kDK).set_dim(kv_dim).set_stride(qkv_stride);
+      dV->set_output(true).set_uid(kDV).set_dim(kv_dim).set_stride(qkv_stride);
     }
     if (max_workspace >= 0) g->deselect_workspace_greater_than(max_workspace);
     // validate, lower to cuDNN, ask the heuristics (A, then the fallback list), keep the first plan
@@ -190,7 +196,7 @@ FlashKey MakeKey(const CudaContext& ctx, bool backward, const AttentionShape& s,
   uint64_t bits = 0;
   static_assert(sizeof(bits) == sizeof(p));
   std::memcpy(&bits, &p, sizeof(p));
-  return FlashKey{ctx.cudnn, static_cast<int>(CudaDataType<T>()), backward, s.b, s.t, s.nh, s.hd,
+  return FlashKey{ctx.cudnn, static_cast<int>(CudaDataType<T>()), backward, s.b, s.t, s.nh, s.hd, s.groups(),
                   bits,      backward && ctx.deterministic};
 }
 
@@ -273,6 +279,14 @@ absl::Status ExecuteGraph(const FlashGraph& fg, std::unordered_map<int64_t, void
   return absl::OkStatus();
 }
 
+// Where K and V start in a token's row: Megatron's (nh, 3, hd) without grouped-query attention, heads
+// first with it (after the nh query heads, and the groups' key heads).
+struct QkvOffsets {
+  int64_t k, v;
+  explicit QkvOffsets(const AttentionShape& s)
+      : k(s.groups() != s.nh ? s.nh * s.hd : s.hd), v(s.groups() != s.nh ? (s.nh + s.groups()) * s.hd : 2 * s.hd) {}
+};
+
 template <typename T>
 constexpr const char* FlashType() {
   return std::is_same_v<T, __nv_bfloat16> ? "bf16" : "fp16";
@@ -346,7 +360,8 @@ absl::Status FlashAttentionForward(T* out, float* stats, const T* qkv, const Att
   const int64_t limit = ctx.workspace ? static_cast<int64_t>(ctx.workspace_bytes) : 0;
   if (absl::Status st = FindGraph(MakeKey<T>(ctx, false, s, p), p, ctx, limit, where, &fg); !st.ok()) return st;
   T* q = const_cast<T*>(qkv);
-  std::unordered_map<int64_t, void*> pack{{kQ, q}, {kK, q + s.hd}, {kV, q + 2 * s.hd}, {kO, out}, {kStats, stats}};
+  const QkvOffsets at(s);
+  std::unordered_map<int64_t, void*> pack{{kQ, q}, {kK, q + at.k}, {kV, q + at.v}, {kO, out}, {kStats, stats}};
   if (p > 0.0) {
     int64_t* rng = nullptr;
     if (absl::Status st = RngPointer(ctx, seed, offset, where, &rng); !st.ok()) return st;
@@ -369,15 +384,16 @@ absl::Status FlashAttentionBackward(T* dqkv, const T* dout, const T* out, const 
   const int64_t limit = ctx.workspace ? static_cast<int64_t>(ctx.workspace_bytes) : 0;
   if (absl::Status st = FindGraph(MakeKey<T>(ctx, true, s, p), p, ctx, limit, where, &fg); !st.ok()) return st;
   T* q = const_cast<T*>(qkv);
+  const QkvOffsets at(s);
   std::unordered_map<int64_t, void*> pack{{kQ, q},
-                                          {kK, q + s.hd},
-                                          {kV, q + 2 * s.hd},
+                                          {kK, q + at.k},
+                                          {kV, q + at.v},
                                           {kO, const_cast<T*>(out)},
                                           {kDO, const_cast<T*>(dout)},
                                           {kStats, const_cast<float*>(stats)},
                                           {kDQ, dqkv},
-                                          {kDK, dqkv + s.hd},
-                                          {kDV, dqkv + 2 * s.hd}};
+                                          {kDK, dqkv + at.k},
+                                          {kDV, dqkv + at.v}};
   if (p > 0.0) {
     int64_t* rng = nullptr;
     if (absl::Status st = RngPointer(ctx, seed, offset, where, &rng); !st.ok()) return st;

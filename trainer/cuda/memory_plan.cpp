@@ -42,9 +42,10 @@ std::vector<LayerNormRun> LayerNormRuns(const ParamLayout& pl) {
   const int64_t c = pl.config.hidden_size;
   std::vector<int64_t> starts;
   for (const LayerParams& lp : pl.layers)
-    for (int64_t o : {lp.ln1_w, lp.ln1_b, lp.ln2_w, lp.ln2_b}) starts.push_back(o);
-  starts.push_back(pl.lnf_w);
-  starts.push_back(pl.lnf_b);
+    for (int64_t o : {lp.ln1_w, lp.ln1_b, lp.ln2_w, lp.ln2_b})
+      if (o >= 0) starts.push_back(o);  // RMSNorm has no bias (-1)
+  for (int64_t o : {pl.lnf_w, pl.lnf_b})
+    if (o >= 0) starts.push_back(o);
   std::sort(starts.begin(), starts.end());
   std::vector<LayerNormRun> runs;
   int64_t compact = 0;
@@ -58,38 +59,24 @@ std::vector<LayerNormRun> LayerNormRuns(const ParamLayout& pl) {
   return runs;
 }
 
-absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, const PlanOptions& o) {
-  if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
-  const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
-  if (t < 1 || t > cf.seq_length)
-    return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
-  MemoryPlan m;
-  m.b = o.micro_batch_size;
-  m.t = t;
-  m.n = m.b * t;
-  m.flash = o.precision != Precision::kFp32;
-  m.act_bytes = m.flash ? 2 : 4;
-  const int64_t T = o.tensor;
-  if (T < 1 || cf.num_attention_heads % T != 0 || cf.ffn_hidden_size % T != 0 || cf.padded_vocab_size % T != 0)
-    return absl::InvalidArgumentError(
-        fmt::format("memory plan: heads, ffn hidden size and padded vocabulary do not divide by tensor size {}", T));
-  m.tensor = T;
-  // This rank's slices: attention width ct (its heads), ffn f, vocabulary vp.
-  const int64_t L = cf.num_layers, c = cf.hidden_size, ct = c / T, f = cf.ffn_hidden_size / T,
-                vp = cf.padded_vocab_size / T, nh = cf.num_attention_heads / T, n = m.n, a = m.act_bytes;
-  m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
-  m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
+namespace {
+
+// Appends the buffers of a plan, each at the next aligned offset.
+struct Adder {
+  MemoryPlan* m;
   int64_t offset = 0;
-  auto add = [&](std::string name, int64_t bytes, std::string lower = "") {
+  int operator()(std::string name, int64_t bytes, std::string lower = "") {
     PlannedBuffer p{std::move(name), bytes, offset, std::move(lower)};
     offset += Align(bytes);
-    m.buffers.push_back(std::move(p));
-    return static_cast<int>(m.buffers.size() - 1);
-  };
-  const std::string act_lower = "--micro-batch-size or --seq-length";
-  if (o.padded_params != 0 && o.padded_params < num_params)
-    return absl::InvalidArgumentError("memory plan: padded parameter count below the parameter count");
-  if (o.moment_params > num_params) return absl::InvalidArgumentError("memory plan: moments beyond the parameters");
+    m->buffers.push_back(std::move(p));
+    return static_cast<int>(m->buffers.size() - 1);
+  }
+};
+
+// The parameters and the optimizer: the plan's first buffers, whose offsets do not depend on the
+// batch shape.
+void AddParameterBuffers(const GPTConfig& cf, int64_t num_params, const PlanOptions& o, Adder& add) {
+  MemoryPlan& m = *add.m;
   const int64_t np = o.padded_params > 0 ? o.padded_params : num_params;
   const bool sharded = o.moment_params >= 0;
   const int64_t nm = sharded ? o.moment_params : num_params;
@@ -103,16 +90,52 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     m.master = add("parameters (fp32 master)", np * 4, "the model size");
   }
   m.compute = add(fmt::format("parameters ({} compute copy)", m.flash ? PrecisionName(o.precision) : "fp32"),
-                  m.flash ? np * a : 0, "the model size");
+                  m.flash ? np * m.act_bytes : 0, "the model size");
   m.grads = add("gradients (fp32)", np * 4, "the model size");
   m.exp_avg = add(sharded ? "AdamW exp_avg (fp32, this rank's shard)" : "AdamW exp_avg (fp32)", nm * 4, model_lower);
   m.exp_avg_sq =
       add(sharded ? "AdamW exp_avg_sq (fp32, this rank's shard)" : "AdamW exp_avg_sq (fp32)", nm * 4, model_lower);
+}
+
+}  // namespace
+
+absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, const PlanOptions& o) {
+  if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
+  const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
+  if (t < 1 || t > cf.seq_length)
+    return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
+  MemoryPlan m;
+  m.b = o.micro_batch_size;
+  m.t = t;
+  m.n = m.b * t;
+  m.flash = o.precision != Precision::kFp32;
+  m.act_bytes = m.flash ? 2 : 4;
+  const int64_t T = o.tensor;
+  if (T < 1 || cf.num_attention_heads % T != 0 || cf.query_groups() % T != 0 || cf.ffn_hidden_size % T != 0 ||
+      cf.padded_vocab_size % T != 0)
+    return absl::InvalidArgumentError(fmt::format(
+        "memory plan: heads, query groups, ffn hidden size and padded vocabulary do not divide by tensor size {}", T));
+  m.tensor = T;
+  // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
+  // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
+  // under SwiGLU), vocabulary vp.
+  const int64_t L = cf.num_layers, c = cf.hidden_size, hd = cf.head_dim(), nh = cf.num_attention_heads / T,
+                ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
+                ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
+  const bool grouped = ng != nh;
+  m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
+  m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
+  if (o.padded_params != 0 && o.padded_params < num_params)
+    return absl::InvalidArgumentError("memory plan: padded parameter count below the parameter count");
+  if (o.moment_params > num_params) return absl::InvalidArgumentError("memory plan: moments beyond the parameters");
+  Adder add{&m};
+  AddParameterBuffers(cf, num_params, o, add);
+  const std::string act_lower = "--micro-batch-size or --seq-length";
   m.resid = add("activations: residual stream (layers + 1)", (L + 1) * n * c * a, act_lower);
   m.resid_mid = add("activations: residual after attention", L * n * c * a, act_lower);
   m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);
   m.ln1_stats = add("activations: input LayerNorm statistics", L * 2 * n * 4, act_lower);
-  m.qkv = add("activations: QKV", L * n * 3 * ct * a, act_lower);
+  m.qkv = add("activations: QKV", L * n * qw * a, act_lower);
   m.atty = add("activations: attention output", L * n * ct * a, act_lower);
   if (m.flash)
     m.attn_saved = add("activations: flash attention softmax statistics", L * m.b * nh * t * 4, act_lower);
@@ -122,8 +145,9 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
                        act_lower + ", or --recompute-activations, or --bf16 (fused attention)");
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
   m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);
-  m.fc1 = add("activations: MLP fc1 (pre-GELU)", L * n * f * a, act_lower);
-  m.gelu = add("activations: MLP GELU", L * n * f * a, act_lower);
+  m.fc1 = add(cf.swiglu ? "activations: MLP fc1 (SwiGLU's gate and up)" : "activations: MLP fc1 (pre-GELU)",
+              L * n * ff * a, act_lower);
+  m.gelu = add(cf.swiglu ? "activations: MLP SwiGLU" : "activations: MLP GELU", L * n * f * a, act_lower);
   m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
   m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
   m.logits = add(fmt::format("logits ({} rows x padded vocabulary {}{})", m.logit_chunk_rows, vp,
@@ -131,15 +155,22 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
                  m.logit_chunk_rows * vp * a, "nothing needed: the logits are computed in chunks");
   m.losses = add("per-token losses", n * 4);
   m.dloss = add("per-token loss weights", n * 4);
-  m.tmp = add("scratch: projection output", n * c * a, act_lower);
+  // The projections' outputs (n, c); fp32 attention recomputed in backward writes its (n, ct) output here too.
+  m.tmp = add("scratch: projection output", n * std::max(c, ct) * a, act_lower);
   m.dresid = add("scratch: residual gradient", n * c * a, act_lower);
   m.dtmp = add("scratch: branch gradient", n * c * a, act_lower);
   m.dln = add("scratch: LayerNorm gradient", n * c * a, act_lower);
-  m.dff = add("scratch: MLP gradient", n * f * a, act_lower);
-  m.dqkv = add("scratch: QKV gradient", n * 3 * ct * a, act_lower);
+  m.dff = add("scratch: MLP gradient", n * ff * a, act_lower);
+  m.dqkv = add("scratch: QKV gradient", n * qw * a, act_lower);
   m.datt = add("scratch: attention output gradient", n * ct * a, act_lower);
   m.attn_scratch = add("scratch: attention backward", m.flash ? 0 : o.attention_scratch_floats * 4, act_lower);
   m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
+  if (cf.rope()) m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
+  if (cf.swiglu) m.dact = add("scratch: SwiGLU output gradient", n * f * a, act_lower);
+  if (m.flash && grouped) {
+    m.qkv_heads = add("scratch: QKV heads first (grouped-query fused attention)", n * qw * a, act_lower);
+    m.dqkv_heads = add("scratch: QKV gradient heads first (grouped-query fused attention)", n * qw * a, act_lower);
+  }
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
   m.streams = add("dropout stream keys", StreamTableSize(L, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
@@ -148,7 +179,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
   }
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
-  m.total_bytes = offset;
+  m.total_bytes = add.offset;
   return m;
 }
 

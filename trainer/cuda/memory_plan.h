@@ -41,8 +41,14 @@ struct MemoryPlan {
   bool master_sharded = false;
   int master = -1, ln_master = -1, compute = -1, grads = -1, exp_avg = -1, exp_avg_sq = -1;
   // Activations kept for backward (per layer unless said otherwise).
+  // fc1 is SwiGLU's [gate; up] (twice the ffn width) under --swiglu, gelu its activation's output.
   int resid = -1, resid_mid = -1, ln1 = -1, ln1_stats = -1, qkv = -1, atty = -1, attn_saved = -1, ln2 = -1,
       ln2_stats = -1, fc1 = -1, gelu = -1, lnf = -1, lnf_stats = -1;
+  // The Llama line (empty otherwise): RoPE's fp32 cos and sin tables (t, rotary dim / 2) each,
+  // computed once on the host; SwiGLU's output gradient (fc2's input gradient, before SwiGLU's
+  // backward); with grouped-query attention in bf16/fp16, a layer's QKV and its gradient heads
+  // first (cuDNN's layout, QkvGroupsToHeads).
+  int rope_tables = -1, dact = -1, qkv_heads = -1, dqkv_heads = -1;
   // Scratch of one pass.
   int logits = -1, losses = -1, dloss = -1, tmp = -1, dresid = -1, dtmp = -1, dln = -1, dff = -1, dqkv = -1, datt = -1,
       attn_scratch = -1, ln_scratch = -1, inputs = -1, streams = -1, reduce = -1, workspace = -1;
@@ -86,9 +92,12 @@ inline int64_t StreamIndex(int64_t layer, int64_t site, int64_t b) { return (lay
 // tokens, labels, positions (int32) and the per-token loss weights (fp32), 256-byte aligned each.
 int64_t InputBytes(int64_t n);
 
-// The LayerNorms' parameters (every layer's two, and the final one): weight and bias, hidden size
-// each.
-inline int64_t LayerNormParamCount(const GPTConfig& config) { return (4 * config.num_layers + 2) * config.hidden_size; }
+// The norms' parameters (every layer's two, and the final one): weight and bias (LayerNorm) or the
+// weight alone (RMSNorm), hidden size each.
+inline int64_t LayerNormParamCount(const GPTConfig& config) {
+  const int64_t tensors = config.normalization == Normalization::kRMSNorm ? 1 : 2;
+  return tensors * (2 * config.num_layers + 1) * config.hidden_size;
+}
 
 // Where the LayerNorms' parameters lie in the flat layout, as runs of adjacent tensors (a layer's
 // LayerNorm weight and bias are neighbours), in layout order; `compact` is the run's start in

@@ -79,7 +79,8 @@ absl::Status LayerNormBackward(T* dinp, float* dw, float* db, const T* dout, con
 int64_t LayerNormBackwardScratch(int64_t n, int64_t c);
 
 // ---- embedding_cuda.cu -------------------------------------------------------------------------
-// out(n, c) = wte[tokens[i]] + wpe[positions[i]]   (wte, wpe in T: the compute copies)
+// out(n, c) = wte[tokens[i]] + wpe[positions[i]]   (wte, wpe in T: the compute copies; wpe null: no
+// position table, rotary or no position embeddings, and positions is not read)
 template <typename T>
 absl::Status EmbeddingForward(T* out, const int32_t* tokens, const int32_t* positions, const T* wte, const T* wpe,
                               int64_t n, int64_t c, const CudaContext& ctx);
@@ -110,7 +111,8 @@ int64_t EmbeddingBackwardPlanInts(int64_t max_n);
 // memory, from which the plan is built (they are checked against vocab_rows / position_rows: an id
 // out of range is an error before anything is launched); tokens / positions (device) are not read.
 // With vocab_first >= 0 (tensor parallelism: dwte is the rows [vocab_first, vocab_first +
-// vocab_rows) of the padded vocabulary) tokens outside the slice add to dwpe only.
+// vocab_rows) of the padded vocabulary) tokens outside the slice add to dwpe only. dwpe null: no
+// position table (positions_host is not read).
 // The host waits for the previous call's upload before it rewrites the plan's staging.
 template <typename T>
 absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions,
@@ -135,6 +137,11 @@ absl::Status RMSNormForward(T* out, float* rstd, const T* inp, const float* w, i
 // dinp(n, c) += the input gradient (as cpu::RMSNormBackward); dw (fp32) += the weight gradient, summed
 // without atomics over 64-row blocks in double into `scratch` (RMSNormBackwardScratch(n, c) doubles
 // of device memory) and the blocks in order: the CPU op's order of additions.
+// The residual add fused in front, as ResidualLayerNormForward without dropout: resid_out = a + b
+// (rounded to T; may be a or b), then out = RMSNorm(resid_out).
+template <typename T>
+absl::Status ResidualRMSNormForward(T* resid_out, T* out, float* rstd, const T* a, const T* b, const float* w,
+                                    int64_t n, int64_t c, double eps, const CudaContext& ctx);
 template <typename T>
 absl::Status RMSNormBackward(T* dinp, float* dw, const T* dout, const T* inp, const float* w, const float* rstd,
                              int64_t n, int64_t c, double* scratch, const CudaContext& ctx);
@@ -159,6 +166,16 @@ absl::Status SwigluForward(T* out, const T* inp, int64_t n, int64_t f, const Cud
 template <typename T>
 absl::Status SwigluBackward(T* dinp, const T* inp, const T* dout, int64_t n, int64_t f, const CudaContext& ctx);
 
+// ---- qkv_layout_cuda.cu ------------------------------------------------------------------------
+// A fused QKV (b, t, s.qkv_width()) from Megatron's order (per query group: its query heads, then its
+// key and value heads) to heads first (the nh query heads, then the groups' key heads, then their
+// value heads: one head stride each, as cuDNN's fused attention reads grouped-query attention), and
+// back. Copies (out and the input differ).
+template <typename T>
+absl::Status QkvGroupsToHeads(T* out, const T* qkv, const AttentionShape& s, const CudaContext& ctx);
+template <typename T>
+absl::Status QkvHeadsToGroups(T* out, const T* heads, const AttentionShape& s, const CudaContext& ctx);
+
 // ---- dropout_cuda.cu ---------------------------------------------------------------------------
 // The CPU's counter-hash dropout (trainer/counter_rng.h): row r of `rows` rows of `row_len`
 // elements uses stream streams[r] (device memory); element i of a row is kept when
@@ -169,9 +186,12 @@ absl::Status DropoutRows(T* inout, int64_t rows, int64_t row_len, const uint64_t
                          const CudaContext& ctx);
 
 // ---- attention_cuda.cu -------------------------------------------------------------------------
-// Causal self-attention over Megatron's fused QKV layout qkv(b, t, nh, 3, hd); out(b, t, nh*hd).
+// Causal self-attention over Megatron's fused QKV layout qkv(b, t, s.qkv_width()): per query group
+// (s.groups() of them; one per head without grouped-query attention, qkv(b, t, nh, 3, hd)) its
+// nh / groups query heads, then its key and value heads; out(b, t, nh*hd).
 // fp32 mode (T = float): batched cuBLAS products and a causal softmax kernel, probs(b, nh, t, t)
-// saved for backward; attention dropout with probability p keys stream streams[batch] + head
+// saved for backward; a group's key and value gradients summed over its query heads in head order
+// (cpu::AttentionBackward's order); attention dropout with probability p keys stream streams[batch] + head
 // (device memory, may be null when p is 0) exactly as cpu::AttentionForward.
 absl::Status AttentionForward(float* out, float* probs, const float* qkv, const AttentionShape& s, double p,
                               uint64_t seed, const uint64_t* streams, const CudaContext& ctx);
@@ -186,6 +206,9 @@ int64_t AttentionBackwardScratch(const AttentionShape& s);
 // for backward. Attention dropout, when p > 0, is cuDNN's own (Philox keyed by seed and offset):
 // the only mask that differs from the CPU backend's. It depends on a sample's place in the batch,
 // so the model calls these one sample at a time (s.b = 1) with the sample's own seed.
+// With grouped-query attention (s.groups() < s.nh) qkv and dqkv are heads first (QkvGroupsToHeads:
+// Megatron's per-group order has no single head stride for cuDNN), cuDNN's SDPA over nh query heads
+// and groups key/value heads; without it, Megatron's layout itself (strided views, no copy).
 // The cuDNN handle of a context (ctx->cudnn), on its stream; created by a bf16/fp16 model.
 absl::Status CreateCudnnHandle(CudaContext* ctx);
 void DestroyCudnnHandle(CudaContext* ctx);

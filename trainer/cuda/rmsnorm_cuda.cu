@@ -10,15 +10,26 @@ namespace {
 constexpr int64_t kRowBlock = 64;  // as the CPU op's blocks
 constexpr int kColumnThreads = 256;
 
-// One block per row: rstd = 1 / sqrt(mean(x^2) + eps) in double, out = float(x * rstd) * w.
-template <typename T>
-__global__ void RMSNormForwardKernel(T* out, float* rstd, const T* inp, const float* w, int64_t c, double eps) {
+// One block per row: rstd = 1 / sqrt(mean(x^2) + eps) in double, out = float(x * rstd) * w. With
+// kResidual the row normalised is resid_out = a + b (rounded to T; the stored sum, as the CPU model
+// normalises it), else a. Each element is written and read again by the same thread, so resid_out
+// may be a or b.
+template <typename T, bool kResidual>
+__global__ void RMSNormForwardKernel(T* resid_out, T* out, float* rstd, const T* a, const T* b, const float* w,
+                                     int64_t c, double eps) {
   __shared__ double shared[66];
   const int64_t row = blockIdx.x;
-  const T* x = inp + row * c;
+  const T* x = (kResidual ? resid_out : a) + row * c;
   double ss = 0, unused = 0;
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-    const double v = ToFloat(x[j]);
+    double v;
+    if constexpr (kResidual) {
+      const T sum = FromFloat<T>(ToFloat(a[row * c + j]) + ToFloat(b[row * c + j]));
+      resid_out[row * c + j] = sum;
+      v = ToFloat(sum);
+    } else {
+      v = ToFloat(x[j]);
+    }
     ss += v * v;
   }
   kernel::BlockSum2(ss, unused, shared);
@@ -89,8 +100,27 @@ absl::Status RMSNormForward(T* out, float* rstd, const T* inp, const float* w, i
   PTK_KERNEL_CHECK(kernel::CheckPointer(inp, "inp", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
   if (n > 0x7fffffff) return absl::InvalidArgumentError(where() + ": more rows than one grid takes");
-  RMSNormForwardKernel<T>
-      <<<static_cast<unsigned>(n), kernel::RowThreads(c, 1024), 0, ctx.stream>>>(out, rstd, inp, w, c, eps);
+  RMSNormForwardKernel<T, false><<<static_cast<unsigned>(n), kernel::RowThreads(c, 1024), 0, ctx.stream>>>(
+      nullptr, out, rstd, inp, nullptr, w, c, eps);
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ResidualRMSNormForward(T* resid_out, T* out, float* rstd, const T* a, const T* b, const float* w,
+                                    int64_t n, int64_t c, double eps, const CudaContext& ctx) {
+  auto where = [&] { return fmt::format("ResidualRMSNormForward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c); };
+  PTK_KERNEL_CHECK(kernel::CheckCount(n, "n", where));
+  PTK_KERNEL_CHECK(kernel::CheckCount(c, "c", where));
+  if (n == 0 || c == 0) return absl::OkStatus();
+  PTK_KERNEL_CHECK(kernel::CheckPointer(resid_out, "resid_out", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(out, "out", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(a, "a", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(b, "b", where));
+  PTK_KERNEL_CHECK(kernel::CheckPointer(w, "w", where));
+  if (n > 0x7fffffff) return absl::InvalidArgumentError(where() + ": more rows than one grid takes");
+  RMSNormForwardKernel<T, true>
+      <<<static_cast<unsigned>(n), kernel::RowThreads(c, 1024), 0, ctx.stream>>>(resid_out, out, rstd, a, b, w, c, eps);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
@@ -125,11 +155,13 @@ absl::Status RMSNormBackward(T* dinp, float* dw, const T* dout, const T* inp, co
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                                      \
-  template absl::Status RMSNormForward<T>(T*, float*, const T*, const float*, int64_t, int64_t, double,         \
-                                          const CudaContext&);                                                  \
-  template absl::Status RMSNormBackward<T>(T*, float*, const T*, const T*, const float*, const float*, int64_t, \
-                                           int64_t, double*, const CudaContext&);
+#define PTK_INSTANTIATE(T)                                                                                            \
+  template absl::Status RMSNormForward<T>(T*, float*, const T*, const float*, int64_t, int64_t, double,               \
+                                          const CudaContext&);                                                        \
+  template absl::Status RMSNormBackward<T>(T*, float*, const T*, const T*, const float*, const float*, int64_t,       \
+                                           int64_t, double*, const CudaContext&);                                     \
+  template absl::Status ResidualRMSNormForward<T>(T*, T*, float*, const T*, const T*, const float*, int64_t, int64_t, \
+                                                  double, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

@@ -1,0 +1,214 @@
+// The CUDA model's backward pass: from the final norm's output gradient (the LM head's, left by
+// RunHead in dln) down to the embeddings, the CPU model's RunBackward over the CUDA ops.
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/counter_rng.h"
+#include "trainer/cuda/cuda_gpt_model_impl.h"
+#include "trainer/cuda/layernorm_oracle.h"
+#include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::cuda::model_detail {
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp) {
+  const GPTConfig& cf = config();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size / tensor_size();
+  T *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff);
+  if (cf.swiglu) {
+    // fc2's input gradient (SwiGLU's output gradient), then SwiGLU's backward into fc1's output
+    // gradient [dgate; dup] (2f columns).
+    T* dact = Buf<T>(plan_.dact);
+    PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
+                           MatmulBackward<T>(dact, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f),
+                                             Compute(lp.fc2_w), n, f, c, ctx_)));
+    PTK_RETURN_IF_ERROR(
+        Op("swiglu", "swiglu backward", SwigluBackward<T>(dff, Act(plan_.fc1, l, n * 2 * f), dact, n, f, ctx_)));
+    return Op("matmul", "fc1 backward",
+              MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
+                                n, c, 2 * f, ctx_));
+  }
+  PTK_RETURN_IF_ERROR(
+      Op("matmul", "fc2 backward",
+         MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n,
+                           f, c, ctx_, false, unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
+  if (unfused_.gelu_backward)
+    PTK_RETURN_IF_ERROR(Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+  return Op("matmul", "fc1 backward",
+            MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w), n,
+                              c, f, ctx_));
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
+  const GPTConfig& cf = config();
+  const ParamLayout& pl = layout();
+  const AttentionShape shape = Shape();
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = cf.num_layers;
+  const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
+  const bool tp = tensor_size() > 1;
+  // Under tensor parallelism the norms, the position embeddings and the row-parallel biases are
+  // whole on every tensor rank and their gradients come out the same on every one without a
+  // reduction (as the CPU model's): each is computed from the residual stream's gradient, which
+  // every rank holds with the same bits (the column-parallel products' input gradients are summed
+  // over the group by NCCL, whose all-reduce leaves the same bits on every rank).
+  const size_t act_bytes = static_cast<size_t>(n * c) * sizeof(T);
+  T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dqkv = Buf<T>(plan_.dqkv),
+    *datt = Buf<T>(plan_.datt);
+  float* scratch = Buf<float>(plan_.ln_scratch);
+  // Fused hidden dropout: each LayerNorm's backward also writes the masked gradient of the branch
+  // below it into dtmp (the embedding's into dresid itself), where the branch's backward reads it.
+  const bool fuse = FuseDropout(hp);
+  T* dbranch = fuse ? dtmp : nullptr;
+
+  layer_ = -1;
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
+  PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "final norm backward",
+                         LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
+                                    Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
+                                    scratch, ctx_, dbranch, FusedDropout(L - 1, kMlpOutDropout, hp, seed))));
+  GradsReady(0);  // the final norm (and an untied output layer): --overlap-grad-reduce's buckets
+  for (int64_t l = L - 1; l >= 0; --l) {
+    layer_ = l;
+    const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
+    // MLP: resid[l+1] = resid_mid + dropout(fc2(act(fc1(ln2(resid_mid)))))
+    const T* dmlp = dtmp;  // fused: the masked gradient the LayerNorm above left
+    if (!fuse) {
+      PTK_ASSIGN_OR_RETURN(dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
+    }
+    PTK_RETURN_IF_ERROR(MlpBackward(l, dmlp));
+    if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel fc1
+    PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "ln2 backward",
+                           LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
+                                      Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
+                                      scratch, ctx_, dbranch, FusedDropout(l, kAttentionOutDropout, hp, seed))));
+    // Attention: resid_mid = resid[l] + dropout(proj(attention(rope(qkv(ln1(resid[l]))))))
+    const T* dproj = dtmp;
+    if (!fuse) {
+      PTK_ASSIGN_OR_RETURN(dproj, BranchGrad(dresid, dtmp, act_bytes, l, kAttentionOutDropout, hp, seed));
+    }
+    PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
+                           MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * ct),
+                                             Compute(lp.proj_w), n, ct, c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
+    if (cf.rope())  // the rotation's transpose: the gradient of the QKV product's output
+      PTK_RETURN_IF_ERROR(
+          Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+    PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
+                           MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
+                                             Compute(lp.qkv_w), n, c, qw, ctx_)));
+    if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel QKV
+    PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "ln1 backward",
+                           LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
+                                      Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
+                                      scratch, ctx_, l > 0 ? dbranch : (fuse ? dresid : nullptr),
+                                      l > 0 ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
+                                            : FusedDropout(L, kEmbeddingDropout, hp, seed))));
+    GradsReady(static_cast<size_t>(L - l));  // layer l
+  }
+  layer_ = -1;
+  if (!fuse)
+    PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
+  PTK_RETURN_IF_ERROR(
+      Op("embedding", "embedding backward",
+         EmbeddingBackward<T>(Grad(pl.wte), Grad(pl.wpe), dresid, Tokens(), Positions(), tokens_host_, positions_host_,
+                              n, c, cf.padded_vocab_size / tensor_size(), cf.max_position_embeddings, &embedding_plan_,
+                              ctx_, tp ? tensor_rank() * (cf.padded_vocab_size / tensor_size()) : -1)));
+  GradsReady(static_cast<size_t>(L) + 1);  // the embeddings
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l,
+                                                         int64_t site, double p, uint64_t seed) {
+  if (p <= 0.0 && !unfused_.residual_grad_copy) return dresid;
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dtmp, dresid, bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
+                           "copying the residual gradient");
+  PTK_RETURN_IF_ERROR(Op("copies", "residual gradient copy", absl::OkStatus()));
+  PTK_RETURN_IF_ERROR(Op("dropout",
+                         site == kMlpOutDropout ? "mlp-out dropout backward" : "attention-out dropout backward",
+                         Dropout(dtmp, l, site, p, seed)));
+  return dtmp;
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const float* w,
+                                             const float* mean, const float* rstd, int64_t n, int64_t c, float* scratch,
+                                             const CudaContext& ctx, T* dbranch, const LnDropout& drop) {
+  if (Rms()) {
+    if (dbranch != nullptr || drop.p > 0)
+      return absl::InternalError("RMSNorm's backward takes no fused dropout (FuseDropout is false under RMSNorm)");
+    // The scratch is planned for the larger of LayerNorm's floats and RMSNorm's doubles (Plan).
+    return RMSNormBackward<T>(dinp, dw, dout, inp, w, rstd, n, c, reinterpret_cast<double*>(scratch), ctx);
+  }
+  if (unfused_.layernorm_rows_in_series)
+    return LayerNormBackwardRowsInSeries<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop);
+  return LayerNormBackward<T>(dinp, dw, db, dout, inp, w, mean, rstd, n, c, scratch, ctx, dbranch, drop);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape,
+                                               double ap, uint64_t seed) {
+  const int64_t n = n_, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
+  const T* qkv = Act(plan_.qkv, l, n * qw);
+  if constexpr (kFlash) {
+    const int64_t nh = shape.nh;
+    // Grouped-query attention: cuDNN reads the QKV and writes its gradient heads first; the
+    // gradient goes back to Megatron's order after.
+    const bool grouped = shape.groups() != nh;
+    T* dq = dqkv;
+    if (grouped) {
+      T* heads = Buf<T>(plan_.qkv_heads);
+      PTK_RETURN_IF_ERROR(QkvGroupsToHeads<T>(heads, qkv, shape, ctx_));
+      qkv = heads;
+      dq = Buf<T>(plan_.dqkv_heads);
+    }
+    const T* out = Act(plan_.atty, l, n * c);
+    const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
+    if (ap <= 0) {
+      PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_));
+    } else {
+      // Dropout: one sample per call with the forward's key, so the same mask.
+      const AttentionShape one{1, t_, nh, shape.hd, shape.ng};
+      for (int64_t r = 0; r < b_; ++r) {
+        const int64_t row = r * t_;
+        PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq + row * qw, datt + row * c, out + row * c, stats + r * nh * t_,
+                                                      qkv + row * qw, one, ap,
+                                                      seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
+      }
+    }
+    if (grouped) PTK_RETURN_IF_ERROR(QkvHeadsToGroups<T>(dqkv, dq, shape, ctx_));
+    return absl::OkStatus();
+  } else {
+    const bool recompute = config().recompute_activations;
+    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * shape.nh * t_ * t_;
+    const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
+    if (recompute)  // the probabilities again; the output lands in a scratch buffer
+      PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
+    return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);
+  }
+}
+
+#define PTK_INSTANTIATE(T)                                                                                             \
+  template absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp);                                    \
+  template absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed);                                   \
+  template absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, \
+                                                                    int64_t site, double p, uint64_t seed);            \
+  template absl::Status CudaGPTModelImpl<T>::LnBackward(T* dinp, float* dw, float* db, const T* dout, const T* inp,    \
+                                                        const float* w, const float* mean, const float* rstd,          \
+                                                        int64_t n, int64_t c, float* scratch, const CudaContext& ctx,  \
+                                                        T* dbranch, const LnDropout& drop);                            \
+  template absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l,                           \
+                                                          const AttentionShape& shape, double ap, uint64_t seed);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(__nv_bfloat16)
+PTK_INSTANTIATE(__half)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::cuda::model_detail
