@@ -49,8 +49,9 @@ void ExpectOneStepMatches(const GPTConfig& c, Precision p, double loss_tol, doub
   // Evaluation (Forward) gives the training pass's loss.
   auto e = gpu->Forward(data.Get(0), nullptr);
   ASSERT_TRUE(e.ok()) << what << ": " << e.status();
-  if (p == Precision::kFp32 && c.hidden_dropout == 0 && c.attention_dropout == 0)
+  if (p == Precision::kFp32 && c.hidden_dropout == 0 && c.attention_dropout == 0) {
     EXPECT_NEAR(e->loss_sum / e->tokens, b->loss_sum / b->tokens, 1e-5 * b->loss_sum / b->tokens) << what;
+  }
 }
 
 // fp32: the loss within 1e-5 relative, every gradient within 1e-4 relative L2 (rounding only).
