@@ -198,14 +198,21 @@ TEST_F(HfLlama, ExportRefusesWhatLlamaForCausalLMCannotComputeNamingIt) {
     EXPECT_NE(r.status().message().find("LlamaForCausalLM"), std::string::npos) << r.status();
     EXPECT_FALSE(std::filesystem::exists(hf)) << k.why;
   }
-  // Megatron's format is written for GPT-3-style models only, and says so.
-  auto meg = ExportToMegatron(Opts("ptk", "megatron", dir_ / "ck0", dir_ / "meg"));
-  EXPECT_TRUE(absl::IsUnimplemented(meg.status())) << meg.status();
+}
+
+// Megatron's format takes the Llama line, split over tensor and pipeline ranks, and gives it back.
+TEST_F(HfLlama, MegatronShardsOfTheLlamaLineComeBackWhole) {
   Save(Llama(false, true), dir_ / "ckl");
-  meg = ExportToMegatron(Opts("ptk", "megatron", dir_ / "ckl", dir_ / "meg"));
-  EXPECT_TRUE(absl::IsUnimplemented(meg.status())) << meg.status();
-  EXPECT_NE(meg.status().message().find("--saver megatron writes GPT-3-style models only"), std::string::npos);
-  EXPECT_FALSE(std::filesystem::exists(dir_ / "meg"));
+  ConvertOptions to_meg = Opts("ptk", "megatron", dir_ / "ckl", dir_ / "meg");
+  to_meg.target_tensor_parallel_size = to_meg.target_pipeline_parallel_size = 2;
+  auto meg = ExportToMegatron(to_meg);
+  ASSERT_TRUE(meg.ok()) << meg.status();
+  auto back = ImportFromMegatron(Opts("megatron", "ptk", dir_ / "meg", dir_ / "back"));
+  ASSERT_TRUE(back.ok()) << back.status();
+  std::vector<float> p, m, v;
+  TrainState st;
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "back", 4, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(p, params_);
 }
 
 TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
