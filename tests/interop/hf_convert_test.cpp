@@ -444,6 +444,70 @@ TEST_F(HfConvert, ImportRefusesATrainingRunsSaveDirectory) {
   }
 }
 
+// --iteration N places an import where a run stood (its consumed samples, the schedule's step;
+// the moments zero, Adam's step 0, and a note saying so), and still never moves a run's `latest` nor
+// replaces a run's own checkpoint; a rerun of the same import replaces it.
+TEST_F(HfConvert, ImportAtAnIterationResumesThereAndKeepsRunsIntact) {
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  auto at = [&](int64_t it, int64_t gbs, int64_t samples, const std::string& to) {
+    ConvertOptions o = Opts("hf", "ptk", dir_ / "hf", to);
+    o.iteration = it;
+    o.global_batch_size = gbs;
+    o.consumed_train_samples = samples;
+    return ImportFromHf(o);
+  };
+  for (int i = 0; i < 2; ++i) {
+    auto r = at(6, 4, -1, dir_ / "placed");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->iteration, 6);
+    bool noted = false;
+    for (const std::string& n : r->notes)
+      noted |= n.find("a Hugging Face directory holds no optimizer state: AdamW's moments start at zero") == 0;
+    EXPECT_TRUE(noted);
+  }
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "placed"), 6);
+  std::vector<float> p, m, v;
+  TrainState st;
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "placed", 6, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(st.iteration, 6);
+  EXPECT_EQ(st.consumed_train_samples, 24);
+  EXPECT_EQ(st.scheduler_num_steps, 24);
+  EXPECT_EQ(st.adam_step, 0);
+  EXPECT_EQ(m, std::vector<float>(m.size(), 0.0f));
+  // With batch ramp-up: the samples as given.
+  ASSERT_TRUE(at(6, 0, 17, dir_ / "ramped").ok());
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "ramped", 6, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(st.consumed_train_samples, 17);
+  // Another iteration into the first import's directory, or any into a run's: refused, `latest` kept.
+  EXPECT_TRUE(IsUsageError(at(7, 4, -1, dir_ / "placed").status()));
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "placed"), 6);
+  const std::string run = dir_ / "run";
+  std::vector<float> ones(params_.size(), 1.0f);
+  TrainState trained;
+  trained.iteration = 6;
+  trained.adam_step = 6;
+  ASSERT_TRUE(SaveCheckpoint(run, layout_, params_, ones, ones, trained, "[]").ok());
+  for (int64_t it : {2, 6, 9}) {
+    auto r = at(it, 4, -1, run);
+    ASSERT_FALSE(r.ok()) << it;
+    EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+    EXPECT_NE(r.status().message().find("holds a training run's checkpoints"), absl::string_view::npos) << r.status();
+    EXPECT_EQ(*LatestCheckpointIteration(run), 6);
+  }
+  ASSERT_TRUE(LoadCheckpoint(run, 6, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(st.adam_step, 6);  // the run's own checkpoint, moments and all
+  EXPECT_EQ(m, ones);
+  // Flags that place nothing, or a place without its samples: usage errors, nothing written.
+  EXPECT_TRUE(IsUsageError(at(6, 0, -1, dir_ / "bad").status()));
+  EXPECT_TRUE(IsUsageError(at(6, 4, 24, dir_ / "bad").status()));
+  EXPECT_TRUE(IsUsageError(at(0, 4, -1, dir_ / "bad").status()));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "bad"));
+  auto cli = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " +
+                    ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(dir_ / "hf3") + " --iteration 5");
+  EXPECT_EQ(cli.exit_code, 2) << cli.output;
+}
+
 // Non-finite weights are refused at export, naming the tensor, as the import refuses them.
 TEST_F(HfConvert, ExportRefusesNanAndInfinityNamingTheTensor) {
   Save(false, dir_ / "ck");
