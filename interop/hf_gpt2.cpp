@@ -368,34 +368,8 @@ absl::Status ReadHfTensors(const std::string& weights_path, const GPTConfig& c, 
       return absl::DataLossError(
           fmt::format("{}: tensor {} is there with and without the {} prefix", weights_path, t.name, kPrefix));
   }
-  auto refuse = [&](const std::string& tensor, const std::string& why) {
-    return absl::DataLossError(fmt::format("{}: tensor {}: {}", weights_path, tensor, why));
-  };
-  for (HfTensor& t : *tensors) {
-    const std::string shown = t.name == kLmHead ? t.name : kPrefix + t.name;
-    auto it = present.find(t.name);
-    if (it == present.end())
-      return refuse(shown, fmt::format("missing (config.json asks for shape {})", Shape(t.shape)));
-    if (it->second->shape != t.shape)
-      return refuse(shown, fmt::format("shape {}, config.json asks for {}", Shape(it->second->shape), Shape(t.shape)));
-    PTK_ASSIGN_OR_RETURN(t.data, st_file->ReadFloat(*it->second));
-    for (float x : t.data)
-      if (!std::isfinite(x)) return refuse(shown, "holds a NaN or an infinity");
-    present.erase(it);
-  }
-  if (!c.untie_embeddings_and_output_weights && present.count(kLmHead)) {
-    // A tied model's file may carry the output layer too: it must be the embedding.
-    const SafetensorsTensor* head = present.at(kLmHead);
-    PTK_ASSIGN_OR_RETURN(std::vector<float> lm, st_file->ReadFloat(*head));
-    if (head->shape != (*tensors)[0].shape || lm != (*tensors)[0].data)
-      return refuse(kLmHead, "differs from transformer.wte.weight, but config.json ties them (tie_word_embeddings)");
-    present.erase(kLmHead);
-  }
-  if (!present.empty())
-    return refuse(present.begin()->second->name,
-                  fmt::format("not a weight of the GPT-2 model config.json describes ({} such tensor{})",
-                              present.size(), present.size() > 1 ? "s" : ""));
-  return absl::OkStatus();
+  return hf_detail::ReadPresentTensors(*st_file, weights_path, std::move(present),
+                                       c.untie_embeddings_and_output_weights, kPrefix, "GPT-2", tensors);
 }
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings

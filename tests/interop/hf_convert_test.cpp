@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
+#include "tests/interop/hf_convert_fixture.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
@@ -36,9 +37,9 @@ using ptk::testing::ShellQuote;
 using ptk::testing::TempDir;
 using ptk::testing::WriteFile;
 
-class HfConvert : public ::testing::Test {
+class HfConvert : public ptk::testing::HfConvertFixture {
  protected:
-  // A ptk checkpoint of a small model with distinct weights, as ptk-train saves it.
+  // A ptk checkpoint of a small GPT-3-style model at iteration 7.
   void Save(bool untie, const std::string& dir, bool record_vocab = true) {
     c_.num_layers = 2;
     c_.hidden_size = 8;
@@ -50,44 +51,13 @@ class HfConvert : public ::testing::Test {
     c_.padded_vocab_size = 50304;
     c_.layernorm_epsilon = 1e-6;
     c_.untie_embeddings_and_output_weights = untie;
-    auto layout = ParamLayout::Create(c_);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    layout_ = *layout;
-    params_.resize(static_cast<size_t>(layout_.num_params));
-    layout_.InitWeights(5, params_);
-    for (size_t i = 0; i < params_.size(); ++i) params_[i] += 1e-3f * static_cast<float>(i % 97);  // no 0/1 runs
-    std::vector<float> zeros(params_.size(), 0.0f);
-    TrainState st;
-    st.iteration = 7;
-    st.settings = {{"--layernorm-epsilon", "1e-06"}, {"--hidden-dropout", "0"}, {"--attention-dropout", "0.05"}};
-    if (record_vocab) st.settings.push_back({"--vocab-size", "50257"});
-    ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
+    std::vector<std::pair<std::string, std::string>> settings = {
+        {"--layernorm-epsilon", "1e-06"}, {"--hidden-dropout", "0"}, {"--attention-dropout", "0.05"}};
+    if (record_vocab) settings.push_back({"--vocab-size", "50257"});
+    SaveModel(c_, dir, 7, std::move(settings));
   }
-  ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
-                      const std::string& to) {
-    ConvertOptions o;
-    o.loader = loader;
-    o.saver = saver;
-    o.load_dir = from;
-    o.save_dir = to;
-    return o;
-  }
-  // Tensor `name` of an exported directory.
-  std::vector<float> Tensor(const std::string& dir, const std::string& name, std::vector<int64_t>* shape = nullptr) {
-    auto f = SafetensorsFile::Open(dir + "/model.safetensors");
-    EXPECT_TRUE(f.ok()) << f.status();
-    const SafetensorsTensor* t = (*f)->Find(name);
-    EXPECT_NE(t, nullptr) << name;
-    if (!t) return {};
-    if (shape) *shape = t->shape;
-    return *(*f)->ReadFloat(*t);
-  }
-  float P(int64_t offset) const { return params_[static_cast<size_t>(offset)]; }
 
-  TempDir dir_;
   GPTConfig c_;
-  ParamLayout layout_;
-  std::vector<float> params_;
 };
 
 TEST_F(HfConvert, ExportPutsMegatronsWeightsWhereGpt2HasThem) {
