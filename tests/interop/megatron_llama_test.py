@@ -7,7 +7,9 @@ Hugging Face LlamaForCausalLM export (whose logits hf_llama_test.py checks again
 way megatron-core reads its tensors: SelfAttention.get_query_key_value_tensors views a rank's linear_qkv
 output as [num_query_groups / TP, (heads / groups + 2) x head_dim] and splits each group into its query
 heads, key and value; MLP's glu chunks a rank's linear_fc1 output in two (gate, then up); linear_proj and
-linear_fc2 are split by columns. The args carry Megatron-LM's names (normalization, position_embedding_type,
+linear_fc2 are split by columns. Those two functions of megatron-core 0.16.1 itself (taken out of its
+source: its model code needs a newer torch than Debian's) also run on each rank's shards and must compute
+what LlamaForCausalLM's projections and MLP compute from the HF tensors. The args carry Megatron-LM's names (normalization, position_embedding_type,
 rotary_base, swiglu, group_query_attention, num_query_groups, kv_channels, add_bias_linear ...). Megatron ->
 ptk gives back the weights, AdamW moments and model description bit for bit, and ptk-train resumed from the
 round trip logs the same next loss as the run resumed from its own checkpoint. A mix no HF class holds
@@ -16,11 +18,13 @@ round trip logs the same next loss as the run resumed from its own checkpoint. A
 
 Usage: megatron_llama_test.py BIN_DIR
 """
+import ast
 import os
 import re
 import shutil
 import sys
 import tempfile
+import types
 
 for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
     if p and os.path.isdir(p) and p not in sys.path:
@@ -32,7 +36,8 @@ from megatron_test_common import BIN, CONVERT, check, convert, finish, read_ptk,
 
 TRAIN = [os.path.join(BIN, "ptk-train"), "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--max-position-embeddings", "16384", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr", "3e-3", "--lr-decay-iters", "10", "--mock-data", "--threads", "2", "--eval-iters", "0",
+         "--global-batch-size", "4", "--lr", "3e-3", "--lr-decay-iters", "10", "--mock-data", "--threads", "2",
+         "--eval-iters", "0",
          "--log-interval", "1", "--position-embedding-type", "rope", "--swiglu", "--ffn-hidden-size", "48",
          "--attention-dropout", "0", "--hidden-dropout", "0", "--init-method-std", "0.1"]
 LLAMA3 = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--rotary-base", "500000", "--use-rope-scaling",
@@ -40,6 +45,67 @@ LLAMA3 = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--rotary-base
           "--untie-embeddings-and-output-weights"]
 MIX = ["--normalization", "LayerNorm", "--group-query-attention", "--num-query-groups", "2"]  # biased, tied
 HEADS, GROUPS, HD, H, F, LAYERS = 4, 2, 8, 32, 48, 4
+
+
+def megatron_core_functions():
+    """megatron-core's own code that reads a rank's fused tensors (PyPI megatron-core 0.16.1, whose model
+    code needs a newer torch than Debian's, so the two functions are taken out of its source and run on
+    stand-ins for the modules around them): SelfAttention.get_query_key_value_tensors (linear_qkv's
+    output viewed per query group and split into query heads, key, value) and MLP's glu (linear_fc1's
+    output chunked into gate and up). None when megatron-core is not installed."""
+    for root in [p for p in os.environ.get("PYTHONPATH", "").split(":") if p] + ["/opt/ptk-pyref"]:
+        core = os.path.join(root, "megatron", "core", "transformer")
+        if os.path.exists(os.path.join(core, "attention.py")):
+            break
+    else:
+        return None
+
+    def method(path, cls, name):
+        tree = ast.parse(open(path).read())
+        c = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        return next(n for n in ast.walk(c) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+    env = {"torch": torch, "Tensor": torch.Tensor, "SplitAlongDim": None, "apply_module": lambda m: m,
+           "all_gather_last_dim_from_tensor_parallel_region": None}
+    qkv = method(os.path.join(core, "attention.py"), "SelfAttention", "get_query_key_value_tensors")
+    exec(compile("from __future__ import annotations\n" + ast.unparse(qkv), "attention.py", "exec"), env)
+    glu = method(os.path.join(core, "mlp.py"), "MLP", "glu")  # defined in MLP.forward, over self.config
+    exec(compile("def make_glu(self):\n" + "\n".join("    " + line for line in ast.unparse(glu).splitlines())
+                 + "\n    return glu\n", "mlp.py", "exec"), env)
+    return env["get_query_key_value_tensors"], env["make_glu"]
+
+
+def check_with_megatron_core(label, model, hf, layer, local, t, tp, fns):
+    """Rank t's linear_qkv and linear_fc1/fc2 shards run through megatron-core's own functions give what
+    LlamaForCausalLM's q/k/v projections and MLP compute from the HF export's tensors."""
+    qkv_fn, make_glu = fns
+    m, x = f"decoder.layers.{local}.", f"model.layers.{layer}."
+    gen = torch.Generator().manual_seed(layer)
+    hidden = torch.randn(5, 2, H, generator=gen, dtype=torch.float64)  # [sq, b, h], Megatron's order
+    w_qkv = model[m + "self_attention.linear_qkv.weight"].double()
+    me = types.SimpleNamespace(
+        linear_qkv=lambda h: (h @ w_qkv.t(), None), num_attention_heads_per_partition=HEADS // tp,
+        num_query_groups_per_partition=GROUPS // tp, world_size=tp, hidden_size_per_attention_head=HD,
+        q_layernorm=None, k_layernorm=None, config=types.SimpleNamespace(num_query_groups=GROUPS, test_mode=False))
+    query, key, value = qkv_fn(me, hidden, None)
+    heads = slice(t * HEADS // tp, (t + 1) * HEADS // tp)
+    groups = slice(t * GROUPS // tp, (t + 1) * GROUPS // tp)
+
+    def proj(name):  # LlamaAttention: [sq, b, heads, hn]
+        return (hidden @ hf[x + f"self_attn.{name}.weight"].double().t()).view(5, 2, -1, HD)
+    for what, got, want in (("query", query, proj("q_proj")[:, :, heads]), ("key", key, proj("k_proj")[:, :, groups]),
+                            ("value", value, proj("v_proj")[:, :, groups])):
+        check(got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12),
+              f"{label} t{t}: megatron-core's {what} of layer {layer} is transformers' ({tuple(got.shape)})")
+    glu = make_glu(types.SimpleNamespace(config=types.SimpleNamespace(
+        activation_func_clamp_value=None, activation_func=torch.nn.functional.silu, glu_linear_offset=0.0)))
+    fc1, fc2 = (model[m + f"mlp.linear_fc{i}.weight"].double() for i in (1, 2))
+    part = glu(hidden @ fc1.t()) @ fc2.t()
+    fs = slice(t * F // tp, (t + 1) * F // tp)
+    gate, up = (hidden @ hf[x + f"mlp.{n}.weight"][fs].double().t() for n in ("gate_proj", "up_proj"))
+    want = (torch.nn.functional.silu(gate) * up) @ hf[x + "mlp.down_proj.weight"][:, fs].double().t()
+    check(torch.allclose(part, want, rtol=0, atol=1e-12),
+          f"{label} t{t}: megatron-core's glu over rank {t}'s fc1/fc2 is transformers' LlamaMLP's share")
 
 
 def shard_path(meg, it, t, p, pp):
@@ -65,8 +131,9 @@ def expected_names(p, pp, per_stage, te, rms, bias, untie):
     return sorted(names)
 
 
-def check_llama3_shards(label, meg, it, tp, pp, impl, hf):
-    """Every shard against the HF export, cut as megatron-core reads its tensors."""
+def check_llama3_shards(label, meg, it, tp, pp, impl, hf, fns):
+    """Every shard against the HF export, cut as megatron-core reads its tensors (and through
+    megatron-core's own functions where they are installed)."""
     te = impl == "transformer_engine"
     per_stage = LAYERS // pp
     g_t, f_t, vocab = GROUPS // tp, F // tp, hf["model.embed_tokens.weight"].shape[0]
@@ -87,8 +154,8 @@ def check_llama3_shards(label, meg, it, tp, pp, impl, hf):
                     "pipeline_model_parallel_size": pp, "transformer_impl": impl}
             check(got == want, f"{label} t{t} p{p}: args {[(k, got[k], want[k]) for k in want if got[k] != want[k]]}")
             names = sorted(k for k in model if not k.endswith("_extra_state"))
-            check(names == expected_names(p, pp, per_stage, te, True, False, True),
-                  f"{label} t{t} p{p}: names {sorted(set(names) ^ set(expected_names(p, pp, per_stage, te, True, False, True)))}")
+            want_names = expected_names(p, pp, per_stage, te, True, False, True)
+            check(names == want_names, f"{label} t{t} p{p}: names {sorted(set(names) ^ set(want_names))}")
 
             def same(x, y, what):
                 check(tuple(x.shape) == tuple(y.shape) and torch.equal(x.float(), y.float()),
@@ -134,6 +201,8 @@ def check_llama3_shards(label, meg, it, tp, pp, impl, hf):
                 ln2 = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
                 same(model[m + ln1], hf[x + "input_layernorm.weight"], f"layer {layer}: input RMSNorm")
                 same(model[m + ln2], hf[x + "post_attention_layernorm.weight"], f"layer {layer}: pre-MLP RMSNorm")
+                if fns:
+                    check_with_megatron_core(label, model, hf, layer, local, t, tp, fns)
 
 
 def round_trip(label, ptk, meg, back):
@@ -153,6 +222,9 @@ def last_loss(out, it):
 
 def main():
     tmp = tempfile.mkdtemp(prefix="ptk-megatron-llama-")
+    fns = megatron_core_functions()
+    if fns is None:
+        print("megatron-core not installed: its query/key/value split and glu not run")
     try:
         ck, hf = os.path.join(tmp, "ck"), os.path.join(tmp, "hf")
         run(*TRAIN, *LLAMA3, "--train-iters", "3", "--save", ck)
@@ -165,7 +237,7 @@ def main():
             meg = os.path.join(tmp, label.replace(" ", "-") + "-meg")
             convert("ptk", "megatron", ck, meg, "--target-tensor-parallel-size", str(tp),
                     "--target-pipeline-parallel-size", str(pp), "--saver-transformer-impl", impl)
-            check_llama3_shards(label, meg, 3, tp, pp, impl, ref)
+            check_llama3_shards(label, meg, 3, tp, pp, impl, ref, fns)
             round_trip(label, ck, meg, meg + "-back")
         # ptk-train resumed from the round trip: the same next loss as resumed from its own checkpoint.
         back = os.path.join(tmp, "llama3-t2p2-local-meg-back")
