@@ -232,6 +232,8 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
     c.rotary_percent = NumAttr(args, "rotary_percent").value_or(1.0);
     c.use_rope_scaling = BoolAttr(args, "use_rope_scaling", false);
     if (BoolAttr(args, "rotary_interleaved", false)) unsupported.push_back("--rotary-interleaved");
+    if (auto f = NumAttr(args, "rotary_seq_len_interpolation_factor"); f && *f != 1.0)
+      unsupported.push_back(fmt::format("--rotary-seq-len-interpolation-factor {}", *f));
     if (auto f = NumAttr(args, "rope_scaling_factor"); c.use_rope_scaling && f && *f != 8.0)
       unsupported.push_back(fmt::format("--rope-scaling-factor {} (ptk's is Llama 3.1's 8)", *f));
   }

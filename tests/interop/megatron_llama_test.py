@@ -14,7 +14,7 @@ rotary_base, swiglu, group_query_attention, num_query_groups, kv_channels, add_b
 ptk gives back the weights, AdamW moments and model description bit for bit, and ptk-train resumed from the
 round trip logs the same next loss as the run resumed from its own checkpoint. A mix no HF class holds
 (LayerNorm with RoPE, biases, grouped heads, tied) round-trips the same way. A flag ptk's model lacks
-(--rotary-interleaved) is refused by name.
+(--rotary-interleaved, --rotary-seq-len-interpolation-factor) is refused by name.
 
 Usage: megatron_llama_test.py BIN_DIR
 """
@@ -279,13 +279,18 @@ def main():
         shutil.copytree(os.path.join(tmp, "llama3-t1p1-local-meg"), bad)
         victim = shard_path(bad, 3, 0, 0, 1)
         sd = torch.load(victim)
-        sd["args"].rotary_interleaved = True
-        torch.save(sd, victim)
-        p = convert("megatron", "ptk", bad, os.path.join(tmp, "bad-ptk"), ok=False)
-        check(p.returncode != 0 and "--rotary-interleaved" in p.stderr and len(p.stderr.strip().splitlines()) == 1,
-              f"--rotary-interleaved refused in one line: {p.returncode} {p.stderr}")
-        check(not os.path.exists(os.path.join(tmp, "bad-ptk", "latest_checkpointed_iteration.txt")),
-              "nothing written for a refused checkpoint")
+        for attr, value, flag in (("rotary_interleaved", True, "--rotary-interleaved"),
+                                  ("rotary_seq_len_interpolation_factor", 2.0,
+                                   "--rotary-seq-len-interpolation-factor 2")):
+            before = getattr(sd["args"], attr, None)
+            setattr(sd["args"], attr, value)
+            torch.save(sd, victim)
+            setattr(sd["args"], attr, before)
+            p = convert("megatron", "ptk", bad, os.path.join(tmp, "bad-ptk"), ok=False)
+            check(p.returncode != 0 and flag in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+                  f"{flag} refused in one line: {p.returncode} {p.stderr}")
+            check(not os.path.exists(os.path.join(tmp, "bad-ptk", "latest_checkpointed_iteration.txt")),
+                  "nothing written for a refused checkpoint")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     finish("megatron llama checkpoints: OK")
