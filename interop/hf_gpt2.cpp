@@ -478,6 +478,10 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
                                     ? fmt::format(" (Adam's step from 1) at iteration {}, {} samples consumed",
                                                   o.iteration, state.consumed_train_samples)
                                     : ""));
+  if (o.iteration > 0)
+    s.notes.push_back(
+        "the seed recorded is 1234 (Megatron's default; dropout masks follow it): resume with ptk-train --no-load-rng "
+        "to take the run's own --seed");
   s.num_params = layout.num_params;
   s.train_flags = ImportedTrainFlags(c, o.make_vocab_size_divisible_by);
   if (c.padded_vocab_size > c.vocab_size)

@@ -431,10 +431,13 @@ TEST_F(HfConvert, ImportAtAnIterationResumesThereAndKeepsRunsIntact) {
     auto r = at(6, 4, -1, dir_ / "placed");
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->iteration, 6);
-    bool noted = false;
-    for (const std::string& n : r->notes)
+    bool noted = false, seed = false;
+    for (const std::string& n : r->notes) {
       noted |= n.find("a Hugging Face directory holds no optimizer state: AdamW's moments start at zero") == 0;
+      seed |= n.find("the seed recorded is 1234") == 0 && n.find("--no-load-rng") != std::string::npos;
+    }
     EXPECT_TRUE(noted);
+    EXPECT_TRUE(seed);
   }
   EXPECT_EQ(*LatestCheckpointIteration(dir_ / "placed"), 6);
   std::vector<float> p, m, v;
