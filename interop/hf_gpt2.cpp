@@ -61,35 +61,44 @@ absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_v
   return ReadFileToString(path);
 }
 
-// An import writes iteration 0 and points the tracker at it: into the --save of a training run it
-// would move `latest` back and make the next ptk-train --load restart from the imported weights.
-// So the directory must hold no checkpoint but iteration 0 (a new directory, or an earlier import,
-// which a rerun replaces).
-absl::Status CheckImportTarget(const std::string& save) {
+// An import writes iteration `iteration` (0 unless --iteration) and points the tracker at it: into
+// the --save of a training run it would move `latest` (back, or past the run's own checkpoints) and
+// make the next ptk-train --load restart from the imported weights. So the directory must hold no
+// checkpoint but that iteration's (a new directory, or an earlier import, which a rerun replaces).
+absl::Status CheckImportTarget(const std::string& save, int64_t iteration) {
   std::vector<std::string> iterations;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind("iter_", 0) == 0 && name != Basename(CheckpointDir(save, 0))) iterations.push_back(name);
+    if (name.rfind("iter_", 0) == 0 && name != Basename(CheckpointDir(save, iteration))) iterations.push_back(name);
   }
   if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
   std::sort(iterations.begin(), iterations.end());
   absl::StatusOr<int64_t> latest = LatestCheckpointIteration(save);
   std::string held;
-  if (latest.ok() && *latest != 0) {
+  if (latest.ok() && *latest != iteration) {
     held = fmt::format("its latest checkpoint is iteration {}", *latest);
   } else if (!latest.ok() && !absl::IsNotFound(latest.status())) {
     held = std::string(StatusMessage(latest.status()));
   } else if (!iterations.empty()) {
     held = fmt::format("it holds {}{}", iterations.back(),
                        iterations.size() > 1 ? fmt::format(" and {} more", iterations.size() - 1) : "");
+  } else if (const std::string file = CheckpointFile(save, iteration); PathExists(file)) {
+    // That iteration is there: an earlier import (no AdamW step) is replaced, a run's own is kept.
+    PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeaderText(file));
+    simdjson::dom::parser parser;
+    simdjson::dom::element h;
+    int64_t adam_step = 0;
+    if (parser.parse(header).get(h) || h["adam_step"].get(adam_step) || adam_step != 0)
+      held = fmt::format("its iteration {} has taken {} AdamW steps: a run's, not an import", iteration, adam_step);
   }
   if (held.empty()) return absl::OkStatus();
-  return UsageError(fmt::format(
-      "--save-dir {}: holds a training run's checkpoints ({}); an import (iteration 0) would move "
-      "latest_checkpointed_iteration.txt back. Import into a new directory, then ptk-train --load NEW --finetune "
-      "--save {} to continue from the imported weights",
-      save, held, save));
+  return UsageError(
+      fmt::format("--save-dir {}: holds a training run's checkpoints ({}); an import (iteration {}) would move "
+                  "latest_checkpointed_iteration.txt or replace the run's checkpoint. Import into a new directory, "
+                  "then ptk-train --load NEW{} --save {} to "
+                  "continue from the imported weights",
+                  save, held, iteration, iteration == 0 ? " --finetune" : "", save));
 }
 
 }  // namespace
@@ -359,34 +368,8 @@ absl::Status ReadHfTensors(const std::string& weights_path, const GPTConfig& c, 
       return absl::DataLossError(
           fmt::format("{}: tensor {} is there with and without the {} prefix", weights_path, t.name, kPrefix));
   }
-  auto refuse = [&](const std::string& tensor, const std::string& why) {
-    return absl::DataLossError(fmt::format("{}: tensor {}: {}", weights_path, tensor, why));
-  };
-  for (HfTensor& t : *tensors) {
-    const std::string shown = t.name == kLmHead ? t.name : kPrefix + t.name;
-    auto it = present.find(t.name);
-    if (it == present.end())
-      return refuse(shown, fmt::format("missing (config.json asks for shape {})", Shape(t.shape)));
-    if (it->second->shape != t.shape)
-      return refuse(shown, fmt::format("shape {}, config.json asks for {}", Shape(it->second->shape), Shape(t.shape)));
-    PTK_ASSIGN_OR_RETURN(t.data, st_file->ReadFloat(*it->second));
-    for (float x : t.data)
-      if (!std::isfinite(x)) return refuse(shown, "holds a NaN or an infinity");
-    present.erase(it);
-  }
-  if (!c.untie_embeddings_and_output_weights && present.count(kLmHead)) {
-    // A tied model's file may carry the output layer too: it must be the embedding.
-    const SafetensorsTensor* head = present.at(kLmHead);
-    PTK_ASSIGN_OR_RETURN(std::vector<float> lm, st_file->ReadFloat(*head));
-    if (head->shape != (*tensors)[0].shape || lm != (*tensors)[0].data)
-      return refuse(kLmHead, "differs from transformer.wte.weight, but config.json ties them (tie_word_embeddings)");
-    present.erase(kLmHead);
-  }
-  if (!present.empty())
-    return refuse(present.begin()->second->name,
-                  fmt::format("not a weight of the GPT-2 model config.json describes ({} such tensor{})",
-                              present.size(), present.size() > 1 ? "s" : ""));
-  return absl::OkStatus();
+  return hf_detail::ReadPresentTensors(*st_file, weights_path, std::move(present),
+                                       c.untie_embeddings_and_output_weights, kPrefix, "GPT-2", tensors);
 }
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
@@ -444,6 +427,14 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
 
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   ConvertSummary s;
+  if (o.iteration < 0) return UsageError(fmt::format("--iteration {}: must be at least 0", o.iteration));
+  if (o.iteration > 0 && (o.global_batch_size > 0) == (o.consumed_train_samples >= 0))
+    return UsageError(fmt::format(
+        "--iteration {}: give the run's --global-batch-size (the samples consumed are iteration x batch) or, with "
+        "batch ramp-up, its --consumed-train-samples: one of the two",
+        o.iteration));
+  if (o.iteration == 0 && (o.global_batch_size > 0 || o.consumed_train_samples >= 0))
+    return UsageError("--global-batch-size and --consumed-train-samples place an import at --iteration N (N > 0)");
   const std::string weights_path = JoinPath(o.load_dir, "model.safetensors");
   s.source = weights_path;
   PTK_RETURN_IF_ERROR(CheckHfWeightsFile(o.load_dir, weights_path));
@@ -465,13 +456,32 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   TrainState state;
   state.seed = 1234;
   state.settings = llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
+  // A run's position (--iteration): Megatron's consumed samples, which place the data and the
+  // learning-rate schedule (counted in samples, as Megatron's OptimizerParamScheduler counts them).
+  state.iteration = s.iteration = o.iteration;
+  if (o.iteration > 0) {
+    state.consumed_train_samples =
+        o.consumed_train_samples >= 0 ? o.consumed_train_samples : o.iteration * o.global_batch_size;
+    state.scheduler_num_steps = state.consumed_train_samples;
+    if (o.global_batch_size > 0)
+      state.settings.emplace_back("--global-batch-size", std::to_string(o.global_batch_size));
+  }
   // As a training run: one writer per --save directory, and what a killed save left put right.
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
-  PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir));
+  PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, o.iteration));
   PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
-  s.destination = CheckpointFile(o.save_dir, 0);
+  s.destination = CheckpointFile(o.save_dir, o.iteration);
+  s.notes.push_back(fmt::format("a Hugging Face directory holds no optimizer state: AdamW's moments start at zero{}",
+                                o.iteration > 0
+                                    ? fmt::format(" (Adam's step from 1) at iteration {}, {} samples consumed",
+                                                  o.iteration, state.consumed_train_samples)
+                                    : ""));
+  if (o.iteration > 0)
+    s.notes.push_back(
+        "the seed recorded is 1234 (Megatron's default; dropout masks follow it): resume with ptk-train --no-load-rng "
+        "to take the run's own --seed");
   s.num_params = layout.num_params;
   s.train_flags = ImportedTrainFlags(c, o.make_vocab_size_divisible_by);
   if (c.padded_vocab_size > c.vocab_size)

@@ -14,7 +14,8 @@
 // tensor present with its shape and nothing else; the tensor's name in every refusal), the
 // padded rows filled as Megatron's checkpoint saver fills them (copies of the last row), written
 // as a ptk checkpoint of iteration 0 with zero AdamW moments, for ptk-train --load ... --finetune
-// (or --no-load-optim).
+// (or --no-load-optim); or of ConvertOptions::iteration with its consumed samples, which
+// ptk-train --load resumes (the moments still zero: an HF directory holds no optimizer state).
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,10 @@ struct ConvertOptions {
   std::string saver_transformer_impl = "transformer_engine";
   // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
   bool force = false;
+  // hf -> ptk: the checkpoint's iteration (0: a start for --finetune), and the samples consumed by
+  // then: consumed_train_samples, or iteration x global_batch_size (a run without batch ramp-up),
+  // so that ptk-train --load resumes at iteration + 1 at that data position and schedule step.
+  int64_t iteration = 0, global_batch_size = 0, consumed_train_samples = -1;
 };
 
 struct ConvertSummary {
@@ -75,7 +80,8 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
 // in (renameat2 RENAME_EXCHANGE; two renames where the filesystem cannot exchange, the old export
 // aside as SAVE.ptk-old-PID, renamed back by the next export if a kill fell between them). A
 // --save-dir holding anything but an export's files is refused unless `force`.
-// hf -> ptk refuses a --save-dir that holds a training run's checkpoints (any iteration but 0).
+// hf -> ptk refuses a --save-dir that holds a training run's checkpoints (any iteration but the
+// one it writes), so that it never moves `latest` of a run.
 // The directions on their own.
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);

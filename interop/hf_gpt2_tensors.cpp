@@ -2,11 +2,15 @@
 #include "interop/hf_gpt2_tensors.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
 
 #include <fmt/core.h>
+
+#include "common/status.h"
+#include "interop/hf_config.h"
 
 namespace ptk::hf_detail {
 namespace {
@@ -138,6 +142,41 @@ void MapParams(const ParamLayout& layout, std::vector<float>* params, std::vecto
   copy("ln_f.weight", layout.lnf_w);
   copy("ln_f.bias", layout.lnf_b);
   if (c.untie_embeddings_and_output_weights) vocab(kLmHead, layout.out_w);
+}
+
+absl::Status ReadPresentTensors(const SafetensorsFile& file, const std::string& weights_path,
+                                std::map<std::string, const SafetensorsTensor*> present, bool untied,
+                                const std::string& prefix, const std::string& model, std::vector<HfTensor>* tensors) {
+  auto shown = [&](const std::string& name) { return name == kLmHead ? name : prefix + name; };
+  auto refuse = [&](const std::string& tensor, const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: tensor {}: {}", weights_path, tensor, why));
+  };
+  for (HfTensor& t : *tensors) {
+    auto it = present.find(t.name);
+    if (it == present.end())
+      return refuse(shown(t.name), fmt::format("missing (config.json asks for shape {})", Shape(t.shape)));
+    if (it->second->shape != t.shape)
+      return refuse(shown(t.name),
+                    fmt::format("shape {}, config.json asks for {}", Shape(it->second->shape), Shape(t.shape)));
+    PTK_ASSIGN_OR_RETURN(t.data, file.ReadFloat(*it->second));
+    for (float x : t.data)
+      if (!std::isfinite(x)) return refuse(shown(t.name), "holds a NaN or an infinity");
+    present.erase(it);
+  }
+  if (!untied && present.count(kLmHead)) {
+    // A tied model's file may carry the output layer too: it must be the embedding.
+    const SafetensorsTensor* head = present.at(kLmHead);
+    PTK_ASSIGN_OR_RETURN(std::vector<float> lm, file.ReadFloat(*head));
+    if (head->shape != (*tensors)[0].shape || lm != (*tensors)[0].data)
+      return refuse(kLmHead, fmt::format("differs from {}, but config.json ties them (tie_word_embeddings)",
+                                         shown((*tensors)[0].name)));
+    present.erase(kLmHead);
+  }
+  if (!present.empty())
+    return refuse(present.begin()->second->name,
+                  fmt::format("not a weight of the {} model config.json describes ({} such tensor{})", model,
+                              present.size(), present.size() > 1 ? "s" : ""));
+  return absl::OkStatus();
 }
 
 }  // namespace ptk::hf_detail

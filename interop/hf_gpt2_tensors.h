@@ -2,9 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "interop/safetensors.h"
 #include "trainer/param_layout.h"
 
 // Implementation details of interop's Hugging Face conversion (hf_gpt2.cpp).
@@ -28,5 +31,14 @@ std::vector<HfTensor> HfTensorsOf(const GPTConfig& c);
 // to_hf fills hf[i].data from params; else fills params from hf[i].data (padded vocabulary rows
 // copied from the last real row, as Megatron's saver pads).
 void MapParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf);
+
+// Fills every tensor of `tensors` from `file` (`weights_path`), whose tensors `present` holds by the
+// names `tensors` uses (buffers that are not weights left out): each must be there with its shape and
+// finite values, refused naming it as `prefix` + its name (kLmHead as it is). A tied model's kLmHead
+// may be there only as a copy of tensors[0] (the embedding); anything else left is refused, naming
+// `model` (GPT-2's import and Llama's share this).
+absl::Status ReadPresentTensors(const SafetensorsFile& file, const std::string& weights_path,
+                                std::map<std::string, const SafetensorsTensor*> present, bool untied,
+                                const std::string& prefix, const std::string& model, std::vector<HfTensor>* tensors);
 
 }  // namespace ptk::hf_detail

@@ -288,34 +288,8 @@ absl::Status ReadLlamaTensors(const std::string& weights_path, const GPTConfig& 
     if (std::regex_match(t.name, kInvFreq)) continue;
     present.emplace(t.name, &t);
   }
-  auto refuse = [&](const std::string& tensor, const std::string& why) {
-    return absl::DataLossError(fmt::format("{}: tensor {}: {}", weights_path, tensor, why));
-  };
-  for (HfTensor& t : *tensors) {
-    auto it = present.find(t.name);
-    if (it == present.end())
-      return refuse(t.name, fmt::format("missing (config.json asks for shape {})", Shape(t.shape)));
-    if (it->second->shape != t.shape)
-      return refuse(t.name, fmt::format("shape {}, config.json asks for {}", Shape(it->second->shape), Shape(t.shape)));
-    PTK_ASSIGN_OR_RETURN(t.data, st_file->ReadFloat(*it->second));
-    for (float x : t.data)
-      if (!std::isfinite(x)) return refuse(t.name, "holds a NaN or an infinity");
-    present.erase(it);
-  }
-  if (!c.untie_embeddings_and_output_weights && present.count("lm_head.weight")) {
-    // A tied model's file may carry the output layer too: it must be the embedding.
-    const SafetensorsTensor* head = present.at("lm_head.weight");
-    PTK_ASSIGN_OR_RETURN(std::vector<float> lm, st_file->ReadFloat(*head));
-    if (head->shape != (*tensors)[0].shape || lm != (*tensors)[0].data)
-      return refuse("lm_head.weight",
-                    "differs from model.embed_tokens.weight, but config.json ties them (tie_word_embeddings)");
-    present.erase("lm_head.weight");
-  }
-  if (!present.empty())
-    return refuse(present.begin()->second->name,
-                  fmt::format("not a weight of the Llama model config.json describes ({} such tensor{})",
-                              present.size(), present.size() > 1 ? "s" : ""));
-  return absl::OkStatus();
+  return ReadPresentTensors(*st_file, weights_path, std::move(present), c.untie_embeddings_and_output_weights, "",
+                            "Llama", tensors);
 }
 
 std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c) {

@@ -253,7 +253,7 @@ struct Import {
       const int64_t at = rf.distrib->offset.at(name);
       for (auto [from, to] :
            {std::pair{&rf.distrib->param, &w}, {&rf.distrib->exp_avg, &a}, {&rf.distrib->exp_avg_sq, &b}})
-        CopyShard(to->data(), from->data() + at, rows, cols, m.split, t, tp, /*gather=*/true);
+        CopyShard(to->data(), from->data() + at, rows, cols, m.split, t, tp, /*gather=*/true, m.chunks);
       used_distrib = true;
       if (rf.distrib_step) adam_step = *rf.distrib_step;
       return absl::OkStatus();
@@ -274,7 +274,7 @@ struct Import {
     }
     if (src->dtype != DType::kFloat32) low_precision = true;
     PTK_ASSIGN_OR_RETURN(std::vector<float> shard, rf.reader->ReadFloat(*src, name));
-    CopyShard(w.data(), shard.data(), rows, cols, m.split, t, tp, /*gather=*/true);
+    CopyShard(w.data(), shard.data(), rows, cols, m.split, t, tp, /*gather=*/true, m.chunks);
     return GatherMoments(rf, name, m, t, rows, cols, want, a, b);
   }
 
@@ -294,8 +294,8 @@ struct Import {
                                 es->tensor.numel(), Elements(want)));
     PTK_ASSIGN_OR_RETURN(std::vector<float> sa, rf.reader->ReadFloat(ea->tensor, name + " exp_avg"));
     PTK_ASSIGN_OR_RETURN(std::vector<float> sb, rf.reader->ReadFloat(es->tensor, name + " exp_avg_sq"));
-    CopyShard(a.data(), sa.data(), rows, cols, m.split, t, sh.tp, true);
-    CopyShard(b.data(), sb.data(), rows, cols, m.split, t, sh.tp, true);
+    CopyShard(a.data(), sa.data(), rows, cols, m.split, t, sh.tp, true, m.chunks);
+    CopyShard(b.data(), sb.data(), rows, cols, m.split, t, sh.tp, true, m.chunks);
     if (const PyValue* step = st->Get("step")) {
       if (step->IsNumber()) {
         adam_step = static_cast<int64_t>(step->Number());

@@ -56,6 +56,9 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
       if (rest == "self_attention.linear_qkv.weight" || rest == "self_attention.linear_qkv.bias" ||
           rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")
         m.split = 0;
+      // SwiGLU's fc1 is [gate; up]: a tensor rank holds its rows of each, as Megatron's ColumnParallelLinear
+      // of 2 x ffn outputs that MLP chunks in two.
+      if (c.swiglu && (rest == "mlp.linear_fc1.weight" || rest == "mlp.linear_fc1.bias")) m.chunks = 2;
       if (rest == "self_attention.linear_proj.weight" || rest == "mlp.linear_fc2.weight") m.split = 1;
     } else {
       m.local_name = m.te_name = p.name;
@@ -127,7 +130,14 @@ std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t t
 
 // Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `out`, or back when
 // `gather`.
-void CopyShard(float* full, float* shard, int64_t rows, int64_t cols, int split, int64_t t, int64_t tp, bool gather) {
+void CopyShard(float* full, float* shard, int64_t rows, int64_t cols, int split, int64_t t, int64_t tp, bool gather,
+               int chunks) {
+  if (split == 0 && chunks > 1) {
+    const int64_t block = rows / chunks, r = block / tp;
+    for (int64_t k = 0; k < chunks; ++k)
+      CopyShard(full + k * block * cols, shard + k * r * cols, block, cols, 0, t, tp, gather);
+    return;
+  }
   if (split <= 0) {  // rows (or the whole tensor when replicated: t == 0, tp == 1)
     const int64_t r = split == 0 ? rows / tp : rows;
     float* f = full + t * r * cols;
@@ -198,30 +208,59 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
   c.ffn_hidden_size = static_cast<int64_t>(NumAttr(args, "ffn_hidden_size").value_or(4.0 * c.hidden_size));
   c.seq_length = static_cast<int64_t>(NumAttr(args, "seq_length").value_or(c.max_position_embeddings));
   c.untie_embeddings_and_output_weights = BoolAttr(args, "untie_embeddings_and_output_weights", false);
-  c.layernorm_epsilon = NumAttr(args, "layernorm_epsilon").value_or(1e-5);
+  // --norm-epsilon (args.layernorm_epsilon before Megatron-LM renamed it).
+  c.layernorm_epsilon = NumAttr(args, "norm_epsilon").value_or(NumAttr(args, "layernorm_epsilon").value_or(1e-5));
   c.hidden_dropout = NumAttr(args, "hidden_dropout").value_or(0.1);
   c.attention_dropout = NumAttr(args, "attention_dropout").value_or(0.1);
   c.init_method_std = NumAttr(args, "init_method_std").value_or(0.02);
-  {
-    std::vector<std::string> unsupported;
-    if (auto v = StrAttr(args, "position_embedding_type"); v && *v != "learned_absolute")
-      unsupported.push_back("--position-embedding-type " + *v);
-    if (auto v = StrAttr(args, "normalization"); v && *v != "LayerNorm") unsupported.push_back("--normalization " + *v);
-    if (BoolAttr(args, "swiglu", false)) unsupported.push_back("--swiglu");
-    if (BoolAttr(args, "group_query_attention", false)) unsupported.push_back("--group-query-attention");
-    if (!BoolAttr(args, "add_bias_linear", true)) unsupported.push_back("--disable-bias-linear");
-    if (BoolAttr(args, "apply_layernorm_1p", false)) unsupported.push_back("--apply-layernorm-1p");
-    if (BoolAttr(args, "apply_residual_connection_post_layernorm", false))
-      unsupported.push_back("--apply-residual-connection-post-layernorm");
-    if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
-    if (auto v = NumAttr(args, "kv_channels"); v && static_cast<int64_t>(*v) * c.num_attention_heads != c.hidden_size)
-      unsupported.push_back("--kv-channels other than hidden/heads");
-    if (!unsupported.empty())
-      return absl::FailedPreconditionError(fmt::format(
-          "{}: the model was trained with {}: ptk's GPT is Megatron's learned-absolute-position, LayerNorm, GELU "
-          "model with biases",
-          source, fmt::join(unsupported, ", ")));
+  std::vector<std::string> unsupported;
+  // The Llama line, as Megatron-LM's arguments name it.
+  if (auto v = StrAttr(args, "normalization"); v && *v == "RMSNorm") {
+    c.normalization = Normalization::kRMSNorm;
+  } else if (v && *v != "LayerNorm") {
+    unsupported.push_back("--normalization " + *v);
   }
+  if (auto v = StrAttr(args, "position_embedding_type"); v && *v == "rope") {
+    c.position_embedding = PositionEmbedding::kRope;
+  } else if (v && *v == "none") {
+    c.position_embedding = PositionEmbedding::kNone;
+  } else if (v && *v != "learned_absolute") {
+    unsupported.push_back("--position-embedding-type " + *v);
+  }
+  if (c.rope()) {
+    c.rotary_base = NumAttr(args, "rotary_base").value_or(10000.0);
+    c.rotary_percent = NumAttr(args, "rotary_percent").value_or(1.0);
+    c.use_rope_scaling = BoolAttr(args, "use_rope_scaling", false);
+    if (BoolAttr(args, "rotary_interleaved", false)) unsupported.push_back("--rotary-interleaved");
+    if (auto f = NumAttr(args, "rotary_seq_len_interpolation_factor"); f && *f != 1.0)
+      unsupported.push_back(fmt::format("--rotary-seq-len-interpolation-factor {}", *f));
+    if (auto f = NumAttr(args, "rope_scaling_factor"); c.use_rope_scaling && f && *f != 8.0)
+      unsupported.push_back(fmt::format("--rope-scaling-factor {} (ptk's is Llama 3.1's 8)", *f));
+  }
+  c.swiglu = BoolAttr(args, "swiglu", false);
+  // Without --group-query-attention Megatron gives every query head its key and value head, whatever
+  // args.num_query_groups says.
+  if (BoolAttr(args, "group_query_attention", false)) {
+    auto g = NumAttr(args, "num_query_groups");
+    if (!g) return bad(source, "args.group_query_attention without args.num_query_groups");
+    c.num_query_groups = static_cast<int64_t>(*g);
+  }
+  if (auto v = NumAttr(args, "kv_channels"); v && static_cast<int64_t>(*v) * c.num_attention_heads != c.hidden_size)
+    c.kv_channels = static_cast<int64_t>(*v);
+  c.add_bias_linear = BoolAttr(args, "add_bias_linear", true);
+  c.add_qkv_bias = !c.add_bias_linear && BoolAttr(args, "add_qkv_bias", false);
+  if (BoolAttr(args, "apply_layernorm_1p", false)) unsupported.push_back("--apply-layernorm-1p");
+  if (BoolAttr(args, "apply_residual_connection_post_layernorm", false))
+    unsupported.push_back("--apply-residual-connection-post-layernorm");
+  if (BoolAttr(args, "qk_layernorm", false)) unsupported.push_back("--qk-layernorm");
+  if (BoolAttr(args, "squared_relu", false)) unsupported.push_back("--squared-relu");
+  if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
+  if (!unsupported.empty())
+    return absl::FailedPreconditionError(fmt::format(
+        "{}: the model was trained with {}: ptk's model is Megatron's GPT with the Llama line's settings "
+        "(--normalization, --position-embedding-type rope, --swiglu, --group-query-attention, --kv-channels, "
+        "--disable-bias-linear)",
+        source, fmt::join(unsupported, ", ")));
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
     c.vocab_size = o.true_vocab_size;
@@ -240,11 +279,37 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
                                    "tensor-parallel ranks",
                                    out.ckpt_padded, c.vocab_size, c.padded_vocab_size, tp));
   if (absl::Status st = c.Validate(); !st.ok()) return bad(source, std::string(StatusMessage(st)));
-  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0)
-    return bad(source, fmt::format("{} heads / ffn {} do not split over {} tensor-parallel ranks",
-                                   c.num_attention_heads, c.ffn_hidden_size, tp));
+  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0 || c.query_groups() % tp != 0)
+    return bad(source, fmt::format("{} heads / {} query groups / ffn {} do not split over {} tensor-parallel ranks",
+                                   c.num_attention_heads, c.query_groups(), c.ffn_hidden_size, tp));
   return out;
 }
+
+namespace {
+const char* PositionEmbeddingName(const GPTConfig& c) {
+  return c.rope() ? "rope" : c.position_embedding == PositionEmbedding::kNone ? "none" : "learned_absolute";
+}
+
+// ptk-train's flags for the Llama line's settings that leave GPT-3's model (none for a GPT-3 model).
+std::string LlamaLineFlags(const GPTConfig& c) {
+  if (c.gpt3() && !c.add_qkv_bias) return "";
+  std::string f = fmt::format(" --normalization {} --norm-epsilon {} --position-embedding-type {}",
+                              c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm", c.layernorm_epsilon,
+                              PositionEmbeddingName(c));
+  if (c.rope()) {
+    f += fmt::format(" --rotary-base {}", c.rotary_base);
+    if (c.rotary_percent != 1.0) f += fmt::format(" --rotary-percent {}", c.rotary_percent);
+    if (c.use_rope_scaling) f += " --use-rope-scaling";
+  }
+  if (c.swiglu) f += " --swiglu";
+  if (c.query_groups() != c.num_attention_heads)
+    f += fmt::format(" --group-query-attention --num-query-groups {}", c.query_groups());
+  if (c.kv_channels > 0) f += fmt::format(" --kv-channels {}", c.kv_channels);
+  if (!c.add_bias_linear) f += " --disable-bias-linear";
+  if (c.add_qkv_bias) f += " --add-qkv-bias";
+  return f;
+}
+}  // namespace
 
 absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const PyValue& root,
                           torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
@@ -307,6 +372,16 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       {"--hidden-dropout", num(c.hidden_dropout)},
       {"--attention-dropout", num(c.attention_dropout)},
       {"--init-method-std", num(c.init_method_std)},
+      {"--normalization", c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm"},
+      {"--position-embedding-type", PositionEmbeddingName(c)},
+      {"--rotary-base", num(c.rotary_base)},
+      {"--rotary-percent", num(c.rotary_percent)},
+      {"--use-rope-scaling", c.use_rope_scaling ? "on" : "off"},
+      {"--swiglu", c.swiglu ? "on" : "off"},
+      {"--num-query-groups", std::to_string(c.query_groups())},
+      {"--kv-channels", std::to_string(c.head_dim())},
+      {"--disable-bias-linear", c.add_bias_linear ? "off" : "on"},
+      {"--add-qkv-bias", c.add_qkv_bias ? "on" : "off"},
       {"--seed", std::to_string(state.seed)},
       {"--bf16/--fp16", BoolAttr(args, "bf16", false)   ? "bf16"
                         : BoolAttr(args, "fp16", false) ? "fp16"
@@ -322,10 +397,10 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   s->num_params = layout.num_params;
   s->train_flags = fmt::format(
       "--num-layers {} --hidden-size {} --num-attention-heads {} --ffn-hidden-size {} --max-position-embeddings {} "
-      "--seq-length {}{}{}",
+      "--seq-length {}{}{}{}",
       c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.max_position_embeddings, c.seq_length,
       c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "",
-      c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "");
+      c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "", LlamaLineFlags(c));
   if (divisible != 128) s->train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
   return absl::OkStatus();
 }

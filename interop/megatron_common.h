@@ -30,6 +30,7 @@ struct MegParam {
   int64_t stage = 0;
   std::string te_name, local_name;  // within the stage (layers renumbered from 0)
   int split = -1;                   // -1 replicated, 0 rows (column-parallel), 1 columns (row-parallel)
+  int chunks = 1;                   // split 0: blocks of rows each split across the ranks (SwiGLU's [gate; up])
   bool vocab = false;               // rows are the padded vocabulary
   bool decay = false;               // Megatron's first parameter group (weight decay applies)
 };
@@ -45,8 +46,10 @@ std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int
 // The shape of a rank's shard of `m` when the vocabulary has `vocab_rows` rows.
 std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t tp);
 // Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `shard`, or back
-// when `gather`.
-void CopyShard(float* full, float* shard, int64_t rows, int64_t cols, int split, int64_t t, int64_t tp, bool gather);
+// when `gather`. With split 0 and `chunks` > 1 the rows are that many blocks, each split across the
+// ranks, and a shard holds its rows of each block in turn (fc1 of SwiGLU: rank t's [gate_t; up_t]).
+void CopyShard(float* full, float* shard, int64_t rows, int64_t cols, int split, int64_t t, int64_t tp, bool gather,
+               int chunks = 1);
 
 // Small helpers over pickled values: an attribute of a Namespace (or a dict entry) as a number,
 // string or bool; a dict's entry under an integer key.
@@ -55,7 +58,10 @@ std::optional<std::string> StrAttr(const PyValue* ns, const char* key);
 bool BoolAttr(const PyValue* ns, const char* key, bool fallback);
 const PyValue* IntKey(const PyValue* dict, int64_t key);
 
-// The model Megatron's args describe, checked (features ptk's GPT lacks refused naming the flag;
+// The model Megatron's args describe, checked (features ptk's model lacks refused naming the flag;
+// the Llama line's: --normalization, --position-embedding-type, --rotary-base/-percent,
+// --use-rope-scaling, --swiglu, --group-query-attention/--num-query-groups, --kv-channels,
+// --disable-bias-linear, --add-qkv-bias, --norm-epsilon, read as Megatron names them;
 // the vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's), for a checkpoint saved at
 // tensor-parallel size `tp`. `source` names the file in errors.
 struct MegatronModel {

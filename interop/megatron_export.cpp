@@ -92,19 +92,28 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_i("ffn_hidden_size", c.ffn_hidden_size);
   set_i("num_attention_heads", c.num_attention_heads);
   set_i("kv_channels", c.head_dim());
-  set_b("group_query_attention", false);
-  set_i("num_query_groups", c.num_attention_heads);
+  set_b("group_query_attention", c.query_groups() != c.num_attention_heads);
+  set_i("num_query_groups", c.query_groups());
   set_i("max_position_embeddings", c.max_position_embeddings);
   set_i("seq_length", c.seq_length);
-  set_s("position_embedding_type", "learned_absolute");
-  set_b("add_position_embedding", true);
-  set_s("normalization", "LayerNorm");
-  set_f("layernorm_epsilon", c.layernorm_epsilon);
+  set_s("position_embedding_type", c.rope()                                           ? "rope"
+                                   : c.position_embedding == PositionEmbedding::kNone ? "none"
+                                                                                      : "learned_absolute");
+  set_b("add_position_embedding", c.position_embedding == PositionEmbedding::kLearnedAbsolute);
+  set_f("rotary_base", c.rotary_base);
+  set_f("rotary_percent", c.rotary_percent);
+  set_b("rotary_interleaved", false);
+  set_b("use_rope_scaling", c.use_rope_scaling);
+  set_f("rope_scaling_factor", 8.0);
+  set_s("normalization", c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm");
+  set_f("norm_epsilon", c.layernorm_epsilon);
+  set_f("layernorm_epsilon", c.layernorm_epsilon);  // the name of Megatron-LM before --norm-epsilon
   set_b("apply_layernorm_1p", false);
   set_b("apply_residual_connection_post_layernorm", false);
-  set_b("swiglu", false);
-  set_b("add_bias_linear", true);
-  set_b("add_qkv_bias", true);
+  set_b("swiglu", c.swiglu);
+  set_b("add_bias_linear", c.add_bias_linear);
+  set_b("add_qkv_bias", c.qkv_bias());
+  set_b("qk_layernorm", false);
   set_b("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
   set_f("hidden_dropout", c.hidden_dropout);
   set_f("attention_dropout", c.attention_dropout);
@@ -238,7 +247,7 @@ struct Export {
     }
     std::vector<float> out(static_cast<size_t>(rows * cols / (m.split >= 0 ? tp : 1)));
     CopyShard(full.data(), out.data(), rows, cols, m.split, m.split >= 0 ? t : 0, m.split >= 0 ? tp : 1,
-              /*gather=*/false);
+              /*gather=*/false, m.chunks);
     return out;
   }
 
@@ -293,10 +302,12 @@ struct Export {
       torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape, model_dtype));
       if (mixed) (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
       std::vector<float>().swap(pd.w);  // the blob holds the bytes now
-      // Megatron's linear layers carry an (empty) extra state, after their bias.
-      static const std::regex kLinear(R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2))\.bias)");
+      // Megatron's linear layers carry an (empty) extra state, after their last parameter (the bias, or
+      // the weight of a layer without one).
+      static const std::regex kLinear(R"((.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2))\.(weight|bias))");
       std::smatch mm;
-      if (std::regex_match(pd.name, mm, kLinear)) {
+      if (std::regex_match(pd.name, mm, kLinear) &&
+          (mm[3] == "bias") == (mm[2] == "linear_qkv" ? c.qkv_bias() : c.add_bias_linear)) {
         if (te && mm[2] == "linear_proj") extra(mm[1].str().substr(0, mm[1].str().size() - 11) + "core_attention");
         extra(mm[1].str());
       }
@@ -386,12 +397,6 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         fmt::format("--saver-transformer-impl {}: transformer_engine or local", o.saver_transformer_impl));
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
   const GPTConfig& c = ck.config;
-  if (!c.gpt3())
-    return absl::UnimplementedError(fmt::format(
-        "{}: a model of Megatron's Llama line (RMSNorm, RoPE, SwiGLU, grouped-query attention, --kv-channels or "
-        "bias-free layers): --saver megatron writes GPT-3-style models only (--saver hf writes it as "
-        "LlamaForCausalLM)",
-        ck.file));
   s.notes = ck.notes;
   s.source = ck.file;
   s.iteration = ck.iteration;
@@ -404,9 +409,10 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         fmt::format("{}: a vocabulary of {} padded to {} is not a multiple of "
                     "--make-vocab-size-divisible-by {}: give the value the run was trained with",
                     ck.file, c.vocab_size, c.padded_vocab_size, o.make_vocab_size_divisible_by));
-  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0)
-    return UsageError(fmt::format("--target-tensor-parallel-size {} does not divide the {} heads and ffn {}", tp,
-                                  c.num_attention_heads, c.ffn_hidden_size));
+  if (c.num_attention_heads % tp != 0 || c.ffn_hidden_size % tp != 0 || c.query_groups() % tp != 0)
+    return UsageError(
+        fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}", tp,
+                    c.num_attention_heads, c.query_groups(), c.ffn_hidden_size));
   Export ex(o, c, state, params, m1, m2);
   ex.tp = tp;
   ex.pp = pp;

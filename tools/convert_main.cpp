@@ -54,6 +54,17 @@ int main(int argc, char** argv) {
                   "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
                   "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
       ->check(CLI::IsMember({"transformer_engine", "local"}));
+  app->add_option("--iteration", o.iteration,
+                  "hf -> ptk: the iteration the import stands at (0: a start for ptk-train --finetune); with "
+                  "--global-batch-size or --consumed-train-samples, ptk-train --load resumes at the next one with "
+                  "that data position and learning-rate schedule (the AdamW moments start at zero)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app->add_option("--global-batch-size", o.global_batch_size,
+                  "hf -> ptk with --iteration N: the run's global batch size (N x it samples consumed)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+  app->add_option("--consumed-train-samples", o.consumed_train_samples,
+                  "hf -> ptk with --iteration N: the samples the run had consumed (with batch ramp-up)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
   app->add_option("--max-queue-size", max_queue_size, "Accepted for compatibility (no queue: one process)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
@@ -64,6 +75,11 @@ int main(int argc, char** argv) {
           "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
           "checkpoint ({} output is whole)",
           o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
+    if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
+        !(o.loader == "hf" && o.saver == "ptk"))
+      return ptk::UsageError(
+          "--iteration, --global-batch-size and --consumed-train-samples place a Hugging Face import (--loader hf "
+          "--saver ptk); other checkpoints carry their own iteration");
     ptk::JsonWriter args;
     args.BeginArray();
     for (int i = 1; i < argc; ++i) args.Value(argv[i]);
@@ -77,10 +93,9 @@ int main(int argc, char** argv) {
         s.source, s.iteration, s.destination, c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
         c.max_position_embeddings, c.vocab_size, c.untie_embeddings_and_output_weights ? ", untied output layer" : "",
         s.num_params);
-    if (!s.train_flags.empty() && o.loader == "megatron")
-      ptk::log::Info(
-          "resume training with: ptk-train {} --load {} ... (the batch and schedule flags of the Megatron run)",
-          s.train_flags, o.save_dir);
+    if (!s.train_flags.empty() && (o.loader == "megatron" || o.iteration > 0))
+      ptk::log::Info("resume training with: ptk-train {} --load {} ... (the batch and schedule flags of the {} run)",
+                     s.train_flags, o.save_dir, o.loader == "megatron" ? "Megatron" : "original (--seq-length too)");
     else if (!s.train_flags.empty())
       ptk::log::Info("continue training with: ptk-train {} --seq-length N (N <= {}) --load {} --finetune ...",
                      s.train_flags, c.max_position_embeddings, o.save_dir);

@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
+#include "tests/interop/hf_convert_fixture.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
@@ -36,9 +37,9 @@ using ptk::testing::ShellQuote;
 using ptk::testing::TempDir;
 using ptk::testing::WriteFile;
 
-class HfConvert : public ::testing::Test {
+class HfConvert : public ptk::testing::HfConvertFixture {
  protected:
-  // A ptk checkpoint of a small model with distinct weights, as ptk-train saves it.
+  // A ptk checkpoint of a small GPT-3-style model at iteration 7.
   void Save(bool untie, const std::string& dir, bool record_vocab = true) {
     c_.num_layers = 2;
     c_.hidden_size = 8;
@@ -50,44 +51,13 @@ class HfConvert : public ::testing::Test {
     c_.padded_vocab_size = 50304;
     c_.layernorm_epsilon = 1e-6;
     c_.untie_embeddings_and_output_weights = untie;
-    auto layout = ParamLayout::Create(c_);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    layout_ = *layout;
-    params_.resize(static_cast<size_t>(layout_.num_params));
-    layout_.InitWeights(5, params_);
-    for (size_t i = 0; i < params_.size(); ++i) params_[i] += 1e-3f * static_cast<float>(i % 97);  // no 0/1 runs
-    std::vector<float> zeros(params_.size(), 0.0f);
-    TrainState st;
-    st.iteration = 7;
-    st.settings = {{"--layernorm-epsilon", "1e-06"}, {"--hidden-dropout", "0"}, {"--attention-dropout", "0.05"}};
-    if (record_vocab) st.settings.push_back({"--vocab-size", "50257"});
-    ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
+    std::vector<std::pair<std::string, std::string>> settings = {
+        {"--layernorm-epsilon", "1e-06"}, {"--hidden-dropout", "0"}, {"--attention-dropout", "0.05"}};
+    if (record_vocab) settings.push_back({"--vocab-size", "50257"});
+    SaveModel(c_, dir, 7, std::move(settings));
   }
-  ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
-                      const std::string& to) {
-    ConvertOptions o;
-    o.loader = loader;
-    o.saver = saver;
-    o.load_dir = from;
-    o.save_dir = to;
-    return o;
-  }
-  // Tensor `name` of an exported directory.
-  std::vector<float> Tensor(const std::string& dir, const std::string& name, std::vector<int64_t>* shape = nullptr) {
-    auto f = SafetensorsFile::Open(dir + "/model.safetensors");
-    EXPECT_TRUE(f.ok()) << f.status();
-    const SafetensorsTensor* t = (*f)->Find(name);
-    EXPECT_NE(t, nullptr) << name;
-    if (!t) return {};
-    if (shape) *shape = t->shape;
-    return *(*f)->ReadFloat(*t);
-  }
-  float P(int64_t offset) const { return params_[static_cast<size_t>(offset)]; }
 
-  TempDir dir_;
   GPTConfig c_;
-  ParamLayout layout_;
-  std::vector<float> params_;
 };
 
 TEST_F(HfConvert, ExportPutsMegatronsWeightsWhereGpt2HasThem) {
@@ -442,6 +412,73 @@ TEST_F(HfConvert, ImportRefusesATrainingRunsSaveDirectory) {
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_EQ(*LatestCheckpointIteration(dir_ / "imported"), 0);
   }
+}
+
+// --iteration N places an import where a run stood (its consumed samples, the schedule's step;
+// the moments zero, Adam's step 0, and a note saying so), and still never moves a run's `latest` nor
+// replaces a run's own checkpoint; a rerun of the same import replaces it.
+TEST_F(HfConvert, ImportAtAnIterationResumesThereAndKeepsRunsIntact) {
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  auto at = [&](int64_t it, int64_t gbs, int64_t samples, const std::string& to) {
+    ConvertOptions o = Opts("hf", "ptk", dir_ / "hf", to);
+    o.iteration = it;
+    o.global_batch_size = gbs;
+    o.consumed_train_samples = samples;
+    return ImportFromHf(o);
+  };
+  for (int i = 0; i < 2; ++i) {
+    auto r = at(6, 4, -1, dir_ / "placed");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->iteration, 6);
+    bool noted = false, seed = false;
+    for (const std::string& n : r->notes) {
+      noted |= n.find("a Hugging Face directory holds no optimizer state: AdamW's moments start at zero") == 0;
+      seed |= n.find("the seed recorded is 1234") == 0 && n.find("--no-load-rng") != std::string::npos;
+    }
+    EXPECT_TRUE(noted);
+    EXPECT_TRUE(seed);
+  }
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "placed"), 6);
+  std::vector<float> p, m, v;
+  TrainState st;
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "placed", 6, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(st.iteration, 6);
+  EXPECT_EQ(st.consumed_train_samples, 24);
+  EXPECT_EQ(st.scheduler_num_steps, 24);
+  EXPECT_EQ(st.adam_step, 0);
+  EXPECT_EQ(m, std::vector<float>(m.size(), 0.0f));
+  // With batch ramp-up: the samples as given.
+  ASSERT_TRUE(at(6, 0, 17, dir_ / "ramped").ok());
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "ramped", 6, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(st.consumed_train_samples, 17);
+  // Another iteration into the first import's directory, or any into a run's: refused, `latest` kept.
+  EXPECT_TRUE(IsUsageError(at(7, 4, -1, dir_ / "placed").status()));
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "placed"), 6);
+  const std::string run = dir_ / "run";
+  std::vector<float> ones(params_.size(), 1.0f);
+  TrainState trained;
+  trained.iteration = 6;
+  trained.adam_step = 6;
+  ASSERT_TRUE(SaveCheckpoint(run, layout_, params_, ones, ones, trained, "[]").ok());
+  for (int64_t it : {2, 6, 9}) {
+    auto r = at(it, 4, -1, run);
+    ASSERT_FALSE(r.ok()) << it;
+    EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+    EXPECT_NE(r.status().message().find("holds a training run's checkpoints"), absl::string_view::npos) << r.status();
+    EXPECT_EQ(*LatestCheckpointIteration(run), 6);
+  }
+  ASSERT_TRUE(LoadCheckpoint(run, 6, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(st.adam_step, 6);  // the run's own checkpoint, moments and all
+  EXPECT_EQ(m, ones);
+  // Flags that place nothing, or a place without its samples: usage errors, nothing written.
+  EXPECT_TRUE(IsUsageError(at(6, 0, -1, dir_ / "bad").status()));
+  EXPECT_TRUE(IsUsageError(at(6, 4, 24, dir_ / "bad").status()));
+  EXPECT_TRUE(IsUsageError(at(0, 4, -1, dir_ / "bad").status()));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "bad"));
+  auto cli = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " +
+                    ShellQuote(dir_ / "ck") + " --save-dir " + ShellQuote(dir_ / "hf3") + " --iteration 5");
+  EXPECT_EQ(cli.exit_code, 2) << cli.output;
 }
 
 // Non-finite weights are refused at export, naming the tensor, as the import refuses them.

@@ -12,6 +12,7 @@
 #include "interop/hf_gpt2.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
+#include "tests/interop/hf_convert_fixture.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
@@ -44,48 +45,16 @@ GPTConfig Llama(bool bias, bool untie) {
   return c;
 }
 
-class HfLlama : public ::testing::Test {
+class HfLlama : public ptk::testing::HfConvertFixture {
  protected:
-  // A checkpoint of `c` with distinct weights, as ptk-train saves it.
+  // A checkpoint of `c` at iteration 4.
   void Save(const GPTConfig& c, const std::string& dir) {
-    auto layout = ParamLayout::Create(c);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    layout_ = *layout;
-    params_.resize(static_cast<size_t>(layout_.num_params));
-    layout_.InitWeights(5, params_);
-    for (size_t i = 0; i < params_.size(); ++i) params_[i] += 1e-3f * static_cast<float>(i % 97);
-    std::vector<float> zeros(params_.size(), 0.0f);
-    TrainState st;
-    st.iteration = 4;
-    st.settings = {{"--layernorm-epsilon", "1e-05"},
-                   {"--hidden-dropout", "0"},
-                   {"--attention-dropout", "0"},
-                   {"--vocab-size", "50257"}};
-    ASSERT_TRUE(SaveCheckpoint(dir, layout_, params_, zeros, zeros, st, "[]").ok());
+    SaveModel(c, dir, 4,
+              {{"--layernorm-epsilon", "1e-05"},
+               {"--hidden-dropout", "0"},
+               {"--attention-dropout", "0"},
+               {"--vocab-size", "50257"}});
   }
-  ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
-                      const std::string& to) {
-    ConvertOptions o;
-    o.loader = loader;
-    o.saver = saver;
-    o.load_dir = from;
-    o.save_dir = to;
-    return o;
-  }
-  std::vector<float> Tensor(const std::string& dir, const std::string& name, std::vector<int64_t>* shape = nullptr) {
-    auto f = SafetensorsFile::Open(dir + "/model.safetensors");
-    EXPECT_TRUE(f.ok()) << f.status();
-    const SafetensorsTensor* t = (*f)->Find(name);
-    EXPECT_NE(t, nullptr) << name;
-    if (!t) return {};
-    if (shape) *shape = t->shape;
-    return *(*f)->ReadFloat(*t);
-  }
-  float P(int64_t offset) const { return params_[static_cast<size_t>(offset)]; }
-
-  TempDir dir_;
-  ParamLayout layout_;
-  std::vector<float> params_;
 };
 
 TEST_F(HfLlama, ExportSplitsMegatronsFusedLayersAsLlamaNamesThem) {
@@ -198,14 +167,21 @@ TEST_F(HfLlama, ExportRefusesWhatLlamaForCausalLMCannotComputeNamingIt) {
     EXPECT_NE(r.status().message().find("LlamaForCausalLM"), std::string::npos) << r.status();
     EXPECT_FALSE(std::filesystem::exists(hf)) << k.why;
   }
-  // Megatron's format is written for GPT-3-style models only, and says so.
-  auto meg = ExportToMegatron(Opts("ptk", "megatron", dir_ / "ck0", dir_ / "meg"));
-  EXPECT_TRUE(absl::IsUnimplemented(meg.status())) << meg.status();
+}
+
+// Megatron's format takes the Llama line, split over tensor and pipeline ranks, and gives it back.
+TEST_F(HfLlama, MegatronShardsOfTheLlamaLineComeBackWhole) {
   Save(Llama(false, true), dir_ / "ckl");
-  meg = ExportToMegatron(Opts("ptk", "megatron", dir_ / "ckl", dir_ / "meg"));
-  EXPECT_TRUE(absl::IsUnimplemented(meg.status())) << meg.status();
-  EXPECT_NE(meg.status().message().find("--saver megatron writes GPT-3-style models only"), std::string::npos);
-  EXPECT_FALSE(std::filesystem::exists(dir_ / "meg"));
+  ConvertOptions to_meg = Opts("ptk", "megatron", dir_ / "ckl", dir_ / "meg");
+  to_meg.target_tensor_parallel_size = to_meg.target_pipeline_parallel_size = 2;
+  auto meg = ExportToMegatron(to_meg);
+  ASSERT_TRUE(meg.ok()) << meg.status();
+  auto back = ImportFromMegatron(Opts("megatron", "ptk", dir_ / "meg", dir_ / "back"));
+  ASSERT_TRUE(back.ok()) << back.status();
+  std::vector<float> p, m, v;
+  TrainState st;
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "back", 4, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(p, params_);
 }
 
 TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {

@@ -17,92 +17,19 @@ Checks:
 Usage: hf_llama_test.py BIN_DIR TEST_BIN_DIR
 """
 import json
-import logging
 import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
 
-BIN, TEST_BIN = sys.argv[1], sys.argv[2]
-for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
-    if p and os.path.isdir(p) and p not in sys.path:
-        sys.path.insert(0, p)
-import numpy  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-failures = 0
-TOL = 1e-4
-
-
-def check(cond, what):
-    global failures
-    if not cond:
-        failures += 1
-        print("FAIL:", what)
-
-
-def run(args, expect=0):
-    r = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    check(r.returncode == expect, "exit {} (expected {}) for {}:\n{}".format(r.returncode, expect, " ".join(args),
-                                                                             r.stdout[-3000:]))
-    return r.stdout
-
-
-class Capture(logging.Handler):  # every warning transformers logs while loading
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record.getMessage())
-
-
-transformers.logging.set_verbosity_warning()
-capture = Capture()
-transformers.logging.get_logger().addHandler(capture)
+from hf_test_common import (BIN, TEST_BIN, TOL, check, compare_logits, finish, hf_logits, load_checked, numpy, run,
+                            torch)
+from safetensors import safe_open
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 
 def load_hf(path, **kwargs):
-    capture.records.clear()
-    model, info = LlamaForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
-    check(all(not v for v in info.values()), "{}: loading info {}".format(path, info))
-    check(not capture.records, "{}: warnings while loading: {}".format(path, capture.records))
-    return model.eval()
-
-
-def hf_logits(model, seq):
-    with torch.no_grad():
-        return model(torch.tensor([seq]), use_cache=False).logits[0].numpy()
-
-
-def ptk_logits(ckpt, seqs, vocab, tmp):
-    seq_file, out = os.path.join(tmp, "seqs.txt"), os.path.join(tmp, "logits.f32")
-    with open(seq_file, "w") as f:
-        for s in seqs:
-            f.write(" ".join(map(str, s)) + "\n")
-    run([os.path.join(TEST_BIN, "logits_tool"), ckpt, seq_file, out])
-    flat = numpy.fromfile(out, dtype=numpy.float32)
-    res, at = [], 0
-    for s in seqs:
-        res.append(flat[at:at + len(s) * vocab].reshape(len(s), vocab))
-        at += len(s) * vocab
-    check(at == flat.size, "logits_tool wrote {} values, {} expected".format(flat.size, at))
-    return res
-
-
-def compare_logits(ckpt, model, seqs, vocab, tmp, what):
-    for seq, ours in zip(seqs, ptk_logits(ckpt, seqs, vocab, tmp)):
-        theirs = hf_logits(model, seq)
-        check(theirs.shape == ours.shape, "{}: shapes {} {}".format(what, theirs.shape, ours.shape))
-        if theirs.shape == ours.shape:
-            diff = float(numpy.abs(theirs - ours).max())
-            check(diff <= TOL, "{}: {} tokens: logits differ by {} (> {})".format(what, len(seq), diff, TOL))
-            check(float(numpy.abs(ours).max()) > 1.0, "{}: logits too small to test anything".format(what))
+    return load_checked(LlamaForCausalLM, path, **kwargs)
 
 
 def tensors(path):
@@ -232,5 +159,4 @@ with tempfile.TemporaryDirectory() as tmp:
         check(not os.path.exists(hfr), "{}: the refused export left {}".format(what, hfr))
         run(["rm", "-rf", ckr])
 
-print("hf_llama_test: {}".format("OK" if failures == 0 else "{} failure(s)".format(failures)))
-sys.exit(1 if failures else 0)
+finish("hf_llama_test")

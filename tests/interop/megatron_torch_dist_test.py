@@ -209,6 +209,14 @@ def main():
                 "--ffn-hidden-size 128")
 
         refused(tmp, "no-common", lambda d: os.remove(os.path.join(d, "common.pt")), "common.pt: missing")
+
+        def llama_args(d):  # the Llama line in torch_dist: not read yet, said so rather than read wrong
+            import torch
+            f = os.path.join(d, "common.pt")
+            common = torch.load(f)
+            common["args"].swiglu = True
+            torch.save(common, f)
+        refused(tmp, "llama-line", llama_args, "common.pt", "Llama line in torch_dist format")
     finish("ok")
 
 
