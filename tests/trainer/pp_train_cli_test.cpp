@@ -114,12 +114,6 @@ class PipelineParallelCli : public testing::RanksTest {
            " --make-vocab-size-divisible-by " + std::to_string(512 / T) + " --data-path " + ShellQuote(prefix_) +
            " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
   }
-  static std::vector<std::pair<int, double>> Losses(const std::string& out) { return testing::LossesOf(out); }
-  // The log lines without their timestamps and timings (what a bit-for-bit resume reproduces).
-  static std::vector<std::string> Lines(const std::string& out) { return testing::LogLinesWithoutTimes(out); }
-  static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
-    return testing::WorstRelativeDifference(a, ref);
-  }
   // The one-rank run every test compares with.
   const std::string& OneRank() {
     static std::string out;

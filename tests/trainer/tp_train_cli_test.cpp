@@ -42,12 +42,6 @@ class TensorParallelCli : public testing::RanksTest {
            ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
            std::to_string(iters) + " " + extra;
   }
-  static std::vector<std::pair<int, double>> Losses(const std::string& out) { return testing::LossesOf(out); }
-  // The log lines without their timestamps and timings (what a bit-for-bit resume reproduces).
-  static std::vector<std::string> Lines(const std::string& out) { return testing::LogLinesWithoutTimes(out); }
-  static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
-    return testing::WorstRelativeDifference(a, ref);
-  }
   // The one-rank run every test compares with (the same dataset bytes in every test's directory).
   const std::string& OneRank() {
     static std::string out;

@@ -123,6 +123,13 @@ class RanksTest : public ::testing::Test {
     return s;
   }
   std::string RankLog(int rank) const { return dir_ / ("r" + std::to_string(rank) + ".log"); }
+  // The runs' log lines: each one's iteration and lm loss; the lines without their timings; the
+  // largest relative difference between the losses of the same iterations.
+  static std::vector<std::pair<int, double>> Losses(const std::string& out) { return LossesOf(out); }
+  static std::vector<std::string> Lines(const std::string& out) { return LogLinesWithoutTimes(out); }
+  static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
+    return WorstRelativeDifference(a, ref);
+  }
   // The logs of ranks 1 to world - 1 of the last Ranks, each under a header (for failure messages).
   std::string Logs(int world) const {
     std::string out;
