@@ -5,7 +5,8 @@
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed over the
 // embedding group within float rounding of one rank's interleaved sum), with at most P - s
 // micro-batches in flight on stage s; forward-only evaluation gives one rank's loss; each stage
-// holds the parameters --dry-run counts for it.
+// holds the parameters --dry-run counts for it; --overlap-grad-reduce over P = 2 x D = 2 reduces
+// buckets during the last backward with the bits of the reduction after the schedule.
 #include <gtest/gtest.h>
 
 #include <algorithm>

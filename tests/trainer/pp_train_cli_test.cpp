@@ -1,10 +1,13 @@
 // ptk-train's pipeline parallelism end to end, ranks as processes over loopback gloo: P = 2 and 4
 // stages of a 4-layer model (and Megatron's uneven first stage), 8 micro-batches a step, dropout
 // on, give the loss lines of one rank within 1e-6 relative over 20 iterations; T = 2 x P = 2 x
-// data 2 (8 ranks) with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; checkpoints in Megatron's
-// mp_rank_TT_PPP resume at the same P with the uninterrupted run's lines character for character and at P = 1 and 4 as
-// the uninterrupted run, and ptk-convert exports them; kill -9 of a middle stage ends every rank non-zero within the
-// timeout, and --load resumes its last checkpoint bit for bit; sizes that do not divide are refused on every rank.
+// data 2 (8 ranks) with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; text
+// samples and TensorBoard's scalars at P = 2 are one rank's, and --overlap-grad-reduce keeps the
+// lines; middle stages open no data; checkpoints in Megatron's mp_rank_TT_PPP resume at the same P
+// with the uninterrupted run's lines character for character and at P = 1 and 4 as the
+// uninterrupted run, and ptk-convert exports them; kill -9 of a middle stage ends every rank
+// non-zero within the timeout, and --load resumes its last checkpoint bit for bit; sizes that do
+// not divide are refused on every rank.
 #include <unistd.h>
 
 #include <cmath>
