@@ -239,14 +239,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
     return Refuse(kCudaSequenceParallelMissing);
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
   if (pipelined && device == Device::kCuda) return Refuse(kCudaPipelineParallelMissing);
-  if (pipelined && tp > 1 && f.options.backend.sequence_parallel)
-    return Refuse(
-        "--sequence-parallel with --pipeline-model-parallel-size above 1: not implemented (ptk's pipeline stages run "
-        "tensor parallelism without sequence parallelism); drop --sequence-parallel");
-  if (pipelined && f.options.sample.interval > 0)
-    return Refuse(
-        "--sample-interval with --pipeline-model-parallel-size above 1: not implemented (a text sample needs the "
-        "whole model on one rank)");
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())

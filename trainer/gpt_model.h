@@ -103,19 +103,26 @@ class GPTModel {
 
   // ---- Pipeline parallelism (the layout is a stage's: layout().pipeline_size > 1). One stage's part
   // of a micro-batch's pass, its activations kept in `slot` (0 <= slot < the micro-batches a
-  // schedule keeps in flight) until its backward. `input`: the previous stage's output, (b, t,
-  // hidden) floats (empty on the first stage, which embeds the tokens); `output`: this stage's
+  // schedule keeps in flight) until its backward. `input`: the previous stage's output,
+  // StageExchangeFloats floats (empty on the first stage, which embeds the tokens); `output`: this stage's
   // (empty on the last stage, which computes the loss). With `loss_scale` the last stage also
   // makes the loss's gradient (d(loss_scale * sum(loss * mask))) for StageBackward; without, the
-  // pass is forward only (evaluation). The last stage returns the masked loss sum, the others zero.
+  // pass is forward only (evaluation). The last stage returns the masked loss sum, the others zero;
+  // with `logits` the last stage also copies out the (b, t, padded vocab) logits, as Forward.
   virtual absl::StatusOr<LossSum> StageForward(const ModelBatch& batch, int slot, std::span<const float> input,
                                                std::span<float> output, std::optional<double> loss_scale, bool train,
-                                               uint64_t seed);
+                                               uint64_t seed, std::vector<float>* logits = nullptr);
   // The backward of slot's pass: `output_grad` the next stage's gradient of this stage's output
   // (empty on the last stage), `input_grad` receives the gradient of its input (empty on the first).
   // Adds to the gradients, as ForwardBackward.
   virtual absl::Status StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
                                      std::span<float> input_grad, bool train, uint64_t seed);
+  // The floats of `input` and `output` (and their gradients) for `batch`: (b, t, hidden), or under
+  // sequence parallelism this tensor rank's positions of each sample, (b, t / T, hidden), the
+  // shards Megatron sends between stages.
+  virtual int64_t StageExchangeFloats(const ModelBatch& batch) const {
+    return batch.b * batch.t * config().hidden_size;
+  }
   // Sums the gradients [begin, begin + n) over `comm` (the embedding group's copies of the tied
   // word embeddings).
   virtual absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
@@ -161,8 +168,12 @@ class GPTModel {
   // memory) of the backend's own: the sum AllReduceGrads makes, or under ZeRO-1 the shard pieces
   // ReduceScatterGrads makes, element for element the same. FinishGradReduction waits for every
   // bucket and returns the first error; call it after that ForwardBackward, failed or not.
-  absl::Status StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets);
+  // A bucket that overlaps `held` (a pipeline stage's copy of the tied embeddings, which the
+  // embedding group sums first) is not launched by backward: FinishGradReduction launches it, then
+  // waits. buckets_launched_in_backward() counts the others, launched while backward ran.
+  absl::Status StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets, GradRange held = {});
   absl::Status FinishGradReduction();
+  int buckets_launched_in_backward() const { return launched_in_backward_; }
 
   // With BackendOptions::profile on a backend that times its ops: GPU time per iteration by op
   // category, as lines of text; empty otherwise.
@@ -192,6 +203,9 @@ class GPTModel {
  private:
   std::vector<GradRange> ready_order_;
   BucketTracker tracker_;
+  GradRange held_;                 // the armed reduction's range left to FinishGradReduction
+  std::vector<int> held_buckets_;  // complete buckets of it, not launched yet
+  int launched_in_backward_ = 0;
   LossSum deferred_;  // ForwardBackwardDeferred's default
 };
 

@@ -26,6 +26,7 @@ std::vector<GradRange> MakeGradBuckets(const ParamLayout& layout, int64_t bucket
   GradRange open;
   bool has_open = false;
   for (const GradRange& r : BackwardReadyOrder(layout)) {
+    if (r.size() == 0 && !has_open) continue;  // a stage without the final norm or the embeddings
     // Ranges come in descending order, each ending where the open bucket begins.
     open = has_open ? GradRange{r.begin, open.end} : r;
     has_open = true;

@@ -44,16 +44,15 @@ class StageLinks {
   int stage_, last_;
 };
 
-int64_t ActivationFloats(const GPTModel& model, const ModelBatch& mb) {
-  return mb.b * mb.t * model.config().hidden_size;
-}
+int64_t ActivationFloats(const GPTModel& model, const ModelBatch& mb) { return model.StageExchangeFloats(mb); }
 
 }  // namespace
 
 absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator* pipeline,
                                                   const std::vector<ModelBatch>& micro_batches,
                                                   std::span<const double> loss_scales, uint64_t seed,
-                                                  PipelineStats* stats) {
+                                                  PipelineStats* stats,
+                                                  const std::function<absl::Status()>& before_last_backward) {
   const int P = pipeline->size(), s = pipeline->rank();
   const int m = static_cast<int>(micro_batches.size());
   if (loss_scales.size() != micro_batches.size())
@@ -88,6 +87,7 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   };
   auto backward = [&](int k) -> absl::Status {
     --in_flight;
+    if (k + 1 == m && before_last_backward) PTK_RETURN_IF_ERROR(before_last_backward());
     return model->StageBackward(micro_batches[static_cast<size_t>(k)], k % slots,
                                 std::span<const float>(dy.data(), out_size), std::span<float>(dx.data(), in_size),
                                 /*train=*/true, seed);
@@ -116,15 +116,16 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   return loss;
 }
 
-absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch) {
+absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
+                                          std::vector<float>* logits) {
   const int64_t floats = ActivationFloats(*model, batch);
   StageLinks links(pipeline, floats);
   std::vector<float> x(static_cast<size_t>(floats)), y(x.size());
   PTK_RETURN_IF_ERROR(links.RecvForward(&x));
-  PTK_ASSIGN_OR_RETURN(
-      const LossSum l,
-      model->StageForward(batch, 0, std::span<const float>(x.data(), links.first() ? 0 : x.size()),
-                          std::span<float>(y.data(), links.last() ? 0 : y.size()), std::nullopt, /*train=*/false, 0));
+  PTK_ASSIGN_OR_RETURN(const LossSum l,
+                       model->StageForward(batch, 0, std::span<const float>(x.data(), links.first() ? 0 : x.size()),
+                                           std::span<float>(y.data(), links.last() ? 0 : y.size()), std::nullopt,
+                                           /*train=*/false, 0, logits));
   PTK_RETURN_IF_ERROR(links.SendForward(y));
   return l;
 }

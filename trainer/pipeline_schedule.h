@@ -1,10 +1,12 @@
 // Megatron's pipeline schedules on one stage (forward_backward_pipelining_without_interleaving and
 // its forward-only case): the model is this rank's stage (GPTModel::StageForward / StageBackward),
-// `pipeline` the pipeline group (its rank the stage), and each micro-batch's activations, (b, t,
-// hidden) floats, and their gradients go to the adjacent stages through Communicator::SendRecv.
+// `pipeline` the pipeline group (its rank the stage), and each micro-batch's activations
+// (GPTModel::StageExchangeFloats: (b, t, hidden), or a sequence-parallel shard) and their gradients go to the adjacent
+// stages through Communicator::SendRecv.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -16,6 +18,8 @@ namespace ptk {
 
 struct PipelineStats {
   int max_in_flight = 0;  // the most micro-batches whose activations this stage held at once
+  // --overlap-grad-reduce: the buckets the last step's last backward launched while it ran (TrainStep).
+  int buckets_launched_in_backward = 0;
 };
 
 // 1F1B over a step's micro-batches: stage s runs min(P - s - 1, m) warm-up forwards, then one
@@ -23,14 +27,18 @@ struct PipelineStats {
 // activations are alive on stage s (P on the first). loss_scales[k] scales micro-batch k's loss
 // (its gradient), as ForwardBackward's loss_scale. Backwards run in micro-batch order, so each
 // stage adds its gradients in the order one rank does. Returns the masked loss sums on the last
-// stage, zero elsewhere.
+// stage, zero elsewhere. `before_last_backward`, when given, runs just before the backward of the
+// last micro-batch (--overlap-grad-reduce arms the bucket reduction there, as Megatron's
+// no_sync context ends for the last micro-batch).
 absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator* pipeline,
                                                   const std::vector<ModelBatch>& micro_batches,
                                                   std::span<const double> loss_scales, uint64_t seed,
-                                                  PipelineStats* stats = nullptr);
+                                                  PipelineStats* stats = nullptr,
+                                                  const std::function<absl::Status()>& before_last_backward = {});
 
-// Forward only (evaluation, no dropout): each stage passes the micro-batch on. The loss sum on the
-// last stage, zero elsewhere.
-absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch);
+// Forward only (evaluation, no dropout; text samples): each stage passes the micro-batch on. The
+// loss sum on the last stage, zero elsewhere; with `logits` the last stage's logits (StageForward).
+absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
+                                          std::vector<float>* logits = nullptr);
 
 }  // namespace ptk

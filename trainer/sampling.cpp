@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "trainer/counter_rng.h"
+#include "trainer/pipeline_schedule.h"
 
 namespace ptk {
 
@@ -31,7 +32,7 @@ int32_t PickToken(std::span<const float> logits, int64_t vocab_size, double temp
 }
 
 absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const int32_t> prompt,
-                                              const GenerateOptions& options) {
+                                              const GenerateOptions& options, Communicator* pipeline) {
   const GPTConfig& cf = model->config();
   if (prompt.empty()) return absl::InvalidArgumentError("a sample needs a prompt of at least one token");
   for (int32_t id : prompt)
@@ -52,12 +53,22 @@ absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const i
     for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(i);
     mask.assign(static_cast<size_t>(t), 0.0f);
     ModelBatch batch{1, t, tokens.data(), labels.data(), positions.data(), mask.data(), nullptr};
-    PTK_RETURN_IF_ERROR(model->Forward(batch, &logits).status());
-    if (static_cast<int64_t>(logits.size()) < t * vp)
-      return absl::InternalError(fmt::format("Forward returned {} logits for {}x{}", logits.size(), t, vp));
-    const std::span<const float> last(logits.data() + (len - 1) * vp, static_cast<size_t>(vp));
-    const uint64_t key = Mix64(options.seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(k) + 1);
-    ids.push_back(PickToken(last, cf.vocab_size, options.temperature, key));
+    const bool picks = !pipeline || pipeline->rank() == pipeline->size() - 1;  // the last stage has the logits
+    if (pipeline)
+      PTK_RETURN_IF_ERROR(ForwardPipelining(model, pipeline, batch, &logits).status());
+    else
+      PTK_RETURN_IF_ERROR(model->Forward(batch, &logits).status());
+    int32_t next = 0;
+    if (picks) {
+      if (static_cast<int64_t>(logits.size()) < t * vp)
+        return absl::InternalError(fmt::format("Forward returned {} logits for {}x{}", logits.size(), t, vp));
+      const std::span<const float> last(logits.data() + (len - 1) * vp, static_cast<size_t>(vp));
+      const uint64_t key = Mix64(options.seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(k) + 1);
+      next = PickToken(last, cf.vocab_size, options.temperature, key);
+    }
+    // The last stage's token to every stage (Megatron's broadcast from the last pipeline stage).
+    if (pipeline) PTK_RETURN_IF_ERROR(pipeline->Broadcast(&next, sizeof next, pipeline->size() - 1));
+    ids.push_back(next);
   }
   return std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(prompt.size()), ids.end());
 }

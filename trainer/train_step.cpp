@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 
 #include <fmt/core.h>
@@ -81,7 +82,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   const double num_micro = static_cast<double>(micro_batches.size());
   const double dp = static_cast<double>(comm_->size());
   double local[2] = {0, 0};
-  const bool overlap = !buckets_.empty() && !pipeline_;
+  const bool overlap = !buckets_.empty();
   // Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
   // gradients are averaged over data-parallel ranks.
   auto scale_of = [&](const ModelBatch& mb) {
@@ -89,13 +90,34 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     for (int64_t i = 0; i < mb.b * mb.t; ++i) tokens += mb.loss_mask[i];
     return tokens > 0 ? 1.0 / (tokens * num_micro * dp) : 0.0;
   };
+  // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
+  // copy get the sum of both gradients (Megatron's embedding group), before the data-parallel
+  // reduction, so that ZeRO-1's shards of either stage reduce the same sums.
+  GradRange tied;
+  if (embedding_) {
+    const ParamLayout& lay = model_->layout();
+    const int64_t at = lay.pre_process ? lay.wte : lay.out_w;
+    tied = {at, at + lay.config.padded_vocab_size / lay.tensor_size * lay.config.hidden_size};
+  }
+  bool armed = false;  // --overlap-grad-reduce over stages: armed by the schedule's last backward
   if (pipeline_) {
     std::vector<double> scales;
     for (const ModelBatch& mb : micro_batches) scales.push_back(scale_of(mb) * r.loss_scale);
-    PTK_ASSIGN_OR_RETURN(const LossSum l,
-                         ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_));
-    local[0] = l.loss_sum;
-    local[1] = l.tokens;
+    std::function<absl::Status()> arm;
+    if (overlap)
+      arm = [&]() -> absl::Status {
+        PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_, tied));
+        armed = true;
+        return absl::OkStatus();
+      };
+    absl::StatusOr<LossSum> l =
+        ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_, arm);
+    if (!l.ok()) {
+      if (armed) (void)model_->FinishGradReduction();  // waits for what was launched
+      return l.status();
+    }
+    local[0] = l->loss_sum;
+    local[1] = l->tokens;
   }
   for (size_t k = 0; k < micro_batches.size() && !pipeline_; ++k) {
     const ModelBatch& mb = micro_batches[k];
@@ -119,15 +141,14 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     local[0] = losses.loss_sum;
     local[1] = losses.tokens;
   }
-  // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
-  // copy get the sum of both gradients (Megatron's embedding group), before the data-parallel
-  // reduction, so that ZeRO-1's shards of either stage reduce the same sums.
-  if (embedding_) {
-    const ParamLayout& lay = model_->layout();
-    const int64_t at = lay.pre_process ? lay.wte : lay.out_w;
-    const int64_t n = lay.config.padded_vocab_size / lay.tensor_size * lay.config.hidden_size;
-    PTK_RETURN_IF_ERROR(model_->AllReduceGradRange(embedding_, at, n));
+  // The tied copies summed (the buckets holding them wait for it), then the held buckets launched.
+  absl::Status st = embedding_ ? model_->AllReduceGradRange(embedding_, tied.begin, tied.size()) : absl::OkStatus();
+  if (armed) {
+    pipeline_stats_.buckets_launched_in_backward = model_->buckets_launched_in_backward();
+    absl::Status reduced = model_->FinishGradReduction();
+    if (st.ok()) st = reduced;
   }
+  PTK_RETURN_IF_ERROR(st);
   // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
   // summed over the ranks, the rest left alone.
   if (!overlap && model_->shard()) PTK_RETURN_IF_ERROR(model_->ReduceScatterGrads(comm_));
@@ -149,20 +170,24 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   // NaN to stop the run for (a NaN loss still is one).
   r.overflow = scaler_.dynamic() && !std::isfinite(r.grad_norm) && std::isfinite(r.loss_sum);
   if (count_zeros_ && !r.skipped) {
-    std::vector<float> grads(static_cast<size_t>(model_->num_params()));
-    PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
-    double zeros = 0;
-    const int64_t begin = model_->moments_begin();
-    const int64_t counted = model_->layout().norm_end();  // a last stage's embedding copy left out
-    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::min(counted, begin + model_->moments_size())))
-      if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)  // whole tensors counted once
-        zeros += static_cast<double>(std::count(grads.begin() + p.offset, grads.begin() + p.offset + p.size, 0.0f));
-    if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&zeros, 1));
-    if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, model_->tensor_comm()));
-    if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, pipeline_));
-    r.num_zeros_in_grad = zeros;
+    PTK_ASSIGN_OR_RETURN(r.num_zeros_in_grad, CountZerosInGrad());
   }
   return r;
+}
+
+absl::StatusOr<double> TrainStep::CountZerosInGrad() {
+  std::vector<float> grads(static_cast<size_t>(model_->num_params()));
+  PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
+  double zeros = 0;
+  const int64_t begin = model_->moments_begin();
+  const int64_t counted = model_->layout().norm_end();  // a last stage's embedding copy left out
+  for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::min(counted, begin + model_->moments_size())))
+    if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)  // whole tensors counted once
+      zeros += static_cast<double>(std::count(grads.begin() + p.offset, grads.begin() + p.offset + p.size, 0.0f));
+  if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&zeros, 1));
+  if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, model_->tensor_comm()));
+  if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, pipeline_));
+  return zeros;
 }
 
 absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_size) {

@@ -111,7 +111,8 @@ class TrainStep {
   // schedule over `pipeline` (the stage's pipeline group); with tied embeddings `embedding` (the
   // first and last stage's group; null on a middle stage) sums the two copies' gradients before
   // the data-parallel reduction; the loss, the grad norm and the count of zeros span the stages.
-  // --overlap-grad-reduce's buckets are then reduced after the schedule.
+  // --overlap-grad-reduce's buckets are reduced during the schedule's last backward, as it
+  // completes them, but those holding a tied embedding copy, reduced once the copies are summed.
   void set_pipeline(Communicator* pipeline, Communicator* embedding) {
     pipeline_ = pipeline;
     embedding_ = embedding;
@@ -124,6 +125,8 @@ class TrainStep {
  private:
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
   absl::StatusOr<double> ShardedGradSumSquares();
+  // --log-num-zeros-in-grad's count over the whole model (each rank's shard, slices and stage).
+  absl::StatusOr<double> CountZerosInGrad();
 
   GPTModel* model_;
   OptimizerConfig config_;

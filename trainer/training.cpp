@@ -52,7 +52,9 @@ class Trainer {
         pipe_(options.pipeline_comm && options.pipeline_comm->size() > 1 ? options.pipeline_comm : nullptr),
         rank_(comm->rank()),
         dp_(comm->size()),
-        lead_(world_->rank() == 0) {}
+        lead_(world_->rank() == 0),
+        tb_writer_(rank_ == 0 && (!tensor_ || tensor_->rank() == 0) && (!pipe_ || pipe_->rank() == pipe_->size() - 1)) {
+  }
 
   absl::StatusOr<TrainSummary> Run() {
     auto t0 = Clock::now();
@@ -142,9 +144,8 @@ class Trainer {
     if (lead_ && !step_->buckets().empty()) {
       int64_t largest = 0;
       for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
-      log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced {}",
-                step_->buckets().size(), largest,
-                pipe_ ? "after the pipeline schedule's last backward" : "as backward completes them");
+      log::Info("--overlap-grad-reduce: {} gradient bucket(s) of up to {} elements, reduced as backward completes them",
+                step_->buckets().size(), largest);
     }
     state_.seed = o_.seed;
     // One training run per --save directory: a second (a requeue while the first still runs) stops
@@ -243,7 +244,7 @@ class Trainer {
 
   // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.
   absl::Status OpenDataAndOutputs() {
-    PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_));
+    PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_, pipe_));
     const int64_t mbs = plan_.micro_batch_size;
     if (lead_)
       log::Info(
@@ -256,7 +257,7 @@ class Trainer {
     const bool fresh = state_.iteration == 0;
     if (lead_ && !o_.metrics_path.empty())
       PTK_RETURN_IF_ERROR(OpenMetricsFile(o_.metrics_path, fresh, &metrics_lock_, &metrics_));
-    if (lead_ && !o_.tensorboard.dir.empty()) {
+    if (tb_writer_ && !o_.tensorboard.dir.empty()) {
       PTK_ASSIGN_OR_RETURN(tb_, OpenTensorBoardDir(o_.tensorboard.dir, fresh, &tb_lock_));
     }
     train_loader_ = std::make_unique<DataLoader>(
@@ -438,12 +439,12 @@ class Trainer {
 
   // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
   absl::Status Sample() {
-    if (rank_ != 0) return absl::OkStatus();  // every tensor rank of data rank 0 runs the model; lead_ prints
+    if (rank_ != 0) return absl::OkStatus();  // every tensor rank and stage of data rank 0 runs it; lead_ prints
     GenerateOptions g;
     g.new_tokens = o_.sample.length;
     g.temperature = o_.sample.temperature;
     g.seed = Mix64(state_.seed ^ (static_cast<uint64_t>(state_.iteration) << 20));
-    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g));
+    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g, pipe_));
     Print(fmt::format(" sample at iteration {:8d} ({}): {:?} -> {:?}", state_.iteration,
                       o_.sample.temperature > 0 ? fmt::format("temperature {}", o_.sample.temperature) : "greedy",
                       o_.sample.prompt_text, o_.sample.decode(ids)));
@@ -554,7 +555,8 @@ class Trainer {
   Communicator* const tensor_;  // the tensor-parallel group; null without
   Communicator* const pipe_;    // the pipeline group; null with one stage
   const int rank_, dp_;         // the data-parallel rank and size
-  const bool lead_;             // world rank 0: the logs, TensorBoard, metrics, the checkpoint's writer
+  const bool lead_;             // world rank 0: the logs, metrics, the checkpoint's writer
+  const bool tb_writer_;        // TensorBoard's (Megatron's last rank): the last stage's data and tensor rank 0
   Settings settings_;
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;

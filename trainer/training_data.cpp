@@ -37,9 +37,33 @@ class MockDataset : public TopLevelDataset {
   int64_t size_, vocab_;
 };
 
+// A middle pipeline stage's stand-in for a split it does not read: the split's size (so that its
+// sampler gives the first stage's sample indices, which key dropout) and samples of token 0 (a
+// middle stage uses neither tokens, labels, positions nor the loss mask).
+class StageStandInDataset : public TopLevelDataset {
+ public:
+  StageStandInDataset(int64_t size, const GPTDatasetConfig& config) : size_(size) {
+    config_ = config;
+    description_ = "a middle pipeline stage's stand-in";
+  }
+  int64_t size() const override { return size_; }
+  absl::Status Text(int64_t, int64_t* out, int64_t* dataset_id) const override {
+    *dataset_id = 0;
+    std::fill(out, out + config_.sequence_length + 1, int64_t{0});
+    return absl::OkStatus();
+  }
+  py::Json unique_identifiers() const override { return py::Json(py::Json::Object{}); }
+
+ private:
+  int64_t size_;
+};
+
+absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPlan& plan, const GPTDatasetConfig& cfg);
+
 }  // namespace
 
-absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan) {
+absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan,
+                                                     Communicator* pipeline) {
   GPTDatasetConfig cfg;
   cfg.random_seed = o.seed;
   cfg.sequence_length = o.model.seq_length;
@@ -48,6 +72,27 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
   cfg.path_to_cache = o.data_cache_path;
   cfg.eod_mask_loss = o.eod_mask_loss;
   cfg.reset_position_ids = o.reset_position_ids;
+  const bool middle = pipeline && pipeline->rank() > 0 && pipeline->rank() < pipeline->size() - 1;
+  TrainingSplits s;
+  if (!middle) {
+    PTK_ASSIGN_OR_RETURN(s, BuildSplits(o, plan, cfg));
+  }
+  if (!pipeline || pipeline->size() < 3) return s;
+  // Only the first stage (tokens) and the last (labels, loss mask) read the data, as Megatron's
+  // is_built_on_rank; the first stage's split sizes to every stage.
+  int64_t sizes[3] = {-1, -1, -1};
+  for (int i = 0; i < 3 && !middle; ++i) {
+    const auto& split = i == 0 ? s.train : i == 1 ? s.valid : s.test;
+    sizes[i] = split ? split->size() : -1;
+  }
+  PTK_RETURN_IF_ERROR(pipeline->Broadcast(sizes, sizeof sizes, 0));
+  if (!middle) return s;
+  auto stand_in = [&](int64_t n) { return n < 0 ? nullptr : std::make_shared<StageStandInDataset>(n, cfg); };
+  return TrainingSplits{stand_in(sizes[0]), stand_in(sizes[1]), stand_in(sizes[2])};
+}
+
+namespace {
+absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPlan& plan, const GPTDatasetConfig& cfg) {
   // Megatron's train_valid_test_num_samples.
   const int64_t gbs = plan.global_batch_size, train_samples = plan.train_samples;
   const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
@@ -72,6 +117,7 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
         fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
   return s;
 }
+}  // namespace
 
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
   if (!PathExists(load)) return absl::OkStatus();  // a new run's directory

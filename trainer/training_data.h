@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "indexed_dataset/gpt_dataset.h"
+#include "trainer/comm.h"
 #include "trainer/train_options.h"
 
 namespace ptk {
@@ -18,8 +19,12 @@ struct TrainingSplits {
 
 // The splits with Megatron's train_valid_test_num_samples for the plan (valid and test null
 // without evaluation); --mock-data: synthetic documents (an arithmetic run of token ids per
-// sample, EOD-separated), the same for every run with the same seed.
-absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan);
+// sample, EOD-separated), the same for every run with the same seed. With `pipeline` (a stage of
+// three or more, every stage calling it) a middle stage opens no data: its splits stand in with the
+// first stage's sizes and samples of token 0 (their sample indices, which key dropout, are the
+// first stage's).
+absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan,
+                                                     Communicator* pipeline = nullptr);
 
 // --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
 // and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random

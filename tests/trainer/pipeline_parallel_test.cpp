@@ -5,20 +5,25 @@
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed over the
 // embedding group within float rounding of one rank's interleaved sum), with at most P - s
 // micro-batches in flight on stage s; forward-only evaluation gives one rank's loss; each stage
-// holds the parameters --dry-run counts for it.
+// holds the parameters --dry-run counts for it; --overlap-grad-reduce over P = 2 x D = 2 reduces
+// buckets during the last backward with the bits of the reduction after the schedule.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <vector>
 
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/grad_buckets.h"
 #include "trainer/parallel_params.h"
+#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/train_step.h"
 
 namespace ptk {
 namespace {
@@ -38,34 +43,8 @@ GPTConfig Config(bool untied = false) {
 }
 
 // Micro-batch k of 2 samples of 16 tokens.
-struct Batches {
-  std::vector<std::vector<int32_t>> tokens, labels, positions;
-  std::vector<std::vector<float>> mask;
-  std::vector<std::vector<int64_t>> keys;
-  explicit Batches(int count) {
-    for (int k = 0; k < count; ++k) {
-      std::vector<int32_t> t, l, p;
-      std::vector<float> m;
-      for (int64_t i = 0; i < 32; ++i) {
-        t.push_back(static_cast<int32_t>((i * 37 + 5 + 13 * k) % 97));
-        l.push_back(static_cast<int32_t>((i * 11 + 3 + 7 * k) % 97));
-        p.push_back(static_cast<int32_t>(i % 16));
-        m.push_back(i % 7 == 6 ? 0.0f : 1.0f);
-      }
-      tokens.push_back(t);
-      labels.push_back(l);
-      positions.push_back(p);
-      mask.push_back(m);
-      keys.push_back({2 * k, 2 * k + 1});
-    }
-  }
-  std::vector<ModelBatch> All() const {
-    std::vector<ModelBatch> v;
-    for (size_t k = 0; k < tokens.size(); ++k)
-      v.push_back(
-          ModelBatch{2, 16, tokens[k].data(), labels[k].data(), positions[k].data(), mask[k].data(), keys[k].data()});
-    return v;
-  }
+struct Batches : testing::Batches {
+  explicit Batches(int count) : testing::Batches(count, 16) {}
 };
 
 std::vector<PipelineStage> Stages(int P, int64_t layers = 4) {
@@ -249,6 +228,82 @@ void CheckPipelineGivesOneRank(int P, bool untied) {
 TEST(PipelineSchedule, TwoStagesGiveOneRanksLossAndGradients) { CheckPipelineGivesOneRank(2, false); }
 TEST(PipelineSchedule, FourStagesGiveOneRanksLossAndGradients) { CheckPipelineGivesOneRank(4, false); }
 TEST(PipelineSchedule, UntiedOutputLayer) { CheckPipelineGivesOneRank(2, true); }
+
+// 3 steps of P = 2 stages x D = 2 data ranks (world rank d + 2p, Megatron's order), 8 micro-batches a
+// step (4 per data rank), ZeRO-1 when asked, --overlap-grad-reduce with buckets of `bucket` elements
+// (0: none): each rank's parameters after the steps, and the buckets its last backwards launched.
+struct StagesRun {
+  std::vector<std::vector<float>> params;
+  std::vector<int> launched;
+};
+StagesRun TrainStages(bool zero1, int64_t bucket, bool untied) {
+  const GPTConfig c = Config(untied);
+  const Batches data(8 * 3);
+  StagesRun out{std::vector<std::vector<float>>(4), std::vector<int>(4, -1)};
+  std::mutex mu;
+  const std::vector<PipelineStage> stages = Stages(2);
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    const int d = rank % 2, p = rank / 2;
+    const std::vector<int> pm = {d, d + 2}, dm = {2 * p, 2 * p + 1};
+    auto pipe = world->Subgroup(pm, "pipeline" + std::to_string(d));
+    ASSERT_TRUE(pipe.ok()) << pipe.status();
+    auto dp = world->Subgroup(dm, "data" + std::to_string(p));
+    ASSERT_TRUE(dp.ok()) << dp.status();
+    std::unique_ptr<Communicator> emb;  // the first and last stage: the pipeline group itself at P = 2
+    if (!untied) {
+      auto e = world->Subgroup(pm, "embedding" + std::to_string(d));
+      ASSERT_TRUE(e.ok()) << e.status();
+      emb = *std::move(e);
+    }
+    auto model = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(p)]);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE((*model)->InitWeights(5).ok());
+    if (zero1) {
+      auto shard = ParamShard::Create((*model)->num_params(), 2, d);
+      ASSERT_TRUE(shard.ok());
+      ASSERT_TRUE((*model)->ShardOptimizerState(*shard).ok());
+    }
+    OptimizerConfig oc;
+    oc.overlap_grad_reduce = bucket > 0;
+    oc.ddp_bucket_size = bucket;
+    SchedulerConfig sc;
+    sc.max_lr = 3e-3;
+    sc.decay_steps = 24;
+    TrainStep step(model->get(), oc, sc, dp->get());
+    step.set_pipeline(pipe->get(), emb.get());
+    const std::vector<ModelBatch> all = data.All();
+    for (int it = 0; it < 3; ++it) {
+      std::vector<ModelBatch> mine(all.begin() + 8 * it + 4 * d, all.begin() + 8 * it + 4 * d + 4);
+      auto r = step.Step(mine, 16, 99);
+      ASSERT_TRUE(r.ok()) << r.status();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    out.params[static_cast<size_t>(rank)].assign((*model)->params(), (*model)->params() + (*model)->num_params());
+    out.launched[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
+  });
+  return out;
+}
+
+// --overlap-grad-reduce over stages: each stage's data-parallel buckets are reduced while the last
+// micro-batch's backward goes on (those with a tied embedding copy once the embedding group has
+// summed it), with the bits of the reduction after the schedule, with and without ZeRO-1.
+TEST(PipelineSchedule, OverlappedBucketReductionHasTheBitsOfTheReductionAfterTheSchedule) {
+  for (bool untied : {false, true})
+    for (bool zero1 : {false, true}) {
+      SCOPED_TRACE(std::string(untied ? "untied" : "tied") + (zero1 ? ", ZeRO-1" : ""));
+      const StagesRun after = TrainStages(zero1, 0, untied), overlapped = TrainStages(zero1, 3000, untied);
+      for (int rank = 0; rank < 4; ++rank) {
+        const auto& a = after.params[static_cast<size_t>(rank)];
+        const auto& b = overlapped.params[static_cast<size_t>(rank)];
+        ASSERT_EQ(a.size(), b.size());
+        ASSERT_FALSE(a.empty());
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "rank " << rank;
+        // Each stage's layers make buckets of their own, launched during backward.
+        EXPECT_GE(overlapped.launched[static_cast<size_t>(rank)], 2) << "rank " << rank;
+        EXPECT_EQ(after.launched[static_cast<size_t>(rank)], 0) << "rank " << rank;
+      }
+    }
+}
 
 }  // namespace
 }  // namespace ptk

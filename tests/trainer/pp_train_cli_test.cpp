@@ -1,18 +1,23 @@
 // ptk-train's pipeline parallelism end to end, ranks as processes over loopback gloo: P = 2 and 4
 // stages of a 4-layer model (and Megatron's uneven first stage), 8 micro-batches a step, dropout
 // on, give the loss lines of one rank within 1e-6 relative over 20 iterations; T = 2 x P = 2 x
-// data 2 (8 ranks) with ZeRO-1 within 1e-5; checkpoints in Megatron's mp_rank_TT_PPP resume at the
-// same P with the uninterrupted run's lines character for character and at P = 1 and 4 as the
+// data 2 (8 ranks) with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; text
+// samples and TensorBoard's scalars at P = 2 are one rank's, and --overlap-grad-reduce keeps the
+// lines; middle stages open no data; checkpoints in Megatron's mp_rank_TT_PPP resume at the same P
+// with the uninterrupted run's lines character for character and at P = 1 and 4 as the
 // uninterrupted run, and ptk-convert exports them; kill -9 of a middle stage ends every rank
 // non-zero within the timeout, and --load resumes its last checkpoint bit for bit; sizes that do
 // not divide are refused on every rank.
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <regex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -25,15 +30,81 @@ namespace ptk {
 namespace {
 
 using ptk::testing::RunCmd;
-using ptk::testing::ShellQuote;
-using ptk::testing::TempDir;
 
-class PipelineParallelCli : public ::testing::Test {
- protected:
-  void SetUp() override {
-    prefix_ = dir_ / "data_text_document";
-    ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(prefix_, 300));
+// TensorBoard's scalars in DIR's event files, in order. The records' framing is TFRecord's; the Event and Summary
+// messages are read from their wire format (Event: step = 2, summary = 5; Summary: value = 1; Value: tag = 1,
+// simple_value = 2).
+class ProtoReader {
+ public:
+  explicit ProtoReader(std::string_view s) : s_(s) {}
+  bool Done() const { return at_ >= s_.size(); }
+  uint64_t Varint() {
+    uint64_t v = 0;
+    for (int shift = 0; at_ < s_.size(); shift += 7) {
+      const uint8_t b = static_cast<uint8_t>(s_[at_++]);
+      v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if (!(b & 0x80)) break;
+    }
+    return v;
   }
+  // The next field: its number and wire type; a length-delimited or fixed one's bytes in `bytes`.
+  std::pair<int, int> Next(std::string_view* bytes, uint64_t* varint) {
+    const uint64_t key = Varint();
+    const int type = static_cast<int>(key & 7);
+    const size_t n = type == 2 ? static_cast<size_t>(Varint()) : type == 1 ? 8 : type == 5 ? 4 : 0;
+    if (type == 0) *varint = Varint();
+    *bytes = s_.substr(std::min(at_, s_.size()), n);
+    at_ += n;
+    return {static_cast<int>(key >> 3), type};
+  }
+
+ private:
+  std::string_view s_;
+  size_t at_ = 0;
+};
+struct Scalar {
+  std::string key;  // tag@step
+  float value;
+};
+std::vector<Scalar> EventScalars(const std::string& dir) {
+  std::vector<Scalar> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().filename().string().rfind("events.out.tfevents.", 0) != 0) continue;
+    const std::string file = ptk::testing::ReadFile(e.path());
+    for (size_t pos = 0; pos + 12 <= file.size();) {
+      uint64_t len = 0;
+      std::memcpy(&len, file.data() + pos, 8);
+      ProtoReader event(std::string_view(file).substr(pos + 12, len));
+      pos += 16 + len;
+      uint64_t step = 0, v = 0;
+      std::string_view bytes;
+      while (!event.Done()) {
+        const auto [field, type] = event.Next(&bytes, &v);
+        if (field == 2 && type == 0) step = v;
+        if (field != 5 || type != 2) continue;
+        ProtoReader summary(bytes);
+        while (!summary.Done()) {
+          std::string_view value_bytes;
+          if (summary.Next(&value_bytes, &v).first != 1) continue;
+          ProtoReader value(value_bytes);
+          std::string tag;
+          float x = 0;
+          while (!value.Done()) {
+            const auto [vf, vt] = value.Next(&bytes, &v);
+            if (vf == 1 && vt == 2) tag = std::string(bytes);
+            if (vf == 2 && vt == 5) std::memcpy(&x, bytes.data(), 4);
+          }
+          out.push_back({tag + "@" + std::to_string(step), x});
+        }
+      }
+    }
+  }
+  return out;
+}
+using ptk::testing::ShellQuote;
+
+class PipelineParallelCli : public testing::RanksTest {
+ protected:
   // 4 layers; global batch 8 of micro-batches of 1 (8 micro-batches a step on one data rank);
   // dropout on (Megatron's defaults). The vocabulary is padded to 50688 at every T.
   std::string Train(int T, int P, const std::string& extra, int64_t iters = 20) {
@@ -46,55 +117,6 @@ class PipelineParallelCli : public ::testing::Test {
            " --make-vocab-size-divisible-by " + std::to_string(512 / T) + " --data-path " + ShellQuote(prefix_) +
            " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
   }
-  // `world` ranks of `cmd` (rank 0 in the foreground); the output is rank 0's, then one line with
-  // every rank's exit code ("rc=0 0 0").
-  ptk::testing::CommandResult Ranks(int world, const std::string& cmd) {
-    const std::string port = std::to_string(testing::FreeTestPort());
-    std::string script =
-        "export WORLD_SIZE=" + std::to_string(world) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; pids=; ";
-    for (int r = 1; r < world; ++r)
-      script += "RANK=" + std::to_string(r) + " timeout 300 " + cmd + " > " +
-                ShellQuote(dir_ / ("r" + std::to_string(r) + ".log")) + " 2>&1 & pids=\"$pids $!\"; ";
-    script += "RANK=0 timeout 300 " + cmd + "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
-    return RunCmd("bash -c " + ShellQuote(script));
-  }
-  static std::string AllZero(int world) {
-    std::string s = "rc=0";
-    for (int r = 1; r < world; ++r) s += " 0";
-    return s;
-  }
-  std::string Logs(int world) {
-    std::string out;
-    for (int r = 1; r < world; ++r)
-      out += "--- rank " + std::to_string(r) + "\n" + ptk::testing::ReadFile(dir_ / ("r" + std::to_string(r) + ".log"));
-    return out;
-  }
-  // Each log line's iteration and lm loss, in order.
-  static std::vector<std::pair<int, double>> Losses(const std::string& out) {
-    std::vector<std::pair<int, double>> v;
-    std::regex re(R"(iteration +(\d+)/ +\d+ .*\| lm loss: (\S+) \|)");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-      v.emplace_back(std::stoi((*it)[1]), std::strtod((*it)[2].str().c_str(), nullptr));
-    return v;
-  }
-  // The log lines without their timestamps and timings (what a bit-for-bit resume reproduces).
-  static std::vector<std::string> Lines(const std::string& out) {
-    std::vector<std::string> v;
-    std::regex re(R"(iteration +\d+/ +\d+ .*\| lm loss: \S+ \|.*\| grad norm: \S+ \|)");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-      v.push_back(std::regex_replace(
-          it->str(),
-          std::regex(R"(elapsed time per iteration \(ms\): \S+ \| throughput per GPU \(TFLOP/s/GPU\): \S+ \|)"), ""));
-    return v;
-  }
-  // The largest relative difference between the losses of the same iterations.
-  static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
-    double worst = 0;
-    for (const auto& [it, loss] : a)
-      for (const auto& [rit, rloss] : ref)
-        if (it == rit) worst = std::max(worst, std::abs(loss - rloss) / std::abs(rloss));
-    return worst;
-  }
   // The one-rank run every test compares with.
   const std::string& OneRank() {
     static std::string out;
@@ -105,9 +127,6 @@ class PipelineParallelCli : public ::testing::Test {
     }
     return out;
   }
-
-  TempDir dir_;
-  std::string prefix_;
 };
 
 TEST_F(PipelineParallelCli, TwoAndFourStagesGiveOneRanksLosses) {
@@ -156,6 +175,75 @@ TEST_F(PipelineParallelCli, TensorPipelineAndDataRanksGiveOneRanksLosses) {
   std::printf("T=2 x P=2 x D=2, ZeRO-1: largest relative difference from one rank's: %.3g\n", worst);
 }
 
+// Sequence parallelism across stages: each stage sends its tensor rank's shard of the sequence
+// (Megatron's (t / T, b, h) tensors), dropout on.
+TEST_F(PipelineParallelCli, SequenceParallelStagesGiveOneRanksLosses) {
+  const auto one = Losses(OneRank());
+  ASSERT_EQ(one.size(), 20u);
+  auto r = Ranks(4, Train(2, 2, "--sequence-parallel"));
+  ASSERT_NE(r.output.find(AllZero(4)), std::string::npos) << r.output << Logs(4);
+  EXPECT_NE(r.output.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages"), std::string::npos) << r.output;
+  const auto pp = Losses(r.output);
+  ASSERT_EQ(pp.size(), 20u) << r.output;
+  const double worst = Worst(pp, one);
+  EXPECT_LT(worst, 1e-5);
+  std::printf("T=2 x P=2 --sequence-parallel: largest relative difference from one rank's: %.3g\n", worst);
+}
+
+// Text samples through the stages (each token's forward pipelined, the last stage's pick broadcast
+// back) and TensorBoard's event files (the last stage's first data rank writes them): with untied
+// output weights the stages train with one rank's bits, so the samples (greedy and at a
+// temperature) and every scalar of the event files are one rank's exactly. --overlap-grad-reduce
+// (small buckets) and ZeRO-1 over 2 data ranks keep the lines of the reduction after the schedule.
+TEST_F(PipelineParallelCli, SamplesTensorBoardAndOverlapAcrossStagesAreOneRanks) {
+  const std::string common = "--untie-embeddings-and-output-weights --sample-interval 10 --sample-length 6 ";
+  auto samples = [](const std::string& out) {
+    std::vector<std::string> v;
+    const std::regex re(R"( sample at iteration +\d+ \(.*)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+      v.push_back(it->str());
+    return v;
+  };
+  for (const std::string temp : {"", "--sample-temperature 0.8 "}) {
+    SCOPED_TRACE(temp);
+    const std::string tb1 = dir_ / "tb1", tb2 = dir_ / "tb2";
+    std::filesystem::remove_all(tb1);
+    std::filesystem::remove_all(tb2);
+    auto one = RunCmd(Train(1, 1, common + temp + "--tensorboard-dir " + ShellQuote(tb1)));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    auto two = Ranks(2, Train(1, 2, common + temp + "--tensorboard-dir " + ShellQuote(tb2)));
+    ASSERT_NE(two.output.find(AllZero(2)), std::string::npos) << two.output << Logs(2);
+    const auto want = samples(one.output);
+    ASSERT_EQ(want.size(), 2u) << one.output;
+    EXPECT_EQ(samples(two.output), want) << two.output;
+    // The last stage wrote the events (its log names them), and only it.
+    EXPECT_NE(Logs(2).find("TensorBoard events: " + tb2), std::string::npos) << Logs(2);
+    EXPECT_EQ(two.output.find("TensorBoard events: "), std::string::npos) << two.output;
+    // The same scalars, tag, step and value (the grad norm's sum of squares is added stage by stage:
+    // within 1e-6 relative).
+    const auto want_scalars = EventScalars(tb1), got_scalars = EventScalars(tb2);
+    EXPECT_GE(want_scalars.size(), 20u * 6);
+    ASSERT_EQ(got_scalars.size(), want_scalars.size());
+    int differ = 0;
+    for (size_t i = 0; i < want_scalars.size(); ++i) {
+      EXPECT_EQ(got_scalars[i].key, want_scalars[i].key);
+      EXPECT_LE(std::abs(got_scalars[i].value - want_scalars[i].value), 1e-6 * std::abs(want_scalars[i].value))
+          << want_scalars[i].key;
+      differ += got_scalars[i].value != want_scalars[i].value;
+    }
+    std::printf("P=2 %s: %zu TensorBoard scalars, %d not bit for bit one rank's\n", temp.c_str(), want_scalars.size(),
+                differ);
+  }
+  auto plain = Ranks(4, Train(1, 2, "--use-distributed-optimizer", 10));
+  ASSERT_NE(plain.output.find(AllZero(4)), std::string::npos) << plain.output << Logs(4);
+  auto overlapped =
+      Ranks(4, Train(1, 2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000", 10));
+  ASSERT_NE(overlapped.output.find(AllZero(4)), std::string::npos) << overlapped.output << Logs(4);
+  EXPECT_NE(overlapped.output.find("reduced as backward completes them"), std::string::npos) << overlapped.output;
+  ASSERT_EQ(Lines(plain.output).size(), 10u) << plain.output;
+  EXPECT_EQ(Lines(overlapped.output), Lines(plain.output));
+}
+
 TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {
   const std::string full = dir_ / "full", ck = dir_ / "ck";
   auto whole = Ranks(2, Train(1, 2, "--save " + ShellQuote(full)));
@@ -201,6 +289,34 @@ TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {
     EXPECT_LT(worst, 1e-6) << "P=2 -> " << P;
     std::printf("P=2 checkpoint resumed at P=%d: largest relative difference from one rank's: %.3g\n", P, worst);
   }
+}
+
+// Only the first and last stage read the data (tokens; labels and loss mask): stages 1 and 2 of 4
+// run in a directory where the relative --data-path and --data-cache-path name nothing, and the
+// run gives one rank's losses (the middle stages' dropout keyed by the first stage's samples).
+TEST_F(PipelineParallelCli, MiddleStagesOpenNoDataFile) {
+  std::string cmd = Train(1, 4, "");
+  for (const auto& [abs, rel] : {std::pair<std::string, std::string>{ShellQuote(prefix_), "data_text_document"},
+                                 std::pair<std::string, std::string>{ShellQuote(dir_ / "cache"), "cache"}}) {
+    const size_t at = cmd.find(abs);
+    ASSERT_NE(at, std::string::npos) << cmd;
+    cmd.replace(at, abs.size(), rel);
+  }
+  const std::string middle = dir_ / "middle";
+  std::filesystem::create_directories(middle);
+  std::string script =
+      "export WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) + "; pids=; ";
+  for (int rank : {1, 2, 3})
+    script += "(cd " + ShellQuote(rank == 3 ? dir_.path() : middle) + " && RANK=" + std::to_string(rank) +
+              " timeout 300 " + cmd + ") > " + ShellQuote(RankLog(rank)) + " 2>&1 & pids=\"$pids $!\"; ";
+  script += "cd " + ShellQuote(dir_.path()) + " && RANK=0 timeout 300 " + cmd +
+            "; rcs=$?; for p in $pids; do wait $p; rcs=\"$rcs $?\"; done; echo rc=$rcs";
+  auto r = RunCmd("bash -c " + ShellQuote(script));
+  ASSERT_NE(r.output.find(AllZero(4)), std::string::npos) << r.output << Logs(4);
+  EXPECT_TRUE(std::filesystem::is_empty(middle));  // no cache made there either
+  const auto pp = Losses(r.output);
+  ASSERT_EQ(pp.size(), 20u) << r.output;
+  EXPECT_LT(Worst(pp, Losses(OneRank())), 1e-6);
 }
 
 // kill -9 of stage 1 of 4 while it trains: every other stage ends with exit 1 within the
@@ -252,7 +368,7 @@ TEST_F(PipelineParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {
     EXPECT_NE(r.output.find("rc=2 2 2"), std::string::npos) << r.output << Logs(c.world);
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
     for (int rank = 1; rank < c.world; ++rank) {
-      const std::string log = ptk::testing::ReadFile(dir_ / ("r" + std::to_string(rank) + ".log"));
+      const std::string log = ptk::testing::ReadFile(RankLog(rank));
       EXPECT_NE(log.find(c.says), std::string::npos) << "rank " << rank << "\n" << log;
     }
   }

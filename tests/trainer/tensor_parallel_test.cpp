@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/param_shard.h"
 #include "trainer/train_step.h"
@@ -34,30 +35,8 @@ GPTConfig Config() {
 }
 
 // Micro-batch k of 2 samples of 32 tokens.
-struct Batches {
-  std::vector<std::vector<int32_t>> tokens, labels, positions;
-  std::vector<std::vector<float>> mask;
-  std::vector<std::vector<int64_t>> keys;
-  explicit Batches(int count) {
-    for (int k = 0; k < count; ++k) {
-      std::vector<int32_t> t, l, p;
-      std::vector<float> m;
-      for (int64_t i = 0; i < 64; ++i) {
-        t.push_back(static_cast<int32_t>((i * 37 + 5 + 13 * k) % 97));
-        l.push_back(static_cast<int32_t>((i * 11 + 3 + 7 * k) % 97));
-        p.push_back(static_cast<int32_t>(i % 32));
-        m.push_back(i % 7 == 6 ? 0.0f : 1.0f);
-      }
-      tokens.push_back(t);
-      labels.push_back(l);
-      positions.push_back(p);
-      mask.push_back(m);
-      keys.push_back({2 * k, 2 * k + 1});
-    }
-  }
-  ModelBatch Get(size_t k) const {
-    return ModelBatch{2, 32, tokens[k].data(), labels[k].data(), positions[k].data(), mask[k].data(), keys[k].data()};
-  }
+struct Batches : testing::Batches {
+  explicit Batches(int count) : testing::Batches(count, 32) {}
 };
 
 SchedulerConfig Schedule() {

@@ -42,24 +42,6 @@ class TensorParallelCli : public testing::RanksTest {
            ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
            std::to_string(iters) + " " + extra;
   }
-  // Each log line's iteration and lm loss, in order.
-  static std::vector<std::pair<int, double>> Losses(const std::string& out) {
-    std::vector<std::pair<int, double>> v;
-    std::regex re(R"(iteration +(\d+)/ +\d+ .*\| lm loss: (\S+) \|)");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-      v.emplace_back(std::stoi((*it)[1]), std::strtod((*it)[2].str().c_str(), nullptr));
-    return v;
-  }
-  // The log lines without their timestamps and timings (what a bit-for-bit resume reproduces).
-  static std::vector<std::string> Lines(const std::string& out) { return testing::LogLinesWithoutTimes(out); }
-  // The largest relative difference between the losses of the same iterations.
-  static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
-    double worst = 0;
-    for (const auto& [it, loss] : a)
-      for (const auto& [rit, rloss] : ref)
-        if (it == rit) worst = std::max(worst, std::abs(loss - rloss) / std::abs(rloss));
-    return worst;
-  }
   // The one-rank run every test compares with (the same dataset bytes in every test's directory).
   const std::string& OneRank() {
     static std::string out;

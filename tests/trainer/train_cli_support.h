@@ -1,11 +1,16 @@
-// What ptk-train's end-to-end tests (train_cli_test, dp_train_cli_test, tp_train_cli_test) share:
+// What ptk-train's end-to-end tests (train_cli_test, dp_train_cli_test, tp_train_cli_test,
+// pp_train_cli_test) share:
 // the dataset they train on, a reader for the checkpoints their tiny model saves, and a fixture that
 // starts ranks as processes over loopback gloo.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -71,6 +76,25 @@ inline std::vector<std::string> LogLinesWithoutTimes(const std::string& out) {
   return v;
 }
 
+// Each log line's iteration and lm loss, in order.
+inline std::vector<std::pair<int, double>> LossesOf(const std::string& out) {
+  std::vector<std::pair<int, double>> v;
+  const std::regex re(R"(iteration +(\d+)/ +\d+ .*\| lm loss: (\S+) \|)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+    v.emplace_back(std::stoi((*it)[1]), std::strtod((*it)[2].str().c_str(), nullptr));
+  return v;
+}
+
+// The largest relative difference between the losses of the same iterations of `a` and `ref`.
+inline double WorstRelativeDifference(const std::vector<std::pair<int, double>>& a,
+                                      const std::vector<std::pair<int, double>>& ref) {
+  double worst = 0;
+  for (const auto& [it, loss] : a)
+    for (const auto& [rit, rloss] : ref)
+      if (it == rit) worst = std::max(worst, std::abs(loss - rloss) / std::abs(rloss));
+  return worst;
+}
+
 // A test directory holding PREFIX data_text_document (WriteLearnableDataset's 300 documents), and
 // ranks of ptk-train started in it as processes over loopback gloo (torchrun's variables).
 class RanksTest : public ::testing::Test {
@@ -99,6 +123,13 @@ class RanksTest : public ::testing::Test {
     return s;
   }
   std::string RankLog(int rank) const { return dir_ / ("r" + std::to_string(rank) + ".log"); }
+  // The runs' log lines: each one's iteration and lm loss; the lines without their timings; the
+  // largest relative difference between the losses of the same iterations.
+  static std::vector<std::pair<int, double>> Losses(const std::string& out) { return LossesOf(out); }
+  static std::vector<std::string> Lines(const std::string& out) { return LogLinesWithoutTimes(out); }
+  static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
+    return WorstRelativeDifference(a, ref);
+  }
   // The logs of ranks 1 to world - 1 of the last Ranks, each under a header (for failure messages).
   std::string Logs(int world) const {
     std::string out;

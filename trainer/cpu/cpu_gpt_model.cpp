@@ -31,10 +31,6 @@ absl::StatusOr<std::unique_ptr<CpuGPTModel>> CpuGPTModel::Create(const GPTConfig
                                                                  bool sequence_parallel, const PipelineStage& stage) {
   const int size = tensor ? tensor->size() : 1, rank = tensor ? tensor->rank() : 0;
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank, stage));
-  if (stage.size > 1 && size > 1 && sequence_parallel)
-    return absl::UnimplementedError(
-        "--sequence-parallel with --pipeline-model-parallel-size above 1: not implemented (ptk's pipeline stages run "
-        "tensor parallelism without sequence parallelism)");
   auto model = std::unique_ptr<CpuGPTModel>(new CpuGPTModel(std::move(layout)));
   if (size > 1) model->tensor_comm_ = tensor;
   if (size > 1 && sequence_parallel) {

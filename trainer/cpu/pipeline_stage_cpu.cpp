@@ -7,6 +7,7 @@
 #include "common/status.h"
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/cpu/tensor_parallel_cpu.h"
 
 namespace ptk {
 
@@ -19,6 +20,11 @@ absl::Status CpuGPTModel::SelectSlot(int slot) {
   return absl::OkStatus();
 }
 
+int64_t CpuGPTModel::StageExchangeFloats(const ModelBatch& batch) const {
+  // Sequence parallelism: this tensor rank's positions of each sample (Megatron's shards).
+  return batch.b * batch.t * config().hidden_size / (sequence_parallel_ ? tensor_size() : 1);
+}
+
 namespace {
 absl::Status CheckActivation(const char* what, size_t got, int64_t want) {
   if (static_cast<int64_t>(got) == want) return absl::OkStatus();
@@ -28,13 +34,13 @@ absl::Status CheckActivation(const char* what, size_t got, int64_t want) {
 
 absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int slot, std::span<const float> input,
                                                   std::span<float> output, std::optional<double> loss_scale, bool train,
-                                                  uint64_t seed) {
+                                                  uint64_t seed, std::vector<float>* logits) {
   PTK_RETURN_IF_ERROR(SelectSlot(slot));
   PTK_RETURN_IF_ERROR(Prepare(batch));
   const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
   Activations& a = *act_;
-  const int64_t n = batch.b * batch.t, nc = n * config().hidden_size;
+  const int64_t n = batch.b * batch.t, nc = StageExchangeFloats(batch);
   PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), layout_.pre_process ? 0 : nc));
   PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), layout_.post_process ? 0 : nc));
   if (!layout_.pre_process) std::copy(input.begin(), input.end(), a.resid[0].begin());
@@ -44,6 +50,11 @@ absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int s
     std::copy(out.begin(), out.end(), output.begin());
     return LossSum{};
   }
+  if (logits && tp())  // the whole rows, gathered from the ranks' slices (text samples)
+    PTK_RETURN_IF_ERROR(cpu::GatherVocabParallelLogits(a.logits.data(), n, config().padded_vocab_size / tensor_size(),
+                                                       tensor_comm_, logits));
+  else if (logits)
+    *logits = a.logits;
   if (!loss_scale) {
     PTK_RETURN_IF_ERROR(Loss(batch, nullptr));
     return SumLosses(a.losses, batch.loss_mask, n);
@@ -62,7 +73,7 @@ absl::Status CpuGPTModel::StageBackward(const ModelBatch& batch, int slot, std::
   Activations& a = *act_;
   if (a.b != batch.b || a.t != batch.t)
     return absl::InvalidArgumentError("StageBackward: the batch is not the shape of the slot's forward pass");
-  const int64_t nc = batch.b * batch.t * config().hidden_size;
+  const int64_t nc = StageExchangeFloats(batch);
   PTK_RETURN_IF_ERROR(
       CheckActivation("StageBackward output gradient", output_grad.size(), layout_.post_process ? 0 : nc));
   PTK_RETURN_IF_ERROR(CheckActivation("StageBackward input gradient", input_grad.size(), layout_.pre_process ? 0 : nc));

@@ -113,19 +113,24 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
   float* whole = a.sp_whole.data();  // a norm's output gathered for the product that follows it
 
   // Embedding: each rank its vocabulary rows, reduce-scattered to this rank's positions, then the
-  // position embeddings of those.
-  cpu::VocabSliceEmbeddingForward(a.tmp.data(), batch.tokens, P + layout_.wte, r.me * vp, vp, n, c);
-  float* x = a.resid[0].data();
-  PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), x, batch, c));
-  for (int64_t s = 0; s < r.b && layout_.wpe >= 0; ++s)
-    for (int64_t i = 0; i < r.tl; ++i) {
-      const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[s * r.t + r.t0 + i]) * c;
-      float* y = x + (s * r.tl + i) * c;
-      for (int64_t j = 0; j < c; ++j) y[j] += pos[j];
-    }
-  DropoutLocal(x, batch, r, c, hp, seed, L, kEmbeddingDropout);
-  for (int64_t l = 0; l < L; ++l) {
+  // position embeddings of those. A later pipeline stage starts from the previous stage's shard of
+  // the residual stream (this rank's positions), already in resid[0].
+  if (layout_.pre_process) {
+    cpu::VocabSliceEmbeddingForward(a.tmp.data(), batch.tokens, P + layout_.wte, r.me * vp, vp, n, c);
+    float* x = a.resid[0].data();
+    PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), x, batch, c));
+    for (int64_t s = 0; s < r.b && layout_.wpe >= 0; ++s)
+      for (int64_t i = 0; i < r.tl; ++i) {
+        const float* pos = P + layout_.wpe + static_cast<int64_t>(batch.position_ids[s * r.t + r.t0 + i]) * c;
+        float* y = x + (s * r.tl + i) * c;
+        for (int64_t j = 0; j < c; ++j) y[j] += pos[j];
+      }
+    DropoutLocal(x, batch, r, c, hp, seed, L, kEmbeddingDropout);
+  }
+  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
+  for (int64_t l = 0; l < Ls; ++l) {
     const LayerParams& lp = layout_.layers[l];
+    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
@@ -133,14 +138,14 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     if (cf.rope()) cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
-        a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), l, kAttentionProbs) +
+        a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
                        static_cast<uint64_t>(r.me * shape.nh);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, static_cast<const float*>(nullptr), n, ct, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
     AddBiasRows(loc, At(P, lp.proj_b), nl, c);
-    DropoutLocal(loc, batch, r, c, hp, seed, l, kAttentionOutDropout);
+    DropoutLocal(loc, batch, r, c, hp, seed, gl, kAttentionOutDropout);
     for (int64_t i = 0; i < nl * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + loc[i];
     NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
                 lp.ln2_b, nl, c);
@@ -153,10 +158,11 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, static_cast<const float*>(nullptr), n, f, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
     AddBiasRows(loc, At(P, lp.fc2_b), nl, c);
-    DropoutLocal(loc, batch, r, c, hp, seed, l, kMlpOutDropout);
+    DropoutLocal(loc, batch, r, c, hp, seed, gl, kMlpOutDropout);
     for (int64_t i = 0; i < nl * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + loc[i];
   }
-  NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[L].data(), P, layout_.lnf_w,
+  if (!layout_.post_process) return absl::OkStatus();  // resid[Ls], this rank's rows, goes to the next stage
+  NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[Ls].data(), P, layout_.lnf_w,
               layout_.lnf_b, nl, c);
   PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
   cpu::MatmulForward(a.logits.data(), whole, P + layout_.out_w, static_cast<const float*>(nullptr), n, c, vp);
@@ -178,20 +184,24 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
   float* whole = a.sp_whole.data();  // a norm's output gathered again for its product's weight gradient
   float* dresid = a.dresid.data();   // this rank's rows (nl of them)
 
-  std::fill(a.dln.begin(), a.dln.end(), 0.0f);
-  PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
-  cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), whole,
-                      P + layout_.out_w, n, c, vp);
-  PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
-  std::fill(dresid, dresid + nl * c, 0.0f);
-  PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, layout_.lnf_w, layout_.lnf_b, loc, a.resid[L].data(),
-                                            a.lnf_mean.data(), a.lnf_rstd.data(), nl));
+  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
+  if (layout_.post_process) {  // a stage before the last starts from the next stage's gradient, in dresid
+    std::fill(a.dln.begin(), a.dln.end(), 0.0f);
+    PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
+    cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), whole,
+                        P + layout_.out_w, n, c, vp);
+    PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
+    std::fill(dresid, dresid + nl * c, 0.0f);
+    PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, layout_.lnf_w, layout_.lnf_b, loc, a.resid[Ls].data(),
+                                              a.lnf_mean.data(), a.lnf_rstd.data(), nl));
+  }
   GradsReady(0);
-  for (int64_t l = L - 1; l >= 0; --l) {
+  for (int64_t l = Ls - 1; l >= 0; --l) {
     const LayerParams& lp = layout_.layers[l];
+    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
     // MLP: its output's gradient (this rank's rows, through dropout) gathered for fc2's backward.
     std::copy(dresid, dresid + nl * c, loc);
-    DropoutLocal(loc, batch, r, c, hp, seed, l, kMlpOutDropout);
+    DropoutLocal(loc, batch, r, c, hp, seed, gl, kMlpOutDropout);
     PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
     float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
     std::fill(dact, dact + n * f, 0.0f);
@@ -208,14 +218,14 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
                                               a.ln2_mean[l].data(), a.ln2_rstd[l].data(), nl));
     // Attention.
     std::copy(dresid, dresid + nl * c, loc);
-    DropoutLocal(loc, batch, r, c, hp, seed, l, kAttentionOutDropout);
+    DropoutLocal(loc, batch, r, c, hp, seed, gl, kAttentionOutDropout);
     PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
     cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
                         n, ct, c);
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
-        a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), l, kAttentionProbs) +
+        a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
                        static_cast<uint64_t>(r.me * shape.nh);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)
@@ -230,13 +240,16 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln1_w, lp.ln1_b, loc, a.resid[l].data(), a.ln1_mean[l].data(),
                                               a.ln1_rstd[l].data(), nl));
-    GradsReady(static_cast<size_t>(L - l));
+    GradsReady(static_cast<size_t>(Ls - l));
   }
-  DropoutLocal(dresid, batch, r, c, hp, seed, L, kEmbeddingDropout);
-  PTK_RETURN_IF_ERROR(GatherRows(dresid, a.dtmp.data(), batch, c));
-  cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dtmp.data(), batch.tokens, batch.position_ids,
-                                   r.me * vp, vp, n, c);
-  GradsReady(static_cast<size_t>(L) + 1);
+  // A later pipeline stage leaves its input's gradient (this rank's rows) in dresid, for the previous stage.
+  if (layout_.pre_process) {
+    DropoutLocal(dresid, batch, r, c, hp, seed, L, kEmbeddingDropout);
+    PTK_RETURN_IF_ERROR(GatherRows(dresid, a.dtmp.data(), batch, c));
+    cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dtmp.data(), batch.tokens,
+                                     batch.position_ids, r.me * vp, vp, n, c);
+  }
+  GradsReady(static_cast<size_t>(Ls) + 1);
   return absl::OkStatus();
 }
 
