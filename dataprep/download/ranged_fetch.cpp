@@ -61,7 +61,12 @@ class RangedFetch {
     PTK_RETURN_IF_ERROR(Open());
     ++s_.ranged_files;
     while (true) {
-      PTK_RETURN_IF_ERROR(Transfer());
+      absl::Status transferred = Transfer();
+      if (absl::IsUnimplemented(transferred)) {  // fetched over one connection instead, from byte 0
+        std::lock_guard<std::mutex> l(mu_);
+        d_.progress_.TakeBackBytes(DoneLocked());
+      }
+      PTK_RETURN_IF_ERROR(transferred);
       PTK_ASSIGN_OR_RETURN(const std::string got, d_.hasher_.Finish(f_.size));
       if (got == want_) break;
       log::Warning("{}: {} mismatch (got {}, want {}); downloading it again", f_.path, git_ ? "git sha1" : "sha256",
@@ -130,8 +135,7 @@ class RangedFetch {
     if (::fstat(fd_, &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path_));
     if (static_cast<uint64_t>(st.st_size) != f_.size && ::ftruncate(fd_, static_cast<off_t>(f_.size)) != 0)
       return ErrnoToStatus(errno, fmt::format("extend {} to {} bytes", path_, f_.size));
-    uint64_t have = 0;
-    for (const auto& p : pieces_) have += p.done;
+    const uint64_t have = DoneLocked();  // no connection yet
     if (have > 0)
       log::Info("{}: resuming {} of {} bytes in {} pieces", log::Printable(f_.path), have, f_.size, pieces_.size());
     d_.progress_.AddBytes(have);
@@ -146,6 +150,12 @@ class RangedFetch {
     for (const auto& p : pieces_) done += fmt::format("{}{}", done.empty() ? "" : " ", p.done);
     (void)WriteFileAtomic(meta_path_, fmt::format("{}\n{}\n{}\n", MetaKey(), etag_, done), /*durable=*/false);
     dirty_ = false;
+  }
+  // The bytes the pieces hold: what the progress line counts of this file.
+  uint64_t DoneLocked() const {
+    uint64_t done = 0;
+    for (const auto& p : pieces_) done += p.done;
+    return done;
   }
   uint64_t PrefixLocked() const {
     uint64_t prefix = 0;
@@ -169,6 +179,7 @@ class RangedFetch {
   // from its start, the URL resolved again, the hash from byte 0.
   void StartOverLocked() {
     ++gen_;
+    d_.progress_.TakeBackBytes(DoneLocked());
     for (auto& p : pieces_) p.done = 0;
     etag_.clear();
     settled_ = false;
