@@ -73,15 +73,10 @@ absl::StatusOr<StepResult> TrainStep::Step(const std::vector<ModelBatch>& micro_
   return r;
 }
 
-absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed) {
-  StepResult r;
-  r.lr = scheduler_.lr();
-  r.loss_scale = scaler_.scale();
-  PTK_RETURN_IF_ERROR(model_->ZeroGrads());
+absl::StatusOr<LossSum> TrainStep::ForwardBackward(const std::vector<ModelBatch>& micro_batches, double loss_scale,
+                                                   bool overlap, uint64_t seed) {
   const double num_micro = static_cast<double>(micro_batches.size());
   const double dp = static_cast<double>(comm_->size());
-  double local[2] = {0, 0};
-  const bool overlap = !buckets_.empty() && !pipeline_;
   // Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
   // gradients are averaged over data-parallel ranks.
   auto scale_of = [&](const ModelBatch& mb) {
@@ -91,20 +86,17 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   };
   if (pipeline_) {
     std::vector<double> scales;
-    for (const ModelBatch& mb : micro_batches) scales.push_back(scale_of(mb) * r.loss_scale);
-    PTK_ASSIGN_OR_RETURN(const LossSum l,
-                         ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_));
-    local[0] = l.loss_sum;
-    local[1] = l.tokens;
+    for (const ModelBatch& mb : micro_batches) scales.push_back(scale_of(mb) * loss_scale);
+    return ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_);
   }
-  for (size_t k = 0; k < micro_batches.size() && !pipeline_; ++k) {
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
     const ModelBatch& mb = micro_batches[k];
     const double scale = scale_of(mb);
     // --overlap-grad-reduce: the last micro-batch's backward starts each bucket's reduction.
     const bool arm = overlap && k + 1 == micro_batches.size();
     if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
     // The losses are read once, after the last micro-batch (TakeLosses).
-    absl::Status s = model_->ForwardBackwardDeferred(mb, scale * r.loss_scale, /*train=*/true, seed);
+    absl::Status s = model_->ForwardBackwardDeferred(mb, scale * loss_scale, /*train=*/true, seed);
     if (arm) {
       absl::Status reduced = model_->FinishGradReduction();
       if (s.ok() && !reduced.ok()) s = reduced;
@@ -114,11 +106,32 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
       return s;
     }
   }
-  if (!pipeline_) {
-    PTK_ASSIGN_OR_RETURN(const LossSum losses, model_->TakeLosses());
-    local[0] = losses.loss_sum;
-    local[1] = losses.tokens;
-  }
+  return model_->TakeLosses();
+}
+
+absl::StatusOr<double> TrainStep::CountZerosInGrads() {
+  std::vector<float> grads(static_cast<size_t>(model_->num_params()));
+  PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
+  double zeros = 0;
+  const int64_t begin = model_->moments_begin();
+  const int64_t counted = model_->layout().norm_end();  // a last stage's embedding copy left out
+  for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::min(counted, begin + model_->moments_size())))
+    if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)  // whole tensors counted once
+      zeros += static_cast<double>(std::count(grads.begin() + p.offset, grads.begin() + p.offset + p.size, 0.0f));
+  if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&zeros, 1));
+  if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, model_->tensor_comm()));
+  if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, pipeline_));
+  return zeros;
+}
+
+absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBatch>& micro_batches, uint64_t seed) {
+  StepResult r;
+  r.lr = scheduler_.lr();
+  r.loss_scale = scaler_.scale();
+  PTK_RETURN_IF_ERROR(model_->ZeroGrads());
+  const bool overlap = !buckets_.empty() && !pipeline_;
+  PTK_ASSIGN_OR_RETURN(const LossSum losses, ForwardBackward(micro_batches, r.loss_scale, overlap, seed));
+  double local[2] = {losses.loss_sum, losses.tokens};
   // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
   // copy get the sum of both gradients (Megatron's embedding group), before the data-parallel
   // reduction, so that ZeRO-1's shards of either stage reduce the same sums.
@@ -149,18 +162,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   // NaN to stop the run for (a NaN loss still is one).
   r.overflow = scaler_.dynamic() && !std::isfinite(r.grad_norm) && std::isfinite(r.loss_sum);
   if (count_zeros_ && !r.skipped) {
-    std::vector<float> grads(static_cast<size_t>(model_->num_params()));
-    PTK_RETURN_IF_ERROR(model_->ReadGrads(grads));
-    double zeros = 0;
-    const int64_t begin = model_->moments_begin();
-    const int64_t counted = model_->layout().norm_end();  // a last stage's embedding copy left out
-    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::min(counted, begin + model_->moments_size())))
-      if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)  // whole tensors counted once
-        zeros += static_cast<double>(std::count(grads.begin() + p.offset, grads.begin() + p.offset + p.size, 0.0f));
-    if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&zeros, 1));
-    if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, model_->tensor_comm()));
-    if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&zeros, 1, pipeline_));
-    r.num_zeros_in_grad = zeros;
+    PTK_ASSIGN_OR_RETURN(r.num_zeros_in_grad, CountZerosInGrads());
   }
   return r;
 }

@@ -124,6 +124,13 @@ class TrainStep {
  private:
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
   absl::StatusOr<double> ShardedGradSumSquares();
+  // ComputeGradients' forward and backward passes over the micro-batches (through the pipeline's
+  // schedule, or one after the other, the last one starting the buckets' reductions when `overlap`):
+  // the loss summed over this rank's tokens.
+  absl::StatusOr<LossSum> ForwardBackward(const std::vector<ModelBatch>& micro_batches, double loss_scale, bool overlap,
+                                          uint64_t seed);
+  // --log-num-zeros-in-grad: the zeros among the whole model's gradients (each counted once).
+  absl::StatusOr<double> CountZerosInGrads();
 
   GPTModel* model_;
   OptimizerConfig config_;
