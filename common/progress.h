@@ -28,6 +28,9 @@ class ProgressReporter {
 
   void AddItems(uint64_t n) { items_.fetch_add(n, std::memory_order_relaxed); }
   void AddBytes(uint64_t n) { bytes_.fetch_add(n, std::memory_order_relaxed); }
+  // Takes back bytes counted before that no longer count (a transfer that starts over from byte 0):
+  // the byte count, its rate and the ETA say what is really done.
+  void TakeBackBytes(uint64_t n) { bytes_.fetch_sub(n, std::memory_order_relaxed); }
   void SetTotals(uint64_t items_total, uint64_t bytes_total);
   uint64_t items() const { return items_.load(std::memory_order_relaxed); }
   uint64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }

@@ -88,6 +88,55 @@ absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std
   return plan;
 }
 
+// --plan names the file `ptk-concat plan` wrote; its output directory is a likely slip.
+absl::Status CheckPlan(const std::string& path) {
+  const std::string in_dir = ptk::JoinPath(path, "concat-plan.json");
+  return ptk::cli::CheckInputFile(
+      "--plan", path, ptk::IsDirectory(path) && ptk::PathExists(in_dir) ? "did you mean --plan " + in_dir + "?" : "");
+}
+
+// `ptk-concat list`: the plan's chunk files (and --with's items), or this array task's share of them.
+struct ListArgs {
+  std::string plan;
+  std::vector<std::string> with;
+  bool this_task = false;
+  std::optional<int64_t> shard_index, num_shards;
+};
+
+CLI::App* AddListCommand(CLI::App* app, ListArgs* a) {
+  auto* cmd = app->add_subcommand(
+      "list", "Print the plan's chunk files, one per line, in order: what later stages read (never a glob)");
+  cmd->add_option("--plan", a->plan, "Plan file written by `ptk-concat plan`")->required();
+  cmd->add_option("--with", a->with, "Items listed after the chunks (e.g. the validation folder); repeatable");
+  cmd->add_flag("--this-task", a->this_task,
+                "Only this array task's share of the items (item k when k % count == index): the task from "
+                "--shard-index/--num-shards, SLURM_ARRAY_TASK_ID/COUNT or JOB_COMPLETION_INDEX/JOB_COMPLETIONS, "
+                "as `run` takes it");
+  cmd->add_option("--shard-index", a->shard_index, "With --this-task: this task's shard");
+  cmd->add_option("--num-shards", a->num_shards, "With --this-task: number of shards");
+  return cmd;
+}
+
+absl::Status List(const ListArgs& a) {
+  PTK_RETURN_IF_ERROR(CheckPlan(a.plan));
+  PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(a.plan));
+  std::vector<std::string> items = ptk::PlanChunkPaths(plan);
+  items.insert(items.end(), a.with.begin(), a.with.end());
+  if ((a.shard_index || a.num_shards) && !a.this_task)
+    return ptk::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
+  ptk::ShardSpec shard;  // everything
+  if (a.this_task) {
+    PTK_ASSIGN_OR_RETURN(shard, ptk::ResolveShard(a.shard_index, a.num_shards));
+    int64_t mine = 0;
+    for (size_t k = 0; k < items.size(); ++k) mine += ptk::InShard(static_cast<int64_t>(k), shard) ? 1 : 0;
+    ptk::log::Info("task {} of {} (from {}): {} of {} items", shard.index, shard.count, shard.source, mine,
+                   items.size());
+  }
+  for (size_t k = 0; k < items.size(); ++k)
+    if (ptk::InShard(static_cast<int64_t>(k), shard)) std::printf("%s\n", items[k].c_str());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -123,53 +172,16 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::Positive());
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
-  std::string list_plan;
-  std::vector<std::string> list_with;
-  bool list_this_task = false;
-  std::optional<int64_t> list_shard_index, list_num_shards;
-  auto* list_cmd = app->add_subcommand(
-      "list", "Print the plan's chunk files, one per line, in order: what later stages read (never a glob)");
-  list_cmd->add_option("--plan", list_plan, "Plan file written by `ptk-concat plan`")->required();
-  list_cmd->add_option("--with", list_with, "Items listed after the chunks (e.g. the validation folder); repeatable");
-  list_cmd->add_flag("--this-task", list_this_task,
-                     "Only this array task's share of the items (item k when k % count == index): the task from "
-                     "--shard-index/--num-shards, SLURM_ARRAY_TASK_ID/COUNT or JOB_COMPLETION_INDEX/JOB_COMPLETIONS, "
-                     "as `run` takes it");
-  list_cmd->add_option("--shard-index", list_shard_index, "With --this-task: this task's shard");
-  list_cmd->add_option("--num-shards", list_num_shards, "With --this-task: number of shards");
+  ListArgs list_args;
+  auto* list_cmd = AddListCommand(app.get(), &list_args);
   app->require_subcommand(0, 1);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    // --plan names the file `ptk-concat plan` wrote; its output directory is a likely slip.
-    auto check_plan = [](const std::string& path) {
-      const std::string in_dir = ptk::JoinPath(path, "concat-plan.json");
-      return ptk::cli::CheckInputFile(
-          "--plan", path,
-          ptk::IsDirectory(path) && ptk::PathExists(in_dir) ? "did you mean --plan " + in_dir + "?" : "");
-    };
     if (plan_cmd->parsed()) return PlanAndWrite(plan_req, plan_path).status();
-    if (list_cmd->parsed()) {
-      PTK_RETURN_IF_ERROR(check_plan(list_plan));
-      PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(list_plan));
-      std::vector<std::string> items = ptk::PlanChunkPaths(plan);
-      items.insert(items.end(), list_with.begin(), list_with.end());
-      if ((list_shard_index || list_num_shards) && !list_this_task)
-        return ptk::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
-      ptk::ShardSpec shard;  // everything
-      if (list_this_task) {
-        PTK_ASSIGN_OR_RETURN(shard, ptk::ResolveShard(list_shard_index, list_num_shards));
-        int64_t mine = 0;
-        for (size_t k = 0; k < items.size(); ++k) mine += ptk::InShard(static_cast<int64_t>(k), shard) ? 1 : 0;
-        ptk::log::Info("task {} of {} (from {}): {} of {} items", shard.index, shard.count, shard.source, mine,
-                       items.size());
-      }
-      for (size_t k = 0; k < items.size(); ++k)
-        if (ptk::InShard(static_cast<int64_t>(k), shard)) std::printf("%s\n", items[k].c_str());
-      return absl::OkStatus();
-    }
+    if (list_cmd->parsed()) return List(list_args);
     if (run_cmd->parsed()) {
-      PTK_RETURN_IF_ERROR(check_plan(run_args.plan_path));
+      PTK_RETURN_IF_ERROR(CheckPlan(run_args.plan_path));
       PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(run_args.plan_path));
       return Run(plan, run_args);
     }

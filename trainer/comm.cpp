@@ -1,5 +1,5 @@
-// What every communicator shares: the piece arithmetic of the gather/scatter collectives, and the
-// device-memory collectives' answer on a backend without them.
+// What every communicator shares: the piece arithmetic of the gather/scatter collectives, a group's
+// member checks, and the answers of a backend without device-memory collectives or groups.
 #include "trainer/comm.h"
 
 #include <vector>
@@ -28,21 +28,33 @@ absl::Status Communicator::SendRecv(const void*, int64_t, int dst, void*, int64_
                   backend(), size(), dst, src));
 }
 
-absl::Status CheckMembers(std::span<const int> members, int rank, int world_size) {
-  bool found = false;
+namespace {
+
+// This rank's index among `members`, when they are ascending ranks below world_size and `rank` is
+// one of them.
+absl::StatusOr<int> MemberIndex(std::span<const int> members, int rank, int world_size) {
+  int me = -1;
   for (size_t i = 0; i < members.size(); ++i) {
     if (members[i] < 0 || members[i] >= world_size || (i > 0 && members[i] <= members[i - 1]))
       return absl::InvalidArgumentError(fmt::format(
           "a group's members must be ascending ranks below {}; member {} is {}", world_size, i, members[i]));
-    found = found || members[i] == rank;
+    if (members[i] == rank) me = static_cast<int>(i);
   }
-  if (!found) return absl::InvalidArgumentError(fmt::format("rank {} is not a member of the group it makes", rank));
-  return absl::OkStatus();
+  if (me < 0) return absl::InvalidArgumentError(fmt::format("rank {} is not a member of the group it makes", rank));
+  return me;
 }
 
-absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Subgroup(std::span<const int> members, const std::string&) {
-  PTK_RETURN_IF_ERROR(CheckMembers(members, rank(), size()));
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Subgroup(std::span<const int> members,
+                                                                     const std::string& name) {
+  PTK_ASSIGN_OR_RETURN(const int me, MemberIndex(members, rank(), size()));
   if (members.size() == 1) return MakeLocalCommunicator();
+  return MakeGroup(members, me, name);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::MakeGroup(std::span<const int> members, int,
+                                                                      const std::string&) {
   return absl::UnimplementedError(
       fmt::format("the {} communicator makes no groups of several ranks ({} asked for)", backend(), members.size()));
 }

@@ -40,9 +40,9 @@ class Communicator {
   // A communicator over `members` (ranks of this one, ascending, this rank among them): the
   // tensor- and data-parallel groups of a run. Every member calls it with the same members and
   // `name`, a name no other group of the run uses; the new communicator's ranks are the members'
-  // indices. The parent must outlive it. This default makes a group of one rank (the local
-  // communicator) and refuses larger ones; gloo makes any.
-  virtual absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members, const std::string& name);
+  // indices. The parent must outlive it. Members not so are InvalidArgument; a group of one rank is
+  // the local communicator; a larger one is the backend's MakeGroup.
+  absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members, const std::string& name);
 
   // ---- Point to point (pipeline parallelism's activations and their gradients). Sends send_bytes
   // from `send` to rank `dst` and receives recv_bytes into `recv` from rank `src`, both in flight
@@ -58,14 +58,17 @@ class Communicator {
   virtual absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream);
   virtual absl::Status ReduceScatterSumDevice(float* data, std::span<const int64_t> counts, void* stream);
   virtual absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream);
+
+ protected:
+  // Subgroup's group of two or more ranks, `members` checked, `me` this rank's index among them.
+  // This default refuses; gloo and NCCL make them.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(std::span<const int> members, int me,
+                                                                  const std::string& name);
 };
 
 // Offsets of consecutive pieces of the given sizes (size + 1 entries, the last one the total);
 // InvalidArgument when `sizes` is not one per rank or a size is negative.
 absl::StatusOr<std::vector<int64_t>> PieceOffsets(std::span<const int64_t> sizes, int world_size);
-
-// OK when `members` are ascending ranks below world_size and `rank` is one of them.
-absl::Status CheckMembers(std::span<const int> members, int rank, int world_size);
 
 // data(n) summed over the ranks in rank order, ((x0 + x1) + x2) + ..., through an all-gather: the
 // same bits on every rank.

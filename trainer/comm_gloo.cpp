@@ -205,12 +205,8 @@ class GlooCommunicator : public Communicator {
 
   // A group of this communicator's ranks: a gloo context of its own over the same store (its keys
   // under "group/<name>/") and the same transport device.
-  absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members,
-                                                         const std::string& name) override {
-    PTK_RETURN_IF_ERROR(CheckMembers(members, rank(), size()));
-    if (members.size() == 1) return MakeLocalCommunicator();
-    int me = 0;
-    while (members[static_cast<size_t>(me)] != rank()) ++me;
+  absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(std::span<const int> members, int me,
+                                                          const std::string& name) override {
     auto sub = std::make_unique<GlooCommunicator>();
     sub->store_ = store_;
     sub->gloo_store_ = gloo_store_;

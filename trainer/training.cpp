@@ -250,15 +250,22 @@ class Trainer {
       log::Info(
           "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
           model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, dp_, plan_.global_batch_size);
-    // --metrics-file and --tensorboard-dir: one run writes to each at a time (a second run while the
-    // first one still writes is refused naming it, instead of interleaving lines or event files);
-    // runs one after the other append, as Megatron's do (a resume, a requeue), and a run that starts
-    // anew where an earlier run left events or lines says so.
+    // --metrics-file and --tensorboard-dir, one run at a time each: a resumed run appends, a fresh one
+    // beside another run's event files gets a subdirectory of its own (training_log.h).
     const bool fresh = state_.iteration == 0;
-    if (lead_ && !o_.metrics_path.empty())
-      PTK_RETURN_IF_ERROR(OpenMetricsFile(o_.metrics_path, fresh, &metrics_lock_, &metrics_));
+    // Over pipeline stages TensorBoard's writer (the last stage) is not rank 0, which keeps
+    // --metrics-file where it was given.
+    std::string tb_dir, metrics_path = o_.metrics_path;
     if (tb_writer_ && !o_.tensorboard.dir.empty()) {
-      PTK_ASSIGN_OR_RETURN(tb_, OpenTensorBoardDir(o_.tensorboard.dir, fresh, &tb_lock_));
+      std::string claimed_metrics = metrics_path;
+      PTK_ASSIGN_OR_RETURN(
+          tb_dir, ClaimTensorBoardDir(o_.tensorboard.dir, fresh, o_.save, o_.load, &claimed_metrics, &tb_lock_));
+      if (lead_) metrics_path = claimed_metrics;
+    }
+    if (lead_ && !metrics_path.empty())
+      PTK_RETURN_IF_ERROR(OpenMetricsFile(metrics_path, fresh, &metrics_lock_, &metrics_));
+    if (!tb_dir.empty()) {
+      PTK_ASSIGN_OR_RETURN(tb_, OpenTensorBoardDir(tb_dir));
     }
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);

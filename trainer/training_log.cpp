@@ -11,6 +11,8 @@
 
 #include <fmt/core.h>
 
+#include "absl/strings/numbers.h"
+#include "common/atomic_file.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
@@ -71,8 +73,49 @@ absl::Status OpenMetricsFile(const std::string& path, bool fresh, std::unique_pt
   return file->Open(path);
 }
 
-absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir, bool fresh,
-                                                                  std::unique_ptr<OutputLock>* lock_out) {
+namespace {
+
+// A fresh run's subdirectory records the checkpoint directory (--save) it writes, so that a run
+// resumed from there (--load) finds its curves again.
+constexpr const char* kTensorBoardRunRecord = "ptk-run-checkpoints.txt";
+
+int CountEventFiles(const std::string& dir) {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    n += e.is_regular_file(ec) && e.path().filename().string().find("tfevents") != std::string::npos;
+  return n;
+}
+
+std::string AbsolutePath(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::weakly_canonical(std::filesystem::absolute(path, ec), ec);
+  return ec ? path : p.lexically_normal().string();
+}
+
+// The run-N subdirectory of `dir` (highest N) whose record names checkpoint directory `load`; "" if none.
+std::string RunDirOf(const std::string& dir, const std::string& load) {
+  if (load.empty()) return "";
+  const std::string want = AbsolutePath(load) + "\n";
+  std::string found;
+  int found_n = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    int n = 0;
+    if (name.rfind("run-", 0) != 0 || !absl::SimpleAtoi(name.substr(4), &n) || n <= found_n) continue;
+    auto record = ReadFileToString(JoinPath(e.path().string(), kTensorBoardRunRecord));
+    if (record.ok() && *record == want) {
+      found = e.path().string();
+      found_n = n;
+    }
+  }
+  return found;
+}
+
+// ClaimTensorBoardDir's lock and choice of directory.
+absl::StatusOr<std::string> TensorBoardRunDir(const std::string& dir, bool fresh, const std::string& save,
+                                              const std::string& load, std::unique_ptr<OutputLock>* lock_out) {
   PTK_RETURN_IF_ERROR(MakeDirs(dir));
   const std::string events = JoinPath(dir, "events");
   auto lock = OutputLock::Acquire(events);
@@ -86,15 +129,36 @@ absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::str
   }
   PTK_RETURN_IF_ERROR(lock.status());
   *lock_out = *std::move(lock);
-  int earlier = 0;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
-    earlier += e.path().filename().string().find("tfevents") != std::string::npos;
-  if (earlier > 0 && fresh)
-    log::Warning(
-        "--tensorboard-dir {} holds {} event file(s) of an earlier run; this run starts at iteration 0, and "
-        "TensorBoard shows both as one run (give each run its own subdirectory to tell them apart)",
-        dir, earlier);
+  if (!fresh) {
+    const std::string own = RunDirOf(dir, load);
+    return own.empty() ? dir : own;
+  }
+  const int earlier = CountEventFiles(dir);
+  if (earlier == 0) return dir;
+  int n = 2;
+  while (PathExists(JoinPath(dir, fmt::format("run-{}", n)))) ++n;
+  const std::string sub = JoinPath(dir, fmt::format("run-{}", n));
+  PTK_RETURN_IF_ERROR(MakeDirs(sub));
+  if (!save.empty())
+    PTK_RETURN_IF_ERROR(WriteFileAtomic(JoinPath(sub, kTensorBoardRunRecord), AbsolutePath(save) + "\n"));
+  log::Warning(
+      "--tensorboard-dir {} holds {} event file(s) of another run; this run starts at iteration 0 and writes its "
+      "own in {} (TensorBoard shows it as a run of its own)",
+      dir, earlier, sub);
+  return sub;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fresh, const std::string& save,
+                                                const std::string& load, std::string* metrics_path,
+                                                std::unique_ptr<OutputLock>* lock_out) {
+  PTK_ASSIGN_OR_RETURN(std::string run_dir, TensorBoardRunDir(dir, fresh, save, load, lock_out));
+  if (*metrics_path == JoinPath(dir, "metrics.jsonl")) *metrics_path = JoinPath(run_dir, "metrics.jsonl");
+  return run_dir;
+}
+
+absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir) {
   PTK_ASSIGN_OR_RETURN(std::unique_ptr<SummaryWriter> tb, SummaryWriter::Create(dir));
   log::Info("TensorBoard events: {}", tb->path());
   return tb;

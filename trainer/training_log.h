@@ -29,13 +29,23 @@ class MetricsFile {
 };
 
 // --metrics-file and --tensorboard-dir: one run writes to each at a time (a second run while the
-// first one still writes is refused naming it, instead of interleaving lines or event files);
-// runs one after the other append, as Megatron's do (a resume, a requeue), and a run that starts
-// anew (`fresh`) where an earlier run left events or lines says so. The lock is kept in *lock.
+// first one still writes is refused naming it, instead of interleaving lines or event files).
+// --metrics-file: runs one after the other append, as Megatron's do (a resume, a requeue), and a
+// run that starts anew (`fresh`) where an earlier run left lines says so. The lock is kept in *lock.
 absl::Status OpenMetricsFile(const std::string& path, bool fresh, std::unique_ptr<OutputLock>* lock, MetricsFile* file);
-// A new event file per run (a resume adds one), as Megatron's SummaryWriter.
-absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir, bool fresh,
-                                                                  std::unique_ptr<OutputLock>* lock);
+// Locks --tensorboard-dir `dir` for this run (the lock kept in *lock) and returns the directory its
+// event files go to. A run resumed from a checkpoint (not `fresh`) continues its own curves: in the
+// subdirectory that a fresh start of it made (one whose record names its --load, `load`), else in
+// `dir`, as Megatron's. A fresh run (from iteration 0) writes in `dir`, unless another run's event
+// files are there: then in a new subdirectory run-2, run-3, ... (TensorBoard shows each subdirectory
+// of its --logdir as a run of its own), said in one line and recorded with its --save (`save`) so
+// that resuming it writes there again. A *metrics_path that is `dir`/metrics.jsonl (--metrics-file's
+// default) goes along to the directory returned.
+absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fresh, const std::string& save,
+                                                const std::string& load, std::string* metrics_path,
+                                                std::unique_ptr<OutputLock>* lock);
+// A new event file in `dir` (a resume adds one), as Megatron's SummaryWriter.
+absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir);
 
 // A JSON number, or null for NaN/Inf (which JSON cannot spell).
 std::string JsonNumber(double v);

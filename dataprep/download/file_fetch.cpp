@@ -31,13 +31,14 @@ namespace {
 // size, its ETag). Closed on destruction, unless handed to the publisher.
 class PartFile {
  public:
-  PartFile(const RemoteFile& f, StreamHasher& hasher)
+  PartFile(const RemoteFile& f, StreamHasher& hasher, ProgressReporter& progress)
       : f_(f),
         path_(f.local_path + ".part"),
         meta_path_(path_ + ".json"),
         git_(f.sha256.empty() && !f.git_sha1.empty()),
         want_digest_(git_ ? f.git_sha1 : f.sha256),
         hasher_(hasher),
+        progress_(progress),
         expected_(f.size),
         size_known_(f.size_known) {}
   ~PartFile() {
@@ -52,8 +53,9 @@ class PartFile {
   // its target) and resumes it when its record says it was started for this very file (same size
   // and digest); otherwise starts over. The bytes already there are re-read for the digest (by the
   // hasher, while the transfer goes on). The record is written once the first answer's headers are
-  // accepted (a `.part` without one is never resumed).
-  absl::Status Open(ProgressReporter& progress) {
+  // accepted (a `.part` without one is never resumed). The bytes there count as progress until
+  // the `.part` starts over.
+  absl::Status Open() {
     auto meta = ReadFileToString(meta_path_);
     if (meta.ok()) {
       const size_t nl = meta->find('\n');
@@ -78,7 +80,7 @@ class PartFile {
     }
     RestartHash();
     hasher_.Advance(offset_);
-    progress.AddBytes(offset_);
+    progress_.AddBytes(offset_);
     return absl::OkStatus();
   }
 
@@ -170,19 +172,21 @@ class PartFile {
 
   // Body bytes of an accepted response, written in place from libcurl's receive buffer (no copy
   // of ours); the hasher reads them back from the page cache on its own thread.
-  bool AcceptBody(const char* p, size_t n, ProgressReporter& progress) {
+  bool AcceptBody(const char* p, size_t n) {
     if (size_known_ && offset_ + n > expected_) return Refuse("body longer than the expected size");
     write_error_ = PwriteAll(fd_, p, n, offset_, path_);
     if (!write_error_.ok()) return false;
     offset_ += n;
     hasher_.Advance(offset_);
-    progress.AddBytes(n);
+    progress_.AddBytes(n);
     return true;
   }
   const absl::Status& write_error() const { return write_error_; }
 
-  // Empties the `.part`: the next attempt starts from byte 0.
+  // Empties the `.part`: the next attempt starts from byte 0, and the bytes it held no longer count
+  // as progress.
   void Restart() {
+    progress_.TakeBackBytes(offset_);
     (void)::ftruncate(fd_, 0);
     offset_ = 0;
     RestartHash();
@@ -230,6 +234,7 @@ class PartFile {
   const bool git_;
   const std::string want_digest_;
   StreamHasher& hasher_;
+  ProgressReporter& progress_;  // counts offset_: every byte of the `.part`, once
   int fd_ = -1;
   uint64_t offset_ = 0, attempt_start_ = 0, expected_;
   bool size_known_;
@@ -298,7 +303,7 @@ class FileFetch {
         if (resp.body.size() < 4096) resp.body.append(p, std::min<size_t>(n, 4096 - resp.body.size()));
         return true;
       }
-      return part_.AcceptBody(p, n, d_.progress_);
+      return part_.AcceptBody(p, n);
     };
     return d_.http_.Get(req, &resp, &sink);
   }
@@ -451,8 +456,8 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
       // The server answered a range with the whole file: one stream, from byte 0.
       log::Info("{}: {}; downloading it over one connection", log::Printable(f.path), StatusMessage(st));
     }
-    PartFile part(f, hasher_);
-    PTK_RETURN_IF_ERROR(part.Open(progress_));
+    PartFile part(f, hasher_, progress_);
+    PTK_RETURN_IF_ERROR(part.Open());
     return FileFetch(*this, f, part, res, lock).Run();
   }();
   res.ok = res.error.ok();

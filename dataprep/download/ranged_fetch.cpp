@@ -61,7 +61,12 @@ class RangedFetch {
     PTK_RETURN_IF_ERROR(Open());
     ++s_.ranged_files;
     while (true) {
-      PTK_RETURN_IF_ERROR(Transfer());
+      absl::Status transferred = Transfer();
+      if (absl::IsUnimplemented(transferred)) {  // fetched over one connection instead, from byte 0
+        std::lock_guard<std::mutex> l(mu_);
+        d_.progress_.TakeBackBytes(DoneLocked());
+      }
+      PTK_RETURN_IF_ERROR(transferred);
       PTK_ASSIGN_OR_RETURN(const std::string got, d_.hasher_.Finish(f_.size));
       if (got == want_) break;
       log::Warning("{}: {} mismatch (got {}, want {}); downloading it again", f_.path, git_ ? "git sha1" : "sha256",
@@ -130,8 +135,7 @@ class RangedFetch {
     if (::fstat(fd_, &st) != 0) return ErrnoToStatus(errno, fmt::format("stat {}", path_));
     if (static_cast<uint64_t>(st.st_size) != f_.size && ::ftruncate(fd_, static_cast<off_t>(f_.size)) != 0)
       return ErrnoToStatus(errno, fmt::format("extend {} to {} bytes", path_, f_.size));
-    uint64_t have = 0;
-    for (const auto& p : pieces_) have += p.done;
+    const uint64_t have = DoneLocked();  // no connection yet
     if (have > 0)
       log::Info("{}: resuming {} of {} bytes in {} pieces", log::Printable(f_.path), have, f_.size, pieces_.size());
     d_.progress_.AddBytes(have);
@@ -146,6 +150,12 @@ class RangedFetch {
     for (const auto& p : pieces_) done += fmt::format("{}{}", done.empty() ? "" : " ", p.done);
     (void)WriteFileAtomic(meta_path_, fmt::format("{}\n{}\n{}\n", MetaKey(), etag_, done), /*durable=*/false);
     dirty_ = false;
+  }
+  // The bytes the pieces hold: what the progress line counts of this file.
+  uint64_t DoneLocked() const {
+    uint64_t done = 0;
+    for (const auto& p : pieces_) done += p.done;
+    return done;
   }
   uint64_t PrefixLocked() const {
     uint64_t prefix = 0;
@@ -169,6 +179,7 @@ class RangedFetch {
   // from its start, the URL resolved again, the hash from byte 0.
   void StartOverLocked() {
     ++gen_;
+    d_.progress_.TakeBackBytes(DoneLocked());
     for (auto& p : pieces_) p.done = 0;
     etag_.clear();
     settled_ = false;
@@ -315,6 +326,46 @@ class RangedFetch {
     return true;
   }
 
+  // One request of a piece: the bytes asked [from, end), how far its body got (pos), the answer, and
+  // what went wrong with it.
+  struct Attempt {
+    uint64_t from = 0, end = 0, pos = 0;
+    HttpResponse resp;
+    std::string problem;
+    Verdict verdict = Verdict::kNone;
+    absl::Status write_error;
+  };
+  // The sink of an attempt at `piece`: the headers checked before a byte of the body is written, the
+  // body written in place from libcurl's receive buffer and counted (unless the pieces started over
+  // meanwhile), an error body kept for the message.
+  BodySink PieceSink(Attempt& a, Piece& piece, uint64_t gen, const std::string& url) {
+    BodySink sink;
+    sink.on_headers = [this, &a, gen, &url](const HttpResponse& r) {
+      return (r.status != 200 && r.status != 206) || AcceptHeaders(r, a.from, a.end, gen, url, &a.problem, &a.verdict);
+    };
+    sink.on_data = [this, &a, &piece, gen](const char* p, size_t n) {
+      if (a.resp.status != 200 && a.resp.status != 206) {
+        if (a.resp.body.size() < 4096) a.resp.body.append(p, std::min<size_t>(n, 4096 - a.resp.body.size()));
+        return true;
+      }
+      if (stop_) return false;
+      if (a.pos + n > a.end) {
+        a.problem = fmt::format("a body longer than the {} bytes asked", a.end - a.from);
+        return false;
+      }
+      a.write_error = PwriteAll(fd_, p, n, a.pos, path_);
+      if (!a.write_error.ok()) return false;
+      a.pos += n;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (gen != gen_) return false;
+      piece.done = a.pos - piece.start;
+      dirty_ = true;
+      d_.progress_.AddBytes(n);
+      return true;
+    };
+    return sink;
+  }
+
   // One piece's requests (redirects followed) until it is complete or this connection should take
   // another (a failure retried later). A non-OK status fails the file.
   absl::Status FetchPiece(HttpClient& http, Piece& piece, uint64_t gen, std::string url, bool leader) {
@@ -344,44 +395,17 @@ class RangedFetch {
         if (IsStrongEtag(etag_)) req.headers.push_back("If-Range: " + etag_);
       }
       ++s_.range_requests;
-      HttpResponse resp;
-      std::string problem;
-      Verdict verdict = Verdict::kNone;
-      absl::Status write_error;
-      uint64_t pos = from;
-      BodySink sink;
-      sink.on_headers = [&](const HttpResponse& r) {
-        return (r.status != 200 && r.status != 206) || AcceptHeaders(r, from, end, gen, url, &problem, &verdict);
-      };
-      sink.on_data = [&](const char* p, size_t n) {
-        if (resp.status != 200 && resp.status != 206) {  // an error body: kept for the message
-          if (resp.body.size() < 4096) resp.body.append(p, std::min<size_t>(n, 4096 - resp.body.size()));
-          return true;
-        }
-        if (stop_) return false;
-        if (pos + n > end) {
-          problem = fmt::format("a body longer than the {} bytes asked", end - from);
-          return false;
-        }
-        // In place, from libcurl's receive buffer.
-        write_error = PwriteAll(fd_, p, n, pos, path_);
-        if (!write_error.ok()) return false;
-        pos += n;
-        std::lock_guard<std::mutex> lock(mu_);
-        if (gen != gen_) return false;
-        piece.done = pos - piece.start;
-        dirty_ = true;
-        d_.progress_.AddBytes(n);
-        return true;
-      };
-      PTK_RETURN_IF_ERROR(http.Get(req, &resp, &sink));
+      Attempt a{from, end, from};
+      BodySink sink = PieceSink(a, piece, gen, url);
+      PTK_RETURN_IF_ERROR(http.Get(req, &a.resp, &sink));
+      const HttpResponse& resp = a.resp;
       if (hub) s_.limiter.Observe(resp);
       resolve.Release();
-      PTK_RETURN_IF_ERROR(write_error);
-      const bool progressed = pos > from;
+      PTK_RETURN_IF_ERROR(a.write_error);
+      const bool progressed = a.pos > from;
       if (progressed) budget_.Progressed();
-      if (verdict != Verdict::kNone) return OnVerdict(verdict, gen);
-      if (!problem.empty()) return budget_.Again(fmt::format("bad range response ({})", problem), 0);
+      if (a.verdict != Verdict::kNone) return OnVerdict(a.verdict, gen);
+      if (!a.problem.empty()) return budget_.Again(fmt::format("bad range response ({})", a.problem), 0);
       if (stop_) return absl::OkStatus();
       if (resp.curl_code != 0)
         return budget_.Again(fmt::format("bytes {}-{}: transfer error: {}", from, end - 1, resp.curl_error),
@@ -396,9 +420,9 @@ class RangedFetch {
         continue;
       }
       if (code == 206) {
-        if (pos < end)  // the connection ended early but cleanly
+        if (a.pos < end)  // the connection ended early but cleanly
           return budget_.Again(
-              fmt::format("short range (bytes {}-{}: {} of {})", from, end - 1, pos - from, end - from),
+              fmt::format("short range (bytes {}-{}: {} of {})", from, end - 1, a.pos - from, end - from),
               budget_.Backoff(progressed));
         return absl::OkStatus();
       }

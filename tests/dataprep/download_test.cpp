@@ -20,6 +20,7 @@
 
 #include "common/hash.h"
 #include "dataprep/download/download.h"
+#include "dataprep/download/download_internal.h"
 #include "dataprep/download/http.h"
 #include "tests/dataprep/fake_hub.h"
 #include "tests/test_util.h"
@@ -726,6 +727,85 @@ TEST(Download, AResumeThatCannotProveItContinuesStartsOver) {
     EXPECT_EQ(gets[1], "bytes=50000-") << what;
     EXPECT_EQ(gets[2], "") << what << ": the third transfer did not start over";
     EXPECT_EQ(testing::Leftovers(dir / "out"), "") << what;
+  }
+}
+
+// The progress line (its bytes, rate and ETA) counts each byte of a file once: a transfer that starts
+// over from byte 0 takes back the bytes it had counted. One file through the downloader itself (the
+// progress reporter is the run's), against the fake CDN: a dropped connection whose Range retry the
+// server answers with the whole file; a digest mismatch; a `.part` a previous run left that the
+// server will not continue; the same three fetched as concurrent ranges. Before, the count ended at
+// the file's size plus every byte received before the restart.
+std::optional<uint64_t> CountedBytes(const FakeHub& hub, const std::string& path, const std::string& data,
+                                     const std::string& out, bool ranged, int max_retries) {
+  DownloadOptions o;
+  o.endpoint = hub.hub();
+  o.local_dir = out;
+  o.retry_base_s = 0.01;
+  o.retry_max_s = 0.05;
+  o.stall_timeout_s = 1;
+  o.max_retries = max_retries;
+  o.connections_per_file = ranged ? 2 : 1;
+  o.split_above = 1;
+  o.piece_size = 100000;
+  download_detail::Session s(o);
+  HttpClient http;
+  download_detail::StreamHasher hasher;
+  download_detail::DoneLog done;
+  std::filesystem::create_directories(out);
+  EXPECT_TRUE(done.Open(out + "/done.tsv").ok());
+  ProgressReporter::Options po;
+  po.enabled = false;
+  ProgressReporter progress(po);
+  download_detail::FileDownloader d(s, http, hasher, done, progress);
+  RemoteFile f;
+  f.path = path;
+  f.url = fmt::format("{}/datasets/cerebras/SlimPajama-627B/resolve/main/{}", hub.hub(), path);
+  f.size = data.size();
+  f.size_known = true;
+  Sha256 h;
+  h.Update(data.data(), data.size());
+  f.sha256 = h.HexDigest();
+  f.local_path = out + "/f.bin";
+  const download_detail::FileResult r = d.Run(f);
+  if (!r.ok) return std::nullopt;
+  EXPECT_TRUE(testing::ReadFile(f.local_path) == data);
+  return progress.bytes();
+}
+
+TEST(Download, TheProgressLineCountsAFileThatStartsOverOnce) {
+  for (bool ranged : {false, true}) {
+    struct Case {
+      std::string what;
+      std::vector<std::string> first_run, faults;  // first_run: a run that gives up, leaving a `.part`
+    };
+    for (const Case& c :
+         {Case{"a dropped connection, then the whole file to a Range", {}, {"drop:50000", "ignore_range"}},
+          Case{"a digest mismatch", {}, {"flip:777"}},
+          Case{"a .part the server does not continue", {"drop:50000"}, {"ignore_range"}}}) {
+      const std::string what = c.what + (ranged ? " (ranges)" : " (one stream)");
+      TempDir dir;
+      auto paths = MakeRepo(dir / "repo", 300000);
+      const std::string data = testing::ReadFile(dir / ("repo/" + paths[0]));
+      auto faults_json = [&](const std::vector<std::string>& faults) {
+        std::string list;
+        for (const auto& x : faults) list += (list.empty() ? "\"" : ", \"") + x + "\"";
+        return fmt::format(R"({{"{}": [{}]}})", paths[0], list);
+      };
+      if (!c.first_run.empty()) {
+        testing::WriteFile(dir / "faults1.json", faults_json(c.first_run));
+        FakeHub hub(dir / "repo", {"--faults", dir / "faults1.json"}, dir.path());
+        ASSERT_TRUE(hub.ok());
+        ASSERT_FALSE(CountedBytes(hub, paths[0], data, dir / "out", ranged, 0).has_value()) << what;
+        ASSERT_TRUE(testing::Exists(dir / "out/f.bin.part")) << what;
+      }
+      testing::WriteFile(dir / "faults.json", faults_json(c.faults));
+      FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+      ASSERT_TRUE(hub.ok());
+      const auto counted = CountedBytes(hub, paths[0], data, dir / "out", ranged, 8);
+      ASSERT_TRUE(counted.has_value()) << what;
+      EXPECT_EQ(*counted, data.size()) << what;
+    }
   }
 }
 

@@ -12,7 +12,6 @@ token cycle, labels the next token) with warmup 10 and cosine decay to step 100.
 Usage: /usr/bin/python3 tests/support/gen_llama_golden.py [OUT_DIR]
 Writes OUT_DIR/llama.json and OUT_DIR/llama.bin (little-endian float32 / int32).
 """
-import json
 import math
 import os
 import sys
@@ -21,17 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from golden_common import Weights, train, write_golden
+
 torch.set_default_dtype(torch.float64)
-
-
-def megatron_lr(num_steps, cfg):
-    warm, decay = cfg["warmup_samples"], cfg["decay_samples"]
-    if warm > 0 and num_steps <= warm:
-        return cfg["init_lr"] + (cfg["lr"] - cfg["init_lr"]) * num_steps / warm
-    if num_steps > decay:
-        return cfg["min_lr"]
-    ratio = (num_steps - warm) / (decay - warm)
-    return cfg["min_lr"] + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (cfg["lr"] - cfg["min_lr"])
 
 
 def llama31_inv_freq(dim, base):
@@ -63,17 +54,7 @@ def rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-class Llama(torch.nn.Module):
-    def __init__(self, cfg, weights):
-        super().__init__()
-        self.cfg = cfg
-        self.p = torch.nn.ParameterDict()
-        for name, arr in weights.items():
-            self.p[name.replace(".", "__")] = torch.nn.Parameter(torch.tensor(arr))
-
-    def w(self, name):
-        return self.p[name.replace(".", "__")]
-
+class Llama(Weights):
     def forward(self, tokens):
         c = self.cfg
         NH, G, hd, eps = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"], c["norm_epsilon"]
@@ -137,43 +118,10 @@ def to_megatron(c, t):
     return out
 
 
-def train(c, weights, tokens, labels, loss_mask, lr_cfg, record=None):
-    """AdamW steps (Megatron's param groups: no decay on 1-D tensors) over tokens (S, M, B, T); the
-    per-step loss, grad norm and lr. `record` (a dict) receives the first logits and gradients."""
-    S, M = tokens.shape[0], tokens.shape[1]
-    model = Llama(c, weights)
-    named = {n: model.w(n) for n, _, _ in shapes(c)}
-    decay = [p for p in named.values() if p.dim() > 1]
-    no_decay = [p for p in named.values() if p.dim() == 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=0.0, betas=(c["adam_beta1"], c["adam_beta2"]), eps=c["adam_eps"])
-    steps = []
-    for s in range(S):
-        opt.zero_grad()
-        loss_sum, tok_sum = 0.0, 0.0
-        for m in range(M):
-            logits = model(torch.tensor(tokens[s, m], dtype=torch.long))
-            lb = torch.tensor(labels[s, m], dtype=torch.long)
-            mask = torch.tensor(loss_mask[s, m], dtype=torch.float64)
-            losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), lb.view(-1), reduction="none")
-            ls = (losses * mask.view(-1)).sum()
-            (ls / mask.sum() / M).backward()
-            loss_sum += ls.item()
-            tok_sum += mask.sum().item()
-            if record is not None and s == 0 and m == 0:
-                record["logits"] = logits.detach().numpy().astype(np.float32)
-                record["first_loss"] = (ls / mask.sum()).item()
-        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in named.values())).item()
-        if record is not None and s == 0:
-            record["grads"] = {n: p.grad.numpy().copy() for n, p in named.items()}
-        torch.nn.utils.clip_grad_norm_(list(named.values()), c["clip_grad"])
-        lr = megatron_lr(s * c["global_batch_size"], lr_cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
-        steps.append({"lm_loss": loss_sum / tok_sum, "grad_norm": norm, "lr": lr})
-    return steps, {n: p.detach().numpy() for n, p in named.items()}
+def train_llama(c, weights, tokens, labels, loss_mask, lr_cfg, record=None):
+    """golden_common.train on a fresh Llama from `weights` (reference names)."""
+    return train(Llama(c, weights), [n for n, _, _ in shapes(c)], c, tokens, labels, loss_mask, lr_cfg,
+                 lambda m, tk: m(tk), record)
 
 
 def generate(out_dir):
@@ -203,7 +151,7 @@ def generate(out_dir):
     loss_mask = (rng.uniform(size=(S, M, B, T)) > 0.1).astype(np.float32)
 
     tensors, record = {}, {}
-    steps, final = train(c, weights, tokens, labels, loss_mask, c, record)
+    steps, final = train_llama(c, weights, tokens, labels, loss_mask, c, record)
     tensors["logits"], first_loss = record["logits"], record["first_loss"]
     for n, g in to_megatron(c, record["grads"]).items():
         tensors["grad:" + n] = g.astype(np.float32)
@@ -224,23 +172,12 @@ def generate(out_dir):
     ctokens, clabels = seqs[..., :-1].copy(), seqs[..., 1:].copy()
     cmask = (crng.uniform(size=(CS, M, B, T)) > 0.1).astype(np.float32)
     curve_lr = dict(c, warmup_samples=c["curve_warmup_iters"] * gbs, decay_samples=CS * gbs)
-    curve, _ = train(c, weights, ctokens, clabels, cmask, curve_lr)
+    curve, _ = train_llama(c, weights, ctokens, clabels, cmask, curve_lr)
     tensors["curve_tokens"], tensors["curve_labels"], tensors["curve_loss_mask"] = ctokens, clabels, cmask
 
-    directory, blob, off = {}, bytearray(), 0
-    for k, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        dtype = "int32" if arr.dtype == np.int32 else "float32"
-        data = arr.astype("<i4" if dtype == "int32" else "<f4").tobytes()
-        directory[k] = {"offset": off, "shape": list(arr.shape), "dtype": dtype}
-        blob += data
-        off += len(data)
     meta = {"generator": "tests/support/gen_llama_golden.py", "torch": torch.__version__, "config": c,
-            "first_micro_batch_loss": first_loss, "steps": steps, "curve": curve, "tensors": directory}
-    with open(os.path.join(out_dir, "llama.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    with open(os.path.join(out_dir, "llama.bin"), "wb") as f:
-        f.write(blob)
+            "first_micro_batch_loss": first_loss, "steps": steps, "curve": curve}
+    write_golden(out_dir, "llama", meta, tensors)
     print("llama loss", first_loss, "steps", [round(s["lm_loss"], 4) for s in steps])
     print("curve", [round(s["lm_loss"], 3) for s in curve[::10]], "last", round(curve[-1]["lm_loss"], 4))
 

@@ -7,7 +7,6 @@ Usage: /usr/bin/python3 tests/support/gen_trainer_goldens.py OUT_DIR
 Writes OUT_DIR/gpt_{tied,untied}.json (configuration, per-step figures, tensor directory) and
 OUT_DIR/gpt_{tied,untied}.bin (the tensors, little-endian float32 / int32).
 """
-import json
 import math
 import os
 import sys
@@ -16,31 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from golden_common import Weights, train, write_golden
+
 torch.set_default_dtype(torch.float64)
 
 
-def megatron_lr(num_steps, cfg):
-    """OptimizerParamScheduler.get_lr for the cosine style (units: samples)."""
-    warm, decay = cfg["warmup_samples"], cfg["decay_samples"]
-    if warm > 0 and num_steps <= warm:
-        return cfg["init_lr"] + (cfg["lr"] - cfg["init_lr"]) * num_steps / warm
-    if num_steps > decay:
-        return cfg["min_lr"]
-    ratio = (num_steps - warm) / (decay - warm)
-    return cfg["min_lr"] + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (cfg["lr"] - cfg["min_lr"])
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, cfg, weights):
-        super().__init__()
-        self.cfg = cfg
-        self.p = torch.nn.ParameterDict()
-        for name, arr in weights.items():
-            self.p[name.replace(".", "__")] = torch.nn.Parameter(torch.tensor(arr, dtype=torch.float64))
-
-    def w(self, name):
-        return self.p[name.replace(".", "__")]
-
+class GPT(Weights):
     def forward(self, tokens, positions):
         c = self.cfg
         C, NH = c["hidden_size"], c["num_attention_heads"]
@@ -115,61 +95,23 @@ def generate(untie, out_dir):
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
 
     model = GPT(c, weights)
-    named = {n: model.w(n) for n, _, _ in param_shapes(c)}
-    decay = [p for n, p in named.items() if p.dim() > 1]
-    no_decay = [p for n, p in named.items() if p.dim() == 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=0.0, betas=(c["adam_beta1"], c["adam_beta2"]), eps=c["adam_eps"])
-    tensors = {}
-    steps = []
     pos_t = torch.tensor(positions, dtype=torch.long)
-    for s in range(S):
-        opt.zero_grad()
-        loss_sum, tok_sum = 0.0, 0.0
-        for m in range(M):
-            tk = torch.tensor(tokens[s, m], dtype=torch.long)
-            lb = torch.tensor(labels[s, m], dtype=torch.long)
-            mask = torch.tensor(loss_mask[s, m], dtype=torch.float64)
-            logits = model(tk, pos_t)
-            losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), lb.view(-1), reduction="none")
-            ls = (losses * mask.view(-1)).sum()
-            (ls / mask.sum() / M).backward()
-            loss_sum += ls.item()
-            tok_sum += mask.sum().item()
-            if s == 0 and m == 0:
-                tensors["logits"] = logits.detach().numpy().astype(np.float32)
-                first_loss = (ls / mask.sum()).item()
-        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in named.values())).item()
-        if s == 0:
-            for n, p in named.items():
-                tensors["grad:" + n] = p.grad.numpy().astype(np.float32)
-        torch.nn.utils.clip_grad_norm_(list(named.values()), c["clip_grad"])
-        lr = megatron_lr(s * gbs, c)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
-        steps.append({"lm_loss": loss_sum / tok_sum, "grad_norm": norm, "lr": lr})
-    for n, p in named.items():
+    names = [n for n, _, _ in param_shapes(c)]
+    record = {}
+    steps, final = train(model, names, c, tokens, labels, loss_mask, c, lambda m, tk: m(tk, pos_t), record)
+    first_loss = record["first_loss"]
+    tensors = {"logits": record["logits"]}
+    for n in names:
+        tensors["grad:" + n] = record["grads"][n].astype(np.float32)
+    for n in names:
         tensors["init:" + n] = weights[n].astype(np.float32)
-        tensors["final:" + n] = p.detach().numpy().astype(np.float32)
+        tensors["final:" + n] = final[n].astype(np.float32)
     tensors["tokens"], tensors["labels"], tensors["loss_mask"] = tokens, labels, loss_mask
 
     name = "gpt_untied" if untie else "gpt_tied"
-    directory, blob, off = {}, bytearray(), 0
-    for k, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        dtype = "int32" if arr.dtype == np.int32 else "float32"
-        data = arr.astype("<i4" if dtype == "int32" else "<f4").tobytes()
-        directory[k] = {"offset": off, "shape": list(arr.shape), "dtype": dtype}
-        blob += data
-        off += len(data)
     meta = {"generator": "tests/support/gen_trainer_goldens.py", "torch": torch.__version__, "config": c,
-            "first_micro_batch_loss": first_loss, "steps": steps, "tensors": directory}
-    with open(os.path.join(out_dir, name + ".json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    with open(os.path.join(out_dir, name + ".bin"), "wb") as f:
-        f.write(blob)
+            "first_micro_batch_loss": first_loss, "steps": steps}
+    write_golden(out_dir, name, meta, tensors)
     print(name, "loss", first_loss, "steps", [round(s["lm_loss"], 4) for s in steps])
 
 

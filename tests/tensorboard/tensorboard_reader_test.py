@@ -17,7 +17,7 @@ Checks:
     (strace's fault injection) with --save-interval 7 --log-interval 5, every iteration up to the
     tracker's (21 among them) is in an event file and in metrics.jsonl;
   * a second run while the first still writes to the same --tensorboard-dir or --metrics-file is
-    refused in one line naming it; a run afterwards starts there, saying that it appends.
+    refused in one line naming it; a new run afterwards writes in a subdirectory of its own, saying so.
 Usage: tensorboard_reader_test.py BIN_DIR
 """
 import glob
@@ -231,22 +231,26 @@ with tempfile.TemporaryDirectory() as tmp:
             time.sleep(0.01)
         check(first.poll() is None, "the first run is running")
         second = run(tiny[:-6] + ["--train-iters", "5", "--tensorboard-dir", tbc], expect=1)
-        bad = [line for line in second.splitlines() if "metrics.jsonl" in line and "another run" in line]
-        check(len(bad) == 1 and "--metrics-file" in bad[0], "the second run names --metrics-file:\n" + second)
-        second = run(tiny[:-6] + ["--train-iters", "5", "--tensorboard-dir", tbc, "--metrics-file",
-                      os.path.join(tmp, "other.jsonl")], expect=1)
         bad = [line for line in second.splitlines() if "--tensorboard-dir" in line]
         check(len(bad) == 1 and "{} is being written by another run".format(tbc) in bad[0],
               "the second run names --tensorboard-dir:\n" + second)
+        second = run(tiny[:-6] + ["--train-iters", "5", "--tensorboard-dir", os.path.join(tmp, "tbother"),
+                                  "--metrics-file", os.path.join(tbc, "metrics.jsonl")], expect=1)
+        bad = [line for line in second.splitlines() if "metrics.jsonl" in line and "another run" in line]
+        check(len(bad) == 1 and "--metrics-file" in bad[0], "the second run names --metrics-file:\n" + second)
         check(len(glob.glob(os.path.join(tbc, "events.out.tfevents.*"))) == 1, "the refused runs wrote no event file")
     finally:
         first.kill()
         first.wait()
-    # After it: a new run (from iteration 0) appends, saying so; the events and lines are the new run's too.
+    # After it: a new run (from iteration 0) writes its events and lines in a subdirectory of its own
+    # (a run of its own for TensorBoard), saying so; the first run's stay as they were.
     third = run(tiny[:-6] + ["--train-iters", "3", "--log-interval", "1", "--tensorboard-dir", tbc])
-    check("holds 1 event file(s) of an earlier run" in third and "appends its lines after them" in third,
-          "a new run into the directory says that it appends:\n" + third)
-    check(len(glob.glob(os.path.join(tbc, "events.out.tfevents.*"))) == 2, "the new run's event file beside")
+    check("holds 1 event file(s) of another run" in third and "writes its own in " + os.path.join(tbc, "run-2") in third,
+          "a new run into the directory says where it writes:\n" + third)
+    check(len(glob.glob(os.path.join(tbc, "events.out.tfevents.*"))) == 1, "the first run's event file alone")
+    check(len(glob.glob(os.path.join(tbc, "run-2", "events.out.tfevents.*"))) == 1, "the new run's in run-2")
+    s3 = scalars(os.path.join(tbc, "run-2"))
+    check([st for st, _ in s3.get("lm loss", [])] == [1, 2, 3], "run-2: lm loss at 1..3: {}".format(s3.get("lm loss")))
 
 print("tensorboard_reader_test: {}".format("OK" if failures == 0 else "{} failure(s)".format(failures)))
 sys.exit(1 if failures else 0)

@@ -3,15 +3,14 @@
 // clipping and Megatron's cosine schedule within 1e-4, for tied and untied output layers.
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
-#include "tests/test_util.h"
+#include "tests/trainer/golden_util.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
 #include "trainer/train_step.h"
@@ -19,39 +18,9 @@
 namespace ptk {
 namespace {
 
-struct Golden {
-  simdjson::dom::parser parser;
-  simdjson::dom::element meta;
-  std::string blob;
-
-  explicit Golden(const std::string& name) {
-    std::string base = testing::SourceDir() + "/tests/data/trainer/" + name;
-    meta = parser.load(base + ".json");
-    std::ifstream f(base + ".bin", std::ios::binary);
-    blob.assign(std::istreambuf_iterator<char>(f), {});
-  }
-  template <typename T>
-  std::vector<T> Tensor(const std::string& key) {
-    simdjson::dom::element e = meta["tensors"][key];
-    int64_t n = 1;
-    for (auto d : e["shape"].get_array()) n *= int64_t(d.get_int64());
-    std::vector<T> v(static_cast<size_t>(n));
-    std::memcpy(v.data(), blob.data() + int64_t(e["offset"].get_int64()), n * sizeof(T));
-    return v;
-  }
-  int64_t Int(const char* k) { return meta["config"][k].get_int64(); }
-  double Num(const char* k) { return meta["config"][k].get_double(); }
-};
-
-// ||a - b|| / ||b||
-double RelError(const float* a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using testing::Golden;
+using testing::GoldenBatches;
+using testing::RelError;
 
 class GptGolden : public ::testing::TestWithParam<std::string> {
  protected:
@@ -70,14 +39,7 @@ class GptGolden : public ::testing::TestWithParam<std::string> {
     c.untie_embeddings_and_output_weights = g_->meta["config"]["untie"].get_bool();
     c.hidden_dropout = c.attention_dropout = 0.0;
     config_ = c;
-    tokens_ = g_->Tensor<int32_t>("tokens");
-    labels_ = g_->Tensor<int32_t>("labels");
-    mask_ = g_->Tensor<float>("loss_mask");
-    b_ = g_->Int("micro_batch_size");
-    t_ = c.seq_length;
-    positions_.resize(b_ * t_);
-    for (int64_t i = 0; i < b_ * t_; ++i) positions_[i] = static_cast<int32_t>(i % t_);
-    keys_.assign(b_, 0);
+    batches_ = std::make_unique<GoldenBatches>(*g_);
   }
   std::unique_ptr<CpuGPTModel> MakeModel(bool recompute = false) {
     GPTConfig c = config_;
@@ -91,42 +53,14 @@ class GptGolden : public ::testing::TestWithParam<std::string> {
     }
     return std::move(*m);
   }
-  ModelBatch Batch(int64_t step, int64_t micro) {
-    int64_t off = (step * g_->Int("num_micro_batches") + micro) * b_ * t_;
-    return ModelBatch{
-        b_, t_, tokens_.data() + off, labels_.data() + off, positions_.data(), mask_.data() + off, keys_.data()};
-  }
-  std::vector<ModelBatch> Step(int64_t step) {
-    std::vector<ModelBatch> v;
-    for (int64_t m = 0; m < g_->Int("num_micro_batches"); ++m) v.push_back(Batch(step, m));
-    return v;
-  }
-  OptimizerConfig OptConfig() {
-    OptimizerConfig o;
-    o.adam_beta1 = g_->Num("adam_beta1");
-    o.adam_beta2 = g_->Num("adam_beta2");
-    o.adam_eps = g_->Num("adam_eps");
-    o.clip_grad = g_->Num("clip_grad");
-    return o;
-  }
-  SchedulerConfig Schedule() {
-    SchedulerConfig s;
-    s.init_lr = g_->Num("init_lr");
-    s.max_lr = g_->Num("lr");
-    s.min_lr = g_->Num("min_lr");
-    s.warmup_steps = g_->Int("warmup_samples");
-    s.decay_steps = g_->Int("decay_samples");
-    s.decay_style = "cosine";
-    s.start_wd = s.end_wd = g_->Num("weight_decay");
-    return s;
-  }
+  ModelBatch Batch(int64_t step, int64_t micro) { return batches_->Batch(step, micro); }
+  std::vector<ModelBatch> Step(int64_t step) { return batches_->Step(step); }
+  OptimizerConfig OptConfig() { return g_->Optimizer(); }
+  SchedulerConfig Schedule() { return g_->Schedule(); }
 
   std::unique_ptr<Golden> g_;
   GPTConfig config_;
-  std::vector<int32_t> tokens_, labels_, positions_;
-  std::vector<float> mask_;
-  std::vector<int64_t> keys_;
-  int64_t b_ = 0, t_ = 0;
+  std::unique_ptr<GoldenBatches> batches_;
 };
 
 TEST_P(GptGolden, LogitsAndLossMatchPyTorch) {

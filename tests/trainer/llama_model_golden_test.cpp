@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,8 +16,8 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
-#include "tests/test_util.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/golden_util.h"
 #include "trainer/backend.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
@@ -27,37 +26,9 @@
 namespace ptk {
 namespace {
 
-struct Golden {
-  simdjson::dom::parser parser;
-  simdjson::dom::element meta;
-  std::string blob;
-  Golden() {
-    const std::string base = testing::SourceDir() + "/tests/data/trainer/llama";
-    meta = parser.load(base + ".json");
-    std::ifstream f(base + ".bin", std::ios::binary);
-    blob.assign(std::istreambuf_iterator<char>(f), {});
-  }
-  template <typename T>
-  std::vector<T> Tensor(const std::string& key) {
-    simdjson::dom::element e = meta["tensors"][key];
-    int64_t n = 1;
-    for (auto d : e["shape"].get_array()) n *= int64_t(d.get_int64());
-    std::vector<T> v(static_cast<size_t>(n));
-    std::memcpy(v.data(), blob.data() + int64_t(e["offset"].get_int64()), n * sizeof(T));
-    return v;
-  }
-  int64_t Int(const char* k) { return meta["config"][k].get_int64(); }
-  double Num(const char* k) { return meta["config"][k].get_double(); }
-};
-
-double RelError(const float* a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using testing::Golden;
+using testing::GoldenBatches;
+using testing::RelError;
 
 class LlamaGolden : public ::testing::Test {
  protected:
@@ -83,13 +54,6 @@ class LlamaGolden : public ::testing::Test {
     c.untie_embeddings_and_output_weights = true;
     c.hidden_dropout = c.attention_dropout = 0.0;
     config_ = c;
-    tokens_ = g_.Tensor<int32_t>("tokens");
-    labels_ = g_.Tensor<int32_t>("labels");
-    mask_ = g_.Tensor<float>("loss_mask");
-    b_ = g_.Int("micro_batch_size");
-    t_ = c.seq_length;
-    for (int64_t i = 0; i < b_ * t_; ++i) positions_.push_back(static_cast<int32_t>(i % t_));
-    keys_.assign(b_, 0);
   }
   // The golden's weights, whole or tensor rank `comm`'s slices of them.
   std::unique_ptr<CpuGPTModel> MakeModel(Communicator* tensor = nullptr, bool recompute = false,
@@ -110,34 +74,9 @@ class LlamaGolden : public ::testing::Test {
     EXPECT_TRUE((*m)->WriteParams(mine).ok());
     return std::move(*m);
   }
-  std::vector<ModelBatch> Step(int64_t step) {
-    std::vector<ModelBatch> v;
-    for (int64_t m = 0; m < g_.Int("num_micro_batches"); ++m) {
-      const int64_t off = (step * g_.Int("num_micro_batches") + m) * b_ * t_;
-      v.push_back(ModelBatch{b_, t_, tokens_.data() + off, labels_.data() + off, positions_.data(), mask_.data() + off,
-                             keys_.data()});
-    }
-    return v;
-  }
-  OptimizerConfig OptConfig() {
-    OptimizerConfig o;
-    o.adam_beta1 = g_.Num("adam_beta1");
-    o.adam_beta2 = g_.Num("adam_beta2");
-    o.adam_eps = g_.Num("adam_eps");
-    o.clip_grad = g_.Num("clip_grad");
-    return o;
-  }
-  SchedulerConfig Schedule() {
-    SchedulerConfig s;
-    s.init_lr = g_.Num("init_lr");
-    s.max_lr = g_.Num("lr");
-    s.min_lr = g_.Num("min_lr");
-    s.warmup_steps = g_.Int("warmup_samples");
-    s.decay_steps = g_.Int("decay_samples");
-    s.decay_style = "cosine";
-    s.start_wd = s.end_wd = g_.Num("weight_decay");
-    return s;
-  }
+  std::vector<ModelBatch> Step(int64_t step) { return batches_.Step(step); }
+  OptimizerConfig OptConfig() { return g_.Optimizer(); }
+  SchedulerConfig Schedule() { return g_.Schedule(); }
   void CheckGradients(const CpuGPTModel& model, const std::string& what) {
     double worst = 0;
     for (const ParamInfo& p : model.params_info()) {
@@ -148,12 +87,9 @@ class LlamaGolden : public ::testing::Test {
     std::printf("largest relative gradient difference %s: %.3g\n", what.c_str(), worst);
   }
 
-  Golden g_;
+  Golden g_{"llama"};
+  GoldenBatches batches_{g_};
   GPTConfig config_;
-  std::vector<int32_t> tokens_, labels_, positions_;
-  std::vector<float> mask_;
-  std::vector<int64_t> keys_;
-  int64_t b_ = 0, t_ = 0;
 };
 
 TEST_F(LlamaGolden, TheLayoutIsMegatronCores) {
@@ -221,18 +157,11 @@ TEST_F(LlamaGolden, AHundredStepLossCurveMatchesPyTorch) {
   sched.warmup_steps = g_.Int("curve_warmup_iters") * gbs;
   sched.decay_steps = steps * gbs;
   TrainStep opt(model.get(), OptConfig(), sched, comm.get());
-  const std::vector<int32_t> tokens = g_.Tensor<int32_t>("curve_tokens"), labels = g_.Tensor<int32_t>("curve_labels");
-  const std::vector<float> mask = g_.Tensor<float>("curve_loss_mask");
+  const GoldenBatches curve(g_, "curve_");
   ASSERT_EQ(static_cast<int64_t>(g_.meta["curve"].get_array().size()), steps);
   double worst = 0;
   for (int64_t s = 0; s < steps; ++s) {
-    std::vector<ModelBatch> batch;
-    for (int64_t m = 0; m < g_.Int("num_micro_batches"); ++m) {
-      const int64_t off = (s * g_.Int("num_micro_batches") + m) * b_ * t_;
-      batch.push_back(ModelBatch{b_, t_, tokens.data() + off, labels.data() + off, positions_.data(), mask.data() + off,
-                                 keys_.data()});
-    }
-    auto r = opt.Step(batch, gbs, 0);
+    auto r = opt.Step(curve.Step(s), gbs, 0);
     ASSERT_TRUE(r.ok()) << r.status();
     const double want = g_.meta["curve"].at(s)["lm_loss"].get_double();
     EXPECT_LE(std::abs(r->lm_loss() - want), 1e-3) << "step " << s << ": " << r->lm_loss() << " PyTorch " << want;

@@ -3,48 +3,20 @@
 // independent definitions (transformers' Llama 3.1 frequencies, multi-head attention with the key
 // and value heads repeated).
 #include <cmath>
-#include <functional>
-#include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "tests/trainer/gradient_check.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/op_math.h"
 
 namespace ptk {
 namespace {
 
-std::vector<double> Random(size_t n, uint32_t seed, double scale = 1.0) {
-  std::mt19937 g(seed);
-  std::normal_distribution<double> d(0.0, scale);
-  std::vector<double> v(n);
-  for (double& x : v) x = d(g);
-  return v;
-}
-
-double Dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
-void CheckGradient(std::vector<double>& x, const std::vector<double>& analytic,
-                   const std::function<double()>& objective, const std::string& what, double tol = 1e-6) {
-  const double h = 1e-5;
-  double max_err = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double keep = x[i];
-    x[i] = keep + h;
-    const double up = objective();
-    x[i] = keep - h;
-    const double down = objective();
-    x[i] = keep;
-    const double numeric = (up - down) / (2 * h);
-    max_err = std::max(max_err, std::abs(numeric - analytic[i]) / std::max(1.0, std::abs(numeric)));
-  }
-  EXPECT_LE(max_err, tol) << what;
-}
+using testing::CheckGradient;
+using testing::Dot;
+using testing::Random;
 
 TEST(LlamaOps, RMSNormGradientsAndValues) {
   const int64_t n = 70, c = 9;  // more rows than one fixed block

@@ -3,51 +3,21 @@
 #include <tbb/task_arena.h>
 
 #include <cmath>
-#include <functional>
-#include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "common/status.h"
+#include "tests/trainer/gradient_check.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/lr_schedule.h"
 
 namespace ptk {
 namespace {
 
-std::vector<double> Random(size_t n, uint32_t seed, double scale = 1.0) {
-  std::mt19937 g(seed);
-  std::normal_distribution<double> d(0.0, scale);
-  std::vector<double> v(n);
-  for (double& x : v) x = d(g);
-  return v;
-}
-
-double Dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
-// Checks d(sum(f(x) * r))/dx[i] against central differences for every element of x.
-void CheckGradient(std::vector<double>& x, const std::vector<double>& analytic,
-                   const std::function<double()>& objective, const std::string& what, double tol = 1e-6) {
-  const double h = 1e-5;
-  double max_err = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    double keep = x[i];
-    x[i] = keep + h;
-    double up = objective();
-    x[i] = keep - h;
-    double down = objective();
-    x[i] = keep;
-    double numeric = (up - down) / (2 * h);
-    double err = std::abs(numeric - analytic[i]) / std::max(1.0, std::abs(numeric));
-    max_err = std::max(max_err, err);
-  }
-  EXPECT_LE(max_err, tol) << what;
-}
+using testing::CheckGradient;
+using testing::Dot;
+using testing::Random;
 
 TEST(Ops, MatmulGradients) {
   const int64_t n = 5, ic = 7, oc = 4;

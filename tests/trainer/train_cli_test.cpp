@@ -69,6 +69,59 @@ TEST_F(TrainCli, LogsLikeMegatronAndLearns) {
   EXPECT_NE(metrics.find("{\"iteration\": 40, \"consumed_samples\": 160, \"lm_loss\": "), std::string::npos);
 }
 
+// The event files in `dir` (not below it): TensorBoard's run of that directory.
+int EventFiles(const std::string& dir) {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    n += e.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  return n;
+}
+
+// A fresh run into a --tensorboard-dir that holds another run's event files writes its own in a
+// subdirectory (TensorBoard's run of its own), saying where in one line, with the metrics.jsonl that
+// defaults to the directory's; each run resumed from its checkpoint goes on writing where it wrote.
+// Before, the second run's events went beside the first's with a warning: one run in TensorBoard,
+// two curves from iteration 0 drawn as one.
+TEST_F(TrainCli, AFreshRunGetsItsOwnTensorBoardRunAndAResumeKeepsIt) {
+  const std::string tb = dir_ / "tb";
+  auto run = [&](const std::string& ckpt, bool resume, int64_t exit_at) {
+    std::string flags = "--tensorboard-dir " + ShellQuote(tb) + " --save " + ShellQuote(dir_ / ckpt);
+    if (resume) flags += " --load " + ShellQuote(dir_ / ckpt);
+    if (exit_at > 0) flags += " --exit-interval " + std::to_string(exit_at);
+    auto r = RunCmd(Train(flags, 4));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  };
+  const std::string a1 = run("a", false, 2);
+  EXPECT_EQ(a1.find("holds"), std::string::npos) << a1;
+  EXPECT_EQ(EventFiles(tb), 1);
+  const std::string b1 = run("b", false, 2);  // a fresh run beside a's
+  EXPECT_NE(b1.find("--tensorboard-dir " + tb +
+                    " holds 1 event file(s) of another run; this run starts at iteration "
+                    "0 and writes its own in " +
+                    tb + "/run-2"),
+            std::string::npos)
+      << b1;
+  EXPECT_EQ(EventFiles(tb), 1);
+  EXPECT_EQ(EventFiles(tb + "/run-2"), 1);
+  EXPECT_TRUE(testing::Exists(tb + "/run-2/metrics.jsonl"));
+  const std::string b2 = run("b", true, 0);  // b resumed: its own directory
+  EXPECT_EQ(b2.find("holds"), std::string::npos) << b2;
+  EXPECT_NE(b2.find("TensorBoard events: " + tb + "/run-2/events.out.tfevents."), std::string::npos) << b2;
+  EXPECT_EQ(EventFiles(tb + "/run-2"), 2);
+  const std::string a2 = run("a", true, 0);  // a resumed: the directory itself
+  EXPECT_EQ(EventFiles(tb), 2);
+  EXPECT_EQ(EventFiles(tb + "/run-2"), 2);
+  std::string metrics_a = testing::ReadFile(tb + "/metrics.jsonl"),
+              metrics_b = testing::ReadFile(tb + "/run-2/metrics.jsonl");
+  EXPECT_EQ(std::count(metrics_a.begin(), metrics_a.end(), '\n'), 4) << metrics_a;
+  EXPECT_EQ(std::count(metrics_b.begin(), metrics_b.end(), '\n'), 4) << metrics_b;
+  const std::string c = run("c", false, 0);  // a third fresh run: the next subdirectory
+  EXPECT_NE(c.find("writes its own in " + tb + "/run-3"), std::string::npos) << c;
+  EXPECT_EQ(EventFiles(tb + "/run-3"), 1);
+}
+
 using Saved = testing::SavedCheckpoint;
 Saved Load(const std::string& dir, int64_t iteration) { return testing::LoadTinyCheckpoint(dir, iteration); }
 

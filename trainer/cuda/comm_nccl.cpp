@@ -128,14 +128,10 @@ class NcclCommunicator : public Communicator {
   // A group of this communicator's ranks (the tensor or data group): ncclCommSplit of this
   // communicator, colour the group's first member. NCCL's split is collective over all of this
   // communicator's ranks: every rank calls it for the groups of one kind (they partition the
-  // ranks, as ParallelLayout's do) at the same point. A group of one rank is the local
-  // communicator (no split: every group of the kind is then of one rank).
-  absl::StatusOr<std::unique_ptr<Communicator>> Subgroup(std::span<const int> members,
-                                                         const std::string& name) override {
-    PTK_RETURN_IF_ERROR(CheckMembers(members, rank(), size()));
-    if (members.size() == 1) return MakeLocalCommunicator();
-    int me = 0;
-    while (members[static_cast<size_t>(me)] != rank()) ++me;
+  // ranks, as ParallelLayout's do) at the same point. (A group of one rank is Subgroup's local
+  // communicator: no split; every group of the kind is then of one rank.)
+  absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(std::span<const int> members, int me,
+                                                          const std::string& name) override {
     auto sub = std::make_unique<NcclCommunicator>();
     sub->options_ = options_;
     sub->options_.rank = me;

@@ -1,0 +1,115 @@
+// Test helper for the models' PyTorch goldens (tests/data/trainer/NAME.json and NAME.bin, written by
+// tests/support/gen_trainer_goldens.py and gen_llama_golden.py): the reference's tensors by key, its
+// configuration, the optimizer and schedule it ran, its micro-batches, and the relative error the
+// tests bound.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <simdjson.h>
+
+#include "tests/test_util.h"
+#include "trainer/gpt_model.h"
+#include "trainer/lr_schedule.h"
+#include "trainer/train_step.h"
+
+namespace ptk::testing {
+
+struct Golden {
+  simdjson::dom::parser parser;
+  simdjson::dom::element meta;
+  std::string blob;
+
+  explicit Golden(const std::string& name) {
+    const std::string base = SourceDir() + "/tests/data/trainer/" + name;
+    meta = parser.load(base + ".json");
+    std::ifstream f(base + ".bin", std::ios::binary);
+    blob.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  template <typename T>
+  std::vector<T> Tensor(const std::string& key) {
+    simdjson::dom::element e = meta["tensors"][key];
+    int64_t n = 1;
+    for (auto d : e["shape"].get_array()) n *= int64_t(d.get_int64());
+    std::vector<T> v(static_cast<size_t>(n));
+    std::memcpy(v.data(), blob.data() + int64_t(e["offset"].get_int64()), n * sizeof(T));
+    return v;
+  }
+  int64_t Int(const char* k) { return meta["config"][k].get_int64(); }
+  double Num(const char* k) { return meta["config"][k].get_double(); }
+
+  // The reference's AdamW (with clipping) and Megatron's cosine schedule, counted in samples.
+  OptimizerConfig Optimizer() {
+    OptimizerConfig o;
+    o.adam_beta1 = Num("adam_beta1");
+    o.adam_beta2 = Num("adam_beta2");
+    o.adam_eps = Num("adam_eps");
+    o.clip_grad = Num("clip_grad");
+    return o;
+  }
+  SchedulerConfig Schedule() {
+    SchedulerConfig s;
+    s.init_lr = Num("init_lr");
+    s.max_lr = Num("lr");
+    s.min_lr = Num("min_lr");
+    s.warmup_steps = Int("warmup_samples");
+    s.decay_steps = Int("decay_samples");
+    s.decay_style = "cosine";
+    s.start_wd = s.end_wd = Num("weight_decay");
+    return s;
+  }
+};
+
+// The golden's micro-batches: tensors PREFIX + tokens, labels and loss_mask, num_micro_batches
+// micro-batches of micro_batch_size x seq_length a step, positions 0..t-1 in every row.
+class GoldenBatches {
+ public:
+  explicit GoldenBatches(Golden& g, const std::string& prefix = "")
+      : tokens_(g.Tensor<int32_t>(prefix + "tokens")),
+        labels_(g.Tensor<int32_t>(prefix + "labels")),
+        mask_(g.Tensor<float>(prefix + "loss_mask")),
+        keys_(static_cast<size_t>(g.Int("micro_batch_size")), 0),
+        b_(g.Int("micro_batch_size")),
+        t_(g.Int("seq_length")),
+        micro_(g.Int("num_micro_batches")) {
+    for (int64_t i = 0; i < b_ * t_; ++i) positions_.push_back(static_cast<int32_t>(i % t_));
+  }
+  GoldenBatches(const GoldenBatches&) = delete;  // the batches point into this
+  GoldenBatches& operator=(const GoldenBatches&) = delete;
+
+  ModelBatch Batch(int64_t step, int64_t micro) const {
+    const int64_t off = (step * micro_ + micro) * b_ * t_;
+    return ModelBatch{
+        b_, t_, tokens_.data() + off, labels_.data() + off, positions_.data(), mask_.data() + off, keys_.data()};
+  }
+  std::vector<ModelBatch> Step(int64_t step) const {
+    std::vector<ModelBatch> v;
+    for (int64_t m = 0; m < micro_; ++m) v.push_back(Batch(step, m));
+    return v;
+  }
+
+ private:
+  std::vector<int32_t> tokens_, labels_, positions_;
+  std::vector<float> mask_;
+  std::vector<int64_t> keys_;
+  int64_t b_, t_, micro_;
+};
+
+// ||a - b|| / ||b||
+inline double RelError(const float* a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+}  // namespace ptk::testing
