@@ -250,23 +250,8 @@ class Trainer {
       log::Info(
           "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
           model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, dp_, plan_.global_batch_size);
-    // --metrics-file and --tensorboard-dir, one run at a time each: a resumed run appends, a fresh one
-    // beside another run's event files gets a subdirectory of its own (training_log.h).
-    const bool fresh = state_.iteration == 0;
-    // Over pipeline stages TensorBoard's writer (the last stage) is not rank 0, which keeps
-    // --metrics-file where it was given.
-    std::string tb_dir, metrics_path = o_.metrics_path;
-    if (tb_writer_ && !o_.tensorboard.dir.empty()) {
-      std::string claimed_metrics = metrics_path;
-      PTK_ASSIGN_OR_RETURN(
-          tb_dir, ClaimTensorBoardDir(o_.tensorboard.dir, fresh, o_.save, o_.load, &claimed_metrics, &tb_lock_));
-      if (lead_) metrics_path = claimed_metrics;
-    }
-    if (lead_ && !metrics_path.empty())
-      PTK_RETURN_IF_ERROR(OpenMetricsFile(metrics_path, fresh, &metrics_lock_, &metrics_));
-    if (!tb_dir.empty()) {
-      PTK_ASSIGN_OR_RETURN(tb_, OpenTensorBoardDir(tb_dir));
-    }
+    PTK_RETURN_IF_ERROR(OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration == 0,
+                                       lead_, tb_writer_, &outputs_));
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
     if (data_.valid)
@@ -351,8 +336,8 @@ class Trainer {
 
   // Megatron's pairs: the value at the iteration, and "<tag> vs samples" at the samples consumed.
   void TensorBoardScalar(const std::string& tag, double value) {
-    tb_->AddScalar(tag, value, state_.iteration);
-    tb_->AddScalar(tag + " vs samples", value, state_.consumed_train_samples);
+    outputs_.tb->AddScalar(tag, value, state_.iteration);
+    outputs_.tb->AddScalar(tag + " vs samples", value, state_.consumed_train_samples);
   }
 
   // Megatron's training_log: --metrics-file's line every iteration, TensorBoard's scalars every
@@ -363,13 +348,13 @@ class Trainer {
     if (o_.log_params_norm && LogsThisIteration(state_.iteration)) {
       PTK_ASSIGN_OR_RETURN(params_norm, ParamsNorm());
     }
-    if (metrics_.is_open())
-      PTK_RETURN_IF_ERROR(metrics_.Append(fmt::format(
+    if (outputs_.metrics.is_open())
+      PTK_RETURN_IF_ERROR(outputs_.metrics.Append(fmt::format(
           "{{\"iteration\": {}, \"consumed_samples\": {}, \"lm_loss\": {}, \"grad_norm\": {}, \"learning_rate\": "
           "{}, \"skipped\": {}, \"tokens\": {:.0f}}}\n",
           state_.iteration, state_.consumed_train_samples, JsonNumber(r.lm_loss()), JsonNumber(r.grad_norm),
           JsonNumber(lr_now), r.skipped ? "true" : "false", r.tokens)));
-    if (tb_ && state_.iteration % o_.tensorboard.log_interval == 0) {
+    if (outputs_.tb && state_.iteration % o_.tensorboard.log_interval == 0) {
       TensorBoardScalar("learning-rate", lr_now);
       TensorBoardScalar("batch-size", static_cast<double>(current_gbs_));
       TensorBoardScalar("lm loss", r.lm_loss());
@@ -398,12 +383,12 @@ class Trainer {
     f.skipped = interval_.skipped;
     f.nan = interval_.nan;
     Print(FormatLogLine(f, Timestamp()));
-    if (tb_) {
+    if (outputs_.tb) {
       if (o_.tensorboard.log_timers) {
-        tb_->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state_.iteration);
-        if (o_.tensorboard.log_throughput) tb_->AddScalar("throughput", f.tflops_per_gpu, state_.iteration);
+        outputs_.tb->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state_.iteration);
+        if (o_.tensorboard.log_throughput) outputs_.tb->AddScalar("throughput", f.tflops_per_gpu, state_.iteration);
       }
-      PTK_RETURN_IF_ERROR(tb_->Flush());
+      PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
     }
     interval_ = Interval{};
     interval_.start = Clock::now();
@@ -436,10 +421,10 @@ class Trainer {
     Print(bar);
     Print(line);
     Print(bar);
-    if (tb_) {
+    if (outputs_.tb) {
       TensorBoardScalar(tb_tag, loss);
       if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(tb_tag + " ppl", std::exp(std::min(20.0, loss)));
-      PTK_RETURN_IF_ERROR(tb_->Flush());
+      PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
     }
     return loss;
   }
@@ -476,8 +461,8 @@ class Trainer {
       state_.settings = settings_;
       // What this checkpoint covers is on disk in the event and metrics files before the tracker
       // names it: a kill right after the save loses no logged iteration the checkpoint holds.
-      if (tb_) PTK_RETURN_IF_ERROR(tb_->Sync());
-      PTK_RETURN_IF_ERROR(metrics_.Sync());
+      if (outputs_.tb) PTK_RETURN_IF_ERROR(outputs_.tb->Sync());
+      PTK_RETURN_IF_ERROR(outputs_.metrics.Sync());
       std::vector<CheckpointShard> shards;
       for (const CheckpointArrays& a : parts) shards.push_back({&a.layout, a.params, a.exp_avg, a.exp_avg_sq});
       PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, shards, state_, o_.args_json));
@@ -543,8 +528,8 @@ class Trainer {
     summary_.iteration = state_.iteration;
     summary_.consumed_train_samples = state_.consumed_train_samples;
     summary_.skipped_iterations = state_.skipped_iterations;
-    PTK_RETURN_IF_ERROR(metrics_.Close());
-    if (tb_) PTK_RETURN_IF_ERROR(tb_->Close());
+    PTK_RETURN_IF_ERROR(outputs_.metrics.Close());
+    if (outputs_.tb) PTK_RETURN_IF_ERROR(outputs_.tb->Close());
     return summary_;
   }
 
@@ -575,9 +560,7 @@ class Trainer {
   std::vector<std::unique_ptr<MicroBatch>> held_;  // this iteration's micro-batches
   std::vector<std::vector<int64_t>> keys_;
   std::vector<ModelBatch> batches_;
-  std::unique_ptr<OutputLock> metrics_lock_, tb_lock_;  // released after the files below are closed
-  MetricsFile metrics_;
-  std::unique_ptr<SummaryWriter> tb_;
+  RunOutputs outputs_;
   int64_t current_gbs_ = 0;  // this iteration's global batch (--rampup-batch-size changes it)
   Clock::time_point start_;
   double wall_before_ = 0;  // training time of the runs before this one

@@ -164,6 +164,22 @@ absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::str
   return tb;
 }
 
+absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::string& metrics_path,
+                            const std::string& save, const std::string& load, bool fresh, bool lead, bool tb_writer,
+                            RunOutputs* out) {
+  std::string tb_dir, metrics = metrics_path;
+  if (tb_writer && !tensorboard_dir.empty()) {
+    std::string claimed_metrics = metrics;
+    PTK_ASSIGN_OR_RETURN(tb_dir,
+                         ClaimTensorBoardDir(tensorboard_dir, fresh, save, load, &claimed_metrics, &out->tb_lock));
+    if (lead) metrics = claimed_metrics;
+  }
+  if (lead && !metrics.empty()) PTK_RETURN_IF_ERROR(OpenMetricsFile(metrics, fresh, &out->metrics_lock, &out->metrics));
+  if (tb_dir.empty()) return absl::OkStatus();
+  PTK_ASSIGN_OR_RETURN(out->tb, OpenTensorBoardDir(tb_dir));
+  return absl::OkStatus();
+}
+
 std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
 
 std::string Timestamp() {

@@ -47,6 +47,20 @@ absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fre
 // A new event file in `dir` (a resume adds one), as Megatron's SummaryWriter.
 absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir);
 
+// A run's --metrics-file and --tensorboard-dir, the locks released after the files are closed.
+struct RunOutputs {
+  std::unique_ptr<OutputLock> metrics_lock, tb_lock;
+  MetricsFile metrics;
+  std::unique_ptr<SummaryWriter> tb;
+};
+// Opens them, one run at a time each: a resumed run appends, a fresh one beside another run's event
+// files gets a subdirectory of its own (ClaimTensorBoardDir). `lead` (world rank 0) writes the
+// metrics, `tb_writer` the events; over pipeline stages the writer (the last stage) is not rank 0,
+// which then keeps --metrics-file where it was given.
+absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::string& metrics_path,
+                            const std::string& save, const std::string& load, bool fresh, bool lead, bool tb_writer,
+                            RunOutputs* out);
+
 // A JSON number, or null for NaN/Inf (which JSON cannot spell).
 std::string JsonNumber(double v);
 

@@ -395,7 +395,10 @@ class RangedFetch {
         if (IsStrongEtag(etag_)) req.headers.push_back("If-Range: " + etag_);
       }
       ++s_.range_requests;
-      Attempt a{from, end, from};
+      Attempt a;
+      a.from = from;
+      a.end = end;
+      a.pos = from;
       BodySink sink = PieceSink(a, piece, gen, url);
       PTK_RETURN_IF_ERROR(http.Get(req, &a.resp, &sink));
       const HttpResponse& resp = a.resp;
