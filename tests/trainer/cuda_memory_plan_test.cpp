@@ -369,13 +369,15 @@ TEST(CudaMemoryPlan, PipelineStageKeepsItsLayersActivationsPerSlot) {
   EXPECT_EQ(first.slot_bytes % MemoryPlan::kAlignment, 0);
   EXPECT_LT(first.slot_bytes, whole.slot_bytes);
   EXPECT_EQ(first[first.pipeline_slots].bytes, 3 * first.slot_bytes);
-  EXPECT_EQ(first[first.pipeline_head_grads].bytes, 0);  // not the last stage
+  EXPECT_EQ(first[first.pipeline_head_grads].bytes, 0);  // not the last stage: no LM head
+  EXPECT_EQ(first[first.logits].bytes, 0);
   EXPECT_EQ(first[first.pipeline_exchange].bytes, n * 768 * 4);
   o.pipeline_slots = 1;  // the last stage: one micro-batch in flight, its head gradient kept
   o.pipeline_last = true;
   const MemoryPlan last = MustPlan(c, o);
   EXPECT_EQ(last[last.pipeline_slots].bytes, 0);
   EXPECT_EQ(last[last.pipeline_head_grads].bytes, n * 768 * 2);
+  EXPECT_EQ(last[last.logits].bytes, whole[whole.logits].bytes);
   int64_t end = 0;
   for (const PlannedBuffer& b : first.buffers) {
     EXPECT_EQ(b.offset % MemoryPlan::kAlignment, 0) << b.name;

@@ -147,12 +147,11 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
 
   layer_ = -1;
   // A later pipeline stage starts from the previous stage's output, already in resid[0].
-  if (!pl.pre_process) {
-  } else if (!tp) {
+  if (pl.pre_process && !tp) {
     PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
                            EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
                                                Compute(pl.wpe), n, c, ctx_)));
-  } else {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
+  } else if (pl.pre_process) {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
     const int64_t vt = cf.padded_vocab_size / tensor_size();
     PTK_RETURN_IF_ERROR(Op("embedding", "vocabulary-slice embedding",
                            VocabSliceEmbeddingForward<T>(Buf<float>(plan_.tp_sum), Tokens(), Compute(pl.wte),

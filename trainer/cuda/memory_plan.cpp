@@ -126,6 +126,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   const bool grouped = ng != nh;
   m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
+  if (o.pipeline_slots > 0 && !o.pipeline_last) m.logit_chunk_rows = 0;  // the LM head is the last stage's
   if (o.padded_params != 0 && o.padded_params < num_params)
     return absl::InvalidArgumentError("memory plan: padded parameter count below the parameter count");
   if (o.moment_params > num_params) return absl::InvalidArgumentError("memory plan: moments beyond the parameters");
