@@ -153,7 +153,8 @@ declare -A quick_exclude=(
 )
 # Each test's cap in seconds (the deadline cuts it further); unknown tests get 120.
 declare -A cap=([cuda_toolchain_test]=30 [matmul_attention_cuda_test]=90 [ops_cuda_test]=90 [cuda_model_test]=120
-  [cuda_llama_model_test]=90 [cuda_train_cli_test]=180 [nccl_cuda_test]=120 [tensor_parallel_cuda_test]=60 [cuda_tensor_parallel_test]=90)
+  [cuda_llama_model_test]=90 [cuda_train_cli_test]=180 [nccl_cuda_test]=120 [tensor_parallel_cuda_test]=60 [cuda_tensor_parallel_test]=90
+  [cuda_pipeline_test]=90)
 [ $profile = quick ] || cap[cuda_train_cli_test]=300  # its two slowest cases too
 sanitizer=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer; } || true)
 pass=0 fail=0 skip=0

@@ -217,7 +217,7 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
                   "WORLD_SIZE = this x data-parallel ranks x pipeline stages (1)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size,
-                  "Pipeline stages: the layers split over P stages, Megatron's 1F1B schedule (CPU backend, gloo)")
+                  "Pipeline stages: the layers split over P stages, Megatron's 1F1B schedule (gloo or NCCL)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
       ->check(IntIn(1, kMaxSize));

@@ -101,9 +101,11 @@ const char* const kCudaSequenceParallelMissing =
     "has no sequence-parallel LayerNorm, dropout and residual (all-gather / reduce-scatter around the products) yet; "
     "drop --sequence-parallel to train tensor-parallel on GPUs";
 
-const char* const kCudaPipelineParallelMissing =
-    "--pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, gloo): the CUDA backend has no "
-    "pipeline stages yet (their activations' ncclSend/ncclRecv)";
+const char* const kCudaPipelineSequenceParallelMissing =
+    "--sequence-parallel with --pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, "
+    "gloo): the CUDA backend's pipeline stages exchange whole (b, t, hidden) activations, not sequence-parallel "
+    "shards; "
+    "drop --sequence-parallel to train pipelined on GPUs";
 
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
@@ -115,8 +117,9 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   }
   const bool tp = backend.tensor_comm && backend.tensor_comm->size() > 1;
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
+  if (tp && backend.sequence_parallel && backend.pipeline_stage.size > 1)
+    return UsageError(kCudaPipelineSequenceParallelMissing);
   if (tp && backend.sequence_parallel) return UsageError(kCudaSequenceParallelMissing);
-  if (backend.pipeline_stage.size > 1) return UsageError(kCudaPipelineParallelMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
   cuda::ModelOptions o;
@@ -127,6 +130,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   o.profile = backend.profile;
   o.sync_ops = backend.sync_ops;
   o.tensor_comm = tp ? backend.tensor_comm : nullptr;
+  o.pipeline_stage = backend.pipeline_stage;
   return (*cuda)->CreateModel(config, o);
 }
 

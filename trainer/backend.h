@@ -29,7 +29,7 @@ struct BackendOptions {
 // parallelism (usage errors' text).
 extern const char* const kCudaTensorParallelMissing;
 extern const char* const kCudaSequenceParallelMissing;
-extern const char* const kCudaPipelineParallelMissing;
+extern const char* const kCudaPipelineSequenceParallelMissing;
 
 namespace cuda {
 class Backend;

@@ -345,6 +345,48 @@ TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
   EXPECT_GT(b.total_bytes, a.total_bytes);
 }
 
+// A pipeline stage plans its own layers' activations, P - s slots of them (slot 0 in the usual
+// buffers, the others in pipeline_slots), the last stage each slot's final-norm gradient, and the
+// fp32 activation it exchanges with its neighbours.
+TEST(CudaMemoryPlan, PipelineStageKeepsItsLayersActivationsPerSlot) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 2;
+  const MemoryPlan whole = MustPlan(c, o);
+  EXPECT_EQ(whole.pipeline_slots, -1);
+  EXPECT_EQ(whole.pipeline_exchange, -1);
+  o.layers = 3;  // a stage of 3 of the 12 layers, the first of 4: 4 slots
+  o.pipeline_slots = 4;
+  const MemoryPlan first = MustPlan(c, o);
+  const int64_t n = 2 * 1024;
+  EXPECT_EQ(first[first.qkv].bytes, 3 * n * 3 * 768 * 2);
+  EXPECT_EQ(first[first.resid].bytes, 4 * n * 768 * 2);
+  // A slot: the activations from resid through lnf_stats, aligned.
+  const int64_t span = first[first.lnf_stats].offset + first[first.lnf_stats].bytes - first[first.resid].offset;
+  EXPECT_GE(first.slot_bytes, span);
+  EXPECT_LT(first.slot_bytes - span, MemoryPlan::kAlignment);
+  EXPECT_EQ(first.slot_bytes % MemoryPlan::kAlignment, 0);
+  EXPECT_LT(first.slot_bytes, whole.slot_bytes);
+  EXPECT_EQ(first[first.pipeline_slots].bytes, 3 * first.slot_bytes);
+  EXPECT_EQ(first[first.pipeline_head_grads].bytes, 0);  // not the last stage: no LM head
+  EXPECT_EQ(first[first.logits].bytes, 0);
+  EXPECT_EQ(first[first.pipeline_exchange].bytes, n * 768 * 4);
+  o.pipeline_slots = 1;  // the last stage: one micro-batch in flight, its head gradient kept
+  o.pipeline_last = true;
+  const MemoryPlan last = MustPlan(c, o);
+  EXPECT_EQ(last[last.pipeline_slots].bytes, 0);
+  EXPECT_EQ(last[last.pipeline_head_grads].bytes, n * 768 * 2);
+  EXPECT_EQ(last[last.logits].bytes, whole[whole.logits].bytes);
+  int64_t end = 0;
+  for (const PlannedBuffer& b : first.buffers) {
+    EXPECT_EQ(b.offset % MemoryPlan::kAlignment, 0) << b.name;
+    EXPECT_GE(b.offset, end) << b.name << " overlaps the buffer before it";
+    end = b.offset + b.bytes;
+  }
+  EXPECT_LE(end, first.total_bytes);
+}
+
 TEST(CudaMemoryPlan, Fp32KeepsProbabilitiesPerLayerUnlessRecomputed) {
   GPTConfig c = Gpt2Small();
   c.num_layers = 2;

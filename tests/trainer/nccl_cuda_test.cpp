@@ -179,6 +179,24 @@ void ExpectSame(const Trace& a, const Trace& b, const std::string& what) {
   EXPECT_EQ(std::memcmp(a.v.data(), b.v.data(), a.v.size() * 4), 0) << what << ": exp_avg_sq";
 }
 
+// Point to point (pipeline stages): a world of one has no peer, so a message to or from itself or a
+// rank outside is refused naming it; a call with neither a send nor a receive does nothing. (Two ranks
+// exchanging need two GPUs: cuda_train_cli_test's TwoPipelineStagesOnTwoGpusFollowOneGpu.)
+TEST(NcclOfOne, PointToPointRefusesRanksThatAreNotPeers) {
+  auto comm = NcclOfOne();
+  ASSERT_TRUE(comm);
+  std::vector<float> x(8, 1.0f), y(8, 0.0f);
+  const int64_t bytes = static_cast<int64_t>(x.size() * sizeof(float));
+  for (int peer : {0, 1}) {
+    const absl::Status send = comm->SendRecv(x.data(), bytes, peer, nullptr, 0, -1);
+    EXPECT_TRUE(absl::IsInvalidArgument(send)) << send;
+    EXPECT_NE(send.message().find("to or from rank " + std::to_string(peer)), std::string_view::npos) << send;
+    EXPECT_TRUE(absl::IsInvalidArgument(comm->SendRecv(nullptr, 0, -1, y.data(), bytes, peer)));
+  }
+  EXPECT_TRUE(comm->SendRecv(nullptr, 0, -1, nullptr, 0, -1).ok());
+  EXPECT_EQ(y, std::vector<float>(8, 0.0f));
+}
+
 TEST(NcclOfOne, OverlapAndDistributedOptimizerEqualThePlainStep) {
   for (Precision p : {Precision::kFp32, Precision::kBf16}) {
     const std::string name(PrecisionName(p));

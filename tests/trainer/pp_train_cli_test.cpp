@@ -372,10 +372,19 @@ TEST_F(PipelineParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {
       EXPECT_NE(log.find(c.says), std::string::npos) << "rank " << rank << "\n" << log;
     }
   }
-  // The CUDA backend has no pipeline stages yet: refused naming what is missing.
-  auto cuda = RunCmd(Train(1, 2, "--device cuda", 2));
+  // The CUDA backend's stages exchange whole activations: sequence parallelism with stages is
+  // refused there, naming what is missing (before any device is looked for).
+  auto cuda = RunCmd(Train(2, 2, "--device cuda --sequence-parallel", 2));
   EXPECT_EQ(cuda.exit_code, 2) << cuda.output;
-  EXPECT_NE(cuda.output.find("runs on the CPU backend only"), std::string::npos) << cuda.output;
+  EXPECT_NE(cuda.output.find("--sequence-parallel with --pipeline-model-parallel-size above 1 runs on the CPU backend "
+                             "only"),
+            std::string::npos)
+      << cuda.output;
+  // Without it, stages on CUDA are no longer refused: this one-rank run fails for what it lacks here
+  // (a device, or ranks for its two stages), never for the backend.
+  auto stages = RunCmd(Train(1, 2, "--device cuda", 2));
+  EXPECT_NE(stages.exit_code, 0) << stages.output;
+  EXPECT_EQ(stages.output.find("runs on the CPU backend only"), std::string::npos) << stages.output;
 }
 
 }  // namespace

@@ -246,6 +246,45 @@ class NcclCommunicator : public Communicator {
     float one = 1.0f;
     return StagedAllReduce(&one, 1, ncclFloat);
   }
+  // Point-to-point (pipeline stages' activations and their gradients): ncclSend and ncclRecv in one
+  // group, staged through the scratch buffer (its first half sends, its second receives) chunk by
+  // chunk; both ranks of a pair cut a message into the same chunks, which NCCL matches in order.
+  absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
+                        int src) override {
+    for (int peer : {dst, src})
+      if (peer >= size() || peer == rank())
+        return absl::InvalidArgumentError(
+            fmt::format("rank {} of {}: no point-to-point message to or from rank {}", rank(), size(), peer));
+    const int64_t out = dst >= 0 ? std::max<int64_t>(send_bytes, 0) : 0;
+    const int64_t in = src >= 0 ? std::max<int64_t>(recv_bytes, 0) : 0;
+    if (out == 0 && in == 0) return absl::OkStatus();
+    PTK_RETURN_IF_ERROR(EnsureScratch());
+    const int64_t half = static_cast<int64_t>(kScratchBytes / 2);
+    char* dsend = static_cast<char*>(scratch_);
+    char* drecv = dsend + half;
+    const std::string what =
+        fmt::format("send of {} bytes to rank {} / receive of {} bytes from rank {}", out, dst, in, src);
+    for (int64_t at = 0; at < std::max(out, in); at += half) {
+      const size_t cs = static_cast<size_t>(std::clamp<int64_t>(out - at, 0, half));
+      const size_t cr = static_cast<size_t>(std::clamp<int64_t>(in - at, 0, half));
+      if (cs > 0)
+        PTK_RETURN_IF_ERROR(
+            Cuda(cudaMemcpyAsync(dsend, static_cast<const char*>(send) + at, cs, cudaMemcpyHostToDevice, stream_),
+                 "staging a send"));
+      PTK_RETURN_IF_ERROR(Run(what.c_str(), stream_, [&] {
+        ncclResult_t r = ncclGroupStart();
+        if (r == ncclSuccess && cs > 0) r = ncclSend(dsend, cs, ncclUint8, dst, comm_, stream_);
+        if (r == ncclSuccess && cr > 0) r = ncclRecv(drecv, cr, ncclUint8, src, comm_, stream_);
+        const ncclResult_t end = ncclGroupEnd();
+        return r != ncclSuccess ? r : end;
+      }));
+      if (cr > 0)
+        PTK_RETURN_IF_ERROR(Cuda(
+            cudaMemcpyAsync(static_cast<char*>(recv) + at, drecv, cr, cudaMemcpyDeviceToHost, stream_), what.c_str()));
+      PTK_RETURN_IF_ERROR(WaitStream(what.c_str()));
+    }
+    return absl::OkStatus();
+  }
 
  private:
   struct Pending {

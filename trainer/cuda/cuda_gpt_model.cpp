@@ -106,6 +106,11 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   o.micro_batch_size = b;
   o.seq_length = t;
   o.tensor = tensor_size();
+  o.layers = StageLayers();
+  if (layout().pipeline_size > 1) {  // the micro-batches in flight on this stage (1F1B): P - s
+    o.pipeline_slots = layout().pipeline_size - layout().pipeline_rank;
+    o.pipeline_last = layout().post_process;
+  }
   // This rank's query heads and groups.
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};
@@ -220,7 +225,9 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
                                            cudaMemcpyHostToDevice, ctx_.stream),
                            fmt::format("copying a {}x{} micro-batch to the device", b_, t_));
   if (dropout) {
-    const int64_t L = config().num_layers;
+    // A pipeline stage's layers are keyed by their index in the whole model, the embedding (the
+    // table's last layer) by the model's layer count, as on one stage.
+    const int64_t L = StageLayers();
     uint64_t* table = pinned.at<uint64_t>(static_cast<size_t>(in_bytes));
     // Head h's attention mask is stream streams[b] + h: a tensor rank whose first head is head0
     // starts there, so that every head keeps its mask at any tensor size (as the CPU model).
@@ -228,9 +235,11 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
     for (int64_t l = 0; l <= L; ++l)
       for (int64_t site = 0; site < 4; ++site)
         for (int64_t r = 0; r < b_; ++r)
-          table[StreamIndex(l, site, b_) + r] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]),
-                                                              static_cast<uint64_t>(l), static_cast<uint64_t>(site)) +
-                                                (site == kAttentionProbs ? head0 : 0);
+          table[StreamIndex(l, site, b_) + r] =
+              DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]),
+                            static_cast<uint64_t>(l == L ? config().num_layers : layout().first_layer + l),
+                            static_cast<uint64_t>(site)) +
+              (site == kAttentionProbs ? head0 : 0);
     PTK_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(Buf<uint64_t>(plan_.streams), table, static_cast<size_t>(StreamTableSize(L, b_)) * 8,
                         cudaMemcpyHostToDevice, ctx_.stream),
@@ -274,7 +283,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> Make(const GPTConfig& config, int devi
   if (size > 1 && !tensor->device_collectives())
     return absl::InvalidArgumentError(
         fmt::format("tensor parallelism on CUDA needs NCCL for the tensor group, not {}", tensor->backend()));
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank));
+  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config, size, rank, options.pipeline));
   auto m = std::make_unique<CudaGPTModelImpl<T>>(std::move(layout));
   if (size > 1) m->SetTensorComm(tensor);
   PTK_RETURN_IF_ERROR(m->Init(device, deterministic, micro_batch_size, profile, options));

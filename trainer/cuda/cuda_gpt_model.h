@@ -21,6 +21,9 @@ struct CudaModelOptions {
   // partition of the model (ParamLayout::Create's slices), its layers' collectives over `tensor`
   // on the compute stream. It must have device collectives (NCCL) and outlive the model.
   Communicator* tensor = nullptr;
+  // Pipeline parallelism: this rank's stage (ParamLayout::Create's); its layers only, activations
+  // kept on the device for the micro-batches in flight (StageForward / StageBackward).
+  PipelineStage pipeline;
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).
   bool sync_ops = false;

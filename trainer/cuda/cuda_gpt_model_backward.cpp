@@ -50,7 +50,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
   const AttentionShape shape = Shape();
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = cf.num_layers;
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = StageLayers();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   const bool tp = tensor_size() > 1;
   // Under tensor parallelism the norms, the position embeddings and the row-parallel biases are
@@ -68,18 +68,21 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   T* dbranch = fuse ? dtmp : nullptr;
 
   layer_ = -1;
-  PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
-  PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "final norm backward",
-                         LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
-                                    Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
-                                    scratch, ctx_, dbranch, FusedDropout(L - 1, kMlpOutDropout, hp, seed))));
+  // A stage before the last starts from the next stage's gradient, already in dresid (StageBackward).
+  if (pl.post_process) {
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
+    PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "final norm backward",
+                           LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
+                                      Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
+                                      scratch, ctx_, dbranch, FusedDropout(L - 1, kMlpOutDropout, hp, seed))));
+  }
   GradsReady(0);  // the final norm (and an untied output layer): --overlap-grad-reduce's buckets
   for (int64_t l = L - 1; l >= 0; --l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(act(fc1(ln2(resid_mid)))))
-    const T* dmlp = dtmp;  // fused: the masked gradient the LayerNorm above left
-    if (!fuse) {
+    const T* dmlp = dtmp;  // fused: the masked gradient the LayerNorm above left (none above a stage's output)
+    if (!fuse || (l + 1 == L && !pl.post_process)) {
       PTK_ASSIGN_OR_RETURN(dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
     }
     PTK_RETURN_IF_ERROR(MlpBackward(l, dmlp));
@@ -107,12 +110,18 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "ln1 backward",
                            LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
                                       Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
-                                      scratch, ctx_, l > 0 ? dbranch : (fuse ? dresid : nullptr),
-                                      l > 0 ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
-                                            : FusedDropout(L, kEmbeddingDropout, hp, seed))));
+                                      scratch, ctx_, l > 0 ? dbranch : (fuse && pl.pre_process ? dresid : nullptr),
+                                      l > 0            ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
+                                      : pl.pre_process ? FusedDropout(L, kEmbeddingDropout, hp, seed)
+                                                       : LnDropout{})));
     GradsReady(static_cast<size_t>(L - l));  // layer l
   }
   layer_ = -1;
+  // A later stage leaves its input's gradient in dresid, for the previous stage.
+  if (!pl.pre_process) {
+    GradsReady(static_cast<size_t>(L) + 1);  // the embeddings (none here)
+    return absl::OkStatus();
+  }
   if (!fuse)
     PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", Dropout(dresid, L, kEmbeddingDropout, hp, seed)));
   PTK_RETURN_IF_ERROR(

@@ -5,7 +5,10 @@
 
 #include <map>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -137,6 +140,14 @@ class CudaGPTModelImpl final : public GPTModel {
   // cuda_gpt_model_ops.cpp.
   std::string ProfileReport() const override;
 
+  // cuda_pipeline_stage.cpp: the model as one pipeline stage (layout().pipeline_size > 1).
+  absl::StatusOr<LossSum> StageForward(const ModelBatch& batch, int slot, std::span<const float> input,
+                                       std::span<float> output, std::optional<double> loss_scale, bool train,
+                                       uint64_t seed, std::vector<float>* logits) override;
+  absl::Status StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
+                             std::span<float> input_grad, bool train, uint64_t seed) override;
+  absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) override;
+
  protected:
   // cuda_gpt_model_state.cpp.
   // Re-planned with the padded parameter buffers and the shard's moments (zero); the parameters
@@ -154,8 +165,12 @@ class CudaGPTModelImpl final : public GPTModel {
 
  private:
   // Views of the planned device memory.
+  // A pipeline stage's activations (resid through lnf_stats) are those of the selected slot.
   template <typename U>
   U* Buf(int index) const {
+    if (slot_ > 0 && index >= plan_.resid && index <= plan_.lnf_stats)
+      return reinterpret_cast<U*>(arena_ + plan_[plan_.pipeline_slots].offset + (slot_ - 1) * plan_.slot_bytes +
+                                  (plan_[index].offset - plan_[plan_.resid].offset));
     return reinterpret_cast<U*>(arena_ + plan_[index].offset);
   }
   float* Master(int64_t offset) const { return Buf<float>(plan_.master) + offset; }
@@ -223,6 +238,20 @@ class CudaGPTModelImpl final : public GPTModel {
   // compute copy is cast and the LayerNorms' fp32 copy taken, as with a whole master.
   absl::Status GatherShardedMaster(Communicator* comm);
   absl::Status UploadRange(int index, const float* in, int64_t at, int64_t count);
+
+  // cuda_pipeline_stage.cpp.
+  // The stage's transformer layers (all of them without pipeline parallelism).
+  int64_t StageLayers() const { return static_cast<int64_t>(layout().layers.size()); }
+  absl::Status SelectSlot(int slot, std::string_view what);
+  // The fp32 host activation (n_, hidden) to a T device buffer and back, through pipeline_exchange.
+  absl::Status ExchangeIn(T* dst, std::span<const float> host, std::string_view what);
+  absl::Status ExchangeOut(std::span<float> host, const T* src, std::string_view what);
+  // The slot's final-norm gradient (the last stage's LM head leaves it in dln).
+  T* HeadGrad(int slot) const {
+    return Buf<T>(plan_.pipeline_head_grads) +
+           static_cast<int64_t>(slot) * AlignUp(plan_.n * config().hidden_size * static_cast<int64_t>(sizeof(T))) /
+               static_cast<int64_t>(sizeof(T));
+  }
 
   // cuda_gpt_model.cpp.
   // (Re)plans the device memory for (b, t) and allocates it in one piece; the parameters, gradients
@@ -325,6 +354,11 @@ class CudaGPTModelImpl final : public GPTModel {
   std::vector<std::vector<float>> pending_masks_;
   size_t pending_losses_ = 0;
   int64_t b_ = 0, t_ = 0, n_ = 0;
+  // A pipeline stage: the slot whose activations the pass uses (Buf), the slots holding a forward
+  // pass whose backward has not run (bit k: slot k).
+  int slot_ = 0;
+  uint64_t slots_live_ = 0;
+  std::vector<std::pair<int64_t, int64_t>> slot_shapes_;  // each live slot's (b, t)
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;
   std::vector<uint64_t> flash_keys_;

@@ -131,7 +131,7 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   // This rank's slices under tensor parallelism (everything at one tensor rank): its query heads and
   // groups (shape), the attention width ct, the fused QKV's width qw.
   const AttentionShape shape = Shape();
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = cf.num_layers;
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = StageLayers();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   T* tmp = Buf<T>(plan_.tmp);
   const bool tp = tensor_size() > 1;
@@ -146,11 +146,12 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   const bool fuse = FuseDropout(hp);
 
   layer_ = -1;
-  if (!tp) {
+  // A later pipeline stage starts from the previous stage's output, already in resid[0].
+  if (pl.pre_process && !tp) {
     PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
                            EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
                                                Compute(pl.wpe), n, c, ctx_)));
-  } else {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
+  } else if (pl.pre_process) {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
     const int64_t vt = cf.padded_vocab_size / tensor_size();
     PTK_RETURN_IF_ERROR(Op("embedding", "vocabulary-slice embedding",
                            VocabSliceEmbeddingForward<T>(Buf<float>(plan_.tp_sum), Tokens(), Compute(pl.wte),
@@ -159,15 +160,16 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
                                   /*summed_in_fp32=*/true));
   }
   const LayerParams& first = pl.layers[0];
-  if (fuse) {
+  if (fuse && pl.pre_process) {
     PTK_RETURN_IF_ERROR(
         Op("layernorm", "embedding dropout+ln1",
            DropoutLayerNormForward<T>(Act(plan_.resid, 0, n * c), Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
                                       Stats(plan_.ln1_stats, 0) + n, Ln(first.ln1_w), Ln(first.ln1_b), n, c,
                                       cf.layernorm_epsilon, FusedDropout(L, kEmbeddingDropout, hp, seed), ctx_)));
   } else {
-    PTK_RETURN_IF_ERROR(
-        Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
+    if (pl.pre_process)
+      PTK_RETURN_IF_ERROR(
+          Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
     PTK_RETURN_IF_ERROR(NormForward("ln1", nullptr, Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
                                     Act(plan_.resid, 0, n * c), nullptr, first.ln1_w, first.ln1_b, {}));
   }
@@ -195,12 +197,16 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
     if (!fuse) PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
     // resid[l+1] = resid_mid[l] + dropout(tmp), then the next norm (the next layer's or the final one).
     const bool last = l + 1 == L;
-    const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
+    // The next norm's weights; a stage before the last has no final norm: the fused kernel still
+    // writes the residual (the next stage's input, the same bits as on one stage) and its norm,
+    // taken with this stage's first ln1 weights, lands in the unused lnf buffers.
+    const LayerParams* next =
+        last ? (pl.post_process ? nullptr : &pl.layers[0]) : &pl.layers[static_cast<size_t>(l + 1)];
     PTK_RETURN_IF_ERROR(NormForward(fuse ? "dropout+residual+ln" : "residual+ln", Act(plan_.resid, l + 1, n * c),
                                     last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c),
                                     last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1),
-                                    Act(plan_.resid_mid, l, n * c), tmp, last ? pl.lnf_w : next->ln1_w,
-                                    last ? pl.lnf_b : next->ln1_b, FusedDropout(l, kMlpOutDropout, hp, seed)));
+                                    Act(plan_.resid_mid, l, n * c), tmp, next ? next->ln1_w : pl.lnf_w,
+                                    next ? next->ln1_b : pl.lnf_b, FusedDropout(l, kMlpOutDropout, hp, seed)));
   }
   layer_ = -1;
   return absl::OkStatus();
@@ -238,6 +244,8 @@ absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* log
   // output layer; no rank holds whole logits), all of them at one tensor rank.
   const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size / tensor_size(), out_w = layout().out_w;
   const bool tp = tensor_size() > 1;
+  if (!layout().post_process)
+    return absl::FailedPreconditionError("the LM head runs on the last pipeline stage only (StageForward)");
   T* logits = Buf<T>(plan_.logits);
   const T* lnf = Buf<T>(plan_.lnf);
   float* losses = Buf<float>(plan_.losses);

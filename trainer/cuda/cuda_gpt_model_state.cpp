@@ -101,9 +101,15 @@ absl::Status CudaGPTModelImpl<T>::GradSumSquaresPartials(int64_t begin, int64_t 
     return absl::InvalidArgumentError(
         fmt::format("GradSumSquaresPartials: range [{}, {}) of {} parameters", begin, end, num_params()));
   if (begin == end) return absl::OkStatus();
+  // A pipeline stage's embedding copy left out, as GradSumSquares.
+  const int64_t counted_end = std::min(end, layout().norm_end());
+  if (counted_end <= begin) {
+    out->push_back(0.0);
+    return absl::OkStatus();
+  }
   if (tensor_rank() > 0) {  // another tensor rank: its slices only, as GradSumSquares
     double s = 0;
-    for (const ParamPiece& piece : PiecesIn(layout(), begin, end)) {
+    for (const ParamPiece& piece : PiecesIn(layout(), begin, counted_end)) {
       if (piece.tensor_split_dim < 0) continue;
       PTK_ASSIGN_OR_RETURN(const double part, SumSquaresOf(piece.offset, piece.size));
       s += part;
@@ -112,6 +118,7 @@ absl::Status CudaGPTModelImpl<T>::GradSumSquaresPartials(int64_t begin, int64_t 
     return absl::OkStatus();
   }
   // One partial: SumSquares over the range (over [0, n), GradSumSquares' own bits).
+  end = counted_end;
   Begin();
   double* partials = Buf<double>(plan_.reduce);
   double* result = partials + SumSquaresPartials(end - begin);
@@ -152,17 +159,19 @@ absl::Status CudaGPTModelImpl<T>::AllGatherParams(Communicator* comm) {
 
 template <typename T>
 absl::StatusOr<double> CudaGPTModelImpl<T>::GradSumSquares() {
+  // A last pipeline stage's copy of the tied embeddings is the first stage's to count.
+  const int64_t counted = layout().norm_end();
   if (tensor_rank() > 0) {
     // Another tensor rank: its slices only (tensor rank 0 counts what every rank holds whole).
     double s = 0;
     for (const ParamInfo& p : params_info()) {
-      if (p.tensor_split_dim < 0) continue;
+      if (p.tensor_split_dim < 0 || p.offset >= counted) continue;
       PTK_ASSIGN_OR_RETURN(const double part, SumSquaresOf(p.offset, p.size));
       s += part;
     }
     return s;
   }
-  return SumSquaresOf(0, num_params());
+  return SumSquaresOf(0, counted);
 }
 
 template <typename T>

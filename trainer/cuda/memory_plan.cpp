@@ -119,12 +119,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
   // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
   // under SwiGLU), vocabulary vp.
-  const int64_t L = cf.num_layers, c = cf.hidden_size, hd = cf.head_dim(), nh = cf.num_attention_heads / T,
-                ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
-                ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
+  const int64_t L = o.layers >= 0 ? o.layers : cf.num_layers, c = cf.hidden_size, hd = cf.head_dim(),
+                nh = cf.num_attention_heads / T, ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd,
+                f = cf.ffn_hidden_size / T, ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n,
+                a = m.act_bytes;
   const bool grouped = ng != nh;
   m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
+  if (o.pipeline_slots > 0 && !o.pipeline_last) m.logit_chunk_rows = 0;  // the LM head is the last stage's
   if (o.padded_params != 0 && o.padded_params < num_params)
     return absl::InvalidArgumentError("memory plan: padded parameter count below the parameter count");
   if (o.moment_params > num_params) return absl::InvalidArgumentError("memory plan: moments beyond the parameters");
@@ -150,6 +152,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.gelu = add(cf.swiglu ? "activations: MLP SwiGLU" : "activations: MLP GELU", L * n * f * a, act_lower);
   m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
   m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
+  m.slot_bytes = add.offset - m[m.resid].offset;
   m.logits = add(fmt::format("logits ({} rows x padded vocabulary {}{})", m.logit_chunk_rows, vp,
                              T > 1 ? " (this rank's slice)" : ""),
                  m.logit_chunk_rows * vp * a, "nothing needed: the logits are computed in chunks");
@@ -177,6 +180,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   if (T > 1) {
     m.tp_sum = add("tensor parallel: fp32 sums over the tensor group", n * c * 4, act_lower);
     m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
+  }
+  if (o.pipeline_slots > 0) {
+    m.slots = o.pipeline_slots;
+    m.pipeline_slots = add(fmt::format("pipeline: activations of {} more micro-batch(es) in flight", m.slots - 1),
+                           (m.slots - 1) * m.slot_bytes, act_lower + ", or more pipeline stages");
+    m.pipeline_head_grads = add("pipeline: final-norm gradient per micro-batch in flight",
+                                o.pipeline_last ? m.slots * Align(n * c * a) : 0, act_lower);
+    m.pipeline_exchange = add("pipeline: fp32 activation exchanged with the adjacent stages", n * c * 4, act_lower);
   }
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
   m.total_bytes = add.offset;

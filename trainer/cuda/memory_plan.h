@@ -56,6 +56,13 @@ struct MemoryPlan {
   // group's sums and the vocabulary-parallel loss's per-row statistics.
   int tp_sum = -1, tp_xent = -1;
   int64_t tensor = 1;
+  // A pipeline stage (PlanOptions::pipeline_slots > 0; else empty): the activations above (resid
+  // through lnf_stats, slot_bytes apart) are slot 0's, `pipeline_slots` holds slots 1.. of the
+  // micro-batches in flight; `pipeline_head_grads` (the last stage) each slot's final-norm gradient
+  // (n, hidden), which the LM head leaves at the forward for the slot's backward;
+  // `pipeline_exchange` the fp32 (n, hidden) activation or gradient to or from the host.
+  int pipeline_slots = -1, pipeline_head_grads = -1, pipeline_exchange = -1;
+  int64_t slots = 0, slot_bytes = 0;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -81,6 +88,12 @@ struct PlanOptions {
   // Tensor parallelism: this rank's slices (heads, ffn columns, vocabulary rows: each / tensor) and
   // the fp32 buffer the tensor group's all-reduces and the vocabulary-parallel loss go through.
   int64_t tensor = 1;
+  // A pipeline stage: its transformer layers (-1: the config's num_layers), the micro-batches whose
+  // activations it keeps at once (0: not a stage), and whether it is the last (the LM head's
+  // gradient kept per slot).
+  int64_t layers = -1;
+  int64_t pipeline_slots = 0;
+  bool pipeline_last = false;
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four

@@ -1,0 +1,190 @@
+// The CUDA model as one pipeline stage (the CPU's trainer/cpu/pipeline_stage_cpu.cpp on the GPU): a
+// micro-batch's pass over this stage's layers, from the previous stage's output to the next stage's
+// input. Each micro-batch in flight keeps its activations on the device in a slot of its own (the
+// memory plan's pipeline_slots: P - s of them on stage s); the inputs and dropout streams are
+// copied again for the backward. The activations and their gradients cross the stage boundary as
+// fp32 host spans (exact for bf16 and fp16 values), staged through pipeline_exchange: host staging
+// in this first version; the communicator sends the host spans.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/cuda/cuda_gpt_model_impl.h"
+#include "trainer/cuda/ops_cuda.h"
+
+namespace ptk::cuda::model_detail {
+namespace {
+absl::Status CheckActivation(std::string_view what, size_t got, int64_t want) {
+  if (static_cast<int64_t>(got) == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format("{}: {} floats where this stage exchanges {}", what, got, want));
+}
+}  // namespace
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::SelectSlot(int slot, std::string_view what) {
+  if (layout().pipeline_size <= 1)
+    return absl::FailedPreconditionError(fmt::format("{}: the model is not a pipeline stage", what));
+  if (slot < 0 || slot >= plan_.slots || slot >= 64)  // slots_live_ has a bit per slot
+    return absl::InvalidArgumentError(
+        fmt::format("{}: activation slot {} outside the {} this stage keeps (stage {} of {})", what, slot, plan_.slots,
+                    layout().pipeline_rank, layout().pipeline_size));
+  slot_ = slot;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host, std::string_view what) {
+  const int64_t count = static_cast<int64_t>(host.size());
+  if (count > plan_.n * config().hidden_size)
+    return absl::InvalidArgumentError(fmt::format("{}: {} floats exceed the planned exchange buffer", what, count));
+  float* staged = std::is_same_v<T, float> ? reinterpret_cast<float*>(dst) : Buf<float>(plan_.pipeline_exchange);
+  PTK_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(staged, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, ctx_.stream),
+      fmt::format("{}: copying {} floats to the device", what, count));
+  PTK_RETURN_IF_ERROR(Op("copies", "stage input copy", absl::OkStatus()));
+  if constexpr (!std::is_same_v<T, float>)
+    PTK_RETURN_IF_ERROR(Op("copies", "stage input cast", CastFromFloat<T>(dst, staged, count, ctx_)));
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* src, std::string_view what) {
+  const int64_t count = static_cast<int64_t>(host.size());
+  if (count > plan_.n * config().hidden_size)
+    return absl::InvalidArgumentError(fmt::format("{}: {} floats exceed the planned exchange buffer", what, count));
+  const float* staged = reinterpret_cast<const float*>(src);
+  if constexpr (!std::is_same_v<T, float>) {
+    float* x = Buf<float>(plan_.pipeline_exchange);
+    PTK_RETURN_IF_ERROR(Op("copies", "stage output cast", CastToFloat<T>(x, src, count, ctx_)));
+    staged = x;
+  }
+  PTK_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host.data(), staged, host.size() * sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream),
+      fmt::format("{}: copying {} floats to the host", what, count));
+  PTK_RETURN_IF_ERROR(Op("copies", "stage output copy", absl::OkStatus()));
+  return Sync(what);
+}
+
+template <typename T>
+absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForward(const ModelBatch& batch, int slot,
+                                                          std::span<const float> input, std::span<float> output,
+                                                          std::optional<double> loss_scale, bool train, uint64_t seed,
+                                                          std::vector<float>* logits) {
+  PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageForward"));
+  const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+  if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+  const uint64_t bit = uint64_t{1} << slot;
+  // A larger micro-batch re-plans the device memory, which keeps the parameters only.
+  if ((slots_live_ & ~bit) != 0 && (batch.b > plan_.b || batch.t > plan_.t))
+    return absl::FailedPreconditionError(
+        fmt::format("StageForward: a {}x{} micro-batch is larger than the {}x{} planned while other micro-batches' "
+                    "activations are in flight",
+                    batch.b, batch.t, plan_.b, plan_.t));
+  const int64_t nc = StageExchangeFloats(batch);
+  PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), layout().pre_process ? 0 : nc));
+  PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), layout().post_process ? 0 : nc));
+  PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale.value_or(0.0), dropout));
+  Begin();
+  const int64_t c = config().hidden_size;
+  slots_live_ &= ~bit;  // a forward pass over the slot overwrites what it held
+  if (!layout().pre_process) PTK_RETURN_IF_ERROR(ExchangeIn(Act(plan_.resid, 0, n_ * c), input, "StageForward input"));
+  PTK_RETURN_IF_ERROR(RunForward(train, seed));
+  if (loss_scale) {
+    slots_live_ |= bit;
+    if (slot_shapes_.size() < static_cast<size_t>(plan_.slots)) slot_shapes_.resize(static_cast<size_t>(plan_.slots));
+    slot_shapes_[static_cast<size_t>(slot)] = {batch.b, batch.t};
+  }
+  if (!layout().post_process) {
+    PTK_RETURN_IF_ERROR(ExchangeOut(output, Act(plan_.resid, StageLayers(), n_ * c), "StageForward output"));
+    return LossSum{};
+  }
+  // With a loss scale the LM head leaves the final norm's output gradient in dln: the slot keeps it
+  // for its backward (another slot's forward may run first).
+  PTK_RETURN_IF_ERROR(RunHead(/*backward=*/loss_scale.has_value(), logits));
+  if (loss_scale) {
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(HeadGrad(slot), Buf<T>(plan_.dln), static_cast<size_t>(n_ * c) * sizeof(T),
+                                             cudaMemcpyDeviceToDevice, ctx_.stream),
+                             "keeping the LM head's gradient for the slot's backward");
+    PTK_RETURN_IF_ERROR(Op("copies", "head gradient copy", absl::OkStatus()));
+  }
+  return Losses(batch);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
+                                                std::span<float> input_grad, bool train, uint64_t seed) {
+  PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageBackward"));
+  const uint64_t bit = uint64_t{1} << slot;
+  if ((slots_live_ & bit) == 0)
+    return absl::InvalidArgumentError(fmt::format("StageBackward: slot {} holds no forward pass", slot));
+  if (slot_shapes_[static_cast<size_t>(slot)] != std::pair<int64_t, int64_t>{batch.b, batch.t})
+    return absl::InvalidArgumentError("StageBackward: the batch is not the shape of the slot's forward pass");
+  const int64_t nc = StageExchangeFloats(batch);
+  PTK_RETURN_IF_ERROR(
+      CheckActivation("StageBackward output gradient", output_grad.size(), layout().post_process ? 0 : nc));
+  PTK_RETURN_IF_ERROR(
+      CheckActivation("StageBackward input gradient", input_grad.size(), layout().pre_process ? 0 : nc));
+  const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
+  if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
+  // The inputs and the dropout streams again (the slot's activations stay where its forward left them).
+  PTK_RETURN_IF_ERROR(Prepare(batch, 0.0, dropout));
+  Begin();
+  const int64_t c = config().hidden_size;
+  slots_live_ &= ~bit;
+  if (!layout().post_process) {
+    PTK_RETURN_IF_ERROR(ExchangeIn(Buf<T>(plan_.dresid), output_grad, "StageBackward output gradient"));
+  } else {
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<T>(plan_.dln), HeadGrad(slot), static_cast<size_t>(n_ * c) * sizeof(T),
+                                             cudaMemcpyDeviceToDevice, ctx_.stream),
+                             "restoring the slot's LM head gradient");
+    PTK_RETURN_IF_ERROR(Op("copies", "head gradient copy", absl::OkStatus()));
+  }
+  PTK_RETURN_IF_ERROR(RunBackward(train, seed));
+  if (!layout().pre_process)
+    PTK_RETURN_IF_ERROR(ExchangeOut(input_grad, Buf<T>(plan_.dresid), "StageBackward input gradient"));
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) {
+  if (begin < 0 || n < 0 || begin + n > num_params())
+    return absl::InvalidArgumentError(
+        fmt::format("AllReduceGradRange: [{}, {}) of {} parameters", begin, begin + n, num_params()));
+  if (n == 0) return absl::OkStatus();
+  if (comm->device_collectives()) {  // NCCL: on the compute stream, in place
+    PTK_RETURN_IF_ERROR(Op("all-reduce", "embedding group all-reduce",
+                           comm->AllReduceSumDevice(Grad(begin), n, static_cast<void*>(ctx_.stream))));
+    return Sync("the embedding group's all-reduce");
+  }
+  std::vector<float> host(static_cast<size_t>(n));  // a host communicator (gloo): through the host
+  PTK_RETURN_IF_ERROR(DownloadRange(plan_.grads, host.data(), begin, n));
+  PTK_RETURN_IF_ERROR(comm->AllReduceSum(host.data(), n));
+  PTK_RETURN_IF_ERROR(UploadRange(plan_.grads, host.data(), begin, n));
+  return Sync("the embedding group's all-reduce");
+}
+
+#define PTK_INSTANTIATE(T)                                                                                            \
+  template absl::Status CudaGPTModelImpl<T>::SelectSlot(int slot, std::string_view what);                             \
+  template absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host, std::string_view what);  \
+  template absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* src, std::string_view what); \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForward(                                                 \
+      const ModelBatch& batch, int slot, std::span<const float> input, std::span<float> output,                       \
+      std::optional<double> loss_scale, bool train, uint64_t seed, std::vector<float>* logits);                       \
+  template absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slot,                         \
+                                                           std::span<const float> output_grad,                        \
+                                                           std::span<float> input_grad, bool train, uint64_t seed);   \
+  template absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(__nv_bfloat16)
+PTK_INSTANTIATE(__half)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::cuda::model_detail
