@@ -314,7 +314,9 @@ try:
     if "validation loss at the end of training for val data" not in log0:
         fail("training did not evaluate on the validation split:\n" + log0[-3000:])
     ref_ckpt = os.path.join(VOL, "ptk", "ckpt-indexed")
-    os.rename(tb, tb + ".indexed")
+    # The PyTorchJob's run starts afresh: beside the Indexed Job's event files it would write in a
+    # TensorBoard run directory of its own (run-2), so the Indexed Job's directory is moved aside.
+    os.rename(os.path.dirname(tb), os.path.dirname(tb) + ".indexed")
     say("   2 ranks over loopback (rank 0 reached as ptk-train-0.ptk-train), iteration 120, checkpoints 40/80/120")
 
     (pj,) = render("pytorchjob", CKPT_DIR="/fsx/ptk/ckpt-pytorchjob")

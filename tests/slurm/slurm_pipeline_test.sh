@@ -130,8 +130,10 @@ export TRAIN_ITERS=600 CKPT_DIR=$WORK/ckpt-signal
 TRAIN_ARGS="${TRAIN_ARGS/--save-interval 3/--save-interval 100000} --eval-iters 0 --log-interval 50"
 "$SUBMIT" --from train > "$WORK/jobs" 2>"$WORK/submit.err" || { cat "$WORK/submit.err"; fail "submit --from train"; }
 train_id=$(awk '$1=="train"{print $2}' "$WORK/jobs")
-metrics=$STAGE_PATH/results/train/tensorboard/metrics.jsonl
-rm -f "$metrics"
+# A fresh run beside the earlier runs' event files writes in a TensorBoard run directory of its own
+# (run-2, run-3, ...), and the requeued run, resumed from its checkpoints, keeps writing there.
+tb=$STAGE_PATH/results/train/tensorboard
+metrics=$tb/run-$(($(find "$tb" -maxdepth 1 -name 'run-*' 2>/dev/null | wc -l) + 2))/metrics.jsonl
 lines() { cat "$metrics" 2>/dev/null | wc -l; }
 for _ in $(seq 600); do [ "$(lines)" -ge 100 ] && break; sleep 0.1; done
 [ "$(lines)" -ge 100 ] || fail "training did not start"
