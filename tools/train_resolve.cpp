@@ -235,8 +235,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
   const int64_t tp = f.tensor_model_parallel_size;
-  if (tp > 1 && device == Device::kCuda && f.options.backend.sequence_parallel)
-    return Refuse(kCudaSequenceParallelMissing);
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
   if (pipelined && device == Device::kCuda) return Refuse(kCudaPipelineParallelMissing);
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));

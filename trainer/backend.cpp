@@ -96,11 +96,6 @@ const char* const kCudaTensorParallelMissing =
     "(--distributed-backend nccl, the default with --device cuda); gloo's tensor parallelism runs on the CPU "
     "backend (--device cpu)";
 
-const char* const kCudaSequenceParallelMissing =
-    "--sequence-parallel runs on the CPU backend only (--device cpu, gloo): the CUDA backend's tensor parallelism "
-    "has no sequence-parallel LayerNorm, dropout and residual (all-gather / reduce-scatter around the products) yet; "
-    "drop --sequence-parallel to train tensor-parallel on GPUs";
-
 const char* const kCudaPipelineParallelMissing =
     "--pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, gloo): the CUDA backend has no "
     "pipeline stages yet (their activations' ncclSend/ncclRecv)";
@@ -115,7 +110,6 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   }
   const bool tp = backend.tensor_comm && backend.tensor_comm->size() > 1;
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
-  if (tp && backend.sequence_parallel) return UsageError(kCudaSequenceParallelMissing);
   if (backend.pipeline_stage.size > 1) return UsageError(kCudaPipelineParallelMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
@@ -127,6 +121,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   o.profile = backend.profile;
   o.sync_ops = backend.sync_ops;
   o.tensor_comm = tp ? backend.tensor_comm : nullptr;
+  o.sequence_parallel = tp && backend.sequence_parallel;
   return (*cuda)->CreateModel(config, o);
 }
 

@@ -15,6 +15,7 @@ class CudaBackend final : public Backend {
     CudaModelOptions options;
     options.sync_ops = o.sync_ops;
     options.tensor = o.tensor_comm;
+    options.sequence_parallel = o.sequence_parallel;
     return CreateCudaGPTModel(config, o.precision, o.device_index, o.deterministic, o.micro_batch_size, o.profile,
                               options);
   }
@@ -26,7 +27,7 @@ class CudaBackend final : public Backend {
 }  // namespace
 }  // namespace ptk::cuda
 
-extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v2() {
+extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v3() {
   static const ptk::cuda::CudaBackend backend;
   return &backend;
 }

@@ -21,6 +21,11 @@ struct CudaModelOptions {
   // partition of the model (ParamLayout::Create's slices), its layers' collectives over `tensor`
   // on the compute stream. It must have device collectives (NCCL) and outlive the model.
   Communicator* tensor = nullptr;
+  // Megatron's --sequence-parallel over that group (ignored without one): the norms, hidden dropout
+  // and residual stream on this rank's 1/T of each sample's positions (the CPU model's rows),
+  // all-gathered before the column-parallel products, reduce-scattered after the row-parallel ones.
+  // The sequence length must divide by the group's size.
+  bool sequence_parallel = false;
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).
   bool sync_ops = false;

@@ -56,6 +56,13 @@ struct MemoryPlan {
   // group's sums and the vocabulary-parallel loss's per-row statistics.
   int tp_sum = -1, tp_xent = -1;
   int64_t tensor = 1;
+  // --sequence-parallel (PlanOptions::sequence_parallel with tensor > 1): the residual stream, the
+  // residual after attention and the residual gradient hold this rank's n / tensor rows (its
+  // positions of every sample); the norms' outputs stay whole (all-gathered, what the column-parallel
+  // products and their weight gradients read). sp_stage: the collectives' staging, fp32 (n, hidden),
+  // then this rank's rows' positions (int32).
+  bool sequence_parallel = false;
+  int sp_stage = -1;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -81,6 +88,9 @@ struct PlanOptions {
   // Tensor parallelism: this rank's slices (heads, ffn columns, vocabulary rows: each / tensor) and
   // the fp32 buffer the tensor group's all-reduces and the vocabulary-parallel loss go through.
   int64_t tensor = 1;
+  // Megatron's sequence parallelism on the tensor group (MemoryPlan::sequence_parallel); the
+  // sequence length must divide by `tensor`.
+  bool sequence_parallel = false;
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four
