@@ -106,17 +106,18 @@ TEST(CudaMemoryPlan, SequenceParallelShardsTheResidualStream) {
   o.sequence_parallel = true;
   auto sp = PlanMemory(c, layout->num_params, o);
   ASSERT_TRUE(sp.ok()) << sp.status();
-  EXPECT_TRUE(sp->sequence_parallel);
-  EXPECT_FALSE(tp->sequence_parallel);
-  EXPECT_EQ(tp->sp_stage, -1);
+  const MemoryPlan &S = *sp, &P = *tp;
+  EXPECT_TRUE(S.sequence_parallel);
+  EXPECT_FALSE(P.sequence_parallel);
+  EXPECT_EQ(P.sp_stage, -1);
   for (int MemoryPlan::*b : {&MemoryPlan::resid, &MemoryPlan::resid_mid, &MemoryPlan::dresid})
-    EXPECT_EQ((*sp)[sp->*b].bytes * 2, (*tp)[tp->*b].bytes) << (*sp)[sp->*b].name;
-  for (int MemoryPlan::*b : {&MemoryPlan::ln1, &MemoryPlan::ln2, &MemoryPlan::lnf, &MemoryPlan::dln,
-                             &MemoryPlan::tmp, &MemoryPlan::dtmp, &MemoryPlan::tp_sum})
-    EXPECT_EQ((*sp)[sp->*b].bytes, (*tp)[tp->*b].bytes) << (*sp)[sp->*b].name;
-  EXPECT_EQ((*sp)[sp->resid].bytes, 13 * 4 * 512 * 768 * 2);
-  EXPECT_EQ((*sp)[sp->sp_stage].bytes, 4 * 1024 * 768 * 4 + 4 * 512 * 4);  // 8 KiB of positions: aligned
-  EXPECT_NE((*sp)[sp->resid].name.find("this rank's positions"), std::string::npos);
+    EXPECT_EQ(S[S.*b].bytes * 2, P[P.*b].bytes) << S[S.*b].name;
+  for (int MemoryPlan::*b : {&MemoryPlan::ln1, &MemoryPlan::ln2, &MemoryPlan::lnf, &MemoryPlan::dln, &MemoryPlan::tmp,
+                             &MemoryPlan::dtmp, &MemoryPlan::tp_sum})
+    EXPECT_EQ(S[S.*b].bytes, P[P.*b].bytes) << S[S.*b].name;
+  EXPECT_EQ(S[S.resid].bytes, 13 * 4 * 512 * 768 * 2);
+  EXPECT_EQ(S[S.sp_stage].bytes, 4 * 1024 * 768 * 4 + 4 * 512 * 4);  // 8 KiB of positions: aligned
+  EXPECT_NE(S[S.resid].name.find("this rank's positions"), std::string::npos);
   o.seq_length = 1023;
   auto odd = PlanMemory(c, layout->num_params, o);
   ASSERT_FALSE(odd.ok());

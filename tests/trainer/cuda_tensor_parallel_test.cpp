@@ -233,8 +233,8 @@ TEST(CudaTensorParallel, SequenceParallelFollowsOneRankAndTensorParallel) {
     GPTConfig config;
     std::vector<int> sizes;
   };
-  for (const Line& line : {Line{"gpt", SmallConfig(/*dropout=*/true), {2, 4}},
-                           Line{"llama", cuda_model_test::LlamaConfig(), {2}}}) {
+  for (const Line& line :
+       {Line{"gpt", SmallConfig(/*dropout=*/true), {2, 4}}, Line{"llama", cuda_model_test::LlamaConfig(), {2}}}) {
     const TpRun one = Train(1, steps, line.config);
     ASSERT_EQ(one.losses[0].size(), static_cast<size_t>(steps));
     for (int T : line.sizes) {

@@ -385,8 +385,8 @@ TEST_F(CudaTrainCli, SequenceParallelOnTwoGpusFollowsOneGpu) {
     ASSERT_EQ(sp.size(), 20u) << r.output;
     if (*precision == '\0') {
       for (size_t i = 0; i < sp.size(); ++i)
-        EXPECT_NEAR(sp[i].lm_loss, one[i].lm_loss, 2e-3 * one[i].lm_loss) << "T=2 sequence-parallel fp32, iteration "
-                                                                           << i + 1;
+        EXPECT_NEAR(sp[i].lm_loss, one[i].lm_loss, 2e-3 * one[i].lm_loss)
+            << "T=2 sequence-parallel fp32, iteration " << i + 1;
     } else {
       EXPECT_LT(sp.back().lm_loss, sp.front().lm_loss - 0.5) << "T=2 sequence-parallel bf16 did not learn";
     }
