@@ -116,7 +116,9 @@ TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true)
     o.sequence_parallel = sp;
     std::unique_ptr<GPTModel> model = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
     ASSERT_NE(model, nullptr);
-    if (sp && T > 1) EXPECT_NE(model->Describe().find("sequence parallel"), std::string::npos) << model->Describe();
+    if (sp && T > 1) {
+      EXPECT_NE(model->Describe().find("sequence parallel"), std::string::npos) << model->Describe();
+    }
     std::vector<float> logits;
     auto fwd = model->Forward(data.Get(0), &logits);
     ASSERT_TRUE(fwd.ok()) << fwd.status();
