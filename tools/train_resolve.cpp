@@ -237,8 +237,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   const int64_t tp = f.tensor_model_parallel_size;
   if (tp > 1 && device == Device::kCuda && f.options.backend.sequence_parallel && pipelined)
     return Refuse(kCudaPipelineSequenceParallelMissing);
-  if (tp > 1 && device == Device::kCuda && f.options.backend.sequence_parallel)
-    return Refuse(kCudaSequenceParallelMissing);
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read

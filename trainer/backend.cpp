@@ -96,11 +96,6 @@ const char* const kCudaTensorParallelMissing =
     "(--distributed-backend nccl, the default with --device cuda); gloo's tensor parallelism runs on the CPU "
     "backend (--device cpu)";
 
-const char* const kCudaSequenceParallelMissing =
-    "--sequence-parallel runs on the CPU backend only (--device cpu, gloo): the CUDA backend's tensor parallelism "
-    "has no sequence-parallel LayerNorm, dropout and residual (all-gather / reduce-scatter around the products) yet; "
-    "drop --sequence-parallel to train tensor-parallel on GPUs";
-
 const char* const kCudaPipelineSequenceParallelMissing =
     "--sequence-parallel with --pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, "
     "gloo): the CUDA backend's pipeline stages exchange whole (b, t, hidden) activations, not sequence-parallel "
@@ -119,7 +114,6 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
   if (tp && backend.sequence_parallel && backend.pipeline_stage.size > 1)
     return UsageError(kCudaPipelineSequenceParallelMissing);
-  if (tp && backend.sequence_parallel) return UsageError(kCudaSequenceParallelMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
   cuda::ModelOptions o;
@@ -131,6 +125,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   o.sync_ops = backend.sync_ops;
   o.tensor_comm = tp ? backend.tensor_comm : nullptr;
   o.pipeline_stage = backend.pipeline_stage;
+  o.sequence_parallel = tp && backend.sequence_parallel;
   return (*cuda)->CreateModel(config, o);
 }
 

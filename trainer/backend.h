@@ -25,10 +25,9 @@ struct BackendOptions {
   PipelineStage pipeline_stage;
 };
 
-// Why the CUDA backend refuses tensor parallelism over gloo, sequence parallelism and pipeline
+// Why the CUDA backend refuses tensor parallelism over gloo (with or without --sequence-parallel) and pipeline
 // parallelism (usage errors' text).
 extern const char* const kCudaTensorParallelMissing;
-extern const char* const kCudaSequenceParallelMissing;
 extern const char* const kCudaPipelineSequenceParallelMissing;
 
 namespace cuda {

@@ -87,6 +87,49 @@ TEST(CudaMemoryPlan, TensorRanksHoldTheirSlices) {
   EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
 }
 
+// --sequence-parallel: the residual stream, the residual after attention and the residual
+// gradient hold this rank's half of the positions; the norms' outputs stay whole (gathered for
+// the column-parallel products); a staging buffer for the gathers and reduce-scatters (fp32 rows
+// and this rank's positions). A sequence the group does not divide is refused; without tensor
+// parallelism the flag changes nothing.
+TEST(CudaMemoryPlan, SequenceParallelShardsTheResidualStream) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 4;
+  o.logits_budget_bytes = int64_t{1} << 40;
+  o.tensor = 2;
+  auto layout = ParamLayout::Create(c, 2, 0);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto tp = PlanMemory(c, layout->num_params, o);
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  o.sequence_parallel = true;
+  auto sp = PlanMemory(c, layout->num_params, o);
+  ASSERT_TRUE(sp.ok()) << sp.status();
+  const MemoryPlan &S = *sp, &P = *tp;
+  EXPECT_TRUE(S.sequence_parallel);
+  EXPECT_FALSE(P.sequence_parallel);
+  EXPECT_EQ(P.sp_stage, -1);
+  for (int MemoryPlan::*b : {&MemoryPlan::resid, &MemoryPlan::resid_mid, &MemoryPlan::dresid})
+    EXPECT_EQ(S[S.*b].bytes * 2, P[P.*b].bytes) << S[S.*b].name;
+  for (int MemoryPlan::*b : {&MemoryPlan::ln1, &MemoryPlan::ln2, &MemoryPlan::lnf, &MemoryPlan::dln, &MemoryPlan::tmp,
+                             &MemoryPlan::dtmp, &MemoryPlan::tp_sum})
+    EXPECT_EQ(S[S.*b].bytes, P[P.*b].bytes) << S[S.*b].name;
+  EXPECT_EQ(S[S.resid].bytes, 13 * 4 * 512 * 768 * 2);
+  EXPECT_EQ(S[S.sp_stage].bytes, 4 * 1024 * 768 * 4 + 4 * 512 * 4);  // 8 KiB of positions: aligned
+  EXPECT_NE(S[S.resid].name.find("this rank's positions"), std::string::npos);
+  o.seq_length = 1023;
+  auto odd = PlanMemory(c, layout->num_params, o);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("sequence length 1023 does not divide by tensor size 2"), std::string::npos)
+      << odd.status();
+  o.seq_length = 0;
+  o.tensor = 1;
+  const MemoryPlan one = MustPlan(c, o);
+  EXPECT_FALSE(one.sequence_parallel);
+  EXPECT_EQ(one.sp_stage, -1);
+}
+
 // The test hook of cuda_model_test's ChunkedLmHeadMatchesOneChunk (CudaModelOptions'
 // logits_budget_bytes, passed on as PlanOptions::logits_budget_bytes): a budget of 100 rows of
 // the padded vocabulary splits its 4x64 micro-batch (256 rows) into three balanced chunks, 86, 85

@@ -7,7 +7,9 @@
 // (the four AdamW steps after it 1e-4), the
 // gradients gathered from the slices within 1e-4 of the largest (cuda_model_test's fp32 bounds),
 // the tensors every rank holds whole with the same gradient bits on every rank; text-sample logits
-// gathered whole; a few AdamW steps follow one rank's losses. gpu-labelled: exit 77 without a
+// gathered whole; a few AdamW steps follow one rank's losses. With --sequence-parallel (the norms,
+// hidden dropout and residual stream on each rank's positions) the same against one rank and
+// against T = 2 without it, GPT-3's line and the Llama line. gpu-labelled: exit 77 without a
 // device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -16,7 +18,11 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
+
+#include <fmt/core.h>
 
 #include "common/status.h"
 #include "tests/trainer/cuda_model_test_util.h"
@@ -93,9 +99,9 @@ struct TpRun {
   bool whole_tensors_same_bits = true;
 };
 
-// `steps` training steps at tensor size T (T = 1: one CUDA model, no group): the first pass's
-// gradients, each step's loss.
-TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true)) {
+// `steps` training steps at tensor size T (T = 1: one CUDA model, no group), with
+// --sequence-parallel when `sp`: the first pass's gradients, each step's loss.
+TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true), bool sp = false) {
   const Batches data(steps, c.vocab_size);
   auto whole = ParamLayout::Create(c);
   TpRun out;
@@ -107,8 +113,12 @@ TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true)
     StagedDeviceCollectives tensor(host);
     cuda::CudaModelOptions o;
     o.tensor = T > 1 ? &tensor : nullptr;
+    o.sequence_parallel = sp;
     std::unique_ptr<GPTModel> model = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
     ASSERT_NE(model, nullptr);
+    if (sp && T > 1) {
+      EXPECT_NE(model->Describe().find("sequence parallel"), std::string::npos) << model->Describe();
+    }
     std::vector<float> logits;
     auto fwd = model->Forward(data.Get(0), &logits);
     ASSERT_TRUE(fwd.ok()) << fwd.status();
@@ -201,6 +211,77 @@ TEST(CudaTensorParallel, LlamaRanksFollowOneRank) {
       EXPECT_NEAR(tp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
           << "rank " << r << " step " << k;
   }
+}
+
+// Largest absolute difference of two gradient vectors, and the largest magnitude of the first.
+std::pair<double, double> GradDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double gmax = 0, dmax = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    gmax = std::max(gmax, static_cast<double>(std::abs(a[i])));
+    dmax = std::max(dmax, static_cast<double>(std::abs(a[i] - b[i])));
+  }
+  return {dmax, gmax};
+}
+
+// --sequence-parallel at T = 2 (and 4 for GPT-3's line), dropout on: each rank keeps its positions
+// of the residual stream, its norms' and dropout's rows; the hidden-dropout masks are those of one
+// rank, so the losses and gradients follow one rank's (and T = 2's without sequence parallelism)
+// within the bounds above, and the norms' gradients, summed over the group, have the same bits on
+// every rank. The gathered logits of evaluation match too.
+TEST(CudaTensorParallel, SequenceParallelFollowsOneRankAndTensorParallel) {
+  const int steps = 4;
+  struct Line {
+    const char* name;
+    GPTConfig config;
+    std::vector<int> sizes;
+  };
+  for (const Line& line :
+       {Line{"gpt", SmallConfig(/*dropout=*/true), {2, 4}}, Line{"llama", cuda_model_test::LlamaConfig(), {2}}}) {
+    const TpRun one = Train(1, steps, line.config);
+    ASSERT_EQ(one.losses[0].size(), static_cast<size_t>(steps));
+    for (int T : line.sizes) {
+      SCOPED_TRACE(fmt::format("{} T={}", line.name, T));
+      const TpRun tp = Train(T, steps, line.config), sp = Train(T, steps, line.config, /*sp=*/true);
+      EXPECT_TRUE(sp.whole_tensors_same_bits);
+      const auto [d1, g1] = GradDiff(one.grads, sp.grads);
+      EXPECT_LT(d1, 1e-4 * g1) << "against one rank: largest gradient difference " << d1 << " of " << g1;
+      const auto [d2, g2] = GradDiff(tp.grads, sp.grads);
+      EXPECT_LT(d2, 1e-4 * g2) << "against T ranks without --sequence-parallel: " << d2 << " of " << g2;
+      for (int r = 0; r < T; ++r) {
+        ASSERT_EQ(sp.losses[static_cast<size_t>(r)].size(), static_cast<size_t>(steps));
+        for (int k = 0; k < steps; ++k) {
+          EXPECT_NEAR(sp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
+              << "rank " << r << " step " << k;
+          EXPECT_NEAR(sp.losses[static_cast<size_t>(r)][k], tp.losses[0][k], (k ? 1e-4 : 1e-5) * tp.losses[0][k])
+              << "rank " << r << " step " << k;
+        }
+      }
+      ASSERT_EQ(sp.logits.size(), one.logits.size());
+      double lmax = 0;
+      for (size_t i = 0; i < one.logits.size(); ++i)
+        lmax = std::max(lmax, static_cast<double>(std::abs(one.logits[i] - sp.logits[i])));
+      EXPECT_LT(lmax, 1e-4) << "gathered logits";
+      std::printf("%s T=%d sequence-parallel: loss %.9g vs %.9g (one rank); gradient difference %.3g of %.3g\n",
+                  line.name, T, sp.losses[0][0], one.losses[0][0], d1, g1);
+    }
+  }
+}
+
+// A sequence length the group does not divide is refused when the model is made, naming the flag.
+TEST(CudaTensorParallel, SequenceParallelNeedsTheSequenceToDivide) {
+  GPTConfig c = SmallConfig(/*dropout=*/false);
+  c.seq_length = c.max_position_embeddings = 63;
+  std::vector<std::string> errors(2);
+  testing::RunRanks(2, [&](Communicator* host, int rank) {
+    StagedDeviceCollectives tensor(host);
+    cuda::CudaModelOptions o;
+    o.tensor = &tensor;
+    o.sequence_parallel = true;
+    auto m = cuda::CreateCudaGPTModel(c, Precision::kFp32, 0, true, 2, false, o);
+    errors[static_cast<size_t>(rank)] = m.ok() ? "" : std::string(m.status().message());
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("--sequence-parallel: --seq-length 63 is not divisible"), std::string::npos) << e;
 }
 
 }  // namespace

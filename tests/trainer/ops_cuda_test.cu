@@ -325,6 +325,37 @@ TEST_F(CudaOps, DropoutRowsEdgeProbabilities) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A sequence-parallel rank's part of each row (its positions, from element index0 on) dropped with
+// index0 gets the whole row's mask there, bit for bit, at every rank of T = 2 and 4; a negative
+// first index is refused.
+TEST_F(CudaOps, DropoutRowsFromAnIndexMatchTheWholeRow) {
+  const int64_t rows = 3, row_len = 1024;
+  const uint64_t seed = 4242;
+  std::vector<uint64_t> streams(rows);
+  for (int64_t r = 0; r < rows; ++r) streams[r] = DropoutStream(static_cast<uint64_t>(7 + r), 1, kAttentionOutDropout);
+  const auto x = Normal(rows * row_len, 42);
+  DeviceArray<float> whole(x);
+  DeviceArray<uint64_t> dstreams(streams);
+  ASSERT_OK(DropoutRows<float>(whole.get(), rows, row_len, dstreams.get(), 0.3, seed, ctx_));
+  const std::vector<float> want = whole.Download();
+  for (int64_t T : {2, 4}) {
+    const int64_t part = row_len / T;
+    for (int64_t q = 0; q < T; ++q) {
+      std::vector<float> mine(static_cast<size_t>(rows * part)), expect(mine.size());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < part; ++i) {
+          mine[static_cast<size_t>(r * part + i)] = x[static_cast<size_t>(r * row_len + q * part + i)];
+          expect[static_cast<size_t>(r * part + i)] = want[static_cast<size_t>(r * row_len + q * part + i)];
+        }
+      DeviceArray<float> d(mine);
+      ASSERT_OK(DropoutRows<float>(d.get(), rows, part, dstreams.get(), 0.3, seed, ctx_, q * part));
+      ExpectBitwise(d.Download(), expect, "T=" + std::to_string(T) + " rank " + std::to_string(q));
+    }
+  }
+  EXPECT_EQ(DropoutRows<float>(whole.get(), rows, row_len, dstreams.get(), 0.1, 5, ctx_, -1).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // ---- softmax cross-entropy -----------------------------------------------------------------------
 
 // Losses within 1e-5 rel / 1e-5 abs in every mode (fp32 softmax over the T inputs); dlogits

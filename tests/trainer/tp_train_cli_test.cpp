@@ -269,11 +269,11 @@ TEST_F(TensorParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {
       EXPECT_NE(log.find(c.says), std::string::npos) << "rank " << rank << "\n" << log;
     }
   }
-  // The CUDA backend's tensor parallelism runs over NCCL without sequence parallelism: the rest is
-  // refused naming what is missing.
-  auto sp = RunCmd(Train(2, "--device cuda --sequence-parallel", 2));
+  // The CUDA backend's tensor parallelism (with or without --sequence-parallel) runs over NCCL only:
+  // gloo is refused naming what is missing, before any device is looked for.
+  auto sp = RunCmd(Train(2, "--device cuda --sequence-parallel --distributed-backend gloo", 2));
   EXPECT_EQ(sp.exit_code, 2) << sp.output;
-  EXPECT_NE(sp.output.find("--sequence-parallel runs on the CPU backend only"), std::string::npos) << sp.output;
+  EXPECT_NE(sp.output.find("needs NCCL for the tensor group"), std::string::npos) << sp.output;
   auto gloo = RunCmd(Train(2, "--device cuda --distributed-backend gloo", 2));
   EXPECT_EQ(gloo.exit_code, 2) << gloo.output;
   EXPECT_NE(gloo.output.find("needs NCCL for the tensor group"), std::string::npos) << gloo.output;

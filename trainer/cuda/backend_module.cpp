@@ -16,6 +16,7 @@ class CudaBackend final : public Backend {
     options.sync_ops = o.sync_ops;
     options.tensor = o.tensor_comm;
     options.pipeline = o.pipeline_stage;
+    options.sequence_parallel = o.sequence_parallel;
     return CreateCudaGPTModel(config, o.precision, o.device_index, o.deterministic, o.micro_batch_size, o.profile,
                               options);
   }
@@ -27,7 +28,7 @@ class CudaBackend final : public Backend {
 }  // namespace
 }  // namespace ptk::cuda
 
-extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v3() {
+extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v4() {
   static const ptk::cuda::CudaBackend backend;
   return &backend;
 }

@@ -25,6 +25,7 @@ struct ModelOptions {
   bool sync_ops = false;                // PTK_CUDA_SYNC_OPS=1: synchronise after every op, name the one that fails
   Communicator* tensor_comm = nullptr;  // tensor parallelism: the tensor group (NCCL), CudaModelOptions::tensor
   PipelineStage pipeline_stage;         // pipeline parallelism: CudaModelOptions::pipeline
+  bool sequence_parallel = false;       // --sequence-parallel over tensor_comm: CudaModelOptions::sequence_parallel
 };
 
 class Backend {
@@ -38,12 +39,12 @@ class Backend {
   ~Backend() = default;  // the module's own static object: never deleted through this interface
 };
 
-// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v3(void)
-// (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage).
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v4(void)
+// (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
-inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v3";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v4";
 using BackendEntryFn = const Backend* (*)();
 
 }  // namespace ptk::cuda
 
-extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v3();
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v4();

@@ -52,6 +52,11 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
   sync_ops_ = options.sync_ops;
   logits_budget_bytes_ = options.logits_budget_bytes;
   unfused_ = options.unfused;
+  sequence_parallel_ = options.sequence_parallel && tensor_size() > 1;
+  if (sequence_parallel_ && config().seq_length % tensor_size() != 0)
+    return UsageError(
+        fmt::format("--sequence-parallel: --seq-length {} is not divisible by the tensor group's {} ranks",
+                    config().seq_length, tensor_size()));
   if (logits_budget_bytes_ < 0)
     return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
   const int visible = VisibleDeviceCount();
@@ -96,7 +101,9 @@ template <typename T>
 std::string CudaGPTModelImpl<T>::Describe() const {
   return fmt::format("cuda:{} ({}, sm_{}{}) {}{}{}", ctx_.device, device_name_, ctx_.sm_major, ctx_.sm_minor,
                      PrecisionName(PrecisionOf<T>()), ctx_.deterministic ? ", deterministic" : "",
-                     tensor_size() > 1 ? fmt::format(", tensor rank {} of {}", tensor_rank(), tensor_size()) : "");
+                     tensor_size() > 1 ? fmt::format(", tensor rank {} of {}{}", tensor_rank(), tensor_size(),
+                                                     sequence_parallel_ ? ", sequence parallel" : "")
+                                       : "");
 }
 
 template <typename T>
@@ -111,6 +118,7 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
     o.pipeline_slots = layout().pipeline_size - layout().pipeline_rank;
     o.pipeline_last = layout().post_process;
   }
+  o.sequence_parallel = sequence_parallel_;
   // This rank's query heads and groups.
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};

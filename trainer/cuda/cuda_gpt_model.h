@@ -24,6 +24,11 @@ struct CudaModelOptions {
   // Pipeline parallelism: this rank's stage (ParamLayout::Create's); its layers only, activations
   // kept on the device for the micro-batches in flight (StageForward / StageBackward).
   PipelineStage pipeline;
+  // Megatron's --sequence-parallel over that group (ignored without one): the norms, hidden dropout
+  // and residual stream on this rank's 1/T of each sample's positions (the CPU model's rows),
+  // all-gathered before the column-parallel products, reduce-scattered after the row-parallel ones.
+  // The sequence length must divide by the group's size.
+  bool sequence_parallel = false;
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).
   bool sync_ops = false;

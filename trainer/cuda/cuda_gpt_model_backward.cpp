@@ -47,6 +47,7 @@ absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp) {
 
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
+  if (sequence_parallel_) return RunBackwardSequenceParallel(train, seed);  // cuda_sequence_parallel.cpp
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
   const AttentionShape shape = Shape();

@@ -309,6 +309,34 @@ class CudaGPTModelImpl final : public GPTModel {
   // dlosses the slice becomes its gradient): maxima all-gathered, sums and target logits
   // all-reduced over the tensor group.
   absl::Status VocabParallelLoss(T* logits, float* losses, const int32_t* labels, const float* dlosses, int64_t rows);
+  // cuda_sequence_parallel.cpp: --sequence-parallel (sequence_parallel_), the two passes above with
+  // the norms, hidden dropout and residual stream on this rank's rows (SeqRows), the gathers and
+  // reduce-scatters around the products.
+  absl::Status RunForwardSequenceParallel(bool train, uint64_t seed);
+  absl::Status RunBackwardSequenceParallel(bool train, uint64_t seed);
+  // This rank's rows: positions [r·t/T, (r+1)·t/T) of each of the b samples, (b, t/T, c) in order.
+  int64_t SeqRows() const { return n_ / tensor_size(); }
+  // The staging buffer (sp_stage) as T, and this rank's slot in it (where a gather starts).
+  T* SeqSlot() const { return Buf<T>(plan_.sp_stage) + tensor_rank() * SeqRows() * config().hidden_size; }
+  // whole (n, c) = this rank's rows `local` (b, t/T, c) gathered from every rank in sample order.
+  absl::Status SeqGather(T* whole, const T* local);
+  // local = this rank's rows of whole (n, c) (or of the fp32 whole_f32 when given) summed over the
+  // group in fp32, rounded to T with the bias and the position embeddings (may be null) added.
+  absl::Status SeqReduceScatter(T* local, const T* whole, const float* whole_f32, const T* bias, const T* wpe);
+  // Hidden dropout of (layer, site) on this rank's rows, each element keyed by its place in the sample.
+  absl::Status SeqDropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
+  // A norm's forward on this rank's rows (resid_out = a + b first when b is given; stats: mean at
+  // stats, rstd at stats + n_, as the unsharded pass keeps them), its output gathered whole into out.
+  absl::Status SeqNormForward(const char* name, T* resid_out, T* out, float* stats, const T* a, const T* b, int64_t w,
+                              int64_t bias);
+  // The gradient of whole (n, c) partial sums dpartial reduce-scattered to this rank's rows (into dln's
+  // first rows), then the norm's backward on them: dresid += the input gradient, the weight (and
+  // bias) gradients of this rank's rows summed over the group and added to the gradients.
+  absl::Status SeqNormBackward(const char* name, T* dpartial, const T* inp, float* stats, int64_t w, int64_t bias);
+  // dtmp (n, c) = the gradient of a branch's output: this rank's residual gradient with the branch's
+  // dropout mask, gathered whole.
+  absl::Status SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed);
+
   // cuda_gpt_model_backward.cpp.
   // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.
   absl::Status RunBackward(bool train, uint64_t seed);
@@ -378,6 +406,7 @@ class CudaGPTModelImpl final : public GPTModel {
   std::vector<LayerNormRun> ln_runs_ = LayerNormRuns(layout());
   EmbeddingBackwardPlan embedding_plan_;
   bool profile_ = false;
+  bool sequence_parallel_ = false;   // CudaModelOptions::sequence_parallel with a tensor group
   bool sync_ops_ = false;            // PTK_CUDA_SYNC_OPS=1: CudaModelOptions::sync_ops
   int64_t logits_budget_bytes_ = 0;  // CudaModelOptions::logits_budget_bytes (0: the plan's default)
   CudaModelOptions::Unfused unfused_;

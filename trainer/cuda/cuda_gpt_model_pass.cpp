@@ -126,6 +126,7 @@ absl::Status CudaGPTModelImpl<T>::Fc1Forward(int64_t l) {
 
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
+  if (sequence_parallel_) return RunForwardSequenceParallel(train, seed);  // cuda_sequence_parallel.cpp
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
   // This rank's slices under tensor parallelism (everything at one tensor rank): its query heads and
@@ -305,7 +306,9 @@ absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* log
           Op("loss", "loss", SoftmaxCrossEntropyForward<T>(losses + r0, logits, Labels() + r0, rows, vp, ctx_)));
   }
   // Column-parallel output layer: its input gradient summed over the tensor group.
-  if (backward && tp) PTK_RETURN_IF_ERROR(TensorSum(Buf<T>(plan_.dln), n, c, nullptr, nullptr, nullptr));
+  // (Sequence parallelism reduce-scatters it instead: RunBackwardSequenceParallel.)
+  if (backward && tp && !sequence_parallel_)
+    PTK_RETURN_IF_ERROR(TensorSum(Buf<T>(plan_.dln), n, c, nullptr, nullptr, nullptr));
   return absl::OkStatus();
 }
 

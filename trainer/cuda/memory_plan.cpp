@@ -116,6 +116,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     return absl::InvalidArgumentError(fmt::format(
         "memory plan: heads, query groups, ffn hidden size and padded vocabulary do not divide by tensor size {}", T));
   m.tensor = T;
+  m.sequence_parallel = o.sequence_parallel && T > 1;
+  if (m.sequence_parallel && t % T != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("memory plan: --sequence-parallel: sequence length {} does not divide by tensor size {}", t, T));
   // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
   // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
   // under SwiGLU), vocabulary vp.
@@ -133,8 +137,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   Adder add{&m};
   AddParameterBuffers(cf, num_params, o, add);
   const std::string act_lower = "--micro-batch-size or --seq-length";
-  m.resid = add("activations: residual stream (layers + 1)", (L + 1) * n * c * a, act_lower);
-  m.resid_mid = add("activations: residual after attention", L * n * c * a, act_lower);
+  const int64_t nr = m.sequence_parallel ? n / T : n;  // the residual stream's rows on this rank
+  const char* rows_note = m.sequence_parallel ? " (this rank's positions)" : "";
+  m.resid = add(fmt::format("activations: residual stream (layers + 1){}", rows_note), (L + 1) * nr * c * a, act_lower);
+  m.resid_mid = add(fmt::format("activations: residual after attention{}", rows_note), L * nr * c * a, act_lower);
   m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);
   m.ln1_stats = add("activations: input LayerNorm statistics", L * 2 * n * 4, act_lower);
   m.qkv = add("activations: QKV", L * n * qw * a, act_lower);
@@ -160,7 +166,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.dloss = add("per-token loss weights", n * 4);
   // The projections' outputs (n, c); fp32 attention recomputed in backward writes its (n, ct) output here too.
   m.tmp = add("scratch: projection output", n * std::max(c, ct) * a, act_lower);
-  m.dresid = add("scratch: residual gradient", n * c * a, act_lower);
+  m.dresid = add(fmt::format("scratch: residual gradient{}", rows_note), nr * c * a, act_lower);
   m.dtmp = add("scratch: branch gradient", n * c * a, act_lower);
   m.dln = add("scratch: LayerNorm gradient", n * c * a, act_lower);
   m.dff = add("scratch: MLP gradient", n * ff * a, act_lower);
@@ -180,6 +186,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   if (T > 1) {
     m.tp_sum = add("tensor parallel: fp32 sums over the tensor group", n * c * 4, act_lower);
     m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
+    if (m.sequence_parallel)
+      m.sp_stage = add("sequence parallel: all-gather / reduce-scatter staging", n * c * 4 + Align(nr * 4), act_lower);
   }
   if (o.pipeline_slots > 0) {
     m.slots = o.pipeline_slots;

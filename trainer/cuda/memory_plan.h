@@ -63,6 +63,13 @@ struct MemoryPlan {
   // `pipeline_exchange` the fp32 (n, hidden) activation or gradient to or from the host.
   int pipeline_slots = -1, pipeline_head_grads = -1, pipeline_exchange = -1;
   int64_t slots = 0, slot_bytes = 0;
+  // --sequence-parallel (PlanOptions::sequence_parallel with tensor > 1): the residual stream, the
+  // residual after attention and the residual gradient hold this rank's n / tensor rows (its
+  // positions of every sample); the norms' outputs stay whole (all-gathered, what the column-parallel
+  // products and their weight gradients read). sp_stage: the collectives' staging, fp32 (n, hidden),
+  // then this rank's rows' positions (int32).
+  bool sequence_parallel = false;
+  int sp_stage = -1;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -94,6 +101,9 @@ struct PlanOptions {
   int64_t layers = -1;
   int64_t pipeline_slots = 0;
   bool pipeline_last = false;
+  // Megatron's sequence parallelism on the tensor group (MemoryPlan::sequence_parallel); the
+  // sequence length must divide by `tensor`.
+  bool sequence_parallel = false;
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four

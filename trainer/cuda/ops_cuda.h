@@ -181,9 +181,11 @@ absl::Status QkvHeadsToGroups(T* out, const T* heads, const AttentionShape& s, c
 // elements uses stream streams[r] (device memory); element i of a row is kept when
 // DropoutKeep(seed, streams[r], i, DropoutKeepThreshold(p)), and kept elements are scaled by
 // 1/(1-p). The same masks as cpu::Dropout over each row. In place; forward and backward alike.
+// index0 > 0: each row is the part of a longer row from element index0 on (a sequence-parallel
+// rank's positions of its samples), tested at index0 + i.
 template <typename T>
 absl::Status DropoutRows(T* inout, int64_t rows, int64_t row_len, const uint64_t* streams, double p, uint64_t seed,
-                         const CudaContext& ctx);
+                         const CudaContext& ctx, int64_t index0 = 0);
 
 // ---- attention_cuda.cu -------------------------------------------------------------------------
 // Causal self-attention over Megatron's fused QKV layout qkv(b, t, s.qkv_width()): per query group
