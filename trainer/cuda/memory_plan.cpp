@@ -97,6 +97,27 @@ void AddParameterBuffers(const GPTConfig& cf, int64_t num_params, const PlanOpti
       add(sharded ? "AdamW exp_avg_sq (fp32, this rank's shard)" : "AdamW exp_avg_sq (fp32)", nm * 4, model_lower);
 }
 
+// Tensor parallelism's fp32 sums and loss statistics, sequence parallelism's staging (`nr`: the
+// residual stream's rows on this rank), a pipeline stage's slots and exchange.
+void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::string& act_lower, Adder& add) {
+  MemoryPlan& m = *add.m;
+  const int64_t T = m.tensor, n = m.n, a = m.act_bytes;
+  if (T > 1) {
+    m.tp_sum = add("tensor parallel: fp32 sums over the tensor group", n * c * 4, act_lower);
+    m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
+    if (m.sequence_parallel)
+      m.sp_stage = add("sequence parallel: all-gather / reduce-scatter staging", n * c * 4 + Align(nr * 4), act_lower);
+  }
+  if (o.pipeline_slots > 0) {
+    m.slots = o.pipeline_slots;
+    m.pipeline_slots = add(fmt::format("pipeline: activations of {} more micro-batch(es) in flight", m.slots - 1),
+                           (m.slots - 1) * m.slot_bytes, act_lower + ", or more pipeline stages");
+    m.pipeline_head_grads = add("pipeline: final-norm gradient per micro-batch in flight",
+                                o.pipeline_last ? m.slots * Align(n * c * a) : 0, act_lower);
+    m.pipeline_exchange = add("pipeline: fp32 activation exchanged with the adjacent stages", n * c * 4, act_lower);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, const PlanOptions& o) {
@@ -183,20 +204,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
   m.streams = add("dropout stream keys", StreamTableSize(L, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
-  if (T > 1) {
-    m.tp_sum = add("tensor parallel: fp32 sums over the tensor group", n * c * 4, act_lower);
-    m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
-    if (m.sequence_parallel)
-      m.sp_stage = add("sequence parallel: all-gather / reduce-scatter staging", n * c * 4 + Align(nr * 4), act_lower);
-  }
-  if (o.pipeline_slots > 0) {
-    m.slots = o.pipeline_slots;
-    m.pipeline_slots = add(fmt::format("pipeline: activations of {} more micro-batch(es) in flight", m.slots - 1),
-                           (m.slots - 1) * m.slot_bytes, act_lower + ", or more pipeline stages");
-    m.pipeline_head_grads = add("pipeline: final-norm gradient per micro-batch in flight",
-                                o.pipeline_last ? m.slots * Align(n * c * a) : 0, act_lower);
-    m.pipeline_exchange = add("pipeline: fp32 activation exchanged with the adjacent stages", n * c * 4, act_lower);
-  }
+  AddParallelBuffers(o, nr, c, act_lower, add);
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
   m.total_bytes = add.offset;
   return m;
