@@ -695,6 +695,48 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
   EXPECT_NE(ok.output.find("note: --openai-gelu: accepted"), std::string::npos) << ok.output;
 }
 
+// Megatron's Llama line (RMSNorm, RoPE base 500000 with Llama 3.1's scaling, SwiGLU, grouped-query
+// attention, untied, no biases; dropout on) killed with SIGKILL after a checkpoint: --load resumes it
+// bit for bit: its log lines and its last checkpoint's weights are the uninterrupted run's.
+TEST_F(TrainCli, LlamaLineKilledAndResumedEqualsUninterrupted) {
+  const std::string llama =
+      "--normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --swiglu "
+      "--group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights "
+      "--save-interval 5 ";
+  const int64_t iters = 40;
+  auto whole = RunCmd(Train(llama + "--save " + ShellQuote(dir_ / "a"), iters));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  // Killed as soon as a checkpoint of iteration 10 or later is complete (polled with shell builtins).
+  const std::string latest = dir_ / "b/latest_checkpointed_iteration.txt";
+  auto killed = RunCmd("bash -c " + ShellQuote(Train(llama + "--save " + ShellQuote(dir_ / "b"), iters) +
+                                               " >/dev/null 2>&1 & pid=$!; end=$((SECONDS + 120)); until [ -f " +
+                                               ShellQuote(latest) + " ] && { read -r i < " + ShellQuote(latest) +
+                                               "; [ \"${i:-0}\" -ge 10 ]; } || [ $SECONDS -ge $end ]; do :; done; "
+                                               "kill -9 $pid; wait $pid; echo rc=$?"));
+  EXPECT_NE(killed.output.find("rc=137"), std::string::npos) << "the run was not killed: " << killed.output;
+  auto at = LatestCheckpointIteration(dir_ / "b");
+  ASSERT_TRUE(at.ok()) << at.status();
+  ASSERT_GE(*at, 10);
+  ASSERT_LT(*at, iters) << "the run ended before the kill";
+  auto resumed = RunCmd(Train(llama + "--save " + ShellQuote(dir_ / "b") + " --load " + ShellQuote(dir_ / "b"), iters));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("at iteration " + std::to_string(*at)), std::string::npos) << resumed.output;
+  const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
+  ASSERT_EQ(a.size(), static_cast<size_t>(iters / 2));
+  ASSERT_EQ(b.size(), static_cast<size_t>((iters - *at) / 2)) << resumed.output;
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[a.size() - b.size() + i]);
+  // The weights of the last checkpoints, bit for bit (the checkpoint files themselves record each
+  // run's own flags, --load among them), through the Hugging Face export.
+  for (const char* run : {"a", "b"}) {
+    auto hf = RunCmd(testing::Tool("ptk-convert") + " --model-type GPT --loader ptk --saver hf --load-dir " +
+                     ShellQuote(dir_ / run) + " --save-dir " + ShellQuote(dir_ / (std::string(run) + "-hf")));
+    ASSERT_EQ(hf.exit_code, 0) << hf.output;
+  }
+  auto same =
+      RunCmd("cmp " + ShellQuote(dir_ / "a-hf/model.safetensors") + " " + ShellQuote(dir_ / "b-hf/model.safetensors"));
+  EXPECT_EQ(same.exit_code, 0) << "the last checkpoints' weights differ: " << same.output;
+}
+
 // --data-path without _text_document, or with .bin, names the prefix
 // meant (was "cannot open my.idx"); a missing --vocab-file says GPT-2's files are built in; -lr
 // gets --lr.
