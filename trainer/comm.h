@@ -60,6 +60,8 @@ class Communicator {
   virtual absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream);
 
  protected:
+  // SendRecv's peers: each -1 (none) or another rank of this communicator.
+  absl::Status CheckPeers(int dst, int src) const;
   // Subgroup's group of two or more ranks, `members` checked, `me` this rank's index among them.
   // This default refuses; gloo and NCCL make them.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(std::span<const int> members, int me,

@@ -181,10 +181,7 @@ class GlooCommunicator : public Communicator {
   // order they were sent, and the two ranks of a pair need not count their sends alike.
   absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
                         int src) override {
-    for (int peer : {dst, src})
-      if (peer >= size() || peer == rank())
-        return absl::InvalidArgumentError(
-            fmt::format("rank {} of {}: no point-to-point message to or from rank {}", rank(), size(), peer));
+    PTK_RETURN_IF_ERROR(CheckPeers(dst, src));
     const std::chrono::milliseconds timeout = context_->getTimeout();
     const std::string what = fmt::format("send to rank {} / receive from rank {}", dst, src);
     return Guard(what.c_str(), [&] {

@@ -251,10 +251,7 @@ class NcclCommunicator : public Communicator {
   // chunk; both ranks of a pair cut a message into the same chunks, which NCCL matches in order.
   absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
                         int src) override {
-    for (int peer : {dst, src})
-      if (peer >= size() || peer == rank())
-        return absl::InvalidArgumentError(
-            fmt::format("rank {} of {}: no point-to-point message to or from rank {}", rank(), size(), peer));
+    PTK_RETURN_IF_ERROR(CheckPeers(dst, src));
     const int64_t out = dst >= 0 ? std::max<int64_t>(send_bytes, 0) : 0;
     const int64_t in = src >= 0 ? std::max<int64_t>(recv_bytes, 0) : 0;
     if (out == 0 && in == 0) return absl::OkStatus();
