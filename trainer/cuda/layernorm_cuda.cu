@@ -16,6 +16,7 @@
 
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/kernel_util.cuh"
+#include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/ops_cuda.h"
 
 namespace ptk::cuda {
@@ -353,16 +354,28 @@ absl::Status CheckDropout(const LnDropout& d, int64_t n, Where where) {
   return absl::OkStatus();
 }
 
+// Raises `kernel_fn`'s dynamic shared memory limit to `smem` bytes where the launch needs it: when
+// the dynamic bytes and the kernel's own static shared memory (the rows-in-series kernel's block sums)
+// together pass 48 KiB (NeedsSharedMemoryOptIn).
+template <typename T, typename Kernel>
+absl::Status AllowSharedMemory(Kernel* kernel_fn, int64_t smem, int64_t n, int64_t c) {
+  const auto where = [&] { return fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c); };
+  cudaFuncAttributes attr{};
+  PTK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel_fn), where());
+  if (NeedsSharedMemoryOptIn(smem, static_cast<int64_t>(attr.sharedSizeBytes)))
+    PTK_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+        fmt::format("{}: {} bytes of dynamic shared memory beside the kernel's {}", where(), smem,
+                    attr.sharedSizeBytes));
+  return absl::OkStatus();
+}
+
 template <typename T, int N, bool kDrop>
 absl::Status LaunchBackwardWarps(T* dinp, T* dbranch, RowDrop drop, float* scratch, const T* dout, const T* inp,
                                  const float* w, const float* mean, const float* rstd, int64_t n, int64_t c,
                                  const CudaContext& ctx, int64_t blocks, int64_t smem) {
   auto kernel_fn = LayerNormBackwardWarpKernel<T, N, kDrop>;
-  if (smem > 48 * 1024) {
-    PTK_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-        fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c));
-  }
+  PTK_KERNEL_CHECK(AllowSharedMemory<T>(kernel_fn, smem, n, c));
   kernel_fn<<<static_cast<unsigned>(blocks), 32 * kBackwardWarps, static_cast<size_t>(smem), ctx.stream>>>(
       dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));
   return absl::OkStatus();
@@ -373,11 +386,7 @@ absl::Status LaunchBackward(T* dinp, T* dbranch, RowDrop drop, float* scratch, c
                             const float* w, const float* mean, const float* rstd, int64_t n, int64_t c,
                             const CudaContext& ctx, int64_t blocks, int64_t smem) {
   auto kernel_fn = LayerNormBackwardKernel<T, N, kDrop>;
-  if (smem > 48 * 1024) {
-    PTK_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-        fmt::format("LayerNormBackward<{}>(n={}, c={})", kernel::TypeName<T>(), n, c));
-  }
+  PTK_KERNEL_CHECK(AllowSharedMemory<T>(kernel_fn, smem, n, c));
   const int threads = kernel::RowThreads(CeilDiv(c, N), kBackwardMaxThreads);
   kernel_fn<<<static_cast<unsigned>(blocks), threads, static_cast<size_t>(smem), ctx.stream>>>(
       dinp, dbranch, drop, scratch, dout, inp, w, mean, rstd, n, c, CeilDiv(n, blocks));

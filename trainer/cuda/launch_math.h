@@ -1,0 +1,23 @@
+// Launch arithmetic of the CUDA kernels that is pure host code (no CUDA header): checked on the CPU
+// (tests/trainer/cuda_launch_math_test.cpp) wherever the backend is built, since a wrong answer here
+// shows only as a failed launch on a device.
+#pragma once
+
+#include <cstdint>
+
+// C++17 here: the .cu files include this header.
+namespace ptk::cuda {
+
+// Shared memory a block may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize):
+// 48 KiB, the kernel's static shared memory and the launch's dynamic shared memory together.
+inline constexpr int64_t kSharedMemoryWithoutOptIn = 48 * 1024;
+
+// Whether a launch with `dynamic_bytes` of dynamic shared memory of a kernel that declares
+// `static_bytes` of its own must first raise the kernel's dynamic limit: the static part counts
+// against the 48 KiB too (a dynamic size of exactly 48 KiB fails without the opt-in as soon as the
+// kernel has any static shared memory).
+inline bool NeedsSharedMemoryOptIn(int64_t dynamic_bytes, int64_t static_bytes) {
+  return dynamic_bytes + static_bytes > kSharedMemoryWithoutOptIn;
+}
+
+}  // namespace ptk::cuda
