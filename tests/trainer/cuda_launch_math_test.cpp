@@ -22,5 +22,26 @@ TEST(CudaLaunchMath, StaticSharedMemoryCountsAgainstTheLimitWithoutOptIn) {
   EXPECT_FALSE(NeedsSharedMemoryOptIn(0, kBlockSums));
 }
 
+// cuDNN's graphs declare 16-byte aligned tensors; with attention dropout the CUDA model calls the
+// fused attention once per sample, at sample * FlashStatsStride floats into its layer's statistics
+// (a layer's at layer * b * FlashStatsStride). One head of 37 positions (t odd, a tensor rank's one
+// head) put sample 1's statistics 148 bytes in: misaligned.
+TEST(CudaLaunchMath, FlashStatisticsOfEverySampleAndLayerStartAligned) {
+  EXPECT_EQ(FlashStatsStride(1, 37), 40);
+  EXPECT_EQ(FlashStatsStride(3, 37), 112);
+  EXPECT_EQ(FlashStatsStride(12, 1024), 12 * 1024);  // a multiple of 4 already: unchanged
+  EXPECT_EQ(FlashStatsStride(1, 1), 4);
+  for (int64_t nh : {1, 2, 3, 5, 12})
+    for (int64_t t : {1, 9, 37, 64, 130, 1023}) {
+      const int64_t s = FlashStatsStride(nh, t);
+      EXPECT_GE(s, nh * t);
+      EXPECT_LT(s, nh * t + 4);
+      for (int64_t b : {1, 3})
+        for (int64_t layer : {0, 1, 5})
+          for (int64_t r = 0; r < b; ++r)
+            EXPECT_EQ((layer * b * s + r * s) * 4 % 16, 0) << "nh=" << nh << " t=" << t << " b=" << b;
+    }
+}
+
 }  // namespace
 }  // namespace ptk::cuda

@@ -374,6 +374,25 @@ TEST(CudaMemoryPlan, LlamaLineBuffersFollowTheConfig) {
   EXPECT_EQ(named, compact);
 }
 
+// bf16's softmax statistics: each sample's 16-byte aligned (FlashStatsStride), since with attention
+// dropout every sample is a cuDNN call of its own. 3 heads x 37 positions: 112 floats a sample, not 111.
+TEST(CudaMemoryPlan, FlashStatisticsLeaveEachSampleAligned) {
+  GPTConfig c = Gpt2Small();
+  c.num_layers = 2;
+  c.num_attention_heads = 3;
+  c.hidden_size = 192;
+  c.seq_length = c.max_position_embeddings = 64;
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 3;
+  o.seq_length = 37;
+  const MemoryPlan m = MustPlan(c, o);
+  EXPECT_EQ(m[m.attn_saved].bytes, 2 * 3 * 112 * 4);
+  o.seq_length = 64;  // 3 x 64: a multiple of 4, as before
+  const MemoryPlan even = MustPlan(c, o);
+  EXPECT_EQ(even[even.attn_saved].bytes, 2 * 3 * 3 * 64 * 4);
+}
+
 TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
   const GPTConfig c = Gpt2Small();
   PlanOptions small, large;

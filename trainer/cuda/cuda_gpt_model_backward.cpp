@@ -9,6 +9,7 @@
 #include "common/status.h"
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/cuda_gpt_model_impl.h"
+#include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/layernorm_oracle.h"
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
@@ -180,7 +181,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
       dq = Buf<T>(plan_.dqkv_heads);
     }
     const T* out = Act(plan_.atty, l, n * c);
-    const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
+    const int64_t per_sample = FlashStatsStride(nh, t_);  // as AttentionFwd keeps them
+    const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * per_sample;
     if (ap <= 0) {
       PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_));
     } else {
@@ -188,8 +190,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
       const AttentionShape one{1, t_, nh, shape.hd, shape.ng};
       for (int64_t r = 0; r < b_; ++r) {
         const int64_t row = r * t_;
-        PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq + row * qw, datt + row * c, out + row * c, stats + r * nh * t_,
-                                                      qkv + row * qw, one, ap,
+        PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq + row * qw, datt + row * c, out + row * c,
+                                                      stats + r * per_sample, qkv + row * qw, one, ap,
                                                       seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
       }
     }

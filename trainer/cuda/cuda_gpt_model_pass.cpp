@@ -21,6 +21,7 @@
 #include "common/status.h"
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/cuda_gpt_model_impl.h"
+#include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/layernorm_oracle.h"
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
@@ -224,13 +225,15 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
       PTK_RETURN_IF_ERROR(QkvGroupsToHeads<T>(heads, qkv, shape, ctx_));
       qkv = heads;
     }
-    float* stats = Buf<float>(plan_.attn_saved) + l * b_ * nh * t_;
+    // The layer's statistics (each sample's 16-byte aligned: FlashStatsStride).
+    const int64_t per_sample = FlashStatsStride(nh, t_);
+    float* stats = Buf<float>(plan_.attn_saved) + l * b_ * per_sample;
     if (ap <= 0) return FlashAttentionForward<T>(atty, stats, qkv, shape, 0.0, 0, 0, ctx_);
     // Dropout: one sample per call, its own key (Prepare).
     const AttentionShape one{1, t_, nh, shape.hd, shape.ng};
     for (int64_t r = 0; r < b_; ++r)
-      PTK_RETURN_IF_ERROR(FlashAttentionForward<T>(atty + r * t_ * c, stats + r * nh * t_, qkv + r * t_ * qw, one, ap,
-                                                   seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
+      PTK_RETURN_IF_ERROR(FlashAttentionForward<T>(atty + r * t_ * c, stats + r * per_sample, qkv + r * t_ * qw, one,
+                                                   ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
     return absl::OkStatus();
   } else {
     float* probs = Buf<float>(plan_.attn_saved) + (config().recompute_activations ? 0 : l) * b_ * shape.nh * t_ * t_;

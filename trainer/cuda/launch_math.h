@@ -20,4 +20,11 @@ inline bool NeedsSharedMemoryOptIn(int64_t dynamic_bytes, int64_t static_bytes) 
   return dynamic_bytes + static_bytes > kSharedMemoryWithoutOptIn;
 }
 
+// Floats of one sample's softmax statistics (nh heads x t positions) in the CUDA model's buffer of
+// cuDNN's fused attention: nh * t rounded up to whole 16 bytes. cuDNN's graphs declare every tensor
+// 16-byte aligned, and with attention dropout each sample is a call of its own whose statistics
+// start at sample * this (a layer's at layer * b * this): with nh * t not a multiple of 4 (t odd,
+// one head per tensor rank) the plain product would start a sample's statistics misaligned.
+inline int64_t FlashStatsStride(int64_t nh, int64_t t) { return (nh * t + 3) / 4 * 4; }
+
 }  // namespace ptk::cuda

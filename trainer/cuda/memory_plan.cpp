@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/status.h"
+#include "trainer/cuda/launch_math.h"
 
 namespace ptk::cuda {
 namespace {
@@ -167,7 +168,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.qkv = add("activations: QKV", L * n * qw * a, act_lower);
   m.atty = add("activations: attention output", L * n * ct * a, act_lower);
   if (m.flash)
-    m.attn_saved = add("activations: flash attention softmax statistics", L * m.b * nh * t * 4, act_lower);
+    m.attn_saved =
+        add("activations: flash attention softmax statistics", L * m.b * FlashStatsStride(nh, t) * 4, act_lower);
   else
     m.attn_saved = add(fmt::format("activations: attention probabilities ({} layer(s) of b*heads*t*t)", m.probs_layers),
                        m.probs_layers * m.b * nh * t * t * 4,
