@@ -31,6 +31,7 @@
 #include <gtest/gtest.h>
 
 #include "trainer/cpu/ops_cpu.h"
+#include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/ops_cuda.h"
 
 namespace ptk::cuda {
@@ -585,6 +586,54 @@ TEST(FlashAttentionCuda, DeterministicBackwardRepeats) {
     else
       EXPECT_TRUE(SameBits(first, d_dqkv.Download())) << "run " << run;
   }
+}
+
+// Grouped-query attention as the bf16 CUDA model calls it in training with attention dropout: heads
+// first, deterministic backward, one sample per call at its offsets, each sample's statistics at
+// sample * FlashStatsStride floats (one query group of two heads over 37 positions: 74 floats a
+// sample, 76 with the padding that keeps every sample's statistics 16-byte aligned). Without dropout
+// the per-sample calls give the whole-batch call's values (within bf16 rounding); with it, the
+// backward repeats bit for bit.
+TEST(FlashAttentionCuda, Bf16GroupedQueryPerSampleAsTheModelCallsIt) {
+  using T = __nv_bfloat16;
+  Gpu gpu(/*deterministic=*/true);
+  if (gpu.ctx.sm_major < 8) GTEST_SKIP() << "cuDNN's fused attention needs sm_80 or newer";
+  STATUS_OK(CreateCudnnHandle(&gpu.ctx));
+  const AttentionShape s{3, 37, 2, 32, 1}, one{1, 37, 2, 32, 1};
+  const int64_t c = s.nh * s.hd, w = s.qkv_width(), n = s.b * s.t, ps = FlashStatsStride(s.nh, s.t);
+  ASSERT_EQ(ps, 76);
+  const auto qkv = ToT<T>(Random(n * w, 95, -2.0f, 2.0f)), dout = ToT<T>(Random(n * c, 96));
+  DeviceBuffer<T> d_qkv(qkv), d_dout(dout), d_out(n * c), d_dqkv(n * w), s_out(n * c), s_dqkv(n * w);
+  DeviceBuffer<float> d_stats(s.b * s.nh * s.t), s_stats(s.b * ps);
+  STATUS_OK(FlashAttentionForward<T>(d_out.get(), d_stats.get(), d_qkv.get(), s, 0.0, 0, 0, gpu.ctx));
+  STATUS_OK(FlashAttentionBackward<T>(d_dqkv.get(), d_dout.get(), d_out.get(), d_stats.get(), d_qkv.get(), s, 0.0, 0, 0,
+                                      gpu.ctx));
+  auto per_sample = [&](double p, uint64_t seed) -> absl::Status {
+    for (int64_t r = 0; r < s.b; ++r) {
+      const int64_t row = r * s.t;
+      const absl::Status fwd =
+          FlashAttentionForward<T>(s_out.get() + row * c, s_stats.get() + r * ps, d_qkv.get() + row * w, one, p,
+                                   seed + static_cast<uint64_t>(r), 0, gpu.ctx);
+      if (!fwd.ok()) return fwd;
+      const absl::Status bwd = FlashAttentionBackward<T>(
+          s_dqkv.get() + row * w, d_dout.get() + row * c, s_out.get() + row * c, s_stats.get() + r * ps,
+          d_qkv.get() + row * w, one, p, seed + static_cast<uint64_t>(r), 0, gpu.ctx);
+      if (!bwd.ok()) return bwd;
+    }
+    return absl::OkStatus();
+  };
+  STATUS_OK(per_sample(0.0, 0));
+  const auto whole_out = ToDouble(d_out.Download()), whole_dqkv = ToDouble(d_dqkv.Download());
+  const double mo = MaxAbs(whole_out), md = MaxAbs(whole_dqkv);
+  ExpectClose(
+      s_out.Download(), whole_out, [&](size_t) { return 1e-2 * mo; }, "out, per sample");
+  ExpectClose(
+      s_dqkv.Download(), whole_dqkv, [&](size_t) { return 2e-2 * md; }, "dqkv, per sample");
+  STATUS_OK(per_sample(0.1, 41));
+  const auto first = s_dqkv.Download();
+  for (const auto& v : first) ASSERT_TRUE(std::isfinite(ToFloat(v)));
+  STATUS_OK(per_sample(0.1, 41));
+  EXPECT_TRUE(SameBits(first, s_dqkv.Download())) << "deterministic backward, same seeds: same gradient";
 }
 
 TEST(FlashAttentionCuda, RefusedShapesAndMissingHandleAreStatuses) {
