@@ -10,7 +10,7 @@
 #     (scripts/gpu-run.sh) prints the driver, GPU and the CUDA, cuBLASLt, cuDNN and NCCL versions beside
 #     the build's, runs every gpu-labelled test (each op against its CPU op, the whole model against the
 #     CPU model, ptk-train end to end) under a time limit, then bench/bench_trainer_gpu.py (ptk-train
-#     beside PyTorch eager at GPT-2 124M); the default quick profile ends within 7 minutes, --full adds
+#     beside PyTorch eager at GPT-2 124M); the default quick profile ends within 9 minutes, --full adds
 #     the slowest test cases, torch.compile and the 350M shape. With OUT=DIR the logs land in DIR (at
 #     most five files). Ends with "N passed, N failed, N skipped".
 #

@@ -17,13 +17,14 @@ check() {  # check WHAT CONDITION...
   if "$@"; then echo "ok: $what"; else echo "FAIL: $what"; fail=1; fi
 }
 
-# nvidia-smi: FAKE_GPUS=1 lists an H100, else fails as it does without a driver.
+# nvidia-smi: FAKE_GPUS=N lists N H100s, else fails as it does without a driver.
 mkdir -p "$T/fakebin"
 cat > "$T/fakebin/nvidia-smi" <<'EOF'
 #!/bin/sh
-[ "${FAKE_GPUS:-0}" = 1 ] || { echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."; exit 9; }
+[ "${FAKE_GPUS:-0}" -ge 1 ] || { echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."; exit 9; }
 case "$*" in
-  -L) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-0000-0000-0000-000000000000)" ;;
+  -L) i=0; while [ $i -lt "$FAKE_GPUS" ]; do
+        echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-0000-0000-0000-00000000000$i)"; i=$((i + 1)); done ;;
   *) echo "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB" ;;
 esac
 EOF
@@ -50,6 +51,9 @@ make_pack() {
         echo "[ RUN      ] Ops.Bad"; echo "x.cu:12: Failure"; echo "[  FAILED  ] Ops.Bad (3 ms)"
         echo "[  FAILED  ] 1 test, listed below:"; echo "[  FAILED  ] Ops.Bad"; exit 1' ;;
       hang) body='echo "[ RUN      ] Slow.Forever"; exec sleep 600' ;;
+      twogpu) body='echo "[ RUN      ] A.D"; echo "x.cpp:9: Skipped"; echo "needs two GPUs; 1 visible"; echo "[  SKIPPED ] A.D (0 ms)"
+        echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
+      cuda_toolchain|ops_cuda) body='echo "order: $0" >> "$FAKE_RECORD"; exit 0' ;;
       cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
     esac
     printf '#!/bin/sh\n%s\n' "$body" > "$p/tests/${t}_test"
@@ -80,7 +84,7 @@ run gpu FAKE_GPUS=1 OUT="$T/out-gpu" -- --pack "$T/skips"
 check "a GPU listed and tests skipped: the run fails" [ "$(rc gpu)" = 1 ]
 check "a GPU listed: the counts are the last line" [ "$(last gpu)" = "1 passed, 0 failed, 2 skipped" ]
 check "a GPU listed: the skips are named as the failure" has gpu "nvidia-smi lists a GPU and 2 gpu test(s) skipped"
-check "a GPU listed: the versions come first" [ "$(sed -n 1p "$T/gpu.out")" = "== versions (profile quick, budget 420s)" ]
+check "a GPU listed: the versions come first" [ "$(sed -n 1p "$T/gpu.out")" = "== versions (profile quick, budget 540s)" ]
 check "a GPU listed: its name and driver are printed" has gpu "GPU: NVIDIA H100 80GB HBM3 (81559 MiB), driver 580.159.04"
 check "a GPU listed: the build's header versions are printed" has gpu "cuDNN 9.19.0"
 check "a gtest case skipped inside a passing binary is a skip" has gpu "SKIP skipcase_test (1 case(s) skipped)"
@@ -124,6 +128,26 @@ printf 'cli: --gtest_filter=-%s\ncli: \n' \
   "CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends" > "$T/want"
 check "quick leaves the slowest CLI cases out, --full runs them" cmp -s "$T/record" "$T/want"
 check "--full says so first" [ "$(sed -n 1p "$T/full.out")" = "== versions (profile full, budget 570s)" ]
+
+make_pack "$T/twogpu" twogpu skipcase
+run onegpu FAKE_GPUS=1 -- --pack "$T/twogpu"
+check "one GPU listed: a case that needs two GPUs is no failure" grep -qE "^PASS twogpu_test \([0-9]+s; 1 case\(s\) need two GPUs, 1 listed\)" "$T/onegpu.out"
+check "one GPU listed: the summary names it as not runnable here" has onegpu "NOTE twogpu_test: 1 case(s) need two GPUs"
+check "one GPU listed: any other skip still fails" [ "$(rc onegpu)" = 1 ]
+check "one GPU listed: the counts" [ "$(last onegpu)" = "1 passed, 0 failed, 1 skipped" ]
+make_pack "$T/twogpu-only" twogpu pass
+run onegpu2 FAKE_GPUS=1 -- --pack "$T/twogpu-only"
+check "one GPU listed, only two-GPU cases skipped: the run passes" [ "$(rc onegpu2)" = 0 ]
+run twogpus FAKE_GPUS=2 -- --pack "$T/twogpu-only"
+check "two GPUs listed: a case that still skips for two GPUs fails the run" [ "$(rc twogpus)" = 1 ]
+
+make_pack "$T/order" cuda_train_cli pass ops_cuda cuda_toolchain
+: > "$T/record"
+run order FAKE_GPUS=1 -- --pack "$T/order"
+check "the toolchain runs first, the ops next, ptk-train end to end last" \
+  [ "$(grep -o '[a-z_]*_test' "$T/record" | paste -sd' ')" = "cuda_toolchain_test ops_cuda_test" ] 
+check "ptk-train end to end runs after the unknown tests" \
+  bash -c "grep -E '^(PASS|SKIP|FAIL) ' '$T/order.out' | awk '{print \$2}' | paste -sd' ' | grep -qx 'cuda_toolchain_test ops_cuda_test cuda_train_cli_test pass_test'"
 
 run spent FAKE_GPUS=1 -- --pack "$T/passes" --budget 5
 check "tests the budget leaves no time for fail as not run" has spent "TIME pass_test: not run"
