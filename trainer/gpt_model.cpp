@@ -180,7 +180,7 @@ absl::StatusOr<std::span<F>> StageSpan(std::vector<float>& v, bool used, int64_t
 
 absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch, int slot,
                                                         std::optional<double> loss_scale, bool train, uint64_t seed,
-                                                        std::vector<float>* logits) {
+                                                        std::vector<float>* logits, bool defer_loss) {
   if (slot < 0 || slot >= static_cast<int>(stage_inputs_.size()))
     return absl::FailedPreconditionError(
         fmt::format("StageForwardExchanged: slot {} has no buffers (StageBuffers first)", slot));
@@ -190,13 +190,17 @@ absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch,
                                               "StageForwardExchanged"));
   PTK_ASSIGN_OR_RETURN(std::span<float> out,
                        StageSpan<float>(stage_output_, !layout_.post_process, nc, "StageForwardExchanged"));
-  return StageForward(batch, slot, in, out, loss_scale, train, seed, logits);
+  PTK_ASSIGN_OR_RETURN(const LossSum l, StageForward(batch, slot, in, out, loss_scale, train, seed, logits));
+  if (!defer_loss) return l;
+  deferred_.loss_sum += l.loss_sum;
+  deferred_.tokens += l.tokens;
+  return LossSum{};
 }
 
 absl::Status GPTModel::StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed) {
   const int64_t nc = StageExchangeFloats(batch);
-  PTK_ASSIGN_OR_RETURN(std::span<const float> dy, StageSpan<const float>(stage_output_grad_, !layout_.post_process,
-                                                                         nc, "StageBackwardExchanged"));
+  PTK_ASSIGN_OR_RETURN(std::span<const float> dy,
+                       StageSpan<const float>(stage_output_grad_, !layout_.post_process, nc, "StageBackwardExchanged"));
   PTK_ASSIGN_OR_RETURN(std::span<float> dx,
                        StageSpan<float>(stage_input_grad_, !layout_.pre_process, nc, "StageBackwardExchanged"));
   return StageBackward(batch, slot, dy, dx, train, seed);

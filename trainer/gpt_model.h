@@ -154,9 +154,11 @@ class GPTModel {
   // backend's oracle (CudaModelOptions::unfused.pipeline_host_exchange).
   virtual absl::StatusOr<StageExchange> StageBuffers(const ModelBatch& batch, int slot, bool device_memory);
   // StageForward / StageBackward with slot's StageBuffers as input and output (and gradients).
+  // With defer_loss the last stage keeps the loss for TakeLosses (as ForwardBackwardDeferred: a
+  // backend may leave the pass enqueued) and returns zero.
   virtual absl::StatusOr<LossSum> StageForwardExchanged(const ModelBatch& batch, int slot,
                                                         std::optional<double> loss_scale, bool train, uint64_t seed,
-                                                        std::vector<float>* logits = nullptr);
+                                                        std::vector<float>* logits = nullptr, bool defer_loss = false);
   virtual absl::Status StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed);
   // Sums the gradients [begin, begin + n) over `comm` (the embedding group's copies of the tied
   // word embeddings).

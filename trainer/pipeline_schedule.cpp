@@ -61,11 +61,19 @@ absl::StatusOr<StageExchange> BuffersOf(GPTModel* model, const ModelBatch& mb, i
                                         const StageExchange& format) {
   PTK_ASSIGN_OR_RETURN(StageExchange e, model->StageBuffers(mb, slot, device));
   if (e.elements != format.elements || e.wire != format.wire || e.stream != format.stream)
-    return absl::InvalidArgumentError(fmt::format(
-        "pipeline schedule: micro-batches of different shapes ({}x{} exchanges {} elements, the first {})", mb.b,
-        mb.t, e.elements, format.elements));
+    return absl::InvalidArgumentError(
+        fmt::format("pipeline schedule: micro-batches of different shapes ({}x{} exchanges {} elements, the first {})",
+                    mb.b, mb.t, e.elements, format.elements));
   return e;
 }
+
+// Drops the losses a failed schedule left with the model (the step fails; the next must not see them).
+struct LossesKept {
+  GPTModel* model;
+  ~LossesKept() {
+    if (model) (void)model->TakeLosses();
+  }
+};
 
 }  // namespace
 
@@ -113,14 +121,16 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   auto buffers = [&](int k) {
     return BuffersOf(model, micro_batches[static_cast<size_t>(k)], k % slots, device, format);
   };
-  LossSum loss;
   int in_flight = 0;
+  // The last stage's losses are kept by the model until the schedule ends (TakeLosses: no wait for
+  // them per micro-batch), added in micro-batch order; a schedule that fails drops them.
+  LossesKept kept{model};
   auto forward = [&](int k) -> absl::Status {
-    PTK_ASSIGN_OR_RETURN(const LossSum l, model->StageForwardExchanged(micro_batches[static_cast<size_t>(k)],
-                                                                       k % slots, loss_scales[static_cast<size_t>(k)],
-                                                                       /*train=*/true, seed));
-    loss.loss_sum += l.loss_sum;
-    loss.tokens += l.tokens;
+    PTK_RETURN_IF_ERROR(model
+                            ->StageForwardExchanged(micro_batches[static_cast<size_t>(k)], k % slots,
+                                                    loss_scales[static_cast<size_t>(k)], /*train=*/true, seed,
+                                                    /*logits=*/nullptr, /*defer_loss=*/true)
+                            .status());
     ++in_flight;
     if (stats) stats->max_in_flight = std::max(stats->max_in_flight, in_flight);
     return absl::OkStatus();
@@ -159,7 +169,8 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
     PTK_RETURN_IF_ERROR(backward(remaining + i));
     PTK_RETURN_IF_ERROR(links.SendBackward(dy.input_grad));
   }
-  return loss;
+  kept.model = nullptr;
+  return model->TakeLosses();
 }
 
 absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,

@@ -252,6 +252,38 @@ TEST(PipelineSchedule, StagesThatExchangeDifferentActivationsAreRefused) {
   });
 }
 
+// The last stage keeps its losses until the schedule ends (StageForwardExchanged's defer_loss, then
+// TakeLosses); a schedule that fails part-way (here its second micro-batch is of another shape, after
+// the first one's forward and backward) drops those it kept: the next schedule's loss is the one a
+// fresh stage gives.
+TEST(PipelineSchedule, AFailedScheduleLeavesNoLossBehind) {
+  const GPTConfig c = Config();
+  const Batches t16(2);
+  const testing::Batches t8(1, 8);
+  const std::vector<ModelBatch> good = t16.All(), bad = {t16.Get(0), t8.Get(0)};
+  const std::vector<double> scales = {0.5, 0.5};
+  const std::vector<PipelineStage> stages = Stages(2);
+  std::vector<double> after(2), fresh(2);
+  std::mutex mu;
+  for (bool fail_first : {true, false})
+    testing::RunRanks(2, [&](Communicator* comm, int s) {
+      auto m = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(s)]);
+      ASSERT_TRUE(m.ok()) << m.status();
+      ASSERT_TRUE((*m)->InitWeights(11).ok());
+      if (fail_first) {
+        auto failed = ForwardBackwardPipelining(m->get(), comm, bad, scales, 99);
+        EXPECT_FALSE(failed.ok());
+        EXPECT_NE(failed.status().message().find("different shapes"), std::string_view::npos) << failed.status();
+      }
+      auto loss = ForwardBackwardPipelining(m->get(), comm, good, scales, 99);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      std::lock_guard<std::mutex> lock(mu);
+      (fail_first ? after : fresh)[static_cast<size_t>(s)] = loss->loss_sum;
+    });
+  EXPECT_GT(fresh[1], 0.0);
+  EXPECT_EQ(after, fresh);
+}
+
 // One rank's loss and gradients over the micro-batches, as TrainStep would scale them.
 struct Reference {
   LossSum loss, eval;
