@@ -29,7 +29,7 @@ absl::Status Communicator::SendRecvDevice(const void*, int64_t, int dst, void*, 
 
 absl::Status Communicator::CheckPeers(int dst, int src) const {
   for (int peer : {dst, src})
-    if (peer >= size() || peer == rank())
+    if (peer < -1 || peer >= size() || peer == rank())
       return absl::InvalidArgumentError(
           fmt::format("rank {} of {}: no point-to-point message to or from rank {}", rank(), size(), peer));
   return absl::OkStatus();

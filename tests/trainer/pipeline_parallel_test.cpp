@@ -137,6 +137,9 @@ TEST(PipelineComm, SendRecvBothWaysAtOnceInOrder) {
       EXPECT_EQ(v, std::vector<float>(10, 0.0f));
     }
     EXPECT_FALSE(comm->SendRecv(v.data(), 40, r, nullptr, 0, -1).ok());  // not to itself
+    // Nor to or from a rank that is not one (only -1 means none).
+    EXPECT_FALSE(comm->SendRecv(v.data(), 40, -2, nullptr, 0, -1).ok());
+    EXPECT_FALSE(comm->SendRecv(nullptr, 0, -1, v.data(), 40, 3).ok());
   });
   EXPECT_FALSE(MakeLocalCommunicator()->SendRecv(nullptr, 0, 0, nullptr, 0, -1).ok());
 }
