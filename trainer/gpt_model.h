@@ -143,8 +143,10 @@ class GPTModel {
   // The exchange the pipeline schedules run: slot's buffers for `batch`, which the schedule
   // receives into and sends from and StageForwardExchanged / StageBackwardExchanged read and write.
   // `device_memory`: the pipeline communicator sends device memory (device_collectives()); a
-  // backend hands host memory otherwise. Lifetimes: slot k's input from its receive to its forward;
-  // its output from its forward to its send (until the slot's next forward); output_grad from its
+  // backend hands host memory otherwise. Lifetimes: slot k's input from its receive to its forward
+  // (the schedule receives into a slot only after the backward of its previous micro-batch: a
+  // backend may keep the input there for the backward); its output from its forward to its send
+  // (until the slot's next forward); output_grad from its
   // receive to the slot's backward, input_grad from that backward to its send. A backend may hand
   // every slot the same output_grad / input_grad (one buffer, both of them): the schedule receives
   // an output gradient only after the previous input gradient went out. Sends and receives on
