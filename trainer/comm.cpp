@@ -20,9 +20,16 @@ absl::Status Communicator::AllGatherDevice(void*, std::span<const int64_t>, void
   return absl::UnimplementedError(fmt::format("the {} communicator has no device-memory collectives", backend()));
 }
 
+absl::Status Communicator::SendRecvDevice(const void*, int64_t, int dst, void*, int64_t, int src, void*) {
+  if (dst < 0 && src < 0) return absl::OkStatus();
+  return absl::UnimplementedError(fmt::format(
+      "the {} communicator sends no device memory (to {}, from {}); its pipeline stages exchange through the host",
+      backend(), dst, src));
+}
+
 absl::Status Communicator::CheckPeers(int dst, int src) const {
   for (int peer : {dst, src})
-    if (peer >= size() || peer == rank())
+    if (peer < -1 || peer >= size() || peer == rank())
       return absl::InvalidArgumentError(
           fmt::format("rank {} of {}: no point-to-point message to or from rank {}", rank(), size(), peer));
   return absl::OkStatus();

@@ -58,6 +58,15 @@ class Communicator {
   virtual absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream);
   virtual absl::Status ReduceScatterSumDevice(float* data, std::span<const int64_t> counts, void* stream);
   virtual absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream);
+  // SendRecv on device memory, enqueued on `stream`: the host does not wait for the messages (a
+  // later op on the stream sees the received bytes; the sent buffer may be overwritten by one). A
+  // message is cut into SendRecv's chunks (kSendRecvChunkBytes), so that either end may send or
+  // receive it through the host instead.
+  virtual absl::Status SendRecvDevice(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
+                                      int src, void* stream);
+  // The chunks a communicator that stages point-to-point messages cuts them into (NCCL: its
+  // staging buffer's halves); every point-to-point message is cut the same way.
+  static constexpr int64_t kSendRecvChunkBytes = int64_t{32} << 20;
 
  protected:
   // SendRecv's peers: each -1 (none) or another rank of this communicator.

@@ -135,6 +135,77 @@ absl::StatusOr<LossSum> GPTModel::StageForward(const ModelBatch&, int, std::span
 absl::Status GPTModel::StageBackward(const ModelBatch&, int, std::span<const float>, std::span<float>, bool, uint64_t) {
   return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
 }
+absl::StatusOr<StageExchange> GPTModel::StageBuffers(const ModelBatch& batch, int slot, bool) {
+  if (layout_.pipeline_size <= 1)
+    return absl::FailedPreconditionError("StageBuffers: the model is not a pipeline stage");
+  if (slot < 0 || slot > static_cast<int>(stage_inputs_.size()))
+    return absl::InvalidArgumentError(
+        fmt::format("StageBuffers: slot {}: slots are taken in order ({} so far)", slot, stage_inputs_.size()));
+  const int64_t nc = StageExchangeFloats(batch);
+  if (nc <= 0) return absl::InvalidArgumentError(fmt::format("StageBuffers: a {}x{} micro-batch", batch.b, batch.t));
+  const size_t size = static_cast<size_t>(nc);
+  StageExchange e;
+  e.elements = nc;
+  if (!layout_.pre_process) {
+    if (slot == static_cast<int>(stage_inputs_.size())) stage_inputs_.emplace_back();
+    std::vector<float>& in = stage_inputs_[static_cast<size_t>(slot)];
+    in.resize(size);
+    stage_input_grad_.resize(size);
+    e.input = in.data();
+    e.input_grad = stage_input_grad_.data();
+  } else if (slot == static_cast<int>(stage_inputs_.size())) {
+    stage_inputs_.emplace_back();  // no input on the first stage; the slot is counted all the same
+  }
+  if (!layout_.post_process) {
+    stage_output_.resize(size);
+    stage_output_grad_.resize(size);
+    e.output = stage_output_.data();
+    e.output_grad = stage_output_grad_.data();
+  }
+  return e;
+}
+
+namespace {
+// A host buffer of StageBuffers' default as the span StageForward / StageBackward take: `elements`
+// floats of it, none where the stage has no such neighbour.
+template <typename F>
+absl::StatusOr<std::span<F>> StageSpan(std::vector<float>& v, bool used, int64_t elements, std::string_view what) {
+  if (!used) return std::span<F>();
+  if (static_cast<int64_t>(v.size()) < elements)
+    return absl::FailedPreconditionError(
+        fmt::format("{}: the slot's buffers are not those of this micro-batch (StageBuffers first)", what));
+  return std::span<F>(v.data(), static_cast<size_t>(elements));
+}
+}  // namespace
+
+absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch, int slot,
+                                                        std::optional<double> loss_scale, bool train, uint64_t seed,
+                                                        std::vector<float>* logits, bool defer_loss) {
+  if (slot < 0 || slot >= static_cast<int>(stage_inputs_.size()))
+    return absl::FailedPreconditionError(
+        fmt::format("StageForwardExchanged: slot {} has no buffers (StageBuffers first)", slot));
+  const int64_t nc = StageExchangeFloats(batch);
+  PTK_ASSIGN_OR_RETURN(std::span<const float> in,
+                       StageSpan<const float>(stage_inputs_[static_cast<size_t>(slot)], !layout_.pre_process, nc,
+                                              "StageForwardExchanged"));
+  PTK_ASSIGN_OR_RETURN(std::span<float> out,
+                       StageSpan<float>(stage_output_, !layout_.post_process, nc, "StageForwardExchanged"));
+  PTK_ASSIGN_OR_RETURN(const LossSum l, StageForward(batch, slot, in, out, loss_scale, train, seed, logits));
+  if (!defer_loss) return l;
+  deferred_.loss_sum += l.loss_sum;
+  deferred_.tokens += l.tokens;
+  return LossSum{};
+}
+
+absl::Status GPTModel::StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed) {
+  const int64_t nc = StageExchangeFloats(batch);
+  PTK_ASSIGN_OR_RETURN(std::span<const float> dy,
+                       StageSpan<const float>(stage_output_grad_, !layout_.post_process, nc, "StageBackwardExchanged"));
+  PTK_ASSIGN_OR_RETURN(std::span<float> dx,
+                       StageSpan<float>(stage_input_grad_, !layout_.pre_process, nc, "StageBackwardExchanged"));
+  return StageBackward(batch, slot, dy, dx, train, seed);
+}
+
 absl::Status GPTModel::AllReduceGradRange(Communicator*, int64_t, int64_t) {
   return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
 }

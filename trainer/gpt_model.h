@@ -46,6 +46,23 @@ enum class Precision { kFp32, kBf16, kFp16 };
 std::string_view DeviceName(Device d);
 std::string_view PrecisionName(Precision p);
 
+// Where one micro-batch's activations and their gradients cross to the adjacent pipeline stages
+// (GPTModel::StageBuffers): the buffers the schedule receives into and sends from, each `elements`
+// of the wire type. A buffer the stage has no neighbour for is null (input and input_grad on the
+// first stage, output and output_grad on the last).
+struct StageExchange {
+  void* input = nullptr;        // receives the previous stage's output
+  void* output = nullptr;       // this stage's output, to send
+  void* output_grad = nullptr;  // receives the next stage's gradient of the output
+  void* input_grad = nullptr;   // the gradient of the input, to send
+  int64_t elements = 0;         // StageExchangeFloats
+  Precision wire = Precision::kFp32;
+  // Device memory (the current CUDA device's): the stream the stage's passes run on, where the
+  // sends and receives are enqueued (Communicator::SendRecvDevice). Null: host memory (SendRecv).
+  void* stream = nullptr;
+  int64_t bytes() const { return elements * (wire == Precision::kFp32 ? 4 : 2); }
+};
+
 class GPTModel {
  public:
   virtual ~GPTModel() = default;
@@ -123,6 +140,28 @@ class GPTModel {
   virtual int64_t StageExchangeFloats(const ModelBatch& batch) const {
     return batch.b * batch.t * config().hidden_size;
   }
+  // The exchange the pipeline schedules run: slot's buffers for `batch`, which the schedule
+  // receives into and sends from and StageForwardExchanged / StageBackwardExchanged read and write.
+  // `device_memory`: the pipeline communicator sends device memory (device_collectives()); a
+  // backend hands host memory otherwise. Lifetimes: slot k's input from its receive to its forward
+  // (the schedule receives into a slot only after the backward of its previous micro-batch: a
+  // backend may keep the input there for the backward); its output from its forward to its send
+  // (until the slot's next forward); output_grad from its
+  // receive to the slot's backward, input_grad from that backward to its send. A backend may hand
+  // every slot the same output_grad / input_grad (one buffer, both of them): the schedule receives
+  // an output gradient only after the previous input gradient went out. Sends and receives on
+  // device memory are ordered with the passes by the stream alone (no host synchronisation).
+  // This default stages through the host: fp32 host buffers (an input per slot, one each of the
+  // others) and StageForward / StageBackward over them, what the CPU backend runs and the CUDA
+  // backend's oracle (CudaModelOptions::unfused.pipeline_host_exchange).
+  virtual absl::StatusOr<StageExchange> StageBuffers(const ModelBatch& batch, int slot, bool device_memory);
+  // StageForward / StageBackward with slot's StageBuffers as input and output (and gradients).
+  // With defer_loss the last stage keeps the loss for TakeLosses (as ForwardBackwardDeferred: a
+  // backend may leave the pass enqueued) and returns zero.
+  virtual absl::StatusOr<LossSum> StageForwardExchanged(const ModelBatch& batch, int slot,
+                                                        std::optional<double> loss_scale, bool train, uint64_t seed,
+                                                        std::vector<float>* logits = nullptr, bool defer_loss = false);
+  virtual absl::Status StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed);
   // Sums the gradients [begin, begin + n) over `comm` (the embedding group's copies of the tied
   // word embeddings).
   virtual absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
@@ -207,6 +246,9 @@ class GPTModel {
   std::vector<int> held_buckets_;  // complete buckets of it, not launched yet
   int launched_in_backward_ = 0;
   LossSum deferred_;  // ForwardBackwardDeferred's default
+  // StageBuffers' default host buffers: each slot's input; the output and the two gradients.
+  std::vector<std::vector<float>> stage_inputs_;
+  std::vector<float> stage_output_, stage_output_grad_, stage_input_grad_;
 };
 
 // Checks a batch against the configuration (shape, token and position ids in range): a token id

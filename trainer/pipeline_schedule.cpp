@@ -2,6 +2,7 @@
 #include "trainer/pipeline_schedule.h"
 
 #include <algorithm>
+#include <string>
 
 #include <fmt/core.h>
 
@@ -10,43 +11,91 @@
 namespace ptk {
 namespace {
 
-// One stage's messages: Megatron's p2p_communication helpers over the pipeline group.
+// One stage's messages: Megatron's p2p_communication helpers over the pipeline group, on the
+// buffers of the model's exchange (`format`: their size, and the stream of device memory).
 class StageLinks {
  public:
-  StageLinks(Communicator* pipe, int64_t floats)
-      : pipe_(pipe),
-        bytes_(floats * static_cast<int64_t>(sizeof(float))),
-        stage_(pipe->rank()),
-        last_(pipe->size() - 1) {}
+  StageLinks(Communicator* pipe, const StageExchange& format)
+      : pipe_(pipe), bytes_(format.bytes()), stream_(format.stream), stage_(pipe->rank()), last_(pipe->size() - 1) {}
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == last_; }
-  absl::Status RecvForward(std::vector<float>* x) { return first() ? Ok() : Call(nullptr, -1, x, stage_ - 1); }
-  absl::Status SendForward(const std::vector<float>& y) { return last() ? Ok() : Call(&y, stage_ + 1, nullptr, -1); }
-  absl::Status SendForwardRecvBackward(const std::vector<float>& y, std::vector<float>* dy) {
-    return last() ? Ok() : Call(&y, stage_ + 1, dy, stage_ + 1);
+  absl::Status RecvForward(void* x) { return first() ? Ok() : Call(nullptr, -1, x, stage_ - 1); }
+  absl::Status SendForward(const void* y) { return last() ? Ok() : Call(y, stage_ + 1, nullptr, -1); }
+  absl::Status SendForwardRecvBackward(const void* y, void* dy) {
+    return last() ? Ok() : Call(y, stage_ + 1, dy, stage_ + 1);
   }
-  absl::Status SendBackwardRecvForward(const std::vector<float>& dx, std::vector<float>* x) {
-    return first() ? Ok() : Call(&dx, stage_ - 1, x, stage_ - 1);
+  absl::Status SendBackwardRecvForward(const void* dx, void* x) {
+    return first() ? Ok() : Call(dx, stage_ - 1, x, stage_ - 1);
   }
-  absl::Status RecvBackward(std::vector<float>* dy) { return last() ? Ok() : Call(nullptr, -1, dy, stage_ + 1); }
-  absl::Status SendBackward(const std::vector<float>& dx) {
-    return first() ? Ok() : Call(&dx, stage_ - 1, nullptr, -1);
-  }
+  absl::Status RecvBackward(void* dy) { return last() ? Ok() : Call(nullptr, -1, dy, stage_ + 1); }
+  absl::Status SendBackward(const void* dx) { return first() ? Ok() : Call(dx, stage_ - 1, nullptr, -1); }
 
  private:
   static absl::Status Ok() { return absl::OkStatus(); }
-  absl::Status Call(const std::vector<float>* send, int dst, std::vector<float>* recv, int src) {
-    return pipe_->SendRecv(send ? send->data() : nullptr, send ? bytes_ : 0, dst, recv ? recv->data() : nullptr,
-                           recv ? bytes_ : 0, src);
+  absl::Status Call(const void* send, int dst, void* recv, int src) {
+    const int64_t out = send ? bytes_ : 0, in = recv ? bytes_ : 0;
+    if (stream_) return pipe_->SendRecvDevice(send, out, dst, recv, in, src, stream_);
+    return pipe_->SendRecv(send, out, dst, recv, in, src);
   }
   Communicator* pipe_;
   int64_t bytes_;
+  void* stream_;
   int stage_, last_;
 };
 
-int64_t ActivationFloats(const GPTModel& model, const ModelBatch& mb) { return model.StageExchangeFloats(mb); }
+// What a stage tells its neighbours of its exchange (CheckStageExchangeAgreement).
+struct WireFormat {
+  int64_t magic = 0, wire = 0, elements = 0, device = 0;
+};
+constexpr int64_t kWireMagic = 0x657069702d6b7470;  // "ptk-pipe"
+
+std::string DescribeWire(const WireFormat& w) {
+  const std::string type = w.wire >= 0 && w.wire <= static_cast<int64_t>(Precision::kFp16)
+                               ? std::string(PrecisionName(static_cast<Precision>(w.wire)))
+                               : fmt::format("wire type {}", w.wire);
+  return fmt::format("{} activations of {} elements ({} memory)", type, w.elements, w.device ? "device" : "host");
+}
+
+// The buffers of micro-batch k (slot k % slots), of the first micro-batch's exchange.
+absl::StatusOr<StageExchange> BuffersOf(GPTModel* model, const ModelBatch& mb, int slot, bool device,
+                                        const StageExchange& format) {
+  PTK_ASSIGN_OR_RETURN(StageExchange e, model->StageBuffers(mb, slot, device));
+  if (e.elements != format.elements || e.wire != format.wire || e.stream != format.stream)
+    return absl::InvalidArgumentError(
+        fmt::format("pipeline schedule: micro-batches of different shapes ({}x{} exchanges {} elements, the first {})",
+                    mb.b, mb.t, e.elements, format.elements));
+  return e;
+}
+
+// Drops the losses a failed schedule left with the model (the step fails; the next must not see them).
+struct LossesKept {
+  GPTModel* model;
+  ~LossesKept() {
+    if (model) (void)model->TakeLosses();
+  }
+};
 
 }  // namespace
+
+absl::Status CheckStageExchangeAgreement(Communicator* pipeline, const StageExchange& mine) {
+  const int s = pipeline->rank(), P = pipeline->size();
+  const int prev = s > 0 ? s - 1 : -1, next = s + 1 < P ? s + 1 : -1;
+  const WireFormat me{kWireMagic, static_cast<int64_t>(mine.wire), mine.elements, mine.stream ? 1 : 0};
+  WireFormat from_prev, from_next;
+  const int64_t size = sizeof(WireFormat);
+  PTK_RETURN_IF_ERROR(pipeline->SendRecv(&me, size, next, &from_prev, size, prev));
+  PTK_RETURN_IF_ERROR(pipeline->SendRecv(&me, size, prev, &from_next, size, next));
+  for (const auto& [peer, theirs] : {std::pair{prev, from_prev}, std::pair{next, from_next}}) {
+    if (peer < 0 || (theirs.magic == kWireMagic && theirs.wire == me.wire && theirs.elements == me.elements)) continue;
+    return absl::FailedPreconditionError(fmt::format(
+        "pipeline stages {} and {} disagree on the activations they exchange: stage {} sends and receives {}, stage "
+        "{} {}; every stage must run the same precision (--bf16 / --fp16 or neither), --sequence-parallel setting and "
+        "micro-batch shape",
+        std::min(s, peer), std::max(s, peer), s, DescribeWire(me), peer,
+        theirs.magic == kWireMagic ? DescribeWire(theirs) : "a message that is no exchange description"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator* pipeline,
                                                   const std::vector<ModelBatch>& micro_batches,
@@ -62,25 +111,26 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
         fmt::format("ForwardBackwardPipelining: rank {} of a pipeline group of {} runs stage {} of {}", s, P,
                     model->layout().pipeline_rank, model->layout().pipeline_size));
   if (m == 0) return LossSum{};
-  const int64_t floats = ActivationFloats(*model, micro_batches[0]);
-  StageLinks links(pipeline, floats);
-  std::vector<float> x(static_cast<size_t>(floats)), y(x.size()), dy(x.size()), dx(x.size());
-  const size_t in_size = links.first() ? 0 : x.size(), out_size = links.last() ? 0 : x.size();
   // Micro-batch k's activations live in slot k % slots: k's forward comes after the backward of
   // k - slots, the micro-batches in flight being at most warm-up + 1 = P - s.
   const int warmup = std::min(P - s - 1, m), remaining = m - warmup, slots = std::min(P - s, m);
-  LossSum loss;
+  const bool device = pipeline->device_collectives();
+  PTK_ASSIGN_OR_RETURN(const StageExchange format, model->StageBuffers(micro_batches[0], 0, device));
+  PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipeline, format));
+  StageLinks links(pipeline, format);
+  auto buffers = [&](int k) {
+    return BuffersOf(model, micro_batches[static_cast<size_t>(k)], k % slots, device, format);
+  };
   int in_flight = 0;
+  // The last stage's losses are kept by the model until the schedule ends (TakeLosses: no wait for
+  // them per micro-batch), added in micro-batch order; a schedule that fails drops them.
+  LossesKept kept{model};
   auto forward = [&](int k) -> absl::Status {
-    const ModelBatch& mb = micro_batches[static_cast<size_t>(k)];
-    if (ActivationFloats(*model, mb) != floats)
-      return absl::InvalidArgumentError("ForwardBackwardPipelining: micro-batches of different shapes");
-    PTK_ASSIGN_OR_RETURN(const LossSum l,
-                         model->StageForward(mb, k % slots, std::span<const float>(x.data(), in_size),
-                                             std::span<float>(y.data(), out_size), loss_scales[static_cast<size_t>(k)],
-                                             /*train=*/true, seed));
-    loss.loss_sum += l.loss_sum;
-    loss.tokens += l.tokens;
+    PTK_RETURN_IF_ERROR(model
+                            ->StageForwardExchanged(micro_batches[static_cast<size_t>(k)], k % slots,
+                                                    loss_scales[static_cast<size_t>(k)], /*train=*/true, seed,
+                                                    /*logits=*/nullptr, /*defer_loss=*/true)
+                            .status());
     ++in_flight;
     if (stats) stats->max_in_flight = std::max(stats->max_in_flight, in_flight);
     return absl::OkStatus();
@@ -88,45 +138,50 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   auto backward = [&](int k) -> absl::Status {
     --in_flight;
     if (k + 1 == m && before_last_backward) PTK_RETURN_IF_ERROR(before_last_backward());
-    return model->StageBackward(micro_batches[static_cast<size_t>(k)], k % slots,
-                                std::span<const float>(dy.data(), out_size), std::span<float>(dx.data(), in_size),
-                                /*train=*/true, seed);
+    return model->StageBackwardExchanged(micro_batches[static_cast<size_t>(k)], k % slots, /*train=*/true, seed);
   };
   for (int i = 0; i < warmup; ++i) {
-    PTK_RETURN_IF_ERROR(links.RecvForward(&x));
+    PTK_ASSIGN_OR_RETURN(const StageExchange x, buffers(i));
+    PTK_RETURN_IF_ERROR(links.RecvForward(x.input));
     PTK_RETURN_IF_ERROR(forward(i));
-    PTK_RETURN_IF_ERROR(links.SendForward(y));
+    PTK_RETURN_IF_ERROR(links.SendForward(x.output));
   }
-  if (remaining > 0) PTK_RETURN_IF_ERROR(links.RecvForward(&x));
+  if (remaining > 0) {
+    PTK_ASSIGN_OR_RETURN(const StageExchange x, buffers(warmup));
+    PTK_RETURN_IF_ERROR(links.RecvForward(x.input));
+  }
   for (int i = 0; i < remaining; ++i) {
     PTK_RETURN_IF_ERROR(forward(warmup + i));
-    PTK_RETURN_IF_ERROR(links.SendForwardRecvBackward(y, &dy));
+    PTK_ASSIGN_OR_RETURN(const StageExchange y, buffers(warmup + i));
+    PTK_ASSIGN_OR_RETURN(const StageExchange dy, buffers(i));
+    PTK_RETURN_IF_ERROR(links.SendForwardRecvBackward(y.output, dy.output_grad));
     PTK_RETURN_IF_ERROR(backward(i));
     if (i + 1 == remaining) {
-      PTK_RETURN_IF_ERROR(links.SendBackward(dx));
+      PTK_RETURN_IF_ERROR(links.SendBackward(dy.input_grad));
     } else {
-      PTK_RETURN_IF_ERROR(links.SendBackwardRecvForward(dx, &x));
+      PTK_ASSIGN_OR_RETURN(const StageExchange x, buffers(warmup + i + 1));
+      PTK_RETURN_IF_ERROR(links.SendBackwardRecvForward(dy.input_grad, x.input));
     }
   }
   for (int i = 0; i < warmup; ++i) {  // cool-down
-    PTK_RETURN_IF_ERROR(links.RecvBackward(&dy));
+    PTK_ASSIGN_OR_RETURN(const StageExchange dy, buffers(remaining + i));
+    PTK_RETURN_IF_ERROR(links.RecvBackward(dy.output_grad));
     PTK_RETURN_IF_ERROR(backward(remaining + i));
-    PTK_RETURN_IF_ERROR(links.SendBackward(dx));
+    PTK_RETURN_IF_ERROR(links.SendBackward(dy.input_grad));
   }
-  return loss;
+  kept.model = nullptr;
+  return model->TakeLosses();
 }
 
 absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
                                           std::vector<float>* logits) {
-  const int64_t floats = ActivationFloats(*model, batch);
-  StageLinks links(pipeline, floats);
-  std::vector<float> x(static_cast<size_t>(floats)), y(x.size());
-  PTK_RETURN_IF_ERROR(links.RecvForward(&x));
+  PTK_ASSIGN_OR_RETURN(const StageExchange x, model->StageBuffers(batch, 0, pipeline->device_collectives()));
+  PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipeline, x));
+  StageLinks links(pipeline, x);
+  PTK_RETURN_IF_ERROR(links.RecvForward(x.input));
   PTK_ASSIGN_OR_RETURN(const LossSum l,
-                       model->StageForward(batch, 0, std::span<const float>(x.data(), links.first() ? 0 : x.size()),
-                                           std::span<float>(y.data(), links.last() ? 0 : y.size()), std::nullopt,
-                                           /*train=*/false, 0, logits));
-  PTK_RETURN_IF_ERROR(links.SendForward(y));
+                       model->StageForwardExchanged(batch, 0, std::nullopt, /*train=*/false, 0, logits));
+  PTK_RETURN_IF_ERROR(links.SendForward(x.output));
   return l;
 }
 

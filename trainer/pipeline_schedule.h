@@ -1,8 +1,11 @@
 // Megatron's pipeline schedules on one stage (forward_backward_pipelining_without_interleaving and
-// its forward-only case): the model is this rank's stage (GPTModel::StageForward / StageBackward),
-// `pipeline` the pipeline group (its rank the stage), and each micro-batch's activations
-// (GPTModel::StageExchangeFloats: (b, t, hidden), or a sequence-parallel shard) and their gradients go to the adjacent
-// stages through Communicator::SendRecv.
+// its forward-only case): the model is this rank's stage (GPTModel::StageForwardExchanged /
+// StageBackwardExchanged), `pipeline` the pipeline group (its rank the stage), and each
+// micro-batch's activations (GPTModel::StageExchangeFloats: (b, t, hidden), or a sequence-parallel
+// shard) and their gradients go to the adjacent stages from and into the buffers the model hands
+// per slot (GPTModel::StageBuffers): device memory in the model's dtype through
+// Communicator::SendRecvDevice on the model's stream where the communicator sends device memory
+// (NCCL), host memory through Communicator::SendRecv otherwise (gloo; the CPU backend).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +38,12 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
                                                   std::span<const double> loss_scales, uint64_t seed,
                                                   PipelineStats* stats = nullptr,
                                                   const std::function<absl::Status()>& before_last_backward = {});
+
+// The stages agree on what crosses between them: this stage's exchange (its wire type and
+// element count) and each neighbour's, swapped over `pipeline` (one small host message each way).
+// FailedPrecondition naming both stages and both exchanges when a neighbour's differs. The
+// schedules below check it at every call, before any activation is sent.
+absl::Status CheckStageExchangeAgreement(Communicator* pipeline, const StageExchange& mine);
 
 // Forward only (evaluation, no dropout; text samples): each stage passes the micro-batch on. The
 // loss sum on the last stage, zero elsewhere; with `logits` the last stage's logits (StageForward).

@@ -408,8 +408,8 @@ TEST(CudaMemoryPlan, ParametersKeepTheirPlaceWhateverTheBatchShape) {
 }
 
 // A pipeline stage plans its own layers' activations, P - s slots of them (slot 0 in the usual
-// buffers, the others in pipeline_slots), the last stage each slot's final-norm gradient, and the
-// fp32 activation it exchanges with its neighbours.
+// buffers, the others in pipeline_slots), the last stage each slot's final-norm gradient; the
+// exchange with its neighbours needs no buffer of its own (PipelineExchangeBuffers).
 TEST(CudaMemoryPlan, PipelineStageKeepsItsLayersActivationsPerSlot) {
   const GPTConfig c = Gpt2Small();
   PlanOptions o;
@@ -433,7 +433,9 @@ TEST(CudaMemoryPlan, PipelineStageKeepsItsLayersActivationsPerSlot) {
   EXPECT_EQ(first[first.pipeline_slots].bytes, 3 * first.slot_bytes);
   EXPECT_EQ(first[first.pipeline_head_grads].bytes, 0);  // not the last stage: no LM head
   EXPECT_EQ(first[first.logits].bytes, 0);
-  EXPECT_EQ(first[first.pipeline_exchange].bytes, n * 768 * 4);
+  // The direct exchange receives into and sends from the slots' residual streams and the residual
+  // gradient: no buffer of its own.
+  EXPECT_EQ(first[first.pipeline_exchange].bytes, 0);
   o.pipeline_slots = 1;  // the last stage: one micro-batch in flight, its head gradient kept
   o.pipeline_last = true;
   const MemoryPlan last = MustPlan(c, o);
@@ -489,6 +491,42 @@ TEST(CudaMemoryPlan, FormatsBytes) {
   EXPECT_EQ(FormatBytes(512), "512 B");
   EXPECT_EQ(FormatBytes(3 << 20), "3.0 MiB");
   EXPECT_EQ(FormatBytes(int64_t{3} << 30), "3.00 GiB");
+}
+
+// What a stage exchanges with its neighbours: the direct exchange's buffers are the slot's residual
+// stream (its first and last layer, (n, hidden) each in the model's dtype, slot_bytes apart) and
+// the residual gradient, already planned; the host exchange (the oracle, or a host communicator)
+// adds the fp32 (n, hidden) staging its bf16/fp16 casts go through, nothing in fp32 (the copies go
+// straight into the activations). The rest of the plan is the same either way.
+TEST(CudaMemoryPlan, PipelineExchangeBuffers) {
+  const GPTConfig c = Gpt2Small();
+  const int64_t n = 2 * 1024, L = 3;
+  for (Precision p : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
+    SCOPED_TRACE(std::string(PrecisionName(p)));
+    const int64_t a = p == Precision::kFp32 ? 4 : 2;
+    PlanOptions o;
+    o.precision = p;
+    o.micro_batch_size = 2;
+    o.layers = L;
+    o.pipeline_slots = 3;
+    const MemoryPlan direct = MustPlan(c, o);
+    o.pipeline_host_exchange = true;
+    const MemoryPlan host = MustPlan(c, o);
+    EXPECT_EQ(direct[direct.pipeline_exchange].bytes, 0);
+    EXPECT_EQ(host[host.pipeline_exchange].bytes, p == Precision::kFp32 ? 0 : n * 768 * 4);
+    // The direct exchange's buffers: each slot's residual stream holds the input (layer 0) and the
+    // output (layer L) of (n, hidden) in the model's dtype; the residual gradient one more.
+    EXPECT_EQ(direct[direct.resid].bytes, (L + 1) * n * 768 * a);
+    EXPECT_EQ(direct[direct.dresid].bytes, n * 768 * a);
+    EXPECT_EQ(direct[direct.pipeline_slots].bytes, 2 * direct.slot_bytes);
+    ASSERT_EQ(direct.buffers.size(), host.buffers.size());
+    for (size_t i = 0; i < direct.buffers.size(); ++i) {
+      if (static_cast<int>(i) != direct.pipeline_exchange) {
+        EXPECT_EQ(direct.buffers[i].bytes, host.buffers[i].bytes) << direct.buffers[i].name;
+      }
+    }
+    EXPECT_EQ(host.total_bytes - direct.total_bytes, p == Precision::kFp32 ? 0 : n * 768 * 4);
+  }
 }
 
 }  // namespace

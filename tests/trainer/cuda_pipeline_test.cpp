@@ -1,23 +1,33 @@
 // The CUDA model's pipeline stages on one GPU: P = 2 and 4 stages of a 4-layer model as threads of
 // this process sharing the device, each its own CUDA model over its stage's layers, running
-// Megatron's 1F1B schedule (ForwardBackwardPipelining) over gloo's point-to-point messages (the
-// host spans the stages exchange; NCCL cannot put two ranks on one GPU), the tied embeddings'
-// copies summed over the embedding group through the host. Against the one-stage CUDA model over
-// the same 8 micro-batches (dropout on): the last stage's loss sum, each stage's gradients mapped
-// into the whole layout, the evaluation loss; fp32 tightly, bf16 within its rounding. Also the
+// Megatron's 1F1B schedule (ForwardBackwardPipelining). NCCL cannot put two ranks on one GPU, so
+// the pipeline group is gloo ranks offered as a device communicator
+// (testing::StagedDeviceCollectives): the stages take the direct exchange (their device buffers
+// in the model's dtype through SendRecvDevice), which that communicator stages through the host;
+// the tied embeddings' copies are summed over the embedding group through the host. Against the
+// one-stage CUDA model over the same 8 micro-batches (dropout on): the last stage's loss sum, each
+// stage's gradients mapped into the whole layout, the evaluation loss; fp32 tightly, bf16 within
+// its rounding. The direct exchange against the host exchange (the oracle,
+// CudaModelOptions::unfused.pipeline_host_exchange: fp32 host spans) over three training steps
+// with dropout: losses, the first step's gradients and the parameters after the steps bit for bit,
+// fp32 at P = 2 and 4, bf16 at P = 2 (bf16 values survive the fp32 staging exactly). Also the
 // slots: a backward of a slot that holds no forward pass, and a slot past the P - s this stage
-// keeps, are refused. gpu-labelled: exit 77 without a device.
+// keeps, are refused; the direct buffers are the slot's device memory in the model's dtype.
+// gpu-labelled: exit 77 without a device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
 #include "tests/trainer/cuda_model_test_util.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/staged_device_comm.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/train_step.h"
 
 namespace ptk {
 namespace {
@@ -79,15 +89,17 @@ void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_to
   const std::vector<PipelineStage> stages = Stages(P);
   std::mutex mu;
   testing::RunRanks(P, [&](Communicator* comm, int s) {
+    testing::StagedDeviceCollectives pipe(comm);
     cuda::CudaModelOptions o;
     o.pipeline = stages[static_cast<size_t>(s)];
     std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, p, /*deterministic=*/true, o);
     ASSERT_NE(m, nullptr);
     ASSERT_TRUE(m->ZeroGrads().ok());
     PipelineStats stats;
-    auto loss = ForwardBackwardPipelining(m.get(), comm, mbs, scales, 99, &stats);
+    auto loss = ForwardBackwardPipelining(m.get(), &pipe, mbs, scales, 99, &stats);
     ASSERT_TRUE(loss.ok()) << loss.status();
-    std::unique_ptr<Communicator> emb;  // the embedding group: the first and the last stage
+    EXPECT_GE(pipe.device_messages(), 8);  // the direct exchange ran: each micro-batch's messages
+    std::unique_ptr<Communicator> emb;     // the embedding group: the first and the last stage
     if (s == 0 || s == P - 1) {
       const std::vector<int> members = {0, P - 1};
       auto g = comm->Subgroup(members, "embedding");
@@ -97,7 +109,7 @@ void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_to
       ASSERT_TRUE(
           m->AllReduceGradRange(emb.get(), s == 0 ? lay.wte : lay.out_w, c.padded_vocab_size * c.hidden_size).ok());
     }
-    auto eval = ForwardPipelining(m.get(), comm, mbs[0]);
+    auto eval = ForwardPipelining(m.get(), &pipe, mbs[0]);
     ASSERT_TRUE(eval.ok()) << eval.status();
     std::vector<float> mine(static_cast<size_t>(m->num_params())), want(mine.size());
     ASSERT_TRUE(m->ReadGrads(mine).ok());
@@ -127,6 +139,122 @@ void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_to
 TEST(CudaPipeline, TwoStagesFollowOneStageFp32) { CheckStagesGiveOneStage(2, Precision::kFp32, 1e-6, 1e-5); }
 TEST(CudaPipeline, FourStagesFollowOneStageFp32) { CheckStagesGiveOneStage(4, Precision::kFp32, 1e-6, 1e-5); }
 TEST(CudaPipeline, TwoStagesFollowOneStageBf16) { CheckStagesGiveOneStage(2, Precision::kBf16, 1e-3, 3e-2); }
+
+// Three training steps (TrainStep over the stages, 4 micro-batches a step, dropout on) with the
+// direct exchange or the host one: each step's loss, the first step's gradients and the
+// parameters after the steps, per stage.
+struct StepsRun {
+  std::vector<std::vector<double>> losses;
+  std::vector<std::vector<float>> grads, params;
+};
+StepsRun TrainStages(int P, Precision p, bool host_exchange) {
+  const GPTConfig c = Config();
+  constexpr int kSteps = 3, kMicro = 4;
+  const Batches data(kSteps * kMicro, c.vocab_size);
+  const std::vector<PipelineStage> stages = Stages(P);
+  StepsRun out{std::vector<std::vector<double>>(static_cast<size_t>(P)),
+               std::vector<std::vector<float>>(static_cast<size_t>(P)),
+               std::vector<std::vector<float>>(static_cast<size_t>(P))};
+  std::mutex mu;
+  testing::RunRanks(P, [&](Communicator* comm, int s) {
+    testing::StagedDeviceCollectives pipe(comm);
+    cuda::CudaModelOptions o;
+    o.pipeline = stages[static_cast<size_t>(s)];
+    o.unfused.pipeline_host_exchange = host_exchange;
+    std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, p, /*deterministic=*/true, o);
+    ASSERT_NE(m, nullptr);
+    std::unique_ptr<Communicator> emb;  // the embedding group: the first and the last stage
+    if (s == 0 || s == P - 1) {
+      const std::vector<int> members = {0, P - 1};
+      auto g = comm->Subgroup(members, "embedding");
+      ASSERT_TRUE(g.ok()) << g.status();
+      emb = *std::move(g);
+    }
+    std::unique_ptr<Communicator> data_group = MakeLocalCommunicator();
+    TrainStep step(m.get(), OptimizerConfig{}, cuda_model_test::Schedule(), data_group.get());
+    step.set_pipeline(&pipe, emb.get());
+    std::vector<double> losses;
+    std::vector<float> grads;
+    for (int it = 0; it < kSteps; ++it) {
+      std::vector<ModelBatch> mbs;
+      for (int k = 0; k < kMicro; ++k) mbs.push_back(data.Get(it * kMicro + k));
+      auto r = step.ComputeGradients(mbs, 99);
+      ASSERT_TRUE(r.ok()) << r.status();
+      losses.push_back(r->loss_sum);
+      if (it == 0) {
+        grads.assign(static_cast<size_t>(m->num_params()), 0.0f);
+        ASSERT_TRUE(m->ReadGrads(grads).ok());
+      }
+      ASSERT_TRUE(step.ApplyUpdate(*r, kMicro * data.b).ok());
+    }
+    std::vector<float> params(static_cast<size_t>(m->num_params()));
+    ASSERT_TRUE(m->ReadParams(params).ok());
+    std::lock_guard<std::mutex> lock(mu);
+    out.losses[static_cast<size_t>(s)] = losses;
+    out.grads[static_cast<size_t>(s)] = grads;
+    out.params[static_cast<size_t>(s)] = params;
+  });
+  return out;
+}
+
+void CheckDirectExchangeGivesHostExchangeBits(int P, Precision p) {
+  const StepsRun host = TrainStages(P, p, /*host_exchange=*/true);
+  const StepsRun direct = TrainStages(P, p, /*host_exchange=*/false);
+  for (int s = 0; s < P; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    ASSERT_EQ(host.losses[i].size(), 3u) << "stage " << s;
+    EXPECT_EQ(direct.losses[i], host.losses[i]) << "stage " << s;
+    for (const auto* v : {&host.grads, &host.params}) ASSERT_FALSE((*v)[i].empty()) << "stage " << s;
+    ASSERT_EQ(direct.grads[i].size(), host.grads[i].size());
+    ASSERT_EQ(direct.params[i].size(), host.params[i].size());
+    EXPECT_EQ(std::memcmp(direct.grads[i].data(), host.grads[i].data(), host.grads[i].size() * sizeof(float)), 0)
+        << "gradients of stage " << s;
+    EXPECT_EQ(std::memcmp(direct.params[i].data(), host.params[i].data(), host.params[i].size() * sizeof(float)), 0)
+        << "parameters of stage " << s;
+  }
+}
+
+TEST(CudaPipeline, DirectExchangeGivesTheHostExchangesBitsTwoStagesFp32) {
+  CheckDirectExchangeGivesHostExchangeBits(2, Precision::kFp32);
+}
+TEST(CudaPipeline, DirectExchangeGivesTheHostExchangesBitsFourStagesFp32) {
+  CheckDirectExchangeGivesHostExchangeBits(4, Precision::kFp32);
+}
+TEST(CudaPipeline, DirectExchangeGivesTheHostExchangesBitsTwoStagesBf16) {
+  CheckDirectExchangeGivesHostExchangeBits(2, Precision::kBf16);
+}
+
+// The direct buffers: the slot's device memory in the model's dtype on the model's stream, none
+// where the stage has no neighbour; a host communicator gets the host exchange (fp32 host memory).
+TEST(CudaPipeline, DirectBuffersAreTheSlotsDeviceMemory) {
+  const GPTConfig c = Config();
+  const Batches data(1, c.vocab_size);
+  const ModelBatch mb = data.Get(0);
+  cuda::CudaModelOptions o;
+  o.pipeline = Stages(4)[1];  // a middle stage: three slots
+  std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, Precision::kBf16, /*deterministic=*/true, o);
+  ASSERT_NE(m, nullptr);
+  auto b0 = m->StageBuffers(mb, 0, /*device_memory=*/true);
+  auto b1 = m->StageBuffers(mb, 1, true);
+  ASSERT_TRUE(b0.ok() && b1.ok()) << b0.status() << b1.status();
+  EXPECT_EQ(b0->wire, Precision::kBf16);
+  EXPECT_EQ(b0->elements, m->StageExchangeFloats(mb));
+  EXPECT_EQ(b0->bytes(), b0->elements * 2);
+  EXPECT_NE(b0->stream, nullptr);
+  EXPECT_NE(b0->input, b1->input);
+  EXPECT_NE(b0->output, b1->output);
+  EXPECT_EQ(b0->output_grad, b0->input_grad);  // the residual gradient, in and out
+  for (const void* ptr : {b0->input, b0->output, b0->output_grad}) {
+    cudaPointerAttributes a{};
+    ASSERT_EQ(cudaPointerGetAttributes(&a, ptr), cudaSuccess);
+    EXPECT_EQ(a.type, cudaMemoryTypeDevice);
+  }
+  EXPECT_FALSE(m->StageBuffers(mb, 3, true).ok());  // past the three slots
+  auto host = m->StageBuffers(mb, 0, /*device_memory=*/false);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ(host->wire, Precision::kFp32);
+  EXPECT_EQ(host->stream, nullptr);
+}
 
 TEST(CudaPipeline, SlotsAreChecked) {
   const GPTConfig c = Config();

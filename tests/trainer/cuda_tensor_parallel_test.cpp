@@ -1,8 +1,8 @@
 // The CUDA model's tensor parallelism, whole, on one GPU: T = 2 and 4 tensor ranks as threads of
 // this process sharing the device, each its own fp32 CUDA model over its slices. NCCL cannot put two
 // ranks on one GPU, so the tensor group here is gloo ranks whose device collectives are staged
-// through the host (StagedDeviceCollectives: the stream drained, the buffer copied out, gloo's
-// collective, copied back): the model's code path is the one it takes over NCCL, only the transport
+// through the host (testing::StagedDeviceCollectives: the stream drained, the buffer copied out,
+// gloo's collective, copied back): the model's code path is the one it takes over NCCL, only the transport
 // differs. Against the CUDA model at T = 1 (dropout on): each rank's first loss within 1e-5 relative
 // (the four AdamW steps after it 1e-4), the
 // gradients gathered from the slices within 1e-4 of the largest (cuda_model_test's fp32 bounds),
@@ -27,6 +27,7 @@
 #include "common/status.h"
 #include "tests/trainer/cuda_model_test_util.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/staged_device_comm.h"
 #include "trainer/param_shard.h"
 
 namespace ptk {
@@ -35,62 +36,7 @@ namespace {
 using cuda_model_test::Batches;
 using cuda_model_test::SmallConfig;
 
-// A host communicator's collectives offered as device ones: on `stream`, drained first, the bytes
-// through host memory and back before the call returns.
-class StagedDeviceCollectives final : public Communicator {
- public:
-  explicit StagedDeviceCollectives(Communicator* host) : host_(host) {}
-  int rank() const override { return host_->rank(); }
-  int size() const override { return host_->size(); }
-  std::string_view backend() const override { return "gloo, device collectives staged through the host"; }
-  absl::Status AllReduceSum(float* data, int64_t n) override { return host_->AllReduceSum(data, n); }
-  absl::Status AllReduceSum(double* data, int64_t n) override { return host_->AllReduceSum(data, n); }
-  absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) override {
-    return host_->ReduceScatterSum(data, counts);
-  }
-  absl::Status AllGather(void* data, std::span<const int64_t> bytes) override { return host_->AllGather(data, bytes); }
-  absl::Status Broadcast(void* data, int64_t bytes, int root) override { return host_->Broadcast(data, bytes, root); }
-  absl::Status Barrier() override { return host_->Barrier(); }
-  bool device_collectives() const override { return true; }
-  absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream) override {
-    std::vector<float> h(static_cast<size_t>(n));
-    PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size() * sizeof(float), stream));
-    PTK_RETURN_IF_ERROR(host_->AllReduceSum(h.data(), n));
-    return In(data, h.data(), h.size() * sizeof(float), stream);
-  }
-  absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream) override {
-    int64_t total = 0;
-    for (int64_t b : bytes) total += b;
-    std::vector<char> h(static_cast<size_t>(total));
-    PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size(), stream));
-    PTK_RETURN_IF_ERROR(host_->AllGather(h.data(), bytes));
-    return In(data, h.data(), h.size(), stream);
-  }
-  absl::Status ReduceScatterSumDevice(float* data, std::span<const int64_t> counts, void* stream) override {
-    int64_t total = 0;
-    for (int64_t c : counts) total += c;
-    std::vector<float> h(static_cast<size_t>(total));
-    PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size() * sizeof(float), stream));
-    PTK_RETURN_IF_ERROR(host_->ReduceScatterSum(h.data(), counts));
-    return In(data, h.data(), h.size() * sizeof(float), stream);
-  }
-
- private:
-  static absl::Status Check(cudaError_t e) {
-    return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(e));
-  }
-  static absl::Status Out(void* host, const void* device, size_t bytes, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    PTK_RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s)));
-    return Check(cudaStreamSynchronize(s));
-  }
-  static absl::Status In(void* device, const void* host, size_t bytes, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    PTK_RETURN_IF_ERROR(Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s)));
-    return Check(cudaStreamSynchronize(s));
-  }
-  Communicator* host_;
-};
+using testing::StagedDeviceCollectives;
 
 struct TpRun {
   std::vector<std::vector<double>> losses;  // [rank][step]

@@ -195,6 +195,22 @@ TEST(NcclOfOne, PointToPointRefusesRanksThatAreNotPeers) {
   }
   EXPECT_TRUE(comm->SendRecv(nullptr, 0, -1, nullptr, 0, -1).ok());
   EXPECT_EQ(y, std::vector<float>(8, 0.0f));
+  // The device-memory twin (the stages' direct exchange) refuses alike, and asks for a stream.
+  float* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, static_cast<size_t>(bytes)), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  for (int peer : {0, 1}) {
+    const absl::Status send = comm->SendRecvDevice(d, bytes, peer, nullptr, 0, -1, stream);
+    EXPECT_TRUE(absl::IsInvalidArgument(send)) << send;
+    EXPECT_NE(send.message().find("to or from rank " + std::to_string(peer)), std::string_view::npos) << send;
+    EXPECT_TRUE(absl::IsInvalidArgument(comm->SendRecvDevice(nullptr, 0, -1, d, bytes, peer, stream)));
+  }
+  EXPECT_TRUE(comm->SendRecvDevice(nullptr, 0, -1, nullptr, 0, -1, stream).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(comm->SendRecvDevice(nullptr, 0, -1, nullptr, 0, -1, nullptr)));
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+  cudaFree(d);
 }
 
 TEST(NcclOfOne, OverlapAndDistributedOptimizerEqualThePlainStep) {

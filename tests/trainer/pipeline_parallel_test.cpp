@@ -6,7 +6,9 @@
 // embedding group within float rounding of one rank's interleaved sum), with at most P - s
 // micro-batches in flight on stage s; forward-only evaluation gives one rank's loss; each stage
 // holds the parameters --dry-run counts for it; --overlap-grad-reduce over P = 2 x D = 2 reduces
-// buckets during the last backward with the bits of the reduction after the schedule.
+// buckets during the last backward with the bits of the reduction after the schedule. The stages'
+// exchange buffers (GPTModel::StageBuffers) per slot, and the agreement on what crosses between
+// stages, refused with both named when they differ.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -135,8 +137,154 @@ TEST(PipelineComm, SendRecvBothWaysAtOnceInOrder) {
       EXPECT_EQ(v, std::vector<float>(10, 0.0f));
     }
     EXPECT_FALSE(comm->SendRecv(v.data(), 40, r, nullptr, 0, -1).ok());  // not to itself
+    // Nor to or from a rank that is not one (only -1 means none).
+    EXPECT_FALSE(comm->SendRecv(v.data(), 40, -2, nullptr, 0, -1).ok());
+    EXPECT_FALSE(comm->SendRecv(nullptr, 0, -1, v.data(), 40, 3).ok());
   });
   EXPECT_FALSE(MakeLocalCommunicator()->SendRecv(nullptr, 0, 0, nullptr, 0, -1).ok());
+}
+
+// The exchange buffers a stage hands the schedule (GPTModel::StageBuffers' host default, the CPU
+// backend's): the previous stage's output lands in a buffer per slot, the output and the gradients
+// in one each; none where the stage has no such neighbour; fp32 host memory whatever the
+// communicator offers; slots taken in order; a pass over a slot whose buffers were never handed
+// out is refused.
+TEST(PipelineExchange, StageBuffersPerSlot) {
+  const GPTConfig c = Config();
+  const Batches data(2);
+  const ModelBatch mb = data.Get(0);
+  const int64_t nc = 2 * 16 * 32;
+  const std::vector<PipelineStage> stages = Stages(4);
+  auto first = CpuGPTModel::Create(c, nullptr, false, stages[0]);
+  auto middle = CpuGPTModel::Create(c, nullptr, false, stages[1]);
+  auto last = CpuGPTModel::Create(c, nullptr, false, stages[3]);
+  ASSERT_TRUE(first.ok() && middle.ok() && last.ok());
+  auto f0 = (*first)->StageBuffers(mb, 0, /*device_memory=*/true);
+  ASSERT_TRUE(f0.ok()) << f0.status();
+  EXPECT_EQ(f0->input, nullptr);
+  EXPECT_EQ(f0->input_grad, nullptr);
+  EXPECT_NE(f0->output, nullptr);
+  EXPECT_NE(f0->output_grad, nullptr);
+  EXPECT_EQ(f0->elements, nc);
+  EXPECT_EQ(f0->wire, Precision::kFp32);
+  EXPECT_EQ(f0->stream, nullptr);  // host memory, though the communicator would take device memory
+  EXPECT_EQ(f0->bytes(), nc * 4);
+  auto l0 = (*last)->StageBuffers(mb, 0, false);
+  ASSERT_TRUE(l0.ok()) << l0.status();
+  EXPECT_NE(l0->input, nullptr);
+  EXPECT_NE(l0->input_grad, nullptr);
+  EXPECT_EQ(l0->output, nullptr);
+  EXPECT_EQ(l0->output_grad, nullptr);
+  auto m0 = (*middle)->StageBuffers(mb, 0, false);
+  auto m1 = (*middle)->StageBuffers(mb, 1, false);
+  ASSERT_TRUE(m0.ok() && m1.ok());
+  EXPECT_NE(m0->input, m1->input);  // each slot's input its own
+  EXPECT_EQ(m0->output, m1->output);
+  for (const void* p : {m0->input, m0->output, m0->output_grad, m0->input_grad}) EXPECT_NE(p, nullptr);
+  auto gap = (*middle)->StageBuffers(mb, 3, false);
+  EXPECT_FALSE(gap.ok());
+  EXPECT_NE(gap.status().message().find("slots are taken in order"), std::string_view::npos) << gap.status();
+  auto none = (*middle)->StageForwardExchanged(mb, 2, 1.0, true, 99);
+  EXPECT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("StageBuffers first"), std::string_view::npos) << none.status();
+  // Through the buffers, a stage's pass is the one StageForward makes from the same input.
+  ASSERT_TRUE((*middle)->InitWeights(11).ok());
+  std::vector<float> in(static_cast<size_t>(nc)), want(in.size());
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(i % 17) * 0.05f - 0.4f;
+  std::copy(in.begin(), in.end(), static_cast<float*>(m1->input));
+  ASSERT_TRUE((*middle)->StageForwardExchanged(mb, 1, std::nullopt, false, 0).ok());
+  const std::vector<float> got(static_cast<const float*>(m1->output), static_cast<const float*>(m1->output) + nc);
+  ASSERT_TRUE((*middle)->StageForward(mb, 0, in, want, std::nullopt, false, 0).ok());
+  EXPECT_EQ(got, want);
+  auto whole = CpuGPTModel::Create(c);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_FALSE((*whole)->StageBuffers(mb, 0, false).ok());  // not a pipeline stage
+}
+
+// Each stage tells its neighbours what it sends and receives; one that differs (another wire
+// type, another size) is refused on both sides of the boundary, the message naming both stages
+// and both exchanges.
+TEST(PipelineExchange, StagesAgreeOnTheirExchange) {
+  auto format = [](Precision wire, int64_t elements) {
+    StageExchange e;
+    e.wire = wire;
+    e.elements = elements;
+    return e;
+  };
+  testing::RunRanks(3, [&](Communicator* comm, int r) {
+    EXPECT_TRUE(CheckStageExchangeAgreement(comm, format(Precision::kBf16, 1024)).ok());
+    // Stage 2 exchanges fp32: stages 1 and 2 refuse, stage 0 (which meets only stage 1) does not.
+    const absl::Status wire =
+        CheckStageExchangeAgreement(comm, format(r == 2 ? Precision::kFp32 : Precision::kBf16, 1024));
+    if (r == 0) {
+      EXPECT_TRUE(wire.ok()) << wire;
+    } else {
+      EXPECT_EQ(wire.code(), absl::StatusCode::kFailedPrecondition) << wire;
+      const std::string msg(wire.message());
+      EXPECT_NE(msg.find("stages 1 and 2"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("fp32 activations of 1024 elements"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("bf16 activations of 1024 elements"), std::string::npos) << msg;
+    }
+    // Stage 0 exchanges fewer elements: stages 0 and 1 refuse.
+    const absl::Status size = CheckStageExchangeAgreement(comm, format(Precision::kFp32, r == 0 ? 512 : 1024));
+    EXPECT_EQ(size.ok(), r == 2) << size;
+    if (r < 2) {
+      EXPECT_NE(size.message().find("stages 0 and 1"), std::string_view::npos) << size;
+    }
+  });
+}
+
+// The schedule checks the agreement before any activation moves: stages whose micro-batches differ
+// in shape are refused on both, naming both, instead of exchanging messages of different sizes.
+TEST(PipelineSchedule, StagesThatExchangeDifferentActivationsAreRefused) {
+  const GPTConfig c = Config();
+  const Batches t16(2);
+  const testing::Batches t8(2, 8);
+  const std::vector<PipelineStage> stages = Stages(2);
+  testing::RunRanks(2, [&](Communicator* comm, int s) {
+    auto m = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(s)]);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE((*m)->InitWeights(11).ok());
+    const std::vector<double> scales = {0.5, 0.5};
+    auto loss = ForwardBackwardPipelining(m->get(), comm, s == 0 ? t16.All() : t8.All(), scales, 99);
+    ASSERT_FALSE(loss.ok());
+    EXPECT_EQ(loss.status().code(), absl::StatusCode::kFailedPrecondition) << loss.status();
+    EXPECT_NE(loss.status().message().find("stages 0 and 1"), std::string_view::npos) << loss.status();
+    EXPECT_NE(loss.status().message().find("of 1024 elements"), std::string_view::npos) << loss.status();
+    EXPECT_NE(loss.status().message().find("of 512 elements"), std::string_view::npos) << loss.status();
+  });
+}
+
+// The last stage keeps its losses until the schedule ends (StageForwardExchanged's defer_loss, then
+// TakeLosses); a schedule that fails part-way (here its second micro-batch is of another shape, after
+// the first one's forward and backward) drops those it kept: the next schedule's loss is the one a
+// fresh stage gives.
+TEST(PipelineSchedule, AFailedScheduleLeavesNoLossBehind) {
+  const GPTConfig c = Config();
+  const Batches t16(2);
+  const testing::Batches t8(1, 8);
+  const std::vector<ModelBatch> good = t16.All(), bad = {t16.Get(0), t8.Get(0)};
+  const std::vector<double> scales = {0.5, 0.5};
+  const std::vector<PipelineStage> stages = Stages(2);
+  std::vector<double> after(2), fresh(2);
+  std::mutex mu;
+  for (bool fail_first : {true, false})
+    testing::RunRanks(2, [&](Communicator* comm, int s) {
+      auto m = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(s)]);
+      ASSERT_TRUE(m.ok()) << m.status();
+      ASSERT_TRUE((*m)->InitWeights(11).ok());
+      if (fail_first) {
+        auto failed = ForwardBackwardPipelining(m->get(), comm, bad, scales, 99);
+        EXPECT_FALSE(failed.ok());
+        EXPECT_NE(failed.status().message().find("different shapes"), std::string_view::npos) << failed.status();
+      }
+      auto loss = ForwardBackwardPipelining(m->get(), comm, good, scales, 99);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      std::lock_guard<std::mutex> lock(mu);
+      (fail_first ? after : fresh)[static_cast<size_t>(s)] = loss->loss_sum;
+    });
+  EXPECT_GT(fresh[1], 0.0);
+  EXPECT_EQ(after, fresh);
 }
 
 // One rank's loss and gradients over the micro-batches, as TrainStep would scale them.

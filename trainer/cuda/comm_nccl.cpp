@@ -27,6 +27,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kScratchBytes = size_t{64} << 20;  // host collectives go through this much device memory at a time
+// A staged point-to-point chunk is half of it (the other half receives); the device sends cut the
+// same chunks, so that the two ends of a message may each stage or not.
+static_assert(Communicator::kSendRecvChunkBytes * 2 <= static_cast<int64_t>(kScratchBytes));
 
 static_assert(kNcclSuccess == ncclSuccess && kNcclInternalError == ncclInternalError &&
               kNcclInProgress == ncclInProgress);
@@ -247,40 +250,20 @@ class NcclCommunicator : public Communicator {
     return StagedAllReduce(&one, 1, ncclFloat);
   }
   // Point-to-point (pipeline stages' activations and their gradients): ncclSend and ncclRecv in one
-  // group, staged through the scratch buffer (its first half sends, its second receives) chunk by
-  // chunk; both ranks of a pair cut a message into the same chunks, which NCCL matches in order.
+  // group per chunk of kSendRecvChunkBytes; both ranks of a pair cut a message into the same chunks,
+  // which NCCL matches in order. Host memory is staged through the scratch buffer (its first half
+  // sends, its second receives) on this communicator's stream, the host waiting for each chunk;
+  // device memory goes as it is on the caller's stream, nothing waited for (the watchdog ages each
+  // chunk: a peer that never comes aborts the communicator after the timeout, and the next call
+  // fails naming it).
   absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
                         int src) override {
-    PTK_RETURN_IF_ERROR(CheckPeers(dst, src));
-    const int64_t out = dst >= 0 ? std::max<int64_t>(send_bytes, 0) : 0;
-    const int64_t in = src >= 0 ? std::max<int64_t>(recv_bytes, 0) : 0;
-    if (out == 0 && in == 0) return absl::OkStatus();
-    PTK_RETURN_IF_ERROR(EnsureScratch());
-    const int64_t half = static_cast<int64_t>(kScratchBytes / 2);
-    char* dsend = static_cast<char*>(scratch_);
-    char* drecv = dsend + half;
-    const std::string what =
-        fmt::format("send of {} bytes to rank {} / receive of {} bytes from rank {}", out, dst, in, src);
-    for (int64_t at = 0; at < std::max(out, in); at += half) {
-      const size_t cs = static_cast<size_t>(std::clamp<int64_t>(out - at, 0, half));
-      const size_t cr = static_cast<size_t>(std::clamp<int64_t>(in - at, 0, half));
-      if (cs > 0)
-        PTK_RETURN_IF_ERROR(
-            Cuda(cudaMemcpyAsync(dsend, static_cast<const char*>(send) + at, cs, cudaMemcpyHostToDevice, stream_),
-                 "staging a send"));
-      PTK_RETURN_IF_ERROR(Run(what.c_str(), stream_, [&] {
-        ncclResult_t r = ncclGroupStart();
-        if (r == ncclSuccess && cs > 0) r = ncclSend(dsend, cs, ncclUint8, dst, comm_, stream_);
-        if (r == ncclSuccess && cr > 0) r = ncclRecv(drecv, cr, ncclUint8, src, comm_, stream_);
-        const ncclResult_t end = ncclGroupEnd();
-        return r != ncclSuccess ? r : end;
-      }));
-      if (cr > 0)
-        PTK_RETURN_IF_ERROR(Cuda(
-            cudaMemcpyAsync(static_cast<char*>(recv) + at, drecv, cr, cudaMemcpyDeviceToHost, stream_), what.c_str()));
-      PTK_RETURN_IF_ERROR(WaitStream(what.c_str()));
-    }
-    return absl::OkStatus();
+    return PointToPoint(send, send_bytes, dst, recv, recv_bytes, src, nullptr);
+  }
+  absl::Status SendRecvDevice(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes, int src,
+                              void* stream) override {
+    if (!stream) return absl::InvalidArgumentError("SendRecvDevice: no stream");
+    return PointToPoint(send, send_bytes, dst, recv, recv_bytes, src, static_cast<cudaStream_t>(stream));
   }
 
  private:
@@ -366,6 +349,49 @@ class NcclCommunicator : public Communicator {
       if (aborted()) return AbortedStatus();
       std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
     }
+  }
+
+  // SendRecv (device_stream null: host memory, staged) and SendRecvDevice.
+  absl::Status PointToPoint(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes, int src,
+                            cudaStream_t device_stream) {
+    PTK_RETURN_IF_ERROR(CheckPeers(dst, src));
+    const int64_t out = dst >= 0 ? std::max<int64_t>(send_bytes, 0) : 0;
+    const int64_t in = src >= 0 ? std::max<int64_t>(recv_bytes, 0) : 0;
+    if (out == 0 && in == 0) return absl::OkStatus();
+    if ((out > 0 && !send) || (in > 0 && !recv))
+      return absl::InvalidArgumentError(
+          fmt::format("rank {}: point-to-point message of {} / {} bytes without a buffer", options_.rank, out, in));
+    const bool staged = device_stream == nullptr;
+    if (staged) PTK_RETURN_IF_ERROR(EnsureScratch());
+    const int64_t chunk = kSendRecvChunkBytes;
+    const cudaStream_t s = staged ? stream_ : device_stream;
+    const std::string what = fmt::format("{}send of {} bytes to rank {} / receive of {} bytes from rank {}",
+                                         staged ? "" : "device ", out, dst, in, src);
+    char* const stage_send = staged ? static_cast<char*>(scratch_) : nullptr;
+    char* const stage_recv = staged ? stage_send + chunk : nullptr;
+    for (int64_t at = 0; at < std::max(out, in); at += chunk) {
+      const size_t cs = static_cast<size_t>(std::clamp<int64_t>(out - at, 0, chunk));
+      const size_t cr = static_cast<size_t>(std::clamp<int64_t>(in - at, 0, chunk));
+      const char* from = cs == 0 ? nullptr : staged ? stage_send : static_cast<const char*>(send) + at;
+      char* into = cr == 0 ? nullptr : staged ? stage_recv : static_cast<char*>(recv) + at;
+      if (staged && cs > 0)
+        PTK_RETURN_IF_ERROR(
+            Cuda(cudaMemcpyAsync(stage_send, static_cast<const char*>(send) + at, cs, cudaMemcpyHostToDevice, s),
+                 "staging a send"));
+      PTK_RETURN_IF_ERROR(Run(what.c_str(), s, [&] {
+        ncclResult_t r = ncclGroupStart();
+        if (r == ncclSuccess && cs > 0) r = ncclSend(from, cs, ncclUint8, dst, comm_, s);
+        if (r == ncclSuccess && cr > 0) r = ncclRecv(into, cr, ncclUint8, src, comm_, s);
+        const ncclResult_t end = ncclGroupEnd();
+        return r != ncclSuccess ? r : end;
+      }));
+      if (!staged) continue;
+      if (cr > 0)
+        PTK_RETURN_IF_ERROR(
+            Cuda(cudaMemcpyAsync(static_cast<char*>(recv) + at, into, cr, cudaMemcpyDeviceToHost, s), what.c_str()));
+      PTK_RETURN_IF_ERROR(WaitStream(what.c_str()));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status EnsureScratch() {

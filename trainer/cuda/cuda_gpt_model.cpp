@@ -52,6 +52,7 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
   sync_ops_ = options.sync_ops;
   logits_budget_bytes_ = options.logits_budget_bytes;
   unfused_ = options.unfused;
+  host_exchange_ = options.unfused.pipeline_host_exchange;
   sequence_parallel_ = options.sequence_parallel && tensor_size() > 1;
   if (sequence_parallel_ && config().seq_length % tensor_size() != 0)
     return UsageError(
@@ -108,15 +109,13 @@ std::string CudaGPTModelImpl<T>::Describe() const {
 
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
-  PlanOptions o;
-  o.precision = PrecisionOf<T>();
-  o.micro_batch_size = b;
-  o.seq_length = t;
+  PlanOptions o{.precision = PrecisionOf<T>(), .micro_batch_size = b, .seq_length = t};
   o.tensor = tensor_size();
   o.layers = StageLayers();
   if (layout().pipeline_size > 1) {  // the micro-batches in flight on this stage (1F1B): P - s
     o.pipeline_slots = layout().pipeline_size - layout().pipeline_rank;
     o.pipeline_last = layout().post_process;
+    o.pipeline_host_exchange = host_exchange_;
   }
   o.sequence_parallel = sequence_parallel_;
   // This rank's query heads and groups.

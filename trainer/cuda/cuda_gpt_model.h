@@ -54,6 +54,13 @@ struct CudaModelOptions {
     // residual gradient (fused: the masks applied inside the LayerNorm kernels, forward and
     // backward; attention-probability dropout is unchanged either way).
     bool dropout_pass = false;
+    // A pipeline stage's activations and their gradients cross to the adjacent stages as fp32 host
+    // spans (cast from bf16/fp16 through an fp32 staging buffer, copied out, the stream synchronised
+    // at every exchange; the communicator's host SendRecv) (direct: the slot's residual stream and
+    // the residual gradient themselves, device memory in the model's dtype, sent and received on
+    // the compute stream through SendRecvDevice). A pipeline communicator without device memory
+    // (gloo) gets the host exchange whatever this says.
+    bool pipeline_host_exchange = false;
   } unfused;
 };
 

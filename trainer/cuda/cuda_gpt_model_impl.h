@@ -146,6 +146,15 @@ class CudaGPTModelImpl final : public GPTModel {
                                        uint64_t seed, std::vector<float>* logits) override;
   absl::Status StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
                              std::span<float> input_grad, bool train, uint64_t seed) override;
+  // The direct exchange: the slot's residual stream (its first layer's input, its last layer's
+  // output) and the residual gradient, in T on the device, sent and received on the compute stream;
+  // the host exchange (GPTModel's fp32 host buffers and StageForward / StageBackward) under
+  // CudaModelOptions::unfused.pipeline_host_exchange or a host communicator.
+  absl::StatusOr<StageExchange> StageBuffers(const ModelBatch& batch, int slot, bool device_memory) override;
+  absl::StatusOr<LossSum> StageForwardExchanged(const ModelBatch& batch, int slot, std::optional<double> loss_scale,
+                                                bool train, uint64_t seed, std::vector<float>* logits,
+                                                bool defer_loss) override;
+  absl::Status StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed) override;
   absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) override;
 
  protected:
@@ -243,6 +252,21 @@ class CudaGPTModelImpl final : public GPTModel {
   // The stage's transformer layers (all of them without pipeline parallelism).
   int64_t StageLayers() const { return static_cast<int64_t>(layout().layers.size()); }
   absl::Status SelectSlot(int slot, std::string_view what);
+  // The device memory planned for `batch`: re-planned when it is larger than planned, refused while
+  // another slot's activations are in flight (a re-plan keeps the parameters only).
+  absl::Status PlanStage(const ModelBatch& batch, int slot, std::string_view what);
+  // From now on the host exchange (bf16/fp16: pipeline_exchange planned, a re-plan, refused while
+  // any slot's activations are in flight).
+  absl::Status UseHostExchange(std::string_view what);
+  // A stage's passes; `direct`: the input and the output gradient are already in the slot's
+  // buffers and the output and input gradient stay there (StageBuffers), the spans unused;
+  // otherwise they come and go as host spans.
+  // defer_loss: the last stage's losses kept for TakeLosses (KeepLosses), zero returned.
+  absl::StatusOr<LossSum> StageForwardPass(const ModelBatch& batch, int slot, std::span<const float> input,
+                                           std::span<float> output, bool direct, std::optional<double> loss_scale,
+                                           bool train, uint64_t seed, std::vector<float>* logits, bool defer_loss);
+  absl::Status StageBackwardPass(const ModelBatch& batch, int slot, std::span<const float> output_grad,
+                                 std::span<float> input_grad, bool direct, bool train, uint64_t seed);
   // The fp32 host activation (n_, hidden) to a T device buffer and back, through pipeline_exchange.
   absl::Status ExchangeIn(T* dst, std::span<const float> host, std::string_view what);
   absl::Status ExchangeOut(std::span<float> host, const T* src, std::string_view what);
@@ -365,6 +389,9 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
   // The masked loss sum and token count, summed on the host exactly as the CPU model does.
   absl::StatusOr<LossSum> Losses(const ModelBatch& batch);
+  // The per-token losses copied to a pinned slot of their own (asynchronously), with the batch's
+  // mask, for TakeLosses.
+  absl::Status KeepLosses(const ModelBatch& batch);
   static LossSum SumLosses(const float* host, std::span<const float> mask);
 
   CudaContext ctx_;
@@ -386,6 +413,7 @@ class CudaGPTModelImpl final : public GPTModel {
   // pass whose backward has not run (bit k: slot k).
   int slot_ = 0;
   uint64_t slots_live_ = 0;
+  bool host_exchange_ = false;                            // the host exchange (UseHostExchange)
   std::vector<std::pair<int64_t, int64_t>> slot_shapes_;  // each live slot's (b, t)
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;

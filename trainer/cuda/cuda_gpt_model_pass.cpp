@@ -51,6 +51,11 @@ absl::Status CudaGPTModelImpl<T>::ForwardBackwardDeferred(const ModelBatch& batc
   PTK_RETURN_IF_ERROR(RunForward(train, seed));
   PTK_RETURN_IF_ERROR(RunHead(/*backward=*/true, nullptr));
   PTK_RETURN_IF_ERROR(RunBackward(train, seed));
+  return KeepLosses(batch);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::KeepLosses(const ModelBatch& batch) {
   const size_t k = pending_losses_, n = static_cast<size_t>(n_);
   if (loss_slots_.size() <= k) loss_slots_.push_back(std::make_unique<Pinned>());
   if (pending_masks_.size() <= k) pending_masks_.resize(k + 1);
@@ -68,9 +73,10 @@ template <typename T>
 absl::StatusOr<LossSum> CudaGPTModelImpl<T>::TakeLosses() {
   const size_t k = pending_losses_;
   pending_losses_ = 0;
-  if (k == 0) return LossSum{};
+  // Those GPTModel kept (a pipeline stage's host exchange: summed as they came), then the pending copies.
+  PTK_ASSIGN_OR_RETURN(LossSum total, GPTModel::TakeLosses());
+  if (k == 0) return total;
   PTK_RETURN_IF_ERROR(Sync(fmt::format("the passes over {} micro-batches of {}x{}", k, b_, t_)));
-  LossSum total;
   for (size_t i = 0; i < k; ++i) {
     const LossSum s = SumLosses(loss_slots_[i]->template at<float>(0), pending_masks_[i]);
     total.loss_sum += s.loss_sum;
@@ -384,6 +390,7 @@ LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float>
                                                                         bool train, uint64_t seed);                   \
   template absl::Status CudaGPTModelImpl<T>::ForwardBackwardDeferred(const ModelBatch& batch, double loss_scale,      \
                                                                      bool train, uint64_t seed);                      \
+  template absl::Status CudaGPTModelImpl<T>::KeepLosses(const ModelBatch& batch);                                     \
   template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::TakeLosses();                                                 \
   template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Forward(const ModelBatch& batch, std::vector<float>* logits); \
   template absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);     \

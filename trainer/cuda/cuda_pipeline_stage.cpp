@@ -2,11 +2,18 @@
 // micro-batch's pass over this stage's layers, from the previous stage's output to the next stage's
 // input. Each micro-batch in flight keeps its activations on the device in a slot of its own (the
 // memory plan's pipeline_slots: P - s of them on stage s); the inputs and dropout streams are
-// copied again for the backward. The activations and their gradients cross the stage boundary as
-// fp32 host spans (exact for bf16 and fp16 values), staged through pipeline_exchange: host staging
-// in this first version; the communicator sends the host spans.
+// copied again for the backward. The activations and their gradients cross the stage boundary
+// directly (StageBuffers): the schedule receives the previous stage's output into the slot's
+// residual stream (its first layer's input), sends the slot's last layer's output from there, and
+// receives and sends the gradients in the residual gradient buffer, in the model's dtype (bf16
+// goes as bf16), with NCCL on the compute stream: no host copy, no synchronisation per exchange,
+// and the last stage's losses kept for the schedule's end (KeepLosses). The host exchange is kept as the oracle
+// and for host communicators (gloo): fp32 host spans (exact for bf16 and fp16 values), cast
+// through pipeline_exchange, the stream synchronised at each exchange
+// (CudaModelOptions::unfused.pipeline_host_exchange).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -45,6 +52,8 @@ absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host
   const int64_t count = static_cast<int64_t>(host.size());
   if (count > plan_.n * config().hidden_size)
     return absl::InvalidArgumentError(fmt::format("{}: {} floats exceed the planned exchange buffer", what, count));
+  if (!std::is_same_v<T, float> && plan_[plan_.pipeline_exchange].bytes < count * 4)
+    return absl::FailedPreconditionError(fmt::format("{}: no host exchange was planned", what));
   float* staged = std::is_same_v<T, float> ? reinterpret_cast<float*>(dst) : Buf<float>(plan_.pipeline_exchange);
   PTK_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(staged, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, ctx_.stream),
@@ -62,6 +71,8 @@ absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* sr
     return absl::InvalidArgumentError(fmt::format("{}: {} floats exceed the planned exchange buffer", what, count));
   const float* staged = reinterpret_cast<const float*>(src);
   if constexpr (!std::is_same_v<T, float>) {
+    if (plan_[plan_.pipeline_exchange].bytes < count * 4)
+      return absl::FailedPreconditionError(fmt::format("{}: no host exchange was planned", what));
     float* x = Buf<float>(plan_.pipeline_exchange);
     PTK_RETURN_IF_ERROR(Op("copies", "stage output cast", CastToFloat<T>(x, src, count, ctx_)));
     staged = x;
@@ -74,28 +85,111 @@ absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* sr
 }
 
 template <typename T>
+absl::Status CudaGPTModelImpl<T>::PlanStage(const ModelBatch& batch, int slot, std::string_view what) {
+  if (batch.b < 1 || batch.t < 1)
+    return absl::InvalidArgumentError(fmt::format("{}: a {}x{} micro-batch", what, batch.b, batch.t));
+  if (batch.b <= plan_.b && batch.t <= plan_.t) return absl::OkStatus();
+  // A larger micro-batch re-plans the device memory, which keeps the parameters only.
+  if ((slots_live_ & ~(uint64_t{1} << slot)) != 0)
+    return absl::FailedPreconditionError(
+        fmt::format("{}: a {}x{} micro-batch is larger than the {}x{} planned while other micro-batches' "
+                    "activations are in flight",
+                    what, batch.b, batch.t, plan_.b, plan_.t));
+  return Plan(std::max(batch.b, plan_.b), std::max(batch.t, plan_.t));
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::UseHostExchange(std::string_view what) {
+  if (host_exchange_) return absl::OkStatus();
+  if (slots_live_ != 0)
+    return absl::FailedPreconditionError(fmt::format(
+        "{}: the host exchange cannot start while micro-batches' activations are in flight (stage {} of {})", what,
+        layout().pipeline_rank, layout().pipeline_size));
+  host_exchange_ = true;
+  if constexpr (kFlash) return Plan(plan_.b, plan_.t);  // pipeline_exchange, for the casts
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::StatusOr<StageExchange> CudaGPTModelImpl<T>::StageBuffers(const ModelBatch& batch, int slot, bool device_memory) {
+  if (!device_memory) PTK_RETURN_IF_ERROR(UseHostExchange("StageBuffers (a host communicator)"));
+  if (host_exchange_) return GPTModel::StageBuffers(batch, slot, device_memory);
+  PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageBuffers"));
+  PTK_RETURN_IF_ERROR(PlanStage(batch, slot, "StageBuffers"));
+  const int64_t n = batch.b * batch.t, c = config().hidden_size;
+  StageExchange e;
+  e.elements = StageExchangeFloats(batch);
+  e.wire = PrecisionOf<T>();
+  e.stream = static_cast<void*>(ctx_.stream);
+  // The slot's residual stream (SelectSlot): the stage's input is its layer 0, its output its last
+  // layer's, where StageForwardPass reads and writes them; the gradients in and out of dresid.
+  if (!layout().pre_process) {
+    e.input = Act(plan_.resid, 0, n * c);
+    e.input_grad = Buf<T>(plan_.dresid);
+  }
+  if (!layout().post_process) {
+    e.output = Act(plan_.resid, StageLayers(), n * c);
+    e.output_grad = Buf<T>(plan_.dresid);
+  }
+  return e;
+}
+
+template <typename T>
 absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForward(const ModelBatch& batch, int slot,
                                                           std::span<const float> input, std::span<float> output,
                                                           std::optional<double> loss_scale, bool train, uint64_t seed,
                                                           std::vector<float>* logits) {
   PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageForward"));
+  PTK_RETURN_IF_ERROR(UseHostExchange("StageForward"));
+  return StageForwardPass(batch, slot, input, output, /*direct=*/false, loss_scale, train, seed, logits,
+                          /*defer_loss=*/false);
+}
+
+template <typename T>
+absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForwardExchanged(const ModelBatch& batch, int slot,
+                                                                   std::optional<double> loss_scale, bool train,
+                                                                   uint64_t seed, std::vector<float>* logits,
+                                                                   bool defer_loss) {
+  if (host_exchange_) return GPTModel::StageForwardExchanged(batch, slot, loss_scale, train, seed, logits, defer_loss);
+  return StageForwardPass(batch, slot, {}, {}, /*direct=*/true, loss_scale, train, seed, logits, defer_loss);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
+                                                std::span<float> input_grad, bool train, uint64_t seed) {
+  PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageBackward"));
+  PTK_RETURN_IF_ERROR(UseHostExchange("StageBackward"));
+  return StageBackwardPass(batch, slot, output_grad, input_grad, /*direct=*/false, train, seed);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed) {
+  if (host_exchange_) return GPTModel::StageBackwardExchanged(batch, slot, train, seed);
+  return StageBackwardPass(batch, slot, {}, {}, /*direct=*/true, train, seed);
+}
+
+template <typename T>
+absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForwardPass(const ModelBatch& batch, int slot,
+                                                              std::span<const float> input, std::span<float> output,
+                                                              bool direct, std::optional<double> loss_scale, bool train,
+                                                              uint64_t seed, std::vector<float>* logits,
+                                                              bool defer_loss) {
+  PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageForward"));
   const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
   const uint64_t bit = uint64_t{1} << slot;
-  // A larger micro-batch re-plans the device memory, which keeps the parameters only.
-  if ((slots_live_ & ~bit) != 0 && (batch.b > plan_.b || batch.t > plan_.t))
-    return absl::FailedPreconditionError(
-        fmt::format("StageForward: a {}x{} micro-batch is larger than the {}x{} planned while other micro-batches' "
-                    "activations are in flight",
-                    batch.b, batch.t, plan_.b, plan_.t));
+  PTK_RETURN_IF_ERROR(PlanStage(batch, slot, "StageForward"));
   const int64_t nc = StageExchangeFloats(batch);
-  PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), layout().pre_process ? 0 : nc));
-  PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), layout().post_process ? 0 : nc));
+  if (!direct) {
+    PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), layout().pre_process ? 0 : nc));
+    PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), layout().post_process ? 0 : nc));
+  }
   PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale.value_or(0.0), dropout));
   Begin();
   const int64_t c = config().hidden_size;
   slots_live_ &= ~bit;  // a forward pass over the slot overwrites what it held
-  if (!layout().pre_process) PTK_RETURN_IF_ERROR(ExchangeIn(Act(plan_.resid, 0, n_ * c), input, "StageForward input"));
+  if (!layout().pre_process && !direct)
+    PTK_RETURN_IF_ERROR(ExchangeIn(Act(plan_.resid, 0, n_ * c), input, "StageForward input"));
   PTK_RETURN_IF_ERROR(RunForward(train, seed));
   if (loss_scale) {
     slots_live_ |= bit;
@@ -103,7 +197,9 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForward(const ModelBatch& batc
     slot_shapes_[static_cast<size_t>(slot)] = {batch.b, batch.t};
   }
   if (!layout().post_process) {
-    PTK_RETURN_IF_ERROR(ExchangeOut(output, Act(plan_.resid, StageLayers(), n_ * c), "StageForward output"));
+    // Direct: the output stays in the slot's residual stream, where the schedule sends it from.
+    if (!direct)
+      PTK_RETURN_IF_ERROR(ExchangeOut(output, Act(plan_.resid, StageLayers(), n_ * c), "StageForward output"));
     return LossSum{};
   }
   // With a loss scale the LM head leaves the final norm's output gradient in dln: the slot keeps it
@@ -115,12 +211,15 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForward(const ModelBatch& batc
                              "keeping the LM head's gradient for the slot's backward");
     PTK_RETURN_IF_ERROR(Op("copies", "head gradient copy", absl::OkStatus()));
   }
-  return Losses(batch);
+  if (!defer_loss) return Losses(batch);
+  PTK_RETURN_IF_ERROR(KeepLosses(batch));  // no wait: the schedule reads them once it ends
+  return LossSum{};
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
-                                                std::span<float> input_grad, bool train, uint64_t seed) {
+absl::Status CudaGPTModelImpl<T>::StageBackwardPass(const ModelBatch& batch, int slot,
+                                                    std::span<const float> output_grad, std::span<float> input_grad,
+                                                    bool direct, bool train, uint64_t seed) {
   PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageBackward"));
   const uint64_t bit = uint64_t{1} << slot;
   if ((slots_live_ & bit) == 0)
@@ -128,10 +227,12 @@ absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slo
   if (slot_shapes_[static_cast<size_t>(slot)] != std::pair<int64_t, int64_t>{batch.b, batch.t})
     return absl::InvalidArgumentError("StageBackward: the batch is not the shape of the slot's forward pass");
   const int64_t nc = StageExchangeFloats(batch);
-  PTK_RETURN_IF_ERROR(
-      CheckActivation("StageBackward output gradient", output_grad.size(), layout().post_process ? 0 : nc));
-  PTK_RETURN_IF_ERROR(
-      CheckActivation("StageBackward input gradient", input_grad.size(), layout().pre_process ? 0 : nc));
+  if (!direct) {
+    PTK_RETURN_IF_ERROR(
+        CheckActivation("StageBackward output gradient", output_grad.size(), layout().post_process ? 0 : nc));
+    PTK_RETURN_IF_ERROR(
+        CheckActivation("StageBackward input gradient", input_grad.size(), layout().pre_process ? 0 : nc));
+  }
   const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
   // The inputs and the dropout streams again (the slot's activations stay where its forward left them).
@@ -140,7 +241,8 @@ absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slo
   const int64_t c = config().hidden_size;
   slots_live_ &= ~bit;
   if (!layout().post_process) {
-    PTK_RETURN_IF_ERROR(ExchangeIn(Buf<T>(plan_.dresid), output_grad, "StageBackward output gradient"));
+    // Direct: the next stage's gradient was received into dresid itself.
+    if (!direct) PTK_RETURN_IF_ERROR(ExchangeIn(Buf<T>(plan_.dresid), output_grad, "StageBackward output gradient"));
   } else {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<T>(plan_.dln), HeadGrad(slot), static_cast<size_t>(n_ * c) * sizeof(T),
                                              cudaMemcpyDeviceToDevice, ctx_.stream),
@@ -148,7 +250,8 @@ absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slo
     PTK_RETURN_IF_ERROR(Op("copies", "head gradient copy", absl::OkStatus()));
   }
   PTK_RETURN_IF_ERROR(RunBackward(train, seed));
-  if (!layout().pre_process)
+  // Direct: the input's gradient stays in dresid, where the schedule sends it from.
+  if (!layout().pre_process && !direct)
     PTK_RETURN_IF_ERROR(ExchangeOut(input_grad, Buf<T>(plan_.dresid), "StageBackward input gradient"));
   return absl::OkStatus();
 }
@@ -171,16 +274,31 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t
   return Sync("the embedding group's all-reduce");
 }
 
-#define PTK_INSTANTIATE(T)                                                                                            \
-  template absl::Status CudaGPTModelImpl<T>::SelectSlot(int slot, std::string_view what);                             \
-  template absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host, std::string_view what);  \
-  template absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* src, std::string_view what); \
-  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForward(                                                 \
-      const ModelBatch& batch, int slot, std::span<const float> input, std::span<float> output,                       \
-      std::optional<double> loss_scale, bool train, uint64_t seed, std::vector<float>* logits);                       \
-  template absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slot,                         \
-                                                           std::span<const float> output_grad,                        \
-                                                           std::span<float> input_grad, bool train, uint64_t seed);   \
+#define PTK_INSTANTIATE(T)                                                                                             \
+  template absl::Status CudaGPTModelImpl<T>::SelectSlot(int slot, std::string_view what);                              \
+  template absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host, std::string_view what);   \
+  template absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* src, std::string_view what);  \
+  template absl::Status CudaGPTModelImpl<T>::PlanStage(const ModelBatch& batch, int slot, std::string_view what);      \
+  template absl::Status CudaGPTModelImpl<T>::UseHostExchange(std::string_view what);                                   \
+  template absl::StatusOr<StageExchange> CudaGPTModelImpl<T>::StageBuffers(const ModelBatch& batch, int slot,          \
+                                                                           bool device_memory);                        \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForwardExchanged(                                         \
+      const ModelBatch& batch, int slot, std::optional<double> loss_scale, bool train, uint64_t seed,                  \
+      std::vector<float>* logits, bool defer_loss);                                                                    \
+  template absl::Status CudaGPTModelImpl<T>::StageBackwardExchanged(const ModelBatch& batch, int slot, bool train,     \
+                                                                    uint64_t seed);                                    \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForwardPass(                                              \
+      const ModelBatch& batch, int slot, std::span<const float> input, std::span<float> output, bool direct,           \
+      std::optional<double> loss_scale, bool train, uint64_t seed, std::vector<float>* logits, bool defer_loss);       \
+  template absl::Status CudaGPTModelImpl<T>::StageBackwardPass(                                                        \
+      const ModelBatch& batch, int slot, std::span<const float> output_grad, std::span<float> input_grad, bool direct, \
+      bool train, uint64_t seed);                                                                                      \
+  template absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForward(                                                  \
+      const ModelBatch& batch, int slot, std::span<const float> input, std::span<float> output,                        \
+      std::optional<double> loss_scale, bool train, uint64_t seed, std::vector<float>* logits);                        \
+  template absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slot,                          \
+                                                           std::span<const float> output_grad,                         \
+                                                           std::span<float> input_grad, bool train, uint64_t seed);    \
   template absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

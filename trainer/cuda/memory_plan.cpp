@@ -115,7 +115,8 @@ void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::
                            (m.slots - 1) * m.slot_bytes, act_lower + ", or more pipeline stages");
     m.pipeline_head_grads = add("pipeline: final-norm gradient per micro-batch in flight",
                                 o.pipeline_last ? m.slots * Align(n * c * a) : 0, act_lower);
-    m.pipeline_exchange = add("pipeline: fp32 activation exchanged with the adjacent stages", n * c * 4, act_lower);
+    m.pipeline_exchange = add("pipeline: fp32 staging of the activation exchanged through the host",
+                              o.pipeline_host_exchange && m.flash ? n * c * 4 : 0, act_lower);
   }
 }
 

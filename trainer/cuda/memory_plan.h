@@ -60,7 +60,11 @@ struct MemoryPlan {
   // through lnf_stats, slot_bytes apart) are slot 0's, `pipeline_slots` holds slots 1.. of the
   // micro-batches in flight; `pipeline_head_grads` (the last stage) each slot's final-norm gradient
   // (n, hidden), which the LM head leaves at the forward for the slot's backward;
-  // `pipeline_exchange` the fp32 (n, hidden) activation or gradient to or from the host.
+  // `pipeline_exchange` the fp32 (n, hidden) activation or gradient to or from the host, cast
+  // through it under the host exchange in bf16/fp16 (PlanOptions::pipeline_host_exchange; empty
+  // otherwise: the direct exchange receives into and sends from each slot's residual stream, its
+  // first and last layer's (n, hidden), and the residual gradient, in the model's dtype, and fp32's
+  // host exchange copies straight into them).
   int pipeline_slots = -1, pipeline_head_grads = -1, pipeline_exchange = -1;
   int64_t slots = 0, slot_bytes = 0;
   // --sequence-parallel (PlanOptions::sequence_parallel with tensor > 1): the residual stream, the
@@ -101,6 +105,7 @@ struct PlanOptions {
   int64_t layers = -1;
   int64_t pipeline_slots = 0;
   bool pipeline_last = false;
+  bool pipeline_host_exchange = false;  // CudaModelOptions::unfused.pipeline_host_exchange, or a host communicator
   // Megatron's sequence parallelism on the tensor group (MemoryPlan::sequence_parallel); the
   // sequence length must divide by `tensor`.
   bool sequence_parallel = false;
