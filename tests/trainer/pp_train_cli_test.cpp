@@ -10,6 +10,7 @@
 // not divide are refused on every rank.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -242,6 +243,28 @@ TEST_F(PipelineParallelCli, SamplesTensorBoardAndOverlapAcrossStagesAreOneRanks)
   EXPECT_NE(overlapped.output.find("reduced as backward completes them"), std::string::npos) << overlapped.output;
   ASSERT_EQ(Lines(plain.output).size(), 10u) << plain.output;
   EXPECT_EQ(Lines(overlapped.output), Lines(plain.output));
+}
+
+// Over stages, the last stage's writer (Megatron's last rank) writes both the event files and
+// --metrics-file: the metrics.jsonl that defaults to --tensorboard-dir goes with the events, into a
+// fresh run's run-2 beside another run's event files, and stays there when the run resumes. Before,
+// rank 0 kept writing it in the directory itself, into the other run's metrics.
+TEST_F(PipelineParallelCli, MetricsGoWithTheEventsOfTheLastStage) {
+  const std::string tb = dir_ / "tb", ck = ShellQuote(dir_ / "ck");
+  std::filesystem::create_directories(tb);
+  ptk::testing::WriteFile(tb + "/events.out.tfevents.1.other.1.0", "");  // another run's
+  ptk::testing::WriteFile(tb + "/metrics.jsonl", "{\"iteration\": 1}\n");
+  const std::string flags = "--tensorboard-dir " + ShellQuote(tb) + " --save " + ck + " --load " + ck;
+  auto fresh = Ranks(2, Train(1, 2, flags + " --exit-interval 2", 4));
+  ASSERT_NE(fresh.output.find(AllZero(2)), std::string::npos) << fresh.output << Logs(2);
+  EXPECT_NE(Logs(2).find("writes its own in " + tb + "/run-2"), std::string::npos) << Logs(2);
+  auto resumed = Ranks(2, Train(1, 2, flags, 4));
+  ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output << Logs(2);
+  EXPECT_NE(Logs(2).find("TensorBoard events: " + tb + "/run-2/events.out.tfevents."), std::string::npos) << Logs(2);
+  EXPECT_EQ(ptk::testing::ReadFile(tb + "/metrics.jsonl"), "{\"iteration\": 1}\n");
+  const std::string lines = ptk::testing::ReadFile(tb + "/run-2/metrics.jsonl");
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 4) << lines;
+  EXPECT_NE(lines.find("{\"iteration\": 4, \"consumed_samples\": 32, \"lm_loss\": "), std::string::npos) << lines;
 }
 
 TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {
