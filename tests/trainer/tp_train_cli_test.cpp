@@ -226,7 +226,7 @@ TEST_F(TensorParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {
     EXPECT_NE(r.output.find("rc=2 2 2"), std::string::npos) << r.output << Logs(c.world);
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
     for (int rank = 1; rank < c.world; ++rank) {
-      const std::string log = ptk::testing::ReadFile(dir_ / ("r" + std::to_string(rank) + ".log"));
+      const std::string log = ptk::testing::ReadFile(RankLog(rank));
       EXPECT_NE(log.find(c.says), std::string::npos) << "rank " << rank << "\n" << log;
     }
   }

@@ -125,7 +125,10 @@ class RanksTest : public ::testing::Test {
     for (int r = 1; r < world; ++r) s += " 0";
     return s;
   }
-  std::string RankLog(int rank) const { return dir_ / ("r" + std::to_string(rank) + ".log"); }
+  std::string RankLog(int rank) const {
+    const std::string r = std::to_string(rank);
+    return dir_ / ("r" + r + ".log");
+  }
   // The runs' log lines: each one's iteration and lm loss; the lines without their timings; the
   // largest relative difference between the losses of the same iterations.
   static std::vector<std::pair<int, double>> Losses(const std::string& out) { return LossesOf(out); }
