@@ -28,7 +28,7 @@ std::string PrettyConfig(std::vector<std::pair<std::string, std::string>> fields
 }
 std::string Num(double v) { return py::FloatRepr(v); }
 std::string Int(int64_t v) { return std::to_string(v); }
-std::string Str(std::string_view s) { return "\"" + JsonEscape(s) + "\""; }
+std::string Str(std::string_view s) { return fmt::format("\"{}\"", JsonEscape(s)); }
 std::string Bool(bool b) { return b ? "true" : "false"; }
 
 absl::Status HfConfigReader::Parse(const std::string& text) {

@@ -75,7 +75,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
     std::string shape;
     for (int64_t d : e.shape) {
       n *= d;
-      shape += (shape.empty() ? "" : ",") + std::to_string(d);
+      if (!shape.empty()) shape += ',';
+      shape += std::to_string(d);
     }
     if (n != static_cast<int64_t>(e.data.size()) || !names.insert(e.name).second)
       return absl::InternalError(fmt::format("{}: tensor {} has {} values for shape [{}] or is given twice", path,

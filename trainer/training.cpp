@@ -250,8 +250,8 @@ class Trainer {
       log::Info(
           "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
           model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, dp_, plan_.global_batch_size);
-    PTK_RETURN_IF_ERROR(OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration == 0,
-                                       lead_, tb_writer_, &outputs_));
+    PTK_RETURN_IF_ERROR(
+        OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, tb_writer_, &outputs_));
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
     if (data_.valid)
@@ -447,6 +447,9 @@ class Trainer {
   // shards gathered, so that any number of ranks loads the file), the training step's state.
   absl::Status Save() {
     if (o_.save.empty()) return absl::OkStatus();
+    // What this checkpoint covers is on disk in the event and metrics files before the tracker
+    // names it (the writer is the last stage's): a kill right after the save loses no iteration.
+    PTK_RETURN_IF_ERROR(outputs_.Sync());
     PTK_RETURN_IF_ERROR(world_->Barrier());
     auto t0 = Clock::now();
     // Every tensor rank's and stage's weights and moments (ZeRO-1's shards gathered) on world rank 0.
@@ -459,10 +462,6 @@ class Trainer {
       state_.scheduler = step_state.schedule;
       if (step_state.loss_scale) state_.loss_scale = step_state.loss_scale;
       state_.settings = settings_;
-      // What this checkpoint covers is on disk in the event and metrics files before the tracker
-      // names it: a kill right after the save loses no logged iteration the checkpoint holds.
-      if (outputs_.tb) PTK_RETURN_IF_ERROR(outputs_.tb->Sync());
-      PTK_RETURN_IF_ERROR(outputs_.metrics.Sync());
       std::vector<CheckpointShard> shards;
       for (const CheckpointArrays& a : parts) shards.push_back({&a.layout, a.params, a.exp_avg, a.exp_avg_sq});
       PTK_RETURN_IF_ERROR(SaveCheckpoint(o_.save, shards, state_, o_.args_json));
@@ -547,8 +546,8 @@ class Trainer {
   Communicator* const tensor_;  // the tensor-parallel group; null without
   Communicator* const pipe_;    // the pipeline group; null with one stage
   const int rank_, dp_;         // the data-parallel rank and size
-  const bool lead_;             // world rank 0: the logs, metrics, the checkpoint's writer
-  const bool tb_writer_;        // TensorBoard's (Megatron's last rank): the last stage's data and tensor rank 0
+  const bool lead_;             // world rank 0: the logs, the checkpoint's writer
+  const bool tb_writer_;        // events and metrics: the last stage's data and tensor rank 0 (Megatron's last rank)
   Settings settings_;
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;

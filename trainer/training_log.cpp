@@ -2,10 +2,13 @@
 // NaN check's message, --metrics-file (training.h, training_log.h).
 #include "trainer/training_log.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <ctime>
 #include <filesystem>
+#include <string_view>
+#include <vector>
 
 #include <sys/stat.h>
 
@@ -52,28 +55,82 @@ absl::Status MetricsFile::Close() {
   return absl::OkStatus();
 }
 
-absl::Status OpenMetricsFile(const std::string& path, bool fresh, std::unique_ptr<OutputLock>* lock_out,
-                             MetricsFile* file) {
+namespace {
+
+// What a start makes on disk before it can be refused (directories, a run-N subdirectory and its
+// record, an empty metrics file), removed again when it is: a refused run leaves nothing behind.
+class MadeOnDisk {
+ public:
+  // MakeDirs, remembering the directories it made.
+  absl::Status MakeDirs(const std::string& dir) {
+    std::vector<std::string> missing;
+    for (std::string p = dir; !p.empty() && p != "." && p != "/" && !PathExists(p); p = Dirname(p))
+      missing.push_back(p);
+    paths_.insert(paths_.end(), missing.rbegin(), missing.rend());
+    return ptk::MakeDirs(dir);
+  }
+  void Made(const std::string& path) { paths_.push_back(path); }
+  // Removes them, the last made first (a directory only once it is empty again).
+  void Undo() {
+    std::error_code ec;
+    for (auto it = paths_.rbegin(); it != paths_.rend(); ++it) std::filesystem::remove(*it, ec);
+    paths_.clear();
+  }
+
+ private:
+  std::vector<std::string> paths_;
+};
+
+// The iteration of the last complete line of metrics file `path` ({"iteration": N, ...}, read from
+// its last 4 KiB); -1 if there is none.
+int64_t LastMetricsIteration(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return -1;
+  std::string tail(4096, '\0');
+  const long size = std::fseek(f, 0, SEEK_END) == 0 ? std::ftell(f) : -1;
+  const long from = std::max(0L, size - static_cast<long>(tail.size()));
+  tail.resize(size >= 0 && std::fseek(f, from, SEEK_SET) == 0 ? std::fread(tail.data(), 1, tail.size(), f) : 0);
+  std::fclose(f);
+  const size_t end = tail.rfind('\n');  // a line a kill cut short is no line
+  if (end == std::string::npos || end == 0) return -1;
+  const size_t begin = tail.rfind('\n', end - 1) == std::string::npos ? 0 : tail.rfind('\n', end - 1) + 1;
+  const std::string_view key = "{\"iteration\": ";
+  const std::string_view line = std::string_view(tail).substr(begin, end - begin);
+  int64_t it = -1;
+  if (line.substr(0, key.size()) != key) return -1;
+  const std::string_view rest = line.substr(key.size());
+  return absl::SimpleAtoi(std::string(rest.substr(0, rest.find_first_not_of("0123456789"))), &it) ? it : -1;
+}
+
+// --metrics-file, locked for this run; what an earlier run left there said in *note.
+absl::Status OpenMetricsFile(const std::string& path, int64_t iteration, MadeOnDisk* made,
+                             std::unique_ptr<OutputLock>* lock_out, MetricsFile* file, std::string* note) {
   std::error_code ec;
   const auto type = std::filesystem::status(path, ec).type();
   if (type == std::filesystem::file_type::regular || type == std::filesystem::file_type::not_found) {
-    PTK_RETURN_IF_ERROR(MakeDirs(Dirname(path)));
+    PTK_RETURN_IF_ERROR(made->MakeDirs(Dirname(path)));
     auto lock = OutputLock::Acquire(path);
     if (IsOutputBusy(lock.status()))
       return absl::AbortedError(fmt::format("--metrics-file {}", StatusMessage(lock.status())));
     PTK_RETURN_IF_ERROR(lock.status());
     *lock_out = *std::move(lock);
     const auto size = std::filesystem::file_size(path, ec);
-    if (!ec && size > 0 && fresh)
-      log::Warning(
+    if (ec) made->Made(path);  // none yet: Open makes it
+    if (!ec && size > 0 && iteration == 0)
+      *note = fmt::format(
           "--metrics-file {} holds {} bytes of an earlier run; this run starts at iteration 0 and appends its "
           "lines after them",
           path, size);
+    // A resumed run's own file reaches its checkpoint: its lines were on disk before the save.
+    const int64_t last = !ec && size > 0 && iteration > 0 ? LastMetricsIteration(path) : iteration;
+    if (last < iteration)
+      *note = fmt::format(
+          "--metrics-file {} ends {}, before this run's checkpoint of iteration {}: not this run's lines? this run "
+          "appends its lines from iteration {} after them",
+          path, last < 0 ? "with no iteration line" : fmt::format("at iteration {}", last), iteration, iteration + 1);
   }
   return file->Open(path);
 }
-
-namespace {
 
 // A fresh run's subdirectory records the checkpoint directory (--save) it writes, so that a run
 // resumed from there (--load) finds its curves again.
@@ -113,10 +170,17 @@ std::string RunDirOf(const std::string& dir, const std::string& load) {
   return found;
 }
 
-// ClaimTensorBoardDir's lock and choice of directory.
-absl::StatusOr<std::string> TensorBoardRunDir(const std::string& dir, bool fresh, const std::string& save,
-                                              const std::string& load, std::unique_ptr<OutputLock>* lock_out) {
-  PTK_RETURN_IF_ERROR(MakeDirs(dir));
+// Locks --tensorboard-dir `dir` for this run (the lock kept in *lock) and returns the directory its
+// event files go to. A run resumed from a checkpoint (not `fresh`) continues its own curves: in the
+// subdirectory that a fresh start of it made (one whose record names its --load, `load`), else in
+// `dir`, as Megatron's. A fresh run (from iteration 0) writes in `dir`, unless another run's event
+// files are there: then in a new subdirectory run-2, run-3, ... (TensorBoard shows each subdirectory
+// of its --logdir as a run of its own), said in *note and recorded with its --save (`save`) so
+// that resuming it writes there again.
+absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fresh, const std::string& save,
+                                                const std::string& load, MadeOnDisk* made,
+                                                std::unique_ptr<OutputLock>* lock_out, std::string* note) {
+  PTK_RETURN_IF_ERROR(made->MakeDirs(dir));
   const std::string events = JoinPath(dir, "events");
   auto lock = OutputLock::Acquire(events);
   if (IsOutputBusy(lock.status())) {
@@ -138,46 +202,60 @@ absl::StatusOr<std::string> TensorBoardRunDir(const std::string& dir, bool fresh
   int n = 2;
   while (PathExists(JoinPath(dir, fmt::format("run-{}", n)))) ++n;
   const std::string sub = JoinPath(dir, fmt::format("run-{}", n));
-  PTK_RETURN_IF_ERROR(MakeDirs(sub));
-  if (!save.empty())
+  PTK_RETURN_IF_ERROR(made->MakeDirs(sub));
+  if (!save.empty()) {
+    made->Made(JoinPath(sub, kTensorBoardRunRecord));
     PTK_RETURN_IF_ERROR(WriteFileAtomic(JoinPath(sub, kTensorBoardRunRecord), AbsolutePath(save) + "\n"));
-  log::Warning(
+  }
+  *note = fmt::format(
       "--tensorboard-dir {} holds {} event file(s) of another run; this run starts at iteration 0 and writes its "
       "own in {} (TensorBoard shows it as a run of its own)",
       dir, earlier, sub);
   return sub;
 }
 
-}  // namespace
-
-absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fresh, const std::string& save,
-                                                const std::string& load, std::string* metrics_path,
-                                                std::unique_ptr<OutputLock>* lock_out) {
-  PTK_ASSIGN_OR_RETURN(std::string run_dir, TensorBoardRunDir(dir, fresh, save, load, lock_out));
-  if (*metrics_path == JoinPath(dir, "metrics.jsonl")) *metrics_path = JoinPath(run_dir, "metrics.jsonl");
-  return run_dir;
+// OpenRunOutputs' steps, what they made recorded in *made.
+absl::Status OpenRunOutputsOrFail(const std::string& tensorboard_dir, const std::string& metrics_path,
+                                  const std::string& save, const std::string& load, int64_t iteration, MadeOnDisk* made,
+                                  RunOutputs* out) {
+  std::string tb_dir, metrics = metrics_path, tb_note, metrics_note;
+  if (!tensorboard_dir.empty()) {
+    PTK_ASSIGN_OR_RETURN(
+        tb_dir, ClaimTensorBoardDir(tensorboard_dir, iteration == 0, save, load, made, &out->tb_lock, &tb_note));
+    // The metrics.jsonl that defaults to the directory's goes along with the events.
+    if (metrics == JoinPath(tensorboard_dir, "metrics.jsonl")) metrics = JoinPath(tb_dir, "metrics.jsonl");
+  }
+  if (!metrics.empty())
+    PTK_RETURN_IF_ERROR(OpenMetricsFile(metrics, iteration, made, &out->metrics_lock, &out->metrics, &metrics_note));
+  if (!tb_dir.empty()) {
+    PTK_ASSIGN_OR_RETURN(out->tb, SummaryWriter::Create(tb_dir));  // a new event file (a resume adds one)
+    log::Info("TensorBoard events: {}", out->tb->path());
+  }
+  for (const std::string* note : {&tb_note, &metrics_note})
+    if (!note->empty()) log::Warning("{}", *note);
+  return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir) {
-  PTK_ASSIGN_OR_RETURN(std::unique_ptr<SummaryWriter> tb, SummaryWriter::Create(dir));
-  log::Info("TensorBoard events: {}", tb->path());
-  return tb;
+}  // namespace
+
+absl::Status RunOutputs::Sync() {
+  if (tb) PTK_RETURN_IF_ERROR(tb->Sync());
+  return metrics.Sync();
 }
 
 absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::string& metrics_path,
-                            const std::string& save, const std::string& load, bool fresh, bool lead, bool tb_writer,
+                            const std::string& save, const std::string& load, int64_t iteration, bool writer,
                             RunOutputs* out) {
-  std::string tb_dir, metrics = metrics_path;
-  if (tb_writer && !tensorboard_dir.empty()) {
-    std::string claimed_metrics = metrics;
-    PTK_ASSIGN_OR_RETURN(tb_dir,
-                         ClaimTensorBoardDir(tensorboard_dir, fresh, save, load, &claimed_metrics, &out->tb_lock));
-    if (lead) metrics = claimed_metrics;
-  }
-  if (lead && !metrics.empty()) PTK_RETURN_IF_ERROR(OpenMetricsFile(metrics, fresh, &out->metrics_lock, &out->metrics));
-  if (tb_dir.empty()) return absl::OkStatus();
-  PTK_ASSIGN_OR_RETURN(out->tb, OpenTensorBoardDir(tb_dir));
-  return absl::OkStatus();
+  if (!writer) return absl::OkStatus();
+  MadeOnDisk made;
+  absl::Status st = OpenRunOutputsOrFail(tensorboard_dir, metrics_path, save, load, iteration, &made, out);
+  if (st.ok()) return st;
+  out->tb.reset();
+  (void)out->metrics.Close();
+  out->metrics_lock.reset();  // its lock files go before the directories they are in
+  out->tb_lock.reset();
+  made.Undo();
+  return st;
 }
 
 std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }

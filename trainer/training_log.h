@@ -1,6 +1,7 @@
 // ptk-train's outputs beside the log line: --metrics-file's JSON lines and the log line's clock.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -28,37 +29,31 @@ class MetricsFile {
   FILE* f_ = nullptr;
 };
 
-// --metrics-file and --tensorboard-dir: one run writes to each at a time (a second run while the
-// first one still writes is refused naming it, instead of interleaving lines or event files).
-// --metrics-file: runs one after the other append, as Megatron's do (a resume, a requeue), and a
-// run that starts anew (`fresh`) where an earlier run left lines says so. The lock is kept in *lock.
-absl::Status OpenMetricsFile(const std::string& path, bool fresh, std::unique_ptr<OutputLock>* lock, MetricsFile* file);
-// Locks --tensorboard-dir `dir` for this run (the lock kept in *lock) and returns the directory its
-// event files go to. A run resumed from a checkpoint (not `fresh`) continues its own curves: in the
-// subdirectory that a fresh start of it made (one whose record names its --load, `load`), else in
-// `dir`, as Megatron's. A fresh run (from iteration 0) writes in `dir`, unless another run's event
-// files are there: then in a new subdirectory run-2, run-3, ... (TensorBoard shows each subdirectory
-// of its --logdir as a run of its own), said in one line and recorded with its --save (`save`) so
-// that resuming it writes there again. A *metrics_path that is `dir`/metrics.jsonl (--metrics-file's
-// default) goes along to the directory returned.
-absl::StatusOr<std::string> ClaimTensorBoardDir(const std::string& dir, bool fresh, const std::string& save,
-                                                const std::string& load, std::string* metrics_path,
-                                                std::unique_ptr<OutputLock>* lock);
-// A new event file in `dir` (a resume adds one), as Megatron's SummaryWriter.
-absl::StatusOr<std::unique_ptr<SummaryWriter>> OpenTensorBoardDir(const std::string& dir);
-
 // A run's --metrics-file and --tensorboard-dir, the locks released after the files are closed.
 struct RunOutputs {
   std::unique_ptr<OutputLock> metrics_lock, tb_lock;
   MetricsFile metrics;
   std::unique_ptr<SummaryWriter> tb;
+  // Both flushed and on disk (before a checkpoint names the iterations they hold).
+  absl::Status Sync();
 };
-// Opens them, one run at a time each: a resumed run appends, a fresh one beside another run's event
-// files gets a subdirectory of its own (ClaimTensorBoardDir). `lead` (world rank 0) writes the
-// metrics, `tb_writer` the events; over pipeline stages the writer (the last stage) is not rank 0,
-// which then keeps --metrics-file where it was given.
+// Opens them on the rank that writes them (`writer`: Megatron's last rank, the last stage's first
+// data and tensor rank; world rank 0 without pipeline stages); the other ranks open nothing.
+// One run writes to each at a time: a second run while the first still writes is refused naming
+// the holder (--tensorboard-dir first), instead of interleaving lines or event files.
+// --tensorboard-dir: a run resumed from a checkpoint (`iteration` > 0) continues its own curves, in
+// the subdirectory that a fresh start of it made (one whose record names its --load, `load`), else
+// in the directory, as Megatron's; a fresh run (from iteration 0) writes in the directory, unless
+// another run's event files are there: then in a new subdirectory run-2, run-3, ... (TensorBoard
+// shows each subdirectory of its --logdir as a run of its own), said in one line and recorded with
+// its --save (`save`) so that resuming it writes there again. Each start adds an event file.
+// --metrics-file: runs one after the other append, as Megatron's logs do (a resume, a requeue); its
+// default, TENSORBOARD_DIR/metrics.jsonl, goes along with the events. A fresh run where an earlier
+// run left lines says so, and so does a resumed run whose file ends before its checkpoint's
+// iteration (lines that are not its own). A start refused (a busy lock, a path that cannot be
+// written) leaves nothing on disk that it made: no directory, run-N or empty file.
 absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::string& metrics_path,
-                            const std::string& save, const std::string& load, bool fresh, bool lead, bool tb_writer,
+                            const std::string& save, const std::string& load, int64_t iteration, bool writer,
                             RunOutputs* out);
 
 // A JSON number, or null for NaN/Inf (which JSON cannot spell).

@@ -44,7 +44,10 @@ int main(int argc, char** argv) {
       for (int64_t s = (*ds)->document_index(d); s < (*ds)->document_index(d + 1); ++s) {
         out += s > (*ds)->document_index(d) ? ",[" : "[";
         auto span = (*ds)->sequence(s);
-        for (int64_t i = 0; i < span.size; ++i) out += (i ? "," : "") + std::to_string(span[i]);
+        for (int64_t i = 0; i < span.size; ++i) {
+          if (i) out += ',';
+          out += std::to_string(span[i]);
+        }
         out += "]";
       }
       out += "]";

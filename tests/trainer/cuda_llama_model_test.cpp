@@ -18,42 +18,6 @@ namespace {
 
 using namespace cuda_model_test;  // NOLINT
 
-// One step on both backends from the same weights: the loss within loss_tol relative, every
-// tensor's gradient within grad_tol (relative L2); the same layout (names, offsets) on both.
-void ExpectOneStepMatches(const GPTConfig& c, Precision p, double loss_tol, double grad_tol, const std::string& what) {
-  Batches data(1, c.vocab_size);
-  auto cpu = Cpu(c);
-  auto gpu = Cuda(c, p);
-  ASSERT_TRUE(gpu) << what;
-  ASSERT_EQ(gpu->num_params(), cpu->num_params()) << what;
-  for (size_t i = 0; i < cpu->params_info().size(); ++i) {
-    EXPECT_EQ(gpu->params_info()[i].name, cpu->params_info()[i].name) << what;
-    EXPECT_EQ(gpu->params_info()[i].offset, cpu->params_info()[i].offset) << what;
-  }
-  ASSERT_TRUE(cpu->ZeroGrads().ok());
-  ASSERT_TRUE(gpu->ZeroGrads().ok());
-  const double scale = 1.0 / 200.0;
-  auto a = cpu->ForwardBackward(data.Get(0), scale, /*train=*/true, 99);
-  auto b = gpu->ForwardBackward(data.Get(0), scale, /*train=*/true, 99);
-  ASSERT_TRUE(a.ok()) << what << ": " << a.status();
-  ASSERT_TRUE(b.ok()) << what << ": " << b.status();
-  EXPECT_EQ(a->tokens, b->tokens);
-  EXPECT_NEAR(b->loss_sum / b->tokens, a->loss_sum / a->tokens, loss_tol * a->loss_sum / a->tokens)
-      << what << " " << PrecisionName(p);
-  std::vector<float> ga(static_cast<size_t>(cpu->num_params())), gb(ga.size());
-  ASSERT_TRUE(cpu->ReadGrads(ga).ok());
-  ASSERT_TRUE(gpu->ReadGrads(gb).ok());
-  for (const ParamInfo& info : cpu->params_info())
-    EXPECT_LE(RelL2(gb.data() + info.offset, ga.data() + info.offset, info.size), grad_tol)
-        << info.name << ", " << what << " " << PrecisionName(p);
-  // Evaluation (Forward) gives the training pass's loss.
-  auto e = gpu->Forward(data.Get(0), nullptr);
-  ASSERT_TRUE(e.ok()) << what << ": " << e.status();
-  if (p == Precision::kFp32 && c.hidden_dropout == 0 && c.attention_dropout == 0) {
-    EXPECT_NEAR(e->loss_sum / e->tokens, b->loss_sum / b->tokens, 1e-5 * b->loss_sum / b->tokens) << what;
-  }
-}
-
 // fp32: the loss within 1e-5 relative, every gradient within 1e-4 relative L2 (rounding only).
 TEST(CudaLlamaModel, Fp32StepMatchesTheCpu) {
   ExpectOneStepMatches(LlamaConfig(), Precision::kFp32, 1e-5, 1e-4, "the Llama model");
@@ -100,19 +64,6 @@ TEST(CudaLlamaModel, Bf16StepMatchesTheCpu) {
   ExpectOneStepMatches(one, Precision::kBf16, 1e-2, 6e-2, "one query group");
 }
 
-std::vector<double> Curve(GPTModel* model, const Batches& data, int steps) {
-  auto comm = MakeLocalCommunicator();
-  TrainStep opt(model, OptimizerConfig{0.9, 0.95, 1e-8, 1.0}, Schedule(), comm.get());
-  std::vector<double> losses;
-  for (int i = 0; i < steps; ++i) {
-    auto r = opt.Step({data.Get(i % 10)}, data.b, 7);
-    EXPECT_TRUE(r.ok()) << r.status();
-    if (!r.ok()) break;
-    losses.push_back(r->lm_loss());
-  }
-  return losses;
-}
-
 // 40 steps: fp32 within 1e-3 relative of the CPU's curve at every step, bf16 within 5e-2; both learn.
 TEST(CudaLlamaModel, StepsFollowTheCpuCurveAndLearn) {
   const GPTConfig c = LlamaConfig();
@@ -123,12 +74,8 @@ TEST(CudaLlamaModel, StepsFollowTheCpuCurveAndLearn) {
   for (Precision p : {Precision::kFp32, Precision::kBf16}) {
     auto gpu = Cuda(c, p);
     ASSERT_TRUE(gpu);
-    const std::vector<double> got = Curve(gpu.get(), data, 40);
-    ASSERT_EQ(got.size(), ref.size());
-    const double tol = p == Precision::kFp32 ? 1e-3 : 5e-2;
-    for (size_t i = 0; i < ref.size(); ++i)
-      EXPECT_NEAR(got[i], ref[i], tol * ref[i]) << "step " << i + 1 << " " << PrecisionName(p);
-    EXPECT_LT(got.back(), 0.7 * got.front()) << PrecisionName(p);
+    ASSERT_NO_FATAL_FAILURE(ExpectFollowsAndLearns(Curve(gpu.get(), data, 40), ref, p == Precision::kFp32 ? 1e-3 : 5e-2,
+                                                   std::string(PrecisionName(p))));
   }
 }
 

@@ -1,5 +1,6 @@
-// What cuda_model_test's files share: the small model, deterministic synthetic micro-batches, the
-// CUDA and CPU models made from the same weights, the relative L2 distance, a schedule.
+// What cuda_model_test's and cuda_llama_model_test's files share: the small models, deterministic
+// synthetic micro-batches, the CUDA and CPU models made from the same weights, the relative L2
+// distance, a schedule, one step and a loss curve on both backends compared.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -7,8 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "trainer/comm.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/cuda/cuda_gpt_model.h"
 #include "trainer/train_step.h"
@@ -125,6 +128,67 @@ inline SchedulerConfig Schedule() {
   s.start_wd = s.end_wd = 0.1;
   s.wd_incr_steps = 200;
   return s;
+}
+
+// One step on both backends from the same weights: the loss within loss_tol relative, every
+// tensor's gradient within grad_tol (relative L2); the same layout (names, offsets) on both; in
+// fp32 without dropout, evaluation (Forward) gives the training pass's loss.
+inline void ExpectOneStepMatches(const GPTConfig& c, Precision p, double loss_tol, double grad_tol,
+                                 const std::string& what) {
+  Batches data(1, c.vocab_size);
+  auto cpu = Cpu(c);
+  auto gpu = Cuda(c, p);
+  ASSERT_TRUE(gpu) << what;
+  ASSERT_EQ(gpu->num_params(), cpu->num_params()) << what;
+  for (size_t i = 0; i < cpu->params_info().size(); ++i) {
+    EXPECT_EQ(gpu->params_info()[i].name, cpu->params_info()[i].name) << what;
+    EXPECT_EQ(gpu->params_info()[i].offset, cpu->params_info()[i].offset) << what;
+  }
+  ASSERT_TRUE(cpu->ZeroGrads().ok());
+  ASSERT_TRUE(gpu->ZeroGrads().ok());
+  const double scale = 1.0 / 200.0;
+  auto a = cpu->ForwardBackward(data.Get(0), scale, /*train=*/true, 99);
+  auto b = gpu->ForwardBackward(data.Get(0), scale, /*train=*/true, 99);
+  ASSERT_TRUE(a.ok()) << what << ": " << a.status();
+  ASSERT_TRUE(b.ok()) << what << ": " << b.status();
+  EXPECT_EQ(a->tokens, b->tokens);
+  EXPECT_NEAR(b->loss_sum / b->tokens, a->loss_sum / a->tokens, loss_tol * a->loss_sum / a->tokens)
+      << what << " " << PrecisionName(p);
+  std::vector<float> ga(static_cast<size_t>(cpu->num_params())), gb(ga.size());
+  ASSERT_TRUE(cpu->ReadGrads(ga).ok());
+  ASSERT_TRUE(gpu->ReadGrads(gb).ok());
+  for (const ParamInfo& info : cpu->params_info())
+    EXPECT_LE(RelL2(gb.data() + info.offset, ga.data() + info.offset, info.size), grad_tol)
+        << info.name << ", " << what << " " << PrecisionName(p);
+  // Evaluation (Forward) gives the training pass's loss.
+  auto e = gpu->Forward(data.Get(0), nullptr);
+  ASSERT_TRUE(e.ok()) << what << ": " << e.status();
+  if (p == Precision::kFp32 && c.hidden_dropout == 0 && c.attention_dropout == 0) {
+    EXPECT_NEAR(e->loss_sum / e->tokens, b->loss_sum / b->tokens, 1e-5 * b->loss_sum / b->tokens) << what;
+  }
+}
+
+// The lm loss of each of `steps` training steps over data's micro-batches (Schedule(), AdamW).
+inline std::vector<double> Curve(GPTModel* model, const Batches& data, int steps, const LossScaleConfig& ls = {}) {
+  auto comm = MakeLocalCommunicator();
+  TrainStep opt(model, OptimizerConfig{0.9, 0.95, 1e-8, 1.0}, Schedule(), comm.get(), ls);
+  std::vector<double> losses;
+  for (int i = 0; i < steps; ++i) {
+    auto r = opt.Step({data.Get(i % 10)}, data.b, 7);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) break;
+    losses.push_back(r->lm_loss());
+  }
+  return losses;
+}
+
+// A curve `got` within `tol` relative of `ref` at every step, and learning: its last loss below 0.7
+// of its first.
+inline void ExpectFollowsAndLearns(const std::vector<double>& got, const std::vector<double>& ref, double tol,
+                                   const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], tol * ref[i]) << "step " << i + 1 << " " << what;
+  EXPECT_LT(got.back(), 0.7 * got.front()) << what;
 }
 
 }  // namespace ptk::cuda_model_test

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <simdjson.h>
@@ -30,6 +31,11 @@ struct Golden {
   explicit Golden(const std::string& name) {
     const std::string base = SourceDir() + "/tests/data/trainer/" + name;
     meta = parser.load(base + ".json");
+    // The script that wrote it, by its path in this tree (a moved script, its reference followed).
+    std::string_view generator;
+    EXPECT_FALSE(meta["generator"].get(generator)) << base << ".json: no generator";
+    EXPECT_TRUE(Exists(SourceDir() + "/" + std::string(generator)))
+        << base << ".json: its generator " << generator << " is not in the tree";
     std::ifstream f(base + ".bin", std::ios::binary);
     blob.assign(std::istreambuf_iterator<char>(f), {});
   }

@@ -10,6 +10,7 @@
 // not divide are refused on every rank.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -138,41 +139,31 @@ TEST_F(PipelineParallelCli, TwoAndFourStagesGiveOneRanksLosses) {
     std::string extra;
   };
   for (const Case& c : {Case{2, ""}, Case{4, ""}, Case{2, "--decoder-first-pipeline-num-layers 1"}}) {
-    SCOPED_TRACE("P=" + std::to_string(c.P) + " " + c.extra);
-    auto r = Ranks(c.P, Train(1, c.P, c.extra));
-    ASSERT_NE(r.output.find(AllZero(c.P)), std::string::npos) << r.output << Logs(c.P);
-    EXPECT_NE(r.output.find("> initialized pipeline model parallel with size " + std::to_string(c.P)),
-              std::string::npos)
-        << r.output;
+    const std::string what = "P=" + std::to_string(c.P) + (c.extra.empty() ? "" : " " + c.extra);
+    SCOPED_TRACE(what);
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(c.P, Train(1, c.P, c.extra), one, 20, 1e-6, what, &out));
+    EXPECT_NE(out.find("> initialized pipeline model parallel with size " + std::to_string(c.P)), std::string::npos)
+        << out;
     // Megatron's line from each stage of the first data-parallel rank: the last stage's in its log.
     EXPECT_NE(Logs(c.P).find(" > number of parameters on (tensor, pipeline) model parallel rank (0, " +
                              std::to_string(c.P - 1) + "): "),
               std::string::npos)
         << Logs(c.P);
-    const auto pp = Losses(r.output);
-    ASSERT_EQ(pp.size(), 20u) << r.output;
-    const double worst = Worst(pp, one);
-    EXPECT_LT(worst, 1e-6);
     // The validation loss at iterations 10 and 20, from the last stage.
-    EXPECT_NE(r.output.find("validation loss at iteration 20 | lm loss value: "), std::string::npos) << r.output;
-    std::printf("P=%d %s: largest relative difference of the 20 lm losses from one rank's: %.3g\n", c.P,
-                c.extra.c_str(), worst);
+    EXPECT_NE(out.find("validation loss at iteration 20 | lm loss value: "), std::string::npos) << out;
   }
 }
 
 TEST_F(PipelineParallelCli, TensorPipelineAndDataRanksGiveOneRanksLosses) {
   const auto one = Losses(OneRank());
   ASSERT_EQ(one.size(), 20u);
-  auto r = Ranks(8, Train(2, 2, "--use-distributed-optimizer"));
-  ASSERT_NE(r.output.find(AllZero(8)), std::string::npos) << r.output << Logs(8);
-  EXPECT_NE(r.output.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages x data parallel: 2 ranks"),
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(8, Train(2, 2, "--use-distributed-optimizer"), one, 20, 1e-5, "T=2 x P=2 x D=2, ZeRO-1", &out));
+  EXPECT_NE(out.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages x data parallel: 2 ranks"),
             std::string::npos)
-      << r.output;
-  const auto pp = Losses(r.output);
-  ASSERT_EQ(pp.size(), 20u) << r.output;
-  const double worst = Worst(pp, one);
-  EXPECT_LT(worst, 1e-5);
-  std::printf("T=2 x P=2 x D=2, ZeRO-1: largest relative difference from one rank's: %.3g\n", worst);
+      << out;
 }
 
 // Sequence parallelism across stages: each stage sends its tensor rank's shard of the sequence
@@ -180,14 +171,10 @@ TEST_F(PipelineParallelCli, TensorPipelineAndDataRanksGiveOneRanksLosses) {
 TEST_F(PipelineParallelCli, SequenceParallelStagesGiveOneRanksLosses) {
   const auto one = Losses(OneRank());
   ASSERT_EQ(one.size(), 20u);
-  auto r = Ranks(4, Train(2, 2, "--sequence-parallel"));
-  ASSERT_NE(r.output.find(AllZero(4)), std::string::npos) << r.output << Logs(4);
-  EXPECT_NE(r.output.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages"), std::string::npos) << r.output;
-  const auto pp = Losses(r.output);
-  ASSERT_EQ(pp.size(), 20u) << r.output;
-  const double worst = Worst(pp, one);
-  EXPECT_LT(worst, 1e-5);
-  std::printf("T=2 x P=2 --sequence-parallel: largest relative difference from one rank's: %.3g\n", worst);
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(4, Train(2, 2, "--sequence-parallel"), one, 20, 1e-5, "T=2 x P=2 --sequence-parallel", &out));
+  EXPECT_NE(out.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages"), std::string::npos) << out;
 }
 
 // Text samples through the stages (each token's forward pipelined, the last stage's pick broadcast
@@ -244,50 +231,47 @@ TEST_F(PipelineParallelCli, SamplesTensorBoardAndOverlapAcrossStagesAreOneRanks)
   EXPECT_EQ(Lines(overlapped.output), Lines(plain.output));
 }
 
+// Over stages, the last stage's writer (Megatron's last rank) writes both the event files and
+// --metrics-file: the metrics.jsonl that defaults to --tensorboard-dir goes with the events, into a
+// fresh run's run-2 beside another run's event files, and stays there when the run resumes. Before,
+// rank 0 kept writing it in the directory itself, into the other run's metrics.
+TEST_F(PipelineParallelCli, MetricsGoWithTheEventsOfTheLastStage) {
+  const std::string tb = dir_ / "tb", ck = ShellQuote(dir_ / "ck");
+  std::filesystem::create_directories(tb);
+  ptk::testing::WriteFile(tb + "/events.out.tfevents.1.other.1.0", "");  // another run's
+  ptk::testing::WriteFile(tb + "/metrics.jsonl", "{\"iteration\": 1}\n");
+  const std::string flags = "--tensorboard-dir " + ShellQuote(tb) + " --save " + ck + " --load " + ck;
+  auto fresh = Ranks(2, Train(1, 2, flags + " --exit-interval 2", 4));
+  ASSERT_NE(fresh.output.find(AllZero(2)), std::string::npos) << fresh.output << Logs(2);
+  EXPECT_NE(Logs(2).find("writes its own in " + tb + "/run-2"), std::string::npos) << Logs(2);
+  auto resumed = Ranks(2, Train(1, 2, flags, 4));
+  ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output << Logs(2);
+  EXPECT_NE(Logs(2).find("TensorBoard events: " + tb + "/run-2/events.out.tfevents."), std::string::npos) << Logs(2);
+  EXPECT_EQ(ptk::testing::ReadFile(tb + "/metrics.jsonl"), "{\"iteration\": 1}\n");
+  const std::string lines = ptk::testing::ReadFile(tb + "/run-2/metrics.jsonl");
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 4) << lines;
+  EXPECT_NE(lines.find("{\"iteration\": 4, \"consumed_samples\": 32, \"lm_loss\": "), std::string::npos) << lines;
+}
+
 TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {
-  const std::string full = dir_ / "full", ck = dir_ / "ck";
-  auto whole = Ranks(2, Train(1, 2, "--save " + ShellQuote(full)));
-  ASSERT_NE(whole.output.find(AllZero(2)), std::string::npos) << whole.output << Logs(2);
-  auto first = Ranks(2, Train(1, 2, "--exit-interval 10 --save " + ShellQuote(ck)));
-  ASSERT_NE(first.output.find(AllZero(2)), std::string::npos) << first.output << Logs(2);
-  EXPECT_NE(first.output.find("[ t 1/1, p 1/2 ]"), std::string::npos) << first.output;
-  for (const char* mp : {"mp_rank_00_000", "mp_rank_00_001"})
-    EXPECT_TRUE(std::filesystem::exists(dir_ / ("ck/iter_0000010/" + std::string(mp) + "/model_optim_rng.ptk"))) << mp;
-  EXPECT_FALSE(std::filesystem::exists(dir_ / "ck/iter_0000010/mp_rank_00"));
-  // ptk-convert reads the stages put together (as any other layout).
-  auto hf = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " + ShellQuote(ck) +
-                   " --save-dir " + ShellQuote(dir_ / "hf"));
+  const auto train = [&](const std::string& extra) { return Train(1, 2, extra); };
+  ASSERT_NO_FATAL_FAILURE(
+      StopAndResumeAtTheSameSize(2, train, "[ t 1/1, p 1/2 ]", {"mp_rank_00_000", "mp_rank_00_001"}, "mp_rank_00"));
+  // ptk-convert reads the stages put together (as any other layout): iteration 10's, copied.
+  auto hf = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " +
+                   ShellQuote(dir_ / "ck1") + " --save-dir " + ShellQuote(dir_ / "hf"));
   EXPECT_EQ(hf.exit_code, 0) << hf.output;
   EXPECT_TRUE(std::filesystem::exists(dir_ / "hf/model.safetensors")) << hf.output;
-  for (int P : {1, 4}) {
-    const std::string dst = dir_ / ("ck" + std::to_string(P));
-    ASSERT_EQ(RunCmd("cp -r " + ShellQuote(ck) + " " + ShellQuote(dst)).exit_code, 0);
-  }
-  // The same pipeline size: the uninterrupted run's lines, character for character.
-  auto same = Ranks(2, Train(1, 2, "--load " + ShellQuote(ck) + " --save " + ShellQuote(ck)));
-  ASSERT_NE(same.output.find(AllZero(2)), std::string::npos) << same.output << Logs(2);
-  const auto resumed = Lines(same.output), uninterrupted = Lines(whole.output);
-  ASSERT_EQ(resumed.size(), 10u) << same.output;
-  ASSERT_EQ(uninterrupted.size(), 20u);
-  EXPECT_EQ(resumed, std::vector<std::string>(uninterrupted.begin() + 10, uninterrupted.end()));
   // Another pipeline size: the stages put together and cut anew; one rank's losses within 1e-6.
   const auto one = Losses(OneRank());
   for (int P : {1, 4}) {
-    const std::string dst = dir_ / ("ck" + std::to_string(P));
-    auto r = P == 1 ? RunCmd(Train(1, 1, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)))
-                    : Ranks(P, Train(1, P, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)));
-    if (P == 1) {
-      ASSERT_EQ(r.exit_code, 0) << r.output;
-    } else {
-      ASSERT_NE(r.output.find(AllZero(P)), std::string::npos) << r.output << Logs(P);
-    }
-    EXPECT_NE(r.output.find("saved with --pipeline-model-parallel-size 2)"), std::string::npos) << r.output;
-    const auto pp = Losses(r.output);
-    ASSERT_EQ(pp.size(), 10u) << r.output;
-    EXPECT_EQ(pp.front().first, 11);
-    const double worst = Worst(pp, one);
-    EXPECT_LT(worst, 1e-6) << "P=2 -> " << P;
-    std::printf("P=2 checkpoint resumed at P=%d: largest relative difference from one rank's: %.3g\n", P, worst);
+    const std::string dst = dir_ / ("ck" + std::to_string(P)),
+                      what = "P=2 checkpoint resumed at P=" + std::to_string(P);
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(P, Train(1, P, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)),
+                                            one, 10, 1e-6, what, &out));
+    EXPECT_NE(out.find("saved with --pipeline-model-parallel-size 2)"), std::string::npos) << out;
+    EXPECT_EQ(Losses(out).front().first, 11);
   }
 }
 

@@ -62,27 +62,20 @@ TEST_F(TensorParallelCli, TwoAndFourTensorRanksGiveOneRanksLosses) {
   ASSERT_EQ(one.size(), 20u) << OneRank();
   EXPECT_LT(one.back().second, one.front().second);
   for (const auto& [T, sp] : {std::pair{2, false}, std::pair{4, false}, std::pair{2, true}, std::pair{4, true}}) {
-    SCOPED_TRACE(std::string("T=") + std::to_string(T) + (sp ? " --sequence-parallel" : ""));
-    auto r = Ranks(T, Train(T, sp ? "--sequence-parallel" : ""));
-    ASSERT_NE(r.output.find(AllZero(T)), std::string::npos) << r.output << Logs(T);
-    EXPECT_NE(r.output.find("> initialized tensor model parallel with size " + std::to_string(T)), std::string::npos)
-        << r.output;
-    EXPECT_NE(r.output.find(" > padded vocab (size: 50257) with 431 dummy tokens (new size: 50688)"),
-              std::string::npos);
+    const std::string what = std::string("T=") + std::to_string(T) + (sp ? " --sequence-parallel" : "");
+    SCOPED_TRACE(what);
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(T, Train(T, sp ? "--sequence-parallel" : ""), one, 20, 1e-5, what, &out));
+    EXPECT_NE(out.find("> initialized tensor model parallel with size " + std::to_string(T)), std::string::npos) << out;
+    EXPECT_NE(out.find(" > padded vocab (size: 50257) with 431 dummy tokens (new size: 50688)"), std::string::npos);
     // Megatron's line from each tensor rank of the first data-parallel rank: rank 0's own, and the
     // last tensor rank's in its log.
-    EXPECT_NE(r.output.find(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "),
+    EXPECT_NE(out.find(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "),
               std::string::npos);
     EXPECT_NE(Logs(T).find(" > number of parameters on (tensor, pipeline) model parallel rank (" +
                            std::to_string(T - 1) + ", 0): "),
               std::string::npos)
         << Logs(T);
-    const auto tp = Losses(r.output);
-    ASSERT_EQ(tp.size(), 20u) << r.output;
-    const double worst = Worst(tp, one);
-    EXPECT_LT(worst, 1e-5);
-    std::printf("T=%d%s: largest relative difference of the 20 lm losses from one rank's: %.3g\n", T,
-                sp ? " --sequence-parallel" : "", worst);
   }
 }
 
@@ -97,30 +90,23 @@ TEST_F(TensorParallelCli, ALlamaLineModelWithSequenceParallelGivesOneRanksLosses
   const auto one = Losses(one_run.output);
   ASSERT_EQ(one.size(), 10u) << one_run.output;
   for (bool sp : {false, true}) {
-    SCOPED_TRACE(sp ? "T=2 --sequence-parallel" : "T=2");
-    auto r = Ranks(2, Train(2, llama + (sp ? " --sequence-parallel" : ""), 10));
-    ASSERT_NE(r.output.find(AllZero(2)), std::string::npos) << r.output << Logs(2);
-    const auto tp = Losses(r.output);
-    ASSERT_EQ(tp.size(), 10u) << r.output;
-    const double worst = Worst(tp, one);
-    EXPECT_LT(worst, 1e-5);
-    std::printf("Llama line, T=2%s: largest relative difference of the 10 lm losses from one rank's: %.3g\n",
-                sp ? " --sequence-parallel" : "", worst);
+    const std::string what = sp ? "Llama line, T=2 --sequence-parallel" : "Llama line, T=2";
+    SCOPED_TRACE(what);
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(
+        RunGivingLosses(2, Train(2, llama + (sp ? " --sequence-parallel" : ""), 10), one, 10, 1e-5, what, &out));
   }
 }
 
 TEST_F(TensorParallelCli, TensorTimesDataRanksWithZeroOneAndOverlapGiveOneRanksLosses) {
   const auto one = Losses(OneRank());
   ASSERT_EQ(one.size(), 20u);
-  auto r = Ranks(4, Train(2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000"));
-  ASSERT_NE(r.output.find(AllZero(4)), std::string::npos) << r.output << Logs(4);
-  EXPECT_NE(r.output.find("tensor parallel: 2 ranks x data parallel: 2 ranks"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("distributed optimizer: each of 2 ranks keeps"), std::string::npos) << r.output;
-  const auto tp = Losses(r.output);
-  ASSERT_EQ(tp.size(), 20u) << r.output;
-  const double worst = Worst(tp, one);
-  EXPECT_LT(worst, 1e-5);
-  std::printf("T=2 x D=2, ZeRO-1, overlap: largest relative difference from one rank's: %.3g\n", worst);
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(4, Train(2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000"), one, 20,
+                      1e-5, "T=2 x D=2, ZeRO-1, overlap", &out));
+  EXPECT_NE(out.find("tensor parallel: 2 ranks x data parallel: 2 ranks"), std::string::npos) << out;
+  EXPECT_NE(out.find("distributed optimizer: each of 2 ranks keeps"), std::string::npos) << out;
 }
 
 // Megatron's Llama line (RMSNorm, RoPE base 500000 with Llama 3.1's scaling, SwiGLU, 4 query heads
@@ -154,45 +140,20 @@ TEST_F(TensorParallelCli, LlamaLineGivesOneRanksLossesAndResumes) {
 }
 
 TEST_F(TensorParallelCli, CheckpointsResumeAtTheSameAndOtherTensorSizes) {
-  const std::string full = dir_ / "full", ck = dir_ / "ck";
-  auto whole = Ranks(2, Train(2, "--save " + ShellQuote(full)));
-  ASSERT_NE(whole.output.find(AllZero(2)), std::string::npos) << whole.output << Logs(2);
-  auto first = Ranks(2, Train(2, "--exit-interval 10 --save " + ShellQuote(ck)));
-  ASSERT_NE(first.output.find(AllZero(2)), std::string::npos) << first.output << Logs(2);
-  EXPECT_NE(first.output.find("[ t 1/2, p 1/1 ]"), std::string::npos) << first.output;
-  for (const char* mp : {"mp_rank_00", "mp_rank_01"})
-    EXPECT_TRUE(std::filesystem::exists(dir_ / ("ck/iter_0000010/" + std::string(mp) + "/model_optim_rng.ptk"))) << mp;
-  EXPECT_FALSE(std::filesystem::exists(dir_ / "ck/iter_0000010/mp_rank_02"));
-  for (int T : {1, 4}) {
-    const std::string dst = dir_ / ("ck" + std::to_string(T));
-    ASSERT_EQ(RunCmd("cp -r " + ShellQuote(ck) + " " + ShellQuote(dst)).exit_code, 0);
-  }
-  // The same tensor size: the uninterrupted run's lines, character for character.
-  auto same = Ranks(2, Train(2, "--load " + ShellQuote(ck) + " --save " + ShellQuote(ck)));
-  ASSERT_NE(same.output.find(AllZero(2)), std::string::npos) << same.output << Logs(2);
-  const auto resumed = Lines(same.output), uninterrupted = Lines(whole.output);
-  ASSERT_EQ(resumed.size(), 10u) << same.output;
-  ASSERT_EQ(uninterrupted.size(), 20u);
-  EXPECT_EQ(resumed, std::vector<std::string>(uninterrupted.begin() + 10, uninterrupted.end()));
+  const auto train = [&](const std::string& extra) { return Train(2, extra); };
+  ASSERT_NO_FATAL_FAILURE(
+      StopAndResumeAtTheSameSize(2, train, "[ t 1/2, p 1/1 ]", {"mp_rank_00", "mp_rank_01"}, "mp_rank_02"));
   // Another tensor size: the slices put together and cut anew; one rank's losses within 1e-5.
   const auto one = Losses(OneRank());
   for (int T : {1, 4}) {
-    const std::string dst = dir_ / ("ck" + std::to_string(T));
-    auto r = T == 1 ? RunCmd(Train(1, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)))
-                    : Ranks(T, Train(T, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)));
-    if (T == 1) {
-      ASSERT_EQ(r.exit_code, 0) << r.output;
-    } else {
-      ASSERT_NE(r.output.find(AllZero(T)), std::string::npos) << r.output << Logs(T);
-    }
-    EXPECT_NE(r.output.find("saved with --tensor-model-parallel-size 2): the saved ranks' slices"), std::string::npos)
-        << r.output;
-    const auto tp = Losses(r.output);
-    ASSERT_EQ(tp.size(), 10u) << r.output;
-    EXPECT_EQ(tp.front().first, 11);
-    const double worst = Worst(tp, one);
-    EXPECT_LT(worst, 1e-5) << "T=2 -> " << T;
-    std::printf("T=2 checkpoint resumed at T=%d: largest relative difference from one rank's: %.3g\n", T, worst);
+    const std::string dst = dir_ / ("ck" + std::to_string(T)),
+                      what = "T=2 checkpoint resumed at T=" + std::to_string(T);
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(T, Train(T, "--load " + ShellQuote(dst) + " --save " + ShellQuote(dst)),
+                                            one, 10, 1e-5, what, &out));
+    EXPECT_NE(out.find("saved with --tensor-model-parallel-size 2): the saved ranks' slices"), std::string::npos)
+        << out;
+    EXPECT_EQ(Losses(out).front().first, 11);
   }
 }
 
@@ -265,7 +226,7 @@ TEST_F(TensorParallelCli, SizesThatDoNotDivideAreRefusedOnEveryRank) {
     EXPECT_NE(r.output.find("rc=2 2 2"), std::string::npos) << r.output << Logs(c.world);
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
     for (int rank = 1; rank < c.world; ++rank) {
-      const std::string log = ptk::testing::ReadFile(dir_ / ("r" + std::to_string(rank) + ".log"));
+      const std::string log = ptk::testing::ReadFile(RankLog(rank));
       EXPECT_NE(log.find(c.says), std::string::npos) << "rank " << rank << "\n" << log;
     }
   }

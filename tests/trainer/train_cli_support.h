@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <functional>
 #include <regex>
 #include <string>
 #include <utility>
@@ -122,13 +125,62 @@ class RanksTest : public ::testing::Test {
     for (int r = 1; r < world; ++r) s += " 0";
     return s;
   }
-  std::string RankLog(int rank) const { return dir_ / ("r" + std::to_string(rank) + ".log"); }
+  std::string RankLog(int rank) const {
+    const std::string r = std::to_string(rank);
+    return dir_ / ("r" + r + ".log");
+  }
   // The runs' log lines: each one's iteration and lm loss; the lines without their timings; the
   // largest relative difference between the losses of the same iterations.
   static std::vector<std::pair<int, double>> Losses(const std::string& out) { return LossesOf(out); }
   static std::vector<std::string> Lines(const std::string& out) { return LogLinesWithoutTimes(out); }
   static double Worst(const std::vector<std::pair<int, double>>& a, const std::vector<std::pair<int, double>>& ref) {
     return WorstRelativeDifference(a, ref);
+  }
+  // `world` ranks of `cmd` (one plain process when `world` is 1), every one exiting 0, whose log lines
+  // (rank 0's output, in *out) hold `lines` losses, each within `tolerance` relative of the same
+  // iteration's in `ref`; the largest difference is printed after `what`. Its failures are fatal:
+  // call it under ASSERT_NO_FATAL_FAILURE.
+  void RunGivingLosses(int world, const std::string& cmd, const std::vector<std::pair<int, double>>& ref, size_t lines,
+                       double tolerance, const std::string& what, std::string* out) {
+    const CommandResult r = world == 1 ? RunCmd(cmd) : Ranks(world, cmd);
+    *out = r.output;
+    if (world == 1) {
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+    } else {
+      ASSERT_NE(r.output.find(AllZero(world)), std::string::npos) << r.output << Logs(world);
+    }
+    const auto got = Losses(r.output);
+    ASSERT_EQ(got.size(), lines) << r.output;
+    const double worst = Worst(got, ref);
+    EXPECT_LT(worst, tolerance) << what;
+    std::printf("%s: largest relative difference of the %zu lm losses from one rank's: %.3g\n", what.c_str(), lines,
+                worst);
+  }
+  // The checkpoint tests' start: `world` ranks of `train`'s run (20 iterations) saved in DIR/full,
+  // and again stopped at iteration 10 in DIR/ck (its save line saying `saved_as`, "[ t 1/2, p 1/1 ]",
+  // iteration 10 holding each of the mp_rank directories `shards` and not `absent`), copied to
+  // DIR/ck1 and DIR/ck4 (for resumes at other sizes); then DIR/ck resumed by as many ranks: the
+  // uninterrupted run's last 10 lines, character for character. Call under ASSERT_NO_FATAL_FAILURE.
+  void StopAndResumeAtTheSameSize(int world, const std::function<std::string(const std::string&)>& train,
+                                  const std::string& saved_as, const std::vector<std::string>& shards,
+                                  const std::string& absent) {
+    const std::string full = dir_ / "full", ck = dir_ / "ck";
+    auto whole = Ranks(world, train("--save " + ShellQuote(full)));
+    ASSERT_NE(whole.output.find(AllZero(world)), std::string::npos) << whole.output << Logs(world);
+    auto first = Ranks(world, train("--exit-interval 10 --save " + ShellQuote(ck)));
+    ASSERT_NE(first.output.find(AllZero(world)), std::string::npos) << first.output << Logs(world);
+    EXPECT_NE(first.output.find(saved_as), std::string::npos) << first.output;
+    for (const std::string& mp : shards)
+      EXPECT_TRUE(std::filesystem::exists(dir_ / ("ck/iter_0000010/" + mp + "/model_optim_rng.ptk"))) << mp;
+    EXPECT_FALSE(std::filesystem::exists(dir_ / ("ck/iter_0000010/" + absent)));
+    for (const char* copy : {"ck1", "ck4"})
+      ASSERT_EQ(RunCmd("cp -r " + ShellQuote(ck) + " " + ShellQuote(dir_ / copy)).exit_code, 0);
+    auto same = Ranks(world, train("--load " + ShellQuote(ck) + " --save " + ShellQuote(ck)));
+    ASSERT_NE(same.output.find(AllZero(world)), std::string::npos) << same.output << Logs(world);
+    const auto resumed = Lines(same.output), uninterrupted = Lines(whole.output);
+    ASSERT_EQ(resumed.size(), 10u) << same.output;
+    ASSERT_EQ(uninterrupted.size(), 20u);
+    EXPECT_EQ(resumed, std::vector<std::string>(uninterrupted.begin() + 10, uninterrupted.end()));
   }
   // The logs of ranks 1 to world - 1 of the last Ranks, each under a header (for failure messages).
   std::string Logs(int world) const {

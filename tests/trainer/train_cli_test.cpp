@@ -17,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/output_lock.h"
 #include "indexed_dataset/indexed_dataset.h"
 #include "tests/test_util.h"
 #include "tests/trainer/test_ports.h"
@@ -120,6 +121,84 @@ TEST_F(TrainCli, AFreshRunGetsItsOwnTensorBoardRunAndAResumeKeepsIt) {
   const std::string c = run("c", false, 0);  // a third fresh run: the next subdirectory
   EXPECT_NE(c.find("writes its own in " + tb + "/run-3"), std::string::npos) << c;
   EXPECT_EQ(EventFiles(tb + "/run-3"), 1);
+}
+
+// The names in `dir`, sorted ("" if it does not exist).
+std::string Entries(const std::string& dir) {
+  std::vector<std::string> v;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  std::string out;
+  for (const std::string& n : v) out += n + " ";
+  return out;
+}
+
+// A start refused over its outputs (its --metrics-file held by a run that still writes there, or
+// a path that is a directory) leaves nothing it made: no --tensorboard-dir, no run-N beside
+// another run's event files, no lock file. Before, the directory (and run-N with its record of
+// --save) stayed behind, empty. (The --save directory itself is made and locked earlier, at
+// start-up, as one run per checkpoint directory needs.)
+TEST_F(TrainCli, ARefusedStartLeavesNothingBehind) {
+  const std::string held = dir_ / "held.jsonl", tb = dir_ / "tb", other = tb + "/events.out.tfevents.1.other.1.0";
+  auto lock = OutputLock::Acquire(held);  // another run writing there
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  auto refused = [&](const std::string& flags, const std::string& named) {
+    auto r = RunCmd(Train(flags + " --save " + ShellQuote(dir_ / "ck"), 2));
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(named), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("writes its own in"), std::string::npos) << r.output;
+  };
+  refused("--tensorboard-dir " + ShellQuote(dir_ / "new/tb") + " --metrics-file " + ShellQuote(held),
+          "--metrics-file " + held);
+  EXPECT_FALSE(testing::Exists(dir_ / "new"));
+  std::filesystem::create_directories(tb);
+  testing::WriteFile(other, "");  // another run's events: a fresh run would write in run-2
+  refused("--tensorboard-dir " + ShellQuote(tb) + " --metrics-file " + ShellQuote(held), "--metrics-file " + held);
+  EXPECT_EQ(Entries(tb), "events.out.tfevents.1.other.1.0 ");
+  std::filesystem::create_directories(dir_ / "a_directory");
+  refused("--tensorboard-dir " + ShellQuote(tb) + " --metrics-file " + ShellQuote(dir_ / "a_directory"),
+          dir_ / "a_directory");
+  EXPECT_EQ(Entries(tb), "events.out.tfevents.1.other.1.0 ");
+  EXPECT_EQ(Entries(dir_ / "a_directory"), "");
+  // The run is then let in, and writes where it was refused before.
+  lock->reset();
+  auto r = RunCmd(Train("--tensorboard-dir " + ShellQuote(tb) + " --metrics-file " + ShellQuote(held), 2));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(EventFiles(tb + "/run-2"), 1);
+}
+
+// --metrics-file tells a fresh run from a resumed one by the iteration it starts at: a fresh run
+// where lines are says so (it appends its own from iteration 1 after them); a run resumed with its
+// own file continues it without a word; a run resumed into a file that ends before its checkpoint
+// (not its lines: its own were on disk before the save) says so.
+TEST_F(TrainCli, MetricsFileTellsAFreshRunFromAResumedOne) {
+  const std::string own = dir_ / "own.jsonl", ck = ShellQuote(dir_ / "ck");
+  auto a = RunCmd(Train("--save " + ck + " --exit-interval 4 --metrics-file " + ShellQuote(own), 8));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_EQ(a.output.find("--metrics-file"), std::string::npos) << a.output;
+  auto resumed =
+      RunCmd(Train("--load " + ck + " --save " + ck + " --exit-interval 6 --metrics-file " + ShellQuote(own), 8));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(resumed.output.find("--metrics-file"), std::string::npos) << resumed.output;
+  std::string lines = testing::ReadFile(own);
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 6) << lines;
+  auto fresh = RunCmd(Train("--metrics-file " + ShellQuote(own), 2));
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
+  EXPECT_NE(fresh.output.find("--metrics-file " + own + " holds " + std::to_string(lines.size()) +
+                              " bytes of an earlier run; this run starts at iteration 0"),
+            std::string::npos)
+      << fresh.output;
+  // Another run's file, of 2 iterations, and a run resumed at iteration 6 into it.
+  const std::string others = dir_ / "others.jsonl";
+  testing::WriteFile(others, lines.substr(0, lines.find("{\"iteration\": 3,")));
+  auto mixed = RunCmd(Train("--load " + ck + " --metrics-file " + ShellQuote(others), 8));
+  ASSERT_EQ(mixed.exit_code, 0) << mixed.output;
+  EXPECT_NE(mixed.output.find("--metrics-file " + others +
+                              " ends at iteration 2, before this run's checkpoint of iteration 6: not this run's "
+                              "lines? this run appends its lines from iteration 7 after them"),
+            std::string::npos)
+      << mixed.output;
 }
 
 using Saved = testing::SavedCheckpoint;
