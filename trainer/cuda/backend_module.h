@@ -39,12 +39,13 @@ class Backend {
   ~Backend() = default;  // the module's own static object: never deleted through this interface
 };
 
-// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v4(void)
-// (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel).
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v5(void)
+// (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel;
+// v5: GPTModel::Synchronize).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
-inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v4";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v5";
 using BackendEntryFn = const Backend* (*)();
 
 }  // namespace ptk::cuda
 
-extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v4();
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v5();
