@@ -144,27 +144,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     local[0] = losses.loss_sum;
     local[1] = losses.tokens;
   }
-  // The tied copies summed (the buckets holding them wait for it), then the held buckets launched.
-  absl::Status st;
-  if (embedding_) {
-    st = StartTimer(timers_, "embedding-grads-all-reduce", 1);
-    if (st.ok()) st = model_->AllReduceGradRange(embedding_, tied.begin, tied.size());
-    if (st.ok()) st = StopTimer(timers_, "embedding-grads-all-reduce");
-  }
-  if (armed) {
-    pipeline_stats_.buckets_launched_in_backward = model_->buckets_launched_in_backward();
-    const absl::Status timed = st.ok() ? StartTimer(timers_, "all-grads-sync", 1) : st;
-    absl::Status reduced = model_->FinishGradReduction();
-    if (st.ok()) st = !timed.ok() ? timed : !reduced.ok() ? reduced : StopTimer(timers_, "all-grads-sync");
-  }
-  PTK_RETURN_IF_ERROR(st);
-  // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
-  // summed over the ranks, the rest left alone.
-  if (!overlap) {
-    PTK_RETURN_IF_ERROR(StartTimer(timers_, "all-grads-sync", 1));
-    PTK_RETURN_IF_ERROR(model_->shard() ? model_->ReduceScatterGrads(comm_) : model_->AllReduceGrads(comm_));
-    PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
-  }
+  PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
   // Pipeline parallelism: the last stage's loss to every stage (the others add zeros).
   if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 2));
@@ -193,6 +173,32 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-count-zeros"));
   }
   return r;
+}
+
+// Megatron's finalize_model_grads: the tied copies summed (the buckets holding them wait for it),
+// then the held buckets launched and waited for, or without --overlap-grad-reduce the reduction.
+absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool overlap) {
+  absl::Status st;
+  if (embedding_) {
+    st = StartTimer(timers_, "embedding-grads-all-reduce", 1);
+    if (st.ok()) st = model_->AllReduceGradRange(embedding_, tied.begin, tied.size());
+    if (st.ok()) st = StopTimer(timers_, "embedding-grads-all-reduce");
+  }
+  if (armed) {
+    pipeline_stats_.buckets_launched_in_backward = model_->buckets_launched_in_backward();
+    const absl::Status timed = st.ok() ? StartTimer(timers_, "all-grads-sync", 1) : st;
+    absl::Status reduced = model_->FinishGradReduction();
+    if (st.ok()) st = !timed.ok() ? timed : !reduced.ok() ? reduced : StopTimer(timers_, "all-grads-sync");
+  }
+  PTK_RETURN_IF_ERROR(st);
+  // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
+  // summed over the ranks, the rest left alone.
+  if (!overlap) {
+    PTK_RETURN_IF_ERROR(StartTimer(timers_, "all-grads-sync", 1));
+    PTK_RETURN_IF_ERROR(model_->shard() ? model_->ReduceScatterGrads(comm_) : model_->AllReduceGrads(comm_));
+    PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<double> TrainStep::CountZerosInGrad() {

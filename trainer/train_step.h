@@ -131,6 +131,9 @@ class TrainStep {
   void set_timers(Timers* timers) { timers_ = timers; }
 
  private:
+  // After the passes: the tied embeddings' copies summed over `embedding_` (`tied`: this stage's),
+  // the armed bucket reduction finished, or (no --overlap-grad-reduce) the gradients reduced.
+  absl::Status FinalizeGrads(const GradRange& tied, bool armed, bool overlap);
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
   absl::StatusOr<double> ShardedGradSumSquares();
   // --log-num-zeros-in-grad's count over the whole model (each rank's shard, slices and stage).
