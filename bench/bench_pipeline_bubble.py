@@ -14,8 +14,13 @@ The P-stage run has --timing-log-level 2 --timing-log-option all (on CPU ranks t
 clock and synchronise nothing): per stage, the median over the same iterations of its compute
 (forward-compute + backward-compute), its time in the 1F1B exchanges (forward-recv, forward-send,
 ..., each stage's wait for its neighbour and the copy), the tied embeddings' all-reduce, the
-optimizer, the batch generator and what the iteration spends outside them, which says where the
-measured bubble above the formula's goes.
+optimizer, the batch generator and what the iteration spends outside them. The one-rank run has
+--timing-log-level 1 (its forward-backward and optimizer). With tP the P-stage iteration, the
+measured bubble times tP is tP - t1 / P, which each stage's timers split exactly into: its compute
+above the one rank's forward-backward / P (a stage slower than its share: imbalance, or cores that
+the P processes share), its exchange waits (the schedule's bubble, which the formula predicts), the
+tied embeddings' all-reduce, its optimizer above the one rank's / P, and the rest (zeroing,
+loss reduction, logging).
 
 Usage: /usr/bin/python3 bench/bench_pipeline_bubble.py --bin build/bin [--stages 2] [--micro 1 2 4 8]
 Prints one JSON object: per m, the times, the measured bubble and the formula's, and the stages' timers.
@@ -58,7 +63,20 @@ def command(bin_dir, micro, iters, stages):
             "--log-interval", "1", "--threads", "1", "--pipeline-model-parallel-size", str(stages)] + (
                 ["--decoder-first-pipeline-num-layers", str(FIRST_STAGE_LAYERS[stages])]
                 if stages in FIRST_STAGE_LAYERS else []) + (
-                    ["--timing-log-level", "2", "--timing-log-option", "all"] if stages > 1 else [])
+                    ["--timing-log-level", "2", "--timing-log-option", "all"] if stages > 1 else
+                    ["--timing-log-level", "1", "--timing-log-option", "max"])
+
+
+def parse_one_rank_timers(out):
+    """The one rank's median ms per iteration of forward-backward and optimizer (blocks after the first two)."""
+    per = {}
+    for block in out.split("max time across ranks (ms):")[1:][2:]:
+        for line in block.splitlines()[1:]:
+            m = re.match(r"^    (\S+) \.+: ([0-9.]+)$", line)
+            if not m:
+                break
+            per.setdefault(m.group(1), []).append(float(m.group(2)))
+    return {k: statistics.median(v) for k, v in per.items()}
 
 
 def parse_timers(out, stages):
@@ -117,7 +135,21 @@ def run(bin_dir, micro, iters, stages):
             sys.exit(f"bench_pipeline_bubble: a rank of P={stages} failed:\n{o[-1000:]}{e[-2000:]}")
     t, losses = parse(outs[0][0])
     # The timer block is the last rank's (Megatron's timers.log).
-    return t, losses, parse_timers(outs[-1][0], stages) if stages > 1 else None
+    return t, losses, parse_timers(outs[-1][0], stages) if stages > 1 else parse_one_rank_timers(outs[0][0])
+
+
+def bubble_sources(stage, one, t1, tp, P):
+    """A stage's split of tP - t1 / P (ms), as fractions of tP: they add up to the measured bubble."""
+    fb1, opt1 = one.get("forward-backward", 0.0), one.get("optimizer", 0.0)
+    compute = stage["forward_compute_ms"] + stage["backward_compute_ms"]
+    parts = {
+        "compute_above_one_rank_share": compute - fb1 / P,
+        "p2p_wait": stage["p2p_wait_ms"],
+        "embedding_all_reduce": stage["embedding_all_reduce_ms"],
+        "optimizer_above_one_rank_share": stage["optimizer_ms"] - opt1 / P,
+    }
+    parts["rest"] = (tp - t1 / P) * 1000.0 - sum(parts.values())
+    return {k: round(v / (tp * 1000.0), 3) for k, v in parts.items()}
 
 
 def main():
@@ -137,9 +169,11 @@ def main():
     for m in args.micro:
         t1s, tps, stage_timers = [], [], []
         for _ in range(args.rounds):
-            t1, loss_one, _ = run(args.bin, m, args.iters, 1)
+            t1, loss_one, one = run(args.bin, m, args.iters, 1)
             tp, loss_pp, timers = run(args.bin, m, args.iters, P)
-            stage_timers.append(timers)
+            for st in timers:
+                st["bubble_sources"] = bubble_sources(st, one, t1, tp, P)
+            stage_timers.append({"one_rank_ms": {k: round(v, 1) for k, v in one.items()}, "stages": timers})
             if len(loss_pp) != len(loss_one) or any(
                     abs(float(x) - float(y)) > 1e-6 * abs(float(y)) for x, y in zip(loss_pp, loss_one)):
                 sys.exit(f"bench_pipeline_bubble: P={P} losses {loss_pp[:4]} differ from one rank's {loss_one[:4]}")
