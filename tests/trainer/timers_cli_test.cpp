@@ -3,7 +3,8 @@
 // the level, in Megatron's order, in the option's format; level 0 prints none; at P = 2 each
 // stage's exchanges under the names of Megatron's 1F1B, and the metrics of a timed run are those of
 // an untimed one byte for byte; at D = 2 (and ZeRO-1) the data-parallel reductions; TensorBoard gets
-// <name>-time; bad values are refused. Names, order, format and ranks only: never the times.
+// <name>-time; bad values are refused, and ranks at different levels stop at start-up. Names, order, format and ranks
+// only: never the times.
 #include <map>
 #include <regex>
 #include <set>
@@ -131,6 +132,21 @@ TEST_F(TimersCli, BadValuesAreRefused) {
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("usage error: " + bad.substr(0, bad.find(' '))), std::string::npos) << r.output;
   }
+}
+
+// The gather takes the names of the level: ranks started at different levels stop at start-up in one
+// line naming the flag, instead of meeting in the gather with different sizes.
+TEST_F(TimersCli, RanksAtDifferentLevelsStopAtStartUp) {
+  const std::string base = Train(1, "");
+  auto r = RunCmd(
+      "bash -c " +
+      ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) +
+                 "; RANK=1 timeout 300 " + base + " --timing-log-level 2 > " + ShellQuote(RankLog(1)) +
+                 " 2>&1 & RANK=0 timeout 300 " + base + " --timing-log-level 1; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+  EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output << ReadFile(RankLog(1));
+  EXPECT_NE(r.output.find("rank 1 was started with --timing-log-level 2, rank 0 with --timing-log-level 1"),
+            std::string::npos)
+      << r.output;
 }
 
 // P = 2: the block is the last rank's (stage 1); each exchange under Megatron's name on the stage
