@@ -150,7 +150,18 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--log-world-size-to-tensorboard", o.tensorboard.log_world_size,
                 "Write the number of ranks to TensorBoard");
   app->add_flag("--log-timers-to-tensorboard", o.tensorboard.log_timers,
-                "Write iteration-time (and throughput, with --log-throughput) to TensorBoard");
+                "Write iteration-time (and throughput, with --log-throughput) and the --timing-log-level timers "
+                "(<name>-time, the slowest rank's seconds per iteration) to TensorBoard");
+  app->add_option("--timing-log-level", o.timing_log_level,
+                  "Megatron's timers printed after each log line: 0 none (default), 1 forward-backward, the "
+                  "gradient reductions and the optimizer's parts, 2 also the batch generator, forward and backward "
+                  "compute and the pipeline exchanges")
+      ->check(IntIn(0, kMaxTimingLogLevel));
+  app->add_option_function<std::string>(
+         "--timing-log-option",
+         [&o](const std::string& v) { o.timing_log_option = ParseTimingLogOption(v).value_or(o.timing_log_option); },
+         "The timers across ranks: minmax (default; the fastest and slowest rank), max (the slowest), all (every rank)")
+      ->check(CLI::IsMember({"max", "minmax", "all"}));
   auto* sample_interval = app->add_option("--sample-interval", o.sample.interval,
                                           "ptk: print a continuation of --sample-prompt every N iterations (0: never)")
                               ->check(IntIn(0, kMaxCount));

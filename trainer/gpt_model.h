@@ -218,6 +218,11 @@ class GPTModel {
   // category, as lines of text; empty otherwise.
   virtual std::string ProfileReport() const { return ""; }
 
+  // Waits until the work this model queued on its device is done (--timing-log-level's timers read
+  // their clock after it, as Megatron's synchronise the device). The CPU backend's work is done when
+  // its calls return: nothing to wait for.
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
+
  protected:
   explicit GPTModel(ParamLayout layout) : layout_(std::move(layout)) {}
   // ShardOptimizerState's work in the backend: moments for the shard's range only, zeroed.

@@ -12,35 +12,48 @@ namespace ptk {
 namespace {
 
 // One stage's messages: Megatron's p2p_communication helpers over the pipeline group, on the
-// buffers of the model's exchange (`format`: their size, and the stream of device memory).
+// buffers of the model's exchange (`format`: their size, and the stream of device memory), each timed
+// (level 2) under its Megatron name where it exchanges anything.
 class StageLinks {
  public:
-  StageLinks(Communicator* pipe, const StageExchange& format)
-      : pipe_(pipe), bytes_(format.bytes()), stream_(format.stream), stage_(pipe->rank()), last_(pipe->size() - 1) {}
+  StageLinks(Communicator* pipe, const StageExchange& format, Timers* timers = nullptr)
+      : pipe_(pipe),
+        bytes_(format.bytes()),
+        stream_(format.stream),
+        stage_(pipe->rank()),
+        last_(pipe->size() - 1),
+        timers_(timers) {}
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == last_; }
-  absl::Status RecvForward(void* x) { return first() ? Ok() : Call(nullptr, -1, x, stage_ - 1); }
-  absl::Status SendForward(const void* y) { return last() ? Ok() : Call(y, stage_ + 1, nullptr, -1); }
+  absl::Status RecvForward(void* x) { return first() ? Ok() : Call("forward-recv", nullptr, -1, x, stage_ - 1); }
+  absl::Status SendForward(const void* y) { return last() ? Ok() : Call("forward-send", y, stage_ + 1, nullptr, -1); }
   absl::Status SendForwardRecvBackward(const void* y, void* dy) {
-    return last() ? Ok() : Call(y, stage_ + 1, dy, stage_ + 1);
+    return last() ? Ok() : Call("forward-send-backward-recv", y, stage_ + 1, dy, stage_ + 1);
   }
   absl::Status SendBackwardRecvForward(const void* dx, void* x) {
-    return first() ? Ok() : Call(dx, stage_ - 1, x, stage_ - 1);
+    return first() ? Ok() : Call("backward-send-forward-recv", dx, stage_ - 1, x, stage_ - 1);
   }
-  absl::Status RecvBackward(void* dy) { return last() ? Ok() : Call(nullptr, -1, dy, stage_ + 1); }
-  absl::Status SendBackward(const void* dx) { return first() ? Ok() : Call(dx, stage_ - 1, nullptr, -1); }
+  absl::Status RecvBackward(void* dy) { return last() ? Ok() : Call("backward-recv", nullptr, -1, dy, stage_ + 1); }
+  absl::Status SendBackward(const void* dx) {
+    return first() ? Ok() : Call("backward-send", dx, stage_ - 1, nullptr, -1);
+  }
 
  private:
   static absl::Status Ok() { return absl::OkStatus(); }
-  absl::Status Call(const void* send, int dst, void* recv, int src) {
+  // A timer's stop synchronises the device (Timers), so a device exchange queued on the stream is
+  // timed to its end.
+  absl::Status Call(const char* timer, const void* send, int dst, void* recv, int src) {
     const int64_t out = send ? bytes_ : 0, in = recv ? bytes_ : 0;
-    if (stream_) return pipe_->SendRecvDevice(send, out, dst, recv, in, src, stream_);
-    return pipe_->SendRecv(send, out, dst, recv, in, src);
+    PTK_RETURN_IF_ERROR(StartTimer(timers_, timer, 2));
+    PTK_RETURN_IF_ERROR(stream_ ? pipe_->SendRecvDevice(send, out, dst, recv, in, src, stream_)
+                                : pipe_->SendRecv(send, out, dst, recv, in, src));
+    return StopTimer(timers_, timer);
   }
   Communicator* pipe_;
   int64_t bytes_;
   void* stream_;
   int stage_, last_;
+  Timers* timers_;
 };
 
 // What a stage tells its neighbours of its exchange (CheckStageExchangeAgreement).
@@ -101,7 +114,8 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
                                                   const std::vector<ModelBatch>& micro_batches,
                                                   std::span<const double> loss_scales, uint64_t seed,
                                                   PipelineStats* stats,
-                                                  const std::function<absl::Status()>& before_last_backward) {
+                                                  const std::function<absl::Status()>& before_last_backward,
+                                                  Timers* timers) {
   const int P = pipeline->size(), s = pipeline->rank();
   const int m = static_cast<int>(micro_batches.size());
   if (loss_scales.size() != micro_batches.size())
@@ -117,7 +131,7 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   const bool device = pipeline->device_collectives();
   PTK_ASSIGN_OR_RETURN(const StageExchange format, model->StageBuffers(micro_batches[0], 0, device));
   PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipeline, format));
-  StageLinks links(pipeline, format);
+  StageLinks links(pipeline, format, timers);
   auto buffers = [&](int k) {
     return BuffersOf(model, micro_batches[static_cast<size_t>(k)], k % slots, device, format);
   };
@@ -126,11 +140,13 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   // them per micro-batch), added in micro-batch order; a schedule that fails drops them.
   LossesKept kept{model};
   auto forward = [&](int k) -> absl::Status {
+    PTK_RETURN_IF_ERROR(StartTimer(timers, "forward-compute", 2));
     PTK_RETURN_IF_ERROR(model
                             ->StageForwardExchanged(micro_batches[static_cast<size_t>(k)], k % slots,
                                                     loss_scales[static_cast<size_t>(k)], /*train=*/true, seed,
                                                     /*logits=*/nullptr, /*defer_loss=*/true)
                             .status());
+    PTK_RETURN_IF_ERROR(StopTimer(timers, "forward-compute"));
     ++in_flight;
     if (stats) stats->max_in_flight = std::max(stats->max_in_flight, in_flight);
     return absl::OkStatus();
@@ -138,7 +154,10 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   auto backward = [&](int k) -> absl::Status {
     --in_flight;
     if (k + 1 == m && before_last_backward) PTK_RETURN_IF_ERROR(before_last_backward());
-    return model->StageBackwardExchanged(micro_batches[static_cast<size_t>(k)], k % slots, /*train=*/true, seed);
+    PTK_RETURN_IF_ERROR(StartTimer(timers, "backward-compute", 2));
+    PTK_RETURN_IF_ERROR(
+        model->StageBackwardExchanged(micro_batches[static_cast<size_t>(k)], k % slots, /*train=*/true, seed));
+    return StopTimer(timers, "backward-compute");
   };
   for (int i = 0; i < warmup; ++i) {
     PTK_ASSIGN_OR_RETURN(const StageExchange x, buffers(i));

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/comm.h"
 #include "trainer/gpt_model.h"
+#include "trainer/timers.h"
 
 namespace ptk {
 
@@ -32,12 +33,15 @@ struct PipelineStats {
 // stage adds its gradients in the order one rank does. Returns the masked loss sums on the last
 // stage, zero elsewhere. `before_last_backward`, when given, runs just before the backward of the
 // last micro-batch (--overlap-grad-reduce arms the bucket reduction there, as Megatron's
-// no_sync context ends for the last micro-batch).
+// no_sync context ends for the last micro-batch). `timers` (--timing-log-level 2) times each
+// forward and backward (forward-compute, backward-compute) and each exchange under the name of
+// Megatron's p2p call (forward-recv, forward-send-backward-recv, ...), on the stages that make it.
 absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator* pipeline,
                                                   const std::vector<ModelBatch>& micro_batches,
                                                   std::span<const double> loss_scales, uint64_t seed,
                                                   PipelineStats* stats = nullptr,
-                                                  const std::function<absl::Status()>& before_last_backward = {});
+                                                  const std::function<absl::Status()>& before_last_backward = {},
+                                                  Timers* timers = nullptr);
 
 // The stages agree on what crosses between them: this stage's exchange (its wire type and
 // element count) and each neighbour's, swapped over `pipeline` (one small host message each way).

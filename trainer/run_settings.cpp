@@ -205,6 +205,8 @@ Settings DataAndRunSettings(const TrainOptions& o) {
       {"--min-loss-scale", num(o.loss_scale.min_scale)},
       {"--loss-scale-window", std::to_string(o.loss_scale.window)},
       {"--hysteresis", std::to_string(o.loss_scale.hysteresis)},
+      // The timers' all-gather takes the names of the level: every rank must make the same one.
+      {"--timing-log-level", std::to_string(o.timing_log_level)},
   };
 }
 

@@ -29,7 +29,7 @@ struct TensorBoardOptions {
   bool log_loss_scale = true;       // off: --no-log-loss-scale-to-tensorboard
   bool log_validation_ppl = false;  // --log-validation-ppl-to-tensorboard
   bool log_world_size = false;      // --log-world-size-to-tensorboard
-  bool log_timers = false;          // --log-timers-to-tensorboard: iteration-time (s)
+  bool log_timers = false;          // --log-timers-to-tensorboard: iteration-time and the timers' <name>-time (s)
   bool log_throughput = false;      // --log-throughput: with log_timers, throughput (TFLOP/s/GPU)
 };
 
@@ -90,6 +90,10 @@ struct TrainOptions {
   // --log-params-norm / --log-num-zeros-in-grad: Megatron's "params norm:" and "num zeros:" log
   // fields and TensorBoard scalars (params-norm, num-zeros).
   bool log_params_norm = false, log_num_zeros_in_grad = false;
+  // --timing-log-level / --timing-log-option: Megatron's timers (trainer/timers.h) of the given
+  // level, printed after each log line by the last rank (0: none, and no synchronisation).
+  int timing_log_level = 0;
+  TimingLogOption timing_log_option = TimingLogOption::kMinMax;
   std::string save, load;
   int64_t save_interval = 0, exit_interval = 0;
   double exit_duration_in_mins = 0;

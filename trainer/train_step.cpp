@@ -79,6 +79,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   r.lr = scheduler_.lr();
   r.loss_scale = scaler_.scale();
   PTK_RETURN_IF_ERROR(model_->ZeroGrads());
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, "forward-backward", 1));
   const double num_micro = static_cast<double>(micro_batches.size());
   const double dp = static_cast<double>(comm_->size());
   double local[2] = {0, 0};
@@ -111,7 +112,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
         return absl::OkStatus();
       };
     absl::StatusOr<LossSum> l =
-        ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_, arm);
+        ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_, arm, timers_);
     if (!l.ok()) {
       if (armed) (void)model_->FinishGradReduction();  // waits for what was launched
       return l.status();
@@ -128,7 +129,9 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     // The losses are read once, after the last micro-batch (TakeLosses).
     absl::Status s = model_->ForwardBackwardDeferred(mb, scale * r.loss_scale, /*train=*/true, seed);
     if (arm) {
+      const absl::Status timed = StartTimer(timers_, "all-grads-sync", 1);
       absl::Status reduced = model_->FinishGradReduction();
+      if (reduced.ok()) reduced = timed.ok() ? StopTimer(timers_, "all-grads-sync") : timed;
       if (s.ok() && !reduced.ok()) s = reduced;
     }
     if (!s.ok()) {
@@ -141,23 +144,17 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     local[0] = losses.loss_sum;
     local[1] = losses.tokens;
   }
-  // The tied copies summed (the buckets holding them wait for it), then the held buckets launched.
-  absl::Status st = embedding_ ? model_->AllReduceGradRange(embedding_, tied.begin, tied.size()) : absl::OkStatus();
-  if (armed) {
-    pipeline_stats_.buckets_launched_in_backward = model_->buckets_launched_in_backward();
-    absl::Status reduced = model_->FinishGradReduction();
-    if (st.ok()) st = reduced;
-  }
-  PTK_RETURN_IF_ERROR(st);
-  // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
-  // summed over the ranks, the rest left alone.
-  if (!overlap && model_->shard()) PTK_RETURN_IF_ERROR(model_->ReduceScatterGrads(comm_));
-  if (!overlap && !model_->shard()) PTK_RETURN_IF_ERROR(model_->AllReduceGrads(comm_));
+  PTK_RETURN_IF_ERROR(FinalizeGrads(tied, armed, overlap));
   PTK_RETURN_IF_ERROR(comm_->AllReduceSum(local, 2));
   // Pipeline parallelism: the last stage's loss to every stage (the others add zeros).
   if (pipeline_) PTK_RETURN_IF_ERROR(pipeline_->AllReduceSum(local, 2));
   r.loss_sum = local[0];
   r.tokens = local[1];
+  PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-backward"));
+  // Megatron's optimizer.step from here to ApplyUpdate's end: the norm (clip-main-grad: the clip
+  // itself is folded into the inner step's one pass), the count of zeros, AdamW, ZeRO-1's gather.
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer", 1));
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer-clip-main-grad", 1));
   PTK_ASSIGN_OR_RETURN(double sum_squares, model_->shard() ? ShardedGradSumSquares() : model_->GradSumSquares());
   // Tensor parallelism: each tensor rank's part of the whole model's (its slices; the tensors every
   // rank holds whole counted by tensor rank 0), so the norm and the NaN check span the whole model;
@@ -165,14 +162,43 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum_squares, 1, model_->tensor_comm()));
   if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum_squares, 1, pipeline_));
   r.grad_norm = std::sqrt(sum_squares) / r.loss_scale;  // of the unscaled gradients
+  PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-clip-main-grad"));
   r.skipped = !std::isfinite(r.grad_norm) || !std::isfinite(r.loss_sum);
   // fp16's dynamic scaling skips an overflowing step and backs off: Megatron's found_inf, not a
   // NaN to stop the run for (a NaN loss still is one).
   r.overflow = scaler_.dynamic() && !std::isfinite(r.grad_norm) && std::isfinite(r.loss_sum);
   if (count_zeros_ && !r.skipped) {
+    PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer-count-zeros", 1));
     PTK_ASSIGN_OR_RETURN(r.num_zeros_in_grad, CountZerosInGrad());
+    PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-count-zeros"));
   }
   return r;
+}
+
+// Megatron's finalize_model_grads: the tied copies summed (the buckets holding them wait for it),
+// then the held buckets launched and waited for, or without --overlap-grad-reduce the reduction.
+absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool overlap) {
+  absl::Status st;
+  if (embedding_) {
+    st = StartTimer(timers_, "embedding-grads-all-reduce", 1);
+    if (st.ok()) st = model_->AllReduceGradRange(embedding_, tied.begin, tied.size());
+    if (st.ok()) st = StopTimer(timers_, "embedding-grads-all-reduce");
+  }
+  if (armed) {
+    pipeline_stats_.buckets_launched_in_backward = model_->buckets_launched_in_backward();
+    const absl::Status timed = st.ok() ? StartTimer(timers_, "all-grads-sync", 1) : st;
+    absl::Status reduced = model_->FinishGradReduction();
+    if (st.ok()) st = !timed.ok() ? timed : !reduced.ok() ? reduced : StopTimer(timers_, "all-grads-sync");
+  }
+  PTK_RETURN_IF_ERROR(st);
+  // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
+  // summed over the ranks, the rest left alone.
+  if (!overlap) {
+    PTK_RETURN_IF_ERROR(StartTimer(timers_, "all-grads-sync", 1));
+    PTK_RETURN_IF_ERROR(model_->shard() ? model_->ReduceScatterGrads(comm_) : model_->AllReduceGrads(comm_));
+    PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<double> TrainStep::CountZerosInGrad() {
@@ -190,9 +216,27 @@ absl::StatusOr<double> TrainStep::CountZerosInGrad() {
   return zeros;
 }
 
+absl::StatusOr<double> TrainStep::ParamsNorm() {
+  std::vector<float> own(static_cast<size_t>(model_->moments_size()));
+  PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
+  double sum = 0;
+  const int64_t begin = model_->moments_begin();
+  // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only;
+  // pipeline parallelism: a last stage's copy of the tied embeddings left out.
+  const int64_t counted = std::min(model_->layout().norm_end(), begin + model_->moments_size());
+  for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::max(begin, counted)))
+    if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)
+      for (int64_t i = p.offset - begin; i < p.offset - begin + p.size; ++i)
+        sum += static_cast<double>(own[static_cast<size_t>(i)]) * own[static_cast<size_t>(i)];
+  if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
+  if (model_->tensor_comm()) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, model_->tensor_comm()));
+  if (pipeline_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, pipeline_));
+  return std::sqrt(sum);
+}
+
 absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_size) {
   scaler_.Update(r.skipped);
-  if (r.skipped) return absl::OkStatus();
+  if (r.skipped) return StopTimer(timers_, "optimizer");
   // One pass over the gradients: unscale and clip together (Megatron unscales, then clips the
   // unscaled norm).
   double factor = 1.0 / r.loss_scale;
@@ -204,11 +248,17 @@ absl::Status TrainStep::ApplyUpdate(const StepResult& r, int64_t global_batch_si
   AdamWParams a{r.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, scheduler_.weight_decay(), adam_step_};
   AdamWParams no_wd = a;
   no_wd.weight_decay = 0.0;
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, "optimizer-inner-step", 1));
   PTK_RETURN_IF_ERROR(model_->ScaledAdamWUpdate(factor, a, no_wd));
+  PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-inner-step"));
   // ZeRO-1: each rank updated its shard; every rank needs all of them for the next forward.
-  if (model_->shard()) PTK_RETURN_IF_ERROR(model_->AllGatherParams(comm_));
+  if (model_->shard()) {
+    PTK_RETURN_IF_ERROR(StartTimer(timers_, "params-all-gather", 1));
+    PTK_RETURN_IF_ERROR(model_->AllGatherParams(comm_));
+    PTK_RETURN_IF_ERROR(StopTimer(timers_, "params-all-gather"));
+  }
   scheduler_.Step(global_batch_size);
-  return absl::OkStatus();
+  return StopTimer(timers_, "optimizer");
 }
 
 absl::StatusOr<double> TrainStep::ShardedGradSumSquares() {

@@ -14,6 +14,7 @@
 #include "trainer/gpt_model.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/timers.h"
 
 namespace ptk {
 
@@ -121,8 +122,18 @@ class TrainStep {
   // Whether the next steps count the zeros among the reduced gradients (a host copy of them; with
   // ZeRO-1 each rank's shard, summed over the ranks): every rank must ask alike.
   void set_count_zeros_in_grad(bool on) { count_zeros_ = on; }
+  // Megatron's calc_params_l2_norm (--log-params-norm): the L2 norm of the fp32 weights over the
+  // whole model (each rank's shard, slices and stage; a last stage's embedding copy left out).
+  absl::StatusOr<double> ParamsNorm();
+  // --timing-log-level: Megatron's timers of a step (forward-backward, all-grads-sync,
+  // embedding-grads-all-reduce, optimizer and its parts, the schedule's); null: none. The optimizer
+  // timer runs from ComputeGradients' norm to the end of ApplyUpdate.
+  void set_timers(Timers* timers) { timers_ = timers; }
 
  private:
+  // After the passes: the tied embeddings' copies summed over `embedding_` (`tied`: this stage's),
+  // the armed bucket reduction finished, or (no --overlap-grad-reduce) the gradients reduced.
+  absl::Status FinalizeGrads(const GradRange& tied, bool armed, bool overlap);
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
   absl::StatusOr<double> ShardedGradSumSquares();
   // --log-num-zeros-in-grad's count over the whole model (each rank's shard, slices and stage).
@@ -139,6 +150,7 @@ class TrainStep {
   PipelineStats pipeline_stats_;
   int64_t adam_step_ = 0;
   bool count_zeros_ = false;
+  Timers* timers_ = nullptr;
 };
 
 }  // namespace ptk

@@ -21,6 +21,7 @@
 #include "trainer/run_settings.h"
 #include "trainer/sampling.h"
 #include "trainer/tensor_parallel_checkpoint.h"
+#include "trainer/timers.h"
 #include "trainer/training_data.h"
 #include "trainer/training_log.h"
 
@@ -141,6 +142,9 @@ class Trainer {
                                tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
     if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm);
+    timers_ = std::make_unique<Timers>(o_.timing_log_level, o_.timing_log_option,
+                                       [model = model_.get()] { return model->Synchronize(); });
+    step_->set_timers(timers_.get());
     if (lead_ && !step_->buckets().empty()) {
       int64_t largest = 0;
       for (const GradRange& b : step_->buckets()) largest = std::max(largest, b.size());
@@ -266,26 +270,6 @@ class Trainer {
     return it % o_.log_interval == 0 || (!o_.tensorboard.dir.empty() && it % o_.tensorboard.log_interval == 0);
   }
 
-  // Megatron's calc_params_l2_norm: the L2 norm of the fp32 weights (with ZeRO-1, each rank's
-  // shard summed over the ranks).
-  absl::StatusOr<double> ParamsNorm() {
-    std::vector<float> own(static_cast<size_t>(model_->moments_size()));
-    PTK_RETURN_IF_ERROR(model_->ReadOwnedParams(own));
-    double sum = 0;
-    const int64_t begin = model_->moments_begin();
-    // Tensor parallelism: the tensors every tensor rank holds whole counted by tensor rank 0 only;
-    // pipeline parallelism: a last stage's copy of the tied embeddings left out.
-    const int64_t counted = std::min(model_->layout().norm_end(), begin + model_->moments_size());
-    for (const ParamPiece& p : PiecesIn(model_->layout(), begin, std::max(begin, counted)))
-      if (model_->tensor_rank() == 0 || p.tensor_split_dim >= 0)
-        for (int64_t i = p.offset - begin; i < p.offset - begin + p.size; ++i)
-          sum += static_cast<double>(own[static_cast<size_t>(i)]) * own[static_cast<size_t>(i)];
-    if (model_->shard()) PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
-    if (tensor_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, tensor_));
-    if (pipe_) PTK_RETURN_IF_ERROR(SumInRankOrder(&sum, 1, pipe_));
-    return std::sqrt(sum);
-  }
-
   // --rampup-batch-size: Megatron's update_num_microbatches before each iteration, from the samples
   // consumed (a resume takes the batch size of where it stopped); when the number of micro-batches
   // grows, Megatron saves a checkpoint first (with --save).
@@ -310,11 +294,13 @@ class Trainer {
   // One iteration: this rank's micro-batches through the training step (Megatron's train_step).
   absl::StatusOr<StepResult> TrainIteration() {
     step_->set_count_zeros_in_grad(o_.log_num_zeros_in_grad && LogsThisIteration(state_.iteration + 1));
+    PTK_RETURN_IF_ERROR(timers_->Start("batch-generator", 2));
     for (size_t m = 0; m < held_.size(); ++m) {
       PTK_ASSIGN_OR_RETURN(held_[m], train_loader_->Next());
       if (!held_[m]) return absl::OutOfRangeError("the training data ran out before --train-iters");
       batches_[m] = View(*held_[m], &keys_[m]);
     }
+    PTK_RETURN_IF_ERROR(timers_->Stop("batch-generator"));
     PTK_ASSIGN_OR_RETURN(StepResult r, step_->Step(batches_, current_gbs_, state_.seed));
     // fp16's dynamic loss scaling skips an overflowing step by design; anything else non-finite stops.
     if (o_.check_for_nan_in_loss_and_grad && !r.overflow)
@@ -346,7 +332,7 @@ class Trainer {
     const double lr_now = step_->scheduler().lr();  // Megatron logs the rate after the scheduler step
     std::optional<double> params_norm;
     if (o_.log_params_norm && LogsThisIteration(state_.iteration)) {
-      PTK_ASSIGN_OR_RETURN(params_norm, ParamsNorm());
+      PTK_ASSIGN_OR_RETURN(params_norm, step_->ParamsNorm());
     }
     if (outputs_.metrics.is_open())
       PTK_RETURN_IF_ERROR(outputs_.metrics.Append(fmt::format(
@@ -383,6 +369,9 @@ class Trainer {
     f.skipped = interval_.skipped;
     f.nan = interval_.nan;
     Print(FormatLogLine(f, Timestamp()));
+    PTK_RETURN_IF_ERROR(LogTimers(timers_.get(), world_, state_.iteration, static_cast<double>(o_.log_interval),
+                                  o_.tensorboard.log_timers ? outputs_.tb.get() : nullptr,
+                                  [this](const std::string& text) { PrintAnyRank(text); }));
     if (outputs_.tb) {
       if (o_.tensorboard.log_timers) {
         outputs_.tb->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state_.iteration);
@@ -551,6 +540,7 @@ class Trainer {
   Settings settings_;
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;
+  std::unique_ptr<Timers> timers_;  // --timing-log-level's
   std::unique_ptr<OutputLock> save_lock_;
   TrainState state_;
   TrainSummary summary_;

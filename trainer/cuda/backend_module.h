@@ -41,7 +41,8 @@ class Backend {
 
 // The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v5(void)
 // (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel;
-// v5: GPTModel::StageBuffers and Communicator::SendRecvDevice, virtuals of the classes both sides share).
+// v5: GPTModel::StageBuffers and GPTModel::Synchronize, Communicator::SendRecvDevice: virtuals of the classes both
+// sides share).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
 inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v5";
 using BackendEntryFn = const Backend* (*)();

@@ -139,6 +139,8 @@ class CudaGPTModelImpl final : public GPTModel {
 
   // cuda_gpt_model_ops.cpp.
   std::string ProfileReport() const override;
+  // The compute stream and the gradient buckets' stream drained (Megatron's torch.cuda.synchronize).
+  absl::Status Synchronize() override;
 
   // cuda_pipeline_stage.cpp: the model as one pipeline stage (layout().pipeline_size > 1).
   absl::StatusOr<LossSum> StageForward(const ModelBatch& batch, int slot, std::span<const float> input,

@@ -132,6 +132,15 @@ std::string CudaGPTModelImpl<T>::ProfileReport() const {
   return out;
 }
 
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::Synchronize() {
+  if (comm_stream_)
+    PTK_CUDA_RETURN_IF_ERROR(
+        cudaStreamSynchronize(comm_stream_),
+        fmt::format("GPTModel::Synchronize: the gradient buckets' stream on cuda:{}", ctx_.device));
+  return Sync("GPTModel::Synchronize");
+}
+
 #define PTK_INSTANTIATE(T)                                                                                    \
   template absl::Status CudaGPTModelImpl<T>::Sync(std::string_view what) const;                               \
   template void CudaGPTModelImpl<T>::Begin();                                                                 \
@@ -139,7 +148,8 @@ std::string CudaGPTModelImpl<T>::ProfileReport() const {
   template std::string CudaGPTModelImpl<T>::OpWhere(const char* name) const;                                  \
   template void CudaGPTModelImpl<T>::RecordMark(const char* category);                                        \
   template void CudaGPTModelImpl<T>::CollectProfile() const;                                                  \
-  template std::string CudaGPTModelImpl<T>::ProfileReport() const;
+  template std::string CudaGPTModelImpl<T>::ProfileReport() const;                                            \
+  template absl::Status CudaGPTModelImpl<T>::Synchronize();
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
