@@ -74,6 +74,15 @@ Reference OneStage(const GPTConfig& c, Precision p, const std::vector<ModelBatch
   return ref;
 }
 
+// The embedding group (the first and the last stage) for stage s of P; null on the other stages.
+std::unique_ptr<Communicator> EmbeddingGroup(Communicator* comm, int s, int P) {
+  if (s != 0 && s != P - 1) return nullptr;
+  const std::vector<int> members = {0, P - 1};
+  auto g = comm->Subgroup(members, "embedding");
+  EXPECT_TRUE(g.ok()) << g.status();
+  return g.ok() ? *std::move(g) : nullptr;
+}
+
 // `loss_tol`: relative, the loss sums; `grad_tol`: of the largest gradient of each tensor.
 void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_tol) {
   const GPTConfig c = Config();
@@ -99,12 +108,9 @@ void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_to
     auto loss = ForwardBackwardPipelining(m.get(), &pipe, mbs, scales, 99, &stats);
     ASSERT_TRUE(loss.ok()) << loss.status();
     EXPECT_GE(pipe.device_messages(), 8);  // the direct exchange ran: each micro-batch's messages
-    std::unique_ptr<Communicator> emb;     // the embedding group: the first and the last stage
+    std::unique_ptr<Communicator> emb = EmbeddingGroup(comm, s, P);
     if (s == 0 || s == P - 1) {
-      const std::vector<int> members = {0, P - 1};
-      auto g = comm->Subgroup(members, "embedding");
-      ASSERT_TRUE(g.ok()) << g.status();
-      emb = *std::move(g);
+      ASSERT_NE(emb, nullptr);
       const ParamLayout& lay = m->layout();
       ASSERT_TRUE(
           m->AllReduceGradRange(emb.get(), s == 0 ? lay.wte : lay.out_w, c.padded_vocab_size * c.hidden_size).ok());
@@ -163,13 +169,8 @@ StepsRun TrainStages(int P, Precision p, bool host_exchange) {
     o.unfused.pipeline_host_exchange = host_exchange;
     std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, p, /*deterministic=*/true, o);
     ASSERT_NE(m, nullptr);
-    std::unique_ptr<Communicator> emb;  // the embedding group: the first and the last stage
-    if (s == 0 || s == P - 1) {
-      const std::vector<int> members = {0, P - 1};
-      auto g = comm->Subgroup(members, "embedding");
-      ASSERT_TRUE(g.ok()) << g.status();
-      emb = *std::move(g);
-    }
+    std::unique_ptr<Communicator> emb = EmbeddingGroup(comm, s, P);
+    ASSERT_EQ(emb == nullptr, s != 0 && s != P - 1);
     std::unique_ptr<Communicator> data_group = MakeLocalCommunicator();
     TrainStep step(m.get(), OptimizerConfig{}, cuda_model_test::Schedule(), data_group.get());
     step.set_pipeline(&pipe, emb.get());
