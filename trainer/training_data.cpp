@@ -100,9 +100,17 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
   const int64_t test_samples = eval_iters * gbs;
   TrainingSplits s;
   if (o.mock_data) {
-    s.train = std::make_shared<MockDataset>(train_samples, o.model.vocab_size, cfg);
-    if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, cfg);
-    if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, cfg);
+    // The mock documents' ids run over [0, vocab - 1); they end with GPT-2's end-of-document token
+    // where the vocabulary has it, else with its last id (a --vocab-size below GPT-2's).
+    if (o.model.vocab_size < 2)
+      return absl::InvalidArgumentError(
+          fmt::format("--mock-data: the mock documents need a vocabulary of at least 2 tokens (--vocab-size {})",
+                      o.model.vocab_size));
+    GPTDatasetConfig mock = cfg;
+    if (mock.eod >= o.model.vocab_size) mock.eod = o.model.vocab_size - 1;
+    s.train = std::make_shared<MockDataset>(train_samples, o.model.vocab_size, mock);
+    if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, mock);
+    if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, mock);
     return s;
   }
   DataArgs args = o.data;

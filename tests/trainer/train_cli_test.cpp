@@ -457,6 +457,29 @@ TEST_F(TrainCli, SamplesBasedScheduleAndMockData) {
   EXPECT_NE(r.output.find("learning rate: 0.000000E+00"), std::string::npos) << r.output;  // WSD annealed to --min-lr
 }
 
+// --mock-data with a vocabulary below GPT-2's: the mock documents end with the vocabulary's last id
+// (was GPT-2's 50256: "token id ... outside the vocabulary" at the first sample that reached an end
+// of document), with and without --eod-mask-loss.
+TEST_F(TrainCli, MockDataWithASmallVocabularyTrains) {
+  const std::string tiny =
+      testing::Tool("ptk-train") +
+      " --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64"
+      " --vocab-size 64 --make-vocab-size-divisible-by 1 --micro-batch-size 2 --global-batch-size 4"
+      " --train-iters 2 --lr 1e-3 --mock-data --eval-iters 0 --log-interval 1 --threads 1 ";
+  for (const char* extra : {"", "--eod-mask-loss"}) {
+    auto r = RunCmd(tiny + extra);
+    EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
+    EXPECT_EQ(testing::LossesOf(r.output).size(), 2u) << r.output;
+  }
+  // One token leaves no room for documents and their end: refused in one line (was SIGFPE).
+  const std::string one = std::regex_replace(tiny, std::regex("--vocab-size 64"), "--vocab-size 1");
+  auto r = RunCmd(one);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("--mock-data: the mock documents need a vocabulary of at least 2 tokens (--vocab-size 1)"),
+            std::string::npos)
+      << r.output;
+}
+
 // The real binary killed at each rename and at each fsync of its saves (strace's fault injection:
 // SIGKILL on the K-th call), on a fresh directory and on a rerun that saves the same iteration
 // over a finished run: `latest` always loads and the next run leaves no litter. Skipped where
