@@ -10,7 +10,6 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
-#include "common/output_lock.h"
 #include "common/status.h"
 #include "indexed_dataset/data_loader.h"
 #include "tensorboard/summary_writer.h"
@@ -72,6 +71,8 @@ class Trainer {
                 : o_.data_cache_path ? " (cached in " + *o_.data_cache_path + ")"
                                      : "");
     PTK_RETURN_IF_ERROR(OpenDataAndOutputs());
+    PTK_RETURN_IF_ERROR(world_->Barrier());  // every rank started (one refused exits: this fails)
+    save_dir_.Keep();
     if (lead_) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
     start_ = interval_.start = Clock::now();
     wall_before_ = state_.wall_seconds;
@@ -155,8 +156,7 @@ class Trainer {
     // One training run per --save directory: a second (a requeue while the first still runs) stops
     // here naming the first, instead of interleaving checkpoints with it.
     if (lead_ && !o_.save.empty()) {
-      PTK_RETURN_IF_ERROR(MakeDirs(o_.save));
-      PTK_ASSIGN_OR_RETURN(save_lock_, OutputLock::Acquire(JoinPath(o_.save, "ptk-train")));
+      PTK_RETURN_IF_ERROR(save_dir_.Take(o_.save));
       PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
     }
     return absl::OkStatus();
@@ -231,18 +231,12 @@ class Trainer {
   // --load was at the last iteration already: said so, no iteration runs.
   TrainSummary NothingToTrain() {
     if (lead_)
-      log::Info(
-          "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} "
-          "to train further",
-          o_.load, state_.iteration, state_.consumed_train_samples,
-          o_.train_iters > 0
-              ? fmt::format("--train-iters is {}", o_.train_iters)
-              : fmt::format("--train-samples {} make {} iterations", o_.train_samples, plan_.train_iters),
-          o_.train_iters > 0 ? "--train-iters" : "--train-samples");
+      log::Info("{}", NothingToTrainLine(o_, state_.iteration, state_.consumed_train_samples, plan_.train_iters));
     summary_.iteration = state_.iteration;
     summary_.consumed_train_samples = state_.consumed_train_samples;
     summary_.exit_reason = "nothing to train";
     summary_.nothing_to_train = true;
+    save_dir_.Keep();
     return summary_;
   }
 
@@ -541,7 +535,7 @@ class Trainer {
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<Timers> timers_;  // --timing-log-level's
-  std::unique_ptr<OutputLock> save_lock_;
+  SaveDirectory save_dir_;          // rank 0's --save: a start refused on any rank leaves none it made
   TrainState state_;
   TrainSummary summary_;
   TrainingSplits data_;
