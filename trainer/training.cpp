@@ -143,8 +143,11 @@ class Trainer {
                                tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
     if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm);
-    timers_ = std::make_unique<Timers>(o_.timing_log_level, o_.timing_log_option,
-                                       [model = model_.get()] { return model->Synchronize(); });
+    std::function<absl::Status()> barrier;  // Megatron's barrier_with_L1_time, over the world
+    if (o_.barrier_with_l1_time) barrier = [world = world_] { return world->Barrier(); };
+    timers_ = std::make_unique<Timers>(
+        o_.timing_log_level, o_.timing_log_option, [model = model_.get()] { return model->Synchronize(); },
+        std::move(barrier));
     step_->set_timers(timers_.get());
     if (lead_ && !step_->buckets().empty()) {
       int64_t largest = 0;
