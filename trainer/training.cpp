@@ -391,8 +391,8 @@ class Trainer {
         PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
         if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
         std::vector<int64_t> k;
-        PTK_ASSIGN_OR_RETURN(
-            LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k)) : model_->Forward(View(*mb, &k)));
+        PTK_ASSIGN_OR_RETURN(LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k), nullptr, &agreed_)
+                                              : model_->Forward(View(*mb, &k)));
         sums[0] += s.loss_sum;
         sums[1] += s.tokens;
       }
@@ -422,7 +422,7 @@ class Trainer {
     g.new_tokens = o_.sample.length;
     g.temperature = o_.sample.temperature;
     g.seed = Mix64(state_.seed ^ (static_cast<uint64_t>(state_.iteration) << 20));
-    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g, pipe_));
+    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g, pipe_, &agreed_));
     Print(fmt::format(" sample at iteration {:8d} ({}): {:?} -> {:?}", state_.iteration,
                       o_.sample.temperature > 0 ? fmt::format("temperature {}", o_.sample.temperature) : "greedy",
                       o_.sample.prompt_text, o_.sample.decode(ids)));
@@ -538,6 +538,7 @@ class Trainer {
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<Timers> timers_;  // --timing-log-level's
+  StageExchangeAgreement agreed_;   // the forward-only passes' exchange formats, agreed once each
   SaveDirectory save_dir_;          // rank 0's --save: a start refused on any rank leaves none it made
   TrainState state_;
   TrainSummary summary_;
