@@ -43,7 +43,6 @@ constexpr CompatFlag kCompatFlags[] = {
      "the throughput field is always printed (and written to TensorBoard with --log-timers-to-tensorboard)"},
     {"--log-memory-to-tensorboard", Arg::kNone, "no memory statistics are written to TensorBoard"},
     {"--tensorboard-queue-size", Arg::kPositiveInt, "events are written at every --log-interval and evaluation"},
-    {"--no-barrier-with-level-1-timing", Arg::kNone, "ptk's level-1 timers never wait at a barrier"},
     {"--wandb-project", Arg::kText, "no Weights & Biases client; metrics go to metrics.jsonl"},
     {"--wandb-exp-name", Arg::kText, "no Weights & Biases client"},
     {"--manual-gc", Arg::kNone, "no garbage collector"},

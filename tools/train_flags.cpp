@@ -162,6 +162,8 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
          [&o](const std::string& v) { o.timing_log_option = ParseTimingLogOption(v).value_or(o.timing_log_option); },
          "The timers across ranks: minmax (default; the fastest and slowest rank), max (the slowest), all (every rank)")
       ->check(CLI::IsMember({"max", "minmax", "all"}));
+  app->add_flag("!--no-barrier-with-level-1-timing", o.barrier_with_l1_time,
+                "Start the level-1 timers without Megatron's barrier over all ranks (each rank's own times)");
   auto* sample_interval = app->add_option("--sample-interval", o.sample.interval,
                                           "ptk: print a continuation of --sample-prompt every N iterations (0: never)")
                               ->check(IntIn(0, kMaxCount));

@@ -192,10 +192,20 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
   return model->TakeLosses();
 }
 
+absl::Status StageExchangeAgreement::Check(Communicator* pipeline, const StageExchange& mine) {
+  if (pipeline != pipeline_) agreed_.clear();
+  pipeline_ = pipeline;
+  const std::tuple<int, int64_t, bool> format{static_cast<int>(mine.wire), mine.elements, mine.stream != nullptr};
+  if (std::find(agreed_.begin(), agreed_.end(), format) != agreed_.end()) return absl::OkStatus();
+  PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipeline, mine));
+  agreed_.push_back(format);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
-                                          std::vector<float>* logits) {
+                                          std::vector<float>* logits, StageExchangeAgreement* agreed) {
   PTK_ASSIGN_OR_RETURN(const StageExchange x, model->StageBuffers(batch, 0, pipeline->device_collectives()));
-  PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipeline, x));
+  PTK_RETURN_IF_ERROR(agreed ? agreed->Check(pipeline, x) : CheckStageExchangeAgreement(pipeline, x));
   StageLinks links(pipeline, x);
   PTK_RETURN_IF_ERROR(links.RecvForward(x.input));
   PTK_ASSIGN_OR_RETURN(const LossSum l,

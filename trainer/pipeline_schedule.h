@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,12 +47,33 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
 // The stages agree on what crosses between them: this stage's exchange (its wire type and
 // element count) and each neighbour's, swapped over `pipeline` (one small host message each way).
 // FailedPrecondition naming both stages and both exchanges when a neighbour's differs. The
-// schedules below check it at every call, before any activation is sent.
+// schedules below check it before any activation is sent: at every call, or once per exchange
+// format with a StageExchangeAgreement.
 absl::Status CheckStageExchangeAgreement(Communicator* pipeline, const StageExchange& mine);
+
+// The exchange formats (wire type, element count, host or device memory) a stage has agreed on
+// with its neighbours over one pipeline group, kept by a caller of ForwardPipelining across its
+// calls (evaluation's micro-batches, a sample's tokens): a format is checked the first time this
+// stage exchanges it, and not again. The stages make the same calls with the same shapes (one
+// batch, or stand-ins of its sizes; the wire type is fixed by settings checked at start-up), so a
+// changed shape or precision is new on every stage and is checked, and refused, on each.
+class StageExchangeAgreement {
+ public:
+  // CheckStageExchangeAgreement unless `mine`'s format was agreed over `pipeline` before (another
+  // group forgets the formats of the last).
+  absl::Status Check(Communicator* pipeline, const StageExchange& mine);
+
+ private:
+  Communicator* pipeline_ = nullptr;
+  std::vector<std::tuple<int, int64_t, bool>> agreed_;  // wire, elements, device memory
+};
 
 // Forward only (evaluation, no dropout; text samples): each stage passes the micro-batch on. The
 // loss sum on the last stage, zero elsewhere; with `logits` the last stage's logits (StageForward).
+// With `agreed` the stages' exchange is checked once per format (StageExchangeAgreement), without
+// at every call.
 absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
-                                          std::vector<float>* logits = nullptr);
+                                          std::vector<float>* logits = nullptr,
+                                          StageExchangeAgreement* agreed = nullptr);
 
 }  // namespace ptk

@@ -207,6 +207,8 @@ Settings DataAndRunSettings(const TrainOptions& o) {
       {"--hysteresis", std::to_string(o.loss_scale.hysteresis)},
       // The timers' all-gather takes the names of the level: every rank must make the same one.
       {"--timing-log-level", std::to_string(o.timing_log_level)},
+      // So do the level-1 timers' barriers: a rank that skips them would leave the others waiting.
+      {"--no-barrier-with-level-1-timing", o.barrier_with_l1_time ? "off" : "on"},
   };
 }
 

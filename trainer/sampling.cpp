@@ -32,7 +32,10 @@ int32_t PickToken(std::span<const float> logits, int64_t vocab_size, double temp
 }
 
 absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const int32_t> prompt,
-                                              const GenerateOptions& options, Communicator* pipeline) {
+                                              const GenerateOptions& options, Communicator* pipeline,
+                                              StageExchangeAgreement* agreed) {
+  StageExchangeAgreement own;
+  if (!agreed) agreed = &own;
   const GPTConfig& cf = model->config();
   if (prompt.empty()) return absl::InvalidArgumentError("a sample needs a prompt of at least one token");
   for (int32_t id : prompt)
@@ -55,7 +58,7 @@ absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const i
     ModelBatch batch{1, t, tokens.data(), labels.data(), positions.data(), mask.data(), nullptr};
     const bool picks = !pipeline || pipeline->rank() == pipeline->size() - 1;  // the last stage has the logits
     if (pipeline)
-      PTK_RETURN_IF_ERROR(ForwardPipelining(model, pipeline, batch, &logits).status());
+      PTK_RETURN_IF_ERROR(ForwardPipelining(model, pipeline, batch, &logits, agreed).status());
     else
       PTK_RETURN_IF_ERROR(model->Forward(batch, &logits).status());
     int32_t next = 0;

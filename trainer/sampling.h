@@ -12,6 +12,8 @@
 
 namespace ptk {
 
+class StageExchangeAgreement;  // pipeline_schedule.h
+
 struct GenerateOptions {
   int64_t new_tokens = 32;
   double temperature = 0;  // 0: greedy (the first of equal maxima); > 0: softmax(logits / temperature)
@@ -25,8 +27,11 @@ struct GenerateOptions {
 // distinct shapes. With `pipeline` (the model one stage of several) every stage calls it: each
 // token's forward goes through the stages, the last stage picks the token and broadcasts it over
 // the pipeline group, so every stage returns the same ids (one rank's, the logits having its bits).
+// The stages agree on their exchange once per shape (`agreed`, the caller's across calls, or this
+// call's own), not per token.
 absl::StatusOr<std::vector<int32_t>> Generate(GPTModel* model, std::span<const int32_t> prompt,
-                                              const GenerateOptions& options, Communicator* pipeline = nullptr);
+                                              const GenerateOptions& options, Communicator* pipeline = nullptr,
+                                              StageExchangeAgreement* agreed = nullptr);
 
 // The next id from one position's logits (vocab_size of them are considered).
 int32_t PickToken(std::span<const float> logits, int64_t vocab_size, double temperature, uint64_t key);

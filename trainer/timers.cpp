@@ -16,11 +16,15 @@ std::optional<TimingLogOption> ParseTimingLogOption(std::string_view text) {
   return std::nullopt;
 }
 
-Timers::Timers(int level, TimingLogOption option, std::function<absl::Status()> synchronize)
-    : level_(level), option_(option), synchronize_(std::move(synchronize)) {}
+Timers::Timers(int level, TimingLogOption option, std::function<absl::Status()> synchronize,
+               std::function<absl::Status()> barrier)
+    : level_(level), option_(option), synchronize_(std::move(synchronize)), barrier_(std::move(barrier)) {}
 
 absl::Status Timers::Start(std::string_view name, int level) {
   if (level > level_) return absl::OkStatus();
+  // Megatron's start(barrier=barrier_with_L1_time) of its level-1 timers: the barrier, then the
+  // device's synchronisation, then the clock.
+  if (level == 1 && barrier_) PTK_RETURN_IF_ERROR(barrier_());
   if (synchronize_) PTK_RETURN_IF_ERROR(synchronize_());
   Timer& t = timers_[std::string(name)];
   t.running = true;

@@ -32,14 +32,18 @@ inline constexpr int kMaxTimingLogLevel = 2;
 class Timers {
  public:
   // `level`: --timing-log-level (0 to 2); `synchronize`: waits for the device's queued work (the
-  // model's GPTModel::Synchronize), called before each clock reading of a timer that is made.
+  // model's GPTModel::Synchronize), called before each clock reading of a timer that is made;
+  // `barrier` (Megatron's barrier_with_L1_time, on unless --no-barrier-with-level-1-timing: a
+  // barrier over the world communicator) is called before each start of a level-1 timer that is
+  // made, before its synchronize, so that every rank starts it together. Every rank must then
+  // start the same level-1 timers in the same order; at level 0 it is never called.
   explicit Timers(int level = 0, TimingLogOption option = TimingLogOption::kMinMax,
-                  std::function<absl::Status()> synchronize = {});
+                  std::function<absl::Status()> synchronize = {}, std::function<absl::Status()> barrier = {});
   int level() const { return level_; }
   TimingLogOption option() const { return option_; }
 
-  // Starts `name` (made at `level` on its first start when the run's level reaches it). Starting a
-  // running timer restarts its current period (what it accumulated stays).
+  // Starts `name` (made at `level` on its first start when the run's level reaches it), level 1
+  // after the barrier. Starting a running timer restarts its current period (what it accumulated stays).
   absl::Status Start(std::string_view name, int level);
   // Stops `name`, adding the time since its start; a timer never made or not running is left alone.
   absl::Status Stop(std::string_view name);
@@ -66,6 +70,7 @@ class Timers {
   int level_;
   TimingLogOption option_;
   std::function<absl::Status()> synchronize_;
+  std::function<absl::Status()> barrier_;
   std::map<std::string, Timer, std::less<>> timers_;
 };
 

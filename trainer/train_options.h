@@ -94,6 +94,9 @@ struct TrainOptions {
   // level, printed after each log line by the last rank (0: none, and no synchronisation).
   int timing_log_level = 0;
   TimingLogOption timing_log_option = TimingLogOption::kMinMax;
+  // Megatron's barrier_with_L1_time (off with --no-barrier-with-level-1-timing): a barrier over the
+  // world before each start of a level-1 timer (at --timing-log-level 1 or 2).
+  bool barrier_with_l1_time = true;
   std::string save, load;
   int64_t save_interval = 0, exit_interval = 0;
   double exit_duration_in_mins = 0;

@@ -179,9 +179,11 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
 // then the held buckets launched and waited for, or without --overlap-grad-reduce the reduction.
 absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool overlap) {
   absl::Status st;
-  if (embedding_) {
+  // Timed on every stage of tied embeddings, as Megatron does (a middle stage has no copy to sum):
+  // a level-1 timer's start waits at a barrier over all ranks, which every rank must reach.
+  if (pipeline_ && !model_->config().untie_embeddings_and_output_weights) {
     st = StartTimer(timers_, "embedding-grads-all-reduce", 1);
-    if (st.ok()) st = model_->AllReduceGradRange(embedding_, tied.begin, tied.size());
+    if (st.ok() && embedding_) st = model_->AllReduceGradRange(embedding_, tied.begin, tied.size());
     if (st.ok()) st = StopTimer(timers_, "embedding-grads-all-reduce");
   }
   if (armed) {

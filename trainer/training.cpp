@@ -10,7 +10,6 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
-#include "common/output_lock.h"
 #include "common/status.h"
 #include "indexed_dataset/data_loader.h"
 #include "tensorboard/summary_writer.h"
@@ -72,6 +71,8 @@ class Trainer {
                 : o_.data_cache_path ? " (cached in " + *o_.data_cache_path + ")"
                                      : "");
     PTK_RETURN_IF_ERROR(OpenDataAndOutputs());
+    PTK_RETURN_IF_ERROR(world_->Barrier());  // every rank started (one refused exits: this fails)
+    save_dir_.Keep();
     if (lead_) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
     start_ = interval_.start = Clock::now();
     wall_before_ = state_.wall_seconds;
@@ -142,8 +143,11 @@ class Trainer {
                                tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
     if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm);
-    timers_ = std::make_unique<Timers>(o_.timing_log_level, o_.timing_log_option,
-                                       [model = model_.get()] { return model->Synchronize(); });
+    std::function<absl::Status()> barrier;  // Megatron's barrier_with_L1_time, over the world
+    if (o_.barrier_with_l1_time) barrier = [world = world_] { return world->Barrier(); };
+    timers_ = std::make_unique<Timers>(
+        o_.timing_log_level, o_.timing_log_option, [model = model_.get()] { return model->Synchronize(); },
+        std::move(barrier));
     step_->set_timers(timers_.get());
     if (lead_ && !step_->buckets().empty()) {
       int64_t largest = 0;
@@ -155,8 +159,7 @@ class Trainer {
     // One training run per --save directory: a second (a requeue while the first still runs) stops
     // here naming the first, instead of interleaving checkpoints with it.
     if (lead_ && !o_.save.empty()) {
-      PTK_RETURN_IF_ERROR(MakeDirs(o_.save));
-      PTK_ASSIGN_OR_RETURN(save_lock_, OutputLock::Acquire(JoinPath(o_.save, "ptk-train")));
+      PTK_RETURN_IF_ERROR(save_dir_.Take(o_.save));
       PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
     }
     return absl::OkStatus();
@@ -231,18 +234,12 @@ class Trainer {
   // --load was at the last iteration already: said so, no iteration runs.
   TrainSummary NothingToTrain() {
     if (lead_)
-      log::Info(
-          "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} "
-          "to train further",
-          o_.load, state_.iteration, state_.consumed_train_samples,
-          o_.train_iters > 0
-              ? fmt::format("--train-iters is {}", o_.train_iters)
-              : fmt::format("--train-samples {} make {} iterations", o_.train_samples, plan_.train_iters),
-          o_.train_iters > 0 ? "--train-iters" : "--train-samples");
+      log::Info("{}", NothingToTrainLine(o_, state_.iteration, state_.consumed_train_samples, plan_.train_iters));
     summary_.iteration = state_.iteration;
     summary_.consumed_train_samples = state_.consumed_train_samples;
     summary_.exit_reason = "nothing to train";
     summary_.nothing_to_train = true;
+    save_dir_.Keep();
     return summary_;
   }
 
@@ -394,8 +391,8 @@ class Trainer {
         PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
         if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
         std::vector<int64_t> k;
-        PTK_ASSIGN_OR_RETURN(
-            LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k)) : model_->Forward(View(*mb, &k)));
+        PTK_ASSIGN_OR_RETURN(LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k), nullptr, &agreed_)
+                                              : model_->Forward(View(*mb, &k)));
         sums[0] += s.loss_sum;
         sums[1] += s.tokens;
       }
@@ -425,7 +422,7 @@ class Trainer {
     g.new_tokens = o_.sample.length;
     g.temperature = o_.sample.temperature;
     g.seed = Mix64(state_.seed ^ (static_cast<uint64_t>(state_.iteration) << 20));
-    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g, pipe_));
+    PTK_ASSIGN_OR_RETURN(std::vector<int32_t> ids, Generate(model_.get(), o_.sample.prompt, g, pipe_, &agreed_));
     Print(fmt::format(" sample at iteration {:8d} ({}): {:?} -> {:?}", state_.iteration,
                       o_.sample.temperature > 0 ? fmt::format("temperature {}", o_.sample.temperature) : "greedy",
                       o_.sample.prompt_text, o_.sample.decode(ids)));
@@ -541,7 +538,8 @@ class Trainer {
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<Timers> timers_;  // --timing-log-level's
-  std::unique_ptr<OutputLock> save_lock_;
+  StageExchangeAgreement agreed_;   // the forward-only passes' exchange formats, agreed once each
+  SaveDirectory save_dir_;          // rank 0's --save: a start refused on any rank leaves none it made
   TrainState state_;
   TrainSummary summary_;
   TrainingSplits data_;

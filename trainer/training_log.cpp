@@ -55,31 +55,31 @@ absl::Status MetricsFile::Close() {
   return absl::OkStatus();
 }
 
+absl::Status MadeOnDisk::MakeDirs(const std::string& dir) {
+  std::vector<std::string> missing;
+  for (std::string p = dir; !p.empty() && p != "." && p != "/" && !PathExists(p); p = Dirname(p)) missing.push_back(p);
+  paths_.insert(paths_.end(), missing.rbegin(), missing.rend());
+  return ptk::MakeDirs(dir);
+}
+
+void MadeOnDisk::Undo() {
+  std::error_code ec;
+  for (auto it = paths_.rbegin(); it != paths_.rend(); ++it) std::filesystem::remove(*it, ec);
+  paths_.clear();
+}
+
+absl::Status SaveDirectory::Take(const std::string& dir) {
+  PTK_RETURN_IF_ERROR(made_.MakeDirs(dir));
+  PTK_ASSIGN_OR_RETURN(lock_, OutputLock::Acquire(JoinPath(dir, "ptk-train")));
+  return absl::OkStatus();
+}
+
+SaveDirectory::~SaveDirectory() {
+  lock_.reset();  // its file goes before the directory it is in
+  if (!kept_) made_.Undo();
+}
+
 namespace {
-
-// What a start makes on disk before it can be refused (directories, a run-N subdirectory and its
-// record, an empty metrics file), removed again when it is: a refused run leaves nothing behind.
-class MadeOnDisk {
- public:
-  // MakeDirs, remembering the directories it made.
-  absl::Status MakeDirs(const std::string& dir) {
-    std::vector<std::string> missing;
-    for (std::string p = dir; !p.empty() && p != "." && p != "/" && !PathExists(p); p = Dirname(p))
-      missing.push_back(p);
-    paths_.insert(paths_.end(), missing.rbegin(), missing.rend());
-    return ptk::MakeDirs(dir);
-  }
-  void Made(const std::string& path) { paths_.push_back(path); }
-  // Removes them, the last made first (a directory only once it is empty again).
-  void Undo() {
-    std::error_code ec;
-    for (auto it = paths_.rbegin(); it != paths_.rend(); ++it) std::filesystem::remove(*it, ec);
-    paths_.clear();
-  }
-
- private:
-  std::vector<std::string> paths_;
-};
 
 // The iteration of the last complete line of metrics file `path` ({"iteration": N, ...}, read from
 // its last 4 KiB); -1 if there is none.
@@ -256,6 +256,16 @@ absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::strin
   out->tb_lock.reset();
   made.Undo();
   return st;
+}
+
+std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters) {
+  return fmt::format(
+      "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} to "
+      "train further",
+      o.load, iteration, consumed,
+      o.train_iters > 0 ? fmt::format("--train-iters is {}", o.train_iters)
+                        : fmt::format("--train-samples {} make {} iterations", o.train_samples, train_iters),
+      o.train_iters > 0 ? "--train-iters" : "--train-samples");
 }
 
 std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }

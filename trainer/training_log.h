@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/output_lock.h"
@@ -27,6 +28,40 @@ class MetricsFile {
  private:
   std::string path_;
   FILE* f_ = nullptr;
+};
+
+// What a start makes on disk before it can be refused (directories, a run-N subdirectory and its
+// record, an empty metrics file), removed again when it is: a refused run leaves nothing behind.
+class MadeOnDisk {
+ public:
+  // MakeDirs, remembering the directories it made.
+  absl::Status MakeDirs(const std::string& dir);
+  void Made(const std::string& path) { paths_.push_back(path); }
+  // Removes them, the last made first (a directory only once it is empty again).
+  void Undo();
+
+ private:
+  std::vector<std::string> paths_;
+};
+
+// --save, taken at start-up by the rank that saves (world rank 0): made where missing and locked
+// for this run (one training run per checkpoint directory: a second one is refused naming the
+// first). The lock is released (its file removed) when this goes; unless Keep() was called (the
+// run started), so do the directories Take made: a refused start leaves no --save behind, and one
+// that existed before stays as it was, without a lock file.
+class SaveDirectory {
+ public:
+  SaveDirectory() = default;
+  SaveDirectory(const SaveDirectory&) = delete;
+  SaveDirectory& operator=(const SaveDirectory&) = delete;
+  ~SaveDirectory();
+  absl::Status Take(const std::string& dir);
+  void Keep() { kept_ = true; }
+
+ private:
+  MadeOnDisk made_;
+  std::unique_ptr<OutputLock> lock_;
+  bool kept_ = false;
 };
 
 // A run's --metrics-file and --tensorboard-dir, the locks released after the files are closed.
@@ -61,5 +96,10 @@ std::string JsonNumber(double v);
 
 // The log line's local time, "2024-05-01 12:34:56".
 std::string Timestamp();
+
+struct TrainOptions;  // train_options.h
+// The line of a --load whose checkpoint (of `iteration`, `consumed` samples) is at the run's last
+// iteration (`train_iters`, as planned) already: nothing to train, and which flag to raise.
+std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters);
 
 }  // namespace ptk

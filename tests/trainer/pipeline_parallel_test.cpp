@@ -8,7 +8,7 @@
 // holds the parameters --dry-run counts for it; --overlap-grad-reduce over P = 2 x D = 2 reduces
 // buckets during the last backward with the bits of the reduction after the schedule. The stages'
 // exchange buffers (GPTModel::StageBuffers) per slot, and the agreement on what crosses between
-// stages, refused with both named when they differ.
+// stages, refused with both named when they differ; forward-only passes agree once per format.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +16,8 @@
 #include <cstring>
 #include <mutex>
 #include <set>
+#include <span>
+#include <string_view>
 #include <vector>
 
 #include "tests/trainer/gloo_ranks.h"
@@ -230,6 +232,98 @@ TEST(PipelineExchange, StagesAgreeOnTheirExchange) {
     EXPECT_EQ(size.ok(), r == 2) << size;
     if (r < 2) {
       EXPECT_NE(size.message().find("stages 0 and 1"), std::string_view::npos) << size;
+    }
+  });
+}
+
+// A real communicator underneath, its point-to-point calls counted.
+class CountingCommunicator final : public Communicator {
+ public:
+  explicit CountingCommunicator(Communicator* real) : real_(real) {}
+  int rank() const override { return real_->rank(); }
+  int size() const override { return real_->size(); }
+  std::string_view backend() const override { return real_->backend(); }
+  absl::Status AllReduceSum(float* data, int64_t n) override { return real_->AllReduceSum(data, n); }
+  absl::Status AllReduceSum(double* data, int64_t n) override { return real_->AllReduceSum(data, n); }
+  absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) override {
+    return real_->ReduceScatterSum(data, counts);
+  }
+  absl::Status AllGather(void* data, std::span<const int64_t> bytes) override { return real_->AllGather(data, bytes); }
+  absl::Status Broadcast(void* data, int64_t bytes, int root) override { return real_->Broadcast(data, bytes, root); }
+  absl::Status Barrier() override { return real_->Barrier(); }
+  absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
+                        int src) override {
+    ++send_recvs;
+    return real_->SendRecv(send, send_bytes, dst, recv, recv_bytes, src);
+  }
+  int send_recvs = 0;
+
+ private:
+  Communicator* real_;
+};
+
+// Forward-only passes (evaluation's micro-batches, a sample's tokens) with a StageExchangeAgreement
+// agree on each exchange format once: many calls of one shape cost a stage one agreement (its two
+// messages), not one per call, with the same losses; a new shape is agreed once more, the first
+// one not again. Without it every call agrees.
+TEST(PipelineExchange, ForwardPassesAgreeOncePerFormat) {
+  GPTConfig c = Config();
+  c.num_layers = 3;
+  constexpr int P = 3, kCalls = 5;
+  const std::vector<PipelineStage> stages = Stages(P, 3);
+  const Batches t16(1);
+  const testing::Batches t8(1, 8);
+  testing::RunRanks(P, [&](Communicator* comm, int s) {
+    auto m = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(s)]);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE((*m)->InitWeights(11).ok());
+    const int links = (s > 0 ? 1 : 0) + (s + 1 < P ? 1 : 0);  // activation messages per pass
+    CountingCommunicator each_call(comm), once(comm);
+    StageExchangeAgreement agreed;
+    std::vector<double> plain, kept;
+    for (int i = 0; i < kCalls; ++i) {
+      auto l = ForwardPipelining(m->get(), &each_call, t16.Get(0));
+      ASSERT_TRUE(l.ok()) << l.status();
+      plain.push_back(l->loss_sum);
+      auto k = ForwardPipelining(m->get(), &once, t16.Get(0), nullptr, &agreed);
+      ASSERT_TRUE(k.ok()) << k.status();
+      kept.push_back(k->loss_sum);
+    }
+    EXPECT_EQ(each_call.send_recvs, kCalls * (2 + links));
+    EXPECT_EQ(once.send_recvs, 2 + kCalls * links);
+    EXPECT_EQ(kept, plain);
+    if (s == P - 1) {
+      EXPECT_GT(kept[0], 0.0);
+    }
+    for (const ModelBatch& mb : {t8.Get(0), t8.Get(0), t16.Get(0)})
+      ASSERT_TRUE(ForwardPipelining(m->get(), &once, mb, nullptr, &agreed).ok());
+    EXPECT_EQ(once.send_recvs, 2 + kCalls * links + 2 + 3 * links);
+  });
+}
+
+// Through a StageExchangeAgreement a format met for the first time is still checked with the
+// neighbours, and a mismatch refused on both sides of the boundary; one agreed before costs nothing.
+TEST(PipelineExchange, AnAgreementStillRefusesANewMismatch) {
+  auto format = [](Precision wire, int64_t elements) {
+    StageExchange e;
+    e.wire = wire;
+    e.elements = elements;
+    return e;
+  };
+  testing::RunRanks(3, [&](Communicator* comm, int r) {
+    CountingCommunicator counted(comm);
+    StageExchangeAgreement agreed;
+    EXPECT_TRUE(agreed.Check(&counted, format(Precision::kBf16, 1024)).ok());
+    EXPECT_TRUE(agreed.Check(&counted, format(Precision::kBf16, 1024)).ok());
+    EXPECT_EQ(counted.send_recvs, 2);
+    // Another shape, stage 2 at another precision: stages 1 and 2 refuse, naming both.
+    const absl::Status wire = agreed.Check(&counted, format(r == 2 ? Precision::kFp32 : Precision::kBf16, 2048));
+    EXPECT_EQ(counted.send_recvs, 4);
+    EXPECT_EQ(wire.ok(), r == 0) << wire;
+    if (r > 0) {
+      EXPECT_EQ(wire.code(), absl::StatusCode::kFailedPrecondition) << wire;
+      EXPECT_NE(wire.message().find("stages 1 and 2"), std::string_view::npos) << wire;
+      EXPECT_NE(wire.message().find("fp32 activations of 2048 elements"), std::string_view::npos) << wire;
     }
   });
 }

@@ -23,6 +23,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/output_lock.h"
 #include "tests/test_util.h"
 #include "tests/trainer/test_ports.h"
 #include "tests/trainer/train_cli_support.h"
@@ -251,6 +252,19 @@ TEST_F(PipelineParallelCli, MetricsGoWithTheEventsOfTheLastStage) {
   const std::string lines = ptk::testing::ReadFile(tb + "/run-2/metrics.jsonl");
   EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 4) << lines;
   EXPECT_NE(lines.find("{\"iteration\": 4, \"consumed_samples\": 32, \"lm_loss\": "), std::string::npos) << lines;
+}
+
+// A start refused on the last stage (the writer of --metrics-file, held here by another run) is
+// refused on every rank: rank 0, which made and locked --save at start-up, removes it again
+// instead of leaving it behind empty.
+TEST_F(PipelineParallelCli, AStartRefusedOnTheLastStageLeavesNoSave) {
+  const std::string held = dir_ / "held.jsonl", ck = dir_ / "ck";
+  auto lock = OutputLock::Acquire(held);  // another run writing there
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  auto r = Ranks(2, Train(1, 2, "--metrics-file " + ShellQuote(held) + " --save " + ShellQuote(ck), 4));
+  EXPECT_EQ(r.output.find(AllZero(2)), std::string::npos) << r.output << Logs(2);
+  EXPECT_NE(Logs(2).find("--metrics-file " + held), std::string::npos) << Logs(2);
+  EXPECT_FALSE(ptk::testing::Exists(ck));
 }
 
 TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {

@@ -134,23 +134,34 @@ TEST_F(TimersCli, BadValuesAreRefused) {
   }
 }
 
-// The gather takes the names of the level: ranks started at different levels stop at start-up in one
-// line naming the flag, instead of meeting in the gather with different sizes.
+// The gather takes the names of the level, and each level-1 start waits at a barrier over all
+// ranks: ranks started at different levels, or some with --no-barrier-with-level-1-timing, stop at
+// start-up in one line naming the flag, instead of meeting in the gather with different sizes or
+// leaving the others at a barrier.
 TEST_F(TimersCli, RanksAtDifferentLevelsStopAtStartUp) {
   const std::string base = Train(1, "");
-  auto r = RunCmd(
-      "bash -c " +
-      ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) +
-                 "; RANK=1 timeout 300 " + base + " --timing-log-level 2 > " + ShellQuote(RankLog(1)) +
-                 " 2>&1 & RANK=0 timeout 300 " + base + " --timing-log-level 1; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
-  EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output << ReadFile(RankLog(1));
-  EXPECT_NE(r.output.find("rank 1 was started with --timing-log-level 2, rank 0 with --timing-log-level 1"),
-            std::string::npos)
-      << r.output;
+  struct Case {
+    std::string rank1, rank0, named;
+  };
+  for (const Case& c : {Case{"--timing-log-level 2", "--timing-log-level 1",
+                             "rank 1 was started with --timing-log-level 2, rank 0 with --timing-log-level 1"},
+                        Case{"--timing-log-level 1 --no-barrier-with-level-1-timing", "--timing-log-level 1",
+                             "rank 1 was started with --no-barrier-with-level-1-timing on, rank 0 with "
+                             "--no-barrier-with-level-1-timing off"}}) {
+    SCOPED_TRACE(c.rank1);
+    auto r = RunCmd(
+        "bash -c " +
+        ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) +
+                   "; RANK=1 timeout 300 " + base + " " + c.rank1 + " > " + ShellQuote(RankLog(1)) +
+                   " 2>&1 & RANK=0 timeout 300 " + base + " " + c.rank0 + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+    EXPECT_NE(r.output.find("rc0=2 rc1=2"), std::string::npos) << r.output << ReadFile(RankLog(1));
+    EXPECT_NE(r.output.find(c.named), std::string::npos) << r.output;
+  }
 }
 
 // P = 2: the block is the last rank's (stage 1); each exchange under Megatron's name on the stage
-// that makes it; the tied embeddings' sum on both; the metrics byte for byte those of an untimed run.
+// that makes it; the tied embeddings' sum on both; the metrics byte for byte those of an untimed run,
+// with the level-1 barriers (the default) and without them.
 TEST_F(TimersCli, TwoStagesNameEachStagesExchanges) {
   const std::string plain_metrics = dir_ / "plain.jsonl", timed_metrics = dir_ / "timed.jsonl";
   auto plain = Ranks(2, Train(2, "--metrics-file " + ShellQuote(plain_metrics)));
@@ -197,6 +208,25 @@ TEST_F(TimersCli, TwoStagesNameEachStagesExchanges) {
     if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) events += ReadFile(e.path());
   for (const char* tag : {"iteration-time", "forward-backward-time", "forward-recv-time", "backward-send-time"})
     EXPECT_NE(events.find(tag), std::string::npos) << tag;
+  // Without the level-1 barriers, the same results too.
+  const std::string unbarred_metrics = dir_ / "unbarred.jsonl";
+  auto unbarred = Ranks(2, Train(2, "--timing-log-level 1 --no-barrier-with-level-1-timing --metrics-file " +
+                                        ShellQuote(unbarred_metrics)));
+  ASSERT_NE(unbarred.output.find(AllZero(2)), std::string::npos) << unbarred.output << Logs(2);
+  EXPECT_EQ(ReadFile(unbarred_metrics), ReadFile(plain_metrics));
+  EXPECT_EQ(Lines(unbarred.output), Lines(plain.output));
+}
+
+// P = 4 with tied embeddings: each level-1 start waits at a barrier over all ranks, so every rank
+// starts every level-1 timer: the middle stages, which hold no embedding copy, time
+// embedding-grads-all-reduce too (as Megatron's), instead of leaving the others at its barrier.
+TEST_F(TimersCli, FourStagesMeetAtEveryLevelOneBarrier) {
+  auto r = Ranks(4, Train(4, "--timing-log-level 1 --timing-log-option all"));
+  ASSERT_NE(r.output.find(AllZero(4)), std::string::npos) << r.output << Logs(4);
+  const std::string last = ReadFile(RankLog(3));
+  const auto blocks = Blocks(last);
+  ASSERT_EQ(blocks.size(), 2u) << last;
+  EXPECT_EQ(blocks[0].ranks.at("embedding-grads-all-reduce"), (std::set<int>{0, 1, 2, 3})) << last;
 }
 
 // D = 2: the data-parallel reductions, ZeRO-1's all-gather, both ranks in each line; minmax.

@@ -1,5 +1,6 @@
 // Megatron's timers: the names of each level in training_log's order, no timer (and no device
-// synchronisation) above the run's level, the start/stop synchronisation of the ones made, the text of
+// synchronisation) above the run's level, the start/stop synchronisation of the ones made, the
+// barrier before each level-1 start (Megatron's barrier_with_L1_time), the text of
 // each --timing-log-option to the character, the TensorBoard scalars, and the all-gather over gloo ranks.
 #include "trainer/timers.h"
 
@@ -92,6 +93,49 @@ TEST(Timers, MegatronsTextForEachOption) {
   EXPECT_EQ(ParseTimingLogOption("max"), TimingLogOption::kMax);
   EXPECT_EQ(ParseTimingLogOption("all"), TimingLogOption::kAll);
   EXPECT_FALSE(ParseTimingLogOption("min").has_value());
+}
+
+// Megatron's barrier_with_L1_time: each start of a level-1 timer that is made waits at the barrier
+// first, then synchronises the device; level-2 timers, stops, timers above the level and a run at
+// level 0 never call it; without the barrier (--no-barrier-with-level-1-timing) only the
+// synchronisations remain; a failed barrier is returned.
+TEST(Timers, LevelOneStartsWaitAtTheBarrierFirst) {
+  std::string calls;
+  auto sync = [&calls] {
+    calls += 's';
+    return absl::OkStatus();
+  };
+  auto barrier = [&calls] {
+    calls += 'B';
+    return absl::OkStatus();
+  };
+  auto run = [](Timers& t) {
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_TRUE(t.Start("forward-backward", 1).ok());
+      EXPECT_TRUE(t.Start("forward-compute", 2).ok());
+      EXPECT_TRUE(t.Stop("forward-compute").ok());
+      EXPECT_TRUE(t.Stop("forward-backward").ok());
+      EXPECT_TRUE(t.Start("optimizer", 1).ok());
+      EXPECT_TRUE(t.Stop("optimizer").ok());
+    }
+  };
+  Timers zero(0, TimingLogOption::kMinMax, sync, barrier);
+  run(zero);
+  EXPECT_EQ(calls, "");
+  Timers one(1, TimingLogOption::kMinMax, sync, barrier);
+  run(one);
+  EXPECT_EQ(calls, "BssBssBssBss");
+  calls.clear();
+  Timers two(2, TimingLogOption::kMinMax, sync, barrier);
+  run(two);
+  EXPECT_EQ(calls, "BssssBssBssssBss");
+  calls.clear();
+  Timers unbarred(2, TimingLogOption::kMinMax, sync);
+  run(unbarred);
+  EXPECT_EQ(calls, "ssssssssssss");
+  Timers failing(1, TimingLogOption::kMinMax, sync, [] { return absl::UnavailableError("gloo barrier timed out"); });
+  EXPECT_EQ(failing.Start("optimizer", 1).message(), "gloo barrier timed out");
+  EXPECT_TRUE(failing.Start("forward-compute", 2).ok());
 }
 
 // Three gloo ranks: each its own timers; the gather gives every rank every rank's row, zeros where

@@ -136,15 +136,17 @@ std::string Entries(const std::string& dir) {
 
 // A start refused over its outputs (its --metrics-file held by a run that still writes there, or
 // a path that is a directory) leaves nothing it made: no --tensorboard-dir, no run-N beside
-// another run's event files, no lock file. Before, the directory (and run-N with its record of
-// --save) stayed behind, empty. (The --save directory itself is made and locked earlier, at
-// start-up, as one run per checkpoint directory needs.)
+// another run's event files, no lock file, no --save (made and locked at start-up, before the
+// outputs are opened; its missing parents neither). A --save that existed stays, with its files
+// and without a lock file. Before, the directories (and run-N with its record of --save) stayed
+// behind, empty.
 TEST_F(TrainCli, ARefusedStartLeavesNothingBehind) {
   const std::string held = dir_ / "held.jsonl", tb = dir_ / "tb", other = tb + "/events.out.tfevents.1.other.1.0";
   auto lock = OutputLock::Acquire(held);  // another run writing there
   ASSERT_TRUE(lock.ok()) << lock.status();
+  std::string save = dir_ / "ck";
   auto refused = [&](const std::string& flags, const std::string& named) {
-    auto r = RunCmd(Train(flags + " --save " + ShellQuote(dir_ / "ck"), 2));
+    auto r = RunCmd(Train(flags + " --save " + ShellQuote(save), 2));
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find(named), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("writes its own in"), std::string::npos) << r.output;
@@ -161,6 +163,16 @@ TEST_F(TrainCli, ARefusedStartLeavesNothingBehind) {
           dir_ / "a_directory");
   EXPECT_EQ(Entries(tb), "events.out.tfevents.1.other.1.0 ");
   EXPECT_EQ(Entries(dir_ / "a_directory"), "");
+  EXPECT_FALSE(testing::Exists(dir_ / "ck"));
+  save = dir_ / "parent/ck";
+  refused("--metrics-file " + ShellQuote(held), "--metrics-file " + held);
+  EXPECT_FALSE(testing::Exists(dir_ / "parent"));
+  save = dir_ / "existing";  // a --save of its own files
+  std::filesystem::create_directories(save);
+  testing::WriteFile(save + "/notes.txt", "kept");
+  refused("--metrics-file " + ShellQuote(held), "--metrics-file " + held);
+  EXPECT_EQ(Entries(save), "notes.txt ");
+  EXPECT_EQ(testing::ReadFile(save + "/notes.txt"), "kept");
   // The run is then let in, and writes where it was refused before.
   lock->reset();
   auto r = RunCmd(Train("--tensorboard-dir " + ShellQuote(tb) + " --metrics-file " + ShellQuote(held), 2));
