@@ -209,7 +209,10 @@ class GlooCommunicator : public Communicator {
     sub->gloo_store_ = gloo_store_;
     sub->device_ = device_;
     std::string members_text;
-    for (int m : members) members_text += (members_text.empty() ? "" : ",") + std::to_string(m);
+    for (int m : members) {
+      if (!members_text.empty()) members_text += ',';
+      members_text += std::to_string(m);
+    }
     try {
       sub->prefix_store_ =
           std::make_unique<gloo::rendezvous::PrefixStore>("group/" + name + "/" + members_text, *gloo_store_);

@@ -54,7 +54,8 @@ std::string GroupsLine(const ParallelLayout& layout, ParallelGroup kind, const c
       out += " ...";
       i = n - 1;
     }
-    out += " " + RankList(layout.GroupAt(kind, i));
+    out += ' ';
+    out += RankList(layout.GroupAt(kind, i));
   }
   return out + "\n";
 }
