@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tests/trainer/forwarding_comm.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
@@ -203,21 +204,23 @@ TEST(PipelineExchange, StageBuffersPerSlot) {
   EXPECT_FALSE((*whole)->StageBuffers(mb, 0, false).ok());  // not a pipeline stage
 }
 
+// An exchange description of `elements` values of type `wire` (host memory).
+StageExchange Format(Precision wire, int64_t elements) {
+  StageExchange e;
+  e.wire = wire;
+  e.elements = elements;
+  return e;
+}
+
 // Each stage tells its neighbours what it sends and receives; one that differs (another wire
 // type, another size) is refused on both sides of the boundary, the message naming both stages
 // and both exchanges.
 TEST(PipelineExchange, StagesAgreeOnTheirExchange) {
-  auto format = [](Precision wire, int64_t elements) {
-    StageExchange e;
-    e.wire = wire;
-    e.elements = elements;
-    return e;
-  };
   testing::RunRanks(3, [&](Communicator* comm, int r) {
-    EXPECT_TRUE(CheckStageExchangeAgreement(comm, format(Precision::kBf16, 1024)).ok());
+    EXPECT_TRUE(CheckStageExchangeAgreement(comm, Format(Precision::kBf16, 1024)).ok());
     // Stage 2 exchanges fp32: stages 1 and 2 refuse, stage 0 (which meets only stage 1) does not.
     const absl::Status wire =
-        CheckStageExchangeAgreement(comm, format(r == 2 ? Precision::kFp32 : Precision::kBf16, 1024));
+        CheckStageExchangeAgreement(comm, Format(r == 2 ? Precision::kFp32 : Precision::kBf16, 1024));
     if (r == 0) {
       EXPECT_TRUE(wire.ok()) << wire;
     } else {
@@ -228,7 +231,7 @@ TEST(PipelineExchange, StagesAgreeOnTheirExchange) {
       EXPECT_NE(msg.find("bf16 activations of 1024 elements"), std::string::npos) << msg;
     }
     // Stage 0 exchanges fewer elements: stages 0 and 1 refuse.
-    const absl::Status size = CheckStageExchangeAgreement(comm, format(Precision::kFp32, r == 0 ? 512 : 1024));
+    const absl::Status size = CheckStageExchangeAgreement(comm, Format(Precision::kFp32, r == 0 ? 512 : 1024));
     EXPECT_EQ(size.ok(), r == 2) << size;
     if (r < 2) {
       EXPECT_NE(size.message().find("stages 0 and 1"), std::string_view::npos) << size;
@@ -237,29 +240,15 @@ TEST(PipelineExchange, StagesAgreeOnTheirExchange) {
 }
 
 // A real communicator underneath, its point-to-point calls counted.
-class CountingCommunicator final : public Communicator {
+class CountingCommunicator final : public testing::ForwardingCommunicator {
  public:
-  explicit CountingCommunicator(Communicator* real) : real_(real) {}
-  int rank() const override { return real_->rank(); }
-  int size() const override { return real_->size(); }
-  std::string_view backend() const override { return real_->backend(); }
-  absl::Status AllReduceSum(float* data, int64_t n) override { return real_->AllReduceSum(data, n); }
-  absl::Status AllReduceSum(double* data, int64_t n) override { return real_->AllReduceSum(data, n); }
-  absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) override {
-    return real_->ReduceScatterSum(data, counts);
-  }
-  absl::Status AllGather(void* data, std::span<const int64_t> bytes) override { return real_->AllGather(data, bytes); }
-  absl::Status Broadcast(void* data, int64_t bytes, int root) override { return real_->Broadcast(data, bytes, root); }
-  absl::Status Barrier() override { return real_->Barrier(); }
+  using ForwardingCommunicator::ForwardingCommunicator;
   absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
                         int src) override {
     ++send_recvs;
-    return real_->SendRecv(send, send_bytes, dst, recv, recv_bytes, src);
+    return ForwardingCommunicator::SendRecv(send, send_bytes, dst, recv, recv_bytes, src);
   }
   int send_recvs = 0;
-
- private:
-  Communicator* real_;
 };
 
 // Forward-only passes (evaluation's micro-batches, a sample's tokens) with a StageExchangeAgreement
@@ -304,20 +293,14 @@ TEST(PipelineExchange, ForwardPassesAgreeOncePerFormat) {
 // Through a StageExchangeAgreement a format met for the first time is still checked with the
 // neighbours, and a mismatch refused on both sides of the boundary; one agreed before costs nothing.
 TEST(PipelineExchange, AnAgreementStillRefusesANewMismatch) {
-  auto format = [](Precision wire, int64_t elements) {
-    StageExchange e;
-    e.wire = wire;
-    e.elements = elements;
-    return e;
-  };
   testing::RunRanks(3, [&](Communicator* comm, int r) {
     CountingCommunicator counted(comm);
     StageExchangeAgreement agreed;
-    EXPECT_TRUE(agreed.Check(&counted, format(Precision::kBf16, 1024)).ok());
-    EXPECT_TRUE(agreed.Check(&counted, format(Precision::kBf16, 1024)).ok());
+    EXPECT_TRUE(agreed.Check(&counted, Format(Precision::kBf16, 1024)).ok());
+    EXPECT_TRUE(agreed.Check(&counted, Format(Precision::kBf16, 1024)).ok());
     EXPECT_EQ(counted.send_recvs, 2);
     // Another shape, stage 2 at another precision: stages 1 and 2 refuse, naming both.
-    const absl::Status wire = agreed.Check(&counted, format(r == 2 ? Precision::kFp32 : Precision::kBf16, 2048));
+    const absl::Status wire = agreed.Check(&counted, Format(r == 2 ? Precision::kFp32 : Precision::kBf16, 2048));
     EXPECT_EQ(counted.send_recvs, 4);
     EXPECT_EQ(wire.ok(), r == 0) << wire;
     if (r > 0) {

@@ -13,33 +13,20 @@
 #include <vector>
 
 #include "common/status.h"
+#include "tests/trainer/forwarding_comm.h"
 #include "trainer/comm.h"
 
 namespace ptk::testing {
 
-class StagedDeviceCollectives final : public Communicator {
+class StagedDeviceCollectives final : public ForwardingCommunicator {
  public:
-  explicit StagedDeviceCollectives(Communicator* host) : host_(host) {}
-  int rank() const override { return host_->rank(); }
-  int size() const override { return host_->size(); }
+  explicit StagedDeviceCollectives(Communicator* host) : ForwardingCommunicator(host) {}
   std::string_view backend() const override { return "gloo, device collectives staged through the host"; }
-  absl::Status AllReduceSum(float* data, int64_t n) override { return host_->AllReduceSum(data, n); }
-  absl::Status AllReduceSum(double* data, int64_t n) override { return host_->AllReduceSum(data, n); }
-  absl::Status ReduceScatterSum(float* data, std::span<const int64_t> counts) override {
-    return host_->ReduceScatterSum(data, counts);
-  }
-  absl::Status AllGather(void* data, std::span<const int64_t> bytes) override { return host_->AllGather(data, bytes); }
-  absl::Status Broadcast(void* data, int64_t bytes, int root) override { return host_->Broadcast(data, bytes, root); }
-  absl::Status Barrier() override { return host_->Barrier(); }
-  absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
-                        int src) override {
-    return host_->SendRecv(send, send_bytes, dst, recv, recv_bytes, src);
-  }
   bool device_collectives() const override { return true; }
   absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream) override {
     std::vector<float> h(static_cast<size_t>(n));
     PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size() * sizeof(float), stream));
-    PTK_RETURN_IF_ERROR(host_->AllReduceSum(h.data(), n));
+    PTK_RETURN_IF_ERROR(inner()->AllReduceSum(h.data(), n));
     return In(data, h.data(), h.size() * sizeof(float), stream);
   }
   absl::Status AllGatherDevice(void* data, std::span<const int64_t> bytes, void* stream) override {
@@ -47,7 +34,7 @@ class StagedDeviceCollectives final : public Communicator {
     for (int64_t b : bytes) total += b;
     std::vector<char> h(static_cast<size_t>(total));
     PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size(), stream));
-    PTK_RETURN_IF_ERROR(host_->AllGather(h.data(), bytes));
+    PTK_RETURN_IF_ERROR(inner()->AllGather(h.data(), bytes));
     return In(data, h.data(), h.size(), stream);
   }
   absl::Status ReduceScatterSumDevice(float* data, std::span<const int64_t> counts, void* stream) override {
@@ -55,7 +42,7 @@ class StagedDeviceCollectives final : public Communicator {
     for (int64_t c : counts) total += c;
     std::vector<float> h(static_cast<size_t>(total));
     PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size() * sizeof(float), stream));
-    PTK_RETURN_IF_ERROR(host_->ReduceScatterSum(h.data(), counts));
+    PTK_RETURN_IF_ERROR(inner()->ReduceScatterSum(h.data(), counts));
     return In(data, h.data(), h.size() * sizeof(float), stream);
   }
   absl::Status SendRecvDevice(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes, int src,
@@ -63,8 +50,8 @@ class StagedDeviceCollectives final : public Communicator {
     std::vector<char> out(dst >= 0 ? static_cast<size_t>(send_bytes) : 0);
     std::vector<char> in(src >= 0 ? static_cast<size_t>(recv_bytes) : 0);
     if (!out.empty()) PTK_RETURN_IF_ERROR(Out(out.data(), send, out.size(), stream));
-    PTK_RETURN_IF_ERROR(host_->SendRecv(out.data(), static_cast<int64_t>(out.size()), dst, in.data(),
-                                        static_cast<int64_t>(in.size()), src));
+    PTK_RETURN_IF_ERROR(inner()->SendRecv(out.data(), static_cast<int64_t>(out.size()), dst, in.data(),
+                                          static_cast<int64_t>(in.size()), src));
     if (!in.empty()) PTK_RETURN_IF_ERROR(In(recv, in.data(), in.size(), stream));
     ++device_messages_;
     return absl::OkStatus();
@@ -86,7 +73,6 @@ class StagedDeviceCollectives final : public Communicator {
     PTK_RETURN_IF_ERROR(Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s)));
     return Check(cudaStreamSynchronize(s));
   }
-  Communicator* host_;
   int device_messages_ = 0;
 };
 
