@@ -321,6 +321,9 @@ class CudaGPTModelImpl final : public GPTModel {
   // Up to the final LayerNorm's output.
   absl::Status RunForward(bool train, uint64_t seed);
   absl::Status AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
+  // A transformer layer's fused QKV product over ln1's output (gathered whole under sequence
+  // parallelism), RoPE where the model has it, and attention into atty[l] (proj's input).
+  absl::Status SelfAttentionForward(int64_t l, double ap, uint64_t seed);
   // The LM head and the loss, chunk by chunk of rows. With backward, each chunk's logits become
   // their gradient at once and flow back into the final LayerNorm's gradient (dln) and the output
   // weight's gradient; without, the losses (and, when asked, the logits) are all that is kept.

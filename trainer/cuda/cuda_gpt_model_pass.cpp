@@ -137,9 +137,9 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
   // This rank's slices under tensor parallelism (everything at one tensor rank): its query heads and
-  // groups (shape), the attention width ct, the fused QKV's width qw.
+  // groups (shape), the attention width ct.
   const AttentionShape shape = Shape();
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = StageLayers();
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, L = StageLayers();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   T* tmp = Buf<T>(plan_.tmp);
   const bool tp = tensor_size() > 1;
@@ -184,14 +184,8 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   for (int64_t l = 0; l < L; ++l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
-    T* qkv = Act(plan_.qkv, l, n * qw);
     T* atty = Act(plan_.atty, l, n * ct);
-    PTK_RETURN_IF_ERROR(
-        Op("matmul", "qkv",
-           MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
-    if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
-      PTK_RETURN_IF_ERROR(Op("rope", "rope", RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
-    PTK_RETURN_IF_ERROR(Op("attention", "attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
+    PTK_RETURN_IF_ERROR(SelfAttentionForward(l, ap, seed));
     PTK_RETURN_IF_ERROR(row_parallel("proj", atty, lp.proj_w, lp.proj_b, ct));
     // resid_mid[l] = resid[l] + dropout(tmp): the attention output's dropout, in the kernel when fused.
     if (!fuse)
@@ -218,6 +212,22 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   }
   layer_ = -1;
   return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uint64_t seed) {
+  const GPTConfig& cf = config();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  const AttentionShape shape = Shape();  // this tensor rank's heads and groups
+  const int64_t n = n_, c = cf.hidden_size, qw = shape.qkv_width();
+  T* qkv = Act(plan_.qkv, l, n * qw);
+  PTK_RETURN_IF_ERROR(
+      Op("matmul", "qkv",
+         MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
+  if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
+    PTK_RETURN_IF_ERROR(Op("rope", "rope", RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+  return Op("attention", "attention",
+            AttentionFwd(Act(plan_.atty, l, n * shape.nh * shape.hd), qkv, l, shape, ap, seed));
 }
 
 template <typename T>
@@ -401,6 +411,7 @@ LossSum CudaGPTModelImpl<T>::SumLosses(const float* host, std::span<const float>
   template absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed);                                   \
   template absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,                           \
                                                           const AttentionShape& shape, double ap, uint64_t seed);     \
+  template absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uint64_t seed);               \
   template absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* logits_out);                  \
   template absl::Status CudaGPTModelImpl<T>::TensorSum(T* x, int64_t rows, int64_t c, const T* bias,                  \
                                                        const int32_t* positions, const T* wpe, bool summed_in_fp32);  \

@@ -177,8 +177,8 @@ absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_
   if (t_ % Tn != 0)
     return absl::InvalidArgumentError(fmt::format(
         "--sequence-parallel: a micro-batch of {} positions does not divide by the tensor group's {} ranks", t_, Tn));
-  const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(),
-                f = cf.ffn_hidden_size / Tn, L = cf.num_layers;
+  const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, ct = shape.nh * shape.hd, f = cf.ffn_hidden_size / Tn,
+                L = cf.num_layers;
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   T* tmp = Buf<T>(plan_.tmp);
   // Row-parallel products: the partial products reduce-scattered to this rank's rows (at tmp's
@@ -206,14 +206,8 @@ absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_
   for (int64_t l = 0; l < L; ++l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
-    T* qkv = Act(plan_.qkv, l, n * qw);
     T* atty = Act(plan_.atty, l, n * ct);
-    PTK_RETURN_IF_ERROR(
-        Op("matmul", "qkv",
-           MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
-    if (cf.rope())
-      PTK_RETURN_IF_ERROR(Op("rope", "rope", RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
-    PTK_RETURN_IF_ERROR(Op("attention", "attention", AttentionFwd(atty, qkv, l, shape, ap, seed)));
+    PTK_RETURN_IF_ERROR(SelfAttentionForward(l, ap, seed));
     PTK_RETURN_IF_ERROR(row_parallel("proj", atty, lp.proj_w, lp.proj_b, ct));
     PTK_RETURN_IF_ERROR(Op("dropout", "attention-out dropout", SeqDropout(tmp, l, kAttentionOutDropout, hp, seed)));
     // resid_mid[l] = resid[l] + dropout(proj), then ln2 (gathered whole for fc1).
