@@ -230,8 +230,13 @@ TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
   auto f = SafetensorsFile::Open(hf + "/model.safetensors");
   ASSERT_TRUE(f.ok());
   std::vector<SafetensorsEntry> entries;
-  for (const SafetensorsTensor& t : (*f)->tensors())
-    if (t.name != "model.layers.1.mlp.up_proj.weight") entries.push_back({t.name, t.shape, *(*f)->ReadFloat(t)});
+  std::vector<std::vector<float>> kept;  // the entries' data (an entry only points at it)
+  kept.reserve((*f)->tensors().size());
+  for (const SafetensorsTensor& t : (*f)->tensors()) {
+    if (t.name == "model.layers.1.mlp.up_proj.weight") continue;
+    kept.push_back(*(*f)->ReadFloat(t));
+    entries.push_back({t.name, t.shape, kept.back()});
+  }
   f->reset();
   ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
   auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-missing"));
