@@ -11,16 +11,30 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${PTK_JOBS:-$(nproc)}
+# Each phase's wall time, printed as it ends and together at the end (CI's budget is 30 minutes).
+PHASES=() phase_start=$SECONDS phase_name=""
+phase() {
+  if [ -n "$phase_name" ]; then
+    PHASES+=("$(printf '%-34s %5d s' "$phase_name" $((SECONDS - phase_start)))")
+    echo "ptk-test: $phase_name took $((SECONDS - phase_start)) s" >&2
+  fi
+  phase_name=$1 phase_start=$SECONDS
+}
 
 # The house rules a machine can check (file sizes, flag errors in libraries, unused headers): seconds,
 # so first.
+phase "house rules"
 bash scripts/check-rules.sh
 
+phase "dependencies"
 bash scripts/install-deps.sh --with-python-ref
 
+phase "build"
 bash scripts/build.sh build
+phase "ctest"
 (cd build && ctest --output-on-failure -j "$JOBS" --timeout 900)
 
+phase "ASan + UBSan build and tests"
 # Reader robustness under AddressSanitizer/UBSan: only the targets that matter, to keep CI short.
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
   -DPTK_SANITIZE=address,undefined >/dev/null
@@ -34,6 +48,7 @@ for t in "${ASAN_TESTS[@]}"; do
     "build-asan/tests/$t" "${filter[@]}"
 done
 
+phase "TSan build and tests"
 # Data races in the threaded index build (drawing thread + ring), the two-thread index
 # validation, the prefetching loader and the tokenize pipeline.
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
@@ -44,4 +59,6 @@ TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/indexed_dataset_test
 # The oneTBB tokenize pipeline (reader, parallel encoders, sink) with 1-4 workers; oneTBB's own
 # hand-offs are marked for TSan in the code (common/happens_before.h).
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tokenize_golden_test
+phase ""
+printf 'ptk-test: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s' total "$SECONDS")" >&2
 echo "ptk: all tests passed"
