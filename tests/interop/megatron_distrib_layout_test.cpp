@@ -4,8 +4,9 @@
 // (tests/data/interop/megatron_distrib_layout.txt, written by
 // tests/support/gen_distrib_layout_golden.py): the parameters' order and sizes and their offsets
 // in the world tensors, for the Llama line (RMSNorm, SwiGLU's fused fc1, no biases, grouped-query
-// attention, RoPE; untied, and tied over two stages; a tensor rank's shards at tensor size 2) and
-// GPT-3's tied over two stages, with one bucket and with small buckets.
+// attention, RoPE; untied, and tied over two stages; a tensor rank's shards at tensor size 2; at
+// data-parallel size 3, whose bucket padding moves but is not saved) and GPT-3's tied over two
+// stages, with one bucket and with small buckets.
 #include <map>
 #include <sstream>
 #include <string>
@@ -46,6 +47,7 @@ GPTConfig Model(const std::string& family, int64_t layers, bool tied) {
 struct Case {
   std::string name, family;
   int64_t layers = 0, stages = 0, stage = 0, bucket = 0, tp = 1;
+  int64_t dp = 1;  // pads megatron-core's buckets to lcm(dp, 128), padding the file leaves out
   bool tied = false;
   std::vector<std::pair<std::string, int64_t>> params;  // named_parameters order, numel
   std::map<std::string, int64_t> offset;
@@ -63,7 +65,7 @@ std::vector<Case> ReadGolden() {
     if (kind == "case") {
       Case c;
       int tied = 0;
-      f >> c.name >> c.family >> c.layers >> c.stages >> c.stage >> tied >> c.bucket >> c.tp;
+      f >> c.name >> c.family >> c.layers >> c.stages >> c.stage >> tied >> c.bucket >> c.tp >> c.dp;
       c.tied = tied != 0;
       out.push_back(c);
     } else if (kind == "param" && !out.empty()) {
@@ -83,12 +85,13 @@ std::vector<Case> ReadGolden() {
 
 TEST(MegatronDistribLayout, StagesLieInTheWorldTensorsWhereMegatronCoresGradBufferPutsThem) {
   const std::vector<Case> cases = ReadGolden();
-  ASSERT_EQ(cases.size(), 18u);
-  int llama = 0, tp2 = 0;
+  ASSERT_EQ(cases.size(), 22u);
+  int llama = 0, tp2 = 0, dp3 = 0;
   for (const Case& g : cases) {
     SCOPED_TRACE(g.name);
     llama += g.family == "llama";
     tp2 += g.tp == 2;
+    dp3 += g.dp == 3;
     const GPTConfig c = Model(g.family, g.layers, g.tied);
     auto layout = ParamLayout::Create(c);
     ASSERT_TRUE(layout.ok()) << layout.status();
@@ -105,8 +108,9 @@ TEST(MegatronDistribLayout, StagesLieInTheWorldTensorsWhereMegatronCoresGradBuff
     EXPECT_EQ(total, g.total);
     EXPECT_EQ(offset, g.offset);
   }
-  EXPECT_EQ(llama, 14);
+  EXPECT_EQ(llama, 18);
   EXPECT_EQ(tp2, 4);
+  EXPECT_EQ(dp3, 4);
 }
 
 }  // namespace
