@@ -192,13 +192,8 @@ struct Import {
   absl::Status ReadDistrib(RankFile& rf, int64_t p, const PyValue* groups) {
     const std::string dfile = JoinPath(Dirname(rf.reader->path()), "distrib_optim.pt");
     if (!PathExists(dfile)) return absl::OkStatus();
-    const int64_t tp = sh.tp, ckpt_padded = model.ckpt_padded;
-    std::vector<DistribParam> dparams;
-    for (const MegParam* m : StageOrder(params, p, te))
-      dparams.push_back(DistribParam{LocalName(*m), Elements(ShardShape(*m, ckpt_padded, tp)),
-                                     tied_copy && m->info->name == "embedding.word_embeddings.weight"});
-    if (tied_copy && p == sh.pp - 1)
-      dparams.push_back(DistribParam{"output_layer.weight", ckpt_padded / tp * s.config.hidden_size, true});
+    const std::vector<DistribParam> dparams =
+        StageDistribParams(params, p, sh.pp, te, tied_copy, model.ckpt_padded, sh.tp, s.config.hidden_size);
     PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptim(dfile, dparams, DistribBucketSize(args, p)));
     rf.distrib = std::move(d);
     for (const PyRef& g : groups->items)

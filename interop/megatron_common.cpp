@@ -77,6 +77,16 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
   return out;
 }
 
+std::vector<DistribParam> StageDistribParams(const std::vector<MegParam>& params, int64_t stage, int64_t pp, bool te,
+                                             bool tied_copy, int64_t vocab_rows, int64_t tp, int64_t hidden) {
+  std::vector<DistribParam> out;
+  for (const MegParam* m : StageOrder(params, stage, te))
+    out.push_back(DistribParam{te ? m->te_name : m->local_name, Elements(ShardShape(*m, vocab_rows, tp)),
+                               tied_copy && m->info->name == "embedding.word_embeddings.weight"});
+  if (tied_copy && stage == pp - 1) out.push_back(DistribParam{"output_layer.weight", vocab_rows / tp * hidden, true});
+  return out;
+}
+
 std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te) {
   static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
   std::vector<const MegParam*> out;

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "interop/hf_gpt2.h"
+#include "interop/megatron_optim.h"
 #include "interop/torch_format.h"
 #include "trainer/checkpoint.h"
 
@@ -45,6 +46,13 @@ absl::StatusOr<std::vector<MegParam>> MegParams(const ParamLayout& layout, int64
 std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te);
 // The shape of a rank's shard of `m` when the vocabulary has `vocab_rows` rows.
 std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t tp);
+// What the distributed optimizer's grad buffer holds of pipeline stage `stage` of `pp` on a tensor
+// rank (of `tp`): StageOrder's parameters (their `te` or local names) at their shards' sizes, the
+// vocabulary of `vocab_rows` rows; with tied embeddings over several stages (`tied_copy`) the first
+// stage's word embeddings and the last stage's output_layer.weight copy (of `hidden` columns) are
+// the shared embedding.
+std::vector<DistribParam> StageDistribParams(const std::vector<MegParam>& params, int64_t stage, int64_t pp, bool te,
+                                             bool tied_copy, int64_t vocab_rows, int64_t tp, int64_t hidden);
 // Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `shard`, or back
 // when `gather`. With split 0 and `chunks` > 1 the rows are that many blocks, each split across the
 // ranks, and a shard holds its rows of each block in turn (fc1 of SwiGLU: rank t's [gate_t; up_t]).

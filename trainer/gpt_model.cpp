@@ -46,7 +46,7 @@ absl::Status GPTModel::ShardOptimizerState(const ParamShard& shard) {
   return absl::OkStatus();
 }
 
-absl::Status GPTModel::StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets, GradRange held) {
+absl::Status GPTModel::StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets) {
   if (reduce_comm_) return absl::FailedPreconditionError("a gradient reduction is armed already");
   int64_t at = num_params();
   for (const GradRange& b : buckets) {  // contiguous, descending, tiling the buffer
@@ -57,8 +57,6 @@ absl::Status GPTModel::StartGradReduction(Communicator* comm, const std::vector<
   if (at != 0) return absl::InvalidArgumentError("gradient buckets must tile the buffer from its end down");
   if (ready_order_.empty()) ready_order_ = BackwardReadyOrder(layout_);
   tracker_ = BucketTracker(buckets);
-  held_ = held;
-  held_buckets_.clear();
   launched_in_backward_ = 0;
   reduce_comm_ = comm;
   absl::Status st = BeginBucketReduction(buckets);
@@ -68,8 +66,6 @@ absl::Status GPTModel::StartGradReduction(Communicator* comm, const std::vector<
 
 absl::Status GPTModel::FinishGradReduction() {
   if (!reduce_comm_) return absl::FailedPreconditionError("no gradient reduction is armed");
-  for (int b : held_buckets_) LaunchBucket(b, tracker_.buckets()[static_cast<size_t>(b)]);
-  held_buckets_.clear();
   absl::Status st = EndBucketReduction();
   if (st.ok() && !tracker_.AllDone())
     st = absl::InternalError("backward did not finish every gradient bucket (was ForwardBackward run?)");
@@ -81,13 +77,8 @@ void GPTModel::GradsReady(size_t index) {
   if (!reduce_comm_) return;
   const GradRange& r = ready_order_[index];
   for (int b : tracker_.MarkReady(r.begin, r.end)) {
-    const GradRange& bucket = tracker_.buckets()[static_cast<size_t>(b)];
-    if (std::min(bucket.end, held_.end) > std::max(bucket.begin, held_.begin)) {
-      held_buckets_.push_back(b);
-      continue;
-    }
     ++launched_in_backward_;
-    LaunchBucket(b, bucket);
+    LaunchBucket(b, tracker_.buckets()[static_cast<size_t>(b)]);
   }
 }
 
@@ -207,6 +198,9 @@ absl::Status GPTModel::StageBackwardExchanged(const ModelBatch& batch, int slot,
 }
 
 absl::Status GPTModel::AllReduceGradRange(Communicator*, int64_t, int64_t) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
+}
+absl::Status GPTModel::AllGatherGradRange(Communicator*, int64_t, int64_t) {
   return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
 }
 

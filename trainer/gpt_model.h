@@ -165,6 +165,10 @@ class GPTModel {
   // Sums the gradients [begin, begin + n) over `comm` (the embedding group's copies of the tied
   // word embeddings).
   virtual absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
+  // ZeRO-1: each rank's reduced piece of the gradients [begin, begin + n) (its shard's part, as
+  // ReduceScatterGrads left it) to every rank of `comm`, so that the range holds the data-parallel
+  // sums whole (a tied embedding copy, before the embedding group sums the stages' copies).
+  virtual absl::Status AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n);
 
   // The optimizer step's pieces, on the backend's own buffers.
   // Sums the gradients over the communicator's ranks (every rank ends with the same bits).
@@ -207,10 +211,9 @@ class GPTModel {
   // memory) of the backend's own: the sum AllReduceGrads makes, or under ZeRO-1 the shard pieces
   // ReduceScatterGrads makes, element for element the same. FinishGradReduction waits for every
   // bucket and returns the first error; call it after that ForwardBackward, failed or not.
-  // A bucket that overlaps `held` (a pipeline stage's copy of the tied embeddings, which the
-  // embedding group sums first) is not launched by backward: FinishGradReduction launches it, then
-  // waits. buckets_launched_in_backward() counts the others, launched while backward ran.
-  absl::Status StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets, GradRange held = {});
+  // buckets_launched_in_backward() counts the buckets launched while backward ran (all of them,
+  // once backward has run to its end).
+  absl::Status StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets);
   absl::Status FinishGradReduction();
   int buckets_launched_in_backward() const { return launched_in_backward_; }
 
@@ -247,8 +250,6 @@ class GPTModel {
  private:
   std::vector<GradRange> ready_order_;
   BucketTracker tracker_;
-  GradRange held_;                 // the armed reduction's range left to FinishGradReduction
-  std::vector<int> held_buckets_;  // complete buckets of it, not launched yet
   int launched_in_backward_ = 0;
   LossSum deferred_;  // ForwardBackwardDeferred's default
   // StageBuffers' default host buffers: each slot's input; the output and the two gradients.

@@ -92,8 +92,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     return tokens > 0 ? 1.0 / (tokens * num_micro * dp) : 0.0;
   };
   // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
-  // copy get the sum of both gradients (Megatron's embedding group), before the data-parallel
-  // reduction, so that ZeRO-1's shards of either stage reduce the same sums.
+  // copy, whose data-parallel sums the embedding group adds up once the reduction is done.
   GradRange tied;
   if (embedding_) {
     const ParamLayout& lay = model_->layout();
@@ -107,7 +106,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     std::function<absl::Status()> arm;
     if (overlap)
       arm = [&]() -> absl::Status {
-        PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_, tied));
+        PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
         armed = true;
         return absl::OkStatus();
       };
@@ -175,24 +174,19 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   return r;
 }
 
-// Megatron's finalize_model_grads: the tied copies summed (the buckets holding them wait for it),
-// then the held buckets launched and waited for, or without --overlap-grad-reduce the reduction.
+// Megatron's finalize_model_grads: the data-parallel reduction of every gradient first (its
+// finish_grad_sync: the armed buckets waited for, or without --overlap-grad-reduce the reduction
+// now), then the embedding group's sum of the tied copies (_allreduce_word_embedding_grads), so a
+// tied gradient is (a0 + a1 + ...) + (b0 + b1 + ...) over data ranks 0, 1, ... of stage copies a, b.
 absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool overlap) {
-  absl::Status st;
-  // Timed on every stage of tied embeddings, as Megatron does (a middle stage has no copy to sum):
-  // a level-1 timer's start waits at a barrier over all ranks, which every rank must reach.
-  if (pipeline_ && !model_->config().untie_embeddings_and_output_weights) {
-    st = StartTimer(timers_, "embedding-grads-all-reduce", 1);
-    if (st.ok() && embedding_) st = model_->AllReduceGradRange(embedding_, tied.begin, tied.size());
-    if (st.ok()) st = StopTimer(timers_, "embedding-grads-all-reduce");
-  }
   if (armed) {
     pipeline_stats_.buckets_launched_in_backward = model_->buckets_launched_in_backward();
-    const absl::Status timed = st.ok() ? StartTimer(timers_, "all-grads-sync", 1) : st;
-    absl::Status reduced = model_->FinishGradReduction();
-    if (st.ok()) st = !timed.ok() ? timed : !reduced.ok() ? reduced : StopTimer(timers_, "all-grads-sync");
+    const absl::Status timed = StartTimer(timers_, "all-grads-sync", 1);
+    const absl::Status reduced = model_->FinishGradReduction();  // waited for even when the timer failed
+    PTK_RETURN_IF_ERROR(timed);
+    PTK_RETURN_IF_ERROR(reduced);
+    PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
   }
-  PTK_RETURN_IF_ERROR(st);
   // Without --overlap-grad-reduce, after backward; ZeRO-1: each rank's shard of the gradients
   // summed over the ranks, the rest left alone.
   if (!overlap) {
@@ -200,7 +194,19 @@ absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool ov
     PTK_RETURN_IF_ERROR(model_->shard() ? model_->ReduceScatterGrads(comm_) : model_->AllReduceGrads(comm_));
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
   }
-  return absl::OkStatus();
+  // Timed on every stage of tied embeddings, as Megatron does (a middle stage has no copy to sum):
+  // a level-1 timer's start waits at a barrier over all ranks, which every rank must reach.
+  if (!pipeline_ || model_->config().untie_embeddings_and_output_weights) return absl::OkStatus();
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, "embedding-grads-all-reduce", 1));
+  if (embedding_) {
+    // ZeRO-1: the shards of the first and the last stage cut their copies at different places
+    // (Megatron gives the shared embedding a bucket of its own, sharded alike on both stages), so
+    // each rank's reduced piece of its copy goes to the other data ranks first: every element of
+    // both copies then holds its data-parallel sum, the bits the reduce-scatter gave its owner.
+    if (model_->shard()) PTK_RETURN_IF_ERROR(model_->AllGatherGradRange(comm_, tied.begin, tied.size()));
+    PTK_RETURN_IF_ERROR(model_->AllReduceGradRange(embedding_, tied.begin, tied.size()));
+  }
+  return StopTimer(timers_, "embedding-grads-all-reduce");
 }
 
 absl::StatusOr<double> TrainStep::CountZerosInGrad() {

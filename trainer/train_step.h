@@ -110,10 +110,10 @@ class TrainStep {
   int64_t adam_step() const { return adam_step_; }
   // Pipeline parallelism (the model one stage of several): the micro-batches run Megatron's 1F1B
   // schedule over `pipeline` (the stage's pipeline group); with tied embeddings `embedding` (the
-  // first and last stage's group; null on a middle stage) sums the two copies' gradients before
-  // the data-parallel reduction; the loss, the grad norm and the count of zeros span the stages.
-  // --overlap-grad-reduce's buckets are reduced during the schedule's last backward, as it
-  // completes them, but those holding a tied embedding copy, reduced once the copies are summed.
+  // first and last stage's group; null on a middle stage) sums the two copies' gradients after
+  // the data-parallel reduction, as Megatron's finalize_model_grads; the loss, the grad norm and
+  // the count of zeros span the stages. --overlap-grad-reduce's buckets are reduced during the
+  // schedule's last backward, as it completes them.
   void set_pipeline(Communicator* pipeline, Communicator* embedding) {
     pipeline_ = pipeline;
     embedding_ = embedding;
@@ -131,8 +131,9 @@ class TrainStep {
   void set_timers(Timers* timers) { timers_ = timers; }
 
  private:
-  // After the passes: the tied embeddings' copies summed over `embedding_` (`tied`: this stage's),
-  // the armed bucket reduction finished, or (no --overlap-grad-reduce) the gradients reduced.
+  // After the passes: the armed bucket reduction finished, or (no --overlap-grad-reduce) the
+  // gradients reduced; then the tied embeddings' copies summed over `embedding_` (`tied`: this
+  // stage's).
   absl::Status FinalizeGrads(const GradRange& tied, bool armed, bool overlap);
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.
   absl::StatusOr<double> ShardedGradSumSquares();

@@ -12,7 +12,8 @@
 // with dropout: losses, the first step's gradients and the parameters after the steps bit for bit,
 // fp32 at P = 2 and 4, bf16 at P = 2 (bf16 values survive the fp32 staging exactly). Also the
 // slots: a backward of a slot that holds no forward pass, and a slot past the P - s this stage
-// keeps, are refused; the direct buffers are the slot's device memory in the model's dtype.
+// keeps, are refused; the direct buffers are the slot's device memory in the model's dtype. Tied
+// embeddings at P = 2 x D = 2 with ZeRO-1 get Megatron's finalize_model_grads order, bit for bit.
 // gpu-labelled: exit 77 without a device.
 #include <gtest/gtest.h>
 
@@ -26,6 +27,7 @@
 #include "tests/trainer/cuda_model_test_util.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/staged_device_comm.h"
+#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
 #include "trainer/train_step.h"
 
@@ -223,6 +225,89 @@ TEST(CudaPipeline, DirectExchangeGivesTheHostExchangesBitsFourStagesFp32) {
 }
 TEST(CudaPipeline, DirectExchangeGivesTheHostExchangesBitsTwoStagesBf16) {
   CheckDirectExchangeGivesHostExchangeBits(2, Precision::kBf16);
+}
+
+// P = 2 stages x D = 2 data ranks (world rank d + 2p) of tied embeddings with ZeRO-1, the data
+// group a device communicator (its reduce-scatter and all-gather on the model's device buffers):
+// each rank's shard of the gradients after one step's ComputeGradients against Megatron's
+// finalize_model_grads order built here from each rank's own gradients (its pipeline's backward
+// alone): the data-parallel sums first, then the embedding group's sum of the two stages' copies,
+// (a0 + a1) + (b0 + b1). The stages' shards cut their copies at different places, so the copies
+// must be whole before the embedding group adds them. fp32, bit for bit.
+TEST(CudaPipeline, TiedEmbeddingGradientsAreSummedAfterTheDataParallelReductionZero1) {
+  const GPTConfig c = Config();
+  constexpr int kMicro = 2;
+  const Batches data(2 * kMicro, c.vocab_size);
+  const std::vector<PipelineStage> stages = Stages(2);
+  std::vector<std::vector<float>> local(4), got(4);
+  std::vector<std::pair<int64_t, int64_t>> shard_of(4);
+  std::vector<int64_t> tied_at(2);
+  std::mutex mu;
+  for (bool train_step : {false, true})
+    testing::RunRanks(4, [&](Communicator* world, int rank) {
+      const int d = rank % 2, p = rank / 2;
+      const std::vector<int> pm = {d, d + 2}, dm = {2 * p, 2 * p + 1};
+      auto pipe_host = world->Subgroup(pm, "pipeline" + std::to_string(d));
+      ASSERT_TRUE(pipe_host.ok()) << pipe_host.status();
+      auto dp_host = world->Subgroup(dm, "data" + std::to_string(p));
+      ASSERT_TRUE(dp_host.ok()) << dp_host.status();
+      auto emb_host = world->Subgroup(pm, "embedding" + std::to_string(d));
+      ASSERT_TRUE(emb_host.ok()) << emb_host.status();
+      testing::StagedDeviceCollectives pipe(pipe_host->get()), dp(dp_host->get()), emb(emb_host->get());
+      cuda::CudaModelOptions o;
+      o.pipeline = stages[static_cast<size_t>(p)];
+      std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
+      ASSERT_NE(m, nullptr);
+      auto shard = ParamShard::Create(m->num_params(), 2, d);
+      ASSERT_TRUE(shard.ok());
+      ASSERT_TRUE(m->ShardOptimizerState(*shard).ok());
+      std::vector<ModelBatch> mine;
+      std::vector<double> scales;  // Megatron's: the token mean / micro-batches / data ranks
+      for (int k = 0; k < kMicro; ++k) {
+        mine.push_back(data.Get(d * kMicro + k));
+        double tokens = 0;
+        for (int64_t i = 0; i < mine.back().b * mine.back().t; ++i) tokens += mine.back().loss_mask[i];
+        scales.push_back(1.0 / (tokens * kMicro * 2.0));
+      }
+      if (train_step) {
+        TrainStep step(m.get(), OptimizerConfig{}, cuda_model_test::Schedule(), &dp);
+        step.set_pipeline(&pipe, &emb);
+        auto r = step.ComputeGradients(mine, 99);
+        ASSERT_TRUE(r.ok()) << r.status();
+      } else {
+        ASSERT_TRUE(m->ZeroGrads().ok());
+        auto loss = ForwardBackwardPipelining(m.get(), &pipe, mine, scales, 99);
+        ASSERT_TRUE(loss.ok()) << loss.status();
+      }
+      std::vector<float> g(static_cast<size_t>(m->num_params()));
+      ASSERT_TRUE(m->ReadGrads(g).ok());
+      std::lock_guard<std::mutex> lock(mu);
+      (train_step ? got : local)[static_cast<size_t>(rank)] = std::move(g);
+      shard_of[static_cast<size_t>(rank)] = {shard->begin(), shard->end()};
+      tied_at[static_cast<size_t>(p)] = p == 0 ? m->layout().wte : m->layout().out_w;
+    });
+  const int64_t tied_n = c.padded_vocab_size * c.hidden_size;
+  int64_t tied_checked = 0;
+  for (int rank = 0; rank < 4; ++rank) {
+    const size_t p = static_cast<size_t>(rank / 2);
+    const auto &a0 = local[2 * p], &a1 = local[2 * p + 1], &g = got[static_cast<size_t>(rank)];
+    ASSERT_FALSE(a0.empty());
+    ASSERT_EQ(g.size(), a0.size());
+    const auto [begin, end] = shard_of[static_cast<size_t>(rank)];
+    int64_t differ = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      float want = a0[static_cast<size_t>(i)] + a1[static_cast<size_t>(i)];
+      const int64_t e = i - tied_at[p];
+      if (e >= 0 && e < tied_n) {
+        const size_t e0 = static_cast<size_t>(tied_at[0] + e), e1 = static_cast<size_t>(tied_at[1] + e);
+        want = (local[0][e0] + local[1][e0]) + (local[2][e1] + local[3][e1]);
+        ++tied_checked;
+      }
+      differ += std::memcmp(&want, &g[static_cast<size_t>(i)], sizeof(float)) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "rank " << rank << ": gradients that differ from Megatron's order";
+  }
+  EXPECT_EQ(tied_checked, 2 * tied_n);  // each stage's copy, in some data rank's shard
 }
 
 // The direct buffers: the slot's device memory in the model's dtype on the model's stream, none

@@ -6,7 +6,9 @@
 // embedding group within float rounding of one rank's interleaved sum), with at most P - s
 // micro-batches in flight on stage s; forward-only evaluation gives one rank's loss; each stage
 // holds the parameters --dry-run counts for it; --overlap-grad-reduce over P = 2 x D = 2 reduces
-// buckets during the last backward with the bits of the reduction after the schedule. The stages'
+// buckets during the last backward with the bits of the reduction after the schedule; tied
+// embeddings at P = 2 x D = 2 get Megatron's finalize_model_grads order (the data-parallel sums,
+// then the embedding group's), checked against that sum of each rank's own gradients. The stages'
 // exchange buffers (GPTModel::StageBuffers) per slot, and the agreement on what crosses between
 // stages, refused with both named when they differ; forward-only passes agree once per format.
 #include <gtest/gtest.h>
@@ -510,8 +512,8 @@ StagesRun TrainStages(bool zero1, int64_t bucket, bool untied) {
 }
 
 // --overlap-grad-reduce over stages: each stage's data-parallel buckets are reduced while the last
-// micro-batch's backward goes on (those with a tied embedding copy once the embedding group has
-// summed it), with the bits of the reduction after the schedule, with and without ZeRO-1.
+// micro-batch's backward goes on (the tied embedding copies too, summed by the embedding group
+// after the wait), with the bits of the reduction after the schedule, with and without ZeRO-1.
 TEST(PipelineSchedule, OverlappedBucketReductionHasTheBitsOfTheReductionAfterTheSchedule) {
   for (bool untied : {false, true})
     for (bool zero1 : {false, true}) {
@@ -527,6 +529,140 @@ TEST(PipelineSchedule, OverlappedBucketReductionHasTheBitsOfTheReductionAfterThe
         EXPECT_GE(overlapped.launched[static_cast<size_t>(rank)], 2) << "rank " << rank;
         EXPECT_EQ(after.launched[static_cast<size_t>(rank)], 0) << "rank " << rank;
       }
+    }
+}
+
+// P = 2 stages x D = 2 data ranks (world rank d + 2p) of tied embeddings: the gradients TrainStep
+// leaves after one step's ComputeGradients, against an oracle of Megatron's finalize_model_grads
+// order built here from each rank's own gradients (its pipeline's backward alone, scaled as
+// Megatron scales the loss: the micro-batch's token mean / micro-batches / D): first the
+// data-parallel sum of every gradient (finish_grad_sync; gloo adds in rank order), then the
+// embedding group's sum of the two stages' copies of the word embeddings
+// (_allreduce_word_embedding_grads): (a0 + a1) + (b0 + b1) for stage copies a, b and data ranks
+// 0, 1, where summing the copies first gives (a0 + b0) + (a1 + b1). Plain, --overlap-grad-reduce,
+// and ZeRO-1 (the shard each rank updates) with either.
+std::vector<std::vector<float>> LocalStageGrads(const GPTConfig& c, const std::vector<ModelBatch>& all) {
+  std::vector<std::vector<float>> out(4);
+  std::mutex mu;
+  const std::vector<PipelineStage> stages = Stages(2);
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    const int d = rank % 2, p = rank / 2;
+    const std::vector<int> pm = {d, d + 2};
+    auto pipe = world->Subgroup(pm, "pipeline" + std::to_string(d));
+    ASSERT_TRUE(pipe.ok()) << pipe.status();
+    auto model = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(p)]);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE((*model)->InitWeights(5).ok());
+    ASSERT_TRUE((*model)->ZeroGrads().ok());
+    const std::vector<ModelBatch> mine(all.begin() + 4 * d, all.begin() + 4 * d + 4);
+    std::vector<double> scales;
+    for (const ModelBatch& mb : mine) {
+      double tokens = 0;
+      for (int64_t i = 0; i < mb.b * mb.t; ++i) tokens += mb.loss_mask[i];
+      scales.push_back(1.0 / (tokens * 4.0 * 2.0));
+    }
+    auto loss = ForwardBackwardPipelining(model->get(), pipe->get(), mine, scales, 99);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    std::vector<float> g(static_cast<size_t>((*model)->num_params()));
+    ASSERT_TRUE((*model)->ReadGrads(g).ok());
+    std::lock_guard<std::mutex> lock(mu);
+    out[static_cast<size_t>(rank)] = std::move(g);
+  });
+  return out;
+}
+
+TEST(PipelineSchedule, TiedEmbeddingGradientsAreSummedAfterTheDataParallelReduction) {
+  const GPTConfig c = Config();
+  const Batches data(8);
+  const std::vector<ModelBatch> all = data.All();
+  const std::vector<std::vector<float>> local = LocalStageGrads(c, all);
+  for (const auto& g : local) ASSERT_FALSE(g.empty());
+  const std::vector<PipelineStage> stages = Stages(2);
+  std::vector<int64_t> tied_at(2);  // each stage's copy
+  for (int p = 0; p < 2; ++p) {
+    auto lay = ParamLayout::Create(c, 1, 0, stages[static_cast<size_t>(p)]);
+    ASSERT_TRUE(lay.ok()) << lay.status();
+    tied_at[static_cast<size_t>(p)] = p == 0 ? lay->wte : lay->out_w;
+  }
+  const int64_t tied_n = c.padded_vocab_size * c.hidden_size;
+  // Megatron's order; rank r = d + 2p holds local[r].
+  std::vector<std::vector<float>> want(4);
+  for (int rank = 0; rank < 4; ++rank) {
+    const size_t p = static_cast<size_t>(rank / 2);
+    const auto &a0 = local[2 * p], &a1 = local[2 * p + 1];
+    std::vector<float>& w = want[static_cast<size_t>(rank)];
+    w.resize(a0.size());
+    for (size_t i = 0; i < a0.size(); ++i) w[i] = a0[i] + a1[i];
+    for (int64_t i = 0; i < tied_n; ++i) {
+      const size_t e0 = static_cast<size_t>(tied_at[0] + i), e1 = static_cast<size_t>(tied_at[1] + i);
+      const float first = local[0][e0] + local[1][e0], last = local[2][e1] + local[3][e1];
+      w[static_cast<size_t>(tied_at[p] + i)] = first + last;
+    }
+  }
+  int64_t old_order_differs = 0;  // that the two orders differ here at all
+  for (int64_t i = 0; i < tied_n; ++i) {
+    const size_t e0 = static_cast<size_t>(tied_at[0] + i), e1 = static_cast<size_t>(tied_at[1] + i);
+    old_order_differs += (local[0][e0] + local[2][e1]) + (local[1][e0] + local[3][e1]) != want[0][e0];
+  }
+  EXPECT_GT(old_order_differs, 0);
+  for (bool zero1 : {false, true})
+    for (int64_t bucket : {int64_t{0}, int64_t{3000}}) {
+      SCOPED_TRACE(std::string(zero1 ? "ZeRO-1" : "all-reduce") + (bucket ? ", overlapped buckets" : ""));
+      std::vector<std::vector<float>> got(4);
+      std::vector<std::pair<int64_t, int64_t>> checked(4);
+      std::mutex mu;
+      testing::RunRanks(4, [&](Communicator* world, int rank) {
+        const int d = rank % 2, p = rank / 2;
+        const std::vector<int> pm = {d, d + 2}, dm = {2 * p, 2 * p + 1};
+        auto pipe = world->Subgroup(pm, "pipeline" + std::to_string(d));
+        ASSERT_TRUE(pipe.ok()) << pipe.status();
+        auto dp = world->Subgroup(dm, "data" + std::to_string(p));
+        ASSERT_TRUE(dp.ok()) << dp.status();
+        auto emb = world->Subgroup(pm, "embedding" + std::to_string(d));
+        ASSERT_TRUE(emb.ok()) << emb.status();
+        auto model = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(p)]);
+        ASSERT_TRUE(model.ok()) << model.status();
+        ASSERT_TRUE((*model)->InitWeights(5).ok());
+        std::pair<int64_t, int64_t> range = {0, (*model)->num_params()};
+        if (zero1) {
+          auto shard = ParamShard::Create((*model)->num_params(), 2, d);
+          ASSERT_TRUE(shard.ok());
+          ASSERT_TRUE((*model)->ShardOptimizerState(*shard).ok());
+          range = {shard->begin(), shard->end()};
+        }
+        OptimizerConfig oc;
+        oc.overlap_grad_reduce = bucket > 0;
+        oc.ddp_bucket_size = bucket;
+        TrainStep step(model->get(), oc, SchedulerConfig{}, dp->get());
+        step.set_pipeline(pipe->get(), emb->get());
+        const std::vector<ModelBatch> mine(all.begin() + 4 * d, all.begin() + 4 * d + 4);
+        auto r = step.ComputeGradients(mine, 99);
+        ASSERT_TRUE(r.ok()) << r.status();
+        std::vector<float> g(static_cast<size_t>((*model)->num_params()));
+        ASSERT_TRUE((*model)->ReadGrads(g).ok());
+        std::lock_guard<std::mutex> lock(mu);
+        got[static_cast<size_t>(rank)] = std::move(g);
+        checked[static_cast<size_t>(rank)] = range;
+      });
+      int64_t tied_checked = 0;
+      for (int rank = 0; rank < 4; ++rank) {
+        const auto& g = got[static_cast<size_t>(rank)];
+        const auto& w = want[static_cast<size_t>(rank)];
+        ASSERT_EQ(g.size(), w.size()) << "rank " << rank;
+        const auto [begin, end] = checked[static_cast<size_t>(rank)];
+        const int64_t at = tied_at[static_cast<size_t>(rank / 2)];
+        int64_t differ = 0, tied_differ = 0;
+        for (int64_t i = begin; i < end; ++i) {
+          const bool tied = i >= at && i < at + tied_n;
+          tied_checked += tied;
+          if (std::memcmp(&g[static_cast<size_t>(i)], &w[static_cast<size_t>(i)], sizeof(float)) == 0) continue;
+          ++differ;
+          tied_differ += tied;
+        }
+        EXPECT_EQ(differ, 0) << "rank " << rank << ": " << differ << " gradients differ from Megatron's order, "
+                             << tied_differ << " of them the tied embeddings'";
+      }
+      EXPECT_GE(tied_checked, 2 * tied_n);  // both stages' copies, on some data rank
     }
 }
 

@@ -55,6 +55,7 @@ class CpuGPTModel final : public GPTModel {
   absl::Status StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
                              std::span<float> input_grad, bool train, uint64_t seed) override;
   absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) override;
+  absl::Status AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n) override;
   int64_t StageExchangeFloats(const ModelBatch& batch) const override;
   // The activation slots allocated so far (the most micro-batches a schedule kept in flight).
   int activation_slots() const { return static_cast<int>(slots_.size()); }

@@ -90,4 +90,15 @@ absl::Status CpuGPTModel::AllReduceGradRange(Communicator* comm, int64_t begin, 
   return comm->AllReduceSum(grads_.data() + begin, n);
 }
 
+absl::Status CpuGPTModel::AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n) {
+  if (!shard()) return absl::FailedPreconditionError("AllGatherGradRange needs a sharded optimizer state");
+  if (begin < 0 || n < 0 || begin + n > num_params())
+    return absl::InvalidArgumentError(
+        fmt::format("AllGatherGradRange: [{}, {}) of {} parameters", begin, begin + n, num_params()));
+  // The ranks' ranges ascend: their pieces of [begin, begin + n) lie in rank order.
+  std::vector<int64_t> bytes = shard()->CountsIn(begin, begin + n);
+  for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+  return comm->AllGather(grads_.data() + begin, bytes);
+}
+
 }  // namespace ptk

@@ -274,6 +274,27 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t
   return Sync("the embedding group's all-reduce");
 }
 
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n) {
+  if (!shard()) return absl::FailedPreconditionError("AllGatherGradRange needs a sharded optimizer state");
+  if (begin < 0 || n < 0 || begin + n > num_params())
+    return absl::InvalidArgumentError(
+        fmt::format("AllGatherGradRange: [{}, {}) of {} parameters", begin, begin + n, num_params()));
+  if (n == 0 || (comm->size() == 1 && !comm->device_collectives())) return absl::OkStatus();
+  // The ranks' ranges ascend: their pieces of [begin, begin + n) lie in rank order.
+  std::vector<int64_t> bytes = shard()->CountsIn(begin, begin + n);
+  for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+  if (comm->device_collectives()) {  // NCCL: on the compute stream, in place
+    PTK_RETURN_IF_ERROR(Op("all-gather", "tied embedding gradient all-gather",
+                           comm->AllGatherDevice(Grad(begin), bytes, static_cast<void*>(ctx_.stream))));
+    return absl::OkStatus();
+  }
+  std::vector<float> host(static_cast<size_t>(n));  // a host communicator (gloo): through the host
+  PTK_RETURN_IF_ERROR(DownloadRange(plan_.grads, host.data(), begin, n));
+  PTK_RETURN_IF_ERROR(comm->AllGather(host.data(), bytes));
+  return UploadRange(plan_.grads, host.data(), begin, n);
+}
+
 #define PTK_INSTANTIATE(T)                                                                                             \
   template absl::Status CudaGPTModelImpl<T>::SelectSlot(int slot, std::string_view what);                              \
   template absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host, std::string_view what);   \
@@ -299,7 +320,8 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t
   template absl::Status CudaGPTModelImpl<T>::StageBackward(const ModelBatch& batch, int slot,                          \
                                                            std::span<const float> output_grad,                         \
                                                            std::span<float> input_grad, bool train, uint64_t seed);    \
-  template absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
+  template absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);         \
+  template absl::Status CudaGPTModelImpl<T>::AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
