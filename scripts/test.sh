@@ -11,14 +11,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${PTK_JOBS:-$(nproc)}
-# Each phase's wall time, printed as it ends and together at the end (CI's budget is 30 minutes).
-PHASES=() phase_start=$SECONDS phase_name=""
+# Each phase's wall time and the CPU time its processes used (user + system, from `times`: on a
+# loaded machine the CPU time is the steadier figure), printed as it ends and together at the end
+# (CI's budget is 30 minutes).
+PHASES=() phase_start=$SECONDS phase_cpu=0 phase_name=""
+TIMES_FILE=$(mktemp)
+trap 'rm -f "$TIMES_FILE"' EXIT
+children_cpu() {  # seconds of CPU used by the finished children of this shell, into $cpu
+  times >"$TIMES_FILE"  # in this shell: a $(...) subshell would count its own children only
+  cpu=$(awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, "m"); t += a[1] * 60 + a[2] } printf "%d", t }' \
+    "$TIMES_FILE")
+}
 phase() {
+  local cpu
+  children_cpu
   if [ -n "$phase_name" ]; then
-    PHASES+=("$(printf '%-34s %5d s' "$phase_name" $((SECONDS - phase_start)))")
-    echo "ptk-test: $phase_name took $((SECONDS - phase_start)) s" >&2
+    local line
+    line=$(printf '%-34s %5d s wall %6d s CPU' "$phase_name" $((SECONDS - phase_start)) $((cpu - phase_cpu)))
+    PHASES+=("$line")
+    echo "ptk-test: $line" >&2
   fi
-  phase_name=$1 phase_start=$SECONDS
+  phase_name=$1 phase_start=$SECONDS phase_cpu=$cpu
 }
 
 # The house rules a machine can check (file sizes, flag errors in libraries, unused headers): seconds,
@@ -60,5 +73,6 @@ TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/indexed_dataset_test
 # hand-offs are marked for TSan in the code (common/happens_before.h).
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tokenize_golden_test
 phase ""
-printf 'ptk-test: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s' total "$SECONDS")" >&2
+children_cpu
+printf 'ptk-test: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s wall %6d s CPU' total "$SECONDS" "$cpu")" >&2
 echo "ptk: all tests passed"
