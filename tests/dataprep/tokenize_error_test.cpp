@@ -552,6 +552,32 @@ TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   EXPECT_NE(gone.output.find(dir / "nope.bin"), std::string::npos) << gone.output;
 }
 
+// ptk-merge --input DIR with its output in DIR: a rerun finds its own output there and leaves it out,
+// however the output is spelled: up to date, not merged into itself.
+TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "parts");
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  for (const char* p : {"p1", "p2"})
+    ASSERT_EQ(
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
+            .exit_code,
+        0);
+  auto merge = [&](const std::string& out) {
+    return RunCmd(testing::Tool("ptk-merge") + " --input " + dir / "parts" + " --output-prefix " + out);
+  };
+  auto first = merge(dir / "parts/m");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("merged 2 datasets"), std::string::npos) << first.output;
+  const std::string bytes = testing::ReadFile(dir / "parts/m.bin");
+  for (const std::string& out : {dir / "parts/m", dir / "parts/./m"}) {
+    auto again = merge(out);
+    EXPECT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_NE(again.output.find("up to date, not rewritten"), std::string::npos) << again.output;
+    EXPECT_EQ(testing::ReadFile(dir / "parts/m.bin"), bytes);
+  }
+}
+
 // A changed tokenizer is never missed, whatever its files' sizes and times: two ids swapped in
 // vocab.json, or two merges swapped in merges.txt (a later rank for a first merge), each with the
 // file's size and modification time kept (touch -r), make the rerun tokenize again, saying in one
