@@ -116,6 +116,10 @@ usage "$BIN/ptk-inspect" --sample 0 --seq-length 8 --format ids --data-path 0 "$
 usage "$BIN/ptk-inspect" --sample 0 --seq-length 8 --format ids --data-path -1 "$T/p" -- \
   'data path weight "-1" (of '
 usage "${TRAIN[@]}" --data-path "$T/p" --split 1,2,3,4 -- '--split "1,2,3,4" has more than three parts'
+# A split Megatron's float() refuses (dots for commas) was read as 98.2 (all for training); a minus
+# sign, which Megatron's regex drops, was read away.
+usage "${TRAIN[@]}" --data-path "$T/p" --split 98.2.0 -- '--split "98.2.0": "98.2.0" is not a number'
+usage "${TRAIN[@]}" --data-path "$T/p" --split=-1,2,0 -- '--split "-1,2,0": -1 is negative'
 usage "${TRAIN[@]}" --data-path "$T/p" --bf16 -- "--bf16: the CPU backend trains in fp32"
 usage "${TRAIN[@]}" --data-path "$T/p" --global-batch-size 3 --micro-batch-size 2 -- \
   "--global-batch-size (3) must be a multiple of --micro-batch-size (2)"
