@@ -59,6 +59,14 @@ usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chu
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0 -- "--workers: must be"
 usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2 not in"
 usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
+# ptk-inspect's sample flags as Megatron's: a seed outside numpy's [0, 2**32) was wrapped (4294967296
+# gave seed 0's sample), negative counts taken, --doc -1 printed the summary.
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed 4294967296 -- "--seed: Value 4294967296 not in range"
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed -1 -- "--seed: Value -1 not in range"
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --train-samples -5 -- '--train-samples: must be a number >= 0'
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length -8 -- '--seq-length: must be a positive number'
+usage "$BIN/ptk-inspect" "$T/p" --sample -1 --seq-length 8 -- '--sample: must be a number >= 0'
+usage "$BIN/ptk-inspect" "$T/p" --doc -1 -- '--doc: must be a number >= 0, not "-1"'
 usage "$BIN/ptk-convert" --loader xx --saver hf --load-dir "$T" --save-dir "$T/o" -- "--loader: xx not in"
 usage "${TRAIN[@]}" --data-path "$T/p" --micro-batch-size 0 -- "--micro-batch-size: must be an integer in [1,"
 usage "${TRAIN[@]}" --data-path "$T/p" --sample-prompt hi -- "--sample-prompt requires --sample-interval"
