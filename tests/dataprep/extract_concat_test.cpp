@@ -187,6 +187,31 @@ TEST(Extract, NeverOverwritesAFileItDidNotWrite) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// A plain input named with --output-dir its own directory is its own output (`f.jsonl --output-dir
+// .`): done in place, whatever the flags. It was rewritten from itself under --force, and with
+// --delete-input then deleted: the data gone, exit 0.
+TEST(Extract, APlainInputThatIsItsOwnOutputIsLeftAlone) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(50, 7);
+  testing::WriteFile(dir / "in/a.jsonl", a);
+  for (const char* flags : {"", "--force", "--force --delete-input", "--delete-input", "--verify --delete-input"}) {
+    SCOPED_TRACE(flags);
+    auto r = RunCmd(
+        fmt::format("cd {} && {} --quiet a.jsonl --output-dir . {}", dir / "in", testing::Tool("ptk-extract"), flags));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    ASSERT_TRUE(testing::Exists(dir / "in/a.jsonl"));
+    EXPECT_TRUE(testing::ReadFile(dir / "in/a.jsonl") == a);
+  }
+  // Reached through a link in another directory: the same file.
+  std::filesystem::create_symlink(dir / "in/a.jsonl", dir / "link.jsonl");
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --force --delete-input", testing::Tool("ptk-extract"),
+                              dir / "link.jsonl", dir / "in"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(testing::Exists(dir / "in/a.jsonl") && testing::ReadFile(dir / "in/a.jsonl") == a);
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
 // --drop-set kept the first of duplicate keys; Python's json (and ptk-tokenize) keep the
 // last, at every level.
 TEST(Extract, DropSetTakesTheLastOfDuplicateKeys) {
