@@ -874,6 +874,29 @@ TEST(TokenizeErrors, DuplicateKeysAndADirectoryInTheOutputsPlace) {
   }
 }
 
+// An input that is one of the run's outputs (named like one, or reached by a glob over the output's
+// directory) is refused before anything is written: it was read while its replacement was written,
+// and lost (exit 0).
+TEST(TokenizeErrors, AnInputThatIsAnOutputIsRefused) {
+  TempDir dir;
+  const std::string jsonl = "{\"text\": \"a\"}\n{\"text\": \"b\"}\n";
+  testing::WriteFile(dir / "x_text_document.bin", jsonl);  // JSON lines under an output's name
+  auto named = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "x_text_document.bin", dir / "x")));
+  EXPECT_EQ(named.exit_code, 1) << named.output;
+  EXPECT_NE(named.output.find("is the output " + dir / "x_text_document.bin" + " of this run"), std::string::npos)
+      << named.output;
+  EXPECT_EQ(testing::ReadFile(dir / "x_text_document.bin"), jsonl);
+  EXPECT_FALSE(testing::Exists(dir / "x_text_document.idx"));
+  std::filesystem::create_directories(dir / "d");
+  testing::WriteFile(dir / "d/in.jsonl", jsonl);
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "d/in.jsonl", dir / "d/o"))).exit_code, 0);
+  const std::string bin = testing::ReadFile(dir / "d/o_text_document.bin");
+  auto glob = RunCmd(Tok(fmt::format("--input '{}/*' --output-prefix {}", dir / "d", dir / "d/o")));
+  EXPECT_EQ(glob.exit_code, 1) << glob.output;
+  EXPECT_NE(glob.output.find("is the output"), std::string::npos) << glob.output;
+  EXPECT_EQ(testing::ReadFile(dir / "d/o_text_document.bin"), bin);
+}
+
 TEST(TokenizeErrors, HundredMegabyteDocument) {
   TempDir dir;
   {
