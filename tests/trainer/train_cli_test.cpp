@@ -677,6 +677,25 @@ TEST_F(TrainCli, DataAndCheckpointMistakesAreNamed) {
   EXPECT_NE(big.output.find("overflows"), std::string::npos) << big.output;
 }
 
+// --data-path (and a per-split path) given twice, a script's default then an override: the last
+// occurrence, as argparse takes it. Both lists were joined: training on both, or here, failing on
+// the first one's missing dataset.
+TEST_F(TrainCli, ADataPathGivenTwiceTakesTheLastAsArgparse) {
+  const std::string given = "--data-path " + ShellQuote(prefix_);
+  const std::string nope = ShellQuote(dir_ / "nope_text_document");
+  std::string cmd = Train("--eval-iters 0", 2);
+  cmd.replace(cmd.find(given), given.size(), "--data-path 1 " + nope + " " + given);
+  auto r = RunCmd(cmd);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("nope_text_document"), std::string::npos) << r.output;
+  cmd = Train("--eval-iters 0", 2);
+  cmd.replace(cmd.find(given), given.size(),
+              "--train-data-path " + nope + " --train-data-path " + ShellQuote(prefix_) + " --split 1");
+  r = RunCmd(cmd);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("nope_text_document"), std::string::npos) << r.output;
+}
+
 // Point 9: a resume with another seed, global batch size, sequence length or data says so.
 TEST_F(TrainCli, ResumeWithOtherDataSettingsSaysWhatChanged) {
   const std::string ck = ShellQuote(dir_ / "s");
