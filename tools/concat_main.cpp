@@ -59,7 +59,7 @@ absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
   PTK_ASSIGN_OR_RETURN(ptk::ConcatSummary s, ptk::RunConcat(plan, o));
   ptk::log::Info(
       "{} chunks built, {} already complete, {} failed; {:.1f} MB written to {}{}", s.built, s.skipped, s.failed,
-      s.bytes / 1e6, plan.output_dir,
+      s.bytes / 1e6, plan.Resolve(plan.output_dir),
       s.newlines_added ? fmt::format("; {} inputs lacked a final newline (one was added)", s.newlines_added) : "");
   if (s.failed) {
     const std::string msg = fmt::format("{} of {} chunks failed", s.failed, s.built + s.skipped + s.failed);

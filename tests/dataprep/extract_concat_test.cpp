@@ -387,6 +387,33 @@ TEST(Concat, ChunksAreExactNewlineSafeAndResumable) {
   EXPECT_NE(durable.output.find("0 chunks built, 3 already complete"), std::string::npos) << durable.output;
 }
 
+// A plan made with relative paths (`cd data && ptk-concat plan --input in --output-dir out`) and run
+// by a task started in another directory reads the plan's files and writes its chunks where the
+// plan says. It read `in/...` and wrote `out/...` below the task's directory: an error, or, where a
+// file of the same name and size was there, a chunk of other data, exit 0.
+TEST(Concat, APlanMeansTheSameFilesFromAnyDirectory) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "data/in");
+  std::filesystem::create_directories(dir / "elsewhere/in");
+  const std::string a = Jsonl(40, 3), decoy = std::string(a.size() - 1, 'x') + "\n";  // same size, other bytes
+  testing::WriteFile(dir / "data/in/a.jsonl", a);
+  testing::WriteFile(dir / "elsewhere/in/a.jsonl", decoy);
+  const std::string concat = testing::Tool("ptk-concat");
+  auto plan = RunCmd(fmt::format("cd {} && {} plan --input in --output-dir out --chunks 1", dir / "data", concat));
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const std::string plan_file = dir / "data/out/concat-plan.json";
+  auto run = RunCmd(fmt::format("cd {} && {} run --quiet --plan {}", dir / "elsewhere", concat, plan_file));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "data/out/train_00.jsonl") == a);
+  EXPECT_FALSE(testing::Exists(dir / "elsewhere/out"));
+  auto list = RunCmd(fmt::format("cd {} && {} list --plan {}", dir / "elsewhere", concat, plan_file));
+  ASSERT_EQ(list.exit_code, 0) << list.output;
+  EXPECT_EQ(list.output, dir / "data/out/train_00.jsonl" + "\n");
+  // Where it was made, the same chunk: complete, not built again.
+  auto again = RunCmd(fmt::format("cd {} && {} run --plan out/concat-plan.json", dir / "data", concat));
+  EXPECT_NE(again.output.find("0 chunks built, 1 already complete"), std::string::npos) << again.output;
+}
+
 TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
