@@ -138,6 +138,14 @@ usage "${TRAIN[@]}" --data-path "$T/p" --num-layers 2 --pipeline-model-parallel-
   "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2:"
 usage "$BIN/ptk-convert" --loader hf --saver hf --load-dir "$T" --save-dir "$T/o" -- \
   "--loader hf --saver hf: ptk-convert converts"
+# Standard output is a product (a chunk list, a document): on a full disk, exit 3 naming it, not 0
+# with the output lost (ptk-concat list > chunks.txt).
+"$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" >/dev/null 2>&1 || { echo "FAIL: ptk-concat"; fail=1; }
+out=$("$BIN/ptk-concat" list --plan "$T/c/concat-plan.json" 2>&1 >/dev/full); rc=$?
+[ "$rc" = 3 ] && [[ $out == *"write standard output: No space left on device"* ]] ||
+  { echo "FAIL: ptk-concat list > /dev/full: rc $rc: $out"; fail=1; }
+out=$("$BIN/ptk-inspect" "$T/c/train_00.jsonl" 2>&1 >/dev/full); rc=$?
+[ "$rc" = 1 ] && [[ $out != *"standard output"* ]] || { echo "FAIL: a failure keeps its own message: rc $rc: $out"; fail=1; }
 # Not a usage error: a dataset that does not exist is exit 1.
 out=$("${TRAIN[@]}" --data-path "$T/p" 2>&1); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"usage error"* ]] || { echo "FAIL: a missing dataset: rc $rc: $out"; fail=1; }
