@@ -349,6 +349,7 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     return w.str();
   };
 
+  const bool fresh = !PathExists(final_dir);  // no directory of this iteration before this save
   absl::Status st = [&]() -> absl::Status {
     PTK_RETURN_IF_ERROR(Step("create temporary directory"));
     PTK_RETURN_IF_ERROR(RemoveAllOrError(tmp_dir));
@@ -366,6 +367,15 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     // and nothing of this save left behind (a full disk must not leave empty directories).
     absl::Status undo = RecoverIteration(save, Basename(final_dir), /*restore_new=*/false);
     if (!undo.ok()) log::Warning("after a failed save: {}", StatusMessage(undo));
+    // A new iteration directory whose tracker could not be written (a full disk at the last small
+    // file) is named by nothing, and the next --load would start from scratch beside it: removed.
+    if (fresh && PathExists(final_dir)) {
+      auto latest = LatestCheckpointIteration(save);
+      if (!latest.ok() || *latest != state.iteration) {
+        absl::Status gone = RemoveAllOrError(final_dir);
+        if (!gone.ok()) log::Warning("after a failed save: {}", StatusMessage(gone));
+      }
+    }
   }
   return st;
 }
