@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 
@@ -29,7 +28,6 @@
 namespace ptk {
 namespace {
 
-constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
 constexpr int kFormatVersion = 1;
 constexpr char kTracker[] = "latest_checkpointed_iteration.txt";
 constexpr char kTmpTag[] = ".ptk-tmp-";  // a save's new directory, before it is renamed in
@@ -578,23 +576,6 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   if (state->iteration != iteration)
     return corrupt(fmt::format("holds iteration {}, the directory says {}", state->iteration, iteration));
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
-  auto corrupt = [&](const std::string& why) {
-    return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
-  };
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return absl::NotFoundError(fmt::format("{}: cannot open", file));
-  char magic[sizeof kMagic];
-  uint64_t len = 0;
-  if (!in.read(magic, sizeof magic) || std::memcmp(magic, kMagic, sizeof kMagic) != 0)
-    return corrupt("not a ptk checkpoint (bad magic)");
-  if (!in.read(reinterpret_cast<char*>(&len), sizeof len) || len > (uint64_t{1} << 30))
-    return corrupt("bad header length");
-  std::string header(len, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(len))) return corrupt("header past the end");
-  return header;
 }
 
 }  // namespace ptk

@@ -4,6 +4,7 @@
 // honoured or refused with one line.
 #include <pthread.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -675,6 +676,15 @@ TEST_F(TrainCli, DataAndCheckpointMistakesAreNamed) {
   testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", std::string(24, '9'));
   auto big = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
   EXPECT_NE(big.output.find("overflows"), std::string::npos) << big.output;
+  // A FIFO in the checkpoint file's place is refused at once (it was opened and waited on for a
+  // writer that never comes: ptk-train hung).
+  testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", "2");
+  const std::string file = CheckpointFile(dir_ / "c", 2);
+  std::filesystem::remove(file);
+  ASSERT_EQ(::mkfifo(file.c_str(), 0644), 0);
+  auto fifo = RunCmd("timeout 60 " + Train("--load " + ShellQuote(dir_ / "c"), 4));
+  EXPECT_EQ(fifo.exit_code, 1) << fifo.output;
+  EXPECT_NE(fifo.output.find(file + " is a FIFO, not a regular file"), std::string::npos) << fifo.output;
 }
 
 // --data-path (and a per-split path) given twice, a script's default then an override: the last
