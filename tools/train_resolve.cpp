@@ -59,9 +59,12 @@ absl::StatusOr<std::vector<std::string>> ReadDataArgs(const std::string& path, c
 }
 
 absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
+  // Read as every file is (a FIFO refused at once, not waited on), then parsed.
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return UsageError(fmt::format("--per-split-data-args-path: {}", StatusMessage(text.status())));
   simdjson::dom::parser p;
   simdjson::dom::object obj;
-  if (auto err = p.load(path).get(obj))
+  if (auto err = p.parse(*text).get(obj))
     return UsageError(
         fmt::format("--per-split-data-args-path {}: not a JSON object ({})", path, simdjson::error_message(err)));
   const char* keys[] = {"train", "valid", "test"};
@@ -265,10 +268,10 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {
   if (vocab_file.empty()) return 50257;
   if (!PathExists(vocab_file)) return absl::NotFoundError(vocab_file + ": --vocab-file does not exist");
+  PTK_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(vocab_file));  // a FIFO refused, not waited on
   simdjson::dom::parser p;
   simdjson::dom::object obj;
-  if (p.load(vocab_file).get(obj))
-    return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
+  if (p.parse(text).get(obj)) return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
   return static_cast<int64_t>(obj.size());
 }
 
