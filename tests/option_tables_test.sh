@@ -56,6 +56,8 @@ TRAIN=("$BIN/ptk-train" --num-layers 1 --hidden-size 8 --num-attention-heads 2 -
 usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0 -- "--jobs: Value 0 not in range"
 usage "$BIN/ptk-extract" "$T/x.zst" --jobs abc -- '--jobs: must be a positive number, not "abc"'
 usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chunks: must be a positive number'
+# A negative chunk index was taken as 18446744073709551615 ("outside the plan's 2 chunks", exit 1).
+usage "$BIN/ptk-concat" run --plan "$T/in/a.jsonl" --chunk-index -1 -- '--chunk-index: must be a number >= 0, not "-1"'
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0 -- "--workers: must be"
 usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2 not in"
 usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
