@@ -1,6 +1,7 @@
 // Command-line conventions shared by every tool.
 #include "common/cli.h"
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -356,6 +357,17 @@ int RunMain(const std::function<absl::Status()>& body) {
     st = body();
   } catch (const std::exception& e) {
     st = absl::InternalError(fmt::format("unexpected exception: {}", e.what()));
+  }
+  // What a tool prints on standard output is a product (a chunk list, a document, a sample, the
+  // training log): on a full disk it must not end with exit 0 and the output cut or empty.
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    int e = errno;  // 0 when the write failed earlier (a main that flushes each line) and the flush had nothing left
+    struct statvfs vfs {};
+    if (e == 0 && ::fstatvfs(STDOUT_FILENO, &vfs) == 0 && vfs.f_bavail == 0) e = ENOSPC;
+    if (st.ok())
+      st = e != 0 ? ErrnoToStatus(e, "write standard output")
+                  : absl::InternalError("write standard output failed (a full disk, or an output that was closed?)");
   }
   if (st.ok()) return kExitOk;
   std::string msg(StatusMessage(st));

@@ -86,7 +86,8 @@ absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string
 int ExitCodeFor(const absl::Status& status);
 
 // Runs `body` in main: prints a failed Status as one line "prog: error: ..." (a usage error as
-// "prog: usage error: ..." and a hint to run --help) and returns its code.
+// "prog: usage error: ..." and a hint to run --help) and returns its code. Standard output that
+// could not be written (a full disk under a redirection) fails the run: exit 3 for ENOSPC.
 int RunMain(const std::function<absl::Status()>& body);
 
 }  // namespace ptk::cli

@@ -45,7 +45,7 @@ absl::Status CopyFdRange(int in_fd, uint64_t in_off, int out_fd, uint64_t length
       return ErrnoToStatus(errno, fmt::format("read {}", what));
     }
     if (n == 0) return absl::DataLossError(fmt::format("{}: file ended {} bytes early", what, length));
-    PTK_RETURN_IF_ERROR(WriteAll(out_fd, buf.data(), static_cast<size_t>(n), "output"));
+    PTK_RETURN_IF_ERROR(WriteAll(out_fd, buf.data(), static_cast<size_t>(n), what));
     off += n;
     length -= static_cast<uint64_t>(n);
   }

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <bit>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -35,11 +36,27 @@ absl::StatusOr<std::array<double, 3>> ParseAndNormalizeSplit(const std::string& 
   static const std::regex re("[.0-9]+");
   std::vector<double> v;
   for (auto it = std::sregex_iterator(split.begin(), split.end(), re); it != std::sregex_iterator(); ++it) {
+    // Each match whole, as Python's float() reads it: "98.2.0" (dots for commas) is no number,
+    // where std::stod would read 98.2 and train on everything.
+    const std::string part = it->str();
+    size_t used = 0;
+    double x = 0;
     try {
-      v.push_back(std::stod(it->str()));
+      x = std::stod(part, &used);
     } catch (...) {
-      return UsageError(fmt::format("--split {:?}: {:?} is not a number", split, it->str()));
     }
+    if (used != part.size())
+      return UsageError(
+          fmt::format("--split {:?}: {:?} is not a number; give the train, valid and test proportions, "
+                      "such as 969,30,1",
+                      split, part));
+    // The regex takes no sign: Megatron would read -1 as 1. A minus sign before a number (not a
+    // dash between two numbers, 98-2-0) is a negative proportion.
+    const size_t at = static_cast<size_t>(it->position());
+    if (at > 0 && split[at - 1] == '-' &&
+        (at == 1 || !(std::isdigit(static_cast<unsigned char>(split[at - 2])) || split[at - 2] == '.')))
+      return UsageError(fmt::format("--split {:?}: -{} is negative; the proportions are numbers >= 0", split, part));
+    v.push_back(x);
   }
   if (v.empty())
     return UsageError(fmt::format(

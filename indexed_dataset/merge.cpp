@@ -18,7 +18,19 @@
 
 namespace ptk {
 
-absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir) {
+namespace {
+
+bool SameFile(const std::string& a, const std::string& b) {
+  auto x = IdentifyFile(a), y = IdentifyFile(b);
+  return x.ok() && y.ok() && x->dev == y->dev && x->ino == y->ino;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir, const std::string& output_prefix) {
+  // The output's name when it lies in `dir` (compared by the directory's identity, not its spelling).
+  const std::string own =
+      !output_prefix.empty() && SameFile(dir, Dirname(output_prefix)) ? Basename(output_prefix) : std::string();
   DIR* d = ::opendir(dir.c_str());
   if (!d) return ErrnoToStatus(errno, fmt::format("cannot list {}", dir));
   std::set<std::string> bins, idxs;
@@ -26,6 +38,7 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
     std::string name = e->d_name;
     std::string full = JoinPath(dir, name);
     if (IsDirectory(full)) continue;
+    if (!own.empty() && (name == own + ".bin" || name == own + ".idx")) continue;
     auto ends = [&](std::string_view suf) {
       return name.size() > suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
     };
@@ -69,8 +82,12 @@ absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs,
                                          bool multimodal, const std::string& source) {
   if (inputs.empty()) return absl::InvalidArgumentError("nothing to merge");
   for (const auto& in : inputs)
-    if (in == output_prefix)
-      return absl::InvalidArgumentError(fmt::format("output prefix {} is also an input", output_prefix));
+    if (in == output_prefix || SameFile(BinPath(in), BinPath(output_prefix)) ||
+        SameFile(IdxPath(in), IdxPath(output_prefix)))
+      return absl::InvalidArgumentError(
+          in == output_prefix
+              ? fmt::format("output prefix {} is also an input", output_prefix)
+              : fmt::format("output prefix {} is also an input: the same files as {}", output_prefix, in));
   PTK_ASSIGN_OR_RETURN(auto first, IndexedDataset::Open(inputs[0], multimodal));
   PTK_ASSIGN_OR_RETURN(auto builder, IndexedDatasetBuilder::Create(output_prefix, first->dtype(), multimodal));
   first.reset();

@@ -10,8 +10,10 @@ namespace ptk {
 
 // The prefixes in `dir` as tools/merge_datasets.py finds them: every PREFIX with both PREFIX.bin
 // and PREFIX.idx, sorted by Python's sorted() (code-point = byte order). A lone .bin or .idx is an
-// error naming it.
-absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir);
+// error naming it. The pair at `output_prefix` (the merge's output, however spelled: a merge into
+// its input directory finds there what its earlier run wrote) is never an input.
+absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir,
+                                                           const std::string& output_prefix = "");
 
 struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;
@@ -24,7 +26,8 @@ struct MergeStats {
 absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& input_prefixes, bool multimodal);
 
 // Appends the inputs in the given order into `output_prefix` (dtype of the first input; every
-// input must share it). `source`, when given, is recorded in the sidecar (IndexedDatasetBuilder::SetSource).
+// input must share it). An input that is the output, however spelled (the same .bin or .idx file),
+// is an error naming both. `source`, when given, is recorded in the sidecar (IndexedDatasetBuilder::SetSource).
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& input_prefixes,
                                          const std::string& output_prefix, bool multimodal = false,
                                          const std::string& source = "");

@@ -19,8 +19,10 @@ splits=0
 train_args=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --weights) weights=${2:-}; shift 2 ;;
-    --format) format=${2:-}; shift 2 ;;
+    --weights|--format)  # `shift 2` with no value would fail under set -e: exit 1 and no word
+      [ $# -ge 2 ] || { echo "data-path: $1 needs a value (see --help)" >&2; exit 2; }
+      if [ "$1" = --weights ]; then weights=$2; else format=$2; fi
+      shift 2 ;;
     --splits) splits=1; shift ;;
     --train-args) train_args=1; shift ;;
     -h|--help) sed -n '2,14p' "$0"; exit 0 ;;

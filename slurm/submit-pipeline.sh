@@ -17,7 +17,9 @@ from=download
 dry=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --from) from=${2:-}; shift 2 ;;
+    --from)  # `shift 2` with no value would fail under set -e: exit 1 and no word
+      [ $# -ge 2 ] || { echo "submit-pipeline: --from needs a stage (one of: download extract concat-plan concat tokenize train)" >&2; exit 2; }
+      from=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "submit-pipeline: unknown argument: $1 (see --help)" >&2; exit 2 ;;

@@ -56,9 +56,19 @@ TRAIN=("$BIN/ptk-train" --num-layers 1 --hidden-size 8 --num-attention-heads 2 -
 usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0 -- "--jobs: Value 0 not in range"
 usage "$BIN/ptk-extract" "$T/x.zst" --jobs abc -- '--jobs: must be a positive number, not "abc"'
 usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chunks: must be a positive number'
+# A negative chunk index was taken as 18446744073709551615 ("outside the plan's 2 chunks", exit 1).
+usage "$BIN/ptk-concat" run --plan "$T/in/a.jsonl" --chunk-index -1 -- '--chunk-index: must be a number >= 0, not "-1"'
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0 -- "--workers: must be"
 usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2 not in"
 usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
+# ptk-inspect's sample flags as Megatron's: a seed outside numpy's [0, 2**32) was wrapped (4294967296
+# gave seed 0's sample), negative counts taken, --doc -1 printed the summary.
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed 4294967296 -- "--seed: Value 4294967296 not in range"
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed -1 -- "--seed: Value -1 not in range"
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --train-samples -5 -- '--train-samples: must be a number >= 0'
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length -8 -- '--seq-length: must be a positive number'
+usage "$BIN/ptk-inspect" "$T/p" --sample -1 --seq-length 8 -- '--sample: must be a number >= 0'
+usage "$BIN/ptk-inspect" "$T/p" --doc -1 -- '--doc: must be a number >= 0, not "-1"'
 usage "$BIN/ptk-convert" --loader xx --saver hf --load-dir "$T" --save-dir "$T/o" -- "--loader: xx not in"
 usage "${TRAIN[@]}" --data-path "$T/p" --micro-batch-size 0 -- "--micro-batch-size: must be an integer in [1,"
 usage "${TRAIN[@]}" --data-path "$T/p" --sample-prompt hi -- "--sample-prompt requires --sample-interval"
@@ -116,6 +126,10 @@ usage "$BIN/ptk-inspect" --sample 0 --seq-length 8 --format ids --data-path 0 "$
 usage "$BIN/ptk-inspect" --sample 0 --seq-length 8 --format ids --data-path -1 "$T/p" -- \
   'data path weight "-1" (of '
 usage "${TRAIN[@]}" --data-path "$T/p" --split 1,2,3,4 -- '--split "1,2,3,4" has more than three parts'
+# A split Megatron's float() refuses (dots for commas) was read as 98.2 (all for training); a minus
+# sign, which Megatron's regex drops, was read away.
+usage "${TRAIN[@]}" --data-path "$T/p" --split 98.2.0 -- '--split "98.2.0": "98.2.0" is not a number'
+usage "${TRAIN[@]}" --data-path "$T/p" --split=-1,2,0 -- '--split "-1,2,0": -1 is negative'
 usage "${TRAIN[@]}" --data-path "$T/p" --bf16 -- "--bf16: the CPU backend trains in fp32"
 usage "${TRAIN[@]}" --data-path "$T/p" --global-batch-size 3 --micro-batch-size 2 -- \
   "--global-batch-size (3) must be a multiple of --micro-batch-size (2)"
@@ -126,6 +140,14 @@ usage "${TRAIN[@]}" --data-path "$T/p" --num-layers 2 --pipeline-model-parallel-
   "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2:"
 usage "$BIN/ptk-convert" --loader hf --saver hf --load-dir "$T" --save-dir "$T/o" -- \
   "--loader hf --saver hf: ptk-convert converts"
+# Standard output is a product (a chunk list, a document): on a full disk, exit 3 naming it, not 0
+# with the output lost (ptk-concat list > chunks.txt).
+"$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" >/dev/null 2>&1 || { echo "FAIL: ptk-concat"; fail=1; }
+out=$("$BIN/ptk-concat" list --plan "$T/c/concat-plan.json" 2>&1 >/dev/full); rc=$?
+[ "$rc" = 3 ] && [[ $out == *"write standard output: No space left on device"* ]] ||
+  { echo "FAIL: ptk-concat list > /dev/full: rc $rc: $out"; fail=1; }
+out=$("$BIN/ptk-inspect" "$T/c/train_00.jsonl" 2>&1 >/dev/full); rc=$?
+[ "$rc" = 1 ] && [[ $out != *"standard output"* ]] || { echo "FAIL: a failure keeps its own message: rc $rc: $out"; fail=1; }
 # Not a usage error: a dataset that does not exist is exit 1.
 out=$("${TRAIN[@]}" --data-path "$T/p" 2>&1); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"usage error"* ]] || { echo "FAIL: a missing dataset: rc $rc: $out"; fail=1; }

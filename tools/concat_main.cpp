@@ -59,7 +59,7 @@ absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
   PTK_ASSIGN_OR_RETURN(ptk::ConcatSummary s, ptk::RunConcat(plan, o));
   ptk::log::Info(
       "{} chunks built, {} already complete, {} failed; {:.1f} MB written to {}{}", s.built, s.skipped, s.failed,
-      s.bytes / 1e6, plan.output_dir,
+      s.bytes / 1e6, plan.Resolve(plan.output_dir),
       s.newlines_added ? fmt::format("; {} inputs lacked a final newline (one was added)", s.newlines_added) : "");
   if (s.failed) {
     const std::string msg = fmt::format("{} of {} chunks failed", s.failed, s.built + s.skipped + s.failed);
@@ -166,7 +166,8 @@ int main(int argc, char** argv) {
                           "Build chunks of an existing plan: one (--chunk-index), this array task's "
                           "share (--shard-index/--num-shards, SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX), or all");
   run_cmd->add_option("--plan", run_args.plan_path, "Plan file written by `ptk-concat plan`")->required();
-  auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)");
+  auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)")
+                 ->check(ptk::cli::NonNegative());
   run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")->excludes(ci);
   run_cmd->add_option("--num-shards", run_args.num_shards, "Number of shards")->excludes(ci);
   run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::Positive());

@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
     if (!input_dir.empty()) {
       if (!ptk::IsDirectory(input_dir))
         return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", input_dir));
-      PTK_ASSIGN_OR_RETURN(inputs, ptk::FindPrefixesInDir(input_dir));
+      PTK_ASSIGN_OR_RETURN(inputs, ptk::FindPrefixesInDir(input_dir, output_prefix));
     } else {
       // PREFIX, PREFIX.bin or PREFIX.idx; a prefix without its _text_document gets the hint.
       for (std::string& in : inputs) {

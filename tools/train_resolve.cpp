@@ -59,9 +59,12 @@ absl::StatusOr<std::vector<std::string>> ReadDataArgs(const std::string& path, c
 }
 
 absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
+  // Read as every file is (a FIFO refused at once, not waited on), then parsed.
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return UsageError(fmt::format("--per-split-data-args-path: {}", StatusMessage(text.status())));
   simdjson::dom::parser p;
   simdjson::dom::object obj;
-  if (auto err = p.load(path).get(obj))
+  if (auto err = p.parse(*text).get(obj))
     return UsageError(
         fmt::format("--per-split-data-args-path {}: not a JSON object ({})", path, simdjson::error_message(err)));
   const char* keys[] = {"train", "valid", "test"};
@@ -150,6 +153,13 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
 // The data paths from --data-args-path / --per-split-data-args-path, and the cache path.
 absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
   TrainOptions& o = *out;
+  // A list flag given twice (a script's default, then an override): the last occurrence, as
+  // Megatron's argparse takes it, not both lists joined (training on both data sets).
+  for (std::vector<std::string>* paths : {&o.data.data_path, &o.data.per_split_data_path[0],
+                                          &o.data.per_split_data_path[1], &o.data.per_split_data_path[2]}) {
+    const auto separator = std::find(paths->rbegin(), paths->rend(), std::string());
+    if (separator != paths->rend()) paths->erase(paths->begin(), separator.base());
+  }
   if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
   if (!f.data_args_path.empty()) {
     if (!o.data.data_path.empty()) return Refuse("--data-args-path and --data-path: give one");
@@ -258,10 +268,10 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {
   if (vocab_file.empty()) return 50257;
   if (!PathExists(vocab_file)) return absl::NotFoundError(vocab_file + ": --vocab-file does not exist");
+  PTK_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(vocab_file));  // a FIFO refused, not waited on
   simdjson::dom::parser p;
   simdjson::dom::object obj;
-  if (p.load(vocab_file).get(obj))
-    return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
+  if (p.parse(text).get(obj)) return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
   return static_cast<int64_t>(obj.size());
 }
 

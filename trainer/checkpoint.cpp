@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 
@@ -29,7 +28,6 @@
 namespace ptk {
 namespace {
 
-constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
 constexpr int kFormatVersion = 1;
 constexpr char kTracker[] = "latest_checkpointed_iteration.txt";
 constexpr char kTmpTag[] = ".ptk-tmp-";  // a save's new directory, before it is renamed in
@@ -349,6 +347,7 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     return w.str();
   };
 
+  const bool fresh = !PathExists(final_dir);  // no directory of this iteration before this save
   absl::Status st = [&]() -> absl::Status {
     PTK_RETURN_IF_ERROR(Step("create temporary directory"));
     PTK_RETURN_IF_ERROR(RemoveAllOrError(tmp_dir));
@@ -366,6 +365,15 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     // and nothing of this save left behind (a full disk must not leave empty directories).
     absl::Status undo = RecoverIteration(save, Basename(final_dir), /*restore_new=*/false);
     if (!undo.ok()) log::Warning("after a failed save: {}", StatusMessage(undo));
+    // A new iteration directory whose tracker could not be written (a full disk at the last small
+    // file) is named by nothing, and the next --load would start from scratch beside it: removed.
+    if (fresh && PathExists(final_dir)) {
+      auto latest = LatestCheckpointIteration(save);
+      if (!latest.ok() || *latest != state.iteration) {
+        absl::Status gone = RemoveAllOrError(final_dir);
+        if (!gone.ok()) log::Warning("after a failed save: {}", StatusMessage(gone));
+      }
+    }
   }
   return st;
 }
@@ -568,23 +576,6 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   if (state->iteration != iteration)
     return corrupt(fmt::format("holds iteration {}, the directory says {}", state->iteration, iteration));
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
-  auto corrupt = [&](const std::string& why) {
-    return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
-  };
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return absl::NotFoundError(fmt::format("{}: cannot open", file));
-  char magic[sizeof kMagic];
-  uint64_t len = 0;
-  if (!in.read(magic, sizeof magic) || std::memcmp(magic, kMagic, sizeof kMagic) != 0)
-    return corrupt("not a ptk checkpoint (bad magic)");
-  if (!in.read(reinterpret_cast<char*>(&len), sizeof len) || len > (uint64_t{1} << 30))
-    return corrupt("bad header length");
-  std::string header(len, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(len))) return corrupt("header past the end");
-  return header;
 }
 
 }  // namespace ptk

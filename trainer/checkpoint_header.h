@@ -10,6 +10,9 @@
 
 namespace ptk {
 
+// The first bytes of every ptk checkpoint file.
+inline constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
+
 // The header's "settings" ([[flag, value], ...], the run's settings as given) into *out, cleared
 // first; none when the header has no such key (a checkpoint of ptk before it recorded them). False
 // when the key holds anything else.

@@ -1,4 +1,8 @@
 // The run's settings recorded in a checkpoint's header (for --use-checkpoint-args and the convert tool).
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -7,11 +11,33 @@
 #include <fmt/core.h>
 #include <simdjson.h>
 
+#include "common/file_io.h"
 #include "common/status.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_header.h"
 
 namespace ptk {
+
+absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
+  auto corrupt = [&](const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));
+  };
+  {
+    PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(file));  // a FIFO refused, not waited on
+    ::close(fd);
+  }
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::NotFoundError(fmt::format("{}: cannot open", file));
+  char magic[sizeof kMagic];
+  uint64_t len = 0;
+  if (!in.read(magic, sizeof magic) || std::memcmp(magic, kMagic, sizeof kMagic) != 0)
+    return corrupt("not a ptk checkpoint (bad magic)");
+  if (!in.read(reinterpret_cast<char*>(&len), sizeof len) || len > (uint64_t{1} << 30))
+    return corrupt("bad header length");
+  std::string header(len, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(len))) return corrupt("header past the end");
+  return header;
+}
 
 bool ReadHeaderSettings(simdjson::dom::element header, std::vector<std::pair<std::string, std::string>>* out) {
   out->clear();

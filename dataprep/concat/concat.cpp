@@ -126,11 +126,22 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
   return plan;
 }
 
+std::string ConcatPlan::Resolve(const std::string& path) const {
+  return base_dir.empty() || path.empty() || path[0] == '/' ? path : JoinPath(base_dir, path);
+}
+
 absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path) {
+  std::string base = plan.base_dir;
+  if (base.empty()) {
+    std::error_code ec;
+    base = std::filesystem::current_path(ec).string();
+    if (ec) return ErrnoToStatus(ec.value(), "cannot tell the current directory (the plan's base_dir)");
+  }
   JsonWriter w;
   w.BeginObject()
       .Field("version", 1)
       .Field("output_dir", plan.output_dir)
+      .Field("base_dir", base)
       .Key("chunks")
       .BeginArray(/*one_per_line=*/true);
   for (const auto& c : plan.chunks) {
@@ -156,6 +167,14 @@ absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
   std::string_view od;
   if (root["output_dir"].get(od)) return bad("no output_dir");
   plan.output_dir = std::string(od);
+  // Relative paths are relative to where the plan was made; in that very directory (however it is
+  // reached) they are used as written. A plan without base_dir (older) is read from the current one.
+  std::string_view base;
+  if (!root["base_dir"].get(base) && !base.empty()) {
+    auto here = IdentifyFile("."), there = IdentifyFile(std::string(base));
+    if (!(here.ok() && there.ok() && here->dev == there->dev && here->ino == there->ino))
+      plan.base_dir = std::string(base);
+  }
   simdjson::dom::array chunks;
   if (root["chunks"].get(chunks)) return bad("no chunks");
   for (auto ce : chunks) {
@@ -182,10 +201,11 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     return absl::OutOfRangeError(
         fmt::format("chunk index {} is outside the plan's {} chunks", index, plan.chunks.size()));
   const ConcatChunk& c = plan.chunks[index];
-  const std::string out_path = JoinPath(plan.output_dir, c.name);
-  const std::string digest = ChunkDigest(c);
+  const std::string out_dir = plan.Resolve(plan.output_dir);
+  const std::string out_path = JoinPath(out_dir, c.name);
+  const std::string digest = ChunkDigest(c);  // of the paths as the plan records them
   ConcatChunkResult res;
-  PTK_RETURN_IF_ERROR(MakeDirs(plan.output_dir));
+  PTK_RETURN_IF_ERROR(MakeDirs(out_dir));
   // One builder per chunk: a second run of the same chunk stops here, naming the first.
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(out_path));
   RemoveStaleTemporaries(out_path);
@@ -205,27 +225,29 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     }
   }
   for (const auto& in : c.inputs) {
-    auto sz = FileSize(in.path);
+    const std::string in_path = plan.Resolve(in.path);
+    auto sz = FileSize(in_path);
     if (!sz.ok()) return sz.status();
     if (*sz != in.size)
       return absl::FailedPreconditionError(
-          fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in.path,
+          fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in_path,
                       *sz, in.size));
   }
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
   std::vector<char> buf;
   for (const auto& in : c.inputs) {
+    const std::string in_path = plan.Resolve(in.path);
     char last = '\n';
-    if (DetectCompression(in.path) == Compression::kNone) {
+    if (DetectCompression(in_path) == Compression::kNone) {
       if (in.size == 0) continue;
-      PTK_RETURN_IF_ERROR(out->AppendFileRange(in.path, 0, in.size));
-      PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(in.path));
+      PTK_RETURN_IF_ERROR(out->AppendFileRange(in_path, 0, in.size));
+      PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(in_path));
       ssize_t r = ::pread(fd, &last, 1, static_cast<off_t>(in.size - 1));
       ::close(fd);
-      if (r != 1) return absl::DataLossError(fmt::format("{}: cannot read its last byte", in.path));
+      if (r != 1) return absl::DataLossError(fmt::format("{}: cannot read its last byte", in_path));
     } else {
       if (buf.empty()) buf.resize(4 << 20);
-      PTK_ASSIGN_OR_RETURN(auto src, OpenByteSource(in.path));
+      PTK_ASSIGN_OR_RETURN(auto src, OpenByteSource(in_path));
       while (true) {
         PTK_ASSIGN_OR_RETURN(size_t n, src->Read(buf.data(), buf.size()));
         if (n == 0) break;
@@ -293,7 +315,7 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
 
 std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan) {
   std::vector<std::string> out;
-  for (const auto& c : plan.chunks) out.push_back(JoinPath(plan.output_dir, c.name));
+  for (const auto& c : plan.chunks) out.push_back(JoinPath(plan.Resolve(plan.output_dir), c.name));
   return out;
 }
 
@@ -303,17 +325,18 @@ absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan&
   for (const auto& c : plan.chunks) in_plan.insert(c.name);
   std::error_code ec;
   std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(plan.output_dir, ec)) {
+  const std::string out_dir = plan.Resolve(plan.output_dir);
+  for (const auto& e : std::filesystem::directory_iterator(out_dir, ec)) {
     const std::string name = e.path().filename().string();
     if (name.size() > kDoneSuffix.size() &&
         name.compare(name.size() - kDoneSuffix.size(), kDoneSuffix.size(), kDoneSuffix) == 0)
       names.push_back(name.substr(0, name.size() - kDoneSuffix.size()));
   }
-  if (ec) return ErrnoToStatus(ec.value(), fmt::format("list {}", plan.output_dir));
+  if (ec) return ErrnoToStatus(ec.value(), fmt::format("list {}", out_dir));
   std::sort(names.begin(), names.end(), NaturalLess);
   for (const auto& name : names) {
     if (in_plan.count(name)) continue;
-    const std::string path = JoinPath(plan.output_dir, name);
+    const std::string path = JoinPath(out_dir, name);
     auto side = ReadFileToString(path + std::string(kDoneSuffix));
     if (!side.ok() || side->find("\"inputs_sha256\"") == std::string::npos) continue;  // not a ptk-concat chunk
     PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(path));

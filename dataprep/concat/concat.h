@@ -28,6 +28,11 @@ struct ConcatChunk {
 struct ConcatPlan {
   std::string output_dir;
   std::vector<ConcatChunk> chunks;
+  // The directory the plan's relative paths (output_dir, inputs) are relative to: where it was
+  // made. Empty: the current directory (a plan made in this process, or read where it was made).
+  std::string base_dir;
+  // A path of the plan as this process opens it.
+  std::string Resolve(const std::string& path) const;
 };
 
 struct ConcatPlanOptions {
@@ -42,6 +47,9 @@ struct ConcatPlanOptions {
 absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs, const std::string& output_dir,
                                           const ConcatPlanOptions& options);
 
+// The plan file records the directory it was made in ("base_dir"), so that an array task started
+// in another directory reads the same files and writes the same chunks (a relative path used to
+// name other files there, or none).
 absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path);
 absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path);
 

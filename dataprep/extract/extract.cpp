@@ -324,6 +324,12 @@ int64_t CountExtractedOutputs(const std::vector<std::string>& paths) {
 
 namespace {
 
+// Whether two paths name one file (device and inode, links followed); false where either is missing.
+bool SameFile(const std::string& a, const std::string& b) {
+  auto x = IdentifyFile(a), y = IdentifyFile(b);
+  return x.ok() && y.ok() && x->dev == y->dev && x->ino == y->ino;
+}
+
 // Every input's output, checked for collisions over the whole list (not only this shard's).
 absl::StatusOr<std::vector<std::string>> OutputsOf(const ExtractOptions& opt) {
   std::vector<std::string> outputs(opt.inputs.size());
@@ -355,7 +361,10 @@ int64_t ShardOwner(const ExtractOptions& opt, size_t i) {
 void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, ExtractFileResult& r,
                            std::unique_ptr<OutputLock>* lock, ProgressReporter& progress) {
   auto src = StatSource(r.input);
-  if (src.ok() && r.output != r.input) {
+  // A plain input whose output is itself, however spelled (`f.jsonl --output-dir .`, a link): done as
+  // it is. Extracting it would rewrite the input from itself, and --delete-input then delete the output.
+  const bool in_place = r.output == r.input || SameFile(r.input, r.output);
+  if (src.ok() && !in_place) {
     absl::Status made = MakeDirs(Dirname(r.output));
     auto l = made.ok() ? OutputLock::Acquire(r.output) : absl::StatusOr<std::unique_ptr<OutputLock>>(made);
     if (l.ok()) {
@@ -368,14 +377,14 @@ void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, 
   if (!src.ok()) {
     r.state = ExtractFileResult::State::kFailed;
     r.error = src.status();
-  } else if (r.output != r.input && !opt.force && Occupied(r.output) && !WrittenByExtract(r.output)) {
+  } else if (!in_place && !opt.force && Occupied(r.output) && !WrittenByExtract(r.output)) {
     // As zstd -d: a file this tool did not write is never overwritten unasked.
     r.state = ExtractFileResult::State::kFailed;
     r.error = absl::AlreadyExistsError(
         fmt::format("{} already exists and was not written by ptk-extract (no {} beside it): not overwritten; "
                     "remove it, or pass --force",
                     r.output, kDoneSuffix));
-  } else if (r.output == r.input) {
+  } else if (in_place) {
     r.state = ExtractFileResult::State::kSkipped;  // already plain, in place
   } else if (LooksComplete(r.input, r.output, drops, true, *src)) {
     r.state = ExtractFileResult::State::kSkipped;

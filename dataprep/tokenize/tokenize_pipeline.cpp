@@ -17,6 +17,7 @@
 
 #include <fmt/core.h>
 
+#include "common/file_paths.h"
 #include "common/happens_before.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
@@ -45,6 +46,23 @@ absl::Status CheckTokenizeOptions(const TokenizeOptions& opt) {
   if (opt.partitions < 1)
     return absl::InvalidArgumentError(
         fmt::format("partitions {}: the round-robin partition count must be at least 1", opt.partitions));
+  // An input that is one of the outputs, however named (a glob over the output's directory, a file
+  // named like PREFIX_text_document.bin): it would be read while its replacement is written, then lost.
+  for (const std::string& in : opt.inputs) {
+    if (in == "-") continue;
+    auto id = IdentifyFile(in);
+    if (!id.ok()) continue;  // the reader names it
+    for (const std::string& key : opt.json_keys)
+      for (const char* ext : {".bin", ".idx", ".ptk-done"}) {
+        const std::string out = OutputPrefixFor(opt.output_prefix, key) + ext;
+        auto o = IdentifyFile(out);
+        if (o.ok() && o->dev == id->dev && o->ino == id->ino)
+          return absl::InvalidArgumentError(fmt::format(
+              "input {} is the output {} of this run: it would be replaced; leave it out of the inputs or give "
+              "another output prefix",
+              in, out));
+      }
+  }
   return absl::OkStatus();
 }
 

@@ -161,6 +161,22 @@ TEST(AtomicFileWriter, AppendFileRange) {
   EXPECT_EQ((*w2)->AppendFileRange(dir / "src", 8, 5).code(), absl::StatusCode::kDataLoss);
 }
 
+// A full disk met where copy_file_range is refused (tmpfs, NFS, another file system: the read/write
+// fallback) names what was being copied, as the copy_file_range path does; it said "write output".
+TEST(AtomicFileWriter, AFullDiskInTheCopyFallbackNamesTheFiles) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFileAtomic(dir / "src", std::string(10000, 'x')).ok());
+  const int in = ::open((dir / "src").c_str(), O_RDONLY | O_CLOEXEC);
+  const int full = ::open("/dev/full", O_WRONLY | O_CLOEXEC);  // every write: ENOSPC
+  ASSERT_GE(in, 0);
+  ASSERT_GE(full, 0);
+  absl::Status st = CopyFdRange(in, 0, full, 10000, "src into chunk_00.jsonl");
+  ::close(in);
+  ::close(full);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("src into chunk_00.jsonl"), absl::string_view::npos) << st;
+}
+
 TEST(AtomicFileWriter, UnwritableDirectoryIsAnError) {
   auto w = AtomicFileWriter::Create("/nonexistent-dir/x");
   EXPECT_FALSE(w.ok());

@@ -187,6 +187,31 @@ TEST(Extract, NeverOverwritesAFileItDidNotWrite) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// A plain input named with --output-dir its own directory is its own output (`f.jsonl --output-dir
+// .`): done in place, whatever the flags. It was rewritten from itself under --force, and with
+// --delete-input then deleted: the data gone, exit 0.
+TEST(Extract, APlainInputThatIsItsOwnOutputIsLeftAlone) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(50, 7);
+  testing::WriteFile(dir / "in/a.jsonl", a);
+  for (const char* flags : {"", "--force", "--force --delete-input", "--delete-input", "--verify --delete-input"}) {
+    SCOPED_TRACE(flags);
+    auto r = RunCmd(
+        fmt::format("cd {} && {} --quiet a.jsonl --output-dir . {}", dir / "in", testing::Tool("ptk-extract"), flags));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    ASSERT_TRUE(testing::Exists(dir / "in/a.jsonl"));
+    EXPECT_TRUE(testing::ReadFile(dir / "in/a.jsonl") == a);
+  }
+  // Reached through a link in another directory: the same file.
+  std::filesystem::create_symlink(dir / "in/a.jsonl", dir / "link.jsonl");
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --force --delete-input", testing::Tool("ptk-extract"),
+                              dir / "link.jsonl", dir / "in"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(testing::Exists(dir / "in/a.jsonl") && testing::ReadFile(dir / "in/a.jsonl") == a);
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
 // --drop-set kept the first of duplicate keys; Python's json (and ptk-tokenize) keep the
 // last, at every level.
 TEST(Extract, DropSetTakesTheLastOfDuplicateKeys) {
@@ -360,6 +385,33 @@ TEST(Concat, ChunksAreExactNewlineSafeAndResumable) {
   auto durable = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 3", testing::Tool("ptk-concat"),
                                     dir / "in", dir / "out2"));
   EXPECT_NE(durable.output.find("0 chunks built, 3 already complete"), std::string::npos) << durable.output;
+}
+
+// A plan made with relative paths (`cd data && ptk-concat plan --input in --output-dir out`) and run
+// by a task started in another directory reads the plan's files and writes its chunks where the
+// plan says. It read `in/...` and wrote `out/...` below the task's directory: an error, or, where a
+// file of the same name and size was there, a chunk of other data, exit 0.
+TEST(Concat, APlanMeansTheSameFilesFromAnyDirectory) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "data/in");
+  std::filesystem::create_directories(dir / "elsewhere/in");
+  const std::string a = Jsonl(40, 3), decoy = std::string(a.size() - 1, 'x') + "\n";  // same size, other bytes
+  testing::WriteFile(dir / "data/in/a.jsonl", a);
+  testing::WriteFile(dir / "elsewhere/in/a.jsonl", decoy);
+  const std::string concat = testing::Tool("ptk-concat");
+  auto plan = RunCmd(fmt::format("cd {} && {} plan --input in --output-dir out --chunks 1", dir / "data", concat));
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const std::string plan_file = dir / "data/out/concat-plan.json";
+  auto run = RunCmd(fmt::format("cd {} && {} run --quiet --plan {}", dir / "elsewhere", concat, plan_file));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "data/out/train_00.jsonl") == a);
+  EXPECT_FALSE(testing::Exists(dir / "elsewhere/out"));
+  auto list = RunCmd(fmt::format("cd {} && {} list --plan {}", dir / "elsewhere", concat, plan_file));
+  ASSERT_EQ(list.exit_code, 0) << list.output;
+  EXPECT_EQ(list.output, dir / "data/out/train_00.jsonl" + "\n");
+  // Where it was made, the same chunk: complete, not built again.
+  auto again = RunCmd(fmt::format("cd {} && {} run --plan out/concat-plan.json", dir / "data", concat));
+  EXPECT_NE(again.output.find("0 chunks built, 1 already complete"), std::string::npos) << again.output;
 }
 
 TEST(Concat, PlanThenOneArrayTaskPerChunk) {

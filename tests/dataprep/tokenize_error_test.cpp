@@ -552,6 +552,32 @@ TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   EXPECT_NE(gone.output.find(dir / "nope.bin"), std::string::npos) << gone.output;
 }
 
+// ptk-merge --input DIR with its output in DIR: a rerun finds its own output there and leaves it out,
+// however the output is spelled: up to date, not merged into itself.
+TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "parts");
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  for (const char* p : {"p1", "p2"})
+    ASSERT_EQ(
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
+            .exit_code,
+        0);
+  auto merge = [&](const std::string& out) {
+    return RunCmd(testing::Tool("ptk-merge") + " --input " + dir / "parts" + " --output-prefix " + out);
+  };
+  auto first = merge(dir / "parts/m");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("merged 2 datasets"), std::string::npos) << first.output;
+  const std::string bytes = testing::ReadFile(dir / "parts/m.bin");
+  for (const std::string& out : {dir / "parts/m", dir / "parts/./m"}) {
+    auto again = merge(out);
+    EXPECT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_NE(again.output.find("up to date, not rewritten"), std::string::npos) << again.output;
+    EXPECT_EQ(testing::ReadFile(dir / "parts/m.bin"), bytes);
+  }
+}
+
 // A changed tokenizer is never missed, whatever its files' sizes and times: two ids swapped in
 // vocab.json, or two merges swapped in merges.txt (a later rank for a first merge), each with the
 // file's size and modification time kept (touch -r), make the rerun tokenize again, saying in one
@@ -846,6 +872,29 @@ TEST(TokenizeErrors, DuplicateKeysAndADirectoryInTheOutputsPlace) {
     for (const auto& e : std::filesystem::directory_iterator(out.path())) entries += e.exists();
     EXPECT_EQ(entries, 1u) << blocked << ": only the directory is left";
   }
+}
+
+// An input that is one of the run's outputs (named like one, or reached by a glob over the output's
+// directory) is refused before anything is written: it was read while its replacement was written,
+// and lost (exit 0).
+TEST(TokenizeErrors, AnInputThatIsAnOutputIsRefused) {
+  TempDir dir;
+  const std::string jsonl = "{\"text\": \"a\"}\n{\"text\": \"b\"}\n";
+  testing::WriteFile(dir / "x_text_document.bin", jsonl);  // JSON lines under an output's name
+  auto named = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "x_text_document.bin", dir / "x")));
+  EXPECT_EQ(named.exit_code, 1) << named.output;
+  EXPECT_NE(named.output.find("is the output " + dir / "x_text_document.bin" + " of this run"), std::string::npos)
+      << named.output;
+  EXPECT_EQ(testing::ReadFile(dir / "x_text_document.bin"), jsonl);
+  EXPECT_FALSE(testing::Exists(dir / "x_text_document.idx"));
+  std::filesystem::create_directories(dir / "d");
+  testing::WriteFile(dir / "d/in.jsonl", jsonl);
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "d/in.jsonl", dir / "d/o"))).exit_code, 0);
+  const std::string bin = testing::ReadFile(dir / "d/o_text_document.bin");
+  auto glob = RunCmd(Tok(fmt::format("--input '{}/*' --output-prefix {}", dir / "d", dir / "d/o")));
+  EXPECT_EQ(glob.exit_code, 1) << glob.output;
+  EXPECT_NE(glob.output.find("is the output"), std::string::npos) << glob.output;
+  EXPECT_EQ(testing::ReadFile(dir / "d/o_text_document.bin"), bin);
 }
 
 TEST(TokenizeErrors, HundredMegabyteDocument) {

@@ -326,6 +326,21 @@ TEST(NumpyCompat, ShuffleSumAndRound) {
   EXPECT_FALSE(ParseAndNormalizeSplit("0,0,0").ok());
 }
 
+// --split is read as Megatron reads it (every run of digits and dots a number, anything else a
+// separator), but a number Python's float() refuses, or a minus sign that the regex would drop, is
+// a usage error: "98.2.0" was read as 98.2 (train on everything), "-1,2,0" as 1,2,0.
+TEST(GPTDataset, SplitPartsAreWholeNumbersAndNotNegative) {
+  for (const char* ok : {"98,2,0", "98 2 0", "98-2-0", "98/2/0", "0.98, .02, 0.", "1e5"}) {
+    auto s = ParseAndNormalizeSplit(ok);
+    EXPECT_TRUE(s.ok()) << ok << ": " << s.status();
+  }
+  EXPECT_EQ((*ParseAndNormalizeSplit("98-2-0"))[1], (*ParseAndNormalizeSplit("98,2,0"))[1]);
+  for (const char* bad : {"98.2.0", "1.2.3,1,0", ".", "-1,2,0", "1,-2,0", "1, -.5"}) {
+    auto s = ParseAndNormalizeSplit(bad);
+    EXPECT_TRUE(IsUsageError(s.status())) << bad << ": " << (s.ok() ? "accepted" : s.status().ToString());
+  }
+}
+
 }  // namespace
 }  // namespace ptk
 

@@ -249,6 +249,32 @@ TEST(MergeDatasets, SortedDirectoryAndExplicitOrder) {
   ExpectDocs(**ds2, want);
 }
 
+// A merge into its own input directory: its earlier output there is never an input (else a rerun
+// spelled otherwise, ./parts/m for parts/m, merged m into itself, every document twice), and an
+// input that is the output, however spelled, is refused.
+TEST(MergeDatasets, TheOutputIsNeverAnInputHoweverSpelled) {
+  TempDir dir;
+  ASSERT_EQ(::mkdir((dir / "parts").c_str(), 0755), 0);
+  WriteDocs(dir / "parts/a", DType::kUInt16, RandomDocs(3, 100, 1));
+  WriteDocs(dir / "parts/b", DType::kUInt16, RandomDocs(4, 100, 2));
+  auto first = FindPrefixesInDir(dir / "parts", dir / "parts/m");
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(MergeDatasets(*first, dir / "parts/m").ok());
+  for (const std::string& spelled : {dir / "parts/m", dir / "parts/./m", dir / "parts/../parts/m"}) {
+    auto again = FindPrefixesInDir(dir / "parts", spelled);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(*again, *first) << spelled;
+  }
+  // Without the output named, it is a pair of the directory like any other.
+  EXPECT_EQ(FindPrefixesInDir(dir / "parts")->size(), 3u);
+  auto self = MergeDatasets({dir / "parts/a", dir / "parts/m"}, dir / "parts/./m");
+  EXPECT_EQ(self.status().code(), absl::StatusCode::kInvalidArgument) << self.status();
+  EXPECT_NE(self.status().message().find("is also an input"), absl::string_view::npos) << self.status();
+  auto ds = IndexedDataset::Open(dir / "parts/m");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->num_documents(), 7);
+}
+
 TEST(MergeDatasets, DtypeMismatchAndMissingPairAreErrors) {
   TempDir dir;
   ASSERT_EQ(::mkdir((dir / "parts").c_str(), 0755), 0);

@@ -72,6 +72,15 @@ bad=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 bash "$SRC/slurm/submit-
 echo "$bad" | grep -q "set DOWNLOAD_PARTITION to one of: dev" || fail "partition message: $bad"
 ok=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 DOWNLOAD_PARTITION=dev PREP_PARTITION=dev TRAIN_PARTITION=dev \
      bash "$SRC/slurm/submit-pipeline.sh" --dry-run 2>&1) || fail "dev partitions refused: $ok"
+# A flag given without its value (the last word) is a usage error saying so, not a silent exit 1.
+for cmd in "submit-pipeline.sh --from" "data-path.sh --weights" "data-path.sh --format"; do
+  set +e
+  # shellcheck disable=SC2086
+  out=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC"/slurm/$cmd 2>&1)
+  rc=$?
+  set -e
+  [ "$rc" = 2 ] && [[ $out == *"${cmd#* } needs a"* ]] || fail "$cmd: rc $rc: $out"
+done
 help=$(bash "$SRC/slurm/submit-pipeline.sh" --help)
 echo "$help" | grep -q "Usage: slurm/submit-pipeline.sh" || fail "--help: $help"
 # cmake --install gives a relocatable tree: installed, moved elsewhere, it runs, and its

@@ -203,7 +203,38 @@ void FailAtEveryStep(bool rerun) {
     // Until the new directory is in place, what was there before (a failed save does not put its
     // own copy in); after, the new directory of iteration 2, with or without the tracker moved.
     EXPECT_EQ(tag, rerun && renamed_in ? 3.0f : rerun ? 2.0f : 1.0f);
-    EXPECT_EQ(testing::Exists(CheckpointDir(save, 2)), rerun || renamed_in);
+    // A new iteration 2 that the tracker does not name is not left behind (it was, after a
+    // failure past its rename: the tracker's write on a full disk).
+    EXPECT_EQ(testing::Exists(CheckpointDir(save, 2)), rerun);
+  }
+}
+
+// The very first save of a run failing at any step (a full disk at the checkpoint file, or at the
+// tracker after the directory is in place): nothing is left, no iteration directory without a
+// tracker for the next --load to start from scratch beside.
+TEST(Checkpoint, FailureAtEveryStepOfAFirstSaveLeavesNothing) {
+  const ParamLayout layout = SmallLayout();
+  for (int k = 0;; ++k) {
+    TempDir dir;
+    const std::string save = dir / "ckpt";
+    int steps = 0;
+    std::string failed_at;
+    SetSaveStepHookForTesting([&](std::string_view step) {
+      if (steps++ != k) return absl::OkStatus();
+      failed_at = std::string(step);
+      return absl::ResourceExhaustedError("injected: no space left on device");
+    });
+    absl::Status st = Save(save, layout, 1, 1.0f);
+    SetSaveStepHookForTesting(nullptr);
+    SCOPED_TRACE("failed at step " + std::to_string(k) + " (" + failed_at + ")");
+    if (failed_at.empty()) {
+      EXPECT_TRUE(st.ok()) << st;
+      break;
+    }
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    size_t entries = 0;
+    for (const auto& e : std::filesystem::directory_iterator(save)) entries += !e.path().empty();
+    EXPECT_EQ(entries, 0u) << Litter(save);
   }
 }
 

@@ -3,6 +3,8 @@
 // ramp (consumed samples, resume), --use-checkpoint-args, --data-args-path, --save-interval without
 // --save, --profile, --help's required flags, a resume naming its data by another path, the
 // start-up progress lines; and a Megatron GPT script's flags, one by one: taken, noted or refused.
+#include <sys/stat.h>
+
 #include <cmath>
 #include <filesystem>
 #include <iostream>
@@ -195,6 +197,18 @@ TEST_F(MegatronFlags, DataArgsPathReadsTheDataPathsFromAFile) {
   auto missing = RunCmd(common + "--data-args-path " + ShellQuote(dir_ / "nope.txt"));
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_NE(missing.output.find("nope.txt"), std::string::npos) << missing.output;
+  // A FIFO given as a file to read is refused at once: ptk-train hung on --per-split-data-args-path
+  // and --vocab-file ones, waiting for a writer.
+  const std::string fifo = dir_ / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  for (const std::string& flags :
+       {"--per-split-data-args-path " + ShellQuote(fifo), "--data-args-path " + ShellQuote(fifo),
+        "--vocab-file " + ShellQuote(fifo) + " --merge-file " + ShellQuote(dir_ / "splits.json") + " --data-path " +
+            ShellQuote(prefix_)}) {
+    auto r = RunCmd("timeout 60 " + common + flags);
+    EXPECT_TRUE(r.exit_code == 1 || r.exit_code == 2) << flags << ": " << r.output;
+    EXPECT_NE(r.output.find(fifo + " is a FIFO, not a regular file"), std::string::npos) << flags << ": " << r.output;
+  }
 }
 
 // --save-interval without --save, as Megatron: allowed, nothing saved, a note; --profile on the CPU

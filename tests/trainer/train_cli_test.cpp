@@ -4,6 +4,7 @@
 // honoured or refused with one line.
 #include <pthread.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -675,6 +676,34 @@ TEST_F(TrainCli, DataAndCheckpointMistakesAreNamed) {
   testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", std::string(24, '9'));
   auto big = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
   EXPECT_NE(big.output.find("overflows"), std::string::npos) << big.output;
+  // A FIFO in the checkpoint file's place is refused at once (it was opened and waited on for a
+  // writer that never comes: ptk-train hung).
+  testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", "2");
+  const std::string file = CheckpointFile(dir_ / "c", 2);
+  std::filesystem::remove(file);
+  ASSERT_EQ(::mkfifo(file.c_str(), 0644), 0);
+  auto fifo = RunCmd("timeout 60 " + Train("--load " + ShellQuote(dir_ / "c"), 4));
+  EXPECT_EQ(fifo.exit_code, 1) << fifo.output;
+  EXPECT_NE(fifo.output.find(file + " is a FIFO, not a regular file"), std::string::npos) << fifo.output;
+}
+
+// --data-path (and a per-split path) given twice, a script's default then an override: the last
+// occurrence, as argparse takes it. Both lists were joined: training on both, or here, failing on
+// the first one's missing dataset.
+TEST_F(TrainCli, ADataPathGivenTwiceTakesTheLastAsArgparse) {
+  const std::string given = "--data-path " + ShellQuote(prefix_);
+  const std::string nope = ShellQuote(dir_ / "nope_text_document");
+  std::string cmd = Train("--eval-iters 0", 2);
+  cmd.replace(cmd.find(given), given.size(), "--data-path 1 " + nope + " " + given);
+  auto r = RunCmd(cmd);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("nope_text_document"), std::string::npos) << r.output;
+  cmd = Train("--eval-iters 0", 2);
+  cmd.replace(cmd.find(given), given.size(),
+              "--train-data-path " + nope + " --train-data-path " + ShellQuote(prefix_) + " --split 1");
+  r = RunCmd(cmd);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("nope_text_document"), std::string::npos) << r.output;
 }
 
 // Point 9: a resume with another seed, global batch size, sequence length or data says so.
