@@ -204,6 +204,13 @@ absl::Status GPTModel::AllGatherGradRange(Communicator*, int64_t, int64_t) {
   return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
 }
 
+absl::Status GPTModel::SumSequenceParallelGrads() {
+  if (!sequence_parallel_ || !tensor_comm_) return absl::OkStatus();
+  for (const GradRange& g : SequenceParallelGradRanges(layout_))
+    PTK_RETURN_IF_ERROR(AllReduceGradRange(tensor_comm_, g.begin, g.size()));
+  return absl::OkStatus();
+}
+
 absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) {
   if (grad_scale != 1.0) PTK_RETURN_IF_ERROR(ScaleGrads(grad_scale));
   return AdamWUpdate(decay, no_decay);

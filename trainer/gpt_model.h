@@ -80,6 +80,10 @@ class GPTModel {
   Communicator* tensor_comm() const { return tensor_comm_; }
   int tensor_size() const { return layout_.tensor_size; }
   int tensor_rank() const { return layout_.tensor_rank; }
+  // --sequence-parallel over the tensor group: the gradients of SequenceParallelGradRanges are each
+  // tensor rank's partial sums (its positions'), left for TrainStep to sum over the group after
+  // the data-parallel reduction, as Megatron's finalize_model_grads does.
+  bool sequence_parallel() const { return sequence_parallel_; }
 
   virtual Device device() const = 0;
   virtual Precision precision() const = 0;
@@ -163,8 +167,15 @@ class GPTModel {
                                                         std::vector<float>* logits = nullptr, bool defer_loss = false);
   virtual absl::Status StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed);
   // Sums the gradients [begin, begin + n) over `comm` (the embedding group's copies of the tied
-  // word embeddings).
+  // word embeddings; sequence parallelism's partial gradients over the tensor group).
   virtual absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
+  // --sequence-parallel: sums the gradients of SequenceParallelGradRanges (each tensor rank's
+  // positions' share, what backward leaves) over the tensor group, as Megatron's
+  // _allreduce_non_tensor_model_parallel_grads: TrainStep calls it once per step, after the
+  // data-parallel reduction. Under ZeRO-1 the whole ranges are summed, as Megatron does, though
+  // only this rank's shard of them holds data-parallel sums (its tensor peers cut the same shard).
+  // Nothing to do without sequence parallelism.
+  absl::Status SumSequenceParallelGrads();
   // ZeRO-1: each rank's reduced piece of the gradients [begin, begin + n) (its shard's part, as
   // ReduceScatterGrads left it) to every rank of `comm`, so that the range holds the data-parallel
   // sums whole (a tied embedding copy, before the embedding group sums the stages' copies).
@@ -246,6 +257,7 @@ class GPTModel {
   ParamLayout layout_;
   std::optional<ParamShard> shard_;
   Communicator* tensor_comm_ = nullptr;
+  bool sequence_parallel_ = false;  // with a tensor group of more than one rank
 
  private:
   std::vector<GradRange> ready_order_;

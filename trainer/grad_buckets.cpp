@@ -39,6 +39,19 @@ std::vector<GradRange> MakeGradBuckets(const ParamLayout& layout, int64_t bucket
   return buckets;
 }
 
+std::vector<GradRange> SequenceParallelGradRanges(const ParamLayout& layout) {
+  std::vector<GradRange> out;
+  if (layout.tensor_size <= 1) return out;
+  for (const ParamInfo& p : layout.infos) {
+    if (p.tensor_split_dim >= 0 || p.offset == layout.wpe) continue;
+    if (!out.empty() && out.back().end == p.offset)
+      out.back().end += p.size;
+    else
+      out.push_back({p.offset, p.offset + p.size});
+  }
+  return out;
+}
+
 int64_t DefaultDdpBucketSize(int data_parallel_size) {
   return std::max<int64_t>(40000000, int64_t{1000000} * data_parallel_size);
 }

@@ -35,6 +35,14 @@ std::vector<GradRange> BackwardReadyOrder(const ParamLayout& layout);
 // `bucket_size` elements (the last one may hold fewer). Each bucket is contiguous.
 std::vector<GradRange> MakeGradBuckets(const ParamLayout& layout, int64_t bucket_size);
 
+// --sequence-parallel: the gradients each tensor rank computes from its own positions only, which
+// Megatron marks `sequence_parallel` and all-reduces over the tensor group after the data-parallel
+// reduction (finalize_model_grads' _allreduce_non_tensor_model_parallel_grads): every tensor every
+// tensor rank holds whole but the position embeddings, i.e. the norms' weights and biases and the
+// row-parallel products' (proj, fc2) biases. Contiguous ones merged, in buffer order; none at
+// tensor size 1.
+std::vector<GradRange> SequenceParallelGradRanges(const ParamLayout& layout);
+
 // Megatron's default --ddp-bucket-size: max(40M, 1M x data-parallel size) elements.
 int64_t DefaultDdpBucketSize(int data_parallel_size);
 

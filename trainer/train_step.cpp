@@ -176,8 +176,11 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
 
 // Megatron's finalize_model_grads: the data-parallel reduction of every gradient first (its
 // finish_grad_sync: the armed buckets waited for, or without --overlap-grad-reduce the reduction
-// now), then the embedding group's sum of the tied copies (_allreduce_word_embedding_grads), so a
-// tied gradient is (a0 + a1 + ...) + (b0 + b1 + ...) over data ranks 0, 1, ... of stage copies a, b.
+// now), then with --sequence-parallel the sum over the tensor group of the gradients each tensor
+// rank computed from its positions (_allreduce_non_tensor_model_parallel_grads: the norms', the
+// row-parallel biases'), so such a gradient is (a0 + a1 + ...) + (b0 + b1 + ...) over data ranks
+// 0, 1, ... of tensor ranks a, b, each the sum of its micro-batches; then the embedding group's sum
+// of the tied copies (_allreduce_word_embedding_grads), alike over the copies of the stages.
 absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool overlap) {
   if (armed) {
     pipeline_stats_.buckets_launched_in_backward = model_->buckets_launched_in_backward();
@@ -194,6 +197,7 @@ absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool ov
     PTK_RETURN_IF_ERROR(model_->shard() ? model_->ReduceScatterGrads(comm_) : model_->AllReduceGrads(comm_));
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
   }
+  PTK_RETURN_IF_ERROR(model_->SumSequenceParallelGrads());
   // Timed on every stage of tied embeddings, as Megatron does (a middle stage has no copy to sum):
   // a level-1 timer's start waits at a barrier over all ranks, which every rank must reach.
   if (!pipeline_ || model_->config().untie_embeddings_and_output_weights) return absl::OkStatus();

@@ -132,7 +132,8 @@ class TrainStep {
 
  private:
   // After the passes: the armed bucket reduction finished, or (no --overlap-grad-reduce) the
-  // gradients reduced; then the tied embeddings' copies summed over `embedding_` (`tied`: this
+  // gradients reduced; then --sequence-parallel's partial gradients summed over the tensor group;
+  // then the tied embeddings' copies summed over `embedding_` (`tied`: this
   // stage's).
   absl::Status FinalizeGrads(const GradRange& tied, bool armed, bool overlap);
   // ZeRO-1's gradient norm: the ranks' partials of their shards, added in rank order.

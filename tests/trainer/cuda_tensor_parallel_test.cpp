@@ -73,6 +73,7 @@ TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true)
       ASSERT_TRUE(model->ZeroGrads().ok());
       auto loss = model->ForwardBackward(data.Get(k), 1.0 / 256, /*train=*/true, 99);
       ASSERT_TRUE(loss.ok()) << loss.status();
+      ASSERT_TRUE(model->SumSequenceParallelGrads().ok());  // the training step's sum of the partial ones
       std::vector<float> g(static_cast<size_t>(model->num_params()));
       ASSERT_TRUE(model->ReadGrads(g).ok());
       {

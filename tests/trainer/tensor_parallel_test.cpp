@@ -3,13 +3,17 @@
 // threads: T = 2 and 4 give one rank's loss and gradients (gathered from the slices), dropout on;
 // the tensors every tensor rank holds whole get the same gradient bits on every rank; 20 training
 // steps at T = 2, 4 and T = 2 x data 2 with ZeRO-1 follow one rank's losses within 1e-5; the same
-// with sequence parallelism, which keeps only its rows of the sequence-parallel region.
+// with sequence parallelism, which keeps only its rows of the sequence-parallel region; its partial
+// gradients are summed over the tensor group after the data-parallel reduction, bit for bit
+// Megatron's order.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "tests/trainer/gloo_ranks.h"
@@ -75,6 +79,9 @@ Pass OnePass(int T, bool sp = false) {
     ASSERT_TRUE((*model)->InitWeights(1234).ok());
     auto loss = (*model)->ForwardBackward(data.Get(0), 1.0, /*train=*/true, 99);
     ASSERT_TRUE(loss.ok()) << loss.status();
+    // Sequence parallelism leaves the norms' and row-parallel biases' gradients partial: the
+    // training step sums them over the tensor group (after the data-parallel reduction).
+    ASSERT_TRUE((*model)->SumSequenceParallelGrads().ok());
     std::lock_guard<std::mutex> lock(mu);
     out.losses[static_cast<size_t>(rank)] = loss->loss_sum / loss->tokens;
     const float* g = (*model)->grads();
@@ -239,6 +246,174 @@ TEST(TensorParallel, TwentyStepsFollowOneRanksLosses) {
                 k.zero1 ? " ZeRO-1" : "", k.sp ? " sequence-parallel" : "", tp.front(), tp.back(), worst);
   }
   EXPECT_LT(one.back(), one.front());
+}
+
+// --sequence-parallel's partial gradients (the norms' and the row-parallel biases', each tensor
+// rank's positions' share) in Megatron's order at T = 2 x D = 2 over 4 micro-batches: each rank
+// accumulates its own partials over its micro-batches, the data-parallel reduction sums them, and
+// only then does the tensor group sum them (finalize_model_grads'
+// _allreduce_non_tensor_model_parallel_grads), so such a gradient is (a0 + a1) + (b0 + b1) of
+// tensor ranks a, b and data ranks 0, 1; every other gradient is its data-parallel sum. The step
+// gives these bits exactly, with the plain all-reduce, overlapped buckets and ZeRO-1; the order
+// ptk had (each micro-batch's partials summed over the tensor group inside backward) differs here.
+TEST(TensorParallel, SequenceParallelGradientsAreSummedAfterTheDataParallelReduction) {
+  const GPTConfig c = Config();
+  const Batches data(8);
+  const std::vector<ModelBatch> all = data.All();
+  constexpr int T = 2, D = 2, M = 4;
+  // The step's loss-gradient scale of a micro-batch (TrainStep's: 1 / (tokens x M x D)).
+  auto scale_of = [&](const ModelBatch& mb) {
+    double tokens = 0;
+    for (int64_t i = 0; i < mb.b * mb.t; ++i) tokens += mb.loss_mask[i];
+    return 1.0 / (tokens * M * D);
+  };
+  // Rank r = t + 2d (tensor rank t, data rank d) runs micro-batches [4d, 4d + 4).
+  auto groups = [&](Communicator* world, int rank, std::unique_ptr<Communicator>* tensor,
+                    std::unique_ptr<Communicator>* dp) {
+    const int t = rank % T, d = rank / T;
+    const std::vector<int> tm = {T * d, T * d + 1}, dm = {t, t + T};
+    auto ts = world->Subgroup(tm, "tensor" + std::to_string(d));
+    ASSERT_TRUE(ts.ok()) << ts.status();
+    *tensor = std::move(*ts);
+    if (!dp) return;
+    auto ds = world->Subgroup(dm, "data" + std::to_string(t));
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    *dp = std::move(*ds);
+  };
+  // Each rank's gradients of each micro-batch alone, and accumulated over its micro-batches.
+  std::vector<std::vector<std::vector<float>>> per_mb(T * D);
+  std::vector<std::vector<float>> acc(T * D);
+  std::mutex mu;
+  testing::RunRanks(T * D, [&](Communicator* world, int rank) {
+    std::unique_ptr<Communicator> tensor;
+    groups(world, rank, &tensor, nullptr);
+    auto model = CpuGPTModel::Create(c, tensor.get(), /*sequence_parallel=*/true);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE((*model)->InitWeights(1234).ok());
+    const int d = rank / T;
+    std::vector<std::vector<float>> mine;
+    std::vector<float> g(static_cast<size_t>((*model)->num_params()));
+    for (int k = 0; k < M; ++k) {
+      const ModelBatch& mb = all[static_cast<size_t>(M * d + k)];
+      ASSERT_TRUE((*model)->ZeroGrads().ok());
+      ASSERT_TRUE((*model)->ForwardBackward(mb, scale_of(mb), /*train=*/true, 99).ok());
+      ASSERT_TRUE((*model)->ReadGrads(g).ok());
+      mine.push_back(g);
+    }
+    ASSERT_TRUE((*model)->ZeroGrads().ok());
+    for (int k = 0; k < M; ++k) {
+      const ModelBatch& mb = all[static_cast<size_t>(M * d + k)];
+      ASSERT_TRUE((*model)->ForwardBackward(mb, scale_of(mb), /*train=*/true, 99).ok());
+    }
+    ASSERT_TRUE((*model)->ReadGrads(g).ok());
+    std::lock_guard<std::mutex> lock(mu);
+    per_mb[static_cast<size_t>(rank)] = std::move(mine);
+    acc[static_cast<size_t>(rank)] = g;
+  });
+  auto layout = ParamLayout::Create(c, T, 0);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const std::vector<GradRange> ranges = SequenceParallelGradRanges(*layout);
+  // Exactly Megatron's `sequence_parallel` parameters: the norms and the row-parallel biases.
+  std::vector<std::string> names;
+  for (const ParamInfo& p : layout->infos)
+    for (const GradRange& g : ranges)
+      if (p.offset >= g.begin && p.offset < g.end) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.input_layernorm.bias",
+                       "decoder.layers.0.self_attention.linear_proj.bias", "decoder.layers.0.pre_mlp_layernorm.weight",
+                       "decoder.layers.0.pre_mlp_layernorm.bias", "decoder.layers.0.mlp.linear_fc2.bias",
+                       "decoder.layers.1.input_layernorm.weight", "decoder.layers.1.input_layernorm.bias",
+                       "decoder.layers.1.self_attention.linear_proj.bias", "decoder.layers.1.pre_mlp_layernorm.weight",
+                       "decoder.layers.1.pre_mlp_layernorm.bias", "decoder.layers.1.mlp.linear_fc2.bias",
+                       "decoder.final_layernorm.weight", "decoder.final_layernorm.bias"}));
+  auto in_sp = [&](int64_t i) {
+    for (const GradRange& g : ranges)
+      if (i >= g.begin && i < g.end) return true;
+    return false;
+  };
+  const size_t n = acc[0].size();
+  int64_t sp_elements = 0, partial = 0, old_order_differs = 0;
+  std::vector<std::vector<float>> want(T * D);
+  for (int rank = 0; rank < T * D; ++rank) want[static_cast<size_t>(rank)].resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    // acc[t + 2d]: tensor rank t's accumulation on data rank d.
+    const float dp0 = acc[0][i] + acc[2][i], dp1 = acc[1][i] + acc[3][i];
+    if (!in_sp(static_cast<int64_t>(i))) {
+      want[0][i] = want[2][i] = dp0;
+      want[1][i] = want[3][i] = dp1;
+      continue;
+    }
+    ++sp_elements;
+    partial += acc[0][i] != acc[1][i];  // the model leaves each tensor rank its positions' share
+    for (auto& w : want) w[i] = dp0 + dp1;
+    // The micro-batches' accumulation is the model's (each added to the gradient as Megatron adds
+    // it to main_grad)...
+    for (int rank = 0; rank < T * D; ++rank) {
+      float s = 0.0f;
+      for (int k = 0; k < M; ++k) s += per_mb[static_cast<size_t>(rank)][static_cast<size_t>(k)][i];
+      ASSERT_EQ(std::memcmp(&s, &acc[static_cast<size_t>(rank)][i], sizeof(float)), 0) << "rank " << rank << " " << i;
+    }
+    // ...and ptk's former order summed each micro-batch's partials over the tensor group first.
+    float old[D] = {0.0f, 0.0f};
+    for (int d = 0; d < D; ++d)
+      for (int k = 0; k < M; ++k)
+        old[d] += per_mb[static_cast<size_t>(T * d)][static_cast<size_t>(k)][i] +
+                  per_mb[static_cast<size_t>(T * d + 1)][static_cast<size_t>(k)][i];
+    old_order_differs += old[0] + old[1] != want[0][i];
+  }
+  EXPECT_GT(sp_elements, 0);
+  EXPECT_EQ(partial, sp_elements) << "backward left " << sp_elements - partial
+                                  << " sequence-parallel gradients summed over the tensor group";
+  EXPECT_GT(old_order_differs, 0);
+  std::printf("%lld sequence-parallel gradients, %lld of them with other bits in the former order\n",
+              static_cast<long long>(sp_elements), static_cast<long long>(old_order_differs));
+  for (bool zero1 : {false, true})
+    for (int64_t bucket : {int64_t{0}, int64_t{3000}}) {
+      SCOPED_TRACE(std::string(zero1 ? "ZeRO-1" : "all-reduce") + (bucket ? ", overlapped buckets" : ""));
+      std::vector<std::vector<float>> got(T * D);
+      std::vector<std::pair<int64_t, int64_t>> checked(T * D);
+      testing::RunRanks(T * D, [&](Communicator* world, int rank) {
+        std::unique_ptr<Communicator> tensor, dp;
+        groups(world, rank, &tensor, &dp);
+        auto model = CpuGPTModel::Create(c, tensor.get(), /*sequence_parallel=*/true);
+        ASSERT_TRUE(model.ok()) << model.status();
+        ASSERT_TRUE((*model)->InitWeights(1234).ok());
+        std::pair<int64_t, int64_t> range = {0, (*model)->num_params()};
+        if (zero1) {
+          auto shard = ParamShard::Create((*model)->num_params(), D, dp->rank());
+          ASSERT_TRUE(shard.ok());
+          ASSERT_TRUE((*model)->ShardOptimizerState(*shard).ok());
+          range = {shard->begin(), shard->end()};
+        }
+        OptimizerConfig oc;
+        oc.overlap_grad_reduce = bucket > 0;
+        oc.ddp_bucket_size = bucket;
+        TrainStep step(model->get(), oc, SchedulerConfig{}, dp.get());
+        const int d = rank / T;
+        const std::vector<ModelBatch> mine(all.begin() + M * d, all.begin() + M * d + M);
+        auto r = step.ComputeGradients(mine, 99);
+        ASSERT_TRUE(r.ok()) << r.status();
+        std::vector<float> g(static_cast<size_t>((*model)->num_params()));
+        ASSERT_TRUE((*model)->ReadGrads(g).ok());
+        std::lock_guard<std::mutex> lock(mu);
+        got[static_cast<size_t>(rank)] = std::move(g);
+        checked[static_cast<size_t>(rank)] = range;
+      });
+      for (int rank = 0; rank < T * D; ++rank) {
+        const auto& g = got[static_cast<size_t>(rank)];
+        const auto& w = want[static_cast<size_t>(rank)];
+        ASSERT_EQ(g.size(), w.size()) << "rank " << rank;
+        const auto [begin, end] = checked[static_cast<size_t>(rank)];
+        int64_t differ = 0, sp_differ = 0;
+        for (int64_t i = begin; i < end; ++i) {
+          if (std::memcmp(&g[static_cast<size_t>(i)], &w[static_cast<size_t>(i)], sizeof(float)) == 0) continue;
+          ++differ;
+          sp_differ += in_sp(i);
+        }
+        EXPECT_EQ(differ, 0) << "rank " << rank << ": " << differ << " gradients differ from Megatron's order, "
+                             << sp_differ << " of them sequence-parallel ones";
+      }
+    }
 }
 
 }  // namespace

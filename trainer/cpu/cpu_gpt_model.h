@@ -18,13 +18,12 @@ class CpuGPTModel final : public GPTModel {
   // With `sequence_parallel` as well (Megatron's --sequence-parallel): LayerNorm, dropout and the
   // residual stream on this rank's part of each sample's positions (seq_length / T of them),
   // all-gathered before the column-parallel products and reduce-scattered after the row-parallel
-  // ones; the LayerNorms' gradients summed over the tensor group.
+  // ones; the norms' and the row-parallel biases' gradients are this rank's positions' (GPTModel::sequence_parallel).
   // With `stage` (several stages): that pipeline stage's part of the model (ParamLayout::Create),
   // trained through StageForward / StageBackward.
   static absl::StatusOr<std::unique_ptr<CpuGPTModel>> Create(const GPTConfig& config, Communicator* tensor = nullptr,
                                                              bool sequence_parallel = false,
                                                              const PipelineStage& stage = {});
-  bool sequence_parallel() const { return sequence_parallel_; }
   ~CpuGPTModel() override;
 
   // The host buffers themselves (tests and the gradient checks read and poke them).
@@ -95,10 +94,10 @@ class CpuGPTModel final : public GPTModel {
   absl::Status RunBackwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed);
   absl::Status GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c);
   absl::Status ReduceScatterRows(const float* whole, float* local, const ModelBatch& batch, int64_t c);
-  // A LayerNorm's backward on this rank's rows, its weight and bias gradients summed over the group.
+  // A norm's backward on this rank's rows: its weight and bias gradients of those rows added to
+  // the gradients (TrainStep sums them over the group once the data-parallel reduction is done).
   absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                      const float* mean, const float* rstd, int64_t rows);
-  bool sequence_parallel_ = false;
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
   // One set of activations per micro-batch in flight (pipeline schedules); act_ is the pass's.

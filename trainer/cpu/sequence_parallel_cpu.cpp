@@ -10,6 +10,7 @@
 // their global index (sample, position, channel), so the masks are one rank's.
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "common/status.h"
 #include "trainer/counter_rng.h"
@@ -49,6 +50,16 @@ void AddBiasRows(float* x, const float* bias, int64_t n, int64_t c) {
     for (int64_t j = 0; j < c; ++j) x[i * c + j] += bias[j];
 }
 
+// A row-parallel product's bias gradient: the column sums of its output gradient on this rank's
+// rows (Megatron adds the bias after the reduce-scatter), in MatmulBackward's order.
+void BiasGradRows(float* dbias, const float* dout, int64_t n, int64_t c) {
+  if (!dbias) return;
+  std::vector<double> acc(static_cast<size_t>(c), 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < c; ++j) acc[static_cast<size_t>(j)] += dout[i * c + j];
+  for (int64_t j = 0; j < c; ++j) dbias[j] += static_cast<float>(acc[static_cast<size_t>(j)]);
+}
+
 }  // namespace
 using cpu_model_detail::At;
 using cpu_model_detail::NormBackward;
@@ -82,16 +93,17 @@ absl::Status CpuGPTModel::ReduceScatterRows(const float* whole, float* local, co
 
 absl::Status CpuGPTModel::LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                                 const float* mean, const float* rstd, int64_t rows) {
-  const int64_t c = config().hidden_size, k = b >= 0 ? 2 * c : c;  // RMSNorm: the weight alone
+  const int64_t c = config().hidden_size;
   std::vector<float>& g = act_->ln_grads;
   std::fill(g.begin(), g.end(), 0.0f);
-  // This rank's rows' share of the norm's gradients (weight at 0, LayerNorm's bias at c), then summed.
+  // This rank's rows' share of the norm's gradients (weight at 0, LayerNorm's bias at c), added to
+  // the gradients as Megatron adds a micro-batch's to its main_grad; the sum over the tensor group
+  // comes once, after the data-parallel reduction (TrainStep).
   const float* P = params_.data();
   if (config().normalization == Normalization::kRMSNorm)
     cpu::RMSNormBackward(dinp, g.data(), dout, inp, P + w, rstd, rows, c);
   else
     cpu::LayerNormBackward(dinp, g.data(), g.data() + c, dout, inp, P + w, mean, rstd, rows, c);
-  PTK_RETURN_IF_ERROR(TensorSum(g.data(), k));  // the same bits on every rank
   float* G = grads_.data();
   for (int64_t j = 0; j < c; ++j) G[w + j] += g[j];
   if (b >= 0)
@@ -202,10 +214,12 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     // MLP: its output's gradient (this rank's rows, through dropout) gathered for fc2's backward.
     std::copy(dresid, dresid + nl * c, loc);
     DropoutLocal(loc, batch, r, c, hp, seed, gl, kMlpOutDropout);
+    BiasGradRows(At(G, lp.fc2_b), loc, nl, c);  // added to this rank's rows, as Megatron adds it
     PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
     float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
     std::fill(dact, dact + n * f, 0.0f);
-    cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
+    cpu::MatmulBackward(dact, G + lp.fc2_w, static_cast<float*>(nullptr), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w,
+                        n, f, c);
     if (cf.swiglu)
       cpu::SwigluBackward(a.dff.data(), a.fc1[l].data(), dact, n, f);
     else
@@ -219,10 +233,11 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     // Attention.
     std::copy(dresid, dresid + nl * c, loc);
     DropoutLocal(loc, batch, r, c, hp, seed, gl, kAttentionOutDropout);
+    BiasGradRows(At(G, lp.proj_b), loc, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(loc, a.dtmp.data(), batch, c));
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
-                        n, ct, c);
+    cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, static_cast<float*>(nullptr), a.dtmp.data(), a.atty[l].data(),
+                        P + lp.proj_w, n, ct, c);
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +

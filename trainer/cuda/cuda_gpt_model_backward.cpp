@@ -17,17 +17,18 @@
 namespace ptk::cuda::model_detail {
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp) {
+absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2_bias) {
   const GPTConfig& cf = config();
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size / tensor_size();
   T *dln = Buf<T>(plan_.dln), *dff = Buf<T>(plan_.dff);
+  float* dfc2_b = fc2_bias ? Grad(lp.fc2_b) : nullptr;
   if (cf.swiglu) {
     // fc2's input gradient (SwiGLU's output gradient), then SwiGLU's backward into fc1's output
     // gradient [dgate; dup] (2f columns).
     T* dact = Buf<T>(plan_.dact);
     PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
-                           MatmulBackward<T>(dact, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f),
+                           MatmulBackward<T>(dact, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f),
                                              Compute(lp.fc2_w), n, f, c, ctx_)));
     PTK_RETURN_IF_ERROR(
         Op("swiglu", "swiglu backward", SwigluBackward<T>(dff, Act(plan_.fc1, l, n * 2 * f), dact, n, f, ctx_)));
@@ -37,8 +38,8 @@ absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp) {
   }
   PTK_RETURN_IF_ERROR(
       Op("matmul", "fc2 backward",
-         MatmulBackward<T>(dff, Grad(lp.fc2_w), Grad(lp.fc2_b), dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n,
-                           f, c, ctx_, false, unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
+         MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n, f, c,
+                           ctx_, false, unfused_.gelu_backward ? nullptr : Act(plan_.fc1, l, n * f))));
   if (unfused_.gelu_backward)
     PTK_RETURN_IF_ERROR(Op("gelu", "gelu backward", GeluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
   return Op("matmul", "fc1 backward",
@@ -208,7 +209,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
 }
 
 #define PTK_INSTANTIATE(T)                                                                                             \
-  template absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp);                                    \
+  template absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2_bias);                     \
   template absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed);                                   \
   template absl::StatusOr<const T*> CudaGPTModelImpl<T>::BranchGrad(const T* dresid, T* dtmp, size_t bytes, int64_t l, \
                                                                     int64_t site, double p, uint64_t seed);            \

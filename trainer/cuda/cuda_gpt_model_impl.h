@@ -361,17 +361,19 @@ class CudaGPTModelImpl final : public GPTModel {
                               int64_t bias);
   // The gradient of whole (n, c) partial sums dpartial reduce-scattered to this rank's rows (into dln's
   // first rows), then the norm's backward on them: dresid += the input gradient, the weight (and
-  // bias) gradients of this rank's rows summed over the group and added to the gradients.
+  // bias) gradients of this rank's rows added to the gradients (summed over the group later).
   absl::Status SeqNormBackward(const char* name, T* dpartial, const T* inp, float* stats, int64_t w, int64_t bias);
   // dtmp (n, c) = the gradient of a branch's output: this rank's residual gradient with the branch's
-  // dropout mask, gathered whole.
-  absl::Status SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed);
+  // dropout mask, gathered whole; the branch's row-parallel bias (at `bias`, -1 none) gets the
+  // column sums of this rank's rows of it.
+  absl::Status SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed, int64_t bias);
 
   // cuda_gpt_model_backward.cpp.
   // From the final LayerNorm's output gradient (dln, left by RunHead) down to the embeddings.
   absl::Status RunBackward(bool train, uint64_t seed);
-  // A layer's MLP backward, from the gradient of its output (dmlp) to fc1's input gradient in dln.
-  absl::Status MlpBackward(int64_t l, const T* dmlp);
+  // A layer's MLP backward, from the gradient of its output (dmlp) to fc1's input gradient in dln;
+  // fc2's bias gradient from dmlp unless `fc2_bias` is false (sequence parallelism: SeqBranchGrad's).
+  absl::Status MlpBackward(int64_t l, const T* dmlp, bool fc2_bias = true);
   // The gradient a residual branch's backward starts from: the residual gradient itself where no
   // dropout runs on the branch's output (its product reads it before the LayerNorm's backward adds
   // to it), else a copy with the dropout mask applied. CudaModelOptions::unfused.residual_grad_copy
@@ -440,7 +442,6 @@ class CudaGPTModelImpl final : public GPTModel {
   std::vector<LayerNormRun> ln_runs_ = LayerNormRuns(layout());
   EmbeddingBackwardPlan embedding_plan_;
   bool profile_ = false;
-  bool sequence_parallel_ = false;   // CudaModelOptions::sequence_parallel with a tensor group
   bool sync_ops_ = false;            // PTK_CUDA_SYNC_OPS=1: CudaModelOptions::sync_ops
   int64_t logits_budget_bytes_ = 0;  // CudaModelOptions::logits_budget_bytes (0: the plan's default)
   CudaModelOptions::Unfused unfused_;

@@ -7,10 +7,11 @@
 // backward), and a row-parallel product's partial output (proj, fc2, the vocabulary-slice
 // embedding) is reduce-scattered in fp32 to this rank's rows instead of all-reduced. Backward
 // mirrors it: the gradient of a branch's output is all-gathered, the column-parallel products' input
-// gradients are reduce-scattered, and the norms' weight gradients of this rank's rows are summed
-// over the group (the same bits on every rank). The hidden dropout runs as its own pass (the norm
-// kernels' fused dropout keys whole samples), each element keyed by its place in the whole sample,
-// so the masks are those of one rank.
+// gradients are reduce-scattered, and the norms' and the row-parallel biases' gradients are this
+// rank's rows' only, summed over the group after the data-parallel reduction (TrainStep, through
+// GPTModel::SumSequenceParallelGrads), as Megatron's finalize_model_grads does. The hidden dropout runs as its own pass
+// (the norm kernels' fused dropout keys whole samples), each element keyed by its place in the whole sample, so the
+// masks are those of one rank.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -146,8 +147,8 @@ absl::Status CudaGPTModelImpl<T>::SeqNormBackward(const char* name, T* dpartial,
   PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", name,
                          LnBackward(Buf<T>(plan_.dresid), g, Rms() ? nullptr : g + c, dout, inp, Ln(w), stats,
                                     stats + n_, nl, c, Buf<float>(plan_.ln_scratch), ctx_)));
-  PTK_RETURN_IF_ERROR(Op("tensor parallel", "all-reduce of the norm's gradients",
-                         tensor_comm()->AllReduceSumDevice(g, k, ctx_.stream)));
+  // Added as a micro-batch's gradient is to Megatron's main_grad; the sum over the tensor group
+  // comes after the data-parallel reduction (GPTModel::SumSequenceParallelGrads).
   PTK_RETURN_IF_ERROR(Op("tensor parallel", "norm gradients added", ResidualAdd<float>(Grad(w), Grad(w), g, c, ctx_)));
   if (!Rms() && bias >= 0)
     PTK_RETURN_IF_ERROR(
@@ -156,7 +157,7 @@ absl::Status CudaGPTModelImpl<T>::SeqNormBackward(const char* name, T* dpartial,
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed) {
+absl::Status CudaGPTModelImpl<T>::SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed, int64_t bias) {
   const int64_t nl = SeqRows(), c = config().hidden_size;
   T* local = SeqSlot();
   PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(local, Buf<T>(plan_.dresid), static_cast<size_t>(nl * c) * sizeof(T),
@@ -165,6 +166,11 @@ absl::Status CudaGPTModelImpl<T>::SeqBranchGrad(int64_t l, int64_t site, double 
   PTK_RETURN_IF_ERROR(Op("dropout",
                          site == kMlpOutDropout ? "mlp-out dropout backward" : "attention-out dropout backward",
                          SeqDropout(local, l, site, p, seed)));
+  // The row-parallel product's bias is added after the reduce-scatter: its gradient is this rank's
+  // rows' (summed over the group with the norms', after the data-parallel reduction).
+  if (bias >= 0)
+    PTK_RETURN_IF_ERROR(Op("matmul", site == kMlpOutDropout ? "fc2 bias backward" : "proj bias backward",
+                           BiasBackward<T>(Grad(bias), local, nl, c, ctx_)));
   return SeqGather(Buf<T>(plan_.dtmp), local);
 }
 
@@ -253,15 +259,15 @@ absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(act(fc1(ln2(resid_mid))))); the branch's output
     // gradient gathered whole into dtmp.
-    PTK_RETURN_IF_ERROR(SeqBranchGrad(l, kMlpOutDropout, hp, seed));
-    PTK_RETURN_IF_ERROR(MlpBackward(l, dtmp));
+    PTK_RETURN_IF_ERROR(SeqBranchGrad(l, kMlpOutDropout, hp, seed, lp.fc2_b));
+    PTK_RETURN_IF_ERROR(MlpBackward(l, dtmp, /*fc2_bias=*/false));
     PTK_RETURN_IF_ERROR(SeqNormBackward("ln2 backward", dln, Act(plan_.resid_mid, l, nl * c), Stats(plan_.ln2_stats, l),
                                         lp.ln2_w, lp.ln2_b));
     // Attention: resid_mid = resid[l] + dropout(proj(attention(rope(qkv(ln1(resid[l]))))))
-    PTK_RETURN_IF_ERROR(SeqBranchGrad(l, kAttentionOutDropout, hp, seed));
+    PTK_RETURN_IF_ERROR(SeqBranchGrad(l, kAttentionOutDropout, hp, seed, lp.proj_b));
     PTK_RETURN_IF_ERROR(Op("matmul", "proj backward",
-                           MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dtmp, Act(plan_.atty, l, n * ct),
-                                             Compute(lp.proj_w), n, ct, c, ctx_)));
+                           MatmulBackward<T>(datt, Grad(lp.proj_w), static_cast<float*>(nullptr), dtmp,
+                                             Act(plan_.atty, l, n * ct), Compute(lp.proj_w), n, ct, c, ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
     if (cf.rope())
       PTK_RETURN_IF_ERROR(
@@ -296,7 +302,8 @@ absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64
                                                             const T* a, const T* b, int64_t w, int64_t bias);        \
   template absl::Status CudaGPTModelImpl<T>::SeqNormBackward(const char* name, T* dpartial, const T* inp,            \
                                                              float* stats, int64_t w, int64_t bias);                 \
-  template absl::Status CudaGPTModelImpl<T>::SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed);        \
+  template absl::Status CudaGPTModelImpl<T>::SeqBranchGrad(int64_t l, int64_t site, double p, uint64_t seed,         \
+                                                           int64_t bias);                                            \
   template absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_t seed);                  \
   template absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64_t seed);
 PTK_INSTANTIATE(float)

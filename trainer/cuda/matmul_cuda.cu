@@ -432,6 +432,27 @@ absl::Status MatmulForward(T* out, const T* inp, const T* w, const T* bias, int6
   return absl::OkStatus();
 }
 
+// dbias += the column sums of dout (n > 0 rows), ColumnSumKernel's order.
+template <typename T>
+absl::Status ColumnSums(float* dbias, const T* dout, int64_t n, int64_t oc, const CudaContext& ctx,
+                        const std::string& where) {
+  // chunks of kChunkRows rows when the workspace holds their partial sums (chunks x oc doubles),
+  // else one chunk of all the rows
+  int64_t chunks = CeilDiv(n, kChunkRows);
+  if (chunks > 65535 || !ctx.workspace || static_cast<size_t>(chunks * oc) * sizeof(double) > ctx.workspace_bytes)
+    chunks = 1;
+  double* partial = chunks > 1 ? static_cast<double*>(ctx.workspace) : nullptr;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(oc, kColTile)), static_cast<unsigned>(chunks));
+  const dim3 block(kColTile, kRowLanes);
+  ColumnSumKernel<T><<<grid, block, 0, ctx.stream>>>(partial, dbias, dout, n, oc, chunks > 1 ? kChunkRows : n);
+  PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
+  if (partial) {
+    ColumnSumFinishKernel<<<Blocks(oc, 256), 256, 0, ctx.stream>>>(dbias, partial, chunks, oc);
+    PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
+  }
+  return absl::OkStatus();
+}
+
 template <typename T>
 absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, const T* inp, const T* w, int64_t n,
                             int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp, const T* gelu_pre) {
@@ -468,30 +489,25 @@ absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, con
     GemmSpec g{CUBLAS_OP_N, CUBLAS_OP_T, ic, oc, n, ic, oc, ic, kType, CUDA_R_32F};
     if (absl::Status s = Gemm(g, inp, dout, dw, 1.0f, 1.0f, ctx, where); !s.ok()) return s;
   }
-  if (dbias) {
-    // chunks of kChunkRows rows when the workspace holds their partial sums (chunks x oc doubles),
-    // else one chunk of all the rows
-    int64_t chunks = CeilDiv(n, kChunkRows);
-    if (chunks > 65535 || !ctx.workspace || static_cast<size_t>(chunks * oc) * sizeof(double) > ctx.workspace_bytes)
-      chunks = 1;
-    double* partial = chunks > 1 ? static_cast<double*>(ctx.workspace) : nullptr;
-    const dim3 grid(static_cast<unsigned>(CeilDiv(oc, kColTile)), static_cast<unsigned>(chunks));
-    const dim3 block(kColTile, kRowLanes);
-    ColumnSumKernel<T><<<grid, block, 0, ctx.stream>>>(partial, dbias, dout, n, oc, chunks > 1 ? kChunkRows : n);
-    PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
-    if (partial) {
-      ColumnSumFinishKernel<<<Blocks(oc, 256), 256, 0, ctx.stream>>>(dbias, partial, chunks, oc);
-      PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
-    }
-  }
+  if (dbias) return ColumnSums(dbias, dout, n, oc, ctx, where);
   return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status BiasBackward(float* dbias, const T* dout, int64_t n, int64_t oc, const CudaContext& ctx) {
+  const std::string where = fmt::format("BiasBackward<{}>(n={}, oc={})", TypeLabel<T>(), n, oc);
+  if (n < 0 || oc <= 0 || !dbias || !dout)
+    return absl::InvalidArgumentError(fmt::format("{}: dbias and dout must be set, oc positive", where));
+  if (n == 0) return absl::OkStatus();
+  return ColumnSums(dbias, dout, n, oc, ctx, where);
 }
 
 #define PTK_INSTANTIATE(T)                                                                                             \
   template absl::Status MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t,                  \
                                          const CudaContext&, T*);                                                      \
   template absl::Status MatmulBackward<T>(T*, float*, float*, const T*, const T*, const T*, int64_t, int64_t, int64_t, \
-                                          const CudaContext&, bool, const T*);
+                                          const CudaContext&, bool, const T*);                                         \
+  template absl::Status BiasBackward<T>(float*, const T*, int64_t, int64_t, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

@@ -36,6 +36,10 @@ template <typename T>
 absl::Status MatmulBackward(T* dinp, float* dw, float* dbias, const T* dout, const T* inp, const T* w, int64_t n,
                             int64_t ic, int64_t oc, const CudaContext& ctx, bool accumulate_dinp = false,
                             const T* gelu_pre = nullptr);
+// dbias(oc) += column sums of dout(n, oc) in fp32: MatmulBackward's bias gradient alone (the same
+// order; sequence parallelism's row-parallel biases, from this rank's rows).
+template <typename T>
+absl::Status BiasBackward(float* dbias, const T* dout, int64_t n, int64_t oc, const CudaContext& ctx);
 
 // ---- layernorm_cuda.cu -------------------------------------------------------------------------
 // out(n, c) = (inp - mean) * rstd * w + b with fp32 statistics mean(n), rstd(n); w, b fp32 (the
