@@ -60,16 +60,17 @@ struct SavedCheckpoint {
 };
 
 // Iteration `iteration` of DIR, saved by the tests' model (--num-layers 2 --hidden-size 32
-// --num-attention-heads 4 --seq-length 32, GPT-2's vocabulary).
-inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iteration) {
+// --num-attention-heads 4 --seq-length 32; GPT-2's vocabulary, or SmallVocabFlags' of 1000 padded to 1024).
+inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iteration, int64_t vocab_size = 50257,
+                                          int64_t padded_vocab_size = 50304) {
   GPTConfig c;
   c.num_layers = 2;
   c.hidden_size = 32;
   c.num_attention_heads = 4;
   c.ffn_hidden_size = 128;
   c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 50257;
-  c.padded_vocab_size = 50304;
+  c.vocab_size = vocab_size;
+  c.padded_vocab_size = padded_vocab_size;
   auto layout = ParamLayout::Create(c);
   EXPECT_TRUE(layout.ok());
   SavedCheckpoint s;
