@@ -106,10 +106,10 @@ try:
         "EXTRACT_PARALLELISM": "2", "CONCAT_CHUNKS": "4", "CONCAT_PARALLELISM": "2", "TOKENIZE_TASKS": "3",
         "TOKENIZE_PARALLELISM": "2", "CPUS_PER_TASK": "1", "MEMORY_PER_TASK": "1Gi",
         "NUM_WORKERS": "2", "GPU_PER_WORKER": "0", "CPUS_PER_WORKER": "1", "MEMORY_PER_WORKER": "2Gi",
-        "MASTER_PORT": str(free_port()), "NUM_LAYERS": "1", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "2",
-        "SEQ_LENGTH": "64", "MICRO_BATCH_SIZE": "2", "GLOBAL_BATCH_SIZE": "8", "TRAIN_ITERS": "120",
-        "LR": "1e-3", "MIN_LR": "1e-4", "LR_WARMUP_ITERS": "5", "SAVE_INTERVAL": "40", "EVAL_INTERVAL": "60",
-        "EVAL_ITERS": "1", "LOG_INTERVAL": "20", "TRAIN_GRACE_SECONDS": "30",
+        "MASTER_PORT": str(free_port()), "NUM_LAYERS": "1", "HIDDEN_SIZE": "32", "NUM_ATTENTION_HEADS": "2",
+        "SEQ_LENGTH": "32", "MICRO_BATCH_SIZE": "2", "GLOBAL_BATCH_SIZE": "8", "TRAIN_ITERS": "60",
+        "LR": "1e-3", "MIN_LR": "1e-4", "LR_WARMUP_ITERS": "5", "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "30",
+        "EVAL_ITERS": "1", "LOG_INTERVAL": "10", "TRAIN_GRACE_SECONDS": "30",
     }
 
     def render(template, **extra):
@@ -309,41 +309,41 @@ try:
     if not r["succeeded"]:
         fail("the Indexed Job's training failed", sim)
     log0 = open(os.path.join(sim.log_dir, "ptk-train-0-0.pytorch.log")).read()
-    if "data parallel: 2 ranks (torchrun variables)" not in log0 or "iteration      120/     120" not in log0:
-        fail("rank 0 of the Indexed Job did not train 2 ranks to iteration 120:\n" + log0[-3000:])
+    if "data parallel: 2 ranks (torchrun variables)" not in log0 or "iteration       60/      60" not in log0:
+        fail("rank 0 of the Indexed Job did not train 2 ranks to iteration 60:\n" + log0[-3000:])
     if "validation loss at the end of training for val data" not in log0:
         fail("training did not evaluate on the validation split:\n" + log0[-3000:])
     ref_ckpt = os.path.join(VOL, "ptk", "ckpt-indexed")
     # The PyTorchJob's run starts afresh: beside the Indexed Job's event files it would write in a
     # TensorBoard run directory of its own (run-2), so the Indexed Job's directory is moved aside.
     os.rename(os.path.dirname(tb), os.path.dirname(tb) + ".indexed")
-    say("   2 ranks over loopback (rank 0 reached as ptk-train-0.ptk-train), iteration 120, checkpoints 40/80/120")
+    say("   2 ranks over loopback (rank 0 reached as ptk-train-0.ptk-train), iteration 60, checkpoints 20/40/60")
 
     (pj,) = render("pytorchjob", CKPT_DIR="/fsx/ptk/ckpt-pytorchjob")
     ckpt = os.path.join(VOL, "ptk", "ckpt-pytorchjob")
     worker_killed, master_stopped = [], []
 
     def kill_worker_then_stop_master(running):
-        """SIGKILL the Worker (rank 1) between the checkpoints at 40 and 80; once the restarted ranks
-        have saved at 80, SIGTERM the Master (rank 0), as a preemption would."""
+        """SIGKILL the Worker (rank 1) between the checkpoints at 20 and 40; once the restarted ranks
+        have saved at 40, SIGTERM the Master (rank 0), as a preemption would."""
         try:
             latest = int(open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read())
         except (OSError, ValueError):
             return []
         lines = sum(1 for _ in open(tb)) if os.path.exists(tb) else 0
-        if not worker_killed and latest >= 40 and 50 <= lines < 110:
+        if not worker_killed and latest >= 20 and 25 <= lines < 55:
             w = [p for p in running if p.replica == ("Worker", 0)]
             worker_killed.extend(w)
             return w
-        if worker_killed and not master_stopped and latest >= 80:
+        if worker_killed and not master_stopped and latest >= 40:
             m = [p for p in running if p.replica == ("Master", 0) and p.restarts >= 1]
             if m:
                 master_stopped.extend(m)
                 sim.terminate(m[0])
         return []
 
-    say("PyTorchJob ptk-train: Master + 1 Worker; the Worker (rank 1) SIGKILLed after the checkpoint at 40, the "
-        "Master (rank 0) SIGTERMed after the one at 80")
+    say("PyTorchJob ptk-train: Master + 1 Worker; the Worker (rank 1) SIGKILLed after the checkpoint at 20, the "
+        "Master (rank 0) SIGTERMed after the one at 40")
     try:
         r = sim.run_pytorchjob(pj, chaos=kill_worker_then_stop_master, timeout=150)
     except TimeoutError as e:
@@ -356,17 +356,17 @@ try:
     if restarts.get("ptk-train-worker-0", 0) < 2 or restarts.get("ptk-train-master-0", 0) < 2:
         fail(f"the ranks were not restarted in place after each stop: {restarts}", sim)
     mlog = open(os.path.join(sim.log_dir, "ptk-train-master-0.pytorch.log")).read()
-    if "loaded checkpoint" not in mlog or "iteration      120/     120" not in mlog:
-        fail("the restarted ranks did not resume from the checkpoint to iteration 120:\n" + mlog[-4000:], sim)
+    if "loaded checkpoint" not in mlog or "iteration       60/      60" not in mlog:
+        fail("the restarted ranks did not resume from the checkpoint to iteration 60:\n" + mlog[-4000:], sim)
     wlog = open(os.path.join(sim.log_dir, "ptk-train-worker-0.pytorch.log")).read()
-    if not re.search(r"train.sh: ptk-train stopped at iteration 8\d of 120 on SIGTERM with a checkpoint saved; exit 143",
-                     mlog) or not re.search(r"train.sh: ptk-train stopped at iteration 8\d of 120 with a checkpoint "
+    if not re.search(r"train.sh: ptk-train stopped at iteration 4\d of 60 on SIGTERM with a checkpoint saved; exit 143",
+                     mlog) or not re.search(r"train.sh: ptk-train stopped at iteration 4\d of 60 with a checkpoint "
                                             r"saved; exit 75", wlog):
         fail("the SIGTERMed Master and the Worker that stopped with it did not exit 143 and 75 (their pods would "
              "have counted as succeeded):\n" + mlog[-3000:] + wlog[-3000:], sim)
     its = sorted({json.loads(line)["iteration"] for line in open(tb)})
-    if its != list(range(1, 121)):
-        fail(f"iterations logged: {its[:5]}...{its[-5:]} ({len(its)} distinct), expected 1..120")
+    if its != list(range(1, 61)):
+        fail(f"iterations logged: {its[:5]}...{its[-5:]} ({len(its)} distinct), expected 1..60")
     def checkpoint(path):
         """A ptk checkpoint (trainer/checkpoint.cpp): magic, u64 header length, JSON header, the arrays
         (parameters, AdamW moments), a hex SHA-256. The header's training wall time differs between runs, and
@@ -379,16 +379,16 @@ try:
 
     files = sorted(os.path.relpath(f, ref_ckpt) for f in glob.glob(os.path.join(ref_ckpt, "**", "*.ptk"), recursive=True))
     extra = sorted(set(os.listdir(ckpt)) - set(os.listdir(ref_ckpt)))
-    if len(files) != 3 or len(extra) != 1:  # the checkpoints at 40, 80, 120, and the one the SIGTERM saved
+    if len(files) != 3 or len(extra) != 1:  # the checkpoints at 20, 40, 60, and the one the SIGTERM saved
         fail(f"checkpoints: {files} (uninterrupted) vs {sorted(os.listdir(ckpt))}")
     for f in files:
         if checkpoint(os.path.join(ckpt, f)) != checkpoint(os.path.join(ref_ckpt, f)):
             fail(f"checkpoint {f} differs from the uninterrupted run's (weights, moments or state)")
-    if open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() != "120":
-        fail("latest_checkpointed_iteration.txt is not 120")
+    if open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() != "60":
+        fail("latest_checkpointed_iteration.txt is not 60")
     say(f"   both ranks restarted in place after each stop {restarts}, the SIGTERMed Master saved {extra[0]}, it "
-        "exited 143 and the Worker 75, each restart resumed from the latest checkpoint: iterations 1..120 all logged; checkpoints "
-        "40/80/120 (weights, moments, state) bit-identical to the uninterrupted run's")
+        "exited 143 and the Worker 75, each restart resumed from the latest checkpoint: iterations 1..60 all logged; checkpoints "
+        "20/40/60 (weights, moments, state) bit-identical to the uninterrupted run's")
     print(f"k8s local run: OK ({time.time() - T0:.0f} s)")
 finally:
     hub.kill()

@@ -29,7 +29,11 @@ WAIT=$SRC/tests/slurm/slurm-wait.sh
 eval "$("$SRC/tests/slurm/start-slurm.sh" 2>"$WORK/slurm-start.log")" || { cat "$WORK/slurm-start.log"; fail "cannot start Slurm"; }
 
 export PTK_BIN=$BIN MOCK_DATA=1 NUM_LAYERS=1 HIDDEN_SIZE=32 NUM_ATTENTION_HEADS=2 SEQ_LENGTH=32
-BASE_ARGS="--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 1 --eval-iters 0 --log-interval 50 --save-interval 100000 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000 --threads 1"
+# Mock data over a vocabulary of 1000: GPT-2's 50257 made each iteration ten times longer, all of it in
+# the output layer, and checks nothing here. Iterations are cheap: enough of them that the signal
+# (sent once 100 are logged) lands long before the end.
+ITERS=1500
+BASE_ARGS="--vocab-size 1000 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 1 --eval-iters 0 --log-interval 50 --save-interval 100000 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000 --threads 1"
 submit() {  # -> job id; as the tutorials submit it, from another directory
   (cd "$WORK" && sbatch --parsable -p gpu -N 1 --gpus-per-node 2 --ntasks-per-node 2 --cpus-per-task 1 \
      --open-mode=append --output "$STAGE_PATH/train-%j.out" "$SRC/slurm/train.sbatch") || fail "sbatch train.sbatch"
@@ -37,7 +41,7 @@ submit() {  # -> job id; as the tutorials submit it, from another directory
 lines() { cat "$1" 2>/dev/null | wc -l; }
 
 echo "== 1. pre-emption: SIGTERM -> every rank saves the same iteration -> requeue -> resume from latest"
-export STAGE_PATH=$WORK/stage1 TRAIN_ITERS=600 TRAIN_ARGS=$BASE_ARGS
+export STAGE_PATH=$WORK/stage1 TRAIN_ITERS=$ITERS TRAIN_ARGS=$BASE_ARGS
 mkdir -p "$STAGE_PATH"
 id=$(submit)
 metrics=$STAGE_PATH/results/train/tensorboard/metrics.jsonl
@@ -63,12 +67,12 @@ grep -q 'train: 2 rank(s) on .* (2 GPU(s) per node), mock data' "$log" || { cat 
 grep -q 'distributed optimizer: each of 2 ranks keeps' "$log" || { cat "$log"; fail "no distributed optimizer"; }
 grep -q 'exiting on signal' "$log" || { cat "$log"; fail "the signal did not stop the run"; }
 saved=$(sed -n 's/.*successfully saved checkpoint from iteration *\([0-9]*\) .*/\1/p' "$log" | head -1)
-[ -n "$saved" ] && [ "$saved" -lt 600 ] || { cat "$log"; fail "no checkpoint on the signal"; }
+[ -n "$saved" ] && [ "$saved" -lt "$ITERS" ] || { cat "$log"; fail "no checkpoint on the signal"; }
 grep -q "loaded checkpoint .* at iteration $saved " "$log" || { cat "$log"; fail "the requeued job did not resume from iteration $saved"; }
-[ "$(cat "$STAGE_PATH/checkpoints/latest_checkpointed_iteration.txt")" = 600 ] || fail "the resumed run did not finish"
-[ "$(lines "$metrics")" = 600 ] || fail "metrics hold $(lines "$metrics") iterations, expected 600 (lost or repeated work)"
-[ "$(sed -n 's/.*"iteration": \([0-9]*\),.*/\1/p' "$metrics" | sort -n | uniq | wc -l)" = 600 ] || fail "repeated iterations"
-echo "   SIGTERM at iteration $saved -> checkpoint -> requeue (Restarts=$restarts) -> resumed -> 600 iterations, each once"
+[ "$(cat "$STAGE_PATH/checkpoints/latest_checkpointed_iteration.txt")" = "$ITERS" ] || fail "the resumed run did not finish"
+[ "$(lines "$metrics")" = "$ITERS" ] || fail "metrics hold $(lines "$metrics") iterations, expected $ITERS (lost or repeated work)"
+[ "$(sed -n 's/.*"iteration": \([0-9]*\),.*/\1/p' "$metrics" | sort -n | uniq | wc -l)" = "$ITERS" ] || fail "repeated iterations"
+echo "   SIGTERM at iteration $saved -> checkpoint -> requeue (Restarts=$restarts) -> resumed -> $ITERS iterations, each once"
 
 echo "== 2. a rank killed: the job fails within --distributed-timeout-minutes"
 export STAGE_PATH=$WORK/stage2 TRAIN_ITERS=1000000 TRAIN_ARGS="$BASE_ARGS --distributed-timeout-minutes 0.5"

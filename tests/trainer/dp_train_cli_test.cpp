@@ -27,17 +27,24 @@ using Saved = testing::SavedCheckpoint;
 
 class DataParallelCli : public testing::RanksTest {
  protected:
-  // Global batch 6: 1, 2 and 3 ranks split it evenly. Dropout on (Megatron's defaults).
+  // The documents' ids are below 1000 (WriteLearnableDataset), their EOD the small vocabulary's.
+  DataParallelCli() : RanksTest(testing::kSmallVocabEod) {}
+  // Global batch 6: 1, 2 and 3 ranks split it evenly. Dropout on (Megatron's defaults). GPT-2's
+  // tokenizer cut to a vocabulary of 1000 (SmallVocabFlags, padded to 1024): GPT-2's output layer
+  // was nearly all of each iteration and checks nothing about data parallelism.
   std::string Train(const std::string& extra, int64_t iters = 6) {
     return ptk::testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1"
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
            " --global-batch-size 6 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 1"
            " --weight-decay 0.1 --adam-beta2 0.95 --split 98,2,0 --eval-interval 3 --eval-iters 1 --log-interval 1"
            " --threads 1 --data-path " +
            ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " +
            std::to_string(iters) + " " + extra;
   }
-  Saved Load(const std::string& dir, int64_t iteration) { return testing::LoadTinyCheckpoint(dir, iteration); }
+  Saved Load(const std::string& dir, int64_t iteration) {
+    return testing::LoadTinyCheckpoint(dir, iteration, 1000, 1024);
+  }
   static std::vector<std::string> LossLines(const std::string& out) { return testing::LogLinesWithoutTimes(out); }
   static void ExpectSameState(const Saved& a, const Saved& b, const std::string& what) {
     EXPECT_EQ(a.state.iteration, b.state.iteration) << what;
@@ -117,7 +124,7 @@ TEST_F(DataParallelCli, OverlappedReductionHasTheBitsOfAReductionAfterBackward) 
 // --distributed-timeout-minutes, their error naming that rank and its host; never a hang. Rank 0
 // hanging (it serves the rendezvous) is named as such.
 TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
-  const std::string cmd = Train("--use-distributed-optimizer --distributed-timeout-minutes 0.1", 100000);
+  const std::string cmd = Train("--use-distributed-optimizer --distributed-timeout-minutes 0.05", 100000);
   const std::string host = ptk::testing::ReadFile("/proc/sys/kernel/hostname");
   const std::string h = host.substr(0, host.find('\n'));
   struct Fault {
@@ -128,7 +135,8 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
   };
   const Fault faults[] = {
       {"KILL", 1, 10, "rank 1 (host " + h + ") exited (its connection to the rendezvous closed"},
-      // The 6 s timeout, then a few seconds for the others to report.
+      // The 3 s timeout (Megatron's flag; 3 s is ample for an iteration of this model), then a few
+      // seconds for the others to report.
       {"STOP", 1, 30, "rank 1 (host " + h + ") did not report a failure: it hangs"},
       {"STOP", 0, 30, "rank 0 (which serves the rendezvous) does not answer: it exited or hangs"},
   };

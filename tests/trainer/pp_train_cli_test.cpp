@@ -107,11 +107,16 @@ using ptk::testing::ShellQuote;
 
 class PipelineParallelCli : public testing::RanksTest {
  protected:
+  // The documents' ids are below 1000 (WriteLearnableDataset), their EOD the small vocabulary's.
+  PipelineParallelCli() : RanksTest(testing::kSmallVocabEod) {}
   // 4 layers; global batch 8 of micro-batches of 1 (8 micro-batches a step on one data rank);
-  // dropout on (Megatron's defaults). The vocabulary is padded to 50688 at every T.
+  // dropout on (Megatron's defaults). GPT-2's tokenizer cut to a vocabulary of 1000 (SmallVocabFlags): the
+  // output layer of 50257 made the runs many times slower and checks nothing more about the stages.
+  // It is padded to 1024 at every T.
   std::string Train(int T, int P, const std::string& extra, int64_t iters = 20) {
     return ptk::testing::Tool("ptk-train") +
-           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1"
+           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
            " --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2"
            " --weight-decay 0.1 --split 98,2,0 --eval-interval 10 --eval-iters 1 --log-interval 1 --threads 1"
            " --tensor-model-parallel-size " +
@@ -272,8 +277,9 @@ TEST_F(PipelineParallelCli, CheckpointsResumeAtTheSameAndOtherPipelineSizes) {
   ASSERT_NO_FATAL_FAILURE(
       StopAndResumeAtTheSameSize(2, train, "[ t 1/1, p 1/2 ]", {"mp_rank_00_000", "mp_rank_00_001"}, "mp_rank_00"));
   // ptk-convert reads the stages put together (as any other layout): iteration 10's, copied.
-  auto hf = RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " +
-                   ShellQuote(dir_ / "ck1") + " --save-dir " + ShellQuote(dir_ / "hf"));
+  auto hf =
+      RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck1") +
+             " --save-dir " + ShellQuote(dir_ / "hf") + " " + testing::SmallVocabFlags());
   EXPECT_EQ(hf.exit_code, 0) << hf.output;
   EXPECT_TRUE(std::filesystem::exists(dir_ / "hf/model.safetensors")) << hf.output;
   // Another pipeline size: the stages put together and cut anew; one rank's losses within 1e-6.

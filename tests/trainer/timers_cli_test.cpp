@@ -73,10 +73,14 @@ std::vector<Block> Blocks(const std::string& out) {
 
 class TimersCli : public testing::RanksTest {
  protected:
-  // 4 layers; global batch 8 of micro-batches of 1; 4 iterations, a log line every 2.
+  // The documents' ids are below 1000 (WriteLearnableDataset), their EOD the small vocabulary's.
+  TimersCli() : RanksTest(testing::kSmallVocabEod) {}
+  // 4 layers; global batch 8 of micro-batches of 1; 4 iterations, a log line every 2. GPT-2's
+  // tokenizer cut to a vocabulary of 1000 (SmallVocabFlags): the timers' blocks are the same.
   std::string Train(int P, const std::string& extra) {
     return ptk::testing::Tool("ptk-train") +
-           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1"
+           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
            " --global-batch-size 8 --lr 3e-3 --split 98,2,0 --eval-iters 0 --log-interval 2 --threads 1"
            " --pipeline-model-parallel-size " +
            std::to_string(P) + " --data-path " + ShellQuote(prefix_) + " --data-cache-path " +

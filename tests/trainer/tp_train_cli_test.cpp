@@ -1,7 +1,7 @@
 // ptk-train's tensor parallelism end to end, ranks as processes over loopback gloo: T = 2 and 4
 // tensor ranks, and T = 2 x 2 data ranks with ZeRO-1 and --overlap-grad-reduce, give the loss lines
 // of one rank within 1e-5 relative over 20 iterations with dropout on (T = 2 and 4 also with
-// --sequence-parallel) (the vocabulary padded to the
+// --sequence-parallel) (a vocabulary of 1000 padded to the
 // same size at every T); checkpoints in Megatron's layout (iter_N/mp_rank_TT) resume at the same T
 // with the uninterrupted run's lines character for character, and at T = 1 and 4 within 1e-5;
 // a tensor rank killed ends every other rank naming it, and its last checkpoint resumes bit for bit;
@@ -30,11 +30,17 @@ using ptk::testing::ShellQuote;
 
 class TensorParallelCli : public testing::RanksTest {
  protected:
-  // Global batch 4 of micro-batches of 1; dropout on (Megatron's defaults). The vocabulary is padded
-  // to 50688 at every T (Megatron pads to a multiple of divisible-by x T).
+  // The documents' ids are below 1000 (WriteLearnableDataset), their EOD the small vocabulary's.
+  TensorParallelCli() : RanksTest(testing::kSmallVocabEod) {}
+  // Global batch 4 of micro-batches of 1; dropout on (Megatron's defaults). GPT-2's tokenizer cut
+  // to a vocabulary of 1000 (SmallVocabFlags): the output layer of 50257 made the runs twenty times slower
+  // and checks nothing more (the same vocabulary-parallel embedding and cross-entropy, the last rank's
+  // slice partly padding).
+  // It is padded to 1024 at every T (Megatron pads to a multiple of divisible-by x T).
   std::string Train(int T, const std::string& extra, int64_t iters = 20) {
     return ptk::testing::Tool("ptk-train") +
-           " --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1"
+           " --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 " +
+           testing::SmallVocabFlags() +
            " --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2"
            " --weight-decay 0.1 --split 98,2,0 --eval-interval 10 --eval-iters 1 --log-interval 1 --threads 1"
            " --tensor-model-parallel-size " +
@@ -48,9 +54,23 @@ class TensorParallelCli : public testing::RanksTest {
     if (out.empty()) {
       auto r = RunCmd(Train(1, ""));
       EXPECT_EQ(r.exit_code, 0) << r.output;
-      EXPECT_NE(r.output.find(" > padded vocab (size: 50257) with 431 dummy tokens (new size: 50688)"),
-                std::string::npos)
+      EXPECT_NE(r.output.find(" > padded vocab (size: 1000) with 24 dummy tokens (new size: 1024)"), std::string::npos)
           << r.output;
+      out = r.output;
+    }
+    return out;
+  }
+  // Megatron's Llama line: RMSNorm, RoPE base 500000 with Llama 3.1's scaling, SwiGLU, 4 query heads in
+  // 2 groups, no biases, untied.
+  const std::string kLlama =
+      "--normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --swiglu "
+      "--group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights";
+  // Its one-rank run of 10 iterations, which the Llama tests compare with.
+  const std::string& OneRankLlama() {
+    static std::string out;
+    if (out.empty()) {
+      auto r = RunCmd(Train(1, kLlama, 10));
+      EXPECT_EQ(r.exit_code, 0) << r.output;
       out = r.output;
     }
     return out;
@@ -67,7 +87,7 @@ TEST_F(TensorParallelCli, TwoAndFourTensorRanksGiveOneRanksLosses) {
     std::string out;
     ASSERT_NO_FATAL_FAILURE(RunGivingLosses(T, Train(T, sp ? "--sequence-parallel" : ""), one, 20, 1e-5, what, &out));
     EXPECT_NE(out.find("> initialized tensor model parallel with size " + std::to_string(T)), std::string::npos) << out;
-    EXPECT_NE(out.find(" > padded vocab (size: 50257) with 431 dummy tokens (new size: 50688)"), std::string::npos);
+    EXPECT_NE(out.find(" > padded vocab (size: 1000) with 24 dummy tokens (new size: 1024)"), std::string::npos);
     // Megatron's line from each tensor rank of the first data-parallel rank: rank 0's own, and the
     // last tensor rank's in its log.
     EXPECT_NE(out.find(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "),
@@ -80,22 +100,14 @@ TEST_F(TensorParallelCli, TwoAndFourTensorRanksGiveOneRanksLosses) {
 }
 
 // Megatron's Llama line (RMSNorm, RoPE with Llama 3.1's scaling, SwiGLU, 4 query heads in 2 groups,
-// no biases, untied; dropout on) at T=2 with and without --sequence-parallel: one rank's losses.
+// no biases, untied; dropout on) at T=2 with --sequence-parallel: one rank's losses. (T=2 without it,
+// the same run with --save, is LlamaLineGivesOneRanksLossesAndResumes's.)
 TEST_F(TensorParallelCli, ALlamaLineModelWithSequenceParallelGivesOneRanksLosses) {
-  const std::string llama =
-      "--normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --swiglu "
-      "--group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights";
-  auto one_run = RunCmd(Train(1, llama, 10));
-  ASSERT_EQ(one_run.exit_code, 0) << one_run.output;
-  const auto one = Losses(one_run.output);
-  ASSERT_EQ(one.size(), 10u) << one_run.output;
-  for (bool sp : {false, true}) {
-    const std::string what = sp ? "Llama line, T=2 --sequence-parallel" : "Llama line, T=2";
-    SCOPED_TRACE(what);
-    std::string out;
-    ASSERT_NO_FATAL_FAILURE(
-        RunGivingLosses(2, Train(2, llama + (sp ? " --sequence-parallel" : ""), 10), one, 10, 1e-5, what, &out));
-  }
+  const auto one = Losses(OneRankLlama());
+  ASSERT_EQ(one.size(), 10u) << OneRankLlama();
+  const std::string what = "Llama line, T=2 --sequence-parallel";
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(2, kLlama + " --sequence-parallel", 10), one, 10, 1e-5, what, &out));
 }
 
 TEST_F(TensorParallelCli, TensorTimesDataRanksWithZeroOneAndOverlapGiveOneRanksLosses) {
@@ -113,13 +125,9 @@ TEST_F(TensorParallelCli, TensorTimesDataRanksWithZeroOneAndOverlapGiveOneRanksL
 // in 2 groups, untied, no biases; dropout on): T = 2, and T = 2 x D = 2 with ZeRO-1, give one rank's
 // losses; a checkpoint resumed at T = 2 continues with the uninterrupted run's lines.
 TEST_F(TensorParallelCli, LlamaLineGivesOneRanksLossesAndResumes) {
-  const std::string llama =
-      " --normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --swiglu"
-      " --group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights";
-  auto one = RunCmd(Train(1, llama, 10));
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  const auto ref = Losses(one.output);
-  ASSERT_EQ(ref.size(), 10u) << one.output;
+  const std::string llama = " " + kLlama;
+  const auto ref = Losses(OneRankLlama());
+  ASSERT_EQ(ref.size(), 10u) << OneRankLlama();
   auto t2 = Ranks(2, Train(2, llama + " --save " + ShellQuote(dir_ / "ck") + " --save-interval 5", 10));
   ASSERT_NE(t2.output.find(AllZero(2)), std::string::npos) << t2.output << Logs(2);
   EXPECT_LT(Worst(Losses(t2.output), ref), 1e-5);

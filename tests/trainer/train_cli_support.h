@@ -26,8 +26,9 @@
 namespace ptk::testing {
 
 // `documents` learnable documents at PREFIX: runs of consecutive ids (50 apart at most) from a
-// document-specific start, 20 to 169 tokens, each ending in EOD (50256). The same bytes every call.
-inline void WriteLearnableDataset(const std::string& prefix, int documents) {
+// document-specific start below 900, 20 to 169 tokens, each ending in `eod` (GPT-2's 50256 unless a
+// test trains with a smaller --vocab-size). The same bytes every call.
+inline void WriteLearnableDataset(const std::string& prefix, int documents, int32_t eod = 50256) {
   auto b = IndexedDatasetBuilder::Create(prefix, OptimalDType(50257));
   ASSERT_TRUE(b.ok()) << b.status();
   uint64_t h = 12345;
@@ -36,11 +37,20 @@ inline void WriteLearnableDataset(const std::string& prefix, int documents) {
     int len = 20 + static_cast<int>((h >> 33) % 150), start = static_cast<int>((h >> 13) % 900);
     std::vector<int32_t> doc;
     for (int i = 0; i < len; ++i) doc.push_back(start + i % 50);
-    doc.push_back(50256);
+    doc.push_back(eod);
     std::vector<int32_t> lengths = {static_cast<int32_t>(doc.size())};
     ASSERT_TRUE((*b)->AddDocument(doc, lengths).ok());
   }
   ASSERT_TRUE((*b)->Finalize().ok());
+}
+
+// GPT-2's tokenizer cut to a vocabulary of 1000 (tests/support/gen_small_gpt2_tokenizer.py: its first
+// 999 tokens, and <|endoftext|> as kSmallVocabEod), for tests whose tiny models would otherwise spend
+// nearly all their time in GPT-2's output layer of 50257 rows: ptk-train's and ptk-convert's flags.
+inline constexpr int32_t kSmallVocabEod = 999;
+inline std::string SmallVocabFlags() {
+  const std::string data = SourceDir() + "/tests/data/trainer/gpt2-1000-";
+  return "--vocab-file " + ShellQuote(data + "vocab.json") + " --merge-file " + ShellQuote(data + "merges.txt");
 }
 
 // Model, moments, scheduler and data position of a saved checkpoint.
@@ -50,16 +60,17 @@ struct SavedCheckpoint {
 };
 
 // Iteration `iteration` of DIR, saved by the tests' model (--num-layers 2 --hidden-size 32
-// --num-attention-heads 4 --seq-length 32, GPT-2's vocabulary).
-inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iteration) {
+// --num-attention-heads 4 --seq-length 32; GPT-2's vocabulary, or SmallVocabFlags' of 1000 padded to 1024).
+inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iteration, int64_t vocab_size = 50257,
+                                          int64_t padded_vocab_size = 50304) {
   GPTConfig c;
   c.num_layers = 2;
   c.hidden_size = 32;
   c.num_attention_heads = 4;
   c.ffn_hidden_size = 128;
   c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 50257;
-  c.padded_vocab_size = 50304;
+  c.vocab_size = vocab_size;
+  c.padded_vocab_size = padded_vocab_size;
   auto layout = ParamLayout::Create(c);
   EXPECT_TRUE(layout.ok());
   SavedCheckpoint s;
@@ -102,9 +113,11 @@ inline double WorstRelativeDifference(const std::vector<std::pair<int, double>>&
 // ranks of ptk-train started in it as processes over loopback gloo (torchrun's variables).
 class RanksTest : public ::testing::Test {
  protected:
+  // `eod`: the documents' last token (WriteLearnableDataset).
+  explicit RanksTest(int32_t eod = 50256) : eod_(eod) {}
   void SetUp() override {
     prefix_ = dir_ / "data_text_document";
-    ASSERT_NO_FATAL_FAILURE(WriteLearnableDataset(prefix_, 300));
+    ASSERT_NO_FATAL_FAILURE(WriteLearnableDataset(prefix_, 300, eod_));
   }
   // `world` ranks of `cmd`, rank 0 in the foreground and rank r's output in DIR/r<r>.log, each under
   // `timeout 300` (a hang fails the test instead of blocking it). The output is rank 0's, then one
@@ -189,6 +202,7 @@ class RanksTest : public ::testing::Test {
     return out;
   }
 
+  const int32_t eod_;
   TempDir dir_;
   std::string prefix_;
 };
