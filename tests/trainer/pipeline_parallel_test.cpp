@@ -456,6 +456,43 @@ TEST(PipelineSchedule, TwoStagesGiveOneRanksLossAndGradients) { CheckPipelineGiv
 TEST(PipelineSchedule, FourStagesGiveOneRanksLossAndGradients) { CheckPipelineGivesOneRank(4, false); }
 TEST(PipelineSchedule, UntiedOutputLayer) { CheckPipelineGivesOneRank(2, true); }
 
+// Rank `rank` of P = 2 stages x D = 2 data ranks (world rank d + 2p, Megatron's order): its pipeline
+// and data groups, the embedding group of the first and last stage when tied (the pipeline group
+// itself at P = 2), and its stage's model from seed 5, its optimizer state ZeRO-1-sharded when asked.
+struct StageRank {
+  int d = 0, p = 0;
+  std::unique_ptr<Communicator> pipe, dp, emb;
+  std::unique_ptr<CpuGPTModel> model;
+  std::pair<int64_t, int64_t> owned;  // the parameters this rank updates: its shard, or all
+};
+void MakeStageRank(Communicator* world, int rank, const GPTConfig& c, const std::vector<PipelineStage>& stages,
+                   bool tied, bool zero1, StageRank* r) {
+  r->d = rank % 2, r->p = rank / 2;
+  const std::vector<int> pm = {r->d, r->d + 2}, dm = {2 * r->p, 2 * r->p + 1};
+  auto pipe = world->Subgroup(pm, "pipeline" + std::to_string(r->d));
+  ASSERT_TRUE(pipe.ok()) << pipe.status();
+  r->pipe = *std::move(pipe);
+  auto dp = world->Subgroup(dm, "data" + std::to_string(r->p));
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  r->dp = *std::move(dp);
+  if (tied) {
+    auto e = world->Subgroup(pm, "embedding" + std::to_string(r->d));
+    ASSERT_TRUE(e.ok()) << e.status();
+    r->emb = *std::move(e);
+  }
+  auto model = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(r->p)]);
+  ASSERT_TRUE(model.ok()) << model.status();
+  r->model = *std::move(model);
+  ASSERT_TRUE(r->model->InitWeights(5).ok());
+  r->owned = {0, r->model->num_params()};
+  if (zero1) {
+    auto shard = ParamShard::Create(r->model->num_params(), 2, r->d);
+    ASSERT_TRUE(shard.ok());
+    ASSERT_TRUE(r->model->ShardOptimizerState(*shard).ok());
+    r->owned = {shard->begin(), shard->end()};
+  }
+}
+
 // 3 steps of P = 2 stages x D = 2 data ranks (world rank d + 2p, Megatron's order), 8 micro-batches a
 // step (4 per data rank), ZeRO-1 when asked, --overlap-grad-reduce with buckets of `bucket` elements
 // (0: none): each rank's parameters after the steps, and the buckets its last backwards launched.
@@ -470,34 +507,18 @@ StagesRun TrainStages(bool zero1, int64_t bucket, bool untied) {
   std::mutex mu;
   const std::vector<PipelineStage> stages = Stages(2);
   testing::RunRanks(4, [&](Communicator* world, int rank) {
-    const int d = rank % 2, p = rank / 2;
-    const std::vector<int> pm = {d, d + 2}, dm = {2 * p, 2 * p + 1};
-    auto pipe = world->Subgroup(pm, "pipeline" + std::to_string(d));
-    ASSERT_TRUE(pipe.ok()) << pipe.status();
-    auto dp = world->Subgroup(dm, "data" + std::to_string(p));
-    ASSERT_TRUE(dp.ok()) << dp.status();
-    std::unique_ptr<Communicator> emb;  // the first and last stage: the pipeline group itself at P = 2
-    if (!untied) {
-      auto e = world->Subgroup(pm, "embedding" + std::to_string(d));
-      ASSERT_TRUE(e.ok()) << e.status();
-      emb = *std::move(e);
-    }
-    auto model = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(p)]);
-    ASSERT_TRUE(model.ok()) << model.status();
-    ASSERT_TRUE((*model)->InitWeights(5).ok());
-    if (zero1) {
-      auto shard = ParamShard::Create((*model)->num_params(), 2, d);
-      ASSERT_TRUE(shard.ok());
-      ASSERT_TRUE((*model)->ShardOptimizerState(*shard).ok());
-    }
+    StageRank sr;
+    ASSERT_NO_FATAL_FAILURE(MakeStageRank(world, rank, c, stages, !untied, zero1, &sr));
+    const int d = sr.d;
+    CpuGPTModel* model = sr.model.get();
     OptimizerConfig oc;
     oc.overlap_grad_reduce = bucket > 0;
     oc.ddp_bucket_size = bucket;
     SchedulerConfig sc;
     sc.max_lr = 3e-3;
     sc.decay_steps = 24;
-    TrainStep step(model->get(), oc, sc, dp->get());
-    step.set_pipeline(pipe->get(), emb.get());
+    TrainStep step(model, oc, sc, sr.dp.get());
+    step.set_pipeline(sr.pipe.get(), sr.emb.get());
     const std::vector<ModelBatch> all = data.All();
     for (int it = 0; it < 3; ++it) {
       std::vector<ModelBatch> mine(all.begin() + 8 * it + 4 * d, all.begin() + 8 * it + 4 * d + 4);
@@ -505,7 +526,7 @@ StagesRun TrainStages(bool zero1, int64_t bucket, bool untied) {
       ASSERT_TRUE(r.ok()) << r.status();
     }
     std::lock_guard<std::mutex> lock(mu);
-    out.params[static_cast<size_t>(rank)].assign((*model)->params(), (*model)->params() + (*model)->num_params());
+    out.params[static_cast<size_t>(rank)].assign(model->params(), model->params() + model->num_params());
     out.launched[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
   });
   return out;
@@ -612,37 +633,21 @@ TEST(PipelineSchedule, TiedEmbeddingGradientsAreSummedAfterTheDataParallelReduct
       std::vector<std::pair<int64_t, int64_t>> checked(4);
       std::mutex mu;
       testing::RunRanks(4, [&](Communicator* world, int rank) {
-        const int d = rank % 2, p = rank / 2;
-        const std::vector<int> pm = {d, d + 2}, dm = {2 * p, 2 * p + 1};
-        auto pipe = world->Subgroup(pm, "pipeline" + std::to_string(d));
-        ASSERT_TRUE(pipe.ok()) << pipe.status();
-        auto dp = world->Subgroup(dm, "data" + std::to_string(p));
-        ASSERT_TRUE(dp.ok()) << dp.status();
-        auto emb = world->Subgroup(pm, "embedding" + std::to_string(d));
-        ASSERT_TRUE(emb.ok()) << emb.status();
-        auto model = CpuGPTModel::Create(c, nullptr, false, stages[static_cast<size_t>(p)]);
-        ASSERT_TRUE(model.ok()) << model.status();
-        ASSERT_TRUE((*model)->InitWeights(5).ok());
-        std::pair<int64_t, int64_t> range = {0, (*model)->num_params()};
-        if (zero1) {
-          auto shard = ParamShard::Create((*model)->num_params(), 2, d);
-          ASSERT_TRUE(shard.ok());
-          ASSERT_TRUE((*model)->ShardOptimizerState(*shard).ok());
-          range = {shard->begin(), shard->end()};
-        }
+        StageRank sr;
+        ASSERT_NO_FATAL_FAILURE(MakeStageRank(world, rank, c, stages, true, zero1, &sr));
         OptimizerConfig oc;
         oc.overlap_grad_reduce = bucket > 0;
         oc.ddp_bucket_size = bucket;
-        TrainStep step(model->get(), oc, SchedulerConfig{}, dp->get());
-        step.set_pipeline(pipe->get(), emb->get());
-        const std::vector<ModelBatch> mine(all.begin() + 4 * d, all.begin() + 4 * d + 4);
+        TrainStep step(sr.model.get(), oc, SchedulerConfig{}, sr.dp.get());
+        step.set_pipeline(sr.pipe.get(), sr.emb.get());
+        const std::vector<ModelBatch> mine(all.begin() + 4 * sr.d, all.begin() + 4 * sr.d + 4);
         auto r = step.ComputeGradients(mine, 99);
         ASSERT_TRUE(r.ok()) << r.status();
-        std::vector<float> g(static_cast<size_t>((*model)->num_params()));
-        ASSERT_TRUE((*model)->ReadGrads(g).ok());
+        std::vector<float> g(static_cast<size_t>(sr.model->num_params()));
+        ASSERT_TRUE(sr.model->ReadGrads(g).ok());
         std::lock_guard<std::mutex> lock(mu);
         got[static_cast<size_t>(rank)] = std::move(g);
-        checked[static_cast<size_t>(rank)] = range;
+        checked[static_cast<size_t>(rank)] = sr.owned;
       });
       int64_t tied_checked = 0;
       for (int rank = 0; rank < 4; ++rank) {
