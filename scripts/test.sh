@@ -49,23 +49,36 @@ phase "ctest"
 
 phase "ASan + UBSan build and tests"
 # Reader robustness under AddressSanitizer/UBSan: only the targets that matter, to keep CI short.
+# The sanitizer builds carry line tables only (-g1): a report's frames keep their file and line.
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
-  -DPTK_SANITIZE=address,undefined >/dev/null
-ASAN_TESTS=(indexed_dataset_error_test indexed_dataset_test utf8_test json_writer_test bpe_test gpt_dataset_test ops_test
-  gpt_model_golden_test op_math_test train_step_test grad_buckets_test safetensors_test)
+  -DPTK_SANITIZE=address,undefined \
+  -DCMAKE_CXX_FLAGS_DEBUG=-g1 >/dev/null
+ASAN_TESTS=(bpe_test gpt_dataset_test indexed_dataset_error_test indexed_dataset_test utf8_test json_writer_test ops_test
+  gpt_model_golden_test op_math_test train_step_test grad_buckets_test safetensors_test)  # the longest first
 cmake --build build-asan -j "$JOBS" --target "${ASAN_TESTS[@]}"
-for t in "${ASAN_TESTS[@]}"; do
-  filter=()
+asan_run() {  # one test, its output in build-asan/logs/T.log, printed when it fails
+  local t=$1 filter=()
   [[ $t == bpe_test ]] && filter=(--gtest_filter=-Bpe.LongPiecesAreNotQuadratic)  # 1 MB pieces: slow under ASan
-  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    "build-asan/tests/$t" "${filter[@]}"
-done
+  if ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    "build-asan/tests/$t" "${filter[@]}" >"build-asan/logs/$t.log" 2>&1; then
+    echo "asan: $t passed" >&2
+  else
+    cat "build-asan/logs/$t.log" >&2
+    echo "asan: $t FAILED (build-asan/logs/$t.log)" >&2
+    return 1
+  fi
+}
+export -f asan_run
+mkdir -p build-asan/logs
+# $JOBS at a time, as ctest runs the tests; xargs exits non-zero when any of them fails.
+printf '%s\n' "${ASAN_TESTS[@]}" | xargs -P "$JOBS" -I{} bash -c 'asan_run "$1"' _ {}
 
 phase "TSan build and tests"
 # Data races in the threaded index build (drawing thread + ring), the two-thread index
 # validation, the prefetching loader and the tokenize pipeline.
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
-  -DPTK_SANITIZE=thread >/dev/null
+  -DPTK_SANITIZE=thread \
+  -DCMAKE_CXX_FLAGS_DEBUG=-g1 >/dev/null
 cmake --build build-tsan -j "$JOBS" --target gpt_dataset_test indexed_dataset_test tokenize_golden_test ptk-tokenize
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/gpt_dataset_test
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/indexed_dataset_test
