@@ -29,7 +29,7 @@ phase() {
     local line
     line=$(printf '%-34s %5d s wall %6d s CPU' "$phase_name" $((SECONDS - phase_start)) $((cpu - phase_cpu)))
     PHASES+=("$line")
-    echo "ptk-test: $line" >&2
+    echo "test.sh: $line" >&2
   fi
   phase_name=$1 phase_start=$SECONDS phase_cpu=$cpu
 }
@@ -87,5 +87,5 @@ TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/indexed_dataset_test
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tokenize_golden_test
 phase ""
 children_cpu
-printf 'ptk-test: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s wall %6d s CPU' total "$SECONDS" "$cpu")" >&2
+printf 'test.sh: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s wall %6d s CPU' total "$SECONDS" "$cpu")" >&2
 echo "ptk: all tests passed"
