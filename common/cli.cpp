@@ -84,7 +84,9 @@ absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string,
   return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, best));
 }
 
-absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv) {
+// `given` counts each long flag's occurrences (before a "--").
+absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv,
+                                                       std::map<std::string, int>* given) {
   std::map<std::string, bool> names;
   std::set<std::string> shorts;
   CollectLongNames(app, &names, &shorts);
@@ -105,6 +107,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     const std::string name = arg.substr(0, eq);
     const std::string rest = eq == std::string::npos ? "" : arg.substr(eq);
     if (names.count(name)) {
+      ++(*given)[name];
       out.push_back(std::move(arg));
       continue;
     }
@@ -115,6 +118,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     }
     if (matches.size() > 1 && supported.size() == 1) matches = supported;
     if (matches.size() == 1) {
+      ++(*given)[matches[0]];
       out.push_back(matches[0] + rest);
       continue;
     }
@@ -206,7 +210,28 @@ void RequireDecimalNumbers(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalNumbers(*sub);
 }
 
+// As argparse: a flag given again replaces what it was given before, a list flag's whole list too
+// (CLI11 would refuse a second value, or join both lists). A repeatable flag (Repeatable) adds up.
+void LastOccurrenceCounts(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    if (opt->get_lnames().empty() || opt == app.get_help_ptr() || opt == app.get_version_ptr()) continue;
+    if (opt->get_multi_option_policy() == CLI::MultiOptionPolicy::TakeAll) continue;  // Repeatable
+    opt->trigger_on_parse();  // each occurrence runs the callback; the next one clears the results first
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) LastOccurrenceCounts(*sub);
+}
+
+bool IsRepeatable(const CLI::App& app, const std::string& name) {
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->check_lname(name.substr(2))) return opt->get_multi_option_policy() == CLI::MultiOptionPolicy::TakeAll;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    if (IsRepeatable(*sub, name)) return true;
+  return false;
+}
+
 }  // namespace
+
+CLI::Option* Repeatable(CLI::Option* opt) { return opt->multi_option_policy(CLI::MultiOptionPolicy::TakeAll); }
 
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   // Every tool: a file-size limit (ulimit -f, a quota) must surface as EFBIG, handled like a full
@@ -222,13 +247,15 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     std::printf("%s: option table OK (%zu options)\n", app.get_name().c_str(), app.get_options().size());
     return kExitOk;
   }
-  auto args = ArgparseForms(app, argc, argv);
+  std::map<std::string, int> given;
+  auto args = ArgparseForms(app, argc, argv, &given);
   if (!args.ok()) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
                  std::string(StatusMessage(args.status())).c_str());
     return kExitUsage;
   }
   RequireDecimalNumbers(app);
+  LastOccurrenceCounts(app);
   std::vector<char*> cargv;
   for (auto& a : *args) cargv.push_back(a.data());
   try {
@@ -247,6 +274,11 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
                  e.what());
     return kExitUsage;
   }
+  // A script's default then an override is the usual reason; a list given in two parts is the
+  // mistake this names (argparse says nothing and takes the last).
+  for (const auto& [name, n] : given)
+    if (n > 1 && !IsRepeatable(app, name))
+      log::Warning("{} given {} times: only the last counts (as in argparse)", name, n);
   return std::nullopt;
 }
 

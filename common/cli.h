@@ -34,9 +34,15 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 // Parses argv. Returns nullopt to continue, or the exit code to return (0 after --help/--version,
 // kExitUsage after a usage error, which is printed as one line plus a hint). Long flags are read
 // as Python's argparse reads them (unambiguous prefixes, --flag=value); an unknown one, or a long
-// flag written with one dash (-input), is a usage error suggesting the flag meant. With the
-// environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
+// flag written with one dash (-input), is a usage error suggesting the flag meant. A flag given
+// more than once takes its last occurrence, as argparse does, a list flag its last list too
+// (--input a b --input c reads c), with a warning naming it; only a flag made Repeatable adds up.
+// With the environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
 std::optional<int> Parse(CLI::App& app, int argc, char** argv);
+
+// Marks a list option as repeatable (argparse's action="append"): each occurrence adds to the list,
+// as ptk-extract's --drop-set A --drop-set B drops both. Its help should say "repeatable".
+CLI::Option* Repeatable(CLI::Option* opt);
 
 // Checks the table: every option has a long name and help text, and no flag is repeated.
 absl::Status CheckOptionTable(const CLI::App& app);

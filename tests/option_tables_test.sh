@@ -148,6 +148,13 @@ out=$("$BIN/ptk-concat" list --plan "$T/c/concat-plan.json" 2>&1 >/dev/full); rc
   { echo "FAIL: ptk-concat list > /dev/full: rc $rc: $out"; fail=1; }
 out=$("$BIN/ptk-inspect" "$T/c/train_00.jsonl" 2>&1 >/dev/full); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"standard output"* ]] || { echo "FAIL: a failure keeps its own message: rc $rc: $out"; fail=1; }
+# A flag given twice takes its last occurrence in every tool, a list flag its last list (as argparse):
+# ptk-inspect refused --doc twice, ptk-tokenize read both --input lists.
+out=$("$BIN/ptk-tokenize" --input "$T/nope.jsonl" --input "$T/in/a.jsonl" --output-prefix "$T/tw" --quiet 2>&1); rc=$?
+[ "$rc" = 0 ] && [[ $out == *"--input given 2 times: only the last counts"* ]] ||
+  { echo "FAIL: ptk-tokenize --input twice: rc $rc: $out"; fail=1; }
+out=$("$BIN/ptk-inspect" "$T/tw_text_document" --doc 7 --doc 0 --format ids 2>&1); rc=$?
+[ "$rc" = 0 ] && [[ $out == *"document 0:"* ]] || { echo "FAIL: ptk-inspect --doc twice: rc $rc: $out"; fail=1; }
 # Not a usage error: a dataset that does not exist is exit 1.
 out=$("${TRAIN[@]}" --data-path "$T/p" 2>&1); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"usage error"* ]] || { echo "FAIL: a missing dataset: rc $rc: $out"; fail=1; }
