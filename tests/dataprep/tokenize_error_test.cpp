@@ -490,6 +490,49 @@ TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
   }
 }
 
+// --max-bad-fraction does not change the bytes: a rerun with only another one, which the output
+// meets, is up to date (it tokenized everything again); one the output does not meet tokenizes
+// again and fails as a first run would, leaving the output as it was.
+TEST(TokenizeErrors, AnotherMaxBadFractionTheOutputMeetsIsUpToDate) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"}\nnot json\n\n{\"text\": \"c\"}\n");
+  const std::string out = dir / "out", doc = out + "_text_document";
+  auto run = [&](const std::string& max_bad) {
+    return RunCmd(
+        Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction {}", dir / "in.jsonl", out, max_bad)));
+  };
+  auto stamps = [&] {
+    std::string s;
+    for (const char* ext : {".bin", ".idx", ".ptk-done"}) {
+      struct stat st {};
+      EXPECT_EQ(::stat((doc + ext).c_str(), &st), 0) << ext;
+      s += fmt::format("{}:{}.{} ", st.st_ino, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+    }
+    return s;
+  };
+  auto first = run("0.5");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string before = stamps();
+  for (const char* meets : {"0.25", "1", "0.5"}) {  // 1 of 4 non-blank records bad: 0.25 is met
+    SCOPED_TRACE(meets);
+    auto r = run(meets);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(doc + ": up to date, not rewritten"), std::string::npos) << r.output;
+    EXPECT_EQ(stamps(), before);
+  }
+  auto stricter = run("0.1");
+  EXPECT_EQ(stricter.exit_code, 1) << stricter.output;
+  EXPECT_NE(stricter.output.find(doc + ": tokenizing again: 1 of its 4 records could not be read, more than "
+                                       "--max-bad-fraction 0.1"),
+            std::string::npos)
+      << stricter.output;
+  EXPECT_NE(stricter.output.find("1 of 4 records (25.00%) could not be read, more than --max-bad-fraction 0.1"),
+            std::string::npos)
+      << stricter.output;
+  EXPECT_EQ(stamps(), before);
+  EXPECT_EQ(Docs(doc).size(), 3u);
+}
+
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::TempDir dir;
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
