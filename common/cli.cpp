@@ -306,6 +306,16 @@ absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefi
       flag, prefix, prefix, example_suffix, flag, example, example, example_suffix));
 }
 
+absl::Status CheckOutputDirectory(const std::string& flag, const std::string& prefix) {
+  const std::string dir = Dirname(prefix);
+  if (IsDirectory(dir)) return absl::OkStatus();
+  std::string p = dir;  // the deepest part of it that exists
+  for (std::string up = Dirname(p); !PathExists(p) && up != p; up = Dirname(p)) p = up;
+  if (PathExists(p) && !IsDirectory(p))
+    return absl::FailedPreconditionError(fmt::format("{} {}: {} is not a directory", flag, prefix, p));
+  return absl::NotFoundError(fmt::format("{} {}: directory {} does not exist", flag, prefix, dir));
+}
+
 absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint) {
   if (path.empty()) return absl::OkStatus();
   std::string why;

@@ -79,6 +79,11 @@ const CLI::Validator& NonNegative();  // >= 0
 // appends ("_text_document.bin").
 absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefix, const std::string& example_suffix);
 
+// The directory an output prefix (or file) is in must exist: otherwise a NotFound "FLAG PREFIX:
+// directory DIR does not exist", or, where a file stands in its place (or in the place of a
+// directory above it), "FLAG PREFIX: PATH is not a directory".
+absl::Status CheckOutputDirectory(const std::string& flag, const std::string& prefix);
+
 // A file a flag names, when given, must be a file that can be read: otherwise a NotFound "FLAG
 // PATH: no such file" (is a directory, cannot be read), followed by "; " and `hint` when one is given.
 absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint = "");

@@ -418,6 +418,35 @@ TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
   EXPECT_EQ(version.output.rfind("ptk-tokenize (ptk ", 0), 0u) << version.output;
 }
 
+// An output prefix whose directory is a file (or lies below one) was reported as a directory that
+// "does not exist"; ptk-merge said "is not a directory or does not exist". Each now says which, naming the flag.
+TEST(TokenizeErrors, AnOutputDirectoryThatIsAFileIsNamed) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n");
+  testing::WriteFile(dir / "file", "x");
+  ASSERT_EQ(RunCmd(Tok("--input " + dir / "in.jsonl --output-prefix " + dir / "ds")).exit_code, 0);
+  struct Case {
+    std::string prefix, expected;
+  } cases[] = {
+      {dir / "file/o", "--output-prefix " + dir / "file/o: " + dir / "file is not a directory"},
+      {dir / "file/sub/o", "--output-prefix " + dir / "file/sub/o: " + dir / "file is not a directory"},
+      {dir / "nodir/o", "--output-prefix " + dir / "nodir/o: directory " + dir / "nodir does not exist"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.prefix);
+    auto tok = RunCmd(Tok("--input " + dir / "in.jsonl --output-prefix " + c.prefix));
+    EXPECT_EQ(tok.exit_code, 1) << tok.output;
+    EXPECT_NE(tok.output.find(c.expected), std::string::npos) << tok.output;
+    auto merge =
+        RunCmd(testing::Tool("ptk-merge") + " --inputs " + dir / "ds_text_document --output-prefix " + c.prefix);
+    EXPECT_EQ(merge.exit_code, 1) << merge.output;
+    EXPECT_NE(merge.output.find(c.expected), std::string::npos) << merge.output;
+  }
+  auto merge = RunCmd(testing::Tool("ptk-merge") + " --input " + dir / "file --output-prefix " + dir / "m");
+  EXPECT_EQ(merge.exit_code, 1) << merge.output;
+  EXPECT_NE(merge.output.find("--input " + dir / "file: is not a directory"), std::string::npos) << merge.output;
+}
+
 // A rerun whose inputs and settings every output's sidecar records leaves the
 // outputs alone and says so (the main job's rerun rewrote five datasets); anything that changes
 // the bytes (an input, a flag, a damaged output) or --force tokenizes again; stdin never compares.
