@@ -19,6 +19,7 @@
 
 #include "common/file_paths.h"
 #include "common/logging.h"
+#include "common/progress.h"
 #include "common/status.h"
 
 namespace ptk::cli {
@@ -272,6 +273,12 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
                  e.what());
+    return kExitUsage;
+  }
+  // Every tool: a progress interval that would print without pause, or never wait, is refused.
+  if (auto interval = ProgressIntervalFromEnv(); !interval.ok()) {
+    std::fprintf(stderr, "%s: usage error: %s\n", app.get_name().c_str(),
+                 std::string(StatusMessage(interval.status())).c_str());
     return kExitUsage;
   }
   // A script's default then an override is the usual reason; a list given in two parts is the

@@ -90,6 +90,16 @@ usage env SLURM_PROCID=1 SLURM_NTASKS=2 "${TRAIN[@]}" --data-path "$T/p" -- \
   "SLURM_PROCID=1 without SLURM_STEP_NUM_TASKS"
 usage env SLURM_PROCID=2 SLURM_STEP_NUM_TASKS=2 "${TRAIN[@]}" --data-path "$T/p" -- \
   "SLURM_PROCID=2 is outside [0, 1] (SLURM_STEP_NUM_TASKS=2)"
+# PTK_PROGRESS_INTERVAL: 0, negative and text fell back silently; 1e-9 printed without pause, and
+# 1e300 or inf overflowed the clock (no wait: millions of log lines and a run that did not end).
+usage env PTK_PROGRESS_INTERVAL=1e300 "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" -- \
+  "PTK_PROGRESS_INTERVAL=1e300 is outside"
+usage env PTK_PROGRESS_INTERVAL=0 "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" -- \
+  "PTK_PROGRESS_INTERVAL=0 is outside [0.001, 86400] seconds"
+usage env PTK_PROGRESS_INTERVAL=1e-9 "$BIN/ptk-extract" "$T/x.zst" -- "PTK_PROGRESS_INTERVAL=1e-9 is outside"
+usage env PTK_PROGRESS_INTERVAL=inf "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" -- \
+  'PTK_PROGRESS_INTERVAL="inf" is not a number of seconds'
+usage env PTK_PROGRESS_INTERVAL=-5 "$BIN/ptk-download" --local-dir "$T/d" --repo a/b -- "PTK_PROGRESS_INTERVAL=-5 is outside"
 usage env WORLD_SIZE=2 RANK=0 MASTER_PORT=0x50 "${TRAIN[@]}" --data-path "$T/p" -- 'MASTER_PORT="0x50" is not an integer'
 # Numbers on the command line are decimal: no hex, octal, inf or nan (CLI11 read 0x10 as 16,
 # 010 as 8). A flag's own range check may name the value first; either way it is refused.
