@@ -7,10 +7,13 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <set>
 #include <vector>
@@ -155,9 +158,30 @@ std::string DecimalError(const std::string& in, const char* what) {
                      in.size() > 40 ? in.substr(0, 40) + "..." : in, what);
 }
 
-CLI::Validator DecimalValidator(bool integer) {
+// An integer's digits that CLI11 would read as another number: strtoll and strtoull saturate
+// (99999999999999999999 became 9223372036854775807) and strtoull wraps a negative one (-1 became
+// 18446744073709551615). "" when `in` (decimal, sign allowed) fits the option's type.
+std::string IntegerRangeError(const std::string& in, bool is_unsigned) {
+  const char* b = in.data() + (in[0] == '+' ? 1 : 0);
+  const char* e = in.data() + in.size();
+  if (is_unsigned) {
+    if (*b == '-') {
+      if (in.find_first_not_of('0', 1) == std::string::npos) return "";  // -0
+      return fmt::format("{:?} is negative (the flag takes a number >= 0)", in);
+    }
+    uint64_t u = 0;
+    if (std::from_chars(b, e, u).ec == std::errc()) return "";
+    return fmt::format("{:?} is too large (at most {})", in, std::numeric_limits<uint64_t>::max());
+  }
+  int64_t v = 0;
+  if (std::from_chars(b, e, v).ec == std::errc()) return "";
+  return fmt::format("{:?} is out of range [{}, {}]", in.size() > 40 ? in.substr(0, 40) + "..." : in,
+                     std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
+}
+
+CLI::Validator DecimalValidator(bool integer, bool is_unsigned) {
   CLI::Validator v(
-      [integer](std::string& in) -> std::string {
+      [integer, is_unsigned](std::string& in) -> std::string {
         size_t i = (!in.empty() && (in[0] == '-' || in[0] == '+')) ? 1 : 0;
         const size_t digits_begin = i;
         while (i < in.size() && std::isdigit(static_cast<unsigned char>(in[i]))) ++i;
@@ -169,7 +193,7 @@ CLI::Validator DecimalValidator(bool integer) {
             return fmt::format("{:?} has a leading zero (numbers are decimal: write {})", in,
                                in.substr(0, digits_begin) +
                                    in.substr(std::min(in.find_first_not_of('0', digits_begin), in.size() - 1)));
-          return "";
+          return IntegerRangeError(in, is_unsigned);
         }
         size_t frac_digits = 0;
         if (i < in.size() && in[i] == '.') {
@@ -206,7 +230,7 @@ void RequireDecimalNumbers(CLI::App& app) {
       continue;  // already checked (Parse called again on this app)
     } catch (const CLI::OptionNotFound&) {
     }
-    opt->check(DecimalValidator(integer));
+    opt->check(DecimalValidator(integer, base == "UINT"));
   }
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalNumbers(*sub);
 }

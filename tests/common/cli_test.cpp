@@ -2,6 +2,7 @@
 // does, a list flag its whole last list; a Repeatable flag adds up.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,7 +21,8 @@ std::optional<int> ParseArgs(CLI::App& app, std::vector<std::string> args) {
 }
 
 struct Flags {
-  int64_t doc = -1;
+  int64_t doc = -1, offset = 0;
+  uint64_t size = 0;
   bool verify = false;
   std::string format = "both";
   std::vector<std::string> inputs, drop;
@@ -29,6 +31,8 @@ struct Flags {
 std::unique_ptr<CLI::App> MakeTestApp(Flags& f) {
   auto app = cli::MakeApp("ptk-x", "test");
   app->add_option("--doc", f.doc, "a number")->check(cli::NonNegative());
+  app->add_option("--offset", f.offset, "a signed number");
+  app->add_option("--size", f.size, "an unsigned number");
   app->add_flag("--verify", f.verify, "a flag");
   app->add_option("--format", f.format, "a choice")->check(CLI::IsMember({"ids", "text", "both"}));
   app->add_option("--input", f.inputs, "a list");
@@ -83,6 +87,35 @@ TEST(CliParse, AnEarlierBadValueIsStillAUsageError) {
   EXPECT_EQ(ParseArgs(*app, {"--doc", "-1", "--doc", "2"}), cli::kExitUsage);
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("--doc: must be a number >= 0"), std::string::npos) << err;
+}
+
+// strtoll and strtoull, under CLI11, saturate a number too large for the type and wrap a negative
+// one: --doc 99999999999999999999 was taken as 9223372036854775807, an unsigned -1 as 2**64 - 1.
+TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--doc", "99999999999999999999"}, "--doc: \"99999999999999999999\" is out of range [-9223372036854775808, "},
+      {{"--offset", "9223372036854775808"}, "--offset: \"9223372036854775808\" is out of range"},
+      {{"--offset", "-9223372036854775809"}, "--offset: \"-9223372036854775809\" is out of range"},
+      {{"--size", "-1"}, "--size: \"-1\" is negative (the flag takes a number >= 0)"},
+      {{"--size", "18446744073709551616"},
+       "--size: \"18446744073709551616\" is too large (at most 18446744073709551615)"},
+  };
+  for (const auto& [args, expected] : cases) {
+    Flags f;
+    auto app = MakeTestApp(f);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ParseArgs(*app, args), cli::kExitUsage) << args[1];
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find(expected), std::string::npos) << err;
+  }
+  Flags f;
+  auto app = MakeTestApp(f);
+  EXPECT_EQ(ParseArgs(*app, {"--doc", "9223372036854775807", "--size", "18446744073709551615"}), std::nullopt);
+  EXPECT_EQ(f.doc, 9223372036854775807);
+  EXPECT_EQ(f.size, 18446744073709551615u);
+  EXPECT_EQ(ParseArgs(*app, {"--offset", "-9223372036854775808", "--size", "+7"}), std::nullopt);
+  EXPECT_EQ(f.offset, std::numeric_limits<int64_t>::min());
+  EXPECT_EQ(f.size, 7u);
 }
 
 }  // namespace
