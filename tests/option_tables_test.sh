@@ -165,6 +165,8 @@ out=$("$BIN/ptk-tokenize" --input "$T/nope.jsonl" --input "$T/in/a.jsonl" --outp
   { echo "FAIL: ptk-tokenize --input twice: rc $rc: $out"; fail=1; }
 out=$("$BIN/ptk-inspect" "$T/tw_text_document" --doc 7 --doc 0 --format ids 2>&1); rc=$?
 [ "$rc" = 0 ] && [[ $out == *"document 0:"* ]] || { echo "FAIL: ptk-inspect --doc twice: rc $rc: $out"; fail=1; }
+# --seq-length 1 was reported as missing ("--sample needs --seq-length").
+usage "$BIN/ptk-inspect" "$T/tw_text_document" --sample 0 --seq-length 1 -- "--seq-length must be at least 2"
 # Not a usage error: a dataset that does not exist is exit 1.
 out=$("${TRAIN[@]}" --data-path "$T/p" 2>&1); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"usage error"* ]] || { echo "FAIL: a missing dataset: rc $rc: $out"; fail=1; }
