@@ -60,6 +60,11 @@ usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chu
 usage "$BIN/ptk-concat" run --plan "$T/in/a.jsonl" --chunk-index -1 -- '--chunk-index: must be a number >= 0, not "-1"'
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0 -- "--workers: must be"
 usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2 not in"
+# --log-interval 0 or -5 printed no "Processed N documents" line at all (Megatron: 0 divides by zero).
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --log-interval 0 -- \
+  '--log-interval: must be a positive number, not "0"'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --log-interval -5 -- '--log-interval: must be a positive'
+
 usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
 # ptk-inspect's sample flags as Megatron's: a seed outside numpy's [0, 2**32) was wrapped (4294967296
 # gave seed 0's sample), negative counts taken, --doc -1 printed the summary.

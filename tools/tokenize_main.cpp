@@ -55,7 +55,8 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   app.add_option("--partitions", f->opt.partitions,
                  "Megatron's file partitions: round-robin document order across P parts")
       ->check(ptk::cli::Positive());
-  app.add_option("--log-interval", f->opt.log_interval, "Print 'Processed N documents ...' every N documents");
+  app.add_option("--log-interval", f->opt.log_interval, "Print 'Processed N documents ...' every N documents")
+      ->check(ptk::cli::Positive());
   app.add_flag("--keep-sequential-samples", f->opt.keep_sequential_samples,
                "With --partitions: contiguous partitions, so the document order is the input order");
   app.add_option("--dataset-impl", f->dataset_impl, "Legacy Megatron flag; only mmap exists");
