@@ -7,10 +7,13 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <set>
 #include <vector>
@@ -19,6 +22,7 @@
 
 #include "common/file_paths.h"
 #include "common/logging.h"
+#include "common/progress.h"
 #include "common/status.h"
 
 namespace ptk::cli {
@@ -84,7 +88,9 @@ absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string,
   return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, best));
 }
 
-absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv) {
+// `given` counts each long flag's occurrences (before a "--").
+absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv,
+                                                       std::map<std::string, int>* given) {
   std::map<std::string, bool> names;
   std::set<std::string> shorts;
   CollectLongNames(app, &names, &shorts);
@@ -105,6 +111,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     const std::string name = arg.substr(0, eq);
     const std::string rest = eq == std::string::npos ? "" : arg.substr(eq);
     if (names.count(name)) {
+      ++(*given)[name];
       out.push_back(std::move(arg));
       continue;
     }
@@ -115,6 +122,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     }
     if (matches.size() > 1 && supported.size() == 1) matches = supported;
     if (matches.size() == 1) {
+      ++(*given)[matches[0]];
       out.push_back(matches[0] + rest);
       continue;
     }
@@ -150,9 +158,30 @@ std::string DecimalError(const std::string& in, const char* what) {
                      in.size() > 40 ? in.substr(0, 40) + "..." : in, what);
 }
 
-CLI::Validator DecimalValidator(bool integer) {
+// An integer's digits that CLI11 would read as another number: strtoll and strtoull saturate
+// (99999999999999999999 became 9223372036854775807) and strtoull wraps a negative one (-1 became
+// 18446744073709551615). "" when `in` (decimal, sign allowed) fits the option's type.
+std::string IntegerRangeError(const std::string& in, bool is_unsigned) {
+  const char* b = in.data() + (in[0] == '+' ? 1 : 0);
+  const char* e = in.data() + in.size();
+  if (is_unsigned) {
+    if (*b == '-') {
+      if (in.find_first_not_of('0', 1) == std::string::npos) return "";  // -0
+      return fmt::format("{:?} is negative (the flag takes a number >= 0)", in);
+    }
+    uint64_t u = 0;
+    if (std::from_chars(b, e, u).ec == std::errc()) return "";
+    return fmt::format("{:?} is too large (at most {})", in, std::numeric_limits<uint64_t>::max());
+  }
+  int64_t v = 0;
+  if (std::from_chars(b, e, v).ec == std::errc()) return "";
+  return fmt::format("{:?} is out of range [{}, {}]", in.size() > 40 ? in.substr(0, 40) + "..." : in,
+                     std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
+}
+
+CLI::Validator DecimalValidator(bool integer, bool is_unsigned) {
   CLI::Validator v(
-      [integer](std::string& in) -> std::string {
+      [integer, is_unsigned](std::string& in) -> std::string {
         size_t i = (!in.empty() && (in[0] == '-' || in[0] == '+')) ? 1 : 0;
         const size_t digits_begin = i;
         while (i < in.size() && std::isdigit(static_cast<unsigned char>(in[i]))) ++i;
@@ -164,7 +193,7 @@ CLI::Validator DecimalValidator(bool integer) {
             return fmt::format("{:?} has a leading zero (numbers are decimal: write {})", in,
                                in.substr(0, digits_begin) +
                                    in.substr(std::min(in.find_first_not_of('0', digits_begin), in.size() - 1)));
-          return "";
+          return IntegerRangeError(in, is_unsigned);
         }
         size_t frac_digits = 0;
         if (i < in.size() && in[i] == '.') {
@@ -201,12 +230,33 @@ void RequireDecimalNumbers(CLI::App& app) {
       continue;  // already checked (Parse called again on this app)
     } catch (const CLI::OptionNotFound&) {
     }
-    opt->check(DecimalValidator(integer));
+    opt->check(DecimalValidator(integer, base == "UINT"));
   }
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalNumbers(*sub);
 }
 
+// As argparse: a flag given again replaces what it was given before, a list flag's whole list too
+// (CLI11 would refuse a second value, or join both lists). A repeatable flag (Repeatable) adds up.
+void LastOccurrenceCounts(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    if (opt->get_lnames().empty() || opt == app.get_help_ptr() || opt == app.get_version_ptr()) continue;
+    if (opt->get_multi_option_policy() == CLI::MultiOptionPolicy::TakeAll) continue;  // Repeatable
+    opt->trigger_on_parse();  // each occurrence runs the callback; the next one clears the results first
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) LastOccurrenceCounts(*sub);
+}
+
+bool IsRepeatable(const CLI::App& app, const std::string& name) {
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->check_lname(name.substr(2))) return opt->get_multi_option_policy() == CLI::MultiOptionPolicy::TakeAll;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    if (IsRepeatable(*sub, name)) return true;
+  return false;
+}
+
 }  // namespace
+
+CLI::Option* Repeatable(CLI::Option* opt) { return opt->multi_option_policy(CLI::MultiOptionPolicy::TakeAll); }
 
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   // Every tool: a file-size limit (ulimit -f, a quota) must surface as EFBIG, handled like a full
@@ -222,13 +272,15 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     std::printf("%s: option table OK (%zu options)\n", app.get_name().c_str(), app.get_options().size());
     return kExitOk;
   }
-  auto args = ArgparseForms(app, argc, argv);
+  std::map<std::string, int> given;
+  auto args = ArgparseForms(app, argc, argv, &given);
   if (!args.ok()) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
                  std::string(StatusMessage(args.status())).c_str());
     return kExitUsage;
   }
   RequireDecimalNumbers(app);
+  LastOccurrenceCounts(app);
   std::vector<char*> cargv;
   for (auto& a : *args) cargv.push_back(a.data());
   try {
@@ -247,6 +299,17 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
                  e.what());
     return kExitUsage;
   }
+  // Every tool: a progress interval that would print without pause, or never wait, is refused.
+  if (auto interval = ProgressIntervalFromEnv(); !interval.ok()) {
+    std::fprintf(stderr, "%s: usage error: %s\n", app.get_name().c_str(),
+                 std::string(StatusMessage(interval.status())).c_str());
+    return kExitUsage;
+  }
+  // A script's default then an override is the usual reason; a list given in two parts is the
+  // mistake this names (argparse says nothing and takes the last).
+  for (const auto& [name, n] : given)
+    if (n > 1 && !IsRepeatable(app, name))
+      log::Warning("{} given {} times: only the last counts (as in argparse)", name, n);
   return std::nullopt;
 }
 
@@ -272,6 +335,16 @@ absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefi
       "{} {} names a directory, not a prefix: it would write the hidden file {}{}; give the directory and the start "
       "of the file names, e.g. {} {} (writes {}{})",
       flag, prefix, prefix, example_suffix, flag, example, example, example_suffix));
+}
+
+absl::Status CheckOutputDirectory(const std::string& flag, const std::string& prefix) {
+  const std::string dir = Dirname(prefix);
+  if (IsDirectory(dir)) return absl::OkStatus();
+  std::string p = dir;  // the deepest part of it that exists
+  for (std::string up = Dirname(p); !PathExists(p) && up != p; up = Dirname(p)) p = up;
+  if (PathExists(p) && !IsDirectory(p))
+    return absl::FailedPreconditionError(fmt::format("{} {}: {} is not a directory", flag, prefix, p));
+  return absl::NotFoundError(fmt::format("{} {}: directory {} does not exist", flag, prefix, dir));
 }
 
 absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint) {

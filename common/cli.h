@@ -34,9 +34,15 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 // Parses argv. Returns nullopt to continue, or the exit code to return (0 after --help/--version,
 // kExitUsage after a usage error, which is printed as one line plus a hint). Long flags are read
 // as Python's argparse reads them (unambiguous prefixes, --flag=value); an unknown one, or a long
-// flag written with one dash (-input), is a usage error suggesting the flag meant. With the
-// environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
+// flag written with one dash (-input), is a usage error suggesting the flag meant. A flag given
+// more than once takes its last occurrence, as argparse does, a list flag its last list too
+// (--input a b --input c reads c), with a warning naming it; only a flag made Repeatable adds up.
+// With the environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
 std::optional<int> Parse(CLI::App& app, int argc, char** argv);
+
+// Marks a list option as repeatable (argparse's action="append"): each occurrence adds to the list,
+// as ptk-extract's --drop-set A --drop-set B drops both. Its help should say "repeatable".
+CLI::Option* Repeatable(CLI::Option* opt);
 
 // Checks the table: every option has a long name and help text, and no flag is repeated.
 absl::Status CheckOptionTable(const CLI::App& app);
@@ -72,6 +78,11 @@ const CLI::Validator& NonNegative();  // >= 0
 // outdir/_text_document.bin: a usage error showing what to give. `example_suffix` is what the tool
 // appends ("_text_document.bin").
 absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefix, const std::string& example_suffix);
+
+// The directory an output prefix (or file) is in must exist: otherwise a NotFound "FLAG PREFIX:
+// directory DIR does not exist", or, where a file stands in its place (or in the place of a
+// directory above it), "FLAG PREFIX: PATH is not a directory".
+absl::Status CheckOutputDirectory(const std::string& flag, const std::string& prefix);
 
 // A file a flag names, when given, must be a file that can be read: otherwise a NotFound "FLAG
 // PATH: no such file" (is a directory, cannot be read), followed by "; " and `hint` when one is given.

@@ -3,15 +3,36 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 
 #include <fmt/core.h>
 
 #include "common/human_format.h"
 #include "common/logging.h"
+#include "common/status.h"
 
 namespace ptk {
+
+absl::StatusOr<std::optional<double>> ProgressIntervalFromEnv() {
+  const char* env = std::getenv("PTK_PROGRESS_INTERVAL");
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  const std::string_view text(env);
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  // from_chars takes inf and nan; a hexadecimal float would need its own format.
+  if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(v))
+    return UsageError(fmt::format("PTK_PROGRESS_INTERVAL={:?} is not a number of seconds (e.g. 0.5 or 60)",
+                                  text.size() > 40 ? std::string(text.substr(0, 40)) + "..." : std::string(text)));
+  if (!(v >= kMinProgressInterval && v <= kMaxProgressInterval))
+    return UsageError(fmt::format("PTK_PROGRESS_INTERVAL={} is outside [{}, {}] seconds", text, kMinProgressInterval,
+                                  kMaxProgressInterval));
+  return v;
+}
 
 ProgressReporter::ProgressReporter(Options options) : opt_(std::move(options)) {
   start_ = std::chrono::steady_clock::now();
@@ -19,11 +40,12 @@ ProgressReporter::ProgressReporter(Options options) : opt_(std::move(options)) {
   bytes_total_ = opt_.bytes_total;
   tty_ = ::isatty(STDERR_FILENO) == 1;
   if (opt_.interval_s < 0) {
-    const char* env = std::getenv("PTK_PROGRESS_INTERVAL");
-    const double fallback = tty_ ? 0.25 : 30.0;
-    opt_.interval_s = env ? std::atof(env) : fallback;
-    if (!(opt_.interval_s > 0)) opt_.interval_s = fallback;
+    const auto env = ProgressIntervalFromEnv();  // a bad value: cli::Parse has refused it already
+    opt_.interval_s = env.ok() && env->has_value() ? **env : tty_ ? 0.25 : 30.0;
   }
+  // A zero or tiny wait would print without pause; a huge one overflows the clock's nanoseconds
+  // (and then does not wait at all).
+  opt_.interval_s = std::clamp(opt_.interval_s, kMinProgressInterval, kMaxProgressInterval);
   if (opt_.enabled) thread_ = std::thread([this] { Run(); });
 }
 

@@ -8,10 +8,20 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
+#include "absl/status/statusor.h"
+
 namespace ptk {
+
+// The interval PTK_PROGRESS_INTERVAL sets: a decimal number of seconds in [kMinProgressInterval,
+// kMaxProgressInterval], or nullopt when it is unset or empty. Anything else (0, a negative or
+// tiny number that would print without pause, a huge one that overflows a clock, inf, nan, text)
+// is a UsageError naming the variable; every tool checks it at start (cli::Parse).
+inline constexpr double kMinProgressInterval = 0.001, kMaxProgressInterval = 86400;
+absl::StatusOr<std::optional<double>> ProgressIntervalFromEnv();
 
 class ProgressReporter {
  public:
@@ -20,7 +30,9 @@ class ProgressReporter {
     std::string item_unit = "items";
     uint64_t items_total = 0;  // 0 = unknown
     uint64_t bytes_total = 0;  // 0 = unknown
-    double interval_s = -1;    // <0: $PTK_PROGRESS_INTERVAL, else 0.25 s on a TTY and 30 s otherwise
+    // <0: $PTK_PROGRESS_INTERVAL, else 0.25 s on a TTY and 30 s otherwise; clamped to
+    // [kMinProgressInterval, kMaxProgressInterval].
+    double interval_s = -1;
     bool enabled = true;
   };
   explicit ProgressReporter(Options options);

@@ -60,6 +60,11 @@ usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chu
 usage "$BIN/ptk-concat" run --plan "$T/in/a.jsonl" --chunk-index -1 -- '--chunk-index: must be a number >= 0, not "-1"'
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0 -- "--workers: must be"
 usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2 not in"
+# --log-interval 0 or -5 printed no "Processed N documents" line at all (Megatron: 0 divides by zero).
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --log-interval 0 -- \
+  '--log-interval: must be a positive number, not "0"'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --log-interval -5 -- '--log-interval: must be a positive'
+
 usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
 # ptk-inspect's sample flags as Megatron's: a seed outside numpy's [0, 2**32) was wrapped (4294967296
 # gave seed 0's sample), negative counts taken, --doc -1 printed the summary.
@@ -90,6 +95,16 @@ usage env SLURM_PROCID=1 SLURM_NTASKS=2 "${TRAIN[@]}" --data-path "$T/p" -- \
   "SLURM_PROCID=1 without SLURM_STEP_NUM_TASKS"
 usage env SLURM_PROCID=2 SLURM_STEP_NUM_TASKS=2 "${TRAIN[@]}" --data-path "$T/p" -- \
   "SLURM_PROCID=2 is outside [0, 1] (SLURM_STEP_NUM_TASKS=2)"
+# PTK_PROGRESS_INTERVAL: 0, negative and text fell back silently; 1e-9 printed without pause, and
+# 1e300 or inf overflowed the clock (no wait: millions of log lines and a run that did not end).
+usage env PTK_PROGRESS_INTERVAL=1e300 "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" -- \
+  "PTK_PROGRESS_INTERVAL=1e300 is outside"
+usage env PTK_PROGRESS_INTERVAL=0 "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" -- \
+  "PTK_PROGRESS_INTERVAL=0 is outside [0.001, 86400] seconds"
+usage env PTK_PROGRESS_INTERVAL=1e-9 "$BIN/ptk-extract" "$T/x.zst" -- "PTK_PROGRESS_INTERVAL=1e-9 is outside"
+usage env PTK_PROGRESS_INTERVAL=inf "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" -- \
+  'PTK_PROGRESS_INTERVAL="inf" is not a number of seconds'
+usage env PTK_PROGRESS_INTERVAL=-5 "$BIN/ptk-download" --local-dir "$T/d" --repo a/b -- "PTK_PROGRESS_INTERVAL=-5 is outside"
 usage env WORLD_SIZE=2 RANK=0 MASTER_PORT=0x50 "${TRAIN[@]}" --data-path "$T/p" -- 'MASTER_PORT="0x50" is not an integer'
 # Numbers on the command line are decimal: no hex, octal, inf or nan (CLI11 read 0x10 as 16,
 # 010 as 8). A flag's own range check may name the value first; either way it is refused.
@@ -148,6 +163,15 @@ out=$("$BIN/ptk-concat" list --plan "$T/c/concat-plan.json" 2>&1 >/dev/full); rc
   { echo "FAIL: ptk-concat list > /dev/full: rc $rc: $out"; fail=1; }
 out=$("$BIN/ptk-inspect" "$T/c/train_00.jsonl" 2>&1 >/dev/full); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"standard output"* ]] || { echo "FAIL: a failure keeps its own message: rc $rc: $out"; fail=1; }
+# A flag given twice takes its last occurrence in every tool, a list flag its last list (as argparse):
+# ptk-inspect refused --doc twice, ptk-tokenize read both --input lists.
+out=$("$BIN/ptk-tokenize" --input "$T/nope.jsonl" --input "$T/in/a.jsonl" --output-prefix "$T/tw" --quiet 2>&1); rc=$?
+[ "$rc" = 0 ] && [[ $out == *"--input given 2 times: only the last counts"* ]] ||
+  { echo "FAIL: ptk-tokenize --input twice: rc $rc: $out"; fail=1; }
+out=$("$BIN/ptk-inspect" "$T/tw_text_document" --doc 7 --doc 0 --format ids 2>&1); rc=$?
+[ "$rc" = 0 ] && [[ $out == *"document 0:"* ]] || { echo "FAIL: ptk-inspect --doc twice: rc $rc: $out"; fail=1; }
+# --seq-length 1 was reported as missing ("--sample needs --seq-length").
+usage "$BIN/ptk-inspect" "$T/tw_text_document" --sample 0 --seq-length 1 -- "--seq-length must be at least 2"
 # Not a usage error: a dataset that does not exist is exit 1.
 out=$("${TRAIN[@]}" --data-path "$T/p" 2>&1); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"usage error"* ]] || { echo "FAIL: a missing dataset: rc $rc: $out"; fail=1; }

@@ -107,7 +107,8 @@ CLI::App* AddListCommand(CLI::App* app, ListArgs* a) {
   auto* cmd = app->add_subcommand(
       "list", "Print the plan's chunk files, one per line, in order: what later stages read (never a glob)");
   cmd->add_option("--plan", a->plan, "Plan file written by `ptk-concat plan`")->required();
-  cmd->add_option("--with", a->with, "Items listed after the chunks (e.g. the validation folder); repeatable");
+  ptk::cli::Repeatable(
+      cmd->add_option("--with", a->with, "Items listed after the chunks (e.g. the validation folder); repeatable"));
   cmd->add_flag("--this-task", a->this_task,
                 "Only this array task's share of the items (item k when k % count == index): the task from "
                 "--shard-index/--num-shards, SLURM_ARRAY_TASK_ID/COUNT or JOB_COMPLETION_INDEX/JOB_COMPLETIONS, "

@@ -28,9 +28,11 @@ int main(int argc, char** argv) {
   app->add_option("--repo-type", opt.repo_type, "dataset, model or space")
       ->check(CLI::IsMember({"dataset", "model", "space"}));
   app->add_option("--revision", opt.revision, "Branch, tag or commit; pinned to its commit sha before listing");
-  app->add_option("--include", opt.include,
-                  "Only repo paths matching these patterns (fnmatch; '*' crosses '/'), e.g. 'train/**'");
-  app->add_option("--exclude", opt.exclude, "Skip repo paths matching these patterns");
+  ptk::cli::Repeatable(app->add_option(
+      "--include", opt.include,
+      "Only repo paths matching these patterns (fnmatch; '*' crosses '/'), e.g. 'train/**'; repeatable"));
+  ptk::cli::Repeatable(
+      app->add_option("--exclude", opt.exclude, "Skip repo paths matching these patterns; repeatable"));
   app->add_option("--url-list", opt.url_list,
                   "File of 'URL [sha256=HEX] [size=N] [path=NAME]' lines instead of a repo");
   app->add_option("--local-dir", opt.local_dir, "Destination directory (mirrors the repo layout)")->required();

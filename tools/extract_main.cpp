@@ -32,8 +32,9 @@ int main(int argc, char** argv) {
                   "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)");
   app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)");
   app->add_flag("--delete-input", delete_input, "Delete each input after its output is complete");
-  app->add_option("--drop-set", drop_sets,
-                  "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)");
+  ptk::cli::Repeatable(
+      app->add_option("--drop-set", drop_sets,
+                      "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)"));
   app->add_flag("--verify", verify, "Re-decode inputs whose outputs look complete and compare byte for byte");
   bool force = false;
   app->add_flag("--force", force,

@@ -102,7 +102,7 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
 
 // --sample: top-level sample f.sample of Megatron's datasets, as text (decode given) or ids.
 absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
-  if (f.seq_length < 2) return ptk::UsageError("--sample needs --seq-length");
+  if (f.seq_length == 0) return ptk::UsageError("--sample needs --seq-length");  // 1: GPTDataset says why not
   ptk::DecodeFn decode;
   if (tok != nullptr) decode = [tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids); };
   ptk::DataArgs args;

@@ -30,12 +30,12 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (input_dir.empty() && inputs.empty()) return ptk::UsageError("give --input DIR or --inputs PREFIX...");
     PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputPrefix("--output-prefix", output_prefix, ".bin"));
-    std::string out_dir = ptk::Dirname(output_prefix);
-    if (!ptk::IsDirectory(out_dir))
-      return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", out_dir));
+    PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputDirectory("--output-prefix", output_prefix));
     if (!input_dir.empty()) {
       if (!ptk::IsDirectory(input_dir))
-        return absl::NotFoundError(fmt::format("{} is not a directory or does not exist", input_dir));
+        return absl::NotFoundError(fmt::format(
+            "--input {}: {}", input_dir,
+            ptk::PathExists(input_dir) ? "is not a directory (--inputs takes prefixes)" : "no such directory"));
       PTK_ASSIGN_OR_RETURN(inputs, ptk::FindPrefixesInDir(input_dir, output_prefix));
     } else {
       // PREFIX, PREFIX.bin or PREFIX.idx; a prefix without its _text_document gets the hint.

@@ -55,7 +55,8 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   app.add_option("--partitions", f->opt.partitions,
                  "Megatron's file partitions: round-robin document order across P parts")
       ->check(ptk::cli::Positive());
-  app.add_option("--log-interval", f->opt.log_interval, "Print 'Processed N documents ...' every N documents");
+  app.add_option("--log-interval", f->opt.log_interval, "Print 'Processed N documents ...' every N documents")
+      ->check(ptk::cli::Positive());
   app.add_flag("--keep-sequential-samples", f->opt.keep_sequential_samples,
                "With --partitions: contiguous partitions, so the document order is the input order");
   app.add_option("--dataset-impl", f->dataset_impl, "Legacy Megatron flag; only mmap exists");
@@ -128,9 +129,7 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
           "--output-prefix {} for {}",
           f.opt.output_prefix, tail, ptk::OutputPrefixFor(f.opt.output_prefix, key),
           f.opt.output_prefix.substr(0, f.opt.output_prefix.size() - tail.size()), f.opt.output_prefix);
-  std::string out_dir = ptk::Dirname(f.opt.output_prefix);
-  if (!ptk::IsDirectory(out_dir))
-    return absl::NotFoundError(fmt::format("output directory {} does not exist", out_dir));
+  PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputDirectory("--output-prefix", f.opt.output_prefix));
   PTK_ASSIGN_OR_RETURN(f.opt.inputs, ptk::ExpandTokenizeInputs(f.inputs, f.files_filter));
   f.opt.workers = f.workers;
   if (f.batch_mb > 4096) return ptk::UsageError(fmt::format("--batch-mb {} is more than 4096", f.batch_mb));

@@ -108,20 +108,11 @@ void AddBatchAndOptimizerFlags(CLI::App* app, TrainFlags* f) {
 
 void AddDataFlags(CLI::App* app, TrainFlags* f) {
   TrainOptions& o = f->options;
-  // Lists: every occurrence is taken, an empty string between two (inject_separator), and
-  // ResolveDataFlags keeps the last occurrence, as argparse does (TakeLast would keep one word).
-  app->add_option("--data-path", o.data.data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
-      ->inject_separator();
-  app->add_option("--train-data-path", o.data.per_split_data_path[0], "Prefixes of the train split only")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
-      ->inject_separator();
-  app->add_option("--valid-data-path", o.data.per_split_data_path[1], "Prefixes of the validation split only")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
-      ->inject_separator();
-  app->add_option("--test-data-path", o.data.per_split_data_path[2], "Prefixes of the test split only")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
-      ->inject_separator();
+  // A list given twice: its last occurrence, as argparse (cli::Parse, for every tool).
+  app->add_option("--data-path", o.data.data_path, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...");
+  app->add_option("--train-data-path", o.data.per_split_data_path[0], "Prefixes of the train split only");
+  app->add_option("--valid-data-path", o.data.per_split_data_path[1], "Prefixes of the validation split only");
+  app->add_option("--test-data-path", o.data.per_split_data_path[2], "Prefixes of the test split only");
   app->add_option("--split", o.data.split, "Train/valid/test proportions of --data-path");
   app->add_option("--seed", f->seed, "Random seed (init, data order, dropout)")->check(IntIn(0, 4294967295));
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
@@ -316,7 +307,8 @@ void AddMoreTrainFlags(CLI::App* app, TrainFlags* f) {
 }  // namespace
 
 void AddTrainFlags(CLI::App* app, TrainFlags* f) {
-  // As argparse: a flag given twice takes the last value (scripts append overrides).
+  // As argparse: a flag given twice takes the last value (scripts append overrides); cli::Parse
+  // makes every option of every tool so, lists too.
   app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   AddModelFlags(app, f);
   AddBatchAndOptimizerFlags(app, f);

@@ -153,13 +153,6 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
 // The data paths from --data-args-path / --per-split-data-args-path, and the cache path.
 absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
   TrainOptions& o = *out;
-  // A list flag given twice (a script's default, then an override): the last occurrence, as
-  // Megatron's argparse takes it, not both lists joined (training on both data sets).
-  for (std::vector<std::string>* paths : {&o.data.data_path, &o.data.per_split_data_path[0],
-                                          &o.data.per_split_data_path[1], &o.data.per_split_data_path[2]}) {
-    const auto separator = std::find(paths->rbegin(), paths->rend(), std::string());
-    if (separator != paths->rend()) paths->erase(paths->begin(), separator.base());
-  }
   if (!f.data_cache_path.empty()) o.data_cache_path = f.data_cache_path;
   if (!f.data_args_path.empty()) {
     if (!o.data.data_path.empty()) return Refuse("--data-args-path and --data-path: give one");

@@ -3,9 +3,11 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <map>
 #include <optional>
+#include <utility>
 
 #include <fmt/core.h>
 
@@ -51,6 +53,11 @@ std::string LikelyCause(const FileTally& t, const TokenizeOptions& opt) {
   return "";
 }
 
+// More records could not be read than --max-bad-fraction allows.
+bool TooManyBad(int64_t bad, int64_t records, double max_bad_fraction) {
+  return bad > 0 && static_cast<double>(bad) > max_bad_fraction * static_cast<double>(records);
+}
+
 absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<FileTally>& tallies) {
   int64_t docs = 0, bad = 0;
   std::string first_bad;
@@ -66,7 +73,7 @@ absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<F
         fmt::format("{}: no document could be read: {} records, none usable{}; first: {}", name, t.bad,
                     LikelyCause(t, opt), log::Printable(t.first_bad)));
   }
-  if (bad > 0 && static_cast<double>(bad) > opt.max_bad_fraction * static_cast<double>(docs + bad))
+  if (TooManyBad(bad, docs + bad, opt.max_bad_fraction))
     return absl::FailedPreconditionError(
         fmt::format("{} of {} records ({:.2f}%) could not be read, more than --max-bad-fraction {}; first: {}", bad,
                     docs + bad, 100.0 * static_cast<double>(bad) / static_cast<double>(docs + bad),
@@ -228,7 +235,7 @@ absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
 }  // namespace
 
 namespace {
-constexpr std::string_view kSourceTag = "ptk-tokenize v2";
+constexpr std::string_view kSourceTag = "ptk-tokenize v3";
 // The parts of an OutputSource, by name ("inputs" -> hash), or empty when `source` is not one.
 std::map<std::string, std::string> SourceParts(std::string_view source) {
   std::map<std::string, std::string> parts;
@@ -248,17 +255,42 @@ std::map<std::string, std::string> SourceParts(std::string_view source) {
 std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
   if (std::find(opt.inputs.begin(), opt.inputs.end(), "-") != opt.inputs.end()) return "";
   const int order = opt.partitions > 1 && !opt.keep_sequential_samples ? opt.partitions : 1;
-  return fmt::format(
-      "{} inputs:{} settings:{} vocab:{} merges:{}", kSourceTag, Xxh3Hex(InputsText(opt)),
-      Xxh3Hex(fmt::format("{}round-robin {}\nmax bad {}\n", SettingsText(opt), order, opt.max_bad_fraction)),
-      tok.vocab_hash(), tok.merges_hash());
+  return fmt::format("{} inputs:{} settings:{} vocab:{} merges:{}", kSourceTag, Xxh3Hex(InputsText(opt)),
+                     Xxh3Hex(fmt::format("{}round-robin {}\n", SettingsText(opt), order)), tok.vocab_hash(),
+                     tok.merges_hash());
 }
 
-bool OutputUpToDate(const std::string& prefix, const std::string& source, int64_t* documents, int64_t* tokens) {
-  return !PathExists(prefix + ".ptk-resume") && DatasetMadeFrom(prefix, source, documents, tokens);
+namespace {
+// The bad-record count of a recorded source ("... bad:B/N"), when it is `source` with one.
+std::optional<std::pair<int64_t, int64_t>> RecordedBad(std::string_view recorded, std::string_view source) {
+  if (source.empty() || !recorded.starts_with(source) || !recorded.substr(source.size()).starts_with(" bad:"))
+    return std::nullopt;
+  const std::string_view tail = recorded.substr(source.size() + 5);
+  int64_t bad = -1, records = -1;
+  const char* end = tail.data() + tail.size();
+  auto [slash, e1] = std::from_chars(tail.data(), end, bad);
+  if (e1 != std::errc() || slash == end || *slash != '/') return std::nullopt;
+  auto [last, e2] = std::from_chars(slash + 1, end, records);
+  if (e2 != std::errc() || last != end || bad < 0 || records < bad) return std::nullopt;
+  return std::pair{bad, records};
+}
+}  // namespace
+
+std::string SourceWithOutcome(const std::string& source, int64_t bad, int64_t records) {
+  return source.empty() ? "" : fmt::format("{} bad:{}/{}", source, bad, records);
 }
 
-std::string RerunReason(const std::string& prefix, const std::string& source) {
+bool OutputUpToDate(const std::string& prefix, const std::string& source, double max_bad_fraction, int64_t* documents,
+                    int64_t* tokens) {
+  if (PathExists(prefix + ".ptk-resume")) return false;
+  const std::optional<std::string> recorded = RecordedSource(prefix);
+  if (!recorded) return false;
+  const auto bad = RecordedBad(*recorded, source);
+  return bad && !TooManyBad(bad->first, bad->second, max_bad_fraction) &&
+         DatasetMadeFrom(prefix, *recorded, documents, tokens);
+}
+
+std::string RerunReason(const std::string& prefix, const std::string& source, double max_bad_fraction) {
   if (PathExists(prefix + ".ptk-resume")) return "";  // a killed run's: Open says whether it resumes
   const bool outputs = PathExists(BinPath(prefix)) || PathExists(IdxPath(prefix));
   const std::optional<std::string> recorded = RecordedSource(prefix);
@@ -268,8 +300,10 @@ std::string RerunReason(const std::string& prefix, const std::string& source) {
   }
   if (source.empty())
     return fmt::format("{}: tokenizing again: the input is standard input, which a rerun cannot compare", prefix);
-  const auto was = SourceParts(*recorded), now = SourceParts(source);
-  if (was.size() != now.size() || was.empty())
+  std::map<std::string, std::string> was = SourceParts(*recorded);
+  const bool has_outcome = was.erase("bad") == 1;
+  const auto now = SourceParts(source);
+  if (!has_outcome || was.size() != now.size() || was.empty())
     return fmt::format("{}: tokenizing again: its .ptk-done sidecar is from another ptk version or tool", prefix);
   static const std::pair<const char*, const char*> kWhat[] = {
       {"vocab", "the vocabulary file's content (--vocab-file)"},
@@ -279,11 +313,15 @@ std::string RerunReason(const std::string& prefix, const std::string& source) {
   };
   std::string changed;
   for (const auto& [part, what] : kWhat) {
-    auto w = was.find(part), n = now.find(part);
+    const auto w = std::as_const(was).find(part);
+    const auto n = now.find(part);
     if (w == was.end() || n == now.end() || w->second != n->second)
       changed += fmt::format("{}{}", changed.empty() ? "" : "; ", what);
   }
   if (!changed.empty()) return fmt::format("{}: tokenizing again: changed since it was made: {}", prefix, changed);
+  if (const auto bad = RecordedBad(*recorded, source); bad && TooManyBad(bad->first, bad->second, max_bad_fraction))
+    return fmt::format("{}: tokenizing again: {} of its {} records could not be read, more than --max-bad-fraction {}",
+                       prefix, bad->first, bad->second, max_bad_fraction);
   return fmt::format("{}: tokenizing again: its .bin/.idx are not the sizes its .ptk-done sidecar records", prefix);
 }
 
@@ -349,9 +387,6 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
         builders_[p].push_back(std::move(b));
       }
   }
-  for (auto& part : builders_)
-    for (auto& b : part)
-      if (nparts_ == 1) b->SetSource(source_);
   // The builders hold the outputs' locks: the record is ours from here on.
   journal_owned_ = resumable_;
   if (resumable_) RemoveStaleTemporaries(journal_);  // a record being written when a run was killed
@@ -471,10 +506,21 @@ absl::Status DocumentSink::WriteResumePoint(const Batch& b) {
 
 absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
   PTK_RETURN_IF_ERROR(CheckInputsWereRead(opt_, tallies_));
+  // The sidecar records how many records could not be read, not the --max-bad-fraction they
+  // passed: a rerun with another one that this output meets is up to date, one it does not is not.
+  int64_t bad = 0, records = 0;
+  for (const FileTally& t : tallies_) {
+    bad += t.bad;
+    records += t.documents + t.bad;
+  }
+  const std::string source = SourceWithOutcome(source_, bad, records);
   std::vector<std::string> finals;
   for (size_t k = 0; k < nkeys_; ++k) finals.push_back(OutputPrefixFor(opt_.output_prefix, opt_.json_keys[k]));
   if (nparts_ == 1) {
-    for (size_t k = 0; k < nkeys_; ++k) PTK_RETURN_IF_ERROR(builders_[0][k]->Finalize());
+    for (size_t k = 0; k < nkeys_; ++k) {
+      builders_[0][k]->SetSource(source);
+      PTK_RETURN_IF_ERROR(builders_[0][k]->Finalize());
+    }
   } else {
     for (size_t k = 0; k < nkeys_; ++k) {
       std::vector<std::string> parts;
@@ -482,7 +528,7 @@ absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
         PTK_RETURN_IF_ERROR(builders_[p][k]->Finalize());
         parts.push_back(PartPrefix(p, k));
       }
-      PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k], /*multimodal=*/false, source_).status());
+      PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k], /*multimodal=*/false, source).status());
       for (const auto& part : parts) PTK_RETURN_IF_ERROR(RemoveIndexedDataset(part));
     }
   }

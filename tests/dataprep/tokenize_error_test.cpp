@@ -418,6 +418,35 @@ TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
   EXPECT_EQ(version.output.rfind("ptk-tokenize (ptk ", 0), 0u) << version.output;
 }
 
+// An output prefix whose directory is a file (or lies below one) was reported as a directory that
+// "does not exist"; ptk-merge said "is not a directory or does not exist". Each now says which, naming the flag.
+TEST(TokenizeErrors, AnOutputDirectoryThatIsAFileIsNamed) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n");
+  testing::WriteFile(dir / "file", "x");
+  ASSERT_EQ(RunCmd(Tok("--input " + dir / "in.jsonl --output-prefix " + dir / "ds")).exit_code, 0);
+  struct Case {
+    std::string prefix, expected;
+  } cases[] = {
+      {dir / "file/o", "--output-prefix " + dir / "file/o: " + dir / "file is not a directory"},
+      {dir / "file/sub/o", "--output-prefix " + dir / "file/sub/o: " + dir / "file is not a directory"},
+      {dir / "nodir/o", "--output-prefix " + dir / "nodir/o: directory " + dir / "nodir does not exist"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.prefix);
+    auto tok = RunCmd(Tok("--input " + dir / "in.jsonl --output-prefix " + c.prefix));
+    EXPECT_EQ(tok.exit_code, 1) << tok.output;
+    EXPECT_NE(tok.output.find(c.expected), std::string::npos) << tok.output;
+    auto merge =
+        RunCmd(testing::Tool("ptk-merge") + " --inputs " + dir / "ds_text_document --output-prefix " + c.prefix);
+    EXPECT_EQ(merge.exit_code, 1) << merge.output;
+    EXPECT_NE(merge.output.find(c.expected), std::string::npos) << merge.output;
+  }
+  auto merge = RunCmd(testing::Tool("ptk-merge") + " --input " + dir / "file --output-prefix " + dir / "m");
+  EXPECT_EQ(merge.exit_code, 1) << merge.output;
+  EXPECT_NE(merge.output.find("--input " + dir / "file: is not a directory"), std::string::npos) << merge.output;
+}
+
 // A rerun whose inputs and settings every output's sidecar records leaves the
 // outputs alone and says so (the main job's rerun rewrote five datasets); anything that changes
 // the bytes (an input, a flag, a damaged output) or --force tokenizes again; stdin never compares.
@@ -488,6 +517,49 @@ TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(r.output.find("up to date"), std::string::npos) << r.output;
   }
+}
+
+// --max-bad-fraction does not change the bytes: a rerun with only another one, which the output
+// meets, is up to date (it tokenized everything again); one the output does not meet tokenizes
+// again and fails as a first run would, leaving the output as it was.
+TEST(TokenizeErrors, AnotherMaxBadFractionTheOutputMeetsIsUpToDate) {
+  TempDir dir;
+  testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"}\nnot json\n\n{\"text\": \"c\"}\n");
+  const std::string out = dir / "out", doc = out + "_text_document";
+  auto run = [&](const std::string& max_bad) {
+    return RunCmd(
+        Tok(fmt::format("--input {} --output-prefix {} --max-bad-fraction {}", dir / "in.jsonl", out, max_bad)));
+  };
+  auto stamps = [&] {
+    std::string s;
+    for (const char* ext : {".bin", ".idx", ".ptk-done"}) {
+      struct stat st {};
+      EXPECT_EQ(::stat((doc + ext).c_str(), &st), 0) << ext;
+      s += fmt::format("{}:{}.{} ", st.st_ino, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+    }
+    return s;
+  };
+  auto first = run("0.5");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string before = stamps();
+  for (const char* meets : {"0.25", "1", "0.5"}) {  // 1 of 4 non-blank records bad: 0.25 is met
+    SCOPED_TRACE(meets);
+    auto r = run(meets);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(doc + ": up to date, not rewritten"), std::string::npos) << r.output;
+    EXPECT_EQ(stamps(), before);
+  }
+  auto stricter = run("0.1");
+  EXPECT_EQ(stricter.exit_code, 1) << stricter.output;
+  EXPECT_NE(stricter.output.find(doc + ": tokenizing again: 1 of its 4 records could not be read, more than "
+                                       "--max-bad-fraction 0.1"),
+            std::string::npos)
+      << stricter.output;
+  EXPECT_NE(stricter.output.find("1 of 4 records (25.00%) could not be read, more than --max-bad-fraction 0.1"),
+            std::string::npos)
+      << stricter.output;
+  EXPECT_EQ(stamps(), before);
+  EXPECT_EQ(Docs(doc).size(), 3u);
 }
 
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {

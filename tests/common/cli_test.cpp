@@ -1,0 +1,122 @@
+// cli::Parse (common/cli.h): a flag given more than once takes its last occurrence, as argparse
+// does, a list flag its whole last list; a Repeatable flag adds up.
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/cli.h"
+
+namespace ptk {
+namespace {
+
+// Parses `args` (without the program name); returns Parse's result.
+std::optional<int> ParseArgs(CLI::App& app, std::vector<std::string> args) {
+  args.insert(args.begin(), "ptk-x");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  return cli::Parse(app, static_cast<int>(argv.size()), argv.data());
+}
+
+struct Flags {
+  int64_t doc = -1, offset = 0;
+  uint64_t size = 0;
+  bool verify = false;
+  std::string format = "both";
+  std::vector<std::string> inputs, drop;
+};
+
+std::unique_ptr<CLI::App> MakeTestApp(Flags& f) {
+  auto app = cli::MakeApp("ptk-x", "test");
+  app->add_option("--doc", f.doc, "a number")->check(cli::NonNegative());
+  app->add_option("--offset", f.offset, "a signed number");
+  app->add_option("--size", f.size, "an unsigned number");
+  app->add_flag("--verify", f.verify, "a flag");
+  app->add_option("--format", f.format, "a choice")->check(CLI::IsMember({"ids", "text", "both"}));
+  app->add_option("--input", f.inputs, "a list");
+  cli::Repeatable(app->add_option("--drop-set", f.drop, "repeatable"));
+  return app;
+}
+
+// ptk-inspect refused --doc 1 --doc 2 ("At Most 1 required but received 2"), while ptk-train took
+// the last value.
+TEST(CliParse, AFlagGivenTwiceTakesTheLastValueAsArgparse) {
+  Flags f;
+  auto app = MakeTestApp(f);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ParseArgs(*app, {"--doc", "1", "--verify", "--format=ids", "--doc", "2", "--verify", "--form", "text"}),
+            std::nullopt);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(f.doc, 2);
+  EXPECT_TRUE(f.verify);
+  EXPECT_EQ(f.format, "text");
+  // Named, with its abbreviation counted as the flag.
+  EXPECT_NE(err.find("--doc given 2 times: only the last counts (as in argparse)"), std::string::npos) << err;
+  EXPECT_NE(err.find("--format given 2 times"), std::string::npos) << err;
+}
+
+// ptk-tokenize --input a --input b read both (ptk-inspect's --data-path too); argparse, and
+// ptk-train, take the last list.
+TEST(CliParse, AListGivenTwiceTakesTheLastListAsArgparse) {
+  Flags f;
+  auto app = MakeTestApp(f);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ParseArgs(*app, {"--input", "a", "b", "--doc", "1", "--input", "c", "d"}), std::nullopt);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(f.inputs, (std::vector<std::string>{"c", "d"}));
+  EXPECT_NE(err.find("--input given 2 times"), std::string::npos) << err;
+  EXPECT_EQ(err.find("--doc"), std::string::npos) << err;
+}
+
+TEST(CliParse, ARepeatableFlagAddsUpWithoutAWarning) {
+  Flags f;
+  auto app = MakeTestApp(f);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ParseArgs(*app, {"--drop-set", "A", "--drop-set", "B", "C"}), std::nullopt);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(f.drop, (std::vector<std::string>{"A", "B", "C"}));
+  EXPECT_EQ(err, "");
+}
+
+TEST(CliParse, AnEarlierBadValueIsStillAUsageError) {
+  Flags f;
+  auto app = MakeTestApp(f);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ParseArgs(*app, {"--doc", "-1", "--doc", "2"}), cli::kExitUsage);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("--doc: must be a number >= 0"), std::string::npos) << err;
+}
+
+// strtoll and strtoull, under CLI11, saturate a number too large for the type and wrap a negative
+// one: --doc 99999999999999999999 was taken as 9223372036854775807, an unsigned -1 as 2**64 - 1.
+TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--doc", "99999999999999999999"}, "--doc: \"99999999999999999999\" is out of range [-9223372036854775808, "},
+      {{"--offset", "9223372036854775808"}, "--offset: \"9223372036854775808\" is out of range"},
+      {{"--offset", "-9223372036854775809"}, "--offset: \"-9223372036854775809\" is out of range"},
+      {{"--size", "-1"}, "--size: \"-1\" is negative (the flag takes a number >= 0)"},
+      {{"--size", "18446744073709551616"},
+       "--size: \"18446744073709551616\" is too large (at most 18446744073709551615)"},
+  };
+  for (const auto& [args, expected] : cases) {
+    Flags f;
+    auto app = MakeTestApp(f);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ParseArgs(*app, args), cli::kExitUsage) << args[1];
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find(expected), std::string::npos) << err;
+  }
+  Flags f;
+  auto app = MakeTestApp(f);
+  EXPECT_EQ(ParseArgs(*app, {"--doc", "9223372036854775807", "--size", "18446744073709551615"}), std::nullopt);
+  EXPECT_EQ(f.doc, 9223372036854775807);
+  EXPECT_EQ(f.size, 18446744073709551615u);
+  EXPECT_EQ(ParseArgs(*app, {"--offset", "-9223372036854775808", "--size", "+7"}), std::nullopt);
+  EXPECT_EQ(f.offset, std::numeric_limits<int64_t>::min());
+  EXPECT_EQ(f.size, 7u);
+}
+
+}  // namespace
+}  // namespace ptk
