@@ -207,6 +207,11 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
   if (flags.dry_run) return ptk::cli::RunMain([&] { return ptk::PrintDryRun(*app, &flags); });
   if (flags.exit_signal_handler) InstallExitSignalHandlers();
+  // gloo writes to the other ranks with writev: a rank that wrote to the socket of a rank that had
+  // died got SIGPIPE and died with it (exit 141, no message) instead of reporting the failure and
+  // naming that rank. PyTorch's ranks run under Python, which ignores SIGPIPE; so does ptk-train (a
+  // write to a closed socket or pipe fails with EPIPE instead).
+  ::signal(SIGPIPE, SIG_IGN);
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     // A bad RANK / WORLD_SIZE / SLURM_* / MASTER_PORT is a usage error (exit 2) naming it, as a bad flag.

@@ -4,7 +4,9 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <chrono>
 #include <random>
+#include <thread>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
@@ -249,10 +251,22 @@ TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
   const std::string cmd =
       fmt::format("{} --quiet {} --output-dir {} --jobs 1", testing::Tool("ptk-extract"), dir / "in", dir / "out");
   ASSERT_EQ(RunCmd(cmd + " >/dev/null 2>&1 & echo $! > " + dir / "pid").exit_code, 0);
-  for (int i = 0; i < 500 && !testing::Exists(dir / "out/g_1.jsonl"); ++i)
+  // Killed once the second output is published (however long a loaded machine takes: up to 60 s),
+  // and gone before the rerun starts.
+  const pid_t pid = std::stoi(testing::ReadFile(dir / "pid"));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!testing::Exists(dir / "out/g_1.jsonl") && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  ::kill(std::stoi(testing::ReadFile(dir / "pid")), SIGKILL);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ::kill(pid, SIGKILL);
+  auto running = [pid] {  // not yet dead (a zombie that nobody reaps has stopped running)
+    const std::string stat = testing::Exists("/proc/" + std::to_string(pid) + "/stat")
+                                 ? testing::ReadFile("/proc/" + std::to_string(pid) + "/stat")
+                                 : "";
+    const size_t paren = stat.rfind(')');
+    return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
+  };
+  while (running() && std::chrono::steady_clock::now() < until + std::chrono::seconds(10))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   auto r = RunCmd(cmd);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (int i = 0; i < 8; ++i) EXPECT_EQ(testing::ReadFile(dir / fmt::format("out/g_{}.jsonl", i)), want[i]) << i;

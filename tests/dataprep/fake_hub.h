@@ -39,7 +39,10 @@ class FakeHub {
       ::execv(c[0], c.data());
       ::_exit(127);
     }
-    for (int i = 0; i < 200 && !Exists(port_file_); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    // Up to 60 s: python starts late on a loaded machine.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!Exists(port_file_) && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
     std::string ports = ReadFile(port_file_);
     size_t h = ports.find("HUB "), c = ports.find("CDN ");
     if (h != std::string::npos) hub_ = ports.substr(h + 4, ports.find('\n', h) - h - 4);

@@ -93,7 +93,8 @@ hub = subprocess.Popen([sys.executable, os.path.join(SRC, "tests", "support", "f
                         os.path.join(SRC, "sample", "slimpajama-mini"), "--port-file", ports, "--faults", faults],
                        stdout=subprocess.DEVNULL, stderr=open(os.path.join(WORK, "hub.log"), "w"))
 try:
-    for _ in range(200):
+    until = time.time() + 60  # python starts late on a loaded machine
+    while time.time() < until:
         if os.path.exists(ports) and os.path.getsize(ports) > 0:
             break
         time.sleep(0.05)

@@ -66,7 +66,7 @@ echo "== the pipeline inside $SUITE with the portable tree"
 python3 "$SRC/tests/support/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file "$WORK/ports" \
   > "$WORK/hub.log" 2>&1 &
 HUB_PID=$!
-for _ in $(seq 200); do [ -s "$WORK/ports" ] && break; sleep 0.05; done
+end=$((SECONDS + 60)); until [ -s "$WORK/ports" ] || [ $SECONDS -ge $end ]; do sleep 0.05; done  # python starts late under load
 HUB=$(awk '/HUB/{print $2}' "$WORK/ports")
 [ -n "$HUB" ] || { cat "$WORK/hub.log"; fail "the fake hub did not start"; }
 pipeline() {  # BIN DIR: download, extract, concat, tokenize into DIR

@@ -30,8 +30,9 @@ eval "$("$SRC/tests/slurm/start-slurm.sh" 2>"$WORK/slurm-start.log")" || { cat "
 
 export PTK_BIN=$BIN MOCK_DATA=1 NUM_LAYERS=1 HIDDEN_SIZE=32 NUM_ATTENTION_HEADS=2 SEQ_LENGTH=32
 # Mock data over a vocabulary of 1000: GPT-2's 50257 made each iteration ten times longer, all of it in
-# the output layer, and checks nothing here. Iterations are cheap: enough of them that the signal
-# (sent once 100 are logged) lands long before the end.
+# the output layer, and checks nothing here. The signal comes once 100 iterations are logged, while the
+# tasks are stopped (signal-stopped.sh): it lands with the rest of the 1500 ahead, however fast the
+# machine.
 ITERS=1500
 BASE_ARGS="--vocab-size 1000 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 1 --eval-iters 0 --log-interval 50 --save-interval 100000 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000 --threads 1"
 submit() {  # -> job id; as the tutorials submit it, from another directory
@@ -45,9 +46,8 @@ export STAGE_PATH=$WORK/stage1 TRAIN_ITERS=$ITERS TRAIN_ARGS=$BASE_ARGS
 mkdir -p "$STAGE_PATH"
 id=$(submit)
 metrics=$STAGE_PATH/results/train/tensorboard/metrics.jsonl
-for _ in $(seq 900); do [ "$(lines "$metrics")" -ge 100 ] && break; sleep 0.1; done
-[ "$(lines "$metrics")" -ge 100 ] || { cat "$STAGE_PATH"/train-*.out; fail "training did not start"; }
-scancel --signal=TERM "$id"
+"$SRC/tests/slurm/signal-stopped.sh" "$id" TERM 2 "$metrics" 100 ||
+  { cat "$STAGE_PATH"/train-*.out; fail "the SIGTERM did not reach both ranks"; }
 # Slurm holds a requeued job for about two minutes (BeginTime): once it is pending again and the node
 # is idle, let it start at once.
 for _ in $(seq 600); do

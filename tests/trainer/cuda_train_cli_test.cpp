@@ -211,13 +211,16 @@ TEST_F(CudaTrainCli, DeterministicModeGivesIdenticalLossLines) {
   }
 }
 
-// kill -9 after the checkpoint of iteration 10 is written, then --load: iterations 11-20 print
-// exactly what an uninterrupted run prints (same backend and precision).
+// kill -9 once a checkpoint of iteration 10 or later is written, then --load: the 10 iterations after
+// it print exactly what an uninterrupted run prints (same backend and precision). The killed run
+// cannot end first, however fast the GPU: a schedule of 100000 iterations (every run here has it,
+// so that the learning rates agree), saved every 10; the uninterrupted run stops by --exit-interval.
+// (Before, the killed run trained 20 and the tracker was polled every 20 ms for "10": a fast GPU
+// could save iteration 20 in between.)
 TEST_F(CudaTrainCli, KillAndLoadResumesBitForBit) {
   const std::string flags = "--device cuda --bf16 --deterministic-mode --save-interval 10 ";
-  const std::vector<Line> whole = MustTrain(flags + "--save " + Dir("whole"), 20);
-  ASSERT_EQ(whole.size(), 20u);
-  const std::string cmd = Train(flags + "--save " + Dir("killed"), 20) + " > " + Dir("killed.log") + " 2>&1";
+  const int64_t iters = 100000;
+  const std::string cmd = Train(flags + "--save " + Dir("killed"), iters) + " > " + Dir("killed.log") + " 2>&1";
   pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
@@ -229,22 +232,32 @@ TEST_F(CudaTrainCli, KillAndLoadResumesBitForBit) {
   bool saved = false;
   for (int i = 0; i < 6000 && !saved; ++i) {
     std::ifstream f(tracker);
-    std::string text;
-    saved = f && (f >> text) && text == "10";
+    int64_t at = 0;
+    saved = f && (f >> at) && at >= 10;
     if (!saved) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ::kill(-pid, SIGKILL);
   int status = 0;
   ::waitpid(pid, &status, 0);
   ASSERT_TRUE(saved) << "the run never saved iteration 10";
-  CmdRun resumed = Shell(Train(flags + "--save " + Dir("killed") + " --load " + Dir("killed"), 20));
+  int64_t at = 0;
+  {
+    std::ifstream f(tracker);
+    ASSERT_TRUE(f && (f >> at)) << "the tracker after the kill";
+  }
+  ASSERT_GE(at, 10);
+  const int64_t end = at + 10;
+  const std::string until = "--exit-interval " + std::to_string(end) + " ";
+  const std::vector<Line> whole = MustTrain(flags + until + "--save " + Dir("whole"), iters);
+  ASSERT_EQ(whole.size(), static_cast<size_t>(end));
+  CmdRun resumed = Shell(Train(flags + until + "--save " + Dir("killed") + " --load " + Dir("killed"), iters));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const std::vector<Line> tail = Lines(resumed.output);
   ASSERT_EQ(tail.size(), 10u) << resumed.output;
   for (size_t i = 0; i < tail.size(); ++i) {
-    EXPECT_EQ(tail[i].iteration, whole[10 + i].iteration);
-    EXPECT_EQ(tail[i].loss, whole[10 + i].loss) << "iteration " << tail[i].iteration;
-    EXPECT_EQ(tail[i].grad_norm, whole[10 + i].grad_norm) << "iteration " << tail[i].iteration;
+    EXPECT_EQ(tail[i].iteration, whole[at + i].iteration);
+    EXPECT_EQ(tail[i].loss, whole[at + i].loss) << "iteration " << tail[i].iteration;
+    EXPECT_EQ(tail[i].grad_norm, whole[at + i].grad_norm) << "iteration " << tail[i].iteration;
   }
 }
 

@@ -123,49 +123,58 @@ TEST_F(DataParallelCli, OverlappedReductionHasTheBitsOfAReductionAfterBackward) 
 // Faults: a rank killed, or a rank that hangs (stopped), ends the others with exit 1 within
 // --distributed-timeout-minutes, their error naming that rank and its host; never a hang. Rank 0
 // hanging (it serves the rendezvous) is named as such.
+// The timeout bounds every wait of a rank for another: the rendezvous, start-up's collectives (the
+// barrier once each rank has its dataset indices) and each of training's. The fault comes once
+// rank 0 has logged iteration 4 (every rank then trains, past its first evaluation). A killed rank is
+// seen at once (its connections close): that case runs under a timeout of a minute, which no
+// start-up on a loaded machine meets, and its ranks build the indices that the later cases then
+// read from --data-cache-path. A hung rank is seen only when the timeout ends: those cases run under
+// 6 s, which leaves start-up (the cached indices read, no index built) and training's collectives
+// ample room, and keeps the test short.
 TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
-  const std::string cmd = Train("--use-distributed-optimizer --distributed-timeout-minutes 0.05", 100000);
   const std::string host = ptk::testing::ReadFile("/proc/sys/kernel/hostname");
   const std::string h = host.substr(0, host.find('\n'));
   struct Fault {
     const char* signal;
     int victim;
+    const char* timeout_minutes;
     int seconds;  // at most, from the signal to the others' exit
     std::string named;
   };
   const Fault faults[] = {
-      {"KILL", 1, 10, "rank 1 (host " + h + ") exited (its connection to the rendezvous closed"},
-      // The 3 s timeout (Megatron's flag; 3 s is ample for an iteration of this model), then a few
-      // seconds for the others to report.
-      {"STOP", 1, 30, "rank 1 (host " + h + ") did not report a failure: it hangs"},
-      {"STOP", 0, 30, "rank 0 (which serves the rendezvous) does not answer: it exited or hangs"},
+      {"KILL", 1, "1", 10, "rank 1 (host " + h + ") exited (its connection to the rendezvous closed"},
+      // The 6 s timeout, then the others' diagnosis (at most 5 s) and report.
+      {"STOP", 1, "0.1", 30, "rank 1 (host " + h + ") did not report a failure: it hangs"},
+      {"STOP", 0, "0.1", 30, "rank 0 (which serves the rendezvous) does not answer: it exited or hangs"},
   };
   for (const Fault& f : faults) {
+    const std::string cmd =
+        Train(std::string("--use-distributed-optimizer --distributed-timeout-minutes ") + f.timeout_minutes, 100000);
     const std::string port = std::to_string(testing::FreeTestPort());
     std::string script = "export WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; ";
     // The previous fault's logs go first: a background rank truncates its log only once it runs, so
-    // the wait below could otherwise find the last case's 'training' line and signal a rank that has
-    // not yet reached the rendezvous.
-    for (int rank : {0, 1, 2}) script += "rm -f " + ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + "; ";
+    // the wait below could otherwise find the last case's line and signal a rank that has not yet
+    // reached the rendezvous.
+    for (int rank : {0, 1, 2}) script += "rm -f " + ShellQuote(RankLog(rank)) + "; ";
     for (int rank : {0, 1, 2})
-      script += "RANK=" + std::to_string(rank) + " " + cmd + " > " +
-                ShellQuote(dir_ / ("r" + std::to_string(rank) + ".log")) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
-    // Once training runs, the victim gets the signal; the two others must end by themselves.
+      script += "RANK=" + std::to_string(rank) + " " + cmd + " > " + ShellQuote(RankLog(rank)) + " 2>&1 & p" +
+                std::to_string(rank) + "=$!; ";
+    // Once training runs on every rank, the victim gets the signal; the two others must end by
+    // themselves.
     const std::string v = std::to_string(f.victim), a = f.victim == 0 ? "1" : "0";
-    script += "for i in $(seq 100); do grep -q '^training' " + ShellQuote(dir_ / "r0.log") +
-              " && break; sleep 0.2; done; sleep 1; kill -" + f.signal + " $p" + v + "; start=$SECONDS; wait $p" + a +
-              "; ra=$?; wait $p2; rb=$?; echo rc=$ra,$rb after=$((SECONDS-start)); "
-              "kill -9 $p" +
-              v + "; wait $p" + v;
+    script += "end=$((SECONDS + 120)); until grep -q 'iteration        4/' " + ShellQuote(RankLog(0)) +
+              " || [ $SECONDS -ge $end ]; do sleep 0.05; done; kill -" + f.signal + " $p" + v +
+              "; start=$SECONDS; wait $p" + a + "; ra=$?; wait $p2; rb=$?; echo rc=$ra,$rb after=$((SECONDS-start)); " +
+              "kill -9 $p" + v + "; wait $p" + v;
     auto r = RunCmd("bash -c " + ShellQuote(script));
+    const std::string what = std::string(f.signal) + " rank " + v;
     std::smatch m;
     ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc=(\\d+),(\\d+) after=(\\d+)"))) << r.output;
-    const std::string what = std::string(f.signal) + " rank " + v;
-    EXPECT_EQ(m[1], "1") << what;
-    EXPECT_EQ(m[2], "1") << what;
+    EXPECT_EQ(m[1], "1") << what << Logs(3);
+    EXPECT_EQ(m[2], "1") << what << Logs(3);
     EXPECT_LE(std::stoi(m[3]), f.seconds) << what;
     for (const std::string& other : {a, std::string("2")}) {
-      const std::string log = ptk::testing::ReadFile(dir_ / ("r" + other + ".log"));
+      const std::string log = ptk::testing::ReadFile(RankLog(std::stoi(other)));
       EXPECT_NE(log.find("failed (a rank died or the network failed)"), std::string::npos) << what << "\n" << log;
       EXPECT_NE(log.find(f.named), std::string::npos) << what << "\n" << log;
     }
@@ -179,13 +188,14 @@ TEST_F(DataParallelCli, ASignalToOneRankSavesTheSameIterationOnAll) {
   const std::string cmd = Train(
       "--use-distributed-optimizer --exit-signal-handler --eval-iters 0 --save " + ShellQuote(dir_ / "sig"), 100000);
   const std::string port = std::to_string(testing::FreeTestPort());
-  auto r = RunCmd("bash -c " +
-                  ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd +
-                             " > " + ShellQuote(dir_ / "r1.log") + " 2>&1 & p1=$!; RANK=0 " + cmd + " > " +
-                             ShellQuote(dir_ / "r0.log") + " 2>&1 & p0=$!; for i in $(seq 200); do grep -q " +
-                             "'iteration        5/' " + ShellQuote(dir_ / "r0.log") +
-                             " && break; sleep 0.1; done; kill -TERM $p1; wait $p0; rc0=$?; wait $p1; "
-                             "echo rc0=$rc0 rc1=$?"));
+  auto r =
+      RunCmd("bash -c " +
+             ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd + " > " +
+                        ShellQuote(dir_ / "r1.log") + " 2>&1 & p1=$!; RANK=0 " + cmd + " > " +
+                        ShellQuote(dir_ / "r0.log") + " 2>&1 & p0=$!; end=$((SECONDS + 120)); until grep -q " +
+                        "'iteration        5/' " + ShellQuote(dir_ / "r0.log") +
+                        " || [ $SECONDS -ge $end ]; do sleep 0.05; done; kill -TERM $p1; wait $p0; rc0=$?; wait $p1; "
+                        "echo rc0=$rc0 rc1=$?"));
   const std::string r0 = ptk::testing::ReadFile(dir_ / "r0.log");
   ASSERT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << r0 << Logs(2);
   EXPECT_NE(r0.find("exiting on signal"), std::string::npos) << r0;

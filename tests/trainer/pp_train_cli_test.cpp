@@ -336,8 +336,13 @@ TEST_F(PipelineParallelCli, AKilledMiddleStageEndsEveryRankAndTheRunResumes) {
   for (int rank : {0, 1, 2, 3})
     script += "RANK=" + std::to_string(rank) + " " + cmd + " > " +
               ShellQuote(dir_ / ("k" + std::to_string(rank) + ".log")) + " 2>&1 & p" + std::to_string(rank) + "=$!; ";
-  script += "for i in $(seq 600); do test -e " + ShellQuote(ck + "/iter_0000005") +
-            " && break; sleep 0.1; done; kill -9 $p1; start=$SECONDS; wait $p0; r0=$?; wait $p2; r2=$?; wait $p3; "
+  // Killed as soon as the tracker names the checkpoint of iteration 5 (polled with shell builtins:
+  // within moments, long before the save of iteration 10; the directory alone was there before the
+  // tracker named it, and a 0.1 s poll let a fast machine reach iteration 10).
+  const std::string tracker = ShellQuote(ck + "/latest_checkpointed_iteration.txt");
+  script += "end=$((SECONDS + 120)); until [ -f " + tracker + " ] && { read -r i < " + tracker +
+            "; [ \"${i:-0}\" -ge 5 ]; } || [ $SECONDS -ge $end ]; do :; done; kill -9 $p1; start=$SECONDS; wait $p0; "
+            "r0=$?; wait $p2; r2=$?; wait $p3; "
             "r3=$?; wait $p1; echo rc=$r0,$r2,$r3 after=$((SECONDS-start))";
   auto r = RunCmd("bash -c " + ShellQuote(script));
   std::smatch m;

@@ -249,9 +249,19 @@ TEST_F(TrainCli, StoppedAndResumedEqualsUninterrupted) {
   EXPECT_TRUE(x.m == y.m && x.v == y.v) << "AdamW moments differ after the resume";
 }
 
+// The shell's loop that waits (up to 120 s) until `log` holds an iteration's line: training runs.
+std::string UntilTraining(const std::string& log) {
+  return "end=$((SECONDS + 120)); until grep -q ' iteration ' " + ShellQuote(log) +
+         " 2>/dev/null || [ $SECONDS -ge $end ]; do sleep 0.05; done; ";
+}
+
+// Sent once training runs (its first log line), whatever the machine's speed: 100000 iterations
+// never end by themselves.
 TEST_F(TrainCli, SigtermSavesAndExitsCleanly) {
+  const std::string log = dir_ / "s.log";
   std::string cmd = "bash -c " + ShellQuote(Train("--exit-signal-handler --save " + ShellQuote(dir_ / "s"), 100000) +
-                                            " & pid=$!; sleep 3; kill -TERM $pid; wait $pid; echo rc=$?");
+                                            " > " + ShellQuote(log) + " 2>&1 & pid=$!; " + UntilTraining(log) +
+                                            "kill -TERM $pid; wait $pid; echo rc=$?; cat " + ShellQuote(log));
   auto r = RunCmd(cmd);
   EXPECT_NE(r.output.find("exiting on signal"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rc=0"), std::string::npos) << r.output;
@@ -287,34 +297,51 @@ TEST_F(TrainCli, SigtermAtTheStartIsHandled) {
 }
 
 // A second ptk-train on the same --save (a requeue while the first still runs) stops at once, naming
-// the first, and leaves its checkpoints alone; the first finishes normally.
+// the first, and leaves its checkpoints alone; the first goes on and ends normally. The first cannot
+// end before the second is refused, however fast the machine: 100000 iterations, ended by a SIGTERM
+// (--exit-signal-handler: it saves and exits 0) only once the second run has returned.
 TEST_F(TrainCli, SecondRunOnOneSaveDirIsRefused) {
-  const std::string save = ShellQuote(dir_ / "s");
+  const std::string save = ShellQuote(dir_ / "s"), first = dir_ / "first.log";
   std::string cmd =
-      "bash -c " + ShellQuote(Train("--save " + save + " --save-interval 300", 600) + " > " +
-                              ShellQuote(dir_ / "first.log") + " 2>&1 & pid=$!; for i in $(seq 300); do grep -q " +
-                              "' iteration ' " + ShellQuote(dir_ / "first.log") + " && break; sleep 0.1; done; " +
-                              Train("--save " + save, 4) + "; echo second_rc=$?; wait $pid; echo first_rc=$?");
+      "bash -c " + ShellQuote(Train("--exit-signal-handler --save " + save, 100000) + " > " + ShellQuote(first) +
+                              " 2>&1 & pid=$!; " + UntilTraining(first) + Train("--save " + save, 4) +
+                              "; echo second_rc=$?; kill -TERM $pid; wait $pid; echo first_rc=$?");
   auto r = RunCmd(cmd);
-  EXPECT_NE(r.output.find("second_rc=1"), std::string::npos) << r.output;
+  const std::string log = testing::ReadFile(first);
+  EXPECT_NE(r.output.find("second_rc=1"), std::string::npos) << r.output << log;
   EXPECT_NE(r.output.find("is being written by another run"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("first_rc=0"), std::string::npos) << r.output << testing::ReadFile(dir_ / "first.log");
+  EXPECT_NE(r.output.find("first_rc=0"), std::string::npos) << r.output << log;
+  EXPECT_NE(log.find("exiting on signal"), std::string::npos) << log;
+  // The first run's checkpoint is the one it saved on the signal, whole; its lock is gone.
   auto it = LatestCheckpointIteration(dir_ / "s");
-  ASSERT_TRUE(it.ok()) << it.status();
-  EXPECT_EQ(*it, 600);
+  ASSERT_TRUE(it.ok()) << it.status() << log;
+  EXPECT_GT(*it, 0);
+  EXPECT_LT(*it, 100000);
+  EXPECT_NE(log.find("successfully saved checkpoint from iteration " +
+                     std::string(7 - std::to_string(*it).size(), ' ') + std::to_string(*it)),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(Load(dir_ / "s", *it).state.iteration, *it);
   EXPECT_FALSE(testing::Exists(dir_ / "s/ptk-train.ptk-lock"));
 }
 
 TEST_F(TrainCli, KillDuringSavesKeepsLatestWhole) {
   const std::string save = dir_ / "k";
+  const std::string tracker = ShellQuote(save + "/latest_checkpointed_iteration.txt");
   for (int attempt = 0; attempt < 5; ++attempt) {
-    std::string delay = std::to_string(1.0 + 0.37 * attempt);
+    // Once this attempt has saved a checkpoint (the tracker moved: every iteration saves), a little
+    // later each time: the kill lands during a later save or between two, on any machine.
+    std::string delay = std::to_string(0.11 * attempt);
     auto r = RunCmd(
         "bash -c " +
-        ShellQuote(Train("--save-interval 1 --save " + ShellQuote(save) + " --load " + ShellQuote(save), 100000) +
-                   " >/dev/null 2>&1 & pid=$!; sleep " + delay + "; kill -9 $pid; wait $pid"));
+        ShellQuote("before=$(cat " + tracker + " 2>/dev/null); " +
+                   Train("--save-interval 1 --save " + ShellQuote(save) + " --load " + ShellQuote(save), 100000) +
+                   " >/dev/null 2>&1 & pid=$!; end=$((SECONDS + 120)); until [ \"$(cat " + tracker +
+                   " 2>/dev/null)\" != \"$before\" ] || [ $SECONDS -ge $end ]; do sleep 0.02; done; sleep " + delay +
+                   "; kill -9 $pid; wait $pid; echo rc=$?"));
+    EXPECT_NE(r.output.find("rc=137"), std::string::npos) << r.output;
     auto it = LatestCheckpointIteration(save);
-    if (!it.ok()) continue;  // killed before the first save
+    ASSERT_TRUE(it.ok()) << it.status();
     Saved s = Load(save, *it);
     EXPECT_EQ(s.state.iteration, *it);
   }
@@ -459,17 +486,34 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
 
 TEST_F(TrainCli, ARankThatDiesStopsTheOthers) {
   const std::string cmd = Train("--distributed-timeout-minutes 0.5 --threads 1", 100000);
-  auto r = RunCmd("bash -c " +
-                  ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() + "; RANK=1 " + cmd +
-                             " >/dev/null 2>&1 & p1=$!; RANK=0 " + cmd + " > " + ShellQuote(dir_ / "r0.log") +
-                             " 2>&1 & p0=$!; sleep 3; "
-                             "kill -9 $p1; start=$SECONDS; wait $p0; echo rc0=$? after=$((SECONDS-start))"));
+  auto r =
+      RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + Port() + "; RANK=1 " +
+                                     cmd + " >/dev/null 2>&1 & p1=$!; RANK=0 " + cmd + " > " +
+                                     ShellQuote(dir_ / "r0.log") + " 2>&1 & p0=$!; " + UntilTraining(dir_ / "r0.log") +
+                                     "kill -9 $p1; start=$SECONDS; wait $p0; echo rc0=$? after=$((SECONDS-start))"));
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc0=(\\d+) after=(\\d+)"))) << r.output;
   EXPECT_EQ(m[1], "1") << testing::ReadFile(dir_ / "r0.log");
   EXPECT_LE(std::stoi(m[2]), 45) << "rank 0 took too long to notice";
   EXPECT_NE(testing::ReadFile(dir_ / "r0.log").find("failed (a rank died or the network failed)"), std::string::npos)
       << testing::ReadFile(dir_ / "r0.log");
+}
+
+// gloo writes to the other ranks with writev: a rank that wrote to the socket of a rank that had
+// died got SIGPIPE and died with it (exit 141, no message naming the dead rank; seen in
+// pp_train_cli_test's killed stage, about one run in eight here). ptk-train ignores SIGPIPE, as
+// PyTorch's ranks under Python do. Which write meets the closed socket first is the machine's
+// timing, so the disposition itself is checked, in a training run.
+TEST_F(TrainCli, IgnoresSigpipeLikeARankUnderPython) {
+  const std::string log = dir_ / "p.log";
+  auto r = RunCmd("bash -c " + ShellQuote(Train("--exit-signal-handler", 100000) + " > " + ShellQuote(log) +
+                                          " 2>&1 & pid=$!; " + UntilTraining(log) +
+                                          "sed -n 's/^SigIgn:[[:space:]]*/sigign=/p' /proc/$pid/status; "
+                                          "kill -TERM $pid; wait $pid; echo rc=$?"));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("sigign=([0-9a-f]+)"))) << r.output;
+  EXPECT_TRUE((std::stoull(m[1], nullptr, 16) >> (SIGPIPE - 1)) & 1) << "SigIgn " << m[1];
+  EXPECT_NE(r.output.find("rc=0"), std::string::npos) << r.output << testing::ReadFile(log);
 }
 
 TEST_F(TrainCli, SamplesBasedScheduleAndMockData) {
