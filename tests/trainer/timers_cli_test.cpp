@@ -258,39 +258,28 @@ TEST_F(TimersCli, TwoDataRanksWithZeroOne) {
 // megatron-core 0.16's finalize_model_grads times it (non-tensor-parallel-grads-all-reduce, level 1,
 // its start at the level-1 barrier on every rank), a name Megatron's training log does not print
 // (its list names layernorm-grads-all-reduce, which nothing times any more): the block holds
-// Megatron's names only, at both levels and in every option, each line both ranks'; the metrics are
-// an untimed run's byte for byte, with the barriers and without them.
+// Megatron's names only (level 2), each line both ranks'; the metrics are an untimed run's byte for
+// byte.
 TEST_F(TimersCli, SequenceParallelSumIsTimedUnderMegatronsName) {
   const std::string tp = "--tensor-model-parallel-size 2 --sequence-parallel ";
-  const std::string plain_metrics = dir_ / "plain.jsonl";
+  const std::string plain_metrics = dir_ / "plain.jsonl", timed_metrics = dir_ / "timed.jsonl";
   auto plain = Ranks(2, Train(1, tp + "--metrics-file " + ShellQuote(plain_metrics)));
   ASSERT_NE(plain.output.find(AllZero(2)), std::string::npos) << plain.output << Logs(2);
-  struct Case {
-    std::string flags;
-    std::vector<std::string> names;
-  };
-  const std::vector<std::string> level2 = {"forward-backward",     "all-grads-sync", "optimizer-clip-main-grad",
-                                           "optimizer-inner-step", "optimizer",      "batch-generator"};
-  const std::vector<Case> cases = {Case{"--timing-log-level 1 --timing-log-option all", kOneRankLevel1},
-                                   Case{"--timing-log-level 2", level2},
-                                   Case{"--timing-log-level 1 --no-barrier-with-level-1-timing", kOneRankLevel1}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.flags);
-    const std::string metrics =
-        dir_ / ("timed" + std::to_string(&c - cases.data()) + ".jsonl");  // a file per run: appended to
-    auto timed = Ranks(2, Train(1, tp + c.flags + " --metrics-file " + ShellQuote(metrics)));
-    ASSERT_NE(timed.output.find(AllZero(2)), std::string::npos) << timed.output << Logs(2);
-    EXPECT_EQ(ReadFile(metrics), ReadFile(plain_metrics));
-    EXPECT_EQ(Lines(timed.output), Lines(plain.output));
-    const std::string last = ReadFile(RankLog(1));
-    const auto blocks = Blocks(last);
-    ASSERT_EQ(blocks.size(), 2u) << last;
-    for (const Block& b : blocks) {
-      EXPECT_EQ(b.names, c.names) << last;
-      for (const auto& [name, ranks] : b.ranks) EXPECT_EQ(ranks, (std::set<int>{0, 1})) << name;
-    }
-    EXPECT_EQ(last.find("grads-all-reduce"), std::string::npos) << last;
+  auto timed = Ranks(
+      2, Train(1, tp + "--timing-log-level 2 --timing-log-option all --metrics-file " + ShellQuote(timed_metrics)));
+  ASSERT_NE(timed.output.find(AllZero(2)), std::string::npos) << timed.output << Logs(2);
+  EXPECT_EQ(ReadFile(timed_metrics), ReadFile(plain_metrics));
+  EXPECT_EQ(Lines(timed.output), Lines(plain.output));
+  const std::string last = ReadFile(RankLog(1));
+  const auto blocks = Blocks(last);
+  ASSERT_EQ(blocks.size(), 2u) << last;
+  for (const Block& b : blocks) {
+    EXPECT_EQ(b.names, (std::vector<std::string>{"forward-backward", "all-grads-sync", "optimizer-clip-main-grad",
+                                                 "optimizer-inner-step", "optimizer", "batch-generator"}))
+        << last;
+    for (const auto& [name, ranks] : b.ranks) EXPECT_EQ(ranks, (std::set<int>{0, 1})) << name;
   }
+  EXPECT_EQ(last.find("grads-all-reduce"), std::string::npos) << last;
 }
 
 }  // namespace
