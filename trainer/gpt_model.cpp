@@ -204,11 +204,25 @@ absl::Status GPTModel::AllGatherGradRange(Communicator*, int64_t, int64_t) {
   return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
 }
 
+absl::Status GPTModel::AllReduceGradRanges(Communicator*, std::span<const GradRange>) {
+  return absl::UnimplementedError(fmt::format("the {} backend has no coalesced gradient all-reduce", Describe()));
+}
+
 absl::Status GPTModel::SumSequenceParallelGrads() {
   if (!sequence_parallel_ || !tensor_comm_) return absl::OkStatus();
-  for (const GradRange& g : SequenceParallelGradRanges(layout_))
-    PTK_RETURN_IF_ERROR(AllReduceGradRange(tensor_comm_, g.begin, g.size()));
-  return absl::OkStatus();
+  if (sequence_parallel_ranges_.empty()) sequence_parallel_ranges_ = SequenceParallelGradRanges(layout_);
+  return AllReduceGradRanges(tensor_comm_, sequence_parallel_ranges_);
+}
+
+absl::StatusOr<int64_t> CheckGradRanges(std::span<const GradRange> ranges, int64_t num_params) {
+  int64_t total = 0;
+  for (const GradRange& g : ranges) {
+    if (g.begin < 0 || g.end < g.begin || g.end > num_params)
+      return absl::InvalidArgumentError(
+          fmt::format("AllReduceGradRanges: [{}, {}) of {} parameters", g.begin, g.end, num_params));
+    total += g.size();
+  }
+  return total;
 }
 
 absl::Status GPTModel::ScaledAdamWUpdate(double grad_scale, const AdamWParams& decay, const AdamWParams& no_decay) {

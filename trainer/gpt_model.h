@@ -169,12 +169,20 @@ class GPTModel {
   // Sums the gradients [begin, begin + n) over `comm` (the embedding group's copies of the tied
   // word embeddings; sequence parallelism's partial gradients over the tensor group).
   virtual absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n);
+  // Sums the gradients of `ranges` (each within the parameters) over `comm` in one
+  // collective: gathered into one contiguous buffer of the backend's (allocated once, kept for the
+  // next call), all-reduced, scattered back. Each element gets the bits AllReduceGradRange gives
+  // it wherever it lies in the buffer when the communicator adds in a fixed order per element
+  // (gloo's: rank order; any communicator at two ranks, a + b being b + a); NCCL's ring at more than
+  // two ranks may add an element in another order than a range of its own would.
+  virtual absl::Status AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges);
   // --sequence-parallel: sums the gradients of SequenceParallelGradRanges (each tensor rank's
-  // positions' share, what backward leaves) over the tensor group, as Megatron's
-  // _allreduce_non_tensor_model_parallel_grads: TrainStep calls it once per step, after the
-  // data-parallel reduction. Under ZeRO-1 the whole ranges are summed, as Megatron does, though
-  // only this rank's shard of them holds data-parallel sums (its tensor peers cut the same shard).
-  // Nothing to do without sequence parallelism.
+  // positions' share, what backward leaves) over the tensor group in one all-reduce
+  // (AllReduceGradRanges), as Megatron's _allreduce_non_tensor_model_parallel_grads flattens them
+  // into one buffer: TrainStep calls it once per step, after the data-parallel reduction. Under
+  // ZeRO-1 the whole ranges are summed, as Megatron does, though only this rank's shard of them
+  // holds data-parallel sums (its tensor peers cut the same shard). Nothing to do without sequence
+  // parallelism.
   absl::Status SumSequenceParallelGrads();
   // ZeRO-1: each rank's reduced piece of the gradients [begin, begin + n) (its shard's part, as
   // ReduceScatterGrads left it) to every rank of `comm`, so that the range holds the data-parallel
@@ -260,6 +268,7 @@ class GPTModel {
   bool sequence_parallel_ = false;  // with a tensor group of more than one rank
 
  private:
+  std::vector<GradRange> sequence_parallel_ranges_;  // SequenceParallelGradRanges, made at the first sum
   std::vector<GradRange> ready_order_;
   BucketTracker tracker_;
   int launched_in_backward_ = 0;
@@ -272,5 +281,9 @@ class GPTModel {
 // Checks a batch against the configuration (shape, token and position ids in range): a token id
 // outside the vocabulary is a data error, found before any backend indexes memory with it.
 absl::Status ValidateBatch(const GPTConfig& config, const ModelBatch& batch);
+
+// AllReduceGradRanges' check: every range within [0, num_params) (InvalidArgument naming the one
+// that is not); returns the elements they hold together.
+absl::StatusOr<int64_t> CheckGradRanges(std::span<const GradRange> ranges, int64_t num_params);
 
 }  // namespace ptk

@@ -53,7 +53,9 @@ class Timers {
   bool Has(std::string_view name) const { return timers_.contains(std::string(name)); }
   void Reset();
 
-  // Megatron's training_log names for `level`, in its order: the level-1 ones, then the level-2 ones.
+  // Megatron's training_log names for `level`, in its order: the level-1 ones, then the level-2 ones
+  // (Megatron-LM's list at megatron-core 0.16.1: layernorm-grads-all-reduce, which nothing times
+  // since finalize_model_grads names the sum non-tensor-parallel-grads-all-reduce, not that name).
   static std::vector<std::string> NamesToLog(int level);
 
   // Every rank's seconds of each of `names` (0: never made there), [world rank][name]: an all-gather

@@ -197,7 +197,15 @@ absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool ov
     PTK_RETURN_IF_ERROR(model_->shard() ? model_->ReduceScatterGrads(comm_) : model_->AllReduceGrads(comm_));
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "all-grads-sync"));
   }
-  PTK_RETURN_IF_ERROR(model_->SumSequenceParallelGrads());
+  // Megatron times the sum as non-tensor-parallel-grads-all-reduce (level 1, megatron-core 0.16's
+  // finalize_model_grads), a name its training log's timer list leaves out (it lists the former
+  // layernorm-grads-all-reduce, which nothing times): timed, barrier and all, never printed. Timed
+  // where there is a sum, as embedding-grads-all-reduce is; sequence parallelism is every rank's.
+  if (model_->sequence_parallel()) {
+    PTK_RETURN_IF_ERROR(StartTimer(timers_, "non-tensor-parallel-grads-all-reduce", 1));
+    PTK_RETURN_IF_ERROR(model_->SumSequenceParallelGrads());
+    PTK_RETURN_IF_ERROR(StopTimer(timers_, "non-tensor-parallel-grads-all-reduce"));
+  }
   // Timed on every stage of tied embeddings, as Megatron does (a middle stage has no copy to sum):
   // a level-1 timer's start waits at a barrier over all ranks, which every rank must reach.
   if (!pipeline_ || model_->config().untie_embeddings_and_output_weights) return absl::OkStatus();

@@ -126,7 +126,8 @@ class TrainStep {
   // whole model (each rank's shard, slices and stage; a last stage's embedding copy left out).
   absl::StatusOr<double> ParamsNorm();
   // --timing-log-level: Megatron's timers of a step (forward-backward, all-grads-sync,
-  // embedding-grads-all-reduce, optimizer and its parts, the schedule's); null: none. The optimizer
+  // non-tensor-parallel-grads-all-reduce, embedding-grads-all-reduce, optimizer and its parts, the
+  // schedule's); null: none. The optimizer
   // timer runs from ComputeGradients' norm to the end of ApplyUpdate.
   void set_timers(Timers* timers) { timers_ = timers; }
 

@@ -104,12 +104,19 @@ TEST(CudaMemoryPlan, SequenceParallelShardsTheResidualStream) {
   auto tp = PlanMemory(c, layout->num_params, o);
   ASSERT_TRUE(tp.ok()) << tp.status();
   o.sequence_parallel = true;
+  int64_t sp_grads = 0;
+  for (const GradRange& g : SequenceParallelGradRanges(*layout)) sp_grads += g.size();
+  o.sequence_parallel_grads = sp_grads;
   auto sp = PlanMemory(c, layout->num_params, o);
   ASSERT_TRUE(sp.ok()) << sp.status();
   const MemoryPlan &S = *sp, &P = *tp;
   EXPECT_TRUE(S.sequence_parallel);
   EXPECT_FALSE(P.sequence_parallel);
   EXPECT_EQ(P.sp_stage, -1);
+  EXPECT_EQ(P.sp_grads, -1);
+  // The norms' weights and biases (12 layers' two and the final one) and the row-parallel biases.
+  EXPECT_EQ(sp_grads, (2 * 12 + 1) * 2 * 768 + 12 * 2 * 768);
+  EXPECT_EQ(S[S.sp_grads].bytes, sp_grads * 4);
   for (int MemoryPlan::*b : {&MemoryPlan::resid, &MemoryPlan::resid_mid, &MemoryPlan::dresid})
     EXPECT_EQ(S[S.*b].bytes * 2, P[P.*b].bytes) << S[S.*b].name;
   for (int MemoryPlan::*b : {&MemoryPlan::ln1, &MemoryPlan::ln2, &MemoryPlan::lnf, &MemoryPlan::dln, &MemoryPlan::tmp,

@@ -9,7 +9,8 @@
 // the tensors every rank holds whole with the same gradient bits on every rank; text-sample logits
 // gathered whole; a few AdamW steps follow one rank's losses. With --sequence-parallel (the norms,
 // hidden dropout and residual stream on each rank's positions) the same against one rank and
-// against T = 2 without it, GPT-3's line and the Llama line. gpu-labelled: exit 77 without a
+// against T = 2 without it, GPT-3's line and the Llama line; its partial gradients' sum over the
+// group is one device all-reduce with the bits of one per range. gpu-labelled: exit 77 without a
 // device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -211,6 +212,66 @@ TEST(CudaTensorParallel, SequenceParallelFollowsOneRankAndTensorParallel) {
       std::printf("%s T=%d sequence-parallel: loss %.9g vs %.9g (one rank); gradient difference %.3g of %.3g\n",
                   line.name, T, sp.losses[0][0], one.losses[0][0], d1, g1);
     }
+  }
+}
+
+// SumSequenceParallelGrads on the CUDA model gathers the ranges on the stream into the planned
+// buffer, makes one device all-reduce of it over the tensor group, and scatters it back: at T = 2
+// and 4 (fp32; bf16 at T = 2) one AllReduceSumDevice per sum, of every sequence-parallel gradient,
+// and the gradients' bits those of one AllReduceGradRange per range (the staged gloo sum adds each
+// element in rank order wherever it lies), every parameter's, on each of two passes (the buffer
+// reused). The same bits through a host communicator (AllReduceGradRanges' host path: the gathered
+// buffer down, gloo's sum, up again).
+TEST(CudaTensorParallel, SequenceParallelSumIsOneDeviceAllReduceWithEachRangesBits) {
+  const GPTConfig c = SmallConfig(/*dropout=*/true);
+  const Batches data(2, c.vocab_size);
+  for (const auto& size_precision :
+       {std::pair{2, Precision::kFp32}, std::pair{4, Precision::kFp32}, std::pair{2, Precision::kBf16}}) {
+    const int T = size_precision.first;
+    const Precision precision = size_precision.second;
+    SCOPED_TRACE(fmt::format("T={} {}", T, PrecisionName(precision)));
+    testing::RunRanks(T, [&](Communicator* host, int rank) {
+      StagedDeviceCollectives tensor(host);
+      cuda::CudaModelOptions o;
+      o.tensor = &tensor;
+      o.sequence_parallel = true;
+      std::unique_ptr<GPTModel> model = cuda_model_test::Cuda(c, precision, /*deterministic=*/true, o);
+      ASSERT_NE(model, nullptr);
+      const std::vector<GradRange> ranges = SequenceParallelGradRanges(model->layout());
+      ASSERT_GT(ranges.size(), 2u);
+      int64_t total = 0;
+      for (const GradRange& g : ranges) total += g.size();
+      const size_t n = static_cast<size_t>(model->num_params());
+      for (int k = 0; k < 2; ++k)
+        for (bool through_host : {false, true}) {
+          SCOPED_TRACE(fmt::format("pass {}{}", k, through_host ? ", host communicator" : ""));
+          Communicator* comm = through_host ? host : static_cast<Communicator*>(&tensor);
+          std::vector<float> partial(n), per_range(n), again(n), coalesced(n);
+          ASSERT_TRUE(model->ZeroGrads().ok());
+          ASSERT_TRUE(model->ForwardBackward(data.Get(k), 1.0 / 256, /*train=*/true, 99).ok());
+          ASSERT_TRUE(model->ReadGrads(partial).ok());
+          for (const GradRange& g : ranges) ASSERT_TRUE(model->AllReduceGradRange(comm, g.begin, g.size()).ok());
+          ASSERT_TRUE(model->ReadGrads(per_range).ok());
+          ASSERT_TRUE(model->ZeroGrads().ok());
+          ASSERT_TRUE(model->ForwardBackward(data.Get(k), 1.0 / 256, /*train=*/true, 99).ok());
+          ASSERT_TRUE(model->ReadGrads(again).ok());
+          ASSERT_EQ(std::memcmp(again.data(), partial.data(), n * sizeof(float)), 0) << "rank " << rank;
+          const size_t before = tensor.device_all_reduces().size();
+          if (through_host) {
+            ASSERT_TRUE(model->AllReduceGradRanges(host, ranges).ok());
+            EXPECT_EQ(tensor.device_all_reduces().size(), before);
+          } else {
+            ASSERT_TRUE(model->SumSequenceParallelGrads().ok());
+            EXPECT_EQ(std::vector<int64_t>(tensor.device_all_reduces().begin() + static_cast<std::ptrdiff_t>(before),
+                                           tensor.device_all_reduces().end()),
+                      std::vector<int64_t>{total})
+                << "rank " << rank;
+          }
+          ASSERT_TRUE(model->ReadGrads(coalesced).ok());
+          EXPECT_EQ(std::memcmp(coalesced.data(), per_range.data(), n * sizeof(float)), 0) << "rank " << rank;
+          EXPECT_NE(std::memcmp(coalesced.data(), partial.data(), n * sizeof(float)), 0) << "rank " << rank;
+        }
+    });
   }
 }
 

@@ -24,6 +24,7 @@ class StagedDeviceCollectives final : public ForwardingCommunicator {
   std::string_view backend() const override { return "gloo, device collectives staged through the host"; }
   bool device_collectives() const override { return true; }
   absl::Status AllReduceSumDevice(float* data, int64_t n, void* stream) override {
+    device_all_reduces_.push_back(n);
     std::vector<float> h(static_cast<size_t>(n));
     PTK_RETURN_IF_ERROR(Out(h.data(), data, h.size() * sizeof(float), stream));
     PTK_RETURN_IF_ERROR(inner()->AllReduceSum(h.data(), n));
@@ -58,6 +59,8 @@ class StagedDeviceCollectives final : public ForwardingCommunicator {
   }
   // SendRecvDevice calls so far (a test checks that the device path ran).
   int device_messages() const { return device_messages_; }
+  // The lengths of the AllReduceSumDevice calls so far, in call order (a test counts them).
+  const std::vector<int64_t>& device_all_reduces() const { return device_all_reduces_; }
 
  private:
   static absl::Status Check(cudaError_t e) {
@@ -74,6 +77,7 @@ class StagedDeviceCollectives final : public ForwardingCommunicator {
     return Check(cudaStreamSynchronize(s));
   }
   int device_messages_ = 0;
+  std::vector<int64_t> device_all_reduces_;
 };
 
 }  // namespace ptk::testing

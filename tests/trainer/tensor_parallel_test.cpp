@@ -5,21 +5,26 @@
 // steps at T = 2, 4 and T = 2 x data 2 with ZeRO-1 follow one rank's losses within 1e-5; the same
 // with sequence parallelism, which keeps only its rows of the sequence-parallel region; its partial
 // gradients are summed over the tensor group after the data-parallel reduction, bit for bit
-// Megatron's order.
+// Megatron's order, in one all-reduce of them all (the bits of a sum per range), timed as Megatron's
+// non-tensor-parallel-grads-all-reduce.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "tests/trainer/forwarding_comm.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/param_shard.h"
+#include "trainer/timers.h"
 #include "trainer/train_step.h"
 
 namespace ptk {
@@ -414,6 +419,120 @@ TEST(TensorParallel, SequenceParallelGradientsAreSummedAfterTheDataParallelReduc
                              << sp_differ << " of them sequence-parallel ones";
       }
     }
+}
+
+// A real communicator underneath, its float all-reduces counted with their lengths.
+class CountingCommunicator final : public testing::ForwardingCommunicator {
+ public:
+  using ForwardingCommunicator::ForwardingCommunicator;
+  absl::Status AllReduceSum(float* data, int64_t n) override {
+    lengths.push_back(n);
+    return ForwardingCommunicator::AllReduceSum(data, n);
+  }
+  std::vector<int64_t> lengths;
+};
+
+// SumSequenceParallelGrads gathers the ranges into one buffer, makes one all-reduce of it over the
+// tensor group, and scatters it back: at T = 2 and 4 (gloo, which adds each element in rank order
+// wherever it lies in the buffer) the gradients' bits are those of one all-reduce per range, for
+// every parameter (the others untouched), on each of a few calls (the buffer reused).
+TEST(TensorParallel, SequenceParallelSumIsOneAllReduceWithEachRangesBits) {
+  const GPTConfig c = Config();
+  const Batches data(3);
+  for (int T : {2, 4}) {
+    SCOPED_TRACE("T=" + std::to_string(T));
+    testing::RunRanks(T, [&](Communicator* tensor, int rank) {
+      CountingCommunicator counted(tensor);
+      auto model = CpuGPTModel::Create(c, &counted, /*sequence_parallel=*/true);
+      ASSERT_TRUE(model.ok()) << model.status();
+      ASSERT_TRUE((*model)->InitWeights(1234).ok());
+      const std::vector<GradRange> ranges = SequenceParallelGradRanges((*model)->layout());
+      ASSERT_GT(ranges.size(), 4u);
+      int64_t total = 0;
+      for (const GradRange& g : ranges) total += g.size();
+      const size_t n = static_cast<size_t>((*model)->num_params());
+      for (int k = 0; k < 3; ++k) {
+        // The same partial gradients twice (the pass is deterministic), summed both ways.
+        std::vector<float> partial(n), per_range(n), again(n), coalesced(n);
+        ASSERT_TRUE((*model)->ZeroGrads().ok());
+        ASSERT_TRUE((*model)->ForwardBackward(data.Get(static_cast<size_t>(k)), 1.0, true, 99).ok());
+        ASSERT_TRUE((*model)->ReadGrads(partial).ok());
+        for (const GradRange& g : ranges) ASSERT_TRUE((*model)->AllReduceGradRange(&counted, g.begin, g.size()).ok());
+        ASSERT_TRUE((*model)->ReadGrads(per_range).ok());
+        ASSERT_TRUE((*model)->ZeroGrads().ok());
+        ASSERT_TRUE((*model)->ForwardBackward(data.Get(static_cast<size_t>(k)), 1.0, true, 99).ok());
+        ASSERT_TRUE((*model)->ReadGrads(again).ok());
+        ASSERT_EQ(std::memcmp(again.data(), partial.data(), n * sizeof(float)), 0) << "rank " << rank;
+        counted.lengths.clear();
+        ASSERT_TRUE((*model)->SumSequenceParallelGrads().ok());
+        EXPECT_EQ(counted.lengths, std::vector<int64_t>{total}) << "rank " << rank;
+        ASSERT_TRUE((*model)->ReadGrads(coalesced).ok());
+        EXPECT_EQ(std::memcmp(coalesced.data(), per_range.data(), n * sizeof(float)), 0) << "rank " << rank;
+        EXPECT_NE(std::memcmp(coalesced.data(), partial.data(), n * sizeof(float)), 0) << "rank " << rank;
+      }
+    });
+  }
+  // A range outside the parameters is refused, naming it.
+  auto model = CpuGPTModel::Create(c, nullptr);
+  ASSERT_TRUE(model.ok());
+  const std::vector<GradRange> bad = {{0, 4}, {(*model)->num_params() - 2, (*model)->num_params() + 1}};
+  auto local = MakeLocalCommunicator();
+  const absl::Status st = (*model)->AllReduceGradRanges(local.get(), bad);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("AllReduceGradRanges: ["), std::string::npos) << st;
+}
+
+// A training step at T = 2 and 4 with --sequence-parallel makes one all-reduce over the tensor group
+// more than its micro-batches' passes (the sum of every sequence-parallel gradient at once, where it
+// made one per range), timed as non-tensor-parallel-grads-all-reduce at level 1 after a barrier;
+// without sequence parallelism no such timer starts.
+TEST(TensorParallel, SequenceParallelStepSumsInOneTimedAllReduce) {
+  const GPTConfig c = Config();
+  const Batches data(2);
+  const std::vector<ModelBatch> mbs = data.All();
+  std::map<std::pair<int, bool>, std::vector<int>> barriers;  // [T, sp]: each rank's
+  std::mutex mu;
+  for (int T : {2, 4})
+    for (bool sp : {true, false}) {
+      SCOPED_TRACE("T=" + std::to_string(T) + (sp ? " sequence-parallel" : ""));
+      barriers[std::make_pair(T, sp)].assign(static_cast<size_t>(T), 0);
+      testing::RunRanks(T, [&](Communicator* tensor, int rank) {
+        CountingCommunicator counted(tensor);
+        auto model = CpuGPTModel::Create(c, &counted, sp);
+        ASSERT_TRUE(model.ok()) << model.status();
+        ASSERT_TRUE((*model)->InitWeights(1234).ok());
+        int64_t total = 0;
+        for (const GradRange& g : SequenceParallelGradRanges((*model)->layout())) total += g.size();
+        // The passes alone (TrainStep's seeds do not change the number of collectives).
+        ASSERT_TRUE((*model)->ZeroGrads().ok());
+        for (const ModelBatch& mb : mbs) ASSERT_TRUE((*model)->ForwardBackward(mb, 1.0, true, 99).ok());
+        const std::vector<int64_t> passes = counted.lengths;
+        counted.lengths.clear();
+        int met = 0;
+        Timers timers(1, TimingLogOption::kMinMax, nullptr, [&] {
+          ++met;
+          return tensor->Barrier();
+        });
+        auto dp = MakeLocalCommunicator();
+        TrainStep step(model->get(), OptimizerConfig{}, Schedule(), dp.get());
+        step.set_timers(&timers);
+        auto r = step.ComputeGradients(mbs, 99);
+        ASSERT_TRUE(r.ok()) << r.status();
+        std::vector<int64_t> want = passes;
+        if (sp) want.push_back(total);
+        EXPECT_EQ(counted.lengths, want) << "rank " << rank;
+        EXPECT_EQ(timers.Elapsed("non-tensor-parallel-grads-all-reduce") > 0.0, sp) << "rank " << rank;
+        EXPECT_EQ(timers.Elapsed("layernorm-grads-all-reduce"), 0.0);
+        std::lock_guard<std::mutex> lock(mu);
+        barriers[std::make_pair(T, sp)][static_cast<size_t>(rank)] = met;
+      });
+    }
+  // The sum's timer starts at a level-1 barrier on every rank: one barrier more than without it.
+  for (int T : {2, 4})
+    for (int r = 0; r < T; ++r)
+      EXPECT_EQ(barriers[std::make_pair(T, true)][static_cast<size_t>(r)],
+                barriers[std::make_pair(T, false)][static_cast<size_t>(r)] + 1)
+          << "T=" << T << " rank " << r;
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // loopback gloo): after each log line the last rank prints Megatron's timer block with the names of
 // the level, in Megatron's order, in the option's format; level 0 prints none; at P = 2 each
 // stage's exchanges under the names of Megatron's 1F1B, and the metrics of a timed run are those of
-// an untimed one byte for byte; at D = 2 (and ZeRO-1) the data-parallel reductions; TensorBoard gets
+// an untimed one byte for byte; at D = 2 (and ZeRO-1) the data-parallel reductions; at T = 2 with
+// --sequence-parallel Megatron's names (its sum over the tensor group timed, never printed); TensorBoard gets
 // <name>-time; bad values are refused, and ranks at different levels stop at start-up. Names, order, format and ranks
 // only: never the times.
 #include <map>
@@ -251,6 +252,34 @@ TEST_F(TimersCli, TwoDataRanksWithZeroOne) {
   ASSERT_EQ(all_blocks.size(), 2u);
   EXPECT_EQ(all_blocks[0].names, kOneRankLevel1);
   for (const auto& [name, ranks] : all_blocks[0].ranks) EXPECT_EQ(ranks, (std::set<int>{0, 1})) << name;
+}
+
+// T = 2 with --sequence-parallel: the partial gradients' sum over the tensor group is timed as
+// megatron-core 0.16's finalize_model_grads times it (non-tensor-parallel-grads-all-reduce, level 1,
+// its start at the level-1 barrier on every rank), a name Megatron's training log does not print
+// (its list names layernorm-grads-all-reduce, which nothing times any more): the block holds
+// Megatron's names only (level 2), each line both ranks'; the metrics are an untimed run's byte for
+// byte.
+TEST_F(TimersCli, SequenceParallelSumIsTimedUnderMegatronsName) {
+  const std::string tp = "--tensor-model-parallel-size 2 --sequence-parallel ";
+  const std::string plain_metrics = dir_ / "plain.jsonl", timed_metrics = dir_ / "timed.jsonl";
+  auto plain = Ranks(2, Train(1, tp + "--metrics-file " + ShellQuote(plain_metrics)));
+  ASSERT_NE(plain.output.find(AllZero(2)), std::string::npos) << plain.output << Logs(2);
+  auto timed = Ranks(
+      2, Train(1, tp + "--timing-log-level 2 --timing-log-option all --metrics-file " + ShellQuote(timed_metrics)));
+  ASSERT_NE(timed.output.find(AllZero(2)), std::string::npos) << timed.output << Logs(2);
+  EXPECT_EQ(ReadFile(timed_metrics), ReadFile(plain_metrics));
+  EXPECT_EQ(Lines(timed.output), Lines(plain.output));
+  const std::string last = ReadFile(RankLog(1));
+  const auto blocks = Blocks(last);
+  ASSERT_EQ(blocks.size(), 2u) << last;
+  for (const Block& b : blocks) {
+    EXPECT_EQ(b.names, (std::vector<std::string>{"forward-backward", "all-grads-sync", "optimizer-clip-main-grad",
+                                                 "optimizer-inner-step", "optimizer", "batch-generator"}))
+        << last;
+    for (const auto& [name, ranks] : b.ranks) EXPECT_EQ(ranks, (std::set<int>{0, 1})) << name;
+  }
+  EXPECT_EQ(last.find("grads-all-reduce"), std::string::npos) << last;
 }
 
 }  // namespace

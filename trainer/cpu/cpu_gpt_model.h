@@ -54,6 +54,7 @@ class CpuGPTModel final : public GPTModel {
   absl::Status StageBackward(const ModelBatch& batch, int slot, std::span<const float> output_grad,
                              std::span<float> input_grad, bool train, uint64_t seed) override;
   absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) override;
+  absl::Status AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges) override;
   absl::Status AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n) override;
   int64_t StageExchangeFloats(const ModelBatch& batch) const override;
   // The activation slots allocated so far (the most micro-batches a schedule kept in flight).
@@ -100,6 +101,7 @@ class CpuGPTModel final : public GPTModel {
                                      const float* mean, const float* rstd, int64_t rows);
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
+  std::vector<float> coalesced_grads_;  // AllReduceGradRanges' buffer, grown to the largest call's
   // One set of activations per micro-batch in flight (pipeline schedules); act_ is the pass's.
   std::vector<std::unique_ptr<Activations>> slots_;
   Activations* act_ = nullptr;

@@ -90,6 +90,21 @@ absl::Status CpuGPTModel::AllReduceGradRange(Communicator* comm, int64_t begin, 
   return comm->AllReduceSum(grads_.data() + begin, n);
 }
 
+absl::Status CpuGPTModel::AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges) {
+  PTK_ASSIGN_OR_RETURN(const int64_t total, CheckGradRanges(ranges, num_params()));
+  if (total == 0) return absl::OkStatus();
+  if (static_cast<int64_t>(coalesced_grads_.size()) < total) coalesced_grads_.resize(static_cast<size_t>(total));
+  float* buf = coalesced_grads_.data();
+  for (const GradRange& g : ranges) buf = std::copy_n(grads_.data() + g.begin, g.size(), buf);
+  PTK_RETURN_IF_ERROR(comm->AllReduceSum(coalesced_grads_.data(), total));
+  const float* in = coalesced_grads_.data();
+  for (const GradRange& g : ranges) {
+    std::copy_n(in, g.size(), grads_.data() + g.begin);
+    in += g.size();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuGPTModel::AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n) {
   if (!shard()) return absl::FailedPreconditionError("AllGatherGradRange needs a sharded optimizer state");
   if (begin < 0 || n < 0 || begin + n > num_params())

@@ -39,14 +39,15 @@ class Backend {
   ~Backend() = default;  // the module's own static object: never deleted through this interface
 };
 
-// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v6(void)
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v7(void)
 // (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel;
 // v5: GPTModel::StageBuffers and GPTModel::Synchronize, Communicator::SendRecvDevice: virtuals of the classes both
-// sides share; v6: GPTModel's sequence_parallel_ member, which the module's model sets).
+// sides share; v6: GPTModel's sequence_parallel_ member, which the module's model sets; v7:
+// GPTModel::AllReduceGradRanges, a virtual, and GPTModel's sequence_parallel_ranges_ member).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
-inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v6";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v7";
 using BackendEntryFn = const Backend* (*)();
 
 }  // namespace ptk::cuda
 
-extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v6();
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v7();

@@ -118,6 +118,8 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
     o.pipeline_host_exchange = host_exchange_;
   }
   o.sequence_parallel = sequence_parallel_;
+  if (sequence_parallel_)
+    for (const GradRange& g : SequenceParallelGradRanges(layout())) o.sequence_parallel_grads += g.size();
   // This rank's query heads and groups.
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};

@@ -158,6 +158,7 @@ class CudaGPTModelImpl final : public GPTModel {
                                                 bool defer_loss) override;
   absl::Status StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed) override;
   absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) override;
+  absl::Status AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges) override;
   absl::Status AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n) override;
 
  protected:

@@ -106,8 +106,11 @@ void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::
   if (T > 1) {
     m.tp_sum = add("tensor parallel: fp32 sums over the tensor group", n * c * 4, act_lower);
     m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
-    if (m.sequence_parallel)
+    if (m.sequence_parallel) {
       m.sp_stage = add("sequence parallel: all-gather / reduce-scatter staging", n * c * 4 + Align(nr * 4), act_lower);
+      m.sp_grads = add("sequence parallel: the partial gradients' sum over the tensor group (fp32)",
+                       o.sequence_parallel_grads * 4, "the model size");
+    }
   }
   if (o.pipeline_slots > 0) {
     m.slots = o.pipeline_slots;

@@ -71,9 +71,11 @@ struct MemoryPlan {
   // residual after attention and the residual gradient hold this rank's n / tensor rows (its
   // positions of every sample); the norms' outputs stay whole (all-gathered, what the column-parallel
   // products and their weight gradients read). sp_stage: the collectives' staging, fp32 (n, hidden),
-  // then this rank's rows' positions (int32).
+  // then this rank's rows' positions (int32). sp_grads: the partial gradients' one sum over the
+  // tensor group after backward (GPTModel::AllReduceGradRanges), PlanOptions::sequence_parallel_grads
+  // floats gathered from their ranges.
   bool sequence_parallel = false;
-  int sp_stage = -1;
+  int sp_stage = -1, sp_grads = -1;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -107,8 +109,10 @@ struct PlanOptions {
   bool pipeline_last = false;
   bool pipeline_host_exchange = false;  // CudaModelOptions::unfused.pipeline_host_exchange, or a host communicator
   // Megatron's sequence parallelism on the tensor group (MemoryPlan::sequence_parallel); the
-  // sequence length must divide by `tensor`.
+  // sequence length must divide by `tensor`. sequence_parallel_grads: the floats of the gradients
+  // summed over the tensor group after backward (SequenceParallelGradRanges').
   bool sequence_parallel = false;
+  int64_t sequence_parallel_grads = 0;
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four
