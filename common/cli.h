@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "common/status.h"
+#include "common/version.h"  // VersionString, BuildDescription
 
 namespace ptk::cli {
 
@@ -19,14 +20,6 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitDiskFull = 3;
-
-// ptk's version, as --version prints it ("ptk 0.1.0").
-std::string VersionString();
-
-// The lines --version prints after "TOOL (ptk 0.1.0)": "commit: 6e69829abcde[-dirty]" ("unknown"
-// outside a git checkout), "build type: Release", "backends: CPU; CUDA 13.0 for sm_80 sm_90 (cuBLASLt
-// 13.1.0, cuDNN 9.19.0); NCCL 2.28.9" (the CUDA part where the build has the CUDA backend).
-std::string BuildDescription();
 
 // Creates an App with ptk's formatting conventions and a --version flag.
 std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& description);

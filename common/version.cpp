@@ -1,8 +1,9 @@
 // ptk's version and what --version says about the build: the commit (at build time,
 // cmake/PtkGitCommit.cmake), the build type and the backends built in (at configure time).
+#include "common/version.h"
+
 #include <string>
 
-#include "common/cli.h"
 #include "ptk_build_config.h"
 #include "ptk_git_commit.h"
 

@@ -79,12 +79,24 @@ phase "TSan build and tests"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_BUILD_BENCH=OFF \
   -DPTK_SANITIZE=thread \
   -DCMAKE_CXX_FLAGS_DEBUG=-g1 >/dev/null
-cmake --build build-tsan -j "$JOBS" --target gpt_dataset_test indexed_dataset_test tokenize_golden_test ptk-tokenize
-TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/gpt_dataset_test
-TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/indexed_dataset_test
 # The oneTBB tokenize pipeline (reader, parallel encoders, sink) with 1-4 workers; oneTBB's own
 # hand-offs are marked for TSan in the code (common/happens_before.h).
-TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tokenize_golden_test
+TSAN_TESTS=(gpt_dataset_test tokenize_golden_test indexed_dataset_test)  # the longest first
+cmake --build build-tsan -j "$JOBS" --target "${TSAN_TESTS[@]}" ptk-tokenize
+tsan_run() {  # one test, its output in build-tsan/logs/T.log, printed when it fails
+  local t=$1
+  if TSAN_OPTIONS=halt_on_error=1 "build-tsan/tests/$t" >"build-tsan/logs/$t.log" 2>&1; then
+    echo "tsan: $t passed" >&2
+  else
+    cat "build-tsan/logs/$t.log" >&2
+    echo "tsan: $t FAILED (build-tsan/logs/$t.log)" >&2
+    return 1
+  fi
+}
+export -f tsan_run
+mkdir -p build-tsan/logs
+# $JOBS at a time, as the ASan tests.
+printf '%s\n' "${TSAN_TESTS[@]}" | xargs -P "$JOBS" -I{} bash -c 'tsan_run "$1"' _ {}
 phase ""
 children_cpu
 printf 'test.sh: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s wall %6d s CPU' total "$SECONDS" "$cpu")" >&2

@@ -1,7 +1,10 @@
-// Attention's argument checks, shared by the fp32 kernels (attention_cuda.cu) and cuDNN's (flash_attention_cuda.cu).
+// Attention's argument checks, shared by the fp32 kernels (attention_cuda.cu) and cuDNN's (flash_attention_cuda.cpp),
+// and the one kernel cuDNN's half launches (in attention_cuda.cu: flash_attention_cuda.cpp is host code, built by the
+// C++ compiler).
 #pragma once
 
 #include <climits>
+#include <cstdint>
 #include <string>
 
 #include <fmt/core.h>
@@ -25,5 +28,9 @@ inline absl::Status CheckShape(const AttentionShape& s, const std::string& where
     return absl::InvalidArgumentError(fmt::format("{}: sizes beyond cuBLAS's int range", where));
   return absl::OkStatus();
 }
+
+// Writes cuDNN's dropout seed and offset to the device's rng[0] and rng[1] on `stream` (one thread; in stream
+// order: a graph launched before reads the previous values, one after these). The caller checks the launch.
+void LaunchSetFlashRng(int64_t* rng, int64_t seed, int64_t offset, cudaStream_t stream);
 
 }  // namespace ptk::cuda::attention_detail

@@ -2,7 +2,7 @@
 //
 // AttentionForward / AttentionBackward, beside trainer/cpu/attention_cpu.cpp, over Megatron's fused
 // QKV layout qkv(b, t, nh, 3, hd), or with grouped-query attention its per-group order (a group's
-// query heads, then its key and value heads) (bf16/fp16 attention is cuDNN's: flash_attention_cuda.cu): the
+// query heads, then its key and value heads) (bf16/fp16 attention is cuDNN's: flash_attention_cuda.cpp): the
 // CPU op's algorithm, step for step, so that it is compared tightly with it. Products are cuBLAS strided-batched GEMMs
 // over the query groups of one batch element, one call per head index within a group (without GQA one call over
 // every head: the head stride of q/k/v is 3*hd, the row stride 3*c; pedantic fp32, never TF32); a group's key and
@@ -261,7 +261,18 @@ absl::Status Softmax(float* probs, const AttentionShape& s, const DropoutArgs& d
   return absl::OkStatus();
 }
 
+__global__ void SetFlashRngKernel(int64_t* rng, int64_t seed, int64_t offset) {
+  rng[0] = seed;
+  rng[1] = offset;
+}
+
 }  // namespace
+
+// ---- bf16 / fp16: cuDNN's dropout seed and offset (flash_attention_cuda.cpp) ----------------------
+
+void attention_detail::LaunchSetFlashRng(int64_t* rng, int64_t seed, int64_t offset, cudaStream_t stream) {
+  SetFlashRngKernel<<<1, 1, 0, stream>>>(rng, seed, offset);
+}
 
 // ---- fp32 ------------------------------------------------------------------------------------------
 

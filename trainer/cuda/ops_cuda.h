@@ -206,7 +206,7 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
                                const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams,
                                float* scratch, const CudaContext& ctx);
 int64_t AttentionBackwardScratch(const AttentionShape& s);
-// ---- flash_attention_cuda.cu -------------------------------------------------------------------
+// ---- flash_attention_cuda.cpp ------------------------------------------------------------------
 // bf16 / fp16 (T = __nv_bfloat16 or __half): cuDNN's fused flash attention (graph API through
 // cudnn-frontend), never a t x t matrix in memory. stats(b, nh, t): fp32 softmax statistics kept
 // for backward. Attention dropout, when p > 0, is cuDNN's own (Philox keyed by seed and offset):

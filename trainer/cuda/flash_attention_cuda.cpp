@@ -5,6 +5,8 @@
 // cudnn-frontend graph API; Q, K, V, O, dO, dQ, dK, dV are strided
 // views into qkv / out / dqkv (no copies), stats(b, nh, t) the fp32 log-sum-exp cuDNN keeps for backward. Graphs are
 // built once per shape (and dropout probability, direction, determinism) per cuDNN handle and cached.
+// Host code (the one kernel, the dropout seed's, is attention_cuda.cu's): the C++ compiler builds it once,
+// where nvcc parsed cudnn-frontend's headers again for each architecture (twice the CPU time).
 #include <cudnn.h>
 #include <fmt/core.h>
 
@@ -72,11 +74,6 @@ struct CudnnState {
 CudnnState& State() {
   static auto* s = new CudnnState;  // never destroyed: no static-destruction order with CUDA's
   return *s;
-}
-
-__global__ void SetRngKernel(int64_t* rng, int64_t seed, int64_t offset) {
-  rng[0] = seed;
-  rng[1] = offset;
 }
 
 std::string FeMessage(fe::error_t e) { return e.get_message(); }
@@ -258,7 +255,7 @@ absl::Status RngPointer(const CudaContext& ctx, uint64_t seed, uint64_t offset, 
     *rng = buf;
   }
   // Written in stream order: a graph launched before reads the previous values, one after these.
-  SetRngKernel<<<1, 1, 0, ctx.stream>>>(*rng, static_cast<int64_t>(seed), static_cast<int64_t>(offset));
+  attention_detail::LaunchSetFlashRng(*rng, static_cast<int64_t>(seed), static_cast<int64_t>(offset), ctx.stream);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where);
   return absl::OkStatus();
 }

@@ -1,7 +1,7 @@
 // The Llama line's CUDA ops (RMSNorm, with the residual add fused in, RoPE, SwiGLU) against their CPU ops
 // (trainer/cpu/), for fp32, bf16 and fp16 on random inputs of awkward sizes (channels not a multiple of 8, one row,
 // query groups, partial rotary), and the RMSNorm weight gradient's determinism. gpu-labelled (part of ops_cuda_test):
-// skipped (exit 77) without a device. Tolerances as ops_cuda_test.cu states them.
+// skipped (exit 77) without a device. Tolerances as ops_cuda_test.cpp states them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -11,7 +11,7 @@
 // to T once, must be within one unit in the last place of T of it (2^-7 relative for bf16, 2^-10
 // for fp16) on top of the fp32 tolerance; what stays fp32 (LayerNorm statistics, weight
 // gradients, losses) keeps the fp32 tolerance. The LayerNorm kernels with hidden dropout fused in
-// are checked against the dropout pass and the plain kernels in ops_cuda_fused_test.cu (the same
+// are checked against the dropout pass and the plain kernels in ops_cuda_fused_test.cpp (the same
 // binary).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
