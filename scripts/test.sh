@@ -47,6 +47,28 @@ bash scripts/build.sh build
 phase "ctest"
 (cd build && ctest --output-on-failure -j "$JOBS" --timeout 900)
 
+# The sanitizer builds' tests: TREE/tests/T for each T, $JOBS at a time as ctest runs the tests, each
+# one's output in TREE/logs/T.log, printed when it fails; fails when any of them fails (xargs). The
+# sanitizer's options come from the environment.
+sanitized_run() {
+  local tree=$1 t=$2 filter=()
+  [[ $t == bpe_test ]] && filter=(--gtest_filter=-Bpe.LongPiecesAreNotQuadratic)  # 1 MB pieces: slow under ASan
+  if "$tree/tests/$t" "${filter[@]}" >"$tree/logs/$t.log" 2>&1; then
+    echo "$tree: $t passed" >&2
+  else
+    cat "$tree/logs/$t.log" >&2
+    echo "$tree: $t FAILED ($tree/logs/$t.log)" >&2
+    return 1
+  fi
+}
+export -f sanitized_run
+run_sanitized() {  # TREE TEST...
+  local tree=$1
+  shift
+  mkdir -p "$tree/logs"
+  printf '%s\n' "$@" | xargs -P "$JOBS" -I{} bash -c 'sanitized_run "$1" "$2"' _ "$tree" {}
+}
+
 phase "ASan + UBSan build and tests"
 # Reader robustness under AddressSanitizer/UBSan: only the targets that matter, to keep CI short.
 # The sanitizer builds carry line tables only (-g1): a report's frames keep their file and line.
@@ -56,22 +78,8 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_
 ASAN_TESTS=(bpe_test gpt_dataset_test indexed_dataset_error_test indexed_dataset_test utf8_test json_writer_test ops_test
   gpt_model_golden_test op_math_test train_step_test grad_buckets_test safetensors_test)  # the longest first
 cmake --build build-asan -j "$JOBS" --target "${ASAN_TESTS[@]}"
-asan_run() {  # one test, its output in build-asan/logs/T.log, printed when it fails
-  local t=$1 filter=()
-  [[ $t == bpe_test ]] && filter=(--gtest_filter=-Bpe.LongPiecesAreNotQuadratic)  # 1 MB pieces: slow under ASan
-  if ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    "build-asan/tests/$t" "${filter[@]}" >"build-asan/logs/$t.log" 2>&1; then
-    echo "asan: $t passed" >&2
-  else
-    cat "build-asan/logs/$t.log" >&2
-    echo "asan: $t FAILED (build-asan/logs/$t.log)" >&2
-    return 1
-  fi
-}
-export -f asan_run
-mkdir -p build-asan/logs
-# $JOBS at a time, as ctest runs the tests; xargs exits non-zero when any of them fails.
-printf '%s\n' "${ASAN_TESTS[@]}" | xargs -P "$JOBS" -I{} bash -c 'asan_run "$1"' _ {}
+export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+run_sanitized build-asan "${ASAN_TESTS[@]}"
 
 phase "TSan build and tests"
 # Data races in the threaded index build (drawing thread + ring), the two-thread index
@@ -83,20 +91,8 @@ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_
 # hand-offs are marked for TSan in the code (common/happens_before.h).
 TSAN_TESTS=(gpt_dataset_test tokenize_golden_test indexed_dataset_test)  # the longest first
 cmake --build build-tsan -j "$JOBS" --target "${TSAN_TESTS[@]}" ptk-tokenize
-tsan_run() {  # one test, its output in build-tsan/logs/T.log, printed when it fails
-  local t=$1
-  if TSAN_OPTIONS=halt_on_error=1 "build-tsan/tests/$t" >"build-tsan/logs/$t.log" 2>&1; then
-    echo "tsan: $t passed" >&2
-  else
-    cat "build-tsan/logs/$t.log" >&2
-    echo "tsan: $t FAILED (build-tsan/logs/$t.log)" >&2
-    return 1
-  fi
-}
-export -f tsan_run
-mkdir -p build-tsan/logs
-# $JOBS at a time, as the ASan tests.
-printf '%s\n' "${TSAN_TESTS[@]}" | xargs -P "$JOBS" -I{} bash -c 'tsan_run "$1"' _ {}
+export TSAN_OPTIONS=halt_on_error=1
+run_sanitized build-tsan "${TSAN_TESTS[@]}"
 phase ""
 children_cpu
 printf 'test.sh: %s\n' "${PHASES[@]}" "$(printf '%-34s %5d s wall %6d s CPU' total "$SECONDS" "$cpu")" >&2
