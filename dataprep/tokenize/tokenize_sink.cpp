@@ -325,6 +325,33 @@ std::string RerunReason(const std::string& prefix, const std::string& source, do
   return fmt::format("{}: tokenizing again: its .bin/.idx are not the sizes its .ptk-done sidecar records", prefix);
 }
 
+namespace {
+// `staging`'s documents in `order` as the dataset `final_prefix` (its sidecar recording `source`).
+absl::Status WriteInOrder(const std::string& staging, const std::string& final_prefix,
+                          const std::vector<int64_t>& order, const std::string& source) {
+  bool identity = true;
+  for (size_t d = 0; d < order.size() && identity; ++d) identity = order[d] == static_cast<int64_t>(d);
+  if (identity) return MergeDatasets({staging}, final_prefix, /*multimodal=*/false, source).status();
+  PTK_ASSIGN_OR_RETURN(auto in, IndexedDataset::Open(staging));
+  if (in->num_documents() != static_cast<int64_t>(order.size()))
+    return absl::InternalError(
+        fmt::format("{}: {} documents, {} expected", IdxPath(staging), in->num_documents(), order.size()));
+  PTK_ASSIGN_OR_RETURN(auto out, IndexedDatasetBuilder::Create(final_prefix, in->dtype()));
+  std::vector<int32_t> tokens, lengths;
+  for (const int64_t d : order) {
+    const TokenSpan span = in->document(d);
+    tokens.resize(static_cast<size_t>(span.size));
+    for (int64_t i = 0; i < span.size; ++i) tokens[i] = static_cast<int32_t>(span[i]);
+    lengths.clear();
+    for (int64_t s = in->document_index(d); s < in->document_index(d + 1); ++s)
+      lengths.push_back(in->sequence_length(s));
+    PTK_RETURN_IF_ERROR(out->AddDocument(tokens, lengths));
+  }
+  out->SetSource(source);
+  return out->Finalize();
+}
+}  // namespace
+
 DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress)
     : opt_(opt),
       tok_(tok),
@@ -337,7 +364,7 @@ DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok,
                  std::find(opt.inputs.begin(), opt.inputs.end(), "-") == opt.inputs.end()),
       journal_(OutputPrefixFor(opt.output_prefix, opt.json_keys[0]) + ".ptk-resume"),
       source_(OutputSource(opt, tok)),
-      builders_(nparts_),
+      builders_(1),
       tallies_(opt.inputs.size()) {}
 
 DocumentSink::~DocumentSink() {
@@ -346,9 +373,9 @@ DocumentSink::~DocumentSink() {
   if (journal_owned_) (void)RemoveFileIfExists(journal_);
 }
 
-std::string DocumentSink::PartPrefix(int part, size_t key) const {
+std::string DocumentSink::StagingPrefix(size_t key) const {
   const std::string final_prefix = OutputPrefixFor(opt_.output_prefix, opt_.json_keys[key]);
-  return nparts_ == 1 ? final_prefix : fmt::format("{}.ptk-part{}", final_prefix, part);
+  return nparts_ == 1 ? final_prefix : final_prefix + ".ptk-inorder";
 }
 
 absl::StatusOr<ReadPoint> DocumentSink::Open() {
@@ -369,7 +396,7 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
   }
   if (resume) {
     for (size_t k = 0; k < nkeys_; ++k) {
-      auto b = IndexedDatasetBuilder::Resume(PartPrefix(0, k), dtype, resume->builders[k]);
+      auto b = IndexedDatasetBuilder::Resume(StagingPrefix(k), dtype, resume->builders[k]);
       if (!b.ok()) {
         if (IsOutputBusy(b.status())) return b.status();  // another run's: its record is not ours
         log::Warning("cannot resume ({}); starting over", StatusMessage(b.status()));
@@ -381,11 +408,10 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
     }
   }
   if (!resume) {
-    for (int p = 0; p < nparts_; ++p)
-      for (size_t k = 0; k < nkeys_; ++k) {
-        PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(PartPrefix(p, k), dtype));
-        builders_[p].push_back(std::move(b));
-      }
+    for (size_t k = 0; k < nkeys_; ++k) {
+      PTK_ASSIGN_OR_RETURN(auto b, IndexedDatasetBuilder::Create(StagingPrefix(k), dtype));
+      builders_[0].push_back(std::move(b));
+    }
   }
   // The builders hold the outputs' locks: the record is ours from here on.
   journal_owned_ = resumable_;
@@ -417,7 +443,7 @@ absl::Status DocumentSink::ReportBad(const Batch& b, size_t i) {
 // Line i of b, a good record: one document per key. `offsets` walks b's per-key results
 // ([0, nkeys): ids, [nkeys, 2 nkeys): sequence lengths, [2 nkeys, 3 nkeys): documents).
 absl::Status DocumentSink::AddDocument(const Batch& b, size_t i, std::vector<size_t>& offsets) {
-  const int p = nparts_ == 1 ? 0 : static_cast<int>((b.first_global_line + static_cast<int64_t>(i)) % nparts_);
+  if (nparts_ > 1) doc_lines_.push_back(b.first_global_line + static_cast<int64_t>(i));
   bool empty = true;
   for (size_t k = 0; k < nkeys_; ++k) {
     size_t& tok_off = offsets[k];
@@ -428,7 +454,7 @@ absl::Status DocumentSink::AddDocument(const Batch& b, size_t i, std::vector<siz
     for (int32_t s = 0; s < nseq; ++s) ntok += b.seq_lens[k][seq_off + s];
     std::span<const int32_t> t(b.tokens[k].data() + tok_off, static_cast<size_t>(ntok));
     std::span<const int32_t> l(b.seq_lens[k].data() + seq_off, static_cast<size_t>(nseq));
-    PTK_RETURN_IF_ERROR(builders_[p][k]->AddDocument(t, l));
+    PTK_RETURN_IF_ERROR(builders_[0][k]->AddDocument(t, l));
     tok_off += static_cast<size_t>(ntok);
     seq_off += static_cast<size_t>(nseq);
     stats_.tokens += ntok;
@@ -522,14 +548,20 @@ absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
       PTK_RETURN_IF_ERROR(builders_[0][k]->Finalize());
     }
   } else {
+    // Megatron's round-robin partitions: line g goes to partition g mod P, the partitions are
+    // tokenized and concatenated in order. The same order is the documents (in input order) sorted,
+    // stably, by their line's partition: one pass over what was written, whatever P (P builders,
+    // one per partition, cost P files, fsyncs and open descriptors, however few the documents).
+    std::vector<int64_t> order(doc_lines_.size());
+    for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int64_t>(d);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return doc_lines_[a] % nparts_ < doc_lines_[b] % nparts_; });
     for (size_t k = 0; k < nkeys_; ++k) {
-      std::vector<std::string> parts;
-      for (int p = 0; p < nparts_; ++p) {
-        PTK_RETURN_IF_ERROR(builders_[p][k]->Finalize());
-        parts.push_back(PartPrefix(p, k));
-      }
-      PTK_RETURN_IF_ERROR(MergeDatasets(parts, finals[k], /*multimodal=*/false, source).status());
-      for (const auto& part : parts) PTK_RETURN_IF_ERROR(RemoveIndexedDataset(part));
+      PTK_RETURN_IF_ERROR(builders_[0][k]->Finalize());
+      const absl::Status written = WriteInOrder(StagingPrefix(k), finals[k], order, source);
+      const absl::Status removed = RemoveIndexedDataset(StagingPrefix(k));  // success or not: it was ours
+      PTK_RETURN_IF_ERROR(written);
+      PTK_RETURN_IF_ERROR(removed);
     }
   }
   stats_.outputs = finals;

@@ -236,7 +236,9 @@ class DocumentSink {
   absl::StatusOr<TokenizeStats> Finish();
 
  private:
-  std::string PartPrefix(int part, size_t key) const;
+  // Where key's documents are written in input order: the output itself, or with round-robin
+  // partitions a temporary dataset that Finish writes out in partition order.
+  std::string StagingPrefix(size_t key) const;
   absl::Status ReportBad(const Batch& b, size_t i);
   absl::Status AddDocument(const Batch& b, size_t i, std::vector<size_t>& offsets);
   absl::Status WriteResumePoint(const Batch& b);
@@ -251,7 +253,8 @@ class DocumentSink {
   bool journal_owned_ = false;  // the outputs are ours: the record is removed with the sink
   std::string fingerprint_;
   const std::string source_;  // OutputSource, recorded in the outputs' sidecars
-  std::vector<std::vector<std::unique_ptr<IndexedDatasetBuilder>>> builders_;  // [part][key]
+  std::vector<std::vector<std::unique_ptr<IndexedDatasetBuilder>>> builders_;  // [0][key]
+  std::vector<int64_t> doc_lines_;  // with round-robin partitions: each document's global line
   TokenizeStats stats_;
   std::vector<FileTally> tallies_;
   int warnings_ = 0;
