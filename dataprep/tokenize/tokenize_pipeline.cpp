@@ -75,12 +75,12 @@ std::optional<TokenizeStats> UpToDateOutputs(const TokenizeOptions& opt, const G
   for (size_t k = 0; k < opt.json_keys.size() && done.up_to_date; ++k) {
     const std::string prefix = OutputPrefixFor(opt.output_prefix, opt.json_keys[k]);
     int64_t documents = 0, tokens = 0;
-    done.up_to_date = OutputUpToDate(prefix, source, opt.max_bad_fraction, &documents, &tokens);
+    done.up_to_date = OutputUpToDate(prefix, source, opt, &documents, &tokens);
     done.documents = documents;
     done.tokens += tokens;
     done.outputs.push_back(prefix);
     if (!done.up_to_date)  // one line saying why, for the first output that is not
-      if (const std::string why = RerunReason(prefix, source, opt.max_bad_fraction); !why.empty()) log::Info("{}", why);
+      if (const std::string why = RerunReason(prefix, source, opt); !why.empty()) log::Info("{}", why);
   }
   if (!done.up_to_date) return std::nullopt;
   // A writer killed after the outputs were complete (a second run that took the lock just before

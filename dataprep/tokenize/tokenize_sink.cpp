@@ -104,7 +104,10 @@ struct ResumeState {
 // - the inputs: each by name, size and modification time (make's and rsync's quick check; an
 //   input rewritten in place with its size and time kept is not seen: --force tokenizes again);
 // - the settings that change the ids or the outputs: the keys, --append-eod, <|endoftext|>
-//   handling, --strict (and, for a published output, the partition order and --max-bad-fraction);
+//   handling (and, for a published output, the partition order). Not --strict: it changes no byte
+//   of an output (a --strict run fails where the other would skip or repair, and else writes the
+//   same bytes); a published output records whether it is clean (nothing skipped or repaired), and
+//   a resumed run's counters say whether the part already written is.
 // - the tokenizer: the content of vocab.json and of merges.txt (Gpt2Tokenizer's XXH3-128 of each),
 //   so a changed tokenizer is never missed, whatever its files' sizes and times.
 // XXH3-128, not SHA-256: a content check, not a security one, and OpenSSL's first use costs
@@ -121,11 +124,11 @@ std::string InputsText(const TokenizeOptions& opt) {
 std::string SettingsText(const TokenizeOptions& opt) {
   std::string s;
   for (const auto& k : opt.json_keys) s += "key " + k + "\n";
-  s += fmt::format("append_eod {} endoftext_as_text {} strict {}\n", opt.append_eod, opt.endoftext_as_text, opt.strict);
+  s += fmt::format("append_eod {} endoftext_as_text {}\n", opt.append_eod, opt.endoftext_as_text);
   return s;
 }
 std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
-  return Xxh3Hex(fmt::format("ptk-tokenize resume v2\n{}{}vocab {}\nmerges {}\n", InputsText(opt), SettingsText(opt),
+  return Xxh3Hex(fmt::format("ptk-tokenize resume v3\n{}{}vocab {}\nmerges {}\n", InputsText(opt), SettingsText(opt),
                              tok.vocab_hash(), tok.merges_hash()));
 }
 
@@ -235,7 +238,7 @@ absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
 }  // namespace
 
 namespace {
-constexpr std::string_view kSourceTag = "ptk-tokenize v3";
+constexpr std::string_view kSourceTag = "ptk-tokenize v4";
 // The parts of an OutputSource, by name ("inputs" -> hash), or empty when `source` is not one.
 std::map<std::string, std::string> SourceParts(std::string_view source) {
   std::map<std::string, std::string> parts;
@@ -261,36 +264,43 @@ std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
 }
 
 namespace {
-// The bad-record count of a recorded source ("... bad:B/N"), when it is `source` with one.
-std::optional<std::pair<int64_t, int64_t>> RecordedBad(std::string_view recorded, std::string_view source) {
+struct Outcome {
+  int64_t bad = 0, records = 0;
+  bool clean = false;  // nothing skipped (blank lines included), nothing replaced: what --strict needs
+};
+// The outcome of a recorded source ("... bad:B/N clean:C"), when it is `source` with one.
+std::optional<Outcome> RecordedOutcome(std::string_view recorded, std::string_view source) {
   if (source.empty() || !recorded.starts_with(source) || !recorded.substr(source.size()).starts_with(" bad:"))
     return std::nullopt;
   const std::string_view tail = recorded.substr(source.size() + 5);
-  int64_t bad = -1, records = -1;
+  Outcome o{-1, -1, false};
   const char* end = tail.data() + tail.size();
-  auto [slash, e1] = std::from_chars(tail.data(), end, bad);
+  auto [slash, e1] = std::from_chars(tail.data(), end, o.bad);
   if (e1 != std::errc() || slash == end || *slash != '/') return std::nullopt;
-  auto [last, e2] = std::from_chars(slash + 1, end, records);
-  if (e2 != std::errc() || last != end || bad < 0 || records < bad) return std::nullopt;
-  return std::pair{bad, records};
+  auto [last, e2] = std::from_chars(slash + 1, end, o.records);
+  if (e2 != std::errc() || o.bad < 0 || o.records < o.bad) return std::nullopt;
+  const std::string_view clean(last, static_cast<size_t>(end - last));
+  if (clean != " clean:0" && clean != " clean:1") return std::nullopt;
+  o.clean = clean == " clean:1";
+  return o;
 }
 }  // namespace
 
-std::string SourceWithOutcome(const std::string& source, int64_t bad, int64_t records) {
-  return source.empty() ? "" : fmt::format("{} bad:{}/{}", source, bad, records);
+std::string SourceWithOutcome(const std::string& source, int64_t bad, int64_t records, bool clean) {
+  return source.empty() ? "" : fmt::format("{} bad:{}/{} clean:{:d}", source, bad, records, clean);
 }
 
-bool OutputUpToDate(const std::string& prefix, const std::string& source, double max_bad_fraction, int64_t* documents,
-                    int64_t* tokens) {
+bool OutputUpToDate(const std::string& prefix, const std::string& source, const TokenizeOptions& opt,
+                    int64_t* documents, int64_t* tokens) {
   if (PathExists(prefix + ".ptk-resume")) return false;
   const std::optional<std::string> recorded = RecordedSource(prefix);
   if (!recorded) return false;
-  const auto bad = RecordedBad(*recorded, source);
-  return bad && !TooManyBad(bad->first, bad->second, max_bad_fraction) &&
+  const auto o = RecordedOutcome(*recorded, source);
+  return o && !TooManyBad(o->bad, o->records, opt.max_bad_fraction) && (o->clean || !opt.strict) &&
          DatasetMadeFrom(prefix, *recorded, documents, tokens);
 }
 
-std::string RerunReason(const std::string& prefix, const std::string& source, double max_bad_fraction) {
+std::string RerunReason(const std::string& prefix, const std::string& source, const TokenizeOptions& opt) {
   if (PathExists(prefix + ".ptk-resume")) return "";  // a killed run's: Open says whether it resumes
   const bool outputs = PathExists(BinPath(prefix)) || PathExists(IdxPath(prefix));
   const std::optional<std::string> recorded = RecordedSource(prefix);
@@ -301,7 +311,7 @@ std::string RerunReason(const std::string& prefix, const std::string& source, do
   if (source.empty())
     return fmt::format("{}: tokenizing again: the input is standard input, which a rerun cannot compare", prefix);
   std::map<std::string, std::string> was = SourceParts(*recorded);
-  const bool has_outcome = was.erase("bad") == 1;
+  const bool has_outcome = was.erase("bad") == 1 && was.erase("clean") == 1;
   const auto now = SourceParts(source);
   if (!has_outcome || was.size() != now.size() || was.empty())
     return fmt::format("{}: tokenizing again: its .ptk-done sidecar is from another ptk version or tool", prefix);
@@ -319,9 +329,14 @@ std::string RerunReason(const std::string& prefix, const std::string& source, do
       changed += fmt::format("{}{}", changed.empty() ? "" : "; ", what);
   }
   if (!changed.empty()) return fmt::format("{}: tokenizing again: changed since it was made: {}", prefix, changed);
-  if (const auto bad = RecordedBad(*recorded, source); bad && TooManyBad(bad->first, bad->second, max_bad_fraction))
+  const auto o = RecordedOutcome(*recorded, source);
+  if (o && TooManyBad(o->bad, o->records, opt.max_bad_fraction))
     return fmt::format("{}: tokenizing again: {} of its {} records could not be read, more than --max-bad-fraction {}",
-                       prefix, bad->first, bad->second, max_bad_fraction);
+                       prefix, o->bad, o->records, opt.max_bad_fraction);
+  if (o && opt.strict && !o->clean)
+    return fmt::format(
+        "{}: tokenizing again: --strict, and lines were skipped or characters replaced when it was made without it",
+        prefix);
   return fmt::format("{}: tokenizing again: its .bin/.idx are not the sizes its .ptk-done sidecar records", prefix);
 }
 
@@ -385,13 +400,17 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
     fingerprint_ = ResumeFingerprint(opt_, tok_);
     if (PathExists(journal_)) {
       auto r = ParseResume(journal_);
+      const bool clean = r.ok() && r->stats.skipped == 0 && r->stats.invalid_utf8 == 0 && r->stats.lone_surrogates == 0;
       if (r.ok() && r->fingerprint == fingerprint_ && r->builders.size() == nkeys_ &&
           r->tallies.size() == opt_.inputs.size() && r->next.file >= 0 &&
-          r->next.file <= static_cast<int64_t>(opt_.inputs.size()))
+          r->next.file <= static_cast<int64_t>(opt_.inputs.size()) && (clean || !opt_.strict))
         resume = std::move(*r);
       else
         log::Warning("{}: {}; starting over", journal_,
-                     r.ok() ? "left by a run with other inputs or settings" : StatusMessage(r.status()));
+                     !r.ok() ? StatusMessage(r.status())
+                     : clean || r->fingerprint != fingerprint_
+                         ? "left by a run with other inputs or settings"
+                         : "--strict, and the killed run without it skipped lines or replaced characters");
     }
   }
   if (resume) {
@@ -539,7 +558,8 @@ absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
     bad += t.bad;
     records += t.documents + t.bad;
   }
-  const std::string source = SourceWithOutcome(source_, bad, records);
+  const bool clean = stats_.skipped == 0 && stats_.invalid_utf8 == 0 && stats_.lone_surrogates == 0;
+  const std::string source = SourceWithOutcome(source_, bad, records, clean);
   std::vector<std::string> finals;
   for (size_t k = 0; k < nkeys_; ++k) finals.push_back(OutputPrefixFor(opt_.output_prefix, opt_.json_keys[k]));
   if (nparts_ == 1) {

@@ -197,27 +197,31 @@ struct FileTally {
 // bad-record reports and, every --resume-interval, a resume point; at the end the checks that the
 // inputs were read and the outputs published. The resume record is removed with the sink (only a
 // killed run leaves one); unfinished builders remove their temporaries.
-// What a run's outputs are made from, in four named parts: "ptk-tokenize v3 inputs:H settings:H
+// What a run's outputs are made from, in four named parts: "ptk-tokenize v4 inputs:H settings:H
 // vocab:H merges:H", H an XXH3-128: the inputs (names, sizes, mtimes), the keys and the settings
-// that change the bytes (EOD, <|endoftext|> handling, the partition order, --strict), and the
+// that change the bytes (EOD, <|endoftext|> handling, the partition order; not --strict), and the
 // content of the vocab and merges files. "" when an input is stdin: a rerun cannot be compared with it.
 std::string OutputSource(const TokenizeOptions& opt, const Gpt2Tokenizer& tok);
 
 // What every output's sidecar records as its source ("source" in PREFIX.ptk-done): OutputSource
-// and " bad:B/N", B of the N non-blank records that could not be read ("" for a source "").
-// --max-bad-fraction does not change the bytes: a rerun checks B/N against its own.
-std::string SourceWithOutcome(const std::string& source, int64_t bad, int64_t records);
+// and " bad:B/N clean:C", B of the N non-blank records that could not be read, C 1 when no line
+// was skipped (blank ones included) and no character replaced ("" for a source "").
+// --max-bad-fraction and --strict do not change the bytes: a rerun checks B/N against its own
+// --max-bad-fraction, and under --strict that the output is clean (a --strict run over the same
+// inputs would have written it).
+std::string SourceWithOutcome(const std::string& source, int64_t bad, int64_t records, bool clean);
 
 // Why PREFIX, which is not up to date with `source`, is made again, as one line naming PREFIX and
 // what changed (the vocabulary's content, the merges', the inputs, the settings; more bad records
 // than `max_bad_fraction` allows), or "" when there is nothing to redo (no output yet, or a killed
 // run's resume record, which Open reports on).
-std::string RerunReason(const std::string& prefix, const std::string& source, double max_bad_fraction);
+std::string RerunReason(const std::string& prefix, const std::string& source, const TokenizeOptions& opt);
 
-// PREFIX was made from `source` with no more bad records than `max_bad_fraction` allows, and is
-// whole (DatasetMadeFrom), and no resume is pending. Sets *documents and *tokens.
-bool OutputUpToDate(const std::string& prefix, const std::string& source, double max_bad_fraction, int64_t* documents,
-                    int64_t* tokens);
+// PREFIX was made from `source` with no more bad records than opt.max_bad_fraction allows (and,
+// under opt.strict, clean), and is whole (DatasetMadeFrom), and no resume is pending. Sets
+// *documents and *tokens.
+bool OutputUpToDate(const std::string& prefix, const std::string& source, const TokenizeOptions& opt,
+                    int64_t* documents, int64_t* tokens);
 
 class DocumentSink {
  public:

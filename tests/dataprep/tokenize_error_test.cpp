@@ -562,6 +562,55 @@ TEST(TokenizeErrors, AnotherMaxBadFractionTheOutputMeetsIsUpToDate) {
   EXPECT_EQ(Docs(doc).size(), 3u);
 }
 
+// --strict changes no byte of an output: a run over clean inputs writes the same with or without
+// it, so toggling it between runs leaves a published output as it is. An output made without it
+// that skipped a line (a blank one too) or replaced a character is not what --strict would make:
+// a --strict rerun tokenizes again and fails as a first run would, the output left as it was.
+TEST(TokenizeErrors, StrictChangesNoByteSoTogglingItRedoesNothing) {
+  TempDir dir;
+  testing::WriteFile(dir / "clean.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"}\n");
+  testing::WriteFile(dir / "blank.jsonl", "{\"text\": \"a\"}\n\n{\"text\": \"b\"}\n");
+  auto stamps = [](const std::string& doc) {
+    std::string s;
+    for (const char* ext : {".bin", ".idx", ".ptk-done"}) {
+      struct stat st {};
+      EXPECT_EQ(::stat((doc + ext).c_str(), &st), 0) << doc << ext;
+      s += fmt::format("{}:{}.{} ", st.st_ino, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+    }
+    return s;
+  };
+  for (const char* first : {"", "--strict"}) {
+    SCOPED_TRACE(first);
+    const std::string out = dir / (std::string("clean") + first), doc = out + "_text_document";
+    auto run = [&](const std::string& extra) {
+      return RunCmd(Tok(fmt::format("--input {} --output-prefix {} {}", dir / "clean.jsonl", out, extra)));
+    };
+    ASSERT_EQ(run(first).exit_code, 0);
+    const std::string before = stamps(doc);
+    for (const char* extra : {"--strict", "", "--strict"}) {
+      auto r = run(extra);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find(doc + ": up to date, not rewritten"), std::string::npos) << extra << r.output;
+      EXPECT_EQ(stamps(doc), before) << extra;
+    }
+  }
+  const std::string out = dir / "blank", doc = out + "_text_document";
+  auto run = [&](const std::string& extra) {
+    return RunCmd(Tok(fmt::format("--input {} --output-prefix {} {}", dir / "blank.jsonl", out, extra)));
+  };
+  ASSERT_EQ(run("").exit_code, 0);
+  const std::string before = stamps(doc);
+  auto strict = run("--strict");
+  EXPECT_EQ(strict.exit_code, 1) << strict.output;
+  EXPECT_NE(strict.output.find(doc + ": tokenizing again: --strict, and lines were skipped"), std::string::npos)
+      << strict.output;
+  EXPECT_NE(strict.output.find(dir / "blank.jsonl:2: bad record"), std::string::npos) << strict.output;
+  EXPECT_EQ(stamps(doc), before);
+  auto again = run("");
+  EXPECT_NE(again.output.find(doc + ": up to date, not rewritten"), std::string::npos) << again.output;
+  EXPECT_EQ(stamps(doc), before);
+}
+
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::TempDir dir;
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
