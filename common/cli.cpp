@@ -88,7 +88,18 @@ absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string,
   return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, best));
 }
 
-// `given` counts each long flag's occurrences (before a "--").
+// The option of `app` itself (not of its subcommands) with this long name ("--plan"), or null.
+const CLI::Option* OwnOption(const CLI::App& app, const std::string& name) {
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->check_lname(name.substr(2))) return opt;
+  return nullptr;
+}
+
+// `given` counts each long flag's occurrences (before a "--") per (sub)command: the key is the
+// subcommand's name, a space and the flag ("run --plan"), or the flag alone for the tool itself.
+// A subcommand's name starts its context (unless it is the value a flag waits for); in a context a
+// name or prefix is first looked for among that (sub)command's own flags, so that `ptk-concat run
+// --chunk 5` is run's --chunk-index, not also the tool's --chunks.
 absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv,
                                                        std::map<std::string, int>* given) {
   std::map<std::string, bool> names;
@@ -96,8 +107,25 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
   CollectLongNames(app, &names, &shorts);
   std::vector<std::string> out;
   bool options_done = false;
+  const CLI::App* context = &app;
+  std::string context_key;     // "" for the tool, "NAME " for a subcommand
+  bool value_pending = false;  // the previous argument was a flag that takes exactly one value
+  auto count = [&](const std::string& flag) {
+    ++(*given)[context_key + flag];
+    const CLI::Option* opt = OwnOption(*context, flag);
+    value_pending = opt != nullptr && opt->get_type_size() != 0 && opt->get_expected_max() == 1;
+  };
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
+    if (i > 0 && !options_done && !value_pending && !arg.empty() && arg[0] != '-')
+      for (const CLI::App* sub : context->get_subcommands([](const CLI::App*) { return true; }))
+        if (sub->check_name(arg)) {
+          context = sub;
+          context_key += sub->get_name() + " ";
+          break;
+        }
+    if (i > 0 && !(arg.size() >= 2 && arg[0] == '-' && !std::isdigit(static_cast<unsigned char>(arg[1]))))
+      value_pending = false;
     // -x... where -x is no short flag: a long flag with one dash (not a negative number, not "-").
     if (i > 0 && !options_done && arg.size() >= 2 && arg[0] == '-' &&
         std::isalpha(static_cast<unsigned char>(arg[1])) && !shorts.count(arg.substr(0, 2)))
@@ -111,8 +139,20 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     const std::string name = arg.substr(0, eq);
     const std::string rest = eq == std::string::npos ? "" : arg.substr(eq);
     if (names.count(name)) {
-      ++(*given)[name];
+      count(name);
+      if (eq != std::string::npos) value_pending = false;
       out.push_back(std::move(arg));
+      continue;
+    }
+    std::vector<std::string> own;  // this (sub)command's flags that `name` starts
+    for (const CLI::Option* opt : context->get_options())
+      for (const std::string& n : opt->get_lnames())
+        if (opt->get_group() != kUnsupportedGroup && ("--" + n).compare(0, name.size(), name) == 0)
+          own.push_back("--" + n);
+    if (own.size() == 1) {
+      count(own[0]);
+      if (eq != std::string::npos) value_pending = false;
+      out.push_back(own[0] + rest);
       continue;
     }
     std::vector<std::string> matches, supported;
@@ -122,7 +162,8 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     }
     if (matches.size() > 1 && supported.size() == 1) matches = supported;
     if (matches.size() == 1) {
-      ++(*given)[matches[0]];
+      count(matches[0]);
+      if (eq != std::string::npos) value_pending = false;
       out.push_back(matches[0] + rest);
       continue;
     }
@@ -246,12 +287,16 @@ void LastOccurrenceCounts(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) LastOccurrenceCounts(*sub);
 }
 
-bool IsRepeatable(const CLI::App& app, const std::string& name) {
-  for (const CLI::Option* opt : app.get_options())
-    if (opt->check_lname(name.substr(2))) return opt->get_multi_option_policy() == CLI::MultiOptionPolicy::TakeAll;
-  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
-    if (IsRepeatable(*sub, name)) return true;
-  return false;
+// `key` as ArgparseForms counts: "--flag" for the tool's own, "SUB --flag" for a subcommand's.
+bool IsRepeatable(const CLI::App& app, const std::string& key) {
+  const size_t space = key.find(' ');
+  if (space != std::string::npos) {
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+      if (sub->check_name(key.substr(0, space))) return IsRepeatable(*sub, key.substr(space + 1));
+    return false;
+  }
+  const CLI::Option* opt = OwnOption(app, key);
+  return opt != nullptr && opt->get_multi_option_policy() == CLI::MultiOptionPolicy::TakeAll;
 }
 
 }  // namespace

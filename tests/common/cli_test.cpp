@@ -80,6 +80,71 @@ TEST(CliParse, ARepeatableFlagAddsUpWithoutAWarning) {
   EXPECT_EQ(err, "");
 }
 
+// A tool with subcommands, as ptk-concat: the tool and `run` both have --plan and --jobs, `list`
+// has a repeatable --with and `run` a --with taking one value; the tool has --chunks, `run`
+// --chunk-index. A flag is counted per (sub)command: the tool's --plan and run's are two flags.
+struct SubFlags {
+  std::string top_plan, run_plan, run_with;
+  int top_jobs = 1, run_jobs = 1, chunks = 0, chunk_index = -1;
+  std::vector<std::string> list_with;
+};
+std::unique_ptr<CLI::App> MakeSubcommandApp(SubFlags& f) {
+  auto app = cli::MakeApp("ptk-x", "test");
+  app->add_option("--plan", f.top_plan, "plan");
+  app->add_option("--jobs", f.top_jobs, "jobs");
+  app->add_option("--chunks", f.chunks, "chunks");
+  auto* run = app->add_subcommand("run", "run");
+  run->add_option("--plan", f.run_plan, "plan");
+  run->add_option("--jobs", f.run_jobs, "jobs");
+  run->add_option("--chunk-index", f.chunk_index, "chunk");
+  run->add_option("--with", f.run_with, "one value");
+  auto* list = app->add_subcommand("list", "list");
+  cli::Repeatable(list->add_option("--with", f.list_with, "repeatable"));
+  return app;
+}
+
+TEST(CliParse, AFlagIsCountedPerSubcommand) {
+  {  // the tool's --plan and --jobs, then run's: once each, no warning
+    SubFlags f;
+    auto app = MakeSubcommandApp(f);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ParseArgs(*app, {"--plan", "a", "--jobs", "2", "run", "--plan", "b", "--jobs=3"}), std::nullopt);
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(err, "");
+    EXPECT_EQ(f.top_plan, "a");
+    EXPECT_EQ(f.run_plan, "b");
+    EXPECT_EQ(f.run_jobs, 3);
+  }
+  {  // run's --with (one value) given twice is named with its subcommand; list's adds up
+    SubFlags f;
+    auto app = MakeSubcommandApp(f);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ParseArgs(*app, {"run", "--with", "x", "--with", "y"}), std::nullopt);
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find("run --with given 2 times: only the last counts"), std::string::npos) << err;
+    EXPECT_EQ(f.run_with, "y");
+  }
+  {
+    SubFlags f;
+    auto app = MakeSubcommandApp(f);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ParseArgs(*app, {"list", "--with", "x", "--with", "y"}), std::nullopt);
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+    EXPECT_EQ(f.list_with, (std::vector<std::string>{"x", "y"}));
+  }
+  {  // a value that is a subcommand's name is a value; a prefix is run's own flag (not also --chunks)
+    SubFlags f;
+    auto app = MakeSubcommandApp(f);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ParseArgs(*app, {"--plan", "list", "run", "--chunk", "5", "--plan", "p"}), std::nullopt);
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(err, "");
+    EXPECT_EQ(f.top_plan, "list");
+    EXPECT_EQ(f.chunk_index, 5);
+    EXPECT_EQ(f.run_plan, "p");
+  }
+}
+
 TEST(CliParse, AnEarlierBadValueIsStillAUsageError) {
   Flags f;
   auto app = MakeTestApp(f);
