@@ -158,6 +158,35 @@ absl::Status InspectDataset(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok
   return absl::OkStatus();
 }
 
+// Flags that would be ignored in this combination: a usage error naming them (--stats beside --doc,
+// --verify beside --sample, --seq-length without --sample printed or checked nothing, exit 0).
+absl::Status CheckCombination(const CLI::App& app, const InspectFlags& f) {
+  auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
+  if (f.sample_given) {
+    for (const char* name : {"--doc", "--stats", "--verify"})
+      if (given(name))
+        return ptk::UsageError(fmt::format(
+            "{} inspects the dataset PREFIX; --sample prints a sample of Megatron's datasets: run them separately",
+            name));
+    if (!f.prefix.empty())
+      for (const char* name : {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"})
+        if (given(name))
+          return ptk::UsageError(
+              fmt::format("--sample reads the datasets of {} and ignores PREFIX {}: give one of them", name, f.prefix));
+  } else {
+    for (const char* name :
+         {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--split", "--seq-length",
+          "--seed", "--sample-split", "--train-samples", "--valid-samples", "--test-samples", "--data-cache-path",
+          "--mid-level-dataset-surplus", "--eod-mask-loss", "--reset-position-ids", "--write-cache"})
+      if (given(name)) return ptk::UsageError(fmt::format("{} goes with --sample I, which is not given", name));
+    if (given("--doc") && given("--stats"))
+      return ptk::UsageError("--stats prints the histogram with the summary, --doc one document: give one of them");
+  }
+  if (given("--format") && !given("--doc") && !f.sample_given)
+    return ptk::UsageError("--format says what --doc or --sample prints; neither is given");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -168,6 +197,7 @@ int main(int argc, char** argv) {
   flags.sample_given = sample_opt->count() > 0;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    PTK_RETURN_IF_ERROR(CheckCombination(*app, flags));
     std::unique_ptr<ptk::Gpt2Tokenizer> tok;  // only when something is decoded
     if (flags.format != "ids" && (flags.doc >= 0 || flags.sample_given)) {
       PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(flags.vocab_file, flags.merge_file));

@@ -297,6 +297,31 @@ TEST(InspectSample, PrintsMegatronsSample) {
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
 }
 
+// A flag that this combination would ignore is a usage error naming it: --stats beside --doc,
+// --verify beside --sample, a --sample flag without --sample printed or checked nothing, exit 0.
+TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
+  const std::string inspect = "cd " + kGolden + " && " + testing::Tool("ptk-inspect") + " ";
+  const std::pair<std::string, std::string> cases[] = {
+      {"gpt_data/tiny --doc 0 --stats", "--stats prints the histogram with the summary, --doc one document"},
+      {"gpt_data/tiny --sample 0 --seq-length 4 --verify", "--verify inspects the dataset PREFIX; --sample prints"},
+      {"gpt_data/tiny --sample 0 --seq-length 4 --stats", "--stats inspects the dataset PREFIX"},
+      {"gpt_data/tiny --seq-length 4", "--seq-length goes with --sample I, which is not given"},
+      {"gpt_data/tiny --verify --split 1,0,0", "--split goes with --sample I"},
+      {"gpt_data/tiny --format ids", "--format says what --doc or --sample prints; neither is given"},
+      {"gpt_data/tiny --sample 0 --seq-length 4 --data-path gpt_data/tiny",
+       "--sample reads the datasets of --data-path and ignores PREFIX gpt_data/tiny"},
+  };
+  for (const auto& [args, message] : cases) {
+    auto r = testing::RunCmd(inspect + args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find("usage error: " + message), std::string::npos) << args << "\n" << r.output;
+  }
+  for (const char* ok : {"gpt_data/tiny --verify --stats", "gpt_data/tiny --verify --doc 0 --format ids"}) {
+    auto r = testing::RunCmd(inspect + ok);
+    EXPECT_EQ(r.exit_code, 0) << ok << "\n" << r.output;
+  }
+}
+
 TEST(NumpyCompat, ShuffleSumAndRound) {
   auto shuffled = [](uint32_t seed, int n) {
     std::vector<int32_t> a(static_cast<size_t>(n));
