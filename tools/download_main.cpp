@@ -88,7 +88,14 @@ int main(int argc, char** argv) {
         s.ranged_files, s.range_requests, s.already_present, s.failures.size(), s.resolves, s.retries, s.rate_limited,
         s.seconds, s.bytes_downloaded / 1e6 / std::max(s.seconds, 1e-9));
     if (!s.failures.empty()) {
-      for (const auto& f : s.failures) ptk::log::Error("failed: {}: {}", f.path, ptk::StatusMessage(f.error));
+      for (const auto& f : s.failures) {
+        // Most messages name the file first already: not twice.
+        const std::string_view m = ptk::StatusMessage(f.error);
+        if (m.starts_with(f.path + ":"))
+          ptk::log::Error("failed: {}", m);
+        else
+          ptk::log::Error("failed: {}: {}", f.path, m);
+      }
       return absl::UnavailableError(
           fmt::format("{} of {} files failed; rerun to retry them", s.failures.size(), s.files_in_shard));
     }

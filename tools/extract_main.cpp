@@ -85,8 +85,14 @@ int main(int argc, char** argv) {
         s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
     if (s.failed > 0) {
       for (const auto& f : s.files)
-        if (f.state == ptk::ExtractFileResult::State::kFailed)
-          ptk::log::Error("failed: {}: {}", f.input, ptk::StatusMessage(f.error));
+        if (f.state == ptk::ExtractFileResult::State::kFailed) {
+          // Most messages name the file first already: not twice.
+          const std::string_view m = ptk::StatusMessage(f.error);
+          if (m.starts_with(f.input + ":"))
+            ptk::log::Error("failed: {}", m);
+          else
+            ptk::log::Error("failed: {}: {}", f.input, m);
+        }
       const std::string msg = fmt::format("{} of {} files failed", s.failed, s.files.size());
       for (const auto& f : s.files)  // a full disk is exit 3 in every tool
         if (f.state == ptk::ExtractFileResult::State::kFailed && absl::IsResourceExhausted(f.error))

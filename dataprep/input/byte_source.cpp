@@ -16,6 +16,7 @@
 #include <fmt/core.h>
 
 #include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/status.h"
 
 namespace ptk {
@@ -293,6 +294,18 @@ absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& pa
         return absl::InvalidArgumentError(fmt::format(
             "{}: {} data, which ptk does not read (it reads plain text, .zst, .xz and .gz); convert it first", path,
             other));
+      }
+      // Named as compressed, yet none of the three: a damaged or mislabelled file (random bytes
+      // named .zst were "extracted" as they were, exit 0). The content decides the format, but
+      // only among the formats it can be; a plain-text file is renamed, not guessed at.
+      if (const std::string plain = StripCompressionSuffix(path); plain != path && n > 0) {
+        ::close(f);
+        std::string first;
+        for (ssize_t i = 0; i < std::min<ssize_t>(n, 4); ++i) first += fmt::format("{}{:02x}", i ? " " : "", m[i]);
+        return absl::DataLossError(
+            fmt::format("{}: named {} but it is not compressed data (it starts with bytes {}, which are no zstd, xz "
+                        "or gzip header); a damaged file, or plain text to rename {}",
+                        path, path.substr(plain.size()), first, Basename(plain)));
       }
     }
     fd = std::make_unique<FdSource>(path, f, true);

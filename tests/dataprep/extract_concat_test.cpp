@@ -101,6 +101,34 @@ TEST(Extract, DamagedInputsFailAloneWithOffsetAndNoOutput) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// Formats go by content, but only among those the name allows: a .zst that holds gzip is decoded,
+// one that holds random bytes or plain text is an error naming the file and its first bytes (it was
+// copied as it was, exit 0), with no output and no doubled file name in the summary.
+TEST(Extract, ANameSayingCompressedWithoutCompressedContentFails) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string good = Jsonl(50, 7);
+  testing::WriteFile(dir / "in/a_gzip.jsonl.zst", testing::GzipCompress(good));
+  testing::WriteFile(dir / "in/b_random.jsonl.zst", std::string("\x48\x94\x90\x8e\x01\x02\x03\x04", 8));
+  testing::WriteFile(dir / "in/c_plain.jsonl.xz", good);
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("2 of 3 files failed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(dir / "in/b_random.jsonl.zst: named .zst but it is not compressed data (it starts with "
+                                "bytes 48 94 90 8e"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(dir / "in/c_plain.jsonl.xz: named .xz but it is not compressed data"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("failed: " + dir / "in/b_random.jsonl.zst: " + dir / "in/b_random.jsonl.zst"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/a_gzip.jsonl"), good);
+  EXPECT_FALSE(testing::Exists(dir / "out/b_random.jsonl"));
+  EXPECT_FALSE(testing::Exists(dir / "out/c_plain.jsonl"));
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
 TEST(Extract, DropSetShardsAndDeleteInput) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
