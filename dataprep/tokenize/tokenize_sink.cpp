@@ -18,11 +18,11 @@
 #include "common/file_paths.h"
 #include "common/hash.h"
 #include "common/logging.h"
+#include "common/mmap_file.h"
 #include "common/output_lock.h"
 #include "common/py_format.h"
 #include "common/status.h"
 #include "dataprep/tokenize/tokenize_stages.h"
-#include "indexed_dataset/merge.h"
 #include "tokenizer/pretokenizer.h"
 
 namespace ptk::tokenize_detail {
@@ -341,26 +341,31 @@ std::string RerunReason(const std::string& prefix, const std::string& source, co
 }
 
 namespace {
-// `staging`'s documents in `order` as the dataset `final_prefix` (its sidecar recording `source`).
-absl::Status WriteInOrder(const std::string& staging, const std::string& final_prefix,
+// The documents a builder has written (its checkpoint: the flushed temporary .bin, the lengths and
+// document indices) in `order`, as the dataset `final_prefix` (its sidecar recording `source`).
+absl::Status WriteInOrder(const BuilderCheckpoint& in, DType dtype, const std::string& final_prefix,
                           const std::vector<int64_t>& order, const std::string& source) {
-  bool identity = true;
-  for (size_t d = 0; d < order.size() && identity; ++d) identity = order[d] == static_cast<int64_t>(d);
-  if (identity) return MergeDatasets({staging}, final_prefix, /*multimodal=*/false, source).status();
-  PTK_ASSIGN_OR_RETURN(auto in, IndexedDataset::Open(staging));
-  if (in->num_documents() != static_cast<int64_t>(order.size()))
-    return absl::InternalError(
-        fmt::format("{}: {} documents, {} expected", IdxPath(staging), in->num_documents(), order.size()));
-  PTK_ASSIGN_OR_RETURN(auto out, IndexedDatasetBuilder::Create(final_prefix, in->dtype()));
-  std::vector<int32_t> tokens, lengths;
+  const size_t isz = DTypeSize(dtype);
+  std::vector<uint64_t> seq_start(in.lengths.size() + 1, 0);  // token offsets
+  for (size_t s = 0; s < in.lengths.size(); ++s) seq_start[s + 1] = seq_start[s] + static_cast<uint64_t>(in.lengths[s]);
+  if (in.doc_idx.size() != order.size() + 1 || seq_start.back() * isz != in.bin_bytes)
+    return absl::InternalError(fmt::format("{}: {} documents and {} bytes, {} documents expected", in.bin_tmp,
+                                           in.doc_idx.size() - 1, in.bin_bytes, order.size()));
+  std::unique_ptr<MappedFile> bin;
+  if (in.bin_bytes > 0) {
+    PTK_ASSIGN_OR_RETURN(bin, MappedFile::Open(in.bin_tmp, MappedFile::Advice::kRandom));
+    if (bin->size() < in.bin_bytes)
+      return absl::DataLossError(fmt::format("{}: {} bytes, {} written", in.bin_tmp, bin->size(), in.bin_bytes));
+  }
+  PTK_ASSIGN_OR_RETURN(auto out, IndexedDatasetBuilder::Create(final_prefix, dtype));
+  std::vector<int32_t> tokens;
   for (const int64_t d : order) {
-    const TokenSpan span = in->document(d);
-    tokens.resize(static_cast<size_t>(span.size));
-    for (int64_t i = 0; i < span.size; ++i) tokens[i] = static_cast<int32_t>(span[i]);
-    lengths.clear();
-    for (int64_t s = in->document_index(d); s < in->document_index(d + 1); ++s)
-      lengths.push_back(in->sequence_length(s));
-    PTK_RETURN_IF_ERROR(out->AddDocument(tokens, lengths));
+    const int64_t s0 = in.doc_idx[d], s1 = in.doc_idx[d + 1];
+    const uint64_t t0 = seq_start[s0], t1 = seq_start[s1];
+    tokens.resize(t1 - t0);
+    for (uint64_t t = t0; t < t1; ++t)
+      tokens[t - t0] = static_cast<int32_t>(LoadToken(bin->data(), static_cast<int64_t>(t), dtype));
+    PTK_RETURN_IF_ERROR(out->AddDocument(tokens, std::span<const int32_t>(in.lengths.data() + s0, s1 - s0)));
   }
   out->SetSource(source);
   return out->Finalize();
@@ -576,12 +581,12 @@ absl::StatusOr<TokenizeStats> DocumentSink::Finish() {
     for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int64_t>(d);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return doc_lines_[a] % nparts_ < doc_lines_[b] % nparts_; });
+    // The in-order datasets are never published: read back from their temporaries, which go with
+    // their builders (a killed run's are removed by the next, as every writer's).
     for (size_t k = 0; k < nkeys_; ++k) {
-      PTK_RETURN_IF_ERROR(builders_[0][k]->Finalize());
-      const absl::Status written = WriteInOrder(StagingPrefix(k), finals[k], order, source);
-      const absl::Status removed = RemoveIndexedDataset(StagingPrefix(k));  // success or not: it was ours
-      PTK_RETURN_IF_ERROR(written);
-      PTK_RETURN_IF_ERROR(removed);
+      PTK_ASSIGN_OR_RETURN(const BuilderCheckpoint written, builders_[0][k]->Checkpoint());
+      PTK_RETURN_IF_ERROR(WriteInOrder(written, builders_[0][k]->dtype(), finals[k], order, source));
+      builders_[0][k]->Abort();
     }
   }
   stats_.outputs = finals;

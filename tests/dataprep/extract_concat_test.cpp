@@ -634,6 +634,14 @@ TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {
   ok = RunCmd(tok);
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
+  // Round-robin partitions: written in input order to a temporary, then in partition order; neither
+  // is left behind or published half-written.
+  full = RunCmd("ulimit -f 100; " + tok + " --partitions 3 --output-prefix " + dir / "rr");
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_FALSE(testing::Exists(dir / "rr_text_document.bin"));
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().rfind("rr_", 0), std::string::npos) << e.path();
 }
 
 }  // namespace
