@@ -49,6 +49,12 @@ absl::StatusOr<EpochPlan> GetNumEpochs(int64_t seq, int64_t add, int64_t ndocs, 
   p.tpe = tpe;
   int64_t epochs = 1;
   if (num_samples) {
+    // More tokens than int64 counts: no index could hold them (and the product would overflow).
+    if (seq > 0 && *num_samples > (std::numeric_limits<int64_t>::max() - add) / seq)
+      return absl::FailedPreconditionError(
+          fmt::format("{}: {} samples of {} tokens asked of the {} split: more tokens than any index can hold; ask "
+                      "fewer samples",
+                      prefix, *num_samples, seq, split));
     const int64_t requested = *num_samples * seq + add;
     // No samples asked of an empty split (e.g. --eval-iters 0 with a split too small to hold a
     // document) is no error: the split stays empty.
@@ -70,8 +76,14 @@ absl::StatusOr<EpochPlan> GetNumEpochs(int64_t seq, int64_t add, int64_t ndocs, 
           fmt::format("inconsistent epoch arithmetic ({} samples from the final epoch)", from_final));
     separate = from_final < static_cast<int64_t>(0.80 * static_cast<double>(per_epoch));
   }
-  if (ndocs * epochs > std::numeric_limits<int32_t>::max() && ndocs > 0)
-    return absl::ResourceExhaustedError("document index larger than int32");
+  // Megatron's document index is int32 too. Not a full disk (exit 3): a request too large.
+  if (ndocs > 0 && epochs > std::numeric_limits<int32_t>::max() / ndocs)
+    return absl::FailedPreconditionError(
+        fmt::format("{}: the {} split's {} samples need {} epochs of its {} documents, a document index of {:.0f} "
+                    "entries, more than "
+                    "its int32 entries can number (as in Megatron); ask fewer samples",
+                    prefix, split, num_samples.value_or(0), epochs, ndocs,
+                    static_cast<double>(ndocs) * static_cast<double>(epochs)));
   int64_t ns;
   if (drop_last)
     ns = (epochs * tpe - add) / seq;

@@ -322,6 +322,23 @@ TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
   }
 }
 
+// More samples than an int32 document index (Megatron's) or an int64 token count can hold: exit 1
+// naming the dataset, the split and the count (it was exit 3, a full disk, with "document index
+// larger than int32"; the int64 product overflowed).
+TEST(InspectSample, TooManySamplesIsNamedNotADiskFull) {
+  const std::string inspect = "cd " + kGolden + " && " + testing::Tool("ptk-inspect") +
+                              " gpt_data/tiny --sample 0 --split 1,0,0 --seq-length 4 --format ids --train-samples ";
+  auto r = testing::RunCmd(inspect + "100000000000");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("gpt_data/tiny: the train split's 100000000000 samples need "), std::string::npos)
+      << r.output;
+  r = testing::RunCmd(inspect + "9223372036854775807");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("gpt_data/tiny: 9223372036854775807 samples of 4 tokens asked of the train split"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(NumpyCompat, ShuffleSumAndRound) {
   auto shuffled = [](uint32_t seed, int n) {
     std::vector<int32_t> a(static_cast<size_t>(n));
