@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <glob.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -91,7 +92,18 @@ absl::StatusOr<std::vector<std::string>> ExpandGlobs(const std::vector<std::stri
       continue;
     }
     if (pat.find_first_of("*?[") == std::string::npos) {
-      if (!PathExists(pat)) return absl::NotFoundError(fmt::format("{}: no such file", pat));
+      if (struct stat st; ::stat(pat.c_str(), &st) != 0) {
+        const int err = errno;
+        if (err == ELOOP) return absl::NotFoundError(fmt::format("{}: a symbolic link that loops", pat));
+        if (err == ENOENT && ::lstat(pat.c_str(), &st) == 0) {
+          char target[4096];
+          const ssize_t n = ::readlink(pat.c_str(), target, sizeof(target));
+          return absl::NotFoundError(fmt::format("{}: a broken symbolic link (to {})", pat,
+                                                 n > 0 ? std::string(target, static_cast<size_t>(n)) : "?"));
+        }
+        if (err != ENOENT) return ErrnoToStatus(err, fmt::format("stat {}", pat));
+        return absl::NotFoundError(fmt::format("{}: no such file", pat));
+      }
       out.push_back(pat);
       continue;
     }

@@ -202,6 +202,19 @@ TEST(ExpandGlobs, SortsMatchesNaturallyAndReportsMisses) {
   EXPECT_EQ(ExpandGlobs({dir / "missing.jsonl"}).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A named input that is a link loop or a broken link says so (both were "no such file").
+TEST(ExpandGlobs, NamesALinkLoopAndABrokenLink) {
+  TempDir dir;
+  ASSERT_EQ(::symlink("loop2", (dir / "loop1").c_str()), 0);
+  ASSERT_EQ(::symlink("loop1", (dir / "loop2").c_str()), 0);
+  ASSERT_EQ(::symlink("nowhere.jsonl", (dir / "broken.jsonl").c_str()), 0);
+  auto loop = ExpandGlobs({dir / "loop1"});
+  EXPECT_EQ(loop.status().message(), dir / "loop1: a symbolic link that loops");
+  auto broken = ExpandGlobs({dir / "broken.jsonl"});
+  EXPECT_EQ(broken.status().message(), dir / "broken.jsonl: a broken symbolic link (to nowhere.jsonl)");
+  EXPECT_EQ(ExpandGlobs({dir / "missing.jsonl"}).status().message(), dir / "missing.jsonl: no such file");
+}
+
 TEST(FileUtil, PathsAndDirs) {
   EXPECT_EQ(Dirname("/a/b/c"), "/a/b");
   EXPECT_EQ(Dirname("c"), ".");
