@@ -180,6 +180,24 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    // The tool's own flags are the one-process form's: before a subcommand they were ignored
+    // (`ptk-concat --no-fsync run --plan P` fsynced, `--jobs 8 run` built one chunk at a time).
+    for (CLI::App* sub : {plan_cmd, run_cmd, list_cmd}) {
+      if (!sub->parsed()) continue;
+      for (const CLI::Option* opt : app->get_options()) {
+        if (opt->count() == 0 || opt == app->get_help_ptr() || opt == app->get_version_ptr()) continue;
+        const std::string name = opt->get_name(false, true);
+        bool sub_has = false;
+        for (const CLI::Option* o : sub->get_options()) sub_has |= o->get_name(false, true) == name;
+        if (sub_has)
+          return ptk::UsageError(
+              fmt::format("{} before `{}` is the one-process form's flag, which `{}` ignores: "
+                          "give it after `{}`",
+                          name, sub->get_name(), sub->get_name(), sub->get_name()));
+        return ptk::UsageError(fmt::format("{} does not go with `{}`{}", name, sub->get_name(),
+                                           sub == plan_cmd ? "" : " (it reads the plan)"));
+      }
+    }
     if (plan_cmd->parsed()) return PlanAndWrite(plan_req, plan_path).status();
     if (list_cmd->parsed()) return List(list_args);
     if (run_cmd->parsed()) {

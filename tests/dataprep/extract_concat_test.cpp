@@ -455,6 +455,35 @@ TEST(Concat, ChunksAreExactNewlineSafeAndResumable) {
 // by a task started in another directory reads the plan's files and writes its chunks where the
 // plan says. It read `in/...` and wrote `out/...` below the task's directory: an error, or, where a
 // file of the same name and size was there, a chunk of other data, exit 0.
+// The tool's flags belong to its one-process form: before a subcommand they were ignored, exit 0
+// (`--no-fsync run` fsynced, `--jobs 8 run` built one chunk at a time).
+TEST(Concat, TheToolsFlagsBeforeASubcommandAreUsageErrors) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  testing::WriteFile(dir / "in/a.jsonl", Jsonl(10, 1));
+  const std::string concat = testing::Tool("ptk-concat");
+  ASSERT_EQ(
+      RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 1", concat, dir / "in", dir / "c")).exit_code, 0);
+  const std::string plan = dir / "c/concat-plan.json";
+  const std::pair<std::string, std::string> cases[] = {
+      {"--no-fsync run --plan " + plan,
+       "--no-fsync before `run` is the one-process form's flag, which `run` ignores: give it after `run`"},
+      {"--jobs 2 run --plan " + plan, "--jobs before `run`"},
+      {"--input " + dir / "in" + " run --plan " + plan, "--input does not go with `run` (it reads the plan)"},
+      {"--quiet list --plan " + plan, "--quiet does not go with `list`"},
+      {"--plan " + plan + " list --plan " + plan, "--plan before `list`"},
+  };
+  for (const auto& [args, message] : cases) {
+    auto r = RunCmd(concat + " " + args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find("usage error: " + message), std::string::npos) << args << "\n" << r.output;
+  }
+  EXPECT_FALSE(testing::Exists(dir / "c/train_00.jsonl"));
+  auto ok = RunCmd(concat + " run --plan " + plan + " --no-fsync --jobs 2 --quiet");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_TRUE(testing::Exists(dir / "c/train_00.jsonl"));
+}
+
 TEST(Concat, APlanMeansTheSameFilesFromAnyDirectory) {
   TempDir dir;
   std::filesystem::create_directories(dir / "data/in");
