@@ -98,6 +98,10 @@ absl::StatusOr<std::vector<RemoteFile>> ReadUrlList(const std::string& path) {
       return absl::InvalidArgumentError(fmt::format("{}:{}: cannot name the file; add path=NAME", path, line_no));
     out.push_back(std::move(f));
   }
+  // As --include selecting no file of a repo: an empty list is a mistake (a list generated from
+  // nothing), not a download with nothing to do (a shard with no file of the list still is one).
+  if (out.empty())
+    return absl::NotFoundError(fmt::format("{}: no URL in it ({} lines, blank or # comments)", path, line_no));
   return out;
 }
 

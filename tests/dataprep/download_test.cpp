@@ -979,6 +979,14 @@ TEST(DownloadHelpers, UrlListNumbersAreChecked) {
     EXPECT_NE(r.output.find("size= must be a byte count"), std::string::npos) << bad << ": " << r.output;
     EXPECT_EQ(r.output.find("exception"), std::string::npos) << r.output;
   }
+  // A list without a URL is no download with nothing to do (it was exit 0, "0 of 0 files").
+  for (const char* empty : {"", "\n# only a comment\n  \n"}) {
+    testing::WriteFile(dir / "list.txt", empty);
+    auto r = RunCmd(fmt::format("{} --quiet --url-list {} --local-dir {}", testing::Tool("ptk-download"),
+                                dir / "list.txt", dir / "o"));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(dir / "list.txt: no URL in it"), std::string::npos) << r.output;
+  }
 }
 
 TEST(DownloadHelpers, PathsAreSanitizedAndFlattened) {
