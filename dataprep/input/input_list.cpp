@@ -192,6 +192,9 @@ absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<
     PTK_ASSIGN_OR_RETURN(auto files, ExpandGlobs({a}));
     for (const auto& f : files) {
       if (f == "-") {
+        // Standard input is read to its end once: a second "-" would be read as an empty file.
+        if (std::find(out.begin(), out.end(), "-") != out.end())
+          return UsageError("- (standard input) is given twice; it can be read once");
         out.push_back(f);
         continue;
       }

@@ -611,6 +611,16 @@ TEST(TokenizeErrors, StrictChangesNoByteSoTogglingItRedoesNothing) {
   EXPECT_EQ(stamps(doc), before);
 }
 
+// Standard input named twice: the second was read as an empty file ("-: no document in it").
+TEST(TokenizeErrors, StandardInputTwiceIsAUsageError) {
+  TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"a\"}\n");
+  auto r = RunCmd(fmt::format("cat {} | {}", dir / "a.jsonl", Tok("--input - - --output-prefix " + dir / "s")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("usage error: - (standard input) is given twice"), std::string::npos) << r.output;
+  EXPECT_FALSE(testing::Exists(dir / "s_text_document.bin"));
+}
+
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::TempDir dir;
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
