@@ -354,8 +354,10 @@ absl::Status IndexedDataset::ValidateHeader() {
                                  (multimodal_ ? s : 0);
   if (want != size) {
     std::string extra = multimodal_ ? " + modes" : "";
-    std::string hint =
-        (!multimodal_ && want + s == size) ? " (a multimodal index? open it as multimodal)" : " (truncated or corrupt)";
+    std::string hint = (!multimodal_ && want + s == size) ? " (a multimodal index? open it as multimodal)"
+                       : (multimodal_ && s > 0 && want - s == size)
+                           ? " (no modes array: not a multimodal index; open it without --multimodal)"
+                           : " (truncated or corrupt)";
     return loss(
         fmt::format("file is {} bytes but sequence_count={} and document_count={} need {} (34 + 12*S + 8*D{}){}", size,
                     s, d, static_cast<uint64_t>(want), extra, hint));

@@ -67,6 +67,22 @@ TEST_F(CorruptIndexTest, TruncatedIndex) {
   }
 }
 
+// An index opened with the other modality says so, each way (a single-modal one opened as
+// multimodal was "truncated or corrupt", as ptk-merge --multimodal reported it).
+TEST_F(CorruptIndexTest, TheOtherModalityIsNamed) {
+  auto as_multi = IndexedDataset::Open(prefix_, /*multimodal=*/true);
+  ASSERT_FALSE(as_multi.ok());
+  EXPECT_NE(as_multi.status().message().find("no modes array: not a multimodal index"), std::string::npos)
+      << as_multi.status();
+  idx_ += std::string(3, '\0');  // a modes byte for each of the 3 sequences
+  testing::WriteFile(prefix_ + ".idx", idx_);
+  auto as_single = IndexedDataset::Open(prefix_);
+  ASSERT_FALSE(as_single.ok());
+  EXPECT_NE(as_single.status().message().find("a multimodal index? open it as multimodal"), std::string::npos)
+      << as_single.status();
+  EXPECT_TRUE(IndexedDataset::Open(prefix_, /*multimodal=*/true).ok());
+}
+
 TEST_F(CorruptIndexTest, TruncatedBin) {
   bin_ = bin_.substr(0, bin_.size() - 2);
   ExpectDataLoss("past the end", ".bin");
