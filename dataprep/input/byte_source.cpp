@@ -255,6 +255,8 @@ Compression DetectCompression(const std::string& path) {
     ::close(fd);
     if (n >= 0) {
       if (n >= 4 && m[0] == 0x28 && m[1] == 0xB5 && m[2] == 0x2F && m[3] == 0xFD) return Compression::kZstd;
+      // A zstd skippable frame (magic 0x184D2A50..5F) first: pzstd starts every file with one.
+      if (n >= 4 && (m[0] & 0xF0) == 0x50 && m[1] == 0x2A && m[2] == 0x4D && m[3] == 0x18) return Compression::kZstd;
       if (n >= 6 && m[0] == 0xFD && std::memcmp(m + 1, "7zXZ", 4) == 0 && m[5] == 0) return Compression::kXz;
       if (n >= 2 && m[0] == 0x1F && m[1] == 0x8B) return Compression::kGzip;
       if (n > 0) return Compression::kNone;  // the content decides, not the name

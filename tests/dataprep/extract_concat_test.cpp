@@ -129,6 +129,19 @@ TEST(Extract, ANameSayingCompressedWithoutCompressedContentFails) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// pzstd starts its files with a zstd skippable frame (magic 0x184D2A50): zstd data all the same.
+// Such a file was taken for plain text and copied compressed as the .jsonl, exit 0.
+TEST(Extract, ZstdStartingWithASkippableFrameIsDecoded) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string text = Jsonl(20, 8);
+  const std::string skippable("\x50\x2a\x4d\x18\x04\x00\x00\x00\x24\x00\x00\x00", 12);
+  testing::WriteFile(dir / "in/p.jsonl.zst", skippable + testing::ZstdCompress(text));
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/p.jsonl"), text);
+}
+
 TEST(Extract, DropSetShardsAndDeleteInput) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
