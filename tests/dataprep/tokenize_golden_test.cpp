@@ -61,7 +61,7 @@ TEST(TokenizeGolden, ByteIdenticalToMegatronForEveryConfigAndWorkerCount) {
 // Round-robin order is line g in partition g mod P (blank and bad lines counted, as Megatron's
 // partition files get every line), the partitions concatenated: the same bytes as the documents
 // tokenized in that order. A partition count far above the number of lines is the input order, and
-// costs no file per partition: 100000 partitions run with 64 file descriptors.
+// costs no file per partition: 100000 partitions run with 256 file descriptors.
 TEST(TokenizeGolden, RoundRobinOrderForAnyPartitionCount) {
   TempDir dir;
   const std::string d[] = {R"({"text":"zero"})", R"({"text":"two"})", R"({"text":"three"})", R"({"text":"four"})"};
@@ -70,8 +70,8 @@ TEST(TokenizeGolden, RoundRobinOrderForAnyPartitionCount) {
   testing::WriteFile(dir / "seq.jsonl", d[0] + "\n" + d[1] + "\n" + d[2] + "\n" + d[3] + "\n");
   auto run = [&](const std::string& in, const std::string& out, const std::string& flags) {
     auto r =
-        RunCmd("ulimit -n 64 && " + Tokenize(fmt::format("--input {} --output-prefix {} --append-eod --workers 2 {}",
-                                                         dir / in, dir / out, flags)));
+        RunCmd("ulimit -n 256 && " + Tokenize(fmt::format("--input {} --output-prefix {} --append-eod --workers 2 {}",
+                                                          dir / in, dir / out, flags)));
     ASSERT_EQ(r.exit_code, 0) << r.output;
   };
   run("rr2.jsonl", "want_rr2", "");
