@@ -38,6 +38,12 @@ absl::Status CheckTokenizeOptions(const TokenizeOptions& opt) {
   if (opt.inputs.empty()) return absl::InvalidArgumentError("no input files");
   if (opt.json_keys.empty()) return absl::InvalidArgumentError("no JSON keys: json_keys names no key to tokenize");
   // One dataset per key: a key named twice would be two writers of one PREFIX_KEY_document.
+  // A key names its dataset (PREFIX_KEY_document): one with a '/' would put it in another directory.
+  for (const std::string& key : opt.json_keys)
+    if (key.empty() || key.find('/') != std::string::npos)
+      return UsageError(fmt::format("--json-keys {:?}: {}; each key names its dataset {}", key,
+                                    key.empty() ? "an empty key" : "a key with a '/'",
+                                    OutputPrefixFor(opt.output_prefix, key)));
   for (size_t i = 0; i < opt.json_keys.size(); ++i)
     for (size_t j = 0; j < i; ++j)
       if (opt.json_keys[i] == opt.json_keys[j])

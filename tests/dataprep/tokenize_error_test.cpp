@@ -621,6 +621,20 @@ TEST(TokenizeErrors, StandardInputTwiceIsAUsageError) {
   EXPECT_FALSE(testing::Exists(dir / "s_text_document.bin"));
 }
 
+// A key names its dataset, PREFIX_KEY_document: an empty key, or one with a '/' (which would write
+// elsewhere, or fail with "cannot create lock file ...: No such file or directory"), is refused.
+TEST(TokenizeErrors, AKeyThatCannotNameADatasetIsAUsageError) {
+  TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"a\", \"\": \"b\", \"x/y\": \"c\"}\n");
+  for (const std::string key : {"''", "x/y", "../t"}) {
+    auto r =
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {} --json-keys text {}", dir / "a.jsonl", dir / "o", key)));
+    EXPECT_EQ(r.exit_code, 2) << key << r.output;
+    EXPECT_NE(r.output.find("usage error: --json-keys"), std::string::npos) << key << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "o_text_document.bin")) << key;
+  }
+}
+
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::TempDir dir;
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
