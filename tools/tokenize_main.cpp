@@ -116,6 +116,10 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
       return ptk::UsageError("--preproc-folder: --input must name one directory");
     if (f.files_filter.empty()) f.files_filter = "**/*.json*";  // NeMo's default
   }
+  if (!f.files_filter.empty() &&
+      std::none_of(f.inputs.begin(), f.inputs.end(), [](const std::string& in) { return ptk::IsDirectory(in); }))
+    return ptk::UsageError(fmt::format(
+        "--files-filter {:?} selects files below an --input directory, and no --input is one", f.files_filter));
   if (f.vocab_file.empty() != f.merge_file.empty()) return ptk::UsageError("--vocab-file and --merge-file go together");
   PTK_RETURN_IF_ERROR(
       ptk::cli::CheckOutputPrefix("--output-prefix", f.opt.output_prefix,

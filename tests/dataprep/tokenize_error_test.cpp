@@ -635,6 +635,20 @@ TEST(TokenizeErrors, AKeyThatCannotNameADatasetIsAUsageError) {
   }
 }
 
+// --files-filter with no --input directory filtered nothing and said nothing.
+TEST(TokenizeErrors, FilesFilterWithoutADirectoryIsAUsageError) {
+  TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"a\"}\n");
+  auto r =
+      RunCmd(Tok(fmt::format("--input {} --files-filter '*.json' --output-prefix {}", dir / "a.jsonl", dir / "o")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("usage error: --files-filter \"*.json\" selects files below an --input directory"),
+            std::string::npos)
+      << r.output;
+  auto ok = RunCmd(Tok(fmt::format("--input {} --files-filter '*.jsonl' --output-prefix {}", dir.path(), dir / "o")));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::TempDir dir;
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
