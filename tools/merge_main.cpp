@@ -1,4 +1,9 @@
 // ptk-merge: merge Megatron indexed datasets (like tools/merge_datasets.py).
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include <fmt/core.h>
 
 #include "common/cli.h"
@@ -41,6 +46,20 @@ int main(int argc, char** argv) {
       // PREFIX, PREFIX.bin or PREFIX.idx; a prefix without its _text_document gets the hint.
       for (std::string& in : inputs) {
         PTK_ASSIGN_OR_RETURN(in, ptk::ResolveDatasetPrefix(in));
+      }
+    }
+    // One dataset twice (however spelled, or a link to it in --input DIR) would be merged twice:
+    // its documents duplicated.
+    std::map<std::pair<uint64_t, uint64_t>, std::string> seen;
+    for (const std::string& in : inputs) {
+      auto id = ptk::IdentifyFile(ptk::IdxPath(in));
+      if (!id.ok()) continue;  // the merge names it
+      auto [it, fresh] = seen.emplace(std::make_pair(id->dev, id->ino), in);
+      if (!fresh) {
+        const std::string why =
+            fmt::format("{} and {} are the same dataset ({}): merging it twice would duplicate its documents{}",
+                        it->second, in, ptk::IdxPath(in), input_dir.empty() ? "; give it once" : "");
+        return input_dir.empty() ? ptk::UsageError(why) : absl::FailedPreconditionError(why);
       }
     }
     PTK_ASSIGN_OR_RETURN(const std::string source, ptk::MergeSource(inputs, multimodal));

@@ -649,6 +649,29 @@ TEST(TokenizeErrors, FilesFilterWithoutADirectoryIsAUsageError) {
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
+// One dataset named twice, however spelled, or linked twice into --input DIR, was merged twice:
+// its documents duplicated, exit 0.
+TEST(TokenizeErrors, MergeOfOneDatasetTwiceIsRefused) {
+  testing::TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n");
+  std::filesystem::create_directories(dir / "p");
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / "p/a"))).exit_code, 0);
+  const std::string merge = testing::Tool("ptk-merge");
+  auto twice = RunCmd(fmt::format("{} --inputs {} {}.bin --output-prefix {}", merge, dir / "p/a_text_document",
+                                  dir / "p/../p/a_text_document", dir / "m"));
+  EXPECT_EQ(twice.exit_code, 2) << twice.output;
+  EXPECT_NE(twice.output.find("are the same dataset"), std::string::npos) << twice.output;
+  for (const char* ext : {".bin", ".idx"})
+    std::filesystem::create_symlink("a_text_document" + std::string(ext),
+                                    dir / ("p/b_text_document" + std::string(ext)));
+  auto linked = RunCmd(fmt::format("{} --input {} --output-prefix {}", merge, dir / "p", dir / "m"));
+  EXPECT_EQ(linked.exit_code, 1) << linked.output;
+  EXPECT_NE(linked.output.find(dir / "p/a_text_document and " + dir / "p/b_text_document are the same dataset"),
+            std::string::npos)
+      << linked.output;
+  EXPECT_FALSE(testing::Exists(dir / "m.bin"));
+}
+
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::TempDir dir;
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
