@@ -41,8 +41,7 @@ TEST(PlanTraining, ScheduleLengthsInTheOtherUnitAreRefusedAsMegatron) {
   ASSERT_TRUE(PlanTraining(it, 1).ok());
   TrainOptions o = it;
   o.schedule_options.lr_decay_samples = 40;
-  EXPECT_NE(Refusal(o).find("--lr-decay-samples 40: with --train-iters the decay is in iterations"),
-            std::string::npos);
+  EXPECT_NE(Refusal(o).find("--lr-decay-samples 40: with --train-iters the decay is in iterations"), std::string::npos);
   o = it;
   o.schedule_options.lr_warmup_samples = 4;
   EXPECT_NE(Refusal(o).find("--lr-warmup-samples 4: with --train-iters the warm-up is in iterations"),
@@ -73,8 +72,7 @@ TEST(PlanTraining, ScheduleLengthsInTheOtherUnitAreRefusedAsMegatron) {
   EXPECT_NE(Refusal(o).find("--lr-decay-iters 10: with --train-samples the decay is in samples"), std::string::npos);
   o = sa;
   o.schedule_options.lr_warmup_iters = 1;
-  EXPECT_NE(Refusal(o).find("--lr-warmup-iters 1: with --train-samples the warm-up is in samples"),
-            std::string::npos);
+  EXPECT_NE(Refusal(o).find("--lr-warmup-iters 1: with --train-samples the warm-up is in samples"), std::string::npos);
   o = sa;
   o.schedule_options.lr_warmup_samples = 4;
   o.schedule_options.lr_warmup_fraction = 0.25;
