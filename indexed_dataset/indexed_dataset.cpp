@@ -461,8 +461,10 @@ absl::Status IndexedDataset::Validate() {
 absl::Status IndexedDataset::Verify() const {
   const uint64_t want = static_cast<uint64_t>(num_tokens_) * itemsize();
   if (bin_->size() != want)
-    return absl::DataLossError(fmt::format("{}: file is {} bytes but the index describes {} bytes ({} trailing bytes)",
-                                           BinPath(prefix_), bin_->size(), want, bin_->size() - want));
+    return absl::DataLossError(
+        fmt::format("{}: file is {} bytes but the index {} describes {} bytes ({} trailing bytes): the two files are "
+                    "not one dataset's (another dataset's .idx or .bin?)",
+                    BinPath(prefix_), bin_->size(), IdxPath(prefix_), want, bin_->size() - want));
   return absl::OkStatus();
 }
 
