@@ -298,9 +298,21 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
         "{:?}: no dataset here; it holds spaces: weights and prefixes are separate arguments, as Megatron takes them "
         "(--data-path 0.3 A 0.7 B, unquoted, or \"$DATA_PATH\" without quotes)",
         arg));
-  if (near.empty())
+  if (near.empty()) {
+    // A training checkpoint given where a dataset belongs (ptk-inspect ckpt, --data-path ckpt).
+    auto ends_with = [&](std::string_view e) {
+      return arg.size() >= e.size() && arg.rfind(e) == arg.size() - e.size();
+    };
+    const bool checkpoint_dir = IsDirectory(arg) && (PathExists(JoinPath(arg, "latest_checkpointed_iteration.txt")) ||
+                                                     PathExists(JoinPath(arg, "mp_rank_00")));
+    if (checkpoint_dir || ends_with("model_optim_rng.ptk") || ends_with("model_optim_rng.pt"))
+      return absl::NotFoundError(fmt::format(
+          "{}: no dataset here: it is a training checkpoint (a --save directory or its file), not a dataset (a "
+          "PREFIX.bin and PREFIX.idx pair); ptk-convert reads checkpoints",
+          arg));
     return absl::NotFoundError(
         fmt::format("{}: no dataset here (neither {} nor {} exists)", arg, IdxPath(prefix), BinPath(prefix)));
+  }
   std::string list;
   for (size_t i = 0; i < near.size() && i < 4; ++i) list += (i ? ", " : "") + near[i];
   return absl::NotFoundError(fmt::format(
