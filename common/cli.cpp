@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <new>
 #include <set>
 #include <vector>
 
@@ -428,6 +429,13 @@ int RunMain(const std::function<absl::Status()>& body) {
   absl::Status st;
   try {
     st = body();
+  } catch (const std::bad_alloc&) {
+    // A model, batch or sequence too large for the memory: one line saying so (was "unexpected
+    // exception: std::bad_alloc").
+    st = absl::InternalError(
+        "out of memory: an allocation failed (std::bad_alloc): the run asks for more memory than this process can "
+        "get (the machine's, a cgroup's or ulimit -v's); ask for less (for ptk-train: a smaller model, "
+        "--micro-batch-size or --seq-length; ptk-train --dry-run estimates the memory)");
   } catch (const std::exception& e) {
     st = absl::InternalError(fmt::format("unexpected exception: {}", e.what()));
   }

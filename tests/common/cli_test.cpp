@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -116,6 +117,17 @@ TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
   EXPECT_EQ(ParseArgs(*app, {"--offset", "-9223372036854775808", "--size", "+7"}), std::nullopt);
   EXPECT_EQ(f.offset, std::numeric_limits<int64_t>::min());
   EXPECT_EQ(f.size, 7u);
+}
+
+// A tool whose run asks for more memory than there is ends in one line saying so, exit 1 (was
+// "unexpected exception: std::bad_alloc").
+TEST(CliRunMain, OutOfMemoryIsNamed) {
+  ::testing::internal::CaptureStderr();
+  const int rc = cli::RunMain([]() -> absl::Status { throw std::bad_alloc(); });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(err.find("out of memory: an allocation failed (std::bad_alloc)"), std::string::npos) << err;
+  EXPECT_EQ(err.find("unexpected exception"), std::string::npos) << err;
 }
 
 }  // namespace
