@@ -5,6 +5,7 @@
 #include <limits>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "common/status.h"
 
@@ -40,6 +41,11 @@ SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
 // ramp, then the whole global batches of what --train-samples leaves.
 absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
   const std::vector<int64_t>& r = o.rampup_batch_size;
+  if (r.size() != 3)  // Megatron: "expected the following format: --rampup-batch-size <start> <incr> <samples>"
+    return UsageError(
+        fmt::format("--rampup-batch-size {}: give three numbers, START INCR SAMPLES (the start batch "
+                    "size, its increment and the ramp's samples), as Megatron takes them",
+                    fmt::join(r, " ")));
   const std::string given = fmt::format("--rampup-batch-size {} {} {}", r[0], r[1], r[2]);
   if (o.train_iters > 0)
     return UsageError(given +

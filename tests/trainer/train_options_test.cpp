@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "trainer/train_options.h"
 
@@ -87,6 +88,19 @@ TEST(PlanTraining, ScheduleLengthsInTheOtherUnitAreRefusedAsMegatron) {
   o.schedule_options.lr_decay_samples = 40;
   o.schedule_options.lr_warmup_samples = 8;
   EXPECT_TRUE(PlanTraining(o, 1).ok());
+}
+
+// --rampup-batch-size with one or two numbers: the third was read past the vector's end (a SIGFPE
+// with one number; with two, a run of 18 samples for --train-samples 16).
+TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
+  TrainOptions o = Small();
+  o.train_samples = 16;
+  o.rampup_batch_size = {2, 2, 8};
+  ASSERT_TRUE(PlanTraining(o, 1).ok());
+  for (const std::vector<int64_t>& r : {std::vector<int64_t>{2}, std::vector<int64_t>{2, 2}}) {
+    o.rampup_batch_size = r;
+    EXPECT_NE(Refusal(o).find(": give three numbers, START INCR SAMPLES"), std::string::npos);
+  }
 }
 
 }  // namespace
