@@ -89,6 +89,24 @@ absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string,
   return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, best));
 }
 
+// A flag that takes a fixed number of values above one (--rampup-batch-size START INCR SAMPLES) given
+// another number of them, as argparse counts them (up to the next --flag): a usage error. CLI11 kept
+// the last three of four, and took one or two.
+absl::Status CheckValueCount(const CLI::App& app, const std::string& name, bool inline_value, int argc, char** argv,
+                             int i) {
+  const CLI::Option* opt = app.get_option_no_throw(name);
+  if (opt == nullptr || inline_value) return absl::OkStatus();
+  const int want = opt->get_items_expected_min();
+  if (want <= 1 || opt->get_items_expected_max() != want) return absl::OkStatus();
+  int n = 0;
+  std::string values;
+  for (int j = i + 1;
+       j < argc && !(std::string_view(argv[j]).substr(0, 2) == "--" && std::string_view(argv[j]).size() > 2); ++j, ++n)
+    values += std::string(" ") + argv[j];
+  if (n == want) return absl::OkStatus();
+  return UsageError(fmt::format("{}{}: takes {} values, not {}", name, values, want, n));
+}
+
 // `given` counts each long flag's occurrences (before a "--").
 absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int argc, char** argv,
                                                        std::map<std::string, int>* given) {
@@ -113,6 +131,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     const std::string rest = eq == std::string::npos ? "" : arg.substr(eq);
     if (names.count(name)) {
       ++(*given)[name];
+      PTK_RETURN_IF_ERROR(CheckValueCount(app, name, eq != std::string::npos, argc, argv, i));
       out.push_back(std::move(arg));
       continue;
     }
@@ -124,6 +143,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     if (matches.size() > 1 && supported.size() == 1) matches = supported;
     if (matches.size() == 1) {
       ++(*given)[matches[0]];
+      PTK_RETURN_IF_ERROR(CheckValueCount(app, matches[0], eq != std::string::npos, argc, argv, i));
       out.push_back(matches[0] + rest);
       continue;
     }
