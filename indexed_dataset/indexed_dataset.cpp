@@ -4,6 +4,8 @@
 #include <simdjson.h>
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -309,6 +311,15 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
       return absl::NotFoundError(fmt::format(
           "{}: no dataset here: it is a training checkpoint (a --save directory or its file), not a dataset (a "
           "PREFIX.bin and PREFIX.idx pair); ptk-convert reads checkpoints",
+          arg));
+    // A number where a prefix belongs: a weight without its dataset made the list odd, so every word
+    // was read as a prefix (as Megatron reads an odd list).
+    char* end = nullptr;
+    errno = 0;
+    if (!arg.empty() && (std::strtod(arg.c_str(), &end), end == arg.c_str() + arg.size()))
+      return absl::NotFoundError(fmt::format(
+          "{}: no dataset here: a number where a dataset prefix belongs: in a data path list of an odd number of "
+          "words (a weight without its dataset?) every word is read as a prefix, as Megatron reads it",
           arg));
     return absl::NotFoundError(
         fmt::format("{}: no dataset here (neither {} nor {} exists)", arg, IdxPath(prefix), BinPath(prefix)));

@@ -213,6 +213,12 @@ TEST(OpenMissingDataset, SuggestsThePrefixMeant) {
     EXPECT_NE(ds.status().message().find(given + ": no dataset here: it is a training checkpoint"), std::string::npos)
         << ds.status();
   }
+  // A weight where a prefix belongs (an odd list read as prefixes only) says so.
+  auto weight = IndexedDataset::Open("0.5");
+  ASSERT_FALSE(weight.ok());
+  EXPECT_NE(weight.status().message().find("0.5: no dataset here: a number where a dataset prefix belongs"),
+            std::string::npos)
+      << weight.status();
   // ptk-inspect's form takes PREFIX.bin and PREFIX.idx for PREFIX.
   auto inspect = ResolveDatasetPrefix(prefix + ".bin");
   ASSERT_TRUE(inspect.ok()) << inspect.status();
