@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <new>
 #include <set>
 #include <vector>
 
@@ -88,6 +89,24 @@ absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string,
   return UsageError(fmt::format("unknown flag {}; did you mean {}? (long flags take two dashes)", given, best));
 }
 
+// A flag that takes a fixed number of values above one (--rampup-batch-size START INCR SAMPLES) given
+// another number of them, as argparse counts them (up to the next --flag): a usage error. CLI11 kept
+// the last three of four, and took one or two.
+absl::Status CheckValueCount(const CLI::App& app, const std::string& name, bool inline_value, int argc, char** argv,
+                             int i) {
+  const CLI::Option* opt = app.get_option_no_throw(name);
+  if (opt == nullptr || inline_value) return absl::OkStatus();
+  const int want = opt->get_items_expected_min();
+  if (want <= 1 || opt->get_items_expected_max() != want) return absl::OkStatus();
+  int n = 0;
+  std::string values;
+  for (int j = i + 1;
+       j < argc && !(std::string_view(argv[j]).substr(0, 2) == "--" && std::string_view(argv[j]).size() > 2); ++j, ++n)
+    values += std::string(" ") + argv[j];
+  if (n == want) return absl::OkStatus();
+  return UsageError(fmt::format("{}{}: takes {} values, not {}", name, values, want, n));
+}
+
 // The option of `app` itself (not of its subcommands) with this long name ("--plan"), or null.
 const CLI::Option* OwnOption(const CLI::App& app, const std::string& name) {
   for (const CLI::Option* opt : app.get_options())
@@ -141,6 +160,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     if (names.count(name)) {
       count(name);
       if (eq != std::string::npos) value_pending = false;
+      PTK_RETURN_IF_ERROR(CheckValueCount(*context, name, eq != std::string::npos, argc, argv, i));
       out.push_back(std::move(arg));
       continue;
     }
@@ -152,6 +172,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     if (own.size() == 1) {
       count(own[0]);
       if (eq != std::string::npos) value_pending = false;
+      PTK_RETURN_IF_ERROR(CheckValueCount(*context, own[0], eq != std::string::npos, argc, argv, i));
       out.push_back(own[0] + rest);
       continue;
     }
@@ -164,6 +185,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
     if (matches.size() == 1) {
       count(matches[0]);
       if (eq != std::string::npos) value_pending = false;
+      PTK_RETURN_IF_ERROR(CheckValueCount(*context, matches[0], eq != std::string::npos, argc, argv, i));
       out.push_back(matches[0] + rest);
       continue;
     }
@@ -473,6 +495,13 @@ int RunMain(const std::function<absl::Status()>& body) {
   absl::Status st;
   try {
     st = body();
+  } catch (const std::bad_alloc&) {
+    // A model, batch or sequence too large for the memory: one line saying so (was "unexpected
+    // exception: std::bad_alloc").
+    st = absl::InternalError(
+        "out of memory: an allocation failed (std::bad_alloc): the run asks for more memory than this process can "
+        "get (the machine's, a cgroup's or ulimit -v's); ask for less (for ptk-train: a smaller model, "
+        "--micro-batch-size or --seq-length; ptk-train --dry-run estimates the memory)");
   } catch (const std::exception& e) {
     st = absl::InternalError(fmt::format("unexpected exception: {}", e.what()));
   }

@@ -53,6 +53,14 @@ absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::s
         sum += w[k];
       }
       if (!(sum > 0)) return UsageError("every data path weight is 0: give at least one dataset a weight > 0");
+      // Megatron's BlendedDataset asserts every weight > 0 (it was refused later here, exit 1, naming
+      // no dataset).
+      for (size_t k = 0; k < w.size(); ++k)
+        if (w[k] == 0)
+          return UsageError(
+              fmt::format("data path weight {:?} (of {}) is 0: a blended dataset takes weights > 0; "
+                          "leave the dataset out instead",
+                          list[2 * k], strip(list[2 * k + 1])));
       for (size_t i = 1; i < list.size(); i += 2) prefixes->push_back(strip(list[i]));
       *weights = w;
       return absl::OkStatus();
@@ -81,6 +89,10 @@ class Builder {
     auto it = open_.find(prefix);
     if (it != open_.end()) return it->second;
     PTK_ASSIGN_OR_RETURN(auto ds, IndexedDataset::Open(prefix));
+    // Open() checks that every sequence lies inside the .bin; a .bin longer than its index
+    // describes is another dataset's .bin (or index), whose documents the run would train on
+    // without a word: Megatron reads it, ptk names it.
+    PTK_RETURN_IF_ERROR(ds->Verify());
     std::shared_ptr<IndexedDataset> sp(std::move(ds));
     open_[prefix] = sp;
     return sp;

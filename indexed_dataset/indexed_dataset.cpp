@@ -4,6 +4,8 @@
 #include <simdjson.h>
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -298,9 +300,30 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
         "{:?}: no dataset here; it holds spaces: weights and prefixes are separate arguments, as Megatron takes them "
         "(--data-path 0.3 A 0.7 B, unquoted, or \"$DATA_PATH\" without quotes)",
         arg));
-  if (near.empty())
+  if (near.empty()) {
+    // A training checkpoint given where a dataset belongs (ptk-inspect ckpt, --data-path ckpt).
+    auto ends_with = [&](std::string_view e) {
+      return arg.size() >= e.size() && arg.rfind(e) == arg.size() - e.size();
+    };
+    const bool checkpoint_dir = IsDirectory(arg) && (PathExists(JoinPath(arg, "latest_checkpointed_iteration.txt")) ||
+                                                     PathExists(JoinPath(arg, "mp_rank_00")));
+    if (checkpoint_dir || ends_with("model_optim_rng.ptk") || ends_with("model_optim_rng.pt"))
+      return absl::NotFoundError(fmt::format(
+          "{}: no dataset here: it is a training checkpoint (a --save directory or its file), not a dataset (a "
+          "PREFIX.bin and PREFIX.idx pair); ptk-convert reads checkpoints",
+          arg));
+    // A number where a prefix belongs: a weight without its dataset made the list odd, so every word
+    // was read as a prefix (as Megatron reads an odd list).
+    char* end = nullptr;
+    errno = 0;
+    if (!arg.empty() && (std::strtod(arg.c_str(), &end), end == arg.c_str() + arg.size()))
+      return absl::NotFoundError(fmt::format(
+          "{}: no dataset here: a number where a dataset prefix belongs: in a data path list of an odd number of "
+          "words (a weight without its dataset?) every word is read as a prefix, as Megatron reads it",
+          arg));
     return absl::NotFoundError(
         fmt::format("{}: no dataset here (neither {} nor {} exists)", arg, IdxPath(prefix), BinPath(prefix)));
+  }
   std::string list;
   for (size_t i = 0; i < near.size() && i < 4; ++i) list += (i ? ", " : "") + near[i];
   return absl::NotFoundError(fmt::format(
@@ -463,8 +486,10 @@ absl::Status IndexedDataset::Validate() {
 absl::Status IndexedDataset::Verify() const {
   const uint64_t want = static_cast<uint64_t>(num_tokens_) * itemsize();
   if (bin_->size() != want)
-    return absl::DataLossError(fmt::format("{}: file is {} bytes but the index describes {} bytes ({} trailing bytes)",
-                                           BinPath(prefix_), bin_->size(), want, bin_->size() - want));
+    return absl::DataLossError(
+        fmt::format("{}: file is {} bytes but the index {} describes {} bytes ({} trailing bytes): the two files are "
+                    "not one dataset's (another dataset's .idx or .bin?)",
+                    BinPath(prefix_), bin_->size(), IdxPath(prefix_), want, bin_->size() - want));
   return absl::OkStatus();
 }
 

@@ -61,11 +61,16 @@ absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_v
   return ReadFileToString(path);
 }
 
+}  // namespace
+
 // An import writes iteration `iteration` (0 unless --iteration) and points the tracker at it: into
 // the --save of a training run it would move `latest` (back, or past the run's own checkpoints) and
 // make the next ptk-train --load restart from the imported weights. So the directory must hold no
 // checkpoint but that iteration's (a new directory, or an earlier import, which a rerun replaces).
-absl::Status CheckImportTarget(const std::string& save, int64_t iteration) {
+// An earlier import is told from a run's checkpoint by its AdamW step (0: a Hugging Face import), or
+// where the import carries moments (a Megatron checkpoint's) by the command line in its header
+// (ptk-convert's --saver; ptk-train takes no such flag).
+absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool with_moments) {
   std::vector<std::string> iterations;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
@@ -84,13 +89,23 @@ absl::Status CheckImportTarget(const std::string& save, int64_t iteration) {
     held = fmt::format("it holds {}{}", iterations.back(),
                        iterations.size() > 1 ? fmt::format(" and {} more", iterations.size() - 1) : "");
   } else if (const std::string file = CheckpointFile(save, iteration); PathExists(file)) {
-    // That iteration is there: an earlier import (no AdamW step) is replaced, a run's own is kept.
+    // That iteration is there: an earlier import is replaced, a run's own is kept.
     PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeaderText(file));
     simdjson::dom::parser parser;
     simdjson::dom::element h;
     int64_t adam_step = 0;
-    if (parser.parse(header).get(h) || h["adam_step"].get(adam_step) || adam_step != 0)
+    if (with_moments) {
+      bool imported = false;
+      simdjson::dom::array args;
+      if (!parser.parse(header).get(h) && !h["args"].get(args))
+        for (simdjson::dom::element a : args) {
+          std::string_view v;
+          if (!a.get(v) && (v == "--saver" || v.rfind("--saver=", 0) == 0)) imported = true;
+        }
+      if (!imported) held = fmt::format("its iteration {} was saved by a training run, not by an import", iteration);
+    } else if (parser.parse(header).get(h) || h["adam_step"].get(adam_step) || adam_step != 0) {
       held = fmt::format("its iteration {} has taken {} AdamW steps: a run's, not an import", iteration, adam_step);
+    }
   }
   if (held.empty()) return absl::OkStatus();
   return UsageError(
@@ -100,8 +115,6 @@ absl::Status CheckImportTarget(const std::string& save, int64_t iteration) {
                   "continue from the imported weights",
                   save, held, iteration, iteration == 0 ? " --finetune" : "", save));
 }
-
-}  // namespace
 
 namespace {
 
@@ -470,7 +483,7 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
-  PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, o.iteration));
+  PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, o.iteration, /*with_moments=*/false));
   PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
   s.destination = CheckpointFile(o.save_dir, o.iteration);
   s.notes.push_back(fmt::format("a Hugging Face directory holds no optimizer state: AdamW's moments start at zero{}",

@@ -82,6 +82,13 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
 // --save-dir holding anything but an export's files is refused unless `force`.
 // hf -> ptk refuses a --save-dir that holds a training run's checkpoints (any iteration but the
 // one it writes), so that it never moves `latest` of a run.
+// An import of iteration `iteration` into `save` (under its lock): refused (exit 2) when `save`
+// holds a training run's checkpoints, any iteration but that one, or that one saved by a run; an
+// earlier import of it is replaced. `with_moments`: the import carries AdamW's moments (a Megatron
+// checkpoint's), so an earlier import is told by ptk-convert's command line in its header, not by
+// an AdamW step of 0.
+absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool with_moments);
+
 // The directions on their own.
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);

@@ -402,6 +402,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
+  PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, s->iteration, /*with_moments=*/true));
   PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, weights, m1, m2, state, o.args_json));
   s->destination = CheckpointFile(o.save_dir, s->iteration);
   s->num_params = layout.num_params;

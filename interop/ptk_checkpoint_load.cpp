@@ -39,7 +39,8 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
   if (!in) return absl::NotFoundError(file + ": cannot open");
   char head[16];
   auto bad = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", file, why)); };
-  if (!in.read(head, 16) || std::memcmp(head, "PTKCKPT1", 8) != 0) return bad("not a ptk checkpoint (bad magic)");
+  if (!in.read(head, 16) || std::memcmp(head, "PTKCKPT1", 8) != 0)
+    return bad(NotAPtkCheckpoint(std::string_view(head, static_cast<size_t>(in.gcount()))));
   uint64_t len = 0;
   std::memcpy(&len, head + 8, 8);
   PTK_ASSIGN_OR_RETURN(uint64_t size, FileSize(file));

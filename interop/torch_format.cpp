@@ -179,6 +179,8 @@ absl::Status TorchArchiveReader::Init() {
       eocd = p;
       break;
     }
+  if (eocd < 0 && size >= 8 && std::memcmp(d, "PTKCKPT1", 8) == 0)
+    return bad("it is a ptk checkpoint (ptk-train's format, PTKCKPT1), not a torch.save file: --loader ptk reads it");
   if (eocd < 0) return bad("no zip end-of-central-directory record (truncated or not a torch.save file)");
   uint64_t count = Le(d + eocd + 10, 2), cd_size = Le(d + eocd + 12, 4), cd_off = Le(d + eocd + 16, 4);
   if (eocd >= 20 && Le(d + eocd - 20, 4) == kLocator64Sig) {

@@ -107,3 +107,25 @@ ptk_source_id() {
 }
 
 ptk_log() { printf '[%s] %s\n' "$(date '+%F %T')" "$*"; }
+
+# TRAIN_ARGS must not give a flag train.sbatch sets after it from its own variable: ptk-train (as
+# argparse) would take the script's value without a word, and the requeue and status.sh count to
+# TRAIN_ITERS. Prints the mistake and returns 1.
+ptk_check_train_args() {
+  local a flag var
+  for a in $TRAIN_ARGS; do
+    flag=${a%%=*}
+    case "$flag" in
+      --train-iters) var="set TRAIN_ITERS instead (the requeue and status.sh count to it)" ;;
+      --train-samples) var="the Slurm path counts iterations: set TRAIN_ITERS (--train-iters) instead" ;;
+      --save | --load) var="set CKPT_DIR instead (the job saves and resumes there)" ;;
+      --data-path | --train-data-path | --valid-data-path | --test-data-path | --mock-data)
+        var="set DATA_PATH (Megatron's --data-path value) or MOCK_DATA=1 instead" ;;
+      --tensorboard-dir) var="the job writes TensorBoard's files to RESULTS_DIR/train/tensorboard" ;;
+      *) continue ;;
+    esac
+    echo "TRAIN_ARGS gives $flag, which train.sbatch sets itself: $var" >&2
+    return 1
+  done
+  return 0
+}

@@ -64,6 +64,7 @@ for v in DOWNLOAD_TASKS EXTRACT_TASKS EXTRACT_CONCURRENCY CONCAT_CHUNKS CONCAT_T
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v=${!v} must be a positive integer"
 done
 [[ "$TRAIN_GPUS_PER_NODE" =~ ^[0-9]+$ ]] || die "TRAIN_GPUS_PER_NODE=$TRAIN_GPUS_PER_NODE must be a number (0: no GPUs)"
+msg=$(ptk_check_train_args 2>&1) || die "$msg"
 if [ "$from" != download ]; then
   [ -d "$RAW_DIR" ] || die "--from $from but nothing was downloaded into $RAW_DIR yet"
 fi

@@ -68,9 +68,24 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
     return UsageError(
         fmt::format("--per-split-data-args-path {}: not a JSON object ({})", path, simdjson::error_message(err)));
   const char* keys[] = {"train", "valid", "test"};
+  // Megatron reads per_split_data_args["train"], ["valid"] and ["test"]: a missing key is its
+  // KeyError (a "validation" list ptk took and left unused: no evaluation, without a word).
+  std::string others;
+  for (auto field : obj)
+    if (field.key != "train" && field.key != "valid" && field.key != "test")
+      others += fmt::format("{}\"{}\"", others.empty() ? "" : ", ", field.key);
+  for (const char* key : keys) {
+    simdjson::dom::element e;
+    if (obj[key].get(e))
+      return UsageError(
+          fmt::format("--per-split-data-args-path {}: no \"{}\" key: Megatron's file has \"train\", \"valid\" and "
+                      "\"test\" (null for "
+                      "none){}",
+                      path, key, others.empty() ? "" : "; this one has " + others));
+  }
   for (int i = 0; i < 3; ++i) {
     simdjson::dom::element e;
-    if (obj[keys[i]].get(e)) continue;
+    if (obj[keys[i]].get(e) || e.is_null()) continue;
     std::string_view text;
     if (!e.get(text)) {  // a string: its whitespace-separated words, as Megatron splits it
       size_t pos = 0;

@@ -123,6 +123,13 @@ std::string CheckpointFile(const std::string& save, int64_t iteration, int tenso
   return JoinPath(dir, MpRankFile(tensor_rank));
 }
 
+std::string NotAPtkCheckpoint(std::string_view head) {
+  if (head.substr(0, 4) == std::string_view("PK\x03\x04", 4))
+    return "not a ptk checkpoint (bad magic): it is a zip archive, PyTorch's torch.save format (Megatron's "
+           "model_optim_rng.pt?); ptk-convert --loader megatron --saver ptk converts a Megatron checkpoint";
+  return "not a ptk checkpoint (bad magic)";
+}
+
 absl::Status VerifyCheckpointFile(const std::string& file) {
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: incomplete or corrupt checkpoint: {}", file, why));
@@ -142,7 +149,7 @@ absl::Status VerifyCheckpointFile(const std::string& file) {
     pos += n;
   }));
   if (pos != size) return bad(fmt::format("read {} of {} bytes (the file changed)", pos, size));
-  if (std::memcmp(head.data(), kMagic, sizeof kMagic) != 0) return bad("not a ptk checkpoint (bad magic)");
+  if (std::memcmp(head.data(), kMagic, sizeof kMagic) != 0) return bad(NotAPtkCheckpoint(head));
   if (sha.HexDigest() != tail) return bad(fmt::format("SHA-256 mismatch over {} bytes", body));
   return absl::OkStatus();
 }
@@ -478,8 +485,9 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint, refusing to load it: {}", file, why));
   };
-  if (data.size() < sizeof kMagic + 8 + 64 || std::memcmp(data.data(), kMagic, sizeof kMagic) != 0)
-    return corrupt("not a ptk checkpoint (bad magic or too short)");
+  if (data.size() >= sizeof kMagic && std::memcmp(data.data(), kMagic, sizeof kMagic) != 0)
+    return corrupt(NotAPtkCheckpoint(data));
+  if (data.size() < sizeof kMagic + 8 + 64) return corrupt("not a ptk checkpoint (bad magic or too short)");
   const std::string_view body(data.data(), data.size() - 64);
   if (Sha256Hex(body) != std::string_view(data.data() + data.size() - 64, 64))
     return corrupt(fmt::format("SHA-256 mismatch over {} bytes", body.size()));

@@ -79,6 +79,10 @@ absl::Status RecoverCheckpointDir(const std::string& save);
 // Checks that a checkpoint file is complete: magic, length and its own SHA-256.
 absl::Status VerifyCheckpointFile(const std::string& file);
 
+// Why a file whose first bytes are `head` is not a ptk checkpoint: "not a ptk checkpoint (bad magic)",
+// and what it is when that is known (a zip: PyTorch's torch.save format, Megatron's checkpoint file).
+std::string NotAPtkCheckpoint(std::string_view head);
+
 // The iteration named by <load>/latest_checkpointed_iteration.txt; NotFound when there is none.
 // Anything but decimal digits (surrounding whitespace aside) is refused as DataLoss.
 absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load);

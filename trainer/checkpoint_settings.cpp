@@ -31,7 +31,7 @@ absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
   char magic[sizeof kMagic];
   uint64_t len = 0;
   if (!in.read(magic, sizeof magic) || std::memcmp(magic, kMagic, sizeof kMagic) != 0)
-    return corrupt("not a ptk checkpoint (bad magic)");
+    return corrupt(NotAPtkCheckpoint(std::string_view(magic, static_cast<size_t>(in.gcount()))));
   if (!in.read(reinterpret_cast<char*>(&len), sizeof len) || len > (uint64_t{1} << 30))
     return corrupt("bad header length");
   std::string header(len, '\0');

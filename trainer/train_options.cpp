@@ -5,6 +5,7 @@
 #include <limits>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "common/status.h"
 
@@ -40,6 +41,11 @@ SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
 // ramp, then the whole global batches of what --train-samples leaves.
 absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
   const std::vector<int64_t>& r = o.rampup_batch_size;
+  if (r.size() != 3)  // Megatron: "expected the following format: --rampup-batch-size <start> <incr> <samples>"
+    return UsageError(
+        fmt::format("--rampup-batch-size {}: give three numbers, START INCR SAMPLES (the start batch "
+                    "size, its increment and the ramp's samples), as Megatron takes them",
+                    fmt::join(r, " ")));
   const std::string given = fmt::format("--rampup-batch-size {} {} {}", r[0], r[1], r[2]);
   if (o.train_iters > 0)
     return UsageError(given +
@@ -109,6 +115,51 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
   p.micro_batches = gbs / (mbs * dp);
   if ((o.train_iters > 0) == (o.train_samples > 0))
     return usage("give exactly one of --train-iters and --train-samples");
+  // Megatron's validate_args: the schedule's lengths in the unit of the run, and one warm-up.
+  const ScheduleOptions& so = o.schedule_options;
+  if (o.train_iters > 0) {
+    if (so.lr_decay_samples > 0)
+      return usage(
+          fmt::format("--lr-decay-samples {}: with --train-iters the decay is in iterations "
+                      "(--lr-decay-iters), as Megatron requires",
+                      so.lr_decay_samples));
+    if (so.lr_warmup_samples > 0)
+      return usage(
+          fmt::format("--lr-warmup-samples {}: with --train-iters the warm-up is in iterations "
+                      "(--lr-warmup-iters), as Megatron requires",
+                      so.lr_warmup_samples));
+    if (so.lr_warmup_fraction && so.lr_warmup_iters > 0)
+      return usage(
+          fmt::format("--lr-warmup-fraction {} and --lr-warmup-iters {}: give one of them, as Megatron "
+                      "requires",
+                      *so.lr_warmup_fraction, so.lr_warmup_iters));
+    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_iters == 0 && so.lr_wsd_decay_samples > 0)
+      return usage(
+          fmt::format("--lr-wsd-decay-samples {}: with --train-iters the WSD anneal is in iterations "
+                      "(--lr-wsd-decay-iters)",
+                      so.lr_wsd_decay_samples));
+  } else {
+    if (so.lr_decay_iters > 0)
+      return usage(
+          fmt::format("--lr-decay-iters {}: with --train-samples the decay is in samples "
+                      "(--lr-decay-samples), as Megatron requires",
+                      so.lr_decay_iters));
+    if (so.lr_warmup_iters > 0)
+      return usage(
+          fmt::format("--lr-warmup-iters {}: with --train-samples the warm-up is in samples "
+                      "(--lr-warmup-samples), as Megatron requires",
+                      so.lr_warmup_iters));
+    if (so.lr_warmup_fraction && so.lr_warmup_samples > 0)
+      return usage(
+          fmt::format("--lr-warmup-fraction {} and --lr-warmup-samples {}: give one of them, as Megatron "
+                      "requires",
+                      *so.lr_warmup_fraction, so.lr_warmup_samples));
+    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_samples == 0 && so.lr_wsd_decay_iters > 0)
+      return usage(
+          fmt::format("--lr-wsd-decay-iters {}: with --train-samples the WSD anneal is in samples "
+                      "(--lr-wsd-decay-samples)",
+                      so.lr_wsd_decay_iters));
+  }
   if (!o.rampup_batch_size.empty()) {
     PTK_RETURN_IF_ERROR(PlanRampup(o, &p));
   } else {

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <new>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cli.h"
@@ -181,6 +183,45 @@ TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
   EXPECT_EQ(ParseArgs(*app, {"--offset", "-9223372036854775808", "--size", "+7"}), std::nullopt);
   EXPECT_EQ(f.offset, std::numeric_limits<int64_t>::min());
   EXPECT_EQ(f.size, 7u);
+}
+
+// A flag of a fixed number of values (ptk-train's --rampup-batch-size START INCR SAMPLES) given more or
+// fewer: CLI11 kept the last three of four and took one or two (then read past the end).
+TEST(CliParse, AFixedCountListGivenAnotherCountIsAUsageError) {
+  for (const auto& [args, ok] :
+       std::vector<std::pair<std::vector<std::string>, bool>>{{{"--ramp", "2", "2", "8"}, true},
+                                                              {{"--ramp", "2", "2", "8", "--doc", "1"}, true},
+                                                              {{"--ramp", "2", "2", "8", "4"}, false},
+                                                              {{"--ramp", "2", "2"}, false},
+                                                              {{"--ramp", "2", "--doc", "1"}, false},
+                                                              {{"--ra", "2", "2", "8", "4"}, false}}) {
+    Flags f;
+    std::vector<int64_t> ramp;
+    auto app = MakeTestApp(f);
+    app->add_option("--ramp", ramp, "three numbers")->expected(3);
+    testing::internal::CaptureStderr();
+    const std::optional<int> rc = ParseArgs(*app, args);
+    const std::string err = testing::internal::GetCapturedStderr();
+    if (ok) {
+      EXPECT_EQ(rc, std::nullopt) << err;
+      EXPECT_EQ(ramp, (std::vector<int64_t>{2, 2, 8}));
+    } else {
+      EXPECT_EQ(rc, std::optional<int>(2)) << args.size();
+      EXPECT_NE(err.find("usage error: --ramp 2"), std::string::npos) << err;
+      EXPECT_NE(err.find(": takes 3 values, not "), std::string::npos) << err;
+    }
+  }
+}
+
+// A tool whose run asks for more memory than there is ends in one line saying so, exit 1 (was
+// "unexpected exception: std::bad_alloc").
+TEST(CliRunMain, OutOfMemoryIsNamed) {
+  ::testing::internal::CaptureStderr();
+  const int rc = cli::RunMain([]() -> absl::Status { throw std::bad_alloc(); });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(err.find("out of memory: an allocation failed (std::bad_alloc)"), std::string::npos) << err;
+  EXPECT_EQ(err.find("unexpected exception"), std::string::npos) << err;
 }
 
 }  // namespace

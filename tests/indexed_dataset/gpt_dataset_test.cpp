@@ -188,6 +188,28 @@ TEST(GPTDataset, EmptySplitWithRequestedSamplesIsAnErrorNotAHang) {
   EXPECT_NE(std::string(ds.status().message()).find("test split holds no tokens"), std::string::npos) << ds.status();
 }
 
+// Another dataset's .idx beside a .bin (B's index, A's tokens): every sequence lies inside the
+// larger .bin, so Open() took it and training ran on B's document boundaries over A's bytes without a
+// word. The builder refuses it naming both files.
+TEST(GPTDataset, AnIndexThatDoesNotDescribeItsBinIsRefused) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  fs::copy_file(dir / "gpt_data/A.bin", dir / "gpt_data/mixed.bin");
+  fs::copy_file(dir / "gpt_data/B.idx", dir / "gpt_data/mixed.idx");
+  Chdir cd(dir.path());
+  Config c{"mixed", {"gpt_data/mixed"}, {}, "1,0,0", 16, 1234, {int64_t{10}, std::nullopt, std::nullopt}};
+  auto ds = BuildConfig(c);
+  ASSERT_FALSE(ds.ok());
+  EXPECT_EQ(ds.status().code(), absl::StatusCode::kDataLoss) << ds.status();
+  EXPECT_NE(std::string(ds.status().message())
+                .find("gpt_data/mixed.bin: file is 11164 bytes but the index "
+                      "gpt_data/mixed.idx describes"),
+            std::string::npos)
+      << ds.status();
+  Config a{"whole", {"gpt_data/A"}, {}, "1,0,0", 16, 1234, {int64_t{10}, std::nullopt, std::nullopt}};
+  EXPECT_TRUE(BuildConfig(a).ok());
+}
+
 // Per epoch every token of the split is covered exactly once, and consecutive samples share their
 // boundary token (seq_length + 1 tokens per sample).
 TEST(GPTDataset, SamplesTileTheEpochs) {
@@ -613,6 +635,10 @@ TEST(ParseBlend, WeightsArePrefixedNumbersAndBadWeightsAreUsageErrors) {
     absl::Status st = ParseBlend(bad, &prefixes, &weights);
     EXPECT_TRUE(IsUsageError(st)) << bad[0] << ": " << st;
   }
+  // A zero weight beside others (Megatron's BlendedDataset asserts weights > 0) names its dataset.
+  absl::Status zero = ParseBlend({"1", "a", "0", "b"}, &prefixes, &weights);
+  EXPECT_TRUE(IsUsageError(zero)) << zero;
+  EXPECT_NE(std::string(zero.message()).find("data path weight \"0\" (of b) is 0"), std::string::npos) << zero;
   const absl::Status mixed = ParseBlend({"1", "a", "b", "c"}, &prefixes, &weights);
   EXPECT_TRUE(absl::IsInvalidArgument(mixed)) << mixed;
 }

@@ -1,6 +1,7 @@
 // IndexedDataset on damaged files: every corruption gives kDataLoss naming the file and the field;
 // nothing crashes or reads out of bounds (this binary also runs under AddressSanitizer in CI).
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -217,6 +218,23 @@ TEST(OpenMissingDataset, SuggestsThePrefixMeant) {
     EXPECT_EQ(ds.status().code(), absl::StatusCode::kNotFound) << ds.status();
     EXPECT_NE(ds.status().message().find(expect), std::string::npos) << ds.status();
   }
+  // A training checkpoint where a dataset belongs (ptk-inspect CKPT, --data-path CKPT) is named as one.
+  std::filesystem::create_directories(dir / "ck/iter_0000002/mp_rank_00");
+  testing::WriteFile(dir / "ck/latest_checkpointed_iteration.txt", "2");
+  testing::WriteFile(dir / "ck/iter_0000002/mp_rank_00/model_optim_rng.ptk", "PTKCKPT1");
+  for (const std::string& given :
+       {dir / "ck", dir / "ck/iter_0000002", dir / "ck/iter_0000002/mp_rank_00/model_optim_rng.ptk"}) {
+    auto ds = IndexedDataset::Open(given);
+    ASSERT_FALSE(ds.ok()) << given;
+    EXPECT_NE(ds.status().message().find(given + ": no dataset here: it is a training checkpoint"), std::string::npos)
+        << ds.status();
+  }
+  // A weight where a prefix belongs (an odd list read as prefixes only) says so.
+  auto weight = IndexedDataset::Open("0.5");
+  ASSERT_FALSE(weight.ok());
+  EXPECT_NE(weight.status().message().find("0.5: no dataset here: a number where a dataset prefix belongs"),
+            std::string::npos)
+      << weight.status();
   // ptk-inspect's form takes PREFIX.bin and PREFIX.idx for PREFIX.
   auto inspect = ResolveDatasetPrefix(prefix + ".bin");
   ASSERT_TRUE(inspect.ok()) << inspect.status();

@@ -414,6 +414,58 @@ TEST_F(HfConvert, ImportRefusesATrainingRunsSaveDirectory) {
   }
 }
 
+// A Megatron checkpoint carries its own iteration and AdamW's moments: imported into a training run's
+// --save it moved `latest` back (8 -> 7) or replaced the run's own checkpoint of that iteration, exit
+// 0. Refused there as a Hugging Face import is; a rerun of the same import still replaces it.
+TEST_F(HfConvert, MegatronImportRefusesATrainingRunsSaveDirectory) {
+  Save(false, dir_ / "ck");  // iteration 7
+  ASSERT_TRUE(ExportToMegatron(Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg")).ok());
+  auto import_into = [&](const std::string& to) {
+    ConvertOptions o = Opts("megatron", "ptk", dir_ / "meg", to);
+    o.args_json = "[\"--loader\", \"megatron\", \"--saver\", \"ptk\"]";
+    return ImportFromMegatron(o);
+  };
+  const std::string run = dir_ / "run";
+  std::vector<float> zeros(params_.size(), 0.0f);
+  for (int64_t it : {4, 8}) {
+    TrainState st;
+    st.iteration = it;
+    ASSERT_TRUE(SaveCheckpoint(run, layout_, params_, zeros, zeros, st, "[\"--save\", \"run\"]").ok());
+  }
+  auto r = import_into(run);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find("holds a training run's checkpoints (its latest checkpoint is iteration 8)"),
+            absl::string_view::npos)
+      << r.status();
+  EXPECT_EQ(*LatestCheckpointIteration(run), 8);
+  EXPECT_FALSE(std::filesystem::exists(CheckpointDir(run, 7)));
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  auto cli = RunCmd(tool + " --loader megatron --saver ptk --load-dir " + ShellQuote(dir_ / "meg") + " --save-dir " +
+                    ShellQuote(run));
+  EXPECT_EQ(cli.exit_code, 2) << cli.output;
+  EXPECT_EQ(ReadFile(run + "/latest_checkpointed_iteration.txt"), "8");
+  // The run's own checkpoint of the imported iteration, alone: kept.
+  const std::string own = dir_ / "own";
+  TrainState st;
+  st.iteration = 7;
+  ASSERT_TRUE(SaveCheckpoint(own, layout_, params_, zeros, zeros, st, "[\"--save\", \"own\"]").ok());
+  const std::string before = ReadFile(CheckpointFile(own, 7));
+  r = import_into(own);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("its iteration 7 was saved by a training run, not by an import"),
+            absl::string_view::npos)
+      << r.status();
+  EXPECT_EQ(ReadFile(CheckpointFile(own, 7)), before);
+  // A new directory, and the same import again into it (the tool's command line, then the library's).
+  auto first = RunCmd(tool + " --loader megatron --saver ptk --load-dir " + ShellQuote(dir_ / "meg") + " --save-dir " +
+                      ShellQuote(dir_ / "imported"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto again = import_into(dir_ / "imported");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "imported"), 7);
+}
+
 // --iteration N places an import where a run stood (its consumed samples, the schedule's step;
 // the moments zero, Adam's step 0, and a note saying so), and still never moves a run's `latest` nor
 // replaces a run's own checkpoint; a rerun of the same import replaces it.

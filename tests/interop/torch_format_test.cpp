@@ -191,6 +191,14 @@ TEST(TorchFormat, RefusesDamage) {
     ASSERT_FALSE(r.ok()) << cut;
     EXPECT_NE(r.status().message().find(dir / "cut.pt"), std::string::npos) << r.status();
   }
+  // ptk's own checkpoint under Megatron's name: named as such, with the loader that reads it.
+  WriteFile(dir / "ptk.pt", std::string("PTKCKPT1") + std::string(100, '\0'));
+  auto ptk = TorchArchiveReader::Open(dir / "ptk.pt");
+  ASSERT_FALSE(ptk.ok());
+  EXPECT_NE(ptk.status().message().find("it is a ptk checkpoint (ptk-train's format, PTKCKPT1), not a torch.save file: "
+                                        "--loader ptk reads it"),
+            std::string::npos)
+      << ptk.status();
   // A flipped byte in a storage: the CRC names the entry.
   std::string flipped = bytes;
   const size_t payload = bytes.find(std::string(reinterpret_cast<const char*>(s.blobs[0].bytes.data()), 24));

@@ -12,10 +12,11 @@
      retries, and a verified re-download and the Job applied again repair it (docs/cluster.md's resume steps);
      a usage error fails its index at once;
   3. ptk-train as the plain Indexed Job (+ headless Service) variant, 2 ranks over loopback, and as
-     the PyTorchJob with its Worker (rank 1) SIGKILLed after the first checkpoint and its Master
-     SIGTERMed after the second (all ranks save and stop, and k8s/train.sh exits 143 and 75 so that
-     they run again rather than count as done): the ranks restart in place, resume from the latest checkpoint,
-     and end with checkpoints bit-identical to the uninterrupted run's; every iteration is logged.
+     the PyTorchJob with its Worker (rank 1) SIGKILLed after a checkpoint and its restarted Master
+     SIGTERMed while it waits for the Worker, whose restart the test holds (all ranks save after one
+     iteration and stop, and k8s/train.sh exits 143 and 75 so that they run again rather than count as
+     done): the ranks restart in place, resume from the latest checkpoint, and end with checkpoints
+     bit-identical to the uninterrupted run's; every iteration is logged.
 
 Usage: k8s_local_run_test.py BIN_DIR SOURCE_DIR
 """
@@ -24,12 +25,13 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -322,29 +324,58 @@ try:
 
     (pj,) = render("pytorchjob", CKPT_DIR="/fsx/ptk/ckpt-pytorchjob")
     ckpt = os.path.join(VOL, "ptk", "ckpt-pytorchjob")
-    worker_killed, master_stopped = [], []
+    worker_killed, master_stopped, resumed_from = [], [], []
+
+    def sigterm_caught(pid):
+        """Whether process pid has a handler for SIGTERM (its SigCgt mask): train.sh's trap, ptk-train's
+        --exit-signal-handler."""
+        try:
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+        except OSError:
+            pass
+        return False
+
+    def trainer_pid(pid_root):
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.getpgid(int(pid)) == pid_root and \
+                        open(f"/proc/{pid}/comm").read().strip() == "ptk-train":
+                    return int(pid)
+            except OSError:
+                continue
+        return None
 
     def kill_worker_then_stop_master(running):
-        """SIGKILL the Worker (rank 1) between the checkpoints at 20 and 40; once the restarted ranks
-        have saved at 40, SIGTERM the Master (rank 0), as a preemption would."""
+        """SIGKILL the Worker (rank 1) once a checkpoint is saved (20, or 40) and training goes on. Its restart
+        is held, so the restarted Master waits for it at the rendezvous, before its first iteration: SIGTERM
+        the Master there (once train.sh and ptk-train catch it), as a preemption would, then let the Worker
+        start. The Master stops after one iteration, at the checkpoint's iteration + 1, however slow the
+        machine: no window to hit."""
         try:
             latest = int(open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read())
         except (OSError, ValueError):
             return []
-        lines = sum(1 for _ in open(tb)) if os.path.exists(tb) else 0
-        if not worker_killed and latest >= 20 and 25 <= lines < 55:
+        if not worker_killed and 20 <= latest < 60:
             w = [p for p in running if p.replica == ("Worker", 0)]
+            for p in w:
+                p.hold = threading.Event()
             worker_killed.extend(w)
             return w
-        if worker_killed and not master_stopped and latest >= 40:
+        if worker_killed and not master_stopped:
             m = [p for p in running if p.replica == ("Master", 0) and p.restarts >= 1]
-            if m:
-                master_stopped.extend(m)
-                sim.terminate(m[0])
+            if m and sigterm_caught(m[0].proc.pid):
+                child = trainer_pid(m[0].proc.pid)
+                if child is not None and sigterm_caught(child):
+                    master_stopped.extend(m)
+                    resumed_from.append(latest)
+                    sim.terminate(m[0])
+                    worker_killed[0].hold.set()
         return []
 
-    say("PyTorchJob ptk-train: Master + 1 Worker; the Worker (rank 1) SIGKILLed after the checkpoint at 20, the "
-        "Master (rank 0) SIGTERMed after the one at 40")
+    say("PyTorchJob ptk-train: Master + 1 Worker; the Worker (rank 1) SIGKILLed after a checkpoint, the restarted "
+        "Master (rank 0) SIGTERMed while it waits for the Worker")
     try:
         r = sim.run_pytorchjob(pj, chaos=kill_worker_then_stop_master, timeout=150)
     except TimeoutError as e:
@@ -360,9 +391,10 @@ try:
     if "loaded checkpoint" not in mlog or "iteration       60/      60" not in mlog:
         fail("the restarted ranks did not resume from the checkpoint to iteration 60:\n" + mlog[-4000:], sim)
     wlog = open(os.path.join(sim.log_dir, "ptk-train-worker-0.pytorch.log")).read()
-    if not re.search(r"train.sh: ptk-train stopped at iteration 4\d of 60 on SIGTERM with a checkpoint saved; exit 143",
-                     mlog) or not re.search(r"train.sh: ptk-train stopped at iteration 4\d of 60 with a checkpoint "
-                                            r"saved; exit 75", wlog):
+    stop = resumed_from[0] + 1  # the checkpoint the restarted ranks loaded, and the one iteration after the SIGTERM
+    if f"train.sh: ptk-train stopped at iteration {stop} of 60 on SIGTERM with a checkpoint saved; exit 143" \
+            not in mlog or f"train.sh: ptk-train stopped at iteration {stop} of 60 with a checkpoint saved; exit 75" \
+            not in wlog:
         fail("the SIGTERMed Master and the Worker that stopped with it did not exit 143 and 75 (their pods would "
              "have counted as succeeded):\n" + mlog[-3000:] + wlog[-3000:], sim)
     its = sorted({json.loads(line)["iteration"] for line in open(tb)})
@@ -380,7 +412,7 @@ try:
 
     files = sorted(os.path.relpath(f, ref_ckpt) for f in glob.glob(os.path.join(ref_ckpt, "**", "*.ptk"), recursive=True))
     extra = sorted(set(os.listdir(ckpt)) - set(os.listdir(ref_ckpt)))
-    if len(files) != 3 or len(extra) != 1:  # the checkpoints at 20, 40, 60, and the one the SIGTERM saved
+    if len(files) != 3 or extra != [f"iter_{stop:07d}"]:  # the checkpoints at 20, 40, 60, and the SIGTERM's
         fail(f"checkpoints: {files} (uninterrupted) vs {sorted(os.listdir(ckpt))}")
     for f in files:
         if checkpoint(os.path.join(ckpt, f)) != checkpoint(os.path.join(ref_ckpt, f)):

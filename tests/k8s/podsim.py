@@ -85,6 +85,9 @@ class Pod:
         self.exit_code = None
         self.killed = False  # by the test (SIGKILL), as an OOM kill or a lost node would
         self.disrupted = False  # with a DisruptionTarget condition (eviction, preemption)
+        # A threading.Event the test may set here: the pod's next (re)start of its containers waits for
+        # it, so that a test can act while this pod is known to be down (as a slow image pull or node).
+        self.hold = None
 
 
 class Sim:
@@ -179,6 +182,10 @@ class Sim:
         containers = spec["containers"]
         assert len(containers) == 1, "one container per pod"
         while True:
+            if pod.hold is not None:
+                self.event(pod, "held before its start")
+                pod.hold.wait()
+                pod.hold = None
             rc = 0
             for ic in spec.get("initContainers", []):
                 p = self.start(pod, ic, ic["name"])

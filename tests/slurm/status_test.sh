@@ -72,6 +72,22 @@ bad=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 bash "$SRC/slurm/submit-
 echo "$bad" | grep -q "set DOWNLOAD_PARTITION to one of: dev" || fail "partition message: $bad"
 ok=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage2 DOWNLOAD_PARTITION=dev PREP_PARTITION=dev TRAIN_PARTITION=dev \
      bash "$SRC/slurm/submit-pipeline.sh" --dry-run 2>&1) || fail "dev partitions refused: $ok"
+# TRAIN_ARGS giving a flag train.sbatch sets after it (ptk-train would take the script's value without a
+# word): refused by submit-pipeline.sh and by train.sbatch submitted alone, naming the variable to set.
+for given in "--train-iters 500:TRAIN_ITERS" "--train-samples=4000:TRAIN_ITERS" "--save ck:CKPT_DIR" \
+             "--data-path 1 x:DATA_PATH"; do
+  for script in submit-pipeline.sh train.sbatch; do
+    set +e
+    out=$(PATH=$W/fakebin PTK_BIN=$BIN PTK_SLURM_DIR=$SRC/slurm STAGE_PATH=$W/stage2 DOWNLOAD_PARTITION=dev \
+          PREP_PARTITION=dev TRAIN_PARTITION=dev TRAIN_ARGS="--lr 1e-3 ${given%%:*}" \
+          bash "$SRC/slurm/$script" --dry-run 2>&1)
+    rc=$?
+    set -e
+    flag=${given%% *}
+    [ "$rc" = 2 ] && [[ $out == *"TRAIN_ARGS gives ${flag%%=*}, which train.sbatch sets itself: "*"${given##*:}"* ]] ||
+      fail "$script with TRAIN_ARGS ${given%%:*}: rc $rc: $out"
+  done
+done
 # A flag given without its value (the last word) is a usage error saying so, not a silent exit 1.
 for cmd in "submit-pipeline.sh --from" "data-path.sh --weights" "data-path.sh --format"; do
   set +e

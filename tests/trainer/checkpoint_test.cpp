@@ -318,6 +318,27 @@ TEST(Checkpoint, MegatronTorchCheckpointIsNamedAsSuch) {
   EXPECT_NE(st.message().find("ptk-convert --loader megatron --saver ptk"), absl::string_view::npos) << st;
 }
 
+// Megatron's file renamed to ptk's name (model_optim_rng.ptk): what it is, and the tool that reads it,
+// from every reader (was "not a ptk checkpoint (bad magic)").
+TEST(Checkpoint, ATorchFileUnderPtksNameIsNamedAsSuch) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  std::filesystem::create_directories(dir / "iter_0000005/mp_rank_00");
+  const std::string file = dir / "iter_0000005/mp_rank_00/model_optim_rng.ptk";
+  testing::WriteFile(file, std::string("PK\x03\x04", 4) + std::string(200, 'z'));
+  testing::WriteFile(dir / "latest_checkpointed_iteration.txt", "5");
+  const std::string what = "it is a zip archive, PyTorch's torch.save format";
+  std::vector<float> p, m, v;
+  TrainState s;
+  absl::Status st = LoadCheckpoint(dir.path(), 5, layout, &p, &m, &v, &s);
+  EXPECT_NE(st.message().find(file), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find(what), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("ptk-convert --loader megatron --saver ptk"), absl::string_view::npos) << st;
+  st = VerifyCheckpointFile(file);
+  EXPECT_NE(st.message().find(what), absl::string_view::npos) << st;
+  EXPECT_EQ(NotAPtkCheckpoint("garbage!"), "not a ptk checkpoint (bad magic)");
+}
+
 TEST(Checkpoint, SettingsComeBack) {
   const ParamLayout layout = SmallLayout();
   TempDir dir;

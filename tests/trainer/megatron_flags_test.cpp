@@ -194,6 +194,20 @@ TEST_F(MegatronFlags, DataArgsPathReadsTheDataPathsFromAFile) {
                        ShellQuote(dir_ / "splits.json"));
   ASSERT_EQ(splits.exit_code, 0) << splits.output;
   EXPECT_NE(splits.output.find(" validation loss at iteration 2 | "), std::string::npos) << splits.output;
+  // A key missing (Megatron's KeyError): refused naming it, and the key given instead (was: trained with
+  // no validation, without a word); null is no dataset, as in Megatron.
+  testing::WriteFile(dir_ / "splits2.json",
+                     "{\"train\": [\"" + prefix_ + "\"], \"validation\": [\"" + prefix_ + "\"], \"test\": null}");
+  auto typo = RunCmd(common + "--per-split-data-args-path " + ShellQuote(dir_ / "splits2.json"));
+  EXPECT_EQ(typo.exit_code, 2) << typo.output;
+  EXPECT_NE(typo.output.find("splits2.json: no \"valid\" key: Megatron's file has \"train\", \"valid\" and \"test\" "
+                             "(null for none); this one has \"validation\""),
+            std::string::npos)
+      << typo.output;
+  testing::WriteFile(dir_ / "splits3.json",
+                     "{\"train\": [\"" + prefix_ + "\"], \"valid\": null, \"test\": null, \"note\": \"x\"}");
+  auto nulls = RunCmd(common + "--eval-iters 0 --per-split-data-args-path " + ShellQuote(dir_ / "splits3.json"));
+  EXPECT_EQ(nulls.exit_code, 0) << nulls.output;
   auto missing = RunCmd(common + "--data-args-path " + ShellQuote(dir_ / "nope.txt"));
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_NE(missing.output.find("nope.txt"), std::string::npos) << missing.output;

@@ -1,0 +1,107 @@
+// PlanTraining refuses what Megatron's validate_args refuses in the schedule's flags: lengths in the
+// unit the run is counted in (iterations with --train-iters, samples with --train-samples), and one
+// warm-up. Each of these was taken and silently ignored (the run trained on another schedule than the
+// one asked for).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "trainer/train_options.h"
+
+namespace ptk {
+namespace {
+
+TrainOptions Small() {
+  TrainOptions o;
+  o.model.num_layers = 1;
+  o.model.hidden_size = 32;
+  o.model.num_attention_heads = 2;
+  o.model.ffn_hidden_size = 128;
+  o.model.seq_length = o.model.max_position_embeddings = 16;
+  o.model.vocab_size = 100;
+  o.model.padded_vocab_size = 128;
+  o.mock_data = true;
+  o.micro_batch_size = 2;
+  o.global_batch_size = 4;
+  o.schedule.max_lr = 1e-3;
+  return o;
+}
+
+std::string Refusal(const TrainOptions& o) {
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  EXPECT_FALSE(p.ok());
+  if (p.ok()) return "";
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << p.status();
+  return std::string(p.status().message());
+}
+
+TEST(PlanTraining, ScheduleLengthsInTheOtherUnitAreRefusedAsMegatron) {
+  TrainOptions it = Small();
+  it.train_iters = 10;
+  ASSERT_TRUE(PlanTraining(it, 1).ok());
+  TrainOptions o = it;
+  o.schedule_options.lr_decay_samples = 40;
+  EXPECT_NE(Refusal(o).find("--lr-decay-samples 40: with --train-iters the decay is in iterations"), std::string::npos);
+  o = it;
+  o.schedule_options.lr_warmup_samples = 4;
+  EXPECT_NE(Refusal(o).find("--lr-warmup-samples 4: with --train-iters the warm-up is in iterations"),
+            std::string::npos);
+  o = it;
+  o.schedule_options.lr_warmup_iters = 2;
+  o.schedule_options.lr_warmup_fraction = 0.1;
+  EXPECT_NE(Refusal(o).find("--lr-warmup-fraction 0.1 and --lr-warmup-iters 2: give one of them"), std::string::npos);
+  o = it;
+  o.schedule.decay_style = "WSD";
+  o.schedule_options.lr_wsd_decay_samples = 8;
+  EXPECT_NE(Refusal(o).find("--lr-wsd-decay-samples 8: with --train-iters the WSD anneal is in iterations"),
+            std::string::npos);
+  // What Megatron takes: a fraction with no warm-up iterations, the WSD anneal in iterations.
+  o = it;
+  o.schedule_options.lr_warmup_fraction = 0.1;
+  EXPECT_TRUE(PlanTraining(o, 1).ok());
+  o = it;
+  o.schedule.decay_style = "WSD";
+  o.schedule_options.lr_wsd_decay_iters = 2;
+  EXPECT_TRUE(PlanTraining(o, 1).ok());
+
+  TrainOptions sa = Small();
+  sa.train_samples = 40;
+  ASSERT_TRUE(PlanTraining(sa, 1).ok());
+  o = sa;
+  o.schedule_options.lr_decay_iters = 10;
+  EXPECT_NE(Refusal(o).find("--lr-decay-iters 10: with --train-samples the decay is in samples"), std::string::npos);
+  o = sa;
+  o.schedule_options.lr_warmup_iters = 1;
+  EXPECT_NE(Refusal(o).find("--lr-warmup-iters 1: with --train-samples the warm-up is in samples"), std::string::npos);
+  o = sa;
+  o.schedule_options.lr_warmup_samples = 4;
+  o.schedule_options.lr_warmup_fraction = 0.25;
+  EXPECT_NE(Refusal(o).find("--lr-warmup-fraction 0.25 and --lr-warmup-samples 4: give one of them"),
+            std::string::npos);
+  o = sa;
+  o.schedule.decay_style = "WSD";
+  o.schedule_options.lr_wsd_decay_iters = 2;
+  EXPECT_NE(Refusal(o).find("--lr-wsd-decay-iters 2: with --train-samples the WSD anneal is in samples"),
+            std::string::npos);
+  o = sa;
+  o.schedule_options.lr_decay_samples = 40;
+  o.schedule_options.lr_warmup_samples = 8;
+  EXPECT_TRUE(PlanTraining(o, 1).ok());
+}
+
+// --rampup-batch-size with one or two numbers: the third was read past the vector's end (a SIGFPE
+// with one number; with two, a run of 18 samples for --train-samples 16).
+TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
+  TrainOptions o = Small();
+  o.train_samples = 16;
+  o.rampup_batch_size = {2, 2, 8};
+  ASSERT_TRUE(PlanTraining(o, 1).ok());
+  for (const std::vector<int64_t>& r : {std::vector<int64_t>{2}, std::vector<int64_t>{2, 2}}) {
+    o.rampup_batch_size = r;
+    EXPECT_NE(Refusal(o).find(": give three numbers, START INCR SAMPLES"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace ptk
