@@ -171,18 +171,27 @@ TEST_F(HfLlama, ExportRefusesWhatLlamaForCausalLMCannotComputeNamingIt) {
 }
 
 // Megatron's format takes the Llama line, split over tensor and pipeline ranks, and gives it back.
+// With --qk-layernorm (Qwen3's shape) too: args.qk_layernorm and each stage's
+// self_attention.q_layernorm / k_layernorm, whole on every tensor rank.
 TEST_F(HfLlama, MegatronShardsOfTheLlamaLineComeBackWhole) {
-  Save(Llama(false, true), dir_ / "ckl");
-  ConvertOptions to_meg = Opts("ptk", "megatron", dir_ / "ckl", dir_ / "meg");
-  to_meg.target_tensor_parallel_size = to_meg.target_pipeline_parallel_size = 2;
-  auto meg = ExportToMegatron(to_meg);
-  ASSERT_TRUE(meg.ok()) << meg.status();
-  auto back = ImportFromMegatron(Opts("megatron", "ptk", dir_ / "meg", dir_ / "back"));
-  ASSERT_TRUE(back.ok()) << back.status();
-  std::vector<float> p, m, v;
-  TrainState st;
-  ASSERT_TRUE(LoadCheckpoint(dir_ / "back", 4, layout_, &p, &m, &v, &st).ok());
-  EXPECT_EQ(p, params_);
+  for (bool qk : {false, true}) {
+    const std::string tag = qk ? "q" : "l";
+    GPTConfig c = Llama(false, true);
+    if (qk) c.qk_layernorm = true, c.kv_channels = 8;
+    Save(c, dir_ / ("ck" + tag));
+    ConvertOptions to_meg = Opts("ptk", "megatron", dir_ / ("ck" + tag), dir_ / ("meg" + tag));
+    to_meg.target_tensor_parallel_size = to_meg.target_pipeline_parallel_size = 2;
+    auto meg = ExportToMegatron(to_meg);
+    ASSERT_TRUE(meg.ok()) << meg.status();
+    auto back = ImportFromMegatron(Opts("megatron", "ptk", dir_ / ("meg" + tag), dir_ / ("back" + tag)));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->config.qk_layernorm, qk);
+    EXPECT_EQ(back->train_flags.find("--qk-layernorm") != std::string::npos, qk) << back->train_flags;
+    std::vector<float> p, m, v;
+    TrainState st;
+    ASSERT_TRUE(LoadCheckpoint(dir_ / ("back" + tag), 4, layout_, &p, &m, &v, &st).ok());
+    EXPECT_EQ(p, params_);
+  }
 }
 
 TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
