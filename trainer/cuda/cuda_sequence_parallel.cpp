@@ -9,9 +9,9 @@
 // mirrors it: the gradient of a branch's output is all-gathered, the column-parallel products' input
 // gradients are reduce-scattered, and the norms' and the row-parallel biases' gradients are this
 // rank's rows' only, summed over the group after the data-parallel reduction (TrainStep, through
-// GPTModel::SumNonTensorParallelGrads), as Megatron's finalize_model_grads does. The hidden dropout runs as its own pass
-// (the norm kernels' fused dropout keys whole samples), each element keyed by its place in the whole sample, so the
-// masks are those of one rank.
+// GPTModel::SumNonTensorParallelGrads), as Megatron's finalize_model_grads does. The hidden dropout runs as its own
+// pass (the norm kernels' fused dropout keys whole samples), each element keyed by its place in the whole sample, so
+// the masks are those of one rank.
 #include <cuda_runtime.h>
 
 #include <type_traits>
