@@ -219,7 +219,8 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   s.source = ck.file;
   s.notes = ck.notes;
   const GPTConfig& c = ck.config;
-  // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can.
+  // A GPT-3-style model stays GPT-2's; the Llama line goes to LlamaForCausalLM where it can (with
+  // --qk-layernorm to Qwen3ForCausalLM).
   const bool llama = !c.gpt3();
   if (llama) PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
@@ -262,8 +263,8 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
           "rope_scaling when it loads the model (RoPE has no weights: a larger value changes nothing else)",
           c.max_position_embeddings));
     if (c.hidden_dropout != 0)
-      s.notes.push_back(fmt::format("--hidden-dropout {}: LlamaForCausalLM has no hidden dropout (it is left out)",
-                                    Num(c.hidden_dropout)));
+      s.notes.push_back(fmt::format("--hidden-dropout {}: {} has no hidden dropout (it is left out)",
+                                    Num(c.hidden_dropout), c.qk_layernorm ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
   }
   PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, entries, text));
   s.destination = dir;
@@ -387,7 +388,7 @@ absl::Status ReadHfTensors(const std::string& weights_path, const GPTConfig& c, 
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
 
-// config.json's model: GPT-2's (model_type "gpt2") or Llama's ("llama").
+// config.json's model: GPT-2's (model_type "gpt2"), Llama's ("llama") or Qwen3's ("qwen3").
 absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t make_vocab_size_divisible_by,
                                        std::vector<std::string>* notes) {
   PTK_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(config_path));
@@ -397,8 +398,10 @@ absl::StatusOr<GPTConfig> ReadHfConfig(const std::string& config_path, int64_t m
   PTK_RETURN_IF_ERROR(r.Get("model_type", std::string_view(), &model_type, "a string"));
   if (model_type == "gpt2") return ReadGpt2Config(r, make_vocab_size_divisible_by, notes);
   if (model_type == "llama") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes);
+  if (model_type == "qwen3") return hf_detail::ReadLlamaConfig(r, make_vocab_size_divisible_by, notes, /*qwen3=*/true);
   return r.Bad(fmt::format(
-      "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\") and Llama models (model_type \"llama\")",
+      "model_type {:?}: ptk reads GPT-2 models (model_type \"gpt2\"), Llama models (model_type \"llama\") and Qwen3 "
+      "models (model_type \"qwen3\")",
       model_type));
 }
 

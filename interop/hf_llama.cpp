@@ -41,11 +41,18 @@ absl::Status CheckLlamaExportable(const GPTConfig& c, const std::string& file) {
         "--rotary-percent {} (LlamaForCausalLM rotates every channel of a head; partial rotary is another model's)",
         SettingNum(c.rotary_percent)));
   if (!c.swiglu) why.push_back("no --swiglu (LlamaForCausalLM's MLP is SwiGLU's gated one)");
-  if (!c.add_bias_linear && c.add_qkv_bias)
+  if (c.qk_layernorm) {  // Qwen3ForCausalLM: its attention_bias biases q, k, v and o, its MLP has none
+    if (c.add_bias_linear)
+      why.push_back("--qk-layernorm with biased linear layers (Qwen3ForCausalLM's MLP has no biases)");
+    else if (c.add_qkv_bias)
+      why.push_back(
+          "--qk-layernorm with --add-qkv-bias (Qwen3ForCausalLM's attention_bias biases q, k, v and o together)");
+  } else if (!c.add_bias_linear && c.add_qkv_bias) {
     why.push_back(
         "--add-qkv-bias without the other linear biases (LlamaForCausalLM's attention_bias biases q, k, v and o "
         "together)");
-  if (c.head_dim() * c.num_attention_heads != c.hidden_size)
+  }
+  if (!c.qk_layernorm && c.head_dim() * c.num_attention_heads != c.hidden_size)
     why.push_back(fmt::format(
         "--kv-channels {} with {} heads of hidden size {} (transformers 4.44's Llama takes head_dim = hidden_size / "
         "num_attention_heads)",
@@ -53,9 +60,9 @@ absl::Status CheckLlamaExportable(const GPTConfig& c, const std::string& file) {
   if (why.empty()) return absl::OkStatus();
   std::string list;
   for (const std::string& w : why) list += (list.empty() ? "" : "; ") + w;
-  return absl::FailedPreconditionError(fmt::format(
-      "{}: this model is neither GPT-2's (GPT2LMHeadModel) nor one Hugging Face's LlamaForCausalLM computes: {}", file,
-      list));
+  return absl::FailedPreconditionError(
+      fmt::format("{}: this model is neither GPT-2's (GPT2LMHeadModel) nor one Hugging Face's {} computes: {}", file,
+                  c.qk_layernorm ? "Qwen3ForCausalLM (--qk-layernorm)" : "LlamaForCausalLM", list));
 }
 
 std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
@@ -70,6 +77,34 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
                                              },
                                              1)
                                        : "null";
+  if (c.qk_layernorm)  // Qwen3Config's keys: no mlp_bias (its MLP is bias-free), no pretraining_tp
+    return PrettyConfig({
+        {"architectures", "[\n    \"Qwen3ForCausalLM\"\n  ]"},
+        {"attention_bias", Bool(false)},
+        {"attention_dropout", Num(c.attention_dropout)},
+        {"bos_token_id", Int(eod)},
+        {"eos_token_id", Int(eod)},
+        {"head_dim", Int(c.head_dim())},
+        {"hidden_act", Str("silu")},
+        {"hidden_size", Int(c.hidden_size)},
+        {"initializer_range", Num(c.init_method_std)},
+        {"intermediate_size", Int(c.ffn_hidden_size)},
+        {"max_position_embeddings", Int(c.max_position_embeddings)},
+        {"max_window_layers", Int(c.num_layers)},
+        {"model_type", Str("qwen3")},
+        {"num_attention_heads", Int(c.num_attention_heads)},
+        {"num_hidden_layers", Int(c.num_layers)},
+        {"num_key_value_heads", Int(c.query_groups())},
+        {"rms_norm_eps", Num(c.layernorm_epsilon)},
+        {"rope_scaling", rope_scaling},
+        {"rope_theta", Num(c.rotary_base)},
+        {"sliding_window", "null"},
+        {"tie_word_embeddings", Bool(!c.untie_embeddings_and_output_weights)},
+        {"torch_dtype", Str("float32")},
+        {"use_cache", Bool(true)},
+        {"use_sliding_window", Bool(false)},
+        {"vocab_size", Int(c.vocab_size)},
+    });
   return PrettyConfig({
       {"architectures", "[\n    \"LlamaForCausalLM\"\n  ]"},
       {"attention_bias", Bool(c.add_bias_linear)},
@@ -112,6 +147,10 @@ std::vector<HfTensor> LlamaTensorsOf(const GPTConfig& c) {
     }
     t.push_back({p + "self_attn.o_proj.weight", {h, q}, {}});
     if (bias) t.push_back({p + "self_attn.o_proj.bias", {h}, {}});
+    if (c.qk_layernorm) {  // Qwen3's q_norm and k_norm (RMSNorm over a head)
+      t.push_back({p + "self_attn.q_norm.weight", {hd}, {}});
+      t.push_back({p + "self_attn.k_norm.weight", {hd}, {}});
+    }
     for (const char* name : {"gate_proj", "up_proj"}) {
       t.push_back({p + "mlp." + name + ".weight", {f, h}, {}});
       if (bias) t.push_back({p + "mlp." + name + ".bias", {f}, {}});
@@ -168,6 +207,10 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
         if (c.add_bias_linear) move(p + "self_attn." + proj + ".bias", head * hd, lp.qkv_b + row, hd);
       }
     copy(p + "self_attn.o_proj.weight", lp.proj_w);
+    if (c.qk_layernorm) {
+      copy(p + "self_attn.q_norm.weight", lp.q_norm_w);
+      copy(p + "self_attn.k_norm.weight", lp.k_norm_w);
+    }
     // linear_fc1's rows: [gate; up].
     copy(p + "mlp.gate_proj.weight", lp.fc1_w);
     copy(p + "mlp.up_proj.weight", lp.fc1_w + f * h);
@@ -185,38 +228,62 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
   if (c.untie_embeddings_and_output_weights) vocab("lm_head.weight", layout.out_w);
 }
 
-absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
-                                          std::vector<std::string>* notes) {
-  GPTConfig c;
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding = PositionEmbedding::kRope;
-  c.swiglu = true;
-  // Absent keys take LlamaConfig's defaults.
-  PTK_RETURN_IF_ERROR(r.GetInt("num_hidden_layers", &c.num_layers, 32));
-  PTK_RETURN_IF_ERROR(r.GetInt("hidden_size", &c.hidden_size, 4096));
-  PTK_RETURN_IF_ERROR(r.GetInt("num_attention_heads", &c.num_attention_heads, 32));
-  PTK_RETURN_IF_ERROR(r.GetInt("num_key_value_heads", &c.num_query_groups, c.num_attention_heads));
-  PTK_RETURN_IF_ERROR(r.GetInt("intermediate_size", &c.ffn_hidden_size, 11008));
-  PTK_RETURN_IF_ERROR(r.GetInt("max_position_embeddings", &c.max_position_embeddings, 2048));
-  PTK_RETURN_IF_ERROR(r.GetInt("vocab_size", &c.vocab_size, 32000));
-  if (c.hidden_size % c.num_attention_heads != 0)
+namespace {
+
+// Qwen3Config's dimensions (absent keys: its defaults); head_dim any width (Megatron's --kv-channels).
+absl::Status ReadQwen3Dims(const HfConfigReader& r, GPTConfig* c) {
+  PTK_RETURN_IF_ERROR(r.GetInt("num_hidden_layers", &c->num_layers, 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("hidden_size", &c->hidden_size, 4096));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_attention_heads", &c->num_attention_heads, 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_key_value_heads", &c->num_query_groups, c->num_attention_heads));
+  PTK_RETURN_IF_ERROR(r.GetInt("intermediate_size", &c->ffn_hidden_size, 22016));
+  PTK_RETURN_IF_ERROR(r.GetInt("max_position_embeddings", &c->max_position_embeddings, 32768));
+  PTK_RETURN_IF_ERROR(r.GetInt("vocab_size", &c->vocab_size, 151936));
+  PTK_RETURN_IF_ERROR(r.GetInt("head_dim", &c->kv_channels, 128));
+  if (c->num_attention_heads < 1 || c->num_query_groups < 1 || c->num_attention_heads % c->num_query_groups != 0)
+    return r.Bad(fmt::format("num_key_value_heads {} does not divide num_attention_heads {}", c->num_query_groups,
+                             c->num_attention_heads));
+  bool sliding = false;
+  PTK_RETURN_IF_ERROR(r.Get("use_sliding_window", false, &sliding, "true or false"));
+  if (sliding) return r.Bad("use_sliding_window true: ptk's attention is causal over the whole sequence");
+  bool attention_bias = false;
+  PTK_RETURN_IF_ERROR(r.Get("attention_bias", false, &attention_bias, "true or false"));
+  if (attention_bias)
     return r.Bad(
-        fmt::format("num_attention_heads {} does not divide hidden_size {}", c.num_attention_heads, c.hidden_size));
-  if (c.num_attention_heads % c.num_query_groups != 0)
-    return r.Bad(fmt::format("num_key_value_heads {} does not divide num_attention_heads {}", c.num_query_groups,
-                             c.num_attention_heads));
-  int64_t head_dim = 0;
-  PTK_RETURN_IF_ERROR(r.GetInt("head_dim", &head_dim, c.hidden_size / c.num_attention_heads));
-  if (head_dim != c.hidden_size / c.num_attention_heads)
+        "attention_bias true: Qwen3's q, k, v and o biases without MLP biases are no ptk model (Megatron's "
+        "--add-qkv-bias biases q, k and v only, --disable-bias-linear off biases every linear layer)");
+  return absl::OkStatus();
+}
+
+// LlamaConfig's dimensions and biases (absent keys: its defaults); head_dim hidden_size / heads only.
+absl::Status ReadLlamaDims(const HfConfigReader& r, int64_t make_vocab_size_divisible_by, GPTConfig* c,
+                           int64_t* head_dim_out, bool* tie) {
+  int64_t& head_dim = *head_dim_out;
+  // Absent keys take LlamaConfig's defaults.
+  PTK_RETURN_IF_ERROR(r.GetInt("num_hidden_layers", &c->num_layers, 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("hidden_size", &c->hidden_size, 4096));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_attention_heads", &c->num_attention_heads, 32));
+  PTK_RETURN_IF_ERROR(r.GetInt("num_key_value_heads", &c->num_query_groups, c->num_attention_heads));
+  PTK_RETURN_IF_ERROR(r.GetInt("intermediate_size", &c->ffn_hidden_size, 11008));
+  PTK_RETURN_IF_ERROR(r.GetInt("max_position_embeddings", &c->max_position_embeddings, 2048));
+  PTK_RETURN_IF_ERROR(r.GetInt("vocab_size", &c->vocab_size, 32000));
+  if (c->hidden_size % c->num_attention_heads != 0)
+    return r.Bad(
+        fmt::format("num_attention_heads {} does not divide hidden_size {}", c->num_attention_heads, c->hidden_size));
+  if (c->num_attention_heads % c->num_query_groups != 0)
+    return r.Bad(fmt::format("num_key_value_heads {} does not divide num_attention_heads {}", c->num_query_groups,
+                             c->num_attention_heads));
+  PTK_RETURN_IF_ERROR(r.GetInt("head_dim", &head_dim, c->hidden_size / c->num_attention_heads));
+  if (head_dim != c->hidden_size / c->num_attention_heads)
     return r.Bad(
         fmt::format("head_dim {} is not hidden_size / num_attention_heads ({}): ptk-convert reads the Llama "
                     "of transformers 4.44, whose heads are hidden_size / num_attention_heads wide",
-                    head_dim, c.hidden_size / c.num_attention_heads));
-  c.seq_length = c.max_position_embeddings;
-  c.padded_vocab_size = PaddedVocabSize(c.vocab_size, make_vocab_size_divisible_by);
-  bool tie = false, attention_bias = false, mlp_bias = false;
-  PTK_RETURN_IF_ERROR(r.Get("tie_word_embeddings", false, &tie, "true or false"));
-  c.untie_embeddings_and_output_weights = !tie;
+                    head_dim, c->hidden_size / c->num_attention_heads));
+  c->seq_length = c->max_position_embeddings;
+  c->padded_vocab_size = PaddedVocabSize(c->vocab_size, make_vocab_size_divisible_by);
+  bool attention_bias = false, mlp_bias = false;
+  PTK_RETURN_IF_ERROR(r.Get("tie_word_embeddings", false, tie, "true or false"));
+  c->untie_embeddings_and_output_weights = !*tie;
   PTK_RETURN_IF_ERROR(r.Get("attention_bias", false, &attention_bias, "true or false"));
   PTK_RETURN_IF_ERROR(r.Get("mlp_bias", false, &mlp_bias, "true or false"));
   if (attention_bias != mlp_bias)
@@ -224,7 +291,32 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
         fmt::format("attention_bias {} with mlp_bias {}: ptk's linear layers are biased all together (Megatron's "
                     "--disable-bias-linear off) or none of them",
                     Bool(attention_bias), Bool(mlp_bias)));
-  c.add_bias_linear = attention_bias;
+  c->add_bias_linear = attention_bias;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
+                                          std::vector<std::string>* notes, bool qwen3) {
+  GPTConfig c;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.swiglu = true;
+  c.qk_layernorm = qwen3;  // Qwen3's q_norm and k_norm: Megatron's --qk-layernorm
+  int64_t head_dim = 0;
+  bool tie = false;
+  if (qwen3) {
+    PTK_RETURN_IF_ERROR(ReadQwen3Dims(r, &c));
+    head_dim = c.kv_channels;
+    c.seq_length = c.max_position_embeddings;
+    c.padded_vocab_size = PaddedVocabSize(c.vocab_size, make_vocab_size_divisible_by);
+    PTK_RETURN_IF_ERROR(r.Get("tie_word_embeddings", false, &tie, "true or false"));
+    c.untie_embeddings_and_output_weights = !tie;
+    c.add_bias_linear = false;
+  } else {
+    PTK_RETURN_IF_ERROR(ReadLlamaDims(r, make_vocab_size_divisible_by, &c, &head_dim, &tie));
+  }
   std::string_view act;
   PTK_RETURN_IF_ERROR(r.Get("hidden_act", std::string_view("silu"), &act, "a string"));
   if (act != "silu")
@@ -313,6 +405,7 @@ std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& 
       {"--kv-channels", Int(c.head_dim())},
       {"--disable-bias-linear", c.add_bias_linear ? "off" : "on"},
       {"--add-qkv-bias", "off"},
+      {"--qk-layernorm", c.qk_layernorm ? "on" : "off"},
       {"--hidden-dropout", SettingNum(c.hidden_dropout)},
       {"--attention-dropout", SettingNum(c.attention_dropout)},
       {"--init-method-std", SettingNum(c.init_method_std)},
@@ -330,6 +423,8 @@ std::string LlamaTrainFlags(const GPTConfig& c) {
           : "",
       c.add_bias_linear ? "" : " --disable-bias-linear",
       c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "");
+  if (c.head_dim() * c.num_attention_heads != c.hidden_size) flags += fmt::format(" --kv-channels {}", c.head_dim());
+  if (c.qk_layernorm) flags += " --qk-layernorm";
   return flags;
 }
 

@@ -35,7 +35,7 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
 // config.json (model_type "llama") as the model ptk trains; refused where ptk would compute another
 // model (an activation but SiLU, a rope_scaling but Llama 3.1's, biases on one side only).
 absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
-                                          std::vector<std::string>* notes);
+                                          std::vector<std::string>* notes, bool qwen3 = false);
 
 // model.safetensors: every tensor `tensors` names with its shape and finite values, nothing else
 // (rotary inv_freq buffers aside; a tied model's lm_head.weight only as a copy of the embedding).

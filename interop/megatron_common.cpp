@@ -262,14 +262,15 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
   if (BoolAttr(args, "apply_layernorm_1p", false)) unsupported.push_back("--apply-layernorm-1p");
   if (BoolAttr(args, "apply_residual_connection_post_layernorm", false))
     unsupported.push_back("--apply-residual-connection-post-layernorm");
-  if (BoolAttr(args, "qk_layernorm", false)) unsupported.push_back("--qk-layernorm");
+  c.qk_layernorm = BoolAttr(args, "qk_layernorm", false);
+  if (BoolAttr(args, "qk_l2_norm", false)) unsupported.push_back("--qk-l2-norm");
   if (BoolAttr(args, "squared_relu", false)) unsupported.push_back("--squared-relu");
   if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
   if (!unsupported.empty())
     return absl::FailedPreconditionError(fmt::format(
         "{}: the model was trained with {}: ptk's model is Megatron's GPT with the Llama line's settings "
         "(--normalization, --position-embedding-type rope, --swiglu, --group-query-attention, --kv-channels, "
-        "--disable-bias-linear)",
+        "--disable-bias-linear, --qk-layernorm)",
         source, fmt::join(unsupported, ", ")));
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
@@ -317,6 +318,7 @@ std::string LlamaLineFlags(const GPTConfig& c) {
   if (c.kv_channels > 0) f += fmt::format(" --kv-channels {}", c.kv_channels);
   if (!c.add_bias_linear) f += " --disable-bias-linear";
   if (c.add_qkv_bias) f += " --add-qkv-bias";
+  if (c.qk_layernorm) f += " --qk-layernorm";
   return f;
 }
 }  // namespace
@@ -392,6 +394,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       {"--kv-channels", std::to_string(c.head_dim())},
       {"--disable-bias-linear", c.add_bias_linear ? "off" : "on"},
       {"--add-qkv-bias", c.add_qkv_bias ? "on" : "off"},
+      {"--qk-layernorm", c.qk_layernorm ? "on" : "off"},
       {"--seed", std::to_string(state.seed)},
       {"--bf16/--fp16", BoolAttr(args, "bf16", false)   ? "bf16"
                         : BoolAttr(args, "fp16", false) ? "fp16"

@@ -113,7 +113,7 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_b("swiglu", c.swiglu);
   set_b("add_bias_linear", c.add_bias_linear);
   set_b("add_qkv_bias", c.qkv_bias());
-  set_b("qk_layernorm", false);
+  set_b("qk_layernorm", c.qk_layernorm);
   set_b("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
   set_f("hidden_dropout", c.hidden_dropout);
   set_f("attention_dropout", c.attention_dropout);

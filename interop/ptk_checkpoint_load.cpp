@@ -78,6 +78,8 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
     c.swiglu = swiglu;
     c.add_bias_linear = bias;
     c.add_qkv_bias = qkv_bias;
+    bool qk_layernorm = false;  // written only when on
+    if (!m["qk_layernorm"].get(qk_layernorm)) c.qk_layernorm = qk_layernorm;
   }
   simdjson::dom::array settings;
   if (!h["settings"].get(settings))

@@ -30,6 +30,9 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
                   "Key/value heads with --group-query-attention (Megatron's default 1)");
   app->add_flag("--disable-bias-linear", f->disable_bias_linear, "Linear layers without biases (Llama's)");
   app->add_flag("--add-qkv-bias", m.add_qkv_bias, "A QKV bias even with --disable-bias-linear (Qwen's)");
+  app->add_flag("--qk-layernorm", m.qk_layernorm,
+                "Normalise each query and key head (--normalization's norm over --kv-channels) before RoPE "
+                "(Qwen3's q_norm / k_norm); CPU backend only");
 }
 
 absl::Status ResolveLlamaFlags(const TrainFlags& f, int64_t tp, GPTConfig* m) {

@@ -82,7 +82,6 @@ constexpr ModelRefusal kModelRefusals[] = {
      "rotary position interpolation is not implemented; Llama 3.1's scaling is --use-rope-scaling"},
     {"--rope-scaling-factor", true, "--use-rope-scaling has Llama 3.1's factor 8 only"},
     {"--squared-relu", false, "the squared-ReLU activation is not implemented; ptk's MLP uses GELU"},
-    {"--qk-layernorm", false, "LayerNorm on queries and keys is not implemented"},
     {"--apply-layernorm-1p", false, "LayerNorm with a zero-centred gamma is not implemented"},
     {"--apply-residual-connection-post-layernorm", false,
      "the residual is taken before LayerNorm in ptk's model (pre-LN, Megatron's default)"},

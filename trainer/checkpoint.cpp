@@ -68,6 +68,7 @@ std::string ModelJson(const GPTConfig& c) {
         .Field("kv_channels", c.head_dim())
         .Field("add_bias_linear", c.add_bias_linear)
         .Field("add_qkv_bias", c.add_qkv_bias);
+    if (c.qk_layernorm) w.Field("qk_layernorm", true);
     if (c.rope())
       w.Field("rotary_base", c.rotary_base)
           .Field("rotary_percent", c.rotary_percent)

@@ -208,10 +208,11 @@ absl::Status GPTModel::AllReduceGradRanges(Communicator*, std::span<const GradRa
   return absl::UnimplementedError(fmt::format("the {} backend has no coalesced gradient all-reduce", Describe()));
 }
 
-absl::Status GPTModel::SumSequenceParallelGrads() {
-  if (!sequence_parallel_ || !tensor_comm_) return absl::OkStatus();
-  if (sequence_parallel_ranges_.empty()) sequence_parallel_ranges_ = SequenceParallelGradRanges(layout_);
-  return AllReduceGradRanges(tensor_comm_, sequence_parallel_ranges_);
+absl::Status GPTModel::SumNonTensorParallelGrads() {
+  if (!sums_non_tensor_parallel_grads()) return absl::OkStatus();
+  if (non_tensor_parallel_ranges_.empty())
+    non_tensor_parallel_ranges_ = NonTensorParallelGradRanges(layout_, sequence_parallel_);
+  return AllReduceGradRanges(tensor_comm_, non_tensor_parallel_ranges_);
 }
 
 absl::StatusOr<int64_t> CheckGradRanges(std::span<const GradRange> ranges, int64_t num_params) {

@@ -176,14 +176,17 @@ class GPTModel {
   // (gloo's: rank order; any communicator at two ranks, a + b being b + a); NCCL's ring at more than
   // two ranks may add an element in another order than a range of its own would.
   virtual absl::Status AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges);
-  // --sequence-parallel: sums the gradients of SequenceParallelGradRanges (each tensor rank's
-  // positions' share, what backward leaves) over the tensor group in one all-reduce
-  // (AllReduceGradRanges), as Megatron's _allreduce_non_tensor_model_parallel_grads flattens them
-  // into one buffer: TrainStep calls it once per step, after the data-parallel reduction. Under
-  // ZeRO-1 the whole ranges are summed, as Megatron does, though only this rank's shard of them
-  // holds data-parallel sums (its tensor peers cut the same shard). Nothing to do without sequence
-  // parallelism.
-  absl::Status SumSequenceParallelGrads();
+  // Sums the gradients of NonTensorParallelGradRanges (under --sequence-parallel each tensor rank's
+  // positions' share, with --qk-layernorm the query and key norms' share of this rank's heads: what
+  // backward leaves) over the tensor group in one all-reduce (AllReduceGradRanges), as Megatron's
+  // _allreduce_non_tensor_model_parallel_grads flattens them into one buffer: TrainStep calls it
+  // once per step, after the data-parallel reduction. Under ZeRO-1 the whole ranges are summed, as
+  // Megatron does, though only this rank's shard of them holds data-parallel sums (its tensor peers
+  // cut the same shard). Nothing to do without either (sums_non_tensor_parallel_grads()).
+  absl::Status SumNonTensorParallelGrads();
+  bool sums_non_tensor_parallel_grads() const {
+    return tensor_comm_ != nullptr && tensor_size() > 1 && (sequence_parallel_ || config().qk_layernorm);
+  }
   // ZeRO-1: each rank's reduced piece of the gradients [begin, begin + n) (its shard's part, as
   // ReduceScatterGrads left it) to every rank of `comm`, so that the range holds the data-parallel
   // sums whole (a tied embedding copy, before the embedding group sums the stages' copies).
@@ -268,7 +271,7 @@ class GPTModel {
   bool sequence_parallel_ = false;  // with a tensor group of more than one rank
 
  private:
-  std::vector<GradRange> sequence_parallel_ranges_;  // SequenceParallelGradRanges, made at the first sum
+  std::vector<GradRange> non_tensor_parallel_ranges_;  // NonTensorParallelGradRanges, made at the first sum
   std::vector<GradRange> ready_order_;
   BucketTracker tracker_;
   int launched_in_backward_ = 0;

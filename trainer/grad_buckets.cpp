@@ -52,6 +52,22 @@ std::vector<GradRange> SequenceParallelGradRanges(const ParamLayout& layout) {
   return out;
 }
 
+std::vector<GradRange> NonTensorParallelGradRanges(const ParamLayout& layout, bool sequence_parallel) {
+  if (sequence_parallel) return SequenceParallelGradRanges(layout);
+  std::vector<GradRange> out;
+  if (layout.tensor_size <= 1) return out;
+  for (const LayerParams& lp : layout.layers)
+    for (int64_t at : {lp.q_norm_w, lp.q_norm_b, lp.k_norm_w, lp.k_norm_b}) {
+      if (at < 0) continue;
+      const int64_t size = layout.config.head_dim();
+      if (!out.empty() && out.back().end == at)
+        out.back().end += size;
+      else
+        out.push_back({at, at + size});
+    }
+  return out;
+}
+
 int64_t DefaultDdpBucketSize(int data_parallel_size) {
   return std::max<int64_t>(40000000, int64_t{1000000} * data_parallel_size);
 }

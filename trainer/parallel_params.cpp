@@ -81,8 +81,11 @@ int64_t ParamsOnModelParallelRank(const GPTConfig& c, int tensor, int pipeline, 
   const int64_t attention = c.num_attention_heads * c.head_dim();  // the projection's input
   const int64_t fc1 = (c.swiglu ? 2 : 1) * ffn;                    // SwiGLU's fc1: [gate; up]
   const int64_t bias = c.add_bias_linear ? 1 : 0;
+  // --qk-layernorm: the query and the key norm over head_dim channels, whole on every tensor rank.
+  const int64_t qk_norms = c.qk_layernorm ? 2 * (norm / h) * c.head_dim() : 0;
   const int64_t layer = norm                                          // input norm
                         + qkv * h / t + (c.qkv_bias() ? qkv / t : 0)  // column-parallel QKV
+                        + qk_norms                                    // query and key norms
                         + h * attention / t + bias * h                // row-parallel projection, bias whole
                         + norm                                        // pre-MLP norm
                         + fc1 * h / t + bias * fc1 / t                // column-parallel fc1

@@ -115,6 +115,10 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
                             {&lp.ln1_b, w.ln1_b},
                             {&lp.qkv_w, w.qkv_w},
                             {&lp.qkv_b, w.qkv_b},
+                            {&lp.q_norm_w, w.q_norm_w},
+                            {&lp.q_norm_b, w.q_norm_b},
+                            {&lp.k_norm_w, w.k_norm_w},
+                            {&lp.k_norm_b, w.k_norm_b},
                             {&lp.proj_w, w.proj_w},
                             {&lp.proj_b, w.proj_b},
                             {&lp.ln2_w, w.ln2_w},
@@ -207,6 +211,14 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {qkv_t, c}, std, 0.0f, 0);
     lp.qkv_b =
         add_if(config.qkv_bias(), p + "self_attention.linear_qkv.bias", std::vector<int64_t>{qkv_t}, 0.0, 0.0f, 0);
+    // --qk-layernorm: whole on every tensor rank (each rank's heads' share of their gradients is
+    // summed over the tensor group: NonTensorParallelGradRanges), registered after linear_qkv as
+    // Megatron's SelfAttention does.
+    const std::vector<int64_t> hd{config.head_dim()};
+    lp.q_norm_w = add_if(config.qk_layernorm, p + "self_attention.q_layernorm.weight", hd, 0.0, 1.0f);
+    lp.q_norm_b = add_if(config.qk_layernorm && ln, p + "self_attention.q_layernorm.bias", hd, 0.0);
+    lp.k_norm_w = add_if(config.qk_layernorm, p + "self_attention.k_layernorm.weight", hd, 0.0, 1.0f);
+    lp.k_norm_b = add_if(config.qk_layernorm && ln, p + "self_attention.k_layernorm.bias", hd, 0.0);
     lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, att_t}, out_std, 0.0f, 1);
     lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
     lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, 1.0f);

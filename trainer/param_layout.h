@@ -45,6 +45,10 @@ struct GPTConfig {
   int64_t kv_channels = 0;        // the head dimension; 0: hidden_size / num_attention_heads
   bool add_bias_linear = true;    // biases of QKV, proj, fc1, fc2
   bool add_qkv_bias = false;      // the QKV bias even without add_bias_linear
+  // Megatron's --qk-layernorm (Qwen3's q_norm / k_norm): the configuration's norm over each query and
+  // each key head's head_dim channels after the QKV projection, before RoPE; one weight (and, for
+  // LayerNorm, bias) of head_dim for all query heads, one for all key heads.
+  bool qk_layernorm = false;
 
   absl::Status Validate() const;
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
@@ -59,7 +63,7 @@ struct GPTConfig {
   bool gpt3() const {
     return normalization == Normalization::kLayerNorm && position_embedding == PositionEmbedding::kLearnedAbsolute &&
            !swiglu && query_groups() == num_attention_heads && head_dim() * num_attention_heads == hidden_size &&
-           add_bias_linear;
+           add_bias_linear && !qk_layernorm;
   }
 };
 
@@ -98,9 +102,11 @@ struct PipelineStage {
 PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank);
 
 // Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer; -1 for
-// a tensor the model has not (biases without add_bias_linear, norm biases under RMSNorm).
+// a tensor the model has not (biases without add_bias_linear, norm biases under RMSNorm, the query
+// and key norms without qk_layernorm).
 struct LayerParams {
   int64_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
+  int64_t q_norm_w = -1, q_norm_b = -1, k_norm_w = -1, k_norm_b = -1;
 };
 
 // Where every parameter lives in the one flat buffer: Megatron-core's names and order, shared by

@@ -105,6 +105,7 @@ Settings ModelSettings(const GPTConfig& m) {
       {"--kv-channels", std::to_string(m.head_dim())},
       {"--disable-bias-linear", m.add_bias_linear ? "off" : "on"},
       {"--add-qkv-bias", m.add_qkv_bias ? "on" : "off"},
+      {"--qk-layernorm", m.qk_layernorm ? "on" : "off"},
       {"--hidden-dropout", num(m.hidden_dropout)},
       {"--attention-dropout", num(m.attention_dropout)},
       {"--init-method-std", num(m.init_method_std)},

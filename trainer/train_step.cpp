@@ -200,10 +200,11 @@ absl::Status TrainStep::FinalizeGrads(const GradRange& tied, bool armed, bool ov
   // Megatron times the sum as non-tensor-parallel-grads-all-reduce (level 1, megatron-core 0.16's
   // finalize_model_grads), a name its training log's timer list leaves out (it lists the former
   // layernorm-grads-all-reduce, which nothing times): timed, barrier and all, never printed. Timed
-  // where there is a sum, as embedding-grads-all-reduce is; sequence parallelism is every rank's.
-  if (model_->sequence_parallel()) {
+  // where there is a sum, as embedding-grads-all-reduce is; sequence parallelism (and
+  // --qk-layernorm's tensor-parallel sum) is every rank's.
+  if (model_->sums_non_tensor_parallel_grads()) {
     PTK_RETURN_IF_ERROR(StartTimer(timers_, "non-tensor-parallel-grads-all-reduce", 1));
-    PTK_RETURN_IF_ERROR(model_->SumSequenceParallelGrads());
+    PTK_RETURN_IF_ERROR(model_->SumNonTensorParallelGrads());
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "non-tensor-parallel-grads-all-reduce"));
   }
   // Timed on every stage of tied embeddings, as Megatron does (a middle stage has no copy to sum):

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -170,18 +171,27 @@ TEST_F(HfLlama, ExportRefusesWhatLlamaForCausalLMCannotComputeNamingIt) {
 }
 
 // Megatron's format takes the Llama line, split over tensor and pipeline ranks, and gives it back.
+// With --qk-layernorm (Qwen3's shape) too: args.qk_layernorm and each stage's
+// self_attention.q_layernorm / k_layernorm, whole on every tensor rank.
 TEST_F(HfLlama, MegatronShardsOfTheLlamaLineComeBackWhole) {
-  Save(Llama(false, true), dir_ / "ckl");
-  ConvertOptions to_meg = Opts("ptk", "megatron", dir_ / "ckl", dir_ / "meg");
-  to_meg.target_tensor_parallel_size = to_meg.target_pipeline_parallel_size = 2;
-  auto meg = ExportToMegatron(to_meg);
-  ASSERT_TRUE(meg.ok()) << meg.status();
-  auto back = ImportFromMegatron(Opts("megatron", "ptk", dir_ / "meg", dir_ / "back"));
-  ASSERT_TRUE(back.ok()) << back.status();
-  std::vector<float> p, m, v;
-  TrainState st;
-  ASSERT_TRUE(LoadCheckpoint(dir_ / "back", 4, layout_, &p, &m, &v, &st).ok());
-  EXPECT_EQ(p, params_);
+  for (bool qk : {false, true}) {
+    const std::string tag = qk ? "q" : "l";
+    GPTConfig c = Llama(false, true);
+    if (qk) c.qk_layernorm = true, c.kv_channels = 8;
+    Save(c, dir_ / ("ck" + tag));
+    ConvertOptions to_meg = Opts("ptk", "megatron", dir_ / ("ck" + tag), dir_ / ("meg" + tag));
+    to_meg.target_tensor_parallel_size = to_meg.target_pipeline_parallel_size = 2;
+    auto meg = ExportToMegatron(to_meg);
+    ASSERT_TRUE(meg.ok()) << meg.status();
+    auto back = ImportFromMegatron(Opts("megatron", "ptk", dir_ / ("meg" + tag), dir_ / ("back" + tag)));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->config.qk_layernorm, qk);
+    EXPECT_EQ(back->train_flags.find("--qk-layernorm") != std::string::npos, qk) << back->train_flags;
+    std::vector<float> p, m, v;
+    TrainState st;
+    ASSERT_TRUE(LoadCheckpoint(dir_ / ("back" + tag), 4, layout_, &p, &m, &v, &st).ok());
+    EXPECT_EQ(p, params_);
+  }
 }
 
 TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
@@ -204,7 +214,7 @@ TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
       {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"silu\", \"partial_rotary_factor\": 0.5",
        "partial_rotary_factor 0.5"},
       {"\"model_type\": \"llama\"", "\"model_type\": \"mistral\"",
-       "model_type \"mistral\": ptk reads GPT-2 models (model_type \"gpt2\") and Llama models"},
+       "model_type \"mistral\": ptk reads GPT-2 models (model_type \"gpt2\"), Llama models"},
   };
   int n = 0;
   for (const Case& k : bad) {
@@ -244,6 +254,118 @@ TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
   EXPECT_NE(r.status().message().find("tensor model.layers.1.mlp.up_proj.weight: missing (config.json asks for "
                                       "shape [24, 16])"),
             std::string::npos)
+      << r.status();
+}
+
+// --qk-layernorm in a Qwen3 shape (no biases, head_dim 8 wider than hidden / heads = 4): exported as
+// Qwen3ForCausalLM (config.json's model_type "qwen3", q_norm / k_norm beside the projections), the
+// export imported and exported again byte for byte with the same weights; what Qwen3ForCausalLM
+// cannot hold refused by the export, what ptk cannot compute by the import, each in one line.
+GPTConfig Qwen3(bool untie) {
+  GPTConfig c = Llama(/*bias=*/false, untie);
+  c.qk_layernorm = true;
+  c.kv_channels = 8;
+  c.use_rope_scaling = false;
+  c.rotary_base = 1000000;
+  return c;
+}
+
+TEST_F(HfLlama, Qwen3ExportImportExportIsByteIdentical) {
+  for (bool untie : {false, true}) {
+    const std::string tag = untie ? "u" : "t";
+    Save(Qwen3(untie), dir_ / ("ck" + tag));
+    auto ex = ExportToHf(Opts("ptk", "hf", dir_ / ("ck" + tag), dir_ / ("hf" + tag)));
+    ASSERT_TRUE(ex.ok()) << ex.status();
+    const std::string hf = dir_ / ("hf" + tag), config = ReadFile(hf + "/config.json");
+    for (const char* want :
+         {"\"Qwen3ForCausalLM\"", "\"model_type\": \"qwen3\"", "\"head_dim\": 8", "\"attention_bias\": false",
+          "\"use_sliding_window\": false", "\"rope_theta\": 1000000.0", "\"num_key_value_heads\": 2"})
+      EXPECT_NE(config.find(want), std::string::npos) << want << "\n" << config;
+    EXPECT_EQ(config.find("mlp_bias"), std::string::npos) << config;
+    std::vector<int64_t> shape;
+    const auto& lp = layout_.layers[1];
+    const std::vector<float> qn = Tensor(hf, "model.layers.1.self_attn.q_norm.weight", &shape);
+    EXPECT_EQ(shape, (std::vector<int64_t>{8}));
+    const std::vector<float> kn = Tensor(hf, "model.layers.1.self_attn.k_norm.weight");
+    for (int64_t d = 0; d < 8; ++d) {
+      EXPECT_EQ(qn[d], P(lp.q_norm_w + d));
+      EXPECT_EQ(kn[d], P(lp.k_norm_w + d));
+    }
+    EXPECT_EQ(Tensor(hf, "model.layers.1.self_attn.q_proj.weight", &shape).size(), 4u * 8 * 16);
+    auto imp = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("back" + tag)));
+    ASSERT_TRUE(imp.ok()) << imp.status();
+    EXPECT_NE(imp->train_flags.find("--kv-channels 8 --qk-layernorm"), std::string::npos) << imp->train_flags;
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / ("back" + tag), dir_ / ("hf2" + tag))).ok());
+    for (const char* f : {"model.safetensors", "config.json"})
+      EXPECT_EQ(ReadFile(dir_ / ("hf" + tag + "/" + f)), ReadFile(dir_ / ("hf2" + tag + "/" + f))) << tag << " " << f;
+    std::vector<float> params, m, v;
+    TrainState st;
+    ASSERT_TRUE(LoadCheckpoint(dir_ / ("back" + tag), 0, layout_, &params, &m, &v, &st).ok());
+    for (int64_t i = 0; i < layout_.num_params; ++i) {
+      const bool padded = (i >= layout_.wte + 50257 * 16 && i < layout_.wte + 50304 * 16) ||
+                          (untie && i >= layout_.out_w + 50257 * 16 && i < layout_.out_w + 50304 * 16);
+      if (!padded) {
+        ASSERT_EQ(params[i], P(i)) << i;
+      }
+    }
+  }
+}
+
+TEST_F(HfLlama, Qwen3ExportAndImportRefuseWhatTheOtherCannotCompute) {
+  struct Case {
+    const char* why;
+    void (*edit)(GPTConfig*);
+  };
+  const Case cases[] = {
+      {"--normalization LayerNorm", [](GPTConfig* c) { c->normalization = Normalization::kLayerNorm; }},
+      {"--qk-layernorm with biased linear layers (Qwen3ForCausalLM's MLP has no biases)",
+       [](GPTConfig* c) { c->add_bias_linear = true; }},
+      {"--qk-layernorm with --add-qkv-bias", [](GPTConfig* c) { c->add_qkv_bias = true; }},
+  };
+  int n = 0;
+  for (const Case& k : cases) {
+    GPTConfig c = Qwen3(/*untie=*/true);
+    k.edit(&c);
+    const std::string ck = dir_ / ("ck" + std::to_string(n)), hf = dir_ / ("hf" + std::to_string(n));
+    ++n;
+    Save(c, ck);
+    auto r = ExportToHf(Opts("ptk", "hf", ck, hf));
+    ASSERT_FALSE(r.ok()) << k.why;
+    EXPECT_NE(r.status().message().find(k.why), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("Qwen3ForCausalLM (--qk-layernorm)"), std::string::npos) << r.status();
+    EXPECT_FALSE(std::filesystem::exists(hf)) << k.why;
+  }
+  Save(Qwen3(/*untie=*/true), dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const std::string config = ReadFile(hf + "/config.json");
+  for (const auto& [from, to, why] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"\"attention_bias\": false", "\"attention_bias\": true", "attention_bias true: Qwen3's q, k, v and o"},
+           {"\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window true"}}) {
+    ASSERT_NE(config.find(from), std::string::npos) << from;
+    WriteFile(hf + "/config.json", std::regex_replace(config, std::regex(from), to));
+    auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("out" + std::to_string(n++))));
+    ASSERT_FALSE(r.ok()) << to;
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("config.json"), std::string::npos) << r.status();
+  }
+  // A Qwen3 checkpoint without its norms' weights is refused naming the tensor.
+  WriteFile(hf + "/config.json", config);
+  auto f = SafetensorsFile::Open(hf + "/model.safetensors");
+  ASSERT_TRUE(f.ok());
+  std::vector<SafetensorsEntry> entries;
+  std::vector<std::vector<float>> kept;
+  kept.reserve((*f)->tensors().size());
+  for (const SafetensorsTensor& t : (*f)->tensors()) {
+    if (t.name == "model.layers.0.self_attn.k_norm.weight") continue;
+    kept.push_back(*(*f)->ReadFloat(t));
+    entries.push_back({t.name, t.shape, kept.back()});
+  }
+  f->reset();
+  ASSERT_TRUE(WriteSafetensors(hf + "/model.safetensors", entries, {{"format", "pt"}}).ok());
+  auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "out-missing"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tensor model.layers.0.self_attn.k_norm.weight: missing"), std::string::npos)
       << r.status();
 }
 

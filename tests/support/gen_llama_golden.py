@@ -9,8 +9,13 @@ gradient, and the loss of 10 AdamW steps with clipping and Megatron's cosine sch
 same weights, a 100-step loss curve on data the model can learn (each sequence a window of one fixed
 token cycle, labels the next token) with warmup 10 and cosine decay to step 100.
 
+The same for a Qwen3-shaped model (Megatron's --qk-layernorm: RMSNorm over each query and key head,
+after the projections and before RoPE, one weight for all query heads and one for all key heads, as
+transformers' Qwen3Attention; RoPE without Llama 3.1's scaling), its weights drawn after the Llama's
+names in the same order plus q_norm and k_norm.
+
 Usage: /usr/bin/python3 tests/support/gen_llama_golden.py [OUT_DIR]
-Writes OUT_DIR/llama.json and OUT_DIR/llama.bin (little-endian float32 / int32).
+Writes OUT_DIR/{llama,qwen3}.json and .bin (little-endian float32 / int32).
 """
 import math
 import os
@@ -59,7 +64,8 @@ class Llama(Weights):
         c = self.cfg
         NH, G, hd, eps = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"], c["norm_epsilon"]
         B, T = tokens.shape
-        theta = llama31_inv_freq(hd, c["rotary_base"])
+        theta = llama31_inv_freq(hd, c["rotary_base"]) if c.get("use_rope_scaling", True) else \
+            c["rotary_base"] ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         ang = torch.arange(T, dtype=torch.float64)[:, None] * theta[None, :]
         cos, sin = torch.cos(ang), torch.sin(ang)
         causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -69,6 +75,8 @@ class Llama(Weights):
             h = rms_norm(x, self.w(p + "attention_norm"), eps)
             q = F.linear(h, self.w(p + "wq")).view(B, T, NH, hd).transpose(1, 2)
             k = F.linear(h, self.w(p + "wk")).view(B, T, G, hd).transpose(1, 2)
+            if c.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over each head, before RoPE
+                q, k = rms_norm(q, self.w(p + "q_norm"), eps), rms_norm(k, self.w(p + "k_norm"), eps)
             v = F.linear(h, self.w(p + "wv")).view(B, T, G, hd).transpose(1, 2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             k = k.repeat_interleave(NH // G, dim=1)  # query head j uses key/value head j // (NH/G)
@@ -93,6 +101,8 @@ def shapes(c):
         out += [(p + "attention_norm", (C,), "ln"), (p + "wq", (NH * hd, C), "w"), (p + "wk", (G * hd, C), "w"),
                 (p + "wv", (G * hd, C), "w"), (p + "wo", (C, NH * hd), "o"), (p + "ffn_norm", (C,), "ln"),
                 (p + "w_gate", (Fh, C), "w"), (p + "w_up", (Fh, C), "w"), (p + "w_down", (C, Fh), "o")]
+        if c.get("qk_layernorm"):
+            out += [(p + "q_norm", (hd,), "ln"), (p + "k_norm", (hd,), "ln")]
     return out + [("norm", (C,), "ln"), ("output", (Vp, C), "w")]
 
 
@@ -110,6 +120,9 @@ def to_megatron(c, t):
         out[m + "input_layernorm.weight"] = t[p + "attention_norm"]
         out[m + "self_attention.linear_qkv.weight"] = np.concatenate(rows)
         out[m + "self_attention.linear_proj.weight"] = t[p + "wo"]
+        if c.get("qk_layernorm"):
+            out[m + "self_attention.q_layernorm.weight"] = t[p + "q_norm"]
+            out[m + "self_attention.k_layernorm.weight"] = t[p + "k_norm"]
         out[m + "pre_mlp_layernorm.weight"] = t[p + "ffn_norm"]
         out[m + "mlp.linear_fc1.weight"] = np.concatenate([t[p + "w_gate"], t[p + "w_up"]])
         out[m + "mlp.linear_fc2.weight"] = t[p + "w_down"]
@@ -124,13 +137,17 @@ def train_llama(c, weights, tokens, labels, loss_mask, lr_cfg, record=None):
                  lambda m, tk: m(tk), record)
 
 
-def generate(out_dir):
+def generate(out_dir, golden="llama"):
+    """`golden` llama: the Llama 3.1 shape; qwen3: Qwen3's (--qk-layernorm: q_norm / k_norm, plain RoPE of
+    base 1000000 without Llama 3.1's scaling), the same dimensions and data otherwise."""
     c = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
              ffn_hidden_size=40, seq_length=16, max_position_embeddings=16, vocab_size=100,
              make_vocab_size_divisible_by=64, padded_vocab_size=128, norm_epsilon=1e-5, rotary_base=500000.0,
              micro_batch_size=2, num_micro_batches=2, steps=10, lr=1e-2, min_lr=1e-3, init_lr=0.0,
              warmup_iters=2, decay_iters=10, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
              clip_grad=1.0, curve_steps=100, curve_warmup_iters=10)
+    if golden == "qwen3":
+        c.update(qk_layernorm=True, use_rope_scaling=False, rotary_base=1000000.0)
     gbs = c["micro_batch_size"] * c["num_micro_batches"]
     c["global_batch_size"] = gbs
     c["warmup_samples"], c["decay_samples"] = c["warmup_iters"] * gbs, c["decay_iters"] * gbs
@@ -177,8 +194,8 @@ def generate(out_dir):
 
     meta = {"generator": "tests/support/gen_llama_golden.py", "torch": torch.__version__, "config": c,
             "first_micro_batch_loss": first_loss, "steps": steps, "curve": curve}
-    write_golden(out_dir, "llama", meta, tensors)
-    print("llama loss", first_loss, "steps", [round(s["lm_loss"], 4) for s in steps])
+    write_golden(out_dir, golden, meta, tensors)
+    print(golden, "loss", first_loss, "steps", [round(s["lm_loss"], 4) for s in steps])
     print("curve", [round(s["lm_loss"], 3) for s in curve[::10]], "last", round(curve[-1]["lm_loss"], 4))
 
 
@@ -186,3 +203,4 @@ if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "data", "trainer")
     os.makedirs(out, exist_ok=True)
     generate(out)
+    generate(out, "qwen3")

@@ -74,7 +74,7 @@ TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true)
       ASSERT_TRUE(model->ZeroGrads().ok());
       auto loss = model->ForwardBackward(data.Get(k), 1.0 / 256, /*train=*/true, 99);
       ASSERT_TRUE(loss.ok()) << loss.status();
-      ASSERT_TRUE(model->SumSequenceParallelGrads().ok());  // the training step's sum of the partial ones
+      ASSERT_TRUE(model->SumNonTensorParallelGrads().ok());  // the training step's sum of the partial ones
       std::vector<float> g(static_cast<size_t>(model->num_params()));
       ASSERT_TRUE(model->ReadGrads(g).ok());
       {
@@ -215,7 +215,7 @@ TEST(CudaTensorParallel, SequenceParallelFollowsOneRankAndTensorParallel) {
   }
 }
 
-// SumSequenceParallelGrads on the CUDA model gathers the ranges on the stream into the planned
+// SumNonTensorParallelGrads on the CUDA model gathers the ranges on the stream into the planned
 // buffer, makes one device all-reduce of it over the tensor group, and scatters it back: at T = 2
 // and 4 (fp32; bf16 at T = 2) one AllReduceSumDevice per sum, of every sequence-parallel gradient,
 // and the gradients' bits those of one AllReduceGradRange per range (the staged gloo sum adds each
@@ -261,7 +261,7 @@ TEST(CudaTensorParallel, SequenceParallelSumIsOneDeviceAllReduceWithEachRangesBi
             ASSERT_TRUE(model->AllReduceGradRanges(host, ranges).ok());
             EXPECT_EQ(tensor.device_all_reduces().size(), before);
           } else {
-            ASSERT_TRUE(model->SumSequenceParallelGrads().ok());
+            ASSERT_TRUE(model->SumNonTensorParallelGrads().ok());
             EXPECT_EQ(std::vector<int64_t>(tensor.device_all_reduces().begin() + static_cast<std::ptrdiff_t>(before),
                                            tensor.device_all_reduces().end()),
                       std::vector<int64_t>{total})

@@ -114,6 +114,12 @@ TEST(DryRunCli, PlansLlama3_8BWithItsParameterCount) {
       << r.output;
   EXPECT_NE(r.output.find("model: 8030261248 parameters"), std::string::npos);
   EXPECT_NE(r.output.find("SwiGLU's gate, up and fc2 inputs 3sbF"), std::string::npos);
+  // Qwen3's query and key norms (--qk-layernorm): 2 x 128 more per layer, whole on every tensor rank.
+  auto qk = RunCmd("WORLD_SIZE=8 " + testing::Tool("ptk-train") + llama + " --qk-layernorm");
+  ASSERT_EQ(qk.exit_code, 0) << qk.output;
+  EXPECT_NE(qk.output.find("model parallel rank (0, 0): " + std::to_string(8030261248LL + 32 * 2 * 128) + "\n"),
+            std::string::npos)
+      << qk.output;
   r = RunCmd("WORLD_SIZE=16 " + testing::Tool("ptk-train") + llama +
              " --tensor-model-parallel-size 8 --pipeline-model-parallel-size 2 --sequence-parallel");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -165,7 +171,7 @@ TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
       {"WORLD_SIZE=8",
        "--num-attention-heads 32 --tensor-model-parallel-size 8 --group-query-attention --num-query-groups 4",
        "usage error: --num-query-groups 4 is not divisible by --tensor-model-parallel-size 8"},
-      {"WORLD_SIZE=8", "--num-attention-heads 32 --qk-layernorm", "usage error: --qk-layernorm: LayerNorm on queries"},
+      {"WORLD_SIZE=8", "--num-attention-heads 32 --num-experts 8", "usage error: --num-experts 8: mixture of experts"},
   };
   for (const Case& c : cases) {
     auto r = RunCmd(c.env + " " + model + " " + c.flags);

@@ -5,6 +5,9 @@
 // steps' losses and the weights after them; the same at tensor size 2 (query groups split), with and
 // without sequence parallelism; a
 // 100-step loss curve on a learnable task (5.25 down to 0.01) within 1e-3 of PyTorch's at every step.
+// All of it again for a Qwen3-shaped model (--qk-layernorm: RMSNorm over each query and key head
+// before RoPE, as transformers' Qwen3Attention; RoPE base 1000000 unscaled), whose query and key
+// norms' gradients at tensor size 2 are each rank's heads' share until summed over the group.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -30,7 +33,8 @@ using testing::Golden;
 using testing::GoldenBatches;
 using testing::RelError;
 
-class LlamaGolden : public ::testing::Test {
+// Each test on both goldens: the Llama 3.1 shape, and Qwen3's (--qk-layernorm, RoPE unscaled).
+class LlamaGolden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     GPTConfig c;
@@ -48,7 +52,8 @@ class LlamaGolden : public ::testing::Test {
     c.normalization = Normalization::kRMSNorm;
     c.position_embedding = PositionEmbedding::kRope;
     c.rotary_base = g_.Num("rotary_base");
-    c.use_rope_scaling = true;
+    c.use_rope_scaling = !qwen3();
+    c.qk_layernorm = qwen3();
     c.swiglu = true;
     c.add_bias_linear = false;
     c.untie_embeddings_and_output_weights = true;
@@ -87,12 +92,13 @@ class LlamaGolden : public ::testing::Test {
     std::printf("largest relative gradient difference %s: %.3g\n", what.c_str(), worst);
   }
 
-  Golden g_{"llama"};
+  static bool qwen3() { return GetParam() == "qwen3"; }
+  Golden g_{GetParam()};
   GoldenBatches batches_{g_};
   GPTConfig config_;
 };
 
-TEST_F(LlamaGolden, TheLayoutIsMegatronCores) {
+TEST_P(LlamaGolden, TheLayoutIsMegatronCores) {
   auto layout = ParamLayout::Create(config_);
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_EQ(layout->wpe, -1);
@@ -106,7 +112,7 @@ TEST_F(LlamaGolden, TheLayoutIsMegatronCores) {
   for (const ParamInfo& p : layout->infos) EXPECT_EQ(p.name.find(".bias"), std::string::npos) << p.name;
 }
 
-TEST_F(LlamaGolden, LogitsAndLossMatchPyTorch) {
+TEST_P(LlamaGolden, LogitsAndLossMatchPyTorch) {
   auto model = MakeModel();
   std::vector<float> logits;
   auto loss = model->Forward(Step(0)[0], &logits);
@@ -119,7 +125,7 @@ TEST_F(LlamaGolden, LogitsAndLossMatchPyTorch) {
               loss->loss_sum / loss->tokens, want);
 }
 
-TEST_F(LlamaGolden, GradientsMatchPyTorch) {
+TEST_P(LlamaGolden, GradientsMatchPyTorch) {
   for (bool recompute : {false, true}) {
     auto model = MakeModel(nullptr, recompute);
     auto comm = MakeLocalCommunicator();
@@ -134,7 +140,7 @@ TEST_F(LlamaGolden, GradientsMatchPyTorch) {
   }
 }
 
-TEST_F(LlamaGolden, TenAdamWStepsMatchPyTorch) {
+TEST_P(LlamaGolden, TenAdamWStepsMatchPyTorch) {
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
   TrainStep opt(model.get(), OptConfig(), Schedule(), comm.get());
@@ -149,7 +155,7 @@ TEST_F(LlamaGolden, TenAdamWStepsMatchPyTorch) {
     EXPECT_LE(RelError(model->params() + p.offset, g_.Tensor<float>("final:" + p.name)), 1e-4) << p.name;
 }
 
-TEST_F(LlamaGolden, AHundredStepLossCurveMatchesPyTorch) {
+TEST_P(LlamaGolden, AHundredStepLossCurveMatchesPyTorch) {
   auto model = MakeModel();
   auto comm = MakeLocalCommunicator();
   SchedulerConfig sched = Schedule();
@@ -171,7 +177,7 @@ TEST_F(LlamaGolden, AHundredStepLossCurveMatchesPyTorch) {
   std::printf("largest loss difference over %lld steps: %.3g\n", static_cast<long long>(steps), worst);
 }
 
-TEST_F(LlamaGolden, TensorParallelRanksMatchPyTorch) {
+TEST_P(LlamaGolden, TensorParallelRanksMatchPyTorch) {
   const int T = 2;
   for (bool sp : {false, true})
     testing::RunRanks(T, [&](Communicator* comm, int rank) {
@@ -182,7 +188,7 @@ TEST_F(LlamaGolden, TensorParallelRanksMatchPyTorch) {
       ASSERT_TRUE(model->ZeroGrads().ok());
       auto loss = model->ForwardBackward(Step(0)[0], 1.0, false, 0);
       ASSERT_TRUE(loss.ok()) << loss.status();
-      ASSERT_TRUE(model->SumSequenceParallelGrads().ok());  // what the training step does after backward
+      ASSERT_TRUE(model->SumNonTensorParallelGrads().ok());  // what the training step does after backward
       const double want = g_.meta["first_micro_batch_loss"].get_double();
       EXPECT_LE(std::abs(loss->loss_sum / loss->tokens - want) / want, 1e-5) << "rank " << rank;
       // One micro-batch's gradients: the reference's first step has two, so compare with a fresh
@@ -206,11 +212,15 @@ TEST_F(LlamaGolden, TensorParallelRanksMatchPyTorch) {
 // checked against this CPU model by the gpu tests, cuda_llama_model_test): with a device it is
 // built; without one the only refusal is the device's, no longer the model's. A build without
 // CUDA refuses the device itself.
-TEST_F(LlamaGolden, TheCudaBackendTakesTheModel) {
+TEST_P(LlamaGolden, TheCudaBackendTakesTheModel) {
   BackendOptions o;
   o.device = Device::kCuda;
   auto m = CreateModel(config_, o);
-  if (!m.ok()) {
+  if (qwen3()) {  // not yet: the CUDA model has no query and key norms
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find("--qk-layernorm runs on the CPU backend only"), std::string::npos)
+        << m.status();
+  } else if (!m.ok()) {
     const std::string why(m.status().message());
     EXPECT_EQ(why.find("GPT-3 model only"), std::string::npos) << m.status();
     EXPECT_EQ(why.find("RMSNorm"), std::string::npos) << m.status();
@@ -220,6 +230,9 @@ TEST_F(LlamaGolden, TheCudaBackendTakesTheModel) {
   }
   EXPECT_TRUE(CreateModel(config_, BackendOptions{}).ok());  // the CPU backend builds it
 }
+
+INSTANTIATE_TEST_SUITE_P(Lines, LlamaGolden, ::testing::Values("llama", "qwen3"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace
 }  // namespace ptk

@@ -1,7 +1,8 @@
-// The Llama line's CUDA ops (RMSNorm, with the residual add fused in, RoPE, SwiGLU) against their CPU ops
-// (trainer/cpu/), for fp32, bf16 and fp16 on random inputs of awkward sizes (channels not a multiple of 8, one row,
-// query groups, partial rotary), and the RMSNorm weight gradient's determinism. gpu-labelled (part of ops_cuda_test):
-// skipped (exit 77) without a device. Tolerances as ops_cuda_test.cpp states them.
+// The Llama line's CUDA ops (RMSNorm, with the residual add fused in, RoPE, SwiGLU, --qk-layernorm's
+// norms) against their CPU ops (trainer/cpu/), for fp32, bf16 and fp16 on random inputs of awkward
+// sizes (channels not a multiple of 8, one row, query groups, partial rotary), and the RMSNorm and
+// query/key norm weight gradients' determinism. gpu-labelled (part of ops_cuda_test): skipped (exit
+// 77) without a device. Tolerances as ops_cuda_test.cpp states them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -130,6 +131,65 @@ TYPED_TEST(LlamaCudaOps, RopeMatchesCpu) {
       else
         ASSERT_OK(RopeForward<T>(dx.get(), dcos.get(), dsin.get(), s, k.rd, this->ctx_));
       ExpectClose<T>(ToF(dx.Download()), want, 1e-5, 1e-6, (backward ? "backward " : "forward ") + what, true);
+    }
+  }
+}
+
+// --qk-layernorm's norms over the query and key heads (LayerNorm and RMSNorm; query groups, a head
+// dimension not a multiple of 32, more tokens than one 64-token block): the normalised QKV, statistics,
+// the input gradient (in place) and the weights' and biases' gradients as the CPU op's, and the
+// parameters' gradients the same bits on a second run (no atomics).
+TYPED_TEST(LlamaCudaOps, QKNormMatchesCpuAndIsDeterministic) {
+  using T = TypeParam;
+  for (const AttentionShape& s : {AttentionShape{2, 37, 4, 12, 2}, AttentionShape{1, 5, 6, 40, 0}}) {
+    for (bool layernorm : {true, false}) {
+      const std::string what = std::string(layernorm ? "LayerNorm" : "RMSNorm") + " t=" + std::to_string(s.t) +
+                               " hd=" + std::to_string(s.hd) + " groups=" + std::to_string(s.groups());
+      const int64_t size = s.b * s.t * s.qkv_width(), rows = s.b * s.t * (s.nh + s.groups());
+      const auto x = RoundTrip<T>(Normal(size, 30, 0.2f, 1.5f)), dy = RoundTrip<T>(Normal(size, 31, 0.0f, 1.0f));
+      const auto wq = Normal(s.hd, 32, 1.0f, 0.2f), bq = Normal(s.hd, 33, 0.0f, 0.2f),
+                 wk = Normal(s.hd, 34, 1.0f, 0.2f), bk = Normal(s.hd, 35, 0.0f, 0.2f);
+      const auto g0 = Normal(s.hd, 36, 0.0f, 0.1f);  // gradients accumulate
+      std::vector<float> y(size), mean(rows), rstd(rows), dx = dy, dwq = g0, dbq = g0, dwk = g0, dbk = g0;
+      float* m = layernorm ? mean.data() : nullptr;
+      cpu::QKNormForward(y.data(), m, rstd.data(), x.data(), wq.data(), layernorm ? bq.data() : nullptr, wk.data(),
+                         layernorm ? bk.data() : nullptr, s, 1e-5);
+      cpu::QKNormBackward(dx.data(), dwq.data(), layernorm ? dbq.data() : nullptr, dwk.data(),
+                          layernorm ? dbk.data() : nullptr, x.data(), wq.data(), wk.data(), m, rstd.data(), s);
+      DeviceArray<T> draw(ToT<T>(x)), dout(size), dgrad(ToT<T>(dy));
+      DeviceArray<float> dwq_in(wq), dbq_in(bq), dwk_in(wk), dbk_in(bk), dmean(rows), drstd(rows), gwq(g0), gbq(g0),
+          gwk(g0), gbk(g0);
+      DeviceArray<double> scratch(QKNormBackwardScratch(s));
+      float* dm = layernorm ? dmean.get() : nullptr;
+      ASSERT_OK(QKNormForward<T>(dout.get(), dm, drstd.get(), draw.get(), dwq_in.get(),
+                                 layernorm ? dbq_in.get() : nullptr, dwk_in.get(), layernorm ? dbk_in.get() : nullptr,
+                                 s, 1e-5, this->ctx_));
+      ExpectClose<T>(ToF(dout.Download()), y, 1e-5, 1e-6, "out " + what, true);
+      ExpectClose(drstd.Download(), rstd, 1e-6, 1e-7, "rstd " + what);
+      if (layernorm) ExpectClose(dmean.Download(), mean, 1e-6, 1e-7, "mean " + what);
+      // The backward from the CPU's statistics, so that only the op's own arithmetic differs.
+      drstd.Upload(rstd);
+      if (layernorm) dmean.Upload(mean);
+      auto backward = [&] {
+        return QKNormBackward<T>(dgrad.get(), gwq.get(), layernorm ? gbq.get() : nullptr, gwk.get(),
+                                 layernorm ? gbk.get() : nullptr, draw.get(), dwq_in.get(), dwk_in.get(), dm,
+                                 drstd.get(), s, scratch.get(), this->ctx_);
+      };
+      ASSERT_OK(backward());
+      ExpectClose<T>(ToF(dgrad.Download()), dx, 1e-5, 1e-5, "dinp " + what, true);
+      const std::vector<float> first = gwq.Download(), first_k = gwk.Download();
+      ExpectClose(first, dwq, 1e-5, 1e-5, "dwq " + what);
+      ExpectClose(first_k, dwk, 1e-5, 1e-5, "dwk " + what);
+      if (layernorm) {
+        ExpectClose(gbq.Download(), dbq, 1e-5, 1e-5, "dbq " + what);
+        ExpectClose(gbk.Download(), dbk, 1e-5, 1e-5, "dbk " + what);
+      }
+      gwq.Upload(g0);
+      gwk.Upload(g0);
+      dgrad.Upload(ToT<T>(dy));
+      ASSERT_OK(backward());
+      ExpectBitwise(gwq.Download(), first, "dwq on a second run " + what);
+      ExpectBitwise(gwk.Download(), first_k, "dwk on a second run " + what);
     }
   }
 }

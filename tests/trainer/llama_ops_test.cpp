@@ -36,6 +36,58 @@ TEST(LlamaOps, RMSNormGradientsAndValues) {
   CheckGradient(w, dw, objective, "dw");
 }
 
+// --qk-layernorm: each query and key head normalised by the norm's definition (its own
+// statistics, the query or the key weight), value heads copied; the backward (in place) against
+// finite differences for both norms, with grouped-query attention and more tokens than one block.
+TEST(LlamaOps, QKNormGradientsAndValues) {
+  const AttentionShape s{2, 37, 4, 5, 2};  // 74 tokens, 4 query heads in 2 groups, head dimension 5
+  const int64_t n = s.b * s.t, width = s.qkv_width(), rows = n * (s.nh + s.groups());
+  for (bool layernorm : {true, false}) {
+    SCOPED_TRACE(layernorm ? "LayerNorm" : "RMSNorm");
+    auto x = Random(n * width, 30), wq = Random(s.hd, 31), bq = Random(s.hd, 32), wk = Random(s.hd, 33),
+         bk = Random(s.hd, 34), r = Random(n * width, 35);
+    std::vector<double> y(n * width), mean(rows), rstd(rows);
+    double* m = layernorm ? mean.data() : nullptr;
+    const double* b_q = layernorm ? bq.data() : nullptr;
+    const double* b_k = layernorm ? bk.data() : nullptr;
+    auto objective = [&] {
+      cpu::QKNormForward(y.data(), m, rstd.data(), x.data(), wq.data(), b_q, wk.data(), b_k, s, 1e-5);
+      return Dot(y, r);
+    };
+    objective();
+    // Token 41's heads by the definition: group 1 holds query heads 2 and 3, then its key and value.
+    const int64_t tok = 41;
+    for (int64_t h = 0; h < 8; ++h) {
+      const int kind = h % 4 < 2 ? 0 : h % 4 == 2 ? 1 : 2;
+      const double* xh = x.data() + tok * width + h * s.hd;
+      const double* yh = y.data() + tok * width + h * s.hd;
+      double mu = 0, var = 0;
+      if (layernorm) {
+        for (int64_t j = 0; j < s.hd; ++j) mu += xh[j] / s.hd;
+      }
+      for (int64_t j = 0; j < s.hd; ++j) var += (xh[j] - mu) * (xh[j] - mu) / s.hd;
+      for (int64_t j = 0; j < s.hd; ++j) {
+        double want = xh[j];
+        if (kind < 2) {
+          const double w = (kind == 0 ? wq : wk)[j], b = layernorm ? (kind == 0 ? bq : bk)[j] : 0.0;
+          want = (xh[j] - mu) / std::sqrt(var + 1e-5) * w + b;
+        }
+        EXPECT_NEAR(yh[j], want, 1e-12) << "head " << h << " channel " << j;
+      }
+    }
+    std::vector<double> d = r, dwq(s.hd, 0), dbq(s.hd, 0), dwk(s.hd, 0), dbk(s.hd, 0);
+    cpu::QKNormBackward(d.data(), dwq.data(), layernorm ? dbq.data() : nullptr, dwk.data(),
+                        layernorm ? dbk.data() : nullptr, x.data(), wq.data(), wk.data(), m, rstd.data(), s);
+    CheckGradient(x, d, objective, "draw");
+    CheckGradient(wq, dwq, objective, "dwq");
+    CheckGradient(wk, dwk, objective, "dwk");
+    if (layernorm) {
+      CheckGradient(bq, dbq, objective, "dbq");
+      CheckGradient(bk, dbk, objective, "dbk");
+    }
+  }
+}
+
 TEST(LlamaOps, Llama31FrequenciesAreTransformers) {
   // transformers 4.44.2 _compute_llama3_parameters (fp32), head dimension 128, rope_theta 500000.
   const std::pair<int, double> want[] = {{0, 1.0},

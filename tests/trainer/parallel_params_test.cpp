@@ -166,6 +166,27 @@ TEST(ParamsOnModelParallelRank, OneRankHoldsPtksWholeLlamaLineModel) {
   }
 }
 
+// --qk-layernorm: a query and a key norm of --kv-channels per layer (weight and bias under
+// LayerNorm, weight under RMSNorm), whole on every tensor rank: ptk's own table on each rank.
+TEST(ParamsOnModelParallelRank, QKLayerNormsAreCountedWholeOnEveryTensorRank) {
+  for (bool rms : {false, true}) {
+    GPTConfig c = Gpt(3, 48, 4, 40, 1000, 128, 4);
+    c.ffn_hidden_size = 200;
+    c.qk_layernorm = true;
+    c.num_query_groups = 4, c.kv_channels = 16;
+    if (rms) c.normalization = Normalization::kRMSNorm, c.position_embedding = PositionEmbedding::kRope;
+    GPTConfig plain = c;
+    plain.qk_layernorm = false;
+    EXPECT_EQ(ParamsOnModelParallelRank(c, 1, 1, 0, 3) - ParamsOnModelParallelRank(plain, 1, 1, 0, 3),
+              3 * 2 * 16 * (rms ? 1 : 2));
+    for (int t : {1, 2, 4}) {
+      auto layout = ParamLayout::Create(c, t, t - 1);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      EXPECT_EQ(ParamsOnModelParallelRank(c, t, 1, 0, 3), layout->num_params) << "T " << t << " rms " << rms;
+    }
+  }
+}
+
 TEST(CheckTensorSplit, RefusesHeadsOrMlpThatDoNotDivide) {
   GPTConfig c = Gpt(2, 96, 12, 16, 100, 1, 1);
   EXPECT_TRUE(CheckTensorSplit(c, 4).ok());

@@ -69,9 +69,8 @@ struct Pass {
   std::vector<float> grads;
   bool whole_tensors_same_bits = true;
 };
-Pass OnePass(int T, bool sp = false) {
+Pass OnePass(int T, bool sp = false, const GPTConfig& c = Config()) {
   Pass out;
-  const GPTConfig c = Config();
   const Batches data(1);
   auto whole = ParamLayout::Create(c);
   out.grads.assign(static_cast<size_t>(whole->num_params), 0.0f);
@@ -86,7 +85,7 @@ Pass OnePass(int T, bool sp = false) {
     ASSERT_TRUE(loss.ok()) << loss.status();
     // Sequence parallelism leaves the norms' and row-parallel biases' gradients partial: the
     // training step sums them over the tensor group (after the data-parallel reduction).
-    ASSERT_TRUE((*model)->SumSequenceParallelGrads().ok());
+    ASSERT_TRUE((*model)->SumNonTensorParallelGrads().ok());
     std::lock_guard<std::mutex> lock(mu);
     out.losses[static_cast<size_t>(rank)] = loss->loss_sum / loss->tokens;
     const float* g = (*model)->grads();
@@ -151,6 +150,102 @@ TEST(TensorParallel, ForwardBackwardMatchesOneRank) {
   }
 }
 
+// --qk-layernorm (Megatron's, with the run's norm: LayerNorm, and RMSNorm in a Qwen3-shaped model
+// with RoPE, SwiGLU and query groups): each tensor rank normalises its heads with the whole query
+// and key norms, so each rank's gradient of them is its heads' share; the sum over the tensor group
+// (Megatron's finalize_model_grads, with or without sequence parallelism) gives one rank's
+// gradients, the same bits on every rank. Without that sum the norms' gradients differ from one
+// rank's.
+GPTConfig QkConfig(bool qwen3) {
+  GPTConfig c = Config();
+  c.qk_layernorm = true;
+  if (qwen3) {
+    c.normalization = Normalization::kRMSNorm;
+    c.position_embedding = PositionEmbedding::kRope;
+    c.swiglu = true;
+    c.num_query_groups = 2;
+    c.kv_channels = 8;  // head dimension 8, not hidden / heads
+    c.add_bias_linear = false;
+    c.untie_embeddings_and_output_weights = true;
+  }
+  return c;
+}
+
+TEST(TensorParallel, QKLayerNormForwardBackwardMatchesOneRank) {
+  for (bool qwen3 : {false, true}) {
+    const GPTConfig c = QkConfig(qwen3);
+    const Pass one = OnePass(1, false, c);
+    for (const auto& [T, sp] : {std::pair{2, false}, std::pair{2, true}}) {
+      const Pass tp = OnePass(T, sp, c);
+      EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T << " sp=" << sp;
+      auto whole = ParamLayout::Create(c);
+      double gmax = 0, dmax = 0, qk_max = 0;
+      for (const ParamInfo& p : whole->infos)
+        for (int64_t i = p.offset; i < p.offset + p.size; ++i) {
+          const double d = std::abs(one.grads[static_cast<size_t>(i)] - tp.grads[static_cast<size_t>(i)]);
+          gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[static_cast<size_t>(i)])));
+          dmax = std::max(dmax, d);
+          if (p.name.find("_layernorm.") != std::string::npos && p.name.find("self_attention") != std::string::npos)
+            qk_max = std::max(qk_max, static_cast<double>(std::abs(one.grads[static_cast<size_t>(i)])));
+        }
+      EXPECT_GT(qk_max, 0.0);
+      EXPECT_LT(Rel(tp.losses[0], one.losses[0]), 1e-6) << "T=" << T;
+      EXPECT_LT(dmax, 1e-5 * gmax) << (qwen3 ? "Qwen3-shaped" : "GPT") << " T=" << T << " sp=" << sp
+                                   << ": largest gradient difference " << dmax << " of " << gmax;
+    }
+  }
+}
+
+// The CPU model's gradient of the query and key norms (weights and biases) against the loss's
+// directional derivative along it (central differences of the fp32 loss), for both norms: the op
+// wired between the QKV product and RoPE, forward and backward.
+TEST(TensorParallel, QKLayerNormGradientIsTheLossesDerivative) {
+  const Batches data(1);
+  for (bool qwen3 : {false, true}) {
+    const GPTConfig c = QkConfig(qwen3);
+    auto model = CpuGPTModel::Create(c, nullptr, false);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE((*model)->InitWeights(1234).ok());
+    std::vector<float> w(static_cast<size_t>((*model)->num_params())), g(w.size(), 0.0f);
+    ASSERT_TRUE((*model)->ReadParams(w).ok());
+    // Norm weights away from 1 and biases away from 0, so every term matters.
+    std::vector<double> dir(w.size(), 0.0);
+    int64_t count = 0;
+    for (const ParamInfo& p : (*model)->params_info()) {
+      if (p.name.find("self_attention.q_layernorm") == std::string::npos &&
+          p.name.find("self_attention.k_layernorm") == std::string::npos)
+        continue;
+      for (int64_t i = 0; i < p.size; ++i) w[static_cast<size_t>(p.offset + i)] += 0.3f * std::sin(1.0f + i + p.offset);
+      count += p.size;
+    }
+    EXPECT_EQ(count, 2 * 2 * (qwen3 ? 8 : 16) * (qwen3 ? 1 : 2));  // layers x (q, k) x head dim x (weight, bias)
+    ASSERT_TRUE((*model)->WriteParams(w).ok());
+    ASSERT_TRUE((*model)->ZeroGrads().ok());
+    ASSERT_TRUE((*model)->ForwardBackward(data.Get(0), 1.0, /*train=*/false, 1).ok());
+    ASSERT_TRUE((*model)->ReadGrads(g).ok());
+    double norm = 0;
+    for (const ParamInfo& p : (*model)->params_info())
+      if (p.name.find("q_layernorm") != std::string::npos || p.name.find("k_layernorm") != std::string::npos)
+        for (int64_t i = p.offset; i < p.offset + p.size; ++i) {
+          dir[static_cast<size_t>(i)] = g[static_cast<size_t>(i)];
+          norm += dir[static_cast<size_t>(i)] * dir[static_cast<size_t>(i)];
+        }
+    norm = std::sqrt(norm);
+    ASSERT_GT(norm, 0.0);
+    auto loss_at = [&](double h) {
+      std::vector<float> x = w;
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(w[i] + h * dir[i] / norm);
+      EXPECT_TRUE((*model)->WriteParams(x).ok());
+      auto l = (*model)->Forward(data.Get(0));
+      EXPECT_TRUE(l.ok()) << l.status();
+      return l->loss_sum;
+    };
+    const double h = 1e-2, numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
+    EXPECT_NEAR(numeric, norm, 2e-3 * norm) << (qwen3 ? "RMSNorm" : "LayerNorm");
+    std::printf("%s: |dL/dqk| %.6g, central difference %.6g\n", qwen3 ? "RMSNorm" : "LayerNorm", norm, numeric);
+  }
+}
+
 // Sequence parallelism keeps 1/T of its region per layer: the layer's input and its middle on the
 // residual stream, the two LayerNorms' outputs and their statistics (mean and rstd) hold b x t/T
 // rows instead of b x t; the transient buffers it adds take less than that saves.
@@ -184,8 +279,7 @@ TEST(TensorParallel, SequenceParallelLayersKeepTheirRanksRowsOnly) {
 // 20 steps of 2 micro-batches per iteration (global batch 4 samples) at tensor size T and data
 // size D (world T x D; Megatron's order: tensor ranks adjacent), ZeRO-1 over each data group when
 // asked: each step's lm loss on world rank 0.
-std::vector<double> Train(int T, int D, bool zero1, bool sp = false) {
-  const GPTConfig c = Config();
+std::vector<double> Train(int T, int D, bool zero1, bool sp = false, const GPTConfig& c = Config()) {
   const Batches data(2 * 20);
   std::vector<double> losses;
   std::mutex mu;
@@ -249,6 +343,22 @@ TEST(TensorParallel, TwentyStepsFollowOneRanksLosses) {
     EXPECT_LT(worst, 1e-5) << "T=" << k.T << " D=" << k.D << " sp=" << k.sp;
     std::printf("T=%d D=%d%s%s: losses %.7f .. %.7f, largest relative difference from one rank %.3g\n", k.T, k.D,
                 k.zero1 ? " ZeRO-1" : "", k.sp ? " sequence-parallel" : "", tp.front(), tp.back(), worst);
+  }
+  EXPECT_LT(one.back(), one.front());
+}
+
+// --qk-layernorm over 20 steps: T = 2 x D = 2 with ZeRO-1, and T = 2 with sequence parallelism,
+// follow one rank's losses (the norms' gradients summed over the tensor group every step).
+TEST(TensorParallel, QKLayerNormTwentyStepsFollowOneRanksLosses) {
+  const GPTConfig c = QkConfig(/*qwen3=*/true);
+  const std::vector<double> one = Train(1, 1, false, false, c);
+  ASSERT_EQ(one.size(), 20u);
+  for (const auto& [D, sp] : {std::pair{2, false}, std::pair{1, true}}) {
+    const std::vector<double> tp = Train(2, D, D > 1, sp, c);
+    ASSERT_EQ(tp.size(), 20u);
+    double worst = 0;
+    for (size_t i = 0; i < 20; ++i) worst = std::max(worst, Rel(tp[i], one[i]));
+    EXPECT_LT(worst, 1e-5) << "D=" << D << " sp=" << sp;
   }
   EXPECT_LT(one.back(), one.front());
 }
@@ -432,7 +542,7 @@ class CountingCommunicator final : public testing::ForwardingCommunicator {
   std::vector<int64_t> lengths;
 };
 
-// SumSequenceParallelGrads gathers the ranges into one buffer, makes one all-reduce of it over the
+// SumNonTensorParallelGrads gathers the ranges into one buffer, makes one all-reduce of it over the
 // tensor group, and scatters it back: at T = 2 and 4 (gloo, which adds each element in rank order
 // wherever it lies in the buffer) the gradients' bits are those of one all-reduce per range, for
 // every parameter (the others untouched), on each of a few calls (the buffer reused).
@@ -464,7 +574,7 @@ TEST(TensorParallel, SequenceParallelSumIsOneAllReduceWithEachRangesBits) {
         ASSERT_TRUE((*model)->ReadGrads(again).ok());
         ASSERT_EQ(std::memcmp(again.data(), partial.data(), n * sizeof(float)), 0) << "rank " << rank;
         counted.lengths.clear();
-        ASSERT_TRUE((*model)->SumSequenceParallelGrads().ok());
+        ASSERT_TRUE((*model)->SumNonTensorParallelGrads().ok());
         EXPECT_EQ(counted.lengths, std::vector<int64_t>{total}) << "rank " << rank;
         ASSERT_TRUE((*model)->ReadGrads(coalesced).ok());
         EXPECT_EQ(std::memcmp(coalesced.data(), per_range.data(), n * sizeof(float)), 0) << "rank " << rank;

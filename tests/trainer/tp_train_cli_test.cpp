@@ -147,6 +147,35 @@ TEST_F(TensorParallelCli, LlamaLineGivesOneRanksLossesAndResumes) {
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(again[i], whole[5 + i]);
 }
 
+// --qk-layernorm (the Llama line with Qwen3's query and key norms): T = 2 gives one rank's losses
+// (the norms' gradients summed over the tensor group); its checkpoint of iteration 5 resumed at T = 1
+// (the norms whole on every rank: taken from the saved ranks) gives one rank's losses, and at T = 2
+// the uninterrupted run's lines.
+TEST_F(TensorParallelCli, QKLayerNormGivesOneRanksLossesAndItsCheckpointsReshard) {
+  const std::string qwen3 = " " + kLlama + " --qk-layernorm";
+  auto one = RunCmd(Train(1, qwen3, 10));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = Losses(one.output);
+  ASSERT_EQ(ref.size(), 10u) << one.output;
+  auto t2 = Ranks(2, Train(2, qwen3 + " --save " + ShellQuote(dir_ / "ck") + " --save-interval 5", 10));
+  ASSERT_NE(t2.output.find(AllZero(2)), std::string::npos) << t2.output << Logs(2);
+  EXPECT_LT(Worst(Losses(t2.output), ref), 1e-5);
+  std::filesystem::remove_all(dir_ / "ck/iter_0000010");
+  testing::WriteFile(dir_ / "ck/latest_checkpointed_iteration.txt", "5");
+  auto t1 = RunCmd(Train(1, qwen3 + " --load " + ShellQuote(dir_ / "ck"), 10));
+  ASSERT_EQ(t1.exit_code, 0) << t1.output;
+  EXPECT_NE(t1.output.find("saved with --tensor-model-parallel-size 2): the saved ranks' slices"), std::string::npos)
+      << t1.output;
+  ASSERT_EQ(Losses(t1.output).size(), 5u) << t1.output;
+  EXPECT_LT(Worst(Losses(t1.output), ref), 1e-5);
+  auto resumed = Ranks(2, Train(2, qwen3 + " --load " + ShellQuote(dir_ / "ck"), 10));
+  ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output << Logs(2);
+  const auto whole = Lines(t2.output), again = Lines(resumed.output);
+  ASSERT_EQ(whole.size(), 10u);
+  ASSERT_EQ(again.size(), 5u) << resumed.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(again[i], whole[5 + i]);
+}
+
 TEST_F(TensorParallelCli, CheckpointsResumeAtTheSameAndOtherTensorSizes) {
   const auto train = [&](const std::string& extra) { return Train(2, extra); };
   ASSERT_NO_FATAL_FAILURE(

@@ -249,6 +249,51 @@ TEST_F(TrainCli, StoppedAndResumedEqualsUninterrupted) {
   EXPECT_TRUE(x.m == y.m && x.v == y.v) << "AdamW moments differ after the resume";
 }
 
+// --qk-layernorm in a Qwen3-shaped model (RMSNorm, RoPE, SwiGLU, query groups, no biases, untied):
+// stopped at iteration 3 and resumed, the weights and AdamW moments of iteration 8 are the
+// uninterrupted run's, bit for bit; the checkpoint holds the query and key norms, and a resume
+// without the flag is refused as another model.
+TEST_F(TrainCli, QKLayerNormStoppedAndResumedEqualsUninterrupted) {
+  const std::string qwen3 =
+      "--normalization RMSNorm --position-embedding-type rope --swiglu --group-query-attention --num-query-groups 2 "
+      "--disable-bias-linear --untie-embeddings-and-output-weights --kv-channels 16 --qk-layernorm ";
+  auto a = RunCmd(Train(qwen3 + "--save " + ShellQuote(dir_ / "a")));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b1 = RunCmd(Train(qwen3 + "--save " + ShellQuote(dir_ / "b") + " --exit-interval 3"));
+  ASSERT_EQ(b1.exit_code, 0) << b1.output;
+  auto b2 = RunCmd(Train(qwen3 + "--save " + ShellQuote(dir_ / "b") + " --load " + ShellQuote(dir_ / "b")));
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_EQ(b2.output.find("iteration        2/"), std::string::npos) << "the resumed run started over";
+  // The tests' model with those flags (SwiGLU's default ffn: 64).
+  auto load = [](const std::string& dir, int64_t iteration, bool qk) {
+    GPTConfig c;
+    c.num_layers = 2, c.hidden_size = 32, c.num_attention_heads = 4, c.ffn_hidden_size = 64;
+    c.seq_length = c.max_position_embeddings = 32;
+    c.vocab_size = 1000, c.padded_vocab_size = 1024;
+    c.normalization = Normalization::kRMSNorm, c.position_embedding = PositionEmbedding::kRope, c.swiglu = true;
+    c.num_query_groups = 2, c.kv_channels = 16, c.add_bias_linear = false;
+    c.untie_embeddings_and_output_weights = true, c.qk_layernorm = qk;
+    auto layout = ParamLayout::Create(c);
+    EXPECT_TRUE(layout.ok()) << layout.status();
+    Saved saved;
+    const absl::Status st = LoadCheckpoint(dir, iteration, *layout, &saved.params, &saved.m, &saved.v, &saved.state);
+    EXPECT_TRUE(st.ok()) << st;
+    return saved;
+  };
+  Saved x = load(dir_ / "a", 8, true), y = load(dir_ / "b", 8, true);
+  ASSERT_FALSE(x.params.empty());
+  EXPECT_TRUE(x.params == y.params) << "weights differ after the resume";
+  EXPECT_TRUE(x.m == y.m && x.v == y.v) << "AdamW moments differ after the resume";
+  // 2 layers x (query, key) x 16 channels beside the model without the norms.
+  auto without = RunCmd(
+      Train(qwen3.substr(0, qwen3.find("--qk-layernorm")) + "--exit-interval 1 --save " + ShellQuote(dir_ / "c")));
+  ASSERT_EQ(without.exit_code, 0) << without.output;
+  EXPECT_EQ(x.params.size(), load(dir_ / "c", 1, false).params.size() + 2 * 2 * 16);
+  auto refused = RunCmd(Train(qwen3.substr(0, qwen3.find("--qk-layernorm")) + "--load " + ShellQuote(dir_ / "a")));
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_NE(refused.output.find("\"qk_layernorm\":true"), std::string::npos) << refused.output;
+}
+
 // The shell's loop that waits (up to 120 s) until `log` holds an iteration's line: training runs.
 std::string UntilTraining(const std::string& log) {
   return "end=$((SECONDS + 120)); until grep -q ' iteration ' " + ShellQuote(log) +
@@ -868,12 +913,13 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
       4));
   EXPECT_EQ(qwen.exit_code, 0) << qwen.output;
   EXPECT_NE(qwen.output.find("iteration        4/       4"), std::string::npos) << qwen.output;
-  auto twice = RunCmd(Train("--squared-relu --num-experts 8 --qk-layernorm", 1));
+  auto twice = RunCmd(Train("--squared-relu --num-experts 8 --multi-latent-attention", 1));
   EXPECT_EQ(twice.exit_code, 2) << twice.output;
   EXPECT_NE(twice.output.find("usage error: --squared-relu: the squared-ReLU activation is not implemented"),
             std::string::npos)
       << twice.output;
-  EXPECT_NE(twice.output.find("also not implemented here: --qk-layernorm, --num-experts 8"), std::string::npos)
+  EXPECT_NE(twice.output.find("also not implemented here: --multi-latent-attention, --num-experts 8"),
+            std::string::npos)
       << twice.output;
   for (const auto& [flag, why] : std::vector<std::pair<std::string, std::string>>{
            {"--squared-relu", "squared-ReLU activation is not implemented"},
@@ -883,7 +929,7 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
            {"--group-query-attention --num-query-groups 3",
             "--num-query-groups 3 does not divide --num-attention-heads 4"},
            {"--position-embedding-type rope --kv-channels 3", "--rotary-percent 1 of head dimension 3 rotates 3"},
-           {"--qk-layernorm", "LayerNorm on queries and keys"},
+           {"--qk-layernorm --device cuda", "--qk-layernorm runs on the CPU backend only"},
            {"--num-experts 8", "mixture of experts is not implemented"},
            {"--tokenizer-model tok.model", "reads GPT-2 BPE data"}}) {
     auto r = RunCmd(Train(flag, 1));

@@ -17,6 +17,9 @@ struct CpuGPTModel::Activations {
   // this rank's rows only (b x t/T).
   std::vector<std::vector<float>> resid, resid_mid, ln1, ln1_mean, ln1_rstd, qkv, probs, atty, ln2, ln2_mean, ln2_rstd,
       fc1, gelu;
+  // --qk-layernorm: the QKV product before the query and key norms (qkv holds it normalised, then
+  // rotated), and the norms' statistics per token and normalised head.
+  std::vector<std::vector<float>> qkv_raw, qk_mean, qk_rstd;
   std::vector<float> lnf, dact, rope_cos, rope_sin, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln,
       dff, dqkv, datt, scratch, xent_work;
   // Sequence parallelism: this rank's rows of a product's output, a permutation's buffer, a norm's
@@ -60,6 +63,32 @@ inline void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float
     cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c);
   else
     cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c);
+}
+
+// --qk-layernorm: where layer l's QKV product goes (qkv_raw, normalised into qkv by QKNormLayerForward),
+// or qkv itself without it. (Templates: CpuGPTModel::Activations is private to the model.)
+template <typename Acts>
+float* QkvProductOut(Acts& a, int64_t l, const GPTConfig& cf) {
+  return cf.qk_layernorm ? a.qkv_raw[l].data() : a.qkv[l].data();
+}
+template <typename Acts>
+void QKNormLayerForward(const GPTConfig& cf, Acts& a, int64_t l, const float* P, const LayerParams& lp,
+                        const AttentionShape& shape) {
+  if (!cf.qk_layernorm) return;
+  const bool ln = cf.normalization == Normalization::kLayerNorm;
+  cpu::QKNormForward(a.qkv[l].data(), ln ? a.qk_mean[l].data() : nullptr, a.qk_rstd[l].data(), a.qkv_raw[l].data(),
+                     P + lp.q_norm_w, At(P, lp.q_norm_b), P + lp.k_norm_w, At(P, lp.k_norm_b), shape,
+                     cf.layernorm_epsilon);
+}
+// Its backward, in place on dqkv (after RoPE's): the gradient of the QKV product out.
+template <typename Acts>
+void QKNormLayerBackward(const GPTConfig& cf, Acts& a, int64_t l, const float* P, float* G, const LayerParams& lp,
+                         const AttentionShape& shape) {
+  if (!cf.qk_layernorm) return;
+  const bool ln = cf.normalization == Normalization::kLayerNorm;
+  cpu::QKNormBackward(a.dqkv.data(), G + lp.q_norm_w, At(G, lp.q_norm_b), G + lp.k_norm_w, At(G, lp.k_norm_b),
+                      a.qkv_raw[l].data(), P + lp.q_norm_w, P + lp.k_norm_w, ln ? a.qk_mean[l].data() : nullptr,
+                      a.qk_rstd[l].data(), shape);
 }
 
 }  // namespace cpu_model_detail

@@ -205,6 +205,10 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   per_layer(a.ln1_mean, L, rows);
   per_layer(a.ln1_rstd, L, rows);
   per_layer(a.qkv, L, n * qkv);
+  const int64_t qk_rows = cf.qk_layernorm ? n * (cf.num_attention_heads + cf.query_groups()) / T : 0;
+  per_layer(a.qkv_raw, cf.qk_layernorm ? L : 0, n * qkv);
+  per_layer(a.qk_mean, cf.qk_layernorm && cf.normalization == Normalization::kLayerNorm ? L : 0, qk_rows);
+  per_layer(a.qk_rstd, cf.qk_layernorm ? L : 0, qk_rows);
   per_layer(a.probs, cf.recompute_activations ? 1 : L, probs);
   per_layer(a.atty, L, n * ct);
   per_layer(a.ln2, L, rows * c);
@@ -248,8 +252,8 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
 int64_t CpuGPTModel::ActivationFloats() const {
   const Activations& a = *act_;
   int64_t floats = 0;
-  for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.probs, &a.atty,
-                             &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
+  for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.qkv_raw, &a.qk_mean,
+                             &a.qk_rstd, &a.probs, &a.atty, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
     for (const std::vector<float>& v : *layers) floats += static_cast<int64_t>(v.size());
   for (const auto* v :
        {&a.lnf,     &a.dact,      &a.rope_cos, &a.rope_sin, &a.lnf_mean, &a.lnf_rstd, &a.logits, &a.losses,
@@ -308,6 +312,9 @@ void AddBias(float* x, const float* bias, int64_t n, int64_t c) {
 using cpu_model_detail::At;
 using cpu_model_detail::NormBackward;
 using cpu_model_detail::NormForward;
+using cpu_model_detail::QKNormLayerBackward;
+using cpu_model_detail::QKNormLayerForward;
+using cpu_model_detail::QkvProductOut;
 
 absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64_t seed) {
   if (sequence_parallel_) return RunForwardSequenceParallel(batch, train, seed);
@@ -352,7 +359,9 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, n, c);
-    cpu::MatmulForward(a.qkv[l].data(), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c, shape.qkv_width());
+    cpu::MatmulForward(QkvProductOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
+                       shape.qkv_width());
+    QKNormLayerForward(cf, a, l, P, lp, shape);
     if (cf.rope()) cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
@@ -384,6 +393,8 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
 // reduction: each is computed from the residual stream's gradient and activations, which every
 // rank holds with the same bits (the column-parallel products' input gradients and the row-parallel
 // outputs are summed over the group in rank order, which gives every rank the same bits).
+// --qk-layernorm's query and key norms are the exception: each rank's gradient is its heads' share,
+// summed over the group by the training step (GPTModel::SumNonTensorParallelGrads).
 absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint64_t seed) {
   if (sequence_parallel_) return RunBackwardSequenceParallel(batch, train, seed);
   const GPTConfig& cf = config();
@@ -436,6 +447,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
                            a.scratch.data());
     if (cf.rope()) cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
+    QKNormLayerBackward(cf, a, l, P, G, lp, shape);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,
                         shape.qkv_width());

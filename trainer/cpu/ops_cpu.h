@@ -44,6 +44,22 @@ void RMSNormForward(T* out, T* rstd, const T* inp, const T* w, int64_t n, int64_
 template <typename T>
 void RMSNormBackward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, const T* rstd, int64_t n, int64_t c);
 
+// ---- qk_norm_cpu.cpp -------------------------------------------------------------------------
+// Megatron's --qk-layernorm over a fused QKV buffer (b, t, qkv_width) in AttentionShape's layout:
+// each query head's hd channels normalised with (wq, bq), each key head's with (wk, bk), the value
+// heads copied: qkv = norm(raw). LayerNorm with `mean` non-null (weights and biases), RMSNorm with
+// `mean`, bq and bk null. Statistics in double, saved per token and normalised head in the row's
+// order (b * t * (nh + groups) entries).
+template <typename T>
+void QKNormForward(T* qkv, T* mean, T* rstd, const T* raw, const T* wq, const T* bq, const T* wk, const T* bk,
+                   const AttentionShape& s, double eps);
+// In place on dqkv: the gradient of the normalised buffer in, of `raw` out (the value heads'
+// unchanged); the weights' (and LayerNorm's biases') gradients added to dwq, dbq, dwk, dbk (the
+// biases' null under RMSNorm).
+template <typename T>
+void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const T* wq, const T* wk, const T* mean,
+                    const T* rstd, const AttentionShape& s);
+
 // ---- rope_cpu.cpp ----------------------------------------------------------------------------
 // Rotary position embedding (Megatron's non-interleaved rotate-half form) of the query and key
 // heads of a fused QKV buffer (b, t, qkv_width) in AttentionShape's layout, in place: channels

@@ -64,6 +64,9 @@ void BiasGradRows(float* dbias, const float* dout, int64_t n, int64_t c) {
 using cpu_model_detail::At;
 using cpu_model_detail::NormBackward;
 using cpu_model_detail::NormForward;
+using cpu_model_detail::QKNormLayerBackward;
+using cpu_model_detail::QKNormLayerForward;
+using cpu_model_detail::QkvProductOut;
 
 absl::Status CpuGPTModel::GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c) {
   const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
@@ -146,7 +149,8 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
-    cpu::MatmulForward(a.qkv[l].data(), whole, P + lp.qkv_w, At(P, lp.qkv_b), n, c, shape.qkv_width());
+    cpu::MatmulForward(QkvProductOut(a, l, cf), whole, P + lp.qkv_w, At(P, lp.qkv_b), n, c, shape.qkv_width());
+    QKNormLayerForward(cf, a, l, P, lp, shape);
     if (cf.rope()) cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
     if (ap > 0.0)
       for (int64_t s = 0; s < batch.b; ++s)
@@ -248,6 +252,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
                            a.scratch.data());
     if (cf.rope()) cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
+    QKNormLayerBackward(cf, a, l, P, G, lp, shape);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
     cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), whole, P + lp.qkv_w, n, c,

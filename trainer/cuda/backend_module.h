@@ -39,15 +39,16 @@ class Backend {
   ~Backend() = default;  // the module's own static object: never deleted through this interface
 };
 
-// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v7(void)
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v8(void)
 // (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel;
 // v5: GPTModel::StageBuffers and GPTModel::Synchronize, Communicator::SendRecvDevice: virtuals of the classes both
 // sides share; v6: GPTModel's sequence_parallel_ member, which the module's model sets; v7:
-// GPTModel::AllReduceGradRanges, a virtual, and GPTModel's sequence_parallel_ranges_ member).
+// GPTModel::AllReduceGradRanges, a virtual, and GPTModel's sequence_parallel_ranges_ member; v8: GPTConfig's
+// qk_layernorm and LayerParams' query and key norms, that member renamed non_tensor_parallel_ranges_).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
-inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v7";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v8";
 using BackendEntryFn = const Backend* (*)();
 
 }  // namespace ptk::cuda
 
-extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v7();
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v8();

@@ -9,9 +9,9 @@
 // mirrors it: the gradient of a branch's output is all-gathered, the column-parallel products' input
 // gradients are reduce-scattered, and the norms' and the row-parallel biases' gradients are this
 // rank's rows' only, summed over the group after the data-parallel reduction (TrainStep, through
-// GPTModel::SumSequenceParallelGrads), as Megatron's finalize_model_grads does. The hidden dropout runs as its own pass
-// (the norm kernels' fused dropout keys whole samples), each element keyed by its place in the whole sample, so the
-// masks are those of one rank.
+// GPTModel::SumNonTensorParallelGrads), as Megatron's finalize_model_grads does. The hidden dropout runs as its own
+// pass (the norm kernels' fused dropout keys whole samples), each element keyed by its place in the whole sample, so
+// the masks are those of one rank.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -148,7 +148,7 @@ absl::Status CudaGPTModelImpl<T>::SeqNormBackward(const char* name, T* dpartial,
                          LnBackward(Buf<T>(plan_.dresid), g, Rms() ? nullptr : g + c, dout, inp, Ln(w), stats,
                                     stats + n_, nl, c, Buf<float>(plan_.ln_scratch), ctx_)));
   // Added as a micro-batch's gradient is to Megatron's main_grad; the sum over the tensor group
-  // comes after the data-parallel reduction (GPTModel::SumSequenceParallelGrads).
+  // comes after the data-parallel reduction (GPTModel::SumNonTensorParallelGrads).
   PTK_RETURN_IF_ERROR(Op("tensor parallel", "norm gradients added", ResidualAdd<float>(Grad(w), Grad(w), g, c, ctx_)));
   if (!Rms() && bias >= 0)
     PTK_RETURN_IF_ERROR(

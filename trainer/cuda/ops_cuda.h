@@ -151,6 +151,23 @@ absl::Status RMSNormBackward(T* dinp, float* dw, const T* dout, const T* inp, co
                              int64_t n, int64_t c, double* scratch, const CudaContext& ctx);
 int64_t RMSNormBackwardScratch(int64_t n, int64_t c);
 
+// ---- qk_norm_cuda.cu ---------------------------------------------------------------------------
+// Megatron's --qk-layernorm, as cpu::QKNormForward / QKNormBackward (statistics fp32 in device
+// memory, b * t * (nh + groups) of them; weights and biases fp32 master copies; LayerNorm with `mean`,
+// RMSNorm with `mean`, bq, bk null). The backward works in place on dqkv and adds the parameters'
+// gradients, summed without atomics over 64-token blocks in double into `scratch`
+// (QKNormBackwardScratch(s) doubles) in the CPU op's order. Not yet called by the CUDA model
+// (ptk-train refuses --qk-layernorm with --device cuda).
+template <typename T>
+absl::Status QKNormForward(T* qkv, float* mean, float* rstd, const T* raw, const float* wq, const float* bq,
+                           const float* wk, const float* bk, const AttentionShape& s, double eps,
+                           const CudaContext& ctx);
+template <typename T>
+absl::Status QKNormBackward(T* dqkv, float* dwq, float* dbq, float* dwk, float* dbk, const T* raw, const float* wq,
+                            const float* wk, const float* mean, const float* rstd, const AttentionShape& s,
+                            double* scratch, const CudaContext& ctx);
+int64_t QKNormBackwardScratch(const AttentionShape& s);
+
 // ---- rope_cuda.cu ------------------------------------------------------------------------------
 // Rotary embedding in place on a fused QKV (b, t, s.qkv_width()) of query groups, as cpu::RopeForward:
 // the query and key heads' channels i and i + rd/2 rotated by the fp32 tables cos/sin (t, rd/2) of
