@@ -297,6 +297,57 @@ absl::Status ReadLlamaDims(const HfConfigReader& r, int64_t make_vocab_size_divi
 
 }  // namespace
 
+namespace {
+
+// RoPE's base and scaling: transformers 4's rope_theta and rope_scaling, or transformers 5's
+// rope_parameters (the base, rope_type and the scaling's constants in one object; a config may carry
+// both forms, which must then agree). Llama 3.1's scaling with the constants ptk computes with
+// (Megatron's --use-rope-scaling) or none; anything else is refused naming the key.
+absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
+  PTK_RETURN_IF_ERROR(r.GetReal("rope_theta", 10000.0, &c->rotary_base, 0, true, 1e300, false));
+  auto llama31 = [](simdjson::dom::element e) {
+    simdjson::dom::object o;
+    std::string_view type;
+    double factor = 0, low = 0, high = 0;
+    int64_t original = 0;
+    return !e.get(o) && (!o["rope_type"].get(type) || !o["type"].get(type)) && type == "llama3" &&
+           !o["factor"].get(factor) && !o["low_freq_factor"].get(low) && !o["high_freq_factor"].get(high) &&
+           !o["original_max_position_embeddings"].get(original) && factor == kRopeFactor && low == kRopeLowFreqFactor &&
+           high == kRopeHighFreqFactor && original == kRopeOriginalContext;
+  };
+  constexpr std::string_view kWhat =
+      "ptk computes Llama 3.1's (rope_type \"llama3\", factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
+      "original_max_position_embeddings 8192; Megatron's --use-rope-scaling) or none";
+  simdjson::dom::element scaling;
+  const bool has_scaling = r.Find("rope_scaling", &scaling);
+  if (has_scaling) {
+    if (!llama31(scaling)) return r.Bad(fmt::format("rope_scaling {}: {}", simdjson::minify(scaling), kWhat));
+    c->use_rope_scaling = true;
+  }
+  simdjson::dom::element params;
+  if (!r.Find("rope_parameters", &params)) return absl::OkStatus();
+  simdjson::dom::object o;
+  double theta = 0;
+  std::string_view type;
+  if (params.get(o) || o["rope_theta"].get(theta) || !(theta > 0 && theta <= 1e300))
+    return r.Bad(fmt::format("rope_parameters {}: not an object with a positive rope_theta", simdjson::minify(params)));
+  simdjson::dom::element top;
+  if (r.Find("rope_theta", &top) && theta != c->rotary_base)
+    return r.Bad(
+        fmt::format("rope_theta {} and rope_parameters' rope_theta {} differ", Num(c->rotary_base), Num(theta)));
+  c->rotary_base = theta;
+  const bool scaled = llama31(params);
+  if (!scaled && !(!o["rope_type"].get(type) && type == "default"))
+    return r.Bad(fmt::format("rope_parameters {}: {}", simdjson::minify(params), kWhat));
+  if (has_scaling && !scaled)
+    return r.Bad(fmt::format("rope_scaling {} and rope_parameters {} differ", simdjson::minify(scaling),
+                             simdjson::minify(params)));
+  if (scaled) c->use_rope_scaling = true;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                           std::vector<std::string>* notes, bool qwen3) {
   GPTConfig c;
@@ -322,7 +373,6 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   if (act != "silu")
     return r.Bad(fmt::format("hidden_act {:?}: ptk's gated MLP is SwiGLU's (hidden_act \"silu\")", act));
   PTK_RETURN_IF_ERROR(r.GetReal("rms_norm_eps", 1e-6, &c.layernorm_epsilon, 0, true, kMaxLayerNormEpsilon, false));
-  PTK_RETURN_IF_ERROR(r.GetReal("rope_theta", 10000.0, &c.rotary_base, 0, true, 1e300, false));
   PTK_RETURN_IF_ERROR(r.GetReal("attention_dropout", 0.0, &c.attention_dropout, 0, false, 1, true));
   PTK_RETURN_IF_ERROR(r.GetReal("initializer_range", 0.02, &c.init_method_std, 0, true, kMaxInitMethodStd, false));
   c.hidden_dropout = 0.0;  // LlamaForCausalLM has none
@@ -331,25 +381,7 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   if (partial != 1.0)
     return r.Bad(
         fmt::format("partial_rotary_factor {}: transformers' Llama rotates every channel of a head", Num(partial)));
-  simdjson::dom::element scaling;
-  if (r.Find("rope_scaling", &scaling)) {
-    // Llama 3.1's scaling with the constants ptk computes with (Megatron's --use-rope-scaling), nothing else.
-    simdjson::dom::object o;
-    std::string_view type;
-    double factor = 0, low = 0, high = 0;
-    int64_t original = 0;
-    const bool llama31 = !scaling.get(o) && (!o["rope_type"].get(type) || !o["type"].get(type)) && type == "llama3" &&
-                         !o["factor"].get(factor) && !o["low_freq_factor"].get(low) &&
-                         !o["high_freq_factor"].get(high) && !o["original_max_position_embeddings"].get(original) &&
-                         factor == kRopeFactor && low == kRopeLowFreqFactor && high == kRopeHighFreqFactor &&
-                         original == kRopeOriginalContext;
-    if (!llama31)
-      return r.Bad(fmt::format(
-          "rope_scaling {}: ptk computes Llama 3.1's (rope_type \"llama3\", factor 8.0, low_freq_factor 1.0, "
-          "high_freq_factor 4.0, original_max_position_embeddings 8192; Megatron's --use-rope-scaling) or none",
-          simdjson::minify(scaling)));
-    c.use_rope_scaling = true;
-  }
+  PTK_RETURN_IF_ERROR(ReadRope(r, &c));
   // The parameters the dimensions imply, counted without overflow: at most what ptk can index.
   const double h = static_cast<double>(c.hidden_size), hd = static_cast<double>(head_dim),
                implied = static_cast<double>(c.num_layers) *

@@ -194,6 +194,71 @@ TEST_F(HfLlama, MegatronShardsOfTheLlamaLineComeBackWhole) {
   }
 }
 
+// transformers 5 writes RoPE's base and scaling as one rope_parameters object (no rope_theta, no
+// rope_scaling): read as transformers 4's keys are, never the default base of 10000 in silence.
+TEST_F(HfLlama, ImportReadsTransformers5sRopeParameters) {
+  Save(Llama(/*bias=*/false, /*untie=*/true), dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const std::string config = ReadFile(hf + "/config.json");
+  ASSERT_NE(config.find("\"rope_theta\": 500000.0,"), std::string::npos) << config;
+  const std::string no_theta = std::regex_replace(config, std::regex("\"rope_theta\": 500000\\.0,"), "");
+  auto with_params = [&](const std::string& params_head) {
+    return std::regex_replace(no_theta, std::regex("\"rope_scaling\": \\{"), "\"rope_parameters\": {" + params_head);
+  };
+  struct Case {
+    std::string config;
+    double base;
+    bool scaling;
+  };
+  const Case good[] = {
+      {with_params("\"rope_theta\": 500000.0, "), 500000, true},
+      // Both forms, agreeing.
+      {std::regex_replace(config, std::regex("\"rope_theta\": 500000\\.0,"),
+                          "\"rope_theta\": 500000.0, \"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": "
+                          "500000.0, \"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+                          "\"original_max_position_embeddings\": 8192},"),
+       500000, true},
+  };
+  int n = 0;
+  for (const Case& k : good) {
+    WriteFile(hf + "/config.json", k.config);
+    auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("good" + std::to_string(n++))));
+    ASSERT_TRUE(r.ok()) << r.status() << "\n" << k.config;
+    EXPECT_EQ(r->config.rotary_base, k.base) << k.config;
+    EXPECT_EQ(r->config.use_rope_scaling, k.scaling) << k.config;
+  }
+  // No scaling: rope_type "default" beside the base.
+  std::string plain =
+      std::regex_replace(no_theta, std::regex("\"rope_scaling\": \\{[^}]*\\}"),
+                         "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 1000000.0}");
+  WriteFile(hf + "/config.json", plain);
+  auto d = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "default"));
+  ASSERT_TRUE(d.ok()) << d.status() << "\n" << plain;
+  EXPECT_EQ(d->config.rotary_base, 1000000);
+  EXPECT_FALSE(d->config.use_rope_scaling);
+  struct Bad {
+    std::string config, why;
+  };
+  const Bad bad[] = {
+      {std::regex_replace(plain, std::regex("\"default\""), "\"linear\""), "rope_parameters {\"rope_type\":\"linear\""},
+      {std::regex_replace(plain, std::regex("\"rope_theta\": 1000000\\.0"), "\"rope_theta\": -1"),
+       "not an object with a positive rope_theta"},
+      {std::regex_replace(plain, std::regex("\"rope_parameters\""), "\"rope_theta\": 10000.0, \"rope_parameters\""),
+       "rope_theta 10000.0 and rope_parameters' rope_theta 1000000.0 differ"},
+      {std::regex_replace(config, std::regex("\"rope_theta\": 500000\\.0,"),
+                          "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 500000.0},"),
+       "differ"},
+  };
+  for (const Bad& k : bad) {
+    WriteFile(hf + "/config.json", k.config);
+    auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("bad" + std::to_string(n++))));
+    ASSERT_FALSE(r.ok()) << k.config;
+    EXPECT_NE(r.status().message().find(k.why), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("config.json"), std::string::npos) << r.status();
+  }
+}
+
 TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
   Save(Llama(/*bias=*/false, /*untie=*/true), dir_ / "ck");
   const std::string hf = dir_ / "hf";
