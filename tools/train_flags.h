@@ -63,6 +63,8 @@ struct TrainFlags {
        disable_bias_linear = false;
   int64_t num_query_groups = 1;
   std::optional<int64_t> decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers;
+  // Megatron's interleaved schedule: layers per model chunk, or model chunks per stage.
+  std::optional<int64_t> num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank;
 };
 
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,

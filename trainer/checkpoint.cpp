@@ -260,6 +260,24 @@ absl::Status RecoverIteration(const std::string& save, const std::string& base, 
 
 }  // namespace
 
+std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::string& name) {
+  if (layout.virtual_size <= 1) return {0, name};
+  constexpr std::string_view kLayers = "decoder.layers.";
+  // The embeddings are the first stage's chunk 0's; the final norm, the output layer and the last
+  // stage's copy of tied embeddings its last chunk's.
+  if (name.rfind(kLayers, 0) != 0)
+    return {name.rfind("embedding.", 0) == 0 && layout.pre_process ? 0 : layout.virtual_size - 1, name};
+  const size_t dot = name.find('.', kLayers.size());
+  const int64_t global = std::stoll(name.substr(kLayers.size(), dot - kLayers.size()));
+  const int64_t n = layout.chunk_layers();
+  for (int v = 0; v < layout.virtual_size; ++v) {
+    const int64_t first = layout.chunk_first_layer[static_cast<size_t>(v)];
+    if (global >= first && global < first + n)
+      return {v, fmt::format("{}{}{}", kLayers, global - first, name.substr(dot))};
+  }
+  return {0, name};
+}
+
 absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
                             const std::string& args_json) {
@@ -332,6 +350,7 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
         .Field("tensor_rank", static_cast<int64_t>(layout.tensor_rank))
         .Field("pipeline_model_parallel_size", static_cast<int64_t>(layout.pipeline_size))
         .Field("pipeline_rank", static_cast<int64_t>(layout.pipeline_rank))
+        .Field("virtual_pipeline_model_parallel_size", static_cast<int64_t>(layout.virtual_size))
         .Key("pipeline_stage_layers")
         .BeginArray();
     for (int64_t l : stage_layers) w.Value(l);
@@ -339,7 +358,11 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     for (const auto& [name, value] : state.settings) w.BeginArray().Value(name).Value(value).EndArray();
     w.EndArray().Key("tensors").BeginArray();
     for (const ParamInfo& p : layout.infos) {
-      w.BeginObject().Field("name", p.name).Key("shape").BeginArray();
+      // Model chunks: Megatron's state of each (model0, model1, ...), its layers numbered from 0.
+      const auto [chunk, name] = ChunkName(layout, p.name);
+      w.BeginObject();
+      if (layout.virtual_size > 1) w.Field("model", fmt::format("model{}", chunk));
+      w.Field("name", name).Key("shape").BeginArray();
       for (int64_t d : p.shape) w.Value(d);
       w.EndArray().Field("offset", p.offset).EndObject();
     }
@@ -462,7 +485,7 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(FirstRankFile(dir)));
   // This rank's own file when it was saved with this rank's slices and layers; else put together.
   const bool same_stage =
-      saved.pipeline_size() == layout.pipeline_size &&
+      saved.pipeline_size() == layout.pipeline_size && saved.virtual_size == layout.virtual_size &&
       StageOf(saved.stage_layers, layout.pipeline_rank).first_layer == layout.first_layer &&
       saved.stage_layers[static_cast<size_t>(layout.pipeline_rank)] == static_cast<int64_t>(layout.layers.size());
   if (saved.tensor_size != layout.tensor_size || !same_stage)

@@ -20,6 +20,11 @@ absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
   if (h["tensor_model_parallel_size"].get(t)) t = 1;  // ptk before tensor parallelism
   if (t < 1 || t > (1 << 20)) return absl::DataLossError(fmt::format("{}: tensor size {} in the header", file, t));
   saved.tensor_size = static_cast<int>(t);
+  int64_t v = 1;
+  if (h["virtual_pipeline_model_parallel_size"].get(v)) v = 1;  // ptk before the interleaved schedule
+  if (v < 1 || v > (1 << 20))
+    return absl::DataLossError(fmt::format("{}: virtual pipeline size {} in the header", file, v));
+  saved.virtual_size = static_cast<int>(v);
   simdjson::dom::array stages;
   if (!h["pipeline_stage_layers"].get(stages)) {
     for (simdjson::dom::element e : stages) {
@@ -47,7 +52,8 @@ absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved
   const int P = saved.pipeline_size();
   for (int stage = 0; stage < P; ++stage) {
     for (int t = 0; t < saved.tensor_size; ++t) {
-      auto saved_layout = ParamLayout::Create(layout.config, saved.tensor_size, t, StageOf(saved.stage_layers, stage));
+      auto saved_layout = ParamLayout::Create(layout.config, saved.tensor_size, t,
+                                              StageOf(saved.stage_layers, stage, saved.virtual_size));
       if (!saved_layout.ok())
         return absl::FailedPreconditionError(
             fmt::format("{}: saved at tensor size {} and {} pipeline stage(s), which this model cannot have been split "
