@@ -5,8 +5,9 @@
 // T = 2 x P = 2 x data 2 with ZeRO-1 within 1e-5; checkpoints resume at the same layout with the
 // uninterrupted run's lines character for character, load at P = 2 without chunks and at P = 4,
 // and a 1F1B checkpoint loads into the interleaved run; Megatron's refusals and ptk's exit 2 in one
-// line.
+// line; text samples are one rank's through the chunks, TensorBoard and the level-2 timers run.
 #include <filesystem>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,30 @@ TEST_F(InterleavedCli, CheckpointsResumeAndLoadAcrossChunkLayouts) {
   EXPECT_NE(out.find("resuming with --num-virtual-stages-per-pipeline-rank 2 (the checkpoint of iteration 10"),
             std::string::npos)
       << out;
+}
+
+// Text samples run each token's forward through the chunks: one rank's samples; TensorBoard's
+// events come from the last stage; the level-2 timers time the chunks' passes and exchanges.
+TEST_F(InterleavedCli, SamplesTensorBoardAndTimersThroughTheChunks) {
+  const std::string common = "--sample-interval 10 --sample-length 6 ";
+  auto samples = [](const std::string& out) {
+    std::vector<std::string> v;
+    const std::regex re(R"( sample at iteration +\d+ \(.*)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+      v.push_back(it->str());
+    return v;
+  };
+  auto one = RunCmd(Train(1, 1, common));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string tb = dir_ / "tb";
+  auto two = Ranks(2, Train(1, 2, common + kTwoChunks + " --timing-log-level 2 --tensorboard-dir " + ShellQuote(tb)));
+  ASSERT_NE(two.output.find(AllZero(2)), std::string::npos) << two.output << Logs(2);
+  const auto want = samples(one.output);
+  ASSERT_EQ(want.size(), 2u) << one.output;
+  EXPECT_EQ(samples(two.output), want) << two.output;
+  EXPECT_NE(Logs(2).find("TensorBoard events: " + tb), std::string::npos) << Logs(2);
+  for (const char* timer : {"forward-compute", "backward-compute", "forward-backward-send-forward-backward-recv"})
+    EXPECT_NE(Logs(2).find(timer), std::string::npos) << timer << "\n" << Logs(2);  // the last rank prints them
 }
 
 TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
