@@ -152,6 +152,14 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
     if (c.world == 1) EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
   }
+  // --dry-run plans the interleaved layout (the parameters of each rank as without chunks; Megatron's
+  // virtual micro-batches in flight) for any world, even one that would run on GPUs.
+  auto plan = RunCmd("WORLD_SIZE=2 " + Train(1, 2, std::string(kTwoChunks) + " --dry-run --device cuda"));
+  EXPECT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find(" > number of parameters on (tensor, pipeline) model parallel rank (0, 1): "),
+            std::string::npos)
+      << plan.output;
+  EXPECT_NE(plan.output.find("virtual micro-batches of its 2 chunks' layers each"), std::string::npos) << plan.output;
 }
 
 }  // namespace
