@@ -260,24 +260,6 @@ absl::Status RecoverIteration(const std::string& save, const std::string& base, 
 
 }  // namespace
 
-std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::string& name) {
-  if (layout.virtual_size <= 1) return {0, name};
-  constexpr std::string_view kLayers = "decoder.layers.";
-  // The embeddings are the first stage's chunk 0's; the final norm, the output layer and the last
-  // stage's copy of tied embeddings its last chunk's.
-  if (name.rfind(kLayers, 0) != 0)
-    return {name.rfind("embedding.", 0) == 0 && layout.pre_process ? 0 : layout.virtual_size - 1, name};
-  const size_t dot = name.find('.', kLayers.size());
-  const int64_t global = std::stoll(name.substr(kLayers.size(), dot - kLayers.size()));
-  const int64_t n = layout.chunk_layers();
-  for (int v = 0; v < layout.virtual_size; ++v) {
-    const int64_t first = layout.chunk_first_layer[static_cast<size_t>(v)];
-    if (global >= first && global < first + n)
-      return {v, fmt::format("{}{}{}", kLayers, global - first, name.substr(dot))};
-  }
-  return {0, name};
-}
-
 absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
                             std::span<const float> exp_avg, std::span<const float> exp_avg_sq, const TrainState& state,
                             const std::string& args_json) {

@@ -1,6 +1,6 @@
-// The tensor and pipeline sizes a checkpoint was saved with, and a checkpoint saved at one layout
-// loaded at another: the whole model (weights and AdamW moments) put together from every saved
-// rank's slices of its stage, then this rank's cut.
+// The tensor and pipeline sizes a checkpoint was saved with (and its tensors' names in model
+// chunks), and a checkpoint saved at one layout loaded at another: the whole model (weights and
+// AdamW moments) put together from every saved rank's slices of its stage, then this rank's cut.
 #include <fmt/core.h>
 #include <simdjson.h>
 
@@ -40,6 +40,24 @@ absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
     saved.stage_layers.push_back(layers);
   }
   return saved;
+}
+
+std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::string& name) {
+  if (layout.virtual_size <= 1) return {0, name};
+  constexpr std::string_view kLayers = "decoder.layers.";
+  // The embeddings are the first stage's chunk 0's; the final norm, the output layer and the last
+  // stage's copy of tied embeddings its last chunk's.
+  if (name.rfind(kLayers, 0) != 0)
+    return {name.rfind("embedding.", 0) == 0 && layout.pre_process ? 0 : layout.virtual_size - 1, name};
+  const size_t dot = name.find('.', kLayers.size());
+  const int64_t global = std::stoll(name.substr(kLayers.size(), dot - kLayers.size()));
+  const int64_t n = layout.chunk_layers();
+  for (int v = 0; v < layout.virtual_size; ++v) {
+    const int64_t first = layout.chunk_first_layer[static_cast<size_t>(v)];
+    if (global >= first && global < first + n)
+      return {v, fmt::format("{}{}{}", kLayers, global - first, name.substr(dot))};
+  }
+  return {0, name};
 }
 
 absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved, int64_t iteration,
