@@ -1,11 +1,12 @@
 // ptk-train's interleaved pipeline schedule end to end, ranks as processes over loopback gloo: a
 // 4-layer model at P = 2 in two chunks of one layer (--num-layers-per-virtual-pipeline-stage 1, or
 // --num-virtual-stages-per-pipeline-rank 2), 8 micro-batches a step, dropout on, gives one rank's
-// loss lines within 1e-6 relative over 20 iterations and the 1F1B run's printed losses;
-// T = 2 x P = 2 x data 2 with ZeRO-1 within 1e-5; checkpoints resume at the same layout with the
-// uninterrupted run's lines character for character, load at P = 2 without chunks and at P = 4,
-// and a 1F1B checkpoint loads into the interleaved run; Megatron's refusals and ptk's exit 2 in one
-// line; text samples are one rank's through the chunks, TensorBoard and the level-2 timers run.
+// loss lines within 1e-6 relative over 20 iterations and the 1F1B run's printed losses; T = 2 x
+// P = 2 x data 2 with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; checkpoints
+// resume at the same layout with the uninterrupted run's lines character for character, load at
+// P = 2 without chunks and at P = 4, a 1F1B checkpoint loads into the interleaved run, and
+// ptk-convert exports one; Megatron's refusals and ptk's exit 2 in one line; text samples are one
+// rank's through the chunks, TensorBoard and the level-2 timers run; --dry-run plans the layout.
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -76,6 +77,9 @@ TEST_F(InterleavedCli, TensorPipelineAndDataRanksWithZeroOne) {
   std::string out;
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(8, Train(2, 2, std::string(kTwoChunks) + " --use-distributed-optimizer"), one,
                                           20, 1e-5, "T=2 x P=2 x D=2 x V=2, ZeRO-1", &out));
+  // --sequence-parallel: each chunk sends its tensor rank's shard of the sequence.
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(2, 2, std::string(kTwoChunks) + " --sequence-parallel"), one, 20,
+                                          1e-5, "T=2 x P=2 x V=2, --sequence-parallel", &out));
 }
 
 TEST_F(InterleavedCli, CheckpointsResumeAndLoadAcrossChunkLayouts) {
@@ -86,6 +90,12 @@ TEST_F(InterleavedCli, CheckpointsResumeAndLoadAcrossChunkLayouts) {
   const std::string header = ptk::testing::ReadFile(dir_ / "ck/iter_0000010/mp_rank_00_001/model_optim_rng.ptk");
   EXPECT_NE(header.find(R"("virtual_pipeline_model_parallel_size": 2)"), std::string::npos) << header.substr(0, 3000);
   EXPECT_NE(header.find(R"({"model": "model1", "name": "decoder.layers.0.input_layernorm.weight")"), std::string::npos);
+  // ptk-convert reads the chunks put together (iteration 10's, copied).
+  auto hf =
+      RunCmd(ptk::testing::Tool("ptk-convert") + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck1") +
+             " --save-dir " + ShellQuote(dir_ / "hf") + " " + testing::SmallVocabFlags());
+  EXPECT_EQ(hf.exit_code, 0) << hf.output;
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "hf/model.safetensors")) << hf.output;
   // The chunked checkpoint at P = 2 without chunks and at P = 4; a 1F1B checkpoint with chunks.
   const auto one = Losses(OneRank());
   for (int P : {2, 4}) {
