@@ -65,6 +65,9 @@ TEST_F(InterleavedCli, TwoChunksGiveOneRanksAndTheOneChunkRunsLosses) {
   // Each chunk's backwards in micro-batch order: the 1F1B run's printed losses.
   EXPECT_EQ(Losses(out), Losses(plain));
   EXPECT_NE(out.find("validation loss at iteration 20 | lm loss value: "), std::string::npos) << out;
+  EXPECT_NE(out.find("pipeline parallel: 2 stages of 2 model chunks (the interleaved schedule) x data parallel"),
+            std::string::npos)
+      << out;
   // --num-virtual-stages-per-pipeline-rank says the same.
   std::string same;
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(1, 2, "--num-virtual-stages-per-pipeline-rank 2"), one, 20, 1e-6,
