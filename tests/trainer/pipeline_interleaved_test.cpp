@@ -1,6 +1,7 @@
 // Megatron's interleaved pipeline schedule on the CPU backend: a stage of V model chunks holds the
 // layers of virtual stages v * P + p (the whole model's tensors and init, put back together by
 // CopyFromShard); the interleaved 1F1B at P = 2 and 4 with 2 chunks, 8 micro-batches and dropout on
+// (and with as many micro-batches as stages, every forward of the first stages in the warm-up)
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed within
 // float rounding), and forward-only evaluation one rank's loss; a step whose micro-batches are not a
 // multiple of P is refused; a checkpoint header names each tensor by its chunk, Megatron's way.
@@ -104,9 +105,9 @@ Reference OneRank(const GPTConfig& c, const std::vector<ModelBatch>& mbs, const 
   return ref;
 }
 
-void CheckInterleavedGivesOneRank(int P, int V, int64_t layers) {
+void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batches = 8) {
   const GPTConfig c = Config(layers);
-  const testing::Batches data(8, 16);
+  const testing::Batches data(micro_batches, 16);
   const std::vector<ModelBatch> mbs = data.All();
   std::vector<double> scales;
   for (size_t k = 0; k < mbs.size(); ++k) scales.push_back(1.0 / (27.0 * 8.0) * (1.0 + 0.01 * static_cast<double>(k)));
@@ -133,7 +134,7 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers) {
     ASSERT_TRUE(eval.ok()) << eval.status();
     std::lock_guard<std::mutex> lock(mu);
     // Megatron's warm-up, (P - s - 1) * 2 + (V - 1) * P forwards, plus the first of the steady state.
-    EXPECT_EQ(stats.max_in_flight, std::min((P - s - 1) * 2 + (V - 1) * P + 1, 8 * V)) << "stage " << s;
+    EXPECT_EQ(stats.max_in_flight, std::min((P - s - 1) * 2 + (V - 1) * P + 1, micro_batches * V)) << "stage " << s;
     if (s == P - 1) {
       EXPECT_EQ(loss->loss_sum, ref.loss.loss_sum);
       EXPECT_EQ(loss->tokens, ref.loss.tokens);
@@ -164,6 +165,11 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers) {
 TEST(InterleavedSchedule, TwoStagesOfTwoChunksGiveOneRanksLossAndGradients) { CheckInterleavedGivesOneRank(2, 2, 4); }
 TEST(InterleavedSchedule, FourStagesOfTwoChunksGiveOneRanksLossAndGradients) { CheckInterleavedGivesOneRank(4, 2, 8); }
 TEST(InterleavedSchedule, TwoStagesOfThreeChunks) { CheckInterleavedGivesOneRank(2, 3, 6); }
+// As many micro-batches as stages: the first stages run every forward in the warm-up.
+TEST(InterleavedSchedule, AsManyMicroBatchesAsStages) {
+  CheckInterleavedGivesOneRank(2, 2, 4, 2);
+  CheckInterleavedGivesOneRank(4, 2, 8, 4);
+}
 
 TEST(InterleavedSchedule, MicroBatchesNotAMultipleOfTheStagesAreRefused) {
   EXPECT_TRUE(CheckInterleavedMicroBatches(8, 4).ok());
