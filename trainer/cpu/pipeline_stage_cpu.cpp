@@ -14,7 +14,7 @@ namespace ptk {
 absl::Status CpuGPTModel::SelectSlot(int slot) {
   // The interleaved schedule hands a chunk's slots out as its activations arrive, which may be
   // before an earlier slot's first forward: the slots up to this one are made.
-  if (slot < 0 || slot > static_cast<int>(slots_.size()) + 64)
+  if (slot < 0 || slot >= (1 << 16))
     return absl::InvalidArgumentError(fmt::format("activation slot {}: {} made so far", slot, slots_.size()));
   while (slot >= static_cast<int>(slots_.size())) slots_.push_back(std::make_unique<Activations>());
   act_ = slots_[static_cast<size_t>(slot)].get();
