@@ -218,12 +218,15 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   per_layer(a.ln2_rstd, L, rows);
   per_layer(a.fc1, L, n * f1);
   per_layer(a.gelu, L, n * f);
-  a.lnf.assign(rows * c, 0.0f);
-  a.lnf_mean.assign(rows, 0.0f);
-  a.lnf_rstd.assign(rows, 0.0f);
-  a.logits.assign(n * vp, 0.0f);
-  a.losses.assign(n, 0.0f);
-  a.dloss.assign(n, 0.0f);
+  // The final norm, logits and losses only where the pass ends in the loss (the last stage's last
+  // chunk): a pipeline stage's other slots never touch them.
+  const int64_t head = chunk_post_process() ? 1 : 0;
+  a.lnf.assign(head * rows * c, 0.0f);
+  a.lnf_mean.assign(head * rows, 0.0f);
+  a.lnf_rstd.assign(head * rows, 0.0f);
+  a.logits.assign(head * n * vp, 0.0f);
+  a.losses.assign(head * n, 0.0f);
+  a.dloss.assign(head * n, 0.0f);
   a.tmp.assign(n * c, 0.0f);
   a.dresid.assign(rows * c, 0.0f);
   a.dtmp.assign(n * c, 0.0f);
