@@ -4,7 +4,8 @@
 // (and with as many micro-batches as stages, every forward of the first stages in the warm-up)
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed within
 // float rounding), and forward-only evaluation one rank's loss; a step whose micro-batches are not a
-// multiple of P is refused; a checkpoint header names each tensor by its chunk, Megatron's way.
+// multiple of P is refused; only the last virtual stage's slots hold the logits; a checkpoint header names each tensor
+// by its chunk, Megatron's way.
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
@@ -113,6 +114,7 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
   for (size_t k = 0; k < mbs.size(); ++k) scales.push_back(1.0 / (27.0 * 8.0) * (1.0 + 0.01 * static_cast<double>(k)));
   const Reference ref = OneRank(c, mbs, scales);
   std::mutex mu;
+  std::vector<int64_t> floats(static_cast<size_t>(P));
   testing::RunRanks(P, [&](Communicator* comm, int s) {
     auto made = CpuGPTModel::Create(c, nullptr, false, Stage(c, P, s, V));
     ASSERT_TRUE(made.ok()) << made.status();
@@ -133,6 +135,7 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
     auto eval = ForwardPipelining(&m, comm, mbs[0]);
     ASSERT_TRUE(eval.ok()) << eval.status();
     std::lock_guard<std::mutex> lock(mu);
+    floats[static_cast<size_t>(s)] = m.ActivationFloats();  // the last chunk's slot, evaluation's last
     // Megatron's warm-up, (P - s - 1) * 2 + (V - 1) * P forwards, plus the first of the steady state.
     EXPECT_EQ(stats.max_in_flight, std::min((P - s - 1) * 2 + (V - 1) * P + 1, micro_batches * V)) << "stage " << s;
     if (s == P - 1) {
@@ -160,6 +163,12 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
                              << ")";
     }
   });
+  // Only the slot whose pass ends in the loss holds the final norm (and its statistics), the logits
+  // and the losses (and their gradient): 2 x 16 rows of 32, a vocabulary of 128.
+  const int64_t n = 2 * 16;
+  for (int s = 0; s + 1 < P; ++s)
+    EXPECT_EQ(floats[static_cast<size_t>(P - 1)] - floats[static_cast<size_t>(s)], n * 32 + 2 * n + n * 128 + 2 * n)
+        << "stage " << s;
 }
 
 TEST(InterleavedSchedule, TwoStagesOfTwoChunksGiveOneRanksLossAndGradients) { CheckInterleavedGivesOneRank(2, 2, 4); }
