@@ -4,8 +4,8 @@
 // (and with as many micro-batches as stages, every forward of the first stages in the warm-up)
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed within
 // float rounding), and forward-only evaluation one rank's loss; a step whose micro-batches are not a
-// multiple of P is refused; only the last virtual stage's slots hold the logits; a checkpoint header names each tensor
-// by its chunk, Megatron's way.
+// multiple of P is refused; only the last virtual stage's slots hold the logits; a checkpoint
+// header names each tensor by its chunk, Megatron's way.
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
