@@ -90,7 +90,6 @@ constexpr ModelRefusal kModelRefusals[] = {
     {"--moe-router-topk", true, "mixture of experts is not implemented; ptk's MLP is dense"},
     {"--init-method-xavier-uniform", false, "ptk initialises as Megatron's default, N(0, --init-method-std)"},
     {"--fp8-format", true, "fp8 training is not implemented; use --bf16 or --fp16 on a GPU"},
-    {"--num-layers-per-virtual-pipeline-stage", true, "ptk-train has no interleaved pipeline schedule (1F1B only)"},
     {"--tokenizer-model", true,
      "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "
      "tiktoken model is not used"},

@@ -15,8 +15,11 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   if (flags.fp16 && flags.bf16) return UsageError("--fp16 and --bf16: give one precision");
   // The checks of a real run on a copy that one process on this machine can pass: the plan is of
   // another machine's run (its GPUs, its files).
+  PTK_ASSIGN_OR_RETURN(const int virtual_size, VirtualPipelineSize(flags));
   TrainFlags f = flags;
   f.tensor_model_parallel_size = f.pipeline_model_parallel_size = f.context_parallel_size = 1;
+  f.num_layers_per_virtual_pipeline_stage.reset();
+  f.num_virtual_stages_per_pipeline_rank.reset();
   f.decoder_first_pipeline_num_layers.reset();
   f.decoder_last_pipeline_num_layers.reset();
   f.device = "cpu";
@@ -41,6 +44,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   d.context = static_cast<int>(flags.context_parallel_size);
   d.first_stage_layers = flags.decoder_first_pipeline_num_layers;
   d.last_stage_layers = flags.decoder_last_pipeline_num_layers;
+  d.virtual_size = virtual_size;
   d.micro_batch_size = o.micro_batch_size;
   d.global_batch_size = o.global_batch_size;
   d.sequence_parallel = flags.options.backend.sequence_parallel;

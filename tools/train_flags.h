@@ -63,6 +63,8 @@ struct TrainFlags {
        disable_bias_linear = false;
   int64_t num_query_groups = 1;
   std::optional<int64_t> decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers;
+  // Megatron's interleaved schedule: layers per model chunk, or model chunks per stage.
+  std::optional<int64_t> num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank;
 };
 
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,
@@ -80,6 +82,11 @@ absl::Status ResolveLlamaFlags(const TrainFlags& flags, int64_t tp, GPTConfig* m
 // their own (the defaults that depend on other flags, the precision, the device, the
 // communicator's backend). How settings go together is checked by PlanTraining.
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& flags, std::vector<std::string>* notes);
+// The model chunks of each pipeline stage the interleaved schedule's flags ask for, with
+// Megatron's checks of them (arguments.py: one of the two flags, a pipeline of two or more stages,
+// the layers of a stage divisible by those of a chunk) and ptk's (even stages); 1 without them, or
+// when one chunk holds a stage's layers (Megatron's plain 1F1B then). A usage error otherwise.
+absl::StatusOr<int> VirtualPipelineSize(const TrainFlags& flags);
 
 // --use-checkpoint-args, after parsing and before ResolveTrainFlags: the model's flags that the
 // command line leaves out are taken from the settings of --load's latest checkpoint (a line for

@@ -168,8 +168,13 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
   if (world.size() > 1)
     ptk::log::Info("{}{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
                    tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "",
-                   pp > 1 ? fmt::format("pipeline parallel: {} stages x ", pp) : "", layout.data_size(), ranks.source,
-                   world.backend(), ranks.master_addr, ranks.master_port);
+                   pp > 1 ? fmt::format("pipeline parallel: {} stages{} x ", pp,
+                                        options.pipeline_virtual_size > 1
+                                            ? fmt::format(" of {} model chunks (the interleaved schedule)",
+                                                          options.pipeline_virtual_size)
+                                            : "")
+                          : "",
+                   layout.data_size(), ranks.source, world.backend(), ranks.master_addr, ranks.master_port);
   for (const std::string& n : notes) ptk::log::Info("note: {}", n);
   for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
 }

@@ -113,6 +113,28 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
 
 // The flags that ask for what ptk has not (the model's, the data's, the optimizer's), after the
 // device is known; notes for the flags accepted for compatibility.
+// ptk's refusals of the interleaved schedule beyond Megatron's (VirtualPipelineSize).
+absl::StatusOr<int> ResolveVirtualStages(const TrainFlags& f) {
+  PTK_ASSIGN_OR_RETURN(const int v, VirtualPipelineSize(f));
+  if (v == 1) return 1;
+  const std::string flag =
+      f.num_layers_per_virtual_pipeline_stage
+          ? fmt::format("--num-layers-per-virtual-pipeline-stage {}", *f.num_layers_per_virtual_pipeline_stage)
+          : fmt::format("--num-virtual-stages-per-pipeline-rank {}", v);
+  const bool cuda = f.device == "cuda" || (f.device.empty() && DefaultDevice() == Device::kCuda);
+  if (cuda)
+    return Refuse(fmt::format("{}: the interleaved schedule runs on the CPU backend only (--device cpu, gloo)", flag));
+  if (f.options.optimizer.overlap_grad_reduce)
+    return Refuse(
+        fmt::format("{} with --overlap-grad-reduce: ptk's interleaved schedule reduces the gradients after "
+                    "the schedule; drop --overlap-grad-reduce",
+                    flag));
+  if (f.distributed_backend != "gloo" && !f.distributed_backend.empty())
+    return Refuse(fmt::format("{} with --distributed-backend {}: the interleaved schedule runs over gloo", flag,
+                              f.distributed_backend));
+  return v;
+}
+
 absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std::string>* notes) {
   if (tp > 1 && f.options.model.num_attention_heads % tp != 0)
     return Refuse(fmt::format("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}",
@@ -246,6 +268,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
                                           f.decoder_first_pipeline_num_layers, f.decoder_last_pipeline_num_layers));
   }
   const bool pipelined = stage_layers.size() > 1;
+  PTK_ASSIGN_OR_RETURN(const int virtual_size, ResolveVirtualStages(f));
   if (f.context_parallel_size != 1)
     return Refuse(
         fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
@@ -271,7 +294,36 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(ResolveDataFlags(f, &o));
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
+  o.pipeline_virtual_size = virtual_size;
   return o;
+}
+
+absl::StatusOr<int> VirtualPipelineSize(const TrainFlags& f) {
+  const auto& per_chunk = f.num_layers_per_virtual_pipeline_stage;
+  const auto& chunks = f.num_virtual_stages_per_pipeline_rank;
+  if (!per_chunk && !chunks) return 1;
+  const std::string flag = per_chunk ? fmt::format("--num-layers-per-virtual-pipeline-stage {}", *per_chunk)
+                                     : fmt::format("--num-virtual-stages-per-pipeline-rank {}", *chunks);
+  if (per_chunk && chunks)
+    return Refuse(
+        "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank: give one of them");
+  if (f.pipeline_model_parallel_size < 2)
+    return Refuse(fmt::format("{}: the interleaved schedule needs --pipeline-model-parallel-size above 1 (it is {})",
+                              flag, f.pipeline_model_parallel_size));
+  if (f.decoder_first_pipeline_num_layers || f.decoder_last_pipeline_num_layers)
+    return Refuse(
+        fmt::format("{} with --decoder-first/last-pipeline-num-layers: ptk's interleaved schedule splits "
+                    "the layers evenly; drop one of them",
+                    flag));
+  const int64_t per_stage = f.options.model.num_layers / f.pipeline_model_parallel_size;
+  const int64_t divisor = per_chunk ? *per_chunk : *chunks;
+  if (per_stage % divisor != 0)
+    return Refuse(
+        fmt::format("{}: the layers of a pipeline stage (--num-layers {} / --pipeline-model-parallel-size "
+                    "{} = {}) must be divisible by the {}",
+                    flag, f.options.model.num_layers, f.pipeline_model_parallel_size, per_stage,
+                    per_chunk ? "layers of a virtual stage" : "virtual stages"));
+  return static_cast<int>(per_chunk ? per_stage / *per_chunk : *chunks);  // 1: Megatron's plain 1F1B
 }
 
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {

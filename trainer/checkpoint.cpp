@@ -340,6 +340,7 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
         .Field("tensor_rank", static_cast<int64_t>(layout.tensor_rank))
         .Field("pipeline_model_parallel_size", static_cast<int64_t>(layout.pipeline_size))
         .Field("pipeline_rank", static_cast<int64_t>(layout.pipeline_rank))
+        .Field("virtual_pipeline_model_parallel_size", static_cast<int64_t>(layout.virtual_size))
         .Key("pipeline_stage_layers")
         .BeginArray();
     for (int64_t l : stage_layers) w.Value(l);
@@ -347,7 +348,11 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
     for (const auto& [name, value] : state.settings) w.BeginArray().Value(name).Value(value).EndArray();
     w.EndArray().Key("tensors").BeginArray();
     for (const ParamInfo& p : layout.infos) {
-      w.BeginObject().Field("name", p.name).Key("shape").BeginArray();
+      // Model chunks: Megatron's state of each (model0, model1, ...), its layers numbered from 0.
+      const auto [chunk, name] = ChunkName(layout, p.name);
+      w.BeginObject();
+      if (layout.virtual_size > 1) w.Field("model", fmt::format("model{}", chunk));
+      w.Field("name", name).Key("shape").BeginArray();
       for (int64_t d : p.shape) w.Value(d);
       w.EndArray().Field("offset", p.offset).EndObject();
     }
@@ -470,7 +475,7 @@ absl::Status LoadCheckpoint(const std::string& load, int64_t iteration, const Pa
   PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(FirstRankFile(dir)));
   // This rank's own file when it was saved with this rank's slices and layers; else put together.
   const bool same_stage =
-      saved.pipeline_size() == layout.pipeline_size &&
+      saved.pipeline_size() == layout.pipeline_size && saved.virtual_size == layout.virtual_size &&
       StageOf(saved.stage_layers, layout.pipeline_rank).first_layer == layout.first_layer &&
       saved.stage_layers[static_cast<size_t>(layout.pipeline_rank)] == static_cast<int64_t>(layout.layers.size());
   if (saved.tensor_size != layout.tensor_size || !same_stage)

@@ -103,10 +103,14 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& load, int64_
 // (one stage of all layers for a ptk before pipeline parallelism).
 struct SavedParallelism {
   int tensor_size = 1;
+  int virtual_size = 1;  // model chunks of each stage (Megatron's virtual pipeline size)
   std::vector<int64_t> stage_layers;
   int pipeline_size() const { return static_cast<int>(stage_layers.size()); }
 };
 absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file);
+// A tensor's chunk and name in a checkpoint's header: with model chunks, Megatron's (model v, its
+// layers numbered from 0 within the chunk); otherwise chunk 0 and the layout's name.
+std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::string& name);
 absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file);
 absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, const ParamLayout& layout,
                                 std::vector<float>* params, std::vector<float>* exp_avg, std::vector<float>* exp_avg_sq,

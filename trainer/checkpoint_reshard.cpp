@@ -1,6 +1,6 @@
-// The tensor and pipeline sizes a checkpoint was saved with, and a checkpoint saved at one layout
-// loaded at another: the whole model (weights and AdamW moments) put together from every saved
-// rank's slices of its stage, then this rank's cut.
+// The tensor and pipeline sizes a checkpoint was saved with (and its tensors' names in model
+// chunks), and a checkpoint saved at one layout loaded at another: the whole model (weights and
+// AdamW moments) put together from every saved rank's slices of its stage, then this rank's cut.
 #include <fmt/core.h>
 #include <simdjson.h>
 
@@ -20,6 +20,11 @@ absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
   if (h["tensor_model_parallel_size"].get(t)) t = 1;  // ptk before tensor parallelism
   if (t < 1 || t > (1 << 20)) return absl::DataLossError(fmt::format("{}: tensor size {} in the header", file, t));
   saved.tensor_size = static_cast<int>(t);
+  int64_t v = 1;
+  if (h["virtual_pipeline_model_parallel_size"].get(v)) v = 1;  // ptk before the interleaved schedule
+  if (v < 1 || v > (1 << 20))
+    return absl::DataLossError(fmt::format("{}: virtual pipeline size {} in the header", file, v));
+  saved.virtual_size = static_cast<int>(v);
   simdjson::dom::array stages;
   if (!h["pipeline_stage_layers"].get(stages)) {
     for (simdjson::dom::element e : stages) {
@@ -37,6 +42,24 @@ absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
   return saved;
 }
 
+std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::string& name) {
+  if (layout.virtual_size <= 1) return {0, name};
+  constexpr std::string_view kLayers = "decoder.layers.";
+  // The embeddings are the first stage's chunk 0's; the final norm, the output layer and the last
+  // stage's copy of tied embeddings its last chunk's.
+  if (name.rfind(kLayers, 0) != 0)
+    return {name.rfind("embedding.", 0) == 0 && layout.pre_process ? 0 : layout.virtual_size - 1, name};
+  const size_t dot = name.find('.', kLayers.size());
+  const int64_t global = std::stoll(name.substr(kLayers.size(), dot - kLayers.size()));
+  const int64_t n = layout.chunk_layers();
+  for (int v = 0; v < layout.virtual_size; ++v) {
+    const int64_t first = layout.chunk_first_layer[static_cast<size_t>(v)];
+    if (global >= first && global < first + n)
+      return {v, fmt::format("{}{}{}", kLayers, global - first, name.substr(dot))};
+  }
+  return {0, name};
+}
+
 absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved, int64_t iteration,
                            const ParamLayout& layout, std::vector<float>* params, std::vector<float>* exp_avg,
                            std::vector<float>* exp_avg_sq, TrainState* state) {
@@ -47,7 +70,8 @@ absl::Status LoadResharded(const std::string& dir, const SavedParallelism& saved
   const int P = saved.pipeline_size();
   for (int stage = 0; stage < P; ++stage) {
     for (int t = 0; t < saved.tensor_size; ++t) {
-      auto saved_layout = ParamLayout::Create(layout.config, saved.tensor_size, t, StageOf(saved.stage_layers, stage));
+      auto saved_layout = ParamLayout::Create(layout.config, saved.tensor_size, t,
+                                              StageOf(saved.stage_layers, stage, saved.virtual_size));
       if (!saved_layout.ok())
         return absl::FailedPreconditionError(
             fmt::format("{}: saved at tensor size {} and {} pipeline stage(s), which this model cannot have been split "

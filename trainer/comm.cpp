@@ -43,6 +43,16 @@ absl::Status Communicator::SendRecv(const void*, int64_t, int dst, void*, int64_
                   backend(), size(), dst, src));
 }
 
+absl::Status Communicator::BatchSendRecv(std::span<const P2pMessage> messages) {
+  for (const P2pMessage& m : messages)
+    if (m.peer >= 0)
+      return absl::UnimplementedError(fmt::format(
+          "the {} communicator of {} rank(s) has no batched point-to-point messages (to or from {}); the interleaved "
+          "pipeline schedule runs over gloo",
+          backend(), size(), m.peer));
+  return absl::OkStatus();
+}
+
 namespace {
 
 // This rank's index among `members`, when they are ascending ranks below world_size and `rank` is

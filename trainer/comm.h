@@ -50,6 +50,19 @@ class Communicator {
   // isend/irecv); dst or src -1 leaves that half out. Messages from one rank to another arrive in
   // the order sent. This default, a communicator of one rank, has no peer to name.
   virtual absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes, int src);
+  // Several point-to-point messages in flight at once (Megatron's batch_isend_irecv of the
+  // interleaved schedule, up to two sends and two receives), waited for together. Messages of one
+  // `channel` from one rank to another arrive in the order sent; channels are independent of each
+  // other and of SendRecv's. A message whose peer is -1 is left out. This default (a communicator
+  // of one rank, NCCL) refuses any message with a peer; gloo sends them.
+  struct P2pMessage {
+    const void* send = nullptr;  // a send of `bytes` from here, or
+    void* recv = nullptr;        // a receive of `bytes` into here
+    int64_t bytes = 0;
+    int peer = -1;
+    int channel = 0;  // 0..7
+  };
+  virtual absl::Status BatchSendRecv(std::span<const P2pMessage> messages);
 
   // ---- Device memory (the current CUDA device's), where device_collectives() says so (NCCL):
   // enqueued on `stream` (a cudaStream_t) and complete when the stream reaches them. The pieces

@@ -200,6 +200,37 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  absl::Status BatchSendRecv(std::span<const P2pMessage> messages) override {
+    std::string what;
+    for (const P2pMessage& m : messages) {
+      if (m.peer < 0) continue;
+      PTK_RETURN_IF_ERROR(CheckPeers(m.peer, -1));
+      if (m.channel < 0 || m.channel > 7 || (m.send == nullptr) == (m.recv == nullptr))
+        return absl::InvalidArgumentError("BatchSendRecv: each message is one send or one receive on channel 0..7");
+      what += fmt::format("{}{} rank {}", what.empty() ? "" : " / ", m.send ? "send to" : "receive from", m.peer);
+    }
+    if (what.empty()) return absl::OkStatus();
+    const std::chrono::milliseconds timeout = context_->getTimeout();
+    return Guard(what.c_str(), [&] {
+      std::vector<std::pair<std::unique_ptr<gloo::transport::UnboundBuffer>, bool>> posted;
+      for (const P2pMessage& m : messages) {
+        if (m.peer < 0 || m.bytes <= 0) continue;
+        const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, static_cast<uint32_t>(1 + m.channel));
+        void* data = m.send ? const_cast<void*>(m.send) : m.recv;
+        auto buf = context_->createUnboundBuffer(data, static_cast<size_t>(m.bytes));
+        if (m.send)
+          buf->send(m.peer, slot);
+        else
+          buf->recv(m.peer, slot);
+        posted.emplace_back(std::move(buf), m.send != nullptr);
+      }
+      for (auto& [buf, send] : posted)
+        if (!send && !buf->waitRecv(timeout)) throw std::runtime_error("receive aborted");
+      for (auto& [buf, send] : posted)
+        if (send && !buf->waitSend(timeout)) throw std::runtime_error("send aborted");
+    });
+  }
+
   // A group of this communicator's ranks: a gloo context of its own over the same store (its keys
   // under "group/<name>/") and the same transport device.
   absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(std::span<const int> members, int me,

@@ -145,6 +145,16 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
         fmt::format("--global-batch-size {} is not divisible by --micro-batch-size {} times the data-parallel size {}",
                     plan.global_batch_size, mbs, D));
   plan.micro_batches = plan.global_batch_size / (mbs * D);
+  const int V = o.virtual_size;
+  if (V > 1 && (P < 2 || stage_layers.front() % V != 0))
+    return UsageError(fmt::format("--num-virtual-stages-per-pipeline-rank {}: {} layers per stage over {} stage(s)", V,
+                                  stage_layers.front(), P));
+  if (V > 1 && (plan.micro_batches < P || plan.micro_batches % P != 0))
+    return UsageError(fmt::format(
+        "the interleaved schedule runs the micro-batches of a step in groups of --pipeline-model-parallel-size ({}): "
+        "{} micro-batches per step (--global-batch-size {} / (--micro-batch-size {} x {} data-parallel ranks)) must "
+        "be a multiple of it",
+        P, plan.micro_batches, plan.global_batch_size, mbs, D));
   plan.sequence_parallel = o.sequence_parallel && T > 1;
   // Megatron's mixed precision keeps fp32 gradients (main_grad) and an fp32 master copy beside
   // Adam's two moments (megatron/training/theoretical_memory_usage.py: 18 bytes, 6 + 12/D with
@@ -158,8 +168,10 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
     StageMemory st;
     st.layers = stage_layers[p];
     st.params = ParamsOnModelParallelRank(m, T, P, p, st.layers);
-    st.in_flight = std::min<int64_t>(P - p, plan.micro_batches);
-    const double n = static_cast<double>(st.params), in_flight = static_cast<double>(st.in_flight);
+    st.in_flight = V > 1 ? std::min<int64_t>((P - p - 1) * 2 + (V - 1) * P + 1, V * plan.micro_batches)
+                         : std::min<int64_t>(P - p, plan.micro_batches);
+    // In micro-batches of the whole stage: a virtual micro-batch holds one chunk's layers.
+    const double n = static_cast<double>(st.params), in_flight = static_cast<double>(st.in_flight) / V;
     st.weights = n * plan.weight_bytes;
     st.gradients = n * plan.gradient_bytes;
     st.optimizer = n * plan.optimizer_bytes;
@@ -243,11 +255,15 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   line(fmt::format(
       "activations: per layer sbh(18 + 4F/h) + 5as^2b bytes, sbh(34 + 5as/h) at F = 4h (Korthikanti et al. 2022, "
       "Table 2; {}-byte activations), split over T {}; --recompute-activations (selective) drops 5as^2b; "
-      "s {}, b {}, stage p holds min(P - p, {}) micro-batches (1F1B), plus Megatron's embedding and output-layer "
-      "terms{}",
+      "s {}, b {}, stage p holds {}, plus Megatron's embedding and output-layer terms{}",
       plan.activation_bytes,
       plan.sequence_parallel ? "with --sequence-parallel" : "except 10sbh (no --sequence-parallel)", m.seq_length,
-      o.micro_batch_size, plan.micro_batches,
+      o.micro_batch_size,
+      o.virtual_size > 1
+          ? fmt::format("min((P - p - 1) x 2 + (V - 1) x P + 1, V x {}) virtual micro-batches of its {} chunks' "
+                        "layers each (the interleaved schedule, V = {})",
+                        plan.micro_batches, o.virtual_size, o.virtual_size)
+          : fmt::format("min(P - p, {}) micro-batches (1F1B)", plan.micro_batches),
       m.gpt3() ? ""
                : "; this Llama-line model's Q, K, V and attention output at their heads' widths (4sbh -> sb(2a + "
                  "2G)kv), SwiGLU's gate, up and fc2 inputs 3sbF (2sbF)"));

@@ -126,6 +126,14 @@ absl::StatusOr<LossSum> GPTModel::StageForward(const ModelBatch&, int, std::span
 absl::Status GPTModel::StageBackward(const ModelBatch&, int, std::span<const float>, std::span<float>, bool, uint64_t) {
   return absl::UnimplementedError(fmt::format("the {} backend has no pipeline parallelism", Describe()));
 }
+absl::Status GPTModel::SelectChunk(int chunk) {
+  if (chunk < 0 || chunk >= layout_.virtual_size)
+    return absl::InvalidArgumentError(
+        fmt::format("model chunk {}: this stage holds {} chunk(s)", chunk, layout_.virtual_size));
+  chunk_ = chunk;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StageExchange> GPTModel::StageBuffers(const ModelBatch& batch, int slot, bool) {
   if (layout_.pipeline_size <= 1)
     return absl::FailedPreconditionError("StageBuffers: the model is not a pipeline stage");
@@ -137,21 +145,25 @@ absl::StatusOr<StageExchange> GPTModel::StageBuffers(const ModelBatch& batch, in
   const size_t size = static_cast<size_t>(nc);
   StageExchange e;
   e.elements = nc;
-  if (!layout_.pre_process) {
-    if (slot == static_cast<int>(stage_inputs_.size())) stage_inputs_.emplace_back();
+  if (slot == static_cast<int>(stage_inputs_.size())) {  // counted on the first stage too (no input there)
+    stage_inputs_.emplace_back();
+    stage_output_grads_.emplace_back();
+  }
+  if (!chunk_pre_process()) {
     std::vector<float>& in = stage_inputs_[static_cast<size_t>(slot)];
     in.resize(size);
     stage_input_grad_.resize(size);
     e.input = in.data();
     e.input_grad = stage_input_grad_.data();
-  } else if (slot == static_cast<int>(stage_inputs_.size())) {
-    stage_inputs_.emplace_back();  // no input on the first stage; the slot is counted all the same
   }
-  if (!layout_.post_process) {
+  if (!chunk_post_process()) {
+    // An output gradient per slot: the interleaved schedule may receive several before their
+    // backwards (the last stage's, for chunks the first stage sends back).
+    std::vector<float>& dy = stage_output_grads_[static_cast<size_t>(slot)];
     stage_output_.resize(size);
-    stage_output_grad_.resize(size);
+    dy.resize(size);
     e.output = stage_output_.data();
-    e.output_grad = stage_output_grad_.data();
+    e.output_grad = dy.data();
   }
   return e;
 }
@@ -177,10 +189,10 @@ absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch,
         fmt::format("StageForwardExchanged: slot {} has no buffers (StageBuffers first)", slot));
   const int64_t nc = StageExchangeFloats(batch);
   PTK_ASSIGN_OR_RETURN(std::span<const float> in,
-                       StageSpan<const float>(stage_inputs_[static_cast<size_t>(slot)], !layout_.pre_process, nc,
+                       StageSpan<const float>(stage_inputs_[static_cast<size_t>(slot)], !chunk_pre_process(), nc,
                                               "StageForwardExchanged"));
   PTK_ASSIGN_OR_RETURN(std::span<float> out,
-                       StageSpan<float>(stage_output_, !layout_.post_process, nc, "StageForwardExchanged"));
+                       StageSpan<float>(stage_output_, !chunk_post_process(), nc, "StageForwardExchanged"));
   PTK_ASSIGN_OR_RETURN(const LossSum l, StageForward(batch, slot, in, out, loss_scale, train, seed, logits));
   if (!defer_loss) return l;
   deferred_.loss_sum += l.loss_sum;
@@ -189,11 +201,15 @@ absl::StatusOr<LossSum> GPTModel::StageForwardExchanged(const ModelBatch& batch,
 }
 
 absl::Status GPTModel::StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed) {
+  if (slot < 0 || slot >= static_cast<int>(stage_output_grads_.size()))
+    return absl::FailedPreconditionError(
+        fmt::format("StageBackwardExchanged: slot {} has no buffers (StageBuffers first)", slot));
   const int64_t nc = StageExchangeFloats(batch);
   PTK_ASSIGN_OR_RETURN(std::span<const float> dy,
-                       StageSpan<const float>(stage_output_grad_, !layout_.post_process, nc, "StageBackwardExchanged"));
+                       StageSpan<const float>(stage_output_grads_[static_cast<size_t>(slot)], !chunk_post_process(), nc,
+                                              "StageBackwardExchanged"));
   PTK_ASSIGN_OR_RETURN(std::span<float> dx,
-                       StageSpan<float>(stage_input_grad_, !layout_.pre_process, nc, "StageBackwardExchanged"));
+                       StageSpan<float>(stage_input_grad_, !chunk_pre_process(), nc, "StageBackwardExchanged"));
   return StageBackward(batch, slot, dy, dx, train, seed);
 }
 

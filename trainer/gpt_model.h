@@ -159,6 +159,12 @@ class GPTModel {
   // others) and StageForward / StageBackward over them, what the CPU backend runs and the CUDA
   // backend's oracle (CudaModelOptions::unfused.pipeline_host_exchange).
   virtual absl::StatusOr<StageExchange> StageBuffers(const ModelBatch& batch, int slot, bool device_memory);
+  // Megatron's interleaved schedule (layout().virtual_size model chunks): the chunk the stage calls
+  // above and below work on from here on: its layers, its input (none for the first virtual
+  // stage: chunk 0 of stage 0) and output (none for the last: chunk V - 1 of the last stage). A
+  // slot holds one chunk's pass: the schedule gives each chunk slots of its own. 0 without chunks.
+  absl::Status SelectChunk(int chunk);
+  int chunk() const { return chunk_; }
   // StageForward / StageBackward with slot's StageBuffers as input and output (and gradients).
   // With defer_loss the last stage keeps the loss for TakeLosses (as ForwardBackwardDeferred: a
   // backend may leave the pass enqueued) and returns zero.
@@ -265,6 +271,20 @@ class GPTModel {
   absl::Status ReduceHostBucket(float* grads, const GradRange& range);
   Communicator* reduce_comm_ = nullptr;  // while a reduction is armed
 
+  // The selected chunk's part of the stage: whether it embeds the tokens / ends in the loss, its
+  // layers [chunk_layer_begin(), chunk_layer_end()) of layout_.layers, and layer l's index in the
+  // whole model (the dropout keys).
+  bool chunk_pre_process() const { return layout_.ChunkPreProcess(chunk_); }
+  bool chunk_post_process() const { return layout_.ChunkPostProcess(chunk_); }
+  int64_t chunk_layer_begin() const { return chunk_ * layout_.chunk_layers(); }
+  int64_t chunk_layer_end() const { return (chunk_ + 1) * layout_.chunk_layers(); }
+  int64_t GlobalLayer(int64_t l) const {
+    const int64_t n = layout_.chunk_layers();
+    return layout_.chunk_first_layer.empty() ? layout_.first_layer + l
+                                             : layout_.chunk_first_layer[static_cast<size_t>(l / n)] + l % n;
+  }
+  int chunk_ = 0;
+
   ParamLayout layout_;
   std::optional<ParamShard> shard_;
   Communicator* tensor_comm_ = nullptr;
@@ -276,9 +296,10 @@ class GPTModel {
   BucketTracker tracker_;
   int launched_in_backward_ = 0;
   LossSum deferred_;  // ForwardBackwardDeferred's default
-  // StageBuffers' default host buffers: each slot's input; the output and the two gradients.
-  std::vector<std::vector<float>> stage_inputs_;
-  std::vector<float> stage_output_, stage_output_grad_, stage_input_grad_;
+  // StageBuffers' default host buffers: each slot's input and output gradient; the output and the
+  // input gradient.
+  std::vector<std::vector<float>> stage_inputs_, stage_output_grads_;
+  std::vector<float> stage_output_, stage_input_grad_;
 };
 
 // Checks a batch against the configuration (shape, token and position ids in range): a token id

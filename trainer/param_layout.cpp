@@ -63,12 +63,17 @@ int64_t PaddedVocabSize(int64_t vocab_size, int64_t divisible_by) {
   return (vocab_size + divisible_by - 1) / divisible_by * divisible_by;
 }
 
-PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank) {
+PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank, int virtual_size) {
   PipelineStage s;
   s.size = static_cast<int>(stage_layers.size());
   s.rank = rank;
-  for (int p = 0; p < rank; ++p) s.first_layer += stage_layers[static_cast<size_t>(p)];
+  s.virtual_size = virtual_size;
   s.num_layers = stage_layers[static_cast<size_t>(rank)];
+  if (virtual_size > 1) {  // chunk 0 holds virtual stage `rank`
+    s.first_layer = rank * (s.num_layers / virtual_size);
+    return s;
+  }
+  for (int p = 0; p < rank; ++p) s.first_layer += stage_layers[static_cast<size_t>(p)];
   return s;
 }
 
@@ -76,10 +81,19 @@ namespace {
 // A pipeline stage's tensors taken from the whole model's, in its order, at new offsets.
 absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineStage& stage) {
   const int64_t L = whole.config.num_layers, n = stage.num_layers < 0 ? L : stage.num_layers;
+  const int V = stage.virtual_size;
   if (stage.size < 1 || stage.rank < 0 || stage.rank >= stage.size || stage.first_layer < 0 || n < 1 ||
       stage.first_layer + n > L)
     return absl::InvalidArgumentError(fmt::format("pipeline stage {} of {} with layers [{}, {}) of a {}-layer model",
                                                   stage.rank, stage.size, stage.first_layer, stage.first_layer + n, L));
+  // Interleaved: V chunks of n / V layers, chunk v at virtual stage v * size + rank.
+  const int64_t per_chunk = V > 1 ? n / V : n;
+  if (V < 1 || (V > 1 && (n % V != 0 || L != per_chunk * V * stage.size || stage.size < 2 ||
+                          stage.first_layer != stage.rank * per_chunk)))
+    return absl::InvalidArgumentError(
+        fmt::format("pipeline stage {} of {} in {} model chunks of {} layers each: a {}-layer model splits into {} "
+                    "virtual stages only with as many layers each",
+                    stage.rank, stage.size, V, n / std::max(V, 1), L, int64_t{V} * stage.size));
   ParamLayout s;
   s.config = whole.config;
   s.tensor_size = whole.tensor_size;
@@ -89,6 +103,8 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
   s.first_layer = stage.first_layer;
   s.pre_process = stage.rank == 0;
   s.post_process = stage.rank == stage.size - 1;
+  s.virtual_size = V;
+  for (int v = 0; v < V; ++v) s.chunk_first_layer.push_back(stage.first_layer + int64_t{v} * stage.size * per_chunk);
   std::vector<size_t> index_at(static_cast<size_t>(whole.num_params + 1), 0);
   for (size_t k = 0; k < whole.infos.size(); ++k) index_at[static_cast<size_t>(whole.infos[k].offset)] = k;
   int64_t offset = 0;
@@ -108,7 +124,8 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
     s.wte = take(whole.wte);
     s.wpe = take(whole.wpe);
   }
-  for (int64_t l = stage.first_layer; l < stage.first_layer + n; ++l) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t l = s.chunk_first_layer[static_cast<size_t>(i / per_chunk)] + i % per_chunk;
     const LayerParams& w = whole.layers[static_cast<size_t>(l)];
     LayerParams lp;
     for (auto [to, from] : {std::pair{&lp.ln1_w, w.ln1_w},
@@ -145,7 +162,7 @@ absl::StatusOr<ParamLayout> CutStage(const ParamLayout& whole, const PipelineSta
 
 absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int tensor_size, int tensor_rank,
                                                 const PipelineStage& stage) {
-  if (stage.size != 1 || (stage.num_layers >= 0 && stage.num_layers != config.num_layers)) {
+  if (stage.size != 1 || stage.virtual_size != 1 || (stage.num_layers >= 0 && stage.num_layers != config.num_layers)) {
     PTK_ASSIGN_OR_RETURN(const ParamLayout whole, Create(config, tensor_size, tensor_rank));
     return CutStage(whole, stage);
   }
@@ -233,6 +250,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   m.lnf_b = add_if(ln, "decoder.final_layernorm.bias", std::vector<int64_t>{c}, 0.0);
   m.out_w = config.untie_embeddings_and_output_weights ? add("output_layer.weight", {vt, c}, std, 0.0f, 0) : m.wte;
   m.num_params = offset;
+  m.chunk_first_layer = {0};
   for (size_t k = 0; k < m.infos.size(); ++k) m.whole_index.push_back(k);
   return m;
 }

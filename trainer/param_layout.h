@@ -94,12 +94,19 @@ struct ParamInfo {
 // One pipeline stage's part of the model (Megatron's pipeline parallelism): the transformer layers
 // [first_layer, first_layer + num_layers), the embeddings on stage 0, the final norm and the output
 // layer on the last stage. The default is the whole model.
+// With virtual_size V > 1 (Megatron's interleaved schedule) the stage is V model chunks of
+// num_layers / V layers each: chunk v holds virtual stage v * size + rank, the layers
+// [(v * size + rank) * n, + n) with n = num_layers / V (every stage as many layers); first_layer is
+// chunk 0's. The embeddings are chunk 0's of stage 0, the final norm and output layer chunk V - 1's
+// of the last stage.
 struct PipelineStage {
   int size = 1, rank = 0;
   int64_t first_layer = 0, num_layers = -1;  // -1: every layer
+  int virtual_size = 1;
 };
-// Stage `rank` of the stages whose layer counts are `stage_layers` (PipelineStageLayers).
-PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank);
+// Stage `rank` of the stages whose layer counts are `stage_layers` (PipelineStageLayers), in
+// `virtual_size` model chunks (even stages only).
+PipelineStage StageOf(const std::vector<int64_t>& stage_layers, int rank, int virtual_size = 1);
 
 // Offsets of one transformer layer's tensors in the flat parameter (and gradient) buffer; -1 for
 // a tensor the model has not (biases without add_bias_linear, norm biases under RMSNorm, the query
@@ -127,6 +134,16 @@ struct ParamLayout {
   int pipeline_size = 1, pipeline_rank = 0;
   int64_t first_layer = 0;
   bool pre_process = true, post_process = true;
+  // Model chunks (PipelineStage::virtual_size): `layers` holds chunk 0's, then chunk 1's, ...,
+  // chunk_layers() each; chunk v's first layer in the whole model is chunk_first_layer[v].
+  int virtual_size = 1;
+  std::vector<int64_t> chunk_first_layer;
+  int64_t chunk_layers() const { return static_cast<int64_t>(layers.size()) / virtual_size; }
+  // Whether chunk v embeds the tokens (the first virtual stage) or ends in the loss (the last).
+  bool ChunkPreProcess(int v) const { return pre_process && v == 0; }
+  bool ChunkPostProcess(int v) const { return post_process && v == virtual_size - 1; }
+  // The model chunk of transformer layer `l` of this layout (l / chunk_layers()).
+  int ChunkOfLayer(int64_t l) const { return static_cast<int>(l / chunk_layers()); }
   std::vector<size_t> whole_index;
   size_t WholeInfoIndex(size_t k) const { return whole_index.empty() ? k : whole_index[k]; }
 

@@ -124,6 +124,11 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
     return absl::InvalidArgumentError(
         fmt::format("ForwardBackwardPipelining: rank {} of a pipeline group of {} runs stage {} of {}", s, P,
                     model->layout().pipeline_rank, model->layout().pipeline_size));
+  if (model->layout().virtual_size > 1) {
+    if (before_last_backward)
+      return absl::InvalidArgumentError("the interleaved pipeline schedule reduces no gradient buckets in backward");
+    return ForwardBackwardInterleaved(model, pipeline, micro_batches, loss_scales, seed, stats, timers);
+  }
   if (m == 0) return LossSum{};
   // Micro-batch k's activations live in slot k % slots: k's forward comes after the backward of
   // k - slots, the micro-batches in flight being at most warm-up + 1 = P - s.
@@ -204,6 +209,7 @@ absl::Status StageExchangeAgreement::Check(Communicator* pipeline, const StageEx
 
 absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
                                           std::vector<float>* logits, StageExchangeAgreement* agreed) {
+  if (model->layout().virtual_size > 1) return ForwardInterleaved(model, pipeline, batch, logits, agreed);
   PTK_ASSIGN_OR_RETURN(const StageExchange x, model->StageBuffers(batch, 0, pipeline->device_collectives()));
   PTK_RETURN_IF_ERROR(agreed ? agreed->Check(pipeline, x) : CheckStageExchangeAgreement(pipeline, x));
   StageLinks links(pipeline, x);

@@ -44,6 +44,20 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
                                                   const std::function<absl::Status()>& before_last_backward = {},
                                                   Timers* timers = nullptr);
 
+// With model chunks (layout().virtual_size > 1) ForwardBackwardPipelining runs Megatron's
+// interleaved 1F1B instead (pipeline_interleaved.cpp): the step's micro-batches in groups of P, each
+// group through chunk 0, then chunk 1, ...; (P - s - 1) * 2 + (V - 1) * P warm-up forwards on stage
+// s; the last stage's chunk v sends to the first stage's chunk v + 1 (and its gradient back); each
+// chunk's backwards in micro-batch order. Host memory only (the CPU backend); no
+// before_last_backward (--overlap-grad-reduce is refused with chunks).
+absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator* pipeline,
+                                                   const std::vector<ModelBatch>& micro_batches,
+                                                   std::span<const double> loss_scales, uint64_t seed,
+                                                   PipelineStats* stats = nullptr, Timers* timers = nullptr);
+// Megatron's check of the interleaved schedule: the micro-batches of a step a multiple of P (its
+// groups of P micro-batches); InvalidArgument naming the flags otherwise.
+absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size);
+
 // The stages agree on what crosses between them: this stage's exchange (its wire type and
 // element count) and each neighbour's, swapped over `pipeline` (one small host message each way).
 // FailedPrecondition naming both stages and both exchanges when a neighbour's differs. The
@@ -75,5 +89,10 @@ class StageExchangeAgreement {
 absl::StatusOr<LossSum> ForwardPipelining(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
                                           std::vector<float>* logits = nullptr,
                                           StageExchangeAgreement* agreed = nullptr);
+// ForwardPipelining through the model chunks (ForwardPipelining runs it when there are several):
+// chunk 0 on every stage, then chunk 1, ..., the last stage's chunk v passing to the first stage's
+// chunk v + 1.
+absl::StatusOr<LossSum> ForwardInterleaved(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
+                                           std::vector<float>* logits, StageExchangeAgreement* agreed);
 
 }  // namespace ptk

@@ -124,6 +124,8 @@ Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
        o.pipeline_stage_layers.size() > 1 ? std::to_string(o.pipeline_stage_layers.front()) : ""},
       {"--decoder-last-pipeline-num-layers",
        o.pipeline_stage_layers.size() > 1 ? std::to_string(o.pipeline_stage_layers.back()) : ""},
+      {"--num-virtual-stages-per-pipeline-rank",
+       o.pipeline_virtual_size > 1 ? std::to_string(o.pipeline_virtual_size) : ""},
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
       {"--rampup-batch-size", Joined([&] {
@@ -300,7 +302,8 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
           "the {} samples consumed so far were {} tokens long: the position in the data no longer "
           "matches the saved run's",
           loaded.consumed_train_samples, before.count(flag) ? before.at(flag) : "?");
-    } else if (flag == "--tensor-model-parallel-size" || flag == "--pipeline-model-parallel-size") {
+    } else if (flag == "--tensor-model-parallel-size" || flag == "--pipeline-model-parallel-size" ||
+               flag == "--num-virtual-stages-per-pipeline-rank") {
       auto it = before.find(flag);
       if (it != before.end() && it->second != value)
         log::Info(

@@ -55,6 +55,7 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherStage(GPTModel* model, Commu
   stage.rank = model->layout().pipeline_rank;
   stage.first_layer = model->layout().first_layer;
   stage.num_layers = static_cast<int64_t>(model->layout().layers.size());
+  stage.virtual_size = model->layout().virtual_size;
   for (int t = 0; t < T; ++t) {
     PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, t, stage));
     auto slice = [&](size_t k) {
@@ -70,7 +71,8 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherStage(GPTModel* model, Commu
 
 absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* model, Communicator* data,
                                                                      Communicator* tensor, Communicator* pipeline,
-                                                                     const std::vector<int64_t>& stage_layers) {
+                                                                     const std::vector<int64_t>& stage_layers,
+                                                                     int virtual_size) {
   PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> out, GatherStage(model, data, tensor));
   if (!pipeline || pipeline->size() == 1 || out.empty()) return out;
   // Each later stage's entries to the first stage, over the pipeline group of data and tensor rank 0.
@@ -86,7 +88,8 @@ absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* m
   }
   for (int p = 1; p < P; ++p) {
     for (int t = 0; t < T; ++t) {
-      PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(model->config(), T, t, StageOf(stage_layers, p)));
+      PTK_ASSIGN_OR_RETURN(ParamLayout layout,
+                           ParamLayout::Create(model->config(), T, t, StageOf(stage_layers, p, virtual_size)));
       const size_t n = static_cast<size_t>(layout.num_params);
       CheckpointArrays a{std::move(layout), std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
       for (std::vector<float>* v : {&a.params, &a.exp_avg, &a.exp_avg_sq})

@@ -20,10 +20,12 @@ struct CheckpointArrays {
 // Collective over `data` (every rank, under ZeRO-1), `tensor` (null without tensor parallelism;
 // the ranks of data rank 0) and `pipeline` (null with one stage; the stages of data and tensor
 // rank 0, whose layers are `stage_layers`). Returns the entries (p * T + t: tensor rank t of stage
-// p) on data rank 0's tensor rank 0 of the first stage, and nothing elsewhere.
+// p) on data rank 0's tensor rank 0 of the first stage, and nothing elsewhere. `virtual_size`: the
+// model chunks of each stage.
 absl::StatusOr<std::vector<CheckpointArrays>> GatherCheckpointArrays(GPTModel* model, Communicator* data,
                                                                      Communicator* tensor,
                                                                      Communicator* pipeline = nullptr,
-                                                                     const std::vector<int64_t>& stage_layers = {});
+                                                                     const std::vector<int64_t>& stage_layers = {},
+                                                                     int virtual_size = 1);
 
 }  // namespace ptk

@@ -124,6 +124,8 @@ struct TrainOptions {
   // embedding_comm the first and last stage's group (null on a middle stage or without tied
   // embeddings).
   std::vector<int64_t> pipeline_stage_layers;
+  // Megatron's interleaved schedule: the model chunks of each stage (1: the 1F1B schedule).
+  int pipeline_virtual_size = 1;
   Communicator* pipeline_comm = nullptr;
   Communicator* embedding_comm = nullptr;
   // --use-distributed-optimizer (Megatron's ZeRO-1): each rank keeps and updates its shard of the

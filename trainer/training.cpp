@@ -123,7 +123,8 @@ class Trainer {
     PTK_RETURN_IF_ERROR(CheckRanksAgree(world_, settings_));
     BackendOptions backend = o_.backend;
     backend.micro_batch_size = plan_.micro_batch_size;
-    if (pipe_) backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank());  // RunTraining checked
+    if (pipe_)  // RunTraining checked
+      backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank(), o_.pipeline_virtual_size);
     PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
     if (o_.use_distributed_optimizer) {
       PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
@@ -440,7 +441,8 @@ class Trainer {
     auto t0 = Clock::now();
     // Every tensor rank's and stage's weights and moments (ZeRO-1's shards gathered) on world rank 0.
     PTK_ASSIGN_OR_RETURN(std::vector<CheckpointArrays> parts,
-                         GatherCheckpointArrays(model_.get(), comm_, tensor_, pipe_, o_.pipeline_stage_layers));
+                         GatherCheckpointArrays(model_.get(), comm_, tensor_, pipe_, o_.pipeline_stage_layers,
+                                                o_.pipeline_virtual_size));
     if (lead_) {
       const TrainStepState step_state = step_->State();
       state_.adam_step = step_state.adam_step;
@@ -570,6 +572,14 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
     return absl::InvalidArgumentError(
         fmt::format("a plan for {} data-parallel ranks and {} stage(s); communicators of {} and {}",
                     plan.data_parallel_size, o.pipeline_stage_layers.size(), comm->size(), stages));
+  if (o.pipeline_virtual_size > 1) {
+    if (stages < 2) return absl::InvalidArgumentError("model chunks without pipeline stages");
+    if (absl::Status st = CheckInterleavedMicroBatches(static_cast<int>(plan.micro_batches), stages); !st.ok())
+      return UsageError(
+          fmt::format("--num-layers-per-virtual-pipeline-stage: {} (--global-batch-size {}, "
+                      "--micro-batch-size {}, {} data-parallel rank(s))",
+                      StatusMessage(st), plan.global_batch_size, plan.micro_batch_size, plan.data_parallel_size));
+  }
   return Trainer(o, plan, comm).Run();
 }
 

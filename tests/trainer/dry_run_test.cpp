@@ -100,6 +100,39 @@ TEST(PlanDryRun, MemoryOfEachStageByHand) {
   EXPECT_DOUBLE_EQ(f0.total, f0.weights + f0.gradients + f0.optimizer / 2 + f0.activations_recomputed);
 }
 
+// The interleaved schedule (V = 2 chunks of one layer, P = 2, 4 micro-batches): the same
+// parameters per rank; stage p keeps (P - p - 1) * 2 + (V - 1) * P + 1 virtual micro-batches of one
+// layer each, so the first stage holds Megatron's 1 + (P - 1) / (P V) times the 1F1B layers'
+// activations (theoretical_memory_usage.py's interleaved penalty); micro-batches not a multiple of P
+// are refused.
+TEST(PlanDryRun, InterleavedScheduleKeepsMegatronsVirtualMicroBatches) {
+  auto plain = PlanDryRun(Small());
+  DryRunOptions o = Small();
+  o.virtual_size = 2;
+  auto plan = PlanDryRun(o);
+  ASSERT_TRUE(plain.ok() && plan.ok()) << plan.status();
+  const double embedding = 2 * (8 * 64 + 4096) / 2.0;  // the first stage's ids and dropout mask per micro-batch
+  for (int p = 0; p < 2; ++p) {
+    const StageMemory &s = plan->stages[static_cast<size_t>(p)], &was = plain->stages[static_cast<size_t>(p)];
+    EXPECT_EQ(s.params, was.params);
+    EXPECT_EQ(s.in_flight, (2 - p - 1) * 2 + 2 + 1);
+  }
+  EXPECT_EQ(plan->stages[1].activations, 3 * 131072.0 + (4 * 4096 + 4 * 64 * 1008) / 2.0);
+  const double layers0 = plan->stages[0].activations - embedding * 5 / 4.0,
+               plain0 = plain->stages[0].activations - embedding;
+  EXPECT_DOUBLE_EQ(layers0 / plain0, 1 + (2 - 1) / (2.0 * 2));
+  o.global_batch_size = 12;  // 3 micro-batches a step
+  auto odd = PlanDryRun(o);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_TRUE(IsUsageError(odd.status()));
+  EXPECT_NE(odd.status().message().find("must be a multiple of it"), std::string::npos) << odd.status();
+  auto report = DryRunReport(Small());
+  o.global_batch_size = 16;
+  auto interleaved = DryRunReport(o);
+  ASSERT_TRUE(report.ok() && interleaved.ok());
+  EXPECT_NE(interleaved->find("virtual micro-batches of its 2 chunks' layers each"), std::string::npos) << *interleaved;
+}
+
 TEST(DryRunReport, PrintsMegatronsLinesTheLayoutAndTheMemory) {
   auto text = DryRunReport(Small());
   ASSERT_TRUE(text.ok()) << text.status();

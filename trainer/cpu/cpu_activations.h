@@ -12,6 +12,7 @@ namespace ptk {
 
 struct CpuGPTModel::Activations {
   int64_t b = 0, t = 0;
+  int chunk = -1;  // the model chunk whose layers' buffers are sized (GPTModel::SelectChunk)
   // Per layer (index l): resid[l] is the input of layer l; resid[L] the input of the final norm.
   // Under sequence parallelism the residual stream, the norms' outputs and their statistics hold
   // this rank's rows only (b x t/T).

@@ -185,16 +185,22 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   const GPTConfig& cf = config();
   const int64_t n = batch.b * batch.t;
   Activations& a = *act_;
-  if (a.b == batch.b && a.t == batch.t) return absl::OkStatus();
+  if (a.b == batch.b && a.t == batch.t && a.chunk == chunk_) return absl::OkStatus();
   a.b = batch.b;
   a.t = batch.t;
+  a.chunk = chunk_;
   // This rank's slices under tensor parallelism: heads, ffn columns, vocabulary rows.
   const int64_t T = tensor_size(), c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
                 qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
                 vp = cf.padded_vocab_size / T, L = static_cast<int64_t>(layout_.layers.size());
   const int64_t probs = batch.b * (cf.num_attention_heads / T) * batch.t * batch.t;
+  // A slot holds one model chunk's pass: the buffers of its layers [l0, l1) only (every layer
+  // without chunks), indexed by the stage's layer.
+  const int64_t l0 = chunk_layer_begin(), l1 = chunk_layer_end();
   auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
-    v.assign(static_cast<size_t>(count), std::vector<float>(static_cast<size_t>(size)));
+    v.assign(static_cast<size_t>(count), std::vector<float>());
+    for (int64_t l = 0; l < count; ++l)
+      if (count == 1 || (l >= l0 && l <= l1)) v[static_cast<size_t>(l)].assign(static_cast<size_t>(size), 0.0f);
   };
   // The sequence-parallel region (the residual stream, the norms and their statistics) holds this
   // rank's rows only under sequence parallelism: b x t/T of them.
@@ -216,12 +222,15 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   per_layer(a.ln2_rstd, L, rows);
   per_layer(a.fc1, L, n * f1);
   per_layer(a.gelu, L, n * f);
-  a.lnf.assign(rows * c, 0.0f);
-  a.lnf_mean.assign(rows, 0.0f);
-  a.lnf_rstd.assign(rows, 0.0f);
-  a.logits.assign(n * vp, 0.0f);
-  a.losses.assign(n, 0.0f);
-  a.dloss.assign(n, 0.0f);
+  // The final norm, logits and losses only where the pass ends in the loss (the last stage's last
+  // chunk): a pipeline stage's other slots never touch them.
+  const int64_t head = chunk_post_process() ? 1 : 0;
+  a.lnf.assign(head * rows * c, 0.0f);
+  a.lnf_mean.assign(head * rows, 0.0f);
+  a.lnf_rstd.assign(head * rows, 0.0f);
+  a.logits.assign(head * n * vp, 0.0f);
+  a.losses.assign(head * n, 0.0f);
+  a.dloss.assign(head * n, 0.0f);
   a.tmp.assign(n * c, 0.0f);
   a.dresid.assign(rows * c, 0.0f);
   a.dtmp.assign(n * c, 0.0f);
@@ -337,8 +346,8 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     return absl::OkStatus();
   };
 
-  // A later pipeline stage starts from the previous stage's output, already in resid[0].
-  if (layout_.pre_process) {
+  // A later (virtual) pipeline stage starts from the previous one's output, already in resid[l0].
+  if (chunk_pre_process()) {
     if (!tp) {
       cpu::EmbeddingForward(a.resid[0].data(), batch.tokens, batch.position_ids, P + layout_.wte, At(P, layout_.wpe), n,
                             c);
@@ -353,10 +362,11 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     }
     DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
   }
-  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
-  for (int64_t l = 0; l < Ls; ++l) {
+  // This chunk's layers [l0, Ls) of the stage's (all of them without model chunks).
+  const int64_t l0 = chunk_layer_begin(), Ls = chunk_layer_end();
+  for (int64_t l = l0; l < Ls; ++l) {
     const LayerParams& lp = layout_.layers[l];
-    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
+    const int64_t gl = GlobalLayer(l);  // the layer's index in the whole model (dropout keys)
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, n, c);
     cpu::MatmulForward(QkvProductOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
@@ -380,7 +390,7 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
-  if (!layout_.post_process) return absl::OkStatus();  // resid[Ls] goes to the next stage
+  if (!chunk_post_process()) return absl::OkStatus();  // resid[Ls] goes to the next stage
   NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[Ls].data(), P, layout_.lnf_w,
               layout_.lnf_b, n, c);
   // This rank's vocabulary columns of the logits (column-parallel output layer).
@@ -404,8 +414,9 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
   float* G = grads_.data();
   const int64_t head0 = tensor_rank() * shape.nh;
 
-  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
-  if (layout_.post_process) {  // a stage before the last starts from the next stage's gradient, in dresid
+  // This chunk's layers [l0, Ls) of the stage's (all of them without model chunks).
+  const int64_t l0 = chunk_layer_begin(), Ls = chunk_layer_end();
+  if (chunk_post_process()) {  // a stage before the last starts from the next stage's gradient, in dresid
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), a.lnf.data(),
                         P + layout_.out_w, n, c, vp);
@@ -415,9 +426,9 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
                  a.lnf_mean.data(), a.lnf_rstd.data(), n, c);
   }
   GradsReady(0);  // the final LayerNorm (and an untied output layer): --overlap-grad-reduce's buckets
-  for (int64_t l = Ls - 1; l >= 0; --l) {
+  for (int64_t l = Ls - 1; l >= l0; --l) {
     const LayerParams& lp = layout_.layers[l];
-    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
+    const int64_t gl = GlobalLayer(l);  // the layer's index in the whole model (dropout keys)
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
     a.dtmp = a.dresid;
     DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kMlpOutDropout);
@@ -457,7 +468,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     GradsReady(static_cast<size_t>(Ls - l));  // layer l
   }
   // A later pipeline stage leaves its input's gradient in dresid, for the previous stage.
-  if (layout_.pre_process) {
+  if (chunk_pre_process()) {
     DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
     if (!tp())
       cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n,

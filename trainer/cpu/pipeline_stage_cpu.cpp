@@ -12,10 +12,11 @@
 namespace ptk {
 
 absl::Status CpuGPTModel::SelectSlot(int slot) {
-  if (slot < 0 || slot > static_cast<int>(slots_.size()))
-    return absl::InvalidArgumentError(
-        fmt::format("activation slot {}: slots are taken in order ({} so far)", slot, slots_.size()));
-  if (slot == static_cast<int>(slots_.size())) slots_.push_back(std::make_unique<Activations>());
+  // The interleaved schedule hands a chunk's slots out as its activations arrive, which may be
+  // before an earlier slot's first forward: the slots up to this one are made.
+  if (slot < 0 || slot >= (1 << 16))
+    return absl::InvalidArgumentError(fmt::format("activation slot {}: {} made so far", slot, slots_.size()));
+  while (slot >= static_cast<int>(slots_.size())) slots_.push_back(std::make_unique<Activations>());
   act_ = slots_[static_cast<size_t>(slot)].get();
   return absl::OkStatus();
 }
@@ -41,12 +42,12 @@ absl::StatusOr<LossSum> CpuGPTModel::StageForward(const ModelBatch& batch, int s
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
   Activations& a = *act_;
   const int64_t n = batch.b * batch.t, nc = StageExchangeFloats(batch);
-  PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), layout_.pre_process ? 0 : nc));
-  PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), layout_.post_process ? 0 : nc));
-  if (!layout_.pre_process) std::copy(input.begin(), input.end(), a.resid[0].begin());
+  PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), chunk_pre_process() ? 0 : nc));
+  PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), chunk_post_process() ? 0 : nc));
+  if (!chunk_pre_process()) std::copy(input.begin(), input.end(), a.resid[chunk_layer_begin()].begin());
   PTK_RETURN_IF_ERROR(RunForward(batch, train, seed));
-  if (!layout_.post_process) {
-    const std::vector<float>& out = a.resid[layout_.layers.size()];
+  if (!chunk_post_process()) {
+    const std::vector<float>& out = a.resid[chunk_layer_end()];
     std::copy(out.begin(), out.end(), output.begin());
     return LossSum{};
   }
@@ -71,15 +72,16 @@ absl::Status CpuGPTModel::StageBackward(const ModelBatch& batch, int slot, std::
     return absl::InvalidArgumentError(fmt::format("StageBackward: slot {} holds no forward pass", slot));
   PTK_RETURN_IF_ERROR(SelectSlot(slot));
   Activations& a = *act_;
-  if (a.b != batch.b || a.t != batch.t)
-    return absl::InvalidArgumentError("StageBackward: the batch is not the shape of the slot's forward pass");
+  if (a.b != batch.b || a.t != batch.t || a.chunk != chunk_)
+    return absl::InvalidArgumentError(
+        "StageBackward: the batch is not the shape (or the model chunk) of the slot's forward pass");
   const int64_t nc = StageExchangeFloats(batch);
   PTK_RETURN_IF_ERROR(
-      CheckActivation("StageBackward output gradient", output_grad.size(), layout_.post_process ? 0 : nc));
-  PTK_RETURN_IF_ERROR(CheckActivation("StageBackward input gradient", input_grad.size(), layout_.pre_process ? 0 : nc));
-  if (!layout_.post_process) std::copy(output_grad.begin(), output_grad.end(), a.dresid.begin());
+      CheckActivation("StageBackward output gradient", output_grad.size(), chunk_post_process() ? 0 : nc));
+  PTK_RETURN_IF_ERROR(CheckActivation("StageBackward input gradient", input_grad.size(), chunk_pre_process() ? 0 : nc));
+  if (!chunk_post_process()) std::copy(output_grad.begin(), output_grad.end(), a.dresid.begin());
   PTK_RETURN_IF_ERROR(RunBackward(batch, train, seed));
-  if (!layout_.pre_process) std::copy(a.dresid.begin(), a.dresid.end(), input_grad.begin());
+  if (!chunk_pre_process()) std::copy(a.dresid.begin(), a.dresid.end(), input_grad.begin());
   return absl::OkStatus();
 }
 

@@ -130,7 +130,7 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
   // Embedding: each rank its vocabulary rows, reduce-scattered to this rank's positions, then the
   // position embeddings of those. A later pipeline stage starts from the previous stage's shard of
   // the residual stream (this rank's positions), already in resid[0].
-  if (layout_.pre_process) {
+  if (chunk_pre_process()) {
     cpu::VocabSliceEmbeddingForward(a.tmp.data(), batch.tokens, P + layout_.wte, r.me * vp, vp, n, c);
     float* x = a.resid[0].data();
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), x, batch, c));
@@ -142,10 +142,11 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
       }
     DropoutLocal(x, batch, r, c, hp, seed, L, kEmbeddingDropout);
   }
-  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
-  for (int64_t l = 0; l < Ls; ++l) {
+  // This chunk's layers [l0, Ls) of the stage's (all of them without model chunks).
+  const int64_t l0 = chunk_layer_begin(), Ls = chunk_layer_end();
+  for (int64_t l = l0; l < Ls; ++l) {
     const LayerParams& lp = layout_.layers[l];
-    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
+    const int64_t gl = GlobalLayer(l);  // the layer's index in the whole model (dropout keys)
     NormForward(cf, a.ln1[l].data(), a.ln1_mean[l].data(), a.ln1_rstd[l].data(), a.resid[l].data(), P, lp.ln1_w,
                 lp.ln1_b, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln1[l].data(), whole, batch, c));
@@ -177,7 +178,7 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
     DropoutLocal(loc, batch, r, c, hp, seed, gl, kMlpOutDropout);
     for (int64_t i = 0; i < nl * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + loc[i];
   }
-  if (!layout_.post_process) return absl::OkStatus();  // resid[Ls], this rank's rows, goes to the next stage
+  if (!chunk_post_process()) return absl::OkStatus();  // resid[Ls], this rank's rows, goes to the next stage
   NormForward(cf, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.resid[Ls].data(), P, layout_.lnf_w,
               layout_.lnf_b, nl, c);
   PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
@@ -200,8 +201,9 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
   float* whole = a.sp_whole.data();  // a norm's output gathered again for its product's weight gradient
   float* dresid = a.dresid.data();   // this rank's rows (nl of them)
 
-  const int64_t Ls = static_cast<int64_t>(layout_.layers.size());  // this stage's layers
-  if (layout_.post_process) {  // a stage before the last starts from the next stage's gradient, in dresid
+  // This chunk's layers [l0, Ls) of the stage's (all of them without model chunks).
+  const int64_t l0 = chunk_layer_begin(), Ls = chunk_layer_end();
+  if (chunk_post_process()) {  // a stage before the last starts from the next stage's gradient, in dresid
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     PTK_RETURN_IF_ERROR(GatherRows(a.lnf.data(), whole, batch, c));
     cpu::MatmulBackward(a.dln.data(), G + layout_.out_w, static_cast<float*>(nullptr), a.logits.data(), whole,
@@ -212,9 +214,9 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
                                               a.lnf_mean.data(), a.lnf_rstd.data(), nl));
   }
   GradsReady(0);
-  for (int64_t l = Ls - 1; l >= 0; --l) {
+  for (int64_t l = Ls - 1; l >= l0; --l) {
     const LayerParams& lp = layout_.layers[l];
-    const int64_t gl = layout_.first_layer + l;  // the layer's index in the whole model (dropout keys)
+    const int64_t gl = GlobalLayer(l);  // the layer's index in the whole model (dropout keys)
     // MLP: its output's gradient (this rank's rows, through dropout) gathered for fc2's backward.
     std::copy(dresid, dresid + nl * c, loc);
     DropoutLocal(loc, batch, r, c, hp, seed, gl, kMlpOutDropout);
@@ -263,7 +265,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     GradsReady(static_cast<size_t>(Ls - l));
   }
   // A later pipeline stage leaves its input's gradient (this rank's rows) in dresid, for the previous stage.
-  if (layout_.pre_process) {
+  if (chunk_pre_process()) {
     DropoutLocal(dresid, batch, r, c, hp, seed, L, kEmbeddingDropout);
     PTK_RETURN_IF_ERROR(GatherRows(dresid, a.dtmp.data(), batch, c));
     cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dtmp.data(), batch.tokens,

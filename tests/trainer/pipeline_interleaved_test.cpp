@@ -1,0 +1,202 @@
+// Megatron's interleaved pipeline schedule on the CPU backend: a stage of V model chunks holds the
+// layers of virtual stages v * P + p (the whole model's tensors and init, put back together by
+// CopyFromShard); the interleaved 1F1B at P = 2 and 4 with 2 chunks, 8 micro-batches and dropout on
+// (and with as many micro-batches as stages, every forward of the first stages in the warm-up)
+// gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed within
+// float rounding), and forward-only evaluation one rank's loss; a step whose micro-batches are not a
+// multiple of P is refused; only the last virtual stage's slots hold the logits; a checkpoint
+// header names each tensor by its chunk, Megatron's way.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+#include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/test_batches.h"
+#include "trainer/checkpoint.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/parallel_params.h"
+#include "trainer/pipeline_schedule.h"
+
+namespace ptk {
+namespace {
+
+GPTConfig Config(int64_t layers) {
+  GPTConfig c;
+  c.num_layers = layers;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 128;
+  c.seq_length = c.max_position_embeddings = 16;
+  c.vocab_size = 97;
+  c.padded_vocab_size = 128;
+  c.hidden_dropout = c.attention_dropout = 0.1;
+  return c;
+}
+
+PipelineStage Stage(const GPTConfig& c, int P, int p, int V) {
+  return StageOf(std::vector<int64_t>(static_cast<size_t>(P), c.num_layers / P), p, V);
+}
+
+TEST(InterleavedLayout, ChunksHoldTheirVirtualStagesLayersWithTheWholeModelsInit) {
+  const GPTConfig c = Config(8);
+  auto whole = ParamLayout::Create(c);
+  ASSERT_TRUE(whole.ok());
+  std::vector<float> init(static_cast<size_t>(whole->num_params)), back(init.size(), -1.0f);
+  whole->InitWeights(5, init);
+  int64_t counted = 0;
+  for (int p = 0; p < 2; ++p) {
+    auto s = ParamLayout::Create(c, 1, 0, Stage(c, 2, p, 2));
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->virtual_size, 2);
+    EXPECT_EQ(s->chunk_layers(), 2);
+    // Virtual stage v * P + p: rank 0 holds layers 0, 1 and 4, 5; rank 1 layers 2, 3 and 6, 7.
+    EXPECT_EQ(s->chunk_first_layer, (std::vector<int64_t>{2 * p, 4 + 2 * p}));
+    EXPECT_EQ(s->ChunkPreProcess(0), p == 0);
+    EXPECT_FALSE(s->ChunkPreProcess(1));
+    EXPECT_EQ(s->ChunkPostProcess(1), p == 1);
+    EXPECT_FALSE(s->ChunkPostProcess(0));
+    EXPECT_NE(s->Find(fmt::format("decoder.layers.{}.mlp.linear_fc1.weight", 4 + 2 * p)), nullptr);
+    EXPECT_EQ(s->Find(fmt::format("decoder.layers.{}.mlp.linear_fc1.weight", 2 - 2 * p)), nullptr);
+    std::vector<float> mine(static_cast<size_t>(s->num_params));
+    s->InitWeights(5, mine);
+    CopyFromShard(*s, mine, back);
+    // Each rank holds as many parameters as without chunks (the dry run's count).
+    EXPECT_EQ(s->num_params, ParamsOnModelParallelRank(c, 1, 2, p, 4));
+    counted += s->norm_end();
+    // Megatron's checkpoint names: the chunk, its layers numbered from 0.
+    const auto [chunk, name] = ChunkName(*s, fmt::format("decoder.layers.{}.mlp.linear_fc1.weight", 5 + 2 * p));
+    EXPECT_EQ(chunk, 1);
+    EXPECT_EQ(name, "decoder.layers.1.mlp.linear_fc1.weight");
+    EXPECT_EQ(ChunkName(*s, "decoder.final_layernorm.weight").first, 1);
+    EXPECT_EQ(ChunkName(*s, "embedding.word_embeddings.weight").first, p == 0 ? 0 : 1);
+  }
+  EXPECT_EQ(back, init);
+  EXPECT_EQ(counted, whole->num_params);
+  // Layers that do not split into P x V virtual stages evenly, and chunks without stages.
+  EXPECT_FALSE(ParamLayout::Create(c, 1, 0, Stage(c, 2, 0, 3)).ok());
+  PipelineStage one = StageOf({8}, 0, 2);
+  EXPECT_FALSE(ParamLayout::Create(c, 1, 0, one).ok());
+}
+
+struct Reference {
+  LossSum loss, eval;
+  std::vector<float> grads;
+};
+Reference OneRank(const GPTConfig& c, const std::vector<ModelBatch>& mbs, const std::vector<double>& scales) {
+  Reference ref;
+  auto m = CpuGPTModel::Create(c);
+  EXPECT_TRUE(m.ok());
+  EXPECT_TRUE((*m)->InitWeights(11).ok());
+  EXPECT_TRUE((*m)->ZeroGrads().ok());
+  for (size_t k = 0; k < mbs.size(); ++k) {
+    auto l = (*m)->ForwardBackward(mbs[k], scales[k], true, 99);
+    EXPECT_TRUE(l.ok()) << l.status();
+    ref.loss.loss_sum += l->loss_sum;
+    ref.loss.tokens += l->tokens;
+  }
+  ref.grads.resize(static_cast<size_t>((*m)->num_params()));
+  EXPECT_TRUE((*m)->ReadGrads(ref.grads).ok());
+  auto e = (*m)->Forward(mbs[0]);
+  EXPECT_TRUE(e.ok());
+  ref.eval = *e;
+  return ref;
+}
+
+void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batches = 8) {
+  const GPTConfig c = Config(layers);
+  const testing::Batches data(micro_batches, 16);
+  const std::vector<ModelBatch> mbs = data.All();
+  std::vector<double> scales;
+  for (size_t k = 0; k < mbs.size(); ++k) scales.push_back(1.0 / (27.0 * 8.0) * (1.0 + 0.01 * static_cast<double>(k)));
+  const Reference ref = OneRank(c, mbs, scales);
+  std::mutex mu;
+  std::vector<int64_t> floats(static_cast<size_t>(P));
+  testing::RunRanks(P, [&](Communicator* comm, int s) {
+    auto made = CpuGPTModel::Create(c, nullptr, false, Stage(c, P, s, V));
+    ASSERT_TRUE(made.ok()) << made.status();
+    CpuGPTModel& m = **made;
+    ASSERT_TRUE(m.InitWeights(11).ok());
+    ASSERT_TRUE(m.ZeroGrads().ok());
+    PipelineStats stats;
+    auto loss = ForwardBackwardPipelining(&m, comm, mbs, scales, 99, &stats);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    std::unique_ptr<Communicator> emb;
+    if (s == 0 || s == P - 1) {  // the embedding group sums the tied copies
+      const std::vector<int> members = {0, P - 1};
+      auto g = comm->Subgroup(members, "embedding");
+      ASSERT_TRUE(g.ok()) << g.status();
+      emb = *std::move(g);
+      ASSERT_TRUE(m.AllReduceGradRange(emb.get(), s == 0 ? m.layout().wte : m.layout().out_w, 128 * 32).ok());
+    }
+    auto eval = ForwardPipelining(&m, comm, mbs[0]);
+    ASSERT_TRUE(eval.ok()) << eval.status();
+    std::lock_guard<std::mutex> lock(mu);
+    floats[static_cast<size_t>(s)] = m.ActivationFloats();  // the last chunk's slot, evaluation's last
+    // Megatron's warm-up, (P - s - 1) * 2 + (V - 1) * P forwards, plus the first of the steady state.
+    EXPECT_EQ(stats.max_in_flight, std::min((P - s - 1) * 2 + (V - 1) * P + 1, micro_batches * V)) << "stage " << s;
+    if (s == P - 1) {
+      EXPECT_EQ(loss->loss_sum, ref.loss.loss_sum);
+      EXPECT_EQ(loss->tokens, ref.loss.tokens);
+      EXPECT_EQ(eval->loss_sum, ref.eval.loss_sum);
+    } else {
+      EXPECT_EQ(loss->tokens, 0.0);
+    }
+    std::vector<float> mine(static_cast<size_t>(m.num_params())), want(mine.size());
+    ASSERT_TRUE(m.ReadGrads(mine).ok());
+    CopyToShard(m.layout(), ref.grads, want);
+    for (const ParamInfo& p : m.params_info()) {
+      double worst = 0, scale = 0;
+      int64_t differ = 0;
+      for (int64_t i = p.offset; i < p.offset + p.size; ++i) {
+        worst = std::max(worst, std::abs(static_cast<double>(mine[i]) - want[i]));
+        scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+        differ += mine[i] != want[i];
+      }
+      if (p.name == "embedding.word_embeddings.weight")  // one rank adds the two uses micro-batch by micro-batch
+        EXPECT_LE(worst, 1e-5 * scale) << p.name << " on stage " << s;
+      else
+        EXPECT_EQ(differ, 0) << p.name << " on stage " << s << ": " << differ << " elements differ (worst " << worst
+                             << ")";
+    }
+  });
+  // Only the slot whose pass ends in the loss holds the final norm (and its statistics), the logits
+  // and the losses (and their gradient): 2 x 16 rows of 32, a vocabulary of 128.
+  const int64_t n = 2 * 16;
+  for (int s = 0; s + 1 < P; ++s)
+    EXPECT_EQ(floats[static_cast<size_t>(P - 1)] - floats[static_cast<size_t>(s)], n * 32 + 2 * n + n * 128 + 2 * n)
+        << "stage " << s;
+}
+
+TEST(InterleavedSchedule, TwoStagesOfTwoChunksGiveOneRanksLossAndGradients) { CheckInterleavedGivesOneRank(2, 2, 4); }
+TEST(InterleavedSchedule, FourStagesOfTwoChunksGiveOneRanksLossAndGradients) { CheckInterleavedGivesOneRank(4, 2, 8); }
+TEST(InterleavedSchedule, TwoStagesOfThreeChunks) { CheckInterleavedGivesOneRank(2, 3, 6); }
+// As many micro-batches as stages: the first stages run every forward in the warm-up.
+TEST(InterleavedSchedule, AsManyMicroBatchesAsStages) {
+  CheckInterleavedGivesOneRank(2, 2, 4, 2);
+  CheckInterleavedGivesOneRank(4, 2, 8, 4);
+}
+
+TEST(InterleavedSchedule, MicroBatchesNotAMultipleOfTheStagesAreRefused) {
+  EXPECT_TRUE(CheckInterleavedMicroBatches(8, 4).ok());
+  EXPECT_FALSE(CheckInterleavedMicroBatches(6, 4).ok());
+  EXPECT_FALSE(CheckInterleavedMicroBatches(2, 4).ok());
+  const GPTConfig c = Config(4);
+  const testing::Batches data(3, 16);
+  const std::vector<ModelBatch> mbs = data.All();
+  const std::vector<double> scales(3, 1.0);
+  testing::RunRanks(2, [&](Communicator* comm, int s) {
+    auto made = CpuGPTModel::Create(c, nullptr, false, Stage(c, 2, s, 2));
+    ASSERT_TRUE(made.ok()) << made.status();
+    auto loss = ForwardBackwardPipelining(made->get(), comm, mbs, scales, 99);
+    ASSERT_FALSE(loss.ok());
+    EXPECT_NE(loss.status().message().find("--pipeline-model-parallel-size (2)"), std::string_view::npos)
+        << loss.status();
+  });
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,295 @@
+// Megatron's interleaved 1F1B schedule (virtual pipeline stages) and the forward-only pass over a
+// stage's model chunks.
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/pipeline_schedule.h"
+
+namespace ptk {
+namespace {
+
+// Activations travel forward on one channel, their gradients backward on another: with two stages
+// a rank's previous and next stage are the same rank, and one batch may carry both.
+constexpr int kForwardChannel = 0, kBackwardChannel = 1;
+
+struct VirtualMicroBatch {
+  int micro_batch, chunk;
+};
+
+// Megatron's schedule table: micro-batches in groups of P (microbatch_group_size_per_vp_stage's
+// default), each group run through chunk 0, then chunk 1, ...; the last group takes the rest.
+std::vector<VirtualMicroBatch> ScheduleTable(int m, int chunks, int group) {
+  std::vector<VirtualMicroBatch> table;
+  for (int first = 0; first < m; first += group) {
+    const int end = first + group >= m ? m : first + group;
+    for (int v = 0; v < chunks; ++v)
+      for (int k = first; k < end; ++k) table.push_back({k, v});
+  }
+  return table;
+}
+
+class InterleavedSchedule {
+ public:
+  InterleavedSchedule(GPTModel* model, Communicator* pipe, const std::vector<ModelBatch>& mbs,
+                      std::span<const double> scales, uint64_t seed, PipelineStats* stats, Timers* timers)
+      : model_(model),
+        pipe_(pipe),
+        mbs_(mbs),
+        scales_(scales),
+        seed_(seed),
+        stats_(stats),
+        timers_(timers),
+        P_(pipe->size()),
+        r_(pipe->rank()),
+        V_(model->layout().virtual_size),
+        m_(static_cast<int>(mbs.size())),
+        total_(m_ * V_),
+        table_(ScheduleTable(m_, V_, P_)),
+        slot_of_(static_cast<size_t>(V_), std::vector<int>(static_cast<size_t>(m_), -1)),
+        free_(static_cast<size_t>(V_)),
+        inputs_seen_(static_cast<size_t>(V_), 0),
+        grads_seen_(static_cast<size_t>(V_), 0) {}
+
+  absl::Status Run();
+
+ private:
+  int ChunkOf(int k, bool forward) const {
+    const int v = table_[static_cast<size_t>(k % total_)].chunk;
+    return forward ? v : V_ - 1 - v;
+  }
+  int MicroBatchOf(int k) const { return table_[static_cast<size_t>(k)].micro_batch; }
+  bool FirstVirtual(int v) const { return r_ == 0 && v == 0; }
+  bool LastVirtual(int v) const { return r_ == P_ - 1 && v == V_ - 1; }
+  // Megatron's recv_tensor_from_previous_stage: whether the stage receives after virtual
+  // micro-batch k (an activation going forward, a gradient going backward), and for which chunk.
+  // The first rank's chunk v + 1 takes the last rank's chunk v, P - 1 virtual micro-batches behind.
+  std::pair<bool, int> ReceiveAfter(int k, bool forward) const;
+  absl::StatusOr<StageExchange> Buffers(int v, int mb);
+  absl::Status TakeSlot(int v, int mb);
+  absl::Status Forward(int k, const void** out);
+  absl::Status Backward(int k, const void** dx);
+  // One batch of Megatron's p2p call `timer`: the sends given (null: none), and the receives of
+  // the next activation of chunk `in_chunk` and the next gradient of chunk `grad_chunk` (-1: none).
+  absl::Status Exchange(const char* timer, const void* out, const void* dx, int in_chunk, int grad_chunk);
+
+  GPTModel* model_;
+  Communicator* pipe_;
+  const std::vector<ModelBatch>& mbs_;
+  std::span<const double> scales_;
+  uint64_t seed_;
+  PipelineStats* stats_;
+  Timers* timers_;
+  const int P_, r_, V_, m_, total_;
+  std::vector<VirtualMicroBatch> table_;
+  std::vector<std::vector<int>> slot_of_;      // [chunk][micro-batch]: its activation slot, -1 none
+  std::vector<std::vector<int>> free_;         // each chunk's slots free again
+  std::vector<int> inputs_seen_, grads_seen_;  // per chunk: activations / gradients received so far
+  int slots_ = 0, in_flight_ = 0;
+  bool device_ = false;
+  StageExchange format_;
+};
+
+std::pair<bool, int> InterleavedSchedule::ReceiveAfter(int k, bool forward) const {
+  const bool leading = forward ? r_ == 0 : r_ == P_ - 1;
+  if (!leading) return {true, ChunkOf(k + 1, forward)};
+  bool receive = k >= P_ - 1;
+  int v = receive ? ChunkOf(k - (P_ - 1), forward) : ChunkOf(k + 1, forward);
+  if (v == (forward ? V_ - 1 : 0)) receive = false;
+  return {receive, forward ? v + 1 : v - 1};
+}
+
+absl::StatusOr<StageExchange> InterleavedSchedule::Buffers(int v, int mb) {
+  PTK_RETURN_IF_ERROR(model_->SelectChunk(v));
+  const int slot = slot_of_[static_cast<size_t>(v)][static_cast<size_t>(mb)];
+  if (slot < 0)
+    return absl::InternalError(fmt::format("interleaved schedule: chunk {} micro-batch {} has no slot", v, mb));
+  PTK_ASSIGN_OR_RETURN(StageExchange e, model_->StageBuffers(mbs_[static_cast<size_t>(mb)], slot, device_));
+  if (e.elements != format_.elements || e.wire != format_.wire)
+    return absl::InvalidArgumentError(
+        fmt::format("pipeline schedule: micro-batches of different shapes ({}x{} exchanges {} elements, the first {})",
+                    mbs_[static_cast<size_t>(mb)].b, mbs_[static_cast<size_t>(mb)].t, e.elements, format_.elements));
+  return e;
+}
+
+absl::Status InterleavedSchedule::TakeSlot(int v, int mb) {
+  std::vector<int>& pool = free_[static_cast<size_t>(v)];
+  int slot = slots_;
+  if (pool.empty()) {
+    ++slots_;
+  } else {
+    slot = pool.back();
+    pool.pop_back();
+  }
+  slot_of_[static_cast<size_t>(v)][static_cast<size_t>(mb)] = slot;
+  return Buffers(v, mb).status();
+}
+
+absl::Status InterleavedSchedule::Forward(int k, const void** out) {
+  const int v = ChunkOf(k, true), mb = MicroBatchOf(k);
+  if (FirstVirtual(v)) PTK_RETURN_IF_ERROR(TakeSlot(v, mb));
+  PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(v, mb));
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, "forward-compute", 2));
+  PTK_RETURN_IF_ERROR(model_
+                          ->StageForwardExchanged(mbs_[static_cast<size_t>(mb)],
+                                                  slot_of_[static_cast<size_t>(v)][static_cast<size_t>(mb)],
+                                                  scales_[static_cast<size_t>(mb)], /*train=*/true, seed_,
+                                                  /*logits=*/nullptr, /*defer_loss=*/true)
+                          .status());
+  PTK_RETURN_IF_ERROR(StopTimer(timers_, "forward-compute"));
+  ++in_flight_;
+  if (stats_) stats_->max_in_flight = std::max(stats_->max_in_flight, in_flight_);
+  *out = LastVirtual(v) ? nullptr : x.output;
+  return absl::OkStatus();
+}
+
+absl::Status InterleavedSchedule::Backward(int k, const void** dx) {
+  const int v = ChunkOf(k, false), mb = MicroBatchOf(k);
+  PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(v, mb));
+  int& slot = slot_of_[static_cast<size_t>(v)][static_cast<size_t>(mb)];
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, "backward-compute", 2));
+  PTK_RETURN_IF_ERROR(model_->StageBackwardExchanged(mbs_[static_cast<size_t>(mb)], slot, /*train=*/true, seed_));
+  PTK_RETURN_IF_ERROR(StopTimer(timers_, "backward-compute"));
+  --in_flight_;
+  free_[static_cast<size_t>(v)].push_back(slot);
+  slot = -1;
+  *dx = FirstVirtual(v) ? nullptr : x.input_grad;
+  return absl::OkStatus();
+}
+
+absl::Status InterleavedSchedule::Exchange(const char* timer, const void* out, const void* dx, int in_chunk,
+                                           int grad_chunk) {
+  const int prev = (r_ + P_ - 1) % P_, next = (r_ + 1) % P_;
+  const int64_t bytes = format_.bytes();
+  std::vector<Communicator::P2pMessage> batch;
+  if (out) batch.push_back({out, nullptr, bytes, next, kForwardChannel});
+  if (dx) batch.push_back({dx, nullptr, bytes, prev, kBackwardChannel});
+  if (in_chunk >= 0) {  // the chunk's activations arrive in micro-batch order
+    const int mb = inputs_seen_[static_cast<size_t>(in_chunk)]++;
+    if (mb >= m_) return absl::InternalError("interleaved schedule: an activation past the step's micro-batches");
+    PTK_RETURN_IF_ERROR(TakeSlot(in_chunk, mb));
+    PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(in_chunk, mb));
+    batch.push_back({nullptr, x.input, bytes, prev, kForwardChannel});
+  }
+  if (grad_chunk >= 0) {
+    const int mb = grads_seen_[static_cast<size_t>(grad_chunk)]++;
+    if (mb >= m_) return absl::InternalError("interleaved schedule: a gradient past the step's micro-batches");
+    PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(grad_chunk, mb));
+    batch.push_back({nullptr, x.output_grad, bytes, next, kBackwardChannel});
+  }
+  if (batch.empty()) return absl::OkStatus();
+  PTK_RETURN_IF_ERROR(StartTimer(timers_, timer, 2));
+  PTK_RETURN_IF_ERROR(pipe_->BatchSendRecv(batch));
+  return StopTimer(timers_, timer);
+}
+
+absl::Status InterleavedSchedule::Run() {
+  // Megatron's warm-up: (P - r - 1) * 2 + (V - 1) * P virtual micro-batches, all of them at most.
+  const int warmup = std::min((P_ - r_ - 1) * 2 + (V_ - 1) * P_, total_), remaining = total_ - warmup;
+  const bool all_warmup = warmup == total_;
+  PTK_RETURN_IF_ERROR(model_->SelectChunk(0));
+  device_ = pipe_->device_collectives();
+  PTK_ASSIGN_OR_RETURN(format_, model_->StageBuffers(mbs_[0], 0, device_));
+  if (format_.stream) return absl::UnimplementedError("the interleaved pipeline schedule exchanges host memory only");
+  PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipe_, format_));
+  PTK_RETURN_IF_ERROR(Exchange("forward-recv", nullptr, nullptr, FirstVirtual(0) ? -1 : 0, -1));
+  const void* out = nullptr;
+  const void* dx = nullptr;
+  for (int k = 0; k < warmup; ++k) {
+    PTK_RETURN_IF_ERROR(Forward(k, &out));
+    auto [recv_prev, in_chunk] = ReceiveAfter(k, true);
+    if (k == total_ - 1) recv_prev = false;
+    const bool last = k == warmup - 1 && !all_warmup;  // the first backward's gradient comes with it
+    const int grad_chunk = last && r_ != P_ - 1 ? V_ - 1 : -1;
+    PTK_RETURN_IF_ERROR(Exchange(last ? "forward-backward-send-forward-backward-recv" : "forward-send-forward-recv",
+                                 out, nullptr, recv_prev ? in_chunk : -1, grad_chunk));
+  }
+  for (int k = 0; k < remaining; ++k) {
+    const int fk = k + warmup;
+    PTK_RETURN_IF_ERROR(Forward(fk, &out));
+    PTK_RETURN_IF_ERROR(Backward(k, &dx));
+    auto [recv_prev, in_chunk] = ReceiveAfter(fk, true);
+    auto [recv_next, grad_chunk] = ReceiveAfter(k, false);
+    if (k == remaining - 1) recv_prev = false;
+    PTK_RETURN_IF_ERROR(Exchange("forward-backward-send-forward-backward-recv", out, dx, recv_prev ? in_chunk : -1,
+                                 recv_next ? grad_chunk : -1));
+  }
+  if (all_warmup && r_ != P_ - 1) PTK_RETURN_IF_ERROR(Exchange("backward-recv", nullptr, nullptr, -1, V_ - 1));
+  for (int k = remaining; k < total_; ++k) {
+    PTK_RETURN_IF_ERROR(Backward(k, &dx));
+    auto [recv_next, grad_chunk] = ReceiveAfter(k, false);
+    if (k == total_ - 1) recv_next = false;
+    PTK_RETURN_IF_ERROR(Exchange("backward-send-backward-recv", nullptr, dx, -1, recv_next ? grad_chunk : -1));
+  }
+  for (int v = 0; v < V_; ++v)
+    if (inputs_seen_[static_cast<size_t>(v)] != (FirstVirtual(v) ? 0 : m_) ||
+        grads_seen_[static_cast<size_t>(v)] != (LastVirtual(v) ? 0 : m_))
+      return absl::InternalError(
+          fmt::format("interleaved schedule: stage {} chunk {} received {} activations and {} "
+                      "gradients of {} micro-batches",
+                      r_, v, inputs_seen_[static_cast<size_t>(v)], grads_seen_[static_cast<size_t>(v)], m_));
+  return absl::OkStatus();
+}
+
+// Drops the losses a failed schedule left with the model (the step fails; the next must not see them).
+struct LossesDropped {
+  GPTModel* model;
+  ~LossesDropped() {
+    if (model) (void)model->TakeLosses();
+  }
+};
+
+}  // namespace
+
+absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size) {
+  if (micro_batches >= pipeline_size && micro_batches % pipeline_size == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format(
+      "the interleaved pipeline schedule runs the micro-batches of a step in groups of "
+      "--pipeline-model-parallel-size ({}): {} micro-batches per step (global batch / (micro-batch x data-parallel "
+      "ranks)) must be a multiple of it",
+      pipeline_size, micro_batches));
+}
+
+absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator* pipeline,
+                                                   const std::vector<ModelBatch>& micro_batches,
+                                                   std::span<const double> loss_scales, uint64_t seed,
+                                                   PipelineStats* stats, Timers* timers) {
+  if (micro_batches.empty()) return LossSum{};
+  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(static_cast<int>(micro_batches.size()), pipeline->size()));
+  LossesDropped kept{model};
+  InterleavedSchedule schedule(model, pipeline, micro_batches, loss_scales, seed, stats, timers);
+  const absl::Status run = schedule.Run();
+  (void)model->SelectChunk(0);
+  PTK_RETURN_IF_ERROR(run);
+  kept.model = nullptr;
+  return model->TakeLosses();
+}
+
+absl::StatusOr<LossSum> ForwardInterleaved(GPTModel* model, Communicator* pipeline, const ModelBatch& batch,
+                                           std::vector<float>* logits, StageExchangeAgreement* agreed) {
+  const int P = pipeline->size(), r = pipeline->rank(), V = model->layout().virtual_size;
+  const int prev = (r + P - 1) % P, next = (r + 1) % P;
+  const bool device = pipeline->device_collectives();
+  LossSum loss;
+  for (int v = 0; v < V; ++v) {  // chunk v's slot v
+    PTK_RETURN_IF_ERROR(model->SelectChunk(v));
+    PTK_ASSIGN_OR_RETURN(const StageExchange x, model->StageBuffers(batch, v, device));
+    if (x.stream) return absl::UnimplementedError("the interleaved pipeline schedule exchanges host memory only");
+    if (v == 0) PTK_RETURN_IF_ERROR(agreed ? agreed->Check(pipeline, x) : CheckStageExchangeAgreement(pipeline, x));
+    const Communicator::P2pMessage in{nullptr, x.input, x.bytes(), x.input ? prev : -1, kForwardChannel};
+    PTK_RETURN_IF_ERROR(pipeline->BatchSendRecv({&in, 1}));
+    PTK_ASSIGN_OR_RETURN(const LossSum l, model->StageForwardExchanged(batch, v, std::nullopt, /*train=*/false, 0,
+                                                                       v == V - 1 ? logits : nullptr));
+    if (v == V - 1) loss = l;
+    const Communicator::P2pMessage out{x.output, nullptr, x.bytes(), x.output ? next : -1, kForwardChannel};
+    PTK_RETURN_IF_ERROR(pipeline->BatchSendRecv({&out, 1}));
+  }
+  PTK_RETURN_IF_ERROR(model->SelectChunk(0));
+  return loss;
+}
+
+}  // namespace ptk
