@@ -162,7 +162,9 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
     SCOPED_TRACE(c.extra);
     auto r = c.world == 1 ? RunCmd(Train(1, c.P, c.extra)) : Ranks(c.world, Train(1, c.P, c.extra));
     EXPECT_NE(r.output.find(c.world == 1 ? "usage error" : "rc=2 2"), std::string::npos) << r.output;
-    if (c.world == 1) EXPECT_EQ(r.exit_code, 2) << r.output;
+    if (c.world == 1) {
+      EXPECT_EQ(r.exit_code, 2) << r.output;
+    }
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
   }
   // --dry-run plans the interleaved layout (the parameters of each rank as without chunks; Megatron's
