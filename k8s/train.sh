@@ -21,11 +21,15 @@ for a in "$@"; do
   case "$a" in --train-iters=*) iters=${a#*=} ;; --save=*) save=${a#*=} ;; esac
   prev=$a
 done
-stopped=0
+stopped=0 child=""
+# The trap before the child: a SIGTERM between its start and the trap would end this script alone,
+# leaving ptk-train running unsignalled until the pod's SIGKILL (no checkpoint). One that comes before
+# `child` is set is passed on just after.
+trap 'stopped=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null' TERM INT
 # shellcheck disable=SC2086  # the data flags and TRAIN_EXTRA_ARGS are lists of words
 "${PTK_BIN:-/opt/ptk/bin}/ptk-train" "$@" $data ${TRAIN_EXTRA_ARGS:-} &
 child=$!
-trap 'stopped=1; kill -TERM "$child" 2>/dev/null' TERM INT
+[ "$stopped" = 0 ] || kill -TERM "$child" 2>/dev/null
 while :; do
   wait "$child"
   rc=$?
