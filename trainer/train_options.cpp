@@ -81,6 +81,55 @@ absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
   return absl::OkStatus();
 }
 
+// Megatron's validate_args: the schedule's lengths in the unit of the run, and one warm-up.
+absl::Status CheckScheduleUnits(const TrainOptions& o) {
+  const ScheduleOptions& so = o.schedule_options;
+  if (o.train_iters > 0) {
+    if (so.lr_decay_samples > 0)
+      return UsageError(
+          fmt::format("--lr-decay-samples {}: with --train-iters the decay is in iterations "
+                      "(--lr-decay-iters), as Megatron requires",
+                      so.lr_decay_samples));
+    if (so.lr_warmup_samples > 0)
+      return UsageError(
+          fmt::format("--lr-warmup-samples {}: with --train-iters the warm-up is in iterations "
+                      "(--lr-warmup-iters), as Megatron requires",
+                      so.lr_warmup_samples));
+    if (so.lr_warmup_fraction && so.lr_warmup_iters > 0)
+      return UsageError(
+          fmt::format("--lr-warmup-fraction {} and --lr-warmup-iters {}: give one of them, as Megatron "
+                      "requires",
+                      *so.lr_warmup_fraction, so.lr_warmup_iters));
+    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_iters == 0 && so.lr_wsd_decay_samples > 0)
+      return UsageError(
+          fmt::format("--lr-wsd-decay-samples {}: with --train-iters the WSD anneal is in iterations "
+                      "(--lr-wsd-decay-iters)",
+                      so.lr_wsd_decay_samples));
+  } else {
+    if (so.lr_decay_iters > 0)
+      return UsageError(
+          fmt::format("--lr-decay-iters {}: with --train-samples the decay is in samples "
+                      "(--lr-decay-samples), as Megatron requires",
+                      so.lr_decay_iters));
+    if (so.lr_warmup_iters > 0)
+      return UsageError(
+          fmt::format("--lr-warmup-iters {}: with --train-samples the warm-up is in samples "
+                      "(--lr-warmup-samples), as Megatron requires",
+                      so.lr_warmup_iters));
+    if (so.lr_warmup_fraction && so.lr_warmup_samples > 0)
+      return UsageError(
+          fmt::format("--lr-warmup-fraction {} and --lr-warmup-samples {}: give one of them, as Megatron "
+                      "requires",
+                      *so.lr_warmup_fraction, so.lr_warmup_samples));
+    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_samples == 0 && so.lr_wsd_decay_iters > 0)
+      return UsageError(
+          fmt::format("--lr-wsd-decay-iters {}: with --train-samples the WSD anneal is in samples "
+                      "(--lr-wsd-decay-samples)",
+                      so.lr_wsd_decay_iters));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int64_t TrainPlan::GlobalBatchSizeAt(int64_t consumed) const {
@@ -115,51 +164,7 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
   p.micro_batches = gbs / (mbs * dp);
   if ((o.train_iters > 0) == (o.train_samples > 0))
     return usage("give exactly one of --train-iters and --train-samples");
-  // Megatron's validate_args: the schedule's lengths in the unit of the run, and one warm-up.
-  const ScheduleOptions& so = o.schedule_options;
-  if (o.train_iters > 0) {
-    if (so.lr_decay_samples > 0)
-      return usage(
-          fmt::format("--lr-decay-samples {}: with --train-iters the decay is in iterations "
-                      "(--lr-decay-iters), as Megatron requires",
-                      so.lr_decay_samples));
-    if (so.lr_warmup_samples > 0)
-      return usage(
-          fmt::format("--lr-warmup-samples {}: with --train-iters the warm-up is in iterations "
-                      "(--lr-warmup-iters), as Megatron requires",
-                      so.lr_warmup_samples));
-    if (so.lr_warmup_fraction && so.lr_warmup_iters > 0)
-      return usage(
-          fmt::format("--lr-warmup-fraction {} and --lr-warmup-iters {}: give one of them, as Megatron "
-                      "requires",
-                      *so.lr_warmup_fraction, so.lr_warmup_iters));
-    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_iters == 0 && so.lr_wsd_decay_samples > 0)
-      return usage(
-          fmt::format("--lr-wsd-decay-samples {}: with --train-iters the WSD anneal is in iterations "
-                      "(--lr-wsd-decay-iters)",
-                      so.lr_wsd_decay_samples));
-  } else {
-    if (so.lr_decay_iters > 0)
-      return usage(
-          fmt::format("--lr-decay-iters {}: with --train-samples the decay is in samples "
-                      "(--lr-decay-samples), as Megatron requires",
-                      so.lr_decay_iters));
-    if (so.lr_warmup_iters > 0)
-      return usage(
-          fmt::format("--lr-warmup-iters {}: with --train-samples the warm-up is in samples "
-                      "(--lr-warmup-samples), as Megatron requires",
-                      so.lr_warmup_iters));
-    if (so.lr_warmup_fraction && so.lr_warmup_samples > 0)
-      return usage(
-          fmt::format("--lr-warmup-fraction {} and --lr-warmup-samples {}: give one of them, as Megatron "
-                      "requires",
-                      *so.lr_warmup_fraction, so.lr_warmup_samples));
-    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_samples == 0 && so.lr_wsd_decay_iters > 0)
-      return usage(
-          fmt::format("--lr-wsd-decay-iters {}: with --train-samples the WSD anneal is in samples "
-                      "(--lr-wsd-decay-samples)",
-                      so.lr_wsd_decay_iters));
-  }
+  PTK_RETURN_IF_ERROR(CheckScheduleUnits(o));
   if (!o.rampup_batch_size.empty()) {
     PTK_RETURN_IF_ERROR(PlanRampup(o, &p));
   } else {
