@@ -241,11 +241,11 @@ struct Import {
             if (k->kind != PyValue::Kind::kStr) return Bad(f, "a model key that is not a string");
             if (k->s.size() >= 12 && k->s.compare(k->s.size() - 12, 12, "_extra_state") == 0) continue;
             if (!expected.count(k->s))
-              return Bad(f, fmt::format("{}tensor {}: not a weight of the GPT model the checkpoint's args describe "
-                                        "(stage {} of {}{}, {} layer names)",
-                                        where, k->s, p, sh.pp,
-                                        vp > 1 ? fmt::format(", chunk {} of {}", v, vp) : std::string(),
-                                        te ? "Transformer Engine" : "local"));
+              return Bad(
+                  f, fmt::format("{}tensor {}: not a weight of the GPT model the checkpoint's args describe "
+                                 "(stage {} of {}{}, {} layer names)",
+                                 where, k->s, p, sh.pp, vp > 1 ? fmt::format(", chunk {} of {}", v, vp) : std::string(),
+                                 te ? "Transformer Engine" : "local"));
           }
           for (const auto& n : expected)
             if (!model->Get(n)) return Bad(f, fmt::format("{}tensor {}: missing", where, n));
@@ -447,10 +447,10 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
         const std::string key = im.vp > 1 ? fmt::format("model{}", v) : "model";
         const PyValue* m = r.Get(key);
         if (!m || m->kind != PyValue::Kind::kDict)
-          return Bad(rf.reader->path(), fmt::format("no {} state dict{}", key,
-                                                    im.vp > 1 ? fmt::format(" (the first file has model0..model{})",
-                                                                            im.vp - 1)
-                                                              : std::string()));
+          return Bad(
+              rf.reader->path(),
+              fmt::format("no {} state dict{}", key,
+                          im.vp > 1 ? fmt::format(" (the first file has model0..model{})", im.vp - 1) : std::string()));
         rf.models.push_back(m);
       }
       if (r.Get(fmt::format("model{}", im.vp)) || (im.vp > 1 && r.Get("model")))

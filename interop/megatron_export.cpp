@@ -230,7 +230,7 @@ struct Export {
   const std::vector<float>& m2;
   std::vector<MegParam> mparams;
   int64_t tp = 1, pp = 1, vm = 0;  // vm: the vocabulary padded for tp ranks
-  int64_t vp = 1;                   // model chunks per rank: mparams' stage is v * pp + p
+  int64_t vp = 1;                  // model chunks per rank: mparams' stage is v * pp + p
   bool te = false, tied_copy = false, with_moments = false, mixed = false;
   std::string precision;
   DType model_dtype = DType::kFloat32;
@@ -437,13 +437,15 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   if (const int64_t n = o.target_num_layers_per_virtual_pipeline_stage; n > 0) {
     // Megatron's checks (arguments.py): pipeline parallelism, and chunks that divide each stage's layers.
     if (pp < 2)
-      return UsageError(fmt::format("--target-num-layers-per-virtual-pipeline-stage {}: the interleaved schedule needs "
-                                    "--target-pipeline-parallel-size 2 or more",
-                                    n));
+      return UsageError(
+          fmt::format("--target-num-layers-per-virtual-pipeline-stage {}: the interleaved schedule needs "
+                      "--target-pipeline-parallel-size 2 or more",
+                      n));
     if (c.num_layers % pp != 0 || (c.num_layers / pp) % n != 0)
-      return UsageError(fmt::format("--target-num-layers-per-virtual-pipeline-stage {} does not divide the {} layers "
-                                    "of each of {} pipeline stages ({} layers)",
-                                    n, c.num_layers / pp, pp, c.num_layers));
+      return UsageError(
+          fmt::format("--target-num-layers-per-virtual-pipeline-stage {} does not divide the {} layers "
+                      "of each of {} pipeline stages ({} layers)",
+                      n, c.num_layers / pp, pp, c.num_layers));
     vp = c.num_layers / pp / n;
   }
   Export ex(o, c, state, params, m1, m2);
@@ -496,7 +498,8 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
       vp > 1 ? fmt::format(" of {} model chunks each (--num-layers-per-virtual-pipeline-stage {})", vp,
                            o.target_num_layers_per_virtual_pipeline_stage)
              : "",
-      ex.te ? "Transformer Engine" : "local", ex.mixed ? fmt::format(" --{} (fp32 masters in the optimizer)", ex.precision) : "n fp32",
+      ex.te ? "Transformer Engine" : "local",
+      ex.mixed ? fmt::format(" --{} (fp32 masters in the optimizer)", ex.precision) : "n fp32",
       ex.with_moments ? ", AdamW moments included" : ", no AdamW step yet",
       ex.mixed ? fmt::format(" --{}", ex.precision) : ""));
   return s;
