@@ -4,9 +4,10 @@
 // loss lines within 1e-6 relative over 20 iterations and the 1F1B run's printed losses; T = 2 x
 // P = 2 x data 2 with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; checkpoints
 // resume at the same layout with the uninterrupted run's lines character for character, load at
-// P = 2 without chunks and at P = 4, a 1F1B checkpoint loads into the interleaved run, and
-// ptk-convert exports one (and through Megatron's interleaved format the run continues); Megatron's refusals and ptk's exit 2 in one line; text samples are one
-// rank's through the chunks, TensorBoard and the level-2 timers run; --dry-run plans the layout.
+// P = 2 without chunks and at P = 4, a 1F1B checkpoint loads into the interleaved run, ptk-convert
+// exports one, and through Megatron's interleaved format (model0, model1) the run continues;
+// Megatron's refusals and ptk's exit 2 in one line; text samples are one rank's through the chunks,
+// TensorBoard and the level-2 timers run; --dry-run plans the layout.
 #include <filesystem>
 #include <regex>
 #include <string>
