@@ -43,6 +43,9 @@ struct ConvertOptions {
   // ptk -> megatron: the tensor- and pipeline-parallel sizes to write, and the layer names
   // (transformer_engine: linear_qkv.layer_norm_weight ...; local: input_layernorm.weight ...).
   int64_t target_tensor_parallel_size = 1, target_pipeline_parallel_size = 1;
+  // ptk -> megatron: the layers of each model chunk of an interleaved run (Megatron's
+  // --num-layers-per-virtual-pipeline-stage); 0: no chunks.
+  int64_t target_num_layers_per_virtual_pipeline_stage = 0;
   std::string saver_transformer_impl = "transformer_engine";
   // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
   bool force = false;

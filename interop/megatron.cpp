@@ -43,7 +43,8 @@ using namespace megatron;  // NOLINT: the shared helpers
 // One rank's file, with its parameters in Megatron's optimizer order.
 struct RankFile {
   std::unique_ptr<torchfmt::TorchArchiveReader> reader;
-  const PyValue* model = nullptr;
+  // The model's state dict: "model", or one per chunk of an interleaved run ("model0", "model1", ...).
+  std::vector<const PyValue*> models;
   // Optimizer: the AdamW state (by index) and, in --bf16/--fp16 runs, the fp32 masters per group.
   const PyValue* adam_state = nullptr;
   const PyValue* fp32_groups = nullptr;
@@ -129,6 +130,7 @@ struct Import {
   MegatronModel model;
   std::optional<ParamLayout> layout;
   std::vector<MegParam> params;
+  int64_t vp = 1;          // model chunks per rank (virtual pipeline stages): params' stage is v * pp + p
   bool te = false;         // Transformer Engine's fused LayerNorm names, or the local ones
   bool tied_copy = false;  // the last stage's copy of the tied embedding
   // Gathered: weights (fp32 masters where the optimizer has them) and moments.
@@ -137,6 +139,13 @@ struct Import {
   int64_t adam_step = 0;
 
   std::string LocalName(const MegParam& m) const { return te ? m.te_name : m.local_name; }
+  // The chunk of a parameter on its rank, and its name in the rank's optimizer maps (chunk-qualified
+  // when there are several: each chunk numbers its layers from 0).
+  int64_t Chunk(const MegParam& m) const { return m.stage / sh.pp; }
+  int64_t Rank(const MegParam& m) const { return m.stage % sh.pp; }
+  std::string Key(int64_t v, const std::string& local) const {
+    return vp > 1 ? fmt::format("model{}.{}", v, local) : local;
+  }
 
   // One rank's optimizer groups mapped to its parameters (rf.index, rf.group_pos, rf.adam_state),
   // or the distributed optimizer's distrib_optim.pt beside it read (rf.distrib).
@@ -192,6 +201,11 @@ struct Import {
   absl::Status ReadDistrib(RankFile& rf, int64_t p, const PyValue* groups) {
     const std::string dfile = JoinPath(Dirname(rf.reader->path()), "distrib_optim.pt");
     if (!PathExists(dfile)) return absl::OkStatus();
+    if (vp > 1)
+      return Bad(dfile, fmt::format("the distributed optimizer's state of an interleaved run ({} model chunks per "
+                                    "rank): ptk reads it without chunks only (convert the weights with "
+                                    "distrib_optim.pt moved aside: the moments then start at zero)",
+                                    vp));
     const std::vector<DistribParam> dparams =
         StageDistribParams(params, p, sh.pp, te, tied_copy, model.ckpt_padded, sh.tp, s.config.hidden_size);
     PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptim(dfile, dparams, DistribBucketSize(args, p)));
@@ -207,21 +221,35 @@ struct Import {
       for (int64_t p = 0; p < sh.pp; ++p) {
         RankFile& rf = sh.files[static_cast<size_t>(t)][static_cast<size_t>(p)];
         const std::string& f = rf.reader->path();
-        std::vector<std::pair<std::string, bool>> order;  // local name, decay
-        for (const MegParam* m : StageOrder(params, p, te)) order.emplace_back(LocalName(*m), m->decay);
-        if (tied_copy && p == sh.pp - 1) order.emplace_back("output_layer.weight", true);
-        std::set<std::string> expected;
-        for (const auto& [n, d] : order) expected.insert(n);
-        for (const auto& [k, v] : rf.model->dict) {
-          if (k->kind != PyValue::Kind::kStr) return Bad(f, "a model key that is not a string");
-          if (k->s.size() >= 12 && k->s.compare(k->s.size() - 12, 12, "_extra_state") == 0) continue;
-          if (!expected.count(k->s))
-            return Bad(f, fmt::format("tensor {}: not a weight of the GPT model the checkpoint's args describe (stage "
-                                      "{} of {}, {} layer names)",
-                                      k->s, p, sh.pp, te ? "Transformer Engine" : "local"));
+        // Key, decay: the chunks' parameters one chunk after the other (megatron-core's
+        // _get_param_groups walks the model chunks in order).
+        std::vector<std::pair<std::string, bool>> order;
+        for (int64_t v = 0; v < vp; ++v) {
+          const int64_t vs = v * sh.pp + p;
+          std::set<std::string> expected;
+          for (const MegParam* m : StageOrder(params, vs, te)) {
+            order.emplace_back(Key(v, LocalName(*m)), m->decay);
+            expected.insert(LocalName(*m));
+          }
+          if (tied_copy && vs == sh.pp * vp - 1) {
+            order.emplace_back(Key(v, "output_layer.weight"), true);
+            expected.insert("output_layer.weight");
+          }
+          const PyValue* model = rf.models[static_cast<size_t>(v)];
+          const std::string where = vp > 1 ? fmt::format("model{} ", v) : "";
+          for (const auto& [k, val] : model->dict) {
+            if (k->kind != PyValue::Kind::kStr) return Bad(f, "a model key that is not a string");
+            if (k->s.size() >= 12 && k->s.compare(k->s.size() - 12, 12, "_extra_state") == 0) continue;
+            if (!expected.count(k->s))
+              return Bad(
+                  f, fmt::format("{}tensor {}: not a weight of the GPT model the checkpoint's args describe "
+                                 "(stage {} of {}{}, {} layer names)",
+                                 where, k->s, p, sh.pp, vp > 1 ? fmt::format(", chunk {} of {}", v, vp) : std::string(),
+                                 te ? "Transformer Engine" : "local"));
+          }
+          for (const auto& n : expected)
+            if (!model->Get(n)) return Bad(f, fmt::format("{}tensor {}: missing", where, n));
         }
-        for (const auto& n : expected)
-          if (!rf.model->Get(n)) return Bad(f, fmt::format("tensor {}: missing", n));
         PTK_RETURN_IF_ERROR(MapOptimizer(rf, p, order));
       }
     return absl::OkStatus();
@@ -232,10 +260,10 @@ struct Import {
   absl::Status GatherShard(const MegParam& m, int64_t t, const std::vector<int64_t>& full, std::vector<float>& w,
                            std::vector<float>& a, std::vector<float>& b) {
     const int64_t tp = sh.tp, rows = full[0], cols = full.size() > 1 ? full[1] : 1;
-    const std::string name = LocalName(m);
-    RankFile& rf = sh.files[static_cast<size_t>(t)][static_cast<size_t>(m.stage)];
+    const std::string local = LocalName(m), name = Key(Chunk(m), local);
+    RankFile& rf = sh.files[static_cast<size_t>(t)][static_cast<size_t>(Rank(m))];
     const std::string& f = rf.reader->path();
-    const PyValue* tv = rf.model->Get(name);
+    const PyValue* tv = rf.models[static_cast<size_t>(Chunk(m))]->Get(local);
     if (!tv || tv->kind != PyValue::Kind::kTensor) return Bad(f, fmt::format("tensor {}: not a tensor", name));
     std::vector<int64_t> want = full;
     if (m.split >= 0) want[static_cast<size_t>(m.split)] /= tp;
@@ -366,8 +394,6 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   s.source = first.reader->path();
   const PyValue& root = first.reader->root();
   if (root.kind != PyValue::Kind::kDict) return Bad(s.source, "the pickle is not a dict: not a Megatron checkpoint");
-  if (root.Get("model0"))
-    return Bad(s.source, "virtual pipeline stages (model0, model1, ...): ptk reads one model chunk");
   Import im(o, s, sh);
   im.args = root.Get("args");
   if (!im.args || im.args->kind != PyValue::Kind::kObject)
@@ -382,23 +408,64 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   if ((tp_arg && static_cast<int64_t>(*tp_arg) != sh.tp) || (pp_arg && static_cast<int64_t>(*pp_arg) != sh.pp))
     return Bad(s.source, fmt::format("args say tensor x pipeline parallel {} x {}, the directory holds {} x {} shards",
                                      tp_arg.value_or(1), pp_arg.value_or(1), sh.tp, sh.pp));
+  // An interleaved run's chunks (Megatron's save_checkpoint: model0, model1, ... with
+  // args.virtual_pipeline_model_parallel_size): chunk v of stage p is virtual stage v * pp + p, its
+  // layers numbered from 0 (megatron-core's get_transformer_layer_offset: v * L / V + p * L / (P * V)).
+  if (root.Get("model0")) {
+    while (root.Get(fmt::format("model{}", im.vp))) ++im.vp;
+    const auto vp_arg = NumAttr(im.args, "virtual_pipeline_model_parallel_size");
+    if (!vp_arg || static_cast<int64_t>(*vp_arg) < im.vp)
+      return Bad(s.source, fmt::format("model0..model{}, args.virtual_pipeline_model_parallel_size {}", im.vp - 1,
+                                       vp_arg ? fmt::format("{}", *vp_arg) : "absent"));
+    if (static_cast<int64_t>(*vp_arg) > im.vp)
+      return Bad(s.source, fmt::format("model{}: missing (args.virtual_pipeline_model_parallel_size {})", im.vp,
+                                       static_cast<int64_t>(*vp_arg)));
+    if (s.config.num_layers % (sh.pp * im.vp) != 0)
+      return Bad(s.source, fmt::format("{} layers do not divide into {} pipeline stages x {} model chunks",
+                                       s.config.num_layers, sh.pp, im.vp));
+    if (auto n = NumAttr(im.args, "num_layers_per_virtual_pipeline_stage");
+        n && static_cast<int64_t>(*n) != s.config.num_layers / (sh.pp * im.vp))
+      return Bad(s.source,
+                 fmt::format("args.num_layers_per_virtual_pipeline_stage {}: {} layers over {} stages x {} chunks "
+                             "are {} a chunk",
+                             *n, s.config.num_layers, sh.pp, im.vp, s.config.num_layers / (sh.pp * im.vp)));
+  } else if (auto vp_arg = NumAttr(im.args, "virtual_pipeline_model_parallel_size"); vp_arg && *vp_arg > 1) {
+    return Bad(s.source, fmt::format("args.virtual_pipeline_model_parallel_size {} but no model0, model1, ...: "
+                                     "the chunks' state dicts are missing",
+                                     *vp_arg));
+  }
   PTK_ASSIGN_OR_RETURN(im.layout, ParamLayout::Create(s.config));
-  PTK_ASSIGN_OR_RETURN(im.params, MegParams(*im.layout, sh.pp));
+  PTK_ASSIGN_OR_RETURN(im.params, MegParams(*im.layout, sh.pp * im.vp));
 
-  // The layer spec: Transformer Engine's fused LayerNorm names or the local ones.
+  // Every file holds the same chunks; the layer spec: Transformer Engine's fused LayerNorm names or
+  // the local ones.
   for (auto& row : sh.files)
     for (RankFile& rf : row) {
-      rf.model = rf.reader->root().Get("model");
-      if (!rf.model || rf.model->kind != PyValue::Kind::kDict) return Bad(rf.reader->path(), "no model state dict");
+      const PyValue& r = rf.reader->root();
+      if (r.kind != PyValue::Kind::kDict) return Bad(rf.reader->path(), "the pickle is not a dict");
+      for (int64_t v = 0; v < im.vp; ++v) {
+        const std::string key = im.vp > 1 ? fmt::format("model{}", v) : "model";
+        const PyValue* m = r.Get(key);
+        if (!m || m->kind != PyValue::Kind::kDict)
+          return Bad(
+              rf.reader->path(),
+              fmt::format("no {} state dict{}", key,
+                          im.vp > 1 ? fmt::format(" (the first file has model0..model{})", im.vp - 1) : std::string()));
+        rf.models.push_back(m);
+      }
+      if (r.Get(fmt::format("model{}", im.vp)) || (im.vp > 1 && r.Get("model")))
+        return Bad(rf.reader->path(), fmt::format("its model chunks differ from the first file's ({})",
+                                                  im.vp > 1 ? fmt::format("model0..model{}", im.vp - 1) : "model"));
     }
-  im.te = sh.files[0][0].model->Get("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") != nullptr;
-  im.tied_copy = !s.config.untie_embeddings_and_output_weights && sh.pp > 1;
+  im.te = sh.files[0][0].models[0]->Get("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") != nullptr;
+  im.tied_copy = !s.config.untie_embeddings_and_output_weights && sh.pp * im.vp > 1;
   PTK_RETURN_IF_ERROR(im.CheckRanks());
   PTK_RETURN_IF_ERROR(im.Gather());
   im.Notes();
   PTK_RETURN_IF_ERROR(SaveImported(o, im.args, root, first.reader.get(), *im.layout, im.model.divisible, im.adam_step,
                                    im.weights, im.m1, im.m2, &s));
-  s.notes.push_back(fmt::format("read {} tensor- x {} pipeline-parallel shards ({} layer names){}", sh.tp, sh.pp,
+  s.notes.push_back(fmt::format("read {} tensor- x {} pipeline-parallel shards{} ({} layer names){}", sh.tp, sh.pp,
+                                im.vp > 1 ? fmt::format(" of {} model chunks each (interleaved)", im.vp) : "",
                                 im.te ? "Transformer Engine" : "local",
                                 im.have_moments ? ", with the AdamW moments" : ""));
   return s;

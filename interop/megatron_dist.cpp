@@ -91,7 +91,9 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
     return bad(common, "no args (an argparse.Namespace): not a Megatron training checkpoint");
   if (const PyValue* it = root.Get("iteration"); it && it->IsInt()) s.iteration = it->i;
   if (auto vp = NumAttr(args, "virtual_pipeline_model_parallel_size"); vp && *vp > 1)
-    return bad(common, "virtual pipeline stages (model0, model1, ...): ptk reads one model chunk");
+    return bad(common,
+               "virtual pipeline stages (an interleaved run's model chunks) in torch_dist: ptk reads them in "
+               "Megatron's torch format only (--ckpt-format torch)");
   const int64_t saved_tp = static_cast<int64_t>(NumAttr(args, "tensor_model_parallel_size").value_or(1));
   PTK_ASSIGN_OR_RETURN(MegatronModel model, ModelFromArgs(args, common, o, saved_tp));
   s.config = model.config;

@@ -78,7 +78,7 @@ Hyper HyperOf(const TrainState& state) {
 
 // The args Namespace: what Megatron's load checks (check_checkpoint_args) and its converter reads.
 PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState& state, const Hyper& h, int64_t vm,
-                   const std::string& precision) {
+                   const std::string& precision, int64_t vp) {
   const int64_t tp = o.target_tensor_parallel_size, pp = o.target_pipeline_parallel_size;
   PyRef ns_attrs = torchfmt::MakeDict();
   PyValue* a = ns_attrs.get();
@@ -124,7 +124,13 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_s("tokenizer_type", "GPT2BPETokenizer");
   set_i("tensor_model_parallel_size", tp);
   set_i("pipeline_model_parallel_size", pp);
-  set_none("virtual_pipeline_model_parallel_size");
+  if (vp > 1) {  // as Megatron's arguments.py derives it from --num-layers-per-virtual-pipeline-stage
+    set_i("virtual_pipeline_model_parallel_size", vp);
+    set_i("num_layers_per_virtual_pipeline_stage", o.target_num_layers_per_virtual_pipeline_stage);
+  } else {
+    set_none("virtual_pipeline_model_parallel_size");
+    set_none("num_layers_per_virtual_pipeline_stage");
+  }
   set_b("sequence_parallel", false);
   set_i("data_parallel_size", 1);
   set_i("world_size", tp * pp);
@@ -208,6 +214,7 @@ struct Pending {
   std::vector<int64_t> shape;
   bool decay;
   std::string name;
+  int64_t chunk = 0;  // the model chunk (modelN) of an interleaved run
 };
 
 // Writes the ptk checkpoint as Megatron's shards (mp_rank_TT[_PPP]/model_optim_rng.pt).
@@ -223,6 +230,7 @@ struct Export {
   const std::vector<float>& m2;
   std::vector<MegParam> mparams;
   int64_t tp = 1, pp = 1, vm = 0;  // vm: the vocabulary padded for tp ranks
+  int64_t vp = 1;                  // model chunks per rank: mparams' stage is v * pp + p
   bool te = false, tied_copy = false, with_moments = false, mixed = false;
   std::string precision;
   DType model_dtype = DType::kFloat32;
@@ -251,12 +259,14 @@ struct Export {
     return out;
   }
 
-  // The parameters of stage p in Megatron's order (named_parameters), with the last stage's copy
-  // of a tied embedding.
+  // The parameters of stage p in Megatron's order (named_parameters, chunk after chunk), with the
+  // last (virtual) stage's copy of a tied embedding.
   std::vector<Pending> StageShards(int64_t t, int64_t p) const {
     std::vector<Pending> pend;
+    int64_t chunk = 0;
     auto add = [&](const MegParam& m, const std::string& name) {
       Pending pd;
+      pd.chunk = chunk;
       pd.name = name;
       pd.shape = ShardShape(m, vm, tp);
       pd.w = ShardOf(m, params, true, t);
@@ -268,8 +278,11 @@ struct Export {
     const MegParam* wte = nullptr;
     for (const MegParam& m : mparams)
       if (m.info->name == "embedding.word_embeddings.weight") wte = &m;
-    for (const MegParam* m : StageOrder(mparams, p, te)) add(*m, te ? m->te_name : m->local_name);
-    if (tied_copy && p == pp - 1) add(*wte, "output_layer.weight");
+    for (chunk = 0; chunk < vp; ++chunk) {
+      const int64_t vs = chunk * pp + p;
+      for (const MegParam* m : StageOrder(mparams, vs, te)) add(*m, te ? m->te_name : m->local_name);
+      if (tied_copy && vs == pp * vp - 1) add(*wte, "output_layer.weight");
+    }
     return pend;
   }
 
@@ -290,7 +303,9 @@ struct Export {
       if (pend[i].decay) ids[i] = next++;
     for (size_t i = 0; i < pend.size(); ++i)
       if (!pend[i].decay) ids[i] = next++;
-    PyRef model = torchfmt::MakeDict();
+    std::vector<PyRef> models;  // "model", or one per chunk
+    for (int64_t v = 0; v < vp; ++v) models.push_back(torchfmt::MakeDict());
+    PyRef model = models[0];
     auto extra = [&](const std::string& module) {
       torchfmt::DictSet(model.get(), module + "._extra_state", torchfmt::MakeNone());
     };
@@ -299,6 +314,7 @@ struct Export {
     std::vector<std::pair<int64_t, PyRef>> by_id;        // AdamW's state, by index
     for (size_t i = 0; i < pend.size(); ++i) {
       Pending& pd = pend[i];
+      model = models[static_cast<size_t>(pd.chunk)];
       torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape, model_dtype));
       if (mixed) (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
       std::vector<float>().swap(pd.w);  // the blob holds the bytes now
@@ -324,7 +340,7 @@ struct Export {
         by_id.emplace_back(ids[i], entry);
       }
     }
-    if (p == pp - 1 && !c.untie_embeddings_and_output_weights && pp == 1) extra("output_layer");
+    if (p == pp - 1 && !c.untie_embeddings_and_output_weights && pp * vp == 1) extra("output_layer");
     std::sort(by_id.begin(), by_id.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
     PyRef adam_state = torchfmt::MakeDict();
     for (auto& [id, entry] : by_id) torchfmt::DictSet(adam_state.get(), torchfmt::MakeInt(id), entry);
@@ -353,7 +369,11 @@ struct Export {
     torchfmt::DictSet(r, "args", args);
     torchfmt::DictSet(r, "checkpoint_version", torchfmt::MakeFloat(3.0));
     torchfmt::DictSet(r, "iteration", torchfmt::MakeInt(state.iteration));
-    torchfmt::DictSet(r, "model", model);
+    if (vp == 1) {
+      torchfmt::DictSet(r, "model", models[0]);
+    } else {  // Megatron's save_checkpoint: state_dict["model%d" % i] per model chunk
+      for (int64_t v = 0; v < vp; ++v) torchfmt::DictSet(r, fmt::format("model{}", v), models[static_cast<size_t>(v)]);
+    }
     torchfmt::DictSet(r, "optimizer", optimizer);
     torchfmt::DictSet(r, "opt_param_scheduler", sched);
     torchfmt::DictSet(r, "num_floating_point_operations_so_far", torchfmt::MakeInt(0));
@@ -413,13 +433,32 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
     return UsageError(
         fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}", tp,
                     c.num_attention_heads, c.query_groups(), c.ffn_hidden_size));
+  int64_t vp = 1;
+  if (const int64_t n = o.target_num_layers_per_virtual_pipeline_stage; n > 0) {
+    // Megatron's checks (arguments.py): pipeline parallelism, and chunks that divide each stage's layers.
+    if (pp < 2)
+      return UsageError(
+          fmt::format("--target-num-layers-per-virtual-pipeline-stage {}: the interleaved schedule needs "
+                      "--target-pipeline-parallel-size 2 or more",
+                      n));
+    if (c.num_layers % pp != 0 || (c.num_layers / pp) % n != 0)
+      return UsageError(
+          fmt::format("--target-num-layers-per-virtual-pipeline-stage {} does not divide the {} layers "
+                      "of each of {} pipeline stages ({} layers)",
+                      n, c.num_layers / pp, pp, c.num_layers));
+    vp = c.num_layers / pp / n;
+  }
   Export ex(o, c, state, params, m1, m2);
   ex.tp = tp;
   ex.pp = pp;
+  ex.vp = vp;
   ex.vm = PaddedVocabSize(c.vocab_size, o.make_vocab_size_divisible_by * tp);
-  PTK_ASSIGN_OR_RETURN(ex.mparams, MegParams(layout, pp));
+  if (c.num_layers % pp != 0)
+    return UsageError(
+        fmt::format("--target-pipeline-parallel-size {} does not divide the model's {} layers", pp, c.num_layers));
+  PTK_ASSIGN_OR_RETURN(ex.mparams, MegParams(layout, pp * vp));
   ex.te = o.saver_transformer_impl == "transformer_engine";
-  ex.tied_copy = !c.untie_embeddings_and_output_weights && pp > 1;
+  ex.tied_copy = !c.untie_embeddings_and_output_weights && pp * vp > 1;
   ex.with_moments = state.adam_step > 0;
   // As the saving run trained: fp32, or bf16/fp16 model weights with the fp32 masters in the optimizer.
   ex.precision = SettingStr(state, "--bf16/--fp16", "fp32");
@@ -428,7 +467,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
                    : ex.precision == "fp16" ? DType::kFloat16
                                             : DType::kFloat32;
   ex.h = HyperOf(state);
-  ex.args = MegatronArgs(o, c, state, ex.h, ex.vm, ex.precision);
+  ex.args = MegatronArgs(o, c, state, ex.h, ex.vm, ex.precision, vp);
   ex.sched = SchedulerState(state, ex.h);
 
   // The iteration's directory, written aside and renamed into place.
@@ -452,10 +491,14 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
                     "ranks, as Megatron pads it) with copies of the last token's row",
                     c.padded_vocab_size, ex.vm, o.make_vocab_size_divisible_by, tp));
   s.notes.push_back(fmt::format(
-      "wrote {} tensor- x {} pipeline-parallel shards ({} layer names) as a{} run with Megatron's plain optimizer "
+      "wrote {} tensor- x {} pipeline-parallel shards{} ({} layer names) as a{} run with Megatron's plain optimizer "
       "saves them{}; no rng_state (ptk's generators are not PyTorch's): Megatron loads it with --ckpt-format torch "
       "--no-load-rng{}",
-      tp, pp, ex.te ? "Transformer Engine" : "local",
+      tp, pp,
+      vp > 1 ? fmt::format(" of {} model chunks each (--num-layers-per-virtual-pipeline-stage {})", vp,
+                           o.target_num_layers_per_virtual_pipeline_stage)
+             : "",
+      ex.te ? "Transformer Engine" : "local",
       ex.mixed ? fmt::format(" --{} (fp32 masters in the optimizer)", ex.precision) : "n fp32",
       ex.with_moments ? ", AdamW moments included" : ", no AdamW step yet",
       ex.mixed ? fmt::format(" --{}", ex.precision) : ""));

@@ -50,6 +50,10 @@ int main(int argc, char** argv) {
   app->add_option("--target-pipeline-parallel-size", o.target_pipeline_parallel_size,
                   "--saver megatron: the pipeline-parallel size to split into (1); other savers: must be 1")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  app->add_option("--target-num-layers-per-virtual-pipeline-stage", o.target_num_layers_per_virtual_pipeline_stage,
+                  "--saver megatron: write an interleaved run's model chunks (model0, model1, ...) of this many "
+                  "layers each, as Megatron's --num-layers-per-virtual-pipeline-stage (default: no chunks)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app->add_option("--saver-transformer-impl", o.saver_transformer_impl,
                   "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
                   "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
@@ -75,6 +79,11 @@ int main(int argc, char** argv) {
           "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
           "checkpoint ({} output is whole)",
           o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
+    if (o.saver != "megatron" && o.target_num_layers_per_virtual_pipeline_stage != 0)
+      return ptk::UsageError(fmt::format(
+          "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
+          "is whole)",
+          o.target_num_layers_per_virtual_pipeline_stage, o.saver));
     if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
         !(o.loader == "hf" && o.saver == "ptk"))
       return ptk::UsageError(

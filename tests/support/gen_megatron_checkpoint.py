@@ -12,7 +12,7 @@ with the fp32 masters, and --fp16's loss scaler), opt_param_scheduler and rng_st
 Beside it, <out>/reference.pt holds the merged full tensors (weights: fp32 masters; exp_avg,
 exp_avg_sq) under ptk's (local) names, for the test to compare against.
 
-Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--impl transformer_engine|local] [--bf16|--fp16]
+Usage: gen_megatron_checkpoint.py OUT --tp T --pp P [--vp V] [--impl transformer_engine|local] [--bf16|--fp16]
        [--untie] [--layers L] [--hidden H] [--heads N] [--vocab V] [--iteration I]
 """
 import argparse
@@ -120,6 +120,9 @@ def main():
                          "save_parameter_state writes (the fp32 params and moments in grad-buffer order)")
     ap.add_argument("--ddp-bucket-size", type=int, default=None,
                     help="--ddp-bucket-size of the run (with --overlap-grad-reduce): several buckets")
+    ap.add_argument("--vp", type=int, default=1,
+                    help="virtual pipeline stages (the interleaved schedule): each rank file holds model0, model1, "
+                         "...; chunk v of stage p is virtual stage v*pp + p, its layers numbered from 0")
     ap.add_argument("--untie", action="store_true")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
@@ -162,7 +165,9 @@ def main():
             full[n] += 1.0
     grads = [{n: torch.randn(shapes[n], generator=gen) for n, _ in names} for _ in range(2)]
     split = dict(names)
-    per_stage = a.layers // pp
+    vpp = a.vp
+    assert not (vpp > 1 and a.distributed_optimizer), "--vp with --distributed-optimizer is not generated"
+    per_stage = a.layers // (pp * vpp)  # layers per (virtual) stage
 
     def shard(t, s, rank):
         if s is None:
@@ -178,7 +183,8 @@ def main():
         attention_dropout=0.1, init_method_std=0.02, vocab_size=a.vocab, padded_vocab_size=vp,
         make_vocab_size_divisible_by=a.divisible, tokenizer_type="NullTokenizer",
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None, transformer_impl=a.impl, ckpt_format="torch",
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=per_stage if vpp > 1 else None, transformer_impl=a.impl, ckpt_format="torch",
         use_distributed_optimizer=a.distributed_optimizer, fp16=a.fp16, bf16=a.bf16,
         params_dtype=torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32, micro_batch_size=2, global_batch_size=8,
         consumed_train_samples=8 * a.iteration, consumed_valid_samples=16, seed=1234, lr=3e-4,
@@ -193,27 +199,33 @@ def main():
     reference = {"weight": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for p in range(pp):
         first, last = p == 0, p == pp - 1
-        stage = []  # (global name, local name) in named_parameters order
-        for n, _ in names:
-            if n.startswith("embedding."):
-                if first:
-                    stage.append((n, n))
-            elif n.startswith("decoder.layers."):
-                layer = int(n.split(".")[2])
-                if layer // per_stage == p:
-                    rest = n.split(".", 3)[3]
-                    loc = f"decoder.layers.{layer - p * per_stage}."
-                    stage.append((n, loc + (TE_NAMES.get(rest, rest) if a.impl == "transformer_engine" else rest)))
-            elif last:
-                stage.append((n, n))
-        if last and not a.untie and pp > 1:
-            stage.append(("embedding.word_embeddings.weight", "output_layer.weight"))
+        # (chunk, global name, local name) in named_parameters order, chunk after chunk (the order
+        # megatron-core's _get_param_groups walks the model chunks in).
+        stage = []
+        for v in range(vpp):
+            vs = v * pp + p  # the virtual stage: Megatron's offset v * (L / V) + p * (L / (P * V))
+            vfirst, vlast = vs == 0, vs == pp * vpp - 1
+            for n, _ in names:
+                if n.startswith("embedding."):
+                    if vfirst:
+                        stage.append((v, n, n))
+                elif n.startswith("decoder.layers."):
+                    layer = int(n.split(".")[2])
+                    if layer // per_stage == vs:
+                        rest = n.split(".", 3)[3]
+                        loc = f"decoder.layers.{layer - vs * per_stage}."
+                        stage.append((v, n, loc + (TE_NAMES.get(rest, rest) if a.impl == "transformer_engine"
+                                                   else rest)))
+                elif vlast:
+                    stage.append((v, n, n))
+            if vlast and not a.untie and pp * vpp > 1:
+                stage.append((v, "embedding.word_embeddings.weight", "output_layer.weight"))
         for t in range(tp):
             params = collections.OrderedDict()
-            for gname, lname in stage:
-                params[lname] = torch.nn.Parameter(shard(full[gname], split.get(gname, 0), t))
-            decay = [params[l] for g, l in stage if params[l].dim() > 1]
-            no_decay = [params[l] for g, l in stage if params[l].dim() == 1]
+            for v, gname, lname in stage:
+                params[v, lname] = torch.nn.Parameter(shard(full[gname], split.get(gname, 0), t))
+            decay = [params[v, l] for v, g, l in stage if params[v, l].dim() > 1]
+            no_decay = [params[v, l] for v, g, l in stage if params[v, l].dim() == 1]
             groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
                        "is_decoupled_lr": False, "default_config": True, "max_lr": 3e-4, "min_lr": 3e-5},
                       {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False,
@@ -221,12 +233,13 @@ def main():
             groups = [g for g in groups if g["params"]]
             opt = torch.optim.Adam(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
             for step in range(2):
-                for gname, lname in stage:
-                    params[lname].grad = shard(grads[step][gname], split.get(gname, 0), t)
+                for v, gname, lname in stage:
+                    params[v, lname].grad = shard(grads[step][gname], split.get(gname, 0), t)
                 opt.step()
-            model = collections.OrderedDict()
-            for gname, lname in stage:
-                w = params[lname].detach()
+            models = [collections.OrderedDict() for _ in range(vpp)]
+            for v, gname, lname in stage:
+                model = models[v]
+                w = params[v, lname].detach()
                 model[lname] = w.to(torch.bfloat16) if a.bf16 else w.to(torch.float16) if a.fp16 else w.clone()
                 for linear in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
                     if lname.endswith(linear + ".bias"):
@@ -241,7 +254,7 @@ def main():
                             extra = torch.empty(0, dtype=torch.uint8)
                         model[lname[: -len(".bias")] + "._extra_state"] = extra
             if last:
-                model["output_layer._extra_state"] = None
+                models[-1]["output_layer._extra_state"] = None
             opt_sd = opt.state_dict()
             if a.distributed_optimizer:
                 inner = {k: v for k, v in opt_sd.items() if k != "state"}
@@ -263,9 +276,14 @@ def main():
             rng_state = [{"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
                           "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.zeros(16, dtype=torch.uint8),
                           "rng_tracker_states": {}}]
-            state_dict = {"args": args, "checkpoint_version": 3.0, "iteration": a.iteration, "model": model,
-                          "optimizer": optimizer, "opt_param_scheduler": sched, "rng_state": rng_state,
-                          "num_floating_point_operations_so_far": 12345}
+            state_dict = {"args": args, "checkpoint_version": 3.0, "iteration": a.iteration}
+            if vpp == 1:
+                state_dict["model"] = models[0]
+            else:  # Megatron's save_checkpoint: one state dict per model chunk
+                for v in range(vpp):
+                    state_dict[f"model{v}"] = models[v]
+            state_dict.update({"optimizer": optimizer, "opt_param_scheduler": sched, "rng_state": rng_state,
+                          "num_floating_point_operations_so_far": 12345})
             rank = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             os.makedirs(os.path.join(iter_dir, rank), exist_ok=True)
             torch.save(state_dict, os.path.join(iter_dir, rank, "model_optim_rng.pt"))
@@ -276,12 +294,12 @@ def main():
                 if pp > 1 and not a.untie:
                     shared = {"embedding.word_embeddings.weight"} if first else {"output_layer.weight"} if last \
                         else set()
-                numels = [(l, params[l].numel()) for g, l in stage]
+                numels = [(l, params[v, l].numel()) for v, g, l in stage]
                 offsets, total = dist_opt_offsets(numels, shared, a.ddp_bucket_size if p == 0 else None)
                 world = {k: torch.zeros(total) for k in ("param", "exp_avg", "exp_avg_sq")}
-                for g, l in stage:
-                    st = opt.state[params[l]]
-                    for k, v in (("param", params[l].detach()), ("exp_avg", st["exp_avg"]),
+                for v_, g, l in stage:
+                    st = opt.state[params[v_, l]]
+                    for k, v in (("param", params[v_, l].detach()), ("exp_avg", st["exp_avg"]),
                                  ("exp_avg_sq", st["exp_avg_sq"])):
                         world[k][offsets[l]:offsets[l] + v.numel()] = v.flatten()
                 world["numel_unpadded"] = total
@@ -289,11 +307,11 @@ def main():
                 torch.save({"buckets_coalesced": True, 0: {(dtype, torch.float32): world}},
                            os.path.join(iter_dir, rank, "distrib_optim.pt"))
             # The merged reference: each rank's piece of every tensor it owns.
-            for gname, lname in stage:
+            for v, gname, lname in stage:
                 if lname == "output_layer.weight" and gname != "output_layer.weight":
                     continue
-                st = opt.state[params[lname]]
-                for key, val in (("weight", params[lname].detach()), ("exp_avg", st["exp_avg"]),
+                st = opt.state[params[v, lname]]
+                for key, val in (("weight", params[v, lname].detach()), ("exp_avg", st["exp_avg"]),
                                  ("exp_avg_sq", st["exp_avg_sq"])):
                     reference[key].setdefault(gname, {})[t] = val.clone()
     merged = {k: {} for k in reference}

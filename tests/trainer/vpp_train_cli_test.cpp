@@ -4,9 +4,10 @@
 // loss lines within 1e-6 relative over 20 iterations and the 1F1B run's printed losses; T = 2 x
 // P = 2 x data 2 with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; checkpoints
 // resume at the same layout with the uninterrupted run's lines character for character, load at
-// P = 2 without chunks and at P = 4, a 1F1B checkpoint loads into the interleaved run, and
-// ptk-convert exports one; Megatron's refusals and ptk's exit 2 in one line; text samples are one
-// rank's through the chunks, TensorBoard and the level-2 timers run; --dry-run plans the layout.
+// P = 2 without chunks and at P = 4, a 1F1B checkpoint loads into the interleaved run, ptk-convert
+// exports one, and through Megatron's interleaved format (model0, model1) the run continues;
+// Megatron's refusals and ptk's exit 2 in one line; text samples are one rank's through the chunks,
+// TensorBoard and the level-2 timers run; --dry-run plans the layout.
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -118,6 +119,36 @@ TEST_F(InterleavedCli, CheckpointsResumeAndLoadAcrossChunkLayouts) {
   EXPECT_NE(out.find("resuming with --num-virtual-stages-per-pipeline-rank 2 (the checkpoint of iteration 10"),
             std::string::npos)
       << out;
+}
+
+// An interleaved run's checkpoint through Megatron's format with its chunks (ptk-convert --saver
+// megatron --target-num-layers-per-virtual-pipeline-stage 1: model0, model1 in each mp_rank file) and
+// back (--loader megatron) resumes as the run itself: the uninterrupted run's log lines, character
+// for character.
+TEST_F(InterleavedCli, ThroughMegatronsInterleavedCheckpointTheRunContinues) {
+  const auto train = [&](const std::string& extra) { return Train(1, 2, std::string(kTwoChunks) + " " + extra); };
+  const std::string full = dir_ / "full", ck = dir_ / "ck", meg = dir_ / "meg", back = dir_ / "back";
+  auto whole = Ranks(2, train("--save " + ShellQuote(full)));
+  ASSERT_NE(whole.output.find(AllZero(2)), std::string::npos) << whole.output << Logs(2);
+  auto first = Ranks(2, train("--exit-interval 10 --save " + ShellQuote(ck)));
+  ASSERT_NE(first.output.find(AllZero(2)), std::string::npos) << first.output << Logs(2);
+  const std::string convert = ptk::testing::Tool("ptk-convert");
+  auto out = RunCmd(convert + " --loader ptk --saver megatron --load-dir " + ShellQuote(ck) + " --save-dir " +
+                    ShellQuote(meg) +
+                    " --target-pipeline-parallel-size 2 --target-num-layers-per-virtual-pipeline-stage 1"
+                    " --make-vocab-size-divisible-by 512");
+  ASSERT_EQ(out.exit_code, 0) << out.output;
+  const std::string rank1 = ptk::testing::ReadFile(dir_ / "meg/iter_0000010/mp_rank_00_001/model_optim_rng.pt");
+  EXPECT_NE(rank1.find("model1"), std::string::npos);
+  auto in = RunCmd(convert + " --loader megatron --saver ptk --load-dir " + ShellQuote(meg) + " --save-dir " +
+                   ShellQuote(back));
+  ASSERT_EQ(in.exit_code, 0) << in.output;
+  EXPECT_NE(in.output.find("of 2 model chunks each (interleaved)"), std::string::npos) << in.output;
+  auto resumed = Ranks(2, train("--load " + ShellQuote(back) + " --save " + ShellQuote(back)));
+  ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output << Logs(2);
+  const auto want = Lines(whole.output), got = Lines(resumed.output);
+  ASSERT_EQ(want.size(), 20u) << whole.output;
+  EXPECT_EQ(got, std::vector<std::string>(want.begin() + 10, want.end())) << resumed.output;
 }
 
 // Text samples run each token's forward through the chunks: one rank's samples; TensorBoard's
