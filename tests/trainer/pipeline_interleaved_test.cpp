@@ -24,6 +24,9 @@
 namespace ptk {
 namespace {
 
+using testing::OneRank;
+using testing::Reference;
+
 GPTConfig Config(int64_t layers) {
   GPTConfig c;
   c.num_layers = layers;
@@ -80,30 +83,6 @@ TEST(InterleavedLayout, ChunksHoldTheirVirtualStagesLayersWithTheWholeModelsInit
   EXPECT_FALSE(ParamLayout::Create(c, 1, 0, Stage(c, 2, 0, 3)).ok());
   PipelineStage one = StageOf({8}, 0, 2);
   EXPECT_FALSE(ParamLayout::Create(c, 1, 0, one).ok());
-}
-
-struct Reference {
-  LossSum loss, eval;
-  std::vector<float> grads;
-};
-Reference OneRank(const GPTConfig& c, const std::vector<ModelBatch>& mbs, const std::vector<double>& scales) {
-  Reference ref;
-  auto m = CpuGPTModel::Create(c);
-  EXPECT_TRUE(m.ok());
-  EXPECT_TRUE((*m)->InitWeights(11).ok());
-  EXPECT_TRUE((*m)->ZeroGrads().ok());
-  for (size_t k = 0; k < mbs.size(); ++k) {
-    auto l = (*m)->ForwardBackward(mbs[k], scales[k], true, 99);
-    EXPECT_TRUE(l.ok()) << l.status();
-    ref.loss.loss_sum += l->loss_sum;
-    ref.loss.tokens += l->tokens;
-  }
-  ref.grads.resize(static_cast<size_t>((*m)->num_params()));
-  EXPECT_TRUE((*m)->ReadGrads(ref.grads).ok());
-  auto e = (*m)->Forward(mbs[0]);
-  EXPECT_TRUE(e.ok());
-  ref.eval = *e;
-  return ref;
 }
 
 void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batches = 8) {

@@ -35,6 +35,9 @@
 namespace ptk {
 namespace {
 
+using testing::OneRank;
+using testing::Reference;
+
 GPTConfig Config(bool untied = false) {
   GPTConfig c;
   c.num_layers = 4;
@@ -364,31 +367,6 @@ TEST(PipelineSchedule, AFailedScheduleLeavesNoLossBehind) {
     });
   EXPECT_GT(fresh[1], 0.0);
   EXPECT_EQ(after, fresh);
-}
-
-// One rank's loss and gradients over the micro-batches, as TrainStep would scale them.
-struct Reference {
-  LossSum loss, eval;
-  std::vector<float> grads;
-};
-Reference OneRank(const GPTConfig& c, const std::vector<ModelBatch>& mbs, const std::vector<double>& scales) {
-  Reference ref;
-  auto m = CpuGPTModel::Create(c);
-  EXPECT_TRUE(m.ok());
-  EXPECT_TRUE((*m)->InitWeights(11).ok());
-  EXPECT_TRUE((*m)->ZeroGrads().ok());
-  for (size_t k = 0; k < mbs.size(); ++k) {
-    auto l = (*m)->ForwardBackward(mbs[k], scales[k], true, 99);
-    EXPECT_TRUE(l.ok()) << l.status();
-    ref.loss.loss_sum += l->loss_sum;
-    ref.loss.tokens += l->tokens;
-  }
-  ref.grads.resize(static_cast<size_t>((*m)->num_params()));
-  EXPECT_TRUE((*m)->ReadGrads(ref.grads).ok());
-  auto e = (*m)->Forward(mbs[0]);
-  EXPECT_TRUE(e.ok());
-  ref.eval = *e;
-  return ref;
 }
 
 void CheckPipelineGivesOneRank(int P, bool untied) {

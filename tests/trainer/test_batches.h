@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
 
 namespace ptk::testing {
@@ -41,5 +44,30 @@ struct Batches {
     return v;
   }
 };
+
+// One rank's loss and gradients over the micro-batches, as TrainStep would scale them.
+struct Reference {
+  LossSum loss, eval;
+  std::vector<float> grads;
+};
+inline Reference OneRank(const GPTConfig& c, const std::vector<ModelBatch>& mbs, const std::vector<double>& scales) {
+  Reference ref;
+  auto m = CpuGPTModel::Create(c);
+  EXPECT_TRUE(m.ok());
+  EXPECT_TRUE((*m)->InitWeights(11).ok());
+  EXPECT_TRUE((*m)->ZeroGrads().ok());
+  for (size_t k = 0; k < mbs.size(); ++k) {
+    auto l = (*m)->ForwardBackward(mbs[k], scales[k], true, 99);
+    EXPECT_TRUE(l.ok()) << l.status();
+    ref.loss.loss_sum += l->loss_sum;
+    ref.loss.tokens += l->tokens;
+  }
+  ref.grads.resize(static_cast<size_t>((*m)->num_params()));
+  EXPECT_TRUE((*m)->ReadGrads(ref.grads).ok());
+  auto e = (*m)->Forward(mbs[0]);
+  EXPECT_TRUE(e.ok());
+  ref.eval = *e;
+  return ref;
+}
 
 }  // namespace ptk::testing

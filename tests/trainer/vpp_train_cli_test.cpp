@@ -24,36 +24,7 @@ namespace {
 using ptk::testing::RunCmd;
 using ptk::testing::ShellQuote;
 
-class InterleavedCli : public testing::RanksTest {
- protected:
-  // The documents' ids are below 1000 (WriteLearnableDataset), their EOD the small vocabulary's.
-  InterleavedCli() : RanksTest(testing::kSmallVocabEod) {}
-  // 4 layers; global batch 8 of micro-batches of 1 (8 micro-batches a step on one data rank);
-  // dropout on (Megatron's defaults). GPT-2's tokenizer cut to a vocabulary of 1000 (SmallVocabFlags): the
-  // output layer of 50257 made the runs many times slower and checks nothing more about the stages.
-  // It is padded to 1024 at every T.
-  std::string Train(int T, int P, const std::string& extra, int64_t iters = 20) {
-    return ptk::testing::Tool("ptk-train") +
-           " --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 " +
-           testing::SmallVocabFlags() +
-           " --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2"
-           " --weight-decay 0.1 --split 98,2,0 --eval-interval 10 --eval-iters 1 --log-interval 1 --threads 1"
-           " --tensor-model-parallel-size " +
-           std::to_string(T) + " --pipeline-model-parallel-size " + std::to_string(P) +
-           " --make-vocab-size-divisible-by " + std::to_string(512 / T) + " --data-path " + ShellQuote(prefix_) +
-           " --data-cache-path " + ShellQuote(dir_ / "cache") + " --train-iters " + std::to_string(iters) + " " + extra;
-  }
-  // The one-rank run every test compares with.
-  const std::string& OneRank() {
-    static std::string out;
-    if (out.empty()) {
-      auto r = RunCmd(Train(1, 1, ""));
-      EXPECT_EQ(r.exit_code, 0) << r.output;
-      out = r.output;
-    }
-    return out;
-  }
-};
+class InterleavedCli : public testing::PipelineCliTest {};
 
 constexpr const char* kTwoChunks = "--num-layers-per-virtual-pipeline-stage 1";  // 4 layers, P = 2: V = 2
 
