@@ -77,37 +77,10 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
                                              },
                                              1)
                                        : "null";
-  if (c.qk_layernorm)  // Qwen3Config's keys: no mlp_bias (its MLP is bias-free), no pretraining_tp
-    return PrettyConfig({
-        {"architectures", "[\n    \"Qwen3ForCausalLM\"\n  ]"},
-        {"attention_bias", Bool(false)},
-        {"attention_dropout", Num(c.attention_dropout)},
-        {"bos_token_id", Int(eod)},
-        {"eos_token_id", Int(eod)},
-        {"head_dim", Int(c.head_dim())},
-        {"hidden_act", Str("silu")},
-        {"hidden_size", Int(c.hidden_size)},
-        {"initializer_range", Num(c.init_method_std)},
-        {"intermediate_size", Int(c.ffn_hidden_size)},
-        {"max_position_embeddings", Int(c.max_position_embeddings)},
-        {"max_window_layers", Int(c.num_layers)},
-        {"model_type", Str("qwen3")},
-        {"num_attention_heads", Int(c.num_attention_heads)},
-        {"num_hidden_layers", Int(c.num_layers)},
-        {"num_key_value_heads", Int(c.query_groups())},
-        {"rms_norm_eps", Num(c.layernorm_epsilon)},
-        {"rope_scaling", rope_scaling},
-        {"rope_theta", Num(c.rotary_base)},
-        {"sliding_window", "null"},
-        {"tie_word_embeddings", Bool(!c.untie_embeddings_and_output_weights)},
-        {"torch_dtype", Str("float32")},
-        {"use_cache", Bool(true)},
-        {"use_sliding_window", Bool(false)},
-        {"vocab_size", Int(c.vocab_size)},
-    });
-  return PrettyConfig({
-      {"architectures", "[\n    \"LlamaForCausalLM\"\n  ]"},
-      {"attention_bias", Bool(c.add_bias_linear)},
+  const bool qwen3 = c.qk_layernorm;
+  std::vector<std::pair<std::string, std::string>> fields = {
+      {"architectures", qwen3 ? "[\n    \"Qwen3ForCausalLM\"\n  ]" : "[\n    \"LlamaForCausalLM\"\n  ]"},
+      {"attention_bias", Bool(!qwen3 && c.add_bias_linear)},
       {"attention_dropout", Num(c.attention_dropout)},
       {"bos_token_id", Int(eod)},
       {"eos_token_id", Int(eod)},
@@ -117,12 +90,10 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
       {"initializer_range", Num(c.init_method_std)},
       {"intermediate_size", Int(c.ffn_hidden_size)},
       {"max_position_embeddings", Int(c.max_position_embeddings)},
-      {"mlp_bias", Bool(c.add_bias_linear)},
-      {"model_type", Str("llama")},
+      {"model_type", Str(qwen3 ? "qwen3" : "llama")},
       {"num_attention_heads", Int(c.num_attention_heads)},
       {"num_hidden_layers", Int(c.num_layers)},
       {"num_key_value_heads", Int(c.query_groups())},
-      {"pretraining_tp", Int(1)},
       {"rms_norm_eps", Num(c.layernorm_epsilon)},
       {"rope_scaling", rope_scaling},
       {"rope_theta", Num(c.rotary_base)},
@@ -130,7 +101,15 @@ std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
       {"torch_dtype", Str("float32")},
       {"use_cache", Bool(true)},
       {"vocab_size", Int(c.vocab_size)},
-  });
+  };
+  if (qwen3) {  // Qwen3Config's keys: no mlp_bias (its MLP is bias-free), no pretraining_tp
+    fields.insert(
+        fields.end(),
+        {{"max_window_layers", Int(c.num_layers)}, {"sliding_window", "null"}, {"use_sliding_window", Bool(false)}});
+  } else {
+    fields.insert(fields.end(), {{"mlp_bias", Bool(c.add_bias_linear)}, {"pretraining_tp", Int(1)}});
+  }
+  return PrettyConfig(std::move(fields));  // sorted by key
 }
 
 std::vector<HfTensor> LlamaTensorsOf(const GPTConfig& c) {
