@@ -84,49 +84,32 @@ absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
 // Megatron's validate_args: the schedule's lengths in the unit of the run, and one warm-up.
 absl::Status CheckScheduleUnits(const TrainOptions& o) {
   const ScheduleOptions& so = o.schedule_options;
-  if (o.train_iters > 0) {
-    if (so.lr_decay_samples > 0)
-      return UsageError(
-          fmt::format("--lr-decay-samples {}: with --train-iters the decay is in iterations "
-                      "(--lr-decay-iters), as Megatron requires",
-                      so.lr_decay_samples));
-    if (so.lr_warmup_samples > 0)
-      return UsageError(
-          fmt::format("--lr-warmup-samples {}: with --train-iters the warm-up is in iterations "
-                      "(--lr-warmup-iters), as Megatron requires",
-                      so.lr_warmup_samples));
-    if (so.lr_warmup_fraction && so.lr_warmup_iters > 0)
-      return UsageError(
-          fmt::format("--lr-warmup-fraction {} and --lr-warmup-iters {}: give one of them, as Megatron "
-                      "requires",
-                      *so.lr_warmup_fraction, so.lr_warmup_iters));
-    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_iters == 0 && so.lr_wsd_decay_samples > 0)
-      return UsageError(
-          fmt::format("--lr-wsd-decay-samples {}: with --train-iters the WSD anneal is in iterations "
-                      "(--lr-wsd-decay-iters)",
-                      so.lr_wsd_decay_samples));
-  } else {
-    if (so.lr_decay_iters > 0)
-      return UsageError(
-          fmt::format("--lr-decay-iters {}: with --train-samples the decay is in samples "
-                      "(--lr-decay-samples), as Megatron requires",
-                      so.lr_decay_iters));
-    if (so.lr_warmup_iters > 0)
-      return UsageError(
-          fmt::format("--lr-warmup-iters {}: with --train-samples the warm-up is in samples "
-                      "(--lr-warmup-samples), as Megatron requires",
-                      so.lr_warmup_iters));
-    if (so.lr_warmup_fraction && so.lr_warmup_samples > 0)
-      return UsageError(
-          fmt::format("--lr-warmup-fraction {} and --lr-warmup-samples {}: give one of them, as Megatron "
-                      "requires",
-                      *so.lr_warmup_fraction, so.lr_warmup_samples));
-    if (o.schedule.decay_style == "WSD" && so.lr_wsd_decay_samples == 0 && so.lr_wsd_decay_iters > 0)
-      return UsageError(
-          fmt::format("--lr-wsd-decay-iters {}: with --train-samples the WSD anneal is in samples "
-                      "(--lr-wsd-decay-samples)",
-                      so.lr_wsd_decay_iters));
-  }
+  struct Lengths {  // the decay, the warm-up and WSD's anneal in one unit
+    int64_t decay, warmup, wsd;
+  };
+  const Lengths in_iters{so.lr_decay_iters, so.lr_warmup_iters, so.lr_wsd_decay_iters},
+      in_samples{so.lr_decay_samples, so.lr_warmup_samples, so.lr_wsd_decay_samples};
+  const bool iters = o.train_iters > 0;
+  const Lengths& own = iters ? in_iters : in_samples;
+  const Lengths& other = iters ? in_samples : in_iters;
+  const char* own_unit = iters ? "iters" : "samples";
+  const char* other_unit = iters ? "samples" : "iters";
+  const char* run = iters ? "--train-iters" : "--train-samples";
+  const char* words = iters ? "iterations" : "samples";
+  if (other.decay > 0)
+    return UsageError(fmt::format("--lr-decay-{} {}: with {} the decay is in {} (--lr-decay-{}), as Megatron requires",
+                                  other_unit, other.decay, run, words, own_unit));
+  if (other.warmup > 0)
+    return UsageError(
+        fmt::format("--lr-warmup-{} {}: with {} the warm-up is in {} (--lr-warmup-{}), as Megatron requires",
+                    other_unit, other.warmup, run, words, own_unit));
+  if (so.lr_warmup_fraction && own.warmup > 0)
+    return UsageError(
+        fmt::format("--lr-warmup-fraction {} and --lr-warmup-{} {}: give one of them, as Megatron requires",
+                    *so.lr_warmup_fraction, own_unit, own.warmup));
+  if (o.schedule.decay_style == "WSD" && own.wsd == 0 && other.wsd > 0)
+    return UsageError(fmt::format("--lr-wsd-decay-{} {}: with {} the WSD anneal is in {} (--lr-wsd-decay-{})",
+                                  other_unit, other.wsd, run, words, own_unit));
   return absl::OkStatus();
 }
 
