@@ -2,6 +2,7 @@
 // exit codes 0 ok / 1 failure / 2 usage, one clear error line.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -37,7 +38,8 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 // as ptk-extract's --drop-set A --drop-set B drops both. Its help should say "repeatable".
 CLI::Option* Repeatable(CLI::Option* opt);
 
-// Checks the table: every option has a long name and help text, and no flag is repeated.
+// Checks the table: every option has a long name and help text, no flag is repeated, and every
+// numeric option has a range (IntIn, RealIn) whose ends its variable can hold.
 absl::Status CheckOptionTable(const CLI::App& app);
 
 // Option group of flags accepted only to be refused with a reason (Megatron/NeMo flags ptk does
@@ -61,10 +63,19 @@ class Refusals {
   std::vector<std::pair<const CLI::Option*, std::string>> refused_;
 };
 
-// Validators with one short message ("must be a positive number, not 0"); unlike CLI11's
-// PositiveNumber they refuse nan and inf and do not print the range of a double.
-const CLI::Validator& Positive();     // > 0
-const CLI::Validator& NonNegative();  // >= 0
+// The range every numeric flag carries where it is declared (CheckOptionTable refuses a numeric
+// flag without one; CLI11 runs it on the text before converting it). A value outside the range, or
+// not a decimal number, is a usage error naming the flag and the range in one line:
+// "--workers: must be an integer in [1, 2147483647], not "0"". Refused as well: inf and nan, and a
+// real that a double cannot hold (1e400 would be inf, 1e-400 would be 0), and an integer beyond
+// the range however many digits it has (strtoll would saturate it).
+CLI::Validator IntIn(int64_t lo, int64_t hi);
+// A finite number in the range from lo to hi (hi infinite: no upper end), each end open or closed.
+CLI::Validator RealIn(double lo, bool lo_open, double hi, bool hi_open);
+inline constexpr int64_t kMaxInt = 2147483647;  // the most an int flag holds
+inline constexpr double kMaxSeconds = 1e9;      // a duration flag's most (31 years; beyond, clocks overflow)
+const CLI::Validator& Positive();               // a finite number > 0
+const CLI::Validator& NonNegative();            // a finite number >= 0
 
 // An output prefix (--output-prefix): a directory, then the start of the file names. One that ends
 // in '/' (or names . or ..) has no file name part, and would write hidden files such as

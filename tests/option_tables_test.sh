@@ -53,27 +53,42 @@ done
 TRAIN=("$BIN/ptk-train" --num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --lr 1e-3
   --train-iters 1 --micro-batch-size 1)
 # Bad values (the option table's validators).
-usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0 -- "--jobs: Value 0 not in range"
-usage "$BIN/ptk-extract" "$T/x.zst" --jobs abc -- '--jobs: must be a positive number, not "abc"'
-usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chunks: must be a positive number'
+usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0 -- '--jobs: must be an integer in [1, 256], not "0"'
+usage "$BIN/ptk-extract" "$T/x.zst" --jobs abc -- '--jobs: must be an integer in [1, 2147483647], not "abc"'
+usage "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" --chunks 0 -- '--chunks: must be an integer in [1, 2147483647], not "0"'
 # A negative chunk index was taken as 18446744073709551615 ("outside the plan's 2 chunks", exit 1).
-usage "$BIN/ptk-concat" run --plan "$T/in/a.jsonl" --chunk-index -1 -- '--chunk-index: must be a number >= 0, not "-1"'
+usage "$BIN/ptk-concat" run --plan "$T/in/a.jsonl" --chunk-index -1 -- '--chunk-index: must be an integer in [0, 2147483647], not "-1"'
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0 -- "--workers: must be"
 usage "$BIN/ptk-inspect" "$T/p" --sample-split train2 -- "--sample-split: train2 not in"
 # --log-interval 0 or -5 printed no "Processed N documents" line at all (Megatron: 0 divides by zero).
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --log-interval 0 -- \
-  '--log-interval: must be a positive number, not "0"'
-usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --log-interval -5 -- '--log-interval: must be a positive'
+  '--log-interval: must be an integer in [1, 9223372036854775807], not "0"'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --log-interval -5 -- '--log-interval: must be an integer in [1, '
 
+# Out-of-range and non-finite values: one line naming the flag and the range (1e400 was "must be a
+# number >= 0", 1e-400 taken as 0, a huge --workers "Could not convert").
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --max-bad-fraction 1e400 -- \
+  '--max-bad-fraction: must be a number in [0, 1], not "1e400" (beyond a double'"'"'s range)'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --max-bad-fraction 1e-400 -- \
+  '--max-bad-fraction: must be a number in [0, 1], not "1e-400" (below a double'"'"'s range)'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --max-bad-fraction nan -- \
+  '--max-bad-fraction: must be a number in [0, 1], not "nan"'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --resume-interval -inf -- \
+  '--resume-interval: must be a number in [0, 1000000000], not "-inf"'
+usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 99999999999999999999 -- \
+  '--workers: must be an integer in [1, 65536], not "99999999999999999999"'
+usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --stall-timeout 1e300 -- \
+  '--stall-timeout: must be a number in (0, 1000000000], not "1e300"'
+usage "${TRAIN[@]}" --data-path "$T/p" --train-iters -0 -- '--train-iters: must be an integer in [1, 1099511627776], not "-0"'
 usage "$BIN/ptk-merge" --output-prefix "$T/m" --inputs -- "--inputs: 1 required"
 # ptk-inspect's sample flags as Megatron's: a seed outside numpy's [0, 2**32) was wrapped (4294967296
 # gave seed 0's sample), negative counts taken, --doc -1 printed the summary.
-usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed 4294967296 -- "--seed: Value 4294967296 not in range"
-usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed -1 -- "--seed: Value -1 not in range"
-usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --train-samples -5 -- '--train-samples: must be a number >= 0'
-usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length -8 -- '--seq-length: must be a positive number'
-usage "$BIN/ptk-inspect" "$T/p" --sample -1 --seq-length 8 -- '--sample: must be a number >= 0'
-usage "$BIN/ptk-inspect" "$T/p" --doc -1 -- '--doc: must be a number >= 0, not "-1"'
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed 4294967296 -- '--seed: must be an integer in [0, 4294967295], not "4294967296"'
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --seed -1 -- '--seed: must be an integer in [0, 4294967295], not "-1"'
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length 8 --train-samples -5 -- '--train-samples: must be an integer in [0, 9223372036854775807], not "-5"'
+usage "$BIN/ptk-inspect" "$T/p" --sample 0 --seq-length -8 -- '--seq-length: must be an integer in [1, 2147483647], not "-8"'
+usage "$BIN/ptk-inspect" "$T/p" --sample -1 --seq-length 8 -- '--sample: must be an integer in [0, 9223372036854775807], not "-1"'
+usage "$BIN/ptk-inspect" "$T/p" --doc -1 -- '--doc: must be an integer in [0, 9223372036854775807], not "-1"'
 usage "$BIN/ptk-convert" --loader xx --saver hf --load-dir "$T" --save-dir "$T/o" -- "--loader: xx not in"
 usage "${TRAIN[@]}" --data-path "$T/p" --micro-batch-size 0 -- "--micro-batch-size: must be an integer in [1,"
 usage "${TRAIN[@]}" --data-path "$T/p" --sample-prompt hi -- "--sample-prompt requires --sample-interval"
@@ -116,13 +131,13 @@ usage "${TRAIN[@]}" --data-path "$T/p" --clip-grad nan -- '--clip-grad: must be 
 usage "${TRAIN[@]}" --data-path "$T/p" --seed 0x10 -- '--seed: must be an integer in'
 usage "${TRAIN[@]}" --data-path "$T/p" --seed 010 -- '--seed: "010" has a leading zero (numbers are decimal: write 10)'
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --workers 0x2 -- \
-  '--workers: "0x2" is not a decimal integer'
+  '--workers: must be an integer in [1, 65536], not "0x2"'
 usage "$BIN/ptk-tokenize" --input "$T/in/a.jsonl" --output-prefix "$T/t" --max-bad-fraction 0x0.1p0 -- \
   '--max-bad-fraction: "0x0.1p0" is not a decimal number'
-usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0x8 -- '--jobs: "0x8" is not a decimal integer'
+usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 0x8 -- '--jobs: must be an integer in [1, 256], not "0x8"'
 usage "$BIN/ptk-download" --local-dir "$T/d" --repo a/b --jobs 010 -- '--jobs: "010" has a leading zero'
 usage "$BIN/ptk-convert" --loader ptk --saver hf --load-dir "$T" --save-dir "$T/o" --true-vocab-size 0x100 -- \
-  '--true-vocab-size: "0x100" is not a decimal integer'
+  '--true-vocab-size: must be an integer in [1, 2147483648], not "0x100"'
 # ... and decimal numbers, with an exponent or a sign where the flag takes them, still work.
 out=$("${TRAIN[@]}" --data-path "$T/p" --lr 1.5E-3 --seed 0 --clip-grad .5 --sample-interval 1 \
   --sample-temperature 00.5 --weight-decay +0.1 2>&1); rc=$?

@@ -33,11 +33,11 @@ void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required, con
     in->required();
     out->required();
   }
-  auto* c =
-      app->add_option("--chunks", r->plan.chunks, "Number of chunks, balanced by bytes")->check(ptk::cli::Positive());
+  auto* c = app->add_option("--chunks", r->plan.chunks, "Number of chunks, balanced by bytes")
+                ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   app->add_option("--files-per-chunk", r->plan.files_per_chunk,
                   "Consecutive groups of this many files instead (NeMo's concat.sh: 800 with --order bytes)")
-      ->check(ptk::cli::Positive())
+      ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt))
       ->excludes(c);
   app->add_option("--order", r->order,
                   "Input order: natural (shard2 before shard10) or bytes (C locale, as LC_ALL=C ls)")
@@ -113,8 +113,10 @@ CLI::App* AddListCommand(CLI::App* app, ListArgs* a) {
                 "Only this array task's share of the items (item k when k % count == index): the task from "
                 "--shard-index/--num-shards, SLURM_ARRAY_TASK_ID/COUNT or JOB_COMPLETION_INDEX/JOB_COMPLETIONS, "
                 "as `run` takes it");
-  cmd->add_option("--shard-index", a->shard_index, "With --this-task: this task's shard");
-  cmd->add_option("--num-shards", a->num_shards, "With --this-task: number of shards");
+  cmd->add_option("--shard-index", a->shard_index, "With --this-task: this task's shard")
+      ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
+  cmd->add_option("--num-shards", a->num_shards, "With --this-task: number of shards")
+      ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   return cmd;
 }
 
@@ -148,7 +150,7 @@ int main(int argc, char** argv) {
   RunArgs top_run;
   AddPlanOptions(app.get(), &top, false, "inputs");
   app->add_option("--plan", top_run.plan_path, "Plan file (default: OUTPUT_DIR/concat-plan.json)");
-  app->add_option("--jobs", top_run.jobs, "Chunks built at once")->check(ptk::cli::Positive());
+  app->add_option("--jobs", top_run.jobs, "Chunks built at once")->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   app->add_flag("--quiet", top_run.quiet, "No progress output");
   const char* kNoFsync =
       "Do not fsync the chunks: faster where the disk is slow, but a chunk may be lost (never "
@@ -168,10 +170,14 @@ int main(int argc, char** argv) {
                           "share (--shard-index/--num-shards, SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX), or all");
   run_cmd->add_option("--plan", run_args.plan_path, "Plan file written by `ptk-concat plan`")->required();
   auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)")
-                 ->check(ptk::cli::NonNegative());
-  run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")->excludes(ci);
-  run_cmd->add_option("--num-shards", run_args.num_shards, "Number of shards")->excludes(ci);
-  run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::Positive());
+                 ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
+  run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")
+      ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt))
+      ->excludes(ci);
+  run_cmd->add_option("--num-shards", run_args.num_shards, "Number of shards")
+      ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt))
+      ->excludes(ci);
+  run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
   ListArgs list_args;

@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   app->add_option("--true-vocab-size", o.true_vocab_size,
                   "ptk -> hf/megatron: the tokenizer's vocabulary size (default: the one the training run recorded); "
                   "megatron -> ptk: default args.vocab_size, or 50257 for GPT2BPETokenizer")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
   app->add_option("--vocab-file", o.vocab_file, "ptk -> hf: the vocab.json to ship (default: ptk's GPT-2 file)");
   app->add_option("--merge-file", o.merge_file, "ptk -> hf: the merges.txt to ship (default: ptk's GPT-2 file)");
   app->add_flag("--force", o.force,
@@ -43,17 +43,17 @@ int main(int argc, char** argv) {
   app->add_option("--make-vocab-size-divisible-by", o.make_vocab_size_divisible_by,
                   "hf -> ptk: pad the vocabulary to a multiple of this, as ptk-train will; ptk -> megatron: the value "
                   "the run was trained with (Megatron pads to a multiple of it x tensor-parallel size) (128)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
   app->add_option("--target-tensor-parallel-size", o.target_tensor_parallel_size,
                   "--saver megatron: the tensor-parallel size to split into (1); other savers: must be 1")
-      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+      ->check(ptk::cli::IntIn(1, 1024));
   app->add_option("--target-pipeline-parallel-size", o.target_pipeline_parallel_size,
                   "--saver megatron: the pipeline-parallel size to split into (1); other savers: must be 1")
-      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+      ->check(ptk::cli::IntIn(1, 1024));
   app->add_option("--target-num-layers-per-virtual-pipeline-stage", o.target_num_layers_per_virtual_pipeline_stage,
                   "--saver megatron: write an interleaved run's model chunks (model0, model1, ...) of this many "
                   "layers each, as Megatron's --num-layers-per-virtual-pipeline-stage (default: no chunks)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 20));
   app->add_option("--saver-transformer-impl", o.saver_transformer_impl,
                   "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
                   "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
@@ -62,15 +62,15 @@ int main(int argc, char** argv) {
                   "hf -> ptk: the iteration the import stands at (0: a start for ptk-train --finetune); with "
                   "--global-batch-size or --consumed-train-samples, ptk-train --load resumes at the next one with "
                   "that data position and learning-rate schedule (the AdamW moments start at zero)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+      ->check(ptk::cli::IntIn(0, int64_t{1} << 40));
   app->add_option("--global-batch-size", o.global_batch_size,
                   "hf -> ptk with --iteration N: the run's global batch size (N x it samples consumed)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
   app->add_option("--consumed-train-samples", o.consumed_train_samples,
                   "hf -> ptk with --iteration N: the samples the run had consumed (with batch ramp-up)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
+      ->check(ptk::cli::IntIn(0, int64_t{1} << 50));
   app->add_option("--max-queue-size", max_queue_size, "Accepted for compatibility (no queue: one process)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {

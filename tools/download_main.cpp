@@ -1,6 +1,7 @@
 // ptk-download: Hugging Face repos or URL lists -> verified local files; parallel, resumable,
 // rate-limit aware, shardable across Slurm array tasks.
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 
 #include <fmt/core.h>
@@ -12,6 +13,7 @@
 #include "dataprep/download/download.h"
 
 int main(int argc, char** argv) {
+  const CLI::Validator kSeconds = ptk::cli::RealIn(0, true, ptk::cli::kMaxSeconds, false);
   std::signal(SIGPIPE, SIG_IGN);
   auto app = ptk::cli::MakeApp(
       "ptk-download",
@@ -39,33 +41,34 @@ int main(int argc, char** argv) {
   app->add_option("--endpoint", opt.endpoint, "Hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)");
   app->add_option("--token-file", token_file,
                   "File holding the Hub token (default: $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token)");
-  app->add_option("--jobs", opt.jobs, "Files downloaded at once")->check(CLI::Range(1, 256));
+  app->add_option("--jobs", opt.jobs, "Files downloaded at once")->check(ptk::cli::IntIn(1, 256));
   app->add_option("--connections-per-file", opt.connections_per_file,
                   "Connections a large file is fetched over at once, as byte ranges written in place (1: one "
                   "connection a file)")
-      ->check(CLI::Range(1, 64));
+      ->check(ptk::cli::IntIn(1, 64));
   app->add_option("--split-above", opt.split_above,
                   "Files of at least this many bytes (size and digest listed) are fetched as ranges")
-      ->check(CLI::Range(uint64_t{1}, UINT64_MAX));
+      ->check(ptk::cli::IntIn(1, INT64_MAX));
   app->add_option("--piece-size", opt.piece_size,
                   "Bytes per range request (default: the file's size / 8 per connection, 1-32 MiB)")
-      ->check(CLI::Range(uint64_t{65536}, UINT64_MAX));
+      ->check(ptk::cli::IntIn(65536, INT64_MAX));
   app->add_option("--max-connections", opt.max_connections, "Connections open at once, all files together")
-      ->check(CLI::Range(1, 1024));
+      ->check(ptk::cli::IntIn(1, 1024));
   app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")
-      ->check(ptk::cli::NonNegative());
+      ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
   app->add_option("--max-retry-time", opt.max_retry_time_s,
                   "Seconds a file (or a Hub API call) may keep failing without progress before giving up")
-      ->check(ptk::cli::Positive());
-  app->add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")
-      ->check(ptk::cli::Positive());
-  app->add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(ptk::cli::Positive());
+      ->check(kSeconds);
+  app->add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")->check(kSeconds);
+  app->add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(kSeconds);
   app->add_option("--stall-timeout", opt.stall_timeout_s,
                   "Abort and resume a transfer that receives nothing for this long, seconds")
-      ->check(ptk::cli::Positive());
+      ->check(kSeconds);
   app->add_option("--shard-index", shard_index,
-                  "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)");
-  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)");
+                  "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)")
+      ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
+  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)")
+      ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   app->add_flag("--flat", opt.flat, "Flat names like the seed scripts: example_train_chunk1_shard0.jsonl.zst");
   app->add_flag("--verify", opt.verify, "Re-hash files already present instead of trusting the done log");
   app->add_flag("--list-only", opt.list_only, "List the repo, save the manifest, download nothing");

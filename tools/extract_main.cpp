@@ -27,10 +27,12 @@ int main(int argc, char** argv) {
   app->add_option(
       "--output-dir", output_dir,
       "Where the .jsonl files go, keeping the layout below a directory argument (default: next to each input)");
-  app->add_option("--jobs", jobs, "Files decompressed at once")->check(ptk::cli::Positive());
+  app->add_option("--jobs", jobs, "Files decompressed at once")->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   app->add_option("--shard-index", shard_index,
-                  "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)");
-  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)");
+                  "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)")
+      ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
+  app->add_option("--num-shards", num_shards, "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)")
+      ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   app->add_flag("--delete-input", delete_input, "Delete each input after its output is complete");
   ptk::cli::Repeatable(
       app->add_option("--drop-set", drop_sets,

@@ -1,4 +1,5 @@
 // ptk-inspect: summary, documents, integrity and statistics of a Megatron .bin/.idx dataset.
+#include <cstdint>
 #include <cstdio>
 
 #include <fmt/core.h>
@@ -59,7 +60,7 @@ struct InspectFlags {
 CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
   app.add_option("prefix", f.prefix, "Dataset: PREFIX, PREFIX.bin or PREFIX.idx");
   app.add_option("--doc", f.doc, "Print document N (0-based): its token ids and decoded text")
-      ->check(ptk::cli::NonNegative());
+      ->check(ptk::cli::IntIn(0, INT64_MAX));
   app.add_option("--format", f.format, "What --doc prints: ids, text or both")
       ->check(CLI::IsMember({"ids", "text", "both"}));
   app.add_flag("--verify", f.verify,
@@ -70,29 +71,30 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
   app.add_option("--merge-file", f.merge_file, "GPT-2 merges.txt for decoding (default: the built-in GPT-2 merges)");
   auto* sample_opt =
       app.add_option("--sample", f.sample, "Print top-level sample I as Megatron's GPTDataset/BlendedDataset gives it")
-          ->check(ptk::cli::NonNegative());
+          ->check(ptk::cli::IntIn(0, INT64_MAX));
   app.add_option("--data-path", f.data_path, "Megatron's --data-path (default: the prefix): 'p' or 'w1 p1 w2 p2 ...'");
   app.add_option("--train-data-path", f.train_path, "Megatron's --train-data-path");
   app.add_option("--valid-data-path", f.valid_path, "Megatron's --valid-data-path");
   app.add_option("--test-data-path", f.test_path, "Megatron's --test-data-path");
   app.add_option("--split", f.split, "Megatron's --split");
   app.add_option("--seq-length", f.seq_length, "Megatron's --seq-length (required with --sample)")
-      ->check(ptk::cli::Positive());
+      ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   // numpy's RandomState takes seeds in [0, 2**32): another would wrap (4294967296 is seed 0).
-  app.add_option("--seed", f.seed, "Megatron's --seed")->check(CLI::Range(int64_t{0}, int64_t{4294967295}));
+  app.add_option("--seed", f.seed, "Megatron's --seed")->check(ptk::cli::IntIn(0, 4294967295));
   app.add_option("--sample-split", f.sample_split, "Which split --sample reads")
       ->check(CLI::IsMember({"train", "valid", "test"}));
   app.add_option("--train-samples", f.train_samples,
                  "Samples of the train split (Megatron: --train-samples or train_iters*GBS)")
-      ->check(ptk::cli::NonNegative());
+      ->check(ptk::cli::IntIn(0, INT64_MAX));
   app.add_option("--valid-samples", f.valid_samples,
                  "Samples of the valid split (Megatron: (iters//eval_interval+1)*eval_iters*GBS)")
-      ->check(ptk::cli::NonNegative());
+      ->check(ptk::cli::IntIn(0, INT64_MAX));
   app.add_option("--test-samples", f.test_samples, "Samples of the test split (Megatron: eval_iters*GBS)")
-      ->check(ptk::cli::NonNegative());
+      ->check(ptk::cli::IntIn(0, INT64_MAX));
   app.add_option("--data-cache-path", f.cache_path,
                  "Megatron's --data-cache-path (index cache read from and, with --write-cache, written to)");
-  app.add_option("--mid-level-dataset-surplus", f.surplus, "Megatron's --mid-level-dataset-surplus");
+  app.add_option("--mid-level-dataset-surplus", f.surplus, "Megatron's --mid-level-dataset-surplus")
+      ->check(ptk::cli::RealIn(0, false, 1e6, false));
   app.add_flag("--eod-mask-loss", f.eod_mask_loss, "Megatron's --eod-mask-loss");
   app.add_flag("--reset-position-ids", f.reset_position_ids, "Megatron's --reset-position-ids");
   app.add_flag("--write-cache", f.write_cache,

@@ -4,6 +4,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
+#include "tools/train_flag_parts.h"
 #include "tools/train_flags.h"
 #include "trainer/backend.h"
 
@@ -18,8 +19,10 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--no-position-embedding", f->no_position_embedding,
                 "No learned position table (Megatron's older spelling of --position-embedding-type none)");
   app->add_option("--normalization", f->normalization, "LayerNorm (GPT-3's) or RMSNorm (Llama's)");
-  app->add_option("--rotary-base", m.rotary_base, "RoPE's base (theta; Megatron's default 10000)");
-  app->add_option("--rotary-percent", m.rotary_percent, "Share of each head's channels RoPE rotates, in (0, 1]");
+  app->add_option("--rotary-base", m.rotary_base, "RoPE's base (theta; Megatron's default 10000)")
+      ->check(cli::Positive());
+  app->add_option("--rotary-percent", m.rotary_percent, "Share of each head's channels RoPE rotates, in (0, 1]")
+      ->check(cli::RealIn(0, true, 1, false));
   app->add_flag("--use-rope-scaling", m.use_rope_scaling,
                 "Llama 3.1's RoPE frequency scaling (factor 8, low/high frequency factors 1/4, original context 8192)");
   app->add_flag("--swiglu", m.swiglu,
@@ -27,7 +30,8 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--group-query-attention", f->group_query_attention,
                 "Grouped-query attention: --num-query-groups key/value heads, each shared by a group of query heads");
   app->add_option("--num-query-groups", f->num_query_groups,
-                  "Key/value heads with --group-query-attention (Megatron's default 1)");
+                  "Key/value heads with --group-query-attention (Megatron's default 1)")
+      ->check(cli::IntIn(1, train_flags::kMaxSize));
   app->add_flag("--disable-bias-linear", f->disable_bias_linear, "Linear layers without biases (Llama's)");
   app->add_flag("--add-qkv-bias", m.add_qkv_bias, "A QKV bias even with --disable-bias-linear (Qwen's)");
   app->add_flag("--qk-layernorm", m.qk_layernorm,

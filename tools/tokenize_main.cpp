@@ -1,5 +1,6 @@
 // ptk-tokenize: a drop-in for Megatron-LM's tools/preprocess_data.py (GPT-2 BPE).
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,12 +52,12 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   app.add_option("--merge-file", f->merge_file, "GPT-2 merges.txt (default: the GPT-2 merges shipped with ptk)");
   app.add_flag("--append-eod", f->opt.append_eod, "Append <|endoftext|> (50256) to every non-empty document");
   app.add_option("--workers", f->workers, "Encoding threads (default: all hardware threads)")
-      ->check(ptk::cli::Positive());
+      ->check(ptk::cli::IntIn(1, 65536));
   app.add_option("--partitions", f->opt.partitions,
                  "Megatron's file partitions: round-robin document order across P parts")
-      ->check(ptk::cli::Positive());
+      ->check(ptk::cli::IntIn(1, 65536));
   app.add_option("--log-interval", f->opt.log_interval, "Print 'Processed N documents ...' every N documents")
-      ->check(ptk::cli::Positive());
+      ->check(ptk::cli::IntIn(1, INT64_MAX));
   app.add_flag("--keep-sequential-samples", f->opt.keep_sequential_samples,
                "With --partitions: contiguous partitions, so the document order is the input order");
   app.add_option("--dataset-impl", f->dataset_impl, "Legacy Megatron flag; only mmap exists");
@@ -70,15 +71,15 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   f->batch_opt = app.add_option("--batch-mb", f->batch_mb,
                                 "Input batch size in MiB handed to one worker (default: from the input size, "
                                 "0.25 to 1, about 8 batches a worker)")
-                     ->check(ptk::cli::Positive());
+                     ->check(ptk::cli::RealIn(0, true, 4096, false));
   app.add_option("--max-bad-fraction", f->opt.max_bad_fraction,
                  "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
                  "(default 0.01; 1 tolerates any)")
-      ->check(ptk::cli::NonNegative());
+      ->check(ptk::cli::RealIn(0, false, 1, false));
   app.add_option("--resume-interval", f->opt.resume_interval_s,
                  "Seconds between resume points: a rerun after a kill continues from the last one (default 60; 0: "
                  "always start over)")
-      ->check(ptk::cli::NonNegative());
+      ->check(ptk::cli::RealIn(0, false, ptk::cli::kMaxSeconds, false));
   app.add_flag("--quiet", f->quiet, "No progress line and no per-interval log lines");
   app.add_flag("--force", f->opt.force,
                "Tokenize again even when every output's .ptk-done sidecar records these inputs and settings (a "
@@ -136,7 +137,6 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
   PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputDirectory("--output-prefix", f.opt.output_prefix));
   PTK_ASSIGN_OR_RETURN(f.opt.inputs, ptk::ExpandTokenizeInputs(f.inputs, f.files_filter));
   f.opt.workers = f.workers;
-  if (f.batch_mb > 4096) return ptk::UsageError(fmt::format("--batch-mb {} is more than 4096", f.batch_mb));
   if (f.batch_opt->count() > 0) f.opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(f.batch_mb * (1 << 20)));
   f.opt.progress = !f.quiet;
   f.opt.megatron_log = !f.quiet;

@@ -11,22 +11,22 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/status/status.h"
+#include "common/cli.h"
 #include "tools/train_flags.h"
 
 namespace ptk::train_flags {
 
-// Range checks (train_flag_checks.cpp), attached where each flag is declared (CLI11 runs them on
-// the text before converting it): a value outside the range, or not a number, is a usage error
-// naming the flag. Sizes and counts are capped where products of them would overflow 64-bit integers.
+// Range checks, attached where each flag is declared: common/cli.h's (a value outside the range,
+// or not a number, is a usage error naming the flag and the range). Sizes and counts are capped
+// where products of them would overflow 64-bit integers.
 constexpr int64_t kMaxSize = (int64_t{1} << 31) - 1;  // a dimension, a vocabulary, a batch
 constexpr int64_t kMaxCount = int64_t{1} << 40;       // iterations, samples
-// An integer in [lo, hi].
-CLI::Validator IntIn(int64_t lo, int64_t hi);
-// A finite number in the range from lo to hi, each end open or closed.
-CLI::Validator RealIn(double lo, bool lo_open, double hi, bool hi_open);
-const CLI::Validator& Positive();     // (0, inf)
-const CLI::Validator& NonNegative();  // [0, inf)
-const CLI::Validator& Probability();  // dropout: [0, 1)
+using cli::IntIn;
+using cli::NonNegative;  // [0, inf)
+using cli::Positive;     // (0, inf)
+using cli::RealIn;
+// dropout: [0, 1)
+inline CLI::Validator Probability() { return RealIn(0, false, 1, true); }
 
 // The model's flags --use-checkpoint-args takes from the checkpoint (Megatron's
 // load_args_from_checkpoint), as the checkpoint's settings name them.

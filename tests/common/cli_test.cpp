@@ -32,7 +32,7 @@ struct Flags {
 
 std::unique_ptr<CLI::App> MakeTestApp(Flags& f) {
   auto app = cli::MakeApp("ptk-x", "test");
-  app->add_option("--doc", f.doc, "a number")->check(cli::NonNegative());
+  app->add_option("--doc", f.doc, "a number")->check(cli::IntIn(0, std::numeric_limits<int64_t>::max()));
   app->add_option("--offset", f.offset, "a signed number");
   app->add_option("--size", f.size, "an unsigned number");
   app->add_flag("--verify", f.verify, "a flag");
@@ -153,14 +153,14 @@ TEST(CliParse, AnEarlierBadValueIsStillAUsageError) {
   testing::internal::CaptureStderr();
   EXPECT_EQ(ParseArgs(*app, {"--doc", "-1", "--doc", "2"}), cli::kExitUsage);
   const std::string err = testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find("--doc: must be a number >= 0"), std::string::npos) << err;
+  EXPECT_NE(err.find("--doc: must be an integer in [0, 9223372036854775807], not \"-1\""), std::string::npos) << err;
 }
 
 // strtoll and strtoull, under CLI11, saturate a number too large for the type and wrap a negative
 // one: --doc 99999999999999999999 was taken as 9223372036854775807, an unsigned -1 as 2**64 - 1.
 TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
   const std::pair<std::vector<std::string>, std::string> cases[] = {
-      {{"--doc", "99999999999999999999"}, "--doc: \"99999999999999999999\" is out of range [-9223372036854775808, "},
+      {{"--doc", "99999999999999999999"}, "--doc: must be an integer in [0, 9223372036854775807], not \"9999"},
       {{"--offset", "9223372036854775808"}, "--offset: \"9223372036854775808\" is out of range"},
       {{"--offset", "-9223372036854775809"}, "--offset: \"-9223372036854775809\" is out of range"},
       {{"--size", "-1"}, "--size: \"-1\" is negative (the flag takes a number >= 0)"},
@@ -183,6 +183,69 @@ TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
   EXPECT_EQ(ParseArgs(*app, {"--offset", "-9223372036854775808", "--size", "+7"}), std::nullopt);
   EXPECT_EQ(f.offset, std::numeric_limits<int64_t>::min());
   EXPECT_EQ(f.size, 7u);
+}
+
+// Every numeric flag carries its range (cli::IntIn, cli::RealIn): a value outside it, one a double
+// cannot hold, inf, nan or an integer too large for any type is refused in one line naming the flag
+// and the range. ptk-tokenize --max-bad-fraction 1e400 said "must be a number >= 0" (which 1e400 is),
+// 1e-400 was taken as 0, --workers 99999999999 said "Could not convert".
+TEST(CliRange, AValueOutsideTheRangeNamesTheFlagAndTheRange) {
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--fraction", "1e400"}, "--fraction: must be a number in [0, 1], not \"1e400\" (beyond a double's range)\n"},
+      {{"--fraction", "1e-400"}, "--fraction: must be a number in [0, 1], not \"1e-400\" (below a double's range)\n"},
+      {{"--fraction", "inf"}, "--fraction: must be a number in [0, 1], not \"inf\"\n"},
+      {{"--fraction", "-inf"}, "--fraction: must be a number in [0, 1], not \"-inf\"\n"},
+      {{"--fraction", "nan"}, "--fraction: must be a number in [0, 1], not \"nan\"\n"},
+      {{"--fraction", "1.5"}, "--fraction: must be a number in [0, 1], not \"1.5\"\n"},
+      {{"--seconds", "1e400"}, "--seconds: must be a finite number > 0, not \"1e400\" (beyond a double's range)\n"},
+      {{"--seconds", "-0"}, "--seconds: must be a finite number > 0, not \"-0\"\n"},
+      {{"--count", "-0"}, "--count: must be an integer in [1, 2147483647], not \"-0\"\n"},
+      {{"--count", "99999999999"}, "--count: must be an integer in [1, 2147483647], not \"99999999999\"\n"},
+      {{"--count", "99999999999999999999999"},
+       "--count: must be an integer in [1, 2147483647], not \"99999999999999999999999\"\n"},
+      {{"--count", "1e3"}, "--count: must be an integer in [1, 2147483647], not \"1e3\"\n"},
+  };
+  for (const auto& [args, expected] : cases) {
+    double fraction = 0, seconds = 1;
+    int count = 1;
+    auto app = cli::MakeApp("ptk-x", "test");
+    app->add_option("--fraction", fraction, "a fraction")->check(cli::RealIn(0, false, 1, false));
+    app->add_option("--seconds", seconds, "a duration")->check(cli::Positive());
+    app->add_option("--count", count, "a count")->check(cli::IntIn(1, cli::kMaxInt));
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ParseArgs(*app, args), cli::kExitUsage) << args[1];
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(err, "ptk-x: usage error: " + expected + "Run with --help for more information.\n") << args[1];
+  }
+  double fraction = 0, seconds = 1;
+  int count = 1;
+  auto app = cli::MakeApp("ptk-x", "test");
+  app->add_option("--fraction", fraction, "a fraction")->check(cli::RealIn(0, false, 1, false));
+  app->add_option("--seconds", seconds, "a duration")->check(cli::Positive());
+  app->add_option("--count", count, "a count")->check(cli::IntIn(1, cli::kMaxInt));
+  EXPECT_EQ(ParseArgs(*app, {"--fraction", "-0", "--seconds", "1e-300", "--count", "2147483647"}), std::nullopt);
+  EXPECT_EQ(fraction, 0.0);
+  EXPECT_EQ(seconds, 1e-300);
+  EXPECT_EQ(count, 2147483647);
+}
+
+// The option table check (PTK_CHECK_OPTIONS=1, run on every tool by option_tables_test.sh) refuses
+// a numeric flag declared without its range, and an integer one given a range of reals (which
+// would let 1.5 or 99999999999 through to CLI11's conversion).
+TEST(CliRange, TheOptionTableCheckRefusesANumericFlagWithoutARange) {
+  int workers = 1;
+  double fraction = 0;
+  auto app = cli::MakeApp("ptk-x", "test");
+  app->add_option("--workers", workers, "threads")->check(cli::Positive());
+  app->add_option("--fraction", fraction, "a fraction");
+  const absl::Status st = cli::CheckOptionTable(*app);
+  EXPECT_EQ(std::string(st.message()),
+            "ptk-x: integer option --workers has a range of reals (a finite number > 0): give it cli::IntIn; numeric "
+            "option --fraction has no range (cli::IntIn, cli::RealIn)");
+  auto good = cli::MakeApp("ptk-y", "test");
+  good->add_option("--workers", workers, "threads")->check(cli::IntIn(1, 64));
+  good->add_option("--fraction", fraction, "a fraction")->check(cli::RealIn(0, false, 1, false));
+  EXPECT_TRUE(cli::CheckOptionTable(*good).ok());
 }
 
 // A flag of a fixed number of values (ptk-train's --rampup-batch-size START INCR SAMPLES) given more or
