@@ -55,7 +55,7 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
       ->check(ptk::cli::IntIn(1, 65536));
   app.add_option("--partitions", f->opt.partitions,
                  "Megatron's file partitions: round-robin document order across P parts")
-      ->check(ptk::cli::IntIn(1, 65536));
+      ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   app.add_option("--log-interval", f->opt.log_interval, "Print 'Processed N documents ...' every N documents")
       ->check(ptk::cli::IntIn(1, INT64_MAX));
   app.add_flag("--keep-sequential-samples", f->opt.keep_sequential_samples,
