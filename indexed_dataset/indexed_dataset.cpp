@@ -117,16 +117,19 @@ absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> IndexedDatasetBuilder::Re
   return b;
 }
 
-absl::StatusOr<BuilderCheckpoint> IndexedDatasetBuilder::Checkpoint() {
+absl::StatusOr<BuilderCheckpoint> IndexedDatasetBuilder::Checkpoint(size_t lengths_from, size_t doc_idx_from) {
   if (finalized_) return absl::FailedPreconditionError("builder already finalized");
+  if (lengths_from > lengths_.size() || doc_idx_from > doc_idx_.size())
+    return absl::InvalidArgumentError(fmt::format("{}: a checkpoint from entries {} and {} of {} and {}", prefix_,
+                                                  lengths_from, doc_idx_from, lengths_.size(), doc_idx_.size()));
   PTK_RETURN_IF_ERROR(bin_->Flush());
   PTK_RETURN_IF_ERROR(FsyncFile(bin_->fd(), bin_->tmp_path()));
   BuilderCheckpoint cp;
   cp.bin_tmp = bin_->tmp_path();
   cp.bin_bytes = bin_->bytes_written();
   cp.tokens = tokens_;
-  cp.lengths = lengths_;
-  cp.doc_idx = doc_idx_;
+  cp.lengths.assign(lengths_.begin() + static_cast<std::ptrdiff_t>(lengths_from), lengths_.end());
+  cp.doc_idx.assign(doc_idx_.begin() + static_cast<std::ptrdiff_t>(doc_idx_from), doc_idx_.end());
   return cp;
 }
 

@@ -94,8 +94,10 @@ class IndexedDatasetBuilder {
   static absl::StatusOr<std::unique_ptr<IndexedDatasetBuilder>> Resume(const std::string& prefix, DType dtype,
                                                                        const BuilderCheckpoint& checkpoint);
   // Makes everything added so far durable (flush + fsync of the temporary .bin) and returns what
-  // Resume needs to continue from exactly here.
-  absl::StatusOr<BuilderCheckpoint> Checkpoint();
+  // Resume needs to continue from exactly here. With `lengths_from` / `doc_idx_from`, the
+  // checkpoint's lengths and doc_idx hold only the entries from those indices on: what a caller
+  // that kept the earlier ones (ptk-tokenize's resume log) adds, without copying the whole index.
+  absl::StatusOr<BuilderCheckpoint> Checkpoint(size_t lengths_from = 0, size_t doc_idx_from = 0);
 
   // One sequence; does not close the document (Megatron's add_item).
   absl::Status AddItem(std::span<const int32_t> tokens, int8_t mode = 0);

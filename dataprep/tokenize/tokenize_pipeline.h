@@ -57,6 +57,10 @@ struct TokenizeStats {
   int64_t invalid_utf8 = 0;
   int64_t lone_surrogates = 0;
   double seconds = 0;
+  // Bytes written for resume points (--resume-interval) by this run: each point writes the index
+  // entries added since the last and a record of fixed size (for a given number of inputs).
+  uint64_t resume_bytes_written = 0;
+  int64_t resume_points = 0;
   std::vector<std::string> outputs;  // prefixes written (or found up to date)
   // Every output's sidecar records these inputs and settings: nothing was read or written
   // (documents and tokens are the outputs').

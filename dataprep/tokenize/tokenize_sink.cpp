@@ -82,23 +82,7 @@ absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<F
 }
 
 // ---------------------------------------------------------------- resume record
-// PREFIX.ptk-resume, rewritten atomically every --resume-interval seconds: where reading goes on,
-// the counters, and each key's builder checkpoint (its fsynced temporary .bin and index so far).
-// A killed run's rerun with the same inputs and settings continues from there; the output is the
-// same bytes as an uninterrupted run's.
-
-// Version 2: the fingerprint is XXH3-128 (32 hex digits; version 1 held SHA-256's 64). A record
-// of another version is foreign: the run starts over.
-constexpr std::string_view kResumeMagic = "PTKRESUME2\n";
-constexpr size_t kFingerprintChars = 32;
-
-struct ResumeState {
-  std::string fingerprint;
-  ReadPoint next;
-  TokenizeStats stats;
-  std::vector<std::pair<int64_t, int64_t>> tallies;  // documents, bad records per input
-  std::vector<BuilderCheckpoint> builders;           // per key
-};
+// PREFIX.ptk-resume and its index log (ResumeJournal, tokenize_resume.cpp).
 
 // What must be equal for a rerun (or a resume) to give the same bytes, in parts a rerun can name:
 // - the inputs: each by name, size and modification time (make's and rsync's quick check; an
@@ -130,109 +114,6 @@ std::string SettingsText(const TokenizeOptions& opt) {
 std::string ResumeFingerprint(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
   return Xxh3Hex(fmt::format("ptk-tokenize resume v3\n{}{}vocab {}\nmerges {}\n", InputsText(opt), SettingsText(opt),
                              tok.vocab_hash(), tok.merges_hash()));
-}
-
-void PutI64(std::string& o, int64_t v) { o.append(reinterpret_cast<const char*>(&v), 8); }
-
-std::string SerializeResume(const ResumeState& r) {
-  std::string o(kResumeMagic);
-  o += r.fingerprint + "\n";
-  for (int64_t v : {r.next.file, static_cast<int64_t>(r.next.offset), r.next.line_no, r.next.global_line}) PutI64(o, v);
-  const TokenizeStats& t = r.stats;
-  for (int64_t v : {t.documents, t.empty_documents, t.tokens, static_cast<int64_t>(t.bytes),
-                    static_cast<int64_t>(t.chars), t.lines, t.skipped, t.invalid_utf8, t.lone_surrogates})
-    PutI64(o, v);
-  for (int64_t v : t.skipped_by_kind) PutI64(o, v);
-  PutI64(o, static_cast<int64_t>(r.tallies.size()));
-  for (const auto& [docs, bad] : r.tallies) {
-    PutI64(o, docs);
-    PutI64(o, bad);
-  }
-  PutI64(o, static_cast<int64_t>(r.builders.size()));
-  for (const auto& b : r.builders) {
-    const std::string name = Basename(b.bin_tmp);
-    PutI64(o, static_cast<int64_t>(name.size()));
-    o += name;
-    PutI64(o, static_cast<int64_t>(b.bin_bytes));
-    PutI64(o, b.tokens);
-    PutI64(o, static_cast<int64_t>(b.lengths.size()));
-    o.append(reinterpret_cast<const char*>(b.lengths.data()), 4 * b.lengths.size());
-    PutI64(o, static_cast<int64_t>(b.doc_idx.size()));
-    o.append(reinterpret_cast<const char*>(b.doc_idx.data()), 8 * b.doc_idx.size());
-  }
-  o += Xxh3Hex(o);  // 32 hex digits: a damaged record is refused, not half-believed
-  return o;
-}
-
-absl::StatusOr<ResumeState> ParseResume(const std::string& path) {
-  PTK_ASSIGN_OR_RETURN(std::string data, ReadFileToString(path));
-  auto bad = [&](const char* what) { return absl::DataLossError(fmt::format("{}: {}", path, what)); };
-  if (data.size() < kResumeMagic.size() + kFingerprintChars + 1 + 32 ||
-      data.compare(0, kResumeMagic.size(), kResumeMagic) != 0)
-    return bad("not a ptk-tokenize resume record");
-  const std::string body = data.substr(0, data.size() - 32);
-  if (Xxh3Hex(body) != data.substr(data.size() - 32)) return bad("damaged (checksum)");
-  size_t pos = kResumeMagic.size();
-  ResumeState r;
-  r.fingerprint = body.substr(pos, kFingerprintChars);
-  if (body[pos + kFingerprintChars] != '\n') return bad("not a ptk-tokenize resume record");
-  pos += kFingerprintChars + 1;
-  bool ok = true;
-  auto get = [&]() -> int64_t {
-    if (pos + 8 > body.size()) {
-      ok = false;
-      return 0;
-    }
-    int64_t v;
-    std::memcpy(&v, body.data() + pos, 8);
-    pos += 8;
-    return v;
-  };
-  auto count = [&](int64_t limit) -> size_t {
-    const int64_t n = get();
-    if (n < 0 || n > limit) ok = false;
-    return ok ? static_cast<size_t>(n) : 0;
-  };
-  r.next.file = get();
-  r.next.offset = static_cast<uint64_t>(get());
-  r.next.line_no = get();
-  r.next.global_line = get();
-  TokenizeStats& t = r.stats;
-  t.documents = get();
-  t.empty_documents = get();
-  t.tokens = get();
-  t.bytes = static_cast<uint64_t>(get());
-  t.chars = static_cast<uint64_t>(get());
-  t.lines = get();
-  t.skipped = get();
-  t.invalid_utf8 = get();
-  t.lone_surrogates = get();
-  for (int64_t& v : t.skipped_by_kind) v = get();
-  const int64_t room = static_cast<int64_t>(body.size());
-  r.tallies.resize(count(room / 16));
-  for (auto& [docs, badn] : r.tallies) {
-    docs = get();
-    badn = get();
-  }
-  r.builders.resize(count(64));
-  for (auto& b : r.builders) {
-    const size_t n = count(4096);
-    if (!ok || pos + n > body.size()) return bad("truncated");
-    b.bin_tmp = JoinPath(Dirname(path), body.substr(pos, n));
-    pos += n;
-    b.bin_bytes = static_cast<uint64_t>(get());
-    b.tokens = get();
-    b.lengths.resize(count(room / 4));
-    if (!ok || pos + 4 * b.lengths.size() > body.size()) return bad("truncated");
-    std::memcpy(b.lengths.data(), body.data() + pos, 4 * b.lengths.size());
-    pos += 4 * b.lengths.size();
-    b.doc_idx.resize(count(room / 8));
-    if (!ok || pos + 8 * b.doc_idx.size() > body.size()) return bad("truncated");
-    std::memcpy(b.doc_idx.data(), body.data() + pos, 8 * b.doc_idx.size());
-    pos += 8 * b.doc_idx.size();
-  }
-  if (!ok || pos != body.size()) return bad("truncated or damaged");
-  return r;
 }
 
 }  // namespace
@@ -390,7 +271,7 @@ DocumentSink::DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok,
 DocumentSink::~DocumentSink() {
   // Success or error, this run is over: its record goes (an unfinished builder's temporary, which
   // the record names, is removed by the builder). Only a killed run leaves one.
-  if (journal_owned_) (void)RemoveFileIfExists(journal_);
+  if (journal_owned_) journal_.Remove();
 }
 
 std::string DocumentSink::StagingPrefix(size_t key) const {
@@ -403,15 +284,15 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
   std::optional<ResumeState> resume;
   if (resumable_) {
     fingerprint_ = ResumeFingerprint(opt_, tok_);
-    if (PathExists(journal_)) {
-      auto r = ParseResume(journal_);
+    if (PathExists(journal_.path())) {
+      auto r = journal_.Read();
       const bool clean = r.ok() && r->stats.skipped == 0 && r->stats.invalid_utf8 == 0 && r->stats.lone_surrogates == 0;
       if (r.ok() && r->fingerprint == fingerprint_ && r->builders.size() == nkeys_ &&
           r->tallies.size() == opt_.inputs.size() && r->next.file >= 0 &&
           r->next.file <= static_cast<int64_t>(opt_.inputs.size()) && (clean || !opt_.strict))
         resume = std::move(*r);
       else
-        log::Warning("{}: {}; starting over", journal_,
+        log::Warning("{}: {}; starting over", journal_.path(),
                      !r.ok() ? StatusMessage(r.status())
                      : clean || r->fingerprint != fingerprint_
                          ? "left by a run with other inputs or settings"
@@ -439,7 +320,10 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
   }
   // The builders hold the outputs' locks: the record is ours from here on.
   journal_owned_ = resumable_;
-  if (resumable_) RemoveStaleTemporaries(journal_);  // a record being written when a run was killed
+  if (resumable_) {
+    RemoveStaleTemporaries(journal_.path());  // a record being written when a run was killed
+    PTK_RETURN_IF_ERROR(journal_.Start(resume ? &*resume : nullptr));
+  }
   if (!resume) return ReadPoint{};
   stats_ = resume->stats;
   for (size_t f = 0; f < tallies_.size(); ++f) {
@@ -546,10 +430,13 @@ absl::Status DocumentSink::WriteResumePoint(const Batch& b) {
   r.stats = stats_;
   for (const auto& t : tallies_) r.tallies.emplace_back(t.documents, t.bad);
   for (size_t k = 0; k < nkeys_; ++k) {
-    PTK_ASSIGN_OR_RETURN(auto cp, builders_[0][k]->Checkpoint());
+    const auto [lengths, docs] = journal_.Logged(k);
+    PTK_ASSIGN_OR_RETURN(auto cp, builders_[0][k]->Checkpoint(lengths, docs));
     r.builders.push_back(std::move(cp));
   }
-  PTK_RETURN_IF_ERROR(WriteFileAtomic(journal_, SerializeResume(r)));
+  PTK_ASSIGN_OR_RETURN(const uint64_t written, journal_.Write(r));
+  stats_.resume_bytes_written += written;
+  ++stats_.resume_points;
   last_resume_point_ = std::chrono::steady_clock::now();
   return absl::OkStatus();
 }

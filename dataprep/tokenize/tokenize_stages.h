@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <simdjson.h>
@@ -223,6 +224,53 @@ std::string RerunReason(const std::string& prefix, const std::string& source, co
 bool OutputUpToDate(const std::string& prefix, const std::string& source, const TokenizeOptions& opt,
                     int64_t* documents, int64_t* tokens);
 
+// A resume point: where reading goes on, the counters, each key's builder checkpoint.
+struct ResumeState {
+  std::string fingerprint;
+  ReadPoint next;
+  TokenizeStats stats;
+  std::vector<std::pair<int64_t, int64_t>> tallies;  // documents, bad records per input
+  // Per key. Read: each builder's whole index. Write: the index entries since the last point only
+  // (IndexedDatasetBuilder::Checkpoint from ResumeJournal::Logged).
+  std::vector<BuilderCheckpoint> builders;
+  uint64_t log_bytes = 0;  // Read: the index log's length at this point
+};
+
+// PREFIX.ptk-resume, rewritten atomically at every resume point (where reading goes on, the
+// counters, each builder's fsynced temporary .bin and how many index entries it has), and the
+// index log PREFIX.ptk-resume-index beside it, to which each point appends (fsynced before the
+// record names it) only the index entries added since the last: a point writes what is new, not
+// the whole index again. A killed run's rerun with the same inputs and settings continues from
+// the last point; the output is the same bytes as an uninterrupted run's.
+class ResumeJournal {
+ public:
+  explicit ResumeJournal(std::string record);
+  ~ResumeJournal();
+  ResumeJournal(const ResumeJournal&) = delete;
+  ResumeJournal& operator=(const ResumeJournal&) = delete;
+  const std::string& path() const { return record_; }
+  // A killed run's last point, each builder's index whole (checked: DataLoss naming the file).
+  absl::StatusOr<ResumeState> Read() const;
+  // Once the outputs are this run's: the log continued from `resumed` (cut to its recorded length:
+  // what a killed run appended after its last record goes), or started empty.
+  absl::Status Start(const ResumeState* resumed);
+  // Index entries of key k already in the log (lengths, doc_idx): where the next point's start.
+  std::pair<size_t, size_t> Logged(size_t k) const {
+    return k < logged_.size() ? logged_[k] : std::pair<size_t, size_t>{};
+  }
+  // One point (`r.builders` holding the entries from Logged on): appended, fsynced, then the record
+  // replaced. Returns the bytes written.
+  absl::StatusOr<uint64_t> Write(const ResumeState& r);
+  // The record, then the log.
+  void Remove();
+
+ private:
+  const std::string record_, log_;
+  int fd_ = -1;
+  uint64_t log_bytes_ = 0;
+  std::vector<std::pair<size_t, size_t>> logged_;
+};
+
 class DocumentSink {
  public:
   DocumentSink(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, ProgressReporter& progress);
@@ -253,7 +301,7 @@ class DocumentSink {
   const size_t nkeys_;
   const int nparts_;  // round-robin partitions (1 when contiguous)
   const bool resumable_;
-  const std::string journal_;   // PREFIX.ptk-resume
+  ResumeJournal journal_;       // PREFIX.ptk-resume and its index log
   bool journal_owned_ = false;  // the outputs are ours: the record is removed with the sink
   std::string fingerprint_;
   const std::string source_;  // OutputSource, recorded in the outputs' sidecars

@@ -217,11 +217,14 @@ TEST(TokenizeErrors, ForeignOrDamagedResumeRecordMeansStartingOver) {
   TempDir dir;
   testing::WriteFile(dir / "in.jsonl", "{\"text\": \"Hello world\"}\n{\"text\": \"again\"}\n");
   ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in.jsonl", dir / "ref"))).exit_code, 0);
-  // A damaged record of this version, then one of version 1 (an older ptk's, SHA-256 fingerprint).
-  for (const auto& [record, says] : {std::pair<std::string, std::string>{"PTKRESUME2\n" + std::string(200, 'z'),
-                                                                         "damaged (checksum); starting over"},
-                                     {"PTKRESUME1\n" + std::string(64, 'a') + "\n" + std::string(200, 'z'),
-                                      "not a ptk-tokenize resume record; starting over"}}) {
+  // A damaged record of this version, then one of version 2 (an older ptk's, the index inline)
+  // and of version 1 (SHA-256 fingerprint).
+  for (const auto& [record, says] :
+       {std::pair<std::string, std::string>{"PTKRESUME3\n" + std::string(200, 'z'),
+                                            "damaged (checksum); starting over"},
+        {"PTKRESUME2\n" + std::string(200, 'z'), "not a ptk-tokenize resume record of this version; starting over"},
+        {"PTKRESUME1\n" + std::string(64, 'a') + "\n" + std::string(200, 'z'),
+         "not a ptk-tokenize resume record of this version; starting over"}}) {
     std::filesystem::remove(dir / "out_text_document.bin");
     std::filesystem::remove(dir / "out_text_document.idx");
     testing::WriteFile(dir / "out_text_document.ptk-resume", record);
@@ -231,6 +234,47 @@ TEST(TokenizeErrors, ForeignOrDamagedResumeRecordMeansStartingOver) {
     EXPECT_EQ(testing::ReadFile(dir / "out_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
     EXPECT_FALSE(testing::Exists(dir / "out_text_document.ptk-resume"));
   }
+}
+
+// Each resume point wrote the whole index so far (4 bytes a sequence, 8 a document) into the
+// record it rewrites: over a long run the bytes written grew with the square of its length (a
+// point a minute over a day's run of a billion documents: 12 GB a point). Now a point appends the
+// entries added since the last to the index log and rewrites a record of fixed size: counted here
+// (the bytes the run wrote for its points, not a time), with a point after every batch.
+TEST(TokenizeErrors, ResumePointsWriteWhatIsNewNotTheWholeIndexAgain) {
+  TempDir dir;
+  std::string docs;
+  for (int i = 0; i < 20000; ++i) docs += fmt::format("{{\"text\": \"document {} of the run\"}}\n", i);
+  testing::WriteFile(dir / "in.jsonl", docs);
+  auto tok = Gpt2Tokenizer::LoadOrDefault("", "");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  TokenizeOptions o;
+  o.inputs = {dir / "in.jsonl"};
+  o.append_eod = true;
+  o.batch_bytes = 8192;  // a few hundred documents a batch: dozens of points
+  o.progress = o.megatron_log = false;
+  o.resume_interval_s = 1e-9;  // a point after every batch
+  o.output_prefix = dir / "pointed";
+  auto pointed = RunTokenize(o, **tok);
+  ASSERT_TRUE(pointed.ok()) << pointed.status();
+  o.resume_interval_s = 0;
+  o.output_prefix = dir / "plain";
+  auto plain = RunTokenize(o, **tok);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->resume_points, 0);
+  EXPECT_EQ(testing::ReadFile(dir / "pointed_text_document.bin"), testing::ReadFile(dir / "plain_text_document.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "pointed_text_document.idx"), testing::ReadFile(dir / "plain_text_document.idx"));
+  EXPECT_FALSE(testing::Exists(dir / "pointed_text_document.ptk-resume"));
+  EXPECT_FALSE(testing::Exists(dir / "pointed_text_document.ptk-resume-index"));
+  const int64_t points = pointed->resume_points;
+  ASSERT_GE(points, 20);
+  // The index once (20000 documents of one sequence: 12 bytes each) and, per point, a record and a
+  // log chunk's header and checksum of a few hundred bytes; the whole index at every point would be
+  // 12 x 20000 x points / 2.
+  const uint64_t bound = 12 * 20000 + 8 + 1024 * static_cast<uint64_t>(points);
+  EXPECT_LE(pointed->resume_bytes_written, bound) << points << " points";
+  std::printf("%lld resume points wrote %llu bytes (at most %llu)\n", static_cast<long long>(points),
+              static_cast<unsigned long long>(pointed->resume_bytes_written), static_cast<unsigned long long>(bound));
 }
 
 TEST(TokenizeErrors, TruncatedOrCorruptCompressedInputFailsWithoutOutput) {
