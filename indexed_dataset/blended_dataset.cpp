@@ -163,7 +163,7 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
     if (st.ok()) st = WriteFileAtomic(prefix + "description.txt", b->description_, /*durable=*/false);
     if (st.ok()) st = b->dataset_index_.Save(prefix + "dataset_index.npy");
     if (st.ok()) st = b->dataset_sample_index_.Save(prefix + "dataset_sample_index.npy");
-    if (!st.ok()) log::Warning("cannot save the blend index cache ({}); continuing without it", StatusMessage(st));
+    if (!st.ok()) WarnIndexCacheNotSaved("BlendedDataset", *config.path_to_cache, config, st);
   }
   return b;
 }

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include <fmt/core.h>
@@ -187,12 +189,26 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
   if (save) {
     absl::Status st = MakeDirs(dir);
     if (!st.ok()) {
-      log::Warning("cannot save the GPTDataset index cache ({}); continuing without it", StatusMessage(st));
+      WarnIndexCacheNotSaved("GPTDataset", dir, config, st);
       save = false;
     }
   }
   PTK_RETURN_IF_ERROR(ds->BuildIndices(num_samples, save));
   return ds;
+}
+
+void WarnIndexCacheNotSaved(const char* what, const std::string& dir, const GPTDatasetConfig& config,
+                            const absl::Status& why) {
+  static std::mutex mu;
+  static std::set<std::string> warned;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!warned.insert(dir).second) return;
+  }
+  log::Warning(
+      "{} {}: cannot save the {} index cache there ({}); the run is unaffected (its indices are built in memory, "
+      "the same), but every run will build them again: give --data-cache-path a directory this process can write",
+      config.path_to_cache ? "--data-cache-path" : "the data's cache directory", dir, what, StatusMessage(why));
 }
 
 // A cache is used when all four files are there, the description is ours and the arrays have the

@@ -52,6 +52,13 @@ struct GPTDatasetConfig {
   int64_t pad = -1;  // Megatron's _PAD_TOKEN_ID when the tokenizer has no usable pad id
 };
 
+// An index cache that could not be written (`what`: "GPTDataset", "BlendedDataset"; `dir`: where
+// it goes): a warning naming the directory, why, and what follows (the indices are built in
+// memory, the same, so the run is unaffected; the next run builds them again), once per directory
+// and process (a run's splits and blended datasets would repeat it).
+void WarnIndexCacheNotSaved(const char* what, const std::string& dir, const GPTDatasetConfig& config,
+                            const absl::Status& why);
+
 // One training sample as Megatron's GPTDataset.__getitem__ returns it.
 struct GPTSample {
   std::vector<int64_t> tokens, labels, position_ids;

@@ -13,6 +13,7 @@
 #include <fmt/core.h>
 
 #include "common/atomic_file.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "indexed_dataset/gpt_dataset.h"
@@ -342,7 +343,7 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   if (st.ok()) st = save_sample;
   // Caches are validated on load and rebuilt when damaged: atomic, not durable.
   if (st.ok() && save) st = WriteFileAtomic(cache_prefix_ + "description.txt", description_, /*durable=*/false);
-  if (!st.ok()) log::Warning("cannot save the GPTDataset index cache ({}); continuing without it", StatusMessage(st));
+  if (!st.ok()) WarnIndexCacheNotSaved("GPTDataset", Dirname(cache_prefix_), config_, st);
   return absl::OkStatus();
 }
 
