@@ -15,6 +15,7 @@
 #include "tensorboard/summary_writer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/counter_rng.h"
+#include "trainer/memory_estimate.h"
 #include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
 #include "trainer/run_settings.h"
@@ -125,6 +126,7 @@ class Trainer {
     backend.micro_batch_size = plan_.micro_batch_size;
     if (pipe_)  // RunTraining checked
       backend.pipeline_stage = StageOf(o_.pipeline_stage_layers, pipe_->rank(), o_.pipeline_virtual_size);
+    if (backend.device == Device::kCpu) PTK_RETURN_IF_ERROR(CheckCpuMemory(backend));
     PTK_ASSIGN_OR_RETURN(model_, CreateModel(o_.model, backend));
     if (o_.use_distributed_optimizer) {
       PTK_ASSIGN_OR_RETURN(const ParamShard shard, ParamShard::Create(model_->num_params(), dp_, rank_));
@@ -164,6 +166,18 @@ class Trainer {
       PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o_.save));
     }
     return absl::OkStatus();
+  }
+
+  // Before the model is made: what this rank will hold (Megatron's line, from rank 0), and a run
+  // that cannot fit in what the machine, its cgroup or ulimit -v leave stopped with both figures.
+  absl::Status CheckCpuMemory(const BackendOptions& backend) {
+    const int T = tensor_ ? tensor_->size() : 1, t = tensor_ ? tensor_->rank() : 0;
+    PTK_ASSIGN_OR_RETURN(
+        const CpuTrainingMemory need,
+        EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
+                                  plan_.micro_batch_size, plan_.micro_batches, !o_.save.empty() || !o_.load.empty()));
+    Print(TheoreticalMemoryLine(need));
+    return CheckFitsInMemory(need, ReadAvailableMemory());
   }
 
   // --load: the weights, and unless --finetune the iteration, data position, moments and the

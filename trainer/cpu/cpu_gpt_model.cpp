@@ -182,80 +182,107 @@ absl::Status CpuGPTModel::EndBucketReduction() {
 
 absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   PTK_RETURN_IF_ERROR(ValidateBatch(config(), batch));
-  const GPTConfig& cf = config();
-  const int64_t n = batch.b * batch.t;
   Activations& a = *act_;
   if (a.b == batch.b && a.t == batch.t && a.chunk == chunk_) return absl::OkStatus();
   a.b = batch.b;
   a.t = batch.t;
   a.chunk = chunk_;
-  // This rank's slices under tensor parallelism: heads, ffn columns, vocabulary rows.
-  const int64_t T = tensor_size(), c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
-                qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
-                vp = cf.padded_vocab_size / T, L = static_cast<int64_t>(layout_.layers.size());
-  const int64_t probs = batch.b * (cf.num_attention_heads / T) * batch.t * batch.t;
-  // A slot holds one model chunk's pass: the buffers of its layers [l0, l1) only (every layer
-  // without chunks), indexed by the stage's layer.
-  const int64_t l0 = chunk_layer_begin(), l1 = chunk_layer_end();
-  auto per_layer = [&](std::vector<std::vector<float>>& v, int64_t count, int64_t size) {
-    v.assign(static_cast<size_t>(count), std::vector<float>());
-    for (int64_t l = 0; l < count; ++l)
-      if (count == 1 || (l >= l0 && l <= l1)) v[static_cast<size_t>(l)].assign(static_cast<size_t>(size), 0.0f);
-  };
-  // The sequence-parallel region (the residual stream, the norms and their statistics) holds this
-  // rank's rows only under sequence parallelism: b x t/T of them.
-  const int64_t rows = sequence_parallel_ ? n / T : n;
-  per_layer(a.resid, L + 1, rows * c);
-  per_layer(a.resid_mid, L, rows * c);
-  per_layer(a.ln1, L, rows * c);
-  per_layer(a.ln1_mean, L, rows);
-  per_layer(a.ln1_rstd, L, rows);
-  per_layer(a.qkv, L, n * qkv);
-  const int64_t qk_rows = cf.qk_layernorm ? n * (cf.num_attention_heads + cf.query_groups()) / T : 0;
-  per_layer(a.qkv_raw, cf.qk_layernorm ? L : 0, n * qkv);
-  per_layer(a.qk_mean, cf.qk_layernorm && cf.normalization == Normalization::kLayerNorm ? L : 0, qk_rows);
-  per_layer(a.qk_rstd, cf.qk_layernorm ? L : 0, qk_rows);
-  per_layer(a.probs, cf.recompute_activations ? 1 : L, probs);
-  per_layer(a.atty, L, n * ct);
-  per_layer(a.ln2, L, rows * c);
-  per_layer(a.ln2_mean, L, rows);
-  per_layer(a.ln2_rstd, L, rows);
-  per_layer(a.fc1, L, n * f1);
-  per_layer(a.gelu, L, n * f);
-  // The final norm, logits and losses only where the pass ends in the loss (the last stage's last
-  // chunk): a pipeline stage's other slots never touch them.
-  const int64_t head = chunk_post_process() ? 1 : 0;
-  a.lnf.assign(head * rows * c, 0.0f);
-  a.lnf_mean.assign(head * rows, 0.0f);
-  a.lnf_rstd.assign(head * rows, 0.0f);
-  a.logits.assign(head * n * vp, 0.0f);
-  a.losses.assign(head * n, 0.0f);
-  a.dloss.assign(head * n, 0.0f);
-  a.tmp.assign(n * c, 0.0f);
-  a.dresid.assign(rows * c, 0.0f);
-  a.dtmp.assign(n * c, 0.0f);
-  a.dln.assign(n * c, 0.0f);
-  a.dff.assign(n * f1, 0.0f);
-  a.dact.assign(cf.swiglu ? n * f : 0, 0.0f);
-  a.dqkv.assign(n * qkv, 0.0f);
-  if (cf.rope()) {  // the rotary tables of this sequence length
-    const int64_t half = cf.rotary_dim() / 2;
-    a.rope_cos.assign(batch.t * half, 0.0f);
-    a.rope_sin.assign(batch.t * half, 0.0f);
+  SizeActivations(layout_, chunk_, sequence_parallel_, batch.b, batch.t, &a);
+  if (config().rope()) {  // the rotary tables of this sequence length
+    const GPTConfig& cf = config();
     cpu::RopeTables(a.rope_cos.data(), a.rope_sin.data(), batch.t, cf.rotary_dim(), cf.rotary_base,
                     cf.use_rope_scaling);
   }
-  a.datt.assign(n * ct, 0.0f);
-  a.scratch.assign(2 * batch.t * batch.t, 0.0f);
-  if (sequence_parallel_) {
-    a.sp_local.assign(rows * c, 0.0f);
-    a.sp_buf.assign(n * c, 0.0f);
-    a.sp_whole.assign(n * c, 0.0f);
-    a.ln_grads.assign(2 * c, 0.0f);
-  }
-  a.targets.assign(n, 0);
-  a.streams.assign(batch.b, 0);
   return absl::OkStatus();
+}
+
+int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool sequence_parallel, int64_t b, int64_t t,
+                                     Activations* a) {
+  const GPTConfig& cf = layout.config;
+  const int64_t n = b * t;
+  int64_t floats = 0;
+  // One buffer: counted, and sized in `a` when there is one.
+  auto put = [&](std::vector<float> Activations::*field, int64_t size) {
+    floats += size;
+    if (a != nullptr) (a->*field).assign(static_cast<size_t>(size), 0.0f);
+  };
+  // This rank's slices under tensor parallelism: heads, ffn columns, vocabulary rows.
+  const int64_t T = layout.tensor_size, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
+                qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
+                vp = cf.padded_vocab_size / T, L = static_cast<int64_t>(layout.layers.size());
+  const int64_t probs = b * (cf.num_attention_heads / T) * t * t;
+  // A slot holds one model chunk's pass: the buffers of its layers [l0, l1) only (every layer
+  // without chunks), indexed by the stage's layer.
+  const int64_t l0 = chunk * layout.chunk_layers(), l1 = (chunk + 1) * layout.chunk_layers();
+  auto per_layer = [&](std::vector<std::vector<float>> Activations::*field, int64_t count, int64_t size) {
+    if (a != nullptr) (a->*field).assign(static_cast<size_t>(count), std::vector<float>());
+    for (int64_t l = 0; l < count; ++l)
+      if (count == 1 || (l >= l0 && l <= l1)) {
+        floats += size;
+        if (a != nullptr) (a->*field)[static_cast<size_t>(l)].assign(static_cast<size_t>(size), 0.0f);
+      }
+  };
+  // The sequence-parallel region (the residual stream, the norms and their statistics) holds this
+  // rank's rows only under sequence parallelism: b x t/T of them.
+  const int64_t rows = sequence_parallel ? n / T : n;
+  per_layer(&Activations::resid, L + 1, rows * c);
+  per_layer(&Activations::resid_mid, L, rows * c);
+  per_layer(&Activations::ln1, L, rows * c);
+  per_layer(&Activations::ln1_mean, L, rows);
+  per_layer(&Activations::ln1_rstd, L, rows);
+  per_layer(&Activations::qkv, L, n * qkv);
+  const int64_t qk_rows = cf.qk_layernorm ? n * (cf.num_attention_heads + cf.query_groups()) / T : 0;
+  per_layer(&Activations::qkv_raw, cf.qk_layernorm ? L : 0, n * qkv);
+  per_layer(&Activations::qk_mean, cf.qk_layernorm && cf.normalization == Normalization::kLayerNorm ? L : 0, qk_rows);
+  per_layer(&Activations::qk_rstd, cf.qk_layernorm ? L : 0, qk_rows);
+  per_layer(&Activations::probs, cf.recompute_activations ? 1 : L, probs);
+  per_layer(&Activations::atty, L, n * ct);
+  per_layer(&Activations::ln2, L, rows * c);
+  per_layer(&Activations::ln2_mean, L, rows);
+  per_layer(&Activations::ln2_rstd, L, rows);
+  per_layer(&Activations::fc1, L, n * f1);
+  per_layer(&Activations::gelu, L, n * f);
+  // The final norm, logits and losses only where the pass ends in the loss (the last stage's last
+  // chunk): a pipeline stage's other slots never touch them.
+  const int64_t head = layout.ChunkPostProcess(chunk) ? 1 : 0;
+  put(&Activations::lnf, head * rows * c);
+  put(&Activations::lnf_mean, head * rows);
+  put(&Activations::lnf_rstd, head * rows);
+  put(&Activations::logits, head * n * vp);
+  put(&Activations::losses, head * n);
+  put(&Activations::dloss, head * n);
+  // The vocabulary-parallel cross entropy's work buffer (cpu::VocabParallelCrossEntropy's size).
+  put(&Activations::xent_work, head * (T > 1 ? (T + 2) * n : 0));
+  put(&Activations::tmp, n * c);
+  put(&Activations::dresid, rows * c);
+  put(&Activations::dtmp, n * c);
+  put(&Activations::dln, n * c);
+  put(&Activations::dff, n * f1);
+  put(&Activations::dact, cf.swiglu ? n * f : 0);
+  put(&Activations::dqkv, n * qkv);
+  const int64_t half = cf.rope() ? cf.rotary_dim() / 2 : 0;
+  put(&Activations::rope_cos, t * half);
+  put(&Activations::rope_sin, t * half);
+  put(&Activations::datt, n * ct);
+  put(&Activations::scratch, 2 * t * t);
+  const bool sp = sequence_parallel;
+  put(&Activations::sp_local, sp ? rows * c : 0);
+  put(&Activations::sp_buf, sp ? n * c : 0);
+  put(&Activations::sp_whole, sp ? n * c : 0);
+  put(&Activations::ln_grads, sp ? 2 * c : 0);
+  if (a != nullptr) {
+    a->targets.assign(static_cast<size_t>(n), 0);
+    a->streams.assign(static_cast<size_t>(b), 0);
+  }
+  return floats;
+}
+
+int64_t CpuGPTModel::PlanActivationFloats(const ParamLayout& layout, bool sequence_parallel, int64_t micro_batch_size) {
+  int64_t most = 0;  // the largest of the model chunks' slots
+  for (int v = 0; v < layout.virtual_size; ++v)
+    most = std::max(most, SizeActivations(layout, v, sequence_parallel && layout.tensor_size > 1, micro_batch_size,
+                                          layout.config.seq_length, nullptr));
+  return most;
 }
 
 int64_t CpuGPTModel::ActivationFloats() const {

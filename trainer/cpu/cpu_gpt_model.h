@@ -33,6 +33,11 @@ class CpuGPTModel final : public GPTModel {
   // The floats of the activation buffers, as the last pass sized them for its micro-batch: what is
   // kept for backward and the transient buffers (tests compare the sequence-parallel footprint).
   int64_t ActivationFloats() const;
+  // The floats ActivationFloats counts after a pass over a micro-batch of `micro_batch_size`
+  // sequences of the configuration's length, for the largest of the layout's model chunks, without
+  // building the model: what one activation slot of a run will hold (the memory check before the
+  // model is made, trainer/memory_estimate.h).
+  static int64_t PlanActivationFloats(const ParamLayout& layout, bool sequence_parallel, int64_t micro_batch_size);
 
   Device device() const override { return Device::kCpu; }
   Precision precision() const override { return Precision::kFp32; }
@@ -79,6 +84,10 @@ class CpuGPTModel final : public GPTModel {
   struct Activations;
   explicit CpuGPTModel(ParamLayout layout);
   absl::Status Prepare(const ModelBatch& batch);
+  // The activation buffers of model chunk `chunk`'s pass over a (b, t) micro-batch: sized in `a`
+  // when it is given, and counted (floats), so that what a run is said to need is what Prepare makes.
+  static int64_t SizeActivations(const ParamLayout& layout, int chunk, bool sequence_parallel, int64_t b, int64_t t,
+                                 Activations* a);
   // Up to the logits (this rank's vocabulary slice under tensor parallelism).
   absl::Status RunForward(const ModelBatch& batch, bool train, uint64_t seed);
   // From the logits, which the loss step has turned into their gradient.

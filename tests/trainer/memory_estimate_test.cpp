@@ -1,0 +1,133 @@
+// What a CPU run needs before its model is made (trainer/memory_estimate.h): the activation floats
+// planned are the ones the model's pass allocates, for GPT-3's and the Llama line's shapes; the
+// memory available is the least of MemAvailable, every cgroup's limit less its use and ulimit -v;
+// a run that does not fit is refused in one line with both figures.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "common/system_memory.h"
+#include "tests/test_util.h"
+#include "tests/trainer/test_batches.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+#include "trainer/memory_estimate.h"
+
+namespace ptk {
+namespace {
+
+GPTConfig Gpt3() {
+  GPTConfig c;
+  c.num_layers = 3;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 128;
+  c.seq_length = 16;
+  c.max_position_embeddings = 16;
+  c.vocab_size = c.padded_vocab_size = 97;
+  return c;
+}
+
+GPTConfig Llama() {
+  GPTConfig c = Gpt3();
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding = PositionEmbedding::kRope;
+  c.swiglu = true;
+  c.num_query_groups = 2;
+  c.add_bias_linear = false;
+  c.qk_layernorm = true;
+  c.untie_embeddings_and_output_weights = true;
+  return c;
+}
+
+// The plan is what a training pass sizes: every activation buffer of ActivationFloats.
+TEST(MemoryEstimate, PlannedActivationsAreWhatThePassAllocates) {
+  GPTConfig recompute = Gpt3();
+  recompute.recompute_activations = true;
+  for (const GPTConfig& c : {Gpt3(), recompute, Llama()}) {
+    auto model = CpuGPTModel::Create(c);
+    ASSERT_TRUE(model.ok()) << model.status();
+    testing::Batches batches(1, c.seq_length);
+    ASSERT_TRUE((*model)->ForwardBackward(batches.Get(0), 1.0, /*train=*/true, 7).ok());
+    EXPECT_EQ(CpuGPTModel::PlanActivationFloats((*model)->layout(), false, 2), (*model)->ActivationFloats());
+    auto m = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 2, 4, /*checkpoints=*/true);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->params, (*model)->num_params());
+    EXPECT_EQ(m->weights_and_optimizer, 16.0 * static_cast<double>((*model)->num_params()));
+    EXPECT_EQ(m->checkpoint_copies, 12.0 * static_cast<double>((*model)->num_params()));
+    EXPECT_EQ(m->activation_slots, 1);
+    EXPECT_EQ(m->activations, 4.0 * static_cast<double>((*model)->ActivationFloats()) + 4.0 * 32 + 8.0 * 2);
+  }
+}
+
+// Pipeline stages keep the activations of the micro-batches in flight: 1F1B's min(P - p, M).
+TEST(MemoryEstimate, PipelineStagesKeepTheirMicroBatchesInFlight) {
+  const GPTConfig c = Gpt3();
+  PipelineStage first{.size = 3, .rank = 0, .first_layer = 0, .num_layers = 1};
+  PipelineStage last{.size = 3, .rank = 2, .first_layer = 2, .num_layers = 1};
+  auto a = EstimateCpuTrainingMemory(c, 1, 0, false, first, 2, 8, false);
+  auto b = EstimateCpuTrainingMemory(c, 1, 0, false, last, 2, 8, false);
+  auto few = EstimateCpuTrainingMemory(c, 1, 0, false, first, 2, 2, false);
+  ASSERT_TRUE(a.ok() && b.ok() && few.ok());
+  EXPECT_EQ(a->activation_slots, 3);
+  EXPECT_EQ(b->activation_slots, 1);
+  EXPECT_EQ(few->activation_slots, 2);
+  EXPECT_EQ(a->checkpoint_copies, 0);
+}
+
+void Put(const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  testing::WriteFile(path, text);
+}
+
+// MemAvailable, then a cgroup v2 limit less its use (less the inactive page cache it can reclaim)
+// when that is less; a parent's "max" is no limit.
+TEST(SystemMemory, TheLeastOfMemAvailableAndTheCgroupLimits) {
+  testing::TempDir root;
+  Put(root / "proc/meminfo", "MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n");
+  EXPECT_EQ(ReadAvailableMemory(root.path()).bytes, int64_t{8000000} * 1024);
+  EXPECT_EQ(ReadAvailableMemory(root.path()).source, "MemAvailable in /proc/meminfo");
+  Put(root / "proc/self/cgroup", "0::/job/step\n");
+  Put(root / "sys/fs/cgroup/memory.max", "max\n");
+  Put(root / "sys/fs/cgroup/memory.current", "123\n");
+  Put(root / "sys/fs/cgroup/job/memory.max", "4294967296\n");
+  Put(root / "sys/fs/cgroup/job/memory.current", "3221225472\n");
+  Put(root / "sys/fs/cgroup/job/memory.stat", "anon 100\ninactive_file 536870912\nactive_file 5\n");
+  const AvailableMemory a = ReadAvailableMemory(root.path());
+  EXPECT_EQ(a.bytes, int64_t{4294967296} - (int64_t{3221225472} - 536870912));
+  EXPECT_EQ(a.source, "the cgroup limit 4.0 GiB (/sys/fs/cgroup/job) less its use");
+  // cgroup v1: memory.limit_in_bytes (no limit: a number near 2^63) and memory.usage_in_bytes.
+  testing::TempDir v1;
+  Put(v1 / "proc/meminfo", "MemAvailable:    8000000 kB\n");
+  Put(v1 / "proc/self/cgroup", "5:cpu,memory:/slurm/job1\n1:name=systemd:/\n");
+  Put(v1 / "sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  Put(v1 / "sys/fs/cgroup/memory/memory.usage_in_bytes", "1\n");
+  Put(v1 / "sys/fs/cgroup/memory/slurm/job1/memory.limit_in_bytes", "2147483648\n");
+  Put(v1 / "sys/fs/cgroup/memory/slurm/job1/memory.usage_in_bytes", "1073741824\n");
+  EXPECT_EQ(ReadAvailableMemory(v1.path()).bytes, int64_t{1073741824});
+  testing::TempDir none;
+  EXPECT_EQ(ReadAvailableMemory(none.path()).bytes, -1);  // nothing to check against
+  EXPECT_GT(ReadAvailableMemory().bytes, 0);              // this machine's
+}
+
+TEST(MemoryEstimate, ARunThatDoesNotFitIsRefusedWithBothFigures) {
+  CpuTrainingMemory need;
+  need.params = 1000000;
+  need.weights_and_optimizer = 16e6;
+  need.activation_slots = 2;
+  need.activations = 4e6;
+  EXPECT_TRUE(CheckFitsInMemory(need, {int64_t{20000000}, "x"}).ok());
+  EXPECT_TRUE(CheckFitsInMemory(need, {-1, ""}).ok());
+  const absl::Status st = CheckFitsInMemory(need, {int64_t{10000000}, "MemAvailable in /proc/meminfo"});
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(std::string(st.message()),
+            "not enough memory: this rank needs 19.1 MiB (1000000 parameters: 15.3 MiB for the weights, gradients and "
+            "AdamW moments; 3.8 MiB of activations for 2 micro-batches in flight), and 9.5 MiB is available "
+            "(MemAvailable in /proc/meminfo); nothing was allocated: use a smaller model, --micro-batch-size or "
+            "--seq-length, --recompute-activations, or more tensor or pipeline ranks");
+  EXPECT_EQ(TheoreticalMemoryLine(need),
+            "Theoretical memory footprints: weight and optimizer=15.26 MB, activation=3.81 MB, total=19.07 MB");
+}
+
+}  // namespace
+}  // namespace ptk

@@ -1,0 +1,58 @@
+// A CPU-backend run's memory, worked out before the model is made, and the check that it fits.
+#include "trainer/memory_estimate.h"
+
+#include <algorithm>
+
+#include <fmt/core.h>
+
+#include "common/human_format.h"
+#include "common/status.h"
+#include "trainer/cpu/cpu_gpt_model.h"
+
+namespace ptk {
+
+absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
+                                                            bool sequence_parallel, const PipelineStage& stage,
+                                                            int64_t micro_batch_size, int64_t micro_batches,
+                                                            bool checkpoints) {
+  PTK_ASSIGN_OR_RETURN(const ParamLayout layout, ParamLayout::Create(model, tensor_size, tensor_rank, stage));
+  CpuTrainingMemory m;
+  m.params = layout.num_params;
+  const double n = static_cast<double>(layout.num_params);
+  // CpuGPTModel keeps all four buffers whole: a ZeRO-1 shard of the moments reuses their capacity.
+  m.weights_and_optimizer = 16 * n;
+  const int P = stage.size, p = stage.rank, V = stage.virtual_size;
+  const int64_t mb = std::max<int64_t>(1, micro_batches);
+  m.activation_slots = P <= 1  ? 1
+                       : V > 1 ? std::min<int64_t>(int64_t{P - p - 1} * 2 + int64_t{V - 1} * P + 1, V * mb)
+                               : std::min<int64_t>(P - p, mb);
+  const int64_t floats = CpuGPTModel::PlanActivationFloats(layout, sequence_parallel, micro_batch_size);
+  const int64_t tokens = micro_batch_size * model.seq_length;  // the targets (int32) and dropout streams (uint64)
+  m.activations = static_cast<double>(m.activation_slots) *
+                  (4.0 * static_cast<double>(floats) + 4.0 * static_cast<double>(tokens) + 8.0 * micro_batch_size);
+  if (checkpoints) m.checkpoint_copies = 12 * n;
+  return m;
+}
+
+std::string TheoreticalMemoryLine(const CpuTrainingMemory& m) {
+  constexpr double kMB = 1024.0 * 1024.0;
+  return fmt::format(
+      "Theoretical memory footprints: weight and optimizer={:.2f} MB, activation={:.2f} MB, total={:.2f} MB",
+      m.weights_and_optimizer / kMB, m.activations / kMB, m.total() / kMB);
+}
+
+absl::Status CheckFitsInMemory(const CpuTrainingMemory& need, const AvailableMemory& available) {
+  if (available.bytes < 0 || need.total() <= static_cast<double>(available.bytes)) return absl::OkStatus();
+  return absl::FailedPreconditionError(fmt::format(
+      "not enough memory: this rank needs {} ({} parameters: {} for the weights, gradients and AdamW moments; {} of "
+      "activations for {} micro-batch{} in flight{}), and {} is available ({}); nothing was allocated: use a smaller "
+      "model, --micro-batch-size or --seq-length, --recompute-activations, or more tensor or pipeline ranks",
+      HumanBytes(need.total()), need.params, HumanBytes(need.weights_and_optimizer), HumanBytes(need.activations),
+      need.activation_slots, need.activation_slots == 1 ? "" : "es",
+      need.checkpoint_copies > 0 ? fmt::format("; {} for the checkpoint's copies of the weights and moments",
+                                               HumanBytes(need.checkpoint_copies))
+                                 : "",
+      HumanBytes(static_cast<double>(available.bytes)), available.source));
+}
+
+}  // namespace ptk

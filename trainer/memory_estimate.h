@@ -1,0 +1,47 @@
+// What a CPU-backend run's rank needs in memory, worked out before the model is made: printed as
+// Megatron's "Theoretical memory footprints" line, and checked against what the machine, the
+// cgroup and ulimit -v leave (common/system_memory.h), so that a run that cannot fit stops at once
+// saying so instead of in std::bad_alloc or at the OOM killer mid-way.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/system_memory.h"
+#include "trainer/gpt_model.h"
+#include "trainer/param_layout.h"
+
+namespace ptk {
+
+// One rank's buffers, in bytes.
+struct CpuTrainingMemory {
+  int64_t params = 0;                // this rank's parameters
+  double weights_and_optimizer = 0;  // parameters, gradients and AdamW's two moments: 16 bytes each
+  int64_t activation_slots = 0;      // micro-batches (of one model chunk) whose activations are kept
+  double activations = 0;            // those slots' buffers
+  double checkpoint_copies = 0;      // --save / --load: parameters and moments copied out (12 bytes each)
+  double total() const { return weights_and_optimizer + activations + checkpoint_copies; }
+};
+
+// The CPU model's buffers (CpuGPTModel: its parameters, gradients and moments, and the activation
+// buffers of `micro_batch_size` sequences, exactly as it sizes them) on tensor rank `tensor_rank`
+// of `tensor_size` and pipeline stage `stage`, keeping the activations of as many micro-batches as
+// the schedule holds in flight (1F1B: min(P - p, micro-batches); interleaved: Megatron's warm-up
+// plus one), and the copies a checkpoint's save or load makes when `checkpoints`.
+absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
+                                                            bool sequence_parallel, const PipelineStage& stage,
+                                                            int64_t micro_batch_size, int64_t micro_batches,
+                                                            bool checkpoints);
+
+// Megatron's line (megatron/training/theoretical_memory_usage.py), MB of 2^20 bytes:
+// "Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB"; the
+// checkpoint copies count in the total.
+std::string TheoreticalMemoryLine(const CpuTrainingMemory& m);
+
+// FailedPrecondition, one line, when the need is more than what is available: both figures, where
+// the limit comes from and what to change. OK when it fits or nothing could be read.
+absl::Status CheckFitsInMemory(const CpuTrainingMemory& need, const AvailableMemory& available);
+
+}  // namespace ptk
