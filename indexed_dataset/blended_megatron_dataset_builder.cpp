@@ -233,4 +233,30 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
   return result;
 }
 
+namespace {
+bool PerSplit(const DataArgs& args) {
+  return !args.per_split_data_path[0].empty() || !args.per_split_data_path[1].empty() ||
+         !args.per_split_data_path[2].empty();
+}
+}  // namespace
+
+absl::Status CheckDataPaths(const DataArgs& args) {
+  std::vector<const std::vector<std::string>*> lists = {&args.data_path};
+  for (const auto& p : args.per_split_data_path) lists.push_back(&p);
+  for (const std::vector<std::string>* list : lists) {
+    std::vector<std::string> prefixes;
+    std::optional<std::vector<double>> weights;
+    PTK_RETURN_IF_ERROR(ParseBlend(*list, &prefixes, &weights));
+    for (const std::string& prefix : prefixes)
+      PTK_RETURN_IF_ERROR(ResolveDatasetPrefix(prefix, /*accept_file_names=*/false).status());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> HasValidationSplit(const DataArgs& args) {
+  if (PerSplit(args)) return !args.per_split_data_path[1].empty();
+  PTK_ASSIGN_OR_RETURN(const auto split, ParseAndNormalizeSplit(args.split));
+  return split[1] > 0;
+}
+
 }  // namespace ptk

@@ -30,4 +30,14 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
 absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,
                         std::optional<std::vector<double>>* weights);
 
+// Before anything is built or read: every prefix the data paths name is a whole dataset (each
+// ResolveDatasetPrefix's NotFound naming what is wrong: a missing pair, half of one, a misspelt
+// name), and the blends parse. So that a run stops at once, not after its model is made.
+absl::Status CheckDataPaths(const DataArgs& args);
+
+// Whether the validation split can hold data: a --valid-data-path with per-split paths, else a
+// --split whose second part is above 0 (Megatron builds no validation dataset otherwise, and
+// evaluates nothing).
+absl::StatusOr<bool> HasValidationSplit(const DataArgs& args);
+
 }  // namespace ptk

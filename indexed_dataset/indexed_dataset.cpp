@@ -287,7 +287,13 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
   for (std::string_view ext : {".bin", ".idx"})
     if (prefix.size() > ext.size() && prefix.compare(prefix.size() - ext.size(), ext.size(), ext) == 0)
       prefix.resize(prefix.size() - ext.size());
-  const bool exists = PathExists(IdxPath(prefix)) || PathExists(BinPath(prefix));
+  const bool has_idx = PathExists(IdxPath(prefix)), has_bin = PathExists(BinPath(prefix));
+  const bool exists = has_idx || has_bin;
+  // Half a dataset (a copy or a download that stopped, one file deleted): said so, not "cannot open".
+  if (has_idx != has_bin && (accept_file_names || prefix == arg) && !PathExists(PublishJournalPath(prefix)))
+    return absl::NotFoundError(fmt::format(
+        "{}: {} is there but not {}: a dataset is the pair of files (one copied or deleted without the other?)", arg,
+        has_bin ? BinPath(prefix) : IdxPath(prefix), has_bin ? IdxPath(prefix) : BinPath(prefix)));
   if (exists && (accept_file_names || prefix == arg)) return prefix;
   if (exists)
     return absl::NotFoundError(fmt::format(
@@ -336,7 +342,8 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
 
 absl::StatusOr<std::unique_ptr<IndexedDataset>> IndexedDataset::Open(const std::string& prefix, bool multimodal) {
   // Nothing of the dataset here: say which name was meant, when one near it holds a dataset.
-  if (!PathExists(IdxPath(prefix)) && !PathExists(BinPath(prefix)) && !PathExists(PublishJournalPath(prefix)))
+  // Half of one: which file is missing.
+  if (!(PathExists(IdxPath(prefix)) && PathExists(BinPath(prefix))) && !PathExists(PublishJournalPath(prefix)))
     PTK_RETURN_IF_ERROR(ResolveDatasetPrefix(prefix, /*accept_file_names=*/false).status());
   if (PathExists(PublishJournalPath(prefix))) {
     absl::Status st = CompletePendingPublish(PublishJournalPath(prefix));

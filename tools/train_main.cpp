@@ -14,10 +14,12 @@
 #include <tbb/global_control.h>
 
 #include "common/cli.h"
+#include "common/file_paths.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
 #include "common/slurm_env.h"
 #include "common/status.h"
+#include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tools/train_flags.h"
 #include "trainer/comm.h"
@@ -64,6 +66,29 @@ void InstallExitSignalHandlers() {
   pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
 }
 
+// What would fail only after the model is built, checked first: --save a file (or below one), the
+// datasets (by the first and last stage, which read them: each a whole .bin/.idx pair), and
+// --eval-iters given with no validation split (Megatron then evaluates nothing, exit 0).
+absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int stage, int stages) {
+  if (!o.save.empty()) {
+    std::string p = o.save;  // the deepest part of it that exists must be a directory
+    while (!ptk::PathExists(p) && ptk::Dirname(p) != p) p = ptk::Dirname(p);
+    if (ptk::PathExists(p) && !ptk::IsDirectory(p))
+      return absl::FailedPreconditionError(
+          fmt::format("--save {}: {} is a file, not a directory: checkpoints are directories", o.save, p));
+  }
+  if (o.mock_data || (stage != 0 && stage != stages - 1)) return absl::OkStatus();
+  PTK_RETURN_IF_ERROR(ptk::CheckDataPaths(o.data));
+  if (app.count("--eval-iters") == 0 || o.eval_iters == 0 || o.eval_interval == 0) return absl::OkStatus();
+  PTK_ASSIGN_OR_RETURN(const bool valid, ptk::HasValidationSplit(o.data));
+  if (valid) return absl::OkStatus();
+  const bool per_split = o.data.data_path.empty();
+  return ptk::UsageError(fmt::format(
+      "--eval-iters {}: the run has no validation data ({}), so nothing would be evaluated; {}, or --eval-iters 0",
+      o.eval_iters, per_split ? "no --valid-data-path" : "--split " + o.data.split + " gives it no part",
+      per_split ? "give --valid-data-path" : "give --split a validation part (e.g. 98,2,0)"));
+}
+
 // The flags resolved (notes in *notes), the tokenizer for text samples, Megatron's layout of these
 // ranks and every check between settings: all before any rank waits for another.
 absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks,
@@ -100,6 +125,7 @@ absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, co
                     ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
   }
   *layout = *std::move(made);
+  PTK_RETURN_IF_ERROR(CheckRunInputs(app, *options, (*layout)->Coords(ranks.rank).pipeline, pp));
   return ptk::PlanTraining(*options, (*layout)->data_size());
 }
 

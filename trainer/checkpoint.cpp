@@ -529,9 +529,9 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   const std::string saved_json = simdjson::minify(saved_model), mine_json = simdjson::minify(mine);
   if (num_params != layout.num_params || saved_json != mine_json)
     return absl::FailedPreconditionError(fmt::format(
-        "{}: the checkpoint's model {} ({} parameters) differs from this run's {} ({} parameters): model flags differ "
-        "from the saved run's",
-        file, saved_json, num_params, mine_json, layout.num_params));
+        "{}: the checkpoint is of another model: {} ({} parameters saved, {} in this run); give the saved run's model "
+        "flags, or --use-checkpoint-args to take them from the checkpoint",
+        file, ModelDifferences(saved_model, mine), num_params, layout.num_params));
   const size_t bytes = static_cast<size_t>(num_params) * sizeof(float);
   const size_t payload = sizeof kMagic + 8 + len;
   if (payload + 3 * bytes != body.size()) return corrupt("payload size does not match the header");

@@ -18,4 +18,8 @@ inline constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
 // when the key holds anything else.
 bool ReadHeaderSettings(simdjson::dom::element header, std::vector<std::pair<std::string, std::string>>* out);
 
+// The settings two model descriptions (the header's "model") differ in, as the flags that set them:
+// "--num-layers 2 (this run: 3), --hidden-size 32 (this run: 64)".
+std::string ModelDifferences(simdjson::dom::element saved, simdjson::dom::element mine);
+
 }  // namespace ptk

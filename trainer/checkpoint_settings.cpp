@@ -1,6 +1,8 @@
-// The run's settings recorded in a checkpoint's header (for --use-checkpoint-args and the convert tool).
+// The run's settings recorded in a checkpoint's header (for --use-checkpoint-args and the convert tool),
+// and how a saved model differs from a run's.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -83,6 +85,32 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointS
   if (!model["untie_embeddings_and_output_weights"].get(untie))
     out.emplace_back("--untie-embeddings-and-output-weights", untie ? "on" : "off");
   return out;
+}
+
+std::string ModelDifferences(simdjson::dom::element saved, simdjson::dom::element mine) {
+  simdjson::dom::object a, b;
+  if (saved.get(a) || mine.get(b)) return "another description";
+  std::string out;
+  auto add = [&](std::string_view key, const std::string& was, const std::string& now) {
+    std::string flag = "--" + std::string(key);
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (key == "padded_vocab_size") flag = "a padded vocabulary of";
+    out += fmt::format("{}{} {} (this run: {})", out.empty() ? "" : ", ", flag, was, now);
+  };
+  for (auto field : a) {
+    simdjson::dom::element other;
+    const std::string was = simdjson::minify(field.value);
+    if (b[field.key].get(other)) {
+      add(field.key, was, "none");
+    } else if (const std::string now = simdjson::minify(other); now != was) {
+      add(field.key, was, now);
+    }
+  }
+  for (auto field : b) {
+    simdjson::dom::element other;
+    if (a[field.key].get(other)) add(field.key, "none", simdjson::minify(field.value));
+  }
+  return out.empty() ? "the same settings, another parameter count" : out;
 }
 
 }  // namespace ptk

@@ -1,0 +1,192 @@
+// ptk-train refusing what cannot work before it starts, in one line, and what it must still get
+// right: the memory a run needs printed before anything is allocated (Megatron's "Theoretical memory
+// footprints" line) and a run that cannot fit refused with both figures; an index cache that
+// cannot be written (the run is the same); half a dataset; --eval-iters with no validation split;
+// --save below a file; --load of another model's checkpoint; SIGTERM during a checkpoint write.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+using testing::TempDir;
+
+class TrainRefusals : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = dir_ / "data_text_document";
+    ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(prefix_, 200, testing::kSmallVocabEod));
+  }
+  std::string Train(const std::string& extra, int64_t iters = 4) {
+    return testing::Tool("ptk-train") +
+           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 " +
+           testing::SmallVocabFlags() +
+           " --global-batch-size 4 --lr 5e-3 --split 98,2,0 --eval-interval 2 --eval-iters 1 --log-interval 1"
+           " --threads 2 --train-iters " +
+           std::to_string(iters) + " " + extra;
+  }
+  std::string Data() const { return " --data-path " + ShellQuote(prefix_); }
+  // The lines of `out` that start with "ptk-train: error:" or "ptk-train: usage error:".
+  static std::vector<std::string> Errors(const std::string& out) {
+    std::vector<std::string> v;
+    for (size_t at = 0; at < out.size();) {
+      const size_t end = std::min(out.find('\n', at), out.size());
+      const std::string line = out.substr(at, end - at);
+      if (line.rfind("ptk-train: error:", 0) == 0 || line.rfind("ptk-train: usage error:", 0) == 0) v.push_back(line);
+      at = end + 1;
+    }
+    return v;
+  }
+  TempDir dir_;
+  std::string prefix_;
+};
+
+// Every run says what it needs, as Megatron's line, before the model is made.
+TEST_F(TrainRefusals, TheMemoryARunNeedsIsPrintedBeforeItStarts) {
+  auto r = RunCmd(Train(Data()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const size_t line = r.output.find("Theoretical memory footprints: weight and optimizer=");
+  ASSERT_NE(line, std::string::npos) << r.output;
+  EXPECT_LT(line, r.output.find("start-up: model built")) << r.output;
+  EXPECT_NE(r.output.find(" MB, activation=", line), std::string::npos);
+}
+
+// A model of 750 TiB: refused before anything is allocated (it died in std::bad_alloc, after
+// minutes of allocating on a machine with overcommit, or at the OOM killer), and under ulimit -v a
+// run that needs 2.2 GiB, with the limit named.
+TEST_F(TrainRefusals, ARunThatCannotFitIsRefusedWithWhatItNeedsAndWhatIsAvailable) {
+  auto huge = RunCmd(testing::Tool("ptk-train") +
+                     " --num-layers 1000 --hidden-size 65536 --num-attention-heads 64 --seq-length 1024 --lr 1e-3"
+                     " --train-iters 1 --micro-batch-size 1 --mock-data --threads 1");
+  EXPECT_EQ(huge.exit_code, 1) << huge.output;
+  ASSERT_EQ(Errors(huge.output).size(), 1u) << huge.output;
+  EXPECT_EQ(Errors(huge.output)[0].rfind("ptk-train: error: not enough memory: this rank needs 754.2 TiB (", 0), 0u)
+      << huge.output;
+  EXPECT_NE(huge.output.find(" is available ("), std::string::npos) << huge.output;
+  EXPECT_EQ(huge.output.find("start-up: model built"), std::string::npos) << huge.output;
+  auto limited = RunCmd("bash -c " + ShellQuote("ulimit -v 1500000; " + testing::Tool("ptk-train") +
+                                                " --num-layers 4 --hidden-size 1024 --num-attention-heads 16"
+                                                " --seq-length 512 --lr 1e-3 --train-iters 1 --micro-batch-size 2"
+                                                " --mock-data --threads 1"));
+  EXPECT_EQ(limited.exit_code, 1) << limited.output;
+  ASSERT_EQ(Errors(limited.output).size(), 1u) << limited.output;
+  EXPECT_NE(Errors(limited.output)[0].find("this rank needs 2.1 GiB ("), std::string::npos) << limited.output;
+  EXPECT_NE(Errors(limited.output)[0].find(" is available (ulimit -v 1500000 KiB less this process's "),
+            std::string::npos)
+      << limited.output;
+}
+
+// --data-cache-path where no directory can be made: the run is the same as with a cache (its indices
+// built in memory), and one warning names the path and what follows (it said "continuing without
+// it" once per split, naming neither).
+TEST_F(TrainRefusals, AnUnwritableIndexCacheWarnsOnceAndTheRunIsTheSame) {
+  testing::WriteFile(dir_ / "afile", "x");
+  auto cached = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "cache")));
+  ASSERT_EQ(cached.exit_code, 0) << cached.output;
+  auto r = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "afile/cache")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(r.output), testing::LogLinesWithoutTimes(cached.output));
+  EXPECT_EQ(testing::LogLinesWithoutTimes(r.output).size(), 4u);
+  const std::string warning = "ptk-train: warning: --data-cache-path " + dir_ / "afile/cache" +
+                              ": cannot save the GPTDataset index cache there (";
+  const size_t at = r.output.find(warning);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(warning, at + 1), std::string::npos) << "warned more than once: " << r.output;
+  EXPECT_NE(r.output.find("the run is unaffected (its indices are built in memory, the same), but every run will "
+                          "build them again: give --data-cache-path a directory this process can write",
+                          at),
+            std::string::npos)
+      << r.output;
+}
+
+// Each refused in one line before the model is made (a .bin without its .idx said "cannot open
+// PREFIX.idx: No such file or directory" after it; --eval-iters with --split 100,0,0 evaluated
+// nothing and exited 0; --save below a file said "afile is not a directory" after building it).
+TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
+  std::filesystem::copy_file(prefix_ + ".bin", dir_ / "half.bin");
+  testing::WriteFile(dir_ / "afile", "x");
+  const std::pair<std::string, std::string> cases[] = {
+      {" --data-path " + ShellQuote(dir_ / "half"),
+       "ptk-train: error: " + dir_ / "half" + ": " + dir_ / "half.bin" + " is there but not " + dir_ / "half.idx" +
+           ": a dataset is the pair of files (one copied or deleted without the other?)"},
+      {" --data-path 0.5 " + ShellQuote(prefix_) + " 0.5 " + ShellQuote(dir_ / "half"),
+       "ptk-train: error: " + dir_ / "half" + ": " + dir_ / "half.bin" + " is there but not"},
+      {Data() + " --split 100,0,0 --eval-iters 3",
+       "ptk-train: usage error: --eval-iters 3: the run has no validation data (--split 100,0,0 gives it no part), "
+       "so nothing would be evaluated; give --split a validation part (e.g. 98,2,0), or --eval-iters 0"},
+      {" --train-data-path " + ShellQuote(prefix_) + " --eval-iters 3",
+       "ptk-train: usage error: --eval-iters 3: the run has no validation data (no --valid-data-path)"},
+      {Data() + " --save " + ShellQuote(dir_ / "afile/ck"),
+       "ptk-train: error: --save " + dir_ / "afile/ck" + ": " + dir_ / "afile" +
+           " is a file, not a directory: checkpoints are directories"},
+  };
+  for (const auto& [flags, says] : cases) {
+    auto r = RunCmd(Train(flags));
+    EXPECT_NE(r.exit_code, 0) << flags;
+    ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+    EXPECT_EQ(Errors(r.output)[0].rfind(says, 0), 0u) << r.output;
+    EXPECT_EQ(r.output.find("start-up: model built"), std::string::npos) << r.output;
+  }
+  // Megatron's default --eval-iters (100) with a split without validation: nothing to evaluate, as
+  // in Megatron, and no refusal (the flag was not given).
+  std::string defaults = Train(Data() + " --split 100,0,0");
+  defaults.erase(defaults.find(" --eval-iters 1"), 15);
+  auto quiet = RunCmd(defaults);
+  EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
+}
+
+// --load of another model's checkpoint names the flags that differ (it printed both models' JSON).
+TEST_F(TrainRefusals, ACheckpointOfAnotherModelNamesTheFlagsThatDiffer) {
+  const std::string ck = ShellQuote(dir_ / "ck");
+  ASSERT_EQ(RunCmd(Train(Data() + " --save " + ck, 2)).exit_code, 0);
+  std::string other = Train(Data() + " --load " + ck);
+  other.replace(other.find("--num-layers 2 --hidden-size 32"), 31, "--num-layers 3 --hidden-size 64");
+  auto r = RunCmd(other);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+  EXPECT_NE(Errors(r.output)[0].find(": the checkpoint is of another model: --num-layers 2 (this run: 3), "
+                                     "--hidden-size 32 (this run: 64), --ffn-hidden-size 128 (this run: 256) ("),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(Errors(r.output)[0].find("; give the saved run's model flags, or --use-checkpoint-args"),
+            std::string::npos);
+}
+
+// SIGTERM the moment a checkpoint is being written (its temporary directory polled for by a shell
+// builtin) after a first one was saved, with and without --exit-signal-handler: the previous
+// checkpoint (with the handler, the one being written) loads, and nothing half-written is left.
+TEST_F(TrainRefusals, SigtermDuringACheckpointWriteLeavesTheLastOneLoadable) {
+  for (const std::string handler : {"", " --exit-signal-handler"}) {
+    const std::string save = dir_ / ("s" + std::to_string(handler.size()));
+    const std::string run =
+        Train(Data() + " --eval-iters 0 --save-interval 1 --save " + ShellQuote(save) + handler, 100000);
+    const std::string script =
+        run + " >/dev/null 2>&1 & pid=$!; end=$((SECONDS + 60)); until [ -f " +
+        ShellQuote(save + "/latest_checkpointed_iteration.txt") +
+        " ] || [ $SECONDS -ge $end ]; do :; done; until compgen -G " + ShellQuote(save + "/*.ptk-tmp*") +
+        " >/dev/null || [ $SECONDS -ge $end ]; do :; done; kill -TERM $pid; wait $pid; echo rc=$?";
+    auto r = RunCmd("bash -c " + ShellQuote(script));
+    EXPECT_NE(r.output.find(handler.empty() ? "rc=143" : "rc=0"), std::string::npos) << handler << r.output;
+    auto it = LatestCheckpointIteration(save);
+    ASSERT_TRUE(it.ok()) << it.status();
+    auto next = RunCmd(Train(Data() + " --eval-iters 0 --use-checkpoint-opt_param-scheduler --save " +
+                                 ShellQuote(save) + " --load " + ShellQuote(save),
+                             *it + 1));
+    EXPECT_EQ(next.exit_code, 0) << next.output;
+    const auto losses = testing::LossesOf(next.output);
+    ASSERT_EQ(losses.size(), 1u) << next.output;
+    EXPECT_EQ(losses[0].first, *it + 1);
+    EXPECT_EQ(testing::Leftovers(save), "");
+  }
+}
+
+}  // namespace
+}  // namespace ptk
