@@ -101,14 +101,14 @@ std::string ModelDifferences(simdjson::dom::element saved, simdjson::dom::elemen
     simdjson::dom::element other;
     const std::string was = simdjson::minify(field.value);
     if (b[field.key].get(other)) {
-      add(field.key, was, "none");
+      add(field.key, was, "the default");
     } else if (const std::string now = simdjson::minify(other); now != was) {
       add(field.key, was, now);
     }
   }
   for (auto field : b) {
     simdjson::dom::element other;
-    if (a[field.key].get(other)) add(field.key, "none", simdjson::minify(field.value));
+    if (a[field.key].get(other)) add(field.key, "the default", simdjson::minify(field.value));
   }
   return out.empty() ? "the same settings, another parameter count" : out;
 }

@@ -291,7 +291,9 @@ TEST_F(TrainCli, QKLayerNormStoppedAndResumedEqualsUninterrupted) {
   EXPECT_EQ(x.params.size(), load(dir_ / "c", 1, false).params.size() + 2 * 2 * 16);
   auto refused = RunCmd(Train(qwen3.substr(0, qwen3.find("--qk-layernorm")) + "--load " + ShellQuote(dir_ / "a")));
   EXPECT_NE(refused.exit_code, 0) << refused.output;
-  EXPECT_NE(refused.output.find("\"qk_layernorm\":true"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("the checkpoint is of another model: --qk-layernorm true (this run: the default)"),
+            std::string::npos)
+      << refused.output;
 }
 
 // The shell's loop that waits (up to 120 s) until `log` holds an iteration's line: training runs.
@@ -972,7 +974,8 @@ TEST_F(TrainCli, LlamaLineKilledAndResumedEqualsUninterrupted) {
   EXPECT_NE(resumed.output.find("at iteration " + std::to_string(*at)), std::string::npos) << resumed.output;
   const auto a = testing::LogLinesWithoutTimes(whole.output), b = testing::LogLinesWithoutTimes(resumed.output);
   ASSERT_EQ(a.size(), static_cast<size_t>(iters / 2));
-  ASSERT_EQ(b.size(), static_cast<size_t>((iters - *at) / 2)) << resumed.output;
+  // The even iterations after the checkpoint (--log-interval 2): the kill may land after 15.
+  ASSERT_EQ(b.size(), static_cast<size_t>(iters / 2 - *at / 2)) << resumed.output;
   for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[a.size() - b.size() + i]);
   // The weights of the last checkpoints, bit for bit (the checkpoint files themselves record each
   // run's own flags, --load among them), through the Hugging Face export.
