@@ -241,14 +241,18 @@ bool PerSplit(const DataArgs& args) {
 }  // namespace
 
 absl::Status CheckDataPaths(const DataArgs& args) {
-  std::vector<const std::vector<std::string>*> lists = {&args.data_path};
-  for (const auto& p : args.per_split_data_path) lists.push_back(&p);
-  for (const std::vector<std::string>* list : lists) {
+  const std::vector<std::string>* lists[] = {&args.data_path, &args.per_split_data_path[0],
+                                             &args.per_split_data_path[1], &args.per_split_data_path[2]};
+  const char* flags[] = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"};
+  for (int i = 0; i < 4; ++i) {
     std::vector<std::string> prefixes;
     std::optional<std::vector<double>> weights;
-    PTK_RETURN_IF_ERROR(ParseBlend(*list, &prefixes, &weights));
-    for (const std::string& prefix : prefixes)
+    PTK_RETURN_IF_ERROR(ParseBlend(*lists[i], &prefixes, &weights));
+    for (const std::string& prefix : prefixes) {
+      if (prefix.empty())
+        return UsageError(fmt::format("{}: an empty dataset prefix (an unset shell variable?)", flags[i]));
       PTK_RETURN_IF_ERROR(ResolveDatasetPrefix(prefix, /*accept_file_names=*/false).status());
+    }
   }
   return absl::OkStatus();
 }

@@ -27,6 +27,7 @@
 #include "trainer/parallel_layout.h"
 #include "trainer/rendezvous.h"
 #include "trainer/training.h"
+#include "trainer/training_data.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -66,7 +67,8 @@ void InstallExitSignalHandlers() {
   pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
 }
 
-// What would fail only after the model is built, checked first: --save a file (or below one), the
+// What would fail only after the model is built, checked first: --save a file (or below one), --load
+// a file, the
 // datasets (by the first and last stage, which read them: each a whole .bin/.idx pair), and
 // --eval-iters given with no validation split (Megatron then evaluates nothing, exit 0).
 absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int stage, int stages) {
@@ -77,6 +79,13 @@ absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int
       return absl::FailedPreconditionError(
           fmt::format("--save {}: {} is a file, not a directory: checkpoints are directories", o.save, p));
   }
+  // --load of a directory without a checkpoint starts anew (as Megatron); of a file, it is a mistake.
+  PTK_RETURN_IF_ERROR(ptk::CheckLoadIsACheckpointDirectory(o.load));
+  if (!o.load.empty() && ptk::PathExists(o.load) && !ptk::IsDirectory(o.load))
+    return absl::FailedPreconditionError(
+        fmt::format("--load {}: a file, not a checkpoint directory (the directory --save wrote, which holds "
+                    "latest_checkpointed_iteration.txt)",
+                    o.load));
   if (o.mock_data || (stage != 0 && stage != stages - 1)) return absl::OkStatus();
   PTK_RETURN_IF_ERROR(ptk::CheckDataPaths(o.data));
   if (app.count("--eval-iters") == 0 || o.eval_iters == 0 || o.eval_interval == 0) return absl::OkStatus();

@@ -109,7 +109,8 @@ TEST_F(TrainRefusals, AnUnwritableIndexCacheWarnsOnceAndTheRunIsTheSame) {
 
 // Each refused in one line before the model is made (a .bin without its .idx said "cannot open
 // PREFIX.idx: No such file or directory" after it; --eval-iters with --split 100,0,0 evaluated
-// nothing and exited 0; --save below a file said "afile is not a directory" after building it).
+// nothing and exited 0; --save below a file said "afile is not a directory" after building it;
+// --load of a file trained from scratch and exited 0; an empty --data-path said ": no dataset here").
 TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
   std::filesystem::copy_file(prefix_ + ".bin", dir_ / "half.bin");
   testing::WriteFile(dir_ / "afile", "x");
@@ -124,6 +125,9 @@ TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
        "so nothing would be evaluated; give --split a validation part (e.g. 98,2,0), or --eval-iters 0"},
       {" --train-data-path " + ShellQuote(prefix_) + " --eval-iters 3",
        "ptk-train: usage error: --eval-iters 3: the run has no validation data (no --valid-data-path)"},
+      {Data() + " --load " + ShellQuote(dir_ / "afile"),
+       "ptk-train: error: --load " + dir_ / "afile" + ": a file, not a checkpoint directory"},
+      {" --data-path ''", "ptk-train: usage error: --data-path: an empty dataset prefix (an unset shell variable?)"},
       {Data() + " --save " + ShellQuote(dir_ / "afile/ck"),
        "ptk-train: error: --save " + dir_ / "afile/ck" + ": " + dir_ / "afile" +
            " is a file, not a directory: checkpoints are directories"},
