@@ -61,7 +61,8 @@ TEST_F(TrainRefusals, TheMemoryARunNeedsIsPrintedBeforeItStarts) {
 
 // A model of 750 TiB: refused before anything is allocated (it died in std::bad_alloc, after
 // minutes of allocating on a machine with overcommit, or at the OOM killer), and under ulimit -v a
-// run that needs 2.2 GiB, with the limit named.
+// run that needs 2.2 GiB, with the limit named (one BLAS thread: OpenBLAS reserves address space per
+// core when it loads).
 TEST_F(TrainRefusals, ARunThatCannotFitIsRefusedWithWhatItNeedsAndWhatIsAvailable) {
   auto huge = RunCmd(testing::Tool("ptk-train") +
                      " --num-layers 1000 --hidden-size 65536 --num-attention-heads 64 --seq-length 1024 --lr 1e-3"
@@ -72,10 +73,11 @@ TEST_F(TrainRefusals, ARunThatCannotFitIsRefusedWithWhatItNeedsAndWhatIsAvailabl
       << huge.output;
   EXPECT_NE(huge.output.find(" is available ("), std::string::npos) << huge.output;
   EXPECT_EQ(huge.output.find("start-up: model built"), std::string::npos) << huge.output;
-  auto limited = RunCmd("bash -c " + ShellQuote("ulimit -v 1500000; " + testing::Tool("ptk-train") +
-                                                " --num-layers 4 --hidden-size 1024 --num-attention-heads 16"
-                                                " --seq-length 512 --lr 1e-3 --train-iters 1 --micro-batch-size 2"
-                                                " --mock-data --threads 1"));
+  auto limited =
+      RunCmd("bash -c " + ShellQuote("ulimit -v 1500000; OPENBLAS_NUM_THREADS=1 " + testing::Tool("ptk-train") +
+                                     " --num-layers 4 --hidden-size 1024 --num-attention-heads 16"
+                                     " --seq-length 512 --lr 1e-3 --train-iters 1 --micro-batch-size 2"
+                                     " --mock-data --threads 1"));
   EXPECT_EQ(limited.exit_code, 1) << limited.output;
   ASSERT_EQ(Errors(limited.output).size(), 1u) << limited.output;
   EXPECT_NE(Errors(limited.output)[0].find("this rank needs 2.1 GiB ("), std::string::npos) << limited.output;
