@@ -976,7 +976,9 @@ TEST_F(TrainCli, LlamaLineKilledAndResumedEqualsUninterrupted) {
   ASSERT_EQ(a.size(), static_cast<size_t>(iters / 2));
   // The even iterations after the checkpoint (--log-interval 2): the kill may land after 15.
   ASSERT_EQ(b.size(), static_cast<size_t>(iters / 2 - *at / 2)) << resumed.output;
-  for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[a.size() - b.size() + i]);
+  // A resume at an odd iteration (15): the first line's lm loss is the mean of iteration 16 alone,
+  // not of 15 and 16 (Megatron's mean over the log interval starts anew too); the rest are equal.
+  for (size_t i = *at % 2 == 0 ? 0 : 1; i < b.size(); ++i) EXPECT_EQ(b[i], a[a.size() - b.size() + i]);
   // The weights of the last checkpoints, bit for bit (the checkpoint files themselves record each
   // run's own flags, --load among them), through the Hugging Face export.
   for (const char* run : {"a", "b"}) {
