@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/ops_cuda.h"
 #include "trainer/gpt_model.h"
 
 namespace ptk::cuda {
@@ -106,17 +108,17 @@ TEST(CudaMemoryPlan, SequenceParallelShardsTheResidualStream) {
   o.sequence_parallel = true;
   int64_t sp_grads = 0;
   for (const GradRange& g : SequenceParallelGradRanges(*layout)) sp_grads += g.size();
-  o.sequence_parallel_grads = sp_grads;
+  o.non_tensor_parallel_grads = sp_grads;
   auto sp = PlanMemory(c, layout->num_params, o);
   ASSERT_TRUE(sp.ok()) << sp.status();
   const MemoryPlan &S = *sp, &P = *tp;
   EXPECT_TRUE(S.sequence_parallel);
   EXPECT_FALSE(P.sequence_parallel);
   EXPECT_EQ(P.sp_stage, -1);
-  EXPECT_EQ(P.sp_grads, -1);
+  EXPECT_EQ(P.ntp_grads, -1);
   // The norms' weights and biases (12 layers' two and the final one) and the row-parallel biases.
   EXPECT_EQ(sp_grads, (2 * 12 + 1) * 2 * 768 + 12 * 2 * 768);
-  EXPECT_EQ(S[S.sp_grads].bytes, sp_grads * 4);
+  EXPECT_EQ(S[S.ntp_grads].bytes, sp_grads * 4);
   for (int MemoryPlan::*b : {&MemoryPlan::resid, &MemoryPlan::resid_mid, &MemoryPlan::dresid})
     EXPECT_EQ(S[S.*b].bytes * 2, P[P.*b].bytes) << S[S.*b].name;
   for (int MemoryPlan::*b : {&MemoryPlan::ln1, &MemoryPlan::ln2, &MemoryPlan::lnf, &MemoryPlan::dln, &MemoryPlan::tmp,
@@ -379,6 +381,96 @@ TEST(CudaMemoryPlan, LlamaLineBuffersFollowTheConfig) {
   for (const ParamInfo& p : layout->infos)
     if (p.name.find("layernorm") != std::string::npos) named += p.size;
   EXPECT_EQ(named, compact);
+}
+
+// --qk-layernorm: the QKV product before the norms and the norms' fp32 statistics per layer (mean
+// and rstd per token and normalised head under LayerNorm, rstd alone under RMSNorm; this rank's heads
+// and groups at tensor size 2), inside a pipeline slot; the backward's partial sums
+// (QKNormBackwardScratch); the query and key norms among the norms' fp32 runs (ln_master), and at
+// tensor size 2 the buffer their gradients' sum over the tensor group goes through. Nothing of it
+// without the flag.
+TEST(CudaMemoryPlan, QKLayerNormBuffersFollowTheConfig) {
+  GPTConfig c = Gpt2Small();
+  c.num_layers = 2;
+  c.num_attention_heads = 16;
+  c.num_query_groups = 4;
+  c.kv_channels = 128;
+  const int64_t n = 2 * 256, qw = (16 + 2 * 4) * 128, L = 2;
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 256;
+  const MemoryPlan plain = MustPlan(c, o);
+  EXPECT_EQ(plain.qkv_raw, -1);
+  EXPECT_EQ(plain.qk_stats, -1);
+  EXPECT_EQ(plain.qk_scratch, -1);
+  c.qk_layernorm = true;
+  const AttentionShape shape{2, 256, 16, 128, 4};
+  EXPECT_EQ(QKNormBackwardScratch(shape), (n / 64) * 4 * 128);  // 64-token blocks x (dwq, dbq, dwk, dbk)
+  o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
+  for (Normalization norm : {Normalization::kLayerNorm, Normalization::kRMSNorm}) {
+    c.normalization = norm;
+    const int64_t k = norm == Normalization::kLayerNorm ? 2 : 1;
+    for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+      o.precision = p;
+      o.tensor = 1;
+      const MemoryPlan m = MustPlan(c, o);
+      const int64_t a = p == Precision::kFp32 ? 4 : 2;
+      ASSERT_GE(m.qkv_raw, 0);
+      EXPECT_EQ(m[m.qkv_raw].bytes, L * n * qw * a);
+      EXPECT_EQ(m.qk_rows, 16 + 4);
+      EXPECT_EQ(m.qk_stats_per_layer, k * n * 20);
+      EXPECT_EQ(m[m.qk_stats].bytes, L * k * n * 20 * 4);
+      EXPECT_EQ(m[m.qk_scratch].bytes, (n / 64) * 4 * 128 * 8);
+      // A pipeline stage keeps them per micro-batch in flight: inside resid .. lnf_stats.
+      EXPECT_GT(m.qkv_raw, m.resid);
+      EXPECT_LT(m.qk_stats, m.lnf_stats);
+      o.tensor = 2;
+      const MemoryPlan two = MustPlan(c, o);
+      EXPECT_EQ(two[two.qkv_raw].bytes * 2, m[m.qkv_raw].bytes);
+      EXPECT_EQ(two.qk_rows, 10);
+      EXPECT_EQ(two[two.qk_stats].bytes * 2, m[m.qk_stats].bytes);
+      EXPECT_EQ(two.ntp_grads, -1);  // planned when the caller names the gradients to sum
+    }
+    // The norms' fp32 runs: ln1, ln2 and the final norm (hidden each), and each layer's query and
+    // key norms (head_dim each), exactly the tensors named layernorm, LayerNormParamCount together;
+    // at tensor rank 1 of 2 too (the norms are whole on every rank).
+    for (int tensor : {1, 2}) {
+      auto layout = ParamLayout::Create(c, tensor, tensor - 1);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      int64_t compact = 0;
+      for (const LayerNormRun& r : LayerNormRuns(*layout)) {
+        EXPECT_EQ(r.compact, compact);
+        compact += r.end - r.begin;
+      }
+      EXPECT_EQ(compact, LayerNormParamCount(c));
+      EXPECT_EQ(LayerNormParamCount(c), k * ((2 * 2 + 1) * 768 + 2 * 2 * 128));
+      int64_t named = 0;
+      for (const ParamInfo& p : layout->infos) {
+        const bool norm_tensor = p.name.find("layernorm") != std::string::npos;
+        bool inside = false;
+        for (const LayerNormRun& r : LayerNormRuns(*layout))
+          inside |= p.offset >= r.begin && p.offset + p.size <= r.end;
+        EXPECT_EQ(inside, norm_tensor) << p.name;
+        if (norm_tensor) named += p.size;
+      }
+      EXPECT_EQ(named, compact);
+      // Tensor parallelism: the query and key norms' gradients summed over the group (each rank's
+      // heads' share) through the planned buffer, without --sequence-parallel.
+      if (tensor == 2) {
+        int64_t sums = 0;
+        for (const GradRange& g : NonTensorParallelGradRanges(*layout, false)) sums += g.size();
+        EXPECT_EQ(sums, L * 2 * k * 128);
+        o.tensor = 2;
+        o.non_tensor_parallel_grads = sums;
+        auto plan = PlanMemory(c, layout->num_params, o);
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        ASSERT_GE(plan->ntp_grads, 0);
+        EXPECT_EQ((*plan)[plan->ntp_grads].bytes, sums * 4);
+        EXPECT_EQ(plan->sp_stage, -1);
+        o.non_tensor_parallel_grads = 0;
+      }
+    }
+  }
 }
 
 // bf16's softmax statistics: each sample's 16-byte aligned (FlashStatsStride), since with attention

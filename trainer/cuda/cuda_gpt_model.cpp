@@ -108,7 +108,7 @@ std::string CudaGPTModelImpl<T>::Describe() const {
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
+absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64_t t) {
   PlanOptions o{.precision = PrecisionOf<T>(), .micro_batch_size = b, .seq_length = t};
   o.tensor = tensor_size();
   o.layers = StageLayers();
@@ -118,11 +118,15 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
     o.pipeline_host_exchange = host_exchange_;
   }
   o.sequence_parallel = sequence_parallel_;
-  if (sequence_parallel_)
-    for (const GradRange& g : SequenceParallelGradRanges(layout())) o.sequence_parallel_grads += g.size();
+  // SumNonTensorParallelGrads' buffer: sequence parallelism's partial gradients, or the query and
+  // key norms' (each tensor rank's heads' share).
+  if (tensor_size() > 1)
+    for (const GradRange& g : NonTensorParallelGradRanges(layout(), sequence_parallel_))
+      o.non_tensor_parallel_grads += g.size();
   // This rank's query heads and groups.
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};
+  if (config().qk_layernorm) o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
   o.attention_scratch_floats = kFlash ? 0 : AttentionBackwardScratch(shape);
   o.reduce_doubles = SumSquaresPartials(num_params());
   o.padded_params = padded_params_;
@@ -145,6 +149,12 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
       o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, one);
     }
   }
+  return o;
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
+  PTK_ASSIGN_OR_RETURN(const PlanOptions o, PlanOptionsFor(b, t));
   size_t free_bytes = 0, total_bytes = 0;
   PTK_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "querying free device memory");
   // The LM head in one chunk when the device has room for all its logits (the old allocation,
@@ -274,6 +284,7 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
   template absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t micro_batch_size, \
                                                   bool profile, const CudaModelOptions& options);           \
   template std::string CudaGPTModelImpl<T>::Describe() const;                                               \
+  template absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64_t t);           \
   template absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t);                                    \
   template absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_scale, bool dropout);
 PTK_INSTANTIATE(float)

@@ -103,9 +103,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
                            MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * ct),
                                              Compute(lp.proj_w), n, ct, c, ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
-    if (cf.rope())  // the rotation's transpose: the gradient of the QKV product's output
-      PTK_RETURN_IF_ERROR(
-          Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+    PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // the gradient of the QKV product's output
     PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
                            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
                                              Compute(lp.qkv_w), n, c, qw, ctx_)));
@@ -208,6 +206,20 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
   }
 }
 
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const AttentionShape& shape) {
+  const GPTConfig& cf = config();
+  if (cf.rope())  // the rotation's transpose
+    PTK_RETURN_IF_ERROR(
+        Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+  if (!cf.qk_layernorm) return absl::OkStatus();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  return Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms backward",
+            QKNormBackward<T>(dqkv, Grad(lp.q_norm_w), Grad(lp.q_norm_b), Grad(lp.k_norm_w), Grad(lp.k_norm_b),
+                              Act(plan_.qkv_raw, l, n_ * shape.qkv_width()), Ln(lp.q_norm_w), Ln(lp.k_norm_w),
+                              QKMean(l), QKRstd(l), shape, Buf<double>(plan_.qk_scratch), ctx_));
+}
+
 #define PTK_INSTANTIATE(T)                                                                                             \
   template absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2_bias);                     \
   template absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed);                                   \
@@ -218,7 +230,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
                                                         int64_t n, int64_t c, float* scratch, const CudaContext& ctx,  \
                                                         T* dbranch, const LnDropout& drop);                            \
   template absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l,                           \
-                                                          const AttentionShape& shape, double ap, uint64_t seed);
+                                                          const AttentionShape& shape, double ap, uint64_t seed);      \
+  template absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const AttentionShape& shape);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

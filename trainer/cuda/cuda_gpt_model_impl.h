@@ -285,6 +285,8 @@ class CudaGPTModelImpl final : public GPTModel {
   // (Re)plans the device memory for (b, t) and allocates it in one piece; the parameters, gradients
   // and moments (the plan's first buffers, whose offsets do not depend on the shape) move along.
   absl::Status Plan(int64_t b, int64_t t);
+  // What the plan for (b, t) is given: this rank's slices, stage, scratch sizes and workspace.
+  absl::StatusOr<PlanOptions> PlanOptionsFor(int64_t b, int64_t t);
   // Checks the batch, re-plans when it is larger than planned, and copies its inputs (tokens,
   // labels, positions, the per-token loss weights, the dropout streams) through pinned memory.
   absl::Status Prepare(const ModelBatch& batch, double loss_scale, bool dropout);
@@ -310,6 +312,12 @@ class CudaGPTModelImpl final : public GPTModel {
   // RoPE's fp32 tables (cos, then sin: plan_.t x rotary dim / 2 each), uploaded by Plan.
   const float* RopeCos() const { return Buf<float>(plan_.rope_tables); }
   const float* RopeSin() const { return RopeCos() + plan_.t * (config().rotary_dim() / 2); }
+  // --qk-layernorm: layer l's query and key norm statistics (per token and normalised head, the
+  // planned n apart, as Stats): LayerNorm's mean (null under RMSNorm) and rstd.
+  float* QKMean(int64_t l) const { return Rms() ? nullptr : Buf<float>(plan_.qk_stats) + l * plan_.qk_stats_per_layer; }
+  float* QKRstd(int64_t l) const {
+    return Buf<float>(plan_.qk_stats) + l * plan_.qk_stats_per_layer + (Rms() ? 0 : plan_.n * plan_.qk_rows);
+  }
 
   // cuda_gpt_model_pass.cpp.
   absl::Status Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
@@ -324,7 +332,8 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status RunForward(bool train, uint64_t seed);
   absl::Status AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
   // A transformer layer's fused QKV product over ln1's output (gathered whole under sequence
-  // parallelism), RoPE where the model has it, and attention into atty[l] (proj's input).
+  // parallelism), the query and key norms (--qk-layernorm: the product kept in qkv_raw[l], its
+  // normalised copy in qkv[l]), RoPE where the model has it, and attention into atty[l] (proj's input).
   absl::Status SelfAttentionForward(int64_t l, double ap, uint64_t seed);
   // The LM head and the loss, chunk by chunk of rows. With backward, each chunk's logits become
   // their gradient at once and flow back into the final LayerNorm's gradient (dln) and the output
@@ -396,6 +405,10 @@ class CudaGPTModelImpl final : public GPTModel {
     return LnDropout{Streams(layer, site), t_, p, seed};
   }
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
+  // From attention's input gradient dqkv (in place) to the QKV product's output gradient: RoPE's
+  // inverse rotation, then --qk-layernorm's backward (its weights' and biases' gradients added:
+  // this rank's heads' share, summed over the tensor group by SumNonTensorParallelGrads).
+  absl::Status QkvInputBackward(T* dqkv, int64_t l, const AttentionShape& shape);
   // The masked loss sum and token count, summed on the host exactly as the CPU model does.
   absl::StatusOr<LossSum> Losses(const ModelBatch& batch);
   // The per-token losses copied to a pinned slot of their own (asynchronously), with the batch's

@@ -221,9 +221,15 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
   const AttentionShape shape = Shape();  // this tensor rank's heads and groups
   const int64_t n = n_, c = cf.hidden_size, qw = shape.qkv_width();
   T* qkv = Act(plan_.qkv, l, n * qw);
+  // --qk-layernorm: the product lands in qkv_raw (what the norms' backward reads), normalised into qkv.
+  T* product = cf.qk_layernorm ? Act(plan_.qkv_raw, l, n * qw) : qkv;
   PTK_RETURN_IF_ERROR(
       Op("matmul", "qkv",
-         MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
+         MatmulForward<T>(product, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
+  if (cf.qk_layernorm)
+    PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms",
+                           QKNormForward<T>(qkv, QKMean(l), QKRstd(l), product, Ln(lp.q_norm_w), Ln(lp.q_norm_b),
+                                            Ln(lp.k_norm_w), Ln(lp.k_norm_b), shape, cf.layernorm_epsilon, ctx_)));
   if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
     PTK_RETURN_IF_ERROR(Op("rope", "rope", RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
   return Op("attention", "attention",

@@ -274,20 +274,20 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t
   return Sync("the embedding group's all-reduce");
 }
 
-// The ranges gathered into the planned sp_grads buffer on the compute stream (a device copy each),
+// The ranges gathered into the planned ntp_grads buffer on the compute stream (a device copy each),
 // one all-reduce of it, scattered back: NCCL in device memory on the compute stream, unstaged; a
 // host communicator (gloo) through the host, the gathered buffer down and up once.
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges) {
   PTK_ASSIGN_OR_RETURN(const int64_t total, CheckGradRanges(ranges, num_params()));
   if (total == 0) return absl::OkStatus();
-  const int64_t room = plan_.sp_grads < 0 ? 0 : plan_[plan_.sp_grads].bytes / static_cast<int64_t>(sizeof(float));
+  const int64_t room = plan_.ntp_grads < 0 ? 0 : plan_[plan_.ntp_grads].bytes / static_cast<int64_t>(sizeof(float));
   if (total > room)
     return absl::FailedPreconditionError(
-        fmt::format("AllReduceGradRanges: {} gradients to sum, the planned buffer (the sequence-parallel ranges', "
+        fmt::format("AllReduceGradRanges: {} gradients to sum, the planned buffer (NonTensorParallelGradRanges', "
                     "after a pass) holds {}",
                     total, room));
-  float* buf = Buf<float>(plan_.sp_grads);
+  float* buf = Buf<float>(plan_.ntp_grads);
   auto copy = [&](bool gather) -> absl::Status {
     int64_t at = 0;
     for (const GradRange& g : ranges) {
@@ -309,9 +309,9 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRanges(Communicator* comm, std::s
                            comm->AllReduceSumDevice(buf, total, static_cast<void*>(ctx_.stream))));
   } else {  // a host communicator (gloo): through the host
     if (static_cast<int64_t>(host_grads_.size()) < total) host_grads_.resize(static_cast<size_t>(total));
-    PTK_RETURN_IF_ERROR(DownloadRange(plan_.sp_grads, host_grads_.data(), 0, total));
+    PTK_RETURN_IF_ERROR(DownloadRange(plan_.ntp_grads, host_grads_.data(), 0, total));
     PTK_RETURN_IF_ERROR(comm->AllReduceSum(host_grads_.data(), total));
-    PTK_RETURN_IF_ERROR(UploadRange(plan_.sp_grads, host_grads_.data(), 0, total));
+    PTK_RETURN_IF_ERROR(UploadRange(plan_.ntp_grads, host_grads_.data(), 0, total));
   }
   return Op("copies", "coalesced gradients scatter", copy(false));
 }

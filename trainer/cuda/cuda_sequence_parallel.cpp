@@ -269,9 +269,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64
                            MatmulBackward<T>(datt, Grad(lp.proj_w), static_cast<float*>(nullptr), dtmp,
                                              Act(plan_.atty, l, n * ct), Compute(lp.proj_w), n, ct, c, ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
-    if (cf.rope())
-      PTK_RETURN_IF_ERROR(
-          Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+    PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // RoPE's and the query and key norms' backward
     PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
                            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
                                              Compute(lp.qkv_w), n, c, qw, ctx_)));
