@@ -279,7 +279,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   if (tp > 1 && device == Device::kCuda && f.options.backend.sequence_parallel && pipelined)
     return Refuse(kCudaPipelineSequenceParallelMissing);
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
-  if (device == Device::kCuda && f.options.model.qk_layernorm) return Refuse(kCudaQkLayerNormMissing);
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())

@@ -29,7 +29,6 @@ struct BackendOptions {
 // parallelism (usage errors' text).
 extern const char* const kCudaTensorParallelMissing;
 extern const char* const kCudaPipelineSequenceParallelMissing;
-extern const char* const kCudaQkLayerNormMissing;  // --qk-layernorm: the CPU backend's only
 
 namespace cuda {
 class Backend;
