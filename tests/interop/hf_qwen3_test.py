@@ -9,7 +9,8 @@ Checks:
   * a Qwen3-shaped model trained by ptk-train (RMSNorm, --qk-layernorm, RoPE base 1000000, SwiGLU, 4 query heads
     in 2 groups of head_dim 24 (not hidden / heads), untied, no biases) and exported with --saver hf loads with
     AutoModelForCausalLM.from_pretrained as Qwen3ForCausalLM with no missing, unexpected or mismatched weight and no
-    warning; its logits equal ptk's Forward (logits_tool) within TOL (1e-4) on several sequences (generate is
+    warning; the exported tokenizer loads with AutoTokenizer; its logits equal ptk's Forward (logits_tool)
+    within TOL (1e-4) on several sequences (generate is
     hf_llama_test's: transformers 4.51's imports torch.distributed.fsdp, which Debian's torch 1.13 cannot import
     on Python 3.11);
   * a tied one with Llama 3.1's rope_scaling (Qwen3's rotary embedding takes any of transformers' rope types), the
@@ -19,7 +20,8 @@ Checks:
     tie_word_embeddings, attention_bias, use_sliding_window, ...), and the test can tell (another rope_theta or no
     rope_scaling moves the logits past the tolerance);
   * a Qwen3ForCausalLM made by transformers (random init, query groups, head_dim 16 with hidden 48 and 6 heads,
-    untied; a tied one with transformers' default sliding_window 4096 and use_sliding_window false; one whose
+    untied; a tied one with transformers' default sliding_window 4096 and use_sliding_window false; one saved in
+    bfloat16; one whose
     config.json leaves out every key at Qwen3Config's default, num_key_value_heads 32 and head_dim 128 among them,
     with rope_scaling {"rope_type": "default"}) and saved with save_pretrained, imported with --saver ptk, gives
     the same logits; ptk-train --finetune trains on from it with the flags ptk-convert prints; hf -> ptk -> hf
@@ -37,7 +39,7 @@ os.environ["PTK_HF_REFERENCE"] = "qwen3"  # hf_test_common: transformers 4.51.3 
 from hf_test_common import (BIN, TEST_BIN, TOL, check, compare_logits, finish, hf_logits, load_checked, numpy, run,
                             torch, transformers)
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 check(transformers.__version__ == "4.51.3", "transformers {} imported, 4.51.3 expected".format(transformers.__version__))
 print("transformers {} from {}, torch {}".format(transformers.__version__, os.path.dirname(transformers.__file__),
@@ -108,6 +110,8 @@ def ptk_to_hf(tmp):
     check(float((model.model.layers[1].self_attn.k_norm.weight - 1).abs().max()) > 1e-3,
           "k_norm's weights were trained away from 1")
     check_sensitive(hf, model, (("rope_theta 10000", {"rope_theta": 10000.0}),), "qwen3")
+    ids = AutoTokenizer.from_pretrained(hf)("The history of the")["input_ids"]
+    check(ids == [464, 2106, 286, 262], "the exported tokenizer encodes 'The history of the' as {}".format(ids))
 
     ckb, hfb = os.path.join(tmp, "ckb"), os.path.join(tmp, "hfb")
     run(TRAIN + TIED_SCALED + ["--train-iters", "6", "--save", ckb])
@@ -122,7 +126,8 @@ def ptk_to_hf(tmp):
     check_sensitive(hfb, mb, (("no rope_scaling", {"rope_scaling": None}),), "tied, rope_scaling")
 
 
-def made_by_transformers(tmp, name, seed, **config):
+def made_by_transformers(tmp, name, seed, dtype=torch.float32, **config):
+    """A Qwen3ForCausalLM of `config` and where it is saved in `dtype`."""
     torch.manual_seed(seed)
     src = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, hidden_size=48, intermediate_size=80, vocab_size=50257,
                                        initializer_range=0.1, **config)).eval()
@@ -131,7 +136,7 @@ def made_by_transformers(tmp, name, seed, **config):
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     path = os.path.join(tmp, name)
-    src.save_pretrained(path, safe_serialization=True)
+    src.to(dtype).save_pretrained(path, safe_serialization=True)
     return src, path
 
 
@@ -176,6 +181,18 @@ def hf_to_ptk(tmp):
     check("sliding_window 4096 with use_sliding_window false: ptk attends over the whole sequence" in out,
           "ptk-convert notes transformers 4.51's mask beyond sliding_window:\n" + out)
     compare_logits(ckin2, src2, SEQS, 50257, tmp, "imported, tied")
+
+    # Saved in bfloat16, as Qwen's own checkpoints are: widened to fp32 by the import, the logits of
+    # from_pretrained's float32 model (the bfloat16 model itself has its RoPE frequencies rounded too).
+    _, hfsrc4 = made_by_transformers(tmp, "hfsrc4", 54, dtype=torch.bfloat16, num_attention_heads=6,
+                                     num_key_value_heads=3, head_dim=16)
+    src4 = load_checked(AutoModelForCausalLM, hfsrc4)
+    check(src4.model.embed_tokens.weight.dtype == torch.float32, "bfloat16: from_pretrained did not widen")
+    check(json.load(open(os.path.join(hfsrc4, "config.json")))["torch_dtype"] == "bfloat16" and
+          tensors(hfsrc4)["model.norm.weight"].dtype == torch.bfloat16, "bfloat16: not saved as bfloat16")
+    ckin4 = os.path.join(tmp, "ckin4")
+    run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfsrc4, "--save-dir", ckin4])
+    compare_logits(ckin4, src4, SEQS, 50257, tmp, "imported, bfloat16")
 
     # A config.json that leaves every key at Qwen3Config's default out (num_key_value_heads 32, head_dim 128,
     # rope_theta, rms_norm_eps, ...) and has rope_scaling {"rope_type": "default"}: ptk reads what
