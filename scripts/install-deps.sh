@@ -122,7 +122,7 @@ if [ "$want_ref" = 1 ]; then
   # made) stays what the other tests import. Pinned with the dependencies Debian does not provide (fsspec;
   # filelock, numpy, packaging, yaml, regex, requests, tqdm, typing-extensions are Debian's), 15 MB in all.
   # It runs on Debian's torch 1.13 with tests/support/torch2_shim.py: PyPI's x86-64 torch 2 wheels are
-  # CUDA builds (about 1 GB with their NVIDIA libraries), which CI has no room for.
+  # CUDA builds (hundreds of MB, importing NVIDIA's CUDA library wheels), which CI has no room for.
   QW_DIR="$REF_DIR/transformers-qwen3"
   QW_PINS=(transformers==4.51.3 huggingface-hub==0.30.2 tokenizers==0.21.1 safetensors==0.5.3 fsspec==2025.3.2)
   QW_TAG=$(printf '%s\n' "${QW_PINS[@]}" | sha256sum | cut -c1-12)

@@ -1,7 +1,7 @@
 """Lets transformers 4.51.3 (the first release with Qwen3ForCausalLM) run on Debian bookworm's python3-torch 1.13.
 
-transformers 4.51 is written for torch >= 2.1; PyPI's x86-64 torch 2 wheels are CUDA builds of about 1 GB with
-their NVIDIA libraries, too large for CI. What it needs of torch 2 on one CPU process is little, and install()
+transformers 4.51 is written for torch >= 2.1; PyPI's x86-64 torch 2 wheels are CUDA builds (hundreds of MB, and
+they load NVIDIA's CUDA library wheels at import), too large for CI. What it needs of torch 2 on one CPU process is little, and install()
 adds exactly that, nothing of the model's arithmetic:
   * modules and names that are only imported (torch.distributed.tensor for tensor parallelism, the float8 and
     uint16/32/64 dtypes in safetensors' dtype table, torch.compiler.disable as a decorator): placeholders;
@@ -36,6 +36,7 @@ def _assigning_load_state_dict(original):
         if not assign:
             return original(self, state_dict, strict)
         # transformers assigns one direct parameter or buffer at a time (strict=False).
+        unexpected = []
         for name, tensor in state_dict.items():
             if name in self._parameters:
                 old = self._parameters[name]
@@ -43,10 +44,12 @@ def _assigning_load_state_dict(original):
                 self._parameters[name] = torch.nn.Parameter(tensor, requires_grad=grad)
             elif name in self._buffers:
                 self._buffers[name] = tensor
-            elif strict:
-                raise RuntimeError("load_state_dict(assign=True): {} has no parameter or buffer {!r}".format(
-                    type(self).__name__, name))
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+            else:
+                unexpected.append(name)
+        if strict and unexpected:
+            raise RuntimeError("load_state_dict(assign=True): {} has no parameter or buffer {}".format(
+                type(self).__name__, unexpected))
+        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
 
     return load_state_dict
 
