@@ -110,7 +110,11 @@ def ptk_logits(ckpt, seqs, vocab, tmp):
     with open(seq_file, "w") as f:
         for s in seqs:
             f.write(" ".join(map(str, s)) + "\n")
+    if os.path.exists(out):
+        os.remove(out)  # a failed run must not leave the previous call's logits to compare
     run([os.path.join(TEST_BIN, "logits_tool"), ckpt, seq_file, out])
+    if not os.path.exists(out):
+        return [numpy.zeros((0, vocab), dtype=numpy.float32) for _ in seqs]
     flat = numpy.fromfile(out, dtype=numpy.float32)
     res, at = [], 0
     for s in seqs:
