@@ -121,8 +121,7 @@ CLI::App* AddListCommand(CLI::App* app, ListArgs* a) {
 absl::Status List(const ListArgs& a) {
   PTK_RETURN_IF_ERROR(CheckPlan(a.plan));
   PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(a.plan));
-  std::vector<std::string> items = ptk::PlanChunkPaths(plan);
-  items.insert(items.end(), a.with.begin(), a.with.end());
+  PTK_ASSIGN_OR_RETURN(const std::vector<std::string> items, ptk::ConcatListItems(plan, a.with));
   if ((a.shard_index || a.num_shards) && !a.this_task)
     return ptk::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
   ptk::ShardSpec shard;  // everything

@@ -337,6 +337,37 @@ TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
       << "nothing was kept from the killed run: " << r.output;
 }
 
+// Regression: a .gz padded with zero bytes after its last member (as tape and block writers leave
+// it; gzip -d accepts it silently) failed, and garbage after an xz stream was called truncated data.
+// Padding is read as gzip and xz read it; garbage fails alone, naming the file and its offset.
+TEST(Extract, TrailingZerosAreReadAsTheToolsReadThemAndGarbageIsNamed) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(400, 41), b = Jsonl(300, 42);
+  const std::string ga = testing::GzipCompress(a), xa = testing::XzCompress(a), za = testing::ZstdCompress(a);
+  testing::WriteFile(dir / "in/a_padded.jsonl.gz", ga + testing::GzipCompress(b) + std::string(10240, '\0'));
+  testing::WriteFile(dir / "in/b_padded.jsonl.xz",
+                     xa + std::string(8, '\0') + testing::XzCompress(b) + std::string(4, '\0'));
+  testing::WriteFile(dir / "in/c_garbage.jsonl.gz", ga + std::string(3, '\0') + "garbage!");
+  testing::WriteFile(dir / "in/d_garbage.jsonl.xz", xa + "garbage!");
+  testing::WriteFile(dir / "in/e_zeros.jsonl.zst", za + std::string(8, '\0'));
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("2 extracted, 0 already complete, 3 failed"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "out/a_padded.jsonl") == a + b);
+  EXPECT_TRUE(testing::ReadFile(dir / "out/b_padded.jsonl") == a + b);
+  for (const std::string& m :
+       {fmt::format("c_garbage.jsonl.gz: trailing garbage at byte {}, after the last complete gzip member",
+                    ga.size() + 3),
+        fmt::format("d_garbage.jsonl.xz: trailing garbage at byte {}, after the last complete xz stream", xa.size()),
+        fmt::format("e_zeros.jsonl.zst: trailing garbage at byte {}, after the last complete zstd frame", za.size())})
+    EXPECT_NE(r.output.find("failed: " + dir / "in/" + m + "\n"), std::string::npos) << m << "\n" << r.output;
+  EXPECT_EQ(r.output.find("truncated"), std::string::npos) << r.output;
+  for (const char* bad : {"c_garbage.jsonl", "d_garbage.jsonl", "e_zeros.jsonl"})
+    EXPECT_FALSE(testing::Exists(dir / "out/" + bad)) << bad;
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
 // ---------------------------------------------------------------- concat
 
 TEST(ConcatPlan, BalancedChunksKeepOrderAndCoverEverything) {
@@ -660,6 +691,93 @@ TEST(Concat, EachFileOnceFifosRefusedAndLeftOutFilesReported) {
                                   dir / "pipe.jsonl.zst", dir / "x2"));
   EXPECT_EQ(efifo.exit_code, 1) << efifo.output;
   EXPECT_NE(efifo.output.find(dir / "pipe.jsonl.zst" + " is a FIFO"), std::string::npos) << efifo.output;
+}
+
+// One file listed twice would be concatenated twice: training data silently duplicated. A plan
+// (edited by hand, or written by another tool) that lists a path twice however spelled, or one file
+// under two names (a hard link), names two chunks alike or one outside its directory, is refused
+// naming both places; `list` refuses an item twice (`--with V --with V/`, or a chunk), which two
+// array tasks would tokenize to one output. Each ran and duplicated (or lost) data, exit 0.
+TEST(Concat, AFileListedTwiceIsRefusedNamingBothPlaces) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::filesystem::create_directories(dir / "valid");
+  const std::string a = Jsonl(30, 61), b = Jsonl(20, 62);
+  testing::WriteFile(dir / "in/a.jsonl", a);
+  testing::WriteFile(dir / "in/b.jsonl", b);
+  ASSERT_EQ(::link((dir / "in/a.jsonl").c_str(), (dir / "in/hard.jsonl").c_str()), 0);
+  const std::string concat = testing::Tool("ptk-concat");
+  auto write_plan = [&](const std::string& name, const std::string& chunks) {
+    testing::WriteFile(dir / name,
+                       fmt::format(R"({{"version": 1, "output_dir": "{}", "base_dir": "{}", "chunks": [{}]}})",
+                                   dir / "out", dir.path(), chunks));
+    return dir / name;
+  };
+  auto chunk = [](const std::string& name, const std::vector<std::pair<std::string, size_t>>& inputs) {
+    std::string in;
+    for (const auto& [p, n] : inputs)
+      in += fmt::format(R"({}{{"path": "{}", "size": {}}})", in.empty() ? "" : ", ", p, n);
+    return fmt::format(R"({{"name": "{}", "bytes": 0, "inputs": [{}]}})", name, in);
+  };
+  const std::pair<std::string, std::string> plans[] = {
+      {chunk("t0.jsonl", {{"in/a.jsonl", a.size()}}) + ", " +
+           chunk("t1.jsonl", {{"in/b.jsonl", b.size()}, {dir / "in/./a.jsonl", a.size()}}),
+       "the plan lists " + dir / "in/./a.jsonl" + " twice (chunk 0 input 0: in/a.jsonl; chunk 1 input 1: " +
+           dir / "in/./a.jsonl" + "): it would be concatenated twice"},
+      {chunk("t0.jsonl", {{"in/a.jsonl", a.size()}}) + ", " + chunk("t0.jsonl", {{"in/b.jsonl", b.size()}}),
+       R"(chunks 0 and 1 are both named "t0.jsonl")"},
+      {chunk("../t0.jsonl", {{"in/a.jsonl", a.size()}}), R"(chunk 0 is named "../t0.jsonl", which is no file name)"},
+  };
+  for (const auto& [chunks, message] : plans) {
+    const std::string plan = write_plan("p.json", chunks);
+    for (const char* sub : {"run --quiet", "list"}) {
+      auto r = RunCmd(fmt::format("{} {} --plan {}", concat, sub, plan));
+      EXPECT_EQ(r.exit_code, 1) << sub << ": " << r.output;
+      EXPECT_NE(r.output.find(plan + ": " + message), std::string::npos) << sub << ": " << r.output;
+    }
+    EXPECT_FALSE(testing::Exists(dir / "out")) << message;
+    EXPECT_FALSE(testing::Exists(dir / "t0.jsonl")) << message;
+  }
+  // One file by two names in one chunk: found when the chunk is built, nothing written.
+  const std::string linked = write_plan(
+      "l.json", chunk("t0.jsonl", {{"in/a.jsonl", a.size()}, {"in/b.jsonl", b.size()}, {"in/hard.jsonl", a.size()}}));
+  auto r = RunCmd(fmt::format("{} run --quiet --plan {}", concat, linked));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "in/hard.jsonl" + ": the same file as " + dir / "in/a.jsonl" +
+                          ", which chunk 0 also lists: it would be concatenated twice"),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(testing::Exists(dir / "out/t0.jsonl"));
+  // A directory where the plan names a file.
+  const std::string with_dir = write_plan("d.json", chunk("t0.jsonl", {{"valid", 4096}}));
+  r = RunCmd(fmt::format("{} run --quiet --plan {}", concat, with_dir));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "valid is a directory, not a regular file"), std::string::npos) << r.output;
+
+  // `list`: each item once.
+  ASSERT_EQ(RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 2", concat,
+                               dir / "in/a.jsonl " + dir / "in/b.jsonl", dir / "c"))
+                .exit_code,
+            0);
+  const std::string list = fmt::format("{} list --plan {}", concat, dir / "c/concat-plan.json");
+  const std::pair<std::string, std::string> lists[] = {
+      {"--with " + dir / "valid" + " --with " + dir / "valid", "--with " + dir / "valid" + " is given twice"},
+      {"--with " + dir / "valid" + " --with " + dir / "./valid/",
+       "--with " + dir / "./valid/" + " is --with " + dir / "valid" + " again"},
+      {"--with " + dir / "c/train_01.jsonl",
+       "--with " + dir / "c/train_01.jsonl" + " is the plan's chunk 1 (" + dir / "c/train_01.jsonl" + ") again"},
+  };
+  for (const auto& [args, message] : lists) {
+    auto l = RunCmd(list + " " + args);
+    EXPECT_EQ(l.exit_code, 2) << args << "\n" << l.output;
+    EXPECT_NE(l.output.find("usage error: " + message), std::string::npos) << args << "\n" << l.output;
+  }
+  auto ok = RunCmd(list + " --with " + dir / "valid");
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_EQ(ok.output, dir / "c/train_00.jsonl\n" + dir / "c/train_01.jsonl\n" + dir / "valid\n");
+  // The library's own plan-maker refuses a path twice too.
+  const absl::Status twice = MakeConcatPlan({{"in/a.jsonl", 1}, {"in//a.jsonl", 1}}, "out", {}).status();
+  EXPECT_NE(std::string(twice.message()).find("the inputs name in//a.jsonl twice"), std::string::npos) << twice;
 }
 
 TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {
