@@ -248,8 +248,9 @@ absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
 
 namespace {
 
-// Before a chunk is built: every input still has the size the plan recorded, and no file is listed
-// twice by two names (a link, a hard link), which the plan's paths cannot show.
+// Before a chunk is built: every input is a regular file that still has the size the plan recorded,
+// no file is listed twice by two names (a link, a hard link), which the plan's paths cannot show,
+// and what is to be copied as it is is no binary data.
 absl::Status CheckChunkInputs(const ConcatPlan& plan, size_t index) {
   std::map<std::pair<uint64_t, uint64_t>, std::string> seen;
   for (const auto& in : plan.chunks[index].inputs) {
@@ -268,6 +269,10 @@ absl::Status CheckChunkInputs(const ConcatPlan& plan, size_t index) {
       return absl::FailedPreconditionError(
           fmt::format("{}: the same file as {}, which chunk {} also lists: it would be concatenated twice", in_path,
                       it->second, index));
+    // What is copied as it is must be text: a file named .zst whose content is none of the formats (a
+    // damaged download) or bzip2 data named .jsonl is refused as ptk-extract refuses it (it was
+    // copied into the chunk, exit 0).
+    if (DetectCompression(in_path) == Compression::kNone) PTK_RETURN_IF_ERROR(OpenByteSource(in_path).status());
   }
   return absl::OkStatus();
 }

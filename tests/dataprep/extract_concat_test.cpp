@@ -780,6 +780,37 @@ TEST(Concat, AFileListedTwiceIsRefusedNamingBothPlaces) {
   EXPECT_NE(std::string(twice.message()).find("the inputs name in//a.jsonl twice"), std::string::npos) << twice;
 }
 
+// Inputs copied as they are went into the chunk whatever they held: random bytes named .zst (a
+// damaged download) and bzip2 data named .jsonl were concatenated into the training data, exit 0.
+// Now they fail the chunk as ptk-extract fails them, before anything is written; data in another
+// format than its name says is decoded by its content, and damage after the data is named.
+TEST(Concat, InputsThatAreNotWhatTheyClaimAreRefusedOrDecoded) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(30, 71), b = Jsonl(20, 72);
+  testing::WriteFile(dir / "in/a.jsonl", testing::XzCompress(a));        // xz, named plain: decoded
+  testing::WriteFile(dir / "in/b.jsonl.zst", testing::GzipCompress(b));  // gzip, named .zst: decoded
+  testing::WriteFile(dir / "in/c.jsonl.zst", std::string("\x48\x94\x90\x8e\x01\x02\x03\x04", 8));
+  testing::WriteFile(dir / "in/d.jsonl", "BZh91AY&SY");
+  const std::string z = testing::ZstdCompress(b);
+  testing::WriteFile(dir / "in/e.jsonl.zst", z + "garbage!");
+  auto r = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 5", testing::Tool("ptk-concat"),
+                              dir / "in", dir / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("2 chunks built, 0 already complete, 3 failed"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "out/train_00.jsonl") == a);
+  EXPECT_TRUE(testing::ReadFile(dir / "out/train_01.jsonl") == b);
+  for (const std::string& m :
+       {"chunk 2: " +
+            dir / "in/c.jsonl.zst: named .zst but it is not compressed data (it starts with bytes 48 94 90 8e",
+        "chunk 3: " + dir / "in/d.jsonl: bzip2 data, which ptk does not read",
+        fmt::format("chunk 4: {}: trailing garbage at byte {}, after the last complete zstd frame",
+                    dir / "in/e.jsonl.zst", z.size())})
+    EXPECT_NE(r.output.find(m), std::string::npos) << m << "\n" << r.output;
+  for (int k = 2; k < 5; ++k) EXPECT_FALSE(testing::Exists(dir / fmt::format("out/train_{:02d}.jsonl", k))) << k;
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
 TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
