@@ -452,6 +452,12 @@ void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, 
   if (!src.ok()) {
     r.state = ExtractFileResult::State::kFailed;
     r.error = src.status();
+  } else if (!in_place && IsDirectory(r.output)) {
+    // Not even with --force (the rename fails, and left the pending record that made the directory
+    // look like this tool's output; zstd -d -f crashes).
+    r.state = ExtractFileResult::State::kFailed;
+    r.error = absl::FailedPreconditionError(
+        fmt::format("{} is a directory: the output of {} cannot be written there", r.output, r.input));
   } else if (!in_place && !opt.force && Occupied(r.output) && !WrittenByExtract(r.output)) {
     // As zstd -d: a file this tool did not write is never overwritten unasked.
     r.state = ExtractFileResult::State::kFailed;

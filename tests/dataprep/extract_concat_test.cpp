@@ -255,6 +255,28 @@ TEST(Extract, APlainInputThatIsItsOwnOutputIsLeftAlone) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// A directory where the output goes: --force tried to rename over it, failed, and left the pending
+// record that made the next run take the directory for ptk-extract's own output. Refused by name,
+// with or without --force, the directory untouched and nothing left beside it.
+TEST(Extract, AnOutputThatIsADirectoryIsRefusedEvenWithForce) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in/a.jsonl");
+  testing::WriteFile(dir / "in/a.jsonl/notes.txt", "mine");
+  testing::WriteFile(dir / "in/a.jsonl.zst", testing::ZstdCompress(Jsonl(10, 81)));
+  for (const char* flags : {"", " --force", " --force --delete-input"}) {
+    auto r = RunCmd(fmt::format("{} --quiet {}{}", testing::Tool("ptk-extract"), dir / "in/a.jsonl.zst", flags));
+    EXPECT_EQ(r.exit_code, 1) << flags << ": " << r.output;
+    EXPECT_NE(r.output.find(dir / "in/a.jsonl is a directory: the output of " + dir / "in/a.jsonl.zst" +
+                            " cannot be written there"),
+              std::string::npos)
+        << flags << ": " << r.output;
+  }
+  EXPECT_EQ(testing::ReadFile(dir / "in/a.jsonl/notes.txt"), "mine");
+  EXPECT_TRUE(testing::Exists(dir / "in/a.jsonl.zst"));
+  for (const auto& e : std::filesystem::directory_iterator(dir / "in"))
+    EXPECT_EQ(e.path().filename().string().find(".ptk-"), std::string::npos) << e.path();
+}
+
 // --drop-set kept the first of duplicate keys; Python's json (and ptk-tokenize) keep the
 // last, at every level.
 TEST(Extract, DropSetTakesTheLastOfDuplicateKeys) {
