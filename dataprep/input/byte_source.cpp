@@ -268,10 +268,9 @@ class GzipSource : public DecoderSource {
       PTK_RETURN_IF_ERROR(Fill());
       if (members_ > 0 && !member_open_) PTK_RETURN_IF_ERROR(SkipPadding());
       if (in_pos_ == in_len_ && eof_) {
-        if (member_open_ || !any_input_)
-          return absl::DataLossError(fmt::format("{}: {} at byte {}", name_,
-                                                 any_input_ ? "truncated gzip data" : "empty file is not gzip data",
-                                                 raw_offset()));
+        if (!any_input_) return absl::DataLossError(fmt::format("{}: empty file is not gzip data", name_));
+        if (member_open_)
+          return absl::DataLossError(fmt::format("{}: truncated gzip data at byte {}", name_, raw_offset()));
         done_ = true;
         break;
       }
