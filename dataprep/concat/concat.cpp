@@ -308,6 +308,9 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     }
   }
   PTK_RETURN_IF_ERROR(CheckChunkInputs(plan, index));
+  // A chunk without its sidecar (a kill or a full disk between its publish and the sidecar's) is no
+  // complete chunk: removed first, so that rebuilding it needs room for one copy, not two.
+  if (!PathExists(out_path + std::string(kDoneSuffix))) PTK_RETURN_IF_ERROR(RemoveFileIfExists(out_path));
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
   std::vector<char> buf;
   for (const auto& in : c.inputs) {

@@ -320,6 +320,13 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
                         ExtractFileResult* res, ProgressReporter* progress) {
   PTK_ASSIGN_OR_RETURN(SourceId src, StatSource(input));
   PTK_RETURN_IF_ERROR(MakeDirs(Dirname(output)));
+  // An output a kill or a full disk left published without its sidecar (the pending record says it
+  // is this tool's) is no complete output: removed first, so that redoing it needs room for one
+  // copy, not two (after a disk filled up while the sidecar was written, the rerun failed for want
+  // of room for a second copy).
+  const std::string pending = output + std::string(kPendingSuffix);
+  if (PathExists(pending) && !PathExists(output + std::string(kDoneSuffix)) && !IsDirectory(output))
+    PTK_RETURN_IF_ERROR(RemoveFileIfExists(output));
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(output));
   Xxh3 sum;
   PTK_RETURN_IF_ERROR(Decode(input, opt, res, progress, [&](const char* p, size_t n) {
@@ -330,7 +337,6 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
   // The pending record first (the output is ptk-extract's from here on, whatever happens), then
   // the old sidecar goes before the new output appears: a kill in between leaves an output without
   // a sidecar (redone by the next run), never a new output described by an old sidecar.
-  const std::string pending = output + std::string(kPendingSuffix);
   PTK_RETURN_IF_ERROR(WriteFileAtomic(pending, JsonWriter().BeginObject().Field("source", input).EndObject().str(),
                                       /*durable=*/false));
   absl::Status st = RemoveFileIfExists(output + std::string(kDoneSuffix));

@@ -833,6 +833,59 @@ TEST(Concat, InputsThatAreNotWhatTheyClaimAreRefusedOrDecoded) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// A real full disk (a 600 KiB tmpfs in a user namespace; skipped where none can be made), filled
+// so that the output is published but its sidecar is not: the rerun, with room for one more copy of
+// the output but not two, failed again (exit 3) because the unverified output stayed while its
+// replacement was written. It is now removed first; the rerun completes with the same bytes.
+TEST(DiskFull, ARerunAfterAPublishWithoutSidecarNeedsRoomForOneCopy) {
+  if (RunCmd("unshare -rm true").exit_code != 0) GTEST_SKIP() << "no user namespace in which to mount a tmpfs";
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::filesystem::create_directories(dir / "mnt");
+  std::string text;  // 100 lines of 4096 bytes: 100 pages of 4 KiB
+  for (int i = 0; i < 100; ++i) text += fmt::format("{{\"text\": \"{:04d}{}\"}}\n", i, std::string(4096 - 17, 'x'));
+  ASSERT_EQ(text.size(), 409600u);
+  testing::WriteFile(dir / "in/a.jsonl.gz", testing::GzipCompress(text));
+  testing::WriteFile(dir / "want.jsonl", text);
+  // Fills the tmpfs so that a run publishes the output but not its sidecar, then frees the filler
+  // and reruns: ARGS mount, command, output, wanted bytes.
+  testing::WriteFile(dir / "full.sh", R"(set -u
+mnt=$1 cmd=$2 out=$3 want=$4
+mount -t tmpfs -o size=600k tmpfs "$mnt" || exit 77
+page=$(getconf PAGESIZE)
+need=$(( ($(stat -c %s "$want") + page - 1) / page * page ))
+state=none
+for extra in 0 1 2 3 4 5 6 7 8; do
+  find "$mnt" -mindepth 1 -delete
+  avail=$(( $(stat -f -c '%a*%S' "$mnt") ))
+  head -c $((avail - need - extra * page)) /dev/zero > "$mnt/fill"
+  sh -c "$cmd" >/dev/null 2>&1
+  if [ -f "$out" ] && [ ! -f "$out.ptk-done" ]; then state=published-without-sidecar; break; fi
+done
+echo "state: $state"
+rm -f "$mnt/fill"
+sh -c "$cmd"; echo "rerun exit: $?"
+cmp "$out" "$want" && echo "rerun output: identical"
+[ -f "$out.ptk-done" ] && echo "sidecar: written"
+)");
+  const std::pair<std::string, std::string> runs[] = {
+      {fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "mnt/x"),
+       dir / "mnt/x/a.jsonl"},
+      {fmt::format("{} --quiet --input {} --output-dir {} --chunks 1", testing::Tool("ptk-concat"), dir / "want.jsonl",
+                   dir / "mnt/c"),
+       dir / "mnt/c/train_00.jsonl"},
+  };
+  for (const auto& [cmd, out] : runs) {
+    auto r = RunCmd(fmt::format("unshare -rm sh {} {} {} {} {}", dir / "full.sh", dir / "mnt", testing::ShellQuote(cmd),
+                                out, dir / "want.jsonl"));
+    if (r.exit_code == 77) GTEST_SKIP() << "tmpfs cannot be mounted here: " << r.output;
+    EXPECT_NE(r.output.find("state: published-without-sidecar"), std::string::npos) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("rerun exit: 0\n"), std::string::npos) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("rerun output: identical"), std::string::npos) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("sidecar: written"), std::string::npos) << cmd << "\n" << r.output;
+  }
+}
+
 TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
