@@ -437,6 +437,23 @@ int64_t ShardOwner(const ExtractOptions& opt, size_t i) {
   return static_cast<int64_t>(h % static_cast<uint64_t>(opt.shard.count));
 }
 
+// An input that is its own output is done as it is, when it is plain text and no records are to be
+// dropped. Compressed data under a plain name was "already complete", and so was a --drop-set run
+// that dropped nothing: neither can be done without writing the input over itself.
+absl::Status InPlace(const ExtractOptions& opt, const std::string& input) {
+  static constexpr std::string_view kName[] = {"", "zstd", "xz", "gzip"}, kExt[] = {"", ".zst", ".xz", ".gz"};
+  const Compression c = DetectCompression(input);
+  if (c != Compression::kNone)
+    return absl::FailedPreconditionError(
+        fmt::format("{} holds {} data under a plain name, and its output would be itself: rename it {}{} (or give "
+                    "another output directory)",
+                    input, kName[static_cast<int>(c)], Basename(input), kExt[static_cast<int>(c)]));
+  if (!opt.drop_sets.empty())
+    return absl::FailedPreconditionError(fmt::format(
+        "{} is its own output: records cannot be dropped from it in place; give another output directory", input));
+  return absl::OkStatus();
+}
+
 // Before extracting r.input: its output's lock taken (held in *lock), and whether the work is
 // already done (kSkipped), cannot start (kFailed with r.error), or is to do (the state left as is).
 void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, ExtractFileResult& r,
@@ -472,7 +489,8 @@ void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, 
                     "remove it, or pass --force",
                     r.output, kDoneSuffix));
   } else if (in_place) {
-    r.state = ExtractFileResult::State::kSkipped;  // already plain, in place
+    r.error = InPlace(opt, r.input);
+    r.state = r.error.ok() ? ExtractFileResult::State::kSkipped : ExtractFileResult::State::kFailed;
   } else if (LooksComplete(r.input, r.output, drops, true, *src)) {
     r.state = ExtractFileResult::State::kSkipped;
     if (opt.verify) {

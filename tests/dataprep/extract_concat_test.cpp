@@ -255,6 +255,35 @@ TEST(Extract, APlainInputThatIsItsOwnOutputIsLeftAlone) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// An input that is its own output and is not plain text, or whose records were to be dropped, was
+// "already complete", exit 0: the zstd data stayed compressed under its .jsonl name, the
+// RedPajamaBook records stayed in. Both fail naming the file and what to do; the file is untouched.
+TEST(Extract, AnInputThatIsItsOwnOutputIsNotCalledCompleteWhenItIsNot) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(50, 91), z = testing::ZstdCompress(a);
+  testing::WriteFile(dir / "in/z.jsonl", z);
+  testing::WriteFile(dir / "in/p.jsonl", a);
+  auto r = RunCmd(fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "in/z.jsonl"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "in/z.jsonl holds zstd data under a plain name, and its output would be itself: "
+                                "rename it z.jsonl.zst (or give another output directory)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/z.jsonl") == z);
+  r = RunCmd(fmt::format("cd {} && {} --quiet p.jsonl --output-dir . --drop-set RedPajamaBook", dir / "in",
+                         testing::Tool("ptk-extract")));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("p.jsonl is its own output: records cannot be dropped from it in place"), std::string::npos)
+      << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/p.jsonl") == a);
+  // Renamed as told, it is extracted.
+  std::filesystem::rename(dir / "in/z.jsonl", dir / "in/z.jsonl.zst");
+  r = RunCmd(fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "in/z.jsonl.zst"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/z.jsonl") == a);
+}
+
 // A directory where the output goes: --force tried to rename over it, failed, and left the pending
 // record that made the next run take the directory for ptk-extract's own output. Refused by name,
 // with or without --force, the directory untouched and nothing left beside it.
