@@ -97,6 +97,7 @@ TEST(ByteSource, GzipAcceptsZeroPaddingAndNamesTrailingGarbage) {
   Check(
       {
           {"members.gz", ga + gb + ga, a + b + a, ""},
+          {"empty_member.gz", testing::GzipCompress("") + ga + Zeros(8), a, ""},
           {"padded.gz", ga + gb + Zeros(512), a + b, ""},
           {"padded_big.gz", gbig + Zeros(200000), big, ""},  // zeros across the 128 KiB input buffers
           {"one_zero.gz", ga + Zeros(1), a, ""},
@@ -125,6 +126,7 @@ TEST(ByteSource, XzReadsStreamPaddingAndNamesTrailingGarbage) {
   Check(
       {
           {"streams.xz", xa + xb + xa, a + b + a, ""},
+          {"empty_stream.xz", testing::XzCompress("") + Zeros(4) + xa, a, ""},
           {"padded.xz", xa + Zeros(4) + xb + Zeros(8), a + b, ""},
           {"padded_big.xz", xbig + Zeros(200000) + xa, big + a, ""},  // padding across the input buffers
           {"garbage.xz", xa + "garbage!", "", at(xa.size())},
@@ -161,6 +163,9 @@ TEST(ByteSource, ZstdReadsFramesAndNamesTrailingGarbage) {
       {
           {"frames.zst", za + skippable + zb + za, a + b + a, ""},
           {"frames_big.zst", zbig + za, big + a, ""},
+          {"only_skippable.zst", skippable, "", ""},
+          {"cut_skippable.zst", skippable.substr(0, 10), "", "truncated zstd data"},
+          {"empty_frame.zst", testing::ZstdCompress("") + za, a, ""},
           {"garbage.zst", za + "garbage!", "", at(za.size())},
           {"zeros.zst", za + zb + Zeros(8), "", at(za.size() + zb.size())},
           {"three_zeros.zst", za + Zeros(3), "", at(za.size())},
