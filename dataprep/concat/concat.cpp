@@ -388,6 +388,12 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   // Every other file below a directory input that is not taken is said, with the reason.
   std::erase_if(left_out, [&](const LeftOutFile& l) { return ours(l.path); });
   ReportLeftOut(left_out);
+  if (inputs.empty()) {  // named, as ptk-extract names them (it said "no input files to concatenate")
+    std::string given;
+    for (const std::string& in : r.inputs) given += (given.empty() ? "" : ", ") + in;
+    return absl::NotFoundError(fmt::format("no input files to concatenate in {}{}", given,
+                                           left_out.empty() ? " (empty)" : " (every file left out, listed above)"));
+  }
   return MakeConcatPlan(inputs, r.output_dir, r.plan);  // a bad flag is a UsageError already
 }
 

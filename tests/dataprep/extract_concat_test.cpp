@@ -71,6 +71,16 @@ TEST(Extract, ADirectoryWithNothingToExtractIsNamed) {
   auto r = RunCmd(fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "empty"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find(dir / "empty"), std::string::npos) << r.output;
+  // ptk-concat said "no input files to concatenate", naming nothing.
+  std::filesystem::create_directories(dir / "other");
+  testing::WriteFile(dir / "other/notes.txt", "");
+  for (const auto& [in, why] : {std::pair<std::string, std::string>{dir / "empty", "(empty)"},
+                                {dir / "other", "(every file left out, listed above)"}}) {
+    auto c = RunCmd(fmt::format("{} --quiet --input {} --output-dir {}", testing::Tool("ptk-concat"), in, dir / "c"));
+    EXPECT_EQ(c.exit_code, 1) << c.output;
+    EXPECT_NE(c.output.find("error: no input files to concatenate in " + in + " " + why), std::string::npos)
+        << c.output;
+  }
 }
 
 TEST(Extract, DamagedInputsFailAloneWithOffsetAndNoOutput) {
