@@ -42,9 +42,9 @@ struct ConcatPlanOptions {
 };
 
 // Inputs must already be in the wanted order, each file once (a path given twice, however
-// spelled, is an error: it would be concatenated twice). Balanced mode: chunk k ends at the first input whose
-// midpoint passes (k+1)/N of the total bytes; every chunk gets at least one input (fewer inputs
-// than chunks gives one chunk per input).
+// spelled, is an error: it would be concatenated twice). Balanced mode: chunk k ends at the first
+// input whose midpoint passes (k+1)/N of the total bytes; every chunk gets at least one input
+// (fewer inputs than chunks gives one chunk per input).
 absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs, const std::string& output_dir,
                                           const ConcatPlanOptions& options);
 
