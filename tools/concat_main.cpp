@@ -177,6 +177,7 @@ int main(int argc, char** argv) {
   auto* list_cmd = AddListCommand(app.get(), &list_args);
   app->require_subcommand(0, 1);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     // The tool's own flags are the one-process form's: before a subcommand they were ignored

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <cstring>
 #include <random>
 #include <thread>
 
@@ -427,6 +428,74 @@ TEST(Extract, TrailingZerosAreReadAsTheToolsReadThemAndGarbageIsNamed) {
   for (const char* bad : {"c_garbage.jsonl", "d_garbage.jsonl", "e_zeros.jsonl"})
     EXPECT_FALSE(testing::Exists(dir / "out/" + bad)) << bad;
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
+// Interrupted (Ctrl-C, a scheduler's SIGTERM at its time limit), ptk-extract and ptk-concat left
+// their partial output (OUT.ptk-tmp-*, as large as what was written so far) until a rerun; gzip
+// and zstd remove theirs. Now each removes its temporaries and dies of the signal. Each run is
+// stopped (SIGSTOP) while a temporary exists, signalled, then continued, so the signal always
+// lands mid-write.
+TEST(Extract, AnInterruptedRunRemovesItsPartialOutput) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string text;
+  for (int i = 0; i < 2; ++i) text += Jsonl(200000, 500 + i);  // about 18 MB
+  testing::WriteFile(dir / "in/big.jsonl.xz", testing::XzCompress(text, 0));
+  auto temporaries = [&](const std::string& out) {
+    int n = 0;
+    if (testing::Exists(out))
+      for (const auto& e : std::filesystem::directory_iterator(out))
+        n += e.path().filename().string().find(".ptk-tmp") != std::string::npos;
+    return n;
+  };
+  const std::pair<std::string, std::string> tools[] = {
+      {fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "x"), dir / "x"},
+      {fmt::format("{} --quiet --input {} --output-dir {} --chunks 1", testing::Tool("ptk-concat"), dir / "in",
+                   dir / "c"),
+       dir / "c"},
+  };
+  // The runs must not inherit an ignored SIGINT (a background job's), which they keep ignoring.
+  struct sigaction dfl {
+  }, saved{};
+  dfl.sa_handler = SIG_DFL;
+  ::sigaction(SIGINT, &dfl, &saved);
+  for (const auto& [cmd, out] : tools)
+    for (int sig : {SIGINT, SIGTERM}) {
+      SCOPED_TRACE(cmd + " " + strsignal(sig));
+      bool landed = false;
+      for (int attempt = 0; attempt < 10 && !landed; ++attempt) {
+        std::filesystem::remove_all(out);
+        const pid_t pid = testing::SpawnShell(cmd, dir / "log");
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (temporaries(out) == 0 && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        ::kill(pid, SIGSTOP);
+        if (temporaries(out) == 0) {  // finished first (a fast machine): again
+          ::kill(pid, SIGCONT);
+          testing::WaitExit(pid);
+          continue;
+        }
+        ::kill(pid, sig);
+        ::kill(pid, SIGCONT);
+        const int rc = testing::WaitExit(pid);
+        if (rc == 0) continue;  // the temporary was the plan's or the last one, committed meanwhile
+        landed = true;
+        EXPECT_EQ(rc, 128 + sig) << testing::ReadFile(dir / "log");
+        EXPECT_EQ(temporaries(out), 0) << testing::ReadFile(dir / "log");
+      }
+      EXPECT_TRUE(landed) << "the run always finished before it could be interrupted";
+    }
+  // An ignored SIGINT stays ignored: the run completes.
+  ::signal(SIGINT, SIG_IGN);
+  std::filesystem::remove_all(dir / "x");
+  const pid_t pid = testing::SpawnShell(tools[0].first, dir / "log");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (temporaries(dir / "x") == 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(testing::WaitExit(pid), 0) << testing::ReadFile(dir / "log");
+  EXPECT_TRUE(testing::ReadFile(dir / "x/big.jsonl") == text);
+  ::sigaction(SIGINT, &saved, nullptr);
 }
 
 // ---------------------------------------------------------------- concat
