@@ -1,6 +1,7 @@
 // Command-line conventions shared by every tool.
 #include "common/cli.h"
 
+#include <pthread.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -17,10 +18,12 @@
 #include <map>
 #include <new>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
 
+#include "common/atomic_file.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/progress.h"
@@ -489,6 +492,31 @@ int ExitCodeFor(const absl::Status& status) {
   if (status.code() == absl::StatusCode::kResourceExhausted) return kExitDiskFull;
   if (IsUsageError(status)) return kExitUsage;
   return kExitFailure;
+}
+
+void RemoveTemporariesOnSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    // A signal the caller ignores stays ignored (`cmd &` in a script ignores SIGINT), as gzip does.
+    struct sigaction now {};
+    if (sigaction(sig, nullptr, &now) == 0 && now.sa_handler == SIG_IGN) continue;
+    sigaddset(&set, sig);
+  }
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    int sig = 0;
+    while (sigwait(&set, &sig) != 0) {
+    }
+    RemoveLiveTemporaries();
+    // Then the signal's own end (exit status 128 + sig), as without this.
+    std::signal(sig, SIG_DFL);
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+    std::raise(sig);
+  }).detach();
 }
 
 int RunMain(const std::function<absl::Status()>& body) {

@@ -121,8 +121,7 @@ CLI::App* AddListCommand(CLI::App* app, ListArgs* a) {
 absl::Status List(const ListArgs& a) {
   PTK_RETURN_IF_ERROR(CheckPlan(a.plan));
   PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(a.plan));
-  std::vector<std::string> items = ptk::PlanChunkPaths(plan);
-  items.insert(items.end(), a.with.begin(), a.with.end());
+  PTK_ASSIGN_OR_RETURN(const std::vector<std::string> items, ptk::ConcatListItems(plan, a.with));
   if ((a.shard_index || a.num_shards) && !a.this_task)
     return ptk::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
   ptk::ShardSpec shard;  // everything
@@ -178,6 +177,7 @@ int main(int argc, char** argv) {
   auto* list_cmd = AddListCommand(app.get(), &list_args);
   app->require_subcommand(0, 1);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     // The tool's own flags are the one-process form's: before a subcommand they were ignored
