@@ -70,7 +70,8 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   f->batch_opt = app.add_option("--batch-mb", f->batch_mb,
                                 "Input batch size in MiB handed to one worker (default: from the input size, "
                                 "0.25 to 1, about 8 batches a worker)")
-                     ->check(ptk::cli::Positive());
+                     ->check(ptk::cli::Positive())
+                     ->default_str("");  // the 1 it holds is not the default: that comes from the input size
   app.add_option("--max-bad-fraction", f->opt.max_bad_fraction,
                  "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
                  "(default 0.01; 1 tolerates any)")

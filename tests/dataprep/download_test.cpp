@@ -489,6 +489,10 @@ TEST(Download, ClearErrors) {
                                      testing::Tool("ptk-download"), hub.hub(), dir / "o1"));
   EXPECT_EQ(bad_repo.exit_code, 1);
   EXPECT_NE(bad_repo.output.find("RepoNotFound"), std::string::npos) << bad_repo.output;
+  // A model repo asked for without --repo-type (huggingface-cli's default type is model, ptk's dataset).
+  EXPECT_NE(bad_repo.output.find("a model or space repo? --repo-type is dataset unless given: add --repo-type model"),
+            std::string::npos)
+      << bad_repo.output;
   auto bad_rev = RunCmd(Download(hub, dir / "o2", "--revision no-such-branch"));
   EXPECT_EQ(bad_rev.exit_code, 1);
   EXPECT_NE(bad_rev.output.find("RevisionNotFound"), std::string::npos) << bad_rev.output;

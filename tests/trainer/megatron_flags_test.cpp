@@ -246,6 +246,14 @@ TEST_F(MegatronFlags, HelpShowsRequiredFlagsWithoutAFakeDefault) {
     ASSERT_TRUE(std::regex_search(r.output, m, std::regex(std::string(flag) + " [^\n]*REQUIRED"))) << flag;
     EXPECT_EQ(m.str().find("=0"), std::string::npos) << m.str();
   }
+  // Nor a default its own range refuses ("--ffn-hidden-size INT:an integer in [1, 2147483647]=0"): a
+  // sentinel for "not given", whose meaning the help text states.
+  for (const char* flag : {"--ffn-hidden-size", "--train-iters", "--global-batch-size", "--ddp-bucket-size"}) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex(std::string("\\n  ") + flag + " [^\n]*"))) << flag;
+    EXPECT_EQ(m.str().find("]=0"), std::string::npos) << m.str();
+  }
+  EXPECT_NE(r.output.find("--micro-batch-size INT:an integer in [1, 2147483647]=1"), std::string::npos) << r.output;
 }
 
 // A resume that names the same dataset by a relative path from another working directory (a Slurm
