@@ -531,7 +531,7 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   EXPECT_NE(plan.output.find("plan: 12 files -> 4 chunks in "), std::string::npos) << plan.output;
   EXPECT_EQ(plan.output.find("not --chunks"), std::string::npos) << plan.output;
   // More chunks asked than there are files (the default 72 over a small set): one file a chunk, and the
-  // plan line says so, since an array of --chunks tasks fails past the last chunk.
+  // plan line says so (`run --chunk-index` past the last chunk fails; array tasks past it build nothing).
   auto few = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 72", testing::Tool("ptk-concat"),
                                 dir / "in", dir / "few"));
   ASSERT_EQ(few.exit_code, 0) << few.output;
