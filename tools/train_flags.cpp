@@ -118,7 +118,7 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
   app->add_flag("--mock-data", o.mock_data, "Synthetic data instead of --data-path");
   app->add_option("--vocab-file", o.vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
-  app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt");
+  app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt (default: ptk's built-in GPT-2 files)");
   app->add_option("--tokenizer-type", f->tokenizer_type, "GPT2BPETokenizer (the only one ptk has)");
   app->add_option("--dataloader-type", f->dataloader_type, "single (Megatron's pretraining sampler)");
   app->add_flag("--eod-mask-loss", o.eod_mask_loss, "No loss on end-of-document tokens");
