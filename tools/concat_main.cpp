@@ -175,8 +175,14 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--plan", run_args.plan_path, "Plan file written by `ptk-concat plan`")->required();
   auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)")
                  ->check(ptk::cli::NonNegative());
-  run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")->excludes(ci);
-  run_cmd->add_option("--num-shards", run_args.num_shards, "Number of shards")->excludes(ci);
+  run_cmd
+      ->add_option("--shard-index", run_args.shard_index,
+                   "This task's shard of the chunks (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)")
+      ->excludes(ci);
+  run_cmd
+      ->add_option("--num-shards", run_args.num_shards,
+                   "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)")
+      ->excludes(ci);
   run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::Positive());
   run_cmd->add_flag("--quiet", run_args.quiet, "No progress output");
   run_cmd->add_flag("--no-fsync", run_args.no_fsync, kNoFsync);
