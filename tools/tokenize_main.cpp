@@ -179,7 +179,8 @@ void ReportStats(const ptk::TokenizeStats& s, int workers) {
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(
       "ptk-tokenize",
-      "Tokenize jsonl (plain, .zst, .xz or - for stdin) with GPT-2 BPE into Megatron .bin/.idx files, byte-identical "
+      "Tokenize jsonl (plain, .zst, .xz, .gz or - for stdin) with GPT-2 BPE into Megatron .bin/.idx files, "
+      "byte-identical "
       "to Megatron-LM's tools/preprocess_data.py with the same flags. Outputs: PREFIX_{key}_document.{bin,idx}.");
   TokenizeFlags f;
   AddOptions(*app, &f);
