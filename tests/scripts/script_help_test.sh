@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every shell script that answers --help (scripts/, slurm/, k8s/) prints its header comment, whole and
 # nothing else: build.sh, data-path.sh and submit-pipeline.sh printed a fixed range of lines that ran
-# into their code (`set -euo pipefail`), gpu-run.sh's range stopped three lines short of its header.
+# into their code (`set -euo pipefail`), gpu-run.sh's range stopped three lines short of its header; and
+# README's main job took `--help` for its output directory (and ran, sudo apt-get included), test.sh ran
+# the whole suite: an unknown option there is a usage error (exit 2) before anything runs.
 # Usage: script_help_test.sh SOURCE_DIR
 set -uo pipefail
 SRC=$1
@@ -22,6 +24,15 @@ for s in "$SRC"/scripts/*.sh "$SRC"/slurm/*.sh "$SRC"/k8s/*.sh; do
     fail=1
   }
 done
-[ "$n" -ge 4 ] || { echo "FAIL: only $n scripts answer --help (build.sh, gpu-run.sh, data-path.sh, submit-pipeline.sh did)"; fail=1; }
+[ "$n" -ge 7 ] || { echo "FAIL: only $n scripts answer --help (build.sh, gpu-run.sh, install-deps.sh, run-main-job.sh,
+  test.sh, data-path.sh, submit-pipeline.sh did)"; fail=1; }
+# (Not test.sh's: were its check gone, that would start the whole suite.) The main job, were its check
+# gone, would fail at once here: nothing installed or built, no programs.
+W=$(mktemp -d)
+out=$(cd "$W" && PTK_SKIP_INSTALL=1 PTK_SKIP_BUILD=1 PTK_BIN="$W/none" timeout 60 bash "$SRC/scripts/run-main-job.sh" --hepl 2>&1)
+rc=$?
+[ "$rc" = 2 ] && [[ $out == *"unknown option --hepl"* ]] && [ ! -e "$SRC/--hepl" ] ||
+  { echo "FAIL: run-main-job.sh --hepl: rc $rc, expected a usage error: ${out:0:300}"; fail=1; }
+rm -rf "$W"
 [ "$fail" = 0 ] && echo "script_help_test: $n scripts print their header comment for --help"
 exit "$fail"
