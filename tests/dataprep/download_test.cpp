@@ -510,6 +510,16 @@ TEST(Download, ClearErrors) {
   EXPECT_NE(anon.output.find("HF_TOKEN"), std::string::npos) << anon.output;
   auto ok = RunCmd(Download(gated, gdir / "o", "--include 'README.md'"));
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  // huggingface-cli's flags: --token TOKEN was taken as --token-file (its prefix) and the token printed as a
+  // file name; --max-workers is --jobs.
+  auto token = RunCmd(Download(gated, gdir / "o2", "--token hf_cli_secret"));
+  EXPECT_EQ(token.exit_code, 2) << token.output;
+  EXPECT_NE(token.output.find("--token is not supported: a token on the command line is seen by every user"),
+            std::string::npos)
+      << token.output;
+  EXPECT_EQ(token.output.find("hf_cli_secret"), std::string::npos) << token.output;
+  auto workers = RunCmd(Download(gated, gdir / "o3", "--include 'README.md' --max-workers 2"));
+  EXPECT_EQ(workers.exit_code, 0) << workers.output;
 }
 
 TEST(Download, UrlListVerifiesSha256) {
