@@ -71,6 +71,17 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
   app->add_option("--max-queue-size", max_queue_size, "Accepted for compatibility (no queue: one process)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+  // More of convert.py's and its Megatron loader's and saver's flags, in the lines users copy: they were
+  // unknown flags here.
+  std::string megatron_path, loader_transformer_impl;
+  bool no_checking = false;
+  app->add_option("--megatron-path", megatron_path,
+                  "Accepted for compatibility (ptk reads and writes Megatron's files itself: no Megatron-LM needed)");
+  app->add_flag("--no-checking", no_checking, "Accepted for compatibility (convert.py's queue checks; no queue here)");
+  app->add_option("--loader-transformer-impl", loader_transformer_impl,
+                  "Accepted for compatibility: --loader megatron tells Transformer Engine and local layer names "
+                  "apart itself")
+      ->check(CLI::IsMember({"transformer_engine", "local"}));
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
