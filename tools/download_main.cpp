@@ -53,7 +53,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(uint64_t{65536}, UINT64_MAX));
   app->add_option("--max-connections", opt.max_connections, "Connections open at once, all files together")
       ->check(CLI::Range(1, 1024));
-  app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")
+  app->add_option("--max-retries", opt.max_retries,
+                  "Retries without progress per file (or Hub API call) before giving up")
       ->check(ptk::cli::NonNegative());
   app->add_option("--max-retry-time", opt.max_retry_time_s,
                   "Seconds a file (or a Hub API call) may keep failing without progress before giving up")
