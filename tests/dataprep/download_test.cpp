@@ -352,6 +352,20 @@ TEST(DownloadRanged, A429PausesTheFileAsItsHeadersSayAndDropsAConnection) {
 }
 
 // The same over one connection (a file below --split-above): a 429 from the download host with
+// --max-retries N: the first attempt and N retries, and the message counts them (it said N attempts).
+TEST(Download, MaxRetriesCountsRetriesAndTheMessageTheAttempts) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 5000);
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["500", "500", "500", "500", "500"]}})", paths[0]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", fmt::format("--max-retries 2 --include '{}'", paths[0])));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("HTTP 500 (gave up after 3 attempts without progress, --max-retries 2)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(hub.CdnGets(paths[0]).size(), 3u) << r.output;
+}
+
 // Retry-After 2 or RateLimit r=0;t=1 is retried no sooner than 2 s after (the fake CDN's clock).
 TEST(Download, A429FromTheDownloadHostIsRetriedAfterTheWaitItNames) {
   TempDir dir;
