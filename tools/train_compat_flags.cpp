@@ -59,6 +59,12 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--data-impl", Arg::kText, "ptk reads Megatron's mmap .bin/.idx format"},
     {"--profile-step-start", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
     {"--profile-step-end", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
+    // --recompute-granularity full's companions (Megatron requires them with it): memory only.
+    {"--recompute-method", Arg::kText,
+     "ptk recomputes the attention probabilities (selective), whatever --recompute-granularity asks"},
+    {"--recompute-num-layers", Arg::kPositiveInt,
+     "ptk recomputes the attention probabilities (selective), whatever --recompute-granularity asks"},
+    {"--distribute-saved-activations", Arg::kNone, "activations are not split over the tensor ranks (memory only)"},
     // Model flags that name what ptk's model does already, or that Megatron ignores here.
     {"--openai-gelu", Arg::kNone, "ptk's GELU is this tanh approximation already"},
     {"--attention-softmax-in-fp32", Arg::kNone, "the attention softmax is computed in fp32 already"},

@@ -355,6 +355,9 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       // The AWS tutorial's (sample-based; --fp16 as above)
       {"--train-samples 8 --lr-decay-samples 8 --lr-warmup-samples 2", kTaken, "", false, true},
       {"--recompute-activations --log-interval 1 --eval-iters 40 --eval-interval 1000 --split 98,2,0", kTaken, ""},
+      // Megatron's full recomputation, as its scripts write it: --recompute-method was an unknown flag.
+      {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", kNoted,
+       "--recompute-method uniform: accepted, ptk recomputes the attention probabilities (selective)"},
       // Megatron's flags a full pretrain_gpt.py line carries beside them
       {"--log-params-norm --log-num-zeros-in-grad", kTaken, ""},
       {"--profile", kNoted, "--profile: accepted, the CPU backend has no profiler"},
