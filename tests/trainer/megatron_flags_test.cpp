@@ -355,6 +355,10 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       // The AWS tutorial's (sample-based; --fp16 as above)
       {"--train-samples 8 --lr-decay-samples 8 --lr-warmup-samples 2", kTaken, "", false, true},
       {"--recompute-activations --log-interval 1 --eval-iters 40 --eval-interval 1000 --split 98,2,0", kTaken, ""},
+      // Megatron's examples/llama scripts' speed, memory and logging flags (were unknown flags).
+      {"--no-create-attention-mask-in-dataloader --no-mmap-bin-files --no-bias-swiglu-fusion --manual-gc "
+       "--manual-gc-interval 100 --num-dataset-builder-threads 2 --log-progress",
+       kNoted, "--no-create-attention-mask-in-dataloader: accepted"},
       // Megatron's full recomputation, as its scripts write it: --recompute-method was an unknown flag.
       {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", kNoted,
        "--recompute-method uniform: accepted, ptk recomputes the attention probabilities (selective)"},
