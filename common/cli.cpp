@@ -301,6 +301,32 @@ void RequireDecimalNumbers(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalNumbers(*sub);
 }
 
+// --help shows each option's default; one its own check refuses is a sentinel for "not given"
+// (0 where 1.. is allowed: --train-iters, --ffn-hidden-size; -1 for none: --doc), not a value the
+// user can give. "--ffn-hidden-size INT:an integer in [1, ...]=0" read as a default of 0 that the
+// option then refuses: such a default is not shown (the help text says what not giving it means).
+// Run before RequireDecimalNumbers adds its own check, so only the tool's checks judge.
+void HideSentinelDefaults(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    const std::string shown = opt->get_default_str();
+    if (shown.empty()) continue;
+    for (int i = 0;; ++i) {
+      const CLI::Validator* check = nullptr;
+      try {
+        check = opt->get_validator(i);
+      } catch (const CLI::OptionNotFound&) {
+        break;
+      }
+      std::string value = shown;
+      if (!(*check)(value).empty()) {
+        opt->default_str("");
+        break;
+      }
+    }
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) HideSentinelDefaults(*sub);
+}
+
 // As argparse: a flag given again replaces what it was given before, a list flag's whole list too
 // (CLI11 would refuse a second value, or join both lists). A repeatable flag (Repeatable) adds up.
 void LastOccurrenceCounts(CLI::App& app) {
@@ -349,6 +375,7 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
                  std::string(StatusMessage(args.status())).c_str());
     return kExitUsage;
   }
+  HideSentinelDefaults(app);
   RequireDecimalNumbers(app);
   LastOccurrenceCounts(app);
   std::vector<char*> cargv;

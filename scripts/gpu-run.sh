@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
     --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
     --pack) pack=${2:?--pack needs a folder}; shift 2 ;;
     --no-bench) bench=0; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
     *) bench_args+=("$1"); shift ;;
   esac
 done

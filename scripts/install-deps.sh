@@ -36,6 +36,7 @@ for a in "$@"; do
   case "$a" in
     --with-python-ref) want_ref=1 ;;
     --build-only) PKGS=("${BUILD_PKGS[@]}") ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
     *) echo "install-deps.sh: unknown argument: $a" >&2; exit 2 ;;
   esac
 done

@@ -1,4 +1,4 @@
-// ptk-extract: .zst / .xz -> .jsonl, streaming, per-file parallel, resumable, shardable.
+// ptk-extract: .zst / .xz / .gz -> .jsonl, streaming, per-file parallel, resumable, shardable.
 #include <set>
 
 #include <fmt/core.h>

@@ -271,7 +271,9 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_ASSIGN_OR_RETURN(const int virtual_size, ResolveVirtualStages(f));
   if (f.context_parallel_size != 1)
     return Refuse(
-        fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
+        fmt::format("--context-parallel-size {}: context parallelism is not implemented (ptk-train splits a run over "
+                    "data, tensor and pipeline ranks); use 1",
+                    f.context_parallel_size));
   if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;

@@ -689,6 +689,17 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
                                  dir / "in", dir / "out"));
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   ASSERT_TRUE(testing::Exists(dir / "out/concat-plan.json"));
+  EXPECT_NE(plan.output.find("plan: 12 files -> 4 chunks in "), std::string::npos) << plan.output;
+  EXPECT_EQ(plan.output.find("not --chunks"), std::string::npos) << plan.output;
+  // More chunks asked than there are files (the default 72 over a small set): one file a chunk, and the
+  // plan line says so (`run --chunk-index` past the last chunk fails; array tasks past it build nothing).
+  auto few = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 72", testing::Tool("ptk-concat"),
+                                dir / "in", dir / "few"));
+  ASSERT_EQ(few.exit_code, 0) << few.output;
+  EXPECT_NE(few.output.find("plan: 12 files -> 12 chunks in " + (dir / "few") +
+                            " (not --chunks 72: a chunk holds one file at least)"),
+            std::string::npos)
+      << few.output;
   for (int k = 3; k >= 0; --k) {  // any order, as array tasks run
     auto r = RunCmd(fmt::format("SLURM_ARRAY_TASK_ID={} SLURM_ARRAY_TASK_COUNT=4 {} run --quiet --plan {}", k,
                                 testing::Tool("ptk-concat"), dir / "out/concat-plan.json"));
