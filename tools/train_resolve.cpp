@@ -121,17 +121,12 @@ absl::StatusOr<int> ResolveVirtualStages(const TrainFlags& f) {
       f.num_layers_per_virtual_pipeline_stage
           ? fmt::format("--num-layers-per-virtual-pipeline-stage {}", *f.num_layers_per_virtual_pipeline_stage)
           : fmt::format("--num-virtual-stages-per-pipeline-rank {}", v);
-  const bool cuda = f.device == "cuda" || (f.device.empty() && DefaultDevice() == Device::kCuda);
-  if (cuda)
-    return Refuse(fmt::format("{}: the interleaved schedule runs on the CPU backend only (--device cpu, gloo)", flag));
+  // Both backends run it, over gloo or NCCL (CUDA: the stages' device buffers through NCCL).
   if (f.options.optimizer.overlap_grad_reduce)
     return Refuse(
         fmt::format("{} with --overlap-grad-reduce: ptk's interleaved schedule reduces the gradients after "
                     "the schedule; drop --overlap-grad-reduce",
                     flag));
-  if (f.distributed_backend != "gloo" && !f.distributed_backend.empty())
-    return Refuse(fmt::format("{} with --distributed-backend {}: the interleaved schedule runs over gloo", flag,
-                              f.distributed_backend));
   return v;
 }
 
@@ -276,8 +271,6 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
   const int64_t tp = f.tensor_model_parallel_size;
-  if (tp > 1 && device == Device::kCuda && f.options.backend.sequence_parallel && pipelined)
-    return Refuse(kCudaPipelineSequenceParallelMissing);
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
   if (device == Device::kCuda && f.options.model.qk_layernorm) return Refuse(kCudaQkLayerNormMissing);
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));

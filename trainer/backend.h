@@ -25,10 +25,9 @@ struct BackendOptions {
   PipelineStage pipeline_stage;
 };
 
-// Why the CUDA backend refuses tensor parallelism over gloo (with or without --sequence-parallel) and pipeline
-// parallelism (usage errors' text).
+// Why the CUDA backend refuses tensor parallelism over gloo (with or without --sequence-parallel)
+// (usage errors' text).
 extern const char* const kCudaTensorParallelMissing;
-extern const char* const kCudaPipelineSequenceParallelMissing;
 extern const char* const kCudaQkLayerNormMissing;  // --qk-layernorm: the CPU backend's only
 
 namespace cuda {

@@ -165,6 +165,13 @@ class GPTModel {
   // slot holds one chunk's pass: the schedule gives each chunk slots of its own. 0 without chunks.
   absl::Status SelectChunk(int chunk);
   int chunk() const { return chunk_; }
+  // The slots 0..slots-1 a schedule is about to use (InterleavedSlots), told before it takes any:
+  // a backend that plans its activation slots up front (CUDA) makes room for them; slots live
+  // then are refused. This default (slots made on first use) has nothing to do.
+  virtual absl::Status ReserveStageSlots(int slots) {
+    (void)slots;
+    return absl::OkStatus();
+  }
   // StageForward / StageBackward with slot's StageBuffers as input and output (and gradients).
   // With defer_loss the last stage keeps the loss for TakeLosses (as ForwardBackwardDeferred: a
   // backend may leave the pass enqueued) and returns zero.
