@@ -159,7 +159,6 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
            Case{2, 2, std::string(kTwoChunks) + " --global-batch-size 5", "must be a multiple of it"},
            Case{2, 2, std::string(kTwoChunks) + " --overlap-grad-reduce", "drop --overlap-grad-reduce"},
            Case{2, 2, std::string(kTwoChunks) + " --decoder-first-pipeline-num-layers 1", "splits the layers evenly"},
-           Case{1, 2, std::string(kTwoChunks) + " --device cuda", "runs on the CPU backend only"},
        }) {
     SCOPED_TRACE(c.extra);
     auto r = c.world == 1 ? RunCmd(Train(1, c.P, c.extra)) : Ranks(c.world, Train(1, c.P, c.extra));
@@ -168,6 +167,16 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
       EXPECT_EQ(r.exit_code, 2) << r.output;
     }
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+  }
+  // The CUDA backend runs the schedule too (over NCCL or gloo): --device cuda with chunks gets past
+  // the options, to the device (none here: the module's or the driver's line) or, on a GPU, to the
+  // world of one rank that two stages need two of.
+  for (const char* backend : {"", " --distributed-backend nccl", " --distributed-backend gloo"}) {
+    SCOPED_TRACE(backend);
+    auto cuda = RunCmd(Train(1, 2, std::string(kTwoChunks) + " --device cuda" + backend));
+    EXPECT_NE(cuda.exit_code, 0) << cuda.output;
+    EXPECT_EQ(cuda.output.find("interleaved"), std::string::npos) << cuda.output;
+    EXPECT_EQ(cuda.output.find("virtual"), std::string::npos) << cuda.output;
   }
   // --dry-run plans the interleaved layout (the parameters of each rank as without chunks; Megatron's
   // virtual micro-batches in flight) for any world, even one that would run on GPUs.
