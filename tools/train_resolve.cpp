@@ -113,23 +113,6 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
 
 // The flags that ask for what ptk has not (the model's, the data's, the optimizer's), after the
 // device is known; notes for the flags accepted for compatibility.
-// ptk's refusals of the interleaved schedule beyond Megatron's (VirtualPipelineSize).
-absl::StatusOr<int> ResolveVirtualStages(const TrainFlags& f) {
-  PTK_ASSIGN_OR_RETURN(const int v, VirtualPipelineSize(f));
-  if (v == 1) return 1;
-  const std::string flag =
-      f.num_layers_per_virtual_pipeline_stage
-          ? fmt::format("--num-layers-per-virtual-pipeline-stage {}", *f.num_layers_per_virtual_pipeline_stage)
-          : fmt::format("--num-virtual-stages-per-pipeline-rank {}", v);
-  // Both backends run it, over gloo or NCCL (CUDA: the stages' device buffers through NCCL).
-  if (f.options.optimizer.overlap_grad_reduce)
-    return Refuse(
-        fmt::format("{} with --overlap-grad-reduce: ptk's interleaved schedule reduces the gradients after "
-                    "the schedule; drop --overlap-grad-reduce",
-                    flag));
-  return v;
-}
-
 absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std::string>* notes) {
   if (tp > 1 && f.options.model.num_attention_heads % tp != 0)
     return Refuse(fmt::format("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}",
@@ -263,7 +246,8 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
                                           f.decoder_first_pipeline_num_layers, f.decoder_last_pipeline_num_layers));
   }
   const bool pipelined = stage_layers.size() > 1;
-  PTK_ASSIGN_OR_RETURN(const int virtual_size, ResolveVirtualStages(f));
+  // Megatron's interleaved schedule, on either backend (ptk refuses nothing beyond Megatron's checks).
+  PTK_ASSIGN_OR_RETURN(const int virtual_size, VirtualPipelineSize(f));
   if (f.context_parallel_size != 1)
     return Refuse(
         fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));

@@ -1,6 +1,7 @@
 // Megatron's interleaved 1F1B schedule (virtual pipeline stages) and the forward-only pass over a
 // stage's model chunks.
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -67,6 +68,7 @@ class InterleavedSchedule {
 
   absl::Status Run();
   int slots() const { return slots_; }
+  void set_before_last_backward(std::function<absl::Status()> f) { before_last_backward_ = std::move(f); }
 
  private:
   int ChunkOf(int k, bool forward) const {
@@ -95,6 +97,7 @@ class InterleavedSchedule {
   uint64_t seed_ = 0;
   PipelineStats* stats_ = nullptr;
   Timers* timers_ = nullptr;
+  std::function<absl::Status()> before_last_backward_;  // run once, before the last micro-batch's first backward
   const int P_, r_, V_, m_, total_;
   std::vector<VirtualMicroBatch> table_;
   std::vector<std::vector<int>> slot_of_;      // [chunk][micro-batch]: its activation slot, -1 none
@@ -169,6 +172,12 @@ absl::Status InterleavedSchedule::Backward(int k, const void** dx) {
   if (model_) {
     PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(v, mb));
     input_grad = x.input_grad;
+    const bool last = mb == m_ - 1;  // the chunk's last backward of the step (micro-batch order)
+    if (last && before_last_backward_) {
+      PTK_RETURN_IF_ERROR(before_last_backward_());
+      before_last_backward_ = nullptr;
+    }
+    model_->SetLastBackwardOfChunk(last);
     PTK_RETURN_IF_ERROR(StartTimer(timers_, "backward-compute", 2));
     PTK_RETURN_IF_ERROR(model_->StageBackwardExchanged(mbs_[static_cast<size_t>(mb)], slot, /*train=*/true, seed_));
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "backward-compute"));
@@ -293,7 +302,8 @@ absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size) 
 absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator* pipeline,
                                                    const std::vector<ModelBatch>& micro_batches,
                                                    std::span<const double> loss_scales, uint64_t seed,
-                                                   PipelineStats* stats, Timers* timers) {
+                                                   PipelineStats* stats, Timers* timers,
+                                                   const std::function<absl::Status()>& before_last_backward) {
   if (micro_batches.empty()) return LossSum{};
   const int m = static_cast<int>(micro_batches.size());
   PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(m, pipeline->size()));
@@ -302,7 +312,9 @@ absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator
   PTK_RETURN_IF_ERROR(model->ReserveStageSlots(slots));
   LossesDropped kept{model};
   InterleavedSchedule schedule(model, pipeline, micro_batches, loss_scales, seed, stats, timers);
+  schedule.set_before_last_backward(before_last_backward);
   const absl::Status run = schedule.Run();
+  model->SetLastBackwardOfChunk(true);
   (void)model->SelectChunk(0);
   PTK_RETURN_IF_ERROR(run);
   kept.model = nullptr;

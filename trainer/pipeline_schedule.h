@@ -52,12 +52,15 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
 // Communicator::BatchSendRecv on host memory (gloo; the CPU backend, the CUDA backend's host
 // exchange), BatchSendRecvDevice on the model's stream where the communicator sends device memory
 // (NCCL). The model reserves the slots the step takes first (InterleavedSlots,
-// GPTModel::ReserveStageSlots). No before_last_backward (--overlap-grad-reduce is refused with
-// chunks).
+// GPTModel::ReserveStageSlots). `before_last_backward` (--overlap-grad-reduce) runs before the
+// first backward of the step's last micro-batch (chunk V - 1's), and each chunk's ranges are
+// reported ready by its own last backward only (GPTModel::SetLastBackwardOfChunk), as Megatron
+// starts each model chunk's gradient sync at its last micro-batch's backward.
 absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator* pipeline,
                                                    const std::vector<ModelBatch>& micro_batches,
                                                    std::span<const double> loss_scales, uint64_t seed,
-                                                   PipelineStats* stats = nullptr, Timers* timers = nullptr);
+                                                   PipelineStats* stats = nullptr, Timers* timers = nullptr,
+                                                   const std::function<absl::Status()>& before_last_backward = {});
 // The activation slots ForwardBackwardInterleaved hands stage `rank` of `pipeline_size` with
 // `chunks` model chunks over a step of `micro_batches` (one more than the largest slot index it
 // passes to StageBuffers; at least `chunks`, ForwardInterleaved's): the schedule run without a

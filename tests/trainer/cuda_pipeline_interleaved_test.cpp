@@ -10,7 +10,10 @@
 // fp32 tightly (the CPU within the CUDA backend's fp32 tolerance), bf16 within its rounding. The
 // direct exchange against the host exchange (CudaModelOptions::unfused.pipeline_host_exchange, the
 // oracle) bit for bit. T = 2 x P = 2 with --sequence-parallel (V = 1 and 2): the stages exchange
-// each tensor rank's positions, and the run follows one GPU. gpu-labelled: exit 77 without a device.
+// each tensor rank's positions, and the run follows one GPU. --overlap-grad-reduce with chunks
+// (P = 2 x D = 2 x V = 2, TrainStep, the data group staged too): each chunk's buckets launched on
+// the communication stream by its last backward, the parameters of the reduction after the
+// schedule bit for bit. gpu-labelled: exit 77 without a device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,6 +28,7 @@
 #include "tests/trainer/staged_device_comm.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/train_step.h"
 
 namespace ptk {
 namespace {
@@ -226,6 +230,57 @@ TEST(CudaPipelineInterleaved, SequenceParallelStagesFollowOneGpu) {
     const StageRun sp = Stages(c, Case{.P = 2, .V = V, .T = 2, .sequence_parallel = true}, d);
     EXPECT_GT(sp.device_messages, 0);
     ExpectFollows(c, sp, one, 1e-5, 1e-4, V == 1 ? "T=2 x P=2 sequence parallel" : "T=2 x P=2 x V=2 sequence parallel");
+  }
+}
+
+// Two TrainSteps of P = 2 x D = 2 ranks (world rank d + 2p) of 2 chunks, 2 micro-batches a data
+// rank a step, --overlap-grad-reduce with buckets of `bucket` elements (0: none): each rank's
+// parameters after them and the buckets its last step's backwards launched.
+void TrainOverlap(const GPTConfig& c, int64_t bucket, std::vector<std::vector<float>>* params,
+                  std::vector<int>* launched) {
+  const Data d(c.vocab_size);
+  params->assign(4, {});
+  launched->assign(4, -1);
+  std::mutex mu;
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    const int dr = rank % 2, p = rank / 2;
+    std::unique_ptr<Communicator> dp_host = Group(world, {2 * p, 2 * p + 1}, "data");
+    std::unique_ptr<Communicator> pipe_host = Group(world, {dr, dr + 2}, "pipeline");
+    ASSERT_TRUE(dp_host && pipe_host);
+    testing::StagedDeviceCollectives dp(dp_host.get()), pipe(pipe_host.get());
+    cuda::CudaModelOptions o;
+    o.pipeline = StageOf({2, 2}, p, 2);
+    std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
+    ASSERT_NE(m, nullptr);
+    OptimizerConfig oc;
+    oc.overlap_grad_reduce = bucket > 0;
+    oc.ddp_bucket_size = bucket;
+    TrainStep step(m.get(), oc, cuda_model_test::Schedule(), &dp);
+    step.set_pipeline(&pipe, &pipe);  // at P = 2 the embedding group is the pipeline's
+    for (int it = 0; it < 2; ++it) {
+      const std::vector<ModelBatch> mine(d.mbs.begin() + 4 * it + 2 * dr, d.mbs.begin() + 4 * it + 2 * dr + 2);
+      auto r = step.Step(mine, 4 * d.batches.b, 99);
+      ASSERT_TRUE(r.ok()) << r.status();
+    }
+    std::vector<float> mine(static_cast<size_t>(m->num_params()));
+    ASSERT_TRUE(m->ReadParams(mine).ok());
+    std::lock_guard<std::mutex> lock(mu);
+    (*params)[static_cast<size_t>(rank)] = mine;
+    (*launched)[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
+  });
+}
+
+TEST(CudaPipelineInterleaved, OverlappedBucketsHaveTheBitsOfTheReductionAfterTheSchedule) {
+  const GPTConfig c = Config(4);
+  std::vector<std::vector<float>> after, overlapped;
+  std::vector<int> launched_after, launched;
+  TrainOverlap(c, 0, &after, &launched_after);
+  TrainOverlap(c, 3000, &overlapped, &launched);
+  for (int rank = 0; rank < 4; ++rank) {
+    ASSERT_FALSE(after[static_cast<size_t>(rank)].empty());
+    EXPECT_EQ(overlapped[static_cast<size_t>(rank)], after[static_cast<size_t>(rank)]) << "rank " << rank;
+    EXPECT_GE(launched[static_cast<size_t>(rank)], 2) << "rank " << rank;
+    EXPECT_EQ(launched_after[static_cast<size_t>(rank)], 0) << "rank " << rank;
   }
 }
 

@@ -10,6 +10,8 @@
 // NCCL would see them (no channels: a pair's messages matched in the order each end posts them;
 // a group completes only with its peers' groups), carry the same channel at both ends of every
 // pair and never wait on each other in a cycle, at P = 2 (one peer both ways) to 4.
+// --overlap-grad-reduce with chunks (P = 2 x D = 2 x V = 2, TrainStep): each chunk's buckets
+// launched by its last backward, the bits of the reduction after the schedule.
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
@@ -24,7 +26,9 @@
 #include "trainer/checkpoint.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/parallel_params.h"
+#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/train_step.h"
 
 namespace ptk {
 namespace {
@@ -271,6 +275,68 @@ TEST(InterleavedSchedule, SlotsAreBoundedWhateverTheMicroBatches) {
       }
   EXPECT_FALSE(InterleavedSlots(4, 0, 2, 6).ok());
   EXPECT_FALSE(InterleavedSlots(1, 0, 2, 4).ok());
+}
+
+// 3 TrainSteps of P = 2 stages x D = 2 data ranks (world rank d + 2p) of 2 chunks, 4 micro-batches a
+// data rank, --overlap-grad-reduce with buckets of `bucket` elements (0: none): each rank's
+// parameters after them, and the buckets its last step's backwards launched.
+struct OverlapRun {
+  std::vector<std::vector<float>> params = std::vector<std::vector<float>>(4);
+  std::vector<int> launched = std::vector<int>(4, -1);
+};
+OverlapRun TrainChunks(int64_t bucket, bool zero1) {
+  const GPTConfig c = Config(4);
+  const testing::Batches data(8 * 3, 16);
+  const std::vector<ModelBatch> all = data.All();
+  OverlapRun out;
+  std::mutex mu;
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    const int d = rank % 2, p = rank / 2;
+    auto dp = world->Subgroup(std::vector<int>{2 * p, 2 * p + 1}, "data");
+    auto pipe = world->Subgroup(std::vector<int>{d, d + 2}, "pipeline");
+    ASSERT_TRUE(dp.ok() && pipe.ok()) << dp.status() << pipe.status();
+    auto made = CpuGPTModel::Create(c, nullptr, false, Stage(c, 2, p, 2));
+    ASSERT_TRUE(made.ok()) << made.status();
+    CpuGPTModel& m = **made;
+    ASSERT_TRUE(m.InitWeights(11).ok());
+    if (zero1) {
+      auto shard = ParamShard::Create(m.num_params(), 2, d);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      ASSERT_TRUE(m.ShardOptimizerState(*shard).ok());
+    }
+    OptimizerConfig oc;
+    oc.overlap_grad_reduce = bucket > 0;
+    oc.ddp_bucket_size = bucket;
+    SchedulerConfig sc;
+    sc.max_lr = 3e-3;
+    sc.decay_steps = 24;
+    TrainStep step(&m, oc, sc, dp->get());
+    step.set_pipeline(pipe->get(), pipe->get());  // at P = 2 the embedding group is the pipeline's
+    for (int it = 0; it < 3; ++it) {
+      std::vector<ModelBatch> mine(all.begin() + 8 * it + 4 * d, all.begin() + 8 * it + 4 * d + 4);
+      auto r = step.Step(mine, 16, 99);
+      ASSERT_TRUE(r.ok()) << r.status();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    out.params[static_cast<size_t>(rank)].assign(m.params(), m.params() + m.num_params());
+    out.launched[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
+  });
+  return out;
+}
+
+TEST(InterleavedSchedule, OverlappedBucketsHaveTheBitsOfTheReductionAfterTheSchedule) {
+  for (bool zero1 : {false, true}) {
+    SCOPED_TRACE(zero1 ? "ZeRO-1" : "all-reduce");
+    const OverlapRun after = TrainChunks(0, zero1), overlapped = TrainChunks(3000, zero1);
+    for (int rank = 0; rank < 4; ++rank) {
+      ASSERT_FALSE(after.params[static_cast<size_t>(rank)].empty());
+      EXPECT_EQ(overlapped.params[static_cast<size_t>(rank)], after.params[static_cast<size_t>(rank)])
+          << "rank " << rank;
+      // Each chunk's layers make buckets of their own, launched by the chunks' last backwards.
+      EXPECT_GE(overlapped.launched[static_cast<size_t>(rank)], 2) << "rank " << rank;
+      EXPECT_EQ(after.launched[static_cast<size_t>(rank)], 0) << "rank " << rank;
+    }
+  }
 }
 
 TEST(InterleavedSchedule, MicroBatchesNotAMultipleOfTheStagesAreRefused) {
