@@ -151,9 +151,10 @@ PY
 # ---- tests -------------------------------------------------------------------
 # The slowest cases, left to --full: each runs ptk-train four or five times where another case checks
 # the same property faster (determinism: CudaModel.SameSeedSameBits; state across backends:
-# CudaModel.StateCrossesBackendsExactly).
+# CudaModel.StateCrossesBackendsExactly; the interleaved schedule on CUDA:
+# cuda_pipeline_interleaved_test).
 declare -A quick_exclude=(
-  [cuda_train_cli_test]="CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends"
+  [cuda_train_cli_test]="CudaTrainCli.DeterministicModeGivesIdenticalLossLines:CudaTrainCli.CheckpointsCrossBackends:CudaTrainCli.InterleavedStagesShareOneGpuOverGlooAndCrossBackends"
 )
 # Each test's cap in seconds (the deadline cuts it further); unknown tests get 120.
 declare -A cap=([cuda_toolchain_test]=30 [matmul_attention_cuda_test]=90 [ops_cuda_test]=90 [cuda_model_test]=120
