@@ -240,10 +240,10 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--num-layers-per-virtual-pipeline-stage", f->num_layers_per_virtual_pipeline_stage,
                   "Layers of each model chunk: Megatron's interleaved 1F1B schedule over (layers / stages) / this "
-                  "chunks per stage (CPU backend, gloo)")
+                  "chunks per stage")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--num-virtual-stages-per-pipeline-rank", f->num_virtual_stages_per_pipeline_rank,
-                  "Model chunks per pipeline stage: Megatron's interleaved 1F1B schedule (CPU backend, gloo)")
+                  "Model chunks per pipeline stage: Megatron's interleaved 1F1B schedule")
       ->check(IntIn(1, kMaxSize));
   app->add_flag("--dry-run", f->dry_run,
                 "ptk: print the plan of this run on WORLD_SIZE ranks (any tensor and pipeline size): Megatron's "

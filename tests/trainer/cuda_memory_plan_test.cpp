@@ -550,6 +550,55 @@ TEST(CudaMemoryPlan, PipelineStageKeepsItsLayersActivationsPerSlot) {
   EXPECT_LE(end, first.total_bytes);
 }
 
+// The interleaved schedule (model chunks): a slot holds one chunk's layers, exactly a stage of that
+// many layers' slot; the dropout streams stay the stage's; each slot gets an output gradient of its
+// own for the direct exchange (none under the host exchange); layers that do not divide by the
+// chunks, or chunks without slots, are refused.
+TEST(CudaMemoryPlan, ModelChunksKeepOneChunksLayersPerSlot) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 2;
+  o.layers = 2;  // the activations of a chunk of 2 layers, as a stage of 2 layers keeps them
+  o.pipeline_slots = 7;
+  const MemoryPlan flat = MustPlan(c, o);
+  o.layers = 6;  // a stage of 6 of the 12 layers in 3 chunks of 2
+  o.pipeline_chunks = 3;
+  const MemoryPlan chunks = MustPlan(c, o);
+  const int64_t n = 2 * 1024;
+  EXPECT_EQ(chunks.slot_layers, 2);
+  EXPECT_EQ(chunks.slot_bytes, flat.slot_bytes);
+  EXPECT_EQ(chunks[chunks.resid].bytes, 3 * n * 768 * 2);
+  EXPECT_EQ(chunks[chunks.qkv].bytes, 2 * n * 3 * 768 * 2);
+  EXPECT_EQ(chunks[chunks.pipeline_slots].bytes, 6 * chunks.slot_bytes);
+  EXPECT_EQ(chunks[chunks.streams].bytes, StreamTableSize(6, 2) * 8);
+  EXPECT_EQ(flat[flat.streams].bytes, StreamTableSize(2, 2) * 8);
+  EXPECT_EQ(chunks[chunks.pipeline_output_grads].bytes, 7 * n * 768 * 2);
+  EXPECT_EQ(flat[flat.pipeline_output_grads].bytes, 0);  // 1F1B: one gradient at a time, in dresid
+  o.pipeline_host_exchange = true;
+  const MemoryPlan host = MustPlan(c, o);
+  EXPECT_EQ(host[host.pipeline_output_grads].bytes, 0);
+  o.pipeline_host_exchange = false;
+  o.sequence_parallel = true;  // the exchange is this tensor rank's rows
+  o.tensor = 2;
+  const MemoryPlan sp = MustPlan(c, o);
+  EXPECT_EQ(sp[sp.pipeline_output_grads].bytes, 7 * (n / 2) * 768 * 2);
+  o.sequence_parallel = false;
+  o.tensor = 1;
+  int64_t end = 0;
+  for (const PlannedBuffer& b : chunks.buffers) {
+    EXPECT_EQ(b.offset % MemoryPlan::kAlignment, 0) << b.name;
+    EXPECT_GE(b.offset, end) << b.name << " overlaps the buffer before it";
+    end = b.offset + b.bytes;
+  }
+  EXPECT_LE(end, chunks.total_bytes);
+  o.pipeline_chunks = 4;  // 6 layers do not make 4 chunks
+  EXPECT_FALSE(PlanMemory(c, 1000, o).ok());
+  o.pipeline_chunks = 3;
+  o.pipeline_slots = 0;
+  EXPECT_FALSE(PlanMemory(c, 1000, o).ok());
+}
+
 TEST(CudaMemoryPlan, Fp32KeepsProbabilitiesPerLayerUnlessRecomputed) {
   GPTConfig c = Gpt2Small();
   c.num_layers = 2;

@@ -1,7 +1,8 @@
 // ptk-train --device cuda end to end (gpu-labelled: exits 77 without a device): 50 iterations
 // against the CPU backend's loss curve in fp32 and bf16 (and 30 of Megatron's Llama line, 20 with
-// --qk-layernorm), --deterministic-mode, a kill
-// -9 and --load resuming bit for bit, and checkpoints crossing between the CPU and CUDA backends.
+// --qk-layernorm), --deterministic-mode, a kill -9 and --load resuming bit for bit, and checkpoints
+// crossing between the CPU and CUDA backends (the interleaved schedule's too, two stages of two chunks
+// sharing one GPU over gloo).
 //
 // Runs where the packed build runs (scripts/gpu-run.sh: no source tree, no build tree), so it
 // finds ptk-train through PTK_TRAIN or PATH, and its data through PTK_SOURCE_DIR: with that and
@@ -439,6 +440,51 @@ TEST_F(CudaTrainCli, TwoPipelineStagesOnTwoGpusFollowOneGpu) {
       EXPECT_LT(pp.back().lm_loss, pp.front().lm_loss - 0.5) << "P=2 bf16 did not learn";
     }
   }
+}
+
+// Megatron's interleaved schedule on CUDA through ptk-train, on one GPU: P = 2 stages of 2 chunks
+// (4 layers, a layer a chunk) as two processes over gloo sharing cuda:0 (LOCAL_RANK 0 both; the
+// stages exchange through the host) follow one GPU's fp32 curve within 1e-3 relative over 10
+// iterations; its checkpoint (model chunks named as the CPU backend names them) continues on the CPU
+// backend's interleaved run within 2e-3 of the CUDA run's own continuation, and the CPU's checkpoint
+// of the same layout loads on CUDA.
+TEST_F(CudaTrainCli, InterleavedStagesShareOneGpuOverGlooAndCrossBackends) {
+  const std::string model = "--num-layers 4 --micro-batch-size 1 ";
+  const std::vector<Line> one = MustTrain("--device cuda " + model, 10);
+  ASSERT_EQ(one.size(), 10u);
+  const std::string chunks =
+      model + "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --distributed-backend gloo ";
+  // Two ranks on loopback, rank 0's output (the last stage's loss lines) returned.
+  const auto two_ranks = [&](const std::string& extra, int64_t iters, const std::string& log) {
+    const std::string port = std::to_string(20000 + (::getpid() + 11) % 20000);
+    const std::string cmd = Train(chunks + extra, iters);
+    CmdRun r = Shell("bash -c " + Quote("export WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+                                        "; RANK=1 timeout 900 " + cmd + " > " + Dir(log) +
+                                        " 2>&1 & RANK=0 timeout 900 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    EXPECT_NE(r.output.find("rc=0 0"), std::string::npos) << r.output;
+    return r.output;
+  };
+  const std::string vpp = two_ranks("--device cuda --save " + Dir("vpp_cuda"), 10, "vpp_rank1.log");
+  EXPECT_NE(vpp.find("2 model chunks (the interleaved schedule)"), std::string::npos) << vpp;
+  const std::vector<Line> pp = Lines(vpp);
+  ASSERT_EQ(pp.size(), 10u) << vpp;
+  for (size_t i = 0; i < pp.size(); ++i)
+    EXPECT_NEAR(pp[i].lm_loss, one[i].lm_loss, 1e-3 * one[i].lm_loss) << "P=2 x V=2, iteration " << i + 1;
+  const std::string longer = "--override-opt_param-scheduler --load " + Dir("vpp_cuda") + " ";
+  const std::vector<Line> on_cuda =
+      Lines(two_ranks(longer + "--device cuda --save " + Dir("vpp_cuda_cont"), 14, "vpp_cont1.log"));
+  const std::vector<Line> on_cpu =
+      Lines(two_ranks(longer + "--device cpu --save " + Dir("vpp_cpu_cont"), 14, "vpp_cpu1.log"));
+  ASSERT_EQ(on_cuda.size(), 4u);
+  ASSERT_EQ(on_cpu.size(), 4u);
+  for (size_t i = 0; i < on_cpu.size(); ++i)
+    EXPECT_NEAR(on_cpu[i].lm_loss, on_cuda[i].lm_loss, 2e-3 * on_cuda[i].lm_loss) << "iteration " << 11 + i;
+  // The CPU's interleaved checkpoint (iteration 14) continues on CUDA.
+  const std::vector<Line> back = Lines(two_ranks(
+      "--override-opt_param-scheduler --device cuda --load " + Dir("vpp_cpu_cont") + " --save " + Dir("vpp_back"), 16,
+      "vpp_back1.log"));
+  ASSERT_EQ(back.size(), 2u);
+  for (const Line& l : back) EXPECT_TRUE(std::isfinite(l.lm_loss));
 }
 
 // --sequence-parallel over NCCL: T = 2 on two GPUs with the norms, hidden dropout (on: the

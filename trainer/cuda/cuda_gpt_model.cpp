@@ -113,7 +113,8 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
   o.tensor = tensor_size();
   o.layers = StageLayers();
   if (layout().pipeline_size > 1) {  // the micro-batches in flight on this stage (1F1B): P - s
-    o.pipeline_slots = layout().pipeline_size - layout().pipeline_rank;
+    o.pipeline_slots = std::max<int64_t>(layout().pipeline_size - layout().pipeline_rank, reserved_slots_);
+    o.pipeline_chunks = layout().virtual_size;  // the interleaved schedule: a slot holds one chunk's layers
     o.pipeline_last = layout().post_process;
     o.pipeline_host_exchange = host_exchange_;
   }
@@ -244,8 +245,8 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
                                            cudaMemcpyHostToDevice, ctx_.stream),
                            fmt::format("copying a {}x{} micro-batch to the device", b_, t_));
   if (dropout) {
-    // A pipeline stage's layers are keyed by their index in the whole model, the embedding (the
-    // table's last layer) by the model's layer count, as on one stage.
+    // A pipeline stage's layers (every model chunk's) are keyed by their index in the whole model,
+    // the embedding (the table's last layer) by the model's layer count, as on one stage.
     const int64_t L = StageLayers();
     uint64_t* table = pinned.at<uint64_t>(static_cast<size_t>(in_bytes));
     // Head h's attention mask is stream streams[b] + h: a tensor rank whose first head is head0
@@ -256,7 +257,7 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
         for (int64_t r = 0; r < b_; ++r)
           table[StreamIndex(l, site, b_) + r] =
               DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]),
-                            static_cast<uint64_t>(l == L ? config().num_layers : layout().first_layer + l),
+                            static_cast<uint64_t>(l == L ? config().num_layers : GlobalLayer(l)),
                             static_cast<uint64_t>(site)) +
               (site == kAttentionProbs ? head0 : 0);
     PTK_CUDA_RETURN_IF_ERROR(

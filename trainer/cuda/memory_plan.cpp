@@ -124,6 +124,9 @@ void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::
                                 o.pipeline_last ? m.slots * Align(n * c * a) : 0, act_lower);
     m.pipeline_exchange = add("pipeline: fp32 staging of the activation exchanged through the host",
                               o.pipeline_host_exchange && m.flash ? n * c * 4 : 0, act_lower);
+    m.pipeline_output_grads = add("pipeline: output gradient per micro-batch in flight (model chunks)",
+                                  o.pipeline_chunks > 1 && !o.pipeline_host_exchange ? m.slots * Align(nr * c * a) : 0,
+                                  act_lower + ", or fewer micro-batches per step");
   }
 }
 
@@ -153,10 +156,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
   // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
   // under SwiGLU), vocabulary vp.
-  const int64_t L = o.layers >= 0 ? o.layers : cf.num_layers, c = cf.hidden_size, hd = cf.head_dim(),
-                nh = cf.num_attention_heads / T, ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd,
-                f = cf.ffn_hidden_size / T, ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n,
-                a = m.act_bytes;
+  // A slot's layers L (a model chunk's with chunks; the stage's otherwise), the stage's Ls.
+  const int64_t Ls = o.layers >= 0 ? o.layers : cf.num_layers;
+  if (o.pipeline_chunks < 1 || Ls % o.pipeline_chunks != 0 || (o.pipeline_chunks > 1 && o.pipeline_slots < 1))
+    return absl::InvalidArgumentError(fmt::format("memory plan: {} layers in {} model chunks over {} pipeline slots",
+                                                  Ls, o.pipeline_chunks, o.pipeline_slots));
+  const int64_t L = Ls / o.pipeline_chunks, c = cf.hidden_size, hd = cf.head_dim(), nh = cf.num_attention_heads / T,
+                ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
+                ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
   const bool grouped = ng != nh;
   m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
@@ -196,6 +203,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
   m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
   m.slot_bytes = add.offset - m[m.resid].offset;
+  m.slot_layers = L;
   m.logits = add(fmt::format("logits ({} rows x padded vocabulary {}{})", m.logit_chunk_rows, vp,
                              T > 1 ? " (this rank's slice)" : ""),
                  m.logit_chunk_rows * vp * a, "nothing needed: the logits are computed in chunks");
@@ -220,7 +228,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     m.dqkv_heads = add("scratch: QKV gradient heads first (grouped-query fused attention)", n * qw * a, act_lower);
   }
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
-  m.streams = add("dropout stream keys", StreamTableSize(L, m.b) * 8);
+  m.streams = add("dropout stream keys", StreamTableSize(Ls, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
   AddParallelBuffers(o, nr, c, act_lower, add);
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);

@@ -73,8 +73,12 @@ struct MemoryPlan {
   // otherwise: the direct exchange receives into and sends from each slot's residual stream, its
   // first and last layer's (n, hidden), and the residual gradient, in the model's dtype, and fp32's
   // host exchange copies straight into them).
-  int pipeline_slots = -1, pipeline_head_grads = -1, pipeline_exchange = -1;
-  int64_t slots = 0, slot_bytes = 0;
+  // With model chunks (PlanOptions::pipeline_chunks > 1, Megatron's interleaved schedule) a slot
+  // holds one chunk's layers (layers / chunks: the per-layer activations above are that many
+  // layers deep; the dropout streams stay the stage's), and `pipeline_output_grads` each slot's
+  // output gradient (nr, hidden) for the direct exchange (several wait for their backwards).
+  int pipeline_slots = -1, pipeline_head_grads = -1, pipeline_exchange = -1, pipeline_output_grads = -1;
+  int64_t slots = 0, slot_bytes = 0, slot_layers = 0;
   // --sequence-parallel (PlanOptions::sequence_parallel with tensor > 1): the residual stream, the
   // residual after attention and the residual gradient hold this rank's n / tensor rows (its
   // positions of every sample); the norms' outputs stay whole (all-gathered, what the column-parallel
@@ -116,6 +120,7 @@ struct PlanOptions {
   // gradient kept per slot).
   int64_t layers = -1;
   int64_t pipeline_slots = 0;
+  int64_t pipeline_chunks = 1;  // model chunks of the stage (the interleaved schedule); layers divide by it
   bool pipeline_last = false;
   bool pipeline_host_exchange = false;  // CudaModelOptions::unfused.pipeline_host_exchange, or a host communicator
   // Megatron's sequence parallelism on the tensor group (MemoryPlan::sequence_parallel); the
