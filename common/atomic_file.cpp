@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 #include <fmt/core.h>
 
@@ -17,10 +19,42 @@
 #include "common/status.h"
 
 namespace ptk {
+namespace {
+
+// The temporaries of the writers that are neither committed nor aborted, for RemoveLiveTemporaries.
+// Never destroyed: a thread may still finish a writer while the process exits.
+std::mutex& LiveMutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::set<std::string>& Live() {
+  static auto* live = new std::set<std::string>;
+  return *live;
+}
+bool dying = false;  // RemoveLiveTemporaries ran: no new temporary (under LiveMutex)
+
+void Untrack(const std::string& tmp) {
+  std::lock_guard<std::mutex> lock(LiveMutex());
+  Live().erase(tmp);
+}
+
+}  // namespace
+
+void RemoveLiveTemporaries() {
+  std::lock_guard<std::mutex> lock(LiveMutex());
+  for (const std::string& tmp : Live()) ::unlink(tmp.c_str());
+  Live().clear();
+  dying = true;
+}
 
 AtomicFileWriter::AtomicFileWriter(std::string path, std::string tmp_path, int fd)
     // The buffer is not zero-filled: its pages are faulted in only as they are written.
     : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd), buf_(new char[kBufSize]) {}
+
+void AtomicFileWriter::Release() {
+  done_ = true;
+  Untrack(tmp_path_);
+}
 
 absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
@@ -28,8 +62,14 @@ absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const
     uint32_t r = 0;
     if (::getrandom(&r, sizeof(r), 0) != sizeof(r)) r = static_cast<uint32_t>(counter.load() * 2654435761u);
     std::string tmp = fmt::format("{}{}-{}-{:08x}", path, kTmpSuffix, ::getpid(), r ^ counter.fetch_add(1));
+    // Created and recorded as one step: RemoveLiveTemporaries never misses a file that exists.
+    std::lock_guard<std::mutex> lock(LiveMutex());
+    if (dying) return absl::CancelledError(fmt::format("{}: not written: the process is being interrupted", path));
     int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd >= 0) return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
+    if (fd >= 0) {
+      Live().insert(tmp);
+      return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
+    }
     if (errno == EEXIST && attempt < 16) continue;
     return ErrnoToStatus(errno, fmt::format("cannot create {}", tmp));
   }
@@ -48,6 +88,10 @@ absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Reopen(const
     const int e = errno;
     ::close(fd);
     return ErrnoToStatus(e, fmt::format("truncate {}", tmp_path));
+  }
+  {
+    std::lock_guard<std::mutex> lock(LiveMutex());
+    Live().insert(tmp_path);
   }
   std::unique_ptr<AtomicFileWriter> w(new AtomicFileWriter(path, tmp_path, fd));
   w->bytes_written_ = size;
@@ -129,13 +173,17 @@ absl::Status AtomicFileWriter::Commit(bool durable) {
   if (fd_ >= 0) PTK_RETURN_IF_ERROR(Seal(durable));  // else sealed already
   PTK_RETURN_IF_ERROR(RenameFile(tmp_path_, path_));
   done_ = true;
+  Untrack(tmp_path_);
   return durable ? FsyncDir(Dirname(path_)) : absl::OkStatus();
 }
 
 void AtomicFileWriter::Abort() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
-  if (!done_) ::unlink(tmp_path_.c_str());
+  if (!done_) {
+    ::unlink(tmp_path_.c_str());
+    Untrack(tmp_path_);
+  }
   done_ = true;
 }
 

@@ -46,7 +46,7 @@ class AtomicFileWriter {
   // follow; otherwise the caller renames it and calls Release().
   absl::Status Seal(bool durable = true);
   // After Seal() and the caller's own rename: forget the temporary name (nothing left to remove).
-  void Release() { done_ = true; }
+  void Release();
   // Removes the temporary file. Idempotent.
   void Abort();
 
@@ -69,6 +69,11 @@ class AtomicFileWriter {
   std::unique_ptr<char[]> buf_;
   size_t buf_used_ = 0;
 };
+
+// Removes the temporaries of this process's writers that are neither committed nor aborted: what a
+// main that dies of SIGINT or SIGTERM would leave (cli::RemoveTemporariesOnSignals). Any thread may
+// call it; a signal handler may not.
+void RemoveLiveTemporaries();
 
 // Publishes several sealed temporaries of one directory together: writes the journal file
 // `journal` (one "TMP<TAB>FINAL" line per file, base names), then renames each TMP onto its FINAL

@@ -1,6 +1,7 @@
 // Command-line conventions shared by every tool.
 #include "common/cli.h"
 
+#include <pthread.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -17,10 +18,12 @@
 #include <map>
 #include <new>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
 
+#include "common/atomic_file.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/progress.h"
@@ -308,6 +311,32 @@ void RequireDecimalNumbers(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalNumbers(*sub);
 }
 
+// --help shows each option's default; one its own check refuses is a sentinel for "not given"
+// (0 where 1.. is allowed: --train-iters, --ffn-hidden-size; -1 for none: --doc), not a value the
+// user can give. "--ffn-hidden-size INT:an integer in [1, ...]=0" read as a default of 0 that the
+// option then refuses: such a default is not shown (the help text says what not giving it means).
+// Run before RequireDecimalNumbers adds its own check, so only the tool's checks judge.
+void HideSentinelDefaults(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    const std::string shown = opt->get_default_str();
+    if (shown.empty()) continue;
+    for (int i = 0;; ++i) {
+      const CLI::Validator* check = nullptr;
+      try {
+        check = opt->get_validator(i);
+      } catch (const CLI::OptionNotFound&) {
+        break;
+      }
+      std::string value = shown;
+      if (!(*check)(value).empty()) {
+        opt->default_str("");
+        break;
+      }
+    }
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) HideSentinelDefaults(*sub);
+}
+
 // As argparse: a flag given again replaces what it was given before, a list flag's whole list too
 // (CLI11 would refuse a second value, or join both lists). A repeatable flag (Repeatable) adds up.
 void LastOccurrenceCounts(CLI::App& app) {
@@ -356,6 +385,7 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
                  std::string(StatusMessage(args.status())).c_str());
     return kExitUsage;
   }
+  HideSentinelDefaults(app);
   RequireDecimalNumbers(app);
   LastOccurrenceCounts(app);
   std::vector<char*> cargv;
@@ -549,6 +579,31 @@ int ExitCodeFor(const absl::Status& status) {
   if (status.code() == absl::StatusCode::kResourceExhausted) return kExitDiskFull;
   if (IsUsageError(status)) return kExitUsage;
   return kExitFailure;
+}
+
+void RemoveTemporariesOnSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    // A signal the caller ignores stays ignored (`cmd &` in a script ignores SIGINT), as gzip does.
+    struct sigaction now {};
+    if (sigaction(sig, nullptr, &now) == 0 && now.sa_handler == SIG_IGN) continue;
+    sigaddset(&set, sig);
+  }
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    int sig = 0;
+    while (sigwait(&set, &sig) != 0) {
+    }
+    RemoveLiveTemporaries();
+    // Then the signal's own end (exit status 128 + sig), as without this.
+    std::signal(sig, SIG_DFL);
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+    std::raise(sig);
+  }).detach();
 }
 
 int RunMain(const std::function<absl::Status()>& body) {

@@ -96,6 +96,14 @@ absl::Status CheckInputFile(const std::string& flag, const std::string& path, co
 // naming the flag and saying that ptk has GPT-2's files built in (leave both flags out).
 absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string& merge_file);
 
+// For a main whose unfinished outputs are worth nothing once it ends (ptk-extract, ptk-concat; not
+// ptk-tokenize, which resumes from its temporary): on SIGINT, SIGTERM or SIGHUP the temporaries of
+// its unfinished outputs (RemoveLiveTemporaries) are removed before it dies of the signal, as gzip
+// and zstd remove their partial output; a kill -9 still leaves them to the next run. A signal the
+// process inherited as ignored stays ignored. Call it before any thread starts: the signals are
+// blocked in every thread and awaited by one of their own.
+void RemoveTemporariesOnSignals();
+
 // Maps a failed Status to the exit code main returns after printing it: kResourceExhausted 3, a
 // usage error (ptk::UsageError, common/status.h: the payload, not the message, says so) 2, others 1.
 int ExitCodeFor(const absl::Status& status);

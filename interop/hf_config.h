@@ -61,6 +61,8 @@ class HfConfigReader {
                        bool hi_open) const;
   // The value of `key` (false when absent or null).
   bool Find(const char* key, simdjson::dom::element* e) const;
+  // Whether config.json has `key`, null too (where a config class tells null from absent).
+  bool Present(const char* key) const { return fields_.count(key) != 0; }
 
  private:
   std::string path_;

@@ -209,12 +209,48 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
 
 namespace {
 
+// Qwen3's attention is causal over the whole sequence when use_sliding_window is false, as ptk's. Newer
+// transformers name each layer's kind in layer_types; any but "full_attention" is refused. transformers
+// 4.51 masks beyond sliding_window (default 4096) even so: noted where the positions reach past it.
+absl::Status ReadQwen3Attention(const HfConfigReader& r, const GPTConfig& c, std::vector<std::string>* notes) {
+  bool sliding = false;
+  PTK_RETURN_IF_ERROR(r.Get("use_sliding_window", false, &sliding, "true or false"));
+  if (sliding) return r.Bad("use_sliding_window true: ptk's attention is causal over the whole sequence");
+  simdjson::dom::element types;
+  if (r.Find("layer_types", &types)) {
+    simdjson::dom::array list;
+    if (types.get(list)) return r.Bad("layer_types is not a list");
+    int64_t i = 0;
+    for (simdjson::dom::element t : list) {
+      std::string_view kind;
+      if (t.get(kind) || kind != "full_attention")
+        return r.Bad(
+            fmt::format("layer_types[{}] {}: ptk's attention is causal over the whole sequence "
+                        "(\"full_attention\" only)",
+                        i, simdjson::minify(t)));
+      ++i;
+    }
+  }
+  simdjson::dom::element value;
+  if (r.Present("sliding_window") && !r.Find("sliding_window", &value)) return absl::OkStatus();  // null: none
+  int64_t window = 4096;
+  PTK_RETURN_IF_ERROR(r.GetInt("sliding_window", &window, 4096));
+  if (window < c.max_position_embeddings)
+    notes->push_back(fmt::format(
+        "sliding_window {} with use_sliding_window false: ptk attends over the whole sequence, as Qwen3 means; "
+        "transformers 4.51 masks the keys more than {} positions back all the same",
+        window, window));
+  return absl::OkStatus();
+}
+
 // Qwen3Config's dimensions (absent keys: its defaults); head_dim any width (Megatron's --kv-channels).
 absl::Status ReadQwen3Dims(const HfConfigReader& r, GPTConfig* c) {
   PTK_RETURN_IF_ERROR(r.GetInt("num_hidden_layers", &c->num_layers, 32));
   PTK_RETURN_IF_ERROR(r.GetInt("hidden_size", &c->hidden_size, 4096));
   PTK_RETURN_IF_ERROR(r.GetInt("num_attention_heads", &c->num_attention_heads, 32));
-  PTK_RETURN_IF_ERROR(r.GetInt("num_key_value_heads", &c->num_query_groups, c->num_attention_heads));
+  // Qwen3Config's default is 32 key/value heads; null (its "backward compatibility") one per query head.
+  PTK_RETURN_IF_ERROR(r.GetInt("num_key_value_heads", &c->num_query_groups,
+                               r.Present("num_key_value_heads") ? c->num_attention_heads : 32));
   PTK_RETURN_IF_ERROR(r.GetInt("intermediate_size", &c->ffn_hidden_size, 22016));
   PTK_RETURN_IF_ERROR(r.GetInt("max_position_embeddings", &c->max_position_embeddings, 32768));
   PTK_RETURN_IF_ERROR(r.GetInt("vocab_size", &c->vocab_size, 151936));
@@ -222,9 +258,6 @@ absl::Status ReadQwen3Dims(const HfConfigReader& r, GPTConfig* c) {
   if (c->num_attention_heads < 1 || c->num_query_groups < 1 || c->num_attention_heads % c->num_query_groups != 0)
     return r.Bad(fmt::format("num_key_value_heads {} does not divide num_attention_heads {}", c->num_query_groups,
                              c->num_attention_heads));
-  bool sliding = false;
-  PTK_RETURN_IF_ERROR(r.Get("use_sliding_window", false, &sliding, "true or false"));
-  if (sliding) return r.Bad("use_sliding_window true: ptk's attention is causal over the whole sequence");
   bool attention_bias = false;
   PTK_RETURN_IF_ERROR(r.Get("attention_bias", false, &attention_bias, "true or false"));
   if (attention_bias)
@@ -281,7 +314,8 @@ namespace {
 // RoPE's base and scaling: transformers 4's rope_theta and rope_scaling, or transformers 5's
 // rope_parameters (the base, rope_type and the scaling's constants in one object; a config may carry
 // both forms, which must then agree). Llama 3.1's scaling with the constants ptk computes with
-// (Megatron's --use-rope-scaling) or none; anything else is refused naming the key.
+// (Megatron's --use-rope-scaling) or none (no rope_scaling, or one of rope_type "default", transformers'
+// plain RoPE); anything else is refused naming the key.
 absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
   PTK_RETURN_IF_ERROR(r.GetReal("rope_theta", 10000.0, &c->rotary_base, 0, true, 1e300, false));
   auto llama31 = [](simdjson::dom::element e) {
@@ -297,8 +331,14 @@ absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
   constexpr std::string_view kWhat =
       "ptk computes Llama 3.1's (rope_type \"llama3\", factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
       "original_max_position_embeddings 8192; Megatron's --use-rope-scaling) or none";
+  // rope_type "default" (or the older key "type"): transformers' plain RoPE, whatever else the object holds.
+  auto plain = [](simdjson::dom::element e) {
+    simdjson::dom::object o;
+    std::string_view type;
+    return !e.get(o) && (!o["rope_type"].get(type) || !o["type"].get(type)) && type == "default";
+  };
   simdjson::dom::element scaling;
-  const bool has_scaling = r.Find("rope_scaling", &scaling);
+  const bool found_scaling = r.Find("rope_scaling", &scaling), has_scaling = found_scaling && !plain(scaling);
   if (has_scaling) {
     if (!llama31(scaling)) return r.Bad(fmt::format("rope_scaling {}: {}", simdjson::minify(scaling), kWhat));
     c->use_rope_scaling = true;
@@ -307,7 +347,6 @@ absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
   if (!r.Find("rope_parameters", &params)) return absl::OkStatus();
   simdjson::dom::object o;
   double theta = 0;
-  std::string_view type;
   if (params.get(o) || o["rope_theta"].get(theta) || !(theta > 0 && theta <= 1e300))
     return r.Bad(fmt::format("rope_parameters {}: not an object with a positive rope_theta", simdjson::minify(params)));
   simdjson::dom::element top;
@@ -316,9 +355,8 @@ absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
         fmt::format("rope_theta {} and rope_parameters' rope_theta {} differ", Num(c->rotary_base), Num(theta)));
   c->rotary_base = theta;
   const bool scaled = llama31(params);
-  if (!scaled && !(!o["rope_type"].get(type) && type == "default"))
-    return r.Bad(fmt::format("rope_parameters {}: {}", simdjson::minify(params), kWhat));
-  if (has_scaling && !scaled)
+  if (!scaled && !plain(params)) return r.Bad(fmt::format("rope_parameters {}: {}", simdjson::minify(params), kWhat));
+  if (found_scaling && has_scaling != scaled)
     return r.Bad(fmt::format("rope_scaling {} and rope_parameters {} differ", simdjson::minify(scaling),
                              simdjson::minify(params)));
   if (scaled) c->use_rope_scaling = true;
@@ -338,6 +376,7 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   bool tie = false;
   if (qwen3) {
     PTK_RETURN_IF_ERROR(ReadQwen3Dims(r, &c));
+    PTK_RETURN_IF_ERROR(ReadQwen3Attention(r, c, notes));
     head_dim = c.kv_channels;
     c.seq_length = c.max_position_embeddings;
     c.padded_vocab_size = PaddedVocabSize(c.vocab_size, make_vocab_size_divisible_by);

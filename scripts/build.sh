@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
     --install) install=${2:?--install needs a prefix}; shift 2 ;;
     --portable) portable=${2:?--portable needs a directory}; shift 2 ;;
     -D*) defs+=("$1"); shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
     -*) echo "build.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) BUILD=$1; shift ;;
   esac

@@ -43,8 +43,9 @@ case "${1:-}" in
     shift
     exec bash scripts/gpu-run.sh --pack "$ROOT/.gpu" "$@"
     ;;
+  -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
   *)
-    sed -n '2,16p' "$0"
+    sed -n '2,/^[^#]/{/^#/p}' "$0" >&2  # the header comment (the fixed range 2-16 left out its exit status)
     exit 2
     ;;
 esac

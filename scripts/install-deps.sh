@@ -4,8 +4,8 @@
 # Usage: scripts/install-deps.sh [--with-python-ref | --build-only]   (as root on Debian bookworm)
 #   --with-python-ref  also installs the Python pieces the compatibility tests use
 #                      (python3-numpy, python3-torch from Debian; megatron-core, tensorboard and
-#                      transformers from PyPI) and the Kubernetes manifest validator of tests/k8s
-#                      (kubernetes-validate from PyPI).
+#                      transformers from PyPI; transformers 4.51.3 for the Qwen3 test in a folder of its
+#                      own) and the Kubernetes manifest validator of tests/k8s (kubernetes-validate from PyPI).
 #   --build-only       only what building the programs needs (scripts/build.sh
 #                      -DPTK_BUILD_TESTS=OFF -DPTK_BUILD_BENCH=OFF): the Dockerfile's set; the same
 #                      package names serve on Ubuntu 24.04 (the base of NGC's and NVIDIA's CUDA images).
@@ -36,6 +36,7 @@ for a in "$@"; do
   case "$a" in
     --with-python-ref) want_ref=1 ;;
     --build-only) PKGS=("${BUILD_PKGS[@]}") ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
     *) echo "install-deps.sh: unknown argument: $a" >&2; exit 2 ;;
   esac
 done
@@ -116,6 +117,28 @@ if [ "$want_ref" = 1 ]; then
     PYTHONPATH="$KV_DIR" /usr/bin/python3 -c 'import kubernetes_validate, jsonschema' ||
       { echo "install-deps: kubernetes-validate does not import from $KV_DIR" >&2; exit 1; }
     touch "$KV_DIR/.kubernetes-validate-$KV_TAG"
+  fi
+  # transformers 4.51.3, the first line with Qwen3ForCausalLM (ptk-convert's --qk-layernorm export), for
+  # tests/interop/hf_qwen3_test.py only, in a folder of its own so that the 4.44.2 above (and the goldens it
+  # made) stays what the other tests import. Pinned with the dependencies Debian does not provide (fsspec;
+  # filelock, numpy, packaging, yaml, regex, requests, tqdm, typing-extensions are Debian's), 15 MB in all.
+  # It runs on Debian's torch 1.13 with tests/support/torch2_shim.py: PyPI's x86-64 torch 2 wheels are
+  # CUDA builds (hundreds of MB, importing NVIDIA's CUDA library wheels), which CI has no room for.
+  QW_DIR="$REF_DIR/transformers-qwen3"
+  QW_PINS=(transformers==4.51.3 huggingface-hub==0.30.2 tokenizers==0.21.1 safetensors==0.5.3 fsspec==2025.3.2)
+  QW_TAG=$(printf '%s\n' "${QW_PINS[@]}" | sha256sum | cut -c1-12)
+  if [ ! -f "$QW_DIR/.transformers-qwen3-$QW_TAG" ]; then
+    echo "install-deps: installing ${QW_PINS[*]} into $QW_DIR" >&2
+    rm -rf "$QW_DIR"
+    mkdir -p "$QW_DIR"
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$QW_DIR" \
+      --break-system-packages "${QW_PINS[@]}" >&2 2>/dev/null ||
+    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$QW_DIR" "${QW_PINS[@]}" >&2
+    SHIM_DIR=$(cd "$(dirname "$0")/../tests/support" && pwd)
+    PYTHONPATH="$QW_DIR:$SHIM_DIR" /usr/bin/python3 -c \
+      'import torch2_shim; torch2_shim.install(); from transformers import Qwen3ForCausalLM' ||
+      { echo "install-deps: transformers' Qwen3ForCausalLM does not import from $QW_DIR" >&2; exit 1; }
+    touch "$QW_DIR/.transformers-qwen3-$QW_TAG"
   fi
 fi
 

@@ -22,6 +22,12 @@
 # Environment: PTK_JOBS (build and worker parallelism, default nproc); PTK_SKIP_INSTALL=1 and
 # PTK_SKIP_BUILD=1 with PTK_BIN=DIR use binaries built elsewhere (the CTest main_job_test does).
 set -euo pipefail
+# `--help` was taken for the output directory: the whole job ran (dependencies installed with sudo) into ./--help.
+case "${1:-}" in
+  -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+  -*) echo "run-main-job.sh: unknown option $1 (its one argument is the output directory; see --help)" >&2; exit 2 ;;
+esac
+[ $# -le 1 ] || { echo "run-main-job.sh: one argument at most, the output directory (see --help)" >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(realpath -m "${1:-$ROOT/main-job}")
 JOBS=${PTK_JOBS:-$(nproc)}

@@ -9,6 +9,11 @@
 #   5. build-tsan/ : the multi-threaded GPTDataset build, index validation and loader, and the
 #      oneTBB tokenize pipeline, under ThreadSanitizer
 set -euo pipefail
+# It takes no argument: `--help` (or a test name) used to start the whole 25-minute run.
+case "${1:-}" in
+  -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+esac
+[ $# = 0 ] || { echo "test.sh: takes no argument, not $*; one test: cd build && ctest -R NAME (see --help)" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 JOBS=${PTK_JOBS:-$(nproc)}
 # Each phase's wall time and the CPU time its processes used (user + system, from `times`: on a

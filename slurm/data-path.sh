@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     --splits) splits=1; shift ;;
     --train-args) train_args=1; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
     *) echo "data-path: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done

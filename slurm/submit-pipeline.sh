@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
       [ $# -ge 2 ] || { echo "submit-pipeline: --from needs a stage (one of: download extract concat-plan concat tokenize train)" >&2; exit 2; }
       from=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
     *) echo "submit-pipeline: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The documented example commands run as printed, on the bundled sample: every `build/bin/...` line of
 # README.md's sections whose examples run on it (the jsonl -> train -> Hugging Face recipe,
-# ptk-tokenize, ptk-inspect, ptk-merge) and of the manuals those tools' details live in
-# (docs/ptk-tokenize.md, docs/ptk-inspect.md, docs/ptk-merge.md), extracted from the files
-# (continuation lines joined, comments dropped) and run in a directory laid out as they expect:
-# my.jsonl, data/train_*.jsonl.zst and wiki/ (the sample's files), the GPT-2 files, out/a_text_document and out/b_text_document, parts/.
+# ptk-download, against the fake Hub serving the sample as cerebras/SlimPajama-627B, ptk-extract, ptk-concat, ptk-tokenize, ptk-inspect, ptk-merge) and of the manuals those tools' details
+# live in (docs/ptk-extract.md, docs/ptk-concat.md, docs/ptk-tokenize.md, docs/ptk-inspect.md,
+# docs/ptk-merge.md), extracted from the files (continuation lines joined, comments dropped) and run in a
+# directory laid out as they expect: raw/ (what README's ptk-download lines fetch), my.jsonl,
+# data/train_*.jsonl.zst and wiki/ (the sample's files), the GPT-2 files, out/a_text_document and
+# out/b_text_document, parts/.
 # Also: every `build/bin/` line of a README tool section is printed in that tool's manual too (the
 # README's screen is a summary of the manual, never a different command).
 # Usage: readme_examples_test.sh BIN_DIR SOURCE_DIR
@@ -12,11 +14,19 @@ set -euo pipefail
 BIN=$1
 SRC=$2
 W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
+HUB_PID=
+trap '[ -z "$HUB_PID" ] || kill "$HUB_PID" 2>/dev/null; rm -rf "$W"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 cd "$W"
 mkdir -p build data out parts wiki
 ln -s "$BIN" build/bin
+# The Hub README's ptk-download lines ask (HF_ENDPOINT): the sample as cerebras/SlimPajama-627B, on 127.0.0.1.
+python3 "$SRC/tests/support/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file hub-ports >hub.log 2>&1 &
+HUB_PID=$!
+for _ in $(seq 200); do [ -s hub-ports ] && break; sleep 0.05; done
+[ -s hub-ports ] || fail "the fake Hub did not start: $(cat hub.log)"
+HF_ENDPOINT=$(awk '/HUB/{print $2}' hub-ports)
+export HF_ENDPOINT
 cp "$SRC/tokenizer/data/gpt2-vocab.json" "$SRC/tokenizer/data/gpt2-merges.txt" .
 n=0
 for f in "$SRC"/sample/slimpajama-mini/train/chunk*/*.jsonl.zst; do
@@ -62,13 +72,20 @@ $out"
   done
 }
 cat data/train_0.jsonl.zst data/train_1.jsonl.zst | zstd -dcq > my.jsonl
-for section in "From your own jsonl to a Hugging Face model" ptk-tokenize ptk-inspect ptk-merge; do
+for section in "From your own jsonl to a Hugging Face model" ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect \
+  ptk-merge; do
   run_examples README.md "$section"
 done
-for tool in ptk-tokenize ptk-inspect ptk-merge; do
+for tool in ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge; do
   run_examples "docs/$tool.md"
 done
-[ "$ran" -ge 18 ] || fail "only $ran examples ran"
+[ "$ran" -ge 29 ] || fail "only $ran examples ran"
+[ "$(find raw/train -name '*.jsonl.zst' | wc -l)" = 24 ] || fail "README's ptk-download lines fetched $(find raw | head)"
+# What the extract and concat lines promise: the layout kept, the sidecars, the plan's chunks.
+[ -f extracted/train/chunk1/example_train_0.jsonl ] && [ -f extracted/train/chunk1/example_train_0.jsonl.ptk-done ] ||
+  fail "ptk-extract raw --output-dir extracted did not keep the layout: $(find extracted | head)"
+[ -f raw/train/chunk1/example_train_0.jsonl ] || fail "ptk-extract 'raw/train/chunk1/*.zst' wrote nothing beside its inputs"
+[ -f chunks/train_chunk_0.jsonl ] && [ -f chunks/concat-plan.json ] || fail "NeMo's grouping wrote $(ls chunks)"
 # README's screen per tool (each `## ptk-NAME` section) prints its manual's commands, never others.
 mapfile -t tools < <(sed -n 's/^## \(ptk-[a-z]*\)$/\1/p' "$SRC/README.md")
 [ "${#tools[@]}" -ge 8 ] || fail "README.md has ${#tools[@]} tool sections (## ptk-NAME), not 8"

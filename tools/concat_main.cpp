@@ -25,9 +25,10 @@ struct RunArgs {
 // CLI11 2.4 (Ubuntu 24.04) refuses a subcommand option --input while the parent has a positional
 // named "input".
 void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required, const std::string& positional) {
-  auto* in =
-      app->add_option("--input," + positional, r->inputs,
-                      "jsonl files, globs or directories (directories: every .jsonl/.jsonl.zst/.jsonl.xz below)");
+  auto* in = app->add_option(
+      "--input," + positional, r->inputs,
+      "jsonl files, globs or directories (directories: every .jsonl, .jsonl.zst, .jsonl.xz, .jsonl.gz, .json and "
+      ".json.gz below)");
   auto* out = app->add_option("--output-dir", r->output_dir, "Where the chunks are written");
   if (required) {
     in->required();
@@ -84,7 +85,12 @@ absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std
                    removed.front(), removed.size() > 1 ? fmt::format(" ... {}", removed.back()) : "");
   size_t files = 0;
   for (const auto& c : plan.chunks) files += c.inputs.size();
-  ptk::log::Info("plan: {} files -> {} chunks in {}; written to {}", files, plan.chunks.size(), plan.output_dir, path);
+  // --chunks 72 over 24 files makes 24 chunks (a chunk holds one file at least): array tasks past the
+  // last chunk build nothing, and `run --chunk-index 30` fails ("outside the plan's 24 chunks"), so the
+  // plan line says so.
+  const bool fewer = r.plan.files_per_chunk == 0 && plan.chunks.size() < static_cast<size_t>(r.plan.chunks);
+  ptk::log::Info("plan: {} files -> {} chunks in {}{}; written to {}", files, plan.chunks.size(), plan.output_dir,
+                 fewer ? fmt::format(" (not --chunks {}: a chunk holds one file at least)", r.plan.chunks) : "", path);
   return plan;
 }
 
@@ -123,8 +129,7 @@ CLI::App* AddListCommand(CLI::App* app, ListArgs* a) {
 absl::Status List(const ListArgs& a) {
   PTK_RETURN_IF_ERROR(CheckPlan(a.plan));
   PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(a.plan));
-  std::vector<std::string> items = ptk::PlanChunkPaths(plan);
-  items.insert(items.end(), a.with.begin(), a.with.end());
+  PTK_ASSIGN_OR_RETURN(const std::vector<std::string> items, ptk::ConcatListItems(plan, a.with));
   if ((a.shard_index || a.num_shards) && !a.this_task)
     return ptk::UsageError("--shard-index/--num-shards select a task's share: give --this-task too");
   ptk::ShardSpec shard;  // everything
@@ -171,10 +176,14 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--plan", run_args.plan_path, "Plan file written by `ptk-concat plan`")->required();
   auto* ci = run_cmd->add_option("--chunk-index", run_args.chunk_index, "Build only this chunk (0-based)")
                  ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
-  run_cmd->add_option("--shard-index", run_args.shard_index, "This task's shard of the chunks")
+  run_cmd
+      ->add_option("--shard-index", run_args.shard_index,
+                   "This task's shard of the chunks (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)")
       ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt))
       ->excludes(ci);
-  run_cmd->add_option("--num-shards", run_args.num_shards, "Number of shards")
+  run_cmd
+      ->add_option("--num-shards", run_args.num_shards,
+                   "Number of shards (default: SLURM_ARRAY_TASK_COUNT or JOB_COMPLETIONS)")
       ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt))
       ->excludes(ci);
   run_cmd->add_option("--jobs", run_args.jobs, "Chunks built at once")->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
@@ -184,6 +193,7 @@ int main(int argc, char** argv) {
   auto* list_cmd = AddListCommand(app.get(), &list_args);
   app->require_subcommand(0, 1);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     // The tool's own flags are the one-process form's: before a subcommand they were ignored

@@ -12,6 +12,33 @@
 #include "common/status.h"
 #include "interop/hf_gpt2.h"
 
+namespace {
+
+// Megatron's convert.py flags (and its Megatron loader's) that ptk needs no value of: accepted, so that
+// the lines users copy run.
+struct CompatFlags {
+  int64_t max_queue_size = 50;
+  std::string megatron_path, loader_transformer_impl;
+  bool no_checking = false;
+};
+
+void AddCompatFlags(CLI::App& app, CompatFlags* c) {
+  app.add_option("--max-queue-size", c->max_queue_size, "Accepted for compatibility (no queue: one process)")
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
+  // More of convert.py's and its Megatron loader's and saver's flags, in the lines users copy: they were
+  // unknown flags here.
+  app.add_option("--megatron-path", c->megatron_path,
+                 "Accepted for compatibility (ptk reads and writes Megatron's files itself: no Megatron-LM needed)");
+  app.add_flag("--no-checking", c->no_checking,
+               "Accepted for compatibility (convert.py's queue checks; no queue here)");
+  app.add_option("--loader-transformer-impl", c->loader_transformer_impl,
+                 "Accepted for compatibility: --loader megatron tells Transformer Engine and local layer names "
+                 "apart itself")
+      ->check(CLI::IsMember({"transformer_engine", "local"}));
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp("ptk-convert",
                                "Convert a ptk checkpoint to a Hugging Face GPT-2 or Llama directory (--loader ptk "
@@ -19,7 +46,6 @@ int main(int argc, char** argv) {
                                "in its torch format (--saver megatron), or back (--loader hf / megatron --saver ptk).");
   ptk::ConvertOptions o;
   std::string model_type = "GPT";
-  int64_t max_queue_size = 50;
   app->add_option("--model-type", model_type, "GPT (the only model ptk has)")->check(CLI::IsMember({"GPT"}));
   app->add_option("--loader", o.loader,
                   "What --load-dir holds: ptk (a ptk-train --save directory), hf, or megatron (a Megatron --save "
@@ -69,8 +95,8 @@ int main(int argc, char** argv) {
   app->add_option("--consumed-train-samples", o.consumed_train_samples,
                   "hf -> ptk with --iteration N: the samples the run had consumed (with batch ramp-up)")
       ->check(ptk::cli::IntIn(0, int64_t{1} << 50));
-  app->add_option("--max-queue-size", max_queue_size, "Accepted for compatibility (no queue: one process)")
-      ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
+  CompatFlags compat;
+  AddCompatFlags(*app, &compat);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {

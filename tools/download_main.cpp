@@ -41,7 +41,8 @@ int main(int argc, char** argv) {
   app->add_option("--endpoint", opt.endpoint, "Hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)");
   app->add_option("--token-file", token_file,
                   "File holding the Hub token (default: $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token)");
-  app->add_option("--jobs", opt.jobs, "Files downloaded at once")->check(ptk::cli::IntIn(1, 256));
+  app->add_option("--jobs,--max-workers", opt.jobs, "Files downloaded at once (huggingface-cli's --max-workers)")
+      ->check(ptk::cli::IntIn(1, 256));
   app->add_option("--connections-per-file", opt.connections_per_file,
                   "Connections a large file is fetched over at once, as byte ranges written in place (1: one "
                   "connection a file)")
@@ -54,7 +55,8 @@ int main(int argc, char** argv) {
       ->check(ptk::cli::IntIn(65536, INT64_MAX));
   app->add_option("--max-connections", opt.max_connections, "Connections open at once, all files together")
       ->check(ptk::cli::IntIn(1, 1024));
-  app->add_option("--max-retries", opt.max_retries, "Attempts without progress per file before giving up")
+  app->add_option("--max-retries", opt.max_retries,
+                  "Retries without progress per file (or Hub API call) before giving up")
       ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
   app->add_option("--max-retry-time", opt.max_retry_time_s,
                   "Seconds a file (or a Hub API call) may keep failing without progress before giving up")
@@ -73,9 +75,16 @@ int main(int argc, char** argv) {
   app->add_flag("--verify", opt.verify, "Re-hash files already present instead of trusting the done log");
   app->add_flag("--list-only", opt.list_only, "List the repo, save the manifest, download nothing");
   app->add_flag("--quiet", quiet, "No progress output");
+  // huggingface-cli's --token TOKEN was read as a prefix of --token-file: the token taken for a file name
+  // (and printed in the error).
+  ptk::cli::Refusals refused(*app);
+  refused.Option("--token",
+                 "a token on the command line is seen by every user (ps) and kept in shell history; give it in "
+                 "HF_TOKEN, or in a file with --token-file");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
+    PTK_RETURN_IF_ERROR(refused.Check());
     if (opt.repo.empty() == opt.url_list.empty()) return ptk::UsageError("give either --repo or --url-list");
     PTK_RETURN_IF_ERROR(ptk::cli::CheckInputFile("--url-list", opt.url_list));
     while (!opt.endpoint.empty() && opt.endpoint.back() == '/') opt.endpoint.pop_back();

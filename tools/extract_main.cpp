@@ -1,4 +1,4 @@
-// ptk-extract: .zst / .xz -> .jsonl, streaming, per-file parallel, resumable, shardable.
+// ptk-extract: .zst / .xz / .gz -> .jsonl, streaming, per-file parallel, resumable, shardable.
 #include <set>
 
 #include <fmt/core.h>
@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
                 "Overwrite existing outputs that ptk-extract did not write (default: refused, as zstd -d refuses)");
   app->add_flag("--quiet", quiet, "No progress output");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     ptk::ExtractOptions opt;

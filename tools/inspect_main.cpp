@@ -61,7 +61,7 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
   app.add_option("prefix", f.prefix, "Dataset: PREFIX, PREFIX.bin or PREFIX.idx");
   app.add_option("--doc", f.doc, "Print document N (0-based): its token ids and decoded text")
       ->check(ptk::cli::IntIn(0, INT64_MAX));
-  app.add_option("--format", f.format, "What --doc prints: ids, text or both")
+  app.add_option("--format", f.format, "What --doc or --sample prints: ids, text or both")
       ->check(CLI::IsMember({"ids", "text", "both"}));
   app.add_flag("--verify", f.verify,
                "Check integrity (header, sizes, pointers, document indices, .bin size); exit 1 on damage");

@@ -71,7 +71,8 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   f->batch_opt = app.add_option("--batch-mb", f->batch_mb,
                                 "Input batch size in MiB handed to one worker (default: from the input size, "
                                 "0.25 to 1, about 8 batches a worker)")
-                     ->check(ptk::cli::RealIn(0, true, 4096, false));
+                     ->check(ptk::cli::RealIn(0, true, 4096, false))
+                     ->default_str("");  // the 1 it holds is not the default: that comes from the input size
   app.add_option("--max-bad-fraction", f->opt.max_bad_fraction,
                  "Fail (publishing nothing) when more than this fraction of the non-blank records cannot be read "
                  "(default 0.01; 1 tolerates any)")
@@ -178,7 +179,8 @@ void ReportStats(const ptk::TokenizeStats& s, int workers) {
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(
       "ptk-tokenize",
-      "Tokenize jsonl (plain, .zst, .xz or - for stdin) with GPT-2 BPE into Megatron .bin/.idx files, byte-identical "
+      "Tokenize jsonl (plain, .zst, .xz, .gz or - for stdin) with GPT-2 BPE into Megatron .bin/.idx files, "
+      "byte-identical "
       "to Megatron-LM's tools/preprocess_data.py with the same flags. Outputs: PREFIX_{key}_document.{bin,idx}.");
   TokenizeFlags f;
   AddOptions(*app, &f);

@@ -59,6 +59,19 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--data-impl", Arg::kText, "ptk reads Megatron's mmap .bin/.idx format"},
     {"--profile-step-start", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
     {"--profile-step-end", Arg::kCount, "--profile covers the whole run (ptk's per-op CUDA timing)"},
+    // --recompute-granularity full's companions (Megatron requires them with it): memory only.
+    {"--recompute-method", Arg::kText,
+     "ptk recomputes the attention probabilities (selective), whatever --recompute-granularity asks"},
+    {"--recompute-num-layers", Arg::kPositiveInt,
+     "ptk recomputes the attention probabilities (selective), whatever --recompute-granularity asks"},
+    {"--distribute-saved-activations", Arg::kNone, "activations are not split over the tensor ranks (memory only)"},
+    // More of the flags Megatron's own Llama and GPT example scripts carry (speed, memory, logging).
+    {"--no-create-attention-mask-in-dataloader", Arg::kNone, "the causal mask is implicit: the loader builds none"},
+    {"--no-mmap-bin-files", Arg::kNone, "the .bin files are read through mmap (the same tokens)"},
+    {"--no-bias-swiglu-fusion", Arg::kNone, "kernel fusion flag"},
+    {"--manual-gc-interval", Arg::kCount, "no garbage collector"},
+    {"--num-dataset-builder-threads", Arg::kPositiveInt, "the dataset indices are built with ptk's own threads"},
+    {"--log-progress", Arg::kNone, "no progress.txt is written; the log line and metrics.jsonl have the figures"},
     // Model flags that name what ptk's model does already, or that Megatron ignores here.
     {"--openai-gelu", Arg::kNone, "ptk's GELU is this tanh approximation already"},
     {"--attention-softmax-in-fp32", Arg::kNone, "the attention softmax is computed in fp32 already"},

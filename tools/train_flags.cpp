@@ -118,7 +118,7 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--data-cache-path", f->data_cache_path, "Where the dataset index caches go");
   app->add_flag("--mock-data", o.mock_data, "Synthetic data instead of --data-path");
   app->add_option("--vocab-file", o.vocab_file, "GPT-2 vocab.json (default: ptk's built-in GPT-2 files)");
-  app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt");
+  app->add_option("--merge-file", o.merge_file, "GPT-2 merges.txt (default: ptk's built-in GPT-2 files)");
   app->add_option("--tokenizer-type", f->tokenizer_type, "GPT2BPETokenizer (the only one ptk has)");
   app->add_option("--dataloader-type", f->dataloader_type, "single (Megatron's pretraining sampler)");
   app->add_flag("--eod-mask-loss", o.eod_mask_loss, "No loss on end-of-document tokens");
@@ -223,13 +223,14 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--hysteresis", f->hysteresis, "fp16: overflows tolerated before the scale halves (2)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--tensor-model-parallel-size", f->tensor_model_parallel_size,
-                  "Tensor-parallel ranks (Megatron's layers split over adjacent ranks; CPU backend over gloo): "
+                  "Tensor-parallel ranks (Megatron's layers split over adjacent ranks; gloo on the CPU, NCCL on GPUs): "
                   "WORLD_SIZE = this x data-parallel ranks x pipeline stages (1)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--pipeline-model-parallel-size", f->pipeline_model_parallel_size,
                   "Pipeline stages: the layers split over P stages, Megatron's 1F1B schedule (gloo or NCCL)")
       ->check(IntIn(1, kMaxSize));
-  app->add_option("--context-parallel-size", f->context_parallel_size, "Must be 1: ptk is data parallel")
+  app->add_option("--context-parallel-size", f->context_parallel_size,
+                  "Must be 1: context parallelism is not implemented (data, tensor and pipeline parallel are)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--decoder-first-pipeline-num-layers", f->decoder_first_pipeline_num_layers,
                   "Layers of the first pipeline stage (the rest split evenly)")
@@ -239,10 +240,10 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
       ->check(IntIn(1, kMaxSize));
   app->add_option("--num-layers-per-virtual-pipeline-stage", f->num_layers_per_virtual_pipeline_stage,
                   "Layers of each model chunk: Megatron's interleaved 1F1B schedule over (layers / stages) / this "
-                  "chunks per stage (CPU backend, gloo)")
+                  "chunks per stage")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--num-virtual-stages-per-pipeline-rank", f->num_virtual_stages_per_pipeline_rank,
-                  "Model chunks per pipeline stage: Megatron's interleaved 1F1B schedule (CPU backend, gloo)")
+                  "Model chunks per pipeline stage: Megatron's interleaved 1F1B schedule")
       ->check(IntIn(1, kMaxSize));
   app->add_flag("--dry-run", f->dry_run,
                 "ptk: print the plan of this run on WORLD_SIZE ranks (any tensor and pipeline size): Megatron's "
@@ -269,7 +270,8 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
                   "size))")
       ->check(IntIn(1, kMaxCount));
   app->add_option("--distributed-timeout-minutes", f->distributed_timeout_minutes,
-                  "Rendezvous and collective timeout: a rank that waits longer for the others fails")
+                  "Rendezvous and collective timeout: a rank that waits longer for the others fails (ptk's default 5; "
+                  "Megatron's 10)")
       ->check(RealIn(0, true, 1e6, false));
   app->add_option("--threads", f->threads, "ptk: CPU threads per rank (default: the cores given to this rank)")
       ->check(IntIn(0, 65536));

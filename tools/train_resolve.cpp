@@ -113,28 +113,6 @@ absl::Status ReadPerSplitDataArgs(const std::string& path, DataArgs* data) {
 
 // The flags that ask for what ptk has not (the model's, the data's, the optimizer's), after the
 // device is known; notes for the flags accepted for compatibility.
-// ptk's refusals of the interleaved schedule beyond Megatron's (VirtualPipelineSize).
-absl::StatusOr<int> ResolveVirtualStages(const TrainFlags& f) {
-  PTK_ASSIGN_OR_RETURN(const int v, VirtualPipelineSize(f));
-  if (v == 1) return 1;
-  const std::string flag =
-      f.num_layers_per_virtual_pipeline_stage
-          ? fmt::format("--num-layers-per-virtual-pipeline-stage {}", *f.num_layers_per_virtual_pipeline_stage)
-          : fmt::format("--num-virtual-stages-per-pipeline-rank {}", v);
-  const bool cuda = f.device == "cuda" || (f.device.empty() && DefaultDevice() == Device::kCuda);
-  if (cuda)
-    return Refuse(fmt::format("{}: the interleaved schedule runs on the CPU backend only (--device cpu, gloo)", flag));
-  if (f.options.optimizer.overlap_grad_reduce)
-    return Refuse(
-        fmt::format("{} with --overlap-grad-reduce: ptk's interleaved schedule reduces the gradients after "
-                    "the schedule; drop --overlap-grad-reduce",
-                    flag));
-  if (f.distributed_backend != "gloo" && !f.distributed_backend.empty())
-    return Refuse(fmt::format("{} with --distributed-backend {}: the interleaved schedule runs over gloo", flag,
-                              f.distributed_backend));
-  return v;
-}
-
 absl::Status RefuseWhatPtkLacks(const TrainFlags& f, int64_t tp, std::vector<std::string>* notes) {
   if (tp > 1 && f.options.model.num_attention_heads % tp != 0)
     return Refuse(fmt::format("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}",
@@ -268,18 +246,18 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
                                           f.decoder_first_pipeline_num_layers, f.decoder_last_pipeline_num_layers));
   }
   const bool pipelined = stage_layers.size() > 1;
-  PTK_ASSIGN_OR_RETURN(const int virtual_size, ResolveVirtualStages(f));
+  // Megatron's interleaved schedule, on either backend (ptk refuses nothing beyond Megatron's checks).
+  PTK_ASSIGN_OR_RETURN(const int virtual_size, VirtualPipelineSize(f));
   if (f.context_parallel_size != 1)
     return Refuse(
-        fmt::format("--context-parallel-size {}: ptk-train is data parallel only; use 1", f.context_parallel_size));
+        fmt::format("--context-parallel-size {}: context parallelism is not implemented (ptk-train splits a run over "
+                    "data, tensor and pipeline ranks); use 1",
+                    f.context_parallel_size));
   if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
   const int64_t tp = f.tensor_model_parallel_size;
-  if (tp > 1 && device == Device::kCuda && f.options.backend.sequence_parallel && pipelined)
-    return Refuse(kCudaPipelineSequenceParallelMissing);
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
-  if (device == Device::kCuda && f.options.model.qk_layernorm) return Refuse(kCudaQkLayerNormMissing);
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())

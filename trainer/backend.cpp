@@ -96,15 +96,6 @@ const char* const kCudaTensorParallelMissing =
     "(--distributed-backend nccl, the default with --device cuda); gloo's tensor parallelism runs on the CPU "
     "backend (--device cpu)";
 
-const char* const kCudaPipelineSequenceParallelMissing =
-    "--sequence-parallel with --pipeline-model-parallel-size above 1 runs on the CPU backend only (--device cpu, "
-    "gloo): the CUDA backend's pipeline stages exchange whole (b, t, hidden) activations, not sequence-parallel "
-    "shards; "
-    "drop --sequence-parallel to train pipelined on GPUs";
-
-const char* const kCudaQkLayerNormMissing =
-    "--qk-layernorm runs on the CPU backend only (--device cpu): the CUDA backend has no query and key norms yet";
-
 absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, const BackendOptions& backend) {
   PTK_RETURN_IF_ERROR(CheckBackendChoice(backend.device, backend.precision));
   if (backend.device == Device::kCpu) {
@@ -113,11 +104,8 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
         CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel, backend.pipeline_stage));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
-  if (config.qk_layernorm) return UsageError(kCudaQkLayerNormMissing);
   const bool tp = backend.tensor_comm && backend.tensor_comm->size() > 1;
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
-  if (tp && backend.sequence_parallel && backend.pipeline_stage.size > 1)
-    return UsageError(kCudaPipelineSequenceParallelMissing);
   auto cuda = LoadCudaBackend();
   if (!cuda.ok()) return absl::FailedPreconditionError(fmt::format("--device cuda: {}", StatusMessage(cuda.status())));
   cuda::ModelOptions o;

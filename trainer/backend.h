@@ -20,16 +20,14 @@ struct BackendOptions {
   // backend partitions the model over it (the CUDA backend's must be NCCL's: device collectives).
   Communicator* tensor_comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
-  // --pipeline-model-parallel-size: this rank's stage (the whole model by default). The CPU backend
-  // builds the stage's part; the CUDA backend refuses more than one stage.
+  // --pipeline-model-parallel-size: this rank's stage (the whole model by default): the model
+  // built is the stage's part (either backend).
   PipelineStage pipeline_stage;
 };
 
-// Why the CUDA backend refuses tensor parallelism over gloo (with or without --sequence-parallel) and pipeline
-// parallelism (usage errors' text).
+// Why the CUDA backend refuses tensor parallelism over gloo (with or without --sequence-parallel)
+// (usage errors' text).
 extern const char* const kCudaTensorParallelMissing;
-extern const char* const kCudaPipelineSequenceParallelMissing;
-extern const char* const kCudaQkLayerNormMissing;  // --qk-layernorm: the CPU backend's only
 
 namespace cuda {
 class Backend;

@@ -46,10 +46,18 @@ absl::Status Communicator::SendRecv(const void*, int64_t, int dst, void*, int64_
 absl::Status Communicator::BatchSendRecv(std::span<const P2pMessage> messages) {
   for (const P2pMessage& m : messages)
     if (m.peer >= 0)
+      return absl::UnimplementedError(
+          fmt::format("the {} communicator of {} rank(s) has no batched point-to-point messages (to or from {})",
+                      backend(), size(), m.peer));
+  return absl::OkStatus();
+}
+
+absl::Status Communicator::BatchSendRecvDevice(std::span<const P2pMessage> messages, void*) {
+  for (const P2pMessage& m : messages)
+    if (m.peer >= 0)
       return absl::UnimplementedError(fmt::format(
-          "the {} communicator of {} rank(s) has no batched point-to-point messages (to or from {}); the interleaved "
-          "pipeline schedule runs over gloo",
-          backend(), size(), m.peer));
+          "the {} communicator sends no device memory (to or from {}); its pipeline stages exchange through the host",
+          backend(), m.peer));
   return absl::OkStatus();
 }
 

@@ -54,7 +54,8 @@ class Communicator {
   // interleaved schedule, up to two sends and two receives), waited for together. Messages of one
   // `channel` from one rank to another arrive in the order sent; channels are independent of each
   // other and of SendRecv's. A message whose peer is -1 is left out. This default (a communicator
-  // of one rank, NCCL) refuses any message with a peer; gloo sends them.
+  // of one rank) refuses any message with a peer; gloo sends them, NCCL stages them through the
+  // device (BatchSendRecvDevice's order rule).
   struct P2pMessage {
     const void* send = nullptr;  // a send of `bytes` from here, or
     void* recv = nullptr;        // a receive of `bytes` into here
@@ -77,6 +78,12 @@ class Communicator {
   // receive it through the host instead.
   virtual absl::Status SendRecvDevice(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
                                       int src, void* stream);
+  // BatchSendRecv on device memory, enqueued on `stream` as SendRecvDevice (each message cut into
+  // the same chunks, chunk k of every message in one group). NCCL has no channels: it matches the
+  // messages between two ranks in the order each posts them, so a caller posts them in an order
+  // both ends share (the interleaved schedule's, pipeline_interleaved_test checks it). This default
+  // refuses any message with a peer.
+  virtual absl::Status BatchSendRecvDevice(std::span<const P2pMessage> messages, void* stream);
   // The chunks a communicator that stages point-to-point messages cuts them into (NCCL: its
   // staging buffer's halves); every point-to-point message is cut the same way.
   static constexpr int64_t kSendRecvChunkBytes = int64_t{32} << 20;

@@ -75,6 +75,13 @@ absl::Status GPTModel::FinishGradReduction() {
 
 void GPTModel::GradsReady(size_t index) {
   if (!reduce_comm_) return;
+  if (layout_.virtual_size > 1) {  // only the chunk's last backward, and only its own ranges
+    const size_t L = layout_.layers.size();
+    const int owner = index == 0  ? layout_.virtual_size - 1
+                      : index > L ? 0
+                                  : layout_.ChunkOfLayer(static_cast<int64_t>(L - index));
+    if (!last_backward_of_chunk_ || owner != chunk_) return;
+  }
   const GradRange& r = ready_order_[index];
   for (int b : tracker_.MarkReady(r.begin, r.end)) {
     ++launched_in_backward_;

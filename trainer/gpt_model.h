@@ -165,6 +165,13 @@ class GPTModel {
   // slot holds one chunk's pass: the schedule gives each chunk slots of its own. 0 without chunks.
   absl::Status SelectChunk(int chunk);
   int chunk() const { return chunk_; }
+  // The slots 0..slots-1 a schedule is about to use (InterleavedSlots), told before it takes any:
+  // a backend that plans its activation slots up front (CUDA) makes room for them; slots live
+  // then are refused. This default (slots made on first use) has nothing to do.
+  virtual absl::Status ReserveStageSlots(int slots) {
+    (void)slots;
+    return absl::OkStatus();
+  }
   // StageForward / StageBackward with slot's StageBuffers as input and output (and gradients).
   // With defer_loss the last stage keeps the loss for TakeLosses (as ForwardBackwardDeferred: a
   // backend may leave the pass enqueued) and returns zero.
@@ -244,6 +251,11 @@ class GPTModel {
   absl::Status StartGradReduction(Communicator* comm, const std::vector<GradRange>& buckets);
   absl::Status FinishGradReduction();
   int buckets_launched_in_backward() const { return launched_in_backward_; }
+  // With model chunks, whether the selected chunk's next backward is its last of the step (the
+  // interleaved schedule says so before each): while a reduction is armed only that backward
+  // reports its ranges ready, and only the chunk's own (its layers; the head's are the last
+  // chunk's, the embeddings' the first's), so no bucket is launched before its last gradient.
+  void SetLastBackwardOfChunk(bool last) { last_backward_of_chunk_ = last; }
 
   // With BackendOptions::profile on a backend that times its ops: GPU time per iteration by op
   // category, as lines of text; empty otherwise.
@@ -278,6 +290,9 @@ class GPTModel {
   bool chunk_post_process() const { return layout_.ChunkPostProcess(chunk_); }
   int64_t chunk_layer_begin() const { return chunk_ * layout_.chunk_layers(); }
   int64_t chunk_layer_end() const { return (chunk_ + 1) * layout_.chunk_layers(); }
+  // The stage's transformer layers (every chunk's): GradsReady's indices are L - l for layer l,
+  // L + 1 for the embeddings.
+  int64_t stage_layers() const { return static_cast<int64_t>(layout_.layers.size()); }
   int64_t GlobalLayer(int64_t l) const {
     const int64_t n = layout_.chunk_layers();
     return layout_.chunk_first_layer.empty() ? layout_.first_layer + l
@@ -295,7 +310,8 @@ class GPTModel {
   std::vector<GradRange> ready_order_;
   BucketTracker tracker_;
   int launched_in_backward_ = 0;
-  LossSum deferred_;  // ForwardBackwardDeferred's default
+  bool last_backward_of_chunk_ = true;  // SetLastBackwardOfChunk
+  LossSum deferred_;                    // ForwardBackwardDeferred's default
   // StageBuffers' default host buffers: each slot's input and output gradient; the output and the
   // input gradient.
   std::vector<std::vector<float>> stage_inputs_, stage_output_grads_;

@@ -1,6 +1,7 @@
 // Megatron's interleaved 1F1B schedule (virtual pipeline stages) and the forward-only pass over a
 // stage's model chunks.
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,21 +34,31 @@ std::vector<VirtualMicroBatch> ScheduleTable(int m, int chunks, int group) {
   return table;
 }
 
+const std::vector<ModelBatch>& NoBatches() {
+  static const std::vector<ModelBatch> none;
+  return none;
+}
+
 class InterleavedSchedule {
  public:
   InterleavedSchedule(GPTModel* model, Communicator* pipe, const std::vector<ModelBatch>& mbs,
                       std::span<const double> scales, uint64_t seed, PipelineStats* stats, Timers* timers)
-      : model_(model),
-        pipe_(pipe),
-        mbs_(mbs),
-        scales_(scales),
-        seed_(seed),
-        stats_(stats),
-        timers_(timers),
-        P_(pipe->size()),
-        r_(pipe->rank()),
-        V_(model->layout().virtual_size),
-        m_(static_cast<int>(mbs.size())),
+      : InterleavedSchedule(pipe->size(), pipe->rank(), model->layout().virtual_size, static_cast<int>(mbs.size()),
+                            mbs) {
+    model_ = model;
+    pipe_ = pipe;
+    scales_ = scales;
+    seed_ = seed;
+    stats_ = stats;
+    timers_ = timers;
+  }
+  // Counting only (no model, no pipeline): Run takes and frees the slots as the schedule would.
+  InterleavedSchedule(int P, int r, int V, int m, const std::vector<ModelBatch>& mbs = NoBatches())
+      : mbs_(mbs),
+        P_(P),
+        r_(r),
+        V_(V),
+        m_(m),
         total_(m_ * V_),
         table_(ScheduleTable(m_, V_, P_)),
         slot_of_(static_cast<size_t>(V_), std::vector<int>(static_cast<size_t>(m_), -1)),
@@ -56,6 +67,8 @@ class InterleavedSchedule {
         grads_seen_(static_cast<size_t>(V_), 0) {}
 
   absl::Status Run();
+  int slots() const { return slots_; }
+  void set_before_last_backward(std::function<absl::Status()> f) { before_last_backward_ = std::move(f); }
 
  private:
   int ChunkOf(int k, bool forward) const {
@@ -77,13 +90,14 @@ class InterleavedSchedule {
   // the next activation of chunk `in_chunk` and the next gradient of chunk `grad_chunk` (-1: none).
   absl::Status Exchange(const char* timer, const void* out, const void* dx, int in_chunk, int grad_chunk);
 
-  GPTModel* model_;
-  Communicator* pipe_;
+  GPTModel* model_ = nullptr;  // null: counting the slots only
+  Communicator* pipe_ = nullptr;
   const std::vector<ModelBatch>& mbs_;
   std::span<const double> scales_;
-  uint64_t seed_;
-  PipelineStats* stats_;
-  Timers* timers_;
+  uint64_t seed_ = 0;
+  PipelineStats* stats_ = nullptr;
+  Timers* timers_ = nullptr;
+  std::function<absl::Status()> before_last_backward_;  // run once, before the last micro-batch's first backward
   const int P_, r_, V_, m_, total_;
   std::vector<VirtualMicroBatch> table_;
   std::vector<std::vector<int>> slot_of_;      // [chunk][micro-batch]: its activation slot, -1 none
@@ -126,12 +140,16 @@ absl::Status InterleavedSchedule::TakeSlot(int v, int mb) {
     pool.pop_back();
   }
   slot_of_[static_cast<size_t>(v)][static_cast<size_t>(mb)] = slot;
-  return Buffers(v, mb).status();
+  return model_ ? Buffers(v, mb).status() : absl::OkStatus();
 }
 
 absl::Status InterleavedSchedule::Forward(int k, const void** out) {
   const int v = ChunkOf(k, true), mb = MicroBatchOf(k);
   if (FirstVirtual(v)) PTK_RETURN_IF_ERROR(TakeSlot(v, mb));
+  if (!model_) {  // counting: any non-null marks a send
+    *out = LastVirtual(v) ? nullptr : static_cast<const void*>(this);
+    return absl::OkStatus();
+  }
   PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(v, mb));
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "forward-compute", 2));
   PTK_RETURN_IF_ERROR(model_
@@ -149,15 +167,25 @@ absl::Status InterleavedSchedule::Forward(int k, const void** out) {
 
 absl::Status InterleavedSchedule::Backward(int k, const void** dx) {
   const int v = ChunkOf(k, false), mb = MicroBatchOf(k);
-  PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(v, mb));
   int& slot = slot_of_[static_cast<size_t>(v)][static_cast<size_t>(mb)];
-  PTK_RETURN_IF_ERROR(StartTimer(timers_, "backward-compute", 2));
-  PTK_RETURN_IF_ERROR(model_->StageBackwardExchanged(mbs_[static_cast<size_t>(mb)], slot, /*train=*/true, seed_));
-  PTK_RETURN_IF_ERROR(StopTimer(timers_, "backward-compute"));
-  --in_flight_;
+  const void* input_grad = static_cast<const void*>(this);  // counting: any non-null marks a send
+  if (model_) {
+    PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(v, mb));
+    input_grad = x.input_grad;
+    const bool last = mb == m_ - 1;  // the chunk's last backward of the step (micro-batch order)
+    if (last && before_last_backward_) {
+      PTK_RETURN_IF_ERROR(before_last_backward_());
+      before_last_backward_ = nullptr;
+    }
+    model_->SetLastBackwardOfChunk(last);
+    PTK_RETURN_IF_ERROR(StartTimer(timers_, "backward-compute", 2));
+    PTK_RETURN_IF_ERROR(model_->StageBackwardExchanged(mbs_[static_cast<size_t>(mb)], slot, /*train=*/true, seed_));
+    PTK_RETURN_IF_ERROR(StopTimer(timers_, "backward-compute"));
+  }
+  if (model_) --in_flight_;
   free_[static_cast<size_t>(v)].push_back(slot);
   slot = -1;
-  *dx = FirstVirtual(v) ? nullptr : x.input_grad;
+  *dx = FirstVirtual(v) ? nullptr : input_grad;
   return absl::OkStatus();
 }
 
@@ -172,18 +200,24 @@ absl::Status InterleavedSchedule::Exchange(const char* timer, const void* out, c
     const int mb = inputs_seen_[static_cast<size_t>(in_chunk)]++;
     if (mb >= m_) return absl::InternalError("interleaved schedule: an activation past the step's micro-batches");
     PTK_RETURN_IF_ERROR(TakeSlot(in_chunk, mb));
-    PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(in_chunk, mb));
-    batch.push_back({nullptr, x.input, bytes, prev, kForwardChannel});
+    if (model_) {
+      PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(in_chunk, mb));
+      batch.push_back({nullptr, x.input, bytes, prev, kForwardChannel});
+    }
   }
   if (grad_chunk >= 0) {
     const int mb = grads_seen_[static_cast<size_t>(grad_chunk)]++;
     if (mb >= m_) return absl::InternalError("interleaved schedule: a gradient past the step's micro-batches");
-    PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(grad_chunk, mb));
-    batch.push_back({nullptr, x.output_grad, bytes, next, kBackwardChannel});
+    if (model_) {
+      PTK_ASSIGN_OR_RETURN(const StageExchange x, Buffers(grad_chunk, mb));
+      batch.push_back({nullptr, x.output_grad, bytes, next, kBackwardChannel});
+    }
   }
-  if (batch.empty()) return absl::OkStatus();
+  if (batch.empty() || !model_) return absl::OkStatus();
   PTK_RETURN_IF_ERROR(StartTimer(timers_, timer, 2));
-  PTK_RETURN_IF_ERROR(pipe_->BatchSendRecv(batch));
+  // Device memory (NCCL): on the passes' stream, in the batch's order (sends, then receives, each
+  // forward before backward), which the stages' schedules make alike at both ends of every pair.
+  PTK_RETURN_IF_ERROR(format_.stream ? pipe_->BatchSendRecvDevice(batch, format_.stream) : pipe_->BatchSendRecv(batch));
   return StopTimer(timers_, timer);
 }
 
@@ -191,11 +225,12 @@ absl::Status InterleavedSchedule::Run() {
   // Megatron's warm-up: (P - r - 1) * 2 + (V - 1) * P virtual micro-batches, all of them at most.
   const int warmup = std::min((P_ - r_ - 1) * 2 + (V_ - 1) * P_, total_), remaining = total_ - warmup;
   const bool all_warmup = warmup == total_;
-  PTK_RETURN_IF_ERROR(model_->SelectChunk(0));
-  device_ = pipe_->device_collectives();
-  PTK_ASSIGN_OR_RETURN(format_, model_->StageBuffers(mbs_[0], 0, device_));
-  if (format_.stream) return absl::UnimplementedError("the interleaved pipeline schedule exchanges host memory only");
-  PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipe_, format_));
+  if (model_) {
+    PTK_RETURN_IF_ERROR(model_->SelectChunk(0));
+    device_ = pipe_->device_collectives();
+    PTK_ASSIGN_OR_RETURN(format_, model_->StageBuffers(mbs_[0], 0, device_));
+    PTK_RETURN_IF_ERROR(CheckStageExchangeAgreement(pipe_, format_));
+  }
   PTK_RETURN_IF_ERROR(Exchange("forward-recv", nullptr, nullptr, FirstVirtual(0) ? -1 : 0, -1));
   const void* out = nullptr;
   const void* dx = nullptr;
@@ -245,6 +280,16 @@ struct LossesDropped {
 
 }  // namespace
 
+absl::StatusOr<int> InterleavedSlots(int pipeline_size, int rank, int chunks, int micro_batches) {
+  if (pipeline_size < 2 || rank < 0 || rank >= pipeline_size || chunks < 1 || micro_batches < 1)
+    return absl::InvalidArgumentError(fmt::format("InterleavedSlots: stage {} of {}, {} chunks, {} micro-batches", rank,
+                                                  pipeline_size, chunks, micro_batches));
+  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(micro_batches, pipeline_size));
+  InterleavedSchedule count(pipeline_size, rank, chunks, micro_batches);
+  PTK_RETURN_IF_ERROR(count.Run());
+  return std::max(count.slots(), chunks);  // ForwardInterleaved's: chunk v in slot v
+}
+
 absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size) {
   if (micro_batches >= pipeline_size && micro_batches % pipeline_size == 0) return absl::OkStatus();
   return absl::InvalidArgumentError(fmt::format(
@@ -257,12 +302,19 @@ absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size) 
 absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator* pipeline,
                                                    const std::vector<ModelBatch>& micro_batches,
                                                    std::span<const double> loss_scales, uint64_t seed,
-                                                   PipelineStats* stats, Timers* timers) {
+                                                   PipelineStats* stats, Timers* timers,
+                                                   const std::function<absl::Status()>& before_last_backward) {
   if (micro_batches.empty()) return LossSum{};
-  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(static_cast<int>(micro_batches.size()), pipeline->size()));
+  const int m = static_cast<int>(micro_batches.size());
+  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(m, pipeline->size()));
+  PTK_ASSIGN_OR_RETURN(const int slots,
+                       InterleavedSlots(pipeline->size(), pipeline->rank(), model->layout().virtual_size, m));
+  PTK_RETURN_IF_ERROR(model->ReserveStageSlots(slots));
   LossesDropped kept{model};
   InterleavedSchedule schedule(model, pipeline, micro_batches, loss_scales, seed, stats, timers);
+  schedule.set_before_last_backward(before_last_backward);
   const absl::Status run = schedule.Run();
+  model->SetLastBackwardOfChunk(true);
   (void)model->SelectChunk(0);
   PTK_RETURN_IF_ERROR(run);
   kept.model = nullptr;
@@ -274,19 +326,23 @@ absl::StatusOr<LossSum> ForwardInterleaved(GPTModel* model, Communicator* pipeli
   const int P = pipeline->size(), r = pipeline->rank(), V = model->layout().virtual_size;
   const int prev = (r + P - 1) % P, next = (r + 1) % P;
   const bool device = pipeline->device_collectives();
+  PTK_RETURN_IF_ERROR(model->ReserveStageSlots(V));
   LossSum loss;
+  // Device memory (NCCL): on the passes' stream.
+  auto send_recv = [&](const Communicator::P2pMessage& m, void* stream) {
+    return stream ? pipeline->BatchSendRecvDevice({&m, 1}, stream) : pipeline->BatchSendRecv({&m, 1});
+  };
   for (int v = 0; v < V; ++v) {  // chunk v's slot v
     PTK_RETURN_IF_ERROR(model->SelectChunk(v));
     PTK_ASSIGN_OR_RETURN(const StageExchange x, model->StageBuffers(batch, v, device));
-    if (x.stream) return absl::UnimplementedError("the interleaved pipeline schedule exchanges host memory only");
     if (v == 0) PTK_RETURN_IF_ERROR(agreed ? agreed->Check(pipeline, x) : CheckStageExchangeAgreement(pipeline, x));
     const Communicator::P2pMessage in{nullptr, x.input, x.bytes(), x.input ? prev : -1, kForwardChannel};
-    PTK_RETURN_IF_ERROR(pipeline->BatchSendRecv({&in, 1}));
+    PTK_RETURN_IF_ERROR(send_recv(in, x.stream));
     PTK_ASSIGN_OR_RETURN(const LossSum l, model->StageForwardExchanged(batch, v, std::nullopt, /*train=*/false, 0,
                                                                        v == V - 1 ? logits : nullptr));
     if (v == V - 1) loss = l;
     const Communicator::P2pMessage out{x.output, nullptr, x.bytes(), x.output ? next : -1, kForwardChannel};
-    PTK_RETURN_IF_ERROR(pipeline->BatchSendRecv({&out, 1}));
+    PTK_RETURN_IF_ERROR(send_recv(out, x.stream));
   }
   PTK_RETURN_IF_ERROR(model->SelectChunk(0));
   return loss;

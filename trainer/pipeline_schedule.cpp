@@ -124,11 +124,9 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
     return absl::InvalidArgumentError(
         fmt::format("ForwardBackwardPipelining: rank {} of a pipeline group of {} runs stage {} of {}", s, P,
                     model->layout().pipeline_rank, model->layout().pipeline_size));
-  if (model->layout().virtual_size > 1) {
-    if (before_last_backward)
-      return absl::InvalidArgumentError("the interleaved pipeline schedule reduces no gradient buckets in backward");
-    return ForwardBackwardInterleaved(model, pipeline, micro_batches, loss_scales, seed, stats, timers);
-  }
+  if (model->layout().virtual_size > 1)
+    return ForwardBackwardInterleaved(model, pipeline, micro_batches, loss_scales, seed, stats, timers,
+                                      before_last_backward);
   if (m == 0) return LossSum{};
   // Micro-batch k's activations live in slot k % slots: k's forward comes after the backward of
   // k - slots, the micro-batches in flight being at most warm-up + 1 = P - s.

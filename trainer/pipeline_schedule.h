@@ -48,12 +48,25 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
 // interleaved 1F1B instead (pipeline_interleaved.cpp): the step's micro-batches in groups of P, each
 // group through chunk 0, then chunk 1, ...; (P - s - 1) * 2 + (V - 1) * P warm-up forwards on stage
 // s; the last stage's chunk v sends to the first stage's chunk v + 1 (and its gradient back); each
-// chunk's backwards in micro-batch order. Host memory only (the CPU backend); no
-// before_last_backward (--overlap-grad-reduce is refused with chunks).
+// chunk's backwards in micro-batch order. Each step's sends and receives go as one batch:
+// Communicator::BatchSendRecv on host memory (gloo; the CPU backend, the CUDA backend's host
+// exchange), BatchSendRecvDevice on the model's stream where the communicator sends device memory
+// (NCCL). The model reserves the slots the step takes first (InterleavedSlots,
+// GPTModel::ReserveStageSlots). `before_last_backward` (--overlap-grad-reduce) runs before the
+// first backward of the step's last micro-batch (chunk V - 1's), and each chunk's ranges are
+// reported ready by its own last backward only (GPTModel::SetLastBackwardOfChunk), as Megatron
+// starts each model chunk's gradient sync at its last micro-batch's backward.
 absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator* pipeline,
                                                    const std::vector<ModelBatch>& micro_batches,
                                                    std::span<const double> loss_scales, uint64_t seed,
-                                                   PipelineStats* stats = nullptr, Timers* timers = nullptr);
+                                                   PipelineStats* stats = nullptr, Timers* timers = nullptr,
+                                                   const std::function<absl::Status()>& before_last_backward = {});
+// The activation slots ForwardBackwardInterleaved hands stage `rank` of `pipeline_size` with
+// `chunks` model chunks over a step of `micro_batches` (one more than the largest slot index it
+// passes to StageBuffers; at least `chunks`, ForwardInterleaved's): the schedule run without a
+// model or messages. Each chunk reuses only its own slots, so this may exceed the virtual
+// micro-batches in flight. InvalidArgument where the schedule refuses the step.
+absl::StatusOr<int> InterleavedSlots(int pipeline_size, int rank, int chunks, int micro_batches);
 // Megatron's check of the interleaved schedule: the micro-batches of a step a multiple of P (its
 // groups of P micro-batches); InvalidArgument naming the flags otherwise.
 absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size);

@@ -75,6 +75,43 @@ absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index,
   }
 }
 
+// `path` made absolute (against the current directory) with "." components and repeated slashes
+// dropped, so that two spellings of one path compare equal. ".." is kept: through a link it need
+// not lead back where it came from.
+std::string PathKey(const std::string& path) {
+  std::string abs = path;
+  if (abs.empty() || abs[0] != '/') {
+    std::error_code ec;
+    abs = JoinPath(std::filesystem::current_path(ec).string(), path);
+  }
+  std::string key;
+  for (size_t at = 0; at < abs.size();) {
+    size_t end = abs.find('/', at);
+    if (end == std::string::npos) end = abs.size();
+    const std::string_view part(abs.data() + at, end - at);
+    if (!part.empty() && part != ".") key.append("/").append(part);
+    at = end + 1;
+  }
+  return key.empty() ? "/" : key;
+}
+
+// A file listed twice would be concatenated twice: training data silently duplicated. The first
+// input the plan lists twice (however its path is spelled), as an error naming both places.
+absl::Status CheckEachInputOnce(const ConcatPlan& plan, std::string_view where) {
+  std::map<std::string, std::pair<size_t, size_t>> first;  // key -> (chunk, input)
+  for (size_t k = 0; k < plan.chunks.size(); ++k)
+    for (size_t i = 0; i < plan.chunks[k].inputs.size(); ++i) {
+      const std::string& path = plan.chunks[k].inputs[i].path;
+      auto [it, fresh] = first.emplace(PathKey(plan.Resolve(path)), std::make_pair(k, i));
+      if (fresh) continue;
+      const auto [k0, i0] = it->second;
+      return absl::InvalidArgumentError(
+          fmt::format("{} {} twice (chunk {} input {}: {}; chunk {} input {}: {}): it would be concatenated twice",
+                      where, path, k0, i0, plan.chunks[k0].inputs[i0].path, k, i, path));
+    }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs, const std::string& output_dir,
@@ -123,6 +160,7 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
     }
     plan.chunks.push_back(std::move(c));
   }
+  PTK_RETURN_IF_ERROR(CheckEachInputOnce(plan, "the inputs name"));
   return plan;
 }
 
@@ -182,6 +220,16 @@ absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
     std::string_view name;
     if (ce["name"].get(name)) return bad("chunk without a name");
     c.name = std::string(name);
+    // A name is a file in the output directory; two chunks of one name would overwrite each other.
+    if (c.name.empty() || c.name == "." || c.name == ".." || c.name.find('/') != std::string::npos)
+      return absl::DataLossError(
+          fmt::format("{}: chunk {} is named {:?}, which is no file name in the output directory", path,
+                      plan.chunks.size(), c.name));
+    for (size_t k = 0; k < plan.chunks.size(); ++k)
+      if (plan.chunks[k].name == c.name)
+        return absl::DataLossError(
+            fmt::format("{}: chunks {} and {} are both named {:?}: one would overwrite the other", path, k,
+                        plan.chunks.size(), c.name));
     simdjson::dom::array ins;
     if (ce["inputs"].get(ins)) return bad("chunk without inputs");
     for (auto ie : ins) {
@@ -193,8 +241,43 @@ absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
     }
     plan.chunks.push_back(std::move(c));
   }
+  if (absl::Status once = CheckEachInputOnce(plan, path + ": the plan lists"); !once.ok())
+    return absl::DataLossError(once.message());
   return plan;
 }
+
+namespace {
+
+// Before a chunk is built: every input is a regular file that still has the size the plan recorded,
+// no file is listed twice by two names (a link, a hard link), which the plan's paths cannot show,
+// and what is to be copied as it is is no binary data.
+absl::Status CheckChunkInputs(const ConcatPlan& plan, size_t index) {
+  std::map<std::pair<uint64_t, uint64_t>, std::string> seen;
+  for (const auto& in : plan.chunks[index].inputs) {
+    const std::string in_path = plan.Resolve(in.path);
+    PTK_ASSIGN_OR_RETURN(const FileIdentity id, IdentifyFile(in_path));
+    if (!id.regular)
+      return absl::FailedPreconditionError(
+          fmt::format("{} is {}, not a regular file: inputs are read from regular files", in_path, id.kind));
+    PTK_ASSIGN_OR_RETURN(const uint64_t size, FileSize(in_path));
+    if (size != in.size)
+      return absl::FailedPreconditionError(
+          fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in_path,
+                      size, in.size));
+    auto [it, fresh] = seen.emplace(std::make_pair(id.dev, id.ino), in_path);
+    if (!fresh)
+      return absl::FailedPreconditionError(
+          fmt::format("{}: the same file as {}, which chunk {} also lists: it would be concatenated twice", in_path,
+                      it->second, index));
+    // What is copied as it is must be text: a file named .zst whose content is none of the formats (a
+    // damaged download) or bzip2 data named .jsonl is refused as ptk-extract refuses it (it was
+    // copied into the chunk, exit 0).
+    if (DetectCompression(in_path) == Compression::kNone) PTK_RETURN_IF_ERROR(OpenByteSource(in_path).status());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable) {
   if (index >= plan.chunks.size())
@@ -224,15 +307,10 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
       return res;
     }
   }
-  for (const auto& in : c.inputs) {
-    const std::string in_path = plan.Resolve(in.path);
-    auto sz = FileSize(in_path);
-    if (!sz.ok()) return sz.status();
-    if (*sz != in.size)
-      return absl::FailedPreconditionError(
-          fmt::format("{}: is {} bytes but the plan recorded {}; the inputs changed since the plan was made", in_path,
-                      *sz, in.size));
-  }
+  PTK_RETURN_IF_ERROR(CheckChunkInputs(plan, index));
+  // A chunk without its sidecar (a kill or a full disk between its publish and the sidecar's) is no
+  // complete chunk: removed first, so that rebuilding it needs room for one copy, not two.
+  if (!PathExists(out_path + std::string(kDoneSuffix))) PTK_RETURN_IF_ERROR(RemoveFileIfExists(out_path));
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
   std::vector<char> buf;
   for (const auto& in : c.inputs) {
@@ -310,6 +388,12 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   // Every other file below a directory input that is not taken is said, with the reason.
   std::erase_if(left_out, [&](const LeftOutFile& l) { return ours(l.path); });
   ReportLeftOut(left_out);
+  if (inputs.empty()) {  // named, as ptk-extract names them (it said "no input files to concatenate")
+    std::string given;
+    for (const std::string& in : r.inputs) given += (given.empty() ? "" : ", ") + in;
+    return absl::NotFoundError(fmt::format("no input files to concatenate in {}{}", given,
+                                           left_out.empty() ? " (empty)" : " (every file left out, listed above)"));
+  }
   return MakeConcatPlan(inputs, r.output_dir, r.plan);  // a bad flag is a UsageError already
 }
 
@@ -317,6 +401,32 @@ std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan) {
   std::vector<std::string> out;
   for (const auto& c : plan.chunks) out.push_back(JoinPath(plan.Resolve(plan.output_dir), c.name));
   return out;
+}
+
+absl::StatusOr<std::vector<std::string>> ConcatListItems(const ConcatPlan& plan, const std::vector<std::string>& with) {
+  std::vector<std::string> items = PlanChunkPaths(plan);
+  const size_t chunks = items.size();
+  items.insert(items.end(), with.begin(), with.end());
+  auto what = [&](size_t k) {
+    return k < chunks ? fmt::format("the plan's chunk {} ({})", k, items[k]) : fmt::format("--with {}", items[k]);
+  };
+  std::map<std::string, size_t> by_path;
+  std::map<std::pair<uint64_t, uint64_t>, size_t> by_id;  // items that exist, by device and inode
+  for (size_t k = 0; k < items.size(); ++k) {
+    auto [it, fresh] = by_path.emplace(PathKey(items[k]), k);
+    std::optional<size_t> first;
+    if (!fresh) first = it->second;
+    if (auto id = IdentifyFile(items[k]); !first && id.ok()) {
+      auto [at, new_id] = by_id.emplace(std::make_pair(id->dev, id->ino), k);
+      if (!new_id) first = at->second;
+    }
+    if (!first) continue;
+    // Each item is one array task's output: listed twice, two tasks would write one output.
+    if (*first >= chunks && items[*first] == items[k])
+      return UsageError(fmt::format("--with {} is given twice; each item is listed once", items[k]));
+    return UsageError(fmt::format("{} is {} again; each item is listed once", what(k), what(*first)));
+  }
+  return items;
 }
 
 absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan& plan) {

@@ -41,15 +41,18 @@ struct ConcatPlanOptions {
   std::string name_pattern;     // fmt pattern with the chunk index; default train_{:02d}.jsonl
 };
 
-// Inputs must already be in the wanted order. Balanced mode: chunk k ends at the first input whose
-// midpoint passes (k+1)/N of the total bytes; every chunk gets at least one input (fewer inputs
-// than chunks gives one chunk per input).
+// Inputs must already be in the wanted order, each file once (a path given twice, however
+// spelled, is an error: it would be concatenated twice). Balanced mode: chunk k ends at the first
+// input whose midpoint passes (k+1)/N of the total bytes; every chunk gets at least one input
+// (fewer inputs than chunks gives one chunk per input).
 absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs, const std::string& output_dir,
                                           const ConcatPlanOptions& options);
 
 // The plan file records the directory it was made in ("base_dir"), so that an array task started
 // in another directory reads the same files and writes the same chunks (a relative path used to
 // name other files there, or none).
+// Reading refuses (kDataLoss) a plan that lists one input path twice, names two chunks alike, or
+// names a chunk with a '/'; building a chunk refuses one file listed twice under two names.
 absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path);
 absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path);
 
@@ -88,6 +91,12 @@ absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan&
 
 // The plan's chunk files (OUTPUT_DIR/NAME), in order: what later stages read.
 std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan);
+
+// What `ptk-concat list` prints: the plan's chunk files, then `with` (e.g. the validation folder).
+// An item named twice (however spelled, a link, a hard link), or a `with` that is one of the
+// chunks, is a UsageError naming both: each item is one array task's output, and two tasks would
+// write one output (or one process read the data twice).
+absl::StatusOr<std::vector<std::string>> ConcatListItems(const ConcatPlan& plan, const std::vector<std::string>& with);
 
 struct ConcatRunOptions {
   std::optional<int64_t> chunk_index;  // build this chunk only

@@ -471,9 +471,9 @@ class RetryBudget {
       const auto now = std::chrono::steady_clock::now();
       if (!failing_since_) failing_since_ = now;
       const double failing_s = std::chrono::duration<double>(now - *failing_since_).count();
-      if (++failures_ > s_.opt.max_retries)
-        return absl::UnavailableError(
-            fmt::format("{} (gave up after {} attempts without progress)", why, s_.opt.max_retries));
+      if (++failures_ > s_.opt.max_retries)  // the attempts: the first and --max-retries retries, all failed
+        return absl::UnavailableError(fmt::format("{} (gave up after {} attempts without progress, --max-retries {})",
+                                                  why, failures_, s_.opt.max_retries));
       if (failing_s + sleep_s > s_.opt.max_retry_time_s)
         return absl::DeadlineExceededError(
             fmt::format("{} (gave up: failing for {} without progress, --max-retry-time {})", why,

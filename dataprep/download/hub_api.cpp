@@ -86,6 +86,12 @@ absl::StatusOr<std::string> PinRevision(Session& s, HttpClient& http) {
     std::string hint = (r.status == 401 || r.status == 403)
                            ? " (private or gated repo? set HF_TOKEN or --token-file, and accept the repo's terms)"
                            : "";
+    // The Hub answers a repo of another type as one that does not exist; huggingface-cli's default
+    // type is model, ptk-download's dataset (SlimPajama's): `--repo gpt2` alone finds nothing.
+    if (r.Header("x-error-code") == "RepoNotFound")
+      hint += s.opt.repo_type == "dataset"
+                  ? "; a model or space repo? --repo-type is dataset unless given: add --repo-type model (or space)"
+                  : fmt::format("; is it not a {} repo? --repo-type dataset, model or space", s.opt.repo_type);
     return absl::NotFoundError(
         fmt::format("{} {}@{}: {}{}", s.opt.repo_type, s.opt.repo, s.opt.revision, HubErrorText(r), hint));
   }

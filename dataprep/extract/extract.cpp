@@ -320,6 +320,13 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
                         ExtractFileResult* res, ProgressReporter* progress) {
   PTK_ASSIGN_OR_RETURN(SourceId src, StatSource(input));
   PTK_RETURN_IF_ERROR(MakeDirs(Dirname(output)));
+  // An output a kill or a full disk left published without its sidecar (the pending record says it
+  // is this tool's) is no complete output: removed first, so that redoing it needs room for one
+  // copy, not two (after a disk filled up while the sidecar was written, the rerun failed for want
+  // of room for a second copy).
+  const std::string pending = output + std::string(kPendingSuffix);
+  if (PathExists(pending) && !PathExists(output + std::string(kDoneSuffix)) && !IsDirectory(output))
+    PTK_RETURN_IF_ERROR(RemoveFileIfExists(output));
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(output));
   Xxh3 sum;
   PTK_RETURN_IF_ERROR(Decode(input, opt, res, progress, [&](const char* p, size_t n) {
@@ -330,7 +337,6 @@ absl::Status ExtractOne(const std::string& input, const std::string& output, con
   // The pending record first (the output is ptk-extract's from here on, whatever happens), then
   // the old sidecar goes before the new output appears: a kill in between leaves an output without
   // a sidecar (redone by the next run), never a new output described by an old sidecar.
-  const std::string pending = output + std::string(kPendingSuffix);
   PTK_RETURN_IF_ERROR(WriteFileAtomic(pending, JsonWriter().BeginObject().Field("source", input).EndObject().str(),
                                       /*durable=*/false));
   absl::Status st = RemoveFileIfExists(output + std::string(kDoneSuffix));
@@ -431,6 +437,23 @@ int64_t ShardOwner(const ExtractOptions& opt, size_t i) {
   return static_cast<int64_t>(h % static_cast<uint64_t>(opt.shard.count));
 }
 
+// An input that is its own output is done as it is, when it is plain text and no records are to be
+// dropped. Compressed data under a plain name was "already complete", and so was a --drop-set run
+// that dropped nothing: neither can be done without writing the input over itself.
+absl::Status InPlace(const ExtractOptions& opt, const std::string& input) {
+  static constexpr std::string_view kName[] = {"", "zstd", "xz", "gzip"}, kExt[] = {"", ".zst", ".xz", ".gz"};
+  const Compression c = DetectCompression(input);
+  if (c != Compression::kNone)
+    return absl::FailedPreconditionError(
+        fmt::format("{} holds {} data under a plain name, and its output would be itself: rename it {}{} (or give "
+                    "another output directory)",
+                    input, kName[static_cast<int>(c)], Basename(input), kExt[static_cast<int>(c)]));
+  if (!opt.drop_sets.empty())
+    return absl::FailedPreconditionError(fmt::format(
+        "{} is its own output: records cannot be dropped from it in place; give another output directory", input));
+  return absl::OkStatus();
+}
+
 // Before extracting r.input: its output's lock taken (held in *lock), and whether the work is
 // already done (kSkipped), cannot start (kFailed with r.error), or is to do (the state left as is).
 void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, ExtractFileResult& r,
@@ -452,6 +475,12 @@ void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, 
   if (!src.ok()) {
     r.state = ExtractFileResult::State::kFailed;
     r.error = src.status();
+  } else if (!in_place && IsDirectory(r.output)) {
+    // Not even with --force (the rename fails, and left the pending record that made the directory
+    // look like this tool's output; zstd -d -f crashes).
+    r.state = ExtractFileResult::State::kFailed;
+    r.error = absl::FailedPreconditionError(
+        fmt::format("{} is a directory: the output of {} cannot be written there", r.output, r.input));
   } else if (!in_place && !opt.force && Occupied(r.output) && !WrittenByExtract(r.output)) {
     // As zstd -d: a file this tool did not write is never overwritten unasked.
     r.state = ExtractFileResult::State::kFailed;
@@ -460,7 +489,8 @@ void CheckBeforeExtracting(const ExtractOptions& opt, const std::string& drops, 
                     "remove it, or pass --force",
                     r.output, kDoneSuffix));
   } else if (in_place) {
-    r.state = ExtractFileResult::State::kSkipped;  // already plain, in place
+    r.error = InPlace(opt, r.input);
+    r.state = r.error.ok() ? ExtractFileResult::State::kSkipped : ExtractFileResult::State::kFailed;
   } else if (LooksComplete(r.input, r.output, drops, true, *src)) {
     r.state = ExtractFileResult::State::kSkipped;
     if (opt.verify) {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <zlib.h>
 #include <zstd.h>
+#include <zstd_errors.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -104,21 +105,34 @@ class ZstdSource : public DecoderSource {
       const size_t before = in.pos, out_before = out.pos;
       size_t ret = ZSTD_decompressStream(dctx_, &out, &in);
       in_pos_ = in.pos;
-      if (ZSTD_isError(ret))
+      // The first bytes after a complete frame: whether they can start another one.
+      if (frames_ > 0 && head_.size() < 4)
+        head_.append(inbuf_.data() + before, std::min(in.pos - before, 4 - head_.size()));
+      if (ZSTD_isError(ret)) {
+        // As zstd -d: after a complete frame comes another frame or nothing (zero bytes included).
+        if (frames_ > 0 && ZSTD_getErrorCode(ret) == ZSTD_error_prefix_unknown) return TrailingGarbage();
         return absl::DataLossError(
             fmt::format("{}: corrupt zstd data near byte {}: {}", name_, in_base_ + before, ZSTD_getErrorName(ret)));
+      }
       if (in.pos > before) any_input_ = true;
       // ret == 0: a frame ended and is fully flushed. A call that neither consumed nor produced
       // anything says nothing new (it may hint at the size of a next frame header).
       if (in.pos > before || out.pos > out_before) frame_open_ = ret != 0;
+      if (ret == 0 && (in.pos > before || out.pos > out_before)) {
+        ++frames_;
+        frame_end_ = in_base_ + in.pos;
+        head_.clear();
+      }
       // Fill the caller's buffer: large reads mean large, copy-free writes downstream.
       if (out.pos == out.size) return out.pos;
       if (eof_) {
         if (out.pos > 0) return out.pos;  // the next call checks how the stream ended
         if (!any_input_) return absl::DataLossError(fmt::format("{}: empty file is not a zstd stream", name_));
-        if (frame_open_)
+        if (frame_open_) {
+          if (frames_ > 0 && !MayStartFrame(head_)) return TrailingGarbage();
           return absl::DataLossError(
               fmt::format("{}: truncated zstd data: the stream ends inside a frame at byte {}", name_, raw_offset()));
+        }
         done_ = true;
         return size_t{0};
       }
@@ -126,14 +140,34 @@ class ZstdSource : public DecoderSource {
   }
 
  private:
+  // Whether `head` is how a zstd frame or a skippable frame (magic 0x184D2A5?) starts.
+  static bool MayStartFrame(std::string_view head) {
+    static constexpr unsigned char kFrame[4] = {0x28, 0xB5, 0x2F, 0xFD}, kSkippable[4] = {0x50, 0x2A, 0x4D, 0x18};
+    bool frame = true, skippable = true;
+    for (size_t i = 0; i < head.size() && i < 4; ++i) {
+      const auto c = static_cast<unsigned char>(head[i]);
+      frame &= c == kFrame[i];
+      skippable &= i == 0 ? (c & 0xF0) == kSkippable[0] : c == kSkippable[i];
+    }
+    return frame || skippable;
+  }
+  absl::Status TrailingGarbage() const {
+    return absl::DataLossError(
+        fmt::format("{}: trailing garbage at byte {}, after the last complete zstd frame", name_, frame_end_));
+  }
+
   ZSTD_DCtx* dctx_;
   bool frame_open_ = false, done_ = false, any_input_ = false;
+  uint64_t frames_ = 0, frame_end_ = 0;  // complete frames (skippable ones too); where the last ended
+  std::string head_;                     // up to 4 bytes read since then
 };
 
+// Concatenated streams, each followed by optional stream padding (zero bytes, a multiple of four), as
+// xz reads them; the streams are decoded one at a time so that what follows one is judged here.
 class XzSource : public DecoderSource {
  public:
   explicit XzSource(std::unique_ptr<FdSource> in) : DecoderSource(std::move(in)) {
-    init_ = lzma_stream_decoder(&strm_, UINT64_MAX, LZMA_CONCATENATED);
+    init_ = lzma_stream_decoder(&strm_, UINT64_MAX, 0);
   }
   ~XzSource() override { lzma_end(&strm_); }
   absl::StatusOr<size_t> Read(char* buf, size_t size) override {
@@ -143,22 +177,31 @@ class XzSource : public DecoderSource {
     strm_.avail_out = size;
     while (strm_.avail_out > 0) {
       PTK_RETURN_IF_ERROR(Fill());
+      if (between_streams_) {
+        PTK_ASSIGN_OR_RETURN(const bool next, NextStream());
+        if (!next) {
+          if (!eof_) continue;
+          done_ = true;
+          break;
+        }
+      }
       strm_.next_in = reinterpret_cast<const uint8_t*>(inbuf_.data()) + in_pos_;
       strm_.avail_in = in_len_ - in_pos_;
       lzma_ret r = lzma_code(&strm_, eof_ ? LZMA_FINISH : LZMA_RUN);
       in_pos_ = in_len_ - strm_.avail_in;
       if (r == LZMA_STREAM_END) {
-        done_ = true;
-        break;
+        between_streams_ = true;
+        stream_end_ = raw_offset();
+        ++streams_;
+        continue;
       }
       if (r == LZMA_OK) {
-        if (eof_ && strm_.avail_out == size)
-          return absl::DataLossError(fmt::format("{}: truncated xz data at byte {}", name_, raw_offset()));
+        if (eof_ && strm_.avail_out == size) return Truncated();
         if (eof_ && strm_.avail_out < size) break;  // hand over what there is; the next call reports the end
         continue;
       }
-      if (r == LZMA_BUF_ERROR && eof_)
-        return absl::DataLossError(fmt::format("{}: truncated xz data at byte {}", name_, raw_offset()));
+      if (r == LZMA_BUF_ERROR && eof_) return Truncated();
+      if (r == LZMA_FORMAT_ERROR && streams_ > 0) return TrailingGarbage(stream_end_);
       const char* what = r == LZMA_FORMAT_ERROR ? "not an xz stream"
                          : r == LZMA_DATA_ERROR ? "corrupt xz data"
                          : r == LZMA_MEM_ERROR  ? "out of memory"
@@ -169,11 +212,46 @@ class XzSource : public DecoderSource {
   }
 
  private:
+  // After a stream: skips the stream padding in the buffer. True when another stream starts here
+  // (the decoder is then ready for it); false when more input is needed or the file ended.
+  absl::StatusOr<bool> NextStream() {
+    while (in_pos_ < in_len_ && inbuf_[in_pos_] == 0) {
+      ++in_pos_;
+      ++padding_;
+    }
+    if (in_pos_ == in_len_ && !eof_) return false;
+    if (padding_ % 4 != 0)  // xz -d: "Compressed data is corrupt"
+      return absl::DataLossError(
+          fmt::format("{}: {} zero bytes after the xz stream that ends at byte {}: stream "
+                      "padding must be a multiple of 4 bytes",
+                      name_, padding_, stream_end_));
+    if (in_pos_ == in_len_) return false;
+    if (static_cast<unsigned char>(inbuf_[in_pos_]) != 0xFD) return TrailingGarbage(raw_offset());
+    between_streams_ = false;
+    padding_ = 0;
+    stream_end_ = raw_offset();  // a stream that is not one is garbage from here
+    init_ = lzma_stream_decoder(&strm_, UINT64_MAX, 0);
+    if (init_ != LZMA_OK) return absl::InternalError(fmt::format("{}: cannot initialise the xz decoder", name_));
+    return true;
+  }
+  absl::Status Truncated() const {
+    if (raw_offset() == 0) return absl::DataLossError(fmt::format("{}: empty file is not xz data", name_));
+    return absl::DataLossError(fmt::format("{}: truncated xz data at byte {}", name_, raw_offset()));
+  }
+  absl::Status TrailingGarbage(uint64_t at) const {
+    return absl::DataLossError(
+        fmt::format("{}: trailing garbage at byte {}, after the last complete xz stream", name_, at));
+  }
+
   lzma_stream strm_ = LZMA_STREAM_INIT;
   lzma_ret init_;
-  bool done_ = false;
+  bool done_ = false, between_streams_ = false;
+  uint64_t streams_ = 0, stream_end_ = 0, padding_ = 0;
 };
 
+// Concatenated members (as C4/Dolma/OSCAR ship them). Zero bytes after the last member (what tape
+// and block writers pad with) end the data, as gzip -d accepts them silently; anything else after
+// a member that is not a member is trailing garbage (gzip -d warns and exits 2).
 class GzipSource : public DecoderSource {
  public:
   explicit GzipSource(std::unique_ptr<FdSource> in) : DecoderSource(std::move(in)) {
@@ -188,14 +266,15 @@ class GzipSource : public DecoderSource {
     strm_.avail_out = static_cast<uInt>(size);
     while (strm_.avail_out > 0) {
       PTK_RETURN_IF_ERROR(Fill());
+      if (members_ > 0 && !member_open_) PTK_RETURN_IF_ERROR(SkipPadding());
       if (in_pos_ == in_len_ && eof_) {
-        if (member_open_ || !any_input_)
-          return absl::DataLossError(fmt::format("{}: {} at byte {}", name_,
-                                                 any_input_ ? "truncated gzip data" : "empty file is not gzip data",
-                                                 raw_offset()));
+        if (!any_input_) return absl::DataLossError(fmt::format("{}: empty file is not gzip data", name_));
+        if (member_open_)
+          return absl::DataLossError(fmt::format("{}: truncated gzip data at byte {}", name_, raw_offset()));
         done_ = true;
         break;
       }
+      if (in_pos_ == in_len_) continue;
       strm_.next_in = reinterpret_cast<Bytef*>(inbuf_.data() + in_pos_);
       strm_.avail_in = static_cast<uInt>(in_len_ - in_pos_);
       const uInt in_before = strm_.avail_in;
@@ -207,10 +286,14 @@ class GzipSource : public DecoderSource {
       }
       if (r == Z_STREAM_END) {
         member_open_ = false;  // another member may follow (concatenated .gz files)
+        ++members_;
+        member_end_ = raw_offset();
         inflateReset(&strm_);
         continue;
       }
       if (r == Z_OK || r == Z_BUF_ERROR) continue;  // needs more input (end of file is checked above)
+      // Not the two magic bytes where a next member would start: gzip -d's "trailing garbage".
+      if (r == Z_DATA_ERROR && members_ > 0 && strm_.total_in <= 2) return TrailingGarbage(member_end_);
       return absl::DataLossError(fmt::format("{}: corrupt gzip data near byte {}: {}", name_, raw_offset(),
                                              strm_.msg ? strm_.msg : "inflate error"));
     }
@@ -218,9 +301,26 @@ class GzipSource : public DecoderSource {
   }
 
  private:
+  // Between members: skips zero bytes in the buffer. What follows them is garbage (gzip -d reads
+  // zeros only as padding to the end), and so is a first byte that cannot start a member.
+  absl::Status SkipPadding() {
+    while (in_pos_ < in_len_ && inbuf_[in_pos_] == 0) {
+      ++in_pos_;
+      padded_ = true;
+    }
+    if (in_pos_ < in_len_ && (padded_ || static_cast<unsigned char>(inbuf_[in_pos_]) != 0x1F))
+      return TrailingGarbage(raw_offset());
+    return absl::OkStatus();
+  }
+  absl::Status TrailingGarbage(uint64_t at) const {
+    return absl::DataLossError(
+        fmt::format("{}: trailing garbage at byte {}, after the last complete gzip member", name_, at));
+  }
+
   z_stream strm_ = {};
   int init_;
-  bool done_ = false, member_open_ = false, any_input_ = false;
+  bool done_ = false, member_open_ = false, any_input_ = false, padded_ = false;
+  uint64_t members_ = 0, member_end_ = 0;
 };
 
 // A binary format ptk does not read, recognised by its first bytes ("" when none).

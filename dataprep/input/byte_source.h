@@ -1,7 +1,11 @@
 // Streaming byte sources: plain files, stdin, zstd (multi-frame), xz (concatenated streams) and
 // gzip (concatenated members, as C4/Dolma/OSCAR ship .json.gz).
 // Compressed data is decoded on the fly; a truncated or corrupt stream yields kDataLoss naming the
-// file and the compressed byte offset, never silently short data.
+// file and the compressed byte offset, never silently short data. What may follow the last frame,
+// stream or member is what the format's own tool accepts: xz's stream padding (zero bytes, a
+// multiple of four) and zero bytes after a gzip member (gzip -d ignores them silently); any other
+// trailing byte, zero bytes after zstd frames included (zstd -d refuses them), is kDataLoss
+// "trailing garbage at byte N".
 #pragma once
 
 #include <cstdint>

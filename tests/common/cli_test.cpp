@@ -276,6 +276,27 @@ TEST(CliParse, AFixedCountListGivenAnotherCountIsAUsageError) {
   }
 }
 
+// --help showed "--doc INT:NONNEGATIVE=-1" and ptk-train "--ffn-hidden-size INT:an integer in [1, ...]=0": a
+// default the option itself refuses (a sentinel for "not given") read as a real default. Not shown; a
+// default the check accepts still is.
+TEST(CliParse, HelpShowsNoDefaultTheOptionsCheckRefuses) {
+  Flags f;
+  int64_t chunks = 72, per_chunk = 0;
+  auto app = MakeTestApp(f);
+  app->add_option("--chunks", chunks, "balanced")->check(cli::Positive());
+  app->add_option("--files-per-chunk", per_chunk, "groups")->check(cli::Positive());
+  testing::internal::CaptureStdout();
+  EXPECT_EQ(ParseArgs(*app, {"--help"}), cli::kExitOk);
+  const std::string help = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(help.find("=-1"), std::string::npos) << help;
+  EXPECT_EQ(help.find("POSITIVE=0"), std::string::npos) << help;
+  EXPECT_NE(help.find("--doc INT:NONNEGATIVE "), std::string::npos) << help;
+  EXPECT_NE(help.find("--files-per-chunk INT:POSITIVE "), std::string::npos) << help;
+  EXPECT_NE(help.find("--chunks INT:POSITIVE=72"), std::string::npos) << help;
+  EXPECT_NE(help.find("--format TEXT:{ids,text,both}=both"), std::string::npos) << help;
+  EXPECT_NE(help.find("--offset INT=0"), std::string::npos) << help;  // no check: 0 is the default
+}
+
 // A tool whose run asks for more memory than there is ends in one line saying so, exit 1 (was
 // "unexpected exception: std::bad_alloc").
 TEST(CliRunMain, OutOfMemoryIsNamed) {

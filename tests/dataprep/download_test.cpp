@@ -352,6 +352,20 @@ TEST(DownloadRanged, A429PausesTheFileAsItsHeadersSayAndDropsAConnection) {
 }
 
 // The same over one connection (a file below --split-above): a 429 from the download host with
+// --max-retries N: the first attempt and N retries, and the message counts them (it said N attempts).
+TEST(Download, MaxRetriesCountsRetriesAndTheMessageTheAttempts) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 5000);
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["500", "500", "500", "500", "500"]}})", paths[0]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", fmt::format("--max-retries 2 --include '{}'", paths[0])));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("HTTP 500 (gave up after 3 attempts without progress, --max-retries 2)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(hub.CdnGets(paths[0]).size(), 3u) << r.output;
+}
+
 // Retry-After 2 or RateLimit r=0;t=1 is retried no sooner than 2 s after (the fake CDN's clock).
 TEST(Download, A429FromTheDownloadHostIsRetriedAfterTheWaitItNames) {
   TempDir dir;
@@ -489,6 +503,10 @@ TEST(Download, ClearErrors) {
                                      testing::Tool("ptk-download"), hub.hub(), dir / "o1"));
   EXPECT_EQ(bad_repo.exit_code, 1);
   EXPECT_NE(bad_repo.output.find("RepoNotFound"), std::string::npos) << bad_repo.output;
+  // A model repo asked for without --repo-type (huggingface-cli's default type is model, ptk's dataset).
+  EXPECT_NE(bad_repo.output.find("a model or space repo? --repo-type is dataset unless given: add --repo-type model"),
+            std::string::npos)
+      << bad_repo.output;
   auto bad_rev = RunCmd(Download(hub, dir / "o2", "--revision no-such-branch"));
   EXPECT_EQ(bad_rev.exit_code, 1);
   EXPECT_NE(bad_rev.output.find("RevisionNotFound"), std::string::npos) << bad_rev.output;
@@ -506,6 +524,16 @@ TEST(Download, ClearErrors) {
   EXPECT_NE(anon.output.find("HF_TOKEN"), std::string::npos) << anon.output;
   auto ok = RunCmd(Download(gated, gdir / "o", "--include 'README.md'"));
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  // huggingface-cli's flags: --token TOKEN was taken as --token-file (its prefix) and the token printed as a
+  // file name; --max-workers is --jobs.
+  auto token = RunCmd(Download(gated, gdir / "o2", "--token hf_cli_secret"));
+  EXPECT_EQ(token.exit_code, 2) << token.output;
+  EXPECT_NE(token.output.find("--token is not supported: a token on the command line is seen by every user"),
+            std::string::npos)
+      << token.output;
+  EXPECT_EQ(token.output.find("hf_cli_secret"), std::string::npos) << token.output;
+  auto workers = RunCmd(Download(gated, gdir / "o3", "--include 'README.md' --max-workers 2"));
+  EXPECT_EQ(workers.exit_code, 0) << workers.output;
 }
 
 TEST(Download, UrlListVerifiesSha256) {

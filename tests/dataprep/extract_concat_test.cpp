@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <cstring>
 #include <random>
 #include <thread>
 
@@ -71,6 +72,16 @@ TEST(Extract, ADirectoryWithNothingToExtractIsNamed) {
   auto r = RunCmd(fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "empty"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find(dir / "empty"), std::string::npos) << r.output;
+  // ptk-concat said "no input files to concatenate", naming nothing.
+  std::filesystem::create_directories(dir / "other");
+  testing::WriteFile(dir / "other/notes.txt", "");
+  for (const auto& [in, why] : {std::pair<std::string, std::string>{dir / "empty", "(empty)"},
+                                {dir / "other", "(every file left out, listed above)"}}) {
+    auto c = RunCmd(fmt::format("{} --quiet --input {} --output-dir {}", testing::Tool("ptk-concat"), in, dir / "c"));
+    EXPECT_EQ(c.exit_code, 1) << c.output;
+    EXPECT_NE(c.output.find("error: no input files to concatenate in " + in + " " + why), std::string::npos)
+        << c.output;
+  }
 }
 
 TEST(Extract, DamagedInputsFailAloneWithOffsetAndNoOutput) {
@@ -255,6 +266,57 @@ TEST(Extract, APlainInputThatIsItsOwnOutputIsLeftAlone) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// An input that is its own output and is not plain text, or whose records were to be dropped, was
+// "already complete", exit 0: the zstd data stayed compressed under its .jsonl name, the
+// RedPajamaBook records stayed in. Both fail naming the file and what to do; the file is untouched.
+TEST(Extract, AnInputThatIsItsOwnOutputIsNotCalledCompleteWhenItIsNot) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(50, 91), z = testing::ZstdCompress(a);
+  testing::WriteFile(dir / "in/z.jsonl", z);
+  testing::WriteFile(dir / "in/p.jsonl", a);
+  auto r = RunCmd(fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "in/z.jsonl"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "in/z.jsonl holds zstd data under a plain name, and its output would be itself: "
+                                "rename it z.jsonl.zst (or give another output directory)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/z.jsonl") == z);
+  r = RunCmd(fmt::format("cd {} && {} --quiet p.jsonl --output-dir . --drop-set RedPajamaBook", dir / "in",
+                         testing::Tool("ptk-extract")));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("p.jsonl is its own output: records cannot be dropped from it in place"), std::string::npos)
+      << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/p.jsonl") == a);
+  // Renamed as told, it is extracted.
+  std::filesystem::rename(dir / "in/z.jsonl", dir / "in/z.jsonl.zst");
+  r = RunCmd(fmt::format("{} --quiet {}", testing::Tool("ptk-extract"), dir / "in/z.jsonl.zst"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "in/z.jsonl") == a);
+}
+
+// A directory where the output goes: --force tried to rename over it, failed, and left the pending
+// record that made the next run take the directory for ptk-extract's own output. Refused by name,
+// with or without --force, the directory untouched and nothing left beside it.
+TEST(Extract, AnOutputThatIsADirectoryIsRefusedEvenWithForce) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in/a.jsonl");
+  testing::WriteFile(dir / "in/a.jsonl/notes.txt", "mine");
+  testing::WriteFile(dir / "in/a.jsonl.zst", testing::ZstdCompress(Jsonl(10, 81)));
+  for (const char* flags : {"", " --force", " --force --delete-input"}) {
+    auto r = RunCmd(fmt::format("{} --quiet {}{}", testing::Tool("ptk-extract"), dir / "in/a.jsonl.zst", flags));
+    EXPECT_EQ(r.exit_code, 1) << flags << ": " << r.output;
+    EXPECT_NE(r.output.find(dir / "in/a.jsonl is a directory: the output of " + dir / "in/a.jsonl.zst" +
+                            " cannot be written there"),
+              std::string::npos)
+        << flags << ": " << r.output;
+  }
+  EXPECT_EQ(testing::ReadFile(dir / "in/a.jsonl/notes.txt"), "mine");
+  EXPECT_TRUE(testing::Exists(dir / "in/a.jsonl.zst"));
+  for (const auto& e : std::filesystem::directory_iterator(dir / "in"))
+    EXPECT_EQ(e.path().filename().string().find(".ptk-"), std::string::npos) << e.path();
+}
+
 // --drop-set kept the first of duplicate keys; Python's json (and ptk-tokenize) keep the
 // last, at every level.
 TEST(Extract, DropSetTakesTheLastOfDuplicateKeys) {
@@ -335,6 +397,105 @@ TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(testing::ReadFile(dir / fmt::format("out/g_{}.jsonl", i)), want[i]) << i;
   EXPECT_EQ(r.output.find(" 0 already complete"), std::string::npos)
       << "nothing was kept from the killed run: " << r.output;
+}
+
+// Regression: a .gz padded with zero bytes after its last member (as tape and block writers leave
+// it; gzip -d accepts it silently) failed, and garbage after an xz stream was called truncated data.
+// Padding is read as gzip and xz read it; garbage fails alone, naming the file and its offset.
+TEST(Extract, TrailingZerosAreReadAsTheToolsReadThemAndGarbageIsNamed) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(400, 41), b = Jsonl(300, 42);
+  const std::string ga = testing::GzipCompress(a), xa = testing::XzCompress(a), za = testing::ZstdCompress(a);
+  testing::WriteFile(dir / "in/a_padded.jsonl.gz", ga + testing::GzipCompress(b) + std::string(10240, '\0'));
+  testing::WriteFile(dir / "in/b_padded.jsonl.xz",
+                     xa + std::string(8, '\0') + testing::XzCompress(b) + std::string(4, '\0'));
+  testing::WriteFile(dir / "in/c_garbage.jsonl.gz", ga + std::string(3, '\0') + "garbage!");
+  testing::WriteFile(dir / "in/d_garbage.jsonl.xz", xa + "garbage!");
+  testing::WriteFile(dir / "in/e_zeros.jsonl.zst", za + std::string(8, '\0'));
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("2 extracted, 0 already complete, 3 failed"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "out/a_padded.jsonl") == a + b);
+  EXPECT_TRUE(testing::ReadFile(dir / "out/b_padded.jsonl") == a + b);
+  for (const std::string& m :
+       {fmt::format("c_garbage.jsonl.gz: trailing garbage at byte {}, after the last complete gzip member",
+                    ga.size() + 3),
+        fmt::format("d_garbage.jsonl.xz: trailing garbage at byte {}, after the last complete xz stream", xa.size()),
+        fmt::format("e_zeros.jsonl.zst: trailing garbage at byte {}, after the last complete zstd frame", za.size())})
+    EXPECT_NE(r.output.find("failed: " + dir / "in/" + m + "\n"), std::string::npos) << m << "\n" << r.output;
+  EXPECT_EQ(r.output.find("truncated"), std::string::npos) << r.output;
+  for (const char* bad : {"c_garbage.jsonl", "d_garbage.jsonl", "e_zeros.jsonl"})
+    EXPECT_FALSE(testing::Exists(dir / "out/" + bad)) << bad;
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
+// Interrupted (Ctrl-C, a scheduler's SIGTERM at its time limit), ptk-extract and ptk-concat left
+// their partial output (OUT.ptk-tmp-*, as large as what was written so far) until a rerun; gzip
+// and zstd remove theirs. Now each removes its temporaries and dies of the signal. Each run is
+// stopped (SIGSTOP) while a temporary exists, signalled, then continued, so the signal always
+// lands mid-write.
+TEST(Extract, AnInterruptedRunRemovesItsPartialOutput) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string text;
+  for (int i = 0; i < 2; ++i) text += Jsonl(200000, 500 + i);  // about 18 MB
+  testing::WriteFile(dir / "in/big.jsonl.xz", testing::XzCompress(text, 0));
+  auto temporaries = [&](const std::string& out) {
+    int n = 0;
+    if (testing::Exists(out))
+      for (const auto& e : std::filesystem::directory_iterator(out))
+        n += e.path().filename().string().find(".ptk-tmp") != std::string::npos;
+    return n;
+  };
+  const std::pair<std::string, std::string> tools[] = {
+      {fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "x"), dir / "x"},
+      {fmt::format("{} --quiet --input {} --output-dir {} --chunks 1", testing::Tool("ptk-concat"), dir / "in",
+                   dir / "c"),
+       dir / "c"},
+  };
+  // The runs must not inherit an ignored SIGINT (a background job's), which they keep ignoring.
+  struct sigaction dfl {
+  }, saved{};
+  dfl.sa_handler = SIG_DFL;
+  ::sigaction(SIGINT, &dfl, &saved);
+  for (const auto& [cmd, out] : tools)
+    for (int sig : {SIGINT, SIGTERM}) {
+      SCOPED_TRACE(cmd + " " + strsignal(sig));
+      bool landed = false;
+      for (int attempt = 0; attempt < 10 && !landed; ++attempt) {
+        std::filesystem::remove_all(out);
+        const pid_t pid = testing::SpawnShell(cmd, dir / "log");
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (temporaries(out) == 0 && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        ::kill(pid, SIGSTOP);
+        if (temporaries(out) == 0) {  // finished first (a fast machine): again
+          ::kill(pid, SIGCONT);
+          testing::WaitExit(pid);
+          continue;
+        }
+        ::kill(pid, sig);
+        ::kill(pid, SIGCONT);
+        const int rc = testing::WaitExit(pid);
+        if (rc == 0) continue;  // the temporary was the plan's or the last one, committed meanwhile
+        landed = true;
+        EXPECT_EQ(rc, 128 + sig) << testing::ReadFile(dir / "log");
+        EXPECT_EQ(temporaries(out), 0) << testing::ReadFile(dir / "log");
+      }
+      EXPECT_TRUE(landed) << "the run always finished before it could be interrupted";
+    }
+  // An ignored SIGINT stays ignored: the run completes.
+  ::signal(SIGINT, SIG_IGN);
+  std::filesystem::remove_all(dir / "x");
+  const pid_t pid = testing::SpawnShell(tools[0].first, dir / "log");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (temporaries(dir / "x") == 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(testing::WaitExit(pid), 0) << testing::ReadFile(dir / "log");
+  EXPECT_TRUE(testing::ReadFile(dir / "x/big.jsonl") == text);
+  ::sigaction(SIGINT, &saved, nullptr);
 }
 
 // ---------------------------------------------------------------- concat
@@ -528,6 +689,17 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
                                  dir / "in", dir / "out"));
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   ASSERT_TRUE(testing::Exists(dir / "out/concat-plan.json"));
+  EXPECT_NE(plan.output.find("plan: 12 files -> 4 chunks in "), std::string::npos) << plan.output;
+  EXPECT_EQ(plan.output.find("not --chunks"), std::string::npos) << plan.output;
+  // More chunks asked than there are files (the default 72 over a small set): one file a chunk, and the
+  // plan line says so (`run --chunk-index` past the last chunk fails; array tasks past it build nothing).
+  auto few = RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 72", testing::Tool("ptk-concat"),
+                                dir / "in", dir / "few"));
+  ASSERT_EQ(few.exit_code, 0) << few.output;
+  EXPECT_NE(few.output.find("plan: 12 files -> 12 chunks in " + (dir / "few") +
+                            " (not --chunks 72: a chunk holds one file at least)"),
+            std::string::npos)
+      << few.output;
   for (int k = 3; k >= 0; --k) {  // any order, as array tasks run
     auto r = RunCmd(fmt::format("SLURM_ARRAY_TASK_ID={} SLURM_ARRAY_TASK_COUNT=4 {} run --quiet --plan {}", k,
                                 testing::Tool("ptk-concat"), dir / "out/concat-plan.json"));
@@ -660,6 +832,177 @@ TEST(Concat, EachFileOnceFifosRefusedAndLeftOutFilesReported) {
                                   dir / "pipe.jsonl.zst", dir / "x2"));
   EXPECT_EQ(efifo.exit_code, 1) << efifo.output;
   EXPECT_NE(efifo.output.find(dir / "pipe.jsonl.zst" + " is a FIFO"), std::string::npos) << efifo.output;
+}
+
+// One file listed twice would be concatenated twice: training data silently duplicated. A plan
+// (edited by hand, or written by another tool) that lists a path twice however spelled, or one file
+// under two names (a hard link), names two chunks alike or one outside its directory, is refused
+// naming both places; `list` refuses an item twice (`--with V --with V/`, or a chunk), which two
+// array tasks would tokenize to one output. Each ran and duplicated (or lost) data, exit 0.
+TEST(Concat, AFileListedTwiceIsRefusedNamingBothPlaces) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::filesystem::create_directories(dir / "valid");
+  const std::string a = Jsonl(30, 61), b = Jsonl(20, 62);
+  testing::WriteFile(dir / "in/a.jsonl", a);
+  testing::WriteFile(dir / "in/b.jsonl", b);
+  ASSERT_EQ(::link((dir / "in/a.jsonl").c_str(), (dir / "in/hard.jsonl").c_str()), 0);
+  const std::string concat = testing::Tool("ptk-concat");
+  auto write_plan = [&](const std::string& name, const std::string& chunks) {
+    testing::WriteFile(dir / name,
+                       fmt::format(R"({{"version": 1, "output_dir": "{}", "base_dir": "{}", "chunks": [{}]}})",
+                                   dir / "out", dir.path(), chunks));
+    return dir / name;
+  };
+  auto chunk = [](const std::string& name, const std::vector<std::pair<std::string, size_t>>& inputs) {
+    std::string in;
+    for (const auto& [p, n] : inputs)
+      in += fmt::format(R"({}{{"path": "{}", "size": {}}})", in.empty() ? "" : ", ", p, n);
+    return fmt::format(R"({{"name": "{}", "bytes": 0, "inputs": [{}]}})", name, in);
+  };
+  const std::pair<std::string, std::string> plans[] = {
+      {chunk("t0.jsonl", {{"in/a.jsonl", a.size()}}) + ", " +
+           chunk("t1.jsonl", {{"in/b.jsonl", b.size()}, {dir / "in/./a.jsonl", a.size()}}),
+       "the plan lists " + dir / "in/./a.jsonl" + " twice (chunk 0 input 0: in/a.jsonl; chunk 1 input 1: " +
+           dir / "in/./a.jsonl" + "): it would be concatenated twice"},
+      {chunk("t0.jsonl", {{"in/a.jsonl", a.size()}}) + ", " + chunk("t0.jsonl", {{"in/b.jsonl", b.size()}}),
+       R"(chunks 0 and 1 are both named "t0.jsonl")"},
+      {chunk("../t0.jsonl", {{"in/a.jsonl", a.size()}}), R"(chunk 0 is named "../t0.jsonl", which is no file name)"},
+  };
+  for (const auto& [chunks, message] : plans) {
+    const std::string plan = write_plan("p.json", chunks);
+    for (const char* sub : {"run --quiet", "list"}) {
+      auto r = RunCmd(fmt::format("{} {} --plan {}", concat, sub, plan));
+      EXPECT_EQ(r.exit_code, 1) << sub << ": " << r.output;
+      EXPECT_NE(r.output.find(plan + ": " + message), std::string::npos) << sub << ": " << r.output;
+    }
+    EXPECT_FALSE(testing::Exists(dir / "out")) << message;
+    EXPECT_FALSE(testing::Exists(dir / "t0.jsonl")) << message;
+  }
+  // One file by two names in one chunk: found when the chunk is built, nothing written.
+  const std::string linked = write_plan(
+      "l.json", chunk("t0.jsonl", {{"in/a.jsonl", a.size()}, {"in/b.jsonl", b.size()}, {"in/hard.jsonl", a.size()}}));
+  auto r = RunCmd(fmt::format("{} run --quiet --plan {}", concat, linked));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "in/hard.jsonl" + ": the same file as " + dir / "in/a.jsonl" +
+                          ", which chunk 0 also lists: it would be concatenated twice"),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(testing::Exists(dir / "out/t0.jsonl"));
+  // A directory where the plan names a file.
+  const std::string with_dir = write_plan("d.json", chunk("t0.jsonl", {{"valid", 4096}}));
+  r = RunCmd(fmt::format("{} run --quiet --plan {}", concat, with_dir));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir / "valid is a directory, not a regular file"), std::string::npos) << r.output;
+
+  // `list`: each item once.
+  ASSERT_EQ(RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 2", concat,
+                               dir / "in/a.jsonl " + dir / "in/b.jsonl", dir / "c"))
+                .exit_code,
+            0);
+  const std::string list = fmt::format("{} list --plan {}", concat, dir / "c/concat-plan.json");
+  const std::pair<std::string, std::string> lists[] = {
+      {"--with " + dir / "valid" + " --with " + dir / "valid", "--with " + dir / "valid" + " is given twice"},
+      {"--with " + dir / "valid" + " --with " + dir / "./valid/",
+       "--with " + dir / "./valid/" + " is --with " + dir / "valid" + " again"},
+      {"--with " + dir / "c/train_01.jsonl",
+       "--with " + dir / "c/train_01.jsonl" + " is the plan's chunk 1 (" + dir / "c/train_01.jsonl" + ") again"},
+  };
+  for (const auto& [args, message] : lists) {
+    auto l = RunCmd(list + " " + args);
+    EXPECT_EQ(l.exit_code, 2) << args << "\n" << l.output;
+    EXPECT_NE(l.output.find("usage error: " + message), std::string::npos) << args << "\n" << l.output;
+  }
+  auto ok = RunCmd(list + " --with " + dir / "valid");
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_EQ(ok.output, dir / "c/train_00.jsonl\n" + dir / "c/train_01.jsonl\n" + dir / "valid\n");
+  // The library's own plan-maker refuses a path twice too.
+  const absl::Status twice = MakeConcatPlan({{"in/a.jsonl", 1}, {"in//a.jsonl", 1}}, "out", {}).status();
+  EXPECT_NE(std::string(twice.message()).find("the inputs name in//a.jsonl twice"), std::string::npos) << twice;
+}
+
+// Inputs copied as they are went into the chunk whatever they held: random bytes named .zst (a
+// damaged download) and bzip2 data named .jsonl were concatenated into the training data, exit 0.
+// Now they fail the chunk as ptk-extract fails them, before anything is written; data in another
+// format than its name says is decoded by its content, and damage after the data is named.
+TEST(Concat, InputsThatAreNotWhatTheyClaimAreRefusedOrDecoded) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(30, 71), b = Jsonl(20, 72);
+  testing::WriteFile(dir / "in/a.jsonl", testing::XzCompress(a));        // xz, named plain: decoded
+  testing::WriteFile(dir / "in/b.jsonl.zst", testing::GzipCompress(b));  // gzip, named .zst: decoded
+  testing::WriteFile(dir / "in/c.jsonl.zst", std::string("\x48\x94\x90\x8e\x01\x02\x03\x04", 8));
+  testing::WriteFile(dir / "in/d.jsonl", "BZh91AY&SY");
+  const std::string z = testing::ZstdCompress(b);
+  testing::WriteFile(dir / "in/e.jsonl.zst", z + "garbage!");
+  auto r = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 5", testing::Tool("ptk-concat"),
+                              dir / "in", dir / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("2 chunks built, 0 already complete, 3 failed"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "out/train_00.jsonl") == a);
+  EXPECT_TRUE(testing::ReadFile(dir / "out/train_01.jsonl") == b);
+  for (const std::string& m :
+       {"chunk 2: " +
+            dir / "in/c.jsonl.zst: named .zst but it is not compressed data (it starts with bytes 48 94 90 8e",
+        "chunk 3: " + dir / "in/d.jsonl: bzip2 data, which ptk does not read",
+        fmt::format("chunk 4: {}: trailing garbage at byte {}, after the last complete zstd frame",
+                    dir / "in/e.jsonl.zst", z.size())})
+    EXPECT_NE(r.output.find(m), std::string::npos) << m << "\n" << r.output;
+  for (int k = 2; k < 5; ++k) EXPECT_FALSE(testing::Exists(dir / fmt::format("out/train_{:02d}.jsonl", k))) << k;
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
+}
+
+// A real full disk (a 600 KiB tmpfs in a user namespace; skipped where none can be made), filled
+// so that the output is published but its sidecar is not: the rerun, with room for one more copy of
+// the output but not two, failed again (exit 3) because the unverified output stayed while its
+// replacement was written. It is now removed first; the rerun completes with the same bytes.
+TEST(DiskFull, ARerunAfterAPublishWithoutSidecarNeedsRoomForOneCopy) {
+  if (RunCmd("unshare -rm true").exit_code != 0) GTEST_SKIP() << "no user namespace in which to mount a tmpfs";
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::filesystem::create_directories(dir / "mnt");
+  std::string text;  // 100 lines of 4096 bytes: 100 pages of 4 KiB
+  for (int i = 0; i < 100; ++i) text += fmt::format("{{\"text\": \"{:04d}{}\"}}\n", i, std::string(4096 - 17, 'x'));
+  ASSERT_EQ(text.size(), 409600u);
+  testing::WriteFile(dir / "in/a.jsonl.gz", testing::GzipCompress(text));
+  testing::WriteFile(dir / "want.jsonl", text);
+  // Fills the tmpfs so that a run publishes the output but not its sidecar, then frees the filler
+  // and reruns: ARGS mount, command, output, wanted bytes.
+  testing::WriteFile(dir / "full.sh", R"(set -u
+mnt=$1 cmd=$2 out=$3 want=$4
+mount -t tmpfs -o size=600k tmpfs "$mnt" || exit 77
+page=$(getconf PAGESIZE)
+need=$(( ($(stat -c %s "$want") + page - 1) / page * page ))
+state=none
+for extra in 0 1 2 3 4 5 6 7 8; do
+  find "$mnt" -mindepth 1 -delete
+  avail=$(( $(stat -f -c '%a*%S' "$mnt") ))
+  head -c $((avail - need - extra * page)) /dev/zero > "$mnt/fill"
+  sh -c "$cmd" >/dev/null 2>&1
+  if [ -f "$out" ] && [ ! -f "$out.ptk-done" ]; then state=published-without-sidecar; break; fi
+done
+echo "state: $state"
+rm -f "$mnt/fill"
+sh -c "$cmd"; echo "rerun exit: $?"
+cmp "$out" "$want" && echo "rerun output: identical"
+[ -f "$out.ptk-done" ] && echo "sidecar: written"
+)");
+  const std::pair<std::string, std::string> runs[] = {
+      {fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "mnt/x"),
+       dir / "mnt/x/a.jsonl"},
+      {fmt::format("{} --quiet --input {} --output-dir {} --chunks 1", testing::Tool("ptk-concat"), dir / "want.jsonl",
+                   dir / "mnt/c"),
+       dir / "mnt/c/train_00.jsonl"},
+  };
+  for (const auto& [cmd, out] : runs) {
+    auto r = RunCmd(fmt::format("unshare -rm sh {} {} {} {} {}", dir / "full.sh", dir / "mnt", testing::ShellQuote(cmd),
+                                out, dir / "want.jsonl"));
+    if (r.exit_code == 77) GTEST_SKIP() << "tmpfs cannot be mounted here: " << r.output;
+    EXPECT_NE(r.output.find("state: published-without-sidecar"), std::string::npos) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("rerun exit: 0\n"), std::string::npos) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("rerun output: identical"), std::string::npos) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("sidecar: written"), std::string::npos) << cmd << "\n" << r.output;
+  }
 }
 
 TEST(DiskFull, ExtractConcatTokenizeExitThreeAndRecover) {

@@ -347,8 +347,9 @@ TEST_F(HfConvert, ExportNeedsTheVocabularySize) {
 TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
   Save(false, dir_ / "ck");
   const std::string tool = ptk::testing::Tool("ptk-convert");
+  // convert.py's --megatron-path and --no-checking, in the lines users copy, were unknown flags.
   auto ok = RunCmd(tool + " --model-type GPT --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") +
-                   " --save-dir " + ShellQuote(dir_ / "hf"));
+                   " --save-dir " + ShellQuote(dir_ / "hf") + " --megatron-path /opt/Megatron-LM --no-checking");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_NE(ok.output.find("(iteration 7)"), std::string::npos) << ok.output;
   auto back = RunCmd(tool + " --loader hf --saver ptk --load-dir " + ShellQuote(dir_ / "hf") + " --save-dir " +

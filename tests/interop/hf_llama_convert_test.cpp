@@ -434,5 +434,91 @@ TEST_F(HfLlama, Qwen3ExportAndImportRefuseWhatTheOtherCannotCompute) {
       << r.status();
 }
 
+// rope_scaling {"rope_type": "default"} (or the older "type") is transformers' plain RoPE, what ptk computes
+// without --use-rope-scaling: read as none, for Llama and Qwen3 alike (it was refused as a scaling ptk lacks);
+// beside a rope_parameters that scales, the two differ.
+TEST_F(HfLlama, ImportReadsRopeScalingOfTypeDefaultAsPlainRope) {
+  Save(Llama(/*bias=*/false, /*untie=*/true), dir_ / "ckl");
+  Save(Qwen3(/*untie=*/true), dir_ / "ckq");
+  const std::string hfl = dir_ / "hfl", hfq = dir_ / "hfq";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ckl", hfl)).ok());
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ckq", hfq)).ok());
+  const std::string llama = ReadFile(hfl + "/config.json"), qwen3 = ReadFile(hfq + "/config.json");
+  const std::regex scaling("\"rope_scaling\": (\\{[^}]*\\}|null)");
+  ASSERT_TRUE(std::regex_search(llama, scaling)) << llama;
+  ASSERT_TRUE(std::regex_search(qwen3, scaling)) << qwen3;
+  int n = 0;
+  for (const char* plain : {"{\"rope_type\": \"default\"}", "{\"type\": \"default\", \"factor\": 2.0}"}) {
+    for (const auto& [hf, config, base] : {std::tuple{hfl, llama, 500000.0}, std::tuple{hfq, qwen3, 1000000.0}}) {
+      const std::string edited = std::regex_replace(config, scaling, std::string("\"rope_scaling\": ") + plain);
+      WriteFile(hf + "/config.json", edited);
+      auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("out" + std::to_string(n++))));
+      ASSERT_TRUE(r.ok()) << r.status() << "\n" << edited;
+      EXPECT_FALSE(r->config.use_rope_scaling) << edited;
+      EXPECT_EQ(r->config.rotary_base, base) << edited;
+    }
+  }
+  const std::string both = std::regex_replace(
+      llama, scaling,
+      "\"rope_scaling\": {\"rope_type\": \"default\"}, \"rope_parameters\": {\"rope_type\": \"llama3\", "
+      "\"rope_theta\": 500000.0, \"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+      "\"original_max_position_embeddings\": 8192}");
+  WriteFile(hfl + "/config.json", both);
+  auto r = ImportFromHf(Opts("hf", "ptk", hfl, dir_ / "both"));
+  ASSERT_FALSE(r.ok()) << both;
+  EXPECT_NE(r.status().message().find("rope_scaling {\"rope_type\":\"default\"} and rope_parameters"),
+            std::string::npos)
+      << r.status();
+}
+
+// Qwen3Config's reading of what a config.json leaves out or sets to null, and of its attention kinds:
+// num_key_value_heads absent is 32 (Qwen3Config's default; ptk took one per query head, which transformers
+// does for null only: both against a model of 2 groups of 4 heads, refused by what they read); layer_types (newer
+// transformers) other than "full_attention" refused; a sliding_window the positions reach past, with use_sliding_window
+// false, noted (transformers 4.51 masks there).
+TEST_F(HfLlama, Qwen3ImportReadsAbsentAndNullKeysAsQwen3ConfigDoes) {
+  Save(Qwen3(/*untie=*/true), dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const std::string config = ReadFile(hf + "/config.json");
+  int n = 0;
+  auto import = [&](const std::string& from, const std::string& to) {
+    EXPECT_TRUE(std::regex_search(config, std::regex(from))) << from;
+    WriteFile(hf + "/config.json", std::regex_replace(config, std::regex(from), to));
+    return ImportFromHf(Opts("hf", "ptk", hf, dir_ / ("out" + std::to_string(n++))));
+  };
+  auto absent = import("\"num_key_value_heads\": 2,", "");
+  ASSERT_FALSE(absent.ok());
+  EXPECT_NE(absent.status().message().find("num_key_value_heads 32 does not divide num_attention_heads 4"),
+            std::string::npos)
+      << absent.status();
+  auto null = import("\"num_key_value_heads\": 2,", "\"num_key_value_heads\": null,");  // 4, as heads
+  ASSERT_FALSE(null.ok());
+  EXPECT_NE(null.status().message().find("k_proj.weight: shape [16, 16], config.json asks for [32, 16]"),
+            std::string::npos)
+      << null.status();
+
+  auto full = import("\"hidden_act\"", "\"layer_types\": [\"full_attention\", \"full_attention\"], \"hidden_act\"");
+  ASSERT_TRUE(full.ok()) << full.status();
+  auto sliding =
+      import("\"hidden_act\"", "\"layer_types\": [\"full_attention\", \"sliding_attention\"], \"hidden_act\"");
+  ASSERT_FALSE(sliding.ok());
+  EXPECT_NE(sliding.status().message().find("layer_types[1] \"sliding_attention\": ptk's attention is causal"),
+            std::string::npos)
+      << sliding.status();
+
+  auto noted = [](const absl::StatusOr<ConvertSummary>& s) {
+    bool found = false;
+    for (const std::string& n : s->notes) found |= n.find("sliding_window 16 with use_sliding_window false") == 0;
+    return found;
+  };
+  auto window = import("\"sliding_window\": null", "\"sliding_window\": 16");  // 32 positions reach past 16
+  ASSERT_TRUE(window.ok()) << window.status();
+  EXPECT_TRUE(noted(window));
+  auto none = import("\"sliding_window\": null", "\"sliding_window\": null");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(noted(none));
+}
+
 }  // namespace
 }  // namespace ptk

@@ -1,6 +1,7 @@
-"""What the Hugging Face tests share (hf_transformers_test.py, hf_llama_test.py, hf_llama_resume_test.py):
-transformers from /opt/ptk-pyref (4.44.2 from PyPI on Debian's torch 1.13, CPU; installed by
-scripts/install-deps.sh --with-python-ref), running the tools, counting failures, loading a model with
+"""What the Hugging Face tests share (hf_transformers_test.py, hf_llama_test.py, hf_llama_resume_test.py,
+hf_qwen3_test.py): transformers from /opt/ptk-pyref (4.44.2 from PyPI on Debian's torch 1.13, CPU; for
+hf_qwen3_test.py 4.51.3 from /opt/ptk-pyref/transformers-qwen3; installed by scripts/install-deps.sh
+--with-python-ref), running the tools, counting failures, loading a model with
 every warning captured, and ptk's logits (logits_tool) against transformers'.
 
 Imported from the tests' own directory (Python puts a script's directory first on sys.path); the tests
@@ -12,9 +13,41 @@ import subprocess
 import sys
 
 BIN, TEST_BIN = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
-for p in ("/opt/ptk-pyref", os.environ.get("PTK_PYREF_DIR", "")):
-    if p and os.path.isdir(p) and p not in sys.path:
+# PTK_HF_REFERENCE=qwen3 (hf_qwen3_test.py sets it before importing this module): transformers 4.51.3 from
+# its own folder, transformers-qwen3 (see reference_dirs), instead of 4.44.2.
+QWEN3 = os.environ.get("PTK_HF_REFERENCE") == "qwen3"
+
+
+def reference_dirs():
+    """Where install-deps.sh puts the reference: $PTK_PYREF_DIR, else /opt/ptk-pyref (for Qwen3 the
+    transformers-qwen3 folder inside); the existing ones, the first one first."""
+    roots = [os.environ.get("PTK_PYREF_DIR", ""), "/opt/ptk-pyref"]
+    dirs = [os.path.join(r, "transformers-qwen3") if QWEN3 else r for r in roots if r]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def skip_or_fail(what):
+    """A reference that is not installed: exit 77 (CTest's skip) with a banner on stdout and stderr, or, under CI
+    (CI=true, where scripts/test.sh has run install-deps.sh --with-python-ref), exit 1."""
+    bar = "!" * 100
+    ci = os.environ.get("CI", "") == "true"
+    msg = ("{bar}\n{verdict}: {what}\nInstall it with: bash scripts/install-deps.sh --with-python-ref\n{bar}").format(
+        bar=bar, verdict="FAILED (CI=true)" if ci else "SKIPPED: NOT TESTED", what=what)
+    print(msg, flush=True)
+    print(msg, file=sys.stderr, flush=True)
+    sys.exit(1 if ci else 77)
+
+
+if QWEN3 and not reference_dirs():
+    skip_or_fail("ptk's Qwen3ForCausalLM export and import were NOT checked against transformers: no "
+                 "transformers-qwen3 folder in $PTK_PYREF_DIR or /opt/ptk-pyref (transformers 4.51.3 and its pins)")
+for p in reversed(reference_dirs()):
+    if p not in sys.path:
         sys.path.insert(0, p)
+if QWEN3:  # transformers 4.51 on Debian's torch 1.13: tests/support/torch2_shim.py says what it adds
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+    import torch2_shim  # noqa: E402
+    torch2_shim.install()
 import numpy  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -77,7 +110,11 @@ def ptk_logits(ckpt, seqs, vocab, tmp):
     with open(seq_file, "w") as f:
         for s in seqs:
             f.write(" ".join(map(str, s)) + "\n")
+    if os.path.exists(out):
+        os.remove(out)  # a failed run must not leave the previous call's logits to compare
     run([os.path.join(TEST_BIN, "logits_tool"), ckpt, seq_file, out])
+    if not os.path.exists(out):
+        return [numpy.zeros((0, vocab), dtype=numpy.float32) for _ in seqs]
     flat = numpy.fromfile(out, dtype=numpy.float32)
     res, at = [], 0
     for s in seqs:
@@ -88,12 +125,17 @@ def ptk_logits(ckpt, seqs, vocab, tmp):
 
 
 def compare_logits(ckpt, model, seqs, vocab, tmp, what):
-    """ptk's logits of checkpoint `ckpt` equal transformers' `model`'s within TOL on each sequence."""
+    """ptk's logits of checkpoint `ckpt` equal transformers' `model`'s within TOL on each sequence (the largest
+    difference printed)."""
+    worst = 0.0
     for seq, ours in zip(seqs, ptk_logits(ckpt, seqs, vocab, tmp)):
         theirs = hf_logits(model, seq)
         check(theirs.shape == ours.shape, "{}: shapes {} {}".format(what, theirs.shape, ours.shape))
         if theirs.shape == ours.shape:
             diff = float(numpy.abs(theirs - ours).max())
+            worst = max(worst, diff)
             check(diff <= TOL, "{}: {} tokens: logits differ by {} (> {})".format(what, len(seq), diff, TOL))
             check(float(numpy.abs(ours).max()) > 1.0, "{}: logits too small to test anything".format(what))
+    print("{}: ptk's and transformers' logits differ by at most {:.3g} ({} sequences, tolerance {})".format(
+        what, worst, len(seqs), TOL))
     return model

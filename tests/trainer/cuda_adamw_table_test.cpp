@@ -4,6 +4,7 @@
 // exceeds kAdamWChunk.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "trainer/cuda/adamw_table.h"
@@ -76,6 +77,41 @@ TEST(CudaAdamWTable, ShardsCoverEveryParameterOnceOverTheRanks) {
       Cover(*layout, table, &covered);
     }
     for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "parameter " << i << ", world " << world;
+  }
+}
+
+// --qk-layernorm (LayerNorm: weights and biases; RMSNorm: weights alone) in the Llama line's shape,
+// whole, at tensor rank 1 of 2 and under ZeRO-1: the query and key norms are in exactly one chunk
+// each element, with the other norms' group (no weight decay), like every other parameter.
+TEST(CudaAdamWTable, CoversTheQueryAndKeyNormsOnce) {
+  for (Normalization norm : {Normalization::kLayerNorm, Normalization::kRMSNorm}) {
+    GPTConfig c = Config(/*untied=*/true);
+    c.qk_layernorm = true;
+    c.normalization = norm;
+    c.num_query_groups = 2;
+    c.kv_channels = 32;  // wider than hidden / heads, as Qwen3's
+    for (int tensor : {1, 2}) {
+      auto layout = ParamLayout::Create(c, tensor, tensor - 1);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      int64_t norms = 0;
+      for (const ParamInfo& p : layout->infos)
+        if (p.name.find("q_layernorm") != std::string::npos || p.name.find("k_layernorm") != std::string::npos) {
+          EXPECT_TRUE(p.no_weight_decay) << p.name;
+          EXPECT_EQ(p.size, 32) << p.name;
+          norms += p.size;
+        }
+      EXPECT_EQ(norms, 3 * 2 * (norm == Normalization::kLayerNorm ? 2 : 1) * 32);
+      for (int world : {1, 3}) {
+        std::vector<int> covered(static_cast<size_t>(layout->num_params), 0);
+        for (int rank = 0; rank < world; ++rank) {
+          auto shard = ParamShard::Create(layout->num_params, world, rank);
+          ASSERT_TRUE(shard.ok()) << shard.status();
+          Cover(*layout, AdamWTable(*layout, shard->begin(), shard->end()), &covered);
+        }
+        for (size_t i = 0; i < covered.size(); ++i)
+          ASSERT_EQ(covered[i], 1) << "parameter " << i << ", world " << world << ", tensor " << tensor;
+      }
+    }
   }
 }
 

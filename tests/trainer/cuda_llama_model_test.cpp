@@ -5,7 +5,7 @@
 // dropout with RMSNorm's unfused dropout, the QKV bias alone, half the channels rotated, one query
 // group, no position embeddings with LayerNorm, recomputed attention); bf16 (cuDNN's grouped-query
 // attention over the heads-first copy) one step loosely and a few dozen steps learning along the
-// CPU's curve.
+// CPU's curve. The same for Qwen3's shape (--qk-layernorm), under RMSNorm and LayerNorm.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -76,6 +76,40 @@ TEST(CudaLlamaModel, StepsFollowTheCpuCurveAndLearn) {
     ASSERT_TRUE(gpu);
     ASSERT_NO_FATAL_FAILURE(ExpectFollowsAndLearns(Curve(gpu.get(), data, 40), ref, p == Precision::kFp32 ? 1e-3 : 5e-2,
                                                    std::string(PrecisionName(p))));
+  }
+}
+
+// --qk-layernorm (Qwen3's query and key norms) under RMSNorm and LayerNorm (weights and biases),
+// moved off their initial values: fp32 within the bounds above, with dropout, recomputed attention
+// and one query group too; bf16 loosely (its norms in fp32 from the master weights).
+TEST(CudaLlamaModel, QKLayerNormStepMatchesTheCpu) {
+  for (bool layernorm : {false, true}) {
+    const std::string what = layernorm ? "--qk-layernorm, LayerNorm" : "--qk-layernorm, RMSNorm";
+    ExpectOneStepMatches(Qwen3Config(layernorm), Precision::kFp32, 1e-5, 1e-4, what);
+    GPTConfig c = Qwen3Config(layernorm);
+    c.hidden_dropout = c.attention_dropout = 0.1;
+    c.recompute_activations = true;
+    c.num_query_groups = 1;
+    ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, what + ", dropout, recompute, one group");
+    ExpectOneStepMatches(Qwen3Config(layernorm), Precision::kBf16, 1e-2, 6e-2, what);
+  }
+}
+
+// 30 steps with --qk-layernorm: fp32 within 1e-3 of the CPU's curve, bf16 within 5e-2; both learn.
+TEST(CudaLlamaModel, QKLayerNormStepsFollowTheCpuCurve) {
+  for (bool layernorm : {false, true}) {
+    const GPTConfig c = Qwen3Config(layernorm);
+    Batches data(10, c.vocab_size);
+    auto cpu = Cpu(c);
+    const std::vector<double> ref = Curve(cpu.get(), data, 30);
+    ASSERT_EQ(ref.size(), 30u);
+    for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+      auto gpu = Cuda(c, p);
+      ASSERT_TRUE(gpu);
+      ASSERT_NO_FATAL_FAILURE(ExpectFollowsAndLearns(Curve(gpu.get(), data, 30), ref,
+                                                     p == Precision::kFp32 ? 1e-3 : 5e-2,
+                                                     std::string(PrecisionName(p)) + (layernorm ? " LayerNorm" : "")));
+    }
   }
 }
 

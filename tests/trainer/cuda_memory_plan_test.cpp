@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/ops_cuda.h"
 #include "trainer/gpt_model.h"
 
 namespace ptk::cuda {
@@ -106,17 +108,17 @@ TEST(CudaMemoryPlan, SequenceParallelShardsTheResidualStream) {
   o.sequence_parallel = true;
   int64_t sp_grads = 0;
   for (const GradRange& g : SequenceParallelGradRanges(*layout)) sp_grads += g.size();
-  o.sequence_parallel_grads = sp_grads;
+  o.non_tensor_parallel_grads = sp_grads;
   auto sp = PlanMemory(c, layout->num_params, o);
   ASSERT_TRUE(sp.ok()) << sp.status();
   const MemoryPlan &S = *sp, &P = *tp;
   EXPECT_TRUE(S.sequence_parallel);
   EXPECT_FALSE(P.sequence_parallel);
   EXPECT_EQ(P.sp_stage, -1);
-  EXPECT_EQ(P.sp_grads, -1);
+  EXPECT_EQ(P.ntp_grads, -1);
   // The norms' weights and biases (12 layers' two and the final one) and the row-parallel biases.
   EXPECT_EQ(sp_grads, (2 * 12 + 1) * 2 * 768 + 12 * 2 * 768);
-  EXPECT_EQ(S[S.sp_grads].bytes, sp_grads * 4);
+  EXPECT_EQ(S[S.ntp_grads].bytes, sp_grads * 4);
   for (int MemoryPlan::*b : {&MemoryPlan::resid, &MemoryPlan::resid_mid, &MemoryPlan::dresid})
     EXPECT_EQ(S[S.*b].bytes * 2, P[P.*b].bytes) << S[S.*b].name;
   for (int MemoryPlan::*b : {&MemoryPlan::ln1, &MemoryPlan::ln2, &MemoryPlan::lnf, &MemoryPlan::dln, &MemoryPlan::tmp,
@@ -381,6 +383,96 @@ TEST(CudaMemoryPlan, LlamaLineBuffersFollowTheConfig) {
   EXPECT_EQ(named, compact);
 }
 
+// --qk-layernorm: the QKV product before the norms and the norms' fp32 statistics per layer (mean
+// and rstd per token and normalised head under LayerNorm, rstd alone under RMSNorm; this rank's heads
+// and groups at tensor size 2), inside a pipeline slot; the backward's partial sums
+// (QKNormBackwardScratch); the query and key norms among the norms' fp32 runs (ln_master), and at
+// tensor size 2 the buffer their gradients' sum over the tensor group goes through. Nothing of it
+// without the flag.
+TEST(CudaMemoryPlan, QKLayerNormBuffersFollowTheConfig) {
+  GPTConfig c = Gpt2Small();
+  c.num_layers = 2;
+  c.num_attention_heads = 16;
+  c.num_query_groups = 4;
+  c.kv_channels = 128;
+  const int64_t n = 2 * 256, qw = (16 + 2 * 4) * 128, L = 2;
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 256;
+  const MemoryPlan plain = MustPlan(c, o);
+  EXPECT_EQ(plain.qkv_raw, -1);
+  EXPECT_EQ(plain.qk_stats, -1);
+  EXPECT_EQ(plain.qk_scratch, -1);
+  c.qk_layernorm = true;
+  const AttentionShape shape{2, 256, 16, 128, 4};
+  EXPECT_EQ(QKNormBackwardScratch(shape), (n / 64) * 4 * 128);  // 64-token blocks x (dwq, dbq, dwk, dbk)
+  o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
+  for (Normalization norm : {Normalization::kLayerNorm, Normalization::kRMSNorm}) {
+    c.normalization = norm;
+    const int64_t k = norm == Normalization::kLayerNorm ? 2 : 1;
+    for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+      o.precision = p;
+      o.tensor = 1;
+      const MemoryPlan m = MustPlan(c, o);
+      const int64_t a = p == Precision::kFp32 ? 4 : 2;
+      ASSERT_GE(m.qkv_raw, 0);
+      EXPECT_EQ(m[m.qkv_raw].bytes, L * n * qw * a);
+      EXPECT_EQ(m.qk_rows, 16 + 4);
+      EXPECT_EQ(m.qk_stats_per_layer, k * n * 20);
+      EXPECT_EQ(m[m.qk_stats].bytes, L * k * n * 20 * 4);
+      EXPECT_EQ(m[m.qk_scratch].bytes, (n / 64) * 4 * 128 * 8);
+      // A pipeline stage keeps them per micro-batch in flight: inside resid .. lnf_stats.
+      EXPECT_GT(m.qkv_raw, m.resid);
+      EXPECT_LT(m.qk_stats, m.lnf_stats);
+      o.tensor = 2;
+      const MemoryPlan two = MustPlan(c, o);
+      EXPECT_EQ(two[two.qkv_raw].bytes * 2, m[m.qkv_raw].bytes);
+      EXPECT_EQ(two.qk_rows, 10);
+      EXPECT_EQ(two[two.qk_stats].bytes * 2, m[m.qk_stats].bytes);
+      EXPECT_EQ(two.ntp_grads, -1);  // planned when the caller names the gradients to sum
+    }
+    // The norms' fp32 runs: ln1, ln2 and the final norm (hidden each), and each layer's query and
+    // key norms (head_dim each), exactly the tensors named layernorm, LayerNormParamCount together;
+    // at tensor rank 1 of 2 too (the norms are whole on every rank).
+    for (int tensor : {1, 2}) {
+      auto layout = ParamLayout::Create(c, tensor, tensor - 1);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      int64_t compact = 0;
+      for (const LayerNormRun& r : LayerNormRuns(*layout)) {
+        EXPECT_EQ(r.compact, compact);
+        compact += r.end - r.begin;
+      }
+      EXPECT_EQ(compact, LayerNormParamCount(c));
+      EXPECT_EQ(LayerNormParamCount(c), k * ((2 * 2 + 1) * 768 + 2 * 2 * 128));
+      int64_t named = 0;
+      for (const ParamInfo& p : layout->infos) {
+        const bool norm_tensor = p.name.find("layernorm") != std::string::npos;
+        bool inside = false;
+        for (const LayerNormRun& r : LayerNormRuns(*layout))
+          inside |= p.offset >= r.begin && p.offset + p.size <= r.end;
+        EXPECT_EQ(inside, norm_tensor) << p.name;
+        if (norm_tensor) named += p.size;
+      }
+      EXPECT_EQ(named, compact);
+      // Tensor parallelism: the query and key norms' gradients summed over the group (each rank's
+      // heads' share) through the planned buffer, without --sequence-parallel.
+      if (tensor == 2) {
+        int64_t sums = 0;
+        for (const GradRange& g : NonTensorParallelGradRanges(*layout, false)) sums += g.size();
+        EXPECT_EQ(sums, L * 2 * k * 128);
+        o.tensor = 2;
+        o.non_tensor_parallel_grads = sums;
+        auto plan = PlanMemory(c, layout->num_params, o);
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        ASSERT_GE(plan->ntp_grads, 0);
+        EXPECT_EQ((*plan)[plan->ntp_grads].bytes, sums * 4);
+        EXPECT_EQ(plan->sp_stage, -1);
+        o.non_tensor_parallel_grads = 0;
+      }
+    }
+  }
+}
+
 // bf16's softmax statistics: each sample's 16-byte aligned (FlashStatsStride), since with attention
 // dropout every sample is a cuDNN call of its own. 3 heads x 37 positions: 112 floats a sample, not 111.
 TEST(CudaMemoryPlan, FlashStatisticsLeaveEachSampleAligned) {
@@ -456,6 +548,55 @@ TEST(CudaMemoryPlan, PipelineStageKeepsItsLayersActivationsPerSlot) {
     end = b.offset + b.bytes;
   }
   EXPECT_LE(end, first.total_bytes);
+}
+
+// The interleaved schedule (model chunks): a slot holds one chunk's layers, exactly a stage of that
+// many layers' slot; the dropout streams stay the stage's; each slot gets an output gradient of its
+// own for the direct exchange (none under the host exchange); layers that do not divide by the
+// chunks, or chunks without slots, are refused.
+TEST(CudaMemoryPlan, ModelChunksKeepOneChunksLayersPerSlot) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 2;
+  o.layers = 2;  // the activations of a chunk of 2 layers, as a stage of 2 layers keeps them
+  o.pipeline_slots = 7;
+  const MemoryPlan flat = MustPlan(c, o);
+  o.layers = 6;  // a stage of 6 of the 12 layers in 3 chunks of 2
+  o.pipeline_chunks = 3;
+  const MemoryPlan chunks = MustPlan(c, o);
+  const int64_t n = 2 * 1024;
+  EXPECT_EQ(chunks.slot_layers, 2);
+  EXPECT_EQ(chunks.slot_bytes, flat.slot_bytes);
+  EXPECT_EQ(chunks[chunks.resid].bytes, 3 * n * 768 * 2);
+  EXPECT_EQ(chunks[chunks.qkv].bytes, 2 * n * 3 * 768 * 2);
+  EXPECT_EQ(chunks[chunks.pipeline_slots].bytes, 6 * chunks.slot_bytes);
+  EXPECT_EQ(chunks[chunks.streams].bytes, StreamTableSize(6, 2) * 8);
+  EXPECT_EQ(flat[flat.streams].bytes, StreamTableSize(2, 2) * 8);
+  EXPECT_EQ(chunks[chunks.pipeline_output_grads].bytes, 7 * n * 768 * 2);
+  EXPECT_EQ(flat[flat.pipeline_output_grads].bytes, 0);  // 1F1B: one gradient at a time, in dresid
+  o.pipeline_host_exchange = true;
+  const MemoryPlan host = MustPlan(c, o);
+  EXPECT_EQ(host[host.pipeline_output_grads].bytes, 0);
+  o.pipeline_host_exchange = false;
+  o.sequence_parallel = true;  // the exchange is this tensor rank's rows
+  o.tensor = 2;
+  const MemoryPlan sp = MustPlan(c, o);
+  EXPECT_EQ(sp[sp.pipeline_output_grads].bytes, 7 * (n / 2) * 768 * 2);
+  o.sequence_parallel = false;
+  o.tensor = 1;
+  int64_t end = 0;
+  for (const PlannedBuffer& b : chunks.buffers) {
+    EXPECT_EQ(b.offset % MemoryPlan::kAlignment, 0) << b.name;
+    EXPECT_GE(b.offset, end) << b.name << " overlaps the buffer before it";
+    end = b.offset + b.bytes;
+  }
+  EXPECT_LE(end, chunks.total_bytes);
+  o.pipeline_chunks = 4;  // 6 layers do not make 4 chunks
+  EXPECT_FALSE(PlanMemory(c, 1000, o).ok());
+  o.pipeline_chunks = 3;
+  o.pipeline_slots = 0;
+  EXPECT_FALSE(PlanMemory(c, 1000, o).ok());
 }
 
 TEST(CudaMemoryPlan, Fp32KeepsProbabilitiesPerLayerUnlessRecomputed) {

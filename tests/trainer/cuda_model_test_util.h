@@ -50,6 +50,33 @@ inline GPTConfig LlamaConfig() {
   return c;
 }
 
+// Qwen3's shape (--qk-layernorm: the run's norm over each query and key head before RoPE) on the
+// Llama model above; LayerNorm (weights and biases) when `layernorm`.
+inline GPTConfig Qwen3Config(bool layernorm) {
+  GPTConfig c = LlamaConfig();
+  c.qk_layernorm = true;
+  if (layernorm) c.normalization = Normalization::kLayerNorm;
+  return c;
+}
+
+// The query and key norms' weights and biases moved off their initial 1 and 0 (the same values on
+// every model given), so that a weight read for the wrong head kind or a dropped bias shows.
+inline void PerturbQKNorms(GPTModel* model) {
+  std::vector<float> p(static_cast<size_t>(model->num_params()));
+  ASSERT_TRUE(model->ReadParams(p).ok());
+  for (const ParamInfo& info : model->params_info()) {
+    if (info.name.find("q_layernorm") == std::string::npos && info.name.find("k_layernorm") == std::string::npos)
+      continue;
+    const bool bias = info.name.find(".bias") != std::string::npos,
+               key = info.name.find("k_layernorm") != std::string::npos;
+    for (int64_t i = 0; i < info.size; ++i)
+      p[static_cast<size_t>(info.offset + i)] =
+          static_cast<float>((bias ? 0.0 : 1.0) + 0.3 * std::sin(0.7 * static_cast<double>(i) + (key ? 1.3 : 0.0) +
+                                                                 static_cast<double>(info.offset % 97)));
+  }
+  ASSERT_TRUE(model->WriteParams(p).ok());
+}
+
 // Deterministic synthetic micro-batches: a learnable pattern (next token = f(previous)), some
 // masked positions, so that the loss falls over a few dozen steps.
 struct Batches {
@@ -139,6 +166,10 @@ inline void ExpectOneStepMatches(const GPTConfig& c, Precision p, double loss_to
   auto cpu = Cpu(c);
   auto gpu = Cuda(c, p);
   ASSERT_TRUE(gpu) << what;
+  if (c.qk_layernorm) {
+    ASSERT_NO_FATAL_FAILURE(PerturbQKNorms(cpu.get()));
+    ASSERT_NO_FATAL_FAILURE(PerturbQKNorms(gpu.get()));
+  }
   ASSERT_EQ(gpu->num_params(), cpu->num_params()) << what;
   for (size_t i = 0; i < cpu->params_info().size(); ++i) {
     EXPECT_EQ(gpu->params_info()[i].name, cpu->params_info()[i].name) << what;

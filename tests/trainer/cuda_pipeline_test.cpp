@@ -14,7 +14,7 @@
 // slots: a backward of a slot that holds no forward pass, and a slot past the P - s this stage
 // keeps, are refused; the direct buffers are the slot's device memory in the model's dtype. Tied
 // embeddings at P = 2 x D = 2 with ZeRO-1 get Megatron's finalize_model_grads order, bit for bit.
-// gpu-labelled: exit 77 without a device.
+// The same stage checks with --qk-layernorm. gpu-labelled: exit 77 without a device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -86,8 +86,7 @@ std::unique_ptr<Communicator> EmbeddingGroup(Communicator* comm, int s, int P) {
 }
 
 // `loss_tol`: relative, the loss sums; `grad_tol`: of the largest gradient of each tensor.
-void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_tol) {
-  const GPTConfig c = Config();
+void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_tol, const GPTConfig& c = Config()) {
   const Batches data(8, c.vocab_size);
   std::vector<ModelBatch> mbs;
   std::vector<double> scales;
@@ -147,6 +146,18 @@ void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_to
 TEST(CudaPipeline, TwoStagesFollowOneStageFp32) { CheckStagesGiveOneStage(2, Precision::kFp32, 1e-6, 1e-5); }
 TEST(CudaPipeline, FourStagesFollowOneStageFp32) { CheckStagesGiveOneStage(4, Precision::kFp32, 1e-6, 1e-5); }
 TEST(CudaPipeline, TwoStagesFollowOneStageBf16) { CheckStagesGiveOneStage(2, Precision::kBf16, 1e-3, 3e-2); }
+// --qk-layernorm: each stage's layers' query and key norms, their inputs and statistics kept per
+// slot (LayerNorm with biases, and RMSNorm), fp32 and bf16.
+TEST(CudaPipeline, QKLayerNormStagesFollowOneStage) {
+  for (Normalization norm : {Normalization::kLayerNorm, Normalization::kRMSNorm}) {
+    GPTConfig c = Config();
+    c.qk_layernorm = true;
+    c.normalization = norm;
+    SCOPED_TRACE(norm == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm");
+    CheckStagesGiveOneStage(2, Precision::kFp32, 1e-6, 1e-5, c);
+    CheckStagesGiveOneStage(2, Precision::kBf16, 1e-3, 3e-2, c);
+  }
+}
 
 // Three training steps (TrainStep over the stages, 4 micro-batches a step, dropout on) with the
 // direct exchange or the host one: each step's loss, the first step's gradients and the

@@ -161,6 +161,43 @@ TEST(CudaTensorParallel, LlamaRanksFollowOneRank) {
   }
 }
 
+// --qk-layernorm at T = 2 (RMSNorm, and LayerNorm with biases), with and without
+// --sequence-parallel: each rank normalises its query groups' heads with the whole norms, whose
+// gradients (each rank's heads' share) the step sums over the group (SumNonTensorParallelGrads):
+// against one rank the first loss within 1e-5, the gradients within 1e-4 of the largest, and the
+// norms' gradients the same bits on both ranks.
+TEST(CudaTensorParallel, QKLayerNormRanksFollowOneRank) {
+  const int steps = 3;
+  for (bool layernorm : {false, true}) {
+    const GPTConfig c = cuda_model_test::Qwen3Config(layernorm);
+    const TpRun one = Train(1, steps, c);
+    ASSERT_EQ(one.losses[0].size(), static_cast<size_t>(steps));
+    for (bool sp : {false, true}) {
+      SCOPED_TRACE(fmt::format("{}{}", layernorm ? "LayerNorm" : "RMSNorm", sp ? ", sequence parallel" : ""));
+      const TpRun tp = Train(2, steps, c, sp);
+      EXPECT_TRUE(tp.whole_tensors_same_bits);
+      double gmax = 0, dmax = 0;
+      for (size_t i = 0; i < one.grads.size(); ++i) {
+        gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
+        dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
+      }
+      EXPECT_LT(dmax, 1e-4 * gmax) << "largest gradient difference " << dmax << " of " << gmax;
+      // The query and key norms' gradients: each rank had only its heads' share before the sum.
+      auto layout = ParamLayout::Create(c);
+      for (const ParamInfo& p : layout->infos) {
+        if (p.name.find("q_layernorm") == std::string::npos && p.name.find("k_layernorm") == std::string::npos)
+          continue;
+        EXPECT_LE(cuda_model_test::RelL2(tp.grads.data() + p.offset, one.grads.data() + p.offset, p.size), 1e-4)
+            << p.name;
+      }
+      for (int r = 0; r < 2; ++r)
+        for (int k = 0; k < steps; ++k)
+          EXPECT_NEAR(tp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
+              << "rank " << r << " step " << k;
+    }
+  }
+}
+
 // Largest absolute difference of two gradient vectors, and the largest magnitude of the first.
 std::pair<double, double> GradDiff(const std::vector<float>& a, const std::vector<float>& b) {
   double gmax = 0, dmax = 0;

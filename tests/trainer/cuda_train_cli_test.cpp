@@ -1,6 +1,8 @@
 // ptk-train --device cuda end to end (gpu-labelled: exits 77 without a device): 50 iterations
-// against the CPU backend's loss curve in fp32 and bf16 (and 30 of Megatron's Llama line), --deterministic-mode, a kill
-// -9 and --load resuming bit for bit, and checkpoints crossing between the CPU and CUDA backends.
+// against the CPU backend's loss curve in fp32 and bf16 (and 30 of Megatron's Llama line, 20 with
+// --qk-layernorm), --deterministic-mode, a kill -9 and --load resuming bit for bit, and checkpoints
+// crossing between the CPU and CUDA backends (the interleaved schedule's too, two stages of two chunks
+// sharing one GPU over gloo).
 //
 // Runs where the packed build runs (scripts/gpu-run.sh: no source tree, no build tree), so it
 // finds ptk-train through PTK_TRAIN or PATH, and its data through PTK_SOURCE_DIR: with that and
@@ -194,6 +196,42 @@ TEST_F(CudaTrainCli, LlamaLineFollowsTheCpuCurve) {
   EXPECT_LE(mean_rel / static_cast<double>(bf16.size()), 3e-2);
   EXPECT_LT(cpu.back().lm_loss, cpu.front().lm_loss - 1.0) << "the model did not learn";
   EXPECT_LT(bf16.back().lm_loss, bf16.front().lm_loss - 1.0) << "bf16 did not learn";
+}
+
+// --qk-layernorm (Qwen3's query and key norms on the Llama line, RMSNorm; and GPT-3's line with
+// LayerNorm's weights and biases): fp32 on the GPU follows the CPU's curve within 2e-3 relative at
+// every iteration over 20, bf16 within 3e-2 on average; and the norms cross backends in a checkpoint
+// (a CUDA run's, continued on the CPU within 2e-3 of the CUDA run's own continuation).
+TEST_F(CudaTrainCli, QKLayerNormFollowsTheCpuCurveAndCrossesBackends) {
+  const std::string qwen3 =
+      "--normalization RMSNorm --position-embedding-type rope --rotary-base 1000000 --swiglu "
+      "--group-query-attention --num-query-groups 2 --kv-channels 48 --disable-bias-linear "
+      "--untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 --qk-layernorm ";
+  for (const std::string& line : {qwen3, std::string("--qk-layernorm --attention-dropout 0.0 ")}) {
+    SCOPED_TRACE(line);
+    const std::vector<Line> cpu = MustTrain(line + "--device cpu", 20);
+    const std::vector<Line> fp32 = MustTrain(line + "--device cuda", 20);
+    ASSERT_EQ(cpu.size(), 20u);
+    ASSERT_EQ(fp32.size(), cpu.size());
+    for (size_t i = 0; i < cpu.size(); ++i)
+      EXPECT_NEAR(fp32[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss) << "fp32, iteration " << i + 1;
+    const std::vector<Line> bf16 = MustTrain(line + "--device cuda --bf16", 20);
+    ASSERT_EQ(bf16.size(), cpu.size());
+    double mean_rel = 0;
+    for (size_t i = 0; i < bf16.size(); ++i) mean_rel += std::fabs(bf16[i].lm_loss - cpu[i].lm_loss) / cpu[i].lm_loss;
+    EXPECT_LE(mean_rel / static_cast<double>(bf16.size()), 3e-2);
+    EXPECT_LT(bf16.back().lm_loss, bf16.front().lm_loss - 1.0) << "bf16 did not learn";
+  }
+  const std::string longer = "--override-opt_param-scheduler ";
+  ASSERT_EQ(MustTrain(qwen3 + "--device cuda --save " + Dir("qk_cuda"), 10).size(), 10u);
+  const std::vector<Line> on_cuda =
+      MustTrain(qwen3 + longer + "--device cuda --load " + Dir("qk_cuda") + " --save " + Dir("qk_cuda_cont"), 14);
+  const std::vector<Line> on_cpu =
+      MustTrain(qwen3 + longer + "--device cpu --load " + Dir("qk_cuda") + " --save " + Dir("qk_cpu_cont"), 14);
+  ASSERT_EQ(on_cuda.size(), 4u);
+  ASSERT_EQ(on_cpu.size(), 4u);
+  for (size_t i = 0; i < on_cpu.size(); ++i)
+    EXPECT_NEAR(on_cpu[i].lm_loss, on_cuda[i].lm_loss, 2e-3 * on_cuda[i].lm_loss) << "iteration " << 11 + i;
 }
 
 // --deterministic-mode: two runs print the same loss and grad norm on every line, in bf16 with
@@ -402,6 +440,51 @@ TEST_F(CudaTrainCli, TwoPipelineStagesOnTwoGpusFollowOneGpu) {
       EXPECT_LT(pp.back().lm_loss, pp.front().lm_loss - 0.5) << "P=2 bf16 did not learn";
     }
   }
+}
+
+// Megatron's interleaved schedule on CUDA through ptk-train, on one GPU: P = 2 stages of 2 chunks
+// (4 layers, a layer a chunk) as two processes over gloo sharing cuda:0 (LOCAL_RANK 0 both; the
+// stages exchange through the host) follow one GPU's fp32 curve within 1e-3 relative over 10
+// iterations; its checkpoint (model chunks named as the CPU backend names them) continues on the CPU
+// backend's interleaved run within 2e-3 of the CUDA run's own continuation, and the CPU's checkpoint
+// of the same layout loads on CUDA.
+TEST_F(CudaTrainCli, InterleavedStagesShareOneGpuOverGlooAndCrossBackends) {
+  const std::string model = "--num-layers 4 --micro-batch-size 1 ";
+  const std::vector<Line> one = MustTrain("--device cuda " + model, 10);
+  ASSERT_EQ(one.size(), 10u);
+  const std::string chunks =
+      model + "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --distributed-backend gloo ";
+  // Two ranks on loopback, rank 0's output (the last stage's loss lines) returned.
+  const auto two_ranks = [&](const std::string& extra, int64_t iters, const std::string& log) {
+    const std::string port = std::to_string(20000 + (::getpid() + 11) % 20000);
+    const std::string cmd = Train(chunks + extra, iters);
+    CmdRun r = Shell("bash -c " + Quote("export WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+                                        "; RANK=1 timeout 900 " + cmd + " > " + Dir(log) +
+                                        " 2>&1 & RANK=0 timeout 900 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    EXPECT_NE(r.output.find("rc=0 0"), std::string::npos) << r.output;
+    return r.output;
+  };
+  const std::string vpp = two_ranks("--device cuda --save " + Dir("vpp_cuda"), 10, "vpp_rank1.log");
+  EXPECT_NE(vpp.find("2 model chunks (the interleaved schedule)"), std::string::npos) << vpp;
+  const std::vector<Line> pp = Lines(vpp);
+  ASSERT_EQ(pp.size(), 10u) << vpp;
+  for (size_t i = 0; i < pp.size(); ++i)
+    EXPECT_NEAR(pp[i].lm_loss, one[i].lm_loss, 1e-3 * one[i].lm_loss) << "P=2 x V=2, iteration " << i + 1;
+  const std::string longer = "--override-opt_param-scheduler --load " + Dir("vpp_cuda") + " ";
+  const std::vector<Line> on_cuda =
+      Lines(two_ranks(longer + "--device cuda --save " + Dir("vpp_cuda_cont"), 14, "vpp_cont1.log"));
+  const std::vector<Line> on_cpu =
+      Lines(two_ranks(longer + "--device cpu --save " + Dir("vpp_cpu_cont"), 14, "vpp_cpu1.log"));
+  ASSERT_EQ(on_cuda.size(), 4u);
+  ASSERT_EQ(on_cpu.size(), 4u);
+  for (size_t i = 0; i < on_cpu.size(); ++i)
+    EXPECT_NEAR(on_cpu[i].lm_loss, on_cuda[i].lm_loss, 2e-3 * on_cuda[i].lm_loss) << "iteration " << 11 + i;
+  // The CPU's interleaved checkpoint (iteration 14) continues on CUDA.
+  const std::vector<Line> back = Lines(two_ranks(
+      "--override-opt_param-scheduler --device cuda --load " + Dir("vpp_cpu_cont") + " --save " + Dir("vpp_back"), 16,
+      "vpp_back1.log"));
+  ASSERT_EQ(back.size(), 2u);
+  for (const Line& l : back) EXPECT_TRUE(std::isfinite(l.lm_loss));
 }
 
 // --sequence-parallel over NCCL: T = 2 on two GPUs with the norms, hidden dropout (on: the

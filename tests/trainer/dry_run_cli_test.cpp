@@ -132,23 +132,31 @@ TEST(DryRunCli, PlansLlama3_8BWithItsParameterCount) {
       << r.output;
 }
 
-// --device cuda takes the Llama line (RMSNorm, RoPE, SwiGLU, query groups, no biases, untied): a dry
-// run plans it. Only a build without CUDA refuses, and then the device, never the model.
+// --device cuda takes the Llama line (RMSNorm, RoPE, SwiGLU, query groups, no biases, untied), and
+// Qwen3's query and key norms (--qk-layernorm, under RMSNorm and LayerNorm, tensor parallel too): a
+// dry run plans it. Only a build without CUDA refuses, and then the device, never the model.
 TEST(DryRunCli, TheCudaBackendTakesTheLlamaLine) {
-  auto r =
-      RunCmd(testing::Tool("ptk-train") +
-             " --dry-run --device cuda --bf16 --num-layers 2 --hidden-size 256 --num-attention-heads 8"
-             " --group-query-attention --num-query-groups 2 --kv-channels 64 --seq-length 512"
-             " --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --normalization RMSNorm"
-             " --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1"
-             " --global-batch-size 8 --lr 3e-4 --train-iters 10 --vocab-size 32000 --data-path /fsx/d_text_document");
-  EXPECT_EQ(r.output.find("GPT-3 model only"), std::string::npos) << r.output;
-  if (r.output.find("built without CUDA") != std::string::npos) {
-    EXPECT_EQ(r.exit_code, 2) << r.output;
-    return;
+  const std::string llama =
+      " --dry-run --device cuda --bf16 --num-layers 2 --hidden-size 256 --num-attention-heads 8"
+      " --group-query-attention --num-query-groups 2 --kv-channels 64 --seq-length 512"
+      " --position-embedding-type rope --rotary-base 500000 --use-rope-scaling"
+      " --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1"
+      " --global-batch-size 8 --lr 3e-4 --train-iters 10 --vocab-size 32000 --data-path /fsx/d_text_document";
+  for (const std::string& extra :
+       {std::string(" --normalization RMSNorm"), std::string(" --normalization RMSNorm --qk-layernorm"),
+        std::string(" --qk-layernorm"),
+        std::string(" --normalization RMSNorm --qk-layernorm --sequence-parallel"
+                    " --tensor-model-parallel-size 2")}) {
+    auto r = RunCmd("WORLD_SIZE=2 " + testing::Tool("ptk-train") + llama + extra);
+    EXPECT_EQ(r.output.find("GPT-3 model only"), std::string::npos) << extra << ": " << r.output;
+    EXPECT_EQ(r.output.find("CPU backend only"), std::string::npos) << extra << ": " << r.output;
+    if (r.output.find("built without CUDA") != std::string::npos) {
+      EXPECT_EQ(r.exit_code, 2) << r.output;
+      continue;
+    }
+    ASSERT_EQ(r.exit_code, 0) << extra << ": " << r.output;
+    EXPECT_NE(r.output.find("model: "), std::string::npos) << r.output;
   }
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("model: "), std::string::npos) << r.output;
 }
 
 TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {

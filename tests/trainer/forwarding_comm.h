@@ -28,6 +28,7 @@ class ForwardingCommunicator : public Communicator {
                         int src) override {
     return inner_->SendRecv(send, send_bytes, dst, recv, recv_bytes, src);
   }
+  absl::Status BatchSendRecv(std::span<const P2pMessage> messages) override { return inner_->BatchSendRecv(messages); }
 
  protected:
   Communicator* inner() const { return inner_; }

@@ -208,20 +208,18 @@ TEST_P(LlamaGolden, TensorParallelRanksMatchPyTorch) {
     });
 }
 
-// The CUDA backend takes the model (its RMSNorm, RoPE, SwiGLU and grouped-query attention are
-// checked against this CPU model by the gpu tests, cuda_llama_model_test): with a device it is
+// The CUDA backend takes the model (its RMSNorm, RoPE, SwiGLU, grouped-query attention and Qwen3's
+// query and key norms are checked against this CPU model by the gpu tests, cuda_llama_model_test):
+// with a device it is
 // built; without one the only refusal is the device's, no longer the model's. A build without
 // CUDA refuses the device itself.
 TEST_P(LlamaGolden, TheCudaBackendTakesTheModel) {
   BackendOptions o;
   o.device = Device::kCuda;
   auto m = CreateModel(config_, o);
-  if (qwen3()) {  // not yet: the CUDA model has no query and key norms
-    ASSERT_FALSE(m.ok());
-    EXPECT_NE(m.status().message().find("--qk-layernorm runs on the CPU backend only"), std::string::npos)
-        << m.status();
-  } else if (!m.ok()) {
+  if (!m.ok()) {  // Qwen3's query and key norms too (--qk-layernorm)
     const std::string why(m.status().message());
+    EXPECT_EQ(why.find("--qk-layernorm"), std::string::npos) << m.status();
     EXPECT_EQ(why.find("GPT-3 model only"), std::string::npos) << m.status();
     EXPECT_EQ(why.find("RMSNorm"), std::string::npos) << m.status();
     if (CudaBuilt() && CudaDeviceCount() == 0 && LoadCudaBackend().ok()) {

@@ -246,6 +246,14 @@ TEST_F(MegatronFlags, HelpShowsRequiredFlagsWithoutAFakeDefault) {
     ASSERT_TRUE(std::regex_search(r.output, m, std::regex(std::string(flag) + " [^\n]*REQUIRED"))) << flag;
     EXPECT_EQ(m.str().find("=0"), std::string::npos) << m.str();
   }
+  // Nor a default its own range refuses ("--ffn-hidden-size INT:an integer in [1, 2147483647]=0"): a
+  // sentinel for "not given", whose meaning the help text states.
+  for (const char* flag : {"--ffn-hidden-size", "--train-iters", "--global-batch-size", "--ddp-bucket-size"}) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex(std::string("\\n  ") + flag + " [^\n]*"))) << flag;
+    EXPECT_EQ(m.str().find("]=0"), std::string::npos) << m.str();
+  }
+  EXPECT_NE(r.output.find("--micro-batch-size INT:an integer in [1, 2147483647]=1"), std::string::npos) << r.output;
 }
 
 // A resume that names the same dataset by a relative path from another working directory (a Slurm
@@ -347,6 +355,13 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       // The AWS tutorial's (sample-based; --fp16 as above)
       {"--train-samples 8 --lr-decay-samples 8 --lr-warmup-samples 2", kTaken, "", false, true},
       {"--recompute-activations --log-interval 1 --eval-iters 40 --eval-interval 1000 --split 98,2,0", kTaken, ""},
+      // Megatron's examples/llama scripts' speed, memory and logging flags (were unknown flags).
+      {"--no-create-attention-mask-in-dataloader --no-mmap-bin-files --no-bias-swiglu-fusion --manual-gc "
+       "--manual-gc-interval 100 --num-dataset-builder-threads 2 --log-progress",
+       kNoted, "--no-create-attention-mask-in-dataloader: accepted"},
+      // Megatron's full recomputation, as its scripts write it: --recompute-method was an unknown flag.
+      {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", kNoted,
+       "--recompute-method uniform: accepted, ptk recomputes the attention probabilities (selective)"},
       // Megatron's flags a full pretrain_gpt.py line carries beside them
       {"--log-params-norm --log-num-zeros-in-grad", kTaken, ""},
       {"--profile", kNoted, "--profile: accepted, the CPU backend has no profiler"},

@@ -5,7 +5,13 @@
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed within
 // float rounding), and forward-only evaluation one rank's loss; a step whose micro-batches are not a
 // multiple of P is refused; only the last virtual stage's slots hold the logits; a checkpoint
-// header names each tensor by its chunk, Megatron's way.
+// header names each tensor by its chunk, Megatron's way. InterleavedSlots (what a backend that plans
+// its slots up front reserves: CUDA) is the slots the CPU model made. The batches' messages, as
+// NCCL would see them (no channels: a pair's messages matched in the order each end posts them;
+// a group completes only with its peers' groups), carry the same channel at both ends of every
+// pair and never wait on each other in a cycle, at P = 2 (one peer both ways) to 4.
+// --overlap-grad-reduce with chunks (P = 2 x D = 2 x V = 2, TrainStep): each chunk's buckets
+// launched by its last backward, the bits of the reduction after the schedule.
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
@@ -14,12 +20,15 @@
 #include <mutex>
 #include <vector>
 
+#include "tests/trainer/forwarding_comm.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/checkpoint.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/parallel_params.h"
+#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/train_step.h"
 
 namespace ptk {
 namespace {
@@ -85,6 +94,88 @@ TEST(InterleavedLayout, ChunksHoldTheirVirtualStagesLayersWithTheWholeModelsInit
   EXPECT_FALSE(ParamLayout::Create(c, 1, 0, one).ok());
 }
 
+// The batches of point-to-point messages each rank posts, in order: (peer, send, channel) each.
+struct Posted {
+  int peer;
+  bool send;
+  int channel;
+};
+using Batches = std::vector<std::vector<Posted>>;
+
+// Records every BatchSendRecv with a peer, then passes it on.
+class RecordingComm final : public testing::ForwardingCommunicator {
+ public:
+  explicit RecordingComm(Communicator* inner) : ForwardingCommunicator(inner) {}
+  absl::Status BatchSendRecv(std::span<const P2pMessage> messages) override {
+    std::vector<Posted> batch;
+    for (const P2pMessage& m : messages)
+      if (m.peer >= 0 && m.bytes > 0) batch.push_back({m.peer, m.send != nullptr, m.channel});
+    if (!batch.empty()) batches.push_back(batch);
+    return inner()->BatchSendRecv(messages);
+  }
+  Batches batches;
+};
+
+// NCCL's view of the ranks' batches: for each ordered pair (a, b) the k-th send from a to b meets
+// the k-th receive of b from a, which must be the same channel (else a gradient lands in an
+// activation's buffer); and the batches, merged where they meet and ordered as each rank posts
+// them, form no cycle (else the groups wait on each other for ever).
+void CheckNcclCanMatch(const std::vector<Batches>& ranks) {
+  const int P = static_cast<int>(ranks.size());
+  std::vector<int> first(static_cast<size_t>(P) + 1, 0);  // node (r, i) = first[r] + i
+  for (int r = 0; r < P; ++r)
+    first[static_cast<size_t>(r) + 1] =
+        first[static_cast<size_t>(r)] + static_cast<int>(ranks[static_cast<size_t>(r)].size());
+  std::vector<int> parent(static_cast<size_t>(first.back()));
+  for (size_t i = 0; i < parent.size(); ++i) parent[i] = static_cast<int>(i);
+  std::function<int(int)> find = [&](int x) {
+    return parent[static_cast<size_t>(x)] == x ? x
+                                               : parent[static_cast<size_t>(x)] = find(parent[static_cast<size_t>(x)]);
+  };
+  for (int a = 0; a < P; ++a)
+    for (int b = 0; b < P; ++b) {
+      if (a == b) continue;
+      std::vector<std::pair<int, int>> sends, recvs;  // (batch node, channel)
+      for (size_t i = 0; i < ranks[static_cast<size_t>(a)].size(); ++i)
+        for (const Posted& m : ranks[static_cast<size_t>(a)][i])
+          if (m.send && m.peer == b) sends.push_back({first[static_cast<size_t>(a)] + static_cast<int>(i), m.channel});
+      for (size_t i = 0; i < ranks[static_cast<size_t>(b)].size(); ++i)
+        for (const Posted& m : ranks[static_cast<size_t>(b)][i])
+          if (!m.send && m.peer == a) recvs.push_back({first[static_cast<size_t>(b)] + static_cast<int>(i), m.channel});
+      ASSERT_EQ(sends.size(), recvs.size()) << a << " -> " << b;
+      for (size_t k = 0; k < sends.size(); ++k) {
+        EXPECT_EQ(sends[k].second, recvs[k].second) << "message " << k << " from " << a << " to " << b;
+        parent[static_cast<size_t>(find(sends[k].first))] = find(recvs[k].first);
+      }
+    }
+  // Program order between the merged batches; a cycle is a deadlock under NCCL's rendezvous.
+  const int n = first.back();
+  std::vector<std::vector<int>> next(static_cast<size_t>(n));
+  std::vector<int> indegree(static_cast<size_t>(n), 0);
+  for (int r = 0; r < P; ++r)
+    for (int i = first[static_cast<size_t>(r)]; i + 1 < first[static_cast<size_t>(r) + 1]; ++i) {
+      const int u = find(i), v = find(i + 1);
+      if (u == v) continue;
+      next[static_cast<size_t>(u)].push_back(v);
+      ++indegree[static_cast<size_t>(v)];
+    }
+  std::vector<int> ready;
+  int groups = 0, done = 0;
+  for (int x = 0; x < n; ++x)
+    if (find(x) == x) {
+      ++groups;
+      if (indegree[static_cast<size_t>(x)] == 0) ready.push_back(x);
+    }
+  while (!ready.empty()) {
+    const int u = ready.back();
+    ready.pop_back();
+    ++done;
+    for (int v : next[static_cast<size_t>(u)])
+      if (--indegree[static_cast<size_t>(v)] == 0) ready.push_back(v);
+  }
+  EXPECT_EQ(done, groups) << "the ranks' batches wait on each other in a cycle";
+}
+
 void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batches = 8) {
   const GPTConfig c = Config(layers);
   const testing::Batches data(micro_batches, 16);
@@ -94,7 +185,10 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
   const Reference ref = OneRank(c, mbs, scales);
   std::mutex mu;
   std::vector<int64_t> floats(static_cast<size_t>(P));
-  testing::RunRanks(P, [&](Communicator* comm, int s) {
+  std::vector<Batches> posted(static_cast<size_t>(P));
+  testing::RunRanks(P, [&](Communicator* gloo, int s) {
+    RecordingComm recording(gloo);
+    Communicator* comm = &recording;
     auto made = CpuGPTModel::Create(c, nullptr, false, Stage(c, P, s, V));
     ASSERT_TRUE(made.ok()) << made.status();
     CpuGPTModel& m = **made;
@@ -103,17 +197,23 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
     PipelineStats stats;
     auto loss = ForwardBackwardPipelining(&m, comm, mbs, scales, 99, &stats);
     ASSERT_TRUE(loss.ok()) << loss.status();
+    const Batches step = recording.batches;
     std::unique_ptr<Communicator> emb;
     if (s == 0 || s == P - 1) {  // the embedding group sums the tied copies
       const std::vector<int> members = {0, P - 1};
-      auto g = comm->Subgroup(members, "embedding");
+      auto g = gloo->Subgroup(members, "embedding");
       ASSERT_TRUE(g.ok()) << g.status();
       emb = *std::move(g);
       ASSERT_TRUE(m.AllReduceGradRange(emb.get(), s == 0 ? m.layout().wte : m.layout().out_w, 128 * 32).ok());
     }
     auto eval = ForwardPipelining(&m, comm, mbs[0]);
     ASSERT_TRUE(eval.ok()) << eval.status();
+    // The slots a backend reserves up front are those the step and the evaluation took here.
+    auto slots = InterleavedSlots(P, s, V, micro_batches);
+    ASSERT_TRUE(slots.ok()) << slots.status();
+    EXPECT_EQ(*slots, m.activation_slots()) << "stage " << s;
     std::lock_guard<std::mutex> lock(mu);
+    posted[static_cast<size_t>(s)] = step;
     floats[static_cast<size_t>(s)] = m.ActivationFloats();  // the last chunk's slot, evaluation's last
     // Megatron's warm-up, (P - s - 1) * 2 + (V - 1) * P forwards, plus the first of the steady state.
     EXPECT_EQ(stats.max_in_flight, std::min((P - s - 1) * 2 + (V - 1) * P + 1, micro_batches * V)) << "stage " << s;
@@ -142,6 +242,7 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
                              << ")";
     }
   });
+  CheckNcclCanMatch(posted);
   // Only the slot whose pass ends in the loss holds the final norm (and its statistics), the logits
   // and the losses (and their gradient): 2 x 16 rows of 32, a vocabulary of 128.
   const int64_t n = 2 * 16;
@@ -157,6 +258,85 @@ TEST(InterleavedSchedule, TwoStagesOfThreeChunks) { CheckInterleavedGivesOneRank
 TEST(InterleavedSchedule, AsManyMicroBatchesAsStages) {
   CheckInterleavedGivesOneRank(2, 2, 4, 2);
   CheckInterleavedGivesOneRank(4, 2, 8, 4);
+}
+
+// The slots do not grow with the step (each chunk reuses its own: at P = 8, V = 4 48 of them, the
+// CUDA model's most being 64), and a step the schedule refuses has no count.
+TEST(InterleavedSchedule, SlotsAreBoundedWhateverTheMicroBatches) {
+  for (int P : {2, 3, 4, 8})
+    for (int V : {2, 3, 4})
+      for (int s = 0; s < P; ++s) {
+        auto few = InterleavedSlots(P, s, V, 4 * P), many = InterleavedSlots(P, s, V, 64 * P);
+        ASSERT_TRUE(few.ok() && many.ok()) << few.status() << many.status();
+        EXPECT_EQ(*few, *many) << "P " << P << " V " << V << " stage " << s;
+        // At least the virtual micro-batches in flight; at most two groups of P per chunk.
+        EXPECT_GE(*many, (P - s - 1) * 2 + (V - 1) * P + 1) << "P " << P << " V " << V << " stage " << s;
+        EXPECT_LE(*many, 2 * P * V) << "P " << P << " V " << V << " stage " << s;
+      }
+  EXPECT_FALSE(InterleavedSlots(4, 0, 2, 6).ok());
+  EXPECT_FALSE(InterleavedSlots(1, 0, 2, 4).ok());
+}
+
+// 3 TrainSteps of P = 2 stages x D = 2 data ranks (world rank d + 2p) of 2 chunks, 4 micro-batches a
+// data rank, --overlap-grad-reduce with buckets of `bucket` elements (0: none): each rank's
+// parameters after them, and the buckets its last step's backwards launched.
+struct OverlapRun {
+  std::vector<std::vector<float>> params = std::vector<std::vector<float>>(4);
+  std::vector<int> launched = std::vector<int>(4, -1);
+};
+OverlapRun TrainChunks(int64_t bucket, bool zero1) {
+  const GPTConfig c = Config(4);
+  const testing::Batches data(8 * 3, 16);
+  const std::vector<ModelBatch> all = data.All();
+  OverlapRun out;
+  std::mutex mu;
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    const int d = rank % 2, p = rank / 2;
+    auto dp = world->Subgroup(std::vector<int>{2 * p, 2 * p + 1}, "data");
+    auto pipe = world->Subgroup(std::vector<int>{d, d + 2}, "pipeline");
+    ASSERT_TRUE(dp.ok() && pipe.ok()) << dp.status() << pipe.status();
+    auto made = CpuGPTModel::Create(c, nullptr, false, Stage(c, 2, p, 2));
+    ASSERT_TRUE(made.ok()) << made.status();
+    CpuGPTModel& m = **made;
+    ASSERT_TRUE(m.InitWeights(11).ok());
+    if (zero1) {
+      auto shard = ParamShard::Create(m.num_params(), 2, d);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      ASSERT_TRUE(m.ShardOptimizerState(*shard).ok());
+    }
+    OptimizerConfig oc;
+    oc.overlap_grad_reduce = bucket > 0;
+    oc.ddp_bucket_size = bucket;
+    SchedulerConfig sc;
+    sc.max_lr = 3e-3;
+    sc.decay_steps = 24;
+    TrainStep step(&m, oc, sc, dp->get());
+    step.set_pipeline(pipe->get(), pipe->get());  // at P = 2 the embedding group is the pipeline's
+    for (int it = 0; it < 3; ++it) {
+      std::vector<ModelBatch> mine(all.begin() + 8 * it + 4 * d, all.begin() + 8 * it + 4 * d + 4);
+      auto r = step.Step(mine, 16, 99);
+      ASSERT_TRUE(r.ok()) << r.status();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    out.params[static_cast<size_t>(rank)].assign(m.params(), m.params() + m.num_params());
+    out.launched[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
+  });
+  return out;
+}
+
+TEST(InterleavedSchedule, OverlappedBucketsHaveTheBitsOfTheReductionAfterTheSchedule) {
+  for (bool zero1 : {false, true}) {
+    SCOPED_TRACE(zero1 ? "ZeRO-1" : "all-reduce");
+    const OverlapRun after = TrainChunks(0, zero1), overlapped = TrainChunks(3000, zero1);
+    for (int rank = 0; rank < 4; ++rank) {
+      ASSERT_FALSE(after.params[static_cast<size_t>(rank)].empty());
+      EXPECT_EQ(overlapped.params[static_cast<size_t>(rank)], after.params[static_cast<size_t>(rank)])
+          << "rank " << rank;
+      // Each chunk's layers make buckets of their own, launched by the chunks' last backwards.
+      EXPECT_GE(overlapped.launched[static_cast<size_t>(rank)], 2) << "rank " << rank;
+      EXPECT_EQ(after.launched[static_cast<size_t>(rank)], 0) << "rank " << rank;
+    }
+  }
 }
 
 TEST(InterleavedSchedule, MicroBatchesNotAMultipleOfTheStagesAreRefused) {

@@ -1,8 +1,8 @@
 // A host communicator (gloo ranks as threads sharing one GPU) offered as one with device-memory
 // collectives and point-to-point messages, for the gpu tests: NCCL cannot put two ranks on one
-// GPU. Each device call drains `stream`, copies the buffer to the host, runs the host
-// communicator's call and copies the result back before it returns: the CUDA model's code path is
-// the one it takes over NCCL, only the transport differs.
+// GPU. Each device call (point-to-point ones too, batched or not) drains `stream`, copies the buffer to the host, runs
+// the host communicator's call and copies the result back before it returns: the CUDA model's code path is the one it
+// takes over NCCL, only the transport differs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -57,7 +57,29 @@ class StagedDeviceCollectives final : public ForwardingCommunicator {
     ++device_messages_;
     return absl::OkStatus();
   }
-  // SendRecvDevice calls so far (a test checks that the device path ran).
+  // Each device message through a host copy of its own, then the host communicator's batch.
+  absl::Status BatchSendRecvDevice(std::span<const P2pMessage> messages, void* stream) override {
+    std::vector<std::vector<char>> host(messages.size());
+    std::vector<P2pMessage> staged(messages.begin(), messages.end());
+    for (size_t i = 0; i < messages.size(); ++i) {
+      const P2pMessage& m = messages[i];
+      if (m.peer < 0) continue;
+      host[i].resize(static_cast<size_t>(m.bytes));
+      if (m.send) {
+        PTK_RETURN_IF_ERROR(Out(host[i].data(), m.send, host[i].size(), stream));
+        staged[i].send = host[i].data();
+      } else {
+        staged[i].recv = host[i].data();
+      }
+    }
+    PTK_RETURN_IF_ERROR(inner()->BatchSendRecv(staged));
+    for (size_t i = 0; i < messages.size(); ++i)
+      if (messages[i].peer >= 0 && messages[i].recv)
+        PTK_RETURN_IF_ERROR(In(messages[i].recv, host[i].data(), host[i].size(), stream));
+    ++device_messages_;
+    return absl::OkStatus();
+  }
+  // SendRecvDevice and BatchSendRecvDevice calls so far (a test checks that the device path ran).
   int device_messages() const { return device_messages_; }
   // The lengths of the AllReduceSumDevice calls so far, in call order (a test counts them).
   const std::vector<int64_t>& device_all_reduces() const { return device_all_reduces_; }

@@ -906,6 +906,22 @@ TEST_F(TrainCli, ResumeKeepsOrReplacesTheScheduleAsMegatron) {
   }
 }
 
+// --qk-layernorm --device cuda is taken (it was refused while the CUDA model had no query and key
+// norms): on a GPU it trains; without one the only refusal is the device's (exit 1), in a build
+// without CUDA the build's (exit 2), never the flag's.
+TEST_F(TrainCli, QKLayerNormOnCudaIsTaken) {
+  auto r = RunCmd(Train("--qk-layernorm --device cuda", 2));
+  EXPECT_EQ(r.output.find("CPU backend only"), std::string::npos) << r.output;
+  if (r.output.find("built without CUDA") != std::string::npos) {
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+  } else if (r.output.find("no CUDA device is visible") != std::string::npos) {
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+  } else {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("iteration        2/       2"), std::string::npos) << r.output;
+  }
+}
+
 // Megatron's Llama-line flags train (Qwen's mix: RMSNorm, RoPE, SwiGLU, grouped-query attention,
 // no biases but the QKV's); flags for models ptk has not get a reason, every one of them named, not a
 // bare "unknown flag"; a value ptk has not, or query groups the tensor size does not divide, names the flag.
@@ -933,7 +949,6 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
            {"--group-query-attention --num-query-groups 3",
             "--num-query-groups 3 does not divide --num-attention-heads 4"},
            {"--position-embedding-type rope --kv-channels 3", "--rotary-percent 1 of head dimension 3 rotates 3"},
-           {"--qk-layernorm --device cuda", "--qk-layernorm runs on the CPU backend only"},
            {"--num-experts 8", "mixture of experts is not implemented"},
            {"--tokenizer-model tok.model", "reads GPT-2 BPE data"}}) {
     auto r = RunCmd(Train(flag, 1));

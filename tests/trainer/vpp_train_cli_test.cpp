@@ -2,7 +2,8 @@
 // 4-layer model at P = 2 in two chunks of one layer (--num-layers-per-virtual-pipeline-stage 1, or
 // --num-virtual-stages-per-pipeline-rank 2), 8 micro-batches a step, dropout on, gives one rank's
 // loss lines within 1e-6 relative over 20 iterations and the 1F1B run's printed losses; T = 2 x
-// P = 2 x data 2 with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; checkpoints
+// P = 2 x data 2 with ZeRO-1, and T = 2 x P = 2 with --sequence-parallel, within 1e-5; P = 2 x data 2
+// with --overlap-grad-reduce gives the run without it's printed losses; checkpoints
 // resume at the same layout with the uninterrupted run's lines character for character, load at
 // P = 2 without chunks and at P = 4, a 1F1B checkpoint loads into the interleaved run, ptk-convert
 // exports one, and through Megatron's interleaved format (model0, model1) the run continues;
@@ -52,6 +53,15 @@ TEST_F(InterleavedCli, TensorPipelineAndDataRanksWithZeroOne) {
   std::string out;
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(8, Train(2, 2, std::string(kTwoChunks) + " --use-distributed-optimizer"), one,
                                           20, 1e-5, "T=2 x P=2 x D=2 x V=2, ZeRO-1", &out));
+  // --overlap-grad-reduce: each chunk's buckets reduced from its last backward, the same printed losses.
+  std::string plain, overlapped;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(1, 2, kTwoChunks), one, 20, 1e-5, "P=2 x D=2 x V=2", &plain));
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4,
+                                          Train(1, 2,
+                                                std::string(kTwoChunks) + " --overlap-grad-reduce "
+                                                                          "--ddp-bucket-size 3000"),
+                                          one, 20, 1e-5, "P=2 x D=2 x V=2, --overlap-grad-reduce", &overlapped));
+  EXPECT_EQ(Losses(overlapped), Losses(plain));
   // --sequence-parallel: each chunk sends its tensor rank's shard of the sequence.
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(2, 2, std::string(kTwoChunks) + " --sequence-parallel"), one, 20,
                                           1e-5, "T=2 x P=2 x V=2, --sequence-parallel", &out));
@@ -157,9 +167,7 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
                 "must be divisible by the layers of a virtual stage"},
            Case{2, 2, std::string(kTwoChunks) + " --num-virtual-stages-per-pipeline-rank 2", "give one of them"},
            Case{2, 2, std::string(kTwoChunks) + " --global-batch-size 5", "must be a multiple of it"},
-           Case{2, 2, std::string(kTwoChunks) + " --overlap-grad-reduce", "drop --overlap-grad-reduce"},
            Case{2, 2, std::string(kTwoChunks) + " --decoder-first-pipeline-num-layers 1", "splits the layers evenly"},
-           Case{1, 2, std::string(kTwoChunks) + " --device cuda", "runs on the CPU backend only"},
        }) {
     SCOPED_TRACE(c.extra);
     auto r = c.world == 1 ? RunCmd(Train(1, c.P, c.extra)) : Ranks(c.world, Train(1, c.P, c.extra));
@@ -168,6 +176,16 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
       EXPECT_EQ(r.exit_code, 2) << r.output;
     }
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+  }
+  // The CUDA backend runs the schedule too (over NCCL or gloo): --device cuda with chunks gets past
+  // the options, to the device (none here: the module's or the driver's line) or, on a GPU, to the
+  // world of one rank that two stages need two of.
+  for (const char* backend : {"", " --distributed-backend nccl", " --distributed-backend gloo"}) {
+    SCOPED_TRACE(backend);
+    auto cuda = RunCmd(Train(1, 2, std::string(kTwoChunks) + " --device cuda" + backend));
+    EXPECT_NE(cuda.exit_code, 0) << cuda.output;
+    EXPECT_EQ(cuda.output.find("interleaved"), std::string::npos) << cuda.output;
+    EXPECT_EQ(cuda.output.find("virtual"), std::string::npos) << cuda.output;
   }
   // --dry-run plans the interleaved layout (the parameters of each rank as without chunks; Megatron's
   // virtual micro-batches in flight) for any world, even one that would run on GPUs.

@@ -492,7 +492,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     PTK_RETURN_IF_ERROR(TensorSum(a.dln.data(), n * c));  // column-parallel QKV: its input gradient summed
     NormBackward(cf, a.dresid.data(), G, a.dln.data(), a.resid[l].data(), P, lp.ln1_w, lp.ln1_b, a.ln1_mean[l].data(),
                  a.ln1_rstd[l].data(), n, c);
-    GradsReady(static_cast<size_t>(Ls - l));  // layer l
+    GradsReady(static_cast<size_t>(stage_layers() - l));  // layer l
   }
   // A later pipeline stage leaves its input's gradient in dresid, for the previous stage.
   if (chunk_pre_process()) {
@@ -504,7 +504,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
       cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens,
                                        batch.position_ids, tensor_rank() * vp, vp, n, c);
   }
-  GradsReady(static_cast<size_t>(Ls) + 1);  // the embeddings
+  GradsReady(static_cast<size_t>(stage_layers()) + 1);  // the embeddings
   return absl::OkStatus();
 }
 

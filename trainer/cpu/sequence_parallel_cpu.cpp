@@ -262,7 +262,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.dln.data(), loc, batch, c));
     PTK_RETURN_IF_ERROR(LayerNormBackwardRows(dresid, lp.ln1_w, lp.ln1_b, loc, a.resid[l].data(), a.ln1_mean[l].data(),
                                               a.ln1_rstd[l].data(), nl));
-    GradsReady(static_cast<size_t>(Ls - l));
+    GradsReady(static_cast<size_t>(stage_layers() - l));
   }
   // A later pipeline stage leaves its input's gradient (this rank's rows) in dresid, for the previous stage.
   if (chunk_pre_process()) {
@@ -271,7 +271,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     cpu::VocabSliceEmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dtmp.data(), batch.tokens,
                                      batch.position_ids, r.me * vp, vp, n, c);
   }
-  GradsReady(static_cast<size_t>(Ls) + 1);
+  GradsReady(static_cast<size_t>(stage_layers()) + 1);
   return absl::OkStatus();
 }
 

@@ -28,7 +28,7 @@ class CudaBackend final : public Backend {
 }  // namespace
 }  // namespace ptk::cuda
 
-extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v8() {
+extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v9() {
   static const ptk::cuda::CudaBackend backend;
   return &backend;
 }

@@ -39,16 +39,17 @@ class Backend {
   ~Backend() = default;  // the module's own static object: never deleted through this interface
 };
 
-// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v8(void)
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v9(void)
 // (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel;
 // v5: GPTModel::StageBuffers and GPTModel::Synchronize, Communicator::SendRecvDevice: virtuals of the classes both
 // sides share; v6: GPTModel's sequence_parallel_ member, which the module's model sets; v7:
 // GPTModel::AllReduceGradRanges, a virtual, and GPTModel's sequence_parallel_ranges_ member; v8: GPTConfig's
-// qk_layernorm and LayerParams' query and key norms, that member renamed non_tensor_parallel_ranges_).
+// qk_layernorm and LayerParams' query and key norms, that member renamed non_tensor_parallel_ranges_; v9:
+// GPTModel::ReserveStageSlots and Communicator::BatchSendRecvDevice, virtuals).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
-inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v8";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v9";
 using BackendEntryFn = const Backend* (*)();
 
 }  // namespace ptk::cuda
 
-extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v8();
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v9();

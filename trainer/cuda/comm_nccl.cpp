@@ -77,6 +77,7 @@ class NcclCommunicator : public Communicator {
     for (const Pending& p : pending_) cudaEventDestroy(p.done);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     if (scratch_) cudaFree(scratch_);
+    if (batch_scratch_) cudaFree(batch_scratch_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -265,6 +266,13 @@ class NcclCommunicator : public Communicator {
     if (!stream) return absl::InvalidArgumentError("SendRecvDevice: no stream");
     return PointToPoint(send, send_bytes, dst, recv, recv_bytes, src, static_cast<cudaStream_t>(stream));
   }
+  absl::Status BatchSendRecv(std::span<const P2pMessage> messages) override {
+    return BatchPointToPoint(messages, nullptr);
+  }
+  absl::Status BatchSendRecvDevice(std::span<const P2pMessage> messages, void* stream) override {
+    if (!stream) return absl::InvalidArgumentError("BatchSendRecvDevice: no stream");
+    return BatchPointToPoint(messages, static_cast<cudaStream_t>(stream));
+  }
 
  private:
   struct Pending {
@@ -394,6 +402,70 @@ class NcclCommunicator : public Communicator {
     return absl::OkStatus();
   }
 
+  // A batch of messages (Megatron's batch_isend_irecv): chunk k (kSendRecvChunkBytes) of every
+  // message in one group, posted in the batch's order; NCCL matches a pair's messages in the order
+  // each end posts them (no channels: P2pMessage::channel is not sent). Host memory is staged
+  // through a device buffer of a chunk per message, the host waiting for each group; device
+  // memory goes as it is on the caller's stream, nothing waited for.
+  absl::Status BatchPointToPoint(std::span<const P2pMessage> messages, cudaStream_t device_stream) {
+    const bool staged = device_stream == nullptr;
+    std::vector<P2pMessage> live;
+    int64_t longest = 0;
+    std::string what;
+    for (const P2pMessage& m : messages) {
+      if (m.peer < 0 || m.bytes <= 0) continue;
+      PTK_RETURN_IF_ERROR(CheckPeers(m.peer, -1));
+      if ((m.send == nullptr) == (m.recv == nullptr))
+        return absl::InvalidArgumentError("BatchSendRecv: each message is one send or one receive");
+      live.push_back(m);
+      longest = std::max(longest, m.bytes);
+      what += fmt::format("{}{}{} of {} bytes {} rank {}", what.empty() ? "" : " / ", staged ? "" : "device ",
+                          m.send ? "send" : "receive", m.bytes, m.send ? "to" : "from", m.peer);
+    }
+    if (live.empty()) return absl::OkStatus();
+    const int64_t chunk = std::min(kSendRecvChunkBytes, longest);
+    const cudaStream_t s = staged ? stream_ : device_stream;
+    if (staged && batch_scratch_bytes_ < static_cast<int64_t>(live.size()) * chunk) {
+      if (batch_scratch_) PTK_RETURN_IF_ERROR(Cuda(cudaFree(batch_scratch_), "freeing NCCL's batch staging buffer"));
+      batch_scratch_ = nullptr;
+      batch_scratch_bytes_ = 0;
+      PTK_RETURN_IF_ERROR(Cuda(cudaMalloc(&batch_scratch_, static_cast<size_t>(live.size()) * chunk),
+                               "allocating NCCL's batch staging buffer"));
+      batch_scratch_bytes_ = static_cast<int64_t>(live.size()) * chunk;
+    }
+    for (int64_t at = 0; at < longest; at += chunk) {
+      auto part = [&](size_t i) { return static_cast<size_t>(std::clamp<int64_t>(live[i].bytes - at, 0, chunk)); };
+      auto device = [&](size_t i) -> char* {
+        if (staged) return static_cast<char*>(batch_scratch_) + static_cast<int64_t>(i) * chunk;
+        return (live[i].send ? static_cast<char*>(const_cast<void*>(live[i].send)) : static_cast<char*>(live[i].recv)) +
+               at;
+      };
+      for (size_t i = 0; staged && i < live.size(); ++i)
+        if (live[i].send && part(i) > 0)
+          PTK_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(device(i), static_cast<const char*>(live[i].send) + at, part(i),
+                                                   cudaMemcpyHostToDevice, s),
+                                   "staging a send"));
+      PTK_RETURN_IF_ERROR(Run(what.c_str(), s, [&] {
+        ncclResult_t r = ncclGroupStart();
+        for (size_t i = 0; r == ncclSuccess && i < live.size(); ++i) {
+          if (part(i) == 0) continue;
+          r = live[i].send ? ncclSend(device(i), part(i), ncclUint8, live[i].peer, comm_, s)
+                           : ncclRecv(device(i), part(i), ncclUint8, live[i].peer, comm_, s);
+        }
+        const ncclResult_t end = ncclGroupEnd();
+        return r != ncclSuccess ? r : end;
+      }));
+      if (!staged) continue;
+      for (size_t i = 0; i < live.size(); ++i)
+        if (live[i].recv && part(i) > 0)
+          PTK_RETURN_IF_ERROR(Cuda(
+              cudaMemcpyAsync(static_cast<char*>(live[i].recv) + at, device(i), part(i), cudaMemcpyDeviceToHost, s),
+              what));
+      PTK_RETURN_IF_ERROR(WaitStream(what.c_str()));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status EnsureScratch() {
     if (scratch_) return absl::OkStatus();
     return Cuda(cudaMalloc(&scratch_, kScratchBytes), "allocating NCCL's staging buffer");
@@ -490,6 +562,8 @@ class NcclCommunicator : public Communicator {
   cudaEvent_t last_event_ = nullptr;  // the last collective's, on last_stream_
   cudaStream_t last_stream_ = nullptr;
   void* scratch_ = nullptr;
+  void* batch_scratch_ = nullptr;  // BatchPointToPoint's staging of host messages
+  int64_t batch_scratch_bytes_ = 0;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -108,21 +108,26 @@ std::string CudaGPTModelImpl<T>::Describe() const {
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
+absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64_t t) {
   PlanOptions o{.precision = PrecisionOf<T>(), .micro_batch_size = b, .seq_length = t};
   o.tensor = tensor_size();
   o.layers = StageLayers();
   if (layout().pipeline_size > 1) {  // the micro-batches in flight on this stage (1F1B): P - s
-    o.pipeline_slots = layout().pipeline_size - layout().pipeline_rank;
+    o.pipeline_slots = std::max<int64_t>(layout().pipeline_size - layout().pipeline_rank, reserved_slots_);
+    o.pipeline_chunks = layout().virtual_size;  // the interleaved schedule: a slot holds one chunk's layers
     o.pipeline_last = layout().post_process;
     o.pipeline_host_exchange = host_exchange_;
   }
   o.sequence_parallel = sequence_parallel_;
-  if (sequence_parallel_)
-    for (const GradRange& g : SequenceParallelGradRanges(layout())) o.sequence_parallel_grads += g.size();
+  // SumNonTensorParallelGrads' buffer: sequence parallelism's partial gradients, or the query and
+  // key norms' (each tensor rank's heads' share).
+  if (tensor_size() > 1)
+    for (const GradRange& g : NonTensorParallelGradRanges(layout(), sequence_parallel_))
+      o.non_tensor_parallel_grads += g.size();
   // This rank's query heads and groups.
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};
+  if (config().qk_layernorm) o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
   o.attention_scratch_floats = kFlash ? 0 : AttentionBackwardScratch(shape);
   o.reduce_doubles = SumSquaresPartials(num_params());
   o.padded_params = padded_params_;
@@ -145,6 +150,12 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
       o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, one);
     }
   }
+  return o;
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
+  PTK_ASSIGN_OR_RETURN(const PlanOptions o, PlanOptionsFor(b, t));
   size_t free_bytes = 0, total_bytes = 0;
   PTK_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "querying free device memory");
   // The LM head in one chunk when the device has room for all its logits (the old allocation,
@@ -234,8 +245,8 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
                                            cudaMemcpyHostToDevice, ctx_.stream),
                            fmt::format("copying a {}x{} micro-batch to the device", b_, t_));
   if (dropout) {
-    // A pipeline stage's layers are keyed by their index in the whole model, the embedding (the
-    // table's last layer) by the model's layer count, as on one stage.
+    // A pipeline stage's layers (every model chunk's) are keyed by their index in the whole model,
+    // the embedding (the table's last layer) by the model's layer count, as on one stage.
     const int64_t L = StageLayers();
     uint64_t* table = pinned.at<uint64_t>(static_cast<size_t>(in_bytes));
     // Head h's attention mask is stream streams[b] + h: a tensor rank whose first head is head0
@@ -246,7 +257,7 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
         for (int64_t r = 0; r < b_; ++r)
           table[StreamIndex(l, site, b_) + r] =
               DropoutStream(static_cast<uint64_t>(batch.sample_keys[r]),
-                            static_cast<uint64_t>(l == L ? config().num_layers : layout().first_layer + l),
+                            static_cast<uint64_t>(l == L ? config().num_layers : GlobalLayer(l)),
                             static_cast<uint64_t>(site)) +
               (site == kAttentionProbs ? head0 : 0);
     PTK_CUDA_RETURN_IF_ERROR(
@@ -274,6 +285,7 @@ absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_s
   template absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t micro_batch_size, \
                                                   bool profile, const CudaModelOptions& options);           \
   template std::string CudaGPTModelImpl<T>::Describe() const;                                               \
+  template absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64_t t);           \
   template absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t);                                    \
   template absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_scale, bool dropout);
 PTK_INSTANTIATE(float)

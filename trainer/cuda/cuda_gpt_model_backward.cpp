@@ -53,7 +53,10 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
   const AttentionShape shape = Shape();
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = StageLayers();
+  // L: the stage's layers (the embedding's dropout streams); the selected chunk's are [l0, l1).
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(), L = StageLayers(),
+                l0 = chunk_layer_begin(), l1 = chunk_layer_end();
+  const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   const bool tp = tensor_size() > 1;
   // Under tensor parallelism the norms, the position embeddings and the row-parallel biases are
@@ -72,20 +75,20 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
 
   layer_ = -1;
   // A stage before the last starts from the next stage's gradient, already in dresid (StageBackward).
-  if (pl.post_process) {
+  if (post) {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "final norm backward",
-                           LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, L, n * c),
+                           LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, l1, n * c),
                                       Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
-                                      scratch, ctx_, dbranch, FusedDropout(L - 1, kMlpOutDropout, hp, seed))));
+                                      scratch, ctx_, dbranch, FusedDropout(l1 - 1, kMlpOutDropout, hp, seed))));
   }
   GradsReady(0);  // the final norm (and an untied output layer): --overlap-grad-reduce's buckets
-  for (int64_t l = L - 1; l >= 0; --l) {
+  for (int64_t l = l1 - 1; l >= l0; --l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(act(fc1(ln2(resid_mid)))))
     const T* dmlp = dtmp;  // fused: the masked gradient the LayerNorm above left (none above a stage's output)
-    if (!fuse || (l + 1 == L && !pl.post_process)) {
+    if (!fuse || (l + 1 == l1 && !post)) {
       PTK_ASSIGN_OR_RETURN(dmlp, BranchGrad(dresid, dtmp, act_bytes, l, kMlpOutDropout, hp, seed));
     }
     PTK_RETURN_IF_ERROR(MlpBackward(l, dmlp));
@@ -103,9 +106,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
                            MatmulBackward<T>(datt, Grad(lp.proj_w), Grad(lp.proj_b), dproj, Act(plan_.atty, l, n * ct),
                                              Compute(lp.proj_w), n, ct, c, ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
-    if (cf.rope())  // the rotation's transpose: the gradient of the QKV product's output
-      PTK_RETURN_IF_ERROR(
-          Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+    PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // the gradient of the QKV product's output
     PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
                            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
                                              Compute(lp.qkv_w), n, c, qw, ctx_)));
@@ -113,15 +114,15 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "ln1 backward",
                            LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
                                       Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
-                                      scratch, ctx_, l > 0 ? dbranch : (fuse && pl.pre_process ? dresid : nullptr),
-                                      l > 0            ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
-                                      : pl.pre_process ? FusedDropout(L, kEmbeddingDropout, hp, seed)
-                                                       : LnDropout{})));
+                                      scratch, ctx_, l > l0 ? dbranch : (fuse && pre ? dresid : nullptr),
+                                      l > l0 ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
+                                      : pre  ? FusedDropout(L, kEmbeddingDropout, hp, seed)
+                                             : LnDropout{})));
     GradsReady(static_cast<size_t>(L - l));  // layer l
   }
   layer_ = -1;
   // A later stage leaves its input's gradient in dresid, for the previous stage.
-  if (!pl.pre_process) {
+  if (!pre) {
     GradsReady(static_cast<size_t>(L) + 1);  // the embeddings (none here)
     return absl::OkStatus();
   }
@@ -183,7 +184,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
     }
     const T* out = Act(plan_.atty, l, n * c);
     const int64_t per_sample = FlashStatsStride(nh, t_);  // as AttentionFwd keeps them
-    const float* stats = Buf<float>(plan_.attn_saved) + l * b_ * per_sample;
+    const float* stats = Buf<float>(plan_.attn_saved) + SlotLayer(l) * b_ * per_sample;
     if (ap <= 0) {
       PTK_RETURN_IF_ERROR(FlashAttentionBackward<T>(dq, datt, out, stats, qkv, shape, 0.0, 0, 0, ctx_));
     } else {
@@ -200,12 +201,26 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
     return absl::OkStatus();
   } else {
     const bool recompute = config().recompute_activations;
-    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : l) * b_ * shape.nh * t_ * t_;
+    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * t_;
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
     if (recompute)  // the probabilities again; the output lands in a scratch buffer
       PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
     return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);
   }
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const AttentionShape& shape) {
+  const GPTConfig& cf = config();
+  if (cf.rope())  // the rotation's transpose
+    PTK_RETURN_IF_ERROR(
+        Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+  if (!cf.qk_layernorm) return absl::OkStatus();
+  const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
+  return Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms backward",
+            QKNormBackward<T>(dqkv, Grad(lp.q_norm_w), Grad(lp.q_norm_b), Grad(lp.k_norm_w), Grad(lp.k_norm_b),
+                              Act(plan_.qkv_raw, l, n_ * shape.qkv_width()), Ln(lp.q_norm_w), Ln(lp.k_norm_w),
+                              QKMean(l), QKRstd(l), shape, Buf<double>(plan_.qk_scratch), ctx_));
 }
 
 #define PTK_INSTANTIATE(T)                                                                                             \
@@ -218,7 +233,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
                                                         int64_t n, int64_t c, float* scratch, const CudaContext& ctx,  \
                                                         T* dbranch, const LnDropout& drop);                            \
   template absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l,                           \
-                                                          const AttentionShape& shape, double ap, uint64_t seed);
+                                                          const AttentionShape& shape, double ap, uint64_t seed);      \
+  template absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const AttentionShape& shape);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)

@@ -157,6 +157,11 @@ class CudaGPTModelImpl final : public GPTModel {
                                                 bool train, uint64_t seed, std::vector<float>* logits,
                                                 bool defer_loss) override;
   absl::Status StageBackwardExchanged(const ModelBatch& batch, int slot, bool train, uint64_t seed) override;
+  // Under --sequence-parallel this tensor rank's positions of each sample, (b, t / T, hidden):
+  // the residual stream's rows it keeps, which cross the stage boundary as Megatron sends them.
+  int64_t StageExchangeFloats(const ModelBatch& batch) const override {
+    return batch.b * (sequence_parallel_ ? batch.t / tensor_size() : batch.t) * config().hidden_size;
+  }
   absl::Status AllReduceGradRange(Communicator* comm, int64_t begin, int64_t n) override;
   absl::Status AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges) override;
   absl::Status AllGatherGradRange(Communicator* comm, int64_t begin, int64_t n) override;
@@ -217,8 +222,16 @@ class CudaGPTModelImpl final : public GPTModel {
     else
       return Master(offset);
   }
-  T* Act(int index, int64_t layer, int64_t per_layer) const { return Buf<T>(index) + layer * per_layer; }
-  float* Stats(int index, int64_t layer) const { return Buf<float>(index) + layer * 2 * plan_.n; }
+  // Layer `layer` of the stage (the selected model chunk's: a slot holds the layers
+  // [chunk_layer_begin(), chunk_layer_end()] of one chunk, the residual stream's one more).
+  T* Act(int index, int64_t layer, int64_t per_layer) const {
+    return Buf<T>(index) + (layer - chunk_layer_begin()) * per_layer;
+  }
+  float* Stats(int index, int64_t layer) const {
+    return Buf<float>(index) + (layer - chunk_layer_begin()) * 2 * plan_.n;
+  }
+  // Layer l's place among the slot's layers (the per-layer buffers the memory plan keeps).
+  int64_t SlotLayer(int64_t l) const { return l - chunk_layer_begin(); }
 
   // cuda_gpt_model_ops.cpp: each op through Op, each synchronisation through Sync.
   // An error here may come from any op enqueued since the last synchronisation (kernels fault
@@ -255,6 +268,7 @@ class CudaGPTModelImpl final : public GPTModel {
   // cuda_pipeline_stage.cpp.
   // The stage's transformer layers (all of them without pipeline parallelism).
   int64_t StageLayers() const { return static_cast<int64_t>(layout().layers.size()); }
+  static constexpr int kMaxSlots = 64;  // slots_live_ has a bit per slot
   absl::Status SelectSlot(int slot, std::string_view what);
   // The device memory planned for `batch`: re-planned when it is larger than planned, refused while
   // another slot's activations are in flight (a re-plan keeps the parameters only).
@@ -274,6 +288,19 @@ class CudaGPTModelImpl final : public GPTModel {
   // The fp32 host activation (n_, hidden) to a T device buffer and back, through pipeline_exchange.
   absl::Status ExchangeIn(T* dst, std::span<const float> host, std::string_view what);
   absl::Status ExchangeOut(std::span<float> host, const T* src, std::string_view what);
+  // The interleaved schedule's slots (ReserveStageSlots): room made for them, refused while any
+  // slot's activations are in flight.
+  absl::Status ReserveStageSlots(int slots) override;
+  // With model chunks, the slot's output gradient (the next stage's, received before the slot's
+  // backward; several may wait): copied into dresid when the backward starts.
+  T* OutputGrad(int slot) const {
+    return Buf<T>(plan_.pipeline_output_grads) +
+           static_cast<int64_t>(slot) *
+               AlignUp(ExchangeRows() * config().hidden_size * static_cast<int64_t>(sizeof(T))) /
+               static_cast<int64_t>(sizeof(T));
+  }
+  // The residual stream's rows on this rank (its positions under sequence parallelism).
+  int64_t ExchangeRows() const { return sequence_parallel_ ? plan_.n / tensor_size() : plan_.n; }
   // The slot's final-norm gradient (the last stage's LM head leaves it in dln).
   T* HeadGrad(int slot) const {
     return Buf<T>(plan_.pipeline_head_grads) +
@@ -285,6 +312,9 @@ class CudaGPTModelImpl final : public GPTModel {
   // (Re)plans the device memory for (b, t) and allocates it in one piece; the parameters, gradients
   // and moments (the plan's first buffers, whose offsets do not depend on the shape) move along.
   absl::Status Plan(int64_t b, int64_t t);
+  // What Plan asks of the memory plan for (b, t): the shape, the stage's slots and chunks, the
+  // parallel layouts, the scratch the ops ask for (cuDNN's workspace queried).
+  absl::StatusOr<PlanOptions> PlanOptionsFor(int64_t b, int64_t t);
   // Checks the batch, re-plans when it is larger than planned, and copies its inputs (tokens,
   // labels, positions, the per-token loss weights, the dropout streams) through pinned memory.
   absl::Status Prepare(const ModelBatch& batch, double loss_scale, bool dropout);
@@ -310,6 +340,12 @@ class CudaGPTModelImpl final : public GPTModel {
   // RoPE's fp32 tables (cos, then sin: plan_.t x rotary dim / 2 each), uploaded by Plan.
   const float* RopeCos() const { return Buf<float>(plan_.rope_tables); }
   const float* RopeSin() const { return RopeCos() + plan_.t * (config().rotary_dim() / 2); }
+  // --qk-layernorm: layer l's query and key norm statistics (per token and normalised head, the
+  // planned n apart, as Stats): LayerNorm's mean (null under RMSNorm) and rstd.
+  float* QKMean(int64_t l) const { return Rms() ? nullptr : Buf<float>(plan_.qk_stats) + l * plan_.qk_stats_per_layer; }
+  float* QKRstd(int64_t l) const {
+    return Buf<float>(plan_.qk_stats) + l * plan_.qk_stats_per_layer + (Rms() ? 0 : plan_.n * plan_.qk_rows);
+  }
 
   // cuda_gpt_model_pass.cpp.
   absl::Status Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
@@ -324,7 +360,8 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status RunForward(bool train, uint64_t seed);
   absl::Status AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
   // A transformer layer's fused QKV product over ln1's output (gathered whole under sequence
-  // parallelism), RoPE where the model has it, and attention into atty[l] (proj's input).
+  // parallelism), the query and key norms (--qk-layernorm: the product kept in qkv_raw[l], its
+  // normalised copy in qkv[l]), RoPE where the model has it, and attention into atty[l] (proj's input).
   absl::Status SelfAttentionForward(int64_t l, double ap, uint64_t seed);
   // The LM head and the loss, chunk by chunk of rows. With backward, each chunk's logits become
   // their gradient at once and flow back into the final LayerNorm's gradient (dln) and the output
@@ -396,6 +433,10 @@ class CudaGPTModelImpl final : public GPTModel {
     return LnDropout{Streams(layer, site), t_, p, seed};
   }
   absl::Status AttentionBwd(T* dqkv, const T* datt, int64_t l, const AttentionShape& shape, double ap, uint64_t seed);
+  // From attention's input gradient dqkv (in place) to the QKV product's output gradient: RoPE's
+  // inverse rotation, then --qk-layernorm's backward (its weights' and biases' gradients added:
+  // this rank's heads' share, summed over the tensor group by SumNonTensorParallelGrads).
+  absl::Status QkvInputBackward(T* dqkv, int64_t l, const AttentionShape& shape);
   // The masked loss sum and token count, summed on the host exactly as the CPU model does.
   absl::StatusOr<LossSum> Losses(const ModelBatch& batch);
   // The per-token losses copied to a pinned slot of their own (asynchronously), with the batch's
@@ -423,6 +464,7 @@ class CudaGPTModelImpl final : public GPTModel {
   int slot_ = 0;
   uint64_t slots_live_ = 0;
   bool host_exchange_ = false;                            // the host exchange (UseHostExchange)
+  int reserved_slots_ = 0;                                // ReserveStageSlots' (0: 1F1B's P - s)
   std::vector<std::pair<int64_t, int64_t>> slot_shapes_;  // each live slot's (b, t)
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;

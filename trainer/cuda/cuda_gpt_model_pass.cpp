@@ -139,7 +139,11 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   // This rank's slices under tensor parallelism (everything at one tensor rank): its query heads and
   // groups (shape), the attention width ct.
   const AttentionShape shape = Shape();
-  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, L = StageLayers();
+  // L: the stage's layers (the embedding's dropout streams are the table's layer L); the selected
+  // model chunk runs the layers [l0, l1) of them (all without chunks).
+  const int64_t n = n_, c = cf.hidden_size, ct = shape.nh * shape.hd, L = StageLayers(), l0 = chunk_layer_begin(),
+                l1 = chunk_layer_end();
+  const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   T* tmp = Buf<T>(plan_.tmp);
   const bool tp = tensor_size() > 1;
@@ -154,34 +158,34 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
   const bool fuse = FuseDropout(hp);
 
   layer_ = -1;
-  // A later pipeline stage starts from the previous stage's output, already in resid[0].
-  if (pl.pre_process && !tp) {
+  // A later pipeline stage (or model chunk) starts from the previous one's output, already in resid[l0].
+  if (pre && !tp) {
     PTK_RETURN_IF_ERROR(Op("embedding", "embedding",
-                           EmbeddingForward<T>(Act(plan_.resid, 0, n * c), Tokens(), Positions(), Compute(pl.wte),
+                           EmbeddingForward<T>(Act(plan_.resid, l0, n * c), Tokens(), Positions(), Compute(pl.wte),
                                                Compute(pl.wpe), n, c, ctx_)));
-  } else if (pl.pre_process) {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
+  } else if (pre) {  // vocabulary-parallel: each rank its rows, zeros elsewhere, summed; then the positions
     const int64_t vt = cf.padded_vocab_size / tensor_size();
     PTK_RETURN_IF_ERROR(Op("embedding", "vocabulary-slice embedding",
                            VocabSliceEmbeddingForward<T>(Buf<float>(plan_.tp_sum), Tokens(), Compute(pl.wte),
                                                          tensor_rank() * vt, vt, n, c, ctx_)));
-    PTK_RETURN_IF_ERROR(TensorSum(Act(plan_.resid, 0, n * c), n, c, nullptr, Positions(), Compute(pl.wpe),
+    PTK_RETURN_IF_ERROR(TensorSum(Act(plan_.resid, l0, n * c), n, c, nullptr, Positions(), Compute(pl.wpe),
                                   /*summed_in_fp32=*/true));
   }
-  const LayerParams& first = pl.layers[0];
-  if (fuse && pl.pre_process) {
-    PTK_RETURN_IF_ERROR(
-        Op("layernorm", "embedding dropout+ln1",
-           DropoutLayerNormForward<T>(Act(plan_.resid, 0, n * c), Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
-                                      Stats(plan_.ln1_stats, 0) + n, Ln(first.ln1_w), Ln(first.ln1_b), n, c,
-                                      cf.layernorm_epsilon, FusedDropout(L, kEmbeddingDropout, hp, seed), ctx_)));
+  const LayerParams& first = pl.layers[static_cast<size_t>(l0)];
+  if (fuse && pre) {
+    PTK_RETURN_IF_ERROR(Op(
+        "layernorm", "embedding dropout+ln1",
+        DropoutLayerNormForward<T>(Act(plan_.resid, l0, n * c), Act(plan_.ln1, l0, n * c), Stats(plan_.ln1_stats, l0),
+                                   Stats(plan_.ln1_stats, l0) + n, Ln(first.ln1_w), Ln(first.ln1_b), n, c,
+                                   cf.layernorm_epsilon, FusedDropout(L, kEmbeddingDropout, hp, seed), ctx_)));
   } else {
-    if (pl.pre_process)
+    if (pre)
       PTK_RETURN_IF_ERROR(
-          Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, 0, n * c), L, kEmbeddingDropout, hp, seed)));
-    PTK_RETURN_IF_ERROR(NormForward("ln1", nullptr, Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0),
-                                    Act(plan_.resid, 0, n * c), nullptr, first.ln1_w, first.ln1_b, {}));
+          Op("dropout", "embedding dropout", Dropout(Act(plan_.resid, l0, n * c), L, kEmbeddingDropout, hp, seed)));
+    PTK_RETURN_IF_ERROR(NormForward("ln1", nullptr, Act(plan_.ln1, l0, n * c), Stats(plan_.ln1_stats, l0),
+                                    Act(plan_.resid, l0, n * c), nullptr, first.ln1_w, first.ln1_b, {}));
   }
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = l0; l < l1; ++l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
     T* atty = Act(plan_.atty, l, n * ct);
@@ -198,12 +202,11 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
                                      lp.fc2_b, cf.ffn_hidden_size / tensor_size()));
     if (!fuse) PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", Dropout(tmp, l, kMlpOutDropout, hp, seed)));
     // resid[l+1] = resid_mid[l] + dropout(tmp), then the next norm (the next layer's or the final one).
-    const bool last = l + 1 == L;
-    // The next norm's weights; a stage before the last has no final norm: the fused kernel still
-    // writes the residual (the next stage's input, the same bits as on one stage) and its norm,
-    // taken with this stage's first ln1 weights, lands in the unused lnf buffers.
-    const LayerParams* next =
-        last ? (pl.post_process ? nullptr : &pl.layers[0]) : &pl.layers[static_cast<size_t>(l + 1)];
+    const bool last = l + 1 == l1;
+    // The next norm's weights; a stage (or chunk) before the last has no final norm: the fused
+    // kernel still writes the residual (the next stage's input, the same bits as on one stage) and
+    // its norm, taken with the chunk's first ln1 weights, lands in the unused lnf buffers.
+    const LayerParams* next = last ? (post ? nullptr : &first) : &pl.layers[static_cast<size_t>(l + 1)];
     PTK_RETURN_IF_ERROR(NormForward(fuse ? "dropout+residual+ln" : "residual+ln", Act(plan_.resid, l + 1, n * c),
                                     last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c),
                                     last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1),
@@ -221,9 +224,15 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
   const AttentionShape shape = Shape();  // this tensor rank's heads and groups
   const int64_t n = n_, c = cf.hidden_size, qw = shape.qkv_width();
   T* qkv = Act(plan_.qkv, l, n * qw);
+  // --qk-layernorm: the product lands in qkv_raw (what the norms' backward reads), normalised into qkv.
+  T* product = cf.qk_layernorm ? Act(plan_.qkv_raw, l, n * qw) : qkv;
   PTK_RETURN_IF_ERROR(
       Op("matmul", "qkv",
-         MatmulForward<T>(qkv, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
+         MatmulForward<T>(product, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
+  if (cf.qk_layernorm)
+    PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms",
+                           QKNormForward<T>(qkv, QKMean(l), QKRstd(l), product, Ln(lp.q_norm_w), Ln(lp.q_norm_b),
+                                            Ln(lp.k_norm_w), Ln(lp.k_norm_b), shape, cf.layernorm_epsilon, ctx_)));
   if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
     PTK_RETURN_IF_ERROR(Op("rope", "rope", RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
   return Op("attention", "attention",
@@ -243,7 +252,7 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
     }
     // The layer's statistics (each sample's 16-byte aligned: FlashStatsStride).
     const int64_t per_sample = FlashStatsStride(nh, t_);
-    float* stats = Buf<float>(plan_.attn_saved) + l * b_ * per_sample;
+    float* stats = Buf<float>(plan_.attn_saved) + SlotLayer(l) * b_ * per_sample;
     if (ap <= 0) return FlashAttentionForward<T>(atty, stats, qkv, shape, 0.0, 0, 0, ctx_);
     // Dropout: one sample per call, its own key (Prepare).
     const AttentionShape one{1, t_, nh, shape.hd, shape.ng};
@@ -252,7 +261,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
                                                    ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
     return absl::OkStatus();
   } else {
-    float* probs = Buf<float>(plan_.attn_saved) + (config().recompute_activations ? 0 : l) * b_ * shape.nh * t_ * t_;
+    float* probs =
+        Buf<float>(plan_.attn_saved) + (config().recompute_activations ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * t_;
     return AttentionForward(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr, ctx_);
   }
 }
@@ -264,8 +274,9 @@ absl::Status CudaGPTModelImpl<T>::RunHead(bool backward, std::vector<float>* log
   // output layer; no rank holds whole logits), all of them at one tensor rank.
   const int64_t n = n_, c = cf.hidden_size, vp = cf.padded_vocab_size / tensor_size(), out_w = layout().out_w;
   const bool tp = tensor_size() > 1;
-  if (!layout().post_process)
-    return absl::FailedPreconditionError("the LM head runs on the last pipeline stage only (StageForward)");
+  if (!chunk_post_process())
+    return absl::FailedPreconditionError(
+        "the LM head runs on the last pipeline stage only (its last model chunk; StageForward)");
   T* logits = Buf<T>(plan_.logits);
   const T* lnf = Buf<T>(plan_.lnf);
   float* losses = Buf<float>(plan_.losses);

@@ -39,12 +39,29 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::SelectSlot(int slot, std::string_view what) {
   if (layout().pipeline_size <= 1)
     return absl::FailedPreconditionError(fmt::format("{}: the model is not a pipeline stage", what));
-  if (slot < 0 || slot >= plan_.slots || slot >= 64)  // slots_live_ has a bit per slot
+  if (slot < 0 || slot >= plan_.slots || slot >= kMaxSlots)  // slots_live_ has a bit per slot
     return absl::InvalidArgumentError(
         fmt::format("{}: activation slot {} outside the {} this stage keeps (stage {} of {})", what, slot, plan_.slots,
                     layout().pipeline_rank, layout().pipeline_size));
   slot_ = slot;
   return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::ReserveStageSlots(int slots) {
+  if (layout().pipeline_size <= 1)
+    return absl::FailedPreconditionError("ReserveStageSlots: the model is not a pipeline stage");
+  if (slots > kMaxSlots)
+    return absl::InvalidArgumentError(
+        fmt::format("the interleaved pipeline schedule takes {} activation slots on stage {} of {}; the CUDA model "
+                    "keeps at most {}: fewer micro-batches per step or model chunks",
+                    slots, layout().pipeline_rank, layout().pipeline_size, kMaxSlots));
+  if (slots <= plan_.slots) return absl::OkStatus();
+  if (slots_live_ != 0)
+    return absl::FailedPreconditionError(
+        fmt::format("ReserveStageSlots: {} slots asked for while micro-batches' activations are in flight", slots));
+  reserved_slots_ = slots;
+  return Plan(plan_.b, plan_.t);  // the parameters move along; no activation is alive
 }
 
 template <typename T>
@@ -116,20 +133,23 @@ absl::StatusOr<StageExchange> CudaGPTModelImpl<T>::StageBuffers(const ModelBatch
   if (host_exchange_) return GPTModel::StageBuffers(batch, slot, device_memory);
   PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageBuffers"));
   PTK_RETURN_IF_ERROR(PlanStage(batch, slot, "StageBuffers"));
-  const int64_t n = batch.b * batch.t, c = config().hidden_size;
+  const int64_t c = config().hidden_size;
   StageExchange e;
   e.elements = StageExchangeFloats(batch);
   e.wire = PrecisionOf<T>();
   e.stream = static_cast<void*>(ctx_.stream);
-  // The slot's residual stream (SelectSlot): the stage's input is its layer 0, its output its last
-  // layer's, where StageForwardPass reads and writes them; the gradients in and out of dresid.
-  if (!layout().pre_process) {
-    e.input = Act(plan_.resid, 0, n * c);
+  // The slot's residual stream (SelectSlot): the stage's (chunk's) input is its first layer's, its
+  // output its last layer's, where StageForwardPass reads and writes them; the gradients in and out
+  // of dresid. With model chunks the output gradient has a buffer per slot: the interleaved schedule
+  // may receive several before their backwards, and receives one while dresid's goes out.
+  const int64_t rows = StageExchangeFloats(batch) / c;
+  if (!chunk_pre_process()) {
+    e.input = Act(plan_.resid, chunk_layer_begin(), rows * c);
     e.input_grad = Buf<T>(plan_.dresid);
   }
-  if (!layout().post_process) {
-    e.output = Act(plan_.resid, StageLayers(), n * c);
-    e.output_grad = Buf<T>(plan_.dresid);
+  if (!chunk_post_process()) {
+    e.output = Act(plan_.resid, chunk_layer_end(), rows * c);
+    e.output_grad = layout().virtual_size > 1 ? OutputGrad(slot) : Buf<T>(plan_.dresid);
   }
   return e;
 }
@@ -181,25 +201,25 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForwardPass(const ModelBatch& 
   PTK_RETURN_IF_ERROR(PlanStage(batch, slot, "StageForward"));
   const int64_t nc = StageExchangeFloats(batch);
   if (!direct) {
-    PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), layout().pre_process ? 0 : nc));
-    PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), layout().post_process ? 0 : nc));
+    PTK_RETURN_IF_ERROR(CheckActivation("StageForward input", input.size(), chunk_pre_process() ? 0 : nc));
+    PTK_RETURN_IF_ERROR(CheckActivation("StageForward output", output.size(), chunk_post_process() ? 0 : nc));
   }
   PTK_RETURN_IF_ERROR(Prepare(batch, loss_scale.value_or(0.0), dropout));
   Begin();
   const int64_t c = config().hidden_size;
   slots_live_ &= ~bit;  // a forward pass over the slot overwrites what it held
-  if (!layout().pre_process && !direct)
-    PTK_RETURN_IF_ERROR(ExchangeIn(Act(plan_.resid, 0, n_ * c), input, "StageForward input"));
+  if (!chunk_pre_process() && !direct)
+    PTK_RETURN_IF_ERROR(ExchangeIn(Act(plan_.resid, chunk_layer_begin(), nc), input, "StageForward input"));
   PTK_RETURN_IF_ERROR(RunForward(train, seed));
   if (loss_scale) {
     slots_live_ |= bit;
     if (slot_shapes_.size() < static_cast<size_t>(plan_.slots)) slot_shapes_.resize(static_cast<size_t>(plan_.slots));
     slot_shapes_[static_cast<size_t>(slot)] = {batch.b, batch.t};
   }
-  if (!layout().post_process) {
+  if (!chunk_post_process()) {
     // Direct: the output stays in the slot's residual stream, where the schedule sends it from.
     if (!direct)
-      PTK_RETURN_IF_ERROR(ExchangeOut(output, Act(plan_.resid, StageLayers(), n_ * c), "StageForward output"));
+      PTK_RETURN_IF_ERROR(ExchangeOut(output, Act(plan_.resid, chunk_layer_end(), nc), "StageForward output"));
     return LossSum{};
   }
   // With a loss scale the LM head leaves the final norm's output gradient in dln: the slot keeps it
@@ -229,9 +249,9 @@ absl::Status CudaGPTModelImpl<T>::StageBackwardPass(const ModelBatch& batch, int
   const int64_t nc = StageExchangeFloats(batch);
   if (!direct) {
     PTK_RETURN_IF_ERROR(
-        CheckActivation("StageBackward output gradient", output_grad.size(), layout().post_process ? 0 : nc));
+        CheckActivation("StageBackward output gradient", output_grad.size(), chunk_post_process() ? 0 : nc));
     PTK_RETURN_IF_ERROR(
-        CheckActivation("StageBackward input gradient", input_grad.size(), layout().pre_process ? 0 : nc));
+        CheckActivation("StageBackward input gradient", input_grad.size(), chunk_pre_process() ? 0 : nc));
   }
   const bool dropout = train && (config().hidden_dropout > 0 || config().attention_dropout > 0);
   if (dropout && !batch.sample_keys) return absl::InvalidArgumentError("dropout needs the samples' keys");
@@ -240,9 +260,17 @@ absl::Status CudaGPTModelImpl<T>::StageBackwardPass(const ModelBatch& batch, int
   Begin();
   const int64_t c = config().hidden_size;
   slots_live_ &= ~bit;
-  if (!layout().post_process) {
-    // Direct: the next stage's gradient was received into dresid itself.
+  if (!chunk_post_process()) {
+    // Direct: the next stage's gradient was received into dresid itself, or with model chunks into
+    // the slot's own buffer.
     if (!direct) PTK_RETURN_IF_ERROR(ExchangeIn(Buf<T>(plan_.dresid), output_grad, "StageBackward output gradient"));
+    if (direct && layout().virtual_size > 1) {
+      PTK_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(Buf<T>(plan_.dresid), OutputGrad(slot), static_cast<size_t>(nc) * sizeof(T),
+                          cudaMemcpyDeviceToDevice, ctx_.stream),
+          "taking the slot's output gradient");
+      PTK_RETURN_IF_ERROR(Op("copies", "output gradient copy", absl::OkStatus()));
+    }
   } else {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<T>(plan_.dln), HeadGrad(slot), static_cast<size_t>(n_ * c) * sizeof(T),
                                              cudaMemcpyDeviceToDevice, ctx_.stream),
@@ -251,7 +279,7 @@ absl::Status CudaGPTModelImpl<T>::StageBackwardPass(const ModelBatch& batch, int
   }
   PTK_RETURN_IF_ERROR(RunBackward(train, seed));
   // Direct: the input's gradient stays in dresid, where the schedule sends it from.
-  if (!layout().pre_process && !direct)
+  if (!chunk_pre_process() && !direct)
     PTK_RETURN_IF_ERROR(ExchangeOut(input_grad, Buf<T>(plan_.dresid), "StageBackward input gradient"));
   return absl::OkStatus();
 }
@@ -274,20 +302,20 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t
   return Sync("the embedding group's all-reduce");
 }
 
-// The ranges gathered into the planned sp_grads buffer on the compute stream (a device copy each),
+// The ranges gathered into the planned ntp_grads buffer on the compute stream (a device copy each),
 // one all-reduce of it, scattered back: NCCL in device memory on the compute stream, unstaged; a
 // host communicator (gloo) through the host, the gathered buffer down and up once.
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::AllReduceGradRanges(Communicator* comm, std::span<const GradRange> ranges) {
   PTK_ASSIGN_OR_RETURN(const int64_t total, CheckGradRanges(ranges, num_params()));
   if (total == 0) return absl::OkStatus();
-  const int64_t room = plan_.sp_grads < 0 ? 0 : plan_[plan_.sp_grads].bytes / static_cast<int64_t>(sizeof(float));
+  const int64_t room = plan_.ntp_grads < 0 ? 0 : plan_[plan_.ntp_grads].bytes / static_cast<int64_t>(sizeof(float));
   if (total > room)
     return absl::FailedPreconditionError(
-        fmt::format("AllReduceGradRanges: {} gradients to sum, the planned buffer (the sequence-parallel ranges', "
+        fmt::format("AllReduceGradRanges: {} gradients to sum, the planned buffer (NonTensorParallelGradRanges', "
                     "after a pass) holds {}",
                     total, room));
-  float* buf = Buf<float>(plan_.sp_grads);
+  float* buf = Buf<float>(plan_.ntp_grads);
   auto copy = [&](bool gather) -> absl::Status {
     int64_t at = 0;
     for (const GradRange& g : ranges) {
@@ -309,9 +337,9 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRanges(Communicator* comm, std::s
                            comm->AllReduceSumDevice(buf, total, static_cast<void*>(ctx_.stream))));
   } else {  // a host communicator (gloo): through the host
     if (static_cast<int64_t>(host_grads_.size()) < total) host_grads_.resize(static_cast<size_t>(total));
-    PTK_RETURN_IF_ERROR(DownloadRange(plan_.sp_grads, host_grads_.data(), 0, total));
+    PTK_RETURN_IF_ERROR(DownloadRange(plan_.ntp_grads, host_grads_.data(), 0, total));
     PTK_RETURN_IF_ERROR(comm->AllReduceSum(host_grads_.data(), total));
-    PTK_RETURN_IF_ERROR(UploadRange(plan_.sp_grads, host_grads_.data(), 0, total));
+    PTK_RETURN_IF_ERROR(UploadRange(plan_.ntp_grads, host_grads_.data(), 0, total));
   }
   return Op("copies", "coalesced gradients scatter", copy(false));
 }
@@ -339,6 +367,7 @@ absl::Status CudaGPTModelImpl<T>::AllGatherGradRange(Communicator* comm, int64_t
 
 #define PTK_INSTANTIATE(T)                                                                                             \
   template absl::Status CudaGPTModelImpl<T>::SelectSlot(int slot, std::string_view what);                              \
+  template absl::Status CudaGPTModelImpl<T>::ReserveStageSlots(int slots);                                             \
   template absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host, std::string_view what);   \
   template absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* src, std::string_view what);  \
   template absl::Status CudaGPTModelImpl<T>::PlanStage(const ModelBatch& batch, int slot, std::string_view what);      \

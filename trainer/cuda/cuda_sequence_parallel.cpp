@@ -183,8 +183,10 @@ absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_
   if (t_ % Tn != 0)
     return absl::InvalidArgumentError(fmt::format(
         "--sequence-parallel: a micro-batch of {} positions does not divide by the tensor group's {} ranks", t_, Tn));
+  // L: the stage's layers (the embedding's dropout streams); the selected model chunk's are [l0, l1).
   const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, ct = shape.nh * shape.hd, f = cf.ffn_hidden_size / Tn,
-                L = cf.num_layers;
+                L = StageLayers(), l0 = chunk_layer_begin(), l1 = chunk_layer_end();
+  const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   T* tmp = Buf<T>(plan_.tmp);
   // Row-parallel products: the partial products reduce-scattered to this rank's rows (at tmp's
@@ -196,20 +198,24 @@ absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_
   };
 
   layer_ = -1;
-  // Vocabulary-parallel embedding: each rank its rows, zeros elsewhere, reduce-scattered to this
-  // rank's positions, their position embeddings added.
-  const int64_t vt = cf.padded_vocab_size / Tn;
-  float* sum = Buf<float>(plan_.tp_sum);
-  PTK_RETURN_IF_ERROR(
-      Op("embedding", "vocabulary-slice embedding",
-         VocabSliceEmbeddingForward<T>(sum, Tokens(), Compute(pl.wte), tensor_rank() * vt, vt, n, c, ctx_)));
-  T* x0 = Act(plan_.resid, 0, nl * c);
-  PTK_RETURN_IF_ERROR(SeqReduceScatter(x0, nullptr, sum, nullptr, Compute(pl.wpe)));
-  PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout", SeqDropout(x0, L, kEmbeddingDropout, hp, seed)));
-  const LayerParams& first = pl.layers[0];
-  PTK_RETURN_IF_ERROR(SeqNormForward("ln1", nullptr, Act(plan_.ln1, 0, n * c), Stats(plan_.ln1_stats, 0), x0, nullptr,
+  // A later pipeline stage (or model chunk) starts from the previous one's output, this rank's
+  // rows, already in resid[l0].
+  T* x0 = Act(plan_.resid, l0, nl * c);
+  if (pre) {
+    // Vocabulary-parallel embedding: each rank its rows, zeros elsewhere, reduce-scattered to this
+    // rank's positions, their position embeddings added.
+    const int64_t vt = cf.padded_vocab_size / Tn;
+    float* sum = Buf<float>(plan_.tp_sum);
+    PTK_RETURN_IF_ERROR(
+        Op("embedding", "vocabulary-slice embedding",
+           VocabSliceEmbeddingForward<T>(sum, Tokens(), Compute(pl.wte), tensor_rank() * vt, vt, n, c, ctx_)));
+    PTK_RETURN_IF_ERROR(SeqReduceScatter(x0, nullptr, sum, nullptr, Compute(pl.wpe)));
+    PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout", SeqDropout(x0, L, kEmbeddingDropout, hp, seed)));
+  }
+  const LayerParams& first = pl.layers[static_cast<size_t>(l0)];
+  PTK_RETURN_IF_ERROR(SeqNormForward("ln1", nullptr, Act(plan_.ln1, l0, n * c), Stats(plan_.ln1_stats, l0), x0, nullptr,
                                      first.ln1_w, first.ln1_b));
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = l0; l < l1; ++l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
     T* atty = Act(plan_.atty, l, n * ct);
@@ -224,12 +230,14 @@ absl::Status CudaGPTModelImpl<T>::RunForwardSequenceParallel(bool train, uint64_
     PTK_RETURN_IF_ERROR(row_parallel("fc2", Act(plan_.gelu, l, n * f), lp.fc2_w, lp.fc2_b, f));
     PTK_RETURN_IF_ERROR(Op("dropout", "mlp-out dropout", SeqDropout(tmp, l, kMlpOutDropout, hp, seed)));
     // resid[l+1] = resid_mid[l] + dropout(fc2), then the next norm (the next layer's or the final one).
-    const bool last = l + 1 == L;
-    const LayerParams* next = last ? nullptr : &pl.layers[static_cast<size_t>(l + 1)];
+    // A stage (or chunk) before the last has no final norm: the residual (the next stage's input)
+    // is what counts; its norm, taken with the chunk's first ln1 weights, lands in the unused lnf buffers.
+    const bool last = l + 1 == l1;
+    const LayerParams* next = last ? (post ? nullptr : &first) : &pl.layers[static_cast<size_t>(l + 1)];
     PTK_RETURN_IF_ERROR(SeqNormForward(
         "residual+ln", Act(plan_.resid, l + 1, nl * c), last ? Buf<T>(plan_.lnf) : Act(plan_.ln1, l + 1, n * c),
         last ? Buf<float>(plan_.lnf_stats) : Stats(plan_.ln1_stats, l + 1), Act(plan_.resid_mid, l, nl * c), tmp,
-        last ? pl.lnf_w : next->ln1_w, last ? pl.lnf_b : next->ln1_b));
+        next ? next->ln1_w : pl.lnf_w, next ? next->ln1_b : pl.lnf_b));
   }
   layer_ = -1;
   return absl::OkStatus();
@@ -241,20 +249,26 @@ absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64
   const ParamLayout& pl = layout();
   const AttentionShape shape = Shape();
   const int Tn = tensor_size();
+  // L: the stage's layers (the embedding's dropout streams); the selected model chunk's are [l0, l1).
   const int64_t n = n_, nl = SeqRows(), c = cf.hidden_size, ct = shape.nh * shape.hd, qw = shape.qkv_width(),
-                L = cf.num_layers;
+                L = StageLayers(), l0 = chunk_layer_begin(), l1 = chunk_layer_end();
+  const bool pre = chunk_pre_process(), post = chunk_post_process();
   const double hp = train ? cf.hidden_dropout : 0.0, ap = train ? cf.attention_dropout : 0.0;
   T *dresid = Buf<T>(plan_.dresid), *dtmp = Buf<T>(plan_.dtmp), *dln = Buf<T>(plan_.dln), *dqkv = Buf<T>(plan_.dqkv),
     *datt = Buf<T>(plan_.datt);
 
   layer_ = -1;
-  PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, static_cast<size_t>(nl * c) * sizeof(T), ctx_.stream),
-                           "zeroing the residual gradient");
-  // The output layer's input gradient (RunHead left this rank's partial in dln), reduce-scattered.
-  PTK_RETURN_IF_ERROR(SeqNormBackward("final norm backward", dln, Act(plan_.resid, L, nl * c),
-                                      Buf<float>(plan_.lnf_stats), pl.lnf_w, pl.lnf_b));
+  // A stage (or chunk) before the last starts from the next one's gradient of this rank's rows,
+  // already in dresid (StageBackward).
+  if (post) {
+    PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, static_cast<size_t>(nl * c) * sizeof(T), ctx_.stream),
+                             "zeroing the residual gradient");
+    // The output layer's input gradient (RunHead left this rank's partial in dln), reduce-scattered.
+    PTK_RETURN_IF_ERROR(SeqNormBackward("final norm backward", dln, Act(plan_.resid, l1, nl * c),
+                                        Buf<float>(plan_.lnf_stats), pl.lnf_w, pl.lnf_b));
+  }
   GradsReady(0);  // the final norm (and an untied output layer): --overlap-grad-reduce's buckets
-  for (int64_t l = L - 1; l >= 0; --l) {
+  for (int64_t l = l1 - 1; l >= l0; --l) {
     layer_ = l;
     const LayerParams& lp = pl.layers[static_cast<size_t>(l)];
     // MLP: resid[l+1] = resid_mid + dropout(fc2(act(fc1(ln2(resid_mid))))); the branch's output
@@ -269,9 +283,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64
                            MatmulBackward<T>(datt, Grad(lp.proj_w), static_cast<float*>(nullptr), dtmp,
                                              Act(plan_.atty, l, n * ct), Compute(lp.proj_w), n, ct, c, ctx_)));
     PTK_RETURN_IF_ERROR(Op("attention", "attention backward", AttentionBwd(dqkv, datt, l, shape, ap, seed)));
-    if (cf.rope())
-      PTK_RETURN_IF_ERROR(
-          Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+    PTK_RETURN_IF_ERROR(QkvInputBackward(dqkv, l, shape));  // RoPE's and the query and key norms' backward
     PTK_RETURN_IF_ERROR(Op("matmul", "qkv backward",
                            MatmulBackward<T>(dln, Grad(lp.qkv_w), Grad(lp.qkv_b), dqkv, Act(plan_.ln1, l, n * c),
                                              Compute(lp.qkv_w), n, c, qw, ctx_)));
@@ -280,6 +292,11 @@ absl::Status CudaGPTModelImpl<T>::RunBackwardSequenceParallel(bool train, uint64
     GradsReady(static_cast<size_t>(L - l));  // layer l
   }
   layer_ = -1;
+  // A later stage (or chunk) leaves its input's gradient, this rank's rows, in dresid for the previous one.
+  if (!pre) {
+    GradsReady(static_cast<size_t>(L) + 1);  // the embeddings (none here)
+    return absl::OkStatus();
+  }
   // The embedding: its dropout's mask on this rank's rows, then the gradient gathered whole (the
   // reduce-scatter's mirror) for the vocabulary slice's rows and the position table.
   PTK_RETURN_IF_ERROR(Op("dropout", "embedding dropout backward", SeqDropout(dresid, L, kEmbeddingDropout, hp, seed)));

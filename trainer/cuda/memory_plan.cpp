@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <utility>
 
 #include <fmt/core.h>
 
@@ -40,22 +41,25 @@ std::string MemoryPlan::Largest(int count) const {
 }
 
 std::vector<LayerNormRun> LayerNormRuns(const ParamLayout& pl) {
-  const int64_t c = pl.config.hidden_size;
-  std::vector<int64_t> starts;
-  for (const LayerParams& lp : pl.layers)
+  const int64_t c = pl.config.hidden_size, hd = pl.config.head_dim();
+  std::vector<std::pair<int64_t, int64_t>> tensors;  // (start, size)
+  for (const LayerParams& lp : pl.layers) {
     for (int64_t o : {lp.ln1_w, lp.ln1_b, lp.ln2_w, lp.ln2_b})
-      if (o >= 0) starts.push_back(o);  // RMSNorm has no bias (-1)
+      if (o >= 0) tensors.emplace_back(o, c);  // RMSNorm has no bias (-1)
+    for (int64_t o : {lp.q_norm_w, lp.q_norm_b, lp.k_norm_w, lp.k_norm_b})
+      if (o >= 0) tensors.emplace_back(o, hd);  // --qk-layernorm's
+  }
   for (int64_t o : {pl.lnf_w, pl.lnf_b})
-    if (o >= 0) starts.push_back(o);
-  std::sort(starts.begin(), starts.end());
+    if (o >= 0) tensors.emplace_back(o, c);
+  std::sort(tensors.begin(), tensors.end());
   std::vector<LayerNormRun> runs;
   int64_t compact = 0;
-  for (int64_t o : starts) {
+  for (const auto& [o, size] : tensors) {
     if (!runs.empty() && runs.back().end == o)
-      runs.back().end += c;
+      runs.back().end += size;
     else
-      runs.push_back({o, o + c, compact});
-    compact += c;
+      runs.push_back({o, o + size, compact});
+    compact += size;
   }
   return runs;
 }
@@ -106,11 +110,11 @@ void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::
   if (T > 1) {
     m.tp_sum = add("tensor parallel: fp32 sums over the tensor group", n * c * 4, act_lower);
     m.tp_xent = add("tensor parallel: vocabulary-parallel loss statistics", (T + 3) * n * 4, act_lower);
-    if (m.sequence_parallel) {
+    if (m.sequence_parallel)
       m.sp_stage = add("sequence parallel: all-gather / reduce-scatter staging", n * c * 4 + Align(nr * 4), act_lower);
-      m.sp_grads = add("sequence parallel: the partial gradients' sum over the tensor group (fp32)",
-                       o.sequence_parallel_grads * 4, "the model size");
-    }
+    if (m.sequence_parallel || o.non_tensor_parallel_grads > 0)
+      m.ntp_grads = add("tensor parallel: the partial gradients' sum over the tensor group (fp32)",
+                        o.non_tensor_parallel_grads * 4, "the model size");
   }
   if (o.pipeline_slots > 0) {
     m.slots = o.pipeline_slots;
@@ -120,6 +124,9 @@ void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::
                                 o.pipeline_last ? m.slots * Align(n * c * a) : 0, act_lower);
     m.pipeline_exchange = add("pipeline: fp32 staging of the activation exchanged through the host",
                               o.pipeline_host_exchange && m.flash ? n * c * 4 : 0, act_lower);
+    m.pipeline_output_grads = add("pipeline: output gradient per micro-batch in flight (model chunks)",
+                                  o.pipeline_chunks > 1 && !o.pipeline_host_exchange ? m.slots * Align(nr * c * a) : 0,
+                                  act_lower + ", or fewer micro-batches per step");
   }
 }
 
@@ -149,10 +156,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
   // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
   // under SwiGLU), vocabulary vp.
-  const int64_t L = o.layers >= 0 ? o.layers : cf.num_layers, c = cf.hidden_size, hd = cf.head_dim(),
-                nh = cf.num_attention_heads / T, ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd,
-                f = cf.ffn_hidden_size / T, ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n,
-                a = m.act_bytes;
+  // A slot's layers L (a model chunk's with chunks; the stage's otherwise), the stage's Ls.
+  const int64_t Ls = o.layers >= 0 ? o.layers : cf.num_layers;
+  if (o.pipeline_chunks < 1 || Ls % o.pipeline_chunks != 0 || (o.pipeline_chunks > 1 && o.pipeline_slots < 1))
+    return absl::InvalidArgumentError(fmt::format("memory plan: {} layers in {} model chunks over {} pipeline slots",
+                                                  Ls, o.pipeline_chunks, o.pipeline_slots));
+  const int64_t L = Ls / o.pipeline_chunks, c = cf.hidden_size, hd = cf.head_dim(), nh = cf.num_attention_heads / T,
+                ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
+                ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
   const bool grouped = ng != nh;
   m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
@@ -170,6 +181,12 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.ln1 = add("activations: input LayerNorm", L * n * c * a, act_lower);
   m.ln1_stats = add("activations: input LayerNorm statistics", L * 2 * n * 4, act_lower);
   m.qkv = add("activations: QKV", L * n * qw * a, act_lower);
+  if (cf.qk_layernorm) {  // inside the slot's activations: a pipeline stage keeps them per micro-batch
+    m.qk_rows = nh + ng;
+    m.qk_stats_per_layer = (cf.normalization == Normalization::kRMSNorm ? 1 : 2) * n * m.qk_rows;
+    m.qkv_raw = add("activations: QKV before the query and key norms", L * n * qw * a, act_lower);
+    m.qk_stats = add("activations: query and key norm statistics", L * m.qk_stats_per_layer * 4, act_lower);
+  }
   m.atty = add("activations: attention output", L * n * ct * a, act_lower);
   if (m.flash)
     m.attn_saved =
@@ -186,6 +203,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
   m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
   m.slot_bytes = add.offset - m[m.resid].offset;
+  m.slot_layers = L;
   m.logits = add(fmt::format("logits ({} rows x padded vocabulary {}{})", m.logit_chunk_rows, vp,
                              T > 1 ? " (this rank's slice)" : ""),
                  m.logit_chunk_rows * vp * a, "nothing needed: the logits are computed in chunks");
@@ -201,6 +219,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.datt = add("scratch: attention output gradient", n * ct * a, act_lower);
   m.attn_scratch = add("scratch: attention backward", m.flash ? 0 : o.attention_scratch_floats * 4, act_lower);
   m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
+  if (cf.qk_layernorm)
+    m.qk_scratch = add("scratch: query and key norm backward partial sums", o.qk_norm_scratch_doubles * 8, act_lower);
   if (cf.rope()) m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
   if (cf.swiglu) m.dact = add("scratch: SwiGLU output gradient", n * f * a, act_lower);
   if (m.flash && grouped) {
@@ -208,7 +228,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     m.dqkv_heads = add("scratch: QKV gradient heads first (grouped-query fused attention)", n * qw * a, act_lower);
   }
   m.inputs = add("micro-batch inputs (tokens, labels, positions, loss weights)", InputBytes(n));
-  m.streams = add("dropout stream keys", StreamTableSize(L, m.b) * 8);
+  m.streams = add("dropout stream keys", StreamTableSize(Ls, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
   AddParallelBuffers(o, nr, c, act_lower, add);
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);

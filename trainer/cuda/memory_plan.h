@@ -44,6 +44,12 @@ struct MemoryPlan {
   // fc1 is SwiGLU's [gate; up] (twice the ffn width) under --swiglu, gelu its activation's output.
   int resid = -1, resid_mid = -1, ln1 = -1, ln1_stats = -1, qkv = -1, atty = -1, attn_saved = -1, ln2 = -1,
       ln2_stats = -1, fc1 = -1, gelu = -1, lnf = -1, lnf_stats = -1;
+  // --qk-layernorm (-1 without): the QKV product before the query and key norms (qkv holds it
+  // normalised, then rotated), (L, n, qkv width); the norms' fp32 statistics per layer, token and
+  // normalised head (this rank's query heads and groups: qk_rows per token), the mean then rstd under
+  // LayerNorm (qk_stats_per_layer floats a layer: 2 x n x qk_rows), rstd alone under RMSNorm.
+  int qkv_raw = -1, qk_stats = -1;
+  int64_t qk_rows = 0, qk_stats_per_layer = 0;
   // The Llama line (empty otherwise): RoPE's fp32 cos and sin tables (t, rotary dim / 2) each,
   // computed once on the host; SwiGLU's output gradient (fc2's input gradient, before SwiGLU's
   // backward); with grouped-query attention in bf16/fp16, a layer's QKV and its gradient heads
@@ -52,6 +58,8 @@ struct MemoryPlan {
   // Scratch of one pass.
   int logits = -1, losses = -1, dloss = -1, tmp = -1, dresid = -1, dtmp = -1, dln = -1, dff = -1, dqkv = -1, datt = -1,
       attn_scratch = -1, ln_scratch = -1, inputs = -1, streams = -1, reduce = -1, workspace = -1;
+  // --qk-layernorm's backward: the weight and bias gradients' per-block partial sums (doubles).
+  int qk_scratch = -1;
   // Tensor parallelism (PlanOptions::tensor > 1; else empty): an fp32 (n, hidden) buffer for the
   // group's sums and the vocabulary-parallel loss's per-row statistics.
   int tp_sum = -1, tp_xent = -1;
@@ -65,17 +73,23 @@ struct MemoryPlan {
   // otherwise: the direct exchange receives into and sends from each slot's residual stream, its
   // first and last layer's (n, hidden), and the residual gradient, in the model's dtype, and fp32's
   // host exchange copies straight into them).
-  int pipeline_slots = -1, pipeline_head_grads = -1, pipeline_exchange = -1;
-  int64_t slots = 0, slot_bytes = 0;
+  // With model chunks (PlanOptions::pipeline_chunks > 1, Megatron's interleaved schedule) a slot
+  // holds one chunk's layers (layers / chunks: the per-layer activations above are that many
+  // layers deep; the dropout streams stay the stage's), and `pipeline_output_grads` each slot's
+  // output gradient (nr, hidden) for the direct exchange (several wait for their backwards).
+  int pipeline_slots = -1, pipeline_head_grads = -1, pipeline_exchange = -1, pipeline_output_grads = -1;
+  int64_t slots = 0, slot_bytes = 0, slot_layers = 0;
   // --sequence-parallel (PlanOptions::sequence_parallel with tensor > 1): the residual stream, the
   // residual after attention and the residual gradient hold this rank's n / tensor rows (its
   // positions of every sample); the norms' outputs stay whole (all-gathered, what the column-parallel
   // products and their weight gradients read). sp_stage: the collectives' staging, fp32 (n, hidden),
-  // then this rank's rows' positions (int32). sp_grads: the partial gradients' one sum over the
-  // tensor group after backward (GPTModel::AllReduceGradRanges), PlanOptions::sequence_parallel_grads
-  // floats gathered from their ranges.
+  // then this rank's rows' positions (int32).
   bool sequence_parallel = false;
-  int sp_stage = -1, sp_grads = -1;
+  int sp_stage = -1;
+  // Tensor parallelism with --sequence-parallel or --qk-layernorm: the partial gradients' one sum
+  // over the tensor group after backward (GPTModel::SumNonTensorParallelGrads through
+  // AllReduceGradRanges), PlanOptions::non_tensor_parallel_grads floats gathered from their ranges.
+  int ntp_grads = -1;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -106,13 +120,16 @@ struct PlanOptions {
   // gradient kept per slot).
   int64_t layers = -1;
   int64_t pipeline_slots = 0;
+  int64_t pipeline_chunks = 1;  // model chunks of the stage (the interleaved schedule); layers divide by it
   bool pipeline_last = false;
   bool pipeline_host_exchange = false;  // CudaModelOptions::unfused.pipeline_host_exchange, or a host communicator
   // Megatron's sequence parallelism on the tensor group (MemoryPlan::sequence_parallel); the
-  // sequence length must divide by `tensor`. sequence_parallel_grads: the floats of the gradients
-  // summed over the tensor group after backward (SequenceParallelGradRanges').
+  // sequence length must divide by `tensor`.
   bool sequence_parallel = false;
-  int64_t sequence_parallel_grads = 0;
+  // The floats of the gradients summed over the tensor group after backward
+  // (NonTensorParallelGradRanges': sequence parallelism's, or --qk-layernorm's query and key norms).
+  int64_t non_tensor_parallel_grads = 0;
+  int64_t qk_norm_scratch_doubles = 0;  // QKNormBackwardScratch of this rank's shape (--qk-layernorm)
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four
@@ -125,15 +142,18 @@ inline int64_t StreamIndex(int64_t layer, int64_t site, int64_t b) { return (lay
 int64_t InputBytes(int64_t n);
 
 // The norms' parameters (every layer's two, and the final one): weight and bias (LayerNorm) or the
-// weight alone (RMSNorm), hidden size each.
+// weight alone (RMSNorm), hidden size each; with --qk-layernorm each layer's query and key norms
+// too, head_dim each (whole on every tensor rank).
 inline int64_t LayerNormParamCount(const GPTConfig& config) {
   const int64_t tensors = config.normalization == Normalization::kRMSNorm ? 1 : 2;
-  return tensors * (2 * config.num_layers + 1) * config.hidden_size;
+  const int64_t qk = config.qk_layernorm ? 2 * config.head_dim() : 0;
+  return tensors * ((2 * config.num_layers + 1) * config.hidden_size + config.num_layers * qk);
 }
 
-// Where the LayerNorms' parameters lie in the flat layout, as runs of adjacent tensors (a layer's
-// LayerNorm weight and bias are neighbours), in layout order; `compact` is the run's start in
-// ln_master, where the runs follow each other. Together they hold LayerNormParamCount floats.
+// Where the norms' parameters lie in the flat layout, as runs of adjacent tensors (a layer's
+// LayerNorm weight and bias are neighbours, as are its query and key norms'), in layout order;
+// `compact` is the run's start in ln_master, where the runs follow each other. Together they hold
+// LayerNormParamCount floats (a pipeline stage's runs, its layers' norms and the final one, fewer).
 struct LayerNormRun {
   int64_t begin = 0, end = 0, compact = 0;
 };

@@ -156,8 +156,8 @@ int64_t RMSNormBackwardScratch(int64_t n, int64_t c);
 // memory, b * t * (nh + groups) of them; weights and biases fp32 master copies; LayerNorm with `mean`,
 // RMSNorm with `mean`, bq, bk null). The backward works in place on dqkv and adds the parameters'
 // gradients, summed without atomics over 64-token blocks in double into `scratch`
-// (QKNormBackwardScratch(s) doubles) in the CPU op's order. Not yet called by the CUDA model
-// (ptk-train refuses --qk-layernorm with --device cuda).
+// (QKNormBackwardScratch(s) doubles) in the CPU op's order. The CUDA model runs it after the QKV
+// product (the product kept in qkv_raw for the backward) and before RoPE.
 template <typename T>
 absl::Status QKNormForward(T* qkv, float* mean, float* rstd, const T* raw, const float* wq, const float* bq,
                            const float* wk, const float* bk, const AttentionShape& s, double eps,

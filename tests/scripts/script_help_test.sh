@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every shell script that answers --help (scripts/, slurm/, k8s/) prints its header comment, whole and
+# nothing else: build.sh, data-path.sh and submit-pipeline.sh printed a fixed range of lines that ran
+# into their code (`set -euo pipefail`), gpu-run.sh's range stopped three lines short of its header; and
+# README's main job took `--help` for its output directory (and ran, sudo apt-get included), test.sh ran
+# the whole suite: an unknown option there is a usage error (exit 2) before anything runs.
+# Usage: script_help_test.sh SOURCE_DIR
+set -uo pipefail
+SRC=$1
+fail=0 n=0
+for s in "$SRC"/scripts/*.sh "$SRC"/slurm/*.sh "$SRC"/k8s/*.sh; do
+  grep -q -- '-h|--help)' "$s" || continue
+  n=$((n + 1))
+  name=${s#"$SRC"/}
+  # The header: the comment lines from line 2 up to the first line that is not a comment.
+  want=$(awk 'NR == 1 { next } /^#/ { print; next } { exit }' "$s")
+  got=$(bash "$s" --help 2>&1)
+  rc=$?
+  [ "$rc" = 0 ] || { echo "FAIL: $name --help exits $rc: $got"; fail=1; continue; }
+  [ -n "$want" ] || { echo "FAIL: $name has no header comment to print"; fail=1; continue; }
+  [ "$got" = "$want" ] || {
+    echo "FAIL: $name --help is not its header comment:"
+    diff <(echo "$want") <(echo "$got") | head -10
+    fail=1
+  }
+done
+[ "$n" -ge 7 ] || { echo "FAIL: only $n scripts answer --help (build.sh, gpu-run.sh, install-deps.sh, run-main-job.sh,
+  test.sh, data-path.sh, submit-pipeline.sh did)"; fail=1; }
+# (Not test.sh's: were its check gone, that would start the whole suite.) The main job, were its check
+# gone, would fail at once here: nothing installed or built, no programs.
+W=$(mktemp -d)
+out=$(cd "$W" && PTK_SKIP_INSTALL=1 PTK_SKIP_BUILD=1 PTK_BIN="$W/none" timeout 60 bash "$SRC/scripts/run-main-job.sh" --hepl 2>&1)
+rc=$?
+[ "$rc" = 2 ] && [[ $out == *"unknown option --hepl"* ]] && [ ! -e "$SRC/--hepl" ] ||
+  { echo "FAIL: run-main-job.sh --hepl: rc $rc, expected a usage error: ${out:0:300}"; fail=1; }
+rm -rf "$W"
+[ "$fail" = 0 ] && echo "script_help_test: $n scripts print their header comment for --help"
+exit "$fail"
