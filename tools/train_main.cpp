@@ -87,10 +87,10 @@ absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int
                     "latest_checkpointed_iteration.txt)",
                     o.load));
   if (o.mock_data || (stage != 0 && stage != stages - 1)) return absl::OkStatus();
-  PTK_RETURN_IF_ERROR(ptk::CheckDataPaths(o.data));
-  if (app.count("--eval-iters") == 0 || o.eval_iters == 0 || o.eval_interval == 0) return absl::OkStatus();
+  // --split's usage error (exit 2) before the data's.
   PTK_ASSIGN_OR_RETURN(const bool valid, ptk::HasValidationSplit(o.data));
-  if (valid) return absl::OkStatus();
+  PTK_RETURN_IF_ERROR(ptk::CheckDataPaths(o.data));
+  if (app.count("--eval-iters") == 0 || o.eval_iters == 0 || o.eval_interval == 0 || valid) return absl::OkStatus();
   const bool per_split = o.data.data_path.empty();
   return ptk::UsageError(fmt::format(
       "--eval-iters {}: the run has no validation data ({}), so nothing would be evaluated; {}, or --eval-iters 0",
@@ -134,8 +134,10 @@ absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, co
                     ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
   }
   *layout = *std::move(made);
+  // The settings' usage errors (exit 2) before the files' errors.
+  PTK_ASSIGN_OR_RETURN(ptk::TrainPlan plan, ptk::PlanTraining(*options, (*layout)->data_size()));
   PTK_RETURN_IF_ERROR(CheckRunInputs(app, *options, (*layout)->Coords(ranks.rank).pipeline, pp));
-  return ptk::PlanTraining(*options, (*layout)->data_size());
+  return plan;
 }
 
 ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, const ptk::TrainFlags& flags,

@@ -290,7 +290,7 @@ TEST(CliParse, HelpShowsNoDefaultTheOptionsCheckRefuses) {
   const std::string help = testing::internal::GetCapturedStdout();
   EXPECT_EQ(help.find("=-1"), std::string::npos) << help;
   EXPECT_EQ(help.find("POSITIVE=0"), std::string::npos) << help;
-  EXPECT_NE(help.find("--doc INT:NONNEGATIVE "), std::string::npos) << help;
+  EXPECT_NE(help.find("--doc INT:an integer in [0, 9223372036854775807]\n"), std::string::npos) << help;
   EXPECT_NE(help.find("--files-per-chunk INT:POSITIVE "), std::string::npos) << help;
   EXPECT_NE(help.find("--chunks INT:POSITIVE=72"), std::string::npos) << help;
   EXPECT_NE(help.find("--format TEXT:{ids,text,both}=both"), std::string::npos) << help;
