@@ -1,6 +1,6 @@
-// A gloo rank killed in the middle of a message: the peer's collective fails at once with the
-// connection's error, not at the collective timeout (trainer/gloo_peer_watch.h). Rank 1 is a child
-// process, so that it can be stopped and killed at the exact moment that was racy.
+// A gloo rank killed in the middle of a message to or from it: the peer's collective fails at once
+// with the connection's error, not at the collective timeout (trainer/gloo_peer_watch.h). Rank 1 is
+// a child process, so that it can be stopped and killed at the exact moment that was racy.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -85,6 +85,60 @@ TEST(GlooPeerWatch, ARankKilledDuringASendToItFailsTheSendAtOnce) {
   EXPECT_NE(msg.find("send to rank 1 failed (a rank died or the network failed)"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("Timed out"), std::string::npos) << msg;
   EXPECT_NE(msg.find("rank 1 (host " + HostName() + ") exited"), std::string::npos) << msg;
+}
+
+// Rank 1 of the receive case: waits for rank 0's one byte (channel 1: rank 0's receive of kBig
+// bytes is posted), sends kBig bytes (channel 0) and stops itself as soon as the send is posted:
+// part of it written, the rest never.
+[[noreturn]] void RunSendingRankOne(int port) {
+  auto comm = MakeGlooCommunicator(Rank(1, port));
+  if (!comm.ok()) ::_exit(3);
+  char ready = 0;
+  const Communicator::P2pMessage hear[] = {{.recv = &ready, .bytes = 1, .peer = 0, .channel = 1}};
+  if (!(*comm)->BatchSendRecv(hear).ok()) ::_exit(4);
+  SetGlooWaitHookForTesting([] { ::raise(SIGSTOP); });
+  std::vector<char> big(static_cast<size_t>(kBig), 7);
+  const Communicator::P2pMessage send[] = {{.send = big.data(), .bytes = kBig, .peer = 0, .channel = 0}};
+  (void)(*comm)->BatchSendRecv(send);
+  ::_exit(0);
+}
+
+// The receive's twin: gloo reads a message into the receiver's buffer as it comes and, while it
+// does, keeps that receive where its failure handling does not look either (Pair::rx_). Rank 1
+// stopped half-way through its send to rank 0, then killed: rank 0's receive fails at once. Rank 1
+// stops itself within moments of posting its kBig bytes, long before they could all be written;
+// should they be, the attempt proves nothing and is made again.
+TEST(GlooPeerWatch, ARankKilledDuringItsSendFailsTheReceiveAtOnce) {
+  ::signal(SIGPIPE, SIG_IGN);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const int port = testing::FreeTestPort();
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) RunSendingRankOne(port);
+    auto comm = MakeGlooCommunicator(Rank(0, port));
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    int status = 0;
+    SetGlooWaitHookForTesting([&] {
+      ::waitpid(child, &status, WUNTRACED);  // stopped in the middle of its send
+      ::kill(child, SIGKILL);
+      ::waitpid(child, &status, 0);
+    });
+    std::vector<char> big(static_cast<size_t>(kBig), 0);
+    char ready = 1;
+    const Communicator::P2pMessage m[] = {{.recv = big.data(), .bytes = kBig, .peer = 1, .channel = 0},
+                                          {.send = &ready, .bytes = 1, .peer = 1, .channel = 1}};
+    const absl::Status st = (*comm)->BatchSendRecv(m);
+    SetGlooWaitHookForTesting(nullptr);
+    if (st.ok()) continue;  // every byte came before rank 1 stopped: not the case to check
+    const std::string msg(st.message());
+    EXPECT_NE(msg.find("receive from rank 1 / send to rank 1 failed (a rank died or the network failed)"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find("Timed out"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 1 (host " + HostName() + ") exited"), std::string::npos) << msg;
+    return;
+  }
+  FAIL() << "rank 1's send completed before it stopped, 5 times of 5";
 }
 
 }  // namespace
