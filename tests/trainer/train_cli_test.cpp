@@ -410,11 +410,13 @@ TEST_F(TrainCli, KillDuringARerunsSavesKeepsLatestWhole) {
   ASSERT_EQ(RunCmd(run).exit_code, 0);
   for (int attempt = 0; attempt < 6; ++attempt) {
     // Half the kills at a random moment, half the moment an old directory is moved aside (the
-    // issue's window: polled with a shell builtin, so the kill lands within microseconds).
+    // issue's window: polled with shell builtins, so the kill lands within microseconds). The poll
+    // ends with the run: spinning on after it took a core from the other tests for 20 s.
     const std::string wait_then_kill = attempt % 2 == 0 ? "sleep " + std::to_string(0.4 + 0.23 * attempt)
                                                         : "end=$((SECONDS + 20)); until compgen -G " +
                                                               ShellQuote(save + "/*.ptk-old-*") +
-                                                              " >/dev/null || [ $SECONDS -ge $end ]; do :; done";
+                                                              " >/dev/null || ! kill -0 $pid 2>/dev/null || "
+                                                              "[ $SECONDS -ge $end ]; do :; done";
     RunCmd("bash -c " + ShellQuote(run + " >/dev/null 2>&1 & pid=$!; " + wait_then_kill + "; kill -9 $pid; wait $pid"));
     auto it = LatestCheckpointIteration(save);
     ASSERT_TRUE(it.ok()) << it.status();
