@@ -151,11 +151,12 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
           !env("SLURM_STEP_NODELIST").empty() ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
       if (!nodes_list.empty()) t.master_addr = FirstSlurmHost(nodes_list);
       // A requeued job keeps its id: the restart count moves the port, so that a rank left over
-      // from the previous run cannot hold it.
+      // from the previous run cannot hold it. Below 32768, Linux's first ephemeral port: there an
+      // outgoing connection of any process on the node (gloo's own pairs among them) could hold it.
       std::optional<int64_t> job, restarts;
       PTK_ASSIGN_OR_RETURN(job, EnvIntIn("SLURM_JOB_ID", 0, std::numeric_limits<int64_t>::max() / 8, false));
       PTK_ASSIGN_OR_RETURN(restarts, EnvIntIn("SLURM_RESTART_COUNT", 0, std::numeric_limits<int32_t>::max(), false));
-      if (job) t.master_port = 20000 + static_cast<int>((*job * 7 + restarts.value_or(0)) % 20000);
+      if (job) t.master_port = 20000 + static_cast<int>((*job * 7 + restarts.value_or(0)) % 12000);
       t.source = "srun";
     }
   }

@@ -26,8 +26,9 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
 // WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win; otherwise an srun step's (SLURM_PROCID,
 // SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_NODEID), with MASTER_ADDR defaulting to the first host
 // of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST and MASTER_PORT to 20000 + (7 * SLURM_JOB_ID + SLURM_RESTART_COUNT) %
-// 20000; otherwise one process. A batch script outside srun is one process (SLURM_NTASKS alone counts the tasks srun
-// would start, not this one).
+// 12000 (below Linux's ephemeral ports, from 32768, where a connection of any process on the node could hold it when
+// rank 0 binds); otherwise one process. A batch script outside srun is one process (SLURM_NTASKS alone counts the tasks
+// srun would start, not this one).
 struct TrainingRanks {
   int rank = 0, world_size = 1, local_rank = 0, node_rank = 0;
   std::string master_addr = "127.0.0.1";

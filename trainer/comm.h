@@ -22,7 +22,7 @@ class Communicator {
   virtual std::string_view backend() const = 0;
 
   // ---- Host memory, on every backend (NCCL stages through device memory).
-  // In-place sums over all ranks; every rank ends with the same bits. gloo adds floats in rank
+  // In-place sums over all ranks; every rank ends with the same bits. gloo adds in rank
   // order, ((x0 + x1) + x2) + ..., element by element, whatever the length: a sum over a whole
   // buffer, over its buckets, or ReduceScatterSum's pieces give each element the same bits.
   virtual absl::Status AllReduceSum(float* data, int64_t n) = 0;

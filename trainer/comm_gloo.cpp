@@ -4,12 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
-#include <gloo/allreduce.h>
 #include <gloo/barrier.h>
-#include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
@@ -18,6 +18,7 @@
 #include <gloo/types.h>
 
 #include "common/status.h"
+#include "trainer/gloo_peer_watch.h"
 #include "trainer/rendezvous.h"
 
 namespace ptk {
@@ -61,6 +62,48 @@ void ConnectedEverywhere(const std::shared_ptr<gloo::rendezvous::Context>& conte
   gloo::barrier(o);
 }
 
+std::function<void()>& WaitHook() {
+  static std::function<void()> hook;
+  return hook;
+}
+
+// One step of a collective: its sends and receives, each on a buffer of its own whose wait the peer
+// watch ends when that peer's pair fails, posted, then waited for (the receives first). gloo's own
+// algorithms (allreduce, broadcast, barrier) wait on buffers the watch cannot reach, so every
+// collective is made of these steps.
+class Exchange {
+ public:
+  Exchange(gloo_detail::PeerWatch* watch, std::chrono::milliseconds timeout) : watch_(watch), timeout_(timeout) {}
+  void Send(int peer, uint64_t slot, const void* data, int64_t bytes) {
+    Add(peer, slot, const_cast<void*>(data), bytes, true);
+  }
+  void Recv(int peer, uint64_t slot, void* data, int64_t bytes) { Add(peer, slot, data, bytes, false); }
+  // Throws gloo's error (a failed pair, the timeout).
+  void Wait() {
+    if (WaitHook()) WaitHook()();
+    for (const auto& op : ops_)
+      if (op.recv) op.buffer->Wait(timeout_);
+    for (const auto& op : ops_)
+      if (!op.recv) op.buffer->Wait(timeout_);
+    ops_.clear();
+  }
+
+ private:
+  struct Op {
+    std::unique_ptr<gloo_detail::PeerWatch::Buffer> buffer;
+    bool recv;
+  };
+  void Add(int peer, uint64_t slot, void* data, int64_t bytes, bool send) {
+    if (bytes <= 0) return;
+    auto& op = ops_.emplace_back(Op{
+        std::make_unique<gloo_detail::PeerWatch::Buffer>(watch_, peer, data, static_cast<size_t>(bytes), send), !send});
+    op.buffer->Post(slot);
+  }
+  gloo_detail::PeerWatch* watch_;
+  std::chrono::milliseconds timeout_;
+  std::vector<Op> ops_;
+};
+
 class GlooCommunicator : public Communicator {
  public:
   int rank() const override { return context_->rank; }
@@ -78,7 +121,8 @@ class GlooCommunicator : public Communicator {
     PTK_RETURN_IF_ERROR(ReduceScatterSum(data, counts));
     return AllGather(data, bytes);
   }
-  absl::Status AllReduceSum(double* data, int64_t n) override { return Reduce(data, n); }
+  // Doubles (losses, norms, counts: a few values) in rank order too, through an all-gather.
+  absl::Status AllReduceSum(double* data, int64_t n) override { return SumInRankOrder(data, n, this); }
 
   // Round k moves chunk k (kChunk floats) of every piece to its owner, which adds the copies in
   // rank order: memory beside the buffer is (ranks - 1) chunks.
@@ -91,41 +135,27 @@ class GlooCommunicator : public Communicator {
     if (rounds == 0) return absl::OkStatus();
     const int64_t mine = counts[static_cast<size_t>(me)], cap = std::min(kChunk, mine);
     scratch_.resize(static_cast<size_t>((world - 1) * cap));
-    const std::chrono::milliseconds timeout = context_->getTimeout();
     return Guard("reduce-scatter", [&] {
-      auto in = context_->createUnboundBuffer(data, static_cast<size_t>(off.back()) * sizeof(float));
-      std::unique_ptr<gloo::transport::UnboundBuffer> out;
-      if (cap > 0) out = context_->createUnboundBuffer(scratch_.data(), scratch_.size() * sizeof(float));
       // Rank q's copy of this rank's chunk lands in scratch slot q (q < me) or q - 1.
       auto from = [&](int q) { return scratch_.data() + (q < me ? q : q - 1) * cap; };
       for (int64_t k = 0; k < rounds; ++k) {
         const uint64_t slot = gloo::Slot::build(kSlotPrefix, tag_++);
         const int64_t at = k * kChunk, len = std::clamp<int64_t>(mine - at, 0, kChunk);
-        int recvs = 0, sends = 0;
-        for (int q = 0; q < world && len > 0; ++q) {
-          if (q == me) continue;
-          out->recv(q, slot, static_cast<size_t>(from(q) - scratch_.data()) * sizeof(float),
-                    static_cast<size_t>(len) * sizeof(float));
-          ++recvs;
-        }
+        Exchange x = Step();
         for (int q = 0; q < world; ++q) {
+          if (q == me) continue;
+          x.Recv(q, slot, from(q), len * static_cast<int64_t>(sizeof(float)));
           const int64_t lq = std::clamp<int64_t>(counts[static_cast<size_t>(q)] - at, 0, kChunk);
-          if (q == me || lq == 0) continue;
-          in->send(q, slot, static_cast<size_t>(off[static_cast<size_t>(q)] + at) * sizeof(float),
-                   static_cast<size_t>(lq) * sizeof(float));
-          ++sends;
+          x.Send(q, slot, data + off[static_cast<size_t>(q)] + at, lq * static_cast<int64_t>(sizeof(float)));
         }
-        for (; recvs > 0; --recvs)
-          if (!out->waitRecv(timeout)) throw std::runtime_error("receive aborted");
-        for (; sends > 0; --sends)
-          if (!in->waitSend(timeout)) throw std::runtime_error("send aborted");
+        x.Wait();
         // ((x0 + x1) + x2) + ...: accumulated in rank 0's copy (this rank's own values when it is
         // rank 0), element by element.
         float* own = data + off[static_cast<size_t>(me)] + at;
         float* acc = me == 0 ? own : from(0);
         for (int q = 1; q < world; ++q) {
-          const float* x = q == me ? own : from(q);
-          for (int64_t i = 0; i < len; ++i) acc[i] += x[i];
+          const float* v = q == me ? own : from(q);
+          for (int64_t i = 0; i < len; ++i) acc[i] += v[i];
         }
         if (acc != own) std::copy(acc, acc + len, own);
       }
@@ -136,44 +166,43 @@ class GlooCommunicator : public Communicator {
     PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> off, PieceOffsets(bytes, size()));
     const int world = size(), me = rank();
     if (world == 1 || off.back() == 0) return absl::OkStatus();
-    const std::chrono::milliseconds timeout = context_->getTimeout();
+    char* d = static_cast<char*>(data);
     return Guard("all-gather", [&] {
-      auto buf = context_->createUnboundBuffer(data, static_cast<size_t>(off.back()));
       const uint64_t slot = gloo::Slot::build(kSlotPrefix, tag_++);
-      int recvs = 0, sends = 0;
+      Exchange x = Step();
       for (int q = 0; q < world; ++q) {
-        const size_t uq = static_cast<size_t>(q);
         if (q == me) continue;
-        if (bytes[uq] > 0) {
-          buf->recv(q, slot, static_cast<size_t>(off[uq]), static_cast<size_t>(bytes[uq]));
-          ++recvs;
-        }
-        if (bytes[static_cast<size_t>(me)] > 0) {
-          buf->send(q, slot, static_cast<size_t>(off[static_cast<size_t>(me)]),
-                    static_cast<size_t>(bytes[static_cast<size_t>(me)]));
-          ++sends;
-        }
+        x.Recv(q, slot, d + off[static_cast<size_t>(q)], bytes[static_cast<size_t>(q)]);
+        x.Send(q, slot, d + off[static_cast<size_t>(me)], bytes[static_cast<size_t>(me)]);
       }
-      for (; recvs > 0; --recvs)
-        if (!buf->waitRecv(timeout)) throw std::runtime_error("receive aborted");
-      for (; sends > 0; --sends)
-        if (!buf->waitSend(timeout)) throw std::runtime_error("send aborted");
+      x.Wait();
     });
   }
   absl::Status Broadcast(void* data, int64_t bytes, int root) override {
+    if (root < 0 || root >= size())
+      return absl::InvalidArgumentError(fmt::format("broadcast from rank {} of {}", root, size()));
     return Guard("broadcast", [&] {
-      gloo::BroadcastOptions o(context_);
-      o.setOutput(static_cast<uint8_t*>(data), static_cast<size_t>(bytes));
-      o.setRoot(root);
-      o.setTag(tag_++);
-      gloo::broadcast(o);
+      const uint64_t slot = gloo::Slot::build(kSlotPrefix, tag_++);
+      Exchange x = Step();
+      for (int q = 0; q < size(); ++q) {
+        if (rank() == root && q != root) x.Send(q, slot, data, bytes);
+        if (rank() != root && q == root) x.Recv(q, slot, data, bytes);
+      }
+      x.Wait();
     });
   }
+  // Dissemination: in round k each rank tells rank + 2^k and hears from rank - 2^k; after
+  // ceil(log2(size)) rounds every rank has heard, through some chain, from every other.
   absl::Status Barrier() override {
     return Guard("barrier", [&] {
-      gloo::BarrierOptions o(context_);
-      o.setTag(tag_++);
-      gloo::barrier(o);
+      for (int k = 1; k < size(); k *= 2) {
+        const uint64_t slot = gloo::Slot::build(kSlotPrefix, tag_++);
+        char out = 1, in = 0;
+        Exchange x = Step();
+        x.Recv((rank() - k + size()) % size(), slot, &in, 1);
+        x.Send((rank() + k) % size(), slot, &out, 1);
+        x.Wait();
+      }
     });
   }
 
@@ -182,21 +211,13 @@ class GlooCommunicator : public Communicator {
   absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
                         int src) override {
     PTK_RETURN_IF_ERROR(CheckPeers(dst, src));
-    const std::chrono::milliseconds timeout = context_->getTimeout();
     const std::string what = fmt::format("send to rank {} / receive from rank {}", dst, src);
     return Guard(what.c_str(), [&] {
       const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, 0);
-      std::unique_ptr<gloo::transport::UnboundBuffer> out, in;
-      if (dst >= 0 && send_bytes > 0) {
-        out = context_->createUnboundBuffer(const_cast<void*>(send), static_cast<size_t>(send_bytes));
-        out->send(dst, slot);
-      }
-      if (src >= 0 && recv_bytes > 0) {
-        in = context_->createUnboundBuffer(recv, static_cast<size_t>(recv_bytes));
-        in->recv(src, slot);
-      }
-      if (in && !in->waitRecv(timeout)) throw std::runtime_error("receive aborted");
-      if (out && !out->waitSend(timeout)) throw std::runtime_error("send aborted");
+      Exchange x = Step();
+      if (dst >= 0) x.Send(dst, slot, send, send_bytes);
+      if (src >= 0) x.Recv(src, slot, recv, recv_bytes);
+      x.Wait();
     });
   }
 
@@ -210,24 +231,17 @@ class GlooCommunicator : public Communicator {
       what += fmt::format("{}{} rank {}", what.empty() ? "" : " / ", m.send ? "send to" : "receive from", m.peer);
     }
     if (what.empty()) return absl::OkStatus();
-    const std::chrono::milliseconds timeout = context_->getTimeout();
     return Guard(what.c_str(), [&] {
-      std::vector<std::pair<std::unique_ptr<gloo::transport::UnboundBuffer>, bool>> posted;
+      Exchange x = Step();
       for (const P2pMessage& m : messages) {
-        if (m.peer < 0 || m.bytes <= 0) continue;
+        if (m.peer < 0) continue;
         const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, static_cast<uint32_t>(1 + m.channel));
-        void* data = m.send ? const_cast<void*>(m.send) : m.recv;
-        auto buf = context_->createUnboundBuffer(data, static_cast<size_t>(m.bytes));
         if (m.send)
-          buf->send(m.peer, slot);
+          x.Send(m.peer, slot, m.send, m.bytes);
         else
-          buf->recv(m.peer, slot);
-        posted.emplace_back(std::move(buf), m.send != nullptr);
+          x.Recv(m.peer, slot, m.recv, m.bytes);
       }
-      for (auto& [buf, send] : posted)
-        if (!send && !buf->waitRecv(timeout)) throw std::runtime_error("receive aborted");
-      for (auto& [buf, send] : posted)
-        if (send && !buf->waitSend(timeout)) throw std::runtime_error("send aborted");
+      x.Wait();
     });
   }
 
@@ -251,6 +265,7 @@ class GlooCommunicator : public Communicator {
       sub->context_->setTimeout(context_->getTimeout());
       sub->context_->connectFullMesh(*sub->prefix_store_, sub->device_);
       ConnectedEverywhere(sub->context_);
+      sub->Watch();
     } catch (const std::exception& e) {
       return absl::UnavailableError(fmt::format("rank {} (host {}): making the {} group of ranks {} failed: {}",
                                                 store_->rank(), store_->host(), name, members_text, e.what()));
@@ -263,19 +278,13 @@ class GlooCommunicator : public Communicator {
   std::unique_ptr<gloo::rendezvous::PrefixStore> prefix_store_;  // a group's
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::unique_ptr<gloo_detail::PeerWatch> watch_;  // after context_: stopped before the pairs close
+
+  // Once every pair is connected.
+  void Watch() { watch_ = std::make_unique<gloo_detail::PeerWatch>(context_, gloo::Slot::build(kWatchSlotPrefix, 0)); }
 
  private:
-  template <typename T>
-  absl::Status Reduce(T* data, int64_t n) {
-    if (n == 0) return absl::OkStatus();
-    return Guard("all-reduce", [&] {
-      gloo::AllreduceOptions o(context_);
-      o.setOutput(data, static_cast<size_t>(n));
-      o.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<T>));
-      o.setTag(tag_++);
-      gloo::allreduce(o);
-    });
-  }
+  Exchange Step() { return Exchange(watch_.get(), context_->getTimeout()); }
   template <typename F>
   absl::Status Guard(const char* what, F&& f) {
     try {
@@ -291,6 +300,7 @@ class GlooCommunicator : public Communicator {
   static constexpr int64_t kChunk = int64_t{1} << 18;  // floats per reduce-scatter round and rank (1 MiB)
   static constexpr uint8_t kSlotPrefix = 0x50;         // ptk's own collectives (gloo's use 0x01-0x08)
   static constexpr uint8_t kP2pSlotPrefix = 0x51;      // SendRecv's
+  static constexpr uint8_t kWatchSlotPrefix = 0x52;    // the peer watch's (nothing is ever sent on it)
   uint32_t tag_ = 1;
   std::vector<float> scratch_;
 };
@@ -298,6 +308,8 @@ class GlooCommunicator : public Communicator {
 bool IsLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }
 
 }  // namespace
+
+void SetGlooWaitHookForTesting(std::function<void()> hook) { WaitHook() = std::move(hook); }
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOptions& o) {
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
@@ -322,6 +334,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOpt
     comm->context_->setTimeout(o.timeout);
     comm->context_->connectFullMesh(*comm->gloo_store_, comm->device_);
     ConnectedEverywhere(comm->context_);
+    comm->Watch();
   } catch (const std::exception& e) {
     if (!comm->gloo_store_->early_failure().ok()) {
       comm->store_->ServeUntilAllHeard(std::min<std::chrono::milliseconds>(o.timeout, std::chrono::minutes(1)));

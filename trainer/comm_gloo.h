@@ -2,10 +2,13 @@
 // ranks meet at MASTER_ADDR:MASTER_PORT, where rank 0 serves a small key-value store for gloo's
 // rendezvous: nothing from an earlier run can be read there (a requeued job reuses its job id, so
 // a file-based rendezvous could find stale addresses). A rank that dies closes its sockets; the
-// others fail their next collective at once, or after the collective timeout at the latest.
+// others' collectives fail at once, even one in the middle of a message to or from it (a peer watch
+// wakes the waits gloo forgets: gloo_peer_watch.h); a rank that hangs fails them at the collective
+// timeout.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -23,5 +26,9 @@ struct GlooOptions {
 };
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOptions& options);
+
+// Called by every step of a gloo collective once its messages are posted, before it waits for them
+// (a test's moment to kill a peer); empty: none. Set while no collective runs.
+void SetGlooWaitHookForTesting(std::function<void()> hook);
 
 }  // namespace ptk

@@ -164,7 +164,13 @@ class RendezvousServer {
       if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
       if (fds[0].revents & POLLIN) {
         int c = ::accept(listen_fd_, nullptr, nullptr);
-        if (c >= 0) clients_.push_back(c);
+        if (c >= 0) {
+          // A reply is two writes (its length, then its bytes): with Nagle's algorithm the second
+          // waited for the client's delayed ACK, 40 ms per answer.
+          int one = 1;
+          ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+          clients_.push_back(c);
+        }
       }
       for (size_t i = 1; i < fds.size(); ++i) {
         if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
@@ -259,6 +265,9 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   const auto deadline = Clock::now() + timeout;
   std::string last = "no attempt";
   const std::string host_name = s->host_;
+  // Ranks start together and rank 0 listens moments later: the first retries come soon, the later
+  // ones every 200 ms.
+  std::chrono::milliseconds retry(5);
   while (s->fd_ < 0 && Clock::now() < deadline) {
     addrinfo hints{}, *res = nullptr;
     hints.ai_socktype = SOCK_STREAM;
@@ -291,7 +300,10 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
         s->fd_ = -1;
       }
     }
-    if (s->fd_ < 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (s->fd_ < 0) {
+      std::this_thread::sleep_for(retry);
+      retry = std::min(retry * 2, std::chrono::milliseconds(200));
+    }
   }
   if (s->fd_ < 0)
     return absl::DeadlineExceededError(

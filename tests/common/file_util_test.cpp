@@ -395,7 +395,11 @@ TEST(TrainingRanksFromEnv, EveryLaunchVariableIsCheckedNamingIt) {
   EXPECT_EQ(srun->world_size, 4);
   EXPECT_EQ(srun->local_rank, 1);
   EXPECT_EQ(srun->master_addr, "n07");
-  EXPECT_EQ(srun->master_port, 20000 + 1234 * 7 % 20000);
+  EXPECT_EQ(srun->master_port, 20000 + 1234 * 7 % 12000);
+  // Never among the ephemeral ports (from 32768): 7 * 2000 % 20000 put this job at 34000.
+  auto late = with({{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_JOB_ID", "2000"}});
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->master_port, 22000);
   auto torchrun = with({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_PORT", "29400"}});
   ASSERT_TRUE(torchrun.ok()) << torchrun.status();
   EXPECT_EQ(torchrun->rank, 1);

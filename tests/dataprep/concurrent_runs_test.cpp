@@ -187,11 +187,12 @@ TEST(ConcurrentRuns, TokenizeSamePrefix) {
   EXPECT_GT(t.killed, 0);
 }
 
-// ptk-tokenize always started over. A run killed at a random moment (and, in odd trials,
-// its rerun killed too) is continued from the last resume point by the next run, and the output is
-// byte-identical to an uninterrupted run's. 20 trials. The kills fall between a fifth and nine
-// tenths of an undisturbed run's time (fixed delays stopped killing anything once the tokenizer got
-// faster).
+// ptk-tokenize always started over. A run killed at a random point (and, in odd trials, its rerun
+// killed too) is continued from the last resume point by the next run, and the output is
+// byte-identical to an uninterrupted run's. 20 trials. The kills fall at random points of the run's
+// progress, the bytes of its temporary .bin: fixed delays stopped killing anything once the
+// tokenizer got faster, and delays drawn from an undisturbed run's time missed the runs that a
+// machine whose load fell since that run finished sooner.
 // The modification time of `path` in nanoseconds, -1 when it does not exist.
 int64_t MtimeNs(const std::string& path) {
   struct stat st {};
@@ -213,6 +214,33 @@ bool WaitForNewRecord(pid_t pid, const std::string& record, int64_t after_ns) {
   return false;
 }
 
+// The bytes of the temporary .bin of PREFIX in `dir` (0 before there is one).
+int64_t TmpBinBytes(const std::string& dir, const std::string& prefix) {
+  int64_t bytes = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().filename().string().rfind(prefix + ".bin.ptk-tmp", 0) != 0) continue;
+    std::error_code size_ec;
+    const uintmax_t n = it->file_size(size_ec);
+    if (!size_ec) bytes = std::max(bytes, static_cast<int64_t>(n));
+  }
+  return bytes;
+}
+
+// Waits until the run's temporary .bin holds `bytes` while `pid` runs: true then, false when the
+// process ended first (it is left to WaitExit to reap) or 60 s passed.
+bool WaitForBytes(pid_t pid, const std::string& dir, const std::string& prefix, int64_t bytes) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < until) {
+    if (TmpBinBytes(dir, prefix) >= bytes) return true;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid)
+      return false;
+    ::usleep(200);
+  }
+  return false;
+}
+
 TEST(ConcurrentRuns, KilledTokenizeResumes) {
   TempDir dir;
   std::filesystem::create_directories(dir / "out");
@@ -221,7 +249,7 @@ TEST(ConcurrentRuns, KilledTokenizeResumes) {
   const std::string tok = fmt::format(
       "{} --quiet --input {} {} --output-prefix {} --workers 1 --append-eod --resume-interval 0.02 --batch-mb 0.25",
       testing::Tool("ptk-tokenize"), dir / "a.jsonl", dir / "b.jsonl", dir / "out/ds");
-  const double run_us = TimedRun(tok);
+  TimedRun(tok);
   EXPECT_FALSE(testing::Exists(dir / "out/ds_text_document.ptk-resume"));
   const std::string bin = testing::ReadFile(dir / "out/ds_text_document.bin");
   const std::string idx = testing::ReadFile(dir / "out/ds_text_document.idx");
@@ -234,14 +262,16 @@ TEST(ConcurrentRuns, KilledTokenizeResumes) {
     bool landed = false;
     for (int k = 0; k < kills; ++k) {
       const std::string record = dir / "out/ds_text_document.ptk-resume";
-      const int64_t before = MtimeNs(record);
+      const int64_t before = MtimeNs(record), done = TmpBinBytes(dir / "out", "ds_text_document");
       pid_t pid = testing::SpawnShell(tok, dir / "killed.log");
-      // Killed at a random moment after the run recorded where it is (the first record, or for a
-      // resumed run one of its own): by its progress, not the clock, so that a loaded machine's
-      // slower or faster run still dies mid-way. A resumed run has less left to do: sooner.
+      // Killed once the run recorded where it is (the first record, or for a resumed run one of
+      // its own) and has then written a random share of what is left (up to half of it; a quarter
+      // for a resumed run): by its progress, not the clock, so that a slower or faster run on a
+      // loaded machine still dies mid-way.
       if (WaitForNewRecord(pid, record, before)) {
-        const double span = k == 0 ? 0.5 : 0.25;
-        ::usleep(static_cast<useconds_t>(run_us * span * (rng() % 1000) / 1000.0));
+        const double share = (k == 0 ? 0.5 : 0.25) * static_cast<double>(rng() % 1000) / 1000.0;
+        WaitForBytes(pid, dir / "out", "ds_text_document",
+                     done + static_cast<int64_t>(share * static_cast<double>(static_cast<int64_t>(bin.size()) - done)));
       }
       ::kill(pid, SIGKILL);
       landed = testing::WaitExit(pid) == 128 + SIGKILL;

@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 
 #include "indexed_dataset/indexed_dataset.h"
+#include "tests/trainer/test_ports.h"
 
 namespace ptk {
 namespace {
@@ -389,7 +390,7 @@ TEST_F(CudaTrainCli, TwoTensorRanksOnTwoGpusFollowOneGpu) {
   const std::vector<Line> one = MustTrain("--device cuda --make-vocab-size-divisible-by 128", 20);
   ASSERT_EQ(one.size(), 20u);
   for (const char* precision : {"", "--bf16 --attention-dropout 0"}) {
-    const std::string port = std::to_string(20000 + ::getpid() % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd = Train(std::string("--device cuda --tensor-model-parallel-size 2 "
                                               "--make-vocab-size-divisible-by 64 ") +
                                       precision,
@@ -421,7 +422,7 @@ TEST_F(CudaTrainCli, TwoPipelineStagesOnTwoGpusFollowOneGpu) {
   const std::vector<Line> one = MustTrain("--device cuda --micro-batch-size 1", 20);
   ASSERT_EQ(one.size(), 20u);
   for (const char* precision : {"", "--bf16"}) {
-    const std::string port = std::to_string(20000 + (::getpid() + 7) % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd =
         Train(std::string("--device cuda --micro-batch-size 1 --pipeline-model-parallel-size 2 ") + precision, 20);
     // Rank 0 prints the start-up lines and the last stage's loss lines.
@@ -497,7 +498,7 @@ TEST_F(CudaTrainCli, SequenceParallelOnTwoGpusFollowsOneGpu) {
   const std::vector<Line> one = MustTrain("--device cuda --make-vocab-size-divisible-by 128", 20);
   ASSERT_EQ(one.size(), 20u);
   for (const char* precision : {"", "--bf16"}) {
-    const std::string port = std::to_string(20000 + (::getpid() + 7) % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd = Train(std::string("--device cuda --tensor-model-parallel-size 2 --sequence-parallel "
                                               "--make-vocab-size-divisible-by 64 ") +
                                       precision,

@@ -5,6 +5,7 @@
 // (buckets reduced during backward) has the bits of the reduction after backward.
 #include <unistd.h>
 
+#include <cstdio>
 #include <regex>
 #include <string>
 #include <vector>
@@ -170,6 +171,7 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
     const std::string what = std::string(f.signal) + " rank " + v;
     std::smatch m;
     ASSERT_TRUE(std::regex_search(r.output, m, std::regex("rc=(\\d+),(\\d+) after=(\\d+)"))) << r.output;
+    std::printf("%s: the others exited %s s after the signal\n", what.c_str(), m[3].str().c_str());
     EXPECT_EQ(m[1], "1") << what << Logs(3);
     EXPECT_EQ(m[2], "1") << what << Logs(3);
     // The logs say which wait took so long (a collective's timeout, the diagnosis, the exit).

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <regex>
@@ -221,6 +222,7 @@ TEST_F(TensorParallelCli, AKilledTensorRankEndsEveryRankAndTheLastCheckpointResu
   auto killed = RunCmd("bash -c " + ShellQuote(script));
   std::smatch m;
   ASSERT_TRUE(std::regex_search(killed.output, m, std::regex(R"(rc=(\d+),(\d+),(\d+) after=(\d+))"))) << killed.output;
+  std::printf("the others exited %s s after the kill\n", m[4].str().c_str());
   for (int i : {1, 2, 3}) {
     const int rank = i == 1 ? 0 : i;
     const std::string log = ptk::testing::ReadFile(RankLog(rank));
