@@ -44,6 +44,8 @@ absl::Status CheckOptionTable(const CLI::App& app);
 
 // Option group of flags accepted only to be refused with a reason (Megatron/NeMo flags ptk does
 // not implement). An abbreviation that also matches a supported flag means the supported one.
+// The name IntIn and RealIn give their validators (CheckOptionTable looks for it).
+inline constexpr const char* kRangeValidator = "ptk-range";
 inline constexpr const char* kUnsupportedGroup = "Not supported (accepted to say why)";
 
 // Flags of the program a tool replaces that it does not implement, in kUnsupportedGroup: the

@@ -12,8 +12,41 @@
 #include "common/status.h"
 #include "dataprep/download/download.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+// How files are fetched: parallelism, ranges, retries and timeouts.
+void AddTransferFlags(CLI::App& app, ptk::DownloadOptions& opt) {
   const CLI::Validator kSeconds = ptk::cli::RealIn(0, true, ptk::cli::kMaxSeconds, false);
+  app.add_option("--jobs,--max-workers", opt.jobs, "Files downloaded at once (huggingface-cli's --max-workers)")
+      ->check(ptk::cli::IntIn(1, 256));
+  app.add_option("--connections-per-file", opt.connections_per_file,
+                 "Connections a large file is fetched over at once, as byte ranges written in place (1: one "
+                 "connection a file)")
+      ->check(ptk::cli::IntIn(1, 64));
+  app.add_option("--split-above", opt.split_above,
+                 "Files of at least this many bytes (size and digest listed) are fetched as ranges")
+      ->check(ptk::cli::IntIn(1, INT64_MAX));
+  app.add_option("--piece-size", opt.piece_size,
+                 "Bytes per range request (default: the file's size / 8 per connection, 1-32 MiB)")
+      ->check(ptk::cli::IntIn(65536, INT64_MAX));
+  app.add_option("--max-connections", opt.max_connections, "Connections open at once, all files together")
+      ->check(ptk::cli::IntIn(1, 1024));
+  app.add_option("--max-retries", opt.max_retries,
+                 "Retries without progress per file (or Hub API call) before giving up")
+      ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
+  app.add_option("--max-retry-time", opt.max_retry_time_s,
+                 "Seconds a file (or a Hub API call) may keep failing without progress before giving up")
+      ->check(kSeconds);
+  app.add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")->check(kSeconds);
+  app.add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(kSeconds);
+  app.add_option("--stall-timeout", opt.stall_timeout_s,
+                 "Abort and resume a transfer that receives nothing for this long, seconds")
+      ->check(kSeconds);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   auto app = ptk::cli::MakeApp(
       "ptk-download",
@@ -41,31 +74,7 @@ int main(int argc, char** argv) {
   app->add_option("--endpoint", opt.endpoint, "Hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)");
   app->add_option("--token-file", token_file,
                   "File holding the Hub token (default: $HF_TOKEN, $HF_TOKEN_PATH, $HF_HOME/token)");
-  app->add_option("--jobs,--max-workers", opt.jobs, "Files downloaded at once (huggingface-cli's --max-workers)")
-      ->check(ptk::cli::IntIn(1, 256));
-  app->add_option("--connections-per-file", opt.connections_per_file,
-                  "Connections a large file is fetched over at once, as byte ranges written in place (1: one "
-                  "connection a file)")
-      ->check(ptk::cli::IntIn(1, 64));
-  app->add_option("--split-above", opt.split_above,
-                  "Files of at least this many bytes (size and digest listed) are fetched as ranges")
-      ->check(ptk::cli::IntIn(1, INT64_MAX));
-  app->add_option("--piece-size", opt.piece_size,
-                  "Bytes per range request (default: the file's size / 8 per connection, 1-32 MiB)")
-      ->check(ptk::cli::IntIn(65536, INT64_MAX));
-  app->add_option("--max-connections", opt.max_connections, "Connections open at once, all files together")
-      ->check(ptk::cli::IntIn(1, 1024));
-  app->add_option("--max-retries", opt.max_retries,
-                  "Retries without progress per file (or Hub API call) before giving up")
-      ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
-  app->add_option("--max-retry-time", opt.max_retry_time_s,
-                  "Seconds a file (or a Hub API call) may keep failing without progress before giving up")
-      ->check(kSeconds);
-  app->add_option("--retry-base", opt.retry_base_s, "Base of the exponential backoff, seconds")->check(kSeconds);
-  app->add_option("--retry-max", opt.retry_max_s, "Longest backoff, seconds")->check(kSeconds);
-  app->add_option("--stall-timeout", opt.stall_timeout_s,
-                  "Abort and resume a transfer that receives nothing for this long, seconds")
-      ->check(kSeconds);
+  AddTransferFlags(*app, opt);
   app->add_option("--shard-index", shard_index,
                   "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)")
       ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));

@@ -130,13 +130,34 @@ void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::
   }
 }
 
+// The options' shape checks: the sequence, the tensor slices, the chunks, the parameter counts.
+absl::Status CheckPlanOptions(const GPTConfig& cf, int64_t num_params, const PlanOptions& o, int64_t t) {
+  if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
+  if (t < 1 || t > cf.seq_length)
+    return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
+  const int64_t T = o.tensor;
+  if (T < 1 || cf.num_attention_heads % T != 0 || cf.query_groups() % T != 0 || cf.ffn_hidden_size % T != 0 ||
+      cf.padded_vocab_size % T != 0)
+    return absl::InvalidArgumentError(fmt::format(
+        "memory plan: heads, query groups, ffn hidden size and padded vocabulary do not divide by tensor size {}", T));
+  if (o.sequence_parallel && T > 1 && t % T != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("memory plan: --sequence-parallel: sequence length {} does not divide by tensor size {}", t, T));
+  const int64_t Ls = o.layers >= 0 ? o.layers : cf.num_layers;
+  if (o.pipeline_chunks < 1 || Ls % o.pipeline_chunks != 0 || (o.pipeline_chunks > 1 && o.pipeline_slots < 1))
+    return absl::InvalidArgumentError(fmt::format("memory plan: {} layers in {} model chunks over {} pipeline slots",
+                                                  Ls, o.pipeline_chunks, o.pipeline_slots));
+  if (o.padded_params != 0 && o.padded_params < num_params)
+    return absl::InvalidArgumentError("memory plan: padded parameter count below the parameter count");
+  if (o.moment_params > num_params) return absl::InvalidArgumentError("memory plan: moments beyond the parameters");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, const PlanOptions& o) {
-  if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
   const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
-  if (t < 1 || t > cf.seq_length)
-    return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
+  PTK_RETURN_IF_ERROR(CheckPlanOptions(cf, num_params, o, t));
   MemoryPlan m;
   m.b = o.micro_batch_size;
   m.t = t;
@@ -144,23 +165,13 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.flash = o.precision != Precision::kFp32;
   m.act_bytes = m.flash ? 2 : 4;
   const int64_t T = o.tensor;
-  if (T < 1 || cf.num_attention_heads % T != 0 || cf.query_groups() % T != 0 || cf.ffn_hidden_size % T != 0 ||
-      cf.padded_vocab_size % T != 0)
-    return absl::InvalidArgumentError(fmt::format(
-        "memory plan: heads, query groups, ffn hidden size and padded vocabulary do not divide by tensor size {}", T));
   m.tensor = T;
   m.sequence_parallel = o.sequence_parallel && T > 1;
-  if (m.sequence_parallel && t % T != 0)
-    return absl::InvalidArgumentError(
-        fmt::format("memory plan: --sequence-parallel: sequence length {} does not divide by tensor size {}", t, T));
   // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
   // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
   // under SwiGLU), vocabulary vp.
   // A slot's layers L (a model chunk's with chunks; the stage's otherwise), the stage's Ls.
   const int64_t Ls = o.layers >= 0 ? o.layers : cf.num_layers;
-  if (o.pipeline_chunks < 1 || Ls % o.pipeline_chunks != 0 || (o.pipeline_chunks > 1 && o.pipeline_slots < 1))
-    return absl::InvalidArgumentError(fmt::format("memory plan: {} layers in {} model chunks over {} pipeline slots",
-                                                  Ls, o.pipeline_chunks, o.pipeline_slots));
   const int64_t L = Ls / o.pipeline_chunks, c = cf.hidden_size, hd = cf.head_dim(), nh = cf.num_attention_heads / T,
                 ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
                 ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
@@ -168,9 +179,6 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
   if (o.pipeline_slots > 0 && !o.pipeline_last) m.logit_chunk_rows = 0;  // the LM head is the last stage's
-  if (o.padded_params != 0 && o.padded_params < num_params)
-    return absl::InvalidArgumentError("memory plan: padded parameter count below the parameter count");
-  if (o.moment_params > num_params) return absl::InvalidArgumentError("memory plan: moments beyond the parameters");
   Adder add{&m};
   AddParameterBuffers(cf, num_params, o, add);
   const std::string act_lower = "--micro-batch-size or --seq-length";
