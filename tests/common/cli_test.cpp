@@ -283,16 +283,16 @@ TEST(CliParse, HelpShowsNoDefaultTheOptionsCheckRefuses) {
   Flags f;
   int64_t chunks = 72, per_chunk = 0;
   auto app = MakeTestApp(f);
-  app->add_option("--chunks", chunks, "balanced")->check(cli::Positive());
-  app->add_option("--files-per-chunk", per_chunk, "groups")->check(cli::Positive());
+  app->add_option("--chunks", chunks, "balanced")->check(cli::IntIn(1, 100));
+  app->add_option("--files-per-chunk", per_chunk, "groups")->check(cli::IntIn(1, 100));
   testing::internal::CaptureStdout();
   EXPECT_EQ(ParseArgs(*app, {"--help"}), cli::kExitOk);
   const std::string help = testing::internal::GetCapturedStdout();
   EXPECT_EQ(help.find("=-1"), std::string::npos) << help;
-  EXPECT_EQ(help.find("POSITIVE=0"), std::string::npos) << help;
+  EXPECT_EQ(help.find("100]=0"), std::string::npos) << help;
   EXPECT_NE(help.find("--doc INT:an integer in [0, 9223372036854775807]\n"), std::string::npos) << help;
-  EXPECT_NE(help.find("--files-per-chunk INT:POSITIVE "), std::string::npos) << help;
-  EXPECT_NE(help.find("--chunks INT:POSITIVE=72"), std::string::npos) << help;
+  EXPECT_NE(help.find("--files-per-chunk INT:an integer in [1, 100]\n"), std::string::npos) << help;
+  EXPECT_NE(help.find("--chunks INT:an integer in [1, 100]=72"), std::string::npos) << help;
   EXPECT_NE(help.find("--format TEXT:{ids,text,both}=both"), std::string::npos) << help;
   EXPECT_NE(help.find("--offset INT=0"), std::string::npos) << help;  // no check: 0 is the default
 }
