@@ -222,4 +222,22 @@ inline void ExpectFollowsAndLearns(const std::vector<double>& got, const std::ve
   EXPECT_LT(got.back(), 0.7 * got.front()) << what;
 }
 
+// `steps` training steps of `c` over `data` on the CPU, then on the device in fp32 and bf16: each device
+// curve within `fp32_tol` / `bf16_tol` relative of the CPU's at every step, and learning. Returns the
+// CPU's curve.
+inline std::vector<double> ExpectCurvesFollowTheCpu(const GPTConfig& c, const Batches& data, int steps, double fp32_tol,
+                                                    double bf16_tol, const std::string& what) {
+  auto cpu = Cpu(c);
+  const std::vector<double> ref = Curve(cpu.get(), data, steps);
+  EXPECT_EQ(ref.size(), static_cast<size_t>(steps)) << what;
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    auto gpu = Cuda(c, p);
+    EXPECT_TRUE(gpu) << what << " " << PrecisionName(p);
+    if (!gpu) continue;
+    ExpectFollowsAndLearns(Curve(gpu.get(), data, steps), ref, p == Precision::kFp32 ? fp32_tol : bf16_tol,
+                           std::string(PrecisionName(p)) + what);
+  }
+  return ref;
+}
+
 }  // namespace ptk::cuda_model_test
