@@ -71,6 +71,28 @@ else
   echo "install-deps: all ${#PKGS[@]} packages present" >&2
 fi
 
+# Installs pinned PyPI packages, without their dependencies, into a folder of their own (emptied
+# first) unless its tag file DIR/.TAG-<hash of the pins> says these pins are in, then checks that
+# the Python code CHECK runs with PYTHONPATH=DIR<PATH_TAIL> ("WHAT does not import from DIR" if not).
+# Usage: private_pip_install DIR TAG PATH_TAIL CHECK WHAT PIN...
+private_pip_install() {
+  local dir=$1 name=$2 path_tail=$3 check=$4 what=$5 tag
+  shift 5
+  tag=$(printf '%s\n' "$@" | sha256sum | cut -c1-12)
+  if [ -f "$dir/.$name-$tag" ]; then
+    return 0
+  fi
+  echo "install-deps: installing $* into $dir" >&2
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$dir" \
+    --break-system-packages "$@" >&2 2>/dev/null ||
+  /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$dir" "$@" >&2
+  PYTHONPATH="$dir$path_tail" /usr/bin/python3 -c "$check" ||
+    { echo "install-deps: $what does not import from $dir" >&2; exit 1; }
+  touch "$dir/.$name-$tag"
+}
+
 if [ "$want_ref" = 1 ]; then
   # megatron-core from PyPI, for the compatibility tests only (never a runtime dependency).
   # Installed without its dependencies: Debian's numpy/torch serve, with the import shims in
@@ -103,43 +125,21 @@ if [ "$want_ref" = 1 ]; then
   # tests/k8s/k8s_manifests_test.py only, in a folder of their own so that their jsonschema, packaging
   # and typing-extensions never shadow Debian's for the other reference tests. Pinned with their
   # dependencies.
-  KV_DIR="$REF_DIR/kubernetes-validate"
   KV_PINS=(kubernetes-validate==1.37.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
            rpds-py==2026.9.1 attrs==26.1.0 typing-extensions==4.16.0 importlib-resources==7.1.0 packaging==26.3)
-  KV_TAG=$(printf '%s\n' "${KV_PINS[@]}" | sha256sum | cut -c1-12)
-  if [ ! -f "$KV_DIR/.kubernetes-validate-$KV_TAG" ]; then
-    echo "install-deps: installing ${KV_PINS[*]} into $KV_DIR" >&2
-    rm -rf "$KV_DIR"
-    mkdir -p "$KV_DIR"
-    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$KV_DIR" \
-      --break-system-packages "${KV_PINS[@]}" >&2 2>/dev/null ||
-    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$KV_DIR" "${KV_PINS[@]}" >&2
-    PYTHONPATH="$KV_DIR" /usr/bin/python3 -c 'import kubernetes_validate, jsonschema' ||
-      { echo "install-deps: kubernetes-validate does not import from $KV_DIR" >&2; exit 1; }
-    touch "$KV_DIR/.kubernetes-validate-$KV_TAG"
-  fi
+  private_pip_install "$REF_DIR/kubernetes-validate" kubernetes-validate "" \
+    'import kubernetes_validate, jsonschema' kubernetes-validate "${KV_PINS[@]}"
   # transformers 4.51.3, the first line with Qwen3ForCausalLM (ptk-convert's --qk-layernorm export), for
   # tests/interop/hf_qwen3_test.py only, in a folder of its own so that the 4.44.2 above (and the goldens it
   # made) stays what the other tests import. Pinned with the dependencies Debian does not provide (fsspec;
   # filelock, numpy, packaging, yaml, regex, requests, tqdm, typing-extensions are Debian's), 15 MB in all.
   # It runs on Debian's torch 1.13 with tests/support/torch2_shim.py: PyPI's x86-64 torch 2 wheels are
   # CUDA builds (hundreds of MB, importing NVIDIA's CUDA library wheels), which CI has no room for.
-  QW_DIR="$REF_DIR/transformers-qwen3"
   QW_PINS=(transformers==4.51.3 huggingface-hub==0.30.2 tokenizers==0.21.1 safetensors==0.5.3 fsspec==2025.3.2)
-  QW_TAG=$(printf '%s\n' "${QW_PINS[@]}" | sha256sum | cut -c1-12)
-  if [ ! -f "$QW_DIR/.transformers-qwen3-$QW_TAG" ]; then
-    echo "install-deps: installing ${QW_PINS[*]} into $QW_DIR" >&2
-    rm -rf "$QW_DIR"
-    mkdir -p "$QW_DIR"
-    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$QW_DIR" \
-      --break-system-packages "${QW_PINS[@]}" >&2 2>/dev/null ||
-    /usr/bin/python3 -m pip install -q --no-deps --no-compile --target "$QW_DIR" "${QW_PINS[@]}" >&2
-    SHIM_DIR=$(cd "$(dirname "$0")/../tests/support" && pwd)
-    PYTHONPATH="$QW_DIR:$SHIM_DIR" /usr/bin/python3 -c \
-      'import torch2_shim; torch2_shim.install(); from transformers import Qwen3ForCausalLM' ||
-      { echo "install-deps: transformers' Qwen3ForCausalLM does not import from $QW_DIR" >&2; exit 1; }
-    touch "$QW_DIR/.transformers-qwen3-$QW_TAG"
-  fi
+  SHIM_DIR=$(cd "$(dirname "$0")/../tests/support" && pwd)
+  private_pip_install "$REF_DIR/transformers-qwen3" transformers-qwen3 ":$SHIM_DIR" \
+    'import torch2_shim; torch2_shim.install(); from transformers import Qwen3ForCausalLM' \
+    "transformers' Qwen3ForCausalLM" "${QW_PINS[@]}"
 fi
 
 if [ -n "$NVCC" ]; then

@@ -30,6 +30,17 @@ struct Flags {
   std::vector<std::string> inputs, drop;
 };
 
+// Parse's result for `args` and what it wrote to stderr.
+struct Parsed {
+  std::optional<int> rc;
+  std::string err;
+};
+Parsed ParseCapturingStderr(CLI::App& app, std::vector<std::string> args) {
+  testing::internal::CaptureStderr();
+  std::optional<int> rc = ParseArgs(app, std::move(args));
+  return {rc, testing::internal::GetCapturedStderr()};
+}
+
 std::unique_ptr<CLI::App> MakeTestApp(Flags& f) {
   auto app = cli::MakeApp("ptk-x", "test");
   app->add_option("--doc", f.doc, "a number")->check(cli::IntIn(0, std::numeric_limits<int64_t>::max()));
@@ -47,10 +58,9 @@ std::unique_ptr<CLI::App> MakeTestApp(Flags& f) {
 TEST(CliParse, AFlagGivenTwiceTakesTheLastValueAsArgparse) {
   Flags f;
   auto app = MakeTestApp(f);
-  testing::internal::CaptureStderr();
-  EXPECT_EQ(ParseArgs(*app, {"--doc", "1", "--verify", "--format=ids", "--doc", "2", "--verify", "--form", "text"}),
-            std::nullopt);
-  const std::string err = testing::internal::GetCapturedStderr();
+  const auto [rc, err] = ParseCapturingStderr(
+      *app, {"--doc", "1", "--verify", "--format=ids", "--doc", "2", "--verify", "--form", "text"});
+  EXPECT_EQ(rc, std::nullopt);
   EXPECT_EQ(f.doc, 2);
   EXPECT_TRUE(f.verify);
   EXPECT_EQ(f.format, "text");
@@ -64,9 +74,8 @@ TEST(CliParse, AFlagGivenTwiceTakesTheLastValueAsArgparse) {
 TEST(CliParse, AListGivenTwiceTakesTheLastListAsArgparse) {
   Flags f;
   auto app = MakeTestApp(f);
-  testing::internal::CaptureStderr();
-  EXPECT_EQ(ParseArgs(*app, {"--input", "a", "b", "--doc", "1", "--input", "c", "d"}), std::nullopt);
-  const std::string err = testing::internal::GetCapturedStderr();
+  const auto [rc, err] = ParseCapturingStderr(*app, {"--input", "a", "b", "--doc", "1", "--input", "c", "d"});
+  EXPECT_EQ(rc, std::nullopt);
   EXPECT_EQ(f.inputs, (std::vector<std::string>{"c", "d"}));
   EXPECT_NE(err.find("--input given 2 times"), std::string::npos) << err;
   EXPECT_EQ(err.find("--doc"), std::string::npos) << err;
@@ -75,9 +84,8 @@ TEST(CliParse, AListGivenTwiceTakesTheLastListAsArgparse) {
 TEST(CliParse, ARepeatableFlagAddsUpWithoutAWarning) {
   Flags f;
   auto app = MakeTestApp(f);
-  testing::internal::CaptureStderr();
-  EXPECT_EQ(ParseArgs(*app, {"--drop-set", "A", "--drop-set", "B", "C"}), std::nullopt);
-  const std::string err = testing::internal::GetCapturedStderr();
+  const auto [rc, err] = ParseCapturingStderr(*app, {"--drop-set", "A", "--drop-set", "B", "C"});
+  EXPECT_EQ(rc, std::nullopt);
   EXPECT_EQ(f.drop, (std::vector<std::string>{"A", "B", "C"}));
   EXPECT_EQ(err, "");
 }
@@ -109,9 +117,8 @@ TEST(CliParse, AFlagIsCountedPerSubcommand) {
   {  // the tool's --plan and --jobs, then run's: once each, no warning
     SubFlags f;
     auto app = MakeSubcommandApp(f);
-    testing::internal::CaptureStderr();
-    EXPECT_EQ(ParseArgs(*app, {"--plan", "a", "--jobs", "2", "run", "--plan", "b", "--jobs=3"}), std::nullopt);
-    const std::string err = testing::internal::GetCapturedStderr();
+    const auto [rc, err] = ParseCapturingStderr(*app, {"--plan", "a", "--jobs", "2", "run", "--plan", "b", "--jobs=3"});
+    EXPECT_EQ(rc, std::nullopt);
     EXPECT_EQ(err, "");
     EXPECT_EQ(f.top_plan, "a");
     EXPECT_EQ(f.run_plan, "b");
@@ -120,26 +127,24 @@ TEST(CliParse, AFlagIsCountedPerSubcommand) {
   {  // run's --with (one value) given twice is named with its subcommand; list's adds up
     SubFlags f;
     auto app = MakeSubcommandApp(f);
-    testing::internal::CaptureStderr();
-    EXPECT_EQ(ParseArgs(*app, {"run", "--with", "x", "--with", "y"}), std::nullopt);
-    const std::string err = testing::internal::GetCapturedStderr();
+    const auto [rc, err] = ParseCapturingStderr(*app, {"run", "--with", "x", "--with", "y"});
+    EXPECT_EQ(rc, std::nullopt);
     EXPECT_NE(err.find("run --with given 2 times: only the last counts"), std::string::npos) << err;
     EXPECT_EQ(f.run_with, "y");
   }
   {
     SubFlags f;
     auto app = MakeSubcommandApp(f);
-    testing::internal::CaptureStderr();
-    EXPECT_EQ(ParseArgs(*app, {"list", "--with", "x", "--with", "y"}), std::nullopt);
-    EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+    const auto [rc, err] = ParseCapturingStderr(*app, {"list", "--with", "x", "--with", "y"});
+    EXPECT_EQ(rc, std::nullopt);
+    EXPECT_EQ(err, "");
     EXPECT_EQ(f.list_with, (std::vector<std::string>{"x", "y"}));
   }
   {  // a value that is a subcommand's name is a value; a prefix is run's own flag (not also --chunks)
     SubFlags f;
     auto app = MakeSubcommandApp(f);
-    testing::internal::CaptureStderr();
-    EXPECT_EQ(ParseArgs(*app, {"--plan", "list", "run", "--chunk", "5", "--plan", "p"}), std::nullopt);
-    const std::string err = testing::internal::GetCapturedStderr();
+    const auto [rc, err] = ParseCapturingStderr(*app, {"--plan", "list", "run", "--chunk", "5", "--plan", "p"});
+    EXPECT_EQ(rc, std::nullopt);
     EXPECT_EQ(err, "");
     EXPECT_EQ(f.top_plan, "list");
     EXPECT_EQ(f.chunk_index, 5);
@@ -150,9 +155,8 @@ TEST(CliParse, AFlagIsCountedPerSubcommand) {
 TEST(CliParse, AnEarlierBadValueIsStillAUsageError) {
   Flags f;
   auto app = MakeTestApp(f);
-  testing::internal::CaptureStderr();
-  EXPECT_EQ(ParseArgs(*app, {"--doc", "-1", "--doc", "2"}), cli::kExitUsage);
-  const std::string err = testing::internal::GetCapturedStderr();
+  const auto [rc, err] = ParseCapturingStderr(*app, {"--doc", "-1", "--doc", "2"});
+  EXPECT_EQ(rc, cli::kExitUsage);
   EXPECT_NE(err.find("--doc: must be an integer in [0, 9223372036854775807], not \"-1\""), std::string::npos) << err;
 }
 
@@ -170,9 +174,8 @@ TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
   for (const auto& [args, expected] : cases) {
     Flags f;
     auto app = MakeTestApp(f);
-    testing::internal::CaptureStderr();
-    EXPECT_EQ(ParseArgs(*app, args), cli::kExitUsage) << args[1];
-    const std::string err = testing::internal::GetCapturedStderr();
+    const auto [rc, err] = ParseCapturingStderr(*app, args);
+    EXPECT_EQ(rc, cli::kExitUsage) << args[1];
     EXPECT_NE(err.find(expected), std::string::npos) << err;
   }
   Flags f;
@@ -189,6 +192,18 @@ TEST(CliParse, AnIntegerOutsideItsTypeIsAUsageError) {
 // cannot hold, inf, nan or an integer too large for any type is refused in one line naming the flag
 // and the range. ptk-tokenize --max-bad-fraction 1e400 said "must be a number >= 0" (which 1e400 is),
 // 1e-400 was taken as 0, --workers 99999999999 said "Could not convert".
+struct RangeFlags {
+  double fraction = 0, seconds = 1;
+  int count = 1;
+};
+std::unique_ptr<CLI::App> MakeRangeApp(RangeFlags& r) {
+  auto app = cli::MakeApp("ptk-x", "test");
+  app->add_option("--fraction", r.fraction, "a fraction")->check(cli::RealIn(0, false, 1, false));
+  app->add_option("--seconds", r.seconds, "a duration")->check(cli::Positive());
+  app->add_option("--count", r.count, "a count")->check(cli::IntIn(1, cli::kMaxInt));
+  return app;
+}
+
 TEST(CliRange, AValueOutsideTheRangeNamesTheFlagAndTheRange) {
   const std::pair<std::vector<std::string>, std::string> cases[] = {
       {{"--fraction", "1e400"}, "--fraction: must be a number in [0, 1], not \"1e400\" (beyond a double's range)\n"},
@@ -206,27 +221,18 @@ TEST(CliRange, AValueOutsideTheRangeNamesTheFlagAndTheRange) {
       {{"--count", "1e3"}, "--count: must be an integer in [1, 2147483647], not \"1e3\"\n"},
   };
   for (const auto& [args, expected] : cases) {
-    double fraction = 0, seconds = 1;
-    int count = 1;
-    auto app = cli::MakeApp("ptk-x", "test");
-    app->add_option("--fraction", fraction, "a fraction")->check(cli::RealIn(0, false, 1, false));
-    app->add_option("--seconds", seconds, "a duration")->check(cli::Positive());
-    app->add_option("--count", count, "a count")->check(cli::IntIn(1, cli::kMaxInt));
-    testing::internal::CaptureStderr();
-    EXPECT_EQ(ParseArgs(*app, args), cli::kExitUsage) << args[1];
-    const std::string err = testing::internal::GetCapturedStderr();
+    RangeFlags r;
+    auto app = MakeRangeApp(r);
+    const auto [rc, err] = ParseCapturingStderr(*app, args);
+    EXPECT_EQ(rc, cli::kExitUsage) << args[1];
     EXPECT_EQ(err, "ptk-x: usage error: " + expected + "Run with --help for more information.\n") << args[1];
   }
-  double fraction = 0, seconds = 1;
-  int count = 1;
-  auto app = cli::MakeApp("ptk-x", "test");
-  app->add_option("--fraction", fraction, "a fraction")->check(cli::RealIn(0, false, 1, false));
-  app->add_option("--seconds", seconds, "a duration")->check(cli::Positive());
-  app->add_option("--count", count, "a count")->check(cli::IntIn(1, cli::kMaxInt));
+  RangeFlags r;
+  auto app = MakeRangeApp(r);
   EXPECT_EQ(ParseArgs(*app, {"--fraction", "-0", "--seconds", "1e-300", "--count", "2147483647"}), std::nullopt);
-  EXPECT_EQ(fraction, 0.0);
-  EXPECT_EQ(seconds, 1e-300);
-  EXPECT_EQ(count, 2147483647);
+  EXPECT_EQ(r.fraction, 0.0);
+  EXPECT_EQ(r.seconds, 1e-300);
+  EXPECT_EQ(r.count, 2147483647);
 }
 
 // The option table check (PTK_CHECK_OPTIONS=1, run on every tool by option_tables_test.sh) refuses
@@ -262,9 +268,7 @@ TEST(CliParse, AFixedCountListGivenAnotherCountIsAUsageError) {
     std::vector<int64_t> ramp;
     auto app = MakeTestApp(f);
     app->add_option("--ramp", ramp, "three numbers")->expected(3);
-    testing::internal::CaptureStderr();
-    const std::optional<int> rc = ParseArgs(*app, args);
-    const std::string err = testing::internal::GetCapturedStderr();
+    const auto [rc, err] = ParseCapturingStderr(*app, args);
     if (ok) {
       EXPECT_EQ(rc, std::nullopt) << err;
       EXPECT_EQ(ramp, (std::vector<int64_t>{2, 2, 8}));

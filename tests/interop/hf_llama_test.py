@@ -22,7 +22,7 @@ import random
 import re
 import tempfile
 
-from hf_test_common import (BIN, TEST_BIN, TOL, check, compare_logits, finish, hf_logits, load_checked, numpy, run,
+from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, compare_logits, finish, hf_logits, load_checked, numpy, run,
                             torch)
 from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -138,13 +138,7 @@ with tempfile.TemporaryDirectory() as tmp:
               "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
               "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "initializer_range"):
         check(ca[k] == cb[k], "hf -> ptk -> hf: config {} {} -> {}".format(k, ca[k], cb[k]))
-    flags = re.search(r"continue training with: ptk-train (.*) --seq-length N", out)
-    check(flags is not None, "ptk-convert prints ptk-train's flags:\n" + out)
-    if flags:
-        tr = run([os.path.join(BIN, "ptk-train")] + flags.group(1).split() +
-                 ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
-                  "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--finetune"])
-        check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
+    check_finetune(out, ckin)
 
     # ---- what LlamaForCausalLM cannot compute: refused, nothing written
     for what, flags, reason in (

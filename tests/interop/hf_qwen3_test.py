@@ -32,11 +32,10 @@ import inspect
 import json
 import os
 import random
-import re
 import tempfile
 
 os.environ["PTK_HF_REFERENCE"] = "qwen3"  # hf_test_common: transformers 4.51.3 from transformers-qwen3
-from hf_test_common import (BIN, TEST_BIN, TOL, check, compare_logits, finish, hf_logits, load_checked, numpy, run,
+from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, compare_logits, finish, hf_logits, load_checked, numpy, run,
                             torch, transformers)
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
@@ -162,13 +161,7 @@ def hf_to_ptk(tmp):
               "hf -> ptk -> hf: config {} {} -> {}".format(k, ca[k], cb[k]))
     check(cb["sliding_window"] is None and cb["max_window_layers"] == 2 and not cb["use_sliding_window"],
           "hf -> ptk -> hf: sliding_window {sliding_window} max_window_layers {max_window_layers}".format(**cb))
-    flags = re.search(r"continue training with: ptk-train (.*) --seq-length N", out)
-    check(flags is not None, "ptk-convert prints ptk-train's flags:\n" + out)
-    if flags:
-        tr = run([os.path.join(BIN, "ptk-train")] + flags.group(1).split() +
-                 ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
-                  "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--finetune"])
-        check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
+    check_finetune(out, ckin)
 
     # Tied, multi-head, Qwen3Config's defaults for what is not given (rope_theta 10000, rms_norm_eps 1e-6,
     # sliding_window 4096 with use_sliding_window false: full causal attention, as ptk computes).

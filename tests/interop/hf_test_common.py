@@ -9,6 +9,7 @@ take the build's bin directory and the test binaries' directory as their argumen
 """
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -139,3 +140,24 @@ def compare_logits(ckpt, model, seqs, vocab, tmp, what):
     print("{}: ptk's and transformers' logits differ by at most {:.3g} ({} sequences, tolerance {})".format(
         what, worst, len(seqs), TOL))
     return model
+
+
+def train_from_import(flags, ckin, mode):
+    """ptk-train's output for 2 iterations on mock data from the checkpoint `ckin` ptk-convert's import wrote,
+    with the model flags the import printed (`flags`, a list) and `mode` (--finetune, --no-load-optim)."""
+    return run([os.path.join(BIN, "ptk-train")] + flags +
+               ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
+                "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, mode])
+
+
+def check_finetune(out, ckin):
+    """ptk-convert's import (its output `out`, its checkpoint `ckin`) printed the ptk-train flags to continue
+    training with ("continue training with: ptk-train ... --seq-length N"), and ptk-train --finetune with them loads
+    the import's weights. Returns those flags (a list), or None when the import printed none."""
+    flags = re.search(r"continue training with: ptk-train (.*) --seq-length N", out)
+    check(flags is not None, "ptk-convert prints ptk-train's flags:\n" + out)
+    if not flags:
+        return None
+    tr = train_from_import(flags.group(1).split(), ckin, "--finetune")
+    check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
+    return flags.group(1).split()

@@ -19,8 +19,8 @@ import random
 import re
 import tempfile
 
-from hf_test_common import (BIN, TEST_BIN, TOL, check, finish, hf_logits, load_checked, numpy, run, torch,
-                            compare_logits as compare_with)
+from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, finish, hf_logits, load_checked, numpy, run,
+                            torch, train_from_import, compare_logits as compare_with)
 from safetensors import safe_open
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
@@ -103,16 +103,9 @@ with tempfile.TemporaryDirectory() as tmp:
     src.save_pretrained(hfsrc, safe_serialization=True)
     out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfsrc, "--save-dir", ckin])
     compare_logits(ckin, src, [s for s in SEQS if len(s) <= 40], 50257, tmp, "imported")
-    flags = re.search(r"continue training with: ptk-train (.*) --seq-length N", out)
-    check(flags is not None, "ptk-convert prints ptk-train's flags:\n" + out)
+    flags = check_finetune(out, ckin)
     if flags:
-        tr = run([os.path.join(BIN, "ptk-train")] + flags.group(1).split() +
-                 ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
-                  "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--finetune"])
-        check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
-        tr = run([os.path.join(BIN, "ptk-train")] + flags.group(1).split() +
-                 ["--seq-length", "40", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
-                  "--eval-iters", "0", "--log-interval", "1", "--threads", "2", "--load", ckin, "--no-load-optim"])
+        tr = train_from_import(flags, ckin, "--no-load-optim")
         check("loaded checkpoint" in tr and " iteration        2/       2 |" in tr,
               "ptk-train --no-load-optim from the import:\n" + tr)
 

@@ -67,16 +67,7 @@ TEST(CudaLlamaModel, Bf16StepMatchesTheCpu) {
 // 40 steps: fp32 within 1e-3 relative of the CPU's curve at every step, bf16 within 5e-2; both learn.
 TEST(CudaLlamaModel, StepsFollowTheCpuCurveAndLearn) {
   const GPTConfig c = LlamaConfig();
-  Batches data(10, c.vocab_size);
-  auto cpu = Cpu(c);
-  const std::vector<double> ref = Curve(cpu.get(), data, 40);
-  ASSERT_EQ(ref.size(), 40u);
-  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
-    auto gpu = Cuda(c, p);
-    ASSERT_TRUE(gpu);
-    ASSERT_NO_FATAL_FAILURE(ExpectFollowsAndLearns(Curve(gpu.get(), data, 40), ref, p == Precision::kFp32 ? 1e-3 : 5e-2,
-                                                   std::string(PrecisionName(p))));
-  }
+  ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 40, 1e-3, 5e-2, "");
 }
 
 // --qk-layernorm (Qwen3's query and key norms) under RMSNorm and LayerNorm (weights and biases),
@@ -99,17 +90,7 @@ TEST(CudaLlamaModel, QKLayerNormStepMatchesTheCpu) {
 TEST(CudaLlamaModel, QKLayerNormStepsFollowTheCpuCurve) {
   for (bool layernorm : {false, true}) {
     const GPTConfig c = Qwen3Config(layernorm);
-    Batches data(10, c.vocab_size);
-    auto cpu = Cpu(c);
-    const std::vector<double> ref = Curve(cpu.get(), data, 30);
-    ASSERT_EQ(ref.size(), 30u);
-    for (Precision p : {Precision::kFp32, Precision::kBf16}) {
-      auto gpu = Cuda(c, p);
-      ASSERT_TRUE(gpu);
-      ASSERT_NO_FATAL_FAILURE(ExpectFollowsAndLearns(Curve(gpu.get(), data, 30), ref,
-                                                     p == Precision::kFp32 ? 1e-3 : 5e-2,
-                                                     std::string(PrecisionName(p)) + (layernorm ? " LayerNorm" : "")));
-    }
+    ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 30, 1e-3, 5e-2, layernorm ? " LayerNorm" : "");
   }
 }
 

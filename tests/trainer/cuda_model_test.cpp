@@ -34,14 +34,7 @@ TEST(CudaModel, Fp16StepMatchesTheCpu) {
 TEST(CudaModel, FiftyStepsFollowTheCpuCurve) {
   const GPTConfig c = SmallConfig(/*dropout=*/false);
   Batches data(10, c.vocab_size);
-  auto cpu = Cpu(c);
-  const std::vector<double> ref = Curve(cpu.get(), data, 50);
-  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
-    auto gpu = Cuda(c, p);
-    ASSERT_TRUE(gpu);
-    ASSERT_NO_FATAL_FAILURE(ExpectFollowsAndLearns(Curve(gpu.get(), data, 50), ref, p == Precision::kFp32 ? 1e-3 : 3e-2,
-                                                   std::string(PrecisionName(p))));
-  }
+  const std::vector<double> ref = ExpectCurvesFollowTheCpu(c, data, 50, 1e-3, 3e-2, "");
   LossScaleConfig fp16;
   fp16.dynamic = true;
   fp16.scale = 65536;

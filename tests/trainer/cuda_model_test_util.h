@@ -1,6 +1,7 @@
 // What cuda_model_test's and cuda_llama_model_test's files share: the small models, deterministic
 // synthetic micro-batches, the CUDA and CPU models made from the same weights, the relative L2
-// distance, a schedule, one step and a loss curve on both backends compared.
+// distance, a schedule, one step and a loss curve on both backends compared; and the one-device
+// reference of the pipeline tests (OneDevice).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -220,6 +221,52 @@ inline void ExpectFollowsAndLearns(const std::vector<double>& got, const std::ve
   ASSERT_EQ(got.size(), ref.size()) << what;
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], tol * ref[i]) << "step " << i + 1 << " " << what;
   EXPECT_LT(got.back(), 0.7 * got.front()) << what;
+}
+
+// The model-parallel tests' reference (cuda_pipeline_test, cuda_pipeline_interleaved_test): one device
+// model's loss summed over `mbs` (each backward scaled by its `scales`, as TrainStep would), the first
+// micro-batch's eval loss, and the gradients; grads empty where the model or a call failed (a test failure).
+struct OneDeviceRun {
+  LossSum loss, eval;
+  std::vector<float> grads;
+};
+inline OneDeviceRun OneDevice(const GPTConfig& c, Precision p, const std::vector<ModelBatch>& mbs,
+                              const std::vector<double>& scales) {
+  OneDeviceRun ref;
+  std::unique_ptr<GPTModel> m = Cuda(c, p);
+  if (!m) return ref;
+  EXPECT_TRUE(m->ZeroGrads().ok());
+  for (size_t k = 0; k < mbs.size(); ++k) {
+    auto l = m->ForwardBackward(mbs[k], scales[k], /*train=*/true, 99);
+    EXPECT_TRUE(l.ok()) << l.status();
+    if (!l.ok()) return ref;
+    ref.loss.loss_sum += l->loss_sum;
+    ref.loss.tokens += l->tokens;
+  }
+  ref.grads.assign(static_cast<size_t>(m->num_params()), 0.0f);
+  EXPECT_TRUE(m->ReadGrads(ref.grads).ok());
+  auto e = m->Forward(mbs[0], nullptr);
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (e.ok()) ref.eval = *e;
+  return ref;
+}
+
+// `steps` training steps of `c` over `data` on the CPU, then on the device in fp32 and bf16: each device
+// curve within `fp32_tol` / `bf16_tol` relative of the CPU's at every step, and learning. Returns the
+// CPU's curve.
+inline std::vector<double> ExpectCurvesFollowTheCpu(const GPTConfig& c, const Batches& data, int steps, double fp32_tol,
+                                                    double bf16_tol, const std::string& what) {
+  auto cpu = Cpu(c);
+  const std::vector<double> ref = Curve(cpu.get(), data, steps);
+  EXPECT_EQ(ref.size(), static_cast<size_t>(steps)) << what;
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    auto gpu = Cuda(c, p);
+    EXPECT_TRUE(gpu) << what << " " << PrecisionName(p);
+    if (!gpu) continue;
+    ExpectFollowsAndLearns(Curve(gpu.get(), data, steps), ref, p == Precision::kFp32 ? fp32_tol : bf16_tol,
+                           std::string(PrecisionName(p)) + what);
+  }
+  return ref;
 }
 
 }  // namespace ptk::cuda_model_test

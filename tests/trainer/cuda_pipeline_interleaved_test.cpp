@@ -42,10 +42,9 @@ GPTConfig Config(int64_t layers) {
   return c;
 }
 
-struct StageRun {
-  LossSum loss, eval;
-  std::vector<float> grads;  // every stage's (and tensor rank's) put back into the whole layout
-  int device_messages = 0;   // the direct exchange's calls, all stages
+// grads: every stage's (and tensor rank's) put back into the whole layout.
+struct StageRun : cuda_model_test::OneDeviceRun {
+  int device_messages = 0;  // the direct exchange's calls, all stages
 };
 
 struct Case {
@@ -67,23 +66,7 @@ struct Data {
 };
 
 StageRun OneGpu(const GPTConfig& c, Precision p, const Data& d) {
-  StageRun ref;
-  std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, p);
-  if (!m) return ref;
-  EXPECT_TRUE(m->ZeroGrads().ok());
-  for (size_t k = 0; k < d.mbs.size(); ++k) {
-    auto l = m->ForwardBackward(d.mbs[k], d.scales[k], /*train=*/true, 99);
-    EXPECT_TRUE(l.ok()) << l.status();
-    if (!l.ok()) return ref;
-    ref.loss.loss_sum += l->loss_sum;
-    ref.loss.tokens += l->tokens;
-  }
-  ref.grads.assign(static_cast<size_t>(m->num_params()), 0.0f);
-  EXPECT_TRUE(m->ReadGrads(ref.grads).ok());
-  auto e = m->Forward(d.mbs[0], nullptr);
-  EXPECT_TRUE(e.ok()) << e.status();
-  if (e.ok()) ref.eval = *e;
-  return ref;
+  return StageRun{cuda_model_test::OneDevice(c, p, d.mbs, d.scales)};
 }
 
 std::unique_ptr<Communicator> Group(Communicator* comm, std::vector<int> members, const char* name) {

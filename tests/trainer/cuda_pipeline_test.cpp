@@ -49,33 +49,6 @@ std::vector<PipelineStage> Stages(int P) {
   return v;
 }
 
-struct Reference {
-  LossSum loss, eval;
-  std::vector<float> grads;
-};
-
-Reference OneStage(const GPTConfig& c, Precision p, const std::vector<ModelBatch>& mbs,
-                   const std::vector<double>& scales) {
-  Reference ref;
-  std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, p);
-  EXPECT_NE(m, nullptr);
-  if (!m) return ref;
-  EXPECT_TRUE(m->ZeroGrads().ok());
-  for (size_t k = 0; k < mbs.size(); ++k) {
-    auto l = m->ForwardBackward(mbs[k], scales[k], /*train=*/true, 99);
-    EXPECT_TRUE(l.ok()) << l.status();
-    if (!l.ok()) return ref;
-    ref.loss.loss_sum += l->loss_sum;
-    ref.loss.tokens += l->tokens;
-  }
-  ref.grads.assign(static_cast<size_t>(m->num_params()), 0.0f);
-  EXPECT_TRUE(m->ReadGrads(ref.grads).ok());
-  auto e = m->Forward(mbs[0], nullptr);
-  EXPECT_TRUE(e.ok()) << e.status();
-  if (e.ok()) ref.eval = *e;
-  return ref;
-}
-
 // The embedding group (the first and the last stage) for stage s of P; null on the other stages.
 std::unique_ptr<Communicator> EmbeddingGroup(Communicator* comm, int s, int P) {
   if (s != 0 && s != P - 1) return nullptr;
@@ -94,7 +67,7 @@ void CheckStagesGiveOneStage(int P, Precision p, double loss_tol, double grad_to
     mbs.push_back(data.Get(k));
     scales.push_back(1.0 / 2048.0 * (1.0 + 0.01 * k));
   }
-  const Reference ref = OneStage(c, p, mbs, scales);
+  const cuda_model_test::OneDeviceRun ref = cuda_model_test::OneDevice(c, p, mbs, scales);
   ASSERT_FALSE(ref.grads.empty());
   const std::vector<PipelineStage> stages = Stages(P);
   std::mutex mu;

@@ -108,32 +108,44 @@ TpRun Train(int T, int steps, const GPTConfig& c = SmallConfig(/*dropout=*/true)
   return out;
 }
 
+// Largest absolute difference of two vectors (gradients, logits), and the largest magnitude of the first.
+std::pair<double, double> MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double gmax = 0, dmax = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    gmax = std::max(gmax, static_cast<double>(std::abs(a[i])));
+    dmax = std::max(dmax, static_cast<double>(std::abs(a[i] - b[i])));
+  }
+  return {dmax, gmax};
+}
+
+// `tp` (T ranks, `steps` steps) against one rank's run `one`: the whole tensors' gradients the same
+// bits on every rank, every gradient within 1e-4 of the largest, and each rank's losses, the first
+// pass's within 1e-5 relative, the steps after it 1e-4.
+void ExpectFollowsOneRank(const TpRun& tp, const TpRun& one, int T, int steps) {
+  EXPECT_TRUE(tp.whole_tensors_same_bits);
+  ASSERT_EQ(tp.grads.size(), one.grads.size());
+  const auto [dmax, gmax] = MaxDiff(one.grads, tp.grads);
+  EXPECT_LT(dmax, 1e-4 * gmax) << "largest gradient difference " << dmax << " of " << gmax;
+  for (int r = 0; r < T; ++r) {
+    ASSERT_EQ(tp.losses[static_cast<size_t>(r)].size(), static_cast<size_t>(steps));
+    for (int k = 0; k < steps; ++k)
+      EXPECT_NEAR(tp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
+          << "rank " << r << " step " << k;
+  }
+  std::printf("T=%d: loss %.9g vs %.9g; largest gradient difference %.3g of %.3g\n", T, tp.losses[0][0],
+              one.losses[0][0], dmax, gmax);
+}
+
 TEST(CudaTensorParallel, RanksOnOneGpuFollowOneRank) {
   const int steps = 5;
   const TpRun one = Train(1, steps);
   ASSERT_EQ(one.losses[0].size(), static_cast<size_t>(steps));
   for (int T : {2, 4}) {
+    SCOPED_TRACE(fmt::format("T={}", T));
     const TpRun tp = Train(T, steps);
-    EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T;
-    double gmax = 0, dmax = 0;
-    for (size_t i = 0; i < one.grads.size(); ++i) {
-      gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
-      dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
-    }
-    EXPECT_LT(dmax, 1e-4 * gmax) << "T=" << T << ": largest gradient difference " << dmax << " of " << gmax;
-    for (int r = 0; r < T; ++r) {
-      ASSERT_EQ(tp.losses[static_cast<size_t>(r)].size(), static_cast<size_t>(steps));
-      for (int k = 0; k < steps; ++k)  // the first pass within 1e-5, the steps after it 1e-4
-        EXPECT_NEAR(tp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
-            << "T=" << T << " rank " << r << " step " << k;
-    }
+    ExpectFollowsOneRank(tp, one, T, steps);
     ASSERT_EQ(tp.logits.size(), one.logits.size());
-    double lmax = 0;
-    for (size_t i = 0; i < one.logits.size(); ++i)
-      lmax = std::max(lmax, static_cast<double>(std::abs(one.logits[i] - tp.logits[i])));
-    EXPECT_LT(lmax, 1e-4) << "T=" << T << ": gathered logits";
-    std::printf("T=%d: loss %.9g vs %.9g; largest gradient difference %.3g of %.3g\n", T, tp.losses[0][0],
-                one.losses[0][0], dmax, gmax);
+    EXPECT_LT(MaxDiff(one.logits, tp.logits).first, 1e-4) << "gathered logits";
   }
 }
 
@@ -146,19 +158,7 @@ TEST(CudaTensorParallel, LlamaRanksFollowOneRank) {
   const GPTConfig c = cuda_model_test::LlamaConfig();
   const TpRun one = Train(1, steps, c), tp = Train(2, steps, c);
   ASSERT_EQ(one.losses[0].size(), static_cast<size_t>(steps));
-  EXPECT_TRUE(tp.whole_tensors_same_bits);
-  double gmax = 0, dmax = 0;
-  for (size_t i = 0; i < one.grads.size(); ++i) {
-    gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
-    dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
-  }
-  EXPECT_LT(dmax, 1e-4 * gmax) << "largest gradient difference " << dmax << " of " << gmax;
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_EQ(tp.losses[static_cast<size_t>(r)].size(), static_cast<size_t>(steps));
-    for (int k = 0; k < steps; ++k)
-      EXPECT_NEAR(tp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
-          << "rank " << r << " step " << k;
-  }
+  ExpectFollowsOneRank(tp, one, 2, steps);
 }
 
 // --qk-layernorm at T = 2 (RMSNorm, and LayerNorm with biases), with and without
@@ -175,13 +175,7 @@ TEST(CudaTensorParallel, QKLayerNormRanksFollowOneRank) {
     for (bool sp : {false, true}) {
       SCOPED_TRACE(fmt::format("{}{}", layernorm ? "LayerNorm" : "RMSNorm", sp ? ", sequence parallel" : ""));
       const TpRun tp = Train(2, steps, c, sp);
-      EXPECT_TRUE(tp.whole_tensors_same_bits);
-      double gmax = 0, dmax = 0;
-      for (size_t i = 0; i < one.grads.size(); ++i) {
-        gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
-        dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
-      }
-      EXPECT_LT(dmax, 1e-4 * gmax) << "largest gradient difference " << dmax << " of " << gmax;
+      ExpectFollowsOneRank(tp, one, 2, steps);
       // The query and key norms' gradients: each rank had only its heads' share before the sum.
       auto layout = ParamLayout::Create(c);
       for (const ParamInfo& p : layout->infos) {
@@ -190,22 +184,8 @@ TEST(CudaTensorParallel, QKLayerNormRanksFollowOneRank) {
         EXPECT_LE(cuda_model_test::RelL2(tp.grads.data() + p.offset, one.grads.data() + p.offset, p.size), 1e-4)
             << p.name;
       }
-      for (int r = 0; r < 2; ++r)
-        for (int k = 0; k < steps; ++k)
-          EXPECT_NEAR(tp.losses[static_cast<size_t>(r)][k], one.losses[0][k], (k ? 1e-4 : 1e-5) * one.losses[0][k])
-              << "rank " << r << " step " << k;
     }
   }
-}
-
-// Largest absolute difference of two gradient vectors, and the largest magnitude of the first.
-std::pair<double, double> GradDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  double gmax = 0, dmax = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    gmax = std::max(gmax, static_cast<double>(std::abs(a[i])));
-    dmax = std::max(dmax, static_cast<double>(std::abs(a[i] - b[i])));
-  }
-  return {dmax, gmax};
 }
 
 // --sequence-parallel at T = 2 (and 4 for GPT-3's line), dropout on: each rank keeps its positions
@@ -228,9 +208,9 @@ TEST(CudaTensorParallel, SequenceParallelFollowsOneRankAndTensorParallel) {
       SCOPED_TRACE(fmt::format("{} T={}", line.name, T));
       const TpRun tp = Train(T, steps, line.config), sp = Train(T, steps, line.config, /*sp=*/true);
       EXPECT_TRUE(sp.whole_tensors_same_bits);
-      const auto [d1, g1] = GradDiff(one.grads, sp.grads);
+      const auto [d1, g1] = MaxDiff(one.grads, sp.grads);
       EXPECT_LT(d1, 1e-4 * g1) << "against one rank: largest gradient difference " << d1 << " of " << g1;
-      const auto [d2, g2] = GradDiff(tp.grads, sp.grads);
+      const auto [d2, g2] = MaxDiff(tp.grads, sp.grads);
       EXPECT_LT(d2, 1e-4 * g2) << "against T ranks without --sequence-parallel: " << d2 << " of " << g2;
       for (int r = 0; r < T; ++r) {
         ASSERT_EQ(sp.losses[static_cast<size_t>(r)].size(), static_cast<size_t>(steps));
@@ -242,10 +222,7 @@ TEST(CudaTensorParallel, SequenceParallelFollowsOneRankAndTensorParallel) {
         }
       }
       ASSERT_EQ(sp.logits.size(), one.logits.size());
-      double lmax = 0;
-      for (size_t i = 0; i < one.logits.size(); ++i)
-        lmax = std::max(lmax, static_cast<double>(std::abs(one.logits[i] - sp.logits[i])));
-      EXPECT_LT(lmax, 1e-4) << "gathered logits";
+      EXPECT_LT(MaxDiff(one.logits, sp.logits).first, 1e-4) << "gathered logits";
       std::printf("%s T=%d sequence-parallel: loss %.9g vs %.9g (one rank); gradient difference %.3g of %.3g\n",
                   line.name, T, sp.losses[0][0], one.losses[0][0], d1, g1);
     }

@@ -280,15 +280,11 @@ TEST(InterleavedSchedule, SlotsAreBoundedWhateverTheMicroBatches) {
 // 3 TrainSteps of P = 2 stages x D = 2 data ranks (world rank d + 2p) of 2 chunks, 4 micro-batches a
 // data rank, --overlap-grad-reduce with buckets of `bucket` elements (0: none): each rank's
 // parameters after them, and the buckets its last step's backwards launched.
-struct OverlapRun {
-  std::vector<std::vector<float>> params = std::vector<std::vector<float>>(4);
-  std::vector<int> launched = std::vector<int>(4, -1);
-};
-OverlapRun TrainChunks(int64_t bucket, bool zero1) {
+testing::OverlapRun TrainChunks(int64_t bucket, bool zero1) {
   const GPTConfig c = Config(4);
   const testing::Batches data(8 * 3, 16);
   const std::vector<ModelBatch> all = data.All();
-  OverlapRun out;
+  testing::OverlapRun out;
   std::mutex mu;
   testing::RunRanks(4, [&](Communicator* world, int rank) {
     const int d = rank % 2, p = rank / 2;
@@ -304,22 +300,9 @@ OverlapRun TrainChunks(int64_t bucket, bool zero1) {
       ASSERT_TRUE(shard.ok()) << shard.status();
       ASSERT_TRUE(m.ShardOptimizerState(*shard).ok());
     }
-    OptimizerConfig oc;
-    oc.overlap_grad_reduce = bucket > 0;
-    oc.ddp_bucket_size = bucket;
-    SchedulerConfig sc;
-    sc.max_lr = 3e-3;
-    sc.decay_steps = 24;
-    TrainStep step(&m, oc, sc, dp->get());
-    step.set_pipeline(pipe->get(), pipe->get());  // at P = 2 the embedding group is the pipeline's
-    for (int it = 0; it < 3; ++it) {
-      std::vector<ModelBatch> mine(all.begin() + 8 * it + 4 * d, all.begin() + 8 * it + 4 * d + 4);
-      auto r = step.Step(mine, 16, 99);
-      ASSERT_TRUE(r.ok()) << r.status();
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    out.params[static_cast<size_t>(rank)].assign(m.params(), m.params() + m.num_params());
-    out.launched[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
+    // At P = 2 the embedding group is the pipeline's.
+    ASSERT_NO_FATAL_FAILURE(
+        testing::StepOverlapped(m, all, bucket, dp->get(), pipe->get(), pipe->get(), d, rank, &out, &mu));
   });
   return out;
 }
@@ -327,7 +310,7 @@ OverlapRun TrainChunks(int64_t bucket, bool zero1) {
 TEST(InterleavedSchedule, OverlappedBucketsHaveTheBitsOfTheReductionAfterTheSchedule) {
   for (bool zero1 : {false, true}) {
     SCOPED_TRACE(zero1 ? "ZeRO-1" : "all-reduce");
-    const OverlapRun after = TrainChunks(0, zero1), overlapped = TrainChunks(3000, zero1);
+    const testing::OverlapRun after = TrainChunks(0, zero1), overlapped = TrainChunks(3000, zero1);
     for (int rank = 0; rank < 4; ++rank) {
       ASSERT_FALSE(after.params[static_cast<size_t>(rank)].empty());
       EXPECT_EQ(overlapped.params[static_cast<size_t>(rank)], after.params[static_cast<size_t>(rank)])

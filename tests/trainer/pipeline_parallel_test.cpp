@@ -474,38 +474,18 @@ void MakeStageRank(Communicator* world, int rank, const GPTConfig& c, const std:
 // 3 steps of P = 2 stages x D = 2 data ranks (world rank d + 2p, Megatron's order), 8 micro-batches a
 // step (4 per data rank), ZeRO-1 when asked, --overlap-grad-reduce with buckets of `bucket` elements
 // (0: none): each rank's parameters after the steps, and the buckets its last backwards launched.
-struct StagesRun {
-  std::vector<std::vector<float>> params;
-  std::vector<int> launched;
-};
-StagesRun TrainStages(bool zero1, int64_t bucket, bool untied) {
+testing::OverlapRun TrainStages(bool zero1, int64_t bucket, bool untied) {
   const GPTConfig c = Config(untied);
   const Batches data(8 * 3);
-  StagesRun out{std::vector<std::vector<float>>(4), std::vector<int>(4, -1)};
+  testing::OverlapRun out;
   std::mutex mu;
   const std::vector<PipelineStage> stages = Stages(2);
+  const std::vector<ModelBatch> all = data.All();
   testing::RunRanks(4, [&](Communicator* world, int rank) {
     StageRank sr;
     ASSERT_NO_FATAL_FAILURE(MakeStageRank(world, rank, c, stages, !untied, zero1, &sr));
-    const int d = sr.d;
-    CpuGPTModel* model = sr.model.get();
-    OptimizerConfig oc;
-    oc.overlap_grad_reduce = bucket > 0;
-    oc.ddp_bucket_size = bucket;
-    SchedulerConfig sc;
-    sc.max_lr = 3e-3;
-    sc.decay_steps = 24;
-    TrainStep step(model, oc, sc, sr.dp.get());
-    step.set_pipeline(sr.pipe.get(), sr.emb.get());
-    const std::vector<ModelBatch> all = data.All();
-    for (int it = 0; it < 3; ++it) {
-      std::vector<ModelBatch> mine(all.begin() + 8 * it + 4 * d, all.begin() + 8 * it + 4 * d + 4);
-      auto r = step.Step(mine, 16, 99);
-      ASSERT_TRUE(r.ok()) << r.status();
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    out.params[static_cast<size_t>(rank)].assign(model->params(), model->params() + model->num_params());
-    out.launched[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
+    ASSERT_NO_FATAL_FAILURE(testing::StepOverlapped(*sr.model, all, bucket, sr.dp.get(), sr.pipe.get(), sr.emb.get(),
+                                                    sr.d, rank, &out, &mu));
   });
   return out;
 }
@@ -517,7 +497,7 @@ TEST(PipelineSchedule, OverlappedBucketReductionHasTheBitsOfTheReductionAfterThe
   for (bool untied : {false, true})
     for (bool zero1 : {false, true}) {
       SCOPED_TRACE(std::string(untied ? "untied" : "tied") + (zero1 ? ", ZeRO-1" : ""));
-      const StagesRun after = TrainStages(zero1, 0, untied), overlapped = TrainStages(zero1, 3000, untied);
+      const testing::OverlapRun after = TrainStages(zero1, 0, untied), overlapped = TrainStages(zero1, 3000, untied);
       for (int rank = 0; rank < 4; ++rank) {
         const auto& a = after.params[static_cast<size_t>(rank)];
         const auto& b = overlapped.params[static_cast<size_t>(rank)];

@@ -1,15 +1,17 @@
 // Deterministic micro-batches for the model tests (tensor_parallel_test, pipeline_parallel_test):
 // k of them, each of 2 samples of t tokens from a vocabulary of 97, a loss mask with holes, and
-// the samples' dropout keys.
+// the samples' dropout keys; and the pipeline tests' overlapped-reduction run (StepOverlapped).
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
+#include "trainer/train_step.h"
 
 namespace ptk::testing {
 
@@ -68,6 +70,38 @@ inline Reference OneRank(const GPTConfig& c, const std::vector<ModelBatch>& mbs,
   EXPECT_TRUE(e.ok());
   ref.eval = *e;
   return ref;
+}
+
+// What a 4-rank pipeline run of the overlapped-reduction tests (pipeline_parallel_test,
+// pipeline_interleaved_test) leaves: each rank's parameters, and the buckets its last step's backwards
+// launched (-1: the rank did not finish).
+struct OverlapRun {
+  std::vector<std::vector<float>> params = std::vector<std::vector<float>>(4);
+  std::vector<int> launched = std::vector<int>(4, -1);
+};
+
+// 3 TrainSteps of `m` (max lr 3e-3, decay over 24 steps), data rank `d` of 2 in `dp` taking its 4 of each
+// step's 8 micro-batches of `all` (global batch 16), over the pipeline group `pipe` and embedding group
+// `emb`, --overlap-grad-reduce with buckets of `bucket` elements (0: none); then world rank `rank`'s
+// parameters and launched buckets into `out`, under `mu`.
+inline void StepOverlapped(CpuGPTModel& m, const std::vector<ModelBatch>& all, int64_t bucket, Communicator* dp,
+                           Communicator* pipe, Communicator* emb, int d, int rank, OverlapRun* out, std::mutex* mu) {
+  OptimizerConfig oc;
+  oc.overlap_grad_reduce = bucket > 0;
+  oc.ddp_bucket_size = bucket;
+  SchedulerConfig sc;
+  sc.max_lr = 3e-3;
+  sc.decay_steps = 24;
+  TrainStep step(&m, oc, sc, dp);
+  step.set_pipeline(pipe, emb);
+  for (int it = 0; it < 3; ++it) {
+    std::vector<ModelBatch> mine(all.begin() + 8 * it + 4 * d, all.begin() + 8 * it + 4 * d + 4);
+    auto r = step.Step(mine, 16, 99);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  std::lock_guard<std::mutex> lock(*mu);
+  out->params[static_cast<size_t>(rank)].assign(m.params(), m.params() + m.num_params());
+  out->launched[static_cast<size_t>(rank)] = step.pipeline_stats().buckets_launched_in_backward;
 }
 
 }  // namespace ptk::testing
