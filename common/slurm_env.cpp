@@ -1,6 +1,7 @@
 // Rank and array-task information from the environment.
 #include "common/slurm_env.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 
@@ -37,7 +38,58 @@ absl::StatusOr<std::optional<int64_t>> EnvIntIn(const char* name, int64_t lo, in
 }
 
 constexpr int64_t kMaxRanks = std::numeric_limits<int>::max();
+
+// The ranks sharing this machine (TrainingRanks::ranks_on_node), once the launch's ranks are read.
+absl::Status ReadRanksOnNode(TrainingRanks* t) {
+  const std::string below =
+      fmt::format("({}={})", t->source == "srun" ? "SLURM_STEP_NUM_TASKS" : "WORLD_SIZE", t->world_size);
+  std::optional<int64_t> n;
+  if (t->source == "torchrun variables") {
+    PTK_ASSIGN_OR_RETURN(n, EnvIntIn("LOCAL_WORLD_SIZE", 1, t->world_size, false, below));
+    if (n) t->ranks_on_node_source = "LOCAL_WORLD_SIZE";
+  } else if (t->source == "srun") {
+    const char* per_node = std::getenv("SLURM_TASKS_PER_NODE");
+    if (per_node != nullptr && *per_node != '\0') {
+      PTK_ASSIGN_OR_RETURN(n, SlurmTasksOnNode("SLURM_TASKS_PER_NODE", per_node, t->node_rank));
+      if (n)
+        t->ranks_on_node_source = fmt::format("SLURM_TASKS_PER_NODE={} at SLURM_NODEID={}", per_node, t->node_rank);
+    }
+    if (!n) {
+      PTK_ASSIGN_OR_RETURN(n, EnvIntIn("SLURM_NTASKS_PER_NODE", 1, kMaxRanks, false));
+      if (n) t->ranks_on_node_source = "SLURM_NTASKS_PER_NODE";
+    }
+    // The job's figure can count more tasks than this step has: no more than the step's.
+    if (n) n = std::min<int64_t>(*n, t->world_size);
+  }
+  t->ranks_on_node = static_cast<int>(n.value_or(0));
+  return absl::OkStatus();
+}
 }  // namespace
+
+absl::StatusOr<std::optional<int64_t>> SlurmTasksOnNode(const std::string& name, const std::string& value,
+                                                        int64_t node) {
+  auto bad = [&] {
+    return UsageError(fmt::format("{}={:?} is not a Slurm tasks-per-node list (like \"4(x2),3\")", name, value));
+  };
+  int64_t first = 0;             // the first node of the entry being read
+  std::optional<int64_t> found;  // the whole list is read: a malformed one is refused on every node
+  for (size_t at = 0; at <= value.size();) {
+    const size_t end = std::min(value.find(',', at), value.size());
+    const std::string entry = value.substr(at, end - at);
+    const size_t open = entry.find("(x");
+    const std::optional<int64_t> tasks = ParseInt64(entry.substr(0, open));
+    std::optional<int64_t> repeat = int64_t{1};
+    if (open != std::string::npos) {
+      if (entry.back() != ')') return bad();
+      repeat = ParseInt64(entry.substr(open + 2, entry.size() - open - 3));
+    }
+    if (!tasks || !repeat || *tasks < 1 || *repeat < 1 || *repeat > kMaxRanks) return bad();
+    if (node >= first && node < first + *repeat) found = *tasks;
+    first += *repeat;
+    at = end + 1;
+  }
+  return found;
+}
 
 absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::optional<int64_t> count) {
   ShardSpec s;
@@ -166,6 +218,7 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
     PTK_ASSIGN_OR_RETURN(port, EnvIntIn("MASTER_PORT", 1, 65535, true));
     t.master_port = static_cast<int>(*port);
   }
+  PTK_RETURN_IF_ERROR(ReadRanksOnNode(&t));
   return t;
 }
 

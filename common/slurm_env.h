@@ -29,13 +29,23 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
 // 12000 (below Linux's ephemeral ports, from 32768, where a connection of any process on the node could hold it when
 // rank 0 binds); otherwise one process. A batch script outside srun is one process (SLURM_NTASKS alone counts the tasks
 // srun would start, not this one).
+// The ranks on this machine, which share its memory: torchrun's LOCAL_WORLD_SIZE; in an srun step,
+// this node's entry of SLURM_TASKS_PER_NODE ("4(x2),3": entry SLURM_NODEID), else
+// SLURM_NTASKS_PER_NODE; never more than the world. 0 when the launcher does not say.
 struct TrainingRanks {
   int rank = 0, world_size = 1, local_rank = 0, node_rank = 0;
+  int ranks_on_node = 0;
+  std::string ranks_on_node_source;  // the variable it came from
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source = "single process";  // "torchrun variables", "srun", "single process"
 };
 absl::StatusOr<TrainingRanks> TrainingRanksFromEnv();
+
+// Node `node`'s tasks in a SLURM_TASKS_PER_NODE value: "2(x3),1" is 2, 2, 2, 1. None when the list
+// has no such node; InvalidArgument naming `name` when the value is not of that form.
+absl::StatusOr<std::optional<int64_t>> SlurmTasksOnNode(const std::string& name, const std::string& value,
+                                                        int64_t node);
 
 // First host of a Slurm node list: "n[01-04,07],m5" -> "n01".
 std::string FirstSlurmHost(const std::string& nodelist);

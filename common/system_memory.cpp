@@ -109,6 +109,8 @@ AvailableMemory ReadAvailableMemory(const std::string& root) {
     TakeLeast(&a, *avail, "MemAvailable in /proc/meminfo");
   for (const CgroupPath& g : OwnCgroups(root))
     CgroupLimits(g, root + (g.v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory"), &a);
+  a.shared_bytes = a.bytes;
+  a.shared_source = a.source;
   struct rlimit rl {};
   if (::getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
       rl.rlim_cur < static_cast<rlim_t>(std::numeric_limits<int64_t>::max())) {

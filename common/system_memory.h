@@ -11,6 +11,10 @@ namespace ptk {
 struct AvailableMemory {
   int64_t bytes = -1;  // -1: nothing could be read (no /proc): unknown, nothing to check against
   std::string source;  // which limit it is: "MemAvailable in /proc/meminfo", "the cgroup limit of ...", ...
+  // The least of the limits this process shares with the others on the machine (MemAvailable and
+  // the cgroups', not ulimit -v, which is each process's own): what the ranks on one node divide.
+  int64_t shared_bytes = -1;
+  std::string shared_source;
 };
 
 // The least of: /proc/meminfo's MemAvailable; for every cgroup (v2 memory.max, v1

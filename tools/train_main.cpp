@@ -296,6 +296,8 @@ int main(int argc, char** argv) {
     options.embedding_comm = groups.embedding.get();
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
     options.backend.device_index = ranks.local_rank;
+    options.ranks_on_node = std::max(1, ranks.ranks_on_node);
+    options.ranks_on_node_source = ranks.ranks_on_node_source;
     // PTK_CUDA_SYNC_OPS=1: the CUDA model synchronises after every op and names the one that fails.
     if (const char* sync = std::getenv("PTK_CUDA_SYNC_OPS"); sync && std::string_view(sync) == "1")
       options.backend.sync_ops = true;

@@ -41,18 +41,38 @@ std::string TheoreticalMemoryLine(const CpuTrainingMemory& m) {
       m.weights_and_optimizer / kMB, m.activations / kMB, m.total() / kMB);
 }
 
-absl::Status CheckFitsInMemory(const CpuTrainingMemory& need, const AvailableMemory& available) {
-  if (available.bytes < 0 || need.total() <= static_cast<double>(available.bytes)) return absl::OkStatus();
-  return absl::FailedPreconditionError(fmt::format(
-      "not enough memory: this rank needs {} ({} parameters: {} for the weights, gradients and AdamW moments; {} of "
-      "activations for {} micro-batch{} in flight{}), and {} is available ({}); nothing was allocated: use a smaller "
-      "model, --micro-batch-size or --seq-length, --recompute-activations, or more tensor or pipeline ranks",
-      HumanBytes(need.total()), need.params, HumanBytes(need.weights_and_optimizer), HumanBytes(need.activations),
-      need.activation_slots, need.activation_slots == 1 ? "" : "es",
+namespace {
+// "1000000 parameters: 15.3 MiB for the weights, ...; 3.8 MiB of activations for 2 micro-batches in flight".
+std::string NeedDetail(const CpuTrainingMemory& need) {
+  return fmt::format(
+      "{} parameters: {} for the weights, gradients and AdamW moments; {} of activations for {} micro-batch{} in "
+      "flight{}",
+      need.params, HumanBytes(need.weights_and_optimizer), HumanBytes(need.activations), need.activation_slots,
+      need.activation_slots == 1 ? "" : "es",
       need.checkpoint_copies > 0 ? fmt::format("; {} for the checkpoint's copies of the weights and moments",
                                                HumanBytes(need.checkpoint_copies))
-                                 : "",
-      HumanBytes(static_cast<double>(available.bytes)), available.source));
+                                 : "");
+}
+
+constexpr const char* kWhatToChange =
+    "use a smaller model, --micro-batch-size or --seq-length, --recompute-activations, or more tensor or pipeline "
+    "ranks";
+}  // namespace
+
+absl::Status CheckFitsInMemory(const CpuTrainingMemory& need, const AvailableMemory& available, int ranks_on_node,
+                               const std::string& ranks_source) {
+  const double node_need = need.total() * ranks_on_node;
+  if (ranks_on_node > 1 && available.shared_bytes >= 0 && node_need > static_cast<double>(available.shared_bytes))
+    return absl::FailedPreconditionError(fmt::format(
+        "not enough memory on this node: its {} ranks ({}) need {} together, {} each ({}), and {} is available ({}); "
+        "nothing was allocated: start fewer ranks on each node, or {}",
+        ranks_on_node, ranks_source, HumanBytes(node_need), HumanBytes(need.total()), NeedDetail(need),
+        HumanBytes(static_cast<double>(available.shared_bytes)), available.shared_source, kWhatToChange));
+  if (available.bytes < 0 || need.total() <= static_cast<double>(available.bytes)) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      fmt::format("not enough memory: this rank needs {} ({}), and {} is available ({}); nothing was allocated: {}",
+                  HumanBytes(need.total()), NeedDetail(need), HumanBytes(static_cast<double>(available.bytes)),
+                  available.source, kWhatToChange));
 }
 
 }  // namespace ptk

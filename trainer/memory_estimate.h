@@ -41,7 +41,11 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
 std::string TheoreticalMemoryLine(const CpuTrainingMemory& m);
 
 // FailedPrecondition, one line, when the need is more than what is available: both figures, where
-// the limit comes from and what to change. OK when it fits or nothing could be read.
-absl::Status CheckFitsInMemory(const CpuTrainingMemory& need, const AvailableMemory& available);
+// the limit comes from and what to change. OK when it fits or nothing could be read. With
+// `ranks_on_node` > 1 ranks of the job on this machine (each needing about as much; the launcher's
+// count, named by `ranks_source`), their total is checked first against what they share
+// (`available.shared_bytes`: MemAvailable, the cgroups), then this rank's against all of it.
+absl::Status CheckFitsInMemory(const CpuTrainingMemory& need, const AvailableMemory& available, int ranks_on_node = 1,
+                               const std::string& ranks_source = "");
 
 }  // namespace ptk

@@ -85,6 +85,11 @@ struct TrainOptions {
   std::string vocab_file, merge_file;
   bool eod_mask_loss = false, reset_position_ids = false;
 
+  // The job's ranks on this machine and the launcher's variable that says so (TrainingRanks's
+  // ranks_on_node): the CPU backend's memory check counts them all against what they share.
+  int ranks_on_node = 1;
+  std::string ranks_on_node_source;
+
   int64_t eval_interval = 1000, eval_iters = 100;
   int64_t log_interval = 100;
   // --log-params-norm / --log-num-zeros-in-grad: Megatron's "params norm:" and "num zeros:" log

@@ -169,7 +169,7 @@ class Trainer {
   }
 
   // Before the model is made: what this rank will hold (Megatron's line, from rank 0), and a run
-  // that cannot fit in what the machine, its cgroup or ulimit -v leave stopped with both figures.
+  // that cannot fit in what the machine, its cgroup or ulimit -v leave (with this node's ranks) stopped.
   absl::Status CheckCpuMemory(const BackendOptions& backend) {
     const int T = tensor_ ? tensor_->size() : 1, t = tensor_ ? tensor_->rank() : 0;
     PTK_ASSIGN_OR_RETURN(
@@ -177,7 +177,7 @@ class Trainer {
         EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
                                   plan_.micro_batch_size, plan_.micro_batches, !o_.save.empty() || !o_.load.empty()));
     Print(TheoreticalMemoryLine(need));
-    return CheckFitsInMemory(need, ReadAvailableMemory());
+    return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
   }
 
   // --load: the weights, and unless --finetune the iteration, data position, moments and the

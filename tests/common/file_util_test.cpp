@@ -436,5 +436,68 @@ TEST(TrainingRanksFromEnv, EveryLaunchVariableIsCheckedNamingIt) {
   }
 }
 
+// The ranks sharing this machine, for the CPU memory check: torchrun's LOCAL_WORLD_SIZE; srun's
+// SLURM_TASKS_PER_NODE at this node (SLURM_NODEID), else SLURM_NTASKS_PER_NODE, never above the
+// step's ranks; 0 when the launcher does not say; a malformed value a usage error naming it.
+TEST(TrainingRanksFromEnv, TheRanksOnThisNodeComeFromTheLauncher) {
+  const char* kVars[] = {"WORLD_SIZE",           "RANK",         "LOCAL_WORLD_SIZE",     "SLURM_PROCID",
+                         "SLURM_STEP_NUM_TASKS", "SLURM_NODEID", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"};
+  auto with = [&](std::vector<std::pair<const char*, const char*>> env) {
+    for (const char* v : kVars) ::unsetenv(v);
+    for (const auto& [k, v] : env) ::setenv(k, v, 1);
+    auto r = TrainingRanksFromEnv();
+    for (const char* v : kVars) ::unsetenv(v);
+    return r;
+  };
+  auto on_node = [&](std::vector<std::pair<const char*, const char*>> env) {
+    auto r = with(std::move(env));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? std::make_pair(r->ranks_on_node, r->ranks_on_node_source) : std::make_pair(-1, std::string());
+  };
+  using P = std::pair<int, std::string>;
+  EXPECT_EQ(on_node({}), P(0, ""));
+  EXPECT_EQ(on_node({{"RANK", "0"}, {"WORLD_SIZE", "8"}}), P(0, ""));
+  EXPECT_EQ(on_node({{"RANK", "0"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}}), P(4, "LOCAL_WORLD_SIZE"));
+  const std::vector<std::pair<const char*, const char*>> step = {{"SLURM_PROCID", "5"}, {"SLURM_STEP_NUM_TASKS", "11"}};
+  auto plus = [&](std::vector<std::pair<const char*, const char*>> more) {
+    more.insert(more.begin(), step.begin(), step.end());
+    return more;
+  };
+  EXPECT_EQ(on_node(plus({{"SLURM_NODEID", "1"}, {"SLURM_TASKS_PER_NODE", "4(x2),3"}})),
+            P(4, "SLURM_TASKS_PER_NODE=4(x2),3 at SLURM_NODEID=1"));
+  EXPECT_EQ(on_node(plus({{"SLURM_NODEID", "2"}, {"SLURM_TASKS_PER_NODE", "4(x2),3"}})),
+            P(3, "SLURM_TASKS_PER_NODE=4(x2),3 at SLURM_NODEID=2"));
+  // A node the list does not reach: SLURM_NTASKS_PER_NODE, capped at the step's 11 ranks.
+  EXPECT_EQ(
+      on_node(plus({{"SLURM_NODEID", "3"}, {"SLURM_TASKS_PER_NODE", "4(x2),3"}, {"SLURM_NTASKS_PER_NODE", "16"}})),
+      P(11, "SLURM_NTASKS_PER_NODE"));
+  EXPECT_EQ(on_node(plus({{"SLURM_NODEID", "3"}, {"SLURM_TASKS_PER_NODE", "4(x2),3"}})), P(0, ""));
+  EXPECT_EQ(on_node({{"SLURM_PROCID", "0"}, {"SLURM_TASKS_PER_NODE", "4"}}), P(0, ""));  // a batch script: one process
+  const std::pair<std::vector<std::pair<const char*, const char*>>, std::string> bad[] = {
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "3"}},
+       "LOCAL_WORLD_SIZE=3 is outside [1, 2] (WORLD_SIZE=2)"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "two"}}, "LOCAL_WORLD_SIZE=\"two\" is not an integer"},
+      {plus({{"SLURM_TASKS_PER_NODE", "4(2)"}}),
+       "SLURM_TASKS_PER_NODE=\"4(2)\" is not a Slurm tasks-per-node list (like \"4(x2),3\")"},
+      {plus({{"SLURM_NTASKS_PER_NODE", "0"}}), "SLURM_NTASKS_PER_NODE=0 is outside [1, 2147483647]"},
+  };
+  for (const auto& [env, expected] : bad) {
+    SCOPED_TRACE(expected);
+    auto r = with(env);
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+    EXPECT_NE(r.status().message().find(expected), absl::string_view::npos) << r.status();
+  }
+  for (const char* v : {"4(x2),3", "1", "2(x1)", "3,", "x", "4(x0)", "4(x2", "0", "4(x-1)", ""}) {
+    SCOPED_TRACE(v);
+    auto at0 = SlurmTasksOnNode("V", v, 0);
+    const bool good = std::string_view(v) == "4(x2),3" || std::string_view(v) == "1" || std::string_view(v) == "2(x1)";
+    EXPECT_EQ(at0.ok(), good) << at0.status();
+  }
+  EXPECT_EQ(*SlurmTasksOnNode("V", "2(x3),1", 3), std::optional<int64_t>(1));
+  EXPECT_EQ(*SlurmTasksOnNode("V", "2(x3),1", 2), std::optional<int64_t>(2));
+  EXPECT_EQ(*SlurmTasksOnNode("V", "2(x3),1", 4), std::optional<int64_t>());
+}
+
 }  // namespace
 }  // namespace ptk

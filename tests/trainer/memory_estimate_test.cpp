@@ -87,6 +87,7 @@ TEST(SystemMemory, TheLeastOfMemAvailableAndTheCgroupLimits) {
   Put(root / "proc/meminfo", "MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n");
   EXPECT_EQ(ReadAvailableMemory(root.path()).bytes, int64_t{8000000} * 1024);
   EXPECT_EQ(ReadAvailableMemory(root.path()).source, "MemAvailable in /proc/meminfo");
+  EXPECT_EQ(ReadAvailableMemory(root.path()).shared_bytes, int64_t{8000000} * 1024);  // what a node's ranks share
   Put(root / "proc/self/cgroup", "0::/job/step\n");
   Put(root / "sys/fs/cgroup/memory.max", "max\n");
   Put(root / "sys/fs/cgroup/memory.current", "123\n");
@@ -96,6 +97,8 @@ TEST(SystemMemory, TheLeastOfMemAvailableAndTheCgroupLimits) {
   const AvailableMemory a = ReadAvailableMemory(root.path());
   EXPECT_EQ(a.bytes, int64_t{4294967296} - (int64_t{3221225472} - 536870912));
   EXPECT_EQ(a.source, "the cgroup limit 4.0 GiB (/sys/fs/cgroup/job) less its use");
+  EXPECT_EQ(a.shared_bytes, a.bytes);
+  EXPECT_EQ(a.shared_source, a.source);
   // cgroup v1: memory.limit_in_bytes (no limit: a number near 2^63) and memory.usage_in_bytes.
   testing::TempDir v1;
   Put(v1 / "proc/meminfo", "MemAvailable:    8000000 kB\n");
@@ -110,15 +113,22 @@ TEST(SystemMemory, TheLeastOfMemAvailableAndTheCgroupLimits) {
   EXPECT_GT(ReadAvailableMemory().bytes, 0);              // this machine's
 }
 
+AvailableMemory Available(int64_t bytes, const std::string& source) {
+  AvailableMemory a;
+  a.bytes = a.shared_bytes = bytes;
+  a.source = a.shared_source = source;
+  return a;
+}
+
 TEST(MemoryEstimate, ARunThatDoesNotFitIsRefusedWithBothFigures) {
   CpuTrainingMemory need;
   need.params = 1000000;
   need.weights_and_optimizer = 16e6;
   need.activation_slots = 2;
   need.activations = 4e6;
-  EXPECT_TRUE(CheckFitsInMemory(need, {int64_t{20000000}, "x"}).ok());
-  EXPECT_TRUE(CheckFitsInMemory(need, {-1, ""}).ok());
-  const absl::Status st = CheckFitsInMemory(need, {int64_t{10000000}, "MemAvailable in /proc/meminfo"});
+  EXPECT_TRUE(CheckFitsInMemory(need, Available(20000000, "x")).ok());
+  EXPECT_TRUE(CheckFitsInMemory(need, Available(-1, "")).ok());
+  const absl::Status st = CheckFitsInMemory(need, Available(10000000, "MemAvailable in /proc/meminfo"));
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(std::string(st.message()),
             "not enough memory: this rank needs 19.1 MiB (1000000 parameters: 15.3 MiB for the weights, gradients and "
@@ -127,6 +137,46 @@ TEST(MemoryEstimate, ARunThatDoesNotFitIsRefusedWithBothFigures) {
             "--seq-length, --recompute-activations, or more tensor or pipeline ranks");
   EXPECT_EQ(TheoreticalMemoryLine(need),
             "Theoretical memory footprints: weight and optimizer=15.26 MB, activation=3.81 MB, total=19.07 MB");
+}
+
+// Ranks on one machine share its memory: N ranks of 19.07 MiB each fit in 50 MB when N <= 2, and
+// three are refused with the node's total, the count and where it comes from. ulimit -v is each
+// process's own: it bounds one rank, not the node's sum. One rank keeps the message above.
+TEST(MemoryEstimate, TheRanksOnOneNodeAreCheckedTogether) {
+  CpuTrainingMemory need;
+  need.params = 1000000;
+  need.weights_and_optimizer = 16e6;
+  need.activation_slots = 1;
+  need.activations = 4e6;
+  const AvailableMemory node = Available(50000000, "MemAvailable in /proc/meminfo");
+  EXPECT_TRUE(CheckFitsInMemory(need, node, 1, "").ok());
+  EXPECT_TRUE(CheckFitsInMemory(need, node, 2, "LOCAL_WORLD_SIZE").ok());
+  const absl::Status st = CheckFitsInMemory(need, node, 3, "LOCAL_WORLD_SIZE");
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(std::string(st.message()),
+            "not enough memory on this node: its 3 ranks (LOCAL_WORLD_SIZE) need 57.2 MiB together, 19.1 MiB each "
+            "(1000000 parameters: 15.3 MiB for the weights, gradients and AdamW moments; 3.8 MiB of activations for 1 "
+            "micro-batch in flight), and 47.7 MiB is available (MemAvailable in /proc/meminfo); nothing was allocated: "
+            "start fewer ranks on each node, or use a smaller model, --micro-batch-size or --seq-length, "
+            "--recompute-activations, or more tensor or pipeline ranks");
+  // ulimit -v at 25 MB for each process, 100 MB on the machine: four ranks fit, six do not.
+  AvailableMemory limited = Available(100000000, "MemAvailable in /proc/meminfo");
+  limited.bytes = 25000000;
+  limited.source = "ulimit -v";
+  EXPECT_TRUE(CheckFitsInMemory(need, limited, 4, "LOCAL_WORLD_SIZE").ok());
+  EXPECT_EQ(CheckFitsInMemory(need, limited, 6, "LOCAL_WORLD_SIZE")
+                .message()
+                .rfind("not enough memory on this node: its 6 ranks", 0),
+            0u);
+  limited.bytes = 10000000;
+  EXPECT_EQ(CheckFitsInMemory(need, limited, 2, "LOCAL_WORLD_SIZE")
+                .message()
+                .rfind("not enough memory: this rank needs 19.1 MiB", 0),
+            0u);
+  // Nothing shared could be read: only this rank's own limit.
+  limited.shared_bytes = -1;
+  limited.bytes = 25000000;
+  EXPECT_TRUE(CheckFitsInMemory(need, limited, 64, "LOCAL_WORLD_SIZE").ok());
 }
 
 }  // namespace
