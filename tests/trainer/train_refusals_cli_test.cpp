@@ -1,14 +1,18 @@
 // ptk-train refusing what cannot work before it starts, in one line, and what it must still get
 // right: the memory a run needs printed before anything is allocated (Megatron's "Theoretical memory
-// footprints" line) and a run that cannot fit refused with both figures; an index cache that
+// footprints" line) and a run that cannot fit refused with both figures, the ranks on one node
+// counted together; an index cache that
 // cannot be written (the run is the same); half a dataset; --eval-iters with no validation split;
 // --save below a file; --load of another model's checkpoint; SIGTERM during a checkpoint write.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "common/system_memory.h"
 #include "tests/test_util.h"
+#include "tests/trainer/test_ports.h"
 #include "tests/trainer/train_cli_support.h"
 #include "trainer/checkpoint.h"
 
@@ -84,6 +88,43 @@ TEST_F(TrainRefusals, ARunThatCannotFitIsRefusedWithWhatItNeedsAndWhatIsAvailabl
   EXPECT_NE(Errors(limited.output)[0].find(" is available (ulimit -v 1500000 KiB less this process's "),
             std::string::npos)
       << limited.output;
+}
+
+// Ranks on one machine share its memory (they were each checked alone, and together could end at
+// the OOM killer): two torchrun ranks (LOCAL_WORLD_SIZE=2) of a model about 0.7 of what this machine
+// leaves, which one rank would hold, are both refused naming the node's total.
+TEST_F(TrainRefusals, RanksSharingANodeThatTogetherCannotFitAreRefused) {
+  const AvailableMemory available = ReadAvailableMemory();
+  if (available.shared_bytes < 0) GTEST_SKIP() << "no /proc/meminfo to check against";
+  // Hidden size 1024, 16 bytes a parameter: 12 h^2 a layer, GPT-2's padded vocabulary's embedding.
+  const double layer = 16.0 * 12 * 1024 * 1024, embedding = 16.0 * 50304 * 1024;
+  const double target = 0.7 * static_cast<double>(available.shared_bytes) - embedding;
+  if (target < 2 * layer) GTEST_SKIP() << "too little memory here for a model one rank holds and two do not";
+  const int layers = static_cast<int>(target / layer);
+  const std::string rank = testing::Tool("ptk-train") + " --num-layers " + std::to_string(layers) +
+                           " --hidden-size 1024 --num-attention-heads 16 --seq-length 128 --lr 1e-3 --train-iters 1"
+                           " --micro-batch-size 1 --mock-data --threads 1";
+  auto r = RunCmd("bash -c " + ShellQuote("export WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                                          std::to_string(testing::FreeTestPort()) + "; RANK=1 " + rank + " > " +
+                                          ShellQuote(dir_ / "r1.log") + " 2>&1 & RANK=0 " + rank +
+                                          "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
+  const std::string r1 = testing::ReadFile(dir_ / "r1.log");
+  EXPECT_NE(r.output.find("rc0=1 rc1=1"), std::string::npos) << r.output << r1;
+  // One rank's need, from Megatron's line, is less than what is available: alone it would run.
+  const size_t total = r.output.find(", total=");
+  ASSERT_NE(total, std::string::npos) << r.output;
+  EXPECT_LT(std::strtod(r.output.c_str() + total + 8, nullptr) * 1024 * 1024,
+            static_cast<double>(available.shared_bytes))
+      << r.output;
+  for (const std::string& out : {r.output, r1}) {
+    ASSERT_EQ(Errors(out).size(), 1u) << out;
+    EXPECT_EQ(Errors(out)[0].rfind(
+                  "ptk-train: error: not enough memory on this node: its 2 ranks (LOCAL_WORLD_SIZE) need ", 0),
+              0u)
+        << out;
+    EXPECT_NE(Errors(out)[0].find("start fewer ranks on each node"), std::string::npos) << out;
+    EXPECT_EQ(out.find("start-up: model built"), std::string::npos) << out;
+  }
 }
 
 // --data-cache-path where no directory can be made: the run is the same as with a cache (its indices
