@@ -31,8 +31,28 @@
 
 namespace ptk::cli {
 
+namespace {
+
+// CLI11's formatter, except that a flag's names show bare: CLI11 writes the value a negated flag
+// sets after its name ("--check-for-nan-in-loss-and-grad,--no-check-for-nan-in-loss-and-grad{false}"),
+// which reads as "off by default". The help text says what a flag does; a valued option's default
+// ("--chunks INT=72") still shows. Subcommands share their parent's formatter.
+class Formatter : public CLI::Formatter {
+ public:
+  std::string make_option_name(const CLI::Option* opt, bool is_positional) const override {
+    std::string names = CLI::Formatter::make_option_name(opt, is_positional);
+    if (is_positional || opt->get_items_expected() != 0) return names;  // as CLI11 annotates
+    for (const std::string value : {"{true}", "{false}"})
+      for (size_t at; (at = names.find(value)) != std::string::npos;) names.erase(at, value.size());
+    return names;
+  }
+};
+
+}  // namespace
+
 std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& description) {
   auto app = std::make_unique<CLI::App>(description, name);
+  app->formatter(std::make_shared<Formatter>());
   app->set_version_flag("--version", name + " (" + VersionString() + ")\n" + BuildDescription(),
                         "Print the version, commit, build type and backends, and exit");
   app->option_defaults()->always_capture_default();

@@ -301,6 +301,31 @@ TEST(CliParse, HelpShowsNoDefaultTheOptionsCheckRefuses) {
   EXPECT_NE(help.find("--offset INT=0"), std::string::npos) << help;  // no check: 0 is the default
 }
 
+// ptk-train --help showed "--check-for-nan-in-loss-and-grad, --no-check-for-nan-in-loss-and-grad{false}":
+// CLI11 annotates a negated flag with the value it sets, which read as "off by default". A flag's
+// names show bare (its help text says what it does); a valued option's default still shows.
+TEST(CliParse, HelpShowsFlagsWithoutTheValueTheySet) {
+  auto help_of = [](std::vector<std::string> args) {
+    Flags f;
+    bool nan_check = true, log_scale = true;
+    auto app = MakeTestApp(f);
+    app->add_flag("--check-nan,!--no-check-nan", nan_check, "check");
+    app->add_flag("!--no-log-scale", log_scale, "log");
+    app->add_subcommand("sub", "a subcommand")->add_flag("--keep,!--no-keep", f.verify, "keep");
+    testing::internal::CaptureStdout();
+    EXPECT_EQ(ParseArgs(*app, std::move(args)), cli::kExitOk);
+    return testing::internal::GetCapturedStdout();
+  };
+  const std::string help = help_of({"--help"}) + help_of({"sub", "--help"});
+  EXPECT_EQ(help.find("{false}"), std::string::npos) << help;
+  EXPECT_EQ(help.find("{true}"), std::string::npos) << help;
+  EXPECT_NE(help.find("--check-nan,--no-check-nan "), std::string::npos) << help;
+  EXPECT_NE(help.find("--no-log-scale "), std::string::npos) << help;
+  EXPECT_NE(help.find("--keep,--no-keep "), std::string::npos) << help;
+  EXPECT_NE(help.find("--format TEXT:{ids,text,both}=both"), std::string::npos) << help;
+  EXPECT_NE(help.find("--offset INT=0"), std::string::npos) << help;
+}
+
 // A tool whose run asks for more memory than there is ends in one line saying so, exit 1 (was
 // "unexpected exception: std::bad_alloc").
 TEST(CliRunMain, OutOfMemoryIsNamed) {
