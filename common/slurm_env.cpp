@@ -148,6 +148,21 @@ std::string FirstSlurmHost(const std::string& nodelist) {
   return first.substr(0, open) + range.substr(0, end);
 }
 
+TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, int process_cpus, int machine_cpus,
+                                            bool launcher_gave_cpus, const TrainingRanks& ranks) {
+  if (flag_threads > 0) return {static_cast<int>(std::min<int64_t>(flag_threads, std::numeric_limits<int>::max())), ""};
+  const int cpus = std::max(1, process_cpus);
+  if (ranks.world_size <= 1 || launcher_gave_cpus || cpus != machine_cpus) return {cpus, ""};
+  const bool known = ranks.ranks_on_node > 0;
+  const int sharing = known ? ranks.ranks_on_node : ranks.world_size;
+  if (sharing <= 1) return {cpus, ""};
+  return {std::max(1, cpus / sharing),
+          known ? fmt::format("{} CPUs / {} ranks on this node ({})", cpus, sharing, ranks.ranks_on_node_source)
+                : fmt::format("{} CPUs / {} ranks (the launcher does not say how many share this node: "
+                              "LOCAL_WORLD_SIZE, SLURM_TASKS_PER_NODE)",
+                              cpus, sharing)};
+}
+
 absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
   TrainingRanks t;
   auto env = [](const char* name) -> std::string {

@@ -273,7 +273,9 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
                   "Rendezvous and collective timeout: a rank that waits longer for the others fails (ptk's default 5; "
                   "Megatron's 10)")
       ->check(RealIn(0, true, 1e6, false));
-  app->add_option("--threads", f->threads, "ptk: CPU threads per rank (default: the cores given to this rank)")
+  app->add_option("--threads", f->threads,
+                  "ptk: CPU threads per rank (default: this process's CPUs; when it may use the whole machine, its "
+                  "cores split among the ranks on this node)")
       ->check(IntIn(0, 65536));
 }
 

@@ -216,15 +216,13 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
   for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
 }
 
-// Threads for oneTBB: --threads, else this process's CPUs; ranks sharing a node share its cores
-// unless Slurm bound each to its own.
-int TrainingThreads(const ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks) {
-  int threads = flags.threads > 0 ? static_cast<int>(flags.threads) : CpusOfThisProcess();
-  if (flags.threads == 0 && ranks.world_size > 1 && std::getenv("SLURM_CPUS_PER_TASK") == nullptr &&
-      std::getenv("PTK_THREADS_PER_RANK") == nullptr &&
-      threads == static_cast<int>(std::thread::hardware_concurrency()))
-    threads = std::max(1, threads / std::max(1, ranks.world_size));
-  return threads;
+// Threads for oneTBB (ptk::ChooseTrainingThreads): --threads, else this process's CPUs; ranks
+// sharing a node share its cores unless Slurm bound each to its own.
+ptk::TrainingThreadsChoice TrainingThreads(const ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks) {
+  const bool launcher_gave_cpus =
+      std::getenv("SLURM_CPUS_PER_TASK") != nullptr || std::getenv("PTK_THREADS_PER_RANK") != nullptr;
+  return ptk::ChooseTrainingThreads(static_cast<int64_t>(flags.threads), CpusOfThisProcess(),
+                                    static_cast<int>(std::thread::hardware_concurrency()), launcher_gave_cpus, ranks);
 }
 
 void PrintDone(const ptk::TrainSummary& s) {
@@ -280,11 +278,13 @@ int main(int argc, char** argv) {
     const ptk::TrainPlan plan = *std::move(planned);
     PTK_ASSIGN_OR_RETURN(
         Groups groups, MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options, ranks.rank));
+    const ptk::TrainingThreadsChoice threads = TrainingThreads(flags, ranks);
+    if (!threads.reason.empty())
+      notes.push_back(fmt::format("{} CPU threads per rank: {}", threads.threads, threads.reason));
     PrintStart(options, plan, *layout, ranks, *groups.world, notes);
 
     // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
-    tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism,
-                                    static_cast<size_t>(TrainingThreads(flags, ranks)));
+    tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads.threads));
     // OpenBLAS single-threaded: the CPU ops cut every product into fixed tiles and run them on
     // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
     openblas_set_num_threads(1);

@@ -499,5 +499,34 @@ TEST(TrainingRanksFromEnv, TheRanksOnThisNodeComeFromTheLauncher) {
   EXPECT_EQ(*SlurmTasksOnNode("V", "2(x3),1", 4), std::optional<int64_t>());
 }
 
+// The machine's cores are split among the ranks on this node, not the whole job's: 2 nodes x 8
+// ranks on 64-core nodes give 8 threads per rank (not 64 / 16 = 4). Without a count for the node,
+// the world size as before; --threads, a narrower affinity mask or launcher-given CPUs are not split.
+TEST(ChooseTrainingThreads, SplitsTheMachineAmongTheRanksOnThisNode) {
+  TrainingRanks two_nodes;
+  two_nodes.world_size = 16;
+  two_nodes.ranks_on_node = 8;
+  two_nodes.ranks_on_node_source = "LOCAL_WORLD_SIZE";
+  TrainingThreadsChoice c = ChooseTrainingThreads(0, 64, 64, false, two_nodes);
+  EXPECT_EQ(c.threads, 8);
+  EXPECT_EQ(c.reason, "64 CPUs / 8 ranks on this node (LOCAL_WORLD_SIZE)");
+  TrainingRanks unknown = two_nodes;
+  unknown.ranks_on_node = 0;
+  unknown.ranks_on_node_source.clear();
+  c = ChooseTrainingThreads(0, 64, 64, false, unknown);
+  EXPECT_EQ(c.threads, 4);
+  EXPECT_NE(c.reason.find("64 CPUs / 16 ranks (the launcher does not say"), std::string::npos) << c.reason;
+  EXPECT_EQ(ChooseTrainingThreads(3, 64, 64, false, two_nodes).threads, 3);         // --threads
+  EXPECT_EQ(ChooseTrainingThreads(0, 16, 64, false, two_nodes).threads, 16);        // affinity mask
+  EXPECT_EQ(ChooseTrainingThreads(0, 64, 64, true, two_nodes).threads, 64);         // SLURM_CPUS_PER_TASK
+  EXPECT_EQ(ChooseTrainingThreads(0, 64, 64, false, TrainingRanks()).threads, 64);  // one rank
+  EXPECT_EQ(ChooseTrainingThreads(0, 4, 4, false, two_nodes).threads, 1);           // at least 1
+  TrainingRanks alone_on_node = two_nodes;
+  alone_on_node.ranks_on_node = 1;
+  c = ChooseTrainingThreads(0, 64, 64, false, alone_on_node);
+  EXPECT_EQ(c.threads, 64);
+  EXPECT_EQ(c.reason, "");
+}
+
 }  // namespace
 }  // namespace ptk
