@@ -149,15 +149,20 @@ std::string FirstSlurmHost(const std::string& nodelist) {
 }
 
 TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, int process_cpus, int machine_cpus,
-                                            bool launcher_gave_cpus, const TrainingRanks& ranks) {
+                                            const std::string& launcher_cpus_var, const TrainingRanks& ranks) {
   if (flag_threads > 0) return {static_cast<int>(std::min<int64_t>(flag_threads, std::numeric_limits<int>::max())), ""};
   const int cpus = std::max(1, process_cpus);
-  if (ranks.world_size <= 1 || launcher_gave_cpus || cpus != machine_cpus) return {cpus, ""};
   const bool known = ranks.ranks_on_node > 0;
+  if (ranks.world_size <= 1) return {cpus, ""};
+  if (!launcher_cpus_var.empty() || cpus != machine_cpus)
+    return {cpus, fmt::format(
+                      "this process's {} of the machine's {} CPUs ({}), not split among the ranks on this node{}", cpus,
+                      machine_cpus, launcher_cpus_var.empty() ? "its affinity mask" : launcher_cpus_var + " is set",
+                      known ? fmt::format(" ({}: {})", ranks.ranks_on_node_source, ranks.ranks_on_node) : "")};
   const int sharing = known ? ranks.ranks_on_node : ranks.world_size;
-  if (sharing <= 1) return {cpus, ""};
   return {std::max(1, cpus / sharing),
-          known ? fmt::format("{} CPUs / {} ranks on this node ({})", cpus, sharing, ranks.ranks_on_node_source)
+          known ? fmt::format("{} CPUs / {} rank{} on this node ({})", cpus, sharing, sharing == 1 ? "" : "s",
+                              ranks.ranks_on_node_source)
                 : fmt::format("{} CPUs / {} ranks (the launcher does not say how many share this node: "
                               "LOCAL_WORLD_SIZE, SLURM_TASKS_PER_NODE)",
                               cpus, sharing)};

@@ -45,15 +45,15 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv();
 // CPU threads for one training rank, and why (for the start-up note). An explicit --threads
 // (`flag_threads` > 0) wins. Otherwise this process's CPUs (`process_cpus`, its affinity mask); when
 // that mask is the whole machine (`machine_cpus`), the launcher gave no per-rank CPUs
-// (`launcher_gave_cpus`: SLURM_CPUS_PER_TASK or PTK_THREADS_PER_RANK set) and there are several ranks,
-// they split the machine's cores among the ranks on this node (ranks.ranks_on_node), or among all the
+// (`launcher_cpus_var`: the name of SLURM_CPUS_PER_TASK or PTK_THREADS_PER_RANK when set, else empty) and there are
+// several ranks, they split the machine's cores among the ranks on this node (ranks.ranks_on_node), or among all the
 // ranks (world_size) when the launcher does not say how many share the node; at least 1.
 struct TrainingThreadsChoice {
   int threads = 1;
-  std::string reason;  // empty when nothing was split (--threads, or this process's own CPUs)
+  std::string reason;  // with several ranks and no --threads: how `threads` was chosen
 };
 TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, int process_cpus, int machine_cpus,
-                                            bool launcher_gave_cpus, const TrainingRanks& ranks);
+                                            const std::string& launcher_cpus_var, const TrainingRanks& ranks);
 
 // Node `node`'s tasks in a SLURM_TASKS_PER_NODE value: "2(x3),1" is 2, 2, 2, 1. None when the list
 // has no such node; InvalidArgument naming `name` when the value is not of that form.

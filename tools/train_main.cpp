@@ -219,10 +219,11 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
 // Threads for oneTBB (ptk::ChooseTrainingThreads): --threads, else this process's CPUs; ranks
 // sharing a node share its cores unless Slurm bound each to its own.
 ptk::TrainingThreadsChoice TrainingThreads(const ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks) {
-  const bool launcher_gave_cpus =
-      std::getenv("SLURM_CPUS_PER_TASK") != nullptr || std::getenv("PTK_THREADS_PER_RANK") != nullptr;
+  std::string launcher_cpus_var;
+  for (const char* var : {"SLURM_CPUS_PER_TASK", "PTK_THREADS_PER_RANK"})
+    if (launcher_cpus_var.empty() && std::getenv(var) != nullptr) launcher_cpus_var = var;
   return ptk::ChooseTrainingThreads(static_cast<int64_t>(flags.threads), CpusOfThisProcess(),
-                                    static_cast<int>(std::thread::hardware_concurrency()), launcher_gave_cpus, ranks);
+                                    static_cast<int>(std::thread::hardware_concurrency()), launcher_cpus_var, ranks);
 }
 
 void PrintDone(const ptk::TrainSummary& s) {
@@ -280,7 +281,8 @@ int main(int argc, char** argv) {
         Groups groups, MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options, ranks.rank));
     const ptk::TrainingThreadsChoice threads = TrainingThreads(flags, ranks);
     if (!threads.reason.empty())
-      notes.push_back(fmt::format("{} CPU threads per rank: {}", threads.threads, threads.reason));
+      notes.push_back(fmt::format("{} CPU thread{} per rank: {}", threads.threads, threads.threads == 1 ? "" : "s",
+                                  threads.reason));
     PrintStart(options, plan, *layout, ranks, *groups.world, notes);
 
     // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.

@@ -217,6 +217,17 @@ def pod_checks(where, spec, cfg):
           f"{where}: the shared volume is not the PVC PVC_NAME")
 
 
+def one_rank_per_pod_checks(where, ctr):
+    """A training pod is one rank: its threads are its CPU request (--threads), not a share of the node's
+    cores that ptk-train would have to split by a count of ranks on the node the pod cannot know; nor
+    does it claim one (LOCAL_WORLD_SIZE: the pods on a node do not share a memory cgroup)."""
+    args = ctr.get("command", []) + ctr.get("args", [])
+    cpu = str(ctr["resources"]["requests"]["cpu"])
+    check(f"--threads={cpu}" in args, f"{where}: ptk-train's --threads is not the pod's cpu request {cpu}")
+    env = {e["name"] for e in ctr.get("env", [])}
+    check("LOCAL_WORLD_SIZE" not in env, f"{where}: LOCAL_WORLD_SIZE set for a pod of one rank")
+
+
 def job_checks(job, cfg, service=None):
     name = job["metadata"]["name"]
     s = job["spec"]
@@ -264,6 +275,7 @@ def job_checks(job, cfg, service=None):
               "metadata.annotations['batch.kubernetes.io/job-completion-index']", "RANK is not the completion index")
         check(env["WORLD_SIZE"]["value"] == str(s["completions"]), "WORLD_SIZE != completions")
         check(str(sp["ports"][0]["port"]) == env["MASTER_PORT"]["value"], "the Service's port is not MASTER_PORT")
+        one_rank_per_pod_checks(where, t["containers"][0])
 
 
 def pytorchjob_checks(pj, cfg):
@@ -283,6 +295,7 @@ def pytorchjob_checks(pj, cfg):
         env = {e["name"] for e in c.get("env", [])}
         check(not env & {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"},
               f"{rtype}: sets what the operator sets: {env & {'RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'}}")
+        one_rank_per_pod_checks(f"PyTorchJob {rtype}", c)
 
 
 # ---- run

@@ -64,6 +64,9 @@ restarts=$(scontrol show job -o "$id" 2>/dev/null | sed -n 's/.*Restarts=\([0-9]
 [ "${restarts:-0}" -ge 1 ] || fail "the job was not requeued (Restarts=${restarts:-?})"
 grep -q 'data parallel: 2 ranks (srun), gloo' "$log" || { cat "$log"; fail "not 2 ranks under srun over gloo"; }
 grep -q 'train: 2 rank(s) on .* (2 GPU(s) per node), mock data' "$log" || { cat "$log"; fail "the GPUs were not seen"; }
+# srun's own variables tell ptk-train how many ranks share the node (its threads and memory check).
+grep -q 'CPU threads\? per rank: .*(SLURM_TASKS_PER_NODE=2 at SLURM_NODEID=0' "$log" ||
+  { cat "$log"; fail "ptk-train did not see srun's 2 ranks on this node"; }
 grep -q 'distributed optimizer: each of 2 ranks keeps' "$log" || { cat "$log"; fail "no distributed optimizer"; }
 grep -q 'exiting on signal' "$log" || { cat "$log"; fail "the signal did not stop the run"; }
 saved=$(sed -n 's/.*successfully saved checkpoint from iteration *\([0-9]*\) .*/\1/p' "$log" | head -1)
