@@ -34,7 +34,7 @@ export PTK_BIN=$BIN MOCK_DATA=1 NUM_LAYERS=1 HIDDEN_SIZE=32 NUM_ATTENTION_HEADS=
 # tasks are stopped (signal-stopped.sh): it lands with the rest of the 1500 ahead, however fast the
 # machine.
 ITERS=1500
-BASE_ARGS="--vocab-size 1000 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 1 --eval-iters 0 --log-interval 50 --save-interval 100000 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000 --threads 1"
+BASE_ARGS="--vocab-size 1000 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 1 --eval-iters 0 --log-interval 50 --save-interval 100000 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000"
 submit() {  # -> job id; as the tutorials submit it, from another directory
   (cd "$WORK" && sbatch --parsable -p gpu -N 1 --gpus-per-node 2 --ntasks-per-node 2 --cpus-per-task 1 \
      --open-mode=append --output "$STAGE_PATH/train-%j.out" "$SRC/slurm/train.sbatch") || fail "sbatch train.sbatch"
@@ -64,7 +64,8 @@ restarts=$(scontrol show job -o "$id" 2>/dev/null | sed -n 's/.*Restarts=\([0-9]
 [ "${restarts:-0}" -ge 1 ] || fail "the job was not requeued (Restarts=${restarts:-?})"
 grep -q 'data parallel: 2 ranks (srun), gloo' "$log" || { cat "$log"; fail "not 2 ranks under srun over gloo"; }
 grep -q 'train: 2 rank(s) on .* (2 GPU(s) per node), mock data' "$log" || { cat "$log"; fail "the GPUs were not seen"; }
-# srun's own variables tell ptk-train how many ranks share the node (its threads and memory check).
+# srun's own variables tell ptk-train how many ranks share the node (its threads and memory check;
+# no --threads in BASE_ARGS, so that its note says how it chose them).
 grep -q 'CPU threads\? per rank: .*(SLURM_TASKS_PER_NODE=2 at SLURM_NODEID=0' "$log" ||
   { cat "$log"; fail "ptk-train did not see srun's 2 ranks on this node"; }
 grep -q 'distributed optimizer: each of 2 ranks keeps' "$log" || { cat "$log"; fail "no distributed optimizer"; }
