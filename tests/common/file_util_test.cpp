@@ -361,21 +361,30 @@ TEST(OpenRegularFile, FifosDevicesAndDirectoriesAreRefusedWithoutWaiting) {
   ::close(*fd);
 }
 
+// TrainingRanksFromEnv with exactly these launch variables set (every other one it reads unset,
+// before and after).
+absl::StatusOr<TrainingRanks> TrainingRanksWith(std::vector<std::pair<const char*, const char*>> env) {
+  static const char* const kVars[] = {"WORLD_SIZE",           "RANK",
+                                      "LOCAL_RANK",           "GROUP_RANK",
+                                      "SLURM_PROCID",         "SLURM_NTASKS",
+                                      "SLURM_LOCALID",        "SLURM_STEP_NUM_TASKS",
+                                      "SLURM_NODEID",         "SLURM_JOB_ID",
+                                      "SLURM_RESTART_COUNT",  "MASTER_ADDR",
+                                      "MASTER_PORT",          "SLURM_STEP_NODELIST",
+                                      "SLURM_JOB_NODELIST",   "LOCAL_WORLD_SIZE",
+                                      "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"};
+  for (const char* v : kVars) ::unsetenv(v);
+  for (const auto& [k, v] : env) ::setenv(k, v, 1);
+  auto r = TrainingRanksFromEnv();
+  for (const char* v : kVars) ::unsetenv(v);
+  return r;
+}
+
 // A launch's variables are read strictly: each number decimal and in range, a rank without a count
 // or beyond it, a variable that is not a number: a usage error naming the variable. What srun and
 // torchrun really set still works.
 TEST(TrainingRanksFromEnv, EveryLaunchVariableIsCheckedNamingIt) {
-  const char* kVars[] = {
-      "WORLD_SIZE",          "RANK",          "LOCAL_RANK",           "GROUP_RANK",          "SLURM_PROCID",
-      "SLURM_NTASKS",        "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_NODEID",        "SLURM_JOB_ID",
-      "SLURM_RESTART_COUNT", "MASTER_ADDR",   "MASTER_PORT",          "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"};
-  auto with = [&](std::vector<std::pair<const char*, const char*>> env) {
-    for (const char* v : kVars) ::unsetenv(v);
-    for (const auto& [k, v] : env) ::setenv(k, v, 1);
-    auto r = TrainingRanksFromEnv();
-    for (const char* v : kVars) ::unsetenv(v);
-    return r;
-  };
+  const auto with = TrainingRanksWith;
   // Valid launches.
   auto none = with({});
   ASSERT_TRUE(none.ok()) << none.status();
@@ -440,15 +449,7 @@ TEST(TrainingRanksFromEnv, EveryLaunchVariableIsCheckedNamingIt) {
 // SLURM_TASKS_PER_NODE at this node (SLURM_NODEID), else SLURM_NTASKS_PER_NODE, never above the
 // step's ranks; 0 when the launcher does not say; a malformed value a usage error naming it.
 TEST(TrainingRanksFromEnv, TheRanksOnThisNodeComeFromTheLauncher) {
-  const char* kVars[] = {"WORLD_SIZE",           "RANK",         "LOCAL_WORLD_SIZE",     "SLURM_PROCID",
-                         "SLURM_STEP_NUM_TASKS", "SLURM_NODEID", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"};
-  auto with = [&](std::vector<std::pair<const char*, const char*>> env) {
-    for (const char* v : kVars) ::unsetenv(v);
-    for (const auto& [k, v] : env) ::setenv(k, v, 1);
-    auto r = TrainingRanksFromEnv();
-    for (const char* v : kVars) ::unsetenv(v);
-    return r;
-  };
+  const auto with = TrainingRanksWith;
   auto on_node = [&](std::vector<std::pair<const char*, const char*>> env) {
     auto r = with(std::move(env));
     EXPECT_TRUE(r.ok()) << r.status();
