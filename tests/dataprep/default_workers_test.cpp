@@ -1,10 +1,12 @@
-// ptk-tokenize's default --workers is the CPUs the process may use (its affinity mask, capped by its
-// cgroup CPU quota), not the machine's: under `taskset` to one CPU, --help shows 1 and the run says so.
+// The tools' default thread counts follow the CPUs the process may use (its affinity mask, capped by
+// its cgroup CPU quota), not the machine's: under `taskset` to one CPU, ptk-tokenize's --workers and
+// ptk-extract's --jobs are 1, --help shows it and the run says so; a flag above it is warned once.
 #include <sched.h>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 
 #include "tests/test_util.h"
@@ -26,7 +28,7 @@ std::string OnOneCpu() {
   return "";
 }
 
-class TokenizeWorkers : public ::testing::Test {
+class DefaultWorkers : public ::testing::Test {
  protected:
   void SetUp() override {
     if (RunCmd("taskset -c 0-1023 true").exit_code != 0 || OnOneCpu().empty()) GTEST_SKIP() << "no taskset";
@@ -39,7 +41,7 @@ class TokenizeWorkers : public ::testing::Test {
   TempDir dir_;
 };
 
-TEST_F(TokenizeWorkers, TheDefaultFollowsTheAffinityMask) {
+TEST_F(DefaultWorkers, TheDefaultFollowsTheAffinityMask) {
   const auto help = RunCmd(OnOneCpu() + testing::Tool("ptk-tokenize") + " --help");
   EXPECT_EQ(help.exit_code, 0) << help.output;
   EXPECT_NE(help.output.find("--workers INT:an integer in [1, 65536]=1\n"), std::string::npos) << help.output;
@@ -56,7 +58,7 @@ TEST_F(TokenizeWorkers, TheDefaultFollowsTheAffinityMask) {
 }
 
 // An explicit --workers wins, above the budget too, with one warning; at the budget, no word.
-TEST_F(TokenizeWorkers, AFlagAboveTheBudgetIsKeptAndWarnedOnce) {
+TEST_F(DefaultWorkers, AFlagAboveTheBudgetIsKeptAndWarnedOnce) {
   const auto r = RunCmd(Tokenize("--force --quiet --workers 3"));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   const std::string warning = "ptk-tokenize: warning: --workers 3: more than the 1 CPU this process may use (affinity";
@@ -70,6 +72,26 @@ TEST_F(TokenizeWorkers, AFlagAboveTheBudgetIsKeptAndWarnedOnce) {
   const auto one = RunCmd(Tokenize("--force --quiet --workers 1"));
   EXPECT_EQ(one.exit_code, 0) << one.output;
   EXPECT_EQ(one.output.find("warning"), std::string::npos) << one.output;
+}
+
+// ptk-extract's 4 files at once, capped by the budget (decompression is CPU-bound).
+TEST_F(DefaultWorkers, ExtractJobsAreCappedByTheBudget) {
+  std::filesystem::create_directories(dir_ / "raw");
+  testing::WriteFile(
+      dir_ / "raw/a.jsonl.gz",
+      std::string("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\x03\x00\x00\x00\x00\x00\x00\x00\x00\x00", 20));
+  const std::string extract = OnOneCpu() + testing::Tool("ptk-extract") + " " + ShellQuote(dir_ / "raw");
+  const auto help = RunCmd(extract + " --help");
+  EXPECT_NE(help.output.find("--jobs INT:an integer in [1, 2147483647]=1\n"), std::string::npos) << help.output;
+  const auto r = RunCmd(extract);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ptk-extract: --jobs 1: the CPUs this process may use (affinity"), std::string::npos)
+      << r.output;
+  const auto two = RunCmd(extract + " --quiet --jobs 2");
+  EXPECT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("ptk-extract: warning: --jobs 2: more than the 1 CPU this process may use (affinity"),
+            std::string::npos)
+      << two.output;
 }
 
 }  // namespace
