@@ -1,6 +1,7 @@
 // Megatron's torch_dist checkpoints (megatron-core dist_checkpointing over
 // torch.distributed.checkpoint) -> a ptk checkpoint.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <regex>
@@ -68,6 +69,122 @@ absl::StatusOr<std::vector<float>> Unflatten(const std::vector<float>& v, const 
   return out;
 }
 
+// The distributed optimizer's state in megatron-core's grad-buffer layout, one world state per
+// model-parallel rank (the N of optimizer.distributed.dp_group_idx_N: megatron-core's model-parallel group
+// rank, tensor rank + TP x pipeline rank): dp_reshardable's buckets or dp_zero_gather_scatter's object.
+struct GradBuffers {
+  std::map<int64_t, std::map<int64_t, std::map<std::string, std::string>>> buckets;  // rank -> bucket -> what -> key
+  std::map<int64_t, std::string> objects;                                            // rank -> its param_state object
+  std::string groups;  // dp_group_idx_0.optimizer: the param groups and Adam's step
+  bool empty() const { return buckets.empty() && objects.empty(); }
+};
+
+// What reading the grad buffers needs of the checkpoint and the model.
+struct DistSource {
+  torchdist::DistCheckpoint* ck;
+  const PyValue* args;
+  const std::vector<MegParam>& params;
+  const MegatronModel& model;
+  int64_t tp, pp;
+  bool te;  // Transformer Engine's parameter order (args.transformer_impl)
+  std::string meta, layout_name;
+};
+
+// Rank `rank`'s world state (tensor rank rank % TP, pipeline rank rank / TP), checked against that rank's
+// grad-buffer layout.
+absl::StatusOr<DistribState> RankGradBuffer(const DistSource& x, const GradBuffers& g, int64_t rank) {
+  const int64_t p = rank / x.tp;
+  const bool tied_copy = !x.model.config.untie_embeddings_and_output_weights && x.pp > 1;
+  const std::vector<DistribParam> dparams =
+      StageDistribParams(x.params, p, x.pp, x.te, tied_copy, x.model.ckpt_padded, x.tp, x.model.config.hidden_size);
+  const std::string rank_name =
+      fmt::format("model-parallel rank {} (tensor rank {}, pipeline rank {})", rank, rank % x.tp, p);
+  if (auto it = g.objects.find(rank); it != g.objects.end()) {
+    PTK_ASSIGN_OR_RETURN(auto item, x.ck->OpenItem(it->second));
+    const PyValue& list = item->root();
+    if (list.kind != PyValue::Kind::kList || list.items.size() != 1)
+      return absl::DataLossError(
+          fmt::format("{}: object {}: not the list of one state megatron-core saves", x.meta, it->second));
+    return ReadDistribState(item.get(), *list.items[0], fmt::format("{}: object {}", x.meta, it->second), dparams,
+                            DistribBucketSize(x.args, p));
+  }
+  auto it = g.buckets.find(rank);
+  if (it == g.buckets.end())
+    return absl::DataLossError(
+        fmt::format("{}: {} state: nothing of {} (optimizer.distributed.dp_group_idx_{}), "
+                    "which the args' {} tensor x {} pipeline ranks have",
+                    x.meta, x.layout_name, rank_name, rank, x.tp, x.pp));
+  DistribState d;
+  const int64_t total = DistribLayout(dparams, DistribBucketSize(x.args, p), &d.offset);
+  int64_t next = 0;
+  for (const auto& [b, keys] : it->second) {
+    if (b != next++)
+      return absl::DataLossError(
+          fmt::format("{}: {}: bucket {} missing ({} state)", x.meta, keys.begin()->second, next - 1, x.layout_name));
+    for (auto [what, dst] : {std::pair{"param", &d.param}, {"exp_avg", &d.exp_avg}, {"exp_avg_sq", &d.exp_avg_sq}}) {
+      auto k = keys.find(what);
+      if (k == keys.end())
+        return absl::DataLossError(
+            fmt::format("{}: {}, bucket {}: no tensor {} ({} state)", x.meta, rank_name, b, what, x.layout_name));
+      PTK_ASSIGN_OR_RETURN(std::vector<float> v, x.ck->ReadFloat(k->second));
+      dst->insert(dst->end(), v.begin(), v.end());
+    }
+  }
+  if (static_cast<int64_t>(d.param.size()) != total || d.exp_avg.size() != d.param.size() ||
+      d.exp_avg_sq.size() != d.param.size())
+    return absl::DataLossError(fmt::format(
+        "{}: {} state of {}: its {} buckets hold {} elements; the {} parameters common.pt's args give it, laid out "
+        "as megatron-core lays them, take {}",
+        x.meta, x.layout_name, rank_name, it->second.size(), d.param.size(), dparams.size(), total));
+  return d;
+}
+
+// Every model-parallel rank's grad-buffer state gathered into the whole tensors (w, m1, m2 in ptk's layout):
+// each rank's shard of each of its stage's parameters (SwiGLU's linear_fc1: the rank's [gate; up]).
+absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::vector<float>& w, std::vector<float>& m1,
+                               std::vector<float>& m2) {
+  for (const auto& [rank, item] : g.objects)
+    if (rank >= x.tp * x.pp)
+      return absl::DataLossError(
+          fmt::format("{}: object {}: model-parallel rank {}, "
+                      "beyond the args' {} tensor x {} pipeline ranks",
+                      x.meta, item, rank, x.tp, x.pp));
+  for (const auto& [rank, buckets] : g.buckets)
+    if (rank >= x.tp * x.pp)
+      return absl::DataLossError(
+          fmt::format("{}: {}: model-parallel rank {}, beyond the args' {} tensor x {} "
+                      "pipeline ranks",
+                      x.meta, buckets.begin()->second.begin()->second, rank, x.tp, x.pp));
+  std::map<const MegParam*, std::array<std::vector<float>, 3>> full;  // at the checkpoint's vocabulary rows
+  for (int64_t rank = 0; rank < x.tp * x.pp; ++rank) {
+    const int64_t t = rank % x.tp, p = rank / x.tp;
+    PTK_ASSIGN_OR_RETURN(DistribState d, RankGradBuffer(x, g, rank));
+    for (const MegParam& m : x.params) {
+      if (m.stage != p || (m.split < 0 && t > 0)) continue;  // a replicated parameter: tensor rank 0's
+      std::vector<int64_t> shape = m.info->shape;
+      if (m.vocab) shape[0] = x.model.ckpt_padded;
+      const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+      const int64_t at = d.offset.at(x.te ? m.te_name : m.local_name);
+      auto& f = full[&m];
+      int i = 0;
+      for (std::vector<float>* src : {&d.param, &d.exp_avg, &d.exp_avg_sq}) {
+        f[i].resize(static_cast<size_t>(rows * cols));
+        CopyShard(f[i].data(), src->data() + at, rows, cols, m.split, m.split < 0 ? 0 : t, m.split < 0 ? 1 : x.tp,
+                  /*gather=*/true, m.chunks);
+        ++i;
+      }
+    }
+  }
+  for (const auto& [m, f] : full) {  // ptk's rows: the vocabulary cut to ptk's padding is a prefix
+    int i = 0;
+    for (std::vector<float>* dst : {&w, &m1, &m2}) {
+      std::copy(f[i].begin(), f[i].begin() + m->info->size, dst->begin() + m->info->offset);
+      ++i;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, const std::string& iter_dir,
@@ -98,13 +215,6 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
   PTK_ASSIGN_OR_RETURN(MegatronModel model, ModelFromArgs(args, common, o, saved_tp));
   s.config = model.config;
   const GPTConfig& c = s.config;
-  // megatron-core shards SwiGLU's fc1 in torch_dist by a factory of its own (gate and up as separate
-  // pieces): not read yet, rather than read wrong.
-  if (!c.gpt3() || c.add_qkv_bias)
-    return absl::UnimplementedError(fmt::format(
-        "{}: a model of Megatron's Llama line in torch_dist format: ptk reads it in --ckpt-format torch (save it so, "
-        "or convert it with Megatron's tools/checkpoint first)",
-        common));
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   PTK_ASSIGN_OR_RETURN(std::vector<MegParam> params, MegParams(layout, 1));
 
@@ -135,6 +245,14 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
       optimizer_keys.insert(key);
       continue;
     }
+    // megatron-core's singleton_local_shards layout (what its metadata asks for, never Megatron-LM since 0.14):
+    // each layer a key of its own, SwiGLU's gate and up as linear_fc1.weight_w / _v.
+    static const std::regex kSingleton(R"(decoder\.layers\.\d+\..*|.*\.linear_fc1\.(weight|bias)_[wv])");
+    if (std::regex_match(key, kSingleton))
+      return bad(meta, fmt::format("tensor {}: megatron-core's singleton_local_shards layout (a key per layer, "
+                                   "SwiGLU's gate and up apart as linear_fc1.weight_w / _v), which Megatron-LM does "
+                                   "not save and ptk does not read: save with Megatron-LM's save_checkpoint",
+                                   key));
     return bad(meta, fmt::format("tensor {}: not a weight of the GPT model common.pt's args describe{}", key,
                                  c.untie_embeddings_and_output_weights ? "" : " (output layer tied)"));
   }
@@ -146,21 +264,50 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
   const std::string sharding = opt_common ? StrAttr(opt_common, "param_state_sharding_type").value_or("") : "";
   const std::string layout_name =
       sharding.empty() ? "the plain optimizer's layout" : fmt::format("the distributed optimizer's {:?}", sharding);
-  // dp_zero_gather_scatter: objects optimizer.distributed.dp_group_idx_N.{param_state,optimizer}/shard_...
-  std::string dp_zero_state, dp_zero_groups;
+  // The grad-buffer formats, one state per model-parallel rank N: dp_zero_gather_scatter's objects
+  // optimizer.distributed.dp_group_idx_N.{param_state,optimizer}/shard_..., dp_reshardable's tensors
+  // optimizer.distributed.dp_group_idx_N.gbuf_idx_0.dtype_(...).bucket_idx_B.<what>, each bucket's unpadded span of
+  // the rank's world tensors (megatron-core's grad-buffer order).
+  const int64_t saved_pp = static_cast<int64_t>(NumAttr(args, "pipeline_model_parallel_size").value_or(1));
+  GradBuffers grad_buffers;
+  static const std::regex kGroupItem(R"(optimizer\.distributed\.dp_group_idx_(\d+)\.(param_state|optimizer)/.*)");
   for (const std::string& item : ck->byte_items()) {
-    if (item.rfind("optimizer.distributed.", 0) != 0) continue;
-    if (item.find(".param_state/") != std::string::npos) {
-      if (!dp_zero_state.empty() || item.rfind("optimizer.distributed.dp_group_idx_0.", 0) != 0 || saved_tp > 1 ||
-          NumAttr(args, "pipeline_model_parallel_size").value_or(1) > 1)
-        return bad(meta, fmt::format("object {}: {} state of a tensor- or pipeline-parallel run (an object per "
-                                     "model-parallel rank); ptk reads it saved at tensor and pipeline size 1",
-                                     item, layout_name));
-      dp_zero_state = item;
-    } else if (item.find(".optimizer/") != std::string::npos) {
-      dp_zero_groups = item;
+    std::smatch mt;
+    if (!std::regex_match(item, mt, kGroupItem)) continue;
+    const int64_t rank = std::atoll(mt[1].str().c_str());
+    if (mt[2].str() == "optimizer") {
+      if (rank == 0) grad_buffers.groups = item;
+    } else if (!grad_buffers.objects.emplace(rank, item).second) {
+      return bad(meta, fmt::format("object {}: a second param_state of model-parallel rank {} ({} state)", item, rank,
+                                   layout_name));
     }
   }
+  static const std::regex kBucket(
+      R"(optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq))");
+  std::string bucket_dtype;
+  for (const std::string& key : optimizer_keys) {
+    std::smatch mt;
+    if (key.rfind("optimizer.distributed.", 0) != 0) continue;
+    if (!std::regex_match(key, mt, kBucket))
+      return bad(meta, fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})", key, layout_name));
+    if (mt[2].str() != "0" || (!bucket_dtype.empty() && mt[3].str() != bucket_dtype))
+      return bad(meta, fmt::format("tensor {}: {} state of parameters of several dtypes (a grad buffer each); ptk "
+                                   "reads one",
+                                   key, layout_name));
+    bucket_dtype = mt[3].str();
+    grad_buffers.buckets[std::atoll(mt[1].str().c_str())][std::atoll(mt[4].str().c_str())][mt[5].str()] = key;
+  }
+  if (!grad_buffers.empty() && saved_pp > 1)
+    return bad(meta, fmt::format("{} state of a pipeline-parallel run ({} stages, {}): ptk reads the grad-buffer "
+                                 "formats saved at pipeline size 1",
+                                 layout_name, saved_pp,
+                                 grad_buffers.objects.empty()
+                                     ? grad_buffers.buckets.begin()->second.begin()->second.begin()->second
+                                     : grad_buffers.objects.begin()->second));
+  if (!grad_buffers.buckets.empty() && !grad_buffers.objects.empty())
+    return bad(meta,
+               fmt::format("object {} beside tensor {}: two optimizer states", grad_buffers.objects.begin()->second,
+                           grad_buffers.buckets.begin()->second.begin()->second.begin()->second));
 
   std::vector<float> weights(static_cast<size_t>(layout.num_params)), m1(weights.size(), 0.0f),
       m2(weights.size(), 0.0f);
@@ -187,84 +334,19 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
     scatter(base, v, weights);
   }
 
-  // dp_reshardable: tensors optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(...).bucket_idx_B.<what>, each
-  // bucket's unpadded span of the world tensors (megatron-core's grad-buffer order).
-  static const std::regex kBucket(
-      R"(optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq))");
-  std::map<int64_t, std::map<std::string, std::string>> buckets;  // bucket -> what -> key
-  std::string bucket_dtype;
-  for (const std::string& key : optimizer_keys) {
-    std::smatch mt;
-    if (key.rfind("optimizer.distributed.", 0) != 0) continue;
-    if (!std::regex_match(key, mt, kBucket))
-      return bad(meta, fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})", key, layout_name));
-    if (mt[1].str() != "0" || mt[2].str() != "0" || (!bucket_dtype.empty() && mt[3].str() != bucket_dtype) ||
-        saved_tp > 1 || NumAttr(args, "pipeline_model_parallel_size").value_or(1) > 1)
-      return bad(meta, fmt::format("tensor {}: {} state of a tensor- or pipeline-parallel run, or of parameters of "
-                                   "several dtypes (a grad buffer each); ptk reads one, saved at tensor and "
-                                   "pipeline size 1",
-                                   key, layout_name));
-    bucket_dtype = mt[3].str();
-    buckets[std::atoll(mt[4].str().c_str())][mt[5].str()] = key;
-  }
-  // The parameters in megatron-core's grad-buffer layout (one stage: tensor and pipeline size 1).
-  auto distrib_params = [&] {
+  if (!grad_buffers.empty()) {
+    std::set<std::string> bucket_keys;
+    for (const auto& [rank, buckets] : grad_buffers.buckets)
+      for (const auto& [b, keys] : buckets)
+        for (const auto& [what, key] : keys) bucket_keys.insert(key);
+    for (const std::string& key : optimizer_keys)
+      if (!bucket_keys.count(key))
+        return bad(meta, fmt::format("tensor {} beside {}'s {}: two optimizer states", key, layout_name,
+                                     grad_buffers.buckets.empty() ? "objects" : "buckets"));
     const bool te = StrAttr(args, "transformer_impl").value_or("transformer_engine") != "local";
-    std::vector<DistribParam> dparams;
-    for (const MegParam* m : StageOrder(params, 0, te)) {
-      std::vector<int64_t> shape = m->info->shape;
-      if (m->vocab) shape[0] = model.ckpt_padded;
-      dparams.push_back(DistribParam{m->info->name, Elements(shape), false});
-    }
-    return dparams;
-  };
-  auto scatter_distrib = [&](const DistribState& d) {
-    for (const MegParam& m : params) {
-      const int64_t at = d.offset.at(m.info->name);
-      for (auto [src, dst] : {std::pair{&d.param, &weights}, {&d.exp_avg, &m1}, {&d.exp_avg_sq, &m2}})
-        std::copy(src->begin() + at, src->begin() + at + m.info->size, dst->begin() + m.info->offset);
-    }
-  };
-
-  if (!buckets.empty()) {
-    DistribState d;
-    const std::vector<DistribParam> dparams = distrib_params();
-    const int64_t total = DistribLayout(dparams, DistribBucketSize(args, 0), &d.offset);
-    int64_t next = 0;
-    for (const auto& [b, keys] : buckets) {
-      if (b != next++)
-        return bad(meta, fmt::format("{}: bucket {} missing ({} state)", keys.begin()->second, next - 1, layout_name));
-      for (auto [what, dst] : {std::pair{"param", &d.param}, {"exp_avg", &d.exp_avg}, {"exp_avg_sq", &d.exp_avg_sq}}) {
-        auto it = keys.find(what);
-        if (it == keys.end()) return bad(meta, fmt::format("bucket {}: no tensor {} ({} state)", b, what, layout_name));
-        PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(it->second));
-        dst->insert(dst->end(), v.begin(), v.end());
-        optimizer_keys.erase(it->second);
-      }
-    }
-    if (static_cast<int64_t>(d.param.size()) != total || d.exp_avg.size() != d.param.size() ||
-        d.exp_avg_sq.size() != d.param.size())
-      return bad(meta, fmt::format("{} state: its {} buckets hold {} elements; the {} parameters common.pt's args "
-                                   "describe, laid out as megatron-core lays them, take {}",
-                                   layout_name, buckets.size(), d.param.size(), dparams.size(), total));
-    if (!optimizer_keys.empty())
-      return bad(meta, fmt::format("tensor {} beside {}'s buckets: two optimizer states", *optimizer_keys.begin(),
-                                   layout_name));
-    scatter_distrib(d);
-  } else if (!dp_zero_state.empty()) {
-    // The world tensors distrib_optim.pt holds, as one object (a list of one state dict), in megatron-core's
-    // grad-buffer order; the param groups in another object.
-    if (!optimizer_keys.empty())
-      return bad(meta, fmt::format("tensor {} beside object {}: two optimizer states", *optimizer_keys.begin(),
-                                   dp_zero_state));
-    PTK_ASSIGN_OR_RETURN(auto item, ck->OpenItem(dp_zero_state));
-    const PyValue& list = item->root();
-    if (list.kind != PyValue::Kind::kList || list.items.size() != 1)
-      return bad(meta, fmt::format("object {}: not the list of one state megatron-core saves", dp_zero_state));
-    PTK_ASSIGN_OR_RETURN(DistribState d,
-                         ReadDistribState(item.get(), *list.items[0], fmt::format("{}: object {}", meta, dp_zero_state),
-                                          distrib_params(), DistribBucketSize(args, 0)));
-    scatter_distrib(d);
+    PTK_RETURN_IF_ERROR(
+        GatherGradBuffers(DistSource{ck.get(), args, params, model, saved_tp, saved_pp, te, meta, layout_name},
+                          grad_buffers, weights, m1, m2));
   } else if (!optimizer_keys.empty()) {
     // In model space, optimizer.state.<what>.<key>: the plain optimizer's (fp32_param: the masters of a
     // --bf16/--fp16 run), the distributed optimizer's fully_reshardable (param) and fully_sharded_model_space
@@ -296,14 +378,16 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
     have_moments = true;
     have_masters = master != nullptr;
   }
-  if (!buckets.empty() || !dp_zero_state.empty()) {
+  if (!grad_buffers.empty()) {
     // The grad-buffer formats keep the param groups (and Adam's step) in an object of their own.
     have_moments = have_masters = true;
-    if (dp_zero_groups.empty())
-      return bad(meta, fmt::format("{} state: no object optimizer.distributed.dp_group_idx_0.optimizer beside {} (the "
-                                   "param groups and Adam's step)",
-                                   layout_name, buckets.empty() ? dp_zero_state : "its buckets"));
-    PTK_ASSIGN_OR_RETURN(groups_reader, ck->OpenItem(dp_zero_groups));
+    if (grad_buffers.groups.empty())
+      return bad(meta,
+                 fmt::format("{} state: no object optimizer.distributed.dp_group_idx_0.optimizer beside {} (the "
+                             "param groups and Adam's step)",
+                             layout_name,
+                             grad_buffers.buckets.empty() ? grad_buffers.objects.begin()->second : "its buckets"));
+    PTK_ASSIGN_OR_RETURN(groups_reader, ck->OpenItem(grad_buffers.groups));
     const PyValue& g = groups_reader->root();
     groups_holder = g.kind == PyValue::Kind::kList && g.items.size() == 1 ? g.items[0].get() : nullptr;
   }
@@ -331,9 +415,10 @@ absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, c
   }
   if (low_precision)
     s.notes.push_back("the weights are the model's bf16/fp16 copies widened to fp32 (no fp32 masters saved)");
-  if (!dp_zero_state.empty() || !buckets.empty())
-    s.notes.push_back(fmt::format("the weights and AdamW moments are {} fp32 state ({})", layout_name,
-                                  buckets.empty() ? dp_zero_state : "its grad-buffer buckets"));
+  if (!grad_buffers.empty())
+    s.notes.push_back(
+        fmt::format("the weights and AdamW moments are {} fp32 state ({})", layout_name,
+                    grad_buffers.buckets.empty() ? "its param_state objects" : "its grad-buffer buckets"));
   else if (have_masters)
     s.notes.push_back(fmt::format("the weights are the optimizer's fp32 master copies ({} state)", layout_name));
   if (model.ckpt_padded > c.padded_vocab_size)
