@@ -143,18 +143,16 @@ absl::StatusOr<DistribState> RankGradBuffer(const DistSource& x, const GradBuffe
 // each rank's shard of each of its stage's parameters (SwiGLU's linear_fc1: the rank's [gate; up]).
 absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::vector<float>& w, std::vector<float>& m1,
                                std::vector<float>& m2) {
+  auto beyond = [&](const std::string& what, int64_t rank) {
+    return absl::DataLossError(
+        fmt::format("{}: {}: {} state of model-parallel rank {}, beyond the args' {} tensor "
+                    "x {} pipeline ranks",
+                    x.meta, what, x.layout_name, rank, x.tp, x.pp));
+  };
   for (const auto& [rank, item] : g.objects)
-    if (rank >= x.tp * x.pp)
-      return absl::DataLossError(
-          fmt::format("{}: object {}: model-parallel rank {}, "
-                      "beyond the args' {} tensor x {} pipeline ranks",
-                      x.meta, item, rank, x.tp, x.pp));
+    if (rank >= x.tp * x.pp) return beyond(item, rank);
   for (const auto& [rank, buckets] : g.buckets)
-    if (rank >= x.tp * x.pp)
-      return absl::DataLossError(
-          fmt::format("{}: {}: model-parallel rank {}, beyond the args' {} tensor x {} "
-                      "pipeline ranks",
-                      x.meta, buckets.begin()->second.begin()->second, rank, x.tp, x.pp));
+    if (rank >= x.tp * x.pp) return beyond(buckets.begin()->second.begin()->second, rank);
   std::map<const MegParam*, std::array<std::vector<float>, 3>> full;  // at the checkpoint's vocabulary rows
   for (int64_t rank = 0; rank < x.tp * x.pp; ++rank) {
     const int64_t t = rank % x.tp, p = rank / x.tp;
