@@ -1,5 +1,8 @@
 // Megatron's torch_dist checkpoints (megatron-core dist_checkpointing over
-// torch.distributed.checkpoint) -> a ptk checkpoint.
+// torch.distributed.checkpoint) -> a ptk checkpoint. The keys' global tensors are the whole model's
+// whatever the tensor size: SwiGLU's linear_fc1 too, whose rows megatron-core's
+// apply_swiglu_sharded_factory saves as every rank's gate, then every rank's up ([gate; up], ptk's
+// layout); only the distributed optimizer's grad-buffer formats hold a state per model-parallel rank.
 #include <algorithm>
 #include <array>
 #include <cmath>
