@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -186,252 +187,315 @@ absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::v
   return absl::OkStatus();
 }
 
-}  // namespace
+// One torch_dist import: what common.pt and .metadata say, read step by step.
+class DistImport {
+ public:
+  DistImport(const ConvertOptions& o, const std::string& iter_dir, int64_t iteration) : o_(o), iter_dir_(iter_dir) {
+    s_.iteration = iteration;
+    s_.source = iter_dir;
+  }
 
-absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, const std::string& iter_dir,
-                                                      int64_t iteration) {
-  ConvertSummary s;
-  s.iteration = iteration;
-  // common.pt: what is not sharded (args, iteration, the scheduler, the optimizer's groups).
-  const std::string common = JoinPath(iter_dir, "common.pt");
-  if (!PathExists(common))
-    return absl::NotFoundError(
-        fmt::format("{}: missing: a torch_dist checkpoint keeps its args and iteration there", common));
-  PTK_ASSIGN_OR_RETURN(auto reader, torchfmt::TorchArchiveReader::Open(common));
-  s.source = iter_dir;
-  const PyValue& root = reader->root();
-  auto bad = [&](const std::string& file, const std::string& why) {
+  absl::StatusOr<ConvertSummary> Run() {
+    PTK_RETURN_IF_ERROR(OpenCommon());
+    PTK_ASSIGN_OR_RETURN(ck_, torchdist::DistCheckpoint::Open(iter_dir_));
+    meta_ = JoinPath(iter_dir_, ".metadata");
+    PTK_RETURN_IF_ERROR(CheckKeys());
+    // The optimizer's layout: common.pt's optimizer.param_state_sharding_type for the distributed optimizer.
+    opt_common_ = root().Get("optimizer");
+    const std::string sharding = opt_common_ ? StrAttr(opt_common_, "param_state_sharding_type").value_or("") : "";
+    layout_name_ =
+        sharding.empty() ? "the plain optimizer's layout" : fmt::format("the distributed optimizer's {:?}", sharding);
+    PTK_RETURN_IF_ERROR(FindGradBuffers());
+    weights_.assign(static_cast<size_t>(layout_->num_params), 0.0f);
+    m1_.assign(weights_.size(), 0.0f);
+    m2_.assign(weights_.size(), 0.0f);
+    PTK_RETURN_IF_ERROR(ReadWeights());
+    if (!grad_buffers_.empty()) {
+      PTK_RETURN_IF_ERROR(ReadGradBuffers());
+    } else if (!optimizer_keys_.empty()) {
+      PTK_RETURN_IF_ERROR(ReadModelSpace());
+    }
+    if (have_masters_) low_precision_ = false;
+    for (size_t i = 0; i < weights_.size(); ++i)
+      if (!std::isfinite(weights_[i])) return Bad(meta_, fmt::format("weight element {} is NaN or infinite", i));
+    const int64_t adam_step = AdamStep();
+    AddNotes();
+    PTK_RETURN_IF_ERROR(SaveImported(o_, args_, root(), reader_.get(), *layout_, model_.divisible,
+                                     have_moments_ ? adam_step : 0, weights_, m1_, m2_, &s_));
+    s_.notes.push_back(fmt::format("read a torch_dist checkpoint ({} tensors){}", ck_->tensors().size(),
+                                   have_moments_ ? ", with the AdamW moments" : ""));
+    return s_;
+  }
+
+ private:
+  static absl::Status Bad(const std::string& file, const std::string& why) {
     return absl::DataLossError(fmt::format("{}: {}", file, why));
-  };
-  if (root.kind != PyValue::Kind::kDict) return bad(common, "the pickle is not a dict: not Megatron's common.pt");
-  const PyValue* args = root.Get("args");
-  if (!args || args->kind != PyValue::Kind::kObject)
-    return bad(common, "no args (an argparse.Namespace): not a Megatron training checkpoint");
-  if (const PyValue* it = root.Get("iteration"); it && it->IsInt()) s.iteration = it->i;
-  if (auto vp = NumAttr(args, "virtual_pipeline_model_parallel_size"); vp && *vp > 1)
-    return bad(common,
-               "virtual pipeline stages (an interleaved run's model chunks) in torch_dist: ptk reads them in "
-               "Megatron's torch format only (--ckpt-format torch)");
-  const int64_t saved_tp = static_cast<int64_t>(NumAttr(args, "tensor_model_parallel_size").value_or(1));
-  PTK_ASSIGN_OR_RETURN(MegatronModel model, ModelFromArgs(args, common, o, saved_tp));
-  s.config = model.config;
-  const GPTConfig& c = s.config;
-  PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
-  PTK_ASSIGN_OR_RETURN(std::vector<MegParam> params, MegParams(layout, 1));
+  }
+  const PyValue& root() const { return reader_->root(); }
+  const GPTConfig& config() const { return s_.config; }
 
-  PTK_ASSIGN_OR_RETURN(auto ck, torchdist::DistCheckpoint::Open(iter_dir));
-  const std::string meta = JoinPath(iter_dir, ".metadata");
-  const auto& tensors = ck->tensors();
+  // common.pt: what is not sharded (args, iteration, the scheduler, the optimizer's groups); the model.
+  absl::Status OpenCommon() {
+    common_ = JoinPath(iter_dir_, "common.pt");
+    if (!PathExists(common_))
+      return absl::NotFoundError(
+          fmt::format("{}: missing: a torch_dist checkpoint keeps its args and iteration there", common_));
+    PTK_ASSIGN_OR_RETURN(reader_, torchfmt::TorchArchiveReader::Open(common_));
+    if (root().kind != PyValue::Kind::kDict) return Bad(common_, "the pickle is not a dict: not Megatron's common.pt");
+    args_ = root().Get("args");
+    if (!args_ || args_->kind != PyValue::Kind::kObject)
+      return Bad(common_, "no args (an argparse.Namespace): not a Megatron training checkpoint");
+    if (const PyValue* it = root().Get("iteration"); it && it->IsInt()) s_.iteration = it->i;
+    if (auto vp = NumAttr(args_, "virtual_pipeline_model_parallel_size"); vp && *vp > 1)
+      return Bad(common_,
+                 "virtual pipeline stages (an interleaved run's model chunks) in torch_dist: ptk reads them in "
+                 "Megatron's torch format only (--ckpt-format torch)");
+    saved_tp_ = static_cast<int64_t>(NumAttr(args_, "tensor_model_parallel_size").value_or(1));
+    saved_pp_ = static_cast<int64_t>(NumAttr(args_, "pipeline_model_parallel_size").value_or(1));
+    PTK_ASSIGN_OR_RETURN(model_, ModelFromArgs(args_, common_, o_, saved_tp_));
+    s_.config = model_.config;
+    PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(config()));
+    layout_ = std::move(layout);
+    PTK_ASSIGN_OR_RETURN(params_, MegParams(*layout_, 1));
+    // Each key read once (a stacked tensor holds every layer's parameter).
+    for (const MegParam& m : params_) {
+      const DistKey k = KeyOf(m);
+      by_key_[k.key].emplace_back(&m, k.layer);
+    }
+    return absl::OkStatus();
+  }
 
   // The keys the model must have, each with its global shape; nothing else but the optimizer's.
-  std::map<std::string, std::vector<int64_t>> want;
-  for (const MegParam& m : params) {
-    const DistKey k = KeyOf(m);
-    std::vector<int64_t> shape = m.info->shape;
-    if (m.vocab) shape[0] = model.ckpt_padded;
-    if (k.layer >= 0) shape.insert(shape.begin(), c.num_layers);
-    want[k.key] = shape;
-  }
-  std::set<std::string> optimizer_keys;  // the optimizer's tensors, each to be read or refused
-  for (const auto& [key, e] : tensors) {
-    if (want.count(key)) {
-      if (e.shape != want.at(key))
-        return bad(meta, fmt::format("tensor {}: shape {}, the model common.pt's args describe has {} (--num-layers "
-                                     "{}, --hidden-size {}, --ffn-hidden-size {}, padded vocabulary {})",
-                                     key, ShapeStr(e.shape), ShapeStr(want.at(key)), c.num_layers, c.hidden_size,
-                                     c.ffn_hidden_size, model.ckpt_padded));
-      continue;
+  absl::Status CheckKeys() {
+    const GPTConfig& c = config();
+    for (const MegParam& m : params_) {
+      const DistKey k = KeyOf(m);
+      std::vector<int64_t> shape = m.info->shape;
+      if (m.vocab) shape[0] = model_.ckpt_padded;
+      if (k.layer >= 0) shape.insert(shape.begin(), c.num_layers);
+      want_[k.key] = shape;
     }
-    if (key.rfind("optimizer.", 0) == 0) {
-      optimizer_keys.insert(key);
-      continue;
+    for (const auto& [key, e] : ck_->tensors()) {
+      if (want_.count(key)) {
+        if (e.shape != want_.at(key))
+          return Bad(meta_, fmt::format("tensor {}: shape {}, the model common.pt's args describe has {} (--num-layers "
+                                        "{}, --hidden-size {}, --ffn-hidden-size {}, padded vocabulary {})",
+                                        key, ShapeStr(e.shape), ShapeStr(want_.at(key)), c.num_layers, c.hidden_size,
+                                        c.ffn_hidden_size, model_.ckpt_padded));
+        continue;
+      }
+      if (key.rfind("optimizer.", 0) == 0) {
+        optimizer_keys_.insert(key);
+        continue;
+      }
+      // megatron-core's singleton_local_shards layout (what its metadata asks for, never Megatron-LM since 0.14):
+      // each layer a key of its own, SwiGLU's gate and up as linear_fc1.weight_w / _v.
+      static const std::regex kSingleton(R"(decoder\.layers\.\d+\..*|.*\.linear_fc1\.(weight|bias)_[wv])");
+      if (std::regex_match(key, kSingleton))
+        return Bad(meta_, fmt::format("tensor {}: megatron-core's singleton_local_shards layout (a key per layer, "
+                                      "SwiGLU's gate and up apart as linear_fc1.weight_w / _v), which Megatron-LM "
+                                      "does not save and ptk does not read: save with Megatron-LM's save_checkpoint",
+                                      key));
+      return Bad(meta_, fmt::format("tensor {}: not a weight of the GPT model common.pt's args describe{}", key,
+                                    c.untie_embeddings_and_output_weights ? "" : " (output layer tied)"));
     }
-    // megatron-core's singleton_local_shards layout (what its metadata asks for, never Megatron-LM since 0.14):
-    // each layer a key of its own, SwiGLU's gate and up as linear_fc1.weight_w / _v.
-    static const std::regex kSingleton(R"(decoder\.layers\.\d+\..*|.*\.linear_fc1\.(weight|bias)_[wv])");
-    if (std::regex_match(key, kSingleton))
-      return bad(meta, fmt::format("tensor {}: megatron-core's singleton_local_shards layout (a key per layer, "
-                                   "SwiGLU's gate and up apart as linear_fc1.weight_w / _v), which Megatron-LM does "
-                                   "not save and ptk does not read: save with Megatron-LM's save_checkpoint",
-                                   key));
-    return bad(meta, fmt::format("tensor {}: not a weight of the GPT model common.pt's args describe{}", key,
-                                 c.untie_embeddings_and_output_weights ? "" : " (output layer tied)"));
+    for (const auto& [key, shape] : want_)
+      if (!ck_->tensors().count(key)) return Bad(meta_, fmt::format("tensor {}: missing", key));
+    return absl::OkStatus();
   }
-  for (const auto& [key, shape] : want)
-    if (!tensors.count(key)) return bad(meta, fmt::format("tensor {}: missing", key));
 
-  // The optimizer's layout: common.pt's optimizer.param_state_sharding_type for the distributed optimizer.
-  const PyValue* opt_common = root.Get("optimizer");
-  const std::string sharding = opt_common ? StrAttr(opt_common, "param_state_sharding_type").value_or("") : "";
-  const std::string layout_name =
-      sharding.empty() ? "the plain optimizer's layout" : fmt::format("the distributed optimizer's {:?}", sharding);
   // The grad-buffer formats, one state per model-parallel rank N: dp_zero_gather_scatter's objects
   // optimizer.distributed.dp_group_idx_N.{param_state,optimizer}/shard_..., dp_reshardable's tensors
-  // optimizer.distributed.dp_group_idx_N.gbuf_idx_0.dtype_(...).bucket_idx_B.<what>, each bucket's unpadded span of
-  // the rank's world tensors (megatron-core's grad-buffer order).
-  const int64_t saved_pp = static_cast<int64_t>(NumAttr(args, "pipeline_model_parallel_size").value_or(1));
-  GradBuffers grad_buffers;
-  static const std::regex kGroupItem(R"(optimizer\.distributed\.dp_group_idx_(\d+)\.(param_state|optimizer)/.*)");
-  for (const std::string& item : ck->byte_items()) {
-    std::smatch mt;
-    if (!std::regex_match(item, mt, kGroupItem)) continue;
-    const int64_t rank = std::atoll(mt[1].str().c_str());
-    if (mt[2].str() == "optimizer") {
-      if (rank == 0) grad_buffers.groups = item;
-    } else if (!grad_buffers.objects.emplace(rank, item).second) {
-      return bad(meta, fmt::format("object {}: a second param_state of model-parallel rank {} ({} state)", item, rank,
-                                   layout_name));
+  // optimizer.distributed.dp_group_idx_N.gbuf_idx_0.dtype_(...).bucket_idx_B.<what>, each bucket's unpadded span
+  // of the rank's world tensors (megatron-core's grad-buffer order).
+  absl::Status FindGradBuffers() {
+    GradBuffers& g = grad_buffers_;
+    static const std::regex kGroupItem(R"(optimizer\.distributed\.dp_group_idx_(\d+)\.(param_state|optimizer)/.*)");
+    for (const std::string& item : ck_->byte_items()) {
+      std::smatch mt;
+      if (!std::regex_match(item, mt, kGroupItem)) continue;
+      const int64_t rank = std::atoll(mt[1].str().c_str());
+      if (mt[2].str() == "optimizer") {
+        if (rank == 0) g.groups = item;
+      } else if (!g.objects.emplace(rank, item).second) {
+        return Bad(meta_, fmt::format("object {}: a second param_state of model-parallel rank {} ({} state)", item,
+                                      rank, layout_name_));
+      }
     }
+    static const std::regex kBucket(
+        R"(optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq))");
+    std::string dtype;
+    for (const std::string& key : optimizer_keys_) {
+      std::smatch mt;
+      if (key.rfind("optimizer.distributed.", 0) != 0) continue;
+      if (!std::regex_match(key, mt, kBucket))
+        return Bad(meta_,
+                   fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})", key, layout_name_));
+      if (mt[2].str() != "0" || (!dtype.empty() && mt[3].str() != dtype))
+        return Bad(meta_, fmt::format("tensor {}: {} state of parameters of several dtypes (a grad buffer each); ptk "
+                                      "reads one",
+                                      key, layout_name_));
+      dtype = mt[3].str();
+      g.buckets[std::atoll(mt[1].str().c_str())][std::atoll(mt[4].str().c_str())][mt[5].str()] = key;
+    }
+    if (g.empty()) return absl::OkStatus();
+    const std::string first_bucket = g.buckets.empty() ? "" : g.buckets.begin()->second.begin()->second.begin()->second;
+    if (saved_pp_ > 1)
+      return Bad(meta_,
+                 fmt::format("{} state of a pipeline-parallel run ({} stages, {}): ptk reads the grad-buffer "
+                             "formats saved at pipeline size 1",
+                             layout_name_, saved_pp_, g.objects.empty() ? first_bucket : g.objects.begin()->second));
+    if (!g.buckets.empty() && !g.objects.empty())
+      return Bad(meta_, fmt::format("object {} beside tensor {}: two optimizer states", g.objects.begin()->second,
+                                    first_bucket));
+    std::set<std::string> bucket_keys;
+    for (const auto& [rank, buckets] : g.buckets)
+      for (const auto& [b, keys] : buckets)
+        for (const auto& [what, key] : keys) bucket_keys.insert(key);
+    for (const std::string& key : optimizer_keys_)
+      if (!bucket_keys.count(key))
+        return Bad(meta_, fmt::format("tensor {} beside {}'s {}: two optimizer states", key, layout_name_,
+                                      g.buckets.empty() ? "objects" : "buckets"));
+    return absl::OkStatus();
   }
-  static const std::regex kBucket(
-      R"(optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq))");
-  std::string bucket_dtype;
-  for (const std::string& key : optimizer_keys) {
-    std::smatch mt;
-    if (key.rfind("optimizer.distributed.", 0) != 0) continue;
-    if (!std::regex_match(key, mt, kBucket))
-      return bad(meta, fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})", key, layout_name));
-    if (mt[2].str() != "0" || (!bucket_dtype.empty() && mt[3].str() != bucket_dtype))
-      return bad(meta, fmt::format("tensor {}: {} state of parameters of several dtypes (a grad buffer each); ptk "
-                                   "reads one",
-                                   key, layout_name));
-    bucket_dtype = mt[3].str();
-    grad_buffers.buckets[std::atoll(mt[1].str().c_str())][std::atoll(mt[4].str().c_str())][mt[5].str()] = key;
-  }
-  if (!grad_buffers.empty() && saved_pp > 1)
-    return bad(meta, fmt::format("{} state of a pipeline-parallel run ({} stages, {}): ptk reads the grad-buffer "
-                                 "formats saved at pipeline size 1",
-                                 layout_name, saved_pp,
-                                 grad_buffers.objects.empty()
-                                     ? grad_buffers.buckets.begin()->second.begin()->second.begin()->second
-                                     : grad_buffers.objects.begin()->second));
-  if (!grad_buffers.buckets.empty() && !grad_buffers.objects.empty())
-    return bad(meta,
-               fmt::format("object {} beside tensor {}: two optimizer states", grad_buffers.objects.begin()->second,
-                           grad_buffers.buckets.begin()->second.begin()->second.begin()->second));
 
-  std::vector<float> weights(static_cast<size_t>(layout.num_params)), m1(weights.size(), 0.0f),
-      m2(weights.size(), 0.0f);
-  bool low_precision = false, have_moments = false, have_masters = false;
-  const PyValue* groups_holder = opt_common;  // what holds the param groups (and Adam's step)
-  std::unique_ptr<torchfmt::TorchArchiveReader> groups_reader;
-  // Each key read once (a stacked tensor holds every layer's parameter), scattered to ptk's tensors:
-  // the layer's slice, then ptk's rows (the vocabulary cut to ptk's padding: a prefix).
-  std::map<std::string, std::vector<std::pair<const MegParam*, int64_t>>> by_key;
-  for (const MegParam& m : params) {
-    const DistKey k = KeyOf(m);
-    by_key[k.key].emplace_back(&m, k.layer);
-  }
-  auto scatter = [&](const std::string& base, const std::vector<float>& v, std::vector<float>& dst) {
-    for (const auto& [m, layer] : by_key.at(base)) {
-      const int64_t per_layer = Elements(want.at(base)) / (layer >= 0 ? c.num_layers : 1);
+  // The stacked tensor `base`'s values `v` scattered to ptk's tensors: the layer's slice, then ptk's rows (the
+  // vocabulary cut to ptk's padding: a prefix).
+  void Scatter(const std::string& base, const std::vector<float>& v, std::vector<float>& dst) const {
+    for (const auto& [m, layer] : by_key_.at(base)) {
+      const int64_t per_layer = Elements(want_.at(base)) / (layer >= 0 ? config().num_layers : 1);
       const int64_t start = layer >= 0 ? layer * per_layer : 0;
       std::copy(v.begin() + start, v.begin() + start + m->info->size, dst.begin() + m->info->offset);
     }
-  };
-  for (const auto& [base, members] : by_key) {
-    if (tensors.at(base).dtype != torchfmt::DType::kFloat32) low_precision = true;
-    PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(base));
-    scatter(base, v, weights);
   }
 
-  if (!grad_buffers.empty()) {
-    std::set<std::string> bucket_keys;
-    for (const auto& [rank, buckets] : grad_buffers.buckets)
-      for (const auto& [b, keys] : buckets)
-        for (const auto& [what, key] : keys) bucket_keys.insert(key);
-    for (const std::string& key : optimizer_keys)
-      if (!bucket_keys.count(key))
-        return bad(meta, fmt::format("tensor {} beside {}'s {}: two optimizer states", key, layout_name,
-                                     grad_buffers.buckets.empty() ? "objects" : "buckets"));
-    const bool te = StrAttr(args, "transformer_impl").value_or("transformer_engine") != "local";
+  absl::Status ReadWeights() {
+    for (const auto& [base, members] : by_key_) {
+      if (ck_->tensors().at(base).dtype != torchfmt::DType::kFloat32) low_precision_ = true;
+      PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck_->ReadFloat(base));
+      Scatter(base, v, weights_);
+    }
+    return absl::OkStatus();
+  }
+
+  // The grad-buffer formats' fp32 params and moments; their param groups (and Adam's step) in an object of
+  // their own.
+  absl::Status ReadGradBuffers() {
+    const bool te = StrAttr(args_, "transformer_impl").value_or("transformer_engine") != "local";
     PTK_RETURN_IF_ERROR(
-        GatherGradBuffers(DistSource{ck.get(), args, params, model, saved_tp, saved_pp, te, meta, layout_name},
-                          grad_buffers, weights, m1, m2));
-  } else if (!optimizer_keys.empty()) {
-    // In model space, optimizer.state.<what>.<key>: the plain optimizer's (fp32_param: the masters of a
-    // --bf16/--fp16 run), the distributed optimizer's fully_reshardable (param) and fully_sharded_model_space
-    // (fp32_param; megatron-core <= 0.13: a [X, Y, ...] tensor whose ranks hold [x, y, ...] saved as
-    // [X/x, Y/y, ..., x*y*...], each rank's flattened shard along the last axis).
+        GatherGradBuffers(DistSource{ck_.get(), args_, params_, model_, saved_tp_, saved_pp_, te, meta_, layout_name_},
+                          grad_buffers_, weights_, m1_, m2_));
+    have_moments_ = have_masters_ = true;
+    const GradBuffers& g = grad_buffers_;
+    if (g.groups.empty())
+      return Bad(meta_, fmt::format("{} state: no object optimizer.distributed.dp_group_idx_0.optimizer beside {} (the "
+                                    "param groups and Adam's step)",
+                                    layout_name_, g.buckets.empty() ? g.objects.begin()->second : "its buckets"));
+    PTK_ASSIGN_OR_RETURN(groups_reader_, ck_->OpenItem(g.groups));
+    const PyValue& list = groups_reader_->root();
+    groups_holder_ = list.kind == PyValue::Kind::kList && list.items.size() == 1 ? list.items[0].get() : nullptr;
+    return absl::OkStatus();
+  }
+
+  // In model space, optimizer.state.<what>.<key>: the plain optimizer's (fp32_param: the masters of a
+  // --bf16/--fp16 run), the distributed optimizer's fully_reshardable (param) and fully_sharded_model_space
+  // (fp32_param; megatron-core <= 0.13: a [X, Y, ...] tensor whose ranks hold [x, y, ...] saved as
+  // [X/x, Y/y, ..., x*y*...], each rank's flattened shard along the last axis).
+  absl::Status ReadModelSpace() {
+    const auto& tensors = ck_->tensors();
     const char* master = nullptr;
     for (const char* m : {"optimizer.state.fp32_param.", "optimizer.state.param."})
-      if (tensors.count(m + by_key.begin()->first)) master = m;
-    for (const auto& [base, members] : by_key) {
+      if (tensors.count(m + by_key_.begin()->first)) master = m;
+    for (const auto& [base, members] : by_key_) {
       for (const char* what : {"optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.", master}) {
         if (!what) continue;
         const std::string key = what + base;
         auto it = tensors.find(key);
         if (it == tensors.end())
-          return bad(meta, fmt::format("tensor {}: missing from {} state (which has {}, ...)", key, layout_name,
-                                       *optimizer_keys.begin()));
-        PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck->ReadFloat(key));
-        if (it->second.shape != want.at(base)) {
-          PTK_ASSIGN_OR_RETURN(v, Unflatten(v, it->second.shape, want.at(base),
-                                            fmt::format("{}: tensor {} ({} state)", meta, key, layout_name)));
+          return Bad(meta_, fmt::format("tensor {}: missing from {} state (which has {}, ...)", key, layout_name_,
+                                        *optimizer_keys_.begin()));
+        PTK_ASSIGN_OR_RETURN(std::vector<float> v, ck_->ReadFloat(key));
+        if (it->second.shape != want_.at(base)) {
+          PTK_ASSIGN_OR_RETURN(v, Unflatten(v, it->second.shape, want_.at(base),
+                                            fmt::format("{}: tensor {} ({} state)", meta_, key, layout_name_)));
         }
-        scatter(base, v, what == master ? weights : std::string(what) == "optimizer.state.exp_avg." ? m1 : m2);
-        optimizer_keys.erase(key);
+        Scatter(base, v, what == master ? weights_ : std::string(what) == "optimizer.state.exp_avg." ? m1_ : m2_);
+        optimizer_keys_.erase(key);
       }
     }
-    if (!optimizer_keys.empty())
-      return bad(meta, fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})",
-                                   *optimizer_keys.begin(), layout_name));
-    have_moments = true;
-    have_masters = master != nullptr;
+    if (!optimizer_keys_.empty())
+      return Bad(meta_, fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})",
+                                    *optimizer_keys_.begin(), layout_name_));
+    have_moments_ = true;
+    have_masters_ = master != nullptr;
+    return absl::OkStatus();
   }
-  if (!grad_buffers.empty()) {
-    // The grad-buffer formats keep the param groups (and Adam's step) in an object of their own.
-    have_moments = have_masters = true;
-    if (grad_buffers.groups.empty())
-      return bad(meta,
-                 fmt::format("{} state: no object optimizer.distributed.dp_group_idx_0.optimizer beside {} (the "
-                             "param groups and Adam's step)",
-                             layout_name,
-                             grad_buffers.buckets.empty() ? grad_buffers.objects.begin()->second : "its buckets"));
-    PTK_ASSIGN_OR_RETURN(groups_reader, ck->OpenItem(grad_buffers.groups));
-    const PyValue& g = groups_reader->root();
-    groups_holder = g.kind == PyValue::Kind::kList && g.items.size() == 1 ? g.items[0].get() : nullptr;
-  }
-  if (have_masters) low_precision = false;
-  for (size_t i = 0; i < weights.size(); ++i)
-    if (!std::isfinite(weights[i])) return bad(meta, fmt::format("weight element {} is NaN or infinite", i));
 
-  // Adam's step: the optimizer's param groups (optimizer[.optimizer].param_groups[].step), in common.pt or,
-  // for dp_zero_gather_scatter, in an object of its own.
-  int64_t adam_step = 0;
-  if (have_moments) {
-    const PyValue* opt = groups_holder;
+  // Adam's step: the optimizer's param groups (optimizer[.optimizer].param_groups[].step), in common.pt or, for
+  // the grad-buffer formats, in an object of their own.
+  int64_t AdamStep() {
+    if (!have_moments_) {
+      s_.notes.push_back("the checkpoint holds no AdamW moments (saved with --no-save-optim): they start at zero");
+      return 0;
+    }
+    int64_t adam_step = 0;
+    const PyValue* opt = grad_buffers_.empty() ? opt_common_ : groups_holder_;
     if (opt && opt->Get("optimizer")) opt = opt->Get("optimizer");
     const PyValue* groups = opt ? opt->Get("param_groups") : nullptr;
     if (groups && groups->kind == PyValue::Kind::kList)
       for (const auto& g : groups->items)
         if (auto st = NumAttr(g.get(), "step")) adam_step = std::max(adam_step, static_cast<int64_t>(*st));
     if (adam_step == 0) {  // Megatron steps once per iteration (skipped fp16 steps aside)
-      adam_step = s.iteration;
-      s.notes.push_back(
-          fmt::format("the optimizer's param groups record no Adam step: taken as the iteration, {}", s.iteration));
+      adam_step = s_.iteration;
+      s_.notes.push_back(
+          fmt::format("the optimizer's param groups record no Adam step: taken as the iteration, {}", s_.iteration));
     }
-  } else {
-    s.notes.push_back("the checkpoint holds no AdamW moments (saved with --no-save-optim): they start at zero");
+    return adam_step;
   }
-  if (low_precision)
-    s.notes.push_back("the weights are the model's bf16/fp16 copies widened to fp32 (no fp32 masters saved)");
-  if (!grad_buffers.empty())
-    s.notes.push_back(
-        fmt::format("the weights and AdamW moments are {} fp32 state ({})", layout_name,
-                    grad_buffers.buckets.empty() ? "its param_state objects" : "its grad-buffer buckets"));
-  else if (have_masters)
-    s.notes.push_back(fmt::format("the weights are the optimizer's fp32 master copies ({} state)", layout_name));
-  if (model.ckpt_padded > c.padded_vocab_size)
-    s.notes.push_back(
-        fmt::format("the vocabulary's {} padded rows are cut to {} (a multiple of {}, as ptk-train pads "
-                    "{} tokens)",
-                    model.ckpt_padded, c.padded_vocab_size, model.divisible, c.vocab_size));
-  PTK_RETURN_IF_ERROR(SaveImported(o, args, root, reader.get(), layout, model.divisible, have_moments ? adam_step : 0,
-                                   weights, m1, m2, &s));
-  s.notes.push_back(fmt::format("read a torch_dist checkpoint ({} tensors){}", tensors.size(),
-                                have_moments ? ", with the AdamW moments" : ""));
-  return s;
+
+  void AddNotes() {
+    const GPTConfig& c = config();
+    if (low_precision_)
+      s_.notes.push_back("the weights are the model's bf16/fp16 copies widened to fp32 (no fp32 masters saved)");
+    if (!grad_buffers_.empty())
+      s_.notes.push_back(
+          fmt::format("the weights and AdamW moments are {} fp32 state ({})", layout_name_,
+                      grad_buffers_.buckets.empty() ? "its param_state objects" : "its grad-buffer buckets"));
+    else if (have_masters_)
+      s_.notes.push_back(fmt::format("the weights are the optimizer's fp32 master copies ({} state)", layout_name_));
+    if (model_.ckpt_padded > c.padded_vocab_size)
+      s_.notes.push_back(
+          fmt::format("the vocabulary's {} padded rows are cut to {} (a multiple of {}, as ptk-train pads "
+                      "{} tokens)",
+                      model_.ckpt_padded, c.padded_vocab_size, model_.divisible, c.vocab_size));
+  }
+
+  const ConvertOptions& o_;
+  const std::string iter_dir_;
+  ConvertSummary s_;
+  std::string common_, meta_, layout_name_;
+  std::unique_ptr<torchfmt::TorchArchiveReader> reader_, groups_reader_;
+  const PyValue* args_ = nullptr;
+  const PyValue* opt_common_ = nullptr;     // common.pt's optimizer: the param groups (and Adam's step)
+  const PyValue* groups_holder_ = nullptr;  // the grad-buffer formats' param groups object
+  int64_t saved_tp_ = 1, saved_pp_ = 1;
+  MegatronModel model_;
+  std::optional<ParamLayout> layout_;
+  std::vector<MegParam> params_;
+  std::unique_ptr<torchdist::DistCheckpoint> ck_;
+  std::map<std::string, std::vector<int64_t>> want_;                                // each model key's global shape
+  std::map<std::string, std::vector<std::pair<const MegParam*, int64_t>>> by_key_;  // key -> (param, layer)
+  std::set<std::string> optimizer_keys_;  // the optimizer's tensors, each to be read or refused
+  GradBuffers grad_buffers_;
+  std::vector<float> weights_, m1_, m2_;
+  bool low_precision_ = false, have_moments_ = false, have_masters_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, const std::string& iter_dir,
+                                                      int64_t iteration) {
+  return DistImport(o, iter_dir, iteration).Run();
 }
 
 }  // namespace ptk::megatron
