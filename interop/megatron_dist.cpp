@@ -73,13 +73,15 @@ absl::StatusOr<std::vector<float>> Unflatten(const std::vector<float>& v, const 
   return out;
 }
 
-// The distributed optimizer's state in megatron-core's grad-buffer layout, one world state per
-// model-parallel rank (the N of optimizer.distributed.dp_group_idx_N: megatron-core's model-parallel group
-// rank, tensor rank + TP x pipeline rank): dp_reshardable's buckets or dp_zero_gather_scatter's object.
+// The distributed optimizer's state in megatron-core's grad-buffer layout, one world state per grad buffer of
+// each model-parallel rank (the N of optimizer.distributed.dp_group_idx_N: megatron-core's model-parallel group
+// rank, tensor rank + TP x pipeline rank; an interleaved run's rank has a grad buffer per model chunk,
+// gbuf_idx_V): dp_reshardable's buckets or dp_zero_gather_scatter's object (one buffer).
 struct GradBuffers {
-  std::map<int64_t, std::map<int64_t, std::map<std::string, std::string>>> buckets;  // rank -> bucket -> what -> key
-  std::map<int64_t, std::string> objects;                                            // rank -> its param_state object
-  std::string groups;  // dp_group_idx_0.optimizer: the param groups and Adam's step
+  // rank -> grad buffer -> bucket -> what -> key
+  std::map<int64_t, std::map<int64_t, std::map<int64_t, std::map<std::string, std::string>>>> buckets;
+  std::map<int64_t, std::string> objects;  // rank -> its param_state object
+  std::string groups;                      // dp_group_idx_0.optimizer: the param groups and Adam's step
   bool empty() const { return buckets.empty() && objects.empty(); }
 };
 
@@ -87,22 +89,28 @@ struct GradBuffers {
 struct DistSource {
   torchdist::DistCheckpoint* ck;
   const PyValue* args;
-  const std::vector<MegParam>& params;
+  const ParamLayout& layout;
   const MegatronModel& model;
-  int64_t tp, pp;
-  bool te;  // Transformer Engine's parameter order (args.transformer_impl)
+  int64_t tp, pp, vp;  // vp model chunks per pipeline stage
+  bool te;             // Transformer Engine's parameter order (args.transformer_impl)
   std::string meta, layout_name;
 };
 
-// Rank `rank`'s world state (tensor rank rank % TP, pipeline rank rank / TP), checked against that rank's
-// grad-buffer layout.
-absl::StatusOr<DistribState> RankGradBuffer(const DistSource& x, const GradBuffers& g, int64_t rank) {
-  const int64_t p = rank / x.tp;
-  const bool tied_copy = !x.model.config.untie_embeddings_and_output_weights && x.pp > 1;
-  const std::vector<DistribParam> dparams =
-      StageDistribParams(x.params, p, x.pp, x.te, tied_copy, x.model.ckpt_padded, x.tp, x.model.config.hidden_size);
-  const std::string rank_name =
-      fmt::format("model-parallel rank {} (tensor rank {}, pipeline rank {})", rank, rank % x.tp, p);
+// The world state of grad buffer `v` (model chunk v: virtual stage v x PP + p of `params`) of model-parallel
+// rank `rank` (tensor rank rank % TP, pipeline rank p = rank / TP), checked against that chunk's layout.
+absl::StatusOr<DistribState> RankGradBuffer(const DistSource& x, const std::vector<MegParam>& params,
+                                            const GradBuffers& g, int64_t rank, int64_t v) {
+  const int64_t p = rank / x.tp, stages = x.pp * x.vp;
+  const bool tied_copy = !x.model.config.untie_embeddings_and_output_weights && stages > 1;
+  const std::vector<DistribParam> dparams = StageDistribParams(params, v * x.pp + p, stages, x.te, tied_copy,
+                                                               x.model.ckpt_padded, x.tp, x.model.config.hidden_size);
+  // megatron-core's DDP: no buckets but on the first pipeline stage's first chunk (Megatron-LM's get_model
+  // disables bucketing for the chunks after it).
+  const std::optional<int64_t> bucket_size = v == 0 ? DistribBucketSize(x.args, p) : std::nullopt;
+  const std::string rank_name = fmt::format(
+      "model-parallel rank {} (tensor rank {}, pipeline rank {}{}: optimizer.distributed.dp_group_idx_{}."
+      "gbuf_idx_{})",
+      rank, rank % x.tp, p, x.vp > 1 ? fmt::format(", model chunk {}", v) : "", rank, v);
   if (auto it = g.objects.find(rank); it != g.objects.end()) {
     PTK_ASSIGN_OR_RETURN(auto item, x.ck->OpenItem(it->second));
     const PyValue& list = item->root();
@@ -110,18 +118,18 @@ absl::StatusOr<DistribState> RankGradBuffer(const DistSource& x, const GradBuffe
       return absl::DataLossError(
           fmt::format("{}: object {}: not the list of one state megatron-core saves", x.meta, it->second));
     return ReadDistribState(item.get(), *list.items[0], fmt::format("{}: object {}", x.meta, it->second), dparams,
-                            DistribBucketSize(x.args, p));
+                            bucket_size);
   }
-  auto it = g.buckets.find(rank);
-  if (it == g.buckets.end())
+  const auto it = g.buckets.find(rank);
+  if (it == g.buckets.end() || !it->second.count(v))
     return absl::DataLossError(
-        fmt::format("{}: {} state: nothing of {} (optimizer.distributed.dp_group_idx_{}), "
-                    "which the args' {} tensor x {} pipeline ranks have",
-                    x.meta, x.layout_name, rank_name, rank, x.tp, x.pp));
+        fmt::format("{}: {} state: nothing of {}, which the args' {} tensor x {} pipeline ranks{} have", x.meta,
+                    x.layout_name, rank_name, x.tp, x.pp, x.vp > 1 ? fmt::format(" x {} model chunks", x.vp) : ""));
+  const auto& buckets = it->second.at(v);
   DistribState d;
-  const int64_t total = DistribLayout(dparams, DistribBucketSize(x.args, p), &d.offset);
+  const int64_t total = DistribLayout(dparams, bucket_size, &d.offset);
   int64_t next = 0;
-  for (const auto& [b, keys] : it->second) {
+  for (const auto& [b, keys] : buckets) {
     if (b != next++)
       return absl::DataLossError(
           fmt::format("{}: {}: bucket {} missing ({} state)", x.meta, keys.begin()->second, next - 1, x.layout_name));
@@ -130,8 +138,8 @@ absl::StatusOr<DistribState> RankGradBuffer(const DistSource& x, const GradBuffe
       if (k == keys.end())
         return absl::DataLossError(
             fmt::format("{}: {}, bucket {}: no tensor {} ({} state)", x.meta, rank_name, b, what, x.layout_name));
-      PTK_ASSIGN_OR_RETURN(std::vector<float> v, x.ck->ReadFloat(k->second));
-      dst->insert(dst->end(), v.begin(), v.end());
+      PTK_ASSIGN_OR_RETURN(std::vector<float> values, x.ck->ReadFloat(k->second));
+      dst->insert(dst->end(), values.begin(), values.end());
     }
   }
   if (static_cast<int64_t>(d.param.size()) != total || d.exp_avg.size() != d.param.size() ||
@@ -139,14 +147,12 @@ absl::StatusOr<DistribState> RankGradBuffer(const DistSource& x, const GradBuffe
     return absl::DataLossError(fmt::format(
         "{}: {} state of {}: its {} buckets hold {} elements; the {} parameters common.pt's args give it, laid out "
         "as megatron-core lays them, take {}",
-        x.meta, x.layout_name, rank_name, it->second.size(), d.param.size(), dparams.size(), total));
+        x.meta, x.layout_name, rank_name, buckets.size(), d.param.size(), dparams.size(), total));
   return d;
 }
 
-// Every model-parallel rank's grad-buffer state gathered into the whole tensors (w, m1, m2 in ptk's layout):
-// each rank's shard of each of its stage's parameters (SwiGLU's linear_fc1: the rank's [gate; up]).
-absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::vector<float>& w, std::vector<float>& m1,
-                               std::vector<float>& m2) {
+// Refuses the grad-buffer states of ranks or grad buffers the args do not give.
+absl::Status CheckGradBufferRanks(const DistSource& x, const GradBuffers& g) {
   auto beyond = [&](const std::string& what, int64_t rank) {
     return absl::DataLossError(
         fmt::format("{}: {}: {} state of model-parallel rank {}, beyond the args' {} tensor "
@@ -155,25 +161,49 @@ absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::v
   };
   for (const auto& [rank, item] : g.objects)
     if (rank >= x.tp * x.pp) return beyond(item, rank);
-  for (const auto& [rank, buckets] : g.buckets)
-    if (rank >= x.tp * x.pp) return beyond(buckets.begin()->second.begin()->second, rank);
+  for (const auto& [rank, buffers] : g.buckets) {
+    if (rank >= x.tp * x.pp) return beyond(buffers.begin()->second.begin()->second.begin()->second, rank);
+    const auto& [last, buckets] = *buffers.rbegin();
+    if (last >= x.vp)
+      return absl::DataLossError(
+          fmt::format("{}: {}: grad buffer {} of model-parallel rank {}: the args give each "
+                      "rank {} (one per model chunk, of one dtype)",
+                      x.meta, buckets.begin()->second.begin()->second, last, rank, x.vp));
+  }
+  return absl::OkStatus();
+}
+
+// Every model-parallel rank's grad-buffer state gathered into the whole tensors (w, m1, m2 in ptk's layout):
+// each rank's shard of each parameter of its stage (of each of its model chunks; SwiGLU's linear_fc1: the
+// rank's [gate; up]).
+absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::vector<float>& w, std::vector<float>& m1,
+                               std::vector<float>& m2) {
+  PTK_RETURN_IF_ERROR(CheckGradBufferRanks(x, g));
+  if (x.layout.config.num_layers % (x.pp * x.vp) != 0)
+    return absl::DataLossError(
+        fmt::format("{}: {} state: the args' {} layers do not split into {} pipeline stages "
+                    "x {} model chunks",
+                    x.meta, x.layout_name, x.layout.config.num_layers, x.pp, x.vp));
+  PTK_ASSIGN_OR_RETURN(const std::vector<MegParam> params, MegParams(x.layout, x.pp * x.vp));
   std::map<const MegParam*, std::array<std::vector<float>, 3>> full;  // at the checkpoint's vocabulary rows
   for (int64_t rank = 0; rank < x.tp * x.pp; ++rank) {
     const int64_t t = rank % x.tp, p = rank / x.tp;
-    PTK_ASSIGN_OR_RETURN(DistribState d, RankGradBuffer(x, g, rank));
-    for (const MegParam& m : x.params) {
-      if (m.stage != p || (m.split < 0 && t > 0)) continue;  // a replicated parameter: tensor rank 0's
-      std::vector<int64_t> shape = m.info->shape;
-      if (m.vocab) shape[0] = x.model.ckpt_padded;
-      const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
-      const int64_t at = d.offset.at(x.te ? m.te_name : m.local_name);
-      auto& f = full[&m];
-      int i = 0;
-      for (std::vector<float>* src : {&d.param, &d.exp_avg, &d.exp_avg_sq}) {
-        f[i].resize(static_cast<size_t>(rows * cols));
-        CopyShard(f[i].data(), src->data() + at, rows, cols, m.split, m.split < 0 ? 0 : t, m.split < 0 ? 1 : x.tp,
-                  /*gather=*/true, m.chunks);
-        ++i;
+    for (int64_t v = 0; v < x.vp; ++v) {
+      PTK_ASSIGN_OR_RETURN(DistribState d, RankGradBuffer(x, params, g, rank, v));
+      for (const MegParam& m : params) {
+        if (m.stage != v * x.pp + p || (m.split < 0 && t > 0)) continue;  // a replicated parameter: tensor rank 0's
+        std::vector<int64_t> shape = m.info->shape;
+        if (m.vocab) shape[0] = x.model.ckpt_padded;
+        const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+        const int64_t at = d.offset.at(x.te ? m.te_name : m.local_name);
+        auto& f = full[&m];
+        int i = 0;
+        for (std::vector<float>* src : {&d.param, &d.exp_avg, &d.exp_avg_sq}) {
+          f[i].resize(static_cast<size_t>(rows * cols));
+          CopyShard(f[i].data(), src->data() + at, rows, cols, m.split, m.split < 0 ? 0 : t, m.split < 0 ? 1 : x.tp,
+                    /*gather=*/true, m.chunks);
+          ++i;
+        }
       }
     }
   }
@@ -246,10 +276,10 @@ class DistImport {
     if (!args_ || args_->kind != PyValue::Kind::kObject)
       return Bad(common_, "no args (an argparse.Namespace): not a Megatron training checkpoint");
     if (const PyValue* it = root().Get("iteration"); it && it->IsInt()) s_.iteration = it->i;
-    if (auto vp = NumAttr(args_, "virtual_pipeline_model_parallel_size"); vp && *vp > 1)
-      return Bad(common_,
-                 "virtual pipeline stages (an interleaved run's model chunks) in torch_dist: ptk reads them in "
-                 "Megatron's torch format only (--ckpt-format torch)");
+    // An interleaved run's chunks (model0, model1, ... in its state dict) save the same keys: megatron-core's
+    // TransformerBlock stacks each layer at its global number, whatever the stage and chunk.
+    saved_vp_ =
+        std::max<int64_t>(1, static_cast<int64_t>(NumAttr(args_, "virtual_pipeline_model_parallel_size").value_or(1)));
     saved_tp_ = static_cast<int64_t>(NumAttr(args_, "tensor_model_parallel_size").value_or(1));
     saved_pp_ = static_cast<int64_t>(NumAttr(args_, "pipeline_model_parallel_size").value_or(1));
     PTK_ASSIGN_OR_RETURN(model_, ModelFromArgs(args_, common_, o_, saved_tp_));
@@ -331,27 +361,29 @@ class DistImport {
       if (!std::regex_match(key, mt, kBucket))
         return Bad(meta_,
                    fmt::format("tensor {}: optimizer state in a layout ptk does not read ({})", key, layout_name_));
-      if (mt[2].str() != "0" || (!dtype.empty() && mt[3].str() != dtype))
+      if (!dtype.empty() && mt[3].str() != dtype)
         return Bad(meta_, fmt::format("tensor {}: {} state of parameters of several dtypes (a grad buffer each); ptk "
                                       "reads one",
                                       key, layout_name_));
       dtype = mt[3].str();
-      g.buckets[std::atoll(mt[1].str().c_str())][std::atoll(mt[4].str().c_str())][mt[5].str()] = key;
+      g.buckets[std::atoll(mt[1].str().c_str())][std::atoll(mt[2].str().c_str())][std::atoll(mt[4].str().c_str())]
+               [mt[5].str()] = key;
     }
     if (g.empty()) return absl::OkStatus();
-    const std::string first_bucket = g.buckets.empty() ? "" : g.buckets.begin()->second.begin()->second.begin()->second;
-    if (saved_pp_ > 1)
-      return Bad(meta_,
-                 fmt::format("{} state of a pipeline-parallel run ({} stages, {}): ptk reads the grad-buffer "
-                             "formats saved at pipeline size 1",
-                             layout_name_, saved_pp_, g.objects.empty() ? first_bucket : g.objects.begin()->second));
+    const std::string first_bucket =
+        g.buckets.empty() ? "" : g.buckets.begin()->second.begin()->second.begin()->second.begin()->second;
+    if (saved_vp_ > 1 && !g.objects.empty())
+      return Bad(meta_, fmt::format("object {}: {} state of an interleaved run ({} model chunks per stage, a grad "
+                                    "buffer each): ptk reads its dp_reshardable or model-space formats",
+                                    g.objects.begin()->second, layout_name_, saved_vp_));
     if (!g.buckets.empty() && !g.objects.empty())
       return Bad(meta_, fmt::format("object {} beside tensor {}: two optimizer states", g.objects.begin()->second,
                                     first_bucket));
     std::set<std::string> bucket_keys;
-    for (const auto& [rank, buckets] : g.buckets)
-      for (const auto& [b, keys] : buckets)
-        for (const auto& [what, key] : keys) bucket_keys.insert(key);
+    for (const auto& [rank, buffers] : g.buckets)
+      for (const auto& [gbuf, buckets] : buffers)
+        for (const auto& [b, keys] : buckets)
+          for (const auto& [what, key] : keys) bucket_keys.insert(key);
     for (const std::string& key : optimizer_keys_)
       if (!bucket_keys.count(key))
         return Bad(meta_, fmt::format("tensor {} beside {}'s {}: two optimizer states", key, layout_name_,
@@ -382,9 +414,9 @@ class DistImport {
   // their own.
   absl::Status ReadGradBuffers() {
     const bool te = StrAttr(args_, "transformer_impl").value_or("transformer_engine") != "local";
-    PTK_RETURN_IF_ERROR(
-        GatherGradBuffers(DistSource{ck_.get(), args_, params_, model_, saved_tp_, saved_pp_, te, meta_, layout_name_},
-                          grad_buffers_, weights_, m1_, m2_));
+    PTK_RETURN_IF_ERROR(GatherGradBuffers(
+        DistSource{ck_.get(), args_, *layout_, model_, saved_tp_, saved_pp_, saved_vp_, te, meta_, layout_name_},
+        grad_buffers_, weights_, m1_, m2_));
     have_moments_ = have_masters_ = true;
     const GradBuffers& g = grad_buffers_;
     if (g.groups.empty())
@@ -478,7 +510,7 @@ class DistImport {
   const PyValue* args_ = nullptr;
   const PyValue* opt_common_ = nullptr;     // common.pt's optimizer: the param groups (and Adam's step)
   const PyValue* groups_holder_ = nullptr;  // the grad-buffer formats' param groups object
-  int64_t saved_tp_ = 1, saved_pp_ = 1;
+  int64_t saved_tp_ = 1, saved_pp_ = 1, saved_vp_ = 1;
   MegatronModel model_;
   std::optional<ParamLayout> layout_;
   std::vector<MegParam> params_;

@@ -2,9 +2,10 @@
 // grouped-query attention, RoPE, no biases, untied) that megatron-core 0.16.1 itself wrote
 // (tests/data/torch_dist_llama/, tests/support/make_torch_dist_llama_fixture.py): trained at tensor size 2
 // with the plain optimizer of a --bf16 run and with the distributed optimizer (dp_reshardable), and each
-// resharded by megatron-core to tensor size 1. Each converts to the fp32 weights and AdamW moments
-// expected.json records (megatron-core's TP 1 optimizer after loading it) bit for bit, TP 2 to exactly
-// TP 1's; ptk-train --load resumes one AdamW step from those moments; damaged or mismatched copies are
+// resharded by megatron-core to tensor size 1; and a 4-layer run resharded by megatron-core into an
+// interleaved one (pipeline size 2, two model chunks per stage: a grad buffer per chunk). Each converts to the fp32
+// weights and AdamW moments expected.json records (megatron-core's TP 1 optimizer after loading it) bit for bit, TP 2
+// to exactly TP 1's; ptk-train --load resumes one AdamW step from those moments; damaged or mismatched copies are
 // refused in one line naming the file and the key.
 #include <simdjson.h>
 
@@ -109,7 +110,8 @@ TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TorchDistLlama,
-                         ::testing::Values("plain_bf16_tp1", "plain_bf16_tp2", "distopt_tp1", "distopt_tp2"));
+                         ::testing::Values("plain_bf16_tp1", "plain_bf16_tp2", "distopt_tp1", "distopt_tp2",
+                                           "vpp_plain_bf16", "vpp_distopt"));
 
 // The TP 2 checkpoint and megatron-core's TP 1 reshard of it: the same ptk checkpoint, every array equal
 // (SwiGLU's gate and up halves and the query groups put back where a single rank holds them).
@@ -152,7 +154,7 @@ double AdamWMisfit(const ParamLayout& layout, const Converted& a, const Converte
 // step: its new weights and moments fit AdamW's update, which zero moments would not.
 TEST(TorchDistLlamaTp, PtkTrainResumesOneAdamWStepFromTheMoments) {
   TempDir dir;
-  for (const std::string name : {"distopt_tp2", "plain_bf16_tp2"}) {
+  for (const std::string name : {"distopt_tp2", "plain_bf16_tp2", "vpp_distopt"}) {
     const std::string ptk = dir / (name + "-ptk"), out = dir / (name + "-resumed");
     Converted a = ConvertAndLoad(Fixture(name), ptk);
     ASSERT_TRUE(a.layout.has_value());
@@ -228,6 +230,22 @@ TEST(TorchDistLlamaRefused, ATensorRanksGradBufferMissingIsNamed) {
       [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_0", "dp_group_idx_7.gbuf_idx_0"); },
       {".metadata", "optimizer.distributed.dp_group_idx_7", "model-parallel rank 7", "2 tensor x 1 pipeline ranks",
        "\"dp_reshardable\""});
+}
+
+TEST(TorchDistLlamaRefused, AModelChunksGradBufferMissingIsNamed) {
+  // Pipeline rank 1's second chunk's buffer (dp_group_idx_1.gbuf_idx_1) renamed to a chunk the args do not have.
+  ExpectRefused(
+      "vpp_distopt",
+      [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_1", "dp_group_idx_1.gbuf_idx_7"); },
+      {".metadata", "optimizer.distributed.dp_group_idx_1.gbuf_idx_7", "grad buffer 7 of model-parallel rank 1",
+       "the args give each rank 2"});
+  // The args of the 2-layer run beside the 4 layers' tensors: the stacked keys' shape says so.
+  ExpectRefused("vpp_distopt",
+                [](const std::string& d) {
+                  std::filesystem::copy_file(Fixture("distopt_tp1") + "/iter_0000003/common.pt", d + "/common.pt",
+                                             std::filesystem::copy_options::overwrite_existing);
+                },
+                {".metadata", "decoder.layers", "shape [4, "});
 }
 
 TEST(TorchDistLlamaRefused, ArgsOfAnotherModelNameTheKey) {

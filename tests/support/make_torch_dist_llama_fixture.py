@@ -48,8 +48,8 @@ def padded_vocab(tp):
     return (ARGS["vocab"] + m - 1) // m * m
 
 
-def megatron_args(tp, bf16, distopt):
-    a = ARGS
+def megatron_args(tp, bf16, distopt, pp=1, vp=None, layers=None):
+    a = dict(ARGS, layers=layers or ARGS["layers"])
     import torch
     return argparse.Namespace(
         num_layers=a["layers"], hidden_size=a["hidden"], ffn_hidden_size=a["ffn"], num_attention_heads=a["heads"],
@@ -60,8 +60,10 @@ def megatron_args(tp, bf16, distopt):
         swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, vocab_size=a["vocab"],
         padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=a["divisible"],
-        tokenizer_type="NullTokenizer", tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None, data_parallel_size=1, transformer_impl="local",
+        tokenizer_type="NullTokenizer", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        num_layers_per_virtual_pipeline_stage=a["layers"] // (pp * vp) if vp else None, data_parallel_size=1,
+        transformer_impl="local",
         ckpt_format="torch_dist", use_distributed_optimizer=distopt, overlap_grad_reduce=False, fp16=False,
         bf16=bf16, accumulate_allreduce_grads_in_fp32=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         micro_batch_size=a["micro"], global_batch_size=a["micro"], consumed_train_samples=a["micro"] * ITERATION,
@@ -71,8 +73,9 @@ def megatron_args(tp, bf16, distopt):
         iteration=ITERATION)
 
 
-def build(tp, bf16, distopt):
-    """megatron-core's model, optimizer and scheduler of the run, on this process's tensor-parallel rank."""
+def build(tp, bf16, distopt, pp=1, vp=None, layers=None):
+    """megatron-core's model, optimizer and scheduler of the run, on this process's tensor-parallel rank (with a
+    pipeline size `pp` and `vp` model chunks per stage: the chunks' GPTModels and DDPs as lists)."""
     import torch
     import torch.nn.functional as F
     import megatron.core.tensor_parallel.random as mrandom
@@ -87,31 +90,41 @@ def build(tp, bf16, distopt):
     a = ARGS
     mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
     mrandom.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    cfg = TransformerConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
+    cfg = TransformerConfig(num_layers=layers or a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
                             num_query_groups=a["groups"], ffn_hidden_size=a["ffn"], kv_channels=a["hidden"] // a["heads"],
                             normalization="RMSNorm", layernorm_epsilon=a["eps_norm"], gated_linear_unit=True,
                             activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-                            tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vp, pipeline_dtype=dtype if pp > 1 else None,
+                            use_cpu_initialization=True, hidden_dropout=0.0,
                             attention_dropout=0.0, bf16=bf16, params_dtype=dtype)
-    gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                   vocab_size=padded_vocab(tp), max_sequence_length=a["positions"], position_embedding_type="rope",
-                   rotary_base=a["rotary_base"], share_embeddings_and_output_weights=False)
-    model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(
-        use_distributed_optimizer=distopt, grad_reduce_in_fp32=bf16),
-        module=Float16Module(cfg, gpt) if bf16 else gpt)
+    gpts, models = [], []
+    for v in range(vp or 1):  # as Megatron-LM's get_model builds an interleaved run's chunks
+        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                       vocab_size=padded_vocab(tp), max_sequence_length=a["positions"], position_embedding_type="rope",
+                       rotary_base=a["rotary_base"], share_embeddings_and_output_weights=False,
+                       pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v if vp else None),
+                       post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v if vp else None),
+                       vp_stage=v if vp else None)
+        gpts.append(gpt)
+        models.append(DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=distopt, grad_reduce_in_fp32=bf16),
+            module=Float16Module(cfg, gpt) if bf16 else gpt, disable_bucketing=v > 0))
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=a["lr"], min_lr=a["lr"], weight_decay=a["weight_decay"], adam_beta1=a["beta1"],
         adam_beta2=a["beta2"], adam_eps=a["eps"], clip_grad=a["clip_grad"], use_distributed_optimizer=distopt,
-        bf16=bf16, params_dtype=dtype), [model])
+        bf16=bf16, params_dtype=dtype), models)
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=a["lr"], min_lr=a["lr"], lr_warmup_steps=0,
                                     lr_decay_steps=100 * a["micro"], lr_decay_style="constant",
                                     start_wd=a["weight_decay"], end_wd=a["weight_decay"],
                                     wd_incr_steps=100 * a["micro"], wd_incr_style="constant")
-    return gpt, model, opt, sched
+    if vp or pp > 1:
+        return gpts, models, opt, sched
+    return gpts[0], models[0], opt, sched
 
 
 def train(model, opt, sched, iterations=ITERATION):
@@ -139,7 +152,8 @@ def sd_metadata(sharding):
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def save(gpt, opt, sched, out, tp, bf16, distopt, sharding):
+def save(gpt, opt, sched, out, tp, bf16, distopt, sharding, pp=1, vp=None, layers=None):
+    """As Megatron-LM's save_checkpoint: `gpt` one model ('model') or an interleaved run's chunks ('model0', ...)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     if dist.get_rank() == 0 and os.path.exists(out):
@@ -150,10 +164,16 @@ def save(gpt, opt, sched, out, tp, bf16, distopt, sharding):
         os.makedirs(iter_dir)
     dist.barrier()
     md = sd_metadata(sharding)
-    model_sd = gpt.sharded_state_dict(metadata=md)
-    state = {"args": megatron_args(tp, bf16, distopt), "checkpoint_version": 3.0, "iteration": ITERATION,
-             "model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=md),
-             "opt_param_scheduler": sched.state_dict(), "num_floating_point_operations_so_far": 0}
+    state = {"args": megatron_args(tp, bf16, distopt, pp, vp, layers), "checkpoint_version": 3.0,
+             "iteration": ITERATION, "opt_param_scheduler": sched.state_dict(),
+             "num_floating_point_operations_so_far": 0}
+    if isinstance(gpt, list):
+        models = {f"model{v}": g.sharded_state_dict(metadata=md) for v, g in enumerate(gpt)}
+        state.update(models)
+        state["optimizer"] = opt.sharded_state_dict(models, metadata=md)
+    else:
+        state["model"] = gpt.sharded_state_dict(metadata=md)
+        state["optimizer"] = opt.sharded_state_dict(state["model"], metadata=md)
     dist_checkpointing.save(state, iter_dir)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
@@ -272,17 +292,100 @@ def tp1_reshard(out, kind, tmp):
           file=sys.stderr)
 
 
+VPP_LAYERS = 4  # two stages of two model chunks of one layer each
+
+
+def init_optimizer_state(opt):
+    """Zero moments and Adam's step 0 where the optimizer has no state yet (its load replaces them all; megatron-core
+    reads the step without Apex or Transformer Engine)."""
+    import torch
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                st = inner.optimizer.state[p]
+                if not st:
+                    st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0))
+
+
+def vpp_source(out, kind, tmp):
+    """The run at pipeline size 1 (4 layers, 3 steps): saved where the interleaved run loads it from, and the values
+    expected.json records."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import package_info
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store-src-{kind}", rank=0, world_size=1)
+    bf16, distopt = kind == "vpp_plain_bf16", kind == "vpp_distopt"
+    gpt, model, opt, sched = build(1, bf16, distopt, layers=VPP_LAYERS)
+    train(model, opt, sched)
+    save(gpt, opt, sched, os.path.join(tmp, f"{kind}-source"), 1, bf16, distopt,
+         "fully_reshardable" if distopt else "dp_reshardable", layers=VPP_LAYERS)
+    a = ARGS
+    expected = {"bf16": bf16, "iteration": ITERATION, "adam_step": ITERATION,
+                "megatron_core": package_info.__version__, "torch": torch.__version__, "lr": a["lr"],
+                "weight_decay": a["weight_decay"], "betas": [a["beta1"], a["beta2"]], "eps": a["eps"],
+                "model": dict(a, layers=VPP_LAYERS), "tensor_parallel": 1, "pipeline_parallel": 2,
+                "virtual_pipeline_parallel": 2,
+                "optimizer": "distributed (dp_reshardable)" if distopt else "plain (--bf16)", "tensors": {}}
+    for name, (w, m1, m2) in main_states(gpt, opt, distopt).items():
+        shape = dict(gpt.named_parameters())[name].shape
+        expected["tensors"][name] = {"weight": entry(w, shape), "exp_avg": entry(m1, shape),
+                                     "exp_avg_sq": entry(m2, shape)}
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return expected
+
+
+def vpp_worker(rank, store, out, kind, tmp):
+    """The source loaded by an interleaved run (pipeline size 2, 2 chunks of 1 layer per stage) and saved."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    cpu_shims(torch)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    bf16, distopt = kind == "vpp_plain_bf16", kind == "vpp_distopt"
+    gpts, models, opt, sched = build(1, bf16, distopt, pp=2, vp=2, layers=VPP_LAYERS)
+    init_optimizer_state(opt)
+    if distopt:
+        step_shim()
+    md = sd_metadata("fully_reshardable")
+    model_sd = {f"model{v}": g.sharded_state_dict(metadata=md) for v, g in enumerate(gpts)}
+    state = dist_checkpointing.load(dict(model_sd, optimizer=opt.sharded_state_dict(model_sd, is_loading=True,
+                                                                                   metadata=md)),
+                                    os.path.join(tmp, f"{kind}-source", f"iter_{ITERATION:07d}"))
+    for v, g in enumerate(gpts):
+        g.load_state_dict(state[f"model{v}"], strict=False)
+    opt.load_state_dict(state["optimizer"])
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    steps = {int(st["step"]) for st in inner.optimizer.state.values()}
+    assert steps == {ITERATION}, steps
+    for _ in range(ITERATION):
+        sched.step(increment=ARGS["micro"])
+    save(gpts, opt, sched, os.path.join(out, kind), 1, bf16, distopt, "dp_reshardable", pp=2, vp=2,
+         layers=VPP_LAYERS)
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--kinds", nargs="+", default=["plain_bf16", "distopt"])
+    ap.add_argument("--kinds", nargs="+", default=["plain_bf16", "distopt", "vpp_plain_bf16", "vpp_distopt"])
     o = ap.parse_args()
     import torch
     import torch.multiprocessing as mp
+    cpu_shims(torch)
     for kind in o.kinds:
         with tempfile.TemporaryDirectory() as tmp:
+            if kind.startswith("vpp_"):
+                expected = vpp_source(o.out, kind, tmp)
+                mp.spawn(vpp_worker, args=(f"{tmp}/store2", o.out, kind, tmp), nprocs=2, join=True)
+                with open(os.path.join(o.out, kind, "expected.json"), "w") as fh:
+                    json.dump(expected, fh, indent=1, sort_keys=True)
+                    fh.write("\n")
+                continue
             mp.spawn(tp2_worker, args=(f"{tmp}/store2", o.out, kind), nprocs=2, join=True)
-            cpu_shims(torch)
             tp1_reshard(o.out, kind, tmp)
 
 
