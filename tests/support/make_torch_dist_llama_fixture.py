@@ -7,12 +7,20 @@ optimizer.sharded_state_dict(model_sd, metadata=M), opt_param_scheduler, ...}, w
 _build_sharded_state_dict_metadata gives (singleton_local_shards False: SwiGLU's linear_fc1 is one key whose
 rows are every rank's gate, then every rank's up; distrib_optim_sharding_type dp_reshardable).
 
-Two optimizers, two directories each:
+Two optimizers, three directories each:
   plain_bf16_tp2, plain_bf16_tp1    a --bf16 run's plain optimizer (Float16OptimizerWithFloat16Params: the
                                     model in bf16, optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>)
   distopt_tp2, distopt_tp1          an fp32 run's distributed optimizer in dp_reshardable (Megatron-LM's
                                     default: one grad buffer per tensor-parallel rank, keys
                                     optimizer.distributed.dp_group_idx_<rank>.gbuf_idx_0...bucket_idx_0.*)
+  vpp_plain_bf16, vpp_distopt        an interleaved run's: 4 layers trained 3 steps at pipeline size 1, loaded
+                                    by megatron-core into pipeline size 2 with 2 model chunks of 1 layer per
+                                    stage (Megatron-LM's --num-layers-per-virtual-pipeline-stage 1; two gloo
+                                    processes; a DDP per chunk, the chunks after the first without buckets, as
+                                    Megatron-LM's get_model builds them) and saved from there with the chunks as
+                                    model0, model1 (the distributed optimizer: a grad buffer per chunk,
+                                    gbuf_idx_0 and gbuf_idx_1, on each of dp_group_idx_0 and dp_group_idx_1);
+                                    expected.json: the pipeline-size-1 run's state
 The *_tp1 checkpoint is the *_tp2 one resharded by megatron-core: a tensor-parallel-size-1 model and
 optimizer load the TP 2 checkpoint with dist_checkpointing.load (for the distributed optimizer, from a
 fully_reshardable save of the same state, since dp_reshardable only reshards over data parallelism), then
