@@ -248,7 +248,7 @@ class DistImport {
     if (have_masters_) low_precision_ = false;
     for (size_t i = 0; i < weights_.size(); ++i)
       if (!std::isfinite(weights_[i])) return Bad(meta_, fmt::format("weight element {} is NaN or infinite", i));
-    const int64_t adam_step = AdamStep();
+    PTK_ASSIGN_OR_RETURN(const int64_t adam_step, AdamStep());
     AddNotes();
     PTK_RETURN_IF_ERROR(SaveImported(o_, args_, root(), reader_.get(), *layout_, model_.divisible,
                                      have_moments_ ? adam_step : 0, weights_, m1_, m2_, &s_));
@@ -465,7 +465,7 @@ class DistImport {
 
   // Adam's step: the optimizer's param groups (optimizer[.optimizer].param_groups[].step), in common.pt or, for
   // the grad-buffer formats, in an object of their own.
-  int64_t AdamStep() {
+  absl::StatusOr<int64_t> AdamStep() {
     if (!have_moments_) {
       s_.notes.push_back("the checkpoint holds no AdamW moments (saved with --no-save-optim): they start at zero");
       return 0;
@@ -477,6 +477,16 @@ class DistImport {
     if (groups && groups->kind == PyValue::Kind::kList)
       for (const auto& g : groups->items)
         if (auto st = NumAttr(g.get(), "step")) adam_step = std::max(adam_step, static_cast<int64_t>(*st));
+    // megatron-core's plain optimizer keeps torch Adam's per-parameter step as one state.common_step (a tensor).
+    const PyValue* state = opt && grad_buffers_.empty() ? opt->Get("state") : nullptr;
+    if (const PyValue* step = state ? state->Get("common_step") : nullptr; adam_step == 0 && step) {
+      if (step->IsNumber()) {
+        adam_step = static_cast<int64_t>(step->Number());
+      } else if (step->kind == PyValue::Kind::kTensor && step->tensor.numel() == 1) {
+        PTK_ASSIGN_OR_RETURN(std::vector<float> v, reader_->ReadFloat(step->tensor, "optimizer.state.common_step"));
+        adam_step = static_cast<int64_t>(v[0]);
+      }
+    }
     if (adam_step == 0) {  // Megatron steps once per iteration (skipped fp16 steps aside)
       adam_step = s_.iteration;
       s_.notes.push_back(

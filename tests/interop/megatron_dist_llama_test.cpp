@@ -87,6 +87,8 @@ TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
   simdjson::dom::element exp = parser.parse(json);
   EXPECT_EQ(c.state.iteration, int64_t(exp["iteration"]));
   EXPECT_EQ(c.state.adam_step, int64_t(exp["adam_step"]));
+  for (const std::string& note : c.summary.notes)  // read (the plain optimizer's state.common_step), not assumed
+    EXPECT_EQ(note.find("record no Adam step"), std::string::npos) << note;
   const GPTConfig& g = c.summary.config;
   EXPECT_TRUE(g.swiglu && g.normalization == Normalization::kRMSNorm && g.rope() && !g.add_bias_linear &&
               g.untie_embeddings_and_output_weights && g.query_groups() == 2);
