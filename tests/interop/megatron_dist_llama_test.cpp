@@ -1,12 +1,12 @@
 // ptk-convert --loader megatron on torch_dist checkpoints of Megatron's Llama line (RMSNorm, SwiGLU,
 // grouped-query attention, RoPE, no biases, untied) that megatron-core 0.16.1 itself wrote
 // (tests/data/torch_dist_llama/, tests/support/make_torch_dist_llama_fixture.py): trained at tensor size 2
-// with the plain optimizer of a --bf16 run and with the distributed optimizer (dp_reshardable), and each
-// resharded by megatron-core to tensor size 1; and a 4-layer run resharded by megatron-core into an
-// interleaved one (pipeline size 2, two model chunks per stage: a grad buffer per chunk). Each converts to the fp32
-// weights and AdamW moments expected.json records (megatron-core's TP 1 optimizer after loading it) bit for bit, TP 2
-// to exactly TP 1's; ptk-train --load resumes one AdamW step from those moments; damaged or mismatched copies are
-// refused in one line naming the file and the key.
+// with the plain optimizer of a --bf16 run and with the distributed optimizer (dp_reshardable; and
+// dp_zero_gather_scatter), and each resharded by megatron-core to tensor size 1; and a 4-layer run resharded by
+// megatron-core into an interleaved one (pipeline size 2, two model chunks per stage: a grad buffer per chunk). Each
+// converts to the fp32 weights and AdamW moments expected.json records (megatron-core's TP 1 optimizer after loading
+// it) bit for bit, TP 2 to exactly TP 1's; ptk-train --load resumes one AdamW step from those moments; damaged or
+// mismatched copies are refused in one line naming the file and the key.
 #include <simdjson.h>
 
 #include <algorithm>
@@ -113,7 +113,7 @@ TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TorchDistLlama,
                          ::testing::Values("plain_bf16_tp1", "plain_bf16_tp2", "distopt_tp1", "distopt_tp2",
-                                           "vpp_plain_bf16", "vpp_distopt"));
+                                           "distopt_tp2_dp_zero", "vpp_plain_bf16", "vpp_distopt"));
 
 // The TP 2 checkpoint and megatron-core's TP 1 reshard of it: the same ptk checkpoint, every array equal
 // (SwiGLU's gate and up halves and the query groups put back where a single rank holds them).

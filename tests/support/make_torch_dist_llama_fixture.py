@@ -7,12 +7,13 @@ optimizer.sharded_state_dict(model_sd, metadata=M), opt_param_scheduler, ...}, w
 _build_sharded_state_dict_metadata gives (singleton_local_shards False: SwiGLU's linear_fc1 is one key whose
 rows are every rank's gate, then every rank's up; distrib_optim_sharding_type dp_reshardable).
 
-Two optimizers, three directories each:
+Two optimizers, three directories each (and one more):
   plain_bf16_tp2, plain_bf16_tp1    a --bf16 run's plain optimizer (Float16OptimizerWithFloat16Params: the
                                     model in bf16, optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>)
   distopt_tp2, distopt_tp1          an fp32 run's distributed optimizer in dp_reshardable (Megatron-LM's
                                     default: one grad buffer per tensor-parallel rank, keys
                                     optimizer.distributed.dp_group_idx_<rank>.gbuf_idx_0...bucket_idx_0.*)
+  distopt_tp2_dp_zero               the same TP 2 state in dp_zero_gather_scatter (an object per rank)
   vpp_plain_bf16, vpp_distopt        an interleaved run's: 4 layers trained 3 steps at pipeline size 1, loaded
                                     by megatron-core into pipeline size 2 with 2 model chunks of 1 layer per
                                     stage (Megatron-LM's --num-layers-per-virtual-pipeline-stage 1; two gloo
@@ -223,6 +224,8 @@ def tp2_worker(rank, store, out, kind):
     gpt, model, opt, sched = build(2, bf16, distopt)
     train(model, opt, sched)
     save(gpt, opt, sched, os.path.join(out, f"{kind}_tp2"), 2, bf16, distopt, "dp_reshardable")
+    if distopt:  # megatron-core's other grad-buffer format: an object per model-parallel rank
+        save(gpt, opt, sched, os.path.join(out, f"{kind}_tp2_dp_zero"), 2, bf16, distopt, "dp_zero_gather_scatter")
     if distopt:  # what the TP 1 optimizer loads (dp_reshardable reshards over data parallelism only)
         save(gpt, opt, sched, os.path.join(out, f"{kind}_tp2_fully_reshardable"), 2, bf16, distopt,
              "fully_reshardable")
@@ -288,10 +291,14 @@ def tp1_reshard(out, kind, tmp):
         expected["tensors"][name] = {"weight": entry(w, shape), "exp_avg": entry(m1, shape),
                                      "exp_avg_sq": entry(m2, shape)}
     save(gpt, opt, sched, os.path.join(out, f"{kind}_tp1"), 1, bf16, distopt, "dp_reshardable")
-    for tp in (1, 2):
-        with open(os.path.join(out, f"{kind}_tp{tp}", "expected.json"), "w") as fh:
-            json.dump(dict(expected, tensor_parallel=tp, optimizer="distributed (dp_reshardable)" if distopt else
-                           "plain (--bf16)"), fh, indent=1, sort_keys=True)
+    for tp, name, opt_name in ((1, f"{kind}_tp1", "distributed (dp_reshardable)"),
+                               (2, f"{kind}_tp2", "distributed (dp_reshardable)"),
+                               (2, f"{kind}_tp2_dp_zero", "distributed (dp_zero_gather_scatter)")):
+        if not os.path.isdir(os.path.join(out, name)):
+            continue
+        with open(os.path.join(out, name, "expected.json"), "w") as fh:
+            json.dump(dict(expected, tensor_parallel=tp, optimizer=opt_name if distopt else "plain (--bf16)"), fh,
+                      indent=1, sort_keys=True)
             fh.write("\n")
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()
