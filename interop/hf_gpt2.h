@@ -47,6 +47,9 @@ struct ConvertOptions {
   // --num-layers-per-virtual-pipeline-stage); 0: no chunks.
   int64_t target_num_layers_per_virtual_pipeline_stage = 0;
   std::string saver_transformer_impl = "transformer_engine";
+  // ptk -> megatron: as a run of Megatron's --use-distributed-optimizer saves it (the fp32 params and
+  // moments in each rank's distrib_optim.pt, the param groups alone in model_optim_rng.pt).
+  bool target_use_distributed_optimizer = false;
   // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
   bool force = false;
   // hf -> ptk: the checkpoint's iteration (0: a start for --finetune), and the samples consumed by
