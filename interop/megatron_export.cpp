@@ -138,7 +138,9 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_s("transformer_impl", o.saver_transformer_impl);
   set_s("ckpt_format", "torch");
   set_b("use_distributed_optimizer", o.target_use_distributed_optimizer);
-  set_b("overlap_grad_reduce", false);  // one bucket per grad buffer: the layout distrib_optim.pt is written in
+  // The grad buffers' buckets: the layout distrib_optim.pt is written in.
+  set_b("overlap_grad_reduce", o.target_ddp_bucket_size > 0);
+  if (o.target_ddp_bucket_size > 0) set_i("ddp_bucket_size", o.target_ddp_bucket_size);
   set_b("accumulate_allreduce_grads_in_fp32", precision == "bf16");  // as Megatron-LM sets it under --bf16
   set_b("fp16", precision == "fp16");
   set_b("bf16", precision == "bf16");
@@ -410,7 +412,7 @@ struct Export {
   // Rank (t, p)'s distrib_optim.pt into dir, as DistributedOptimizer.save_parameter_state writes it at
   // data-parallel size 1: one grad buffer per model chunk (keys 0 .. vp-1), {(param dtype, grad dtype):
   // the fp32 params and AdamW moments where megatron-core's grad buffer puts them, numel_unpadded}; one
-  // bucket unless the args say --overlap-grad-reduce.
+  // bucket unless --target-ddp-bucket-size (args: --overlap-grad-reduce --ddp-bucket-size).
   absl::Status WriteDistribOptim(int64_t p, const std::string& dir, const std::vector<Pending>& pend) const {
     BlobSink sink;
     PyRef root = torchfmt::MakeDict();
@@ -524,6 +526,10 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
     return UsageError(
         fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}", tp,
                     c.num_attention_heads, c.query_groups(), c.ffn_hidden_size));
+  if (o.target_ddp_bucket_size > 0 && !o.target_use_distributed_optimizer)
+    return UsageError(fmt::format(
+        "--target-ddp-bucket-size {}: places the distributed optimizer's state (--target-use-distributed-optimizer)",
+        o.target_ddp_bucket_size));
   int64_t vp = 1;
   if (const int64_t n = o.target_num_layers_per_virtual_pipeline_stage; n > 0) {
     // Megatron's checks (arguments.py): pipeline parallelism, and chunks that divide each stage's layers.

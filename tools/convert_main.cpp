@@ -56,6 +56,11 @@ void AddSaverFlags(CLI::App& app, ptk::ConvertOptions* o) {
   app.add_flag("--target-use-distributed-optimizer", o->target_use_distributed_optimizer,
                "--saver megatron: write what Megatron's --use-distributed-optimizer loads (each rank's "
                "distrib_optim.pt with the fp32 params and AdamW moments, the param groups in model_optim_rng.pt)");
+  app.add_option("--target-ddp-bucket-size", o->target_ddp_bucket_size,
+                 "With --target-use-distributed-optimizer: the Megatron run's --ddp-bucket-size under "
+                 "--overlap-grad-reduce (its default: 40000000), which sets where distrib_optim.pt holds each "
+                 "parameter (default: no --overlap-grad-reduce, one bucket)")
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 40));
 }
 
 }  // namespace
@@ -118,10 +123,10 @@ int main(int argc, char** argv) {
           "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
           "is whole)",
           o.target_num_layers_per_virtual_pipeline_stage, o.saver));
-    if (o.saver != "megatron" && o.target_use_distributed_optimizer)
+    if (o.saver != "megatron" && (o.target_use_distributed_optimizer || o.target_ddp_bucket_size != 0))
       return ptk::UsageError(fmt::format(
-          "--target-use-distributed-optimizer: only --saver megatron writes an optimizer's state as Megatron's ({} "
-          "output)",
+          "--target-use-distributed-optimizer, --target-ddp-bucket-size: only --saver megatron writes an optimizer's "
+          "state as Megatron's ({} output)",
           o.saver));
     if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
         !(o.loader == "hf" && o.saver == "ptk"))

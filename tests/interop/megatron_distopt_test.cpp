@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/status.h"
 #include "interop/hf_gpt2.h"
 #include "interop/megatron.h"
 #include "interop/megatron_common.h"
@@ -81,14 +82,15 @@ struct Layout {
   int64_t tp, pp, layers_per_chunk;
   bool te, tied;
   std::string precision;
+  int64_t bucket = 0;  // --target-ddp-bucket-size
 };
 
 TEST_F(MegatronDistopt, PtkToMegatronsDistributedOptimizerAndBackIsBitForBit) {
   const Layout layouts[] = {
       {2, 2, 1, true, true, "fp32"},    // 2 chunks a rank, the tied embedding's copy in the last
       {1, 2, 0, false, false, "bf16"},  // no chunks, --bf16: the fp32 params are distrib_optim.pt's
-      {2, 1, 0, true, true, "fp16"},
-      {1, 2, 1, false, true, "bf16"},
+      {2, 1, 0, true, true, "fp16"},     {1, 2, 1, false, true, "bf16"},
+      {1, 2, 1, true, true, "fp32", 40},  // stage 0's chunk 0 in buckets of 40 elements
   };
   int n = 0;
   for (const Layout& l : layouts) {
@@ -103,6 +105,7 @@ TEST_F(MegatronDistopt, PtkToMegatronsDistributedOptimizerAndBackIsBitForBit) {
     o.target_num_layers_per_virtual_pipeline_stage = l.layers_per_chunk;
     o.saver_transformer_impl = l.te ? "transformer_engine" : "local";
     o.target_use_distributed_optimizer = true;
+    o.target_ddp_bucket_size = l.bucket;
     auto s = ExportToMegatron(o);
     ASSERT_TRUE(s.ok()) << s.status();
     EXPECT_NE(s->notes.back().find("--use-distributed-optimizer"), std::string::npos) << s->notes.back();
@@ -201,6 +204,40 @@ TEST_F(MegatronDistopt, FilesAreWhatDistributedOptimizerSavesAtDataParallelSizeO
       }
     }
   }
+}
+
+// --target-ddp-bucket-size places the distributed optimizer's state: alone it is a usage error, and with
+// it the buckets move the file's offsets (what the run's --overlap-grad-reduce --ddp-bucket-size does).
+TEST_F(MegatronDistopt, BucketSizeMovesTheOffsetsAndNeedsTheDistributedOptimizer) {
+  Save(Gpt(false), dir_ / "ck", "fp32");
+  ConvertOptions o = Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg");
+  o.target_ddp_bucket_size = 40;
+  auto r = ExportToMegatron(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(IsUsageError(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find("--target-use-distributed-optimizer"), std::string::npos) << r.status();
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "meg/latest_checkpointed_iteration.txt"));
+  std::vector<float> bucketed, whole;
+  for (int64_t bucket : {int64_t{40}, int64_t{0}}) {
+    const std::string out = dir_ / ("meg" + std::to_string(bucket));
+    o.save_dir = out;
+    o.target_use_distributed_optimizer = true;
+    o.target_ddp_bucket_size = bucket;
+    ASSERT_TRUE(ExportToMegatron(o).ok());
+    auto distrib = torchfmt::TorchArchiveReader::Open(out + "/iter_0000007/mp_rank_00/distrib_optim.pt");
+    ASSERT_TRUE(distrib.ok()) << distrib.status();
+    const PyValue* st = megatron::IntKey(&(*distrib)->root(), 0)->dict[0].second.get();
+    auto w = (*distrib)->ReadFloat(st->Get("param")->tensor, "param");
+    ASSERT_TRUE(w.ok());
+    (bucket ? bucketed : whole) = *w;
+    auto model = torchfmt::TorchArchiveReader::Open(out + "/iter_0000007/mp_rank_00/model_optim_rng.pt");
+    ASSERT_TRUE(model.ok());
+    const PyValue* args = (*model)->root().Get("args");
+    EXPECT_EQ(megatron::BoolAttr(args, "overlap_grad_reduce", false), bucket > 0);
+    if (bucket) EXPECT_EQ(megatron::NumAttr(args, "ddp_bucket_size"), 40.0);
+  }
+  // Buckets closing after the 16-element biases leave out their end padding: fewer elements, moved.
+  EXPECT_LT(bucketed.size(), whole.size());
 }
 
 }  // namespace

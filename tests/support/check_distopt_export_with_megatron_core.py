@@ -6,9 +6,11 @@ check and scatter into each parameter's main param and Adam moments), and every 
 param, exp_avg and exp_avg_sq must then equal the ptk checkpoint's bit for bit, Adam's step too.
 
 The ptk checkpoint: gen_megatron_checkpoint.py's GPT (local layer names, tied, 4 layers, a real torch
-Adam's moments after two steps) imported by ptk-convert. Exported twice: pipeline size 2 with
+Adam's moments after two steps) imported by ptk-convert. Exported three times: pipeline size 2 with
 --target-num-layers-per-virtual-pipeline-stage 1 (2 model chunks a rank: distrib_optim.pt holds a grad
-buffer per chunk, and the tied embedding's copy a bucket of its own), and pipeline size 1. Each pipeline
+buffer per chunk, and the tied embedding's copy a bucket of its own), pipeline size 1, and the first again
+with --target-ddp-bucket-size 40 (a run of --overlap-grad-reduce --ddp-bucket-size 40: stage 0's chunk 0
+in buckets whose end padding the file leaves out). Each pipeline
 rank is a process (gloo): megatron-core's parallel_state with the virtual stages, each chunk a GPTModel of
 its vp_stage in DistributedDataParallel as Megatron-LM's get_model wraps it, one optimizer from
 get_megatron_optimizer over the chunks; the chunks' weights loaded from model0, model1, ... (strict).
@@ -82,7 +84,8 @@ def rank(p, pp, vp, export, ptk, pyref, store, result):
     for v, m in enumerate(chunks):  # the weights, as Megatron-LM's load_checkpoint loads them (strict)
         m.load_state_dict(sd[f"model{v}" if vp > 1 else "model"], strict=True)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=a.use_distributed_optimizer,
-                                               overlap_grad_reduce=a.overlap_grad_reduce)
+                                               overlap_grad_reduce=a.overlap_grad_reduce,
+                                               bucket_size=getattr(a, "ddp_bucket_size", None))
     ddp = [DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=m, disable_bucketing=v > 0)
            for v, m in enumerate(chunks)]
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
@@ -144,19 +147,22 @@ def main():
                         "--divisible", str(DIVISIBLE), "--positions", str(POSITIONS)], check=True)
         subprocess.run([convert, "--loader", "megatron", "--saver", "ptk", "--load-dir", meg, "--save-dir", ptk],
                        check=True, capture_output=True)
-        for pp, vp in ((2, 2), (1, 1)):
-            export = os.path.join(tmp, f"export-pp{pp}-vp{vp}")
+        for pp, vp, bucket in ((2, 2, 0), (1, 1, 0), (2, 2, 40)):
+            export = os.path.join(tmp, f"export-pp{pp}-vp{vp}-b{bucket}")
             flags = ["--target-pipeline-parallel-size", str(pp)]
+            if bucket:
+                flags += ["--target-ddp-bucket-size", str(bucket)]
             if vp > 1:
                 flags += ["--target-num-layers-per-virtual-pipeline-stage", str(LAYERS // (pp * vp))]
             subprocess.run([convert, "--loader", "ptk", "--saver", "megatron", "--load-dir", ptk, "--save-dir", export,
                             "--target-use-distributed-optimizer", "--saver-transformer-impl", "local",
                             "--make-vocab-size-divisible-by", str(DIVISIBLE), *flags], check=True, capture_output=True)
-            store, results = os.path.join(tmp, f"store{pp}{vp}"), [os.path.join(tmp, f"r{pp}{vp}.{p}") for p in range(pp)]
+            store = os.path.join(tmp, f"store{pp}{vp}{bucket}")
+            results = [os.path.join(tmp, f"r{pp}{vp}{bucket}.{p}") for p in range(pp)]
             procs = [subprocess.Popen([sys.executable, __file__, "rank", str(p), str(pp), str(vp), export, ptk, pyref,
                                        store, results[p]]) for p in range(pp)]
             if any(x.wait() != 0 for x in procs):
-                print(f"FAIL: pipeline {pp} x {vp} chunks: a rank failed (above)")
+                print(f"FAIL: pipeline {pp} x {vp} chunks, bucket size {bucket or 'none'}: a rank failed (above)")
                 failures += 1
                 continue
             for p, r in enumerate(results):
@@ -164,7 +170,8 @@ def main():
                 for b in res["bad"]:
                     print("FAIL:", b)
                 failures += len(res["bad"])
-                print(f"pipeline {pp} x {vp} chunks, rank {p}: {res['checked']} parameters in {res['buffers']} grad "
+                print(f"pipeline {pp} x {vp} chunks, bucket size {bucket or 'none'}, rank {p}: {res['checked']} "
+                      f"parameters in {res['buffers']} grad "
                       f"buffer(s) loaded by megatron-core's DistributedOptimizer.load_parameter_state, "
                       f"{'bit for bit' if not res['bad'] else 'MISMATCHED'}")
     if failures:
