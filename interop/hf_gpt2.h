@@ -47,6 +47,12 @@ struct ConvertOptions {
   // --num-layers-per-virtual-pipeline-stage); 0: no chunks.
   int64_t target_num_layers_per_virtual_pipeline_stage = 0;
   std::string saver_transformer_impl = "transformer_engine";
+  // ptk -> megatron: as a run of Megatron's --use-distributed-optimizer saves it (the fp32 params and
+  // moments in each rank's distrib_optim.pt, the param groups alone in model_optim_rng.pt).
+  bool target_use_distributed_optimizer = false;
+  // ... for a run of --overlap-grad-reduce --ddp-bucket-size N: the first pipeline stage's first chunk
+  // in buckets of N elements, as its grad buffer lays them out (0: one bucket, no --overlap-grad-reduce).
+  int64_t target_ddp_bucket_size = 0;
   // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
   bool force = false;
   // hf -> ptk: the checkpoint's iteration (0: a start for --finetune), and the samples consumed by

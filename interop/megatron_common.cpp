@@ -87,6 +87,21 @@ std::vector<DistribParam> StageDistribParams(const std::vector<MegParam>& params
   return out;
 }
 
+std::vector<DistribBuffer> RankDistribBuffers(const std::vector<MegParam>& params, int64_t p, int64_t pp, int64_t vp,
+                                              bool te, bool tied_copy, int64_t vocab_rows, int64_t tp, int64_t hidden,
+                                              const PyValue* args) {
+  std::vector<DistribBuffer> out;
+  for (int64_t v = 0; v < vp; ++v) {
+    DistribBuffer b;
+    b.params = StageDistribParams(params, v * pp + p, pp * vp, te, tied_copy, vocab_rows, tp, hidden);
+    if (vp > 1)
+      for (DistribParam& d : b.params) d.name = fmt::format("model{}.{}", v, d.name);
+    if (v == 0) b.bucket_size = DistribBucketSize(args, p);
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
 std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te) {
   static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
   std::vector<const MegParam*> out;

@@ -137,7 +137,11 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_none("num_experts");
   set_s("transformer_impl", o.saver_transformer_impl);
   set_s("ckpt_format", "torch");
-  set_b("use_distributed_optimizer", false);
+  set_b("use_distributed_optimizer", o.target_use_distributed_optimizer);
+  // The grad buffers' buckets: the layout distrib_optim.pt is written in.
+  set_b("overlap_grad_reduce", o.target_ddp_bucket_size > 0);
+  if (o.target_ddp_bucket_size > 0) set_i("ddp_bucket_size", o.target_ddp_bucket_size);
+  set_b("accumulate_allreduce_grads_in_fp32", precision == "bf16");  // as Megatron-LM sets it under --bf16
   set_b("fp16", precision == "fp16");
   set_b("bf16", precision == "bf16");
   torchfmt::DictSet(a, "params_dtype",
@@ -208,6 +212,16 @@ PyRef AdamGroup(std::vector<PyRef> ids_list, double wd_mult, const Hyper& h) {
   return g;
 }
 
+// The storages of a torch.save file being built, and tensors over them.
+struct BlobSink {
+  std::vector<torchfmt::StorageBlob> blobs;
+  PyRef Tensor(const std::vector<float>& data, const std::vector<int64_t>& shape, DType dtype) {
+    const std::string k = std::to_string(blobs.size());
+    blobs.push_back(torchfmt::MakeBlob(k, dtype, data.data(), static_cast<int64_t>(data.size())));
+    return torchfmt::MakeTensor(k, dtype, shape);
+  }
+};
+
 // One parameter's shard on the rank being written: weight, moments, shape, group.
 struct Pending {
   std::vector<float> w, a, b;
@@ -232,6 +246,7 @@ struct Export {
   int64_t tp = 1, pp = 1, vm = 0;  // vm: the vocabulary padded for tp ranks
   int64_t vp = 1;                  // model chunks per rank: mparams' stage is v * pp + p
   bool te = false, tied_copy = false, with_moments = false, mixed = false;
+  bool distopt = false;  // --target-use-distributed-optimizer
   std::string precision;
   DType model_dtype = DType::kFloat32;
   Hyper h;
@@ -288,14 +303,12 @@ struct Export {
 
   // Rank (t, p)'s model_optim_rng.pt into dir.
   absl::Status WriteRank(int64_t t, int64_t p, const std::string& dir) const {
-    std::vector<torchfmt::StorageBlob> blobs;
-    int key = 0;
+    BlobSink sink;
     auto tensor = [&](const std::vector<float>& data, const std::vector<int64_t>& shape, DType dtype) {
-      const std::string k = std::to_string(key++);
-      blobs.push_back(torchfmt::MakeBlob(k, dtype, data.data(), static_cast<int64_t>(data.size())));
-      return torchfmt::MakeTensor(k, dtype, shape);
+      return sink.Tensor(data, shape, dtype);
     };
     std::vector<Pending> pend = StageShards(t, p);
+    if (o.target_use_distributed_optimizer) PTK_RETURN_IF_ERROR(WriteDistribOptim(p, dir, pend));
     // Megatron's parameter order: named_parameters; groups: weights first, then 1-D ones.
     int64_t next = 0;
     std::vector<int64_t> ids(pend.size());
@@ -316,7 +329,8 @@ struct Export {
       Pending& pd = pend[i];
       model = models[static_cast<size_t>(pd.chunk)];
       torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape, model_dtype));
-      if (mixed) (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
+      if (mixed && !distopt)
+        (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
       std::vector<float>().swap(pd.w);  // the blob holds the bytes now
       // Megatron's linear layers carry an (empty) extra state, after their last parameter (the bias, or
       // the weight of a layer without one).
@@ -329,7 +343,7 @@ struct Export {
       }
       if (pd.name == "output_layer.weight") extra("output_layer");
       (pd.decay ? decay_ids : no_decay_ids).push_back(torchfmt::MakeInt(ids[i]));
-      if (with_moments) {
+      if (with_moments && !distopt) {
         PyRef entry = torchfmt::MakeDict();
         PyRef step = tensor({static_cast<float>(state.adam_step)}, {}, DType::kFloat32);
         torchfmt::DictSet(entry.get(), "step", step);
@@ -344,26 +358,9 @@ struct Export {
     std::sort(by_id.begin(), by_id.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
     PyRef adam_state = torchfmt::MakeDict();
     for (auto& [id, entry] : by_id) torchfmt::DictSet(adam_state.get(), torchfmt::MakeInt(id), entry);
-    PyRef optimizer = torchfmt::MakeDict();
-    torchfmt::DictSet(optimizer.get(), "state", adam_state);
-    torchfmt::DictSet(optimizer.get(), "param_groups",
-                      torchfmt::MakeList({AdamGroup(decay_ids, 1.0, h), AdamGroup(no_decay_ids, 0.0, h)}));
-    if (mixed) {  // Float16OptimizerWithFloat16Params.state_dict
-      PyRef wrapped = torchfmt::MakeDict();
-      torchfmt::DictSet(wrapped.get(), "optimizer", optimizer);
-      if (precision == "fp16") {
-        const LossScaleState ls = state.loss_scale.value_or(LossScaleState{});
-        PyRef gs = torchfmt::MakeDict();
-        torchfmt::DictSet(gs.get(), "scale", tensor({static_cast<float>(ls.scale)}, {1}, DType::kFloat32));
-        torchfmt::DictSet(gs.get(), "growth_tracker", torchfmt::MakeInt(ls.growth_tracker));
-        torchfmt::DictSet(gs.get(), "hysteresis_tracker", torchfmt::MakeInt(ls.hysteresis_tracker));
-        torchfmt::DictSet(wrapped.get(), "grad_scaler", gs);
-      }
-      torchfmt::DictSet(wrapped.get(), "fp32_from_fp16_params",
-                        torchfmt::MakeList({torchfmt::MakeList(std::move(masters_decay)),
-                                            torchfmt::MakeList(std::move(masters_no_decay))}));
-      optimizer = wrapped;
-    }
+    PyRef optimizer = OptimizerDict(
+        adam_state, {AdamGroup(decay_ids, 1.0, h), AdamGroup(no_decay_ids, 0.0, h)},
+        {torchfmt::MakeList(std::move(masters_decay)), torchfmt::MakeList(std::move(masters_no_decay))}, sink);
     PyRef root = torchfmt::MakeDict();
     PyValue* r = root.get();
     torchfmt::DictSet(r, "args", args);
@@ -377,8 +374,83 @@ struct Export {
     torchfmt::DictSet(r, "optimizer", optimizer);
     torchfmt::DictSet(r, "opt_param_scheduler", sched);
     torchfmt::DictSet(r, "num_floating_point_operations_so_far", torchfmt::MakeInt(0));
-    PTK_RETURN_IF_ERROR(torchfmt::WriteTorchFile(JoinPath(dir, kFile), *root, blobs));
+    PTK_RETURN_IF_ERROR(torchfmt::WriteTorchFile(JoinPath(dir, kFile), *root, sink.blobs));
     return FsyncDir(dir);
+  }
+
+  // The optimizer's state_dict in model_optim_rng.pt: torch Adam's (`adam_state` by index, `groups`),
+  // wrapped by Float16OptimizerWithFloat16Params with the fp32 `masters` by group in a --bf16/--fp16
+  // run; or DistributedOptimizer.state_dict's: the groups without their parameters, Adam's step in
+  // each (the rest is in distrib_optim.pt).
+  PyRef OptimizerDict(PyRef adam_state, std::vector<PyRef> groups, std::vector<PyRef> masters, BlobSink& sink) const {
+    PyRef optimizer = torchfmt::MakeDict();
+    if (distopt) {
+      for (PyRef& g : groups) {
+        auto& d = g->dict;
+        d.erase(std::remove_if(d.begin(), d.end(), [](const auto& kv) { return kv.first->s == "params"; }), d.end());
+        torchfmt::DictSet(g.get(), "step", torchfmt::MakeInt(state.adam_step));
+      }
+    } else {
+      torchfmt::DictSet(optimizer.get(), "state", adam_state);
+    }
+    torchfmt::DictSet(optimizer.get(), "param_groups", torchfmt::MakeList(std::move(groups)));
+    if (!mixed && !distopt) return optimizer;
+    PyRef wrapped = torchfmt::MakeDict();
+    torchfmt::DictSet(wrapped.get(), "optimizer", optimizer);
+    if (precision == "fp16") {  // the loss scaler's state_dict
+      const LossScaleState ls = state.loss_scale.value_or(LossScaleState{});
+      PyRef gs = torchfmt::MakeDict();
+      torchfmt::DictSet(gs.get(), "scale", sink.Tensor({static_cast<float>(ls.scale)}, {1}, DType::kFloat32));
+      torchfmt::DictSet(gs.get(), "growth_tracker", torchfmt::MakeInt(ls.growth_tracker));
+      torchfmt::DictSet(gs.get(), "hysteresis_tracker", torchfmt::MakeInt(ls.hysteresis_tracker));
+      torchfmt::DictSet(wrapped.get(), "grad_scaler", gs);
+    }
+    if (!distopt) torchfmt::DictSet(wrapped.get(), "fp32_from_fp16_params", torchfmt::MakeList(std::move(masters)));
+    return wrapped;
+  }
+
+  // Rank (t, p)'s distrib_optim.pt into dir, as DistributedOptimizer.save_parameter_state writes it at
+  // data-parallel size 1: one grad buffer per model chunk (keys 0 .. vp-1), {(param dtype, grad dtype):
+  // the fp32 params and AdamW moments where megatron-core's grad buffer puts them, numel_unpadded}; one
+  // bucket unless --target-ddp-bucket-size (args: --overlap-grad-reduce --ddp-bucket-size).
+  absl::Status WriteDistribOptim(int64_t p, const std::string& dir, const std::vector<Pending>& pend) const {
+    BlobSink sink;
+    PyRef root = torchfmt::MakeDict();
+    torchfmt::DictSet(root.get(), "buckets_coalesced", torchfmt::MakeBool(true));
+    // Megatron-LM's grad dtype: fp32 under --bf16 (accumulate_allreduce_grads_in_fp32), else the params'.
+    const std::string param_dtype = precision == "bf16"   ? "torch.bfloat16"
+                                    : precision == "fp16" ? "torch.float16"
+                                                          : "torch.float32";
+    const std::string grad_dtype = precision == "bf16" ? "torch.float32" : param_dtype;
+    const std::vector<DistribBuffer> buffers =
+        RankDistribBuffers(mparams, p, pp, vp, te, tied_copy, vm, tp, c.hidden_size, args.get());
+    for (int64_t v = 0; v < vp; ++v) {
+      std::map<std::string, int64_t> offset;
+      const DistribBuffer& b = buffers[static_cast<size_t>(v)];
+      const int64_t total = DistribLayout(b.params, b.bucket_size, &offset);
+      std::vector<float> world[3];
+      for (auto& w : world) w.assign(static_cast<size_t>(total), 0.0f);
+      for (const Pending& pd : pend) {
+        if (pd.chunk != v) continue;
+        const int64_t at = offset.at(vp > 1 ? fmt::format("model{}.{}", v, pd.name) : pd.name);
+        std::copy(pd.w.begin(), pd.w.end(), world[0].begin() + at);
+        std::copy(pd.a.begin(), pd.a.end(), world[1].begin() + at);
+        std::copy(pd.b.begin(), pd.b.end(), world[2].begin() + at);
+      }
+      PyRef st = torchfmt::MakeDict();
+      for (int k = 0; k < 3; ++k)
+        torchfmt::DictSet(st.get(),
+                          k == 0   ? "param"
+                          : k == 1 ? "exp_avg"
+                                   : "exp_avg_sq",
+                          sink.Tensor(world[k], {total}, DType::kFloat32));
+      torchfmt::DictSet(st.get(), "numel_unpadded", torchfmt::MakeInt(total));
+      PyRef by_dtype = torchfmt::MakeDict();
+      torchfmt::DictSet(by_dtype.get(),
+                        torchfmt::MakeTuple({torchfmt::MakeGlobal(param_dtype), torchfmt::MakeGlobal(grad_dtype)}), st);
+      torchfmt::DictSet(root.get(), torchfmt::MakeInt(v), by_dtype);
+    }
+    return torchfmt::WriteTorchFile(JoinPath(dir, "distrib_optim.pt"), *root, sink.blobs);
   }
 
   // Every rank's file into tmp_dir, then tmp_dir renamed to final_dir (an old one set aside at
@@ -407,6 +479,27 @@ struct Export {
   }
 };
 
+// What the summary says was written, and the flags Megatron loads it with.
+std::string WroteNote(const Export& ex) {
+  const ConvertOptions& o = ex.o;
+  return fmt::format(
+      "wrote {} tensor- x {} pipeline-parallel shards{} ({} layer names) as a{} run with Megatron's {} saves them{}; "
+      "no "
+      "rng_state (ptk's generators are not PyTorch's): Megatron loads it with --ckpt-format torch --no-load-rng{}{}",
+      ex.tp, ex.pp,
+      ex.vp > 1 ? fmt::format(" of {} model chunks each (--num-layers-per-virtual-pipeline-stage {})", ex.vp,
+                              o.target_num_layers_per_virtual_pipeline_stage)
+                : "",
+      ex.te ? "Transformer Engine" : "local",
+      ex.mixed ? fmt::format(" --{} ({})", ex.precision,
+                             ex.distopt ? "fp32 params in distrib_optim.pt" : "fp32 masters in the optimizer")
+               : "n fp32",
+      ex.distopt ? "distributed optimizer (--use-distributed-optimizer: distrib_optim.pt beside each shard)"
+                 : "plain optimizer",
+      ex.with_moments ? ", AdamW moments included" : ", no AdamW step yet",
+      ex.mixed ? fmt::format(" --{}", ex.precision) : "", ex.distopt ? " --use-distributed-optimizer" : "");
+}
+
 }  // namespace
 
 absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
@@ -433,6 +526,10 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
     return UsageError(
         fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}", tp,
                     c.num_attention_heads, c.query_groups(), c.ffn_hidden_size));
+  if (o.target_ddp_bucket_size > 0 && !o.target_use_distributed_optimizer)
+    return UsageError(fmt::format(
+        "--target-ddp-bucket-size {}: places the distributed optimizer's state (--target-use-distributed-optimizer)",
+        o.target_ddp_bucket_size));
   int64_t vp = 1;
   if (const int64_t n = o.target_num_layers_per_virtual_pipeline_stage; n > 0) {
     // Megatron's checks (arguments.py): pipeline parallelism, and chunks that divide each stage's layers.
@@ -460,6 +557,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   ex.te = o.saver_transformer_impl == "transformer_engine";
   ex.tied_copy = !c.untie_embeddings_and_output_weights && pp * vp > 1;
   ex.with_moments = state.adam_step > 0;
+  ex.distopt = o.target_use_distributed_optimizer;
   // As the saving run trained: fp32, or bf16/fp16 model weights with the fp32 masters in the optimizer.
   ex.precision = SettingStr(state, "--bf16/--fp16", "fp32");
   ex.mixed = ex.precision == "bf16" || ex.precision == "fp16";
@@ -490,18 +588,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         fmt::format("the vocabulary is padded from {} to {} rows (a multiple of {} x {} tensor-parallel "
                     "ranks, as Megatron pads it) with copies of the last token's row",
                     c.padded_vocab_size, ex.vm, o.make_vocab_size_divisible_by, tp));
-  s.notes.push_back(fmt::format(
-      "wrote {} tensor- x {} pipeline-parallel shards{} ({} layer names) as a{} run with Megatron's plain optimizer "
-      "saves them{}; no rng_state (ptk's generators are not PyTorch's): Megatron loads it with --ckpt-format torch "
-      "--no-load-rng{}",
-      tp, pp,
-      vp > 1 ? fmt::format(" of {} model chunks each (--num-layers-per-virtual-pipeline-stage {})", vp,
-                           o.target_num_layers_per_virtual_pipeline_stage)
-             : "",
-      ex.te ? "Transformer Engine" : "local",
-      ex.mixed ? fmt::format(" --{} (fp32 masters in the optimizer)", ex.precision) : "n fp32",
-      ex.with_moments ? ", AdamW moments included" : ", no AdamW step yet",
-      ex.mixed ? fmt::format(" --{}", ex.precision) : ""));
+  s.notes.push_back(WroteNote(ex));
   return s;
 }
 

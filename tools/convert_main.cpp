@@ -37,6 +37,32 @@ void AddCompatFlags(CLI::App& app, CompatFlags* c) {
       ->check(CLI::IsMember({"transformer_engine", "local"}));
 }
 
+// --saver megatron's flags: the layout and optimizer of the Megatron run to write.
+void AddSaverFlags(CLI::App& app, ptk::ConvertOptions* o) {
+  app.add_option("--target-tensor-parallel-size", o->target_tensor_parallel_size,
+                 "--saver megatron: the tensor-parallel size to split into (1); other savers: must be 1")
+      ->check(ptk::cli::IntIn(1, 1024));
+  app.add_option("--target-pipeline-parallel-size", o->target_pipeline_parallel_size,
+                 "--saver megatron: the pipeline-parallel size to split into (1); other savers: must be 1")
+      ->check(ptk::cli::IntIn(1, 1024));
+  app.add_option("--target-num-layers-per-virtual-pipeline-stage", o->target_num_layers_per_virtual_pipeline_stage,
+                 "--saver megatron: write an interleaved run's model chunks (model0, model1, ...) of this many "
+                 "layers each, as Megatron's --num-layers-per-virtual-pipeline-stage (default: no chunks)")
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 20));
+  app.add_option("--saver-transformer-impl", o->saver_transformer_impl,
+                 "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
+                 "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
+      ->check(CLI::IsMember({"transformer_engine", "local"}));
+  app.add_flag("--target-use-distributed-optimizer", o->target_use_distributed_optimizer,
+               "--saver megatron: write what Megatron's --use-distributed-optimizer loads (each rank's "
+               "distrib_optim.pt with the fp32 params and AdamW moments, the param groups in model_optim_rng.pt)");
+  app.add_option("--target-ddp-bucket-size", o->target_ddp_bucket_size,
+                 "With --target-use-distributed-optimizer: the Megatron run's --ddp-bucket-size under "
+                 "--overlap-grad-reduce (its default: 40000000), which sets where distrib_optim.pt holds each "
+                 "parameter (default: no --overlap-grad-reduce, one bucket)")
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 40));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -70,20 +96,7 @@ int main(int argc, char** argv) {
                   "hf -> ptk: pad the vocabulary to a multiple of this, as ptk-train will; ptk -> megatron: the value "
                   "the run was trained with (Megatron pads to a multiple of it x tensor-parallel size) (128)")
       ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
-  app->add_option("--target-tensor-parallel-size", o.target_tensor_parallel_size,
-                  "--saver megatron: the tensor-parallel size to split into (1); other savers: must be 1")
-      ->check(ptk::cli::IntIn(1, 1024));
-  app->add_option("--target-pipeline-parallel-size", o.target_pipeline_parallel_size,
-                  "--saver megatron: the pipeline-parallel size to split into (1); other savers: must be 1")
-      ->check(ptk::cli::IntIn(1, 1024));
-  app->add_option("--target-num-layers-per-virtual-pipeline-stage", o.target_num_layers_per_virtual_pipeline_stage,
-                  "--saver megatron: write an interleaved run's model chunks (model0, model1, ...) of this many "
-                  "layers each, as Megatron's --num-layers-per-virtual-pipeline-stage (default: no chunks)")
-      ->check(ptk::cli::IntIn(1, int64_t{1} << 20));
-  app->add_option("--saver-transformer-impl", o.saver_transformer_impl,
-                  "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
-                  "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
-      ->check(CLI::IsMember({"transformer_engine", "local"}));
+  AddSaverFlags(*app, &o);
   app->add_option("--iteration", o.iteration,
                   "hf -> ptk: the iteration the import stands at (0: a start for ptk-train --finetune); with "
                   "--global-batch-size or --consumed-train-samples, ptk-train --load resumes at the next one with "
@@ -110,6 +123,11 @@ int main(int argc, char** argv) {
           "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
           "is whole)",
           o.target_num_layers_per_virtual_pipeline_stage, o.saver));
+    if (o.saver != "megatron" && (o.target_use_distributed_optimizer || o.target_ddp_bucket_size != 0))
+      return ptk::UsageError(fmt::format(
+          "--target-use-distributed-optimizer, --target-ddp-bucket-size: only --saver megatron writes an optimizer's "
+          "state as Megatron's ({} output)",
+          o.saver));
     if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
         !(o.loader == "hf" && o.saver == "ptk"))
       return ptk::UsageError(
