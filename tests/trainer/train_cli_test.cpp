@@ -296,6 +296,62 @@ TEST_F(TrainCli, QKLayerNormStoppedAndResumedEqualsUninterrupted) {
       << refused.output;
 }
 
+// Megatron's rotary variants train (--rotary-interleaved, --rope-scaling-factor 32 under
+// --use-rope-scaling, --rotary-seq-len-interpolation-factor), each a model of its own: its losses are
+// not the default RoPE's, its checkpoint records it, and a resume without its flag (or with another
+// value) is refused as another model. Values no model has are refused naming the flag; a flag without
+// effect where Megatron ignores it is noted.
+TEST_F(TrainCli, RotaryVariantsTrainAndResumeOnlyAsThemselves) {
+  const std::string llama =
+      "--normalization RMSNorm --position-embedding-type rope --swiglu --group-query-attention --num-query-groups 2 "
+      "--disable-bias-linear --rotary-base 500000 ";
+  auto plain = RunCmd(Train(llama + "--use-rope-scaling", 4));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const auto plain_lines = testing::LogLinesWithoutTimes(plain.output);
+  const std::pair<std::string, std::string> variants[] = {
+      {"--rotary-interleaved --use-rope-scaling", "--rotary-interleaved true (this run: the default)"},
+      {"--use-rope-scaling --rope-scaling-factor 32", "--rope-scaling-factor 32.0 (this run: the default)"},
+      {"--use-rope-scaling --rotary-seq-len-interpolation-factor 4",
+       "--rotary-seq-len-interpolation-factor 4.0 (this run: the default)"}};
+  int i = 0;
+  for (const auto& [flags, differs] : variants) {
+    const std::string save = dir_ / ("v" + std::to_string(i++));
+    auto r = RunCmd(Train(llama + flags + " --save " + ShellQuote(save), 4));
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.output;
+    const auto lines = testing::LogLinesWithoutTimes(r.output);
+    ASSERT_EQ(lines.size(), plain_lines.size()) << r.output;
+    EXPECT_NE(lines, plain_lines) << flags << " trained the default RoPE's model";
+    auto resumed = RunCmd(Train(llama + flags + " --load " + ShellQuote(save), 6));
+    EXPECT_EQ(resumed.exit_code, 0) << flags << ": " << resumed.output;
+    auto refused = RunCmd(Train(llama + "--use-rope-scaling --load " + ShellQuote(save), 6));
+    EXPECT_NE(refused.exit_code, 0) << refused.output;
+    EXPECT_NE(refused.output.find("the checkpoint is of another model: " + differs), std::string::npos)
+        << flags << ": " << refused.output;
+  }
+  auto other_factor =
+      RunCmd(Train(llama + "--use-rope-scaling --rope-scaling-factor 16 --load " + ShellQuote(dir_ / "v1"), 6));
+  EXPECT_NE(other_factor.output.find("--rope-scaling-factor 32.0 (this run: 16.0)"), std::string::npos)
+      << other_factor.output;
+  for (const std::string bad : {"--rope-scaling-factor 0", "--rope-scaling-factor -32", "--rope-scaling-factor nan",
+                                "--rotary-seq-len-interpolation-factor 0", "--rotary-seq-len-interpolation-factor -4",
+                                "--rotary-seq-len-interpolation-factor inf"}) {
+    auto r = RunCmd(Train(llama + "--use-rope-scaling " + bad, 1));
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("usage error: " + bad.substr(0, bad.find(' '))), std::string::npos)
+        << bad << ": " << r.output;
+  }
+  auto noted = RunCmd(Train(llama + "--rope-scaling-factor 32", 1));
+  EXPECT_EQ(noted.exit_code, 0) << noted.output;
+  EXPECT_NE(noted.output.find("--rope-scaling-factor: accepted, no effect without --use-rope-scaling"),
+            std::string::npos)
+      << noted.output;
+  auto gpt = RunCmd(Train("--rotary-interleaved", 1));
+  EXPECT_EQ(gpt.exit_code, 0) << gpt.output;
+  EXPECT_NE(gpt.output.find("--rotary-interleaved: accepted, no effect without --position-embedding-type rope"),
+            std::string::npos)
+      << gpt.output;
+}
+
 // The shell's loop that waits (up to 120 s) until `log` holds an iteration's line: training runs.
 std::string UntilTraining(const std::string& log) {
   return "end=$((SECONDS + 120)); until grep -q ' iteration ' " + ShellQuote(log) +
@@ -945,7 +1001,6 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
       << twice.output;
   for (const auto& [flag, why] : std::vector<std::pair<std::string, std::string>>{
            {"--squared-relu", "squared-ReLU activation is not implemented"},
-           {"--rotary-interleaved", "the interleaved rotary layout"},
            {"--position-embedding-type alibi", "ptk has learned_absolute, rope and none"},
            {"--normalization LayerNorm1p", "ptk has LayerNorm and RMSNorm"},
            {"--group-query-attention --num-query-groups 3",
