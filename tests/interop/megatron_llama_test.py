@@ -298,6 +298,7 @@ def main():
         got = {k: getattr(a, k, None) for k in variant}
         check(got == {"rotary_interleaved": True, "rope_scaling_factor": 32.0,
                       "rotary_seq_len_interpolation_factor": 4.0}, f"the rotary variants exported: {got}")
+        check(type(a.rotary_seq_len_interpolation_factor) is int, "the interpolation factor is an int (Megatron-LM's type)")
         for k, v in before.items():
             setattr(sd["args"], k, v)
         for attr, value, flag in (("rotary_seq_len_interpolation_factor", 0.0,
