@@ -333,6 +333,18 @@ TEST_F(HfLlama, InterleavedRotaryExportsWithPermutedQueryAndKeyRows) {
   auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "back"));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->config.rotary_interleaved);
+  // Qwen3's query and key norms weigh each head's channels: permuted as the rows they scale.
+  GPTConfig qwen3 = Llama(/*bias=*/false, /*untie=*/true);
+  qwen3.rotary_interleaved = true;
+  qwen3.qk_layernorm = true;
+  Save(qwen3, dir_ / "ck3");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck3", dir_ / "hf3")).ok());
+  const std::vector<float> qn = Tensor(dir_ / "hf3", "model.layers.1.self_attn.q_norm.weight"),
+                           kn = Tensor(dir_ / "hf3", "model.layers.1.self_attn.k_norm.weight");
+  for (int64_t j = 0; j < hd; ++j) {
+    EXPECT_EQ(qn[j], P(layout_.layers[1].q_norm_w + from[j])) << j;
+    EXPECT_EQ(kn[j], P(layout_.layers[1].k_norm_w + from[j])) << j;
+  }
 }
 
 TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
