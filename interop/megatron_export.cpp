@@ -102,9 +102,16 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_b("add_position_embedding", c.position_embedding == PositionEmbedding::kLearnedAbsolute);
   set_f("rotary_base", c.rotary_base);
   set_f("rotary_percent", c.rotary_percent);
-  set_b("rotary_interleaved", false);
+  set_b("rotary_interleaved", c.rotary_interleaved);
   set_b("use_rope_scaling", c.use_rope_scaling);
-  set_f("rope_scaling_factor", 8.0);
+  set_f("rope_scaling_factor", c.rope_scaling_factor);
+  // Megatron-LM's parser takes an integer factor (type=int); ptk's may be any positive number.
+  if (const double f = c.rotary_seq_len_interpolation_factor; f > 0 && f == std::floor(f) && f < 1e15)
+    set_i("rotary_seq_len_interpolation_factor", static_cast<int64_t>(f));
+  else if (f > 0)
+    set_f("rotary_seq_len_interpolation_factor", f);
+  else
+    set_none("rotary_seq_len_interpolation_factor");
   set_s("normalization", c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm");
   set_f("norm_epsilon", c.layernorm_epsilon);
   set_f("layernorm_epsilon", c.layernorm_epsilon);  // the name of Megatron-LM before --norm-epsilon

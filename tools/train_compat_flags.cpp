@@ -88,12 +88,6 @@ struct ModelRefusal {
   const char* why;
 };
 constexpr ModelRefusal kModelRefusals[] = {
-    {"--rotary-interleaved", false,
-     "the interleaved rotary layout (pairs of adjacent channels) is not implemented; ptk rotates Megatron's default "
-     "halves (channel i with i + d/2), as Llama's Hugging Face checkpoints do"},
-    {"--rotary-seq-len-interpolation-factor", true,
-     "rotary position interpolation is not implemented; Llama 3.1's scaling is --use-rope-scaling"},
-    {"--rope-scaling-factor", true, "--use-rope-scaling has Llama 3.1's factor 8 only"},
     {"--squared-relu", false, "the squared-ReLU activation is not implemented; ptk's MLP uses GELU"},
     {"--apply-layernorm-1p", false, "LayerNorm with a zero-centred gamma is not implemented"},
     {"--apply-residual-connection-post-layernorm", false,

@@ -69,10 +69,15 @@ std::string ModelJson(const GPTConfig& c) {
         .Field("add_bias_linear", c.add_bias_linear)
         .Field("add_qkv_bias", c.add_qkv_bias);
     if (c.qk_layernorm) w.Field("qk_layernorm", true);
-    if (c.rope())
+    if (c.rope()) {  // the rotary variants only where they leave Megatron's defaults, as qk_layernorm
       w.Field("rotary_base", c.rotary_base)
           .Field("rotary_percent", c.rotary_percent)
           .Field("use_rope_scaling", c.use_rope_scaling);
+      if (c.use_rope_scaling && c.rope_scaling_factor != 8.0) w.Field("rope_scaling_factor", c.rope_scaling_factor);
+      if (c.rotary_seq_len_interpolation_factor > 0)
+        w.Field("rotary_seq_len_interpolation_factor", c.rotary_seq_len_interpolation_factor);
+      if (c.rotary_interleaved) w.Field("rotary_interleaved", true);
+    }
   }
   return w.EndObject().str();
 }
