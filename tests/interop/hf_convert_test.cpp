@@ -634,6 +634,55 @@ TEST_F(HfConvert, ExportIntoAForeignDirectoryIsRefusedUnlessForced) {
   EXPECT_TRUE(IsUsageError(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "link")).status()));
 }
 
+// --save-dir inside the checkpoint it reads (ckpt/iter_0000007, with --force) replaced that
+// checkpoint by the export, exit 0; a Megatron export into a directory of ptk checkpoints (--load-dir
+// itself, or another run's --save) replaced the ptk checkpoint of that iteration, exit 0; a Megatron
+// import into the Megatron checkpoint it reads replaced it by ptk's file, exit 0. Each is refused,
+// exit 2, with nothing touched.
+TEST_F(HfConvert, NoConversionWritesOverTheCheckpointItReadsOrAnotherToolsCheckpoint) {
+  Save(false, dir_ / "ck");  // iteration 7
+  const std::string ck = dir_ / "ck", file = CheckpointFile(ck, 7), before = ReadFile(file);
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  auto convert = [&](const std::string& loader, const std::string& saver, const std::string& from,
+                     const std::string& to, const std::string& more = "") {
+    return RunCmd(tool + " --loader " + loader + " --saver " + saver + " --load-dir " + ShellQuote(from) +
+                  " --save-dir " + ShellQuote(to) + more);
+  };
+  for (const std::string& inside : {CheckpointDir(ck, 7), CheckpointDir(ck, 7) + "/mp_rank_00"}) {
+    auto r = convert("ptk", "hf", ck, inside, " --force");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("holds the checkpoint read (" + file + ")"), std::string::npos) << r.output;
+    EXPECT_EQ(ReadFile(file), before);
+  }
+  auto itself = convert("ptk", "megatron", ck, ck);
+  EXPECT_EQ(itself.exit_code, 2) << itself.output;
+  EXPECT_NE(itself.output.find("holds ptk checkpoints (iter_0000007/mp_rank_00/model_optim_rng.ptk)"),
+            std::string::npos)
+      << itself.output;
+  EXPECT_EQ(ReadFile(file), before);
+  EXPECT_EQ(Entries(CheckpointDir(ck, 7) + "/mp_rank_00"), "model_optim_rng.ptk ");
+  Save(false, dir_ / "run");
+  EXPECT_EQ(convert("ptk", "megatron", ck, dir_ / "run").exit_code, 2);
+  EXPECT_EQ(Entries(CheckpointDir(dir_ / "run", 7) + "/mp_rank_00"), "model_optim_rng.ptk ");
+  // The Megatron checkpoint read, as the import's --save-dir: refused, its file kept.
+  const std::string meg = dir_ / "meg";
+  auto exported = convert("ptk", "megatron", ck, meg);
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  const std::string meg_file = meg + "/iter_0000007/mp_rank_00/model_optim_rng.pt", meg_bytes = ReadFile(meg_file);
+  auto back = convert("megatron", "ptk", meg, meg);
+  EXPECT_EQ(back.exit_code, 2) << back.output;
+  EXPECT_NE(back.output.find("its iteration 7 holds iter_0000007/mp_rank_00/model_optim_rng.pt, which is not a "
+                             "ptk checkpoint's file"),
+            std::string::npos)
+      << back.output;
+  EXPECT_EQ(ReadFile(meg_file), meg_bytes);
+  EXPECT_EQ(Entries(meg + "/iter_0000007/mp_rank_00"), "model_optim_rng.pt ");
+  // Into directories of their own, all three run.
+  EXPECT_EQ(convert("ptk", "hf", ck, dir_ / "hf").exit_code, 0);
+  auto imported = convert("megatron", "ptk", meg, dir_ / "imported");
+  EXPECT_EQ(imported.exit_code, 0) << imported.output;
+}
+
 // A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow
 // model's model.safetensors (400 KB) fits under but vocab.json does not: EFBIG, as ENOSPC) is exit 3
 // and leaves no partial export, and over an earlier export leaves that one whole.
