@@ -802,6 +802,21 @@ TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
     EXPECT_NE(again.output.find("up to date, not rewritten"), std::string::npos) << again.output;
     EXPECT_EQ(testing::ReadFile(dir / "parts/m.bin"), bytes);
   }
+  // The output named as one of the inputs (p1, which ptk-tokenize wrote) was left out and replaced by
+  // the merge of the others, exit 0: refused, exit 1, p1 as it was.
+  const std::string p1 = testing::ReadFile(dir / "parts/p1_text_document.bin");
+  auto over = merge(dir / "parts/p1_text_document");
+  EXPECT_EQ(over.exit_code, 1) << over.output;
+  EXPECT_NE(over.output.find("that no merge wrote (its p1_text_document.ptk-done records ptk-tokenize)"),
+            std::string::npos)
+      << over.output;
+  EXPECT_EQ(testing::ReadFile(dir / "parts/p1_text_document.bin"), p1);
+  // Without a sidecar (Megatron's pair), too.
+  std::filesystem::remove(dir / "parts/p1_text_document.ptk-done");
+  auto bare = merge(dir / "parts/p1_text_document");
+  EXPECT_EQ(bare.exit_code, 1) << bare.output;
+  EXPECT_NE(bare.output.find("no p1_text_document.ptk-done beside it"), std::string::npos) << bare.output;
+  EXPECT_EQ(testing::ReadFile(dir / "parts/p1_text_document.bin"), p1);
 }
 
 // A changed tokenizer is never missed, whatever its files' sizes and times: two ids swapped in
