@@ -37,6 +37,26 @@ void AddCompatFlags(CLI::App& app, CompatFlags* c) {
       ->check(CLI::IsMember({"transformer_engine", "local"}));
 }
 
+// A flag that only one direction reads was ignored in the others, exit 0 (--vocab-file naming no file
+// with --loader megatron; --force with --saver ptk, which never replaces a directory whole): refused, as
+// convert.py refuses a flag its loader and saver do not add.
+absl::Status CheckFlagsApply(const CLI::App& app, const ptk::ConvertOptions& o) {
+  const bool to_hf = o.loader == "ptk" && o.saver == "hf";
+  const struct {
+    const char* flag;
+    bool applies;
+    const char* reader;
+  } scopes[] = {{"--vocab-file", to_hf, "--loader ptk --saver hf"},
+                {"--merge-file", to_hf, "--loader ptk --saver hf"},
+                {"--force", to_hf, "--loader ptk --saver hf"},
+                {"--saver-transformer-impl", o.saver == "megatron", "--saver megatron"}};
+  for (const auto& s : scopes)
+    if (app.count(s.flag) > 0 && !s.applies)
+      return ptk::UsageError(
+          fmt::format("{}: only {} reads it; this is --loader {} --saver {}", s.flag, s.reader, o.loader, o.saver));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -110,6 +130,7 @@ int main(int argc, char** argv) {
           "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
           "is whole)",
           o.target_num_layers_per_virtual_pipeline_stage, o.saver));
+    PTK_RETURN_IF_ERROR(CheckFlagsApply(*app, o));
     if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
         !(o.loader == "hf" && o.saver == "ptk"))
       return ptk::UsageError(

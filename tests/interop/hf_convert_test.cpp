@@ -363,6 +363,19 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
   EXPECT_EQ(same.exit_code, 2) << same.output;
   auto tp = RunCmd(tool + " --loader ptk --saver hf --load-dir a --save-dir b --target-tensor-parallel-size 2");
   EXPECT_EQ(tp.exit_code, 2) << tp.output;
+  // A flag of another direction was ignored, exit 0: --vocab-file naming no file, --force, a layer-name
+  // choice no saver but Megatron's reads.
+  for (const std::string& flag :
+       {"--vocab-file /nonexistent/vocab.json", "--merge-file m.txt", "--force", "--saver-transformer-impl local"}) {
+    auto other = RunCmd(tool + " --loader hf --saver ptk --load-dir " + ShellQuote(dir_ / "hf") + " --save-dir " +
+                        ShellQuote(dir_ / "other") + " " + flag);
+    EXPECT_EQ(other.exit_code, 2) << flag << "\n" << other.output;
+    EXPECT_NE(other.output.find(flag.substr(0, flag.find(' ')) + ": only --"), std::string::npos) << other.output;
+    EXPECT_NE(other.output.find("this is --loader hf --saver ptk"), std::string::npos) << other.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "other"));
+  auto impl = RunCmd(tool + " --loader ptk --saver hf --load-dir a --save-dir b --saver-transformer-impl local");
+  EXPECT_EQ(impl.exit_code, 2) << impl.output;
   auto none = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "nothing") + " --save-dir b");
   EXPECT_EQ(none.exit_code, 1) << none.output;
   EXPECT_NE(none.output.find("no checkpoint"), std::string::npos) << none.output;
