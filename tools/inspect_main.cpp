@@ -98,7 +98,8 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
   app.add_flag("--eod-mask-loss", f.eod_mask_loss, "Megatron's --eod-mask-loss");
   app.add_flag("--reset-position-ids", f.reset_position_ids, "Megatron's --reset-position-ids");
   app.add_flag("--write-cache", f.write_cache,
-               "Save the index cache the way Megatron does (off by default: inspect only reads)");
+               "Save the index cache the way Megatron does (off by default: inspect only reads); one that cannot be "
+               "saved is an error (exit 1; 3 on a full disk)");
   return sample_opt;
 }
 
@@ -122,6 +123,7 @@ absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
                                                 f.merge_file.empty() ? "gpt2-merges.txt" : f.merge_file);
   if (!f.cache_path.empty()) cfg.path_to_cache = f.cache_path;
   cfg.write_cache = f.write_cache;
+  cfg.cache_write_required = f.write_cache;  // its point: a cache that cannot be saved is an error, not a warning
   cfg.mid_level_dataset_surplus = f.surplus;
   cfg.eod_mask_loss = f.eod_mask_loss;
   cfg.reset_position_ids = f.reset_position_ids;

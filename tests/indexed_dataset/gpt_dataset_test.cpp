@@ -319,6 +319,31 @@ TEST(InspectSample, PrintsMegatronsSample) {
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
 }
 
+// --write-cache whose cache could not be saved (a directory it cannot create, a full disk) printed a
+// warning and the sample, exit 0: the one thing asked was not done. Exit 1 naming the directory, 3 on a
+// full disk; a cache that can be saved is (four files), and a read of it is still exit 0.
+TEST(InspectSample, WriteCacheThatCannotBeSavedFails) {
+  testing::TempDir dir;
+  testing::WriteFile(dir / "file", "x");
+  const std::string cmd = "cd " + kGolden + " && " + testing::Tool("ptk-inspect") +
+                          " --data-path gpt_data/tiny --sample 0 --split 1,0,0 --seq-length 4 --train-samples 8 "
+                          "--format ids --write-cache --data-cache-path ";
+  auto blocked = testing::RunCmd(cmd + testing::ShellQuote(dir / "file/cache"));
+  EXPECT_EQ(blocked.exit_code, 1) << blocked.output;
+  EXPECT_NE(blocked.output.find(dir / "file/cache: cannot save the GPTDataset index cache there"), std::string::npos)
+      << blocked.output;
+  auto full = testing::RunCmd("ulimit -f 0; " + cmd + testing::ShellQuote(dir / "full"));
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_NE(full.output.find(dir / "full: cannot save the GPTDataset index cache there"), std::string::npos)
+      << full.output;
+  auto saved = testing::RunCmd(cmd + testing::ShellQuote(dir / "ok"));
+  EXPECT_EQ(saved.exit_code, 0) << saved.output;
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir / "ok"), std::filesystem::directory_iterator()), 4);
+  auto read = testing::RunCmd(cmd.substr(0, cmd.find(" --write-cache")) + " --data-cache-path " +
+                              testing::ShellQuote(dir / "file/cache"));
+  EXPECT_EQ(read.exit_code, 0) << read.output;
+}
+
 // A flag that this combination would ignore is a usage error naming it: --stats beside --doc,
 // --verify beside --sample, a --sample flag without --sample printed or checked nothing, exit 0.
 TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
