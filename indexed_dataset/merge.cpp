@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <optional>
 #include <set>
 
@@ -87,7 +88,12 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, 
     for (const std::string& f : {BinPath(in), IdxPath(in)}) {
       struct stat st {};
       if (::stat(f.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("cannot read {}", f));
-      s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+      // By its absolute, normal name: parts/a, ./parts/a and /data/parts/a (or a rerun from another
+      // directory) are one input, not a change that merges again.
+      std::error_code ec;
+      const std::filesystem::path abs = std::filesystem::absolute(f, ec);
+      s += fmt::format("{}\t{}\t{}.{}\n", ec ? f : abs.lexically_normal().string(), st.st_size, st.st_mtim.tv_sec,
+                       st.st_mtim.tv_nsec);
     }
     // An input ptk wrote: its sidecar (the content checksums of its .bin and .idx, what it was made
     // from) too, so that an input made again is seen even where its size and time stayed.
