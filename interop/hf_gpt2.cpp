@@ -559,17 +559,4 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   return s;
 }
 
-absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& o) {
-  if (o.loader == "ptk" && o.saver == "hf") return ExportToHf(o);
-  if (o.loader == "hf" && o.saver == "ptk") return ImportFromHf(o);
-  if (o.loader == "megatron" && o.saver == "ptk") return ImportFromMegatron(o);
-  if (o.loader == "ptk" && o.saver == "megatron") {
-    PTK_RETURN_IF_ERROR(CheckMegatronExportTarget(o.save_dir));
-    return ExportToMegatron(o);
-  }
-  return UsageError(
-      fmt::format("--loader {} --saver {}: ptk-convert converts ptk to hf or megatron, and hf or megatron to ptk",
-                  o.loader, o.saver));
-}
-
 }  // namespace ptk

@@ -696,6 +696,34 @@ TEST_F(HfConvert, NoConversionWritesOverTheCheckpointItReadsOrAnotherToolsCheckp
   EXPECT_EQ(imported.exit_code, 0) << imported.output;
 }
 
+// A --loader that does not read --load-dir said only what it missed ("model_optim_rng.pt: missing: ...
+// this one is absent" for a ptk checkpoint given to --loader megatron; "cannot open
+// .../model_optim_rng.ptk" for Megatron's given to --loader ptk): the message now names what is there.
+TEST_F(HfConvert, AWrongLoaderSaysWhatTheDirectoryHolds) {
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  ASSERT_TRUE(RunConvert(Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg")).ok());
+  const struct {
+    const char *loader, *saver, *dir, *holds;
+  } cases[] = {{"megatron", "ptk", "ck", "a ptk checkpoint: --loader ptk reads it"},
+               {"hf", "ptk", "ck", "a ptk checkpoint: --loader ptk reads it"},
+               {"ptk", "hf", "meg", "a Megatron checkpoint: --loader megatron reads it"},
+               {"hf", "ptk", "meg", "a Megatron checkpoint: --loader megatron reads it"},
+               {"ptk", "megatron", "hf", "a Hugging Face directory: --loader hf reads it"},
+               {"megatron", "ptk", "hf", "a Hugging Face directory: --loader hf reads it"}};
+  for (const auto& c : cases) {
+    auto r = RunConvert(Opts(c.loader, c.saver, dir_ / c.dir, dir_ / "out"));
+    ASSERT_FALSE(r.ok()) << c.loader << " " << c.dir;
+    EXPECT_NE(r.status().message().find(fmt::format("(--load-dir {} holds {})", dir_ / c.dir, c.holds)),
+              absl::string_view::npos)
+        << r.status();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
+  // Nothing to tell: no hint.
+  auto none = RunConvert(Opts("ptk", "hf", dir_ / "nothing", dir_ / "out"));
+  EXPECT_EQ(none.status().message().find("holds"), absl::string_view::npos) << none.status();
+}
+
 // A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow
 // model's model.safetensors (400 KB) fits under but vocab.json does not: EFBIG, as ENOSPC) is exit 3
 // and leaves no partial export, and over an earlier export leaves that one whole.
