@@ -3,6 +3,7 @@
 // --saver, --load-dir, --save-dir, --target-tensor/pipeline-parallel-size).
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include <fmt/core.h>
 
@@ -41,6 +42,10 @@ void AddCompatFlags(CLI::App& app, CompatFlags* c) {
 // with --loader megatron; --force with --saver ptk, which never replaces a directory whole): refused, as
 // convert.py refuses a flag its loader and saver do not add.
 absl::Status CheckFlagsApply(const CLI::App& app, const ptk::ConvertOptions& o) {
+  // An empty one was the current directory: --saver megatron --save-dir "" wrote iter_N/ there, exit 0.
+  for (const auto& [flag, dir] :
+       {std::pair<const char*, const std::string&>{"--load-dir", o.load_dir}, {"--save-dir", o.save_dir}})
+    if (dir.empty()) return ptk::UsageError(fmt::format("{} is empty: give a directory (. for this one)", flag));
   const bool to_hf = o.loader == "ptk" && o.saver == "hf";
   const struct {
     const char* flag;

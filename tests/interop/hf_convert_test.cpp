@@ -374,6 +374,14 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
     EXPECT_NE(other.output.find("this is --loader hf --saver ptk"), std::string::npos) << other.output;
   }
   EXPECT_FALSE(std::filesystem::exists(dir_ / "other"));
+  // An empty directory name was the current directory (--saver megatron wrote iter_0000007/ there).
+  for (const std::string& dirs : {"--load-dir '' --save-dir " + ShellQuote(dir_ / "e"),
+                                  "--load-dir " + ShellQuote(dir_ / "ck") + " --save-dir ''"}) {
+    auto empty = RunCmd("cd " + ShellQuote(dir_.path()) + " && " + tool + " --loader ptk --saver megatron " + dirs);
+    EXPECT_EQ(empty.exit_code, 2) << empty.output;
+    EXPECT_NE(empty.output.find(" is empty: give a directory"), std::string::npos) << empty.output;
+    EXPECT_FALSE(std::filesystem::exists(dir_ / "iter_0000007"));
+  }
   auto impl = RunCmd(tool + " --loader ptk --saver hf --load-dir a --save-dir b --saver-transformer-impl local");
   EXPECT_EQ(impl.exit_code, 2) << impl.output;
   auto none = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "nothing") + " --save-dir b");
