@@ -657,6 +657,18 @@ TEST(Concat, TheToolsFlagsBeforeASubcommandAreUsageErrors) {
     EXPECT_NE(r.output.find("usage error: " + message), std::string::npos) << args << "\n" << r.output;
   }
   EXPECT_FALSE(testing::Exists(dir / "c/train_00.jsonl"));
+  // An empty --output-dir wrote concat-plan.json into the current directory, then failed (exit 1).
+  testing::TempDir here;
+  for (const char* mode : {"plan ", ""}) {
+    auto empty = RunCmd("cd " + here.path() + " && " + concat + " " + mode + "--input " + dir / "in" +
+                        " --output-dir '' --chunks 1");
+    EXPECT_EQ(empty.exit_code, 2) << mode << "\n" << empty.output;
+    EXPECT_NE(
+        empty.output.find(*mode ? "usage error: --output-dir is empty" : "usage error: give --input and --output-dir"),
+        std::string::npos)
+        << empty.output;
+    EXPECT_TRUE(std::filesystem::is_empty(here.path())) << mode;
+  }
   auto ok = RunCmd(concat + " run --plan " + plan + " --no-fsync --jobs 2 --quiet");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_TRUE(testing::Exists(dir / "c/train_00.jsonl"));
