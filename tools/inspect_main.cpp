@@ -15,6 +15,20 @@
 
 namespace {
 
+// Ids the tokenizer has no entry for (a dataset of another tokenizer) decode to nothing: without a
+// note the text read as whole. Empty when every id is the tokenizer's.
+std::string UnknownIdsNote(const ptk::Gpt2Tokenizer& tok, const std::vector<int32_t>& ids) {
+  int64_t n = 0, first = 0;
+  for (int32_t id : ids)
+    if (id < 0 || id >= tok.vocab_size())
+      if (n++ == 0) first = id;
+  if (n == 0) return "";
+  return fmt::format(
+      "\n(not shown: {} id(s) the tokenizer's {} entries do not hold, the first {}: a dataset of another tokenizer? "
+      "give its --vocab-file and --merge-file)",
+      n, tok.vocab_size(), first);
+}
+
 // A GPTDataset sample's text. A sample starts and ends at token boundaries anywhere in a document,
 // and byte-level BPE tokens split characters: the bytes of characters cut at the edges would show
 // as U+FFFD and read as damage. They are left out, and a note says so.
@@ -107,7 +121,8 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
 absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
   if (f.seq_length == 0) return ptk::UsageError("--sample needs --seq-length");  // 1: GPTDataset says why not
   ptk::DecodeFn decode;
-  if (tok != nullptr) decode = [tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids); };
+  if (tok != nullptr)
+    decode = [tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids) + UnknownIdsNote(*tok, ids); };
   ptk::DataArgs args;
   args.data_path =
       f.data_path.empty() && f.train_path.empty() && f.valid_path.empty() && f.test_path.empty() && !f.prefix.empty()
@@ -151,7 +166,8 @@ absl::Status InspectDataset(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok
   }
   if (f.doc >= 0) {
     ptk::DecodeFn decode;
-    if (tok != nullptr) decode = [tok](const std::vector<int32_t>& ids) { return tok->Decode(ids); };
+    if (tok != nullptr)
+      decode = [tok](const std::vector<int32_t>& ids) { return tok->Decode(ids) + UnknownIdsNote(*tok, ids); };
     PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatDocument(*ds, f.doc, f.format != "text", decode));
     std::fputs(text.c_str(), stdout);
     return absl::OkStatus();

@@ -344,6 +344,33 @@ TEST(InspectSample, WriteCacheThatCannotBeSavedFails) {
   EXPECT_EQ(read.exit_code, 0) << read.output;
 }
 
+// Ids GPT-2's vocabulary does not hold (a dataset of another tokenizer) decoded to nothing: the text
+// read as whole, exit 0. A note now counts them and names the first.
+TEST(InspectSample, IdsTheTokenizerLacksAreCountedNotDroppedSilently) {
+  testing::TempDir dir;
+  {
+    auto b = IndexedDatasetBuilder::Create(dir / "w_text_document", DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const std::vector<int32_t> ids = {60000, 464, 65535, 50256};
+    ASSERT_TRUE((*b)->AddItem(ids).ok());
+    (*b)->EndDocument();
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  auto r = testing::RunCmd(testing::Tool("ptk-inspect") + " " + dir / "w_text_document" + " --doc 0");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ids: 60000 464 65535 50256"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(not shown: 2 id(s) the tokenizer's 50257 entries do not hold, the first 60000"),
+            std::string::npos)
+      << r.output;
+  auto sample = testing::RunCmd(testing::Tool("ptk-inspect") + " --data-path " + dir / "w_text_document" +
+                                " --sample 0 --split 1,0,0 --seq-length 2 --train-samples 1 --format text");
+  EXPECT_EQ(sample.exit_code, 0) << sample.output;
+  EXPECT_NE(sample.output.find("(not shown: 1 id(s) the tokenizer's 50257 entries do not hold"), std::string::npos)
+      << sample.output;
+  auto fine = testing::RunCmd("cd " + kGolden + " && " + testing::Tool("ptk-inspect") + " gpt_data/tiny --doc 0");
+  EXPECT_EQ(fine.output.find("not shown"), std::string::npos) << fine.output;
+}
+
 // A flag that this combination would ignore is a usage error naming it: --stats beside --doc,
 // --verify beside --sample, a --sample flag without --sample printed or checked nothing, exit 0.
 TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
