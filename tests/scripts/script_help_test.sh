@@ -41,6 +41,15 @@ done
   { echo "FAIL: an option was taken for a path: $(ls -A "$W") $(ls -d "$SRC"/--* 2>/dev/null)"; fail=1; }
 rm -rf "$W"
 [ "$n" -ge 12 ] || { echo "FAIL: only $n scripts answer --help (12 did)"; fail=1; }
+# A job script run outside a Slurm job (bash slurm/X.sbatch, to try it; no scontrol to say where it came
+# from) ended with exit 1 and no word under set -e (train.sbatch: "config.sh: No such file" and
+# "command not found"): it finds config.sh beside itself, which names what is missing (STAGE_PATH here).
+for s in "$SRC"/slurm/*.sbatch; do
+  out=$(cd "$SRC" && env -u STAGE_PATH -u PTK_SLURM_DIR -u SLURM_JOB_ID timeout 60 bash "${s#"$SRC"/}" 2>&1)
+  rc=$?
+  [ "$rc" = 2 ] && [[ $out == *"STAGE_PATH is not set"* ]] ||
+    { echo "FAIL: bash ${s#"$SRC"/} outside Slurm: rc $rc, expected config.sh's STAGE_PATH error: ${out:0:300}"; fail=1; }
+done
 # (Not test.sh's: were its check gone, that would start the whole suite.) The main job, were its check
 # gone, would fail at once here: nothing installed or built, no programs.
 W=$(mktemp -d)
