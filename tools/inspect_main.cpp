@@ -204,6 +204,13 @@ absl::Status CheckCombination(const CLI::App& app, const InspectFlags& f) {
   }
   if (given("--format") && !given("--doc") && !f.sample_given)
     return ptk::UsageError("--format says what --doc or --sample prints; neither is given");
+  // Read only to decode (and, for --sample, to name the index cache): beside --verify, --stats or the
+  // summary a vocabulary that does not even exist was ignored, exit 0.
+  if (!f.sample_given && !(given("--doc") && f.format != "ids"))
+    for (const char* name : {"--vocab-file", "--merge-file"})
+      if (given(name))
+        return ptk::UsageError(fmt::format("{} decodes the text --doc or --sample prints; {}", name,
+                                           given("--doc") ? "--format ids prints none" : "neither is given"));
   return absl::OkStatus();
 }
 

@@ -382,6 +382,12 @@ TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
       {"gpt_data/tiny --seq-length 4", "--seq-length goes with --sample I, which is not given"},
       {"gpt_data/tiny --verify --split 1,0,0", "--split goes with --sample I"},
       {"gpt_data/tiny --format ids", "--format says what --doc or --sample prints; neither is given"},
+      {"gpt_data/tiny --verify --vocab-file /nonexistent.json",
+       "--vocab-file decodes the text --doc or --sample prints; neither is given"},
+      {"gpt_data/tiny --stats --merge-file m.txt",
+       "--merge-file decodes the text --doc or --sample prints; neither is given"},
+      {"gpt_data/tiny --doc 0 --format ids --vocab-file v.json",
+       "--vocab-file decodes the text --doc or --sample prints; --format ids prints none"},
       {"gpt_data/tiny --sample 0 --seq-length 4 --data-path gpt_data/tiny",
        "--sample reads the datasets of --data-path and ignores PREFIX gpt_data/tiny"},
   };
