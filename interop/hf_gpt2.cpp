@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <regex>
@@ -61,7 +62,46 @@ absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_v
   return ReadFileToString(path);
 }
 
+// The first regular file below `dir` (recursively, sorted) for which `match` holds, as a path relative
+// to `save`; empty when there is none or no `dir`.
+std::string FirstFileBelow(const std::string& save, const std::string& dir,
+                           const std::function<bool(const std::string& name)>& match) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    std::error_code ec2;
+    if (it->is_regular_file(ec2) && match(it->path().filename().string()))
+      found.push_back(std::filesystem::path(it->path()).lexically_relative(save).string());
+  }
+  return found.empty() ? std::string() : *std::min_element(found.begin(), found.end());
+}
+
+bool IsPtkCheckpointFile(const std::string& name) {
+  return name.size() > 4 && (name.compare(name.size() - 4, 4, ".ptk") == 0 || name.find(".ptk-") != std::string::npos);
+}
+
 }  // namespace
+
+absl::Status CheckMegatronExportTarget(const std::string& save) {
+  std::error_code ec;
+  std::vector<std::string> ptk_files;
+  for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("iter_", 0) != 0) continue;
+    std::string f = FirstFileBelow(save, e.path().string(), [](const std::string& n) {
+      return n.size() > 4 && n.compare(n.size() - 4, 4, ".ptk") == 0;
+    });
+    if (!f.empty()) ptk_files.push_back(std::move(f));
+  }
+  if (ptk_files.empty()) return absl::OkStatus();
+  std::sort(ptk_files.begin(), ptk_files.end());
+  return UsageError(fmt::format(
+      "--save-dir {}: holds ptk checkpoints ({}{}): a Megatron export writes iter_N/ and "
+      "latest_checkpointed_iteration.txt there, replacing a ptk checkpoint or moving its latest; give a directory of "
+      "its own",
+      save, ptk_files.front(), ptk_files.size() > 1 ? fmt::format(" and {} more", ptk_files.size() - 1) : ""));
+}
 
 // An import writes iteration `iteration` (0 unless --iteration) and points the tracker at it: into
 // the --save of a training run it would move `latest` (back, or past the run's own checkpoints) and
@@ -88,6 +128,15 @@ absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool 
   } else if (!iterations.empty()) {
     held = fmt::format("it holds {}{}", iterations.back(),
                        iterations.size() > 1 ? fmt::format(" and {} more", iterations.size() - 1) : "");
+  } else if (const std::string other = FirstFileBelow(save, CheckpointDir(save, iteration),
+                                                      [](const std::string& n) { return !IsPtkCheckpointFile(n); });
+             !other.empty()) {
+    // Another tool's checkpoint of that iteration (Megatron's model_optim_rng.pt or *.distcp: --load-dir
+    // itself, given as --save-dir): the import would replace it.
+    return UsageError(fmt::format(
+        "--save-dir {}: its iteration {} holds {}, which is not a ptk checkpoint's file (a Megatron checkpoint, or "
+        "--load-dir itself): the import would replace it; import into a directory of its own",
+        save, iteration, other));
   } else if (const std::string file = CheckpointFile(save, iteration); PathExists(file)) {
     // That iteration is there: an earlier import is replaced, a run's own is kept.
     PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeaderText(file));
@@ -168,8 +217,8 @@ HfTextFiles HfTextFilesOf(const GPTConfig& c, int64_t eod, std::string vocab_jso
 
 // The export's files written into a new directory beside --save-dir, which then takes its place;
 // returns the directory.
-absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::vector<SafetensorsEntry>& entries,
-                                        const HfTextFiles& text) {
+absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::string& source,
+                                        const std::vector<SafetensorsEntry>& entries, const HfTextFiles& text) {
   // One export into a directory at a time (a lock file beside it), published whole: every file written
   // into a new directory beside the target, which then takes the target's place (PublishExport).
   PTK_ASSIGN_OR_RETURN(const std::string dir, ExportTarget(o.save_dir));
@@ -182,6 +231,8 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::vect
                                    {"--merge-file", o.merge_file},
                                    {"the current directory", "."}})
     PTK_RETURN_IF_ERROR(CheckNotInside(dir, what, path));
+  // --load-dir's checkpoint itself: a --save-dir inside --load-dir (ckpt/iter_0000007) holds it too.
+  PTK_RETURN_IF_ERROR(CheckNotInside(dir, "the checkpoint read", source));
   const std::string tmp = ExportNewCopy(dir), old = ExportOldCopy(dir);
   const std::vector<std::pair<std::string, const std::string*>> small = {
       {"config.json", &text.config},
@@ -266,7 +317,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
       s.notes.push_back(fmt::format("--hidden-dropout {}: {} has no hidden dropout (it is left out)",
                                     Num(c.hidden_dropout), c.qk_layernorm ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
   }
-  PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, entries, text));
+  PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, ck.file, entries, text));
   s.destination = dir;
   s.config = c;
   for (const HfTensor& t : tensors) s.num_params += static_cast<int64_t>(t.data.size());
@@ -506,16 +557,6 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
                     "Megatron's checkpoint converter pads",
                     c.vocab_size, c.padded_vocab_size));
   return s;
-}
-
-absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& o) {
-  if (o.loader == "ptk" && o.saver == "hf") return ExportToHf(o);
-  if (o.loader == "hf" && o.saver == "ptk") return ImportFromHf(o);
-  if (o.loader == "megatron" && o.saver == "ptk") return ImportFromMegatron(o);
-  if (o.loader == "ptk" && o.saver == "megatron") return ExportToMegatron(o);
-  return UsageError(
-      fmt::format("--loader {} --saver {}: ptk-convert converts ptk to hf or megatron, and hf or megatron to ptk",
-                  o.loader, o.saver));
 }
 
 }  // namespace ptk

@@ -93,10 +93,15 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
 // one it writes), so that it never moves `latest` of a run.
 // An import of iteration `iteration` into `save` (under its lock): refused (exit 2) when `save`
 // holds a training run's checkpoints, any iteration but that one, or that one saved by a run; an
-// earlier import of it is replaced. `with_moments`: the import carries AdamW's moments (a Megatron
+// earlier import of it is replaced; so is one whose iteration holds another tool's files (a Megatron
+// checkpoint: --load-dir given as --save-dir). `with_moments`: the import carries AdamW's moments (a Megatron
 // checkpoint's), so an earlier import is told by ptk-convert's command line in its header, not by
 // an AdamW step of 0.
 absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool with_moments);
+// A Megatron export (RunConvert calls this before ExportToMegatron) into a directory that holds ptk
+// checkpoints (a training run's --save, or --load-dir itself) would replace one of them and move its
+// latest_checkpointed_iteration.txt: refused, a usage error naming a ptk file found there.
+absl::Status CheckMegatronExportTarget(const std::string& save);
 
 // The directions on their own.
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);

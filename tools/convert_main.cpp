@@ -3,6 +3,7 @@
 // --saver, --load-dir, --save-dir, --target-tensor/pipeline-parallel-size).
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include <fmt/core.h>
 
@@ -61,6 +62,30 @@ void AddSaverFlags(CLI::App& app, ptk::ConvertOptions* o) {
                  "--overlap-grad-reduce (its default: 40000000), which sets where distrib_optim.pt holds each "
                  "parameter (default: no --overlap-grad-reduce, one bucket)")
       ->check(ptk::cli::IntIn(1, int64_t{1} << 40));
+}
+
+// A flag that only one direction reads was ignored in the others, exit 0 (--vocab-file naming no file
+// with --loader megatron; --force with --saver ptk, which never replaces a directory whole): refused, as
+// convert.py refuses a flag its loader and saver do not add.
+absl::Status CheckFlagsApply(const CLI::App& app, const ptk::ConvertOptions& o) {
+  // An empty one was the current directory: --saver megatron --save-dir "" wrote iter_N/ there, exit 0.
+  for (const auto& [flag, dir] :
+       {std::pair<const char*, const std::string&>{"--load-dir", o.load_dir}, {"--save-dir", o.save_dir}})
+    if (dir.empty()) return ptk::UsageError(fmt::format("{} is empty: give a directory (. for this one)", flag));
+  const bool to_hf = o.loader == "ptk" && o.saver == "hf";
+  const struct {
+    const char* flag;
+    bool applies;
+    const char* reader;
+  } scopes[] = {{"--vocab-file", to_hf, "--loader ptk --saver hf"},
+                {"--merge-file", to_hf, "--loader ptk --saver hf"},
+                {"--force", to_hf, "--loader ptk --saver hf"},
+                {"--saver-transformer-impl", o.saver == "megatron", "--saver megatron"}};
+  for (const auto& s : scopes)
+    if (app.count(s.flag) > 0 && !s.applies)
+      return ptk::UsageError(
+          fmt::format("{}: only {} reads it; this is --loader {} --saver {}", s.flag, s.reader, o.loader, o.saver));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -128,6 +153,7 @@ int main(int argc, char** argv) {
           "--target-use-distributed-optimizer, --target-ddp-bucket-size: only --saver megatron writes an optimizer's "
           "state as Megatron's ({} output)",
           o.saver));
+    PTK_RETURN_IF_ERROR(CheckFlagsApply(*app, o));
     if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
         !(o.loader == "hf" && o.saver == "ptk"))
       return ptk::UsageError(
