@@ -302,6 +302,40 @@ TEST_F(HfShards, ModelSafetensorsBesideAnIndexIsWhatIsRead) {
   EXPECT_TRUE(noted);
 }
 
+// The shards are published with the rest, whole: a failure at any shard or at the index leaves the
+// earlier export (whole or sharded) as it was, and nothing beside it.
+TEST_F(HfShards, AFailedShardedExportLeavesTheEarlierExportWhole) {
+  const std::string hf = dir_ / "hf";
+  auto files = [&]() {
+    std::string all;
+    for (const std::string& name : {std::string("config.json"), std::string("model.safetensors"),
+                                    std::string("model.safetensors.index.json"), ShardFileName(2, 3)})
+      all += std::filesystem::exists(hf + "/" + name) ? name + ":" + ReadFile(hf + "/" + name) + ";" : "";
+    return Entries(hf) + all;
+  };
+  ASSERT_TRUE(Export(hf, "5GB").ok());
+  for (const char* size : {"1KB", "1MB"}) {
+    for (const std::string at : {"write model-00003-of-", "write model.safetensors.index.json", "write config.json"}) {
+      SCOPED_TRACE(std::string(size) + " failed at " + at);
+      const std::string before = files();
+      std::vector<std::string> steps;
+      SetExportStepHookForTesting([&](std::string_view step) -> absl::Status {
+        steps.emplace_back(step);
+        if (step.rfind(at, 0) == 0) return absl::ResourceExhaustedError("No space left on device");
+        return absl::OkStatus();
+      });
+      auto r = Export(hf, size);
+      SetExportStepHookForTesting(nullptr);
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+      EXPECT_EQ(files(), before);
+      EXPECT_EQ(ptk::testing::Leftovers(dir_.path()), "");
+      EXPECT_EQ(steps.front(), "write model-00001-of-" + steps.front().substr(21)) << steps.front();
+    }
+    ASSERT_TRUE(Export(hf, size).ok());  // the next case starts from this one's shards
+  }
+}
+
 TEST_F(HfShards, MaxShardSizeIsAUsageErrorOutsideAnExport) {
   const std::string tool = ptk::testing::Tool("ptk-convert");
   auto bad = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") + " --save-dir " +
