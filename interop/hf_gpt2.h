@@ -102,7 +102,8 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);
 
 // Fault injection for tests: ExportToHf calls the hook before each step of writing and publishing
-// an export, by name ("write config.json", "exchange directories", "rename old export aside",
+// an export, by name ("write config.json", "write model-00001-of-00003.safetensors" (a sharded export's
+// shards, then "write model.safetensors.index.json"), "exchange directories", "rename old export aside",
 // "rename new export in", "remove old export", ...); a non-OK status fails the export there as an
 // I/O error would (Unimplemented at "exchange directories": as a filesystem without
 // RENAME_EXCHANGE, the two renames follow), and a hook may end the process there (a kill).

@@ -54,7 +54,9 @@ absl::StatusOr<uint64_t> ParseMaxShardSize(std::string_view text) {
   const std::string number(Strip(s.substr(0, s.size() - 2)));
   char* end = nullptr;
   const double value = number.empty() ? 0 : std::strtod(number.c_str(), &end);
-  if (number.empty() || end != number.c_str() + number.size() || !std::isfinite(value))
+  // Python's float() has no hexadecimal form, which strtod reads.
+  if (number.empty() || end != number.c_str() + number.size() || !std::isfinite(value) ||
+      number.find_first_of("xX") != std::string::npos)
     return bad(fmt::format("{:?} is not a number", number));
   const double bytes = std::trunc(value * multiplier);  // Python's int(value * multiplier)
   if (!(bytes >= 1)) return bad("a shard holds at least 1 byte");
@@ -169,8 +171,8 @@ absl::Status OpenShards(const std::string& load_dir, const std::string& index_pa
         return absl::DataLossError(fmt::format("{}: tensor {}: not in {} (its weight_map names every tensor)", path,
                                                t.name, kWeightsIndexName));
       if (it->second != file)
-        return absl::DataLossError(fmt::format("{}: tensor {}: {} places it in {} (a tensor in two files?)", path,
-                                               t.name, kWeightsIndexName, it->second));
+        return absl::DataLossError(
+            fmt::format("{}: tensor {}: {} places it in {}, not here", path, t.name, kWeightsIndexName, it->second));
       w->tensors[t.name] = {f.get(), &t};
       bytes += t.end - t.begin;
     }

@@ -46,7 +46,7 @@ TEST(MaxShardSize, ReadAsSavePretrainedReadsIt) {
     ASSERT_TRUE(r.ok()) << text << ": " << r.status();
     EXPECT_EQ(*r, bytes) << text;
   }
-  for (const char* bad : {"1GiB", "5G", "GB", "0KB", "-1KB", "0", "x5MB", "inf GB", "", "5 GB!"}) {
+  for (const char* bad : {"1GiB", "5G", "GB", "0KB", "-1KB", "0", "x5MB", "0x10KB", "inf GB", "", "5 GB!"}) {
     auto r = ParseMaxShardSize(bad);
     ASSERT_FALSE(r.ok()) << bad << " read as " << *r;
     EXPECT_TRUE(IsUsageError(r.status())) << r.status();
