@@ -25,6 +25,7 @@
 #include "interop/hf_export_dir.h"
 #include "interop/hf_gpt2_tensors.h"
 #include "interop/hf_llama.h"
+#include "interop/hf_shards.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
 #include "tokenizer/gpt2_tokenizer.h"
@@ -215,10 +216,43 @@ HfTextFiles HfTextFilesOf(const GPTConfig& c, int64_t eod, std::string vocab_jso
   return f;
 }
 
+// The weights into `dir` as save_pretrained writes them: model.safetensors when they fit in one shard of
+// `max_shard_size`, else model-0000K-of-0000N.safetensors (the tensors assigned as
+// split_torch_state_dict_into_shards assigns them, each whole) and model.safetensors.index.json.
+absl::Status WriteWeights(const std::string& dir, const std::vector<SafetensorsEntry>& entries,
+                          uint64_t max_shard_size) {
+  const std::map<std::string, std::string> kMetadata = {{"format", "pt"}};
+  std::vector<uint64_t> sizes;
+  for (const SafetensorsEntry& e : entries) sizes.push_back(e.data.size_bytes());
+  const std::vector<int> shard = hf_detail::AssignShards(sizes, max_shard_size);
+  const int shards = shard.empty() ? 1 : 1 + *std::max_element(shard.begin(), shard.end());
+  if (shards == 1) {
+    PTK_RETURN_IF_ERROR(ExportStep("write model.safetensors"));
+    return WriteSafetensors(JoinPath(dir, hf_detail::kWeightsName), entries, kMetadata);
+  }
+  std::map<std::string, std::string> weight_map;
+  uint64_t total = 0;
+  for (int k = 0; k < shards; ++k) {
+    const std::string name = hf_detail::ShardFileName(k, shards);
+    std::vector<SafetensorsEntry> part;
+    for (size_t i = 0; i < entries.size(); ++i)
+      if (shard[i] == k) {
+        part.push_back(entries[i]);
+        weight_map[entries[i].name] = name;
+        total += sizes[i];
+      }
+    PTK_RETURN_IF_ERROR(ExportStep("write " + name));
+    PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, name), part, kMetadata));
+  }
+  PTK_RETURN_IF_ERROR(ExportStep(std::string("write ") + hf_detail::kWeightsIndexName));
+  return WriteFileAtomic(JoinPath(dir, hf_detail::kWeightsIndexName), hf_detail::ShardIndexJson(weight_map, total));
+}
+
 // The export's files written into a new directory beside --save-dir, which then takes its place;
 // returns the directory.
 absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::string& source,
-                                        const std::vector<SafetensorsEntry>& entries, const HfTextFiles& text) {
+                                        const std::vector<SafetensorsEntry>& entries, uint64_t max_shard_size,
+                                        const HfTextFiles& text) {
   // One export into a directory at a time (a lock file beside it), published whole: every file written
   // into a new directory beside the target, which then takes the target's place (PublishExport).
   PTK_ASSIGN_OR_RETURN(const std::string dir, ExportTarget(o.save_dir));
@@ -242,8 +276,7 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::stri
       {"merges.txt", &text.merges_txt}};
   absl::Status written = [&]() -> absl::Status {
     PTK_RETURN_IF_ERROR(MakeDirs(tmp));
-    PTK_RETURN_IF_ERROR(ExportStep("write model.safetensors"));
-    PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(tmp, "model.safetensors"), entries, {{"format", "pt"}}));
+    PTK_RETURN_IF_ERROR(WriteWeights(tmp, entries, max_shard_size));
     for (const auto& [name, contents] : small) {
       PTK_RETURN_IF_ERROR(ExportStep("write " + name));
       PTK_RETURN_IF_ERROR(WriteFileAtomic(JoinPath(tmp, name), *contents));
@@ -265,6 +298,7 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::stri
 
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   ConvertSummary s;
+  PTK_ASSIGN_OR_RETURN(const uint64_t max_shard_size, hf_detail::ParseMaxShardSize(o.max_shard_size));
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
   s.iteration = ck.iteration;
   s.source = ck.file;
@@ -317,7 +351,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
       s.notes.push_back(fmt::format("--hidden-dropout {}: {} has no hidden dropout (it is left out)",
                                     Num(c.hidden_dropout), c.qk_layernorm ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
   }
-  PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, ck.file, entries, text));
+  PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, ck.file, entries, max_shard_size, text));
   s.destination = dir;
   s.config = c;
   for (const HfTensor& t : tensors) s.num_params += static_cast<int64_t>(t.data.size());
@@ -330,20 +364,6 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 }
 
 namespace {
-
-// One model.safetensors is what ptk reads: sharded weights and PyTorch pickles are named as such.
-absl::Status CheckHfWeightsFile(const std::string& load_dir, const std::string& weights_path) {
-  if (PathExists(weights_path)) return absl::OkStatus();
-  if (PathExists(JoinPath(load_dir, "model.safetensors.index.json")))
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: the weights are sharded (model.safetensors.index.json); ptk reads one model.safetensors", load_dir));
-  if (PathExists(JoinPath(load_dir, "pytorch_model.bin")))
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: the weights are a PyTorch pickle (pytorch_model.bin); ptk reads model.safetensors (save the model "
-        "with safe_serialization=True)",
-        load_dir));
-  return absl::NotFoundError(weights_path + ": missing");
-}
 
 // The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU, attention
 // scaled by 1/sqrt(head_dim) alone.
@@ -420,21 +440,20 @@ absl::StatusOr<GPTConfig> ReadGpt2Config(const HfConfigReader& r, int64_t make_v
 // The weights: every tensor config.json implies, with its shape and finite values, and nothing
 // else (the causal-mask buffers of older files aside; a tied model's output layer only as a copy
 // of the embedding). Fills each tensor's data.
-absl::Status ReadHfTensors(const std::string& weights_path, const GPTConfig& c, std::vector<HfTensor>* tensors) {
-  PTK_ASSIGN_OR_RETURN(auto st_file, SafetensorsFile::Open(weights_path));
-  std::map<std::string, const SafetensorsTensor*> present;
-  for (const SafetensorsTensor& t : st_file->tensors()) {
-    std::string name = t.name;
+absl::Status ReadHfTensors(const hf_detail::HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors) {
+  std::map<std::string, hf_detail::PresentTensor> present;
+  for (const auto& [full_name, t] : weights.tensors) {
+    std::string name = full_name;
     if (name.rfind(kPrefix, 0) == 0) name = name.substr(sizeof kPrefix - 1);
     // The causal-mask buffers older GPT-2 files carry: not weights.
     static const std::regex kMask(R"(h\.\d+\.attn\.(masked_)?bias)");
     if (std::regex_match(name, kMask)) continue;
-    if (!present.emplace(name, &t).second)
+    if (!present.emplace(name, t).second)
       return absl::DataLossError(
-          fmt::format("{}: tensor {} is there with and without the {} prefix", weights_path, t.name, kPrefix));
+          fmt::format("{}: tensor {} is there with and without the {} prefix", t.file->path(), full_name, kPrefix));
   }
-  return hf_detail::ReadPresentTensors(*st_file, weights_path, std::move(present),
-                                       c.untie_embeddings_and_output_weights, kPrefix, "GPT-2", tensors);
+  return hf_detail::ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights,
+                                       kPrefix, "GPT-2", tensors);
 }
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
@@ -502,9 +521,9 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
         o.iteration));
   if (o.iteration == 0 && (o.global_batch_size > 0 || o.consumed_train_samples >= 0))
     return UsageError("--global-batch-size and --consumed-train-samples place an import at --iteration N (N > 0)");
-  const std::string weights_path = JoinPath(o.load_dir, "model.safetensors");
-  s.source = weights_path;
-  PTK_RETURN_IF_ERROR(CheckHfWeightsFile(o.load_dir, weights_path));
+  // model.safetensors, or the shards of model.safetensors.index.json: mapped, read tensor by tensor.
+  PTK_ASSIGN_OR_RETURN(const hf_detail::HfWeights weights, hf_detail::OpenHfWeights(o.load_dir, &s.notes));
+  s.source = weights.source;
   PTK_ASSIGN_OR_RETURN(s.config,
                        ReadHfConfig(JoinPath(o.load_dir, "config.json"), o.make_vocab_size_divisible_by, &s.notes));
   const GPTConfig& c = s.config;
@@ -513,10 +532,10 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   std::vector<HfTensor> tensors = llama ? hf_detail::LlamaTensorsOf(c) : HfTensorsOf(c);
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
   if (llama) {
-    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights_path, c, &tensors));
+    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors));
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/false);
   } else {
-    PTK_RETURN_IF_ERROR(ReadHfTensors(weights_path, c, &tensors));
+    PTK_RETURN_IF_ERROR(ReadHfTensors(weights, c, &tensors));
     MapParams(layout, &params, &tensors, /*to_hf=*/false);
   }
   const std::vector<float> zeros(params.size(), 0.0f);

@@ -8,9 +8,11 @@
 // untied output layer), model.safetensors (fp32; Megatron's fused per-head QKV rows reordered into
 // c_attn's [q | k | v] columns; every linear weight transposed into Conv1D's (in, out); the padded
 // vocabulary rows dropped: HF's logits are the first vocab_size of ptk's, the padded ones, which no
-// label ever names, are gone), vocab.json, merges.txt, tokenizer_config.json,
-// generation_config.json. Each file is replaced atomically.
-// hf -> ptk: the directory's config.json and model.safetensors checked against each other (every
+// label ever names, are gone; above --max-shard-size, 5GB, sharded as save_pretrained shards:
+// model-0000K-of-0000N.safetensors and model.safetensors.index.json), vocab.json, merges.txt,
+// tokenizer_config.json, generation_config.json. Each file is replaced atomically.
+// hf -> ptk: the directory's config.json and model.safetensors (or the shards its
+// model.safetensors.index.json names, as from_pretrained reads them) checked against each other (every
 // tensor present with its shape and nothing else; the tensor's name in every refusal), the
 // padded rows filled as Megatron's checkpoint saver fills them (copies of the last row), written
 // as a ptk checkpoint of iteration 0 with zero AdamW moments, for ptk-train --load ... --finetune
@@ -55,6 +57,9 @@ struct ConvertOptions {
   int64_t target_ddp_bucket_size = 0;
   // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
   bool force = false;
+  // ptk -> hf: save_pretrained's max_shard_size ("5GB", "500MB", a byte count): weights above it are
+  // written as model-0000K-of-0000N.safetensors shards with model.safetensors.index.json.
+  std::string max_shard_size = "5GB";
   // hf -> ptk: the checkpoint's iteration (0: a start for --finetune), and the samples consumed by
   // then: consumed_train_samples, or iteration x global_batch_size (a run without batch ramp-up),
   // so that ptk-train --load resumes at iteration + 1 at that data position and schedule step.
@@ -108,7 +113,8 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);
 
 // Fault injection for tests: ExportToHf calls the hook before each step of writing and publishing
-// an export, by name ("write config.json", "exchange directories", "rename old export aside",
+// an export, by name ("write config.json", "write model-00001-of-00003.safetensors" (a sharded export's
+// shards, then "write model.safetensors.index.json"), "exchange directories", "rename old export aside",
 // "rename new export in", "remove old export", ...); a non-OK status fails the export there as an
 // I/O error would (Unimplemented at "exchange directories": as a filesystem without
 // RENAME_EXCHANGE, the two renames follow), and a hook may end the process there (a kill).

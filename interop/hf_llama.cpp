@@ -460,17 +460,16 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   return c;
 }
 
-absl::Status ReadLlamaTensors(const std::string& weights_path, const GPTConfig& c, std::vector<HfTensor>* tensors) {
-  PTK_ASSIGN_OR_RETURN(auto st_file, SafetensorsFile::Open(weights_path));
-  std::map<std::string, const SafetensorsTensor*> present;
-  for (const SafetensorsTensor& t : st_file->tensors()) {
+absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors) {
+  std::map<std::string, PresentTensor> present;
+  for (const auto& [name, t] : weights.tensors) {
     // The rotary tables older files carry: not weights.
     static const std::regex kInvFreq(R"(model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq)");
-    if (std::regex_match(t.name, kInvFreq)) continue;
-    present.emplace(t.name, &t);
+    if (std::regex_match(name, kInvFreq)) continue;
+    present.emplace(name, t);
   }
-  return ReadPresentTensors(*st_file, weights_path, std::move(present), c.untie_embeddings_and_output_weights, "",
-                            "Llama", tensors);
+  return ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights, "", "Llama",
+                            tensors);
 }
 
 std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c) {

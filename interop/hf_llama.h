@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "interop/hf_config.h"
 #include "interop/hf_gpt2_tensors.h"
+#include "interop/hf_shards.h"
 #include "trainer/param_layout.h"
 
 namespace ptk::hf_detail {
@@ -39,9 +40,10 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
 absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                           std::vector<std::string>* notes, bool qwen3 = false);
 
-// model.safetensors: every tensor `tensors` names with its shape and finite values, nothing else
-// (rotary inv_freq buffers aside; a tied model's lm_head.weight only as a copy of the embedding).
-absl::Status ReadLlamaTensors(const std::string& weights_path, const GPTConfig& c, std::vector<HfTensor>* tensors);
+// The directory's weights (model.safetensors or its shards): every tensor `tensors` names with its
+// shape and finite values, nothing else (rotary inv_freq buffers aside; a tied model's lm_head.weight
+// only as a copy of the embedding).
+absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors);
 
 // The model settings an imported checkpoint records, and ptk-train's flags for that model.
 std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c);

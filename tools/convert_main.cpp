@@ -85,6 +85,33 @@ absl::Status CheckFlagsApply(const CLI::App& app, const ptk::ConvertOptions& o) 
     if (app.count(s.flag) > 0 && !s.applies)
       return ptk::UsageError(
           fmt::format("{}: only {} reads it; this is --loader {} --saver {}", s.flag, s.reader, o.loader, o.saver));
+}
+
+// The flags that belong to one direction, refused in another.
+absl::Status CheckDirectionFlags(const ptk::ConvertOptions& o, bool max_shard_size_given) {
+  if (o.saver != "megatron" && (o.target_tensor_parallel_size != 1 || o.target_pipeline_parallel_size != 1))
+    return ptk::UsageError(fmt::format(
+        "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
+        "checkpoint ({} output is whole)",
+        o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
+  if (o.saver != "megatron" && o.target_num_layers_per_virtual_pipeline_stage != 0)
+    return ptk::UsageError(fmt::format(
+        "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
+        "is whole)",
+        o.target_num_layers_per_virtual_pipeline_stage, o.saver));
+  if (o.saver != "megatron" && (o.target_use_distributed_optimizer || o.target_ddp_bucket_size != 0))
+    return ptk::UsageError(fmt::format(
+        "--target-use-distributed-optimizer, --target-ddp-bucket-size: only --saver megatron writes an optimizer's "
+        "state as Megatron's ({} output)",
+        o.saver));
+  if (max_shard_size_given && !(o.loader == "ptk" && o.saver == "hf"))
+    return ptk::UsageError(fmt::format(
+        "--max-shard-size {}: only a Hugging Face export (--loader ptk --saver hf) writes shards", o.max_shard_size));
+  if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
+      !(o.loader == "hf" && o.saver == "ptk"))
+    return ptk::UsageError(
+        "--iteration, --global-batch-size and --consumed-train-samples place a Hugging Face import (--loader hf "
+        "--saver ptk); other checkpoints carry their own iteration");
   return absl::OkStatus();
 }
 
@@ -115,6 +142,11 @@ int main(int argc, char** argv) {
       ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
   app->add_option("--vocab-file", o.vocab_file, "ptk -> hf: the vocab.json to ship (default: ptk's GPT-2 file)");
   app->add_option("--merge-file", o.merge_file, "ptk -> hf: the merges.txt to ship (default: ptk's GPT-2 file)");
+  auto* max_shard = app->add_option(
+      "--max-shard-size", o.max_shard_size,
+      "ptk -> hf: the largest weights file, as save_pretrained's max_shard_size (5GB; KB, MB, GB, TB are decimal: "
+      "1GB = 10^9 bytes; or a byte count): larger weights are written as model-0000K-of-0000N.safetensors "
+      "shards with model.safetensors.index.json, a tensor larger than this alone in its shard");
   app->add_flag("--force", o.force,
                 "ptk -> hf: replace a --save-dir that holds files an export does not write (they are removed)");
   app->add_option("--make-vocab-size-divisible-by", o.make_vocab_size_divisible_by,
@@ -138,27 +170,8 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    if (o.saver != "megatron" && (o.target_tensor_parallel_size != 1 || o.target_pipeline_parallel_size != 1))
-      return ptk::UsageError(fmt::format(
-          "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
-          "checkpoint ({} output is whole)",
-          o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
-    if (o.saver != "megatron" && o.target_num_layers_per_virtual_pipeline_stage != 0)
-      return ptk::UsageError(fmt::format(
-          "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
-          "is whole)",
-          o.target_num_layers_per_virtual_pipeline_stage, o.saver));
-    if (o.saver != "megatron" && (o.target_use_distributed_optimizer || o.target_ddp_bucket_size != 0))
-      return ptk::UsageError(fmt::format(
-          "--target-use-distributed-optimizer, --target-ddp-bucket-size: only --saver megatron writes an optimizer's "
-          "state as Megatron's ({} output)",
-          o.saver));
+    PTK_RETURN_IF_ERROR(CheckDirectionFlags(o, max_shard->count() > 0));
     PTK_RETURN_IF_ERROR(CheckFlagsApply(*app, o));
-    if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
-        !(o.loader == "hf" && o.saver == "ptk"))
-      return ptk::UsageError(
-          "--iteration, --global-batch-size and --consumed-train-samples place a Hugging Face import (--loader hf "
-          "--saver ptk); other checkpoints carry their own iteration");
     ptk::JsonWriter args;
     args.BeginArray();
     for (int i = 1; i < argc; ++i) args.Value(argv[i]);

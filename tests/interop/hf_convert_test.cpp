@@ -604,23 +604,23 @@ std::string Beside(const std::string& target) {
 constexpr const char* kSixFiles[] = {"config.json", "generation_config.json", "tokenizer_config.json", "vocab.json",
                                      "merges.txt",  "model.safetensors"};
 
-// A target that holds another model's files (tokenizer.json, pytorch_model.bin, an index) is
+// A target that holds another model's files (tokenizer.json, pytorch_model.bin and its index) is
 // refused, untouched; --force replaces it whole; an earlier export is replaced without it.
 TEST_F(HfConvert, ExportIntoAForeignDirectoryIsRefusedUnlessForced) {
   Save(false, dir_ / "ck");
   const std::string hf = dir_ / "hf";
   std::filesystem::create_directories(hf + "/sub");
-  for (const char* f : {"tokenizer.json", "pytorch_model.bin", "model.safetensors.index.json", "config.json"})
+  for (const char* f : {"tokenizer.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "config.json"})
     WriteFile(hf + "/" + f, f);
   auto r = ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf));
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(IsUsageError(r.status())) << r.status();
   EXPECT_NE(r.status().message().find(
-                "holds 4 entries that a ptk export does not write (model.safetensors.index.json, pytorch_model.bin, "
+                "holds 4 entries that a ptk export does not write (pytorch_model.bin, pytorch_model.bin.index.json, "
                 "sub, tokenizer.json)"),
             absl::string_view::npos)
       << r.status();
-  EXPECT_EQ(Entries(hf), "config.json model.safetensors.index.json pytorch_model.bin sub tokenizer.json ");
+  EXPECT_EQ(Entries(hf), "config.json pytorch_model.bin pytorch_model.bin.index.json sub tokenizer.json ");
   EXPECT_EQ(ReadFile(hf + "/config.json"), "config.json");
   const std::string tool = ptk::testing::Tool("ptk-convert");
   const std::string cmd =

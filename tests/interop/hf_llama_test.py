@@ -12,7 +12,8 @@ Checks:
   * a LlamaForCausalLM made by transformers (grouped heads, llama3 rope_scaling) imported with --saver ptk
     gives the same logits; ptk-train --finetune trains on from it with the flags ptk-convert prints;
     hf -> ptk -> hf gives back every tensor bit for bit and the config's values; ptk -> hf -> ptk -> hf
-    is byte-identical;
+    is byte-identical; saved by save_pretrained(max_shard_size="100KB") it imports bit for bit as unsharded, and
+    ptk's export with --max-shard-size 100KB loads to the same logits, sharded as save_pretrained shards it;
   * Megatron's rotary variants exported and imported back, each computing ptk's logits: --rope-scaling-factor 32
     (rope_scaling llama3 factor 32), --rotary-seq-len-interpolation-factor 4 (rope_scaling linear),
     --rotary-interleaved (the query and key rows permuted); without the variant the logits move;
@@ -25,8 +26,8 @@ import random
 import re
 import tempfile
 
-from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, compare_logits, finish, hf_logits, load_checked, numpy, run,
-                            torch)
+from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, check_sharded_export, check_sharded_import,
+                            compare_logits, finish, hf_logits, load_checked, numpy, run, torch)
 from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -142,6 +143,13 @@ with tempfile.TemporaryDirectory() as tmp:
               "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "initializer_range"):
         check(ca[k] == cb[k], "hf -> ptk -> hf: config {} {} -> {}".format(k, ca[k], cb[k]))
     check_finetune(out, ckin)
+    # Sharded both ways: transformers' shards imported bit for bit; ptk's loaded and sharded as save_pretrained's.
+    check_sharded_import(src, "100KB", ckin, tmp, "llama-imported-sharded")
+    hfs = os.path.join(tmp, "hfs")
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ckin, "--save-dir", hfs, "--max-shard-size",
+         "100KB"])
+    check_sharded_export(hfs, compare_logits(ckin, load_hf(hfs), SEQS, 50257, tmp, "llama sharded"), "100KB", tmp,
+                         "llama sharded")
 
     # ---- Megatron's rotary variants: Llama 3.2's factor 32 (rope_scaling llama3, factor 32), linear position
     # interpolation (rope_scaling linear), interleaved pairs (q/k rows permuted by the export). Each exported
