@@ -15,8 +15,15 @@ and one with a fused CPU AdamW (2.4+) uses it: the anchor is the fastest step th
 without changing the math. --rounds N repeats the whole set, the engines taking turns, so that a
 shared machine's drifts reach all of them alike; the ratios are taken within a round.
 
+--ptk-env NAME=VALUE (repeatable) times ptk-train once more with those environment variables, e.g.
+OPENBLAS_CORETYPE=SkylakeX: Debian bookworm's OpenBLAS 0.3.21 runs its AVX2 (Haswell) kernels on
+AMD's AVX-512 Zen 4/5, which it does not know; the anchors' ratios to that run are given too.
+--baseline-bin DIR times another ptk-train build (DIR/ptk-train, e.g. the commit before a change)
+in the same rounds: a change's before and after, with the machine's load alike.
+
 Usage: /usr/bin/python3 bench/bench_trainer.py --bin build/bin [--threads N] [--iters 12]
            [--torch-python /opt/ptk-torch26/bin/python] [--rounds 3] [--models 2L-h128-s128,...]
+           [--baseline-bin DIR] [--ptk-env OPENBLAS_CORETYPE=SkylakeX]
 Prints one JSON object: tokens/s of each, the ratio anchor time / ptk time (target >= 1.0) per
 round, their ranges, and the load average around each round.
 """
@@ -136,14 +143,14 @@ def torch_info(python):
     return json.loads(p.stdout) if p.returncode == 0 else None
 
 
-def ptk_step(bin_dir, m, threads, iters):
+def ptk_step(bin_dir, m, threads, iters, env=None):
     cmd = [os.path.join(bin_dir, "ptk-train"), "--num-layers", str(m["num_layers"]), "--hidden-size",
            str(m["hidden_size"]), "--num-attention-heads", str(m["num_attention_heads"]), "--ffn-hidden-size",
            str(m["ffn_hidden_size"]), "--seq-length", str(m["seq_length"]), "--micro-batch-size", str(m["mbs"]),
            "--train-iters", str(iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
            "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
            "--threads", str(threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ, **(env or {}))).stdout
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", out)]
     loss = re.search(r"lm loss: ([0-9.E+-]+)", out)
     steady = sorted(ms[2:])
@@ -170,6 +177,22 @@ def anchors_of(args):
     return out, info
 
 
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def openblas_core(bin_dir):
+    """The kernels OpenBLAS picks here (what ptk-train's products run), and with OPENBLAS_CORETYPE if set."""
+    code = ("import ctypes; l = ctypes.CDLL('libopenblas.so.0'); l.openblas_get_corename.restype = ctypes.c_char_p; "
+            "print(l.openblas_get_corename().decode())")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return p.stdout.strip() if p.returncode == 0 else "unknown"
+
+
 def span(xs):
     return [min(xs), max(xs)] if xs else None
 
@@ -183,6 +206,9 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated names of MODELS")
     ap.add_argument("--torch-python", action="append", default=[],
                     help="another interpreter whose torch is an anchor too (repeatable)")
+    ap.add_argument("--baseline-bin", help="another ptk-train build's bin directory, timed in the same rounds")
+    ap.add_argument("--ptk-env", action="append", default=[],
+                    help="NAME=VALUE: time ptk-train once more with this environment (repeatable)")
     ap.add_argument("--no-local-torch", action="store_true", help="no anchor from this script's own interpreter")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -193,8 +219,10 @@ def main():
     if not args.bin:
         ap.error("--bin is required")
     names = args.models.split(",")
+    env = dict(kv.split("=", 1) for kv in args.ptk_env)
+    variant = "ptk " + " ".join(args.ptk_env)
     anchors, info = anchors_of(args)
-    res = {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "iters": args.iters,
+    res = {"cpu": cpu_name(), "threads": args.threads, "iters": args.iters, "openblas": openblas_core(args.bin),
            "anchors": info, "rounds": [], "models": {}}
     for r in range(args.rounds):
         rnd = {"loadavg_before": list(os.getloadavg()), "models": {}}
@@ -203,6 +231,14 @@ def main():
             tokens = m["mbs"] * m["seq_length"]
             p = ptk_step(args.bin, m, args.threads, args.iters)
             row = {"ptk_tokens_per_s": round(tokens / p["step_s"]), "ptk_first_loss": p["first_loss"]}
+            if args.baseline_bin:
+                q = ptk_step(args.baseline_bin, m, args.threads, args.iters)
+                row["ptk baseline"] = {"tokens_per_s": round(tokens / q["step_s"]),
+                                       "ratio": round(q["step_s"] / p["step_s"], 2), "first_loss": q["first_loss"]}
+            if env:
+                v = ptk_step(args.bin, m, args.threads, args.iters, env)
+                row[variant] = {"tokens_per_s": round(tokens / v["step_s"]), "ratio": round(p["step_s"] / v["step_s"], 2),
+                                "first_loss": v["first_loss"]}
             for label, py, comp in anchors:
                 a = torch_step(py, name, args.threads, args.iters, comp)
                 if "failed" in a:
@@ -211,6 +247,8 @@ def main():
                 row[label] = {"tokens_per_s": round(tokens / a["step_s"]), "ratio": round(a["step_s"] / p["step_s"], 2),
                               "first_loss": round(a["first_loss"], 4), "attention": a["attention"],
                               "adamw": a["adamw"]}
+                if env:
+                    row[label]["ratio_vs_" + variant] = round(a["step_s"] / v["step_s"], 2)
             rnd["models"][name] = row
             print(f"round {r + 1} {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
         rnd["loadavg_after"] = list(os.getloadavg())
@@ -218,9 +256,12 @@ def main():
     for name in names:
         rows = [rnd["models"][name] for rnd in res["rounds"]]
         s = {"ptk_tokens_per_s": span([x["ptk_tokens_per_s"] for x in rows])}
-        for label, _, _ in anchors:
+        extra = (["ptk baseline"] if args.baseline_bin else []) + ([variant] if env else [])
+        for label in extra + [a[0] for a in anchors]:
             ok = [x[label] for x in rows if isinstance(x.get(label), dict)]
             s[label] = {"tokens_per_s": span([x["tokens_per_s"] for x in ok]), "ratio": span([x["ratio"] for x in ok])}
+            if env and label not in extra:
+                s[label]["ratio_vs_" + variant] = span([x["ratio_vs_" + variant] for x in ok])
             if len(ok) < len(rows):
                 s[label]["failed"] = next(x[label] for x in rows if not isinstance(x.get(label), dict))
         res["models"][name] = s
