@@ -335,10 +335,9 @@ TEST(AttentionCuda, Fp32MatchesCpuWithAndWithoutDropout) {
       std::vector<uint64_t> streams(s.b);
       for (int64_t b = 0; b < s.b; ++b) streams[b] = DropoutStream(static_cast<uint64_t>(b + 7), 3, kAttentionProbs);
       const uint64_t seed = 1234;
-      std::vector<float> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c), scratch(2 * s.t * s.t);
+      std::vector<float> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c);
       cpu::AttentionForward<float>(out.data(), probs.data(), qkv.data(), s, p, seed, streams.data());
-      cpu::AttentionBackward<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, seed, streams.data(),
-                                    scratch.data());
+      cpu::AttentionBackward<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, seed, streams.data());
       DeviceBuffer<float> d_qkv(qkv), d_dout(dout), d_out(out.size()), d_probs(probs.size()), d_dqkv(dqkv.size()),
           d_scratch(AttentionBackwardScratch(s));
       DeviceBuffer<uint64_t> d_streams(streams);
@@ -391,10 +390,9 @@ TEST(AttentionCuda, Fp32GroupedQueryMatchesCpu) {
       const auto qkv = Random(n * w, 43, -2.0f, 2.0f), dout = Random(n * c, 44);
       std::vector<uint64_t> streams(s.b);
       for (int64_t b = 0; b < s.b; ++b) streams[b] = DropoutStream(static_cast<uint64_t>(b + 3), 1, kAttentionProbs);
-      std::vector<float> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * w), scratch(2 * s.t * s.t);
+      std::vector<float> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * w);
       cpu::AttentionForward<float>(out.data(), probs.data(), qkv.data(), s, p, 77, streams.data());
-      cpu::AttentionBackward<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, 77, streams.data(),
-                                    scratch.data());
+      cpu::AttentionBackward<float>(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, p, 77, streams.data());
       DeviceBuffer<float> d_qkv(qkv), d_dout(dout), d_out(out.size()), d_probs(probs.size()), d_dqkv(dqkv.size()),
           d_scratch(AttentionBackwardScratch(s));
       DeviceBuffer<uint64_t> d_streams(streams);
@@ -432,10 +430,9 @@ void FlashMatchesCpu(double fwd_tol, double bwd_tol) {
     const int64_t c = s.nh * s.hd, n = s.b * s.t;
     const auto qkv = ToT<T>(Random(n * 3 * c, 61, -2.0f, 2.0f)), dout = ToT<T>(Random(n * c, 62));
     const auto xqkv = ToDouble(qkv), xdout = ToDouble(dout);
-    std::vector<double> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c), scratch(2 * s.t * s.t);
+    std::vector<double> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * 3 * c);
     cpu::AttentionForward<double>(out.data(), probs.data(), xqkv.data(), s, 0.0, 0, nullptr);
-    cpu::AttentionBackward<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr,
-                                   scratch.data());
+    cpu::AttentionBackward<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr);
     auto ws = FlashAttentionWorkspaceBytes<T>(s, 0.0, gpu.ctx);
     ASSERT_TRUE(ws.ok()) << ws.status();
     EXPECT_LE(*ws, static_cast<int64_t>(gpu.ctx.workspace_bytes));
@@ -473,10 +470,9 @@ TEST(FlashAttentionCuda, Bf16GroupedQueryMatchesCpu) {
     const int64_t c = s.nh * s.hd, w = s.qkv_width(), n = s.b * s.t;
     const auto qkv = ToT<T>(Random(n * w, 63, -2.0f, 2.0f)), dout = ToT<T>(Random(n * c, 64));
     const auto xqkv = ToDouble(qkv), xdout = ToDouble(dout);
-    std::vector<double> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * w), scratch(2 * s.t * s.t);
+    std::vector<double> out(n * c), probs(s.b * s.nh * s.t * s.t), dqkv(n * w);
     cpu::AttentionForward<double>(out.data(), probs.data(), xqkv.data(), s, 0.0, 0, nullptr);
-    cpu::AttentionBackward<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr,
-                                   scratch.data());
+    cpu::AttentionBackward<double>(dqkv.data(), xdout.data(), xqkv.data(), probs.data(), s, 0.0, 0, nullptr);
     auto ws = FlashAttentionWorkspaceBytes<T>(s, 0.0, gpu.ctx);
     ASSERT_TRUE(ws.ok()) << ws.status();
     DeviceBuffer<T> d_qkv(qkv), d_heads(n * w), d_back(n * w), d_dout(dout), d_out(n * c), d_dheads(n * w),

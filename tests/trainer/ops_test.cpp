@@ -159,8 +159,8 @@ void CheckAttention(double p) {
       }
       EXPECT_NEAR(sum, 1.0, 1e-12);
     }
-  std::vector<double> dqkv(qkv.size()), scratch(2 * s.t * s.t);
-  cpu::AttentionBackward(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 42, streams.data(), scratch.data());
+  std::vector<double> dqkv(qkv.size());
+  cpu::AttentionBackward(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 42, streams.data());
   CheckGradient(qkv, dqkv, objective, "dqkv");
 }
 
@@ -222,6 +222,31 @@ TEST(Ops, LayerNormWeightGradientIndependentOfThreads) {
     return dx;
   };
   EXPECT_EQ(run(1), run(2));
+}
+
+// The heads (backward: the query groups) run on several threads; each is one thread's whole, so
+// the outputs and gradients are the same bits at any thread count, with grouped-query heads adding
+// to one key and value gradient, dropout, and sequences longer than a GEMM tile (256 rows).
+TEST(Ops, AttentionIndependentOfThreads) {
+  for (const AttentionShape s : {AttentionShape{3, 300, 4, 8, 2}, AttentionShape{2, 17, 6, 4}}) {
+    const int64_t c = s.nh * s.hd;
+    auto rq = Random(s.b * s.t * s.qkv_width(), 30), rd = Random(s.b * s.t * c, 31);
+    std::vector<float> qkv(rq.begin(), rq.end()), dout(rd.begin(), rd.end());
+    std::vector<uint64_t> streams;
+    for (int64_t b = 0; b < s.b; ++b) streams.push_back(DropoutStream(static_cast<uint64_t>(b), 1, 3));
+    auto run = [&](int threads) {
+      std::vector<float> out(s.b * s.t * c), probs(s.b * s.nh * s.t * s.t), dqkv(qkv.size());
+      tbb::task_arena(threads).execute([&] {
+        cpu::AttentionForward(out.data(), probs.data(), qkv.data(), s, 0.1, 42, streams.data());
+        cpu::AttentionBackward(dqkv.data(), dout.data(), qkv.data(), probs.data(), s, 0.1, 42, streams.data());
+      });
+      out.insert(out.end(), dqkv.begin(), dqkv.end());
+      return out;
+    };
+    const std::vector<float> one = run(1);
+    EXPECT_EQ(one, run(2)) << s.t;
+    EXPECT_EQ(one, run(5)) << s.t;
+  }
 }
 
 TEST(Ops, AdamWMatchesTorchFormula) {

@@ -22,7 +22,7 @@ struct CpuGPTModel::Activations {
   // rotated), and the norms' statistics per token and normalised head.
   std::vector<std::vector<float>> qkv_raw, qk_mean, qk_rstd;
   std::vector<float> lnf, dact, rope_cos, rope_sin, lnf_mean, lnf_rstd, logits, losses, dloss, tmp, dresid, dtmp, dln,
-      dff, dqkv, datt, scratch, xent_work;
+      dff, dqkv, datt, xent_work;
   // Sequence parallelism: this rank's rows of a product's output, a permutation's buffer, a norm's
   // output gathered whole for the product that follows it (in backward again, for the weight's
   // gradient, as Megatron gathers it), the LayerNorm gradients.

@@ -263,7 +263,6 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   put(&Activations::rope_cos, t * half);
   put(&Activations::rope_sin, t * half);
   put(&Activations::datt, n * ct);
-  put(&Activations::scratch, 2 * t * t);
   const bool sp = sequence_parallel;
   put(&Activations::sp_local, sp ? rows * c : 0);
   put(&Activations::sp_buf, sp ? n * c : 0);
@@ -290,10 +289,9 @@ int64_t CpuGPTModel::ActivationFloats() const {
   for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.qkv_raw, &a.qk_mean,
                              &a.qk_rstd, &a.probs, &a.atty, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
     for (const std::vector<float>& v : *layers) floats += static_cast<int64_t>(v.size());
-  for (const auto* v :
-       {&a.lnf,     &a.dact,      &a.rope_cos, &a.rope_sin, &a.lnf_mean, &a.lnf_rstd, &a.logits, &a.losses,
-        &a.dloss,   &a.tmp,       &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,      &a.dqkv,   &a.datt,
-        &a.scratch, &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads})
+  for (const auto* v : {&a.lnf,    &a.dact,  &a.rope_cos,  &a.rope_sin, &a.lnf_mean, &a.lnf_rstd, &a.logits,
+                        &a.losses, &a.dloss, &a.tmp,       &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,
+                        &a.dqkv,   &a.datt,  &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads})
     floats += static_cast<int64_t>(v->size());
   return floats;
 }
@@ -483,8 +481,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
-                           a.scratch.data());
+    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
     if (cf.rope())
       cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
                         cf.rotary_interleaved);

@@ -119,10 +119,10 @@ template <typename T>
 void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, double p, uint64_t seed,
                       const uint64_t* streams);
 // dqkv(b, t, qkv_width) is assigned (a group's key and value gradients summed over its query
-// heads). scratch: 2 * t * t elements.
+// heads). Each thread works in 2 * t * t elements of its own.
 template <typename T>
 void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
-                       uint64_t seed, const uint64_t* streams, T* scratch);
+                       uint64_t seed, const uint64_t* streams);
 
 // ---- softmax_xent_cpu.cpp --------------------------------------------------------------------
 // losses(n) = logsumexp(logits(n, vp)) - logits[target]; every column, padded ones included, is in

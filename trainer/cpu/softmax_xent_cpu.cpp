@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "trainer/cpu/ops_cpu.h"
 
@@ -12,22 +13,46 @@ namespace ptk::cpu {
 namespace {
 
 constexpr int kLanes = 16;
+// kLanes floats as one GCC vector: the lanes' arithmetic is written out, so that it is vector code
+// at any optimisation level (-O2's vectoriser leaves the exponential's loop scalar), with each lane
+// the same operations, and so the same bits, as one float.
+// Functions taking and returning Lanes are this file's own and inlined: GCC's note that a 64-byte
+// vector's calling convention differs with AVX-512 does not concern them.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Lanes Load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+// static_cast for one value, lane by lane for lanes.
+template <typename To, typename From>
+inline To ConvertTo(From x) {
+  if constexpr (std::is_arithmetic_v<From>)
+    return static_cast<To>(x);
+  else
+    return __builtin_convertvector(x, To);
+}
 
 // exp(x) for x <= 0 (arguments are logit - row max): Cephes' expf, 2^n * p(r) with |r| <= ln2/2,
-// within 2 ulp; branch-free so that the 16-lane loops below become vector code.
-inline float ExpNonPositive(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// within 2 ulp; branch-free. A template, so that the scalar tail and the lanes run one formula.
+template <typename V, typename I>
+inline V ExpNonPositive(V x) {
+  x = x < -87.3f ? V{} - 87.3f : x;
+  const V n = ConvertTo<V>(ConvertTo<I>(x * 1.44269504088896341f - 0.5f));
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  const I bits = (ConvertTo<I>(n) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
@@ -35,26 +60,26 @@ inline float ExpNonPositive(float x) {
 // One row: returns the max; row[j] = exp(row[j] - max); *sum = sum of those. The lanes fix the
 // summation order, so every instruction set gives the same bits.
 __attribute__((target_clones("avx512f", "avx2", "default"))) float ExpRow(float* row, int64_t vp, double* sum) {
-  float mx[kLanes];
-  for (int k = 0; k < kLanes; ++k) mx[k] = -std::numeric_limits<float>::infinity();
+  Lanes mx = Lanes{} - std::numeric_limits<float>::infinity();
   int64_t j = 0;
-  for (; j + kLanes <= vp; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) mx[k] = row[j + k] > mx[k] ? row[j + k] : mx[k];
+  for (; j + kLanes <= vp; j += kLanes) {
+    const Lanes x = Load(row + j);
+    mx = x > mx ? x : mx;
+  }
   float m = -std::numeric_limits<float>::infinity();
   for (int k = 0; k < kLanes; ++k) m = std::max(m, mx[k]);
   for (int64_t t = j; t < vp; ++t) m = std::max(m, row[t]);
-  float acc[kLanes] = {};
+  Lanes acc = {};
   j = 0;
-  for (; j + kLanes <= vp; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) {
-      const float e = ExpNonPositive(row[j + k] - m);
-      row[j + k] = e;
-      acc[k] += e;
-    }
+  for (; j + kLanes <= vp; j += kLanes) {
+    const Lanes e = ExpNonPositive<Lanes, IntLanes>(Load(row + j) - m);
+    Store(row + j, e);
+    acc += e;
+  }
   double s = 0;
   for (int k = 0; k < kLanes; ++k) s += acc[k];
   for (int64_t t = j; t < vp; ++t) {
-    row[t] = ExpNonPositive(row[t] - m);
+    row[t] = ExpNonPositive<float, int32_t>(row[t] - m);
     s += row[t];
   }
   *sum = s;
@@ -62,7 +87,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) float ExpRow(float*
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void ScaleRow(float* row, int64_t vp, float scale) {
-  for (int64_t j = 0; j < vp; ++j) row[j] *= scale;
+  int64_t j = 0;
+  for (; j + kLanes <= vp; j += kLanes) Store(row + j, Load(row + j) * scale);
+  for (; j < vp; ++j) row[j] *= scale;
 }
 
 // The double instantiation (finite-difference tests) keeps libm's exp.
