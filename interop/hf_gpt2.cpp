@@ -118,6 +118,16 @@ absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool 
 
 namespace {
 
+// --apply-layernorm-1p's norms in the weights that compute them without it: each norm weight + 1
+// (in fp32, as megatron-core's forward adds it).
+void FoldZeroCentredNorms(const ParamLayout& layout, std::vector<float>* params) {
+  for (const ParamInfo& p : layout.infos) {
+    const std::string_view name = p.name, suffix = "layernorm.weight";
+    if (name.size() < suffix.size() || name.substr(name.size() - suffix.size()) != suffix) continue;
+    for (int64_t i = 0; i < p.size; ++i) (*params)[static_cast<size_t>(p.offset + i)] += 1.0f;
+  }
+}
+
 // The export's text files: config.json, generation_config.json, tokenizer_config.json, vocab.json,
 // merges.txt.
 struct HfTextFiles {
@@ -127,7 +137,8 @@ struct HfTextFiles {
 HfTextFiles HfTextFilesOf(const GPTConfig& c, int64_t eod, std::string vocab_json, std::string merges_txt) {
   HfTextFiles f;
   f.config = PrettyConfig({
-      {"activation_function", Str("gelu_new")},
+      // --squared-relu: transformers' "relu2" (ReLUSquaredActivation, relu(x)^2), which GPT2MLP takes.
+      {"activation_function", Str(c.squared_relu ? "relu2" : "gelu_new")},
       {"architectures", "[\n    \"GPT2LMHeadModel\"\n  ]"},
       {"attn_pdrop", Num(c.attention_dropout)},
       {"bos_token_id", Int(eod)},
@@ -225,6 +236,11 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   if (llama) PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   std::vector<float>& params = ck.params;
+  if (c.apply_layernorm_1p) {
+    // Hugging Face's norms scale by their weight itself: 1 + gamma is the weight that computes the same.
+    FoldZeroCentredNorms(layout, &params);
+    s.notes.push_back("--apply-layernorm-1p: each norm's weight is exported as 1 + its zero-centred weight");
+  }
 
   PTK_ASSIGN_OR_RETURN(auto tokenizer, Gpt2Tokenizer::LoadOrDefault(o.vocab_file, o.merge_file));
   if (tokenizer->vocab_size() != c.vocab_size)
@@ -294,15 +310,18 @@ absl::Status CheckHfWeightsFile(const std::string& load_dir, const std::string& 
   return absl::NotFoundError(weights_path + ": missing");
 }
 
-// The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU, attention
-// scaled by 1/sqrt(head_dim) alone.
-absl::Status CheckHfArchitecture(const HfConfigReader& r) {
+// The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU (or relu2:
+// --squared-relu), attention scaled by 1/sqrt(head_dim) alone.
+absl::Status CheckHfArchitecture(const HfConfigReader& r, GPTConfig* c) {
   std::string_view act;
   bool scale = true, by_layer = false, cross = false;
   PTK_RETURN_IF_ERROR(r.Get("activation_function", std::string_view("gelu_new"), &act, "a string"));
-  if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast")
+  c->squared_relu = act == "relu2";
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast" && !c->squared_relu)
     return r.Bad(fmt::format(
-        "activation_function {:?}: ptk computes the tanh GELU (gelu_new, gelu_pytorch_tanh, gelu_fast)", act));
+        "activation_function {:?}: ptk computes the tanh GELU (gelu_new, gelu_pytorch_tanh, gelu_fast) or relu2 "
+        "(--squared-relu)",
+        act));
   PTK_RETURN_IF_ERROR(r.Get("scale_attn_weights", true, &scale, "true or false"));
   PTK_RETURN_IF_ERROR(r.Get("scale_attn_by_inverse_layer_idx", false, &by_layer, "true or false"));
   PTK_RETURN_IF_ERROR(r.Get("add_cross_attention", false, &cross, "true or false"));
@@ -344,8 +363,8 @@ absl::Status ReadHfReals(const HfConfigReader& r, GPTConfig* c, double* embd_pdr
 // hold it; what ptk cannot keep apart (embd_pdrop) becomes a note.
 absl::StatusOr<GPTConfig> ReadGpt2Config(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                          std::vector<std::string>* notes) {
-  PTK_RETURN_IF_ERROR(CheckHfArchitecture(r));
   GPTConfig c;
+  PTK_RETURN_IF_ERROR(CheckHfArchitecture(r, &c));
   PTK_RETURN_IF_ERROR(ReadHfDimensions(r, make_vocab_size_divisible_by, &c));
   double embd_pdrop = 0;
   PTK_RETURN_IF_ERROR(ReadHfReals(r, &c, &embd_pdrop));

@@ -81,6 +81,9 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
     bool qk_layernorm = false;  // written only when on
     if (!m["qk_layernorm"].get(qk_layernorm)) c.qk_layernorm = qk_layernorm;
   }
+  bool on = false;  // Megatron's other model flags: written only when on
+  if (!m["squared_relu"].get(on)) c.squared_relu = on;
+  if (!m["apply_layernorm_1p"].get(on)) c.apply_layernorm_1p = on;
   simdjson::dom::array settings;
   if (!h["settings"].get(settings))
     for (simdjson::dom::element pair : settings) {

@@ -74,6 +74,9 @@ std::string ModelJson(const GPTConfig& c) {
           .Field("rotary_percent", c.rotary_percent)
           .Field("use_rope_scaling", c.use_rope_scaling);
   }
+  // Megatron's other model flags, written only when on (a model without them reads as before).
+  if (c.squared_relu) w.Field("squared_relu", true);
+  if (c.apply_layernorm_1p) w.Field("apply_layernorm_1p", true);
   return w.EndObject().str();
 }
 
