@@ -5,8 +5,8 @@
 // dropout with RMSNorm's unfused dropout, the QKV bias alone, half the channels rotated, one query
 // group, no position embeddings with LayerNorm, recomputed attention); bf16 (cuDNN's grouped-query
 // attention over the heads-first copy) one step loosely and a few dozen steps learning along the
-// CPU's curve. The same for Qwen3's shape (--qk-layernorm), under RMSNorm and LayerNorm, and for
-// Megatron's --squared-relu and --apply-layernorm-1p.
+// CPU's curve. The same for Qwen3's shape (--qk-layernorm), under RMSNorm and LayerNorm (one step in
+// fp16 too), and for Megatron's --squared-relu and --apply-layernorm-1p.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -86,6 +86,15 @@ TEST(CudaLlamaModel, QKLayerNormStepMatchesTheCpu) {
     ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, what + ", dropout, recompute, one group");
     ExpectOneStepMatches(Qwen3Config(layernorm), Precision::kBf16, 1e-2, 6e-2, what);
   }
+}
+
+// --qk-layernorm in fp16 (the products and activations in half precision, the query and key norms in
+// fp32 from the master weights, as in bf16), under RMSNorm and LayerNorm, with the norms moved off
+// their initial values: one step within bf16's bounds (fp16 keeps 3 more mantissa bits).
+TEST(CudaLlamaModel, QKLayerNormFp16StepMatchesTheCpu) {
+  for (bool layernorm : {false, true})
+    ExpectOneStepMatches(Qwen3Config(layernorm), Precision::kFp16, 1e-2, 6e-2,
+                         layernorm ? "--qk-layernorm, LayerNorm" : "--qk-layernorm, RMSNorm");
 }
 
 // 30 steps with --qk-layernorm: fp32 within 1e-3 of the CPU's curve, bf16 within 5e-2; both learn.
