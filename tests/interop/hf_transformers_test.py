@@ -11,7 +11,8 @@ Checks:
   * a model saved by transformers (save_pretrained, safetensors) imported with --saver ptk gives
     ptk the same logits within 1e-4, and ptk-train --load ... --finetune (and --no-load-optim)
     trains on from it with the flags ptk-convert prints; export -> import -> export is byte-identical;
-  * safetensors' own reader opens ptk's file.
+  * safetensors' own reader opens ptk's file;
+  * a --squared-relu --apply-layernorm-1p model exports as relu2 with 1 + gamma norms, logits as ptk's.
 Usage: hf_transformers_test.py BIN_DIR TEST_BIN_DIR
 """
 import os
@@ -90,6 +91,14 @@ with tempfile.TemporaryDirectory() as tmp:
     mu = compare_logits(cku, hfu, SEQS, 50257, tmp, "untied")
     check(not mu.config.tie_word_embeddings and
           not torch.equal(mu.lm_head.weight, mu.transformer.wte.weight), "untied: lm_head is its own tensor")
+
+    # ---- Megatron's --squared-relu (GPT-2's relu2) and --apply-layernorm-1p (1 + gamma folded into the
+    # exported norm weights): transformers computes ptk's logits
+    ckr, hfr = os.path.join(tmp, "ckr"), os.path.join(tmp, "hfr")
+    run(TRAIN + ["--train-iters", "6", "--save", ckr, "--squared-relu", "--apply-layernorm-1p"])
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ckr, "--save-dir", hfr])
+    mr = compare_logits(ckr, hfr, SEQS, 50257, tmp, "squared relu, layernorm 1p")
+    check(mr.config.activation_function == "relu2", "squared relu: config {}".format(mr.config))
 
     # ---- a model transformers made, imported into ptk
     torch.manual_seed(31)
