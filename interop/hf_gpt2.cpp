@@ -439,6 +439,7 @@ std::vector<std::pair<std::string, std::string>> ImportedSettings(const GPTConfi
       {"--hidden-dropout", SettingNum(c.hidden_dropout)},
       {"--attention-dropout", SettingNum(c.attention_dropout)},
       {"--init-method-std", SettingNum(c.init_method_std)},
+      {"--squared-relu", c.squared_relu ? "on" : "off"},
   };
 }
 
@@ -452,6 +453,7 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
                                 c.max_position_embeddings, SettingNum(c.layernorm_epsilon),
                                 c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "")
                           : hf_detail::LlamaTrainFlags(c);
+  if (c.squared_relu) flags += " --squared-relu";  // relu2
   if (c.vocab_size != 50257) flags += fmt::format(" --vocab-size {}", c.vocab_size);
   if (make_vocab_size_divisible_by != 128)
     flags += fmt::format(" --make-vocab-size-divisible-by {}", make_vocab_size_divisible_by);

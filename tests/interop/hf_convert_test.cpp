@@ -132,6 +132,7 @@ TEST_F(HfConvert, SquaredReluIsRelu2AndLayerNorm1pIsFoldedIntoTheWeights) {
   ASSERT_TRUE(imp.ok()) << imp.status();
   EXPECT_TRUE(imp->config.squared_relu);
   EXPECT_FALSE(imp->config.apply_layernorm_1p);
+  EXPECT_NE(imp->train_flags.find(" --squared-relu"), std::string::npos) << imp->train_flags;
 }
 
 TEST_F(HfConvert, ExportImportExportIsByteIdenticalTiedAndUntied) {

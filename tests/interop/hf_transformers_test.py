@@ -99,6 +99,12 @@ with tempfile.TemporaryDirectory() as tmp:
     run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ckr, "--save-dir", hfr])
     mr = compare_logits(ckr, hfr, SEQS, 50257, tmp, "squared relu, layernorm 1p")
     check(mr.config.activation_function == "relu2", "squared relu: config {}".format(mr.config))
+    # ... and back: relu2 imports as --squared-relu (its norms plain ones), the logits kept, and ptk-train
+    # --finetune loads it with the flags the import prints.
+    ckr2 = os.path.join(tmp, "ckr2")
+    out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfr, "--save-dir", ckr2])
+    compare_logits(ckr2, mr, SEQS, 50257, tmp, "relu2 imported")
+    check("--squared-relu" in (check_finetune(out, ckr2) or []), "relu2's import flags:\n" + out)
 
     # ---- a model transformers made, imported into ptk
     torch.manual_seed(31)
