@@ -26,6 +26,7 @@
 #include "common/atomic_file.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/progress.h"
 #include "common/status.h"
 
@@ -516,6 +517,7 @@ void RemoveTemporariesOnSignals() {
     while (sigwait(&set, &sig) != 0) {
     }
     RemoveLiveTemporaries();
+    RemoveLiveLocks();  // else OUT.ptk-lock names this dead process as the output's writer
     // Then the signal's own end (exit status 128 + sig), as without this.
     std::signal(sig, SIG_DFL);
     sigset_t one;

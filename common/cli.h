@@ -100,9 +100,9 @@ absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string
 
 // For a main whose unfinished outputs are worth nothing once it ends (ptk-extract, ptk-concat; not
 // ptk-tokenize, which resumes from its temporary): on SIGINT, SIGTERM or SIGHUP the temporaries of
-// its unfinished outputs (RemoveLiveTemporaries) are removed before it dies of the signal, as gzip
-// and zstd remove their partial output; a kill -9 still leaves them to the next run. A signal the
-// process inherited as ignored stays ignored. Call it before any thread starts: the signals are
+// its unfinished outputs (RemoveLiveTemporaries) and its lock files (RemoveLiveLocks) are removed
+// before it dies of the signal, as gzip and zstd remove their partial output; a kill -9 still leaves them to the next
+// run. A signal the process inherited as ignored stays ignored. Call it before any thread starts: the signals are
 // blocked in every thread and awaited by one of their own.
 void RemoveTemporariesOnSignals();
 

@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <mutex>
+#include <set>
 
 #include <fmt/core.h>
 
@@ -53,7 +55,25 @@ std::string ReadHolder(int fd) {
   return s;
 }
 
+// The lock files this process holds (RemoveLiveLocks). A path leaves it, under the mutex, just before
+// its file is unlinked and the lock let go, so that a file is never unlinked after another run may
+// have created one of the same name.
+std::mutex& LiveMutex() {
+  static std::mutex m;
+  return m;
+}
+std::set<std::string>& LiveLocks() {
+  static std::set<std::string> s;
+  return s;
+}
+
 }  // namespace
+
+void RemoveLiveLocks() {
+  std::lock_guard<std::mutex> g(LiveMutex());
+  for (const std::string& p : LiveLocks()) ::unlink(p.c_str());
+  LiveLocks().clear();
+}
 
 absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::string& target) {
   const std::string path = target + kSuffix;
@@ -101,6 +121,10 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
     if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
       // Only informational; the lock itself is held.
     }
+    {
+      std::lock_guard<std::mutex> g(LiveMutex());
+      LiveLocks().insert(path);
+    }
     return std::unique_ptr<OutputLock>(new OutputLock(path, fd, true));
   }
   return absl::AbortedError(fmt::format("{} {} (lock {} keeps changing hands)", target, kBusyTag, path));
@@ -108,7 +132,9 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
 
 OutputLock::~OutputLock() {
   if (fd_ < 0) return;
-  if (locked_) ::unlink(path_.c_str());  // before letting go (see Acquire)
+  std::lock_guard<std::mutex> g(LiveMutex());
+  // Before letting go (see Acquire); not when RemoveLiveLocks has removed it already.
+  if (locked_ && LiveLocks().erase(path_) == 1) ::unlink(path_.c_str());
   ::close(fd_);
 }
 

@@ -38,6 +38,12 @@ class OutputLock {
   bool locked_ = false;
 };
 
+// Removes the lock files this process holds, each still held, as ~OutputLock removes its own before it
+// lets go: for a main about to die of a signal (cli::RemoveTemporariesOnSignals), which would leave
+// `OUT.ptk-lock` naming a dead holder (it blocks nothing, but reads as a run in progress). The locks
+// themselves go with the process. Any thread may call it; a signal handler may not.
+void RemoveLiveLocks();
+
 // True for the status Acquire returns when another run holds the lock.
 bool IsOutputBusy(const absl::Status& status);
 

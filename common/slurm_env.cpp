@@ -148,24 +148,82 @@ std::string FirstSlurmHost(const std::string& nodelist) {
   return first.substr(0, open) + range.substr(0, end);
 }
 
-TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, int process_cpus, int machine_cpus,
-                                            const std::string& launcher_cpus_var, const TrainingRanks& ranks) {
-  if (flag_threads > 0) return {static_cast<int>(std::min<int64_t>(flag_threads, std::numeric_limits<int>::max())), ""};
-  const int cpus = std::max(1, process_cpus);
+namespace {
+
+TrainingThreadsChoice Choice(int threads, std::string reason) { return {threads, std::move(reason), ""}; }
+
+// A rank's own CPUs (--cpus-per-task, a narrower affinity mask), capped by its share of the cgroup
+// quota: the ranks on this node share it when the launcher says how many they are.
+TrainingThreadsChoice OwnCpus(const CpuBudget& budget, int machine_cpus, const std::string& launcher_cpus_var,
+                              const TrainingRanks& ranks) {
+  const int cpus = std::max(1, budget.affinity_cpus);
   const bool known = ranks.ranks_on_node > 0;
-  if (ranks.world_size <= 1) return {cpus, ""};
+  TrainingThreadsChoice c = Choice(
+      cpus,
+      fmt::format("this process's {} of the machine's {} CPUs ({}), not split among the ranks on this node{}", cpus,
+                  machine_cpus, launcher_cpus_var.empty() ? "its affinity mask" : launcher_cpus_var + " is set",
+                  known ? fmt::format(" ({}: {})", ranks.ranks_on_node_source, ranks.ranks_on_node) : ""));
+  const int sharing = known ? ranks.ranks_on_node : 1;
+  const int share = budget.cgroup_cpus > 0 ? std::max(1, budget.cgroup_cpus / sharing) : 0;
+  if (share > 0 && share < cpus) {
+    c.threads = share;
+    c.reason += sharing > 1 ? fmt::format(", capped at {} by the {} shared by the {} ranks on this node", share,
+                                          budget.cgroup, sharing)
+                            : fmt::format(", capped at {} by the {}", share, budget.cgroup);
+  }
+  return c;
+}
+
+// ChooseTrainingThreads without --threads.
+TrainingThreadsChoice DefaultTrainingThreads(const CpuBudget& budget, int machine_cpus,
+                                             const std::string& launcher_cpus_var, const TrainingRanks& ranks) {
+  const int cpus = std::max(1, budget.affinity_cpus);
+  const bool known = ranks.ranks_on_node > 0;
+  const bool quota_binds = budget.cgroup_cpus > 0 && budget.cgroup_cpus < cpus;
+  if (ranks.world_size <= 1) {
+    if (quota_binds)
+      return Choice(budget.cgroup_cpus, fmt::format("this process's {} CPUs ({}), fewer than its affinity mask's {}",
+                                                    budget.cgroup_cpus, budget.cgroup, cpus));
+    return Choice(cpus, "");
+  }
   if (!launcher_cpus_var.empty() || cpus != machine_cpus)
-    return {cpus, fmt::format(
-                      "this process's {} of the machine's {} CPUs ({}), not split among the ranks on this node{}", cpus,
-                      machine_cpus, launcher_cpus_var.empty() ? "its affinity mask" : launcher_cpus_var + " is set",
-                      known ? fmt::format(" ({}: {})", ranks.ranks_on_node_source, ranks.ranks_on_node) : "")};
+    return OwnCpus(budget, machine_cpus, launcher_cpus_var, ranks);
+  if (quota_binds && !known)
+    return Choice(
+        budget.cgroup_cpus,
+        fmt::format("this rank's {} CPUs ({}), not split among the {} ranks: the launcher does not say how many "
+                    "share this node (LOCAL_WORLD_SIZE, SLURM_TASKS_PER_NODE), so the quota is this rank's own",
+                    budget.cgroup_cpus, budget.cgroup, ranks.world_size));
+  const int pool = quota_binds ? budget.cgroup_cpus : cpus;
+  const std::string pool_text =
+      quota_binds ? fmt::format("{} CPUs ({})", pool, budget.cgroup) : fmt::format("{} CPUs", pool);
   const int sharing = known ? ranks.ranks_on_node : ranks.world_size;
-  return {std::max(1, cpus / sharing),
-          known ? fmt::format("{} CPUs / {} rank{} on this node ({})", cpus, sharing, sharing == 1 ? "" : "s",
-                              ranks.ranks_on_node_source)
-                : fmt::format("{} CPUs / {} ranks (the launcher does not say how many share this node: "
-                              "LOCAL_WORLD_SIZE, SLURM_TASKS_PER_NODE)",
-                              cpus, sharing)};
+  return Choice(std::max(1, pool / sharing),
+                known ? fmt::format("{} / {} rank{} on this node ({})", pool_text, sharing, sharing == 1 ? "" : "s",
+                                    ranks.ranks_on_node_source)
+                      : fmt::format("{} / {} ranks (the launcher does not say how many share this node: "
+                                    "LOCAL_WORLD_SIZE, SLURM_TASKS_PER_NODE)",
+                                    pool_text, sharing));
+}
+
+}  // namespace
+
+TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, const CpuBudget& budget, int machine_cpus,
+                                            const std::string& launcher_cpus_var, const TrainingRanks& ranks) {
+  TrainingThreadsChoice d = DefaultTrainingThreads(budget, machine_cpus, launcher_cpus_var, ranks);
+  // The cgroup files that could not be read are named (ReadCpuBudget's reason after "; ").
+  if (const size_t left_out = budget.reason.find("; "); left_out != std::string::npos) {
+    if (d.reason.empty()) d.reason = fmt::format("this process's {} CPUs (its affinity mask)", d.threads);
+    d.reason += budget.reason.substr(left_out);
+  }
+  if (flag_threads <= 0) return d;
+  const int threads = static_cast<int>(std::min<int64_t>(flag_threads, std::numeric_limits<int>::max()));
+  TrainingThreadsChoice c{threads, "", ""};
+  if (threads > d.threads)
+    c.warning =
+        fmt::format("--threads {}: more than the {} CPU thread{} of this rank's default ({}): oversubscribing", threads,
+                    d.threads, d.threads == 1 ? "" : "s", d.reason.empty() ? "this process's affinity mask" : d.reason);
+  return c;
 }
 
 absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/cpu_budget.h"
 
 namespace ptk {
 
@@ -43,16 +44,21 @@ struct TrainingRanks {
 absl::StatusOr<TrainingRanks> TrainingRanksFromEnv();
 
 // CPU threads for one training rank, and why (for the start-up note). An explicit --threads
-// (`flag_threads` > 0) wins. Otherwise this process's CPUs (`process_cpus`, its affinity mask); when
-// that mask is the whole machine (`machine_cpus`), the launcher gave no per-rank CPUs
+// (`flag_threads` > 0) wins; `warning` then says when it is more than the default below would be
+// (oversubscribing). Otherwise this process's CPUs (`budget`: its affinity mask capped by its cgroups'
+// quota); when that mask is the whole machine (`machine_cpus`), the launcher gave no per-rank CPUs
 // (`launcher_cpus_var`: the name of SLURM_CPUS_PER_TASK or PTK_THREADS_PER_RANK when set, else empty) and there are
-// several ranks, they split the machine's cores among the ranks on this node (ranks.ranks_on_node), or among all the
-// ranks (world_size) when the launcher does not say how many share the node; at least 1.
+// several ranks, they split the machine's cores (or the cgroup quota, when smaller) among the ranks on this node
+// (ranks.ranks_on_node), or among all the ranks (world_size) when the launcher does not say how many share the node
+// and no cgroup quota binds; at least 1. A cgroup quota is shared by the ranks on this node when the launcher says
+// how many there are (torchrun's LOCAL_WORLD_SIZE in one container, an srun step's tasks in one job's cgroup), and
+// is this rank's own when it does not (one rank a Kubernetes pod): it caps per-rank CPUs too (its share of it).
 struct TrainingThreadsChoice {
   int threads = 1;
-  std::string reason;  // with several ranks and no --threads: how `threads` was chosen
+  std::string reason;   // with several ranks (or a cgroup quota) and no --threads: how `threads` was chosen
+  std::string warning;  // --threads above the default: oversubscribing, and why the default is less
 };
-TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, int process_cpus, int machine_cpus,
+TrainingThreadsChoice ChooseTrainingThreads(int64_t flag_threads, const CpuBudget& budget, int machine_cpus,
                                             const std::string& launcher_cpus_var, const TrainingRanks& ranks);
 
 // Node `node`'s tasks in a SLURM_TASKS_PER_NODE value: "2(x3),1" is 2, 2, 2, 1. None when the list

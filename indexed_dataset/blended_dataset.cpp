@@ -163,7 +163,7 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
     if (st.ok()) st = WriteFileAtomic(prefix + "description.txt", b->description_, /*durable=*/false);
     if (st.ok()) st = b->dataset_index_.Save(prefix + "dataset_index.npy");
     if (st.ok()) st = b->dataset_sample_index_.Save(prefix + "dataset_sample_index.npy");
-    if (!st.ok()) WarnIndexCacheNotSaved("BlendedDataset", *config.path_to_cache, config, st);
+    if (!st.ok()) PTK_RETURN_IF_ERROR(IndexCacheNotSaved("BlendedDataset", *config.path_to_cache, config, st));
   }
   return b;
 }

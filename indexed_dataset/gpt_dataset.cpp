@@ -189,7 +189,7 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
   if (save) {
     absl::Status st = MakeDirs(dir);
     if (!st.ok()) {
-      WarnIndexCacheNotSaved("GPTDataset", dir, config, st);
+      PTK_RETURN_IF_ERROR(IndexCacheNotSaved("GPTDataset", dir, config, st));
       save = false;
     }
   }
@@ -209,6 +209,14 @@ void WarnIndexCacheNotSaved(const char* what, const std::string& dir, const GPTD
       "{} {}: cannot save the {} index cache there ({}); the run is unaffected (its indices are built in memory, "
       "the same), but every run will build them again: give --data-cache-path a directory this process can write",
       config.path_to_cache ? "--data-cache-path" : "the data's cache directory", dir, what, StatusMessage(why));
+}
+
+absl::Status IndexCacheNotSaved(const char* what, const std::string& dir, const GPTDatasetConfig& config,
+                                const absl::Status& why) {
+  if (config.cache_write_required)
+    return Annotate(why, fmt::format("{}: cannot save the {} index cache there", dir, what));
+  WarnIndexCacheNotSaved(what, dir, config, why);
+  return absl::OkStatus();
 }
 
 // A cache is used when all four files are there, the description is ours and the arrays have the

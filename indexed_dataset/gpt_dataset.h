@@ -44,6 +44,9 @@ struct GPTDatasetConfig {
   py::Json tokenizer;
   std::optional<std::string> path_to_cache;  // --data-cache-path
   bool write_cache = true;
+  // An index cache write_cache asks for that cannot be saved fails the build (ptk-inspect --write-cache,
+  // whose point it is) instead of a warning (a training run, whose indices are the same in memory).
+  bool cache_write_required = false;
   bool add_extra_token_to_sequence = true;
   bool reset_position_ids = false, reset_attention_mask = false, eod_mask_loss = false;
   bool drop_last_partial_validation_sequence = true;
@@ -58,6 +61,10 @@ struct GPTDatasetConfig {
 // and process (a run's splits and blended datasets would repeat it).
 void WarnIndexCacheNotSaved(const char* what, const std::string& dir, const GPTDatasetConfig& config,
                             const absl::Status& why);
+// The warning, or with config.cache_write_required `why` itself, annotated with the directory (its code
+// kept: a full disk stays kResourceExhausted).
+absl::Status IndexCacheNotSaved(const char* what, const std::string& dir, const GPTDatasetConfig& config,
+                                const absl::Status& why);
 
 // One training sample as Megatron's GPTDataset.__getitem__ returns it.
 struct GPTSample {

@@ -343,7 +343,7 @@ absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool s
   if (st.ok()) st = save_sample;
   // Caches are validated on load and rebuilt when damaged: atomic, not durable.
   if (st.ok() && save) st = WriteFileAtomic(cache_prefix_ + "description.txt", description_, /*durable=*/false);
-  if (!st.ok()) WarnIndexCacheNotSaved("GPTDataset", Dirname(cache_prefix_), config_, st);
+  if (!st.ok()) return IndexCacheNotSaved("GPTDataset", Dirname(cache_prefix_), config_, st);
   return absl::OkStatus();
 }
 

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
+#include <optional>
 #include <set>
 
 #include <fmt/core.h>
@@ -23,6 +25,23 @@ namespace {
 bool SameFile(const std::string& a, const std::string& b) {
   auto x = IdentifyFile(a), y = IdentifyFile(b);
   return x.ok() && y.ok() && x->dev == y->dev && x->ino == y->ino;
+}
+
+// The output's pair found in the input directory is left out only when a merge wrote it (its sidecar
+// records a ptk-merge source): a dataset ptk-tokenize or Megatron wrote there is one of the inputs, and
+// merging the others into its name would replace it.
+absl::Status CheckOwnPairIsAMerge(const std::string& dir, const std::string& own, const std::string& output_prefix) {
+  const std::string in_dir = JoinPath(dir, own);
+  if (!PathExists(BinPath(in_dir)) && !PathExists(IdxPath(in_dir))) return absl::OkStatus();
+  const std::optional<std::string> source = RecordedSource(in_dir);
+  if (source && (source->empty() || source->rfind("ptk-merge", 0) == 0)) return absl::OkStatus();
+  return absl::FailedPreconditionError(fmt::format(
+      "output prefix {} is a dataset of the input directory {} that no merge wrote ({}): merging the others into "
+      "it would replace one of the inputs; name an output outside {} or a new one",
+      output_prefix, dir,
+      source ? fmt::format("its {} records {}", Basename(DoneSidecarPath(in_dir)), source->substr(0, source->find(' ')))
+             : fmt::format("no {} beside it", Basename(DoneSidecarPath(in_dir))),
+      dir));
 }
 
 }  // namespace
@@ -48,6 +67,7 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
       idxs.insert(name.substr(0, name.size() - 4));
   }
   ::closedir(d);
+  if (!own.empty()) PTK_RETURN_IF_ERROR(CheckOwnPairIsAMerge(dir, own, output_prefix));
   std::vector<std::string> out;
   for (const auto& b : bins) {
     if (!idxs.count(b))
@@ -68,7 +88,12 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, 
     for (const std::string& f : {BinPath(in), IdxPath(in)}) {
       struct stat st {};
       if (::stat(f.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("cannot read {}", f));
-      s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+      // By its absolute, normal name: parts/a, ./parts/a and /data/parts/a (or a rerun from another
+      // directory) are one input, not a change that merges again.
+      std::error_code ec;
+      const std::filesystem::path abs = std::filesystem::absolute(f, ec);
+      s += fmt::format("{}\t{}\t{}.{}\n", ec ? f : abs.lexically_normal().string(), st.st_size, st.st_mtim.tv_sec,
+                       st.st_mtim.tv_nsec);
     }
     // An input ptk wrote: its sidecar (the content checksums of its .bin and .idx, what it was made
     // from) too, so that an input made again is seen even where its size and time stayed.

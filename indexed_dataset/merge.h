@@ -11,7 +11,9 @@ namespace ptk {
 // The prefixes in `dir` as tools/merge_datasets.py finds them: every PREFIX with both PREFIX.bin
 // and PREFIX.idx, sorted by Python's sorted() (code-point = byte order). A lone .bin or .idx is an
 // error naming it. The pair at `output_prefix` (the merge's output, however spelled: a merge into
-// its input directory finds there what its earlier run wrote) is never an input.
+// its input directory finds there what its earlier run wrote) is never an input; a pair there that no
+// merge wrote (its sidecar records another source, or there is none) is an input the merge would
+// replace: FailedPrecondition naming it.
 absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir,
                                                            const std::string& output_prefix = "");
 

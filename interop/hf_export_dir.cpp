@@ -20,6 +20,7 @@
 #include "common/logging.h"
 #include "common/output_lock.h"
 #include "common/status.h"
+#include "interop/hf_shards.h"
 
 namespace ptk {
 namespace hf_detail {
@@ -27,9 +28,22 @@ namespace {
 
 constexpr char kExportNewTag[] = ".ptk-tmp-";
 constexpr char kExportOldTag[] = ".ptk-old-";
-// What an export writes: a directory holding these and nothing else is a ptk export.
-constexpr const char* kExportFiles[] = {"config.json", "generation_config.json", "tokenizer_config.json", "vocab.json",
-                                        "merges.txt",  "model.safetensors"};
+// What an export writes: a directory holding these (and shards, IsShardFileName) and nothing else is a
+// ptk export.
+constexpr const char* kExportFiles[] = {
+    "config.json", "generation_config.json", "tokenizer_config.json",       "vocab.json",
+    "merges.txt",  "model.safetensors",      "model.safetensors.index.json"};
+
+// An export's file, or the temporary of one that an older ptk-convert, which replaced the files one by
+// one, left when killed.
+bool IsExportFile(const std::string& name) {
+  const bool shard_tmp =
+      name.size() > 32 && IsShardFileName(std::string_view(name).substr(0, 32)) && name.compare(32, 8, ".ptk-tmp") == 0;
+  return IsShardFileName(name) || shard_tmp ||
+         std::find_if(std::begin(kExportFiles), std::end(kExportFiles), [&](const char* f) {
+           return name == f || name.rfind(std::string(f) + ".ptk-tmp", 0) == 0;
+         }) != std::end(kExportFiles);
+}
 
 ExportStepHook& ExportHook() {
   static ExportStepHook hook;
@@ -111,13 +125,7 @@ absl::Status CheckExportTarget(const std::string& target, bool force) {
   for (const auto& e : std::filesystem::directory_iterator(target, ec)) {
     const std::string name = e.path().filename().string();
     std::error_code ec2;
-    // An export's files, and the temporaries of one that an older ptk-convert, which replaced the
-    // files one by one, left when killed.
-    const bool ours =
-        e.is_regular_file(ec2) && std::find_if(std::begin(kExportFiles), std::end(kExportFiles), [&](const char* f) {
-                                    return name == f || name.rfind(std::string(f) + ".ptk-tmp", 0) == 0;
-                                  }) != std::end(kExportFiles);
-    if (!ours) foreign.push_back(name);
+    if (!e.is_regular_file(ec2) || !IsExportFile(name)) foreign.push_back(name);
   }
   if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", target, ec.message()));
   if (foreign.empty() || force) return absl::OkStatus();

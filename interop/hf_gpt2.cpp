@@ -24,6 +24,7 @@
 #include "interop/hf_export_dir.h"
 #include "interop/hf_gpt2_tensors.h"
 #include "interop/hf_llama.h"
+#include "interop/hf_shards.h"
 #include "interop/megatron.h"
 #include "interop/safetensors.h"
 #include "tokenizer/gpt2_tokenizer.h"
@@ -60,63 +61,6 @@ absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_v
   if (path.empty()) return std::string(fallback);
   return ReadFileToString(path);
 }
-
-}  // namespace
-
-// An import writes iteration `iteration` (0 unless --iteration) and points the tracker at it: into
-// the --save of a training run it would move `latest` (back, or past the run's own checkpoints) and
-// make the next ptk-train --load restart from the imported weights. So the directory must hold no
-// checkpoint but that iteration's (a new directory, or an earlier import, which a rerun replaces).
-// An earlier import is told from a run's checkpoint by its AdamW step (0: a Hugging Face import), or
-// where the import carries moments (a Megatron checkpoint's) by the command line in its header
-// (ptk-convert's --saver; ptk-train takes no such flag).
-absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool with_moments) {
-  std::vector<std::string> iterations;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("iter_", 0) == 0 && name != Basename(CheckpointDir(save, iteration))) iterations.push_back(name);
-  }
-  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
-  std::sort(iterations.begin(), iterations.end());
-  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(save);
-  std::string held;
-  if (latest.ok() && *latest != iteration) {
-    held = fmt::format("its latest checkpoint is iteration {}", *latest);
-  } else if (!latest.ok() && !absl::IsNotFound(latest.status())) {
-    held = std::string(StatusMessage(latest.status()));
-  } else if (!iterations.empty()) {
-    held = fmt::format("it holds {}{}", iterations.back(),
-                       iterations.size() > 1 ? fmt::format(" and {} more", iterations.size() - 1) : "");
-  } else if (const std::string file = CheckpointFile(save, iteration); PathExists(file)) {
-    // That iteration is there: an earlier import is replaced, a run's own is kept.
-    PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeaderText(file));
-    simdjson::dom::parser parser;
-    simdjson::dom::element h;
-    int64_t adam_step = 0;
-    if (with_moments) {
-      bool imported = false;
-      simdjson::dom::array args;
-      if (!parser.parse(header).get(h) && !h["args"].get(args))
-        for (simdjson::dom::element a : args) {
-          std::string_view v;
-          if (!a.get(v) && (v == "--saver" || v.rfind("--saver=", 0) == 0)) imported = true;
-        }
-      if (!imported) held = fmt::format("its iteration {} was saved by a training run, not by an import", iteration);
-    } else if (parser.parse(header).get(h) || h["adam_step"].get(adam_step) || adam_step != 0) {
-      held = fmt::format("its iteration {} has taken {} AdamW steps: a run's, not an import", iteration, adam_step);
-    }
-  }
-  if (held.empty()) return absl::OkStatus();
-  return UsageError(
-      fmt::format("--save-dir {}: holds a training run's checkpoints ({}); an import (iteration {}) would move "
-                  "latest_checkpointed_iteration.txt or replace the run's checkpoint. Import into a new directory, "
-                  "then ptk-train --load NEW{} --save {} to "
-                  "continue from the imported weights",
-                  save, held, iteration, iteration == 0 ? " --finetune" : "", save));
-}
-
-namespace {
 
 // --apply-layernorm-1p's norms in the weights that compute them without it: each norm weight + 1
 // (in fp32, as megatron-core's forward adds it).
@@ -177,9 +121,42 @@ HfTextFiles HfTextFilesOf(const GPTConfig& c, int64_t eod, std::string vocab_jso
   return f;
 }
 
+// The weights into `dir` as save_pretrained writes them: model.safetensors when they fit in one shard of
+// `max_shard_size`, else model-0000K-of-0000N.safetensors (the tensors assigned as
+// split_torch_state_dict_into_shards assigns them, each whole) and model.safetensors.index.json.
+absl::Status WriteWeights(const std::string& dir, const std::vector<SafetensorsEntry>& entries,
+                          uint64_t max_shard_size) {
+  const std::map<std::string, std::string> kMetadata = {{"format", "pt"}};
+  std::vector<uint64_t> sizes;
+  for (const SafetensorsEntry& e : entries) sizes.push_back(e.data.size_bytes());
+  const std::vector<int> shard = hf_detail::AssignShards(sizes, max_shard_size);
+  const int shards = shard.empty() ? 1 : 1 + *std::max_element(shard.begin(), shard.end());
+  if (shards == 1) {
+    PTK_RETURN_IF_ERROR(ExportStep("write model.safetensors"));
+    return WriteSafetensors(JoinPath(dir, hf_detail::kWeightsName), entries, kMetadata);
+  }
+  std::map<std::string, std::string> weight_map;
+  uint64_t total = 0;
+  for (int k = 0; k < shards; ++k) {
+    const std::string name = hf_detail::ShardFileName(k, shards);
+    std::vector<SafetensorsEntry> part;
+    for (size_t i = 0; i < entries.size(); ++i)
+      if (shard[i] == k) {
+        part.push_back(entries[i]);
+        weight_map[entries[i].name] = name;
+        total += sizes[i];
+      }
+    PTK_RETURN_IF_ERROR(ExportStep("write " + name));
+    PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, name), part, kMetadata));
+  }
+  PTK_RETURN_IF_ERROR(ExportStep(std::string("write ") + hf_detail::kWeightsIndexName));
+  return WriteFileAtomic(JoinPath(dir, hf_detail::kWeightsIndexName), hf_detail::ShardIndexJson(weight_map, total));
+}
+
 // The export's files written into a new directory beside --save-dir, which then takes its place;
 // returns the directory.
-absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::vector<SafetensorsEntry>& entries,
+absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::string& source,
+                                        const std::vector<SafetensorsEntry>& entries, uint64_t max_shard_size,
                                         const HfTextFiles& text) {
   // One export into a directory at a time (a lock file beside it), published whole: every file written
   // into a new directory beside the target, which then takes the target's place (PublishExport).
@@ -193,6 +170,8 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::vect
                                    {"--merge-file", o.merge_file},
                                    {"the current directory", "."}})
     PTK_RETURN_IF_ERROR(CheckNotInside(dir, what, path));
+  // --load-dir's checkpoint itself: a --save-dir inside --load-dir (ckpt/iter_0000007) holds it too.
+  PTK_RETURN_IF_ERROR(CheckNotInside(dir, "the checkpoint read", source));
   const std::string tmp = ExportNewCopy(dir), old = ExportOldCopy(dir);
   const std::vector<std::pair<std::string, const std::string*>> small = {
       {"config.json", &text.config},
@@ -202,8 +181,7 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::vect
       {"merges.txt", &text.merges_txt}};
   absl::Status written = [&]() -> absl::Status {
     PTK_RETURN_IF_ERROR(MakeDirs(tmp));
-    PTK_RETURN_IF_ERROR(ExportStep("write model.safetensors"));
-    PTK_RETURN_IF_ERROR(WriteSafetensors(JoinPath(tmp, "model.safetensors"), entries, {{"format", "pt"}}));
+    PTK_RETURN_IF_ERROR(WriteWeights(tmp, entries, max_shard_size));
     for (const auto& [name, contents] : small) {
       PTK_RETURN_IF_ERROR(ExportStep("write " + name));
       PTK_RETURN_IF_ERROR(WriteFileAtomic(JoinPath(tmp, name), *contents));
@@ -225,6 +203,7 @@ absl::StatusOr<std::string> WriteExport(const ConvertOptions& o, const std::vect
 
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   ConvertSummary s;
+  PTK_ASSIGN_OR_RETURN(const uint64_t max_shard_size, hf_detail::ParseMaxShardSize(o.max_shard_size));
   PTK_ASSIGN_OR_RETURN(PtkCheckpoint ck, LoadPtkCheckpoint(o.load_dir, o.true_vocab_size));
   s.iteration = ck.iteration;
   s.source = ck.file;
@@ -282,7 +261,7 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
       s.notes.push_back(fmt::format("--hidden-dropout {}: {} has no hidden dropout (it is left out)",
                                     Num(c.hidden_dropout), c.qk_layernorm ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
   }
-  PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, entries, text));
+  PTK_ASSIGN_OR_RETURN(const std::string dir, WriteExport(o, ck.file, entries, max_shard_size, text));
   s.destination = dir;
   s.config = c;
   for (const HfTensor& t : tensors) s.num_params += static_cast<int64_t>(t.data.size());
@@ -295,20 +274,6 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 }
 
 namespace {
-
-// One model.safetensors is what ptk reads: sharded weights and PyTorch pickles are named as such.
-absl::Status CheckHfWeightsFile(const std::string& load_dir, const std::string& weights_path) {
-  if (PathExists(weights_path)) return absl::OkStatus();
-  if (PathExists(JoinPath(load_dir, "model.safetensors.index.json")))
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: the weights are sharded (model.safetensors.index.json); ptk reads one model.safetensors", load_dir));
-  if (PathExists(JoinPath(load_dir, "pytorch_model.bin")))
-    return absl::FailedPreconditionError(fmt::format(
-        "{}: the weights are a PyTorch pickle (pytorch_model.bin); ptk reads model.safetensors (save the model "
-        "with safe_serialization=True)",
-        load_dir));
-  return absl::NotFoundError(weights_path + ": missing");
-}
 
 // The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU (or relu2:
 // --squared-relu), attention scaled by 1/sqrt(head_dim) alone.
@@ -388,21 +353,20 @@ absl::StatusOr<GPTConfig> ReadGpt2Config(const HfConfigReader& r, int64_t make_v
 // The weights: every tensor config.json implies, with its shape and finite values, and nothing
 // else (the causal-mask buffers of older files aside; a tied model's output layer only as a copy
 // of the embedding). Fills each tensor's data.
-absl::Status ReadHfTensors(const std::string& weights_path, const GPTConfig& c, std::vector<HfTensor>* tensors) {
-  PTK_ASSIGN_OR_RETURN(auto st_file, SafetensorsFile::Open(weights_path));
-  std::map<std::string, const SafetensorsTensor*> present;
-  for (const SafetensorsTensor& t : st_file->tensors()) {
-    std::string name = t.name;
+absl::Status ReadHfTensors(const hf_detail::HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors) {
+  std::map<std::string, hf_detail::PresentTensor> present;
+  for (const auto& [full_name, t] : weights.tensors) {
+    std::string name = full_name;
     if (name.rfind(kPrefix, 0) == 0) name = name.substr(sizeof kPrefix - 1);
     // The causal-mask buffers older GPT-2 files carry: not weights.
     static const std::regex kMask(R"(h\.\d+\.attn\.(masked_)?bias)");
     if (std::regex_match(name, kMask)) continue;
-    if (!present.emplace(name, &t).second)
+    if (!present.emplace(name, t).second)
       return absl::DataLossError(
-          fmt::format("{}: tensor {} is there with and without the {} prefix", weights_path, t.name, kPrefix));
+          fmt::format("{}: tensor {} is there with and without the {} prefix", t.file->path(), full_name, kPrefix));
   }
-  return hf_detail::ReadPresentTensors(*st_file, weights_path, std::move(present),
-                                       c.untie_embeddings_and_output_weights, kPrefix, "GPT-2", tensors);
+  return hf_detail::ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights,
+                                       kPrefix, "GPT-2", tensors);
 }
 
 std::string SettingNum(double v) { return fmt::format("{}", v); }  // as ptk-train records its settings
@@ -472,9 +436,9 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
         o.iteration));
   if (o.iteration == 0 && (o.global_batch_size > 0 || o.consumed_train_samples >= 0))
     return UsageError("--global-batch-size and --consumed-train-samples place an import at --iteration N (N > 0)");
-  const std::string weights_path = JoinPath(o.load_dir, "model.safetensors");
-  s.source = weights_path;
-  PTK_RETURN_IF_ERROR(CheckHfWeightsFile(o.load_dir, weights_path));
+  // model.safetensors, or the shards of model.safetensors.index.json: mapped, read tensor by tensor.
+  PTK_ASSIGN_OR_RETURN(const hf_detail::HfWeights weights, hf_detail::OpenHfWeights(o.load_dir, &s.notes));
+  s.source = weights.source;
   PTK_ASSIGN_OR_RETURN(s.config,
                        ReadHfConfig(JoinPath(o.load_dir, "config.json"), o.make_vocab_size_divisible_by, &s.notes));
   const GPTConfig& c = s.config;
@@ -483,10 +447,10 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   std::vector<HfTensor> tensors = llama ? hf_detail::LlamaTensorsOf(c) : HfTensorsOf(c);
   std::vector<float> params(static_cast<size_t>(layout.num_params), 0.0f);
   if (llama) {
-    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights_path, c, &tensors));
+    PTK_RETURN_IF_ERROR(hf_detail::ReadLlamaTensors(weights, c, &tensors));
     hf_detail::MapLlamaParams(layout, &params, &tensors, /*to_hf=*/false);
   } else {
-    PTK_RETURN_IF_ERROR(ReadHfTensors(weights_path, c, &tensors));
+    PTK_RETURN_IF_ERROR(ReadHfTensors(weights, c, &tensors));
     MapParams(layout, &params, &tensors, /*to_hf=*/false);
   }
   const std::vector<float> zeros(params.size(), 0.0f);
@@ -527,16 +491,6 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
                     "Megatron's checkpoint converter pads",
                     c.vocab_size, c.padded_vocab_size));
   return s;
-}
-
-absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& o) {
-  if (o.loader == "ptk" && o.saver == "hf") return ExportToHf(o);
-  if (o.loader == "hf" && o.saver == "ptk") return ImportFromHf(o);
-  if (o.loader == "megatron" && o.saver == "ptk") return ImportFromMegatron(o);
-  if (o.loader == "ptk" && o.saver == "megatron") return ExportToMegatron(o);
-  return UsageError(
-      fmt::format("--loader {} --saver {}: ptk-convert converts ptk to hf or megatron, and hf or megatron to ptk",
-                  o.loader, o.saver));
 }
 
 }  // namespace ptk

@@ -8,9 +8,11 @@
 // untied output layer), model.safetensors (fp32; Megatron's fused per-head QKV rows reordered into
 // c_attn's [q | k | v] columns; every linear weight transposed into Conv1D's (in, out); the padded
 // vocabulary rows dropped: HF's logits are the first vocab_size of ptk's, the padded ones, which no
-// label ever names, are gone), vocab.json, merges.txt, tokenizer_config.json,
-// generation_config.json. Each file is replaced atomically.
-// hf -> ptk: the directory's config.json and model.safetensors checked against each other (every
+// label ever names, are gone; above --max-shard-size, 5GB, sharded as save_pretrained shards:
+// model-0000K-of-0000N.safetensors and model.safetensors.index.json), vocab.json, merges.txt,
+// tokenizer_config.json, generation_config.json. Each file is replaced atomically.
+// hf -> ptk: the directory's config.json and model.safetensors (or the shards its
+// model.safetensors.index.json names, as from_pretrained reads them) checked against each other (every
 // tensor present with its shape and nothing else; the tensor's name in every refusal), the
 // padded rows filled as Megatron's checkpoint saver fills them (copies of the last row), written
 // as a ptk checkpoint of iteration 0 with zero AdamW moments, for ptk-train --load ... --finetune
@@ -47,8 +49,17 @@ struct ConvertOptions {
   // --num-layers-per-virtual-pipeline-stage); 0: no chunks.
   int64_t target_num_layers_per_virtual_pipeline_stage = 0;
   std::string saver_transformer_impl = "transformer_engine";
+  // ptk -> megatron: as a run of Megatron's --use-distributed-optimizer saves it (the fp32 params and
+  // moments in each rank's distrib_optim.pt, the param groups alone in model_optim_rng.pt).
+  bool target_use_distributed_optimizer = false;
+  // ... for a run of --overlap-grad-reduce --ddp-bucket-size N: the first pipeline stage's first chunk
+  // in buckets of N elements, as its grad buffer lays them out (0: one bucket, no --overlap-grad-reduce).
+  int64_t target_ddp_bucket_size = 0;
   // ptk -> hf: replace a --save-dir that holds files an export does not write (all removed).
   bool force = false;
+  // ptk -> hf: save_pretrained's max_shard_size ("5GB", "500MB", a byte count): weights above it are
+  // written as model-0000K-of-0000N.safetensors shards with model.safetensors.index.json.
+  std::string max_shard_size = "5GB";
   // hf -> ptk: the checkpoint's iteration (0: a start for --finetune), and the samples consumed by
   // then: consumed_train_samples, or iteration x global_batch_size (a run without batch ramp-up),
   // so that ptk-train --load resumes at iteration + 1 at that data position and schedule step.
@@ -87,17 +98,23 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
 // one it writes), so that it never moves `latest` of a run.
 // An import of iteration `iteration` into `save` (under its lock): refused (exit 2) when `save`
 // holds a training run's checkpoints, any iteration but that one, or that one saved by a run; an
-// earlier import of it is replaced. `with_moments`: the import carries AdamW's moments (a Megatron
+// earlier import of it is replaced; so is one whose iteration holds another tool's files (a Megatron
+// checkpoint: --load-dir given as --save-dir). `with_moments`: the import carries AdamW's moments (a Megatron
 // checkpoint's), so an earlier import is told by ptk-convert's command line in its header, not by
 // an AdamW step of 0.
 absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool with_moments);
+// A Megatron export (RunConvert calls this before ExportToMegatron) into a directory that holds ptk
+// checkpoints (a training run's --save, or --load-dir itself) would replace one of them and move its
+// latest_checkpointed_iteration.txt: refused, a usage error naming a ptk file found there.
+absl::Status CheckMegatronExportTarget(const std::string& save);
 
 // The directions on their own.
 absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& options);
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& options);
 
 // Fault injection for tests: ExportToHf calls the hook before each step of writing and publishing
-// an export, by name ("write config.json", "exchange directories", "rename old export aside",
+// an export, by name ("write config.json", "write model-00001-of-00003.safetensors" (a sharded export's
+// shards, then "write model.safetensors.index.json"), "exchange directories", "rename old export aside",
 // "rename new export in", "remove old export", ...); a non-OK status fails the export there as an
 // I/O error would (Unimplemented at "exchange directories": as a filesystem without
 // RENAME_EXCHANGE, the two renames follow), and a hook may end the process there (a kill).

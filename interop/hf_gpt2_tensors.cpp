@@ -144,38 +144,43 @@ void MapParams(const ParamLayout& layout, std::vector<float>* params, std::vecto
   if (c.untie_embeddings_and_output_weights) vocab(kLmHead, layout.out_w);
 }
 
-absl::Status ReadPresentTensors(const SafetensorsFile& file, const std::string& weights_path,
-                                std::map<std::string, const SafetensorsTensor*> present, bool untied,
-                                const std::string& prefix, const std::string& model, std::vector<HfTensor>* tensors) {
+absl::Status ReadPresentTensors(const std::string& weights_path, std::map<std::string, PresentTensor> present,
+                                bool untied, const std::string& prefix, const std::string& model,
+                                std::vector<HfTensor>* tensors) {
   auto shown = [&](const std::string& name) { return name == kLmHead ? name : prefix + name; };
-  auto refuse = [&](const std::string& tensor, const std::string& why) {
-    return absl::DataLossError(fmt::format("{}: tensor {}: {}", weights_path, tensor, why));
+  auto refuse = [&](const std::string& file, const std::string& tensor, const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: tensor {}: {}", file, tensor, why));
   };
   for (HfTensor& t : *tensors) {
     auto it = present.find(t.name);
     if (it == present.end())
-      return refuse(shown(t.name), fmt::format("missing (config.json asks for shape {})", Shape(t.shape)));
-    if (it->second->shape != t.shape)
-      return refuse(shown(t.name),
-                    fmt::format("shape {}, config.json asks for {}", Shape(it->second->shape), Shape(t.shape)));
-    PTK_ASSIGN_OR_RETURN(t.data, file.ReadFloat(*it->second));
+      return refuse(weights_path, shown(t.name),
+                    fmt::format("missing (config.json asks for shape {})", Shape(t.shape)));
+    const auto& [file, found] = it->second;
+    if (found->shape != t.shape)
+      return refuse(file->path(), shown(t.name),
+                    fmt::format("shape {}, config.json asks for {}", Shape(found->shape), Shape(t.shape)));
+    PTK_ASSIGN_OR_RETURN(t.data, file->ReadFloat(*found));
     for (float x : t.data)
-      if (!std::isfinite(x)) return refuse(shown(t.name), "holds a NaN or an infinity");
+      if (!std::isfinite(x)) return refuse(file->path(), shown(t.name), "holds a NaN or an infinity");
     present.erase(it);
   }
   if (!untied && present.count(kLmHead)) {
     // A tied model's file may carry the output layer too: it must be the embedding.
-    const SafetensorsTensor* head = present.at(kLmHead);
-    PTK_ASSIGN_OR_RETURN(std::vector<float> lm, file.ReadFloat(*head));
+    const auto [file, head] = present.at(kLmHead);
+    PTK_ASSIGN_OR_RETURN(std::vector<float> lm, file->ReadFloat(*head));
     if (head->shape != (*tensors)[0].shape || lm != (*tensors)[0].data)
-      return refuse(kLmHead, fmt::format("differs from {}, but config.json ties them (tie_word_embeddings)",
-                                         shown((*tensors)[0].name)));
+      return refuse(
+          file->path(), kLmHead,
+          fmt::format("differs from {}, but config.json ties them (tie_word_embeddings)", shown((*tensors)[0].name)));
     present.erase(kLmHead);
   }
-  if (!present.empty())
-    return refuse(present.begin()->second->name,
+  if (!present.empty()) {
+    const auto [file, extra] = present.begin()->second;
+    return refuse(file->path(), extra->name,
                   fmt::format("not a weight of the {} model config.json describes ({} such tensor{})", model,
                               present.size(), present.size() > 1 ? "s" : ""));
+  }
   return absl::OkStatus();
 }
 

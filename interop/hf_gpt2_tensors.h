@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "interop/hf_shards.h"
 #include "interop/safetensors.h"
 #include "trainer/param_layout.h"
 
@@ -32,13 +33,14 @@ std::vector<HfTensor> HfTensorsOf(const GPTConfig& c);
 // copied from the last real row, as Megatron's saver pads).
 void MapParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf);
 
-// Fills every tensor of `tensors` from `file` (`weights_path`), whose tensors `present` holds by the
-// names `tensors` uses (buffers that are not weights left out): each must be there with its shape and
-// finite values, refused naming it as `prefix` + its name (kLmHead as it is). A tied model's kLmHead
-// may be there only as a copy of tensors[0] (the embedding); anything else left is refused, naming
-// `model` (GPT-2's import and Llama's share this).
-absl::Status ReadPresentTensors(const SafetensorsFile& file, const std::string& weights_path,
-                                std::map<std::string, const SafetensorsTensor*> present, bool untied,
-                                const std::string& prefix, const std::string& model, std::vector<HfTensor>* tensors);
+// Fills every tensor of `tensors` from the files of an HF directory's weights (`weights_path`: one file
+// or the shards' index), whose tensors `present` holds by the names `tensors` uses (buffers that are not
+// weights left out): each must be there with its shape and finite values, refused naming its file and
+// it as `prefix` + its name (kLmHead as it is). A tied model's kLmHead may be there only as a copy of
+// tensors[0] (the embedding); anything else left is refused, naming `model` (GPT-2's import and
+// Llama's share this).
+absl::Status ReadPresentTensors(const std::string& weights_path, std::map<std::string, PresentTensor> present,
+                                bool untied, const std::string& prefix, const std::string& model,
+                                std::vector<HfTensor>* tensors);
 
 }  // namespace ptk::hf_detail

@@ -15,8 +15,9 @@
 namespace ptk::hf_detail {
 namespace {
 
-// Llama 3.1's frequency scaling as ptk computes it (trainer/op_math.h, Megatron's --use-rope-scaling).
-constexpr double kRopeFactor = 8.0, kRopeLowFreqFactor = 1.0, kRopeHighFreqFactor = 4.0;
+// Llama 3.x's frequency scaling as ptk computes it (trainer/op_math.h, Megatron's --use-rope-scaling): its
+// factor is --rope-scaling-factor, the rest Megatron-core's fixed defaults.
+constexpr double kRopeLowFreqFactor = 1.0, kRopeHighFreqFactor = 4.0;
 constexpr int64_t kRopeOriginalContext = 8192;
 
 int64_t Elements(const std::vector<int64_t>& shape) {
@@ -40,6 +41,10 @@ absl::Status CheckLlamaExportable(const GPTConfig& c, const std::string& file) {
     why.push_back(fmt::format(
         "--rotary-percent {} (LlamaForCausalLM rotates every channel of a head; partial rotary is another model's)",
         SettingNum(c.rotary_percent)));
+  if (c.rope() && c.use_rope_scaling && c.rotary_seq_len_interpolation_factor > 0)
+    why.push_back(
+        "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers' rope_scaling is one of "
+        "llama3 and linear)");
   if (!c.swiglu) why.push_back("no --swiglu (LlamaForCausalLM's MLP is SwiGLU's gated one)");
   if (c.qk_layernorm) {  // Qwen3ForCausalLM: its attention_bias biases q, k, v and o, its MLP has none
     if (c.add_bias_linear)
@@ -66,17 +71,22 @@ absl::Status CheckLlamaExportable(const GPTConfig& c, const std::string& file) {
 }
 
 std::string LlamaConfigJson(const GPTConfig& c, int64_t eod) {
-  const std::string rope_scaling = c.use_rope_scaling
-                                       ? PrettyConfig(
-                                             {
-                                                 {"factor", Num(kRopeFactor)},
-                                                 {"high_freq_factor", Num(kRopeHighFreqFactor)},
-                                                 {"low_freq_factor", Num(kRopeLowFreqFactor)},
-                                                 {"original_max_position_embeddings", Int(kRopeOriginalContext)},
-                                                 {"rope_type", Str("llama3")},
-                                             },
-                                             1)
-                                       : "null";
+  // Llama 3.x's scaling, or linear position interpolation (transformers divides the frequencies by the
+  // factor where Megatron divides the positions: the same angles up to fp32 rounding).
+  std::string rope_scaling = "null";
+  if (c.use_rope_scaling)
+    rope_scaling = PrettyConfig(
+        {
+            {"factor", Num(c.rope_scaling_factor)},
+            {"high_freq_factor", Num(kRopeHighFreqFactor)},
+            {"low_freq_factor", Num(kRopeLowFreqFactor)},
+            {"original_max_position_embeddings", Int(kRopeOriginalContext)},
+            {"rope_type", Str("llama3")},
+        },
+        1);
+  else if (c.rotary_seq_len_interpolation_factor > 0)
+    rope_scaling =
+        PrettyConfig({{"factor", Num(c.rotary_seq_len_interpolation_factor)}, {"rope_type", Str("linear")}}, 1);
   const bool qwen3 = c.qk_layernorm;
   std::vector<std::pair<std::string, std::string>> fields = {
       {"architectures", qwen3 ? "[\n    \"Qwen3ForCausalLM\"\n  ]" : "[\n    \"LlamaForCausalLM\"\n  ]"},
@@ -172,6 +182,17 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
       for (int64_t r = c.vocab_size; r < c.padded_vocab_size; ++r)
         std::copy(P + offset + (c.vocab_size - 1) * h, P + offset + c.vocab_size * h, P + offset + r * h);
   };
+  // A head's hd rows of `width` (or elements: width 1) from HF's row `at` <-> ptk's from element `offset`.
+  // With --rotary-interleaved ptk rotates channels (2i, 2i + 1) together, HF's rotate-half (i, i + hd/2):
+  // HF's channel i is ptk's 2i, its channel hd/2 + i ptk's 2i + 1, in the query and key heads (and their
+  // norms) alike. The same permutation of a query's and its key's channels leaves their product, hence
+  // the attention, unchanged, so the HF model computes ptk's.
+  const bool permute = c.rope() && c.rotary_interleaved;
+  auto head = [&](const std::string& name, int64_t at, int64_t offset, int64_t width, bool rotated) {
+    if (!permute || !rotated) return move(name, at * width, offset, hd * width);
+    for (int64_t j = 0; j < hd; ++j)
+      move(name, (at + j) * width, offset + (j < hd / 2 ? 2 * j : 2 * (j - hd / 2) + 1) * width, width);
+  };
   vocab("model.embed_tokens.weight", layout.wte);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerParams& lp = layout.layers[static_cast<size_t>(l)];
@@ -181,14 +202,14 @@ void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::
       for (int64_t s = 0; s < per_group + 2; ++s) {
         const int64_t row = (g * (per_group + 2) + s) * hd;
         const char* proj = s < per_group ? "q_proj" : s == per_group ? "k_proj" : "v_proj";
-        const int64_t head = s < per_group ? g * per_group + s : g;
-        move(p + "self_attn." + proj + ".weight", head * hd * h, lp.qkv_w + row * h, hd * h);
-        if (c.add_bias_linear) move(p + "self_attn." + proj + ".bias", head * hd, lp.qkv_b + row, hd);
+        const int64_t at = (s < per_group ? g * per_group + s : g) * hd;
+        head(p + "self_attn." + proj + ".weight", at, lp.qkv_w + row * h, h, s <= per_group);
+        if (c.add_bias_linear) head(p + "self_attn." + proj + ".bias", at, lp.qkv_b + row, 1, s <= per_group);
       }
     copy(p + "self_attn.o_proj.weight", lp.proj_w);
     if (c.qk_layernorm) {
-      copy(p + "self_attn.q_norm.weight", lp.q_norm_w);
-      copy(p + "self_attn.k_norm.weight", lp.k_norm_w);
+      head(p + "self_attn.q_norm.weight", 0, lp.q_norm_w, 1, true);
+      head(p + "self_attn.k_norm.weight", 0, lp.k_norm_w, 1, true);
     }
     // linear_fc1's rows: [gate; up].
     copy(p + "mlp.gate_proj.weight", lp.fc1_w);
@@ -311,38 +332,55 @@ absl::Status ReadLlamaDims(const HfConfigReader& r, int64_t make_vocab_size_divi
 
 namespace {
 
+// A rope_scaling (or rope_parameters) object as ptk computes it: transformers' plain RoPE (rope_type
+// "default", or the older key "type"), Llama 3.x's scaling with Megatron's fixed constants (low_freq_factor
+// 1, high_freq_factor 4, original_max_position_embeddings 8192) and any positive factor
+// (--use-rope-scaling --rope-scaling-factor), or linear interpolation (--rotary-seq-len-interpolation-factor);
+// kOther for anything else.
+struct RopeKind {
+  enum { kPlain, kLlama3, kLinear, kOther } kind = kOther;
+  double factor = 0;
+};
+RopeKind ClassifyRope(simdjson::dom::element e) {
+  simdjson::dom::object o;
+  std::string_view type;
+  if (e.get(o) || (o["rope_type"].get(type) && o["type"].get(type))) return {};
+  if (type == "default") return {RopeKind::kPlain, 0};
+  double factor = 0, low = 0, high = 0;
+  int64_t original = 0;
+  if (o["factor"].get(factor) || !(factor > 0 && std::isfinite(factor))) return {};
+  if (type == "linear") return {RopeKind::kLinear, factor};
+  if (type == "llama3" && !o["low_freq_factor"].get(low) && !o["high_freq_factor"].get(high) &&
+      !o["original_max_position_embeddings"].get(original) && low == kRopeLowFreqFactor &&
+      high == kRopeHighFreqFactor && original == kRopeOriginalContext)
+    return {RopeKind::kLlama3, factor};
+  return {};
+}
+
+void ApplyRope(const RopeKind& k, GPTConfig* c) {
+  if (k.kind == RopeKind::kLlama3) {
+    c->use_rope_scaling = true;
+    c->rope_scaling_factor = k.factor;
+  } else if (k.kind == RopeKind::kLinear) {
+    c->rotary_seq_len_interpolation_factor = k.factor;
+  }
+}
+
 // RoPE's base and scaling: transformers 4's rope_theta and rope_scaling, or transformers 5's
 // rope_parameters (the base, rope_type and the scaling's constants in one object; a config may carry
-// both forms, which must then agree). Llama 3.1's scaling with the constants ptk computes with
-// (Megatron's --use-rope-scaling) or none (no rope_scaling, or one of rope_type "default", transformers'
-// plain RoPE); anything else is refused naming the key.
+// both forms, which must then agree). What ClassifyRope takes; anything else is refused naming the key.
 absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
   PTK_RETURN_IF_ERROR(r.GetReal("rope_theta", 10000.0, &c->rotary_base, 0, true, 1e300, false));
-  auto llama31 = [](simdjson::dom::element e) {
-    simdjson::dom::object o;
-    std::string_view type;
-    double factor = 0, low = 0, high = 0;
-    int64_t original = 0;
-    return !e.get(o) && (!o["rope_type"].get(type) || !o["type"].get(type)) && type == "llama3" &&
-           !o["factor"].get(factor) && !o["low_freq_factor"].get(low) && !o["high_freq_factor"].get(high) &&
-           !o["original_max_position_embeddings"].get(original) && factor == kRopeFactor && low == kRopeLowFreqFactor &&
-           high == kRopeHighFreqFactor && original == kRopeOriginalContext;
-  };
   constexpr std::string_view kWhat =
-      "ptk computes Llama 3.1's (rope_type \"llama3\", factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
-      "original_max_position_embeddings 8192; Megatron's --use-rope-scaling) or none";
-  // rope_type "default" (or the older key "type"): transformers' plain RoPE, whatever else the object holds.
-  auto plain = [](simdjson::dom::element e) {
-    simdjson::dom::object o;
-    std::string_view type;
-    return !e.get(o) && (!o["rope_type"].get(type) || !o["type"].get(type)) && type == "default";
-  };
+      "ptk computes Llama 3.x's (rope_type \"llama3\", a positive factor, low_freq_factor 1.0, high_freq_factor "
+      "4.0, original_max_position_embeddings 8192; Megatron's --use-rope-scaling --rope-scaling-factor), linear "
+      "interpolation (rope_type \"linear\", a positive factor; --rotary-seq-len-interpolation-factor) or none";
   simdjson::dom::element scaling;
-  const bool found_scaling = r.Find("rope_scaling", &scaling), has_scaling = found_scaling && !plain(scaling);
-  if (has_scaling) {
-    if (!llama31(scaling)) return r.Bad(fmt::format("rope_scaling {}: {}", simdjson::minify(scaling), kWhat));
-    c->use_rope_scaling = true;
-  }
+  const bool found_scaling = r.Find("rope_scaling", &scaling);
+  const RopeKind from_scaling = found_scaling ? ClassifyRope(scaling) : RopeKind{RopeKind::kPlain, 0};
+  if (from_scaling.kind == RopeKind::kOther)
+    return r.Bad(fmt::format("rope_scaling {}: {}", simdjson::minify(scaling), kWhat));
+  ApplyRope(from_scaling, c);
   simdjson::dom::element params;
   if (!r.Find("rope_parameters", &params)) return absl::OkStatus();
   simdjson::dom::object o;
@@ -354,12 +392,13 @@ absl::Status ReadRope(const HfConfigReader& r, GPTConfig* c) {
     return r.Bad(
         fmt::format("rope_theta {} and rope_parameters' rope_theta {} differ", Num(c->rotary_base), Num(theta)));
   c->rotary_base = theta;
-  const bool scaled = llama31(params);
-  if (!scaled && !plain(params)) return r.Bad(fmt::format("rope_parameters {}: {}", simdjson::minify(params), kWhat));
-  if (found_scaling && has_scaling != scaled)
+  const RopeKind from_params = ClassifyRope(params);
+  if (from_params.kind == RopeKind::kOther)
+    return r.Bad(fmt::format("rope_parameters {}: {}", simdjson::minify(params), kWhat));
+  if (found_scaling && (from_scaling.kind != from_params.kind || from_scaling.factor != from_params.factor))
     return r.Bad(fmt::format("rope_scaling {} and rope_parameters {} differ", simdjson::minify(scaling),
                              simdjson::minify(params)));
-  if (scaled) c->use_rope_scaling = true;
+  ApplyRope(from_params, c);
   return absl::OkStatus();
 }
 
@@ -421,17 +460,16 @@ absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_
   return c;
 }
 
-absl::Status ReadLlamaTensors(const std::string& weights_path, const GPTConfig& c, std::vector<HfTensor>* tensors) {
-  PTK_ASSIGN_OR_RETURN(auto st_file, SafetensorsFile::Open(weights_path));
-  std::map<std::string, const SafetensorsTensor*> present;
-  for (const SafetensorsTensor& t : st_file->tensors()) {
+absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors) {
+  std::map<std::string, PresentTensor> present;
+  for (const auto& [name, t] : weights.tensors) {
     // The rotary tables older files carry: not weights.
     static const std::regex kInvFreq(R"(model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq)");
-    if (std::regex_match(t.name, kInvFreq)) continue;
-    present.emplace(t.name, &t);
+    if (std::regex_match(name, kInvFreq)) continue;
+    present.emplace(name, t);
   }
-  return ReadPresentTensors(*st_file, weights_path, std::move(present), c.untie_embeddings_and_output_weights, "",
-                            "Llama", tensors);
+  return ReadPresentTensors(weights.source, std::move(present), c.untie_embeddings_and_output_weights, "", "Llama",
+                            tensors);
 }
 
 std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c) {
@@ -450,6 +488,10 @@ std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& 
       {"--rotary-base", SettingNum(c.rotary_base)},
       {"--rotary-percent", SettingNum(c.rotary_percent)},
       {"--use-rope-scaling", c.use_rope_scaling ? "on" : "off"},
+      {"--rope-scaling-factor", c.use_rope_scaling ? SettingNum(c.rope_scaling_factor) : ""},
+      {"--rotary-seq-len-interpolation-factor",
+       c.rotary_seq_len_interpolation_factor > 0 ? SettingNum(c.rotary_seq_len_interpolation_factor) : ""},
+      {"--rotary-interleaved", "off"},
       {"--swiglu", "on"},
       {"--num-query-groups", Int(c.query_groups())},
       {"--kv-channels", Int(c.head_dim())},
@@ -474,6 +516,10 @@ std::string LlamaTrainFlags(const GPTConfig& c) {
       c.add_bias_linear ? "" : " --disable-bias-linear",
       c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "");
   if (c.head_dim() * c.num_attention_heads != c.hidden_size) flags += fmt::format(" --kv-channels {}", c.head_dim());
+  if (c.use_rope_scaling && c.rope_scaling_factor != 8.0)
+    flags += " --rope-scaling-factor " + SettingNum(c.rope_scaling_factor);
+  if (c.rotary_seq_len_interpolation_factor > 0)
+    flags += " --rotary-seq-len-interpolation-factor " + SettingNum(c.rotary_seq_len_interpolation_factor);
   if (c.qk_layernorm) flags += " --qk-layernorm";
   return flags;
 }

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "interop/hf_config.h"
 #include "interop/hf_gpt2_tensors.h"
+#include "interop/hf_shards.h"
 #include "trainer/param_layout.h"
 
 namespace ptk::hf_detail {
@@ -30,16 +31,19 @@ std::vector<HfTensor> LlamaTensorsOf(const GPTConfig& c);
 // Between ptk's flat parameters and HF's tensors: linear_qkv's groups ([q heads, k, v] per query
 // group) split into q_proj, k_proj, v_proj; linear_fc1's [gate; up] into gate_proj and up_proj; the
 // vocabulary rows as the GPT-2 mapping (the padded rows dropped; on import copies of the last row).
+// With --rotary-interleaved each query and key head's rows permuted (HF's channel i is ptk's 2i, hd/2 + i
+// ptk's 2i + 1) so that HF's rotate-half computes the interleaved rotation.
 void MapLlamaParams(const ParamLayout& layout, std::vector<float>* params, std::vector<HfTensor>* hf, bool to_hf);
 
 // config.json (model_type "llama") as the model ptk trains; refused where ptk would compute another
-// model (an activation but SiLU, a rope_scaling but Llama 3.1's, biases on one side only).
+// model (an activation but SiLU, a rope_scaling but llama3 or linear ptk computes, biases on one side only).
 absl::StatusOr<GPTConfig> ReadLlamaConfig(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                           std::vector<std::string>* notes, bool qwen3 = false);
 
-// model.safetensors: every tensor `tensors` names with its shape and finite values, nothing else
-// (rotary inv_freq buffers aside; a tied model's lm_head.weight only as a copy of the embedding).
-absl::Status ReadLlamaTensors(const std::string& weights_path, const GPTConfig& c, std::vector<HfTensor>* tensors);
+// The directory's weights (model.safetensors or its shards): every tensor `tensors` names with its
+// shape and finite values, nothing else (rotary inv_freq buffers aside; a tied model's lm_head.weight
+// only as a copy of the embedding).
+absl::Status ReadLlamaTensors(const HfWeights& weights, const GPTConfig& c, std::vector<HfTensor>* tensors);
 
 // The model settings an imported checkpoint records, and ptk-train's flags for that model.
 std::vector<std::pair<std::string, std::string>> LlamaSettings(const GPTConfig& c);

@@ -201,14 +201,10 @@ struct Import {
   absl::Status ReadDistrib(RankFile& rf, int64_t p, const PyValue* groups) {
     const std::string dfile = JoinPath(Dirname(rf.reader->path()), "distrib_optim.pt");
     if (!PathExists(dfile)) return absl::OkStatus();
-    if (vp > 1)
-      return Bad(dfile, fmt::format("the distributed optimizer's state of an interleaved run ({} model chunks per "
-                                    "rank): ptk reads it without chunks only (convert the weights with "
-                                    "distrib_optim.pt moved aside: the moments then start at zero)",
-                                    vp));
-    const std::vector<DistribParam> dparams =
-        StageDistribParams(params, p, sh.pp, te, tied_copy, model.ckpt_padded, sh.tp, s.config.hidden_size);
-    PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptim(dfile, dparams, DistribBucketSize(args, p)));
+    // One grad buffer per model chunk, each laid out alone.
+    const std::vector<DistribBuffer> buffers =
+        RankDistribBuffers(params, p, sh.pp, vp, te, tied_copy, model.ckpt_padded, sh.tp, s.config.hidden_size, args);
+    PTK_ASSIGN_OR_RETURN(DistribState d, ReadDistribOptimChunks(dfile, buffers));
     rf.distrib = std::move(d);
     for (const PyRef& g : groups->items)
       if (auto st = NumAttr(g.get(), "step")) rf.distrib_step = static_cast<int64_t>(*st);

@@ -8,12 +8,15 @@
 // along their columns, the layers of the pipeline stages renumbered in order; an interleaved run's
 // model chunks model0, model1, ... as virtual stages v * pp + p), takes the fp32 master
 // weights where the optimizer holds them (--bf16/--fp16 runs) and AdamW's moments from the
-// optimizer's state (Megatron's parameter groups: the weights, then the biases and LayerNorms), and
+// optimizer's state (Megatron's parameter groups: the weights, then the biases and LayerNorms; or the
+// distributed optimizer's distrib_optim.pt, one grad buffer per model chunk), and
 // writes a ptk checkpoint of the same iteration, consumed samples and schedule.
 // ptk -> megatron splits a ptk checkpoint at --target-tensor/pipeline-parallel-size (and into model
 // chunks at --target-num-layers-per-virtual-pipeline-stage), as a run of
 // Megatron with the plain (non-distributed) optimizer saves it in the precision the ptk run trained
-// (fp32; bf16/fp16 weights with the fp32 masters in the optimizer); the vocabulary is padded to a
+// (fp32; bf16/fp16 weights with the fp32 masters in the optimizer), or with
+// --target-use-distributed-optimizer as its distributed optimizer saves it (the param groups in
+// model_optim_rng.pt, the fp32 params and moments in each rank's distrib_optim.pt); the vocabulary is padded to a
 // multiple of --make-vocab-size-divisible-by x tensor-parallel size as Megatron pads it (new rows:
 // copies of the last token's row, zero moments).
 #pragma once

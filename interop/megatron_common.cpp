@@ -87,6 +87,21 @@ std::vector<DistribParam> StageDistribParams(const std::vector<MegParam>& params
   return out;
 }
 
+std::vector<DistribBuffer> RankDistribBuffers(const std::vector<MegParam>& params, int64_t p, int64_t pp, int64_t vp,
+                                              bool te, bool tied_copy, int64_t vocab_rows, int64_t tp, int64_t hidden,
+                                              const PyValue* args) {
+  std::vector<DistribBuffer> out;
+  for (int64_t v = 0; v < vp; ++v) {
+    DistribBuffer b;
+    b.params = StageDistribParams(params, v * pp + p, pp * vp, te, tied_copy, vocab_rows, tp, hidden);
+    if (vp > 1)
+      for (DistribParam& d : b.params) d.name = fmt::format("model{}.{}", v, d.name);
+    if (v == 0) b.bucket_size = DistribBucketSize(args, p);
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
 std::vector<const MegParam*> StageOrder(const std::vector<MegParam>& params, int64_t stage, bool te) {
   static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.*))");
   std::vector<const MegParam*> out;
@@ -241,11 +256,13 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
     c.rotary_base = NumAttr(args, "rotary_base").value_or(10000.0);
     c.rotary_percent = NumAttr(args, "rotary_percent").value_or(1.0);
     c.use_rope_scaling = BoolAttr(args, "use_rope_scaling", false);
-    if (BoolAttr(args, "rotary_interleaved", false)) unsupported.push_back("--rotary-interleaved");
-    if (auto f = NumAttr(args, "rotary_seq_len_interpolation_factor"); f && *f != 1.0)
+    c.rotary_interleaved = BoolAttr(args, "rotary_interleaved", false);
+    // None (Megatron's default) reads as no number: no interpolation. A factor no run could use is refused.
+    if (auto f = NumAttr(args, "rotary_seq_len_interpolation_factor"); f && !(*f > 0 && std::isfinite(*f)))
       unsupported.push_back(fmt::format("--rotary-seq-len-interpolation-factor {}", *f));
-    if (auto f = NumAttr(args, "rope_scaling_factor"); c.use_rope_scaling && f && *f != 8.0)
-      unsupported.push_back(fmt::format("--rope-scaling-factor {} (ptk's is Llama 3.1's 8)", *f));
+    else if (f)
+      c.rotary_seq_len_interpolation_factor = *f;
+    if (c.use_rope_scaling) c.rope_scaling_factor = NumAttr(args, "rope_scaling_factor").value_or(8.0);
   }
   c.swiglu = BoolAttr(args, "swiglu", false);
   // Without --group-query-attention Megatron gives every query head its key and value head, whatever
@@ -313,6 +330,11 @@ std::string LlamaLineFlags(const GPTConfig& c) {
     f += fmt::format(" --rotary-base {}", c.rotary_base);
     if (c.rotary_percent != 1.0) f += fmt::format(" --rotary-percent {}", c.rotary_percent);
     if (c.use_rope_scaling) f += " --use-rope-scaling";
+    if (c.use_rope_scaling && c.rope_scaling_factor != 8.0)
+      f += fmt::format(" --rope-scaling-factor {}", c.rope_scaling_factor);
+    if (c.rotary_seq_len_interpolation_factor > 0)
+      f += fmt::format(" --rotary-seq-len-interpolation-factor {}", c.rotary_seq_len_interpolation_factor);
+    if (c.rotary_interleaved) f += " --rotary-interleaved";
   }
   if (c.swiglu) f += " --swiglu";
   if (c.query_groups() != c.num_attention_heads)
@@ -391,6 +413,10 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       {"--rotary-base", num(c.rotary_base)},
       {"--rotary-percent", num(c.rotary_percent)},
       {"--use-rope-scaling", c.use_rope_scaling ? "on" : "off"},
+      {"--rope-scaling-factor", c.use_rope_scaling ? num(c.rope_scaling_factor) : ""},
+      {"--rotary-seq-len-interpolation-factor",
+       c.rotary_seq_len_interpolation_factor > 0 ? num(c.rotary_seq_len_interpolation_factor) : ""},
+      {"--rotary-interleaved", c.rotary_interleaved ? "on" : "off"},
       {"--swiglu", c.swiglu ? "on" : "off"},
       {"--num-query-groups", std::to_string(c.query_groups())},
       {"--kv-channels", std::to_string(c.head_dim())},

@@ -53,6 +53,13 @@ std::vector<int64_t> ShardShape(const MegParam& m, int64_t vocab_rows, int64_t t
 // the shared embedding.
 std::vector<DistribParam> StageDistribParams(const std::vector<MegParam>& params, int64_t stage, int64_t pp, bool te,
                                              bool tied_copy, int64_t vocab_rows, int64_t tp, int64_t hidden);
+// The grad buffers of pipeline rank `p`'s distrib_optim.pt: one per model chunk (of `vp`), chunk v
+// holding StageDistribParams of virtual stage v * pp + p of pp * vp (names prefixed "model{v}." when
+// vp > 1, as the import keys an interleaved run's tensors); chunk 0 bucketed as DistribBucketSize(args,
+// p) says, the later chunks in one bucket each (Megatron-LM's get_model: disable_bucketing for them).
+std::vector<DistribBuffer> RankDistribBuffers(const std::vector<MegParam>& params, int64_t p, int64_t pp, int64_t vp,
+                                              bool te, bool tied_copy, int64_t vocab_rows, int64_t tp, int64_t hidden,
+                                              const PyValue* args);
 // Copies shard `t` of the (rows, cols) matrix `full` (split along `split`) into `shard`, or back
 // when `gather`. With split 0 and `chunks` > 1 the rows are that many blocks, each split across the
 // ranks, and a shard holds its rows of each block in turn (fc1 of SwiGLU: rank t's [gate_t; up_t]).

@@ -22,6 +22,7 @@
 #include "common/output_lock.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
+#include "interop/megatron_export_args.h"
 #include "interop/megatron_optim.h"
 #include "interop/torch_format.h"
 #include "trainer/checkpoint.h"
@@ -36,23 +37,8 @@ using torchfmt::PyValue;
 constexpr char kTracker[] = "latest_checkpointed_iteration.txt";
 constexpr char kFile[] = "model_optim_rng.pt";
 
-using namespace megatron;  // NOLINT: the shared helpers
-
-// A setting the ptk run recorded, as a number (fallback when absent).
-double SettingNum(const TrainState& st, const std::string& flag, double fallback) {
-  for (const auto& [k, v] : st.settings)
-    if (k == flag) {
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      if (end != v.c_str() && *end == '\0') return d;
-    }
-  return fallback;
-}
-std::string SettingStr(const TrainState& st, const std::string& flag, const std::string& fallback) {
-  for (const auto& [k, v] : st.settings)
-    if (k == flag) return v;
-  return fallback;
-}
+using namespace megatron;         // NOLINT: the shared helpers
+using namespace megatron_export;  // NOLINT: args, scheduler, groups
 
 absl::Status RemoveAll(const std::string& path) {
   std::error_code ec;
@@ -61,154 +47,15 @@ absl::Status RemoveAll(const std::string& path) {
   return absl::OkStatus();
 }
 
-// The optimizer's hyperparameters, as the ptk run recorded them.
-struct Hyper {
-  double lr = 0, min_lr = 0, wd = 0.01, b1 = 0.9, b2 = 0.999, eps = 1e-8;
-};
-Hyper HyperOf(const TrainState& state) {
-  Hyper h;
-  h.lr = state.scheduler ? state.scheduler->max_lr : SettingNum(state, "--lr", 0);
-  h.min_lr = state.scheduler ? state.scheduler->min_lr : SettingNum(state, "--min-lr", 0);
-  h.wd = SettingNum(state, "--weight-decay", 0.01);
-  h.b1 = SettingNum(state, "--adam-beta1", 0.9);
-  h.b2 = SettingNum(state, "--adam-beta2", 0.999);
-  h.eps = SettingNum(state, "--adam-eps", 1e-8);
-  return h;
-}
-
-// The args Namespace: what Megatron's load checks (check_checkpoint_args) and its converter reads.
-PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState& state, const Hyper& h, int64_t vm,
-                   const std::string& precision, int64_t vp) {
-  const int64_t tp = o.target_tensor_parallel_size, pp = o.target_pipeline_parallel_size;
-  PyRef ns_attrs = torchfmt::MakeDict();
-  PyValue* a = ns_attrs.get();
-  auto set_i = [&](const char* k, int64_t v) { torchfmt::DictSet(a, k, torchfmt::MakeInt(v)); };
-  auto set_f = [&](const char* k, double v) { torchfmt::DictSet(a, k, torchfmt::MakeFloat(v)); };
-  auto set_s = [&](const char* k, const std::string& v) { torchfmt::DictSet(a, k, torchfmt::MakeStr(v)); };
-  auto set_b = [&](const char* k, bool v) { torchfmt::DictSet(a, k, torchfmt::MakeBool(v)); };
-  auto set_none = [&](const char* k) { torchfmt::DictSet(a, k, torchfmt::MakeNone()); };
-  set_i("num_layers", c.num_layers);
-  set_i("hidden_size", c.hidden_size);
-  set_i("ffn_hidden_size", c.ffn_hidden_size);
-  set_i("num_attention_heads", c.num_attention_heads);
-  set_i("kv_channels", c.head_dim());
-  set_b("group_query_attention", c.query_groups() != c.num_attention_heads);
-  set_i("num_query_groups", c.query_groups());
-  set_i("max_position_embeddings", c.max_position_embeddings);
-  set_i("seq_length", c.seq_length);
-  set_s("position_embedding_type", c.rope()                                           ? "rope"
-                                   : c.position_embedding == PositionEmbedding::kNone ? "none"
-                                                                                      : "learned_absolute");
-  set_b("add_position_embedding", c.position_embedding == PositionEmbedding::kLearnedAbsolute);
-  set_f("rotary_base", c.rotary_base);
-  set_f("rotary_percent", c.rotary_percent);
-  set_b("rotary_interleaved", false);
-  set_b("use_rope_scaling", c.use_rope_scaling);
-  set_f("rope_scaling_factor", 8.0);
-  set_s("normalization", c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm");
-  set_f("norm_epsilon", c.layernorm_epsilon);
-  set_f("layernorm_epsilon", c.layernorm_epsilon);  // the name of Megatron-LM before --norm-epsilon
-  set_b("apply_layernorm_1p", c.apply_layernorm_1p);
-  set_b("apply_residual_connection_post_layernorm", false);
-  set_b("swiglu", c.swiglu);
-  set_b("add_bias_linear", c.add_bias_linear);
-  set_b("add_qkv_bias", c.qkv_bias());
-  set_b("qk_layernorm", c.qk_layernorm);
-  set_b("squared_relu", c.squared_relu);
-  set_b("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
-  set_f("hidden_dropout", c.hidden_dropout);
-  set_f("attention_dropout", c.attention_dropout);
-  set_f("init_method_std", c.init_method_std);
-  set_b("init_method_xavier_uniform", c.init_method_xavier_uniform);
-  set_i("vocab_size", c.vocab_size);
-  set_i("padded_vocab_size", vm);
-  set_i("make_vocab_size_divisible_by", o.make_vocab_size_divisible_by);
-  set_s("tokenizer_type", "GPT2BPETokenizer");
-  set_i("tensor_model_parallel_size", tp);
-  set_i("pipeline_model_parallel_size", pp);
-  if (vp > 1) {  // as Megatron's arguments.py derives it from --num-layers-per-virtual-pipeline-stage
-    set_i("virtual_pipeline_model_parallel_size", vp);
-    set_i("num_layers_per_virtual_pipeline_stage", o.target_num_layers_per_virtual_pipeline_stage);
-  } else {
-    set_none("virtual_pipeline_model_parallel_size");
-    set_none("num_layers_per_virtual_pipeline_stage");
+// The storages of a torch.save file being built, and tensors over them.
+struct BlobSink {
+  std::vector<torchfmt::StorageBlob> blobs;
+  PyRef Tensor(const std::vector<float>& data, const std::vector<int64_t>& shape, DType dtype) {
+    const std::string k = std::to_string(blobs.size());
+    blobs.push_back(torchfmt::MakeBlob(k, dtype, data.data(), static_cast<int64_t>(data.size())));
+    return torchfmt::MakeTensor(k, dtype, shape);
   }
-  set_b("sequence_parallel", false);
-  set_i("data_parallel_size", 1);
-  set_i("world_size", tp * pp);
-  set_none("num_experts");
-  set_s("transformer_impl", o.saver_transformer_impl);
-  set_s("ckpt_format", "torch");
-  set_b("use_distributed_optimizer", false);
-  set_b("fp16", precision == "fp16");
-  set_b("bf16", precision == "bf16");
-  torchfmt::DictSet(a, "params_dtype",
-                    torchfmt::MakeGlobal(precision == "bf16"   ? "torch.bfloat16"
-                                         : precision == "fp16" ? "torch.float16"
-                                                               : "torch.float32"));
-  set_i("iteration", state.iteration);
-  set_i("train_iters", static_cast<int64_t>(SettingNum(state, "--train-iters", 0)));
-  set_i("micro_batch_size", static_cast<int64_t>(SettingNum(state, "--micro-batch-size", 1)));
-  set_i("global_batch_size", static_cast<int64_t>(SettingNum(state, "--global-batch-size", 1)));
-  set_i("consumed_train_samples", state.consumed_train_samples);
-  set_i("consumed_valid_samples", state.consumed_valid_samples);
-  set_i("skipped_train_samples", 0);
-  set_i("seed", static_cast<int64_t>(state.seed));
-  set_s("optimizer", "adam");
-  set_f("lr", h.lr);
-  set_f("min_lr", h.min_lr);
-  set_s("lr_decay_style",
-        state.scheduler ? state.scheduler->decay_style : SettingStr(state, "--lr-decay-style", "linear"));
-  set_f("weight_decay", h.wd);
-  set_f("adam_beta1", h.b1);
-  set_f("adam_beta2", h.b2);
-  set_f("adam_eps", h.eps);
-  set_f("clip_grad", SettingNum(state, "--clip-grad", 1.0));
-  return torchfmt::MakeNamespace(ns_attrs);
-}
-
-// opt_param_scheduler's state_dict.
-PyRef SchedulerState(const TrainState& state, const Hyper& h) {
-  PyRef sched = torchfmt::MakeDict();
-  const SchedulerConfig sc = state.scheduler.value_or(SchedulerConfig{});
-  PyValue* d = sched.get();
-  torchfmt::DictSet(d, "max_lr", torchfmt::MakeFloat(state.scheduler ? sc.max_lr : h.lr));
-  torchfmt::DictSet(d, "lr_warmup_steps", torchfmt::MakeInt(sc.warmup_steps));
-  torchfmt::DictSet(d, "num_steps", torchfmt::MakeInt(state.scheduler_num_steps));
-  torchfmt::DictSet(d, "lr_decay_style", torchfmt::MakeStr(sc.decay_style));
-  torchfmt::DictSet(d, "lr_decay_steps", torchfmt::MakeInt(sc.decay_steps));
-  torchfmt::DictSet(d, "min_lr", torchfmt::MakeFloat(state.scheduler ? sc.min_lr : h.min_lr));
-  torchfmt::DictSet(d, "start_wd", torchfmt::MakeFloat(sc.start_wd));
-  torchfmt::DictSet(d, "end_wd", torchfmt::MakeFloat(sc.end_wd));
-  torchfmt::DictSet(d, "wd_incr_style", torchfmt::MakeStr(sc.wd_incr_style));
-  torchfmt::DictSet(d, "wd_incr_steps", torchfmt::MakeInt(sc.wd_incr_steps));
-  return sched;
-}
-
-// One AdamW parameter group as Megatron's optimizer saves it.
-PyRef AdamGroup(std::vector<PyRef> ids_list, double wd_mult, const Hyper& h) {
-  PyRef g = torchfmt::MakeDict();
-  PyValue* d = g.get();
-  torchfmt::DictSet(d, "lr", torchfmt::MakeFloat(h.lr));
-  torchfmt::DictSet(d, "betas", torchfmt::MakeTuple({torchfmt::MakeFloat(h.b1), torchfmt::MakeFloat(h.b2)}));
-  torchfmt::DictSet(d, "eps", torchfmt::MakeFloat(h.eps));
-  torchfmt::DictSet(d, "weight_decay", torchfmt::MakeFloat(h.wd * wd_mult));
-  torchfmt::DictSet(d, "amsgrad", torchfmt::MakeBool(false));
-  torchfmt::DictSet(d, "maximize", torchfmt::MakeBool(false));
-  torchfmt::DictSet(d, "foreach", torchfmt::MakeNone());
-  torchfmt::DictSet(d, "capturable", torchfmt::MakeBool(false));
-  torchfmt::DictSet(d, "differentiable", torchfmt::MakeBool(false));
-  torchfmt::DictSet(d, "fused", torchfmt::MakeNone());
-  torchfmt::DictSet(d, "is_expert_parallel", torchfmt::MakeBool(false));
-  torchfmt::DictSet(d, "default_config", torchfmt::MakeBool(true));
-  torchfmt::DictSet(d, "wd_mult", torchfmt::MakeFloat(wd_mult));
-  torchfmt::DictSet(d, "lr_mult", torchfmt::MakeFloat(1.0));
-  torchfmt::DictSet(d, "is_decoupled_lr", torchfmt::MakeBool(false));
-  torchfmt::DictSet(d, "max_lr", torchfmt::MakeFloat(h.lr));
-  torchfmt::DictSet(d, "min_lr", torchfmt::MakeFloat(h.min_lr));
-  torchfmt::DictSet(d, "params", torchfmt::MakeList(std::move(ids_list)));
-  return g;
-}
+};
 
 // One parameter's shard on the rank being written: weight, moments, shape, group.
 struct Pending {
@@ -234,6 +81,7 @@ struct Export {
   int64_t tp = 1, pp = 1, vm = 0;  // vm: the vocabulary padded for tp ranks
   int64_t vp = 1;                  // model chunks per rank: mparams' stage is v * pp + p
   bool te = false, tied_copy = false, with_moments = false, mixed = false;
+  bool distopt = false;  // --target-use-distributed-optimizer
   std::string precision;
   DType model_dtype = DType::kFloat32;
   Hyper h;
@@ -290,14 +138,12 @@ struct Export {
 
   // Rank (t, p)'s model_optim_rng.pt into dir.
   absl::Status WriteRank(int64_t t, int64_t p, const std::string& dir) const {
-    std::vector<torchfmt::StorageBlob> blobs;
-    int key = 0;
+    BlobSink sink;
     auto tensor = [&](const std::vector<float>& data, const std::vector<int64_t>& shape, DType dtype) {
-      const std::string k = std::to_string(key++);
-      blobs.push_back(torchfmt::MakeBlob(k, dtype, data.data(), static_cast<int64_t>(data.size())));
-      return torchfmt::MakeTensor(k, dtype, shape);
+      return sink.Tensor(data, shape, dtype);
     };
     std::vector<Pending> pend = StageShards(t, p);
+    if (o.target_use_distributed_optimizer) PTK_RETURN_IF_ERROR(WriteDistribOptim(p, dir, pend));
     // Megatron's parameter order: named_parameters; groups: weights first, then 1-D ones.
     int64_t next = 0;
     std::vector<int64_t> ids(pend.size());
@@ -318,7 +164,8 @@ struct Export {
       Pending& pd = pend[i];
       model = models[static_cast<size_t>(pd.chunk)];
       torchfmt::DictSet(model.get(), pd.name, tensor(pd.w, pd.shape, model_dtype));
-      if (mixed) (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
+      if (mixed && !distopt)
+        (pd.decay ? masters_decay : masters_no_decay).push_back(tensor(pd.w, pd.shape, DType::kFloat32));
       std::vector<float>().swap(pd.w);  // the blob holds the bytes now
       // Megatron's linear layers carry an (empty) extra state, after their last parameter (the bias, or
       // the weight of a layer without one).
@@ -331,7 +178,7 @@ struct Export {
       }
       if (pd.name == "output_layer.weight") extra("output_layer");
       (pd.decay ? decay_ids : no_decay_ids).push_back(torchfmt::MakeInt(ids[i]));
-      if (with_moments) {
+      if (with_moments && !distopt) {
         PyRef entry = torchfmt::MakeDict();
         PyRef step = tensor({static_cast<float>(state.adam_step)}, {}, DType::kFloat32);
         torchfmt::DictSet(entry.get(), "step", step);
@@ -346,26 +193,9 @@ struct Export {
     std::sort(by_id.begin(), by_id.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
     PyRef adam_state = torchfmt::MakeDict();
     for (auto& [id, entry] : by_id) torchfmt::DictSet(adam_state.get(), torchfmt::MakeInt(id), entry);
-    PyRef optimizer = torchfmt::MakeDict();
-    torchfmt::DictSet(optimizer.get(), "state", adam_state);
-    torchfmt::DictSet(optimizer.get(), "param_groups",
-                      torchfmt::MakeList({AdamGroup(decay_ids, 1.0, h), AdamGroup(no_decay_ids, 0.0, h)}));
-    if (mixed) {  // Float16OptimizerWithFloat16Params.state_dict
-      PyRef wrapped = torchfmt::MakeDict();
-      torchfmt::DictSet(wrapped.get(), "optimizer", optimizer);
-      if (precision == "fp16") {
-        const LossScaleState ls = state.loss_scale.value_or(LossScaleState{});
-        PyRef gs = torchfmt::MakeDict();
-        torchfmt::DictSet(gs.get(), "scale", tensor({static_cast<float>(ls.scale)}, {1}, DType::kFloat32));
-        torchfmt::DictSet(gs.get(), "growth_tracker", torchfmt::MakeInt(ls.growth_tracker));
-        torchfmt::DictSet(gs.get(), "hysteresis_tracker", torchfmt::MakeInt(ls.hysteresis_tracker));
-        torchfmt::DictSet(wrapped.get(), "grad_scaler", gs);
-      }
-      torchfmt::DictSet(wrapped.get(), "fp32_from_fp16_params",
-                        torchfmt::MakeList({torchfmt::MakeList(std::move(masters_decay)),
-                                            torchfmt::MakeList(std::move(masters_no_decay))}));
-      optimizer = wrapped;
-    }
+    PyRef optimizer = OptimizerDict(
+        adam_state, {AdamGroup(decay_ids, 1.0, h), AdamGroup(no_decay_ids, 0.0, h)},
+        {torchfmt::MakeList(std::move(masters_decay)), torchfmt::MakeList(std::move(masters_no_decay))}, sink);
     PyRef root = torchfmt::MakeDict();
     PyValue* r = root.get();
     torchfmt::DictSet(r, "args", args);
@@ -379,8 +209,83 @@ struct Export {
     torchfmt::DictSet(r, "optimizer", optimizer);
     torchfmt::DictSet(r, "opt_param_scheduler", sched);
     torchfmt::DictSet(r, "num_floating_point_operations_so_far", torchfmt::MakeInt(0));
-    PTK_RETURN_IF_ERROR(torchfmt::WriteTorchFile(JoinPath(dir, kFile), *root, blobs));
+    PTK_RETURN_IF_ERROR(torchfmt::WriteTorchFile(JoinPath(dir, kFile), *root, sink.blobs));
     return FsyncDir(dir);
+  }
+
+  // The optimizer's state_dict in model_optim_rng.pt: torch Adam's (`adam_state` by index, `groups`),
+  // wrapped by Float16OptimizerWithFloat16Params with the fp32 `masters` by group in a --bf16/--fp16
+  // run; or DistributedOptimizer.state_dict's: the groups without their parameters, Adam's step in
+  // each (the rest is in distrib_optim.pt).
+  PyRef OptimizerDict(PyRef adam_state, std::vector<PyRef> groups, std::vector<PyRef> masters, BlobSink& sink) const {
+    PyRef optimizer = torchfmt::MakeDict();
+    if (distopt) {
+      for (PyRef& g : groups) {
+        auto& d = g->dict;
+        d.erase(std::remove_if(d.begin(), d.end(), [](const auto& kv) { return kv.first->s == "params"; }), d.end());
+        torchfmt::DictSet(g.get(), "step", torchfmt::MakeInt(state.adam_step));
+      }
+    } else {
+      torchfmt::DictSet(optimizer.get(), "state", adam_state);
+    }
+    torchfmt::DictSet(optimizer.get(), "param_groups", torchfmt::MakeList(std::move(groups)));
+    if (!mixed && !distopt) return optimizer;
+    PyRef wrapped = torchfmt::MakeDict();
+    torchfmt::DictSet(wrapped.get(), "optimizer", optimizer);
+    if (precision == "fp16") {  // the loss scaler's state_dict
+      const LossScaleState ls = state.loss_scale.value_or(LossScaleState{});
+      PyRef gs = torchfmt::MakeDict();
+      torchfmt::DictSet(gs.get(), "scale", sink.Tensor({static_cast<float>(ls.scale)}, {1}, DType::kFloat32));
+      torchfmt::DictSet(gs.get(), "growth_tracker", torchfmt::MakeInt(ls.growth_tracker));
+      torchfmt::DictSet(gs.get(), "hysteresis_tracker", torchfmt::MakeInt(ls.hysteresis_tracker));
+      torchfmt::DictSet(wrapped.get(), "grad_scaler", gs);
+    }
+    if (!distopt) torchfmt::DictSet(wrapped.get(), "fp32_from_fp16_params", torchfmt::MakeList(std::move(masters)));
+    return wrapped;
+  }
+
+  // Rank (t, p)'s distrib_optim.pt into dir, as DistributedOptimizer.save_parameter_state writes it at
+  // data-parallel size 1: one grad buffer per model chunk (keys 0 .. vp-1), {(param dtype, grad dtype):
+  // the fp32 params and AdamW moments where megatron-core's grad buffer puts them, numel_unpadded}; one
+  // bucket unless --target-ddp-bucket-size (args: --overlap-grad-reduce --ddp-bucket-size).
+  absl::Status WriteDistribOptim(int64_t p, const std::string& dir, const std::vector<Pending>& pend) const {
+    BlobSink sink;
+    PyRef root = torchfmt::MakeDict();
+    torchfmt::DictSet(root.get(), "buckets_coalesced", torchfmt::MakeBool(true));
+    // Megatron-LM's grad dtype: fp32 under --bf16 (accumulate_allreduce_grads_in_fp32), else the params'.
+    const std::string param_dtype = precision == "bf16"   ? "torch.bfloat16"
+                                    : precision == "fp16" ? "torch.float16"
+                                                          : "torch.float32";
+    const std::string grad_dtype = precision == "bf16" ? "torch.float32" : param_dtype;
+    const std::vector<DistribBuffer> buffers =
+        RankDistribBuffers(mparams, p, pp, vp, te, tied_copy, vm, tp, c.hidden_size, args.get());
+    for (int64_t v = 0; v < vp; ++v) {
+      std::map<std::string, int64_t> offset;
+      const DistribBuffer& b = buffers[static_cast<size_t>(v)];
+      const int64_t total = DistribLayout(b.params, b.bucket_size, &offset);
+      std::vector<float> world[3];
+      for (auto& w : world) w.assign(static_cast<size_t>(total), 0.0f);
+      for (const Pending& pd : pend) {
+        if (pd.chunk != v) continue;
+        const int64_t at = offset.at(vp > 1 ? fmt::format("model{}.{}", v, pd.name) : pd.name);
+        std::copy(pd.w.begin(), pd.w.end(), world[0].begin() + at);
+        std::copy(pd.a.begin(), pd.a.end(), world[1].begin() + at);
+        std::copy(pd.b.begin(), pd.b.end(), world[2].begin() + at);
+      }
+      PyRef st = torchfmt::MakeDict();
+      for (int k = 0; k < 3; ++k)
+        torchfmt::DictSet(st.get(),
+                          k == 0   ? "param"
+                          : k == 1 ? "exp_avg"
+                                   : "exp_avg_sq",
+                          sink.Tensor(world[k], {total}, DType::kFloat32));
+      torchfmt::DictSet(st.get(), "numel_unpadded", torchfmt::MakeInt(total));
+      PyRef by_dtype = torchfmt::MakeDict();
+      torchfmt::DictSet(by_dtype.get(),
+                        torchfmt::MakeTuple({torchfmt::MakeGlobal(param_dtype), torchfmt::MakeGlobal(grad_dtype)}), st);
+      torchfmt::DictSet(root.get(), torchfmt::MakeInt(v), by_dtype);
+    }
+    return torchfmt::WriteTorchFile(JoinPath(dir, "distrib_optim.pt"), *root, sink.blobs);
   }
 
   // Every rank's file into tmp_dir, then tmp_dir renamed to final_dir (an old one set aside at
@@ -409,6 +314,27 @@ struct Export {
   }
 };
 
+// What the summary says was written, and the flags Megatron loads it with.
+std::string WroteNote(const Export& ex) {
+  const ConvertOptions& o = ex.o;
+  return fmt::format(
+      "wrote {} tensor- x {} pipeline-parallel shards{} ({} layer names) as a{} run with Megatron's {} saves them{}; "
+      "no "
+      "rng_state (ptk's generators are not PyTorch's): Megatron loads it with --ckpt-format torch --no-load-rng{}{}",
+      ex.tp, ex.pp,
+      ex.vp > 1 ? fmt::format(" of {} model chunks each (--num-layers-per-virtual-pipeline-stage {})", ex.vp,
+                              o.target_num_layers_per_virtual_pipeline_stage)
+                : "",
+      ex.te ? "Transformer Engine" : "local",
+      ex.mixed ? fmt::format(" --{} ({})", ex.precision,
+                             ex.distopt ? "fp32 params in distrib_optim.pt" : "fp32 masters in the optimizer")
+               : "n fp32",
+      ex.distopt ? "distributed optimizer (--use-distributed-optimizer: distrib_optim.pt beside each shard)"
+                 : "plain optimizer",
+      ex.with_moments ? ", AdamW moments included" : ", no AdamW step yet",
+      ex.mixed ? fmt::format(" --{}", ex.precision) : "", ex.distopt ? " --use-distributed-optimizer" : "");
+}
+
 }  // namespace
 
 absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
@@ -435,6 +361,10 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
     return UsageError(
         fmt::format("--target-tensor-parallel-size {} does not divide the {} heads, {} query groups and ffn {}", tp,
                     c.num_attention_heads, c.query_groups(), c.ffn_hidden_size));
+  if (o.target_ddp_bucket_size > 0 && !o.target_use_distributed_optimizer)
+    return UsageError(fmt::format(
+        "--target-ddp-bucket-size {}: places the distributed optimizer's state (--target-use-distributed-optimizer)",
+        o.target_ddp_bucket_size));
   int64_t vp = 1;
   if (const int64_t n = o.target_num_layers_per_virtual_pipeline_stage; n > 0) {
     // Megatron's checks (arguments.py): pipeline parallelism, and chunks that divide each stage's layers.
@@ -462,6 +392,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   ex.te = o.saver_transformer_impl == "transformer_engine";
   ex.tied_copy = !c.untie_embeddings_and_output_weights && pp * vp > 1;
   ex.with_moments = state.adam_step > 0;
+  ex.distopt = o.target_use_distributed_optimizer;
   // As the saving run trained: fp32, or bf16/fp16 model weights with the fp32 masters in the optimizer.
   ex.precision = SettingStr(state, "--bf16/--fp16", "fp32");
   ex.mixed = ex.precision == "bf16" || ex.precision == "fp16";
@@ -492,18 +423,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
         fmt::format("the vocabulary is padded from {} to {} rows (a multiple of {} x {} tensor-parallel "
                     "ranks, as Megatron pads it) with copies of the last token's row",
                     c.padded_vocab_size, ex.vm, o.make_vocab_size_divisible_by, tp));
-  s.notes.push_back(fmt::format(
-      "wrote {} tensor- x {} pipeline-parallel shards{} ({} layer names) as a{} run with Megatron's plain optimizer "
-      "saves them{}; no rng_state (ptk's generators are not PyTorch's): Megatron loads it with --ckpt-format torch "
-      "--no-load-rng{}",
-      tp, pp,
-      vp > 1 ? fmt::format(" of {} model chunks each (--num-layers-per-virtual-pipeline-stage {})", vp,
-                           o.target_num_layers_per_virtual_pipeline_stage)
-             : "",
-      ex.te ? "Transformer Engine" : "local",
-      ex.mixed ? fmt::format(" --{} (fp32 masters in the optimizer)", ex.precision) : "n fp32",
-      ex.with_moments ? ", AdamW moments included" : ", no AdamW step yet",
-      ex.mixed ? fmt::format(" --{}", ex.precision) : ""));
+  s.notes.push_back(WroteNote(ex));
   return s;
 }
 

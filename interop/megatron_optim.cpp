@@ -58,13 +58,64 @@ int64_t DistribLayout(const std::vector<DistribParam>& params, std::optional<int
 
 absl::StatusOr<DistribState> ReadDistribOptim(const std::string& path, const std::vector<DistribParam>& params,
                                               std::optional<int64_t> bucket_size) {
-  PTK_ASSIGN_OR_RETURN(auto reader, torchfmt::TorchArchiveReader::Open(path));
-  return ReadDistribState(reader.get(), reader->root(), path, params, bucket_size);
+  return ReadDistribOptimChunks(path, {DistribBuffer{params, bucket_size}});
 }
 
 absl::StatusOr<DistribState> ReadDistribState(torchfmt::TorchArchiveReader* reader, const PyValue& root,
-                                              const std::string& path, const std::vector<DistribParam>& params,
+                                              const std::string& where, const std::vector<DistribParam>& params,
                                               std::optional<int64_t> bucket_size) {
+  return ReadDistribStateChunks(reader, root, where, {DistribBuffer{params, bucket_size}});
+}
+
+absl::StatusOr<DistribState> ReadDistribOptimChunks(const std::string& path,
+                                                    const std::vector<DistribBuffer>& buffers) {
+  PTK_ASSIGN_OR_RETURN(auto reader, torchfmt::TorchArchiveReader::Open(path));
+  return ReadDistribStateChunks(reader.get(), reader->root(), path, buffers);
+}
+
+namespace {
+
+// Grad buffer `index` (`buffer`: {(param dtype, grad dtype): state}) laid out as `want` says, appended
+// to `out`.
+absl::Status ReadBuffer(torchfmt::TorchArchiveReader* reader, const PyValue* buffer, int64_t index,
+                        const DistribBuffer& want, size_t chunks, const std::string& path, DistribState* out) {
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: grad buffer {}{}{}", path, index,
+                                           chunks > 1 ? fmt::format(" (model chunk {})", index) : "", why));
+  };
+  if (!buffer || buffer->kind != PyValue::Kind::kDict || buffer->dict.size() != 1)
+    return bad(": not one {(param dtype, grad dtype): state} entry");
+  const PyValue* state = buffer->dict[0].second.get();
+  const auto base = static_cast<int64_t>(out->param.size());
+  std::map<std::string, int64_t> offset;
+  const int64_t total = DistribLayout(want.params, want.bucket_size, &offset);
+  const PyValue* n = state->Get("numel_unpadded");
+  if (!n || !n->IsInt()) return bad(": no numel_unpadded");
+  if (n->i != total)
+    return bad(
+        fmt::format(" holds {} elements; the {} parameters of this rank's model{}, laid out as megatron-core "
+                    "lays them (bucket size {}), take {}",
+                    n->i, want.params.size(), chunks > 1 ? " chunk" : "",
+                    want.bucket_size ? std::to_string(*want.bucket_size) : "none", total));
+  for (const auto& [name, at] : offset) out->offset[name] = base + at;
+  for (const char* key : {"param", "exp_avg", "exp_avg_sq"}) {
+    const PyValue* t = state->Get(key);
+    if (!t || t->kind != PyValue::Kind::kTensor || t->tensor.numel() != total)
+      return bad(fmt::format(": {} is not a tensor of {} elements", key, total));
+    PTK_ASSIGN_OR_RETURN(std::vector<float> v, reader->ReadFloat(t->tensor, key));
+    std::vector<float>& to = std::string(key) == "param"     ? out->param
+                             : std::string(key) == "exp_avg" ? out->exp_avg
+                                                             : out->exp_avg_sq;
+    to.insert(to.end(), v.begin(), v.end());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<DistribState> ReadDistribStateChunks(torchfmt::TorchArchiveReader* reader, const PyValue& root,
+                                                    const std::string& path,
+                                                    const std::vector<DistribBuffer>& buffers) {
   auto bad = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", path, why)); };
   if (root.kind != PyValue::Kind::kDict) return bad("the pickle is not a dict: not a distributed optimizer's state");
   if (const PyValue* t = root.Get("param_state_sharding_type"); t && t->kind == PyValue::Kind::kStr)
@@ -75,36 +126,28 @@ absl::StatusOr<DistribState> ReadDistribState(torchfmt::TorchArchiveReader* read
   const PyValue* coalesced = root.Get("buckets_coalesced");
   if (!coalesced || coalesced->Number() == 0)
     return bad("no buckets_coalesced: the per-bucket layout of Megatron before 2024, which ptk does not read");
-  const PyValue* buffer = nullptr;
+  const auto chunks = static_cast<int64_t>(buffers.size());
+  std::vector<const PyValue*> found(buffers.size(), nullptr);
   for (const auto& [k, v] : root.dict) {
     if (!k->IsInt()) continue;
-    if (k->i != 0)
-      return bad(
-          fmt::format("grad buffer {}: more than one (parameters of several dtypes, or experts): ptk reads "
-                      "one",
-                      k->i));
-    buffer = v.get();
+    if (k->i < 0 || k->i >= chunks)
+      return bad(chunks == 1 ? fmt::format("grad buffer {}: more than one (parameters of several dtypes, or experts): "
+                                           "ptk reads one",
+                                           k->i)
+                             : fmt::format("grad buffer {}: more than the {} model chunks' (one each; parameters of "
+                                           "several dtypes, or experts): ptk reads one a chunk",
+                                           k->i, chunks));
+    found[static_cast<size_t>(k->i)] = v.get();
   }
-  if (!buffer || buffer->kind != PyValue::Kind::kDict || buffer->dict.size() != 1)
-    return bad("grad buffer 0: not one {(param dtype, grad dtype): state} entry");
-  const PyValue* state = buffer->dict[0].second.get();
   DistribState out;
-  const int64_t total = DistribLayout(params, bucket_size, &out.offset);
-  const PyValue* n = state->Get("numel_unpadded");
-  if (!n || !n->IsInt()) return bad("grad buffer 0: no numel_unpadded");
-  if (n->i != total)
-    return bad(
-        fmt::format("grad buffer 0 holds {} elements; the {} parameters of this rank's model, laid out as "
-                    "megatron-core lays them (bucket size {}), take {}",
-                    n->i, params.size(), bucket_size ? std::to_string(*bucket_size) : "none", total));
-  for (const char* key : {"param", "exp_avg", "exp_avg_sq"}) {
-    const PyValue* t = state->Get(key);
-    if (!t || t->kind != PyValue::Kind::kTensor || t->tensor.numel() != total)
-      return bad(fmt::format("grad buffer 0: {} is not a tensor of {} elements", key, total));
-    PTK_ASSIGN_OR_RETURN(std::vector<float> v, reader->ReadFloat(t->tensor, key));
-    (std::string(key) == "param"     ? out.param
-     : std::string(key) == "exp_avg" ? out.exp_avg
-                                     : out.exp_avg_sq) = std::move(v);
+  for (int64_t i = 0; i < chunks; ++i) {
+    if (!found[static_cast<size_t>(i)] && chunks > 1)
+      return bad(
+          fmt::format("grad buffer {} (model chunk {}): missing; the checkpoint has {} model chunks a rank, one "
+                      "grad buffer each",
+                      i, i, chunks));
+    PTK_RETURN_IF_ERROR(ReadBuffer(reader, found[static_cast<size_t>(i)], i, buffers[static_cast<size_t>(i)],
+                                   buffers.size(), path, &out));
   }
   return out;
 }

@@ -9,7 +9,9 @@
 // elements, a bucket closed once it holds --ddp-bucket-size elements (only with
 // --overlap-grad-reduce; never on a pipeline stage after the first) and around a shared (tied,
 // pipeline-parallel) embedding; the buckets' end padding is not saved (their unpadded spans are
-// concatenated).
+// concatenated). An interleaved run (V model chunks a rank) has one grad buffer per chunk, keyed 0 ..
+// V-1 in chunk order (DistributedOptimizer chains the chunks' buffers), each laid out alone; only
+// chunk 0 is bucketed (Megatron-LM's get_model disables bucketing for the later chunks).
 #pragma once
 
 #include <cstdint>
@@ -30,8 +32,15 @@ struct DistribParam {
 };
 
 struct DistribState {
-  std::vector<float> param, exp_avg, exp_avg_sq;  // the world tensors
+  std::vector<float> param, exp_avg, exp_avg_sq;  // the world tensors (of several buffers: one after the other)
   std::map<std::string, int64_t> offset;          // each parameter's first element in them
+};
+
+// One grad buffer: a model chunk's parameters (named_parameters order; names unique over the buffers
+// of a file) and its bucket size.
+struct DistribBuffer {
+  std::vector<DistribParam> params;
+  std::optional<int64_t> bucket_size;
 };
 
 // megatron-core's bucket size for the grad buffer of pipeline stage `stage` of the run `args` (its
@@ -53,5 +62,11 @@ absl::StatusOr<DistribState> ReadDistribOptim(const std::string& path, const std
 absl::StatusOr<DistribState> ReadDistribState(torchfmt::TorchArchiveReader* reader, const torchfmt::PyValue& root,
                                               const std::string& where, const std::vector<DistribParam>& params,
                                               std::optional<int64_t> bucket_size);
+// The same for one grad buffer per model chunk (`buffers`, in chunk order: grad buffers 0, 1, ...):
+// each checked against its layout, a buffer missing or one more refused naming it.
+absl::StatusOr<DistribState> ReadDistribOptimChunks(const std::string& path, const std::vector<DistribBuffer>& buffers);
+absl::StatusOr<DistribState> ReadDistribStateChunks(torchfmt::TorchArchiveReader* reader, const torchfmt::PyValue& root,
+                                                    const std::string& where,
+                                                    const std::vector<DistribBuffer>& buffers);
 
 }  // namespace ptk::megatron

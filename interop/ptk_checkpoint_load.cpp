@@ -80,6 +80,13 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
     c.add_qkv_bias = qkv_bias;
     bool qk_layernorm = false;  // written only when on
     if (!m["qk_layernorm"].get(qk_layernorm)) c.qk_layernorm = qk_layernorm;
+    // The rotary variants, written only where they leave Megatron's defaults.
+    if (pos == "rope") {
+      bool interleaved = false;
+      if (!m["rotary_interleaved"].get(interleaved)) c.rotary_interleaved = interleaved;
+      if (double f = 0; !m["rope_scaling_factor"].get(f)) c.rope_scaling_factor = f;
+      if (double f = 0; !m["rotary_seq_len_interpolation_factor"].get(f)) c.rotary_seq_len_interpolation_factor = f;
+    }
   }
   bool on = false;  // Megatron's other model flags: written only when on
   if (!m["squared_relu"].get(on)) c.squared_relu = on;

@@ -45,6 +45,8 @@ bool AllowedGlobal(const std::string& module, const std::string& name) {
       "pathlib.PosixPath",
       "pathlib.Path",
       "enum.Enum",
+      "builtins.getattr",  // only as getattr(<one of these globals>, name): Python 3.11's pickle of an enum member
+      "__builtin__.getattr",
   };
   if (exact.count(module + "." + name)) return true;
   for (const char* prefix : {"torch", "numpy", "megatron", "transformer_engine"}) {
@@ -338,6 +340,12 @@ class Unpickler {
     if (fn->kind != PyValue::Kind::kGlobal) return Bad("a call of something that is not a global");
     const std::string& f = fn->s;
     if (f == "collections.OrderedDict" && args.empty()) return MakeDict();
+    if (f == "builtins.getattr" || f == "__builtin__.getattr") {  // an enum member by name, e.g. a
+      // TensorProperties' memory format getattr(_MEM_FORMAT_ENCODING, 'TORCH_CONTIGUOUS_FORMAT'): the name it makes
+      if (args.size() != 2 || args[0]->kind != PyValue::Kind::kGlobal || args[1]->kind != PyValue::Kind::kStr)
+        return Bad(f + " of something other than (a global, a name): refusing the file");
+      return MakeGlobal(args[0]->s + "." + args[1]->s);
+    }
     if (f == "torch._utils._rebuild_tensor_v2" || f == "torch._utils._rebuild_tensor") {
       if (args.size() < 4 || args[0]->kind != PyValue::Kind::kTensor || !args[1]->IsInt() ||
           args[2]->kind != PyValue::Kind::kTuple || args[3]->kind != PyValue::Kind::kTuple)

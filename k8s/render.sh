@@ -12,6 +12,10 @@
 # list item, or change a number into something else: the YAML holds each value as it was given.
 # A ${...} that is not one of env.sh's variables is an error (a plain envsubst would empty it).
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+  -*) echo "k8s/render.sh: unknown option $1 (usage: bash k8s/render.sh TEMPLATE > MANIFEST.yaml)" >&2; exit 2 ;;
+esac
 [ $# = 1 ] || { echo "usage: bash k8s/render.sh TEMPLATE > MANIFEST.yaml" >&2; exit 2; }
 template=$1
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

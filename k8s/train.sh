@@ -13,7 +13,10 @@
 # TRAIN_EXTRA_ARGS; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for ptk-train.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-data=$(bash "$here/../slurm/data-path.sh" --train-args) || exit
+# One argument per line into an array: the words of --train-args split a STAGE_PATH holding a space
+# (env.sh allows one) into two paths, and ptk-train failed in the pod.
+data_lines=$(bash "$here/../slurm/data-path.sh" --train-args-lines) || exit
+mapfile -t data <<<"$data_lines"
 iters="" save=""
 prev=""
 for a in "$@"; do
@@ -26,8 +29,8 @@ stopped=0 child=""
 # leaving ptk-train running unsignalled until the pod's SIGKILL (no checkpoint). One that comes before
 # `child` is set is passed on just after.
 trap 'stopped=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null' TERM INT
-# shellcheck disable=SC2086  # the data flags and TRAIN_EXTRA_ARGS are lists of words
-"${PTK_BIN:-/opt/ptk/bin}/ptk-train" "$@" $data ${TRAIN_EXTRA_ARGS:-} &
+# shellcheck disable=SC2086  # TRAIN_EXTRA_ARGS is a list of words
+"${PTK_BIN:-/opt/ptk/bin}/ptk-train" "$@" "${data[@]}" ${TRAIN_EXTRA_ARGS:-} &
 child=$!
 [ "$stopped" = 0 ] || kill -TERM "$child" 2>/dev/null
 while :; do

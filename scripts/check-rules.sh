@@ -15,6 +15,12 @@
 # Each violation is printed as FILE:LINE: what; the exit status is 1 when there is one.
 # Usage: scripts/check-rules.sh [ROOT]   (default: this checkout)
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+  -*) echo "check-rules: unknown option $1 (usage: scripts/check-rules.sh [ROOT])" >&2; exit 2 ;;
+esac
+[ $# -le 1 ] || { echo "check-rules: too many arguments (usage: scripts/check-rules.sh [ROOT])" >&2; exit 2; }
+[ -z "${1:-}" ] || [ -d "$1" ] || { echo "check-rules: ROOT $1: no such directory" >&2; exit 2; }
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 ROOT=${1:-$(cd "$SCRIPTS/.." && pwd)}
 cd "$ROOT"

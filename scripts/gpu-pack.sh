@@ -17,7 +17,15 @@
 # and DEST/run.sh (a copy of scripts/gpu-run.sh). Prints the pack's size; a pack over 48 MiB is refused
 # (exit 1, DEST removed): the project tree and the pack travel to the GPU machine within 64 MiB.
 set -euo pipefail
-build=$(cd "${1:?usage: gpu-pack.sh BUILD_DIR [DEST]}" && pwd)
+for a in "$@"; do
+  case "$a" in
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+    -*) echo "gpu-pack.sh: unknown option $a (usage: gpu-pack.sh BUILD_DIR [DEST])" >&2; exit 2 ;;
+  esac
+done
+[ $# -ge 1 ] && [ $# -le 2 ] || { echo "usage: gpu-pack.sh BUILD_DIR [DEST]" >&2; exit 2; }
+[ -d "$1" ] || { echo "gpu-pack.sh: BUILD_DIR $1: no such directory" >&2; exit 2; }
+build=$(cd "$1" && pwd)
 out=${2:-.gpu}
 here=$(cd "$(dirname "$0")" && pwd)
 limit_mib=${PTK_GPU_PACK_LIMIT_MIB:-48}

@@ -15,6 +15,14 @@
 # with the bundled glibc and never touches the system's. Nothing is installed or set for child
 # processes (no LD_LIBRARY_PATH). https finds the system's CA certificates (see FindCaBundle).
 set -euo pipefail
+# An option is never taken for OUT_DIR (--help built everything, then wrote the tree into ./--help).
+for a in "$@"; do
+  case "$a" in
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+    -*) echo "make-portable: unknown option $a (usage: scripts/make-portable.sh OUT_DIR [BUILD_DIR])" >&2; exit 2 ;;
+  esac
+done
+[ $# -le 2 ] || { echo "make-portable: too many arguments (usage: scripts/make-portable.sh OUT_DIR [BUILD_DIR])" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/make-portable.sh OUT_DIR [BUILD_DIR]}
 BUILD=${2:-build}

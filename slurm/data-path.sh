@@ -11,12 +11,15 @@
 #   the data flags train.sbatch gives ptk-train, for $(...) in a shell (k8s/pytorchjob.yaml-template):
 #   "--train-data-path P1 P2 ... --valid-data-path V" with a tokenized validation split, else
 #   "--data-path P1 P2 ..." (no weights: Megatron weighs each by its size); not verified (ptk-train checks).
+#        STAGE_PATH=... slurm/data-path.sh --train-args-lines
+#   the same arguments one per line, for `mapfile -t` (k8s/train.sh): a path with a space stays one argument.
 set -euo pipefail
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 weights=equal
 format=megatron
 splits=0
 train_args=0
+lines=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --weights|--format)  # `shift 2` with no value would fail under set -e: exit 1 and no word
@@ -25,6 +28,7 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     --splits) splits=1; shift ;;
     --train-args) train_args=1; shift ;;
+    --train-args-lines) train_args=1 lines=1; shift ;;
     -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
     *) echo "data-path: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -40,10 +44,11 @@ if [ "$train_args" = 1 ]; then  # as train.sbatch builds them
   mapfile -t prefixes < <("$PTK_BIN/ptk-concat" list --plan "$PLAN_FILE" | sed "s|.*/||; s|\.jsonl\$||; s|^|$PREPROCESSED_DIR/|; s|\$|_text_document|")
   [ ${#prefixes[@]} -gt 0 ] || { echo "data-path: the plan has no chunks" >&2; exit 1; }
   if ptk_has_valid && [ -f "$VALID_DATASET.idx" ]; then
-    echo "--train-data-path ${prefixes[*]} --valid-data-path $VALID_DATASET"
+    args=(--train-data-path "${prefixes[@]}" --valid-data-path "$VALID_DATASET")
   else
-    echo "--data-path ${prefixes[*]}"
+    args=(--data-path "${prefixes[@]}")
   fi
+  if [ "$lines" = 1 ]; then printf '%s\n' "${args[@]}"; else echo "${args[*]}"; fi
   exit 0
 fi
 prefixes=() tokens=()

@@ -2,8 +2,14 @@
 # Which stages and tasks of the ptk pipeline are complete, judged from the outputs themselves
 # (verified downloads, extraction sidecars, chunk sidecars, verified datasets), plus the state of
 # the jobs last submitted (from $STAGE_PATH/results/jobs.txt, via squeue/scontrol; no accounting).
-# Usage: STAGE_PATH=... slurm/status.sh      Exit 0 when every stage is complete.
+# Usage: STAGE_PATH=... slurm/status.sh      Exit 0 when every stage is complete (no arguments).
 set -uo pipefail
+case "${1:-}" in
+  "") ;;
+  -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+  *) echo "status: unknown argument: $1 (status.sh takes none; settings are environment variables, see --help)" >&2
+     exit 2 ;;
+esac
 PTK_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [ -n "${STAGE_PATH:-}" ] || { echo "status: STAGE_PATH is not set" >&2; exit 2; }
 # What the last submission ran with (submit-pipeline.sh records it beside the job ids), over this

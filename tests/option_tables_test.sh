@@ -170,6 +170,8 @@ usage "${TRAIN[@]}" --data-path "$T/p" --num-layers 2 --pipeline-model-parallel-
   "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2:"
 usage "$BIN/ptk-convert" --loader hf --saver hf --load-dir "$T" --save-dir "$T/o" -- \
   "--loader hf --saver hf: ptk-convert converts"
+usage "$BIN/ptk-convert" --loader ptk --saver hf --load-dir "$T" --save-dir "$T/o" --target-use-distributed-optimizer -- \
+  "--target-use-distributed-optimizer, --target-ddp-bucket-size: only --saver megatron"
 # Standard output is a product (a chunk list, a document): on a full disk, exit 3 naming it, not 0
 # with the output lost (ptk-concat list > chunks.txt).
 "$BIN/ptk-concat" --input "$T/in" --output-dir "$T/c" >/dev/null 2>&1 || { echo "FAIL: ptk-concat"; fail=1; }

@@ -73,6 +73,8 @@ absl::Status Run(const ptk::ConcatPlan& plan, const RunArgs& a) {
 }
 
 absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std::string& plan_path) {
+  // Empty, it wrote concat-plan.json into the current directory, then failed ("list : No such file").
+  if (r.output_dir.empty()) return ptk::UsageError("--output-dir is empty: give a directory (. for this one)");
   std::string path = plan_path.empty() ? ptk::JoinPath(r.output_dir, "concat-plan.json") : plan_path;
   r.plan_path = path;
   PTK_ASSIGN_OR_RETURN(auto plan, ptk::PlanConcat(r));

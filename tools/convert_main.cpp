@@ -3,6 +3,7 @@
 // --saver, --load-dir, --save-dir, --target-tensor/pipeline-parallel-size).
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include <fmt/core.h>
 
@@ -37,6 +38,83 @@ void AddCompatFlags(CLI::App& app, CompatFlags* c) {
       ->check(CLI::IsMember({"transformer_engine", "local"}));
 }
 
+// --saver megatron's flags: the layout and optimizer of the Megatron run to write.
+void AddSaverFlags(CLI::App& app, ptk::ConvertOptions* o) {
+  app.add_option("--target-tensor-parallel-size", o->target_tensor_parallel_size,
+                 "--saver megatron: the tensor-parallel size to split into (1); other savers: must be 1")
+      ->check(ptk::cli::IntIn(1, 1024));
+  app.add_option("--target-pipeline-parallel-size", o->target_pipeline_parallel_size,
+                 "--saver megatron: the pipeline-parallel size to split into (1); other savers: must be 1")
+      ->check(ptk::cli::IntIn(1, 1024));
+  app.add_option("--target-num-layers-per-virtual-pipeline-stage", o->target_num_layers_per_virtual_pipeline_stage,
+                 "--saver megatron: write an interleaved run's model chunks (model0, model1, ...) of this many "
+                 "layers each, as Megatron's --num-layers-per-virtual-pipeline-stage (default: no chunks)")
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 20));
+  app.add_option("--saver-transformer-impl", o->saver_transformer_impl,
+                 "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
+                 "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
+      ->check(CLI::IsMember({"transformer_engine", "local"}));
+  app.add_flag("--target-use-distributed-optimizer", o->target_use_distributed_optimizer,
+               "--saver megatron: write what Megatron's --use-distributed-optimizer loads (each rank's "
+               "distrib_optim.pt with the fp32 params and AdamW moments, the param groups in model_optim_rng.pt)");
+  app.add_option("--target-ddp-bucket-size", o->target_ddp_bucket_size,
+                 "With --target-use-distributed-optimizer: the Megatron run's --ddp-bucket-size under "
+                 "--overlap-grad-reduce (its default: 40000000), which sets where distrib_optim.pt holds each "
+                 "parameter (default: no --overlap-grad-reduce, one bucket)")
+      ->check(ptk::cli::IntIn(1, int64_t{1} << 40));
+}
+
+// A flag that only one direction reads was ignored in the others, exit 0 (--vocab-file naming no file
+// with --loader megatron; --force with --saver ptk, which never replaces a directory whole): refused, as
+// convert.py refuses a flag its loader and saver do not add.
+absl::Status CheckFlagsApply(const CLI::App& app, const ptk::ConvertOptions& o) {
+  // An empty one was the current directory: --saver megatron --save-dir "" wrote iter_N/ there, exit 0.
+  for (const auto& [flag, dir] :
+       {std::pair<const char*, const std::string&>{"--load-dir", o.load_dir}, {"--save-dir", o.save_dir}})
+    if (dir.empty()) return ptk::UsageError(fmt::format("{} is empty: give a directory (. for this one)", flag));
+  const bool to_hf = o.loader == "ptk" && o.saver == "hf";
+  const struct {
+    const char* flag;
+    bool applies;
+    const char* reader;
+  } scopes[] = {{"--vocab-file", to_hf, "--loader ptk --saver hf"},
+                {"--merge-file", to_hf, "--loader ptk --saver hf"},
+                {"--force", to_hf, "--loader ptk --saver hf"},
+                {"--saver-transformer-impl", o.saver == "megatron", "--saver megatron"}};
+  for (const auto& s : scopes)
+    if (app.count(s.flag) > 0 && !s.applies)
+      return ptk::UsageError(
+          fmt::format("{}: only {} reads it; this is --loader {} --saver {}", s.flag, s.reader, o.loader, o.saver));
+}
+
+// The flags that belong to one direction, refused in another.
+absl::Status CheckDirectionFlags(const ptk::ConvertOptions& o, bool max_shard_size_given) {
+  if (o.saver != "megatron" && (o.target_tensor_parallel_size != 1 || o.target_pipeline_parallel_size != 1))
+    return ptk::UsageError(fmt::format(
+        "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
+        "checkpoint ({} output is whole)",
+        o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
+  if (o.saver != "megatron" && o.target_num_layers_per_virtual_pipeline_stage != 0)
+    return ptk::UsageError(fmt::format(
+        "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
+        "is whole)",
+        o.target_num_layers_per_virtual_pipeline_stage, o.saver));
+  if (o.saver != "megatron" && (o.target_use_distributed_optimizer || o.target_ddp_bucket_size != 0))
+    return ptk::UsageError(fmt::format(
+        "--target-use-distributed-optimizer, --target-ddp-bucket-size: only --saver megatron writes an optimizer's "
+        "state as Megatron's ({} output)",
+        o.saver));
+  if (max_shard_size_given && !(o.loader == "ptk" && o.saver == "hf"))
+    return ptk::UsageError(fmt::format(
+        "--max-shard-size {}: only a Hugging Face export (--loader ptk --saver hf) writes shards", o.max_shard_size));
+  if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
+      !(o.loader == "hf" && o.saver == "ptk"))
+    return ptk::UsageError(
+        "--iteration, --global-batch-size and --consumed-train-samples place a Hugging Face import (--loader hf "
+        "--saver ptk); other checkpoints carry their own iteration");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -64,26 +142,18 @@ int main(int argc, char** argv) {
       ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
   app->add_option("--vocab-file", o.vocab_file, "ptk -> hf: the vocab.json to ship (default: ptk's GPT-2 file)");
   app->add_option("--merge-file", o.merge_file, "ptk -> hf: the merges.txt to ship (default: ptk's GPT-2 file)");
+  auto* max_shard = app->add_option(
+      "--max-shard-size", o.max_shard_size,
+      "ptk -> hf: the largest weights file, as save_pretrained's max_shard_size (5GB; KB, MB, GB, TB are decimal: "
+      "1GB = 10^9 bytes; or a byte count): larger weights are written as model-0000K-of-0000N.safetensors "
+      "shards with model.safetensors.index.json, a tensor larger than this alone in its shard");
   app->add_flag("--force", o.force,
                 "ptk -> hf: replace a --save-dir that holds files an export does not write (they are removed)");
   app->add_option("--make-vocab-size-divisible-by", o.make_vocab_size_divisible_by,
                   "hf -> ptk: pad the vocabulary to a multiple of this, as ptk-train will; ptk -> megatron: the value "
                   "the run was trained with (Megatron pads to a multiple of it x tensor-parallel size) (128)")
       ->check(ptk::cli::IntIn(1, int64_t{1} << 31));
-  app->add_option("--target-tensor-parallel-size", o.target_tensor_parallel_size,
-                  "--saver megatron: the tensor-parallel size to split into (1); other savers: must be 1")
-      ->check(ptk::cli::IntIn(1, 1024));
-  app->add_option("--target-pipeline-parallel-size", o.target_pipeline_parallel_size,
-                  "--saver megatron: the pipeline-parallel size to split into (1); other savers: must be 1")
-      ->check(ptk::cli::IntIn(1, 1024));
-  app->add_option("--target-num-layers-per-virtual-pipeline-stage", o.target_num_layers_per_virtual_pipeline_stage,
-                  "--saver megatron: write an interleaved run's model chunks (model0, model1, ...) of this many "
-                  "layers each, as Megatron's --num-layers-per-virtual-pipeline-stage (default: no chunks)")
-      ->check(ptk::cli::IntIn(1, int64_t{1} << 20));
-  app->add_option("--saver-transformer-impl", o.saver_transformer_impl,
-                  "--saver megatron: the layer names Megatron's model has: transformer_engine (its default: "
-                  "linear_qkv.layer_norm_weight ...) or local (input_layernorm.weight ...)")
-      ->check(CLI::IsMember({"transformer_engine", "local"}));
+  AddSaverFlags(*app, &o);
   app->add_option("--iteration", o.iteration,
                   "hf -> ptk: the iteration the import stands at (0: a start for ptk-train --finetune); with "
                   "--global-batch-size or --consumed-train-samples, ptk-train --load resumes at the next one with "
@@ -100,21 +170,8 @@ int main(int argc, char** argv) {
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    if (o.saver != "megatron" && (o.target_tensor_parallel_size != 1 || o.target_pipeline_parallel_size != 1))
-      return ptk::UsageError(fmt::format(
-          "--target-tensor-parallel-size {} --target-pipeline-parallel-size {}: only --saver megatron splits a "
-          "checkpoint ({} output is whole)",
-          o.target_tensor_parallel_size, o.target_pipeline_parallel_size, o.saver));
-    if (o.saver != "megatron" && o.target_num_layers_per_virtual_pipeline_stage != 0)
-      return ptk::UsageError(fmt::format(
-          "--target-num-layers-per-virtual-pipeline-stage {}: only --saver megatron writes model chunks ({} output "
-          "is whole)",
-          o.target_num_layers_per_virtual_pipeline_stage, o.saver));
-    if ((o.iteration != 0 || o.global_batch_size != 0 || o.consumed_train_samples >= 0) &&
-        !(o.loader == "hf" && o.saver == "ptk"))
-      return ptk::UsageError(
-          "--iteration, --global-batch-size and --consumed-train-samples place a Hugging Face import (--loader hf "
-          "--saver ptk); other checkpoints carry their own iteration");
+    PTK_RETURN_IF_ERROR(CheckDirectionFlags(o, max_shard->count() > 0));
+    PTK_RETURN_IF_ERROR(CheckFlagsApply(*app, o));
     ptk::JsonWriter args;
     args.BeginArray();
     for (int i = 1; i < argc; ++i) args.Value(argv[i]);

@@ -1,13 +1,38 @@
 // ptk-extract: .zst / .xz / .gz -> .jsonl, streaming, per-file parallel, resumable, shardable.
+#include <algorithm>
 #include <set>
 
 #include <fmt/core.h>
 
 #include "common/cli.h"
+#include "common/cpu_budget.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/extract/extract.h"
 #include "dataprep/input/input_list.h"
+
+namespace {
+
+// The files that failed, one error line each, and the run's status.
+absl::Status FailedFiles(const ptk::ExtractSummary& s) {
+  if (s.failed == 0) return absl::OkStatus();
+  for (const auto& f : s.files)
+    if (f.state == ptk::ExtractFileResult::State::kFailed) {
+      // Most messages name the file first already: not twice.
+      const std::string_view m = ptk::StatusMessage(f.error);
+      if (m.starts_with(f.input + ":"))
+        ptk::log::Error("failed: {}", m);
+      else
+        ptk::log::Error("failed: {}: {}", f.input, m);
+    }
+  const std::string msg = fmt::format("{} of {} files failed", s.failed, s.files.size());
+  for (const auto& f : s.files)  // a full disk is exit 3 in every tool
+    if (f.state == ptk::ExtractFileResult::State::kFailed && absl::IsResourceExhausted(f.error))
+      return absl::ResourceExhaustedError(msg + "; " + std::string(ptk::StatusMessage(f.error)));
+  return absl::DataLossError(msg);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   auto app = ptk::cli::MakeApp(
@@ -19,7 +44,9 @@ int main(int argc, char** argv) {
       "atomically; a rerun skips outputs already complete.");
   std::vector<std::string> inputs, drop_sets;
   std::string output_dir;
-  int jobs = 4;
+  // Decompression is CPU-bound: 4 files at once, fewer where this process may use fewer CPUs.
+  const ptk::CpuBudget cpus = ptk::ThisProcessCpuBudget();
+  int jobs = std::min(4, cpus.cpus);
   std::optional<int64_t> shard_index, num_shards;
   bool delete_input = false, verify = false, quiet = false;
   app->add_option("--input,input", inputs, "Files, globs or directories (directories: every .zst/.xz/.gz below)")
@@ -27,7 +54,11 @@ int main(int argc, char** argv) {
   app->add_option(
       "--output-dir", output_dir,
       "Where the .jsonl files go, keeping the layout below a directory argument (default: next to each input)");
-  app->add_option("--jobs", jobs, "Files decompressed at once")->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
+  CLI::Option* jobs_opt =
+      app->add_option("--jobs", jobs,
+                      "Files decompressed at once (default: 4, or the CPUs this process may use when fewer: its "
+                      "affinity mask capped by its cgroup CPU quota)")
+          ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
   app->add_option("--shard-index", shard_index,
                   "This task's shard (default: from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX)")
       ->check(ptk::cli::IntIn(0, ptk::cli::kMaxInt));
@@ -76,6 +107,11 @@ int main(int argc, char** argv) {
     PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     opt.output_dir = output_dir;
     opt.jobs = jobs;
+    if (jobs_opt->count() == 0 && jobs < 4) {
+      if (!quiet) ptk::log::Info("--jobs {}: the CPUs this process may use ({})", jobs, cpus.reason);
+    } else if (const std::string note = ptk::OversubscriptionNote("--jobs", jobs, cpus); !note.empty()) {
+      ptk::log::Warning("{}", note);
+    }
     opt.delete_input = delete_input;
     opt.drop_sets = drop_sets;
     opt.verify = verify;
@@ -86,22 +122,6 @@ int main(int argc, char** argv) {
         "shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
         opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
         s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
-    if (s.failed > 0) {
-      for (const auto& f : s.files)
-        if (f.state == ptk::ExtractFileResult::State::kFailed) {
-          // Most messages name the file first already: not twice.
-          const std::string_view m = ptk::StatusMessage(f.error);
-          if (m.starts_with(f.input + ":"))
-            ptk::log::Error("failed: {}", m);
-          else
-            ptk::log::Error("failed: {}: {}", f.input, m);
-        }
-      const std::string msg = fmt::format("{} of {} files failed", s.failed, s.files.size());
-      for (const auto& f : s.files)  // a full disk is exit 3 in every tool
-        if (f.state == ptk::ExtractFileResult::State::kFailed && absl::IsResourceExhausted(f.error))
-          return absl::ResourceExhaustedError(msg + "; " + std::string(ptk::StatusMessage(f.error)));
-      return absl::DataLossError(msg);
-    }
-    return absl::OkStatus();
+    return FailedFiles(s);
   });
 }

@@ -15,6 +15,20 @@
 
 namespace {
 
+// Ids the tokenizer has no entry for (a dataset of another tokenizer) decode to nothing: without a
+// note the text read as whole. Empty when every id is the tokenizer's.
+std::string UnknownIdsNote(const ptk::Gpt2Tokenizer& tok, const std::vector<int32_t>& ids) {
+  int64_t n = 0, first = 0;
+  for (int32_t id : ids)
+    if (id < 0 || id >= tok.vocab_size())
+      if (n++ == 0) first = id;
+  if (n == 0) return "";
+  return fmt::format(
+      "\n(not shown: {} id(s) the tokenizer's {} entries do not hold, the first {}: a dataset of another tokenizer? "
+      "give its --vocab-file and --merge-file)",
+      n, tok.vocab_size(), first);
+}
+
 // A GPTDataset sample's text. A sample starts and ends at token boundaries anywhere in a document,
 // and byte-level BPE tokens split characters: the bytes of characters cut at the edges would show
 // as U+FFFD and read as damage. They are left out, and a note says so.
@@ -98,7 +112,8 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
   app.add_flag("--eod-mask-loss", f.eod_mask_loss, "Megatron's --eod-mask-loss");
   app.add_flag("--reset-position-ids", f.reset_position_ids, "Megatron's --reset-position-ids");
   app.add_flag("--write-cache", f.write_cache,
-               "Save the index cache the way Megatron does (off by default: inspect only reads)");
+               "Save the index cache the way Megatron does (off by default: inspect only reads); one that cannot be "
+               "saved is an error (exit 1; 3 on a full disk)");
   return sample_opt;
 }
 
@@ -106,7 +121,8 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
 absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
   if (f.seq_length == 0) return ptk::UsageError("--sample needs --seq-length");  // 1: GPTDataset says why not
   ptk::DecodeFn decode;
-  if (tok != nullptr) decode = [tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids); };
+  if (tok != nullptr)
+    decode = [tok](const std::vector<int32_t>& ids) { return SampleText(*tok, ids) + UnknownIdsNote(*tok, ids); };
   ptk::DataArgs args;
   args.data_path =
       f.data_path.empty() && f.train_path.empty() && f.valid_path.empty() && f.test_path.empty() && !f.prefix.empty()
@@ -122,6 +138,7 @@ absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
                                                 f.merge_file.empty() ? "gpt2-merges.txt" : f.merge_file);
   if (!f.cache_path.empty()) cfg.path_to_cache = f.cache_path;
   cfg.write_cache = f.write_cache;
+  cfg.cache_write_required = f.write_cache;  // its point: a cache that cannot be saved is an error, not a warning
   cfg.mid_level_dataset_surplus = f.surplus;
   cfg.eod_mask_loss = f.eod_mask_loss;
   cfg.reset_position_ids = f.reset_position_ids;
@@ -149,7 +166,8 @@ absl::Status InspectDataset(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok
   }
   if (f.doc >= 0) {
     ptk::DecodeFn decode;
-    if (tok != nullptr) decode = [tok](const std::vector<int32_t>& ids) { return tok->Decode(ids); };
+    if (tok != nullptr)
+      decode = [tok](const std::vector<int32_t>& ids) { return tok->Decode(ids) + UnknownIdsNote(*tok, ids); };
     PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatDocument(*ds, f.doc, f.format != "text", decode));
     std::fputs(text.c_str(), stdout);
     return absl::OkStatus();
@@ -186,6 +204,13 @@ absl::Status CheckCombination(const CLI::App& app, const InspectFlags& f) {
   }
   if (given("--format") && !given("--doc") && !f.sample_given)
     return ptk::UsageError("--format says what --doc or --sample prints; neither is given");
+  // Read only to decode (and, for --sample, to name the index cache): beside --verify, --stats or the
+  // summary a vocabulary that does not even exist was ignored, exit 0.
+  if (!f.sample_given && !(given("--doc") && f.format != "ids"))
+    for (const char* name : {"--vocab-file", "--merge-file"})
+      if (given(name))
+        return ptk::UsageError(fmt::format("{} decodes the text --doc or --sample prints; {}", name,
+                                           given("--doc") ? "--format ids prints none" : "neither is given"));
   return absl::OkStatus();
 }
 

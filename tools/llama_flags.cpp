@@ -24,7 +24,17 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--rotary-percent", m.rotary_percent, "Share of each head's channels RoPE rotates, in (0, 1]")
       ->check(cli::RealIn(0, true, 1, false));
   app->add_flag("--use-rope-scaling", m.use_rope_scaling,
-                "Llama 3.1's RoPE frequency scaling (factor 8, low/high frequency factors 1/4, original context 8192)");
+                "Llama 3.x's RoPE frequency scaling (--rope-scaling-factor, low/high frequency factors 1/4, original "
+                "context 8192)");
+  app->add_option("--rope-scaling-factor", m.rope_scaling_factor,
+                  "--use-rope-scaling's factor (Megatron's default 8, Llama 3.1's; Llama 3.2 1B/3B use 32)")
+      ->check(cli::Positive());
+  app->add_option("--rotary-seq-len-interpolation-factor", m.rotary_seq_len_interpolation_factor,
+                  "Linear position interpolation: RoPE's positions divided by this factor (default none)")
+      ->check(cli::Positive());
+  app->add_flag("--rotary-interleaved", m.rotary_interleaved,
+                "RoPE rotates pairs of adjacent channels (2i, 2i+1; Meta's original layout), not channel i with i + "
+                "d/2");
   app->add_flag("--swiglu", m.swiglu,
                 "SwiGLU MLP: fc1 gives [gate; up] (2 x --ffn-hidden-size rows), fc2 takes silu(gate) * up");
   app->add_flag("--group-query-attention", f->group_query_attention,
@@ -76,6 +86,21 @@ absl::Status ResolveLlamaFlags(const TrainFlags& f, int64_t tp, GPTConfig* m) {
     return UsageError(fmt::format("--num-query-groups {} is not divisible by --tensor-model-parallel-size {}",
                                   m->query_groups(), tp));
   return absl::OkStatus();
+}
+
+void NoteRotaryFlags(const GPTConfig& m, std::vector<std::string>* notes) {
+  // Megatron reads them only where RoPE (and, for the factor, its scaling) is on.
+  auto note = [&](bool given, const std::string& flag, const char* needs) {
+    if (given) notes->push_back(fmt::format("{}: accepted, no effect without {} (as Megatron)", flag, needs));
+  };
+  const bool factor = m.rope_scaling_factor != 8.0, interpolation = m.rotary_seq_len_interpolation_factor > 0;
+  if (!m.rope()) {
+    note(m.rotary_interleaved, "--rotary-interleaved", "--position-embedding-type rope");
+    note(interpolation, "--rotary-seq-len-interpolation-factor", "--position-embedding-type rope");
+    note(factor, "--rope-scaling-factor", "--position-embedding-type rope");
+  } else {
+    note(factor && !m.use_rope_scaling, "--rope-scaling-factor", "--use-rope-scaling");
+  }
 }
 
 }  // namespace ptk

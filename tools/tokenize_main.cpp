@@ -2,12 +2,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
 
 #include "common/cli.h"
+#include "common/cpu_budget.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -25,7 +25,9 @@ struct TokenizeFlags {
   std::string tokenizer_type = "GPT2BPETokenizer", vocab_file, merge_file, dataset_impl = "mmap";
   std::string tokenizer_library = "megatron", files_filter;
   bool preproc_folder = false;
-  int workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  ptk::CpuBudget cpus = ptk::ThisProcessCpuBudget();  // --workers' default
+  int workers = cpus.cpus;
+  CLI::Option* workers_opt = nullptr;
   bool quiet = false;
   double batch_mb = 1.0;
   CLI::Option* batch_opt = nullptr;
@@ -51,8 +53,10 @@ void AddOptions(CLI::App& app, TokenizeFlags* f) {
   app.add_option("--vocab-file", f->vocab_file, "GPT-2 vocab.json (default: the GPT-2 vocab shipped with ptk)");
   app.add_option("--merge-file", f->merge_file, "GPT-2 merges.txt (default: the GPT-2 merges shipped with ptk)");
   app.add_flag("--append-eod", f->opt.append_eod, "Append <|endoftext|> (50256) to every non-empty document");
-  app.add_option("--workers", f->workers, "Encoding threads (default: all hardware threads)")
-      ->check(ptk::cli::IntIn(1, 65536));
+  f->workers_opt = app.add_option("--workers", f->workers,
+                                  "Encoding threads (default: the CPUs this process may use: its affinity mask "
+                                  "capped by its cgroup CPU quota)")
+                       ->check(ptk::cli::IntIn(1, 65536));
   app.add_option("--partitions", f->opt.partitions,
                  "Megatron's file partitions: round-robin document order across P parts")
       ->check(ptk::cli::IntIn(1, ptk::cli::kMaxInt));
@@ -138,6 +142,13 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
   PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputDirectory("--output-prefix", f.opt.output_prefix));
   PTK_ASSIGN_OR_RETURN(f.opt.inputs, ptk::ExpandTokenizeInputs(f.inputs, f.files_filter));
   f.opt.workers = f.workers;
+  if (f.workers_opt->count() == 0) {
+    if (!f.quiet)
+      ptk::log::Info("{} worker{}: the CPUs this process may use ({})", f.workers, f.workers == 1 ? "" : "s",
+                     f.cpus.reason);
+  } else if (const std::string note = ptk::OversubscriptionNote("--workers", f.workers, f.cpus); !note.empty()) {
+    ptk::log::Warning("{}", note);
+  }
   if (f.batch_opt->count() > 0) f.opt.batch_bytes = std::max<size_t>(1, static_cast<size_t>(f.batch_mb * (1 << 20)));
   f.opt.progress = !f.quiet;
   f.opt.megatron_log = !f.quiet;

@@ -88,12 +88,6 @@ struct ModelRefusal {
   const char* why;
 };
 constexpr ModelRefusal kModelRefusals[] = {
-    {"--rotary-interleaved", false,
-     "the interleaved rotary layout (pairs of adjacent channels) is not implemented; ptk rotates Megatron's default "
-     "halves (channel i with i + d/2), as Llama's Hugging Face checkpoints do"},
-    {"--rotary-seq-len-interpolation-factor", true,
-     "rotary position interpolation is not implemented; Llama 3.1's scaling is --use-rope-scaling"},
-    {"--rope-scaling-factor", true, "--use-rope-scaling has Llama 3.1's factor 8 only"},
     {"--apply-residual-connection-post-layernorm", false,
      "the residual is taken before LayerNorm in ptk's model (pre-LN, Megatron's default)"},
     {"--multi-latent-attention", false, "multi-latent attention is not implemented"},

@@ -274,8 +274,9 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
                   "Megatron's 10)")
       ->check(RealIn(0, true, 1e6, false));
   app->add_option("--threads", f->threads,
-                  "ptk: CPU threads per rank (default: this process's CPUs; when it may use the whole machine, its "
-                  "cores split among the ranks on this node)")
+                  "ptk: CPU threads per rank (default: this process's CPUs, its affinity mask capped by its cgroup CPU "
+                  "quota; when it may use the whole machine, its cores, or the quota, split among the ranks on this "
+                  "node)")
       ->check(IntIn(0, 65536));
 }
 

@@ -76,6 +76,8 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* flags);
 // --group-query-attention); a usage error naming the flag for a value ptk has not, or query groups
 // that tensor size `tp` does not divide. Both backends train every mix.
 absl::Status ResolveLlamaFlags(const TrainFlags& flags, int64_t tp, GPTConfig* model);
+// Notes for the rotary flags given where they have no effect (no RoPE; a factor without its scaling).
+void NoteRotaryFlags(const GPTConfig& model, std::vector<std::string>* notes);
 
 // After parsing: refuses what ptk cannot do (one line naming the flag), collects notes for flags
 // accepted without effect, and completes `flags.options` with the flags that are no setting of

@@ -1,6 +1,5 @@
 // ptk-train: Megatron's pretrain_gpt.py flags, data and log lines, on ptk's fp32 CPU trainer.
 #include <pthread.h>
-#include <sched.h>
 #include <signal.h>
 
 #include <atomic>
@@ -14,6 +13,7 @@
 #include <tbb/global_control.h>
 
 #include "common/cli.h"
+#include "common/cpu_budget.h"
 #include "common/file_paths.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
@@ -35,13 +35,6 @@ namespace {
 
 std::atomic<int> g_exit_signal{0};
 extern "C" void OnExitSignal(int sig) { g_exit_signal.store(sig); }
-
-int CpusOfThisProcess() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
-  return std::max(1, CPU_COUNT(&set));
-}
 
 std::string ArgsJson(int argc, char** argv) {
   ptk::JsonWriter w;
@@ -216,13 +209,14 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
   for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
 }
 
-// Threads for oneTBB (ptk::ChooseTrainingThreads): --threads, else this process's CPUs; ranks
-// sharing a node share its cores unless Slurm bound each to its own.
+// Threads for oneTBB (ptk::ChooseTrainingThreads): --threads, else this process's CPUs (its affinity
+// mask capped by its cgroups' CPU quota); ranks sharing a node share its cores unless Slurm bound each
+// to its own.
 ptk::TrainingThreadsChoice TrainingThreads(const ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks) {
   std::string launcher_cpus_var;
   for (const char* var : {"SLURM_CPUS_PER_TASK", "PTK_THREADS_PER_RANK"})
     if (launcher_cpus_var.empty() && std::getenv(var) != nullptr) launcher_cpus_var = var;
-  return ptk::ChooseTrainingThreads(static_cast<int64_t>(flags.threads), CpusOfThisProcess(),
+  return ptk::ChooseTrainingThreads(static_cast<int64_t>(flags.threads), ptk::ThisProcessCpuBudget(),
                                     static_cast<int>(std::thread::hardware_concurrency()), launcher_cpus_var, ranks);
 }
 
@@ -284,6 +278,7 @@ int main(int argc, char** argv) {
       notes.push_back(fmt::format("{} CPU thread{} per rank: {}", threads.threads, threads.threads == 1 ? "" : "s",
                                   threads.reason));
     PrintStart(options, plan, *layout, ranks, *groups.world, notes);
+    if (!threads.warning.empty() && ranks.rank == 0) ptk::log::Warning("{}", threads.warning);
 
     // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
     tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads.threads));

@@ -138,6 +138,7 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
   TrainOptions& o = *out;
   GPTConfig& m = o.model;
   PTK_RETURN_IF_ERROR(ResolveLlamaFlags(f, tp, &m));
+  NoteRotaryFlags(m, notes);
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
   if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
   if (m.vocab_size == 0) {

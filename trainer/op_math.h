@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "trainer/host_device.h"
+#include "trainer/op_types.h"
 
 namespace ptk {
 
@@ -52,14 +53,14 @@ PTK_HD T SquaredReluDerivative(T x) {
 }
 
 // Rotary embedding's inverse frequency of channel pair i of rd rotated channels, as Megatron's
-// RotaryEmbedding computes it in fp32: 1 / base^(2i / rd); with `llama3_scaling`, Llama 3.1's
-// rescaling (factor 8, low_freq_factor 1, high_freq_factor 4, original context 8192: Megatron-core's
-// _apply_scaling, transformers' _compute_llama3_parameters) applied to it.
-inline float RopeInverseFrequency(int64_t i, int64_t rd, double base, bool llama3_scaling) {
+// RotaryEmbedding computes it in fp32: 1 / base^(2i / rd); with a `llama3_factor` (> 0), Llama 3.x's
+// rescaling by that factor (low_freq_factor 1, high_freq_factor 4, original context 8192, which
+// Megatron-core's _apply_scaling keeps at their defaults; transformers' _compute_llama3_parameters).
+inline float RopeInverseFrequency(int64_t i, int64_t rd, double base, double llama3_factor) {
   const float exponent = static_cast<float>(2 * i) / static_cast<float>(rd);
   const float inv = 1.0f / std::pow(static_cast<float>(base), exponent);
-  if (!llama3_scaling) return inv;
-  const double factor = 8.0, low = 1.0, high = 4.0, original = 8192.0;
+  if (!(llama3_factor > 0)) return inv;
+  const double factor = llama3_factor, low = 1.0, high = 4.0, original = 8192.0;
   const double low_wavelen = original / low, high_wavelen = original / high;
   const double wavelen = 2.0 * 3.14159265358979323846 / static_cast<double>(inv);
   if (wavelen < high_wavelen) return inv;                                                   // high frequencies: kept
@@ -69,14 +70,18 @@ inline float RopeInverseFrequency(int64_t i, int64_t rd, double base, bool llama
 }
 
 // RoPE's fp32 tables cos, sin (t, rd / 2): the angle position * RopeInverseFrequency(i) in fp32 (as
-// torch.outer of fp32 tensors), its cosine and sine in double rounded to fp32. Host code: the CPU op
-// and the CUDA model (which uploads them) compute the same tables.
-inline void RopeAngleTables(float* cos, float* sin, int64_t t, int64_t rd, double base, bool llama3_scaling) {
+// torch.outer of fp32 tensors), its cosine and sine in double rounded to fp32. With linear position
+// interpolation the position is first scaled in fp32 by fp32(1 / factor), as Megatron's
+// get_freqs_non_repeated does (seq *= 1 / factor). Host code: the CPU op and the CUDA model (which
+// uploads them) compute the same tables.
+inline void RopeAngleTables(float* cos, float* sin, int64_t t, int64_t rd, const RopeSettings& r) {
   const int64_t half = rd / 2;
+  const float scale = r.interpolation > 0 ? static_cast<float>(1.0 / r.interpolation) : 1.0f;
   for (int64_t i = 0; i < half; ++i) {
-    const float inv = RopeInverseFrequency(i, rd, base, llama3_scaling);
+    const float inv = RopeInverseFrequency(i, rd, r.base, r.llama3_factor);
     for (int64_t p = 0; p < t; ++p) {
-      const float angle = static_cast<float>(p) * inv;
+      const float pos = r.interpolation > 0 ? static_cast<float>(p) * scale : static_cast<float>(p);
+      const float angle = pos * inv;
       cos[p * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
       sin[p * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
     }

@@ -16,6 +16,14 @@ struct AttentionShape {
   int64_t qkv_width() const { return (nh + 2 * groups()) * hd; }
 };
 
+// Rotary embedding's settings beside the rotated channels (Megatron's RotaryEmbedding arguments).
+struct RopeSettings {
+  double base = 10000.0;     // rotary_base
+  double llama3_factor = 0;  // Llama 3.x frequency scaling's factor (rope_scaling_factor); 0: no scaling
+  double interpolation = 0;  // linear position interpolation (seq_len_interpolation_factor); 0: none
+  bool interleaved = false;  // rotary_interleaved: pairs (2i, 2i + 1), not (i, i + rd/2)
+};
+
 // torch.optim.AdamW (decoupled weight decay, bias-corrected moments), as Megatron's fused Adam in
 // AdamW mode.
 struct AdamWParams {

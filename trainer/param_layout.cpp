@@ -33,6 +33,11 @@ absl::Status GPTConfig::Validate() const {
       return bad(fmt::format("rotary_base {}: must be positive", rotary_base));
     if (!(rotary_percent > 0 && rotary_percent <= 1))
       return bad(fmt::format("rotary_percent {}: must be in (0, 1]", rotary_percent));
+    if (!(rope_scaling_factor > 0 && std::isfinite(rope_scaling_factor)))
+      return bad(fmt::format("rope_scaling_factor {}: must be positive", rope_scaling_factor));
+    if (!(rotary_seq_len_interpolation_factor >= 0 && std::isfinite(rotary_seq_len_interpolation_factor)))
+      return bad(fmt::format("rotary_seq_len_interpolation_factor {}: must be positive (0: none)",
+                             rotary_seq_len_interpolation_factor));
     if (rotary_dim() < 2 || rotary_dim() % 2 != 0)
       return bad(
           fmt::format("rotary_percent {} of head dimension {} rotates {} channels: must be an even number, at least 2",

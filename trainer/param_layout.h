@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "trainer/op_types.h"
 
 namespace ptk {
 
@@ -39,12 +40,18 @@ struct GPTConfig {
   PositionEmbedding position_embedding = PositionEmbedding::kLearnedAbsolute;
   double rotary_base = 10000.0;
   double rotary_percent = 1.0;    // the rotated share of each head's channels
-  bool use_rope_scaling = false;  // Llama 3.1's frequency scaling (factor 8, original context 8192)
+  bool use_rope_scaling = false;  // Llama 3.x's frequency scaling (rope_scaling_factor, original context 8192)
   bool swiglu = false;            // fc1 gives [gate; up] (2 x ffn_hidden_size rows), fc2 takes silu(gate) * up
   int64_t num_query_groups = 0;   // 0: one key/value head per query head (multi-head attention)
   int64_t kv_channels = 0;        // the head dimension; 0: hidden_size / num_attention_heads
   bool add_bias_linear = true;    // biases of QKV, proj, fc1, fc2
   bool add_qkv_bias = false;      // the QKV bias even without add_bias_linear
+  // Megatron's --rope-scaling-factor (Llama 3.1's 8, Llama 3.2 1B/3B's 32), read with use_rope_scaling only.
+  double rope_scaling_factor = 8.0;
+  // Megatron's --rotary-seq-len-interpolation-factor: positions divided by it (linear interpolation); 0: none.
+  double rotary_seq_len_interpolation_factor = 0;
+  // Megatron's --rotary-interleaved: channels (2i, 2i + 1) rotated together (Meta's layout), not (i, i + rd/2).
+  bool rotary_interleaved = false;
   // Megatron's --qk-layernorm (Qwen3's q_norm / k_norm): the configuration's norm over each query and
   // each key head's head_dim channels after the QKV projection, before RoPE; one weight (and, for
   // LayerNorm, bias) of head_dim for all query heads, one for all key heads.
@@ -67,6 +74,10 @@ struct GPTConfig {
   bool rope() const { return position_embedding == PositionEmbedding::kRope; }
   // Channels rotated per head (even): int(head_dim * rotary_percent), as Megatron's RotaryEmbedding.
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent); }
+  RopeSettings rope_settings() const {
+    return {rotary_base, use_rope_scaling ? rope_scaling_factor : 0.0, rotary_seq_len_interpolation_factor,
+            rotary_interleaved};
+  }
   // Rows of the QKV projection: query heads plus a key and a value head per group.
   int64_t qkv_rows() const { return (num_attention_heads + 2 * query_groups()) * head_dim(); }
   // Megatron's GPT-3 model (every setting of the Llama line at its default).

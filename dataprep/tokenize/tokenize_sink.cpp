@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <utility>
@@ -86,7 +87,9 @@ absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<F
 
 // What must be equal for a rerun (or a resume) to give the same bytes, in parts a rerun can name:
 // - the inputs: each by name, size and modification time (make's and rsync's quick check; an
-//   input rewritten in place with its size and time kept is not seen: --force tokenizes again);
+//   input rewritten in place with its size and time kept is not seen: --force tokenizes again); the
+//   name made absolute and normal, so that my.jsonl, ./my.jsonl and /data/my.jsonl (or a run from
+//   another directory) are one input, not a change that tokenizes again;
 // - the settings that change the ids or the outputs: the keys, --append-eod, <|endoftext|>
 //   handling (and, for a published output, the partition order). Not --strict: it changes no byte
 //   of an output (a --strict run fails where the other would skip or repair, and else writes the
@@ -101,7 +104,10 @@ std::string InputsText(const TokenizeOptions& opt) {
   for (const auto& f : opt.inputs) {
     struct stat st {};
     (void)::stat(f.c_str(), &st);
-    s += fmt::format("{}\t{}\t{}.{}\n", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+    std::error_code ec;
+    const std::filesystem::path abs = std::filesystem::absolute(f, ec);
+    const std::string name = f == "-" || ec ? f : abs.lexically_normal().string();
+    s += fmt::format("{}\t{}\t{}.{}\n", name, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
   }
   return s;
 }

@@ -500,6 +500,11 @@ TEST(TrainingRanksFromEnv, TheRanksOnThisNodeComeFromTheLauncher) {
   EXPECT_EQ(*SlurmTasksOnNode("V", "2(x3),1", 4), std::optional<int64_t>());
 }
 
+// A process whose affinity mask holds `cpus` CPUs, in no cgroup with a CPU quota.
+CpuBudget Mask(int cpus) {
+  return {.cpus = cpus, .affinity_cpus = cpus, .cgroup_cpus = 0, .cgroup = "", .reason = "affinity"};
+}
+
 // The machine's cores are split among the ranks on this node, not the whole job's: 2 nodes x 8
 // ranks on 64-core nodes give 8 threads per rank (not 64 / 16 = 4). Without a count for the node,
 // the world size as before; --threads, a narrower affinity mask or launcher-given CPUs are not split.
@@ -508,27 +513,28 @@ TEST(ChooseTrainingThreads, SplitsTheMachineAmongTheRanksOnThisNode) {
   two_nodes.world_size = 16;
   two_nodes.ranks_on_node = 8;
   two_nodes.ranks_on_node_source = "LOCAL_WORLD_SIZE";
-  TrainingThreadsChoice c = ChooseTrainingThreads(0, 64, 64, "", two_nodes);
+  TrainingThreadsChoice c = ChooseTrainingThreads(0, Mask(64), 64, "", two_nodes);
   EXPECT_EQ(c.threads, 8);
   EXPECT_EQ(c.reason, "64 CPUs / 8 ranks on this node (LOCAL_WORLD_SIZE)");
   TrainingRanks unknown = two_nodes;
   unknown.ranks_on_node = 0;
   unknown.ranks_on_node_source.clear();
-  c = ChooseTrainingThreads(0, 64, 64, "", unknown);
+  c = ChooseTrainingThreads(0, Mask(64), 64, "", unknown);
   EXPECT_EQ(c.threads, 4);
   EXPECT_NE(c.reason.find("64 CPUs / 16 ranks (the launcher does not say"), std::string::npos) << c.reason;
-  EXPECT_EQ(ChooseTrainingThreads(3, 64, 64, "", two_nodes).threads, 3);  // --threads
-  c = ChooseTrainingThreads(0, 16, 64, "", two_nodes);                    // affinity mask
+  EXPECT_EQ(ChooseTrainingThreads(3, Mask(64), 64, "", two_nodes).threads, 3);  // --threads
+  c = ChooseTrainingThreads(0, Mask(16), 64, "", two_nodes);                    // affinity mask
   EXPECT_EQ(c.threads, 16);
   EXPECT_EQ(c.reason,
             "this process's 16 of the machine's 64 CPUs (its affinity mask), not split among the ranks on this node "
             "(LOCAL_WORLD_SIZE: 8)");
-  EXPECT_EQ(ChooseTrainingThreads(0, 64, 64, "SLURM_CPUS_PER_TASK", two_nodes).threads, 64);  // SLURM_CPUS_PER_TASK
-  EXPECT_EQ(ChooseTrainingThreads(0, 64, 64, "", TrainingRanks()).threads, 64);               // one rank
-  EXPECT_EQ(ChooseTrainingThreads(0, 4, 4, "", two_nodes).threads, 1);                        // at least 1
+  EXPECT_EQ(ChooseTrainingThreads(0, Mask(64), 64, "SLURM_CPUS_PER_TASK", two_nodes).threads,
+            64);                                                                       // SLURM_CPUS_PER_TASK
+  EXPECT_EQ(ChooseTrainingThreads(0, Mask(64), 64, "", TrainingRanks()).threads, 64);  // one rank
+  EXPECT_EQ(ChooseTrainingThreads(0, Mask(4), 4, "", two_nodes).threads, 1);           // at least 1
   TrainingRanks alone_on_node = two_nodes;
   alone_on_node.ranks_on_node = 1;
-  c = ChooseTrainingThreads(0, 64, 64, "", alone_on_node);
+  c = ChooseTrainingThreads(0, Mask(64), 64, "", alone_on_node);
   EXPECT_EQ(c.threads, 64);
   EXPECT_EQ(c.reason, "64 CPUs / 1 rank on this node (LOCAL_WORLD_SIZE)");
 }

@@ -432,7 +432,8 @@ TEST(Extract, TrailingZerosAreReadAsTheToolsReadThemAndGarbageIsNamed) {
 
 // Interrupted (Ctrl-C, a scheduler's SIGTERM at its time limit), ptk-extract and ptk-concat left
 // their partial output (OUT.ptk-tmp-*, as large as what was written so far) until a rerun; gzip
-// and zstd remove theirs. Now each removes its temporaries and dies of the signal. Each run is
+// and zstd remove theirs. Now each removes its temporaries and its lock files (OUT.ptk-lock, naming
+// the dead run as the writer) and dies of the signal. Each run is
 // stopped (SIGSTOP) while a temporary exists, signalled, then continued, so the signal always
 // lands mid-write.
 TEST(Extract, AnInterruptedRunRemovesItsPartialOutput) {
@@ -441,13 +442,14 @@ TEST(Extract, AnInterruptedRunRemovesItsPartialOutput) {
   std::string text;
   for (int i = 0; i < 2; ++i) text += Jsonl(200000, 500 + i);  // about 18 MB
   testing::WriteFile(dir / "in/big.jsonl.xz", testing::XzCompress(text, 0));
-  auto temporaries = [&](const std::string& out) {
+  auto count = [&](const std::string& out, const char* tag) {
     int n = 0;
     if (testing::Exists(out))
       for (const auto& e : std::filesystem::directory_iterator(out))
-        n += e.path().filename().string().find(".ptk-tmp") != std::string::npos;
+        n += e.path().filename().string().find(tag) != std::string::npos;
     return n;
   };
+  auto temporaries = [&](const std::string& out) { return count(out, ".ptk-tmp"); };
   const std::pair<std::string, std::string> tools[] = {
       {fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "x"), dir / "x"},
       {fmt::format("{} --quiet --input {} --output-dir {} --chunks 1", testing::Tool("ptk-concat"), dir / "in",
@@ -482,6 +484,8 @@ TEST(Extract, AnInterruptedRunRemovesItsPartialOutput) {
         landed = true;
         EXPECT_EQ(rc, 128 + sig) << testing::ReadFile(dir / "log");
         EXPECT_EQ(temporaries(out), 0) << testing::ReadFile(dir / "log");
+        // Nor a lock file naming the dead run as the output's writer (OUT.ptk-lock was left).
+        EXPECT_EQ(count(out, ".ptk-lock"), 0) << testing::ReadFile(dir / "log");
       }
       EXPECT_TRUE(landed) << "the run always finished before it could be interrupted";
     }
@@ -653,6 +657,18 @@ TEST(Concat, TheToolsFlagsBeforeASubcommandAreUsageErrors) {
     EXPECT_NE(r.output.find("usage error: " + message), std::string::npos) << args << "\n" << r.output;
   }
   EXPECT_FALSE(testing::Exists(dir / "c/train_00.jsonl"));
+  // An empty --output-dir wrote concat-plan.json into the current directory, then failed (exit 1).
+  testing::TempDir here;
+  for (const char* mode : {"plan ", ""}) {
+    auto empty = RunCmd("cd " + here.path() + " && " + concat + " " + mode + "--input " + dir / "in" +
+                        " --output-dir '' --chunks 1");
+    EXPECT_EQ(empty.exit_code, 2) << mode << "\n" << empty.output;
+    EXPECT_NE(
+        empty.output.find(*mode ? "usage error: --output-dir is empty" : "usage error: give --input and --output-dir"),
+        std::string::npos)
+        << empty.output;
+    EXPECT_TRUE(std::filesystem::is_empty(here.path())) << mode;
+  }
   auto ok = RunCmd(concat + " run --plan " + plan + " --no-fsync --jobs 2 --quiet");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_TRUE(testing::Exists(dir / "c/train_00.jsonl"));

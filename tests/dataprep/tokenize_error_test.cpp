@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <tuple>
 
 #include "dataprep/tokenize/json_record.h"
 #include "dataprep/tokenize/tokenize_pipeline.h"
@@ -802,6 +803,51 @@ TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
     EXPECT_NE(again.output.find("up to date, not rewritten"), std::string::npos) << again.output;
     EXPECT_EQ(testing::ReadFile(dir / "parts/m.bin"), bytes);
   }
+  // The output named as one of the inputs (p1, which ptk-tokenize wrote) was left out and replaced by
+  // the merge of the others, exit 0: refused, exit 1, p1 as it was.
+  const std::string p1 = testing::ReadFile(dir / "parts/p1_text_document.bin");
+  auto over = merge(dir / "parts/p1_text_document");
+  EXPECT_EQ(over.exit_code, 1) << over.output;
+  EXPECT_NE(over.output.find("that no merge wrote (its p1_text_document.ptk-done records ptk-tokenize)"),
+            std::string::npos)
+      << over.output;
+  EXPECT_EQ(testing::ReadFile(dir / "parts/p1_text_document.bin"), p1);
+  // Without a sidecar (Megatron's pair), too.
+  std::filesystem::remove(dir / "parts/p1_text_document.ptk-done");
+  auto bare = merge(dir / "parts/p1_text_document");
+  EXPECT_EQ(bare.exit_code, 1) << bare.output;
+  EXPECT_NE(bare.output.find("no p1_text_document.ptk-done beside it"), std::string::npos) << bare.output;
+  EXPECT_EQ(testing::ReadFile(dir / "parts/p1_text_document.bin"), p1);
+}
+
+// A rerun with the same inputs spelled otherwise (a.jsonl, ./a.jsonl, its absolute name, from another
+// directory) tokenized and merged again: the fingerprint held the names as typed. Now up to date, and a
+// changed input is still seen.
+TEST(TokenizeErrors, ARerunWithTheInputsSpelledOtherwiseIsUpToDate) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "sub");
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  const std::string in = "cd " + testing::ShellQuote(dir.path()) + " && ";
+  auto tok = [&](const std::string& where, const std::string& input, const std::string& out) {
+    return RunCmd(where + testing::Tool("ptk-tokenize") + " --input " + input + " --output-prefix " + out);
+  };
+  ASSERT_EQ(tok(in, "a.jsonl", "o").exit_code, 0);
+  for (const auto& [where, input, out] : {std::tuple<std::string, std::string, std::string>{in, "./a.jsonl", "./o"},
+                                          {in, dir / "a.jsonl", dir / "o"},
+                                          {"cd " + testing::ShellQuote(dir / "sub") + " && ", "../a.jsonl", "../o"}}) {
+    auto again = tok(where, input, out);
+    EXPECT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_NE(again.output.find("up to date, not rewritten"), std::string::npos) << input << "\n" << again.output;
+  }
+  auto merge = [&](const std::string& where, const std::string& input) {
+    return RunCmd(where + testing::Tool("ptk-merge") + " --inputs " + input + " --output-prefix " + dir / "m");
+  };
+  ASSERT_EQ(merge(in, "o_text_document").exit_code, 0);
+  auto merged_again = merge("", dir / "o_text_document");
+  EXPECT_NE(merged_again.output.find("up to date, not rewritten"), std::string::npos) << merged_again.output;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"Other\"}\n");
+  auto changed = tok("", dir / "a.jsonl", dir / "o");
+  EXPECT_EQ(changed.output.find("up to date"), std::string::npos) << changed.output;
 }
 
 // A changed tokenizer is never missed, whatever its files' sizes and times: two ids swapped in

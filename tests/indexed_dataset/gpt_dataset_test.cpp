@@ -319,6 +319,58 @@ TEST(InspectSample, PrintsMegatronsSample) {
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
 }
 
+// --write-cache whose cache could not be saved (a directory it cannot create, a full disk) printed a
+// warning and the sample, exit 0: the one thing asked was not done. Exit 1 naming the directory, 3 on a
+// full disk; a cache that can be saved is (four files), and a read of it is still exit 0.
+TEST(InspectSample, WriteCacheThatCannotBeSavedFails) {
+  testing::TempDir dir;
+  testing::WriteFile(dir / "file", "x");
+  const std::string cmd = "cd " + kGolden + " && " + testing::Tool("ptk-inspect") +
+                          " --data-path gpt_data/tiny --sample 0 --split 1,0,0 --seq-length 4 --train-samples 8 "
+                          "--format ids --write-cache --data-cache-path ";
+  auto blocked = testing::RunCmd(cmd + testing::ShellQuote(dir / "file/cache"));
+  EXPECT_EQ(blocked.exit_code, 1) << blocked.output;
+  EXPECT_NE(blocked.output.find(dir / "file/cache: cannot save the GPTDataset index cache there"), std::string::npos)
+      << blocked.output;
+  auto full = testing::RunCmd("ulimit -f 0; " + cmd + testing::ShellQuote(dir / "full"));
+  EXPECT_EQ(full.exit_code, 3) << full.output;
+  EXPECT_NE(full.output.find(dir / "full: cannot save the GPTDataset index cache there"), std::string::npos)
+      << full.output;
+  auto saved = testing::RunCmd(cmd + testing::ShellQuote(dir / "ok"));
+  EXPECT_EQ(saved.exit_code, 0) << saved.output;
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir / "ok"), std::filesystem::directory_iterator()), 4);
+  auto read = testing::RunCmd(cmd.substr(0, cmd.find(" --write-cache")) + " --data-cache-path " +
+                              testing::ShellQuote(dir / "file/cache"));
+  EXPECT_EQ(read.exit_code, 0) << read.output;
+}
+
+// Ids GPT-2's vocabulary does not hold (a dataset of another tokenizer) decoded to nothing: the text
+// read as whole, exit 0. A note now counts them and names the first.
+TEST(InspectSample, IdsTheTokenizerLacksAreCountedNotDroppedSilently) {
+  testing::TempDir dir;
+  {
+    auto b = IndexedDatasetBuilder::Create(dir / "w_text_document", DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const std::vector<int32_t> ids = {60000, 464, 65535, 50256};
+    ASSERT_TRUE((*b)->AddItem(ids).ok());
+    (*b)->EndDocument();
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  auto r = testing::RunCmd(testing::Tool("ptk-inspect") + " " + dir / "w_text_document" + " --doc 0");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ids: 60000 464 65535 50256"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(not shown: 2 id(s) the tokenizer's 50257 entries do not hold, the first 60000"),
+            std::string::npos)
+      << r.output;
+  auto sample = testing::RunCmd(testing::Tool("ptk-inspect") + " --data-path " + dir / "w_text_document" +
+                                " --sample 0 --split 1,0,0 --seq-length 2 --train-samples 1 --format text");
+  EXPECT_EQ(sample.exit_code, 0) << sample.output;
+  EXPECT_NE(sample.output.find("(not shown: 1 id(s) the tokenizer's 50257 entries do not hold"), std::string::npos)
+      << sample.output;
+  auto fine = testing::RunCmd("cd " + kGolden + " && " + testing::Tool("ptk-inspect") + " gpt_data/tiny --doc 0");
+  EXPECT_EQ(fine.output.find("not shown"), std::string::npos) << fine.output;
+}
+
 // A flag that this combination would ignore is a usage error naming it: --stats beside --doc,
 // --verify beside --sample, a --sample flag without --sample printed or checked nothing, exit 0.
 TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
@@ -330,6 +382,12 @@ TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
       {"gpt_data/tiny --seq-length 4", "--seq-length goes with --sample I, which is not given"},
       {"gpt_data/tiny --verify --split 1,0,0", "--split goes with --sample I"},
       {"gpt_data/tiny --format ids", "--format says what --doc or --sample prints; neither is given"},
+      {"gpt_data/tiny --verify --vocab-file /nonexistent.json",
+       "--vocab-file decodes the text --doc or --sample prints; neither is given"},
+      {"gpt_data/tiny --stats --merge-file m.txt",
+       "--merge-file decodes the text --doc or --sample prints; neither is given"},
+      {"gpt_data/tiny --doc 0 --format ids --vocab-file v.json",
+       "--vocab-file decodes the text --doc or --sample prints; --format ids prints none"},
       {"gpt_data/tiny --sample 0 --seq-length 4 --data-path gpt_data/tiny",
        "--sample reads the datasets of --data-path and ignores PREFIX gpt_data/tiny"},
   };

@@ -393,6 +393,27 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
   EXPECT_EQ(same.exit_code, 2) << same.output;
   auto tp = RunCmd(tool + " --loader ptk --saver hf --load-dir a --save-dir b --target-tensor-parallel-size 2");
   EXPECT_EQ(tp.exit_code, 2) << tp.output;
+  // A flag of another direction was ignored, exit 0: --vocab-file naming no file, --force, a layer-name
+  // choice no saver but Megatron's reads.
+  for (const std::string& flag :
+       {"--vocab-file /nonexistent/vocab.json", "--merge-file m.txt", "--force", "--saver-transformer-impl local"}) {
+    auto other = RunCmd(tool + " --loader hf --saver ptk --load-dir " + ShellQuote(dir_ / "hf") + " --save-dir " +
+                        ShellQuote(dir_ / "other") + " " + flag);
+    EXPECT_EQ(other.exit_code, 2) << flag << "\n" << other.output;
+    EXPECT_NE(other.output.find(flag.substr(0, flag.find(' ')) + ": only --"), std::string::npos) << other.output;
+    EXPECT_NE(other.output.find("this is --loader hf --saver ptk"), std::string::npos) << other.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "other"));
+  // An empty directory name was the current directory (--saver megatron wrote iter_0000007/ there).
+  for (const std::string& dirs : {"--load-dir '' --save-dir " + ShellQuote(dir_ / "e"),
+                                  "--load-dir " + ShellQuote(dir_ / "ck") + " --save-dir ''"}) {
+    auto empty = RunCmd("cd " + ShellQuote(dir_.path()) + " && " + tool + " --loader ptk --saver megatron " + dirs);
+    EXPECT_EQ(empty.exit_code, 2) << empty.output;
+    EXPECT_NE(empty.output.find(" is empty: give a directory"), std::string::npos) << empty.output;
+    EXPECT_FALSE(std::filesystem::exists(dir_ / "iter_0000007"));
+  }
+  auto impl = RunCmd(tool + " --loader ptk --saver hf --load-dir a --save-dir b --saver-transformer-impl local");
+  EXPECT_EQ(impl.exit_code, 2) << impl.output;
   auto none = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "nothing") + " --save-dir b");
   EXPECT_EQ(none.exit_code, 1) << none.output;
   EXPECT_NE(none.output.find("no checkpoint"), std::string::npos) << none.output;
@@ -613,23 +634,23 @@ std::string Beside(const std::string& target) {
 constexpr const char* kSixFiles[] = {"config.json", "generation_config.json", "tokenizer_config.json", "vocab.json",
                                      "merges.txt",  "model.safetensors"};
 
-// A target that holds another model's files (tokenizer.json, pytorch_model.bin, an index) is
+// A target that holds another model's files (tokenizer.json, pytorch_model.bin and its index) is
 // refused, untouched; --force replaces it whole; an earlier export is replaced without it.
 TEST_F(HfConvert, ExportIntoAForeignDirectoryIsRefusedUnlessForced) {
   Save(false, dir_ / "ck");
   const std::string hf = dir_ / "hf";
   std::filesystem::create_directories(hf + "/sub");
-  for (const char* f : {"tokenizer.json", "pytorch_model.bin", "model.safetensors.index.json", "config.json"})
+  for (const char* f : {"tokenizer.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "config.json"})
     WriteFile(hf + "/" + f, f);
   auto r = ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf));
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(IsUsageError(r.status())) << r.status();
   EXPECT_NE(r.status().message().find(
-                "holds 4 entries that a ptk export does not write (model.safetensors.index.json, pytorch_model.bin, "
+                "holds 4 entries that a ptk export does not write (pytorch_model.bin, pytorch_model.bin.index.json, "
                 "sub, tokenizer.json)"),
             absl::string_view::npos)
       << r.status();
-  EXPECT_EQ(Entries(hf), "config.json model.safetensors.index.json pytorch_model.bin sub tokenizer.json ");
+  EXPECT_EQ(Entries(hf), "config.json pytorch_model.bin pytorch_model.bin.index.json sub tokenizer.json ");
   EXPECT_EQ(ReadFile(hf + "/config.json"), "config.json");
   const std::string tool = ptk::testing::Tool("ptk-convert");
   const std::string cmd =
@@ -662,6 +683,83 @@ TEST_F(HfConvert, ExportIntoAForeignDirectoryIsRefusedUnlessForced) {
   EXPECT_TRUE(IsUsageError(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "file")).status()));
   std::filesystem::create_directory_symlink(hf, dir_ / "link");
   EXPECT_TRUE(IsUsageError(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "link")).status()));
+}
+
+// --save-dir inside the checkpoint it reads (ckpt/iter_0000007, with --force) replaced that
+// checkpoint by the export, exit 0; a Megatron export into a directory of ptk checkpoints (--load-dir
+// itself, or another run's --save) replaced the ptk checkpoint of that iteration, exit 0; a Megatron
+// import into the Megatron checkpoint it reads replaced it by ptk's file, exit 0. Each is refused,
+// exit 2, with nothing touched.
+TEST_F(HfConvert, NoConversionWritesOverTheCheckpointItReadsOrAnotherToolsCheckpoint) {
+  Save(false, dir_ / "ck");  // iteration 7
+  const std::string ck = dir_ / "ck", file = CheckpointFile(ck, 7), before = ReadFile(file);
+  const std::string tool = ptk::testing::Tool("ptk-convert");
+  auto convert = [&](const std::string& loader, const std::string& saver, const std::string& from,
+                     const std::string& to, const std::string& more = "") {
+    return RunCmd(tool + " --loader " + loader + " --saver " + saver + " --load-dir " + ShellQuote(from) +
+                  " --save-dir " + ShellQuote(to) + more);
+  };
+  for (const std::string& inside : {CheckpointDir(ck, 7), CheckpointDir(ck, 7) + "/mp_rank_00"}) {
+    auto r = convert("ptk", "hf", ck, inside, " --force");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("holds the checkpoint read (" + file + ")"), std::string::npos) << r.output;
+    EXPECT_EQ(ReadFile(file), before);
+  }
+  auto itself = convert("ptk", "megatron", ck, ck);
+  EXPECT_EQ(itself.exit_code, 2) << itself.output;
+  EXPECT_NE(itself.output.find("holds ptk checkpoints (iter_0000007/mp_rank_00/model_optim_rng.ptk)"),
+            std::string::npos)
+      << itself.output;
+  EXPECT_EQ(ReadFile(file), before);
+  EXPECT_EQ(Entries(CheckpointDir(ck, 7) + "/mp_rank_00"), "model_optim_rng.ptk ");
+  Save(false, dir_ / "run");
+  EXPECT_EQ(convert("ptk", "megatron", ck, dir_ / "run").exit_code, 2);
+  EXPECT_EQ(Entries(CheckpointDir(dir_ / "run", 7) + "/mp_rank_00"), "model_optim_rng.ptk ");
+  // The Megatron checkpoint read, as the import's --save-dir: refused, its file kept.
+  const std::string meg = dir_ / "meg";
+  auto exported = convert("ptk", "megatron", ck, meg);
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  const std::string meg_file = meg + "/iter_0000007/mp_rank_00/model_optim_rng.pt", meg_bytes = ReadFile(meg_file);
+  auto back = convert("megatron", "ptk", meg, meg);
+  EXPECT_EQ(back.exit_code, 2) << back.output;
+  EXPECT_NE(back.output.find("its iteration 7 holds iter_0000007/mp_rank_00/model_optim_rng.pt, which is not a "
+                             "ptk checkpoint's file"),
+            std::string::npos)
+      << back.output;
+  EXPECT_EQ(ReadFile(meg_file), meg_bytes);
+  EXPECT_EQ(Entries(meg + "/iter_0000007/mp_rank_00"), "model_optim_rng.pt ");
+  // Into directories of their own, all three run.
+  EXPECT_EQ(convert("ptk", "hf", ck, dir_ / "hf").exit_code, 0);
+  auto imported = convert("megatron", "ptk", meg, dir_ / "imported");
+  EXPECT_EQ(imported.exit_code, 0) << imported.output;
+}
+
+// A --loader that does not read --load-dir said only what it missed ("model_optim_rng.pt: missing: ...
+// this one is absent" for a ptk checkpoint given to --loader megatron; "cannot open
+// .../model_optim_rng.ptk" for Megatron's given to --loader ptk): the message now names what is there.
+TEST_F(HfConvert, AWrongLoaderSaysWhatTheDirectoryHolds) {
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  ASSERT_TRUE(RunConvert(Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg")).ok());
+  const struct {
+    const char *loader, *saver, *dir, *holds;
+  } cases[] = {{"megatron", "ptk", "ck", "a ptk checkpoint: --loader ptk reads it"},
+               {"hf", "ptk", "ck", "a ptk checkpoint: --loader ptk reads it"},
+               {"ptk", "hf", "meg", "a Megatron checkpoint: --loader megatron reads it"},
+               {"hf", "ptk", "meg", "a Megatron checkpoint: --loader megatron reads it"},
+               {"ptk", "megatron", "hf", "a Hugging Face directory: --loader hf reads it"},
+               {"megatron", "ptk", "hf", "a Hugging Face directory: --loader hf reads it"}};
+  for (const auto& c : cases) {
+    auto r = RunConvert(Opts(c.loader, c.saver, dir_ / c.dir, dir_ / "out"));
+    ASSERT_FALSE(r.ok()) << c.loader << " " << c.dir;
+    EXPECT_NE(r.status().message().find(fmt::format("(--load-dir {} holds {})", dir_ / c.dir, c.holds)),
+              absl::string_view::npos)
+        << r.status();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
+  // Nothing to tell: no hint.
+  auto none = RunConvert(Opts("ptk", "hf", dir_ / "nothing", dir_ / "out"));
+  EXPECT_EQ(none.status().message().find("holds"), absl::string_view::npos) << none.status();
 }
 
 // A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow

@@ -259,6 +259,94 @@ TEST_F(HfLlama, ImportReadsTransformers5sRopeParameters) {
   }
 }
 
+// Megatron's --rope-scaling-factor is rope_scaling's llama3 factor, --rotary-seq-len-interpolation-factor
+// its linear one (transformers 4's rope_scaling and 5's rope_parameters alike): exported and imported
+// back as they were; both at once are no rope_scaling transformers has, and refused.
+TEST_F(HfLlama, RopeScalingFactorAndLinearInterpolationRoundTrip) {
+  struct Case {
+    double factor, interpolation;
+    const char* config;
+  };
+  const Case cases[] = {{32, 0, "\"factor\": 32.0,"}, {0, 4, "\"rope_type\": \"linear\""}, {0, 2.5, "\"factor\": 2.5"}};
+  int n = 0;
+  for (const Case& k : cases) {
+    GPTConfig c = Llama(/*bias=*/false, /*untie=*/true);
+    c.use_rope_scaling = k.factor > 0;
+    c.rope_scaling_factor = k.factor > 0 ? k.factor : 8.0;
+    c.rotary_seq_len_interpolation_factor = k.interpolation;
+    const std::string at = dir_ / std::to_string(n++);
+    Save(c, at + "/ck");
+    ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", at + "/ck", at + "/hf")).ok());
+    const std::string config = ReadFile(at + "/hf/config.json");
+    EXPECT_NE(config.find(k.config), std::string::npos) << config;
+    auto r = ImportFromHf(Opts("hf", "ptk", at + "/hf", at + "/back"));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->config.use_rope_scaling, c.use_rope_scaling);
+    EXPECT_EQ(r->config.rope_scaling_factor, c.rope_scaling_factor);
+    EXPECT_EQ(r->config.rotary_seq_len_interpolation_factor, k.interpolation);
+    // transformers 5's form of the same.
+    const std::string v5 =
+        std::regex_replace(std::regex_replace(config, std::regex("\"rope_theta\": 500000\\.0,"), ""),
+                           std::regex("\"rope_scaling\": \\{"), "\"rope_parameters\": {\"rope_theta\": 500000.0, ");
+    WriteFile(at + "/hf/config.json", v5);
+    auto r5 = ImportFromHf(Opts("hf", "ptk", at + "/hf", at + "/back5"));
+    ASSERT_TRUE(r5.ok()) << r5.status() << "\n" << v5;
+    EXPECT_EQ(r5->config.rope_scaling_factor, c.rope_scaling_factor);
+    EXPECT_EQ(r5->config.rotary_seq_len_interpolation_factor, k.interpolation);
+  }
+  GPTConfig both = Llama(/*bias=*/false, /*untie=*/true);
+  both.rotary_seq_len_interpolation_factor = 2;
+  Save(both, dir_ / "both");
+  auto r = ExportToHf(Opts("ptk", "hf", dir_ / "both", dir_ / "both-hf"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--use-rope-scaling with --rotary-seq-len-interpolation-factor"),
+            std::string::npos)
+      << r.status();
+}
+
+// --rotary-interleaved rotates channels (2i, 2i + 1), transformers' Llama (i, i + hd/2): the export
+// permutes each query and key head's rows (HF's row i is ptk's 2i, row hd/2 + i ptk's 2i + 1; their
+// biases alike; the value heads as they are), so that HF's model computes ptk's (hf_llama_test.py runs
+// it); imported back it is the rotate-half model with the permuted rows.
+TEST_F(HfLlama, InterleavedRotaryExportsWithPermutedQueryAndKeyRows) {
+  GPTConfig c = Llama(/*bias=*/true, /*untie=*/true);
+  c.rotary_interleaved = true;
+  Save(c, dir_ / "ck");
+  const std::string hf = dir_ / "hf";
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", hf)).ok());
+  const int64_t C = 16, hd = 4;
+  const auto& lp = layout_.layers[1];
+  const std::vector<float> q = Tensor(hf, "model.layers.1.self_attn.q_proj.weight"),
+                           k = Tensor(hf, "model.layers.1.self_attn.k_proj.weight"),
+                           v = Tensor(hf, "model.layers.1.self_attn.v_proj.weight"),
+                           kb = Tensor(hf, "model.layers.1.self_attn.k_proj.bias");
+  const int64_t from[] = {0, 2, 1, 3};  // HF's channel j is ptk's from[j]
+  for (int64_t g = 0; g < 2; ++g)
+    for (int64_t j = 0; j < hd; ++j) {
+      for (int64_t i = 0; i < C; ++i) {
+        ASSERT_EQ(q[((2 * g + 1) * hd + j) * C + i], P(lp.qkv_w + ((4 * g + 1) * hd + from[j]) * C + i));
+        ASSERT_EQ(k[(g * hd + j) * C + i], P(lp.qkv_w + ((4 * g + 2) * hd + from[j]) * C + i));
+        ASSERT_EQ(v[(g * hd + j) * C + i], P(lp.qkv_w + ((4 * g + 3) * hd + j) * C + i));
+      }
+      ASSERT_EQ(kb[g * hd + j], P(lp.qkv_b + (4 * g + 2) * hd + from[j]));
+    }
+  auto r = ImportFromHf(Opts("hf", "ptk", hf, dir_ / "back"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->config.rotary_interleaved);
+  // Qwen3's query and key norms weigh each head's channels: permuted as the rows they scale.
+  GPTConfig qwen3 = Llama(/*bias=*/false, /*untie=*/true);
+  qwen3.rotary_interleaved = true;
+  qwen3.qk_layernorm = true;
+  Save(qwen3, dir_ / "ck3");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck3", dir_ / "hf3")).ok());
+  const std::vector<float> qn = Tensor(dir_ / "hf3", "model.layers.1.self_attn.q_norm.weight"),
+                           kn = Tensor(dir_ / "hf3", "model.layers.1.self_attn.k_norm.weight");
+  for (int64_t j = 0; j < hd; ++j) {
+    EXPECT_EQ(qn[j], P(layout_.layers[1].q_norm_w + from[j])) << j;
+    EXPECT_EQ(kn[j], P(layout_.layers[1].k_norm_w + from[j])) << j;
+  }
+}
+
 TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
   Save(Llama(/*bias=*/false, /*untie=*/true), dir_ / "ck");
   const std::string hf = dir_ / "hf";
@@ -269,8 +357,10 @@ TEST_F(HfLlama, ImportRefusesALlamaPtkWouldComputeOtherwiseNamingTheKey) {
   };
   const Case bad[] = {
       {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act \"gelu\": ptk's gated MLP is SwiGLU's"},
-      {"\"rope_type\": \"llama3\"", "\"rope_type\": \"linear\"", "rope_scaling {"},
-      {"\"factor\": 8.0", "\"factor\": 16.0", "ptk computes Llama 3.1's (rope_type \"llama3\", factor 8.0"},
+      {"\"rope_type\": \"llama3\"", "\"rope_type\": \"yarn\"", "rope_scaling {"},
+      {"\"original_max_position_embeddings\": 8192", "\"original_max_position_embeddings\": 4096",
+       "ptk computes Llama 3.x's (rope_type \"llama3\", a positive factor, low_freq_factor 1.0"},
+      {"\"factor\": 8.0", "\"factor\": -8.0", "rope_scaling {"},
       {"\"attention_bias\": false", "\"attention_bias\": true",
        "attention_bias true with mlp_bias false: ptk's linear layers are biased all together"},
       {"\"head_dim\": 4", "\"head_dim\": 8", "head_dim 8 is not hidden_size / num_attention_heads (4)"},

@@ -12,7 +12,11 @@ Checks:
   * a LlamaForCausalLM made by transformers (grouped heads, llama3 rope_scaling) imported with --saver ptk
     gives the same logits; ptk-train --finetune trains on from it with the flags ptk-convert prints;
     hf -> ptk -> hf gives back every tensor bit for bit and the config's values; ptk -> hf -> ptk -> hf
-    is byte-identical;
+    is byte-identical; saved by save_pretrained(max_shard_size="100KB") it imports bit for bit as unsharded, and
+    ptk's export with --max-shard-size 100KB loads to the same logits, sharded as save_pretrained shards it;
+  * Megatron's rotary variants exported and imported back, each computing ptk's logits: --rope-scaling-factor 32
+    (rope_scaling llama3 factor 32), --rotary-seq-len-interpolation-factor 4 (rope_scaling linear),
+    --rotary-interleaved (the query and key rows permuted); without the variant the logits move;
   * what LlamaForCausalLM cannot compute is refused by the export (exit 1, the reason named).
 Usage: hf_llama_test.py BIN_DIR TEST_BIN_DIR
 """
@@ -22,8 +26,8 @@ import random
 import re
 import tempfile
 
-from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, compare_logits, finish, hf_logits, load_checked, numpy, run,
-                            torch)
+from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, check_sharded_export, check_sharded_import,
+                            compare_logits, finish, hf_logits, load_checked, numpy, run, torch)
 from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -139,9 +143,61 @@ with tempfile.TemporaryDirectory() as tmp:
               "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "initializer_range"):
         check(ca[k] == cb[k], "hf -> ptk -> hf: config {} {} -> {}".format(k, ca[k], cb[k]))
     check_finetune(out, ckin)
+    # Sharded both ways: transformers' shards imported bit for bit; ptk's loaded and sharded as save_pretrained's.
+    check_sharded_import(src, "100KB", ckin, tmp, "llama-imported-sharded")
+    hfs = os.path.join(tmp, "hfs")
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ckin, "--save-dir", hfs, "--max-shard-size",
+         "100KB"])
+    check_sharded_export(hfs, compare_logits(ckin, load_hf(hfs), SEQS, 50257, tmp, "llama sharded"), "100KB", tmp,
+                         "llama sharded")
+
+    # ---- Megatron's rotary variants: Llama 3.2's factor 32 (rope_scaling llama3, factor 32), linear position
+    # interpolation (rope_scaling linear), interleaved pairs (q/k rows permuted by the export). Each exported
+    # model computes ptk's; imported back, ptk's logits again; each variant's own setting moves the logits.
+    def permute_back(model):
+        """The exported q/k rows put back in ptk's interleaved order: HF's Llama then computes another model."""
+        other = LlamaForCausalLM.from_pretrained(model.name_or_path).eval()
+        hd = other.config.hidden_size // other.config.num_attention_heads
+        order = [j // 2 if j % 2 == 0 else hd // 2 + j // 2 for j in range(hd)]  # ptk's channel j is HF's order[j]
+        with torch.no_grad():
+            for layer in other.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    w = proj.weight.view(-1, hd, proj.weight.shape[1])
+                    proj.weight.copy_(w[:, order, :].reshape(proj.weight.shape))
+        return other
+
+    variants = (
+        ("rope_scaling factor 32", ["--rotary-base", "500000", "--use-rope-scaling", "--rope-scaling-factor", "32"],
+         {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192},
+         lambda hfv: LlamaForCausalLM.from_pretrained(hfv, rope_scaling={
+             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}).eval()),
+        ("linear interpolation 4", ["--rotary-seq-len-interpolation-factor", "4"], {"type": "linear", "factor": 4.0},
+         lambda hfv: LlamaForCausalLM.from_pretrained(hfv, rope_scaling=None).eval()),
+        ("interleaved", ["--rotary-interleaved", "--rotary-base", "500000"], None, None))
+    for i, (what, flags, scaling, other) in enumerate(variants):
+        ckv, hfv, backv = (os.path.join(tmp, "{}{}".format(n, i)) for n in ("ckv", "hfv", "backv"))
+        run(TRAIN + flags + ["--train-iters", "6", "--save", ckv])
+        export(ckv, hfv)
+        mv = load_hf(hfv)
+        compare_logits(ckv, mv, SEQS, 50257, tmp, what)
+        got = json.load(open(os.path.join(hfv, "config.json"))).get("rope_scaling")
+        if scaling and scaling.get("type") == "linear":
+            check(got.get("rope_type", got.get("type")) == "linear" and got.get("factor") == scaling["factor"],
+                  "{}: rope_scaling {}".format(what, got))
+        else:
+            check(got == scaling, "{}: rope_scaling {}".format(what, got))
+        changed = other(hfv) if other else permute_back(mv)
+        worst = max(float(numpy.abs(hf_logits(changed, s) - hf_logits(mv, s)).max()) for s in SEQS)
+        check(worst > 10 * TOL, "{}: without it the logits move by only {}: too weak a test".format(what, worst))
+        run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfv, "--save-dir", backv])
+        compare_logits(backv, mv, SEQS, 50257, tmp, what + ", imported back")
 
     # ---- what LlamaForCausalLM cannot compute: refused, nothing written
     for what, flags, reason in (
+            ("llama3 and linear scaling", ["--use-rope-scaling", "--rotary-seq-len-interpolation-factor", "2"],
+             "--use-rope-scaling with --rotary-seq-len-interpolation-factor"),
             ("LayerNorm", ["--normalization", "LayerNorm"], "--normalization LayerNorm"),
             ("learned positions", ["--position-embedding-type", "learned_absolute"],
              "--position-embedding-type learned_absolute"),

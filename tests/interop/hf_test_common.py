@@ -161,3 +161,44 @@ def check_finetune(out, ckin):
     tr = train_from_import(flags.group(1).split(), ckin, "--finetune")
     check("--finetune: loaded the weights of iteration 0" in tr, "ptk-train --finetune from the import:\n" + tr)
     return flags.group(1).split()
+
+
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def check_sharded_export(hf_dir, model, max_shard_size, tmp, what):
+    """ptk's export `hf_dir`, written with --max-shard-size `max_shard_size`, is sharded as transformers'
+    save_pretrained(max_shard_size=...) shards the model it loaded (`model`): the same shard files holding the same
+    tensors, the index byte for byte, no model.safetensors."""
+    from safetensors import safe_open
+    ref = os.path.join(tmp, what.replace(" ", "_") + "-save_pretrained")
+    model.save_pretrained(ref, safe_serialization=True, max_shard_size=max_shard_size)
+    ours = sorted(f for f in os.listdir(hf_dir) if SHARD_NAME.fullmatch(f))
+    theirs = sorted(f for f in os.listdir(ref) if SHARD_NAME.fullmatch(f))
+    check(len(ours) > 2 and ours == theirs, "{}: shards {} vs save_pretrained's {}".format(what, ours, theirs))
+    check(not os.path.exists(os.path.join(hf_dir, "model.safetensors")), "{}: a model.safetensors too".format(what))
+    index = "model.safetensors.index.json"
+    check(open(os.path.join(hf_dir, index), "rb").read() == open(os.path.join(ref, index), "rb").read(),
+          "{}: {} differs from save_pretrained's".format(what, index))
+    for name in sorted(set(ours) & set(theirs)):
+        with safe_open(os.path.join(hf_dir, name), framework="pt") as a, \
+                safe_open(os.path.join(ref, name), framework="pt") as b:
+            check(sorted(a.keys()) == sorted(b.keys()) and a.metadata() == {"format": "pt"},
+                  "{}: {} holds {} (save_pretrained's: {})".format(what, name, sorted(a.keys()), sorted(b.keys())))
+    print("{}: {} shards, as save_pretrained(max_shard_size={!r}) writes them".format(what, len(ours), max_shard_size))
+
+
+def check_sharded_import(src, max_shard_size, ck_whole, tmp, what):
+    """transformers' `src` saved by save_pretrained(max_shard_size=...) imports into ptk with the weights of the
+    unsharded import `ck_whole`, bit for bit (both exported back whole: the same model.safetensors)."""
+    hfs, cks = os.path.join(tmp, what + "-hf"), os.path.join(tmp, what + "-ck")
+    src.save_pretrained(hfs, safe_serialization=True, max_shard_size=max_shard_size)
+    check(os.path.exists(os.path.join(hfs, "model.safetensors.index.json")) and
+          not os.path.exists(os.path.join(hfs, "model.safetensors")), "{}: save_pretrained did not shard".format(what))
+    run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfs, "--save-dir", cks])
+    out = []
+    for ck in (ck_whole, cks):
+        out.append(os.path.join(tmp, what + "-back-" + os.path.basename(ck)))
+        run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ck, "--save-dir", out[-1]])
+    a, b = (open(os.path.join(d, "model.safetensors"), "rb").read() for d in out)
+    check(a == b and len(a) > 0, "{}: the sharded import's weights differ from the unsharded import's".format(what))

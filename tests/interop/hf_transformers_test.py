@@ -11,6 +11,9 @@ Checks:
   * a model saved by transformers (save_pretrained, safetensors) imported with --saver ptk gives
     ptk the same logits within 1e-4, and ptk-train --load ... --finetune (and --no-load-optim)
     trains on from it with the flags ptk-convert prints; export -> import -> export is byte-identical;
+  * sharded: an export with --max-shard-size 100KB loads with from_pretrained to the same logits and is sharded
+    as save_pretrained(max_shard_size="100KB") shards it (files, tensors, index byte for byte); transformers'
+    model saved with max_shard_size="200KB" imports bit for bit as its unsharded save;
   * safetensors' own reader opens ptk's file;
   * a --squared-relu --apply-layernorm-1p model exports as relu2 with 1 + gamma norms, logits as ptk's.
 Usage: hf_transformers_test.py BIN_DIR TEST_BIN_DIR
@@ -20,8 +23,9 @@ import random
 import re
 import tempfile
 
-from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, finish, hf_logits, load_checked, numpy, run,
-                            torch, train_from_import, compare_logits as compare_with)
+from hf_test_common import (BIN, TEST_BIN, TOL, check, check_finetune, check_sharded_export, check_sharded_import,
+                            finish, hf_logits, load_checked, numpy, run, torch, train_from_import,
+                            compare_logits as compare_with)
 from safetensors import safe_open
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
@@ -84,6 +88,17 @@ with tempfile.TemporaryDirectory() as tmp:
         check(open(os.path.join(hf, name), "rb").read() == open(os.path.join(hf2, name), "rb").read(),
               "export -> import -> export: {} differs".format(name))
 
+    # ---- sharded: a tiny --max-shard-size, loaded by from_pretrained; the shards save_pretrained writes;
+    # re-exported with fewer shards, none of the earlier ones left
+    hfs = os.path.join(tmp, "hfs")
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ck, "--save-dir", hfs, "--max-shard-size", "100KB"])
+    check_sharded_export(hfs, compare_logits(ck, hfs, SEQS, 50257, tmp, "sharded"), "100KB", tmp, "sharded")
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ck, "--save-dir", hfs, "--max-shard-size", "1MB"])
+    check(sorted(f for f in os.listdir(hfs) if f.startswith("model")) ==
+          ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"],
+          "re-exported with 1MB shards: {}".format(sorted(os.listdir(hfs))))
+    compare_logits(ck, hfs, SEQS[:2], 50257, tmp, "sharded 1MB")
+
     # ---- untied output layer: lm_head.weight with tie_word_embeddings false
     cku, hfu = os.path.join(tmp, "cku"), os.path.join(tmp, "hfu")
     run(TRAIN + ["--train-iters", "6", "--save", cku, "--untie-embeddings-and-output-weights"])
@@ -118,6 +133,7 @@ with tempfile.TemporaryDirectory() as tmp:
     src.save_pretrained(hfsrc, safe_serialization=True)
     out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfsrc, "--save-dir", ckin])
     compare_logits(ckin, src, [s for s in SEQS if len(s) <= 40], 50257, tmp, "imported")
+    check_sharded_import(src, "200KB", ckin, tmp, "imported-sharded")
     flags = check_finetune(out, ckin)
     if flags:
         tr = train_from_import(flags, ckin, "--no-load-optim")

@@ -13,8 +13,9 @@ what LlamaForCausalLM's projections and MLP compute from the HF tensors. The arg
 rotary_base, swiglu, group_query_attention, num_query_groups, kv_channels, add_bias_linear ...). Megatron ->
 ptk gives back the weights, AdamW moments and model description bit for bit, and ptk-train resumed from the
 round trip logs the same next loss as the run resumed from its own checkpoint. A mix no HF class holds
-(LayerNorm with RoPE, biases, grouped heads, tied) round-trips the same way. A flag ptk's model lacks
-(--rotary-interleaved, --rotary-seq-len-interpolation-factor) is refused by name.
+(LayerNorm with RoPE, biases, grouped heads, tied) round-trips the same way. Megatron's rotary variants
+(rotary_interleaved, rope_scaling_factor, rotary_seq_len_interpolation_factor) come in as the model's
+description and go back out in the args; an interpolation factor no run could use is refused by name.
 
 Usage: megatron_llama_test.py BIN_DIR
 """
@@ -143,12 +144,14 @@ def check_llama3_shards(label, meg, it, tp, pp, impl, hf, fns):
             a, model = sd["args"], sd["model"]
             got = {k: getattr(a, k, None) for k in (
                 "normalization", "norm_epsilon", "position_embedding_type", "add_position_embedding", "rotary_base",
-                "rotary_percent", "use_rope_scaling", "swiglu", "group_query_attention", "num_query_groups",
+                "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "rotary_interleaved",
+                "rotary_seq_len_interpolation_factor", "swiglu", "group_query_attention", "num_query_groups",
                 "kv_channels", "ffn_hidden_size", "add_bias_linear", "untie_embeddings_and_output_weights",
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "transformer_impl")}
             want = {"normalization": "RMSNorm", "norm_epsilon": 1e-6, "position_embedding_type": "rope",
                     "add_position_embedding": False, "rotary_base": 500000.0, "rotary_percent": 1.0,
-                    "use_rope_scaling": True, "swiglu": True, "group_query_attention": True, "num_query_groups": 2,
+                    "use_rope_scaling": True, "rope_scaling_factor": 8.0, "rotary_interleaved": False,
+                    "rotary_seq_len_interpolation_factor": None, "swiglu": True, "group_query_attention": True, "num_query_groups": 2,
                     "kv_channels": HD, "ffn_hidden_size": F, "add_bias_linear": False,
                     "untie_embeddings_and_output_weights": True, "tensor_model_parallel_size": tp,
                     "pipeline_model_parallel_size": pp, "transformer_impl": impl}
@@ -291,14 +294,34 @@ def main():
         check(p.returncode != 0 and "args.squared_relu with args.swiglu" in p.stderr,
               f"squared relu with swiglu refused: {p.returncode} {p.stderr}")
 
-        # What ptk's model does not compute is refused by name, nothing written.
+        # Megatron's rotary variants come in as the model's description (and go back out in the args); a
+        # factor no run could use is refused by name, nothing written.
         bad = os.path.join(tmp, "bad")
         shutil.copytree(os.path.join(tmp, "llama3-t1p1-local-meg"), bad)
         victim = shard_path(bad, 3, 0, 0, 1)
         sd = torch.load(victim)
-        for attr, value, flag in (("rotary_interleaved", True, "--rotary-interleaved"),
-                                  ("rotary_seq_len_interpolation_factor", 2.0,
-                                   "--rotary-seq-len-interpolation-factor 2")):
+        variant = {"rotary_interleaved": True, "rope_scaling_factor": 32.0, "rotary_seq_len_interpolation_factor": 4}
+        before = {k: getattr(sd["args"], k, None) for k in variant}
+        for k, v in variant.items():
+            setattr(sd["args"], k, v)
+        torch.save(sd, victim)
+        convert("megatron", "ptk", bad, os.path.join(tmp, "variant-ptk"))
+        h, _ = read_ptk(os.path.join(tmp, "variant-ptk"))
+        got = {k: h["model"].get(k) for k in variant}
+        check(got == {"rotary_interleaved": True, "rope_scaling_factor": 32.0,
+                      "rotary_seq_len_interpolation_factor": 4.0}, f"the rotary variants imported: {got}")
+        convert("ptk", "megatron", os.path.join(tmp, "variant-ptk"), os.path.join(tmp, "variant-meg"))
+        a = torch.load(shard_path(os.path.join(tmp, "variant-meg"), 3, 0, 0, 1), map_location="cpu")["args"]
+        got = {k: getattr(a, k, None) for k in variant}
+        check(got == {"rotary_interleaved": True, "rope_scaling_factor": 32.0,
+                      "rotary_seq_len_interpolation_factor": 4.0}, f"the rotary variants exported: {got}")
+        check(type(a.rotary_seq_len_interpolation_factor) is int, "the interpolation factor is an int (Megatron-LM's type)")
+        for k, v in before.items():
+            setattr(sd["args"], k, v)
+        for attr, value, flag in (("rotary_seq_len_interpolation_factor", 0.0,
+                                   "--rotary-seq-len-interpolation-factor 0"),
+                                  ("rotary_seq_len_interpolation_factor", -2.0,
+                                   "--rotary-seq-len-interpolation-factor -2")):
             before = getattr(sd["args"], attr, None)
             setattr(sd["args"], attr, value)
             torch.save(sd, victim)

@@ -155,9 +155,13 @@ def distributed_optimizer(tmp):
         common = torch.load(f)
         common["args"].pipeline_model_parallel_size = 2
         torch.save(common, f)
-    for name in ("dp_reshardable", "dp_zero_gather_scatter"):  # an object or bucket per rank: not merged
-        refused(tmp, name + "-pipeline-parallel", pipeline_parallel, ".metadata", "optimizer.distributed.dp_group_idx_0",
-                "tensor- or pipeline-parallel run", f'"{name}"', src=os.path.join(DISTOPT, name))
+    # Args of two pipeline stages beside one stage's grad buffer: stage 0's layout does not hold it.
+    refused(tmp, "dp_reshardable-args-pipeline-parallel", pipeline_parallel, ".metadata",
+            "model-parallel rank 0 (tensor rank 0, pipeline rank 0: optimizer.distributed.dp_group_idx_0.gbuf_idx_0)",
+            "laid out as megatron-core lays them", '"dp_reshardable"', src=os.path.join(DISTOPT, "dp_reshardable"))
+    refused(tmp, "dp_zero_gather_scatter-args-pipeline-parallel", pipeline_parallel, ".metadata",
+            "object optimizer.distributed.dp_group_idx_0.param_state", "laid out as megatron-core lays them",
+            src=os.path.join(DISTOPT, "dp_zero_gather_scatter"))
     key = b"optimizer.state.exp_avg_sq.output_layer.weight"
     refused(tmp, "model-space-state-missing",
             lambda d: replace_bytes(os.path.join(d, ".metadata"), key, key.replace(b"exp_avg_sq", b"exp_avg_sx")),
@@ -210,13 +214,6 @@ def main():
 
         refused(tmp, "no-common", lambda d: os.remove(os.path.join(d, "common.pt")), "common.pt: missing")
 
-        def llama_args(d):  # the Llama line in torch_dist: not read yet, said so rather than read wrong
-            import torch
-            f = os.path.join(d, "common.pt")
-            common = torch.load(f)
-            common["args"].swiglu = True
-            torch.save(common, f)
-        refused(tmp, "llama-line", llama_args, "common.pt", "Llama line in torch_dist format")
     finish("ok")
 
 

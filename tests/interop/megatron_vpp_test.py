@@ -12,6 +12,12 @@ saver's --target-num-layers-per-virtual-pipeline-stage writes, at the generator'
 generator's tensors and optimizer state bit for bit with Megatron's args; ptk -> megatron (V = 2)
 -> ptk is bit for bit; what does not fit is refused in one line, nothing written.
 
+The distributed optimizer (--distributed-optimizer): distrib_optim.pt holds one grad buffer per model
+chunk (keys 0 .. V-1, each chunk laid out alone, only chunk 0 bucketed); the import takes its fp32
+params and moments bit for bit, a chunk's buffer of another size or missing refused in one line;
+--target-use-distributed-optimizer writes the same format, and ptk -> megatron (distributed
+optimizer, V = 2) -> ptk is bit for bit, moments included.
+
 Usage: megatron_vpp_test.py BIN_DIR
 """
 import argparse
@@ -78,8 +84,84 @@ def real_rows(key, t, x, vocab=50):
     return x[:max(0, min(x.shape[0], vocab - first))]
 
 
+def distributed_optimizer(tmp):
+    """The distributed optimizer's distrib_optim.pt of interleaved runs, read and written."""
+    # TP 2 x PP 2 x 2 chunks, tied (the shared embedding's own buckets), chunk 0 of stage 0 in buckets of 300.
+    meg, ptk = imports_bit_for_bit(tmp, "distopt-te", ["--tp", "2", "--pp", "2", "--vp", "2", "--layers", "4",
+                                                       "--distributed-optimizer", "--ddp-bucket-size", "300"])
+    # Local names, untied, --bf16 (the fp32 params are distrib_optim.pt's), 2 layers a chunk.
+    imports_bit_for_bit(tmp, "distopt-local", ["--pp", "2", "--vp", "2", "--layers", "8", "--impl", "local",
+                                               "--untie", "--bf16", "--distributed-optimizer"])
+    # Refused in one line: chunk 1's buffer of another size, or missing; a buffer beyond the chunks.
+    for label, change, needles in (
+            ("distopt-numel", lambda d: d[1][next(iter(d[1]))].update(numel_unpadded=7),
+             ["distrib_optim.pt: grad buffer 1 (model chunk 1) holds 7 elements"]),
+            ("distopt-no-chunk1", lambda d: d.pop(1), ["grad buffer 1 (model chunk 1): missing", "2 model chunks"]),
+            ("distopt-buffer2", lambda d: d.update({2: d[1]}), ["grad buffer 2: more than the 2 model chunks'"])):
+        bad = os.path.join(tmp, label)
+        run("cp", "-r", meg, bad)
+        f = os.path.join(os.path.dirname(rank_files(bad)["mp_rank_01_001"]), "distrib_optim.pt")
+        d = load(f)
+        change(d)
+        torch.save(d, f)
+        refused(tmp, label, bad, ["mp_rank_01_001"] + needles)
+
+    # ptk -> megatron with --target-use-distributed-optimizer: Megatron's format, and back bit for bit.
+    for label, flags in (("vp", ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
+                                 "--target-num-layers-per-virtual-pipeline-stage", "1"]),
+                         ("pp", ["--target-pipeline-parallel-size", "2", "--saver-transformer-impl", "local"])):
+        out, back = os.path.join(tmp, f"distopt-{label}-out"), os.path.join(tmp, f"distopt-{label}-back")
+        p = convert("ptk", "megatron", ptk, out, *flags, "--target-use-distributed-optimizer",
+                    "--make-vocab-size-divisible-by", "8")
+        check("--use-distributed-optimizer" in p.stderr, f"{label}: the summary names Megatron's flag:\n{p.stderr}")
+        chunks = 2 if label == "vp" else 1
+        for rank, f in rank_files(out).items():
+            got = load(f)
+            check(got["args"].use_distributed_optimizer is True, f"{label} {rank}: args.use_distributed_optimizer")
+            opt = got["optimizer"]
+            check(set(opt) == {"optimizer"} and set(opt["optimizer"]) == {"param_groups"} and
+                  all("params" not in g and g["step"] == 2 for g in opt["optimizer"]["param_groups"]) and
+                  [g["wd_mult"] for g in opt["optimizer"]["param_groups"]] == [1.0, 0.0],
+                  f"{label} {rank}: DistributedOptimizer.state_dict's groups (no params, Adam's step): {opt}")
+            d = load(os.path.join(os.path.dirname(f), "distrib_optim.pt"))
+            check(set(d) == {"buckets_coalesced", *range(chunks)} and d["buckets_coalesced"] is True,
+                  f"{label} {rank}: a grad buffer per model chunk ({list(d)})")
+            for v in range(chunks):
+                (key, st), = d[v].items()
+                check(key == (torch.float32, torch.float32) and set(st) == {"param", "exp_avg", "exp_avg_sq",
+                                                                           "numel_unpadded"} and
+                      all(st[k].dtype == torch.float32 and st[k].shape == (st["numel_unpadded"],)
+                          for k in ("param", "exp_avg", "exp_avg_sq")),
+                      f"{label} {rank}: buffer {v} as save_parameter_state writes it")
+        convert("megatron", "ptk", out, back)
+        h, arr = read_ptk(ptk)
+        h2, arr2 = read_ptk(back)
+        check(arr2.tobytes() == arr.tobytes() and h2["tensors"] == h["tensors"] and
+              h2["adam_step"] == h["adam_step"] == 2,
+              f"ptk -> megatron (distributed optimizer, {label}) -> ptk bit for bit, moments included")
+    # At the generator's layout (TP 2 x PP 2 x 2 chunks, one bucket), the generator's distrib_optim.pt
+    # (save_parameter_state's layout) bit for bit but for the vocabulary's padding rows.
+    ref = os.path.join(tmp, "distopt-ref")
+    gen(ref, "--tp", "2", "--pp", "2", "--vp", "2", "--layers", "4", "--distributed-optimizer")
+    out = os.path.join(tmp, "distopt-vp-out")
+    for rank, f in rank_files(ref).items():
+        want = load(os.path.join(os.path.dirname(f), "distrib_optim.pt"))
+        got = load(os.path.join(os.path.dirname(rank_files(out)[rank]), "distrib_optim.pt"))
+        for v in range(2):
+            (_, w), = want[v].items()
+            (_, g), = got[v].items()
+            # The vocabulary's rows beyond ptk's 56 (rows 56..63, tensor rank 1's last 8 of 16 columns) are
+            # the generator's random ones, the export's copies of the last token's row with zero moments.
+            vocab = (rank == "mp_rank_01_000" and v == 0) or (rank == "mp_rank_01_001" and v == 1)
+            same = w["numel_unpadded"] == g["numel_unpadded"]
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                same = same and int((w[k] != g[k]).sum()) == (8 * 16 if vocab else 0)
+            check(same, f"{rank} buffer {v}: the generator's layout and values")
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
+        distributed_optimizer(tmp)
         # TP 2 x PP 2 x 2 chunks, Transformer Engine names, tied embeddings (the last chunk's copy).
         meg, ptk = imports_bit_for_bit(tmp, "te", ["--tp", "2", "--pp", "2", "--vp", "2", "--layers", "4"])
         # Local names, untied, --bf16 (the fp32 masters), 2 layers a chunk (layer 5 is stage 0's chunk 1's layer 1).

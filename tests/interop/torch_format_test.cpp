@@ -227,6 +227,29 @@ TEST(TorchFormat, RefusesUnknownGlobalsAndOpcodes) {
   EXPECT_NE(cut.status().message().find("truncated"), std::string::npos) << cut.status();
 }
 
+// Python 3.11 pickles an enum member as getattr(cls, name) (a torch_dist .metadata's TensorProperties
+// memory format, PyTorch 2.6 on Python 3.11): read as the member's name; getattr of anything else refused.
+TEST(TorchFormat, ReadsEnumMembersPickledByName) {
+  // pickle.dumps(_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, protocol=2) on Python 3.11.
+  const std::string member = std::string("\x80\x02") + "c__builtin__\ngetattr\n" +
+                             "ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n" +
+                             std::string("X\x17\x00\x00\x00TORCH_CONTIGUOUS_FORMAT\x86R.", 31);
+  auto r = ParsePickle(member, "enum.pkl");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->kind, PyValue::Kind::kGlobal);
+  EXPECT_EQ((*r)->s, "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT");
+  // getattr(os.system, ...) never gets as far: os is refused; getattr of a non-global, or of two names, refused.
+  auto of_str = ParsePickle(std::string("\x80\x02"
+                                        "c__builtin__\ngetattr\nX\x01\x00\x00\x00"
+                                        "aX\x01\x00\x00\x00"
+                                        "b\x86R.",
+                                        38),
+                            "getattr.pkl");
+  ASSERT_FALSE(of_str.ok());
+  EXPECT_NE(of_str.status().message().find("getattr of something other than (a global, a name)"), std::string::npos)
+      << of_str.status();
+}
+
 TEST(TorchFormat, HalfAndBf16Conversions) {
   EXPECT_EQ(FloatToBf16(1.0f), 0x3F80);
   EXPECT_EQ(FloatToBf16(1.00390625f), 0x3F80);  // a tie rounds to even

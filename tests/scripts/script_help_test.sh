@@ -26,6 +26,30 @@ for s in "$SRC"/scripts/*.sh "$SRC"/slurm/*.sh "$SRC"/k8s/*.sh; do
 done
 [ "$n" -ge 7 ] || { echo "FAIL: only $n scripts answer --help (build.sh, gpu-run.sh, install-deps.sh, run-main-job.sh,
   test.sh, data-path.sh, submit-pipeline.sh did)"; fail=1; }
+# An unknown option is a usage error (exit 2) naming it, never a path or ignored: status.sh ignored every
+# argument (`status.sh --help` said only that STAGE_PATH was unset, `--bogus` ran), make-portable.sh took
+# --help for OUT_DIR (built, then wrote the tree into ./--help), gpu-pack.sh and check-rules.sh passed
+# it to cd ("cd: --: invalid option"), and these five had no --help.
+W=$(mktemp -d)
+for s in slurm/status.sh scripts/make-portable.sh scripts/gpu-pack.sh scripts/check-rules.sh k8s/render.sh; do
+  grep -q -- '-h|--help)' "$SRC/$s" || { echo "FAIL: $s does not answer --help"; fail=1; }
+  out=$(cd "$W" && STAGE_PATH="$W/stage" PTK_SKIP_BUILD=1 timeout 60 bash "$SRC/$s" --bogus "$W/none" 2>&1)
+  rc=$?
+  [ "$rc" = 2 ] && [[ $out == *"--bogus"* ]] || { echo "FAIL: $s --bogus: rc $rc, expected a usage error: ${out:0:300}"; fail=1; }
+done
+[ ! -e "$SRC/--bogus" ] && [ ! -e "$SRC/--help" ] && [ -z "$(ls -A "$W")" ] ||
+  { echo "FAIL: an option was taken for a path: $(ls -A "$W") $(ls -d "$SRC"/--* 2>/dev/null)"; fail=1; }
+rm -rf "$W"
+[ "$n" -ge 12 ] || { echo "FAIL: only $n scripts answer --help (12 did)"; fail=1; }
+# A job script run outside a Slurm job (bash slurm/X.sbatch, to try it; no scontrol to say where it came
+# from) ended with exit 1 and no word under set -e (train.sbatch: "config.sh: No such file" and
+# "command not found"): it finds config.sh beside itself, which names what is missing (STAGE_PATH here).
+for s in "$SRC"/slurm/*.sbatch; do
+  out=$(cd "$SRC" && env -u STAGE_PATH -u PTK_SLURM_DIR -u SLURM_JOB_ID timeout 60 bash "${s#"$SRC"/}" 2>&1)
+  rc=$?
+  [ "$rc" = 2 ] && [[ $out == *"STAGE_PATH is not set"* ]] ||
+    { echo "FAIL: bash ${s#"$SRC"/} outside Slurm: rc $rc, expected config.sh's STAGE_PATH error: ${out:0:300}"; fail=1; }
+done
 # (Not test.sh's: were its check gone, that would start the whole suite.) The main job, were its check
 # gone, would fail at once here: nothing installed or built, no programs.
 W=$(mktemp -d)

@@ -51,6 +51,15 @@ mapfile -t prefixes < <(eval "$(grep -m1 'mapfile -t prefixes' "$SRC/slurm/train
 # data-path.sh --train-args (what k8s/pytorchjob.yaml-template gives ptk-train): the same datasets.
 ta=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh" --train-args)
 [ "$ta" = "--data-path ${prefixes[*]}" ] || fail "data-path --train-args: $ta"
+# --train-args-lines (k8s/train.sh's, for mapfile): one argument per line, so that a STAGE_PATH with a
+# space stays one path (the words of --train-args split it, and ptk-train failed in the pod).
+mapfile -t tal < <(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh" --train-args-lines)
+[ "${tal[*]}" = "--data-path ${prefixes[*]}" ] && [ "${#tal[@]}" = 3 ] || fail "data-path --train-args-lines: ${tal[*]}"
+mkdir -p "$W/sp ace" && mv "$W/stage" "$W/sp ace/stage"
+mapfile -t tal < <(PTK_BIN=$BIN STAGE_PATH="$W/sp ace/stage" bash "$SRC/slurm/data-path.sh" --train-args-lines)
+[ "${#tal[@]}" = 3 ] && [ "${tal[2]}" = "$W/sp ace/stage/slimpajama/preprocessed/train_01_text_document" ] ||
+  fail "data-path --train-args-lines under a path with a space: ${tal[*]}"
+mv "$W/sp ace/stage" "$W/stage"
 # data-path.sh: the plan's datasets as Megatron's --data-path / NeMo's data_prefix.
 dp=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh")
 [ "$dp" = "0.5 $D/preprocessed/train_00_text_document 0.5 $D/preprocessed/train_01_text_document" ] || fail "data-path: $dp"

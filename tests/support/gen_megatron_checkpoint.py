@@ -7,7 +7,9 @@ column-parallel tensors split along their rows, row-parallel ones along their co
 vocabulary padded to a multiple of make_vocab_size_divisible_by x TP), optimizer (a real
 torch.optim.Adam's state_dict after two steps, with Megatron's two parameter groups: weight decay,
 then the 1-D parameters with wd_mult 0; --bf16/--fp16 wraps it as Float16OptimizerWithFloat16Params does,
-with the fp32 masters, and --fp16's loss scaler), opt_param_scheduler and rng_state (Python, numpy and torch generator states).
+with the fp32 masters, and --fp16's loss scaler), opt_param_scheduler and rng_state (Python, numpy and torch generator states). --distributed-optimizer
+writes the optimizer as DistributedOptimizer.state_dict leaves it, beside each rank's distrib_optim.pt
+(save_parameter_state's: one grad buffer per model chunk, keys 0 .. V-1).
 
 Beside it, <out>/reference.pt holds the merged full tensors (weights: fp32 masters; exp_avg,
 exp_avg_sq) under ptk's (local) names, for the test to compare against.
@@ -122,7 +124,8 @@ def main():
                     help="--ddp-bucket-size of the run (with --overlap-grad-reduce): several buckets")
     ap.add_argument("--vp", type=int, default=1,
                     help="virtual pipeline stages (the interleaved schedule): each rank file holds model0, model1, "
-                         "...; chunk v of stage p is virtual stage v*pp + p, its layers numbered from 0")
+                         "...; chunk v of stage p is virtual stage v*pp + p, its layers numbered from 0; with "
+                         "--distributed-optimizer, distrib_optim.pt holds one grad buffer per chunk")
     ap.add_argument("--untie", action="store_true")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
@@ -166,7 +169,6 @@ def main():
     grads = [{n: torch.randn(shapes[n], generator=gen) for n, _ in names} for _ in range(2)]
     split = dict(names)
     vpp = a.vp
-    assert not (vpp > 1 and a.distributed_optimizer), "--vp with --distributed-optimizer is not generated"
     per_stage = a.layers // (pp * vpp)  # layers per (virtual) stage
 
     def shard(t, s, rank):
@@ -288,24 +290,30 @@ def main():
             os.makedirs(os.path.join(iter_dir, rank), exist_ok=True)
             torch.save(state_dict, os.path.join(iter_dir, rank, "model_optim_rng.pt"))
             if a.distributed_optimizer:
-                # DistributedOptimizer.save_parameter_state: one grad buffer (the model's dtype, fp32 grads),
-                # its fp32 params and Adam moments as flat world tensors.
-                shared = set()
-                if pp > 1 and not a.untie:
-                    shared = {"embedding.word_embeddings.weight"} if first else {"output_layer.weight"} if last \
-                        else set()
-                numels = [(l, params[v, l].numel()) for v, g, l in stage]
-                offsets, total = dist_opt_offsets(numels, shared, a.ddp_bucket_size if p == 0 else None)
-                world = {k: torch.zeros(total) for k in ("param", "exp_avg", "exp_avg_sq")}
-                for v_, g, l in stage:
-                    st = opt.state[params[v_, l]]
-                    for k, v in (("param", params[v_, l].detach()), ("exp_avg", st["exp_avg"]),
-                                 ("exp_avg_sq", st["exp_avg_sq"])):
-                        world[k][offsets[l]:offsets[l] + v.numel()] = v.flatten()
-                world["numel_unpadded"] = total
-                dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
-                torch.save({"buckets_coalesced": True, 0: {(dtype, torch.float32): world}},
-                           os.path.join(iter_dir, rank, "distrib_optim.pt"))
+                # DistributedOptimizer.save_parameter_state: one grad buffer per model chunk (keys 0 .. V-1 in
+                # chunk order; the model's dtype, fp32 grads), its fp32 params and Adam moments as flat world
+                # tensors. Only chunk 0 is bucketed (Megatron-LM's get_model: disable_bucketing for the rest).
+                state = {"buckets_coalesced": True}
+                for v in range(vpp):
+                    vs = v * pp + p
+                    shared = set()
+                    if pp * vpp > 1 and not a.untie:
+                        shared = {"embedding.word_embeddings.weight"} if vs == 0 else {"output_layer.weight"} \
+                            if vs == pp * vpp - 1 else set()
+                    chunk = [(g, l) for v_, g, l in stage if v_ == v]
+                    numels = [(l, params[v, l].numel()) for g, l in chunk]
+                    offsets, total = dist_opt_offsets(numels, shared,
+                                                      a.ddp_bucket_size if p == 0 and v == 0 else None)
+                    world = {k: torch.zeros(total) for k in ("param", "exp_avg", "exp_avg_sq")}
+                    for g, l in chunk:
+                        st = opt.state[params[v, l]]
+                        for k, x in (("param", params[v, l].detach()), ("exp_avg", st["exp_avg"]),
+                                     ("exp_avg_sq", st["exp_avg_sq"])):
+                            world[k][offsets[l]:offsets[l] + x.numel()] = x.flatten()
+                    world["numel_unpadded"] = total
+                    dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+                    state[v] = {(dtype, torch.float32): world}
+                torch.save(state, os.path.join(iter_dir, rank, "distrib_optim.pt"))
             # The merged reference: each rank's piece of every tensor it owns.
             for v, gname, lname in stage:
                 if lname == "output_layer.weight" and gname != "output_layer.weight":

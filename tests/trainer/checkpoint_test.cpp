@@ -399,7 +399,11 @@ TEST(Checkpoint, LlamaLineSettingsMustMatch) {
   // The message names the setting that differs, as its flag.
   const std::pair<void (*)(GPTConfig&), const char*> changes[] = {
       {+[](GPTConfig& g) { g.use_rope_scaling = false; }, "--use-rope-scaling true (this run: false)"},
-      {+[](GPTConfig& g) { g.rotary_base = 1e4; }, "--rotary-base 500000.0 (this run: 10000.0)"}};
+      {+[](GPTConfig& g) { g.rotary_base = 1e4; }, "--rotary-base 500000.0 (this run: 10000.0)"},
+      {+[](GPTConfig& g) { g.rope_scaling_factor = 32; }, "--rope-scaling-factor the default (this run: 32.0)"},
+      {+[](GPTConfig& g) { g.rotary_interleaved = true; }, "--rotary-interleaved the default (this run: true)"},
+      {+[](GPTConfig& g) { g.rotary_seq_len_interpolation_factor = 4; },
+       "--rotary-seq-len-interpolation-factor the default (this run: 4.0)"}};
   for (const auto& [change, says] : changes) {
     GPTConfig other = c;
     change(other);
@@ -410,6 +414,21 @@ TEST(Checkpoint, LlamaLineSettingsMustMatch) {
     EXPECT_NE(st.message().find(std::string("the checkpoint is of another model: ") + says + " ("), std::string::npos)
         << st;
   }
+  // Saved with the rotary variants: they come back in the description, and the default run is refused.
+  GPTConfig variant = c;
+  variant.rope_scaling_factor = 32;
+  variant.rotary_interleaved = true;
+  variant.rotary_seq_len_interpolation_factor = 2.5;
+  auto variant_layout = ParamLayout::Create(variant);
+  ASSERT_TRUE(variant_layout.ok()) << variant_layout.status();
+  TempDir vdir;
+  ASSERT_TRUE(Save(vdir.path(), *variant_layout, 3, 1.0f).ok());
+  ASSERT_TRUE(LoadCheckpoint(vdir.path(), 3, *variant_layout, &p, &m, &v, &s).ok());
+  absl::Status st = LoadCheckpoint(vdir.path(), 3, *layout, &p, &m, &v, &s);
+  EXPECT_NE(st.message().find("--rope-scaling-factor 32.0 (this run: the default), --rotary-seq-len-interpolation-"
+                              "factor 2.5 (this run: the default), --rotary-interleaved true (this run: the default)"),
+            std::string::npos)
+      << st;
 }
 
 // The scheduler's settings come back from a checkpoint; one written without

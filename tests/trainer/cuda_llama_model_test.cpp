@@ -58,6 +58,22 @@ TEST(CudaLlamaModel, Fp32VariantsMatchTheCpu) {
   }
 }
 
+// Megatron's rotary variants (the CUDA model's tables and kernel as the CPU model's): --rotary-interleaved
+// with Llama 3.2's --rope-scaling-factor 32, and --rotary-seq-len-interpolation-factor 4 interleaved over
+// half the channels; fp32 within the bounds above, bf16 loosely.
+TEST(CudaLlamaModel, RotaryVariantsMatchTheCpu) {
+  GPTConfig c = LlamaConfig();
+  c.rotary_interleaved = true;
+  c.rope_scaling_factor = 32;
+  ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, "interleaved, rope scaling factor 32");
+  ExpectOneStepMatches(c, Precision::kBf16, 1e-2, 6e-2, "interleaved, rope scaling factor 32");
+  c.use_rope_scaling = false;
+  c.rotary_seq_len_interpolation_factor = 4;
+  c.rotary_percent = 0.5;
+  c.kv_channels = 0;
+  ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, "interleaved, interpolation 4, rotary percent 0.5");
+}
+
 // bf16: 8-bit mantissas in the products and activations; cuDNN's fused grouped-query attention.
 TEST(CudaLlamaModel, Bf16StepMatchesTheCpu) {
   ExpectOneStepMatches(LlamaConfig(), Precision::kBf16, 1e-2, 6e-2, "the Llama model");

@@ -159,6 +159,34 @@ TEST(DryRunCli, TheCudaBackendTakesTheLlamaLine) {
   }
 }
 
+// Megatron's rotary variants (Llama 3.2 1B's --rope-scaling-factor 32, interleaved pairs, linear
+// interpolation) plan as the model they are, with its parameter count (RoPE has no weights); a bad
+// value is refused naming the flag, as a real run's.
+TEST(DryRunCli, PlansTheRotaryVariants) {
+  const std::string llama =
+      " --dry-run --num-layers 2 --hidden-size 256 --num-attention-heads 8 --group-query-attention"
+      " --num-query-groups 2 --seq-length 512 --position-embedding-type rope --rotary-base 500000"
+      " --normalization RMSNorm --swiglu --disable-bias-linear --micro-batch-size 1 --global-batch-size 8"
+      " --lr 3e-4 --train-iters 10 --vocab-size 32000 --data-path /fsx/d_text_document";
+  auto plain = RunCmd(testing::Tool("ptk-train") + llama);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const size_t at = plain.output.find("model: ");
+  ASSERT_NE(at, std::string::npos) << plain.output;
+  const std::string count = plain.output.substr(at, plain.output.find(' ', at + 7) - at);
+  for (const std::string extra : {" --use-rope-scaling --rope-scaling-factor 32", " --rotary-interleaved",
+                                  " --rotary-seq-len-interpolation-factor 4"}) {
+    auto r = RunCmd(testing::Tool("ptk-train") + llama + extra);
+    ASSERT_EQ(r.exit_code, 0) << extra << ": " << r.output;
+    EXPECT_NE(r.output.find(count), std::string::npos) << extra << ": " << r.output;
+  }
+  for (const std::string bad :
+       {" --use-rope-scaling --rope-scaling-factor 0", " --rotary-seq-len-interpolation-factor -1"}) {
+    auto r = RunCmd(testing::Tool("ptk-train") + llama + bad);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("usage error: --r"), std::string::npos) << bad << ": " << r.output;
+  }
+}
+
 TEST(DryRunCli, RefusesWhatMegatronRefusesWithOneLine) {
   const std::string model =
       testing::Tool("ptk-train") + " --dry-run --num-layers 36 --hidden-size 4096 --seq-length 2048 --lr 1e-4";

@@ -2,6 +2,7 @@
 // Megatron's arguments) name it: a library knows no flags (ptk-train maps the names to its flags).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,19 @@ TEST(GPTConfig, LlamaLineRefusalsNameTheSetting) {
   c.rotary_percent = 1;
   c.rotary_base = 0;
   EXPECT_EQ(Refusal(c), "rotary_base 0: must be positive");
+  c.rotary_base = 10000;
+  c.rope_scaling_factor = 0;
+  EXPECT_EQ(Refusal(c), "rope_scaling_factor 0: must be positive");
+  c.rope_scaling_factor = -8;
+  EXPECT_EQ(Refusal(c), "rope_scaling_factor -8: must be positive");
+  c.rope_scaling_factor = 32;
+  c.rotary_seq_len_interpolation_factor = -2;
+  EXPECT_EQ(Refusal(c), "rotary_seq_len_interpolation_factor -2: must be positive (0: none)");
+  c.rotary_seq_len_interpolation_factor = std::nan("");
+  EXPECT_EQ(Refusal(c), "rotary_seq_len_interpolation_factor nan: must be positive (0: none)");
+  c.rotary_seq_len_interpolation_factor = 4;
+  c.rotary_interleaved = true;
+  EXPECT_TRUE(c.Validate().ok()) << c.Validate();
   c = Small();
   c.num_attention_heads = 5;  // a head dimension of its own: hidden_size need not divide
   c.kv_channels = 16;

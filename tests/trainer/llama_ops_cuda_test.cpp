@@ -104,35 +104,42 @@ TYPED_TEST(LlamaCudaOps, RMSNormBackwardMatchesCpuAndIsDeterministic) {
 }
 
 // Forward and backward on a QKV of query groups (4 heads in 2 groups, 6 in 3 with a partial rotary),
-// the tables cpu::RopeTables's; value heads untouched.
+// the tables cpu::RopeTables's, in both layouts and under each frequency setting (Llama 3.1's factor 8,
+// Llama 3.2's 32, linear interpolation by 4); value heads untouched.
 TYPED_TEST(LlamaCudaOps, RopeMatchesCpu) {
   using T = TypeParam;
   struct Case {
     AttentionShape s;
     int64_t rd;
   };
-  for (Case k : {Case{{2, 17, 4, 8, 2}, 8}, Case{{1, 33, 6, 12, 3}, 6}, Case{{3, 5, 4, 16, 0}, 16}}) {
-    const AttentionShape& s = k.s;
-    const std::string what = "t=" + std::to_string(s.t) + " groups=" + std::to_string(s.groups());
-    const int64_t half = k.rd / 2, size = s.b * s.t * s.qkv_width();
-    std::vector<float> cos(s.t * half), sin(s.t * half);
-    cpu::RopeTables(cos.data(), sin.data(), s.t, k.rd, 500000.0, true);
-    const auto x = RoundTrip<T>(Normal(size, 9, 0.0f, 1.0f));
-    DeviceArray<float> dcos(cos), dsin(sin);
-    for (bool backward : {false, true}) {
-      std::vector<float> want = x;
-      if (backward)
-        cpu::RopeBackward(want.data(), cos.data(), sin.data(), s, k.rd);
-      else
-        cpu::RopeForward(want.data(), cos.data(), sin.data(), s, k.rd);
-      DeviceArray<T> dx(ToT<T>(x));
-      if (backward)
-        ASSERT_OK(RopeBackward<T>(dx.get(), dcos.get(), dsin.get(), s, k.rd, this->ctx_));
-      else
-        ASSERT_OK(RopeForward<T>(dx.get(), dcos.get(), dsin.get(), s, k.rd, this->ctx_));
-      ExpectClose<T>(ToF(dx.Download()), want, 1e-5, 1e-6, (backward ? "backward " : "forward ") + what, true);
+  const RopeSettings settings[] = {
+      {500000.0, 8.0, 0, false}, {500000.0, 32.0, 0, true}, {10000.0, 0, 4.0, true}, {10000.0, 0, 4.0, false}};
+  for (const RopeSettings& rs : settings)
+    for (Case k : {Case{{2, 17, 4, 8, 2}, 8}, Case{{1, 33, 6, 12, 3}, 6}, Case{{3, 5, 4, 16, 0}, 16}}) {
+      const AttentionShape& s = k.s;
+      const std::string what = "t=" + std::to_string(s.t) + " groups=" + std::to_string(s.groups()) +
+                               " factor=" + std::to_string(rs.llama3_factor) +
+                               " interpolation=" + std::to_string(rs.interpolation) +
+                               (rs.interleaved ? " interleaved" : "");
+      const int64_t half = k.rd / 2, size = s.b * s.t * s.qkv_width();
+      std::vector<float> cos(s.t * half), sin(s.t * half);
+      cpu::RopeTables(cos.data(), sin.data(), s.t, k.rd, rs);
+      const auto x = RoundTrip<T>(Normal(size, 9, 0.0f, 1.0f));
+      DeviceArray<float> dcos(cos), dsin(sin);
+      for (bool backward : {false, true}) {
+        std::vector<float> want = x;
+        if (backward)
+          cpu::RopeBackward(want.data(), cos.data(), sin.data(), s, k.rd, rs.interleaved);
+        else
+          cpu::RopeForward(want.data(), cos.data(), sin.data(), s, k.rd, rs.interleaved);
+        DeviceArray<T> dx(ToT<T>(x));
+        if (backward)
+          ASSERT_OK(RopeBackward<T>(dx.get(), dcos.get(), dsin.get(), s, k.rd, rs.interleaved, this->ctx_));
+        else
+          ASSERT_OK(RopeForward<T>(dx.get(), dcos.get(), dsin.get(), s, k.rd, rs.interleaved, this->ctx_));
+        ExpectClose<T>(ToF(dx.Download()), want, 1e-5, 1e-6, (backward ? "backward " : "forward ") + what, true);
+      }
     }
-  }
 }
 
 // --qk-layernorm's norms over the query and key heads (LayerNorm and RMSNorm; query groups, a head
@@ -218,8 +225,8 @@ TEST_F(CudaOps, LlamaOpsRefuseBadArguments) {
   EXPECT_FALSE(
       RMSNormBackward<float>(buf.get(), buf.get(), buf.get(), buf.get(), buf.get(), buf.get(), 1, 4, nullptr, ctx_)
           .ok());
-  EXPECT_FALSE(RopeForward<float>(buf.get(), buf.get(), buf.get(), s, 3, ctx_).ok());  // odd rotated channels
-  EXPECT_FALSE(RopeForward<float>(buf.get(), buf.get(), buf.get(), s, 8, ctx_).ok());  // more than hd
+  EXPECT_FALSE(RopeForward<float>(buf.get(), buf.get(), buf.get(), s, 3, false, ctx_).ok());  // odd rotated channels
+  EXPECT_FALSE(RopeForward<float>(buf.get(), buf.get(), buf.get(), s, 8, true, ctx_).ok());   // more than hd
   EXPECT_FALSE(SwigluForward<float>(buf.get(), nullptr, 1, 4, ctx_).ok());
   EXPECT_FALSE(SwigluBackward<float>(buf.get(), buf.get(), buf.get(), -1, 4, ctx_).ok());
 }

@@ -95,46 +95,69 @@ TEST(LlamaOps, Llama31FrequenciesAreTransformers) {
                                          {30, 0.0013718936825171113},
                                          {40, 3.428102354519069e-05},
                                          {63, 3.068925877869333e-07}};
-  for (auto [i, f] : want) EXPECT_NEAR(RopeInverseFrequency(i, 128, 500000.0, true), f, 2e-6 * f) << i;
-  EXPECT_NEAR(RopeInverseFrequency(1, 4, 10000.0, false), 0.01, 1e-9);  // 10000^(-2/4)
+  for (auto [i, f] : want) EXPECT_NEAR(RopeInverseFrequency(i, 128, 500000.0, 8.0), f, 2e-6 * f) << i;
+  EXPECT_NEAR(RopeInverseFrequency(1, 4, 10000.0, 0.0), 0.01, 1e-9);  // 10000^(-2/4)
 }
 
 AttentionShape Gqa() { return AttentionShape{2, 5, 4, 6, 2}; }  // 4 query heads in 2 groups
 
+// Both layouts: pair i is channels (i, i + rd/2), or (2i, 2i + 1) with --rotary-interleaved.
 TEST(LlamaOps, RopeRotatesQueriesAndKeysOnly) {
   const AttentionShape s = Gqa();
   const int64_t rd = 4, half = rd / 2;  // rotary_percent 2/3 of head dim 6
   std::vector<float> cos(s.t * half), sin(s.t * half);
-  cpu::RopeTables(cos.data(), sin.data(), s.t, rd, 10000.0, false);
-  auto x = Random(s.b * s.t * s.qkv_width(), 20), r = Random(x.size(), 21);
-  const std::vector<double> x0 = x;
-  std::vector<double> y;
-  auto objective = [&] {
-    y = x;
-    cpu::RopeForward(y.data(), cos.data(), sin.data(), s, rd);
-    return Dot(y, r);
-  };
-  objective();
-  const int64_t per = s.nh / s.groups();
-  for (int64_t row = 0; row < s.b * s.t; ++row) {
-    const int64_t pos = row % s.t;
-    for (int64_t g = 0; g < s.groups(); ++g)
-      for (int64_t h = 0; h < per + 2; ++h)
-        for (int64_t j = 0; j < s.hd; ++j) {
-          const int64_t at = row * s.qkv_width() + (g * (per + 2) + h) * s.hd;
-          double want = x0[at + j];
-          if (h <= per && j < rd) {  // queries and the key, rotated channels
-            const int64_t i = j % half;
-            const double a = pos * std::pow(10000.0, -2.0 * i / rd);
-            want = j < half ? x0[at + j] * std::cos(a) - x0[at + j + half] * std::sin(a)
-                            : x0[at + j] * std::cos(a) + x0[at + j - half] * std::sin(a);
+  cpu::RopeTables(cos.data(), sin.data(), s.t, rd, RopeSettings{});
+  for (bool interleaved : {false, true}) {
+    auto x = Random(s.b * s.t * s.qkv_width(), 20), r = Random(x.size(), 21);
+    const std::vector<double> x0 = x;
+    std::vector<double> y;
+    auto objective = [&] {
+      y = x;
+      cpu::RopeForward(y.data(), cos.data(), sin.data(), s, rd, interleaved);
+      return Dot(y, r);
+    };
+    objective();
+    const int64_t per = s.nh / s.groups();
+    for (int64_t row = 0; row < s.b * s.t; ++row) {
+      const int64_t pos = row % s.t;
+      for (int64_t g = 0; g < s.groups(); ++g)
+        for (int64_t h = 0; h < per + 2; ++h)
+          for (int64_t j = 0; j < s.hd; ++j) {
+            const int64_t at = row * s.qkv_width() + (g * (per + 2) + h) * s.hd;
+            double want = x0[at + j];
+            if (h <= per && j < rd) {  // queries and the key, rotated channels
+              const int64_t i = interleaved ? j / 2 : j % half, mate = interleaved ? (j ^ 1) : (j + half) % rd;
+              const bool first = interleaved ? j % 2 == 0 : j < half;
+              const double a = pos * std::pow(10000.0, -2.0 * i / rd);
+              want = first ? x0[at + j] * std::cos(a) - x0[at + mate] * std::sin(a)
+                           : x0[at + j] * std::cos(a) + x0[at + mate] * std::sin(a);
+            }
+            EXPECT_NEAR(y[at + j], want, 1e-6)
+                << "interleaved " << interleaved << " row " << row << " group " << g << " head " << h << " ch " << j;
           }
-          EXPECT_NEAR(y[at + j], want, 1e-6) << "row " << row << " group " << g << " head " << h << " ch " << j;
-        }
+    }
+    std::vector<double> dx = r;
+    cpu::RopeBackward(dx.data(), cos.data(), sin.data(), s, rd, interleaved);
+    CheckGradient(x, dx, objective, "dqkv");
   }
-  std::vector<double> dx = r;
-  cpu::RopeBackward(dx.data(), cos.data(), sin.data(), s, rd);
-  CheckGradient(x, dx, objective, "dqkv");
+}
+
+// Linear position interpolation: position p's angles are those of p / factor, the fp32 position
+// rounded as Megatron's seq *= 1 / factor; with a factor of 1 the plain tables.
+TEST(LlamaOps, RopeInterpolationDividesThePositions) {
+  const int64_t t = 9, rd = 8, half = rd / 2;
+  std::vector<float> cos(t * half), sin(t * half), plain_cos(t * half), plain_sin(t * half);
+  cpu::RopeTables(plain_cos.data(), plain_sin.data(), t, rd, RopeSettings{});
+  cpu::RopeTables(cos.data(), sin.data(), t, rd, RopeSettings{.interpolation = 1.0});
+  EXPECT_EQ(cos, plain_cos);
+  EXPECT_EQ(sin, plain_sin);
+  cpu::RopeTables(cos.data(), sin.data(), t, rd, RopeSettings{.interpolation = 4.0});
+  for (int64_t p = 0; p < t; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = p / 4.0 * std::pow(10000.0, -2.0 * i / rd);
+      EXPECT_NEAR(cos[p * half + i], std::cos(a), 1e-6) << p << " " << i;
+      EXPECT_NEAR(sin[p * half + i], std::sin(a), 1e-6) << p << " " << i;
+    }
 }
 
 TEST(LlamaOps, SwigluGradientsAndValues) {

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <regex>
@@ -334,6 +335,86 @@ TEST_F(TrainCli, MegatronMlpAndNormFlagsTrainAndAreRecorded) {
   EXPECT_EQ(both.exit_code, 2) << both.output;
   EXPECT_NE(both.output.find("usage error: --squared-relu with --swiglu: one MLP activation"), std::string::npos)
       << both.output;
+}
+
+// Megatron's rotary variants train (--rotary-interleaved, --rope-scaling-factor 32 under
+// --use-rope-scaling, --rotary-seq-len-interpolation-factor), each a model of its own: its weights after
+// 4 iterations are not the default RoPE's, its checkpoint records it and resumes with its flags, and a
+// resume without them (or with another factor) is refused as another model. Values no model has are
+// refused naming the flag; a flag without effect where Megatron ignores it is noted.
+TEST_F(TrainCli, RotaryVariantsTrainAndResumeOnlyAsThemselves) {
+  const std::string llama =
+      "--normalization RMSNorm --position-embedding-type rope --swiglu --group-query-attention --num-query-groups 2 "
+      "--disable-bias-linear --rotary-base 500000 --lr-decay-iters 8 ";
+  auto weights = [](const std::string& dir, const std::function<void(GPTConfig&)>& variant) {
+    GPTConfig c;
+    c.num_layers = 2, c.hidden_size = 32, c.num_attention_heads = 4, c.ffn_hidden_size = 64;
+    c.seq_length = c.max_position_embeddings = 32;
+    c.vocab_size = 1000, c.padded_vocab_size = 1024;
+    c.normalization = Normalization::kRMSNorm, c.position_embedding = PositionEmbedding::kRope, c.swiglu = true;
+    c.num_query_groups = 2, c.add_bias_linear = false, c.rotary_base = 500000, c.use_rope_scaling = true;
+    variant(c);
+    auto layout = ParamLayout::Create(c);
+    EXPECT_TRUE(layout.ok()) << layout.status();
+    Saved saved;
+    const absl::Status st = LoadCheckpoint(dir, 4, *layout, &saved.params, &saved.m, &saved.v, &saved.state);
+    EXPECT_TRUE(st.ok()) << st;
+    return saved.params;
+  };
+  auto plain = RunCmd(Train(llama + "--use-rope-scaling --save " + ShellQuote(dir_ / "plain"), 4));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const std::vector<float> plain_weights = weights(dir_ / "plain", [](GPTConfig&) {});
+  ASSERT_FALSE(plain_weights.empty());
+  struct Variant {
+    std::string flags, differs;
+    std::function<void(GPTConfig&)> set;
+  };
+  const Variant variants[] = {
+      {"--rotary-interleaved --use-rope-scaling", "--rotary-interleaved true (this run: the default)",
+       [](GPTConfig& c) { c.rotary_interleaved = true; }},
+      {"--use-rope-scaling --rope-scaling-factor 32", "--rope-scaling-factor 32.0 (this run: the default)",
+       [](GPTConfig& c) { c.rope_scaling_factor = 32; }},
+      {"--use-rope-scaling --rotary-seq-len-interpolation-factor 4",
+       "--rotary-seq-len-interpolation-factor 4.0 (this run: the default)",
+       [](GPTConfig& c) { c.rotary_seq_len_interpolation_factor = 4; }}};
+  int i = 0;
+  for (const Variant& v : variants) {
+    const std::string save = dir_ / ("v" + std::to_string(i++));
+    auto r = RunCmd(Train(llama + v.flags + " --save " + ShellQuote(save), 4));
+    ASSERT_EQ(r.exit_code, 0) << v.flags << ": " << r.output;
+    const std::vector<float> w = weights(save, v.set);
+    ASSERT_EQ(w.size(), plain_weights.size()) << v.flags;
+    EXPECT_NE(w, plain_weights) << v.flags << " trained the default RoPE's model";
+    auto resumed = RunCmd(Train(llama + v.flags + " --load " + ShellQuote(save), 6));
+    EXPECT_EQ(resumed.exit_code, 0) << v.flags << ": " << resumed.output;
+    EXPECT_NE(resumed.output.find("iteration        6/"), std::string::npos) << resumed.output;
+    auto refused = RunCmd(Train(llama + "--use-rope-scaling --load " + ShellQuote(save), 6));
+    EXPECT_NE(refused.exit_code, 0) << refused.output;
+    EXPECT_NE(refused.output.find("the checkpoint is of another model: " + v.differs), std::string::npos)
+        << v.flags << ": " << refused.output;
+  }
+  auto other_factor =
+      RunCmd(Train(llama + "--use-rope-scaling --rope-scaling-factor 16 --load " + ShellQuote(dir_ / "v1"), 6));
+  EXPECT_NE(other_factor.output.find("--rope-scaling-factor 32.0 (this run: 16.0)"), std::string::npos)
+      << other_factor.output;
+  for (const std::string bad : {"--rope-scaling-factor 0", "--rope-scaling-factor -32", "--rope-scaling-factor nan",
+                                "--rotary-seq-len-interpolation-factor 0", "--rotary-seq-len-interpolation-factor -4",
+                                "--rotary-seq-len-interpolation-factor inf"}) {
+    auto r = RunCmd(Train(llama + "--use-rope-scaling " + bad, 2));
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("usage error: " + bad.substr(0, bad.find(' ')) + ": must be"), std::string::npos)
+        << bad << ": " << r.output;
+  }
+  auto noted = RunCmd(Train(llama + "--rope-scaling-factor 32", 2));
+  EXPECT_EQ(noted.exit_code, 0) << noted.output;
+  EXPECT_NE(noted.output.find("--rope-scaling-factor: accepted, no effect without --use-rope-scaling"),
+            std::string::npos)
+      << noted.output;
+  auto gpt = RunCmd(Train("--rotary-interleaved", 2));
+  EXPECT_EQ(gpt.exit_code, 0) << gpt.output;
+  EXPECT_NE(gpt.output.find("--rotary-interleaved: accepted, no effect without --position-embedding-type rope"),
+            std::string::npos)
+      << gpt.output;
 }
 
 // The shell's loop that waits (up to 120 s) until `log` holds an iteration's line: training runs.
@@ -985,7 +1066,7 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
       << twice.output;
   for (const auto& [flag, why] : std::vector<std::pair<std::string, std::string>>{
            {"--squared-relu --swiglu", "--squared-relu with --swiglu: one MLP activation"},
-           {"--rotary-interleaved", "the interleaved rotary layout"},
+           {"--fp8-format hybrid", "fp8 training is not implemented"},
            {"--position-embedding-type alibi", "ptk has learned_absolute, rope and none"},
            {"--normalization LayerNorm1p", "ptk has LayerNorm and RMSNorm"},
            {"--group-query-attention --num-query-groups 3",

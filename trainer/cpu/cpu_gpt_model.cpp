@@ -190,8 +190,7 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   SizeActivations(layout_, chunk_, sequence_parallel_, batch.b, batch.t, &a);
   if (config().rope()) {  // the rotary tables of this sequence length
     const GPTConfig& cf = config();
-    cpu::RopeTables(a.rope_cos.data(), a.rope_sin.data(), batch.t, cf.rotary_dim(), cf.rotary_base,
-                    cf.use_rope_scaling);
+    cpu::RopeTables(a.rope_cos.data(), a.rope_sin.data(), batch.t, cf.rotary_dim(), cf.rope_settings());
   }
   return absl::OkStatus();
 }
@@ -401,7 +400,9 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     cpu::MatmulForward(QkvProductOut(a, l, cf), a.ln1[l].data(), P + lp.qkv_w, At(P, lp.qkv_b), n, c,
                        shape.qkv_width());
     QKNormLayerForward(cf, a, l, P, lp, shape);
-    if (cf.rope()) cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
+    if (cf.rope())
+      cpu::RopeForward(a.qkv[l].data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
+                       cf.rotary_interleaved);
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
     cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
@@ -480,7 +481,9 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data(),
                            a.scratch.data());
-    if (cf.rope()) cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim());
+    if (cf.rope())
+      cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
+                        cf.rotary_interleaved);
     QKNormLayerBackward(cf, a, l, P, G, lp, shape);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     cpu::MatmulBackward(a.dln.data(), G + lp.qkv_w, At(G, lp.qkv_b), a.dqkv.data(), a.ln1[l].data(), P + lp.qkv_w, n, c,

@@ -64,17 +64,18 @@ void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const
                     const T* rstd, const AttentionShape& s, T w_offset = T(0));
 
 // ---- rope_cpu.cpp ----------------------------------------------------------------------------
-// Rotary position embedding (Megatron's non-interleaved rotate-half form) of the query and key
-// heads of a fused QKV buffer (b, t, qkv_width) in AttentionShape's layout, in place: channels
-// [0, rd/2) and [rd/2, rd) of each head rotated by the angle of their pair at the token's place
-// in its sequence; channels from rd on untouched, the value heads untouched.
+// Rotary position embedding (Megatron's apply_rotary_pos_emb) of the query and key heads of a fused
+// QKV buffer (b, t, qkv_width) in AttentionShape's layout, in place: pair i of each head rotated by
+// its angle at the token's place in its sequence, the pair channels i and i + rd/2 (Megatron's default
+// rotate-half form) or, `interleaved`, channels 2i and 2i + 1 (--rotary-interleaved, Meta's original
+// layout); channels from rd on untouched, the value heads untouched.
 // The tables cos/sin (t, rd/2) hold fp32 cos and sin of position * RopeInverseFrequency (op_math.h).
-void RopeTables(float* cos, float* sin, int64_t t, int64_t rd, double base, bool llama3_scaling);
+void RopeTables(float* cos, float* sin, int64_t t, int64_t rd, const RopeSettings& r);
 template <typename T>
-void RopeForward(T* qkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd);
+void RopeForward(T* qkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd, bool interleaved);
 // The gradient through it (the inverse rotation), in place on dqkv.
 template <typename T>
-void RopeBackward(T* dqkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd);
+void RopeBackward(T* dqkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd, bool interleaved);
 
 // ---- swiglu_cpu.cpp --------------------------------------------------------------------------
 // SwiGLU over fc1's rows [gate (f); up (f)] of each token (Megatron's torch.chunk order):

@@ -211,8 +211,8 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   if (config().rope()) {
     const int64_t half = config().rotary_dim() / 2;
     rope.assign(static_cast<size_t>(2 * plan_.t * half), 0.0f);
-    RopeAngleTables(rope.data(), rope.data() + plan_.t * half, plan_.t, config().rotary_dim(), config().rotary_base,
-                    config().use_rope_scaling);
+    RopeAngleTables(rope.data(), rope.data() + plan_.t * half, plan_.t, config().rotary_dim(),
+                    config().rope_settings());
     PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(plan_.rope_tables), rope.data(), rope.size() * sizeof(float),
                                              cudaMemcpyHostToDevice, ctx_.stream),
                              "copying the rotary embedding tables to the device");

@@ -224,7 +224,8 @@ absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const Att
   const GPTConfig& cf = config();
   if (cf.rope())  // the rotation's transpose
     PTK_RETURN_IF_ERROR(
-        Op("rope", "rope backward", RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+        Op("rope", "rope backward",
+           RopeBackward<T>(dqkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), cf.rotary_interleaved, ctx_)));
   if (!cf.qk_layernorm) return absl::OkStatus();
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   return Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms backward",

@@ -242,7 +242,9 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
                            QKNormForward<T>(qkv, QKMean(l), QKRstd(l), product, LnW(lp.q_norm_w), Ln(lp.q_norm_b),
                                             LnW(lp.k_norm_w), Ln(lp.k_norm_b), shape, cf.layernorm_epsilon, ctx_)));
   if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
-    PTK_RETURN_IF_ERROR(Op("rope", "rope", RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), ctx_)));
+    PTK_RETURN_IF_ERROR(
+        Op("rope", "rope",
+           RopeForward<T>(qkv, RopeCos(), RopeSin(), shape, cf.rotary_dim(), cf.rotary_interleaved, ctx_)));
   return Op("attention", "attention",
             AttentionFwd(Act(plan_.atty, l, n * shape.nh * shape.hd), qkv, l, shape, ap, seed));
 }

@@ -185,14 +185,15 @@ int64_t QKNormBackwardScratch(const AttentionShape& s);
 
 // ---- rope_cuda.cu ------------------------------------------------------------------------------
 // Rotary embedding in place on a fused QKV (b, t, s.qkv_width()) of query groups, as cpu::RopeForward:
-// the query and key heads' channels i and i + rd/2 rotated by the fp32 tables cos/sin (t, rd/2) of
-// cpu::RopeTables (device memory); RopeBackward applies the inverse rotation to dqkv.
+// the query and key heads' channels i and i + rd/2 (2i and 2i + 1 `interleaved`) rotated by the fp32
+// tables cos/sin (t, rd/2) of cpu::RopeTables (device memory); RopeBackward applies the inverse
+// rotation to dqkv.
 template <typename T>
 absl::Status RopeForward(T* qkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd,
-                         const CudaContext& ctx);
+                         bool interleaved, const CudaContext& ctx);
 template <typename T>
 absl::Status RopeBackward(T* dqkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd,
-                          const CudaContext& ctx);
+                          bool interleaved, const CudaContext& ctx);
 
 // ---- swiglu_cuda.cu ----------------------------------------------------------------------------
 // out(n, f) = silu(gate) * up over fc1's rows [gate (f); up (f)], SiluValue of trainer/op_math.h in

@@ -1,7 +1,8 @@
 // Rotary position embedding on the device, forward and backward, as the CPU op
 // (trainer/cpu/rope_cpu.cpp): in place on the fused QKV's query and key heads (each group's query
-// heads, then its key head; the value heads untouched), channels i and i + rd/2 of each head rotated
-// by the fp32 tables cos/sin (t, rd/2) of the token's place in its sequence; the rotation in fp32.
+// heads, then its key head; the value heads untouched), channels i and i + rd/2 of each head (2i and
+// 2i + 1 interleaved) rotated by the fp32 tables cos/sin (t, rd/2) of the token's place in its sequence; the rotation
+// in fp32.
 #include "trainer/cuda/kernel_util.cuh"
 #include "trainer/cuda/ops_cuda.h"
 
@@ -10,7 +11,8 @@ namespace {
 
 // One thread per (token row, rotated head, pair i). sign +1: the rotation; -1: its transpose.
 template <typename T>
-__global__ void RopeKernel(T* qkv, const float* cos, const float* sin, AttentionShape s, int64_t rd, float sign) {
+__global__ void RopeKernel(T* qkv, const float* cos, const float* sin, AttentionShape s, int64_t rd, bool interleaved,
+                           float sign) {
   // AttentionShape's methods are host code: its groups() and qkv_width() spelled out.
   const int64_t half = rd / 2, groups = s.ng > 0 ? s.ng : s.nh, per_group = s.nh / groups,
                 width = (s.nh + 2 * groups) * s.hd;
@@ -19,19 +21,20 @@ __global__ void RopeKernel(T* qkv, const float* cos, const float* sin, Attention
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total; k += stride) {
     const int64_t i = k % half, head = (k / half) % heads, row = k / (half * heads);
     const int64_t g = head / (per_group + 1), h = head % (per_group + 1), pos = row % s.t;
-    T* x = qkv + row * width + (g * (per_group + 2) + h) * s.hd;
-    const float x1 = ToFloat(x[i]), x2 = ToFloat(x[i + half]), c = cos[pos * half + i], sv = sign * sin[pos * half + i];
-    x[i] = FromFloat<T>(x1 * c - x2 * sv);
-    x[i + half] = FromFloat<T>(x2 * c + x1 * sv);
+    T* x = qkv + row * width + (g * (per_group + 2) + h) * s.hd + (interleaved ? 2 * i : i);
+    const int64_t step = interleaved ? 1 : half;
+    const float x1 = ToFloat(x[0]), x2 = ToFloat(x[step]), c = cos[pos * half + i], sv = sign * sin[pos * half + i];
+    x[0] = FromFloat<T>(x1 * c - x2 * sv);
+    x[step] = FromFloat<T>(x2 * c + x1 * sv);
   }
 }
 
 template <typename T>
 absl::Status Rope(const char* name, T* qkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd,
-                  float sign, const CudaContext& ctx) {
+                  bool interleaved, float sign, const CudaContext& ctx) {
   auto where = [&] {
-    return fmt::format("{}<{}>(b={}, t={}, nh={}, hd={}, groups={}, rd={})", name, kernel::TypeName<T>(), s.b, s.t,
-                       s.nh, s.hd, s.groups(), rd);
+    return fmt::format("{}<{}>(b={}, t={}, nh={}, hd={}, groups={}, rd={}{})", name, kernel::TypeName<T>(), s.b, s.t,
+                       s.nh, s.hd, s.groups(), rd, interleaved ? ", interleaved" : "");
   };
   PTK_KERNEL_CHECK(kernel::CheckCount(s.b, "b", where));
   PTK_KERNEL_CHECK(kernel::CheckCount(s.t, "t", where));
@@ -44,8 +47,8 @@ absl::Status Rope(const char* name, T* qkv, const float* cos, const float* sin, 
   PTK_KERNEL_CHECK(kernel::CheckPointer(sin, "sin", where));
   constexpr int kThreads = 256;
   const int64_t total = s.b * s.t * (s.nh + s.groups()) * (rd / 2);
-  RopeKernel<T><<<kernel::GridBlocks(total, kThreads, kernel::MaxBlocks(ctx)), kThreads, 0, ctx.stream>>>(qkv, cos, sin,
-                                                                                                          s, rd, sign);
+  RopeKernel<T><<<kernel::GridBlocks(total, kThreads, kernel::MaxBlocks(ctx)), kThreads, 0, ctx.stream>>>(
+      qkv, cos, sin, s, rd, interleaved, sign);
   PTK_CUDA_RETURN_IF_LAUNCH_ERROR(where());
   return absl::OkStatus();
 }
@@ -54,19 +57,19 @@ absl::Status Rope(const char* name, T* qkv, const float* cos, const float* sin, 
 
 template <typename T>
 absl::Status RopeForward(T* qkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd,
-                         const CudaContext& ctx) {
-  return Rope("RopeForward", qkv, cos, sin, s, rd, 1.0f, ctx);
+                         bool interleaved, const CudaContext& ctx) {
+  return Rope("RopeForward", qkv, cos, sin, s, rd, interleaved, 1.0f, ctx);
 }
 template <typename T>
 absl::Status RopeBackward(T* dqkv, const float* cos, const float* sin, const AttentionShape& s, int64_t rd,
-                          const CudaContext& ctx) {
-  return Rope("RopeBackward", dqkv, cos, sin, s, rd, -1.0f, ctx);
+                          bool interleaved, const CudaContext& ctx) {
+  return Rope("RopeBackward", dqkv, cos, sin, s, rd, interleaved, -1.0f, ctx);
 }
 
-#define PTK_INSTANTIATE(T)                                                                              \
-  template absl::Status RopeForward<T>(T*, const float*, const float*, const AttentionShape&, int64_t,  \
-                                       const CudaContext&);                                             \
-  template absl::Status RopeBackward<T>(T*, const float*, const float*, const AttentionShape&, int64_t, \
+#define PTK_INSTANTIATE(T)                                                                                    \
+  template absl::Status RopeForward<T>(T*, const float*, const float*, const AttentionShape&, int64_t, bool,  \
+                                       const CudaContext&);                                                   \
+  template absl::Status RopeBackward<T>(T*, const float*, const float*, const AttentionShape&, int64_t, bool, \
                                         const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

@@ -1,0 +1,276 @@
+// ptk-convert --loader megatron on torch_dist checkpoints of Megatron's Llama line (RMSNorm, SwiGLU,
+// grouped-query attention, RoPE, no biases, untied) that megatron-core 0.16.1 itself wrote
+// (tests/data/torch_dist_llama/, tests/support/make_torch_dist_llama_fixture.py): trained at tensor size 2
+// with the plain optimizer of a --bf16 run and with the distributed optimizer (dp_reshardable; and
+// dp_zero_gather_scatter), and each resharded by megatron-core to tensor size 1; and a 4-layer run resharded by
+// megatron-core into an interleaved one (pipeline size 2, two model chunks per stage: a grad buffer per chunk). Each
+// converts to the fp32 weights and AdamW moments expected.json records (megatron-core's TP 1 optimizer after loading
+// it) bit for bit, TP 2 to exactly TP 1's; ptk-train --load resumes one AdamW step from those moments; damaged or
+// mismatched copies are refused in one line naming the file and the key.
+#include <simdjson.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/hash.h"
+#include "interop/megatron.h"
+#include "interop/torch_dist.h"
+#include "tests/test_util.h"
+#include "trainer/checkpoint.h"
+#include "trainer/param_layout.h"
+
+namespace ptk {
+namespace {
+
+using testing::ReadFile;
+using testing::TempDir;
+using testing::WriteFile;
+
+std::string Fixture(const std::string& name) { return testing::SourceDir() + "/tests/data/torch_dist_llama/" + name; }
+
+struct Converted {
+  ConvertSummary summary;
+  std::optional<ParamLayout> layout;
+  std::vector<float> w, m1, m2;
+  TrainState state;
+};
+
+absl::StatusOr<ConvertSummary> Convert(const std::string& load, const std::string& save) {
+  ConvertOptions o;
+  o.loader = "megatron";
+  o.saver = "ptk";
+  o.load_dir = load;
+  o.save_dir = save;
+  return ImportFromMegatron(o);
+}
+
+// `load` converted into `save` and read back.
+Converted ConvertAndLoad(const std::string& load, const std::string& save) {
+  Converted c;
+  auto s = Convert(load, save);
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (!s.ok()) return c;
+  c.summary = *s;
+  auto layout = ParamLayout::Create(s->config);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  c.layout = *layout;
+  const absl::Status st = LoadCheckpoint(save, s->iteration, *c.layout, &c.w, &c.m1, &c.m2, &c.state);
+  EXPECT_TRUE(st.ok()) << st;
+  return c;
+}
+
+std::string HexOf(const float* v, int64_t n) {
+  return Sha256Hex(std::string_view(reinterpret_cast<const char*>(v), static_cast<size_t>(n) * sizeof(float)));
+}
+
+class TorchDistLlama : public ::testing::TestWithParam<std::string> {
+ protected:
+  TempDir dir_;
+};
+
+// Every tensor's weight and moments against expected.json's SHA-256 (little-endian fp32, as the
+// generator hashes them), the iteration and Adam's step.
+TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
+  const std::string name = GetParam();
+  Converted c = ConvertAndLoad(Fixture(name), dir_ / "ptk");
+  ASSERT_TRUE(c.layout.has_value());
+  simdjson::dom::parser parser;
+  const simdjson::padded_string json = simdjson::padded_string(ReadFile(Fixture(name) + "/expected.json"));
+  simdjson::dom::element exp = parser.parse(json);
+  EXPECT_EQ(c.state.iteration, int64_t(exp["iteration"]));
+  EXPECT_EQ(c.state.adam_step, int64_t(exp["adam_step"]));
+  for (const std::string& note : c.summary.notes)  // read (the plain optimizer's state.common_step), not assumed
+    EXPECT_EQ(note.find("record no Adam step"), std::string::npos) << note;
+  const GPTConfig& g = c.summary.config;
+  EXPECT_TRUE(g.swiglu && g.normalization == Normalization::kRMSNorm && g.rope() && !g.add_bias_linear &&
+              g.untie_embeddings_and_output_weights && g.query_groups() == 2);
+  simdjson::dom::object tensors = exp["tensors"];
+  EXPECT_EQ(tensors.size(), c.layout->infos.size());
+  int compared = 0;
+  for (const ParamInfo& p : c.layout->infos) {
+    simdjson::dom::element e;
+    ASSERT_EQ(tensors[p.name].get(e), simdjson::SUCCESS) << p.name << " not in expected.json";
+    for (auto [which, v] : {std::pair{"weight", &c.w}, {"exp_avg", &c.m1}, {"exp_avg_sq", &c.m2}}) {
+      std::vector<int64_t> shape;
+      for (int64_t d : e[which]["shape"].get_array()) shape.push_back(d);
+      EXPECT_EQ(shape, p.shape) << p.name;
+      EXPECT_EQ(HexOf(v->data() + p.offset, p.size), std::string(std::string_view(e[which]["sha256"])))
+          << name << ": " << which << " of " << p.name << " (first " << (*v)[p.offset] << ", want "
+          << double(e[which]["first"].at(0)) << ")";
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 3 * static_cast<int>(c.layout->infos.size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, TorchDistLlama,
+                         ::testing::Values("plain_bf16_tp1", "plain_bf16_tp2", "distopt_tp1", "distopt_tp2",
+                                           "distopt_tp2_dp_zero", "vpp_plain_bf16", "vpp_distopt"));
+
+// The TP 2 checkpoint and megatron-core's TP 1 reshard of it: the same ptk checkpoint, every array equal
+// (SwiGLU's gate and up halves and the query groups put back where a single rank holds them).
+TEST(TorchDistLlamaTp, TensorSizeTwoEqualsItsTensorSizeOneReshard) {
+  TempDir dir;
+  for (const std::string kind : {"plain_bf16", "distopt"}) {
+    Converted one = ConvertAndLoad(Fixture(kind + "_tp1"), dir / (kind + "1"));
+    Converted two = ConvertAndLoad(Fixture(kind + "_tp2"), dir / (kind + "2"));
+    ASSERT_FALSE(one.w.empty());
+    EXPECT_EQ(one.w, two.w) << kind;
+    EXPECT_EQ(one.m1, two.m1) << kind;
+    EXPECT_EQ(one.m2, two.m2) << kind;
+    EXPECT_EQ(one.state.adam_step, two.state.adam_step) << kind;
+  }
+}
+
+// The worst relative misfit of ptk-train's step from (w0, m0, v0) to (w1, m1, v1) against torch AdamW's at
+// Adam step `step` (lr 3e-3, betas 0.9 / 0.95, eps 1e-8, weight decay 0.1 on matrices, as the fixtures
+// trained), for the gradient m1 implies; with `zero` the saved moments taken as zero instead.
+double AdamWMisfit(const ParamLayout& layout, const Converted& a, const Converted& b, int64_t step, bool zero) {
+  const double lr = 3e-3, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+  double worst = 0;
+  for (const ParamInfo& p : layout.infos) {
+    const double decay = p.shape.size() > 1 ? wd : 0.0;  // Megatron's and ptk's: no decay on norms
+    double scale = 1e-30;
+    for (int64_t i = p.offset; i < p.offset + p.size; ++i) scale = std::max(scale, std::fabs(double(b.m2[i])));
+    for (int64_t i = p.offset; i < p.offset + p.size; ++i) {
+      const double m0 = zero ? 0 : a.m1[i], v0 = zero ? 0 : a.m2[i];
+      const double g = (b.m1[i] - b1 * m0) / (1 - b1);
+      const double v_err = std::fabs(b2 * v0 + (1 - b2) * g * g - b.m2[i]) / scale;
+      const double want = a.w[i] * (1 - lr * decay) - lr * (b.m1[i] / (1 - std::pow(b1, step))) /
+                                                          (std::sqrt(b.m2[i] / (1 - std::pow(b2, step))) + eps);
+      worst = std::max({worst, v_err, zero ? 0.0 : std::fabs(want - b.w[i]) / lr});
+    }
+  }
+  return worst;
+}
+
+// ptk-train --load of each converted checkpoint takes one AdamW step from the converted moments and Adam
+// step: its new weights and moments fit AdamW's update, which zero moments would not.
+TEST(TorchDistLlamaTp, PtkTrainResumesOneAdamWStepFromTheMoments) {
+  TempDir dir;
+  for (const std::string name : {"distopt_tp2", "plain_bf16_tp2", "vpp_distopt"}) {
+    const std::string ptk = dir / (name + "-ptk"), out = dir / (name + "-resumed");
+    Converted a = ConvertAndLoad(Fixture(name), ptk);
+    ASSERT_TRUE(a.layout.has_value());
+    const std::string cmd = testing::Tool("ptk-train") + " " + a.summary.train_flags +
+                            " --micro-batch-size 2 --global-batch-size 2 --train-iters 4 --lr 3e-3 --min-lr 3e-3"
+                            " --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95"
+                            " --adam-eps 1e-8 --mock-data --eval-iters 0 --log-interval 1 --threads 1 --load " +
+                            testing::ShellQuote(ptk) + " --save " + testing::ShellQuote(out);
+    const testing::CommandResult r = testing::RunCmd(cmd);
+    ASSERT_EQ(r.exit_code, 0) << cmd << "\n" << r.output;
+    Converted b;
+    b.layout = a.layout;
+    const absl::Status st = LoadCheckpoint(out, 4, *b.layout, &b.w, &b.m1, &b.m2, &b.state);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(b.state.iteration, 4);
+    EXPECT_EQ(b.state.adam_step, a.state.adam_step + 1);
+    const double fit = AdamWMisfit(*a.layout, a, b, a.state.adam_step + 1, false);
+    const double if_zero = AdamWMisfit(*a.layout, a, b, a.state.adam_step + 1, true);
+    std::printf("%s: resumed one step, worst relative misfit %.2e (against zero moments %.2e)\n", name.c_str(), fit,
+                if_zero);
+    EXPECT_LT(fit, 1e-3) << name;
+    EXPECT_GT(if_zero, 1e-2) << name;
+  }
+}
+
+// A copy of fixture `name` (its iteration directory passed to `damage`) converted: refused in one line
+// holding each of `needles`, nothing written.
+void ExpectRefused(const std::string& name, const std::function<void(const std::string&)>& damage,
+                   const std::vector<std::string>& needles) {
+  TempDir dir;
+  const std::string copy = dir / "ck";
+  std::filesystem::copy(Fixture(name), copy, std::filesystem::copy_options::recursive);
+  damage(copy + "/iter_0000003");
+  auto s = Convert(copy, dir / "ptk");
+  ASSERT_FALSE(s.ok()) << name;
+  const std::string msg(s.status().message());
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  for (const std::string& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "no '" << n << "' in: " << msg;
+  EXPECT_FALSE(testing::Exists(dir / "ptk/latest_checkpointed_iteration.txt")) << msg;
+}
+
+void Replace(const std::string& file, const std::string& from, const std::string& to) {
+  std::string data = ReadFile(file);
+  ASSERT_EQ(from.size(), to.size());
+  size_t at = data.find(from);
+  ASSERT_NE(at, std::string::npos) << from << " not in " << file;
+  for (; at != std::string::npos; at = data.find(from, at)) data.replace(at, from.size(), to);
+  WriteFile(file, data);
+}
+
+TEST(TorchDistLlamaRefused, AFlippedByteInLinearFc1NamesTheFileOffsetAndKey) {
+  ExpectRefused("plain_bf16_tp2",
+                [](const std::string& d) {
+                  auto ck = torchdist::DistCheckpoint::Open(d);
+                  ASSERT_TRUE(ck.ok()) << ck.status();
+                  const torchdist::Chunk& c = (*ck)->tensors().at("decoder.layers.mlp.linear_fc1.weight").chunks.back();
+                  std::string data = ReadFile(d + "/" + c.file);
+                  data[c.offset + c.length / 2] ^= 0x40;  // inside the chunk's stored tensor
+                  WriteFile(d + "/" + c.file, data);
+                },
+                {".distcp: byte ", "decoder.layers.mlp.linear_fc1.weight"});
+}
+
+TEST(TorchDistLlamaRefused, ATruncatedDataFileNamesIt) {
+  ExpectRefused("distopt_tp2", [](const std::string& d) { std::filesystem::resize_file(d + "/__1_1.distcp", 1000); },
+                {"__1_1.distcp", "byte "});
+}
+
+TEST(TorchDistLlamaRefused, ATensorRanksGradBufferMissingIsNamed) {
+  // dp_group_idx_1 (tensor rank 1's buckets) renamed to a rank the args do not have: rank 1 missing.
+  ExpectRefused(
+      "distopt_tp2",
+      [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_0", "dp_group_idx_7.gbuf_idx_0"); },
+      {".metadata", "optimizer.distributed.dp_group_idx_7", "model-parallel rank 7", "2 tensor x 1 pipeline ranks",
+       "\"dp_reshardable\""});
+}
+
+TEST(TorchDistLlamaRefused, AModelChunksGradBufferMissingIsNamed) {
+  // Pipeline rank 1's second chunk's buffer (dp_group_idx_1.gbuf_idx_1) renamed to a chunk the args do not have.
+  ExpectRefused(
+      "vpp_distopt",
+      [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_1", "dp_group_idx_1.gbuf_idx_7"); },
+      {".metadata", "optimizer.distributed.dp_group_idx_1.gbuf_idx_7", "grad buffer 7 of model-parallel rank 1",
+       "the args give each rank 2"});
+  // The args of the 2-layer run beside the 4 layers' tensors: the stacked keys' shape says so.
+  ExpectRefused("vpp_distopt",
+                [](const std::string& d) {
+                  std::filesystem::copy_file(Fixture("distopt_tp1") + "/iter_0000003/common.pt", d + "/common.pt",
+                                             std::filesystem::copy_options::overwrite_existing);
+                },
+                {".metadata", "decoder.layers", "shape [4, "});
+}
+
+TEST(TorchDistLlamaRefused, ArgsOfAnotherModelNameTheKey) {
+  // common.pt of a GPT-3 run (LayerNorm, GELU, biases, ffn 64) beside the Llama line's tensors.
+  ExpectRefused("plain_bf16_tp1",
+                [](const std::string& d) {
+                  std::filesystem::copy_file(testing::SourceDir() +
+                                                 "/tests/data/torch_dist_distopt/fully_reshardable/"
+                                                 "iter_0000003/common.pt",
+                                             d + "/common.pt", std::filesystem::copy_options::overwrite_existing);
+                },
+                {".metadata", "decoder.layers.mlp.linear_fc1.weight", "shape [2, 48, 16]", "--ffn-hidden-size 64"});
+}
+
+TEST(TorchDistLlamaRefused, MegatronCoresSingletonLocalShardsLayoutIsNamed) {
+  // A key per layer (what megatron-core's metadata singleton_local_shards asks for, and Megatron-LM does not).
+  ExpectRefused("plain_bf16_tp1",
+                [](const std::string& d) {
+                  Replace(d + "/.metadata", "decoder.layers.mlp.linear_fc2.weight",
+                          "decoder.layers.0.p.linear_fc2.weight");
+                },
+                {".metadata", "decoder.layers.0.p.linear_fc2.weight", "singleton_local_shards"});
+}
+
+}  // namespace
+}  // namespace ptk
