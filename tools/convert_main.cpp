@@ -85,6 +85,7 @@ absl::Status CheckFlagsApply(const CLI::App& app, const ptk::ConvertOptions& o) 
     if (app.count(s.flag) > 0 && !s.applies)
       return ptk::UsageError(
           fmt::format("{}: only {} reads it; this is --loader {} --saver {}", s.flag, s.reader, o.loader, o.saver));
+  return absl::OkStatus();
 }
 
 // The flags that belong to one direction, refused in another.
