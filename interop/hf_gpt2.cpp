@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <functional>
 #include <map>
 #include <optional>
 #include <regex>
@@ -63,110 +62,15 @@ absl::StatusOr<std::string> ReadOrDefault(const std::string& path, std::string_v
   return ReadFileToString(path);
 }
 
-// The first regular file below `dir` (recursively, sorted) for which `match` holds, as a path relative
-// to `save`; empty when there is none or no `dir`.
-std::string FirstFileBelow(const std::string& save, const std::string& dir,
-                           const std::function<bool(const std::string& name)>& match) {
-  std::vector<std::string> found;
-  std::error_code ec;
-  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
-       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
-    std::error_code ec2;
-    if (it->is_regular_file(ec2) && match(it->path().filename().string()))
-      found.push_back(std::filesystem::path(it->path()).lexically_relative(save).string());
+// --apply-layernorm-1p's norms in the weights that compute them without it: each norm weight + 1
+// (in fp32, as megatron-core's forward adds it).
+void FoldZeroCentredNorms(const ParamLayout& layout, std::vector<float>* params) {
+  for (const ParamInfo& p : layout.infos) {
+    const std::string_view name = p.name, suffix = "layernorm.weight";
+    if (name.size() < suffix.size() || name.substr(name.size() - suffix.size()) != suffix) continue;
+    for (int64_t i = 0; i < p.size; ++i) (*params)[static_cast<size_t>(p.offset + i)] += 1.0f;
   }
-  return found.empty() ? std::string() : *std::min_element(found.begin(), found.end());
 }
-
-bool IsPtkCheckpointFile(const std::string& name) {
-  return name.size() > 4 && (name.compare(name.size() - 4, 4, ".ptk") == 0 || name.find(".ptk-") != std::string::npos);
-}
-
-}  // namespace
-
-absl::Status CheckMegatronExportTarget(const std::string& save) {
-  std::error_code ec;
-  std::vector<std::string> ptk_files;
-  for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("iter_", 0) != 0) continue;
-    std::string f = FirstFileBelow(save, e.path().string(), [](const std::string& n) {
-      return n.size() > 4 && n.compare(n.size() - 4, 4, ".ptk") == 0;
-    });
-    if (!f.empty()) ptk_files.push_back(std::move(f));
-  }
-  if (ptk_files.empty()) return absl::OkStatus();
-  std::sort(ptk_files.begin(), ptk_files.end());
-  return UsageError(fmt::format(
-      "--save-dir {}: holds ptk checkpoints ({}{}): a Megatron export writes iter_N/ and "
-      "latest_checkpointed_iteration.txt there, replacing a ptk checkpoint or moving its latest; give a directory of "
-      "its own",
-      save, ptk_files.front(), ptk_files.size() > 1 ? fmt::format(" and {} more", ptk_files.size() - 1) : ""));
-}
-
-// An import writes iteration `iteration` (0 unless --iteration) and points the tracker at it: into
-// the --save of a training run it would move `latest` (back, or past the run's own checkpoints) and
-// make the next ptk-train --load restart from the imported weights. So the directory must hold no
-// checkpoint but that iteration's (a new directory, or an earlier import, which a rerun replaces).
-// An earlier import is told from a run's checkpoint by its AdamW step (0: a Hugging Face import), or
-// where the import carries moments (a Megatron checkpoint's) by the command line in its header
-// (ptk-convert's --saver; ptk-train takes no such flag).
-absl::Status CheckImportTarget(const std::string& save, int64_t iteration, bool with_moments) {
-  std::vector<std::string> iterations;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("iter_", 0) == 0 && name != Basename(CheckpointDir(save, iteration))) iterations.push_back(name);
-  }
-  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
-  std::sort(iterations.begin(), iterations.end());
-  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(save);
-  std::string held;
-  if (latest.ok() && *latest != iteration) {
-    held = fmt::format("its latest checkpoint is iteration {}", *latest);
-  } else if (!latest.ok() && !absl::IsNotFound(latest.status())) {
-    held = std::string(StatusMessage(latest.status()));
-  } else if (!iterations.empty()) {
-    held = fmt::format("it holds {}{}", iterations.back(),
-                       iterations.size() > 1 ? fmt::format(" and {} more", iterations.size() - 1) : "");
-  } else if (const std::string other = FirstFileBelow(save, CheckpointDir(save, iteration),
-                                                      [](const std::string& n) { return !IsPtkCheckpointFile(n); });
-             !other.empty()) {
-    // Another tool's checkpoint of that iteration (Megatron's model_optim_rng.pt or *.distcp: --load-dir
-    // itself, given as --save-dir): the import would replace it.
-    return UsageError(fmt::format(
-        "--save-dir {}: its iteration {} holds {}, which is not a ptk checkpoint's file (a Megatron checkpoint, or "
-        "--load-dir itself): the import would replace it; import into a directory of its own",
-        save, iteration, other));
-  } else if (const std::string file = CheckpointFile(save, iteration); PathExists(file)) {
-    // That iteration is there: an earlier import is replaced, a run's own is kept.
-    PTK_ASSIGN_OR_RETURN(const std::string header, ReadCheckpointHeaderText(file));
-    simdjson::dom::parser parser;
-    simdjson::dom::element h;
-    int64_t adam_step = 0;
-    if (with_moments) {
-      bool imported = false;
-      simdjson::dom::array args;
-      if (!parser.parse(header).get(h) && !h["args"].get(args))
-        for (simdjson::dom::element a : args) {
-          std::string_view v;
-          if (!a.get(v) && (v == "--saver" || v.rfind("--saver=", 0) == 0)) imported = true;
-        }
-      if (!imported) held = fmt::format("its iteration {} was saved by a training run, not by an import", iteration);
-    } else if (parser.parse(header).get(h) || h["adam_step"].get(adam_step) || adam_step != 0) {
-      held = fmt::format("its iteration {} has taken {} AdamW steps: a run's, not an import", iteration, adam_step);
-    }
-  }
-  if (held.empty()) return absl::OkStatus();
-  return UsageError(
-      fmt::format("--save-dir {}: holds a training run's checkpoints ({}); an import (iteration {}) would move "
-                  "latest_checkpointed_iteration.txt or replace the run's checkpoint. Import into a new directory, "
-                  "then ptk-train --load NEW{} --save {} to "
-                  "continue from the imported weights",
-                  save, held, iteration, iteration == 0 ? " --finetune" : "", save));
-}
-
-namespace {
 
 // The export's text files: config.json, generation_config.json, tokenizer_config.json, vocab.json,
 // merges.txt.
@@ -177,7 +81,8 @@ struct HfTextFiles {
 HfTextFiles HfTextFilesOf(const GPTConfig& c, int64_t eod, std::string vocab_json, std::string merges_txt) {
   HfTextFiles f;
   f.config = PrettyConfig({
-      {"activation_function", Str("gelu_new")},
+      // --squared-relu: transformers' "relu2" (ReLUSquaredActivation, relu(x)^2), which GPT2MLP takes.
+      {"activation_function", Str(c.squared_relu ? "relu2" : "gelu_new")},
       {"architectures", "[\n    \"GPT2LMHeadModel\"\n  ]"},
       {"attn_pdrop", Num(c.attention_dropout)},
       {"bos_token_id", Int(eod)},
@@ -310,6 +215,11 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
   if (llama) PTK_RETURN_IF_ERROR(hf_detail::CheckLlamaExportable(c, ck.file));
   PTK_ASSIGN_OR_RETURN(ParamLayout layout, ParamLayout::Create(c));
   std::vector<float>& params = ck.params;
+  if (c.apply_layernorm_1p) {
+    // Hugging Face's norms scale by their weight itself: 1 + gamma is the weight that computes the same.
+    FoldZeroCentredNorms(layout, &params);
+    s.notes.push_back("--apply-layernorm-1p: each norm's weight is exported as 1 + its zero-centred weight");
+  }
 
   PTK_ASSIGN_OR_RETURN(auto tokenizer, Gpt2Tokenizer::LoadOrDefault(o.vocab_file, o.merge_file));
   if (tokenizer->vocab_size() != c.vocab_size)
@@ -365,15 +275,18 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 
 namespace {
 
-// The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU, attention
-// scaled by 1/sqrt(head_dim) alone.
-absl::Status CheckHfArchitecture(const HfConfigReader& r) {
+// The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU (or relu2:
+// --squared-relu), attention scaled by 1/sqrt(head_dim) alone.
+absl::Status CheckHfArchitecture(const HfConfigReader& r, GPTConfig* c) {
   std::string_view act;
   bool scale = true, by_layer = false, cross = false;
   PTK_RETURN_IF_ERROR(r.Get("activation_function", std::string_view("gelu_new"), &act, "a string"));
-  if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast")
+  c->squared_relu = act == "relu2";
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast" && !c->squared_relu)
     return r.Bad(fmt::format(
-        "activation_function {:?}: ptk computes the tanh GELU (gelu_new, gelu_pytorch_tanh, gelu_fast)", act));
+        "activation_function {:?}: ptk computes the tanh GELU (gelu_new, gelu_pytorch_tanh, gelu_fast) or relu2 "
+        "(--squared-relu)",
+        act));
   PTK_RETURN_IF_ERROR(r.Get("scale_attn_weights", true, &scale, "true or false"));
   PTK_RETURN_IF_ERROR(r.Get("scale_attn_by_inverse_layer_idx", false, &by_layer, "true or false"));
   PTK_RETURN_IF_ERROR(r.Get("add_cross_attention", false, &cross, "true or false"));
@@ -415,8 +328,8 @@ absl::Status ReadHfReals(const HfConfigReader& r, GPTConfig* c, double* embd_pdr
 // hold it; what ptk cannot keep apart (embd_pdrop) becomes a note.
 absl::StatusOr<GPTConfig> ReadGpt2Config(const HfConfigReader& r, int64_t make_vocab_size_divisible_by,
                                          std::vector<std::string>* notes) {
-  PTK_RETURN_IF_ERROR(CheckHfArchitecture(r));
   GPTConfig c;
+  PTK_RETURN_IF_ERROR(CheckHfArchitecture(r, &c));
   PTK_RETURN_IF_ERROR(ReadHfDimensions(r, make_vocab_size_divisible_by, &c));
   double embd_pdrop = 0;
   PTK_RETURN_IF_ERROR(ReadHfReals(r, &c, &embd_pdrop));
@@ -490,6 +403,7 @@ std::vector<std::pair<std::string, std::string>> ImportedSettings(const GPTConfi
       {"--hidden-dropout", SettingNum(c.hidden_dropout)},
       {"--attention-dropout", SettingNum(c.attention_dropout)},
       {"--init-method-std", SettingNum(c.init_method_std)},
+      {"--squared-relu", c.squared_relu ? "on" : "off"},
   };
 }
 
@@ -503,6 +417,7 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
                                 c.max_position_embeddings, SettingNum(c.layernorm_epsilon),
                                 c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "")
                           : hf_detail::LlamaTrainFlags(c);
+  if (c.squared_relu) flags += " --squared-relu";  // relu2
   if (c.vocab_size != 50257) flags += fmt::format(" --vocab-size {}", c.vocab_size);
   if (make_vocab_size_divisible_by != 128)
     flags += fmt::format(" --make-vocab-size-divisible-by {}", make_vocab_size_divisible_by);

@@ -276,18 +276,20 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
     c.kv_channels = static_cast<int64_t>(*v);
   c.add_bias_linear = BoolAttr(args, "add_bias_linear", true);
   c.add_qkv_bias = !c.add_bias_linear && BoolAttr(args, "add_qkv_bias", false);
-  if (BoolAttr(args, "apply_layernorm_1p", false)) unsupported.push_back("--apply-layernorm-1p");
+  c.apply_layernorm_1p = BoolAttr(args, "apply_layernorm_1p", false);
   if (BoolAttr(args, "apply_residual_connection_post_layernorm", false))
     unsupported.push_back("--apply-residual-connection-post-layernorm");
   c.qk_layernorm = BoolAttr(args, "qk_layernorm", false);
   if (BoolAttr(args, "qk_l2_norm", false)) unsupported.push_back("--qk-l2-norm");
-  if (BoolAttr(args, "squared_relu", false)) unsupported.push_back("--squared-relu");
+  c.squared_relu = BoolAttr(args, "squared_relu", false);
+  if (c.squared_relu && c.swiglu) return bad(source, "args.squared_relu with args.swiglu (Megatron asserts not both)");
+  c.init_method_xavier_uniform = BoolAttr(args, "init_method_xavier_uniform", false);
   if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
   if (!unsupported.empty())
     return absl::FailedPreconditionError(fmt::format(
         "{}: the model was trained with {}: ptk's model is Megatron's GPT with the Llama line's settings "
         "(--normalization, --position-embedding-type rope, --swiglu, --group-query-attention, --kv-channels, "
-        "--disable-bias-linear, --qk-layernorm)",
+        "--disable-bias-linear, --qk-layernorm, --squared-relu, --apply-layernorm-1p)",
         source, fmt::join(unsupported, ", ")));
   // The tokenizer's vocabulary: --true-vocab-size, args.vocab_size, or GPT-2's for its tokenizer.
   if (o.true_vocab_size > 0) {
@@ -421,6 +423,9 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       {"--disable-bias-linear", c.add_bias_linear ? "off" : "on"},
       {"--add-qkv-bias", c.add_qkv_bias ? "on" : "off"},
       {"--qk-layernorm", c.qk_layernorm ? "on" : "off"},
+      {"--squared-relu", c.squared_relu ? "on" : "off"},
+      {"--apply-layernorm-1p", c.apply_layernorm_1p ? "on" : "off"},
+      {"--init-method-xavier-uniform", c.init_method_xavier_uniform ? "on" : "off"},
       {"--seed", std::to_string(state.seed)},
       {"--bf16/--fp16", BoolAttr(args, "bf16", false)   ? "bf16"
                         : BoolAttr(args, "fp16", false) ? "fp16"
@@ -442,6 +447,8 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "",
       c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "", LlamaLineFlags(c));
   if (divisible != 128) s->train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
+  if (c.squared_relu) s->train_flags += " --squared-relu";
+  if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";
   return absl::OkStatus();
 }
 

@@ -81,16 +81,18 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_s("normalization", c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm");
   set_f("norm_epsilon", c.layernorm_epsilon);
   set_f("layernorm_epsilon", c.layernorm_epsilon);  // the name of Megatron-LM before --norm-epsilon
-  set_b("apply_layernorm_1p", false);
+  set_b("apply_layernorm_1p", c.apply_layernorm_1p);
   set_b("apply_residual_connection_post_layernorm", false);
   set_b("swiglu", c.swiglu);
   set_b("add_bias_linear", c.add_bias_linear);
   set_b("add_qkv_bias", c.qkv_bias());
   set_b("qk_layernorm", c.qk_layernorm);
+  set_b("squared_relu", c.squared_relu);
   set_b("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
   set_f("hidden_dropout", c.hidden_dropout);
   set_f("attention_dropout", c.attention_dropout);
   set_f("init_method_std", c.init_method_std);
+  set_b("init_method_xavier_uniform", c.init_method_xavier_uniform);
   set_i("vocab_size", c.vocab_size);
   set_i("padded_vocab_size", vm);
   set_i("make_vocab_size_divisible_by", o.make_vocab_size_divisible_by);

@@ -88,6 +88,9 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
       if (double f = 0; !m["rotary_seq_len_interpolation_factor"].get(f)) c.rotary_seq_len_interpolation_factor = f;
     }
   }
+  bool on = false;  // Megatron's other model flags: written only when on
+  if (!m["squared_relu"].get(on)) c.squared_relu = on;
+  if (!m["apply_layernorm_1p"].get(on)) c.apply_layernorm_1p = on;
   simdjson::dom::array settings;
   if (!h["settings"].get(settings))
     for (simdjson::dom::element pair : settings) {

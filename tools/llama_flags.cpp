@@ -47,6 +47,13 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--qk-layernorm", m.qk_layernorm,
                 "Normalise each query and key head (--normalization's norm over --kv-channels) before RoPE "
                 "(Qwen3's q_norm / k_norm); CPU backend only");
+  app->add_flag("--squared-relu", m.squared_relu, "MLP activation relu(x)^2 instead of GELU (not with --swiglu)");
+  app->add_flag("--apply-layernorm-1p", m.apply_layernorm_1p,
+                "Every norm (LayerNorm or RMSNorm, with --qk-layernorm the query and key norms too) scales by 1 + "
+                "weight, its weight initialised to 0 (Megatron's zero-centred gamma)");
+  app->add_flag("--init-method-xavier-uniform", m.init_method_xavier_uniform,
+                "Every weight matrix (embeddings, QKV, proj, fc1, fc2, output layer) from xavier-uniform over the "
+                "whole tensor, instead of N(0, --init-method-std)");
 }
 
 absl::Status ResolveLlamaFlags(const TrainFlags& f, int64_t tp, GPTConfig* m) {
@@ -73,6 +80,8 @@ absl::Status ResolveLlamaFlags(const TrainFlags& f, int64_t tp, GPTConfig* m) {
   // Megatron's default for SwiGLU: two thirds of 4h (the parameters of a 4h GELU MLP), down to a
   // multiple of 64.
   if (m->ffn_hidden_size == 0 && m->swiglu) m->ffn_hidden_size = (4 * m->hidden_size * 2 / 3) / 64 * 64;
+  if (m->squared_relu && m->swiglu)
+    return UsageError("--squared-relu with --swiglu: one MLP activation (Megatron asserts not both)");
   if (tp > 1 && m->query_groups() % tp != 0)
     return UsageError(fmt::format("--num-query-groups {} is not divisible by --tensor-model-parallel-size {}",
                                   m->query_groups(), tp));

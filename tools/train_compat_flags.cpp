@@ -88,14 +88,11 @@ struct ModelRefusal {
   const char* why;
 };
 constexpr ModelRefusal kModelRefusals[] = {
-    {"--squared-relu", false, "the squared-ReLU activation is not implemented; ptk's MLP uses GELU"},
-    {"--apply-layernorm-1p", false, "LayerNorm with a zero-centred gamma is not implemented"},
     {"--apply-residual-connection-post-layernorm", false,
      "the residual is taken before LayerNorm in ptk's model (pre-LN, Megatron's default)"},
     {"--multi-latent-attention", false, "multi-latent attention is not implemented"},
     {"--num-experts", true, "mixture of experts is not implemented; ptk's MLP is dense"},
     {"--moe-router-topk", true, "mixture of experts is not implemented; ptk's MLP is dense"},
-    {"--init-method-xavier-uniform", false, "ptk initialises as Megatron's default, N(0, --init-method-std)"},
     {"--fp8-format", true, "fp8 training is not implemented; use --bf16 or --fp16 on a GPU"},
     {"--tokenizer-model", true,
      "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "

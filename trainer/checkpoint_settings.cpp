@@ -1,5 +1,5 @@
 // The run's settings recorded in a checkpoint's header (for --use-checkpoint-args and the convert tool),
-// and how a saved model differs from a run's.
+// the model description a header records (ModelJson), and how a saved model differs from a run's.
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +14,7 @@
 #include <simdjson.h>
 
 #include "common/file_io.h"
+#include "common/json_writer.h"
 #include "common/status.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_header.h"
@@ -85,6 +86,47 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadCheckpointS
   if (!model["untie_embeddings_and_output_weights"].get(untie))
     out.emplace_back("--untie-embeddings-and-output-weights", untie ? "on" : "off");
   return out;
+}
+
+// The fields of the model configuration that must match for a checkpoint to load.
+// The Llama line's settings are written only where they leave GPT-3's model, so a GPT-3 model's
+// description (and the checkpoints saved before them) stays as it was.
+std::string ModelJson(const GPTConfig& c) {
+  JsonWriter w;
+  w.BeginObject()
+      .Field("num_layers", c.num_layers)
+      .Field("hidden_size", c.hidden_size)
+      .Field("num_attention_heads", c.num_attention_heads)
+      .Field("ffn_hidden_size", c.ffn_hidden_size)
+      .Field("max_position_embeddings", c.max_position_embeddings)
+      .Field("padded_vocab_size", c.padded_vocab_size)
+      .Field("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
+  if (!c.gpt3() || c.add_qkv_bias) {
+    w.Field("normalization", std::string(c.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm"))
+        .Field("position_embedding_type",
+               std::string(c.rope()                                           ? "rope"
+                           : c.position_embedding == PositionEmbedding::kNone ? "none"
+                                                                              : "learned_absolute"))
+        .Field("swiglu", c.swiglu)
+        .Field("num_query_groups", c.query_groups())
+        .Field("kv_channels", c.head_dim())
+        .Field("add_bias_linear", c.add_bias_linear)
+        .Field("add_qkv_bias", c.add_qkv_bias);
+    if (c.qk_layernorm) w.Field("qk_layernorm", true);
+    if (c.rope()) {  // the rotary variants only where they leave Megatron's defaults, as qk_layernorm
+      w.Field("rotary_base", c.rotary_base)
+          .Field("rotary_percent", c.rotary_percent)
+          .Field("use_rope_scaling", c.use_rope_scaling);
+      if (c.use_rope_scaling && c.rope_scaling_factor != 8.0) w.Field("rope_scaling_factor", c.rope_scaling_factor);
+      if (c.rotary_seq_len_interpolation_factor > 0)
+        w.Field("rotary_seq_len_interpolation_factor", c.rotary_seq_len_interpolation_factor);
+      if (c.rotary_interleaved) w.Field("rotary_interleaved", true);
+    }
+  }
+  // Megatron's other model flags, written only when on (a model without them reads as before).
+  if (c.squared_relu) w.Field("squared_relu", true);
+  if (c.apply_layernorm_1p) w.Field("apply_layernorm_1p", true);
+  return w.EndObject().str();
 }
 
 std::string ModelDifferences(simdjson::dom::element saved, simdjson::dom::element mine) {

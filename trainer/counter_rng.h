@@ -64,6 +64,13 @@ inline double CounterNormal(uint64_t key, uint64_t i) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
 }
 
+// Number i of stream `key` uniform in [-1, 1) (a 53-bit uniform, 2u - 1): xavier-uniform's draws,
+// on the host as CounterNormal's.
+inline double CounterUniformSymmetric(uint64_t key, uint64_t i) {
+  const uint64_t a = Mix64(key + 2 * i * 0x9e3779b97f4a7c15ULL);
+  return static_cast<double>(a >> 11) * 0x1.0p-52 - 1.0;
+}
+
 // Dropout sites within a layer (the stream's `site`); attention probabilities key per head.
 enum DropoutSite : uint64_t {
   kEmbeddingDropout = 0,

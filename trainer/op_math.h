@@ -1,5 +1,6 @@
 // Per-element math that the CPU ops and the CUDA kernels share (PTK_HD): GELU (Megatron's tanh
-// approximation) and its derivative, SiLU and its derivative (SwiGLU), RoPE's inverse frequencies,
+// approximation) and its derivative, SiLU and its derivative (SwiGLU),
+// squared ReLU and its derivative, RoPE's inverse frequencies,
 // one AdamW element, the dropout scale. The CPU tests run these
 // very functions, so a kernel differs from its CPU op only in reduction order and in the device's
 // tanh/exp, never in the formula.
@@ -38,6 +39,17 @@ template <typename T>
 PTK_HD T SiluDerivative(T x) {
   const T s = T(1) / (T(1) + std::exp(-x));
   return s * (T(1) + x * (T(1) - s));
+}
+
+// Megatron's --squared-relu (megatron.core.activations.squared_relu): relu(x)^2, and its derivative
+// 2 relu(x) (0 at x = 0, as autograd gives torch.pow(F.relu(x), 2)).
+template <typename T>
+PTK_HD T SquaredReluValue(T x) {
+  return x > T(0) ? x * x : T(0);
+}
+template <typename T>
+PTK_HD T SquaredReluDerivative(T x) {
+  return x > T(0) ? T(2) * x : T(0);
 }
 
 // Rotary embedding's inverse frequency of channel pair i of rd rotated channels, as Megatron's

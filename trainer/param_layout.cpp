@@ -44,6 +44,7 @@ absl::Status GPTConfig::Validate() const {
                       rotary_percent, head_dim(), rotary_dim()));
   }
   if (ffn_hidden_size < 1) return at_least_1("ffn_hidden_size", ffn_hidden_size);
+  if (squared_relu && swiglu) return bad("squared_relu with swiglu: Megatron asserts not both (one MLP activation)");
   if (seq_length < 1) return at_least_1("seq_length", seq_length);
   if (max_position_embeddings < seq_length)
     return bad(
@@ -201,6 +202,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
                 fc1_t = (config.swiglu ? 2 : 1) * ft, vt = vp / T;
   const int fc1_chunks = config.swiglu ? 2 : 1;
   const bool ln = config.normalization == Normalization::kLayerNorm, bias = config.add_bias_linear;
+  const float one = config.apply_layernorm_1p ? 0.0f : 1.0f;  // a norm's weight at init: 1 + 0 under 1p
   const double std = config.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
   int64_t offset = 0;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, double init_std, float init_value = 0.0f,
@@ -216,6 +218,13 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     p.no_weight_decay = p.shape.size() == 1;
     p.init_std = init_std;
     p.init_value = init_value;
+    if (config.init_method_xavier_uniform && init_std > 0 && p.shape.size() == 2) {
+      // torch.nn.init.xavier_uniform_ of the whole (rows, cols) tensor (Megatron initialises the whole
+      // master weight, then splits it): fan_in cols, fan_out rows.
+      const double rows = static_cast<double>(p.shape[0] * (split == 0 ? T : 1)),
+                   cols = static_cast<double>(p.shape[1] * (split == 1 ? T : 1));
+      p.init_uniform = std::sqrt(6.0 / (rows + cols));
+    }
     offset += p.size;
     m.infos.push_back(std::move(p));
     return m.infos.back().offset;
@@ -228,7 +237,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
   for (int64_t l = 0; l < config.num_layers; ++l) {
     std::string p = fmt::format("decoder.layers.{}.", l);
     LayerParams lp;
-    lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, 1.0f);
+    lp.ln1_w = add(p + "input_layernorm.weight", {c}, 0.0, one);
     lp.ln1_b = add_if(ln, p + "input_layernorm.bias", std::vector<int64_t>{c}, 0.0);
     lp.qkv_w = add(p + "self_attention.linear_qkv.weight", {qkv_t, c}, std, 0.0f, 0);
     lp.qkv_b =
@@ -237,13 +246,13 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     // summed over the tensor group: NonTensorParallelGradRanges), registered after linear_qkv as
     // Megatron's SelfAttention does.
     const std::vector<int64_t> hd{config.head_dim()};
-    lp.q_norm_w = add_if(config.qk_layernorm, p + "self_attention.q_layernorm.weight", hd, 0.0, 1.0f);
+    lp.q_norm_w = add_if(config.qk_layernorm, p + "self_attention.q_layernorm.weight", hd, 0.0, one);
     lp.q_norm_b = add_if(config.qk_layernorm && ln, p + "self_attention.q_layernorm.bias", hd, 0.0);
-    lp.k_norm_w = add_if(config.qk_layernorm, p + "self_attention.k_layernorm.weight", hd, 0.0, 1.0f);
+    lp.k_norm_w = add_if(config.qk_layernorm, p + "self_attention.k_layernorm.weight", hd, 0.0, one);
     lp.k_norm_b = add_if(config.qk_layernorm && ln, p + "self_attention.k_layernorm.bias", hd, 0.0);
     lp.proj_w = add(p + "self_attention.linear_proj.weight", {c, att_t}, out_std, 0.0f, 1);
     lp.proj_b = add_if(bias, p + "self_attention.linear_proj.bias", std::vector<int64_t>{c}, 0.0);
-    lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, 1.0f);
+    lp.ln2_w = add(p + "pre_mlp_layernorm.weight", {c}, 0.0, one);
     lp.ln2_b = add_if(ln, p + "pre_mlp_layernorm.bias", std::vector<int64_t>{c}, 0.0);
     lp.fc1_w = add(p + "mlp.linear_fc1.weight", {fc1_t, c}, std, 0.0f, 0, fc1_chunks);
     lp.fc1_b = add_if(bias, p + "mlp.linear_fc1.bias", std::vector<int64_t>{fc1_t}, 0.0, 0.0f, 0, fc1_chunks);
@@ -251,7 +260,7 @@ absl::StatusOr<ParamLayout> ParamLayout::Create(const GPTConfig& config, int ten
     lp.fc2_b = add_if(bias, p + "mlp.linear_fc2.bias", std::vector<int64_t>{c}, 0.0);
     m.layers.push_back(lp);
   }
-  m.lnf_w = add("decoder.final_layernorm.weight", {c}, 0.0, 1.0f);
+  m.lnf_w = add("decoder.final_layernorm.weight", {c}, 0.0, one);
   m.lnf_b = add_if(ln, "decoder.final_layernorm.bias", std::vector<int64_t>{c}, 0.0);
   m.out_w = config.untie_embeddings_and_output_weights ? add("output_layer.weight", {vt, c}, std, 0.0f, 0) : m.wte;
   m.num_params = offset;
@@ -275,6 +284,12 @@ void ParamLayout::InitWeights(uint64_t seed, std::span<float> out) const {
       continue;
     }
     const uint64_t key = InitKey(seed, WholeInfoIndex(k));  // a stage's tensors keep the whole model's init
+    if (p.init_uniform > 0) {
+      for (int64_t i = 0; i < p.size; ++i)
+        w[i] =
+            static_cast<float>(p.init_uniform * CounterUniformSymmetric(key, static_cast<uint64_t>(WholeIndex(p, i))));
+      continue;
+    }
     for (int64_t i = 0; i < p.size; ++i)
       w[i] = static_cast<float>(p.init_std * CounterNormal(key, static_cast<uint64_t>(WholeIndex(p, i))));
   }

@@ -56,8 +56,18 @@ struct GPTConfig {
   // each key head's head_dim channels after the QKV projection, before RoPE; one weight (and, for
   // LayerNorm, bias) of head_dim for all query heads, one for all key heads.
   bool qk_layernorm = false;
+  // Megatron's --squared-relu: the MLP's activation relu(x)^2 instead of GELU (not with swiglu).
+  bool squared_relu = false;
+  // Megatron's --apply-layernorm-1p (TransformerConfig.layernorm_zero_centered_gamma): every norm
+  // (input, pre-MLP, final, the query and key norms) scales by 1 + weight, its weight initialised to 0.
+  bool apply_layernorm_1p = false;
+  // Megatron's --init-method-xavier-uniform: every weight matrix (embeddings, QKV, proj, fc1, fc2, the
+  // output layer) drawn from U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the whole tensor.
+  bool init_method_xavier_uniform = false;
 
   absl::Status Validate() const;
+  // What each norm's weight adds to its input's normalised value: 1 under apply_layernorm_1p.
+  float norm_weight_offset() const { return apply_layernorm_1p ? 1.0f : 0.0f; }
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
@@ -87,6 +97,7 @@ struct ParamInfo {
   int64_t offset = 0, size = 0;
   bool no_weight_decay = false;  // biases and LayerNorm parameters (1-D), as Megatron's param groups
   double init_std = 0.0;         // 0: constant init (see init_value)
+  double init_uniform = 0.0;     // > 0: U(-init_uniform, init_uniform) instead (xavier-uniform)
   float init_value = 0.0f;
   // Tensor parallelism (Megatron's partition): -1 every tensor rank holds the whole tensor
   // (LayerNorms, position embeddings, the row-parallel layers' biases); 0 each holds a slice of the
@@ -169,9 +180,9 @@ struct ParamLayout {
   int64_t norm_end() const { return !infos.empty() && infos.back().embedding_copy ? infos.back().offset : num_params; }
   const ParamInfo* Find(const std::string& name) const;
   // Megatron's init: N(0, std) for weights, the two output projections of every layer with
-  // std / sqrt(2 * layers), biases 0, LayerNorm weights 1. Deterministic in `seed`; `out` holds
-  // num_params floats.
-  // A tensor rank's slice holds the elements of the whole model's init (the same bits), so any
+  // std / sqrt(2 * layers), biases 0, LayerNorm weights 1 (0 under apply_layernorm_1p); with
+  // init_method_xavier_uniform every weight matrix uniform (ParamInfo::init_uniform). Deterministic in `seed`; `out`
+  // holds num_params floats. A tensor rank's slice holds the elements of the whole model's init (the same bits), so any
   // tensor size starts from the same weights.
   void InitWeights(uint64_t seed, std::span<float> out) const;
   // Element `i` of parameter `info` (of this layout) as an element index of the whole tensor.

@@ -110,9 +110,12 @@ Settings ModelSettings(const GPTConfig& m) {
       {"--disable-bias-linear", m.add_bias_linear ? "off" : "on"},
       {"--add-qkv-bias", m.add_qkv_bias ? "on" : "off"},
       {"--qk-layernorm", m.qk_layernorm ? "on" : "off"},
+      {"--squared-relu", m.squared_relu ? "on" : "off"},
+      {"--apply-layernorm-1p", m.apply_layernorm_1p ? "on" : "off"},
       {"--hidden-dropout", num(m.hidden_dropout)},
       {"--attention-dropout", num(m.attention_dropout)},
       {"--init-method-std", num(m.init_method_std)},
+      {"--init-method-xavier-uniform", m.init_method_xavier_uniform ? "on" : "off"},
       {"--recompute-activations", m.recompute_activations ? "on" : "off"},
   };
 }

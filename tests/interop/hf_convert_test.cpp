@@ -105,6 +105,36 @@ TEST_F(HfConvert, ExportPutsMegatronsWeightsWhereGpt2HasThem) {
   EXPECT_EQ(ptk::testing::Leftovers(dir_.path()), "");
 }
 
+// --squared-relu is GPT-2's relu2 (and read back as it); --apply-layernorm-1p's zero-centred norm
+// weights go out as 1 + gamma (what the trained model multiplies by), with a note; the import reads
+// plain norms (the same model without the flag).
+TEST_F(HfConvert, SquaredReluIsRelu2AndLayerNorm1pIsFoldedIntoTheWeights) {
+  c_.squared_relu = true;
+  c_.apply_layernorm_1p = true;
+  Save(false, dir_ / "ck");
+  auto s = ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf"));
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string config = ReadFile(dir_ / "hf/config.json");
+  EXPECT_NE(config.find("\"activation_function\": \"relu2\""), std::string::npos) << config;
+  bool noted = false;
+  for (const std::string& n : s->notes) noted |= n.find("--apply-layernorm-1p: each norm's weight") == 0;
+  EXPECT_TRUE(noted);
+  const auto& lp = layout_.layers[1];
+  const std::vector<float> ln1 = Tensor(dir_ / "hf", "transformer.h.1.ln_1.weight"),
+                           ln1_b = Tensor(dir_ / "hf", "transformer.h.1.ln_1.bias"),
+                           lnf = Tensor(dir_ / "hf", "transformer.ln_f.weight");
+  for (int64_t j = 0; j < 8; ++j) {
+    EXPECT_EQ(ln1[j], 1.0f + P(lp.ln1_w + j)) << j;
+    EXPECT_EQ(ln1_b[j], P(lp.ln1_b + j)) << j;  // biases as they are
+    EXPECT_EQ(lnf[j], 1.0f + P(layout_.lnf_w + j)) << j;
+  }
+  auto imp = ImportFromHf(Opts("hf", "ptk", dir_ / "hf", dir_ / "back"));
+  ASSERT_TRUE(imp.ok()) << imp.status();
+  EXPECT_TRUE(imp->config.squared_relu);
+  EXPECT_FALSE(imp->config.apply_layernorm_1p);
+  EXPECT_NE(imp->train_flags.find(" --squared-relu"), std::string::npos) << imp->train_flags;
+}
+
 TEST_F(HfConvert, ExportImportExportIsByteIdenticalTiedAndUntied) {
   for (bool untie : {false, true}) {
     const std::string tag = untie ? "u" : "t";

@@ -14,7 +14,8 @@ Checks:
   * sharded: an export with --max-shard-size 100KB loads with from_pretrained to the same logits and is sharded
     as save_pretrained(max_shard_size="100KB") shards it (files, tensors, index byte for byte); transformers'
     model saved with max_shard_size="200KB" imports bit for bit as its unsharded save;
-  * safetensors' own reader opens ptk's file.
+  * safetensors' own reader opens ptk's file;
+  * a --squared-relu --apply-layernorm-1p model exports as relu2 with 1 + gamma norms, logits as ptk's.
 Usage: hf_transformers_test.py BIN_DIR TEST_BIN_DIR
 """
 import os
@@ -105,6 +106,20 @@ with tempfile.TemporaryDirectory() as tmp:
     mu = compare_logits(cku, hfu, SEQS, 50257, tmp, "untied")
     check(not mu.config.tie_word_embeddings and
           not torch.equal(mu.lm_head.weight, mu.transformer.wte.weight), "untied: lm_head is its own tensor")
+
+    # ---- Megatron's --squared-relu (GPT-2's relu2) and --apply-layernorm-1p (1 + gamma folded into the
+    # exported norm weights): transformers computes ptk's logits
+    ckr, hfr = os.path.join(tmp, "ckr"), os.path.join(tmp, "hfr")
+    run(TRAIN + ["--train-iters", "6", "--save", ckr, "--squared-relu", "--apply-layernorm-1p"])
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", ckr, "--save-dir", hfr])
+    mr = compare_logits(ckr, hfr, SEQS, 50257, tmp, "squared relu, layernorm 1p")
+    check(mr.config.activation_function == "relu2", "squared relu: config {}".format(mr.config))
+    # ... and back: relu2 imports as --squared-relu (its norms plain ones), the logits kept, and ptk-train
+    # --finetune loads it with the flags the import prints.
+    ckr2 = os.path.join(tmp, "ckr2")
+    out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfr, "--save-dir", ckr2])
+    compare_logits(ckr2, mr, SEQS, 50257, tmp, "relu2 imported")
+    check("--squared-relu" in (check_finetune(out, ckr2) or []), "relu2's import flags:\n" + out)
 
     # ---- a model transformers made, imported into ptk
     torch.manual_seed(31)

@@ -277,6 +277,23 @@ def main():
                 check(tuple(qkv_b.shape) == ((HEADS + 2 * GROUPS) * HD // tp,), f"mix: qkv bias {qkv_b.shape}")
             round_trip(f"mix t{tp}p{pp}", mix, meg, meg + "-back")
 
+        # Megatron's --squared-relu and --apply-layernorm-1p (without SwiGLU, which Megatron asserts against):
+        # args name them, and the way back is bit for bit (the zero-centred norm weights as stored).
+        relu = os.path.join(tmp, "relu")
+        run(*[a for a in TRAIN if a != "--swiglu"], *MIX, "--squared-relu", "--apply-layernorm-1p", "--train-iters",
+            "2", "--save", relu)
+        meg = os.path.join(tmp, "relu-meg")
+        convert("ptk", "megatron", relu, meg, "--target-tensor-parallel-size", "2", "--saver-transformer-impl", "local")
+        a = torch.load(shard_path(meg, 2, 1, 0, 1), map_location="cpu")["args"]
+        check((a.squared_relu, a.apply_layernorm_1p, a.swiglu) == (True, True, False), "relu: args")
+        round_trip("squared relu, layernorm 1p", relu, meg, meg + "-back")
+        sd = torch.load(shard_path(meg, 2, 0, 0, 1), map_location="cpu")
+        sd["args"].swiglu = True
+        torch.save(sd, shard_path(meg, 2, 0, 0, 1))
+        p = convert("megatron", "ptk", meg, os.path.join(tmp, "relu-bad"), ok=False)
+        check(p.returncode != 0 and "args.squared_relu with args.swiglu" in p.stderr,
+              f"squared relu with swiglu refused: {p.returncode} {p.stderr}")
+
         # Megatron's rotary variants come in as the model's description (and go back out in the args); a
         # factor no run could use is refused by name, nothing written.
         bad = os.path.join(tmp, "bad")

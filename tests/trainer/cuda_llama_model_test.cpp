@@ -5,10 +5,12 @@
 // dropout with RMSNorm's unfused dropout, the QKV bias alone, half the channels rotated, one query
 // group, no position embeddings with LayerNorm, recomputed attention); bf16 (cuDNN's grouped-query
 // attention over the heads-first copy) one step loosely and a few dozen steps learning along the
-// CPU's curve. The same for Qwen3's shape (--qk-layernorm), under RMSNorm and LayerNorm.
+// CPU's curve. The same for Qwen3's shape (--qk-layernorm), under RMSNorm and LayerNorm (one step in
+// fp16 too), and for Megatron's --squared-relu and --apply-layernorm-1p.
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/trainer/cuda_model_test_util.h"
@@ -102,12 +104,50 @@ TEST(CudaLlamaModel, QKLayerNormStepMatchesTheCpu) {
   }
 }
 
+// --qk-layernorm in fp16 (the products and activations in half precision, the query and key norms in
+// fp32 from the master weights, as in bf16), under RMSNorm and LayerNorm, with the norms moved off
+// their initial values: one step within bf16's bounds (fp16 keeps 3 more mantissa bits).
+TEST(CudaLlamaModel, QKLayerNormFp16StepMatchesTheCpu) {
+  for (bool layernorm : {false, true})
+    ExpectOneStepMatches(Qwen3Config(layernorm), Precision::kFp16, 1e-2, 6e-2,
+                         layernorm ? "--qk-layernorm, LayerNorm" : "--qk-layernorm, RMSNorm");
+}
+
 // 30 steps with --qk-layernorm: fp32 within 1e-3 of the CPU's curve, bf16 within 5e-2; both learn.
 TEST(CudaLlamaModel, QKLayerNormStepsFollowTheCpuCurve) {
   for (bool layernorm : {false, true}) {
     const GPTConfig c = Qwen3Config(layernorm);
     ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 30, 1e-3, 5e-2, layernorm ? " LayerNorm" : "");
   }
+}
+
+// --squared-relu (fc1's product, then the squared-ReLU kernel; its backward in place) and
+// --apply-layernorm-1p (every norm reads 1 + gamma from the effective-weight buffer; the norms moved
+// off their initial 0 by PerturbQKNorms), in Megatron's GPT and in the Llama line with --qk-layernorm:
+// fp32 within the bounds above, bf16 loosely, and a 30-step curve.
+TEST(CudaLlamaModel, SquaredReluAndLayerNorm1pStepMatchTheCpu) {
+  GPTConfig relu = SmallConfig(/*dropout=*/true);
+  relu.squared_relu = true;
+  GPTConfig one_p = SmallConfig(/*dropout=*/false);
+  one_p.apply_layernorm_1p = true;
+  GPTConfig both = Qwen3Config(/*layernorm=*/false);
+  both.apply_layernorm_1p = true;
+  GPTConfig gpt_both = SmallConfig(/*dropout=*/false);
+  gpt_both.squared_relu = gpt_both.apply_layernorm_1p = gpt_both.qk_layernorm = true;
+  for (const auto& [c, what] : std::vector<std::pair<GPTConfig, std::string>>{
+           {relu, "--squared-relu with dropout"},
+           {one_p, "--apply-layernorm-1p, LayerNorm"},
+           {both, "--apply-layernorm-1p, RMSNorm, --qk-layernorm"},
+           {gpt_both, "--squared-relu --apply-layernorm-1p --qk-layernorm, LayerNorm"}}) {
+    ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, what);
+    ExpectOneStepMatches(c, Precision::kBf16, 1e-2, 6e-2, what);
+  }
+}
+
+TEST(CudaLlamaModel, SquaredReluAndLayerNorm1pStepsFollowTheCpuCurve) {
+  GPTConfig c = SmallConfig(/*dropout=*/false);
+  c.squared_relu = c.apply_layernorm_1p = true;
+  ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 30, 1e-3, 5e-2, " squared ReLU, LayerNorm 1p");
 }
 
 }  // namespace

@@ -389,6 +389,32 @@ TEST(CudaMemoryPlan, LlamaLineBuffersFollowTheConfig) {
 // (QKNormBackwardScratch); the query and key norms among the norms' fp32 runs (ln_master), and at
 // tensor size 2 the buffer their gradients' sum over the tensor group goes through. Nothing of it
 // without the flag.
+// --apply-layernorm-1p: one fp32 buffer of every norm parameter's 1 + gamma (LayerNormParamCount, ln_master's
+// order), whatever the precision and the optimizer's sharding; none without it. --squared-relu plans what
+// GELU does (the pre-activation and the activation, named for it).
+TEST(CudaMemoryPlan, LayerNorm1pAndSquaredReluBuffersFollowTheConfig) {
+  GPTConfig c = Gpt2Small();
+  c.num_layers = 2;
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 256;
+  const MemoryPlan plain = MustPlan(c, o);
+  EXPECT_EQ(plain.norm_eff, -1);
+  c.squared_relu = true;
+  const MemoryPlan relu = MustPlan(c, o);
+  EXPECT_EQ(relu.total_bytes, plain.total_bytes);
+  EXPECT_EQ(relu[relu.gelu].name, "activations: MLP squared ReLU");
+  c.apply_layernorm_1p = true;
+  c.qk_layernorm = true;
+  for (Precision p : {Precision::kFp32, Precision::kBf16}) {
+    o.precision = p;
+    const MemoryPlan one_p = MustPlan(c, o);
+    ASSERT_GE(one_p.norm_eff, 0);
+    EXPECT_EQ(one_p[one_p.norm_eff].bytes, LayerNormParamCount(c) * 4);
+    EXPECT_EQ(LayerNormParamCount(c), 2 * (5 * 768 + 2 * 2 * 64));  // weight and bias: 2 per layer + final, q/k
+  }
+}
+
 TEST(CudaMemoryPlan, QKLayerNormBuffersFollowTheConfig) {
   GPTConfig c = Gpt2Small();
   c.num_layers = 2;

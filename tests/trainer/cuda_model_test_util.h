@@ -61,19 +61,22 @@ inline GPTConfig Qwen3Config(bool layernorm) {
 }
 
 // The query and key norms' weights and biases moved off their initial 1 and 0 (the same values on
-// every model given), so that a weight read for the wrong head kind or a dropped bias shows.
+// every model given), so that a weight read for the wrong head kind or a dropped bias shows. Under
+// --apply-layernorm-1p every norm's, off their initial 0 (a weight read without its 1 + shows).
 inline void PerturbQKNorms(GPTModel* model) {
   std::vector<float> p(static_cast<size_t>(model->num_params()));
   ASSERT_TRUE(model->ReadParams(p).ok());
+  const bool one_p = model->config().apply_layernorm_1p;
   for (const ParamInfo& info : model->params_info()) {
-    if (info.name.find("q_layernorm") == std::string::npos && info.name.find("k_layernorm") == std::string::npos)
+    if (info.name.find("q_layernorm") == std::string::npos && info.name.find("k_layernorm") == std::string::npos &&
+        !(one_p && info.name.find("layernorm") != std::string::npos))
       continue;
     const bool bias = info.name.find(".bias") != std::string::npos,
                key = info.name.find("k_layernorm") != std::string::npos;
     for (int64_t i = 0; i < info.size; ++i)
-      p[static_cast<size_t>(info.offset + i)] =
-          static_cast<float>((bias ? 0.0 : 1.0) + 0.3 * std::sin(0.7 * static_cast<double>(i) + (key ? 1.3 : 0.0) +
-                                                                 static_cast<double>(info.offset % 97)));
+      p[static_cast<size_t>(info.offset + i)] = static_cast<float>(
+          (bias || one_p ? 0.0 : 1.0) +
+          0.3 * std::sin(0.7 * static_cast<double>(i) + (key ? 1.3 : 0.0) + static_cast<double>(info.offset % 97)));
   }
   ASSERT_TRUE(model->WriteParams(p).ok());
 }
@@ -167,7 +170,7 @@ inline void ExpectOneStepMatches(const GPTConfig& c, Precision p, double loss_to
   auto cpu = Cpu(c);
   auto gpu = Cuda(c, p);
   ASSERT_TRUE(gpu) << what;
-  if (c.qk_layernorm) {
+  if (c.qk_layernorm || c.apply_layernorm_1p) {
     ASSERT_NO_FATAL_FAILURE(PerturbQKNorms(cpu.get()));
     ASSERT_NO_FATAL_FAILURE(PerturbQKNorms(gpu.get()));
   }

@@ -264,6 +264,47 @@ TYPED_TEST(TypedCudaOps, GeluMatchesCpu) {
   }
 }
 
+// ---- squared ReLU (--squared-relu) ----------------------------------------------------------------
+
+// The CPU op's formula (no transcendental): fp32 forward and backward within 1e-6 relative (one
+// product each); bf16/fp16 within their rounding of the result. Exact zeros and both signs, sizes
+// below, at and past a pack, pointers one element off the 16-byte boundary, backward in place.
+TYPED_TEST(TypedCudaOps, SquaredReluMatchesCpu) {
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4099}, int64_t{100003}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      const std::string what = "n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+      auto x = Normal(n, 40, 0.0f, 3.0f);
+      for (int64_t i = 0; i < n; i += 5) x[i] = 0.0f;
+      x = RoundTrip<T>(x);
+      const auto dy = RoundTrip<T>(Normal(n, 41));
+      std::vector<float> y(n), dx(n);
+      cpu::SquaredReluForward(y.data(), x.data(), n);
+      cpu::SquaredReluBackward(dx.data(), x.data(), dy.data(), n);
+      DeviceArray<T> dxin(n + offset), dyout(n + offset), dd(n + offset);
+      dxin.Upload(ToT<T>(x), offset);
+      dd.Upload(ToT<T>(dy), offset);
+      ASSERT_OK(SquaredReluForward<T>(dyout.get() + offset, dxin.get() + offset, n, this->ctx_));
+      ExpectClose<T>(ToF(dyout.Download(n, offset)), y, 1e-6, 0.0, "forward " + what, true);
+      ASSERT_OK(SquaredReluBackward<T>(dd.get() + offset, dxin.get() + offset, dd.get() + offset, n, this->ctx_));
+      ExpectClose<T>(ToF(dd.Download(n, offset)), dx, 1e-6, 0.0, "backward (in place) " + what, true);
+    }
+  }
+}
+
+// --apply-layernorm-1p's effective weights: 1 + gamma in fp32, exactly the CPU's sum.
+TEST_F(CudaOps, AddWeightOffsetIsTheFp32Sum) {
+  for (int64_t n : {int64_t{1}, int64_t{9}, int64_t{4099}}) {
+    const auto w = Normal(n, 42, 0.0f, 0.2f);
+    DeviceArray<float> in(n + 1), out(n + 1);
+    in.Upload(w, 1);
+    ASSERT_OK(AddWeightOffset(out.get() + 1, in.get() + 1, n, 1.0f, ctx_));
+    const auto got = out.Download(n, 1);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], w[i] + 1.0f) << "n=" << n << " i=" << i;
+  }
+  EXPECT_FALSE(AddWeightOffset(nullptr, nullptr, 3, 1.0f, ctx_).ok());
+}
+
 // ---- dropout -------------------------------------------------------------------------------------
 
 // The CPU's masks exactly: fp32 bitwise against cpu::Dropout over each row; bf16/fp16 bitwise against

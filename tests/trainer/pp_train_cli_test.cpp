@@ -154,6 +154,22 @@ TEST_F(PipelineParallelCli, SequenceParallelStagesGiveOneRanksLosses) {
   EXPECT_NE(out.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages"), std::string::npos) << out;
 }
 
+// Megatron's --squared-relu, --apply-layernorm-1p and --init-method-xavier-uniform across stages and
+// tensor ranks with --sequence-parallel: one rank's losses (each stage's norms read 1 + gamma, the
+// init's bits are the whole model's whatever the layout).
+TEST_F(PipelineParallelCli, MegatronMlpAndNormFlagsGiveOneRanksLosses) {
+  const std::string flags = "--squared-relu --apply-layernorm-1p --init-method-xavier-uniform";
+  const auto r = RunCmd(Train(1, 1, flags));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto one = Losses(r.output);
+  ASSERT_EQ(one.size(), 20u) << r.output;
+  EXPECT_NE(one, Losses(OneRank()));  // another model than the default's
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(1, 2, flags), one, 20, 1e-6, "P=2", &out));
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(4, Train(2, 2, flags + " --sequence-parallel"), one, 20, 1e-5, "T=2 x P=2 sp", &out));
+}
+
 // Text samples through the stages (each token's forward pipelined, the last stage's pick broadcast
 // back) and TensorBoard's event files (the last stage's first data rank writes them): with untied
 // output weights the stages train with one rank's bits, so the samples (greedy and at a

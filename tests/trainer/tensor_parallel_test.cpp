@@ -246,6 +246,72 @@ TEST(TensorParallel, QKLayerNormGradientIsTheLossesDerivative) {
   }
 }
 
+// Megatron's --squared-relu, --apply-layernorm-1p (every norm, the query and key norms too) and
+// --init-method-xavier-uniform: T = 2 with and without --sequence-parallel (the rows' norm backward
+// takes the offset too) against one rank, in a GPT model (LayerNorm) and a Qwen3-shaped one (RMSNorm,
+// SwiGLU: no squared ReLU); then the whole model's gradient against the loss's central difference
+// along it, norms moved off their initial 0.
+GPTConfig MlpFlagsConfig(bool qwen3) {
+  GPTConfig c = QkConfig(qwen3);
+  c.squared_relu = !qwen3;
+  c.apply_layernorm_1p = true;
+  c.init_method_xavier_uniform = true;
+  return c;
+}
+
+TEST(TensorParallel, MegatronMlpAndNormFlagsMatchOneRank) {
+  for (bool qwen3 : {false, true}) {
+    const GPTConfig c = MlpFlagsConfig(qwen3);
+    const Pass one = OnePass(1, false, c);
+    for (const auto& [T, sp] : {std::pair{2, false}, std::pair{2, true}}) {
+      const Pass tp = OnePass(T, sp, c);
+      EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T << " sp=" << sp;
+      double gmax = 0, dmax = 0;
+      for (size_t i = 0; i < one.grads.size(); ++i) {
+        gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
+        dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
+      }
+      EXPECT_LT(Rel(tp.losses[0], one.losses[0]), 1e-6) << "T=" << T << " sp=" << sp;
+      EXPECT_LT(dmax, 1e-5 * gmax) << (qwen3 ? "Qwen3-shaped" : "GPT") << " T=" << T << " sp=" << sp
+                                   << ": largest gradient difference " << dmax << " of " << gmax;
+    }
+  }
+}
+
+TEST(TensorParallel, MegatronMlpAndNormFlagsGradientIsTheLossesDerivative) {
+  const Batches data(1);
+  for (bool qwen3 : {false, true}) {
+    const GPTConfig c = MlpFlagsConfig(qwen3);
+    auto model = CpuGPTModel::Create(c, nullptr, false);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE((*model)->InitWeights(1234).ok());
+    std::vector<float> w(static_cast<size_t>((*model)->num_params())), g(w.size(), 0.0f);
+    ASSERT_TRUE((*model)->ReadParams(w).ok());
+    for (const ParamInfo& p : (*model)->params_info())
+      if (p.name.find("layernorm") != std::string::npos)
+        for (int64_t i = 0; i < p.size; ++i)
+          w[static_cast<size_t>(p.offset + i)] += 0.3f * std::sin(1.0f + i + p.offset);
+    ASSERT_TRUE((*model)->WriteParams(w).ok());
+    ASSERT_TRUE((*model)->ZeroGrads().ok());
+    ASSERT_TRUE((*model)->ForwardBackward(data.Get(0), 1.0, /*train=*/false, 1).ok());
+    ASSERT_TRUE((*model)->ReadGrads(g).ok());
+    double norm = 0;
+    for (float v : g) norm += static_cast<double>(v) * v;
+    norm = std::sqrt(norm);
+    ASSERT_GT(norm, 0.0);
+    auto loss_at = [&](double h) {
+      std::vector<float> x = w;
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(w[i] + h * g[i] / norm);
+      EXPECT_TRUE((*model)->WriteParams(x).ok());
+      auto l = (*model)->Forward(data.Get(0));
+      EXPECT_TRUE(l.ok()) << l.status();
+      return l->loss_sum;
+    };
+    const double h = 1e-2, numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
+    EXPECT_NEAR(numeric, norm, 2e-3 * norm) << (qwen3 ? "RMSNorm" : "LayerNorm, squared ReLU");
+  }
+}
+
 // Sequence parallelism keeps 1/T of its region per layer: the layer's input and its middle on the
 // residual stream, the two LayerNorms' outputs and their statistics (mean and rstd) hold b x t/T
 // rows instead of b x t; the transient buffers it adds take less than that saves.

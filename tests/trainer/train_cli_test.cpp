@@ -297,6 +297,46 @@ TEST_F(TrainCli, QKLayerNormStoppedAndResumedEqualsUninterrupted) {
       << refused.output;
 }
 
+// Megatron's --squared-relu, --apply-layernorm-1p and --init-method-xavier-uniform train (the first and
+// last another model: the first logged loss differs from the default run's; 1 + gamma at gamma = 0
+// starts as the default's norms), are recorded in the checkpoint
+// (its settings; a --load without the first two is refused as another model), and a bad combination
+// is refused naming both flags.
+TEST_F(TrainCli, MegatronMlpAndNormFlagsTrainAndAreRecorded) {
+  auto first_loss = [](const std::string& out) {
+    const size_t at = out.find("lm loss: ");
+    return at == std::string::npos ? std::string() : out.substr(at, 22);
+  };
+  auto plain = RunCmd(Train("", 2));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  for (const std::string flag : {"--squared-relu", "--apply-layernorm-1p", "--init-method-xavier-uniform"}) {
+    auto r = RunCmd(Train(flag, 2));
+    ASSERT_EQ(r.exit_code, 0) << flag << ": " << r.output;
+    EXPECT_NE(r.output.find("iteration        2/       2"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("unknown flag"), std::string::npos) << r.output;
+    if (flag == "--apply-layernorm-1p")
+      EXPECT_EQ(first_loss(r.output), first_loss(plain.output)) << flag;
+    else
+      EXPECT_NE(first_loss(r.output), first_loss(plain.output)) << flag << " trained the default model";
+  }
+  const std::string all =
+      "--squared-relu --apply-layernorm-1p --init-method-xavier-uniform --normalization RMSNorm --lr-decay-iters 6 ";
+  auto saved = RunCmd(Train(all + "--save " + ShellQuote(dir_ / "a"), 4));
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  auto resumed = RunCmd(Train(all + "--load " + ShellQuote(dir_ / "a"), 6));
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  auto refused = RunCmd(Train("--normalization RMSNorm --init-method-xavier-uniform --load " + ShellQuote(dir_ / "a")));
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_NE(refused.output.find("the checkpoint is of another model: --squared-relu true (this run: the default), "
+                                "--apply-layernorm-1p true (this run: the default)"),
+            std::string::npos)
+      << refused.output;
+  auto both = RunCmd(Train("--squared-relu --swiglu", 1));
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+  EXPECT_NE(both.output.find("usage error: --squared-relu with --swiglu: one MLP activation"), std::string::npos)
+      << both.output;
+}
+
 // Megatron's rotary variants train (--rotary-interleaved, --rope-scaling-factor 32 under
 // --use-rope-scaling, --rotary-seq-len-interpolation-factor), each a model of its own: its weights after
 // 4 iterations are not the default RoPE's, its checkpoint records it and resumes with its flags, and a
@@ -1016,16 +1056,17 @@ TEST_F(TrainCli, LlamaLineFlagsTrainAndOtherModelsAreRefusedSayingWhy) {
       4));
   EXPECT_EQ(qwen.exit_code, 0) << qwen.output;
   EXPECT_NE(qwen.output.find("iteration        4/       4"), std::string::npos) << qwen.output;
-  auto twice = RunCmd(Train("--squared-relu --num-experts 8 --multi-latent-attention", 1));
+  auto twice = RunCmd(Train("--apply-residual-connection-post-layernorm --num-experts 8 --multi-latent-attention", 1));
   EXPECT_EQ(twice.exit_code, 2) << twice.output;
-  EXPECT_NE(twice.output.find("usage error: --squared-relu: the squared-ReLU activation is not implemented"),
+  EXPECT_NE(twice.output.find("usage error: --apply-residual-connection-post-layernorm: the residual is taken before"),
             std::string::npos)
       << twice.output;
   EXPECT_NE(twice.output.find("also not implemented here: --multi-latent-attention, --num-experts 8"),
             std::string::npos)
       << twice.output;
   for (const auto& [flag, why] : std::vector<std::pair<std::string, std::string>>{
-           {"--squared-relu", "squared-ReLU activation is not implemented"},
+           {"--squared-relu --swiglu", "--squared-relu with --swiglu: one MLP activation"},
+           {"--fp8-format hybrid", "fp8 training is not implemented"},
            {"--position-embedding-type alibi", "ptk has learned_absolute, rope and none"},
            {"--normalization LayerNorm1p", "ptk has LayerNorm and RMSNorm"},
            {"--group-query-attention --num-query-groups 3",

@@ -52,18 +52,40 @@ inline float* At(float* base, int64_t offset) { return offset >= 0 ? base + offs
 inline void NormForward(const GPTConfig& cf, float* out, float* mean, float* rstd, const float* inp, const float* P,
                         int64_t w, int64_t b, int64_t n, int64_t c) {
   if (cf.normalization == Normalization::kRMSNorm)
-    cpu::RMSNormForward(out, rstd, inp, P + w, n, c, cf.layernorm_epsilon);
+    cpu::RMSNormForward(out, rstd, inp, P + w, n, c, cf.layernorm_epsilon, cf.norm_weight_offset());
   else
-    cpu::LayerNormForward(out, mean, rstd, inp, P + w, P + b, n, c, cf.layernorm_epsilon);
+    cpu::LayerNormForward(out, mean, rstd, inp, P + w, P + b, n, c, cf.layernorm_epsilon, cf.norm_weight_offset());
 }
 // Its backward: dinp accumulated, the weight's (and LayerNorm's bias's) gradients added at G + w (G + b).
 inline void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float* dout, const float* inp,
                          const float* P, int64_t w, int64_t b, const float* mean, const float* rstd, int64_t n,
                          int64_t c) {
   if (cf.normalization == Normalization::kRMSNorm)
-    cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c);
+    cpu::RMSNormBackward(dinp, G + w, dout, inp, P + w, rstd, n, c, cf.norm_weight_offset());
   else
-    cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c);
+    cpu::LayerNormBackward(dinp, G + w, G + b, dout, inp, P + w, mean, rstd, n, c, cf.norm_weight_offset());
+}
+
+// The MLP's activation of fc1's output (n tokens, f of this rank's ffn columns; SwiGLU's fc1 2f):
+// SwiGLU, squared ReLU or GELU.
+inline void MlpActivationForward(const GPTConfig& cf, float* out, const float* fc1, int64_t n, int64_t f) {
+  if (cf.swiglu)
+    cpu::SwigluForward(out, fc1, n, f);
+  else if (cf.squared_relu)
+    cpu::SquaredReluForward(out, fc1, n * f);
+  else
+    cpu::GeluForward(out, fc1, n * f);
+}
+// Its backward: dff (fc1's output gradient) from dact (the activation's output gradient; may be dff
+// but under SwiGLU) is assigned.
+inline void MlpActivationBackward(const GPTConfig& cf, float* dff, const float* fc1, const float* dact, int64_t n,
+                                  int64_t f) {
+  if (cf.swiglu)
+    cpu::SwigluBackward(dff, fc1, dact, n, f);
+  else if (cf.squared_relu)
+    cpu::SquaredReluBackward(dff, fc1, dact, n * f);
+  else
+    cpu::GeluBackward(dff, fc1, dact, n * f);
 }
 
 // --qk-layernorm: where layer l's QKV product goes (qkv_raw, normalised into qkv by QKNormLayerForward),
@@ -79,7 +101,7 @@ void QKNormLayerForward(const GPTConfig& cf, Acts& a, int64_t l, const float* P,
   const bool ln = cf.normalization == Normalization::kLayerNorm;
   cpu::QKNormForward(a.qkv[l].data(), ln ? a.qk_mean[l].data() : nullptr, a.qk_rstd[l].data(), a.qkv_raw[l].data(),
                      P + lp.q_norm_w, At(P, lp.q_norm_b), P + lp.k_norm_w, At(P, lp.k_norm_b), shape,
-                     cf.layernorm_epsilon);
+                     cf.layernorm_epsilon, cf.norm_weight_offset());
 }
 // Its backward, in place on dqkv (after RoPE's): the gradient of the QKV product out.
 template <typename Acts>
@@ -89,7 +111,7 @@ void QKNormLayerBackward(const GPTConfig& cf, Acts& a, int64_t l, const float* P
   const bool ln = cf.normalization == Normalization::kLayerNorm;
   cpu::QKNormBackward(a.dqkv.data(), G + lp.q_norm_w, At(G, lp.q_norm_b), G + lp.k_norm_w, At(G, lp.k_norm_b),
                       a.qkv_raw[l].data(), P + lp.q_norm_w, P + lp.k_norm_w, ln ? a.qk_mean[l].data() : nullptr,
-                      a.qk_rstd[l].data(), shape);
+                      a.qk_rstd[l].data(), shape, cf.norm_weight_offset());
 }
 
 }  // namespace cpu_model_detail

@@ -343,6 +343,8 @@ void AddBias(float* x, const float* bias, int64_t n, int64_t c) {
 }
 }  // namespace
 using cpu_model_detail::At;
+using cpu_model_detail::MlpActivationBackward;
+using cpu_model_detail::MlpActivationForward;
 using cpu_model_detail::NormBackward;
 using cpu_model_detail::NormForward;
 using cpu_model_detail::QKNormLayerBackward;
@@ -408,10 +410,7 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
     NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
                 lp.ln2_b, n, c);
     cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, At(P, lp.fc1_b), n, c, (cf.swiglu ? 2 : 1) * f);
-    if (cf.swiglu)
-      cpu::SwigluForward(a.gelu[l].data(), a.fc1[l].data(), n, f);
-    else
-      cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
+    MlpActivationForward(cf, a.gelu[l].data(), a.fc1[l].data(), n, f);
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.gelu[l].data(), lp.fc2_w, lp.fc2_b, f));
     DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kMlpOutDropout);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
@@ -461,10 +460,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
     std::fill(dact, dact + n * f, 0.0f);
     cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
-    if (cf.swiglu)
-      cpu::SwigluBackward(a.dff.data(), a.fc1[l].data(), dact, n, f);
-    else
-      cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
+    MlpActivationBackward(cf, a.dff.data(), a.fc1[l].data(), dact, n, f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), a.ln2[l].data(), P + lp.fc1_w, n, c,
                         (cf.swiglu ? 2 : 1) * f);

@@ -12,8 +12,8 @@ constexpr int64_t kRowBlock = 64;  // fixed blocks: the weight-gradient sums do 
 }
 
 template <typename T>
-void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c,
-                      double eps) {
+void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c, double eps,
+                      T w_offset) {
   tbb::parallel_for(int64_t{0}, n, [&](int64_t i) {
     const T* x = inp + i * c;
     double s = 0;
@@ -26,7 +26,7 @@ void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const 
     }
     double r = 1.0 / std::sqrt(v / static_cast<double>(c) + eps);
     T* y = out + i * c;
-    for (int64_t j = 0; j < c; ++j) y[j] = static_cast<T>((x[j] - m) * r) * w[j] + b[j];
+    for (int64_t j = 0; j < c; ++j) y[j] = static_cast<T>((x[j] - m) * r) * (w[j] + w_offset) + b[j];
     mean[i] = static_cast<T>(m);
     rstd[i] = static_cast<T>(r);
   });
@@ -34,7 +34,7 @@ void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const 
 
 template <typename T>
 void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
-                       int64_t n, int64_t c) {
+                       int64_t n, int64_t c, T w_offset) {
   int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   std::vector<double> part(static_cast<size_t>(blocks * 2 * c), 0.0);
   tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
@@ -50,7 +50,7 @@ void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const
       double sum_dxhat = 0, sum_dxhat_xhat = 0;
       for (int64_t j = 0; j < c; ++j) {
         double xhat = (x[j] - m) * r;
-        double dxhat = static_cast<double>(dy[j]) * w[j];
+        double dxhat = static_cast<double>(dy[j]) * (w[j] + w_offset);
         sum_dxhat += dxhat;
         sum_dxhat_xhat += dxhat * xhat;
         pw[j] += dy[j] * xhat;
@@ -60,7 +60,7 @@ void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const
       sum_dxhat_xhat /= static_cast<double>(c);
       for (int64_t j = 0; j < c; ++j) {
         double xhat = (x[j] - m) * r;
-        double dxhat = static_cast<double>(dy[j]) * w[j];
+        double dxhat = static_cast<double>(dy[j]) * (w[j] + w_offset);
         dx[j] += static_cast<T>(r * (dxhat - sum_dxhat - xhat * sum_dxhat_xhat));
       }
     }
@@ -76,9 +76,9 @@ void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const
   }
 }
 
-#define PTK_INSTANTIATE(T)                                                                               \
-  template void LayerNormForward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
-  template void LayerNormBackward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
+#define PTK_INSTANTIATE(T)                                                                                  \
+  template void LayerNormForward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double, T); \
+  template void LayerNormBackward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t, T);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE

@@ -29,20 +29,23 @@ void MatmulBackward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const
                     int64_t oc);
 
 // ---- layernorm_cpu.cpp -----------------------------------------------------------------------
-// out(n, c) = (inp - mean) * rstd * w + b; saves mean(n) and rstd(n) for the backward pass.
+// out(n, c) = (inp - mean) * rstd * (w + w_offset) + b; saves mean(n) and rstd(n) for the backward
+// pass. w_offset 1: Megatron's --apply-layernorm-1p (zero-centred gamma); the norms below take it too.
 template <typename T>
-void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c, double eps);
+void LayerNormForward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t n, int64_t c, double eps,
+                      T w_offset = T(0));
 template <typename T>
 void LayerNormBackward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w, const T* mean, const T* rstd,
-                       int64_t n, int64_t c);
+                       int64_t n, int64_t c, T w_offset = T(0));
 
 // ---- rmsnorm_cpu.cpp -------------------------------------------------------------------------
-// RMSNorm (Llama's, Megatron's --normalization RMSNorm): out(n, c) = inp * rstd * w with
+// RMSNorm (Llama's, Megatron's --normalization RMSNorm): out(n, c) = inp * rstd * (w + w_offset) with
 // rstd = 1 / sqrt(mean(inp^2) + eps) (double statistics) saved for backward. No bias.
 template <typename T>
-void RMSNormForward(T* out, T* rstd, const T* inp, const T* w, int64_t n, int64_t c, double eps);
+void RMSNormForward(T* out, T* rstd, const T* inp, const T* w, int64_t n, int64_t c, double eps, T w_offset = T(0));
 template <typename T>
-void RMSNormBackward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, const T* rstd, int64_t n, int64_t c);
+void RMSNormBackward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, const T* rstd, int64_t n, int64_t c,
+                     T w_offset = T(0));
 
 // ---- qk_norm_cpu.cpp -------------------------------------------------------------------------
 // Megatron's --qk-layernorm over a fused QKV buffer (b, t, qkv_width) in AttentionShape's layout:
@@ -52,13 +55,13 @@ void RMSNormBackward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, co
 // order (b * t * (nh + groups) entries).
 template <typename T>
 void QKNormForward(T* qkv, T* mean, T* rstd, const T* raw, const T* wq, const T* bq, const T* wk, const T* bk,
-                   const AttentionShape& s, double eps);
+                   const AttentionShape& s, double eps, T w_offset = T(0));
 // In place on dqkv: the gradient of the normalised buffer in, of `raw` out (the value heads'
 // unchanged); the weights' (and LayerNorm's biases') gradients added to dwq, dbq, dwk, dbk (the
 // biases' null under RMSNorm).
 template <typename T>
 void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const T* wq, const T* wk, const T* mean,
-                    const T* rstd, const AttentionShape& s);
+                    const T* rstd, const AttentionShape& s, T w_offset = T(0));
 
 // ---- rope_cpu.cpp ----------------------------------------------------------------------------
 // Rotary position embedding (Megatron's apply_rotary_pos_emb) of the query and key heads of a fused
@@ -99,6 +102,14 @@ void GeluForward(T* out, const T* inp, int64_t n);
 // dinp = dout * gelu'(inp)   (assigns, does not accumulate)
 template <typename T>
 void GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n);
+
+// ---- squared_relu_cpu.cpp --------------------------------------------------------------------
+// Megatron's --squared-relu MLP activation: out = relu(inp)^2.
+template <typename T>
+void SquaredReluForward(T* out, const T* inp, int64_t n);
+// dinp = dout * 2 relu(inp)   (assigns; dinp may be dout)
+template <typename T>
+void SquaredReluBackward(T* dinp, const T* inp, const T* dout, int64_t n);
 
 // ---- dropout_cpu.cpp -------------------------------------------------------------------------
 // Counter-based dropout: element i of stream `stream` is kept when a hash of (seed, stream, i)

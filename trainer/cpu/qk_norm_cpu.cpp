@@ -27,7 +27,7 @@ HeadAt Head(const AttentionShape& s, int64_t h) {
 
 template <typename T>
 void QKNormForward(T* qkv, T* mean, T* rstd, const T* raw, const T* wq, const T* bq, const T* wk, const T* bk,
-                   const AttentionShape& s, double eps) {
+                   const AttentionShape& s, double eps, T w_offset) {
   const int64_t width = s.qkv_width(), heads = width / s.hd, normed = s.nh + s.groups(), hd = s.hd;
   tbb::parallel_for(int64_t{0}, s.b * s.t, [&](int64_t i) {
     int64_t row = i * normed;  // this token's first statistics entry
@@ -49,7 +49,7 @@ void QKNormForward(T* qkv, T* mean, T* rstd, const T* raw, const T* wq, const T*
       double v = 0;
       for (int64_t j = 0; j < hd; ++j) v += (x[j] - m) * (x[j] - m);
       const double r = 1.0 / std::sqrt(v / static_cast<double>(hd) + eps);
-      for (int64_t j = 0; j < hd; ++j) y[j] = static_cast<T>((x[j] - m) * r) * w[j] + (b ? b[j] : T(0));
+      for (int64_t j = 0; j < hd; ++j) y[j] = static_cast<T>((x[j] - m) * r) * (w[j] + w_offset) + (b ? b[j] : T(0));
       if (mean) mean[row] = static_cast<T>(m);
       rstd[row] = static_cast<T>(r);
       ++row;
@@ -59,7 +59,7 @@ void QKNormForward(T* qkv, T* mean, T* rstd, const T* raw, const T* wq, const T*
 
 template <typename T>
 void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const T* wq, const T* wk, const T* mean,
-                    const T* rstd, const AttentionShape& s) {
+                    const T* rstd, const AttentionShape& s, T w_offset) {
   const int64_t width = s.qkv_width(), heads = width / s.hd, normed = s.nh + s.groups(), hd = s.hd;
   const int64_t n = s.b * s.t, blocks = (n + kTokenBlock - 1) / kTokenBlock;
   // Per block: dwq, dbq, dwk, dbk partial sums.
@@ -82,7 +82,7 @@ void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const
         // drops the mean(dxhat) term (no centring).
         double sum_dxhat = 0, sum_dxhat_xhat = 0;
         for (int64_t j = 0; j < hd; ++j) {
-          const double xhat = (x[j] - m) * r, dxhat = static_cast<double>(dy[j]) * w[j];
+          const double xhat = (x[j] - m) * r, dxhat = static_cast<double>(dy[j]) * (w[j] + w_offset);
           sum_dxhat += dxhat;
           sum_dxhat_xhat += dxhat * xhat;
           dw[j] += dy[j] * xhat;
@@ -91,7 +91,7 @@ void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const
         sum_dxhat = mean ? sum_dxhat / static_cast<double>(hd) : 0.0;
         sum_dxhat_xhat /= static_cast<double>(hd);
         for (int64_t j = 0; j < hd; ++j) {
-          const double xhat = (x[j] - m) * r, dxhat = static_cast<double>(dy[j]) * w[j];
+          const double xhat = (x[j] - m) * r, dxhat = static_cast<double>(dy[j]) * (w[j] + w_offset);
           dy[j] = static_cast<T>(r * (dxhat - sum_dxhat - xhat * sum_dxhat_xhat));
         }
         ++row;
@@ -111,9 +111,9 @@ void QKNormBackward(T* dqkv, T* dwq, T* dbq, T* dwk, T* dbk, const T* raw, const
 
 #define PTK_INSTANTIATE(T)                                                                                            \
   template void QKNormForward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, const AttentionShape&, \
-                                 double);                                                                             \
+                                 double, T);                                                                          \
   template void QKNormBackward<T>(T*, T*, T*, T*, T*, const T*, const T*, const T*, const T*, const T*,               \
-                                  const AttentionShape&);
+                                  const AttentionShape&, T);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE

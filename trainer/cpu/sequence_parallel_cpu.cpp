@@ -62,6 +62,8 @@ void BiasGradRows(float* dbias, const float* dout, int64_t n, int64_t c) {
 
 }  // namespace
 using cpu_model_detail::At;
+using cpu_model_detail::MlpActivationBackward;
+using cpu_model_detail::MlpActivationForward;
 using cpu_model_detail::NormBackward;
 using cpu_model_detail::NormForward;
 using cpu_model_detail::QKNormLayerBackward;
@@ -104,9 +106,10 @@ absl::Status CpuGPTModel::LayerNormBackwardRows(float* dinp, int64_t w, int64_t 
   // comes once, after the data-parallel reduction (TrainStep).
   const float* P = params_.data();
   if (config().normalization == Normalization::kRMSNorm)
-    cpu::RMSNormBackward(dinp, g.data(), dout, inp, P + w, rstd, rows, c);
+    cpu::RMSNormBackward(dinp, g.data(), dout, inp, P + w, rstd, rows, c, config().norm_weight_offset());
   else
-    cpu::LayerNormBackward(dinp, g.data(), g.data() + c, dout, inp, P + w, mean, rstd, rows, c);
+    cpu::LayerNormBackward(dinp, g.data(), g.data() + c, dout, inp, P + w, mean, rstd, rows, c,
+                           config().norm_weight_offset());
   float* G = grads_.data();
   for (int64_t j = 0; j < c; ++j) G[w + j] += g[j];
   if (b >= 0)
@@ -170,10 +173,7 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
                 lp.ln2_b, nl, c);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
     cpu::MatmulForward(a.fc1[l].data(), whole, P + lp.fc1_w, At(P, lp.fc1_b), n, c, f1);
-    if (cf.swiglu)
-      cpu::SwigluForward(a.gelu[l].data(), a.fc1[l].data(), n, f);
-    else
-      cpu::GeluForward(a.gelu[l].data(), a.fc1[l].data(), n * f);
+    MlpActivationForward(cf, a.gelu[l].data(), a.fc1[l].data(), n, f);
     cpu::MatmulForward(a.tmp.data(), a.gelu[l].data(), P + lp.fc2_w, static_cast<const float*>(nullptr), n, f, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
     AddBiasRows(loc, At(P, lp.fc2_b), nl, c);
@@ -228,10 +228,7 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
     std::fill(dact, dact + n * f, 0.0f);
     cpu::MatmulBackward(dact, G + lp.fc2_w, static_cast<float*>(nullptr), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w,
                         n, f, c);
-    if (cf.swiglu)
-      cpu::SwigluBackward(a.dff.data(), a.fc1[l].data(), dact, n, f);
-    else
-      cpu::GeluBackward(a.dff.data(), a.fc1[l].data(), a.dff.data(), n * f);
+    MlpActivationBackward(cf, a.dff.data(), a.fc1[l].data(), dact, n, f);
     std::fill(a.dln.begin(), a.dln.end(), 0.0f);
     PTK_RETURN_IF_ERROR(GatherRows(a.ln2[l].data(), whole, batch, c));
     cpu::MatmulBackward(a.dln.data(), G + lp.fc1_w, At(G, lp.fc1_b), a.dff.data(), whole, P + lp.fc1_w, n, c, f1);

@@ -36,6 +36,16 @@ absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2
               MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                 n, c, 2 * f, ctx_));
   }
+  if (cf.squared_relu) {  // fc2's input gradient, then the activation's backward in place
+    PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
+                           MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f),
+                                             Compute(lp.fc2_w), n, f, c, ctx_)));
+    PTK_RETURN_IF_ERROR(Op("squared_relu", "squared relu backward",
+                           SquaredReluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+    return Op("matmul", "fc1 backward",
+              MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
+                                n, c, f, ctx_));
+  }
   PTK_RETURN_IF_ERROR(
       Op("matmul", "fc2 backward",
          MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f), Compute(lp.fc2_w), n, f, c,
@@ -79,7 +89,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dresid, 0, act_bytes, ctx_.stream), "zeroing the residual gradient");
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "final norm backward",
                            LnBackward(dresid, Grad(pl.lnf_w), Grad(pl.lnf_b), dln, Act(plan_.resid, l1, n * c),
-                                      Ln(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
+                                      LnW(pl.lnf_w), Buf<float>(plan_.lnf_stats), Buf<float>(plan_.lnf_stats) + n, n, c,
                                       scratch, ctx_, dbranch, FusedDropout(l1 - 1, kMlpOutDropout, hp, seed))));
   }
   GradsReady(0);  // the final norm (and an untied output layer): --overlap-grad-reduce's buckets
@@ -95,7 +105,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel fc1
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "ln2 backward",
                            LnBackward(dresid, Grad(lp.ln2_w), Grad(lp.ln2_b), dln, Act(plan_.resid_mid, l, n * c),
-                                      Ln(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
+                                      LnW(lp.ln2_w), Stats(plan_.ln2_stats, l), Stats(plan_.ln2_stats, l) + n, n, c,
                                       scratch, ctx_, dbranch, FusedDropout(l, kAttentionOutDropout, hp, seed))));
     // Attention: resid_mid = resid[l] + dropout(proj(attention(rope(qkv(ln1(resid[l]))))))
     const T* dproj = dtmp;
@@ -113,7 +123,7 @@ absl::Status CudaGPTModelImpl<T>::RunBackward(bool train, uint64_t seed) {
     if (tp) PTK_RETURN_IF_ERROR(TensorSum(dln, n, c, nullptr, nullptr, nullptr));  // column-parallel QKV
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "ln1 backward",
                            LnBackward(dresid, Grad(lp.ln1_w), Grad(lp.ln1_b), dln, Act(plan_.resid, l, n * c),
-                                      Ln(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
+                                      LnW(lp.ln1_w), Stats(plan_.ln1_stats, l), Stats(plan_.ln1_stats, l) + n, n, c,
                                       scratch, ctx_, l > l0 ? dbranch : (fuse && pre ? dresid : nullptr),
                                       l > l0 ? FusedDropout(l - 1, kMlpOutDropout, hp, seed)
                                       : pre  ? FusedDropout(L, kEmbeddingDropout, hp, seed)
@@ -220,7 +230,7 @@ absl::Status CudaGPTModelImpl<T>::QkvInputBackward(T* dqkv, int64_t l, const Att
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   return Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms backward",
             QKNormBackward<T>(dqkv, Grad(lp.q_norm_w), Grad(lp.q_norm_b), Grad(lp.k_norm_w), Grad(lp.k_norm_b),
-                              Act(plan_.qkv_raw, l, n_ * shape.qkv_width()), Ln(lp.q_norm_w), Ln(lp.k_norm_w),
+                              Act(plan_.qkv_raw, l, n_ * shape.qkv_width()), LnW(lp.q_norm_w), LnW(lp.k_norm_w),
                               QKMean(l), QKRstd(l), shape, Buf<double>(plan_.qk_scratch), ctx_));
 }
 

@@ -204,6 +204,20 @@ class CudaGPTModelImpl final : public GPTModel {
     if (!plan_.master_sharded) return Master(offset);
     return Buf<float>(plan_.ln_master) + LnCompactOffset(offset);
   }
+  // A norm's weight as its kernel multiplies by it: Ln(offset), or under --apply-layernorm-1p
+  // 1 + that weight (norm_eff, which RefreshNormWeights fills at each forward pass's start).
+  const float* LnW(int64_t offset) const {
+    if (plan_.norm_eff < 0) return Ln(offset);
+    return Buf<float>(plan_.norm_eff) + LnCompactOffset(offset);
+  }
+  absl::Status RefreshNormWeights() {
+    if (plan_.norm_eff < 0) return absl::OkStatus();
+    for (const LayerNormRun& r : ln_runs_)  // a run's biases get 1 too there: only LnW reads norm_eff
+      PTK_RETURN_IF_ERROR(Op("layernorm", "norm weights 1 + gamma",
+                             AddWeightOffset(Buf<float>(plan_.norm_eff) + r.compact, Ln(r.begin), r.end - r.begin,
+                                             config().norm_weight_offset(), ctx_)));
+    return absl::OkStatus();
+  }
   int64_t LnCompactOffset(int64_t offset) const {
     for (const LayerNormRun& r : ln_runs_)
       if (offset >= r.begin && offset < r.end) return r.compact + (offset - r.begin);

@@ -62,7 +62,7 @@ std::string CudaGPTModelImpl<T>::OpWhere(const char* name) const {
     shapes = fmt::format("n={} x c={} -> {}", n, c, (cf.swiglu ? 2 : 1) * f);
   else if (has("fc2"))
     shapes = fmt::format("n={} x {} -> c={}", n, f, c);
-  else if (has("gelu") || has("swiglu"))
+  else if (has("gelu") || has("swiglu") || has("squared relu"))
     shapes = fmt::format("n={} x {}", n, f);
   else if (has("lm head") || has("loss"))
     shapes = fmt::format("rows {}..{} of n={} x c={} -> padded vocabulary {}", head_row0_, head_row0_ + head_rows_, n,

@@ -105,13 +105,14 @@ absl::Status CudaGPTModelImpl<T>::NormForward(const char* name, T* resid_out, T*
   const int64_t n = n_, c = config().hidden_size;
   const double eps = config().layernorm_epsilon;
   if (Rms()) {
-    if (!b) return Op("rmsnorm", name, RMSNormForward<T>(out, stats + n, a, Ln(w), n, c, eps, ctx_));
-    return Op("rmsnorm", name, ResidualRMSNormForward<T>(resid_out, out, stats + n, a, b, Ln(w), n, c, eps, ctx_));
+    if (!b) return Op("rmsnorm", name, RMSNormForward<T>(out, stats + n, a, LnW(w), n, c, eps, ctx_));
+    return Op("rmsnorm", name, ResidualRMSNormForward<T>(resid_out, out, stats + n, a, b, LnW(w), n, c, eps, ctx_));
   }
-  if (!b) return Op("layernorm", name, LayerNormForward<T>(out, stats, stats + n, a, Ln(w), Ln(bias), n, c, eps, ctx_));
+  if (!b)
+    return Op("layernorm", name, LayerNormForward<T>(out, stats, stats + n, a, LnW(w), Ln(bias), n, c, eps, ctx_));
   return Op(
       "layernorm", name,
-      ResidualLayerNormForward<T>(resid_out, out, stats, stats + n, a, b, Ln(w), Ln(bias), n, c, eps, ctx_, drop));
+      ResidualLayerNormForward<T>(resid_out, out, stats, stats + n, a, b, LnW(w), Ln(bias), n, c, eps, ctx_, drop));
 }
 
 template <typename T>
@@ -120,6 +121,12 @@ absl::Status CudaGPTModelImpl<T>::Fc1Forward(int64_t l) {
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size / tensor_size();
   const T* ln2 = Act(plan_.ln2, l, n * c);
+  if (cf.squared_relu) {  // cuBLASLt has no squared-ReLU epilogue: the product, then the activation's kernel
+    T* fc1 = Act(plan_.fc1, l, n * f);
+    PTK_RETURN_IF_ERROR(
+        Op("matmul", "fc1", MatmulForward<T>(fc1, ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, f, ctx_)));
+    return Op("squared_relu", "squared relu", SquaredReluForward<T>(Act(plan_.gelu, l, n * f), fc1, n * f, ctx_));
+  }
   if (!cf.swiglu)
     return Op("matmul", "fc1+gelu",
               MatmulForward<T>(Act(plan_.fc1, l, n * f), ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, f, ctx_,
@@ -133,6 +140,7 @@ absl::Status CudaGPTModelImpl<T>::Fc1Forward(int64_t l) {
 
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
+  PTK_RETURN_IF_ERROR(RefreshNormWeights());  // --apply-layernorm-1p: the weights of this step's parameters
   if (sequence_parallel_) return RunForwardSequenceParallel(train, seed);  // cuda_sequence_parallel.cpp
   const GPTConfig& cf = config();
   const ParamLayout& pl = layout();
@@ -176,7 +184,7 @@ absl::Status CudaGPTModelImpl<T>::RunForward(bool train, uint64_t seed) {
     PTK_RETURN_IF_ERROR(Op(
         "layernorm", "embedding dropout+ln1",
         DropoutLayerNormForward<T>(Act(plan_.resid, l0, n * c), Act(plan_.ln1, l0, n * c), Stats(plan_.ln1_stats, l0),
-                                   Stats(plan_.ln1_stats, l0) + n, Ln(first.ln1_w), Ln(first.ln1_b), n, c,
+                                   Stats(plan_.ln1_stats, l0) + n, LnW(first.ln1_w), Ln(first.ln1_b), n, c,
                                    cf.layernorm_epsilon, FusedDropout(L, kEmbeddingDropout, hp, seed), ctx_)));
   } else {
     if (pre)
@@ -231,8 +239,8 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
          MatmulForward<T>(product, Act(plan_.ln1, l, n * c), Compute(lp.qkv_w), Compute(lp.qkv_b), n, c, qw, ctx_)));
   if (cf.qk_layernorm)
     PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", "q/k norms",
-                           QKNormForward<T>(qkv, QKMean(l), QKRstd(l), product, Ln(lp.q_norm_w), Ln(lp.q_norm_b),
-                                            Ln(lp.k_norm_w), Ln(lp.k_norm_b), shape, cf.layernorm_epsilon, ctx_)));
+                           QKNormForward<T>(qkv, QKMean(l), QKRstd(l), product, LnW(lp.q_norm_w), Ln(lp.q_norm_b),
+                                            LnW(lp.k_norm_w), Ln(lp.k_norm_b), shape, cf.layernorm_epsilon, ctx_)));
   if (cf.rope())  // the query and key heads rotated in place: what attention reads and backward keeps
     PTK_RETURN_IF_ERROR(
         Op("rope", "rope",

@@ -121,13 +121,13 @@ absl::Status CudaGPTModelImpl<T>::SeqNormForward(const char* name, T* resid_out,
   T* local = SeqSlot();
   if (Rms()) {
     PTK_RETURN_IF_ERROR(Op("rmsnorm", name,
-                           b ? ResidualRMSNormForward<T>(resid_out, local, stats + n_, a, b, Ln(w), nl, c, eps, ctx_)
-                             : RMSNormForward<T>(local, stats + n_, a, Ln(w), nl, c, eps, ctx_)));
+                           b ? ResidualRMSNormForward<T>(resid_out, local, stats + n_, a, b, LnW(w), nl, c, eps, ctx_)
+                             : RMSNormForward<T>(local, stats + n_, a, LnW(w), nl, c, eps, ctx_)));
   } else {
-    PTK_RETURN_IF_ERROR(
-        Op("layernorm", name,
-           b ? ResidualLayerNormForward<T>(resid_out, local, stats, stats + n_, a, b, Ln(w), Ln(bias), nl, c, eps, ctx_)
-             : LayerNormForward<T>(local, stats, stats + n_, a, Ln(w), Ln(bias), nl, c, eps, ctx_)));
+    PTK_RETURN_IF_ERROR(Op(
+        "layernorm", name,
+        b ? ResidualLayerNormForward<T>(resid_out, local, stats, stats + n_, a, b, LnW(w), Ln(bias), nl, c, eps, ctx_)
+          : LayerNormForward<T>(local, stats, stats + n_, a, LnW(w), Ln(bias), nl, c, eps, ctx_)));
   }
   return SeqGather(out, local);
 }
@@ -145,7 +145,7 @@ absl::Status CudaGPTModelImpl<T>::SeqNormBackward(const char* name, T* dpartial,
   PTK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g, 0, static_cast<size_t>(k) * sizeof(float), ctx_.stream),
                            "zeroing the norm's gradients");
   PTK_RETURN_IF_ERROR(Op(Rms() ? "rmsnorm" : "layernorm", name,
-                         LnBackward(Buf<T>(plan_.dresid), g, Rms() ? nullptr : g + c, dout, inp, Ln(w), stats,
+                         LnBackward(Buf<T>(plan_.dresid), g, Rms() ? nullptr : g + c, dout, inp, LnW(w), stats,
                                     stats + n_, nl, c, Buf<float>(plan_.ln_scratch), ctx_)));
   // Added as a micro-batch's gradient is to Megatron's main_grad; the sum over the tensor group
   // comes after the data-parallel reduction (GPTModel::SumNonTensorParallelGrads).

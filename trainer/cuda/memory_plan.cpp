@@ -94,6 +94,9 @@ void AddParameterBuffers(const GPTConfig& cf, int64_t num_params, const PlanOpti
   } else {
     m.master = add("parameters (fp32 master)", np * 4, "the model size");
   }
+  if (cf.apply_layernorm_1p)
+    m.norm_eff =
+        add("norm weights (fp32, 1 + gamma: --apply-layernorm-1p)", LayerNormParamCount(cf) * 4, "the model size");
   m.compute = add(fmt::format("parameters ({} compute copy)", m.flash ? PrecisionName(o.precision) : "fp32"),
                   m.flash ? np * m.act_bytes : 0, "the model size");
   m.grads = add("gradients (fp32)", np * 4, "the model size");
@@ -205,9 +208,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
                        act_lower + ", or --recompute-activations, or --bf16 (fused attention)");
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
   m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);
-  m.fc1 = add(cf.swiglu ? "activations: MLP fc1 (SwiGLU's gate and up)" : "activations: MLP fc1 (pre-GELU)",
+  m.fc1 = add(cf.swiglu         ? "activations: MLP fc1 (SwiGLU's gate and up)"
+              : cf.squared_relu ? "activations: MLP fc1 (pre-squared-ReLU)"
+                                : "activations: MLP fc1 (pre-GELU)",
               L * n * ff * a, act_lower);
-  m.gelu = add(cf.swiglu ? "activations: MLP SwiGLU" : "activations: MLP GELU", L * n * f * a, act_lower);
+  m.gelu = add(cf.swiglu         ? "activations: MLP SwiGLU"
+               : cf.squared_relu ? "activations: MLP squared ReLU"
+                                 : "activations: MLP GELU",
+               L * n * f * a, act_lower);
   m.lnf = add("activations: final LayerNorm", n * c * a, act_lower);
   m.lnf_stats = add("activations: final LayerNorm statistics", 2 * n * 4, act_lower);
   m.slot_bytes = add.offset - m[m.resid].offset;

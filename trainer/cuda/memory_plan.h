@@ -40,6 +40,9 @@ struct MemoryPlan {
   // and ln_master is -1.
   bool master_sharded = false;
   int master = -1, ln_master = -1, compute = -1, grads = -1, exp_avg = -1, exp_avg_sq = -1;
+  // --apply-layernorm-1p: the norms' weights as the kernels read them, 1 + gamma (LayerNormParamCount
+  // floats, ln_master's order; refreshed at each forward pass). -1 without it.
+  int norm_eff = -1;
   // Activations kept for backward (per layer unless said otherwise).
   // fc1 is SwiGLU's [gate; up] (twice the ffn width) under --swiglu, gelu its activation's output.
   int resid = -1, resid_mid = -1, ln1 = -1, ln1_stats = -1, qkv = -1, atty = -1, attn_saved = -1, ln2 = -1,

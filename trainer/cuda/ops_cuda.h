@@ -132,6 +132,21 @@ absl::Status GeluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx
 template <typename T>
 absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx);
 
+// ---- squared_relu_cuda.cu ----------------------------------------------------------------------
+// Megatron's --squared-relu, as cpu::SquaredReluForward / SquaredReluBackward: SquaredReluValue /
+// SquaredReluDerivative of trainer/op_math.h in fp32 (cuBLASLt has no such epilogue: a kernel of its own
+// after the fc1 product). The backward assigns; dinp may equal dout.
+template <typename T>
+absl::Status SquaredReluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx);
+template <typename T>
+absl::Status SquaredReluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx);
+
+// ---- norm_offset_cuda.cu ------------------------------------------------------------------------
+// out(n) = inp + offset in fp32 (out may be inp): --apply-layernorm-1p's effective norm weights
+// 1 + gamma, which the norm kernels above and below read as their weight `w`; their weight gradient
+// is the zero-centred weight's, d(1 + gamma) = d gamma.
+absl::Status AddWeightOffset(float* out, const float* inp, int64_t n, float offset, const CudaContext& ctx);
+
 // ---- rmsnorm_cuda.cu ---------------------------------------------------------------------------
 // The Llama line's norm, as cpu::RMSNormForward: out(n, c) = float(inp * rstd) * w with
 // rstd(n) = 1 / sqrt(mean(inp^2) + eps) in double (kept in fp32; may be null: evaluation); w fp32.
