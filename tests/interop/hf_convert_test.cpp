@@ -395,7 +395,7 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
   EXPECT_EQ(tp.exit_code, 2) << tp.output;
   // A flag of another direction was ignored, exit 0: --vocab-file naming no file, --force, a layer-name
   // choice no saver but Megatron's reads.
-  for (const std::string& flag :
+  for (const char* flag :
        {"--vocab-file /nonexistent/vocab.json", "--merge-file m.txt", "--force", "--saver-transformer-impl local"}) {
     auto other = RunCmd(tool + " --loader hf --saver ptk --load-dir " + ShellQuote(dir_ / "hf") + " --save-dir " +
                         ShellQuote(dir_ / "other") + " " + flag);

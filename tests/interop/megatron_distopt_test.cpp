@@ -234,7 +234,9 @@ TEST_F(MegatronDistopt, BucketSizeMovesTheOffsetsAndNeedsTheDistributedOptimizer
     ASSERT_TRUE(model.ok());
     const PyValue* args = (*model)->root().Get("args");
     EXPECT_EQ(megatron::BoolAttr(args, "overlap_grad_reduce", false), bucket > 0);
-    if (bucket) EXPECT_EQ(megatron::NumAttr(args, "ddp_bucket_size"), 40.0);
+    if (bucket) {
+      EXPECT_EQ(megatron::NumAttr(args, "ddp_bucket_size"), 40.0);
+    }
   }
   // Buckets closing after the 16-element biases leave out their end padding: fewer elements, moved.
   EXPECT_LT(bucketed.size(), whole.size());
