@@ -193,6 +193,12 @@ absl::Status WriteFileAtomic(const std::string& path, std::string_view contents,
   return w->Commit(durable);
 }
 
+namespace {
+std::atomic<void (*)()> publish_hook{nullptr};
+}  // namespace
+
+void SetPublishHookForTesting(void (*hook)()) { publish_hook = hook; }
+
 absl::Status PublishTogether(const std::string& journal, const std::vector<std::pair<std::string, std::string>>& files,
                              bool durable) {
   const std::string dir = Dirname(journal);
@@ -216,6 +222,7 @@ absl::Status PublishTogether(const std::string& journal, const std::vector<std::
           fmt::format("cannot publish {}: a directory is in its place; nothing was published", final_path));
   }
   PTK_RETURN_IF_ERROR(WriteFileAtomic(journal, text, durable));
+  if (void (*hook)() = publish_hook.load()) hook();
   // Until the first rename is done nothing is published: a failure there is undone (the journal
   // removed), as if the publish had not begun.
   if (!files.empty() && ::rename(files[0].first.c_str(), files[0].second.c_str()) != 0) {

@@ -82,6 +82,9 @@ void RemoveLiveTemporaries();
 // renames: every observer that honours the journal sees all old files or all new ones.
 absl::Status PublishTogether(const std::string& journal, const std::vector<std::pair<std::string, std::string>>& files,
                              bool durable = true);
+// For tests: `hook` runs in PublishTogether once the journal is written, before the first rename
+// (where a kill leaves the journal and its temporaries); nullptr: none.
+void SetPublishHookForTesting(void (*hook)());
 // Rolls a left-over journal forward; a no-op when there is none. Safe to run from several
 // processes at once (a rename already done by another is skipped).
 absl::Status CompletePendingPublish(const std::string& journal);

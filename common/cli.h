@@ -98,7 +98,7 @@ absl::Status CheckInputFile(const std::string& flag, const std::string& path, co
 // naming the flag and saying that ptk has GPT-2's files built in (leave both flags out).
 absl::Status CheckGpt2FileFlags(const std::string& vocab_file, const std::string& merge_file);
 
-// For a main whose unfinished outputs are worth nothing once it ends (ptk-extract, ptk-concat; not
+// For a main whose unfinished outputs are worth nothing once it ends (ptk-extract, ptk-concat, ptk-merge; not
 // ptk-tokenize, which resumes from its temporary): on SIGINT, SIGTERM or SIGHUP the temporaries of
 // its unfinished outputs (RemoveLiveTemporaries) and its lock files (RemoveLiveLocks) are removed
 // before it dies of the signal, as gzip and zstd remove their partial output; a kill -9 still leaves them to the next

@@ -3,6 +3,7 @@
 
 #include <simdjson.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -259,15 +260,19 @@ absl::Status IndexedDatasetBuilder::Finalize() {
   if (!source_.empty()) side.Field("source", source_);
   PTK_RETURN_IF_ERROR(done_writer->Write(side.EndObject().str() + "\n"));
   PTK_RETURN_IF_ERROR(done_writer->Seal());
-  absl::Status st = PublishTogether(PublishJournalPath(prefix_), {{bin_->tmp_path(), BinPath(prefix_)},
+  // Handed over before the journal is written, whose files they then are (the next writer or reader completes
+  // it): a signal's cleanup (cli::RemoveTemporariesOnSignals) removes the temporaries still tracked, and
+  // once released after the journal, one between the two removed files the journal names. A signal
+  // before the journal leaves them untracked: the next writer removes them under its lock.
+  const std::vector<std::pair<std::string, std::string>> files = {{bin_->tmp_path(), BinPath(prefix_)},
                                                                   {idx_writer->tmp_path(), IdxPath(prefix_)},
-                                                                  {done_writer->tmp_path(), DoneSidecarPath(prefix_)}});
-  // Once the journal exists the temporaries belong to it (the next writer or reader completes it).
-  if (st.ok() || PathExists(PublishJournalPath(prefix_))) {
-    bin_->Release();
-    idx_writer->Release();
-    done_writer->Release();
-  }
+                                                                  {done_writer->tmp_path(), DoneSidecarPath(prefix_)}};
+  bin_->Release();
+  idx_writer->Release();
+  done_writer->Release();
+  absl::Status st = PublishTogether(PublishJournalPath(prefix_), files);
+  if (!st.ok() && !PathExists(PublishJournalPath(prefix_)))
+    for (const auto& f : files) ::unlink(f.first.c_str());  // no journal: nothing published, they are ours
   PTK_RETURN_IF_ERROR(st);
   finalized_ = true;
   lock_.reset();

@@ -1,9 +1,11 @@
 // ptk checkpoint -> Megatron-LM `torch` checkpoint: split at the target sizes, as Megatron saves it.
 #include "interop/megatron.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -335,6 +337,59 @@ std::string WroteNote(const Export& ex) {
       ex.mixed ? fmt::format(" --{}", ex.precision) : "", ex.distopt ? " --use-distributed-optimizer" : "");
 }
 
+// True while process `pid` exists on this host (EPERM: it exists, as another user's).
+bool ProcessAlive(pid_t pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
+
+// True when `dir` holds a ptk checkpoint file (*.ptk): ptk-train's save, not an export's.
+bool HoldsPtkCheckpoint(const std::string& dir) {
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec))
+    if (it->path().extension() == ".ptk") return true;
+  return false;
+}
+
+// What killed exports left beside the iteration directories of `save_dir` (a SIGKILL mid-write leaves
+// iter_N.ptk-tmp-PID with a partial model_optim_rng.pt, as large as what was written; a kill between
+// the two renames leaves iter_N.ptk-old-PID, the previous copy, with iter_N missing). Called under
+// the directory's ptk-convert lock, so no other export writes there; ptk-train saves into its --save
+// directory under the same names with a lock of its own, so only a copy whose process is gone from
+// this host and which holds no ptk checkpoint file is touched: a missing iteration is renamed back
+// from its old copy, the rest removed. Each is named in `notes`, and so is a live process's copy,
+// left alone.
+absl::Status SweepDeadExports(const std::string& save_dir, std::vector<std::string>* notes) {
+  static const std::regex kLeft(R"(iter_\d{7,}\.ptk-(tmp|old)-(\d{1,9}))");
+  std::vector<std::pair<std::string, pid_t>> found;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(save_dir, ec)) {
+    std::smatch m;
+    const std::string name = e.path().filename().string();
+    if (!std::regex_match(name, m, kLeft)) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(m[2].str()));
+    if (pid <= 0 || pid == ::getpid()) continue;
+    if (ProcessAlive(pid)) {
+      notes->push_back(fmt::format("left {}: process {} is alive (a concurrent run's)", e.path().string(), pid));
+      continue;
+    }
+    if (!HoldsPtkCheckpoint(e.path().string())) found.emplace_back(e.path().string(), pid);
+  }
+  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save_dir, ec.message()));
+  std::sort(found.begin(), found.end());
+  for (const auto& [path, pid] : found) {
+    const std::string iter_dir = path.substr(0, path.rfind(".ptk-"));
+    if (path.find(".ptk-old-") != std::string::npos && !PathExists(iter_dir)) {
+      PTK_RETURN_IF_ERROR(RenameFile(path, iter_dir));
+      PTK_RETURN_IF_ERROR(FsyncDir(save_dir));
+      notes->push_back(fmt::format("{}: put back from {}, which a killed ptk-convert (process {}) had renamed aside",
+                                   iter_dir, path, pid));
+      continue;
+    }
+    PTK_RETURN_IF_ERROR(RemoveAll(path));
+    notes->push_back(fmt::format("removed {}, left by a killed ptk-convert (process {} is gone)", path, pid));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
@@ -406,6 +461,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   // The iteration's directory, written aside and renamed into place.
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-convert")));
+  PTK_RETURN_IF_ERROR(SweepDeadExports(o.save_dir, &s.notes));
   const std::string final_dir = JoinPath(o.save_dir, fmt::format("iter_{:07d}", state.iteration));
   const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());
   const std::string old_dir = fmt::format("{}.ptk-old-{}", final_dir, ::getpid());

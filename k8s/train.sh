@@ -7,8 +7,11 @@
 # Why: a rank stopped by SIGTERM (preemption, eviction, a drained node) saves a checkpoint
 # (--exit-signal-handler) and exits 0, and so do all the other ranks, which agree to stop with it.
 # Exit 0 would make their pods Succeeded, and the Job or the PyTorchJob would take those ranks as done
-# and never run them again. When the latest checkpoint (--save) is short of --train-iters, this exits
-# 143 for its own SIGTERM and 75 otherwise, so that the rank runs again and resumes (--load).
+# and never run them again. ptk-train itself says whether training is complete: under
+# PTK_TRAIN_INCOMPLETE_EXIT=75 a run that stopped before its last iteration (a signal, --exit-interval,
+# --exit-duration-in-mins) exits 75 on every rank, whatever flags set the run's length (--train-iters,
+# --train-samples, an abbreviation ptk-train accepts such as --train-it). This then exits 143 for its
+# own SIGTERM and 75 otherwise, so that the rank runs again and resumes (--load).
 # Environment: STAGE_PATH, DATASET_FOLDER_NAME, VALID_SUBDIR and PTK_BIN (read by slurm/config.sh),
 # TRAIN_EXTRA_ARGS; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for ptk-train.
 set -uo pipefail
@@ -17,20 +20,13 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # (env.sh allows one) into two paths, and ptk-train failed in the pod.
 data_lines=$(bash "$here/../slurm/data-path.sh" --train-args-lines) || exit
 mapfile -t data <<<"$data_lines"
-iters="" save=""
-prev=""
-for a in "$@"; do
-  case "$prev" in --train-iters) iters=$a ;; --save) save=$a ;; esac
-  case "$a" in --train-iters=*) iters=${a#*=} ;; --save=*) save=${a#*=} ;; esac
-  prev=$a
-done
 stopped=0 child=""
 # The trap before the child: a SIGTERM between its start and the trap would end this script alone,
 # leaving ptk-train running unsignalled until the pod's SIGKILL (no checkpoint). One that comes before
 # `child` is set is passed on just after.
 trap 'stopped=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null' TERM INT
 # shellcheck disable=SC2086  # TRAIN_EXTRA_ARGS is a list of words
-"${PTK_BIN:-/opt/ptk/bin}/ptk-train" "$@" "${data[@]}" ${TRAIN_EXTRA_ARGS:-} &
+PTK_TRAIN_INCOMPLETE_EXIT=75 "${PTK_BIN:-/opt/ptk/bin}/ptk-train" "$@" "${data[@]}" ${TRAIN_EXTRA_ARGS:-} &
 child=$!
 [ "$stopped" = 0 ] || kill -TERM "$child" 2>/dev/null
 while :; do
@@ -38,16 +34,11 @@ while :; do
   rc=$?
   kill -0 "$child" 2>/dev/null || break  # else the trap cut the wait short: wait for the save
 done
-[ "$rc" = 0 ] || exit "$rc"
-if [ -n "$iters" ] && [ -n "$save" ]; then
-  latest=$(cat "$save/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
-  if ! [ "$latest" -ge "$iters" ] 2>/dev/null; then
-    code=$([ "$stopped" = 1 ] && echo 143 || echo 75)
-    echo "train.sh: ptk-train stopped at iteration $latest of $iters$([ "$stopped" = 1 ] && echo " on SIGTERM")" \
-         "with a checkpoint saved; exit $code, so that this rank runs again and resumes" >&2
-    exit "$code"
-  fi
-elif [ "$stopped" = 1 ]; then
-  exit 143
+if [ "$rc" = 75 ]; then  # stopped before the last iteration, a checkpoint saved
+  code=$([ "$stopped" = 1 ] && echo 143 || echo 75)
+  echo "train.sh: ptk-train stopped before its last iteration$([ "$stopped" = 1 ] && echo " on SIGTERM")" \
+       "with a checkpoint saved; exit $code, so that this rank runs again and resumes" >&2
+  exit "$code"
 fi
-exit 0
+# 0: training is complete (a SIGTERM that came after the last iteration changes nothing); else failed.
+exit "$rc"

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
                 "Merge again even when the output's .ptk-done sidecar records these inputs (same files, sizes and "
                 "times) and settings");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
+  ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (input_dir.empty() && inputs.empty()) return ptk::UsageError("give --input DIR or --inputs PREFIX...");

@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -232,6 +233,22 @@ void PrintDone(const ptk::TrainSummary& s) {
                  s.exit_reason.empty() ? "" : " (" + s.exit_reason + ")");
 }
 
+// PTK_TRAIN_INCOMPLETE_EXIT=N (1..255): the exit code, on every rank, of a run that stopped before its
+// last iteration with a checkpoint saved (--exit-signal-handler, --exit-interval,
+// --exit-duration-in-mins) in place of Megatron's 0, so that a launcher that reruns ranks until
+// training is complete (k8s/train.sh) need not work out the run's length from its flags. Unset or
+// empty: 0 (Megatron's).
+absl::StatusOr<int> IncompleteExitCode() {
+  const char* v = std::getenv("PTK_TRAIN_INCOMPLETE_EXIT");
+  if (v == nullptr || *v == '\0') return 0;
+  const std::string_view s(v);
+  int code = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), code);
+  if (ec != std::errc() || end != s.data() + s.size() || code < 1 || code > 255)
+    return ptk::UsageError(fmt::format("environment: PTK_TRAIN_INCOMPLETE_EXIT={}: an exit code from 1 to 255", s));
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -248,7 +265,10 @@ int main(int argc, char** argv) {
   // write to a closed socket or pipe fails with EPIPE instead).
   ::signal(SIGPIPE, SIG_IGN);
 
-  return ptk::cli::RunMain([&]() -> absl::Status {
+  int incomplete_exit = 0;  // PTK_TRAIN_INCOMPLETE_EXIT's code, returned when training stopped early
+  bool incomplete = false;
+  const int rc = ptk::cli::RunMain([&]() -> absl::Status {
+    PTK_ASSIGN_OR_RETURN(incomplete_exit, IncompleteExitCode());
     // A bad RANK / WORLD_SIZE / SLURM_* / MASTER_PORT is a usage error (exit 2) naming it, as a bad flag.
     auto env_ranks = ptk::TrainingRanksFromEnv();
     if (absl::IsInvalidArgument(env_ranks.status()) && !ptk::IsUsageError(env_ranks.status()))
@@ -301,6 +321,8 @@ int main(int argc, char** argv) {
     options.args_json = ArgsJson(argc, argv);
     PTK_ASSIGN_OR_RETURN(ptk::TrainSummary s, ptk::RunTraining(options, plan));
     if (ranks.rank == 0) PrintDone(s);
+    incomplete = s.iteration < plan.train_iters;  // not exit_reason: --exit-interval may fire at the last one
     return absl::OkStatus();
   });
+  return rc == 0 && incomplete ? incomplete_exit : rc;
 }

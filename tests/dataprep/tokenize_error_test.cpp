@@ -2,15 +2,18 @@
 // --strict), invalid text is repaired and counted, damaged compressed input fails with no output,
 // unsupported flags are usage errors. Never a crash or a hang.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <thread>
 #include <tuple>
 
 #include "dataprep/tokenize/json_record.h"
@@ -1241,6 +1244,69 @@ TEST(TokenizeErrors, TheLibraryNamesTheSettingNotAFlag) {
   EXPECT_EQ(no_keys.status().message(), "no JSON keys: json_keys names no key to tokenize");
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
   EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin"));
+}
+
+// Interrupted (Ctrl-C, a scheduler's SIGTERM), ptk-merge left its partial output (OUT.bin.ptk-tmp-*, as
+// large as what was merged so far) and OUT.ptk-lock naming the dead run. Now it removes them and dies of
+// the signal (its temporaries are handed to the publish journal before the journal is written, so the
+// cleanup never removes what a journal names); a rerun completes the merge and leaves nothing else.
+// The run is stopped (SIGSTOP) while its temporary exists, signalled, then continued.
+TEST(TokenizeErrors, AnInterruptedMergeRemovesItsPartialOutput) {
+  TempDir dir;
+  std::string inputs;
+  std::vector<int32_t> tokens(1 << 22), lengths = {1 << 22};
+  for (int i = 0; i < 8; ++i) {
+    for (size_t k = 0; k < tokens.size(); ++k) tokens[k] = static_cast<int32_t>((k * 7 + i) % 50000);
+    const std::string prefix = dir / fmt::format("in{}", i);
+    auto b = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_TRUE((*b)->AddDocument(tokens, lengths).ok());
+    ASSERT_TRUE((*b)->Finalize().ok());
+    inputs += " " + prefix;
+  }
+  std::filesystem::create_directories(dir / "out");
+  const std::string out = dir / "out",
+                    cmd = testing::Tool("ptk-merge") + " --inputs" + inputs + " --output-prefix " + out + "/m";
+  auto count = [&](const char* tag) {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(out))
+      n += e.path().filename().string().find(tag) != std::string::npos;
+    return n;
+  };
+  struct sigaction dfl {
+  }, saved{};
+  dfl.sa_handler = SIG_DFL;
+  ::sigaction(SIGINT, &dfl, &saved);  // not inherited as ignored (a background job's)
+  for (int sig : {SIGINT, SIGTERM}) {
+    SCOPED_TRACE(strsignal(sig));
+    bool landed = false;
+    for (int attempt = 0; attempt < 10 && !landed; ++attempt) {
+      std::filesystem::remove_all(out);
+      std::filesystem::create_directories(out);
+      const pid_t pid = testing::SpawnShell(cmd, dir / "log");
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (count(".ptk-tmp") == 0 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      ::kill(pid, SIGSTOP);
+      const bool mid_write = count(".ptk-tmp") > 0 && count(".ptk-publish") == 0;
+      ::kill(pid, sig);
+      ::kill(pid, SIGCONT);
+      const int rc = testing::WaitExit(pid);
+      if (!mid_write || rc == 0) continue;  // finished first (a fast machine): again
+      landed = true;
+      EXPECT_EQ(rc, 128 + sig) << testing::ReadFile(dir / "log");
+      EXPECT_EQ(count(".ptk-tmp"), 0) << testing::ReadFile(dir / "log");
+      EXPECT_EQ(count(".ptk-lock"), 0) << testing::ReadFile(dir / "log");
+    }
+    EXPECT_TRUE(landed) << "the merge always finished before it could be interrupted";
+    auto rerun = RunCmd(cmd);
+    ASSERT_EQ(rerun.exit_code, 0) << rerun.output;
+    auto ds = IndexedDataset::Open(out + "/m");
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    EXPECT_EQ((*ds)->num_tokens(), 8 << 22);
+    EXPECT_EQ(testing::Leftovers(out), "");
+  }
+  ::sigaction(SIGINT, &saved, nullptr);
 }
 
 }  // namespace

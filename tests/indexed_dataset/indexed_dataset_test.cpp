@@ -1,11 +1,15 @@
 // IndexedDatasetBuilder / IndexedDataset: golden bytes, round trips, merge.
 #include "indexed_dataset/indexed_dataset.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <random>
 
 #include <gtest/gtest.h>
 
+#include "common/atomic_file.h"
 #include "common/hash.h"
 #include "indexed_dataset/merge.h"
 #include "tests/test_util.h"
@@ -339,6 +343,35 @@ TEST(IndexedDatasetBuilder, SecondWriterOfAPrefixIsRefused) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
   auto c = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);  // free again once finalized
   EXPECT_TRUE(c.ok()) << c.status();
+}
+
+// Regression: Finalize handed its temporaries to the publish journal only after writing it, so a
+// signal's cleanup (ptk-merge's, cli::RemoveTemporariesOnSignals) between the two removed files the
+// journal names and the dataset could not be completed. A child killed there (its cleanup run, as a
+// SIGTERM runs it) leaves the journal and every file it names: the next reader completes it.
+TEST(IndexedDatasetBuilder, SignalCleanupAfterTheJournalKeepsWhatItNames) {
+  TempDir dir;
+  const std::string prefix = dir / "d";
+  const pid_t child = ::fork();
+  if (child == 0) {
+    SetPublishHookForTesting([] {
+      RemoveLiveTemporaries();
+      ::_exit(43);
+    });
+    auto b = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);
+    std::vector<int32_t> t = {1, 2, 3, 4, 5}, l = {2, 3};
+    if (!b.ok() || !(*b)->AddDocument(t, l).ok()) ::_exit(1);
+    (void)(*b)->Finalize();
+    ::_exit(2);  // the hook did not run
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 43) << status;
+  ASSERT_TRUE(testing::Exists(PublishJournalPath(prefix)));
+  auto ds = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_EQ((*ds)->num_tokens(), 5);
+  EXPECT_FALSE(testing::Exists(PublishJournalPath(prefix)));
 }
 
 TEST(IndexedDatasetBuilder, SidecarChecksumsCatchLaterDamage) {

@@ -14,8 +14,8 @@
   3. ptk-train as the plain Indexed Job (+ headless Service) variant, 2 ranks over loopback, and as
      the PyTorchJob with its Worker (rank 1) SIGKILLed after a checkpoint and its restarted Master
      SIGTERMed while it waits for the Worker, whose restart the test holds (all ranks save after one
-     iteration and stop, and k8s/train.sh exits 143 and 75 so that they run again rather than count as
-     done): the ranks restart in place, resume from the latest checkpoint, and end with checkpoints
+     iteration and stop, ptk-train says so with exit 75 and k8s/train.sh exits 143 and 75 so that they run
+     again rather than count as done; their run length is given as --train-it, an abbreviation): the ranks restart in place, resume from the latest checkpoint, and end with checkpoints
      bit-identical to the uninterrupted run's; every iteration is logged.
 
 Usage: k8s_local_run_test.py BIN_DIR SOURCE_DIR
@@ -323,6 +323,12 @@ try:
     say("   2 ranks over loopback (rank 0 reached as ptk-train-0.ptk-train), iteration 60, checkpoints 20/40/60")
 
     (pj,) = render("pytorchjob", CKPT_DIR="/fsx/ptk/ckpt-pytorchjob")
+    # The run's length as an abbreviation ptk-train accepts (--train-it, as argparse takes it). Regression:
+    # train.sh judged completion from --train-iters alone, so the Worker that stopped with the SIGTERMed
+    # Master exited 0 (Succeeded, never run again) and the Master waited for it until the timeout.
+    for spec in pj["spec"]["pytorchReplicaSpecs"].values():
+        args = spec["template"]["spec"]["containers"][0]["args"]
+        args[args.index("--train-iters=60")] = "--train-it=60"
     ckpt = os.path.join(VOL, "ptk", "ckpt-pytorchjob")
     worker_killed, master_stopped, resumed_from = [], [], []
 
@@ -392,8 +398,8 @@ try:
         fail("the restarted ranks did not resume from the checkpoint to iteration 60:\n" + mlog[-4000:], sim)
     wlog = open(os.path.join(sim.log_dir, "ptk-train-worker-0.pytorch.log")).read()
     stop = resumed_from[0] + 1  # the checkpoint the restarted ranks loaded, and the one iteration after the SIGTERM
-    if f"train.sh: ptk-train stopped at iteration {stop} of 60 on SIGTERM with a checkpoint saved; exit 143" \
-            not in mlog or f"train.sh: ptk-train stopped at iteration {stop} of 60 with a checkpoint saved; exit 75" \
+    if "train.sh: ptk-train stopped before its last iteration on SIGTERM with a checkpoint saved; exit 143" \
+            not in mlog or "train.sh: ptk-train stopped before its last iteration with a checkpoint saved; exit 75" \
             not in wlog:
         fail("the SIGTERMed Master and the Worker that stopped with it did not exit 143 and 75 (their pods would "
              "have counted as succeeded):\n" + mlog[-3000:] + wlog[-3000:], sim)
@@ -406,7 +412,8 @@ try:
         its record of the command line names each run's checkpoint directory."""
         b = open(path, "rb").read()
         n = int.from_bytes(b[8:16], "little")
-        header = json.loads(b[16:16 + n].decode().replace("/ckpt-pytorchjob", "/ckpt-indexed"))
+        header = json.loads(b[16:16 + n].decode().replace("/ckpt-pytorchjob", "/ckpt-indexed")
+                            .replace('"--train-it=60"', '"--train-iters=60"'))
         header.pop("wall_seconds")
         return header, hashlib.sha256(b[16 + n:-64]).hexdigest()
 

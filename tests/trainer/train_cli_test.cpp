@@ -1171,5 +1171,39 @@ TEST_F(TrainCli, NewcomerMistakesAreNamed) {
   EXPECT_NE(lr.output.find("unknown flag -lr; did you mean --lr?"), std::string::npos) << lr.output;
 }
 
+// PTK_TRAIN_INCOMPLETE_EXIT (k8s/train.sh's): a run that stopped before its last iteration exits with
+// it, whatever flag set the run's length; one that reached it (even when --exit-interval fires there) and
+// one with nothing left to train exit 0, and so does a stop without it (Megatron's). Regression:
+// k8s/train.sh judged completion from --train-iters alone, and a rank of a --train-samples run that
+// stopped with the others exited 0: its pod counted as done and never ran again.
+TEST_F(TrainCli, IncompleteExitCodeSaysWhetherTrainingIsComplete) {
+  const std::string env = "PTK_TRAIN_INCOMPLETE_EXIT=75 ";
+  auto by_samples = [&](const std::string& extra) {
+    std::string cmd = Train(extra, 4);
+    cmd.replace(cmd.find(" --lr-warmup-iters 1 "), 21, " --lr-warmup-samples 4 ");  // Megatron's rule
+    return cmd.replace(cmd.find(" --train-iters 4 "), 17, " --train-samples 16 ");
+  };
+  const std::string ck = ShellQuote(dir_ / "ck"), resume = " --save " + ck + " --load " + ck;
+  auto stopped = RunCmd(env + by_samples("--exit-interval 2" + resume));
+  EXPECT_EQ(stopped.exit_code, 75) << stopped.output;
+  EXPECT_NE(stopped.output.find("exiting program at iteration 2"), std::string::npos) << stopped.output;
+  auto finished = RunCmd(env + by_samples("--exit-interval 2" + resume));
+  EXPECT_EQ(finished.exit_code, 0) << finished.output;
+  EXPECT_NE(finished.output.find("done: iteration 4"), std::string::npos) << finished.output;
+  auto nothing = RunCmd(env + by_samples(resume));
+  EXPECT_EQ(nothing.exit_code, 0) << nothing.output;
+  const std::string ck2 = ShellQuote(dir_ / "ck2");
+  auto plain = RunCmd(by_samples("--exit-interval 2 --save " + ck2));
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+  std::string abbreviated_cmd = Train("--exit-interval 2 --save " + ShellQuote(dir_ / "ck3"), 4);
+  auto abbreviated =
+      RunCmd(env + abbreviated_cmd.replace(abbreviated_cmd.find(" --train-iters 4 "), 17, " --train-it 4 "));
+  EXPECT_EQ(abbreviated.exit_code, 75) << abbreviated.output;
+  auto bad = RunCmd("PTK_TRAIN_INCOMPLETE_EXIT=0 " + by_samples(""));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("PTK_TRAIN_INCOMPLETE_EXIT=0: an exit code from 1 to 255"), std::string::npos)
+      << bad.output;
+}
+
 }  // namespace
 }  // namespace ptk

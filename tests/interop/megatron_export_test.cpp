@@ -1,0 +1,98 @@
+// ptk-convert --saver megatron: what a killed export left beside the iteration directories.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "interop/hf_gpt2.h"
+#include "interop/megatron.h"
+#include "tests/test_util.h"
+#include "trainer/checkpoint.h"
+
+namespace ptk {
+namespace {
+
+// A process id that was a process of ours and is gone: a child that exited and was reaped.
+pid_t DeadPid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return child;
+}
+
+void WriteWithDirs(const std::string& path, const std::string& data) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  testing::WriteFile(path, data);
+}
+
+bool Mentions(const std::vector<std::string>& notes, const std::string& what) {
+  for (const std::string& n : notes)
+    if (n.find(what) != std::string::npos) return true;
+  return false;
+}
+
+// Regression: a SIGKILL mid-write left iter_N.ptk-tmp-PID (a partial model_optim_rng.pt, possibly GBs)
+// beside the target and no later export removed it. The next export removes a dead process's copies
+// (and puts back an iteration a kill between the two renames left aside), and leaves a live process's
+// and ptk-train's (a ptk checkpoint inside) alone.
+TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
+  testing::TempDir dir;
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 64;
+  c.seq_length = c.max_position_embeddings = 16;
+  c.vocab_size = 100;
+  c.padded_vocab_size = 128;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> params(static_cast<size_t>(layout->num_params)), m(params.size()), v(params.size());
+  layout->InitWeights(5, params);
+  TrainState st;
+  st.iteration = 7;
+  st.settings = {{"--vocab-size", "100"}};
+  ASSERT_TRUE(SaveCheckpoint(dir / "ck", *layout, params, m, v, st, "[]").ok());
+
+  const std::string meg = dir / "meg";
+  const pid_t dead = DeadPid(), live = ::getppid();
+  const std::string killed = meg + "/iter_0000007.ptk-tmp-" + std::to_string(dead);
+  const std::string aside = meg + "/iter_0000003.ptk-old-" + std::to_string(dead);
+  const std::string stale_old = meg + "/iter_0000005.ptk-old-" + std::to_string(dead);
+  const std::string running = meg + "/iter_0000007.ptk-tmp-" + std::to_string(live);
+  const std::string trainer = meg + "/iter_0000009.ptk-tmp-" + std::to_string(dead);
+  WriteWithDirs(killed + "/mp_rank_00/model_optim_rng.pt", "a partial torch.save zip");
+  WriteWithDirs(aside + "/mp_rank_00/model_optim_rng.pt", "iteration 3, renamed aside");
+  WriteWithDirs(meg + "/iter_0000005/mp_rank_00/model_optim_rng.pt", "iteration 5");
+  WriteWithDirs(stale_old + "/mp_rank_00/model_optim_rng.pt", "an older iteration 5");
+  WriteWithDirs(running + "/mp_rank_00/model_optim_rng.pt", "a live run's, being written");
+  WriteWithDirs(trainer + "/mp_rank_00/model_optim_rng.ptk", "ptk-train's save");
+
+  ConvertOptions o;
+  o.loader = "ptk";
+  o.saver = "megatron";
+  o.load_dir = dir / "ck";
+  o.save_dir = meg;
+  auto s = ExportToMegatron(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(testing::Exists(meg + "/iter_0000007/mp_rank_00/model_optim_rng.pt"));
+  EXPECT_FALSE(testing::Exists(killed));
+  EXPECT_FALSE(testing::Exists(aside));
+  EXPECT_EQ(testing::ReadFile(meg + "/iter_0000003/mp_rank_00/model_optim_rng.pt"), "iteration 3, renamed aside");
+  EXPECT_FALSE(testing::Exists(stale_old));
+  EXPECT_EQ(testing::ReadFile(meg + "/iter_0000005/mp_rank_00/model_optim_rng.pt"), "iteration 5");
+  EXPECT_TRUE(testing::Exists(running + "/mp_rank_00/model_optim_rng.pt"));
+  EXPECT_TRUE(testing::Exists(trainer + "/mp_rank_00/model_optim_rng.ptk"));
+  EXPECT_TRUE(Mentions(s->notes, "removed " + killed)) << s->notes.front();
+  EXPECT_TRUE(Mentions(s->notes, "left " + running + ": process " + std::to_string(live) + " is alive"));
+  EXPECT_TRUE(Mentions(s->notes, "put back from " + aside));
+}
+
+}  // namespace
+}  // namespace ptk
