@@ -395,8 +395,9 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
   EXPECT_EQ(tp.exit_code, 2) << tp.output;
   // A flag of another direction was ignored, exit 0: --vocab-file naming no file, --force, a layer-name
   // choice no saver but Megatron's reads.
-  for (const char* flag :
+  for (const char* given :
        {"--vocab-file /nonexistent/vocab.json", "--merge-file m.txt", "--force", "--saver-transformer-impl local"}) {
+    const std::string flag = given;
     auto other = RunCmd(tool + " --loader hf --saver ptk --load-dir " + ShellQuote(dir_ / "hf") + " --save-dir " +
                         ShellQuote(dir_ / "other") + " " + flag);
     EXPECT_EQ(other.exit_code, 2) << flag << "\n" << other.output;
