@@ -85,7 +85,7 @@ std::vector<Line> Lines(const std::string& out) {
 }
 
 class CudaTrainCli : public ::testing::Test {
- protected:
+ public:  // the helpers below the class use MustTrain and Dir too
   static void SetUpTestSuite() {
     dir_ = new std::string(fs::temp_directory_path() / ("ptk-cuda-cli-" + std::to_string(::getpid())));
     fs::create_directories(*dir_);
@@ -199,6 +199,37 @@ TEST_F(CudaTrainCli, LlamaLineFollowsTheCpuCurve) {
   EXPECT_LT(bf16.back().lm_loss, bf16.front().lm_loss - 1.0) << "bf16 did not learn";
 }
 
+// What both tests below check of a flag line `line`: fp32 on the GPU follows the CPU's curve within 2e-3
+// relative at every one of 20 iterations; bf16 within 3e-2 on average, and learns.
+void ExpectFollowsTheCpuCurve(CudaTrainCli& t, const std::string& line) {
+  const std::vector<Line> cpu = t.MustTrain(line + "--device cpu", 20);
+  const std::vector<Line> fp32 = t.MustTrain(line + "--device cuda", 20);
+  ASSERT_EQ(cpu.size(), 20u);
+  ASSERT_EQ(fp32.size(), cpu.size());
+  for (size_t i = 0; i < cpu.size(); ++i)
+    EXPECT_NEAR(fp32[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss) << "fp32, iteration " << i + 1;
+  const std::vector<Line> bf16 = t.MustTrain(line + "--device cuda --bf16", 20);
+  ASSERT_EQ(bf16.size(), cpu.size());
+  double mean_rel = 0;
+  for (size_t i = 0; i < bf16.size(); ++i) mean_rel += std::fabs(bf16[i].lm_loss - cpu[i].lm_loss) / cpu[i].lm_loss;
+  EXPECT_LE(mean_rel / static_cast<double>(bf16.size()), 3e-2);
+  EXPECT_LT(bf16.back().lm_loss, bf16.front().lm_loss - 1.0) << "bf16 did not learn";
+}
+
+// A CUDA checkpoint of `line` at iteration 10 continued to 14 on the CPU and on the GPU: within 2e-3.
+void ExpectCrossesBackends(CudaTrainCli& t, const std::string& line, const std::string& tag) {
+  const std::string longer = "--override-opt_param-scheduler ";
+  ASSERT_EQ(t.MustTrain(line + "--device cuda --save " + t.Dir(tag + "_cuda"), 10).size(), 10u);
+  const std::vector<Line> on_cuda = t.MustTrain(
+      line + longer + "--device cuda --load " + t.Dir(tag + "_cuda") + " --save " + t.Dir(tag + "_cuda_cont"), 14);
+  const std::vector<Line> on_cpu = t.MustTrain(
+      line + longer + "--device cpu --load " + t.Dir(tag + "_cuda") + " --save " + t.Dir(tag + "_cpu_cont"), 14);
+  ASSERT_EQ(on_cuda.size(), 4u);
+  ASSERT_EQ(on_cpu.size(), 4u);
+  for (size_t i = 0; i < on_cpu.size(); ++i)
+    EXPECT_NEAR(on_cpu[i].lm_loss, on_cuda[i].lm_loss, 2e-3 * on_cuda[i].lm_loss) << "iteration " << 11 + i;
+}
+
 // --qk-layernorm (Qwen3's query and key norms on the Llama line, RMSNorm; and GPT-3's line with
 // LayerNorm's weights and biases): fp32 on the GPU follows the CPU's curve within 2e-3 relative at
 // every iteration over 20, bf16 within 3e-2 on average; and the norms cross backends in a checkpoint
@@ -210,29 +241,9 @@ TEST_F(CudaTrainCli, QKLayerNormFollowsTheCpuCurveAndCrossesBackends) {
       "--untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 --qk-layernorm ";
   for (const std::string& line : {qwen3, std::string("--qk-layernorm --attention-dropout 0.0 ")}) {
     SCOPED_TRACE(line);
-    const std::vector<Line> cpu = MustTrain(line + "--device cpu", 20);
-    const std::vector<Line> fp32 = MustTrain(line + "--device cuda", 20);
-    ASSERT_EQ(cpu.size(), 20u);
-    ASSERT_EQ(fp32.size(), cpu.size());
-    for (size_t i = 0; i < cpu.size(); ++i)
-      EXPECT_NEAR(fp32[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss) << "fp32, iteration " << i + 1;
-    const std::vector<Line> bf16 = MustTrain(line + "--device cuda --bf16", 20);
-    ASSERT_EQ(bf16.size(), cpu.size());
-    double mean_rel = 0;
-    for (size_t i = 0; i < bf16.size(); ++i) mean_rel += std::fabs(bf16[i].lm_loss - cpu[i].lm_loss) / cpu[i].lm_loss;
-    EXPECT_LE(mean_rel / static_cast<double>(bf16.size()), 3e-2);
-    EXPECT_LT(bf16.back().lm_loss, bf16.front().lm_loss - 1.0) << "bf16 did not learn";
+    ExpectFollowsTheCpuCurve(*this, line);
   }
-  const std::string longer = "--override-opt_param-scheduler ";
-  ASSERT_EQ(MustTrain(qwen3 + "--device cuda --save " + Dir("qk_cuda"), 10).size(), 10u);
-  const std::vector<Line> on_cuda =
-      MustTrain(qwen3 + longer + "--device cuda --load " + Dir("qk_cuda") + " --save " + Dir("qk_cuda_cont"), 14);
-  const std::vector<Line> on_cpu =
-      MustTrain(qwen3 + longer + "--device cpu --load " + Dir("qk_cuda") + " --save " + Dir("qk_cpu_cont"), 14);
-  ASSERT_EQ(on_cuda.size(), 4u);
-  ASSERT_EQ(on_cpu.size(), 4u);
-  for (size_t i = 0; i < on_cpu.size(); ++i)
-    EXPECT_NEAR(on_cpu[i].lm_loss, on_cuda[i].lm_loss, 2e-3 * on_cuda[i].lm_loss) << "iteration " << 11 + i;
+  ExpectCrossesBackends(*this, qwen3, "qk");
 }
 
 // Megatron's --squared-relu, --apply-layernorm-1p and --init-method-xavier-uniform through ptk-train on
@@ -241,28 +252,8 @@ TEST_F(CudaTrainCli, QKLayerNormFollowsTheCpuCurveAndCrossesBackends) {
 // continuation (the zero-centred norm weights cross backends as they are).
 TEST_F(CudaTrainCli, MegatronMlpAndNormFlagsFollowTheCpuCurveAndCrossBackends) {
   const std::string flags = "--squared-relu --apply-layernorm-1p --init-method-xavier-uniform --attention-dropout 0.0 ";
-  const std::vector<Line> cpu = MustTrain(flags + "--device cpu", 20);
-  const std::vector<Line> fp32 = MustTrain(flags + "--device cuda", 20);
-  ASSERT_EQ(cpu.size(), 20u);
-  ASSERT_EQ(fp32.size(), cpu.size());
-  for (size_t i = 0; i < cpu.size(); ++i)
-    EXPECT_NEAR(fp32[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss) << "fp32, iteration " << i + 1;
-  const std::vector<Line> bf16 = MustTrain(flags + "--device cuda --bf16", 20);
-  ASSERT_EQ(bf16.size(), cpu.size());
-  double mean_rel = 0;
-  for (size_t i = 0; i < bf16.size(); ++i) mean_rel += std::fabs(bf16[i].lm_loss - cpu[i].lm_loss) / cpu[i].lm_loss;
-  EXPECT_LE(mean_rel / static_cast<double>(bf16.size()), 3e-2);
-  EXPECT_LT(bf16.back().lm_loss, bf16.front().lm_loss - 1.0) << "bf16 did not learn";
-  const std::string longer = "--override-opt_param-scheduler ";
-  ASSERT_EQ(MustTrain(flags + "--device cuda --save " + Dir("mlp_cuda"), 10).size(), 10u);
-  const std::vector<Line> on_cuda =
-      MustTrain(flags + longer + "--device cuda --load " + Dir("mlp_cuda") + " --save " + Dir("mlp_cuda_cont"), 14);
-  const std::vector<Line> on_cpu =
-      MustTrain(flags + longer + "--device cpu --load " + Dir("mlp_cuda") + " --save " + Dir("mlp_cpu_cont"), 14);
-  ASSERT_EQ(on_cuda.size(), 4u);
-  ASSERT_EQ(on_cpu.size(), 4u);
-  for (size_t i = 0; i < on_cpu.size(); ++i)
-    EXPECT_NEAR(on_cpu[i].lm_loss, on_cuda[i].lm_loss, 2e-3 * on_cuda[i].lm_loss) << "iteration " << 11 + i;
+  ExpectFollowsTheCpuCurve(*this, flags);
+  ExpectCrossesBackends(*this, flags, "mlp");
 }
 
 // --deterministic-mode: two runs print the same loss and grad norm on every line, in bf16 with

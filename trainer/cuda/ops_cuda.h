@@ -124,7 +124,7 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
                                int64_t vocab_rows, int64_t position_rows, EmbeddingBackwardPlan* plan,
                                const CudaContext& ctx, int64_t vocab_first = -1);
 
-// ---- gelu_cuda.cu ------------------------------------------------------------------------------
+// ---- activation_cuda.cu (GELU and squared ReLU: one kernel pair, the activation a type) ---------
 // GeluValue / GeluDerivative of trainer/op_math.h in fp32.
 template <typename T>
 absl::Status GeluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx);
@@ -132,7 +132,6 @@ absl::Status GeluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx
 template <typename T>
 absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx);
 
-// ---- squared_relu_cuda.cu ----------------------------------------------------------------------
 // Megatron's --squared-relu, as cpu::SquaredReluForward / SquaredReluBackward: SquaredReluValue /
 // SquaredReluDerivative of trainer/op_math.h in fp32 (cuBLASLt has no such epilogue: a kernel of its own
 // after the fc1 product). The backward assigns; dinp may equal dout.
