@@ -46,7 +46,7 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--add-qkv-bias", m.add_qkv_bias, "A QKV bias even with --disable-bias-linear (Qwen's)");
   app->add_flag("--qk-layernorm", m.qk_layernorm,
                 "Normalise each query and key head (--normalization's norm over --kv-channels) before RoPE "
-                "(Qwen3's q_norm / k_norm); CPU backend only");
+                "(Qwen3's q_norm / k_norm)");
   app->add_flag("--squared-relu", m.squared_relu, "MLP activation relu(x)^2 instead of GELU (not with --swiglu)");
   app->add_flag("--apply-layernorm-1p", m.apply_layernorm_1p,
                 "Every norm (LayerNorm or RMSNorm, with --qk-layernorm the query and key norms too) scales by 1 + "
