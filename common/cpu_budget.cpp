@@ -89,8 +89,9 @@ void SearchLevels(const std::string& base, std::string path, bool v2, QuotaSearc
   if (path.empty() || path[0] != '/' || path.find("/..") != std::string::npos) path = "/";
   while (true) {
     while (path.size() > 1 && path.back() == '/') path.pop_back();
-    const absl::StatusOr<int> cpus =
-        v2 ? CpuMaxQuota(path == "/" ? base : base + path) : CfsQuota(path == "/" ? base : base + path);
+    std::string dir = base;
+    if (path != "/") dir.append(path);
+    const absl::StatusOr<int> cpus = v2 ? CpuMaxQuota(dir) : CfsQuota(dir);
     if (!cpus.ok()) {
       s->problems.push_back(fmt::format("{}: left out", StatusMessage(cpus.status())));
     } else if (*cpus > 0 && (s->cpus == 0 || *cpus < s->cpus)) {
