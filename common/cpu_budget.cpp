@@ -86,7 +86,8 @@ absl::StatusOr<int> CfsQuota(const std::string& dir) {
 // outside this namespace's root ("/../x") is read at the root only. Levels that are absent (a
 // container that mounts its own cgroup as the root without a cgroup namespace) have no files: no quota.
 void SearchLevels(const std::string& base, std::string path, bool v2, QuotaSearch* s) {
-  if (path.empty() || path[0] != '/' || path.find("/..") != std::string::npos) path = "/";
+  if (path.empty() || path[0] != '/' || path.find("/..") != std::string::npos)
+    path.assign(1, '/');  // not = "/": g++ 12 -O3 warns -Wrestrict (a false positive)
   while (true) {
     while (path.size() > 1 && path.back() == '/') path.pop_back();
     std::string dir = base;
@@ -100,7 +101,7 @@ void SearchLevels(const std::string& base, std::string path, bool v2, QuotaSearc
     }
     if (path == "/") return;
     path = path.substr(0, path.find_last_of('/'));
-    if (path.empty()) path = "/";
+    if (path.empty()) path.assign(1, '/');  // not = "/": g++ 12 -O3 warns -Wrestrict (a false positive)
   }
 }
 
