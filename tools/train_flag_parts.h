@@ -61,21 +61,19 @@ inline constexpr const char* kCheckpointModelFlags[] = {
     "--apply-layernorm-1p",
 };
 // Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
-// one the command line gives (the others, given otherwise than the checkpoint has them, are refused).
+// one the command line gives. The others (Megatron's shape flags, which it takes only where the
+// command line leaves them out, and the settings it does not take at all) are refused when given
+// otherwise than the checkpoint has them.
 inline constexpr const char* kCheckpointForcedFlags[] = {
     "--untie-embeddings-and-output-weights",
-    "--hidden-dropout",
-    "--attention-dropout",
     "--normalization",
     "--position-embedding-type",
-    "--rotary-base",
     "--rotary-percent",
     "--rotary-interleaved",
     "--swiglu",
     "--num-query-groups",
     "--disable-bias-linear",
     "--add-qkv-bias",
-    "--squared-relu",
     "--apply-layernorm-1p",
 };
 

@@ -82,9 +82,9 @@ TEST_F(CheckpointArgs, Gpt3LineResumesBitForBitFromTheCheckpointsFlags) {
     EXPECT_NE(out.find(taken), std::string::npos) << taken << "\n" << out;
 }
 
-// Megatron's precedence: a flag load_args_from_checkpoint forces (here --normalization, --swiglu,
-// the query groups) is the checkpoint's over the command line's, with a note; any other given
-// otherwise than the checkpoint has it (--kv-channels, --rope-scaling-factor) is refused.
+// Megatron's precedence: a flag load_args_from_checkpoint forces (here --normalization and the query
+// groups) is the checkpoint's over the command line's, with a note; any other given otherwise than
+// the checkpoint has it (--kv-channels, --rotary-base, --rope-scaling-factor) is refused.
 TEST_F(CheckpointArgs, GivenFlagsFollowMegatronsPrecedence) {
   const std::string model = std::string(kShape) + kLlama;
   auto first = RunCmd(Rest() + model + "--exit-interval 4 --save " + ShellQuote(dir_ / "s"));
@@ -111,6 +111,11 @@ TEST_F(CheckpointArgs, GivenFlagsFollowMegatronsPrecedence) {
                            "(iteration 4 in "),
             std::string::npos)
       << kv.output;
+  auto base = RunCmd(Rest() + load + "--rotary-base 10000");  // Megatron does not force it
+  EXPECT_EQ(base.exit_code, 2) << base.output;
+  EXPECT_NE(base.output.find("--rotary-base 10000 differs from the checkpoint's --rotary-base 500000"),
+            std::string::npos)
+      << base.output;
   auto factor = RunCmd(Rest() + load + "--rope-scaling-factor 8");
   EXPECT_EQ(factor.exit_code, 2) << factor.output;
   EXPECT_NE(factor.output.find("--rope-scaling-factor 8 differs from the checkpoint's --rope-scaling-factor 32"),
