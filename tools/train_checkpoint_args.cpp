@@ -40,6 +40,10 @@ bool IsForced(const std::string& flag) {
     if (flag == s) return true;
   return false;
 }
+// The flags ptk-train requires without --use-checkpoint-args (which lifts the requirement).
+bool IsRequired(const std::string& flag) {
+  return flag == "--num-layers" || flag == "--hidden-size" || flag == "--num-attention-heads" || flag == "--seq-length";
+}
 bool Given(const CLI::App& app, const char* name) { return app.get_option(name)->count() > 0; }
 
 // The value of `flag` the command line gives, in the checkpoint's spelling; nullopt when not given.
@@ -163,7 +167,7 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
     const std::optional<std::string> given = GivenValue(app, *f, flag);
     auto it = ckpt.find(flag);
     if (it == ckpt.end()) {
-      if (!given && app.get_option(flag)->get_required())
+      if (!given && IsRequired(flag))
         return UsageError(
             fmt::format("--use-checkpoint-args: the checkpoint of iteration {} in {} does not record {}: give it",
                         *latest, load, flag));

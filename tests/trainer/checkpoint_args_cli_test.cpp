@@ -10,6 +10,8 @@
 
 #include "tests/test_util.h"
 #include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+#include "trainer/param_layout.h"
 
 namespace ptk {
 namespace {
@@ -121,6 +123,49 @@ TEST_F(CheckpointArgs, GivenFlagsFollowMegatronsPrecedence) {
   EXPECT_NE(factor.output.find("--rope-scaling-factor 8 differs from the checkpoint's --rope-scaling-factor 32"),
             std::string::npos)
       << factor.output;
+}
+
+// A checkpoint of an older ptk, which recorded only GPT-3's settings: the Llama line's are its
+// defaults (a note names them), and a required flag it does not record is refused.
+TEST_F(CheckpointArgs, SettingsAnOlderCheckpointDoesNotRecordAreTheirDefaults) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 128;
+  c.seq_length = c.max_position_embeddings = 32;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1024;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const std::vector<float> p(static_cast<size_t>(layout->num_params), 0.01f);
+  TrainState s;
+  s.iteration = 4;
+  s.consumed_train_samples = 16;
+  s.settings = {{"--num-layers", "2"},      {"--hidden-size", "32"},  {"--num-attention-heads", "4"},
+                {"--seq-length", "32"},     {"--vocab-size", "1000"}, {"--ffn-hidden-size", "128"},
+                {"--hidden-dropout", "0.1"}};
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "old", *layout, p, p, p, s, "").ok());
+  auto r = RunCmd(Rest() + "--dry-run --use-checkpoint-args --load " + ShellQuote(dir_ / "old"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--use-checkpoint-args: from the checkpoint of iteration 4: --num-layers 2, --hidden-size "
+                          "32, --num-attention-heads 4, --ffn-hidden-size 128, --seq-length 32, --vocab-size 1000, "
+                          "--hidden-dropout 0.1"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("--use-checkpoint-args: the checkpoint of iteration 4 does not record "
+                          "--max-position-embeddings, --layernorm-epsilon, "),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(", --swiglu, --num-query-groups, --kv-channels, "), std::string::npos) << r.output;
+  s.settings.erase(s.settings.begin() + 3);  // no --seq-length
+  s.iteration = 6;
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "old", *layout, p, p, p, s, "").ok());
+  auto missing = RunCmd(Rest() + "--dry-run --use-checkpoint-args --load " + ShellQuote(dir_ / "old"));
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_NE(missing.output.find("--use-checkpoint-args: the checkpoint of iteration 6 in "), std::string::npos)
+      << missing.output;
+  EXPECT_NE(missing.output.find(" does not record --seq-length: give it"), std::string::npos) << missing.output;
 }
 
 }  // namespace
