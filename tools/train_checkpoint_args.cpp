@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <optional>
+#include <string>
 
 #include <fmt/core.h>
 
@@ -13,65 +15,141 @@
 namespace ptk {
 namespace {
 
+using train_flags::kCheckpointForcedFlags;
 using train_flags::kCheckpointModelFlags;
 
-// A flag given on the command line must agree with the checkpoint's value of it.
-absl::Status CheckGivenAgrees(const CLI::Option& opt, const GPTConfig& m, const std::string& flag,
-                              const std::string& value, int64_t latest, const std::string& load) {
-  std::string mine;
-  if (flag == "--untie-embeddings-and-output-weights") {
-    mine = m.untie_embeddings_and_output_weights ? "on" : "off";
-  } else {
-    mine = opt.as<std::string>();
-    // The same number written otherwise (1e-5, 0.00001) is no conflict.
-    char* end = nullptr;
-    const double a = std::strtod(mine.c_str(), &end), b = std::strtod(value.c_str(), nullptr);
-    if (end != mine.c_str() && *end == '\0' && a == b) mine = value;
+// The model's on/off flags (a bare flag: "on" when given), as the checkpoint's settings write them.
+constexpr const char* kSwitches[] = {
+    "--untie-embeddings-and-output-weights",
+    "--use-rope-scaling",
+    "--rotary-interleaved",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--add-qkv-bias",
+    "--qk-layernorm",
+    "--squared-relu",
+    "--apply-layernorm-1p",
+};
+bool IsSwitch(const std::string& flag) {
+  for (const char* s : kSwitches)
+    if (flag == s) return true;
+  return false;
+}
+bool IsForced(const std::string& flag) {
+  for (const char* s : kCheckpointForcedFlags)
+    if (flag == s) return true;
+  return false;
+}
+// The flags ptk-train requires without --use-checkpoint-args (which lifts the requirement).
+bool IsRequired(const std::string& flag) {
+  return flag == "--num-layers" || flag == "--hidden-size" || flag == "--num-attention-heads" || flag == "--seq-length";
+}
+bool Given(const CLI::App& app, const char* name) { return app.get_option(name)->count() > 0; }
+
+// The value of `flag` the command line gives, in the checkpoint's spelling; nullopt when not given.
+// The position embedding and the query groups are given by any of Megatron's spellings of them.
+std::optional<std::string> GivenValue(const CLI::App& app, const TrainFlags& f, const std::string& flag) {
+  if (flag == "--position-embedding-type") {
+    if (!Given(app, "--position-embedding-type") && !Given(app, "--use-rotary-position-embeddings") &&
+        !Given(app, "--no-position-embedding"))
+      return std::nullopt;
+    std::string type = f.use_rotary_position_embeddings ? "rope" : f.position_embedding_type;
+    if (f.no_position_embedding && type != "rope") type = "none";
+    return type;
   }
-  if (mine != value)
-    return UsageError(fmt::format(
-        "--use-checkpoint-args: {} {} differs from the checkpoint's {} {} (iteration {} in {}): drop the flag "
-        "to take the checkpoint's, or drop --use-checkpoint-args",
-        flag, mine, flag, value, latest, load));
-  return absl::OkStatus();
+  if (flag == "--num-query-groups") {
+    if (!Given(app, "--group-query-attention") && !Given(app, "--num-query-groups")) return std::nullopt;
+    return std::to_string(f.group_query_attention ? f.num_query_groups : f.options.model.num_attention_heads);
+  }
+  const CLI::Option* opt = app.get_option(flag);
+  if (opt->count() == 0) return std::nullopt;
+  return IsSwitch(flag) ? std::string("on") : opt->as<std::string>();
 }
 
-// The checkpoint's `value` of `flag` into the model's setting; a value no flag could have given is
-// data loss in the checkpoint at `load`.
+// The same value: the same text, or the same number written otherwise (1e-5, 0.00001).
+bool SameValue(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  char *ea = nullptr, *eb = nullptr;
+  const double x = std::strtod(a.c_str(), &ea), y = std::strtod(b.c_str(), &eb);
+  return ea != a.c_str() && *ea == '\0' && eb != b.c_str() && *eb == '\0' && x == y;
+}
+std::string Shown(const std::string& value) { return value.empty() ? "none" : value; }
+
+// The checkpoint's `value` of `flag` into the run's flags; a value no flag could have given is data
+// loss in the checkpoint at `load`.
 absl::Status TakeCheckpointValue(const std::string& flag, const std::string& value, const std::string& load,
-                                 GPTConfig* m) {
+                                 TrainFlags* f) {
+  GPTConfig* m = &f->options.model;
+  auto bad = [&] { return absl::DataLossError(fmt::format("{}: checkpoint records {} {:?}", load, flag, value)); };
   auto as_int = [&](int64_t* out) -> absl::Status {
     char* end = nullptr;
     const long long v = std::strtoll(value.c_str(), &end, 10);
-    if (value.empty() || *end != '\0' || v < 1)
-      return absl::DataLossError(fmt::format("{}: checkpoint records {} {:?}", load, flag, value));
+    if (value.empty() || *end != '\0' || v < 1) return bad();
     *out = v;
     return absl::OkStatus();
   };
   auto as_real = [&](double* out) -> absl::Status {
+    if (value.empty() && flag == "--rotary-seq-len-interpolation-factor") return (*out = 0, absl::OkStatus());
     char* end = nullptr;
     const double v = std::strtod(value.c_str(), &end);
-    if (value.empty() || *end != '\0' || !std::isfinite(v))
-      return absl::DataLossError(fmt::format("{}: checkpoint records {} {:?}", load, flag, value));
+    if (value.empty() || *end != '\0' || !std::isfinite(v)) return bad();
     *out = v;
     return absl::OkStatus();
   };
-  if (flag == "--num-layers") PTK_RETURN_IF_ERROR(as_int(&m->num_layers));
-  if (flag == "--hidden-size") PTK_RETURN_IF_ERROR(as_int(&m->hidden_size));
-  if (flag == "--num-attention-heads") PTK_RETURN_IF_ERROR(as_int(&m->num_attention_heads));
-  if (flag == "--ffn-hidden-size") PTK_RETURN_IF_ERROR(as_int(&m->ffn_hidden_size));
-  if (flag == "--seq-length") PTK_RETURN_IF_ERROR(as_int(&m->seq_length));
-  if (flag == "--max-position-embeddings") PTK_RETURN_IF_ERROR(as_int(&m->max_position_embeddings));
-  if (flag == "--vocab-size") PTK_RETURN_IF_ERROR(as_int(&m->vocab_size));
-  if (flag == "--layernorm-epsilon") PTK_RETURN_IF_ERROR(as_real(&m->layernorm_epsilon));
-  if (flag == "--hidden-dropout") PTK_RETURN_IF_ERROR(as_real(&m->hidden_dropout));
-  if (flag == "--attention-dropout") PTK_RETURN_IF_ERROR(as_real(&m->attention_dropout));
-  if (flag == "--untie-embeddings-and-output-weights") m->untie_embeddings_and_output_weights = value == "on";
+  if (IsSwitch(flag) && value != "on" && value != "off") return bad();
+  const bool on = value == "on";
+  const std::map<std::string, int64_t*> ints = {{"--num-layers", &m->num_layers},
+                                                {"--hidden-size", &m->hidden_size},
+                                                {"--num-attention-heads", &m->num_attention_heads},
+                                                {"--ffn-hidden-size", &m->ffn_hidden_size},
+                                                {"--seq-length", &m->seq_length},
+                                                {"--max-position-embeddings", &m->max_position_embeddings},
+                                                {"--vocab-size", &m->vocab_size},
+                                                {"--kv-channels", &f->kv_channels},
+                                                {"--num-query-groups", &f->num_query_groups}};
+  const std::map<std::string, double*> reals = {
+      {"--layernorm-epsilon", &m->layernorm_epsilon},
+      {"--hidden-dropout", &m->hidden_dropout},
+      {"--attention-dropout", &m->attention_dropout},
+      {"--rotary-base", &m->rotary_base},
+      {"--rotary-percent", &m->rotary_percent},
+      {"--rope-scaling-factor", &m->rope_scaling_factor},
+      {"--rotary-seq-len-interpolation-factor", &m->rotary_seq_len_interpolation_factor}};
+  const std::map<std::string, bool*> switches = {
+      {"--untie-embeddings-and-output-weights", &m->untie_embeddings_and_output_weights},
+      {"--use-rope-scaling", &m->use_rope_scaling},
+      {"--rotary-interleaved", &m->rotary_interleaved},
+      {"--swiglu", &m->swiglu},
+      {"--disable-bias-linear", &f->disable_bias_linear},
+      {"--add-qkv-bias", &m->add_qkv_bias},
+      {"--qk-layernorm", &m->qk_layernorm},
+      {"--squared-relu", &m->squared_relu},
+      {"--apply-layernorm-1p", &m->apply_layernorm_1p}};
+  if (auto it = ints.find(flag); it != ints.end()) PTK_RETURN_IF_ERROR(as_int(it->second));
+  if (auto it = reals.find(flag); it != reals.end()) PTK_RETURN_IF_ERROR(as_real(it->second));
+  if (auto it = switches.find(flag); it != switches.end()) *it->second = on;
+  if (flag == "--num-query-groups")  // as many groups as heads: Megatron's multi-head attention
+    f->group_query_attention = f->num_query_groups != m->num_attention_heads;
+  if (flag == "--normalization") {
+    if (value != "LayerNorm" && value != "RMSNorm") return bad();
+    f->normalization = value;
+  }
+  if (flag == "--position-embedding-type") {
+    if (value != "learned_absolute" && value != "rope" && value != "none") return bad();
+    f->position_embedding_type = value;
+    f->use_rotary_position_embeddings = f->no_position_embedding = false;
+  }
   return absl::OkStatus();
 }
 
 }  // namespace
 
+// Megatron's precedence: a flag it takes with force=True (kCheckpointForcedFlags) is the checkpoint's
+// even where the command line gives it (a note names the replaced value); any other is the
+// checkpoint's where the command line leaves it out, and one given otherwise is refused (Megatron
+// keeps it and the load fails on another model). A setting the checkpoint does not record (saved
+// before ptk recorded it) stays as the command line has it, its default when not given; of the
+// required flags, that is refused.
 absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector<std::string>* notes) {
   if (!f->use_checkpoint_args) return absl::OkStatus();
   const std::string& load = f->options.load;
@@ -83,32 +161,43 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
   PTK_RETURN_IF_ERROR(latest.status());
   PTK_ASSIGN_OR_RETURN(const auto saved, ReadCheckpointSettings(load, *latest));
   const std::map<std::string, std::string> ckpt(saved.begin(), saved.end());
-  GPTConfig& m = f->options.model;
-  std::vector<std::string> missing;
+  std::string taken, unrecorded;
   for (const char* name : kCheckpointModelFlags) {
-    const CLI::Option* opt = app.get_option(name);
-    auto it = ckpt.find(name);
+    const std::string flag = name;
+    const std::optional<std::string> given = GivenValue(app, *f, flag);
+    auto it = ckpt.find(flag);
     if (it == ckpt.end()) {
-      if (opt->get_required() || opt->count() == 0) missing.push_back(name);
+      if (!given && IsRequired(flag))
+        return UsageError(
+            fmt::format("--use-checkpoint-args: the checkpoint of iteration {} in {} does not record {}: give it",
+                        *latest, load, flag));
+      if (!given) unrecorded += (unrecorded.empty() ? "" : ", ") + flag;
       continue;
     }
     const std::string& value = it->second;
-    const std::string flag = name;
-    if (opt->count() > 0) {  // given: must agree with the checkpoint
-      PTK_RETURN_IF_ERROR(CheckGivenAgrees(*opt, m, flag, value, *latest, load));
-      continue;
-    }
-    PTK_RETURN_IF_ERROR(TakeCheckpointValue(flag, value, load, &m));
-    notes->push_back(
-        fmt::format("--use-checkpoint-args: {} {} from the checkpoint of iteration {}", flag, value, *latest));
+    if (flag == "--rope-scaling-factor" && value.empty()) continue;  // no RoPE scaling: nothing to take
+    if (given && SameValue(*given, value)) continue;
+    if (given && !IsForced(flag))
+      return UsageError(fmt::format(
+          "--use-checkpoint-args: {} {} differs from the checkpoint's {} {} (iteration {} in {}): drop the flag "
+          "to take the checkpoint's, or drop --use-checkpoint-args",
+          flag, Shown(*given), flag, Shown(value), *latest, load));
+    PTK_RETURN_IF_ERROR(TakeCheckpointValue(flag, value, load, f));
+    if (given)
+      notes->push_back(fmt::format(
+          "--use-checkpoint-args: {} {} from the checkpoint of iteration {}, in place of the command line's {} "
+          "(Megatron takes it from the checkpoint over the command line)",
+          flag, Shown(value), *latest, Shown(*given)));
+    else
+      taken += fmt::format("{}{} {}", taken.empty() ? "" : ", ", flag, Shown(value));
   }
-  for (const std::string& name : missing)
-    if (app.get_option(name)->count() == 0 && (name == "--num-layers" || name == "--hidden-size" ||
-                                               name == "--num-attention-heads" || name == "--seq-length"))
-      return UsageError(
-          fmt::format("--use-checkpoint-args: the checkpoint of iteration {} in {} does not record {}: "
-                      "give it",
-                      *latest, load, name));
+  if (!taken.empty())
+    notes->push_back(fmt::format("--use-checkpoint-args: from the checkpoint of iteration {}: {}", *latest, taken));
+  if (!unrecorded.empty())
+    notes->push_back(fmt::format(
+        "--use-checkpoint-args: the checkpoint of iteration {} does not record {} (saved before ptk recorded "
+        "them): their defaults",
+        *latest, unrecorded));
   return absl::OkStatus();
 }
 

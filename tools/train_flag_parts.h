@@ -29,12 +29,52 @@ using cli::RealIn;
 inline CLI::Validator Probability() { return RealIn(0, false, 1, true); }
 
 // The model's flags --use-checkpoint-args takes from the checkpoint (Megatron's
-// load_args_from_checkpoint), as the checkpoint's settings name them.
+// load_args_from_checkpoint), as the checkpoint's settings name them: every architecture setting a
+// ptk checkpoint records.
 inline constexpr const char* kCheckpointModelFlags[] = {
-    "--num-layers",      "--hidden-size",       "--num-attention-heads",
-    "--ffn-hidden-size", "--seq-length",        "--max-position-embeddings",
-    "--vocab-size",      "--layernorm-epsilon", "--untie-embeddings-and-output-weights",
-    "--hidden-dropout",  "--attention-dropout",
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--ffn-hidden-size",
+    "--seq-length",
+    "--max-position-embeddings",
+    "--vocab-size",
+    "--layernorm-epsilon",
+    "--untie-embeddings-and-output-weights",
+    "--hidden-dropout",
+    "--attention-dropout",
+    "--normalization",
+    "--position-embedding-type",
+    "--rotary-base",
+    "--rotary-percent",
+    "--use-rope-scaling",
+    "--rope-scaling-factor",
+    "--rotary-seq-len-interpolation-factor",
+    "--rotary-interleaved",
+    "--swiglu",
+    "--num-query-groups",
+    "--kv-channels",
+    "--disable-bias-linear",
+    "--add-qkv-bias",
+    "--qk-layernorm",
+    "--squared-relu",
+    "--apply-layernorm-1p",
+};
+// Those Megatron's load_args_from_checkpoint takes with force=True: the checkpoint's value replaces
+// one the command line gives. The others (Megatron's shape flags, which it takes only where the
+// command line leaves them out, and the settings it does not take at all) are refused when given
+// otherwise than the checkpoint has them.
+inline constexpr const char* kCheckpointForcedFlags[] = {
+    "--untie-embeddings-and-output-weights",
+    "--normalization",
+    "--position-embedding-type",
+    "--rotary-percent",
+    "--rotary-interleaved",
+    "--swiglu",
+    "--num-query-groups",
+    "--disable-bias-linear",
+    "--add-qkv-bias",
+    "--apply-layernorm-1p",
 };
 
 // Megatron's flags for other models than ptk's, each declared to be refused by RefuseOtherModel

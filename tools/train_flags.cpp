@@ -302,7 +302,8 @@ void AddMoreTrainFlags(CLI::App* app, TrainFlags* f) {
            // (callbacks run before CLI11 checks the required options).
            for (const char* name : kCheckpointModelFlags) app->get_option(name)->required(false);
          },
-         "Take the model's flags from --load's latest checkpoint (a flag given with another value is refused)")
+         "Take the model's flags from --load's latest checkpoint (one given otherwise: the checkpoint's where "
+         "Megatron forces it, else refused)")
       ->trigger_on_parse();
   app->add_option("--data-args-path", f->data_args_path,
                   "A file holding the --data-path arguments ([W1] P1 [W2] P2 ..., whitespace-separated)");

@@ -91,8 +91,9 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& flags, std::vec
 absl::StatusOr<int> VirtualPipelineSize(const TrainFlags& flags);
 
 // --use-checkpoint-args, after parsing and before ResolveTrainFlags: the model's flags that the
-// command line leaves out are taken from the settings of --load's latest checkpoint (a line for
-// each in `notes`); one given with another value than the checkpoint's is a usage error naming both.
+// command line leaves out are taken from the settings of --load's latest checkpoint (one line in
+// `notes` lists them); one given with another value than the checkpoint's is the checkpoint's where
+// Megatron forces it (kCheckpointForcedFlags, a note), else a usage error naming both.
 absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* flags, std::vector<std::string>* notes);
 
 // --dry-run: the plan's options from the flags (as ResolveTrainFlags checks them, but any tensor

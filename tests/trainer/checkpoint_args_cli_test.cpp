@@ -1,0 +1,172 @@
+// ptk-train --use-checkpoint-args over every model setting a checkpoint records: a Llama-line run
+// (RMSNorm, RoPE with Llama 3's scaling, SwiGLU, grouped-query attention, untied, bias-free,
+// qk-layernorm) and a GPT-3 one resumed from a command line without the model's flags go on bit for
+// bit as a resume with the full command line; Megatron's precedence for a flag given otherwise
+// (the checkpoint's for those it forces, a refusal for the others).
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tests/trainer/train_cli_support.h"
+#include "trainer/checkpoint.h"
+#include "trainer/param_layout.h"
+
+namespace ptk {
+namespace {
+
+using testing::RunCmd;
+using testing::ShellQuote;
+using testing::TempDir;
+
+constexpr char kShape[] = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 ";
+constexpr char kLlama[] =
+    "--max-position-embeddings 64 --normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
+    "--rotary-base 500000 --rotary-percent 0.5 --use-rope-scaling --rope-scaling-factor 32 --rotary-interleaved "
+    "--swiglu --ffn-hidden-size 48 --group-query-attention --num-query-groups 2 --kv-channels 16 "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --qk-layernorm --hidden-dropout 0 "
+    "--attention-dropout 0.05 ";
+
+class CheckpointArgs : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = dir_ / "data_text_document";
+    ASSERT_NO_FATAL_FAILURE(testing::WriteLearnableDataset(prefix_, 400, testing::kSmallVocabEod));
+  }
+  // Everything but the model's flags: data, batch, optimizer, iterations.
+  std::string Rest() const {
+    return testing::Tool("ptk-train") + " " + testing::SmallVocabFlags() +
+           " --micro-batch-size 2 --global-batch-size 4 --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine"
+           " --weight-decay 0.1 --adam-beta2 0.95 --split 98,2,0 --eval-iters 0 --threads 2 --log-interval 1"
+           " --train-iters 8 --data-path " +
+           ShellQuote(prefix_) + " --data-cache-path " + ShellQuote(dir_ / "cache") + " ";
+  }
+  // Saves iteration 4 of `model` in DIR/s, then resumes it to 8 with the full command line and with
+  // only --use-checkpoint-args: the same log lines, and the second's output.
+  std::string ResumeBothWays(const std::string& model) {
+    auto first = RunCmd(Rest() + model + "--exit-interval 4 --save " + ShellQuote(dir_ / "s"));
+    EXPECT_EQ(first.exit_code, 0) << first.output;
+    auto full = RunCmd(Rest() + model + "--load " + ShellQuote(dir_ / "s") + " --save " + ShellQuote(dir_ / "a"));
+    EXPECT_EQ(full.exit_code, 0) << full.output;
+    auto taken =
+        RunCmd(Rest() + "--use-checkpoint-args --load " + ShellQuote(dir_ / "s") + " --save " + ShellQuote(dir_ / "b"));
+    EXPECT_EQ(taken.exit_code, 0) << taken.output;
+    const auto want = testing::LogLinesWithoutTimes(full.output);
+    EXPECT_EQ(want.size(), 4u) << full.output;
+    EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), want) << taken.output;
+    return taken.output;
+  }
+  TempDir dir_;
+  std::string prefix_;
+};
+
+TEST_F(CheckpointArgs, LlamaLineResumesBitForBitFromTheCheckpointsFlags) {
+  const std::string out = ResumeBothWays(std::string(kShape) + kLlama);
+  for (const char* taken :
+       {"--num-layers 2", "--normalization RMSNorm", "--layernorm-epsilon 1e-06", "--position-embedding-type rope",
+        "--rotary-base 500000", "--rotary-percent 0.5", "--use-rope-scaling on", "--rope-scaling-factor 32",
+        "--rotary-interleaved on", "--swiglu on", "--ffn-hidden-size 48", "--num-query-groups 2", "--kv-channels 16",
+        "--untie-embeddings-and-output-weights on", "--disable-bias-linear on", "--qk-layernorm on",
+        "--hidden-dropout 0", "--attention-dropout 0.05"})
+    EXPECT_NE(out.find(taken), std::string::npos) << taken << "\n" << out;
+  EXPECT_NE(out.find("note: --use-checkpoint-args: from the checkpoint of iteration 4: --num-layers 2, "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("loaded checkpoint"), std::string::npos) << out;
+}
+
+TEST_F(CheckpointArgs, Gpt3LineResumesBitForBitFromTheCheckpointsFlags) {
+  const std::string out = ResumeBothWays(kShape);
+  for (const char* taken :
+       {"--hidden-size 32", "--normalization LayerNorm", "--position-embedding-type learned_absolute", "--swiglu off",
+        "--num-query-groups 4", "--disable-bias-linear off", "--kv-channels 8"})
+    EXPECT_NE(out.find(taken), std::string::npos) << taken << "\n" << out;
+}
+
+// Megatron's precedence: a flag load_args_from_checkpoint forces (here --normalization and the query
+// groups) is the checkpoint's over the command line's, with a note; any other given otherwise than
+// the checkpoint has it (--kv-channels, --rotary-base, --rope-scaling-factor) is refused.
+TEST_F(CheckpointArgs, GivenFlagsFollowMegatronsPrecedence) {
+  const std::string model = std::string(kShape) + kLlama;
+  auto first = RunCmd(Rest() + model + "--exit-interval 4 --save " + ShellQuote(dir_ / "s"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto full = RunCmd(Rest() + model + "--load " + ShellQuote(dir_ / "s"));
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  const std::string load = "--use-checkpoint-args --load " + ShellQuote(dir_ / "s") + " ";
+  auto forced = RunCmd(Rest() + load + "--normalization LayerNorm --group-query-attention --num-query-groups 4");
+  ASSERT_EQ(forced.exit_code, 0) << forced.output;
+  EXPECT_NE(forced.output.find("note: --use-checkpoint-args: --normalization RMSNorm from the checkpoint of iteration "
+                               "4, in place of the command line's LayerNorm"),
+            std::string::npos)
+      << forced.output;
+  EXPECT_NE(forced.output.find("--num-query-groups 2 from the checkpoint of iteration 4, in place of the command "
+                               "line's 4"),
+            std::string::npos)
+      << forced.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(forced.output), testing::LogLinesWithoutTimes(full.output));
+  auto same = RunCmd(Rest() + load + "--swiglu --kv-channels 16 --norm-epsilon 0.000001");  // as saved: fine
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  auto kv = RunCmd(Rest() + load + "--kv-channels 8");
+  EXPECT_EQ(kv.exit_code, 2) << kv.output;
+  EXPECT_NE(kv.output.find("--use-checkpoint-args: --kv-channels 8 differs from the checkpoint's --kv-channels 16 "
+                           "(iteration 4 in "),
+            std::string::npos)
+      << kv.output;
+  auto base = RunCmd(Rest() + load + "--rotary-base 10000");  // Megatron does not force it
+  EXPECT_EQ(base.exit_code, 2) << base.output;
+  EXPECT_NE(base.output.find("--rotary-base 10000 differs from the checkpoint's --rotary-base 500000"),
+            std::string::npos)
+      << base.output;
+  auto factor = RunCmd(Rest() + load + "--rope-scaling-factor 8");
+  EXPECT_EQ(factor.exit_code, 2) << factor.output;
+  EXPECT_NE(factor.output.find("--rope-scaling-factor 8 differs from the checkpoint's --rope-scaling-factor 32"),
+            std::string::npos)
+      << factor.output;
+}
+
+// A checkpoint of an older ptk, which recorded only GPT-3's settings: the Llama line's are its
+// defaults (a note names them), and a required flag it does not record is refused.
+TEST_F(CheckpointArgs, SettingsAnOlderCheckpointDoesNotRecordAreTheirDefaults) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 128;
+  c.seq_length = c.max_position_embeddings = 32;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1024;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const std::vector<float> p(static_cast<size_t>(layout->num_params), 0.01f);
+  TrainState s;
+  s.iteration = 4;
+  s.consumed_train_samples = 16;
+  s.settings = {{"--num-layers", "2"},      {"--hidden-size", "32"},  {"--num-attention-heads", "4"},
+                {"--seq-length", "32"},     {"--vocab-size", "1000"}, {"--ffn-hidden-size", "128"},
+                {"--hidden-dropout", "0.1"}};
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "old", *layout, p, p, p, s, "").ok());
+  auto r = RunCmd(Rest() + "--dry-run --use-checkpoint-args --load " + ShellQuote(dir_ / "old"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--use-checkpoint-args: from the checkpoint of iteration 4: --num-layers 2, --hidden-size "
+                          "32, --num-attention-heads 4, --ffn-hidden-size 128, --seq-length 32, --vocab-size 1000, "
+                          "--hidden-dropout 0.1"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("--use-checkpoint-args: the checkpoint of iteration 4 does not record "
+                          "--max-position-embeddings, --layernorm-epsilon, "),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(", --swiglu, --num-query-groups, --kv-channels, "), std::string::npos) << r.output;
+  s.settings.erase(s.settings.begin() + 3);  // no --seq-length
+  s.iteration = 6;
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "old", *layout, p, p, p, s, "").ok());
+  auto missing = RunCmd(Rest() + "--dry-run --use-checkpoint-args --load " + ShellQuote(dir_ / "old"));
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_NE(missing.output.find("--use-checkpoint-args: the checkpoint of iteration 6 in "), std::string::npos)
+      << missing.output;
+  EXPECT_NE(missing.output.find(" does not record --seq-length: give it"), std::string::npos) << missing.output;
+}
+
+}  // namespace
+}  // namespace ptk
