@@ -16,21 +16,24 @@ constexpr int kLanes = 16;
 // kLanes floats as one GCC vector: the lanes' arithmetic is written out, so that it is vector code
 // at any optimisation level (-O2's vectoriser leaves the exponential's loop scalar), with each lane
 // the same operations, and so the same bits, as one float.
-// Functions taking and returning Lanes are this file's own and inlined: GCC's note that a 64-byte
-// vector's calling convention differs with AVX-512 does not concern them.
+// Functions taking and returning Lanes are this file's own and always inlined (PTK_LANES_INLINE),
+// at -O0 too: GCC's note that a 64-byte vector's calling convention differs with AVX-512 does not
+// concern them. Left as calls (a Debug build), an avx512f clone of ExpRow would take Load's result in
+// a register where the default-target Load returns it in memory (the ASan build read a null pointer).
+#define PTK_LANES_INLINE inline __attribute__((always_inline))
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(float))));
 
-inline Lanes Load(const float* p) {
+PTK_LANES_INLINE Lanes Load(const float* p) {
   Lanes v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+PTK_LANES_INLINE void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
 // static_cast for one value, lane by lane for lanes.
 template <typename To, typename From>
-inline To ConvertTo(From x) {
+PTK_LANES_INLINE To ConvertTo(From x) {
   if constexpr (std::is_arithmetic_v<From>)
     return static_cast<To>(x);
   else
@@ -40,7 +43,7 @@ inline To ConvertTo(From x) {
 // exp(x) for x <= 0 (arguments are logit - row max): Cephes' expf, 2^n * p(r) with |r| <= ln2/2,
 // within 2 ulp; branch-free. A template, so that the scalar tail and the lanes run one formula.
 template <typename V, typename I>
-inline V ExpNonPositive(V x) {
+PTK_LANES_INLINE V ExpNonPositive(V x) {
   x = x < -87.3f ? V{} - 87.3f : x;
   const V n = ConvertTo<V>(ConvertTo<I>(x * 1.44269504088896341f - 0.5f));
   const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
