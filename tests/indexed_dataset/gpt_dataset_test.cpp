@@ -332,7 +332,7 @@ TEST(InspectSample, WriteCacheThatCannotBeSavedFails) {
   EXPECT_EQ(blocked.exit_code, 1) << blocked.output;
   EXPECT_NE(blocked.output.find(dir / "file/cache: cannot save the GPTDataset index cache there"), std::string::npos)
       << blocked.output;
-  auto full = testing::RunCmd("ulimit -f 0; " + cmd + testing::ShellQuote(dir / "full"));
+  auto full = testing::RunCmd("trap \"\" XFSZ; ulimit -f 0; " + cmd + testing::ShellQuote(dir / "full"));
   EXPECT_EQ(full.exit_code, 3) << full.output;
   EXPECT_NE(full.output.find(dir / "full: cannot save the GPTDataset index cache there"), std::string::npos)
       << full.output;
