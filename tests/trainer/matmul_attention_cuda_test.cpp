@@ -645,6 +645,8 @@ TEST(FlashAttentionCuda, RefusedShapesAndMissingHandleAreStatuses) {
       FlashAttentionForward<__nv_bfloat16>(out.get(), stats.get(), qkv.get(), odd, 0.0, 0, 0, gpu.ctx);
   EXPECT_FALSE(st3.ok());
   EXPECT_NE(std::string(st3.message()).find("hd=12"), std::string::npos) << st3;
+  // The shape is what cuDNN refuses, at any workspace: the message does not blame the context's limit.
+  EXPECT_EQ(std::string(st3.message()).find("workspace limit"), std::string::npos) << st3;
   const AttentionShape wide{1, 16, 1, 512};  // beyond cuDNN's largest head dimension
   DeviceBuffer<__nv_bfloat16> qkv2(16 * 3 * 512), out2(16 * 512);
   const absl::Status st4 =

@@ -224,16 +224,20 @@ absl::Status FindGraph(const FlashKey& key, double p, const CudaContext& ctx, in
   if (!s.ok() && max_workspace >= 0) {
     // No plan within the limit: is it the limit? A plan without one says how much it would take.
     FlashGraph free_plan;
-    if (BuildFlashGraph(key, p, static_cast<cudnnHandle_t>(ctx.cudnn), -1, where, &free_plan).ok()) {
-      st.graphs[key] = free_plan;  // what FlashAttentionWorkspaceBytes reports
-      if (free_plan.workspace > max_workspace)
-        return absl::ResourceExhaustedError(fmt::format(
-            "{}: cuDNN's fused attention needs {} bytes of workspace for this shape, the context has {} (size the "
-            "workspace with FlashAttentionWorkspaceBytes)",
-            where, free_plan.workspace, max_workspace));
-      *out = free_plan;  // cuDNN's choice among fewer plans failed, its free choice fits
-      return absl::OkStatus();
-    }
+    // Not even without a limit: the shape or type is what cuDNN refuses, and its error says so (the
+    // limited build's would blame the workspace limit).
+    if (absl::Status free_status =
+            BuildFlashGraph(key, p, static_cast<cudnnHandle_t>(ctx.cudnn), -1, where, &free_plan);
+        !free_status.ok())
+      return free_status;
+    st.graphs[key] = free_plan;  // what FlashAttentionWorkspaceBytes reports
+    if (free_plan.workspace > max_workspace)
+      return absl::ResourceExhaustedError(fmt::format(
+          "{}: cuDNN's fused attention needs {} bytes of workspace for this shape, the context has {} (size the "
+          "workspace with FlashAttentionWorkspaceBytes)",
+          where, free_plan.workspace, max_workspace));
+    *out = free_plan;  // cuDNN's choice among fewer plans failed, its free choice fits
+    return absl::OkStatus();
   }
   if (!s.ok()) return s;
   st.graphs[key] = built;
