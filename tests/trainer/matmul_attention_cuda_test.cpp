@@ -8,6 +8,8 @@
 //   bf16/fp16 matmul outputs in T (out, gelu, dinp) <= rtol * |ref| + 1e-3 * mag with rtol 1e-2 (bf16,
 //                    2.5 ulps) / 2e-3 (fp16, 2 ulps); dw and dbias (fp32 outputs) <= 1e-4 * mag.
 //                    References in double on the inputs rounded to T.
+//   GELU backward    through the product (gelu_pre): rtol * |ref| + atol * (|dout| @ |w|), atol 1e-5
+//                    (fp32), 4e-3 (bf16), 2e-3 (fp16); BiasBackward: MatmulBackward's dbias bits.
 //   fp32 attention   <= 1e-5 * (|ref| + max |ref| of the tensor), probabilities and dropout masks
 //                    included (a mask that differs from the CPU's changes values by 10%).
 //   flash attention  bf16: out <= 2e-2 * max|ref|, dqkv <= 5e-2 * max|ref| of its q/k/v part;
@@ -33,6 +35,7 @@
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/ops_cuda.h"
+#include "trainer/op_math.h"
 
 namespace ptk::cuda {
 namespace {
@@ -271,6 +274,88 @@ void LowPrecisionMatmul(double rtol) {
 }
 TEST(MatmulCuda, Bf16MatchesCpu) { LowPrecisionMatmul<__nv_bfloat16>(1e-2); }
 TEST(MatmulCuda, Fp16MatchesCpu) { LowPrecisionMatmul<__half>(2e-3); }
+
+// The GELU's backward through the product that follows it (gelu_pre, the (n, ic) pre-activation):
+// dinp = (dout @ w) * gelu'(gelu_pre). fp32, and bf16/fp16 with ic not a multiple of 8: the product,
+// then GeluBackward; bf16/fp16 with ic a multiple of 8: cuBLASLt's DGELU epilogue. Against double on
+// the rounded inputs within rtol * |ref| + atol * (|dout| @ |w|) (atol: the roundings of the product,
+// and a GELU derivative that need not be bit for bit the CPU's formula); dw and dbias the bits of the
+// same call without gelu_pre. gelu_pre with an accumulated or absent dinp is refused.
+template <typename T>
+void GeluBackwardThroughTheProduct(double rtol, double atol) {
+  Gpu gpu;
+  for (const MatmulShape& s : {MatmulShape{37, 51, 29}, MatmulShape{64, 96, 160}, MatmulShape{130, 128, 77}}) {
+    SCOPED_TRACE("n=" + std::to_string(s.n) + " ic=" + std::to_string(s.ic) + " oc=" + std::to_string(s.oc));
+    const auto inp = ToT<T>(Random(s.n * s.ic, 101)), w = ToT<T>(Random(s.oc * s.ic, 102));
+    const auto pre = ToT<T>(Random(s.n * s.ic, 103, -3.0f, 3.0f)), dout = ToT<T>(Random(s.n * s.oc, 104));
+    const auto xw = ToDouble(w), xd = ToDouble(dout), xpre = ToDouble(pre);
+    std::vector<double> ref(s.n * s.ic, 0.0), mag(s.n * s.ic, 0.0);
+    for (int64_t i = 0; i < s.n; ++i)
+      for (int64_t k = 0; k < s.oc; ++k)
+        for (int64_t j = 0; j < s.ic; ++j) {
+          ref[i * s.ic + j] += xd[i * s.oc + k] * xw[k * s.ic + j];
+          mag[i * s.ic + j] += std::fabs(xd[i * s.oc + k] * xw[k * s.ic + j]);
+        }
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] *= GeluDerivative<double>(xpre[i]);
+    const auto dw0 = Random(s.oc * s.ic, 105), db0 = Random(s.oc, 106);
+    DeviceBuffer<T> d_inp(inp), d_w(w), d_pre(pre), d_dout(dout), d_dinp(s.n * s.ic), d_plain(s.n * s.ic);
+    DeviceBuffer<float> d_dw(dw0), d_db(db0), p_dw(dw0), p_db(db0);
+    STATUS_OK(MatmulBackward<T>(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), s.n, s.ic,
+                                s.oc, gpu.ctx, false, d_pre.get()));
+    ExpectClose(
+        d_dinp.Download(), ref, [&](size_t i) { return rtol * std::fabs(ref[i]) + atol * mag[i]; }, "dinp");
+    STATUS_OK(MatmulBackward<T>(d_plain.get(), p_dw.get(), p_db.get(), d_dout.get(), d_inp.get(), d_w.get(), s.n, s.ic,
+                                s.oc, gpu.ctx));
+    EXPECT_TRUE(SameBits(d_dw.Download(), p_dw.Download())) << "dw";
+    EXPECT_TRUE(SameBits(d_db.Download(), p_db.Download())) << "dbias";
+    EXPECT_EQ(MatmulBackward<T>(d_dinp.get(), d_dw.get(), nullptr, d_dout.get(), d_inp.get(), d_w.get(), s.n, s.ic,
+                                s.oc, gpu.ctx, true, d_pre.get())
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(MatmulBackward<T>(nullptr, d_dw.get(), nullptr, d_dout.get(), d_inp.get(), d_w.get(), s.n, s.ic, s.oc,
+                                gpu.ctx, false, d_pre.get())
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+TEST(MatmulCuda, Fp32GeluBackwardThroughTheProduct) { GeluBackwardThroughTheProduct<float>(1e-5, 1e-5); }
+TEST(MatmulCuda, Bf16GeluBackwardThroughTheProduct) { GeluBackwardThroughTheProduct<__nv_bfloat16>(1e-2, 4e-3); }
+TEST(MatmulCuda, Fp16GeluBackwardThroughTheProduct) { GeluBackwardThroughTheProduct<__half>(2e-3, 2e-3); }
+
+// BiasBackward is MatmulBackward's bias gradient alone: the same bits (the same column sums in the
+// same order), in one chunk of rows and in chunks of 512 through the workspace.
+template <typename T>
+void BiasBackwardIsTheProductsBiasGradient() {
+  Gpu gpu;
+  for (const MatmulShape& s : {MatmulShape{37, 16, 29}, MatmulShape{1100, 8, 96}}) {
+    SCOPED_TRACE("n=" + std::to_string(s.n) + " oc=" + std::to_string(s.oc));
+    const auto inp = ToT<T>(Random(s.n * s.ic, 111)), w = ToT<T>(Random(s.oc * s.ic, 112));
+    const auto dout = ToT<T>(Random(s.n * s.oc, 113));
+    const auto dw0 = Random(s.oc * s.ic, 114), db0 = Random(s.oc, 115);
+    DeviceBuffer<T> d_inp(inp), d_w(w), d_dout(dout);
+    DeviceBuffer<float> d_dw(dw0), d_db(db0), b_db(db0);
+    STATUS_OK(MatmulBackward<T>(nullptr, d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), s.n, s.ic, s.oc,
+                                gpu.ctx));
+    STATUS_OK(BiasBackward<T>(b_db.get(), d_dout.get(), s.n, s.oc, gpu.ctx));
+    const auto got = b_db.Download();
+    EXPECT_TRUE(SameBits(got, d_db.Download()));
+    std::vector<double> ref(db0.begin(), db0.end()), mag = Abs(ref);
+    const auto xd = ToDouble(dout);
+    for (int64_t i = 0; i < s.n; ++i)
+      for (int64_t j = 0; j < s.oc; ++j) {
+        ref[j] += xd[i * s.oc + j];
+        mag[j] += std::fabs(xd[i * s.oc + j]);
+      }
+    ExpectClose(
+        got, ref, [&](size_t j) { return 1e-6 * mag[j]; }, "dbias");
+  }
+  EXPECT_EQ(BiasBackward<T>(nullptr, nullptr, 4, 4, gpu.ctx).code(), absl::StatusCode::kInvalidArgument);
+}
+TEST(MatmulCuda, BiasBackwardIsTheProductsBiasGradient) {
+  BiasBackwardIsTheProductsBiasGradient<float>();
+  BiasBackwardIsTheProductsBiasGradient<__nv_bfloat16>();
+  BiasBackwardIsTheProductsBiasGradient<__half>();
+}
 
 TEST(MatmulCuda, BackwardIsDeterministic) {
   for (bool deterministic : {false, true}) {

@@ -34,6 +34,7 @@
 #include "tests/trainer/ops_cuda_test_util.cuh"
 #include "trainer/counter_rng.h"
 #include "trainer/cpu/ops_cpu.h"
+#include "trainer/cuda/adamw_table.h"
 #include "trainer/cuda/ops_cuda.h"
 
 namespace ptk::cuda {
@@ -495,6 +496,60 @@ TYPED_TEST(TypedCudaOps, AdamWIsAdamWCpuBitwise) {
       ExpectBitwise(dpc.Download(n, offset), ToT<T>(p), "compute copy " + what);
     }
   }
+}
+
+// The multi-tensor AdamW over a rank's range of the flat layout (its shard: master and moments
+// shifted to start at the range, gradient and compute copy indexed by the flat index), pieces of
+// both weight-decay groups cut into chunks of at most kAdamWChunk: bitwise cpu::Scale of the gradient
+// then cpu::AdamW piece by piece, two steps; the compute copy round(p) inside the range and
+// untouched outside it.
+TYPED_TEST(TypedCudaOps, AdamWMultiIsScaleThenAdamWPerPieceBitwise) {
+  using T = TypeParam;
+  struct Piece {
+    int64_t offset, size;
+    bool no_decay;
+  };
+  const int64_t total = 30011, begin = 5003;
+  const std::vector<Piece> pieces = {{5003, 9000, false}, {14003, 5, true}, {14008, 16003, false}};
+  std::vector<AdamWChunk> table;
+  for (const Piece& p : pieces)
+    for (int64_t at = 0; at < p.size; at += kAdamWChunk)
+      table.push_back({p.offset + at, static_cast<int32_t>(std::min(kAdamWChunk, p.size - at)), p.no_decay ? 1 : 0});
+  const int64_t shard = total - begin;
+  auto master = Normal(shard, 160), m = Normal(shard, 161, 0.0f, 0.01f), v = Normal(shard, 162, 0.0f, 0.01f);
+  for (float& x : v) x = x * x;
+  const auto compute0 = ToT<T>(Normal(total, 163));
+  DeviceArray<float> dmaster(master), dm(m), dv(v), dg(total);
+  DeviceArray<T> dcompute(compute0);
+  std::vector<uint8_t> table_bytes(table.size() * sizeof(AdamWChunk));
+  std::memcpy(table_bytes.data(), table.data(), table_bytes.size());
+  DeviceArray<uint8_t> dtable(table_bytes);
+  const float grad_scale = 0.37f;
+  for (int64_t step = 1; step <= 2; ++step) {
+    const auto g = Normal(total, static_cast<uint32_t>(170 + step), 0.0f, 0.1f);
+    const AdamWParams decay{1e-3, 0.9, 0.95, 1e-8, 0.1, step + 4}, no_decay{1e-3, 0.9, 0.95, 1e-8, 0.0, step + 4};
+    for (const Piece& p : pieces) {
+      std::vector<float> gs(g.begin() + p.offset, g.begin() + p.offset + p.size);
+      cpu::Scale(gs.data(), p.size, grad_scale);
+      const int64_t at = p.offset - begin;
+      cpu::AdamW(master.data() + at, gs.data(), m.data() + at, v.data() + at, p.size, p.no_decay ? no_decay : decay);
+    }
+    dg.Upload(g);
+    ASSERT_OK(AdamWMulti<T>(reinterpret_cast<const AdamWChunk*>(dtable.get()), static_cast<int64_t>(table.size()),
+                            dmaster.get(), begin, dg.get(), dm.get(), dv.get(), begin, dcompute.get(), grad_scale,
+                            decay, no_decay, this->ctx_));
+  }
+  ExpectBitwise(dmaster.Download(), master, "master");
+  ExpectBitwise(dm.Download(), m, "m");
+  ExpectBitwise(dv.Download(), v, "v");
+  std::vector<T> want = compute0;
+  for (int64_t i = begin; i < total; ++i) want[i] = FromFloat<T>(master[i - begin]);
+  ExpectBitwise(dcompute.Download(), want, "compute copy");
+  const AdamWParams bad{1e-3, 0.9, 0.95, 1e-8, 0.1, 0};
+  EXPECT_EQ(AdamWMulti<T>(reinterpret_cast<const AdamWChunk*>(dtable.get()), 1, dmaster.get(), begin, dg.get(),
+                          dm.get(), dv.get(), begin, nullptr, 1.0f, bad, bad, this->ctx_)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(CudaOps, AdamWWithoutComputeCopyAndBadStep) {
