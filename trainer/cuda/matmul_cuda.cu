@@ -331,7 +331,7 @@ absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, fl
     }
     it = cache.emplace(key, plan).first;
   }
-  const Plan& plan = it->second;
+  Plan& plan = it->second;
   if (!plan.supported) {
     NoteFallback(g, ctx, where);
     return absl::OkStatus();
@@ -343,10 +343,18 @@ absl::Status LtGemm(const GemmSpec& g, const void* A, const void* B, void* C, fl
     PTK_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)),
         where);
-  PTK_CUBLAS_RETURN_IF_ERROR(
+  const cublasStatus_t st =
       cublasLtMatmul(ctx.cublaslt, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, C, plan.c, C, plan.c, &plan.algo,
-                     ctx.workspace, ctx.workspace ? ctx.workspace_bytes : 0, ctx.stream),
-      where);
+                     ctx.workspace, ctx.workspace ? ctx.workspace_bytes : 0, ctx.stream);
+  // A refusal at launch (the heuristic accepted the plan, but cublasLtMatmul's own checks reject
+  // it, e.g. a bias or aux pointer less aligned than the algorithm needs: nothing was launched)
+  // falls back as a heuristic refusal does, and the plan remembers it for this (shape, alignments).
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+    plan.supported = false;
+    NoteFallback(g, ctx, where);
+    return absl::OkStatus();
+  }
+  if (st != CUBLAS_STATUS_SUCCESS) return CublasError(st, "cublasLtMatmul", where);
   *ran = true;
   return absl::OkStatus();
 }
