@@ -99,10 +99,11 @@ def megatron_args(tp, bf16, distopt, pp=1, vp=None, layers=None, tied=False):
         iteration=ITERATION)
 
 
-def build(tp, bf16, distopt, pp=1, vp=None, layers=None, tied=False):
+def build(tp, bf16, distopt, pp=1, vp=None, layers=None, tied=False, init=True):
     """megatron-core's model, optimizer and scheduler of the run, on this process's tensor-parallel rank (with a
     pipeline size `pp` and `vp` model chunks per stage: the chunks' GPTModels and DDPs as lists; `tied`: the output
-    layer shares the embedding, on the last stage a copy of it that megatron-core keeps equal)."""
+    layer shares the embedding, on the last stage a copy of it that megatron-core keeps equal; `init` False: a second
+    model in this process, parallel_state and the seeds as the first one set them)."""
     import torch
     import torch.nn.functional as F
     import megatron.core.tensor_parallel.random as mrandom
@@ -117,9 +118,10 @@ def build(tp, bf16, distopt, pp=1, vp=None, layers=None, tied=False):
     a = ARGS
     mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
-    mrandom.model_parallel_cuda_manual_seed(1234)
-    torch.manual_seed(1234)
+    if init:
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
+        mrandom.model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
     dtype = torch.bfloat16 if bf16 else torch.float32
     cfg = TransformerConfig(num_layers=layers or a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
                             num_query_groups=a["groups"], ffn_hidden_size=a["ffn"], kv_channels=a["hidden"] // a["heads"],
