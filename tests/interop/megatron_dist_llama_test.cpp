@@ -5,7 +5,8 @@
 // dp_zero_gather_scatter), and each resharded by megatron-core to tensor size 1; the distributed optimizer at tensor
 // size 2 in fully_sharded_model_space (megatron-core 0.13.1's); a 4-layer run resharded by megatron-core into an
 // interleaved one (pipeline size 2, two model chunks per stage: a grad buffer per chunk); and a tied model resharded
-// into pipeline size 2 (the embedding on the first stage, the output layer's copy on the last) in dp_reshardable. Each
+// into pipeline size 2 (the embedding on the first stage, the output layer's copy on the last) in dp_reshardable, at
+// tensor size 1 and 2. Each
 // converts to the fp32 weights and AdamW moments expected.json records (megatron-core's TP 1 optimizer after loading
 // it) bit for bit, TP 2 to exactly TP 1's; ptk-train --load resumes one AdamW step from those moments; damaged or
 // mismatched copies are refused in one line naming the file and the key.
@@ -119,7 +120,7 @@ TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, TorchDistLlama,
                          ::testing::Values("plain_bf16_tp1", "plain_bf16_tp2", "distopt_tp1", "distopt_tp2",
                                            "distopt_tp2_dp_zero", "distopt_tp2_fs_model_space", "vpp_plain_bf16",
-                                           "vpp_distopt", "tied_pp2_distopt"));
+                                           "vpp_distopt", "tied_pp2_distopt", "tied_tp2_pp2_distopt"));
 
 // The TP 2 checkpoint and megatron-core's TP 1 reshard of it: the same ptk checkpoint, every array equal
 // (SwiGLU's gate and up halves and the query groups put back where a single rank holds them).

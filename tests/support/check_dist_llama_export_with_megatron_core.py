@@ -13,6 +13,7 @@ state (the tied output layer's copy on the last stage too); the script compares 
 
 Cases:
   tied_pp2_distopt             dp_reshardable, tied over 2 pipeline stages, exported at pipeline size 2
+  tied_tp2_pp2_distopt         the same at tensor size 2 x pipeline size 2, exported so
   distopt_tp2_fs_model_space   fully_sharded_model_space at tensor size 2, exported at tensor size 2, and at
                                tensor size 1 (A: megatron-core's TP 1 load of the TP 2 file, which that format
                                reshards)
@@ -20,7 +21,7 @@ The fs_model_space cases need megatron-core 0.13.1 (0.16.1 no longer builds that
 dp_reshardable ones 0.16.1. CPU only, run by hand under PyTorch 2.6 (CI's Debian PyTorch 1.13 cannot run
 megatron-core):
   PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python \\
-      tests/support/check_dist_llama_export_with_megatron_core.py build/bin tied_pp2_distopt
+      tests/support/check_dist_llama_export_with_megatron_core.py build/bin tied_pp2_distopt tied_tp2_pp2_distopt
   PYTHONPATH=/tmp/mcore013 /opt/ptk-torch26/bin/python \\
       tests/support/check_dist_llama_export_with_megatron_core.py build/bin distopt_tp2_fs_model_space
 """
@@ -38,6 +39,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "data",
 # fixture -> (its sharding, tied, [(export tensor size, export pipeline size)])
 CASES = {
     "tied_pp2_distopt": ("dp_reshardable", True, [(1, 2)]),
+    "tied_tp2_pp2_distopt": ("dp_reshardable", True, [(2, 2)]),
     "distopt_tp2_fs_model_space": ("fully_sharded_model_space", False, [(2, 1), (1, 1)]),
 }
 
@@ -102,7 +104,8 @@ def rank(r, tp, pp, fixture, export, store, result):
     fx.cpu_shims(torch)
     sharding, tied, _ = CASES[fixture]
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=r, world_size=tp * pp)
-    built = [fx.build(tp, False, True, pp=pp, tied=tied, init=i == 0) for i in range(2)]
+    layers = fx.RESHARDS.get(fixture, {}).get("layers")  # the fixture's (tied_tp2_pp2_distopt: 4)
+    built = [fx.build(tp, False, True, pp=pp, layers=layers, tied=tied, init=i == 0) for i in range(2)]
     (gpt_a, _, opt_a, _), (gpt_b, _, opt_b, _) = [
         (g[0], m[0], o, s) if isinstance(g, list) else (g, m, o, s) for g, m, o, s in built]
     fx.init_optimizer_state(opt_a)

@@ -7,7 +7,7 @@ optimizer.sharded_state_dict(model_sd, metadata=M), opt_param_scheduler, ...}, w
 _build_sharded_state_dict_metadata gives (singleton_local_shards False: SwiGLU's linear_fc1 is one key whose
 rows are every rank's gate, then every rank's up; distrib_optim_sharding_type dp_reshardable).
 
-Two optimizers, three directories each (and one more):
+The directories:
   plain_bf16_tp2, plain_bf16_tp1    a --bf16 run's plain optimizer (Float16OptimizerWithFloat16Params: the
                                     model in bf16, optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>)
   distopt_tp2, distopt_tp1          an fp32 run's distributed optimizer in dp_reshardable (Megatron-LM's
@@ -32,10 +32,12 @@ Two optimizers, three directories each (and one more):
                                     pipeline size 2 (the embedding on stage 0, the output layer's copy of it on stage
                                     1, each in its stage's grad buffer) and saved in dp_reshardable
                                     (dp_group_idx_0 and dp_group_idx_1); expected.json: the pipeline-size-1 run's
-                                    state. (At tensor size 2 x pipeline size 2 megatron-core 0.16.1's dp_reshardable
-                                    save fails on stage 0 for this model: its bucket's end padding is saved past the
-                                    bucket's numel_unpadded, 1152 elements written into a tensor of 1088, which
-                                    torch's planner refuses: "Failed to validate global plan".)
+                                    state
+  tied_tp2_pp2_distopt              the same at tensor size 2 x pipeline size 2 (four gloo processes), with 4 layers:
+                                    with 2, megatron-core 0.16.1's own dp_reshardable save fails on stage 0 (its
+                                    bucket of 1088 elements, 64-aligned but not 128-aligned, is padded to 1152 and
+                                    sharded_param_state_dp_reshardable writes the end padding past numel_unpadded:
+                                    torch's planner refuses the plan, "Failed to validate global plan")
 The *_tp1 checkpoint is the *_tp2 one resharded by megatron-core: a tensor-parallel-size-1 model and
 optimizer load the TP 2 checkpoint with dist_checkpointing.load (for the distributed optimizer, from a
 fully_reshardable save of the same state, since dp_reshardable only reshards over data parallelism), then
@@ -48,7 +50,7 @@ decides how the TP 2 shards (SwiGLU's gate and up halves, the query groups) make
 megatron-core runs on the CPU as in make_torch_dist_distopt_fixture.py (its cpu_shims). Usage (PyTorch 2.6, which
 dp_reshardable needs; megatron-core 0.16.1 in /opt/ptk-pyref; 0.13.1 for distopt_fsms):
   PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/make_torch_dist_llama_fixture.py \\
-      tests/data/torch_dist_llama --kinds plain_bf16 distopt vpp_plain_bf16 vpp_distopt tied_pp2_distopt
+      tests/data/torch_dist_llama
   /opt/ptk-torch26/bin/python -m pip install --no-deps --target /tmp/mcore013 megatron-core==0.13.1
   PYTHONPATH=/tmp/mcore013 /opt/ptk-torch26/bin/python tests/support/make_torch_dist_llama_fixture.py \\
       tests/data/torch_dist_llama --kinds distopt_fsms
@@ -369,8 +371,7 @@ RESHARDS = {
     # tied embeddings over two pipeline stages: the embedding on the first, the output layer's copy of it on the
     # last (a grad buffer entry of its own there); at tensor size 1 and 2
     "tied_pp2_distopt": dict(bf16=False, distopt=True, tp=1, pp=2, vp=None, layers=2, tied=True),
-    # not committed: megatron-core 0.16.1's dp_reshardable save fails there (the module's docstring)
-    "tied_tp2_pp2_distopt": dict(bf16=False, distopt=True, tp=2, pp=2, vp=None, layers=2, tied=True),
+    "tied_tp2_pp2_distopt": dict(bf16=False, distopt=True, tp=2, pp=2, vp=None, layers=4, tied=True),
 }
 
 
@@ -447,9 +448,8 @@ def reshard_worker(rank, store, out, kind, tmp):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--kinds", nargs="+", help="distopt_fsms needs megatron-core 0.13.1; tied_tp2_pp2_distopt fails "
-                    "in 0.16.1 (the module's docstring)",
-                    default=["plain_bf16", "distopt", "vpp_plain_bf16", "vpp_distopt", "tied_pp2_distopt"])
+    ap.add_argument("--kinds", nargs="+", help="distopt_fsms needs megatron-core 0.13.1 (the module's docstring)",
+                    default=["plain_bf16", "distopt", *RESHARDS])
     o = ap.parse_args()
     import torch
     import torch.multiprocessing as mp
