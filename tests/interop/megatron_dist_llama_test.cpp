@@ -163,7 +163,8 @@ double AdamWMisfit(const ParamLayout& layout, const Converted& a, const Converte
 // step: its new weights and moments fit AdamW's update, which zero moments would not.
 TEST(TorchDistLlamaTp, PtkTrainResumesOneAdamWStepFromTheMoments) {
   TempDir dir;
-  for (const std::string name : {"distopt_tp2", "plain_bf16_tp2", "vpp_distopt"}) {
+  for (const std::string name :
+       {"distopt_tp2", "plain_bf16_tp2", "vpp_distopt", "distopt_tp2_fs_model_space", "tied_tp2_pp2_distopt"}) {
     const std::string ptk = dir / (name + "-ptk"), out = dir / (name + "-resumed");
     Converted a = ConvertAndLoad(Fixture(name), ptk);
     ASSERT_TRUE(a.layout.has_value());
@@ -239,6 +240,15 @@ TEST(TorchDistLlamaRefused, ATensorRanksGradBufferMissingIsNamed) {
       [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_0", "dp_group_idx_7.gbuf_idx_0"); },
       {".metadata", "optimizer.distributed.dp_group_idx_7", "model-parallel rank 7", "2 tensor x 1 pipeline ranks",
        "\"dp_reshardable\""});
+}
+
+TEST(TorchDistLlamaRefused, APipelineRanksGradBufferMissingIsNamed) {
+  // The tied model's last stage (dp_group_idx_1: the output layer's copy of the embedding beside its layer) renamed
+  // to a rank the args do not have.
+  ExpectRefused(
+      "tied_pp2_distopt",
+      [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_0", "dp_group_idx_5.gbuf_idx_0"); },
+      {".metadata", "optimizer.distributed.dp_group_idx_5", "model-parallel rank 5", "1 tensor x 2 pipeline ranks"});
 }
 
 TEST(TorchDistLlamaRefused, AModelChunksGradBufferMissingIsNamed) {
