@@ -2,8 +2,11 @@
 // grouped-query attention, RoPE, no biases, untied) that megatron-core 0.16.1 itself wrote
 // (tests/data/torch_dist_llama/, tests/support/make_torch_dist_llama_fixture.py): trained at tensor size 2
 // with the plain optimizer of a --bf16 run and with the distributed optimizer (dp_reshardable; and
-// dp_zero_gather_scatter), and each resharded by megatron-core to tensor size 1; and a 4-layer run resharded by
-// megatron-core into an interleaved one (pipeline size 2, two model chunks per stage: a grad buffer per chunk). Each
+// dp_zero_gather_scatter), and each resharded by megatron-core to tensor size 1; the distributed optimizer at tensor
+// size 2 in fully_sharded_model_space (megatron-core 0.13.1's); a 4-layer run resharded by megatron-core into an
+// interleaved one (pipeline size 2, two model chunks per stage: a grad buffer per chunk); and a tied model resharded
+// into pipeline size 2 (the embedding on the first stage, the output layer's copy on the last) in dp_reshardable, at
+// tensor size 1 and 2. Each
 // converts to the fp32 weights and AdamW moments expected.json records (megatron-core's TP 1 optimizer after loading
 // it) bit for bit, TP 2 to exactly TP 1's; ptk-train --load resumes one AdamW step from those moments; damaged or
 // mismatched copies are refused in one line naming the file and the key.
@@ -91,7 +94,10 @@ TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
     EXPECT_EQ(note.find("record no Adam step"), std::string::npos) << note;
   const GPTConfig& g = c.summary.config;
   EXPECT_TRUE(g.swiglu && g.normalization == Normalization::kRMSNorm && g.rope() && !g.add_bias_linear &&
-              g.untie_embeddings_and_output_weights && g.query_groups() == 2);
+              g.query_groups() == 2);
+  bool tied = false;  // expected.json's "tied": the output layer shares the embedding
+  if (exp["tied"].get(tied) != simdjson::SUCCESS) tied = false;
+  EXPECT_EQ(g.untie_embeddings_and_output_weights, !tied) << name;
   simdjson::dom::object tensors = exp["tensors"];
   EXPECT_EQ(tensors.size(), c.layout->infos.size());
   int compared = 0;
@@ -113,7 +119,8 @@ TEST_P(TorchDistLlama, ConvertsToMegatronCoresValuesBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TorchDistLlama,
                          ::testing::Values("plain_bf16_tp1", "plain_bf16_tp2", "distopt_tp1", "distopt_tp2",
-                                           "distopt_tp2_dp_zero", "vpp_plain_bf16", "vpp_distopt"));
+                                           "distopt_tp2_dp_zero", "distopt_tp2_fs_model_space", "vpp_plain_bf16",
+                                           "vpp_distopt", "tied_pp2_distopt", "tied_tp2_pp2_distopt"));
 
 // The TP 2 checkpoint and megatron-core's TP 1 reshard of it: the same ptk checkpoint, every array equal
 // (SwiGLU's gate and up halves and the query groups put back where a single rank holds them).
@@ -156,7 +163,8 @@ double AdamWMisfit(const ParamLayout& layout, const Converted& a, const Converte
 // step: its new weights and moments fit AdamW's update, which zero moments would not.
 TEST(TorchDistLlamaTp, PtkTrainResumesOneAdamWStepFromTheMoments) {
   TempDir dir;
-  for (const std::string name : {"distopt_tp2", "plain_bf16_tp2", "vpp_distopt"}) {
+  for (const std::string name :
+       {"distopt_tp2", "plain_bf16_tp2", "vpp_distopt", "distopt_tp2_fs_model_space", "tied_tp2_pp2_distopt"}) {
     const std::string ptk = dir / (name + "-ptk"), out = dir / (name + "-resumed");
     Converted a = ConvertAndLoad(Fixture(name), ptk);
     ASSERT_TRUE(a.layout.has_value());
@@ -232,6 +240,15 @@ TEST(TorchDistLlamaRefused, ATensorRanksGradBufferMissingIsNamed) {
       [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_0", "dp_group_idx_7.gbuf_idx_0"); },
       {".metadata", "optimizer.distributed.dp_group_idx_7", "model-parallel rank 7", "2 tensor x 1 pipeline ranks",
        "\"dp_reshardable\""});
+}
+
+TEST(TorchDistLlamaRefused, APipelineRanksGradBufferMissingIsNamed) {
+  // The tied model's last stage (dp_group_idx_1: the output layer's copy of the embedding beside its layer) renamed
+  // to a rank the args do not have.
+  ExpectRefused(
+      "tied_pp2_distopt",
+      [](const std::string& d) { Replace(d + "/.metadata", "dp_group_idx_1.gbuf_idx_0", "dp_group_idx_5.gbuf_idx_0"); },
+      {".metadata", "optimizer.distributed.dp_group_idx_5", "model-parallel rank 5", "1 tensor x 2 pipeline ranks"});
 }
 
 TEST(TorchDistLlamaRefused, AModelChunksGradBufferMissingIsNamed) {

@@ -7,13 +7,18 @@ optimizer.sharded_state_dict(model_sd, metadata=M), opt_param_scheduler, ...}, w
 _build_sharded_state_dict_metadata gives (singleton_local_shards False: SwiGLU's linear_fc1 is one key whose
 rows are every rank's gate, then every rank's up; distrib_optim_sharding_type dp_reshardable).
 
-Two optimizers, three directories each (and one more):
+The directories:
   plain_bf16_tp2, plain_bf16_tp1    a --bf16 run's plain optimizer (Float16OptimizerWithFloat16Params: the
                                     model in bf16, optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>)
   distopt_tp2, distopt_tp1          an fp32 run's distributed optimizer in dp_reshardable (Megatron-LM's
                                     default: one grad buffer per tensor-parallel rank, keys
                                     optimizer.distributed.dp_group_idx_<rank>.gbuf_idx_0...bucket_idx_0.*)
   distopt_tp2_dp_zero               the same TP 2 state in dp_zero_gather_scatter (an object per rank)
+  distopt_tp2_fs_model_space        a TP 2 run's distributed optimizer in fully_sharded_model_space (megatron-core
+                                    <= 0.13's default, written by megatron-core 0.13.1: 0.16.1 no longer saves it;
+                                    optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>, each rank's flattened
+                                    shard, the global shape [X/x, Y/y, ..., x*y*...]); its TP 1 reshard (by 0.13.1,
+                                    from this save) gives expected.json and is not kept
   vpp_plain_bf16, vpp_distopt        an interleaved run's: 4 layers trained 3 steps at pipeline size 1, loaded
                                     by megatron-core into pipeline size 2 with 2 model chunks of 1 layer per
                                     stage (Megatron-LM's --num-layers-per-virtual-pipeline-stage 1; two gloo
@@ -22,6 +27,17 @@ Two optimizers, three directories each (and one more):
                                     model0, model1 (the distributed optimizer: a grad buffer per chunk,
                                     gbuf_idx_0 and gbuf_idx_1, on each of dp_group_idx_0 and dp_group_idx_1);
                                     expected.json: the pipeline-size-1 run's state
+  tied_pp2_distopt                  the same for tied embeddings over pipeline stages: 2 layers trained at pipeline
+                                    size 1 with share_embeddings_and_output_weights, loaded by megatron-core into
+                                    pipeline size 2 (the embedding on stage 0, the output layer's copy of it on stage
+                                    1, each in its stage's grad buffer) and saved in dp_reshardable
+                                    (dp_group_idx_0 and dp_group_idx_1); expected.json: the pipeline-size-1 run's
+                                    state
+  tied_tp2_pp2_distopt              the same at tensor size 2 x pipeline size 2 (four gloo processes), with 4 layers:
+                                    with 2, megatron-core 0.16.1's own dp_reshardable save fails on stage 0 (its
+                                    bucket of 1088 elements, 64-aligned but not 128-aligned, is padded to 1152 and
+                                    sharded_param_state_dp_reshardable writes the end padding past numel_unpadded:
+                                    torch's planner refuses the plan, "Failed to validate global plan")
 The *_tp1 checkpoint is the *_tp2 one resharded by megatron-core: a tensor-parallel-size-1 model and
 optimizer load the TP 2 checkpoint with dist_checkpointing.load (for the distributed optimizer, from a
 fully_reshardable save of the same state, since dp_reshardable only reshards over data parallelism), then
@@ -32,9 +48,12 @@ and exp_avg_sq, Adam's step and the optimizer's settings. So megatron-core's own
 decides how the TP 2 shards (SwiGLU's gate and up halves, the query groups) make the whole tensors.
 
 megatron-core runs on the CPU as in make_torch_dist_distopt_fixture.py (its cpu_shims). Usage (PyTorch 2.6, which
-dp_reshardable needs; megatron-core 0.16.1 in /opt/ptk-pyref):
+dp_reshardable needs; megatron-core 0.16.1 in /opt/ptk-pyref; 0.13.1 for distopt_fsms):
   PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/make_torch_dist_llama_fixture.py \\
       tests/data/torch_dist_llama
+  /opt/ptk-torch26/bin/python -m pip install --no-deps --target /tmp/mcore013 megatron-core==0.13.1
+  PYTHONPATH=/tmp/mcore013 /opt/ptk-torch26/bin/python tests/support/make_torch_dist_llama_fixture.py \\
+      tests/data/torch_dist_llama --kinds distopt_fsms
 """
 import argparse
 import hashlib
@@ -57,7 +76,7 @@ def padded_vocab(tp):
     return (ARGS["vocab"] + m - 1) // m * m
 
 
-def megatron_args(tp, bf16, distopt, pp=1, vp=None, layers=None):
+def megatron_args(tp, bf16, distopt, pp=1, vp=None, layers=None, tied=False):
     a = dict(ARGS, layers=layers or ARGS["layers"])
     import torch
     return argparse.Namespace(
@@ -66,7 +85,7 @@ def megatron_args(tp, bf16, distopt, pp=1, vp=None, layers=None):
         max_position_embeddings=a["positions"], seq_length=a["seq"], position_embedding_type="rope",
         add_position_embedding=False, rotary_base=a["rotary_base"], rotary_percent=1.0, use_rope_scaling=False,
         rotary_interleaved=False, normalization="RMSNorm", norm_epsilon=a["eps_norm"], apply_layernorm_1p=False,
-        swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
+        swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=not tied,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, vocab_size=a["vocab"],
         padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=a["divisible"],
         tokenizer_type="NullTokenizer", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -82,9 +101,11 @@ def megatron_args(tp, bf16, distopt, pp=1, vp=None, layers=None):
         iteration=ITERATION)
 
 
-def build(tp, bf16, distopt, pp=1, vp=None, layers=None):
+def build(tp, bf16, distopt, pp=1, vp=None, layers=None, tied=False, init=True):
     """megatron-core's model, optimizer and scheduler of the run, on this process's tensor-parallel rank (with a
-    pipeline size `pp` and `vp` model chunks per stage: the chunks' GPTModels and DDPs as lists)."""
+    pipeline size `pp` and `vp` model chunks per stage: the chunks' GPTModels and DDPs as lists; `tied`: the output
+    layer shares the embedding, on the last stage a copy of it that megatron-core keeps equal; `init` False: a second
+    model in this process, parallel_state and the seeds as the first one set them)."""
     import torch
     import torch.nn.functional as F
     import megatron.core.tensor_parallel.random as mrandom
@@ -99,9 +120,10 @@ def build(tp, bf16, distopt, pp=1, vp=None, layers=None):
     a = ARGS
     mrandom._set_cuda_rng_state = lambda state, *x, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *x, **k: torch.get_rng_state()
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
-    mrandom.model_parallel_cuda_manual_seed(1234)
-    torch.manual_seed(1234)
+    if init:
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
+        mrandom.model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
     dtype = torch.bfloat16 if bf16 else torch.float32
     cfg = TransformerConfig(num_layers=layers or a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
                             num_query_groups=a["groups"], ffn_hidden_size=a["ffn"], kv_channels=a["hidden"] // a["heads"],
@@ -115,7 +137,7 @@ def build(tp, bf16, distopt, pp=1, vp=None, layers=None):
     for v in range(vp or 1):  # as Megatron-LM's get_model builds an interleaved run's chunks
         gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                        vocab_size=padded_vocab(tp), max_sequence_length=a["positions"], position_embedding_type="rope",
-                       rotary_base=a["rotary_base"], share_embeddings_and_output_weights=False,
+                       rotary_base=a["rotary_base"], share_embeddings_and_output_weights=tied,
                        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v if vp else None),
                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v if vp else None),
                        vp_stage=v if vp else None)
@@ -161,7 +183,7 @@ def sd_metadata(sharding):
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def save(gpt, opt, sched, out, tp, bf16, distopt, sharding, pp=1, vp=None, layers=None):
+def save(gpt, opt, sched, out, tp, bf16, distopt, sharding, pp=1, vp=None, layers=None, tied=False):
     """As Megatron-LM's save_checkpoint: `gpt` one model ('model') or an interleaved run's chunks ('model0', ...)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -173,7 +195,7 @@ def save(gpt, opt, sched, out, tp, bf16, distopt, sharding, pp=1, vp=None, layer
         os.makedirs(iter_dir)
     dist.barrier()
     md = sd_metadata(sharding)
-    state = {"args": megatron_args(tp, bf16, distopt, pp, vp, layers), "checkpoint_version": 3.0,
+    state = {"args": megatron_args(tp, bf16, distopt, pp, vp, layers, tied), "checkpoint_version": 3.0,
              "iteration": ITERATION, "opt_param_scheduler": sched.state_dict(),
              "num_floating_point_operations_so_far": 0}
     if isinstance(gpt, list):
@@ -215,20 +237,38 @@ def entry(v, shape):
             "first": [float(x) for x in v.flatten()[:3]]}
 
 
+# What each kind trained at tensor size 2 saves: (directory, distrib_optim_sharding_type).
+TP2_SAVES = {
+    "plain_bf16": [("plain_bf16_tp2", "dp_reshardable")],
+    "distopt": [("distopt_tp2", "dp_reshardable"),
+                ("distopt_tp2_dp_zero", "dp_zero_gather_scatter")],  # an object per model-parallel rank
+    # megatron-core <= 0.13's default (0.16.1 refuses to save it: its ShardedTensor has no flattened_range), so
+    # written by megatron-core 0.13.1: each rank's flattened shard of each parameter, the global shape
+    # [X/x, Y/y, ..., x*y*...]; SwiGLU's linear_fc1 through the same factory. It reshards over tensor
+    # parallelism itself, so the TP 1 optimizer loads it (0.13.1 has no fully_reshardable).
+    "distopt_fsms": [("distopt_tp2_fs_model_space", "fully_sharded_model_space")],
+}
+# The format a TP 1 optimizer loads each kind's TP 2 save from: (directory, sharding, whether it is a temporary).
+TP1_SOURCES = {
+    "plain_bf16": ("plain_bf16_tp2", "fully_reshardable", False),
+    "distopt": ("distopt_tp2_fully_reshardable", "fully_reshardable", True),  # dp_reshardable reshards over DP only
+    "distopt_fsms": ("distopt_tp2_fs_model_space", "fully_sharded_model_space", False),
+}
+
+
 def tp2_worker(rank, store, out, kind):
     import torch
     import torch.distributed as dist
     cpu_shims(torch)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    bf16, distopt = kind == "plain_bf16", kind == "distopt"
+    bf16, distopt = kind == "plain_bf16", kind.startswith("distopt")
     gpt, model, opt, sched = build(2, bf16, distopt)
     train(model, opt, sched)
-    save(gpt, opt, sched, os.path.join(out, f"{kind}_tp2"), 2, bf16, distopt, "dp_reshardable")
-    if distopt:  # megatron-core's other grad-buffer format: an object per model-parallel rank
-        save(gpt, opt, sched, os.path.join(out, f"{kind}_tp2_dp_zero"), 2, bf16, distopt, "dp_zero_gather_scatter")
-    if distopt:  # what the TP 1 optimizer loads (dp_reshardable reshards over data parallelism only)
-        save(gpt, opt, sched, os.path.join(out, f"{kind}_tp2_fully_reshardable"), 2, bf16, distopt,
-             "fully_reshardable")
+    for name, sharding in TP2_SAVES[kind]:
+        save(gpt, opt, sched, os.path.join(out, name), 2, bf16, distopt, sharding)
+    source, sharding, temporary = TP1_SOURCES[kind]
+    if temporary:  # what the TP 1 optimizer loads
+        save(gpt, opt, sched, os.path.join(out, source), 2, bf16, distopt, sharding)
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -256,15 +296,16 @@ def tp1_reshard(out, kind, tmp):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, package_info
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store1-{kind}", rank=0, world_size=1)
-    bf16, distopt = kind == "plain_bf16", kind == "distopt"
+    bf16, distopt = kind == "plain_bf16", kind.startswith("distopt")
     gpt, model, opt, sched = build(1, bf16, distopt)
     # The optimizer's state must exist before it is loaded into (megatron-core's DistributedOptimizer.state_dict
     # reads Adam's step from it without Apex or Transformer Engine): one step, all of which the load replaces.
     train(model, opt, sched, iterations=1)
     if distopt:
         step_shim()
-    src = os.path.join(out, f"{kind}_tp2_fully_reshardable" if distopt else f"{kind}_tp2")
-    md = sd_metadata("fully_reshardable")
+    source, sharding, temporary = TP1_SOURCES[kind]
+    src = os.path.join(out, source)
+    md = sd_metadata(sharding)
     model_sd = gpt.sharded_state_dict(metadata=md)
     opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=md)
     state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd,
@@ -273,7 +314,7 @@ def tp1_reshard(out, kind, tmp):
     gpt.load_state_dict(state["model"], strict=False)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["opt_param_scheduler"])
-    if distopt:
+    if temporary:
         shutil.rmtree(src)
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     steps = {int(st["step"]) for st in inner.optimizer.state.values()}
@@ -290,14 +331,14 @@ def tp1_reshard(out, kind, tmp):
             w, m1, m2 = (t.reshape(-1, shape[1])[:shape[0]] for t in (w, m1, m2))
         expected["tensors"][name] = {"weight": entry(w, shape), "exp_avg": entry(m1, shape),
                                      "exp_avg_sq": entry(m2, shape)}
-    save(gpt, opt, sched, os.path.join(out, f"{kind}_tp1"), 1, bf16, distopt, "dp_reshardable")
-    for tp, name, opt_name in ((1, f"{kind}_tp1", "distributed (dp_reshardable)"),
-                               (2, f"{kind}_tp2", "distributed (dp_reshardable)"),
-                               (2, f"{kind}_tp2_dp_zero", "distributed (dp_zero_gather_scatter)")):
-        if not os.path.isdir(os.path.join(out, name)):
-            continue
+    outputs = [(2, name, sharding) for name, sharding in TP2_SAVES[kind]]
+    if kind in ("plain_bf16", "distopt"):
+        save(gpt, opt, sched, os.path.join(out, f"{kind}_tp1"), 1, bf16, distopt, "dp_reshardable")
+        outputs.insert(0, (1, f"{kind}_tp1", "dp_reshardable"))
+    for tp, name, sharding in outputs:
         with open(os.path.join(out, name, "expected.json"), "w") as fh:
-            json.dump(dict(expected, tensor_parallel=tp, optimizer=opt_name if distopt else "plain (--bf16)"), fh,
+            json.dump(dict(expected, tensor_parallel=tp,
+                           optimizer=f"distributed ({sharding})" if distopt else "plain (--bf16)"), fh,
                       indent=1, sort_keys=True)
             fh.write("\n")
     from megatron.core import parallel_state
@@ -322,26 +363,41 @@ def init_optimizer_state(opt):
                     st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0))
 
 
-def vpp_source(out, kind, tmp):
-    """The run at pipeline size 1 (4 layers, 3 steps): saved where the interleaved run loads it from, and the values
+# The runs trained at pipeline size 1 and loaded by megatron-core into another parallel layout, saved from there.
+RESHARDS = {
+    # an interleaved run: 4 layers, pipeline size 2, two model chunks of one layer per stage
+    "vpp_plain_bf16": dict(bf16=True, distopt=False, tp=1, pp=2, vp=2, layers=VPP_LAYERS, tied=False),
+    "vpp_distopt": dict(bf16=False, distopt=True, tp=1, pp=2, vp=2, layers=VPP_LAYERS, tied=False),
+    # tied embeddings over two pipeline stages: the embedding on the first, the output layer's copy of it on the
+    # last (a grad buffer entry of its own there); at tensor size 1 and 2
+    "tied_pp2_distopt": dict(bf16=False, distopt=True, tp=1, pp=2, vp=None, layers=2, tied=True),
+    "tied_tp2_pp2_distopt": dict(bf16=False, distopt=True, tp=2, pp=2, vp=None, layers=4, tied=True),
+}
+
+
+def reshard_source(out, kind, tmp):
+    """The run at pipeline size 1 (3 steps): saved where the resharded run loads it from, and the values
     expected.json records."""
     import torch
     import torch.distributed as dist
     from megatron.core import package_info
+    k = RESHARDS[kind]
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store-src-{kind}", rank=0, world_size=1)
-    bf16, distopt = kind == "vpp_plain_bf16", kind == "vpp_distopt"
-    gpt, model, opt, sched = build(1, bf16, distopt, layers=VPP_LAYERS)
+    gpt, model, opt, sched = build(1, k["bf16"], k["distopt"], layers=k["layers"], tied=k["tied"])
     train(model, opt, sched)
-    save(gpt, opt, sched, os.path.join(tmp, f"{kind}-source"), 1, bf16, distopt,
-         "fully_reshardable" if distopt else "dp_reshardable", layers=VPP_LAYERS)
+    save(gpt, opt, sched, os.path.join(tmp, f"{kind}-source"), 1, k["bf16"], k["distopt"],
+         "fully_reshardable" if k["distopt"] else "dp_reshardable", layers=k["layers"], tied=k["tied"])
     a = ARGS
-    expected = {"bf16": bf16, "iteration": ITERATION, "adam_step": ITERATION,
+    expected = {"bf16": k["bf16"], "iteration": ITERATION, "adam_step": ITERATION,
                 "megatron_core": package_info.__version__, "torch": torch.__version__, "lr": a["lr"],
                 "weight_decay": a["weight_decay"], "betas": [a["beta1"], a["beta2"]], "eps": a["eps"],
-                "model": dict(a, layers=VPP_LAYERS), "tensor_parallel": 1, "pipeline_parallel": 2,
-                "virtual_pipeline_parallel": 2,
-                "optimizer": "distributed (dp_reshardable)" if distopt else "plain (--bf16)", "tensors": {}}
-    for name, (w, m1, m2) in main_states(gpt, opt, distopt).items():
+                "model": dict(a, layers=k["layers"]), "tensor_parallel": k["tp"], "pipeline_parallel": k["pp"],
+                "optimizer": "distributed (dp_reshardable)" if k["distopt"] else "plain (--bf16)", "tensors": {}}
+    if k["vp"]:
+        expected["virtual_pipeline_parallel"] = k["vp"]
+    if k["tied"]:
+        expected["tied"] = True
+    for name, (w, m1, m2) in main_states(gpt, opt, k["distopt"]).items():
         shape = dict(gpt.named_parameters())[name].shape
         expected["tensors"][name] = {"weight": entry(w, shape), "exp_avg": entry(m1, shape),
                                      "exp_avg_sq": entry(m2, shape)}
@@ -351,33 +407,39 @@ def vpp_source(out, kind, tmp):
     return expected
 
 
-def vpp_worker(rank, store, out, kind, tmp):
-    """The source loaded by an interleaved run (pipeline size 2, 2 chunks of 1 layer per stage) and saved."""
-    import torch
-    import torch.distributed as dist
+def load_into(gpts, opt, sharding, iter_dir, vp):
+    """dist_checkpointing.load of `iter_dir` into the chunks and the optimizer, as Megatron-LM's load_checkpoint."""
     from megatron.core import dist_checkpointing
-    cpu_shims(torch)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    bf16, distopt = kind == "vpp_plain_bf16", kind == "vpp_distopt"
-    gpts, models, opt, sched = build(1, bf16, distopt, pp=2, vp=2, layers=VPP_LAYERS)
-    init_optimizer_state(opt)
-    if distopt:
-        step_shim()
-    md = sd_metadata("fully_reshardable")
-    model_sd = {f"model{v}": g.sharded_state_dict(metadata=md) for v, g in enumerate(gpts)}
+    md = sd_metadata(sharding)
+    model_sd = ({f"model{v}": g.sharded_state_dict(metadata=md) for v, g in enumerate(gpts)} if vp else
+                {"model": gpts[0].sharded_state_dict(metadata=md)})
     state = dist_checkpointing.load(dict(model_sd, optimizer=opt.sharded_state_dict(model_sd, is_loading=True,
-                                                                                   metadata=md)),
-                                    os.path.join(tmp, f"{kind}-source", f"iter_{ITERATION:07d}"))
+                                                                                   metadata=md)), iter_dir)
     for v, g in enumerate(gpts):
-        g.load_state_dict(state[f"model{v}"], strict=False)
+        g.load_state_dict(state[f"model{v}" if vp else "model"], strict=False)
     opt.load_state_dict(state["optimizer"])
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     steps = {int(st["step"]) for st in inner.optimizer.state.values()}
     assert steps == {ITERATION}, steps
+
+
+def reshard_worker(rank, store, out, kind, tmp):
+    """The source loaded by the run of RESHARDS[kind] (one process per tensor and pipeline rank) and saved."""
+    import torch
+    import torch.distributed as dist
+    cpu_shims(torch)
+    k = RESHARDS[kind]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=k["tp"] * k["pp"])
+    gpts, models, opt, sched = build(k["tp"], k["bf16"], k["distopt"], pp=k["pp"], vp=k["vp"], layers=k["layers"],
+                                     tied=k["tied"])
+    init_optimizer_state(opt)
+    if k["distopt"]:
+        step_shim()
+    load_into(gpts, opt, "fully_reshardable", os.path.join(tmp, f"{kind}-source", f"iter_{ITERATION:07d}"), k["vp"])
     for _ in range(ITERATION):
         sched.step(increment=ARGS["micro"])
-    save(gpts, opt, sched, os.path.join(out, kind), 1, bf16, distopt, "dp_reshardable", pp=2, vp=2,
-         layers=VPP_LAYERS)
+    save(gpts if k["vp"] else gpts[0], opt, sched, os.path.join(out, kind), k["tp"], k["bf16"], k["distopt"],
+         "dp_reshardable", pp=k["pp"], vp=k["vp"], layers=k["layers"], tied=k["tied"])
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -386,16 +448,18 @@ def vpp_worker(rank, store, out, kind, tmp):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--kinds", nargs="+", default=["plain_bf16", "distopt", "vpp_plain_bf16", "vpp_distopt"])
+    ap.add_argument("--kinds", nargs="+", help="distopt_fsms needs megatron-core 0.13.1 (the module's docstring)",
+                    default=["plain_bf16", "distopt", *RESHARDS])
     o = ap.parse_args()
     import torch
     import torch.multiprocessing as mp
     cpu_shims(torch)
     for kind in o.kinds:
         with tempfile.TemporaryDirectory() as tmp:
-            if kind.startswith("vpp_"):
-                expected = vpp_source(o.out, kind, tmp)
-                mp.spawn(vpp_worker, args=(f"{tmp}/store2", o.out, kind, tmp), nprocs=2, join=True)
+            if kind in RESHARDS:
+                expected = reshard_source(o.out, kind, tmp)
+                mp.spawn(reshard_worker, args=(f"{tmp}/store2", o.out, kind, tmp),
+                         nprocs=RESHARDS[kind]["tp"] * RESHARDS[kind]["pp"], join=True)
                 with open(os.path.join(o.out, kind, "expected.json"), "w") as fh:
                     json.dump(expected, fh, indent=1, sort_keys=True)
                     fh.write("\n")
