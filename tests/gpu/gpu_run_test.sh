@@ -54,6 +54,7 @@ make_pack() {
       twogpu) body='echo "[ RUN      ] A.D"; echo "x.cpp:9: Skipped"; echo "needs two GPUs; 1 visible"; echo "[  SKIPPED ] A.D (0 ms)"
         echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
       cuda_toolchain|ops_cuda) body='echo "order: $0" >> "$FAKE_RECORD"; exit 0' ;;
+      passrec) body='echo "run: passrec" >> "$FAKE_RECORD"; exit 0' ;;
       cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
     esac
     printf '#!/bin/sh\n%s\n' "$body" > "$p/tests/${t}_test"
@@ -118,7 +119,15 @@ make_pack "$T/hangs" hang pass
 run hanging FAKE_GPUS=1 PTK_GPU_TEST_TIMEOUT=2 -- --pack "$T/hangs"
 check "a hanging test is stopped at its limit and fails" has hanging "FAIL hang_test (stopped after 2s"
 check "a hanging test: the tests after it still run" [ "$(last hanging)" = "1 passed, 1 failed, 0 skipped" ]
-check "the hanging case is the one rerun" has hanging "rerun with PTK_CUDA_SYNC_OPS=1: exit 124"
+check "the hanging case is the one rerun" has hanging "RERUN hang_test --gtest_filter=Slow.Forever with PTK_CUDA_SYNC_OPS=1: exit 124"
+
+# A failure's reruns wait until every test has run: they never take the time of the tests after it.
+make_pack "$T/rerunlast" fail passrec
+: > "$T/record"
+run rerunlast FAKE_GPUS=1 -- --pack "$T/rerunlast"
+printf 'run: PTK_CUDA_SYNC_OPS=unset \nrun: passrec\nrun: PTK_CUDA_SYNC_OPS=1 --gtest_filter=Ops.Bad\n' > "$T/want"
+check "a failing test's rerun comes after the tests that follow it" cmp -s "$T/record" "$T/want"
+check "a failing test's rerun: the counts" [ "$(last rerunlast)" = "1 passed, 1 failed, 0 skipped" ]
 
 make_pack "$T/cli" cuda_train_cli
 : > "$T/record"
@@ -171,6 +180,24 @@ if [ -e $L/libcudart.so ] && [ -e $L/libcublasLt.so ] && [ -e $L/libcudnn.so ] &
   check "the CUDA runtime ptk-train loads is named" grep -q "^CUDA runtime: [0-9]*\.[0-9]* ($L/libcudart.so" "$T/real.out"
   check "a cuDNN older than the build's headers: a warning" grep -q "^WARNING: cuDNN [0-9.]* here is older than the 99.0.0 headers" "$T/real.out"
   check "a newer NCCL: no warning" bash -c "! grep -q 'WARNING: NCCL' '$T/real.out'"
+  # As the real pack has them: ptk-train linked to no CUDA library, the CUDA backend's module in lib/ptk/
+  # (the build's own folder, below lib/ where the other libraries lie) linked to all four.
+  rm -rf "$T/stage"
+  mkdir -p "$T/stage/ptk-gpu/bin" "$T/stage/ptk-gpu/tests" "$T/stage/ptk-gpu/lib/ptk" "$T/module"
+  cc -o "$T/stage/ptk-gpu/bin/ptk-train" "$T/m.c"
+  echo 'int ptk_backend_cuda_v9(void) { return 0; }' > "$T/mod.c"
+  cc -shared -fPIC -o "$T/stage/ptk-gpu/lib/ptk/libptk_backend_cuda.so" "$T/mod.c" -Wl,--no-as-needed -L$L \
+    -lcudart -lcublasLt -lcudnn -lnccl
+  echo '[]' > "$T/stage/ptk-gpu/tests/gpu-tests.json"
+  printf 'ptk-train (ptk 0.1.0)\nbackends: CPU; CUDA 13.0 for sm_90 (cuBLASLt 1.0.0, cuDNN 1.0.0); NCCL 1.0.0\n' \
+    > "$T/stage/ptk-gpu/build-versions.txt"
+  tar -C "$T/stage" -cJf "$T/module/ptk-gpu.tar.xz" ptk-gpu
+  run module -- --pack "$T/module"
+  check "the module in lib/ptk: the CUDA runtime it loads is named" \
+    grep -q "^CUDA runtime: [0-9]*\.[0-9]* ($L/libcudart.so" "$T/module.out"
+  for lib in cuBLASLt cuDNN NCCL; do
+    check "the module in lib/ptk: the $lib it loads is named" grep -q "^$lib: [0-9]*\.[0-9]*\.[0-9]* (/" "$T/module.out"
+  done
 else
   echo "(no CUDA libraries in $L: the versions against real libraries are not checked)"
 fi
