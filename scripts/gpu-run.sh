@@ -14,7 +14,8 @@
 #                    this script's own folder when it is the pack's run.sh)
 #   BENCH ARGS:      passed on to the bench (e.g. --iters 40)
 # Environment: OUT=DIR puts the logs there as at most five files: versions.txt, tests.log (every test's
-# output and the reruns of failures), bench.log, summary.txt, and the console's copy gpu-check.log.
+# output and the reruns of failures; kept under 15 MiB), bench.log, summary.txt, and the console's copy
+# gpu-check.log.
 # PTK_GPU_TEST_TIMEOUT=S caps every test at S seconds.
 #
 # Prints first the driver, GPU, CUDA runtime, cuBLASLt, cuDNN and NCCL that ptk-train loads, beside the
@@ -261,6 +262,16 @@ done
 if [ -n "$gpus" ] && [ $skip -gt 0 ]; then
   echo "FAIL: nvidia-smi lists a GPU and $skip gpu test(s) skipped: on a GPU machine a skip is a failure"
 fi
+# A log comes back from a remote run only under 16 MiB: tests.log beyond 15 MiB keeps its first 2 MiB
+# and its last 13 MiB (a test that floods its output, a sanitizer's report).
+log_bytes=$(stat -c %s "$testlog")
+if [ "$log_bytes" -gt $((15 << 20)) ]; then
+  { head -c $((2 << 20)) "$testlog"
+    printf '\n[gpu-run: %d bytes of tests.log left out here: it is kept under 15 MiB]\n' $((log_bytes - (15 << 20)))
+    tail -c $((13 << 20)) "$testlog"
+  } > "$work/tests.log.cut" && mv "$work/tests.log.cut" "$testlog"
+  echo "tests.log: $log_bytes bytes cut to its first 2 MiB and last 13 MiB"
+fi
 
 # ---- bench -------------------------------------------------------------------
 bench_rc=0
@@ -271,6 +282,9 @@ if [ $bench = 1 ]; then
     bargs=(--shapes 124m,350m --profile)
   fi
   secs=$(($(left $deadline) - 5))
+  # Each ptk-train run of the bench within a third of its time box: one that hangs leaves the time of
+  # PyTorch's runs (and of the bench's lines) to them.
+  bargs+=(--run-timeout $((secs / 3)))
   if [ "$secs" -lt 30 ]; then
     echo "bench: not run (the budget is spent)"; bench_rc=1
   else

@@ -4,7 +4,8 @@
 # test (exit 77, or a gtest case skipped) fails the run, where it lists none skips are fine; a failing
 # test fails the run and is rerun, its failed case only, with PTK_CUDA_SYNC_OPS=1; a hanging test is
 # stopped at its time limit; tests the budget leaves no time for fail as not run; the run ends with
-# "N passed, N failed, N skipped" and leaves at most eight log files in $OUT.
+# "N passed, N failed, N skipped" and leaves at most eight log files in $OUT, tests.log under 16 MiB; the
+# bench ends a ptk-train run that hangs at its --run-timeout.
 # Usage: gpu_run_test.sh SOURCE_DIR
 set -uo pipefail
 SRC=$1
@@ -55,6 +56,7 @@ make_pack() {
         echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
       cuda_toolchain|ops_cuda) body='echo "order: $0" >> "$FAKE_RECORD"; exit 0' ;;
       passrec) body='echo "run: passrec" >> "$FAKE_RECORD"; exit 0' ;;
+      flood) body='echo "[ RUN      ] A.Flood"; head -c 18000000 /dev/zero | tr "\\0" x; echo; echo "[       OK ] A.Flood (1 ms)"; exit 0' ;;
       cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
     esac
     printf '#!/bin/sh\n%s\n' "$body" > "$p/tests/${t}_test"
@@ -158,6 +160,30 @@ check "the toolchain runs first, the ops next, ptk-train end to end last" \
   [ "$(grep -o '[a-z_]*_test' "$T/record" | paste -sd' ')" = "cuda_toolchain_test ops_cuda_test" ] 
 check "ptk-train end to end runs after the unknown tests" \
   bash -c "grep -E '^(PASS|SKIP|FAIL) ' '$T/order.out' | awk '{print \$2}' | paste -sd' ' | grep -qx 'cuda_toolchain_test ops_cuda_test cuda_train_cli_test pass_test'"
+
+# A test that floods its output: tests.log stays under 16 MiB (a remote run brings back no larger file),
+# its beginning and end kept.
+make_pack "$T/flood" flood pass
+run flood FAKE_GPUS=1 OUT="$T/out-flood" -- --pack "$T/flood"
+check "a flooded tests.log is cut under 16 MiB" [ "$(stat -c %s "$T/out-flood/tests.log")" -lt $((16 << 20)) ]
+check "a flooded tests.log keeps its beginning" grep -q "==== flood_test" "$T/out-flood/tests.log"
+check "a flooded tests.log keeps its end" grep -q "==== pass_test" "$T/out-flood/tests.log"
+check "a flooded tests.log says what it left out" grep -q "bytes of tests.log left out here" "$T/out-flood/tests.log"
+check "a flooded tests.log: the verdicts stand" [ "$(last flood)" = "2 passed, 0 failed, 0 skipped" ]
+
+# The bench gives each ptk-train run --run-timeout seconds (gpu-run: a third of its time box): one that
+# hangs is a failed row, and the bench goes on.
+printf '#!/bin/sh\necho "starting"\nexec sleep 600\n' > "$T/fakebin/ptk-train-hangs"
+chmod +x "$T/fakebin/ptk-train-hangs"
+start=$(date +%s)
+python3 "$SRC/bench/bench_trainer_gpu.py" --bin "$T/fakebin/ptk-train-hangs" --shapes 124m --no-torch --iters 15 \
+  --run-timeout 2 > "$T/bench.out" 2>&1
+echo $? > "$T/bench.rc"
+check "a hanging ptk-train in the bench fails its row within --run-timeout" \
+  grep -q '"error": "ptk-train did not finish within 2.0 s' "$T/bench.out"
+check "a hanging ptk-train: the bench fails" [ "$(rc bench)" != 0 ]
+check "a hanging ptk-train: the bench ends soon after" [ $(($(date +%s) - start)) -lt 30 ]
+check "gpu-run passes the bench its --run-timeout" grep -q 'bargs+=(--run-timeout' "$SRC/scripts/gpu-run.sh"
 
 run spent FAKE_GPUS=1 -- --pack "$T/passes" --budget 5
 check "tests the budget leaves no time for fail as not run" has spent "TIME pass_test: not run"
