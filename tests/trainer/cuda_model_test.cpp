@@ -180,7 +180,7 @@ TEST(CudaModel, ReplanThatFillsTheDeviceKeepsTheState) {
   auto got = (*gpu)->Forward(large.Get(0), nullptr);
   ASSERT_EQ(cudaFree(blocker), cudaSuccess);
   ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_NEAR(got->loss_sum, want, 1e-6 * want);
+  EXPECT_NEAR(got->loss_sum, want, 1e-5 * want);  // got's LM head ran in chunks, want's in one
   ASSERT_TRUE((*gpu)->ReadParams(p2).ok());
   ASSERT_TRUE((*gpu)->ReadMoments(m2, v2).ok());
   EXPECT_TRUE(p2 == p);
