@@ -159,6 +159,14 @@ def torch_run(s, iters, compile_):
     return r
 
 
+def guarded(run, *args):
+    """run(*args), or its exception as the row's error (CUDA out of memory, a compile failure)."""
+    try:
+        return run(*args)
+    except Exception as e:  # noqa: BLE001 - any failure is the row's, the bench goes on
+        return dict(error=f"{type(e).__name__}: {e}"[-2000:])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin", default=None, help="ptk-train, or a folder holding it (default: PATH)")
@@ -184,19 +192,24 @@ def main():
             sys.exit(f"bench_trainer_gpu: unknown shape {name} (have {', '.join(SHAPES)})")
         s = SHAPES[name]
         tokens = s["mbs"] * s["seq"]
-        rows = {"ptk": ptk_run(binary, s, a.iters, False, a.ptk_library_path, a.run_timeout)}
-        if not a.no_torch:
-            rows["torch_eager"] = torch_run(s, a.iters, False)
-            if not a.no_compile:
-                rows["torch_compiled"] = torch_run(s, a.iters, True)
         line = dict(shape=name, **s)
-        for engine, r in rows.items():
+        rows = {}
+
+        def report(engine, r):
+            """Each engine's row as soon as it ran: a later engine that fails or hangs takes none with it."""
             if "ms_step" in r:
                 r["tok_s"] = int(tokens / (r["ms_step"] / 1e3))
                 r["mfu_pct"] = round(100 * r["tok_s"] * flops_per_token(s) / PEAK, 1)
                 r["ms_step"] = round(r["ms_step"], 2)
             print(json.dumps(dict(shape=name, engine=engine, **r)), flush=True)
             line[engine] = r.get("tok_s")
+            rows[engine] = r
+
+        report("ptk", ptk_run(binary, s, a.iters, False, a.ptk_library_path, a.run_timeout))
+        if not a.no_torch:
+            report("torch_eager", guarded(torch_run, s, a.iters, False))
+            if not a.no_compile:
+                report("torch_compiled", guarded(torch_run, s, a.iters, True))
         for ref in ("torch_compiled", "torch_eager"):
             if line.get("ptk") and line.get(ref):
                 line[f"ptk_over_{ref}"] = round(line["ptk"] / line[ref], 3)

@@ -184,6 +184,16 @@ check "a hanging ptk-train in the bench fails its row within --run-timeout" \
 check "a hanging ptk-train: the bench fails" [ "$(rc bench)" != 0 ]
 check "a hanging ptk-train: the bench ends soon after" [ $(($(date +%s) - start)) -lt 30 ]
 check "gpu-run passes the bench its --run-timeout" grep -q 'bargs+=(--run-timeout' "$SRC/scripts/gpu-run.sh"
+# ptk-train's row comes out as soon as it ran, whatever PyTorch's run does after it (here: no torch, or
+# no GPU for it).
+printf '#!/bin/sh\nfor i in 1 2 3 4; do echo " iteration $i | elapsed time per iteration (ms): 100.0 | lm loss: 5.0E+00 |"; done\n' \
+  > "$T/fakebin/ptk-train-logs"
+chmod +x "$T/fakebin/ptk-train-logs"
+python3 "$SRC/bench/bench_trainer_gpu.py" --bin "$T/fakebin/ptk-train-logs" --shapes 124m --no-compile --iters 15 \
+  --run-timeout 60 > "$T/bench2.out" 2>&1
+check "the bench prints ptk-train's row first" \
+  bash -c "head -1 '$T/bench2.out' | grep -q '\"engine\": \"ptk\", \"ms_step\": 100.0'"
+check "the bench ends with its summary line" grep -q '^{"summary": ' "$T/bench2.out"
 
 run spent FAKE_GPUS=1 -- --pack "$T/passes" --budget 5
 check "tests the budget leaves no time for fail as not run" has spent "TIME pass_test: not run"
