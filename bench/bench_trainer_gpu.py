@@ -22,7 +22,7 @@ this process, with the environment the bench was started with.
 
 Usage (on the GPU machine: scripts/gpu-check.sh run starts it): python3 bench/bench_trainer_gpu.py
   [--bin ptk-train] [--ptk-library-path DIRS] [--shapes 124m,syscheck,350m] [--iters 30] [--no-torch]
-  [--no-compile] [--profile]
+  [--no-compile] [--profile] [--run-timeout S]
 """
 import argparse
 import json
@@ -55,7 +55,7 @@ def fallbacks(text):
     return int(counts[-1]) if counts else "n/a"
 
 
-def ptk_run(binary, s, iters, profile, library_path):
+def ptk_run(binary, s, iters, profile, library_path, timeout=None):
     cmd = [binary, "--device", "cuda", "--bf16", "--mock-data", "--num-layers", str(s["layers"]), "--hidden-size",
            str(s["hidden"]), "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]),
            "--max-position-embeddings", str(s["seq"]), "--micro-batch-size", str(s["mbs"]), "--global-batch-size",
@@ -68,7 +68,11 @@ def ptk_run(binary, s, iters, profile, library_path):
     if library_path:
         env["LD_LIBRARY_PATH"] = library_path
     t0 = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return dict(error=f"ptk-train did not finish within {timeout} s (--run-timeout): {tail[-2000:]}")
     if out.returncode != 0:
         return dict(error=f"ptk-train exit {out.returncode}: {(out.stderr or out.stdout)[-2000:]}")
     ms = [float(m) for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", out.stdout)]
@@ -155,6 +159,14 @@ def torch_run(s, iters, compile_):
     return r
 
 
+def guarded(run, *args):
+    """run(*args), or its exception as the row's error (CUDA out of memory, a compile failure)."""
+    try:
+        return run(*args)
+    except Exception as e:  # noqa: BLE001 - any failure is the row's, the bench goes on
+        return dict(error=f"{type(e).__name__}: {e}"[-2000:])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin", default=None, help="ptk-train, or a folder holding it (default: PATH)")
@@ -164,6 +176,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", action="store_true", help="ptk's per-op time split (an extra run per shape)")
+    ap.add_argument("--run-timeout", type=float, default=None,
+                    help="seconds each ptk-train run may take (default: no limit); one past it is a failed row")
     a = ap.parse_args()
     binary = a.bin or shutil.which("ptk-train")
     if binary and os.path.isdir(binary):
@@ -178,24 +192,29 @@ def main():
             sys.exit(f"bench_trainer_gpu: unknown shape {name} (have {', '.join(SHAPES)})")
         s = SHAPES[name]
         tokens = s["mbs"] * s["seq"]
-        rows = {"ptk": ptk_run(binary, s, a.iters, False, a.ptk_library_path)}
-        if not a.no_torch:
-            rows["torch_eager"] = torch_run(s, a.iters, False)
-            if not a.no_compile:
-                rows["torch_compiled"] = torch_run(s, a.iters, True)
         line = dict(shape=name, **s)
-        for engine, r in rows.items():
+        rows = {}
+
+        def report(engine, r):
+            """Each engine's row as soon as it ran: a later engine that fails or hangs takes none with it."""
             if "ms_step" in r:
                 r["tok_s"] = int(tokens / (r["ms_step"] / 1e3))
                 r["mfu_pct"] = round(100 * r["tok_s"] * flops_per_token(s) / PEAK, 1)
                 r["ms_step"] = round(r["ms_step"], 2)
             print(json.dumps(dict(shape=name, engine=engine, **r)), flush=True)
             line[engine] = r.get("tok_s")
+            rows[engine] = r
+
+        report("ptk", ptk_run(binary, s, a.iters, False, a.ptk_library_path, a.run_timeout))
+        if not a.no_torch:
+            report("torch_eager", guarded(torch_run, s, a.iters, False))
+            if not a.no_compile:
+                report("torch_compiled", guarded(torch_run, s, a.iters, True))
         for ref in ("torch_compiled", "torch_eager"):
             if line.get("ptk") and line.get(ref):
                 line[f"ptk_over_{ref}"] = round(line["ptk"] / line[ref], 3)
         if a.profile:
-            p = ptk_run(binary, s, 15, True, a.ptk_library_path)
+            p = ptk_run(binary, s, 15, True, a.ptk_library_path, a.run_timeout)
             print(p.get("profile") or p.get("error", ""), flush=True)
             if rows["ptk"].get("cublaslt_fallbacks") == "n/a":
                 rows["ptk"]["cublaslt_fallbacks"] = p.get("cublaslt_fallbacks", "n/a")

@@ -14,14 +14,16 @@
 #                    this script's own folder when it is the pack's run.sh)
 #   BENCH ARGS:      passed on to the bench (e.g. --iters 40)
 # Environment: OUT=DIR puts the logs there as at most five files: versions.txt, tests.log (every test's
-# output and the reruns of failures), bench.log, summary.txt, and the console's copy gpu-check.log.
+# output and the reruns of failures; kept under 15 MiB), bench.log, summary.txt, and the console's copy
+# gpu-check.log.
 # PTK_GPU_TEST_TIMEOUT=S caps every test at S seconds.
 #
 # Prints first the driver, GPU, CUDA runtime, cuBLASLt, cuDNN and NCCL that ptk-train loads, beside the
 # versions of the headers it was built with (a warning for each library older than its header). A
-# failing test is run again, its failed cases only, with PTK_CUDA_SYNC_OPS=1 (the backend synchronizes
-# after every op and names the one that failed) and under compute-sanitizer where it is installed, each
-# time-boxed; the verdict stays a failure. Ends with the line "N passed, N failed, N skipped".
+# failing test is run again once every test has run (its reruns never take the time of the tests after
+# it), its failed cases only, with PTK_CUDA_SYNC_OPS=1 (the backend synchronizes after every op and
+# names the one that failed) and under compute-sanitizer where it is installed, each time-boxed; the
+# verdict stays a failure. Ends with the line "N passed, N failed, N skipped".
 # Exit status 1 when a test failed, ran out of time, or skipped while nvidia-smi lists a GPU (there a
 # skip is a false pass), or when the bench failed. The one skip that stays a pass: a case that says it
 # "needs two GPUs" where nvidia-smi lists fewer (named in the summary as not runnable on this machine).
@@ -73,8 +75,10 @@ site=$(timeout 60 python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__
 nv=""
 for d in "$site"/nvidia/*/lib; do [ -d "$d" ] && nv="$nv:$d"; done
 # The build's own shared libraries (a CUDA backend module) lie at their place in the build tree: their
-# folders too, for a binary linked to one (its build-tree RUNPATH does not exist here).
-own=$(find "$dir" -name 'lib*.so*' ! -path "$dir/lib/*" -printf '%h\n' | sort -u | paste -sd:)
+# folders too, for a binary linked to one (its build-tree RUNPATH does not exist here). The other
+# libraries are lib/'s own files; the build's may lie in a folder below it (the module's lib/ptk/).
+others=(! \( -path "$dir/lib/*" ! -path "$dir/lib/*/*" \))
+own=$(find "$dir" -name 'lib*.so*' "${others[@]}" -printf '%h\n' | sort -u | paste -sd:)
 ptk_ld="$dir/lib${own:+:$own}:/usr/local/cuda/lib64$nv${machine_ld:+:$machine_ld}"
 ptk_env=(env "LD_LIBRARY_PATH=$ptk_ld" "PATH=$dir/bin:$PATH" "PTK_SOURCE_DIR=$root")
 left() { echo $(($1 - $(date +%s))); }
@@ -91,7 +95,7 @@ ngpus=$(grep -c '^GPU ' <<<"$gpus" || true)
     echo "GPU: none listed by nvidia-smi"
   fi
   # The libraries ptk-train and the packed modules load, as the loader resolves them with ptk's path.
-  libs=$(find "$dir" -type f \( -path "$dir/bin/*" -o -name 'lib*.so*' \) ! -path "$dir/lib/*" \
+  libs=$(find "$dir" -type f \( -path "$dir/bin/*" -o -name 'lib*.so*' \) "${others[@]}" \
          -exec env LD_LIBRARY_PATH="$ptk_ld" ldd {} \; 2>/dev/null | awk '$2 == "=>" {print $1, $3}' | sort -u)
   timeout 60 "${ptk_env[@]}" python3 - "$dir/build-versions.txt" "$libs" <<'PY'
 import ctypes, re, sys
@@ -163,7 +167,7 @@ declare -A cap=([cuda_toolchain_test]=30 [matmul_attention_cuda_test]=90 [ops_cu
 [ $profile = quick ] || cap[cuda_train_cli_test]=300  # its two slowest cases too
 sanitizer=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer; } || true)
 pass=0 fail=0 skip=0
-results=()
+results=() reruns=()
 # run_box SECONDS LABEL CMD...: runs CMD in $work/run with ptk's environment, appending to tests.log.
 run_box() {
   local secs=$1 label=$2
@@ -217,22 +221,9 @@ while IFS=$'\t' read -r name exe args; do
     fail=$((fail + 1)); results+=("FAIL $name ($what)"); echo "FAIL $name ($what, ${t}s)"
     tail -n +"$line" "$testlog" | grep -E '^\[  FAILED  \]|Failure|error|FAIL' | head -20 | sed 's/^/    /'
     cases=$(failed_cases "$line")
-    refilter=("${filter[@]}")
-    [ -z "$cases" ] || refilter=("--gtest_filter=$cases")
-    # Attribution, time-boxed: the failed cases again with every op synchronized and named, then under
-    # compute-sanitizer.
-    box=$(left $tests_deadline)
-    [ "$box" -le "$limit" ] || box=$limit
-    if [ "$box" -ge "$need" ]; then
-      run_box "$box" "$name rerun with PTK_CUDA_SYNC_OPS=1 ${refilter[*]}" env PTK_CUDA_SYNC_OPS=1 "$dir/$exe" "${argv[@]}" "${refilter[@]}"
-      echo "    rerun with PTK_CUDA_SYNC_OPS=1: exit $? (tests.log)"
-    fi
-    box=$(left $tests_deadline)
-    [ "$box" -le 120 ] || box=120
-    if [ -n "$sanitizer" ] && [ "$box" -ge 30 ]; then
-      run_box "$box" "$name under compute-sanitizer ${refilter[*]}" "$sanitizer" --target-processes all --error-exitcode 99 "$dir/$exe" "${argv[@]}" "${refilter[@]}"
-      echo "    under compute-sanitizer: exit $? (tests.log)"
-    fi
+    refilter=${filter[*]}
+    [ -z "$cases" ] || refilter="--gtest_filter=$cases"
+    reruns+=("$name"$'\x1f'"$exe"$'\x1f'"$args"$'\x1f'"$refilter"$'\x1f'"$limit")
   fi
 done < <(python3 -c "
 import json, shlex, sys
@@ -245,8 +236,41 @@ tests = json.load(open(sys.argv[1]))
 rank = {n: i for i, n in enumerate(first)}
 for t in sorted(tests, key=lambda t: (rank.get(t['name'], len(first)), tests.index(t))):
     print(t['name'], t['exe'], ' '.join(shlex.quote(a) for a in t['args']), sep='\t')" "$dir/tests/gpu-tests.json")
+# Attribution, once every test has run (a failure's reruns never take the time of the tests after it),
+# time-boxed within the tests' share: the failed cases again with every op synchronized and named, then
+# under compute-sanitizer.
+for r in "${reruns[@]}"; do
+  IFS=$'\x1f' read -r name exe args refilter limit <<<"$r"
+  eval "argv=(${args//@PACK@/$dir})"
+  refilter=(${refilter:+"$refilter"})
+  need=$((limit < 15 ? limit : 15))
+  box=$(left $tests_deadline)
+  [ "$box" -le "$limit" ] || box=$limit
+  if [ "$box" -ge "$need" ]; then
+    run_box "$box" "$name rerun with PTK_CUDA_SYNC_OPS=1 ${refilter[*]}" env PTK_CUDA_SYNC_OPS=1 "$dir/$exe" "${argv[@]}" "${refilter[@]}"
+    echo "RERUN $name ${refilter[*]} with PTK_CUDA_SYNC_OPS=1: exit $? (tests.log)"
+  else
+    echo "RERUN $name: not run (the budget is spent)"
+  fi
+  box=$(left $tests_deadline)
+  [ "$box" -le 120 ] || box=120
+  if [ -n "$sanitizer" ] && [ "$box" -ge 30 ]; then
+    run_box "$box" "$name under compute-sanitizer ${refilter[*]}" "$sanitizer" --target-processes all --error-exitcode 99 "$dir/$exe" "${argv[@]}" "${refilter[@]}"
+    echo "RERUN $name ${refilter[*]} under compute-sanitizer: exit $? (tests.log)"
+  fi
+done
 if [ -n "$gpus" ] && [ $skip -gt 0 ]; then
   echo "FAIL: nvidia-smi lists a GPU and $skip gpu test(s) skipped: on a GPU machine a skip is a failure"
+fi
+# A log comes back from a remote run only under 16 MiB: tests.log beyond 15 MiB keeps its first 2 MiB
+# and its last 13 MiB (a test that floods its output, a sanitizer's report).
+log_bytes=$(stat -c %s "$testlog")
+if [ "$log_bytes" -gt $((15 << 20)) ]; then
+  { head -c $((2 << 20)) "$testlog"
+    printf '\n[gpu-run: %d bytes of tests.log left out here: it is kept under 15 MiB]\n' $((log_bytes - (15 << 20)))
+    tail -c $((13 << 20)) "$testlog"
+  } > "$work/tests.log.cut" && mv "$work/tests.log.cut" "$testlog"
+  echo "tests.log: $log_bytes bytes cut to its first 2 MiB and last 13 MiB"
 fi
 
 # ---- bench -------------------------------------------------------------------
@@ -258,6 +282,9 @@ if [ $bench = 1 ]; then
     bargs=(--shapes 124m,350m --profile)
   fi
   secs=$(($(left $deadline) - 5))
+  # Each ptk-train run of the bench within a third of its time box: one that hangs leaves the time of
+  # PyTorch's runs (and of the bench's lines) to them.
+  bargs+=(--run-timeout $((secs / 3)))
   if [ "$secs" -lt 30 ]; then
     echo "bench: not run (the budget is spent)"; bench_rc=1
   else

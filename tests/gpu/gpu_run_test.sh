@@ -4,7 +4,8 @@
 # test (exit 77, or a gtest case skipped) fails the run, where it lists none skips are fine; a failing
 # test fails the run and is rerun, its failed case only, with PTK_CUDA_SYNC_OPS=1; a hanging test is
 # stopped at its time limit; tests the budget leaves no time for fail as not run; the run ends with
-# "N passed, N failed, N skipped" and leaves at most eight log files in $OUT.
+# "N passed, N failed, N skipped" and leaves at most eight log files in $OUT, tests.log under 16 MiB; the
+# bench ends a ptk-train run that hangs at its --run-timeout.
 # Usage: gpu_run_test.sh SOURCE_DIR
 set -uo pipefail
 SRC=$1
@@ -54,6 +55,8 @@ make_pack() {
       twogpu) body='echo "[ RUN      ] A.D"; echo "x.cpp:9: Skipped"; echo "needs two GPUs; 1 visible"; echo "[  SKIPPED ] A.D (0 ms)"
         echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
       cuda_toolchain|ops_cuda) body='echo "order: $0" >> "$FAKE_RECORD"; exit 0' ;;
+      passrec) body='echo "run: passrec" >> "$FAKE_RECORD"; exit 0' ;;
+      flood) body='echo "[ RUN      ] A.Flood"; head -c 18000000 /dev/zero | tr "\\0" x; echo; echo "[       OK ] A.Flood (1 ms)"; exit 0' ;;
       cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
     esac
     printf '#!/bin/sh\n%s\n' "$body" > "$p/tests/${t}_test"
@@ -118,7 +121,15 @@ make_pack "$T/hangs" hang pass
 run hanging FAKE_GPUS=1 PTK_GPU_TEST_TIMEOUT=2 -- --pack "$T/hangs"
 check "a hanging test is stopped at its limit and fails" has hanging "FAIL hang_test (stopped after 2s"
 check "a hanging test: the tests after it still run" [ "$(last hanging)" = "1 passed, 1 failed, 0 skipped" ]
-check "the hanging case is the one rerun" has hanging "rerun with PTK_CUDA_SYNC_OPS=1: exit 124"
+check "the hanging case is the one rerun" has hanging "RERUN hang_test --gtest_filter=Slow.Forever with PTK_CUDA_SYNC_OPS=1: exit 124"
+
+# A failure's reruns wait until every test has run: they never take the time of the tests after it.
+make_pack "$T/rerunlast" fail passrec
+: > "$T/record"
+run rerunlast FAKE_GPUS=1 -- --pack "$T/rerunlast"
+printf 'run: PTK_CUDA_SYNC_OPS=unset \nrun: passrec\nrun: PTK_CUDA_SYNC_OPS=1 --gtest_filter=Ops.Bad\n' > "$T/want"
+check "a failing test's rerun comes after the tests that follow it" cmp -s "$T/record" "$T/want"
+check "a failing test's rerun: the counts" [ "$(last rerunlast)" = "1 passed, 1 failed, 0 skipped" ]
 
 make_pack "$T/cli" cuda_train_cli
 : > "$T/record"
@@ -150,6 +161,40 @@ check "the toolchain runs first, the ops next, ptk-train end to end last" \
 check "ptk-train end to end runs after the unknown tests" \
   bash -c "grep -E '^(PASS|SKIP|FAIL) ' '$T/order.out' | awk '{print \$2}' | paste -sd' ' | grep -qx 'cuda_toolchain_test ops_cuda_test cuda_train_cli_test pass_test'"
 
+# A test that floods its output: tests.log stays under 16 MiB (a remote run brings back no larger file),
+# its beginning and end kept.
+make_pack "$T/flood" flood pass
+run flood FAKE_GPUS=1 OUT="$T/out-flood" -- --pack "$T/flood"
+check "a flooded tests.log is cut under 16 MiB" [ "$(stat -c %s "$T/out-flood/tests.log")" -lt $((16 << 20)) ]
+check "a flooded tests.log keeps its beginning" grep -q "==== flood_test" "$T/out-flood/tests.log"
+check "a flooded tests.log keeps its end" grep -q "==== pass_test" "$T/out-flood/tests.log"
+check "a flooded tests.log says what it left out" grep -q "bytes of tests.log left out here" "$T/out-flood/tests.log"
+check "a flooded tests.log: the verdicts stand" [ "$(last flood)" = "2 passed, 0 failed, 0 skipped" ]
+
+# The bench gives each ptk-train run --run-timeout seconds (gpu-run: a third of its time box): one that
+# hangs is a failed row, and the bench goes on.
+printf '#!/bin/sh\necho "starting"\nexec sleep 600\n' > "$T/fakebin/ptk-train-hangs"
+chmod +x "$T/fakebin/ptk-train-hangs"
+start=$(date +%s)
+python3 "$SRC/bench/bench_trainer_gpu.py" --bin "$T/fakebin/ptk-train-hangs" --shapes 124m --no-torch --iters 15 \
+  --run-timeout 2 > "$T/bench.out" 2>&1
+echo $? > "$T/bench.rc"
+check "a hanging ptk-train in the bench fails its row within --run-timeout" \
+  grep -q '"error": "ptk-train did not finish within 2.0 s' "$T/bench.out"
+check "a hanging ptk-train: the bench fails" [ "$(rc bench)" != 0 ]
+check "a hanging ptk-train: the bench ends soon after" [ $(($(date +%s) - start)) -lt 30 ]
+check "gpu-run passes the bench its --run-timeout" grep -q 'bargs+=(--run-timeout' "$SRC/scripts/gpu-run.sh"
+# ptk-train's row comes out as soon as it ran, whatever PyTorch's run does after it (here: no torch, or
+# no GPU for it).
+printf '#!/bin/sh\nfor i in 1 2 3 4; do echo " iteration $i | elapsed time per iteration (ms): 100.0 | lm loss: 5.0E+00 |"; done\n' \
+  > "$T/fakebin/ptk-train-logs"
+chmod +x "$T/fakebin/ptk-train-logs"
+python3 "$SRC/bench/bench_trainer_gpu.py" --bin "$T/fakebin/ptk-train-logs" --shapes 124m --no-compile --iters 15 \
+  --run-timeout 60 > "$T/bench2.out" 2>&1
+check "the bench prints ptk-train's row first" \
+  bash -c "head -1 '$T/bench2.out' | grep -q '\"engine\": \"ptk\", \"ms_step\": 100.0'"
+check "the bench ends with its summary line" grep -q '^{"summary": ' "$T/bench2.out"
+
 run spent FAKE_GPUS=1 -- --pack "$T/passes" --budget 5
 check "tests the budget leaves no time for fail as not run" has spent "TIME pass_test: not run"
 check "a spent budget fails the run" [ "$(rc spent)" = 1 ]
@@ -171,6 +216,24 @@ if [ -e $L/libcudart.so ] && [ -e $L/libcublasLt.so ] && [ -e $L/libcudnn.so ] &
   check "the CUDA runtime ptk-train loads is named" grep -q "^CUDA runtime: [0-9]*\.[0-9]* ($L/libcudart.so" "$T/real.out"
   check "a cuDNN older than the build's headers: a warning" grep -q "^WARNING: cuDNN [0-9.]* here is older than the 99.0.0 headers" "$T/real.out"
   check "a newer NCCL: no warning" bash -c "! grep -q 'WARNING: NCCL' '$T/real.out'"
+  # As the real pack has them: ptk-train linked to no CUDA library, the CUDA backend's module in lib/ptk/
+  # (the build's own folder, below lib/ where the other libraries lie) linked to all four.
+  rm -rf "$T/stage"
+  mkdir -p "$T/stage/ptk-gpu/bin" "$T/stage/ptk-gpu/tests" "$T/stage/ptk-gpu/lib/ptk" "$T/module"
+  cc -o "$T/stage/ptk-gpu/bin/ptk-train" "$T/m.c"
+  echo 'int ptk_backend_cuda_v9(void) { return 0; }' > "$T/mod.c"
+  cc -shared -fPIC -o "$T/stage/ptk-gpu/lib/ptk/libptk_backend_cuda.so" "$T/mod.c" -Wl,--no-as-needed -L$L \
+    -lcudart -lcublasLt -lcudnn -lnccl
+  echo '[]' > "$T/stage/ptk-gpu/tests/gpu-tests.json"
+  printf 'ptk-train (ptk 0.1.0)\nbackends: CPU; CUDA 13.0 for sm_90 (cuBLASLt 1.0.0, cuDNN 1.0.0); NCCL 1.0.0\n' \
+    > "$T/stage/ptk-gpu/build-versions.txt"
+  tar -C "$T/stage" -cJf "$T/module/ptk-gpu.tar.xz" ptk-gpu
+  run module -- --pack "$T/module"
+  check "the module in lib/ptk: the CUDA runtime it loads is named" \
+    grep -q "^CUDA runtime: [0-9]*\.[0-9]* ($L/libcudart.so" "$T/module.out"
+  for lib in cuBLASLt cuDNN NCCL; do
+    check "the module in lib/ptk: the $lib it loads is named" grep -q "^$lib: [0-9]*\.[0-9]*\.[0-9]* (/" "$T/module.out"
+  done
 else
   echo "(no CUDA libraries in $L: the versions against real libraries are not checked)"
 fi

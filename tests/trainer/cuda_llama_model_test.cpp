@@ -124,7 +124,8 @@ TEST(CudaLlamaModel, QKLayerNormStepsFollowTheCpuCurve) {
 // --squared-relu (fc1's product, then the squared-ReLU kernel; its backward in place) and
 // --apply-layernorm-1p (every norm reads 1 + gamma from the effective-weight buffer; the norms moved
 // off their initial 0 by PerturbQKNorms), in Megatron's GPT and in the Llama line with --qk-layernorm:
-// fp32 within the bounds above, bf16 loosely, and a 30-step curve.
+// fp32 within the bounds above, bf16 loosely (without attention dropout: cuDNN's mask there), and a
+// 30-step curve.
 TEST(CudaLlamaModel, SquaredReluAndLayerNorm1pStepMatchTheCpu) {
   GPTConfig relu = SmallConfig(/*dropout=*/true);
   relu.squared_relu = true;
@@ -140,7 +141,11 @@ TEST(CudaLlamaModel, SquaredReluAndLayerNorm1pStepMatchTheCpu) {
            {both, "--apply-layernorm-1p, RMSNorm, --qk-layernorm"},
            {gpt_both, "--squared-relu --apply-layernorm-1p --qk-layernorm, LayerNorm"}}) {
     ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, what);
-    ExpectOneStepMatches(c, Precision::kBf16, 1e-2, 6e-2, what);
+    // bf16's attention dropout is cuDNN's own mask, not the CPU's (the hidden dropout's is the same):
+    // attention dropout off there, as in every bf16 step against the CPU.
+    GPTConfig half = c;
+    half.attention_dropout = 0.0;
+    ExpectOneStepMatches(half, Precision::kBf16, 1e-2, 6e-2, what);
   }
 }
 

@@ -3,6 +3,7 @@
 // that must be statuses, never crashes. Tolerances: fp32 (no TF32) is compared tightly, bf16/fp16
 // loosely, stated per check below. The fused paths against their unfused oracles are in
 // cuda_model_fused_test.cpp (the same binary).
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -136,6 +137,55 @@ TEST(CudaModel, ErrorsAreStatuses) {
   auto missing = cuda::CreateCudaGPTModel(c, Precision::kFp32, 4096, false, 1);
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(std::string(missing.status().message()).find("does not exist"), std::string::npos) << missing.status();
+}
+
+// A re-plan of a plan that fills most of the device (a larger micro-batch here; a pipeline stage's
+// more slots the same): the old allocation counts as room for the new one, which therefore cannot be
+// made beside it; the parameters and moments wait in host memory while the old one is freed (they
+// were refused as out of memory before), come back bit for bit, and the pass gives the loss of a model
+// planned for that batch at once. fp32 logits of 256 KiB a row fill the plans: 2 GiB at 128 x 64,
+// with 1 GiB of the device left free beside the model.
+TEST(CudaModel, ReplanThatFillsTheDeviceKeepsTheState) {
+  GPTConfig c = SmallConfig(/*dropout=*/false);
+  c.vocab_size = 60000;
+  c.padded_vocab_size = 65536;
+  const Batches small(1, c.vocab_size, 128, 64), large(1, c.vocab_size, 256, 64);
+  double want = 0;
+  {
+    auto ref = cuda::CreateCudaGPTModel(c, Precision::kFp32, 0, /*deterministic=*/true, 256);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ASSERT_TRUE((*ref)->InitWeights(1234).ok());
+    auto l = (*ref)->Forward(large.Get(0), nullptr);
+    ASSERT_TRUE(l.ok()) << l.status();
+    want = l->loss_sum;
+  }
+  auto gpu = cuda::CreateCudaGPTModel(c, Precision::kFp32, 0, /*deterministic=*/true, 128);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_TRUE((*gpu)->InitWeights(1234).ok());
+  ASSERT_TRUE((*gpu)->Forward(small.Get(0), nullptr).ok());
+  const size_t np = static_cast<size_t>((*gpu)->num_params());
+  std::vector<float> p(np), m(np), v(np), p2(np), m2(np), v2(np);
+  for (size_t i = 0; i < np; ++i) {
+    m[i] = 1e-3f * static_cast<float>(i % 1001);
+    v[i] = 1e-6f * static_cast<float>(i % 997);
+  }
+  ASSERT_TRUE((*gpu)->WriteMoments(m, v).ok());
+  ASSERT_TRUE((*gpu)->ReadParams(p).ok());
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  const size_t leave = size_t{1} << 30;
+  ASSERT_GT(free_bytes, leave);
+  void* blocker = nullptr;
+  ASSERT_EQ(cudaMalloc(&blocker, free_bytes - leave), cudaSuccess);
+  auto got = (*gpu)->Forward(large.Get(0), nullptr);
+  ASSERT_EQ(cudaFree(blocker), cudaSuccess);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_NEAR(got->loss_sum, want, 1e-5 * want);  // got's LM head ran in chunks, want's in one
+  ASSERT_TRUE((*gpu)->ReadParams(p2).ok());
+  ASSERT_TRUE((*gpu)->ReadMoments(m2, v2).ok());
+  EXPECT_TRUE(p2 == p);
+  EXPECT_TRUE(m2 == m);
+  EXPECT_TRUE(v2 == v);
 }
 
 // The losses read once a step: ForwardBackwardDeferred over three micro-batches (no host

@@ -13,7 +13,7 @@
 // each tensor rank's positions, and the run follows one GPU. --overlap-grad-reduce with chunks
 // (P = 2 x D = 2 x V = 2, TrainStep, the data group staged too): each chunk's buckets launched on
 // the communication stream by its last backward, the parameters of the reduction after the
-// schedule bit for bit. gpu-labelled: exit 77 without a device.
+// schedule bit for bit. --qk-layernorm with chunks follows one GPU. gpu-labelled: exit 77 without a device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -185,6 +185,17 @@ TEST(CudaPipelineInterleaved, Bf16FollowsOneGpu) {
   ASSERT_FALSE(one.grads.empty());
   ExpectFollows(c, Stages(c, Case{.P = 2, .V = 2, .precision = Precision::kBf16}, d), one, 1e-3, 3e-2,
                 "CUDA bf16 interleaved vs one GPU");
+}
+
+// --qk-layernorm with model chunks: each slot keeps its chunk's layers' query and key norm statistics
+// (the second chunk's were once written past the slot's, where attention's output then overwrote them).
+TEST(CudaPipelineInterleaved, QKLayerNormChunksFollowOneGpu) {
+  GPTConfig c = Config(4);
+  c.qk_layernorm = true;
+  const Data d(c.vocab_size);
+  const StageRun one = OneGpu(c, Precision::kFp32, d);
+  ASSERT_FALSE(one.grads.empty());
+  ExpectFollows(c, Stages(c, Case{.P = 2, .V = 2}, d), one, 1e-6, 1e-5, "CUDA interleaved --qk-layernorm vs one GPU");
 }
 
 // The direct exchange (device buffers, a slot's own output gradient) gives the host exchange's bits

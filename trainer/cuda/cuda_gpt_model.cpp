@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -41,6 +43,56 @@ void LogVersionsOnce(int device) {
     log::Info("{}", DescribeCudaVersions(QueryCudaVersions(device), &warnings));
     for (const std::string& w : warnings) log::Warning("{}", w);
   });
+}
+
+// Moves the allocation *arena (old_bytes; null: none) to a new one of `bytes`, its first `kept` bytes
+// (the parameters and the optimizer's state) along, `stream` drained first. Beside the old one where
+// the device has room for both; otherwise (re-planning a plan that fills most of the device: a
+// pipeline stage's more slots, a larger micro-batch) the kept bytes wait in host memory while the old
+// one is freed, and where even then the new one does not fit, an allocation of the old size takes
+// them back. Returns whether *arena now has `bytes` (false: no room, *arena the old size, perhaps
+// elsewhere, its first `kept` bytes intact).
+absl::StatusOr<bool> MoveArena(char** arena, int64_t old_bytes, int64_t bytes, int64_t kept, cudaStream_t stream) {
+  char* fresh = nullptr;
+  if (cudaMalloc(&fresh, static_cast<size_t>(bytes)) == cudaSuccess) {
+    if (*arena) {
+      cudaError_t e = cudaMemcpyAsync(fresh, *arena, static_cast<size_t>(kept), cudaMemcpyDeviceToDevice, stream);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+      if (e != cudaSuccess) {
+        cudaFree(fresh);
+        return CudaError(e, "cudaMemcpyAsync", "moving the parameters to a re-planned allocation");
+      }
+      cudaFree(*arena);
+    }
+    *arena = fresh;
+    return true;
+  }
+  (void)cudaGetLastError();
+  if (!*arena) return false;
+  std::unique_ptr<char[]> host(new (std::nothrow) char[static_cast<size_t>(kept)]);
+  if (!host) return false;
+  PTK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "re-planning device memory");
+  PTK_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host.get(), *arena, static_cast<size_t>(kept), cudaMemcpyDeviceToHost),
+      fmt::format("keeping the parameters ({}) in host memory while re-planning", FormatBytes(kept)));
+  cudaFree(*arena);
+  *arena = nullptr;
+  bool fits = true;
+  if (cudaMalloc(&fresh, static_cast<size_t>(bytes)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    fits = false;
+    if (cudaMalloc(&fresh, static_cast<size_t>(old_bytes)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::ResourceExhaustedError(fmt::format(
+          "re-planning device memory: neither the new plan ({}) nor the previous one ({}) could be allocated once the "
+          "previous one was freed (another process took the memory?): the model's device state is lost",
+          FormatBytes(bytes), FormatBytes(old_bytes)));
+    }
+  }
+  *arena = fresh;
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpy(fresh, host.get(), static_cast<size_t>(kept), cudaMemcpyHostToDevice),
+                           "putting the parameters back after re-planning");
+  return fits;
 }
 
 }  // namespace
@@ -174,21 +226,14 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   };
   if (plan.total_bytes > static_cast<int64_t>(free_bytes) + (arena_ ? plan_.total_bytes : 0))
     return oom("lower what the largest buffers name");
-  char* arena = nullptr;
-  if (cudaMalloc(&arena, static_cast<size_t>(plan.total_bytes)) != cudaSuccess) {
-    (void)cudaGetLastError();
+  // A re-plan's room counts the old allocation as free (PlanMemoryWithin above): MoveArena frees it
+  // first where the new one does not fit beside it.
+  PTK_ASSIGN_OR_RETURN(const bool moved,
+                       MoveArena(&arena_, arena_ ? plan_.total_bytes : 0, plan.total_bytes, kept, ctx_.stream));
+  if (!moved) {
+    if (arena_) ctx_.workspace = Buf<void>(plan_.workspace);  // the old plan, perhaps at another address
     return oom("cudaMalloc refused the allocation (fragmentation or another process)");
   }
-  if (arena_) {
-    cudaError_t e = cudaMemcpyAsync(arena, arena_, static_cast<size_t>(kept), cudaMemcpyDeviceToDevice, ctx_.stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(ctx_.stream);
-    if (e != cudaSuccess) {
-      cudaFree(arena);
-      return CudaError(e, "cudaMemcpyAsync", "moving the parameters to a re-planned allocation");
-    }
-    cudaFree(arena_);
-  }
-  arena_ = arena;
   plan_ = std::move(plan);
   ctx_.workspace = Buf<void>(plan_.workspace);
   ctx_.workspace_bytes = static_cast<size_t>(plan_[plan_.workspace].bytes);

@@ -355,10 +355,13 @@ class CudaGPTModelImpl final : public GPTModel {
   const float* RopeCos() const { return Buf<float>(plan_.rope_tables); }
   const float* RopeSin() const { return RopeCos() + plan_.t * (config().rotary_dim() / 2); }
   // --qk-layernorm: layer l's query and key norm statistics (per token and normalised head, the
-  // planned n apart, as Stats): LayerNorm's mean (null under RMSNorm) and rstd.
-  float* QKMean(int64_t l) const { return Rms() ? nullptr : Buf<float>(plan_.qk_stats) + l * plan_.qk_stats_per_layer; }
+  // planned n apart, as Stats): LayerNorm's mean (null under RMSNorm) and rstd. Per layer of the slot
+  // (SlotLayer: a model chunk's slot holds its own layers only, as Act and Stats index them).
+  float* QKMean(int64_t l) const {
+    return Rms() ? nullptr : Buf<float>(plan_.qk_stats) + SlotLayer(l) * plan_.qk_stats_per_layer;
+  }
   float* QKRstd(int64_t l) const {
-    return Buf<float>(plan_.qk_stats) + l * plan_.qk_stats_per_layer + (Rms() ? 0 : plan_.n * plan_.qk_rows);
+    return Buf<float>(plan_.qk_stats) + SlotLayer(l) * plan_.qk_stats_per_layer + (Rms() ? 0 : plan_.n * plan_.qk_rows);
   }
 
   // cuda_gpt_model_pass.cpp.
