@@ -45,6 +45,8 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   d.first_stage_layers = flags.decoder_first_pipeline_num_layers;
   d.last_stage_layers = flags.decoder_last_pipeline_num_layers;
   d.virtual_size = virtual_size;
+  if (virtual_size > 1)
+    d.microbatch_group_size = static_cast<int>(flags.microbatch_group_size_per_vp_stage.value_or(0));
   d.micro_batch_size = o.micro_batch_size;
   d.global_batch_size = o.global_batch_size;
   d.sequence_parallel = flags.options.backend.sequence_parallel;

@@ -245,6 +245,10 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--num-virtual-stages-per-pipeline-rank", f->num_virtual_stages_per_pipeline_rank,
                   "Model chunks per pipeline stage: Megatron's interleaved 1F1B schedule")
       ->check(IntIn(1, kMaxSize));
+  app->add_option("--microbatch-group-size-per-virtual-pipeline-stage", f->microbatch_group_size_per_vp_stage,
+                  "With model chunks: the micro-batches run in a row on one chunk before the next (default: "
+                  "--pipeline-model-parallel-size); from it to the micro-batches of a step. Only the order changes")
+      ->check(IntIn(1, kMaxSize));
   app->add_flag("--dry-run", f->dry_run,
                 "ptk: print the plan of this run on WORLD_SIZE ranks (any tensor and pipeline size): Megatron's "
                 "layout, start-up and parameter lines, memory per GPU; then exit without building the model");

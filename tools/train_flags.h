@@ -65,6 +65,8 @@ struct TrainFlags {
   std::optional<int64_t> decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers;
   // Megatron's interleaved schedule: layers per model chunk, or model chunks per stage.
   std::optional<int64_t> num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank;
+  // --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batch groups.
+  std::optional<int64_t> microbatch_group_size_per_vp_stage;
 };
 
 // Adds every flag to `app`, writing into `flags`. Every numeric flag carries its range check here,

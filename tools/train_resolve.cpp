@@ -274,6 +274,13 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;
+  if (const auto& n = f.microbatch_group_size_per_vp_stage; n && virtual_size > 1)
+    o.pipeline_microbatch_group_size = static_cast<int>(*n);
+  else if (n)  // Megatron's 1F1B schedule does not read it either
+    notes->push_back(fmt::format(
+        "--microbatch-group-size-per-virtual-pipeline-stage {}: without model chunks "
+        "(--num-layers-per-virtual-pipeline-stage) the 1F1B schedule has no micro-batch groups; it changes nothing",
+        *n));
   return o;
 }
 

@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/parallel_params.h"
+#include "trainer/pipeline_schedule.h"
 
 namespace ptk {
 namespace {
@@ -149,12 +150,14 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
   if (V > 1 && (P < 2 || stage_layers.front() % V != 0))
     return UsageError(fmt::format("--num-virtual-stages-per-pipeline-rank {}: {} layers per stage over {} stage(s)", V,
                                   stage_layers.front(), P));
-  if (V > 1 && (plan.micro_batches < P || plan.micro_batches % P != 0))
-    return UsageError(fmt::format(
-        "the interleaved schedule runs the micro-batches of a step in groups of --pipeline-model-parallel-size ({}): "
-        "{} micro-batches per step (--global-batch-size {} / (--micro-batch-size {} x {} data-parallel ranks)) must "
-        "be a multiple of it",
-        P, plan.micro_batches, plan.global_batch_size, mbs, D));
+  const int N = o.microbatch_group_size > 0 ? o.microbatch_group_size : P;  // Megatron's groups
+  if (V > 1)
+    if (absl::Status st = CheckInterleavedMicroBatches(
+            static_cast<int>(std::min<int64_t>(plan.micro_batches, std::numeric_limits<int>::max())), P,
+            o.microbatch_group_size);
+        !st.ok())
+      return UsageError(fmt::format("{} (--global-batch-size {} / (--micro-batch-size {} x {} data-parallel ranks))",
+                                    StatusMessage(st), plan.global_batch_size, mbs, D));
   plan.sequence_parallel = o.sequence_parallel && T > 1;
   // Megatron's mixed precision keeps fp32 gradients (main_grad) and an fp32 master copy beside
   // Adam's two moments (megatron/training/theoretical_memory_usage.py: 18 bytes, 6 + 12/D with
@@ -168,7 +171,7 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
     StageMemory st;
     st.layers = stage_layers[p];
     st.params = ParamsOnModelParallelRank(m, T, P, p, st.layers);
-    st.in_flight = V > 1 ? std::min<int64_t>((P - p - 1) * 2 + (V - 1) * P + 1, V * plan.micro_batches)
+    st.in_flight = V > 1 ? std::min<int64_t>((P - p - 1) * 2 + int64_t{V - 1} * N + 1, V * plan.micro_batches)
                          : std::min<int64_t>(P - p, plan.micro_batches);
     // In micro-batches of the whole stage: a virtual micro-batch holds one chunk's layers.
     const double n = static_cast<double>(st.params), in_flight = static_cast<double>(st.in_flight) / V;
@@ -260,9 +263,10 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
       plan.sequence_parallel ? "with --sequence-parallel" : "except 10sbh (no --sequence-parallel)", m.seq_length,
       o.micro_batch_size,
       o.virtual_size > 1
-          ? fmt::format("min((P - p - 1) x 2 + (V - 1) x P + 1, V x {}) virtual micro-batches of its {} chunks' "
-                        "layers each (the interleaved schedule, V = {})",
-                        plan.micro_batches, o.virtual_size, o.virtual_size)
+          ? fmt::format("min((P - p - 1) x 2 + (V - 1) x N + 1, V x {}) virtual micro-batches of its {} chunks' "
+                        "layers each (the interleaved schedule, V = {}, micro-batch groups of N = {})",
+                        plan.micro_batches, o.virtual_size, o.virtual_size,
+                        o.microbatch_group_size > 0 ? o.microbatch_group_size : P)
           : fmt::format("min(P - p, {}) micro-batches (1F1B)", plan.micro_batches),
       m.gpt3() ? ""
                : "; this Llama-line model's Q, K, V and attention output at their heads' widths (4sbh -> sb(2a + "

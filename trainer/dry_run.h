@@ -34,7 +34,8 @@ struct DryRunOptions {
   int64_t make_vocab_size_divisible_by = 128;
   int tensor = 1, pipeline = 1, context = 1;
   std::optional<int64_t> first_stage_layers, last_stage_layers;
-  int virtual_size = 1;  // model chunks per stage: Megatron's interleaved schedule
+  int virtual_size = 1;           // model chunks per stage: Megatron's interleaved schedule
+  int microbatch_group_size = 0;  // its micro-batches in a row on one chunk; 0: the pipeline size
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 0;  // 0: micro-batch × data-parallel size
   bool sequence_parallel = false, use_distributed_optimizer = false;
@@ -59,7 +60,7 @@ struct StageMemory {
   int64_t layers = 0, params = 0;
   // Micro-batches whose activations the stage keeps (1F1B: min(P - p, micro-batches)); with V model
   // chunks, virtual micro-batches of one chunk's layers each (Megatron's interleaved warm-up plus
-  // one: min((P - p - 1) * 2 + (V - 1) * P + 1, V x micro-batches)).
+  // one: min((P - p - 1) * 2 + (V - 1) * N + 1, V x micro-batches), N the micro-batch group).
   int64_t in_flight = 0;
   double weights = 0, gradients = 0, optimizer = 0, optimizer_zero1 = 0, activations = 0, activations_recomputed = 0;
   double total = 0;  // as the run is configured (ZeRO-1 or not, recomputation or not)

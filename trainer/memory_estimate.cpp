@@ -14,7 +14,7 @@ namespace ptk {
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
-                                                            bool checkpoints) {
+                                                            bool checkpoints, int microbatch_group_size) {
   PTK_ASSIGN_OR_RETURN(const ParamLayout layout, ParamLayout::Create(model, tensor_size, tensor_rank, stage));
   CpuTrainingMemory m;
   m.params = layout.num_params;
@@ -22,9 +22,10 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   // CpuGPTModel keeps all four buffers whole: a ZeRO-1 shard of the moments reuses their capacity.
   m.weights_and_optimizer = 16 * n;
   const int P = stage.size, p = stage.rank, V = stage.virtual_size;
+  const int N = microbatch_group_size > 0 ? microbatch_group_size : P;
   const int64_t mb = std::max<int64_t>(1, micro_batches);
   m.activation_slots = P <= 1  ? 1
-                       : V > 1 ? std::min<int64_t>(int64_t{P - p - 1} * 2 + int64_t{V - 1} * P + 1, V * mb)
+                       : V > 1 ? std::min<int64_t>(int64_t{P - p - 1} * 2 + int64_t{V - 1} * N + 1, V * mb)
                                : std::min<int64_t>(P - p, mb);
   const int64_t floats = CpuGPTModel::PlanActivationFloats(layout, sequence_parallel, micro_batch_size);
   const int64_t tokens = micro_batch_size * model.seq_length;  // the targets (int32) and dropout streams (uint64)

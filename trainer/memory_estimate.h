@@ -29,11 +29,12 @@ struct CpuTrainingMemory {
 // buffers of `micro_batch_size` sequences, exactly as it sizes them) on tensor rank `tensor_rank`
 // of `tensor_size` and pipeline stage `stage`, keeping the activations of as many micro-batches as
 // the schedule holds in flight (1F1B: min(P - p, micro-batches); interleaved: Megatron's warm-up
-// plus one), and the copies a checkpoint's save or load makes when `checkpoints`.
+// plus one, its (V - 1) x N with N `microbatch_group_size`, 0: P), and the copies a checkpoint's
+// save or load makes when `checkpoints`.
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
-                                                            bool checkpoints);
+                                                            bool checkpoints, int microbatch_group_size = 0);
 
 // Megatron's line (megatron/training/theoretical_memory_usage.py), MB of 2^20 bytes:
 // "Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB"; the

@@ -22,8 +22,8 @@ struct VirtualMicroBatch {
   int micro_batch, chunk;
 };
 
-// Megatron's schedule table: micro-batches in groups of P (microbatch_group_size_per_vp_stage's
-// default), each group run through chunk 0, then chunk 1, ...; the last group takes the rest.
+// Megatron's schedule table: micro-batches in groups of `group` (microbatch_group_size_per_vp_stage,
+// by default P), each group run through chunk 0, then chunk 1, ...; the last group takes the rest.
 std::vector<VirtualMicroBatch> ScheduleTable(int m, int chunks, int group) {
   std::vector<VirtualMicroBatch> table;
   for (int first = 0; first < m; first += group) {
@@ -42,9 +42,9 @@ const std::vector<ModelBatch>& NoBatches() {
 class InterleavedSchedule {
  public:
   InterleavedSchedule(GPTModel* model, Communicator* pipe, const std::vector<ModelBatch>& mbs,
-                      std::span<const double> scales, uint64_t seed, PipelineStats* stats, Timers* timers)
+                      std::span<const double> scales, uint64_t seed, PipelineStats* stats, Timers* timers, int group)
       : InterleavedSchedule(pipe->size(), pipe->rank(), model->layout().virtual_size, static_cast<int>(mbs.size()),
-                            mbs) {
+                            group, mbs) {
     model_ = model;
     pipe_ = pipe;
     scales_ = scales;
@@ -53,14 +53,16 @@ class InterleavedSchedule {
     timers_ = timers;
   }
   // Counting only (no model, no pipeline): Run takes and frees the slots as the schedule would.
-  InterleavedSchedule(int P, int r, int V, int m, const std::vector<ModelBatch>& mbs = NoBatches())
+  // `group`: the micro-batches of a group (CheckInterleavedMicroBatches has passed them).
+  InterleavedSchedule(int P, int r, int V, int m, int group, const std::vector<ModelBatch>& mbs = NoBatches())
       : mbs_(mbs),
         P_(P),
         r_(r),
         V_(V),
         m_(m),
+        N_(group),
         total_(m_ * V_),
-        table_(ScheduleTable(m_, V_, P_)),
+        table_(ScheduleTable(m_, V_, N_)),
         slot_of_(static_cast<size_t>(V_), std::vector<int>(static_cast<size_t>(m_), -1)),
         free_(static_cast<size_t>(V_)),
         inputs_seen_(static_cast<size_t>(V_), 0),
@@ -69,6 +71,7 @@ class InterleavedSchedule {
   absl::Status Run();
   int slots() const { return slots_; }
   void set_before_last_backward(std::function<absl::Status()> f) { before_last_backward_ = std::move(f); }
+  void set_order(std::vector<InterleavedPass>* order) { order_ = order; }  // each pass appended as it runs
 
  private:
   int ChunkOf(int k, bool forward) const {
@@ -98,7 +101,8 @@ class InterleavedSchedule {
   PipelineStats* stats_ = nullptr;
   Timers* timers_ = nullptr;
   std::function<absl::Status()> before_last_backward_;  // run once, before the last micro-batch's first backward
-  const int P_, r_, V_, m_, total_;
+  std::vector<InterleavedPass>* order_ = nullptr;
+  const int P_, r_, V_, m_, N_, total_;
   std::vector<VirtualMicroBatch> table_;
   std::vector<std::vector<int>> slot_of_;      // [chunk][micro-batch]: its activation slot, -1 none
   std::vector<std::vector<int>> free_;         // each chunk's slots free again
@@ -145,6 +149,7 @@ absl::Status InterleavedSchedule::TakeSlot(int v, int mb) {
 
 absl::Status InterleavedSchedule::Forward(int k, const void** out) {
   const int v = ChunkOf(k, true), mb = MicroBatchOf(k);
+  if (order_) order_->push_back({true, mb, v});
   if (FirstVirtual(v)) PTK_RETURN_IF_ERROR(TakeSlot(v, mb));
   if (!model_) {  // counting: any non-null marks a send
     *out = LastVirtual(v) ? nullptr : static_cast<const void*>(this);
@@ -166,7 +171,8 @@ absl::Status InterleavedSchedule::Forward(int k, const void** out) {
 }
 
 absl::Status InterleavedSchedule::Backward(int k, const void** dx) {
-  const int v = ChunkOf(k, false), mb = MicroBatchOf(k);
+  const int v = ChunkOf(k, false), mb = MicroBatchOf(k);  // a chunk's backwards in its forwards' order
+  if (order_) order_->push_back({false, mb, v});
   int& slot = slot_of_[static_cast<size_t>(v)][static_cast<size_t>(mb)];
   const void* input_grad = static_cast<const void*>(this);  // counting: any non-null marks a send
   if (model_) {
@@ -222,8 +228,8 @@ absl::Status InterleavedSchedule::Exchange(const char* timer, const void* out, c
 }
 
 absl::Status InterleavedSchedule::Run() {
-  // Megatron's warm-up: (P - r - 1) * 2 + (V - 1) * P virtual micro-batches, all of them at most.
-  const int warmup = std::min((P_ - r_ - 1) * 2 + (V_ - 1) * P_, total_), remaining = total_ - warmup;
+  // Megatron's warm-up: (P - r - 1) * 2 + (V - 1) * N virtual micro-batches, all of them at most.
+  const int warmup = std::min((P_ - r_ - 1) * 2 + (V_ - 1) * N_, total_), remaining = total_ - warmup;
   const bool all_warmup = warmup == total_;
   if (model_) {
     PTK_RETURN_IF_ERROR(model_->SelectChunk(0));
@@ -278,40 +284,79 @@ struct LossesDropped {
   }
 };
 
-}  // namespace
-
-absl::StatusOr<int> InterleavedSlots(int pipeline_size, int rank, int chunks, int micro_batches) {
-  if (pipeline_size < 2 || rank < 0 || rank >= pipeline_size || chunks < 1 || micro_batches < 1)
-    return absl::InvalidArgumentError(fmt::format("InterleavedSlots: stage {} of {}, {} chunks, {} micro-batches", rank,
-                                                  pipeline_size, chunks, micro_batches));
-  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(micro_batches, pipeline_size));
-  InterleavedSchedule count(pipeline_size, rank, chunks, micro_batches);
+// The counting schedule of stage `rank` (no model, no messages) after its checks; `order`, when given,
+// takes its passes.
+absl::StatusOr<int> CountInterleaved(int pipeline_size, int rank, int chunks, int micro_batches, int group,
+                                     std::vector<InterleavedPass>* order) {
+  if (pipeline_size < 2 || rank < 0 || rank >= pipeline_size || chunks < 1 || micro_batches < 1 || group < 0)
+    return absl::InvalidArgumentError(
+        fmt::format("interleaved schedule: stage {} of {}, {} chunks, {} micro-batches in groups of {}", rank,
+                    pipeline_size, chunks, micro_batches, group));
+  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(micro_batches, pipeline_size, group));
+  InterleavedSchedule count(pipeline_size, rank, chunks, micro_batches, group > 0 ? group : pipeline_size);
+  count.set_order(order);
   PTK_RETURN_IF_ERROR(count.Run());
-  return std::max(count.slots(), chunks);  // ForwardInterleaved's: chunk v in slot v
+  return count.slots();
 }
 
-absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size) {
-  if (micro_batches >= pipeline_size && micro_batches % pipeline_size == 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(fmt::format(
-      "the interleaved pipeline schedule runs the micro-batches of a step in groups of "
-      "--pipeline-model-parallel-size ({}): {} micro-batches per step (global batch / (micro-batch x data-parallel "
-      "ranks)) must be a multiple of it",
-      pipeline_size, micro_batches));
+}  // namespace
+
+absl::StatusOr<int> InterleavedSlots(int pipeline_size, int rank, int chunks, int micro_batches,
+                                     int microbatch_group_size) {
+  PTK_ASSIGN_OR_RETURN(const int slots,
+                       CountInterleaved(pipeline_size, rank, chunks, micro_batches, microbatch_group_size, nullptr));
+  return std::max(slots, chunks);  // ForwardInterleaved's: chunk v in slot v
+}
+
+absl::StatusOr<std::vector<InterleavedPass>> InterleavedOrder(int pipeline_size, int rank, int chunks,
+                                                              int micro_batches, int microbatch_group_size) {
+  std::vector<InterleavedPass> order;
+  PTK_RETURN_IF_ERROR(
+      CountInterleaved(pipeline_size, rank, chunks, micro_batches, microbatch_group_size, &order).status());
+  return order;
+}
+
+absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size, int microbatch_group_size) {
+  const int M = micro_batches, P = pipeline_size, N = microbatch_group_size;
+  if (N <= 0) {  // Megatron's default, N = P: M at least P, and no last group short of P
+    if (M >= P && M % P == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(fmt::format(
+        "the interleaved pipeline schedule runs the micro-batches of a step in groups of "
+        "--pipeline-model-parallel-size ({}): {} micro-batches per step (global batch / (micro-batch x data-parallel "
+        "ranks)) must be a multiple of it",
+        P, M));
+  }
+  // Megatron-core's two checks of forward_backward_pipelining_with_interleaving, in its order.
+  if (N < P || N > M)
+    return absl::InvalidArgumentError(fmt::format(
+        "--microbatch-group-size-per-virtual-pipeline-stage {}: the micro-batches run in a row on one model chunk "
+        "must be from the pipeline size to the micro-batches of a step, [PP={}, M={}] (M = global batch / "
+        "(micro-batch x data-parallel ranks))",
+        N, P, M));
+  if (const int last = M % N; last > 0 && last < P)
+    return absl::InvalidArgumentError(fmt::format(
+        "--microbatch-group-size-per-virtual-pipeline-stage {}: the last group of the step's {} micro-batches holds "
+        "{} (M mod N), fewer than the pipeline size {}: it must be 0 or at least {}, else the stages wait on each "
+        "other within it",
+        N, M, last, P, P));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator* pipeline,
                                                    const std::vector<ModelBatch>& micro_batches,
                                                    std::span<const double> loss_scales, uint64_t seed,
                                                    PipelineStats* stats, Timers* timers,
-                                                   const std::function<absl::Status()>& before_last_backward) {
+                                                   const std::function<absl::Status()>& before_last_backward,
+                                                   int microbatch_group_size) {
   if (micro_batches.empty()) return LossSum{};
-  const int m = static_cast<int>(micro_batches.size());
-  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(m, pipeline->size()));
+  const int m = static_cast<int>(micro_batches.size()), P = pipeline->size();
+  PTK_RETURN_IF_ERROR(CheckInterleavedMicroBatches(m, P, microbatch_group_size));
   PTK_ASSIGN_OR_RETURN(const int slots,
-                       InterleavedSlots(pipeline->size(), pipeline->rank(), model->layout().virtual_size, m));
+                       InterleavedSlots(P, pipeline->rank(), model->layout().virtual_size, m, microbatch_group_size));
   PTK_RETURN_IF_ERROR(model->ReserveStageSlots(slots));
   LossesDropped kept{model};
-  InterleavedSchedule schedule(model, pipeline, micro_batches, loss_scales, seed, stats, timers);
+  InterleavedSchedule schedule(model, pipeline, micro_batches, loss_scales, seed, stats, timers,
+                               microbatch_group_size > 0 ? microbatch_group_size : P);
   schedule.set_before_last_backward(before_last_backward);
   const absl::Status run = schedule.Run();
   model->SetLastBackwardOfChunk(true);

@@ -115,7 +115,7 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
                                                   std::span<const double> loss_scales, uint64_t seed,
                                                   PipelineStats* stats,
                                                   const std::function<absl::Status()>& before_last_backward,
-                                                  Timers* timers) {
+                                                  Timers* timers, int microbatch_group_size) {
   const int P = pipeline->size(), s = pipeline->rank();
   const int m = static_cast<int>(micro_batches.size());
   if (loss_scales.size() != micro_batches.size())
@@ -126,7 +126,7 @@ absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator*
                     model->layout().pipeline_rank, model->layout().pipeline_size));
   if (model->layout().virtual_size > 1)
     return ForwardBackwardInterleaved(model, pipeline, micro_batches, loss_scales, seed, stats, timers,
-                                      before_last_backward);
+                                      before_last_backward, microbatch_group_size);
   if (m == 0) return LossSum{};
   // Micro-batch k's activations live in slot k % slots: k's forward comes after the backward of
   // k - slots, the micro-batches in flight being at most warm-up + 1 = P - s.

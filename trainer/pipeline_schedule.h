@@ -37,18 +37,21 @@ struct PipelineStats {
 // no_sync context ends for the last micro-batch). `timers` (--timing-log-level 2) times each
 // forward and backward (forward-compute, backward-compute) and each exchange under the name of
 // Megatron's p2p call (forward-recv, forward-send-backward-recv, ...), on the stages that make it.
+// `microbatch_group_size` is the interleaved schedule's (below): 1F1B has no groups.
 absl::StatusOr<LossSum> ForwardBackwardPipelining(GPTModel* model, Communicator* pipeline,
                                                   const std::vector<ModelBatch>& micro_batches,
                                                   std::span<const double> loss_scales, uint64_t seed,
                                                   PipelineStats* stats = nullptr,
                                                   const std::function<absl::Status()>& before_last_backward = {},
-                                                  Timers* timers = nullptr);
+                                                  Timers* timers = nullptr, int microbatch_group_size = 0);
 
 // With model chunks (layout().virtual_size > 1) ForwardBackwardPipelining runs Megatron's
-// interleaved 1F1B instead (pipeline_interleaved.cpp): the step's micro-batches in groups of P, each
-// group through chunk 0, then chunk 1, ...; (P - s - 1) * 2 + (V - 1) * P warm-up forwards on stage
-// s; the last stage's chunk v sends to the first stage's chunk v + 1 (and its gradient back); each
-// chunk's backwards in micro-batch order. Each step's sends and receives go as one batch:
+// interleaved 1F1B instead (pipeline_interleaved.cpp): the step's micro-batches in groups of N
+// (`microbatch_group_size`, Megatron's microbatch_group_size_per_vp_stage; 0: P, its default), each
+// group through chunk 0, then chunk 1, ... (the last group takes the rest); (P - s - 1) * 2 + (V - 1) * N
+// warm-up forwards on stage s; the last stage's chunk v sends to the first stage's chunk v + 1 (and its
+// gradient back); each chunk's backwards in micro-batch order, whatever N (so the sums, and the
+// losses, are the same bits). Each step's sends and receives go as one batch:
 // Communicator::BatchSendRecv on host memory (gloo; the CPU backend, the CUDA backend's host
 // exchange), BatchSendRecvDevice on the model's stream where the communicator sends device memory
 // (NCCL). The model reserves the slots the step takes first (InterleavedSlots,
@@ -60,16 +63,34 @@ absl::StatusOr<LossSum> ForwardBackwardInterleaved(GPTModel* model, Communicator
                                                    const std::vector<ModelBatch>& micro_batches,
                                                    std::span<const double> loss_scales, uint64_t seed,
                                                    PipelineStats* stats = nullptr, Timers* timers = nullptr,
-                                                   const std::function<absl::Status()>& before_last_backward = {});
+                                                   const std::function<absl::Status()>& before_last_backward = {},
+                                                   int microbatch_group_size = 0);
 // The activation slots ForwardBackwardInterleaved hands stage `rank` of `pipeline_size` with
-// `chunks` model chunks over a step of `micro_batches` (one more than the largest slot index it
-// passes to StageBuffers; at least `chunks`, ForwardInterleaved's): the schedule run without a
-// model or messages. Each chunk reuses only its own slots, so this may exceed the virtual
-// micro-batches in flight. InvalidArgument where the schedule refuses the step.
-absl::StatusOr<int> InterleavedSlots(int pipeline_size, int rank, int chunks, int micro_batches);
-// Megatron's check of the interleaved schedule: the micro-batches of a step a multiple of P (its
-// groups of P micro-batches); InvalidArgument naming the flags otherwise.
-absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size);
+// `chunks` model chunks over a step of `micro_batches` in groups of `microbatch_group_size` (0: the
+// pipeline size) (one more than the largest slot index it passes to StageBuffers; at least `chunks`,
+// ForwardInterleaved's): the schedule run without a model or messages. Each chunk reuses only its
+// own slots, so this may exceed the virtual micro-batches in flight. InvalidArgument where the
+// schedule refuses the step.
+absl::StatusOr<int> InterleavedSlots(int pipeline_size, int rank, int chunks, int micro_batches,
+                                     int microbatch_group_size = 0);
+// One pass of the interleaved schedule on a stage: a forward or a backward of `micro_batch` through
+// model chunk `chunk`.
+struct InterleavedPass {
+  bool forward;
+  int micro_batch, chunk;
+  bool operator==(const InterleavedPass&) const = default;
+};
+// The passes ForwardBackwardInterleaved runs on stage `rank`, in order (the schedule run without a
+// model or messages, as InterleavedSlots): what Megatron-core's schedule table and its warm-up count
+// give that rank (tests/support/dump_megatron_vp_schedule.py writes them). InvalidArgument where the
+// schedule refuses the step.
+absl::StatusOr<std::vector<InterleavedPass>> InterleavedOrder(int pipeline_size, int rank, int chunks,
+                                                              int micro_batches, int microbatch_group_size = 0);
+// Megatron's checks of the interleaved schedule's groups: N (`microbatch_group_size`; 0: the default,
+// P) between P and the step's micro-batches M, and the last group (M mod N) either empty or of at least
+// P micro-batches. With the default that is M a multiple of P. InvalidArgument naming the flags
+// otherwise.
+absl::Status CheckInterleavedMicroBatches(int micro_batches, int pipeline_size, int microbatch_group_size = 0);
 
 // The stages agree on what crosses between them: this stage's exchange (its wire type and
 // element count) and each neighbour's, swapped over `pipeline` (one small host message each way).

@@ -133,6 +133,14 @@ Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
        o.pipeline_stage_layers.size() > 1 ? std::to_string(o.pipeline_stage_layers.back()) : ""},
       {"--num-virtual-stages-per-pipeline-rank",
        o.pipeline_virtual_size > 1 ? std::to_string(o.pipeline_virtual_size) : ""},
+      // The interleaved schedule's micro-batch groups as run (Megatron's default: the pipeline size);
+      // another on resume orders the same passes otherwise, with the same results.
+      {"--microbatch-group-size-per-virtual-pipeline-stage",
+       o.pipeline_virtual_size > 1
+           ? std::to_string(o.pipeline_microbatch_group_size > 0
+                                ? o.pipeline_microbatch_group_size
+                                : static_cast<int>(std::max<size_t>(1, o.pipeline_stage_layers.size())))
+           : ""},
       {"--micro-batch-size", std::to_string(o.micro_batch_size)},
       {"--global-batch-size", std::to_string(gbs)},
       {"--rampup-batch-size", Joined([&] {

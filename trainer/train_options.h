@@ -131,6 +131,9 @@ struct TrainOptions {
   std::vector<int64_t> pipeline_stage_layers;
   // Megatron's interleaved schedule: the model chunks of each stage (1: the 1F1B schedule).
   int pipeline_virtual_size = 1;
+  // --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batches
+  // run in a row on one chunk (0: Megatron's default, the pipeline size); only the order changes.
+  int pipeline_microbatch_group_size = 0;
   Communicator* pipeline_comm = nullptr;
   Communicator* embedding_comm = nullptr;
   // --use-distributed-optimizer (Megatron's ZeRO-1): each rank keeps and updates its shard of the

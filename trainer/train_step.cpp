@@ -110,8 +110,8 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
         armed = true;
         return absl::OkStatus();
       };
-    absl::StatusOr<LossSum> l =
-        ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed, &pipeline_stats_, arm, timers_);
+    absl::StatusOr<LossSum> l = ForwardBackwardPipelining(model_, pipeline_, micro_batches, scales, seed,
+                                                          &pipeline_stats_, arm, timers_, microbatch_group_size_);
     if (!l.ok()) {
       if (armed) (void)model_->FinishGradReduction();  // waits for what was launched
       return l.status();

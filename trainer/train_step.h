@@ -113,10 +113,12 @@ class TrainStep {
   // first and last stage's group; null on a middle stage) sums the two copies' gradients after
   // the data-parallel reduction, as Megatron's finalize_model_grads; the loss, the grad norm and
   // the count of zeros span the stages. --overlap-grad-reduce's buckets are reduced during the
-  // schedule's last backward, as it completes them.
-  void set_pipeline(Communicator* pipeline, Communicator* embedding) {
+  // schedule's last backward, as it completes them. With model chunks `microbatch_group_size` is the
+  // interleaved schedule's micro-batch groups (0: the pipeline size; ForwardBackwardInterleaved).
+  void set_pipeline(Communicator* pipeline, Communicator* embedding, int microbatch_group_size = 0) {
     pipeline_ = pipeline;
     embedding_ = embedding;
+    microbatch_group_size_ = microbatch_group_size;
   }
   const PipelineStats& pipeline_stats() const { return pipeline_stats_; }
   // Whether the next steps count the zeros among the reduced gradients (a host copy of them; with
@@ -150,6 +152,7 @@ class TrainStep {
   Communicator* comm_;
   Communicator* pipeline_ = nullptr;
   Communicator* embedding_ = nullptr;
+  int microbatch_group_size_ = 0;
   PipelineStats pipeline_stats_;
   int64_t adam_step_ = 0;
   bool count_zeros_ = false;

@@ -145,7 +145,7 @@ class Trainer {
       PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
                                tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
-    if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm);
+    if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm, o_.pipeline_microbatch_group_size);
     std::function<absl::Status()> barrier;  // Megatron's barrier_with_L1_time, over the world
     if (o_.barrier_with_l1_time) barrier = [world = world_] { return world->Barrier(); };
     timers_ = std::make_unique<Timers>(
@@ -175,7 +175,8 @@ class Trainer {
     PTK_ASSIGN_OR_RETURN(
         const CpuTrainingMemory need,
         EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
-                                  plan_.micro_batch_size, plan_.micro_batches, !o_.save.empty() || !o_.load.empty()));
+                                  plan_.micro_batch_size, plan_.micro_batches, !o_.save.empty() || !o_.load.empty(),
+                                  o_.pipeline_microbatch_group_size));
     Print(TheoreticalMemoryLine(need));
     return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
   }
@@ -586,14 +587,12 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
     return absl::InvalidArgumentError(
         fmt::format("a plan for {} data-parallel ranks and {} stage(s); communicators of {} and {}",
                     plan.data_parallel_size, o.pipeline_stage_layers.size(), comm->size(), stages));
-  if (o.pipeline_virtual_size > 1) {
-    if (stages < 2) return absl::InvalidArgumentError("model chunks without pipeline stages");
-    if (absl::Status st = CheckInterleavedMicroBatches(static_cast<int>(plan.micro_batches), stages); !st.ok())
-      return UsageError(
-          fmt::format("--num-layers-per-virtual-pipeline-stage: {} (--global-batch-size {}, "
-                      "--micro-batch-size {}, {} data-parallel rank(s))",
-                      StatusMessage(st), plan.global_batch_size, plan.micro_batch_size, plan.data_parallel_size));
-  }
+  if (o.pipeline_virtual_size > 1 && stages < 2) return absl::InvalidArgumentError("model chunks without stages");
+  const int m = static_cast<int>(plan.micro_batches), group = o.pipeline_microbatch_group_size;
+  if (absl::Status st = CheckInterleavedMicroBatches(m, stages, group); o.pipeline_virtual_size > 1 && !st.ok())
+    return UsageError(fmt::format("{} (--global-batch-size {}, --micro-batch-size {}, {} data-parallel rank(s))",
+                                  StatusMessage(st), plan.global_batch_size, plan.micro_batch_size,
+                                  plan.data_parallel_size));
   return Trainer(o, plan, comm).Run();
 }
 

@@ -133,6 +133,31 @@ TEST(PlanDryRun, InterleavedScheduleKeepsMegatronsVirtualMicroBatches) {
   EXPECT_NE(interleaved->find("virtual micro-batches of its 2 chunks' layers each"), std::string::npos) << *interleaved;
 }
 
+// --microbatch-group-size-per-virtual-pipeline-stage N: the warm-up holds (V - 1) x N virtual
+// micro-batches, not (V - 1) x P; the groups Megatron refuses are refused in its terms.
+TEST(PlanDryRun, MicroBatchGroupsSetTheVirtualMicroBatchesInFlight) {
+  DryRunOptions o = Small();
+  o.virtual_size = 2;
+  o.global_batch_size = 32;  // 8 micro-batches a step
+  o.microbatch_group_size = 4;
+  auto plan = PlanDryRun(o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->stages[0].in_flight, 2 + 4 + 1);
+  EXPECT_EQ(plan->stages[1].in_flight, 0 + 4 + 1);
+  auto report = DryRunReport(o);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_NE(report->find("micro-batch groups of N = 4"), std::string::npos) << *report;
+  for (const auto& [group, says] :
+       std::vector<std::pair<int, std::string>>{{1, "[PP=2, M=8]"}, {9, "[PP=2, M=8]"}, {7, "holds 1 (M mod N)"}}) {
+    o.microbatch_group_size = group;
+    auto refused = PlanDryRun(o);
+    ASSERT_FALSE(refused.ok()) << group;
+    EXPECT_TRUE(IsUsageError(refused.status()));
+    EXPECT_NE(refused.status().message().find(says), std::string::npos) << refused.status();
+    EXPECT_NE(refused.status().message().find("--global-batch-size 32"), std::string::npos) << refused.status();
+  }
+}
+
 TEST(DryRunReport, PrintsMegatronsLinesTheLayoutAndTheMemory) {
   auto text = DryRunReport(Small());
   ASSERT_TRUE(text.ok()) << text.status();

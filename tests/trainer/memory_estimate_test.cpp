@@ -75,6 +75,23 @@ TEST(MemoryEstimate, PipelineStagesKeepTheirMicroBatchesInFlight) {
   EXPECT_EQ(a->checkpoint_copies, 0);
 }
 
+// With model chunks, Megatron's interleaved warm-up plus one, (P - p - 1) x 2 + (V - 1) x N + 1 virtual
+// micro-batches: N the micro-batch group (--microbatch-group-size-per-virtual-pipeline-stage, by
+// default P), at most V x M.
+TEST(MemoryEstimate, InterleavedStagesKeepTheirGroupsInFlight) {
+  GPTConfig c = Gpt3();
+  c.num_layers = 4;
+  const PipelineStage first = StageOf({2, 2}, 0, 2);
+  auto by_default = EstimateCpuTrainingMemory(c, 1, 0, false, first, 2, 8, false);
+  auto threes = EstimateCpuTrainingMemory(c, 1, 0, false, first, 2, 8, false, 3);
+  auto whole = EstimateCpuTrainingMemory(c, 1, 0, false, first, 2, 8, false, 8);
+  ASSERT_TRUE(by_default.ok() && threes.ok() && whole.ok()) << by_default.status() << threes.status() << whole.status();
+  EXPECT_EQ(by_default->activation_slots, 2 + 2 + 1);
+  EXPECT_EQ(threes->activation_slots, 2 + 3 + 1);
+  EXPECT_EQ(whole->activation_slots, 2 + 8 + 1);
+  EXPECT_GT(whole->activations, by_default->activations);
+}
+
 void Put(const std::string& path, const std::string& text) {
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
   testing::WriteFile(path, text);

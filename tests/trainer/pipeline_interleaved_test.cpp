@@ -3,7 +3,9 @@
 // CopyFromShard); the interleaved 1F1B at P = 2 and 4 with 2 chunks, 8 micro-batches and dropout on
 // (and with as many micro-batches as stages, every forward of the first stages in the warm-up)
 // gives one rank's loss and gradients bit for bit (the tied embeddings' two copies summed within
-// float rounding), and forward-only evaluation one rank's loss; a step whose micro-batches are not a
+// float rounding), and so do micro-batch groups other than P (Megatron's
+// --microbatch-group-size-per-virtual-pipeline-stage: 3 of 8, 8 of 8, 5 of 9 at P = 4), and
+// forward-only evaluation one rank's loss; a step whose micro-batches are not a
 // multiple of P is refused; only the last virtual stage's slots hold the logits; a checkpoint
 // header names each tensor by its chunk, Megatron's way. InterleavedSlots (what a backend that plans
 // its slots up front reserves: CUDA) is the slots the CPU model made. The batches' messages, as
@@ -176,7 +178,8 @@ void CheckNcclCanMatch(const std::vector<Batches>& ranks) {
   EXPECT_EQ(done, groups) << "the ranks' batches wait on each other in a cycle";
 }
 
-void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batches = 8) {
+// `group`: --microbatch-group-size-per-virtual-pipeline-stage (0: Megatron's default, P).
+void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batches = 8, int group = 0) {
   const GPTConfig c = Config(layers);
   const testing::Batches data(micro_batches, 16);
   const std::vector<ModelBatch> mbs = data.All();
@@ -195,7 +198,7 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
     ASSERT_TRUE(m.InitWeights(11).ok());
     ASSERT_TRUE(m.ZeroGrads().ok());
     PipelineStats stats;
-    auto loss = ForwardBackwardPipelining(&m, comm, mbs, scales, 99, &stats);
+    auto loss = ForwardBackwardPipelining(&m, comm, mbs, scales, 99, &stats, {}, nullptr, group);
     ASSERT_TRUE(loss.ok()) << loss.status();
     const Batches step = recording.batches;
     std::unique_ptr<Communicator> emb;
@@ -209,14 +212,15 @@ void CheckInterleavedGivesOneRank(int P, int V, int64_t layers, int micro_batche
     auto eval = ForwardPipelining(&m, comm, mbs[0]);
     ASSERT_TRUE(eval.ok()) << eval.status();
     // The slots a backend reserves up front are those the step and the evaluation took here.
-    auto slots = InterleavedSlots(P, s, V, micro_batches);
+    auto slots = InterleavedSlots(P, s, V, micro_batches, group);
     ASSERT_TRUE(slots.ok()) << slots.status();
     EXPECT_EQ(*slots, m.activation_slots()) << "stage " << s;
     std::lock_guard<std::mutex> lock(mu);
     posted[static_cast<size_t>(s)] = step;
     floats[static_cast<size_t>(s)] = m.ActivationFloats();  // the last chunk's slot, evaluation's last
-    // Megatron's warm-up, (P - s - 1) * 2 + (V - 1) * P forwards, plus the first of the steady state.
-    EXPECT_EQ(stats.max_in_flight, std::min((P - s - 1) * 2 + (V - 1) * P + 1, micro_batches * V)) << "stage " << s;
+    // Megatron's warm-up, (P - s - 1) * 2 + (V - 1) * N forwards, plus the first of the steady state.
+    const int N = group > 0 ? group : P;
+    EXPECT_EQ(stats.max_in_flight, std::min((P - s - 1) * 2 + (V - 1) * N + 1, micro_batches * V)) << "stage " << s;
     if (s == P - 1) {
       EXPECT_EQ(loss->loss_sum, ref.loss.loss_sum);
       EXPECT_EQ(loss->tokens, ref.loss.tokens);
@@ -258,6 +262,17 @@ TEST(InterleavedSchedule, TwoStagesOfThreeChunks) { CheckInterleavedGivesOneRank
 TEST(InterleavedSchedule, AsManyMicroBatchesAsStages) {
   CheckInterleavedGivesOneRank(2, 2, 4, 2);
   CheckInterleavedGivesOneRank(4, 2, 8, 4);
+}
+
+// --microbatch-group-size-per-virtual-pipeline-stage: other orders of the same passes, each chunk's
+// backwards still in micro-batch order: one rank's loss and gradients bit for bit (the same as the
+// default group's), and batches NCCL can match. Groups of 3 at P = 2 (8 micro-batches: 3, 3, 2), one
+// group of the whole step, and at P = 4 9 micro-batches in groups of 5 (5, 4: not a multiple of P).
+TEST(InterleavedSchedule, MicroBatchGroupsOtherThanTheStagesGiveOneRanksLossAndGradients) {
+  CheckInterleavedGivesOneRank(2, 2, 4, 8, 3);
+  CheckInterleavedGivesOneRank(2, 2, 4, 8, 8);
+  CheckInterleavedGivesOneRank(2, 3, 6, 6, 4);
+  CheckInterleavedGivesOneRank(4, 2, 8, 9, 5);
 }
 
 // The slots do not grow with the step (each chunk reuses its own: at P = 8, V = 4 48 of them, the

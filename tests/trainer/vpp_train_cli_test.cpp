@@ -9,6 +9,10 @@
 // exports one, and through Megatron's interleaved format (model0, model1) the run continues;
 // Megatron's refusals and ptk's exit 2 in one line; text samples are one rank's through the chunks,
 // TensorBoard and the level-2 timers run; --dry-run plans the layout.
+// --microbatch-group-size-per-virtual-pipeline-stage 3 and 8 (groups other than P = 2) print the
+// default group's log lines character for character, a checkpoint records the group, and a resume
+// in other groups continues the same lines; without chunks the flag changes nothing (a note);
+// Megatron's refusals of a group size are one line.
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -46,6 +50,38 @@ TEST_F(InterleavedCli, TwoChunksGiveOneRanksAndTheOneChunkRunsLosses) {
   ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(1, 2, "--num-virtual-stages-per-pipeline-rank 2"), one, 20, 1e-6,
                                           "P=2, 2 virtual stages", &same));
   EXPECT_EQ(Lines(same), Lines(out));
+}
+
+// Megatron's --microbatch-group-size-per-virtual-pipeline-stage orders the same passes otherwise: each
+// chunk's backwards stay in micro-batch order, so the same bits and the same printed lines.
+TEST_F(InterleavedCli, MicroBatchGroupsChangeTheOrderNotTheLosses) {
+  const auto one = Losses(OneRank());
+  const std::string group = std::string(kTwoChunks) + " --microbatch-group-size-per-virtual-pipeline-stage ";
+  std::string by_default, threes, whole;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(1, 2, kTwoChunks), one, 20, 1e-6, "P=2 x V=2", &by_default));
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(1, 2, group + "3"), one, 20, 1e-6, "groups of 3", &threes));
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(1, 2, group + "8"), one, 20, 1e-6, "one group of 8", &whole));
+  const auto want = Lines(by_default);
+  ASSERT_EQ(want.size(), 20u) << by_default;
+  EXPECT_EQ(Lines(threes), want);
+  EXPECT_EQ(Lines(whole), want);
+  // The checkpoint records the group as run; a resume in groups of 8 continues the same lines.
+  const std::string ck = dir_ / "ck";
+  auto first = Ranks(2, Train(1, 2, group + "3 --exit-interval 10 --save " + ShellQuote(ck)));
+  ASSERT_NE(first.output.find(AllZero(2)), std::string::npos) << first.output << Logs(2);
+  const std::string header = ptk::testing::ReadFile(dir_ / "ck/iter_0000010/mp_rank_00_000/model_optim_rng.ptk");
+  EXPECT_NE(header.find(R"(["--microbatch-group-size-per-virtual-pipeline-stage", "3"])"), std::string::npos)
+      << header.substr(0, 4000);
+  auto resumed = Ranks(2, Train(1, 2, group + "8 --load " + ShellQuote(ck)));
+  ASSERT_NE(resumed.output.find(AllZero(2)), std::string::npos) << resumed.output << Logs(2);
+  EXPECT_EQ(Lines(resumed.output), std::vector<std::string>(want.begin() + 10, want.end())) << resumed.output;
+  // Without chunks Megatron's 1F1B has no groups: a note, one rank's lines.
+  auto plain = RunCmd(Train(1, 1, "--microbatch-group-size-per-virtual-pipeline-stage 3"));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_NE(plain.output.find("note: --microbatch-group-size-per-virtual-pipeline-stage 3: without model chunks"),
+            std::string::npos)
+      << plain.output;
+  EXPECT_EQ(Lines(plain.output), Lines(OneRank()));
 }
 
 TEST_F(InterleavedCli, TensorPipelineAndDataRanksWithZeroOne) {
@@ -168,6 +204,14 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
            Case{2, 2, std::string(kTwoChunks) + " --num-virtual-stages-per-pipeline-rank 2", "give one of them"},
            Case{2, 2, std::string(kTwoChunks) + " --global-batch-size 5", "must be a multiple of it"},
            Case{2, 2, std::string(kTwoChunks) + " --decoder-first-pipeline-num-layers 1", "splits the layers evenly"},
+           // Megatron-core's checks of the micro-batch groups (8 micro-batches a step; 4 with a batch of 4).
+           Case{2, 2, std::string(kTwoChunks) + " --microbatch-group-size-per-virtual-pipeline-stage 1", "[PP=2, M=8]"},
+           Case{2, 2, std::string(kTwoChunks) + " --microbatch-group-size-per-virtual-pipeline-stage 9", "[PP=2, M=8]"},
+           Case{2, 2,
+                std::string(kTwoChunks) + " --microbatch-group-size-per-virtual-pipeline-stage 3 --global-batch-size 4",
+                "holds 1 (M mod N), fewer than the pipeline size 2"},
+           Case{1, 2, std::string(kTwoChunks) + " --microbatch-group-size-per-virtual-pipeline-stage 0",
+                "--microbatch-group-size-per-virtual-pipeline-stage: must be an integer in [1, "},
        }) {
     SCOPED_TRACE(c.extra);
     auto r = c.world == 1 ? RunCmd(Train(1, c.P, c.extra)) : Ranks(c.world, Train(1, c.P, c.extra));
@@ -195,6 +239,11 @@ TEST_F(InterleavedCli, WhatMegatronAndPtkRefuseIsOneLine) {
             std::string::npos)
       << plan.output;
   EXPECT_NE(plan.output.find("virtual micro-batches of its 2 chunks' layers each"), std::string::npos) << plan.output;
+  auto grouped =
+      RunCmd("WORLD_SIZE=2 " +
+             Train(1, 2, std::string(kTwoChunks) + " --microbatch-group-size-per-virtual-pipeline-stage 4 --dry-run"));
+  EXPECT_EQ(grouped.exit_code, 0) << grouped.output;
+  EXPECT_NE(grouped.output.find("micro-batch groups of N = 4"), std::string::npos) << grouped.output;
 }
 
 }  // namespace

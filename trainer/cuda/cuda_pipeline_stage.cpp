@@ -54,7 +54,8 @@ absl::Status CudaGPTModelImpl<T>::ReserveStageSlots(int slots) {
   if (slots > kMaxSlots)
     return absl::InvalidArgumentError(
         fmt::format("the interleaved pipeline schedule takes {} activation slots on stage {} of {}; the CUDA model "
-                    "keeps at most {}: fewer micro-batches per step or model chunks",
+                    "keeps at most {}: fewer model chunks or micro-batches per step, or a smaller "
+                    "--microbatch-group-size-per-virtual-pipeline-stage",
                     slots, layout().pipeline_rank, layout().pipeline_size, kMaxSlots));
   if (slots <= plan_.slots) return absl::OkStatus();
   if (slots_live_ != 0)
