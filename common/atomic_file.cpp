@@ -33,6 +33,13 @@ std::set<std::string>& Live() {
 }
 bool dying = false;  // RemoveLiveTemporaries ran: no new temporary (under LiveMutex)
 
+// Held while PublishWritersTogether hands its writers' temporaries over to a journal, and by
+// RemoveLiveTemporaries around its removals (taken before LiveMutex): a cleanup waits for the handover.
+std::mutex& HandoverMutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+
 void Untrack(const std::string& tmp) {
   std::lock_guard<std::mutex> lock(LiveMutex());
   Live().erase(tmp);
@@ -41,6 +48,7 @@ void Untrack(const std::string& tmp) {
 }  // namespace
 
 void RemoveLiveTemporaries() {
+  std::lock_guard<std::mutex> handover(HandoverMutex());
   std::lock_guard<std::mutex> lock(LiveMutex());
   for (const std::string& tmp : Live()) ::unlink(tmp.c_str());
   Live().clear();
@@ -195,12 +203,18 @@ absl::Status WriteFileAtomic(const std::string& path, std::string_view contents,
 
 namespace {
 std::atomic<void (*)()> publish_hook{nullptr};
+std::atomic<void (*)()> handover_hook{nullptr};
 }  // namespace
 
 void SetPublishHookForTesting(void (*hook)()) { publish_hook = hook; }
+void SetHandoverHookForTesting(void (*hook)()) { handover_hook = hook; }
 
-absl::Status PublishTogether(const std::string& journal, const std::vector<std::pair<std::string, std::string>>& files,
-                             bool durable) {
+namespace {
+
+// The journal of `files` (temporary, final name: one directory) written; before it exists a check
+// fails the publish with nothing renamed, the temporaries still the caller's.
+absl::Status WritePublishJournal(const std::string& journal,
+                                 const std::vector<std::pair<std::string, std::string>>& files, bool durable) {
   const std::string dir = Dirname(journal);
   std::string text = "ptk-publish v1\n";
   for (const auto& [tmp, final_path] : files) {
@@ -221,7 +235,12 @@ absl::Status PublishTogether(const std::string& journal, const std::vector<std::
       return absl::FailedPreconditionError(
           fmt::format("cannot publish {}: a directory is in its place; nothing was published", final_path));
   }
-  PTK_RETURN_IF_ERROR(WriteFileAtomic(journal, text, durable));
+  return WriteFileAtomic(journal, text, durable);
+}
+
+// The renames of a written journal.
+absl::Status CompletePublish(const std::string& journal,
+                             const std::vector<std::pair<std::string, std::string>>& files) {
   if (void (*hook)() = publish_hook.load()) hook();
   // Until the first rename is done nothing is published: a failure there is undone (the journal
   // removed), as if the publish had not begun.
@@ -231,6 +250,31 @@ absl::Status PublishTogether(const std::string& journal, const std::vector<std::
     return ErrnoToStatus(e, fmt::format("publish {} -> {}; nothing was published", files[0].first, files[0].second));
   }
   return CompletePendingPublish(journal);
+}
+
+}  // namespace
+
+absl::Status PublishTogether(const std::string& journal, const std::vector<std::pair<std::string, std::string>>& files,
+                             bool durable) {
+  PTK_RETURN_IF_ERROR(WritePublishJournal(journal, files, durable));
+  return CompletePublish(journal, files);
+}
+
+absl::Status PublishWritersTogether(const std::string& journal,
+                                    const std::vector<std::pair<AtomicFileWriter*, std::string>>& writers,
+                                    bool durable) {
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const auto& [writer, final_path] : writers) files.emplace_back(writer->tmp_path(), final_path);
+  {
+    // One step for a signal's cleanup (RemoveLiveTemporaries, on its own thread): before it the
+    // temporaries are tracked (removed by it: nothing published), after it a written journal names
+    // them (kept for its completion); released before the journal they were neither, and left behind.
+    std::lock_guard<std::mutex> handover(HandoverMutex());
+    if (void (*hook)() = handover_hook.load()) hook();
+    PTK_RETURN_IF_ERROR(WritePublishJournal(journal, files, durable));
+    for (const auto& w : writers) w.first->Release();
+  }
+  return CompletePublish(journal, files);
 }
 
 absl::Status CompletePendingPublish(const std::string& journal) {

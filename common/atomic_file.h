@@ -82,9 +82,21 @@ void RemoveLiveTemporaries();
 // renames: every observer that honours the journal sees all old files or all new ones.
 absl::Status PublishTogether(const std::string& journal, const std::vector<std::pair<std::string, std::string>>& files,
                              bool durable = true);
+// PublishTogether of sealed writers this process still tracks, each onto its final name: their
+// temporaries are handed over to the journal as one step for RemoveLiveTemporaries (a signal's cleanup,
+// cli::RemoveTemporariesOnSignals, runs it on its own thread and waits for the step), which so finds
+// them either still tracked (removed: nothing published) or named by a written journal (kept for its
+// completion), never left untracked. An error before the journal exists leaves them the writers'.
+absl::Status PublishWritersTogether(const std::string& journal,
+                                    const std::vector<std::pair<AtomicFileWriter*, std::string>>& writers,
+                                    bool durable = true);
 // For tests: `hook` runs in PublishTogether once the journal is written, before the first rename
 // (where a kill leaves the journal and its temporaries); nullptr: none.
 void SetPublishHookForTesting(void (*hook)());
+// For tests: `hook` runs in PublishWritersTogether's handover, before the journal is written (a signal
+// that comes there finds its cleanup waiting for the handover; the hook itself must not call
+// RemoveLiveTemporaries, which would wait for it); nullptr: none.
+void SetHandoverHookForTesting(void (*hook)());
 // Rolls a left-over journal forward; a no-op when there is none. Safe to run from several
 // processes at once (a rename already done by another is skipped).
 absl::Status CompletePendingPublish(const std::string& journal);

@@ -260,17 +260,17 @@ absl::Status IndexedDatasetBuilder::Finalize() {
   if (!source_.empty()) side.Field("source", source_);
   PTK_RETURN_IF_ERROR(done_writer->Write(side.EndObject().str() + "\n"));
   PTK_RETURN_IF_ERROR(done_writer->Seal());
-  // Handed over before the journal is written, whose files they then are (the next writer or reader completes
-  // it): a signal's cleanup (cli::RemoveTemporariesOnSignals) removes the temporaries still tracked, and
-  // once released after the journal, one between the two removed files the journal names. A signal
-  // before the journal leaves them untracked: the next writer removes them under its lock.
+  // Handed over to the journal, whose files they then are (the next writer or reader completes it), in
+  // one step for a signal's cleanup (cli::RemoveTemporariesOnSignals removes the temporaries still
+  // tracked): released after the journal, one between the two removed files the journal names; released
+  // before it, one between the two left them untracked.
   const std::vector<std::pair<std::string, std::string>> files = {{bin_->tmp_path(), BinPath(prefix_)},
                                                                   {idx_writer->tmp_path(), IdxPath(prefix_)},
                                                                   {done_writer->tmp_path(), DoneSidecarPath(prefix_)}};
-  bin_->Release();
-  idx_writer->Release();
-  done_writer->Release();
-  absl::Status st = PublishTogether(PublishJournalPath(prefix_), files);
+  absl::Status st =
+      PublishWritersTogether(PublishJournalPath(prefix_), {{bin_.get(), BinPath(prefix_)},
+                                                           {idx_writer.get(), IdxPath(prefix_)},
+                                                           {done_writer.get(), DoneSidecarPath(prefix_)}});
   if (!st.ok() && !PathExists(PublishJournalPath(prefix_)))
     for (const auto& f : files) ::unlink(f.first.c_str());  // no journal: nothing published, they are ours
   PTK_RETURN_IF_ERROR(st);

@@ -431,6 +431,9 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
                         : BoolAttr(args, "fp16", false) ? "fp16"
                                                         : "fp32"},
   };
+  // Megatron's args record the divisor beside the padded vocabulary (--use-checkpoint-args compares it).
+  if (auto divisor = NumAttr(args, "make_vocab_size_divisible_by"))
+    state.settings.emplace_back("--make-vocab-size-divisible-by", std::to_string(static_cast<int64_t>(*divisor)));
   if (auto gbs = NumAttr(args, "global_batch_size"))
     state.settings.emplace_back("--global-batch-size", std::to_string(static_cast<int64_t>(*gbs)));
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));

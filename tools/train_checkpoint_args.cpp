@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "tools/train_flag_parts.h"
 #include "trainer/checkpoint.h"
+#include "trainer/parallel_layout.h"
 
 namespace ptk {
 namespace {
@@ -142,7 +143,83 @@ absl::Status TakeCheckpointValue(const std::string& flag, const std::string& val
   return absl::OkStatus();
 }
 
+// The name ptk's settings (and an imported Megatron checkpoint's) give the padded vocabulary.
+constexpr char kPaddedVocabSetting[] = "--make-vocab-size-divisible-by (padded vocabulary)";
+
+// The vocabulary's settings of Megatron's load_args_from_checkpoint: padded_vocab_size is taken (no
+// flag gives it), make_vocab_size_divisible_by never (check_checkpoint_args compares it with the
+// command line's), nor the init flags (the loaded weights do not depend on them: a note where they
+// differ). Kept in `f` for PaddedVocabSize, which knows the vocabulary.
+absl::Status TakeVocabPadding(const std::map<std::string, std::string>& ckpt, int64_t iteration,
+                              const std::string& load, bool vocab_size_taken, TrainFlags* f,
+                              std::vector<std::string>* notes) {
+  auto positive = [&](const std::string& key, const std::string& value) -> absl::StatusOr<int64_t> {
+    char* end = nullptr;
+    const long long v = std::strtoll(value.c_str(), &end, 10);
+    if (value.empty() || *end != '\0' || v < 1)
+      return absl::DataLossError(fmt::format("{}: checkpoint records {} {:?}", load, key, value));
+    return static_cast<int64_t>(v);
+  };
+  for (const auto& [flag, now] :
+       {std::pair<std::string, std::string>{"--init-method-std", fmt::format("{}", f->options.model.init_method_std)},
+        {"--init-method-xavier-uniform", f->options.model.init_method_xavier_uniform ? "on" : "off"}})
+    if (auto it = ckpt.find(flag); it != ckpt.end() && !SameValue(it->second, now))
+      notes->push_back(fmt::format(
+          "--use-checkpoint-args: {} {} is the command line's, not the checkpoint's {} (Megatron does not take "
+          "the init flags; the loaded weights do not depend on them)",
+          flag, now, it->second));
+  auto padded = ckpt.find(kPaddedVocabSetting);
+  if (padded == ckpt.end()) return absl::OkStatus();  // an older ptk's: padded from the divisor, as before
+  TrainFlags::CheckpointVocab v;
+  v.load = load;
+  v.iteration = iteration;
+  PTK_ASSIGN_OR_RETURN(v.padded_vocab_size, positive(padded->first, padded->second));
+  if (auto d = ckpt.find("--make-vocab-size-divisible-by"); d != ckpt.end()) {
+    PTK_ASSIGN_OR_RETURN(v.make_vocab_size_divisible_by, positive(d->first, d->second));
+  }
+  v.vocab_size_taken = vocab_size_taken;
+  f->checkpoint_vocab = v;
+  return absl::OkStatus();
+}
+
+// Whether Megatron's padding of `vocab` tokens to a multiple of `divisor` x some tensor size gives `padded`.
+bool PaddingReaches(int64_t vocab, int64_t divisor, int64_t padded) {
+  if (padded < vocab || padded % divisor != 0) return false;
+  for (int64_t t = 1; t <= padded / divisor; ++t) {
+    const int64_t step = divisor * t;
+    if ((vocab + step - 1) / step * step == padded) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+absl::StatusOr<int64_t> PaddedVocabSize(const TrainFlags& f, int64_t vocab_size, int64_t tp) {
+  const int64_t divisor = f.make_vocab_size_divisible_by;
+  if (!f.checkpoint_vocab) return TensorParallelVocabSize(vocab_size, divisor, static_cast<int>(tp));
+  const TrainFlags::CheckpointVocab& c = *f.checkpoint_vocab;
+  const std::string where = fmt::format("the checkpoint of iteration {} in {}", c.iteration, c.load);
+  const std::string of = f.options.vocab_file.empty() ? "" : " of --vocab-file " + f.options.vocab_file;
+  const int64_t saved_divisor = c.make_vocab_size_divisible_by.value_or(divisor);
+  if (!f.options.vocab_file.empty() && !f.options.finetune && saved_divisor != divisor)
+    return UsageError(fmt::format(
+        "--use-checkpoint-args: --make-vocab-size-divisible-by {} differs from {}'s {}, which padded the "
+        "vocabulary to {}: give --make-vocab-size-divisible-by {} (Megatron's check_checkpoint_args refuses it too)",
+        divisor, where, saved_divisor, c.padded_vocab_size, saved_divisor));
+  if (c.padded_vocab_size < vocab_size)
+    return UsageError(fmt::format(
+        "--use-checkpoint-args: {} has a padded vocabulary of {}, less than the {} tokens{}: it was trained on "
+        "another vocabulary",
+        where, c.padded_vocab_size, vocab_size, of));
+  if (!PaddingReaches(vocab_size, saved_divisor, c.padded_vocab_size))
+    return UsageError(fmt::format(
+        "--use-checkpoint-args: {} has a padded vocabulary of {}, which padding the {} tokens{} to a multiple of "
+        "--make-vocab-size-divisible-by {} times a tensor-parallel size does not give: it was trained on another "
+        "vocabulary{}",
+        where, c.padded_vocab_size, vocab_size, of, saved_divisor,
+        c.make_vocab_size_divisible_by ? "" : ", or with another --make-vocab-size-divisible-by (give that one)"));
+  return c.padded_vocab_size;
+}
 
 // Megatron's precedence: a flag it takes with force=True (kCheckpointForcedFlags) is the checkpoint's
 // even where the command line gives it (a note names the replaced value); any other is the
@@ -191,6 +268,10 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
     else
       taken += fmt::format("{}{} {}", taken.empty() ? "" : ", ", flag, Shown(value));
   }
+  const bool vocab_size_taken = ckpt.count("--vocab-size") > 0 && !Given(app, "--vocab-size");
+  PTK_RETURN_IF_ERROR(TakeVocabPadding(ckpt, *latest, load, vocab_size_taken, f, notes));
+  if (f->checkpoint_vocab)
+    taken += fmt::format("{}padded vocabulary {}", taken.empty() ? "" : ", ", f->checkpoint_vocab->padded_vocab_size);
   if (!taken.empty())
     notes->push_back(fmt::format("--use-checkpoint-args: from the checkpoint of iteration {}: {}", *latest, taken));
   if (!unrecorded.empty())

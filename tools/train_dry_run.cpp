@@ -39,6 +39,7 @@ absl::StatusOr<DryRunOptions> ResolveDryRunFlags(const TrainFlags& flags, const 
   DryRunOptions d;
   d.model = o.model;
   d.make_vocab_size_divisible_by = flags.make_vocab_size_divisible_by;
+  if (flags.checkpoint_vocab) d.padded_vocab_size = o.model.padded_vocab_size;
   d.tensor = static_cast<int>(flags.tensor_model_parallel_size);
   d.pipeline = static_cast<int>(flags.pipeline_model_parallel_size);
   d.context = static_cast<int>(flags.context_parallel_size);

@@ -52,6 +52,16 @@ struct TrainFlags {
   std::map<std::string, std::string>
       refused;  // --use-checkpoint-args: the model's flags from --load's latest checkpoint (ApplyCheckpointArgs).
   bool use_checkpoint_args = false;
+  // --use-checkpoint-args: the vocabulary padding the checkpoint records (ApplyCheckpointArgs), for
+  // ResolveModel (CheckpointPaddedVocabSize).
+  struct CheckpointVocab {
+    std::string load;
+    int64_t iteration = 0;
+    int64_t padded_vocab_size = 0;                        // Megatron's padded_vocab_size: the model's, taken
+    std::optional<int64_t> make_vocab_size_divisible_by;  // the saving run's divisor, where recorded
+    bool vocab_size_taken = false;                        // --vocab-size came from the checkpoint
+  };
+  std::optional<CheckpointVocab> checkpoint_vocab;
   // --data-args-path / --per-split-data-args-path: the data paths from a file, as Megatron reads it.
   std::string data_args_path, per_split_data_args_path;
   bool profile = false;  // --profile: ptk's per-op CUDA timing
@@ -97,6 +107,13 @@ absl::StatusOr<int> VirtualPipelineSize(const TrainFlags& flags);
 // `notes` lists them); one given with another value than the checkpoint's is the checkpoint's where
 // Megatron forces it (kCheckpointForcedFlags, a note), else a usage error naming both.
 absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* flags, std::vector<std::string>* notes);
+// The padded vocabulary of a model of `vocab_size` tokens on `tp` tensor ranks: Megatron's padding
+// (a multiple of --make-vocab-size-divisible-by x tp); with --use-checkpoint-args, the checkpoint's
+// padded_vocab_size as Megatron's load_args_from_checkpoint takes it, refused (a usage error naming
+// the checkpoint, both values and what to give) where it conflicts with the vocabulary (--vocab-file's,
+// or the recorded --vocab-size) or, given a --vocab-file without --finetune, where the checkpoint's
+// divisor is not the command line's (Megatron's check_checkpoint_args).
+absl::StatusOr<int64_t> PaddedVocabSize(const TrainFlags& flags, int64_t vocab_size, int64_t tp);
 
 // --dry-run: the plan's options from the flags (as ResolveTrainFlags checks them, but any tensor
 // and pipeline size, no device, no file but a --vocab-file that exists here) and the cluster.

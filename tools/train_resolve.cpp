@@ -141,9 +141,15 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
   NoteRotaryFlags(m, notes);
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
   if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
-  if (m.vocab_size == 0) {
+  if (m.vocab_size == 0 || (f.checkpoint_vocab && f.checkpoint_vocab->vocab_size_taken && !o.vocab_file.empty())) {
     PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
-    PTK_ASSIGN_OR_RETURN(m.vocab_size, Gpt2VocabSize(o.vocab_file));
+    PTK_ASSIGN_OR_RETURN(const int64_t tokens, Gpt2VocabSize(o.vocab_file));
+    if (m.vocab_size != 0 && m.vocab_size != tokens)  // the checkpoint's --vocab-size, and a vocabulary file
+      return Refuse(fmt::format(
+          "--use-checkpoint-args: --vocab-file {} has {} tokens, and the checkpoint of iteration {} in {} was "
+          "trained on --vocab-size {}: give the vocabulary it was trained with",
+          o.vocab_file, tokens, f.checkpoint_vocab->iteration, f.checkpoint_vocab->load, m.vocab_size));
+    m.vocab_size = tokens;
   }
   if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
     return Refuse(fmt::format(
@@ -157,8 +163,8 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
         fmt::format("--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {}", m.ffn_hidden_size, tp));
   o.tensor_model_parallel_size = static_cast<int>(tp);
   // Megatron's padding: a multiple of --make-vocab-size-divisible-by x T, so the slices are equal.
-  PTK_ASSIGN_OR_RETURN(m.padded_vocab_size,
-                       TensorParallelVocabSize(m.vocab_size, f.make_vocab_size_divisible_by, static_cast<int>(tp)));
+  PTK_ASSIGN_OR_RETURN(m.padded_vocab_size, PaddedVocabSize(f, m.vocab_size, tp));
+  o.make_vocab_size_divisible_by = f.make_vocab_size_divisible_by;
   if (!f.recompute_granularity.empty()) m.recompute_activations = true;
   if (f.recompute_granularity == "full")
     notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");

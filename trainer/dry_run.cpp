@@ -135,6 +135,7 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
   if (m.max_position_embeddings == 0) m.max_position_embeddings = m.seq_length;
   PTK_ASSIGN_OR_RETURN(m.padded_vocab_size, TensorParallelVocabSize(m.vocab_size, o.make_vocab_size_divisible_by, T));
+  if (o.padded_vocab_size > 0) m.padded_vocab_size = o.padded_vocab_size;
   if (absl::Status s = m.Validate(); !s.ok()) return AsUsageError(s);
   PTK_RETURN_IF_ERROR(CheckTensorSplit(m, T));
   PTK_ASSIGN_OR_RETURN(const std::vector<int64_t> stage_layers,

@@ -32,6 +32,7 @@ absl::StatusOr<DryRunCluster> DryRunClusterFromEnv(int gpus_per_node_flag);
 struct DryRunOptions {
   GPTConfig model;  // vocab_size: the tokenizer's; padded_vocab_size is computed for T
   int64_t make_vocab_size_divisible_by = 128;
+  int64_t padded_vocab_size = 0;  // > 0: the model's as is (ptk-train --use-checkpoint-args: the checkpoint's)
   int tensor = 1, pipeline = 1, context = 1;
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   int virtual_size = 1;           // model chunks per stage: Megatron's interleaved schedule

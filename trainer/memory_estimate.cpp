@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include <fmt/core.h>
+#include <tbb/global_control.h>
 
 #include "common/human_format.h"
 #include "common/status.h"
@@ -14,7 +15,7 @@ namespace ptk {
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
-                                                            bool checkpoints, int microbatch_group_size) {
+                                                            bool checkpoints, int microbatch_group_size, int threads) {
   PTK_ASSIGN_OR_RETURN(const ParamLayout layout, ParamLayout::Create(model, tensor_size, tensor_rank, stage));
   CpuTrainingMemory m;
   m.params = layout.num_params;
@@ -32,6 +33,21 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   m.activations = static_cast<double>(m.activation_slots) *
                   (4.0 * static_cast<double>(floats) + 4.0 * static_cast<double>(tokens) + 8.0 * micro_batch_size);
   if (checkpoints) m.checkpoint_copies = 12 * n;
+  // Attention's buffers (attention_cpu.cpp), one set per thread that runs a task: backward's tasks are
+  // the (sequence, query group) pairs, each thread holding 2 t^2 floats; a forward with attention
+  // dropout (also backward's recomputation, before backward's buffers exist) the (sequence, head) pairs, t^2.
+  const int64_t t = model.seq_length, heads = model.num_attention_heads / tensor_size;
+  const int64_t groups = model.query_groups() / tensor_size;
+  const int64_t cpus =
+      threads > 0
+          ? threads
+          : static_cast<int64_t>(tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism));
+  const int64_t backward_threads = std::min(cpus, micro_batch_size * groups);
+  const int64_t forward_threads = model.attention_dropout > 0 ? std::min(cpus, micro_batch_size * heads) : 0;
+  const bool forward_peak = forward_threads > 2 * backward_threads;
+  m.attention_threads = forward_peak ? forward_threads : backward_threads;
+  m.attention_work = 4.0 * static_cast<double>(t) * static_cast<double>(t) *
+                     static_cast<double>(forward_peak ? forward_threads : 2 * backward_threads);
   return m;
 }
 
@@ -47,12 +63,16 @@ namespace {
 std::string NeedDetail(const CpuTrainingMemory& need) {
   return fmt::format(
       "{} parameters: {} for the weights, gradients and AdamW moments; {} of activations for {} micro-batch{} in "
-      "flight{}",
+      "flight{}{}",
       need.params, HumanBytes(need.weights_and_optimizer), HumanBytes(need.activations), need.activation_slots,
       need.activation_slots == 1 ? "" : "es",
       need.checkpoint_copies > 0 ? fmt::format("; {} for the checkpoint's copies of the weights and moments",
                                                HumanBytes(need.checkpoint_copies))
-                                 : "");
+                                 : "",
+      need.attention_work > 0
+          ? fmt::format("; {} for attention's work buffers while it runs ({} thread{})",
+                        HumanBytes(need.attention_work), need.attention_threads, need.attention_threads == 1 ? "" : "s")
+          : "");
 }
 
 constexpr const char* kWhatToChange =

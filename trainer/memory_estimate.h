@@ -22,23 +22,31 @@ struct CpuTrainingMemory {
   int64_t activation_slots = 0;      // micro-batches (of one model chunk) whose activations are kept
   double activations = 0;            // those slots' buffers
   double checkpoint_copies = 0;      // --save / --load: parameters and moments copied out (12 bytes each)
-  double total() const { return weights_and_optimizer + activations + checkpoint_copies; }
+  // Attention's per-thread work buffers (cpu::AttentionForward / AttentionBackward), held only while
+  // one layer's attention runs: once at the peak, not per layer nor per micro-batch in flight.
+  int64_t attention_threads = 0;  // the threads that run heads at once and hold a buffer each
+  double attention_work = 0;      // their buffers together at the peak
+  double total() const { return weights_and_optimizer + activations + checkpoint_copies + attention_work; }
 };
 
 // The CPU model's buffers (CpuGPTModel: its parameters, gradients and moments, and the activation
 // buffers of `micro_batch_size` sequences, exactly as it sizes them) on tensor rank `tensor_rank`
 // of `tensor_size` and pipeline stage `stage`, keeping the activations of as many micro-batches as
 // the schedule holds in flight (1F1B: min(P - p, micro-batches); interleaved: Megatron's warm-up
-// plus one, its (V - 1) x N with N `microbatch_group_size`, 0: P), and the copies a checkpoint's
-// save or load makes when `checkpoints`.
+// plus one, its (V - 1) x N with N `microbatch_group_size`, 0: P), the copies a checkpoint's
+// save or load makes when `checkpoints`, and attention's work buffers on `threads` oneTBB threads
+// (each thread running heads holds 2 t^2 floats in backward, t^2 in a forward with attention
+// dropout; t = seq_length). `threads` 0: the threads oneTBB may run now (tbb::global_control's
+// max_allowed_parallelism: ptk-train's --threads, set by its main).
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
-                                                            bool checkpoints, int microbatch_group_size = 0);
+                                                            bool checkpoints, int microbatch_group_size = 0,
+                                                            int threads = 0);
 
 // Megatron's line (megatron/training/theoretical_memory_usage.py), MB of 2^20 bytes:
 // "Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB"; the
-// checkpoint copies count in the total.
+// checkpoint copies and attention's work buffers count in the total.
 std::string TheoreticalMemoryLine(const CpuTrainingMemory& m);
 
 // FailedPrecondition, one line, when the need is more than what is available: both figures, where

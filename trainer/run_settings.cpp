@@ -80,7 +80,7 @@ std::string Num(double v) { return fmt::format("{}", v); }
 std::string Opt(const std::optional<double>& v) { return v ? Num(*v) : std::string("(default)"); }
 
 // The model's settings.
-Settings ModelSettings(const GPTConfig& m) {
+Settings ModelSettings(const GPTConfig& m, int64_t make_vocab_size_divisible_by) {
   auto num = Num;
   return {
       {"--num-layers", std::to_string(m.num_layers)},
@@ -91,6 +91,7 @@ Settings ModelSettings(const GPTConfig& m) {
       {"--max-position-embeddings", std::to_string(m.max_position_embeddings)},
       {"--vocab-size", std::to_string(m.vocab_size)},
       {"--make-vocab-size-divisible-by (padded vocabulary)", std::to_string(m.padded_vocab_size)},
+      {"--make-vocab-size-divisible-by", std::to_string(make_vocab_size_divisible_by)},
       {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights ? "on" : "off"},
       {"--layernorm-epsilon", num(m.layernorm_epsilon)},
       {"--normalization", m.normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm"},
@@ -235,7 +236,7 @@ Settings DataAndRunSettings(const TrainOptions& o) {
 // What every rank must agree on (checked at start-up) and what a checkpoint records of its run:
 // each setting under its Megatron flag name, resolved (the global batch size as used).
 Settings RunSettings(const TrainOptions& o, int64_t gbs) {
-  Settings all = ModelSettings(o.model);
+  Settings all = ModelSettings(o.model, o.make_vocab_size_divisible_by);
   for (Settings part : {LayoutAndBatchSettings(o, gbs), ScheduleSettings(o), DataAndRunSettings(o)})
     all.insert(all.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
   return all;

@@ -83,6 +83,9 @@ struct TrainOptions {
   std::optional<std::string> data_cache_path;
   uint32_t seed = 1234;
   std::string vocab_file, merge_file;
+  // --make-vocab-size-divisible-by, recorded beside the padded vocabulary it gave (model.padded_vocab_size
+  // is the caller's; with --use-checkpoint-args the checkpoint's, as Megatron takes it).
+  int64_t make_vocab_size_divisible_by = 128;
   bool eod_mask_loss = false, reset_position_ids = false;
 
   // The job's ranks on this machine and the launcher's variable that says so (TrainingRanks's

@@ -1,15 +1,18 @@
 // IndexedDatasetBuilder / IndexedDataset: golden bytes, round trips, merge.
 #include "indexed_dataset/indexed_dataset.h"
 
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <filesystem>
 #include <random>
 
 #include <gtest/gtest.h>
 
 #include "common/atomic_file.h"
+#include "common/cli.h"
 #include "common/hash.h"
 #include "indexed_dataset/merge.h"
 #include "tests/test_util.h"
@@ -372,6 +375,40 @@ TEST(IndexedDatasetBuilder, SignalCleanupAfterTheJournalKeepsWhatItNames) {
   ASSERT_TRUE(ds.ok()) << ds.status();
   EXPECT_EQ((*ds)->num_tokens(), 5);
   EXPECT_FALSE(testing::Exists(PublishJournalPath(prefix)));
+}
+
+// Regression: Finalize released its temporaries before writing the publish journal, so a signal between
+// the two found them neither tracked nor named by a journal: ptk-merge's cleanup (cli::RemoveTemporariesOnSignals,
+// on its own thread) removed nothing and the process died leaving them for the next run. A merging child
+// is sent SIGTERM at that point of the handover, its cleanup thread having taken the signal before the
+// child goes on: it dies of the signal, and what it leaves is a dataset the next reader opens whole (a
+// journal completed), with no temporary left over.
+TEST(IndexedDatasetBuilder, ASignalDuringTheHandoverToTheJournalLeavesNoUntrackedTemporaries) {
+  TempDir dir;
+  const std::string in = dir / "in", out = dir / "out";
+  WriteDocs(in, DType::kUInt16, RandomDocs(20, 1000, 4));
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::signal(SIGTERM, SIG_DFL);      // whatever the test runner left
+    cli::RemoveTemporariesOnSignals();  // as ptk-merge's main
+    SetHandoverHookForTesting([] {
+      ::kill(::getpid(), SIGTERM);
+      sigset_t pending;
+      do {  // until the cleanup thread has taken it from sigwait
+        ::sched_yield();
+        ::sigpending(&pending);
+      } while (sigismember(&pending, SIGTERM));
+    });
+    (void)MergeDatasets({in}, out);
+    for (;;) ::pause();  // the signal's end comes from the cleanup thread
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+  auto ds = IndexedDataset::Open(out);
+  ASSERT_TRUE(ds.ok()) << ds.status() << "\n" << testing::Leftovers(dir.path());
+  EXPECT_EQ((*ds)->num_documents(), 20);
+  EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
 TEST(IndexedDatasetBuilder, SidecarChecksumsCatchLaterDamage) {

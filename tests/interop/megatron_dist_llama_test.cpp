@@ -190,6 +190,59 @@ TEST(TorchDistLlamaTp, PtkTrainResumesOneAdamWStepFromTheMoments) {
   }
 }
 
+// ptk-train --use-checkpoint-args on a converted Megatron checkpoint follows Megatron's
+// load_args_from_checkpoint: args.padded_vocab_size is taken (30 tokens padded by args'
+// make_vocab_size_divisible_by 8: 32 rows; the default divisor 128 gave 128 and the load was refused),
+// the divisor is not (with a vocabulary file, check_checkpoint_args refuses another one), nor
+// args.init_method_std (a note where the command line's differs).
+TEST(TorchDistLlamaTp, UseCheckpointArgsTakesThePaddedVocabularyAsMegatronDoes) {
+  TempDir dir;
+  const std::string ptk = dir / "ptk";
+  Converted a = ConvertAndLoad(Fixture("plain_bf16_tp2"), ptk);
+  ASSERT_TRUE(a.layout.has_value());
+  EXPECT_EQ(a.layout->config.padded_vocab_size, 32);
+  auto settings = ReadCheckpointSettings(ptk, 3);
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_NE(std::find(settings->begin(), settings->end(),
+                      std::pair<std::string, std::string>("--make-vocab-size-divisible-by", "8")),
+            settings->end());
+  const std::string base =
+      testing::Tool("ptk-train") +
+      " --use-checkpoint-args --use-checkpoint-opt_param-scheduler --micro-batch-size 2 --global-batch-size 2"
+      " --train-iters 4 --lr 3e-3"
+      " --mock-data --eval-iters 0 --log-interval 1 --threads 1 --load " +
+      testing::ShellQuote(ptk) + " ";
+  const testing::CommandResult r =
+      testing::RunCmd(base + "--init-method-std 0.01 --save " + testing::ShellQuote(dir / "out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(", --vocab-size 30, "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(", padded vocabulary 32\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--use-checkpoint-args: --init-method-std 0.01 is the command line's, not the checkpoint's "
+                          "0.02 (Megatron does not take the init flags"),
+            std::string::npos)
+      << r.output;
+  Converted b;
+  b.layout = a.layout;
+  const absl::Status st = LoadCheckpoint(dir / "out", 4, *b.layout, &b.w, &b.m1, &b.m2, &b.state);
+  EXPECT_TRUE(st.ok()) << st;
+  // A vocabulary file of the checkpoint's 30 tokens: the divisor is compared, as check_checkpoint_args does.
+  std::string vocab = "{";
+  for (int i = 0; i < 30; ++i) vocab += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":" + std::to_string(i);
+  WriteFile(dir / "vocab.json", vocab + "}");
+  WriteFile(dir / "merges.txt", "#version: 0.2\n");
+  const std::string files = "--vocab-file " + testing::ShellQuote(dir / "vocab.json") + " --merge-file " +
+                            testing::ShellQuote(dir / "merges.txt");
+  const testing::CommandResult other = testing::RunCmd(base + files);
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("--use-checkpoint-args: --make-vocab-size-divisible-by 128 differs from the checkpoint "
+                              "of iteration 3 in " +
+                              ptk + "'s 8, which padded the vocabulary to 32: give --make-vocab-size-divisible-by 8"),
+            std::string::npos)
+      << other.output;
+  const testing::CommandResult same = testing::RunCmd(base + files + " --make-vocab-size-divisible-by 8");
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+}
+
 // A copy of fixture `name` (its iteration directory passed to `damage`) converted: refused in one line
 // holding each of `needles`, nothing written.
 void ExpectRefused(const std::string& name, const std::function<void(const std::string&)>& damage,

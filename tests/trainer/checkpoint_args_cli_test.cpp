@@ -168,5 +168,105 @@ TEST_F(CheckpointArgs, SettingsAnOlderCheckpointDoesNotRecordAreTheirDefaults) {
   EXPECT_NE(missing.output.find(" does not record --seq-length: give it"), std::string::npos) << missing.output;
 }
 
+// Megatron's load_args_from_checkpoint takes padded_vocab_size, never make_vocab_size_divisible_by (its
+// check_checkpoint_args, given a vocabulary file and no --finetune, refuses another one) nor the init
+// flags. A run padded to a multiple of 100 (1000 tokens: 1000) resumes with the checkpoint's padding: the
+// default divisor (128, which pads to 1024) is refused naming both, accepted under --finetune (the
+// checkpoint's 1000 rows load: they were refused as another model); the init flags stay the command line's.
+TEST_F(CheckpointArgs, ThePaddedVocabularyIsTheCheckpointsAndItsDivisorIsCompared) {
+  const std::string model = std::string(kShape) + "--make-vocab-size-divisible-by 100 ";
+  auto first = RunCmd(Rest() + model + "--exit-interval 4 --save " + ShellQuote(dir_ / "s"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto full = RunCmd(Rest() + model + "--load " + ShellQuote(dir_ / "s"));
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  const std::string load = "--use-checkpoint-args --load " + ShellQuote(dir_ / "s") + " ";
+  auto other = RunCmd(Rest() + load);
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("usage error: --use-checkpoint-args: --make-vocab-size-divisible-by 128 differs from "
+                              "the checkpoint of iteration 4 in " +
+                              (dir_ / "s") +
+                              "'s 100, which padded the vocabulary to 1000: give --make-vocab-size-divisible-by 100 "
+                              "(Megatron's check_checkpoint_args refuses it too)"),
+            std::string::npos)
+      << other.output;
+  auto same = RunCmd(Rest() + load + "--make-vocab-size-divisible-by 100 --init-method-std 0.01");
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find(", --vocab-size 1000, "), std::string::npos) << same.output;
+  EXPECT_NE(same.output.find(", padded vocabulary 1000"), std::string::npos) << same.output;
+  EXPECT_NE(same.output.find("note: --use-checkpoint-args: --init-method-std 0.01 is the command line's, not the "
+                             "checkpoint's 0.02 (Megatron does not take the init flags"),
+            std::string::npos)
+      << same.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(same.output), testing::LogLinesWithoutTimes(full.output));
+  auto finetune = RunCmd(Rest() + load + "--finetune --train-iters 1");
+  EXPECT_EQ(finetune.exit_code, 0) << finetune.output;
+  EXPECT_NE(finetune.output.find("--finetune: loaded the weights of iteration 4"), std::string::npos)
+      << finetune.output;
+}
+
+// Recorded values the vocabulary contradicts, each refused naming the checkpoint and both values: a
+// padded vocabulary that no padding of the vocabulary by the divisor gives (an older ptk's checkpoint,
+// which records no divisor), one below the vocabulary file's size, and a --vocab-size other than the file's.
+TEST_F(CheckpointArgs, ARecordedVocabularyTheVocabularyContradictsIsRefused) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 128;
+  c.seq_length = c.max_position_embeddings = 32;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1024;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> p(static_cast<size_t>(layout->num_params), 0.01f);
+  TrainState s;
+  s.iteration = 4;
+  s.consumed_train_samples = 16;
+  s.settings = {{"--num-layers", "2"},          {"--hidden-size", "32"},
+                {"--num-attention-heads", "4"}, {"--seq-length", "32"},
+                {"--vocab-size", "1000"},       {"--ffn-hidden-size", "128"},
+                {"--hidden-dropout", "0.1"},    {"--make-vocab-size-divisible-by (padded vocabulary)", "1024"}};
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "old", *layout, p, p, p, s, "").ok());
+  const std::string load = "--use-checkpoint-args --load " + ShellQuote(dir_ / "old") + " ";
+  auto reached = RunCmd(Rest() + "--dry-run " + load);  // 1000 tokens padded to a multiple of 128
+  EXPECT_EQ(reached.exit_code, 0) << reached.output;
+  auto unreached = RunCmd(Rest() + "--dry-run " + load + "--make-vocab-size-divisible-by 100");
+  EXPECT_EQ(unreached.exit_code, 2) << unreached.output;
+  EXPECT_NE(unreached.output.find("--use-checkpoint-args: the checkpoint of iteration 4 in " + (dir_ / "old") +
+                                  " has a padded vocabulary of 1024, which padding the 1000 tokens to a multiple of "
+                                  "--make-vocab-size-divisible-by 100 times a tensor-parallel size does not give: it "
+                                  "was trained on another vocabulary, or with another --make-vocab-size-divisible-by "
+                                  "(give that one)"),
+            std::string::npos)
+      << unreached.output;
+  // A vocabulary file of 30 tokens, where the checkpoint records --vocab-size 1000.
+  std::string small = "{";
+  for (int i = 0; i < 30; ++i) small += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":" + std::to_string(i);
+  testing::WriteFile(dir_ / "small.json", small + "}");
+  auto file = RunCmd(Rest() + load + "--vocab-file " + ShellQuote(dir_ / "small.json"));
+  EXPECT_EQ(file.exit_code, 2) << file.output;
+  EXPECT_NE(file.output.find("--use-checkpoint-args: --vocab-file " + (dir_ / "small.json") +
+                             " has 30 tokens, and the checkpoint of iteration 4 in " + (dir_ / "old") +
+                             " was trained on --vocab-size 1000: give the vocabulary it was trained with"),
+            std::string::npos)
+      << file.output;
+  // No --vocab-size recorded: the file's 1000 tokens, more than the 960 rows the checkpoint's model has.
+  c.vocab_size = 900;
+  c.padded_vocab_size = 960;
+  layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  p.assign(static_cast<size_t>(layout->num_params), 0.01f);
+  s.iteration = 6;
+  s.settings.erase(s.settings.begin() + 4);
+  s.settings.back().second = "960";
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "old", *layout, p, p, p, s, "").ok());
+  auto fewer = RunCmd(Rest() + "--dry-run " + load);
+  EXPECT_EQ(fewer.exit_code, 2) << fewer.output;
+  EXPECT_NE(fewer.output.find("--use-checkpoint-args: the checkpoint of iteration 6 in " + (dir_ / "old") +
+                              " has a padded vocabulary of 960, less than the 1000 tokens of --vocab-file "),
+            std::string::npos)
+      << fewer.output;
+}
+
 }  // namespace
 }  // namespace ptk

@@ -4,6 +4,7 @@
 // a run that does not fit is refused in one line with both figures.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
 
@@ -50,7 +51,7 @@ TEST(MemoryEstimate, PlannedActivationsAreWhatThePassAllocates) {
     testing::Batches batches(1, c.seq_length);
     ASSERT_TRUE((*model)->ForwardBackward(batches.Get(0), 1.0, /*train=*/true, 7).ok());
     EXPECT_EQ(CpuGPTModel::PlanActivationFloats((*model)->layout(), false, 2), (*model)->ActivationFloats());
-    auto m = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 2, 4, /*checkpoints=*/true);
+    auto m = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 2, 4, /*checkpoints=*/true, 0, 1);
     ASSERT_TRUE(m.ok()) << m.status();
     EXPECT_EQ(m->params, (*model)->num_params());
     EXPECT_EQ(m->weights_and_optimizer, 16.0 * static_cast<double>((*model)->num_params()));
@@ -92,6 +93,67 @@ TEST(MemoryEstimate, InterleavedStagesKeepTheirGroupsInFlight) {
   EXPECT_GT(whole->activations, by_default->activations);
 }
 
+AvailableMemory Available(int64_t bytes, const std::string& source) {
+  AvailableMemory a;
+  a.bytes = a.shared_bytes = bytes;
+  a.source = a.shared_source = source;
+  return a;
+}
+
+// Attention's work buffers are transient: 2 t^2 floats for each thread running a backward task (the
+// (sequence, query group) pairs), counted once (not per layer nor per micro-batch in flight), in the
+// total and named in the breakdown; a forward with attention dropout holds t^2 per (sequence, head) task.
+TEST(MemoryEstimate, AttentionWorkBuffersArePerThreadWhileAttentionRuns) {
+  GPTConfig c = Gpt3();  // 4 heads; micro-batches of 2: 8 backward tasks
+  c.attention_dropout = 0;
+  PipelineStage first{.size = 3, .rank = 0, .first_layer = 0, .num_layers = 2};
+  for (const int64_t t : {16, 64, 8192}) {
+    c.seq_length = c.max_position_embeddings = t;
+    auto one = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 2, 4, false, 0, 1);
+    ASSERT_TRUE(one.ok()) << one.status();
+    const double per_thread = 2.0 * 4 * static_cast<double>(t * t);
+    EXPECT_EQ(one->attention_work, per_thread);
+    EXPECT_EQ(one->attention_threads, 1);
+    EXPECT_EQ(one->total(), one->weights_and_optimizer + one->activations + per_thread);
+    for (const int threads : {2, 3, 8, 20}) {
+      auto m = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 2, 4, false, 0, threads);
+      ASSERT_TRUE(m.ok()) << m.status();
+      const int64_t running = std::min(threads, 8);  // no more threads than tasks hold a buffer
+      EXPECT_EQ(m->attention_threads, running);
+      EXPECT_EQ(m->total() - one->total(), per_thread * static_cast<double>(running - 1)) << t << " " << threads;
+      EXPECT_EQ(m->activations, one->activations);
+      // A pipeline stage of 2 layers keeping 3 micro-batches: still one set of buffers.
+      auto staged = EstimateCpuTrainingMemory(c, 1, 0, false, first, 2, 4, false, 0, threads);
+      ASSERT_TRUE(staged.ok()) << staged.status();
+      EXPECT_EQ(staged->activation_slots, 3);
+      EXPECT_EQ(staged->attention_work, m->attention_work);
+    }
+    // Two tensor ranks: each runs half the heads, 4 tasks.
+    GPTConfig split = c;
+    split.padded_vocab_size = 98;
+    auto tp = EstimateCpuTrainingMemory(split, 2, 1, false, {}, 2, 4, false, 0, 8);
+    ASSERT_TRUE(tp.ok()) << tp.status();
+    EXPECT_EQ(tp->attention_work, 4 * per_thread);
+  }
+  // 512 MiB a thread at t = 8192, named in the refusal.
+  const absl::Status st =
+      CheckFitsInMemory(*EstimateCpuTrainingMemory(c, 1, 0, false, {}, 1, 1, false, 0, 1), Available(1000, "ulimit -v"));
+  EXPECT_NE(std::string(st.message()).find("; 512.0 MiB for attention's work buffers while it runs (1 thread))"),
+            std::string::npos)
+      << st;
+  // Grouped-query attention with dropout: forward's t^2 for each of 8 (sequence, head) tasks outweighs
+  // backward's 2 t^2 for each of 2 (sequence, group) tasks.
+  GPTConfig gqa = Llama();
+  gqa.num_query_groups = 1;
+  gqa.attention_dropout = 0.1;
+  auto g = EstimateCpuTrainingMemory(gqa, 1, 0, false, {}, 2, 4, false, 0, 16);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->attention_threads, 8);
+  EXPECT_EQ(g->attention_work, 4.0 * 16 * 16 * 8);
+  gqa.attention_dropout = 0;
+  EXPECT_EQ(EstimateCpuTrainingMemory(gqa, 1, 0, false, {}, 2, 4, false, 0, 16)->attention_work, 4.0 * 16 * 16 * 2 * 2);
+}
+
 void Put(const std::string& path, const std::string& text) {
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
   testing::WriteFile(path, text);
@@ -128,13 +190,6 @@ TEST(SystemMemory, TheLeastOfMemAvailableAndTheCgroupLimits) {
   testing::TempDir none;
   EXPECT_EQ(ReadAvailableMemory(none.path()).bytes, -1);  // nothing to check against
   EXPECT_GT(ReadAvailableMemory().bytes, 0);              // this machine's
-}
-
-AvailableMemory Available(int64_t bytes, const std::string& source) {
-  AvailableMemory a;
-  a.bytes = a.shared_bytes = bytes;
-  a.source = a.shared_source = source;
-  return a;
 }
 
 TEST(MemoryEstimate, ARunThatDoesNotFitIsRefusedWithBothFigures) {

@@ -70,10 +70,14 @@ TEST_F(TrainRefusals, TheMemoryARunNeedsIsPrintedBeforeItStarts) {
 TEST_F(TrainRefusals, ARunThatCannotFitIsRefusedWithWhatItNeedsAndWhatIsAvailable) {
   auto huge = RunCmd(testing::Tool("ptk-train") +
                      " --num-layers 1000 --hidden-size 65536 --num-attention-heads 64 --seq-length 1024 --lr 1e-3"
-                     " --train-iters 1 --micro-batch-size 1 --mock-data --threads 1");
+                     " --train-iters 1 --micro-batch-size 1 --mock-data --threads 2");
   EXPECT_EQ(huge.exit_code, 1) << huge.output;
   ASSERT_EQ(Errors(huge.output).size(), 1u) << huge.output;
   EXPECT_EQ(Errors(huge.output)[0].rfind("ptk-train: error: not enough memory: this rank needs 754.2 TiB (", 0), 0u)
+      << huge.output;
+  // Attention's work buffers, 2 x 1024^2 floats on each of --threads 2 (they went uncounted).
+  EXPECT_NE(Errors(huge.output)[0].find("; 16.0 MiB for attention's work buffers while it runs (2 threads))"),
+            std::string::npos)
       << huge.output;
   EXPECT_NE(huge.output.find(" is available ("), std::string::npos) << huge.output;
   EXPECT_EQ(huge.output.find("start-up: model built"), std::string::npos) << huge.output;
