@@ -136,8 +136,8 @@ TEST(MemoryEstimate, AttentionWorkBuffersArePerThreadWhileAttentionRuns) {
     EXPECT_EQ(tp->attention_work, 4 * per_thread);
   }
   // 512 MiB a thread at t = 8192, named in the refusal.
-  const absl::Status st =
-      CheckFitsInMemory(*EstimateCpuTrainingMemory(c, 1, 0, false, {}, 1, 1, false, 0, 1), Available(1000, "ulimit -v"));
+  const absl::Status st = CheckFitsInMemory(*EstimateCpuTrainingMemory(c, 1, 0, false, {}, 1, 1, false, 0, 1),
+                                            Available(1000, "ulimit -v"));
   EXPECT_NE(std::string(st.message()).find("; 512.0 MiB for attention's work buffers while it runs (1 thread))"),
             std::string::npos)
       << st;
