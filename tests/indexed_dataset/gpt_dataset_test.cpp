@@ -210,6 +210,60 @@ TEST(GPTDataset, AnIndexThatDoesNotDescribeItsBinIsRefused) {
   EXPECT_TRUE(BuildConfig(a).ok());
 }
 
+// A dataset rewritten at its path (tokenized again without --append-eod: the same documents, each a
+// token shorter) kept finding its former index cache, whose description names only the path: the
+// training split's document ids were all in range, so the cache was used, and its rows pointed past
+// the new documents' ends (ptk-train: "tokens [0, 17) outside sequence 4 of length 16"; with other
+// contents, samples silently cut where the old documents were). The cache's lengths and rows are
+// checked against the dataset as it is now, and the stale cache rebuilt.
+TEST(GPTDataset, TheCacheOfADatasetRewrittenAtItsPathIsRebuilt) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  const Config c = Configs()[2];
+  ASSERT_EQ(c.name, "single");
+  ASSERT_TRUE(BuildConfig(c).ok());
+  {
+    auto old = IndexedDataset::Open("gpt_data/A");
+    ASSERT_TRUE(old.ok()) << old.status();
+    auto b = IndexedDatasetBuilder::Create("gpt_data/A2", (*old)->dtype());
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (int64_t i = 0; i < (*old)->num_sequences(); ++i) {
+      TokenSpan t = (*old)->sequence(i);
+      std::vector<int32_t> ids;
+      for (int64_t k = 0; k + 1 < t.size || (k == 0 && t.size == 1); ++k) ids.push_back(static_cast<int32_t>(t[k]));
+      ASSERT_TRUE((*b)->AddItem(ids).ok());
+      (*b)->EndDocument();
+    }
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  for (const char* ext : {".bin", ".idx"})
+    fs::rename(std::string("gpt_data/A2") + ext, std::string("gpt_data/A") + ext);
+  fs::remove("gpt_data/A2.ptk-done");
+  auto stale = BuildConfig(c);
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  Config fresh_config = c;
+  fresh_config.name = "fresh";
+  auto fresh = BuildConfig(fresh_config);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_NE((*stale)[i], nullptr);
+    EXPECT_FALSE((*stale)[i]->loaded_from_cache());
+    ASSERT_EQ((*stale)[i]->size(), (*fresh)[i]->size());
+    for (int64_t k = 0; k < (*fresh)[i]->size(); ++k) {
+      GPTSample got, want;
+      ASSERT_TRUE((*stale)[i]->Get(k, &got).ok()) << k;
+      ASSERT_TRUE((*fresh)[i]->Get(k, &want).ok()) << k;
+      ASSERT_EQ(got.tokens, want.tokens) << k;
+    }
+  }
+  // The rebuilt cache is the dataset's now: read back as it is.
+  auto again = BuildConfig(c);
+  ASSERT_TRUE(again.ok());
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE((*again)[i]->loaded_from_cache()) << i;
+}
+
 // Per epoch every token of the split is covered exactly once, and consecutive samples share their
 // boundary token (seq_length + 1 tokens per sample).
 TEST(GPTDataset, SamplesTileTheEpochs) {
