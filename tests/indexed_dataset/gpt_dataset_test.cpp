@@ -425,6 +425,28 @@ TEST(InspectSample, IdsTheTokenizerLacksAreCountedNotDroppedSilently) {
   EXPECT_EQ(fine.output.find("not shown"), std::string::npos) << fine.output;
 }
 
+// A document holding U+0000 (JSON's "\u0000", GPT-2's byte token 188) printed its text up to that byte only
+// (fputs of a C string): "x" for "x\0y", the rest and the line's end dropped, exit 0. --sample too.
+TEST(InspectSample, TextAfterANulByteIsPrinted) {
+  testing::TempDir dir;
+  {
+    auto b = IndexedDatasetBuilder::Create(dir / "nul_text_document", DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const std::vector<int32_t> ids = {87, 188, 88, 50256};  // "x", "\0", "y", <|endoftext|>
+    ASSERT_TRUE((*b)->AddItem(ids).ok());
+    (*b)->EndDocument();
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  const std::string want = std::string("text:\nx") + '\0' + "y<|endoftext|>\n";
+  auto doc = testing::RunCmd(testing::Tool("ptk-inspect") + " " + dir / "nul_text_document" + " --doc 0 --format text");
+  EXPECT_EQ(doc.exit_code, 0) << doc.output;
+  EXPECT_NE(doc.output.find(want), std::string::npos) << doc.output;
+  auto sample = testing::RunCmd(testing::Tool("ptk-inspect") + " --data-path " + dir / "nul_text_document" +
+                                " --sample 0 --split 1,0,0 --seq-length 3 --train-samples 1 --format text");
+  EXPECT_EQ(sample.exit_code, 0) << sample.output;
+  EXPECT_NE(sample.output.find(std::string("text:\nx") + '\0' + "y\n"), std::string::npos) << sample.output;
+}
+
 // A flag that this combination would ignore is a usage error naming it: --stats beside --doc,
 // --verify beside --sample, a --sample flag without --sample printed or checked nothing, exit 0.
 TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {
