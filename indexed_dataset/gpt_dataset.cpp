@@ -181,7 +181,7 @@ absl::StatusOr<std::shared_ptr<GPTDataset>> GPTDataset::Build(std::shared_ptr<In
   const std::string dir =
       config.path_to_cache ? *config.path_to_cache : JoinPath(JoinPath(dataset_path, "cache"), "GPTDataset_indices");
   ds->cache_prefix_ = JoinPath(dir, fmt::format("{}-GPTDataset-{}-", ds->hash_, SplitName(split)));
-  if (ds->TryLoadCache()) {
+  if (ds->TryLoadCache(num_samples)) {
     ds->from_cache_ = true;
     return ds;
   }
@@ -219,9 +219,12 @@ absl::Status IndexCacheNotSaved(const char* what, const std::string& dir, const 
   return absl::OkStatus();
 }
 
-// A cache is used when all four files are there, the description is ours and the arrays have the
-// shapes and types Megatron writes; anything else is rebuilt (with a warning when files exist).
-bool GPTDataset::TryLoadCache() {
+// A cache is used when all four files are there, the description is ours, the arrays have the
+// shapes and types Megatron writes and the lengths this split of the dataset as it is now gives them;
+// anything else is rebuilt (with a warning when files exist). The description names the dataset by its
+// path only (Megatron's), so a dataset rewritten at that path (tokenized again, merged into) finds the
+// indices of its former contents: their lengths, or rows past their documents' ends, tell.
+bool GPTDataset::TryLoadCache(std::optional<int64_t> num_samples) {
   const std::string desc = cache_prefix_ + "description.txt";
   const bool any = PathExists(desc) || PathExists(cache_prefix_ + "document_index.npy") ||
                    PathExists(cache_prefix_ + "sample_index.npy") || PathExists(cache_prefix_ + "shuffle_index.npy");
@@ -246,16 +249,30 @@ bool GPTDataset::TryLoadCache() {
   if (h->shape().size() != 1 || h->shape()[0] != s->shape()[0] - 1 ||
       (h->type() != NpyType::kUInt32 && h->type() != NpyType::kInt64))
     return fail("shuffle_index does not match sample_index");
-  // Spot checks of the values: every sample row must point inside the document index.
-  const int64_t nd = d->size(), ns = s->shape()[0];
-  for (int64_t r : {int64_t{0}, ns / 2, ns - 1})
-    if (s->at(2 * r) < 0 || s->at(2 * r) >= std::max<int64_t>(nd, 1))
-      return fail("sample_index points outside document_index");
+  // No plan (an empty split asked for samples): the build reports why.
+  auto want = ExpectedIndexShapes(num_samples);
+  if (!want.ok()) return false;
+  const int64_t nd = d->size(), ns = s->shape()[0] - 1;
+  if (nd != want->documents || ns != want->samples)
+    return fail(fmt::format(
+        "it holds {} documents and {} samples, where sequences [{}, {}) of {} as they are now give {} and {}: it was "
+        "built from another dataset at this path (tokenized again, or merged into?)",
+        nd, ns, beg_, end_, dataset_->prefix(), want->documents, want->samples));
   for (int64_t k = 0; k < std::min<int64_t>(nd, 16); ++k)
     if (d->at(k) < beg_ || d->at(k) >= end_) return fail("document_index holds documents outside this split");
+  // Spot checks of the rows: each points inside the document index, at an offset inside its document.
+  for (int64_t r : {int64_t{0}, ns / 2, ns}) {
+    const int64_t at = s->at(2 * r), offset = s->at(2 * r + 1);
+    if (at < 0 || at >= std::max<int64_t>(nd, 1)) return fail("sample_index points outside document_index");
+    const int64_t seq_id = nd > 0 ? d->at(at) : -1;
+    if (seq_id >= beg_ && seq_id < end_ && (offset < -1 || offset > dataset_->sequence_length(seq_id)))
+      return fail(fmt::format("sample_index row {} points at offset {} of sequence {}, which holds {} tokens", r,
+                              offset, seq_id, dataset_->sequence_length(seq_id)));
+  }
   document_index_ = std::move(*d);
   sample_index_ = std::move(*s);
   shuffle_index_ = std::move(*h);
+  num_epochs_ = want->epochs;
   return true;
 }
 

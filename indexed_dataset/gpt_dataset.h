@@ -114,7 +114,12 @@ class GPTDataset : public TopLevelDataset {
   // Builds the three arrays; with `save`, writes each to the cache as soon as it is final (the
   // writes overlap with the rest of the build).
   absl::Status BuildIndices(std::optional<int64_t> num_samples, bool save);
-  bool TryLoadCache();
+  // The lengths of the arrays BuildIndices makes for this split of the dataset as it is now.
+  struct IndexShapes {
+    int64_t documents = 0, samples = 0, epochs = 0;
+  };
+  absl::StatusOr<IndexShapes> ExpectedIndexShapes(std::optional<int64_t> num_samples) const;
+  bool TryLoadCache(std::optional<int64_t> num_samples);
   std::shared_ptr<IndexedDataset> dataset_;
   int64_t beg_ = 0, end_ = 0;
   Split split_ = Split::kTrain;

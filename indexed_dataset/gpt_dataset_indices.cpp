@@ -286,16 +286,25 @@ void BuildOnTwoThreads(const EpochPlan& p, uint64_t seed, int32_t* doc, IndexArr
   worker.join();
 }
 
+absl::StatusOr<EpochPlan> PlanOf(const IndexedDataset& dataset, int64_t beg, int64_t end, Split split,
+                                 const GPTDatasetConfig& config, std::optional<int64_t> num_samples) {
+  int64_t tpe = 0;
+  for (int64_t i = beg; i < end; ++i) tpe += dataset.sequence_length(i);
+  const bool drop_last = split != Split::kValid || config.drop_last_partial_validation_sequence;
+  return GetNumEpochs(config.sequence_length, config.add_extra_token_to_sequence ? 1 : 0, end - beg, tpe, num_samples,
+                      drop_last, dataset.prefix(), SplitName(split));
+}
+
 }  // namespace
+
+absl::StatusOr<GPTDataset::IndexShapes> GPTDataset::ExpectedIndexShapes(std::optional<int64_t> num_samples) const {
+  PTK_ASSIGN_OR_RETURN(const EpochPlan p, PlanOf(*dataset_, beg_, end_, split_, config_, num_samples));
+  return IndexShapes{.documents = p.nd, .samples = p.ns, .epochs = p.epochs};
+}
 
 absl::Status GPTDataset::BuildIndices(std::optional<int64_t> num_samples, bool save) {
   const int64_t ndocs = end_ - beg_;
-  int64_t tpe = 0;
-  for (int64_t i = beg_; i < end_; ++i) tpe += dataset_->sequence_length(i);
-  const bool drop_last = split_ != Split::kValid || config_.drop_last_partial_validation_sequence;
-  PTK_ASSIGN_OR_RETURN(const EpochPlan p,
-                       GetNumEpochs(config_.sequence_length, config_.add_extra_token_to_sequence ? 1 : 0, ndocs, tpe,
-                                    num_samples, drop_last, dataset_->prefix(), SplitName(split_)));
+  PTK_ASSIGN_OR_RETURN(const EpochPlan p, PlanOf(*dataset_, beg_, end_, split_, config_, num_samples));
   num_epochs_ = p.epochs;
 
   document_index_ = IndexArray::Owned(NpyType::kInt32, {p.nd});

@@ -284,6 +284,13 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
   c.squared_relu = BoolAttr(args, "squared_relu", false);
   if (c.squared_relu && c.swiglu) return bad(source, "args.squared_relu with args.swiglu (Megatron asserts not both)");
   c.init_method_xavier_uniform = BoolAttr(args, "init_method_xavier_uniform", false);
+  // Megatron's GELU MLP is the tanh GELU (ptk's) only through its fused bias-GELU kernel; unfused (the flag, or no
+  // biases, which arguments.py lets not fuse) it is torch's exact erf GELU.
+  if (!c.swiglu && !c.squared_relu && !BoolAttr(args, "bias_gelu_fusion", true))
+    unsupported.push_back(
+        "--no-bias-gelu-fusion (args.bias_gelu_fusion false: the exact erf GELU, not ptk's tanh GELU)");
+  else if (!c.swiglu && !c.squared_relu && !c.add_bias_linear)
+    unsupported.push_back("--disable-bias-linear on the GELU MLP (unfused: the exact erf GELU, not ptk's tanh GELU)");
   if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
   if (!unsupported.empty())
     return absl::FailedPreconditionError(fmt::format(

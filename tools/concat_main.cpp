@@ -78,6 +78,8 @@ absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std
   std::string path = plan_path.empty() ? ptk::JoinPath(r.output_dir, "concat-plan.json") : plan_path;
   r.plan_path = path;
   PTK_ASSIGN_OR_RETURN(auto plan, ptk::PlanConcat(r));
+  PTK_RETURN_IF_ERROR(ptk::CheckPlanPath(
+      plan, path, plan_path.empty() ? "the plan " + path + " (--plan's default)" : "--plan " + path));
   PTK_RETURN_IF_ERROR(ptk::MakeDirs(ptk::Dirname(path)));
   PTK_RETURN_IF_ERROR(ptk::MakeDirs(r.output_dir));
   PTK_RETURN_IF_ERROR(ptk::WriteConcatPlan(plan, path));

@@ -146,7 +146,7 @@ absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
                            : f.sample_split == "valid" ? ptk::Split::kValid
                                                        : ptk::Split::kTest;
   PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatGPTSample(args, cfg, which, f.sample, decode));
-  std::fputs(text.c_str(), stdout);
+  std::fwrite(text.data(), 1, text.size(), stdout);  // whole: a decoded text may hold U+0000
   return absl::OkStatus();
 }
 
@@ -169,7 +169,7 @@ absl::Status InspectDataset(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok
     if (tok != nullptr)
       decode = [tok](const std::vector<int32_t>& ids) { return tok->Decode(ids) + UnknownIdsNote(*tok, ids); };
     PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatDocument(*ds, f.doc, f.format != "text", decode));
-    std::fputs(text.c_str(), stdout);
+    std::fwrite(text.data(), 1, text.size(), stdout);  // whole: a decoded text may hold U+0000
     return absl::OkStatus();
   }
   ptk::DatasetSummary s = ptk::Summarize(*ds);

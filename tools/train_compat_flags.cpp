@@ -30,7 +30,8 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--use-mcore-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
     {"--use-legacy-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
     {"--no-masked-softmax-fusion", Arg::kNone, "kernel fusion flag"},
-    {"--no-bias-gelu-fusion", Arg::kNone, "kernel fusion flag"},
+    // With the GELU MLP it is refused (ResolveLlamaFlags): Megatron's unfused GELU is the exact one.
+    {"--no-bias-gelu-fusion", Arg::kNone, "kernel fusion flag (no effect on the SwiGLU or squared-ReLU MLP)"},
     {"--no-bias-dropout-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-gradient-accumulation-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-rope-fusion", Arg::kNone, "kernel fusion flag"},

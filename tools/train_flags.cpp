@@ -186,7 +186,9 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
       ->check(NonNegative());
   app->add_flag("--exit-signal-handler", f->exit_signal_handler,
                 "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");
-  app->add_flag("--no-load-optim", o.no_load_optim, "Do not restore the optimizer state");
+  app->add_flag(
+      "--no-load-optim", o.no_load_optim,
+      "Do not restore the optimizer state (AdamW's moments and the learning-rate schedule, which starts anew)");
   app->add_flag("--no-load-rng", o.no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", o.finetune, "Load weights only; iteration and data start at 0");
   app->add_flag("--override-opt_param-scheduler", f->override_opt_param_scheduler,

@@ -61,18 +61,26 @@ void InstallExitSignalHandlers() {
   pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
 }
 
-// What would fail only after the model is built, checked first: --save a file (or below one), --load
-// a file, the
+// What would fail only after the model is built, checked first: --save or --tensorboard-dir a file (or below
+// one), --metrics-file a directory (or below a file), --load a file, the
 // datasets (by the first and last stage, which read them: each a whole .bin/.idx pair), and
 // --eval-iters given with no validation split (Megatron then evaluates nothing, exit 0).
 absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int stage, int stages) {
-  if (!o.save.empty()) {
-    std::string p = o.save;  // the deepest part of it that exists must be a directory
+  // The deepest part of `dir` (the flag's `path`, or the folder it goes in) that exists must be a directory.
+  auto below_a_file = [](const char* flag, const std::string& path, const std::string& dir,
+                         const char* why) -> absl::Status {
+    std::string p = dir;
     while (!ptk::PathExists(p) && ptk::Dirname(p) != p) p = ptk::Dirname(p);
-    if (ptk::PathExists(p) && !ptk::IsDirectory(p))
-      return absl::FailedPreconditionError(
-          fmt::format("--save {}: {} is a file, not a directory: checkpoints are directories", o.save, p));
-  }
+    if (path.empty() || !ptk::PathExists(p) || ptk::IsDirectory(p)) return absl::OkStatus();
+    return absl::FailedPreconditionError(fmt::format("{} {}: {} is a file, not a directory{}", flag, path, p, why));
+  };
+  PTK_RETURN_IF_ERROR(below_a_file("--save", o.save, o.save, ": checkpoints are directories"));
+  PTK_RETURN_IF_ERROR(below_a_file("--tensorboard-dir", o.tensorboard.dir, o.tensorboard.dir,
+                                   ": TensorBoard's event files go in a directory"));
+  if (!o.metrics_path.empty() && ptk::IsDirectory(o.metrics_path))
+    return absl::FailedPreconditionError(
+        fmt::format("--metrics-file {}: a directory, not a file (one JSON line per iteration)", o.metrics_path));
+  PTK_RETURN_IF_ERROR(below_a_file("--metrics-file", o.metrics_path, ptk::Dirname(o.metrics_path), ""));
   // --load of a directory without a checkpoint starts anew (as Megatron); of a file, it is a mistake.
   PTK_RETURN_IF_ERROR(ptk::CheckLoadIsACheckpointDirectory(o.load));
   if (!o.load.empty() && ptk::PathExists(o.load) && !ptk::IsDirectory(o.load))

@@ -220,9 +220,9 @@ class Trainer {
       step_state.adam_step = loaded.adam_step;
       step_state.loss_scale = loaded.loss_scale;
     }
-    step_state.scheduler_num_steps = loaded.scheduler_num_steps;
-    // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule, and
-    // --no-load-optim takes this command line's optimizer settings, schedule included.
+    // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule. Megatron loads it with
+    // the optimizer: under --no-load-optim it starts anew (num_steps 0, the warm-up again), this command line's.
+    step_state.scheduler_num_steps = o_.no_load_optim ? 0 : loaded.scheduler_num_steps;
     if (loaded.scheduler && !o_.no_load_optim && loaded.iteration < plan_.train_iters) {
       std::vector<std::string> notes;
       PTK_ASSIGN_OR_RETURN(

@@ -191,6 +191,29 @@ absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path) {
   return WriteFileAtomic(path, w.str() + "\n");
 }
 
+absl::Status CheckPlanPath(const ConcatPlan& plan, const std::string& path, const std::string& what) {
+  std::error_code ec;
+  const std::filesystem::path real = std::filesystem::weakly_canonical(path, ec);
+  for (size_t k = 0; !ec && k < plan.chunks.size(); ++k)
+    for (std::string_view suffix : {std::string_view(), kDoneSuffix, std::string_view(OutputLock::kSuffix)}) {
+      const std::string name = plan.chunks[k].name + std::string(suffix);
+      std::error_code chunk_ec;
+      const auto chunk = std::filesystem::weakly_canonical(JoinPath(plan.Resolve(plan.output_dir), name), chunk_ec);
+      if (!chunk_ec && chunk == real)
+        return UsageError(fmt::format(
+            "{} is chunk {}'s {} ({}): `ptk-concat run` would write it over the plan; give the plan a name of its own "
+            "(by default OUTPUT_DIR/concat-plan.json) or the chunks another --name-pattern",
+            what, k, suffix.empty() ? "output" : "sidecar or lock", name));
+    }
+  if (!PathExists(path)) return absl::OkStatus();
+  if (auto old = ReadConcatPlan(path); !old.ok())
+    return UsageError(fmt::format(
+        "{} exists and is not a ptk-concat plan: writing the plan would replace it ({}); give the plan a path of its "
+        "own",
+        what, StatusMessage(old.status())));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path) {
   PTK_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   simdjson::dom::parser p;

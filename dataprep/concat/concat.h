@@ -54,6 +54,10 @@ absl::StatusOr<ConcatPlan> MakeConcatPlan(const std::vector<ConcatInput>& inputs
 // Reading refuses (kDataLoss) a plan that lists one input path twice, names two chunks alike, or
 // names a chunk with a '/'; building a chunk refuses one file listed twice under two names.
 absl::Status WriteConcatPlan(const ConcatPlan& plan, const std::string& path);
+// Before WriteConcatPlan: `path` (`what` names it: "--plan P") is no file of the plan's chunks (an output, its
+// sidecar or lock, which `run` would write over the plan) and no existing file other than a ptk-concat plan (an
+// input, anything else, which the plan would replace): a UsageError naming it.
+absl::Status CheckPlanPath(const ConcatPlan& plan, const std::string& path, const std::string& what);
 absl::StatusOr<ConcatPlan> ReadConcatPlan(const std::string& path);
 
 struct ConcatChunkResult {

@@ -771,6 +771,42 @@ TEST(Concat, APlanOwnsItsDirectory) {
   EXPECT_EQ(all, want);
 }
 
+// --plan naming a file that is not a plan: an input (in/s0.jsonl) was replaced by the plan (the user's data lost,
+// "plan: 3 files", exit 0); a chunk of the plan (out/train_00.jsonl) was replaced by `run --chunk-index 0`, the
+// other array tasks then failing on "not a ptk-concat plan". Both are usage errors before anything is written;
+// an earlier plan at that path is still replaced.
+TEST(Concat, APlanNeverReplacesAnInputOrAChunk) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 4; ++i) testing::WriteFile(dir / fmt::format("in/s{}.jsonl", i), Jsonl(20, 500 + i));
+  const std::string concat = testing::Tool("ptk-concat");
+  auto plan = [&](const std::string& where, const std::string& more = "") {
+    return RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 2 --plan {}{}", concat, dir / "in",
+                              dir / "out", where, more));
+  };
+  auto input = plan(dir / "in/s0.jsonl");
+  EXPECT_EQ(input.exit_code, 2) << input.output;
+  EXPECT_NE(input.output.find("usage error: --plan " + dir / "in/s0.jsonl" + " exists and is not a ptk-concat plan"),
+            std::string::npos)
+      << input.output;
+  EXPECT_EQ(testing::ReadFile(dir / "in/s0.jsonl"), Jsonl(20, 500));
+  for (const std::string& name : {"train_00.jsonl", "train_01.jsonl.ptk-done"}) {
+    auto chunk = plan(dir / "out" + "/" + name);
+    EXPECT_EQ(chunk.exit_code, 2) << chunk.output;
+    EXPECT_NE(chunk.output.find("usage error: --plan " + dir / "out" + "/" + name + " is chunk "), std::string::npos)
+        << chunk.output;
+  }
+  auto pattern = plan(dir / "out/concat-plan.json", " --name-pattern concat-plan.json --chunks 1");
+  EXPECT_EQ(pattern.exit_code, 2) << pattern.output;
+  EXPECT_FALSE(testing::Exists(dir / "out/concat-plan.json"));
+  // Its own path, again with other settings: replaced.
+  ASSERT_EQ(plan(dir / "p.json").exit_code, 0);
+  auto again = plan(dir / "p.json", " --chunks 1");
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(testing::ReadFile(dir / "p.json").find("train_00.jsonl"), std::string::npos);
+  EXPECT_EQ(testing::ReadFile(dir / "p.json").find("train_01.jsonl"), std::string::npos);
+}
+
 // Regression: an output directory inside the input directory, spelled differently on a
 // rerun, made the previous chunks and the plan inputs (output doubled, exit 0).
 TEST(Concat, OutputInsideInputIsExcludedHoweverItIsSpelled) {

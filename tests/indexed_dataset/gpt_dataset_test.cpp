@@ -210,6 +210,60 @@ TEST(GPTDataset, AnIndexThatDoesNotDescribeItsBinIsRefused) {
   EXPECT_TRUE(BuildConfig(a).ok());
 }
 
+// A dataset rewritten at its path (tokenized again without --append-eod: the same documents, each a
+// token shorter) kept finding its former index cache, whose description names only the path: the
+// training split's document ids were all in range, so the cache was used, and its rows pointed past
+// the new documents' ends (ptk-train: "tokens [0, 17) outside sequence 4 of length 16"; with other
+// contents, samples silently cut where the old documents were). The cache's lengths and rows are
+// checked against the dataset as it is now, and the stale cache rebuilt.
+TEST(GPTDataset, TheCacheOfADatasetRewrittenAtItsPathIsRebuilt) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  const Config c = Configs()[2];
+  ASSERT_EQ(c.name, "single");
+  ASSERT_TRUE(BuildConfig(c).ok());
+  {
+    auto old = IndexedDataset::Open("gpt_data/A");
+    ASSERT_TRUE(old.ok()) << old.status();
+    auto b = IndexedDatasetBuilder::Create("gpt_data/A2", (*old)->dtype());
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (int64_t i = 0; i < (*old)->num_sequences(); ++i) {
+      TokenSpan t = (*old)->sequence(i);
+      std::vector<int32_t> ids;
+      for (int64_t k = 0; k + 1 < t.size || (k == 0 && t.size == 1); ++k) ids.push_back(static_cast<int32_t>(t[k]));
+      ASSERT_TRUE((*b)->AddItem(ids).ok());
+      (*b)->EndDocument();
+    }
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  for (const char* ext : {".bin", ".idx"})
+    fs::rename(std::string("gpt_data/A2") + ext, std::string("gpt_data/A") + ext);
+  fs::remove("gpt_data/A2.ptk-done");
+  auto stale = BuildConfig(c);
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  Config fresh_config = c;
+  fresh_config.name = "fresh";
+  auto fresh = BuildConfig(fresh_config);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_NE((*stale)[i], nullptr);
+    EXPECT_FALSE((*stale)[i]->loaded_from_cache());
+    ASSERT_EQ((*stale)[i]->size(), (*fresh)[i]->size());
+    for (int64_t k = 0; k < (*fresh)[i]->size(); ++k) {
+      GPTSample got, want;
+      ASSERT_TRUE((*stale)[i]->Get(k, &got).ok()) << k;
+      ASSERT_TRUE((*fresh)[i]->Get(k, &want).ok()) << k;
+      ASSERT_EQ(got.tokens, want.tokens) << k;
+    }
+  }
+  // The rebuilt cache is the dataset's now: read back as it is.
+  auto again = BuildConfig(c);
+  ASSERT_TRUE(again.ok());
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE((*again)[i]->loaded_from_cache()) << i;
+}
+
 // Per epoch every token of the split is covered exactly once, and consecutive samples share their
 // boundary token (seq_length + 1 tokens per sample).
 TEST(GPTDataset, SamplesTileTheEpochs) {
@@ -369,6 +423,28 @@ TEST(InspectSample, IdsTheTokenizerLacksAreCountedNotDroppedSilently) {
       << sample.output;
   auto fine = testing::RunCmd("cd " + kGolden + " && " + testing::Tool("ptk-inspect") + " gpt_data/tiny --doc 0");
   EXPECT_EQ(fine.output.find("not shown"), std::string::npos) << fine.output;
+}
+
+// A document holding U+0000 (JSON's "\u0000", GPT-2's byte token 188) printed its text up to that byte only
+// (fputs of a C string): "x" for "x\0y", the rest and the line's end dropped, exit 0. --sample too.
+TEST(InspectSample, TextAfterANulByteIsPrinted) {
+  testing::TempDir dir;
+  {
+    auto b = IndexedDatasetBuilder::Create(dir / "nul_text_document", DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const std::vector<int32_t> ids = {87, 188, 88, 50256};  // "x", "\0", "y", <|endoftext|>
+    ASSERT_TRUE((*b)->AddItem(ids).ok());
+    (*b)->EndDocument();
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  const std::string want = std::string("text:\nx") + '\0' + "y<|endoftext|>\n";
+  auto doc = testing::RunCmd(testing::Tool("ptk-inspect") + " " + dir / "nul_text_document" + " --doc 0 --format text");
+  EXPECT_EQ(doc.exit_code, 0) << doc.output;
+  EXPECT_NE(doc.output.find(want), std::string::npos) << doc.output;
+  auto sample = testing::RunCmd(testing::Tool("ptk-inspect") + " --data-path " + dir / "nul_text_document" +
+                                " --sample 0 --split 1,0,0 --seq-length 3 --train-samples 1 --format text");
+  EXPECT_EQ(sample.exit_code, 0) << sample.output;
+  EXPECT_NE(sample.output.find(std::string("text:\nx") + '\0' + "y\n"), std::string::npos) << sample.output;
 }
 
 // A flag that this combination would ignore is a usage error naming it: --stats beside --doc,

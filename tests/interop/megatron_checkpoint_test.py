@@ -388,6 +388,14 @@ def main():
         sd["unsafe"] = subprocess.Popen  # a global no checkpoint holds
         torch.save(sd, victim)
         expect_refusal(tmp, "unknown global", bad, victim, "unknown global", "Popen")
+        # Megatron's unfused GELU MLP is the exact erf GELU (ptk's is the tanh one): --no-bias-gelu-fusion, or no
+        # biases (which Megatron leaves unfused), were imported as ptk's model.
+        for label, field, needle in (("unfused GELU", "bias_gelu_fusion", "--no-bias-gelu-fusion"),
+                                     ("GELU without biases", "add_bias_linear", "--disable-bias-linear")):
+            sd = torch.load(os.path.join(tmp, "t1p1-te-meg", "iter_0000020", "mp_rank_00", "model_optim_rng.pt"))
+            setattr(sd["args"], field, False)
+            torch.save(sd, victim)
+            expect_refusal(tmp, label, bad, needle, "erf GELU")
         # A ptk checkpoint is not split for the other savers.
         p = run(CONVERT, "--loader", "megatron", "--saver", "ptk", "--load-dir", bad, "--save-dir", bad + "x",
                 "--target-tensor-parallel-size", "2", ok=False)

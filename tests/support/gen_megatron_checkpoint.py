@@ -127,6 +127,8 @@ def main():
                          "...; chunk v of stage p is virtual stage v*pp + p, its layers numbered from 0; with "
                          "--distributed-optimizer, distrib_optim.pt holds one grad buffer per chunk")
     ap.add_argument("--untie", action="store_true")
+    ap.add_argument("--no-bias-gelu-fusion", action="store_true",
+                    help="args.bias_gelu_fusion False (Megatron's unfused MLP: the exact erf GELU)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--heads", type=int, default=4)
@@ -192,7 +194,8 @@ def main():
         consumed_train_samples=8 * a.iteration, consumed_valid_samples=16, seed=1234, lr=3e-4,
         min_lr=3e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
         lr_decay_style="cosine", train_iters=100, num_experts=None, iteration=a.iteration,
-        data_parallel_size=1, ddp_bucket_size=a.ddp_bucket_size, overlap_grad_reduce=a.ddp_bucket_size is not None)
+        data_parallel_size=1, ddp_bucket_size=a.ddp_bucket_size, overlap_grad_reduce=a.ddp_bucket_size is not None,
+        bias_gelu_fusion=not a.no_bias_gelu_fusion)
     sched = {"max_lr": 3e-4, "lr_warmup_steps": 80, "num_steps": 8 * a.iteration, "lr_decay_style": "cosine",
              "lr_decay_steps": 800, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
              "wd_incr_steps": 800}

@@ -368,6 +368,14 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--data-args-path " + ShellQuote(dir_ / "data-args.txt"), kTaken, "", true},
       {"--train-samples 48 --rampup-batch-size 4 4 16 --global-batch-size 8 --micro-batch-size 2", kTaken, "", false,
        true},
+      // Megatron's GELU MLP is the tanh GELU only through its fused bias-GELU kernel: without it (the flag, or no
+      // biases, which turn the fusion off) it computes torch's exact erf GELU. Both were accepted, and ptk trained
+      // its tanh GELU: another model than the flags ask for.
+      {"--no-bias-gelu-fusion", kRefused, "--no-bias-gelu-fusion: Megatron's GELU MLP without its fused bias-GELU"},
+      {"--disable-bias-linear", kRefused, "--disable-bias-linear without --swiglu or --squared-relu: Megatron"},
+      {"--swiglu --disable-bias-linear --no-bias-gelu-fusion", kNoted, "--no-bias-gelu-fusion: accepted"},
+      {"--squared-relu --disable-bias-linear", kTaken, ""},
+      {"--squared-relu --no-bias-gelu-fusion", kNoted, "--no-bias-gelu-fusion: accepted"},
   };
   const std::string tiny = testing::Tool("ptk-train") +
                            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --lr 1e-3"

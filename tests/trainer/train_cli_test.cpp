@@ -965,6 +965,27 @@ std::map<int, std::string> LearningRates(const std::string& metrics) {
   return out;
 }
 
+// --no-load-optim: Megatron's load_checkpoint loads neither the optimizer nor its scheduler, so the scheduler
+// starts anew (num_steps 0: the warm-up again, the decay over this command line's length from here) while the
+// iteration and the data position go on. ptk kept the checkpoint's scheduler position: the resumed rates went on
+// near --min-lr where Megatron's warm up again. The rates of the iterations after the checkpoint are a fresh run's
+// of the same flags, from its first iteration.
+TEST_F(TrainCli, NoLoadOptimStartsTheScheduleAnewAsMegatron) {
+  const std::string ck = ShellQuote(dir_ / "ck");
+  ASSERT_EQ(RunCmd(Train("--save " + ck, 4)).exit_code, 0);
+  auto resumed = RunCmd(Train("--load " + ck + " --no-load-optim --metrics-file " + ShellQuote(dir_ / "r.jsonl"), 8));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("loaded checkpoint"), std::string::npos) << resumed.output;
+  ASSERT_EQ(RunCmd(Train("--metrics-file " + ShellQuote(dir_ / "fresh.jsonl"), 8)).exit_code, 0);
+  const auto resumed_lr = LearningRates(testing::ReadFile(dir_ / "r.jsonl"));
+  auto fresh_lr = LearningRates(testing::ReadFile(dir_ / "fresh.jsonl"));
+  ASSERT_EQ(resumed_lr.size(), 4u);
+  for (const auto& [it, lr] : resumed_lr) EXPECT_EQ(lr, fresh_lr[it - 4]) << "iteration " << it;
+  // The checkpoint it saves records where its own schedule is: 4 iterations of 4 samples.
+  ASSERT_EQ(RunCmd(Train("--load " + ck + " --no-load-optim --save " + ShellQuote(dir_ / "b"), 8)).exit_code, 0);
+  EXPECT_EQ(Load(dir_ / "b", 8).state.scheduler_num_steps, 16);
+}
+
 // A resume whose schedule differs from the checkpoint's stops, as Megatron's
 // does, unless --use-checkpoint-opt_param-scheduler (the checkpoint's schedule goes on: past its
 // decay, the minimum rate) or --override-opt_param-scheduler (the command line's: the rates of an

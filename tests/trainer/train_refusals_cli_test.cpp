@@ -178,6 +178,17 @@ TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
       {Data() + " --save " + ShellQuote(dir_ / "afile/ck"),
        "ptk-train: error: --save " + dir_ / "afile/ck" + ": " + dir_ / "afile" +
            " is a file, not a directory: checkpoints are directories"},
+      // --tensorboard-dir a file and --metrics-file a directory said "afile is not a directory" and "open DIR: Is a
+      // directory", without the flag, after the model and the datasets were built.
+      {Data() + " --tensorboard-dir " + ShellQuote(dir_ / "afile"),
+       "ptk-train: error: --tensorboard-dir " + dir_ / "afile" + ": " + dir_ / "afile" +
+           " is a file, not a directory: TensorBoard's event files go in a directory"},
+      {Data() + " --tensorboard-dir " + ShellQuote(dir_ / "afile/tb"),
+       "ptk-train: error: --tensorboard-dir " + dir_ / "afile/tb" + ": " + dir_ / "afile" + " is a file"},
+      {Data() + " --metrics-file " + ShellQuote(dir_.path()),
+       "ptk-train: error: --metrics-file " + dir_.path() + ": a directory, not a file"},
+      {Data() + " --metrics-file " + ShellQuote(dir_ / "afile/m.jsonl"),
+       "ptk-train: error: --metrics-file " + dir_ / "afile/m.jsonl" + ": " + dir_ / "afile" + " is a file"},
   };
   for (const auto& [flags, says] : cases) {
     auto r = RunCmd(Train(flags));
