@@ -790,7 +790,7 @@ TEST(Concat, APlanNeverReplacesAnInputOrAChunk) {
             std::string::npos)
       << input.output;
   EXPECT_EQ(testing::ReadFile(dir / "in/s0.jsonl"), Jsonl(20, 500));
-  for (const std::string& name : {"train_00.jsonl", "train_01.jsonl.ptk-done"}) {
+  for (const char* name : {"train_00.jsonl", "train_01.jsonl.ptk-done"}) {
     auto chunk = plan(dir / "out" + "/" + name);
     EXPECT_EQ(chunk.exit_code, 2) << chunk.output;
     EXPECT_NE(chunk.output.find("usage error: --plan " + dir / "out" + "/" + name + " is chunk "), std::string::npos)
