@@ -12,6 +12,7 @@
 
 #include "interop/hf_gpt2.h"
 #include "interop/safetensors.h"
+#include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
@@ -37,12 +38,7 @@ class HfConvertFixture : public ::testing::Test {
   }
   ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
                       const std::string& to) {
-    ConvertOptions o;
-    o.loader = loader;
-    o.saver = saver;
-    o.load_dir = from;
-    o.save_dir = to;
-    return o;
+    return testing::ConvertOpts(loader, saver, from, to);
   }
   // Tensor `name` of an exported directory.
   std::vector<float> Tensor(const std::string& dir, const std::string& name, std::vector<int64_t>* shape = nullptr) {

@@ -19,6 +19,7 @@
 #include "interop/megatron_common.h"
 #include "interop/megatron_optim.h"
 #include "interop/torch_format.h"
+#include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
@@ -65,12 +66,7 @@ class MegatronDistopt : public ::testing::Test {
   }
   ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
                       const std::string& to) {
-    ConvertOptions o;
-    o.loader = loader;
-    o.saver = saver;
-    o.load_dir = from;
-    o.save_dir = to;
-    return o;
+    return testing::ConvertOpts(loader, saver, from, to);
   }
 
   testing::TempDir dir_;

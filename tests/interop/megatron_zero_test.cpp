@@ -12,6 +12,7 @@
 
 #include "interop/megatron.h"
 #include "interop/megatron_common.h"
+#include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
 #include "tests/trainer/train_cli_support.h"
 
@@ -35,12 +36,7 @@ class ZeroToMegatron : public testing::RanksTest {
   }
   static ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
                              const std::string& to) {
-    ConvertOptions o;
-    o.loader = loader;
-    o.saver = saver;
-    o.load_dir = from;
-    o.save_dir = to;
-    return o;
+    return testing::ConvertOpts(loader, saver, from, to);
   }
 };
 

@@ -57,6 +57,18 @@ class CheckpointArgs : public ::testing::Test {
     EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), want) << taken.output;
     return taken.output;
   }
+  // The model of the hand-written older checkpoints: 2 layers, hidden 32, 1000 tokens padded to 1024.
+  static GPTConfig OlderModel() {
+    GPTConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 32;
+    c.num_attention_heads = 4;
+    c.ffn_hidden_size = 128;
+    c.seq_length = c.max_position_embeddings = 32;
+    c.vocab_size = 1000;
+    c.padded_vocab_size = 1024;
+    return c;
+  }
   TempDir dir_;
   std::string prefix_;
 };
@@ -128,14 +140,7 @@ TEST_F(CheckpointArgs, GivenFlagsFollowMegatronsPrecedence) {
 // A checkpoint of an older ptk, which recorded only GPT-3's settings: the Llama line's are its
 // defaults (a note names them), and a required flag it does not record is refused.
 TEST_F(CheckpointArgs, SettingsAnOlderCheckpointDoesNotRecordAreTheirDefaults) {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 128;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 1000;
-  c.padded_vocab_size = 1024;
+  GPTConfig c = OlderModel();
   auto layout = ParamLayout::Create(c);
   ASSERT_TRUE(layout.ok()) << layout.status();
   const std::vector<float> p(static_cast<size_t>(layout->num_params), 0.01f);
@@ -208,14 +213,7 @@ TEST_F(CheckpointArgs, ThePaddedVocabularyIsTheCheckpointsAndItsDivisorIsCompare
 // padded vocabulary that no padding of the vocabulary by the divisor gives (an older ptk's checkpoint,
 // which records no divisor), one below the vocabulary file's size, and a --vocab-size other than the file's.
 TEST_F(CheckpointArgs, ARecordedVocabularyTheVocabularyContradictsIsRefused) {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 128;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 1000;
-  c.padded_vocab_size = 1024;
+  GPTConfig c = OlderModel();
   auto layout = ParamLayout::Create(c);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<float> p(static_cast<size_t>(layout->num_params), 0.01f);
