@@ -1,5 +1,5 @@
 // Per-element math that the CPU ops and the CUDA kernels share (PTK_HD): GELU (Megatron's tanh
-// approximation) and its derivative, SiLU and its derivative (SwiGLU),
+// approximation, and torch's exact erf GELU) and their derivatives, SiLU and its derivative (SwiGLU),
 // squared ReLU and its derivative, RoPE's inverse frequencies,
 // one AdamW element, the dropout scale. The CPU tests run these
 // very functions, so a kernel differs from its CPU op only in reduction order and in the device's
@@ -28,6 +28,21 @@ PTK_HD T GeluDerivative(T x) {
   T th = std::tanh(u);
   T du = k * (T(1) + T(3) * T(0.044715) * x * x);
   return T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th * th) * du;
+}
+
+// torch's exact GELU (F.gelu, approximate='none'), Megatron's GELU MLP without the fused bias-GELU
+// kernel: gelu(x) = x Phi(x) = x/2 (1 + erf(x / sqrt 2)), and its derivative Phi(x) + x phi(x),
+// phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
+template <typename T>
+PTK_HD T GeluExactValue(T x) {
+  const T r = static_cast<T>(0.70710678118654752440);  // 1/sqrt(2)
+  return T(0.5) * x * (T(1) + std::erf(x * r));
+}
+template <typename T>
+PTK_HD T GeluExactDerivative(T x) {
+  const T r = static_cast<T>(0.70710678118654752440);
+  const T k = static_cast<T>(0.39894228040143267794);  // 1/sqrt(2 pi)
+  return T(0.5) * (T(1) + std::erf(x * r)) + x * k * std::exp(T(-0.5) * x * x);
 }
 
 // SwiGLU's activation: silu(x) = x * sigmoid(x), and its derivative sigmoid(x) (1 + x (1 - sigmoid(x))).

@@ -45,6 +45,8 @@ absl::Status GPTConfig::Validate() const {
   }
   if (ffn_hidden_size < 1) return at_least_1("ffn_hidden_size", ffn_hidden_size);
   if (squared_relu && swiglu) return bad("squared_relu with swiglu: Megatron asserts not both (one MLP activation)");
+  if (gelu_exact && (swiglu || squared_relu))
+    return bad(fmt::format("gelu_exact with {}: one MLP activation", swiglu ? "swiglu" : "squared_relu"));
   if (seq_length < 1) return at_least_1("seq_length", seq_length);
   if (max_position_embeddings < seq_length)
     return bad(

@@ -58,6 +58,10 @@ struct GPTConfig {
   bool qk_layernorm = false;
   // Megatron's --squared-relu: the MLP's activation relu(x)^2 instead of GELU (not with swiglu).
   bool squared_relu = false;
+  // Megatron's GELU MLP without its fused bias-GELU kernel (--no-bias-gelu-fusion, or
+  // --disable-bias-linear, which turns the fusion off): torch's exact GELU, x/2 (1 + erf(x / sqrt 2)),
+  // instead of the tanh approximation (not with swiglu or squared_relu).
+  bool gelu_exact = false;
   // Megatron's --apply-layernorm-1p (TransformerConfig.layernorm_zero_centered_gamma): every norm
   // (input, pre-MLP, final, the query and key norms) scales by 1 + weight, its weight initialised to 0.
   bool apply_layernorm_1p = false;

@@ -2,10 +2,13 @@
 QKV in Megatron's per-head [q k v] layout, tied or untied output layer, padded vocabulary) built
 in PyTorch (float64, CPU) from given weights and inputs; logits, loss, every gradient, and the
 weights after 10 AdamW steps with clipping and Megatron's cosine schedule with warm-up.
+gpt_gelu_exact is the tied model with torch's exact GELU (F.gelu, approximate="none"), what
+Megatron's GELU MLP runs without its fused bias-GELU kernel (--no-bias-gelu-fusion).
 
-Usage: /usr/bin/python3 tests/support/gen_trainer_goldens.py OUT_DIR
-Writes OUT_DIR/gpt_{tied,untied}.json (configuration, per-step figures, tensor directory) and
-OUT_DIR/gpt_{tied,untied}.bin (the tensors, little-endian float32 / int32).
+Usage: /usr/bin/python3 tests/support/gen_trainer_goldens.py OUT_DIR [NAME...]
+Writes OUT_DIR/NAME.json (configuration, per-step figures, tensor directory) and OUT_DIR/NAME.bin
+(the tensors, little-endian float32 / int32) for NAME in gpt_tied, gpt_untied, gpt_gelu_exact
+(all three without names).
 """
 import math
 import os
@@ -41,7 +44,8 @@ class GPT(Weights):
             y = torch.matmul(a, v).permute(0, 2, 1, 3).reshape(B, T, C)
             x = x + F.linear(y, self.w(p + "self_attention.linear_proj.weight"), self.w(p + "self_attention.linear_proj.bias"))
             h = F.layer_norm(x, (C,), self.w(p + "pre_mlp_layernorm.weight"), self.w(p + "pre_mlp_layernorm.bias"), eps)
-            h = F.gelu(F.linear(h, self.w(p + "mlp.linear_fc1.weight"), self.w(p + "mlp.linear_fc1.bias")), approximate="tanh")
+            gelu = "none" if c.get("gelu_exact") else "tanh"
+            h = F.gelu(F.linear(h, self.w(p + "mlp.linear_fc1.weight"), self.w(p + "mlp.linear_fc1.bias")), approximate=gelu)
             x = x + F.linear(h, self.w(p + "mlp.linear_fc2.weight"), self.w(p + "mlp.linear_fc2.bias"))
         x = F.layer_norm(x, (C,), self.w("decoder.final_layernorm.weight"), self.w("decoder.final_layernorm.bias"), eps)
         out = self.w("output_layer.weight") if c["untie"] else self.w("embedding.word_embeddings.weight")
@@ -65,16 +69,18 @@ def param_shapes(c):
     return out
 
 
-def generate(untie, out_dir):
+def generate(untie, out_dir, gelu_exact=False):
     c = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=96, seq_length=16,
              max_position_embeddings=16, vocab_size=100, make_vocab_size_divisible_by=64, padded_vocab_size=128,
              layernorm_epsilon=1e-5, untie=untie, micro_batch_size=2, num_micro_batches=2, steps=10,
              lr=1e-2, min_lr=1e-3, init_lr=0.0, warmup_iters=2, decay_iters=10, weight_decay=0.1,
              adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+    if gelu_exact:
+        c["gelu_exact"] = True
     gbs = c["micro_batch_size"] * c["num_micro_batches"]
     c["global_batch_size"] = gbs
     c["warmup_samples"], c["decay_samples"] = c["warmup_iters"] * gbs, c["decay_iters"] * gbs
-    rng = np.random.RandomState(1234 + untie)
+    rng = np.random.RandomState(1234 + untie + 2 * gelu_exact)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * c["num_layers"])
     weights = {}
     for name, shape, kind in param_shapes(c):
@@ -108,7 +114,7 @@ def generate(untie, out_dir):
         tensors["final:" + n] = final[n].astype(np.float32)
     tensors["tokens"], tensors["labels"], tensors["loss_mask"] = tokens, labels, loss_mask
 
-    name = "gpt_untied" if untie else "gpt_tied"
+    name = "gpt_gelu_exact" if gelu_exact else "gpt_untied" if untie else "gpt_tied"
     meta = {"generator": "tests/support/gen_trainer_goldens.py", "torch": torch.__version__, "config": c,
             "first_micro_batch_loss": first_loss, "steps": steps}
     write_golden(out_dir, name, meta, tensors)
@@ -118,5 +124,7 @@ def generate(untie, out_dir):
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "data", "trainer")
     os.makedirs(out, exist_ok=True)
-    for untie in (False, True):
-        generate(untie, out)
+    cases = {"gpt_tied": (False, False), "gpt_untied": (True, False), "gpt_gelu_exact": (False, True)}
+    for name in sys.argv[2:] or list(cases):
+        untie, gelu_exact = cases[name]
+        generate(untie, out, gelu_exact)

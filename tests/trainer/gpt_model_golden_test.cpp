@@ -37,6 +37,8 @@ class GptGolden : public ::testing::TestWithParam<std::string> {
     c.padded_vocab_size = PaddedVocabSize(c.vocab_size, g_->Int("make_vocab_size_divisible_by"));
     ASSERT_EQ(c.padded_vocab_size, g_->Int("padded_vocab_size"));
     c.untie_embeddings_and_output_weights = g_->meta["config"]["untie"].get_bool();
+    bool exact = false;  // gpt_gelu_exact: torch's exact GELU (Megatron's --no-bias-gelu-fusion)
+    if (g_->meta["config"]["gelu_exact"].get(exact) == simdjson::SUCCESS) c.gelu_exact = exact;
     c.hidden_dropout = c.attention_dropout = 0.0;
     config_ = c;
     batches_ = std::make_unique<GoldenBatches>(*g_);
@@ -129,7 +131,7 @@ TEST_P(GptGolden, NanLossSkipsTheUpdate) {
   EXPECT_EQ(opt.adam_step(), adam_before);
 }
 
-INSTANTIATE_TEST_SUITE_P(Trainer, GptGolden, ::testing::Values("gpt_tied", "gpt_untied"));
+INSTANTIATE_TEST_SUITE_P(Trainer, GptGolden, ::testing::Values("gpt_tied", "gpt_untied", "gpt_gelu_exact"));
 
 }  // namespace
 }  // namespace ptk

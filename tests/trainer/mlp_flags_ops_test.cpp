@@ -1,5 +1,5 @@
-// The CPU ops behind Megatron's --squared-relu and --apply-layernorm-1p against megatron-core's own
-// formulas (tests/support/gen_mlp_flags_goldens.py, float64) and central finite differences, and
+// The CPU ops behind Megatron's --squared-relu, its exact GELU (--no-bias-gelu-fusion) and --apply-layernorm-1p against
+// megatron-core's own formulas (tests/support/gen_mlp_flags_goldens.py, float64) and central finite differences, and
 // --init-method-xavier-uniform's init against torch.nn.init.xavier_uniform_'s bound.
 #include <algorithm>
 #include <cmath>
@@ -66,6 +66,47 @@ TEST(MlpFlagsOps, SquaredReluGradientIsAFiniteDifference) {
   };
   std::vector<double> dx(n);
   cpu::SquaredReluBackward(dx.data(), x.data(), r.data(), n);
+  CheckGradient(x, dx, objective, "dinp");
+}
+
+// torch's exact GELU (Megatron's GELU MLP without the fused bias-GELU kernel): values of x Phi(x) and
+// Phi(x) + x phi(x) computed in long double from erfc, the float op within float rounding of the double
+// one, the backward in place, and not the tanh approximation.
+TEST(MlpFlagsOps, GeluExactMatchesTheErfFormula) {
+  const int64_t n = 400;
+  std::vector<double> x(n), dy = Random(n, 31);
+  for (int64_t i = 0; i < n; ++i) x[i] = -8.0 + 16.0 * static_cast<double>(i) / static_cast<double>(n - 1);
+  std::vector<double> y(n), dx(n);
+  cpu::GeluExactForward(y.data(), x.data(), n);
+  cpu::GeluExactBackward(dx.data(), x.data(), dy.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const long double v = x[i], cdf = 0.5L * std::erfc(-v / std::sqrt(2.0L));
+    const long double pdf = std::exp(-0.5L * v * v) / std::sqrt(2.0L * 3.14159265358979323846264L);
+    EXPECT_NEAR(y[i], static_cast<double>(v * cdf), 1e-14) << x[i];
+    EXPECT_NEAR(dx[i], static_cast<double>(dy[i] * (cdf + v * pdf)), 1e-14) << x[i];
+  }
+  std::vector<float> xf(x.begin(), x.end()), yf(n), df(dy.begin(), dy.end());
+  cpu::GeluExactForward(yf.data(), xf.data(), n);
+  cpu::GeluExactBackward(df.data(), xf.data(), df.data(), n);  // in place, as the CUDA model calls it
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_NEAR(yf[i], GeluExactValue<double>(xf[i]), 1e-6 * std::max(1.0, std::fabs(y[i]))) << x[i];
+    EXPECT_NEAR(df[i], dy[i] * GeluExactDerivative<double>(xf[i]), 2e-6) << x[i];
+  }
+  EXPECT_NEAR(GeluExactValue(1.0), 0.8413447460685429, 1e-15);  // Phi(1)
+  EXPECT_NEAR(GeluExactDerivative(0.0), 0.5, 1e-15);
+  EXPECT_GT(std::fabs(GeluExactValue(1.0) - GeluValue(1.0)), 1e-5);  // the tanh one differs
+}
+
+TEST(MlpFlagsOps, GeluExactGradientIsAFiniteDifference) {
+  const int64_t n = 50;
+  auto x = Random(n, 23, 3.0), r = Random(n, 24);
+  std::vector<double> out(n);
+  auto objective = [&] {
+    cpu::GeluExactForward(out.data(), x.data(), n);
+    return Dot(out, r);
+  };
+  std::vector<double> dx(n);
+  cpu::GeluExactBackward(dx.data(), x.data(), r.data(), n);
   CheckGradient(x, dx, objective, "dinp");
 }
 

@@ -67,12 +67,14 @@ inline void NormBackward(const GPTConfig& cf, float* dinp, float* G, const float
 }
 
 // The MLP's activation of fc1's output (n tokens, f of this rank's ffn columns; SwiGLU's fc1 2f):
-// SwiGLU, squared ReLU or GELU.
+// SwiGLU, squared ReLU, exact GELU or (tanh) GELU.
 inline void MlpActivationForward(const GPTConfig& cf, float* out, const float* fc1, int64_t n, int64_t f) {
   if (cf.swiglu)
     cpu::SwigluForward(out, fc1, n, f);
   else if (cf.squared_relu)
     cpu::SquaredReluForward(out, fc1, n * f);
+  else if (cf.gelu_exact)
+    cpu::GeluExactForward(out, fc1, n * f);
   else
     cpu::GeluForward(out, fc1, n * f);
 }
@@ -84,6 +86,8 @@ inline void MlpActivationBackward(const GPTConfig& cf, float* dff, const float* 
     cpu::SwigluBackward(dff, fc1, dact, n, f);
   else if (cf.squared_relu)
     cpu::SquaredReluBackward(dff, fc1, dact, n * f);
+  else if (cf.gelu_exact)
+    cpu::GeluExactBackward(dff, fc1, dact, n * f);
   else
     cpu::GeluBackward(dff, fc1, dact, n * f);
 }

@@ -102,6 +102,12 @@ void GeluForward(T* out, const T* inp, int64_t n);
 // dinp = dout * gelu'(inp)   (assigns, does not accumulate)
 template <typename T>
 void GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n);
+// torch's exact GELU (Megatron's GELU MLP without the fused kernel): out = inp/2 (1 + erf(inp / sqrt 2)).
+template <typename T>
+void GeluExactForward(T* out, const T* inp, int64_t n);
+// dinp = dout * (Phi(inp) + inp phi(inp))   (assigns; dinp may be dout)
+template <typename T>
+void GeluExactBackward(T* dinp, const T* inp, const T* dout, int64_t n);
 
 // ---- squared_relu_cpu.cpp --------------------------------------------------------------------
 // Megatron's --squared-relu MLP activation: out = relu(inp)^2.
