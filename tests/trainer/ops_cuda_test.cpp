@@ -265,6 +265,42 @@ TYPED_TEST(TypedCudaOps, GeluMatchesCpu) {
   }
 }
 
+// ---- exact GELU (Megatron's GELU MLP without the fused bias-GELU kernel) ----------------------------
+
+// fp32: the device's erff/expf against glibc's, forward within 1e-5 rel / 1e-6 abs, backward within
+// 1e-5 rel / 1e-5 * |dout| abs (Phi(x) and x phi(x) cancel for x < -3); bf16/fp16 within their rounding.
+// Sizes below, at and past a pack, pointers one element off the 16-byte boundary, backward in place.
+TYPED_TEST(TypedCudaOps, GeluExactMatchesCpu) {
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4099}, int64_t{100003}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      const std::string what = "n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+      const auto x = RoundTrip<T>(Normal(n, 32, 0.0f, 3.0f)), dy = RoundTrip<T>(Normal(n, 33));
+      std::vector<float> y(n), dx(n);
+      cpu::GeluExactForward(y.data(), x.data(), n);
+      cpu::GeluExactBackward(dx.data(), x.data(), dy.data(), n);
+      DeviceArray<T> dxin(n + offset), dyout(n + offset), dd(n + offset);
+      dxin.Upload(ToT<T>(x), offset);
+      dd.Upload(ToT<T>(dy), offset);
+      ASSERT_OK(GeluExactForward<T>(dyout.get() + offset, dxin.get() + offset, n, this->ctx_));
+      ExpectClose<T>(ToF(dyout.Download(n, offset)), y, 1e-5, 1e-6, "forward " + what, true);
+      ASSERT_OK(GeluExactBackward<T>(dd.get() + offset, dxin.get() + offset, dd.get() + offset, n, this->ctx_));
+      const auto got = ToF(dd.Download(n, offset));
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double tol = (1e-5 + Prec<T>::ulp) * std::fabs(dx[i]) + 1e-5 * std::fabs(dy[i]) + Prec<T>::floor;
+        bad += !(std::fabs(got[i] - dx[i]) <= tol);
+      }
+      EXPECT_EQ(bad, 0) << "backward (in place) " << what;
+    }
+  }
+  // Not the tanh GELU's kernel: at x = 1 the two differ by 1.6e-4, above fp32's tolerance.
+  DeviceArray<float> one(1), out(1);
+  one.Upload(std::vector<float>{1.0f}, 0);
+  ASSERT_OK(GeluExactForward<float>(out.get(), one.get(), 1, this->ctx_));
+  EXPECT_NEAR(out.Download(1, 0)[0], 0.8413447f, 2e-6f);
+}
+
 // ---- squared ReLU (--squared-relu) ----------------------------------------------------------------
 
 // The CPU op's formula (no transcendental): fp32 forward and backward within 1e-6 relative (one

@@ -1,8 +1,9 @@
 // The MLP's elementwise activations on the device, forward and backward: GELU (Megatron's tanh
-// approximation; GeluValue, GeluDerivative) and Megatron's --squared-relu (relu(x)^2;
+// approximation; GeluValue, GeluDerivative), torch's exact erf GELU (Megatron's GELU MLP without the
+// fused bias-GELU kernel; GeluExactValue, GeluExactDerivative) and Megatron's --squared-relu (relu(x)^2;
 // SquaredReluValue, SquaredReluDerivative), the functions of trainer/op_math.h the CPU ops run, in
-// fp32 over 128-bit packs with a scalar head and tail. One kernel pair serves both: an activation is
-// a type with Value and Derivative.
+// fp32 over 128-bit packs with a scalar head and tail. One kernel pair serves all three: an activation
+// is a type with Value and Derivative.
 #include "trainer/cuda/kernel_util.cuh"
 #include "trainer/cuda/ops_cuda.h"
 #include "trainer/op_math.h"
@@ -14,6 +15,12 @@ struct Gelu {
   static constexpr const char* kName = "Gelu";
   __device__ __forceinline__ static float Value(float x) { return GeluValue(x); }
   __device__ __forceinline__ static float Derivative(float x) { return GeluDerivative(x); }
+};
+
+struct GeluExact {
+  static constexpr const char* kName = "GeluExact";
+  __device__ __forceinline__ static float Value(float x) { return GeluExactValue(x); }
+  __device__ __forceinline__ static float Derivative(float x) { return GeluExactDerivative(x); }
 };
 
 struct SquaredRelu {
@@ -95,6 +102,14 @@ absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const
   return ActivationBackward<Gelu>(dinp, inp, dout, n, ctx);
 }
 template <typename T>
+absl::Status GeluExactForward(T* out, const T* inp, int64_t n, const CudaContext& ctx) {
+  return ActivationForward<GeluExact>(out, inp, n, ctx);
+}
+template <typename T>
+absl::Status GeluExactBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx) {
+  return ActivationBackward<GeluExact>(dinp, inp, dout, n, ctx);
+}
+template <typename T>
 absl::Status SquaredReluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx) {
   return ActivationForward<SquaredRelu>(out, inp, n, ctx);
 }
@@ -103,10 +118,12 @@ absl::Status SquaredReluBackward(T* dinp, const T* inp, const T* dout, int64_t n
   return ActivationBackward<SquaredRelu>(dinp, inp, dout, n, ctx);
 }
 
-#define PTK_INSTANTIATE(T)                                                                    \
-  template absl::Status GeluForward<T>(T*, const T*, int64_t, const CudaContext&);            \
-  template absl::Status GeluBackward<T>(T*, const T*, const T*, int64_t, const CudaContext&); \
-  template absl::Status SquaredReluForward<T>(T*, const T*, int64_t, const CudaContext&);     \
+#define PTK_INSTANTIATE(T)                                                                         \
+  template absl::Status GeluForward<T>(T*, const T*, int64_t, const CudaContext&);                 \
+  template absl::Status GeluBackward<T>(T*, const T*, const T*, int64_t, const CudaContext&);      \
+  template absl::Status GeluExactForward<T>(T*, const T*, int64_t, const CudaContext&);            \
+  template absl::Status GeluExactBackward<T>(T*, const T*, const T*, int64_t, const CudaContext&); \
+  template absl::Status SquaredReluForward<T>(T*, const T*, int64_t, const CudaContext&);          \
   template absl::Status SquaredReluBackward<T>(T*, const T*, const T*, int64_t, const CudaContext&);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

@@ -36,12 +36,15 @@ absl::Status CudaGPTModelImpl<T>::MlpBackward(int64_t l, const T* dmlp, bool fc2
               MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                 n, c, 2 * f, ctx_));
   }
-  if (cf.squared_relu) {  // fc2's input gradient, then the activation's backward in place
+  if (cf.squared_relu || cf.gelu_exact) {  // fc2's input gradient, then the activation's backward in place
     PTK_RETURN_IF_ERROR(Op("matmul", "fc2 backward",
                            MatmulBackward<T>(dff, Grad(lp.fc2_w), dfc2_b, dmlp, Act(plan_.gelu, l, n * f),
                                              Compute(lp.fc2_w), n, f, c, ctx_)));
-    PTK_RETURN_IF_ERROR(Op("squared_relu", "squared relu backward",
-                           SquaredReluBackward<T>(dff, Act(plan_.fc1, l, n * f), dff, n * f, ctx_)));
+    const T* fc1 = Act(plan_.fc1, l, n * f);
+    PTK_RETURN_IF_ERROR(
+        cf.gelu_exact
+            ? Op("gelu_exact", "exact gelu backward", GeluExactBackward<T>(dff, fc1, dff, n * f, ctx_))
+            : Op("squared_relu", "squared relu backward", SquaredReluBackward<T>(dff, fc1, dff, n * f, ctx_)));
     return Op("matmul", "fc1 backward",
               MatmulBackward<T>(dln, Grad(lp.fc1_w), Grad(lp.fc1_b), dff, Act(plan_.ln2, l, n * c), Compute(lp.fc1_w),
                                 n, c, f, ctx_));

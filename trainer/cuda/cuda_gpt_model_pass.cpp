@@ -121,11 +121,15 @@ absl::Status CudaGPTModelImpl<T>::Fc1Forward(int64_t l) {
   const LayerParams& lp = layout().layers[static_cast<size_t>(l)];
   const int64_t n = n_, c = cf.hidden_size, f = cf.ffn_hidden_size / tensor_size();
   const T* ln2 = Act(plan_.ln2, l, n * c);
-  if (cf.squared_relu) {  // cuBLASLt has no squared-ReLU epilogue: the product, then the activation's kernel
+  // cuBLASLt has no squared-ReLU epilogue, and its GELU epilogues are the tanh one: the product, then
+  // the activation's kernel.
+  if (cf.squared_relu || cf.gelu_exact) {
     T* fc1 = Act(plan_.fc1, l, n * f);
     PTK_RETURN_IF_ERROR(
         Op("matmul", "fc1", MatmulForward<T>(fc1, ln2, Compute(lp.fc1_w), Compute(lp.fc1_b), n, c, f, ctx_)));
-    return Op("squared_relu", "squared relu", SquaredReluForward<T>(Act(plan_.gelu, l, n * f), fc1, n * f, ctx_));
+    T* act = Act(plan_.gelu, l, n * f);
+    if (cf.gelu_exact) return Op("gelu_exact", "exact gelu", GeluExactForward<T>(act, fc1, n * f, ctx_));
+    return Op("squared_relu", "squared relu", SquaredReluForward<T>(act, fc1, n * f, ctx_));
   }
   if (!cf.swiglu)
     return Op("matmul", "fc1+gelu",

@@ -124,13 +124,22 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
                                int64_t vocab_rows, int64_t position_rows, EmbeddingBackwardPlan* plan,
                                const CudaContext& ctx, int64_t vocab_first = -1);
 
-// ---- activation_cuda.cu (GELU and squared ReLU: one kernel pair, the activation a type) ---------
+// ---- activation_cuda.cu (GELU, exact GELU and squared ReLU: one kernel pair, the activation a type) -
 // GeluValue / GeluDerivative of trainer/op_math.h in fp32.
 template <typename T>
 absl::Status GeluForward(T* out, const T* inp, int64_t n, const CudaContext& ctx);
 // dinp = dout * gelu'(inp)   (assigns; dinp may equal dout)
 template <typename T>
 absl::Status GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx);
+
+// torch's exact erf GELU (Megatron's GELU MLP without its fused bias-GELU kernel), as
+// cpu::GeluExactForward / GeluExactBackward: GeluExactValue / GeluExactDerivative of trainer/op_math.h in
+// fp32 (cuBLASLt's GELU epilogues are the tanh one: a kernel of its own after the fc1 product). The
+// backward assigns; dinp may equal dout.
+template <typename T>
+absl::Status GeluExactForward(T* out, const T* inp, int64_t n, const CudaContext& ctx);
+template <typename T>
+absl::Status GeluExactBackward(T* dinp, const T* inp, const T* dout, int64_t n, const CudaContext& ctx);
 
 // Megatron's --squared-relu, as cpu::SquaredReluForward / SquaredReluBackward: SquaredReluValue /
 // SquaredReluDerivative of trainer/op_math.h in fp32 (cuBLASLt has no such epilogue: a kernel of its own
