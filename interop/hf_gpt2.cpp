@@ -81,8 +81,11 @@ struct HfTextFiles {
 HfTextFiles HfTextFilesOf(const GPTConfig& c, int64_t eod, std::string vocab_json, std::string merges_txt) {
   HfTextFiles f;
   f.config = PrettyConfig({
-      // --squared-relu: transformers' "relu2" (ReLUSquaredActivation, relu(x)^2), which GPT2MLP takes.
-      {"activation_function", Str(c.squared_relu ? "relu2" : "gelu_new")},
+      // --squared-relu: transformers' "relu2" (ReLUSquaredActivation, relu(x)^2), which GPT2MLP takes; the exact
+      // GELU (Megatron's unfused GELU MLP): "gelu" (GELUActivation, F.gelu); the tanh GELU: "gelu_new".
+      {"activation_function", Str(c.squared_relu ? "relu2"
+                                  : c.gelu_exact ? "gelu"
+                                                 : "gelu_new")},
       {"architectures", "[\n    \"GPT2LMHeadModel\"\n  ]"},
       {"attn_pdrop", Num(c.attention_dropout)},
       {"bos_token_id", Int(eod)},
@@ -275,17 +278,18 @@ absl::StatusOr<ConvertSummary> ExportToHf(const ConvertOptions& o) {
 
 namespace {
 
-// The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU (or relu2:
-// --squared-relu), attention scaled by 1/sqrt(head_dim) alone.
+// The model config.json describes must be the one ptk computes: GPT-2, the tanh GELU (the exact GELU:
+// "gelu", transformers' F.gelu; relu2: --squared-relu), attention scaled by 1/sqrt(head_dim) alone.
 absl::Status CheckHfArchitecture(const HfConfigReader& r, GPTConfig* c) {
   std::string_view act;
   bool scale = true, by_layer = false, cross = false;
   PTK_RETURN_IF_ERROR(r.Get("activation_function", std::string_view("gelu_new"), &act, "a string"));
   c->squared_relu = act == "relu2";
-  if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast" && !c->squared_relu)
+  c->gelu_exact = act == "gelu";  // GELUActivation: torch's F.gelu, Megatron's unfused GELU MLP
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast" && !c->squared_relu && !c->gelu_exact)
     return r.Bad(fmt::format(
-        "activation_function {:?}: ptk computes the tanh GELU (gelu_new, gelu_pytorch_tanh, gelu_fast) or relu2 "
-        "(--squared-relu)",
+        "activation_function {:?}: ptk computes the tanh GELU (gelu_new, gelu_pytorch_tanh, gelu_fast), the exact "
+        "GELU (gelu: --no-bias-gelu-fusion) or relu2 (--squared-relu)",
         act));
   PTK_RETURN_IF_ERROR(r.Get("scale_attn_weights", true, &scale, "true or false"));
   PTK_RETURN_IF_ERROR(r.Get("scale_attn_by_inverse_layer_idx", false, &by_layer, "true or false"));
@@ -404,6 +408,7 @@ std::vector<std::pair<std::string, std::string>> ImportedSettings(const GPTConfi
       {"--attention-dropout", SettingNum(c.attention_dropout)},
       {"--init-method-std", SettingNum(c.init_method_std)},
       {"--squared-relu", c.squared_relu ? "on" : "off"},
+      {"--no-bias-gelu-fusion", c.gelu_exact ? "on (the exact erf GELU)" : "off"},
   };
 }
 
@@ -418,6 +423,8 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
                                 c.untie_embeddings_and_output_weights ? " --untie-embeddings-and-output-weights" : "")
                           : hf_detail::LlamaTrainFlags(c);
   if (c.squared_relu) flags += " --squared-relu";  // relu2
+  // gelu: the exact GELU, Megatron's GELU MLP without its fused kernel (--disable-bias-linear selects it too)
+  if (c.gelu_exact && c.add_bias_linear) flags += " --no-bias-gelu-fusion";
   if (c.vocab_size != 50257) flags += fmt::format(" --vocab-size {}", c.vocab_size);
   if (make_vocab_size_divisible_by != 128)
     flags += fmt::format(" --make-vocab-size-divisible-by {}", make_vocab_size_divisible_by);

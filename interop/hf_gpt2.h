@@ -3,7 +3,8 @@
 // A model of Megatron's Llama line goes to and from LlamaForCausalLM instead (hf_llama.h), with the
 // same files, checks and publishing.
 //
-// ptk -> hf: config.json (model_type gpt2, activation gelu_new: the tanh GELU ptk computes;
+// ptk -> hf: config.json (model_type gpt2, activation gelu_new: the tanh GELU ptk computes, gelu
+// for the exact GELU of --no-bias-gelu-fusion, relu2 for --squared-relu;
 // n_positions = --max-position-embeddings; layer_norm_epsilon; tie_word_embeddings false for an
 // untied output layer), model.safetensors (fp32; Megatron's fused per-head QKV rows reordered into
 // c_attn's [q | k | v] columns; every linear weight transposed into Conv1D's (in, out); the padded

@@ -284,13 +284,9 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
   c.squared_relu = BoolAttr(args, "squared_relu", false);
   if (c.squared_relu && c.swiglu) return bad(source, "args.squared_relu with args.swiglu (Megatron asserts not both)");
   c.init_method_xavier_uniform = BoolAttr(args, "init_method_xavier_uniform", false);
-  // Megatron's GELU MLP is the tanh GELU (ptk's) only through its fused bias-GELU kernel; unfused (the flag, or no
-  // biases, which arguments.py lets not fuse) it is torch's exact erf GELU.
-  if (!c.swiglu && !c.squared_relu && !BoolAttr(args, "bias_gelu_fusion", true))
-    unsupported.push_back(
-        "--no-bias-gelu-fusion (args.bias_gelu_fusion false: the exact erf GELU, not ptk's tanh GELU)");
-  else if (!c.swiglu && !c.squared_relu && !c.add_bias_linear)
-    unsupported.push_back("--disable-bias-linear on the GELU MLP (unfused: the exact erf GELU, not ptk's tanh GELU)");
+  // Megatron's GELU MLP is the tanh GELU only through its fused bias-GELU kernel; unfused (--no-bias-gelu-fusion,
+  // or no biases, which its arguments.py lets not fuse) it is torch's exact erf GELU.
+  c.gelu_exact = !c.swiglu && !c.squared_relu && (!BoolAttr(args, "bias_gelu_fusion", true) || !c.add_bias_linear);
   if (auto v = NumAttr(args, "num_experts"); v && *v > 0) unsupported.push_back("--num-experts");
   if (!unsupported.empty())
     return absl::FailedPreconditionError(fmt::format(
@@ -431,6 +427,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       {"--add-qkv-bias", c.add_qkv_bias ? "on" : "off"},
       {"--qk-layernorm", c.qk_layernorm ? "on" : "off"},
       {"--squared-relu", c.squared_relu ? "on" : "off"},
+      {"--no-bias-gelu-fusion", c.gelu_exact ? "on (the exact erf GELU)" : "off"},
       {"--apply-layernorm-1p", c.apply_layernorm_1p ? "on" : "off"},
       {"--init-method-xavier-uniform", c.init_method_xavier_uniform ? "on" : "off"},
       {"--seed", std::to_string(state.seed)},
@@ -458,6 +455,8 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
       c.vocab_size != 50257 ? fmt::format(" --vocab-size {}", c.vocab_size) : "", LlamaLineFlags(c));
   if (divisible != 128) s->train_flags += fmt::format(" --make-vocab-size-divisible-by {}", divisible);
   if (c.squared_relu) s->train_flags += " --squared-relu";
+  // The exact GELU: --disable-bias-linear (in the Llama line's flags) selects it already.
+  if (c.gelu_exact && c.add_bias_linear) s->train_flags += " --no-bias-gelu-fusion";
   if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";
   return absl::OkStatus();
 }

@@ -88,6 +88,9 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_b("add_qkv_bias", c.qkv_bias());
   set_b("qk_layernorm", c.qk_layernorm);
   set_b("squared_relu", c.squared_relu);
+  // Megatron's fused bias-GELU kernel (the tanh GELU); off: its GELU MLP runs torch's exact erf GELU, and its
+  // arguments.py turns it off without biases.
+  set_b("bias_gelu_fusion", c.add_bias_linear && !c.gelu_exact);
   set_b("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
   set_f("hidden_dropout", c.hidden_dropout);
   set_f("attention_dropout", c.attention_dropout);

@@ -91,6 +91,7 @@ absl::StatusOr<CheckpointHeader> ReadCheckpointHeader(const std::string& file) {
   bool on = false;  // Megatron's other model flags: written only when on
   if (!m["squared_relu"].get(on)) c.squared_relu = on;
   if (!m["apply_layernorm_1p"].get(on)) c.apply_layernorm_1p = on;
+  if (!m["bias_gelu_fusion"].get(on)) c.gelu_exact = !on;  // written only when false: the exact erf GELU
   simdjson::dom::array settings;
   if (!h["settings"].get(settings))
     for (simdjson::dom::element pair : settings) {

@@ -43,8 +43,8 @@ void AddLlamaFlags(CLI::App* app, TrainFlags* f) {
                   "Key/value heads with --group-query-attention (Megatron's default 1)")
       ->check(cli::IntIn(1, train_flags::kMaxSize));
   app->add_flag("--disable-bias-linear", f->disable_bias_linear,
-                "Linear layers without biases (Llama's; with --swiglu or --squared-relu: Megatron's GELU MLP without "
-                "biases is the exact GELU)");
+                "Linear layers without biases (Llama's; on the GELU MLP the exact erf GELU too, as Megatron, which "
+                "turns its fused bias-GELU kernel off without biases)");
   app->add_flag("--add-qkv-bias", m.add_qkv_bias, "A QKV bias even with --disable-bias-linear (Qwen's)");
   app->add_flag("--qk-layernorm", m.qk_layernorm,
                 "Normalise each query and key head (--normalization's norm over --kv-channels) before RoPE "
@@ -84,22 +84,10 @@ absl::Status ResolveLlamaFlags(const TrainFlags& f, int64_t tp, GPTConfig* m) {
   if (m->ffn_hidden_size == 0 && m->swiglu) m->ffn_hidden_size = (4 * m->hidden_size * 2 / 3) / 64 * 64;
   if (m->squared_relu && m->swiglu)
     return UsageError("--squared-relu with --swiglu: one MLP activation (Megatron asserts not both)");
-  // Megatron's GELU MLP is the tanh GELU (ptk's) only through its fused bias-GELU kernel (bias_gelu_impl); without
-  // it the MLP calls torch's F.gelu, the exact erf GELU: another model. Its arguments.py turns the fusion off
-  // without biases.
-  const char* exact_gelu =
-      "computes the exact GELU (erf, torch's F.gelu); ptk's GELU is the tanh approximation that "
-      "kernel computes (Megatron's default model)";
-  if (!m->swiglu && !m->squared_relu && f.compat.contains("--no-bias-gelu-fusion"))
-    return UsageError(fmt::format(
-        "--no-bias-gelu-fusion: Megatron's GELU MLP without its fused bias-GELU kernel {}: drop the flag, or give "
-        "--swiglu or --squared-relu",
-        exact_gelu));
-  if (!m->swiglu && !m->squared_relu && !m->add_bias_linear)
-    return UsageError(fmt::format(
-        "--disable-bias-linear without --swiglu or --squared-relu: Megatron turns its fused bias-GELU kernel off "
-        "without biases, so its GELU MLP {}: keep the biases, or give --swiglu (the Llama line) or --squared-relu",
-        exact_gelu));
+  // Megatron's GELU MLP is the tanh GELU only through its fused bias-GELU kernel (bias_gelu_impl); without it
+  // (--no-bias-gelu-fusion, or no biases: its arguments.py turns the fusion off without them) the MLP calls
+  // torch's F.gelu, the exact erf GELU.
+  m->gelu_exact = !m->swiglu && !m->squared_relu && (f.compat.contains("--no-bias-gelu-fusion") || !m->add_bias_linear);
   if (tp > 1 && m->query_groups() % tp != 0)
     return UsageError(fmt::format("--num-query-groups {} is not divisible by --tensor-model-parallel-size {}",
                                   m->query_groups(), tp));

@@ -30,8 +30,10 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--use-mcore-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
     {"--use-legacy-models", Arg::kNone, "ptk's model is Megatron-core's GPT layout"},
     {"--no-masked-softmax-fusion", Arg::kNone, "kernel fusion flag"},
-    // With the GELU MLP it is refused (ResolveLlamaFlags): Megatron's unfused GELU is the exact one.
-    {"--no-bias-gelu-fusion", Arg::kNone, "kernel fusion flag (no effect on the SwiGLU or squared-ReLU MLP)"},
+    // With the GELU MLP it selects the exact GELU (ResolveLlamaFlags): Megatron's unfused GELU is torch's F.gelu.
+    {"--no-bias-gelu-fusion", Arg::kNone,
+     "the GELU MLP computes the exact erf GELU (torch's F.gelu, Megatron's unfused GELU) instead of the tanh "
+     "one; no effect on the SwiGLU or squared-ReLU MLP"},
     {"--no-bias-dropout-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-gradient-accumulation-fusion", Arg::kNone, "kernel fusion flag"},
     {"--no-rope-fusion", Arg::kNone, "kernel fusion flag"},

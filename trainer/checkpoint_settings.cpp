@@ -125,6 +125,7 @@ std::string ModelJson(const GPTConfig& c) {
   }
   // Megatron's other model flags, written only when on (a model without them reads as before).
   if (c.squared_relu) w.Field("squared_relu", true);
+  if (c.gelu_exact) w.Field("bias_gelu_fusion", false);  // Megatron's unfused GELU MLP: the exact erf GELU
   if (c.apply_layernorm_1p) w.Field("apply_layernorm_1p", true);
   return w.EndObject().str();
 }
@@ -137,6 +138,7 @@ std::string ModelDifferences(simdjson::dom::element saved, simdjson::dom::elemen
     std::string flag = "--" + std::string(key);
     std::replace(flag.begin(), flag.end(), '_', '-');
     if (key == "padded_vocab_size") flag = "a padded vocabulary of";
+    if (key == "bias_gelu_fusion") flag = "bias_gelu_fusion (false: the exact erf GELU, --no-bias-gelu-fusion)";
     out += fmt::format("{}{} {} (this run: {})", out.empty() ? "" : ", ", flag, was, now);
   };
   for (auto field : a) {

@@ -112,6 +112,7 @@ Settings ModelSettings(const GPTConfig& m, int64_t make_vocab_size_divisible_by)
       {"--add-qkv-bias", m.add_qkv_bias ? "on" : "off"},
       {"--qk-layernorm", m.qk_layernorm ? "on" : "off"},
       {"--squared-relu", m.squared_relu ? "on" : "off"},
+      {"--no-bias-gelu-fusion", m.gelu_exact ? "on (the exact erf GELU)" : "off"},
       {"--apply-layernorm-1p", m.apply_layernorm_1p ? "on" : "off"},
       {"--hidden-dropout", num(m.hidden_dropout)},
       {"--attention-dropout", num(m.attention_dropout)},

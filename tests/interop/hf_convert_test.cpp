@@ -135,6 +135,24 @@ TEST_F(HfConvert, SquaredReluIsRelu2AndLayerNorm1pIsFoldedIntoTheWeights) {
   EXPECT_NE(imp->train_flags.find(" --squared-relu"), std::string::npos) << imp->train_flags;
 }
 
+// The exact GELU (Megatron's GELU MLP without its fused bias-GELU kernel) is transformers' "gelu"
+// (GELUActivation, F.gelu), read back as it, with --no-bias-gelu-fusion in the flags; the tanh GELU stays
+// "gelu_new" (the test above).
+TEST_F(HfConvert, ExactGeluIsGeluAndTanhGeluIsGeluNew) {
+  c_.gelu_exact = true;
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  const std::string config = ReadFile(dir_ / "hf/config.json");
+  EXPECT_NE(config.find("\"activation_function\": \"gelu\","), std::string::npos) << config;
+  auto imp = ImportFromHf(Opts("hf", "ptk", dir_ / "hf", dir_ / "back"));
+  ASSERT_TRUE(imp.ok()) << imp.status();
+  EXPECT_TRUE(imp->config.gelu_exact);
+  EXPECT_FALSE(imp->config.squared_relu);
+  EXPECT_NE(imp->train_flags.find(" --no-bias-gelu-fusion"), std::string::npos) << imp->train_flags;
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "back", dir_ / "hf2")).ok());
+  EXPECT_EQ(ReadFile(dir_ / "hf2/config.json"), config);
+}
+
 TEST_F(HfConvert, ExportImportExportIsByteIdenticalTiedAndUntied) {
   for (bool untie : {false, true}) {
     const std::string tag = untie ? "u" : "t";
@@ -232,8 +250,8 @@ TEST_F(HfConvert, MismatchedOrDamagedDirectoriesAreRefusedNamingTheTensor) {
   WriteFile(d + "/model.safetensors", w.substr(0, w.size() - 4));
   EXPECT_NE(import_error(d).find("not a valid safetensors file"), std::string::npos);
   d = fresh("act");
-  WriteFile(d + "/config.json", std::regex_replace(ReadFile(d + "/config.json"), std::regex("gelu_new"), "gelu"));
-  EXPECT_NE(import_error(d).find("activation_function \"gelu\": ptk computes the tanh GELU"), std::string::npos);
+  WriteFile(d + "/config.json", std::regex_replace(ReadFile(d + "/config.json"), std::regex("gelu_new"), "quick_gelu"));
+  EXPECT_NE(import_error(d).find("activation_function \"quick_gelu\": ptk computes the tanh GELU"), std::string::npos);
   d = fresh("type");
   WriteFile(d + "/config.json",
             std::regex_replace(ReadFile(d + "/config.json"), std::regex("\"layer_norm_epsilon\": 1e-06"),

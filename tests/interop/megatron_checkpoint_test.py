@@ -388,14 +388,22 @@ def main():
         sd["unsafe"] = subprocess.Popen  # a global no checkpoint holds
         torch.save(sd, victim)
         expect_refusal(tmp, "unknown global", bad, victim, "unknown global", "Popen")
-        # Megatron's unfused GELU MLP is the exact erf GELU (ptk's is the tanh one): --no-bias-gelu-fusion, or no
-        # biases (which Megatron leaves unfused), were imported as ptk's model.
-        for label, field, needle in (("unfused GELU", "bias_gelu_fusion", "--no-bias-gelu-fusion"),
-                                     ("GELU without biases", "add_bias_linear", "--disable-bias-linear")):
-            sd = torch.load(os.path.join(tmp, "t1p1-te-meg", "iter_0000020", "mp_rank_00", "model_optim_rng.pt"))
-            setattr(sd["args"], field, False)
-            torch.save(sd, victim)
-            expect_refusal(tmp, label, bad, needle, "erf GELU")
+        # Megatron's unfused GELU MLP is the exact erf GELU: --no-bias-gelu-fusion, or no biases (which Megatron
+        # leaves unfused), import as ptk's exact-GELU model (were refused), its settings and flags say so, and the
+        # export writes args.bias_gelu_fusion False again.
+        for label, flags, want_flag in (("unfused-gelu", ["--no-bias-gelu-fusion"], "--no-bias-gelu-fusion"),
+                                        ("gelu-no-bias", ["--disable-bias-linear", "--impl", "local"],
+                                         "--disable-bias-linear")):
+            ptk, p = import_matches_reference(tmp, label, ["--tp", "2", "--pp", "1"] + flags, 56)
+            h, _ = read_ptk(ptk)
+            check(h["model"].get("bias_gelu_fusion") is False, f"{label}: the model is the exact GELU: {h['model']}")
+            check(["--no-bias-gelu-fusion", "on (the exact erf GELU)"] in h["settings"],
+                  f"{label}: the settings record the exact GELU")
+            check(want_flag in p.stdout + p.stderr, f"{label}: ptk-train's flags carry {want_flag}: {p.stdout}")
+            back = os.path.join(tmp, label + "-back")
+            convert("ptk", "megatron", ptk, back, "--make-vocab-size-divisible-by", "8")
+            sd = torch.load(os.path.join(back, "iter_0000020", "mp_rank_00", "model_optim_rng.pt"))
+            check(sd["args"].bias_gelu_fusion is False, f"{label}: the export's args.bias_gelu_fusion is False")
         # A ptk checkpoint is not split for the other savers.
         p = run(CONVERT, "--loader", "megatron", "--saver", "ptk", "--load-dir", bad, "--save-dir", bad + "x",
                 "--target-tensor-parallel-size", "2", ok=False)

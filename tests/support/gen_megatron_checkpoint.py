@@ -28,7 +28,7 @@ import numpy
 import torch
 
 
-def megatron_names(layers, untie, impl):
+def megatron_names(layers, untie, impl, bias_linear=True):
     """Megatron-core's GPTModel parameters in named_parameters order (under their local layer spec
     names) with their split: 0 column-parallel (rows), 1 row-parallel (columns), None replicated.
     Attention builds linear_proj before SelfAttention builds linear_qkv, so linear_proj comes before
@@ -48,6 +48,9 @@ def megatron_names(layers, untie, impl):
     out += [("decoder.final_layernorm.weight", None), ("decoder.final_layernorm.bias", None)]
     if untie:
         out.append(("output_layer.weight", 0))
+    if not bias_linear:  # --disable-bias-linear: no bias on QKV, proj, fc1, fc2 (the norms keep theirs)
+        out = [(n, s) for n, s in out if not any(n.endswith(x + ".bias") for x in
+                                                   ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))]
     return out
 
 
@@ -129,6 +132,9 @@ def main():
     ap.add_argument("--untie", action="store_true")
     ap.add_argument("--no-bias-gelu-fusion", action="store_true",
                     help="args.bias_gelu_fusion False (Megatron's unfused MLP: the exact erf GELU)")
+    ap.add_argument("--disable-bias-linear", action="store_true",
+                    help="args.add_bias_linear False: no linear biases (Megatron's GELU MLP then runs unfused: the "
+                         "exact erf GELU)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--heads", type=int, default=4)
@@ -143,7 +149,7 @@ def main():
     gen = torch.Generator().manual_seed(1234 + 7 * tp + pp)
 
     # The full model, and two steps of full gradients (split across ranks like the tensors).
-    names = megatron_names(a.layers, a.untie, a.impl)
+    names = megatron_names(a.layers, a.untie, a.impl, not a.disable_bias_linear)
     shapes = {}
     for name, _ in names:
         if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
@@ -183,7 +189,7 @@ def main():
         kv_channels=h // a.heads, group_query_attention=False, num_query_groups=a.heads,
         max_position_embeddings=a.positions, seq_length=a.seq, position_embedding_type="learned_absolute",
         add_position_embedding=True, normalization="LayerNorm", layernorm_epsilon=1e-5, apply_layernorm_1p=False,
-        swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=a.untie, hidden_dropout=0.1,
+        swiglu=False, add_bias_linear=not a.disable_bias_linear, untie_embeddings_and_output_weights=a.untie, hidden_dropout=0.1,
         attention_dropout=0.1, init_method_std=0.02, vocab_size=a.vocab, padded_vocab_size=vp,
         make_vocab_size_divisible_by=a.divisible, tokenizer_type="NullTokenizer",
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -195,7 +201,7 @@ def main():
         min_lr=3e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
         lr_decay_style="cosine", train_iters=100, num_experts=None, iteration=a.iteration,
         data_parallel_size=1, ddp_bucket_size=a.ddp_bucket_size, overlap_grad_reduce=a.ddp_bucket_size is not None,
-        bias_gelu_fusion=not a.no_bias_gelu_fusion)
+        bias_gelu_fusion=not a.no_bias_gelu_fusion and not a.disable_bias_linear)
     sched = {"max_lr": 3e-4, "lr_warmup_steps": 80, "num_steps": 8 * a.iteration, "lr_decay_style": "cosine",
              "lr_decay_steps": 800, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
              "wd_incr_steps": 800}

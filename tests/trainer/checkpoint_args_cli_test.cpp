@@ -137,6 +137,35 @@ TEST_F(CheckpointArgs, GivenFlagsFollowMegatronsPrecedence) {
       << factor.output;
 }
 
+// The exact GELU of Megatron's unfused GELU MLP. Megatron's load_args_from_checkpoint takes add_bias_linear
+// (forced) and not bias_gelu_fusion: a bias-free GELU checkpoint resumes from its flags alone, the exact GELU
+// following from the biases; a --no-bias-gelu-fusion one needs the flag again, and without it the tanh GELU
+// is another model than the checkpoint's, refused naming bias_gelu_fusion.
+TEST_F(CheckpointArgs, TheExactGeluFollowsMegatronsArguments) {
+  const std::string out = ResumeBothWays(std::string(kShape) + "--disable-bias-linear ");
+  EXPECT_NE(out.find("--disable-bias-linear on"), std::string::npos) << out;
+  // The checkpoint the resume saved is the exact GELU's (its model and its settings say so).
+  const std::string saved = testing::ReadFile(dir_ / "b/iter_0000008/mp_rank_00/model_optim_rng.ptk");
+  EXPECT_NE(saved.find("\"add_bias_linear\": false, \"add_qkv_bias\": false, \"bias_gelu_fusion\": false}"),
+            std::string::npos);
+  EXPECT_NE(saved.find("[\"--no-bias-gelu-fusion\", \"on (the exact erf GELU)\"]"), std::string::npos);
+  const std::string model = std::string(kShape) + "--no-bias-gelu-fusion ";
+  auto first = RunCmd(Rest() + model + "--exit-interval 4 --save " + ShellQuote(dir_ / "u"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto full = RunCmd(Rest() + model + "--load " + ShellQuote(dir_ / "u"));
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  const std::string load = "--use-checkpoint-args --load " + ShellQuote(dir_ / "u") + " ";
+  auto again = RunCmd(Rest() + load + "--no-bias-gelu-fusion");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(again.output), testing::LogLinesWithoutTimes(full.output));
+  auto tanh = RunCmd(Rest() + load);
+  EXPECT_NE(tanh.exit_code, 0) << tanh.output;
+  EXPECT_NE(tanh.output.find("bias_gelu_fusion (false: the exact erf GELU, --no-bias-gelu-fusion) false (this run: "
+                             "the default)"),
+            std::string::npos)
+      << tanh.output;
+}
+
 // A checkpoint of an older ptk, which recorded only GPT-3's settings: the Llama line's are its
 // defaults (a note names them), and a required flag it does not record is refused.
 TEST_F(CheckpointArgs, SettingsAnOlderCheckpointDoesNotRecordAreTheirDefaults) {

@@ -369,10 +369,9 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--train-samples 48 --rampup-batch-size 4 4 16 --global-batch-size 8 --micro-batch-size 2", kTaken, "", false,
        true},
       // Megatron's GELU MLP is the tanh GELU only through its fused bias-GELU kernel: without it (the flag, or no
-      // biases, which turn the fusion off) it computes torch's exact erf GELU. Both were accepted, and ptk trained
-      // its tanh GELU: another model than the flags ask for.
-      {"--no-bias-gelu-fusion", kRefused, "--no-bias-gelu-fusion: Megatron's GELU MLP without its fused bias-GELU"},
-      {"--disable-bias-linear", kRefused, "--disable-bias-linear without --swiglu or --squared-relu: Megatron"},
+      // biases, which turn the fusion off) it computes torch's exact erf GELU, as ptk does then (were refused).
+      {"--no-bias-gelu-fusion", kNoted, "--no-bias-gelu-fusion: accepted, the GELU MLP computes the exact erf GELU"},
+      {"--disable-bias-linear", kTaken, ""},
       {"--swiglu --disable-bias-linear --no-bias-gelu-fusion", kNoted, "--no-bias-gelu-fusion: accepted"},
       {"--squared-relu --disable-bias-linear", kTaken, ""},
       {"--squared-relu --no-bias-gelu-fusion", kNoted, "--no-bias-gelu-fusion: accepted"},
