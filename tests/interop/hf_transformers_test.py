@@ -15,7 +15,8 @@ Checks:
     as save_pretrained(max_shard_size="100KB") shards it (files, tensors, index byte for byte); transformers'
     model saved with max_shard_size="200KB" imports bit for bit as its unsharded save;
   * safetensors' own reader opens ptk's file;
-  * a --squared-relu --apply-layernorm-1p model exports as relu2 with 1 + gamma norms, logits as ptk's.
+  * a --squared-relu --apply-layernorm-1p model exports as relu2 with 1 + gamma norms, logits as ptk's;
+  * a --no-bias-gelu-fusion model (the exact erf GELU) exports as gelu, logits as ptk's, and imports back.
 Usage: hf_transformers_test.py BIN_DIR TEST_BIN_DIR
 """
 import os
@@ -120,6 +121,18 @@ with tempfile.TemporaryDirectory() as tmp:
     out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfr, "--save-dir", ckr2])
     compare_logits(ckr2, mr, SEQS, 50257, tmp, "relu2 imported")
     check("--squared-relu" in (check_finetune(out, ckr2) or []), "relu2's import flags:\n" + out)
+
+    # ---- Megatron's unfused GELU MLP (--no-bias-gelu-fusion): torch's exact erf GELU, GPT-2's "gelu"
+    # (GELUActivation, F.gelu): transformers computes ptk's logits, and "gelu" imports back as it.
+    cke, hfe = os.path.join(tmp, "cke"), os.path.join(tmp, "hfe")
+    run(TRAIN + ["--train-iters", "6", "--save", cke, "--no-bias-gelu-fusion"])
+    run([CONVERT, "--loader", "ptk", "--saver", "hf", "--load-dir", cke, "--save-dir", hfe])
+    me = compare_logits(cke, hfe, SEQS, 50257, tmp, "exact gelu")
+    check(me.config.activation_function == "gelu", "exact gelu: config {}".format(me.config))
+    cke2 = os.path.join(tmp, "cke2")
+    out = run([CONVERT, "--loader", "hf", "--saver", "ptk", "--load-dir", hfe, "--save-dir", cke2])
+    compare_logits(cke2, me, SEQS, 50257, tmp, "gelu imported")
+    check("--no-bias-gelu-fusion" in (check_finetune(out, cke2) or []), "gelu's import flags:\n" + out)
 
     # ---- a model transformers made, imported into ptk
     torch.manual_seed(31)
