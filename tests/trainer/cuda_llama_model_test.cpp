@@ -155,5 +155,30 @@ TEST(CudaLlamaModel, SquaredReluAndLayerNorm1pStepsFollowTheCpuCurve) {
   ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 30, 1e-3, 5e-2, " squared ReLU, LayerNorm 1p");
 }
 
+// The exact erf GELU of Megatron's unfused GELU MLP (--no-bias-gelu-fusion; fc1's product, then the exact
+// GELU's kernel, never cuBLASLt's tanh GELU epilogue; its backward in place), with biases (with hidden
+// and attention dropout) and without (--disable-bias-linear): one step within the bounds above in fp32,
+// bf16 loosely without attention dropout, and a 30-step curve.
+TEST(CudaLlamaModel, ExactGeluStepMatchesTheCpu) {
+  GPTConfig biased = SmallConfig(/*dropout=*/true);
+  biased.gelu_exact = true;
+  GPTConfig bare = SmallConfig(/*dropout=*/false);
+  bare.gelu_exact = true;
+  bare.add_bias_linear = false;
+  for (const auto& [c, what] : std::vector<std::pair<GPTConfig, std::string>>{{biased, "exact GELU with dropout"},
+                                                                              {bare, "exact GELU without biases"}}) {
+    ExpectOneStepMatches(c, Precision::kFp32, 1e-5, 1e-4, what);
+    GPTConfig half = c;
+    half.attention_dropout = 0.0;
+    ExpectOneStepMatches(half, Precision::kBf16, 1e-2, 6e-2, what);
+  }
+}
+
+TEST(CudaLlamaModel, ExactGeluStepsFollowTheCpuCurve) {
+  GPTConfig c = SmallConfig(/*dropout=*/false);
+  c.gelu_exact = true;
+  ExpectCurvesFollowTheCpu(c, Batches(10, c.vocab_size), 30, 1e-3, 5e-2, " exact GELU");
+}
+
 }  // namespace
 }  // namespace ptk
