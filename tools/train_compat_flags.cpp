@@ -76,7 +76,11 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--num-dataset-builder-threads", Arg::kPositiveInt, "the dataset indices are built with ptk's own threads"},
     {"--log-progress", Arg::kNone, "no progress.txt is written; the log line and metrics.jsonl have the figures"},
     // Model flags that name what ptk's model does already, or that Megatron ignores here.
-    {"--openai-gelu", Arg::kNone, "ptk's GELU is this tanh approximation already"},
+    // megatron-core's GPT does not read it (core_transformer_config_from_args): its GELU MLP is the fused kernel's
+    // tanh GELU, or F.gelu's exact one without the fusion (--no-bias-gelu-fusion, --disable-bias-linear), as ptk's.
+    {"--openai-gelu", Arg::kNone,
+     "megatron-core's GPT does not read it: the GELU MLP is the tanh GELU (the fused bias-GELU kernel's, as "
+     "--openai-gelu's), or the exact one with --no-bias-gelu-fusion or --disable-bias-linear"},
     {"--attention-softmax-in-fp32", Arg::kNone, "the attention softmax is computed in fp32 already"},
     {"--apply-query-key-layer-scaling", Arg::kNone,
      "it only keeps fp16 attention scores from overflowing in Megatron's unfused softmax"},
