@@ -278,6 +278,29 @@ TEST(TensorParallel, MegatronMlpAndNormFlagsMatchOneRank) {
   }
 }
 
+// The exact erf GELU of Megatron's unfused GELU MLP (--no-bias-gelu-fusion), with biases and without
+// (--disable-bias-linear): T = 2 with and without --sequence-parallel against one rank.
+TEST(TensorParallel, ExactGeluMatchesOneRank) {
+  for (bool bias : {true, false}) {
+    GPTConfig c = QkConfig(false);
+    c.gelu_exact = true;
+    c.add_bias_linear = bias;
+    const Pass one = OnePass(1, false, c);
+    for (const auto& [T, sp] : {std::pair{2, false}, std::pair{2, true}}) {
+      const Pass tp = OnePass(T, sp, c);
+      EXPECT_TRUE(tp.whole_tensors_same_bits) << "T=" << T << " sp=" << sp;
+      double gmax = 0, dmax = 0;
+      for (size_t i = 0; i < one.grads.size(); ++i) {
+        gmax = std::max(gmax, static_cast<double>(std::abs(one.grads[i])));
+        dmax = std::max(dmax, static_cast<double>(std::abs(one.grads[i] - tp.grads[i])));
+      }
+      EXPECT_LT(Rel(tp.losses[0], one.losses[0]), 1e-6) << "bias=" << bias << " T=" << T << " sp=" << sp;
+      EXPECT_LT(dmax, 1e-5 * gmax) << "bias=" << bias << " T=" << T << " sp=" << sp << ": largest gradient difference "
+                                   << dmax << " of " << gmax;
+    }
+  }
+}
+
 TEST(TensorParallel, MegatronMlpAndNormFlagsGradientIsTheLossesDerivative) {
   const Batches data(1);
   for (bool qwen3 : {false, true}) {
