@@ -1,5 +1,6 @@
 // The CPU ops' vector lanes (trainer/cpu/cpu_lanes.h): the tanh against the C library's in double,
-// and fp32 GELU (lanes, then a scalar tail) against the double formula, at sizes with tails, with
+// fp32 GELU (lanes, then a scalar tail) against the double formula, and AdamW and Scale against the
+// scalar formula bit for bit, at sizes with tails, with
 // each element's bits independent of whether a lane or the tail computed it.
 #include "trainer/cpu/cpu_lanes.h"
 
@@ -92,6 +93,41 @@ TEST(CpuLanes, Fp32GeluBitsDoNotDependOnTheElementsPosition) {
   for (int64_t i = 1; i < n; ++i) {
     EXPECT_EQ(std::memcmp(&y[i], &shifted[i - 1], sizeof(float)), 0) << i;
     EXPECT_EQ(std::memcmp(&dx[i], &dshifted[i - 1], sizeof(float)), 0) << i;
+  }
+}
+
+// AdamW and Scale in fp32 run whole lanes of 16, then a tail, in blocks of 16384: every element has the
+// bits of the scalar formula (op_math.h's AdamWElement), at sizes with tails and across blocks.
+TEST(CpuLanes, Fp32AdamWAndScaleGiveTheScalarFormulasBits) {
+  AdamWParams a;
+  a.lr = 3e-4;
+  a.beta1 = 0.9;
+  a.beta2 = 0.95;
+  a.eps = 1e-8;
+  a.weight_decay = 0.1;
+  a.step = 7;
+  const AdamWCoefficients<float> c =
+      MakeAdamWCoefficients<float>(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step);
+  for (int64_t n : {1, 15, 16, 17, 16384 + 33}) {
+    auto make = [&](uint32_t seed, double scale, bool positive) {
+      const std::vector<double> d = testing::Random(n, seed, scale);
+      std::vector<float> f(d.begin(), d.end());
+      if (positive)
+        for (float& x : f) x = std::fabs(x);
+      return f;
+    };
+    std::vector<float> p = make(50, 1.0, false), g = make(51, 1e-2, false), m = make(52, 1e-3, false),
+                       v = make(53, 1e-5, true);
+    std::vector<float> wp = p, wm = m, wv = v;
+    for (int64_t i = 0; i < n; ++i) AdamWElement(wp[i], g[i], wm[i], wv[i], c);
+    cpu::AdamW(p.data(), g.data(), m.data(), v.data(), n, a);
+    EXPECT_EQ(std::memcmp(p.data(), wp.data(), n * sizeof(float)), 0) << "n=" << n;
+    EXPECT_EQ(std::memcmp(m.data(), wm.data(), n * sizeof(float)), 0) << "n=" << n;
+    EXPECT_EQ(std::memcmp(v.data(), wv.data(), n * sizeof(float)), 0) << "n=" << n;
+    std::vector<float> ws = g;
+    for (float& x : ws) x *= 0.37f;
+    cpu::Scale(g.data(), n, 0.37f);
+    EXPECT_EQ(std::memcmp(g.data(), ws.data(), n * sizeof(float)), 0) << "n=" << n;
   }
 }
 
