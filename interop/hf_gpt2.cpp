@@ -431,10 +431,27 @@ std::string ImportedTrainFlags(const GPTConfig& c, int64_t make_vocab_size_divis
   return flags;
 }
 
+// --save-dir the Hugging Face directory read, or inside it: the import wrote iter_N/ and
+// latest_checkpointed_iteration.txt into it, exit 0 (the exports refuse their overlaps already).
+absl::Status CheckImportOutsideLoadDir(const ConvertOptions& o) {
+  std::error_code ec;
+  const std::filesystem::path load = std::filesystem::weakly_canonical(o.load_dir, ec);
+  if (ec) return absl::OkStatus();
+  const std::filesystem::path save = std::filesystem::weakly_canonical(o.save_dir, ec);
+  if (ec) return absl::OkStatus();
+  const std::string l = load.string(), v = save.string();
+  if (v != l && v.rfind(l == "/" ? l : l + "/", 0) != 0) return absl::OkStatus();
+  return UsageError(fmt::format(
+      "--save-dir {} is {}--load-dir {}: the import would write iter_N/ and latest_checkpointed_iteration.txt into "
+      "the Hugging Face directory it reads; import into a directory of its own",
+      o.save_dir, v == l ? "" : "inside ", o.load_dir));
+}
+
 }  // namespace
 
 absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   ConvertSummary s;
+  PTK_RETURN_IF_ERROR(CheckImportOutsideLoadDir(o));
   if (o.iteration < 0) return UsageError(fmt::format("--iteration {}: must be at least 0", o.iteration));
   if (o.iteration > 0 && (o.global_batch_size > 0) == (o.consumed_train_samples >= 0))
     return UsageError(fmt::format(

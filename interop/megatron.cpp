@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -251,6 +252,41 @@ struct Import {
     return absl::OkStatus();
   }
 
+  // A tied embedding over pipeline stages: the last stage keeps a copy (output_layer.weight), which
+  // Megatron keeps equal to stage 0's embedding (their gradients are summed). ptk's tied model has one
+  // tensor, stage 0's. Megatron's loader takes each copy as it is, so a checkpoint where they differ
+  // (damaged, or edited) loads there: warned, naming both tensors and the first element that differs.
+  absl::Status CheckTiedCopy() {
+    if (!tied_copy) return absl::OkStatus();
+    const std::string emb = "embedding.word_embeddings.weight", out = "output_layer.weight";
+    for (int64_t t = 0; t < sh.tp; ++t) {
+      RankFile& first = sh.files[static_cast<size_t>(t)][0];
+      RankFile& last = sh.files[static_cast<size_t>(t)][static_cast<size_t>(sh.pp - 1)];
+      const PyValue* e = first.models[0]->Get(emb);
+      const PyValue* c = last.models[static_cast<size_t>(vp - 1)]->Get(out);
+      if (!e || e->kind != PyValue::Kind::kTensor) return Bad(first.reader->path(), "tensor " + emb + ": not a tensor");
+      if (!c || c->kind != PyValue::Kind::kTensor) return Bad(last.reader->path(), "tensor " + out + ": not a tensor");
+      if (c->tensor.shape != e->tensor.shape)
+        return Bad(last.reader->path(),
+                   fmt::format("tensor {} (the last stage's copy of the tied embedding): shape {}, {} in {} has {}",
+                               out, ShapeStr(c->tensor.shape), emb, first.reader->path(), ShapeStr(e->tensor.shape)));
+      PTK_ASSIGN_OR_RETURN(const std::vector<float> a, first.reader->ReadFloat(e->tensor, emb));
+      PTK_ASSIGN_OR_RETURN(const std::vector<float> b, last.reader->ReadFloat(c->tensor, out));
+      const int64_t cols = e->tensor.shape.size() > 1 ? e->tensor.shape[1] : 1, rows = e->tensor.shape[0];
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (std::memcmp(&a[i], &b[i], sizeof(float)) == 0) continue;
+        const int64_t row = t * rows + static_cast<int64_t>(i) / cols, col = static_cast<int64_t>(i) % cols;
+        log::Warning(
+            "{}: {} (the last stage's copy of the tied embedding) differs from {} in {} at [{}, {}] ({} vs {}), "
+            "which Megatron keeps equal: a damaged or edited checkpoint. Megatron would load each as it is; ptk's "
+            "tied model takes stage 0's embedding for both",
+            last.reader->path(), out, emb, first.reader->path(), row, col, b[i], a[i]);
+        return absl::OkStatus();
+      }
+    }
+    return absl::OkStatus();
+  }
+
   // Tensor-parallel shard t of m (its full shape `full`) into w, a, b: the weight (the fp32 master
   // where there is one) and its moments.
   absl::Status GatherShard(const MegParam& m, int64_t t, const std::vector<int64_t>& full, std::vector<float>& w,
@@ -456,6 +492,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   im.te = sh.files[0][0].models[0]->Get("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") != nullptr;
   im.tied_copy = !s.config.untie_embeddings_and_output_weights && sh.pp * im.vp > 1;
   PTK_RETURN_IF_ERROR(im.CheckRanks());
+  PTK_RETURN_IF_ERROR(im.CheckTiedCopy());
   PTK_RETURN_IF_ERROR(im.Gather());
   im.Notes();
   PTK_RETURN_IF_ERROR(SaveImported(o, im.args, root, first.reader.get(), *im.layout, im.model.divisible, im.adam_step,

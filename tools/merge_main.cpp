@@ -63,6 +63,17 @@ int main(int argc, char** argv) {
         return input_dir.empty() ? ptk::UsageError(why) : absl::FailedPreconditionError(why);
       }
     }
+    // --inputs naming the output itself (however spelled) is a usage error, as a repeated input is (the
+    // merge said "error: output prefix X is also an input", exit 1). --input DIR never takes the output.
+    for (const std::string& in : inputs)
+      for (std::string (*file)(const std::string&) : {&ptk::IdxPath, &ptk::BinPath}) {
+        auto a = ptk::IdentifyFile((*file)(in)), b = ptk::IdentifyFile((*file)(output_prefix));
+        if (input_dir.empty() && a.ok() && b.ok() && a->dev == b->dev && a->ino == b->ino)
+          return ptk::UsageError(fmt::format(
+              "--output-prefix {} is --inputs {} (the same dataset, {}): the merge would write over its own input; "
+              "give the output a prefix of its own",
+              output_prefix, in, (*file)(in)));
+      }
     PTK_ASSIGN_OR_RETURN(const std::string source, ptk::MergeSource(inputs, multimodal));
     int64_t documents = 0, tokens = 0;
     if (!force && ptk::DatasetMadeFrom(output_prefix, source, &documents, &tokens)) {

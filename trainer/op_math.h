@@ -2,8 +2,8 @@
 // approximation, and torch's exact erf GELU) and their derivatives, SiLU and its derivative (SwiGLU),
 // squared ReLU and its derivative, RoPE's inverse frequencies,
 // one AdamW element, the dropout scale. The CPU tests run these
-// very functions, so a kernel differs from its CPU op only in reduction order and in the device's
-// tanh/exp, never in the formula.
+// very functions, so a kernel differs from its CPU op only in reduction order and in the tanh/exp
+// (the device's; the CPU's fp32 GELU runs trainer/cpu/cpu_lanes.h's), never in the formula.
 #pragma once
 
 #include <cmath>
@@ -14,20 +14,36 @@
 
 namespace ptk {
 
-// gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
+// gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), over any tanh: V is S (a float or a
+// double) or, on the CPU, a vector of S (trainer/cpu/cpu_lanes.h's lanes and its own tanh).
+template <typename S, typename V, typename Tanh>
+PTK_HD V GeluValueWith(V x, Tanh tanh_of) {
+  const S k = static_cast<S>(0.79788456080286535588);  // sqrt(2/pi)
+  V u = k * x * (S(1) + S(0.044715) * x * x);
+  return S(0.5) * x * (S(1) + tanh_of(u));
+}
+template <typename S, typename V, typename Tanh>
+PTK_HD V GeluDerivativeWith(V x, Tanh tanh_of) {
+  const S k = static_cast<S>(0.79788456080286535588);
+  V u = k * x * (S(1) + S(0.044715) * x * x);
+  V th = tanh_of(u);
+  V du = k * (S(1) + S(3) * S(0.044715) * x * x);
+  return S(0.5) * (S(1) + th) + S(0.5) * x * (S(1) - th * th) * du;
+}
+// The C library's (the device's) tanh.
+struct StdTanh {
+  template <typename T>
+  PTK_HD T operator()(T u) const {
+    return std::tanh(u);
+  }
+};
 template <typename T>
 PTK_HD T GeluValue(T x) {
-  const T k = static_cast<T>(0.79788456080286535588);  // sqrt(2/pi)
-  T u = k * x * (T(1) + T(0.044715) * x * x);
-  return T(0.5) * x * (T(1) + std::tanh(u));
+  return GeluValueWith<T>(x, StdTanh{});
 }
 template <typename T>
 PTK_HD T GeluDerivative(T x) {
-  const T k = static_cast<T>(0.79788456080286535588);
-  T u = k * x * (T(1) + T(0.044715) * x * x);
-  T th = std::tanh(u);
-  T du = k * (T(1) + T(3) * T(0.044715) * x * x);
-  return T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th * th) * du;
+  return GeluDerivativeWith<T>(x, StdTanh{});
 }
 
 // torch's exact GELU (F.gelu, approximate='none'), Megatron's GELU MLP without the fused bias-GELU

@@ -81,8 +81,8 @@ class Trainer {
     Print("training ...");
     const int64_t first = state_.iteration + 1;
     if (lead_)
-      log::Info("start-up: iteration {} running (its log line comes at iteration {}) ...", first,
-                (first + o_.log_interval - 1) / o_.log_interval * o_.log_interval);
+      log::Info("start-up: iteration {} running ({}) ...", first,
+                FirstLogLineNote(first, o_.log_interval, plan_.train_iters));
     while (state_.iteration < plan_.train_iters) {
       PTK_RETURN_IF_ERROR(UpdateBatchSize());
       t0 = Clock::now();

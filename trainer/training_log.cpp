@@ -258,6 +258,14 @@ absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::strin
   return st;
 }
 
+std::string FirstLogLineNote(int64_t first, int64_t log_interval, int64_t train_iters) {
+  const int64_t logged = (first + log_interval - 1) / log_interval * log_interval;
+  if (logged <= train_iters) return fmt::format("its log line comes at iteration {}", logged);
+  return fmt::format(
+      "no log line comes: the run ends at iteration {}, before {}, the next multiple of --log-interval {}", train_iters,
+      logged, log_interval);
+}
+
 std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters) {
   return fmt::format(
       "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} to "

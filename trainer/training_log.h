@@ -102,4 +102,9 @@ struct TrainOptions;  // train_options.h
 // iteration (`train_iters`, as planned) already: nothing to train, and which flag to raise.
 std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters);
 
+// When the run starting at iteration `first` prints its first log line: as Megatron, at multiples of
+// --log-interval only, so none when the run ends before the next one ("its log line comes at
+// iteration 100" with --train-iters 8 promised a line that never came).
+std::string FirstLogLineNote(int64_t first, int64_t log_interval, int64_t train_iters);
+
 }  // namespace ptk

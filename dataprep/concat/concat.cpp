@@ -300,6 +300,25 @@ absl::Status CheckChunkInputs(const ConcatPlan& plan, size_t index) {
   return absl::OkStatus();
 }
 
+// Before a complete chunk is skipped: every input that is still there has the size the plan recorded,
+// which is the size the chunk was built from (its sidecar records the plan's sizes). A chunk whose input
+// changed since was kept, "already complete", exit 0, while a chunk not yet built refused the same
+// change: it is refused the same way. An input removed after its chunk was built changes nothing.
+absl::Status CheckBuiltChunkInputs(const ConcatPlan& plan, size_t index) {
+  for (const auto& in : plan.chunks[index].inputs) {
+    const std::string in_path = plan.Resolve(in.path);
+    if (!PathExists(in_path)) continue;
+    auto size = FileSize(in_path);
+    if (size.ok() && *size == in.size) continue;
+    if (!size.ok()) return size.status();
+    return absl::FailedPreconditionError(
+        fmt::format("{}: is {} bytes but the plan recorded {}, and chunk {} ({}) was built from those {}; the inputs "
+                    "changed since the plan was made",
+                    in_path, *size, in.size, index, plan.chunks[index].name, in.size));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable) {
@@ -325,6 +344,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
     auto fs = FileSize(out_path);
     if (!p.parse(*side).get(e) && !e["inputs_sha256"].get(d) && !e["size"].get(size) && d == digest && fs.ok() &&
         *fs == size) {
+      PTK_RETURN_IF_ERROR(CheckBuiltChunkInputs(plan, index));
       res.skipped = true;
       res.bytes = size;
       return res;

@@ -67,7 +67,8 @@ struct ConcatChunkResult {
 };
 
 // Builds one chunk (idempotent: a complete chunk with a matching sidecar is skipped). Checks that
-// every input still has the size the plan recorded.
+// every input still has the size the plan recorded, for a complete chunk too (every input still there:
+// one that changed since the chunk was built is refused, not skipped).
 // durable: the chunk is fsynced before its rename (and its directory after), so that a chunk that
 // exists survives a crash. Without it the chunk is still atomic (complete or absent) but, like
 // cat's output, only in the page cache when the call returns.

@@ -629,6 +629,40 @@ TEST(Concat, ChunksAreExactNewlineSafeAndResumable) {
   EXPECT_NE(durable.output.find("0 chunks built, 3 already complete"), std::string::npos) << durable.output;
 }
 
+// An input that changed after its chunk was built: the rerun said "already complete", exit 0, and kept
+// the chunk built from the old bytes, while a chunk not yet built refused the same change. Both refuse
+// now, naming the input and both sizes; an input removed after its chunk was built changes nothing.
+TEST(Concat, AnInputChangedAfterItsChunkWasBuiltIsRefusedNotSkipped) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(30, 1), b = Jsonl(30, 2);
+  testing::WriteFile(dir / "in/a.jsonl", a);
+  testing::WriteFile(dir / "in/b.jsonl", b);
+  const std::string concat = testing::Tool("ptk-concat");
+  ASSERT_EQ(
+      RunCmd(fmt::format("{} plan --input {} --output-dir {} --chunks 2", concat, dir / "in", dir / "c")).exit_code, 0);
+  const std::string run = fmt::format("{} run --quiet --plan {}", concat, dir / "c/concat-plan.json");
+  auto first = RunCmd(run);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  testing::WriteFile(dir / "in/a.jsonl", a + Jsonl(1, 9));
+  const size_t grown = a.size() + Jsonl(1, 9).size();
+  auto again = RunCmd(run);
+  EXPECT_EQ(again.exit_code, 1) << again.output;
+  EXPECT_NE(again.output.find(fmt::format("{}: is {} bytes but the plan recorded {}, and chunk 0 (train_00.jsonl) "
+                                          "was built from those {}; the inputs changed since the plan was made",
+                                          dir / "in/a.jsonl", grown, a.size(), a.size())),
+            std::string::npos)
+      << again.output;
+  EXPECT_NE(again.output.find("0 chunks built, 1 already complete, 1 failed"), std::string::npos) << again.output;
+  EXPECT_EQ(testing::ReadFile(dir / "c/train_00.jsonl"), a);
+  // Put back as it was: complete again. Removed after its chunk was built: still complete.
+  testing::WriteFile(dir / "in/a.jsonl", a);
+  std::filesystem::remove(dir / "in/b.jsonl");
+  auto back = RunCmd(run);
+  EXPECT_EQ(back.exit_code, 0) << back.output;
+  EXPECT_NE(back.output.find("0 chunks built, 2 already complete"), std::string::npos) << back.output;
+}
+
 // A plan made with relative paths (`cd data && ptk-concat plan --input in --output-dir out`) and run
 // by a task started in another directory reads the plan's files and writes its chunks where the
 // plan says. It read `in/...` and wrote `out/...` below the task's directory: an error, or, where a

@@ -720,6 +720,24 @@ TEST(TokenizeErrors, MergeOfOneDatasetTwiceIsRefused) {
   EXPECT_FALSE(testing::Exists(dir / "m.bin"));
 }
 
+// --inputs naming the output itself, however spelled, was "error: output prefix X is also an input",
+// exit 1: a usage error (exit 2) naming both flags, the input left as it was.
+TEST(TokenizeErrors, MergeIntoOneOfItsInputsIsAUsageError) {
+  testing::TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n");
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / "a"))).exit_code, 0);
+  const std::string a = dir / "a_text_document", bytes = testing::ReadFile(a + ".bin");
+  for (const std::string& out : {a, dir / "./a_text_document"}) {
+    auto r = RunCmd(fmt::format("{} --inputs {} --output-prefix {}", testing::Tool("ptk-merge"), a, out));
+    EXPECT_EQ(r.exit_code, 2) << out << "\n" << r.output;
+    EXPECT_NE(r.output.find(
+                  fmt::format("usage error: --output-prefix {} is --inputs {} (the same dataset, {}.idx)", out, a, a)),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(testing::ReadFile(a + ".bin"), bytes);
+  }
+}
+
 TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   testing::TempDir dir;
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");

@@ -749,6 +749,18 @@ TEST_F(HfConvert, NoConversionWritesOverTheCheckpointItReadsOrAnotherToolsCheckp
   EXPECT_EQ(Entries(meg + "/iter_0000007/mp_rank_00"), "model_optim_rng.pt ");
   // Into directories of their own, all three run.
   EXPECT_EQ(convert("ptk", "hf", ck, dir_ / "hf").exit_code, 0);
+  // The Hugging Face directory read, as the import's --save-dir (or a folder inside it): iter_0000000/ and
+  // latest_checkpointed_iteration.txt were written into it, exit 0.
+  const std::string hf = dir_ / "hf", hf_entries = Entries(hf);
+  for (const std::string& to : {hf, hf + "/.", hf + "/ptk"}) {
+    auto into = convert("hf", "ptk", hf, to);
+    EXPECT_EQ(into.exit_code, 2) << into.output;
+    EXPECT_NE(into.output.find("usage error: --save-dir " + to + " is " + (to == hf + "/ptk" ? "inside " : "") +
+                               "--load-dir " + hf + ": the import would write iter_N/"),
+              std::string::npos)
+        << into.output;
+    EXPECT_EQ(Entries(hf), hf_entries);
+  }
   auto imported = convert("megatron", "ptk", meg, dir_ / "imported");
   EXPECT_EQ(imported.exit_code, 0) << imported.output;
 }

@@ -228,7 +228,8 @@ def main():
     try:
         # Megatron -> ptk, from several layouts (vocabulary 50 padded to 8 x TP; ptk pads to 56).
         ptk1, _ = import_matches_reference(tmp, "t1p1-te", ["--tp", "1", "--pp", "1"], 56)
-        ptk22, _ = import_matches_reference(tmp, "t2p2-te-bf16", ["--tp", "2", "--pp", "2", "--bf16"], 56)
+        ptk22, p22 = import_matches_reference(tmp, "t2p2-te-bf16", ["--tp", "2", "--pp", "2", "--bf16"], 56)
+        check("copy of the tied embedding" not in p22.stderr, f"equal tied copies: no warning: {p22.stderr}")
         ptk21, _ = import_matches_reference(tmp, "t2p1-local-untied",
                                             ["--tp", "2", "--pp", "1", "--impl", "local", "--untie"], 56)
         ptk12, _ = import_matches_reference(tmp, "t1p2-te-untied", ["--tp", "1", "--pp", "2", "--untie", "--layers",
@@ -271,6 +272,27 @@ def main():
         check(same_bits(ptk_tensor(h, arr, 0, "decoder.layers.1.mlp.linear_fc1.weight"), w),
               "distributed optimizer without distrib_optim.pt: the weights bit for bit")
         check(not arr[1:].any() and h["adam_step"] == 0, "distributed optimizer: zero moments, Adam step 0")
+        # A tied embedding's copy on the last pipeline stage that differs from stage 0's (which Megatron
+        # keeps equal) was taken silently: ptk's tied model has one tensor, stage 0's. Megatron's loader
+        # takes each copy as it is, so the import goes on with a warning naming both tensors and the first
+        # element that differs (in the full, tensor-parallel-gathered table).
+        meg = os.path.join(tmp, "tied-differs")
+        gen(meg, "--tp", "2", "--pp", "2")
+        last = os.path.join(meg, "iter_0000020", "mp_rank_01_001", "model_optim_rng.pt")
+        sd = torch.load(last)
+        rows = sd["model"]["output_layer.weight"].shape[0]
+        sd["model"]["output_layer.weight"][3, 5] += 1.0
+        torch.save(sd, last)
+        p = convert("megatron", "ptk", meg, os.path.join(tmp, "tied-differs-ptk"))
+        first = os.path.join(meg, "iter_0000020", "mp_rank_01_000", "model_optim_rng.pt")
+        check(f"{last}: output_layer.weight (the last stage's copy of the tied embedding) differs from "
+              f"embedding.word_embeddings.weight in {first} at [{rows + 3}, 5]" in p.stderr,
+              f"a tied copy that differs is warned naming both tensors and the element: {p.stderr}")
+        h, arr = read_ptk(os.path.join(tmp, "tied-differs-ptk"))
+        ref = torch.load(os.path.join(meg, "reference.pt"))
+        check(same_bits(ptk_tensor(h, arr, 0, "embedding.word_embeddings.weight"),
+                        ref["weight"]["embedding.word_embeddings.weight"].numpy()[:56]),
+              "a tied copy that differs: stage 0's embedding is taken")
         # ptk-train resumes the imported checkpoint where Megatron stopped (iteration 20, 160 samples).
         resumed = os.path.join(tmp, "resumed")
         p = run(os.path.join(BIN, "ptk-train"), "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads",

@@ -287,16 +287,25 @@ TEST_F(MegatronFlags, ResumeComparesDatasetsByTheirResolvedFiles) {
 }
 
 // A run says what it is doing before its first log line: a line per start-up stage with its time.
+// With --train-iters below --log-interval it said "its log line comes at iteration 100", which never came
+// (as Megatron, ptk logs at multiples of --log-interval only).
 TEST_F(MegatronFlags, StartUpStagesArePrintedWithTheirTimes) {
   auto r = RunCmd(Train("--log-interval 100"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* stage :
        {"start-up: model built and initialised (", "start-up: building the datasets", "start-up: datasets ready (",
-        "start-up: iteration 1 running (its log line comes at "
-        "iteration 100)",
+        "start-up: iteration 1 running (no log line comes: the run ends at iteration 8, before 100, the next "
+        "multiple of --log-interval 100) ...",
         "start-up: iteration 1 done ("})
     EXPECT_NE(r.output.find(stage), std::string::npos) << stage << "\n" << r.output;
+  EXPECT_EQ(r.output.find("its log line comes"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("consumed samples:"), std::string::npos) << r.output;  // no log line came
   EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(start-up: datasets ready \([0-9]+\.[0-9] s\))"))) << r.output;
+  auto logged = RunCmd(Train("--log-interval 4"));
+  ASSERT_EQ(logged.exit_code, 0) << logged.output;
+  EXPECT_NE(logged.output.find("start-up: iteration 1 running (its log line comes at iteration 4) ..."),
+            std::string::npos)
+      << logged.output;
 }
 
 // The flags of Megatron's own examples/gpt3/train_gpt3_175b_distributed.sh and of the tutorials'

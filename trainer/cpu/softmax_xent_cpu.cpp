@@ -3,62 +3,20 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <type_traits>
 
+#include "trainer/cpu/cpu_lanes.h"
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::cpu {
 namespace {
 
-constexpr int kLanes = 16;
-// kLanes floats as one GCC vector: the lanes' arithmetic is written out, so that it is vector code
-// at any optimisation level (-O2's vectoriser leaves the exponential's loop scalar), with each lane
-// the same operations, and so the same bits, as one float.
-// Functions taking and returning Lanes are this file's own and always inlined (PTK_LANES_INLINE),
-// at -O0 too: GCC's note that a 64-byte vector's calling convention differs with AVX-512 does not
-// concern them. Left as calls (a Debug build), an avx512f clone of ExpRow would take Load's result in
-// a register where the default-target Load returns it in memory (the ASan build read a null pointer).
-#define PTK_LANES_INLINE inline __attribute__((always_inline))
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(float))));
-
-PTK_LANES_INLINE Lanes Load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-PTK_LANES_INLINE void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
-// static_cast for one value, lane by lane for lanes.
-template <typename To, typename From>
-PTK_LANES_INLINE To ConvertTo(From x) {
-  if constexpr (std::is_arithmetic_v<From>)
-    return static_cast<To>(x);
-  else
-    return __builtin_convertvector(x, To);
-}
-
-// exp(x) for x <= 0 (arguments are logit - row max): Cephes' expf, 2^n * p(r) with |r| <= ln2/2,
-// within 2 ulp; branch-free. A template, so that the scalar tail and the lanes run one formula.
-template <typename V, typename I>
-PTK_LANES_INLINE V ExpNonPositive(V x) {
-  x = x < -87.3f ? V{} - 87.3f : x;
-  const V n = ConvertTo<V>(ConvertTo<I>(x * 1.44269504088896341f - 0.5f));
-  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const I bits = (ConvertTo<I>(n) + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using lanes::ExpNonPositive;
+using lanes::IntLanes;
+using lanes::kLanes;
+using lanes::Lanes;
+using lanes::Load;
+using lanes::Store;
 
 // One row: returns the max; row[j] = exp(row[j] - max); *sum = sum of those. The lanes fix the
 // summation order, so every instruction set gives the same bits.
