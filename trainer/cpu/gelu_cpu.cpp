@@ -41,37 +41,39 @@ void GeluBackwardBlock(double* dinp, const double* inp, const double* dout, int6
   for (int64_t i = 0; i < n; ++i) dinp[i] = dout[i] * GeluDerivative(inp[i]);
 }
 
+// f(begin, count) over blocks of kBlock elements, in parallel (the same blocks for any thread count).
+template <typename F>
+void ForEachBlock(int64_t n, const F& f) {
+  tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
+    const int64_t begin = blk * kBlock;
+    f(begin, std::min(n, begin + kBlock) - begin);
+  });
+}
+
 }  // namespace
 
 template <typename T>
 void GeluForward(T* out, const T* inp, int64_t n) {
-  tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
-    const int64_t begin = blk * kBlock;
-    GeluBlock(out + begin, inp + begin, std::min(n, begin + kBlock) - begin);
-  });
+  ForEachBlock(n, [&](int64_t begin, int64_t count) { GeluBlock(out + begin, inp + begin, count); });
 }
 
 template <typename T>
 void GeluBackward(T* dinp, const T* inp, const T* dout, int64_t n) {
-  tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
-    const int64_t begin = blk * kBlock;
-    GeluBackwardBlock(dinp + begin, inp + begin, dout + begin, std::min(n, begin + kBlock) - begin);
-  });
+  ForEachBlock(
+      n, [&](int64_t begin, int64_t count) { GeluBackwardBlock(dinp + begin, inp + begin, dout + begin, count); });
 }
 
 template <typename T>
 void GeluExactForward(T* out, const T* inp, int64_t n) {
-  tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
-    int64_t end = std::min(n, (blk + 1) * kBlock);
-    for (int64_t i = blk * kBlock; i < end; ++i) out[i] = GeluExactValue(inp[i]);
+  ForEachBlock(n, [&](int64_t begin, int64_t count) {
+    for (int64_t i = begin; i < begin + count; ++i) out[i] = GeluExactValue(inp[i]);
   });
 }
 
 template <typename T>
 void GeluExactBackward(T* dinp, const T* inp, const T* dout, int64_t n) {
-  tbb::parallel_for(int64_t{0}, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
-    int64_t end = std::min(n, (blk + 1) * kBlock);
-    for (int64_t i = blk * kBlock; i < end; ++i) dinp[i] = dout[i] * GeluExactDerivative(inp[i]);
+  ForEachBlock(n, [&](int64_t begin, int64_t count) {
+    for (int64_t i = begin; i < begin + count; ++i) dinp[i] = dout[i] * GeluExactDerivative(inp[i]);
   });
 }
 
