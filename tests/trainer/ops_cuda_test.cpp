@@ -502,6 +502,42 @@ TEST_F(CudaOps, SoftmaxCrossEntropyTargetOutOfRangeGivesNaN) {
   EXPECT_TRUE(std::isnan(losses[1]));
 }
 
+// A -inf logit (fp16 logits past -65504) adds nothing to the softmax, as in the CPU op. Each row's
+// first 8 logits are -inf: the first pack of the first thread (vectorised, vp = 8192) or the first
+// logit of the first threads (scalar, vp = 8193), whose running max is still -inf there. Before
+// SoftmaxOnlineAdd, expf(-inf - -inf) = NaN entered that thread's sum and outlived the rescaling
+// when its later logits came: a NaN loss and NaN dlogits for every such row.
+TYPED_TEST(TypedCudaOps, SoftmaxCrossEntropyMinusInfLogitsAddNothing) {
+  using T = TypeParam;
+  const float kInf = std::numeric_limits<float>::infinity();
+  for (int64_t vp : {int64_t{8192}, int64_t{8193}}) {
+    const int64_t n = 3;
+    const std::string what = "vp=" + std::to_string(vp);
+    auto raw = Normal(n * vp, 53, 0.0f, 2.0f);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < 8; ++j) raw[i * vp + j] = -kInf;
+    raw[2 * vp + vp / 2] = -kInf;  // and one in the middle of a row
+    const auto logits = RoundTrip<T>(raw);
+    const std::vector<int32_t> targets = {8, 100, static_cast<int32_t>(vp - 1)};
+    const std::vector<float> dl = {1.0f, 0.5f, 2.0f};
+    std::vector<float> losses(n), fused_losses(n), grad = logits;
+    cpu::SoftmaxCrossEntropyForward(losses.data(), logits.data(), targets.data(), n, vp);
+    cpu::SoftmaxCrossEntropyFused(grad.data(), fused_losses.data(), targets.data(), dl.data(), n, vp);
+    DeviceArray<T> dlogits(ToT<T>(logits));
+    DeviceArray<int32_t> dtargets(targets);
+    DeviceArray<float> dlosses(n), ddl(dl);
+    ASSERT_OK(SoftmaxCrossEntropyForward<T>(dlosses.get(), dlogits.get(), dtargets.get(), n, vp, this->ctx_));
+    ExpectClose(dlosses.Download(), losses, 1e-5, 1e-5, "forward losses " + what);
+    ASSERT_OK(SoftmaxCrossEntropyFused<T>(dlogits.get(), dlosses.get(), dtargets.get(), ddl.get(), n, vp, this->ctx_));
+    ExpectClose(dlosses.Download(), fused_losses, 1e-5, 1e-5, "fused losses " + what);
+    const auto got = ToF(dlogits.Download());
+    for (size_t k = 0; k < got.size(); ++k) {
+      const double tol = (1e-5 + Prec<T>::ulp) * std::fabs(grad[k]) + 1e-6 + Prec<T>::floor;
+      ASSERT_NEAR(got[k], grad[k], tol) << "dlogits[" << k << "] " << what;
+    }
+  }
+}
+
 // ---- AdamW, sums of squares, scaling ---------------------------------------------------------------
 
 // fp32: p, m, v bitwise equal to cpu::AdamW's over three steps (the same AdamWElement, no contracted

@@ -2,12 +2,14 @@
 // keeps, per thread, the running max (fp32) and the sum of exp(logit - max) (double), rescaled
 // when the max grows (online softmax), and the block combines them along a fixed tree; loss =
 // log(sum) + max - logit[target] in double, as the CPU op. The terms are expf (fp32, as the CPU's),
-// the rescalings exp in double (rare: when a thread's max grows). The fused version then overwrites the
+// the rescalings exp in double (rare: when a thread's max grows); a -inf logit adds nothing
+// (SoftmaxOnlineAdd of softmax_math.h). The fused version then overwrites the
 // row with (softmax - onehot) * dloss in a second pass: no probability matrix is kept.
 #include <cmath>
 
 #include "trainer/cuda/kernel_util.cuh"
 #include "trainer/cuda/ops_cuda.h"
+#include "trainer/cuda/softmax_math.h"
 
 namespace ptk::cuda {
 namespace {
@@ -76,15 +78,7 @@ __global__ void SoftmaxXentKernel(T* grad, const T* logits, float* losses, const
     for (int64_t j = static_cast<int64_t>(threadIdx.x) * N; j < vp; j += static_cast<int64_t>(blockDim.x) * N) {
       float v[N];
       kernel::LoadFloats<N>(x + j, v);
-      float pm = v[0];
-#pragma unroll
-      for (int k = 1; k < N; ++k) pm = fmaxf(pm, v[k]);
-      if (pm > m) {
-        if (m != -INFINITY) s *= exp(static_cast<double>(m) - static_cast<double>(pm));
-        m = pm;
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) s += static_cast<double>(expf(v[k] - m));
+      SoftmaxOnlineAdd<N>(m, s, v);
     }
     BlockCombine(m, s, shared_m, shared_s);
     if (threadIdx.x == 0) {
