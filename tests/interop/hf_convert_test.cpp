@@ -431,6 +431,15 @@ TEST_F(HfConvert, ImportRecordsTheDivisorAndResumesWithCheckpointArgsAtTheSamePa
   ASSERT_TRUE(resumed.ok()) << resumed.status();
   std::map<std::string, std::string> trained(resumed->begin(), resumed->end());
   EXPECT_EQ(trained["--make-vocab-size-divisible-by (padded vocabulary)"], "1008");
+  // The resumed run records the divisor that padded its vocabulary, the checkpoint's (it recorded the command
+  // line's 128 beside 1008, and the next --use-checkpoint-args resume was refused).
+  EXPECT_EQ(trained["--make-vocab-size-divisible-by"], "16");
+  auto again = RunCmd(ptk::testing::Tool("ptk-train") + " --use-checkpoint-args --load " + ShellQuote(dir_ / "run") +
+                      " --save " + ShellQuote(dir_ / "run") +
+                      " --seq-length 8 --micro-batch-size 1 --global-batch-size 2 --train-iters 2 --lr 1e-4 "
+                      "--use-checkpoint-opt_param-scheduler --mock-data --eval-iters 0 --log-interval 1 --threads 1");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("padded vocabulary 1008"), std::string::npos) << again.output;
 }
 
 TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
