@@ -481,6 +481,13 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
   TrainState state;
   state.seed = 1234;
   state.settings = llama ? hf_detail::LlamaSettings(c) : ImportedSettings(c);
+  // The divisor beside the padded vocabulary, as a run records it (Megatron's args hold
+  // make_vocab_size_divisible_by): --use-checkpoint-args pads the same from it.
+  const auto padded_at = std::find_if(state.settings.begin(), state.settings.end(), [](const auto& kv) {
+    return kv.first == "--make-vocab-size-divisible-by (padded vocabulary)";
+  });
+  state.settings.insert(padded_at + (padded_at != state.settings.end() ? 1 : 0),
+                        {"--make-vocab-size-divisible-by", std::to_string(o.make_vocab_size_divisible_by)});
   // A run's position (--iteration): Megatron's consumed samples, which place the data and the
   // learning-rate schedule (counted in samples, as Megatron's OptimizerParamScheduler counts them).
   state.iteration = s.iteration = o.iteration;

@@ -287,6 +287,23 @@ struct Import {
     return absl::OkStatus();
   }
 
+  // The same for the distributed optimizer's state (distrib_optim.pt): the last stage's fp32 param and
+  // moments of its copy against stage 0's of the embedding, which ptk takes.
+  void CheckTiedDistribCopy() const {
+    if (!tied_copy) return;
+    const int64_t rows = model.ckpt_padded / sh.tp, cols = s.config.hidden_size;
+    for (int64_t t = 0; t < sh.tp; ++t) {
+      const RankFile& first = sh.files[static_cast<size_t>(t)][0];
+      const RankFile& last = sh.files[static_cast<size_t>(t)][static_cast<size_t>(sh.pp - 1)];
+      if (!first.distrib || !last.distrib) continue;
+      if (megatron::WarnIfTiedCopyDiffers(JoinPath(Dirname(first.reader->path()), "distrib_optim.pt"), *first.distrib,
+                                          Key(0, "embedding.word_embeddings.weight"),
+                                          JoinPath(Dirname(last.reader->path()), "distrib_optim.pt"), *last.distrib,
+                                          Key(vp - 1, "output_layer.weight"), t * rows, rows, cols))
+        return;
+    }
+  }
+
   // Tensor-parallel shard t of m (its full shape `full`) into w, a, b: the weight (the fp32 master
   // where there is one) and its moments.
   absl::Status GatherShard(const MegParam& m, int64_t t, const std::vector<int64_t>& full, std::vector<float>& w,
@@ -493,6 +510,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   im.tied_copy = !s.config.untie_embeddings_and_output_weights && sh.pp * im.vp > 1;
   PTK_RETURN_IF_ERROR(im.CheckRanks());
   PTK_RETURN_IF_ERROR(im.CheckTiedCopy());
+  im.CheckTiedDistribCopy();
   PTK_RETURN_IF_ERROR(im.Gather());
   im.Notes();
   PTK_RETURN_IF_ERROR(SaveImported(o, im.args, root, first.reader.get(), *im.layout, im.model.divisible, im.adam_step,

@@ -186,10 +186,24 @@ absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::v
                     x.meta, x.layout_name, x.layout.config.num_layers, x.pp, x.vp));
   PTK_ASSIGN_OR_RETURN(const std::vector<MegParam> params, MegParams(x.layout, x.pp * x.vp));
   std::map<const MegParam*, std::array<std::vector<float>, 3>> full;  // at the checkpoint's vocabulary rows
+  // A tied embedding's copy on the last (virtual) stage has its own fp32 param and moments in that rank's grad
+  // buffer, as in distrib_optim.pt: checked against stage 0's (per tensor rank), which ptk takes.
+  const bool tied_copy = !x.model.config.untie_embeddings_and_output_weights && x.pp * x.vp > 1;
+  std::map<int64_t, DistribState> stage0;  // tensor rank -> stage 0's first grad buffer
+  bool warned = false;
+  auto where = [&](int64_t rank, int64_t v) {
+    return fmt::format("{} (model-parallel rank {}, grad buffer {})", x.meta, rank, v);
+  };
   for (int64_t rank = 0; rank < x.tp * x.pp; ++rank) {
     const int64_t t = rank % x.tp, p = rank / x.tp;
     for (int64_t v = 0; v < x.vp; ++v) {
       PTK_ASSIGN_OR_RETURN(DistribState d, RankGradBuffer(x, params, g, rank, v));
+      if (tied_copy && p == 0 && v == 0) stage0[t] = d;
+      if (tied_copy && p == x.pp - 1 && v == x.vp - 1 && !warned) {
+        const int64_t rows = x.model.ckpt_padded / x.tp;
+        warned = WarnIfTiedCopyDiffers(where(t, 0), stage0.at(t), "embedding.word_embeddings.weight", where(rank, v), d,
+                                       "output_layer.weight", t * rows, rows, x.model.config.hidden_size);
+      }
       for (const MegParam& m : params) {
         if (m.stage != v * x.pp + p || (m.split < 0 && t > 0)) continue;  // a replicated parameter: tensor rank 0's
         std::vector<int64_t> shape = m.info->shape;

@@ -109,6 +109,15 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
     set_none("virtual_pipeline_model_parallel_size");
     set_none("num_layers_per_virtual_pipeline_stage");
   }
+  // Megatron-LM 0.16's args hold it always (TransformerConfig's field, --microbatch-group-size-per-virtual-
+  // pipeline-stage): None unless given, TransformerConfig then taking the pipeline size. The run's group size
+  // where the export is interleaved and it is not that default (a smaller one Megatron refuses); its load
+  // neither takes nor checks it.
+  const auto group = static_cast<int64_t>(SettingNum(state, "--microbatch-group-size-per-virtual-pipeline-stage", 0));
+  if (vp > 1 && group > pp)
+    set_i("microbatch_group_size_per_vp_stage", group);
+  else
+    set_none("microbatch_group_size_per_vp_stage");
   set_b("sequence_parallel", false);
   set_i("data_parallel_size", 1);
   set_i("world_size", tp * pp);

@@ -2,9 +2,12 @@
 #include "interop/megatron_optim.h"
 
 #include <algorithm>
+#include <cstring>
+#include <tuple>
 
 #include <fmt/core.h>
 
+#include "common/logging.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
 #include "interop/torch_format.h"
@@ -150,6 +153,26 @@ absl::StatusOr<DistribState> ReadDistribStateChunks(torchfmt::TorchArchiveReader
                                    buffers.size(), path, &out));
   }
   return out;
+}
+
+bool WarnIfTiedCopyDiffers(const std::string& first_file, const DistribState& first, const std::string& emb_key,
+                           const std::string& last_file, const DistribState& last, const std::string& out_key,
+                           int64_t row0, int64_t rows, int64_t cols) {
+  const int64_t e = first.offset.at(emb_key), o = last.offset.at(out_key);
+  for (auto [what, a, b] : {std::tuple{"fp32 param", &first.param, &last.param},
+                            {"exp_avg", &first.exp_avg, &last.exp_avg},
+                            {"exp_avg_sq", &first.exp_avg_sq, &last.exp_avg_sq}})
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const float x = (*a)[static_cast<size_t>(e + i)], y = (*b)[static_cast<size_t>(o + i)];
+      if (std::memcmp(&x, &y, sizeof(float)) == 0) continue;
+      log::Warning(
+          "{}: the distributed optimizer's {} of {} (the last stage's copy of the tied embedding) differs from "
+          "{}'s in {} at [{}, {}] ({} vs {}), which Megatron keeps equal: a damaged or edited checkpoint. Megatron "
+          "would load each as it is; ptk's tied model takes stage 0's",
+          last_file, what, out_key, emb_key, first_file, row0 + i / cols, i % cols, y, x);
+      return true;
+    }
+  return false;
 }
 
 }  // namespace ptk::megatron

@@ -69,4 +69,14 @@ absl::StatusOr<DistribState> ReadDistribStateChunks(torchfmt::TorchArchiveReader
                                                     const std::string& where,
                                                     const std::vector<DistribBuffer>& buffers);
 
+// One tensor rank's shard of a tied embedding in the distributed optimizer's state: stage 0's
+// (`emb_key` in `first`, read from `first_file`) and the last (virtual) stage's copy (`out_key` in
+// `last`, from `last_file`), `rows` x `cols` elements each, the shard starting at row `row0` of the
+// whole table. Megatron keeps the two equal (their gradients are summed, so the same AdamW update
+// reaches both); its loader takes each as it is. Warns at the first element whose fp32 param,
+// exp_avg or exp_avg_sq differs, naming both files and the element, and returns whether it did.
+bool WarnIfTiedCopyDiffers(const std::string& first_file, const DistribState& first, const std::string& emb_key,
+                           const std::string& last_file, const DistribState& last, const std::string& out_key,
+                           int64_t row0, int64_t rows, int64_t cols);
+
 }  // namespace ptk::megatron

@@ -8,7 +8,8 @@
 # data/train_*.jsonl.zst and wiki/ (the sample's files), the GPT-2 files, out/a_text_document and
 # out/b_text_document, parts/.
 # Also: every `build/bin/` line of a README tool section is printed in that tool's manual too (the
-# README's screen is a summary of the manual, never a different command).
+# README's screen is a summary of the manual, never a different command); docs/ptk-train.md's memory
+# line is what the recipe's ptk-train line prints.
 # Usage: readme_examples_test.sh BIN_DIR SOURCE_DIR
 set -euo pipefail
 BIN=$1
@@ -99,6 +100,14 @@ for tool in "${tools[@]}"; do
   done
 done
 [ -f my-gpt2/model.safetensors ] || fail "the recipe wrote no Hugging Face model"
+# docs/ptk-train.md's memory line is the recipe's run at --threads 2 (attention's work buffers count per
+# thread): run again (its checkpoint is at the last iteration: nothing to train), the same line.
+want=$(tr '\n' ' ' <"$SRC/docs/ptk-train.md" | tr -s ' ' | grep -o 'Theoretical memory footprints: [^`]*') ||
+  fail "docs/ptk-train.md quotes no memory line"
+train=$(examples README.md "From your own jsonl to a Hugging Face model" | grep '^build/bin/ptk-train')
+mem=$(bash -c "$train --threads 2" 2>&1) || fail "the recipe's ptk-train line at --threads 2 failed: $mem"
+got=$(grep -o 'Theoretical memory footprints: .*' <<<"$mem") || fail "the recipe printed no memory line: $mem"
+[ "$got" = "$want" ] || fail "docs/ptk-train.md's memory line is not the recipe's: docs '$want', run '$got'"
 # The ptk-inspect blend (weights and prefixes as separate words) printed a GPTDataset sample.
 # (Output captured first: `grep -q` ending the pipe early would SIGPIPE the writer, and pipefail would
 # turn a match into a failure.)

@@ -164,7 +164,12 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
   o.tensor_model_parallel_size = static_cast<int>(tp);
   // Megatron's padding: a multiple of --make-vocab-size-divisible-by x T, so the slices are equal.
   PTK_ASSIGN_OR_RETURN(m.padded_vocab_size, PaddedVocabSize(f, m.vocab_size, tp));
-  o.make_vocab_size_divisible_by = f.make_vocab_size_divisible_by;
+  // Recorded beside the padded vocabulary it gave: with --use-checkpoint-args the checkpoint's divisor,
+  // which padded the vocabulary this run takes (the command line's would not give it again on the next
+  // resume).
+  o.make_vocab_size_divisible_by = f.checkpoint_vocab && f.checkpoint_vocab->make_vocab_size_divisible_by
+                                       ? *f.checkpoint_vocab->make_vocab_size_divisible_by
+                                       : f.make_vocab_size_divisible_by;
   if (!f.recompute_granularity.empty()) m.recompute_activations = true;
   if (f.recompute_granularity == "full")
     notes->push_back("--recompute-granularity full: ptk recomputes the attention probabilities (selective)");

@@ -392,6 +392,56 @@ TEST_F(HfConvert, ExportNeedsTheVocabularySize) {
       << r.status();
 }
 
+// An import padded with --make-vocab-size-divisible-by 16 recorded the padded vocabulary (1008 rows for
+// 1000 tokens) but not the divisor, so ptk-train --use-checkpoint-args (default divisor 128) read the
+// padding as a multiple of 128 x T, which 1008 is not, and refused the checkpoint. It records the
+// divisor, as Megatron's args hold make_vocab_size_divisible_by, and resumes at the same 1008 rows.
+TEST_F(HfConvert, ImportRecordsTheDivisorAndResumesWithCheckpointArgsAtTheSamePadding) {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 8;
+  c.num_attention_heads = 2;
+  c.ffn_hidden_size = 24;
+  c.seq_length = c.max_position_embeddings = 16;
+  c.vocab_size = 1000;
+  c.padded_vocab_size = 1008;
+  SaveModel(c, dir_ / "ck", 7, {{"--vocab-size", "1000"}, {"--make-vocab-size-divisible-by", "16"}});
+  ConvertOptions x = Opts("ptk", "hf", dir_ / "ck", dir_ / "hf");
+  x.vocab_file = ptk::testing::SourceDir() + "/tests/data/trainer/gpt2-1000-vocab.json";  // GPT-2's first 1000
+  x.merge_file = ptk::testing::SourceDir() + "/tests/data/trainer/gpt2-1000-merges.txt";
+  auto exported = ExportToHf(x);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ConvertOptions o = Opts("hf", "ptk", dir_ / "hf", dir_ / "imported");
+  o.make_vocab_size_divisible_by = 16;
+  auto r = ImportFromHf(o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->config.padded_vocab_size, 1008);
+  auto settings = ReadCheckpointSettings(dir_ / "imported", 0);
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  std::map<std::string, std::string> recorded(settings->begin(), settings->end());
+  EXPECT_EQ(recorded["--make-vocab-size-divisible-by (padded vocabulary)"], "1008");
+  EXPECT_EQ(recorded["--make-vocab-size-divisible-by"], "16");
+  auto run = RunCmd(ptk::testing::Tool("ptk-train") + " --use-checkpoint-args --finetune --load " +
+                    ShellQuote(dir_ / "imported") + " --save " + ShellQuote(dir_ / "run") +
+                    " --seq-length 8 --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-4 "
+                    "--mock-data --eval-iters 0 --log-interval 1 --threads 1");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("padded vocabulary 1008"), std::string::npos) << run.output;
+  auto resumed = ReadCheckpointSettings(dir_ / "run", 1);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  std::map<std::string, std::string> trained(resumed->begin(), resumed->end());
+  EXPECT_EQ(trained["--make-vocab-size-divisible-by (padded vocabulary)"], "1008");
+  // The resumed run records the divisor that padded its vocabulary, the checkpoint's (it recorded the command
+  // line's 128 beside 1008, and the next --use-checkpoint-args resume was refused).
+  EXPECT_EQ(trained["--make-vocab-size-divisible-by"], "16");
+  auto again = RunCmd(ptk::testing::Tool("ptk-train") + " --use-checkpoint-args --load " + ShellQuote(dir_ / "run") +
+                      " --save " + ShellQuote(dir_ / "run") +
+                      " --seq-length 8 --micro-batch-size 1 --global-batch-size 2 --train-iters 2 --lr 1e-4 "
+                      "--use-checkpoint-opt_param-scheduler --mock-data --eval-iters 0 --log-interval 1 --threads 1");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("padded vocabulary 1008"), std::string::npos) << again.output;
+}
+
 TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
   Save(false, dir_ / "ck");
   const std::string tool = ptk::testing::Tool("ptk-convert");

@@ -6,11 +6,13 @@
 // (tests/support/check_distopt_export_with_megatron_core.py loads the same export in megatron-core
 // itself, by hand: CI's PyTorch cannot run it.)
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include "common/status.h"
@@ -200,6 +202,90 @@ TEST_F(MegatronDistopt, FilesAreWhatDistributedOptimizerSavesAtDataParallelSizeO
       }
     }
   }
+}
+
+// Rewrites the one-buffer distrib_optim.pt at `path` with `edit` applied to its `what` tensor (param,
+// exp_avg or exp_avg_sq), as an edited or damaged checkpoint would hold it.
+void EditDistrib(const std::string& path, const std::string& what,
+                 const std::function<void(std::vector<float>&)>& edit) {
+  auto reader = torchfmt::TorchArchiveReader::Open(path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const PyValue& root = (*reader)->root();
+  const PyValue* st = megatron::IntKey(&root, 0)->dict[0].second.get();
+  std::vector<torchfmt::StorageBlob> blobs;
+  for (const char* k : {"param", "exp_avg", "exp_avg_sq"}) {
+    const torchfmt::TensorRef& t = st->Get(k)->tensor;
+    auto v = (*reader)->ReadFloat(t, k);
+    ASSERT_TRUE(v.ok()) << v.status();
+    if (k == what) edit(*v);
+    blobs.push_back(
+        torchfmt::MakeBlob(t.storage_key, torchfmt::DType::kFloat32, v->data(), static_cast<int64_t>(v->size())));
+  }
+  ASSERT_TRUE(torchfmt::WriteTorchFile(path, root, blobs).ok());
+}
+
+// A tied embedding over pipeline stages: the last stage's grad buffer holds its own fp32 param and
+// moments of output_layer.weight, which Megatron keeps equal to stage 0's embedding's (their gradients
+// are summed). The export writes them equal; an import where they differ was silent (ptk takes stage
+// 0's): warned as the model-weight copy is, naming both files and the element of the whole table.
+TEST_F(MegatronDistopt, TiedCopyOfTheLastStageIsWrittenEqualAndWarnedWhenItDiffers) {
+  Save(Gpt(true), dir_ / "ck", "bf16");
+  ConvertOptions o = Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg");
+  o.target_tensor_parallel_size = 2;
+  o.target_pipeline_parallel_size = 2;
+  o.saver_transformer_impl = "local";
+  o.target_use_distributed_optimizer = true;
+  ASSERT_TRUE(ExportToMegatron(o).ok());
+  auto mparams = megatron::MegParams(layout_, 2);
+  ASSERT_TRUE(mparams.ok());
+  const std::string iter = dir_ / "meg/iter_0000007/";
+  auto model = torchfmt::TorchArchiveReader::Open(iter + megatron::RankDir(1, 1, 2) + "/model_optim_rng.pt");
+  ASSERT_TRUE(model.ok()) << model.status();
+  const PyValue* args = (*model)->root().Get("args");
+  const auto vocab_rows = static_cast<int64_t>(megatron::NumAttr(args, "padded_vocab_size").value_or(0));
+  const int64_t rows = vocab_rows / 2, n = rows * 16;
+  // Each tensor rank's shard of the copy, in each of the three tensors, is stage 0's.
+  int64_t out_at = 0;
+  for (int64_t t = 0; t < 2; ++t) {
+    megatron::DistribState state[2];
+    for (int64_t p = 0; p < 2; ++p) {
+      const auto buffers = megatron::RankDistribBuffers(*mparams, p, 2, 1, false, true, vocab_rows, 2, 16, args);
+      auto d = megatron::ReadDistribOptimChunks(iter + megatron::RankDir(t, p, 2) + "/distrib_optim.pt", buffers);
+      ASSERT_TRUE(d.ok()) << d.status();
+      state[p] = std::move(*d);
+    }
+    const int64_t e = state[0].offset.at("embedding.word_embeddings.weight");
+    out_at = state[1].offset.at("output_layer.weight");
+    for (auto [a, b] : {std::pair{&state[0].param, &state[1].param},
+                        {&state[0].exp_avg, &state[1].exp_avg},
+                        {&state[0].exp_avg_sq, &state[1].exp_avg_sq}})
+      EXPECT_EQ(std::vector<float>(a->begin() + e, a->begin() + e + n),
+                std::vector<float>(b->begin() + out_at, b->begin() + out_at + n));
+  }
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(ImportFromMegatron(Opts("megatron", "ptk", dir_ / "meg", dir_ / "back")).ok());
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("copy of the tied embedding"), std::string::npos) << err;
+
+  // Tensor rank 1's copy on the last stage: exp_avg's element [3, 5] of its shard changed.
+  const std::string last = iter + megatron::RankDir(1, 1, 2) + "/distrib_optim.pt";
+  EditDistrib(last, "exp_avg", [&](std::vector<float>& v) { v[static_cast<size_t>(out_at + 3 * 16 + 5)] += 1.0f; });
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(ImportFromMegatron(Opts("megatron", "ptk", dir_ / "meg", dir_ / "edited")).ok());
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(fmt::format("{}: the distributed optimizer's exp_avg of output_layer.weight (the last stage's "
+                                 "copy of the tied embedding) differs from embedding.word_embeddings.weight's in {} "
+                                 "at [{}, 5]",
+                                 last, iter + megatron::RankDir(1, 0, 2) + "/distrib_optim.pt", rows + 3)),
+            std::string::npos)
+      << err;
+  // Stage 0's state is taken, whole.
+  std::vector<float> p, m, v;
+  TrainState st;
+  ASSERT_TRUE(LoadCheckpoint(dir_ / "edited", 7, layout_, &p, &m, &v, &st).ok());
+  EXPECT_EQ(p, params_);
+  EXPECT_EQ(m, m1_);
+  EXPECT_EQ(v, m2_);
 }
 
 // --target-ddp-bucket-size places the distributed optimizer's state: alone it is a usage error, and with

@@ -1,9 +1,11 @@
-// ptk-convert --saver megatron: what a killed export left beside the iteration directories.
+// ptk-convert --saver megatron: what a killed export left beside the iteration directories; the args
+// Namespace it writes.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,6 +13,8 @@
 
 #include "interop/hf_gpt2.h"
 #include "interop/megatron.h"
+#include "interop/megatron_common.h"
+#include "interop/torch_format.h"
 #include "tests/test_util.h"
 #include "trainer/checkpoint.h"
 
@@ -92,6 +96,65 @@ TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
   EXPECT_TRUE(Mentions(s->notes, "removed " + killed)) << s->notes.front();
   EXPECT_TRUE(Mentions(s->notes, "left " + running + ": process " + std::to_string(live) + " is alive"));
   EXPECT_TRUE(Mentions(s->notes, "put back from " + aside));
+}
+
+// Megatron-LM 0.16's args always hold microbatch_group_size_per_vp_stage (TransformerConfig's field: None
+// unless --microbatch-group-size-per-virtual-pipeline-stage is given; its load neither takes nor checks it);
+// the export left it out. An interleaved export holds the run's group size where it is not the pipeline
+// size (Megatron's default); else None.
+TEST(MegatronExport, ArgsHoldTheMicrobatchGroupSizeAsMegatronsDo) {
+  testing::TempDir dir;
+  GPTConfig c;
+  c.num_layers = 4;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 64;
+  c.seq_length = c.max_position_embeddings = 16;
+  c.vocab_size = 100;
+  c.padded_vocab_size = 128;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> params(static_cast<size_t>(layout->num_params)), m(params.size()), v(params.size());
+  layout->InitWeights(5, params);
+  struct Case {
+    std::string group;  // the run's recorded setting ("": a run without model chunks)
+    int64_t pp, layers_per_chunk;
+    std::optional<int64_t> want;  // nullopt: None
+  };
+  const Case cases[] = {{"4", 2, 1, 4},
+                        {"2", 2, 1, std::nullopt},
+                        {"4", 1, 0, std::nullopt},
+                        {"", 2, 1, std::nullopt},
+                        {"4", 4, 0, std::nullopt}};
+  int n = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(n);
+    const std::string ck = dir / ("ck" + std::to_string(n)), meg = dir / ("meg" + std::to_string(n));
+    ++n;
+    TrainState st;
+    st.iteration = 7;
+    st.settings = {{"--vocab-size", "100"}, {"--microbatch-group-size-per-virtual-pipeline-stage", k.group}};
+    ASSERT_TRUE(SaveCheckpoint(ck, *layout, params, m, v, st, "[]").ok());
+    ConvertOptions o;
+    o.loader = "ptk";
+    o.saver = "megatron";
+    o.load_dir = ck;
+    o.save_dir = meg;
+    o.target_pipeline_parallel_size = k.pp;
+    o.target_num_layers_per_virtual_pipeline_stage = k.layers_per_chunk;
+    ASSERT_TRUE(ExportToMegatron(o).ok());
+    auto f = torchfmt::TorchArchiveReader::Open(meg + "/iter_0000007/" + megatron::RankDir(0, 0, k.pp) +
+                                                "/model_optim_rng.pt");
+    ASSERT_TRUE(f.ok()) << f.status();
+    const torchfmt::PyValue* group = (*f)->root().Get("args")->Get("microbatch_group_size_per_vp_stage");
+    ASSERT_NE(group, nullptr);
+    if (k.want) {
+      ASSERT_TRUE(group->IsInt());
+      EXPECT_EQ(group->i, *k.want);
+    } else {
+      EXPECT_EQ(group->kind, torchfmt::PyValue::Kind::kNone);
+    }
+  }
 }
 
 }  // namespace

@@ -18,10 +18,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -231,6 +234,67 @@ TEST_F(CudaOps, EmbeddingBackwardRefusesBadIdsAndASmallPlan) {
   EXPECT_EQ(st3.code(), absl::StatusCode::kInvalidArgument) << st3;
   EXPECT_OK(EmbeddingBackward<float>(dgte.get(), dgpe.get(), dy.get(), dtok.get(), dpos.get(), tokens.data(),
                                      positions.data(), n, c, 50, 4, &plan, ctx_));
+}
+
+// A gate on a stream: a host function that holds the stream until the test opens the gate. A call that
+// waited on the host for the held stream would wait for ever; the gate gives up after 60 s (`expired`) so
+// that such a call fails the test instead of hanging it (no figure of time is checked).
+struct StreamGate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false, expired = false;
+  static void CUDART_CB Hold(void* p) {
+    auto* g = static_cast<StreamGate*>(p);
+    std::unique_lock<std::mutex> lock(g->mu);
+    if (!g->cv.wait_for(lock, std::chrono::seconds(60), [g] { return g->open; })) g->expired = true;
+  }
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      open = true;
+    }
+    cv.notify_all();
+  }
+};
+
+// Regression: each call waited on the host for the previous call's upload before it rewrote the plan's one
+// staging buffer, so the next micro-batch's call stalled the host until the stream caught up. Two staging
+// buffers in turn: with the stream held, two calls return at once, and once it runs, both gradients are
+// the CPU op's, bit for bit (the second call's staging did not overwrite the first's queued upload).
+TEST_F(CudaOps, EmbeddingBackwardDoesNotWaitForThePreviousCallsUpload) {
+  const int64_t n = 64, c = 16, vocab = 50, position_rows = 64;
+  std::vector<int32_t> first(n), second(n), positions(n);
+  for (int64_t i = 0; i < n; ++i) {
+    first[i] = static_cast<int32_t>(i * 7 % vocab);
+    second[i] = static_cast<int32_t>((i * 3 + 1) % vocab);
+    positions[i] = static_cast<int32_t>(i % position_rows);
+  }
+  const auto dy1 = Normal(n * c, 30), dy2 = Normal(n * c, 31);
+  const auto gte0 = Normal(vocab * c, 32), gpe0 = Normal(position_rows * c, 33);
+  std::vector<float> gte = gte0, gpe = gpe0;
+  cpu::EmbeddingBackward(gte.data(), gpe.data(), dy1.data(), first.data(), positions.data(), n, c);
+  cpu::EmbeddingBackward(gte.data(), gpe.data(), dy2.data(), second.data(), positions.data(), n, c);
+  DeviceArray<int32_t> dfirst(first), dsecond(second), dpos(positions);
+  DeviceArray<float> dgte(gte0), dgpe(gpe0), ddy1(dy1), ddy2(dy2);
+  EmbeddingBackwardPlan plan;
+  ASSERT_OK(plan.Reserve(n));
+  StreamGate gate;
+  ASSERT_EQ(cudaLaunchHostFunc(ctx_.stream, StreamGate::Hold, &gate), cudaSuccess);
+  const absl::Status one =
+      EmbeddingBackward<float>(dgte.get(), dgpe.get(), ddy1.get(), dfirst.get(), dpos.get(), first.data(),
+                               positions.data(), n, c, vocab, position_rows, &plan, ctx_);
+  const absl::Status two =
+      EmbeddingBackward<float>(dgte.get(), dgpe.get(), ddy2.get(), dsecond.get(), dpos.get(), second.data(),
+                               positions.data(), n, c, vocab, position_rows, &plan, ctx_);
+  const bool held = cudaStreamQuery(ctx_.stream) == cudaErrorNotReady;
+  gate.Open();
+  ASSERT_EQ(cudaStreamSynchronize(ctx_.stream), cudaSuccess);
+  EXPECT_OK(one);
+  EXPECT_OK(two);
+  EXPECT_TRUE(held) << "the stream ran before the gate opened";
+  EXPECT_FALSE(gate.expired) << "a call waited on the host for the held stream";
+  ExpectBitwise(dgte.Download(), gte, "dwte after two calls");
+  ExpectBitwise(dgpe.Download(), gpe, "dwpe after two calls");
 }
 
 // ---- GELU ----------------------------------------------------------------------------------------

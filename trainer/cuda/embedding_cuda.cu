@@ -115,12 +115,14 @@ void LaunchBackward(float* dtable, const T* dout, const int32_t* plan, int64_t n
 }  // namespace
 
 EmbeddingBackwardPlan::~EmbeddingBackwardPlan() {
-  // Errors here cannot be reported: a destructor frees what it can, once the last upload has left
+  // Errors here cannot be reported: a destructor frees what it can, once the last uploads have left
   // the staging.
-  if (uploaded != nullptr) (void)cudaEventSynchronize(uploaded);
-  if (host != nullptr) (void)cudaFreeHost(host);
+  for (int k = 0; k < 2; ++k) {
+    if (uploaded[k] != nullptr) (void)cudaEventSynchronize(uploaded[k]);
+    if (host[k] != nullptr) (void)cudaFreeHost(host[k]);
+    if (uploaded[k] != nullptr) (void)cudaEventDestroy(uploaded[k]);
+  }
   if (device != nullptr) (void)cudaFree(device);
-  if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
 }
 
 int64_t EmbeddingBackwardPlanInts(int64_t max_n) { return 6 * (max_n > 0 ? max_n : 0) + 2; }
@@ -130,16 +132,22 @@ absl::Status EmbeddingBackwardPlan::Reserve(int64_t rows) {
   if (rows < 0 || rows > 0x7fffffff) {
     return absl::InvalidArgumentError(fmt::format("{}: rows must be in [0, 2^31)", where));
   }
-  if (uploaded != nullptr) PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(uploaded), where);
-  if (host != nullptr) PTK_CUDA_RETURN_IF_ERROR(cudaFreeHost(host), where);
+  for (int k = 0; k < 2; ++k) {
+    if (uploaded[k] != nullptr) PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(uploaded[k]), where);
+    if (host[k] != nullptr) PTK_CUDA_RETURN_IF_ERROR(cudaFreeHost(host[k]), where);
+    host[k] = nullptr;
+  }
   if (device != nullptr) PTK_CUDA_RETURN_IF_ERROR(cudaFree(device), where);
-  host = nullptr;
   device = nullptr;
   max_n = 0;
   const size_t bytes = static_cast<size_t>(EmbeddingBackwardPlanInts(rows)) * sizeof(int32_t);
-  PTK_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host, bytes), where);
+  for (int k = 0; k < 2; ++k) {
+    PTK_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host[k], bytes), where);
+    if (uploaded[k] == nullptr)
+      PTK_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&uploaded[k], cudaEventDisableTiming), where);
+  }
   PTK_CUDA_RETURN_IF_ERROR(cudaMalloc(&device, bytes), where);
-  if (uploaded == nullptr) PTK_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming), where);
+  next = 0;
   max_n = rows;
   return absl::OkStatus();
 }
@@ -189,22 +197,27 @@ absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const in
   PTK_KERNEL_CHECK(kernel::CheckPointer(tokens_host, "tokens_host", where));
   if (dwpe != nullptr) PTK_KERNEL_CHECK(kernel::CheckPointer(positions_host, "positions_host", where));
   PTK_KERNEL_CHECK(kernel::CheckPointer(plan, "plan", where));
-  if (plan->host == nullptr || plan->device == nullptr || plan->uploaded == nullptr || plan->max_n < n) {
+  if (plan->host[0] == nullptr || plan->host[1] == nullptr || plan->device == nullptr || plan->uploaded[0] == nullptr ||
+      plan->uploaded[1] == nullptr || plan->max_n < n) {
     return absl::InvalidArgumentError(
         fmt::format("{}: the plan holds {} rows (EmbeddingBackwardPlan::Reserve(n) first)", where(), plan->max_n));
   }
-  // The previous call's upload must have left the staging before it is rewritten.
-  PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(plan->uploaded), where());
+  // This call's staging: the other one than the previous call's, whose upload may still be queued. Its own
+  // last upload (two calls back) must have left it before it is rewritten.
+  const int k = plan->next;
+  int32_t* staging = plan->host[k];
+  PTK_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(plan->uploaded[k]), where());
   int64_t token_groups = 0, token_ints = 0, position_groups = 0, position_ints = 0;
-  PTK_KERNEL_CHECK(GroupRows(tokens_host, n, vocab_rows, "token", plan->counts, plan->host, &token_groups, &token_ints,
+  PTK_KERNEL_CHECK(GroupRows(tokens_host, n, vocab_rows, "token", plan->counts, staging, &token_groups, &token_ints,
                              where, vocab_first));
   if (dwpe != nullptr)  // no position table under rotary (or no) position embeddings
-    PTK_KERNEL_CHECK(GroupRows(positions_host, n, position_rows, "position", plan->counts, plan->host + token_ints,
+    PTK_KERNEL_CHECK(GroupRows(positions_host, n, position_rows, "position", plan->counts, staging + token_ints,
                                &position_groups, &position_ints, where));
+  // The device plan is rewritten in stream order, after the previous call's kernels have read it.
   const size_t bytes = static_cast<size_t>(token_ints + position_ints) * sizeof(int32_t);
-  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(plan->device, plan->host, bytes, cudaMemcpyHostToDevice, ctx.stream),
-                           where());
-  PTK_CUDA_RETURN_IF_ERROR(cudaEventRecord(plan->uploaded, ctx.stream), where());
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(plan->device, staging, bytes, cudaMemcpyHostToDevice, ctx.stream), where());
+  PTK_CUDA_RETURN_IF_ERROR(cudaEventRecord(plan->uploaded[k], ctx.stream), where());
+  plan->next = 1 - k;
   constexpr int kV = kernel::kVec<T>;
   const bool vec = c % kV == 0 && kernel::Aligned(dout, 16) && kernel::Aligned(dwte, 16) && kernel::Aligned(dwpe, 16);
   if (vec) {

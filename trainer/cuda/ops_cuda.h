@@ -91,22 +91,25 @@ absl::Status EmbeddingForward(T* out, const int32_t* tokens, const int32_t* posi
 // The deterministic embedding backward's plan: the rows grouped by token id and by position id,
 // built on the host from tokens_host / positions_host (a counting sort: ids in increasing order,
 // each id's rows in increasing order) and uploaded through pinned staging. Reserve it once for the
-// most rows of a micro-batch; it is reused call after call (its staging is rewritten only once the
-// previous upload has completed: the event `uploaded`).
+// most rows of a micro-batch; it is reused call after call. Two staging buffers taken in turn, each
+// rewritten only once its own last upload has completed (its event `uploaded`): a call never waits
+// for the previous call's upload, only for the one before it (the device plan is reused in stream
+// order).
 struct EmbeddingBackwardPlan {
   EmbeddingBackwardPlan() = default;
   ~EmbeddingBackwardPlan();  // frees what Reserve allocated
   EmbeddingBackwardPlan(const EmbeddingBackwardPlan&) = delete;
   EmbeddingBackwardPlan& operator=(const EmbeddingBackwardPlan&) = delete;
-  // Pinned staging and device memory of EmbeddingBackwardPlanInts(max_n) int32 each, on the current
-  // device, for up to max_n rows (frees what it held before).
+  // Two pinned staging buffers and device memory of EmbeddingBackwardPlanInts(max_n) int32 each, on
+  // the current device, for up to max_n rows (frees what it held before).
   absl::Status Reserve(int64_t max_n);
 
   int64_t max_n = 0;
-  int32_t* host = nullptr;    // pinned staging
-  int32_t* device = nullptr;  // the plan on the device
-  cudaEvent_t uploaded = nullptr;
-  std::vector<int32_t> counts;  // host scratch of the counting sort (one per id)
+  int32_t* host[2] = {nullptr, nullptr};         // pinned staging, used in turn
+  cudaEvent_t uploaded[2] = {nullptr, nullptr};  // each staging's last upload
+  int next = 0;                                  // the staging the next call writes
+  int32_t* device = nullptr;                     // the plan on the device
+  std::vector<int32_t> counts;                   // host scratch of the counting sort (one per id)
 };
 int64_t EmbeddingBackwardPlanInts(int64_t max_n);
 // dwte[tokens[i]] += dout[i], dwpe[positions[i]] += dout[i] in fp32, deterministic: one block per
@@ -117,7 +120,7 @@ int64_t EmbeddingBackwardPlanInts(int64_t max_n);
 // With vocab_first >= 0 (tensor parallelism: dwte is the rows [vocab_first, vocab_first +
 // vocab_rows) of the padded vocabulary) tokens outside the slice add to dwpe only. dwpe null: no
 // position table (positions_host is not read).
-// The host waits for the previous call's upload before it rewrites the plan's staging.
+// The host waits only for the upload of the call before the previous one (the staging it rewrites).
 template <typename T>
 absl::Status EmbeddingBackward(float* dwte, float* dwpe, const T* dout, const int32_t* tokens, const int32_t* positions,
                                const int32_t* tokens_host, const int32_t* positions_host, int64_t n, int64_t c,
