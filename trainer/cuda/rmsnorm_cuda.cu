@@ -10,6 +10,16 @@ namespace {
 constexpr int64_t kRowBlock = 64;  // as the CPU op's blocks
 constexpr int kColumnThreads = 256;
 
+// The forward's per-element arithmetic, written once with each rounding spelled out, so that the
+// plain kernel and the one with the residual add in front run one instruction sequence (nvcc's
+// default --fmad=true contracts a * b + c at its discretion, kernel by kernel): the sum of squares
+// as multiply-adds, out = float(x * rstd) * w rounded apart. The multiply-adds are those nvcc chose
+// unprompted (checked in the SASS).
+__device__ __forceinline__ double AddSquare(double acc, double v) { return __fma_rn(v, v, acc); }
+__device__ __forceinline__ float NormalizedScaled(float x, double r, float w) {
+  return __fmul_rn(static_cast<float>(__dmul_rn(static_cast<double>(x), r)), w);
+}
+
 // One block per row: rstd = 1 / sqrt(mean(x^2) + eps) in double, out = float(x * rstd) * w. With
 // kResidual the row normalised is resid_out = a + b (rounded to T; the stored sum, as the CPU model
 // normalises it), else a. Each element is written and read again by the same thread, so resid_out
@@ -24,20 +34,19 @@ __global__ void RMSNormForwardKernel(T* resid_out, T* out, float* rstd, const T*
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
     double v;
     if constexpr (kResidual) {
-      const T sum = FromFloat<T>(ToFloat(a[row * c + j]) + ToFloat(b[row * c + j]));
+      const T sum = FromFloat<T>(kernel::ResidualSum(ToFloat(a[row * c + j]), ToFloat(b[row * c + j])));
       resid_out[row * c + j] = sum;
       v = ToFloat(sum);
     } else {
       v = ToFloat(x[j]);
     }
-    ss += v * v;
+    ss = AddSquare(ss, v);
   }
   kernel::BlockSum2(ss, unused, shared);
   const double r = 1.0 / sqrt(ss / static_cast<double>(c) + eps);
   T* y = out + row * c;
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-    const float xr = static_cast<float>(static_cast<double>(ToFloat(x[j])) * r);
-    y[j] = FromFloat<T>(xr * w[j]);
+    y[j] = FromFloat<T>(NormalizedScaled(ToFloat(x[j]), r, w[j]));
   }
   if (rstd && threadIdx.x == 0) rstd[row] = static_cast<float>(r);
 }
