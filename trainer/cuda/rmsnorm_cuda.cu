@@ -51,7 +51,9 @@ __global__ void RMSNormForwardKernel(T* resid_out, T* out, float* rstd, const T*
   if (rstd && threadIdx.x == 0) rstd[row] = static_cast<float>(r);
 }
 
-// One block per row: dinp += r (dy w - x r mean(dy w x r)), the mean in double.
+// One block per row: dinp += r (dy w - x r mean(dy w x r)), the mean in double. The roundings spelled
+// out as for the forward (the multiply-adds nvcc chose unprompted): the kernel's arithmetic does not
+// depend on --fmad.
 template <typename T>
 __global__ void RMSNormBackwardRowKernel(T* dinp, const T* dout, const T* inp, const float* w, const float* rstd,
                                          int64_t c) {
@@ -63,16 +65,17 @@ __global__ void RMSNormBackwardRowKernel(T* dinp, const T* dout, const T* inp, c
   const double r = rstd[row];
   double dot = 0, unused = 0;
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x)
-    dot += static_cast<double>(ToFloat(dy[j])) * w[j] * (ToFloat(x[j]) * r);
+    dot = __fma_rn(__dmul_rn(ToFloat(dy[j]), w[j]), __dmul_rn(ToFloat(x[j]), r), dot);
   kernel::BlockSum2(dot, unused, shared);
   dot /= static_cast<double>(c);
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-    const double g = r * (static_cast<double>(ToFloat(dy[j])) * w[j] - ToFloat(x[j]) * r * dot);
-    dx[j] = FromFloat<T>(ToFloat(dx[j]) + static_cast<float>(g));
+    const double g = __dmul_rn(r, __fma_rn(ToFloat(dy[j]), w[j], -__dmul_rn(__dmul_rn(ToFloat(x[j]), r), dot)));
+    dx[j] = FromFloat<T>(__fadd_rn(ToFloat(dx[j]), static_cast<float>(g)));
   }
 }
 
-// partial[blk * c + j] = sum over the block's rows, in order, of dy * x * r (double).
+// partial[blk * c + j] = sum over the block's rows, in order, of dy * x * r (double, one multiply-add
+// per row).
 template <typename T>
 __global__ void RMSNormWeightPartialKernel(double* partial, const T* dout, const T* inp, const float* rstd, int64_t n,
                                            int64_t c) {
@@ -81,7 +84,7 @@ __global__ void RMSNormWeightPartialKernel(double* partial, const T* dout, const
   const int64_t blk = blockIdx.x, end = (blk + 1) * kRowBlock < n ? (blk + 1) * kRowBlock : n;
   double s = 0;
   for (int64_t i = blk * kRowBlock; i < end; ++i)
-    s += static_cast<double>(ToFloat(dout[i * c + j])) * (ToFloat(inp[i * c + j]) * static_cast<double>(rstd[i]));
+    s = __fma_rn(ToFloat(dout[i * c + j]), __dmul_rn(ToFloat(inp[i * c + j]), rstd[i]), s);
   partial[blk * c + j] = s;
 }
 
