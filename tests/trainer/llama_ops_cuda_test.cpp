@@ -52,6 +52,8 @@ TYPED_TEST(LlamaCudaOps, RMSNormForwardMatchesCpu) {
 
 // The residual add fused in front (the CUDA model's RMSNorm): bitwise ResidualAdd (the sum rounded
 // to T) and then RMSNormForward, the sum written beside the norm; also with resid_out aliasing a.
+// Bitwise by construction: both kernels call kernel::ResidualSum and the same explicitly rounded
+// norm functions (cuda_fmad_test).
 TYPED_TEST(LlamaCudaOps, ResidualRMSNormForwardIsTheAddThenTheNorm) {
   using T = TypeParam;
   for (Rows s : {Rows{1, 9}, Rows{70, 768}, Rows{33, 1027}}) {

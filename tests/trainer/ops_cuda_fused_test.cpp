@@ -1,9 +1,11 @@
 // Hidden dropout fused into the LayerNorm kernels (part of ops_cuda_test; gpu-labelled: exits 77
 // without a device), each against what it replaces: DropoutRows over the samples' rows and the
 // plain kernel. The same masks at the same coordinates (TokenDropoutAt) and the same roundings (the
-// dropped value, the gradient as stored), so every output is compared bitwise in fp32, bf16 and
-// fp16: the residual sum, the LayerNorm output, mean and rstd forward; dinp, the branch gradient,
-// dw and db backward, with a warp per row and with the rows in series.
+// dropped value, the gradient as stored; every multiply-add spelled out in functions all the kernels
+// call, so nvcc's --fmad cannot contract one kernel's differently: cuda_fmad_test checks that without
+// a GPU), so every output is compared bitwise in fp32, bf16 and fp16: the residual sum, the
+// LayerNorm output, mean and rstd forward; dinp, the branch gradient, dw and db backward, with a
+// warp per row and with the rows in series.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

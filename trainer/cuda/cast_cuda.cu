@@ -32,7 +32,7 @@ struct ResidualAddOp {
     kernel::LoadFloats<N>(a + i, x);
     kernel::LoadFloats<N>(b + i, y);
 #pragma unroll
-    for (int k = 0; k < N; ++k) x[k] = x[k] + y[k];
+    for (int k = 0; k < N; ++k) x[k] = kernel::ResidualSum(x[k], y[k]);
     kernel::StoreFloats<N>(out + i, x);
   }
 };

@@ -25,7 +25,8 @@ __global__ void DropoutRowsKernel(T* x, int64_t rows, int64_t row_len, int64_t t
     kernel::LoadFloats<N>(p, v);
 #pragma unroll
     for (int k = 0; k < N; ++k)
-      v[k] = DropoutKeepKeyed(key, static_cast<uint64_t>(index0 + i + k), threshold) ? v[k] * scale : 0.0f;
+      v[k] =
+          kernel::DropoutScaled(DropoutKeepKeyed(key, static_cast<uint64_t>(index0 + i + k), threshold), v[k], scale);
     kernel::StoreFloats<N>(p, v);
   }
 }

@@ -157,6 +157,18 @@ void LaunchElementwise(const Op& op, int64_t n, int64_t head, bool vec_ok, const
   ElementwiseKernel<kV><<<blocks, kThreads, 0, ctx.stream>>>(op, n, head, packs);
 }
 
+// The residual sum a + b in fp32, rounded once (the caller rounds it to T as stored): ResidualAdd
+// and the norms with the add fused in front call this one function.
+__device__ __forceinline__ float ResidualSum(float a, float b) { return __fadd_rn(a, b); }
+
+// A dropout's value of v: v * scale where kept, else 0, the product rounded once (__fmul_rn: never
+// contracted into an add that follows, which nvcc's default --fmad=true may do kernel by kernel).
+// DropoutRows and the kernels with dropout fused in (LayerNorm's) call this one function, so a
+// fused kernel drops to the very bits of the standalone pass.
+__device__ __forceinline__ float DropoutScaled(bool keep, float v, float scale) {
+  return keep ? __fmul_rn(v, scale) : 0.0f;
+}
+
 // Elements of `elem_bytes` before p reaches a 16-byte boundary (p aligned to elem_bytes).
 inline int64_t HeadTo16(const void* p, int64_t elem_bytes) {
   const auto mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % 16);

@@ -2,7 +2,8 @@
 // front) and backward. As the CPU op: statistics in double over the row (two passes: mean, then
 // the squared deviations), y = float((x - mean) * rstd) * w + b with the product and the sum
 // rounded apart (no contraction: fp32 forward gives the CPU's bits up to the order of the double
-// sums), mean and rstd stored as fp32; backward in double per element, dinp +=, and the weight
+// sums and the multiply-adds of the squares), mean and rstd stored as fp32; backward in double per
+// element (two multiply-adds where the CPU rounds the products apart), dinp +=, and the weight
 // gradients reduced without atomics: per-block partial sums (each channel owned by one thread, the
 // block's rows in order) into a scratch, then a second kernel sums the partials in a fixed order
 // in double and adds them to dw, db.
@@ -11,7 +12,10 @@
 // trainer/counter_rng.h): the forward drops the branch before the residual add, the dropped value
 // rounded to T as the standalone pass stores it; the backward writes the masked gradient of the
 // branch beside dinp, from dinp rounded to T as stored. So either is bitwise the standalone pass
-// followed (forward) or preceded (backward) by the plain kernel.
+// followed (forward) or preceded (backward) by the plain kernel: the dropped value is DropoutRows'
+// own function (kernel::DropoutScaled), and every rounding of the norm's arithmetic is spelled out
+// in functions all the kernels call (below), so nvcc cannot contract one kernel's multiply-adds
+// differently from another's.
 #include <cmath>
 
 #include "trainer/counter_rng.h"
@@ -48,16 +52,56 @@ struct RowDrop {
     *key = DropoutKey(seed, streams[at.sample]);
     *first = at.first;
   }
-  // v dropped at mask index i, rounded to T as DropoutRows stores it (__fmul_rn: never contracted
-  // into a following add).
+  // v dropped at mask index i (DropoutRows' own DropoutScaled), rounded to T as DropoutRows stores it.
   template <typename T>
   __device__ __forceinline__ float Apply(float v, uint64_t key, uint64_t i) const {
-    return ToFloat(FromFloat<T>(DropoutKeepKeyed(key, i, threshold) ? __fmul_rn(v, scale) : 0.0f));
+    return ToFloat(FromFloat<T>(kernel::DropoutScaled(DropoutKeepKeyed(key, i, threshold), v, scale)));
   }
 };
 
 RowDrop ResolveDrop(const LnDropout& d) {
   return RowDrop{d.streams, d.seq_len, d.seed, DropoutKeepThreshold(d.p), static_cast<float>(1.0 / (1.0 - d.p))};
+}
+
+// The per-element arithmetic of every kernel here, written once with each rounding spelled out.
+// nvcc's default --fmad=true contracts a * b + c into a multiply-add at its discretion, kernel by
+// kernel, so two kernels compiled from like source need not round alike; through these functions
+// the plain and the fused kernels (the four forward modes; backward with and without the branch
+// gradient, a warp per row and rows in series) run one instruction sequence on the same values, so
+// the same bits. The multiply-adds are those nvcc chose unprompted (checked in the SASS): no result
+// and no instruction count changes.
+
+// The running sum of squared deviations: d = x - mean, then acc + d * d as one multiply-add.
+__device__ __forceinline__ double AddSquaredDeviation(double acc, float x, double m) {
+  const double d = __dsub_rn(static_cast<double>(x), m);
+  return __fma_rn(d, d, acc);
+}
+// xhat = (x - mean) * rstd, in double.
+__device__ __forceinline__ double Normalized(float x, double m, double r) {
+  return __dmul_rn(__dsub_rn(static_cast<double>(x), m), r);
+}
+// y = float(xhat) * w + b, the product and the sum rounded apart (the CPU op's roundings).
+__device__ __forceinline__ float AffineOut(double xhat, float w, float b) {
+  return __fadd_rn(__fmul_rn(static_cast<float>(xhat), w), b);
+}
+// One element's share of the backward row sums (s1 += dxhat, s2 += dxhat * xhat as a multiply-add,
+// dxhat = dy * w) and of the weight-gradient partials (pw += float(dy * xhat), pb += dy).
+__device__ __forceinline__ void AccumulateBackward(float x, float dy, float w, double m, double r, double& s1,
+                                                   double& s2, float& pw, float& pb) {
+  const double xhat = Normalized(x, m, r);
+  const double dxhat = __dmul_rn(static_cast<double>(dy), static_cast<double>(w));
+  s1 = __dadd_rn(s1, dxhat);
+  s2 = __fma_rn(dxhat, xhat, s2);
+  pw = __fadd_rn(pw, static_cast<float>(__dmul_rn(static_cast<double>(dy), xhat)));
+  pb = __fadd_rn(pb, dy);
+}
+// g + float(r * (dxhat - s1 - xhat * s2)), s1 and s2 the row means: dy * w - s1 and then - xhat * s2
+// as two multiply-adds.
+__device__ __forceinline__ float AddInputGrad(float g, float x, float dy, float w, double m, double r, double s1,
+                                              double s2) {
+  const double xhat = Normalized(x, m, r);
+  const double t = __fma_rn(static_cast<double>(dy), static_cast<double>(w), -s1);
+  return __fadd_rn(g, static_cast<float>(__dmul_rn(r, __fma_rn(-xhat, s2, t))));
 }
 
 // What the forward kernel normalises: a (kPlain); resid_out = a + b (kAdd); resid_out = a +
@@ -94,7 +138,7 @@ __global__ void LayerNormForwardKernel(T* resid_out, T* out, float* mean, float*
         } else {
           kernel::LoadFloats<N>(a + off + j, v);
 #pragma unroll
-          for (int k = 0; k < N; ++k) v[k] = v[k] + u[k];
+          for (int k = 0; k < N; ++k) v[k] = kernel::ResidualSum(v[k], u[k]);
         }
         kernel::StoreFloats<N>(resid_out + off + j, v);
 #pragma unroll
@@ -111,10 +155,7 @@ __global__ void LayerNormForwardKernel(T* resid_out, T* out, float* mean, float*
       float v[N];
       kernel::LoadFloats<N>(x + j, v);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const double d = static_cast<double>(v[k]) - m;
-        var += d * d;
-      }
+      for (int k = 0; k < N; ++k) var = AddSquaredDeviation(var, v[k], m);
     }
     const double r = 1.0 / sqrt(kernel::WarpSum(var) / static_cast<double>(c) + eps);
     for (int64_t j = static_cast<int64_t>(lane) * N; j < c; j += 32 * N) {
@@ -123,10 +164,7 @@ __global__ void LayerNormForwardKernel(T* resid_out, T* out, float* mean, float*
       kernel::LoadFloats<N>(w + j, wv);
       kernel::LoadFloats<N>(bias + j, bv);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const auto xhat = static_cast<float>((static_cast<double>(v[k]) - m) * r);
-        v[k] = __fadd_rn(__fmul_rn(xhat, wv[k]), bv[k]);
-      }
+      for (int k = 0; k < N; ++k) v[k] = AffineOut(Normalized(v[k], m, r), wv[k], bv[k]);
       kernel::StoreFloats<N>(out + off + j, v);
     }
     if (lane == 0) {
@@ -184,14 +222,7 @@ __global__ void LayerNormBackwardKernel(T* dinp, T* dbranch, RowDrop drop, float
       kernel::LoadFloats<N>(dout + off + j, dy);
       kernel::LoadFloats<N>(w + j, wv);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const double xhat = (static_cast<double>(x[k]) - m) * r;
-        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
-        s1 += dxhat;
-        s2 += dxhat * xhat;
-        part[j + k] += static_cast<float>(static_cast<double>(dy[k]) * xhat);
-        part[c + j + k] += dy[k];
-      }
+      for (int k = 0; k < N; ++k) AccumulateBackward(x[k], dy[k], wv[k], m, r, s1, s2, part[j + k], part[c + j + k]);
     }
     kernel::BlockSum2(s1, s2, red);
     s1 /= static_cast<double>(c);
@@ -203,11 +234,7 @@ __global__ void LayerNormBackwardKernel(T* dinp, T* dbranch, RowDrop drop, float
       kernel::LoadFloats<N>(w + j, wv);
       kernel::LoadFloats<N>(dinp + off + j, g);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const double xhat = (static_cast<double>(x[k]) - m) * r;
-        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
-        g[k] = g[k] + static_cast<float>(r * (dxhat - s1 - xhat * s2));
-      }
+      for (int k = 0; k < N; ++k) g[k] = AddInputGrad(g[k], x[k], dy[k], wv[k], m, r, s1, s2);
       StoreGrad<T, N, kDrop>(dinp + off + j, kDrop ? dbranch + off + j : nullptr, g, drop, key,
                              first_i + static_cast<uint64_t>(j));
     }
@@ -257,14 +284,7 @@ __global__ void LayerNormBackwardWarpKernel(T* dinp, T* dbranch, RowDrop drop, f
       kernel::LoadFloats<N>(dout + off + j, dy);
       kernel::LoadFloats<N>(w + j, wv);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const double xhat = (static_cast<double>(x[k]) - m) * r;
-        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
-        s1 += dxhat;
-        s2 += dxhat * xhat;
-        mine[j + k] += static_cast<float>(static_cast<double>(dy[k]) * xhat);
-        mine[c + j + k] += dy[k];
-      }
+      for (int k = 0; k < N; ++k) AccumulateBackward(x[k], dy[k], wv[k], m, r, s1, s2, mine[j + k], mine[c + j + k]);
     }
     s1 = kernel::WarpSum(s1) / static_cast<double>(c);
     s2 = kernel::WarpSum(s2) / static_cast<double>(c);
@@ -275,11 +295,7 @@ __global__ void LayerNormBackwardWarpKernel(T* dinp, T* dbranch, RowDrop drop, f
       kernel::LoadFloats<N>(w + j, wv);
       kernel::LoadFloats<N>(dinp + off + j, g);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const double xhat = (static_cast<double>(x[k]) - m) * r;
-        const double dxhat = static_cast<double>(dy[k]) * static_cast<double>(wv[k]);
-        g[k] = g[k] + static_cast<float>(r * (dxhat - s1 - xhat * s2));
-      }
+      for (int k = 0; k < N; ++k) g[k] = AddInputGrad(g[k], x[k], dy[k], wv[k], m, r, s1, s2);
       StoreGrad<T, N, kDrop>(dinp + off + j, kDrop ? dbranch + off + j : nullptr, g, drop, key,
                              first_i + static_cast<uint64_t>(j));
     }

@@ -10,6 +10,16 @@ namespace {
 constexpr int64_t kRowBlock = 64;  // as the CPU op's blocks
 constexpr int kColumnThreads = 256;
 
+// The forward's per-element arithmetic, written once with each rounding spelled out, so that the
+// plain kernel and the one with the residual add in front run one instruction sequence (nvcc's
+// default --fmad=true contracts a * b + c at its discretion, kernel by kernel): the sum of squares
+// as multiply-adds, out = float(x * rstd) * w rounded apart. The multiply-adds are those nvcc chose
+// unprompted (checked in the SASS).
+__device__ __forceinline__ double AddSquare(double acc, double v) { return __fma_rn(v, v, acc); }
+__device__ __forceinline__ float NormalizedScaled(float x, double r, float w) {
+  return __fmul_rn(static_cast<float>(__dmul_rn(static_cast<double>(x), r)), w);
+}
+
 // One block per row: rstd = 1 / sqrt(mean(x^2) + eps) in double, out = float(x * rstd) * w. With
 // kResidual the row normalised is resid_out = a + b (rounded to T; the stored sum, as the CPU model
 // normalises it), else a. Each element is written and read again by the same thread, so resid_out
@@ -24,25 +34,26 @@ __global__ void RMSNormForwardKernel(T* resid_out, T* out, float* rstd, const T*
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
     double v;
     if constexpr (kResidual) {
-      const T sum = FromFloat<T>(ToFloat(a[row * c + j]) + ToFloat(b[row * c + j]));
+      const T sum = FromFloat<T>(kernel::ResidualSum(ToFloat(a[row * c + j]), ToFloat(b[row * c + j])));
       resid_out[row * c + j] = sum;
       v = ToFloat(sum);
     } else {
       v = ToFloat(x[j]);
     }
-    ss += v * v;
+    ss = AddSquare(ss, v);
   }
   kernel::BlockSum2(ss, unused, shared);
   const double r = 1.0 / sqrt(ss / static_cast<double>(c) + eps);
   T* y = out + row * c;
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-    const float xr = static_cast<float>(static_cast<double>(ToFloat(x[j])) * r);
-    y[j] = FromFloat<T>(xr * w[j]);
+    y[j] = FromFloat<T>(NormalizedScaled(ToFloat(x[j]), r, w[j]));
   }
   if (rstd && threadIdx.x == 0) rstd[row] = static_cast<float>(r);
 }
 
-// One block per row: dinp += r (dy w - x r mean(dy w x r)), the mean in double.
+// One block per row: dinp += r (dy w - x r mean(dy w x r)), the mean in double. The roundings spelled
+// out as for the forward (the multiply-adds nvcc chose unprompted): the kernel's arithmetic does not
+// depend on --fmad.
 template <typename T>
 __global__ void RMSNormBackwardRowKernel(T* dinp, const T* dout, const T* inp, const float* w, const float* rstd,
                                          int64_t c) {
@@ -54,16 +65,17 @@ __global__ void RMSNormBackwardRowKernel(T* dinp, const T* dout, const T* inp, c
   const double r = rstd[row];
   double dot = 0, unused = 0;
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x)
-    dot += static_cast<double>(ToFloat(dy[j])) * w[j] * (ToFloat(x[j]) * r);
+    dot = __fma_rn(__dmul_rn(ToFloat(dy[j]), w[j]), __dmul_rn(ToFloat(x[j]), r), dot);
   kernel::BlockSum2(dot, unused, shared);
   dot /= static_cast<double>(c);
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-    const double g = r * (static_cast<double>(ToFloat(dy[j])) * w[j] - ToFloat(x[j]) * r * dot);
-    dx[j] = FromFloat<T>(ToFloat(dx[j]) + static_cast<float>(g));
+    const double g = __dmul_rn(r, __fma_rn(ToFloat(dy[j]), w[j], -__dmul_rn(__dmul_rn(ToFloat(x[j]), r), dot)));
+    dx[j] = FromFloat<T>(__fadd_rn(ToFloat(dx[j]), static_cast<float>(g)));
   }
 }
 
-// partial[blk * c + j] = sum over the block's rows, in order, of dy * x * r (double).
+// partial[blk * c + j] = sum over the block's rows, in order, of dy * x * r (double, one multiply-add
+// per row).
 template <typename T>
 __global__ void RMSNormWeightPartialKernel(double* partial, const T* dout, const T* inp, const float* rstd, int64_t n,
                                            int64_t c) {
@@ -72,7 +84,7 @@ __global__ void RMSNormWeightPartialKernel(double* partial, const T* dout, const
   const int64_t blk = blockIdx.x, end = (blk + 1) * kRowBlock < n ? (blk + 1) * kRowBlock : n;
   double s = 0;
   for (int64_t i = blk * kRowBlock; i < end; ++i)
-    s += static_cast<double>(ToFloat(dout[i * c + j])) * (ToFloat(inp[i * c + j]) * static_cast<double>(rstd[i]));
+    s = __fma_rn(ToFloat(dout[i * c + j]), __dmul_rn(ToFloat(inp[i * c + j]), rstd[i]), s);
   partial[blk * c + j] = s;
 }
 
