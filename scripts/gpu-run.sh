@@ -169,12 +169,14 @@ sanitizer=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-s
 pass=0 fail=0 skip=0
 results=() reruns=()
 # run_box SECONDS LABEL CMD...: runs CMD in $work/run with ptk's environment, appending to tests.log.
+# Its standard input is /dev/null: the loop below reads the test list from its own, which a test (or
+# a program it starts: popen's children share it) reading stdin would otherwise empty.
 run_box() {
   local secs=$1 label=$2
   shift 2
   echo "==== $label (time box ${secs}s)" >> "$testlog"
   mkdir -p "$work/run"
-  (cd "$work/run" && "${ptk_env[@]}" timeout -k 10 "$secs" "$@") >> "$testlog" 2>&1
+  (cd "$work/run" && "${ptk_env[@]}" timeout -k 10 "$secs" "$@") < /dev/null >> "$testlog" 2>&1
 }
 # The gtest cases that failed, or the one running when the test was stopped, in the log since LINE.
 failed_cases() {

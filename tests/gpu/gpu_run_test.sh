@@ -3,7 +3,8 @@
 # fake nvidia-smi on PATH and a pack of fake test binaries: where nvidia-smi lists a GPU a skipped gpu
 # test (exit 77, or a gtest case skipped) fails the run, where it lists none skips are fine; a failing
 # test fails the run and is rerun, its failed case only, with PTK_CUDA_SYNC_OPS=1; a hanging test is
-# stopped at its time limit; tests the budget leaves no time for fail as not run; the run ends with
+# stopped at its time limit; a test reading stdin takes no test list with it; tests the budget leaves no
+# time for fail as not run; the run ends with
 # "N passed, N failed, N skipped" and leaves at most eight log files in $OUT, tests.log under 16 MiB; the
 # bench ends a ptk-train run that hangs at its --run-timeout.
 # Usage: gpu_run_test.sh SOURCE_DIR
@@ -56,6 +57,7 @@ make_pack() {
         echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
       cuda_toolchain|ops_cuda) body='echo "order: $0" >> "$FAKE_RECORD"; exit 0' ;;
       passrec) body='echo "run: passrec" >> "$FAKE_RECORD"; exit 0' ;;
+      stdin) body='cat > /dev/null; echo "[ RUN      ] A.In"; echo "[       OK ] A.In (1 ms)"; exit 0' ;;
       flood) body='echo "[ RUN      ] A.Flood"; head -c 18000000 /dev/zero | tr "\\0" x; echo; echo "[       OK ] A.Flood (1 ms)"; exit 0' ;;
       cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
     esac
@@ -130,6 +132,14 @@ run rerunlast FAKE_GPUS=1 -- --pack "$T/rerunlast"
 printf 'run: PTK_CUDA_SYNC_OPS=unset \nrun: passrec\nrun: PTK_CUDA_SYNC_OPS=1 --gtest_filter=Ops.Bad\n' > "$T/want"
 check "a failing test's rerun comes after the tests that follow it" cmp -s "$T/record" "$T/want"
 check "a failing test's rerun: the counts" [ "$(last rerunlast)" = "1 passed, 1 failed, 0 skipped" ]
+
+# A test (or a program it starts: popen's children share its stdin) that reads its standard input
+# reads no test list: every test after it still runs.
+make_pack "$T/stdin" stdin passrec
+: > "$T/record"
+run stdin FAKE_GPUS=1 -- --pack "$T/stdin"
+check "a test reading stdin: the tests after it still run" grep -qx "run: passrec" "$T/record"
+check "a test reading stdin: the counts" [ "$(last stdin)" = "2 passed, 0 failed, 0 skipped" ]
 
 make_pack "$T/cli" cuda_train_cli
 : > "$T/record"
