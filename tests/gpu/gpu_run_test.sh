@@ -55,6 +55,8 @@ make_pack() {
       hang) body='echo "[ RUN      ] Slow.Forever"; exec sleep 600' ;;
       twogpu) body='echo "[ RUN      ] A.D"; echo "x.cpp:9: Skipped"; echo "needs two GPUs; 1 visible"; echo "[  SKIPPED ] A.D (0 ms)"
         echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
+      threegpu) body='echo "[ RUN      ] A.F"; echo "x.cpp:9: Skipped"; echo "needs three GPUs; 2 visible"; echo "[  SKIPPED ] A.F (0 ms)"
+        echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.F"; exit 0' ;;
       cuda_toolchain|ops_cuda) body='echo "order: $0" >> "$FAKE_RECORD"; exit 0' ;;
       passrec) body='echo "run: passrec" >> "$FAKE_RECORD"; exit 0' ;;
       stdin) body='cat > /dev/null; echo "[ RUN      ] A.In"; echo "[       OK ] A.In (1 ms)"; exit 0' ;;
@@ -153,8 +155,8 @@ check "--full says so first" [ "$(sed -n 1p "$T/full.out")" = "== versions (prof
 
 make_pack "$T/twogpu" twogpu skipcase
 run onegpu FAKE_GPUS=1 -- --pack "$T/twogpu"
-check "one GPU listed: a case that needs two GPUs is no failure" grep -qE "^PASS twogpu_test \([0-9]+s; 1 case\(s\) need two GPUs, 1 listed\)" "$T/onegpu.out"
-check "one GPU listed: the summary names it as not runnable here" has onegpu "NOTE twogpu_test: 1 case(s) need two GPUs"
+check "one GPU listed: a case that needs two GPUs is no failure" grep -qE "^PASS twogpu_test \([0-9]+s; 1 case\(s\) need more GPUs, 1 listed\)" "$T/onegpu.out"
+check "one GPU listed: the summary names it as not runnable here" has onegpu "NOTE twogpu_test: 1 case(s) need more GPUs"
 check "one GPU listed: any other skip still fails" [ "$(rc onegpu)" = 1 ]
 check "one GPU listed: the counts" [ "$(last onegpu)" = "1 passed, 0 failed, 1 skipped" ]
 make_pack "$T/twogpu-only" twogpu pass
@@ -162,6 +164,14 @@ run onegpu2 FAKE_GPUS=1 -- --pack "$T/twogpu-only"
 check "one GPU listed, only two-GPU cases skipped: the run passes" [ "$(rc onegpu2)" = 0 ]
 run twogpus FAKE_GPUS=2 -- --pack "$T/twogpu-only"
 check "two GPUs listed: a case that still skips for two GPUs fails the run" [ "$(rc twogpus)" = 1 ]
+# A case that needs three GPUs (cuda_train_cli_test's P = 3 over NCCL) is no failure where fewer are
+# listed, and fails where three are.
+make_pack "$T/threegpu" threegpu pass
+run twoforthree FAKE_GPUS=2 -- --pack "$T/threegpu"
+check "two GPUs listed: a case that needs three is no failure" [ "$(rc twoforthree)" = 0 ]
+check "two GPUs listed: a case that needs three is named" has twoforthree "NOTE threegpu_test: 1 case(s) need more GPUs"
+run threeforthree FAKE_GPUS=3 -- --pack "$T/threegpu"
+check "three GPUs listed: a case that still skips for three GPUs fails the run" [ "$(rc threeforthree)" = 1 ]
 
 make_pack "$T/order" cuda_train_cli pass ops_cuda cuda_toolchain
 : > "$T/record"
