@@ -26,7 +26,8 @@
 # verdict stays a failure. Ends with the line "N passed, N failed, N skipped".
 # Exit status 1 when a test failed, ran out of time, or skipped while nvidia-smi lists a GPU (there a
 # skip is a false pass), or when the bench failed. The one skip that stays a pass: a case that says it
-# "needs two GPUs" where nvidia-smi lists fewer (named in the summary as not runnable on this machine).
+# "needs two GPUs" (or three) where nvidia-smi lists fewer (named in the summary as not runnable on
+# this machine).
 set -uo pipefail
 started=$(date +%s)
 here=$(cd "$(dirname "$0")" && pwd)
@@ -169,12 +170,14 @@ sanitizer=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-s
 pass=0 fail=0 skip=0
 results=() reruns=()
 # run_box SECONDS LABEL CMD...: runs CMD in $work/run with ptk's environment, appending to tests.log.
+# Its standard input is /dev/null: the loop below reads the test list from its own, which a test (or
+# a program it starts: popen's children share it) reading stdin would otherwise empty.
 run_box() {
   local secs=$1 label=$2
   shift 2
   echo "==== $label (time box ${secs}s)" >> "$testlog"
   mkdir -p "$work/run"
-  (cd "$work/run" && "${ptk_env[@]}" timeout -k 10 "$secs" "$@") >> "$testlog" 2>&1
+  (cd "$work/run" && "${ptk_env[@]}" timeout -k 10 "$secs" "$@") < /dev/null >> "$testlog" 2>&1
 }
 # The gtest cases that failed, or the one running when the test was stopped, in the log since LINE.
 failed_cases() {
@@ -201,17 +204,18 @@ while IFS=$'\t' read -r name exe args; do
   run_box "$secs" "$name ${filter[*]}" "$dir/$exe" "${argv[@]}" "${filter[@]}"; rc=$?
   t=$(($(date +%s) - t0))
   skipped_cases=$(tail -n +"$line" "$testlog" | awk '/^\[  SKIPPED \] / && $4 ~ /\./ {print $4}' | sort -u | wc -l)
-  # Cases that skip themselves for want of a second GPU, where this machine lists fewer than two.
-  two_gpu_cases=0
-  [ "$ngpus" -ge 2 ] || two_gpu_cases=$(tail -n +"$line" "$testlog" | awk '
-    /^\[ RUN      \] / {running = $4; two = 0}
-    /needs two GPUs/ {two = 1}
-    /^\[  SKIPPED \] / && $4 == running && two {print running}' | sort -u | wc -l)
+  # Cases that skip themselves for want of GPUs ("needs two GPUs", "needs three GPUs"), where this
+  # machine lists fewer than they need.
+  more_gpu_cases=$(tail -n +"$line" "$testlog" | awk -v have="$ngpus" '
+    /^\[ RUN      \] / {running = $4; need = 0}
+    /needs two GPUs/ {need = 2}
+    /needs three GPUs/ {need = 3}
+    /^\[  SKIPPED \] / && $4 == running && need > have {print running}' | sort -u | wc -l)
   if [ $rc -eq 0 ] && [ "$skipped_cases" -eq 0 ]; then
     pass=$((pass + 1)); echo "PASS $name (${t}s)"
-  elif [ $rc -eq 0 ] && [ "$skipped_cases" -eq "$two_gpu_cases" ]; then
-    pass=$((pass + 1)); echo "PASS $name (${t}s; $two_gpu_cases case(s) need two GPUs, ${ngpus} listed)"
-    results+=("NOTE $name: $two_gpu_cases case(s) need two GPUs: not runnable on this machine (${ngpus} GPU listed)")
+  elif [ $rc -eq 0 ] && [ "$skipped_cases" -eq "$more_gpu_cases" ]; then
+    pass=$((pass + 1)); echo "PASS $name (${t}s; $more_gpu_cases case(s) need more GPUs, ${ngpus} listed)"
+    results+=("NOTE $name: $more_gpu_cases case(s) need more GPUs: not runnable on this machine (${ngpus} GPU listed)")
   elif [ $rc -eq 0 ] || [ $rc -eq 77 ]; then
     why=$([ $rc -eq 77 ] && tail -n +"$line" "$testlog" | grep -m1 '^SKIP' || echo "$skipped_cases case(s) skipped")
     skip=$((skip + 1)); results+=("SKIP $name: $why"); echo "SKIP $name ($why)"

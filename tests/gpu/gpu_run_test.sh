@@ -3,7 +3,8 @@
 # fake nvidia-smi on PATH and a pack of fake test binaries: where nvidia-smi lists a GPU a skipped gpu
 # test (exit 77, or a gtest case skipped) fails the run, where it lists none skips are fine; a failing
 # test fails the run and is rerun, its failed case only, with PTK_CUDA_SYNC_OPS=1; a hanging test is
-# stopped at its time limit; tests the budget leaves no time for fail as not run; the run ends with
+# stopped at its time limit; a test reading stdin takes no test list with it; tests the budget leaves no
+# time for fail as not run; the run ends with
 # "N passed, N failed, N skipped" and leaves at most eight log files in $OUT, tests.log under 16 MiB; the
 # bench ends a ptk-train run that hangs at its --run-timeout.
 # Usage: gpu_run_test.sh SOURCE_DIR
@@ -54,8 +55,11 @@ make_pack() {
       hang) body='echo "[ RUN      ] Slow.Forever"; exec sleep 600' ;;
       twogpu) body='echo "[ RUN      ] A.D"; echo "x.cpp:9: Skipped"; echo "needs two GPUs; 1 visible"; echo "[  SKIPPED ] A.D (0 ms)"
         echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
+      threegpu) body='echo "[ RUN      ] A.F"; echo "x.cpp:9: Skipped"; echo "needs three GPUs; 2 visible"; echo "[  SKIPPED ] A.F (0 ms)"
+        echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.F"; exit 0' ;;
       cuda_toolchain|ops_cuda) body='echo "order: $0" >> "$FAKE_RECORD"; exit 0' ;;
       passrec) body='echo "run: passrec" >> "$FAKE_RECORD"; exit 0' ;;
+      stdin) body='cat > /dev/null; echo "[ RUN      ] A.In"; echo "[       OK ] A.In (1 ms)"; exit 0' ;;
       flood) body='echo "[ RUN      ] A.Flood"; head -c 18000000 /dev/zero | tr "\\0" x; echo; echo "[       OK ] A.Flood (1 ms)"; exit 0' ;;
       cuda_train_cli) body='echo "cli: $*" >> "$FAKE_RECORD"; exit 0' ;;
     esac
@@ -131,6 +135,14 @@ printf 'run: PTK_CUDA_SYNC_OPS=unset \nrun: passrec\nrun: PTK_CUDA_SYNC_OPS=1 --
 check "a failing test's rerun comes after the tests that follow it" cmp -s "$T/record" "$T/want"
 check "a failing test's rerun: the counts" [ "$(last rerunlast)" = "1 passed, 1 failed, 0 skipped" ]
 
+# A test (or a program it starts: popen's children share its stdin) that reads its standard input
+# reads no test list: every test after it still runs.
+make_pack "$T/stdin" stdin passrec
+: > "$T/record"
+run stdin FAKE_GPUS=1 -- --pack "$T/stdin"
+check "a test reading stdin: the tests after it still run" grep -qx "run: passrec" "$T/record"
+check "a test reading stdin: the counts" [ "$(last stdin)" = "2 passed, 0 failed, 0 skipped" ]
+
 make_pack "$T/cli" cuda_train_cli
 : > "$T/record"
 run quick FAKE_GPUS=1 -- --pack "$T/cli"
@@ -143,8 +155,8 @@ check "--full says so first" [ "$(sed -n 1p "$T/full.out")" = "== versions (prof
 
 make_pack "$T/twogpu" twogpu skipcase
 run onegpu FAKE_GPUS=1 -- --pack "$T/twogpu"
-check "one GPU listed: a case that needs two GPUs is no failure" grep -qE "^PASS twogpu_test \([0-9]+s; 1 case\(s\) need two GPUs, 1 listed\)" "$T/onegpu.out"
-check "one GPU listed: the summary names it as not runnable here" has onegpu "NOTE twogpu_test: 1 case(s) need two GPUs"
+check "one GPU listed: a case that needs two GPUs is no failure" grep -qE "^PASS twogpu_test \([0-9]+s; 1 case\(s\) need more GPUs, 1 listed\)" "$T/onegpu.out"
+check "one GPU listed: the summary names it as not runnable here" has onegpu "NOTE twogpu_test: 1 case(s) need more GPUs"
 check "one GPU listed: any other skip still fails" [ "$(rc onegpu)" = 1 ]
 check "one GPU listed: the counts" [ "$(last onegpu)" = "1 passed, 0 failed, 1 skipped" ]
 make_pack "$T/twogpu-only" twogpu pass
@@ -152,6 +164,14 @@ run onegpu2 FAKE_GPUS=1 -- --pack "$T/twogpu-only"
 check "one GPU listed, only two-GPU cases skipped: the run passes" [ "$(rc onegpu2)" = 0 ]
 run twogpus FAKE_GPUS=2 -- --pack "$T/twogpu-only"
 check "two GPUs listed: a case that still skips for two GPUs fails the run" [ "$(rc twogpus)" = 1 ]
+# A case that needs three GPUs (cuda_train_cli_test's P = 3 over NCCL) is no failure where fewer are
+# listed, and fails where three are.
+make_pack "$T/threegpu" threegpu pass
+run twoforthree FAKE_GPUS=2 -- --pack "$T/threegpu"
+check "two GPUs listed: a case that needs three is no failure" [ "$(rc twoforthree)" = 0 ]
+check "two GPUs listed: a case that needs three is named" has twoforthree "NOTE threegpu_test: 1 case(s) need more GPUs"
+run threeforthree FAKE_GPUS=3 -- --pack "$T/threegpu"
+check "three GPUs listed: a case that still skips for three GPUs fails the run" [ "$(rc threeforthree)" = 1 ]
 
 make_pack "$T/order" cuda_train_cli pass ops_cuda cuda_toolchain
 : > "$T/record"

@@ -243,6 +243,34 @@ TEST(CudaMemoryPlan, LogitsBudgetFromFreeMemory) {
   EXPECT_EQ(PlanMemoryWithin(c, params, o, 79 * gib)->logit_chunk_rows, 100);
 }
 
+// Tensor parallelism: the vocabulary-parallel loss runs its collectives (the row maxima's all-gather,
+// the sums' all-reduce, rows of the chunk each) per chunk of rows, so every rank of the tensor group
+// cuts the same chunks whatever its own free memory: with logits_budget_bytes 0 the budget is the
+// 256 MiB default, from the configuration alone. (Sized from each rank's free memory, a rank with a
+// few GiB less than the other cut its LM head into other chunks, and the ranks' collectives no
+// longer matched: a hang, or sums of other rows.)
+TEST(CudaMemoryPlan, TensorRanksCutTheSameLogitChunksWhateverTheirFreeMemory) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.precision = Precision::kBf16;
+  o.micro_batch_size = 16;
+  o.logits_budget_bytes = 0;
+  o.tensor = 2;
+  auto layout = ParamLayout::Create(c, 2, 0);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const int64_t gib = int64_t{1} << 30, row = c.padded_vocab_size / 2 * 2;
+  std::vector<int64_t> rows;
+  for (int64_t free_bytes : {79 * gib, 8 * gib, 5 * gib + gib / 3, gib / 2}) {
+    auto plan = PlanMemoryWithin(c, layout->num_params, o, free_bytes);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    rows.push_back(plan->logit_chunk_rows);
+  }
+  for (int64_t r : rows) EXPECT_EQ(r, kDefaultLogitsBudget / row) << "free memory changed a tensor rank's chunks";
+  // One rank (no tensor group): the free memory still sizes them, every row where they fit.
+  o.tensor = 1;
+  EXPECT_EQ(PlanMemoryWithin(c, ParamLayout::Create(c)->num_params, o, 79 * gib)->logit_chunk_rows, 16384);
+}
+
 // --use-distributed-optimizer: the parameter and gradient buffers padded to the shard layout (NCCL's
 // equal pieces), the moments for the rank's shard only, and in bf16/fp16 the fp32 master too (the
 // LayerNorms' fp32 parameters whole beside it); in fp32 the master is the weights, whole.

@@ -129,11 +129,12 @@ class NcclCommunicator : public Communicator {
     return Start(r, "NCCL initialisation");
   }
 
-  // A group of this communicator's ranks (the tensor or data group): ncclCommSplit of this
-  // communicator, colour the group's first member. NCCL's split is collective over all of this
-  // communicator's ranks: every rank calls it for the groups of one kind (they partition the
-  // ranks, as ParallelLayout's do) at the same point. (A group of one rank is Subgroup's local
-  // communicator: no split; every group of the kind is then of one rank.)
+  // A group of this communicator's ranks (the tensor, data, pipeline or embedding group): a
+  // communicator of its own (ncclCommInitRankConfig over a unique id the group's first member
+  // publishes in the store), which only the group's members make. Not ncclCommSplit of this one: a
+  // split is collective over all of this communicator's ranks, and the groups of a kind need not
+  // cover them (a middle pipeline stage is in no embedding group and makes none: the first and last
+  // stages' split would wait for it until the timeout).
   absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(std::span<const int> members, int me,
                                                           const std::string& name) override {
     auto sub = std::make_unique<NcclCommunicator>();
@@ -144,19 +145,26 @@ class NcclCommunicator : public Communicator {
     sub->device_ = device_;
     sub->store_ = store_;
     sub->group_ = fmt::format("{} group (world rank {})", name, rank());
+    std::string key = "ptk/nccl-unique-id/" + name;  // the group's members name it: one per group of a kind
+    for (int m : members) key += fmt::format("/{}", m);
+    ncclUniqueId id;
+    std::memset(&id, 0, sizeof id);
+    if (me == 0) {
+      PTK_RETURN_IF_ERROR(Nccl(ncclGetUniqueId(&id), fmt::format("ncclGetUniqueId for the {} group", name)));
+      PTK_RETURN_IF_ERROR(store_->Set(key, std::string(id.internal, sizeof id.internal)));
+    } else {
+      PTK_ASSIGN_OR_RETURN(std::string bytes, store_->Get(key));
+      if (bytes.size() != sizeof id.internal)
+        return absl::InternalError(fmt::format("the {} group's first rank published a malformed NCCL id", name));
+      std::memcpy(id.internal, bytes.data(), sizeof id.internal);
+    }
     PTK_RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "selecting the rank's GPU"));
     PTK_RETURN_IF_ERROR(
         sub->Cuda(cudaStreamCreateWithFlags(&sub->stream_, cudaStreamNonBlocking), "creating NCCL's stream"));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    ncclComm_t child = nullptr;
-    int result = ncclSuccess;
-    PTK_RETURN_IF_ERROR(guard_->Call(fmt::format("making the {} group", name), [&] {
-      result = ncclCommSplit(comm_, members[0], rank(), &child, &config);
-      return result == ncclInProgress ? static_cast<int>(ncclSuccess) : result;
-    }));
-    sub->comm_ = child;
-    PTK_RETURN_IF_ERROR(sub->Start(static_cast<ncclResult_t>(result), fmt::format("making the {} group", name)));
+    const ncclResult_t r = ncclCommInitRankConfig(&sub->comm_, static_cast<int>(members.size()), id, me, &config);
+    PTK_RETURN_IF_ERROR(sub->Start(r, fmt::format("making the {} group", name)));
     return std::unique_ptr<Communicator>(std::move(sub));
   }
 

@@ -32,8 +32,10 @@ struct CudaModelOptions {
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).
   bool sync_ops = false;
-  // The LM head's logits are computed in chunks of rows within this many bytes; 0: the plan's
-  // default (256 MiB). Tests make it small to run the head in several chunks.
+  // The LM head's logits are computed in chunks of rows within this many bytes; 0: sized from the
+  // device's free memory (PlanMemoryWithin: every row in one chunk where the plan fits, else the
+  // room left in whole tiles of rows, at least 256 MiB), or 256 MiB under tensor parallelism (the
+  // same chunks on every rank of the group). Tests make it small to run the head in several chunks.
   int64_t logits_budget_bytes = 0;
   // The unfused paths the fused ones replaced, kept as their oracles (gpu tests compare the two):
   // each true runs the old path.

@@ -257,6 +257,12 @@ int64_t PlanHeadroomBytes(int64_t free_bytes) { return std::max<int64_t>(int64_t
 absl::StatusOr<MemoryPlan> PlanMemoryWithin(const GPTConfig& cf, int64_t num_params, PlanOptions o,
                                             int64_t free_bytes) {
   if (o.logits_budget_bytes > 0) return PlanMemory(cf, num_params, o);
+  // A tensor group's ranks run the vocabulary-parallel loss's collectives per chunk of rows: they must
+  // cut the same chunks, which this rank's free memory (another rank's differs) must not decide.
+  if (o.tensor > 1) {
+    o.logits_budget_bytes = kDefaultLogitsBudget;
+    return PlanMemory(cf, num_params, o);
+  }
   const int64_t t = o.seq_length > 0 ? o.seq_length : cf.seq_length;
   const int64_t a = o.precision == Precision::kFp32 ? 4 : 2;
   const int64_t row_bytes = std::max<int64_t>(1, cf.padded_vocab_size / std::max<int64_t>(1, o.tensor) * a);

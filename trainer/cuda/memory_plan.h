@@ -177,7 +177,10 @@ int64_t PlanHeadroomBytes(int64_t free_bytes);
 // everything fits within free_bytes less PlanHeadroomBytes; otherwise they take what is left beyond
 // the other buffers, in whole tiles of rows (at least one tile, or the default 256 MiB budget
 // when that is larger), and the head runs in chunks. A positive logits_budget_bytes is used as
-// given (a test hook). Whether the plan then fits is the caller's check.
+// given (a test hook). Under tensor parallelism (options.tensor > 1) a logits_budget_bytes of 0 is
+// the default 256 MiB whatever free_bytes says: the vocabulary-parallel loss's collectives run per
+// chunk, so every rank of the tensor group must cut the same chunks, and their free memory differs.
+// Whether the plan then fits is the caller's check.
 absl::StatusOr<MemoryPlan> PlanMemoryWithin(const GPTConfig& config, int64_t num_params, PlanOptions options,
                                             int64_t free_bytes);
 
