@@ -177,6 +177,36 @@ TEST(GPTDatasetGolden, MegatronsCacheIsReusedAndACorruptOneRebuilt) {
   EXPECT_TRUE(testing::ReadFile(victim) == good);
 }
 
+// A blend's cache whose entries are damaged (a dataset id past the blend's datasets, a sample past a
+// dataset's end) but whose .npy headers and sizes are whole: it was used, and the sample read
+// datasets_[id] out of bounds (a crash) or failed mid-run. Every entry is checked, the cache rebuilt.
+TEST(GPTDatasetGolden, ABlendCacheWithEntriesOutOfRangeIsRebuilt) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  const Config c = Configs()[5];
+  ASSERT_EQ(c.name, "blend3");
+  ASSERT_TRUE(BuildConfig(c).ok());
+  for (const char* array : {"dataset_index.npy", "dataset_sample_index.npy"}) {
+    SCOPED_TRACE(array);
+    std::string victim;
+    for (const auto& f : Files("blend3/cache"))
+      if (f.find(std::string("BlendedDataset-train-") + array) != std::string::npos) victim = "blend3/cache/" + f;
+    ASSERT_FALSE(victim.empty());
+    const std::string good = testing::ReadFile(victim);
+    std::string bad = good;
+    bad[bad.size() - 1] = 0x7f;  // the last entry's high byte: 32639 (int16), or 2^63 - 2^56 + ... (int64)
+    testing::WriteFile(victim, bad);
+    auto ds = BuildConfig(c);
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    EXPECT_FALSE((*ds)[0]->loaded_from_cache());
+    GPTSample last;
+    EXPECT_TRUE((*ds)[0]->Get((*ds)[0]->size() - 1, &last).ok());
+    CheckSamples(c, *ds);
+    EXPECT_TRUE(testing::ReadFile(victim) == good);
+  }
+}
+
 TEST(GPTDataset, EmptySplitWithRequestedSamplesIsAnErrorNotAHang) {
   TempDir dir;
   fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
