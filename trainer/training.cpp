@@ -272,6 +272,9 @@ class Trainer {
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
     if (data_.valid)
+      PTK_RETURN_IF_ERROR(
+          CheckValidationSamplesLast(o_, plan_, state_.iteration, state_.consumed_valid_samples, data_.valid->size()));
+    if (data_.valid)
       valid_loader_ = std::make_unique<DataLoader>(
           data_.valid, PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, rank_, dp_), mbs);
     return absl::OkStatus();

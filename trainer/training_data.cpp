@@ -127,6 +127,27 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
 }
 }  // namespace
 
+absl::Status CheckValidationSamplesLast(const TrainOptions& o, const TrainPlan& plan, int64_t iteration,
+                                        int64_t consumed_valid, int64_t valid_size) {
+  if (o.eval_iters <= 0 || o.eval_interval <= 0) return absl::OkStatus();
+  int64_t last = plan.train_iters, final_evaluation = 1;
+  if (o.exit_interval > 0 && (iteration / o.exit_interval + 1) * o.exit_interval <= plan.train_iters) {
+    last = (iteration / o.exit_interval + 1) * o.exit_interval;  // an --exit-interval stop: no evaluation at the end
+    final_evaluation = 0;
+  }
+  const int64_t evaluations = last / o.eval_interval - iteration / o.eval_interval + final_evaluation;
+  const int64_t need = evaluations * o.eval_iters * plan.global_batch_size;
+  if (consumed_valid + need <= valid_size) return absl::OkStatus();
+  return UsageError(fmt::format(
+      "--load {}: the checkpoint of iteration {} has consumed {} validation samples, and this run's {} evaluation(s) "
+      "(--eval-interval {} up to iteration {}{}, --eval-iters {} of {} samples) need {} more, but the validation "
+      "split holds {} (it is sized from this command line's --train-iters, --eval-interval and --eval-iters): "
+      "Megatron's sampler stops there too. Give the saved run's --eval-interval (or a larger --eval-iters), or "
+      "--eval-iters 0",
+      o.load, iteration, consumed_valid, evaluations, o.eval_interval, last,
+      final_evaluation ? " and the one at the end" : "", o.eval_iters, plan.global_batch_size, need, valid_size));
+}
+
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
   if (!PathExists(load)) return absl::OkStatus();  // a new run's directory
   std::string dir = load;
