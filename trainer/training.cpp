@@ -181,9 +181,8 @@ class Trainer {
     return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
   }
 
-  // --load: the weights, and unless --finetune the iteration, data position, moments and the
-  // training step's state (Megatron's load_checkpoint); a directory without a checkpoint starts a
-  // new run.
+  // --load: the weights, and unless --finetune the iteration, data position, moments and the training step's
+  // state (Megatron's load_checkpoint); a directory without a checkpoint starts a new run.
   absl::Status Resume() {
     if (o_.load.empty()) return absl::OkStatus();
     // Every rank reads --load once rank 0 has put back what a killed save left aside.
@@ -271,9 +270,8 @@ class Trainer {
         OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, tb_writer_, &outputs_));
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
-    if (data_.valid)
-      PTK_RETURN_IF_ERROR(
-          CheckValidationSamplesLast(o_, plan_, state_.iteration, state_.consumed_valid_samples, data_.valid->size()));
+    PTK_RETURN_IF_ERROR(
+        CheckValidationSamplesLast(o_, plan_, state_.iteration, state_.consumed_valid_samples, data_.valid.get()));
     if (data_.valid)
       valid_loader_ = std::make_unique<DataLoader>(
           data_.valid, PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, rank_, dp_), mbs);

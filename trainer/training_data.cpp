@@ -128,8 +128,9 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
 }  // namespace
 
 absl::Status CheckValidationSamplesLast(const TrainOptions& o, const TrainPlan& plan, int64_t iteration,
-                                        int64_t consumed_valid, int64_t valid_size) {
-  if (o.eval_iters <= 0 || o.eval_interval <= 0) return absl::OkStatus();
+                                        int64_t consumed_valid, const TopLevelDataset* valid) {
+  if (!valid || o.eval_iters <= 0 || o.eval_interval <= 0) return absl::OkStatus();
+  const int64_t valid_size = valid->size();
   int64_t last = plan.train_iters, final_evaluation = 1;
   if (o.exit_interval > 0 && (iteration / o.exit_interval + 1) * o.exit_interval <= plan.train_iters) {
     last = (iteration / o.exit_interval + 1) * o.exit_interval;  // an --exit-interval stop: no evaluation at the end

@@ -29,11 +29,11 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
 // A run resumed at `iteration` with `consumed_valid` validation samples behind it (the checkpoint's)
 // reads its evaluations' samples from there on: every --eval-interval up to where it stops
 // (--train-iters, or an earlier --exit-interval), and the one at the end. Megatron's sampler refuses
-// a start past the split's end and its evaluation dies where the split runs out; a split of
-// `valid_size` samples that cannot hold them (this command line evaluates less often than the saved
+// a start past the split's end and its evaluation dies where the split runs out; a split `valid`
+// (none: OK) that cannot hold them (this command line evaluates less often than the saved
 // run did, so its split is smaller) is refused here, before any iteration, naming both runs' needs.
 absl::Status CheckValidationSamplesLast(const TrainOptions& o, const TrainPlan& plan, int64_t iteration,
-                                        int64_t consumed_valid, int64_t valid_size);
+                                        int64_t consumed_valid, const TopLevelDataset* valid);
 
 // --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
 // and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random
