@@ -270,8 +270,7 @@ class Trainer {
         OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, tb_writer_, &outputs_));
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
-    PTK_RETURN_IF_ERROR(
-        CheckValidationSamplesLast(o_, plan_, state_.iteration, state_.consumed_valid_samples, data_.valid.get()));
+    PTK_RETURN_IF_ERROR(CheckSamplesLast(o_, plan_, state_, data_));
     if (data_.valid)
       valid_loader_ = std::make_unique<DataLoader>(
           data_.valid, PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, rank_, dp_), mbs);

@@ -3,8 +3,8 @@
 // footprints" line) and a run that cannot fit refused with both figures, the ranks on one node
 // counted together; an index cache that
 // cannot be written (the run is the same); half a dataset; --eval-iters with no validation split;
-// --save below a file; --load of another model's checkpoint; a resume whose validation split cannot
-// hold its evaluations; SIGTERM during a checkpoint write.
+// --save below a file; --load of another model's checkpoint; a resume whose training or validation
+// split cannot hold what it reads; SIGTERM during a checkpoint write.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -244,6 +244,29 @@ TEST_F(TrainRefusals, AResumeWhoseValidationSplitCannotHoldItsEvaluationsIsRefus
   EXPECT_TRUE(testing::LossesOf(r.output).empty()) << r.output;
   // The saved run's evaluations fit: it resumes.
   auto same = RunCmd(Train(Data() + " --eval-interval 1 --load " + ck + " --save " + ck, 8));
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_EQ(testing::LossesOf(same.output).size(), 2u) << same.output;
+}
+
+// A resume with a smaller --global-batch-size on a blend: the blend holds exactly this command line's
+// --train-iters x --global-batch-size samples, fewer than the checkpoint consumed plus the iterations
+// to come. It failed at the iteration that ran out ("the training data ran out before --train-iters",
+// exit 1, with no numbers), after training up to there; it is refused before any iteration.
+TEST_F(TrainRefusals, AResumeWhoseTrainingSplitRunsOutIsRefused) {
+  const std::string ck = ShellQuote(dir_ / "ck"),
+                    blend = " --eval-iters 0 --data-path 0.5 " + ShellQuote(prefix_) + " 0.5 " + ShellQuote(prefix_);
+  auto saved = RunCmd(Train(blend + " --global-batch-size 8 --exit-interval 2 --save " + ck, 4));
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  auto r = RunCmd(Train(blend + " --use-checkpoint-opt_param-scheduler --load " + ck + " --save " + ck, 4));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+  EXPECT_NE(Errors(r.output)[0].find("the checkpoint of iteration 2 has consumed 16 training samples, and this run's "
+                                     "iterations to 4 take 8 more, but the training split holds 16 ("),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(Errors(r.output)[0].find("it would run out at iteration 3"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::LossesOf(r.output).empty()) << r.output;
+  auto same = RunCmd(Train(blend + " --global-batch-size 8 --load " + ck + " --save " + ck, 4));
   EXPECT_EQ(same.exit_code, 0) << same.output;
   EXPECT_EQ(testing::LossesOf(same.output).size(), 2u) << same.output;
 }
