@@ -58,6 +58,7 @@ class Trainer {
   }
 
   absl::StatusOr<TrainSummary> Run() {
+    started_ = o_.started != Clock::time_point{} ? o_.started : Clock::now();
     auto t0 = Clock::now();
     PTK_RETURN_IF_ERROR(SetUp());
     if (lead_) log::Info("start-up: model built and initialised ({:.1f} s)", Seconds(t0));
@@ -482,7 +483,7 @@ class Trainer {
   // --exit-interval), or "" to go on.
   absl::StatusOr<std::string> SaveAndDecideExit() {
     double flags[2] = {o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0,
-                       std::chrono::duration<double>(Clock::now() - start_).count() / 60.0};
+                       Seconds(started_) / 60.0};  // since the process started, as Megatron's _TRAIN_START_TIME
     PTK_RETURN_IF_ERROR(world_->AllReduceSum(flags, 2));
     if (flags[0] > 0) return std::string("exiting on signal");
     if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
@@ -565,9 +566,9 @@ class Trainer {
   std::vector<std::vector<int64_t>> keys_;
   std::vector<ModelBatch> batches_;
   RunOutputs outputs_;
-  int64_t current_gbs_ = 0;  // this iteration's global batch (--rampup-batch-size changes it)
-  Clock::time_point start_;
-  double wall_before_ = 0;  // training time of the runs before this one
+  int64_t current_gbs_ = 0;            // this iteration's global batch (--rampup-batch-size changes it)
+  Clock::time_point started_, start_;  // the process's start (--exit-duration-in-mins), training's
+  double wall_before_ = 0;             // training time of the runs before this one
   Interval interval_;
   int64_t last_saved_ = -1;
 };
