@@ -125,9 +125,6 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
         fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
   return s;
 }
-}  // namespace
-
-namespace {
 
 // The iteration this run stops at: --train-iters, or the first --exit-interval after `iteration` when
 // that comes first (no evaluation at the end then).
