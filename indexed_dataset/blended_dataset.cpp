@@ -87,10 +87,29 @@ void BuildExhaustiveBlendingIndices(const std::vector<double>& weights, IndexArr
   }
 }
 
-// The cached indices under `prefix` when they are there, whole and of this description; a warning
-// when some are there but not usable (they are rebuilt).
-bool LoadBlendCache(const std::string& prefix, const std::string& description, IndexArray* dataset_index,
-                    IndexArray* dataset_sample_index) {
+// Why the cached blend does not fit `datasets` ("" when it does): every entry a dataset of the blend
+// and a sample of it (a damaged entry would read past the datasets or fail mid-run), `size` of them
+// when the blend has one.
+std::string BlendCacheDisagrees(const std::vector<std::shared_ptr<GPTDataset>>& datasets, std::optional<int64_t> size,
+                                const IndexArray& dataset_index, const IndexArray& dataset_sample_index) {
+  if (size && dataset_index.size() != *size)
+    return fmt::format("it holds {} samples, the blend {}", dataset_index.size(), *size);
+  const int64_t n = static_cast<int64_t>(datasets.size());
+  for (int64_t i = 0; i < dataset_index.size(); ++i) {
+    const int64_t d = dataset_index.at(i), k = dataset_sample_index.at(i);
+    if (d < 0 || d >= n) return fmt::format("dataset_index[{}] = {} is not one of its {} datasets", i, d, n);
+    if (k < 0 || k >= datasets[static_cast<size_t>(d)]->size())
+      return fmt::format("dataset_sample_index[{}] = {} is not a sample of dataset {} ({} samples)", i, k, d,
+                         datasets[static_cast<size_t>(d)]->size());
+  }
+  return "";
+}
+
+// The cached indices under `prefix` when they are there, whole, of this description and fitting
+// `datasets`; a warning when some are there but not usable (they are rebuilt).
+bool LoadBlendCache(const std::string& prefix, const std::string& description,
+                    const std::vector<std::shared_ptr<GPTDataset>>& datasets, std::optional<int64_t> size,
+                    IndexArray* dataset_index, IndexArray* dataset_sample_index) {
   if (!PathExists(prefix + "description.txt") && !PathExists(prefix + "dataset_index.npy") &&
       !PathExists(prefix + "dataset_sample_index.npy"))
     return false;
@@ -99,6 +118,10 @@ bool LoadBlendCache(const std::string& prefix, const std::string& description, I
   auto dsi = IndexArray::Load(prefix + "dataset_sample_index.npy");
   if (text.ok() && *text == description && di.ok() && dsi.ok() && di->type() == NpyType::kInt16 &&
       dsi->type() == NpyType::kInt64 && di->shape().size() == 1 && dsi->shape() == di->shape()) {
+    if (const std::string why = BlendCacheDisagrees(datasets, size, *di, *dsi); !why.empty()) {
+      log::Warning("ignoring the blend index cache {}*: {}; rebuilding it", prefix, why);
+      return false;
+    }
     *dataset_index = std::move(*di);
     *dataset_sample_index = std::move(*dsi);
     return true;
@@ -143,7 +166,7 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendedDataset::Build(std::vecto
   std::string prefix;
   if (config.path_to_cache) {
     prefix = JoinPath(*config.path_to_cache, fmt::format("{}-BlendedDataset-{}-", b->hash_, SplitName(split)));
-    if (LoadBlendCache(prefix, b->description_, &b->dataset_index_, &b->dataset_sample_index_)) {
+    if (LoadBlendCache(prefix, b->description_, datasets, size, &b->dataset_index_, &b->dataset_sample_index_)) {
       b->from_cache_ = true;
       return b;
     }

@@ -219,11 +219,50 @@ absl::Status IndexCacheNotSaved(const char* what, const std::string& dir, const 
   return absl::OkStatus();
 }
 
+namespace {
+
+// The cached arrays against the split [beg, end) of `data` as it is now, entry by entry: every
+// document index entry one of the split's documents, every sample row at an offset inside its
+// document and spanning `seq` tokens from the row before it (fewer only up to the last token), every
+// shuffle entry a row. A cache whose counts happen to match data that changed (documents that grew or
+// shrank) fails here rather than mid-run, at a sample too long or, padded, silently too short.
+// O(documents + samples). "" when all agree, else the first disagreement.
+std::string CachedIndicesDisagree(const IndexedDataset& data, int64_t beg, int64_t end, int64_t seq, int64_t add,
+                                  const IndexArray& d, const IndexArray& s, const IndexArray& h) {
+  const int64_t nd = d.size(), ns = s.shape()[0] - 1;
+  for (int64_t k = 0; k < nd; ++k)
+    if (d.at(k) < beg || d.at(k) >= end)
+      return fmt::format("document_index[{}] = {} is not a document of this split [{}, {})", k, d.at(k), beg, end);
+  auto length = [&](int64_t at) { return static_cast<int64_t>(data.sequence_length(d.at(at))); };
+  const int64_t last_offset = nd > 0 ? length(nd - 1) - add : 0;
+  for (int64_t r = 0; r <= ns; ++r) {
+    const int64_t at = s.at(2 * r), offset = s.at(2 * r + 1);
+    if (nd == 0 && at == 0 && offset == 0) continue;
+    if (at < 0 || at >= nd) return fmt::format("sample_index row {} points outside document_index", r);
+    if (offset < -1 || offset > length(at))
+      return fmt::format("sample_index row {} points at offset {} of sequence {}, which holds {} tokens", r, offset,
+                         d.at(at), length(at));
+    if (r == 0) continue;
+    const int64_t at0 = s.at(2 * r - 2), offset0 = s.at(2 * r - 1);
+    if (at < at0) return fmt::format("sample_index row {} goes back to an earlier document", r);
+    int64_t tokens = offset - offset0;
+    for (int64_t i = at0; i < at; ++i) tokens += length(i);
+    if (tokens > seq || (tokens < seq && !(at == nd - 1 && offset == last_offset)))
+      return fmt::format("sample {} spans {} tokens of the documents as they are now, not the sequence length {}",
+                         r - 1, tokens, seq);
+  }
+  for (int64_t i = 0; i < h.size(); ++i)
+    if (h.at(i) < 0 || h.at(i) >= ns) return fmt::format("shuffle_index[{}] = {} is not a sample", i, h.at(i));
+  return "";
+}
+
+}  // namespace
+
 // A cache is used when all four files are there, the description is ours, the arrays have the
 // shapes and types Megatron writes and the lengths this split of the dataset as it is now gives them;
 // anything else is rebuilt (with a warning when files exist). The description names the dataset by its
 // path only (Megatron's), so a dataset rewritten at that path (tokenized again, merged into) finds the
-// indices of its former contents: their lengths, or rows past their documents' ends, tell.
+// indices of its former contents: their lengths, or rows that no longer span a sample of its documents, tell.
 bool GPTDataset::TryLoadCache(std::optional<int64_t> num_samples) {
   const std::string desc = cache_prefix_ + "description.txt";
   const bool any = PathExists(desc) || PathExists(cache_prefix_ + "document_index.npy") ||
@@ -258,17 +297,11 @@ bool GPTDataset::TryLoadCache(std::optional<int64_t> num_samples) {
         "it holds {} documents and {} samples, where sequences [{}, {}) of {} as they are now give {} and {}: it was "
         "built from another dataset at this path (tokenized again, or merged into?)",
         nd, ns, beg_, end_, dataset_->prefix(), want->documents, want->samples));
-  for (int64_t k = 0; k < std::min<int64_t>(nd, 16); ++k)
-    if (d->at(k) < beg_ || d->at(k) >= end_) return fail("document_index holds documents outside this split");
-  // Spot checks of the rows: each points inside the document index, at an offset inside its document.
-  for (int64_t r : {int64_t{0}, ns / 2, ns}) {
-    const int64_t at = s->at(2 * r), offset = s->at(2 * r + 1);
-    if (at < 0 || at >= std::max<int64_t>(nd, 1)) return fail("sample_index points outside document_index");
-    const int64_t seq_id = nd > 0 ? d->at(at) : -1;
-    if (seq_id >= beg_ && seq_id < end_ && (offset < -1 || offset > dataset_->sequence_length(seq_id)))
-      return fail(fmt::format("sample_index row {} points at offset {} of sequence {}, which holds {} tokens", r,
-                              offset, seq_id, dataset_->sequence_length(seq_id)));
-  }
+  const std::string disagree = CachedIndicesDisagree(*dataset_, beg_, end_, config_.sequence_length,
+                                                     config_.add_extra_token_to_sequence ? 1 : 0, *d, *s, *h);
+  if (!disagree.empty())
+    return fail(
+        fmt::format("{}: it was built from another dataset at this path (tokenized again, or merged into?)", disagree));
   document_index_ = std::move(*d);
   sample_index_ = std::move(*s);
   shuffle_index_ = std::move(*h);

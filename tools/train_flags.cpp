@@ -182,7 +182,8 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--save-interval", o.save_interval, "Save every N iterations")->check(IntIn(0, kMaxCount));
   app->add_option("--exit-interval", o.exit_interval, "Save and exit when the iteration is a multiple of N")
       ->check(IntIn(0, kMaxCount));
-  app->add_option("--exit-duration-in-mins", o.exit_duration_in_mins, "Save and exit after this many minutes")
+  app->add_option("--exit-duration-in-mins", o.exit_duration_in_mins,
+                  "Save and exit after this many minutes (from the process's start)")
       ->check(NonNegative());
   app->add_flag("--exit-signal-handler", f->exit_signal_handler,
                 "Save and exit on SIGTERM (and SIGUSR1, for Slurm's --signal)");

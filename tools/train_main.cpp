@@ -260,6 +260,7 @@ absl::StatusOr<int> IncompleteExitCode() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const auto started = std::chrono::steady_clock::now();  // --exit-duration-in-mins counts from here
   auto app = ptk::cli::MakeApp("ptk-train",
                                "Train Megatron's GPT on Megatron-format data (CUDA: fp32, bf16, fp16; CPU: fp32).");
   ptk::TrainFlags flags;
@@ -314,6 +315,7 @@ int main(int argc, char** argv) {
     // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
     openblas_set_num_threads(1);
     if (flags.exit_signal_handler) options.exit_signal = &g_exit_signal;  // installed at the start of main
+    options.started = started;
     options.comm = groups.DataOrWorld();
     options.world_comm = groups.world.get();
     options.backend.tensor_comm = groups.tensor.get();

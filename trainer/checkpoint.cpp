@@ -233,6 +233,38 @@ absl::Status RecoverIteration(const std::string& save, const std::string& base, 
   return absl::OkStatus();
 }
 
+// A run's first save killed once its directory was in place (renamed in by the save, or by
+// RecoverIteration from its temporary name) and before the tracker named it leaves the only
+// iteration directory of `save`, complete, and no tracker: the tracker is written to name it, so
+// that the next --load resumes there instead of starting anew beside it. Anything else without a
+// tracker (several iteration directories, a damaged one) is no killed save's and is left alone.
+absl::Status NameKilledFirstSave(const std::string& save) {
+  if (PathExists(JoinPath(save, kTracker))) return absl::OkStatus();
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("iter_", 0) != 0 || name.size() > 5 + 18 || !e.is_directory(ec)) continue;
+    int64_t it = 0;
+    bool digits = name.size() > 5;
+    for (size_t i = 5; i < name.size() && digits; ++i) {
+      digits = name[i] >= '0' && name[i] <= '9';
+      it = it * 10 + (name[i] - '0');
+    }
+    if (digits && Basename(CheckpointDir(save, it)) == name) found.emplace_back(it, e.path().string());
+  }
+  if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
+  if (found.size() != 1 || !VerifyCheckpointDir(found[0].second).ok()) return absl::OkStatus();
+  PTK_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(JoinPath(save, kTracker)));
+  PTK_RETURN_IF_ERROR(w->Write(std::to_string(found[0].first)));
+  PTK_RETURN_IF_ERROR(w->Commit());
+  log::Info(
+      "{}: wrote {} naming iteration {}: its complete checkpoint is the first save of a run killed before the "
+      "tracker named it",
+      save, kTracker, found[0].first);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status SaveCheckpoint(const std::string& save, const ParamLayout& layout, std::span<const float> params,
@@ -373,7 +405,7 @@ absl::Status RecoverCheckpointDir(const std::string& save) {
   bases.erase(std::unique(bases.begin(), bases.end()), bases.end());
   for (const std::string& base : bases) PTK_RETURN_IF_ERROR(RecoverIteration(save, base, /*restore_new=*/true));
   RemoveStaleTemporaries(JoinPath(save, kTracker));
-  return absl::OkStatus();
+  return NameKilledFirstSave(save);
 }
 
 absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load) {

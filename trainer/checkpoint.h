@@ -72,7 +72,9 @@ absl::Status SaveCheckpoint(const std::string& save, std::span<const CheckpointS
 // Makes `save` whole again after a killed save: an iteration directory that is missing while a
 // complete copy of it (its checksum verified) lies aside as iter_*.ptk-tmp-* or iter_*.ptk-old-*
 // is renamed back; every other temporary a save leaves (those directories, the tracker's
-// temporaries) is removed. Call only while holding the directory's run lock (one run writes to one
+// temporaries) is removed; a run's first save killed before its tracker was written (the only
+// iteration directory, complete, and no tracker) gets the tracker naming it. Call only while holding the directory's
+// run lock (one run writes to one
 // --save directory at a time).
 absl::Status RecoverCheckpointDir(const std::string& save);
 
@@ -108,6 +110,9 @@ struct SavedParallelism {
   int pipeline_size() const { return static_cast<int>(stage_layers.size()); }
 };
 absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file);
+// Every rank's file of the checkpoint in iteration directory `dir` (the tensor ranks and stages its
+// first file's header names) there and complete (VerifyCheckpointFile). (checkpoint_reshard.cpp)
+absl::Status VerifyCheckpointDir(const std::string& dir);
 // A tensor's chunk and name in a checkpoint's header: with model chunks, Megatron's (model v, its
 // layers numbered from 0 within the chunk); otherwise chunk 0 and the layout's name.
 std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::string& name);

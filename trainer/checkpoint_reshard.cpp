@@ -1,6 +1,7 @@
-// The tensor and pipeline sizes a checkpoint was saved with (and its tensors' names in model
-// chunks), and a checkpoint saved at one layout loaded at another: the whole model (weights and
-// AdamW moments) put together from every saved rank's slices of its stage, then this rank's cut.
+// The tensor and pipeline sizes a checkpoint was saved with (every rank's file of it verified; its
+// tensors' names in model chunks), and a checkpoint saved at one layout loaded at another: the whole
+// model (weights and AdamW moments) put together from every saved rank's slices of its stage, then
+// this rank's cut.
 #include <fmt/core.h>
 #include <simdjson.h>
 
@@ -40,6 +41,17 @@ absl::StatusOr<SavedParallelism> ReadSavedParallelism(const std::string& file) {
     saved.stage_layers.push_back(layers);
   }
   return saved;
+}
+
+absl::Status VerifyCheckpointDir(const std::string& dir) {
+  const std::string first = FirstRankFile(dir);
+  PTK_RETURN_IF_ERROR(VerifyCheckpointFile(first));
+  PTK_ASSIGN_OR_RETURN(const SavedParallelism saved, ReadSavedParallelism(first));
+  const int P = saved.pipeline_size();
+  for (int p = 0; p < P; ++p)
+    for (int t = 0; t < saved.tensor_size; ++t)
+      PTK_RETURN_IF_ERROR(VerifyCheckpointFile(JoinPath(dir, MpRankFile(t, p, P))));
+  return absl::OkStatus();
 }
 
 std::pair<int, std::string> ChunkName(const ParamLayout& layout, const std::string& name) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -108,6 +109,10 @@ struct TrainOptions {
   std::string save, load;
   int64_t save_interval = 0, exit_interval = 0;
   double exit_duration_in_mins = 0;
+  // When the process started (main's first statement): --exit-duration-in-mins counts from there, as
+  // Megatron's from _TRAIN_START_TIME, so that start-up (the datasets' indices, a checkpoint's load)
+  // counts against a job's time limit too. Unset (the epoch): from RunTraining's call.
+  std::chrono::steady_clock::time_point started{};
   bool no_load_optim = false, no_load_rng = false, finetune = false;
   // A resume whose scheduler settings differ from the checkpoint's: stop (Megatron's default), or
   // --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.

@@ -58,6 +58,7 @@ class Trainer {
   }
 
   absl::StatusOr<TrainSummary> Run() {
+    started_ = o_.started != Clock::time_point{} ? o_.started : Clock::now();
     auto t0 = Clock::now();
     PTK_RETURN_IF_ERROR(SetUp());
     if (lead_) log::Info("start-up: model built and initialised ({:.1f} s)", Seconds(t0));
@@ -181,9 +182,8 @@ class Trainer {
     return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
   }
 
-  // --load: the weights, and unless --finetune the iteration, data position, moments and the
-  // training step's state (Megatron's load_checkpoint); a directory without a checkpoint starts a
-  // new run.
+  // --load: the weights, and unless --finetune the iteration, data position, moments and the training step's
+  // state (Megatron's load_checkpoint); a directory without a checkpoint starts a new run.
   absl::Status Resume() {
     if (o_.load.empty()) return absl::OkStatus();
     // Every rank reads --load once rank 0 has put back what a killed save left aside.
@@ -271,6 +271,7 @@ class Trainer {
         OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, tb_writer_, &outputs_));
     train_loader_ = std::make_unique<DataLoader>(
         data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
+    PTK_RETURN_IF_ERROR(CheckSamplesLast(o_, plan_, state_, data_));
     if (data_.valid)
       valid_loader_ = std::make_unique<DataLoader>(
           data_.valid, PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, rank_, dp_), mbs);
@@ -482,7 +483,7 @@ class Trainer {
   // --exit-interval), or "" to go on.
   absl::StatusOr<std::string> SaveAndDecideExit() {
     double flags[2] = {o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0,
-                       std::chrono::duration<double>(Clock::now() - start_).count() / 60.0};
+                       Seconds(started_) / 60.0};  // since the process started, as Megatron's _TRAIN_START_TIME
     PTK_RETURN_IF_ERROR(world_->AllReduceSum(flags, 2));
     if (flags[0] > 0) return std::string("exiting on signal");
     if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
@@ -565,9 +566,9 @@ class Trainer {
   std::vector<std::vector<int64_t>> keys_;
   std::vector<ModelBatch> batches_;
   RunOutputs outputs_;
-  int64_t current_gbs_ = 0;  // this iteration's global batch (--rampup-batch-size changes it)
-  Clock::time_point start_;
-  double wall_before_ = 0;  // training time of the runs before this one
+  int64_t current_gbs_ = 0;            // this iteration's global batch (--rampup-batch-size changes it)
+  Clock::time_point started_, start_;  // the process's start (--exit-duration-in-mins), training's
+  double wall_before_ = 0;             // training time of the runs before this one
   Interval interval_;
   int64_t last_saved_ = -1;
 };

@@ -125,7 +125,50 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
         fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
   return s;
 }
+
+// The iteration this run stops at: --train-iters, or the first --exit-interval after `iteration` when
+// that comes first (no evaluation at the end then).
+int64_t LastIteration(const TrainOptions& o, const TrainPlan& plan, int64_t iteration, bool* final_evaluation) {
+  *final_evaluation = true;
+  const int64_t exit_at = o.exit_interval > 0 ? (iteration / o.exit_interval + 1) * o.exit_interval : 0;
+  if (exit_at == 0 || exit_at > plan.train_iters) return plan.train_iters;
+  *final_evaluation = false;
+  return exit_at;
+}
+
 }  // namespace
+
+absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, const TrainState& state,
+                              const TrainingSplits& splits) {
+  bool final_evaluation = true;
+  const int64_t it = state.iteration, last = LastIteration(o, plan, it, &final_evaluation);
+  int64_t consumed = state.consumed_train_samples, runs_out = 0;
+  for (int64_t k = it + 1; k <= last && splits.train; ++k) {
+    consumed += plan.GlobalBatchSizeAt(consumed);
+    if (runs_out == 0 && consumed > splits.train->size()) runs_out = k;
+  }
+  if (runs_out > 0)
+    return UsageError(fmt::format(
+        "--load {}: the checkpoint of iteration {} has consumed {} training samples, and this run's iterations to {} "
+        "take {} more, but the training split holds {} (it is sized from this command line's --train-iters or "
+        "--train-samples and --global-batch-size): it would run out at iteration {}, where Megatron's sampler "
+        "stops too. Resume with the batch size the checkpoint was saved with",
+        o.load, it, state.consumed_train_samples, last, consumed - state.consumed_train_samples, splits.train->size(),
+        runs_out));
+  if (!splits.valid || o.eval_iters <= 0 || o.eval_interval <= 0) return absl::OkStatus();
+  const int64_t evaluations = last / o.eval_interval - it / o.eval_interval + (final_evaluation ? 1 : 0);
+  const int64_t need = evaluations * o.eval_iters * plan.global_batch_size;
+  if (state.consumed_valid_samples + need <= splits.valid->size()) return absl::OkStatus();
+  return UsageError(fmt::format(
+      "--load {}: the checkpoint of iteration {} has consumed {} validation samples, and this run's {} evaluation(s) "
+      "(--eval-interval {} up to iteration {}{}, --eval-iters {} of {} samples) need {} more, but the validation "
+      "split holds {} (it is sized from this command line's --train-iters, --eval-interval and --eval-iters): "
+      "Megatron's sampler stops there too. Give the saved run's --eval-interval (or a larger --eval-iters), or "
+      "--eval-iters 0",
+      o.load, it, state.consumed_valid_samples, evaluations, o.eval_interval, last,
+      final_evaluation ? " and the one at the end" : "", o.eval_iters, plan.global_batch_size, need,
+      splits.valid->size()));
+}
 
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
   if (!PathExists(load)) return absl::OkStatus();  // a new run's directory

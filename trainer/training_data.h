@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
 #include "indexed_dataset/gpt_dataset.h"
+#include "trainer/checkpoint.h"
 #include "trainer/comm.h"
 #include "trainer/train_options.h"
 
@@ -25,6 +26,16 @@ struct TrainingSplits {
 // first stage's).
 absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan,
                                                      Communicator* pipeline = nullptr);
+
+// A run resumed from `state` (the checkpoint's iteration and samples consumed) reads on from there:
+// its iterations' training samples up to where it stops (--train-iters, or an earlier
+// --exit-interval), and the validation samples of every --eval-interval and of the evaluation at the
+// end. Each split is sized from this command line, as Megatron's; one that cannot hold them (a
+// resume with a smaller --global-batch-size on a blend, or evaluating less often than the saved run
+// did) is refused here, before any iteration, naming what the checkpoint consumed and what the run
+// needs, instead of dying where the split runs out (Megatron's sampler stops there too).
+absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, const TrainState& state,
+                              const TrainingSplits& splits);
 
 // --load given a path inside a checkpoint directory (iter_0000020, its mp_rank_00, the file): Megatron
 // and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random

@@ -177,6 +177,36 @@ TEST(GPTDatasetGolden, MegatronsCacheIsReusedAndACorruptOneRebuilt) {
   EXPECT_TRUE(testing::ReadFile(victim) == good);
 }
 
+// A blend's cache whose entries are damaged (a dataset id past the blend's datasets, a sample past a
+// dataset's end) but whose .npy headers and sizes are whole: it was used, and the sample read
+// datasets_[id] out of bounds (a crash) or failed mid-run. Every entry is checked, the cache rebuilt.
+TEST(GPTDatasetGolden, ABlendCacheWithEntriesOutOfRangeIsRebuilt) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  const Config c = Configs()[5];
+  ASSERT_EQ(c.name, "blend3");
+  ASSERT_TRUE(BuildConfig(c).ok());
+  for (const char* array : {"dataset_index.npy", "dataset_sample_index.npy"}) {
+    SCOPED_TRACE(array);
+    std::string victim;
+    for (const auto& f : Files("blend3/cache"))
+      if (f.find(std::string("BlendedDataset-train-") + array) != std::string::npos) victim = "blend3/cache/" + f;
+    ASSERT_FALSE(victim.empty());
+    const std::string good = testing::ReadFile(victim);
+    std::string bad = good;
+    bad[bad.size() - 1] = 0x7f;  // the last entry's high byte: 32639 (int16), or 2^63 - 2^56 + ... (int64)
+    testing::WriteFile(victim, bad);
+    auto ds = BuildConfig(c);
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    EXPECT_FALSE((*ds)[0]->loaded_from_cache());
+    GPTSample last;
+    EXPECT_TRUE((*ds)[0]->Get((*ds)[0]->size() - 1, &last).ok());
+    CheckSamples(c, *ds);
+    EXPECT_TRUE(testing::ReadFile(victim) == good);
+  }
+}
+
 TEST(GPTDataset, EmptySplitWithRequestedSamplesIsAnErrorNotAHang) {
   TempDir dir;
   fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
@@ -262,6 +292,59 @@ TEST(GPTDataset, TheCacheOfADatasetRewrittenAtItsPathIsRebuilt) {
   auto again = BuildConfig(c);
   ASSERT_TRUE(again.ok());
   for (int i = 0; i < 3; ++i) EXPECT_TRUE((*again)[i]->loaded_from_cache()) << i;
+}
+
+// A dataset rewritten at its path with as many documents and tokens as before, one token moved from
+// a document to the next: the cache's counts, its first and last rows and the middle one all still
+// fit, so the stale cache was used; the rows between spanned the old documents (ptk-train: "sample 20
+// is longer than 33 tokens" mid-run; samples that came out shorter were padded silently). Every row is
+// checked against the dataset as it is now, and the stale cache rebuilt.
+TEST(GPTDataset, TheCacheOfADatasetWhoseDocumentsChangedLengthIsRebuilt) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  const Config c = Configs()[2];
+  ASSERT_EQ(c.name, "single");
+  ASSERT_TRUE(BuildConfig(c).ok());
+  {
+    auto old = IndexedDataset::Open("gpt_data/A");
+    ASSERT_TRUE(old.ok()) << old.status();
+    auto b = IndexedDatasetBuilder::Create("gpt_data/A2", (*old)->dtype());
+    ASSERT_TRUE(b.ok()) << b.status();
+    const int64_t n = (*old)->num_sequences(), j = n / 3;
+    std::vector<std::vector<int32_t>> docs(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      TokenSpan t = (*old)->sequence(i);
+      for (int64_t k = 0; k < t.size; ++k) docs[static_cast<size_t>(i)].push_back(static_cast<int32_t>(t[k]));
+    }
+    auto& from = docs[static_cast<size_t>(j)];
+    ASSERT_GT(from.size(), 1u);
+    docs[static_cast<size_t>(j + 1)].insert(docs[static_cast<size_t>(j + 1)].begin(), from.back());
+    from.pop_back();
+    for (const auto& ids : docs) {
+      ASSERT_TRUE((*b)->AddItem(ids).ok());
+      (*b)->EndDocument();
+    }
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  for (const char* ext : {".bin", ".idx"})
+    fs::rename(std::string("gpt_data/A2") + ext, std::string("gpt_data/A") + ext);
+  fs::remove("gpt_data/A2.ptk-done");
+  auto stale = BuildConfig(c);
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  Config fresh_config = c;
+  fresh_config.name = "fresh";
+  auto fresh = BuildConfig(fresh_config);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_NE((*stale)[0], nullptr);
+  EXPECT_FALSE((*stale)[0]->loaded_from_cache());
+  ASSERT_EQ((*stale)[0]->size(), (*fresh)[0]->size());
+  for (int64_t k = 0; k < (*fresh)[0]->size(); ++k) {
+    GPTSample got, want;
+    ASSERT_TRUE((*stale)[0]->Get(k, &got).ok()) << k;
+    ASSERT_TRUE((*fresh)[0]->Get(k, &want).ok()) << k;
+    ASSERT_EQ(got.tokens, want.tokens) << k;
+  }
 }
 
 // Per epoch every token of the split is covered exactly once, and consecutive samples share their

@@ -162,6 +162,53 @@ void KillAtEveryStep(bool rerun) {
   EXPECT_EQ(steps, rerun ? 10 : 8);
 }
 
+// A run's very first save killed at every step: recovery leaves either nothing (the next run starts
+// anew) or the complete directory of the iteration (renamed in by the save, or by recovery from its
+// temporary name) with the tracker naming it. It was left without a tracker, and the next run started from scratch
+// beside a complete checkpoint (which its own save of that iteration then replaced).
+TEST(Checkpoint, KillAtEveryStepOfAFirstSaveLosesNoCompleteCheckpoint) {
+  const ParamLayout layout = SmallLayout();
+  for (int k = 0;; ++k) {
+    TempDir dir;
+    const std::string save = dir / "ckpt";
+    const std::string step = SaveKilledAt(save, layout, 3, 3.0f, k);
+    SCOPED_TRACE("killed at step " + std::to_string(k) + " (" + step + ")");
+    const bool renamed_in = testing::Exists(CheckpointDir(save, 3));
+    ASSERT_TRUE(RecoverCheckpointDir(save).ok());
+    EXPECT_EQ(Litter(save), "");
+    // Recovery also renames in a complete new directory that the kill left under its temporary name.
+    if (testing::Exists(CheckpointDir(save, 3))) {
+      int64_t it = 0;
+      EXPECT_EQ(LatestTag(save, layout, &it), 3.0f);
+      EXPECT_EQ(it, 3);
+    } else {
+      EXPECT_FALSE(renamed_in);
+      EXPECT_TRUE(absl::IsNotFound(LatestCheckpointIteration(save).status()));
+    }
+    if (step.empty()) break;
+  }
+}
+
+// Iteration directories without a tracker that no killed save can leave (several of them, or one
+// whose file is damaged) are left as they are: recovery does not choose among them.
+TEST(Checkpoint, RecoveryWritesNoTrackerForDirectoriesNoKilledSaveLeaves) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  const std::string save = dir / "ckpt";
+  ASSERT_TRUE(Save(save, layout, 1, 1.0f).ok());
+  ASSERT_TRUE(Save(save, layout, 2, 2.0f).ok());
+  std::filesystem::remove(save + "/latest_checkpointed_iteration.txt");
+  ASSERT_TRUE(RecoverCheckpointDir(save).ok());
+  EXPECT_TRUE(absl::IsNotFound(LatestCheckpointIteration(save).status()));
+  std::filesystem::remove_all(CheckpointDir(save, 1));
+  const std::string file = CheckpointFile(save, 2);
+  std::string bytes = testing::ReadFile(file);
+  bytes[bytes.size() / 2] ^= 1;
+  testing::WriteFile(file, bytes);
+  ASSERT_TRUE(RecoverCheckpointDir(save).ok());
+  EXPECT_TRUE(absl::IsNotFound(LatestCheckpointIteration(save).status()));
+}
+
 TEST(Checkpoint, KillAtEveryStepOfAFreshSaveLeavesALoadableLatest) { KillAtEveryStep(false); }
 TEST(Checkpoint, KillAtEveryStepOfARerunSaveLeavesALoadableLatest) { KillAtEveryStep(true); }
 

@@ -1,13 +1,15 @@
 // PlanTraining refuses what Megatron's validate_args refuses in the schedule's flags: lengths in the
 // unit the run is counted in (iterations with --train-iters, samples with --train-samples), and one
 // warm-up. Each of these was taken and silently ignored (the run trained on another schedule than the
-// one asked for).
+// one asked for). And RunTraining's --exit-duration-in-mins, counted from the process's start.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
 #include "trainer/train_options.h"
+#include "trainer/training.h"
 
 namespace ptk {
 namespace {
@@ -101,6 +103,33 @@ TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
     o.rampup_batch_size = r;
     EXPECT_NE(Refusal(o).find(": give three numbers, START INCR SAMPLES"), std::string::npos);
   }
+}
+
+// --exit-duration-in-mins counts from the process's start (TrainOptions::started: ptk-train's first
+// statement), as Megatron's from _TRAIN_START_TIME. It counted from the first iteration: a job whose
+// limit the flag was set below ran past it by its start-up (the datasets' indices, a checkpoint's
+// load, minutes at scale) and was killed without its save. Here a process started 2 minutes ago with
+// a limit of 1 stops after its first iteration.
+TEST(RunTraining, ExitDurationCountsFromTheProcessStart) {
+  TrainOptions o = Small();
+  o.train_iters = 4;
+  o.eval_iters = 0;
+  o.exit_duration_in_mins = 1;
+  o.started = std::chrono::steady_clock::now() - std::chrono::minutes(2);
+  std::vector<std::string> lines;
+  o.print = [&](const std::string& line) { lines.push_back(line); };
+  absl::StatusOr<TrainPlan> plan = PlanTraining(o, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<TrainSummary> s = RunTraining(o, *plan);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->iteration, 1);
+  EXPECT_EQ(s->exit_reason.rfind("exiting program after 2.", 0), 0u) << s->exit_reason;
+  // Without a process start given, from RunTraining's call: the four iterations run.
+  o.started = {};
+  s = RunTraining(o, *plan);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->iteration, 4);
+  EXPECT_EQ(s->exit_reason, "");
 }
 
 }  // namespace

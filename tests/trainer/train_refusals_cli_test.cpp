@@ -3,7 +3,8 @@
 // footprints" line) and a run that cannot fit refused with both figures, the ranks on one node
 // counted together; an index cache that
 // cannot be written (the run is the same); half a dataset; --eval-iters with no validation split;
-// --save below a file; --load of another model's checkpoint; SIGTERM during a checkpoint write.
+// --save below a file; --load of another model's checkpoint; a resume whose training or validation
+// split cannot hold what it reads; SIGTERM during a checkpoint write.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -220,6 +221,54 @@ TEST_F(TrainRefusals, ACheckpointOfAnotherModelNamesTheFlagsThatDiffer) {
       << r.output;
   EXPECT_NE(Errors(r.output)[0].find("; give the saved run's model flags, or --use-checkpoint-args"),
             std::string::npos);
+}
+
+// A resume that evaluates less often than the saved run did: this command line sizes the validation
+// split for its own evaluations (Megatron's (train_iters // eval_interval + 1) x eval_iters x gbs),
+// smaller than the samples the checkpoint has consumed and the evaluations still to come. It trained
+// to the end and died at the last evaluation ("the evaluation data ran out", exit 1; Megatron's
+// sampler refuses at its start); it is refused before any iteration, naming both runs' needs.
+TEST_F(TrainRefusals, AResumeWhoseValidationSplitCannotHoldItsEvaluationsIsRefused) {
+  const std::string ck = ShellQuote(dir_ / "ck");
+  auto saved = RunCmd(Train(Data() + " --eval-interval 1 --exit-interval 6 --save " + ck, 8));
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  auto r = RunCmd(Train(Data() + " --eval-interval 100 --load " + ck + " --save " + ck, 8));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+  EXPECT_NE(Errors(r.output)[0].find("the checkpoint of iteration 6 has consumed 24 validation samples, and this "
+                                     "run's 1 evaluation(s) (--eval-interval 100 up to iteration 8 and the one at "
+                                     "the end, --eval-iters 1 of 4 samples) need 4 more, but the validation split "
+                                     "holds "),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(testing::LossesOf(r.output).empty()) << r.output;
+  // The saved run's evaluations fit: it resumes.
+  auto same = RunCmd(Train(Data() + " --eval-interval 1 --load " + ck + " --save " + ck, 8));
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_EQ(testing::LossesOf(same.output).size(), 2u) << same.output;
+}
+
+// A resume with a smaller --global-batch-size on a blend: the blend holds exactly this command line's
+// --train-iters x --global-batch-size samples, fewer than the checkpoint consumed plus the iterations
+// to come. It failed at the iteration that ran out ("the training data ran out before --train-iters",
+// exit 1, with no numbers), after training up to there; it is refused before any iteration.
+TEST_F(TrainRefusals, AResumeWhoseTrainingSplitRunsOutIsRefused) {
+  const std::string ck = ShellQuote(dir_ / "ck"),
+                    blend = " --eval-iters 0 --data-path 0.5 " + ShellQuote(prefix_) + " 0.5 " + ShellQuote(prefix_);
+  auto saved = RunCmd(Train(blend + " --global-batch-size 8 --exit-interval 2 --save " + ck, 4));
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  auto r = RunCmd(Train(blend + " --use-checkpoint-opt_param-scheduler --load " + ck + " --save " + ck, 4));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+  EXPECT_NE(Errors(r.output)[0].find("the checkpoint of iteration 2 has consumed 16 training samples, and this run's "
+                                     "iterations to 4 take 8 more, but the training split holds 16 ("),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(Errors(r.output)[0].find("it would run out at iteration 3"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::LossesOf(r.output).empty()) << r.output;
+  auto same = RunCmd(Train(blend + " --global-batch-size 8 --load " + ck + " --save " + ck, 4));
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_EQ(testing::LossesOf(same.output).size(), 2u) << same.output;
 }
 
 // SIGTERM the moment a checkpoint is being written (its temporary directory polled for by a shell
