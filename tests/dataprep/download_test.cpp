@@ -947,20 +947,27 @@ TEST(Download, ADrippingRedirectIsCut) {
 
 // A rate-limit pause longer than --max-retry-time leaves (Retry-After: 3600) was slept
 // through for an hour; now the run fails at once saying so.
+// Retry-After as delay-seconds or as an HTTP-date an hour ahead (the date was read as no hint: a
+// backoff under a second, then the Hub asked again).
 TEST(Download, ARateLimitPauseLongerThanTheRetryTimeFails) {
-  TempDir dir;
-  auto paths = MakeRepo(dir / "repo", 2000);
-  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["hub:429_retry_after:3600"]}})", paths[0]));
-  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
-  ASSERT_TRUE(hub.ok());
-  const auto t0 = std::chrono::steady_clock::now();
-  auto r = RunCmd("timeout 60 env " + Download(hub, dir / "out", "--jobs 1 --max-retry-time 5"));
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_LT(secs, 30) << r.output;
-  EXPECT_NE(r.output.find("Retry-After 3600"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("longer than --max-retry-time"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("failed: " + paths[0]), std::string::npos) << r.output;
+  for (const std::string fault : {"429_retry_after:3600", "429_retry_date:3600"}) {
+    TempDir dir;
+    auto paths = MakeRepo(dir / "repo", 2000);
+    testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["hub:{}"]}})", paths[0], fault));
+    FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+    ASSERT_TRUE(hub.ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = RunCmd("timeout 60 env " + Download(hub, dir / "out", "--jobs 1 --max-retry-time 5"));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(r.exit_code, 1) << fault << r.output;
+    EXPECT_LT(secs, 30) << r.output;
+    EXPECT_NE(r.output.find(fault.find("date") == std::string::npos ? "Retry-After 3600" : " GMT: in 3"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("longer than --max-retry-time"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("failed: " + paths[0]), std::string::npos) << r.output;
+    EXPECT_EQ(hub.Resolves(paths[0]), 1) << r.output;  // not asked again before the hour
+  }
 }
 
 // A .part planted as a symlink must not make the download write through it.
