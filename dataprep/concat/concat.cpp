@@ -319,6 +319,45 @@ absl::Status CheckBuiltChunkInputs(const ConcatPlan& plan, size_t index) {
   return absl::OkStatus();
 }
 
+constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+
+// One input's bytes (decoded when compressed) appended to the chunk, but a UTF-8 BOM at its start:
+// ptk-tokenize drops one at the start of a file, but inside a chunk it began a record, which was
+// then skipped as malformed JSON (Megatron's json.loads refuses it anywhere). Returns the last byte
+// copied ('\n' when none was).
+absl::StatusOr<char> CopyInput(const std::string& in_path, uint64_t size, AtomicFileWriter& out,
+                               std::vector<char>& buf) {
+  char last = '\n';
+  if (DetectCompression(in_path) == Compression::kNone) {
+    PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(in_path));
+    char head[3] = {};
+    const ssize_t h = size >= 3 ? ::pread(fd, head, 3, 0) : 0;
+    const ssize_t r = size > 0 ? ::pread(fd, &last, 1, static_cast<off_t>(size - 1)) : 1;
+    ::close(fd);
+    if (h < 0 || r != 1) return absl::DataLossError(fmt::format("{}: cannot read its first or last bytes", in_path));
+    const uint64_t skip = h == 3 && std::string_view(head, 3) == kUtf8Bom ? 3 : 0;
+    if (size == skip) return '\n';
+    PTK_RETURN_IF_ERROR(out.AppendFileRange(in_path, skip, size - skip));
+    return last;
+  }
+  if (buf.empty()) buf.resize(4 << 20);
+  PTK_ASSIGN_OR_RETURN(auto src, OpenByteSource(in_path));
+  for (bool first = true;; first = false) {
+    PTK_ASSIGN_OR_RETURN(size_t n, src->Read(buf.data(), buf.size()));
+    while (first && n > 0 && n < kUtf8Bom.size()) {  // the first bytes whole before they are judged
+      PTK_ASSIGN_OR_RETURN(const size_t more, src->Read(buf.data() + n, buf.size() - n));
+      if (more == 0) break;
+      n += more;
+    }
+    if (n == 0) break;
+    const size_t skip = first && std::string_view(buf.data(), std::min(n, kUtf8Bom.size())) == kUtf8Bom ? 3 : 0;
+    if (n == skip) continue;
+    PTK_RETURN_IF_ERROR(out.Write(buf.data() + skip, n - skip));
+    last = buf[n - 1];
+  }
+  return last;
+}
+
 }  // namespace
 
 absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable) {
@@ -357,25 +396,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
   std::vector<char> buf;
   for (const auto& in : c.inputs) {
-    const std::string in_path = plan.Resolve(in.path);
-    char last = '\n';
-    if (DetectCompression(in_path) == Compression::kNone) {
-      if (in.size == 0) continue;
-      PTK_RETURN_IF_ERROR(out->AppendFileRange(in_path, 0, in.size));
-      PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(in_path));
-      ssize_t r = ::pread(fd, &last, 1, static_cast<off_t>(in.size - 1));
-      ::close(fd);
-      if (r != 1) return absl::DataLossError(fmt::format("{}: cannot read its last byte", in_path));
-    } else {
-      if (buf.empty()) buf.resize(4 << 20);
-      PTK_ASSIGN_OR_RETURN(auto src, OpenByteSource(in_path));
-      while (true) {
-        PTK_ASSIGN_OR_RETURN(size_t n, src->Read(buf.data(), buf.size()));
-        if (n == 0) break;
-        PTK_RETURN_IF_ERROR(out->Write(buf.data(), n));
-        last = buf[n - 1];
-      }
-    }
+    PTK_ASSIGN_OR_RETURN(const char last, CopyInput(plan.Resolve(in.path), in.size, *out, buf));
     // A file without a final newline must not merge its last record with the next file's first.
     if (last != '\n') {
       PTK_RETURN_IF_ERROR(out->Write("\n", 1));
