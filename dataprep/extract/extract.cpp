@@ -241,27 +241,44 @@ absl::Status Decode(const std::string& input, const ExtractOptions& opt, Extract
   SetFilter filter(opt.drop_sets);
   const bool filtering = !opt.drop_sets.empty();
   uint64_t last_raw = 0;
+  bool file_start = true;
+  // One line ended by '\n' (or the file's last bytes), record by record as ptk-tokenize reads them
+  // (Python's universal newlines: a bare '\r' ends a record too; a UTF-8 BOM before the file's first
+  // is not its JSON): each dropped with its line end, or written. A dropped set's record after a
+  // bare '\r', or first in a file with a BOM, was kept (the line was no JSON), and tokenized.
+  auto emit_line = [&](std::string_view line) -> absl::Status {
+    for (size_t from = 0; from < line.size();) {
+      size_t end = line.size();
+      for (size_t cr = line.find('\r', from); cr != std::string_view::npos; cr = line.find('\r', cr + 1))
+        if (cr + 1 < line.size() && line[cr + 1] != '\n') {
+          end = cr + 1;
+          break;
+        }
+      const std::string_view record = line.substr(from, end - from);
+      std::string_view json = record;
+      if (file_start && json.starts_with("\xEF\xBB\xBF")) json.remove_prefix(3);
+      file_start = false;
+      ++res->records;
+      if (filter.Drop(json))
+        ++res->dropped;
+      else
+        PTK_RETURN_IF_ERROR(sink(record.data(), record.size()));
+      from = end;
+    }
+    return absl::OkStatus();
+  };
   auto emit_lines = [&](const char* data, size_t n, bool final) -> absl::Status {
     size_t pos = 0;
     while (pos < n) {
       const void* nl = std::memchr(data + pos, '\n', n - pos);
       if (!nl) break;
       size_t end = static_cast<size_t>(static_cast<const char*>(nl) - data) + 1;
-      std::string_view line(data + pos, end - pos);
-      ++res->records;
-      if (filter.Drop(line))
-        ++res->dropped;
-      else
-        PTK_RETURN_IF_ERROR(sink(line.data(), line.size()));
+      PTK_RETURN_IF_ERROR(emit_line(std::string_view(data + pos, end - pos)));
       pos = end;
     }
     carry.assign(data + pos, n - pos);
     if (final && !carry.empty()) {
-      ++res->records;
-      if (filter.Drop(carry))
-        ++res->dropped;
-      else
-        PTK_RETURN_IF_ERROR(sink(carry.data(), carry.size()));
+      PTK_RETURN_IF_ERROR(emit_line(carry));
       carry.clear();
     }
     return absl::OkStatus();

@@ -365,6 +365,33 @@ TEST(Extract, DropSetReadsRecordsAsPythonDoes) {
   EXPECT_EQ(testing::ReadFile(dir / "out/a.jsonl"), keep);
 }
 
+// Records as ptk-tokenize reads them (Python's universal newlines, a BOM before a file's first): a
+// dropped set's record after a bare '\r' (old Mac line ends) or first in a file with a UTF-8 BOM was
+// kept, its line being no JSON to the filter, and then tokenized, since ptk-tokenize reads both.
+TEST(Extract, DropSetSplitsRecordsAsTokenizeDoes) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string book = R"({"text": "b", "meta": {"redpajama_set_name": "RedPajamaBook"}})",
+                    c4 = R"({"text": "c", "meta": {"redpajama_set_name": "RedPajamaC4"}})";
+  testing::WriteFile(dir / "in/cr.jsonl.zst", testing::ZstdCompress(c4 + "\r" + book + "\r" + c4 + "\r\n" + book));
+  testing::WriteFile(dir / "in/bom.jsonl.zst", testing::ZstdCompress("\xEF\xBB\xBF" + book + "\n" + c4 + "\n"));
+  testing::WriteFile(dir / "in/bomkept.jsonl.zst", testing::ZstdCompress("\xEF\xBB\xBF" + c4 + "\r" + book));
+  auto r = RunCmd(fmt::format("{} {} --output-dir {} --drop-set RedPajamaBook", testing::Tool("ptk-extract"),
+                              dir / "in", dir / "out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("4 records dropped"), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/cr.jsonl"), c4 + "\r" + c4 + "\r\n");
+  EXPECT_EQ(testing::ReadFile(dir / "out/bom.jsonl"), c4 + "\n");
+  EXPECT_EQ(testing::ReadFile(dir / "out/bomkept.jsonl"), "\xEF\xBB\xBF" + c4 + "\r");
+  // What is left tokenizes to the kept records only.
+  auto t = RunCmd(fmt::format("{} --quiet --strict --input {} {} {} --output-prefix {} && {} {}",
+                              testing::Tool("ptk-tokenize"), dir / "out/cr.jsonl", dir / "out/bom.jsonl",
+                              dir / "out/bomkept.jsonl", dir / "tok", testing::Tool("ptk-inspect"),
+                              dir / "tok_text_document"));
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_NE(t.output.find("documents:   4\n"), std::string::npos) << t.output;
+}
+
 TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
