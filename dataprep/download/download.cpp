@@ -214,6 +214,13 @@ absl::Status PlaceFiles(const DownloadOptions& opt, std::vector<RemoteFile>& fil
       return absl::InvalidArgumentError(fmt::format("two files would be written to {}{}", f.local_path,
                                                     opt.flat ? " (--flat: narrow the selection with --include)" : ""));
   }
+  // A file where another one's directory goes (a URL list's path=x and path=x/y): one of the two
+  // failed after the other was downloaded, leaving its .part.
+  for (const std::string& local : locals)
+    for (size_t slash = local.find('/'); slash != std::string::npos; slash = local.find('/', slash + 1))
+      if (locals.count(local.substr(0, slash)))
+        return absl::InvalidArgumentError(
+            fmt::format("{} would be a file and the directory of {}", local.substr(0, slash), local));
   std::sort(files.begin(), files.end(), [](const RemoteFile& a, const RemoteFile& b) { return a.path < b.path; });
   return absl::OkStatus();
 }

@@ -1014,6 +1014,15 @@ TEST(DownloadHelpers, UrlListNumbersAreChecked) {
     EXPECT_NE(r.output.find("size= must be a byte count"), std::string::npos) << bad << ": " << r.output;
     EXPECT_EQ(r.output.find("exception"), std::string::npos) << r.output;
   }
+  // A file where another's directory goes is refused before anything is fetched (one of the two
+  // failed after the other was downloaded, leaving its .part), as two files in one place are.
+  testing::WriteFile(dir / "list.txt", "http://127.0.0.1:9/a path=x\nhttp://127.0.0.1:9/b path=x/y/f.txt\n");
+  auto clash = RunCmd(fmt::format("{} --quiet --url-list {} --local-dir {}", testing::Tool("ptk-download"),
+                                  dir / "list.txt", dir / "o"));
+  EXPECT_EQ(clash.exit_code, 1) << clash.output;
+  EXPECT_NE(clash.output.find(dir / "o/x would be a file and the directory of " + dir / "o/x/y/f.txt"),
+            std::string::npos)
+      << clash.output;
   // A list without a URL is no download with nothing to do (it was exit 0, "0 of 0 files").
   for (const char* empty : {"", "\n# only a comment\n  \n"}) {
     testing::WriteFile(dir / "list.txt", empty);
