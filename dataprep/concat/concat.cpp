@@ -34,13 +34,6 @@ namespace {
 
 constexpr std::string_view kDoneSuffix = ".ptk-done";
 
-// Identifies a chunk's content: its inputs, their sizes, their order.
-std::string ChunkDigest(const ConcatChunk& c) {
-  std::string s;
-  for (const auto& in : c.inputs) s += fmt::format("{}\t{}\n", in.path, in.size);
-  return Sha256Hex(s);
-}
-
 absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index, int64_t count) {
   std::string pat = pattern;
   if (pat.empty()) {
@@ -93,6 +86,14 @@ std::string PathKey(const std::string& path) {
     at = end + 1;
   }
   return key.empty() ? "/" : key;
+}
+
+// Identifies a chunk's content: its inputs (by their absolute, normal names: in/a.jsonl, ./in/a.jsonl and
+// /data/in/a.jsonl are one input, not a change that builds the chunk again), their sizes, their order.
+std::string ChunkDigest(const ConcatPlan& plan, const ConcatChunk& c) {
+  std::string s;
+  for (const auto& in : c.inputs) s += fmt::format("{}\t{}\n", PathKey(plan.Resolve(in.path)), in.size);
+  return Sha256Hex(s);
 }
 
 // A file listed twice would be concatenated twice: training data silently duplicated. The first
@@ -367,7 +368,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   const ConcatChunk& c = plan.chunks[index];
   const std::string out_dir = plan.Resolve(plan.output_dir);
   const std::string out_path = JoinPath(out_dir, c.name);
-  const std::string digest = ChunkDigest(c);  // of the paths as the plan records them
+  const std::string digest = ChunkDigest(plan, c);
   ConcatChunkResult res;
   PTK_RETURN_IF_ERROR(MakeDirs(out_dir));
   // One builder per chunk: a second run of the same chunk stops here, naming the first.

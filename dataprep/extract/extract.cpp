@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <map>
@@ -72,12 +73,20 @@ std::string DropKey(const std::vector<std::string>& drops) {
   return k;
 }
 
+// An input by its absolute, normal name, as its output's sidecar records it: raw/x.zst, ./raw/x.zst and
+// /data/raw/x.zst (or a rerun from another directory) are one source, not a change that extracts again.
+std::string SourceName(const std::string& input) {
+  std::error_code ec;
+  const std::filesystem::path abs = std::filesystem::absolute(input, ec);
+  return ec ? input : abs.lexically_normal().string();
+}
+
 // The sidecar written after an output is complete; a rerun skips the file when it still matches.
 std::string SidecarJson(const std::string& input, const SourceId& src, uint64_t out_size, const std::string& sum,
                         const std::string& drops, int64_t records, int64_t dropped) {
   return JsonWriter()
              .BeginObject()
-             .Field("source", input)
+             .Field("source", SourceName(input))
              .Field("source_size", src.size)
              .Field("source_mtime_ns", src.mtime_ns)
              .Field("output_size", out_size)
@@ -116,7 +125,7 @@ bool LooksComplete(const std::string& input, const std::string& output, const st
   if (e["output_size"].get(out_size) || e["source_size"].get(ssize) || e["source_mtime_ns"].get(mtime) ||
       e["drop_sets"].get(sdrops) || e["source"].get(spath))
     return false;
-  if (sdrops != drops || spath != input) return false;
+  if (sdrops != drops || (spath != input && spath != SourceName(input))) return false;  // or as an older run gave it
   if (source_exists && (ssize != src.size || mtime != src.mtime_ns)) return false;
   auto osz = FileSize(output);
   return osz.ok() && *osz == out_size;

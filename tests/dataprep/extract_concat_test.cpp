@@ -392,6 +392,36 @@ TEST(Extract, DropSetSplitsRecordsAsTokenizeDoes) {
   EXPECT_NE(t.output.find("documents:   4\n"), std::string::npos) << t.output;
 }
 
+// A rerun naming the same inputs otherwise (raw/x.zst, ./raw/x.zst, an absolute path, or from another
+// directory) is up to date: ptk-extract's sidecar recorded the name as given, and ptk-concat's chunk
+// digest the paths as the plan spelled them, so each extracted or built everything again (as
+// ptk-tokenize and ptk-merge did before they compared inputs by their absolute, normal names).
+TEST(Extract, ARerunWithTheInputsSpelledOtherwiseIsUpToDate) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "raw");
+  testing::WriteFile(dir / "raw/x.jsonl.zst", testing::ZstdCompress(Jsonl(50, 3)));
+  const std::string extract = testing::Tool("ptk-extract"), concat = testing::Tool("ptk-concat");
+  auto first = RunCmd(fmt::format("cd {} && {} raw/x.jsonl.zst --output-dir out", dir.path(), extract));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  for (const std::string& again :
+       {fmt::format("cd {} && {} ./raw/x.jsonl.zst --output-dir out", dir.path(), extract),
+        fmt::format("cd {} && {} {} --output-dir {}", dir / "raw", extract, dir / "raw", dir / "out"),
+        fmt::format("cd {} && {} x.jsonl.zst --output-dir ../out", dir / "raw", extract)}) {
+    auto r = RunCmd(again);
+    ASSERT_EQ(r.exit_code, 0) << again << r.output;
+    EXPECT_NE(r.output.find("0 extracted, 1 already complete"), std::string::npos) << again << r.output;
+  }
+  auto built = RunCmd(fmt::format("cd {} && {} --input out --output-dir ch --chunks 1", dir.path(), concat));
+  ASSERT_EQ(built.exit_code, 0) << built.output;
+  for (const std::string& again :
+       {fmt::format("cd {} && {} --input ./out/ --output-dir ch --chunks 1", dir.path(), concat),
+        fmt::format("cd {} && {} --input . --output-dir ../ch --chunks 1", dir / "out", concat)}) {
+    auto r = RunCmd(again);
+    ASSERT_EQ(r.exit_code, 0) << again << r.output;
+    EXPECT_NE(r.output.find("0 chunks built, 1 already complete"), std::string::npos) << again << r.output;
+  }
+}
+
 TEST(Extract, KillNineThenRerunGivesIdenticalOutputs) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");
