@@ -132,7 +132,11 @@ std::string FlatName(const std::string& repo_path) {
 }
 
 bool GlobMatch(const std::string& pattern, const std::string& path) {
-  return ::fnmatch(pattern.c_str(), path.c_str(), 0) == 0;
+  // As huggingface_hub's filter_repo_objects: a pattern ending in '/' is that directory's files
+  // ("train/" is "train/*"; it matched nothing, so --exclude 'validation/' excluded nothing), and
+  // Python's fnmatch, in which a backslash escapes nothing.
+  const std::string p = !pattern.empty() && pattern.back() == '/' ? pattern + "*" : pattern;
+  return ::fnmatch(p.c_str(), path.c_str(), FNM_NOESCAPE) == 0;
 }
 
 namespace {

@@ -1044,6 +1044,12 @@ TEST(DownloadHelpers, PathsAreSanitizedAndFlattened) {
   EXPECT_TRUE(GlobMatch("train/**", "train/chunk1/a.zst"));
   EXPECT_TRUE(GlobMatch("train/*", "train/chunk1/a.zst"));  // huggingface_hub's fnmatch: '*' crosses '/'
   EXPECT_FALSE(GlobMatch("train/**", "validation/chunk1/a.zst"));
+  // huggingface_hub adds '*' to a pattern ending in '/' (a directory's files): --exclude 'validation/'
+  // excluded nothing, downloading the split it named, exit 0. Python's fnmatch escapes nothing.
+  EXPECT_TRUE(GlobMatch("train/", "train/chunk1/a.zst"));
+  EXPECT_FALSE(GlobMatch("train/", "validation/train/a.zst"));
+  EXPECT_FALSE(GlobMatch("train\\/a.zst", "train/a.zst"));
+  EXPECT_TRUE(GlobMatch("train\\*", "train\\x"));
 }
 
 // A portable tree built on Debian finds the CA certificates where other distributions keep them.
