@@ -387,6 +387,23 @@ TEST(Download, A429FromTheDownloadHostIsRetriedAfterTheWaitItNames) {
   }
 }
 
+// A 503 with Retry-After (RFC 9110 10.2.3: a server says how long it will be unavailable) is retried
+// after that wait, not after the backoff (at most 0.1 s here: the server was asked again at once).
+TEST(Download, A503WithRetryAfterIsRetriedAfterTheWaitItNames) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 5000);
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["503_retry_after:2"]}})", paths[0]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(
+      Download(hub, dir / "out", fmt::format("--jobs 1 --retry-base 0.05 --retry-max 0.1 --include '{}'", paths[0])));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", {paths[0]});
+  const auto log = hub.CdnLog(paths[0]);
+  ASSERT_EQ(log.size(), 2u) << r.output;
+  EXPECT_GE(log[1].t - log[0].t, 2.0 - 0.05) << r.output;
+}
+
 TEST(Download, ResolverQuotaIsHonouredAcrossWorkers) {
   TempDir dir;
   auto paths = MakeRepo(dir / "repo", 20000);
