@@ -37,9 +37,11 @@ else
 fi
 # extract: inputs vs outputs whose sidecar matches the input as it is now (size and mtime): an
 # output of an input that changed since (a re-download, a corrupted file) is stale, not extracted.
-n_in=$(find "$RAW_DIR" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) 2>/dev/null | wc -l)
+# (a sidecar names its input by its absolute, normal path: realpath -s -m spells RAW_DIR so)
+raw_abs=$(realpath -s -m -- "$RAW_DIR" 2>/dev/null || echo "$RAW_DIR")
+n_in=$(find "$raw_abs" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) 2>/dev/null | wc -l)
 read -r n_out n_stale < <({
-  find "$RAW_DIR" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) -printf 'IN\t%p\t%s\t%T@\n'
+  find "$raw_abs" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) -printf 'IN\t%p\t%s\t%T@\n'
   find "$EXTRACT_DIR" -type f -name '*.ptk-done' -exec cat {} + ; } 2>/dev/null | awk -F'\t' '
   $1 == "IN" { split($4, t, "."); cur[$2] = $3 " " t[1] substr(t[2] "000000000", 1, 9); next }
   match($0, /"source": "[^"]*"/) {

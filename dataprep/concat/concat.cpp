@@ -34,13 +34,6 @@ namespace {
 
 constexpr std::string_view kDoneSuffix = ".ptk-done";
 
-// Identifies a chunk's content: its inputs, their sizes, their order.
-std::string ChunkDigest(const ConcatChunk& c) {
-  std::string s;
-  for (const auto& in : c.inputs) s += fmt::format("{}\t{}\n", in.path, in.size);
-  return Sha256Hex(s);
-}
-
 absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index, int64_t count) {
   std::string pat = pattern;
   if (pat.empty()) {
@@ -93,6 +86,14 @@ std::string PathKey(const std::string& path) {
     at = end + 1;
   }
   return key.empty() ? "/" : key;
+}
+
+// Identifies a chunk's content: its inputs (by their absolute, normal names: in/a.jsonl, ./in/a.jsonl and
+// /data/in/a.jsonl are one input, not a change that builds the chunk again), their sizes, their order.
+std::string ChunkDigest(const ConcatPlan& plan, const ConcatChunk& c) {
+  std::string s;
+  for (const auto& in : c.inputs) s += fmt::format("{}\t{}\n", PathKey(plan.Resolve(in.path)), in.size);
+  return Sha256Hex(s);
 }
 
 // A file listed twice would be concatenated twice: training data silently duplicated. The first
@@ -319,6 +320,45 @@ absl::Status CheckBuiltChunkInputs(const ConcatPlan& plan, size_t index) {
   return absl::OkStatus();
 }
 
+constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+
+// One input's bytes (decoded when compressed) appended to the chunk, but a UTF-8 BOM at its start:
+// ptk-tokenize drops one at the start of a file, but inside a chunk it began a record, which was
+// then skipped as malformed JSON (Megatron's json.loads refuses it anywhere). Returns the last byte
+// copied ('\n' when none was).
+absl::StatusOr<char> CopyInput(const std::string& in_path, uint64_t size, AtomicFileWriter& out,
+                               std::vector<char>& buf) {
+  char last = '\n';
+  if (DetectCompression(in_path) == Compression::kNone) {
+    PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(in_path));
+    char head[3] = {};
+    const ssize_t h = size >= 3 ? ::pread(fd, head, 3, 0) : 0;
+    const ssize_t r = size > 0 ? ::pread(fd, &last, 1, static_cast<off_t>(size - 1)) : 1;
+    ::close(fd);
+    if (h < 0 || r != 1) return absl::DataLossError(fmt::format("{}: cannot read its first or last bytes", in_path));
+    const uint64_t skip = h == 3 && std::string_view(head, 3) == kUtf8Bom ? 3 : 0;
+    if (size == skip) return '\n';
+    PTK_RETURN_IF_ERROR(out.AppendFileRange(in_path, skip, size - skip));
+    return last;
+  }
+  if (buf.empty()) buf.resize(4 << 20);
+  PTK_ASSIGN_OR_RETURN(auto src, OpenByteSource(in_path));
+  for (bool first = true;; first = false) {
+    PTK_ASSIGN_OR_RETURN(size_t n, src->Read(buf.data(), buf.size()));
+    while (first && n > 0 && n < kUtf8Bom.size()) {  // the first bytes whole before they are judged
+      PTK_ASSIGN_OR_RETURN(const size_t more, src->Read(buf.data() + n, buf.size() - n));
+      if (more == 0) break;
+      n += more;
+    }
+    if (n == 0) break;
+    const size_t skip = first && std::string_view(buf.data(), std::min(n, kUtf8Bom.size())) == kUtf8Bom ? 3 : 0;
+    if (n == skip) continue;
+    PTK_RETURN_IF_ERROR(out.Write(buf.data() + skip, n - skip));
+    last = buf[n - 1];
+  }
+  return last;
+}
+
 }  // namespace
 
 absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_t index, bool durable) {
@@ -328,7 +368,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   const ConcatChunk& c = plan.chunks[index];
   const std::string out_dir = plan.Resolve(plan.output_dir);
   const std::string out_path = JoinPath(out_dir, c.name);
-  const std::string digest = ChunkDigest(c);  // of the paths as the plan records them
+  const std::string digest = ChunkDigest(plan, c);
   ConcatChunkResult res;
   PTK_RETURN_IF_ERROR(MakeDirs(out_dir));
   // One builder per chunk: a second run of the same chunk stops here, naming the first.
@@ -357,25 +397,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
   PTK_ASSIGN_OR_RETURN(auto out, AtomicFileWriter::Create(out_path));
   std::vector<char> buf;
   for (const auto& in : c.inputs) {
-    const std::string in_path = plan.Resolve(in.path);
-    char last = '\n';
-    if (DetectCompression(in_path) == Compression::kNone) {
-      if (in.size == 0) continue;
-      PTK_RETURN_IF_ERROR(out->AppendFileRange(in_path, 0, in.size));
-      PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(in_path));
-      ssize_t r = ::pread(fd, &last, 1, static_cast<off_t>(in.size - 1));
-      ::close(fd);
-      if (r != 1) return absl::DataLossError(fmt::format("{}: cannot read its last byte", in_path));
-    } else {
-      if (buf.empty()) buf.resize(4 << 20);
-      PTK_ASSIGN_OR_RETURN(auto src, OpenByteSource(in_path));
-      while (true) {
-        PTK_ASSIGN_OR_RETURN(size_t n, src->Read(buf.data(), buf.size()));
-        if (n == 0) break;
-        PTK_RETURN_IF_ERROR(out->Write(buf.data(), n));
-        last = buf[n - 1];
-      }
-    }
+    PTK_ASSIGN_OR_RETURN(const char last, CopyInput(plan.Resolve(in.path), in.size, *out, buf));
     // A file without a final newline must not merge its last record with the next file's first.
     if (last != '\n') {
       PTK_RETURN_IF_ERROR(out->Write("\n", 1));

@@ -132,7 +132,11 @@ std::string FlatName(const std::string& repo_path) {
 }
 
 bool GlobMatch(const std::string& pattern, const std::string& path) {
-  return ::fnmatch(pattern.c_str(), path.c_str(), 0) == 0;
+  // As huggingface_hub's filter_repo_objects: a pattern ending in '/' is that directory's files
+  // ("train/" is "train/*"; it matched nothing, so --exclude 'validation/' excluded nothing), and
+  // Python's fnmatch, in which a backslash escapes nothing.
+  const std::string p = !pattern.empty() && pattern.back() == '/' ? pattern + "*" : pattern;
+  return ::fnmatch(p.c_str(), path.c_str(), FNM_NOESCAPE) == 0;
 }
 
 namespace {
@@ -214,6 +218,13 @@ absl::Status PlaceFiles(const DownloadOptions& opt, std::vector<RemoteFile>& fil
       return absl::InvalidArgumentError(fmt::format("two files would be written to {}{}", f.local_path,
                                                     opt.flat ? " (--flat: narrow the selection with --include)" : ""));
   }
+  // A file where another one's directory goes (a URL list's path=x and path=x/y): one of the two
+  // failed after the other was downloaded, leaving its .part.
+  for (const std::string& local : locals)
+    for (size_t slash = local.find('/'); slash != std::string::npos; slash = local.find('/', slash + 1))
+      if (locals.count(local.substr(0, slash)))
+        return absl::InvalidArgumentError(
+            fmt::format("{} would be a file and the directory of {}", local.substr(0, slash), local));
   std::sort(files.begin(), files.end(), [](const RemoteFile& a, const RemoteFile& b) { return a.path < b.path; });
   return absl::OkStatus();
 }

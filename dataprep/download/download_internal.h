@@ -59,6 +59,10 @@ struct RateLimitHeader {
   int64_t remaining = 0, reset_s = 0;
 };
 RateLimitHeader ParseRateLimit(const std::string& h);
+// Retry-After (RFC 9110 10.2.3) in seconds, at most a day: delay-seconds, or an HTTP-date taken
+// against the response's own Date (the server's clock; this machine's when it sends none).
+// nullopt when there is none or it is neither.
+std::optional<double> RetryAfterSeconds(const HttpResponse& r);
 
 // Pauses every worker's new resolves: after a 429, or when the window's quota is used up.
 class RateLimiter {
@@ -159,15 +163,16 @@ class RateLimiter {
   // Returns that wait in seconds.
   double On429(const HttpResponse& r, int attempt) {
     RateLimitHeader h = ParseRateLimit(r.Header("ratelimit"));
-    std::string ra = r.Header("retry-after");
+    const std::string ra = r.Header("retry-after");
     double s;
     std::string why;
     if (h.ok && h.remaining == 0) {
       s = static_cast<double>(h.reset_s) + 1.0;
       why = fmt::format("429 rate limited ({} quota used up, resets in {} s)", h.bucket, h.reset_s);
-    } else if (auto secs = ParseUint64(ra)) {
-      s = static_cast<double>(std::min<uint64_t>(*secs, 24 * 3600));
-      why = fmt::format("429 rate limited (Retry-After {} s)", ra);
+    } else if (const std::optional<double> secs = RetryAfterSeconds(r)) {
+      s = *secs;
+      why = ParseUint64(ra) ? fmt::format("429 rate limited (Retry-After {} s)", ra)
+                            : fmt::format("429 rate limited (Retry-After {}: in {} s)", ra, s);
     } else {
       s = Backoff(attempt);
       why = "429 rate limited (no hint; backing off)";

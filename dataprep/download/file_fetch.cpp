@@ -341,8 +341,9 @@ class FileFetch {
           budget_.Again(fmt::format("download host answered {}; resolving again", code), budget_.Backoff(false)));
       return false;
     }
-    if (code == 408 || code >= 500) {
-      PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("HTTP {}", code), budget_.Backoff(false)));
+    if (code == 408 || code >= 500) {  // after the wait a Retry-After names (a 503's), else a backoff
+      PTK_RETURN_IF_ERROR(
+          budget_.Again(fmt::format("HTTP {}", code), RetryAfterSeconds(resp).value_or(budget_.Backoff(false))));
       return false;
     }
     return absl::UnavailableError(fmt::format("{}: {}", url_, HubErrorText(resp)));

@@ -68,7 +68,13 @@ absl::StatusOr<HttpResponse> ApiGet(Session& s, HttpClient& http, std::string ur
       absl::Status waited = s.limiter.WaitForResolve(s.stop, deadline, s.opt.max_retry_time_s);
       if (!waited.ok()) return Annotate(waited, url);
     } else {
-      const double wait = s.limiter.Backoff(attempt);
+      // A 503's Retry-After (RFC 9110 10.2.3) is the wait it names; otherwise a backoff.
+      const double wait =
+          r.curl_code ? s.limiter.Backoff(attempt) : RetryAfterSeconds(r).value_or(s.limiter.Backoff(attempt));
+      if (failing_s + wait > s.opt.max_retry_time_s)
+        return absl::UnavailableError(
+            fmt::format("{}: {} (gave up: the next attempt in {} is past --max-retry-time {})", url, why,
+                        HumanDuration(wait), HumanDuration(s.opt.max_retry_time_s)));
       // Never silent while the Hub does not answer: what failed and when the next attempt is.
       log::Warning("{}: {}; attempt {} of {} in {}", url, why, attempt + 2, s.opt.max_retries + 1, HumanDuration(wait));
       SleepFor(wait, s.stop);

@@ -432,8 +432,9 @@ class RangedFetch {
       if (code == 429) return OnRateLimited(resp, hub);
       if (!hub && (code == 403 || code == 400 || code == 410 || code == 404) && f_.url.empty())
         return OnUrlRefused(code, gen, url);
-      if (code == 408 || code >= 500 || code == 416)
-        return budget_.Again(fmt::format("HTTP {} for bytes {}-{}", code, from, end - 1), budget_.Backoff(false));
+      if (code == 408 || code >= 500 || code == 416)  // after the wait a Retry-After names, else a backoff
+        return budget_.Again(fmt::format("HTTP {} for bytes {}-{}", code, from, end - 1),
+                             RetryAfterSeconds(resp).value_or(budget_.Backoff(false)));
       return absl::UnavailableError(fmt::format("{}: {}", url, HubErrorText(resp)));
     }
     return absl::OkStatus();

@@ -1,4 +1,8 @@
 // ptk-download: the Hub's rate-limit headers and the shared limiter's sleep.
+#include <curl/curl.h>
+
+#include <ctime>
+
 #include "dataprep/download/download_internal.h"
 
 namespace ptk::download_detail {
@@ -16,6 +20,20 @@ RateLimitHeader ParseRateLimit(const std::string& h) {
     r.reset_s = std::min<int64_t>(*reset, 24 * 3600);
   }
   return r;
+}
+
+std::optional<double> RetryAfterSeconds(const HttpResponse& r) {
+  constexpr int64_t kDay = 24 * 3600;
+  const std::string ra = r.Header("retry-after");
+  if (ra.empty()) return std::nullopt;
+  if (const auto secs = ParseUint64(ra)) return static_cast<double>(std::min<uint64_t>(*secs, kDay));
+  // An HTTP-date (IMF-fixdate, or the obsolete RFC 850 and asctime forms: curl_getdate reads all three).
+  const time_t at = ::curl_getdate(ra.c_str(), nullptr);
+  if (at < 0) return std::nullopt;
+  const std::string date = r.Header("date");
+  time_t now = date.empty() ? -1 : ::curl_getdate(date.c_str(), nullptr);
+  if (now < 0) now = ::time(nullptr);
+  return static_cast<double>(std::clamp<int64_t>(static_cast<int64_t>(at) - static_cast<int64_t>(now), 0, kDay));
 }
 
 void SleepFor(double s, const std::atomic<bool>& stop) {

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <map>
@@ -72,12 +73,20 @@ std::string DropKey(const std::vector<std::string>& drops) {
   return k;
 }
 
+// An input by its absolute, normal name, as its output's sidecar records it: raw/x.zst, ./raw/x.zst and
+// /data/raw/x.zst (or a rerun from another directory) are one source, not a change that extracts again.
+std::string SourceName(const std::string& input) {
+  std::error_code ec;
+  const std::filesystem::path abs = std::filesystem::absolute(input, ec);
+  return ec ? input : abs.lexically_normal().string();
+}
+
 // The sidecar written after an output is complete; a rerun skips the file when it still matches.
 std::string SidecarJson(const std::string& input, const SourceId& src, uint64_t out_size, const std::string& sum,
                         const std::string& drops, int64_t records, int64_t dropped) {
   return JsonWriter()
              .BeginObject()
-             .Field("source", input)
+             .Field("source", SourceName(input))
              .Field("source_size", src.size)
              .Field("source_mtime_ns", src.mtime_ns)
              .Field("output_size", out_size)
@@ -116,7 +125,7 @@ bool LooksComplete(const std::string& input, const std::string& output, const st
   if (e["output_size"].get(out_size) || e["source_size"].get(ssize) || e["source_mtime_ns"].get(mtime) ||
       e["drop_sets"].get(sdrops) || e["source"].get(spath))
     return false;
-  if (sdrops != drops || spath != input) return false;
+  if (sdrops != drops || (spath != input && spath != SourceName(input))) return false;  // or as an older run gave it
   if (source_exists && (ssize != src.size || mtime != src.mtime_ns)) return false;
   auto osz = FileSize(output);
   return osz.ok() && *osz == out_size;
@@ -241,27 +250,44 @@ absl::Status Decode(const std::string& input, const ExtractOptions& opt, Extract
   SetFilter filter(opt.drop_sets);
   const bool filtering = !opt.drop_sets.empty();
   uint64_t last_raw = 0;
+  bool file_start = true;
+  // One line ended by '\n' (or the file's last bytes), record by record as ptk-tokenize reads them
+  // (Python's universal newlines: a bare '\r' ends a record too; a UTF-8 BOM before the file's first
+  // is not its JSON): each dropped with its line end, or written. A dropped set's record after a
+  // bare '\r', or first in a file with a BOM, was kept (the line was no JSON), and tokenized.
+  auto emit_line = [&](std::string_view line) -> absl::Status {
+    for (size_t from = 0; from < line.size();) {
+      size_t end = line.size();
+      for (size_t cr = line.find('\r', from); cr != std::string_view::npos; cr = line.find('\r', cr + 1))
+        if (cr + 1 < line.size() && line[cr + 1] != '\n') {
+          end = cr + 1;
+          break;
+        }
+      const std::string_view record = line.substr(from, end - from);
+      std::string_view json = record;
+      if (file_start && json.starts_with("\xEF\xBB\xBF")) json.remove_prefix(3);
+      file_start = false;
+      ++res->records;
+      if (filter.Drop(json))
+        ++res->dropped;
+      else
+        PTK_RETURN_IF_ERROR(sink(record.data(), record.size()));
+      from = end;
+    }
+    return absl::OkStatus();
+  };
   auto emit_lines = [&](const char* data, size_t n, bool final) -> absl::Status {
     size_t pos = 0;
     while (pos < n) {
       const void* nl = std::memchr(data + pos, '\n', n - pos);
       if (!nl) break;
       size_t end = static_cast<size_t>(static_cast<const char*>(nl) - data) + 1;
-      std::string_view line(data + pos, end - pos);
-      ++res->records;
-      if (filter.Drop(line))
-        ++res->dropped;
-      else
-        PTK_RETURN_IF_ERROR(sink(line.data(), line.size()));
+      PTK_RETURN_IF_ERROR(emit_line(std::string_view(data + pos, end - pos)));
       pos = end;
     }
     carry.assign(data + pos, n - pos);
     if (final && !carry.empty()) {
-      ++res->records;
-      if (filter.Drop(carry))
-        ++res->dropped;
-      else
-        PTK_RETURN_IF_ERROR(sink(carry.data(), carry.size()));
+      PTK_RETURN_IF_ERROR(emit_line(carry));
       carry.clear();
     }
     return absl::OkStatus();

@@ -29,11 +29,21 @@ bool EndsWith(const std::string& s, std::string_view suf) {
 
 class FdSource : public ByteSource {
  public:
-  FdSource(std::string name, int fd, bool own) : fd_(fd), own_(own) { name_ = std::move(name); }
+  // `head`: bytes already read from fd (a stream's first bytes, read to tell its format), given first.
+  FdSource(std::string name, int fd, bool own, std::string head = "")
+      : fd_(fd), own_(own), head_(std::move(head)), raw_(head_.size()) {
+    name_ = std::move(name);
+  }
   ~FdSource() override {
     if (own_ && fd_ >= 0) ::close(fd_);
   }
   absl::StatusOr<size_t> Read(char* buf, size_t size) override {
+    if (head_pos_ < head_.size()) {
+      const size_t n = std::min(size, head_.size() - head_pos_);
+      std::memcpy(buf, head_.data() + head_pos_, n);
+      head_pos_ += n;
+      return n;
+    }
     while (true) {
       ssize_t n = ::read(fd_, buf, size);
       if (n >= 0) {
@@ -61,6 +71,8 @@ class FdSource : public ByteSource {
  private:
   int fd_;
   bool own_;
+  std::string head_;
+  size_t head_pos_ = 0;
   uint64_t raw_ = 0;
 };
 
@@ -345,6 +357,48 @@ absl::Status ByteSource::Skip(uint64_t n) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The format the first bytes of a file or stream announce (kNone: none of the three).
+Compression CompressionOf(const unsigned char* m, ssize_t n) {
+  if (n >= 4 && m[0] == 0x28 && m[1] == 0xB5 && m[2] == 0x2F && m[3] == 0xFD) return Compression::kZstd;
+  // A zstd skippable frame (magic 0x184D2A50..5F) first: pzstd starts every file with one.
+  if (n >= 4 && (m[0] & 0xF0) == 0x50 && m[1] == 0x2A && m[2] == 0x4D && m[3] == 0x18) return Compression::kZstd;
+  if (n >= 6 && m[0] == 0xFD && std::memcmp(m + 1, "7zXZ", 4) == 0 && m[5] == 0) return Compression::kXz;
+  if (n >= 2 && m[0] == 0x1F && m[1] == 0x8B) return Compression::kGzip;
+  return Compression::kNone;
+}
+
+// Standard input, its format told by its first bytes as a file's is (`zstd -dc`-less pipes: `curl
+// URL.zst | ptk-tokenize --input -` read the compressed bytes as text, every line a bad record).
+absl::StatusOr<std::unique_ptr<ByteSource>> OpenStdin() {
+  std::string head(6, '\0');
+  size_t n = 0;
+  while (n < head.size()) {
+    const ssize_t r = ::read(STDIN_FILENO, head.data() + n, head.size() - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return ErrnoToStatus(errno, "read <stdin>");
+    if (r == 0) break;
+    n += static_cast<size_t>(r);
+  }
+  head.resize(n);
+  const auto* m = reinterpret_cast<const unsigned char*>(head.data());
+  if (std::string_view other = OtherBinaryFormat(m, static_cast<ssize_t>(n)); !other.empty())
+    return absl::InvalidArgumentError(fmt::format(
+        "<stdin>: {} data, which ptk does not read (it reads plain text, .zst, .xz and .gz); convert it first", other));
+  const Compression c = CompressionOf(m, static_cast<ssize_t>(n));
+  auto fd = std::make_unique<FdSource>("<stdin>", STDIN_FILENO, false, std::move(head));
+  switch (c) {
+    case Compression::kZstd: return std::unique_ptr<ByteSource>(new ZstdSource(std::move(fd)));
+    case Compression::kXz: return std::unique_ptr<ByteSource>(new XzSource(std::move(fd)));
+    case Compression::kGzip: return std::unique_ptr<ByteSource>(new GzipSource(std::move(fd)));
+    case Compression::kNone: break;
+  }
+  return std::unique_ptr<ByteSource>(std::move(fd));
+}
+
+}  // namespace
+
 Compression DetectCompression(const std::string& path) {
   if (path == "-") return Compression::kNone;
   auto opened = OpenRegularFile(path);  // a FIFO is neither waited on nor read from here
@@ -353,14 +407,7 @@ Compression DetectCompression(const std::string& path) {
     unsigned char m[6] = {0};
     ssize_t n = ::read(fd, m, sizeof(m));
     ::close(fd);
-    if (n >= 0) {
-      if (n >= 4 && m[0] == 0x28 && m[1] == 0xB5 && m[2] == 0x2F && m[3] == 0xFD) return Compression::kZstd;
-      // A zstd skippable frame (magic 0x184D2A50..5F) first: pzstd starts every file with one.
-      if (n >= 4 && (m[0] & 0xF0) == 0x50 && m[1] == 0x2A && m[2] == 0x4D && m[3] == 0x18) return Compression::kZstd;
-      if (n >= 6 && m[0] == 0xFD && std::memcmp(m + 1, "7zXZ", 4) == 0 && m[5] == 0) return Compression::kXz;
-      if (n >= 2 && m[0] == 0x1F && m[1] == 0x8B) return Compression::kGzip;
-      if (n > 0) return Compression::kNone;  // the content decides, not the name
-    }
+    if (n > 0) return CompressionOf(m, n);  // the content decides, not the name
   }
   // Unreadable or empty: the name is all there is (an empty .zst is then reported as such).
   if (EndsWith(path, ".zst") || EndsWith(path, ".zstd")) return Compression::kZstd;
@@ -376,6 +423,7 @@ std::string StripCompressionSuffix(const std::string& path) {
 }
 
 absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path) {
+  if (path == "-") return OpenStdin();
   return OpenByteSource(path, DetectCompression(path));
 }
 

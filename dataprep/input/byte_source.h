@@ -40,8 +40,8 @@ class ByteSource {
   std::string name_;
 };
 
-// "-" is stdin. `compression` overrides detection when given. A file that starts like another
-// binary format (bzip2, zip, 7z, lz4, brotli-less guesses aside) is refused naming the format.
+// "-" is stdin, its format told by its first bytes too. `compression` overrides detection when given. A file that
+// starts like another binary format (bzip2, zip, 7z, lz4, brotli-less guesses aside) is refused naming the format.
 absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path);
 absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path, Compression compression);
 

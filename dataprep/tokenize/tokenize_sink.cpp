@@ -228,6 +228,18 @@ std::string RerunReason(const std::string& prefix, const std::string& source, co
 }
 
 namespace {
+// A killed run's resume record (and its index log) beside an output this run holds the lock of, and
+// which is not this run's own: left by a run whose first --json-keys key was another, or redone by a
+// run that keeps none (--resume-interval 0, round-robin --partitions, standard input). Left there,
+// it kept the output from ever being up to date: every rerun tokenized again, saying nothing.
+void RemoveStaleResumeRecord(const std::string& final_prefix) {
+  const std::string record = final_prefix + ".ptk-resume";
+  if (!PathExists(record) && !PathExists(record + "-index")) return;
+  RemoveStaleTemporaries(record);
+  ResumeJournal(record).Remove();
+  log::Info("{}: removed a killed run's resume record, which this run's output replaces", record);
+}
+
 // The documents a builder has written (its checkpoint: the flushed temporary .bin, the lengths and
 // document indices) in `order`, as the dataset `final_prefix` (its sidecar recording `source`).
 absl::Status WriteInOrder(const BuilderCheckpoint& in, DType dtype, const std::string& final_prefix,
@@ -245,6 +257,7 @@ absl::Status WriteInOrder(const BuilderCheckpoint& in, DType dtype, const std::s
       return absl::DataLossError(fmt::format("{}: {} bytes, {} written", in.bin_tmp, bin->size(), in.bin_bytes));
   }
   PTK_ASSIGN_OR_RETURN(auto out, IndexedDatasetBuilder::Create(final_prefix, dtype));
+  RemoveStaleResumeRecord(final_prefix);  // the output's lock is ours now
   std::vector<int32_t> tokens;
   for (const int64_t d : order) {
     const int64_t s0 = in.doc_idx[d], s1 = in.doc_idx[d + 1];
@@ -324,7 +337,11 @@ absl::StatusOr<ReadPoint> DocumentSink::Open() {
       builders_[0].push_back(std::move(b));
     }
   }
-  // The builders hold the outputs' locks: the record is ours from here on.
+  // The builders hold the outputs' locks: the record is ours from here on, and any other beside
+  // them is a killed run's (with round-robin partitions they hold the in-order datasets' locks:
+  // WriteInOrder removes those records).
+  for (size_t k = 0; k < nkeys_ && nparts_ == 1; ++k)
+    if (k > 0 || !resumable_) RemoveStaleResumeRecord(StagingPrefix(k));
   journal_owned_ = resumable_;
   if (resumable_) {
     RemoveStaleTemporaries(journal_.path());  // a record being written when a run was killed

@@ -387,6 +387,23 @@ TEST(Download, A429FromTheDownloadHostIsRetriedAfterTheWaitItNames) {
   }
 }
 
+// A 503 with Retry-After (RFC 9110 10.2.3: a server says how long it will be unavailable) is retried
+// after that wait, not after the backoff (at most 0.1 s here: the server was asked again at once).
+TEST(Download, A503WithRetryAfterIsRetriedAfterTheWaitItNames) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo", 5000);
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["503_retry_after:2"]}})", paths[0]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(
+      Download(hub, dir / "out", fmt::format("--jobs 1 --retry-base 0.05 --retry-max 0.1 --include '{}'", paths[0])));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", {paths[0]});
+  const auto log = hub.CdnLog(paths[0]);
+  ASSERT_EQ(log.size(), 2u) << r.output;
+  EXPECT_GE(log[1].t - log[0].t, 2.0 - 0.05) << r.output;
+}
+
 TEST(Download, ResolverQuotaIsHonouredAcrossWorkers) {
   TempDir dir;
   auto paths = MakeRepo(dir / "repo", 20000);
@@ -947,20 +964,27 @@ TEST(Download, ADrippingRedirectIsCut) {
 
 // A rate-limit pause longer than --max-retry-time leaves (Retry-After: 3600) was slept
 // through for an hour; now the run fails at once saying so.
+// Retry-After as delay-seconds or as an HTTP-date an hour ahead (the date was read as no hint: a
+// backoff under a second, then the Hub asked again).
 TEST(Download, ARateLimitPauseLongerThanTheRetryTimeFails) {
-  TempDir dir;
-  auto paths = MakeRepo(dir / "repo", 2000);
-  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["hub:429_retry_after:3600"]}})", paths[0]));
-  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
-  ASSERT_TRUE(hub.ok());
-  const auto t0 = std::chrono::steady_clock::now();
-  auto r = RunCmd("timeout 60 env " + Download(hub, dir / "out", "--jobs 1 --max-retry-time 5"));
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_LT(secs, 30) << r.output;
-  EXPECT_NE(r.output.find("Retry-After 3600"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("longer than --max-retry-time"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("failed: " + paths[0]), std::string::npos) << r.output;
+  for (const std::string fault : {"429_retry_after:3600", "429_retry_date:3600"}) {
+    TempDir dir;
+    auto paths = MakeRepo(dir / "repo", 2000);
+    testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["hub:{}"]}})", paths[0], fault));
+    FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+    ASSERT_TRUE(hub.ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = RunCmd("timeout 60 env " + Download(hub, dir / "out", "--jobs 1 --max-retry-time 5"));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(r.exit_code, 1) << fault << r.output;
+    EXPECT_LT(secs, 30) << r.output;
+    EXPECT_NE(r.output.find(fault.find("date") == std::string::npos ? "Retry-After 3600" : " GMT: in 3"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("longer than --max-retry-time"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("failed: " + paths[0]), std::string::npos) << r.output;
+    EXPECT_EQ(hub.Resolves(paths[0]), 1) << r.output;  // not asked again before the hour
+  }
 }
 
 // A .part planted as a symlink must not make the download write through it.
@@ -1007,6 +1031,15 @@ TEST(DownloadHelpers, UrlListNumbersAreChecked) {
     EXPECT_NE(r.output.find("size= must be a byte count"), std::string::npos) << bad << ": " << r.output;
     EXPECT_EQ(r.output.find("exception"), std::string::npos) << r.output;
   }
+  // A file where another's directory goes is refused before anything is fetched (one of the two
+  // failed after the other was downloaded, leaving its .part), as two files in one place are.
+  testing::WriteFile(dir / "list.txt", "http://127.0.0.1:9/a path=x\nhttp://127.0.0.1:9/b path=x/y/f.txt\n");
+  auto clash = RunCmd(fmt::format("{} --quiet --url-list {} --local-dir {}", testing::Tool("ptk-download"),
+                                  dir / "list.txt", dir / "o"));
+  EXPECT_EQ(clash.exit_code, 1) << clash.output;
+  EXPECT_NE(clash.output.find(dir / "o/x would be a file and the directory of " + dir / "o/x/y/f.txt"),
+            std::string::npos)
+      << clash.output;
   // A list without a URL is no download with nothing to do (it was exit 0, "0 of 0 files").
   for (const char* empty : {"", "\n# only a comment\n  \n"}) {
     testing::WriteFile(dir / "list.txt", empty);
@@ -1028,6 +1061,12 @@ TEST(DownloadHelpers, PathsAreSanitizedAndFlattened) {
   EXPECT_TRUE(GlobMatch("train/**", "train/chunk1/a.zst"));
   EXPECT_TRUE(GlobMatch("train/*", "train/chunk1/a.zst"));  // huggingface_hub's fnmatch: '*' crosses '/'
   EXPECT_FALSE(GlobMatch("train/**", "validation/chunk1/a.zst"));
+  // huggingface_hub adds '*' to a pattern ending in '/' (a directory's files): --exclude 'validation/'
+  // excluded nothing, downloading the split it named, exit 0. Python's fnmatch escapes nothing.
+  EXPECT_TRUE(GlobMatch("train/", "train/chunk1/a.zst"));
+  EXPECT_FALSE(GlobMatch("train/", "validation/train/a.zst"));
+  EXPECT_FALSE(GlobMatch("train\\/a.zst", "train/a.zst"));
+  EXPECT_TRUE(GlobMatch("train\\*", "train\\x"));
 }
 
 // A portable tree built on Debian finds the CA certificates where other distributions keep them.

@@ -78,5 +78,35 @@ TEST(RateLimiter, AnAnswerWithNoResolveInFlightIsTakenAsIs) {
   EXPECT_EQ(limiter.InFlightCount(), 0);
 }
 
+// Retry-After is delay-seconds or an HTTP-date (RFC 9110 10.2.3). A date was read as no hint: the
+// limiter backed off for under a second (at most --retry-max) where the server had asked for an hour.
+TEST(RateLimiter, RetryAfterAsAnHttpDateIsTheWaitItNames) {
+  RateLimiter limiter(0.1, 1.0);
+  HttpResponse r;
+  r.status = 429;
+  r.headers["date"] = "Sun, 29 Nov 2026 17:00:00 GMT";
+  r.headers["retry-after"] = "Sun, 29 Nov 2026 18:00:00 GMT";
+  EXPECT_EQ(RetryAfterSeconds(r), 3600.0);
+  EXPECT_EQ(limiter.On429(r, 0), 3600.0);
+  // RFC 850's and asctime's forms, which a recipient must read too.
+  r.headers["retry-after"] = "Sunday, 29-Nov-26 17:02:00 GMT";
+  EXPECT_EQ(RetryAfterSeconds(r), 120.0);
+  r.headers["retry-after"] = "Sun Nov 29 17:00:30 2026";
+  EXPECT_EQ(RetryAfterSeconds(r), 30.0);
+  // A date already past is no wait; a wait is at most a day, as delay-seconds are.
+  r.headers["retry-after"] = "Sun, 29 Nov 2026 16:00:00 GMT";
+  EXPECT_EQ(RetryAfterSeconds(r), 0.0);
+  r.headers["retry-after"] = "Sun, 06 Dec 2026 17:00:00 GMT";
+  EXPECT_EQ(RetryAfterSeconds(r), 24 * 3600.0);
+  r.headers["retry-after"] = "120";
+  EXPECT_EQ(RetryAfterSeconds(r), 120.0);
+  r.headers["retry-after"] = "soon";
+  EXPECT_EQ(RetryAfterSeconds(r), std::nullopt);
+  // Without a Date the date is taken against this machine's clock.
+  r.headers.erase("date");
+  r.headers["retry-after"] = "Fri, 01 Jan 2100 00:00:00 GMT";
+  EXPECT_EQ(RetryAfterSeconds(r), 24 * 3600.0);
+}
+
 }  // namespace
 }  // namespace ptk::download_detail

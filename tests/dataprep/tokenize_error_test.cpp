@@ -570,6 +570,32 @@ TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
 // --max-bad-fraction does not change the bytes: a rerun with only another one, which the output
 // meets, is up to date (it tokenized everything again); one the output does not meet tokenizes
 // again and fails as a first run would, leaving the output as it was.
+// A killed run leaves PREFIX_<its first key>_document.ptk-resume (and -index) beside that output. A
+// rerun whose first key is another (--json-keys title text after text title), or that keeps no
+// resume record (--resume-interval 0, round-robin --partitions), left it there, and with it the
+// output was never up to date: every rerun tokenized again, saying nothing. The records here stand
+// for a killed run's (their content is never read: they are not the rerun's own).
+TEST(TokenizeErrors, AKilledRunsResumeRecordOfOtherSettingsIsRemovedByTheRunThatReplacesIt) {
+  for (const std::string extra : {"--json-keys title text", "--json-keys text title --resume-interval 0",
+                                  "--json-keys text title --partitions 2"}) {
+    SCOPED_TRACE(extra);
+    TempDir dir;
+    testing::WriteFile(dir / "a.jsonl",
+                       "{\"text\": \"Hello world\", \"title\": \"A\"}\n{\"text\": \"B\", \"title\": \"B\"}\n");
+    const std::string out = dir / "out", record = out + "_text_document.ptk-resume";
+    testing::WriteFile(record, "left by a killed run\n");
+    testing::WriteFile(record + "-index", "");
+    const std::string run = Tok(fmt::format("--input {} --output-prefix {} {}", dir / "a.jsonl", out, extra));
+    auto first = RunCmd(run);
+    ASSERT_EQ(first.exit_code, 0) << first.output;
+    EXPECT_FALSE(testing::Exists(record)) << first.output;
+    EXPECT_FALSE(testing::Exists(record + "-index"));
+    auto again = RunCmd(run);
+    ASSERT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_NE(again.output.find("done: nothing to do (2 documents"), std::string::npos) << again.output;
+  }
+}
+
 TEST(TokenizeErrors, AnotherMaxBadFractionTheOutputMeetsIsUpToDate) {
   TempDir dir;
   testing::WriteFile(dir / "in.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"}\nnot json\n\n{\"text\": \"c\"}\n");

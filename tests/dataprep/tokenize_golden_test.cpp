@@ -110,6 +110,16 @@ TEST(TokenizeGolden, CompressedInputsAndStdinGiveTheSameBytes) {
                               Tokenize(fmt::format("--input - --output-prefix {} --append-eod", dir / "stdin"))));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ExpectSameFiles(dir / "stdin_text_document", kData + "eod_text_document");
+  // Standard input's format is told by its content too: compressed bytes piped in were read as text
+  // (every line a bad record, exit 1).
+  testing::WriteFile(dir / "c.jsonl.gz", testing::GzipCompress(corpus));
+  for (const char* in : {"c.jsonl.zst", "c.jsonl.xz", "c.jsonl.gz"}) {
+    const std::string out = dir / (std::string("stdin_") + in);
+    auto piped = RunCmd(
+        fmt::format("cat {} | {}", dir / in, Tokenize(fmt::format("--input - --output-prefix {} --append-eod", out))));
+    ASSERT_EQ(piped.exit_code, 0) << in << piped.output;
+    ExpectSameFiles(out + "_text_document", kData + "eod_text_document");
+  }
 }
 
 TEST(TokenizeGolden, SplitInputsAndGlobsConcatenateInOrder) {

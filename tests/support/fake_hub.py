@@ -15,7 +15,7 @@ ptk-download relies on (shared/reference/hf-download.md §1-2, §7):
 Fault injection per file and attempt (--faults FILE or POST /_faults): a JSON object {path: [fault, ...]};
 the k-th request for that path (CDN GET, or Hub resolve for faults prefixed "hub:") gets fault k:
   drop:K  stall:S  slow:BPS  ignore_range  slice200  bad_range_start  bad_range_total  flip:K  short
-  429_ratelimit  429_retry_after:N  429_plain  500  502  503  cdn_403  replace  ok
+  429_ratelimit  429_retry_after:N  429_retry_date:N (Retry-After as an HTTP-date)  429_plain  503_retry_after:N  500  502  503  cdn_403  replace  ok
 Hostile faults, per file at the Hub resolve ("hub:" prefix): redirect_file (302 to file:///etc/hostname),
 redirect_gopher (302 to gopher://), redirect_loop (302 to itself), bad_linked_size (X-Linked-Size: 12abc); on the
 CDN: bad_content_range (206 with a 30-digit Content-Range), bad_ratelimit (429 with a 30-digit RateLimit).
@@ -36,6 +36,7 @@ Usage: fake_hub.py --repo-dir DIR --repo ns/name [--port-file F] [--page-size N]
 Prints "HUB http://127.0.0.1:P" and "CDN http://localhost:Q" (and writes them to --port-file).
 """
 import argparse
+import email.utils
 import hashlib
 import http.server
 import json
@@ -294,6 +295,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif (fault or "").startswith("429_retry_after") or (fault is None and mode == "retry-after"):
             secs = fault.split(":")[1] if fault and ":" in fault else str(max(1, int(reset + 0.999)))
             h = {"Retry-After": secs}
+        elif (fault or "").startswith("429_retry_date"):
+            # Retry-After as an HTTP-date (RFC 9110 10.2.3): N seconds from now (send_response adds the Date).
+            h = {"Retry-After": email.utils.formatdate(time.time() + int(fault.split(":")[1]), usegmt=True)}
         else:
             h = {}
         body = json.dumps({"error": "You have been rate-limited; you can retry this action later."}).encode()
@@ -417,6 +421,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.send(403, body, content_type="application/xml")
         if fault in ("500", "502", "503"):
             return self.send(int(fault), b"server error")
+        if fault.startswith("503_retry_after:"):
+            return self.send(503, b"slow down", {"Retry-After": fault.split(":")[1]})
         if fault.startswith("429"):
             return self.too_many(fault, 0, 1)
         if fault == "bad_content_range":
