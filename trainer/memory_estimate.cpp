@@ -15,7 +15,8 @@ namespace ptk {
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
-                                                            bool checkpoints, int microbatch_group_size, int threads) {
+                                                            bool checkpoints, int microbatch_group_size, int threads,
+                                                            int context) {
   PTK_ASSIGN_OR_RETURN(const ParamLayout layout, ParamLayout::Create(model, tensor_size, tensor_rank, stage));
   CpuTrainingMemory m;
   m.params = layout.num_params;
@@ -28,8 +29,9 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   m.activation_slots = P <= 1  ? 1
                        : V > 1 ? std::min<int64_t>(int64_t{P - p - 1} * 2 + int64_t{V - 1} * N + 1, V * mb)
                                : std::min<int64_t>(P - p, mb);
-  const int64_t floats = CpuGPTModel::PlanActivationFloats(layout, sequence_parallel, micro_batch_size);
-  const int64_t tokens = micro_batch_size * model.seq_length;  // the targets (int32) and dropout streams (uint64)
+  const int64_t floats = CpuGPTModel::PlanActivationFloats(layout, sequence_parallel, micro_batch_size, context);
+  const int64_t tokens =
+      micro_batch_size * model.seq_length / context;  // the targets (int32) and dropout streams (uint64)
   m.activations = static_cast<double>(m.activation_slots) *
                   (4.0 * static_cast<double>(floats) + 4.0 * static_cast<double>(tokens) + 8.0 * micro_batch_size);
   if (checkpoints) m.checkpoint_copies = 12 * n;

@@ -27,6 +27,10 @@ struct CpuGPTModel::Activations {
   // output gathered whole for the product that follows it (in backward again, for the weight's
   // gradient, as Megatron gathers it), the LayerNorm gradients.
   std::vector<float> sp_local, sp_buf, sp_whole, ln_grads;
+  // Context parallelism: the context ranks' qkv rows as gathered (rank by rank), then in the whole
+  // samples' order; the attention's output over the whole samples (backward: its gradient, zero
+  // outside this rank's rows); the qkv gradient over the whole samples.
+  std::vector<float> cp_gather, cp_qkv, cp_att, cp_dqkv;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };
