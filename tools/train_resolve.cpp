@@ -251,9 +251,6 @@ absl::Status ResolveContextParallel(const TrainFlags& f, bool pipelined, TrainOp
   o.context_parallel_size = static_cast<int>(cp);
   if (cp == 1) return absl::OkStatus();
   const std::string flag = fmt::format("--context-parallel-size {}", cp);
-  if (o.backend.device == Device::kCuda)
-    return Refuse(flag +
-                  ": context parallelism is implemented on the CPU backend only (--device cpu), not on CUDA yet");
   if (f.cp_comm_type == "a2a" || f.cp_comm_type == "a2a+p2p")
     return Refuse(fmt::format(
         "{} --cp-comm-type {}: ptk has allgather (and p2p, run as allgather: the same attention); use one of them",
@@ -288,6 +285,11 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
   const int64_t tp = f.tensor_model_parallel_size;
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
+  if (f.context_parallel_size > 1 && device == Device::kCuda)  // before the backend is looked for
+    return Refuse(fmt::format(
+        "--context-parallel-size {}: context parallelism is implemented on the CPU backend only (--device cpu), not "
+        "on CUDA yet",
+        f.context_parallel_size));
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
