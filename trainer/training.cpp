@@ -33,29 +33,6 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
 
-// Views of a loader's micro-batch for the model.
-ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
-  *keys = mb.indices;
-  return ModelBatch{mb.micro_batch_size,    mb.seq_length,       mb.tokens.data(), mb.labels.data(),
-                    mb.position_ids.data(), mb.loss_mask.data(), keys->data()};
-}
-
-// Context parallelism: the rows of each sample at `positions` (this context rank's,
-// ContextParallelPositions), in place; the samples' keys stay (dropout keys by true position).
-void KeepContextRows(MicroBatch* mb, const std::vector<int64_t>& positions) {
-  const int64_t S = mb->seq_length, n = static_cast<int64_t>(positions.size());
-  auto keep = [&](auto& v) {
-    for (int64_t b = 0; b < mb->micro_batch_size; ++b)
-      for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(b * n + i)] = v[static_cast<size_t>(b * S + positions[i])];
-    v.resize(static_cast<size_t>(mb->micro_batch_size * n));
-  };
-  keep(mb->tokens);
-  keep(mb->labels);
-  keep(mb->position_ids);
-  keep(mb->loss_mask);
-  mb->seq_length = n;
-}
-
 // One run of RunTraining, step by step (Megatron's pretrain and train): set up, resume, then
 // iterations of train, log, evaluate, sample, save and decide to exit; then finish.
 class Trainer {
@@ -581,9 +558,7 @@ class Trainer {
   Communicator* const tensor_;   // the tensor-parallel group; null without
   Communicator* const pipe_;     // the pipeline group; null with one stage
   Communicator* const context_;  // the context-parallel group; null with one context rank
-  // comm_'s rank and size (with context parallelism Megatron's data × context group: ZeRO-1's
-  // shards), the context size, and the data-parallel rank and size (the samplers': the context
-  // ranks of one data rank read the same samples).
+  // comm_'s rank and size (data × context ranks: ZeRO-1's shards), the context size, the samplers' data rank and size.
   const int rank_, dp_, cp_, data_rank_, data_size_;
   std::vector<int64_t> context_positions_;  // this context rank's positions of each sample
   const bool lead_;                         // world rank 0: the logs, the checkpoint's writer
@@ -618,20 +593,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
     local = MakeLocalCommunicator();
     comm = local.get();
   }
-  const int stages = o.pipeline_comm ? o.pipeline_comm->size() : 1;
-  const int context = o.context_comm ? o.context_comm->size() : 1;
-  if (plan.data_parallel_size * context != comm->size() ||
-      (stages > 1 && static_cast<size_t>(stages) != o.pipeline_stage_layers.size()))
-    return absl::InvalidArgumentError(
-        fmt::format("a plan for {} data-parallel ranks and {} stage(s); communicators of {} (with {} context rank(s)) "
-                    "and {}",
-                    plan.data_parallel_size, o.pipeline_stage_layers.size(), comm->size(), context, stages));
-  if (o.pipeline_virtual_size > 1 && stages < 2) return absl::InvalidArgumentError("model chunks without stages");
-  const int m = static_cast<int>(plan.micro_batches), group = o.pipeline_microbatch_group_size;
-  if (absl::Status st = CheckInterleavedMicroBatches(m, stages, group); o.pipeline_virtual_size > 1 && !st.ok())
-    return UsageError(fmt::format("{} (--global-batch-size {}, --micro-batch-size {}, {} data-parallel rank(s))",
-                                  StatusMessage(st), plan.global_batch_size, plan.micro_batch_size,
-                                  plan.data_parallel_size));
+  PTK_RETURN_IF_ERROR(CheckRunCommunicators(o, plan, *comm));
   return Trainer(o, plan, comm).Run();
 }
 
