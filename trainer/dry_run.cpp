@@ -202,6 +202,50 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
   return plan;
 }
 
+// The layout's lines: the rank order, a few ranks' coordinates, every kind of group.
+std::string LayoutLines(const ParallelLayout& layout, int world) {
+  const int T = layout.tensor_size(), C = layout.context_size(), D = layout.data_size(), P = layout.pipeline_size();
+  std::string out;
+  auto line = [&out](const std::string& s) { out += s + "\n"; };
+  if (C == 1)
+    line(
+        fmt::format("layout: {} ranks = tensor {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
+                    "rank = t + {}*d + {}*p)",
+                    world, T, D, P, T, T * D));
+  else
+    line(fmt::format(
+        "layout: {} ranks = tensor {} x context {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
+        "rank = t + {}*c + {}*d + {}*p)",
+        world, T, C, D, P, T, T * C, T * C * D));
+  std::vector<int> shown = {0,
+                            std::min(1, world - 1),
+                            std::min(T, world - 1),
+                            std::min(T * C, world - 1),
+                            std::min(T * C * D, world - 1),
+                            world - 1};
+  std::sort(shown.begin(), shown.end());
+  shown.erase(std::unique(shown.begin(), shown.end()), shown.end());
+  std::string coords;
+  for (int r : shown) {
+    const RankCoords c = layout.Coords(r);
+    coords += C == 1 ? fmt::format("{}rank {} (t {}, d {}, p {})", coords.empty() ? "" : ", ", r, c.tensor, c.data,
+                                   c.pipeline)
+                     : fmt::format("{}rank {} (t {}, c {}, d {}, p {})", coords.empty() ? "" : ", ", r, c.tensor,
+                                   c.context, c.data, c.pipeline);
+  }
+  line("  " + coords);
+  out += GroupsLine(layout, ParallelGroup::kTensor, "tensor");
+  out += GroupsLine(layout, ParallelGroup::kData, "data");
+  if (C > 1) {
+    out += GroupsLine(layout, ParallelGroup::kContext, "context");
+    out += GroupsLine(layout, ParallelGroup::kDataContext, "data x context (gradients, ZeRO-1)");
+  }
+  out += GroupsLine(layout, ParallelGroup::kPipeline, "pipeline");
+  out += GroupsLine(layout, ParallelGroup::kEmbedding, "embedding (first and last stage)");
+  out += GroupsLine(layout, ParallelGroup::kModel, "model-parallel (tensor x pipeline)");
+  return out;
+}
+
 absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   PTK_ASSIGN_OR_RETURN(const DryRunPlan plan, PlanDryRun(o));
   const DryRunCluster& cl = o.cluster;
@@ -227,42 +271,7 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   line(PaddedVocabLine(m.vocab_size, m.padded_vocab_size));
   line(fmt::format("> initialized tensor model parallel with size {}", T));
   line(fmt::format("> initialized pipeline model parallel with size {}", P));
-  if (C == 1)
-    line(
-        fmt::format("layout: {} ranks = tensor {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
-                    "rank = t + {}*d + {}*p)",
-                    cl.world_size, T, D, P, T, T * D));
-  else
-    line(fmt::format(
-        "layout: {} ranks = tensor {} x context {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
-        "rank = t + {}*c + {}*d + {}*p)",
-        cl.world_size, T, C, D, P, T, T * C, T * C * D));
-  std::vector<int> shown = {0,
-                            std::min(1, cl.world_size - 1),
-                            std::min(T, cl.world_size - 1),
-                            std::min(T * C, cl.world_size - 1),
-                            std::min(T * C * D, cl.world_size - 1),
-                            cl.world_size - 1};
-  std::sort(shown.begin(), shown.end());
-  shown.erase(std::unique(shown.begin(), shown.end()), shown.end());
-  std::string coords;
-  for (int r : shown) {
-    const RankCoords c = layout.Coords(r);
-    coords += C == 1 ? fmt::format("{}rank {} (t {}, d {}, p {})", coords.empty() ? "" : ", ", r, c.tensor, c.data,
-                                   c.pipeline)
-                     : fmt::format("{}rank {} (t {}, c {}, d {}, p {})", coords.empty() ? "" : ", ", r, c.tensor,
-                                   c.context, c.data, c.pipeline);
-  }
-  line("  " + coords);
-  out += GroupsLine(layout, ParallelGroup::kTensor, "tensor");
-  out += GroupsLine(layout, ParallelGroup::kData, "data");
-  if (C > 1) {
-    out += GroupsLine(layout, ParallelGroup::kContext, "context");
-    out += GroupsLine(layout, ParallelGroup::kDataContext, "data x context (gradients, ZeRO-1)");
-  }
-  out += GroupsLine(layout, ParallelGroup::kPipeline, "pipeline");
-  out += GroupsLine(layout, ParallelGroup::kEmbedding, "embedding (first and last stage)");
-  out += GroupsLine(layout, ParallelGroup::kModel, "model-parallel (tensor x pipeline)");
+  out += LayoutLines(layout, cl.world_size);
   line(fmt::format("batch: global {} = micro-batch {} x {} micro-batch{} x data-parallel {}", plan.global_batch_size,
                    o.micro_batch_size, plan.micro_batches, plan.micro_batches == 1 ? "" : "es", D));
   // Megatron's line from the first data-parallel rank of every (tensor, pipeline) rank.
