@@ -38,7 +38,8 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   // Attention's buffers (attention_cpu.cpp), one set per thread that runs a task: backward's tasks are
   // the (sequence, query group) pairs, each thread holding 2 t^2 floats; a forward with attention
   // dropout (also backward's recomputation, before backward's buffers exist) the (sequence, head) pairs, t^2.
-  const int64_t t = model.seq_length, heads = model.num_attention_heads / tensor_size;
+  // A context rank's (attention_rows_cpu.cpp): its t / C query rows over the t positions.
+  const int64_t t = model.seq_length, tq = t / context, heads = model.num_attention_heads / tensor_size;
   const int64_t groups = model.query_groups() / tensor_size;
   const int64_t cpus =
       threads > 0
@@ -48,7 +49,7 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   const int64_t forward_threads = model.attention_dropout > 0 ? std::min(cpus, micro_batch_size * heads) : 0;
   const bool forward_peak = forward_threads > 2 * backward_threads;
   m.attention_threads = forward_peak ? forward_threads : backward_threads;
-  m.attention_work = 4.0 * static_cast<double>(t) * static_cast<double>(t) *
+  m.attention_work = 4.0 * static_cast<double>(tq) * static_cast<double>(t) *
                      static_cast<double>(forward_peak ? forward_threads : 2 * backward_threads);
   return m;
 }

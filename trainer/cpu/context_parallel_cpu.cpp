@@ -1,14 +1,13 @@
 // Megatron's context parallelism on the CPU model (--context-parallel-size, its allgather exchange):
 // each context rank holds some positions of every sample (ContextParallelPositions: chunks r and
 // 2C − 1 − r of 2C), and runs every op but the attention on them alone. The attention all-gathers
-// the fused QKV rows of the context group into the whole samples, in position order, runs the
-// causal attention over them as one rank would (the same mask, by true position, and the same
-// attention-dropout keys), and keeps this rank's rows of its output. Backward puts this rank's
-// output gradient at its rows of the whole samples (zeros elsewhere), runs the attention's backward
-// over them, and reduce-scatters the QKV gradient over the group: each rank's rows end as the sum
-// of every rank's share (its own queries' and the others' queries' gradients of its keys and
-// values). The attention's work is the whole samples' on every context rank (the other ops', and
-// every activation but the probabilities, are 1/C of one rank's): exact, not yet the cheaper ring.
+// the fused QKV rows of the context group into the whole samples, in position order, and runs this
+// rank's queries over the whole samples' keys and values (cpu::AttentionRowsForward: one rank's
+// causal mask by true position and its attention-dropout keys). Backward gathers them again, computes
+// this rank's queries' gradients and their share of every position's key and value gradients
+// (AttentionRowsBackward), and reduce-scatters that share over the group: each rank's key and value
+// rows end as the sum of every rank's share. Every activation, the attention's probabilities
+// included (t/C × t per head), is 1/C of one rank's; the gathered QKV is a transient buffer.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -60,16 +59,11 @@ absl::Status CpuGPTModel::GatherContextRows(const float* qkv, int64_t b, int64_t
 absl::Status CpuGPTModel::ContextAttentionForward(float* out, float* probs, const float* qkv,
                                                   const AttentionShape& shape, double p, uint64_t seed) {
   Activations& a = *act_;
-  const int64_t C = context_comm_->size(), t = shape.t, S = t * C, w = shape.qkv_width(), ct = shape.nh * shape.hd;
-  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, shape.b, t, w));
+  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, shape.b, shape.t, shape.qkv_width()));
   AttentionShape whole = shape;
-  whole.t = S;
-  cpu::AttentionForward(a.cp_att.data(), probs, a.cp_qkv.data(), whole, p, seed, a.streams.data());
-  for (int64_t s = 0; s < shape.b; ++s)
-    for (int64_t i = 0; i < t; ++i) {
-      const float* from = a.cp_att.data() + (s * S + context_positions_[static_cast<size_t>(i)]) * ct;
-      std::copy(from, from + ct, out + (s * t + i) * ct);
-    }
+  whole.t = shape.t * context_comm_->size();
+  cpu::AttentionRowsForward(out, probs, qkv, a.cp_qkv.data(), context_positions_.data(), shape.t, whole, p, seed,
+                            a.streams.data());
   return absl::OkStatus();
 }
 
@@ -77,17 +71,16 @@ absl::Status CpuGPTModel::ContextAttentionBackward(float* dqkv, const float* dou
                                                    const AttentionShape& shape, double p, uint64_t seed) {
   Activations& a = *act_;
   const int C = context_comm_->size();
-  const int64_t t = shape.t, S = t * C, w = shape.qkv_width(), ct = shape.nh * shape.hd, piece = shape.b * t * w;
-  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, shape.b, t, w));  // the whole samples' rows again
-  std::fill(a.cp_att.begin(), a.cp_att.end(), 0.0f);
-  for (int64_t s = 0; s < shape.b; ++s)
-    for (int64_t i = 0; i < t; ++i) {
-      const float* from = dout + (s * t + i) * ct;
-      std::copy(from, from + ct, a.cp_att.begin() + (s * S + context_positions_[static_cast<size_t>(i)]) * ct);
-    }
+  const int64_t t = shape.t, S = t * C, w = shape.qkv_width(), piece = shape.b * t * w;
+  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, shape.b, t, w));  // the whole samples' keys and values again
   AttentionShape whole = shape;
   whole.t = S;
-  cpu::AttentionBackward(a.cp_dqkv.data(), a.cp_att.data(), a.cp_qkv.data(), probs, whole, p, seed, a.streams.data());
+  // The op assigns the query columns of this rank's rows and the key and value columns of every
+  // position; the rest stays zero, so the sum below adds nothing to the query columns.
+  std::fill(dqkv, dqkv + piece, 0.0f);
+  std::fill(a.cp_dqkv.begin(), a.cp_dqkv.end(), 0.0f);
+  cpu::AttentionRowsBackward(dqkv, a.cp_dqkv.data(), dout, qkv, a.cp_qkv.data(), probs, context_positions_.data(), t,
+                             whole, p, seed, a.streams.data());
   // Rank by rank (each rank's rows in its order) for the reduce-scatter, which sums them in rank order.
   for (int q = 0; q < C; ++q) {
     const std::vector<int64_t> pos = ContextParallelPositions(S, C, q);
@@ -100,7 +93,7 @@ absl::Status CpuGPTModel::ContextAttentionBackward(float* dqkv, const float* dou
   const std::vector<int64_t> counts(static_cast<size_t>(C), piece);
   PTK_RETURN_IF_ERROR(context_comm_->ReduceScatterSum(a.cp_gather.data(), counts));
   const float* mine = a.cp_gather.data() + context_comm_->rank() * piece;
-  std::copy(mine, mine + piece, dqkv);
+  for (int64_t i = 0; i < piece; ++i) dqkv[i] += mine[i];
   return absl::OkStatus();
 }
 

@@ -28,9 +28,8 @@ struct CpuGPTModel::Activations {
   // gradient, as Megatron gathers it), the LayerNorm gradients.
   std::vector<float> sp_local, sp_buf, sp_whole, ln_grads;
   // Context parallelism: the context ranks' qkv rows as gathered (rank by rank), then in the whole
-  // samples' order; the attention's output over the whole samples (backward: its gradient, zero
-  // outside this rank's rows); the qkv gradient over the whole samples.
-  std::vector<float> cp_gather, cp_qkv, cp_att, cp_dqkv;
+  // samples' order; this rank's queries' share of the keys' and values' gradients, whole samples.
+  std::vector<float> cp_gather, cp_qkv, cp_dqkv;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };

@@ -223,8 +223,8 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   const int64_t T = layout.tensor_size, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
                 qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
                 vp = cf.padded_vocab_size / T, L = static_cast<int64_t>(layout.layers.size());
-  // Context parallelism runs the attention over the whole samples (t × context positions).
-  const int64_t tw = t * context, probs = b * (cf.num_attention_heads / T) * tw * tw;
+  // Context parallelism: the attention of these t positions over the whole samples (t × context).
+  const int64_t probs = b * (cf.num_attention_heads / T) * t * t * context;
   // A slot holds one model chunk's pass: the buffers of its layers [l0, l1) only (every layer
   // without chunks), indexed by the stage's layer.
   const int64_t l0 = chunk * layout.chunk_layers(), l1 = (chunk + 1) * layout.chunk_layers();
@@ -286,7 +286,6 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   const int64_t nw = context > 1 ? n * context : 0;
   put(&Activations::cp_gather, nw * qkv);
   put(&Activations::cp_qkv, nw * qkv);
-  put(&Activations::cp_att, nw * ct);
   put(&Activations::cp_dqkv, nw * qkv);
   if (a != nullptr) {
     a->targets.assign(static_cast<size_t>(n), 0);
@@ -310,10 +309,10 @@ int64_t CpuGPTModel::ActivationFloats() const {
   for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.qkv_raw, &a.qk_mean,
                              &a.qk_rstd, &a.probs, &a.atty, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
     for (const std::vector<float>& v : *layers) floats += static_cast<int64_t>(v.size());
-  for (const auto* v : {&a.lnf,       &a.dact,   &a.rope_cos,  &a.rope_sin, &a.lnf_mean, &a.lnf_rstd, &a.logits,
-                        &a.losses,    &a.dloss,  &a.tmp,       &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,
-                        &a.dqkv,      &a.datt,   &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads,
-                        &a.cp_gather, &a.cp_qkv, &a.cp_att,    &a.cp_dqkv})
+  for (const auto* v :
+       {&a.lnf,       &a.dact,     &a.rope_cos, &a.rope_sin, &a.lnf_mean, &a.lnf_rstd,  &a.logits, &a.losses,
+        &a.dloss,     &a.tmp,      &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,       &a.dqkv,   &a.datt,
+        &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads, &a.cp_gather, &a.cp_qkv, &a.cp_dqkv})
     floats += static_cast<int64_t>(v->size());
   return floats;
 }
