@@ -1,9 +1,8 @@
 // ptk-train's context parallelism end to end, ranks as processes over loopback gloo: C = 2 context
-// ranks (and C = 2 x D = 2 with ZeRO-1, C = 2 x T = 2, and Megatron's Llama line with RoPE at C = 2)
-// give the loss lines of one rank within 1e-5 relative, with dropout on, and after 10 iterations the
-// same parameters within 2e-5 of the largest; a checkpoint saved at C = 2 resumes at C = 1 and the
-// reverse, continuing the uninterrupted run's losses; what ptk does not cover is refused in one line,
-// exit 2.
+// ranks (and C = 2 x D = 2 with ZeRO-1 and --overlap-grad-reduce, C = 2 x T = 2, and Megatron's Llama line with RoPE at
+// C = 2) give the loss lines of one rank within 1e-5 relative, with dropout on, and after 10 iterations the same
+// parameters within 2e-5 of the largest; a checkpoint saved at C = 2 resumes at C = 1 and the reverse, continuing the
+// uninterrupted run's losses; what ptk does not cover is refused in one line, exit 2.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -83,8 +82,9 @@ TEST_F(ContextParallelCli, ContextTimesDataOrTensorRanksAndTheLlamaLineGiveOneRa
   const auto ref = Losses(one.output);
   ASSERT_EQ(ref.size(), 6u) << one.output;
   std::string out;
-  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(2, "--use-distributed-optimizer", 6), ref, 6, kLossTolerance,
-                                          "C=2 x D=2, ZeRO-1", &out));
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(4, Train(2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 5000", 6), ref,
+                      6, kLossTolerance, "C=2 x D=2, ZeRO-1, overlap", &out));
   EXPECT_NE(out.find("context parallel: 2 ranks x data parallel: 2 ranks"), std::string::npos) << out;
   EXPECT_NE(out.find("distributed optimizer: each of 4 ranks keeps"), std::string::npos) << out;
   ASSERT_NO_FATAL_FAILURE(
