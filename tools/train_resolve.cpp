@@ -255,7 +255,6 @@ absl::Status ResolveContextParallel(const TrainFlags& f, bool pipelined, TrainOp
     return Refuse(fmt::format(
         "{} --cp-comm-type {}: ptk has allgather (and p2p, run as allgather: the same attention); use one of them",
         flag, f.cp_comm_type));
-  if (pipelined) return Refuse(flag + " with --pipeline-model-parallel-size: not implemented in ptk; give one of them");
   if (o.backend.sequence_parallel)
     return Refuse(flag + " with --sequence-parallel: not implemented in ptk; drop --sequence-parallel");
   if (o.model.seq_length % (2 * cp) != 0)

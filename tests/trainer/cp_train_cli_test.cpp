@@ -1,8 +1,9 @@
 // ptk-train's context parallelism end to end, ranks as processes over loopback gloo: C = 2 context
-// ranks (and C = 2 x D = 2 with ZeRO-1 and --overlap-grad-reduce, C = 2 x T = 2, and Megatron's Llama line with RoPE at
-// C = 2) give the loss lines of one rank within 1e-5 relative, with dropout on, and after 10 iterations the same
-// parameters within 2e-5 of the largest; a checkpoint saved at C = 2 resumes at C = 1 and the reverse, continuing the
-// uninterrupted run's losses; what ptk does not cover is refused in one line, exit 2.
+// ranks (and C = 2 x D = 2 with ZeRO-1 and --overlap-grad-reduce, C = 2 x T = 2, C = 2 x P = 2 with and
+// without the interleaved schedule, and Megatron's Llama line with RoPE at C = 2) give the loss lines
+// of one rank within 1e-5 relative, with dropout on, and after 10 iterations the same parameters
+// within 2e-5 of the largest; a checkpoint saved at C = 2 resumes at C = 1 and the reverse,
+// continuing the uninterrupted run's losses; what ptk does not cover is refused in one line, exit 2.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -76,7 +77,7 @@ TEST_F(ContextParallelCli, TwoContextRanksGiveOneRanksLossesAndParameters) {
   std::printf("C=2: parameters after 10 iterations within %.3g of the largest of one rank's\n", params);
 }
 
-TEST_F(ContextParallelCli, ContextTimesDataOrTensorRanksAndTheLlamaLineGiveOneRanksLosses) {
+TEST_F(ContextParallelCli, ContextTimesDataTensorOrPipelineRanksAndTheLlamaLineGiveOneRanksLosses) {
   auto one = RunCmd(Train(1, "", 6));
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto ref = Losses(one.output);
@@ -92,6 +93,17 @@ TEST_F(ContextParallelCli, ContextTimesDataOrTensorRanksAndTheLlamaLineGiveOneRa
   EXPECT_NE(out.find("tensor parallel: 2 ranks x context parallel: 2 ranks x data parallel: 1 ranks"),
             std::string::npos)
       << out;
+  ASSERT_NO_FATAL_FAILURE(
+      RunGivingLosses(4, Train(2, "--pipeline-model-parallel-size 2", 6), ref, 6, kLossTolerance, "C=2 x P=2", &out));
+  EXPECT_NE(out.find("context parallel: 2 ranks x pipeline parallel: 2 stages x data parallel: 1 ranks"),
+            std::string::npos)
+      << out;
+  // Megatron's interleaved schedule: 4 layers in 2 chunks on each of 2 stages.
+  const std::string four = "--num-layers 4 --pipeline-model-parallel-size 2";
+  auto one_four = RunCmd(Train(1, "--num-layers 4", 6));
+  ASSERT_EQ(one_four.exit_code, 0) << one_four.output;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(2, four + " --num-layers-per-virtual-pipeline-stage 1", 6),
+                                          Losses(one_four.output), 6, kLossTolerance, "C=2 x P=2 x 2 chunks", &out));
   // RoPE's rotations and the causal mask by each row's true position.
   const std::string llama =
       "--normalization RMSNorm --position-embedding-type rope --swiglu --group-query-attention --num-query-groups 2 "
@@ -142,9 +154,6 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
        "pipeline model parallel × context parallel size 1 × 1 × 2 = 2; start a multiple of 2 ranks"},
       {"--seq-length 30 --max-position-embeddings 32",
        "--context-parallel-size 2: --seq-length 30 must be a multiple of 2 x 2 = 4"},
-      {"--pipeline-model-parallel-size 2",
-       "--context-parallel-size 2 with --pipeline-model-parallel-size: not "
-       "implemented"},
       {"--tensor-model-parallel-size 2 --sequence-parallel",
        "--context-parallel-size 2 with --sequence-parallel: not "
        "implemented"},

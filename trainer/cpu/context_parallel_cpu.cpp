@@ -26,8 +26,6 @@ absl::Status CpuGPTModel::SetContextParallel(Communicator* context) {
   if (context == nullptr || context->size() <= 1) return absl::OkStatus();
   if (sequence_parallel_)
     return absl::FailedPreconditionError("context parallelism with --sequence-parallel is not implemented");
-  if (layout_.pipeline_size > 1)
-    return absl::FailedPreconditionError("context parallelism with pipeline stages is not implemented");
   const int64_t C = context->size();
   if (config().seq_length % (2 * C) != 0)
     return absl::InvalidArgumentError(fmt::format(
