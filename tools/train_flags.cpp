@@ -234,7 +234,7 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--context-parallel-size", f->context_parallel_size,
                   "Context-parallel ranks (CPU backend, gloo): each sample's positions split over C ranks in 2C chunks "
                   "(Megatron's load-balanced split), attention over the whole causal context; WORLD_SIZE = T x C x "
-                  "data-parallel ranks x P; with data, tensor and pipeline parallelism, not --sequence-parallel (1)")
+                  "data-parallel ranks x P; with data, tensor (and --sequence-parallel) and pipeline parallelism (1)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--cp-comm-type", f->cp_comm_type,
                   "Context parallelism's attention exchange: allgather (the keys and values all-gathered over the "

@@ -255,12 +255,16 @@ absl::Status ResolveContextParallel(const TrainFlags& f, bool pipelined, TrainOp
     return Refuse(fmt::format(
         "{} --cp-comm-type {}: ptk has allgather (and p2p, run as allgather: the same attention); use one of them",
         flag, f.cp_comm_type));
-  if (o.backend.sequence_parallel)
-    return Refuse(flag + " with --sequence-parallel: not implemented in ptk; drop --sequence-parallel");
   if (o.model.seq_length % (2 * cp) != 0)
     return Refuse(
         fmt::format("{}: --seq-length {} must be a multiple of 2 x {} = {} (Megatron's 2C chunks of a sample)", flag,
                     o.model.seq_length, cp, 2 * cp));
+  const int64_t tp = o.tensor_model_parallel_size;
+  if (o.backend.sequence_parallel && o.model.seq_length / cp % tp != 0)
+    return Refuse(fmt::format(
+        "{} with --sequence-parallel: a context rank's --seq-length {} / {} = {} positions must be a multiple of "
+        "--tensor-model-parallel-size {}",
+        flag, o.model.seq_length, cp, o.model.seq_length / cp, tp));
   if (o.sample.interval > 0)
     return Refuse(flag + " with --sample-interval: text samples are not implemented with context parallelism");
   return absl::OkStatus();

@@ -1,9 +1,10 @@
 // ptk-train's context parallelism end to end, ranks as processes over loopback gloo: C = 2 context
-// ranks (and C = 2 x D = 2 with ZeRO-1 and --overlap-grad-reduce, C = 2 x T = 2, C = 2 x P = 2 with and
-// without the interleaved schedule, and Megatron's Llama line with RoPE at C = 2) give the loss lines
-// of one rank within 1e-5 relative, with dropout on, and after 10 iterations the same parameters
-// within 2e-5 of the largest; a checkpoint saved at C = 2 resumes at C = 1 and the reverse,
-// continuing the uninterrupted run's losses; what ptk does not cover is refused in one line, exit 2.
+// ranks (and C = 2 x D = 2 with ZeRO-1 and --overlap-grad-reduce, C = 2 x T = 2 with and without
+// --sequence-parallel, C = 2 x P = 2 with and without the interleaved schedule, and Megatron's Llama
+// line with RoPE at C = 2) give the loss lines of one rank within 1e-5 relative, with dropout on, and
+// after 10 iterations the same parameters within 2e-5 of the largest; a checkpoint saved at C = 2
+// resumes at C = 1 and the reverse, continuing the uninterrupted run's losses; what ptk does not
+// cover is refused in one line, exit 2.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -93,6 +94,9 @@ TEST_F(ContextParallelCli, ContextTimesDataTensorOrPipelineRanksAndTheLlamaLineG
   EXPECT_NE(out.find("tensor parallel: 2 ranks x context parallel: 2 ranks x data parallel: 1 ranks"),
             std::string::npos)
       << out;
+  // --sequence-parallel: the tensor ranks split a context rank's positions (dropout keyed by true position).
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(4, Train(2, "--tensor-model-parallel-size 2 --sequence-parallel", 6), ref, 6,
+                                          kLossTolerance, "C=2 x T=2 --sequence-parallel", &out));
   ASSERT_NO_FATAL_FAILURE(
       RunGivingLosses(4, Train(2, "--pipeline-model-parallel-size 2", 6), ref, 6, kLossTolerance, "C=2 x P=2", &out));
   EXPECT_NE(out.find("context parallel: 2 ranks x pipeline parallel: 2 stages x data parallel: 1 ranks"),
@@ -154,9 +158,9 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
        "pipeline model parallel × context parallel size 1 × 1 × 2 = 2; start a multiple of 2 ranks"},
       {"--seq-length 30 --max-position-embeddings 32",
        "--context-parallel-size 2: --seq-length 30 must be a multiple of 2 x 2 = 4"},
-      {"--tensor-model-parallel-size 2 --sequence-parallel",
-       "--context-parallel-size 2 with --sequence-parallel: not "
-       "implemented"},
+      {"--tensor-model-parallel-size 4 --sequence-parallel --seq-length 36 --max-position-embeddings 36",
+       "--context-parallel-size 2 with --sequence-parallel: a context rank's --seq-length 36 / 2 = 18 positions must "
+       "be a multiple of --tensor-model-parallel-size 4"},
       {"--cp-comm-type a2a", "--context-parallel-size 2 --cp-comm-type a2a: ptk has allgather"},
       {"--device cuda",
        "--context-parallel-size 2: context parallelism is implemented on the CPU backend only "

@@ -24,12 +24,15 @@ namespace ptk {
 
 absl::Status CpuGPTModel::SetContextParallel(Communicator* context) {
   if (context == nullptr || context->size() <= 1) return absl::OkStatus();
-  if (sequence_parallel_)
-    return absl::FailedPreconditionError("context parallelism with --sequence-parallel is not implemented");
   const int64_t C = context->size();
   if (config().seq_length % (2 * C) != 0)
     return absl::InvalidArgumentError(fmt::format(
         "--context-parallel-size {}: --seq-length {} must be a multiple of 2 x {}", C, config().seq_length, C));
+  if (sequence_parallel_ && config().seq_length / C % tensor_size() != 0)
+    return absl::InvalidArgumentError(
+        fmt::format("--context-parallel-size {} with --sequence-parallel: a context rank's --seq-length {} / {} "
+                    "positions must be a multiple of --tensor-model-parallel-size {}",
+                    C, config().seq_length, C, tensor_size()));
   context_comm_ = context;
   return absl::OkStatus();
 }

@@ -30,7 +30,7 @@ class CpuGPTModel final : public GPTModel {
   // batch.t = seq_length / C rows of a sample); the attention all-gathers the queries', keys' and
   // values' rows of the whole sequence over `context`, which must outlive the model, and runs over
   // all of it (the causal mask, RoPE and dropout by true position), backward reduce-scattering
-  // their gradients. Not with --sequence-parallel (FailedPrecondition).
+  // their gradients. Under --sequence-parallel the tensor ranks split the context rank's positions.
   absl::Status SetContextParallel(Communicator* context);
 
   // The host buffers themselves (tests and the gradient checks read and poke them).
