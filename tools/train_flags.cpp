@@ -233,8 +233,15 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
                   "Pipeline stages: the layers split over P stages, Megatron's 1F1B schedule (gloo or NCCL)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size,
-                  "Must be 1: context parallelism is not implemented (data, tensor and pipeline parallel are)")
+                  "Context-parallel ranks (CPU backend, gloo): each sample's positions split over C ranks in 2C chunks "
+                  "(Megatron's load-balanced split), attention over the whole causal context; WORLD_SIZE = T x C x "
+                  "data-parallel ranks x P; with data, tensor (and --sequence-parallel) and pipeline parallelism (1)")
       ->check(IntIn(1, kMaxSize));
+  app->add_option("--cp-comm-type", f->cp_comm_type,
+                  "Context parallelism's attention exchange: allgather (the keys and values all-gathered over the "
+                  "context ranks) or p2p (Megatron's default; ptk runs it as allgather: the same attention); a2a and "
+                  "a2a+p2p are refused (p2p)")
+      ->check(CLI::IsMember({"p2p", "a2a", "allgather", "a2a+p2p"}));
   app->add_option("--decoder-first-pipeline-num-layers", f->decoder_first_pipeline_num_layers,
                   "Layers of the first pipeline stage (the rest split evenly)")
       ->check(IntIn(1, kMaxSize));

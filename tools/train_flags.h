@@ -43,7 +43,8 @@ struct TrainFlags {
   double initial_loss_scale = 4294967296.0, min_loss_scale = 1.0, loss_scale_window = 1000;
   int64_t hysteresis = 2;
   int64_t tensor_model_parallel_size = 1, pipeline_model_parallel_size = 1, context_parallel_size = 1;
-  int64_t threads = 0;  // ptk: CPU threads per rank (0: all cores of this rank's share)
+  std::string cp_comm_type = "p2p";  // --cp-comm-type: p2p and allgather (the same attention on the CPU)
+  int64_t threads = 0;               // ptk: CPU threads per rank (0: all cores of this rank's share)
   double distributed_timeout_minutes = 5;
   std::string distributed_backend;  // "": nccl with --device cuda, else gloo
   // Flags accepted only for compatibility, by name -> value given ("" for a bare flag).

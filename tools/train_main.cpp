@@ -121,18 +121,17 @@ absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, co
     const ptk::Gpt2Tokenizer* tok = tokenizer->get();
     options->sample.decode = [tok](std::span<const int32_t> ids) { return tok->Decode(ids); };
   }
-  // Megatron's rank order: tensor ranks adjacent, then data, then pipeline stages
-  // (WORLD_SIZE = T x data ranks x P).
+  // Megatron's rank order: tensor ranks adjacent, then context, then data, then pipeline stages
+  // (WORLD_SIZE = T x C x data ranks x P).
   const int pp = std::max<int>(1, static_cast<int>(options->pipeline_stage_layers.size()));
-  auto made = ptk::ParallelLayout::Create(ranks.world_size, options->tensor_model_parallel_size, pp);
+  const int tp = options->tensor_model_parallel_size, cp = options->context_parallel_size;
+  auto made = ptk::ParallelLayout::Create(ranks.world_size, tp, pp, cp);
   if (!made.ok()) {  // named by the flag and the launch, which the library does not know
-    const std::string flag = pp > 1
-                                 ? fmt::format("--tensor-model-parallel-size {} x --pipeline-model-parallel-size {}",
-                                               options->tensor_model_parallel_size, pp)
-                                 : fmt::format("--tensor-model-parallel-size {}", options->tensor_model_parallel_size);
+    std::string flag = fmt::format("--tensor-model-parallel-size {}", tp);
+    if (pp > 1) flag += fmt::format(" x --pipeline-model-parallel-size {}", pp);
+    if (cp > 1) flag += fmt::format(" x --context-parallel-size {}", cp);
     return ptk::UsageError(
-        fmt::format("{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()),
-                    options->tensor_model_parallel_size * pp,
+        fmt::format("{}: {}; start a multiple of {} ranks ({})", flag, ptk::StatusMessage(made.status()), tp * pp * cp,
                     ranks.source == "single process" ? "this is one process" : "the ranks from " + ranks.source));
   }
   *layout = *std::move(made);
@@ -163,23 +162,25 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
   return d;
 }
 
-// This rank's communicators: the world's, then the tensor, data, pipeline and embedding groups
-// (each a communicator of its own over the world's), made in that order by every rank (a middle
-// stage has no embedding group).
+// This rank's communicators: the world's, then the tensor, data (with context parallelism Megatron's
+// data × context group), pipeline, embedding and context groups (each a communicator of its own over
+// the world's), made in that order by every rank (a middle stage has no embedding group).
 struct Groups {
-  std::unique_ptr<ptk::Communicator> world, tensor, data, pipeline, embedding;
+  std::unique_ptr<ptk::Communicator> world, tensor, data, pipeline, embedding, context;
   ptk::Communicator* DataOrWorld() const { return data ? data.get() : world.get(); }
 };
 absl::StatusOr<Groups> MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLayout& layout,
                                   const ptk::TrainOptions& options, int rank) {
   Groups g;
   PTK_ASSIGN_OR_RETURN(g.world, ptk::CreateCommunicator(d));
-  const int tp = layout.tensor_size(), pp = layout.pipeline_size();
+  const int tp = layout.tensor_size(), pp = layout.pipeline_size(), cp = layout.context_size();
   if (tp > 1) {
     PTK_ASSIGN_OR_RETURN(g.tensor, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kTensor, rank), "tensor"));
   }
   if (tp > 1 || pp > 1) {
-    PTK_ASSIGN_OR_RETURN(g.data, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kData, rank), "data"));
+    // Megatron reduces the gradients over data x context ranks (its data-parallel group with context parallel).
+    const ptk::ParallelGroup kind = cp > 1 ? ptk::ParallelGroup::kDataContext : ptk::ParallelGroup::kData;
+    PTK_ASSIGN_OR_RETURN(g.data, g.world->Subgroup(layout.Group(kind, rank), "data"));
   }
   if (pp > 1) {
     PTK_ASSIGN_OR_RETURN(g.pipeline, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kPipeline, rank), "pipeline"));
@@ -187,6 +188,9 @@ absl::StatusOr<Groups> MakeGroups(const ptk::DistributedOptions& d, const ptk::P
     if (!options.model.untie_embeddings_and_output_weights && !emb.empty()) {
       PTK_ASSIGN_OR_RETURN(g.embedding, g.world->Subgroup(emb, "embedding"));
     }
+  }
+  if (cp > 1) {
+    PTK_ASSIGN_OR_RETURN(g.context, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kContext, rank), "context"));
   }
   return g;
 }
@@ -205,8 +209,9 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
         tp, pp);
   std::fflush(stdout);
   if (world.size() > 1)
-    ptk::log::Info("{}{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
+    ptk::log::Info("{}{}{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
                    tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "",
+                   layout.context_size() > 1 ? fmt::format("context parallel: {} ranks x ", layout.context_size()) : "",
                    pp > 1 ? fmt::format("pipeline parallel: {} stages{} x ", pp,
                                         options.pipeline_virtual_size > 1
                                             ? fmt::format(" of {} model chunks (the interleaved schedule)",
@@ -319,6 +324,7 @@ int main(int argc, char** argv) {
     options.comm = groups.DataOrWorld();
     options.world_comm = groups.world.get();
     options.backend.tensor_comm = groups.tensor.get();
+    options.context_comm = options.backend.context_comm = groups.context.get();
     options.pipeline_comm = groups.pipeline.get();
     options.embedding_comm = groups.embedding.get();
     // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).

@@ -247,6 +247,34 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
   return absl::OkStatus();
 }
 
+// --context-parallel-size above 1: what ptk's context parallelism covers (the CPU model, with data
+// and tensor parallelism; the whole causal attention from all-gathered keys and values), the rest
+// refused naming the flag.
+absl::Status ResolveContextParallel(const TrainFlags& f, bool pipelined, TrainOptions* out) {
+  TrainOptions& o = *out;
+  const int64_t cp = f.context_parallel_size;
+  o.context_parallel_size = static_cast<int>(cp);
+  if (cp == 1) return absl::OkStatus();
+  const std::string flag = fmt::format("--context-parallel-size {}", cp);
+  if (f.cp_comm_type == "a2a" || f.cp_comm_type == "a2a+p2p")
+    return Refuse(fmt::format(
+        "{} --cp-comm-type {}: ptk has allgather (and p2p, run as allgather: the same attention); use one of them",
+        flag, f.cp_comm_type));
+  if (o.model.seq_length % (2 * cp) != 0)
+    return Refuse(
+        fmt::format("{}: --seq-length {} must be a multiple of 2 x {} = {} (Megatron's 2C chunks of a sample)", flag,
+                    o.model.seq_length, cp, 2 * cp));
+  const int64_t tp = o.tensor_model_parallel_size;
+  if (o.backend.sequence_parallel && o.model.seq_length / cp % tp != 0)
+    return Refuse(fmt::format(
+        "{} with --sequence-parallel: a context rank's --seq-length {} / {} = {} positions must be a multiple of "
+        "--tensor-model-parallel-size {}",
+        flag, o.model.seq_length, cp, o.model.seq_length / cp, tp));
+  if (o.sample.interval > 0)
+    return Refuse(flag + " with --sample-interval: text samples are not implemented with context parallelism");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<std::string>* notes) {
@@ -260,16 +288,16 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   const bool pipelined = stage_layers.size() > 1;
   // Megatron's interleaved schedule, on either backend (ptk refuses nothing beyond Megatron's checks).
   PTK_ASSIGN_OR_RETURN(const int virtual_size, VirtualPipelineSize(f));
-  if (f.context_parallel_size != 1)
-    return Refuse(
-        fmt::format("--context-parallel-size {}: context parallelism is not implemented (ptk-train splits a run over "
-                    "data, tensor and pipeline ranks); use 1",
-                    f.context_parallel_size));
   if (f.fp16 && f.bf16) return Refuse("--fp16 and --bf16: give one precision");
   const Device device = f.device.empty() ? DefaultDevice() : f.device == "cuda" ? Device::kCuda : Device::kCpu;
   const Precision precision = f.bf16 ? Precision::kBf16 : f.fp16 ? Precision::kFp16 : Precision::kFp32;
   const int64_t tp = f.tensor_model_parallel_size;
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
+  if (f.context_parallel_size > 1 && device == Device::kCuda)  // before the backend is looked for
+    return Refuse(fmt::format(
+        "--context-parallel-size {}: context parallelism is implemented on the CPU backend only (--device cpu), not "
+        "on CUDA yet",
+        f.context_parallel_size));
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())
@@ -285,6 +313,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;
+  PTK_RETURN_IF_ERROR(ResolveContextParallel(f, pipelined, &o));
   if (const auto& n = f.microbatch_group_size_per_vp_stage; n && virtual_size > 1)
     o.pipeline_microbatch_group_size = static_cast<int>(*n);
   else if (n)  // Megatron's 1F1B schedule does not read it either

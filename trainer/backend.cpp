@@ -102,8 +102,15 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
     PTK_ASSIGN_OR_RETURN(
         std::unique_ptr<CpuGPTModel> m,
         CpuGPTModel::Create(config, backend.tensor_comm, backend.sequence_parallel, backend.pipeline_stage));
+    if (backend.context_comm && backend.context_comm->size() > 1)
+      PTK_RETURN_IF_ERROR(m->SetContextParallel(backend.context_comm));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
+  if (backend.context_comm && backend.context_comm->size() > 1)
+    return UsageError(fmt::format(
+        "--context-parallel-size {}: context parallelism is implemented on the CPU backend only (--device cpu), not "
+        "on CUDA yet",
+        backend.context_comm->size()));
   const bool tp = backend.tensor_comm && backend.tensor_comm->size() > 1;
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
   auto cuda = LoadCudaBackend();

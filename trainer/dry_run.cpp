@@ -127,9 +127,13 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
                                   kMaxDryRunWorld));
   PTK_ASSIGN_OR_RETURN(const ParallelLayout layout,
                        ParallelLayout::Create(o.cluster.world_size, o.tensor, o.pipeline, o.context));
-  const int T = o.tensor, P = o.pipeline, D = layout.data_size();
+  const int T = o.tensor, P = o.pipeline, D = layout.data_size(), C = layout.context_size();
   DryRunPlan plan;
   plan.data_parallel = D;
+  plan.context_parallel = C;
+  if (C > 1 && o.model.seq_length % (2 * C) != 0)
+    return UsageError(fmt::format("--context-parallel-size {}: --seq-length {} must be a multiple of 2 x {} = {}", C,
+                                  o.model.seq_length, C, 2 * C));
   GPTConfig& m = plan.model;
   m = o.model;
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = 4 * m.hidden_size;
@@ -179,18 +183,18 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
     st.weights = n * plan.weight_bytes;
     st.gradients = n * plan.gradient_bytes;
     st.optimizer = n * plan.optimizer_bytes;
-    st.optimizer_zero1 = st.optimizer / D;
+    st.optimizer_zero1 = st.optimizer / (D * C);  // Megatron shards it over data × context ranks
     // Megatron's terms beyond the layers (theoretical_memory_usage.py), over T: the embedding's
     // input ids and dropout mask per micro-batch in flight, the output layer's input and fp32 logits.
     double extra = 0;
     if (p == 0) extra += in_flight * (8 * sb + sbh);
     if (p == P - 1) extra += 4 * sbh + 4 * sb * static_cast<double>(m.padded_vocab_size);
-    extra /= T;
+    extra /= T * C;  // each context rank's positions
     const double layers = static_cast<double>(st.layers) * in_flight;
     st.activations =
-        layers * ActivationBytesPerLayer(m, mbs, T, plan.sequence_parallel, false, plan.activation_bytes) + extra;
+        layers * ActivationBytesPerLayer(m, mbs, T, plan.sequence_parallel, false, plan.activation_bytes) / C + extra;
     st.activations_recomputed =
-        layers * ActivationBytesPerLayer(m, mbs, T, plan.sequence_parallel, true, plan.activation_bytes) + extra;
+        layers * ActivationBytesPerLayer(m, mbs, T, plan.sequence_parallel, true, plan.activation_bytes) / C + extra;
     st.total = st.weights + st.gradients + (o.use_distributed_optimizer ? st.optimizer_zero1 : st.optimizer) +
                (m.recompute_activations ? st.activations_recomputed : st.activations);
     plan.stages.push_back(st);
@@ -198,12 +202,56 @@ absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& o) {
   return plan;
 }
 
+// The layout's lines: the rank order, a few ranks' coordinates, every kind of group.
+std::string LayoutLines(const ParallelLayout& layout, int world) {
+  const int T = layout.tensor_size(), C = layout.context_size(), D = layout.data_size(), P = layout.pipeline_size();
+  std::string out;
+  auto line = [&out](const std::string& s) { out += s + "\n"; };
+  if (C == 1)
+    line(
+        fmt::format("layout: {} ranks = tensor {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
+                    "rank = t + {}*d + {}*p)",
+                    world, T, D, P, T, T * D));
+  else
+    line(fmt::format(
+        "layout: {} ranks = tensor {} x context {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
+        "rank = t + {}*c + {}*d + {}*p)",
+        world, T, C, D, P, T, T * C, T * C * D));
+  std::vector<int> shown = {0,
+                            std::min(1, world - 1),
+                            std::min(T, world - 1),
+                            std::min(T * C, world - 1),
+                            std::min(T * C * D, world - 1),
+                            world - 1};
+  std::sort(shown.begin(), shown.end());
+  shown.erase(std::unique(shown.begin(), shown.end()), shown.end());
+  std::string coords;
+  for (int r : shown) {
+    const RankCoords c = layout.Coords(r);
+    coords += C == 1 ? fmt::format("{}rank {} (t {}, d {}, p {})", coords.empty() ? "" : ", ", r, c.tensor, c.data,
+                                   c.pipeline)
+                     : fmt::format("{}rank {} (t {}, c {}, d {}, p {})", coords.empty() ? "" : ", ", r, c.tensor,
+                                   c.context, c.data, c.pipeline);
+  }
+  line("  " + coords);
+  out += GroupsLine(layout, ParallelGroup::kTensor, "tensor");
+  out += GroupsLine(layout, ParallelGroup::kData, "data");
+  if (C > 1) {
+    out += GroupsLine(layout, ParallelGroup::kContext, "context");
+    out += GroupsLine(layout, ParallelGroup::kDataContext, "data x context (gradients, ZeRO-1)");
+  }
+  out += GroupsLine(layout, ParallelGroup::kPipeline, "pipeline");
+  out += GroupsLine(layout, ParallelGroup::kEmbedding, "embedding (first and last stage)");
+  out += GroupsLine(layout, ParallelGroup::kModel, "model-parallel (tensor x pipeline)");
+  return out;
+}
+
 absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   PTK_ASSIGN_OR_RETURN(const DryRunPlan plan, PlanDryRun(o));
   const DryRunCluster& cl = o.cluster;
   PTK_ASSIGN_OR_RETURN(const ParallelLayout layout,
                        ParallelLayout::Create(cl.world_size, o.tensor, o.pipeline, o.context));
-  const int T = o.tensor, P = o.pipeline, D = plan.data_parallel;
+  const int T = o.tensor, P = o.pipeline, D = plan.data_parallel, C = plan.context_parallel;
   const GPTConfig& m = plan.model;
   std::string out;
   auto line = [&out](const std::string& s) { out += s + "\n"; };
@@ -223,25 +271,7 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   line(PaddedVocabLine(m.vocab_size, m.padded_vocab_size));
   line(fmt::format("> initialized tensor model parallel with size {}", T));
   line(fmt::format("> initialized pipeline model parallel with size {}", P));
-  line(
-      fmt::format("layout: {} ranks = tensor {} x data {} x pipeline {} (Megatron's rank order tp-cp-ep-dp-pp: "
-                  "rank = t + {}*d + {}*p)",
-                  cl.world_size, T, D, P, T, T * D));
-  std::vector<int> shown = {0, std::min(1, cl.world_size - 1), std::min(T, cl.world_size - 1),
-                            std::min(T * D, cl.world_size - 1), cl.world_size - 1};
-  std::sort(shown.begin(), shown.end());
-  shown.erase(std::unique(shown.begin(), shown.end()), shown.end());
-  std::string coords;
-  for (int r : shown) {
-    const RankCoords c = layout.Coords(r);
-    coords += fmt::format("{}rank {} (t {}, d {}, p {})", coords.empty() ? "" : ", ", r, c.tensor, c.data, c.pipeline);
-  }
-  line("  " + coords);
-  out += GroupsLine(layout, ParallelGroup::kTensor, "tensor");
-  out += GroupsLine(layout, ParallelGroup::kData, "data");
-  out += GroupsLine(layout, ParallelGroup::kPipeline, "pipeline");
-  out += GroupsLine(layout, ParallelGroup::kEmbedding, "embedding (first and last stage)");
-  out += GroupsLine(layout, ParallelGroup::kModel, "model-parallel (tensor x pipeline)");
+  out += LayoutLines(layout, cl.world_size);
   line(fmt::format("batch: global {} = micro-batch {} x {} micro-batch{} x data-parallel {}", plan.global_batch_size,
                    o.micro_batch_size, plan.micro_batches, plan.micro_batches == 1 ? "" : "es", D));
   // Megatron's line from the first data-parallel rank of every (tensor, pipeline) rank.
@@ -253,13 +283,14 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
   const bool mixed = o.precision != Precision::kFp32;
   line(fmt::format(
       "memory per GPU in GiB, {}: weights {} B, gradients {} B, optimizer state {} B per parameter ({}); ZeRO-1 "
-      "(--use-distributed-optimizer) shards the optimizer state over the {} data-parallel rank{}",
+      "(--use-distributed-optimizer) shards the optimizer state over the {} data-parallel rank{}{}",
       PrecisionName(o.precision), plan.weight_bytes, plan.gradient_bytes, plan.optimizer_bytes,
-      mixed ? "fp32 master weights and Adam's two moments" : "Adam's two moments", D, D == 1 ? "" : "s"));
+      mixed ? "fp32 master weights and Adam's two moments" : "Adam's two moments", D, D == 1 ? "" : "s",
+      C > 1 ? fmt::format(" x {} context ranks", C) : ""));
   line(fmt::format(
       "activations: per layer sbh(18 + 4F/h) + 5as^2b bytes, sbh(34 + 5as/h) at F = 4h (Korthikanti et al. 2022, "
       "Table 2; {}-byte activations), split over T {}; --recompute-activations (selective) drops 5as^2b; "
-      "s {}, b {}, stage p holds {}, plus Megatron's embedding and output-layer terms{}",
+      "s {}, b {}, stage p holds {}, plus Megatron's embedding and output-layer terms{}{}",
       plan.activation_bytes,
       plan.sequence_parallel ? "with --sequence-parallel" : "except 10sbh (no --sequence-parallel)", m.seq_length,
       o.micro_batch_size,
@@ -269,6 +300,7 @@ absl::StatusOr<std::string> DryRunReport(const DryRunOptions& o) {
                         plan.micro_batches, o.virtual_size, o.virtual_size,
                         o.microbatch_group_size > 0 ? o.microbatch_group_size : P)
           : fmt::format("min(P - p, {}) micro-batches (1F1B)", plan.micro_batches),
+      C > 1 ? fmt::format("; over C = {} context ranks (each s/C positions of a sample)", C) : "",
       m.gpt3() ? ""
                : "; this Llama-line model's Q, K, V and attention output at their heads' widths (4sbh -> sb(2a + "
                  "2G)kv), SwiGLU's gate, up and fc2 inputs 3sbF (2sbF)"));

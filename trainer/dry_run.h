@@ -70,13 +70,17 @@ struct StageMemory {
 struct DryRunPlan {
   GPTConfig model;  // defaults resolved, the vocabulary padded for T
   int data_parallel = 1;
+  // Context-parallel ranks: each holds 1/C of every sample's positions (Megatron's CP: the activations
+  // over C; ZeRO-1 shards the optimizer state over data × context ranks).
+  int context_parallel = 1;
   int64_t global_batch_size = 0, micro_batches = 0;
   bool sequence_parallel = false;  // in effect (T > 1)
   int weight_bytes = 4, gradient_bytes = 4, optimizer_bytes = 8, activation_bytes = 4;
   std::vector<StageMemory> stages;
 };
 
-// The plan's figures. Usage errors for what Megatron refuses: a world not divisible by T × P,
+// The plan's figures. Usage errors for what Megatron refuses: a world not divisible by T × C × P,
+// a sequence not divisible by 2C,
 // heads or MLP not divisible by T, layers not divisible by P, a global batch not divisible by
 // micro-batch × data-parallel size.
 absl::StatusOr<DryRunPlan> PlanDryRun(const DryRunOptions& options);

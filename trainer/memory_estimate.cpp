@@ -15,7 +15,8 @@ namespace ptk {
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
-                                                            bool checkpoints, int microbatch_group_size, int threads) {
+                                                            bool checkpoints, int microbatch_group_size, int threads,
+                                                            int context) {
   PTK_ASSIGN_OR_RETURN(const ParamLayout layout, ParamLayout::Create(model, tensor_size, tensor_rank, stage));
   CpuTrainingMemory m;
   m.params = layout.num_params;
@@ -28,15 +29,17 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   m.activation_slots = P <= 1  ? 1
                        : V > 1 ? std::min<int64_t>(int64_t{P - p - 1} * 2 + int64_t{V - 1} * N + 1, V * mb)
                                : std::min<int64_t>(P - p, mb);
-  const int64_t floats = CpuGPTModel::PlanActivationFloats(layout, sequence_parallel, micro_batch_size);
-  const int64_t tokens = micro_batch_size * model.seq_length;  // the targets (int32) and dropout streams (uint64)
+  const int64_t floats = CpuGPTModel::PlanActivationFloats(layout, sequence_parallel, micro_batch_size, context);
+  const int64_t tokens =
+      micro_batch_size * model.seq_length / context;  // the targets (int32) and dropout streams (uint64)
   m.activations = static_cast<double>(m.activation_slots) *
                   (4.0 * static_cast<double>(floats) + 4.0 * static_cast<double>(tokens) + 8.0 * micro_batch_size);
   if (checkpoints) m.checkpoint_copies = 12 * n;
   // Attention's buffers (attention_cpu.cpp), one set per thread that runs a task: backward's tasks are
   // the (sequence, query group) pairs, each thread holding 2 t^2 floats; a forward with attention
   // dropout (also backward's recomputation, before backward's buffers exist) the (sequence, head) pairs, t^2.
-  const int64_t t = model.seq_length, heads = model.num_attention_heads / tensor_size;
+  // A context rank's (attention_rows_cpu.cpp): its t / C query rows over the t positions.
+  const int64_t t = model.seq_length, tq = t / context, heads = model.num_attention_heads / tensor_size;
   const int64_t groups = model.query_groups() / tensor_size;
   const int64_t cpus =
       threads > 0
@@ -46,7 +49,7 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   const int64_t forward_threads = model.attention_dropout > 0 ? std::min(cpus, micro_batch_size * heads) : 0;
   const bool forward_peak = forward_threads > 2 * backward_threads;
   m.attention_threads = forward_peak ? forward_threads : backward_threads;
-  m.attention_work = 4.0 * static_cast<double>(t) * static_cast<double>(t) *
+  m.attention_work = 4.0 * static_cast<double>(tq) * static_cast<double>(t) *
                      static_cast<double>(forward_peak ? forward_threads : 2 * backward_threads);
   return m;
 }

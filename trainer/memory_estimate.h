@@ -37,12 +37,14 @@ struct CpuTrainingMemory {
 // save or load makes when `checkpoints`, and attention's work buffers on `threads` oneTBB threads
 // (each thread running heads holds 2 t^2 floats in backward, t^2 in a forward with attention
 // dropout; t = seq_length). `threads` 0: the threads oneTBB may run now (tbb::global_control's
-// max_allowed_parallelism: ptk-train's --threads, set by its main).
+// max_allowed_parallelism: ptk-train's --threads, set by its main). With `context` context-parallel
+// ranks: one context rank's buffers (seq_length / context positions of each sample, whose attention
+// runs over the whole samples: its probabilities and work buffers t / context x t per head).
 absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& model, int tensor_size, int tensor_rank,
                                                             bool sequence_parallel, const PipelineStage& stage,
                                                             int64_t micro_batch_size, int64_t micro_batches,
                                                             bool checkpoints, int microbatch_group_size = 0,
-                                                            int threads = 0);
+                                                            int threads = 0, int context = 1);
 
 // Megatron's line (megatron/training/theoretical_memory_usage.py), MB of 2^20 bytes:
 // "Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB"; the

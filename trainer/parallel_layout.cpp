@@ -17,6 +17,8 @@ std::string_view ParallelGroupName(ParallelGroup kind) {
     case ParallelGroup::kPipeline: return "pipeline";
     case ParallelGroup::kEmbedding: return "embedding";
     case ParallelGroup::kModel: return "model";
+    case ParallelGroup::kContext: return "context";
+    case ParallelGroup::kDataContext: return "data-context";
   }
   return "?";
 }
@@ -27,8 +29,7 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(int world_size, int tensor
   if (tensor < 1) return UsageError(fmt::format("--tensor-model-parallel-size must be at least 1, not {}", tensor));
   if (pipeline < 1)
     return UsageError(fmt::format("--pipeline-model-parallel-size must be at least 1, not {}", pipeline));
-  if (context != 1)
-    return UsageError(fmt::format("--context-parallel-size {}: ptk supports context parallel size 1 only", context));
+  if (context < 1) return UsageError(fmt::format("--context-parallel-size must be at least 1, not {}", context));
   if (expert != 1)
     return UsageError(fmt::format("--expert-model-parallel-size {}: ptk supports expert parallel size 1 only", expert));
   const int64_t model = static_cast<int64_t>(tensor) * pipeline;
@@ -36,18 +37,28 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(int world_size, int tensor
     return UsageError(
         fmt::format("the world size {} is not divisible by tensor × pipeline model parallel size {} × {} = {}",
                     world_size, tensor, pipeline, model));
-  return ParallelLayout(world_size, tensor, static_cast<int>(world_size / model), pipeline);
+  if (world_size % (model * context) != 0)
+    return UsageError(fmt::format(
+        "the world size {} is not divisible by tensor × pipeline model parallel × context parallel size {} × {} × {} "
+        "= {}",
+        world_size, tensor, pipeline, context, model * context));
+  return ParallelLayout(world_size, tensor, static_cast<int>(world_size / (model * context)), pipeline, context);
 }
 
 RankCoords ParallelLayout::Coords(int rank) const {
   PTK_CHECK(rank >= 0 && rank < world_);
-  return RankCoords{rank % tensor_, rank / tensor_ % data_, rank / (tensor_ * data_)};
+  RankCoords c;
+  c.tensor = rank % tensor_;
+  c.context = rank / tensor_ % context_;
+  c.data = rank / (tensor_ * context_) % data_;
+  c.pipeline = rank / (tensor_ * context_ * data_);
+  return c;
 }
 
 int ParallelLayout::Rank(const RankCoords& c) const {
   PTK_CHECK(c.tensor >= 0 && c.tensor < tensor_ && c.data >= 0 && c.data < data_ && c.pipeline >= 0 &&
-            c.pipeline < pipeline_);
-  return c.tensor + tensor_ * (c.data + data_ * c.pipeline);
+            c.pipeline < pipeline_ && c.context >= 0 && c.context < context_);
+  return c.tensor + tensor_ * (c.context + context_ * (c.data + data_ * c.pipeline));
 }
 
 int64_t ParallelLayout::NumGroups(ParallelGroup kind) const {
@@ -56,34 +67,51 @@ int64_t ParallelLayout::NumGroups(ParallelGroup kind) const {
     case ParallelGroup::kData: return world_ / data_;
     case ParallelGroup::kPipeline:
     case ParallelGroup::kEmbedding: return world_ / pipeline_;
-    case ParallelGroup::kModel: return data_;
+    case ParallelGroup::kModel: return static_cast<int64_t>(data_) * context_;
+    case ParallelGroup::kContext: return world_ / context_;
+    case ParallelGroup::kDataContext: return world_ / (data_ * context_);
   }
   return 0;
 }
 
 // Megatron numbers the groups of a kind by the coordinates the group does not span, the first
-// of them (in tp-dp-pp order) fastest.
+// of them (in tp-cp-dp-pp order) fastest.
 std::vector<int> ParallelLayout::GroupAt(ParallelGroup kind, int64_t index) const {
   PTK_CHECK(index >= 0 && index < NumGroups(kind));
-  const int i = static_cast<int>(index);
+  const int i = static_cast<int>(index), T = tensor_, C = context_, D = data_;
+  auto rank = [&](int t, int c, int d, int p) {
+    RankCoords rc;
+    rc.tensor = t;
+    rc.context = c;
+    rc.data = d;
+    rc.pipeline = p;
+    return Rank(rc);
+  };
   std::vector<int> g;
   switch (kind) {
-    case ParallelGroup::kTensor:  // index = d + D·p
-      for (int t = 0; t < tensor_; ++t) g.push_back(Rank({t, i % data_, i / data_}));
+    case ParallelGroup::kTensor:  // index = c + C·d + C·D·p
+      for (int t = 0; t < T; ++t) g.push_back(rank(t, i % C, i / C % D, i / (C * D)));
       break;
-    case ParallelGroup::kData:  // index = t + T·p
-      for (int d = 0; d < data_; ++d) g.push_back(Rank({i % tensor_, d, i / tensor_}));
+    case ParallelGroup::kContext:  // index = t + T·d + T·D·p
+      for (int c = 0; c < C; ++c) g.push_back(rank(i % T, c, i / T % D, i / (T * D)));
       break;
-    case ParallelGroup::kPipeline:  // index = t + T·d
-      for (int p = 0; p < pipeline_; ++p) g.push_back(Rank({i % tensor_, i / tensor_, p}));
+    case ParallelGroup::kData:  // index = t + T·c + T·C·p
+      for (int d = 0; d < D; ++d) g.push_back(rank(i % T, i / T % C, d, i / (T * C)));
+      break;
+    case ParallelGroup::kDataContext:  // index = t + T·p
+      for (int d = 0; d < D; ++d)
+        for (int c = 0; c < C; ++c) g.push_back(rank(i % T, c, d, i / T));
+      break;
+    case ParallelGroup::kPipeline:  // index = t + T·c + T·C·d
+      for (int p = 0; p < pipeline_; ++p) g.push_back(rank(i % T, i / T % C, i / (T * C), p));
       break;
     case ParallelGroup::kEmbedding:
-      g.push_back(Rank({i % tensor_, i / tensor_, 0}));
-      if (pipeline_ > 1) g.push_back(Rank({i % tensor_, i / tensor_, pipeline_ - 1}));
+      g.push_back(rank(i % T, i / T % C, i / (T * C), 0));
+      if (pipeline_ > 1) g.push_back(rank(i % T, i / T % C, i / (T * C), pipeline_ - 1));
       break;
-    case ParallelGroup::kModel:  // index = d
+    case ParallelGroup::kModel:  // index = c + C·d
       for (int p = 0; p < pipeline_; ++p)
-        for (int t = 0; t < tensor_; ++t) g.push_back(Rank({t, i, p}));
+        for (int t = 0; t < T; ++t) g.push_back(rank(t, i % C, i / C, p));
       break;
   }
   return g;
@@ -91,14 +119,17 @@ std::vector<int> ParallelLayout::GroupAt(ParallelGroup kind, int64_t index) cons
 
 std::vector<int> ParallelLayout::Group(ParallelGroup kind, int rank) const {
   const RankCoords c = Coords(rank);
+  const int64_t T = tensor_, C = context_, D = data_;
   switch (kind) {
-    case ParallelGroup::kTensor: return GroupAt(kind, c.data + static_cast<int64_t>(data_) * c.pipeline);
-    case ParallelGroup::kData: return GroupAt(kind, c.tensor + static_cast<int64_t>(tensor_) * c.pipeline);
-    case ParallelGroup::kPipeline: return GroupAt(kind, c.tensor + static_cast<int64_t>(tensor_) * c.data);
+    case ParallelGroup::kTensor: return GroupAt(kind, c.context + C * (c.data + D * c.pipeline));
+    case ParallelGroup::kContext: return GroupAt(kind, c.tensor + T * (c.data + D * c.pipeline));
+    case ParallelGroup::kData: return GroupAt(kind, c.tensor + T * (c.context + C * c.pipeline));
+    case ParallelGroup::kDataContext: return GroupAt(kind, c.tensor + T * c.pipeline);
+    case ParallelGroup::kPipeline: return GroupAt(kind, c.tensor + T * (c.context + C * c.data));
     case ParallelGroup::kEmbedding:
       if (c.pipeline != 0 && c.pipeline != pipeline_ - 1) return {};
-      return GroupAt(kind, c.tensor + static_cast<int64_t>(tensor_) * c.data);
-    case ParallelGroup::kModel: return GroupAt(kind, c.data);
+      return GroupAt(kind, c.tensor + T * (c.context + C * c.data));
+    case ParallelGroup::kModel: return GroupAt(kind, c.context + C * c.data);
   }
   return {};
 }
@@ -122,6 +153,16 @@ absl::StatusOr<int64_t> TensorParallelVocabSize(int64_t vocab_size, int64_t make
     return UsageError(fmt::format("--make-vocab-size-divisible-by {} × tensor model parallel size {} is too large",
                                   make_vocab_size_divisible_by, tensor));
   return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+std::vector<int64_t> ContextParallelPositions(int64_t seq_length, int context, int rank) {
+  PTK_CHECK(context >= 1 && rank >= 0 && rank < context && seq_length % (2 * context) == 0);
+  const int64_t chunk = seq_length / (2 * context);
+  std::vector<int64_t> positions;
+  positions.reserve(static_cast<size_t>(2 * chunk));
+  for (const int64_t k : {static_cast<int64_t>(rank), static_cast<int64_t>(2 * context - 1 - rank)})
+    for (int64_t i = 0; i < chunk; ++i) positions.push_back(k * chunk + i);
+  return positions;
 }
 
 std::string PaddedVocabLine(int64_t vocab_size, int64_t padded_vocab_size) {

@@ -1,5 +1,5 @@
-// Megatron's parallel layout: the rank order tp-cp-ep-dp-pp (tensor ranks adjacent, then data, then
-// pipeline), each rank's coordinates, the process groups as megatron-core's RankGenerator makes them,
+// Megatron's parallel layout: the rank order tp-cp-ep-dp-pp (tensor ranks adjacent, then context,
+// then data, then pipeline), each rank's coordinates, the process groups as megatron-core's RankGenerator makes them,
 // and the vocabulary padded for tensor parallelism. Pure arithmetic: no communicator, no model.
 #pragma once
 
@@ -14,18 +14,21 @@ namespace ptk {
 
 // The groups initialize_model_parallel makes. kEmbedding: the first and last stage of a pipeline
 // group (Megatron's default_embedding_ranks; one stage when P = 1). kModel: tensor × pipeline.
-enum class ParallelGroup { kTensor, kData, kPipeline, kEmbedding, kModel };
+// kContext: the context ranks of one (tensor, data, pipeline) place (Megatron's "cp");
+// kDataContext: data × context (Megatron's "dp-cp", the group its gradients are reduced and its
+// distributed optimizer sharded over when the context size is above 1).
+enum class ParallelGroup { kTensor, kData, kPipeline, kEmbedding, kModel, kContext, kDataContext };
 std::string_view ParallelGroupName(ParallelGroup kind);  // "tensor", "data", "pipeline", ...
 
 struct RankCoords {
-  int tensor = 0, data = 0, pipeline = 0;
+  int tensor = 0, data = 0, pipeline = 0, context = 0;
   bool operator==(const RankCoords&) const = default;
 };
 
 class ParallelLayout {
  public:
-  // world = tensor × data × pipeline (× context × expert, which ptk supports only at 1). Errors are
-  // usage errors naming the sizes (Megatron's refusals: world not divisible by T·P, ...).
+  // world = tensor × context × data × pipeline (× expert, which ptk supports only at 1). Errors are
+  // usage errors naming the sizes (Megatron's refusals: world not divisible by T·C·P, ...).
   static absl::StatusOr<ParallelLayout> Create(int world_size, int tensor, int pipeline, int context = 1,
                                                int expert = 1);
 
@@ -33,8 +36,9 @@ class ParallelLayout {
   int tensor_size() const { return tensor_; }
   int data_size() const { return data_; }
   int pipeline_size() const { return pipeline_; }
+  int context_size() const { return context_; }
 
-  // global rank = t + T·d + T·D·p (Megatron's generate_masked_orthogonal_rank_groups, cp = ep = 1).
+  // global rank = t + T·c + T·C·d + T·C·D·p (Megatron's generate_masked_orthogonal_rank_groups, ep = 1).
   RankCoords Coords(int rank) const;
   int Rank(const RankCoords& c) const;
   bool IsFirstStage(int rank) const { return Coords(rank).pipeline == 0; }
@@ -50,10 +54,16 @@ class ParallelLayout {
   std::vector<int> GroupAt(ParallelGroup kind, int64_t index) const;
 
  private:
-  ParallelLayout(int world, int tensor, int data, int pipeline)
-      : world_(world), tensor_(tensor), data_(data), pipeline_(pipeline) {}
-  int world_, tensor_, data_, pipeline_;
+  ParallelLayout(int world, int tensor, int data, int pipeline, int context)
+      : world_(world), tensor_(tensor), data_(data), pipeline_(pipeline), context_(context) {}
+  int world_, tensor_, data_, pipeline_, context_;
 };
+
+// Megatron's load-balanced split of a sequence over `context` ranks (get_batch_on_this_cp_rank):
+// the sequence cut into 2·context chunks of seq_length / (2·context) positions, rank r keeping
+// chunks r and 2·context − 1 − r, in that order. The positions of rank `rank`'s rows, in order;
+// seq_length must be a multiple of 2·context (PTK_CHECK: callers refuse the flags first).
+std::vector<int64_t> ContextParallelPositions(int64_t seq_length, int context, int rank);
 
 // The vocabulary Megatron trains on at tensor size T: rounded up to a multiple of
 // make_vocab_size_divisible_by × T (Megatron's _vocab_size_with_padding), so every tensor rank holds

@@ -128,6 +128,7 @@ Settings LayoutAndBatchSettings(const TrainOptions& o, int64_t gbs) {
       {"--tensor-model-parallel-size", std::to_string(o.tensor_model_parallel_size)},
       {"--sequence-parallel", o.backend.sequence_parallel ? "on" : "off"},
       {"--pipeline-model-parallel-size", std::to_string(std::max<size_t>(1, o.pipeline_stage_layers.size()))},
+      {"--context-parallel-size", std::to_string(o.context_parallel_size)},
       // The first and last stage's layers as the run has them (given or split evenly).
       {"--decoder-first-pipeline-num-layers",
        o.pipeline_stage_layers.size() > 1 ? std::to_string(o.pipeline_stage_layers.front()) : ""},
@@ -326,6 +327,14 @@ void ReportResumeChanges(const Settings& saved, const Settings& now, const Train
         log::Info(
             "resuming with {} (the checkpoint of iteration {} was saved with {}): the saved ranks' slices of the "
             "weights and AdamW moments are put together and cut into this run's",
+            Shown(flag, value), loaded.iteration, Shown(flag, it->second));
+      continue;
+    } else if (flag == "--context-parallel-size") {
+      auto it = before.find(flag);
+      if (it != before.end() && it->second != value)
+        log::Info(
+            "resuming with {} (the checkpoint of iteration {} was saved with {}): the checkpoint holds the model, "
+            "whatever the context split; each context rank now holds another share of every sample's positions",
             Shown(flag, value), loaded.iteration, Shown(flag, it->second));
       continue;
     } else if (flag == "--device" || flag == "--bf16/--fp16") {

@@ -132,6 +132,12 @@ struct TrainOptions {
   // world_comm every rank of the run (null: comm alone).
   int tensor_model_parallel_size = 1;
   Communicator* world_comm = nullptr;
+  // --context-parallel-size (CPU backend): each sample's positions split over the context group
+  // (ContextParallelPositions); comm is then Megatron's data-parallel group with context parallel
+  // (data × context ranks: gradients, ZeRO-1's shards, the loss sums), context_comm the context
+  // group (null: one context rank), which backend.context_comm also carries to the model.
+  int context_parallel_size = 1;
+  Communicator* context_comm = nullptr;
   // --pipeline-model-parallel-size: the layers of each stage (PipelineStageLayers; empty: one
   // stage), backend.pipeline_stage this rank's, pipeline_comm its pipeline group and
   // embedding_comm the first and last stage's group (null on a middle stage or without tied

@@ -80,17 +80,9 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   r.loss_scale = scaler_.scale();
   PTK_RETURN_IF_ERROR(model_->ZeroGrads());
   PTK_RETURN_IF_ERROR(StartTimer(timers_, "forward-backward", 1));
-  const double num_micro = static_cast<double>(micro_batches.size());
-  const double dp = static_cast<double>(comm_->size());
   double local[2] = {0, 0};
   const bool overlap = !buckets_.empty();
-  // Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
-  // gradients are averaged over data-parallel ranks.
-  auto scale_of = [&](const ModelBatch& mb) {
-    double tokens = 0;
-    for (int64_t i = 0; i < mb.b * mb.t; ++i) tokens += mb.loss_mask[i];
-    return tokens > 0 ? 1.0 / (tokens * num_micro * dp) : 0.0;
-  };
+  PTK_ASSIGN_OR_RETURN(const std::vector<double> scale_of, LossScales(micro_batches));
   // Tied embeddings over several stages: the first stage's word embeddings and the last stage's
   // copy, whose data-parallel sums the embedding group adds up once the reduction is done.
   GradRange tied;
@@ -102,7 +94,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   bool armed = false;  // --overlap-grad-reduce over stages: armed by the schedule's last backward
   if (pipeline_) {
     std::vector<double> scales;
-    for (const ModelBatch& mb : micro_batches) scales.push_back(scale_of(mb) * r.loss_scale);
+    for (const double scale : scale_of) scales.push_back(scale * r.loss_scale);
     std::function<absl::Status()> arm;
     if (overlap)
       arm = [&]() -> absl::Status {
@@ -121,7 +113,7 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   }
   for (size_t k = 0; k < micro_batches.size() && !pipeline_; ++k) {
     const ModelBatch& mb = micro_batches[k];
-    const double scale = scale_of(mb);
+    const double scale = scale_of[k];
     // --overlap-grad-reduce: the last micro-batch's backward starts each bucket's reduction.
     const bool arm = overlap && k + 1 == micro_batches.size();
     if (arm) PTK_RETURN_IF_ERROR(model_->StartGradReduction(comm_, buckets_));
@@ -172,6 +164,27 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
     PTK_RETURN_IF_ERROR(StopTimer(timers_, "optimizer-count-zeros"));
   }
   return r;
+}
+
+// Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
+// gradients are averaged over data-parallel ranks. With context parallelism a micro-batch's tokens
+// are counted over its context ranks (each holds some positions of the samples), and comm_ spans
+// data × context ranks: the gradients summed over it are the data-parallel sum of whole samples'.
+absl::StatusOr<std::vector<double>> TrainStep::LossScales(const std::vector<ModelBatch>& micro_batches) {
+  const double num_micro = static_cast<double>(micro_batches.size());
+  const int context = context_ ? context_->size() : 1;
+  const double dp = static_cast<double>(comm_->size() / context);
+  std::vector<double> tokens;
+  for (const ModelBatch& mb : micro_batches) {
+    double t = 0;
+    for (int64_t i = 0; i < mb.b * mb.t; ++i) t += mb.loss_mask[i];
+    tokens.push_back(t);
+  }
+  if (context > 1 && !tokens.empty())
+    PTK_RETURN_IF_ERROR(context_->AllReduceSum(tokens.data(), static_cast<int64_t>(tokens.size())));
+  std::vector<double> scales;
+  for (const double t : tokens) scales.push_back(t > 0 ? 1.0 / (t * num_micro * dp) : 0.0);
+  return scales;
 }
 
 // Megatron's finalize_model_grads: the data-parallel reduction of every gradient first (its

@@ -121,6 +121,11 @@ class TrainStep {
     microbatch_group_size_ = microbatch_group_size;
   }
   const PipelineStats& pipeline_stats() const { return pipeline_stats_; }
+  // Context parallelism: each micro-batch holds this rank's positions of its samples, `context`
+  // the context group (comm is then data × context ranks, over which the gradients and losses are
+  // summed). A micro-batch's loss is normalised by its tokens summed over the context group, so the
+  // step is the one of a single context rank holding whole samples.
+  void set_context(Communicator* context) { context_ = context; }
   // Whether the next steps count the zeros among the reduced gradients (a host copy of them; with
   // ZeRO-1 each rank's shard, summed over the ranks): every rank must ask alike.
   void set_count_zeros_in_grad(bool on) { count_zeros_ = on; }
@@ -152,6 +157,9 @@ class TrainStep {
   Communicator* comm_;
   Communicator* pipeline_ = nullptr;
   Communicator* embedding_ = nullptr;
+  Communicator* context_ = nullptr;  // set_context's
+  // Each micro-batch's loss scale (before the loss scaler's): 1 / (its tokens × micro-batches × data ranks).
+  absl::StatusOr<std::vector<double>> LossScales(const std::vector<ModelBatch>& micro_batches);
   int microbatch_group_size_ = 0;
   PipelineStats pipeline_stats_;
   int64_t adam_step_ = 0;

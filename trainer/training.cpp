@@ -16,6 +16,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/counter_rng.h"
 #include "trainer/memory_estimate.h"
+#include "trainer/parallel_layout.h"
 #include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
 #include "trainer/run_settings.h"
@@ -32,13 +33,6 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
 
-// Views of a loader's micro-batch for the model.
-ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
-  *keys = mb.indices;
-  return ModelBatch{mb.micro_batch_size,    mb.seq_length,       mb.tokens.data(), mb.labels.data(),
-                    mb.position_ids.data(), mb.loss_mask.data(), keys->data()};
-}
-
 // One run of RunTraining, step by step (Megatron's pretrain and train): set up, resume, then
 // iterations of train, log, evaluate, sample, save and decide to exit; then finish.
 class Trainer {
@@ -51,8 +45,12 @@ class Trainer {
         tensor_(options.backend.tensor_comm && options.backend.tensor_comm->size() > 1 ? options.backend.tensor_comm
                                                                                        : nullptr),
         pipe_(options.pipeline_comm && options.pipeline_comm->size() > 1 ? options.pipeline_comm : nullptr),
+        context_(options.context_comm && options.context_comm->size() > 1 ? options.context_comm : nullptr),
         rank_(comm->rank()),
         dp_(comm->size()),
+        cp_(context_ ? context_->size() : 1),
+        data_rank_(rank_ / cp_),
+        data_size_(dp_ / cp_),
         lead_(world_->rank() == 0),
         tb_writer_(rank_ == 0 && (!tensor_ || tensor_->rank() == 0) && (!pipe_ || pipe_->rank() == pipe_->size() - 1)) {
   }
@@ -146,6 +144,10 @@ class Trainer {
       PrintAnyRank(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
                                tensor_ ? tensor_->rank() : 0, pipe_ ? pipe_->rank() : 0, model_->num_params()));
     step_ = std::make_unique<TrainStep>(model_.get(), o_.optimizer, plan_.schedule, comm_, o_.loss_scale);
+    if (context_) {
+      step_->set_context(context_);
+      context_positions_ = ContextParallelPositions(o_.model.seq_length, cp_, context_->rank());
+    }
     if (pipe_) step_->set_pipeline(pipe_, o_.embedding_comm, o_.pipeline_microbatch_group_size);
     std::function<absl::Status()> barrier;  // Megatron's barrier_with_L1_time, over the world
     if (o_.barrier_with_l1_time) barrier = [world = world_] { return world->Barrier(); };
@@ -177,7 +179,7 @@ class Trainer {
         const CpuTrainingMemory need,
         EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
                                   plan_.micro_batch_size, plan_.micro_batches, !o_.save.empty() || !o_.load.empty(),
-                                  o_.pipeline_microbatch_group_size));
+                                  o_.pipeline_microbatch_group_size, /*threads=*/0, cp_));
     Print(TheoreticalMemoryLine(need));
     return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
   }
@@ -191,8 +193,7 @@ class Trainer {
     absl::StatusOr<int64_t> latest = LatestCheckpointIteration(o_.load);
     if (absl::IsNotFound(latest.status())) {
       PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o_.load));
-      // --load and --save one directory is how every first run starts; another --load was meant to
-      // hold a checkpoint.
+      // --load = --save is how every first run starts; another --load was meant to hold a checkpoint.
       if (lead_ && o_.load != o_.save)
         log::Warning("--load {}; starting from random initialization", StatusMessage(latest.status()));
       else if (lead_)
@@ -265,16 +266,21 @@ class Trainer {
     const int64_t mbs = plan_.micro_batch_size;
     if (lead_)
       log::Info(
-          "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s), global batch {}",
-          model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, dp_, plan_.global_batch_size);
+          "model: {} parameters on {}; {} micro-batch(es) of {} per rank per iteration, {} rank(s){}, global batch {}",
+          model_->num_params(), model_->Describe(), plan_.micro_batches, mbs, data_size_,
+          cp_ > 1 ? fmt::format(" x {} context ranks (each {} positions of a sample)", cp_, o_.model.seq_length / cp_)
+                  : "",
+          plan_.global_batch_size);
     PTK_RETURN_IF_ERROR(
         OpenRunOutputs(o_.tensorboard.dir, o_.metrics_path, o_.save, o_.load, state_.iteration, tb_writer_, &outputs_));
     train_loader_ = std::make_unique<DataLoader>(
-        data_.train, PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, rank_, dp_), mbs);
+        data_.train,
+        PretrainingSampler(data_.train->size(), state_.consumed_train_samples, mbs, data_rank_, data_size_), mbs);
     PTK_RETURN_IF_ERROR(CheckSamplesLast(o_, plan_, state_, data_));
     if (data_.valid)
       valid_loader_ = std::make_unique<DataLoader>(
-          data_.valid, PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, rank_, dp_), mbs);
+          data_.valid,
+          PretrainingSampler(data_.valid->size(), state_.consumed_valid_samples, mbs, data_rank_, data_size_), mbs);
     return absl::OkStatus();
   }
 
@@ -312,6 +318,7 @@ class Trainer {
     for (size_t m = 0; m < held_.size(); ++m) {
       PTK_ASSIGN_OR_RETURN(held_[m], train_loader_->Next());
       if (!held_[m]) return absl::OutOfRangeError("the training data ran out before --train-iters");
+      if (context_) KeepContextRows(held_[m].get(), context_positions_);
       batches_[m] = View(*held_[m], &keys_[m]);
     }
     PTK_RETURN_IF_ERROR(timers_->Stop("batch-generator"));
@@ -407,6 +414,7 @@ class Trainer {
       for (int64_t m = 0; m < plan_.micro_batches; ++m) {
         PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
         if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
+        if (context_) KeepContextRows(mb.get(), context_positions_);
         std::vector<int64_t> k;
         PTK_ASSIGN_OR_RETURN(LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k), nullptr, &agreed_)
                                               : model_->Forward(View(*mb, &k)));
@@ -519,7 +527,7 @@ class Trainer {
     }
     if (data_.test) {
       const int64_t mbs = plan_.micro_batch_size;
-      DataLoader test_loader(data_.test, PretrainingSampler(data_.test->size(), 0, mbs, rank_, dp_), mbs);
+      DataLoader test_loader(data_.test, PretrainingSampler(data_.test->size(), 0, mbs, data_rank_, data_size_), mbs);
       PTK_ASSIGN_OR_RETURN(summary_.test_loss,
                            Evaluate(&test_loader, "the end of training for test data", nullptr, "lm loss test"));
     }
@@ -545,13 +553,16 @@ class Trainer {
 
   const TrainOptions& o_;
   const TrainPlan& plan_;
-  Communicator* const comm_;    // the data-parallel group
-  Communicator* const world_;   // every rank (comm_ without tensor parallelism)
-  Communicator* const tensor_;  // the tensor-parallel group; null without
-  Communicator* const pipe_;    // the pipeline group; null with one stage
-  const int rank_, dp_;         // the data-parallel rank and size
-  const bool lead_;             // world rank 0: the logs, the checkpoint's writer
-  const bool tb_writer_;        // events and metrics: the last stage's data and tensor rank 0 (Megatron's last rank)
+  Communicator* const comm_;     // the data-parallel group
+  Communicator* const world_;    // every rank (comm_ without tensor parallelism)
+  Communicator* const tensor_;   // the tensor-parallel group; null without
+  Communicator* const pipe_;     // the pipeline group; null with one stage
+  Communicator* const context_;  // the context-parallel group; null with one context rank
+  // comm_'s rank and size (data × context ranks: ZeRO-1's shards), the context size, the samplers' data rank and size.
+  const int rank_, dp_, cp_, data_rank_, data_size_;
+  std::vector<int64_t> context_positions_;  // this context rank's positions of each sample
+  const bool lead_;                         // world rank 0: the logs, the checkpoint's writer
+  const bool tb_writer_;  // events and metrics: the last stage's data and tensor rank 0 (Megatron's last rank)
   Settings settings_;
   std::unique_ptr<GPTModel> model_;
   std::unique_ptr<TrainStep> step_;
@@ -582,18 +593,7 @@ absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan&
     local = MakeLocalCommunicator();
     comm = local.get();
   }
-  const int stages = o.pipeline_comm ? o.pipeline_comm->size() : 1;
-  if (plan.data_parallel_size != comm->size() ||
-      (stages > 1 && static_cast<size_t>(stages) != o.pipeline_stage_layers.size()))
-    return absl::InvalidArgumentError(
-        fmt::format("a plan for {} data-parallel ranks and {} stage(s); communicators of {} and {}",
-                    plan.data_parallel_size, o.pipeline_stage_layers.size(), comm->size(), stages));
-  if (o.pipeline_virtual_size > 1 && stages < 2) return absl::InvalidArgumentError("model chunks without stages");
-  const int m = static_cast<int>(plan.micro_batches), group = o.pipeline_microbatch_group_size;
-  if (absl::Status st = CheckInterleavedMicroBatches(m, stages, group); o.pipeline_virtual_size > 1 && !st.ok())
-    return UsageError(fmt::format("{} (--global-batch-size {}, --micro-batch-size {}, {} data-parallel rank(s))",
-                                  StatusMessage(st), plan.global_batch_size, plan.micro_batch_size,
-                                  plan.data_parallel_size));
+  PTK_RETURN_IF_ERROR(CheckRunCommunicators(o, plan, *comm));
   return Trainer(o, plan, comm).Run();
 }
 

@@ -7,6 +7,7 @@
 
 #include "common/file_paths.h"
 #include "common/status.h"
+#include "trainer/pipeline_schedule.h"
 
 namespace ptk {
 namespace {
@@ -183,6 +184,44 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
                       "mean --load {}?",
                       load, dir));
   }
+  return absl::OkStatus();
+}
+
+ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
+  *keys = mb.indices;
+  return ModelBatch{mb.micro_batch_size,    mb.seq_length,       mb.tokens.data(), mb.labels.data(),
+                    mb.position_ids.data(), mb.loss_mask.data(), keys->data()};
+}
+
+void KeepContextRows(MicroBatch* mb, const std::vector<int64_t>& positions) {
+  const int64_t S = mb->seq_length, n = static_cast<int64_t>(positions.size());
+  auto keep = [&](auto& v) {
+    for (int64_t b = 0; b < mb->micro_batch_size; ++b)
+      for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(b * n + i)] = v[static_cast<size_t>(b * S + positions[i])];
+    v.resize(static_cast<size_t>(mb->micro_batch_size * n));
+  };
+  keep(mb->tokens);
+  keep(mb->labels);
+  keep(mb->position_ids);
+  keep(mb->loss_mask);
+  mb->seq_length = n;
+}
+
+absl::Status CheckRunCommunicators(const TrainOptions& o, const TrainPlan& plan, const Communicator& comm) {
+  const int stages = o.pipeline_comm ? o.pipeline_comm->size() : 1;
+  const int context = o.context_comm ? o.context_comm->size() : 1;
+  if (plan.data_parallel_size * context != comm.size() ||
+      (stages > 1 && static_cast<size_t>(stages) != o.pipeline_stage_layers.size()))
+    return absl::InvalidArgumentError(
+        fmt::format("a plan for {} data-parallel ranks and {} stage(s); communicators of {} (with {} context rank(s)) "
+                    "and {}",
+                    plan.data_parallel_size, o.pipeline_stage_layers.size(), comm.size(), context, stages));
+  if (o.pipeline_virtual_size > 1 && stages < 2) return absl::InvalidArgumentError("model chunks without stages");
+  const int m = static_cast<int>(plan.micro_batches), group = o.pipeline_microbatch_group_size;
+  if (absl::Status st = CheckInterleavedMicroBatches(m, stages, group); o.pipeline_virtual_size > 1 && !st.ok())
+    return UsageError(fmt::format("{} (--global-batch-size {}, --micro-batch-size {}, {} data-parallel rank(s))",
+                                  StatusMessage(st), plan.global_batch_size, plan.micro_batch_size,
+                                  plan.data_parallel_size));
   return absl::OkStatus();
 }
 

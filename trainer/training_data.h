@@ -4,12 +4,15 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
+#include "indexed_dataset/data_loader.h"
 #include "indexed_dataset/gpt_dataset.h"
 #include "trainer/checkpoint.h"
 #include "trainer/comm.h"
+#include "trainer/gpt_model.h"
 #include "trainer/train_options.h"
 
 namespace ptk {
@@ -41,5 +44,16 @@ absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, cons
 // and ptk take the directory that holds latest_checkpointed_iteration.txt, and training from random
 // weights instead would be a silent mistake. A usage error naming that directory; OK otherwise.
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load);
+
+// A loader's micro-batch as the model reads it; `keys` holds the samples' indices (dropout's keys).
+ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys);
+// Context parallelism: each sample's rows at `positions` only (this context rank's,
+// ContextParallelPositions), in that order, in place; the samples' indices stay, so dropout keys
+// every row by its sample and true position.
+void KeepContextRows(MicroBatch* mb, const std::vector<int64_t>& positions);
+
+// RunTraining's check of its communicators against the plan: the data-parallel group (times the
+// context group's ranks), the pipeline stages, the interleaved schedule's micro-batches.
+absl::Status CheckRunCommunicators(const TrainOptions& o, const TrainPlan& plan, const Communicator& comm);
 
 }  // namespace ptk

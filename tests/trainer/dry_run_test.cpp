@@ -64,6 +64,41 @@ DryRunOptions Small() {
 // padded to 1008, a slice of 504 × 64 = 32256; positions 32 × 64 = 2048; final LayerNorm 128.
 // Activations per layer (s 32, b 2, sbh 4096, T 2, no sequence parallelism):
 // sbh(10 + 24/2 + 5·8·32/(64·2)) = 131072 bytes, 90112 without the attention core.
+// --context-parallel-size: each context rank holds s/C positions of a sample (Megatron's CP), so the
+// activations of a stage are the same run's at C = 1 over C; ZeRO-1 shards over data × context ranks.
+TEST(PlanDryRun, ContextRanksHoldTheirShareOfTheActivations) {
+  DryRunOptions one = Small();
+  one.cluster.world_size = 16;
+  one.global_batch_size = 32;
+  DryRunOptions cp = one;
+  cp.context = 2;
+  auto a = PlanDryRun(one), b = PlanDryRun(cp);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->data_parallel, 4);
+  EXPECT_EQ(b->data_parallel, 2);
+  EXPECT_EQ(b->context_parallel, 2);
+  // Micro-batches per data rank double, so the in-flight count (min(P - p, m)) stays 2 and 1.
+  for (size_t p = 0; p < 2; ++p) {
+    EXPECT_EQ(a->stages[p].in_flight, b->stages[p].in_flight);
+    EXPECT_DOUBLE_EQ(b->stages[p].activations, a->stages[p].activations / 2);
+    EXPECT_DOUBLE_EQ(b->stages[p].activations_recomputed, a->stages[p].activations_recomputed / 2);
+    EXPECT_DOUBLE_EQ(b->stages[p].optimizer_zero1, a->stages[p].optimizer_zero1);  // over 2 x 2 = 4 ranks either way
+  }
+  auto report = DryRunReport(cp);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_NE(report->find("layout: 16 ranks = tensor 2 x context 2 x data 2 x pipeline 2 (Megatron's rank order "
+                         "tp-cp-ep-dp-pp: rank = t + 2*c + 4*d + 8*p)"),
+            std::string::npos)
+      << *report;
+  EXPECT_NE(report->find("  context groups: 8 of 2 ranks: [0, 2] [1, 3] [4, 6] ... [13, 15]"), std::string::npos)
+      << *report;
+  cp.model.seq_length = 30;
+  const absl::Status st = PlanDryRun(cp).status();
+  EXPECT_TRUE(IsUsageError(st));
+  EXPECT_EQ(StatusMessage(st), "--context-parallel-size 2: --seq-length 30 must be a multiple of 2 x 2 = 4");
+}
+
 TEST(PlanDryRun, MemoryOfEachStageByHand) {
   auto plan = PlanDryRun(Small());
   ASSERT_TRUE(plan.ok()) << plan.status();

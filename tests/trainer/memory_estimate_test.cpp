@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -152,6 +153,31 @@ TEST(MemoryEstimate, AttentionWorkBuffersArePerThreadWhileAttentionRuns) {
   EXPECT_EQ(g->attention_work, 4.0 * 16 * 16 * 8);
   gqa.attention_dropout = 0;
   EXPECT_EQ(EstimateCpuTrainingMemory(gqa, 1, 0, false, {}, 2, 4, false, 0, 16)->attention_work, 4.0 * 16 * 16 * 2 * 2);
+}
+
+// A context rank (--context-parallel-size C) holds seq_length / C positions of each sample: its
+// activations are what CpuGPTModel sizes for them (the attention's probabilities t/C x t a head), the
+// attention's work buffers t/C x t a thread; the weights and the optimizer state do not change.
+TEST(MemoryEstimate, AContextRankHoldsItsPositionsActivations) {
+  GPTConfig c = Gpt3();
+  c.seq_length = c.max_position_embeddings = 256;
+  auto one = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 2, 4, false, 0, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok());
+  for (const int C : {2, 4}) {
+    auto cp = EstimateCpuTrainingMemory(c, 1, 0, false, {}, 2, 4, false, 0, 1, C);
+    ASSERT_TRUE(cp.ok()) << cp.status();
+    EXPECT_EQ(cp->weights_and_optimizer, one->weights_and_optimizer);
+    EXPECT_EQ(cp->attention_work, one->attention_work / C);
+    const double tokens = 2.0 * 256 / C;  // the targets and the dropout streams
+    EXPECT_EQ(cp->activations,
+              4.0 * static_cast<double>(CpuGPTModel::PlanActivationFloats(*layout, false, 2, C)) + 4.0 * tokens + 16.0);
+    // Dominated by the probabilities (3 layers x 2 x 4 heads x 256 x 256 / C): near 1/C of one rank's, plus the
+    // gathered QKV and its gradient (the whole samples' rows, transient).
+    EXPECT_LT(cp->activations, one->activations / C * 1.3) << C;
+    std::printf("C=%d: %.3f of one rank's activations\n", C, cp->activations / one->activations);
+  }
 }
 
 void Put(const std::string& path, const std::string& text) {

@@ -249,6 +249,57 @@ TEST(Ops, AttentionIndependentOfThreads) {
   }
 }
 
+// Context parallelism's attention: the queries of some positions (a context rank's: Megatron's
+// chunks r and 2C - 1 - r) over the whole samples give AttentionForward's rows of those positions,
+// probabilities and dropout masks included, and backward the whole attention's gradient of an output
+// gradient that is zero at the other positions: the rows' query gradients, the keys' and values'
+// gradients of every position (in double, with dropout and grouped-query attention).
+TEST(Ops, AttentionRowsAreTheWholeAttentionsRows) {
+  const AttentionShape s{2, 16, 4, 8, 2};
+  const int64_t c = s.nh * s.hd, w = s.qkv_width();
+  const std::vector<int64_t> qpos = {4, 5, 6, 7, 8, 9, 10, 11};  // rank 1 of C = 2: chunks 1 and 2 of 4
+  const int64_t tq = static_cast<int64_t>(qpos.size());
+  const auto qkv = Random(s.b * s.t * w, 40), dout = Random(s.b * tq * c, 41);
+  std::vector<uint64_t> streams;
+  for (int64_t b = 0; b < s.b; ++b) streams.push_back(DropoutStream(static_cast<uint64_t>(b), 1, 3));
+  std::vector<double> out(s.b * s.t * c), probs(s.b * s.nh * s.t * s.t), dqkv(qkv.size()), dwhole(out.size(), 0.0);
+  cpu::AttentionForward(out.data(), probs.data(), qkv.data(), s, 0.2, 42, streams.data());
+  std::vector<double> q_rows(s.b * tq * w), out_rows(s.b * tq * c), probs_rows(s.b * s.nh * tq * s.t);
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t i = 0; i < tq; ++i) {
+      std::copy_n(qkv.begin() + (b * s.t + qpos[i]) * w, w, q_rows.begin() + (b * tq + i) * w);
+      std::copy_n(dout.begin() + (b * tq + i) * c, c, dwhole.begin() + (b * s.t + qpos[i]) * c);
+    }
+  cpu::AttentionRowsForward(out_rows.data(), probs_rows.data(), q_rows.data(), qkv.data(), qpos.data(), tq, s, 0.2, 42,
+                            streams.data());
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t i = 0; i < tq; ++i) {
+      for (int64_t j = 0; j < c; ++j)
+        EXPECT_NEAR(out_rows[(b * tq + i) * c + j], out[(b * s.t + qpos[i]) * c + j], 1e-12);
+      for (int64_t h = 0; h < s.nh; ++h)
+        for (int64_t j = 0; j < s.t; ++j)
+          EXPECT_NEAR(probs_rows[((b * s.nh + h) * tq + i) * s.t + j],
+                      probs[((b * s.nh + h) * s.t + qpos[i]) * s.t + j], 1e-12);
+    }
+  cpu::AttentionBackward(dqkv.data(), dwhole.data(), qkv.data(), probs.data(), s, 0.2, 42, streams.data());
+  std::vector<double> dq_rows(q_rows.size(), 0.0), dkv(qkv.size(), 0.0);
+  cpu::AttentionRowsBackward(dq_rows.data(), dkv.data(), dout.data(), q_rows.data(), qkv.data(), probs_rows.data(),
+                             qpos.data(), tq, s, 0.2, 42, streams.data());
+  const int64_t per_group = s.nh / s.groups();
+  double largest = 0;
+  for (double v : dqkv) largest = std::max(largest, std::abs(v));
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t col = 0; col < w; ++col) {
+      const bool query = col / s.hd % (per_group + 2) < per_group;
+      for (int64_t i = 0; i < tq && query; ++i)
+        EXPECT_NEAR(dq_rows[(b * tq + i) * w + col], dqkv[(b * s.t + qpos[i]) * w + col], 1e-12 * largest);
+      for (int64_t pos = 0; pos < s.t && !query; ++pos)
+        EXPECT_NEAR(dkv[(b * s.t + pos) * w + col], dqkv[(b * s.t + pos) * w + col], 1e-12 * largest);
+      for (int64_t pos = 0; pos < s.t && query; ++pos) EXPECT_EQ(dkv[(b * s.t + pos) * w + col], 0.0);
+    }
+  EXPECT_GT(largest, 0.0);
+}
+
 TEST(Ops, AdamWMatchesTorchFormula) {
   // One element by hand: torch.optim.AdamW(lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
   // two steps with gradients 0.5 then -0.25 from p = 1.0.

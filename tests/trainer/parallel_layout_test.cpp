@@ -36,7 +36,75 @@ const std::map<std::string, ParallelGroup> kKinds = {{"tensor", ParallelGroup::k
                                                      {"data", ParallelGroup::kData},
                                                      {"pipeline", ParallelGroup::kPipeline},
                                                      {"embedding", ParallelGroup::kEmbedding},
-                                                     {"model", ParallelGroup::kModel}};
+                                                     {"model", ParallelGroup::kModel},
+                                                     {"context", ParallelGroup::kContext},
+                                                     {"data-context", ParallelGroup::kDataContext}};
+
+// Every group of `kind` in `layout` is Megatron's `text` (GroupAt, Groups and each rank's Group).
+void ExpectGroups(const ParallelLayout& layout, ParallelGroup kind, const std::string& text) {
+  const auto want = ParseGroups(text);
+  EXPECT_EQ(layout.Groups(kind), want);
+  ASSERT_EQ(layout.NumGroups(kind), static_cast<int64_t>(want.size()));
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(layout.GroupAt(kind, static_cast<int64_t>(i)), want[i]);
+  // Each rank's own group is the one Megatron puts it in (none for a middle stage's embedding).
+  for (int rank = 0; rank < layout.world_size(); ++rank) {
+    std::vector<int> mine;
+    for (const auto& g : want)
+      if (std::find(g.begin(), g.end(), rank) != g.end()) mine = g;
+    std::sort(mine.begin(), mine.end());
+    ASSERT_EQ(layout.Group(kind, rank), mine) << "rank " << rank;
+  }
+}
+
+// tests/support/gen_context_parallel_goldens.py: megatron-core's RankGenerator with a context size,
+// and get_batch_on_this_cp_rank's positions on each context rank.
+TEST(ParallelLayout, ContextParallelGroupsAreMegatronCoresRankGenerators) {
+  std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/context_parallel_goldens.txt"));
+  std::string line, tag;
+  int layouts = 0;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    fields >> tag;
+    if (tag != "layout") continue;
+    int world = 0, tensor = 0, pipeline = 0, context = 0;
+    std::string kind_name, text;
+    fields >> world >> tensor >> pipeline >> context >> kind_name >> text;
+    SCOPED_TRACE(line.substr(0, 80));
+    ASSERT_TRUE(kKinds.count(kind_name));
+    auto layout = ParallelLayout::Create(world, tensor, pipeline, context);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(layout->context_size(), context);
+    EXPECT_EQ(layout->data_size(), world / (tensor * pipeline * context));
+    ASSERT_NO_FATAL_FAILURE(ExpectGroups(*layout, kKinds.at(kind_name), text));
+    for (int r = 0; r < world; ++r) EXPECT_EQ(layout->Rank(layout->Coords(r)), r);
+    ++layouts;
+  }
+  EXPECT_EQ(layouts, 9 * 7);
+}
+
+TEST(ContextParallelPositions, AreMegatronsGetBatchOnThisCpRank) {
+  std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/context_parallel_goldens.txt"));
+  std::string line, tag;
+  int splits = 0;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    fields >> tag;
+    if (tag != "split") continue;
+    int64_t seq = 0;
+    int context = 0, rank = 0;
+    std::string text;
+    fields >> seq >> context >> rank >> text;
+    SCOPED_TRACE(line);
+    const auto want = ParseGroups(text);
+    ASSERT_EQ(want.size(), 1u);
+    const std::vector<int64_t> got = ContextParallelPositions(seq, context, rank);
+    EXPECT_EQ(got, std::vector<int64_t>(want[0].begin(), want[0].end()));
+    ++splits;
+  }
+  EXPECT_EQ(splits, 2 + 2 + 2 + 4 + 3 + 8);
+  // One context rank keeps the whole sequence in order.
+  EXPECT_EQ(ContextParallelPositions(4, 1, 0), (std::vector<int64_t>{0, 1, 2, 3}));
+}
 
 TEST(ParallelLayout, GroupsAreMegatronCoresRankGenerators) {
   std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/parallel_layout_groups.txt"));
@@ -101,8 +169,11 @@ TEST(ParallelLayout, RefusesWhatDoesNotDivideAsUsageErrors) {
   EXPECT_TRUE(IsUsageError(ParallelLayout::Create(0, 1, 1).status()));
   EXPECT_TRUE(IsUsageError(ParallelLayout::Create(8, 0, 1).status()));
   EXPECT_TRUE(IsUsageError(ParallelLayout::Create(8, 1, -1).status()));
-  s = ParallelLayout::Create(8, 1, 1, 2).status();
-  EXPECT_NE(StatusMessage(s).find("--context-parallel-size 2"), std::string_view::npos) << s;
+  s = ParallelLayout::Create(6, 1, 1, 4).status();
+  EXPECT_EQ(StatusMessage(s),
+            "the world size 6 is not divisible by tensor × pipeline model parallel × context parallel size 1 × 1 × 4 = "
+            "4");
+  EXPECT_TRUE(IsUsageError(ParallelLayout::Create(8, 1, 1, 0).status()));
   s = ParallelLayout::Create(8, 1, 1, 1, 4).status();
   EXPECT_NE(StatusMessage(s).find("--expert-model-parallel-size 4"), std::string_view::npos) << s;
   EXPECT_TRUE(ParallelLayout::Create(1, 1, 1).ok());

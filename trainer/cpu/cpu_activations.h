@@ -27,6 +27,9 @@ struct CpuGPTModel::Activations {
   // output gathered whole for the product that follows it (in backward again, for the weight's
   // gradient, as Megatron gathers it), the LayerNorm gradients.
   std::vector<float> sp_local, sp_buf, sp_whole, ln_grads;
+  // Context parallelism: the context ranks' qkv rows as gathered (rank by rank), then in the whole
+  // samples' order; this rank's queries' share of the keys' and values' gradients, whole samples.
+  std::vector<float> cp_gather, cp_qkv, cp_dqkv;
   std::vector<int32_t> targets;
   std::vector<uint64_t> streams;
 };

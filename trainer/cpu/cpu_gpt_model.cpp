@@ -13,6 +13,7 @@
 #include "trainer/cpu/cpu_activations.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cpu/tensor_parallel_cpu.h"
+#include "trainer/parallel_layout.h"
 
 namespace ptk {
 
@@ -187,16 +188,29 @@ absl::Status CpuGPTModel::Prepare(const ModelBatch& batch) {
   a.b = batch.b;
   a.t = batch.t;
   a.chunk = chunk_;
-  SizeActivations(layout_, chunk_, sequence_parallel_, batch.b, batch.t, &a);
-  if (config().rope()) {  // the rotary tables of this sequence length
+  const int64_t C = cp() ? context_comm_->size() : 1;
+  if (cp() && batch.t * C % (2 * C) != 0)
+    return absl::InvalidArgumentError(fmt::format(
+        "context parallelism: {} positions of a sample on each of {} context ranks do not make 2 x {} equal chunks",
+        batch.t, C, C));
+  if (cp()) context_positions_ = ContextParallelPositions(batch.t * C, static_cast<int>(C), context_comm_->rank());
+  SizeActivations(layout_, chunk_, sequence_parallel_, batch.b, batch.t, C, &a);
+  if (config().rope()) {  // the rotary tables of this sequence length (a context rank's: its positions' rows)
     const GPTConfig& cf = config();
-    cpu::RopeTables(a.rope_cos.data(), a.rope_sin.data(), batch.t, cf.rotary_dim(), cf.rope_settings());
+    const int64_t half = cf.rotary_dim() / 2;
+    std::vector<float> cos(static_cast<size_t>(batch.t * C * half)), sin(cos.size());
+    cpu::RopeTables(cos.data(), sin.data(), batch.t * C, cf.rotary_dim(), cf.rope_settings());
+    for (int64_t i = 0; i < batch.t; ++i) {
+      const int64_t at = (cp() ? context_positions_[static_cast<size_t>(i)] : i) * half;
+      std::copy(cos.begin() + at, cos.begin() + at + half, a.rope_cos.begin() + i * half);
+      std::copy(sin.begin() + at, sin.begin() + at + half, a.rope_sin.begin() + i * half);
+    }
   }
   return absl::OkStatus();
 }
 
 int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool sequence_parallel, int64_t b, int64_t t,
-                                     Activations* a) {
+                                     int64_t context, Activations* a) {
   const GPTConfig& cf = layout.config;
   const int64_t n = b * t;
   int64_t floats = 0;
@@ -209,7 +223,8 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   const int64_t T = layout.tensor_size, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
                 qkv = cf.qkv_rows() / T, f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f,
                 vp = cf.padded_vocab_size / T, L = static_cast<int64_t>(layout.layers.size());
-  const int64_t probs = b * (cf.num_attention_heads / T) * t * t;
+  // Context parallelism: the attention of these t positions over the whole samples (t × context).
+  const int64_t probs = b * (cf.num_attention_heads / T) * t * t * context;
   // A slot holds one model chunk's pass: the buffers of its layers [l0, l1) only (every layer
   // without chunks), indexed by the stage's layer.
   const int64_t l0 = chunk * layout.chunk_layers(), l1 = (chunk + 1) * layout.chunk_layers();
@@ -268,6 +283,10 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   put(&Activations::sp_buf, sp ? n * c : 0);
   put(&Activations::sp_whole, sp ? n * c : 0);
   put(&Activations::ln_grads, sp ? 2 * c : 0);
+  const int64_t nw = context > 1 ? n * context : 0;
+  put(&Activations::cp_gather, nw * qkv);
+  put(&Activations::cp_qkv, nw * qkv);
+  put(&Activations::cp_dqkv, nw * qkv);
   if (a != nullptr) {
     a->targets.assign(static_cast<size_t>(n), 0);
     a->streams.assign(static_cast<size_t>(b), 0);
@@ -275,11 +294,12 @@ int64_t CpuGPTModel::SizeActivations(const ParamLayout& layout, int chunk, bool 
   return floats;
 }
 
-int64_t CpuGPTModel::PlanActivationFloats(const ParamLayout& layout, bool sequence_parallel, int64_t micro_batch_size) {
+int64_t CpuGPTModel::PlanActivationFloats(const ParamLayout& layout, bool sequence_parallel, int64_t micro_batch_size,
+                                          int context) {
   int64_t most = 0;  // the largest of the model chunks' slots
   for (int v = 0; v < layout.virtual_size; ++v)
     most = std::max(most, SizeActivations(layout, v, sequence_parallel && layout.tensor_size > 1, micro_batch_size,
-                                          layout.config.seq_length, nullptr));
+                                          layout.config.seq_length / context, context, nullptr));
   return most;
 }
 
@@ -289,20 +309,36 @@ int64_t CpuGPTModel::ActivationFloats() const {
   for (const auto* layers : {&a.resid, &a.resid_mid, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.qkv_raw, &a.qk_mean,
                              &a.qk_rstd, &a.probs, &a.atty, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc1, &a.gelu})
     for (const std::vector<float>& v : *layers) floats += static_cast<int64_t>(v.size());
-  for (const auto* v : {&a.lnf,    &a.dact,  &a.rope_cos,  &a.rope_sin, &a.lnf_mean, &a.lnf_rstd, &a.logits,
-                        &a.losses, &a.dloss, &a.tmp,       &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,
-                        &a.dqkv,   &a.datt,  &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads})
+  for (const auto* v :
+       {&a.lnf,       &a.dact,     &a.rope_cos, &a.rope_sin, &a.lnf_mean, &a.lnf_rstd,  &a.logits, &a.losses,
+        &a.dloss,     &a.tmp,      &a.dresid,   &a.dtmp,     &a.dln,      &a.dff,       &a.dqkv,   &a.datt,
+        &a.xent_work, &a.sp_local, &a.sp_buf,   &a.sp_whole, &a.ln_grads, &a.cp_gather, &a.cp_qkv, &a.cp_dqkv})
     floats += static_cast<int64_t>(v->size());
   return floats;
 }
 
 namespace {
-// Dropout of a (b, t, c) buffer, each sample row with its own stream.
-void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_t seed, uint64_t layer, uint64_t site) {
+// Dropout of a (b, t, c) buffer, each sample row with its own stream; under context parallelism
+// (`positions`: each row's place in its sample) each element keyed by its place in the whole sample.
+void DropoutRows(float* x, const ModelBatch& batch, int64_t c, double p, uint64_t seed, uint64_t layer, uint64_t site,
+                 const std::vector<int64_t>& positions) {
   if (p <= 0.0) return;
-  for (int64_t b = 0; b < batch.b; ++b)
-    cpu::Dropout(x + b * batch.t * c, batch.t * c, p, seed,
-                 DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, site));
+  for (int64_t b = 0; b < batch.b; ++b) {
+    const uint64_t stream = DropoutStream(static_cast<uint64_t>(batch.sample_keys[b]), layer, site);
+    if (positions.empty()) {
+      cpu::Dropout(x + b * batch.t * c, batch.t * c, p, seed, stream);
+      continue;
+    }
+    const uint32_t threshold = DropoutKeepThreshold(p);
+    const uint64_t key = DropoutKey(seed, stream);
+    const float scale = static_cast<float>(1.0 / (1.0 - p));
+    for (int64_t i = 0; i < batch.t; ++i) {
+      float* row = x + (b * batch.t + i) * c;
+      const uint64_t base = static_cast<uint64_t>(positions[static_cast<size_t>(i)] * c);
+      for (int64_t j = 0; j < c; ++j)
+        row[j] = DropoutKeepKeyed(key, base + static_cast<uint64_t>(j), threshold) ? row[j] * scale : 0.0f;
+    }
+  }
 }
 
 // Head h's mask is stream streams[b] + h: a tensor rank whose first head is `head0` starts there, so
@@ -386,7 +422,7 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
         for (int64_t j = 0; j < c; ++j) x[i * c + j] += pos[j];
       }
     }
-    DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout);
+    DropoutRows(a.resid[0].data(), batch, c, hp, seed, L, kEmbeddingDropout, context_positions_);
   }
   // This chunk's layers [l0, Ls) of the stage's (all of them without model chunks).
   const int64_t l0 = chunk_layer_begin(), Ls = chunk_layer_end();
@@ -403,16 +439,19 @@ absl::Status CpuGPTModel::RunForward(const ModelBatch& batch, bool train, uint64
                        cf.rotary_interleaved);
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
-    cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    if (cp())
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed));
+    else
+      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.atty[l].data(), lp.proj_w, lp.proj_b, ct));
-    DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout);
+    DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout, context_positions_);
     for (int64_t i = 0; i < n * c; ++i) a.resid_mid[l][i] = a.resid[l][i] + a.tmp[i];
     NormForward(cf, a.ln2[l].data(), a.ln2_mean[l].data(), a.ln2_rstd[l].data(), a.resid_mid[l].data(), P, lp.ln2_w,
                 lp.ln2_b, n, c);
     cpu::MatmulForward(a.fc1[l].data(), a.ln2[l].data(), P + lp.fc1_w, At(P, lp.fc1_b), n, c, (cf.swiglu ? 2 : 1) * f);
     MlpActivationForward(cf, a.gelu[l].data(), a.fc1[l].data(), n, f);
     PTK_RETURN_IF_ERROR(row_parallel(a.tmp.data(), a.gelu[l].data(), lp.fc2_w, lp.fc2_b, f));
-    DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kMlpOutDropout);
+    DropoutRows(a.tmp.data(), batch, c, hp, seed, gl, kMlpOutDropout, context_positions_);
     for (int64_t i = 0; i < n * c; ++i) a.resid[l + 1][i] = a.resid_mid[l][i] + a.tmp[i];
   }
   if (!chunk_post_process()) return absl::OkStatus();  // resid[Ls] goes to the next stage
@@ -456,7 +495,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
     const int64_t gl = GlobalLayer(l);  // the layer's index in the whole model (dropout keys)
     // MLP: resid[l+1] = resid_mid + dropout(fc2(gelu(fc1(ln2(resid_mid)))))
     a.dtmp = a.dresid;
-    DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kMlpOutDropout);
+    DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kMlpOutDropout, context_positions_);
     float* dact = cf.swiglu ? a.dact.data() : a.dff.data();  // the activation's output gradient
     std::fill(dact, dact + n * f, 0.0f);
     cpu::MatmulBackward(dact, G + lp.fc2_w, At(G, lp.fc2_b), a.dtmp.data(), a.gelu[l].data(), P + lp.fc2_w, n, f, c);
@@ -469,15 +508,21 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
                  a.ln2_mean[l].data(), a.ln2_rstd[l].data(), n, c);
     // Attention: resid_mid = resid[l] + dropout(proj(attention(qkv(ln1(resid[l])))))
     a.dtmp = a.dresid;
-    DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout);
+    DropoutRows(a.dtmp.data(), batch, c, hp, seed, gl, kAttentionOutDropout, context_positions_);
     std::fill(a.datt.begin(), a.datt.end(), 0.0f);
     cpu::MatmulBackward(a.datt.data(), G + lp.proj_w, At(G, lp.proj_b), a.dtmp.data(), a.atty[l].data(), P + lp.proj_w,
                         n, ct, c);
     if (ap > 0.0) AttentionStreams(batch, gl, head0, &a.streams);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
-    if (cf.recompute_activations)  // recompute the probabilities; the output lands in a scratch buffer
+    if (cf.recompute_activations && cp())  // recompute the probabilities; the output lands in a scratch buffer
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed));
+    else if (cf.recompute_activations)
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
+    if (cp())
+      PTK_RETURN_IF_ERROR(
+          ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed));
+    else
+      cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
     if (cf.rope())
       cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
                         cf.rotary_interleaved);
@@ -492,7 +537,7 @@ absl::Status CpuGPTModel::RunBackward(const ModelBatch& batch, bool train, uint6
   }
   // A later pipeline stage leaves its input's gradient in dresid, for the previous stage.
   if (chunk_pre_process()) {
-    DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout);
+    DropoutRows(a.dresid.data(), batch, c, hp, seed, L, kEmbeddingDropout, context_positions_);
     if (!tp())
       cpu::EmbeddingBackward(G + layout_.wte, At(G, layout_.wpe), a.dresid.data(), batch.tokens, batch.position_ids, n,
                              c);

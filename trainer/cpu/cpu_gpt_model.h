@@ -25,6 +25,13 @@ class CpuGPTModel final : public GPTModel {
                                                              bool sequence_parallel = false,
                                                              const PipelineStage& stage = {});
   ~CpuGPTModel() override;
+  // Context parallelism (Megatron's --context-parallel-size, its allgather exchange): each batch
+  // holds this rank's positions of its samples (ContextParallelPositions over `context`'s ranks:
+  // batch.t = seq_length / C rows of a sample); the attention all-gathers the queries', keys' and
+  // values' rows of the whole sequence over `context`, which must outlive the model, and runs over
+  // all of it (the causal mask, RoPE and dropout by true position), backward reduce-scattering
+  // their gradients. Under --sequence-parallel the tensor ranks split the context rank's positions.
+  absl::Status SetContextParallel(Communicator* context);
 
   // The host buffers themselves (tests and the gradient checks read and poke them).
   float* params() { return params_.data(); }
@@ -37,7 +44,9 @@ class CpuGPTModel final : public GPTModel {
   // sequences of the configuration's length, for the largest of the layout's model chunks, without
   // building the model: what one activation slot of a run will hold (the memory check before the
   // model is made, trainer/memory_estimate.h).
-  static int64_t PlanActivationFloats(const ParamLayout& layout, bool sequence_parallel, int64_t micro_batch_size);
+  // With `context` ranks: one context rank's, its batches' seq_length / context rows of a sample.
+  static int64_t PlanActivationFloats(const ParamLayout& layout, bool sequence_parallel, int64_t micro_batch_size,
+                                      int context = 1);
 
   Device device() const override { return Device::kCpu; }
   Precision precision() const override { return Precision::kFp32; }
@@ -86,8 +95,9 @@ class CpuGPTModel final : public GPTModel {
   absl::Status Prepare(const ModelBatch& batch);
   // The activation buffers of model chunk `chunk`'s pass over a (b, t) micro-batch: sized in `a`
   // when it is given, and counted (floats), so that what a run is said to need is what Prepare makes.
+  // `context`: the context ranks, each with t rows of a sample (the attention's buffers span t × context).
   static int64_t SizeActivations(const ParamLayout& layout, int chunk, bool sequence_parallel, int64_t b, int64_t t,
-                                 Activations* a);
+                                 int64_t context, Activations* a);
   // Up to the logits (this rank's vocabulary slice under tensor parallelism).
   absl::Status RunForward(const ModelBatch& batch, bool train, uint64_t seed);
   // From the logits, which the loss step has turned into their gradient.
@@ -106,11 +116,23 @@ class CpuGPTModel final : public GPTModel {
   absl::Status ReduceScatterRows(const float* whole, float* local, const ModelBatch& batch, int64_t c);
   // A norm's backward on this rank's rows: its weight and bias gradients of those rows added to
   // the gradients (TrainStep sums them over the group once the data-parallel reduction is done).
+  // Context parallelism's attention (context_parallel_cpu.cpp): out (b, t, heads) of this rank's
+  // rows from its qkv rows (b, t, qkv width) and the other context ranks'; backward the qkv rows'
+  // gradients, this rank's and the others' shares summed over the context group.
+  bool cp() const { return context_comm_ != nullptr; }
+  absl::Status ContextAttentionForward(float* out, float* probs, const float* qkv, const AttentionShape& shape,
+                                       double p, uint64_t seed);
+  absl::Status ContextAttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* probs,
+                                        const AttentionShape& shape, double p, uint64_t seed);
+  // This rank's qkv rows gathered with the others' into act_->cp_qkv, the whole samples' order.
+  absl::Status GatherContextRows(const float* qkv, int64_t b, int64_t t, int64_t w);
   absl::Status LayerNormBackwardRows(float* dinp, int64_t w, int64_t b, const float* dout, const float* inp,
                                      const float* mean, const float* rstd, int64_t rows);
 
   std::vector<float> params_, grads_, exp_avg_, exp_avg_sq_;
-  std::vector<float> coalesced_grads_;  // AllReduceGradRanges' buffer, grown to the largest call's
+  Communicator* context_comm_ = nullptr;    // SetContextParallel's group (null: none)
+  std::vector<int64_t> context_positions_;  // this context rank's positions of a sample (Prepare's)
+  std::vector<float> coalesced_grads_;      // AllReduceGradRanges' buffer, grown to the largest call's
   // One set of activations per micro-batch in flight (pipeline schedules); act_ is the pass's.
   std::vector<std::unique_ptr<Activations>> slots_;
   Activations* act_ = nullptr;

@@ -141,6 +141,23 @@ template <typename T>
 void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, const AttentionShape& s, double p,
                        uint64_t seed, const uint64_t* streams);
 
+// ---- attention_rows_cpu.cpp ------------------------------------------------------------------
+// Context parallelism's attention: the queries of tq positions of each sample (q_rows(b, tq,
+// qkv_width), row i at position qpos[i] of its sample) over the keys and values of the whole samples
+// (kv(b, s.t, qkv_width)), causal by position, with the masks and attention-dropout keys of
+// AttentionForward over the whole samples (row i's are those of its row qpos[i]). out(b, tq, nh*hd);
+// probs(b, nh, tq, s.t) receives the softmax (before dropout).
+template <typename T>
+void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const int64_t* qpos, int64_t tq,
+                          const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams);
+// The query columns of dq_rows(b, tq, qkv_width) and the key and value columns of dkv(b, s.t,
+// qkv_width) are assigned (these rows' share of the keys' and values' gradients); the other columns
+// are left as they are. Each thread works in 2 * tq * s.t elements of its own.
+template <typename T>
+void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, const T* kv, const T* probs,
+                           const int64_t* qpos, int64_t tq, const AttentionShape& s, double p, uint64_t seed,
+                           const uint64_t* streams);
+
 // ---- softmax_xent_cpu.cpp --------------------------------------------------------------------
 // losses(n) = logsumexp(logits(n, vp)) - logits[target]; every column, padded ones included, is in
 // the softmax (as Megatron's vocab-parallel cross entropy).

@@ -7,7 +7,9 @@
 // partial outputs (proj, fc2, the vocabulary-parallel embedding) are reduce-scattered instead of
 // all-reduced. Backward mirrors it (an all-gather's gradient is a reduce-scatter and the reverse);
 // the norms' gradients, computed on this rank's rows, are summed over the tensor group. Dropout masks keep
-// their global index (sample, position, channel), so the masks are one rank's.
+// their global index (sample, position, channel), so the masks are one rank's. With context
+// parallelism the batch holds a context rank's rows (their positions: context_positions_), which the
+// tensor ranks split alike; the attention is the context group's (context_parallel_cpu.cpp).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -23,10 +25,12 @@ namespace {
 
 struct Rows {
   int64_t T, me, b, t, tl, t0, nl;  // tl positions of each sample from t0: nl = b·tl rows here
+  // Context parallelism: each of the batch's t rows' place in the whole sample (empty: row i is i).
+  const std::vector<int64_t>* positions;
 };
-Rows RowsOf(const ModelBatch& batch, int T, int me) {
+Rows RowsOf(const ModelBatch& batch, int T, int me, const std::vector<int64_t>& positions) {
   const int64_t tl = batch.t / T;
-  return {T, me, batch.b, batch.t, tl, me * tl, batch.b * tl};
+  return {T, me, batch.b, batch.t, tl, me * tl, batch.b * tl, &positions};
 }
 
 // Dropout of this rank's rows (b, tl, c), each element keyed by its place in the whole sample.
@@ -38,9 +42,14 @@ void DropoutLocal(float* x, const ModelBatch& batch, const Rows& r, int64_t c, d
   for (int64_t s = 0; s < r.b; ++s) {
     const uint64_t key = DropoutKey(seed, DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), layer, site));
     float* rows = x + s * r.tl * c;
-    const uint64_t base = static_cast<uint64_t>(r.t0 * c);
-    for (int64_t i = 0; i < r.tl * c; ++i)
-      rows[i] = DropoutKeepKeyed(key, base + static_cast<uint64_t>(i), threshold) ? rows[i] * scale : 0.0f;
+    for (int64_t k = 0; k < r.tl; ++k) {
+      const int64_t at = r.positions->empty() ? r.t0 + k : (*r.positions)[static_cast<size_t>(r.t0 + k)];
+      const uint64_t base = static_cast<uint64_t>(at * c);
+      for (int64_t j = 0; j < c; ++j) {
+        float& v = rows[k * c + j];
+        v = DropoutKeepKeyed(key, base + static_cast<uint64_t>(j), threshold) ? v * scale : 0.0f;
+      }
+    }
   }
 }
 
@@ -71,7 +80,7 @@ using cpu_model_detail::QKNormLayerForward;
 using cpu_model_detail::QkvProductOut;
 
 absl::Status CpuGPTModel::GatherRows(const float* local, float* whole, const ModelBatch& batch, int64_t c) {
-  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
   std::vector<float>& buf = act_->sp_buf;  // [rank][sample][tl][c]
   std::copy(local, local + r.nl * c, buf.begin() + r.me * r.nl * c);
   std::vector<int64_t> bytes(static_cast<size_t>(r.T), r.nl * c * static_cast<int64_t>(sizeof(float)));
@@ -84,7 +93,7 @@ absl::Status CpuGPTModel::GatherRows(const float* local, float* whole, const Mod
 }
 
 absl::Status CpuGPTModel::ReduceScatterRows(const float* whole, float* local, const ModelBatch& batch, int64_t c) {
-  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
   std::vector<float>& buf = act_->sp_buf;
   for (int64_t q = 0; q < r.T; ++q)
     for (int64_t s = 0; s < r.b; ++s)
@@ -120,7 +129,7 @@ absl::Status CpuGPTModel::LayerNormBackwardRows(float* dinp, int64_t w, int64_t 
 absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
-  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
   const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
                 f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T,
                 L = cf.num_layers, nl = r.nl;
@@ -163,7 +172,10 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
                        static_cast<uint64_t>(r.me * shape.nh);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
-    cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
+    if (cp())
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed));
+    else
+      cpu::AttentionForward(a.atty[l].data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
     cpu::MatmulForward(a.tmp.data(), a.atty[l].data(), P + lp.proj_w, static_cast<const float*>(nullptr), n, ct, c);
     PTK_RETURN_IF_ERROR(ReduceScatterRows(a.tmp.data(), loc, batch, c));
     AddBiasRows(loc, At(P, lp.proj_b), nl, c);
@@ -191,7 +203,7 @@ absl::Status CpuGPTModel::RunForwardSequenceParallel(const ModelBatch& batch, bo
 absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, bool train, uint64_t seed) {
   const GPTConfig& cf = config();
   Activations& a = *act_;
-  const Rows r = RowsOf(batch, tensor_size(), tensor_rank());
+  const Rows r = RowsOf(batch, tensor_size(), tensor_rank(), context_positions_);
   const int64_t T = r.T, n = batch.b * batch.t, c = cf.hidden_size, ct = cf.num_attention_heads * cf.head_dim() / T,
                 f = cf.ffn_hidden_size / T, f1 = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T,
                 L = cf.num_layers, nl = r.nl;
@@ -248,9 +260,15 @@ absl::Status CpuGPTModel::RunBackwardSequenceParallel(const ModelBatch& batch, b
         a.streams[s] = DropoutStream(static_cast<uint64_t>(batch.sample_keys[s]), gl, kAttentionProbs) +
                        static_cast<uint64_t>(r.me * shape.nh);
     float* probs = a.probs[cf.recompute_activations ? 0 : l].data();
-    if (cf.recompute_activations)
+    if (cf.recompute_activations && cp())
+      PTK_RETURN_IF_ERROR(ContextAttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed));
+    else if (cf.recompute_activations)
       cpu::AttentionForward(a.tmp.data(), probs, a.qkv[l].data(), shape, ap, seed, a.streams.data());
-    cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
+    if (cp())
+      PTK_RETURN_IF_ERROR(
+          ContextAttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed));
+    else
+      cpu::AttentionBackward(a.dqkv.data(), a.datt.data(), a.qkv[l].data(), probs, shape, ap, seed, a.streams.data());
     if (cf.rope())
       cpu::RopeBackward(a.dqkv.data(), a.rope_cos.data(), a.rope_sin.data(), shape, cf.rotary_dim(),
                         cf.rotary_interleaved);

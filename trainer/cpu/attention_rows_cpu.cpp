@@ -1,0 +1,139 @@
+// Causal attention of some query positions over whole samples (context parallelism: a context rank's
+// queries, the context group's keys and values all-gathered), forward and backward. The same math,
+// masks and dropout keys as attention_cpu.cpp's over the whole samples, restricted to the query rows:
+// row i of a sample is position qpos[i], attends to positions 0..qpos[i], and its attention-dropout
+// mask is that of row qpos[i] of one rank's (t x t) probabilities. Both products of each (batch,
+// head) go through BLAS; the (batch, head) pairs (backward: the (batch, query group) pairs) run on
+// oneTBB's threads, each computed whole by one thread: the same bits for any thread count.
+#include <tbb/enumerable_thread_specific.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "trainer/cpu/ops_cpu.h"
+
+namespace ptk::cpu {
+namespace {
+
+// Dropout of the causal part of a (tq, t) block of probabilities whose rows are positions qpos.
+template <typename T>
+void DropoutQueryRows(T* m, const int64_t* qpos, int64_t tq, int64_t t, double p, uint64_t seed, uint64_t stream) {
+  if (p <= 0.0) return;
+  const uint32_t threshold = DropoutKeepThreshold(p);
+  const T scale = static_cast<T>(1.0 / (1.0 - p));
+  for (int64_t i = 0; i < tq; ++i)
+    for (int64_t j = 0; j <= qpos[i]; ++j) {
+      const uint64_t idx = static_cast<uint64_t>(qpos[i] * t + j);
+      m[i * t + j] = DropoutKeep(seed, stream, idx, threshold) ? m[i * t + j] * scale : T(0);
+    }
+}
+
+int64_t QueryCol(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + h % per_group) * hd;
+}
+int64_t KeyCol(int64_t h, int64_t per_group, int64_t hd) { return (h / per_group * (per_group + 2) + per_group) * hd; }
+
+}  // namespace
+
+template <typename T>
+void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const int64_t* qpos, int64_t tq,
+                          const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams) {
+  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  tbb::enumerable_thread_specific<std::vector<T>> dropped_of(p > 0.0 ? static_cast<size_t>(tq * t) : 0);
+  tbb::parallel_for(int64_t{0}, s.b * s.nh, [&](int64_t bh) {
+    const int64_t b = bh / s.nh, h = bh % s.nh;
+    tbb::this_task_arena::isolate([&] {  // no other head on this thread while Gemm's tiles run
+      const T* q = q_rows + b * tq * w + QueryCol(h, per_group, hd);
+      const T* k = kv + b * t * w + KeyCol(h, per_group, hd);
+      const T* v = k + hd;
+      T* pr = probs + (b * s.nh + h) * tq * t;
+      Gemm<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t);
+      for (int64_t i = 0; i < tq; ++i) {
+        T* row = pr + i * t;
+        const int64_t last = qpos[i];
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, row[j]);
+        double sum = 0;
+        for (int64_t j = 0; j <= last; ++j) {
+          row[j] = std::exp(row[j] - mx);
+          sum += row[j];
+        }
+        const T inv = static_cast<T>(1.0 / sum);
+        for (int64_t j = 0; j <= last; ++j) row[j] *= inv;
+        for (int64_t j = last + 1; j < t; ++j) row[j] = T(0);
+      }
+      const T* pv = pr;
+      if (p > 0.0) {
+        std::vector<T>& dropped = dropped_of.local();
+        std::copy(pr, pr + tq * t, dropped.begin());
+        DropoutQueryRows(dropped.data(), qpos, tq, t, p, seed, streams[b] + static_cast<uint64_t>(h));
+        pv = dropped.data();
+      }
+      Gemm<T>(false, false, tq, hd, t, T(1), pv, t, v, w, T(0), out + b * tq * c + h * hd, c);
+    });
+  });
+}
+
+template <typename T>
+void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, const T* kv, const T* probs,
+                           const int64_t* qpos, int64_t tq, const AttentionShape& s, double p, uint64_t seed,
+                           const uint64_t* streams) {
+  const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  // Each thread's work buffers: the dropped probabilities (tq, t), then their gradient (tq, t).
+  tbb::enumerable_thread_specific<std::vector<T>> scratch_of(static_cast<size_t>(2 * tq * t));
+  tbb::parallel_for(int64_t{0}, s.b * s.groups(), [&](int64_t bg) {
+    const int64_t b = bg / s.groups();
+    T* pd = scratch_of.local().data();
+    T* dp = pd + tq * t;
+    tbb::this_task_arena::isolate([&] {
+      for (int64_t h = bg % s.groups() * per_group; h < (bg % s.groups() + 1) * per_group; ++h) {
+        const uint64_t stream = p > 0.0 ? streams[b] + static_cast<uint64_t>(h) : 0;
+        const T* q = q_rows + b * tq * w + QueryCol(h, per_group, hd);
+        const T* k = kv + b * t * w + KeyCol(h, per_group, hd);
+        const T* v = k + hd;
+        T* dq = dq_rows + b * tq * w + QueryCol(h, per_group, hd);
+        T* dk = dkv + b * t * w + KeyCol(h, per_group, hd);
+        T* dv = dk + hd;
+        const T acc = h % per_group == 0 ? T(0) : T(1);  // the group's first head assigns, the others add
+        const T* dy = dout + b * tq * c + h * hd;
+        const T* pr = probs + (b * s.nh + h) * tq * t;
+        const T* pv = pr;
+        if (p > 0.0) {
+          std::copy(pr, pr + tq * t, pd);
+          DropoutQueryRows(pd, qpos, tq, t, p, seed, stream);
+          pv = pd;
+        }
+        Gemm<T>(true, false, t, hd, tq, T(1), pv, t, dy, c, acc, dv, w);  // dV = P'^T dY
+        Gemm<T>(false, true, tq, t, hd, T(1), dy, c, v, w, T(0), dp, t);  // dP' = dY V^T
+        DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);               // dP = dropout(dP')
+        for (int64_t i = 0; i < tq; ++i) {
+          const T* prow = pr + i * t;
+          T* drow = dp + i * t;
+          double dot = 0;
+          for (int64_t j = 0; j <= qpos[i]; ++j) dot += static_cast<double>(prow[j]) * drow[j];
+          const T tdot = static_cast<T>(dot);
+          for (int64_t j = 0; j <= qpos[i]; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
+          for (int64_t j = qpos[i] + 1; j < t; ++j) drow[j] = T(0);
+        }
+        Gemm<T>(false, false, tq, hd, t, T(1), dp, t, k, w, T(0), dq, w);  // dQ = dS K
+        Gemm<T>(true, false, t, hd, tq, T(1), dp, t, q, w, acc, dk, w);    // dK = dS^T Q
+      }
+    });
+  });
+}
+
+#define PTK_INSTANTIATE(T)                                                                                          \
+  template void AttentionRowsForward<T>(T*, T*, const T*, const T*, const int64_t*, int64_t, const AttentionShape&, \
+                                        double, uint64_t, const uint64_t*);                                         \
+  template void AttentionRowsBackward<T>(T*, T*, const T*, const T*, const T*, const T*, const int64_t*, int64_t,   \
+                                         const AttentionShape&, double, uint64_t, const uint64_t*);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(double)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::cpu
