@@ -4,7 +4,8 @@
 # ptk-download, against the fake Hub serving the sample as cerebras/SlimPajama-627B, ptk-extract, ptk-concat, ptk-tokenize, ptk-inspect, ptk-merge,
 # ptk-convert) and of the manuals those tools' details live in (docs/ptk-extract.md, docs/ptk-concat.md,
 # docs/ptk-tokenize.md, docs/ptk-inspect.md, docs/ptk-merge.md, docs/ptk-convert.md), and the lines of
-# docs/ptk-train.md, docs/gpu.md and docs/interop.md that run on a CPU in seconds (below), extracted from the
+# docs/ptk-train.md, docs/gpu.md and docs/interop.md that run on a CPU in seconds, and docs/cluster.md's
+# Kubernetes render lines (below), extracted from the
 # files (continuation lines joined, comments dropped) and run in a directory laid out as they expect: raw/
 # (what README's ptk-download lines fetch), my.jsonl, data/train_*.jsonl.zst and wiki/ (the sample's files),
 # the GPT-2 files, out/a_text_document and out/b_text_document, parts/, and ckpt/ and tb/ (what README's
@@ -99,6 +100,17 @@ run_examples docs/gpu.md "" '^build/bin/ptk-train --version$'
 cp -r meg megatron-ckpt
 run_examples docs/interop.md "Converting a Megatron checkpoint" '^build/bin/ptk-convert '
 [ -f megatron-ckpt2/latest_checkpointed_iteration.txt ] || fail "interop.md's round trip wrote no megatron-ckpt2"
+# cluster.md's Kubernetes render lines, in one shell (the export carries): every template rendered with the
+# settings they give, into the manifests the kubectl lines apply.
+ln -s "$SRC/k8s" k8s
+render=$(code_lines docs/cluster.md Kubernetes | grep -E '^(export IMAGE=|for t in .*k8s/render\.sh|bash k8s/render\.sh)' || true)
+[ "$(wc -l <<<"$render")" = 3 ] || fail "cluster.md's render lines are not the three expected: $render"
+out=$(REGISTRY=registry.example.com bash -ec "$render" 2>&1) || fail "cluster.md's render lines failed: $out"
+for m in download extract concat-plan concat tokenize; do
+  grep -q '^kind: Job$' "$m-job.yaml" || fail "cluster.md's render loop wrote no Job into $m-job.yaml: $out"
+done
+grep -q '^kind: PyTorchJob$' pytorchjob.yaml || fail "cluster.md's render line wrote no PyTorchJob: $out"
+grep -q '"registry.example.com/ptk:latest"' pytorchjob.yaml || fail "IMAGE is not in pytorchjob.yaml"
 [ "$ran" -ge 42 ] || fail "only $ran examples ran"
 [ "$(find raw/train -name '*.jsonl.zst' | wc -l)" = 24 ] || fail "README's ptk-download lines fetched $(find raw | head)"
 # What the extract and concat lines promise: the layout kept, the sidecars, the plan's chunks.
