@@ -287,6 +287,20 @@ void IndexedDatasetBuilder::Abort() {
 
 // ---------------------------------------------------------------- reader
 
+namespace {
+
+// The datasets a directory holds (PREFIX.idx beside PREFIX.bin), by the prefixes that name them.
+std::vector<std::string> DatasetsIn(const std::string& dir) {
+  std::vector<std::string> held;
+  auto found = ExpandGlobs({JoinPath(dir, "*.idx")});
+  if (!found.ok()) return held;
+  for (const auto& idx : *found)
+    if (std::string prefix = idx.substr(0, idx.size() - 4); PathExists(BinPath(prefix))) held.push_back(prefix);
+  return held;
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool accept_file_names) {
   std::string prefix = arg;
   for (std::string_view ext : {".bin", ".idx"})
@@ -303,6 +317,16 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
   if (exists)
     return absl::NotFoundError(fmt::format(
         "{}: no dataset here: a dataset is named by its prefix, without .bin or .idx: did you mean {}?", arg, prefix));
+  // The directory the datasets are in (--data-path preprocessed/): the prefixes to give instead.
+  if (const std::vector<std::string> held = IsDirectory(arg) ? DatasetsIn(arg) : std::vector<std::string>{};
+      !held.empty()) {
+    std::string list;
+    for (size_t i = 0; i < held.size() && i < 4; ++i) list += (i ? ", " : "") + held[i];
+    return absl::NotFoundError(fmt::format(
+        "{}: no dataset here: a directory; a dataset is named by its prefix (PREFIX.bin and PREFIX.idx): it holds "
+        "{}{} ({} dataset(s)): give their prefixes",
+        arg, list, held.size() > 4 ? ", ..." : "", held.size()));
+  }
   std::vector<std::string> near;
   if (PathExists(IdxPath(prefix + "_text_document"))) {
     near.push_back(prefix + "_text_document");

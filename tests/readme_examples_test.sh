@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The documented example commands run as printed, on the bundled sample: every `build/bin/...` line of
 # README.md's sections whose examples run on it (the jsonl -> train -> Hugging Face recipe,
-# ptk-download, against the fake Hub serving the sample as cerebras/SlimPajama-627B, ptk-extract, ptk-concat, ptk-tokenize, ptk-inspect, ptk-merge) and of the manuals those tools' details
-# live in (docs/ptk-extract.md, docs/ptk-concat.md, docs/ptk-tokenize.md, docs/ptk-inspect.md,
-# docs/ptk-merge.md), extracted from the files (continuation lines joined, comments dropped) and run in a
-# directory laid out as they expect: raw/ (what README's ptk-download lines fetch), my.jsonl,
-# data/train_*.jsonl.zst and wiki/ (the sample's files), the GPT-2 files, out/a_text_document and
-# out/b_text_document, parts/.
+# ptk-download, against the fake Hub serving the sample as cerebras/SlimPajama-627B, ptk-extract, ptk-concat, ptk-tokenize, ptk-inspect, ptk-merge,
+# ptk-convert) and of the manuals those tools' details live in (docs/ptk-extract.md, docs/ptk-concat.md,
+# docs/ptk-tokenize.md, docs/ptk-inspect.md, docs/ptk-merge.md, docs/ptk-convert.md), and the lines of
+# docs/ptk-train.md, docs/gpu.md and docs/interop.md that run on a CPU in seconds, and docs/cluster.md's
+# Kubernetes render lines (below), extracted from the
+# files (continuation lines joined, comments dropped) and run in a directory laid out as they expect: raw/
+# (what README's ptk-download lines fetch), my.jsonl, data/train_*.jsonl.zst and wiki/ (the sample's files),
+# the GPT-2 files, out/a_text_document and out/b_text_document, parts/, and ckpt/ and tb/ (what README's
+# recipe trains).
 # Also: every `build/bin/` line of a README tool section is printed in that tool's manual too (the
 # README's screen is a summary of the manual, never a different command); docs/ptk-train.md's memory
 # line is what the recipe's ptk-train line prints.
@@ -47,8 +50,9 @@ for p in a b; do
   for e in bin idx; do cp "out/${p}_text_document.$e" "${p}_text_document.$e"; cp "out/${p}_text_document.$e" "parts/${p}_text_document.$e"; done
 done
 
-# The example lines of FILE: of its section `## SECTION` (up to the next `## `), or of the whole file.
-examples() {
+# The lines of FILE's code blocks: of its section `## SECTION` (up to the next `## `), or of the whole file;
+# continuation lines joined, comments dropped.
+code_lines() {
   awk -v sec="${2:+## $2}" '
     sec != "" && $0 == sec { on = 1; next }
     sec != "" && on && /^## / { exit }
@@ -58,12 +62,18 @@ examples() {
     awk '{ if (cont != "") { $0 = cont " " $0; cont = "" }
            if ($0 ~ /\\$/) { sub(/\\$/, ""); cont = $0; next }
            print }' |
-    sed -E 's/[[:space:]]+#[^"'"'"']*$//' | grep -E '^build/bin/' || true
+    sed -E 's/[[:space:]]+#[^"'"'"']*$//'
 }
+# The example lines of FILE [SECTION]: its code lines that run a built tool (`build/bin/...`).
+examples() { code_lines "$@" | grep -E '^build/bin/' || true; }
 ran=0
-run_examples() {  # run_examples FILE [SECTION]
+run_examples() {  # run_examples FILE [SECTION [PATTERN]]: with PATTERN, the code lines matching it instead
   local where="$1${2:+, section '## $2'}" lines cmd out
-  mapfile -t lines < <(examples "$@")
+  if [ -n "${3:-}" ]; then
+    mapfile -t lines < <(code_lines "$1" "$2" | grep -E -- "$3" || true)
+  else
+    mapfile -t lines < <(examples "$@")
+  fi
   [ "${#lines[@]}" -gt 0 ] || fail "no examples found in $where"
   for cmd in "${lines[@]}"; do
     echo "+ $cmd"
@@ -74,13 +84,35 @@ $out"
 }
 cat data/train_0.jsonl.zst data/train_1.jsonl.zst | zstd -dcq > my.jsonl
 for section in "From your own jsonl to a Hugging Face model" ptk-download ptk-extract ptk-concat ptk-tokenize ptk-inspect \
-  ptk-merge; do
+  ptk-merge ptk-convert; do
   run_examples README.md "$section"
 done
-for tool in ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge; do
+for tool in ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-convert; do
   run_examples "docs/$tool.md"
 done
-[ "$ran" -ge 29 ] || fail "only $ran examples ran"
+# The lines of the other manuals that run here, on what the recipe above trained (ckpt, tb): ptk-train.md's
+# --dry-run plan, loss plot and conversions (not its training lines: GPT-2 small for 5000 iterations, srun,
+# a GPU), gpu.md's --version, and interop.md's Megatron round trip (its ptk-train line is a placeholder) from
+# a Megatron checkpoint made by ptk-convert.md's line.
+ln -s "$SRC/scripts" scripts
+run_examples docs/ptk-train.md "" '^(WORLD_SIZE=[0-9]+ LOCAL_WORLD_SIZE=[0-9]+ build/bin/ptk-train --dry-run |build/bin/ptk-convert |python3 scripts/plot-loss.py )'
+[ -s loss.png ] || fail "ptk-train.md's plot-loss.py line wrote no loss.png"
+run_examples docs/gpu.md "" '^build/bin/ptk-train --version$'
+cp -r meg megatron-ckpt
+run_examples docs/interop.md "Converting a Megatron checkpoint" '^build/bin/ptk-convert '
+[ -f megatron-ckpt2/latest_checkpointed_iteration.txt ] || fail "interop.md's round trip wrote no megatron-ckpt2"
+# cluster.md's Kubernetes render lines, in one shell (the export carries): every template rendered with the
+# settings they give, into the manifests the kubectl lines apply.
+ln -s "$SRC/k8s" k8s
+render=$(code_lines docs/cluster.md Kubernetes | grep -E '^(export IMAGE=|for t in .*k8s/render\.sh|bash k8s/render\.sh)' || true)
+[ "$(wc -l <<<"$render")" = 3 ] || fail "cluster.md's render lines are not the three expected: $render"
+out=$(REGISTRY=registry.example.com bash -ec "$render" 2>&1) || fail "cluster.md's render lines failed: $out"
+for m in download extract concat-plan concat tokenize; do
+  grep -q '^kind: Job$' "$m-job.yaml" || fail "cluster.md's render loop wrote no Job into $m-job.yaml: $out"
+done
+grep -q '^kind: PyTorchJob$' pytorchjob.yaml || fail "cluster.md's render line wrote no PyTorchJob: $out"
+grep -q '"registry.example.com/ptk:latest"' pytorchjob.yaml || fail "IMAGE is not in pytorchjob.yaml"
+[ "$ran" -ge 42 ] || fail "only $ran examples ran"
 [ "$(find raw/train -name '*.jsonl.zst' | wc -l)" = 24 ] || fail "README's ptk-download lines fetched $(find raw | head)"
 # What the extract and concat lines promise: the layout kept, the sidecars, the plan's chunks.
 [ -f extracted/train/chunk1/example_train_0.jsonl ] && [ -f extracted/train/chunk1/example_train_0.jsonl.ptk-done ] ||

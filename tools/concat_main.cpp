@@ -98,11 +98,18 @@ absl::StatusOr<ptk::ConcatPlan> PlanAndWrite(ptk::ConcatPlanRequest r, const std
   return plan;
 }
 
-// --plan names the file `ptk-concat plan` wrote; its output directory is a likely slip.
+// --plan names the file `ptk-concat plan` wrote; its output directory is a likely slip, and a missing one
+// most often `run` before `plan`: the hint says what writes it.
 absl::Status CheckPlan(const std::string& path) {
   const std::string in_dir = ptk::JoinPath(path, "concat-plan.json");
-  return ptk::cli::CheckInputFile(
-      "--plan", path, ptk::IsDirectory(path) && ptk::PathExists(in_dir) ? "did you mean --plan " + in_dir + "?" : "");
+  std::string hint;
+  if (ptk::IsDirectory(path) && ptk::PathExists(in_dir))
+    hint = "did you mean --plan " + in_dir + "?";
+  else if (!ptk::PathExists(path))
+    hint = ptk::Basename(path) == "concat-plan.json"
+               ? "write it first: ptk-concat plan --input DIR --output-dir " + ptk::Dirname(path)
+               : "write it first: ptk-concat plan --input DIR --output-dir DIR --plan " + path;
+  return ptk::cli::CheckInputFile("--plan", path, hint);
 }
 
 // `ptk-concat list`: the plan's chunk files (and --with's items), or this array task's share of them.

@@ -526,11 +526,19 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   simdjson::dom::element mine;
   if (mine_parser.parse(ModelJson(layout.config)).get(mine)) return absl::InternalError("model description");
   const std::string saved_json = simdjson::minify(saved_model), mine_json = simdjson::minify(mine);
-  if (num_params != layout.num_params || saved_json != mine_json)
+  // The counts are this file's and `layout`'s: a stage's or tensor rank's slice when a checkpoint is put together
+  // (LoadResharded), where they would read as the whole models' (2 and 3 layers "both" of one size): only where
+  // the descriptions agree do they say what differs.
+  if (saved_json != mine_json)
     return absl::FailedPreconditionError(fmt::format(
-        "{}: the checkpoint is of another model: {} ({} parameters saved, {} in this run); give the saved run's model "
-        "flags, or --use-checkpoint-args to take them from the checkpoint",
-        file, ModelDifferences(saved_model, mine), num_params, layout.num_params));
+        "{}: the checkpoint is of another model: {}; give the saved run's model flags, or --use-checkpoint-args to "
+        "take them from the checkpoint",
+        file, ModelDifferences(saved_model, mine)));
+  if (num_params != layout.num_params)
+    return absl::FailedPreconditionError(fmt::format(
+        "{}: the checkpoint is of another model: the same settings, {} parameters saved and {} here; give the saved "
+        "run's model flags, or --use-checkpoint-args to take them from the checkpoint",
+        file, num_params, layout.num_params));
   const size_t bytes = static_cast<size_t>(num_params) * sizeof(float);
   const size_t payload = sizeof kMagic + 8 + len;
   if (payload + 3 * bytes != body.size()) return corrupt("payload size does not match the header");

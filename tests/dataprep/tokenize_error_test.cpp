@@ -457,6 +457,22 @@ TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
                              dir / "chunks/concat-plan.json?"),
             std::string::npos)
       << plan.output;
+  // `run` before `plan` (the steps in the wrong order): said "no such file" only; now what writes it.
+  auto no_plan = RunCmd(testing::Tool("ptk-concat") + " run --plan " + dir / "later/concat-plan.json --chunk-index 0");
+  EXPECT_EQ(no_plan.exit_code, 1) << no_plan.output;
+  EXPECT_NE(no_plan.output.find("--plan " +
+                                dir / "later/concat-plan.json: no such file; write it first: ptk-concat "
+                                      "plan --input DIR --output-dir " +
+                                dir / "later"),
+            std::string::npos)
+      << no_plan.output;
+  auto other_name = RunCmd(testing::Tool("ptk-concat") + " run --plan " + dir / "my-plan.json");
+  EXPECT_NE(other_name.output.find("--plan " +
+                                   dir / "my-plan.json: no such file; write it first: ptk-concat plan "
+                                         "--input DIR --output-dir DIR --plan " +
+                                   dir / "my-plan.json"),
+            std::string::npos)
+      << other_name.output;
   auto urls = RunCmd(testing::Tool("ptk-download") + " --url-list " + dir / "urls.txt --local-dir " + dir / "dl");
   EXPECT_EQ(urls.exit_code, 1) << urls.output;
   EXPECT_NE(urls.output.find("--url-list " + dir / "urls.txt: no such file"), std::string::npos) << urls.output;

@@ -218,6 +218,18 @@ TEST(OpenMissingDataset, SuggestsThePrefixMeant) {
     EXPECT_EQ(ds.status().code(), absl::StatusCode::kNotFound) << ds.status();
     EXPECT_NE(ds.status().message().find(expect), std::string::npos) << ds.status();
   }
+  // The directory the datasets are in (--data-path preprocessed): said "neither preprocessed.idx nor
+  // preprocessed.bin exists"; now the datasets it holds, by the prefixes to give.
+  for (const std::string& given : {dir.path(), dir.path() + "/"}) {
+    auto in_dir = IndexedDataset::Open(given);
+    ASSERT_FALSE(in_dir.ok()) << given;
+    EXPECT_NE(in_dir.status().message().find(given +
+                                             ": no dataset here: a directory; a dataset is named by its prefix "
+                                             "(PREFIX.bin and PREFIX.idx): it holds " +
+                                             prefix),
+              std::string::npos)
+        << in_dir.status();
+  }
   // A training checkpoint where a dataset belongs (ptk-inspect CKPT, --data-path CKPT) is named as one.
   std::filesystem::create_directories(dir / "ck/iter_0000002/mp_rank_00");
   testing::WriteFile(dir / "ck/latest_checkpointed_iteration.txt", "2");

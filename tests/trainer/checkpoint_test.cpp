@@ -458,7 +458,7 @@ TEST(Checkpoint, LlamaLineSettingsMustMatch) {
     ASSERT_EQ(other_layout->num_params, layout->num_params);
     absl::Status st = LoadCheckpoint(dir.path(), 3, *other_layout, &p, &m, &v, &s);
     EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
-    EXPECT_NE(st.message().find(std::string("the checkpoint is of another model: ") + says + " ("), std::string::npos)
+    EXPECT_NE(st.message().find(std::string("the checkpoint is of another model: ") + says + ";"), std::string::npos)
         << st;
   }
   // Saved with the rotary variants: they come back in the description, and the default run is refused.
@@ -480,6 +480,27 @@ TEST(Checkpoint, LlamaLineSettingsMustMatch) {
 
 // The scheduler's settings come back from a checkpoint; one written without
 // them (by an earlier ptk) still loads, with none.
+// A run with more layers than the checkpoint loads it through LoadResharded (another stage shape), which reads
+// the file with this run's config cut to the saved layers: the refusal named the flag, then "(N parameters saved,
+// N in this run)", the same N, the slice's count as this run's. The message names the flags, no slice's count.
+TEST(Checkpoint, AnotherLayerCountIsNamedWithoutASlicesParameterCount) {
+  const ParamLayout two = SmallLayout();
+  GPTConfig c = two.config;
+  c.num_layers = 2;
+  auto three = ParamLayout::Create(c);
+  ASSERT_TRUE(three.ok()) << three.status();
+  TempDir dir;
+  ASSERT_TRUE(Save(dir.path(), two, 3, 1.0f).ok());
+  std::vector<float> p, m, v;
+  TrainState s;
+  absl::Status st = LoadCheckpoint(dir.path(), 3, *three, &p, &m, &v, &s);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_NE(st.message().find("the checkpoint is of another model: --num-layers 1 (this run: 2); give"),
+            std::string::npos)
+      << st;
+  EXPECT_EQ(st.message().find("parameters"), std::string::npos) << st;
+}
+
 TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {
   const ParamLayout layout = SmallLayout();
   TempDir dir;
