@@ -14,6 +14,7 @@
 #include <simdjson.h>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "common/atomic_file.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
@@ -244,14 +245,9 @@ absl::Status NameKilledFirstSave(const std::string& save) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(save, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind("iter_", 0) != 0 || name.size() > 5 + 18 || !e.is_directory(ec)) continue;
-    int64_t it = 0;
-    bool digits = name.size() > 5;
-    for (size_t i = 5; i < name.size() && digits; ++i) {
-      digits = name[i] >= '0' && name[i] <= '9';
-      it = it * 10 + (name[i] - '0');
-    }
-    if (digits && Basename(CheckpointDir(save, it)) == name) found.emplace_back(it, e.path().string());
+    int64_t it = -1;  // iter_ and the digits CheckpointDir writes, nothing else
+    if (name.rfind("iter_", 0) != 0 || !e.is_directory(ec) || !absl::SimpleAtoi(name.substr(5), &it)) continue;
+    if (it >= 0 && Basename(CheckpointDir(save, it)) == name) found.emplace_back(it, e.path().string());
   }
   if (ec) return absl::InternalError(fmt::format("{}: cannot list: {}", save, ec.message()));
   if (found.size() != 1 || !VerifyCheckpointDir(found[0].second).ok()) return absl::OkStatus();
