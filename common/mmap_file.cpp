@@ -15,6 +15,25 @@
 
 namespace ptk {
 
+namespace {
+
+void AdviseRange(const uint8_t* data, size_t size, MappedFile::Advice advice) {
+  int adv = MADV_NORMAL;
+  switch (advice) {
+    case MappedFile::Advice::kSequential: adv = MADV_SEQUENTIAL; break;
+    case MappedFile::Advice::kRandom: adv = MADV_RANDOM; break;
+    case MappedFile::Advice::kWillNeed: adv = MADV_WILLNEED; break;
+    default: break;
+  }
+  ::madvise(const_cast<uint8_t*>(data), size, adv);  // a hint: its failure changes nothing
+}
+
+}  // namespace
+
+void MappedFile::Advise(Advice advice) const {
+  if (data_ != nullptr) AdviseRange(data_, size_, advice);
+}
+
 absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& path, Advice advice) {
   PTK_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path));  // a FIFO refused, not waited on
   struct stat st;
@@ -32,15 +51,8 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& 
       ::close(fd);
       return ErrnoToStatus(e, fmt::format("mmap {}", path));
     }
-    int adv = MADV_NORMAL;
-    switch (advice) {
-      case Advice::kSequential: adv = MADV_SEQUENTIAL; break;
-      case Advice::kRandom: adv = MADV_RANDOM; break;
-      case Advice::kWillNeed: adv = MADV_WILLNEED; break;
-      default: break;
-    }
-    if (adv != MADV_NORMAL) ::madvise(p, size, adv);
     data = static_cast<const uint8_t*>(p);
+    if (advice != Advice::kNormal) AdviseRange(data, size, advice);
   }
   ::close(fd);
   return std::unique_ptr<MappedFile>(new MappedFile(path, data, size));

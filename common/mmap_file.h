@@ -21,6 +21,9 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // The kernel's read-ahead hint for the whole mapping from now on (e.g. sequential for one scan of a
+  // file mapped for random reads, then random again).
+  void Advise(Advice advice) const;
 
  private:
   MappedFile(std::string path, const uint8_t* data, size_t size) : path_(std::move(path)), data_(data), size_(size) {}

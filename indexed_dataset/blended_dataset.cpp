@@ -118,7 +118,10 @@ bool LoadBlendCache(const std::string& prefix, const std::string& description,
   auto dsi = IndexArray::Load(prefix + "dataset_sample_index.npy");
   if (text.ok() && *text == description && di.ok() && dsi.ok() && di->type() == NpyType::kInt16 &&
       dsi->type() == NpyType::kInt64 && di->shape().size() == 1 && dsi->shape() == di->shape()) {
-    if (const std::string why = BlendCacheDisagrees(datasets, size, *di, *dsi); !why.empty()) {
+    for (const IndexArray* a : {&*di, &*dsi}) a->Advise(MappedFile::Advice::kSequential);  // one scan (as GPTDataset's)
+    const std::string why = BlendCacheDisagrees(datasets, size, *di, *dsi);
+    for (const IndexArray* a : {&*di, &*dsi}) a->Advise(MappedFile::Advice::kRandom);
+    if (!why.empty()) {
       log::Warning("ignoring the blend index cache {}*: {}; rebuilding it", prefix, why);
       return false;
     }

@@ -27,6 +27,10 @@ class IndexArray {
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t size() const;  // number of elements
   const uint8_t* data() const { return mapped_ ? mapped_->data() + offset_ : owned_.get(); }
+  // A loaded array's read-ahead hint (MappedFile::Advise); nothing for an owned one.
+  void Advise(MappedFile::Advice advice) const {
+    if (mapped_) mapped_->Advise(advice);
+  }
   uint8_t* mutable_data() { return owned_.get(); }
   template <typename T>
   T* As() {

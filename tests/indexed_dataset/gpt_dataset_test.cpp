@@ -2,6 +2,7 @@
 // tests/support/gen_gpt_dataset_goldens.py): identical indices, byte-identical .npy cache files with
 // Megatron's names, identical samples; cache reuse and repair; numpy-compatible arithmetic.
 #include <unistd.h>
+#include <chrono>
 
 #include <cmath>
 #include <filesystem>
@@ -299,6 +300,33 @@ TEST(GPTDataset, TheCacheOfADatasetRewrittenAtItsPathIsRebuilt) {
 // fit, so the stale cache was used; the rows between spanned the old documents (ptk-train: "sample 20
 // is longer than 33 tokens" mid-run; samples that came out shorter were padded silently). Every row is
 // checked against the dataset as it is now, and the stale cache rebuilt.
+// Rewrites the dataset PREFIX with its last-but-one token of document n/3 moved to the front of the
+// next document: as many documents and tokens, other samples.
+void MoveATokenBetweenDocuments(const std::string& prefix) {
+  auto old = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(old.ok()) << old.status();
+  auto b = IndexedDatasetBuilder::Create(prefix + "2", (*old)->dtype());
+  ASSERT_TRUE(b.ok()) << b.status();
+  const int64_t n = (*old)->num_sequences(), j = n / 3;
+  std::vector<std::vector<int32_t>> docs(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    TokenSpan t = (*old)->sequence(i);
+    for (int64_t k = 0; k < t.size; ++k) docs[static_cast<size_t>(i)].push_back(static_cast<int32_t>(t[k]));
+  }
+  auto& from = docs[static_cast<size_t>(j)];
+  ASSERT_GT(from.size(), 1u);
+  docs[static_cast<size_t>(j + 1)].insert(docs[static_cast<size_t>(j + 1)].begin(), from.back());
+  from.pop_back();
+  for (const auto& ids : docs) {
+    ASSERT_TRUE((*b)->AddItem(ids).ok());
+    (*b)->EndDocument();
+  }
+  ASSERT_TRUE((*b)->Finalize().ok());
+  old->reset();
+  for (const char* ext : {".bin", ".idx"}) fs::rename(prefix + "2" + ext, prefix + ext);
+  fs::remove(prefix + "2.ptk-done");
+}
+
 TEST(GPTDataset, TheCacheOfADatasetWhoseDocumentsChangedLengthIsRebuilt) {
   TempDir dir;
   fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
@@ -306,30 +334,7 @@ TEST(GPTDataset, TheCacheOfADatasetWhoseDocumentsChangedLengthIsRebuilt) {
   const Config c = Configs()[2];
   ASSERT_EQ(c.name, "single");
   ASSERT_TRUE(BuildConfig(c).ok());
-  {
-    auto old = IndexedDataset::Open("gpt_data/A");
-    ASSERT_TRUE(old.ok()) << old.status();
-    auto b = IndexedDatasetBuilder::Create("gpt_data/A2", (*old)->dtype());
-    ASSERT_TRUE(b.ok()) << b.status();
-    const int64_t n = (*old)->num_sequences(), j = n / 3;
-    std::vector<std::vector<int32_t>> docs(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      TokenSpan t = (*old)->sequence(i);
-      for (int64_t k = 0; k < t.size; ++k) docs[static_cast<size_t>(i)].push_back(static_cast<int32_t>(t[k]));
-    }
-    auto& from = docs[static_cast<size_t>(j)];
-    ASSERT_GT(from.size(), 1u);
-    docs[static_cast<size_t>(j + 1)].insert(docs[static_cast<size_t>(j + 1)].begin(), from.back());
-    from.pop_back();
-    for (const auto& ids : docs) {
-      ASSERT_TRUE((*b)->AddItem(ids).ok());
-      (*b)->EndDocument();
-    }
-    ASSERT_TRUE((*b)->Finalize().ok());
-  }
-  for (const char* ext : {".bin", ".idx"})
-    fs::rename(std::string("gpt_data/A2") + ext, std::string("gpt_data/A") + ext);
-  fs::remove("gpt_data/A2.ptk-done");
+  ASSERT_NO_FATAL_FAILURE(MoveATokenBetweenDocuments("gpt_data/A"));
   auto stale = BuildConfig(c);
   ASSERT_TRUE(stale.ok()) << stale.status();
   Config fresh_config = c;
@@ -345,6 +350,28 @@ TEST(GPTDataset, TheCacheOfADatasetWhoseDocumentsChangedLengthIsRebuilt) {
     ASSERT_TRUE((*fresh)[0]->Get(k, &want).ok()) << k;
     ASSERT_EQ(got.tokens, want.tokens) << k;
   }
+}
+
+// Every row is checked only when the data is at least as new as the cache (a whole check costs about a
+// build at every start): the same rewrite with the data's times set back before the cache's passes the
+// spot checks and the cache is used, as documented.
+TEST(GPTDataset, OnlyDataNewerThanItsCacheIsCheckedRowByRow) {
+  TempDir dir;
+  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  Chdir cd(dir.path());
+  const Config c = Configs()[2];
+  ASSERT_TRUE(BuildConfig(c).ok());
+  const auto before = fs::last_write_time("gpt_data/A.idx") - std::chrono::hours(1);
+  ASSERT_NO_FATAL_FAILURE(MoveATokenBetweenDocuments("gpt_data/A"));
+  for (const char* ext : {".bin", ".idx"}) fs::last_write_time(std::string("gpt_data/A") + ext, before);
+  auto reused = BuildConfig(c);
+  ASSERT_TRUE(reused.ok()) << reused.status();
+  ASSERT_NE((*reused)[0], nullptr);
+  EXPECT_TRUE((*reused)[0]->loaded_from_cache());
+  fs::last_write_time("gpt_data/A.idx", fs::file_time_type::clock::now());
+  auto checked = BuildConfig(c);
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  EXPECT_FALSE((*checked)[0]->loaded_from_cache());
 }
 
 // Per epoch every token of the split is covered exactly once, and consecutive samples share their
