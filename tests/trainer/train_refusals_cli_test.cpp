@@ -216,7 +216,7 @@ TEST_F(TrainRefusals, ACheckpointOfAnotherModelNamesTheFlagsThatDiffer) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
   EXPECT_NE(Errors(r.output)[0].find(": the checkpoint is of another model: --num-layers 2 (this run: 3), "
-                                     "--hidden-size 32 (this run: 64), --ffn-hidden-size 128 (this run: 256) ("),
+                                     "--hidden-size 32 (this run: 64), --ffn-hidden-size 128 (this run: 256); give"),
             std::string::npos)
       << r.output;
   EXPECT_NE(Errors(r.output)[0].find("; give the saved run's model flags, or --use-checkpoint-args"),
