@@ -8,35 +8,18 @@
 #include <tbb/task_arena.h>
 
 #include <cmath>
-#include <limits>
 #include <vector>
 
+#include "trainer/cpu/causal_attention_rows.h"
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::cpu {
 namespace {
 
-// Applies dropout to the causal part of a T x T matrix in place (same mask in forward/backward).
-template <typename T>
-void DropoutRows(T* m, int64_t t, double p, uint64_t seed, uint64_t stream) {
-  if (p <= 0.0) return;
-  uint32_t threshold = DropoutKeepThreshold(p);
-  T scale = static_cast<T>(1.0 / (1.0 - p));
-  for (int64_t i = 0; i < t; ++i)
-    for (int64_t j = 0; j <= i; ++j) {
-      uint64_t idx = static_cast<uint64_t>(i * t + j);
-      m[i * t + j] = DropoutKeep(seed, stream, idx, threshold) ? m[i * t + j] * scale : T(0);
-    }
-}
+using causal::KeyColumn;
+using causal::QueryColumn;
 
-// Columns of head h's query and of its group's key in a token's QKV row (per group: its
-// per_group query heads, the key, the value).
-int64_t QueryColumn(int64_t h, int64_t per_group, int64_t hd) {
-  return (h / per_group * (per_group + 2) + h % per_group) * hd;
-}
-int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd) {
-  return (h / per_group * (per_group + 2) + per_group) * hd;
-}
+constexpr auto Diagonal = [](int64_t i) { return i; };  // row i of a whole sample is position i
 
 }  // namespace
 
@@ -56,24 +39,12 @@ void AttentionForward(T* out, T* probs, const T* qkv, const AttentionShape& s, d
       const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * t * t;
       Gemm<T>(false, true, t, t, hd, scale, q, c3, k, c3, T(0), pr, t);
-      for (int64_t i = 0; i < t; ++i) {
-        T* row = pr + i * t;
-        T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
-        double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        T inv = static_cast<T>(1.0 / sum);
-        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-        for (int64_t j = i + 1; j < t; ++j) row[j] = T(0);
-      }
+      for (int64_t i = 0; i < t; ++i) causal::SoftmaxRow(pr + i * t, i, t);
       const T* pv = pr;
       if (p > 0.0) {
         std::vector<T>& dropped = dropped_of.local();
         std::copy(pr, pr + t * t, dropped.begin());
-        DropoutRows(dropped.data(), t, p, seed, streams[b] + static_cast<uint64_t>(h));
+        causal::Dropout(dropped.data(), t, t, Diagonal, p, seed, streams[b] + static_cast<uint64_t>(h));
         pv = dropped.data();
       }
       Gemm<T>(false, false, t, hd, t, T(1), pv, t, v, c3, T(0), out + b * t * c + h * hd, c);
@@ -110,21 +81,13 @@ void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, con
         const T* pv = pr;
         if (p > 0.0) {
           std::copy(pr, pr + t * t, pd);
-          DropoutRows(pd, t, p, seed, stream);
+          causal::Dropout(pd, t, t, Diagonal, p, seed, stream);
           pv = pd;
         }
         Gemm<T>(true, false, t, hd, t, T(1), pv, t, dy, c, acc, dv, c3);  // dV = P'^T dY
         Gemm<T>(false, true, t, t, hd, T(1), dy, c, v, c3, T(0), dp, t);  // dP' = dY V^T
-        DropoutRows(dp, t, p, seed, stream);                              // dP = dropout(dP')
-        for (int64_t i = 0; i < t; ++i) {
-          const T* prow = pr + i * t;
-          T* drow = dp + i * t;
-          double dot = 0;
-          for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(prow[j]) * drow[j];
-          T tdot = static_cast<T>(dot);
-          for (int64_t j = 0; j <= i; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
-          for (int64_t j = i + 1; j < t; ++j) drow[j] = T(0);
-        }
+        causal::Dropout(dp, t, t, Diagonal, p, seed, stream);             // dP = dropout(dP')
+        for (int64_t i = 0; i < t; ++i) causal::SoftmaxBackwardRow(pr + i * t, dp + i * t, i, t, scale);
         Gemm<T>(false, false, t, hd, t, T(1), dp, t, k, c3, T(0), dq, c3);  // dQ = dS K
         Gemm<T>(true, false, t, hd, t, T(1), dp, t, q, c3, acc, dk, c3);    // dK = dS^T Q
       }

@@ -10,31 +10,16 @@
 #include <tbb/task_arena.h>
 
 #include <cmath>
-#include <limits>
 #include <vector>
 
+#include "trainer/cpu/causal_attention_rows.h"
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::cpu {
 namespace {
 
-// Dropout of the causal part of a (tq, t) block of probabilities whose rows are positions qpos.
-template <typename T>
-void DropoutQueryRows(T* m, const int64_t* qpos, int64_t tq, int64_t t, double p, uint64_t seed, uint64_t stream) {
-  if (p <= 0.0) return;
-  const uint32_t threshold = DropoutKeepThreshold(p);
-  const T scale = static_cast<T>(1.0 / (1.0 - p));
-  for (int64_t i = 0; i < tq; ++i)
-    for (int64_t j = 0; j <= qpos[i]; ++j) {
-      const uint64_t idx = static_cast<uint64_t>(qpos[i] * t + j);
-      m[i * t + j] = DropoutKeep(seed, stream, idx, threshold) ? m[i * t + j] * scale : T(0);
-    }
-}
-
-int64_t QueryCol(int64_t h, int64_t per_group, int64_t hd) {
-  return (h / per_group * (per_group + 2) + h % per_group) * hd;
-}
-int64_t KeyCol(int64_t h, int64_t per_group, int64_t hd) { return (h / per_group * (per_group + 2) + per_group) * hd; }
+using causal::KeyColumn;
+using causal::QueryColumn;
 
 }  // namespace
 
@@ -43,34 +28,22 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
                           const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const auto pos = [qpos](int64_t i) { return qpos[i]; };
   tbb::enumerable_thread_specific<std::vector<T>> dropped_of(p > 0.0 ? static_cast<size_t>(tq * t) : 0);
   tbb::parallel_for(int64_t{0}, s.b * s.nh, [&](int64_t bh) {
     const int64_t b = bh / s.nh, h = bh % s.nh;
     tbb::this_task_arena::isolate([&] {  // no other head on this thread while Gemm's tiles run
-      const T* q = q_rows + b * tq * w + QueryCol(h, per_group, hd);
-      const T* k = kv + b * t * w + KeyCol(h, per_group, hd);
+      const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd);
+      const T* k = kv + b * t * w + KeyColumn(h, per_group, hd);
       const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * tq * t;
       Gemm<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t);
-      for (int64_t i = 0; i < tq; ++i) {
-        T* row = pr + i * t;
-        const int64_t last = qpos[i];
-        T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, row[j]);
-        double sum = 0;
-        for (int64_t j = 0; j <= last; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const T inv = static_cast<T>(1.0 / sum);
-        for (int64_t j = 0; j <= last; ++j) row[j] *= inv;
-        for (int64_t j = last + 1; j < t; ++j) row[j] = T(0);
-      }
+      for (int64_t i = 0; i < tq; ++i) causal::SoftmaxRow(pr + i * t, qpos[i], t);
       const T* pv = pr;
       if (p > 0.0) {
         std::vector<T>& dropped = dropped_of.local();
         std::copy(pr, pr + tq * t, dropped.begin());
-        DropoutQueryRows(dropped.data(), qpos, tq, t, p, seed, streams[b] + static_cast<uint64_t>(h));
+        causal::Dropout(dropped.data(), tq, t, pos, p, seed, streams[b] + static_cast<uint64_t>(h));
         pv = dropped.data();
       }
       Gemm<T>(false, false, tq, hd, t, T(1), pv, t, v, w, T(0), out + b * tq * c + h * hd, c);
@@ -84,6 +57,7 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
                            const uint64_t* streams) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const auto pos = [qpos](int64_t i) { return qpos[i]; };
   // Each thread's work buffers: the dropped probabilities (tq, t), then their gradient (tq, t).
   tbb::enumerable_thread_specific<std::vector<T>> scratch_of(static_cast<size_t>(2 * tq * t));
   tbb::parallel_for(int64_t{0}, s.b * s.groups(), [&](int64_t bg) {
@@ -93,11 +67,11 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
     tbb::this_task_arena::isolate([&] {
       for (int64_t h = bg % s.groups() * per_group; h < (bg % s.groups() + 1) * per_group; ++h) {
         const uint64_t stream = p > 0.0 ? streams[b] + static_cast<uint64_t>(h) : 0;
-        const T* q = q_rows + b * tq * w + QueryCol(h, per_group, hd);
-        const T* k = kv + b * t * w + KeyCol(h, per_group, hd);
+        const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd);
+        const T* k = kv + b * t * w + KeyColumn(h, per_group, hd);
         const T* v = k + hd;
-        T* dq = dq_rows + b * tq * w + QueryCol(h, per_group, hd);
-        T* dk = dkv + b * t * w + KeyCol(h, per_group, hd);
+        T* dq = dq_rows + b * tq * w + QueryColumn(h, per_group, hd);
+        T* dk = dkv + b * t * w + KeyColumn(h, per_group, hd);
         T* dv = dk + hd;
         const T acc = h % per_group == 0 ? T(0) : T(1);  // the group's first head assigns, the others add
         const T* dy = dout + b * tq * c + h * hd;
@@ -105,21 +79,13 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
         const T* pv = pr;
         if (p > 0.0) {
           std::copy(pr, pr + tq * t, pd);
-          DropoutQueryRows(pd, qpos, tq, t, p, seed, stream);
+          causal::Dropout(pd, tq, t, pos, p, seed, stream);
           pv = pd;
         }
         Gemm<T>(true, false, t, hd, tq, T(1), pv, t, dy, c, acc, dv, w);  // dV = P'^T dY
         Gemm<T>(false, true, tq, t, hd, T(1), dy, c, v, w, T(0), dp, t);  // dP' = dY V^T
-        DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);               // dP = dropout(dP')
-        for (int64_t i = 0; i < tq; ++i) {
-          const T* prow = pr + i * t;
-          T* drow = dp + i * t;
-          double dot = 0;
-          for (int64_t j = 0; j <= qpos[i]; ++j) dot += static_cast<double>(prow[j]) * drow[j];
-          const T tdot = static_cast<T>(dot);
-          for (int64_t j = 0; j <= qpos[i]; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
-          for (int64_t j = qpos[i] + 1; j < t; ++j) drow[j] = T(0);
-        }
+        causal::Dropout(dp, tq, t, pos, p, seed, stream);                 // dP = dropout(dP')
+        for (int64_t i = 0; i < tq; ++i) causal::SoftmaxBackwardRow(pr + i * t, dp + i * t, qpos[i], t, scale);
         Gemm<T>(false, false, tq, hd, t, T(1), dp, t, k, w, T(0), dq, w);  // dQ = dS K
         Gemm<T>(true, false, t, hd, tq, T(1), dp, t, q, w, acc, dk, w);    // dK = dS^T Q
       }
