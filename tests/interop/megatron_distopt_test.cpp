@@ -23,6 +23,7 @@
 #include "interop/torch_format.h"
 #include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk {
@@ -31,14 +32,7 @@ namespace {
 using torchfmt::PyValue;
 
 GPTConfig Gpt(bool tied) {
-  GPTConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 16;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 64;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 100;
-  c.padded_vocab_size = 128;
+  GPTConfig c = testing::SmallGpt(4, 16, 4, 16, 100, 128);
   c.untie_embeddings_and_output_weights = !tied;
   return c;
 }

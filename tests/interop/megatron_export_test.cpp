@@ -16,6 +16,7 @@
 #include "interop/megatron_common.h"
 #include "interop/torch_format.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk {
@@ -47,14 +48,7 @@ bool Mentions(const std::vector<std::string>& notes, const std::string& what) {
 // and ptk-train's (a ptk checkpoint inside) alone.
 TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
   testing::TempDir dir;
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 16;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 64;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 100;
-  c.padded_vocab_size = 128;
+  const GPTConfig c = testing::SmallGpt(2, 16, 4, 16, 100, 128);
   auto layout = ParamLayout::Create(c);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<float> params(static_cast<size_t>(layout->num_params)), m(params.size()), v(params.size());
@@ -104,14 +98,7 @@ TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
 // size (Megatron's default); else None.
 TEST(MegatronExport, ArgsHoldTheMicrobatchGroupSizeAsMegatronsDo) {
   testing::TempDir dir;
-  GPTConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 16;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 64;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 100;
-  c.padded_vocab_size = 128;
+  const GPTConfig c = testing::SmallGpt(4, 16, 4, 16, 100, 128);
   auto layout = ParamLayout::Create(c);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<float> params(static_cast<size_t>(layout->num_params)), m(params.size()), v(params.size());
