@@ -15,6 +15,7 @@
 #include "interop/megatron.h"
 #include "interop/megatron_common.h"
 #include "interop/torch_format.h"
+#include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_gpt.h"
 #include "trainer/checkpoint.h"
@@ -72,12 +73,7 @@ TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
   WriteWithDirs(running + "/mp_rank_00/model_optim_rng.pt", "a live run's, being written");
   WriteWithDirs(trainer + "/mp_rank_00/model_optim_rng.ptk", "ptk-train's save");
 
-  ConvertOptions o;
-  o.loader = "ptk";
-  o.saver = "megatron";
-  o.load_dir = dir / "ck";
-  o.save_dir = meg;
-  auto s = ExportToMegatron(o);
+  auto s = ExportToMegatron(testing::ConvertOpts("ptk", "megatron", dir / "ck", meg));
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_TRUE(testing::Exists(meg + "/iter_0000007/mp_rank_00/model_optim_rng.pt"));
   EXPECT_FALSE(testing::Exists(killed));
@@ -122,11 +118,7 @@ TEST(MegatronExport, ArgsHoldTheMicrobatchGroupSizeAsMegatronsDo) {
     st.iteration = 7;
     st.settings = {{"--vocab-size", "100"}, {"--microbatch-group-size-per-virtual-pipeline-stage", k.group}};
     ASSERT_TRUE(SaveCheckpoint(ck, *layout, params, m, v, st, "[]").ok());
-    ConvertOptions o;
-    o.loader = "ptk";
-    o.saver = "megatron";
-    o.load_dir = ck;
-    o.save_dir = meg;
+    ConvertOptions o = testing::ConvertOpts("ptk", "megatron", ck, meg);
     o.target_pipeline_parallel_size = k.pp;
     o.target_num_layers_per_virtual_pipeline_stage = k.layers_per_chunk;
     ASSERT_TRUE(ExportToMegatron(o).ok());
