@@ -1,25 +1,76 @@
-// Causal attention of some query positions over whole samples (context parallelism: a context rank's
-// queries, the context group's keys and values all-gathered), forward and backward. The same math,
-// masks and dropout keys as attention_cpu.cpp's over the whole samples, restricted to the query rows:
-// row i of a sample is position qpos[i], attends to positions 0..qpos[i], and its attention-dropout
-// mask is that of row qpos[i] of one rank's (t x t) probabilities. Both products of each (batch,
-// head) go through BLAS; the (batch, head) pairs (backward: the (batch, query group) pairs) run on
-// oneTBB's threads, each computed whole by one thread: the same bits for any thread count.
+// Causal attention of some query positions over whole samples, forward and backward: context
+// parallelism's (a context rank's queries, the context group's keys and values all-gathered), and with
+// every position a query, the whole samples' (attention_cpu.cpp). Row i of a sample is position
+// qpos[i], attends to positions 0..qpos[i], and its attention-dropout mask is that of row qpos[i] of
+// one rank's (t x t) probabilities. Both products of each (batch, head) go through BLAS; the (batch,
+// head) pairs (backward: the (batch, query group) pairs, whose heads add to one key and value
+// gradient) run on oneTBB's threads, each computed whole by one thread in the same order: the same
+// bits for any thread count.
 #include <tbb/enumerable_thread_specific.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
-#include "trainer/cpu/causal_attention_rows.h"
 #include "trainer/cpu/ops_cpu.h"
 
 namespace ptk::cpu {
 namespace {
 
-using causal::KeyColumn;
-using causal::QueryColumn;
+// Columns of head h's query and of its group's key in a token's QKV row (per group: its
+// per_group query heads, the key, the value).
+int64_t QueryColumn(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + h % per_group) * hd;
+}
+int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + per_group) * hd;
+}
+
+// Dropout of the causal part of a (tq, t) block in place, row i being position qpos[i]: its mask is
+// that of row qpos[i] of a sample's (t, t) probabilities (the same mask in forward and backward).
+template <typename T>
+void DropoutQueryRows(T* m, const int64_t* qpos, int64_t tq, int64_t t, double p, uint64_t seed, uint64_t stream) {
+  if (p <= 0.0) return;
+  const uint32_t threshold = DropoutKeepThreshold(p);
+  const T scale = static_cast<T>(1.0 / (1.0 - p));
+  for (int64_t i = 0; i < tq; ++i) {
+    const int64_t last = qpos[i];
+    for (int64_t j = 0; j <= last; ++j) {
+      const uint64_t idx = static_cast<uint64_t>(last * t + j);
+      m[i * t + j] = DropoutKeep(seed, stream, idx, threshold) ? m[i * t + j] * scale : T(0);
+    }
+  }
+}
+
+// A row of t scores to probabilities in place: softmax over columns 0..last, zeros after.
+template <typename T>
+void SoftmaxRow(T* row, int64_t last, int64_t t) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, row[j]);
+  double sum = 0;
+  for (int64_t j = 0; j <= last; ++j) {
+    row[j] = std::exp(row[j] - mx);
+    sum += row[j];
+  }
+  const T inv = static_cast<T>(1.0 / sum);
+  for (int64_t j = 0; j <= last; ++j) row[j] *= inv;
+  for (int64_t j = last + 1; j < t; ++j) row[j] = T(0);
+}
+
+// The gradient of a row's probabilities (drow, in place) to that of its scaled scores, given the
+// probabilities prow: drow = prow * (drow - prow . drow) * scale over columns 0..last, zeros after.
+template <typename T>
+void SoftmaxBackwardRow(const T* prow, T* drow, int64_t last, int64_t t, T scale) {
+  double dot = 0;
+  for (int64_t j = 0; j <= last; ++j) dot += static_cast<double>(prow[j]) * drow[j];
+  const T tdot = static_cast<T>(dot);
+  for (int64_t j = 0; j <= last; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
+  for (int64_t j = last + 1; j < t; ++j) drow[j] = T(0);
+}
 
 }  // namespace
 
@@ -28,7 +79,6 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
                           const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
-  const auto pos = [qpos](int64_t i) { return qpos[i]; };
   tbb::enumerable_thread_specific<std::vector<T>> dropped_of(p > 0.0 ? static_cast<size_t>(tq * t) : 0);
   tbb::parallel_for(int64_t{0}, s.b * s.nh, [&](int64_t bh) {
     const int64_t b = bh / s.nh, h = bh % s.nh;
@@ -38,12 +88,12 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
       const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * tq * t;
       Gemm<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t);
-      for (int64_t i = 0; i < tq; ++i) causal::SoftmaxRow(pr + i * t, qpos[i], t);
+      for (int64_t i = 0; i < tq; ++i) SoftmaxRow(pr + i * t, qpos[i], t);
       const T* pv = pr;
       if (p > 0.0) {
         std::vector<T>& dropped = dropped_of.local();
         std::copy(pr, pr + tq * t, dropped.begin());
-        causal::Dropout(dropped.data(), tq, t, pos, p, seed, streams[b] + static_cast<uint64_t>(h));
+        DropoutQueryRows(dropped.data(), qpos, tq, t, p, seed, streams[b] + static_cast<uint64_t>(h));
         pv = dropped.data();
       }
       Gemm<T>(false, false, tq, hd, t, T(1), pv, t, v, w, T(0), out + b * tq * c + h * hd, c);
@@ -57,7 +107,6 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
                            const uint64_t* streams) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
-  const auto pos = [qpos](int64_t i) { return qpos[i]; };
   // Each thread's work buffers: the dropped probabilities (tq, t), then their gradient (tq, t).
   tbb::enumerable_thread_specific<std::vector<T>> scratch_of(static_cast<size_t>(2 * tq * t));
   tbb::parallel_for(int64_t{0}, s.b * s.groups(), [&](int64_t bg) {
@@ -79,13 +128,13 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
         const T* pv = pr;
         if (p > 0.0) {
           std::copy(pr, pr + tq * t, pd);
-          causal::Dropout(pd, tq, t, pos, p, seed, stream);
+          DropoutQueryRows(pd, qpos, tq, t, p, seed, stream);
           pv = pd;
         }
         Gemm<T>(true, false, t, hd, tq, T(1), pv, t, dy, c, acc, dv, w);  // dV = P'^T dY
         Gemm<T>(false, true, tq, t, hd, T(1), dy, c, v, w, T(0), dp, t);  // dP' = dY V^T
-        causal::Dropout(dp, tq, t, pos, p, seed, stream);                 // dP = dropout(dP')
-        for (int64_t i = 0; i < tq; ++i) causal::SoftmaxBackwardRow(pr + i * t, dp + i * t, qpos[i], t, scale);
+        DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);               // dP = dropout(dP')
+        for (int64_t i = 0; i < tq; ++i) SoftmaxBackwardRow(pr + i * t, dp + i * t, qpos[i], t, scale);
         Gemm<T>(false, false, tq, hd, t, T(1), dp, t, k, w, T(0), dq, w);  // dQ = dS K
         Gemm<T>(true, false, t, hd, tq, T(1), dp, t, q, w, acc, dk, w);    // dK = dS^T Q
       }
