@@ -35,9 +35,10 @@ absl::StatusOr<CpuTrainingMemory> EstimateCpuTrainingMemory(const GPTConfig& mod
   m.activations = static_cast<double>(m.activation_slots) *
                   (4.0 * static_cast<double>(floats) + 4.0 * static_cast<double>(tokens) + 8.0 * micro_batch_size);
   if (checkpoints) m.checkpoint_copies = 12 * n;
-  // Attention's buffers (attention_cpu.cpp), one set per thread that runs a task: backward's tasks are
-  // the (sequence, query group) pairs, each thread holding 2 t^2 floats; a forward with attention
-  // dropout (also backward's recomputation, before backward's buffers exist) the (sequence, head) pairs, t^2.
+  // Attention's buffers (attention_rows_cpu.cpp; attention_cpu.cpp runs it with every position a query row), one
+  // set per thread that runs a task: backward's tasks are the (sequence, query group) pairs, each thread holding
+  // 2 t^2 floats; a forward with attention dropout (also backward's recomputation, before backward's buffers
+  // exist) the (sequence, head) pairs, t^2.
   // A context rank's (attention_rows_cpu.cpp): its t / C query rows over the t positions.
   const int64_t t = model.seq_length, tq = t / context, heads = model.num_attention_heads / tensor_size;
   const int64_t groups = model.query_groups() / tensor_size;

@@ -369,6 +369,23 @@ Compression CompressionOf(const unsigned char* m, ssize_t n) {
   return Compression::kNone;
 }
 
+// The bytes of `fd` as read through compression c's decoder (kNone: as they are).
+std::unique_ptr<ByteSource> Decompressing(std::unique_ptr<FdSource> fd, Compression c) {
+  switch (c) {
+    case Compression::kZstd: return std::unique_ptr<ByteSource>(new ZstdSource(std::move(fd)));
+    case Compression::kXz: return std::unique_ptr<ByteSource>(new XzSource(std::move(fd)));
+    case Compression::kGzip: return std::unique_ptr<ByteSource>(new GzipSource(std::move(fd)));
+    case Compression::kNone: break;
+  }
+  return std::unique_ptr<ByteSource>(std::move(fd));
+}
+
+// The refusal of an input in another binary format (OtherBinaryFormat's name for it: `other`).
+absl::Status OtherFormatError(std::string_view name, std::string_view other) {
+  return absl::InvalidArgumentError(fmt::format(
+      "{}: {} data, which ptk does not read (it reads plain text, .zst, .xz and .gz); convert it first", name, other));
+}
+
 // Standard input, its format told by its first bytes as a file's is (`zstd -dc`-less pipes: `curl
 // URL.zst | ptk-tokenize --input -` read the compressed bytes as text, every line a bad record).
 absl::StatusOr<std::unique_ptr<ByteSource>> OpenStdin() {
@@ -384,17 +401,10 @@ absl::StatusOr<std::unique_ptr<ByteSource>> OpenStdin() {
   head.resize(n);
   const auto* m = reinterpret_cast<const unsigned char*>(head.data());
   if (std::string_view other = OtherBinaryFormat(m, static_cast<ssize_t>(n)); !other.empty())
-    return absl::InvalidArgumentError(fmt::format(
-        "<stdin>: {} data, which ptk does not read (it reads plain text, .zst, .xz and .gz); convert it first", other));
+    return OtherFormatError("<stdin>", other);
   const Compression c = CompressionOf(m, static_cast<ssize_t>(n));
   auto fd = std::make_unique<FdSource>("<stdin>", STDIN_FILENO, false, std::move(head));
-  switch (c) {
-    case Compression::kZstd: return std::unique_ptr<ByteSource>(new ZstdSource(std::move(fd)));
-    case Compression::kXz: return std::unique_ptr<ByteSource>(new XzSource(std::move(fd)));
-    case Compression::kGzip: return std::unique_ptr<ByteSource>(new GzipSource(std::move(fd)));
-    case Compression::kNone: break;
-  }
-  return std::unique_ptr<ByteSource>(std::move(fd));
+  return Decompressing(std::move(fd), c);
 }
 
 }  // namespace
@@ -441,9 +451,7 @@ absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& pa
       std::string_view other = OtherBinaryFormat(m, n);
       if (!other.empty()) {
         ::close(f);
-        return absl::InvalidArgumentError(fmt::format(
-            "{}: {} data, which ptk does not read (it reads plain text, .zst, .xz and .gz); convert it first", path,
-            other));
+        return OtherFormatError(path, other);
       }
       // Named as compressed, yet none of the three: a damaged or mislabelled file (random bytes
       // named .zst were "extracted" as they were, exit 0). The content decides the format, but
@@ -460,13 +468,7 @@ absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& pa
     }
     fd = std::make_unique<FdSource>(path, f, true);
   }
-  switch (c) {
-    case Compression::kZstd: return std::unique_ptr<ByteSource>(new ZstdSource(std::move(fd)));
-    case Compression::kXz: return std::unique_ptr<ByteSource>(new XzSource(std::move(fd)));
-    case Compression::kGzip: return std::unique_ptr<ByteSource>(new GzipSource(std::move(fd)));
-    case Compression::kNone: break;
-  }
-  return std::unique_ptr<ByteSource>(std::move(fd));
+  return Decompressing(std::move(fd), c);
 }
 
 }  // namespace ptk

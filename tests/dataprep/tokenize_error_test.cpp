@@ -451,28 +451,22 @@ TEST(TokenizeErrors, NewcomerMistakesAreNamed) {
   // Other tools' file flags: the flag named; a plan's directory for its plan file.
   std::filesystem::create_directories(dir / "chunks");
   testing::WriteFile(dir / "chunks/concat-plan.json", "{}");
-  auto plan = RunCmd(testing::Tool("ptk-concat") + " run --plan " + dir / "chunks");
-  EXPECT_EQ(plan.exit_code, 1) << plan.output;
-  EXPECT_NE(plan.output.find("--plan " + dir / "chunks: is a directory; did you mean --plan " +
-                             dir / "chunks/concat-plan.json?"),
-            std::string::npos)
-      << plan.output;
+  const auto concat_run = [&](const std::string& args, const std::string& want) {
+    auto r = RunCmd(testing::Tool("ptk-concat") + " run --plan " + args);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
+  };
+  const std::string& d = dir.path();
+  concat_run(d + "/chunks",
+             fmt::format("--plan {0}/chunks: is a directory; did you mean --plan {0}/chunks/concat-plan.json?", d));
   // `run` before `plan` (the steps in the wrong order): said "no such file" only; now what writes it.
-  auto no_plan = RunCmd(testing::Tool("ptk-concat") + " run --plan " + dir / "later/concat-plan.json --chunk-index 0");
-  EXPECT_EQ(no_plan.exit_code, 1) << no_plan.output;
-  EXPECT_NE(no_plan.output.find("--plan " +
-                                dir / "later/concat-plan.json: no such file; write it first: ptk-concat "
-                                      "plan --input DIR --output-dir " +
-                                dir / "later"),
-            std::string::npos)
-      << no_plan.output;
-  auto other_name = RunCmd(testing::Tool("ptk-concat") + " run --plan " + dir / "my-plan.json");
-  EXPECT_NE(other_name.output.find("--plan " +
-                                   dir / "my-plan.json: no such file; write it first: ptk-concat plan "
-                                         "--input DIR --output-dir DIR --plan " +
-                                   dir / "my-plan.json"),
-            std::string::npos)
-      << other_name.output;
+  concat_run(d + "/later/concat-plan.json --chunk-index 0",
+             fmt::format("--plan {0}/later/concat-plan.json: no such file; write it first: ptk-concat plan --input DIR "
+                         "--output-dir {0}/later",
+                         d));
+  concat_run(d + "/my-plan.json", fmt::format("--plan {0}/my-plan.json: no such file; write it first: ptk-concat plan "
+                                              "--input DIR --output-dir DIR --plan {0}/my-plan.json",
+                                              d));
   auto urls = RunCmd(testing::Tool("ptk-download") + " --url-list " + dir / "urls.txt --local-dir " + dir / "dl");
   EXPECT_EQ(urls.exit_code, 1) << urls.output;
   EXPECT_NE(urls.output.find("--url-list " + dir / "urls.txt: no such file"), std::string::npos) << urls.output;

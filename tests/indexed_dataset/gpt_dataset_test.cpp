@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <set>
 
@@ -75,6 +76,18 @@ class Chdir {
   fs::path old_;
 };
 
+// A temporary directory holding a copy of the golden datasets (gpt_data/), and the working directory
+// while it lives: the configs name their data and caches relative to it.
+class GoldenDataDir {
+ public:
+  GoldenDataDir() { fs::copy(kGolden + "gpt_data", dir_ / "gpt_data", fs::copy_options::recursive); }
+  std::string operator/(const std::string& name) const { return dir_ / name; }
+
+ private:
+  TempDir dir_;
+  Chdir cd_{dir_.path()};
+};
+
 absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildConfig(const Config& c) {
   DataArgs a;
   a.data_path = c.blend;
@@ -131,9 +144,7 @@ void CheckSamples(const Config& c, const std::array<std::shared_ptr<TopLevelData
 TEST(GPTDatasetGolden, IndicesCacheFilesAndSamplesEqualMegatrons) {
   for (const Config& c : Configs()) {
     SCOPED_TRACE(c.name);
-    TempDir dir;
-    fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-    Chdir cd(dir.path());
+    GoldenDataDir dir;
     auto ds = BuildConfig(c);
     ASSERT_TRUE(ds.ok()) << ds.status();
     // Same cache files, same names (MD5 of the same description), same bytes.
@@ -155,11 +166,9 @@ TEST(GPTDatasetGolden, IndicesCacheFilesAndSamplesEqualMegatrons) {
 }
 
 TEST(GPTDatasetGolden, MegatronsCacheIsReusedAndACorruptOneRebuilt) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  GoldenDataDir dir;
   fs::create_directories(dir / "single");
   fs::copy(kGolden + "single/cache", dir / "single/cache", fs::copy_options::recursive);
-  Chdir cd(dir.path());
   const Config c = Configs()[2];
   ASSERT_EQ(c.name, "single");
   auto ds = BuildConfig(c);
@@ -182,9 +191,7 @@ TEST(GPTDatasetGolden, MegatronsCacheIsReusedAndACorruptOneRebuilt) {
 // dataset's end) but whose .npy headers and sizes are whole: it was used, and the sample read
 // datasets_[id] out of bounds (a crash) or failed mid-run. Every entry is checked, the cache rebuilt.
 TEST(GPTDatasetGolden, ABlendCacheWithEntriesOutOfRangeIsRebuilt) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-  Chdir cd(dir.path());
+  GoldenDataDir dir;
   const Config c = Configs()[5];
   ASSERT_EQ(c.name, "blend3");
   ASSERT_TRUE(BuildConfig(c).ok());
@@ -209,9 +216,7 @@ TEST(GPTDatasetGolden, ABlendCacheWithEntriesOutOfRangeIsRebuilt) {
 }
 
 TEST(GPTDataset, EmptySplitWithRequestedSamplesIsAnErrorNotAHang) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-  Chdir cd(dir.path());
+  GoldenDataDir dir;
   Config c{"empty", {"gpt_data/A"}, {}, "969, 30, 1", 16, 1234, {int64_t{100}, int64_t{10}, int64_t{10}}};
   auto ds = BuildConfig(c);  // 0.1% of 120 sequences is none: Megatron loops forever here
   ASSERT_FALSE(ds.ok());
@@ -223,11 +228,9 @@ TEST(GPTDataset, EmptySplitWithRequestedSamplesIsAnErrorNotAHang) {
 // larger .bin, so Open() took it and training ran on B's document boundaries over A's bytes without a
 // word. The builder refuses it naming both files.
 TEST(GPTDataset, AnIndexThatDoesNotDescribeItsBinIsRefused) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
+  GoldenDataDir dir;
   fs::copy_file(dir / "gpt_data/A.bin", dir / "gpt_data/mixed.bin");
   fs::copy_file(dir / "gpt_data/B.idx", dir / "gpt_data/mixed.idx");
-  Chdir cd(dir.path());
   Config c{"mixed", {"gpt_data/mixed"}, {}, "1,0,0", 16, 1234, {int64_t{10}, std::nullopt, std::nullopt}};
   auto ds = BuildConfig(c);
   ASSERT_FALSE(ds.ok());
@@ -241,6 +244,51 @@ TEST(GPTDataset, AnIndexThatDoesNotDescribeItsBinIsRefused) {
   EXPECT_TRUE(BuildConfig(a).ok());
 }
 
+// Rewrites the dataset PREFIX at its path with its documents changed by `edit` (their tokens, in order),
+// as a tokenizer run writing it again would.
+void RewriteDocuments(const std::string& prefix, const std::function<void(std::vector<std::vector<int32_t>>&)>& edit) {
+  auto old = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(old.ok()) << old.status();
+  auto b = IndexedDatasetBuilder::Create(prefix + "2", (*old)->dtype());
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<std::vector<int32_t>> docs(static_cast<size_t>((*old)->num_sequences()));
+  for (size_t i = 0; i < docs.size(); ++i) {
+    TokenSpan t = (*old)->sequence(static_cast<int64_t>(i));
+    for (int64_t k = 0; k < t.size; ++k) docs[i].push_back(static_cast<int32_t>(t[k]));
+  }
+  edit(docs);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (const auto& ids : docs) {
+    ASSERT_TRUE((*b)->AddItem(ids).ok());
+    (*b)->EndDocument();
+  }
+  ASSERT_TRUE((*b)->Finalize().ok());
+  old->reset();
+  for (const char* ext : {".bin", ".idx"}) fs::rename(prefix + "2" + ext, prefix + ext);
+  fs::remove(prefix + "2.ptk-done");
+}
+
+// Checks that the first `splits` splits of `stale` (config c built again after its data was rewritten)
+// were rebuilt, not read from the former cache, into the samples of c built from nothing.
+void ExpectRebuiltAsNew(const Config& c, const std::array<std::shared_ptr<TopLevelDataset>, 3>& stale, int splits) {
+  Config fresh_config = c;
+  fresh_config.name = "fresh";
+  auto fresh = BuildConfig(fresh_config);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  for (int i = 0; i < splits; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_NE(stale[i], nullptr);
+    EXPECT_FALSE(stale[i]->loaded_from_cache());
+    ASSERT_EQ(stale[i]->size(), (*fresh)[i]->size());
+    for (int64_t k = 0; k < (*fresh)[i]->size(); ++k) {
+      GPTSample got, want;
+      ASSERT_TRUE(stale[i]->Get(k, &got).ok()) << k;
+      ASSERT_TRUE((*fresh)[i]->Get(k, &want).ok()) << k;
+      ASSERT_EQ(got.tokens, want.tokens) << k;
+    }
+  }
+}
+
 // A dataset rewritten at its path (tokenized again without --append-eod: the same documents, each a
 // token shorter) kept finding its former index cache, whose description names only the path: the
 // training split's document ids were all in range, so the cache was used, and its rows pointed past
@@ -248,47 +296,17 @@ TEST(GPTDataset, AnIndexThatDoesNotDescribeItsBinIsRefused) {
 // contents, samples silently cut where the old documents were). The cache's lengths and rows are
 // checked against the dataset as it is now, and the stale cache rebuilt.
 TEST(GPTDataset, TheCacheOfADatasetRewrittenAtItsPathIsRebuilt) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-  Chdir cd(dir.path());
+  GoldenDataDir dir;
   const Config c = Configs()[2];
   ASSERT_EQ(c.name, "single");
   ASSERT_TRUE(BuildConfig(c).ok());
-  {
-    auto old = IndexedDataset::Open("gpt_data/A");
-    ASSERT_TRUE(old.ok()) << old.status();
-    auto b = IndexedDatasetBuilder::Create("gpt_data/A2", (*old)->dtype());
-    ASSERT_TRUE(b.ok()) << b.status();
-    for (int64_t i = 0; i < (*old)->num_sequences(); ++i) {
-      TokenSpan t = (*old)->sequence(i);
-      std::vector<int32_t> ids;
-      for (int64_t k = 0; k + 1 < t.size || (k == 0 && t.size == 1); ++k) ids.push_back(static_cast<int32_t>(t[k]));
-      ASSERT_TRUE((*b)->AddItem(ids).ok());
-      (*b)->EndDocument();
-    }
-    ASSERT_TRUE((*b)->Finalize().ok());
-  }
-  for (const char* ext : {".bin", ".idx"})
-    fs::rename(std::string("gpt_data/A2") + ext, std::string("gpt_data/A") + ext);
-  fs::remove("gpt_data/A2.ptk-done");
+  ASSERT_NO_FATAL_FAILURE(RewriteDocuments("gpt_data/A", [](std::vector<std::vector<int32_t>>& docs) {
+    for (auto& ids : docs)
+      if (ids.size() > 1) ids.pop_back();  // each a token shorter, a one-token document kept
+  }));
   auto stale = BuildConfig(c);
   ASSERT_TRUE(stale.ok()) << stale.status();
-  Config fresh_config = c;
-  fresh_config.name = "fresh";
-  auto fresh = BuildConfig(fresh_config);
-  ASSERT_TRUE(fresh.ok()) << fresh.status();
-  for (int i = 0; i < 3; ++i) {
-    SCOPED_TRACE(i);
-    ASSERT_NE((*stale)[i], nullptr);
-    EXPECT_FALSE((*stale)[i]->loaded_from_cache());
-    ASSERT_EQ((*stale)[i]->size(), (*fresh)[i]->size());
-    for (int64_t k = 0; k < (*fresh)[i]->size(); ++k) {
-      GPTSample got, want;
-      ASSERT_TRUE((*stale)[i]->Get(k, &got).ok()) << k;
-      ASSERT_TRUE((*fresh)[i]->Get(k, &want).ok()) << k;
-      ASSERT_EQ(got.tokens, want.tokens) << k;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectRebuiltAsNew(c, *stale, 3));
   // The rebuilt cache is the dataset's now: read back as it is.
   auto again = BuildConfig(c);
   ASSERT_TRUE(again.ok());
@@ -303,62 +321,31 @@ TEST(GPTDataset, TheCacheOfADatasetRewrittenAtItsPathIsRebuilt) {
 // Rewrites the dataset PREFIX with its last-but-one token of document n/3 moved to the front of the
 // next document: as many documents and tokens, other samples.
 void MoveATokenBetweenDocuments(const std::string& prefix) {
-  auto old = IndexedDataset::Open(prefix);
-  ASSERT_TRUE(old.ok()) << old.status();
-  auto b = IndexedDatasetBuilder::Create(prefix + "2", (*old)->dtype());
-  ASSERT_TRUE(b.ok()) << b.status();
-  const int64_t n = (*old)->num_sequences(), j = n / 3;
-  std::vector<std::vector<int32_t>> docs(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    TokenSpan t = (*old)->sequence(i);
-    for (int64_t k = 0; k < t.size; ++k) docs[static_cast<size_t>(i)].push_back(static_cast<int32_t>(t[k]));
-  }
-  auto& from = docs[static_cast<size_t>(j)];
-  ASSERT_GT(from.size(), 1u);
-  docs[static_cast<size_t>(j + 1)].insert(docs[static_cast<size_t>(j + 1)].begin(), from.back());
-  from.pop_back();
-  for (const auto& ids : docs) {
-    ASSERT_TRUE((*b)->AddItem(ids).ok());
-    (*b)->EndDocument();
-  }
-  ASSERT_TRUE((*b)->Finalize().ok());
-  old->reset();
-  for (const char* ext : {".bin", ".idx"}) fs::rename(prefix + "2" + ext, prefix + ext);
-  fs::remove(prefix + "2.ptk-done");
+  RewriteDocuments(prefix, [](std::vector<std::vector<int32_t>>& docs) {
+    const size_t j = docs.size() / 3;
+    auto& from = docs[j];
+    ASSERT_GT(from.size(), 1u);
+    docs[j + 1].insert(docs[j + 1].begin(), from.back());
+    from.pop_back();
+  });
 }
 
 TEST(GPTDataset, TheCacheOfADatasetWhoseDocumentsChangedLengthIsRebuilt) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-  Chdir cd(dir.path());
+  GoldenDataDir dir;
   const Config c = Configs()[2];
   ASSERT_EQ(c.name, "single");
   ASSERT_TRUE(BuildConfig(c).ok());
   ASSERT_NO_FATAL_FAILURE(MoveATokenBetweenDocuments("gpt_data/A"));
   auto stale = BuildConfig(c);
   ASSERT_TRUE(stale.ok()) << stale.status();
-  Config fresh_config = c;
-  fresh_config.name = "fresh";
-  auto fresh = BuildConfig(fresh_config);
-  ASSERT_TRUE(fresh.ok()) << fresh.status();
-  ASSERT_NE((*stale)[0], nullptr);
-  EXPECT_FALSE((*stale)[0]->loaded_from_cache());
-  ASSERT_EQ((*stale)[0]->size(), (*fresh)[0]->size());
-  for (int64_t k = 0; k < (*fresh)[0]->size(); ++k) {
-    GPTSample got, want;
-    ASSERT_TRUE((*stale)[0]->Get(k, &got).ok()) << k;
-    ASSERT_TRUE((*fresh)[0]->Get(k, &want).ok()) << k;
-    ASSERT_EQ(got.tokens, want.tokens) << k;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectRebuiltAsNew(c, *stale, 1));
 }
 
 // Every row is checked only when the data is at least as new as the cache (a whole check costs about a
 // build at every start): the same rewrite with the data's times set back before the cache's passes the
 // spot checks and the cache is used, as documented.
 TEST(GPTDataset, OnlyDataNewerThanItsCacheIsCheckedRowByRow) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-  Chdir cd(dir.path());
+  GoldenDataDir dir;
   const Config c = Configs()[2];
   ASSERT_TRUE(BuildConfig(c).ok());
   const auto before = fs::last_write_time("gpt_data/A.idx") - std::chrono::hours(1);
@@ -377,9 +364,7 @@ TEST(GPTDataset, OnlyDataNewerThanItsCacheIsCheckedRowByRow) {
 // Per epoch every token of the split is covered exactly once, and consecutive samples share their
 // boundary token (seq_length + 1 tokens per sample).
 TEST(GPTDataset, SamplesTileTheEpochs) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-  Chdir cd(dir.path());
+  GoldenDataDir dir;
   auto low = IndexedDataset::Open("gpt_data/A");
   ASSERT_TRUE(low.ok());
   std::shared_ptr<IndexedDataset> sp(std::move(*low));
@@ -444,9 +429,7 @@ TEST(PretrainingSampler, MegatronIndexFormulaAndResume) {
 }
 
 TEST(DataLoader, PrefetchedBatchesEqualDirectSamples) {
-  TempDir dir;
-  fs::copy(kGolden + "gpt_data", dir / "gpt_data", fs::copy_options::recursive);
-  Chdir cd(dir.path());
+  GoldenDataDir dir;
   auto ds = BuildConfig(Configs()[8]);  // "masks": eod_mask_loss and reset_position_ids on
   ASSERT_TRUE(ds.ok());
   std::shared_ptr<TopLevelDataset> train = (*ds)[0];

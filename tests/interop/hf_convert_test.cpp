@@ -26,6 +26,7 @@
 #include "interop/safetensors.h"
 #include "tests/interop/hf_convert_fixture.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk {
@@ -847,14 +848,7 @@ TEST_F(HfConvert, AWrongLoaderSaysWhatTheDirectoryHolds) {
 // model's model.safetensors (400 KB) fits under but vocab.json does not: EFBIG, as ENOSPC) is exit 3
 // and leaves no partial export, and over an earlier export leaves that one whole.
 TEST_F(HfConvert, AFullDiskPartWayLeavesNoPartialExport) {
-  GPTConfig c;
-  c.num_layers = 1;
-  c.hidden_size = 2;
-  c.num_attention_heads = 1;
-  c.ffn_hidden_size = 8;
-  c.seq_length = c.max_position_embeddings = 8;
-  c.vocab_size = 50257;
-  c.padded_vocab_size = 50304;
+  const GPTConfig c = testing::SmallGpt(1, 2, 1, 8, 50257, 50304);
   auto layout = ParamLayout::Create(c);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<float> p(static_cast<size_t>(layout->num_params), 0.125f);

@@ -23,6 +23,7 @@
 #include "interop/torch_format.h"
 #include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk {
@@ -31,14 +32,7 @@ namespace {
 using torchfmt::PyValue;
 
 GPTConfig Gpt(bool tied) {
-  GPTConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 16;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 64;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 100;
-  c.padded_vocab_size = 128;
+  GPTConfig c = testing::SmallGpt(4, 16, 4, 16, 100, 128);
   c.untie_embeddings_and_output_weights = !tied;
   return c;
 }
@@ -69,6 +63,20 @@ class MegatronDistopt : public ::testing::Test {
   ConvertOptions Opts(const std::string& loader, const std::string& saver, const std::string& from,
                       const std::string& to) {
     return testing::ConvertOpts(loader, saver, from, to);
+  }
+  // Gpt(tied) saved in bf16 at dir_/ck, exported to dir_/meg with the distributed optimizer (the local
+  // transformer implementation) at tensor size tp and pipeline size pp, layers_per_chunk layers per
+  // virtual stage (0: none).
+  void ExportTiedBf16(int64_t tp, int64_t pp, int64_t layers_per_chunk) {
+    ASSERT_NO_FATAL_FAILURE(Save(Gpt(true), dir_ / "ck", "bf16"));
+    ConvertOptions o = Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg");
+    o.target_tensor_parallel_size = tp;
+    o.target_pipeline_parallel_size = pp;
+    o.target_num_layers_per_virtual_pipeline_stage = layers_per_chunk;
+    o.saver_transformer_impl = "local";
+    o.target_use_distributed_optimizer = true;
+    auto s = ExportToMegatron(o);
+    ASSERT_TRUE(s.ok()) << s.status();
   }
 
   testing::TempDir dir_;
@@ -131,13 +139,7 @@ TEST_F(MegatronDistopt, PtkToMegatronsDistributedOptimizerAndBackIsBitForBit) {
 // layout the grad buffers have; model_optim_rng.pt's optimizer {"optimizer": {"param_groups": the groups
 // without their params, Adam's step in each}}.
 TEST_F(MegatronDistopt, FilesAreWhatDistributedOptimizerSavesAtDataParallelSizeOne) {
-  Save(Gpt(true), dir_ / "ck", "bf16");
-  ConvertOptions o = Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg");
-  o.target_pipeline_parallel_size = 2;
-  o.target_num_layers_per_virtual_pipeline_stage = 1;
-  o.saver_transformer_impl = "local";
-  o.target_use_distributed_optimizer = true;
-  ASSERT_TRUE(ExportToMegatron(o).ok());
+  ASSERT_NO_FATAL_FAILURE(ExportTiedBf16(1, 2, 1));
   auto mparams = megatron::MegParams(layout_, 4);
   ASSERT_TRUE(mparams.ok());
   for (int64_t p = 0; p < 2; ++p) {
@@ -229,13 +231,7 @@ void EditDistrib(const std::string& path, const std::string& what,
 // are summed). The export writes them equal; an import where they differ was silent (ptk takes stage
 // 0's): warned as the model-weight copy is, naming both files and the element of the whole table.
 TEST_F(MegatronDistopt, TiedCopyOfTheLastStageIsWrittenEqualAndWarnedWhenItDiffers) {
-  Save(Gpt(true), dir_ / "ck", "bf16");
-  ConvertOptions o = Opts("ptk", "megatron", dir_ / "ck", dir_ / "meg");
-  o.target_tensor_parallel_size = 2;
-  o.target_pipeline_parallel_size = 2;
-  o.saver_transformer_impl = "local";
-  o.target_use_distributed_optimizer = true;
-  ASSERT_TRUE(ExportToMegatron(o).ok());
+  ASSERT_NO_FATAL_FAILURE(ExportTiedBf16(2, 2, 0));
   auto mparams = megatron::MegParams(layout_, 2);
   ASSERT_TRUE(mparams.ok());
   const std::string iter = dir_ / "meg/iter_0000007/";

@@ -15,7 +15,9 @@
 #include "interop/megatron.h"
 #include "interop/megatron_common.h"
 #include "interop/torch_format.h"
+#include "tests/interop/convert_opts.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "trainer/checkpoint.h"
 
 namespace ptk {
@@ -47,14 +49,7 @@ bool Mentions(const std::vector<std::string>& notes, const std::string& what) {
 // and ptk-train's (a ptk checkpoint inside) alone.
 TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
   testing::TempDir dir;
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 16;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 64;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 100;
-  c.padded_vocab_size = 128;
+  const GPTConfig c = testing::SmallGpt(2, 16, 4, 16, 100, 128);
   auto layout = ParamLayout::Create(c);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<float> params(static_cast<size_t>(layout->num_params)), m(params.size()), v(params.size());
@@ -78,12 +73,7 @@ TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
   WriteWithDirs(running + "/mp_rank_00/model_optim_rng.pt", "a live run's, being written");
   WriteWithDirs(trainer + "/mp_rank_00/model_optim_rng.ptk", "ptk-train's save");
 
-  ConvertOptions o;
-  o.loader = "ptk";
-  o.saver = "megatron";
-  o.load_dir = dir / "ck";
-  o.save_dir = meg;
-  auto s = ExportToMegatron(o);
+  auto s = ExportToMegatron(testing::ConvertOpts("ptk", "megatron", dir / "ck", meg));
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_TRUE(testing::Exists(meg + "/iter_0000007/mp_rank_00/model_optim_rng.pt"));
   EXPECT_FALSE(testing::Exists(killed));
@@ -104,14 +94,7 @@ TEST(MegatronExport, RemovesWhatKilledExportsLeftAndNothingLive) {
 // size (Megatron's default); else None.
 TEST(MegatronExport, ArgsHoldTheMicrobatchGroupSizeAsMegatronsDo) {
   testing::TempDir dir;
-  GPTConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 16;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 64;
-  c.seq_length = c.max_position_embeddings = 16;
-  c.vocab_size = 100;
-  c.padded_vocab_size = 128;
+  const GPTConfig c = testing::SmallGpt(4, 16, 4, 16, 100, 128);
   auto layout = ParamLayout::Create(c);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<float> params(static_cast<size_t>(layout->num_params)), m(params.size()), v(params.size());
@@ -135,11 +118,7 @@ TEST(MegatronExport, ArgsHoldTheMicrobatchGroupSizeAsMegatronsDo) {
     st.iteration = 7;
     st.settings = {{"--vocab-size", "100"}, {"--microbatch-group-size-per-virtual-pipeline-stage", k.group}};
     ASSERT_TRUE(SaveCheckpoint(ck, *layout, params, m, v, st, "[]").ok());
-    ConvertOptions o;
-    o.loader = "ptk";
-    o.saver = "megatron";
-    o.load_dir = ck;
-    o.save_dir = meg;
+    ConvertOptions o = testing::ConvertOpts("ptk", "megatron", ck, meg);
     o.target_pipeline_parallel_size = k.pp;
     o.target_num_layers_per_virtual_pipeline_stage = k.layers_per_chunk;
     ASSERT_TRUE(ExportToMegatron(o).ok());

@@ -15,6 +15,7 @@
 
 #include "common/status.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/parallel_layout.h"
@@ -24,23 +25,10 @@ namespace ptk {
 namespace {
 
 GPTConfig Config(bool llama) {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 256;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 97;
-  c.padded_vocab_size = 128;
+  GPTConfig c = testing::SmallGpt(2, 64, 4, 32, 97, 128);
   c.hidden_dropout = c.attention_dropout = 0.1;
   if (llama) {
-    c.normalization = Normalization::kRMSNorm;
-    c.position_embedding = PositionEmbedding::kRope;
-    c.swiglu = true;
-    c.num_query_groups = 2;
-    c.qk_layernorm = true;
-    c.add_bias_linear = false;
-    c.untie_embeddings_and_output_weights = true;
+    testing::SwitchToLlama(c, 2);
     c.recompute_activations = true;
   }
   return c;

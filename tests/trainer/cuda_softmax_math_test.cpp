@@ -36,6 +36,19 @@ void Online(const std::vector<float>& v, float* m, double* s) {
   }
 }
 
+// Online<N> over v against the two-pass sum: the same max, a finite sum within 1e-6 of it.
+template <int N>
+void ExpectTheTwoPassSum(const std::vector<float>& v) {
+  float want_m = 0;
+  const double want = TwoPassSum(v, &want_m);
+  float m = 0;
+  double s = 0;
+  Online<N>(v, &m, &s);
+  EXPECT_EQ(m, want_m);
+  EXPECT_TRUE(std::isfinite(s)) << s;
+  EXPECT_NEAR(s, want, 1e-6 * want);
+}
+
 // The regression: a thread whose first pack is all -inf (its max still -inf there) and whose later
 // packs are finite. expf(-inf - -inf) is NaN; added to the sum, it outlived the rescaling when the
 // finite pack came, and the row's loss was NaN where the CPU op's is finite.
@@ -43,18 +56,8 @@ TEST(CudaSoftmaxMath, MinusInfLogitsBeforeAnyFiniteOneAddNothing) {
   for (const std::vector<float>& v :
        {std::vector<float>{-kInf, -kInf, -kInf, -kInf, 0.5f, 1.0f, -2.0f, 3.0f},
         std::vector<float>{-kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, 1.0f, -kInf, 2.0f, 0.0f}}) {
-    float want_m = 0;
-    const double want = TwoPassSum(v, &want_m);
-    float m = 0;
-    double s = 0;
-    Online<4>(v, &m, &s);
-    EXPECT_EQ(m, want_m);
-    EXPECT_TRUE(std::isfinite(s)) << s;
-    EXPECT_NEAR(s, want, 1e-6 * want);
-    Online<1>(v, &m, &s);  // the scalar kernel: one logit per pack
-    EXPECT_EQ(m, want_m);
-    EXPECT_TRUE(std::isfinite(s)) << s;
-    EXPECT_NEAR(s, want, 1e-6 * want);
+    ExpectTheTwoPassSum<4>(v);
+    ExpectTheTwoPassSum<1>(v);  // the scalar kernel: one logit per pack
   }
 }
 
@@ -90,13 +93,8 @@ TEST(CudaSoftmaxMath, OnlineSumIsTheTwoPassSum) {
   for (int row = 0; row < 20; ++row) {
     std::vector<float> v(64);
     for (size_t i = 0; i < v.size(); ++i) v[i] = normal(gen) + (row % 2 == 0 ? 0.5f * static_cast<float>(i) : 0.0f);
-    float want_m = 0;
-    const double want = TwoPassSum(v, &want_m);
-    float m = 0;
-    double s = 0;
-    Online<8>(v, &m, &s);
-    EXPECT_EQ(m, want_m);
-    EXPECT_NEAR(s, want, 1e-6 * want) << "row " << row;
+    SCOPED_TRACE(row);
+    ExpectTheTwoPassSum<8>(v);
   }
 }
 

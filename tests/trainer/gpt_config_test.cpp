@@ -6,23 +6,14 @@
 #include <string>
 #include <vector>
 
+#include "tests/trainer/small_gpt.h"
 #include "trainer/param_layout.h"
 #include "trainer/training.h"
 
 namespace ptk {
 namespace {
 
-GPTConfig Small() {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 256;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 97;
-  c.padded_vocab_size = 128;
-  return c;
-}
+GPTConfig Small() { return testing::SmallGpt(2, 64, 4, 32, 97, 128); }
 
 std::string Refusal(const GPTConfig& c) {
   const absl::Status st = c.Validate();

@@ -11,6 +11,7 @@
 
 #include "common/system_memory.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/memory_estimate.h"
@@ -18,27 +19,11 @@
 namespace ptk {
 namespace {
 
-GPTConfig Gpt3() {
-  GPTConfig c;
-  c.num_layers = 3;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 128;
-  c.seq_length = 16;
-  c.max_position_embeddings = 16;
-  c.vocab_size = c.padded_vocab_size = 97;
-  return c;
-}
+GPTConfig Gpt3() { return testing::SmallGpt(3, 32, 4, 16, 97, 97); }
 
 GPTConfig Llama() {
   GPTConfig c = Gpt3();
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding = PositionEmbedding::kRope;
-  c.swiglu = true;
-  c.num_query_groups = 2;
-  c.add_bias_linear = false;
-  c.qk_layernorm = true;
-  c.untie_embeddings_and_output_weights = true;
+  testing::SwitchToLlama(c, 2);
   return c;
 }
 

@@ -21,6 +21,7 @@
 
 #include "tests/trainer/forwarding_comm.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/param_shard.h"
@@ -31,14 +32,7 @@ namespace ptk {
 namespace {
 
 GPTConfig Config() {
-  GPTConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 256;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 97;
-  c.padded_vocab_size = 128;
+  GPTConfig c = testing::SmallGpt(2, 64, 4, 32, 97, 128);
   c.hidden_dropout = c.attention_dropout = 0.1;
   return c;
 }

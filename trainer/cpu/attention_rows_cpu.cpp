@@ -1,15 +1,18 @@
-// Causal attention of some query positions over whole samples (context parallelism: a context rank's
-// queries, the context group's keys and values all-gathered), forward and backward. The same math,
-// masks and dropout keys as attention_cpu.cpp's over the whole samples, restricted to the query rows:
-// row i of a sample is position qpos[i], attends to positions 0..qpos[i], and its attention-dropout
-// mask is that of row qpos[i] of one rank's (t x t) probabilities. Both products of each (batch,
-// head) go through BLAS; the (batch, head) pairs (backward: the (batch, query group) pairs) run on
-// oneTBB's threads, each computed whole by one thread: the same bits for any thread count.
+// Causal attention of some query positions over whole samples, forward and backward: context
+// parallelism's (a context rank's queries, the context group's keys and values all-gathered), and with
+// every position a query, the whole samples' (attention_cpu.cpp). Row i of a sample is position
+// qpos[i], attends to positions 0..qpos[i], and its attention-dropout mask is that of row qpos[i] of
+// one rank's (t x t) probabilities. Both products of each (batch, head) go through BLAS; the (batch,
+// head) pairs (backward: the (batch, query group) pairs, whose heads add to one key and value
+// gradient) run on oneTBB's threads, each computed whole by one thread in the same order: the same
+// bits for any thread count.
 #include <tbb/enumerable_thread_specific.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -18,23 +21,56 @@
 namespace ptk::cpu {
 namespace {
 
-// Dropout of the causal part of a (tq, t) block of probabilities whose rows are positions qpos.
+// Columns of head h's query and of its group's key in a token's QKV row (per group: its
+// per_group query heads, the key, the value).
+int64_t QueryColumn(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + h % per_group) * hd;
+}
+int64_t KeyColumn(int64_t h, int64_t per_group, int64_t hd) {
+  return (h / per_group * (per_group + 2) + per_group) * hd;
+}
+
+// Dropout of the causal part of a (tq, t) block in place, row i being position qpos[i]: its mask is
+// that of row qpos[i] of a sample's (t, t) probabilities (the same mask in forward and backward).
 template <typename T>
 void DropoutQueryRows(T* m, const int64_t* qpos, int64_t tq, int64_t t, double p, uint64_t seed, uint64_t stream) {
   if (p <= 0.0) return;
   const uint32_t threshold = DropoutKeepThreshold(p);
   const T scale = static_cast<T>(1.0 / (1.0 - p));
-  for (int64_t i = 0; i < tq; ++i)
-    for (int64_t j = 0; j <= qpos[i]; ++j) {
-      const uint64_t idx = static_cast<uint64_t>(qpos[i] * t + j);
+  for (int64_t i = 0; i < tq; ++i) {
+    const int64_t last = qpos[i];
+    for (int64_t j = 0; j <= last; ++j) {
+      const uint64_t idx = static_cast<uint64_t>(last * t + j);
       m[i * t + j] = DropoutKeep(seed, stream, idx, threshold) ? m[i * t + j] * scale : T(0);
     }
+  }
 }
 
-int64_t QueryCol(int64_t h, int64_t per_group, int64_t hd) {
-  return (h / per_group * (per_group + 2) + h % per_group) * hd;
+// A row of t scores to probabilities in place: softmax over columns 0..last, zeros after.
+template <typename T>
+void SoftmaxRow(T* row, int64_t last, int64_t t) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, row[j]);
+  double sum = 0;
+  for (int64_t j = 0; j <= last; ++j) {
+    row[j] = std::exp(row[j] - mx);
+    sum += row[j];
+  }
+  const T inv = static_cast<T>(1.0 / sum);
+  for (int64_t j = 0; j <= last; ++j) row[j] *= inv;
+  for (int64_t j = last + 1; j < t; ++j) row[j] = T(0);
 }
-int64_t KeyCol(int64_t h, int64_t per_group, int64_t hd) { return (h / per_group * (per_group + 2) + per_group) * hd; }
+
+// The gradient of a row's probabilities (drow, in place) to that of its scaled scores, given the
+// probabilities prow: drow = prow * (drow - prow . drow) * scale over columns 0..last, zeros after.
+template <typename T>
+void SoftmaxBackwardRow(const T* prow, T* drow, int64_t last, int64_t t, T scale) {
+  double dot = 0;
+  for (int64_t j = 0; j <= last; ++j) dot += static_cast<double>(prow[j]) * drow[j];
+  const T tdot = static_cast<T>(dot);
+  for (int64_t j = 0; j <= last; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
+  for (int64_t j = last + 1; j < t; ++j) drow[j] = T(0);
+}
 
 }  // namespace
 
@@ -47,25 +83,12 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
   tbb::parallel_for(int64_t{0}, s.b * s.nh, [&](int64_t bh) {
     const int64_t b = bh / s.nh, h = bh % s.nh;
     tbb::this_task_arena::isolate([&] {  // no other head on this thread while Gemm's tiles run
-      const T* q = q_rows + b * tq * w + QueryCol(h, per_group, hd);
-      const T* k = kv + b * t * w + KeyCol(h, per_group, hd);
+      const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd);
+      const T* k = kv + b * t * w + KeyColumn(h, per_group, hd);
       const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * tq * t;
       Gemm<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t);
-      for (int64_t i = 0; i < tq; ++i) {
-        T* row = pr + i * t;
-        const int64_t last = qpos[i];
-        T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, row[j]);
-        double sum = 0;
-        for (int64_t j = 0; j <= last; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const T inv = static_cast<T>(1.0 / sum);
-        for (int64_t j = 0; j <= last; ++j) row[j] *= inv;
-        for (int64_t j = last + 1; j < t; ++j) row[j] = T(0);
-      }
+      for (int64_t i = 0; i < tq; ++i) SoftmaxRow(pr + i * t, qpos[i], t);
       const T* pv = pr;
       if (p > 0.0) {
         std::vector<T>& dropped = dropped_of.local();
@@ -93,11 +116,11 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
     tbb::this_task_arena::isolate([&] {
       for (int64_t h = bg % s.groups() * per_group; h < (bg % s.groups() + 1) * per_group; ++h) {
         const uint64_t stream = p > 0.0 ? streams[b] + static_cast<uint64_t>(h) : 0;
-        const T* q = q_rows + b * tq * w + QueryCol(h, per_group, hd);
-        const T* k = kv + b * t * w + KeyCol(h, per_group, hd);
+        const T* q = q_rows + b * tq * w + QueryColumn(h, per_group, hd);
+        const T* k = kv + b * t * w + KeyColumn(h, per_group, hd);
         const T* v = k + hd;
-        T* dq = dq_rows + b * tq * w + QueryCol(h, per_group, hd);
-        T* dk = dkv + b * t * w + KeyCol(h, per_group, hd);
+        T* dq = dq_rows + b * tq * w + QueryColumn(h, per_group, hd);
+        T* dk = dkv + b * t * w + KeyColumn(h, per_group, hd);
         T* dv = dk + hd;
         const T acc = h % per_group == 0 ? T(0) : T(1);  // the group's first head assigns, the others add
         const T* dy = dout + b * tq * c + h * hd;
@@ -111,15 +134,7 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
         Gemm<T>(true, false, t, hd, tq, T(1), pv, t, dy, c, acc, dv, w);  // dV = P'^T dY
         Gemm<T>(false, true, tq, t, hd, T(1), dy, c, v, w, T(0), dp, t);  // dP' = dY V^T
         DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);               // dP = dropout(dP')
-        for (int64_t i = 0; i < tq; ++i) {
-          const T* prow = pr + i * t;
-          T* drow = dp + i * t;
-          double dot = 0;
-          for (int64_t j = 0; j <= qpos[i]; ++j) dot += static_cast<double>(prow[j]) * drow[j];
-          const T tdot = static_cast<T>(dot);
-          for (int64_t j = 0; j <= qpos[i]; ++j) drow[j] = prow[j] * (drow[j] - tdot) * scale;
-          for (int64_t j = qpos[i] + 1; j < t; ++j) drow[j] = T(0);
-        }
+        for (int64_t i = 0; i < tq; ++i) SoftmaxBackwardRow(pr + i * t, dp + i * t, qpos[i], t, scale);
         Gemm<T>(false, false, tq, hd, t, T(1), dp, t, k, w, T(0), dq, w);  // dQ = dS K
         Gemm<T>(true, false, t, hd, tq, T(1), dp, t, q, w, acc, dk, w);    // dK = dS^T Q
       }
