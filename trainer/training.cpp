@@ -366,7 +366,7 @@ class Trainer {
       TensorBoardScalar("batch-size", static_cast<double>(current_gbs_));
       TensorBoardScalar("lm loss", r.lm_loss());
       if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.loss_scale);
-      if (o_.tensorboard.log_world_size) TensorBoardScalar("world-size", dp_);
+      if (o_.tensorboard.log_world_size) TensorBoardScalar("world-size", world_->size());  // args.world_size
       if (!r.overflow) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has no norm for an overflow
       if (r.num_zeros_in_grad) TensorBoardScalar("num-zeros", *r.num_zeros_in_grad);
       if (params_norm) TensorBoardScalar("params-norm", *params_norm);

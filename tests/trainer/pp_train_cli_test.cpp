@@ -224,6 +224,21 @@ TEST_F(PipelineParallelCli, SamplesTensorBoardAndOverlapAcrossStagesAreOneRanks)
   EXPECT_EQ(Lines(overlapped.output), Lines(plain.output));
 }
 
+// --log-world-size-to-tensorboard logs Megatron's args.world_size, every rank of the run: 4 here (2 stages x 2
+// data ranks); it logged the data ranks (2).
+TEST_F(PipelineParallelCli, WorldSizeScalarCountsEveryRank) {
+  const std::string tb = dir_ / "tb";
+  auto r = Ranks(4, Train(1, 2, "--log-world-size-to-tensorboard --tensorboard-dir " + ShellQuote(tb), 4));
+  ASSERT_NE(r.output.find(AllZero(4)), std::string::npos) << r.output << Logs(4);
+  int seen = 0;
+  for (const Scalar& s : EventScalars(tb))
+    if (s.key.rfind("world-size@", 0) == 0) {
+      EXPECT_EQ(s.value, 4.0f) << s.key;
+      ++seen;
+    }
+  EXPECT_EQ(seen, 4);
+}
+
 // Over stages, the last stage's writer (Megatron's last rank) writes both the event files and
 // --metrics-file: the metrics.jsonl that defaults to --tensorboard-dir goes with the events, into a
 // fresh run's run-2 beside another run's event files, and stays there when the run resumes. Before,
