@@ -11,6 +11,7 @@
 #include "common/slurm_env.h"
 #include "common/status.h"
 #include "dataprep/concat/concat.h"
+#include "dataprep/input/byte_source.h"
 
 namespace {
 
@@ -25,10 +26,9 @@ struct RunArgs {
 // CLI11 2.4 (Ubuntu 24.04) refuses a subcommand option --input while the parent has a positional
 // named "input".
 void AddPlanOptions(CLI::App* app, ptk::ConcatPlanRequest* r, bool required, const std::string& positional) {
-  auto* in = app->add_option(
-      "--input," + positional, r->inputs,
-      "jsonl files, globs or directories (directories: every .jsonl, .jsonl.zst, .jsonl.xz, .jsonl.gz, .json and "
-      ".json.gz below)");
+  auto* in = app->add_option("--input," + positional, r->inputs,
+                             "jsonl files, globs or directories (directories: every " +
+                                 ptk::DescribeSuffixes(ptk::JsonInputSuffixes()) + " below)");
   auto* out = app->add_option("--output-dir", r->output_dir, "Where the chunks are written");
   if (required) {
     in->required();

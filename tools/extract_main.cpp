@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/extract/extract.h"
+#include "dataprep/input/byte_source.h"
 #include "dataprep/input/input_list.h"
 
 namespace {
@@ -79,8 +80,8 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     ptk::ExtractOptions opt;
     std::vector<ptk::LeftOutFile> left_out;
-    PTK_ASSIGN_OR_RETURN(auto files, ptk::CollectInputFiles(inputs, {".zst", ".zstd", ".xz", ".gz"},
-                                                            ptk::PathOrder::kNatural, &left_out));
+    PTK_ASSIGN_OR_RETURN(
+        auto files, ptk::CollectInputFiles(inputs, ptk::CompressedSuffixes(), ptk::PathOrder::kNatural, &left_out));
     std::set<std::string> outputs;  // this tool's own outputs beside their inputs are not worth a word
     for (const auto& f : files) {
       opt.inputs.push_back(f.path);

@@ -429,7 +429,7 @@ absl::StatusOr<ConcatChunkResult> BuildConcatChunk(const ConcatPlan& plan, size_
 absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   std::vector<LeftOutFile> left_out;
   PTK_ASSIGN_OR_RETURN(auto files,
-                       CollectInputs(r.inputs, {".jsonl", ".jsonl.zst", ".jsonl.xz", ".jsonl.gz", ".json", ".json.gz"},
+                       CollectInputs(r.inputs, JsonInputSuffixes(),
                                      r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural, &left_out));
   std::vector<ConcatInput> inputs;
   std::error_code ec;

@@ -427,9 +427,29 @@ Compression DetectCompression(const std::string& path) {
 }
 
 std::string StripCompressionSuffix(const std::string& path) {
-  for (std::string_view suf : {".zst", ".zstd", ".xz", ".gz"})
+  for (std::string_view suf : kCompressionSuffixes)
     if (EndsWith(path, suf)) return path.substr(0, path.size() - suf.size());
   return path;
+}
+
+std::vector<std::string> CompressedSuffixes() {
+  return std::vector<std::string>(std::begin(kCompressionSuffixes), std::end(kCompressionSuffixes));
+}
+
+std::vector<std::string> JsonInputSuffixes() {
+  std::vector<std::string> out;
+  for (std::string_view base : {".jsonl", ".json"}) {
+    out.emplace_back(base);
+    for (std::string_view suf : kCompressionSuffixes) out.push_back(std::string(base) + std::string(suf));
+  }
+  return out;
+}
+
+std::string DescribeSuffixes(const std::vector<std::string>& suffixes) {
+  std::string s;
+  for (size_t i = 0; i < suffixes.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == suffixes.size() ? " and " : ", ") + suffixes[i];
+  return s;
 }
 
 absl::StatusOr<std::unique_ptr<ByteSource>> OpenByteSource(const std::string& path) {

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -23,6 +25,15 @@ enum class Compression { kNone, kZstd, kXz, kGzip };
 Compression DetectCompression(const std::string& path);
 // "x.jsonl.zst" -> "x.jsonl" (.zst, .zstd, .xz, .gz); unchanged when not compressed.
 std::string StripCompressionSuffix(const std::string& path);
+
+// The names of the compressed files ptk reads: what ptk-extract takes below a directory.
+inline constexpr std::string_view kCompressionSuffixes[] = {".zst", ".zstd", ".xz", ".gz"};
+std::vector<std::string> CompressedSuffixes();
+// What ptk-concat takes below a directory: .jsonl and .json, plain or compressed (every suffix of
+// kCompressionSuffixes), so it reads every file ptk-extract would decompress.
+std::vector<std::string> JsonInputSuffixes();
+// "a, b and c" of `suffixes`, for --help and messages.
+std::string DescribeSuffixes(const std::vector<std::string>& suffixes);
 
 class ByteSource {
  public:

@@ -1004,6 +1004,29 @@ TEST(Concat, EachFileOnceFifosRefusedAndLeftOutFilesReported) {
   EXPECT_NE(efifo.output.find(dir / "pipe.jsonl.zst" + " is a FIFO"), std::string::npos) << efifo.output;
 }
 
+// A directory walk of ptk-concat left out .json.zst, .json.xz and .zstd inputs ("left out
+// in/b.json.zst: extension .zst"), which ptk-extract takes and ptk-concat reads when named. Now it
+// takes .jsonl and .json in every compression ptk-extract takes.
+TEST(Concat, DirectoryTakesEveryCompressionExtractTakes) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string a = Jsonl(20, 31), b = Jsonl(20, 32), c = Jsonl(20, 33), d = Jsonl(20, 34);
+  testing::WriteFile(dir / "in/a.json.zst", testing::ZstdCompress(a));
+  testing::WriteFile(dir / "in/b.json.xz", testing::XzCompress(b));
+  testing::WriteFile(dir / "in/c.jsonl.zstd", testing::ZstdCompress(c));
+  testing::WriteFile(dir / "in/d.json.zstd", testing::ZstdCompress(d));
+  auto r = RunCmd(fmt::format("timeout 60 {} --quiet --input {} --output-dir {} --chunks 1",
+                              testing::Tool("ptk-concat"), dir / "in", dir / "c"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("left out"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::ReadFile(dir / "c/train_00.jsonl") == a + b + c + d) << r.output;
+  // What ptk-extract takes from that directory, ptk-concat takes too.
+  auto e = RunCmd(
+      fmt::format("timeout 60 {} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "x"));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("4 extracted"), std::string::npos) << e.output;
+}
+
 // One file listed twice would be concatenated twice: training data silently duplicated. A plan
 // (edited by hand, or written by another tool) that lists a path twice however spelled, or one file
 // under two names (a hard link), names two chunks alike or one outside its directory, is refused
