@@ -33,7 +33,8 @@ struct LeftOutFile {
 // other). A named (or matched) input that is not a regular file (a FIFO, a device) is an error
 // naming it. The files below a directory that are not taken go to `left_out` with the reason (a
 // name with another or an upper-case extension, no extension, a FIFO, a broken link), but ptk's own
-// (any name with ".ptk-": sidecars, locks, temporaries), which are left out without a word.
+// (the names it writes: X.ptk-done, X.ptk-lock, X.ptk-tmp-*, PREFIX.ptk-resume, ...; a user's
+// x.ptk-v2.jsonl is an input), which are left out without a word.
 absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::string>& args,
                                                          const std::vector<std::string>& dir_suffixes, PathOrder order,
                                                          std::vector<LeftOutFile>* left_out = nullptr);

@@ -14,6 +14,7 @@
 
 #include "common/status.h"
 #include "dataprep/concat/concat.h"
+#include "dataprep/input/byte_source.h"
 #include "dataprep/input/input_list.h"
 #include "tests/dataprep/compress_util.h"
 #include "tests/test_util.h"
@@ -1025,6 +1026,31 @@ TEST(Concat, DirectoryTakesEveryCompressionExtractTakes) {
       fmt::format("timeout 60 {} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "x"));
   ASSERT_EQ(e.exit_code, 0) << e.output;
   EXPECT_NE(e.output.find("4 extracted"), std::string::npos) << e.output;
+}
+
+// The directory walks of ptk-extract, ptk-concat and ptk-tokenize left out, without a word, every
+// name with ".ptk-" in it, a user's x.ptk-v2.jsonl too. Now only the names ptk writes are its own.
+TEST(InputList, OnlyPtksOwnNamesAreSkipped) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in/.ptk-download");
+  for (const char* own : {"f.jsonl.ptk-done", "f.jsonl.ptk-lock", "f.jsonl.ptk-tmp-12-0a1b2c3d",
+                          "f.jsonl.ptk-done.ptk-tmp-12-0a1b2c3d", "f.jsonl.ptk-extracting", "p.ptk-resume",
+                          "p.ptk-resume-index", "p.ptk-inorder.bin", ".ptk-download/state.json"})
+    testing::WriteFile(dir / (std::string("in/") + own), "{}");
+  for (const char* mine : {"x.ptk-v2.jsonl", "y.ptk-v2.jsonl.zst", "z.ptk-donewith.jsonl"})
+    testing::WriteFile(dir / (std::string("in/") + mine), "{}\n");
+  std::vector<LeftOutFile> left_out;
+  auto concat = CollectInputs({dir / "in"}, JsonInputSuffixes(), PathOrder::kNatural, &left_out);
+  ASSERT_TRUE(concat.ok()) << concat.status();
+  EXPECT_EQ(*concat, (std::vector<std::string>{dir / "in/x.ptk-v2.jsonl", dir / "in/y.ptk-v2.jsonl.zst",
+                                               dir / "in/z.ptk-donewith.jsonl"}));
+  EXPECT_TRUE(left_out.empty()) << left_out[0].path;
+  auto extract = CollectInputs({dir / "in"}, CompressedSuffixes(), PathOrder::kNatural);
+  ASSERT_TRUE(extract.ok()) << extract.status();
+  EXPECT_EQ(*extract, std::vector<std::string>{dir / "in/y.ptk-v2.jsonl.zst"});
+  auto tokenize = ExpandTokenizeInputs({dir / "in"}, "");
+  ASSERT_TRUE(tokenize.ok()) << tokenize.status();
+  EXPECT_EQ(*tokenize, *concat);
 }
 
 // One file listed twice would be concatenated twice: training data silently duplicated. A plan
