@@ -27,6 +27,7 @@
 #include "trainer/distributed.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/rendezvous.h"
+#include "trainer/run_settings.h"
 #include "trainer/training.h"
 #include "trainer/training_data.h"
 
@@ -164,15 +165,19 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
 
 // This rank's communicators: the world's, then the tensor, data (with context parallelism Megatron's
 // data × context group), pipeline, embedding and context groups (each a communicator of its own over
-// the world's), made in that order by every rank (a middle stage has no embedding group).
+// the world's), made in that order by every rank (a middle stage has no embedding group). The ranks
+// agree on `settings` over the world first: ranks started with another --tensor-model-parallel-size,
+// --pipeline-model-parallel-size or --context-parallel-size would make other groups (each waiting
+// for the others until the timeout, "did not join"); they are refused in one line naming the flag.
 struct Groups {
   std::unique_ptr<ptk::Communicator> world, tensor, data, pipeline, embedding, context;
   ptk::Communicator* DataOrWorld() const { return data ? data.get() : world.get(); }
 };
 absl::StatusOr<Groups> MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLayout& layout,
-                                  const ptk::TrainOptions& options, int rank) {
+                                  const ptk::TrainOptions& options, const ptk::Settings& settings, int rank) {
   Groups g;
   PTK_ASSIGN_OR_RETURN(g.world, ptk::CreateCommunicator(d));
+  PTK_RETURN_IF_ERROR(ptk::CheckRanksAgree(g.world.get(), settings));
   const int tp = layout.tensor_size(), pp = layout.pipeline_size(), cp = layout.context_size();
   if (tp > 1) {
     PTK_ASSIGN_OR_RETURN(g.tensor, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kTensor, rank), "tensor"));
@@ -305,8 +310,9 @@ int main(int argc, char** argv) {
       return planned.status();
     }
     const ptk::TrainPlan plan = *std::move(planned);
-    PTK_ASSIGN_OR_RETURN(
-        Groups groups, MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options, ranks.rank));
+    PTK_ASSIGN_OR_RETURN(Groups groups,
+                         MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options,
+                                    ptk::RunSettings(options, plan.global_batch_size), ranks.rank));
     const ptk::TrainingThreadsChoice threads = TrainingThreads(flags, ranks);
     if (!threads.reason.empty())
       notes.push_back(fmt::format("{} CPU thread{} per rank: {}", threads.threads, threads.threads == 1 ? "" : "s",

@@ -4,7 +4,7 @@
 // line with RoPE at C = 2) give the loss lines of one rank within 1e-5 relative, with dropout on, and
 // after 10 iterations the same parameters within 2e-5 of the largest; a checkpoint saved at C = 2
 // resumes at C = 1 and the reverse, continuing the uninterrupted run's losses; what ptk does not
-// cover is refused in one line, exit 2.
+// cover, and ranks started with another context or tensor size, are refused in one line, exit 2.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -176,6 +176,33 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
     auto r = RunCmd(Train(2, c.flags, 2));
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+  }
+}
+
+// Ranks started with another --context-parallel-size (or --tensor-model-parallel-size) made other
+// groups and failed when the timeout ran out, "context did not join", instead of naming the flag.
+// Now the ranks agree on their settings over the world before making any group.
+TEST_F(ContextParallelCli, RanksWithAnotherParallelSizeAreRefusedNamingTheFlag) {
+  struct Case {
+    std::string flag, says;
+  };
+  const Case cases[] = {
+      {"--context-parallel-size $((RANK == 0 ? 2 : 1))",
+       "rank 1 was started with --context-parallel-size 1, rank 0 with --context-parallel-size 2: every rank "
+       "needs the same flags"},
+      {"--context-parallel-size 1 --tensor-model-parallel-size $((RANK == 0 ? 2 : 1))",
+       "rank 1 was started with --tensor-model-parallel-size 1, rank 0 with --tensor-model-parallel-size 2: every "
+       "rank needs the same flags"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flag);
+    std::string cmd = Train(2, "--distributed-timeout-minutes 0.2", 4);
+    const std::string cp = "--context-parallel-size 2 ";
+    cmd.replace(cmd.find(cp), cp.size(), c.flag + " ");
+    const auto r = Ranks(2, "bash -c " + ShellQuote(cmd));
+    EXPECT_NE(r.output.find("rc=2 2"), std::string::npos) << r.output << Logs(2);
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("did not join"), std::string::npos) << r.output;
   }
 }
 
