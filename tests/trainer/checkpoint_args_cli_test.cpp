@@ -58,17 +58,7 @@ class CheckpointArgs : public ::testing::Test {
     return taken.output;
   }
   // The model of the hand-written older checkpoints: 2 layers, hidden 32, 1000 tokens padded to 1024.
-  static GPTConfig OlderModel() {
-    GPTConfig c;
-    c.num_layers = 2;
-    c.hidden_size = 32;
-    c.num_attention_heads = 4;
-    c.ffn_hidden_size = 128;
-    c.seq_length = c.max_position_embeddings = 32;
-    c.vocab_size = 1000;
-    c.padded_vocab_size = 1024;
-    return c;
-  }
+  static GPTConfig OlderModel() { return testing::TinyModel(1000, 1024); }
   TempDir dir_;
   std::string prefix_;
 };

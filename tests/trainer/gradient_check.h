@@ -47,4 +47,19 @@ inline void CheckGradient(std::vector<double>& x, const std::vector<double>& ana
   EXPECT_LE(max_err, tol) << what;
 }
 
+// An elementwise op's backward (backward(dx, x, dout, n)) against central differences of
+// sum(forward(x) * r) at `x`, r seeded normal.
+template <typename Forward, typename Backward>
+void CheckElementwiseGradient(std::vector<double> x, uint32_t r_seed, Forward forward, Backward backward) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  const std::vector<double> r = Random(x.size(), r_seed);
+  std::vector<double> out(x.size()), dx(x.size());
+  auto objective = [&] {
+    forward(out.data(), x.data(), n);
+    return Dot(out, r);
+  };
+  backward(dx.data(), x.data(), r.data(), n);
+  CheckGradient(x, dx, objective, "dinp");
+}
+
 }  // namespace ptk::testing

@@ -16,6 +16,7 @@
 namespace ptk {
 namespace {
 
+using testing::CheckElementwiseGradient;
 using testing::CheckGradient;
 using testing::Dot;
 using testing::Golden;
@@ -55,18 +56,10 @@ TEST(MlpFlagsOps, SquaredReluMatchesMegatronCore) {
 }
 
 TEST(MlpFlagsOps, SquaredReluGradientIsAFiniteDifference) {
-  const int64_t n = 50;
-  auto x = Random(n, 21, 2.0), r = Random(n, 22);
+  auto x = Random(50, 21, 2.0);
   for (double& v : x)
     if (std::fabs(v) < 1e-3) v = 0.5;  // away from the kink
-  std::vector<double> out(n);
-  auto objective = [&] {
-    cpu::SquaredReluForward(out.data(), x.data(), n);
-    return Dot(out, r);
-  };
-  std::vector<double> dx(n);
-  cpu::SquaredReluBackward(dx.data(), x.data(), r.data(), n);
-  CheckGradient(x, dx, objective, "dinp");
+  CheckElementwiseGradient(x, 22, cpu::SquaredReluForward<double>, cpu::SquaredReluBackward<double>);
 }
 
 // torch's exact GELU (Megatron's GELU MLP without the fused bias-GELU kernel): values of x Phi(x) and
@@ -98,16 +91,7 @@ TEST(MlpFlagsOps, GeluExactMatchesTheErfFormula) {
 }
 
 TEST(MlpFlagsOps, GeluExactGradientIsAFiniteDifference) {
-  const int64_t n = 50;
-  auto x = Random(n, 23, 3.0), r = Random(n, 24);
-  std::vector<double> out(n);
-  auto objective = [&] {
-    cpu::GeluExactForward(out.data(), x.data(), n);
-    return Dot(out, r);
-  };
-  std::vector<double> dx(n);
-  cpu::GeluExactBackward(dx.data(), x.data(), r.data(), n);
-  CheckGradient(x, dx, objective, "dinp");
+  CheckElementwiseGradient(Random(50, 23, 3.0), 24, cpu::GeluExactForward<double>, cpu::GeluExactBackward<double>);
 }
 
 TEST(MlpFlagsOps, LayerNorm1pMatchesMegatronCore) {

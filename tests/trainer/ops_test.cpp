@@ -15,6 +15,7 @@
 namespace ptk {
 namespace {
 
+using testing::CheckElementwiseGradient;
 using testing::CheckGradient;
 using testing::Dot;
 using testing::Random;
@@ -70,16 +71,7 @@ TEST(Ops, EmbeddingGradients) {
 }
 
 TEST(Ops, GeluGradientAndValues) {
-  const int64_t n = 50;
-  auto x = Random(n, 12, 2.0), r = Random(n, 13);
-  std::vector<double> out(n);
-  auto objective = [&] {
-    cpu::GeluForward(out.data(), x.data(), n);
-    return Dot(out, r);
-  };
-  std::vector<double> dx(n);
-  cpu::GeluBackward(dx.data(), x.data(), r.data(), n);
-  CheckGradient(x, dx, objective, "dinp");
+  CheckElementwiseGradient(Random(50, 12, 2.0), 13, cpu::GeluForward<double>, cpu::GeluBackward<double>);
   double y;
   double one = 1.0;
   cpu::GeluForward(&y, &one, 1);

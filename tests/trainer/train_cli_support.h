@@ -61,8 +61,8 @@ struct SavedCheckpoint {
 
 // Iteration `iteration` of DIR, saved by the tests' model (--num-layers 2 --hidden-size 32
 // --num-attention-heads 4 --seq-length 32; GPT-2's vocabulary, or SmallVocabFlags' of 1000 padded to 1024).
-inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iteration, int64_t vocab_size = 50257,
-                                          int64_t padded_vocab_size = 50304) {
+// The tests' model: --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32.
+inline GPTConfig TinyModel(int64_t vocab_size = 50257, int64_t padded_vocab_size = 50304) {
   GPTConfig c;
   c.num_layers = 2;
   c.hidden_size = 32;
@@ -71,7 +71,12 @@ inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iterat
   c.seq_length = c.max_position_embeddings = 32;
   c.vocab_size = vocab_size;
   c.padded_vocab_size = padded_vocab_size;
-  auto layout = ParamLayout::Create(c);
+  return c;
+}
+
+inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iteration, int64_t vocab_size = 50257,
+                                          int64_t padded_vocab_size = 50304) {
+  auto layout = ParamLayout::Create(TinyModel(vocab_size, padded_vocab_size));
   EXPECT_TRUE(layout.ok());
   SavedCheckpoint s;
   absl::Status st = LoadCheckpoint(dir, iteration, *layout, &s.params, &s.m, &s.v, &s.state);
