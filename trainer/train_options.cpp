@@ -31,8 +31,8 @@ SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
   }
   sc.start_wd = s.start_weight_decay.value_or(s.weight_decay);
   sc.end_wd = s.end_weight_decay.value_or(s.weight_decay);
-  // Megatron: train_iters x global batch, or --train-samples for a sample-based run with a ramp.
-  sc.wd_incr_steps = p.rampup_start > 0 ? o.train_samples : p.train_samples;
+  // Megatron: train_iters x global batch, or --train-samples as given (with or without a ramp).
+  sc.wd_incr_steps = p.train_split_samples;
   return sc;
 }
 
@@ -158,6 +158,7 @@ absl::StatusOr<TrainPlan> PlanTraining(const TrainOptions& o, int dp) {
           fmt::format("--train-iters {} x global batch {} samples is more than ptk can count", p.train_iters, gbs));
     p.train_samples = p.train_iters * gbs;
   }
+  p.train_split_samples = o.train_iters > 0 ? p.train_samples : o.train_samples;
   if (o.sample.interval > 0) {
     if (o.sample.prompt.empty() || !o.sample.decode)
       return usage("--sample-interval needs a prompt encoded by the GPT-2 tokenizer");

@@ -165,11 +165,15 @@ struct TrainPlan {
   int64_t micro_batch_size = 1;
   int64_t micro_batches = 1;      // per rank and iteration (gradient accumulation)
   int64_t global_batch_size = 1;  // micro_batch_size x micro_batches x data_parallel_size
-  int64_t train_iters = 0;        // --train-iters, or the whole global batches of --train-samples
-  int64_t train_samples = 0;      // train_iters x global_batch_size: what the run consumes
-  SchedulerConfig schedule;       // options.schedule completed, its lengths in samples
-  // --rampup-batch-size (0: none): the global batch at `consumed` samples is GlobalBatchSizeAt.
+  int64_t train_iters = 0;        // --train-iters, or the iterations --train-samples makes (update_train_iters)
+  int64_t train_samples = 0;      // what the iterations consume (each its global batch)
+  // The training split's num_samples, as Megatron's get_train_valid_test_num_samples builds it:
+  // --train-samples as given (a ramp's iterations may consume fewer, or more), else train_iters x
+  // global_batch_size. The split's sample order depends on it.
+  int64_t train_split_samples = 0;
+  SchedulerConfig schedule;           // options.schedule completed, its lengths in samples
   std::vector<std::string> warnings;  // for rank 0 to print (a setting that costs more than it seems)
+  // --rampup-batch-size (0: none): the global batch at `consumed` samples is GlobalBatchSizeAt.
   int64_t rampup_start = 0, rampup_increment = 0, rampup_samples = 0;
 
   // Megatron's running global batch size after `consumed` training samples: the start size plus

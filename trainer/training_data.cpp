@@ -61,6 +61,25 @@ class StageStandInDataset : public TopLevelDataset {
 
 absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPlan& plan, const GPTDatasetConfig& cfg);
 
+// The training split, built for Megatron's num_samples, holds fewer samples than the iterations
+// take (a ramp whose last iteration goes past --train-samples): Megatron's loader runs out there.
+absl::Status TrainSplitRunsOut(const TrainOptions& o, const TrainPlan& plan, int64_t size) {
+  int64_t consumed = 0, iteration = 0;
+  while (consumed <= size) {
+    consumed += plan.GlobalBatchSizeAt(consumed);
+    ++iteration;
+  }
+  if (o.train_samples <= 0)
+    return absl::InvalidArgumentError(
+        fmt::format("the train split has {} samples, {} are needed", size, plan.train_samples));
+  return UsageError(fmt::format(
+      "--train-samples {}: the training split is built for {} samples (Megatron's num_samples) and holds {}, but "
+      "the {} iterations take {}{}: the data would run out at iteration {}, where Megatron's loader runs out too. "
+      "Give a larger --train-samples",
+      o.train_samples, plan.train_split_samples, size, plan.train_iters, plan.train_samples,
+      plan.rampup_start > 0 ? " (the ramp's last iteration goes past --train-samples)" : "", iteration));
+}
+
 }  // namespace
 
 absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, const TrainPlan& plan,
@@ -94,8 +113,9 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
 
 namespace {
 absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPlan& plan, const GPTDatasetConfig& cfg) {
-  // Megatron's train_valid_test_num_samples.
-  const int64_t gbs = plan.global_batch_size, train_samples = plan.train_samples;
+  // Megatron's get_train_valid_test_num_samples: the training split is built for --train-samples as
+  // given (or train_iters x global batch), not for the samples the iterations consume.
+  const int64_t gbs = plan.global_batch_size, train_samples = plan.train_split_samples;
   const int64_t eval_iters = o.eval_iters > 0 && o.eval_interval > 0 ? o.eval_iters : 0;
   const int64_t valid_samples = (plan.train_iters / std::max<int64_t>(1, o.eval_interval) + 1) * eval_iters * gbs;
   const int64_t test_samples = eval_iters * gbs;
@@ -109,7 +129,7 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
                       o.model.vocab_size));
     GPTDatasetConfig mock = cfg;
     if (mock.eod >= o.model.vocab_size) mock.eod = o.model.vocab_size - 1;
-    s.train = std::make_shared<MockDataset>(train_samples, o.model.vocab_size, mock);
+    s.train = std::make_shared<MockDataset>(std::max(train_samples, plan.train_samples), o.model.vocab_size, mock);
     if (valid_samples > 0) s.valid = std::make_shared<MockDataset>(valid_samples, o.model.vocab_size, mock);
     if (test_samples > 0) s.test = std::make_shared<MockDataset>(test_samples, o.model.vocab_size, mock);
     return s;
@@ -121,9 +141,7 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
   s.valid = eval_iters > 0 ? sets[1] : nullptr;
   s.test = eval_iters > 0 ? sets[2] : nullptr;
   if (!s.train) return absl::InvalidArgumentError("the train split is empty: check --split and the data paths");
-  if (s.train->size() < train_samples)
-    return absl::InvalidArgumentError(
-        fmt::format("the train split has {} samples, {} are needed", s.train->size(), train_samples));
+  if (s.train->size() < plan.train_samples) return TrainSplitRunsOut(o, plan, s.train->size());
   return s;
 }
 

@@ -5,6 +5,7 @@
 // start-up progress lines; and a Megatron GPT script's flags, one by one: taken, noted or refused.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <iostream>
@@ -15,6 +16,7 @@
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
+#include <simdjson.h>
 
 #include "tests/test_util.h"
 #include "tests/trainer/train_cli_support.h"
@@ -135,6 +137,48 @@ TEST_F(MegatronFlags, RampupBatchSizeFollowsMegatronAndResumes) {
   EXPECT_EQ(odd.exit_code, 2) << odd.output;
   EXPECT_NE(odd.output.find("the ramp's batch size 3 is not a multiple of --micro-batch-size (2)"), std::string::npos)
       << odd.output;
+}
+
+// A ramp's training split is built for --train-samples as given (Megatron's
+// get_train_valid_test_num_samples), not for the 44 samples its 9 iterations consume: ptk-train's
+// index cache has the names megatron-core's builder gives that split (they hash num_samples; ptk
+// built another dataset, another sample order) and its iterations consume Megatron's samples,
+// through a stop mid-ramp and a resume (tests/data/trainer/rampup_order.json, case
+// tiny_ramp_resume). A --train-samples whose split the ramp's last iteration runs past is refused,
+// naming the iteration where Megatron's loader runs out (case tiny_ramp_short).
+TEST_F(MegatronFlags, RampTrainSplitIsBuiltForTrainSamplesAsMegatron) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element golden = parser.load(testing::SourceDir() + "/tests/data/trainer/rampup_order.json");
+  std::filesystem::copy(testing::SourceDir() + "/tests/data/gpt_dataset/gpt_data", dir_ / "gpt_data");
+  const std::string cmd = "cd " + ShellQuote(dir_.path()) + " && " + testing::Tool("ptk-train") +
+                          " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 4"
+                          " --max-position-embeddings 4 --micro-batch-size 2 --global-batch-size 8"
+                          " --rampup-batch-size 2 2 16 --lr 1e-3 --data-path gpt_data/tiny --split 1,0,0"
+                          " --eval-iters 0 --log-interval 1 --threads 2 --data-cache-path ramp_cache ";
+  auto a = RunCmd(cmd + "--train-samples 46 --save ck --exit-interval 4");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = RunCmd(cmd + "--train-samples 46 --save ck --load ck");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  simdjson::dom::element g = golden["tiny_ramp_resume"];
+  std::vector<std::string> want_consumed, want_files, files;
+  for (auto it : g["iterations"].get_array())
+    want_consumed.push_back(std::to_string(int64_t(it["consumed_before"]) + int64_t(it["global_batch_size"])));
+  const std::string line = R"(iteration +\d+/ +9 \| consumed samples: +(\d+) \|)";
+  std::vector<std::string> consumed = Matches(a.output, line), after = Matches(b.output, line);
+  consumed.insert(consumed.end(), after.begin(), after.end());
+  EXPECT_EQ(consumed, want_consumed) << a.output << b.output;
+  for (auto f : g["cache_files"].get_array()) want_files.emplace_back(std::string_view(f));
+  for (const auto& e : std::filesystem::directory_iterator(dir_ / "ramp_cache"))
+    files.push_back(e.path().filename().string());
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, want_files);
+
+  auto past = RunCmd(cmd + "--train-samples 14");
+  EXPECT_EQ(past.exit_code, 2) << past.output;
+  EXPECT_NE(past.output.find(fmt::format("the data would run out at iteration {}",
+                                         int64_t(golden["tiny_ramp_short"]["runs_out_at_iteration"]))),
+            std::string::npos)
+      << past.output;
 }
 
 // --use-checkpoint-args: the model's flags from --load's checkpoint; one given otherwise is named.

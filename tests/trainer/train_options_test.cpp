@@ -105,6 +105,39 @@ TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
   }
 }
 
+// A --train-samples run sizes its training split and its weight-decay increment by --train-samples
+// as given, as Megatron's get_train_valid_test_num_samples and get_optimizer_param_scheduler
+// (wd_incr_steps = args.train_samples), with or without a ramp; its iterations consume the whole
+// global batches (update_train_iters). The split and the increment were sized by the samples
+// consumed: 40 of --train-samples 46 (another sample order, another weight-decay curve), and 44
+// with --rampup-batch-size 2 2 16.
+TEST(PlanTraining, SampleRunsAreSizedByTrainSamplesAsGiven) {
+  TrainOptions o = Small();
+  o.global_batch_size = 8;
+  o.train_samples = 46;
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->train_iters, 5);
+  EXPECT_EQ(p->train_samples, 40);
+  EXPECT_EQ(p->train_split_samples, 46);
+  EXPECT_EQ(p->schedule.wd_incr_steps, 46);
+  o.rampup_batch_size = {2, 2, 16};
+  p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->train_iters, 9);
+  EXPECT_EQ(p->train_samples, 44);
+  EXPECT_EQ(p->train_split_samples, 46);
+  EXPECT_EQ(p->schedule.wd_incr_steps, 46);
+  // --train-iters: train_iters x global batch for both.
+  o.rampup_batch_size.clear();
+  o.train_samples = 0;
+  o.train_iters = 3;
+  p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->train_split_samples, 24);
+  EXPECT_EQ(p->schedule.wd_incr_steps, 24);
+}
+
 // --exit-duration-in-mins counts from the process's start (TrainOptions::started: ptk-train's first
 // statement), as Megatron's from _TRAIN_START_TIME. It counted from the first iteration: a job whose
 // limit the flag was set below ran past it by its start-up (the datasets' indices, a checkpoint's
