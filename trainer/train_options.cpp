@@ -47,6 +47,9 @@ absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
                     "size, its increment and the ramp's samples), as Megatron takes them",
                     fmt::join(r, " ")));
   const std::string given = fmt::format("--rampup-batch-size {} {} {}", r[0], r[1], r[2]);
+  // Megatron asserts each positive, and divides by the samples per increment (0 samples: a division by zero).
+  if (*std::min_element(r.begin(), r.end()) < 1)
+    return UsageError(given + ": the start batch size, the increment and the ramp's samples must be at least 1");
   if (o.train_iters > 0)
     return UsageError(given +
                       ": a batch-size ramp needs sample-based training (--train-samples instead of "

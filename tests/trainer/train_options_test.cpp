@@ -103,6 +103,13 @@ TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
     o.rampup_batch_size = r;
     EXPECT_NE(Refusal(o).find(": give three numbers, START INCR SAMPLES"), std::string::npos);
   }
+  // A number below 1 (the flag's range refuses it; RunTraining's callers are checked here): an increment
+  // of 0 was a division by zero (SIGFPE), 0 samples a NaN batch size cast to an integer.
+  for (const std::vector<int64_t>& r :
+       {std::vector<int64_t>{2, 0, 8}, std::vector<int64_t>{2, 2, 0}, std::vector<int64_t>{0, 2, 8}}) {
+    o.rampup_batch_size = r;
+    EXPECT_NE(Refusal(o).find("must be at least 1"), std::string::npos);
+  }
 }
 
 // A --train-samples run sizes its training split and its weight-decay increment by --train-samples
