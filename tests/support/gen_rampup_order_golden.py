@@ -17,7 +17,8 @@ What this script adds is the loop of megatron/training/training.py's train() and
 to their data: before each iteration update_num_microbatches(consumed samples); each data-parallel
 rank draws get_num_microbatches() micro-batches from its sampler; consumed samples grow by the
 current global batch; every --eval-interval iterations, and once after the last, --eval-iters
-global batches (the full --global-batch-size, as evaluate()) from the validation sampler. A resume
+global batches (the full --global-batch-size, as evaluate()) from the validation sampler, and after
+the last that many from the test split's start. A resume
 rebuilds the samplers from the consumed train and validation samples, as
 build_train_valid_test_data_loaders does after load_checkpoint.
 
@@ -66,8 +67,8 @@ CASES = {
     "tiny_ramp_resume": dict(blend=["gpt_data/tiny"], split="1,0,0", seq=4, mbs=2, dp=1, gbs=8, train_iters=0,
                              train_samples=46, rampup=[2, 2, 16], eval_interval=1000, eval_iters=0, resume_at=4),
     # A weighted blend (BlendedDataset, sized exactly), two data-parallel ranks, validation every 3
-    # iterations, resumed mid-ramp at iteration 3.
-    "blend_ramp_eval": dict(blend=["0.5", "gpt_data/B", "0.5", "gpt_data/C"], split="90,10,0", seq=32, mbs=2,
+    # iterations and the test split at the end, resumed mid-ramp at iteration 3.
+    "blend_ramp_eval": dict(blend=["0.5", "gpt_data/B", "0.5", "gpt_data/C"], split="85,10,5", seq=32, mbs=2,
                             dp=2, gbs=12, train_iters=0, train_samples=75, rampup=[4, 4, 16], eval_interval=3,
                             eval_iters=2, resume_at=3),
     # No ramp, --train-samples not a multiple of the global batch.
@@ -126,8 +127,8 @@ class Run:
 
     def __init__(self, ns, nmc, c, args, datasets):
         self.ns, self.nmc, self.c, self.args = ns, nmc, c, args
-        self.train, self.valid = datasets[0], datasets[1]
-        self.iterations, self.evaluations = [], []
+        self.train, self.valid, self.test = datasets
+        self.iterations, self.evaluations, self.test_batches = [], [], []
         self.runs_out_at = 0
 
     def samplers(self, ds, consumed):
@@ -196,14 +197,20 @@ def run_case(ns, nmc, name, c, tok, work):
     finished = finished and run.train_to(a.train_iters)
     if finished and run.valid_it is not None and a.eval_iters > 0:
         run.evaluate(a.iteration)  # pretrain's evaluation at the end of training
+    if finished and run.test is not None and a.eval_iters > 0:  # and on the test split, from its start
+        test_it = run.samplers(run.test, 0)
+        n = a.global_batch_size // (a.micro_batch_size * c["dp"])
+        run.test_batches = [run.draw(test_it, n) for _ in range(a.eval_iters)]
     used = sorted({i for it in run.iterations for mb in it["batches"] for r in mb for i in r})
     valid_used = sorted({i for e in run.evaluations for b in e["batches"] for mb in b for r in mb for i in r})
+    test_used = sorted({i for b in run.test_batches for mb in b for r in mb for i in r})
     rec = {"case": c, "train_iters": a.train_iters, "num_samples": list(sizes),
            "lengths": [len(d) if d is not None else None for d in datasets],
            "cache_files": sorted(os.listdir(cache)), "runs_out_at_iteration": run.runs_out_at,
            "iterations": run.iterations, "evaluations": run.evaluations,
            "train_samples": {str(i): fingerprint(datasets[0], i) for i in used},
-           "valid_samples": {str(i): fingerprint(datasets[1], i) for i in valid_used}}
+           "valid_samples": {str(i): fingerprint(datasets[1], i) for i in valid_used},
+           "test_batches": run.test_batches, "test_samples": {str(i): fingerprint(datasets[2], i) for i in test_used}}
     # The corner: the training split sized by the samples the iterations consume.
     consumed = sum(it["global_batch_size"] for it in run.iterations)
     if consumed != sizes[0]:

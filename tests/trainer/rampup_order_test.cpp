@@ -2,9 +2,9 @@
 // (golden: tests/support/gen_rampup_order_golden.py, megatron-core 0.16.1's calculator, datasets
 // and Megatron-LM's update_train_iters, get_train_valid_test_num_samples and sampler): the plan's
 // iterations and batch sizes, the splits built for Megatron's num_samples (their cache names hash
-// it), each iteration's micro-batches per data-parallel rank and each sample's tokens, with
-// --train-iters and --train-samples, with and without --rampup-batch-size, validation, and a
-// resume mid-ramp.
+// it), each iteration's and evaluation's micro-batches per data-parallel rank (validation and test)
+// and each sample's tokens, with --train-iters and --train-samples, with and without
+// --rampup-batch-size, validation, and a resume mid-ramp.
 #include <filesystem>
 #include <map>
 #include <set>
@@ -185,6 +185,12 @@ TEST_P(RampupOrder, SamplesAreMegatrons) {
   EXPECT_EQ(state.consumed_train_samples, plan->train_samples);
   if (valid) evaluate(state.iteration);  // the evaluation at the end of training
   EXPECT_EQ(next_eval, evaluations.size());
+  // And on the test split, from its start (ptk-train's Finish).
+  auto test_batches = g["test_batches"].get_array();
+  ASSERT_EQ(splits->test != nullptr, test_batches.size() > 0);
+  if (!splits->test) return;
+  RankLoaders test(splits->test, 0, mbs, dp);
+  for (auto batch : test_batches) CheckDraw(&test, plan->micro_batches, batch, g["test_samples"], "test");
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, RampupOrder,
