@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "trainer/cuda/context_rows.h"
 #include "trainer/cuda/ops_cuda.h"
 
 namespace ptk::cuda {
@@ -24,9 +25,7 @@ __global__ void ContextRowsKernel(float* __restrict__ dst, const float* __restri
   const int64_t n = static_cast<int64_t>(context) * b * t * w;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t col = e % w, row = e / w;  // row = (q * b + s) * t + i
-    const int64_t i = row % t, s = row / t % b, q = row / t / b;
-    const int64_t at = (s * context * t + positions[q * t + i]) * w + col;
+    const int64_t at = context_detail::WholeIndex(e, b, t, w, context, positions);
     if (to_whole)
       dst[at] = src[e];
     else
@@ -37,11 +36,8 @@ __global__ void ContextRowsKernel(float* __restrict__ dst, const float* __restri
 __global__ void AddSharesKernel(float* __restrict__ dqkv, const float* __restrict__ received,
                                 const float* __restrict__ own, int rank, int context, int64_t piece) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < piece;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float acc = rank == 0 ? own[e] : received[e];
-    for (int q = 1; q < context; ++q) acc += q == rank ? own[e] : received[q * piece + e];
-    dqkv[e] += acc;
-  }
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dqkv[e] += context_detail::RankOrderSum(received, own, rank, context, piece, e);
 }
 
 unsigned BlocksFor(int64_t n) {
