@@ -43,8 +43,8 @@ absl::Status CudaGPTModelImpl<T>::SetContext(Communicator* context) {
     return UsageError(fmt::format(
         "--context-parallel-size {} with --sequence-parallel: not on the CUDA backend yet (--device cpu runs it)", C));
   if (config().seq_length % (2 * C) != 0)
-    return absl::InvalidArgumentError(fmt::format(
-        "--context-parallel-size {}: --seq-length {} must be a multiple of 2 x {}", C, config().seq_length, C));
+    return UsageError(fmt::format("--context-parallel-size {}: --seq-length {} must be a multiple of 2 x {}", C,
+                                  config().seq_length, C));
   context_comm_ = context;
   return absl::OkStatus();
 }
