@@ -186,6 +186,19 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
   }
 }
 
+// --context-parallel-size with --device cuda is taken (it was refused, "implemented on the CPU backend only", while
+// the CUDA model had no context parallelism): in fp32 the flags pass, and this one-rank run stops at the world
+// size (or, in a build without CUDA, at the build), never at the combination.
+TEST_F(ContextParallelCli, CudaInFp32IsTaken) {
+  auto r = RunCmd(Train(2, "--device cuda", 2));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.find("CPU backend only"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("runs in fp32 only"), std::string::npos) << r.output;
+  EXPECT_TRUE(r.output.find("the world size 1 is not divisible") != std::string::npos ||
+              r.output.find("built without CUDA") != std::string::npos)
+      << r.output;
+}
+
 // Ranks started with another --context-parallel-size (or --tensor-model-parallel-size) made other
 // groups and failed when the timeout ran out, "context did not join", instead of naming the flag.
 // Now the ranks agree on their settings over the world before making any group.
