@@ -106,11 +106,6 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
       PTK_RETURN_IF_ERROR(m->SetContextParallel(backend.context_comm));
     return std::unique_ptr<GPTModel>(std::move(m));
   }
-  if (backend.context_comm && backend.context_comm->size() > 1)
-    return UsageError(fmt::format(
-        "--context-parallel-size {}: context parallelism is implemented on the CPU backend only (--device cpu), not "
-        "on CUDA yet",
-        backend.context_comm->size()));
   const bool tp = backend.tensor_comm && backend.tensor_comm->size() > 1;
   if (tp && !backend.tensor_comm->device_collectives()) return UsageError(kCudaTensorParallelMissing);
   auto cuda = LoadCudaBackend();
@@ -125,6 +120,8 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   o.tensor_comm = tp ? backend.tensor_comm : nullptr;
   o.pipeline_stage = backend.pipeline_stage;
   o.sequence_parallel = tp && backend.sequence_parallel;
+  // Context parallelism: the model refuses what its CUDA path lacks (bf16/fp16, --sequence-parallel, gloo).
+  o.context_comm = backend.context_comm && backend.context_comm->size() > 1 ? backend.context_comm : nullptr;
   return (*cuda)->CreateModel(config, o);
 }
 

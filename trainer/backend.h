@@ -20,8 +20,9 @@ struct BackendOptions {
   // backend partitions the model over it (the CUDA backend's must be NCCL's: device collectives).
   Communicator* tensor_comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
-  // The context-parallel group (--context-parallel-size; null or one rank: none): the CPU model's
-  // attention over the whole sequence from this rank's positions. The CUDA backend refuses it.
+  // The context-parallel group (--context-parallel-size; null or one rank: none): the model's
+  // attention over the whole sequence from this rank's positions. The CUDA backend's runs in fp32
+  // over NCCL (device collectives), without --sequence-parallel; it refuses the rest.
   Communicator* context_comm = nullptr;
   // --pipeline-model-parallel-size: this rank's stage (the whole model by default): the model
   // built is the stage's part (either backend).

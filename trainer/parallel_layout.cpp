@@ -165,6 +165,16 @@ std::vector<int64_t> ContextParallelPositions(int64_t seq_length, int context, i
   return positions;
 }
 
+std::vector<int64_t> ContextParallelPositionTable(int64_t seq_length, int context) {
+  std::vector<int64_t> table;
+  table.reserve(static_cast<size_t>(seq_length));
+  for (int r = 0; r < context; ++r) {
+    const std::vector<int64_t> mine = ContextParallelPositions(seq_length, context, r);
+    table.insert(table.end(), mine.begin(), mine.end());
+  }
+  return table;
+}
+
 std::string PaddedVocabLine(int64_t vocab_size, int64_t padded_vocab_size) {
   return fmt::format(" > padded vocab (size: {}) with {} dummy tokens (new size: {})", vocab_size,
                      padded_vocab_size - vocab_size, padded_vocab_size);

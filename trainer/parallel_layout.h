@@ -64,6 +64,9 @@ class ParallelLayout {
 // chunks r and 2·context − 1 − r, in that order. The positions of rank `rank`'s rows, in order;
 // seq_length must be a multiple of 2·context (PTK_CHECK: callers refuse the flags first).
 std::vector<int64_t> ContextParallelPositions(int64_t seq_length, int context, int rank);
+// Every rank's ContextParallelPositions, rank by rank (context × seq_length / context entries): the
+// table the CUDA backend's context-parallel attention reads (cuda::ContextAttentionArgs::positions).
+std::vector<int64_t> ContextParallelPositionTable(int64_t seq_length, int context);
 
 // The vocabulary Megatron trains on at tensor size T: rounded up to a multiple of
 // make_vocab_size_divisible_by × T (Megatron's _vocab_size_with_padding), so every tensor rank holds

@@ -132,7 +132,7 @@ struct TrainOptions {
   // world_comm every rank of the run (null: comm alone).
   int tensor_model_parallel_size = 1;
   Communicator* world_comm = nullptr;
-  // --context-parallel-size (CPU backend): each sample's positions split over the context group
+  // --context-parallel-size (CPU backend; CUDA in fp32): each sample's positions split over the context group
   // (ContextParallelPositions); comm is then Megatron's data-parallel group with context parallel
   // (data × context ranks: gradients, ZeRO-1's shards, the loss sums), context_comm the context
   // group (null: one context rank), which backend.context_comm also carries to the model.

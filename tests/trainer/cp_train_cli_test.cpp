@@ -166,9 +166,16 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
        "--context-parallel-size 2 with --sequence-parallel: a context rank's --seq-length 36 / 2 = 18 positions must "
        "be a multiple of --tensor-model-parallel-size 4"},
       {"--cp-comm-type a2a", "--context-parallel-size 2 --cp-comm-type a2a: ptk has allgather"},
-      {"--device cuda",
-       "--context-parallel-size 2: context parallelism is implemented on the CPU backend only "
-       "(--device cpu), not on CUDA yet"},
+      // The CUDA backend's context parallelism (fp32, NCCL, no --sequence-parallel): the rest is refused before
+      // the backend is looked for, with or without CUDA in the build.
+      {"--device cuda --bf16",
+       "--context-parallel-size 2 with --bf16: context parallelism on the CUDA backend runs in fp32 only"},
+      {"--device cuda --fp16",
+       "--context-parallel-size 2 with --fp16: context parallelism on the CUDA backend runs in fp32 only"},
+      {"--device cuda --tensor-model-parallel-size 2 --sequence-parallel",
+       "--context-parallel-size 2 with --sequence-parallel: not on the CUDA backend yet (--device cpu runs it)"},
+      {"--device cuda --distributed-backend gloo",
+       "--context-parallel-size 2 on the CUDA backend needs NCCL for the context group"},
       {"--sample-interval 5", "--context-parallel-size 2 with --sample-interval: text samples are not implemented"},
   };
   for (const Case& c : cases) {
@@ -177,6 +184,19 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
   }
+}
+
+// --context-parallel-size with --device cuda is taken (it was refused, "implemented on the CPU backend only", while
+// the CUDA model had no context parallelism): in fp32 the flags pass, and this one-rank run stops at the world
+// size (or, in a build without CUDA, at the build), never at the combination.
+TEST_F(ContextParallelCli, CudaInFp32IsTaken) {
+  auto r = RunCmd(Train(2, "--device cuda", 2));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.find("CPU backend only"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("runs in fp32 only"), std::string::npos) << r.output;
+  EXPECT_TRUE(r.output.find("the world size 1 is not divisible") != std::string::npos ||
+              r.output.find("built without CUDA") != std::string::npos)
+      << r.output;
 }
 
 // Ranks started with another --context-parallel-size (or --tensor-model-parallel-size) made other

@@ -59,6 +59,33 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
   EXPECT_LT(m.logit_chunk_rows, m.n);
 }
 
+// Context parallelism: a rank plans its t = seq_length / C positions, probabilities of its queries over
+// the whole samples (t x C t), and the group's buffers (positions, gathered rows, whole samples); fp32
+// only, without sequence parallelism.
+TEST(CudaMemoryPlan, ContextRanksPlanTheirRowsAndTheGroupsBuffers) {
+  const GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 256;  // a rank's 1024 / 4 positions
+  const MemoryPlan one = MustPlan(c, o);
+  EXPECT_EQ(one.cp_gathered, -1);
+  EXPECT_EQ(one[one.attn_saved].bytes, 12 * 2 * 12 * 256 * 256 * 4);
+  o.context = 4;
+  const MemoryPlan m = MustPlan(c, o);
+  EXPECT_EQ(m.context, 4);
+  EXPECT_EQ(m.n, 2 * 256);
+  EXPECT_EQ(m[m.qkv].bytes, one[one.qkv].bytes);  // a rank's own rows
+  EXPECT_EQ(m[m.attn_saved].bytes, 12 * 2 * 12 * 256 * 1024 * 4);
+  EXPECT_EQ(m[m.cp_positions].bytes, 1024 * 8);
+  for (const int b : {m.cp_gathered, m.cp_whole, m.cp_dwhole}) EXPECT_EQ(m[b].bytes, 4 * 2 * 256 * 3 * 768 * 4);
+  auto layout = ParamLayout::Create(c);
+  o.precision = Precision::kBf16;
+  EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
+  o.precision = Precision::kFp32;
+  o.context = 0;
+  EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
+}
+
 // Tensor parallelism: a rank's buffers hold its slices (heads, ffn columns, vocabulary rows) and
 // the fp32 buffers of the group's sums; the rest (the residual stream, the LayerNorms) is whole.
 TEST(CudaMemoryPlan, TensorRanksHoldTheirSlices) {

@@ -106,6 +106,23 @@ TEST(ContextParallelPositions, AreMegatronsGetBatchOnThisCpRank) {
   EXPECT_EQ(ContextParallelPositions(4, 1, 0), (std::vector<int64_t>{0, 1, 2, 3}));
 }
 
+// The CUDA backend's table of every rank's positions: rank by rank, each a permutation's part, every
+// position once (the rows the all-gather brings are put where the table says).
+TEST(ContextParallelPositions, TableIsEveryRanksPositionsInRankOrder) {
+  EXPECT_EQ(ContextParallelPositionTable(8, 2), (std::vector<int64_t>{0, 1, 6, 7, 2, 3, 4, 5}));
+  EXPECT_EQ(ContextParallelPositionTable(4, 1), (std::vector<int64_t>{0, 1, 2, 3}));
+  for (const int context : {2, 3, 4}) {
+    const std::vector<int64_t> table = ContextParallelPositionTable(12 * context, context);
+    ASSERT_EQ(table.size(), static_cast<size_t>(12 * context));
+    std::vector<int> seen(table.size(), 0);
+    for (const int64_t p : table) ++seen[static_cast<size_t>(p)];
+    EXPECT_EQ(seen, std::vector<int>(table.size(), 1));
+    for (int r = 0; r < context; ++r)
+      EXPECT_EQ(std::vector<int64_t>(table.begin() + r * 12, table.begin() + (r + 1) * 12),
+                ContextParallelPositions(12 * context, context, r));
+  }
+}
+
 TEST(ParallelLayout, GroupsAreMegatronCoresRankGenerators) {
   std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/parallel_layout_groups.txt"));
   std::string line;

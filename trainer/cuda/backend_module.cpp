@@ -17,6 +17,7 @@ class CudaBackend final : public Backend {
     options.tensor = o.tensor_comm;
     options.pipeline = o.pipeline_stage;
     options.sequence_parallel = o.sequence_parallel;
+    options.context = o.context_comm;
     return CreateCudaGPTModel(config, o.precision, o.device_index, o.deterministic, o.micro_batch_size, o.profile,
                               options);
   }
@@ -28,7 +29,7 @@ class CudaBackend final : public Backend {
 }  // namespace
 }  // namespace ptk::cuda
 
-extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v9() {
+extern "C" __attribute__((visibility("default"))) const ptk::cuda::Backend* ptk_backend_cuda_v10() {
   static const ptk::cuda::CudaBackend backend;
   return &backend;
 }

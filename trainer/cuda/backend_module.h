@@ -22,10 +22,11 @@ struct ModelOptions {
   bool deterministic = false;
   int64_t micro_batch_size = 1;
   bool profile = false;
-  bool sync_ops = false;                // PTK_CUDA_SYNC_OPS=1: synchronise after every op, name the one that fails
-  Communicator* tensor_comm = nullptr;  // tensor parallelism: the tensor group (NCCL), CudaModelOptions::tensor
-  PipelineStage pipeline_stage;         // pipeline parallelism: CudaModelOptions::pipeline
-  bool sequence_parallel = false;       // --sequence-parallel over tensor_comm: CudaModelOptions::sequence_parallel
+  bool sync_ops = false;                 // PTK_CUDA_SYNC_OPS=1: synchronise after every op, name the one that fails
+  Communicator* tensor_comm = nullptr;   // tensor parallelism: the tensor group (NCCL), CudaModelOptions::tensor
+  PipelineStage pipeline_stage;          // pipeline parallelism: CudaModelOptions::pipeline
+  bool sequence_parallel = false;        // --sequence-parallel over tensor_comm: CudaModelOptions::sequence_parallel
+  Communicator* context_comm = nullptr;  // --context-parallel-size: the context group, CudaModelOptions::context
 };
 
 class Backend {
@@ -39,17 +40,17 @@ class Backend {
   ~Backend() = default;  // the module's own static object: never deleted through this interface
 };
 
-// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v9(void)
+// The module's file name, and its entry point: extern "C" const Backend* ptk_backend_cuda_v10(void)
 // (v2: ModelOptions::tensor_comm; v3: ModelOptions::pipeline_stage; v4: ModelOptions::sequence_parallel;
 // v5: GPTModel::StageBuffers and GPTModel::Synchronize, Communicator::SendRecvDevice: virtuals of the classes both
 // sides share; v6: GPTModel's sequence_parallel_ member, which the module's model sets; v7:
 // GPTModel::AllReduceGradRanges, a virtual, and GPTModel's sequence_parallel_ranges_ member; v8: GPTConfig's
 // qk_layernorm and LayerParams' query and key norms, that member renamed non_tensor_parallel_ranges_; v9:
-// GPTModel::ReserveStageSlots and Communicator::BatchSendRecvDevice, virtuals).
+// GPTModel::ReserveStageSlots and Communicator::BatchSendRecvDevice, virtuals; v10: ModelOptions::context_comm).
 inline constexpr char kCudaBackendModule[] = "libptk_backend_cuda.so";
-inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v9";
+inline constexpr char kCudaBackendEntry[] = "ptk_backend_cuda_v10";
 using BackendEntryFn = const Backend* (*)();
 
 }  // namespace ptk::cuda
 
-extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v9();
+extern "C" const ptk::cuda::Backend* ptk_backend_cuda_v10();

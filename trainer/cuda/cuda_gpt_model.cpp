@@ -110,6 +110,7 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
     return UsageError(
         fmt::format("--sequence-parallel: --seq-length {} is not divisible by the tensor group's {} ranks",
                     config().seq_length, tensor_size()));
+  PTK_RETURN_IF_ERROR(SetContext(options.context));
   if (logits_budget_bytes_ < 0)
     return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
   const int visible = VisibleDeviceCount();
@@ -147,16 +148,17 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
   ctx_.fallbacks = &fallbacks_;
   PTK_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&ctx_.cublaslt), "creating the cuBLASLt handle");
   if (kFlash) PTK_RETURN_IF_ERROR(CreateCudnnHandle(&ctx_));
-  return Plan(micro_batch_size, config().seq_length);
+  return Plan(micro_batch_size, config().seq_length / ContextSize());  // a context rank's positions of a sample
 }
 
 template <typename T>
 std::string CudaGPTModelImpl<T>::Describe() const {
-  return fmt::format("cuda:{} ({}, sm_{}{}) {}{}{}", ctx_.device, device_name_, ctx_.sm_major, ctx_.sm_minor,
+  return fmt::format("cuda:{} ({}, sm_{}{}) {}{}{}{}", ctx_.device, device_name_, ctx_.sm_major, ctx_.sm_minor,
                      PrecisionName(PrecisionOf<T>()), ctx_.deterministic ? ", deterministic" : "",
                      tensor_size() > 1 ? fmt::format(", tensor rank {} of {}{}", tensor_rank(), tensor_size(),
                                                      sequence_parallel_ ? ", sequence parallel" : "")
-                                       : "");
+                                       : "",
+                     cp() ? fmt::format(", context rank {} of {}", context_comm_->rank(), context_comm_->size()) : "");
 }
 
 template <typename T>
@@ -171,6 +173,7 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
     o.pipeline_host_exchange = host_exchange_;
   }
   o.sequence_parallel = sequence_parallel_;
+  o.context = ContextSize();
   // SumNonTensorParallelGrads' buffer: sequence parallelism's partial gradients, or the query and
   // key norms' (each tensor rank's heads' share).
   if (tensor_size() > 1)
@@ -180,7 +183,10 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};
   if (config().qk_layernorm) o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
-  o.attention_scratch_floats = kFlash ? 0 : AttentionBackwardScratch(shape);
+  o.attention_scratch_floats =
+      kFlash ? 0
+      : cp() ? AttentionRowsBackwardScratch(AttentionShape{b, t * ContextSize(), shape.nh, shape.hd, shape.ng}, t)
+             : AttentionBackwardScratch(shape);
   o.reduce_doubles = SumSquaresPartials(num_params());
   o.padded_params = padded_params_;
   o.moment_params = moment_params_;
@@ -252,8 +258,9 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
   }
   PTK_RETURN_IF_ERROR(losses_.Reserve(static_cast<size_t>(plan_.n) * sizeof(float)));
   PTK_RETURN_IF_ERROR(embedding_plan_.Reserve(plan_.n));
+  if (cp()) PTK_RETURN_IF_ERROR(UploadContextTables());  // this rank's positions' tables (cuda_context_parallel.cpp)
   std::vector<float> rope;  // cos then sin, as the CPU model's tables (a longer t has the same first rows)
-  if (config().rope()) {
+  if (config().rope() && !cp()) {
     const int64_t half = config().rotary_dim() / 2;
     rope.assign(static_cast<size_t>(2 * plan_.t * half), 0.0f);
     RopeAngleTables(rope.data(), rope.data() + plan_.t * half, plan_.t, config().rotary_dim(),
@@ -268,6 +275,11 @@ absl::Status CudaGPTModelImpl<T>::Plan(int64_t b, int64_t t) {
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::Prepare(const ModelBatch& batch, double loss_scale, bool dropout) {
   PTK_RETURN_IF_ERROR(ValidateBatch(config(), batch));
+  if (cp() && batch.t != plan_.t)  // the positions' tables are the planned length's
+    return absl::InvalidArgumentError(
+        fmt::format("context parallelism: a micro-batch of {} positions per sample, where each of the {} context ranks "
+                    "holds {} (--seq-length / ranks)",
+                    batch.t, ContextSize(), plan_.t));
   if (batch.b > plan_.b || batch.t > plan_.t)
     PTK_RETURN_IF_ERROR(Plan(std::max(batch.b, plan_.b), std::max(batch.t, plan_.t)));
   b_ = batch.b;

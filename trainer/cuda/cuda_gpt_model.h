@@ -29,6 +29,11 @@ struct CudaModelOptions {
   // all-gathered before the column-parallel products, reduce-scattered after the row-parallel ones.
   // The sequence length must divide by the group's size.
   bool sequence_parallel = false;
+  // Context parallelism (Megatron's --context-parallel-size, the CPU model's SetContextParallel): with
+  // a group of several ranks (NCCL; it must outlive the model), each micro-batch holds this rank's
+  // positions of its samples (ContextParallelPositions) and the attention runs over the group's keys
+  // and values. fp32 only, not with sequence_parallel; the sequence length a multiple of 2 x ranks.
+  Communicator* context = nullptr;
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).
   bool sync_ops = false;

@@ -214,8 +214,12 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
     return absl::OkStatus();
   } else {
     const bool recompute = config().recompute_activations;
-    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * t_;
+    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
+    if (cp()) {  // cuda_context_parallel.cpp
+      if (recompute) PTK_RETURN_IF_ERROR(ContextAttnFwd(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams));
+      return ContextAttnBwd(dqkv, datt, qkv, probs, shape, ap, seed, streams);
+    }
     if (recompute)  // the probabilities again; the output lands in a scratch buffer
       PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
     return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);

@@ -418,6 +418,26 @@ class CudaGPTModelImpl final : public GPTModel {
   // first rows), then the norm's backward on them: dresid += the input gradient, the weight (and
   // bias) gradients of this rank's rows added to the gradients (summed over the group later).
   absl::Status SeqNormBackward(const char* name, T* dpartial, const T* inp, float* stats, int64_t w, int64_t bias);
+  // cuda_context_parallel.cpp: --context-parallel-size (context_comm_; fp32): each sample's t_ rows are
+  // this rank's positions (ContextParallelPositions); the attention all-gathers the group's QKV rows and
+  // runs this rank's queries over the whole samples (ContextAttentionForward), backward exchanges the
+  // key and value gradients' shares and adds them in rank order (ContextAttentionBackward,
+  // AddContextShares); hidden dropout keyed by true position (ContextDropout).
+  bool cp() const { return context_comm_ != nullptr; }
+  int64_t ContextSize() const { return cp() ? context_comm_->size() : 1; }
+  // The keys a query row attends over: the whole sample's positions.
+  int64_t KeyPositions() const { return t_ * ContextSize(); }
+  absl::Status SetContext(Communicator* context);
+  absl::Status ContextAttnFwd(float* atty, float* probs, const float* qkv, const AttentionShape& shape, double ap,
+                              uint64_t seed, const uint64_t* streams);
+  absl::Status ContextAttnBwd(float* dqkv, const float* datt, const float* qkv, const float* probs,
+                              const AttentionShape& shape, double ap, uint64_t seed, const uint64_t* streams);
+  absl::Status ContextDropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
+  // The group's QKV rows into plan_.cp_gathered (its rank-ordered pieces), on the compute stream.
+  absl::Status GatherContextRows(const float* qkv, int64_t piece);
+  // This rank's positions (context_positions_), every rank's (cp_positions) and RoPE's tables for this rank's
+  // positions (Plan).
+  absl::Status UploadContextTables();
   // dtmp (n, c) = the gradient of a branch's output: this rank's residual gradient with the branch's
   // dropout mask, gathered whole; the branch's row-parallel bias (at `bias`, -1 none) gets the
   // column sums of this rank's rows of it.
@@ -444,7 +464,8 @@ class CudaGPTModelImpl final : public GPTModel {
   // Hidden dropout of (layer, site) fused into a LayerNorm kernel: none where p is 0 or the unfused
   // pass runs (CudaModelOptions::unfused.dropout_pass).
   // RMSNorm's kernels take no dropout: its hidden dropout runs as its own pass.
-  bool FuseDropout(double p) const { return p > 0.0 && !unfused_.dropout_pass && !Rms(); }
+  // Context parallelism keys each row by its true position: the pass of its own (ContextDropout).
+  bool FuseDropout(double p) const { return p > 0.0 && !unfused_.dropout_pass && !Rms() && !cp(); }
   LnDropout FusedDropout(int64_t layer, int64_t site, double p, uint64_t seed) const {
     if (!FuseDropout(p)) return {};
     return LnDropout{Streams(layer, site), t_, p, seed};
@@ -486,8 +507,10 @@ class CudaGPTModelImpl final : public GPTModel {
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;
   std::vector<uint64_t> flash_keys_;
-  std::vector<float> host_grads_;  // host staging for a host-memory communicator (gloo)
-  int64_t padded_params_ = 0;      // ZeRO-1's plan (PlanOptions)
+  std::vector<float> host_grads_;           // host staging for a host-memory communicator (gloo)
+  int64_t padded_params_ = 0;               // ZeRO-1's plan (PlanOptions)
+  Communicator* context_comm_ = nullptr;    // CudaModelOptions::context with several ranks (null: none)
+  std::vector<int64_t> context_positions_;  // this context rank's positions of a sample (UploadContextTables)
   // --overlap-grad-reduce: the communication stream, an event per bucket, the host thread (gloo).
   cudaStream_t comm_stream_ = nullptr;
   cudaEvent_t comm_done_ = nullptr;

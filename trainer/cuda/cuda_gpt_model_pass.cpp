@@ -96,6 +96,7 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Forward(const ModelBatch& batch, st
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed) {
   if (p <= 0.0) return absl::OkStatus();
+  if (cp()) return ContextDropout(x, layer, site, p, seed);  // keyed by the rows' true positions
   return DropoutRows<T>(x, b_, t_ * config().hidden_size, Streams(layer, site), p, seed, ctx_);
 }
 
@@ -275,9 +276,11 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
                                                    ap, seed ^ flash_keys_[static_cast<size_t>(l * b_ + r)], 0, ctx_));
     return absl::OkStatus();
   } else {
-    float* probs =
-        Buf<float>(plan_.attn_saved) + (config().recompute_activations ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * t_;
-    return AttentionForward(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr, ctx_);
+    float* probs = Buf<float>(plan_.attn_saved) +
+                   (config().recompute_activations ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
+    const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
+    if (cp()) return ContextAttnFwd(atty, probs, qkv, shape, ap, seed, streams);  // cuda_context_parallel.cpp
+    return AttentionForward(atty, probs, qkv, shape, ap, seed, streams, ctx_);
   }
 }
 

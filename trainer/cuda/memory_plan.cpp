@@ -107,6 +107,16 @@ void AddParameterBuffers(const GPTConfig& cf, int64_t num_params, const PlanOpti
 
 // Tensor parallelism's fp32 sums and loss statistics, sequence parallelism's staging (`nr`: the
 // residual stream's rows on this rank), a pipeline stage's slots and exchange.
+// Context parallelism's buffers (MemoryPlan::cp_*) of qkv-width rows.
+void AddContextBuffers(int64_t context, int64_t qw, const std::string& act_lower, Adder& add) {
+  MemoryPlan& m = *add.m;
+  const int64_t whole = context * m.n * qw * 4;  // fp32 rows of the whole samples
+  m.cp_positions = add("context parallelism: every rank's positions", context * m.t * 8);
+  m.cp_gathered = add("context parallelism: the group's QKV rows (all-gathered)", whole, act_lower);
+  m.cp_whole = add("context parallelism: the whole samples' QKV", whole, act_lower);
+  m.cp_dwhole = add("context parallelism: the whole samples' key and value gradients", whole, act_lower);
+}
+
 void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::string& act_lower, Adder& add) {
   MemoryPlan& m = *add.m;
   const int64_t T = m.tensor, n = m.n, a = m.act_bytes;
@@ -138,6 +148,9 @@ absl::Status CheckPlanOptions(const GPTConfig& cf, int64_t num_params, const Pla
   if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
   if (t < 1 || t > cf.seq_length)
     return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
+  if (o.context < 1 || (o.context > 1 && (o.precision != Precision::kFp32 || o.sequence_parallel)))
+    return absl::InvalidArgumentError(fmt::format(
+        "memory plan: {} context ranks (context parallelism runs in fp32, without sequence parallelism)", o.context));
   const int64_t T = o.tensor;
   if (T < 1 || cf.num_attention_heads % T != 0 || cf.query_groups() % T != 0 || cf.ffn_hidden_size % T != 0 ||
       cf.padded_vocab_size % T != 0)
@@ -170,6 +183,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   const int64_t T = o.tensor;
   m.tensor = T;
   m.sequence_parallel = o.sequence_parallel && T > 1;
+  m.context = o.context;
   // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
   // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
   // under SwiGLU), vocabulary vp.
@@ -203,8 +217,9 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     m.attn_saved =
         add("activations: flash attention softmax statistics", L * m.b * FlashStatsStride(nh, t) * 4, act_lower);
   else
-    m.attn_saved = add(fmt::format("activations: attention probabilities ({} layer(s) of b*heads*t*t)", m.probs_layers),
-                       m.probs_layers * m.b * nh * t * t * 4,
+    m.attn_saved = add(fmt::format("activations: attention probabilities ({} layer(s) of b*heads*t*{}t)",
+                                   m.probs_layers, o.context > 1 ? fmt::format("{}", o.context) : ""),
+                       m.probs_layers * m.b * nh * t * o.context * t * 4,
                        act_lower + ", or --recompute-activations, or --bf16 (fused attention)");
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
   m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);
@@ -247,6 +262,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.streams = add("dropout stream keys", StreamTableSize(Ls, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
   AddParallelBuffers(o, nr, c, act_lower, add);
+  if (o.context > 1) AddContextBuffers(o.context, qw, act_lower, add);
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
   m.total_bytes = add.offset;
   return m;

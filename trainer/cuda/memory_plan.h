@@ -93,6 +93,13 @@ struct MemoryPlan {
   // over the tensor group after backward (GPTModel::SumNonTensorParallelGrads through
   // AllReduceGradRanges), PlanOptions::non_tensor_parallel_grads floats gathered from their ranges.
   int ntp_grads = -1;
+  // Context parallelism (PlanOptions::context > 1; else empty): t is this rank's positions of a sample,
+  // the probabilities are (b, heads, t, context * t); cp_positions every rank's positions (int64,
+  // ContextParallelPositionTable), cp_gathered the group's QKV rows all-gathered (context pieces of
+  // (n, qkv width) fp32; backward's key and value gradient shares), cp_whole and cp_dwhole the whole
+  // samples' QKV and their key and value gradients (context * n rows; cp_whole receives the shares).
+  int64_t context = 1;
+  int cp_positions = -1, cp_gathered = -1, cp_whole = -1, cp_dwhole = -1;
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -133,6 +140,9 @@ struct PlanOptions {
   // (NonTensorParallelGradRanges': sequence parallelism's, or --qk-layernorm's query and key norms).
   int64_t non_tensor_parallel_grads = 0;
   int64_t qk_norm_scratch_doubles = 0;  // QKNormBackwardScratch of this rank's shape (--qk-layernorm)
+  // Context parallelism's ranks (--context-parallel-size; fp32 only): seq_length is then this rank's
+  // positions of a sample (MemoryPlan::context).
+  int64_t context = 1;
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four

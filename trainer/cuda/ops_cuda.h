@@ -250,6 +250,49 @@ absl::Status AttentionBackward(float* dqkv, const float* dout, const float* qkv,
                                const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams,
                                float* scratch, const CudaContext& ctx);
 int64_t AttentionBackwardScratch(const AttentionShape& s);
+// ---- attention_rows_cuda.cu --------------------------------------------------------------------
+// cpu::AttentionRowsForward / AttentionRowsBackward in fp32: tq query rows of each sample, q_rows(b, tq,
+// s.qkv_width()) with row i at position qpos[i] (device int64) of the whole sample, over whole samples
+// kv(b, s.t, s.qkv_width()) (their key and value columns); out(b, tq, nh*hd), probs(b, nh, tq, s.t) kept
+// before dropout; row i's causal mask and attention-dropout keys are those of row qpos[i] of AttentionForward.
+absl::Status AttentionRowsForward(float* out, float* probs, const float* q_rows, const float* kv, const int64_t* qpos,
+                                  int64_t tq, const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams,
+                                  const CudaContext& ctx);
+// dq_rows' query columns and dkv's key and value columns (every position) are assigned, the rest untouched.
+// scratch: AttentionRowsBackwardScratch(s, tq) floats.
+absl::Status AttentionRowsBackward(float* dq_rows, float* dkv, const float* dout, const float* q_rows, const float* kv,
+                                   const float* probs, const int64_t* qpos, int64_t tq, const AttentionShape& s,
+                                   double p, uint64_t seed, const uint64_t* streams, float* scratch,
+                                   const CudaContext& ctx);
+int64_t AttentionRowsBackwardScratch(const AttentionShape& s, int64_t tq);
+
+// ---- context_parallel_cuda.cu ------------------------------------------------------------------
+// Context parallelism's attention on one rank of `context` (the CPU model's ContextAttentionForward /
+// Backward without the collectives, which are the caller's). `local` is this rank's shape (local.t of
+// each sample's positions); positions(context, local.t) (device int64) holds every rank's
+// ContextParallelPositions, rank by rank. gathered: the group's QKV rows all-gathered, context pieces
+// of (b, local.t, w) in rank order. whole: (b, context * local.t, w) scratch.
+struct ContextAttentionArgs {
+  int context = 1, rank = 0;
+  const int64_t* positions = nullptr;
+};
+// out(b, local.t, nh*hd) and probs(b, nh, local.t, context * local.t) of this rank's rows (qkv).
+absl::Status ContextAttentionForward(float* out, float* probs, const float* qkv, const float* gathered, float* whole,
+                                     const ContextAttentionArgs& cp, const AttentionShape& local, double p,
+                                     uint64_t seed, const uint64_t* streams, const CudaContext& ctx);
+// dqkv(b, local.t, w): this rank's query gradients (key and value columns zero); shares: context pieces
+// of (b, local.t, w) in rank order, this rank's share of each rank's key and value gradients (query
+// columns zero), for the exchange. dwhole: scratch as whole; gathered and shares may be one buffer.
+// scratch: AttentionRowsBackwardScratch of the whole samples' shape.
+absl::Status ContextAttentionBackward(float* dqkv, float* shares, const float* dout, const float* qkv,
+                                      const float* gathered, float* whole, float* dwhole, const float* probs,
+                                      const ContextAttentionArgs& cp, const AttentionShape& local, double p,
+                                      uint64_t seed, const uint64_t* streams, float* scratch, const CudaContext& ctx);
+// dqkv(piece) += the ranks' shares of this rank's rows summed in rank order, ((s_0 + s_1) + ...): received
+// holds context pieces, rank q's share in piece q, except this rank's own, read from `own` (one piece).
+absl::Status AddContextShares(float* dqkv, const float* received, const float* own, const ContextAttentionArgs& cp,
+                              int64_t piece, const CudaContext& ctx);
+
 // ---- flash_attention_cuda.cpp ------------------------------------------------------------------
 // bf16 / fp16 (T = __nv_bfloat16 or __half): cuDNN's fused flash attention (graph API through
 // cudnn-frontend), never a t x t matrix in memory. stats(b, nh, t): fp32 softmax statistics kept

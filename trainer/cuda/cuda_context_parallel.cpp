@@ -1,0 +1,157 @@
+// The CUDA model's context parallelism (Megatron's --context-parallel-size, its allgather exchange; the CPU
+// model's trainer/cpu/context_parallel_cpu.cpp over the CUDA ops): each micro-batch holds this rank's positions
+// of its samples (ContextParallelPositions: chunks r and 2C - 1 - r of 2C), and every op but the attention runs on
+// them alone. The attention all-gathers the fused QKV rows of the context group (NCCL on the compute stream) and
+// runs this rank's queries over the whole samples (ContextAttentionForward: the causal mask and attention-dropout
+// keys of the queries' true positions); backward gathers them again, computes this rank's queries' gradients and
+// its share of every position's key and value gradients, sends each rank its share (NCCL point to point) and adds
+// the shares of its own rows in rank order (AddContextShares): deterministic, and the bits of the CPU model's gloo
+// reduce-scatter. RoPE's tables and the hidden dropout masks are those of the rows' true positions. fp32 only
+// (the attention is attention_rows_cuda.cu's; cuDNN's fused attention has no context-parallel path here).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "common/status.h"
+#include "trainer/cuda/cuda_gpt_model_impl.h"
+#include "trainer/cuda/memory_plan.h"
+#include "trainer/cuda/ops_cuda.h"
+#include "trainer/op_math.h"
+#include "trainer/parallel_layout.h"
+
+namespace ptk::cuda::model_detail {
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::SetContext(Communicator* context) {
+  if (context == nullptr || context->size() <= 1) return absl::OkStatus();
+  const int64_t C = context->size();
+  if constexpr (kFlash)
+    return UsageError(fmt::format(
+        "--context-parallel-size {} with --{}: context parallelism on the CUDA backend runs in fp32 only (its "
+        "attention is the fp32 one; ptk has no context-parallel cuDNN attention yet); drop --{}, or train with "
+        "--device cpu",
+        C, PrecisionName(PrecisionOf<T>()), PrecisionName(PrecisionOf<T>())));
+  if (!context->device_collectives())
+    return UsageError(fmt::format(
+        "--context-parallel-size {} on the CUDA backend needs NCCL for the context group (--distributed-backend "
+        "nccl, the default with --device cuda), not {}",
+        C, context->backend()));
+  if (sequence_parallel_)
+    return UsageError(fmt::format(
+        "--context-parallel-size {} with --sequence-parallel: not on the CUDA backend yet (--device cpu runs it)", C));
+  if (config().seq_length % (2 * C) != 0)
+    return UsageError(fmt::format("--context-parallel-size {}: --seq-length {} must be a multiple of 2 x {}", C,
+                                  config().seq_length, C));
+  context_comm_ = context;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::UploadContextTables() {
+  const int C = context_comm_->size();
+  const int64_t S = plan_.t * C;
+  context_positions_ = ContextParallelPositions(S, C, context_comm_->rank());
+  const std::vector<int64_t> table = ContextParallelPositionTable(S, C);
+  // On the compute stream, after the plan's zeroing of the arena; synchronised before the host tables go.
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<int64_t>(plan_.cp_positions), table.data(),
+                                           table.size() * sizeof(int64_t), cudaMemcpyHostToDevice, ctx_.stream),
+                           "copying the context ranks' positions to the device");
+  if (!config().rope()) return Sync("copying the context ranks' positions");
+  // The whole sample's tables, then this rank's positions' rows of them (the CPU model's Prepare).
+  const int64_t half = config().rotary_dim() / 2;
+  std::vector<float> whole(static_cast<size_t>(2 * S * half)), mine(static_cast<size_t>(2 * plan_.t * half));
+  RopeAngleTables(whole.data(), whole.data() + S * half, S, config().rotary_dim(), config().rope_settings());
+  for (int64_t i = 0; i < plan_.t; ++i)
+    for (int64_t k = 0; k < 2; ++k) {  // cos, then sin
+      const float* from = whole.data() + k * S * half + context_positions_[static_cast<size_t>(i)] * half;
+      std::copy(from, from + half, mine.begin() + k * plan_.t * half + i * half);
+    }
+  PTK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(Buf<float>(plan_.rope_tables), mine.data(), mine.size() * sizeof(float),
+                                           cudaMemcpyHostToDevice, ctx_.stream),
+                           "copying a context rank's rotary embedding tables to the device");
+  return Sync("copying a context rank's rotary embedding tables");
+}
+
+// Each run of consecutive positions of a sample is a part of the whole sample's row: DropoutRows from its first
+// element's index in the whole sample (the masks of one rank, as the CPU model's DropoutRows by position).
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::ContextDropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed) {
+  const int64_t c = config().hidden_size;
+  const std::vector<int64_t>& pos = context_positions_;
+  for (int64_t s = 0; s < b_; ++s)
+    for (int64_t i0 = 0, i1 = 0; i0 < t_; i0 = i1) {
+      for (i1 = i0 + 1; i1 < t_ && pos[static_cast<size_t>(i1)] == pos[static_cast<size_t>(i1 - 1)] + 1; ++i1) {
+      }
+      PTK_RETURN_IF_ERROR(DropoutRows<T>(x + (s * t_ + i0) * c, 1, (i1 - i0) * c, Streams(layer, site) + s, p, seed,
+                                         ctx_, pos[static_cast<size_t>(i0)] * c));
+    }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::GatherContextRows(const float* qkv, int64_t piece) {
+  float* gathered = Buf<float>(plan_.cp_gathered);
+  const int C = context_comm_->size();
+  PTK_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(gathered + context_comm_->rank() * piece, qkv, static_cast<size_t>(piece) * sizeof(float),
+                      cudaMemcpyDeviceToDevice, ctx_.stream),
+      "copying a context rank's QKV rows for the all-gather");
+  const std::vector<int64_t> bytes(static_cast<size_t>(C), piece * static_cast<int64_t>(sizeof(float)));
+  return Op("context parallel", "QKV all-gather", context_comm_->AllGatherDevice(gathered, bytes, ctx_.stream));
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(float* atty, float* probs, const float* qkv,
+                                                 const AttentionShape& shape, double ap, uint64_t seed,
+                                                 const uint64_t* streams) {
+  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, shape.b * shape.t * shape.qkv_width()));
+  const ContextAttentionArgs cp{context_comm_->size(), context_comm_->rank(), Buf<int64_t>(plan_.cp_positions)};
+  return ContextAttentionForward(atty, probs, qkv, Buf<float>(plan_.cp_gathered), Buf<float>(plan_.cp_whole), cp, shape,
+                                 ap, seed, streams, ctx_);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(float* dqkv, const float* datt, const float* qkv, const float* probs,
+                                                 const AttentionShape& shape, double ap, uint64_t seed,
+                                                 const uint64_t* streams) {
+  const int C = context_comm_->size(), rank = context_comm_->rank();
+  const int64_t piece = shape.b * shape.t * shape.qkv_width();
+  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, piece));  // the whole samples' keys and values again
+  const ContextAttentionArgs cp{C, rank, Buf<int64_t>(plan_.cp_positions)};
+  // The shares overwrite the gathered rows (read first); the whole samples' buffer receives the others' shares.
+  float* shares = Buf<float>(plan_.cp_gathered);
+  float* received = Buf<float>(plan_.cp_whole);
+  PTK_RETURN_IF_ERROR(ContextAttentionBackward(dqkv, shares, datt, qkv, shares, received, Buf<float>(plan_.cp_dwhole),
+                                               probs, cp, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch),
+                                               ctx_));
+  std::vector<Communicator::P2pMessage> messages;
+  const int64_t bytes = piece * static_cast<int64_t>(sizeof(float));
+  for (int q = 0; q < C; ++q)
+    if (q != rank) {
+      messages.push_back({.send = shares + q * piece, .bytes = bytes, .peer = q});
+      messages.push_back({.recv = received + q * piece, .bytes = bytes, .peer = q});
+    }
+  PTK_RETURN_IF_ERROR(
+      Op("context parallel", "key/value gradient exchange", context_comm_->BatchSendRecvDevice(messages, ctx_.stream)));
+  return AddContextShares(dqkv, received, shares + rank * piece, cp, piece, ctx_);
+}
+
+#define PTK_INSTANTIATE(T)                                                                                       \
+  template absl::Status CudaGPTModelImpl<T>::SetContext(Communicator* context);                                  \
+  template absl::Status CudaGPTModelImpl<T>::UploadContextTables();                                              \
+  template absl::Status CudaGPTModelImpl<T>::ContextDropout(T* x, int64_t layer, int64_t site, double p,         \
+                                                            uint64_t seed);                                      \
+  template absl::Status CudaGPTModelImpl<T>::GatherContextRows(const float* qkv, int64_t piece);                 \
+  template absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(float*, float*, const float*, const AttentionShape&, \
+                                                            double, uint64_t, const uint64_t*);                  \
+  template absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(float*, const float*, const float*, const float*,    \
+                                                            const AttentionShape&, double, uint64_t, const uint64_t*);
+PTK_INSTANTIATE(float)
+PTK_INSTANTIATE(__nv_bfloat16)
+PTK_INSTANTIATE(__half)
+#undef PTK_INSTANTIATE
+
+}  // namespace ptk::cuda::model_detail
