@@ -291,16 +291,19 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t
     return absl::InvalidArgumentError(
         fmt::format("AllReduceGradRange: [{}, {}) of {} parameters", begin, begin + n, num_params()));
   if (n == 0) return absl::OkStatus();
-  if (comm->device_collectives()) {  // NCCL: on the compute stream, in place
-    PTK_RETURN_IF_ERROR(Op("all-reduce", "embedding group all-reduce",
-                           comm->AllReduceSumDevice(Grad(begin), n, static_cast<void*>(ctx_.stream))));
-    return Sync("the embedding group's all-reduce");
-  }
-  std::vector<float> host(static_cast<size_t>(n));  // a host communicator (gloo): through the host
+  // NCCL: on the compute stream, in place, and no host wait: whatever reads these gradients next is
+  // ordered after it by the stream (the gradient norm and AdamW run on it; a host read, DownloadRange,
+  // synchronises it first; the buckets' stream of --overlap-grad-reduce waits on events recorded on
+  // it after the next backward), the next step's zeroing of the gradients too, and the NCCL
+  // watchdog times the collective from its event, as it does the all-gather before it.
+  if (comm->device_collectives())
+    return Op("all-reduce", "embedding group all-reduce",
+              comm->AllReduceSumDevice(Grad(begin), n, static_cast<void*>(ctx_.stream)));
+  // A host communicator (gloo): through the host (DownloadRange and UploadRange synchronise).
+  std::vector<float> host(static_cast<size_t>(n));
   PTK_RETURN_IF_ERROR(DownloadRange(plan_.grads, host.data(), begin, n));
   PTK_RETURN_IF_ERROR(comm->AllReduceSum(host.data(), n));
-  PTK_RETURN_IF_ERROR(UploadRange(plan_.grads, host.data(), begin, n));
-  return Sync("the embedding group's all-reduce");
+  return UploadRange(plan_.grads, host.data(), begin, n);
 }
 
 // The ranges gathered into the planned ntp_grads buffer on the compute stream (a device copy each),
