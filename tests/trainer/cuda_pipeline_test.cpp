@@ -377,6 +377,7 @@ TEST(CudaPipeline, AReceivedInputSurvivesAnotherSlotsReplan) {
     }
     auto fwd = model->StageForwardExchanged(small.Get(0), 0, std::nullopt, /*train=*/false, 99);
     EXPECT_TRUE(fwd.ok()) << fwd.status();
+    EXPECT_TRUE(model->Synchronize().ok());  // the pass runs on the model's own (non-blocking) stream
     auto out = model->StageBuffers(small.Get(0), 0, true);
     EXPECT_TRUE(out.ok()) << out.status();
     if (out.ok()) {
