@@ -218,7 +218,9 @@ write_summary() {
 on_signal() {
   trap '' TERM INT HUP PIPE  # the console's tee may be gone with the same signal
   [ -z "$box_pid" ] || kill -TERM "$box_pid" 2>/dev/null  # timeout passes it on to the test
-  if [ -n "$running" ]; then
+  if [ "${running#the bench}" != "$running" ]; then
+    bench_line="bench: interrupted after $(($(date +%s) - running_since))s (SIG$1)"; running=""
+  elif [ -n "$running" ]; then
     verdicts+=("INTERRUPTED $running after $(($(date +%s) - running_since))s (SIG$1)"); fail=$((fail + 1)); running=""
   fi
   write_summary "stopped by SIG$1 before the end"

@@ -267,6 +267,23 @@ kill "$(cat "$T/record.hang")" 2>/dev/null  # the orphaned test (its timeout end
 check "KILL: summary.txt still names the test that was running" grep -q '^RUNNING hang_test' "$T/out-kill/summary.txt"
 check "KILL: summary.txt still ends with the counts so far" [ "$(tail -1 "$T/out-kill/summary.txt")" = "1 passed, 0 failed, 0 skipped" ]
 
+# The bench runs in the background too: a TERM while it hangs ends it and writes the summary, the
+# bench said interrupted (a python3 that hangs on the bench and is itself otherwise).
+mkdir -p "$T/benchbin"
+printf '#!/bin/sh\ncase "$1" in bench/*) echo "bench starting"; exec sleep 300 ;; esac\nexec %s "$@"\n' \
+  "$(command -v python3)" > "$T/benchbin/python3"
+chmod +x "$T/benchbin/python3"
+setsid env PATH="$T/benchbin:$T/fakebin:$PATH" FAKE_RECORD="$T/record" OUT="$T/out-bench" \
+  bash "$SRC/scripts/gpu-run.sh" --pack "$T/passes" --budget 300 > "$T/benchterm.out" 2>&1 &
+pid=$!
+for i in $(seq 300); do grep -qs '^RUNNING the bench' "$T/out-bench/summary.txt" && break; sleep 0.1; done
+check "the bench: summary.txt names it as running" grep -q '^RUNNING the bench' "$T/out-bench/summary.txt"
+kill -TERM -- -"$pid"
+wait "$pid"
+check "the bench: TERM ends the run" [ $? = 1 ]
+check "the bench: the summary says it was interrupted" grep -qE '^bench: interrupted after [0-9]+s \(SIGTERM\)$' "$T/out-bench/summary.txt"
+check "the bench: the tests' counts stand" [ "$(tail -1 "$T/out-bench/summary.txt")" = "2 passed, 0 failed, 0 skipped" ]
+
 # A library older than ptk needs (here a stand-in NCCL 2.10.3; ptk needs 2.14): every test that loads
 # it, by its binary or through ptk-train's CUDA module, fails without running, saying why; the others run.
 if command -v cc > /dev/null; then
