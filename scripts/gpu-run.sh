@@ -311,7 +311,7 @@ while IFS=$'\t' read -r name exe starts args; do
     results+=("NOTE $name: $more_gpu_cases case(s) need more GPUs: not runnable on this machine (${ngpus} GPU listed)")
   elif [ $rc -eq 0 ] || [ $rc -eq 77 ]; then
     why=$([ $rc -eq 77 ] && tail -n +"$line" "$testlog" | grep -m1 '^SKIP' || echo "$skipped_cases case(s) skipped")
-    skip=$((skip + 1)); results+=("SKIP $name: $why"); echo "SKIP $name ($why)"; verdicts+=("SKIP $name (${t}s): $why")
+    skip=$((skip + 1)); results+=("SKIP $name: $why"); echo "SKIP $name ($why)"; verdicts+=("SKIP $name (${t}s): ${why#SKIP: }")
   else
     what="exit $rc" verdict=FAIL
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then what="stopped after ${secs}s" verdict=TIMEOUT; fi
