@@ -12,7 +12,9 @@
 #     CPU model, ptk-train end to end) under a time limit, then bench/bench_trainer_gpu.py (ptk-train
 #     beside PyTorch eager at GPT-2 124M); the default quick profile ends within 9 minutes, --full adds
 #     the slowest test cases, torch.compile and the 350M shape. With OUT=DIR the logs land in DIR (at
-#     most five files). Ends with "N passed, N failed, N skipped".
+#     most five files; summary.txt, each test's verdict and seconds, is there however the run ends).
+#     A library older than ptk needs fails the tests that load it, naming it. Ends with "N passed, N
+#     failed, N skipped".
 #
 # Exit status: non-zero when a test failed or, where nvidia-smi lists a GPU, skipped; or the bench failed.
 set -euo pipefail

@@ -7,7 +7,8 @@
 #
 # DEST/ptk-gpu.tar.xz holds, under ptk-gpu/:
 #   bin/ptk-*              the programs
-#   tests/...              the gpu-labelled test binaries and gpu-tests.json (name, binary, arguments)
+#   tests/...              the gpu-labelled test binaries and gpu-tests.json (name, binary, arguments,
+#                          whether it starts ptk-train)
 #   <path in the build>    every shared library the build made itself (a CUDA backend module, say), at its
 #                          place in the build tree, so a program finds it where it finds it in the build
 #   lib/                   every other shared library those load, except glibc's, the CUDA toolkit's and
@@ -55,7 +56,11 @@ for t in json.load(open(listing))["tests"]:
     rel = os.path.relpath(exe, build)
     os.makedirs(os.path.join(dest, os.path.dirname(rel)), exist_ok=True)
     shutil.copy2(exe, os.path.join(dest, rel))
-    out.append({"name": t["name"], "exe": rel, "args": [a.replace(build, "@PACK@") for a in t["command"][1:]]})
+    env = [e for p in t.get("properties", []) if p.get("name") == "ENVIRONMENT" for e in p.get("value", [])]
+    # starts_ptk_train: the test runs ptk-train (its environment names it), which loads the CUDA module's
+    # libraries: gpu-run.sh holds it to their versions too.
+    out.append({"name": t["name"], "exe": rel, "args": [a.replace(build, "@PACK@") for a in t["command"][1:]],
+                "starts_ptk_train": any(e.startswith("PTK_TRAIN=") for e in env)})
 if not out:
     sys.exit("gpu-pack: the build has no gpu-labelled tests (configured without CUDA?)")
 json.dump(out, open(os.path.join(dest, "tests", "gpu-tests.json"), "w"), indent=1)

@@ -26,6 +26,8 @@ cc -o "$B/bin/ptk-train" "$T/p.c" && cc -o "$B/bin/ptk-tokenize" "$T/p.c" && cc 
 cat > "$B/CTestTestfile.cmake" <<EOF
 add_test(fake_gpu_test "$B/tests/fake_gpu_test" "--data=$B/x")
 set_tests_properties(fake_gpu_test PROPERTIES LABELS "gpu")
+add_test(cli_gpu_test "$B/tests/fake_gpu_test")
+set_tests_properties(cli_gpu_test PROPERTIES LABELS "gpu" ENVIRONMENT "PTK_TRAIN=$B/bin/ptk-train")
 add_test(cpu_test "$B/tests/fake_gpu_test")
 set_tests_properties(cpu_test PROPERTIES LABELS "unit")
 EOF
@@ -40,10 +42,13 @@ tar -C "$T/x" -xJf .gpu/ptk-gpu.tar.xz 2>/dev/null
 P=$T/x/ptk-gpu
 check "the programs" test -x "$P/bin/ptk-train" -a -x "$P/bin/ptk-tokenize"
 check "the gpu test at its place, not the unit one" [ -x "$P/tests/fake_gpu_test" ]
-check "gpu-tests.json: the gpu test with its arguments" python3 -c "
+# starts_ptk_train: the test's environment names ptk-train (gpu-run.sh holds it to the CUDA module's libraries).
+check "gpu-tests.json: the gpu tests with their arguments, and whether they start ptk-train" python3 -c "
 import json, sys
 t = json.load(open(sys.argv[1]))
-assert t == [{'name': 'fake_gpu_test', 'exe': 'tests/fake_gpu_test', 'args': ['--data=@PACK@/x']}], t" "$P/tests/gpu-tests.json"
+assert t == [{'name': 'fake_gpu_test', 'exe': 'tests/fake_gpu_test', 'args': ['--data=@PACK@/x'], 'starts_ptk_train': False},
+             {'name': 'cli_gpu_test', 'exe': 'tests/fake_gpu_test', 'args': [], 'starts_ptk_train': True}], t" \
+  "$P/tests/gpu-tests.json"
 check "the build's module at its place in the build tree" [ -f "$P/trainer/cuda/libptk_backend_cuda.so" ]
 has_libz() { compgen -G "$P/lib/libz.so*" >/dev/null; }
 check "what the module loads (libz)" has_libz

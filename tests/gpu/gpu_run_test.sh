@@ -6,7 +6,11 @@
 # stopped at its time limit; a test reading stdin takes no test list with it; tests the budget leaves no
 # time for fail as not run; the run ends with
 # "N passed, N failed, N skipped" and leaves at most eight log files in $OUT, tests.log under 16 MiB; the
-# bench ends a ptk-train run that hangs at its --run-timeout.
+# bench ends a ptk-train run that hangs at its --run-timeout. summary.txt holds every test's verdict and
+# seconds (a hang a TIMEOUT with its case), and is there, naming the test running and the counts so far,
+# while a test hangs and after a TERM or a KILL of the run; a library older than ptk needs (a stand-in
+# NCCL 2.10.3) fails the tests that load it without running them, by their binary or through
+# ptk-train's CUDA module.
 # Usage: gpu_run_test.sh SOURCE_DIR
 set -uo pipefail
 SRC=$1
@@ -52,7 +56,7 @@ make_pack() {
         echo "[ RUN      ] Ops.Good"; echo "[       OK ] Ops.Good (1 ms)"
         echo "[ RUN      ] Ops.Bad"; echo "x.cu:12: Failure"; echo "[  FAILED  ] Ops.Bad (3 ms)"
         echo "[  FAILED  ] 1 test, listed below:"; echo "[  FAILED  ] Ops.Bad"; exit 1' ;;
-      hang) body='echo "[ RUN      ] Slow.Forever"; exec sleep 600' ;;
+      hang) body='echo $$ > "$FAKE_RECORD.hang"; echo "[ RUN      ] Slow.Forever"; exec sleep 600' ;;
       twogpu) body='echo "[ RUN      ] A.D"; echo "x.cpp:9: Skipped"; echo "needs two GPUs; 1 visible"; echo "[  SKIPPED ] A.D (0 ms)"
         echo "[ RUN      ] A.E"; echo "[       OK ] A.E (1 ms)"; echo "[  SKIPPED ] 1 test, listed below:"; echo "[  SKIPPED ] A.D"; exit 0' ;;
       threegpu) body='echo "[ RUN      ] A.F"; echo "x.cpp:9: Skipped"; echo "needs three GPUs; 2 visible"; echo "[  SKIPPED ] A.F (0 ms)"
@@ -179,7 +183,7 @@ run order FAKE_GPUS=1 -- --pack "$T/order"
 check "the toolchain runs first, the ops next, ptk-train end to end last" \
   [ "$(grep -o '[a-z_]*_test' "$T/record" | paste -sd' ')" = "cuda_toolchain_test ops_cuda_test" ] 
 check "ptk-train end to end runs after the unknown tests" \
-  bash -c "grep -E '^(PASS|SKIP|FAIL) ' '$T/order.out' | awk '{print \$2}' | paste -sd' ' | grep -qx 'cuda_toolchain_test ops_cuda_test cuda_train_cli_test pass_test'"
+  bash -c "sed '/^== summary/q' '$T/order.out' | grep -E '^(PASS|SKIP|FAIL) ' | awk '{print \$2}' | paste -sd' ' | grep -qx 'cuda_toolchain_test ops_cuda_test cuda_train_cli_test pass_test'"
 
 # A test that floods its output: tests.log stays under 16 MiB (a remote run brings back no larger file),
 # its beginning and end kept.
@@ -219,6 +223,105 @@ run spent FAKE_GPUS=1 -- --pack "$T/passes" --budget 5
 check "tests the budget leaves no time for fail as not run" has spent "TIME pass_test: not run"
 check "a spent budget fails the run" [ "$(rc spent)" = 1 ]
 check "a spent budget: the counts" [ "$(last spent)" = "0 passed, 2 failed, 0 skipped" ]
+
+# Every test's verdict and duration in summary.txt, a hang's as TIMEOUT with the case it was in; each
+# test within its own time limit, so the tests after a hang still run.
+make_pack "$T/verdicts" hang pass fail
+: > "$T/record"
+run verdicts FAKE_GPUS=1 PTK_GPU_TEST_TIMEOUT=2 OUT="$T/out-verdicts" -- --pack "$T/verdicts" --budget 60
+check "summary.txt: a hang is a TIMEOUT at its limit, naming its case" \
+  grep -qE '^TIMEOUT hang_test \([0-9]+s, stopped after 2s\): Slow.Forever$' "$T/out-verdicts/summary.txt"
+check "summary.txt: a pass with its seconds" grep -qE '^PASS pass_test \([0-9]+s\)$' "$T/out-verdicts/summary.txt"
+check "summary.txt: a failure with its exit status and failed case" \
+  grep -qE '^FAIL fail_test \([0-9]+s, exit 1\): Ops.Bad$' "$T/out-verdicts/summary.txt"
+check "summary.txt: the counts last" [ "$(tail -1 "$T/out-verdicts/summary.txt")" = "1 passed, 2 failed, 0 skipped" ]
+check "summary.txt: the run's state first" grep -q '^profile quick, [0-9]*s of 60s; GPU: GPU 0: NVIDIA H100 80GB HBM3; done$' \
+  "$T/out-verdicts/summary.txt"
+
+# A run stopped mid-test (the device call's limit, a signal): summary.txt, written before each test,
+# names the one running and holds the verdicts so far; TERM also ends the test and writes it whole.
+# watch NAME SIGNAL: gpu-run.sh in its own session over [pass, hang], SIGNAL sent once the summary names
+# the hanging test as running.
+watch() {
+  rm -rf "$T/out-$1" "$T/record.hang"
+  setsid env PATH="$T/fakebin:$PATH" FAKE_RECORD="$T/record" FAKE_GPUS=1 PTK_GPU_TEST_TIMEOUT=120 OUT="$T/out-$1" \
+    bash "$SRC/scripts/gpu-run.sh" --no-bench --pack "$T/watch" > "$T/$1.out" 2>&1 &
+  local pid=$! i
+  for i in $(seq 300); do grep -qs '^RUNNING hang_test' "$T/out-$1/summary.txt" && break; sleep 0.1; done
+  check "$1: while a test hangs, summary.txt names it as running" grep -q '^RUNNING hang_test (time box 120s)' "$T/out-$1/summary.txt"
+  check "$1: while a test hangs, summary.txt holds the verdicts so far" grep -q '^PASS pass_test' "$T/out-$1/summary.txt"
+  kill -"$2" -- -"$pid"
+  wait "$pid"
+  echo $? > "$T/$1.rc"
+}
+make_pack "$T/watch" pass hang
+watch term TERM
+check "TERM: the run fails" [ "$(rc term)" = 1 ]
+check "TERM: the hanging test is ended" bash -c "sleep 1; ! kill -0 \$(cat '$T/record.hang') 2>/dev/null"
+check "TERM: summary.txt names the test it interrupted" grep -qE '^INTERRUPTED hang_test \(time box 120s\) after [0-9]+s \(SIGTERM\)$' \
+  "$T/out-term/summary.txt"
+check "TERM: summary.txt ends with the counts" [ "$(tail -1 "$T/out-term/summary.txt")" = "1 passed, 1 failed, 0 skipped" ]
+check "TERM: no partial summary left" [ ! -e "$T/out-term/summary.txt.part" ]
+watch kill KILL
+kill "$(cat "$T/record.hang")" 2>/dev/null  # the orphaned test (its timeout ends with it)
+check "KILL: summary.txt still names the test that was running" grep -q '^RUNNING hang_test' "$T/out-kill/summary.txt"
+check "KILL: summary.txt still ends with the counts so far" [ "$(tail -1 "$T/out-kill/summary.txt")" = "1 passed, 0 failed, 0 skipped" ]
+
+# The bench runs in the background too: a TERM while it hangs ends it and writes the summary, the
+# bench said interrupted (a python3 that hangs on the bench and is itself otherwise).
+mkdir -p "$T/benchbin"
+printf '#!/bin/sh\ncase "$1" in bench/*) echo "bench starting"; exec sleep 300 ;; esac\nexec %s "$@"\n' \
+  "$(command -v python3)" > "$T/benchbin/python3"
+chmod +x "$T/benchbin/python3"
+setsid env PATH="$T/benchbin:$T/fakebin:$PATH" FAKE_RECORD="$T/record" OUT="$T/out-bench" \
+  bash "$SRC/scripts/gpu-run.sh" --pack "$T/passes" --budget 300 > "$T/benchterm.out" 2>&1 &
+pid=$!
+for i in $(seq 300); do grep -qs '^RUNNING the bench' "$T/out-bench/summary.txt" && break; sleep 0.1; done
+check "the bench: summary.txt names it as running" grep -q '^RUNNING the bench' "$T/out-bench/summary.txt"
+kill -TERM -- -"$pid"
+wait "$pid"
+check "the bench: TERM ends the run" [ $? = 1 ]
+check "the bench: the summary says it was interrupted" grep -qE '^bench: interrupted after [0-9]+s \(SIGTERM\)$' "$T/out-bench/summary.txt"
+check "the bench: the tests' counts stand" [ "$(tail -1 "$T/out-bench/summary.txt")" = "2 passed, 0 failed, 0 skipped" ]
+
+# A library older than ptk needs (here a stand-in NCCL 2.10.3; ptk needs 2.14): every test that loads
+# it, by its binary or through ptk-train's CUDA module, fails without running, saying why; the others run.
+if command -v cc > /dev/null; then
+  rm -rf "$T/stage"
+  p=$T/stage/ptk-gpu
+  mkdir -p "$p/bin" "$p/tests" "$p/lib/ptk" "$T/old"
+  echo 'int ncclGetVersion(int* v) { *v = 21003; return 0; }' > "$T/nccl.c"
+  cc -shared -fPIC -Wl,-soname,libnccl.so.2 -o "$p/lib/libnccl.so.2" "$T/nccl.c"
+  for t in nccl_old plain; do
+    printf '#include <stdio.h>\n#include <stdlib.h>\nint main(void) { FILE* f = fopen(getenv("FAKE_RECORD"), "a"); fprintf(f, "ran: %s\\n"); fclose(f); puts("[ RUN      ] A.B"); puts("[       OK ] A.B (1 ms)"); return 0; }\n' "$t" > "$T/$t.c"
+  done
+  cc -o "$p/tests/nccl_old_test" "$T/nccl_old.c" -Wl,--no-as-needed -L"$p/lib" -l:libnccl.so.2
+  cc -o "$p/tests/plain_test" "$T/plain.c"
+  cc -shared -fPIC -o "$p/lib/ptk/libptk_backend_cuda.so" "$T/nccl.c" -Wl,--no-as-needed -L"$p/lib" -l:libnccl.so.2
+  printf '#!/bin/sh\necho "cli ran" >> "$FAKE_RECORD"\n' > "$p/tests/cli_test"
+  chmod +x "$p/tests/cli_test"
+  printf '#!/bin/sh\necho "ptk-train (ptk 0.1.0)"\n' > "$p/bin/ptk-train"
+  chmod +x "$p/bin/ptk-train"
+  printf 'ptk-train (ptk 0.1.0)\nbackends: CPU; CUDA 13.0 for sm_90 (cuBLASLt 13.1.0, cuDNN 9.19.0); NCCL 2.28.9\n' > "$p/build-versions.txt"
+  cat > "$p/tests/gpu-tests.json" <<'JSON'
+[{"name": "nccl_old_test", "exe": "tests/nccl_old_test", "args": []},
+ {"name": "plain_test", "exe": "tests/plain_test", "args": []},
+ {"name": "cli_test", "exe": "tests/cli_test", "args": [], "starts_ptk_train": true}]
+JSON
+  tar -C "$T/stage" -cJf "$T/old/ptk-gpu.tar.xz" ptk-gpu
+  : > "$T/record"
+  run old FAKE_GPUS=1 OUT="$T/out-old" -- --pack "$T/old"
+  check "an old NCCL: said first, with what ptk needs" \
+    grep -q "^REQUIRED: NCCL 2.10.3 was loaded ($p/lib/libnccl.so.2\|.*/ptk-gpu/lib/libnccl.so.2); ptk needs 2.14.0 or newer (built with 2.28.9)" "$T/old.out"
+  check "an old NCCL: the test linked to it fails without running" \
+    grep -q "^FAIL nccl_old_test: not run: NCCL 2.10.3 was loaded" "$T/out-old/summary.txt"
+  check "an old NCCL: a test starting ptk-train (whose module loads it) fails without running" \
+    grep -q "^FAIL cli_test: not run: NCCL 2.10.3" "$T/out-old/summary.txt"
+  check "an old NCCL: neither ran, the test without it did" [ "$(cat "$T/record")" = "ran: plain" ]
+  check "an old NCCL: the summary says so" grep -q "^REQUIRED: NCCL 2.10.3" "$T/out-old/summary.txt"
+  check "an old NCCL: the counts" [ "$(last old)" = "1 passed, 2 failed, 0 skipped" ]
+  check "an old NCCL: the run fails" [ "$(rc old)" = 1 ]
+fi
 
 # The versions against real CUDA libraries where they are (a CUDA build's machine): a "ptk-train" linked to
 # cudart, cuBLASLt, cuDNN and NCCL, whose build claims a newer cuDNN than the one here: a warning.

@@ -758,5 +758,40 @@ TEST(CudaMemoryPlan, PipelineExchangeBuffers) {
   }
 }
 
+// A pipeline stage's re-plan for a larger micro-batch (CudaGPTModelImpl::PlanStage): an input
+// received into a slot whose forward pass has not run is carried across it, never lost; another
+// slot's forward activations refuse it.
+TEST(StageReplan, APlannedShapeNeedsNoReplan) {
+  const StageReplan r = PlanStageReplan(4, 1024, 2, 512, 1, /*live=*/0b01, /*received=*/0b10).value();
+  EXPECT_FALSE(r.replan);
+  EXPECT_TRUE(r.carried.empty());
+}
+
+TEST(StageReplan, ReceivedSlotsAreCarriedAcrossTheReplan) {
+  // Slot 0 received its (small) input; slot 2's larger micro-batch re-plans before slot 0's forward.
+  const StageReplan r = PlanStageReplan(2, 512, 4, 256, 2, /*live=*/0, /*received=*/0b0001).value();
+  EXPECT_TRUE(r.replan);
+  EXPECT_EQ(r.b, 4);
+  EXPECT_EQ(r.t, 512);  // the larger of each: every micro-batch seen so far still fits
+  EXPECT_EQ(r.carried, (std::vector<int>{0}));
+  // The slot itself, when it had already received (a second StageBuffers), and every other one.
+  EXPECT_EQ(PlanStageReplan(1, 64, 1, 128, 3, 0, 0b1101).value().carried, (std::vector<int>{0, 2, 3}));
+  EXPECT_EQ(PlanStageReplan(1, 64, 1, 128, 63, 0, uint64_t{1} << 63).value().carried, (std::vector<int>{63}));
+}
+
+TEST(StageReplan, OtherSlotsForwardActivationsRefuseIt) {
+  const absl::StatusOr<StageReplan> r = PlanStageReplan(2, 512, 2, 1024, 1, /*live=*/0b101, /*received=*/0b10);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("a 2x1024 micro-batch is larger than the 2x512 planned while other "
+                                      "micro-batches' activations are in flight (slots 0, 2)"),
+            std::string::npos)
+      << r.status();
+  // The slot's own earlier forward is no obstacle: its next forward pass overwrites it.
+  EXPECT_TRUE(PlanStageReplan(2, 512, 2, 1024, 1, /*live=*/0b10, 0).value().replan);
+  EXPECT_FALSE(PlanStageReplan(2, 512, 0, 1024, 1, 0, 0).ok());
+  EXPECT_FALSE(PlanStageReplan(2, 512, 2, 1024, 64, 0, 0).ok());
+}
+
 }  // namespace
 }  // namespace ptk::cuda

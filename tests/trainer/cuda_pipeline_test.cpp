@@ -12,7 +12,8 @@
 // with dropout: losses, the first step's gradients and the parameters after the steps bit for bit,
 // fp32 at P = 2 and 4, bf16 at P = 2 (bf16 values survive the fp32 staging exactly). Also the
 // slots: a backward of a slot that holds no forward pass, and a slot past the P - s this stage
-// keeps, are refused; the direct buffers are the slot's device memory in the model's dtype. Tied
+// keeps, are refused; the direct buffers are the slot's device memory in the model's dtype; an input
+// received into a slot survives the re-plan another slot's larger micro-batch causes before its forward. Tied
 // embeddings at P = 2 x D = 2 with ZeRO-1 get Megatron's finalize_model_grads order, bit for bit.
 // The same stage checks with --qk-layernorm. gpu-labelled: exit 77 without a device.
 #include <gtest/gtest.h>
@@ -22,6 +23,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "tests/trainer/cuda_model_test_util.h"
@@ -344,6 +346,47 @@ TEST(CudaPipeline, SlotsAreChecked) {
   ASSERT_TRUE(fwd.ok()) << fwd.status();
   EXPECT_TRUE(m->StageBackward(mb, 1, dy, {}, true, 99).ok());
   EXPECT_FALSE(m->StageBackward(mb, 1, dy, {}, true, 99).ok());  // its forward pass is spent
+}
+
+// An activation received into a slot ahead of its forward pass survives the re-plan another slot's
+// larger micro-batch causes before that forward (PlanStageReplan carries it): the slot's output is
+// the one a model that never re-planned gives for the same input.
+TEST(CudaPipeline, AReceivedInputSurvivesAnotherSlotsReplan) {
+  GPTConfig c = Config();
+  c.hidden_dropout = c.attention_dropout = 0.0;
+  const Batches small(1, c.vocab_size, /*b=*/1), big(1, c.vocab_size, /*b=*/8);  // planned for 4
+  cuda::CudaModelOptions o;
+  o.pipeline = Stages(4)[1];  // a middle stage: an input and an output, three slots
+  std::unique_ptr<GPTModel> m = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
+  std::unique_ptr<GPTModel> ref = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
+  ASSERT_TRUE(m && ref);
+  const int64_t n = m->StageExchangeFloats(small.Get(0));
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = static_cast<float>(std::sin(0.37 * i));
+  // run: receives x into slot 0 (a device copy in the receive's place), then, when `replan`, asks
+  // for slot 1's buffers for a micro-batch larger than planned before slot 0's forward pass.
+  auto run = [&](GPTModel* model, bool replan) {
+    std::vector<float> y(x.size());
+    auto in = model->StageBuffers(small.Get(0), 0, /*device_memory=*/true);
+    EXPECT_TRUE(in.ok()) << in.status();
+    if (!in.ok()) return y;
+    EXPECT_EQ(cudaMemcpy(in->input, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    if (replan) {
+      auto other = model->StageBuffers(big.Get(0), 1, true);
+      EXPECT_TRUE(other.ok()) << other.status();
+    }
+    auto fwd = model->StageForwardExchanged(small.Get(0), 0, std::nullopt, /*train=*/false, 99);
+    EXPECT_TRUE(fwd.ok()) << fwd.status();
+    EXPECT_TRUE(model->Synchronize().ok());  // the pass runs on the model's own (non-blocking) stream
+    auto out = model->StageBuffers(small.Get(0), 0, true);
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (out.ok()) {
+      EXPECT_EQ(cudaMemcpy(y.data(), out->output, y.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    return y;
+  };
+  const std::vector<float> want = run(ref.get(), false), got = run(m.get(), true);
+  EXPECT_LT(cuda_model_test::RelL2(got.data(), want.data(), n), 1e-6);
 }
 
 }  // namespace

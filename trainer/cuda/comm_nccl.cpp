@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -18,6 +19,7 @@
 
 #include "common/logging.h"
 #include "common/status.h"
+#include "trainer/cuda/local_rank_device.h"
 #include "trainer/cuda/nccl_guard.h"
 #include "trainer/rendezvous.h"
 
@@ -89,16 +91,8 @@ class NcclCommunicator : public Communicator {
       (void)cudaGetLastError();
       visible = 0;
     }
-    if (visible == 0)
-      return absl::FailedPreconditionError(
-          "--distributed-backend nccl: no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides "
-          "them all); train with --device cpu (gloo), or run on a GPU node");
-    if (o.local_rank < 0 || o.local_rank >= visible)
-      return UsageError(
-          fmt::format("local rank {} has no GPU: {} device(s) visible on this node; start one process per GPU "
-                      "(srun --ntasks-per-node equal to --gpus-per-node)",
-                      o.local_rank, visible));
-    device_ = o.local_rank;
+    PTK_ASSIGN_OR_RETURN(device_, LocalRankDevice("--distributed-backend nccl", o.local_rank, visible,
+                                                  std::getenv("CUDA_VISIBLE_DEVICES")));
     PTK_RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "selecting the rank's GPU"));
     PTK_ASSIGN_OR_RETURN(store_,
                          RendezvousStore::Connect(o.rank, o.world_size, o.master_addr, o.master_port, o.timeout));

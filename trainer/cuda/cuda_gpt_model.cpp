@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -18,6 +19,7 @@
 #include "trainer/counter_rng.h"
 #include "trainer/cuda/cuda_gpt_model_impl.h"
 #include "trainer/cuda/cuda_versions.h"
+#include "trainer/cuda/local_rank_device.h"
 #include "trainer/op_math.h"
 
 namespace ptk::cuda {
@@ -113,15 +115,9 @@ absl::Status CudaGPTModelImpl<T>::Init(int device, bool deterministic, int64_t m
   PTK_RETURN_IF_ERROR(SetContext(options.context));
   if (logits_budget_bytes_ < 0)
     return absl::InvalidArgumentError(fmt::format("logits budget of {} bytes", logits_budget_bytes_));
-  const int visible = VisibleDeviceCount();
-  if (visible == 0)
-    return absl::FailedPreconditionError(
-        "--device cuda: no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them all); "
-        "train with --device cpu, or run on a GPU node");
-  if (device < 0 || device >= visible)
-    return UsageError(
-        fmt::format("CUDA device {} (the local rank) does not exist: {} device(s) visible; start one process per GPU",
-                    device, visible));
+  // The caller's device index is the local rank (tools/train_main.cpp): refused where it has no GPU.
+  PTK_RETURN_IF_ERROR(
+      LocalRankDevice("--device cuda", device, VisibleDeviceCount(), std::getenv("CUDA_VISIBLE_DEVICES")).status());
   PTK_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), fmt::format("selecting CUDA device {}", device));
   cudaDeviceProp prop{};
   PTK_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device), fmt::format("properties of device {}", device));

@@ -285,8 +285,13 @@ class CudaGPTModelImpl final : public GPTModel {
   static constexpr int kMaxSlots = 64;  // slots_live_ has a bit per slot
   absl::Status SelectSlot(int slot, std::string_view what);
   // The device memory planned for `batch`: re-planned when it is larger than planned, refused while
-  // another slot's activations are in flight (a re-plan keeps the parameters only).
+  // another slot's activations are in flight (a re-plan keeps the parameters only); the inputs
+  // received into slots ahead of their forward passes (slots_received_) are carried across it
+  // (PlanStageReplan decides).
   absl::Status PlanStage(const ModelBatch& batch, int slot, std::string_view what);
+  // The received inputs of `slots` (slot_inputs_ elements each, the slot's first residual layer)
+  // copied to the host, in the current plan; then, after a re-plan, back into the new one.
+  absl::Status CarryInputs(const std::vector<int>& slots, std::vector<std::vector<char>>* kept, bool back);
   // From now on the host exchange (bf16/fp16: pipeline_exchange planned, a re-plan, refused while
   // any slot's activations are in flight).
   absl::Status UseHostExchange(std::string_view what);
@@ -501,8 +506,12 @@ class CudaGPTModelImpl final : public GPTModel {
   // pass whose backward has not run (bit k: slot k).
   int slot_ = 0;
   uint64_t slots_live_ = 0;
-  bool host_exchange_ = false;                            // the host exchange (UseHostExchange)
-  int reserved_slots_ = 0;                                // ReserveStageSlots' (0: 1F1B's P - s)
+  bool host_exchange_ = false;  // the host exchange (UseHostExchange)
+  int reserved_slots_ = 0;      // ReserveStageSlots' (0: 1F1B's P - s)
+  // The slots handed out to receive their input (StageBuffers) whose forward pass has not run yet
+  // (bit k: slot k), and the elements each receives.
+  uint64_t slots_received_ = 0;
+  std::vector<int64_t> slot_inputs_ = std::vector<int64_t>(kMaxSlots, 0);
   std::vector<std::pair<int64_t, int64_t>> slot_shapes_;  // each live slot's (b, t)
   const int32_t* tokens_host_ = nullptr;
   const int32_t* positions_host_ = nullptr;

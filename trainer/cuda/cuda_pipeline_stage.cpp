@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -62,6 +63,7 @@ absl::Status CudaGPTModelImpl<T>::ReserveStageSlots(int slots) {
     return absl::FailedPreconditionError(
         fmt::format("ReserveStageSlots: {} slots asked for while micro-batches' activations are in flight", slots));
   reserved_slots_ = slots;
+  slots_received_ = 0;            // told before the schedule takes any slot: nothing received is pending
   return Plan(plan_.b, plan_.t);  // the parameters move along; no activation is alive
 }
 
@@ -106,14 +108,43 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::PlanStage(const ModelBatch& batch, int slot, std::string_view what) {
   if (batch.b < 1 || batch.t < 1)
     return absl::InvalidArgumentError(fmt::format("{}: a {}x{} micro-batch", what, batch.b, batch.t));
-  if (batch.b <= plan_.b && batch.t <= plan_.t) return absl::OkStatus();
-  // A larger micro-batch re-plans the device memory, which keeps the parameters only.
-  if ((slots_live_ & ~(uint64_t{1} << slot)) != 0)
-    return absl::FailedPreconditionError(
-        fmt::format("{}: a {}x{} micro-batch is larger than the {}x{} planned while other micro-batches' "
-                    "activations are in flight",
-                    what, batch.b, batch.t, plan_.b, plan_.t));
-  return Plan(std::max(batch.b, plan_.b), std::max(batch.t, plan_.t));
+  absl::StatusOr<StageReplan> r =
+      PlanStageReplan(plan_.b, plan_.t, batch.b, batch.t, slot, slots_live_, slots_received_);
+  if (!r.ok()) return absl::Status(r.status().code(), fmt::format("{}: {}", what, std::string(r.status().message())));
+  if (!r->replan) return absl::OkStatus();
+  // A larger micro-batch re-plans the device memory, which keeps the parameters only: the inputs
+  // received ahead of their forward passes go to the host and back (a re-plan is rare: the first
+  // micro-batch of a larger shape).
+  std::vector<std::vector<char>> kept;
+  PTK_RETURN_IF_ERROR(CarryInputs(r->carried, &kept, /*back=*/false));
+  PTK_RETURN_IF_ERROR(Plan(r->b, r->t));
+  return CarryInputs(r->carried, &kept, /*back=*/true);
+}
+
+template <typename T>
+absl::Status CudaGPTModelImpl<T>::CarryInputs(const std::vector<int>& slots, std::vector<std::vector<char>>* kept,
+                                              bool back) {
+  if (slots.empty()) return absl::OkStatus();
+  const int selected = slot_;
+  kept->resize(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    slot_ = slots[i];  // Buf: the slot's residual stream, its first layer (the stage's input)
+    std::vector<char>& host = (*kept)[i];
+    const size_t bytes = static_cast<size_t>(slot_inputs_[static_cast<size_t>(slot_)]) * sizeof(T);
+    if (!back) host.resize(bytes);
+    const cudaError_t e =
+        back ? cudaMemcpyAsync(Buf<T>(plan_.resid), host.data(), bytes, cudaMemcpyHostToDevice, ctx_.stream)
+             : cudaMemcpyAsync(host.data(), Buf<T>(plan_.resid), bytes, cudaMemcpyDeviceToHost, ctx_.stream);
+    if (e != cudaSuccess) {
+      slot_ = selected;
+      return CudaError(e, "cudaMemcpyAsync",
+                       fmt::format("carrying slot {}'s received input ({} bytes) across a re-plan", slots[i], bytes));
+    }
+  }
+  slot_ = selected;
+  // The stream orders the copies after the receives enqueued on it; the host copies are read or
+  // freed only after this wait.
+  return Sync("carrying received inputs across a re-plan");
 }
 
 template <typename T>
@@ -124,6 +155,7 @@ absl::Status CudaGPTModelImpl<T>::UseHostExchange(std::string_view what) {
         "{}: the host exchange cannot start while micro-batches' activations are in flight (stage {} of {})", what,
         layout().pipeline_rank, layout().pipeline_size));
   host_exchange_ = true;
+  slots_received_ = 0;                                  // the host exchange copies each input in at its forward pass
   if constexpr (kFlash) return Plan(plan_.b, plan_.t);  // pipeline_exchange, for the casts
   return absl::OkStatus();
 }
@@ -134,6 +166,13 @@ absl::StatusOr<StageExchange> CudaGPTModelImpl<T>::StageBuffers(const ModelBatch
   if (host_exchange_) return GPTModel::StageBuffers(batch, slot, device_memory);
   PTK_RETURN_IF_ERROR(SelectSlot(slot, "StageBuffers"));
   PTK_RETURN_IF_ERROR(PlanStage(batch, slot, "StageBuffers"));
+  const uint64_t bit = uint64_t{1} << slot;
+  if (!chunk_pre_process() && (slots_live_ & bit) == 0) {
+    // The schedule may receive the slot's input now (its forward pass is next for the slot): kept
+    // across a re-plan another slot's larger micro-batch may cause before that forward.
+    slots_received_ |= bit;
+    slot_inputs_[static_cast<size_t>(slot)] = StageExchangeFloats(batch);
+  }
   const int64_t c = config().hidden_size;
   StageExchange e;
   e.elements = StageExchangeFloats(batch);
@@ -209,6 +248,7 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::StageForwardPass(const ModelBatch& 
   Begin();
   const int64_t c = config().hidden_size;
   slots_live_ &= ~bit;  // a forward pass over the slot overwrites what it held
+  slots_received_ &= ~bit;
   if (!chunk_pre_process() && !direct)
     PTK_RETURN_IF_ERROR(ExchangeIn(Act(plan_.resid, chunk_layer_begin(), nc), input, "StageForward input"));
   PTK_RETURN_IF_ERROR(RunForward(train, seed));
@@ -291,16 +331,19 @@ absl::Status CudaGPTModelImpl<T>::AllReduceGradRange(Communicator* comm, int64_t
     return absl::InvalidArgumentError(
         fmt::format("AllReduceGradRange: [{}, {}) of {} parameters", begin, begin + n, num_params()));
   if (n == 0) return absl::OkStatus();
-  if (comm->device_collectives()) {  // NCCL: on the compute stream, in place
-    PTK_RETURN_IF_ERROR(Op("all-reduce", "embedding group all-reduce",
-                           comm->AllReduceSumDevice(Grad(begin), n, static_cast<void*>(ctx_.stream))));
-    return Sync("the embedding group's all-reduce");
-  }
-  std::vector<float> host(static_cast<size_t>(n));  // a host communicator (gloo): through the host
+  // NCCL: on the compute stream, in place, and no host wait: whatever reads these gradients next is
+  // ordered after it by the stream (the gradient norm and AdamW run on it; a host read, DownloadRange,
+  // synchronises it first; the buckets' stream of --overlap-grad-reduce waits on events recorded on
+  // it after the next backward), the next step's zeroing of the gradients too, and the NCCL
+  // watchdog times the collective from its event, as it does the all-gather before it.
+  if (comm->device_collectives())
+    return Op("all-reduce", "embedding group all-reduce",
+              comm->AllReduceSumDevice(Grad(begin), n, static_cast<void*>(ctx_.stream)));
+  // A host communicator (gloo): through the host (DownloadRange and UploadRange synchronise).
+  std::vector<float> host(static_cast<size_t>(n));
   PTK_RETURN_IF_ERROR(DownloadRange(plan_.grads, host.data(), begin, n));
   PTK_RETURN_IF_ERROR(comm->AllReduceSum(host.data(), n));
-  PTK_RETURN_IF_ERROR(UploadRange(plan_.grads, host.data(), begin, n));
-  return Sync("the embedding group's all-reduce");
+  return UploadRange(plan_.grads, host.data(), begin, n);
 }
 
 // The ranges gathered into the planned ntp_grads buffer on the compute stream (a device copy each),
@@ -372,6 +415,8 @@ absl::Status CudaGPTModelImpl<T>::AllGatherGradRange(Communicator* comm, int64_t
   template absl::Status CudaGPTModelImpl<T>::ExchangeIn(T* dst, std::span<const float> host, std::string_view what);   \
   template absl::Status CudaGPTModelImpl<T>::ExchangeOut(std::span<float> host, const T* src, std::string_view what);  \
   template absl::Status CudaGPTModelImpl<T>::PlanStage(const ModelBatch& batch, int slot, std::string_view what);      \
+  template absl::Status CudaGPTModelImpl<T>::CarryInputs(const std::vector<int>& slots,                                \
+                                                         std::vector<std::vector<char>>* kept, bool back);             \
   template absl::Status CudaGPTModelImpl<T>::UseHostExchange(std::string_view what);                                   \
   template absl::StatusOr<StageExchange> CudaGPTModelImpl<T>::StageBuffers(const ModelBatch& batch, int slot,          \
                                                                            bool device_memory);                        \

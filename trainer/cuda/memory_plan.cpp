@@ -26,6 +26,30 @@ std::string FormatBytes(int64_t bytes) {
   return fmt::format("{} B", bytes);
 }
 
+absl::StatusOr<StageReplan> PlanStageReplan(int64_t planned_b, int64_t planned_t, int64_t b, int64_t t, int slot,
+                                            uint64_t live, uint64_t received) {
+  if (b < 1 || t < 1) return absl::InvalidArgumentError(fmt::format("a {}x{} micro-batch", b, t));
+  if (slot < 0 || slot >= 64) return absl::InvalidArgumentError(fmt::format("activation slot {} of 64", slot));
+  StageReplan r;
+  if (b <= planned_b && t <= planned_t) return r;
+  const uint64_t others_live = live & ~(uint64_t{1} << slot);
+  if (others_live != 0) {
+    std::string slots;
+    for (int k = 0; k < 64; ++k)
+      if ((others_live >> k) & 1) slots += fmt::format("{}{}", slots.empty() ? "" : ", ", k);
+    return absl::FailedPreconditionError(
+        fmt::format("a {}x{} micro-batch is larger than the {}x{} planned while other micro-batches' activations are "
+                    "in flight (slots {}): a pipeline step's micro-batches must not grow after the first forward pass",
+                    b, t, planned_b, planned_t, slots));
+  }
+  r.replan = true;
+  r.b = std::max(b, planned_b);
+  r.t = std::max(t, planned_t);
+  for (int k = 0; k < 64; ++k)
+    if ((received >> k) & 1) r.carried.push_back(k);
+  return r;
+}
+
 std::string MemoryPlan::Largest(int count) const {
   std::vector<size_t> order(buffers.size());
   std::iota(order.begin(), order.end(), size_t{0});

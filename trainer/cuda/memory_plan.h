@@ -200,6 +200,23 @@ absl::StatusOr<MemoryPlan> PlanMemoryWithin(const GPTConfig& config, int64_t num
 // most cap.
 std::vector<int64_t> LogitChunks(int64_t n, int64_t cap);
 
+// A pipeline stage's re-plan for a micro-batch larger than the plan (CudaGPTModelImpl::PlanStage,
+// before `slot` receives its input or runs its forward pass): the plan is laid out again for the
+// larger shape, which keeps the parameters and the optimizer's state and no activation. A slot
+// whose forward pass ran (`live`, bit k: slot k; its activations fill every layer until its
+// backward) cannot move: refused (FailedPrecondition naming the slots), unless it is `slot` itself
+// (its forward pass overwrites it). A slot that has received its input and not yet run its forward
+// (`received`: the previous stage's output in its first residual layer, `slot` itself among them)
+// is carried: its input copied out before the re-plan and back into the new plan after it, so an
+// activation received ahead of its forward is never lost.
+struct StageReplan {
+  bool replan = false;       // false: the plan holds the micro-batch already
+  int64_t b = 0, t = 0;      // the shape to plan (the larger of the plan's and the micro-batch's)
+  std::vector<int> carried;  // the received slots whose inputs cross the re-plan, ascending
+};
+absl::StatusOr<StageReplan> PlanStageReplan(int64_t planned_b, int64_t planned_t, int64_t b, int64_t t, int slot,
+                                            uint64_t live, uint64_t received);
+
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string FormatBytes(int64_t bytes);
 
