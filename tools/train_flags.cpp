@@ -122,6 +122,9 @@ void AddDataFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--tokenizer-type", f->tokenizer_type, "GPT2BPETokenizer (the only one ptk has)");
   app->add_option("--dataloader-type", f->dataloader_type, "single (Megatron's pretraining sampler)");
   app->add_flag("--eod-mask-loss", o.eod_mask_loss, "No loss on end-of-document tokens");
+  app->add_flag("--calculate-per-token-loss", o.optimizer.calculate_per_token_loss,
+                "Weigh every token's loss by 1 / the global batch's tokens (default: Megatron's mean over each "
+                "micro-batch's tokens on each data and context rank)");
   app->add_flag("--reset-position-ids", o.reset_position_ids, "Restart positions after each end-of-document token");
   app->add_flag("--reset-attention-mask", f->reset_attention_mask,
                 "Not supported: attention is causal over the whole sequence");

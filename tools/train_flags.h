@@ -126,5 +126,7 @@ absl::Status PrintDryRun(const CLI::App& app, TrainFlags* flags);
 
 // GPT-2 vocabulary size: entries of --vocab-file, or 50257 for ptk's built-in GPT-2 files.
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file);
+// The id of <|endoftext|> in a GPT-2 vocab.json (a usage error where it has none).
+absl::StatusOr<int32_t> Gpt2EndOfTextId(const std::string& vocab_file);
 
 }  // namespace ptk

@@ -1,6 +1,7 @@
 // ptk-train's flags into TrainOptions, after parsing: what ptk cannot do refused (one line naming
 // the flag), notes for flags accepted without effect, and the settings that depend on other flags.
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 
 #include <fmt/core.h>
@@ -150,6 +151,12 @@ absl::Status ResolveModel(const TrainFlags& f, int64_t tp, TrainOptions* out, st
           "trained on --vocab-size {}: give the vocabulary it was trained with",
           o.vocab_file, tokens, f.checkpoint_vocab->iteration, f.checkpoint_vocab->load, m.vocab_size));
     m.vocab_size = tokens;
+  }
+  // Megatron's tokenizer.eod: --vocab-file's <|endoftext|> (was always GPT-2's 50256, so with another
+  // vocabulary --eod-mask-loss and --reset-position-ids looked for a token the data did not hold).
+  if ((o.eod_mask_loss || o.reset_position_ids) && !o.vocab_file.empty()) {
+    PTK_RETURN_IF_ERROR(cli::CheckGpt2FileFlags(o.vocab_file, o.merge_file));
+    PTK_ASSIGN_OR_RETURN(o.eod, Gpt2EndOfTextId(o.vocab_file));
   }
   if (tp > 1 && o.backend.sequence_parallel && m.seq_length % tp != 0)
     return Refuse(fmt::format(
@@ -365,6 +372,21 @@ absl::StatusOr<int> VirtualPipelineSize(const TrainFlags& f) {
                     flag, f.options.model.num_layers, f.pipeline_model_parallel_size, per_stage,
                     per_chunk ? "layers of a virtual stage" : "virtual stages"));
   return static_cast<int>(per_chunk ? per_stage / *per_chunk : *chunks);  // 1: Megatron's plain 1F1B
+}
+
+absl::StatusOr<int32_t> Gpt2EndOfTextId(const std::string& vocab_file) {
+  if (!PathExists(vocab_file)) return absl::NotFoundError(vocab_file + ": --vocab-file does not exist");
+  PTK_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(vocab_file));
+  simdjson::dom::parser p;
+  simdjson::dom::object obj;
+  if (p.parse(text).get(obj)) return absl::InvalidArgumentError(vocab_file + ": not a JSON object (GPT-2 vocab.json)");
+  int64_t id = -1;
+  if (obj["<|endoftext|>"].get(id) || id < 0 || id > INT32_MAX)
+    return UsageError(
+        fmt::format("--eod-mask-loss / --reset-position-ids: --vocab-file {} has no <|endoftext|> "
+                    "token id, the end of document they look for",
+                    vocab_file));
+  return static_cast<int32_t>(id);
 }
 
 absl::StatusOr<int64_t> Gpt2VocabSize(const std::string& vocab_file) {

@@ -200,6 +200,7 @@ Settings DataAndRunSettings(const TrainOptions& o) {
       {"--mock-data", o.mock_data ? "on" : "off"},
       {"--seed", std::to_string(o.seed)},
       {"--eod-mask-loss", o.eod_mask_loss ? "on" : "off"},
+      {"--calculate-per-token-loss", o.optimizer.calculate_per_token_loss ? "on" : "off"},
       {"--reset-position-ids", o.reset_position_ids ? "on" : "off"},
       {"--eval-interval", std::to_string(o.eval_interval)},
       {"--eval-iters", std::to_string(o.eval_iters)},

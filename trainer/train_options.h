@@ -88,6 +88,9 @@ struct TrainOptions {
   // is the caller's; with --use-checkpoint-args the checkpoint's, as Megatron takes it).
   int64_t make_vocab_size_divisible_by = 128;
   bool eod_mask_loss = false, reset_position_ids = false;
+  // The end-of-document token --eod-mask-loss and --reset-position-ids look for: --vocab-file's
+  // <|endoftext|> (Megatron's tokenizer.eod), GPT-2's 50256 by default.
+  int32_t eod = 50256;
 
   // The job's ranks on this machine and the launcher's variable that says so (TrainingRanks's
   // ranks_on_node): the CPU backend's memory check counts them all against what they share.

@@ -166,10 +166,13 @@ absl::StatusOr<StepResult> TrainStep::ComputeGradients(const std::vector<ModelBa
   return r;
 }
 
-// Megatron: each micro-batch's loss is its token mean, divided by the number of micro-batches;
-// gradients are averaged over data-parallel ranks. With context parallelism a micro-batch's tokens
-// are counted over its context ranks (each holds some positions of the samples), and comm_ spans
-// data × context ranks: the gradients summed over it are the data-parallel sum of whole samples'.
+// Megatron (megatron-core's forward_step_calc_loss, then the data x context reduction scaled by
+// 1 / (data x context ranks)): each rank's micro-batch loss is the mean over its own tokens, divided by
+// the number of micro-batches, so a micro-batch's context ranks each weigh 1 / C whatever their share
+// of its tokens (the same as one rank holding whole samples when the loss mask is even over them,
+// not with --eod-mask-loss's holes). comm_ spans data x context ranks: the gradients summed over it are
+// the data-parallel sum of whole samples'. --calculate-per-token-loss: every token weighs 1 / the
+// global batch's tokens (the micro-batches' over comm_), finalize_model_grads' num_tokens.
 absl::StatusOr<std::vector<double>> TrainStep::LossScales(const std::vector<ModelBatch>& micro_batches) {
   const double num_micro = static_cast<double>(micro_batches.size());
   const int context = context_ ? context_->size() : 1;
@@ -180,10 +183,15 @@ absl::StatusOr<std::vector<double>> TrainStep::LossScales(const std::vector<Mode
     for (int64_t i = 0; i < mb.b * mb.t; ++i) t += mb.loss_mask[i];
     tokens.push_back(t);
   }
-  if (context > 1 && !tokens.empty())
-    PTK_RETURN_IF_ERROR(context_->AllReduceSum(tokens.data(), static_cast<int64_t>(tokens.size())));
   std::vector<double> scales;
-  for (const double t : tokens) scales.push_back(t > 0 ? 1.0 / (t * num_micro * dp) : 0.0);
+  if (config_.calculate_per_token_loss) {
+    double total = 0;
+    for (const double t : tokens) total += t;
+    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(&total, 1));
+    for (size_t k = 0; k < tokens.size(); ++k) scales.push_back(total > 0 ? 1.0 / total : 0.0);
+    return scales;
+  }
+  for (const double t : tokens) scales.push_back(t > 0 ? 1.0 / (t * num_micro * dp * context) : 0.0);
   return scales;
 }
 

@@ -25,6 +25,10 @@ struct OptimizerConfig {
   // elements (0: Megatron's default, DefaultDdpBucketSize) as it completes them.
   bool overlap_grad_reduce = false;
   int64_t ddp_bucket_size = 0;
+  // --calculate-per-token-loss: every token's loss weighs 1 / the global batch's tokens (over the data
+  // and context ranks and the micro-batches), not 1 / its micro-batch's tokens on its rank
+  // (TrainStep::LossScales).
+  bool calculate_per_token_loss = false;
 };
 
 // Megatron's loss scaling for --fp16: ConstantGradScaler (--loss-scale) or DynamicGradScaler
@@ -123,8 +127,8 @@ class TrainStep {
   const PipelineStats& pipeline_stats() const { return pipeline_stats_; }
   // Context parallelism: each micro-batch holds this rank's positions of its samples, `context`
   // the context group (comm is then data × context ranks, over which the gradients and losses are
-  // summed). A micro-batch's loss is normalised by its tokens summed over the context group, so the
-  // step is the one of a single context rank holding whole samples.
+  // summed). As Megatron, each rank's micro-batch loss is normalised by its own tokens and weighs 1 / C:
+  // the step of one rank holding whole samples when the loss mask is even over the context ranks.
   void set_context(Communicator* context) { context_ = context; }
   // Whether the next steps count the zeros among the reduced gradients (a host copy of them; with
   // ZeRO-1 each rank's shard, summed over the ranks): every rank must ask alike.
@@ -158,7 +162,8 @@ class TrainStep {
   Communicator* pipeline_ = nullptr;
   Communicator* embedding_ = nullptr;
   Communicator* context_ = nullptr;  // set_context's
-  // Each micro-batch's loss scale (before the loss scaler's): 1 / (its tokens × micro-batches × data ranks).
+  // Each micro-batch's loss scale (before the loss scaler's): 1 / (its tokens on this rank × micro-batches
+  // × data ranks × context ranks), or with --calculate-per-token-loss 1 / the global batch's tokens.
   absl::StatusOr<std::vector<double>> LossScales(const std::vector<ModelBatch>& micro_batches);
   int microbatch_group_size_ = 0;
   PipelineStats pipeline_stats_;

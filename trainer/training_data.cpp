@@ -92,6 +92,7 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
   cfg.path_to_cache = o.data_cache_path;
   cfg.eod_mask_loss = o.eod_mask_loss;
   cfg.reset_position_ids = o.reset_position_ids;
+  cfg.eod = o.eod;
   const bool middle = pipeline && pipeline->rank() > 0 && pipeline->rank() < pipeline->size() - 1;
   TrainingSplits s;
   if (!middle) {

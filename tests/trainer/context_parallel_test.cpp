@@ -3,22 +3,29 @@
 // and the gradients summed over the context group are one rank's over the whole samples (loss
 // within 1e-6 relative, every gradient within 2e-6 of the largest), with dropout on, for GPT's
 // model and for a Llama-line one (RoPE by true position, grouped-query attention, query and key
-// norms, recomputed attention); a context rank allocates what the memory estimate plans for it.
+// norms, recomputed attention); a context rank allocates what the memory estimate plans for it. With
+// a loss mask uneven over the context ranks, the training step weighs each rank's tokens as
+// megatron-core does (tests/support/gen_cp_loss_scale_golden.py: each rank's micro-batch mean weighing
+// 1 / C, or with --calculate-per-token-loss 1 / the global batch's tokens).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "common/status.h"
+#include "tests/test_util.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/parallel_layout.h"
+#include "trainer/train_step.h"
 #include "trainer/training_data.h"
 
 namespace ptk {
@@ -40,16 +47,16 @@ struct Pass {
   int64_t activation_floats = 0;
 };
 
-// Micro-batch 0 of testing::Batches (2 samples of 32 tokens, a loss mask with holes) as a loader's.
-MicroBatch Whole(const testing::Batches& data) {
+// Micro-batch k of testing::Batches (2 samples of 32 tokens, a loss mask with holes) as a loader's.
+MicroBatch Whole(const testing::Batches& data, size_t k = 0) {
   MicroBatch mb;
   mb.micro_batch_size = 2;
   mb.seq_length = data.t;
-  mb.indices = data.keys[0];
-  mb.tokens = data.tokens[0];
-  mb.labels = data.labels[0];
-  mb.position_ids = data.positions[0];
-  mb.loss_mask = data.mask[0];
+  mb.indices = data.keys[k];
+  mb.tokens = data.tokens[k];
+  mb.labels = data.labels[k];
+  mb.position_ids = data.positions[k];
+  mb.loss_mask = data.mask[k];
   return mb;
 }
 
@@ -116,6 +123,114 @@ void ExpectContextRanksMatchOne(const GPTConfig& c, const std::string& what) {
 TEST(ContextParallel, GptModelMatchesOneRank) { ExpectContextRanksMatchOne(Config(false), "GPT"); }
 
 TEST(ContextParallel, LlamaLineModelMatchesOneRank) { ExpectContextRanksMatchOne(Config(true), "Llama line"); }
+
+// tests/data/trainer/cp_loss_scale_golden.txt: the whole samples' loss masks of 2 micro-batches, and
+// megatron-core's weight of one masked token of each micro-batch and context rank in the reduced
+// gradient, by mode ("mean", "per-token").
+struct LossScaleGolden {
+  std::vector<std::vector<float>> masks;                           // [micro-batch] 2 samples x 32
+  std::map<std::string, std::vector<std::vector<double>>> weight;  // [mode][micro-batch][context rank]
+};
+LossScaleGolden ReadLossScaleGolden() {
+  LossScaleGolden g;
+  std::istringstream in(testing::ReadFile(testing::SourceDir() + "/tests/data/trainer/cp_loss_scale_golden.txt"));
+  std::string line, tag;
+  while (std::getline(in, line)) {
+    std::istringstream f(line);
+    f >> tag;
+    if (tag == "mask") {
+      size_t m = 0, sample = 0;
+      std::string bits;
+      f >> m >> sample >> bits;
+      g.masks.resize(std::max(g.masks.size(), m + 1));
+      for (char b : bits) g.masks[m].push_back(b == '1' ? 1.0f : 0.0f);
+    } else if (tag == "weight") {
+      std::string mode;
+      size_t m = 0, rank = 0;
+      double tokens = 0, w = 0;
+      f >> mode >> m >> rank >> tokens >> w;
+      auto& v = g.weight[mode];
+      v.resize(std::max(v.size(), m + 1));
+      v[m].resize(std::max(v[m].size(), rank + 1));
+      v[m][rank] = w;
+    }
+  }
+  return g;
+}
+
+// Megatron with --eod-mask-loss-like holes that leave context rank 0 fewer tokens than rank 1: each
+// rank's micro-batch loss is the mean over its own tokens, weighing 1 / C (not the micro-batch's mean
+// over the context group, which weighs every token alike); with --calculate-per-token-loss every token
+// weighs 1 / the global batch's tokens. The reference: one rank over the whole samples, each token's
+// loss weighted by the golden's weight of its context rank, the gradients compared within 2e-6 of the
+// largest (the loss sums' order differs).
+TEST(ContextParallel, UnevenLossMaskWeighsEachRankAsMegatron) {
+  const LossScaleGolden golden = ReadLossScaleGolden();
+  ASSERT_EQ(golden.masks.size(), 2u);
+  const GPTConfig c = Config(false);
+  testing::Batches data(2, c.seq_length);
+  for (size_t m = 0; m < 2; ++m) {
+    ASSERT_EQ(golden.masks[m].size(), data.mask[m].size());
+    data.mask[m] = golden.masks[m];
+  }
+  std::vector<int> rank_of(static_cast<size_t>(c.seq_length));
+  for (int q = 0; q < 2; ++q)
+    for (int64_t p : ContextParallelPositions(c.seq_length, 2, q)) rank_of[static_cast<size_t>(p)] = q;
+  for (const char* mode : {"mean", "per-token"}) {
+    SCOPED_TRACE(mode);
+    ASSERT_EQ(golden.weight.count(mode), 1u);
+    const auto& weight = golden.weight.at(mode);
+    // One rank: each token's loss times its context rank's weight.
+    auto one = CpuGPTModel::Create(c);
+    ASSERT_TRUE(one.ok());
+    ASSERT_TRUE((*one)->InitWeights(11).ok());
+    ASSERT_TRUE((*one)->ZeroGrads().ok());
+    for (size_t m = 0; m < 2; ++m) {
+      MicroBatch mb = Whole(data, m);
+      for (size_t i = 0; i < mb.loss_mask.size(); ++i)
+        mb.loss_mask[i] *= static_cast<float>(weight[m][static_cast<size_t>(rank_of[i % rank_of.size()])]);
+      std::vector<int64_t> keys;
+      ASSERT_TRUE((*one)->ForwardBackward(View(mb, &keys), 1.0, /*train=*/true, 7).ok());
+    }
+    std::vector<float> want(static_cast<size_t>((*one)->num_params()));
+    ASSERT_TRUE((*one)->ReadGrads(want).ok());
+    std::vector<float> got;
+    double tokens = 0;
+    std::mutex mu;
+    testing::RunRanks(2, [&](Communicator* comm, int rank) {
+      auto model = CpuGPTModel::Create(c);
+      ASSERT_TRUE(model.ok());
+      ASSERT_TRUE((*model)->SetContextParallel(comm).ok());
+      ASSERT_TRUE((*model)->InitWeights(11).ok());
+      OptimizerConfig oc;
+      oc.calculate_per_token_loss = std::string(mode) == "per-token";
+      TrainStep step(model->get(), oc, SchedulerConfig{}, comm);
+      step.set_context(comm);
+      std::vector<MicroBatch> mbs;
+      for (size_t m = 0; m < 2; ++m) {
+        mbs.push_back(Whole(data, m));
+        KeepContextRows(&mbs.back(), ContextParallelPositions(c.seq_length, 2, rank));
+      }
+      std::vector<std::vector<int64_t>> keys(2);
+      auto r = step.ComputeGradients({View(mbs[0], &keys[0]), View(mbs[1], &keys[1])}, 7);
+      ASSERT_TRUE(r.ok()) << r.status();
+      std::vector<float> grads(static_cast<size_t>((*model)->num_params()));
+      ASSERT_TRUE((*model)->ReadGrads(grads).ok());
+      if (rank != 0) return;
+      std::lock_guard<std::mutex> lock(mu);
+      got = grads;
+      tokens = r->tokens;
+    });
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(tokens, 96);  // the logged lm loss: the global sum over the global tokens, as Megatron's
+    double gmax = 0, dmax = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      gmax = std::max(gmax, static_cast<double>(std::abs(want[i])));
+      dmax = std::max(dmax, static_cast<double>(std::abs(want[i] - got[i])));
+    }
+    EXPECT_LT(dmax, 2e-6 * gmax) << "largest gradient difference " << dmax << " of " << gmax;
+  }
+}
 
 TEST(ContextParallel, KeepContextRowsKeepsMegatronsChunksOfEverySample) {
   const testing::Batches data(1, 8);

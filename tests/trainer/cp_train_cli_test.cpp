@@ -3,7 +3,9 @@
 // --sequence-parallel, C = 2 x P = 2 with and without the interleaved schedule, and Megatron's Llama
 // line with RoPE at C = 2) give the loss lines of one rank within 1e-5 relative, with dropout on, and
 // after 10 iterations the same parameters within 2e-5 of the largest; a checkpoint saved at C = 2
-// resumes at C = 1 and the reverse, continuing the uninterrupted run's losses; what ptk does not
+// resumes at C = 1 and the reverse, continuing the uninterrupted run's losses; with --eod-mask-loss
+// (the context ranks' shares of the tokens uneven) --calculate-per-token-loss gives one rank's losses
+// and parameters at C = 2, and Megatron's default per-rank mean other parameters; what ptk does not
 // cover, and ranks started with another context or tensor size, are refused in one line, exit 2.
 #include <algorithm>
 #include <cmath>
@@ -76,6 +78,38 @@ TEST_F(ContextParallelCli, TwoContextRanksGiveOneRanksLossesAndParameters) {
   const double params = ParamsDifference(cp_dir, one_dir, 10);
   EXPECT_LT(params, kParamsTolerance);
   std::printf("C=2: parameters after 10 iterations within %.3g of the largest of one rank's\n", params);
+}
+
+// --eod-mask-loss (the vocabulary's <|endoftext|> masked: was GPT-2's 50256 whatever --vocab-file said,
+// so here no token) leaves the context ranks uneven shares of a micro-batch's tokens: Megatron's default
+// weighs each rank's mean alike (its weights: context_parallel_test), so after 10 iterations its C = 2
+// parameters are not one rank's, while --calculate-per-token-loss weighs every token alike at any C:
+// one rank's lm losses and parameters (within 2e-5 of the largest).
+TEST_F(ContextParallelCli, PerTokenLossWithTheEodMaskGivesOneRanksParameters) {
+  const std::string eod = "--eod-mask-loss ", per_token = "--calculate-per-token-loss ";
+  auto one = RunCmd(Train(1, eod + per_token + "--save " + ShellQuote(dir_ / "one")));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(RunGivingLosses(2, Train(2, eod + per_token + "--save " + ShellQuote(dir_ / "cp")),
+                                          Losses(one.output), 10, kLossTolerance, "C=2, per-token loss, EOD mask",
+                                          &out));
+  // The mask holds: the vocabulary's <|endoftext|> (999 here) is masked, not GPT-2's 50256.
+  auto unmasked = RunCmd(Train(1, per_token, 3));
+  ASSERT_EQ(unmasked.exit_code, 0) << unmasked.output;
+  ASSERT_EQ(Losses(unmasked.output).size(), 3u);
+  EXPECT_NE(Losses(unmasked.output)[0].second, Losses(one.output)[0].second);
+  const double same = ParamsDifference(dir_ / "cp", dir_ / "one", 10);
+  EXPECT_LT(same, kParamsTolerance);
+  auto mean_one = RunCmd(Train(1, eod + "--save " + ShellQuote(dir_ / "mean_one")));
+  ASSERT_EQ(mean_one.exit_code, 0) << mean_one.output;
+  auto mean_cp = Ranks(2, Train(2, eod + "--save " + ShellQuote(dir_ / "mean_cp")));
+  ASSERT_NE(mean_cp.output.find(AllZero(2)), std::string::npos) << mean_cp.output << Logs(2);
+  const double apart = ParamsDifference(dir_ / "mean_cp", dir_ / "mean_one", 10);
+  EXPECT_GT(apart, 10 * kParamsTolerance);
+  std::printf(
+      "EOD mask, parameters after 10 iterations at C=2 vs one rank: per-token loss %.3g, Megatron's "
+      "default %.3g of the largest\n",
+      same, apart);
 }
 
 TEST_F(ContextParallelCli, ContextTimesDataTensorOrPipelineRanksAndTheLlamaLineGiveOneRanksLosses) {

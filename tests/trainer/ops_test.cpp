@@ -3,6 +3,7 @@
 #include <tbb/task_arena.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include "tests/trainer/gradient_check.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/lr_schedule.h"
+#include "trainer/parallel_layout.h"
 
 namespace ptk {
 namespace {
@@ -290,6 +292,69 @@ TEST(Ops, AttentionRowsAreTheWholeAttentionsRows) {
       for (int64_t pos = 0; pos < s.t && query; ++pos) EXPECT_EQ(dkv[(b * s.t + pos) * w + col], 0.0);
     }
   EXPECT_GT(largest, 0.0);
+}
+
+// Gemm's tiles: GemmTiles computes those its filter accepts with Gemm's bits and leaves the others.
+TEST(Ops, GemmTilesAreGemmsTilesBitForBit) {
+  const int64_t m = 600, n = 2500, k = 24;  // 3 x 3 tiles, the last row and column partial
+  auto floats = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  const auto a = floats(Random(m * k, 60)), b = floats(Random(n * k, 61));
+  std::vector<float> whole(m * n), some(m * n, 7.0f);
+  cpu::Gemm<float>(false, true, m, n, k, 0.5f, a.data(), k, b.data(), k, 0.0f, whole.data(), n);
+  cpu::GemmTiles<float>(false, true, m, n, k, 0.5f, a.data(), k, b.data(), k, 0.0f, some.data(), n,
+                        [](int64_t row0, int64_t, int64_t col0, int64_t) { return row0 + 1 >= col0 / 4; });
+  int64_t skipped = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const bool needed = i / 256 * 256 + 1 >= j / 1024 * 1024 / 4;
+      const float want = needed ? whole[i * n + j] : 7.0f;
+      skipped += needed ? 0 : 1;
+      ASSERT_EQ(std::memcmp(&some[i * n + j], &want, sizeof(float)), 0) << i << " " << j;
+    }
+  EXPECT_EQ(skipped, 256 * (2500 - 1024) + 256 * (2500 - 2048));  // tiles (0, 1), (0, 2), (1, 2)
+}
+
+// The causal attention leaves out Gemm's tiles of keys after every row of the tile (a context rank's
+// first chunk over the later chunks' keys; the top right of a whole sample's mask) with the same bits
+// as computing them: forward's outputs and probabilities, backward's query, key and value gradients
+// (fp32, as trained), for every rank of C = 1, 2 and 4, with and without dropout and grouped-query
+// attention, on sequences of 1 to 4 column tiles, the last one partial.
+TEST(Ops, AttentionRowsSkipTheMaskedKeysWithTheSameBits) {
+  for (const AttentionShape& s :
+       {AttentionShape{2, 32, 4, 8, 4}, AttentionShape{1, 2048, 2, 16, 2}, AttentionShape{1, 3584, 1, 8, 1}})
+    for (int C : {1, 2, 4})
+      for (int rank = 0; rank < C; ++rank)
+        for (double p : {0.0, 0.1}) {
+          SCOPED_TRACE(::testing::Message() << "t " << s.t << " C " << C << " rank " << rank << " p " << p);
+          const std::vector<int64_t> qpos = ContextParallelPositions(s.t, C, rank);
+          const int64_t tq = static_cast<int64_t>(qpos.size()), c = s.nh * s.hd, w = s.qkv_width();
+          auto floats = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+          const auto kv = floats(Random(s.b * s.t * w, 50)), q_rows = floats(Random(s.b * tq * w, 51));
+          const auto dout = floats(Random(s.b * tq * c, 52));
+          std::vector<uint64_t> streams;
+          for (int64_t b = 0; b < s.b; ++b) streams.push_back(DropoutStream(static_cast<uint64_t>(b), 1, 3));
+          struct Result {
+            std::vector<float> out, probs, dq, dkv;
+          };
+          auto run = [&](cpu::MaskedKeys keys) {
+            // What the op leaves alone stays 7: the same in both.
+            Result r{std::vector<float>(s.b * tq * c), std::vector<float>(s.b * s.nh * tq * s.t, 7.0f),
+                     std::vector<float>(q_rows.size(), 7.0f), std::vector<float>(kv.size(), 7.0f)};
+            cpu::AttentionRowsForward(r.out.data(), r.probs.data(), q_rows.data(), kv.data(), qpos.data(), tq, s, p, 42,
+                                      streams.data(), keys);
+            cpu::AttentionRowsBackward(r.dq.data(), r.dkv.data(), dout.data(), q_rows.data(), kv.data(), r.probs.data(),
+                                       qpos.data(), tq, s, p, 42, streams.data(), keys);
+            return r;
+          };
+          const Result skip = run(cpu::MaskedKeys::kSkip), every = run(cpu::MaskedKeys::kCompute);
+          auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+          };
+          EXPECT_TRUE(same_bits(skip.out, every.out));
+          EXPECT_TRUE(same_bits(skip.probs, every.probs));
+          EXPECT_TRUE(same_bits(skip.dq, every.dq));
+          EXPECT_TRUE(same_bits(skip.dkv, every.dkv));
+        }
 }
 
 TEST(Ops, AdamWMatchesTorchFormula) {

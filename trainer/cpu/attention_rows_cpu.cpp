@@ -5,7 +5,8 @@
 // one rank's (t x t) probabilities. Both products of each (batch, head) go through BLAS; the (batch,
 // head) pairs (backward: the (batch, query group) pairs, whose heads add to one key and value
 // gradient) run on oneTBB's threads, each computed whole by one thread in the same order: the same
-// bits for any thread count.
+// bits for any thread count. The scores' products leave out Gemm's tiles of keys after every row of
+// the tile (MaskedKeys::kSkip): the other tiles are the same BLAS calls, so the same bits.
 #include <tbb/enumerable_thread_specific.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -72,13 +73,24 @@ void SoftmaxBackwardRow(const T* prow, T* drow, int64_t last, int64_t t, T scale
   for (int64_t j = last + 1; j < t; ++j) drow[j] = T(0);
 }
 
+// kSkip: the Gemm tiles of a (tq, t) block of rows' scores that some row of the tile attends to (a
+// key at or before its position); the tiles left out are zeros after the rows' last keys, which
+// SoftmaxRow and SoftmaxBackwardRow write themselves. kCompute: every tile.
+GemmTileFilter AttendedTiles(const int64_t* qpos, MaskedKeys keys) {
+  if (keys == MaskedKeys::kCompute) return nullptr;
+  return [qpos](int64_t row0, int64_t rows, int64_t col0, int64_t) {
+    return *std::max_element(qpos + row0, qpos + row0 + rows) >= col0;
+  };
+}
+
 }  // namespace
 
 template <typename T>
 void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const int64_t* qpos, int64_t tq,
-                          const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams) {
+                          const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams, MaskedKeys keys) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const GemmTileFilter attended = AttendedTiles(qpos, keys);
   tbb::enumerable_thread_specific<std::vector<T>> dropped_of(p > 0.0 ? static_cast<size_t>(tq * t) : 0);
   tbb::parallel_for(int64_t{0}, s.b * s.nh, [&](int64_t bh) {
     const int64_t b = bh / s.nh, h = bh % s.nh;
@@ -87,7 +99,7 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
       const T* k = kv + b * t * w + KeyColumn(h, per_group, hd);
       const T* v = k + hd;
       T* pr = probs + (b * s.nh + h) * tq * t;
-      Gemm<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t);
+      GemmTiles<T>(false, true, tq, t, hd, scale, q, w, k, w, T(0), pr, t, attended);
       for (int64_t i = 0; i < tq; ++i) SoftmaxRow(pr + i * t, qpos[i], t);
       const T* pv = pr;
       if (p > 0.0) {
@@ -104,9 +116,10 @@ void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const 
 template <typename T>
 void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, const T* kv, const T* probs,
                            const int64_t* qpos, int64_t tq, const AttentionShape& s, double p, uint64_t seed,
-                           const uint64_t* streams) {
+                           const uint64_t* streams, MaskedKeys keys) {
   const int64_t t = s.t, hd = s.hd, c = s.nh * s.hd, w = s.qkv_width(), per_group = s.nh / s.groups();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const GemmTileFilter attended = AttendedTiles(qpos, keys);
   // Each thread's work buffers: the dropped probabilities (tq, t), then their gradient (tq, t).
   tbb::enumerable_thread_specific<std::vector<T>> scratch_of(static_cast<size_t>(2 * tq * t));
   tbb::parallel_for(int64_t{0}, s.b * s.groups(), [&](int64_t bg) {
@@ -131,9 +144,9 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
           DropoutQueryRows(pd, qpos, tq, t, p, seed, stream);
           pv = pd;
         }
-        Gemm<T>(true, false, t, hd, tq, T(1), pv, t, dy, c, acc, dv, w);  // dV = P'^T dY
-        Gemm<T>(false, true, tq, t, hd, T(1), dy, c, v, w, T(0), dp, t);  // dP' = dY V^T
-        DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);               // dP = dropout(dP')
+        Gemm<T>(true, false, t, hd, tq, T(1), pv, t, dy, c, acc, dv, w);                 // dV = P'^T dY
+        GemmTiles<T>(false, true, tq, t, hd, T(1), dy, c, v, w, T(0), dp, t, attended);  // dP' = dY V^T
+        DropoutQueryRows(dp, qpos, tq, t, p, seed, stream);                              // dP = dropout(dP')
         for (int64_t i = 0; i < tq; ++i) SoftmaxBackwardRow(pr + i * t, dp + i * t, qpos[i], t, scale);
         Gemm<T>(false, false, tq, hd, t, T(1), dp, t, k, w, T(0), dq, w);  // dQ = dS K
         Gemm<T>(true, false, t, hd, tq, T(1), dp, t, q, w, acc, dk, w);    // dK = dS^T Q
@@ -144,9 +157,9 @@ void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, c
 
 #define PTK_INSTANTIATE(T)                                                                                          \
   template void AttentionRowsForward<T>(T*, T*, const T*, const T*, const int64_t*, int64_t, const AttentionShape&, \
-                                        double, uint64_t, const uint64_t*);                                         \
+                                        double, uint64_t, const uint64_t*, MaskedKeys);                             \
   template void AttentionRowsBackward<T>(T*, T*, const T*, const T*, const T*, const T*, const int64_t*, int64_t,   \
-                                         const AttentionShape&, double, uint64_t, const uint64_t*);
+                                         const AttentionShape&, double, uint64_t, const uint64_t*, MaskedKeys);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)
 #undef PTK_INSTANTIATE

@@ -19,8 +19,8 @@ constexpr int64_t kTileRows = 256, kTileCols = 1024;
 }  // namespace
 
 template <typename T>
-void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
-          T beta, T* c, int64_t ldc) {
+void GemmTiles(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+               int64_t ldb, T beta, T* c, int64_t ldc, const GemmTileFilter& needed) {
   constexpr auto gemm = [] {
     if constexpr (std::is_same_v<T, float>)
       return &cblas_sgemm;
@@ -31,6 +31,7 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
   tbb::parallel_for(int64_t{0}, row_tiles * col_tiles, [&](int64_t tile) {
     const int64_t i0 = tile / col_tiles * kTileRows, j0 = tile % col_tiles * kTileCols;
     const int64_t mi = std::min(kTileRows, m - i0), nj = std::min(kTileCols, n - j0);
+    if (needed && !needed(i0, mi, j0, nj)) return;
     // Row i of op(A) and column j of op(B) in row-major storage.
     const T* ai = ta ? a + i0 : a + i0 * lda;
     const T* bj = tb ? b + j0 * ldb : b + j0;
@@ -38,6 +39,12 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
          static_cast<int>(nj), static_cast<int>(k), alpha, ai, static_cast<int>(lda), bj, static_cast<int>(ldb), beta,
          c + i0 * ldc + j0, static_cast<int>(ldc));
   });
+}
+
+template <typename T>
+void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
+          T beta, T* c, int64_t ldc) {
+  GemmTiles<T>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, nullptr);
 }
 
 template <typename T>
@@ -67,10 +74,12 @@ void MatmulBackward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const
   }
 }
 
-#define PTK_INSTANTIATE(T)                                                                                     \
-  template void Gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, int64_t, T, T*, \
-                        int64_t);                                                                              \
-  template void MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);                 \
+#define PTK_INSTANTIATE(T)                                                                                          \
+  template void Gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, int64_t, T, T*,      \
+                        int64_t);                                                                                   \
+  template void GemmTiles<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, int64_t, T, T*, \
+                             int64_t, const GemmTileFilter&);                                                       \
+  template void MatmulForward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);                      \
   template void MatmulBackward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(double)

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "trainer/counter_rng.h"
 #include "trainer/op_types.h"
@@ -18,6 +19,13 @@ namespace ptk::cpu {
 template <typename T>
 void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
           int64_t ldb, T beta, T* c, int64_t ldc);
+// Gemm cuts C into fixed tiles, each one cblas call. GemmTiles makes the calls of the tiles
+// needed(row0, rows, col0, cols) accepts only (all when it is empty) and leaves the others' elements as
+// they are: each tile it computes is Gemm's call, so its elements are Gemm's bits.
+using GemmTileFilter = std::function<bool(int64_t row0, int64_t rows, int64_t col0, int64_t cols)>;
+template <typename T>
+void GemmTiles(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+               const T* b, int64_t ldb, T beta, T* c, int64_t ldc, const GemmTileFilter& needed);
 
 // out(n, oc) = inp(n, ic) @ w(oc, ic)^T + bias(oc)   (bias may be null)
 template <typename T>
@@ -147,16 +155,24 @@ void AttentionBackward(T* dqkv, const T* dout, const T* qkv, const T* probs, con
 // (kv(b, s.t, qkv_width)), causal by position, with the masks and attention-dropout keys of
 // AttentionForward over the whole samples (row i's are those of its row qpos[i]). out(b, tq, nh*hd);
 // probs(b, nh, tq, s.t) receives the softmax (before dropout).
+// MaskedKeys::kSkip (the default): the scores (forward) and their gradients through the values
+// (backward) are not computed in Gemm's tiles whose keys all come after every row's position (masked
+// out, as for a context rank's first chunk over the later chunks' keys, or the top right of a long
+// sequence's causal mask); the other tiles are the same cblas calls, so every result has kCompute's
+// bits (every tile computed, as before; ops_test compares the two). Only sequences of more than one
+// of Gemm's column tiles (1024 keys) have such tiles.
+enum class MaskedKeys { kSkip, kCompute };
 template <typename T>
 void AttentionRowsForward(T* out, T* probs, const T* q_rows, const T* kv, const int64_t* qpos, int64_t tq,
-                          const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams);
+                          const AttentionShape& s, double p, uint64_t seed, const uint64_t* streams,
+                          MaskedKeys keys = MaskedKeys::kSkip);
 // The query columns of dq_rows(b, tq, qkv_width) and the key and value columns of dkv(b, s.t,
 // qkv_width) are assigned (these rows' share of the keys' and values' gradients); the other columns
 // are left as they are. Each thread works in 2 * tq * s.t elements of its own.
 template <typename T>
 void AttentionRowsBackward(T* dq_rows, T* dkv, const T* dout, const T* q_rows, const T* kv, const T* probs,
                            const int64_t* qpos, int64_t tq, const AttentionShape& s, double p, uint64_t seed,
-                           const uint64_t* streams);
+                           const uint64_t* streams, MaskedKeys keys = MaskedKeys::kSkip);
 
 // ---- softmax_xent_cpu.cpp --------------------------------------------------------------------
 // losses(n) = logsumexp(logits(n, vp)) - logits[target]; every column, padded ones included, is in
