@@ -36,13 +36,15 @@ std::string Lower(std::string s) {
   return s;
 }
 
+}  // namespace
+
 // ptk's own files (sidecars, locks, temporaries, journals): never inputs, never worth a word. They
 // are the names ptk writes: X.ptk-done, X.ptk-lock, X.ptk-extracting, X.ptk-tmp-PID-RANDOM (any
 // of them + .ptk-tmp-...), PREFIX.ptk-resume and .ptk-resume-index, PREFIX.ptk-inorder.bin/.idx,
 // X.ptk-verify*, a checkpoint's iter_*.ptk-old-*, ptk-download's state directory .ptk-download/: a
 // ".ptk-" followed by one of these tags and then the end of the name, "-", "." or "/". A user's
 // x.ptk-v2.jsonl is an input like any other.
-bool PtkOwn(std::string_view rel) {
+bool IsPtkOwnName(std::string_view rel) {
   static constexpr std::string_view kTags[] = {"tmp",     "done",   "lock", "extracting", "resume",
                                                "inorder", "verify", "old",  "download"};
   for (size_t at = rel.find(".ptk-"); at != std::string_view::npos; at = rel.find(".ptk-", at + 1)) {
@@ -55,6 +57,8 @@ bool PtkOwn(std::string_view rel) {
   }
   return false;
 }
+
+namespace {
 
 std::string SuffixList(const std::vector<std::string>& suffixes) {
   std::string s;
@@ -100,7 +104,7 @@ absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::
     if (IsDirectory(a)) {
       PTK_ASSIGN_OR_RETURN(auto files, WalkDirectory(a));
       for (const auto& f : files) {
-        if (PtkOwn(f.rel)) continue;
+        if (IsPtkOwnName(f.rel)) continue;
         const std::string path = JoinPath(a, f.rel);
         if (!f.id.regular) {
           left_out->push_back({path, f.id.kind + ", not a regular file"});
@@ -166,7 +170,7 @@ bool TokenizeCandidate(const std::string& rel) {
     if (slash == std::string::npos) break;
     start = slash + 1;
   }
-  if (PtkOwn(rel)) return false;
+  if (IsPtkOwnName(rel)) return false;
   for (std::string_view suf : {"_document.bin", "_document.idx"})
     if (EndsWith(rel, suf)) return false;
   return true;

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -53,6 +54,10 @@ void ReportLeftOut(const std::vector<LeftOutFile>& left_out);
 // that is not a regular file (a FIFO: use - for a stream) is an error; "-" is stdin.
 absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<std::string>& args,
                                                               const std::string& filter);
+
+// Whether `rel` (a path below a directory, or a name) is one of ptk's own files, which every walk
+// leaves out without a word: X.ptk-done, X.ptk-lock, X.ptk-tmp-*, X.ptk-extracting, PREFIX.ptk-resume, ...
+bool IsPtkOwnName(std::string_view rel);
 
 void SortPaths(std::vector<std::string>* paths, PathOrder order);
 

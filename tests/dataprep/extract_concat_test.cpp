@@ -864,6 +864,20 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   auto wide = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern '{{:>1000000000}}'",
                                  testing::Tool("ptk-concat"), dir / "in", dir / "o4"));
   EXPECT_EQ(wide.exit_code, 2) << wide.output;
+  // Regression: chunk names that no later stage reads were built, exit 0: a compression suffix on the plain
+  // text a chunk holds (ptk-tokenize then refused every chunk: 'named .zst but it is not compressed data'),
+  // and ptk's own bookkeeping names or a hidden name (every directory walk leaves those out without a word).
+  for (const char* bad : {"c_{}.jsonl.zst", "c_{}.jsonl.gz", "c_{}.xz", "c_{}.zstd", "c_{}.jsonl.ptk-done",
+                          ".ptk-tmp-{}", "c{}.ptk-lock", ".c_{}.jsonl"}) {
+    auto r = RunCmd(fmt::format("{} --input {} --output-dir {} --chunks 2 --name-pattern '{}'",
+                                testing::Tool("ptk-concat"), dir / "in", dir / "o5", bad));
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("--name-pattern"), std::string::npos) << bad << ": " << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir / "o5/c_0.jsonl.zst")) << bad;
+  }
+  auto fine = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 2 --name-pattern 'c_{{}}.ptk-v2.json'",
+                                 testing::Tool("ptk-concat"), dir / "in", dir / "o6"));
+  EXPECT_EQ(fine.exit_code, 0) << fine.output;
 }
 
 // Regression: a 2-chunk plan into a directory holding a 4-chunk run kept train_02 and
