@@ -33,6 +33,23 @@ absl::Status FailedFiles(const ptk::ExtractSummary& s) {
   return absl::DataLossError(msg);
 }
 
+// --verify of the outputs whose input is gone, added to `s` (a line says how many when there are any).
+const ptk::ExtractSummary& VerifyGone(const std::vector<std::string>& roots, const ptk::ShardSpec& shard,
+                                      ptk::ExtractSummary* s) {
+  std::vector<ptk::ExtractFileResult> gone = ptk::VerifyOutputsWithoutInput(roots, shard);
+  int64_t damaged = 0;
+  for (auto& r : gone) {
+    damaged += r.state == ptk::ExtractFileResult::State::kFailed;
+    s->files.push_back(std::move(r));
+  }
+  s->failed += damaged;
+  s->skipped += static_cast<int64_t>(gone.size()) - damaged;
+  if (!gone.empty())
+    ptk::log::Info("--verify: {} outputs whose input is gone checked against their sidecars, {} damaged or missing",
+                   gone.size(), damaged);
+  return *s;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -69,7 +86,9 @@ int main(int argc, char** argv) {
   ptk::cli::Repeatable(
       app->add_option("--drop-set", drop_sets,
                       "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)"));
-  app->add_flag("--verify", verify, "Re-decode inputs whose outputs look complete and compare byte for byte");
+  app->add_flag("--verify", verify,
+                "Re-decode inputs whose outputs look complete and compare byte for byte; outputs whose input is gone "
+                "(--delete-input) are checked against the size and checksum their sidecar recorded");
   bool force = false;
   app->add_flag("--force", force,
                 "Overwrite existing outputs that ptk-extract did not write (default: refused, as zstd -d refuses)");
@@ -90,13 +109,18 @@ int main(int argc, char** argv) {
     }
     std::erase_if(left_out, [&](const ptk::LeftOutFile& l) { return outputs.count(l.path) > 0; });
     ptk::ReportLeftOut(left_out);
+    // Where the outputs are, for those whose input is gone (a --delete-input run's): --verify checks them too.
+    const std::vector<std::string> roots = output_dir.empty() ? inputs : std::vector<std::string>{output_dir};
+    PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     if (opt.inputs.empty()) {
       // A rerun of a finished --delete-input job: the inputs are gone, their outputs are complete.
       if (delete_input) {
-        int64_t done = ptk::CountExtractedOutputs(output_dir.empty() ? inputs : std::vector<std::string>{output_dir});
+        int64_t done = ptk::CountExtractedOutputs(roots);
         if (done > 0) {
-          ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input)",
-                         done);
+          ptk::ExtractSummary s;
+          if (verify) PTK_RETURN_IF_ERROR(FailedFiles(VerifyGone(roots, opt.shard, &s)));
+          ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input){}",
+                         done, verify ? fmt::format("; {} verified against their sidecars", s.skipped) : "");
           return absl::OkStatus();
         }
       }
@@ -105,7 +129,6 @@ int main(int argc, char** argv) {
       return absl::NotFoundError(fmt::format("no input files: nothing to extract in {}{}", given,
                                              left_out.empty() ? " (empty)" : " (every file left out, listed above)"));
     }
-    PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     opt.output_dir = output_dir;
     opt.jobs = jobs;
     if (jobs_opt->count() == 0 && jobs < 4) {
@@ -123,6 +146,7 @@ int main(int argc, char** argv) {
         "shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
         opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
         s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
+    if (verify) VerifyGone(roots, opt.shard, &s);
     return FailedFiles(s);
   });
 }

@@ -200,6 +200,47 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// Regression: --verify checked only outputs whose input was still there. After --delete-input (the
+// sidecar's checksum the only check left) an output damaged in place passed, exit 0 ("nothing to do"),
+// and so did one whose input was removed while others remained, and one deleted beside its sidecar.
+TEST(Extract, VerifyChecksOutputsWhoseInputIsGone) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 4; ++i)
+    testing::WriteFile(dir / fmt::format("in/f_{}.jsonl.zst", i), testing::ZstdCompress(Jsonl(200, 60 + i)));
+  const std::string tool =
+      fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out");
+  ASSERT_EQ(RunCmd(tool + " --delete-input").exit_code, 0);
+  ASSERT_EQ(RunCmd(tool + " --delete-input --verify").exit_code, 0);  // all whole
+  std::string f0 = testing::ReadFile(dir / "out/f_0.jsonl");
+  f0[10] = f0[10] == 'x' ? 'y' : 'x';  // same size: only the checksum can tell
+  testing::WriteFile(dir / "out/f_0.jsonl", f0);
+  auto none_left = RunCmd(tool + " --delete-input --verify");
+  EXPECT_EQ(none_left.exit_code, 1) << none_left.output;
+  EXPECT_NE(none_left.output.find("out/f_0.jsonl: content checksum differs"), std::string::npos) << none_left.output;
+  EXPECT_NE(none_left.output.find("f_0.jsonl.zst is gone"), std::string::npos) << none_left.output;
+  EXPECT_EQ(RunCmd(tool + " --delete-input").exit_code, 0);  // without --verify: the quick check, as before
+  // Another input still there: the run extracts it and still checks the outputs of those gone.
+  testing::WriteFile(dir / "in/f_9.jsonl.zst", testing::ZstdCompress(Jsonl(100, 69)));
+  ::unlink((dir / "out/f_1.jsonl").c_str());
+  auto some_left = RunCmd(tool + " --verify");
+  EXPECT_EQ(some_left.exit_code, 1) << some_left.output;
+  EXPECT_NE(some_left.output.find("out/f_0.jsonl: content checksum differs"), std::string::npos) << some_left.output;
+  EXPECT_NE(some_left.output.find("out/f_1.jsonl: missing"), std::string::npos) << some_left.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/f_9.jsonl"), Jsonl(100, 69));
+  // Array tasks: each output is checked by one task, the one that owned its input.
+  int reports = 0;
+  for (int s = 0; s < 2; ++s) {
+    auto r = RunCmd(fmt::format("{} --verify --shard-index {} --num-shards 2", tool, s));
+    reports += r.output.find("out/f_0.jsonl: content checksum differs") != std::string::npos;
+  }
+  EXPECT_EQ(reports, 1);
+  testing::WriteFile(dir / "out/f_0.jsonl", Jsonl(200, 60));
+  testing::WriteFile(dir / "out/f_1.jsonl", Jsonl(200, 61));
+  auto whole = RunCmd(tool + " --verify");
+  EXPECT_EQ(whole.exit_code, 0) << whole.output;
+}
+
 // ptk-extract overwrote an a.jsonl it did not write (zstd -d refuses). Now such a file is a
 // failed input naming it, --force overwrites it, and ptk-extract's own outputs are still redone or
 // skipped: those with a sidecar, and one a kill left between its publish and its sidecar (its
