@@ -444,6 +444,7 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   PTK_ASSIGN_OR_RETURN(auto files,
                        CollectInputs(r.inputs, JsonInputSuffixes(),
                                      r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural, &left_out));
+  LeaveOutOtherPlans(&files, &left_out);
   std::vector<ConcatInput> inputs;
   std::error_code ec;
   const std::filesystem::path out_real = std::filesystem::canonical(r.output_dir, ec);

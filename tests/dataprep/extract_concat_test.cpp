@@ -921,6 +921,38 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   EXPECT_EQ(fine.exit_code, 0) << fine.output;
 }
 
+// Regression: a plan over a directory that holds another plan's output (in/c2, made from in/) took
+// that plan's chunks and its concat-plan.json as inputs: every record twice, the plan's JSON as
+// records, exit 0. They are left out, named; a plan over the chunks themselves (in/c2: fewer, larger
+// chunks) still takes them, but not the plan file.
+TEST(Concat, AnotherPlansChunksOfTheSameInputsAreLeftOut) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string all;
+  for (int i = 0; i < 6; ++i) {
+    testing::WriteFile(dir / fmt::format("in/s{}.jsonl", i), Jsonl(40, 700 + i));
+    all += Jsonl(40, 700 + i);
+  }
+  auto concat = [&](const std::string& in, const std::string& out, int chunks) {
+    return RunCmd(fmt::format("{} --input {} --output-dir {} --chunks {}", testing::Tool("ptk-concat"), dir / in,
+                              dir / out, chunks));
+  };
+  auto joined = [&](const std::string& out, int chunks) {
+    std::string s;
+    for (int k = 0; k < chunks; ++k) s += testing::ReadFile(dir / fmt::format("{}/train_{:02d}.jsonl", out, k));
+    return s;
+  };
+  ASSERT_EQ(concat("in", "in/c2", 2).exit_code, 0);
+  auto second = concat("in", "in/c3", 3);
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_EQ(joined("in/c3", 3), all) << second.output;
+  for (const char* left : {"in/c2/concat-plan.json: ", "in/c2/train_00.jsonl: ", "in/c2/train_01.jsonl: "})
+    EXPECT_NE(second.output.find(fmt::format("left out {}", dir / left)), std::string::npos) << left << second.output;
+  auto rechunk = concat("in/c2", "one", 1);
+  ASSERT_EQ(rechunk.exit_code, 0) << rechunk.output;
+  EXPECT_EQ(joined("one", 1), all) << rechunk.output;
+}
+
 // Regression: a 2-chunk plan into a directory holding a 4-chunk run kept train_02 and
 // train_03, and every later stage took them for this plan's data.
 TEST(Concat, APlanOwnsItsDirectory) {
