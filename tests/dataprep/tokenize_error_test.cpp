@@ -877,6 +877,36 @@ TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
   EXPECT_EQ(testing::ReadFile(dir / "parts/p1_text_document.bin"), p1);
 }
 
+// Regression: a merge into its input directory (parts/m, supported) was then taken as an input by the
+// next merge of that directory, beside the datasets it holds: every document twice, exit 0. A dataset a
+// merge made from other inputs of this merge is refused, naming both (--inputs: a usage error).
+TEST(TokenizeErrors, AMergeOfInputsIsNotMergedAgainBesideThem) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "parts");
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  for (const char* p : {"p1", "p2"})
+    ASSERT_EQ(
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
+            .exit_code,
+        0);
+  const std::string merge = testing::Tool("ptk-merge");
+  ASSERT_EQ(RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "parts/m").exit_code, 0);
+  auto all = RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "all");
+  EXPECT_EQ(all.exit_code, 1) << all.output;
+  EXPECT_NE(all.output.find(dir / "parts/m is a merge of " + dir / "parts/p1_text_document"), std::string::npos)
+      << all.output;
+  EXPECT_FALSE(testing::Exists(dir / "all.bin"));
+  auto listed =
+      RunCmd(merge + " --inputs " + dir / "parts/p2_text_document " + dir / "parts/m --output-prefix " + dir / "all");
+  EXPECT_EQ(listed.exit_code, 2) << listed.output;
+  EXPECT_NE(listed.output.find(dir / "parts/m is a merge of " + dir / "parts/p2_text_document"), std::string::npos)
+      << listed.output;
+  // Alone, or beside other datasets, a merge is an input like any other.
+  auto copy = RunCmd(merge + " --inputs " + dir / "parts/m --output-prefix " + dir / "copy");
+  EXPECT_EQ(copy.exit_code, 0) << copy.output;
+  EXPECT_EQ(testing::ReadFile(dir / "copy.bin"), testing::ReadFile(dir / "parts/m.bin"));
+}
+
 // A rerun with the same inputs spelled otherwise (a.jsonl, ./a.jsonl, its absolute name, from another
 // directory) tokenized and merged again: the fingerprint held the names as typed. Now up to date, and a
 // changed input is still seen.
