@@ -1,8 +1,5 @@
 // ptk-concat plan's inputs: what other plans left below the input directories is not data to take
 // again (their plan files; their chunks, when made from inputs this plan takes too).
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <map>
 #include <optional>
 #include <set>
@@ -24,19 +21,6 @@ std::optional<FileId> IdOf(const std::string& path) {
   return FileId{id->dev, id->ino};
 }
 
-// What WriteConcatPlan writes first: only such .json files are read whole to tell (a .json of
-// records may be large).
-bool StartsLikeAPlan(const std::string& path) {
-  static constexpr std::string_view kStart = "{\"version\": ";
-  if (!path.ends_with(".json")) return false;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  char head[kStart.size()];
-  const ssize_t n = ::pread(fd, head, sizeof head, 0);
-  ::close(fd);
-  return n == static_cast<ssize_t>(sizeof head) && std::string_view(head, sizeof head) == kStart;
-}
-
 }  // namespace
 
 void LeaveOutOtherPlans(std::vector<std::string>* files, std::vector<LeftOutFile>* left_out) {
@@ -44,7 +28,7 @@ void LeaveOutOtherPlans(std::vector<std::string>* files, std::vector<LeftOutFile
   std::vector<size_t> plans;
   for (size_t i = 0; i < files->size(); ++i) {
     if (auto id = IdOf((*files)[i])) by_id.emplace(*id, i);
-    if (StartsLikeAPlan((*files)[i])) plans.push_back(i);
+    if (StartsLikeAConcatPlan((*files)[i])) plans.push_back(i);
   }
   std::map<size_t, std::string> drop;  // index in *files -> why
   for (size_t p : plans) {

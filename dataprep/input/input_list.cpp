@@ -1,7 +1,9 @@
 // Expanding the inputs of the dataprep tools.
 #include "dataprep/input/input_list.h"
 
+#include <fcntl.h>
 #include <fnmatch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -156,6 +158,17 @@ absl::StatusOr<std::vector<std::string>> CollectInputs(const std::vector<std::st
   return out;
 }
 
+bool StartsLikeAConcatPlan(const std::string& path) {
+  static constexpr std::string_view kStart = "{\"version\": 1, \"output_dir\": ";  // WriteConcatPlan's
+  if (!EndsWith(path, ".json")) return false;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char head[kStart.size()];
+  const ssize_t n = ::pread(fd, head, sizeof head, 0);
+  ::close(fd);
+  return n == static_cast<ssize_t>(sizeof head) && std::string_view(head, sizeof head) == kStart;
+}
+
 namespace {
 bool GlobLike(const std::string& pattern, const std::string& rel) {
   if (::fnmatch(pattern.c_str(), rel.c_str(), 0) == 0) return true;
@@ -196,6 +209,7 @@ absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<
       for (const auto& f : files) {
         if (!TokenizeCandidate(f.rel) || (!filter.empty() && !GlobLike(filter, f.rel))) continue;
         const std::string path = JoinPath(a, f.rel);
+        if (f.id.regular && StartsLikeAConcatPlan(path)) continue;  // ptk's own, as its sidecars
         if (!f.id.regular) {
           log::Warning("left out {}: {}, not a regular file", log::Printable(path), f.id.kind);
           continue;

@@ -59,6 +59,11 @@ absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<
 // leaves out without a word: X.ptk-done, X.ptk-lock, X.ptk-tmp-*, X.ptk-extracting, PREFIX.ptk-resume, ...
 bool IsPtkOwnName(std::string_view rel);
 
+// Whether `path` begins as ptk-concat writes its plan (a .json whose first bytes are {"version": 1,
+// "output_dir": ): ptk's own file, which ptk-tokenize's directory walk leaves out, and ptk-concat's
+// reads whole to tell (LeaveOutOtherPlans).
+bool StartsLikeAConcatPlan(const std::string& path);
+
 void SortPaths(std::vector<std::string>* paths, PathOrder order);
 
 }  // namespace ptk

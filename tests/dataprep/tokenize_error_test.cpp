@@ -877,6 +877,29 @@ TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
   EXPECT_EQ(testing::ReadFile(dir / "parts/p1_text_document.bin"), p1);
 }
 
+// Regression: ptk-tokenize --input CHUNKS/ (a ptk-concat output directory) took its concat-plan.json
+// for data: read first (natural order) but judged at the end, after every chunk was tokenized, it failed
+// the run ('no document could be read ... its records have no key "text"'), nothing published. A plan
+// is ptk's own file, left out as its sidecars are.
+TEST(TokenizeErrors, AConcatPlanBelowAnInputDirectoryIsNoInput) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  testing::WriteFile(dir / "in/a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  testing::WriteFile(dir / "in/b.jsonl", "{\"text\": \"Third\"}\n");
+  ASSERT_EQ(RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 2", testing::Tool("ptk-concat"),
+                               dir / "in", dir / "chunks"))
+                .exit_code,
+            0);
+  ASSERT_TRUE(testing::Exists(dir / "chunks/concat-plan.json"));
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "chunks", dir / "all")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto one =
+      RunCmd(Tok(fmt::format("--input {} {} --output-prefix {}", dir / "in/a.jsonl", dir / "in/b.jsonl", dir / "ref")));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(testing::ReadFile(dir / "all_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "all_text_document.idx"), testing::ReadFile(dir / "ref_text_document.idx"));
+}
+
 // Regression: a merge into its input directory (parts/m, supported) was then taken as an input by the
 // next merge of that directory, beside the datasets it holds: every document twice, exit 0. A dataset a
 // merge made from other inputs of this merge is refused, naming both (--inputs: a usage error).
