@@ -188,6 +188,13 @@ bool TokenizeCandidate(const std::string& rel) {
     if (EndsWith(rel, suf)) return false;
   return true;
 }
+// PREFIX.bin beside PREFIX.idx (or the .idx beside its .bin): a dataset whatever its prefix (a
+// ptk-merge output, merged.bin), never text, as PREFIX_text_document's are not.
+bool HalfOfADataset(const std::string& path) {
+  for (auto [half, other] : {std::pair{".bin", ".idx"}, std::pair{".idx", ".bin"}})
+    if (EndsWith(path, half) && PathExists(path.substr(0, path.size() - 4) + other)) return true;
+  return false;
+}
 }  // namespace
 
 absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<std::string>& args,
@@ -209,7 +216,7 @@ absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<
       for (const auto& f : files) {
         if (!TokenizeCandidate(f.rel) || (!filter.empty() && !GlobLike(filter, f.rel))) continue;
         const std::string path = JoinPath(a, f.rel);
-        if (f.id.regular && StartsLikeAConcatPlan(path)) continue;  // ptk's own, as its sidecars
+        if (f.id.regular && (StartsLikeAConcatPlan(path) || HalfOfADataset(path))) continue;
         if (!f.id.regular) {
           log::Warning("left out {}: {}, not a regular file", log::Printable(path), f.id.kind);
           continue;

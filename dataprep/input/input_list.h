@@ -47,8 +47,9 @@ void ReportLeftOut(const std::vector<LeftOutFile>& left_out);
 
 // ptk-tokenize's inputs: files and globs as given (each glob's matches in natural order). A
 // directory stands for every regular file below it, extension-less ones such as WikiExtractor's
-// wiki_00 included (hidden files, ptk's own sidecars, locks and temporaries, and Megatron outputs
-// *_document.bin/.idx left out), in natural order; with `filter` (NeMo's --files-filter, e.g.
+// wiki_00 included (hidden files, ptk's own sidecars, locks, temporaries and concat plans, and datasets:
+// *_document.bin/.idx, and any PREFIX.bin beside its PREFIX.idx, left out), in natural order; with `filter` (NeMo's
+// --files-filter, e.g.
 // "**/*.json*") only those whose path below the directory matches it. Each file is read once
 // however often it is reached (by device and inode; a warning names the repeats); a named input
 // that is not a regular file (a FIFO: use - for a stream) is an error; "-" is stdin.

@@ -900,6 +900,28 @@ TEST(TokenizeErrors, AConcatPlanBelowAnInputDirectoryIsNoInput) {
   EXPECT_EQ(testing::ReadFile(dir / "all_text_document.idx"), testing::ReadFile(dir / "ref_text_document.idx"));
 }
 
+// Regression: a dataset pair below an --input directory whose prefix does not end in _document (a ptk-merge
+// output, merged.bin/.idx) was read as text: judged at the end, after the real inputs were tokenized, it
+// failed the run ('merged.bin: no document could be read ... binary data'). A .bin beside its .idx is a
+// dataset, left out as PREFIX_text_document's are; a lone data.bin is still an input.
+TEST(TokenizeErrors, ADatasetPairOfAnyNameBelowAnInputDirectoryIsNoInput) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  testing::WriteFile(dir / "in/a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in/a.jsonl", dir / "ref"))).exit_code, 0);
+  ASSERT_EQ(RunCmd(fmt::format("{} --inputs {} --output-prefix {}", testing::Tool("ptk-merge"),
+                               dir / "ref_text_document", dir / "in/merged"))
+                .exit_code,
+            0);
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in", dir / "all")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "all_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+  std::filesystem::remove(dir / "in/merged.idx");
+  auto lone = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in", dir / "lone")));
+  EXPECT_EQ(lone.exit_code, 1) << lone.output;
+  EXPECT_NE(lone.output.find("merged.bin"), std::string::npos) << lone.output;
+}
+
 // Regression: a merge into its input directory (parts/m, supported) was then taken as an input by the
 // next merge of that directory, beside the datasets it holds: every document twice, exit 0. A dataset a
 // merge made from other inputs of this merge is refused, naming both (--inputs: a usage error).
