@@ -922,6 +922,22 @@ TEST(TokenizeErrors, ADatasetPairOfAnyNameBelowAnInputDirectoryIsNoInput) {
   EXPECT_NE(lone.output.find("merged.bin"), std::string::npos) << lone.output;
 }
 
+// Regression: an input that yields no document (empty, or binary data) failed the run only at its end,
+// after every later input was tokenized (hours of a Slurm job, then nothing published). It fails once that
+// input is read: an endless standard input after it shows it (before, only timeout's guard ended the run).
+TEST(TokenizeErrors, AnInputWithoutADocumentFailsOnceItIsRead) {
+  testing::TempDir dir;
+  testing::WriteFile(dir / "empty.jsonl", "");
+  testing::WriteFile(dir / "binary.dat", std::string("\x01\x02\x00\x03\n\x7f\x00\n", 8));
+  for (const char* first : {"empty.jsonl", "binary.dat"}) {
+    auto r = RunCmd(fmt::format("yes '{{\"text\": \"endless\"}}' | timeout 30 {}",
+                                Tok(fmt::format("--input {} - --output-prefix {}", dir / first, dir / "out"))));
+    EXPECT_EQ(r.exit_code, 1) << first << ": " << r.output;
+    EXPECT_NE(r.output.find(dir / first + ": no document"), std::string::npos) << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin"));
+  }
+}
+
 // Regression: a merge into its input directory (parts/m, supported) was then taken as an input by the
 // next merge of that directory, beside the datasets it holds: every document twice, exit 0. A dataset a
 // merge made from other inputs of this merge is refused, naming both (--inputs: a usage error).
