@@ -94,7 +94,7 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, 
   for (const auto& in : inputs) {
     std::error_code name_ec;
     const std::filesystem::path name = std::filesystem::absolute(in, name_ec);
-    names += "\n" + (name_ec ? in : name.lexically_normal().string());
+    names += (names.empty() ? "" : "\n") + (name_ec ? in : name.lexically_normal().string());
     for (const std::string& f : {BinPath(in), IdxPath(in)}) {
       struct stat st {};
       if (::stat(f.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("cannot read {}", f));
