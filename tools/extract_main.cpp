@@ -6,6 +6,7 @@
 
 #include "common/cli.h"
 #include "common/cpu_budget.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/extract/extract.h"
@@ -48,6 +49,19 @@ const ptk::ExtractSummary& VerifyGone(const std::vector<std::string>& roots, con
     ptk::log::Info("--verify: {} outputs whose input is gone checked against their sidecars, {} damaged or missing",
                    gone.size(), damaged);
   return *s;
+}
+
+// The input arguments less those a finished --delete-input run took (a file or glob that names nothing
+// now, whose outputs' sidecars record it), counted in *gone: its rerun is a no-op, as for a directory.
+std::vector<std::string> StillThere(const std::vector<std::string>& inputs, bool delete_input,
+                                    const std::string& output_dir, int64_t* gone) {
+  std::vector<std::string> there;
+  for (const std::string& in : inputs) {
+    const bool taken = delete_input && !ptk::PathExists(in) && ptk::ArgumentWasExtracted(in, output_dir);
+    *gone += taken;
+    if (!taken) there.push_back(in);
+  }
+  return there;
 }
 
 }  // namespace
@@ -99,8 +113,10 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     ptk::ExtractOptions opt;
     std::vector<ptk::LeftOutFile> left_out;
-    PTK_ASSIGN_OR_RETURN(
-        auto files, ptk::CollectInputFiles(inputs, ptk::CompressedSuffixes(), ptk::PathOrder::kNatural, &left_out));
+    int64_t gone = 0;  // input arguments a finished --delete-input run took
+    PTK_ASSIGN_OR_RETURN(auto files,
+                         ptk::CollectInputFiles(StillThere(inputs, delete_input, output_dir, &gone),
+                                                ptk::CompressedSuffixes(), ptk::PathOrder::kNatural, &left_out));
     std::set<std::string> outputs;  // this tool's own outputs beside their inputs are not worth a word
     for (const auto& f : files) {
       opt.inputs.push_back(f.path);
@@ -116,7 +132,7 @@ int main(int argc, char** argv) {
       // A rerun of a finished --delete-input job: the inputs are gone, their outputs are complete.
       if (delete_input) {
         int64_t done = ptk::CountExtractedOutputs(roots);
-        if (done > 0) {
+        if (done > 0 || gone > 0) {
           ptk::ExtractSummary s;
           if (verify) PTK_RETURN_IF_ERROR(FailedFiles(VerifyGone(roots, opt.shard, &s)));
           ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input){}",

@@ -62,6 +62,11 @@ absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& options);
 // kSkipped when whole; kFailed with a DataLoss error naming the output and the input otherwise
 // (changed, cut or missing: it cannot be extracted again). A result's `input` and `output` are both
 // the output's path: the input is not there.
+// For a rerun of a --delete-input job: whether `arg`, an input argument (a file or a glob) that names
+// nothing now, was extracted: an output's sidecar (below `output_dir`, or beside the argument when
+// empty) records an input whose absolute name it matches (as glob(3) would have).
+bool ArgumentWasExtracted(const std::string& arg, const std::string& output_dir);
+
 std::vector<ExtractFileResult> VerifyOutputsWithoutInput(const std::vector<std::string>& roots, const ShardSpec& shard);
 
 }  // namespace ptk

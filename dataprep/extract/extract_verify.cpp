@@ -1,7 +1,9 @@
 // ptk-extract --verify of the outputs whose input is gone (--delete-input, or removed since): each
 // against the size and checksum its sidecar recorded, the only check left without the input.
+#include <fnmatch.h>
 #include <simdjson.h>
 
+#include <filesystem>
 #include <optional>
 #include <utility>
 
@@ -105,6 +107,22 @@ std::vector<ExtractFileResult> VerifyOutputsWithoutInput(const std::vector<std::
     r.state = r.error.ok() ? ExtractFileResult::State::kSkipped : ExtractFileResult::State::kFailed;
   }
   return results;
+}
+
+bool ArgumentWasExtracted(const std::string& arg, const std::string& output_dir) {
+  std::error_code ec;
+  const std::string pattern = std::filesystem::absolute(arg, ec).lexically_normal().string();
+  const std::string root = output_dir.empty() ? Dirname(arg) : output_dir;
+  if (ec || !IsDirectory(root)) return false;
+  auto files = ListFilesRecursive(root);
+  if (!files.ok()) return false;
+  for (const std::string& rel : *files) {
+    if (rel.size() <= kSidecar.size() || !rel.ends_with(kSidecar)) continue;
+    const std::optional<Recorded> rec = ReadSidecar(JoinPath(root, rel.substr(0, rel.size() - kSidecar.size())));
+    // As glob(3) expands it (a '*' does not cross a '/'); a plain name is itself.
+    if (rec && ::fnmatch(pattern.c_str(), rec->source.c_str(), FNM_PATHNAME) == 0) return true;
+  }
+  return false;
 }
 
 }  // namespace ptk

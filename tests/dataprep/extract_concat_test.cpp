@@ -241,6 +241,33 @@ TEST(Extract, VerifyChecksOutputsWhoseInputIsGone) {
   EXPECT_EQ(whole.exit_code, 0) << whole.output;
 }
 
+// Regression: "a rerun of a finished --delete-input job is a no-op" held for a directory only: with the
+// inputs named as a glob (the manual's 'raw/train/chunk1/*.zst') or as files, the rerun failed, exit 1
+// ('pattern matches no file', 'no such file'). An argument that names nothing now is done when an
+// output's sidecar records an input it names; one that no output records is still an error.
+TEST(Extract, ARerunOfADeleteInputJobNamingItsInputsIsANoOp) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 2; ++i)
+    testing::WriteFile(dir / fmt::format("in/g_{}.jsonl.zst", i), testing::ZstdCompress(Jsonl(50, 80 + i)));
+  const std::string glob = fmt::format("'{}'", dir / "in/g_*.jsonl.zst");
+  const std::string files = dir / "in/g_0.jsonl.zst" + " " + dir / "in/g_1.jsonl.zst";
+  for (const std::string& args :
+       {glob + " --output-dir " + dir / "out", files + " --output-dir " + dir / "out2", files}) {
+    const std::string cmd = fmt::format("{} --quiet {} --delete-input", testing::Tool("ptk-extract"), args);
+    for (int i = 0; i < 2; ++i)
+      testing::WriteFile(dir / fmt::format("in/g_{}.jsonl.zst", i), testing::ZstdCompress(Jsonl(50, 80 + i)));
+    ASSERT_EQ(RunCmd(cmd).exit_code, 0) << args;
+    ASSERT_FALSE(testing::Exists(dir / "in/g_0.jsonl.zst"));
+    auto again = RunCmd(cmd);
+    EXPECT_EQ(again.exit_code, 0) << args << ": " << again.output;
+  }
+  auto never = RunCmd(fmt::format("{} --quiet '{}' --output-dir {} --delete-input", testing::Tool("ptk-extract"),
+                                  dir / "in/h_*.jsonl.zst", dir / "out"));
+  EXPECT_EQ(never.exit_code, 1) << never.output;
+  EXPECT_NE(never.output.find("pattern matches no file"), std::string::npos) << never.output;
+}
+
 // ptk-extract overwrote an a.jsonl it did not write (zstd -d refuses). Now such a file is a
 // failed input naming it, --force overwrites it, and ptk-extract's own outputs are still redone or
 // skipped: those with a sidecar, and one a kill left between its publish and its sidecar (its
