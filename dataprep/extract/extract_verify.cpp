@@ -1,5 +1,6 @@
-// ptk-extract --verify of the outputs whose input is gone (--delete-input, or removed since): each
-// against the size and checksum its sidecar recorded, the only check left without the input.
+// ptk-extract and the outputs whose input is gone (--delete-input, or removed since): --verify checks each
+// against the size and checksum its sidecar recorded (the only check left without the input), and a rerun
+// knows the arguments that name nothing now from the sidecars.
 #include <fnmatch.h>
 #include <simdjson.h>
 
