@@ -7,11 +7,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
+#include <string_view>
 
 #include <fmt/core.h>
 
+#include "absl/strings/str_split.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/hash.h"
@@ -21,6 +24,9 @@
 namespace ptk {
 
 namespace {
+
+// Where a merge's recorded source lists its inputs (after the hash, one absolute prefix a line).
+constexpr std::string_view kInputsTag = "\ninputs:\n";
 
 bool SameFile(const std::string& a, const std::string& b) {
   auto x = IdentifyFile(a), y = IdentifyFile(b);
@@ -84,7 +90,11 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
 
 absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, bool multimodal) {
   std::string s = fmt::format("ptk-merge output v2\nmultimodal {}\n", multimodal);
+  std::string names;  // listed after the hash, so that a later merge can tell what this one holds
   for (const auto& in : inputs) {
+    std::error_code name_ec;
+    const std::filesystem::path name = std::filesystem::absolute(in, name_ec);
+    names += (names.empty() ? "" : "\n") + (name_ec ? in : name.lexically_normal().string());
     for (const std::string& f : {BinPath(in), IdxPath(in)}) {
       struct stat st {};
       if (::stat(f.c_str(), &st) != 0) return ErrnoToStatus(errno, fmt::format("cannot read {}", f));
@@ -100,7 +110,29 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, 
     auto side = ReadFileToString(DoneSidecarPath(in));
     s += side.ok() ? "sidecar " + Xxh3Hex(*side) + "\n" : "no sidecar\n";
   }
-  return "ptk-merge " + Xxh3Hex(s);
+  return "ptk-merge " + Xxh3Hex(s) + std::string(kInputsTag) + names;
+}
+
+absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs) {
+  std::map<std::pair<uint64_t, uint64_t>, std::string> by_id;
+  for (const auto& in : inputs)
+    if (auto id = IdentifyFile(IdxPath(in)); id.ok()) by_id.emplace(std::make_pair(id->dev, id->ino), in);
+  for (const auto& in : inputs) {
+    const std::optional<std::string> source = RecordedSource(in);
+    const size_t at = source && source->rfind("ptk-merge ", 0) == 0 ? source->find(kInputsTag) : std::string::npos;
+    if (at == std::string::npos) continue;  // no merge, or one that did not list its inputs
+    for (const absl::string_view held : absl::StrSplit(source->substr(at + kInputsTag.size()), '\n')) {
+      auto id = IdentifyFile(IdxPath(std::string(held)));
+      if (!id.ok()) continue;
+      auto it = by_id.find(std::make_pair(id->dev, id->ino));
+      if (it != by_id.end() && it->second != in)
+        return absl::FailedPreconditionError(
+            fmt::format("{} is a merge of {}, which is also an input: merging both would put its documents in twice; "
+                        "give one of them",
+                        in, it->second));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs, const std::string& output_prefix,

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace ptk {
@@ -16,6 +17,11 @@ namespace ptk {
 // replace: FailedPrecondition naming it.
 absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir,
                                                            const std::string& output_prefix = "");
+
+// Refuses a merge of `inputs` where one is a merge made from others of them (a merge into its input
+// directory, met again by the next merge of that directory): their documents would be in twice.
+// FailedPrecondition naming both. A merge's recorded source (MergeSource) lists its inputs.
+absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs);
 
 struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;

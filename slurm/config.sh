@@ -97,10 +97,11 @@ VALID_DATASET="$PREPROCESSED_DIR/${VALID_SUBDIR}_text_document"
 # Whether this run has a validation split: configured, and its folder was extracted.
 ptk_has_valid() { [ -n "$VALID_SUBDIR" ] && [ -d "$VALID_DIR" ]; }
 # What a dataset is made from, as its stamp records it: a chunk's sidecar, or for the validation
-# folder a digest of its files' sidecars (a re-extracted file changes it).
+# folder a digest of its files' sidecars (a re-extracted file changes it). The names go NUL-separated:
+# a file named it's a.jsonl is one name, not an unmatched quote (the same digest as newline-separated).
 ptk_source_id() {
   if [ -d "$1" ]; then
-    find "$1" -name '*.ptk-done' -type f | LC_ALL=C sort | xargs -r cat | sha256sum | cut -d' ' -f1
+    find "$1" -name '*.ptk-done' -type f -print0 | LC_ALL=C sort -z | xargs -0 -r cat | sha256sum | cut -d' ' -f1
   else
     cat "$1.ptk-done" 2>/dev/null || stat -c '%s %Y' "$1"
   fi

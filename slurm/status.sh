@@ -95,7 +95,7 @@ line tokenize "$n_ok of $n_want datasets complete$(ptk_has_valid && echo " (incl
 stray=$(comm -13 <(for c in "${items[@]}"; do echo "$PREPROCESSED_DIR/$(basename "$c" .jsonl)_text_document.idx"; done | LC_ALL=C sort) \
                  <(find "$PREPROCESSED_DIR" -maxdepth 1 -name '*_text_document.idx' -type f 2>/dev/null | LC_ALL=C sort))
 if [ -n "$stray" ]; then
-  line "" "error: $(echo "$stray" | wc -l) datasets of no chunk in the plan (training ignores them): $(echo "$stray" | head -3 | xargs -r -n1 basename | tr '\n' ' ')"
+  line "" "error: $(echo "$stray" | wc -l) datasets of no chunk in the plan (training ignores them): $(echo "$stray" | head -3 | sed 's|.*/||' | tr '\n' ' ')"
   complete=0
 fi
 # train: the checkpoint tracker vs TRAIN_ITERS

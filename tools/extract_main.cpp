@@ -6,6 +6,7 @@
 
 #include "common/cli.h"
 #include "common/cpu_budget.h"
+#include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "dataprep/extract/extract.h"
@@ -31,6 +32,36 @@ absl::Status FailedFiles(const ptk::ExtractSummary& s) {
     if (f.state == ptk::ExtractFileResult::State::kFailed && absl::IsResourceExhausted(f.error))
       return absl::ResourceExhaustedError(msg + "; " + std::string(ptk::StatusMessage(f.error)));
   return absl::DataLossError(msg);
+}
+
+// --verify of the outputs whose input is gone, added to `s` (a line says how many when there are any).
+const ptk::ExtractSummary& VerifyGone(const std::vector<std::string>& roots, const ptk::ShardSpec& shard,
+                                      ptk::ExtractSummary* s) {
+  std::vector<ptk::ExtractFileResult> gone = ptk::VerifyOutputsWithoutInput(roots, shard);
+  int64_t damaged = 0;
+  for (auto& r : gone) {
+    damaged += r.state == ptk::ExtractFileResult::State::kFailed;
+    s->files.push_back(std::move(r));
+  }
+  s->failed += damaged;
+  s->skipped += static_cast<int64_t>(gone.size()) - damaged;
+  if (!gone.empty())
+    ptk::log::Info("--verify: {} outputs whose input is gone checked against their sidecars, {} damaged or missing",
+                   gone.size(), damaged);
+  return *s;
+}
+
+// The input arguments less those a finished --delete-input run took (a file or glob that names nothing
+// now, whose outputs' sidecars record it), counted in *gone: its rerun is a no-op, as for a directory.
+std::vector<std::string> StillThere(const std::vector<std::string>& inputs, bool delete_input,
+                                    const std::string& output_dir, int64_t* gone) {
+  std::vector<std::string> there;
+  for (const std::string& in : inputs) {
+    const bool taken = delete_input && !ptk::PathExists(in) && ptk::ArgumentWasExtracted(in, output_dir);
+    *gone += taken;
+    if (!taken) there.push_back(in);
+  }
+  return there;
 }
 
 }  // namespace
@@ -69,7 +100,9 @@ int main(int argc, char** argv) {
   ptk::cli::Repeatable(
       app->add_option("--drop-set", drop_sets,
                       "Drop records whose meta.redpajama_set_name is this (repeatable; NeMo drops RedPajamaBook)"));
-  app->add_flag("--verify", verify, "Re-decode inputs whose outputs look complete and compare byte for byte");
+  app->add_flag("--verify", verify,
+                "Re-decode inputs whose outputs look complete and compare byte for byte; outputs whose input is gone "
+                "(--delete-input) are checked against the size and checksum their sidecar recorded");
   bool force = false;
   app->add_flag("--force", force,
                 "Overwrite existing outputs that ptk-extract did not write (default: refused, as zstd -d refuses)");
@@ -80,8 +113,10 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     ptk::ExtractOptions opt;
     std::vector<ptk::LeftOutFile> left_out;
-    PTK_ASSIGN_OR_RETURN(
-        auto files, ptk::CollectInputFiles(inputs, ptk::CompressedSuffixes(), ptk::PathOrder::kNatural, &left_out));
+    int64_t gone = 0;  // input arguments a finished --delete-input run took
+    PTK_ASSIGN_OR_RETURN(auto files,
+                         ptk::CollectInputFiles(StillThere(inputs, delete_input, output_dir, &gone),
+                                                ptk::CompressedSuffixes(), ptk::PathOrder::kNatural, &left_out));
     std::set<std::string> outputs;  // this tool's own outputs beside their inputs are not worth a word
     for (const auto& f : files) {
       opt.inputs.push_back(f.path);
@@ -90,13 +125,18 @@ int main(int argc, char** argv) {
     }
     std::erase_if(left_out, [&](const ptk::LeftOutFile& l) { return outputs.count(l.path) > 0; });
     ptk::ReportLeftOut(left_out);
+    // Where the outputs are, for those whose input is gone (a --delete-input run's): --verify checks them too.
+    const std::vector<std::string> roots = output_dir.empty() ? inputs : std::vector<std::string>{output_dir};
+    PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     if (opt.inputs.empty()) {
       // A rerun of a finished --delete-input job: the inputs are gone, their outputs are complete.
       if (delete_input) {
-        int64_t done = ptk::CountExtractedOutputs(output_dir.empty() ? inputs : std::vector<std::string>{output_dir});
-        if (done > 0) {
-          ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input)",
-                         done);
+        int64_t done = ptk::CountExtractedOutputs(roots);
+        if (done > 0 || gone > 0) {
+          ptk::ExtractSummary s;
+          if (verify) PTK_RETURN_IF_ERROR(FailedFiles(VerifyGone(roots, opt.shard, &s)));
+          ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input){}",
+                         done, verify ? fmt::format("; {} verified against their sidecars", s.skipped) : "");
           return absl::OkStatus();
         }
       }
@@ -105,7 +145,6 @@ int main(int argc, char** argv) {
       return absl::NotFoundError(fmt::format("no input files: nothing to extract in {}{}", given,
                                              left_out.empty() ? " (empty)" : " (every file left out, listed above)"));
     }
-    PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
     opt.output_dir = output_dir;
     opt.jobs = jobs;
     if (jobs_opt->count() == 0 && jobs < 4) {
@@ -123,6 +162,7 @@ int main(int argc, char** argv) {
         "shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
         opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
         s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
+    if (verify) VerifyGone(roots, opt.shard, &s);
     return FailedFiles(s);
   });
 }

@@ -63,6 +63,8 @@ int main(int argc, char** argv) {
         return input_dir.empty() ? ptk::UsageError(why) : absl::FailedPreconditionError(why);
       }
     }
+    if (absl::Status held = ptk::CheckNoInputHoldsAnother(inputs); !held.ok())
+      return input_dir.empty() ? ptk::UsageError(std::string(held.message())) : held;
     // --inputs naming the output itself (however spelled) is a usage error, as a repeated input is (the
     // merge said "error: output prefix X is also an input", exit 1). --input DIR never takes the output.
     for (const std::string& in : inputs)

@@ -62,6 +62,19 @@ absl::StatusOr<std::string> ChunkName(const std::string& pattern, int64_t index,
       return UsageError(fmt::format("--name-pattern {:?} gives a name longer than 255 bytes", pattern));
     if (name.empty() || name.find('/') != std::string::npos)
       return UsageError(fmt::format("--name-pattern {:?} gives an invalid file name", pattern));
+    // A chunk is plain jsonl: under a compression suffix ptk-tokenize refuses it (named .zst, not
+    // compressed), and under a hidden or ptk-owned name every directory walk leaves it out unsaid.
+    for (std::string_view suffix : kCompressionSuffixes)
+      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+        return UsageError(fmt::format(
+            "--name-pattern {:?} gives {:?}: a chunk is plain jsonl, and ptk-tokenize refuses a file named {} "
+            "that is not compressed; name chunks .jsonl",
+            pattern, name, suffix));
+    if (name[0] == '.' || IsPtkOwnName(name))
+      return UsageError(fmt::format(
+          "--name-pattern {:?} gives {:?}, a {} name that every ptk directory walk leaves out; name chunks "
+          "like train_{{}}.jsonl",
+          pattern, name, name[0] == '.' ? "hidden" : "ptk bookkeeping (.ptk-done, .ptk-lock, .ptk-tmp-...)"));
     return name;
   } catch (const fmt::format_error& e) {
     return UsageError(fmt::format("--name-pattern {:?}: {}", pattern, e.what()));
@@ -431,6 +444,7 @@ absl::StatusOr<ConcatPlan> PlanConcat(const ConcatPlanRequest& r) {
   PTK_ASSIGN_OR_RETURN(auto files,
                        CollectInputs(r.inputs, JsonInputSuffixes(),
                                      r.order == "bytes" ? PathOrder::kBytes : PathOrder::kNatural, &left_out));
+  LeaveOutOtherPlans(&files, &left_out);
   std::vector<ConcatInput> inputs;
   std::error_code ec;
   const std::filesystem::path out_real = std::filesystem::canonical(r.output_dir, ec);

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/slurm_env.h"
+#include "dataprep/input/input_list.h"
 
 namespace ptk {
 
@@ -96,6 +97,10 @@ absl::StatusOr<std::vector<std::string>> RemoveChunksNotInPlan(const ConcatPlan&
 
 // The plan's chunk files (OUTPUT_DIR/NAME), in order: what later stages read.
 std::vector<std::string> PlanChunkPaths(const ConcatPlan& plan);
+// PlanConcat's inputs less what other plans left among them (moved to `left_out`, with the reason):
+// a ptk-concat plan file (never data), and the chunks of a plan made from inputs that are among
+// `files` too (their records would be taken twice). A plan over chunks alone keeps them.
+void LeaveOutOtherPlans(std::vector<std::string>* files, std::vector<LeftOutFile>* left_out);
 
 // What `ptk-concat list` prints: the plan's chunk files, then `with` (e.g. the validation folder).
 // An item named twice (however spelled, a link, a hard link), or a `with` that is one of the

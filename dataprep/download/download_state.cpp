@@ -1,4 +1,5 @@
 // ptk-download's state on disk: the listing manifest, URL lists, done logs.
+#include "absl/strings/ascii.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "dataprep/download/download_internal.h"
@@ -76,9 +77,10 @@ absl::StatusOr<std::vector<RemoteFile>> ReadUrlList(const std::string& path) {
     f.path = UrlUnquote(p.substr(p.rfind('/') + 1));
     for (size_t k = 1; k < fields.size(); ++k) {
       const std::string& kv = fields[k];
-      if (kv.rfind("sha256=", 0) == 0)
-        f.sha256 = kv.substr(7);
-      else if (kv.rfind("size=", 0) == 0) {
+      if (kv.rfind("sha256=", 0) == 0) {
+        // Compared with the lower-case digest computed: PowerShell's Get-FileHash and certutil print upper case.
+        f.sha256 = absl::AsciiStrToLower(kv.substr(7));
+      } else if (kv.rfind("size=", 0) == 0) {
         auto size = ParseUint64(kv.substr(5));
         if (!size)
           return absl::InvalidArgumentError(

@@ -55,4 +55,18 @@ int64_t CountExtractedOutputs(const std::vector<std::string>& paths);
 
 absl::StatusOr<ExtractSummary> RunExtract(const ExtractOptions& options);
 
+// --verify for the outputs whose input is gone (a --delete-input run's, or an input removed since),
+// which RunExtract never meets: every output below `roots` (directories; a file argument stands for
+// its output beside it) whose sidecar names an input that no longer exists, and that `shard` owns as
+// RunExtract would have owned its input, checked against the size and XXH3-128 its sidecar recorded.
+// kSkipped when whole; kFailed with a DataLoss error naming the output and the input otherwise
+// (changed, cut or missing: it cannot be extracted again). A result's `input` and `output` are both
+// the output's path: the input is not there.
+// For a rerun of a --delete-input job: whether `arg`, an input argument (a file or a glob) that names
+// nothing now, was extracted: an output's sidecar (below `output_dir`, or beside the argument when
+// empty) records an input whose absolute name it matches (as glob(3) would have).
+bool ArgumentWasExtracted(const std::string& arg, const std::string& output_dir);
+
+std::vector<ExtractFileResult> VerifyOutputsWithoutInput(const std::vector<std::string>& roots, const ShardSpec& shard);
+
 }  // namespace ptk

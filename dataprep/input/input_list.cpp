@@ -1,7 +1,9 @@
 // Expanding the inputs of the dataprep tools.
 #include "dataprep/input/input_list.h"
 
+#include <fcntl.h>
 #include <fnmatch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -36,13 +38,15 @@ std::string Lower(std::string s) {
   return s;
 }
 
+}  // namespace
+
 // ptk's own files (sidecars, locks, temporaries, journals): never inputs, never worth a word. They
 // are the names ptk writes: X.ptk-done, X.ptk-lock, X.ptk-extracting, X.ptk-tmp-PID-RANDOM (any
 // of them + .ptk-tmp-...), PREFIX.ptk-resume and .ptk-resume-index, PREFIX.ptk-inorder.bin/.idx,
 // X.ptk-verify*, a checkpoint's iter_*.ptk-old-*, ptk-download's state directory .ptk-download/: a
 // ".ptk-" followed by one of these tags and then the end of the name, "-", "." or "/". A user's
 // x.ptk-v2.jsonl is an input like any other.
-bool PtkOwn(std::string_view rel) {
+bool IsPtkOwnName(std::string_view rel) {
   static constexpr std::string_view kTags[] = {"tmp",     "done",   "lock", "extracting", "resume",
                                                "inorder", "verify", "old",  "download"};
   for (size_t at = rel.find(".ptk-"); at != std::string_view::npos; at = rel.find(".ptk-", at + 1)) {
@@ -55,6 +59,8 @@ bool PtkOwn(std::string_view rel) {
   }
   return false;
 }
+
+namespace {
 
 std::string SuffixList(const std::vector<std::string>& suffixes) {
   std::string s;
@@ -100,7 +106,7 @@ absl::StatusOr<std::vector<InputFile>> CollectInputFiles(const std::vector<std::
     if (IsDirectory(a)) {
       PTK_ASSIGN_OR_RETURN(auto files, WalkDirectory(a));
       for (const auto& f : files) {
-        if (PtkOwn(f.rel)) continue;
+        if (IsPtkOwnName(f.rel)) continue;
         const std::string path = JoinPath(a, f.rel);
         if (!f.id.regular) {
           left_out->push_back({path, f.id.kind + ", not a regular file"});
@@ -152,6 +158,17 @@ absl::StatusOr<std::vector<std::string>> CollectInputs(const std::vector<std::st
   return out;
 }
 
+bool StartsLikeAConcatPlan(const std::string& path) {
+  static constexpr std::string_view kStart = "{\"version\": 1, \"output_dir\": ";  // WriteConcatPlan's
+  if (!EndsWith(path, ".json")) return false;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char head[kStart.size()];
+  const ssize_t n = ::pread(fd, head, sizeof head, 0);
+  ::close(fd);
+  return n == static_cast<ssize_t>(sizeof head) && std::string_view(head, sizeof head) == kStart;
+}
+
 namespace {
 bool GlobLike(const std::string& pattern, const std::string& rel) {
   if (::fnmatch(pattern.c_str(), rel.c_str(), 0) == 0) return true;
@@ -166,10 +183,17 @@ bool TokenizeCandidate(const std::string& rel) {
     if (slash == std::string::npos) break;
     start = slash + 1;
   }
-  if (PtkOwn(rel)) return false;
+  if (IsPtkOwnName(rel)) return false;
   for (std::string_view suf : {"_document.bin", "_document.idx"})
     if (EndsWith(rel, suf)) return false;
   return true;
+}
+// PREFIX.bin beside PREFIX.idx (or the .idx beside its .bin): a dataset whatever its prefix (a
+// ptk-merge output, merged.bin), never text, as PREFIX_text_document's are not.
+bool HalfOfADataset(const std::string& path) {
+  for (auto [half, other] : {std::pair{".bin", ".idx"}, std::pair{".idx", ".bin"}})
+    if (EndsWith(path, half) && PathExists(path.substr(0, path.size() - 4) + other)) return true;
+  return false;
 }
 }  // namespace
 
@@ -192,6 +216,7 @@ absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<
       for (const auto& f : files) {
         if (!TokenizeCandidate(f.rel) || (!filter.empty() && !GlobLike(filter, f.rel))) continue;
         const std::string path = JoinPath(a, f.rel);
+        if (f.id.regular && (StartsLikeAConcatPlan(path) || HalfOfADataset(path))) continue;
         if (!f.id.regular) {
           log::Warning("left out {}: {}, not a regular file", log::Printable(path), f.id.kind);
           continue;

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,13 +47,23 @@ void ReportLeftOut(const std::vector<LeftOutFile>& left_out);
 
 // ptk-tokenize's inputs: files and globs as given (each glob's matches in natural order). A
 // directory stands for every regular file below it, extension-less ones such as WikiExtractor's
-// wiki_00 included (hidden files, ptk's own sidecars, locks and temporaries, and Megatron outputs
-// *_document.bin/.idx left out), in natural order; with `filter` (NeMo's --files-filter, e.g.
+// wiki_00 included (hidden files, ptk's own sidecars, locks, temporaries and concat plans, and datasets:
+// *_document.bin/.idx, and any PREFIX.bin beside its PREFIX.idx, left out), in natural order; with `filter` (NeMo's
+// --files-filter, e.g.
 // "**/*.json*") only those whose path below the directory matches it. Each file is read once
 // however often it is reached (by device and inode; a warning names the repeats); a named input
 // that is not a regular file (a FIFO: use - for a stream) is an error; "-" is stdin.
 absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<std::string>& args,
                                                               const std::string& filter);
+
+// Whether `rel` (a path below a directory, or a name) is one of ptk's own files, which every walk
+// leaves out without a word: X.ptk-done, X.ptk-lock, X.ptk-tmp-*, X.ptk-extracting, PREFIX.ptk-resume, ...
+bool IsPtkOwnName(std::string_view rel);
+
+// Whether `path` begins as ptk-concat writes its plan (a .json whose first bytes are {"version": 1,
+// "output_dir": ): ptk's own file, which ptk-tokenize's directory walk leaves out, and ptk-concat's
+// reads whole to tell (LeaveOutOtherPlans).
+bool StartsLikeAConcatPlan(const std::string& path);
 
 void SortPaths(std::vector<std::string>* paths, PathOrder order);
 

@@ -145,10 +145,10 @@ absl::StatusOr<std::unique_ptr<Batch>> LineReader::Next() {
       src_.reset();
       ++file_;
     }
-    if (b->lines.empty()) {  // an empty file
+    if (b->lines.empty() && !eof) {
       pool_.Give(std::move(b));
       continue;
-    }
+    }  // the last, even empty (an empty file): the sink learns that its file ended
     return b;
   }
 }

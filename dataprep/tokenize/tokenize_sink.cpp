@@ -59,6 +59,16 @@ bool TooManyBad(int64_t bad, int64_t records, double max_bad_fraction) {
   return bad > 0 && static_cast<double>(bad) > max_bad_fraction * static_cast<double>(records);
 }
 
+// Input f, read to its end, gave a document.
+absl::Status CheckFileWasRead(const TokenizeOptions& opt, const FileTally& t, size_t f) {
+  if (t.documents > 0) return absl::OkStatus();
+  const std::string& name = opt.inputs[f];
+  if (t.bad == 0) return absl::FailedPreconditionError(fmt::format("{}: no document in it (empty file)", name));
+  return absl::FailedPreconditionError(
+      fmt::format("{}: no document could be read: {} records, none usable{}; first: {}", name, t.bad,
+                  LikelyCause(t, opt), log::Printable(t.first_bad)));
+}
+
 absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<FileTally>& tallies) {
   int64_t docs = 0, bad = 0;
   std::string first_bad;
@@ -67,12 +77,7 @@ absl::Status CheckInputsWereRead(const TokenizeOptions& opt, const std::vector<F
     docs += t.documents;
     bad += t.bad;
     if (first_bad.empty()) first_bad = t.first_bad;
-    if (t.documents > 0) continue;
-    const std::string& name = opt.inputs[f];
-    if (t.bad == 0) return absl::FailedPreconditionError(fmt::format("{}: no document in it (empty file)", name));
-    return absl::FailedPreconditionError(
-        fmt::format("{}: no document could be read: {} records, none usable{}; first: {}", name, t.bad,
-                    LikelyCause(t, opt), log::Printable(t.first_bad)));
+    PTK_RETURN_IF_ERROR(CheckFileWasRead(opt, t, f));
   }
   if (TooManyBad(bad, docs + bad, opt.max_bad_fraction))
     return absl::FailedPreconditionError(
@@ -437,6 +442,8 @@ absl::Status DocumentSink::Consume(const Batch& b) {
                       opt_.inputs[b.file], b.first_line_no + static_cast<int64_t>(i)));
     PTK_RETURN_IF_ERROR(AddDocument(b, i, offsets));
   }
+  // An input that gave no document fails the run now, not after every later input is tokenized.
+  if (b.last_of_file) PTK_RETURN_IF_ERROR(CheckFileWasRead(opt_, tally, static_cast<size_t>(b.file)));
   if (resumable_ && std::chrono::duration<double>(std::chrono::steady_clock::now() - last_resume_point_).count() >=
                         opt_.resume_interval_s)
     PTK_RETURN_IF_ERROR(WriteResumePoint(b));

@@ -576,6 +576,17 @@ TEST(Download, UrlListVerifiesSha256) {
                                testing::Tool("ptk-download"), dir / "list2.txt", hub.hub(), dir / "o"));
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_EQ(testing::ReadFile(dir / "o/README.md"), good);
+  // Regression: a digest in upper case (PowerShell's Get-FileHash, certutil) was taken as 64 hex digits,
+  // then compared with the lower-case one computed: 'sha256 still mismatches after 3 downloads', exit 1.
+  std::string upper = sha;
+  for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  testing::WriteFile(dir / "list3.txt", fmt::format("{}/datasets/cerebras/SlimPajama-627B/resolve/main/README.md "
+                                                    "sha256={} path=upper.md\n",
+                                                    hub.hub(), upper));
+  auto up = RunCmd(fmt::format("HF_TOKEN={} {} --quiet --url-list {} --endpoint {} --local-dir {} --retry-base 0.01",
+                               kToken, testing::Tool("ptk-download"), dir / "list3.txt", hub.hub(), dir / "o"));
+  ASSERT_EQ(up.exit_code, 0) << up.output;
+  EXPECT_EQ(testing::ReadFile(dir / "o/upper.md"), good);
 }
 
 // Downloads the repo into dir/out, lets `spoil` change what is there (it is given the first file's

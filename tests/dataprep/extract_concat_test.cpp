@@ -200,6 +200,74 @@ TEST(Extract, DropSetShardsAndDeleteInput) {
   EXPECT_EQ(testing::Leftovers(dir.path()), "");
 }
 
+// Regression: --verify checked only outputs whose input was still there. After --delete-input (the
+// sidecar's checksum the only check left) an output damaged in place passed, exit 0 ("nothing to do"),
+// and so did one whose input was removed while others remained, and one deleted beside its sidecar.
+TEST(Extract, VerifyChecksOutputsWhoseInputIsGone) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 4; ++i)
+    testing::WriteFile(dir / fmt::format("in/f_{}.jsonl.zst", i), testing::ZstdCompress(Jsonl(200, 60 + i)));
+  const std::string tool =
+      fmt::format("{} --quiet {} --output-dir {}", testing::Tool("ptk-extract"), dir / "in", dir / "out");
+  ASSERT_EQ(RunCmd(tool + " --delete-input").exit_code, 0);
+  ASSERT_EQ(RunCmd(tool + " --delete-input --verify").exit_code, 0);  // all whole
+  std::string f0 = testing::ReadFile(dir / "out/f_0.jsonl");
+  f0[10] = f0[10] == 'x' ? 'y' : 'x';  // same size: only the checksum can tell
+  testing::WriteFile(dir / "out/f_0.jsonl", f0);
+  auto none_left = RunCmd(tool + " --delete-input --verify");
+  EXPECT_EQ(none_left.exit_code, 1) << none_left.output;
+  EXPECT_NE(none_left.output.find("out/f_0.jsonl: content checksum differs"), std::string::npos) << none_left.output;
+  EXPECT_NE(none_left.output.find("f_0.jsonl.zst is gone"), std::string::npos) << none_left.output;
+  EXPECT_EQ(RunCmd(tool + " --delete-input").exit_code, 0);  // without --verify: the quick check, as before
+  // Another input still there: the run extracts it and still checks the outputs of those gone.
+  testing::WriteFile(dir / "in/f_9.jsonl.zst", testing::ZstdCompress(Jsonl(100, 69)));
+  ::unlink((dir / "out/f_1.jsonl").c_str());
+  auto some_left = RunCmd(tool + " --verify");
+  EXPECT_EQ(some_left.exit_code, 1) << some_left.output;
+  EXPECT_NE(some_left.output.find("out/f_0.jsonl: content checksum differs"), std::string::npos) << some_left.output;
+  EXPECT_NE(some_left.output.find("out/f_1.jsonl: missing"), std::string::npos) << some_left.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/f_9.jsonl"), Jsonl(100, 69));
+  // Array tasks: each output is checked by one task, the one that owned its input.
+  int reports = 0;
+  for (int s = 0; s < 2; ++s) {
+    auto r = RunCmd(fmt::format("{} --verify --shard-index {} --num-shards 2", tool, s));
+    reports += r.output.find("out/f_0.jsonl: content checksum differs") != std::string::npos;
+  }
+  EXPECT_EQ(reports, 1);
+  testing::WriteFile(dir / "out/f_0.jsonl", Jsonl(200, 60));
+  testing::WriteFile(dir / "out/f_1.jsonl", Jsonl(200, 61));
+  auto whole = RunCmd(tool + " --verify");
+  EXPECT_EQ(whole.exit_code, 0) << whole.output;
+}
+
+// Regression: "a rerun of a finished --delete-input job is a no-op" held for a directory only: with the
+// inputs named as a glob (the manual's 'raw/train/chunk1/*.zst') or as files, the rerun failed, exit 1
+// ('pattern matches no file', 'no such file'). An argument that names nothing now is done when an
+// output's sidecar records an input it names; one that no output records is still an error.
+TEST(Extract, ARerunOfADeleteInputJobNamingItsInputsIsANoOp) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  for (int i = 0; i < 2; ++i)
+    testing::WriteFile(dir / fmt::format("in/g_{}.jsonl.zst", i), testing::ZstdCompress(Jsonl(50, 80 + i)));
+  const std::string glob = fmt::format("'{}'", dir / "in/g_*.jsonl.zst");
+  const std::string files = dir / "in/g_0.jsonl.zst" + " " + dir / "in/g_1.jsonl.zst";
+  for (const std::string& args :
+       {glob + " --output-dir " + dir / "out", files + " --output-dir " + dir / "out2", files}) {
+    const std::string cmd = fmt::format("{} --quiet {} --delete-input", testing::Tool("ptk-extract"), args);
+    for (int i = 0; i < 2; ++i)
+      testing::WriteFile(dir / fmt::format("in/g_{}.jsonl.zst", i), testing::ZstdCompress(Jsonl(50, 80 + i)));
+    ASSERT_EQ(RunCmd(cmd).exit_code, 0) << args;
+    ASSERT_FALSE(testing::Exists(dir / "in/g_0.jsonl.zst"));
+    auto again = RunCmd(cmd);
+    EXPECT_EQ(again.exit_code, 0) << args << ": " << again.output;
+  }
+  auto never = RunCmd(fmt::format("{} --quiet '{}' --output-dir {} --delete-input", testing::Tool("ptk-extract"),
+                                  dir / "in/h_*.jsonl.zst", dir / "out"));
+  EXPECT_EQ(never.exit_code, 1) << never.output;
+  EXPECT_NE(never.output.find("pattern matches no file"), std::string::npos) << never.output;
+}
+
 // ptk-extract overwrote an a.jsonl it did not write (zstd -d refuses). Now such a file is a
 // failed input naming it, --force overwrites it, and ptk-extract's own outputs are still redone or
 // skipped: those with a sidecar, and one a kill left between its publish and its sidecar (its
@@ -864,6 +932,52 @@ TEST(Concat, PlanThenOneArrayTaskPerChunk) {
   auto wide = RunCmd(fmt::format("{} --input {} --output-dir {} --name-pattern '{{:>1000000000}}'",
                                  testing::Tool("ptk-concat"), dir / "in", dir / "o4"));
   EXPECT_EQ(wide.exit_code, 2) << wide.output;
+  // Regression: chunk names that no later stage reads were built, exit 0: a compression suffix on the plain
+  // text a chunk holds (ptk-tokenize then refused every chunk: 'named .zst but it is not compressed data'),
+  // and ptk's own bookkeeping names or a hidden name (every directory walk leaves those out without a word).
+  for (const char* bad : {"c_{}.jsonl.zst", "c_{}.jsonl.gz", "c_{}.xz", "c_{}.zstd", "c_{}.jsonl.ptk-done",
+                          ".ptk-tmp-{}", "c{}.ptk-lock", ".c_{}.jsonl"}) {
+    auto r = RunCmd(fmt::format("{} --input {} --output-dir {} --chunks 2 --name-pattern '{}'",
+                                testing::Tool("ptk-concat"), dir / "in", dir / "o5", bad));
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("--name-pattern"), std::string::npos) << bad << ": " << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir / "o5/c_0.jsonl.zst")) << bad;
+  }
+  auto fine = RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 2 --name-pattern 'c_{{}}.ptk-v2.json'",
+                                 testing::Tool("ptk-concat"), dir / "in", dir / "o6"));
+  EXPECT_EQ(fine.exit_code, 0) << fine.output;
+}
+
+// Regression: a plan over a directory that holds another plan's output (in/c2, made from in/) took
+// that plan's chunks and its concat-plan.json as inputs: every record twice, the plan's JSON as
+// records, exit 0. They are left out, named; a plan over the chunks themselves (in/c2: fewer, larger
+// chunks) still takes them, but not the plan file.
+TEST(Concat, AnotherPlansChunksOfTheSameInputsAreLeftOut) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::string all;
+  for (int i = 0; i < 6; ++i) {
+    testing::WriteFile(dir / fmt::format("in/s{}.jsonl", i), Jsonl(40, 700 + i));
+    all += Jsonl(40, 700 + i);
+  }
+  auto concat = [&](const std::string& in, const std::string& out, int chunks) {
+    return RunCmd(fmt::format("{} --input {} --output-dir {} --chunks {}", testing::Tool("ptk-concat"), dir / in,
+                              dir / out, chunks));
+  };
+  auto joined = [&](const std::string& out, int chunks) {
+    std::string s;
+    for (int k = 0; k < chunks; ++k) s += testing::ReadFile(dir / fmt::format("{}/train_{:02d}.jsonl", out, k));
+    return s;
+  };
+  ASSERT_EQ(concat("in", "in/c2", 2).exit_code, 0);
+  auto second = concat("in", "in/c3", 3);
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_EQ(joined("in/c3", 3), all) << second.output;
+  for (const char* left : {"in/c2/concat-plan.json: ", "in/c2/train_00.jsonl: ", "in/c2/train_01.jsonl: "})
+    EXPECT_NE(second.output.find(fmt::format("left out {}", dir / left)), std::string::npos) << left << second.output;
+  auto rechunk = concat("in/c2", "one", 1);
+  ASSERT_EQ(rechunk.exit_code, 0) << rechunk.output;
+  EXPECT_EQ(joined("one", 1), all) << rechunk.output;
 }
 
 // Regression: a 2-chunk plan into a directory holding a 4-chunk run kept train_02 and

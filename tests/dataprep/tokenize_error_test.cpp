@@ -877,6 +877,97 @@ TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
   EXPECT_EQ(testing::ReadFile(dir / "parts/p1_text_document.bin"), p1);
 }
 
+// Regression: ptk-tokenize --input CHUNKS/ (a ptk-concat output directory) took its concat-plan.json
+// for data: read first (natural order) but judged at the end, after every chunk was tokenized, it failed
+// the run ('no document could be read ... its records have no key "text"'), nothing published. A plan
+// is ptk's own file, left out as its sidecars are.
+TEST(TokenizeErrors, AConcatPlanBelowAnInputDirectoryIsNoInput) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  testing::WriteFile(dir / "in/a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  testing::WriteFile(dir / "in/b.jsonl", "{\"text\": \"Third\"}\n");
+  ASSERT_EQ(RunCmd(fmt::format("{} --quiet --input {} --output-dir {} --chunks 2", testing::Tool("ptk-concat"),
+                               dir / "in", dir / "chunks"))
+                .exit_code,
+            0);
+  ASSERT_TRUE(testing::Exists(dir / "chunks/concat-plan.json"));
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "chunks", dir / "all")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto one =
+      RunCmd(Tok(fmt::format("--input {} {} --output-prefix {}", dir / "in/a.jsonl", dir / "in/b.jsonl", dir / "ref")));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(testing::ReadFile(dir / "all_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "all_text_document.idx"), testing::ReadFile(dir / "ref_text_document.idx"));
+}
+
+// Regression: a dataset pair below an --input directory whose prefix does not end in _document (a ptk-merge
+// output, merged.bin/.idx) was read as text: judged at the end, after the real inputs were tokenized, it
+// failed the run ('merged.bin: no document could be read ... binary data'). A .bin beside its .idx is a
+// dataset, left out as PREFIX_text_document's are; a lone data.bin is still an input.
+TEST(TokenizeErrors, ADatasetPairOfAnyNameBelowAnInputDirectoryIsNoInput) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  testing::WriteFile(dir / "in/a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  ASSERT_EQ(RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in/a.jsonl", dir / "ref"))).exit_code, 0);
+  ASSERT_EQ(RunCmd(fmt::format("{} --inputs {} --output-prefix {}", testing::Tool("ptk-merge"),
+                               dir / "ref_text_document", dir / "in/merged"))
+                .exit_code,
+            0);
+  auto r = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in", dir / "all")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "all_text_document.bin"), testing::ReadFile(dir / "ref_text_document.bin"));
+  std::filesystem::remove(dir / "in/merged.idx");
+  auto lone = RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "in", dir / "lone")));
+  EXPECT_EQ(lone.exit_code, 1) << lone.output;
+  EXPECT_NE(lone.output.find("merged.bin"), std::string::npos) << lone.output;
+}
+
+// Regression: an input that yields no document (empty, or binary data) failed the run only at its end,
+// after every later input was tokenized (hours of a Slurm job, then nothing published). It fails once that
+// input is read: an endless standard input after it shows it (before, only timeout's guard ended the run).
+TEST(TokenizeErrors, AnInputWithoutADocumentFailsOnceItIsRead) {
+  testing::TempDir dir;
+  testing::WriteFile(dir / "empty.jsonl", "");
+  testing::WriteFile(dir / "binary.dat", std::string("\x01\x02\x00\x03\n\x7f\x00\n", 8));
+  for (const char* first : {"empty.jsonl", "binary.dat"}) {
+    auto r = RunCmd(fmt::format("yes '{{\"text\": \"endless\"}}' | timeout 30 {}",
+                                Tok(fmt::format("--input {} - --output-prefix {}", dir / first, dir / "out"))));
+    EXPECT_EQ(r.exit_code, 1) << first << ": " << r.output;
+    EXPECT_NE(r.output.find(dir / first + ": no document"), std::string::npos) << r.output;
+    EXPECT_FALSE(testing::Exists(dir / "out_text_document.bin"));
+  }
+}
+
+// Regression: a merge into its input directory (parts/m, supported) was then taken as an input by the
+// next merge of that directory, beside the datasets it holds: every document twice, exit 0. A dataset a
+// merge made from other inputs of this merge is refused, naming both (--inputs: a usage error).
+TEST(TokenizeErrors, AMergeOfInputsIsNotMergedAgainBesideThem) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "parts");
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
+  for (const char* p : {"p1", "p2"})
+    ASSERT_EQ(
+        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
+            .exit_code,
+        0);
+  const std::string merge = testing::Tool("ptk-merge");
+  ASSERT_EQ(RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "parts/m").exit_code, 0);
+  auto all = RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "all");
+  EXPECT_EQ(all.exit_code, 1) << all.output;
+  EXPECT_NE(all.output.find(dir / "parts/m is a merge of " + dir / "parts/p1_text_document"), std::string::npos)
+      << all.output;
+  EXPECT_FALSE(testing::Exists(dir / "all.bin"));
+  auto listed =
+      RunCmd(merge + " --inputs " + dir / "parts/p2_text_document " + dir / "parts/m --output-prefix " + dir / "all");
+  EXPECT_EQ(listed.exit_code, 2) << listed.output;
+  EXPECT_NE(listed.output.find(dir / "parts/m is a merge of " + dir / "parts/p2_text_document"), std::string::npos)
+      << listed.output;
+  // Alone, or beside other datasets, a merge is an input like any other.
+  auto copy = RunCmd(merge + " --inputs " + dir / "parts/m --output-prefix " + dir / "copy");
+  EXPECT_EQ(copy.exit_code, 0) << copy.output;
+  EXPECT_EQ(testing::ReadFile(dir / "copy.bin"), testing::ReadFile(dir / "parts/m.bin"));
+}
+
 // A rerun with the same inputs spelled otherwise (a.jsonl, ./a.jsonl, its absolute name, from another
 // directory) tokenized and merged again: the fingerprint held the names as typed. Now up to date, and a
 // changed input is still seen.

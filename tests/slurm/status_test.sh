@@ -66,6 +66,29 @@ dp=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh")
 dpn=$(PTK_BIN=$BIN STAGE_PATH=$W/stage bash "$SRC/slurm/data-path.sh" --weights tokens --format nemo)
 [[ "$dpn" =~ ^\[0\.5,$D/preprocessed/train_00_text_document,0\.5,$D/preprocessed/train_01_text_document\]$ ]] ||
   fail "data-path --format nemo: $dpn"
+# The stage scripts outside Slurm, with a validation file whose name holds a quote and a space:
+# tokenize.sbatch stamps the validation split with a digest of its files' sidecars, which it read
+# through xargs (quotes and blanks are special to it): 'unmatched single quote', exit 1 after the chunks.
+V=$W/vstage/slimpajama
+mkdir -p "$V/raw/train" "$V/raw/validation"
+printf '{"text": "a training document"}\n' | gzip > "$V/raw/train/t0.jsonl.gz"
+printf '{"text": "a held-out document"}\n' | gzip > "$V/raw/validation/it's a.jsonl.gz"
+for s in extract concat-plan concat tokenize; do
+  out=$(PTK_BIN=$BIN STAGE_PATH=$W/vstage CONCAT_CHUNKS=1 CPUS_PER_TASK=1 bash "$SRC/slurm/$s.sbatch" 2>&1) ||
+    fail "$s.sbatch with a validation file named \"it's a\": $out"
+done
+st=$(PTK_BIN=$BIN STAGE_PATH=$W/vstage CONCAT_CHUNKS=1 bash "$SRC/slurm/status.sh" 2>&1 || true)
+echo "$st" | grep -q "tokenize     2 of 2 datasets complete (incl. validation)" || fail "validation split: $st"
+# A dataset damaged in place (same size) after it was made: tokenize.sbatch saw it fail --verify and ran
+# ptk-tokenize again, which found its sidecar matching ('up to date, not rewritten'), exit 0: the task
+# passed, the damage stayed, and every resubmission did the same. It is tokenized again now.
+bin=$V/preprocessed/train_00_text_document.bin
+printf 'XY' | dd of="$bin" bs=1 seek=2 conv=notrunc 2>/dev/null
+"$BIN/ptk-inspect" "${bin%.bin}" --verify >/dev/null 2>&1 && fail "the damage went unseen"
+out=$(PTK_BIN=$BIN STAGE_PATH=$W/vstage CONCAT_CHUNKS=1 CPUS_PER_TASK=1 bash "$SRC/slurm/tokenize.sbatch" 2>&1) ||
+  fail "tokenize.sbatch over a damaged dataset: $out"
+"$BIN/ptk-inspect" "${bin%.bin}" --verify >/dev/null 2>&1 || fail "tokenize.sbatch left the damaged dataset: $out"
+echo "$out" | grep -q "tokenize: validation already done" || fail "the whole validation split redone: $out"
 # submit-pipeline.sh --dry-run without a controller: a failing sinfo and no sbatch.
 mkdir -p "$W/fakebin"
 printf '#!/bin/sh\necho "sinfo: error: Unable to contact slurm controller" >&2\nexit 1\n' > "$W/fakebin/sinfo"
