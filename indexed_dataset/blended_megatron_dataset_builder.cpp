@@ -257,10 +257,17 @@ absl::Status CheckDataPaths(const DataArgs& args) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> HasValidationSplit(const DataArgs& args) {
-  if (PerSplit(args)) return !args.per_split_data_path[1].empty();
+absl::StatusOr<std::string> NoValidationSplit(const DataArgs& args) {
+  if (PerSplit(args)) return args.per_split_data_path[1].empty() ? "no --valid-data-path" : "";
   PTK_ASSIGN_OR_RETURN(const auto split, ParseAndNormalizeSplit(args.split));
-  return split[1] > 0;
+  if (MakeSplitMatrix(split).bookends[1]) return std::string();
+  if (!(split[1] > 0)) return fmt::format("--split {} gives it no part", args.split);
+  // A part of its own that the bookends' double sums lose: 999999999999999999999,1,1 normalizes to
+  // [1.0, 1e-21, 1e-21], and 1.0 + 1e-21 is 1.0.
+  return fmt::format(
+      "--split {} gives it {} of the data, too small beside the other parts for a double's sums: its range in the "
+      "split matrix, [{}, {}), is empty (Megatron's too)",
+      args.split, py::FloatRepr(split[1]), py::FloatRepr(split[0]), py::FloatRepr(split[0] + split[1]));
 }
 
 }  // namespace ptk

@@ -35,9 +35,10 @@ absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::s
 // name), and the blends parse. So that a run stops at once, not after its model is made.
 absl::Status CheckDataPaths(const DataArgs& args);
 
-// Whether the validation split can hold data: a --valid-data-path with per-split paths, else a
-// --split whose second part is above 0 (Megatron builds no validation dataset otherwise, and
-// evaluates nothing).
-absl::StatusOr<bool> HasValidationSplit(const DataArgs& args);
+// Why these data flags give the run no validation dataset, or "" when they give it one: with
+// per-split paths, no --valid-data-path; else a --split whose validation part is 0, or so small
+// beside the others that its range in the split matrix is empty (999999999999999999999,1,1), where
+// Megatron's convert_split_vector_to_split_matrix gives None too.
+absl::StatusOr<std::string> NoValidationSplit(const DataArgs& args);
 
 }  // namespace ptk
