@@ -22,9 +22,10 @@ struct DataArgs {
   std::array<std::optional<int64_t>, 3> sizes;  // samples requested per split (None = one epoch/exhaustive)
 };
 
-// Returns one dataset per split (nullptr where that split is empty or not given).
-absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args,
-                                                                                 GPTDatasetConfig config);
+// Returns one dataset per split (nullptr where that split is empty or not given). What a caller
+// should print (IndexedDataset::IdxTrailingBytesWarning of each dataset opened) goes to *warnings.
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(
+    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings = nullptr);
 
 // Megatron's get_blend_from_list: even count -> (weights, prefixes), odd -> prefixes only.
 absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,

@@ -19,6 +19,7 @@ absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& di
 
 struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;
+  std::vector<std::string> warnings;  // for the caller to print: the inputs' IdxTrailingBytesWarning
 };
 // What a merge of `input_prefixes` records as its "source" (MergeDatasets' `source`): a fingerprint
 // of the inputs in order (each .bin and .idx by path, size and modification time, and the .ptk-done

@@ -269,6 +269,8 @@ class Trainer {
   // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.
   absl::Status OpenDataAndOutputs() {
     PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_, pipe_));
+    for (const std::string& w : data_.warnings)
+      if (lead_) log::Warning("{}", w);
     const int64_t mbs = plan_.micro_batch_size;
     if (lead_)
       log::Info(

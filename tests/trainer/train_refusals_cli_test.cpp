@@ -235,6 +235,22 @@ TEST_F(TrainRefusals, AValidationPartTooSmallForTheSplitMatrixIsNamed) {
   EXPECT_EQ(noted.output.find("validation loss at"), std::string::npos) << noted.output;
 }
 
+// An .idx with bytes after its document index trains as Megatron's reader reads it (ptk-train
+// refused it: "file is N bytes but ... need M (truncated or corrupt)"), with one warning naming it.
+TEST_F(TrainRefusals, TrailingIndexBytesAreIgnoredWithAWarning) {
+  const std::string idx = testing::ReadFile(prefix_ + ".idx");
+  testing::WriteFile(prefix_ + ".idx", idx + "junk");
+  auto r = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "cache")));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::string warning = "ptk-train: warning: " + prefix_ + ".idx: 4 trailing bytes at offset " +
+                              std::to_string(idx.size()) +
+                              ", after the document index, ignored as Megatron's reader ignores them\n";
+  const size_t at = r.output.find(warning);
+  EXPECT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(warning, at + 1), std::string::npos) << "warned more than once: " << r.output;
+  EXPECT_NE(r.output.find("validation loss at iteration 2"), std::string::npos) << r.output;
+}
+
 // --load of another model's checkpoint names the flags that differ (it printed both models' JSON).
 TEST_F(TrainRefusals, ACheckpointOfAnotherModelNamesTheFlagsThatDiffer) {
   const std::string ck = ShellQuote(dir_ / "ck");
