@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -25,6 +26,14 @@ struct LeftOutFile {
   std::string path;
   std::string reason;
 };
+
+// Whether `rel` (a path, relative or not) names something ptk writes, so that no tool takes it for
+// data: X.ptk-done, X.ptk-lock, X.ptk-extracting, X.ptk-tmp-PID-RANDOM (any of them +
+// .ptk-tmp-...), PREFIX.ptk-resume and .ptk-resume-index, PREFIX.ptk-inorder.bin/.idx,
+// X.ptk-verify*, a checkpoint's iter_*.ptk-old-*, ptk-download's state directory .ptk-download/: a
+// ".ptk-" followed by one of these tags and then the end of the name, "-", "." or "/". A user's
+// x.ptk-v2.jsonl is not.
+bool IsPtkOwnName(std::string_view rel);
 
 // Files: kept. Globs: expanded. Directories: every regular file below whose name ends with one of
 // `dir_suffixes` (recursively, WalkDirectory: links followed, each directory and file once). The
