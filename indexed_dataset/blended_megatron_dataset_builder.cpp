@@ -83,7 +83,7 @@ int64_t TargetSize(int64_t size, double w) { return static_cast<int64_t>(std::ce
 
 class Builder {
  public:
-  explicit Builder(const GPTDatasetConfig& c) : config_(c) {}
+  Builder(const GPTDatasetConfig& c, std::vector<std::string>* warnings) : config_(c), warnings_(warnings) {}
 
   absl::StatusOr<std::shared_ptr<IndexedDataset>> Open(const std::string& prefix) {
     auto it = open_.find(prefix);
@@ -93,6 +93,7 @@ class Builder {
     // describes is another dataset's .bin (or index), whose documents the run would train on
     // without a word: Megatron reads it, ptk names it.
     PTK_RETURN_IF_ERROR(ds->Verify());
+    if (std::string w = ds->IdxTrailingBytesWarning(); !w.empty() && warnings_) warnings_->push_back(std::move(w));
     std::shared_ptr<IndexedDataset> sp(std::move(ds));
     open_[prefix] = sp;
     return sp;
@@ -115,6 +116,7 @@ class Builder {
 
  private:
   GPTDatasetConfig config_;
+  std::vector<std::string>* warnings_;
   std::map<std::string, std::shared_ptr<IndexedDataset>> open_;
 };
 
@@ -139,7 +141,8 @@ absl::StatusOr<std::shared_ptr<BlendedDataset>> BlendByLengths(const std::vector
 }  // namespace
 
 absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args,
-                                                                                 GPTDatasetConfig config) {
+                                                                                 GPTDatasetConfig config,
+                                                                                 std::vector<std::string>* warnings) {
   std::array<std::shared_ptr<TopLevelDataset>, 3> result;
   const bool per_split = !args.per_split_data_path[0].empty() || !args.per_split_data_path[1].empty() ||
                          !args.per_split_data_path[2].empty();
@@ -152,7 +155,7 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
     PTK_ASSIGN_OR_RETURN(auto vec, ParseAndNormalizeSplit(args.split));
     config.split = args.split;
     config.split_matrix = MakeSplitMatrix(vec);
-    Builder b(config);
+    Builder b(config, warnings);
     std::vector<std::string> prefixes;
     std::optional<std::vector<double>> weights;
     PTK_RETURN_IF_ERROR(ParseBlend(args.data_path, &prefixes, &weights));
@@ -195,7 +198,7 @@ absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets
   // Per-split blends: each split is built from its own list with split (0, 1).
   config.split = std::nullopt;
   config.split_matrix = std::nullopt;
-  Builder b(config);
+  Builder b(config, warnings);
   for (int i = 0; i < 3; ++i) {
     if (args.per_split_data_path[i].empty()) continue;
     std::vector<std::string> prefixes;
@@ -257,10 +260,17 @@ absl::Status CheckDataPaths(const DataArgs& args) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> HasValidationSplit(const DataArgs& args) {
-  if (PerSplit(args)) return !args.per_split_data_path[1].empty();
+absl::StatusOr<std::string> NoValidationSplit(const DataArgs& args) {
+  if (PerSplit(args)) return args.per_split_data_path[1].empty() ? "no --valid-data-path" : "";
   PTK_ASSIGN_OR_RETURN(const auto split, ParseAndNormalizeSplit(args.split));
-  return split[1] > 0;
+  if (MakeSplitMatrix(split).bookends[1]) return std::string();
+  if (!(split[1] > 0)) return fmt::format("--split {} gives it no part", args.split);
+  // A part of its own that the bookends' double sums lose: 999999999999999999999,1,1 normalizes to
+  // [1.0, 1e-21, 1e-21], and 1.0 + 1e-21 is 1.0.
+  return fmt::format(
+      "--split {} gives it {} of the data, too small beside the other parts for a double's sums: its range in the "
+      "split matrix, [{}, {}), is empty (Megatron's too)",
+      args.split, py::FloatRepr(split[1]), py::FloatRepr(split[0]), py::FloatRepr(split[0] + split[1]));
 }
 
 }  // namespace ptk

@@ -22,9 +22,10 @@ struct DataArgs {
   std::array<std::optional<int64_t>, 3> sizes;  // samples requested per split (None = one epoch/exhaustive)
 };
 
-// Returns one dataset per split (nullptr where that split is empty or not given).
-absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(const DataArgs& args,
-                                                                                 GPTDatasetConfig config);
+// Returns one dataset per split (nullptr where that split is empty or not given). What a caller
+// should print (IndexedDataset::IdxTrailingBytesWarning of each dataset opened) goes to *warnings.
+absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(
+    const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings = nullptr);
 
 // Megatron's get_blend_from_list: even count -> (weights, prefixes), odd -> prefixes only.
 absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::string>* prefixes,
@@ -35,9 +36,10 @@ absl::Status ParseBlend(const std::vector<std::string>& list, std::vector<std::s
 // name), and the blends parse. So that a run stops at once, not after its model is made.
 absl::Status CheckDataPaths(const DataArgs& args);
 
-// Whether the validation split can hold data: a --valid-data-path with per-split paths, else a
-// --split whose second part is above 0 (Megatron builds no validation dataset otherwise, and
-// evaluates nothing).
-absl::StatusOr<bool> HasValidationSplit(const DataArgs& args);
+// Why these data flags give the run no validation dataset, or "" when they give it one: with
+// per-split paths, no --valid-data-path; else a --split whose validation part is 0, or so small
+// beside the others that its range in the split matrix is empty (999999999999999999999,1,1), where
+// Megatron's convert_split_vector_to_split_matrix gives None too.
+absl::StatusOr<std::string> NoValidationSplit(const DataArgs& args);
 
 }  // namespace ptk

@@ -202,6 +202,7 @@ absl::Status IndexedDatasetBuilder::AddIndex(const std::string& other_prefix) {
   if (other->dtype() != dtype_)
     return absl::InvalidArgumentError(fmt::format("{}: dtype {} differs from the output's {}", IdxPath(other_prefix),
                                                   DTypeName(other->dtype()), DTypeName(dtype_)));
+  if (std::string w = other->IdxTrailingBytesWarning(); !w.empty()) warnings_.push_back(std::move(w));
   const int64_t offset = static_cast<int64_t>(lengths_.size());
   const int64_t s = other->num_sequences();
   lengths_.reserve(lengths_.size() + s);
@@ -414,16 +415,24 @@ absl::Status IndexedDataset::ValidateHeader() {
   const unsigned __int128 want = static_cast<unsigned __int128>(kIndexHeaderSize) +
                                  static_cast<unsigned __int128>(s) * 12 + static_cast<unsigned __int128>(d) * 8 +
                                  (multimodal_ ? s : 0);
-  if (want != size) {
-    std::string extra = multimodal_ ? " + modes" : "";
-    std::string hint = (!multimodal_ && want + s == size) ? " (a multimodal index? open it as multimodal)"
-                       : (multimodal_ && s > 0 && want - s == size)
+  // Bytes after the arrays are ignored, as Megatron's _IndexReader reads only the counts' arrays.
+  if (want > size) {
+    std::string hint = (multimodal_ && s > 0 && want - s == size)
                            ? " (no modes array: not a multimodal index; open it without --multimodal)"
                            : " (truncated or corrupt)";
     return loss(
         fmt::format("file is {} bytes but sequence_count={} and document_count={} need {} (34 + 12*S + 8*D{}){}", size,
-                    s, d, static_cast<uint64_t>(want), extra, hint));
+                    s, d, static_cast<uint64_t>(want), multimodal_ ? " + modes" : "", hint));
   }
+  idx_trailing_bytes_ = size - static_cast<uint64_t>(want);
+  if (idx_trailing_bytes_ > 0)
+    idx_trailing_warning_ =
+        fmt::format("{}: {} trailing byte{} at offset {}, after the {}, ignored as Megatron's reader ignores them{}",
+                    idx_path, idx_trailing_bytes_, idx_trailing_bytes_ == 1 ? "" : "s", static_cast<uint64_t>(want),
+                    multimodal_ ? "sequence modes" : "document index",
+                    !multimodal_ && idx_trailing_bytes_ == s
+                        ? " (one per sequence: a multimodal index's modes? open it as multimodal)"
+                        : "");
   if (d < 1) return loss("document_count is 0 (document_indices must start with 0)");
   num_sequences_ = static_cast<int64_t>(s);
   num_doc_idx_ = static_cast<int64_t>(d);

@@ -107,8 +107,10 @@ class IndexedDatasetBuilder {
   // An empty document (no tokens, no lengths) is recorded as a zero-sequence document.
   absl::Status AddDocument(std::span<const int32_t> tokens, std::span<const int32_t> lengths,
                            std::span<const int8_t> modes = {});
-  // Appends every sequence and document of another dataset (Megatron's add_index).
+  // Appends every sequence and document of another dataset (Megatron's add_index); its
+  // IdxTrailingBytesWarning, if any, goes to warnings() for the caller to print.
   absl::Status AddIndex(const std::string& other_prefix);
+  const std::vector<std::string>& warnings() const { return warnings_; }
   // What the writer made the dataset from (its inputs and settings, e.g. a fingerprint), recorded as
   // "source" in the PREFIX.ptk-done sidecar: a rerun that would make the same dataset can see so.
   void SetSource(std::string source) { source_ = std::move(source); }
@@ -139,6 +141,7 @@ class IndexedDatasetBuilder {
   std::vector<uint8_t> scratch_;
   int64_t tokens_ = 0;
   std::string source_;
+  std::vector<std::string> warnings_;
   bool finalized_ = false;
   // The .bin's XXH3 as its bytes are written, for the sidecar: no re-read at Finalize. Null once
   // bytes arrive some other way (a resumed temporary's kept part, AddIndex's file copies); then
@@ -149,7 +152,9 @@ class IndexedDatasetBuilder {
 // Reader: both files memory-mapped; O(1) zero-copy access to sequences and documents. Open()
 // validates everything Megatron's reader checks and what it does not (sizes, pointers consistent
 // with lengths and with the .bin size, document indices monotone and bounded) and answers damage
-// with kDataLoss naming the file and the field.
+// with kDataLoss naming the file and the field. Bytes after the .idx's arrays are ignored, as
+// Megatron's _IndexReader ignores them (it reads each array by its count); IdxTrailingBytesWarning
+// says so for a caller to print.
 class IndexedDataset {
  public:
   static absl::StatusOr<std::unique_ptr<IndexedDataset>> Open(const std::string& prefix, bool multimodal = false);
@@ -164,6 +169,10 @@ class IndexedDataset {
   bool multimodal() const { return multimodal_; }
   uint64_t bin_size() const { return bin_->size(); }
   uint64_t idx_size() const { return idx_->size(); }
+  // The .idx's bytes after its arrays (the document index, or the modes of a multimodal index).
+  uint64_t idx_trailing_bytes() const { return idx_trailing_bytes_; }
+  // "" without such bytes; else one line naming the .idx, the offset they start at and their count.
+  const std::string& IdxTrailingBytesWarning() const { return idx_trailing_warning_; }
 
   int32_t sequence_length(int64_t i) const { return Load<int32_t>(lengths_off_ + 4 * i); }
   int64_t sequence_pointer(int64_t i) const { return Load<int64_t>(pointers_off_ + 8 * i); }
@@ -209,6 +218,8 @@ class IndexedDataset {
   DType dtype_ = DType::kUInt16;
   bool multimodal_ = false;
   int64_t num_sequences_ = 0, num_doc_idx_ = 0, num_tokens_ = 0, max_length_ = 0;
+  uint64_t idx_trailing_bytes_ = 0;
+  std::string idx_trailing_warning_;
   size_t lengths_off_ = 0, pointers_off_ = 0, doc_idx_off_ = 0, modes_off_ = 0;
 };
 

@@ -74,8 +74,8 @@ absl::StatusOr<std::string> FormatDocument(const IndexedDataset& ds, int64_t doc
 }
 
 absl::StatusOr<std::string> FormatGPTSample(const DataArgs& args, const GPTDatasetConfig& config, Split split,
-                                            int64_t index, const DecodeFn& decode) {
-  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, config));
+                                            int64_t index, const DecodeFn& decode, std::vector<std::string>* warnings) {
+  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, config, warnings));
   const int which = static_cast<int>(split);
   if (!sets[which])
     return absl::NotFoundError(fmt::format("the {} split is empty with these arguments", SplitName(split)));

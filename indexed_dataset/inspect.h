@@ -32,7 +32,9 @@ absl::StatusOr<std::string> FormatDocument(const IndexedDataset& ds, int64_t doc
 
 // Sample `index` of one split of Megatron's GPTDataset/BlendedDataset built from `args`/`config`,
 // as __getitem__ gives it: tokens, labels' last id, loss-mask zeros, and the text with `decode`.
+// What the caller should print (BuildGPTDatasets' warnings) goes to *warnings.
 absl::StatusOr<std::string> FormatGPTSample(const DataArgs& args, const GPTDatasetConfig& config, Split split,
-                                            int64_t index, const DecodeFn& decode);
+                                            int64_t index, const DecodeFn& decode,
+                                            std::vector<std::string>* warnings = nullptr);
 
 }  // namespace ptk

@@ -150,7 +150,7 @@ absl::StatusOr<MergeStats> MergeDatasets(const std::vector<std::string>& inputs,
   first.reset();
   builder->SetSource(source);
   for (const auto& in : inputs) PTK_RETURN_IF_ERROR(builder->AddIndex(in));
-  MergeStats st{builder->num_documents(), builder->num_sequences(), builder->num_tokens()};
+  MergeStats st{builder->num_documents(), builder->num_sequences(), builder->num_tokens(), builder->warnings()};
   PTK_RETURN_IF_ERROR(builder->Finalize());
   return st;
 }

@@ -25,6 +25,7 @@ absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs);
 
 struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;
+  std::vector<std::string> warnings;  // for the caller to print: the inputs' IdxTrailingBytesWarning
 };
 // What a merge of `input_prefixes` records as its "source" (MergeDatasets' `source`): a fingerprint
 // of the inputs in order (each .bin and .idx by path, size and modification time, and the .ptk-done

@@ -145,7 +145,9 @@ absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
   const ptk::Split which = f.sample_split == "train"   ? ptk::Split::kTrain
                            : f.sample_split == "valid" ? ptk::Split::kValid
                                                        : ptk::Split::kTest;
-  PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatGPTSample(args, cfg, which, f.sample, decode));
+  std::vector<std::string> warnings;
+  PTK_ASSIGN_OR_RETURN(std::string text, ptk::FormatGPTSample(args, cfg, which, f.sample, decode, &warnings));
+  for (const std::string& w : warnings) ptk::log::Warning("{}", w);
   std::fwrite(text.data(), 1, text.size(), stdout);  // whole: a decoded text may hold U+0000
   return absl::OkStatus();
 }
@@ -155,12 +157,16 @@ absl::Status InspectDataset(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok
   if (f.prefix.empty()) return ptk::UsageError("give the dataset PREFIX");
   PTK_ASSIGN_OR_RETURN(const std::string prefix, ptk::ResolveDatasetPrefix(f.prefix));  // PREFIX, .bin or .idx
   PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, f.multimodal));
+  if (const std::string w = ds->IdxTrailingBytesWarning(); !w.empty()) ptk::log::Warning("{}", w);
   if (f.verify) {
     PTK_RETURN_IF_ERROR(ds->Verify());
     PTK_ASSIGN_OR_RETURN(bool summed, ds->VerifyChecksums());
-    std::printf("OK: %s: %lld documents, %lld sequences, %lld tokens; index and data consistent; %s\n", prefix.c_str(),
-                static_cast<long long>(ds->num_documents()), static_cast<long long>(ds->num_sequences()),
-                static_cast<long long>(ds->num_tokens()),
+    const std::string trailing = ds->idx_trailing_bytes() == 0 ? ""
+                                                               : fmt::format(" (the index's {} trailing bytes ignored)",
+                                                                             ds->idx_trailing_bytes());
+    std::printf("OK: %s: %lld documents, %lld sequences, %lld tokens; index and data consistent%s; %s\n",
+                prefix.c_str(), static_cast<long long>(ds->num_documents()),
+                static_cast<long long>(ds->num_sequences()), static_cast<long long>(ds->num_tokens()), trailing.c_str(),
                 summed ? "checksums match the .ptk-done sidecar" : "no .ptk-done sidecar, so no checksums to check");
     if (f.doc < 0 && !f.stats) return absl::OkStatus();
   }

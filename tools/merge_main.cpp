@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
       return absl::OkStatus();
     }
     PTK_ASSIGN_OR_RETURN(auto st, ptk::MergeDatasets(inputs, output_prefix, multimodal, source));
+    for (const std::string& w : st.warnings) ptk::log::Warning("{}", w);
     ptk::log::Info("merged {} datasets into {}: {} documents, {} sequences, {} tokens", inputs.size(), output_prefix,
                    st.documents, st.sequences, st.tokens);
     return absl::OkStatus();

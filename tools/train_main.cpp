@@ -65,8 +65,11 @@ void InstallExitSignalHandlers() {
 // What would fail only after the model is built, checked first: --save or --tensorboard-dir a file (or below
 // one), --metrics-file a directory (or below a file), --load a file, the
 // datasets (by the first and last stage, which read them: each a whole .bin/.idx pair), and
-// --eval-iters given with no validation split (Megatron then evaluates nothing, exit 0).
-absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int stage, int stages) {
+// --eval-iters given with no validation split (Megatron's first evaluation fails on it: an assert on
+// its missing data iterator). Megatron's default --eval-iters there is a note in *notes: nothing is
+// evaluated.
+absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int stage, int stages,
+                            std::vector<std::string>* notes) {
   // The deepest part of `dir` (the flag's `path`, or the folder it goes in) that exists must be a directory.
   auto below_a_file = [](const char* flag, const std::string& path, const std::string& dir,
                          const char* why) -> absl::Status {
@@ -91,14 +94,22 @@ absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int
                     o.load));
   if (o.mock_data || (stage != 0 && stage != stages - 1)) return absl::OkStatus();
   // --split's usage error (exit 2) before the data's.
-  PTK_ASSIGN_OR_RETURN(const bool valid, ptk::HasValidationSplit(o.data));
+  PTK_ASSIGN_OR_RETURN(const std::string no_valid, ptk::NoValidationSplit(o.data));
   PTK_RETURN_IF_ERROR(ptk::CheckDataPaths(o.data));
-  if (app.count("--eval-iters") == 0 || o.eval_iters == 0 || o.eval_interval == 0 || valid) return absl::OkStatus();
+  if (o.eval_iters == 0 || o.eval_interval == 0 || no_valid.empty()) return absl::OkStatus();
   const bool per_split = o.data.data_path.empty();
-  return ptk::UsageError(fmt::format(
-      "--eval-iters {}: the run has no validation data ({}), so nothing would be evaluated; {}, or --eval-iters 0",
-      o.eval_iters, per_split ? "no --valid-data-path" : "--split " + o.data.split + " gives it no part",
-      per_split ? "give --valid-data-path" : "give --split a validation part (e.g. 98,2,0)"));
+  const std::string fix = per_split ? "give --valid-data-path" : "give --split a validation part (e.g. 98,2,0)";
+  if (app.count("--eval-iters") == 0) {
+    notes->push_back(fmt::format(
+        "nothing is evaluated: the run has no validation data ({}), where Megatron's first evaluation fails with its "
+        "default --eval-iters {}; {}, or --eval-iters 0",
+        no_valid, o.eval_iters, fix));
+    return absl::OkStatus();
+  }
+  return ptk::UsageError(
+      fmt::format("--eval-iters {}: the run has no validation data ({}), so nothing would be evaluated; {}, or "
+                  "--eval-iters 0",
+                  o.eval_iters, no_valid, fix));
 }
 
 // The flags resolved (notes in *notes), the tokenizer for text samples, Megatron's layout of these
@@ -138,7 +149,7 @@ absl::StatusOr<ptk::TrainPlan> PlanRun(CLI::App& app, ptk::TrainFlags& flags, co
   *layout = *std::move(made);
   // The settings' usage errors (exit 2) before the files' errors.
   PTK_ASSIGN_OR_RETURN(ptk::TrainPlan plan, ptk::PlanTraining(*options, (*layout)->data_size()));
-  PTK_RETURN_IF_ERROR(CheckRunInputs(app, *options, (*layout)->Coords(ranks.rank).pipeline, pp));
+  PTK_RETURN_IF_ERROR(CheckRunInputs(app, *options, (*layout)->Coords(ranks.rank).pipeline, pp, notes));
   return plan;
 }
 

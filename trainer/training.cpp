@@ -15,6 +15,7 @@
 #include "tensorboard/summary_writer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/counter_rng.h"
+#include "trainer/evaluation.h"
 #include "trainer/memory_estimate.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/param_shard.h"
@@ -88,12 +89,17 @@ class Trainer {
       PTK_ASSIGN_OR_RETURN(const StepResult r, TrainIteration());
       if (lead_ && state_.iteration == first) log::Info("start-up: iteration {} done ({:.1f} s)", first, Seconds(t0));
       PTK_RETURN_IF_ERROR(Log(r));
+      bool timelimit = false;  // --exit-duration-in-mins reached during the evaluation: it stopped early
       if (valid_loader_ && o_.eval_interval > 0 && state_.iteration % o_.eval_interval == 0) {
-        PTK_ASSIGN_OR_RETURN(summary_.last_validation_loss,
+        PTK_ASSIGN_OR_RETURN(const std::optional<double> loss,
                              Evaluate(valid_loader_.get(), fmt::format("iteration {}", state_.iteration),
                                       &state_.consumed_valid_samples, "lm loss validation"));
+        if (loss) summary_.last_validation_loss = loss;
+        timelimit = !loss;
       }
-      if (o_.sample.interval > 0 && state_.iteration % o_.sample.interval == 0) PTK_RETURN_IF_ERROR(Sample());
+      // No sample when the time is up: the save and exit come next.
+      if (!timelimit && o_.sample.interval > 0 && state_.iteration % o_.sample.interval == 0)
+        PTK_RETURN_IF_ERROR(Sample());
       state_.wall_seconds = wall_before_ + std::chrono::duration<double>(Clock::now() - start_).count();
       PTK_ASSIGN_OR_RETURN(const std::string reason, SaveAndDecideExit());
       if (!reason.empty()) return Exit(reason);
@@ -263,6 +269,8 @@ class Trainer {
   // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.
   absl::Status OpenDataAndOutputs() {
     PTK_ASSIGN_OR_RETURN(data_, BuildTrainingDatasets(o_, plan_, pipe_));
+    for (const std::string& w : data_.warnings)
+      if (lead_) log::Warning("{}", w);
     const int64_t mbs = plan_.micro_batch_size;
     if (lead_)
       log::Info(
@@ -405,36 +413,26 @@ class Trainer {
     return absl::OkStatus();
   }
 
-  // Forward-only evaluation over eval_iters global batches (Megatron's evaluate), its lines and
-  // scalars; tb_tag is Megatron's "lm loss validation", or "lm loss test".
-  absl::StatusOr<double> Evaluate(DataLoader* loader, const std::string& prefix, int64_t* consumed,
-                                  const std::string& tb_tag) {
-    double sums[2] = {0, 0};
-    for (int64_t it = 0; it < o_.eval_iters; ++it) {
-      for (int64_t m = 0; m < plan_.micro_batches; ++m) {
-        PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
-        if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
-        if (context_) KeepContextRows(mb.get(), context_positions_);
-        std::vector<int64_t> k;
-        PTK_ASSIGN_OR_RETURN(LossSum s, pipe_ ? ForwardPipelining(model_.get(), pipe_, View(*mb, &k), nullptr, &agreed_)
-                                              : model_->Forward(View(*mb, &k)));
-        sums[0] += s.loss_sum;
-        sums[1] += s.tokens;
-      }
-      if (consumed) *consumed += plan_.global_batch_size;
+  // Megatron's evaluate over eval_iters global batches, its lines and scalars; tb_tag is Megatron's
+  // "lm loss validation", or "lm loss test". As Megatron's, it checks --exit-duration-in-mins after
+  // each of its iterations and stops when the time is up, with one line and no loss (nullopt): the
+  // loop then saves and exits as it does between iterations.
+  absl::StatusOr<std::optional<double>> Evaluate(DataLoader* loader, const std::string& prefix, int64_t* consumed,
+                                                 const std::string& tb_tag) {
+    const EvaluationPass pass{model_.get(), comm_, world_, pipe_, &agreed_, context_ ? &context_positions_ : nullptr,
+                              started_};
+    PTK_ASSIGN_OR_RETURN(const std::optional<double> loss, ptk::Evaluate(pass, o_, plan_, loader, prefix, consumed));
+    if (!loss) {
+      Print("Exiting during evaluation, timelimit reached");
+      return loss;
     }
-    PTK_RETURN_IF_ERROR(comm_->AllReduceSum(sums, 2));
-    if (pipe_) PTK_RETURN_IF_ERROR(pipe_->AllReduceSum(sums, 2));  // the last stage's to every stage
-    const double loss = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
-    std::string line = fmt::format(" validation loss at {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ", prefix,
-                                   loss, std::exp(std::min(20.0, loss)));
-    std::string bar(line.size() + 1, '-');
+    const std::string line = ValidationLine(prefix, *loss), bar(line.size() + 1, '-');
     Print(bar);
     Print(line);
     Print(bar);
     if (outputs_.tb) {
-      TensorBoardScalar(tb_tag, loss);
-      if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(tb_tag + " ppl", std::exp(std::min(20.0, loss)));
+      TensorBoardScalar(tb_tag, *loss);
+      if (o_.tensorboard.log_validation_ppl) TensorBoardScalar(tb_tag + " ppl", std::exp(std::min(20.0, *loss)));
       PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
     }
     return loss;
@@ -486,18 +484,16 @@ class Trainer {
     return world_->Barrier();
   }
 
-  // Megatron's checkpoint_and_decide_exit: the ranks agree on every reason through one all-reduce;
+  // Megatron's checkpoint_and_decide_exit: the ranks agree on every reason through all-reduces;
   // a save every --save-interval; the reason to exit (a signal, --exit-duration-in-mins,
   // --exit-interval), or "" to go on.
   absl::StatusOr<std::string> SaveAndDecideExit() {
-    double flags[2] = {o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0,
-                       Seconds(started_) / 60.0};  // since the process started, as Megatron's _TRAIN_START_TIME
-    PTK_RETURN_IF_ERROR(world_->AllReduceSum(flags, 2));
-    if (flags[0] > 0) return std::string("exiting on signal");
+    double signal = o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0;
+    PTK_RETURN_IF_ERROR(world_->AllReduceSum(&signal, 1));
+    if (signal > 0) return std::string("exiting on signal");
     if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
-    const double minutes = flags[1] / world_->size();  // the ranks' mean
-    if (o_.exit_duration_in_mins > 0 && minutes > o_.exit_duration_in_mins)
-      return fmt::format("exiting program after {:.1f} minutes", minutes);
+    PTK_ASSIGN_OR_RETURN(const TimeLimit limit, CheckExitDuration(world_, started_, o_.exit_duration_in_mins));
+    if (limit.reached) return fmt::format("exiting program after {:.1f} minutes", limit.minutes);
     if (o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0)
       return fmt::format("exiting program at iteration {}", state_.iteration);
     return std::string();
@@ -520,10 +516,12 @@ class Trainer {
       Print(report);
     }
     if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
+    // Each stops, without its line, where --exit-duration-in-mins is up, as Megatron's.
     if (valid_loader_) {
       PTK_ASSIGN_OR_RETURN(
-          summary_.last_validation_loss,
+          const std::optional<double> loss,
           Evaluate(valid_loader_.get(), "the end of training for val data", nullptr, "lm loss validation"));
+      if (loss) summary_.last_validation_loss = loss;
     }
     if (data_.test) {
       const int64_t mbs = plan_.micro_batch_size;

@@ -109,7 +109,7 @@ absl::StatusOr<TrainingSplits> BuildTrainingDatasets(const TrainOptions& o, cons
   PTK_RETURN_IF_ERROR(pipeline->Broadcast(sizes, sizeof sizes, 0));
   if (!middle) return s;
   auto stand_in = [&](int64_t n) { return n < 0 ? nullptr : std::make_shared<StageStandInDataset>(n, cfg); };
-  return TrainingSplits{stand_in(sizes[0]), stand_in(sizes[1]), stand_in(sizes[2])};
+  return TrainingSplits{stand_in(sizes[0]), stand_in(sizes[1]), stand_in(sizes[2]), {}};
 }
 
 namespace {
@@ -137,7 +137,7 @@ absl::StatusOr<TrainingSplits> BuildSplits(const TrainOptions& o, const TrainPla
   }
   DataArgs args = o.data;
   args.sizes = {train_samples, valid_samples, test_samples};
-  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg));
+  PTK_ASSIGN_OR_RETURN(auto sets, BuildGPTDatasets(args, cfg, &s.warnings));
   s.train = sets[0];
   s.valid = eval_iters > 0 ? sets[1] : nullptr;
   s.test = eval_iters > 0 ? sets[2] : nullptr;

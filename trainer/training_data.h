@@ -19,6 +19,7 @@ namespace ptk {
 
 struct TrainingSplits {
   std::shared_ptr<TopLevelDataset> train, valid, test;
+  std::vector<std::string> warnings;  // for the run to print: BuildGPTDatasets'
 };
 
 // The splits with Megatron's train_valid_test_num_samples for the plan (valid and test null

@@ -16,6 +16,7 @@
 #include "common/status.h"
 
 #include "dataprep/download/download_internal.h"
+#include "dataprep/input/input_list.h"
 
 #include "common/output_lock.h"
 
@@ -85,10 +86,10 @@ void download_detail::RemoveStalePart(const RemoteFile& f) {
 }
 
 std::string BookkeepingClash(const std::string& rel, const std::set<std::string>& listed) {
-  if (rel.find(".ptk-") != std::string::npos)
+  if (IsPtkOwnName(rel))
     return fmt::format(
-        "{:?} is a name of ptk's own: names with \".ptk-\" are its state directory ({}/), locks, temporaries and "
-        "sidecars",
+        "{:?} is a name of ptk's own (its state directory {}/, X.ptk-tmp-*, X.ptk-lock, X.ptk-done, X.ptk-resume, "
+        "...), which ptk's tools never take for data",
         log::Printable(rel), kStateDir);
   for (std::string_view suffix : {".part", ".part.json"}) {
     if (rel.size() <= suffix.size() || rel.compare(rel.size() - suffix.size(), suffix.size(), suffix) != 0) continue;

@@ -86,8 +86,9 @@ absl::StatusOr<std::string> FindHfToken(const std::string& token_file);
 
 // Helpers exposed for tests.
 absl::StatusOr<std::string> SanitizeRepoPath(const std::string& path);
-// Why a file may not be written at `rel` below --local-dir: the name is one of ptk's own (any name
-// with ".ptk-": the state directory .ptk-download/, locks, temporaries, sidecars), or the partial
+// Why a file may not be written at `rel` below --local-dir: the name is one of ptk's own
+// (IsPtkOwnName: the state directory .ptk-download/, X.ptk-tmp-*, X.ptk-lock, X.ptk-done, ...; not
+// any name with ".ptk-": a repo's x.ptk-v2.jsonl downloads), or the partial
 // download (NAME.part) or its record (NAME.part.json) of a file NAME in `listed`. "" when it may.
 // Such a file is refused by name (a failed file, exit 1), never downloaded over ptk's bookkeeping.
 std::string BookkeepingClash(const std::string& rel, const std::set<std::string>& listed);

@@ -38,30 +38,6 @@ std::string Lower(std::string s) {
   return s;
 }
 
-}  // namespace
-
-// ptk's own files (sidecars, locks, temporaries, journals): never inputs, never worth a word. They
-// are the names ptk writes: X.ptk-done, X.ptk-lock, X.ptk-extracting, X.ptk-tmp-PID-RANDOM (any
-// of them + .ptk-tmp-...), PREFIX.ptk-resume and .ptk-resume-index, PREFIX.ptk-inorder.bin/.idx,
-// X.ptk-verify*, a checkpoint's iter_*.ptk-old-*, ptk-download's state directory .ptk-download/: a
-// ".ptk-" followed by one of these tags and then the end of the name, "-", "." or "/". A user's
-// x.ptk-v2.jsonl is an input like any other.
-bool IsPtkOwnName(std::string_view rel) {
-  static constexpr std::string_view kTags[] = {"tmp",     "done",   "lock", "extracting", "resume",
-                                               "inorder", "verify", "old",  "download"};
-  for (size_t at = rel.find(".ptk-"); at != std::string_view::npos; at = rel.find(".ptk-", at + 1)) {
-    const std::string_view rest = rel.substr(at + 5);
-    for (std::string_view tag : kTags) {
-      if (rest.substr(0, tag.size()) != tag) continue;
-      if (rest.size() == tag.size() || std::string_view("-./").find(rest[tag.size()]) != std::string_view::npos)
-        return true;
-    }
-  }
-  return false;
-}
-
-namespace {
-
 std::string SuffixList(const std::vector<std::string>& suffixes) {
   std::string s;
   for (const auto& x : suffixes) s += (s.empty() ? "" : ", ") + x;
@@ -91,6 +67,20 @@ std::string NotRegular(const std::string& path, const FileIdentity& id, std::str
 }
 
 }  // namespace
+
+bool IsPtkOwnName(std::string_view rel) {
+  static constexpr std::string_view kTags[] = {"tmp",     "done",   "lock", "extracting", "resume",
+                                               "inorder", "verify", "old",  "download"};
+  for (size_t at = rel.find(".ptk-"); at != std::string_view::npos; at = rel.find(".ptk-", at + 1)) {
+    const std::string_view rest = rel.substr(at + 5);
+    for (std::string_view tag : kTags) {
+      if (rest.substr(0, tag.size()) != tag) continue;
+      if (rest.size() == tag.size() || std::string_view("-./").find(rest[tag.size()]) != std::string_view::npos)
+        return true;
+    }
+  }
+  return false;
+}
 
 void ReportLeftOut(const std::vector<LeftOutFile>& left_out) {
   for (const auto& l : left_out) log::Warning("left out {}: {}", log::Printable(l.path), l.reason);

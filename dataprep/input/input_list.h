@@ -27,6 +27,14 @@ struct LeftOutFile {
   std::string reason;
 };
 
+// Whether `rel` (a path, relative or not) names something ptk writes, so that no tool takes it for
+// data: X.ptk-done, X.ptk-lock, X.ptk-extracting, X.ptk-tmp-PID-RANDOM (any of them +
+// .ptk-tmp-...), PREFIX.ptk-resume and .ptk-resume-index, PREFIX.ptk-inorder.bin/.idx,
+// X.ptk-verify*, a checkpoint's iter_*.ptk-old-*, ptk-download's state directory .ptk-download/: a
+// ".ptk-" followed by one of these tags and then the end of the name, "-", "." or "/". A user's
+// x.ptk-v2.jsonl is not.
+bool IsPtkOwnName(std::string_view rel);
+
 // Files: kept. Globs: expanded. Directories: every regular file below whose name ends with one of
 // `dir_suffixes` (recursively, WalkDirectory: links followed, each directory and file once). The
 // whole list is then sorted by `order` (of the paths), and a file reached twice (by two spellings,
@@ -55,10 +63,6 @@ void ReportLeftOut(const std::vector<LeftOutFile>& left_out);
 // that is not a regular file (a FIFO: use - for a stream) is an error; "-" is stdin.
 absl::StatusOr<std::vector<std::string>> ExpandTokenizeInputs(const std::vector<std::string>& args,
                                                               const std::string& filter);
-
-// Whether `rel` (a path below a directory, or a name) is one of ptk's own files, which every walk
-// leaves out without a word: X.ptk-done, X.ptk-lock, X.ptk-tmp-*, X.ptk-extracting, PREFIX.ptk-resume, ...
-bool IsPtkOwnName(std::string_view rel);
 
 // Whether `path` begins as ptk-concat writes its plan (a .json whose first bytes are {"version": 1,
 // "output_dir": ): ptk's own file, which ptk-tokenize's directory walk leaves out, and ptk-concat's

@@ -904,6 +904,36 @@ TEST(Download, RepoFilesNamedLikePtksBookkeepingAreRefusedByName) {
   }
 }
 
+// Only the names ptk writes are refused (as the directory walks of ptk-extract, ptk-concat and
+// ptk-tokenize skip only those): every listed name with ".ptk-" was, so a repo's x.ptk-v2.jsonl
+// or notes.ptk-draft.md never arrived (a failed file, exit 1). The names that would meet ptk's own
+// (a temporary, a lock, a sidecar, a resume record, the state directory) still are.
+TEST(Download, OnlyNamesThatMeetPtksOwnAreRefused) {
+  TempDir dir;
+  const std::vector<std::string> ours = {"a.jsonl.ptk-tmp-1-x",        "b.jsonl.ptk-lock",   "c.jsonl.ptk-done",
+                                         "d_text_document.ptk-resume", "e.jsonl.ptk-verify", "f/.ptk-download/g"};
+  const std::vector<std::string> theirs = {"x.ptk-v2.jsonl", "notes.ptk-draft.md", "y.ptk-downloads.txt",
+                                           "w.ptk-lockstep.txt"};
+  for (const auto& path : ours) {
+    std::filesystem::create_directories(std::filesystem::path(dir / ("repo/" + path)).parent_path());
+    testing::WriteFile(dir / ("repo/" + path), "named like ptk's own\n");
+  }
+  for (const auto& path : theirs) testing::WriteFile(dir / ("repo/" + path), "a repo file: " + path + "\n");
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", "--jobs 2"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  for (const auto& path : ours) {
+    EXPECT_NE(r.output.find(fmt::format("failed: {}: not downloaded: \"{}\" is a name of ptk's own", path, path)),
+              std::string::npos)
+        << path << " not refused by name: " << r.output;
+    EXPECT_FALSE(testing::Exists(dir / ("out/" + path))) << path;
+  }
+  for (const auto& path : theirs)
+    EXPECT_EQ(testing::ReadFile(dir / ("out/" + path)), "a repo file: " + path + "\n") << path << ": " << r.output;
+  EXPECT_NE(r.output.find("6 of 10 files failed"), std::string::npos) << r.output;
+}
+
 // --include that selects nothing (a typo) is an error, not "0 downloaded" and exit 0; one
 // pattern of several that matches nothing is said.
 TEST(Download, IncludeThatSelectsNothingIsAnError) {

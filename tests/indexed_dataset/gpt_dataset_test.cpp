@@ -10,6 +10,7 @@
 #include <random>
 #include <set>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
@@ -454,6 +455,30 @@ TEST(DataLoader, PrefetchedBatchesEqualDirectSamples) {
     ++batches;
   }
   EXPECT_EQ(batches, (train->size() - 4) / 2);
+}
+
+// An .idx with bytes after its document index: Megatron's reader ignores them, ptk refused the file.
+// ptk-inspect now reads it, warns naming the file, the offset and the count, and --verify says so.
+TEST(InspectTrailingIndexBytes, AreReportedAndIgnored) {
+  testing::TempDir dir;
+  const std::string real = testing::SourceDir() + "/tests/data/megatron_preprocess/eod_text_document";
+  const std::string prefix = dir / "eod_text_document", idx = testing::ReadFile(real + ".idx");
+  testing::WriteFile(prefix + ".bin", testing::ReadFile(real + ".bin"));
+  testing::WriteFile(prefix + ".idx", idx + std::string(5, '\0'));
+  const std::string warning = fmt::format(
+      "ptk-inspect: warning: {}.idx: 5 trailing bytes at offset {}, after the document index, ignored as Megatron's "
+      "reader ignores them\n",
+      prefix, idx.size());
+  auto verify = testing::RunCmd(testing::Tool("ptk-inspect") + " " + testing::ShellQuote(prefix) + " --verify");
+  ASSERT_EQ(verify.exit_code, 0) << verify.output;
+  EXPECT_NE(verify.output.find(warning), std::string::npos) << verify.output;
+  EXPECT_NE(verify.output.find("index and data consistent (the index's 5 trailing bytes ignored)"), std::string::npos)
+      << verify.output;
+  auto sample = testing::RunCmd(testing::Tool("ptk-inspect") + " --data-path " + testing::ShellQuote(prefix) +
+                                " --sample 0 --split 1,0,0 --seq-length 4 --train-samples 8 --format ids" +
+                                " --data-cache-path " + testing::ShellQuote(dir / "cache"));
+  ASSERT_EQ(sample.exit_code, 0) << sample.output;
+  EXPECT_NE(sample.output.find(warning), std::string::npos) << sample.output;
 }
 
 TEST(InspectSample, PrintsMegatronsSample) {

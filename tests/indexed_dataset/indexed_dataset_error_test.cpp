@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <random>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include "indexed_dataset/indexed_dataset.h"
@@ -75,13 +76,57 @@ TEST_F(CorruptIndexTest, TheOtherModalityIsNamed) {
   ASSERT_FALSE(as_multi.ok());
   EXPECT_NE(as_multi.status().message().find("no modes array: not a multimodal index"), std::string::npos)
       << as_multi.status();
+  // A multimodal index opened as single-modal is read as Megatron reads it, its modes trailing bytes,
+  // and the warning about them says what they may be.
   idx_ += std::string(3, '\0');  // a modes byte for each of the 3 sequences
   testing::WriteFile(prefix_ + ".idx", idx_);
   auto as_single = IndexedDataset::Open(prefix_);
-  ASSERT_FALSE(as_single.ok());
-  EXPECT_NE(as_single.status().message().find("a multimodal index? open it as multimodal"), std::string::npos)
-      << as_single.status();
-  EXPECT_TRUE(IndexedDataset::Open(prefix_, /*multimodal=*/true).ok());
+  ASSERT_TRUE(as_single.ok()) << as_single.status();
+  EXPECT_NE((*as_single)->IdxTrailingBytesWarning().find("a multimodal index's modes? open it as multimodal"),
+            std::string::npos)
+      << (*as_single)->IdxTrailingBytesWarning();
+  auto as_multi_now = IndexedDataset::Open(prefix_, /*multimodal=*/true);
+  ASSERT_TRUE(as_multi_now.ok());
+  EXPECT_EQ((*as_multi_now)->IdxTrailingBytesWarning(), "");
+}
+
+// Megatron's _IndexReader reads each array of the .idx by its count and ignores what follows; ptk
+// refused such a file ("file is N bytes but ... need M (truncated or corrupt)"). Now it reads it as
+// Megatron does, and the warning names the file, the offset and the count. A file Megatron's
+// preprocess_data.py wrote, with 5 bytes appended.
+TEST(TrailingIndexBytes, AreIgnoredAsMegatronsReaderIgnoresThem) {
+  TempDir dir;
+  const std::string real = testing::SourceDir() + "/tests/data/megatron_preprocess/eod_text_document";
+  const std::string prefix = dir / "eod_text_document";
+  const std::string idx = testing::ReadFile(real + ".idx");
+  testing::WriteFile(prefix + ".bin", testing::ReadFile(real + ".bin"));
+  testing::WriteFile(prefix + ".idx", idx + "\x01\x02\x03\x04\x05");
+  auto want = IndexedDataset::Open(real);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ((*want)->idx_trailing_bytes(), 0u);
+  EXPECT_EQ((*want)->IdxTrailingBytesWarning(), "");
+  auto got = IndexedDataset::Open(prefix);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE((*got)->Verify().ok());
+  EXPECT_EQ((*got)->idx_trailing_bytes(), 5u);
+  EXPECT_EQ((*got)->IdxTrailingBytesWarning(),
+            fmt::format("{}.idx: 5 trailing bytes at offset {}, after the document index, ignored as Megatron's reader "
+                        "ignores them",
+                        prefix, idx.size()));
+  ASSERT_EQ((*got)->num_documents(), (*want)->num_documents());
+  ASSERT_EQ((*got)->num_sequences(), (*want)->num_sequences());
+  EXPECT_EQ((*got)->num_tokens(), (*want)->num_tokens());
+  for (int64_t d = 0; d < (*want)->num_documents(); ++d)
+    EXPECT_EQ((*got)->document(d).ToVector(), (*want)->document(d).ToVector()) << "document " << d;
+  // Still refused: a file shorter than its counts need, and counts the arrays contradict.
+  testing::WriteFile(prefix + ".idx", idx.substr(0, idx.size() - 1));
+  EXPECT_EQ(IndexedDataset::Open(prefix).status().code(), absl::StatusCode::kDataLoss);
+  std::string fewer = idx;
+  const uint64_t sequences = static_cast<uint64_t>((*want)->num_sequences()) - 1;
+  std::memcpy(fewer.data() + 18, &sequences, 8);  // one sequence fewer: the arrays after it shift
+  testing::WriteFile(prefix + ".idx", fewer);
+  auto shifted = IndexedDataset::Open(prefix);
+  EXPECT_EQ(shifted.status().code(), absl::StatusCode::kDataLoss) << shifted.status();
 }
 
 TEST_F(CorruptIndexTest, TruncatedBin) {

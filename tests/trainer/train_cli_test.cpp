@@ -634,6 +634,26 @@ TEST_F(TrainCli, ExitDurationSavesAndStops) {
   EXPECT_LT(*it, 100000);
 }
 
+// --exit-duration-in-mins was checked only between iterations: an evaluation ran all its --eval-iters
+// past the limit (a job's last minutes, then its kill without a save). Megatron's evaluate checks the
+// limit after each of its iterations, says "Exiting during evaluation, timelimit reached", prints no
+// validation line, and the loop saves and exits. A limit of 1e-9 minutes is up by the first check
+// on any machine: the evaluation stops after its first of 20 iterations, one global batch consumed.
+TEST_F(TrainCli, ExitDurationStopsAnEvaluationAsMegatron) {
+  auto r = RunCmd(
+      Train("--exit-duration-in-mins 1e-9 --eval-interval 1 --eval-iters 20 --save " + ShellQuote(dir_ / "d"), 8));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\nExiting during evaluation, timelimit reached\n"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("validation loss at"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exiting program after"), std::string::npos) << r.output;
+  EXPECT_LT(r.output.find("timelimit reached"), r.output.find("successfully saved checkpoint from iteration       1"))
+      << r.output;
+  EXPECT_EQ(testing::ReadFile(dir_ / "d/latest_checkpointed_iteration.txt"), "1");
+  Saved s = Load(dir_ / "d", 1);
+  EXPECT_EQ(s.state.consumed_valid_samples, 4) << "the evaluation did not stop after its first iteration";
+  EXPECT_EQ(s.state.consumed_train_samples, 4);
+}
+
 std::string Port() { return std::to_string(testing::FreeTestPort()); }
 
 TEST_F(TrainCli, TwoRanksEqualOneRank) {

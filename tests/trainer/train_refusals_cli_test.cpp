@@ -198,12 +198,57 @@ TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
     EXPECT_EQ(Errors(r.output)[0].rfind(says, 0), 0u) << r.output;
     EXPECT_EQ(r.output.find("start-up: model built"), std::string::npos) << r.output;
   }
-  // Megatron's default --eval-iters (100) with a split without validation: nothing to evaluate, as
-  // in Megatron, and no refusal (the flag was not given).
+  // Megatron's default --eval-iters (100) with a split without validation: no refusal (the flag was
+  // not given), and a note that nothing is evaluated (Megatron's first evaluation fails there).
   std::string defaults = Train(Data() + " --split 100,0,0");
   defaults.erase(defaults.find(" --eval-iters 1"), 15);
   auto quiet = RunCmd(defaults);
   EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
+  EXPECT_NE(quiet.output.find("note: nothing is evaluated: the run has no validation data (--split 100,0,0 gives it "
+                              "no part), where Megatron's first evaluation fails with its default --eval-iters 100"),
+            std::string::npos)
+      << quiet.output;
+}
+
+// --split 999999999999999999999,1,1 normalizes to [1.0, 1e-21, 1e-21]: the validation part is above 0,
+// so the check for a split without one let it through, but the split matrix's sums lose it (1.0 +
+// 1e-21 is 1.0), as Megatron's do, and the run evaluated nothing without a word. Now named as a
+// split of 100,0,0 is: refused with --eval-iters given, a note with Megatron's default.
+TEST_F(TrainRefusals, AValidationPartTooSmallForTheSplitMatrixIsNamed) {
+  const std::string split = " --split 999999999999999999999,1,1";
+  auto given = RunCmd(Train(Data() + split + " --eval-iters 3"));
+  EXPECT_EQ(given.exit_code, 2) << given.output;
+  ASSERT_EQ(Errors(given.output).size(), 1u) << given.output;
+  EXPECT_EQ(Errors(given.output)[0],
+            "ptk-train: usage error: --eval-iters 3: the run has no validation data (--split "
+            "999999999999999999999,1,1 gives it 1e-21 of the data, too small beside the other parts for a double's "
+            "sums: its range in the split matrix, [1.0, 1.0), is empty (Megatron's too)), so nothing would be "
+            "evaluated; give --split a validation part (e.g. 98,2,0), or --eval-iters 0");
+  std::string defaults = Train(Data() + split);
+  defaults.erase(defaults.find(" --eval-iters 1"), 15);
+  auto noted = RunCmd(defaults);
+  EXPECT_EQ(noted.exit_code, 0) << noted.output;
+  EXPECT_NE(noted.output.find("note: nothing is evaluated: the run has no validation data (--split "
+                              "999999999999999999999,1,1 gives it 1e-21 of the data"),
+            std::string::npos)
+      << noted.output;
+  EXPECT_EQ(noted.output.find("validation loss at"), std::string::npos) << noted.output;
+}
+
+// An .idx with bytes after its document index trains as Megatron's reader reads it (ptk-train
+// refused it: "file is N bytes but ... need M (truncated or corrupt)"), with one warning naming it.
+TEST_F(TrainRefusals, TrailingIndexBytesAreIgnoredWithAWarning) {
+  const std::string idx = testing::ReadFile(prefix_ + ".idx");
+  testing::WriteFile(prefix_ + ".idx", idx + "junk");
+  auto r = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "cache")));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::string warning = "ptk-train: warning: " + prefix_ + ".idx: 4 trailing bytes at offset " +
+                              std::to_string(idx.size()) +
+                              ", after the document index, ignored as Megatron's reader ignores them\n";
+  const size_t at = r.output.find(warning);
+  EXPECT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(warning, at + 1), std::string::npos) << "warned more than once: " << r.output;
+  EXPECT_NE(r.output.find("validation loss at iteration 2"), std::string::npos) << r.output;
 }
 
 // --load of another model's checkpoint names the flags that differ (it printed both models' JSON).

@@ -1,0 +1,54 @@
+// ptk-train's evaluation (Megatron's evaluate and its line in evaluate_and_print_results) and the
+// check of --exit-duration-in-mins that it shares with checkpoint_and_decide_exit.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "indexed_dataset/data_loader.h"
+#include "trainer/comm.h"
+#include "trainer/gpt_model.h"
+#include "trainer/pipeline_schedule.h"
+#include "trainer/train_options.h"
+
+namespace ptk {
+
+// --exit-duration-in-mins (`limit_minutes`; 0: none) against the time since `started` (the
+// process's start, Megatron's _TRAIN_START_TIME): reached when it is up on any rank of `world`
+// (Megatron's MAX all-reduce: every rank decides alike); `minutes` is the ranks' mean. A collective
+// of `world` when there is a limit, nothing without one.
+struct TimeLimit {
+  bool reached = false;
+  double minutes = 0;
+};
+absl::StatusOr<TimeLimit> CheckExitDuration(Communicator* world, std::chrono::steady_clock::time_point started,
+                                            double limit_minutes);
+
+// What an evaluation runs on: the model, this rank's groups (`data`: the data-parallel ranks the
+// losses are summed over; `world`: every rank, which agree on the time limit; `pipeline`: null with
+// one stage), the exchange formats of the forward-only passes, the context rank's positions of each
+// sample (null without context parallelism), and the process's start (--exit-duration-in-mins's).
+struct EvaluationPass {
+  GPTModel* model = nullptr;
+  Communicator *data = nullptr, *world = nullptr, *pipeline = nullptr;
+  StageExchangeAgreement* agreed = nullptr;
+  const std::vector<int64_t>* context_positions = nullptr;
+  std::chrono::steady_clock::time_point started;
+};
+
+// Megatron's evaluate: forward-only passes over --eval-iters global batches (the plan's) of
+// `loader`, each adding the global batch to *consumed (when given); after each one, as Megatron's,
+// --exit-duration-in-mins (CheckExitDuration) may stop it: nullopt then, as Megatron's returns no
+// loss. Else the mean loss per token over every rank's batches (data-parallel ranks, then stages).
+// `prefix` names the evaluation in an error (data that runs out).
+absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const TrainOptions& o, const TrainPlan& plan,
+                                               DataLoader* loader, const std::string& prefix, int64_t* consumed);
+
+// Megatron's line of an evaluation's loss (printed between two rules of dashes one longer).
+std::string ValidationLine(const std::string& prefix, double loss);
+
+}  // namespace ptk
