@@ -12,7 +12,8 @@
 namespace ptk {
 namespace {
 
-// Megatron's get_optimizer_param_scheduler: the schedule's lengths in samples.
+// Megatron's get_optimizer_param_scheduler: the schedule's lengths in samples (a warm-up fraction's
+// product unrounded, a float as Megatron's lr_warmup_steps).
 SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
   const ScheduleOptions& s = o.schedule_options;
   SchedulerConfig sc = o.schedule;
@@ -21,13 +22,13 @@ SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
     const int64_t decay_iters = s.lr_decay_iters > 0 ? s.lr_decay_iters : p.train_iters;
     sc.decay_steps = decay_iters * gbs;
     sc.wsd_decay_steps = s.lr_wsd_decay_iters * gbs;
-    sc.warmup_steps =
-        s.lr_warmup_fraction ? static_cast<int64_t>(*s.lr_warmup_fraction * sc.decay_steps) : s.lr_warmup_iters * gbs;
+    sc.warmup_steps = s.lr_warmup_fraction ? *s.lr_warmup_fraction * static_cast<double>(sc.decay_steps)
+                                           : static_cast<double>(s.lr_warmup_iters * gbs);
   } else {
     sc.decay_steps = s.lr_decay_samples > 0 ? s.lr_decay_samples : o.train_samples;
     sc.wsd_decay_steps = s.lr_wsd_decay_samples;
-    sc.warmup_steps =
-        s.lr_warmup_fraction ? static_cast<int64_t>(*s.lr_warmup_fraction * sc.decay_steps) : s.lr_warmup_samples;
+    sc.warmup_steps = s.lr_warmup_fraction ? *s.lr_warmup_fraction * static_cast<double>(sc.decay_steps)
+                                           : static_cast<double>(s.lr_warmup_samples);
   }
   sc.start_wd = s.start_weight_decay.value_or(s.weight_decay);
   sc.end_wd = s.end_weight_decay.value_or(s.weight_decay);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,36 @@ TEST(PlanTraining, ScheduleLengthsInTheOtherUnitAreRefusedAsMegatron) {
   o.schedule_options.lr_decay_samples = 40;
   o.schedule_options.lr_warmup_samples = 8;
   EXPECT_TRUE(PlanTraining(o, 1).ok());
+}
+
+// --lr-warmup-fraction: Megatron's warm-up is lr_warmup_fraction * lr_decay_steps, a float
+// (get_optimizer_param_scheduler). ptk truncated it to whole samples: 0.29 of 20 iterations x 4 is 23.2
+// samples, 23 here, so every warm-up rate and the whole decay after it differed from Megatron's
+// (5.217391E-04 at iteration 1 where megatron-core's OptimizerParamScheduler gives 5.172414E-04).
+TEST(PlanTraining, WarmupFractionIsMegatronsUnroundedProduct) {
+  TrainOptions o = Small();
+  o.train_iters = 20;
+  o.schedule.max_lr = 3e-3;
+  o.schedule.min_lr = 3e-4;
+  o.schedule.decay_style = "cosine";
+  o.schedule_options.lr_warmup_fraction = 0.29;
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const double warmup = 0.29 * 80;  // Megatron's expression, in samples
+  EXPECT_EQ(p->schedule.warmup_steps, warmup);
+  OptimizerParamScheduler s(p->schedule);
+  s.Step(4);
+  EXPECT_DOUBLE_EQ(s.lr(), 3e-3 * 4 / warmup);
+  s.set_num_steps(24);  // the first iteration past the warm-up: the cosine from where it ends
+  const double ratio = (24 - warmup) / (80 - warmup);
+  EXPECT_DOUBLE_EQ(s.lr(), 3e-4 + 0.5 * (std::cos(M_PI * ratio) + 1.0) * (3e-3 - 3e-4));
+  // With --train-samples too: 0.15 of 50 samples is 7.5.
+  o.train_iters = 0;
+  o.train_samples = 50;
+  o.schedule_options.lr_warmup_fraction = 0.15;
+  p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->schedule.warmup_steps, 0.15 * 50);
 }
 
 // --rampup-batch-size with one or two numbers: the third was read past the vector's end (a SIGFPE
