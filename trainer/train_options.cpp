@@ -32,8 +32,9 @@ SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
   }
   sc.start_wd = s.start_weight_decay.value_or(s.weight_decay);
   sc.end_wd = s.end_weight_decay.value_or(s.weight_decay);
-  // Megatron: train_iters x global batch, or --train-samples for a sample-based run with a ramp.
-  sc.wd_incr_steps = p.rampup_start > 0 ? o.train_samples : p.train_samples;
+  // Megatron: train_iters x global batch, or for a sample-based run --train-samples as given (the whole
+  // batches of the run may be fewer).
+  sc.wd_incr_steps = o.train_iters > 0 ? p.train_samples : o.train_samples;
   return sc;
 }
 

@@ -123,6 +123,31 @@ TEST(PlanTraining, WarmupFractionIsMegatronsUnroundedProduct) {
   EXPECT_EQ(p->schedule.warmup_steps, 0.15 * 50);
 }
 
+// --weight-decay-incr-style with --train-samples: Megatron's get_optimizer_param_scheduler increments the
+// weight decay over --train-samples as given (wd_incr_steps = args.train_samples), not over the whole
+// batches of the run. ptk took 48 samples (12 iterations x 4) for --train-samples 50, so the decay reached
+// --end-weight-decay at the last iteration where Megatron's stands at 48/50 of the way.
+TEST(PlanTraining, WeightDecayIncrementSpansTrainSamplesAsGiven) {
+  TrainOptions o = Small();
+  o.train_samples = 50;
+  o.schedule.wd_incr_style = "linear";
+  o.schedule_options.start_weight_decay = 0.0;
+  o.schedule_options.end_weight_decay = 0.1;
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->train_iters, 12);
+  EXPECT_EQ(p->schedule.wd_incr_steps, 50);
+  OptimizerParamScheduler s(p->schedule);
+  s.set_num_steps(48);
+  EXPECT_DOUBLE_EQ(s.weight_decay(), 0.1 * 48 / 50);
+  // With --train-iters: iterations x the global batch.
+  o.train_samples = 0;
+  o.train_iters = 12;
+  p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->schedule.wd_incr_steps, 48);
+}
+
 // --rampup-batch-size with one or two numbers: the third was read past the vector's end (a SIGFPE
 // with one number; with two, a run of 18 samples for --train-samples 16).
 TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
