@@ -487,17 +487,16 @@ class Trainer {
   }
 
   // Megatron's checkpoint_and_decide_exit: the ranks agree on every reason through one all-reduce;
-  // a save every --save-interval; the reason to exit (a signal, --exit-duration-in-mins,
-  // --exit-interval), or "" to go on.
+  // a save every --save-interval; the reason to exit (a signal, --exit-duration-in-mins on any rank, counted
+  // from its process's start as Megatron's _TRAIN_START_TIME, --exit-interval), or "" to go on.
   absl::StatusOr<std::string> SaveAndDecideExit() {
+    const double minutes = Seconds(started_) / 60.0;
     double flags[2] = {o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0,
-                       Seconds(started_) / 60.0};  // since the process started, as Megatron's _TRAIN_START_TIME
+                       o_.exit_duration_in_mins > 0 && minutes > o_.exit_duration_in_mins ? 1.0 : 0.0};
     PTK_RETURN_IF_ERROR(world_->AllReduceSum(flags, 2));
     if (flags[0] > 0) return std::string("exiting on signal");
     if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
-    const double minutes = flags[1] / world_->size();  // the ranks' mean
-    if (o_.exit_duration_in_mins > 0 && minutes > o_.exit_duration_in_mins)
-      return fmt::format("exiting program after {:.1f} minutes", minutes);
+    if (flags[1] > 0) return fmt::format("exiting program after {:.1f} minutes", minutes);
     if (o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0)
       return fmt::format("exiting program at iteration {}", state_.iteration);
     return std::string();

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/trainer/gloo_ranks.h"
 #include "trainer/train_options.h"
 #include "trainer/training.h"
 
@@ -186,6 +187,34 @@ TEST(RunTraining, ExitDurationCountsFromTheProcessStart) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->iteration, 4);
   EXPECT_EQ(s->exit_reason, "");
+}
+
+// --exit-duration-in-mins over several ranks: Megatron stops once any rank's own time is past the limit
+// (each rank's train_time > limit, all-reduced with MAX). ptk compared the ranks' mean: a rank started
+// 3 minutes ago beside one started now (a pod scheduled later, a rank that waited at the rendezvous)
+// went on at a limit of 2, past the job's deadline the flag was set by. Here the two ranks stop after
+// their first iteration.
+TEST(RunTraining, ExitDurationStopsWhenAnyRankIsPastIt) {
+  TrainOptions base = Small();
+  base.train_iters = 4;
+  base.eval_iters = 0;
+  base.exit_duration_in_mins = 2;
+  absl::StatusOr<TrainPlan> plan = PlanTraining(base, 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<absl::StatusOr<TrainSummary>> results(2, absl::UnknownError("not run"));
+  testing::RunRanks(2, [&](Communicator* comm, int rank) {
+    TrainOptions o = base;
+    o.comm = comm;
+    o.print = [](const std::string&) {};
+    o.started = std::chrono::steady_clock::now() - std::chrono::minutes(rank == 0 ? 3 : 0);
+    results[static_cast<size_t>(rank)] = RunTraining(o, *plan);
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    const absl::StatusOr<TrainSummary>& s = results[static_cast<size_t>(rank)];
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->iteration, 1) << "rank " << rank;
+    EXPECT_EQ(s->exit_reason.rfind("exiting program after ", 0), 0u) << s->exit_reason;
+  }
 }
 
 }  // namespace
