@@ -93,10 +93,10 @@ void AddBatchAndOptimizerFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--weight-decay", o.schedule_options.weight_decay, "AdamW weight decay (not on biases and LayerNorm)")
       ->check(NonNegative());
   app->add_option("--start-weight-decay", o.schedule_options.start_weight_decay,
-                  "Weight decay at the start (with an increment style)")
+                  "Weight decay at the start (only, and then needed, with a linear or cosine increment style)")
       ->check(NonNegative());
   app->add_option("--end-weight-decay", o.schedule_options.end_weight_decay,
-                  "Weight decay at the end (with an increment style)")
+                  "Weight decay at the end (only, and then needed, with a linear or cosine increment style)")
       ->check(NonNegative());
   app->add_option("--weight-decay-incr-style", o.schedule.wd_incr_style, "constant, linear or cosine");
   app->add_option("--adam-beta1", o.optimizer.adam_beta1, "AdamW beta1")->check(RealIn(0, false, 1, true));

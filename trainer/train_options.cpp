@@ -83,7 +83,8 @@ absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
   return absl::OkStatus();
 }
 
-// Megatron's validate_args: the schedule's lengths in the unit of the run, and one warm-up.
+// Megatron's validate_args: the schedule's lengths in the unit of the run, one warm-up, and the weight
+// decay's ends only with an increment.
 absl::Status CheckScheduleUnits(const TrainOptions& o) {
   const ScheduleOptions& so = o.schedule_options;
   struct Lengths {  // the decay, the warm-up and WSD's anneal in one unit
@@ -109,6 +110,19 @@ absl::Status CheckScheduleUnits(const TrainOptions& o) {
     return UsageError(
         fmt::format("--lr-warmup-fraction {} and --lr-warmup-{} {}: give one of them, as Megatron requires",
                     *so.lr_warmup_fraction, own_unit, own.warmup));
+  // Megatron's: the two ends only with an increment, and then both (a constant weight decay is --weight-decay).
+  const std::optional<double>& start = so.start_weight_decay;
+  const std::optional<double>& end = so.end_weight_decay;
+  if (o.schedule.wd_incr_style == "constant" && (start || end))
+    return UsageError(
+        fmt::format("{} {} with --weight-decay-incr-style constant: a constant weight decay is "
+                    "--weight-decay; the ends are for linear or cosine, as Megatron requires",
+                    start ? "--start-weight-decay" : "--end-weight-decay", start ? *start : *end));
+  if (o.schedule.wd_incr_style != "constant" && (!start || !end))
+    return UsageError(
+        fmt::format("--weight-decay-incr-style {} needs both --start-weight-decay and "
+                    "--end-weight-decay, as Megatron requires",
+                    o.schedule.wd_incr_style));
   if (o.schedule.decay_style == "WSD" && own.wsd == 0 && other.wsd > 0)
     return UsageError(fmt::format("--lr-wsd-decay-{} {}: with {} the WSD anneal is in {} (--lr-wsd-decay-{})",
                                   other_unit, other.wsd, run, words, own_unit));

@@ -149,6 +149,31 @@ TEST(PlanTraining, WeightDecayIncrementSpansTrainSamplesAsGiven) {
   EXPECT_EQ(p->schedule.wd_incr_steps, 48);
 }
 
+// --start-weight-decay / --end-weight-decay: Megatron's validate_args takes them only with a
+// --weight-decay-incr-style that increments (linear, cosine), and then both. ptk took --end-weight-decay
+// 0.5 under the default constant style and trained every step with weight decay 0.5 instead of
+// --weight-decay's 0.01, and a linear increment from --weight-decay when --start-weight-decay was missing.
+TEST(PlanTraining, WeightDecayEndsAreRefusedAsMegatronWithoutAnIncrement) {
+  TrainOptions o = Small();
+  o.train_iters = 10;
+  o.schedule_options.end_weight_decay = 0.5;
+  EXPECT_NE(Refusal(o).find("--end-weight-decay 0.5 with --weight-decay-incr-style constant"), std::string::npos)
+      << Refusal(o);
+  o.schedule_options.end_weight_decay.reset();
+  o.schedule_options.start_weight_decay = 0.0;
+  EXPECT_NE(Refusal(o).find("--start-weight-decay 0 with --weight-decay-incr-style constant"), std::string::npos)
+      << Refusal(o);
+  o.schedule.wd_incr_style = "linear";
+  EXPECT_NE(Refusal(o).find("--weight-decay-incr-style linear needs both --start-weight-decay and --end-weight-decay"),
+            std::string::npos)
+      << Refusal(o);
+  o.schedule_options.end_weight_decay = 0.5;
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->schedule.start_wd, 0.0);
+  EXPECT_EQ(p->schedule.end_wd, 0.5);
+}
+
 // --rampup-batch-size with one or two numbers: the third was read past the vector's end (a SIGFPE
 // with one number; with two, a run of 18 samples for --train-samples 16).
 TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
