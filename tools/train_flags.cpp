@@ -192,6 +192,10 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
       "Do not restore the optimizer state (AdamW's moments and the learning-rate schedule, which starts anew)");
   app->add_flag("--no-load-rng", o.no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", o.finetune, "Load weights only; iteration and data start at 0");
+  app->add_option("--ckpt-step", o.ckpt_step,
+                  "Load the checkpoint of this iteration from --load instead of the one its "
+                  "latest_checkpointed_iteration.txt names")
+      ->check(IntIn(0, kMaxCount));
   app->add_flag("--override-opt_param-scheduler", f->override_opt_param_scheduler,
                 "On resume, take the learning-rate schedule of this command line where the checkpoint's differs");
   app->add_flag("--use-checkpoint-opt_param-scheduler", f->use_checkpoint_opt_param_scheduler,
