@@ -9,6 +9,7 @@
 //   std::string json = w.EndArray().EndObject().str();
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -61,6 +62,12 @@ class JsonWriter {
   JsonWriter& Value(unsigned long v) { return Put(std::to_string(v)); }
   JsonWriter& Value(unsigned long long v) { return Put(std::to_string(v)); }
   JsonWriter& Value(double v) { return Put(py::FloatRepr(v)); }
+  // A float that Python holds as an int when it is whole (Megatron's lr_warmup_steps: iterations x batch,
+  // or a fraction of the decay): written as that int, else as Value(double).
+  JsonWriter& WholeOrFloat(double v) {
+    if (v == std::floor(v) && std::abs(v) < 9e15) return Value(static_cast<long long>(v));
+    return Value(v);
+  }
   // A value that is JSON already (e.g. an object written by another JsonWriter).
   JsonWriter& Raw(std::string_view json) { return Put(json); }
   template <typename T>

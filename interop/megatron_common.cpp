@@ -367,7 +367,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
     SchedulerConfig sc;
     sc.max_lr = NumAttr(sched, "max_lr").value_or(0);
     sc.min_lr = NumAttr(sched, "min_lr").value_or(0);
-    sc.warmup_steps = static_cast<int64_t>(NumAttr(sched, "lr_warmup_steps").value_or(0));
+    sc.warmup_steps = NumAttr(sched, "lr_warmup_steps").value_or(0);  // a float for a --lr-warmup-fraction
     sc.decay_steps = static_cast<int64_t>(NumAttr(sched, "lr_decay_steps").value_or(0));
     sc.decay_style = StrAttr(sched, "lr_decay_style").value_or("linear");
     sc.start_wd = NumAttr(sched, "start_wd").value_or(0.01);

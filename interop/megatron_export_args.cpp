@@ -162,7 +162,11 @@ PyRef SchedulerState(const TrainState& state, const Hyper& h) {
   const SchedulerConfig sc = state.scheduler.value_or(SchedulerConfig{});
   PyValue* d = sched.get();
   torchfmt::DictSet(d, "max_lr", torchfmt::MakeFloat(state.scheduler ? sc.max_lr : h.lr));
-  torchfmt::DictSet(d, "lr_warmup_steps", torchfmt::MakeInt(sc.warmup_steps));
+  // Megatron's is an int for a warm-up in iterations or samples, a float for a fraction of the decay.
+  torchfmt::DictSet(d, "lr_warmup_steps",
+                    sc.warmup_steps == std::floor(sc.warmup_steps)
+                        ? torchfmt::MakeInt(static_cast<int64_t>(sc.warmup_steps))
+                        : torchfmt::MakeFloat(sc.warmup_steps));
   torchfmt::DictSet(d, "num_steps", torchfmt::MakeInt(state.scheduler_num_steps));
   torchfmt::DictSet(d, "lr_decay_style", torchfmt::MakeStr(sc.decay_style));
   torchfmt::DictSet(d, "lr_decay_steps", torchfmt::MakeInt(sc.decay_steps));

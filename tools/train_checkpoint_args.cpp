@@ -231,7 +231,7 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
   if (!f->use_checkpoint_args) return absl::OkStatus();
   const std::string& load = f->options.load;
   if (load.empty()) return UsageError("--use-checkpoint-args needs --load (the checkpoint to take the model from)");
-  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(load);
+  absl::StatusOr<int64_t> latest = CheckpointToLoad(load, f->options.ckpt_step);
   if (absl::IsNotFound(latest.status()))
     return UsageError(
         fmt::format("--use-checkpoint-args: no checkpoint in --load {} ({})", load, StatusMessage(latest.status())));

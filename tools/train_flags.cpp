@@ -93,10 +93,10 @@ void AddBatchAndOptimizerFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--weight-decay", o.schedule_options.weight_decay, "AdamW weight decay (not on biases and LayerNorm)")
       ->check(NonNegative());
   app->add_option("--start-weight-decay", o.schedule_options.start_weight_decay,
-                  "Weight decay at the start (with an increment style)")
+                  "Weight decay at the start (only, and then needed, with a linear or cosine increment style)")
       ->check(NonNegative());
   app->add_option("--end-weight-decay", o.schedule_options.end_weight_decay,
-                  "Weight decay at the end (with an increment style)")
+                  "Weight decay at the end (only, and then needed, with a linear or cosine increment style)")
       ->check(NonNegative());
   app->add_option("--weight-decay-incr-style", o.schedule.wd_incr_style, "constant, linear or cosine");
   app->add_option("--adam-beta1", o.optimizer.adam_beta1, "AdamW beta1")->check(RealIn(0, false, 1, true));
@@ -195,6 +195,10 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
       "Do not restore the optimizer state (AdamW's moments and the learning-rate schedule, which starts anew)");
   app->add_flag("--no-load-rng", o.no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", o.finetune, "Load weights only; iteration and data start at 0");
+  app->add_option("--ckpt-step", o.ckpt_step,
+                  "Load the checkpoint of this iteration from --load instead of the one its "
+                  "latest_checkpointed_iteration.txt names")
+      ->check(IntIn(0, kMaxCount));
   app->add_flag("--override-opt_param-scheduler", f->override_opt_param_scheduler,
                 "On resume, take the learning-rate schedule of this command line where the checkpoint's differs");
   app->add_flag("--use-checkpoint-opt_param-scheduler", f->use_checkpoint_opt_param_scheduler,

@@ -88,6 +88,10 @@ std::string NotAPtkCheckpoint(std::string_view head);
 // The iteration named by <load>/latest_checkpointed_iteration.txt; NotFound when there is none.
 // Anything but decimal digits (surrounding whitespace aside) is refused as DataLoss.
 absl::StatusOr<int64_t> LatestCheckpointIteration(const std::string& load);
+// The iteration a run resumes from: LatestCheckpointIteration's, or with --ckpt-step that one (Megatron's:
+// it replaces the tracker's number, and a --load without a tracker holds no checkpoint); a --ckpt-step
+// whose checkpoint is not there, or a --load without one, is a usage error naming the flag.
+absl::StatusOr<int64_t> CheckpointToLoad(const std::string& load, std::optional<int64_t> ckpt_step);
 
 // Loads the parameters (whose layout must match the saved one: same model flags), the moments and
 // the state: `layout`'s tensor rank's file, or, when another tensor size saved it, this rank's

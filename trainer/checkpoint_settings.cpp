@@ -21,6 +21,22 @@
 
 namespace ptk {
 
+absl::StatusOr<int64_t> CheckpointToLoad(const std::string& load, std::optional<int64_t> ckpt_step) {
+  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(load);
+  if (!ckpt_step) return latest;
+  // No tracker (or, beside none, a Megatron checkpoint ptk-train does not read); a damaged one is not read.
+  if (absl::IsNotFound(latest.status()) || absl::IsFailedPrecondition(latest.status()))
+    return UsageError(fmt::format("--ckpt-step {}: no checkpoint in --load {} ({})", *ckpt_step, load,
+                                  StatusMessage(latest.status())));
+  absl::StatusOr<std::string> dir = ResolveCheckpointDir(load, *ckpt_step);
+  if (absl::IsNotFound(dir.status()))
+    return UsageError(fmt::format("--ckpt-step {}: {} holds no checkpoint of that iteration ({} is not there){}",
+                                  *ckpt_step, load, FirstRankFile(CheckpointDir(load, *ckpt_step)),
+                                  latest.ok() ? fmt::format("; its tracker names iteration {}", *latest) : ""));
+  PTK_RETURN_IF_ERROR(dir.status());
+  return *ckpt_step;
+}
+
 absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: corrupt checkpoint: {}", file, why));

@@ -211,7 +211,8 @@ class GlooCommunicator : public Communicator {
   absl::Status SendRecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
                         int src) override {
     PTK_RETURN_IF_ERROR(CheckPeers(dst, src));
-    const std::string what = fmt::format("send to rank {} / receive from rank {}", dst, src);
+    std::string what = dst >= 0 ? "send to " + Peer(dst) : "";
+    if (src >= 0) what += (what.empty() ? "receive from " : " / receive from ") + Peer(src);
     return Guard(what.c_str(), [&] {
       const uint64_t slot = gloo::Slot::build(kP2pSlotPrefix, 0);
       Exchange x = Step();
@@ -228,7 +229,7 @@ class GlooCommunicator : public Communicator {
       PTK_RETURN_IF_ERROR(CheckPeers(m.peer, -1));
       if (m.channel < 0 || m.channel > 7 || (m.send == nullptr) == (m.recv == nullptr))
         return absl::InvalidArgumentError("BatchSendRecv: each message is one send or one receive on channel 0..7");
-      what += fmt::format("{}{} rank {}", what.empty() ? "" : " / ", m.send ? "send to" : "receive from", m.peer);
+      what += fmt::format("{}{} {}", what.empty() ? "" : " / ", m.send ? "send to" : "receive from", Peer(m.peer));
     }
     if (what.empty()) return absl::OkStatus();
     return Guard(what.c_str(), [&] {
@@ -253,6 +254,7 @@ class GlooCommunicator : public Communicator {
     sub->store_ = store_;
     sub->gloo_store_ = gloo_store_;
     sub->device_ = device_;
+    for (int m : members) sub->world_ranks_.push_back(WorldRank(m));
     std::string members_text;
     for (int m : members) {
       if (!members_text.empty()) members_text += ',';
@@ -284,6 +286,9 @@ class GlooCommunicator : public Communicator {
   void Watch() { watch_ = std::make_unique<gloo_detail::PeerWatch>(context_, gloo::Slot::build(kWatchSlotPrefix, 0)); }
 
  private:
+  // A member's rank in the run (a group's index is not what the logs, the diagnosis and the launcher call it).
+  int WorldRank(int r) const { return world_ranks_.empty() ? r : world_ranks_[static_cast<size_t>(r)]; }
+  std::string Peer(int r) const { return "rank " + std::to_string(WorldRank(r)); }
   Exchange Step() { return Exchange(watch_.get(), context_->getTimeout()); }
   template <typename F>
   absl::Status Guard(const char* what, F&& f) {
@@ -303,6 +308,7 @@ class GlooCommunicator : public Communicator {
   static constexpr uint8_t kWatchSlotPrefix = 0x52;    // the peer watch's (nothing is ever sent on it)
   uint32_t tag_ = 1;
   std::vector<float> scratch_;
+  std::vector<int> world_ranks_;  // a group's members' ranks in the run; empty for the run's own communicator
 };
 
 bool IsLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }

@@ -39,6 +39,12 @@ std::string Length(int64_t samples, int64_t per_iteration) {
     return fmt::format("{} iterations ({} samples)", samples / per_iteration, samples);
   return fmt::format("{} samples", samples);
 }
+// A warm-up: whole samples as above, a fraction's product ("23.2 samples") as it is.
+std::string Length(double samples, int64_t per_iteration) {
+  if (samples == std::floor(samples) && std::abs(samples) < 9e15)
+    return Length(static_cast<int64_t>(samples), per_iteration);
+  return fmt::format("{} samples", samples);
+}
 std::string Rate(double v) { return fmt::format("{}", v); }
 
 }  // namespace
@@ -46,7 +52,7 @@ std::string Rate(double v) { return fmt::format("{}", v); }
 std::vector<SchedulerDifference> CompareSchedulers(const SchedulerConfig& here, const SchedulerConfig& saved,
                                                    int64_t samples_per_iteration) {
   std::vector<SchedulerDifference> out;
-  auto len = [&](int64_t v) { return Length(v, samples_per_iteration); };
+  auto len = [&](auto v) { return Length(v, samples_per_iteration); };
   auto any = [&](auto pred) { return pred(here) || pred(saved); };
   const bool decays = any([](const SchedulerConfig& c) { return c.decay_style != "constant"; });
   const bool warms = any([](const SchedulerConfig& c) { return c.warmup_steps > 0; });
@@ -120,17 +126,15 @@ absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& h
 double OptimizerParamScheduler::lr() const {
   const SchedulerConfig& c = config_;
   const double n = static_cast<double>(num_steps_);
-  if (c.warmup_steps > 0 && num_steps_ <= c.warmup_steps)
-    return c.init_lr + (c.max_lr - c.init_lr) * n / static_cast<double>(c.warmup_steps);
+  if (c.warmup_steps > 0 && n <= c.warmup_steps) return c.init_lr + (c.max_lr - c.init_lr) * n / c.warmup_steps;
   if (c.decay_style == "constant") return c.max_lr;
   if (num_steps_ > c.decay_steps) return c.min_lr;
   if (c.decay_style == "inverse-square-root") {
-    double warmup = std::max<double>(static_cast<double>(c.warmup_steps), 1.0);
+    double warmup = std::max(c.warmup_steps, 1.0);
     double steps = std::max(n, 1.0);
     return std::max(c.min_lr, c.max_lr * std::sqrt(warmup) / std::sqrt(steps));
   }
-  const double decay_ratio =
-      (n - static_cast<double>(c.warmup_steps)) / static_cast<double>(c.decay_steps - c.warmup_steps);
+  const double decay_ratio = (n - c.warmup_steps) / (static_cast<double>(c.decay_steps) - c.warmup_steps);
   const double delta = c.max_lr - c.min_lr;
   double coeff = 0;
   if (c.decay_style == "linear") {

@@ -12,10 +12,11 @@
 namespace ptk {
 
 struct SchedulerConfig {
-  double init_lr = 0.0;                         // --lr-warmup-init
-  double max_lr = 0.0;                          // --lr
-  double min_lr = 0.0;                          // --min-lr
-  int64_t warmup_steps = 0;                     // samples
+  double init_lr = 0.0;  // --lr-warmup-init
+  double max_lr = 0.0;   // --lr
+  double min_lr = 0.0;   // --min-lr
+  // Samples; a float as Megatron's: --lr-warmup-fraction times the decay need not be whole.
+  double warmup_steps = 0;
   int64_t decay_steps = 0;                      // samples
   std::string decay_style = "linear";           // constant|linear|cosine|inverse-square-root|WSD
   int64_t wsd_decay_steps = 0;                  // samples (WSD only)

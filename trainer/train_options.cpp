@@ -12,7 +12,8 @@
 namespace ptk {
 namespace {
 
-// Megatron's get_optimizer_param_scheduler: the schedule's lengths in samples.
+// Megatron's get_optimizer_param_scheduler: the schedule's lengths in samples (a warm-up fraction's
+// product unrounded, a float as Megatron's lr_warmup_steps).
 SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
   const ScheduleOptions& s = o.schedule_options;
   SchedulerConfig sc = o.schedule;
@@ -21,13 +22,13 @@ SchedulerConfig ResolveSchedule(const TrainOptions& o, const TrainPlan& p) {
     const int64_t decay_iters = s.lr_decay_iters > 0 ? s.lr_decay_iters : p.train_iters;
     sc.decay_steps = decay_iters * gbs;
     sc.wsd_decay_steps = s.lr_wsd_decay_iters * gbs;
-    sc.warmup_steps =
-        s.lr_warmup_fraction ? static_cast<int64_t>(*s.lr_warmup_fraction * sc.decay_steps) : s.lr_warmup_iters * gbs;
+    sc.warmup_steps = s.lr_warmup_fraction ? *s.lr_warmup_fraction * static_cast<double>(sc.decay_steps)
+                                           : static_cast<double>(s.lr_warmup_iters * gbs);
   } else {
     sc.decay_steps = s.lr_decay_samples > 0 ? s.lr_decay_samples : o.train_samples;
     sc.wsd_decay_steps = s.lr_wsd_decay_samples;
-    sc.warmup_steps =
-        s.lr_warmup_fraction ? static_cast<int64_t>(*s.lr_warmup_fraction * sc.decay_steps) : s.lr_warmup_samples;
+    sc.warmup_steps = s.lr_warmup_fraction ? *s.lr_warmup_fraction * static_cast<double>(sc.decay_steps)
+                                           : static_cast<double>(s.lr_warmup_samples);
   }
   sc.start_wd = s.start_weight_decay.value_or(s.weight_decay);
   sc.end_wd = s.end_weight_decay.value_or(s.weight_decay);
@@ -84,7 +85,8 @@ absl::Status PlanRampup(const TrainOptions& o, TrainPlan* p) {
   return absl::OkStatus();
 }
 
-// Megatron's validate_args: the schedule's lengths in the unit of the run, and one warm-up.
+// Megatron's validate_args: the schedule's lengths in the unit of the run, one warm-up, and the weight
+// decay's ends only with an increment.
 absl::Status CheckScheduleUnits(const TrainOptions& o) {
   const ScheduleOptions& so = o.schedule_options;
   struct Lengths {  // the decay, the warm-up and WSD's anneal in one unit
@@ -110,6 +112,19 @@ absl::Status CheckScheduleUnits(const TrainOptions& o) {
     return UsageError(
         fmt::format("--lr-warmup-fraction {} and --lr-warmup-{} {}: give one of them, as Megatron requires",
                     *so.lr_warmup_fraction, own_unit, own.warmup));
+  // Megatron's: the two ends only with an increment, and then both (a constant weight decay is --weight-decay).
+  const std::optional<double>& start = so.start_weight_decay;
+  const std::optional<double>& end = so.end_weight_decay;
+  if (o.schedule.wd_incr_style == "constant" && (start || end))
+    return UsageError(
+        fmt::format("{} {} with --weight-decay-incr-style constant: a constant weight decay is "
+                    "--weight-decay; the ends are for linear or cosine, as Megatron requires",
+                    start ? "--start-weight-decay" : "--end-weight-decay", start ? *start : *end));
+  if (o.schedule.wd_incr_style != "constant" && (!start || !end))
+    return UsageError(
+        fmt::format("--weight-decay-incr-style {} needs both --start-weight-decay and "
+                    "--end-weight-decay, as Megatron requires",
+                    o.schedule.wd_incr_style));
   if (o.schedule.decay_style == "WSD" && own.wsd == 0 && other.wsd > 0)
     return UsageError(fmt::format("--lr-wsd-decay-{} {}: with {} the WSD anneal is in {} (--lr-wsd-decay-{})",
                                   other_unit, other.wsd, run, words, own_unit));

@@ -117,6 +117,7 @@ struct TrainOptions {
   // counts against a job's time limit too. Unset (the epoch): from RunTraining's call.
   std::chrono::steady_clock::time_point started{};
   bool no_load_optim = false, no_load_rng = false, finetune = false;
+  std::optional<int64_t> ckpt_step;  // --ckpt-step: the iteration --load resumes from, not the tracker's
   // A resume whose scheduler settings differ from the checkpoint's: stop (Megatron's default), or
   // --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
   SchedulerOnLoad scheduler_on_load = SchedulerOnLoad::kCheck;

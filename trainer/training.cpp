@@ -196,7 +196,7 @@ class Trainer {
     if (o_.load.empty()) return absl::OkStatus();
     // Every rank reads --load once rank 0 has put back what a killed save left aside.
     if (!o_.save.empty()) PTK_RETURN_IF_ERROR(world_->Barrier());
-    absl::StatusOr<int64_t> latest = LatestCheckpointIteration(o_.load);
+    absl::StatusOr<int64_t> latest = CheckpointToLoad(o_.load, o_.ckpt_step);
     if (absl::IsNotFound(latest.status())) {
       PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o_.load));
       // --load = --save is how every first run starts; another --load was meant to hold a checkpoint.

@@ -89,6 +89,32 @@ TEST_F(CheckpointArgs, Gpt3LineResumesBitForBitFromTheCheckpointsFlags) {
 // Megatron's precedence: a flag load_args_from_checkpoint forces (here --normalization and the query
 // groups) is the checkpoint's over the command line's, with a note; any other given otherwise than
 // the checkpoint has it (--kv-channels, --rotary-base, --rope-scaling-factor) is refused.
+// --ckpt-step N (Megatron's): resume from iteration N's checkpoint, not the one the tracker names (a
+// run taken back past a loss spike), with or without --use-checkpoint-args; an iteration with no
+// checkpoint, or a --load without one, is refused naming the flag. ptk refused the flag as unknown.
+TEST_F(CheckpointArgs, CkptStepResumesFromTheGivenIteration) {
+  const std::string s = ShellQuote(dir_ / "s");
+  auto whole = RunCmd(Rest() + kShape + "--save-interval 2 --save " + s);  // iterations 2, 4, 6, 8; the tracker 8
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto lines = testing::LogLinesWithoutTimes(whole.output);
+  ASSERT_EQ(lines.size(), 8u) << whole.output;
+  auto back = RunCmd(Rest() + kShape + "--load " + s + " --ckpt-step 4");
+  ASSERT_EQ(back.exit_code, 0) << back.output;
+  EXPECT_NE(back.output.find("at iteration 4 "), std::string::npos) << back.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(back.output), std::vector<std::string>(lines.begin() + 4, lines.end()));
+  auto taken = RunCmd(Rest() + "--use-checkpoint-args --load " + s + " --ckpt-step 6");
+  ASSERT_EQ(taken.exit_code, 0) << taken.output;
+  EXPECT_NE(taken.output.find("from the checkpoint of iteration 6"), std::string::npos) << taken.output;
+  EXPECT_EQ(testing::LogLinesWithoutTimes(taken.output), std::vector<std::string>(lines.begin() + 6, lines.end()));
+  auto missing = RunCmd(Rest() + kShape + "--load " + s + " --ckpt-step 5");
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_NE(missing.output.find("--ckpt-step 5: "), std::string::npos) << missing.output;
+  EXPECT_NE(missing.output.find("iter_0000005"), std::string::npos) << missing.output;
+  auto none = RunCmd(Rest() + kShape + "--load " + ShellQuote(dir_ / "none") + " --ckpt-step 4");
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+  EXPECT_NE(none.output.find("--ckpt-step 4: no checkpoint in"), std::string::npos) << none.output;
+}
+
 TEST_F(CheckpointArgs, GivenFlagsFollowMegatronsPrecedence) {
   const std::string model = std::string(kShape) + kLlama;
   auto first = RunCmd(Rest() + model + "--exit-interval 4 --save " + ShellQuote(dir_ / "s"));

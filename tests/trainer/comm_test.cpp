@@ -2,6 +2,7 @@
 // each element in rank order, whatever the pieces (empty ones, pieces of several rounds), and leaves
 // the other pieces alone; AllGather; AllReduceSum over a whole buffer, over its buckets and as
 // reduce-scatter + all-gather gives every element the same bits; the local communicator.
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -233,6 +234,34 @@ TEST(Rendezvous, ARestartedRankWaitsForAFreshRankZero) {
 
 namespace ptk {
 namespace {
+
+// A group's point-to-point failure names the peer by its rank in the run (what the logs, the
+// rendezvous's diagnosis and the launcher call it), not by its index in the group: rank 0's exchange
+// with world rank 2 in the group {0, 2} (two pipeline stages of T = 2 x P = 2) said "send to rank 1 /
+// receive from rank 1", a rank that was alive, beside "rank 2 ... exited".
+TEST(Communicator, AGroupsFailedExchangeNamesThePeersWorldRank) {
+  std::string error;
+  std::atomic<bool> done{false};
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    const std::vector<int> stages = {rank % 2, rank % 2 + 2};
+    auto pp = world->Subgroup(stages, "pipeline");
+    ASSERT_TRUE(pp.ok()) << pp.status();
+    double one = 1;
+    ASSERT_TRUE(world->AllReduceSum(&one, 1).ok());
+    if (rank == 2) return;  // RunRanks destroys its communicators when its body returns
+    if (rank != 0) {        // ranks 1 and 3 stay until rank 0 has seen the failure
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    }
+    float out[4] = {1, 2, 3, 4}, in[4] = {};
+    absl::Status st = absl::OkStatus();
+    for (int i = 0; i < 100 && st.ok(); ++i) st = (*pp)->SendRecv(out, sizeof out, 1, in, sizeof in, 1);
+    error = std::string(st.message());
+    done = true;
+  });
+  EXPECT_NE(error.find("send to rank 2 / receive from rank 2 failed"), std::string::npos) << error;
+  EXPECT_EQ(error.find("rank 1"), std::string::npos) << error;
+}
 
 // Four ranks as two tensor groups {0,1} {2,3} and two data groups {0,2} {1,3} (Megatron's order:
 // tensor ranks adjacent): each group's collectives sum over its members only, in their order, and

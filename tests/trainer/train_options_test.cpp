@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
+#include "tests/trainer/gloo_ranks.h"
 #include "trainer/train_options.h"
 #include "trainer/training.h"
 
@@ -92,6 +94,86 @@ TEST(PlanTraining, ScheduleLengthsInTheOtherUnitAreRefusedAsMegatron) {
   EXPECT_TRUE(PlanTraining(o, 1).ok());
 }
 
+// --lr-warmup-fraction: Megatron's warm-up is lr_warmup_fraction * lr_decay_steps, a float
+// (get_optimizer_param_scheduler). ptk truncated it to whole samples: 0.29 of 20 iterations x 4 is 23.2
+// samples, 23 here, so every warm-up rate and the whole decay after it differed from Megatron's
+// (5.217391E-04 at iteration 1 where megatron-core's OptimizerParamScheduler gives 5.172414E-04).
+TEST(PlanTraining, WarmupFractionIsMegatronsUnroundedProduct) {
+  TrainOptions o = Small();
+  o.train_iters = 20;
+  o.schedule.max_lr = 3e-3;
+  o.schedule.min_lr = 3e-4;
+  o.schedule.decay_style = "cosine";
+  o.schedule_options.lr_warmup_fraction = 0.29;
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const double warmup = 0.29 * 80;  // Megatron's expression, in samples
+  EXPECT_EQ(p->schedule.warmup_steps, warmup);
+  OptimizerParamScheduler s(p->schedule);
+  s.Step(4);
+  EXPECT_DOUBLE_EQ(s.lr(), 3e-3 * 4 / warmup);
+  s.set_num_steps(24);  // the first iteration past the warm-up: the cosine from where it ends
+  const double ratio = (24 - warmup) / (80 - warmup);
+  EXPECT_DOUBLE_EQ(s.lr(), 3e-4 + 0.5 * (std::cos(M_PI * ratio) + 1.0) * (3e-3 - 3e-4));
+  // With --train-samples too: 0.15 of 50 samples is 7.5.
+  o.train_iters = 0;
+  o.train_samples = 50;
+  o.schedule_options.lr_warmup_fraction = 0.15;
+  p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->schedule.warmup_steps, 0.15 * 50);
+}
+
+// --weight-decay-incr-style with --train-samples: Megatron's get_optimizer_param_scheduler increments the
+// weight decay over --train-samples as given (wd_incr_steps = args.train_samples), not over the whole
+// batches of the run. ptk took 48 samples (12 iterations x 4) for --train-samples 50, so the decay reached
+// --end-weight-decay at the last iteration where Megatron's stands at 48/50 of the way.
+TEST(PlanTraining, WeightDecayIncrementSpansTrainSamplesAsGiven) {
+  TrainOptions o = Small();
+  o.train_samples = 50;
+  o.schedule.wd_incr_style = "linear";
+  o.schedule_options.start_weight_decay = 0.0;
+  o.schedule_options.end_weight_decay = 0.1;
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->train_iters, 12);
+  EXPECT_EQ(p->schedule.wd_incr_steps, 50);
+  OptimizerParamScheduler s(p->schedule);
+  s.set_num_steps(48);
+  EXPECT_DOUBLE_EQ(s.weight_decay(), 0.1 * 48 / 50);
+  // With --train-iters: iterations x the global batch.
+  o.train_samples = 0;
+  o.train_iters = 12;
+  p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->schedule.wd_incr_steps, 48);
+}
+
+// --start-weight-decay / --end-weight-decay: Megatron's validate_args takes them only with a
+// --weight-decay-incr-style that increments (linear, cosine), and then both. ptk took --end-weight-decay
+// 0.5 under the default constant style and trained every step with weight decay 0.5 instead of
+// --weight-decay's 0.01, and a linear increment from --weight-decay when --start-weight-decay was missing.
+TEST(PlanTraining, WeightDecayEndsAreRefusedAsMegatronWithoutAnIncrement) {
+  TrainOptions o = Small();
+  o.train_iters = 10;
+  o.schedule_options.end_weight_decay = 0.5;
+  EXPECT_NE(Refusal(o).find("--end-weight-decay 0.5 with --weight-decay-incr-style constant"), std::string::npos)
+      << Refusal(o);
+  o.schedule_options.end_weight_decay.reset();
+  o.schedule_options.start_weight_decay = 0.0;
+  EXPECT_NE(Refusal(o).find("--start-weight-decay 0 with --weight-decay-incr-style constant"), std::string::npos)
+      << Refusal(o);
+  o.schedule.wd_incr_style = "linear";
+  EXPECT_NE(Refusal(o).find("--weight-decay-incr-style linear needs both --start-weight-decay and --end-weight-decay"),
+            std::string::npos)
+      << Refusal(o);
+  o.schedule_options.end_weight_decay = 0.5;
+  absl::StatusOr<TrainPlan> p = PlanTraining(o, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->schedule.start_wd, 0.0);
+  EXPECT_EQ(p->schedule.end_wd, 0.5);
+}
+
 // --rampup-batch-size with one or two numbers: the third was read past the vector's end (a SIGFPE
 // with one number; with two, a run of 18 samples for --train-samples 16).
 TEST(PlanTraining, ARampOfOtherThanThreeNumbersIsRefused) {
@@ -170,6 +252,34 @@ TEST(RunTraining, ExitDurationCountsFromTheProcessStart) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->iteration, 4);
   EXPECT_EQ(s->exit_reason, "");
+}
+
+// --exit-duration-in-mins over several ranks: Megatron stops once any rank's own time is past the limit
+// (each rank's train_time > limit, all-reduced with MAX). ptk compared the ranks' mean: a rank started
+// 3 minutes ago beside one started now (a pod scheduled later, a rank that waited at the rendezvous)
+// went on at a limit of 2, past the job's deadline the flag was set by. Here the two ranks stop after
+// their first iteration.
+TEST(RunTraining, ExitDurationStopsWhenAnyRankIsPastIt) {
+  TrainOptions base = Small();
+  base.train_iters = 4;
+  base.eval_iters = 0;
+  base.exit_duration_in_mins = 2;
+  absl::StatusOr<TrainPlan> plan = PlanTraining(base, 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<absl::StatusOr<TrainSummary>> results(2, absl::UnknownError("not run"));
+  testing::RunRanks(2, [&](Communicator* comm, int rank) {
+    TrainOptions o = base;
+    o.comm = comm;
+    o.print = [](const std::string&) {};
+    o.started = std::chrono::steady_clock::now() - std::chrono::minutes(rank == 0 ? 3 : 0);
+    results[static_cast<size_t>(rank)] = RunTraining(o, *plan);
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    const absl::StatusOr<TrainSummary>& s = results[static_cast<size_t>(rank)];
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->iteration, 1) << "rank " << rank;
+    EXPECT_EQ(s->exit_reason.rfind("exiting program after ", 0), 0u) << s->exit_reason;
+  }
 }
 
 }  // namespace
