@@ -267,8 +267,11 @@ class GlooCommunicator : public Communicator {
       ConnectedEverywhere(sub->context_);
       sub->Watch();
     } catch (const std::exception& e) {
-      return absl::UnavailableError(fmt::format("rank {} (host {}): making the {} group of ranks {} failed: {}",
-                                                store_->rank(), store_->host(), name, members_text, e.what()));
+      const std::string what = fmt::format("rank {} (host {}): making the {} group of ranks {} failed", store_->rank(),
+                                           store_->host(), name, members_text);
+      // Another rank's failure came through the rendezvous (its own, ReportFailure): named with its reason.
+      PTK_RETURN_IF_ERROR(store_->HeardFailure(what + ": "));
+      return absl::UnavailableError(fmt::format("{}: {}", what, e.what()));
     }
     return std::unique_ptr<Communicator>(std::move(sub));
   }
@@ -279,6 +282,14 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::unique_ptr<gloo_detail::PeerWatch> watch_;  // after context_: stopped before the pairs close
+
+  // The rendezvous's report (RendezvousStore::ReportFailure); rank 0 then serves it until the
+  // others heard, at most min(timeout, 30 s).
+  std::function<void()> ReportFailure(const absl::Status& failure) override {
+    if (!store_->ReportFailure(failure) || store_->rank() != 0) return {};
+    const auto at_most = std::min<std::chrono::milliseconds>(store_->timeout(), std::chrono::seconds(30));
+    return [store = store_, at_most] { store->ServeUntilAllHeard(at_most); };
+  }
 
   // Once every pair is connected.
   void Watch() { watch_ = std::make_unique<gloo_detail::PeerWatch>(context_, gloo::Slot::build(kWatchSlotPrefix, 0)); }
@@ -291,9 +302,13 @@ class GlooCommunicator : public Communicator {
       f();
     } catch (const std::exception& e) {
       const std::string why = e.what();
+      const std::string peers = store_->DiagnosePeers(what + std::string(": ") + why);
+      // A rank that stopped on its own failure reported it: that is the cause, named with its reason.
+      PTK_RETURN_IF_ERROR(
+          store_->HeardFailure(fmt::format("rank {} (host {}): {} failed: ", store_->rank(), store_->host(), what)));
       return absl::UnavailableError(
           fmt::format("rank {} (host {}): {} failed (a rank died or the network failed): {}{}", store_->rank(),
-                      store_->host(), what, why, Suffix(store_->DiagnosePeers(what + std::string(": ") + why))));
+                      store_->host(), what, why, Suffix(peers)));
     }
     return absl::OkStatus();
   }
