@@ -355,14 +355,14 @@ int main(int argc, char** argv) {
     const ptk::TrainPlan plan = *std::move(planned);
     // After the ranks met, a failure of this rank's own (datasets, checkpoint, memory, outputs, a
     // step) is told to the others before its connections close, so that every rank ends now naming
-    // it (RendezvousStore::ReportFailure), not only this one while the others wait or guess.
+    // it (ptk::ReportRankFailure), not only this one while the others wait or guess.
     Groups groups;
     absl::Status st = MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options,
                                  ptk::RunSettings(options, plan.global_batch_size), ranks.rank, &groups);
     if (st.ok())
       st = TrainRanks(flags, ranks, *layout, plan, notes, started, ArgsJson(argc, argv), groups, &options, &incomplete);
     if (!st.ok() && groups.world) {
-      std::function<void()> serve_the_others = groups.world->ReportFailure(st);
+      std::function<void()> serve_the_others = ptk::ReportRankFailure(groups.world.get(), st);
       groups.Close();  // this rank's pairs close: the others' collectives with it end at once
       if (serve_the_others) serve_the_others();
     }

@@ -27,8 +27,6 @@ absl::Status Communicator::SendRecvDevice(const void*, int64_t, int dst, void*, 
       backend(), dst, src));
 }
 
-std::function<void()> Communicator::ReportFailure(const absl::Status&) { return {}; }
-
 absl::Status Communicator::CheckPeers(int dst, int src) const {
   for (int peer : {dst, src})
     if (peer < -1 || peer >= size() || peer == rank())

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -88,15 +87,6 @@ class Communicator {
   // The chunks a communicator that stages point-to-point messages cuts them into (NCCL: its
   // staging buffer's halves); every point-to-point message is cut the same way.
   static constexpr int64_t kSendRecvChunkBytes = int64_t{32} << 20;
-
-  // ---- A rank's own failure (a check, a file, a checkpoint, the memory, anything after the ranks
-  // met that is not a peer's failure reaching it): tells the other ranks, so that their collectives
-  // and rendezvous waits, in whatever phase they are, end at once naming this rank and `failure`
-  // instead of a bare "connection closed" (or, where nothing would close, the timeout). The caller
-  // then closes its communicators (the others' collectives with it fail now) and calls what this
-  // returns, if anything (gloo's rank 0: its rendezvous serves the others until they heard, a
-  // bounded time). Never fails. This default (one rank, or a backend that cannot tell) does nothing.
-  virtual std::function<void()> ReportFailure(const absl::Status& failure);
 
  protected:
   // SendRecv's peers: each -1 (none) or another rank of this communicator.

@@ -283,14 +283,6 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::unique_ptr<gloo_detail::PeerWatch> watch_;  // after context_: stopped before the pairs close
 
-  // The rendezvous's report (RendezvousStore::ReportFailure); rank 0 then serves it until the
-  // others heard, at most min(timeout, 30 s).
-  std::function<void()> ReportFailure(const absl::Status& failure) override {
-    if (!store_->ReportFailure(failure) || store_->rank() != 0) return {};
-    const auto at_most = std::min<std::chrono::milliseconds>(store_->timeout(), std::chrono::seconds(30));
-    return [store = store_, at_most] { store->ServeUntilAllHeard(at_most); };
-  }
-
   // Once every pair is connected.
   void Watch() { watch_ = std::make_unique<gloo_detail::PeerWatch>(context_, gloo::Slot::build(kWatchSlotPrefix, 0)); }
 
@@ -325,6 +317,14 @@ bool IsLoopback(const std::string& host) { return host == "localhost" || host.rf
 }  // namespace
 
 void SetGlooWaitHookForTesting(std::function<void()> hook) { WaitHook() = std::move(hook); }
+
+std::function<void()> ReportGlooFailure(Communicator* world, const absl::Status& failure) {
+  auto* gloo = dynamic_cast<GlooCommunicator*>(world);
+  if (gloo == nullptr || !gloo->store_->ReportFailure(failure) || gloo->store_->rank() != 0) return {};
+  // Rank 0 serves the rendezvous until the others heard, at most min(timeout, 30 s).
+  const auto at_most = std::min<std::chrono::milliseconds>(gloo->store_->timeout(), std::chrono::seconds(30));
+  return [store = gloo->store_, at_most] { store->ServeUntilAllHeard(at_most); };
+}
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOptions& o) {
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)

@@ -1,6 +1,6 @@
 // ptk-train's ranks when one of them fails on its own after they met (its datasets, a checkpoint
 // only it reads, a refused ramp): that rank exits with its one line, and every other rank exits at
-// once with one line naming it and its reason (Communicator::ReportFailure through the rendezvous),
+// once with one line naming it and its reason (ReportRankFailure through the rendezvous),
 // instead of "rank 0 (which serves the rendezvous) does not answer" or "rank 3 exited" without why.
 // Each rank runs under `timeout 120`: a rank that waited would exit 124, which fails the test.
 #include <gtest/gtest.h>
