@@ -183,10 +183,14 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
 struct Groups {
   std::unique_ptr<ptk::Communicator> world, tensor, data, pipeline, embedding, context;
   ptk::Communicator* DataOrWorld() const { return data ? data.get() : world.get(); }
+  void Close() {  // the groups before the world they were made from
+    for (auto* c : {&context, &embedding, &pipeline, &data, &tensor, &world}) c->reset();
+  }
 };
-absl::StatusOr<Groups> MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLayout& layout,
-                                  const ptk::TrainOptions& options, const ptk::Settings& settings, int rank) {
-  Groups g;
+// Made into *g, so that a failure after the world's communicator was made can still be reported over it.
+absl::Status MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLayout& layout,
+                        const ptk::TrainOptions& options, const ptk::Settings& settings, int rank, Groups* out) {
+  Groups& g = *out;
   PTK_ASSIGN_OR_RETURN(g.world, ptk::CreateCommunicator(d));
   PTK_RETURN_IF_ERROR(ptk::CheckRanksAgree(g.world.get(), settings));
   const int tp = layout.tensor_size(), pp = layout.pipeline_size(), cp = layout.context_size();
@@ -208,7 +212,7 @@ absl::StatusOr<Groups> MakeGroups(const ptk::DistributedOptions& d, const ptk::P
   if (cp > 1) {
     PTK_ASSIGN_OR_RETURN(g.context, g.world->Subgroup(layout.Group(ptk::ParallelGroup::kContext, rank), "context"));
   }
-  return g;
+  return absl::OkStatus();
 }
 
 // Megatron's start-up lines and ptk's notes, from rank 0.
@@ -278,6 +282,45 @@ absl::StatusOr<int> IncompleteExitCode() {
   return code;
 }
 
+// This rank's training once its communicators are made: threads, Megatron's start-up lines, the run.
+absl::Status TrainRanks(const ptk::TrainFlags& flags, const ptk::TrainingRanks& ranks,
+                        const ptk::ParallelLayout& layout, const ptk::TrainPlan& plan, std::vector<std::string> notes,
+                        std::chrono::steady_clock::time_point started, const std::string& args_json,
+                        const Groups& groups, ptk::TrainOptions* options, bool* incomplete) {
+  const ptk::TrainingThreadsChoice threads = TrainingThreads(flags, ranks);
+  if (!threads.reason.empty())
+    notes.push_back(
+        fmt::format("{} CPU thread{} per rank: {}", threads.threads, threads.threads == 1 ? "" : "s", threads.reason));
+  PrintStart(*options, plan, layout, ranks, *groups.world, notes);
+  if (!threads.warning.empty() && ranks.rank == 0) ptk::log::Warning("{}", threads.warning);
+
+  // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
+  tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads.threads));
+  // OpenBLAS single-threaded: the CPU ops cut every product into fixed tiles and run them on
+  // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
+  openblas_set_num_threads(1);
+  if (flags.exit_signal_handler) options->exit_signal = &g_exit_signal;  // installed at the start of main
+  options->started = started;
+  options->comm = groups.DataOrWorld();
+  options->world_comm = groups.world.get();
+  options->backend.tensor_comm = groups.tensor.get();
+  options->context_comm = options->backend.context_comm = groups.context.get();
+  options->pipeline_comm = groups.pipeline.get();
+  options->embedding_comm = groups.embedding.get();
+  // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
+  options->backend.device_index = ranks.local_rank;
+  options->ranks_on_node = std::max(1, ranks.ranks_on_node);
+  options->ranks_on_node_source = ranks.ranks_on_node_source;
+  // PTK_CUDA_SYNC_OPS=1: the CUDA model synchronises after every op and names the one that fails.
+  if (const char* sync = std::getenv("PTK_CUDA_SYNC_OPS"); sync && std::string_view(sync) == "1")
+    options->backend.sync_ops = true;
+  options->args_json = args_json;
+  PTK_ASSIGN_OR_RETURN(ptk::TrainSummary s, ptk::RunTraining(*options, plan));
+  if (ranks.rank == 0) PrintDone(s);
+  *incomplete = s.iteration < plan.train_iters;  // not exit_reason: --exit-interval may fire at the last one
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -321,41 +364,20 @@ int main(int argc, char** argv) {
       return planned.status();
     }
     const ptk::TrainPlan plan = *std::move(planned);
-    PTK_ASSIGN_OR_RETURN(Groups groups,
-                         MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options,
-                                    ptk::RunSettings(options, plan.global_batch_size), ranks.rank));
-    const ptk::TrainingThreadsChoice threads = TrainingThreads(flags, ranks);
-    if (!threads.reason.empty())
-      notes.push_back(fmt::format("{} CPU thread{} per rank: {}", threads.threads, threads.threads == 1 ? "" : "s",
-                                  threads.reason));
-    PrintStart(options, plan, *layout, ranks, *groups.world, notes);
-    if (!threads.warning.empty() && ranks.rank == 0) ptk::log::Warning("{}", threads.warning);
-
-    // Process-wide settings belong to main: threads for oneTBB and OpenBLAS, signal handlers.
-    tbb::global_control tbb_threads(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(threads.threads));
-    // OpenBLAS single-threaded: the CPU ops cut every product into fixed tiles and run them on
-    // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
-    openblas_set_num_threads(1);
-    if (flags.exit_signal_handler) options.exit_signal = &g_exit_signal;  // installed at the start of main
-    options.started = started;
-    options.comm = groups.DataOrWorld();
-    options.world_comm = groups.world.get();
-    options.backend.tensor_comm = groups.tensor.get();
-    options.context_comm = options.backend.context_comm = groups.context.get();
-    options.pipeline_comm = groups.pipeline.get();
-    options.embedding_comm = groups.embedding.get();
-    // One process per GPU: the device is the local rank's (CUDA_VISIBLE_DEVICES applies).
-    options.backend.device_index = ranks.local_rank;
-    options.ranks_on_node = std::max(1, ranks.ranks_on_node);
-    options.ranks_on_node_source = ranks.ranks_on_node_source;
-    // PTK_CUDA_SYNC_OPS=1: the CUDA model synchronises after every op and names the one that fails.
-    if (const char* sync = std::getenv("PTK_CUDA_SYNC_OPS"); sync && std::string_view(sync) == "1")
-      options.backend.sync_ops = true;
-    options.args_json = ArgsJson(argc, argv);
-    PTK_ASSIGN_OR_RETURN(ptk::TrainSummary s, ptk::RunTraining(options, plan));
-    if (ranks.rank == 0) PrintDone(s);
-    incomplete = s.iteration < plan.train_iters;  // not exit_reason: --exit-interval may fire at the last one
-    return absl::OkStatus();
+    // After the ranks met, a failure of this rank's own (datasets, checkpoint, memory, outputs, a
+    // step) is told to the others before its connections close, so that every rank ends now naming
+    // it (ptk::ReportRankFailure), not only this one while the others wait or guess.
+    Groups groups;
+    absl::Status st = MakeGroups(DistributedOptionsOf(options, flags, ranks, timeout), *layout, options,
+                                 ptk::RunSettings(options, plan.global_batch_size), ranks.rank, &groups);
+    if (st.ok())
+      st = TrainRanks(flags, ranks, *layout, plan, notes, started, ArgsJson(argc, argv), groups, &options, &incomplete);
+    if (!st.ok() && groups.world) {
+      std::function<void()> serve_the_others = ptk::ReportRankFailure(groups.world.get(), st);
+      groups.Close();  // this rank's pairs close: the others' collectives with it end at once
+      if (serve_the_others) serve_the_others();
+    }
+    return st;
   });
   return rc == 0 && incomplete ? incomplete_exit : rc;
 }

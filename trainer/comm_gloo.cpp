@@ -269,8 +269,11 @@ class GlooCommunicator : public Communicator {
       ConnectedEverywhere(sub->context_);
       sub->Watch();
     } catch (const std::exception& e) {
-      return absl::UnavailableError(fmt::format("rank {} (host {}): making the {} group of ranks {} failed: {}",
-                                                store_->rank(), store_->host(), name, members_text, e.what()));
+      const std::string what = fmt::format("rank {} (host {}): making the {} group of ranks {} failed", store_->rank(),
+                                           store_->host(), name, members_text);
+      // Another rank's failure came through the rendezvous (its own, ReportFailure): named with its reason.
+      PTK_RETURN_IF_ERROR(store_->HeardFailure(what + ": "));
+      return absl::UnavailableError(fmt::format("{}: {}", what, e.what()));
     }
     return std::unique_ptr<Communicator>(std::move(sub));
   }
@@ -296,9 +299,13 @@ class GlooCommunicator : public Communicator {
       f();
     } catch (const std::exception& e) {
       const std::string why = e.what();
+      const std::string peers = store_->DiagnosePeers(what + std::string(": ") + why);
+      // A rank that stopped on its own failure reported it: that is the cause, named with its reason.
+      PTK_RETURN_IF_ERROR(
+          store_->HeardFailure(fmt::format("rank {} (host {}): {} failed: ", store_->rank(), store_->host(), what)));
       return absl::UnavailableError(
           fmt::format("rank {} (host {}): {} failed (a rank died or the network failed): {}{}", store_->rank(),
-                      store_->host(), what, why, Suffix(store_->DiagnosePeers(what + std::string(": ") + why))));
+                      store_->host(), what, why, Suffix(peers)));
     }
     return absl::OkStatus();
   }
@@ -316,6 +323,14 @@ bool IsLoopback(const std::string& host) { return host == "localhost" || host.rf
 }  // namespace
 
 void SetGlooWaitHookForTesting(std::function<void()> hook) { WaitHook() = std::move(hook); }
+
+std::function<void()> ReportGlooFailure(Communicator* world, const absl::Status& failure) {
+  auto* gloo = dynamic_cast<GlooCommunicator*>(world);
+  if (gloo == nullptr || !gloo->store_->ReportFailure(failure) || gloo->store_->rank() != 0) return {};
+  // Rank 0 serves the rendezvous until the others heard, at most min(timeout, 30 s).
+  const auto at_most = std::min<std::chrono::milliseconds>(gloo->store_->timeout(), std::chrono::seconds(30));
+  return [store = gloo->store_, at_most] { store->ServeUntilAllHeard(at_most); };
+}
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOptions& o) {
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)

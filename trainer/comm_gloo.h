@@ -27,6 +27,10 @@ struct GlooOptions {
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const GlooOptions& options);
 
+// ReportRankFailure's gloo half (distributed.h): through `world`'s rendezvous store; rank 0 returns
+// its serving of the store until the others heard. Anything but a gloo communicator: nothing.
+std::function<void()> ReportGlooFailure(Communicator* world, const absl::Status& failure);
+
 // Called by every step of a gloo collective once its messages are posted, before it waits for them
 // (a test's moment to kill a peer); empty: none. Set while no collective runs.
 void SetGlooWaitHookForTesting(std::function<void()> hook);

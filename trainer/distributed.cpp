@@ -47,4 +47,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
   return MakeGlooCommunicator(g);
 }
 
+std::function<void()> ReportRankFailure(Communicator* world, const absl::Status& failure) {
+  return world != nullptr && world->backend() == "gloo" ? ReportGlooFailure(world, failure) : std::function<void()>();
+}
+
 }  // namespace ptk

@@ -31,4 +31,15 @@ bool DistributedBackendBuilt(const std::string& backend);
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const DistributedOptions& options);
 
+// This rank stops on `failure`, its own (a check, a file, its datasets, a checkpoint, the memory,
+// anything after the ranks met that is not a peer's failure reaching it, which then is not
+// reported): tells the other ranks of `world` (CreateCommunicator's), so that their collectives
+// and rendezvous waits, in whatever phase they are, end at once naming this rank and `failure`
+// (RendezvousStore::ReportFailure) instead of a bare "connection closed" or, where nothing would
+// close, the timeout. The caller then closes its communicators (the others' collectives with it
+// fail now) and calls what this returns, if anything (gloo's rank 0: its rendezvous serves the
+// others until they heard, a bounded time). Never fails. One process, or NCCL: nothing (NCCL's
+// ranks still hear of it only at their watchdog's timeout).
+std::function<void()> ReportRankFailure(Communicator* world, const absl::Status& failure);
+
 }  // namespace ptk

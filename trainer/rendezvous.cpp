@@ -69,10 +69,18 @@ constexpr const char* kFailedPrefix = "ptk/failed/";
 constexpr const char* kAbortKey = "ptk/abort";
 constexpr uint32_t kAbortMarker = 0xFFFFFFFFu;
 
-absl::Status AbortStatus(const std::string& value) {
-  const std::string text = value.size() > 2 ? value.substr(2) : value;
+absl::Status AbortStatus(const std::string& value, const std::string& context = "") {
+  const std::string text = context + (value.size() > 2 ? value.substr(2) : value);
   if (value.rfind("u\t", 0) == 0) return UsageError(text);
   return absl::AbortedError(text);
+}
+
+// kAbortKey's value for `failure` of this rank: one line (the store's peer list is line-based).
+std::string AbortValue(const absl::Status& failure, const std::string& who) {
+  std::string text = who + std::string(StatusMessage(failure));
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  std::replace(text.begin(), text.end(), '\t', ' ');
+  return (IsUsageError(failure) ? "u\t" : "f\t") + text;
 }
 
 }  // namespace
@@ -145,8 +153,9 @@ class RendezvousServer {
       live_ = static_cast<int>(registered_.size());
     }
   }
+  // Each rank's "rank\thost\tstate" line, after a "!\t" line with kAbortKey's value once a rank set it.
   std::string Peers() const {
-    std::string out;
+    std::string out = abort_.empty() ? "" : "!\t" + abort_ + "\n";
     for (const auto& [fd, who] : registered_)
       out += fmt::format("{}\t{}\t{}\n", who.first, who.second,
                          kv_.count(kFailedPrefix + std::to_string(who.first)) ? "failed" : "alive");
@@ -322,7 +331,10 @@ absl::Status RendezvousStore::Request(char op, const std::string& key, const std
   uint32_t n = 0;
   if (ok && reply && (ok = RecvAll(fd_, &n, 4)) && n == kAbortMarker) {
     std::string abort;
-    if (RecvBlob(fd_, &abort)) return AbortStatus(abort);
+    if (RecvBlob(fd_, &abort)) {
+      if (heard_.empty()) heard_ = abort;
+      return AbortStatus(abort);
+    }
     ok = false;
   } else if (ok && reply) {
     ok = n <= (64u << 20);
@@ -371,10 +383,27 @@ void RendezvousStore::ReportEarlyFailure(int rank, int world_size, const std::st
   auto store = Connect(rank, world_size, master_addr, port, wait);
   if (!store.ok()) return;  // no rank 0 to tell: the others time out as before
   const std::string value =
-      fmt::format("{}\trank {} (host {}) stopped before the ranks met: {}", IsUsageError(failure) ? "u" : "f", rank,
-                  (*store)->host(), StatusMessage(failure));
+      AbortValue(failure, fmt::format("rank {} (host {}) stopped before the ranks met: ", rank, (*store)->host()));
   if (!(*store)->Set(kAbortKey, value).ok()) return;
   (*store)->ServeUntilAllHeard(wait);
+}
+
+bool RendezvousStore::ReportFailure(const absl::Status& failure) {
+  if (world_size_ <= 1 || failure.ok() || diagnosed_) return false;  // diagnosed: a peer's failure, reported
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!heard_.empty()) return false;  // a peer's failure reached this rank: it is the cause
+  }
+  // Rank 0 answers at once unless it hangs itself: a few seconds, not the timeout.
+  const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
+  timeval tv{static_cast<time_t>(wait.count() / 1000), static_cast<suseconds_t>(wait.count() % 1000 * 1000)};
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return Set(kAbortKey, AbortValue(failure, fmt::format("rank {} (host {}) stopped: ", rank_, host_))).ok();
+}
+
+absl::Status RendezvousStore::HeardFailure(const std::string& context) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return heard_.empty() ? absl::OkStatus() : AbortStatus(heard_, context);
 }
 
 void RendezvousStore::ServeUntilAllHeard(std::chrono::milliseconds at_most) {
@@ -383,10 +412,16 @@ void RendezvousStore::ServeUntilAllHeard(std::chrono::milliseconds at_most) {
   bool said = false;
   while (Clock::now() < deadline && (server_->ever() < world_size_ || server_->live() > 1)) {
     if (!said && Clock::now() - start > std::chrono::seconds(5)) {
-      said = true;  // a rank that never comes: say why rank 0 does not end yet
-      log::Info("rank 0: {} of {} ranks came to hear why this run stops; waiting up to {} s for the others",
-                server_->ever(), world_size_,
-                std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count());
+      said = true;  // a rank that never comes, or never asks: say why rank 0 does not end yet
+      const auto left = std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count();
+      if (server_->ever() < world_size_)
+        log::Info("rank 0: {} of {} ranks came to hear why this run stops; waiting up to {} s for the others",
+                  server_->ever(), world_size_, left);
+      else
+        log::Info(
+            "rank 0: {} other rank(s) still connected to the rendezvous, which tells them why this run "
+            "stops; waiting up to {} s for them to end",
+            server_->live() - 1, left);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -410,6 +445,13 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
       return "rank 0 (which serves the rendezvous) does not answer: it exited or hangs";
     peers.clear();
     size_t pos = 0;
+    if (text.rfind("!\t", 0) == 0) {  // a rank reported its own failure (ReportFailure): the answer
+      const size_t nl = text.find('\n');
+      std::lock_guard<std::mutex> lock(mu_);
+      if (heard_.empty()) heard_ = text.substr(2, nl == std::string::npos ? std::string::npos : nl - 2);
+      const std::string& v = heard_;
+      return v.size() > 2 ? v.substr(2) : v;
+    }
     while (pos < text.size()) {
       const size_t nl = text.find('\n', pos), t1 = text.find('\t', pos), t2 = text.find('\t', t1 + 1);
       if (nl == std::string::npos || t1 > nl || t2 > nl) break;

@@ -41,9 +41,24 @@ class RendezvousStore {
   static void ReportEarlyFailure(int rank, int world_size, const std::string& master_addr, int port,
                                  std::chrono::milliseconds timeout, const absl::Status& failure);
 
-  // Rank 0 after another rank's early failure reached it: serves the store until every rank has
-  // registered and gone (they hear the failure there), at most `at_most`. Others: nothing.
+  // Rank 0 after another rank's early failure reached it, or after its own ReportFailure: serves the
+  // store until every rank has registered and gone (they hear the failure there), at most
+  // `at_most`. Others: nothing.
   void ServeUntilAllHeard(std::chrono::milliseconds at_most);
+
+  // After the ranks met, for a rank about to stop on `failure`, its own (a check, a file, the
+  // memory, a checkpoint: not a peer's, which this rank heard or diagnosed, and then nothing is
+  // reported): tells the others through rank 0's store, which answers every get, waiting or to
+  // come, with "rank N (host H) stopped: <failure>" and gives it to every rank whose collective then
+  // fails (DiagnosePeers), so that the others end at once naming this rank and why, whatever phase
+  // they are in. The first rank's report is the one they hear. Returns whether it was reported
+  // (rank 0 then serves its store until the others heard: ServeUntilAllHeard, once its
+  // communicators are closed). Never fails.
+  bool ReportFailure(const absl::Status& failure);
+  // What a peer reported (ReportFailure, ReportEarlyFailure) once this rank heard it (a get answered
+  // with it, or DiagnosePeers), with `context` before it: a usage error when the peer's was one,
+  // else kAborted. OK while none was heard.
+  absl::Status HeardFailure(const std::string& context);
 
   absl::Status Set(const std::string& key, const std::string& value);
   // Waits up to the timeout for the key. A key that is a rank number (gloo's full-mesh rendezvous
@@ -51,9 +66,10 @@ class RendezvousStore {
   absl::StatusOr<std::string> Get(const std::string& key);
 
   // After a collective failed on this rank: records that, gives the others a few seconds to report
-  // theirs, and says what rank 0's store knows: "rank 1 (host node-b) exited", "rank 2 (host
-  // node-c) did not report a failure: it hangs or is cut off", or that rank 0 itself does not
-  // answer. Never fails; the text is for the error message.
+  // theirs, and says what rank 0's store knows: a rank's own failure that it reported
+  // (ReportFailure: "rank 1 (host node-b) stopped: <why>", also HeardFailure's from then on), else
+  // "rank 1 (host node-b) exited", "rank 2 (host node-c) did not report a failure: it hangs or is cut
+  // off", or that rank 0 itself does not answer. Never fails; the text is for the error message.
   std::string DiagnosePeers(const std::string& what_failed);
 
   int rank() const { return rank_; }
@@ -74,6 +90,7 @@ class RendezvousStore {
   std::chrono::milliseconds timeout_{0};
   std::mutex mu_;  // one request at a time on the connection
   bool diagnosed_ = false;
+  std::string heard_;  // under mu_: a peer's reported failure ("u\t" or "f\t", then its text), once heard
 };
 
 // This machine's host name.

@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/status.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "trainer/comm.h"
 #include "trainer/rendezvous.h"
@@ -227,6 +228,39 @@ TEST(Rendezvous, ARestartedRankWaitsForAFreshRankZero) {
   auto got = (*new0)->Get("1");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, "address of the new rank 1");
+}
+
+// A rank's own failure after the ranks met (ReportFailure): a get another rank waits on (a group's
+// rendezvous) is answered at once with it, as a usage error when it was one (it waited for the whole
+// timeout, 60 s here, then said "key 'never' did not join"); a rank whose collective failed learns it from
+// DiagnosePeers; a rank that heard a peer's failure reports none of its own (it is not the cause).
+TEST(Rendezvous, ARanksOwnFailureEndsTheOthersWaitsNamingIt) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores(3);
+  for (int r = 0; r < 3; ++r) {
+    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, milliseconds(60000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores[static_cast<size_t>(r)] = *std::move(s);
+  }
+  absl::StatusOr<std::string> waited = std::string("not yet");
+  std::thread waiter([&] { waited = stores[2]->Get("never"); });
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_TRUE(stores[1]->ReportFailure(UsageError("--train-samples 14: the data would run out")));
+  waiter.join();
+  const std::string named = "rank 1 (host " + HostName() + ") stopped: --train-samples 14: the data would run out";
+  ASSERT_FALSE(waited.ok());
+  EXPECT_TRUE(IsUsageError(waited.status())) << waited.status();
+  EXPECT_EQ(waited.status().message(), named);
+  const absl::Status heard = stores[2]->HeardFailure("rank 2: making the data group failed: ");
+  EXPECT_TRUE(IsUsageError(heard)) << heard;
+  EXPECT_EQ(heard.message(), "rank 2: making the data group failed: " + named);
+  EXPECT_FALSE(stores[2]->ReportFailure(absl::DataLossError("rank 2's own")));  // rank 1's failure is the cause
+  EXPECT_TRUE(stores[0]->HeardFailure("").ok());
+  EXPECT_EQ(stores[0]->DiagnosePeers("barrier: connection closed"), named);
+  EXPECT_EQ(stores[0]->HeardFailure("rank 0: barrier failed: ").message(), "rank 0: barrier failed: " + named);
+  EXPECT_FALSE(stores[0]->ReportFailure(absl::DataLossError("rank 0's own")));  // it diagnosed a peer's failure
+  for (int r = 2; r >= 0; --r) stores[static_cast<size_t>(r)].reset();          // rank 0, which serves them, last
 }
 
 }  // namespace
