@@ -140,10 +140,11 @@ TEST_F(StartupFailureCli, ARampRefusedByTheDataStagesEndsTheMiddleStagesNamingIt
     const std::vector<std::string> errors = Errors(ranks[static_cast<size_t>(r)].log);
     ASSERT_EQ(errors.size(), 1u) << "rank " << r << "\n" << All(ranks);
     EXPECT_NE(errors[0].find(refusal), std::string::npos) << "rank " << r << "\n" << All(ranks);
-    if (r == 1 || r == 2)
+    if (r == 1 || r == 2) {
       EXPECT_TRUE(std::regex_search(errors[0], std::regex("rank [03] \\(host [^)]*\\) stopped: --train-samples 14")))
           << "rank " << r << "\n"
           << All(ranks);
+    }
   }
 }
 
