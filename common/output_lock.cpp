@@ -66,6 +66,9 @@ std::set<std::string>& LiveLocks() {
   static std::set<std::string> s;
   return s;
 }
+// Set by RemoveLiveLocks (the process is about to die of a signal): a lock file created after it
+// would outlive the process, so Acquire creates none.
+bool dying = false;
 
 }  // namespace
 
@@ -73,11 +76,16 @@ void RemoveLiveLocks() {
   std::lock_guard<std::mutex> g(LiveMutex());
   for (const std::string& p : LiveLocks()) ::unlink(p.c_str());
   LiveLocks().clear();
+  dying = true;
 }
 
 absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::string& target) {
   const std::string path = target + kSuffix;
   for (int attempt = 0; attempt < 64; ++attempt) {
+    // Created, locked and recorded as one step under the mutex: RemoveLiveLocks (a signal's cleanup on
+    // another thread) never misses a lock file this process made, nor runs before one is made.
+    std::unique_lock<std::mutex> live(LiveMutex());
+    if (dying) return absl::CancelledError(fmt::format("{}: not locked: the process is being interrupted", target));
     int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd < 0) return ErrnoToStatus(errno, fmt::format("cannot create lock file {}", path));
     struct flock fl = {};
@@ -86,6 +94,7 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
     if (::fcntl(fd, F_OFD_SETLK, &fl) != 0) {
       const int e = errno;
       if (e == EAGAIN || e == EACCES) {
+        live.unlock();  // another process's file: nothing of ours to record while we wait for its name
         // The holder writes its name just after it locks: give it a moment to do so.
         std::string holder = ReadHolder(fd);
         for (int i = 0; i < 50 && holder.empty(); ++i) {
@@ -121,10 +130,7 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
     if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
       // Only informational; the lock itself is held.
     }
-    {
-      std::lock_guard<std::mutex> g(LiveMutex());
-      LiveLocks().insert(path);
-    }
+    LiveLocks().insert(path);
     return std::unique_ptr<OutputLock>(new OutputLock(path, fd, true));
   }
   return absl::AbortedError(fmt::format("{} {} (lock {} keeps changing hands)", target, kBusyTag, path));

@@ -63,6 +63,33 @@ TEST(OutputLock, LockOfAKilledProcessDoesNotBlock) {
   ::close(pipefd[1]);
 }
 
+// Regression: a signal's cleanup (cli::RemoveTemporariesOnSignals: RemoveLiveLocks, then the
+// signal re-raised) could run while another thread was between creating OUT.ptk-lock and recording
+// it, or just before that thread locked its next output: the file outlived the process, naming a
+// dead writer (extract_concat_test's interrupted ptk-concat, under load). After the cleanup no lock
+// file is made; one made before it is removed.
+TEST(OutputLock, NoLockFileIsMadeOnceTheSignalCleanupRan) {
+  TempDir dir;
+  const std::string before = dir / "before", after = dir / "after";
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto held = OutputLock::Acquire(before);
+    if (!held.ok() || !testing::Exists(before + ".ptk-lock")) ::_exit(2);
+    RemoveLiveLocks();
+    if (testing::Exists(before + ".ptk-lock")) ::_exit(3);
+    auto late = OutputLock::Acquire(after);
+    if (late.ok()) ::_exit(4);
+    if (!absl::IsCancelled(late.status())) ::_exit(5);
+    ::_exit(testing::Exists(after + ".ptk-lock") ? 6 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: not locked, 3: not removed, 4/5: locked after the cleanup, 6: file left";
+  EXPECT_FALSE(testing::Exists(after + ".ptk-lock"));
+}
+
 TEST(OutputLock, StaleTemporariesAreRemoved) {
   TempDir dir;
   const std::string out = dir / "x.jsonl";
