@@ -31,7 +31,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/trainer/cuda_test_buffer.h"
+#include "tests/trainer/attention_cuda_test_util.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/ops_cuda.h"
@@ -41,11 +41,6 @@ namespace ptk::cuda {
 namespace {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
-#define STATUS_OK(x)                            \
-  do {                                          \
-    absl::Status st_ = (x);                     \
-    ASSERT_TRUE(st_.ok()) << #x << ": " << st_; \
-  } while (0)
 
 using cuda_test::DeviceBuffer;
 using cuda_test::Random;

@@ -1,5 +1,6 @@
 // What matmul_attention_cuda_test and context_parallel_cuda_test share: a device array that uploads a host
-// vector and downloads it back (failures are test failures, not exceptions), and the uniform random inputs.
+// vector and downloads it back (failures are test failures, not exceptions), the uniform random inputs, and
+// STATUS_OK (an absl::Status expression asserted ok, the expression and the status in the message).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +12,14 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+
+#define STATUS_OK(x)                            \
+  do {                                          \
+    absl::Status st_ = (x);                     \
+    ASSERT_TRUE(st_.ok()) << #x << ": " << st_; \
+  } while (0)
 
 namespace ptk::cuda::cuda_test {
 
