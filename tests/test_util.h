@@ -35,6 +35,18 @@ class TempDir {
   std::string path_;
 };
 
+// The working directory while it lives (tests whose inputs name relative paths); the previous one after.
+class Chdir {
+ public:
+  explicit Chdir(const std::string& to) : old_(std::filesystem::current_path()) { std::filesystem::current_path(to); }
+  ~Chdir() { std::filesystem::current_path(old_); }
+  Chdir(const Chdir&) = delete;
+  Chdir& operator=(const Chdir&) = delete;
+
+ private:
+  std::filesystem::path old_;
+};
+
 inline std::string SourceDir() { return PTK_SOURCE_DIR; }
 inline std::string BinDir() { return std::string(PTK_BINARY_DIR) + "/bin"; }
 inline std::string Tool(const std::string& name) { return BinDir() + "/" + name; }

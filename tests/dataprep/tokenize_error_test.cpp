@@ -836,10 +836,9 @@ TEST(TokenizeErrors, MergeRerunWithTheSameInputsIsSkipped) {
   EXPECT_NE(gone.output.find(dir / "nope.bin"), std::string::npos) << gone.output;
 }
 
-// ptk-merge --input DIR with its output in DIR: a rerun finds its own output there and leaves it out,
-// however the output is spelled: up to date, not merged into itself.
-TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
-  testing::TempDir dir;
+// dir/parts/p1_text_document and p2_text_document: dir/a.jsonl's two documents tokenized twice by ptk-tokenize,
+// the inputs of the merge tests below.
+void TokenizeTwoParts(const TempDir& dir) {
   std::filesystem::create_directories(dir / "parts");
   testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
   for (const char* p : {"p1", "p2"})
@@ -847,6 +846,13 @@ TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
         RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
             .exit_code,
         0);
+}
+
+// ptk-merge --input DIR with its output in DIR: a rerun finds its own output there and leaves it out,
+// however the output is spelled: up to date, not merged into itself.
+TEST(TokenizeErrors, MergeIntoItsInputDirectoryRerunsAsUpToDate) {
+  testing::TempDir dir;
+  ASSERT_NO_FATAL_FAILURE(TokenizeTwoParts(dir));
   auto merge = [&](const std::string& out) {
     return RunCmd(testing::Tool("ptk-merge") + " --input " + dir / "parts" + " --output-prefix " + out);
   };
@@ -943,13 +949,7 @@ TEST(TokenizeErrors, AnInputWithoutADocumentFailsOnceItIsRead) {
 // merge made from other inputs of this merge is refused, naming both (--inputs: a usage error).
 TEST(TokenizeErrors, AMergeOfInputsIsNotMergedAgainBesideThem) {
   testing::TempDir dir;
-  std::filesystem::create_directories(dir / "parts");
-  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"First\"}\n{\"text\": \"Second\"}\n");
-  for (const char* p : {"p1", "p2"})
-    ASSERT_EQ(
-        RunCmd(Tok(fmt::format("--input {} --output-prefix {}", dir / "a.jsonl", dir / ("parts/" + std::string(p)))))
-            .exit_code,
-        0);
+  ASSERT_NO_FATAL_FAILURE(TokenizeTwoParts(dir));
   const std::string merge = testing::Tool("ptk-merge");
   ASSERT_EQ(RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "parts/m").exit_code, 0);
   auto all = RunCmd(merge + " --input " + dir / "parts" + " --output-prefix " + dir / "all");

@@ -26,6 +26,7 @@ namespace ptk {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::Chdir;
 using testing::TempDir;
 
 const std::string kGolden = testing::SourceDir() + "/tests/data/gpt_dataset/";
@@ -67,15 +68,6 @@ std::vector<Config> Configs() {
   c.push_back(m);
   return c;
 }
-
-class Chdir {
- public:
-  explicit Chdir(const std::string& to) : old_(fs::current_path()) { fs::current_path(to); }
-  ~Chdir() { fs::current_path(old_); }
-
- private:
-  fs::path old_;
-};
 
 // A temporary directory holding a copy of the golden datasets (gpt_data/), and the working directory
 // while it lives: the configs name their data and caches relative to it.

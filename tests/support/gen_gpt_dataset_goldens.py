@@ -82,28 +82,15 @@ def main():
     ap.parse_args()
     megatron_shim.install(training_args=True)
     work = tempfile.mkdtemp(prefix="ptk-gptds-")
-    megatron_shim.offline_gpt2_hub_cache(os.path.join(work, "hf"), ref_env.VOCAB, ref_env.MERGES)
-    shutil.copyfile(ref_env.VOCAB, os.path.join(work, "gpt2-vocab.json"))
-    shutil.copyfile(ref_env.MERGES, os.path.join(work, "gpt2-merges.txt"))
+    megatron_shim.offline_gpt2_workdir(work, ref_env.VOCAB, ref_env.MERGES)
     os.chdir(work)
     write_datasets("gpt_data")
-    # BlendedDataset asks torch.distributed for the rank when it caches: a one-process group.
-    import socket
-    import torch
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    megatron_shim.one_process_gloo_group()
 
-    import argparse as ap2
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    tok = megatron_shim.gpt2_bpe_tokenizer()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
-    p = ap2.ArgumentParser()
-    sys.modules["megatron.training.arguments"]._add_tokenizer_args(p)
-    tok = build_tokenizer(p.parse_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2-vocab.json",
-                                        "--merge-file", "gpt2-merges.txt"]))
 
     if os.path.exists(OUT):
         shutil.rmtree(OUT)

@@ -41,7 +41,6 @@ import ast
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import types
@@ -231,21 +230,11 @@ def main():
     megatron_shim.install(training_args=True)
     ns, nmc = load_megatron_training(args.megatron_lm)
     work = tempfile.mkdtemp(prefix="ptk-rampup-")
-    megatron_shim.offline_gpt2_hub_cache(os.path.join(work, "hf"), ref_env.VOCAB, ref_env.MERGES)
-    shutil.copyfile(ref_env.VOCAB, os.path.join(work, "gpt2-vocab.json"))
-    shutil.copyfile(ref_env.MERGES, os.path.join(work, "gpt2-merges.txt"))
+    megatron_shim.offline_gpt2_workdir(work, ref_env.VOCAB, ref_env.MERGES)
     shutil.copytree(GPT_DATA, os.path.join(work, "gpt_data"))
     os.chdir(work)
-    import torch
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
-    p = argparse.ArgumentParser()
-    sys.modules["megatron.training.arguments"]._add_tokenizer_args(p)
-    tok = build_tokenizer(p.parse_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2-vocab.json",
-                                        "--merge-file", "gpt2-merges.txt"]))
+    megatron_shim.one_process_gloo_group()
+    tok = megatron_shim.gpt2_bpe_tokenizer()
     out = {name: run_case(ns, nmc, name, c, tok, work) for name, c in CASES.items()}
     tmp = OUT + ".tmp"
     with open(tmp, "w") as f:

@@ -96,3 +96,34 @@ def offline_gpt2_hub_cache(cache_dir, vocab, merges):
     os.environ["HF_HUB_CACHE"] = cache_dir
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def offline_gpt2_workdir(work, vocab, merges):
+    """What Megatron's GPT2BPETokenizer needs, offline, in the directory `work`: the Hugging Face cache's
+    "gpt2" (offline_gpt2_hub_cache, under work/hf) and gpt2-vocab.json / gpt2-merges.txt, the relative
+    names gpt2_bpe_tokenizer() gives it (the dataset caches' descriptions record them)."""
+    import shutil
+    offline_gpt2_hub_cache(os.path.join(work, "hf"), vocab, merges)
+    shutil.copyfile(vocab, os.path.join(work, "gpt2-vocab.json"))
+    shutil.copyfile(merges, os.path.join(work, "gpt2-merges.txt"))
+
+
+def one_process_gloo_group():
+    """A torch.distributed gloo group of this one process: BlendedDataset asks it for the rank when it caches."""
+    import socket
+    import torch
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def gpt2_bpe_tokenizer():
+    """Megatron's GPT2BPETokenizer from its build_tokenizer and its own tokenizer flags (install(training_args=True)
+    first), over gpt2-vocab.json and gpt2-merges.txt in the working directory (offline_gpt2_workdir)."""
+    import argparse
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    p = argparse.ArgumentParser()
+    sys.modules["megatron.training.arguments"]._add_tokenizer_args(p)
+    return build_tokenizer(p.parse_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2-vocab.json",
+                                         "--merge-file", "gpt2-merges.txt"]))

@@ -16,12 +16,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "tests/trainer/attention_cuda_test_util.h"
 #include "trainer/counter_rng.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cuda/ops_cuda.h"
@@ -30,36 +30,8 @@
 namespace ptk::cuda {
 namespace {
 
-#define STATUS_OK(x)                            \
-  do {                                          \
-    absl::Status st_ = (x);                     \
-    ASSERT_TRUE(st_.ok()) << #x << ": " << st_; \
-  } while (0)
-
-template <typename T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t n) : n_(n) {
-    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
-  }
-  explicit DeviceBuffer(const std::vector<T>& h) : DeviceBuffer(h.size()) {
-    EXPECT_EQ(cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceBuffer() { cudaFree(p_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  std::vector<T> Download() const {
-    std::vector<T> h(n_);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-  T* get() const { return p_; }
-
- private:
-  T* p_ = nullptr;
-  size_t n_;
-};
+using cuda_test::DeviceBuffer;
+using cuda_test::Random;
 
 // A context as the CUDA model makes one in fp32: stream, cuBLAS with pedantic math.
 class Gpu {
@@ -80,14 +52,6 @@ class Gpu {
   Gpu& operator=(const Gpu&) = delete;
   CudaContext ctx;
 };
-
-std::vector<float> Random(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
 
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;

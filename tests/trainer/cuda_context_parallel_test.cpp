@@ -47,6 +47,19 @@ std::vector<V> Rows(const V* x, int64_t b, int64_t t, const std::vector<int64_t>
   return out;
 }
 
+// A subgroup of the world and its device collectives staged through the host.
+struct StagedGroup {
+  std::unique_ptr<Communicator> group;
+  std::unique_ptr<StagedDeviceCollectives> collectives;
+};
+
+void Stage(Communicator* world, const std::vector<int>& members, const std::string& name, StagedGroup* out) {
+  auto g = world->Subgroup(members, name);
+  ASSERT_TRUE(g.ok()) << g.status();
+  out->group = std::move(*g);
+  out->collectives = std::make_unique<StagedDeviceCollectives>(out->group.get());
+}
+
 // One training pass (ZeroGrads, ForwardBackward with dropout's seed 99) over batch 0 at context size C and tensor
 // size T (world rank r: tensor rank r % T, context rank r / T, Megatron's tp-cp order): the loss sums and token
 // counts of one tensor rank per context rank added, each context rank's gradients gathered from its tensor
@@ -63,22 +76,15 @@ CpRun Run(const GPTConfig& c, int C, int T = 1) {
     std::vector<int> tensor_members, context_members;
     for (int i = 0; i < T; ++i) tensor_members.push_back(cr * T + i);
     for (int q = 0; q < C; ++q) context_members.push_back(tr + q * T);
-    std::unique_ptr<Communicator> tensor_group, context_group;
-    std::unique_ptr<StagedDeviceCollectives> tensor, context;
+    StagedGroup tensor, context;
     cuda::CudaModelOptions o;
     if (T > 1) {
-      auto g = world->Subgroup(tensor_members, "tensor");
-      ASSERT_TRUE(g.ok()) << g.status();
-      tensor_group = std::move(*g);
-      tensor = std::make_unique<StagedDeviceCollectives>(tensor_group.get());
-      o.tensor = tensor.get();
+      ASSERT_NO_FATAL_FAILURE(Stage(world, tensor_members, "tensor", &tensor));
+      o.tensor = tensor.collectives.get();
     }
     if (C > 1) {
-      auto g = world->Subgroup(context_members, "context");
-      ASSERT_TRUE(g.ok()) << g.status();
-      context_group = std::move(*g);
-      context = std::make_unique<StagedDeviceCollectives>(context_group.get());
-      o.context = context.get();
+      ASSERT_NO_FATAL_FAILURE(Stage(world, context_members, "context", &context));
+      o.context = context.collectives.get();
     }
     std::unique_ptr<GPTModel> model = cuda_model_test::Cuda(c, Precision::kFp32, /*deterministic=*/true, o);
     ASSERT_NE(model, nullptr);

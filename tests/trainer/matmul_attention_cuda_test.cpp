@@ -25,13 +25,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "tests/trainer/attention_cuda_test_util.h"
 #include "trainer/cpu/ops_cpu.h"
 #include "trainer/cuda/launch_math.h"
 #include "trainer/cuda/ops_cuda.h"
@@ -41,40 +41,11 @@ namespace ptk::cuda {
 namespace {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
-#define STATUS_OK(x)                            \
-  do {                                          \
-    absl::Status st_ = (x);                     \
-    ASSERT_TRUE(st_.ok()) << #x << ": " << st_; \
-  } while (0)
 
-// ---- device memory and context -------------------------------------------------------------------
+using cuda_test::DeviceBuffer;
+using cuda_test::Random;
 
-template <typename T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t n) : n_(n) {
-    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
-  }
-  explicit DeviceBuffer(const std::vector<T>& h) : DeviceBuffer(h.size()) { Upload(h); }
-  ~DeviceBuffer() { cudaFree(p_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void Upload(const std::vector<T>& h) {
-    EXPECT_EQ(h.size(), n_);
-    EXPECT_EQ(cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  std::vector<T> Download() const {
-    std::vector<T> h(n_);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-  T* get() const { return p_; }
-
- private:
-  T* p_ = nullptr;
-  size_t n_;
-};
+// ---- the context -------------------------------------------------------------------------------
 
 // A context as the CUDA model makes one: stream, cuBLAS (pedantic math), cuBLASLt, 64 MiB workspace.
 class Gpu {
@@ -110,13 +81,6 @@ class Gpu {
 
 // ---- host data ---------------------------------------------------------------------------------
 
-std::vector<float> Random(size_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
 template <typename T>
 std::vector<T> ToT(const std::vector<float>& v) {
   std::vector<T> o(v.size());

@@ -24,18 +24,10 @@ namespace ptk {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::Chdir;
 
 const std::string kGolden = testing::SourceDir() + "/tests/data/trainer/rampup_order.json";
 const std::string kGptData = testing::SourceDir() + "/tests/data/gpt_dataset/gpt_data";
-
-class Chdir {
- public:
-  explicit Chdir(const std::string& to) : old_(fs::current_path()) { fs::current_path(to); }
-  ~Chdir() { fs::current_path(old_); }
-
- private:
-  fs::path old_;
-};
 
 std::vector<int64_t> Ints(simdjson::dom::element e) {
   std::vector<int64_t> v;

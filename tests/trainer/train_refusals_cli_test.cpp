@@ -38,6 +38,13 @@ class TrainRefusals : public ::testing::Test {
            " --threads 2 --train-iters " +
            std::to_string(iters) + " " + extra;
   }
+  // Train(extra) without its --eval-iters 1: Megatron's default --eval-iters (100), the flag not given.
+  std::string TrainWithDefaultEvalIters(const std::string& extra) {
+    const std::string given = " --eval-iters 1";
+    std::string cmd = Train(extra);
+    cmd.erase(cmd.find(given), given.size());
+    return cmd;
+  }
   std::string Data() const { return " --data-path " + ShellQuote(prefix_); }
   // The lines of `out` that start with "ptk-train: error:" or "ptk-train: usage error:".
   static std::vector<std::string> Errors(const std::string& out) {
@@ -200,9 +207,7 @@ TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
   }
   // Megatron's default --eval-iters (100) with a split without validation: no refusal (the flag was
   // not given), and a note that nothing is evaluated (Megatron's first evaluation fails there).
-  std::string defaults = Train(Data() + " --split 100,0,0");
-  defaults.erase(defaults.find(" --eval-iters 1"), 15);
-  auto quiet = RunCmd(defaults);
+  auto quiet = RunCmd(TrainWithDefaultEvalIters(Data() + " --split 100,0,0"));
   EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
   EXPECT_NE(quiet.output.find("note: nothing is evaluated: the run has no validation data (--split 100,0,0 gives it "
                               "no part), where Megatron's first evaluation fails with its default --eval-iters 100"),
@@ -224,9 +229,7 @@ TEST_F(TrainRefusals, AValidationPartTooSmallForTheSplitMatrixIsNamed) {
             "999999999999999999999,1,1 gives it 1e-21 of the data, too small beside the other parts for a double's "
             "sums: its range in the split matrix, [1.0, 1.0), is empty (Megatron's too)), so nothing would be "
             "evaluated; give --split a validation part (e.g. 98,2,0), or --eval-iters 0");
-  std::string defaults = Train(Data() + split);
-  defaults.erase(defaults.find(" --eval-iters 1"), 15);
-  auto noted = RunCmd(defaults);
+  auto noted = RunCmd(TrainWithDefaultEvalIters(Data() + split));
   EXPECT_EQ(noted.exit_code, 0) << noted.output;
   EXPECT_NE(noted.output.find("note: nothing is evaluated: the run has no validation data (--split "
                               "999999999999999999999,1,1 gives it 1e-21 of the data"),

@@ -1,0 +1,62 @@
+// What matmul_attention_cuda_test and context_parallel_cuda_test share: a device array that uploads a host
+// vector and downloads it back (failures are test failures, not exceptions), the uniform random inputs, and
+// STATUS_OK (an absl::Status expression asserted ok, the expression and the status in the message).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+
+#define STATUS_OK(x)                            \
+  do {                                          \
+    absl::Status st_ = (x);                     \
+    ASSERT_TRUE(st_.ok()) << #x << ": " << st_; \
+  } while (0)
+
+namespace ptk::cuda::cuda_test {
+
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) : n_(n) {
+    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
+  }
+  explicit DeviceBuffer(const std::vector<T>& h) : DeviceBuffer(h.size()) { Upload(h); }
+  ~DeviceBuffer() { cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void Upload(const std::vector<T>& h) {
+    EXPECT_EQ(h.size(), n_);
+    EXPECT_EQ(cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<T> Download() const {
+    std::vector<T> h(n_);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+// n floats uniform in [lo, hi) from mt19937_64(seed).
+inline std::vector<float> Random(size_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+}  // namespace ptk::cuda::cuda_test
