@@ -24,6 +24,7 @@
 #include <fmt/core.h>
 
 #include "common/atomic_file.h"
+#include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
@@ -472,6 +473,16 @@ absl::Status CheckOutputDirectory(const std::string& flag, const std::string& pr
   if (PathExists(p) && !IsDirectory(p))
     return absl::FailedPreconditionError(fmt::format("{} {}: {} is not a directory", flag, prefix, p));
   return absl::NotFoundError(fmt::format("{} {}: directory {} does not exist", flag, prefix, dir));
+}
+
+absl::Status CreateOutputDirectory(const std::string& flag, const std::string& prefix) {
+  absl::Status st = CheckOutputDirectory(flag, prefix);
+  if (!absl::IsNotFound(st)) return st;
+  const std::string dir = Dirname(prefix);
+  absl::Status made = MakeDirs(dir);
+  if (made.ok()) return made;
+  return absl::Status(made.code(),
+                      fmt::format("{} {}: cannot create directory {}: {}", flag, prefix, dir, StatusMessage(made)));
 }
 
 absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint) {
