@@ -176,6 +176,8 @@ TEST(TokenizeErrors, InputsThatYieldNoDocumentFailWithTheCause) {
       {"pretty.json", "{\n  \"text\": \"a\"\n}\n", "", "pretty-printed JSON"},
       {"random.bin", random, "", "does not look like text"},
       {"empty.jsonl", "", "", "no document in it (empty file)"},
+      // A file of blank lines was reported as an empty file.
+      {"blank.jsonl", "\n  \n\t\n", "", "no document in it (3 blank lines, nothing else)"},
       {"packed.jsonl.bz2", "BZh91AY&SY", "", "bzip2 data, which ptk does not read"},
   };
   for (const auto& c : cases) {
