@@ -24,6 +24,7 @@
 #include <fmt/core.h>
 
 #include "common/atomic_file.h"
+#include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
 #include "common/output_lock.h"
@@ -384,6 +385,29 @@ bool IsRepeatable(const CLI::App& app, const std::string& key) {
 
 CLI::Option* Repeatable(CLI::Option* opt) { return opt->multi_option_policy(CLI::MultiOptionPolicy::TakeAll); }
 
+namespace {
+// Flushes standard output: what failed to be written there (a full disk, a closed pipe's EPIPE aside
+// from SIGPIPE) as a status naming it. `earlier`: the errno of a write that failed before, if known.
+absl::Status FlushStdout(int earlier = 0) {
+  errno = 0;
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return absl::OkStatus();
+  int e = errno != 0 ? errno : earlier;  // 0 when a write failed earlier, unknown, and the flush had nothing left
+  struct statvfs vfs {};
+  if (e == 0 && ::fstatvfs(STDOUT_FILENO, &vfs) == 0 && vfs.f_bavail == 0) e = ENOSPC;
+  return e != 0 ? ErrnoToStatus(e, "write standard output")
+                : absl::InternalError("write standard output failed (a full disk, or an output that was closed?)");
+}
+
+// What --help and --version return once printed: exit 0, or the write's failure as every tool's output
+// errors end (exit 3 for a full disk), not 0 with the text lost.
+int PrintedExit(const CLI::App& app, int print_errno) {
+  absl::Status st = FlushStdout(print_errno);
+  if (st.ok()) return kExitOk;
+  std::fprintf(stderr, "%s: error: %s\n", app.get_name().c_str(), std::string(StatusMessage(st)).c_str());
+  return ExitCodeFor(st);
+}
+}  // namespace
+
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   // Every tool: a file-size limit (ulimit -f, a quota) must surface as EFBIG, handled like a full
   // disk (exit 3, the file named, nothing half-written), not kill the process.
@@ -413,14 +437,17 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(static_cast<int>(cargv.size()), cargv.data());
   } catch (const CLI::CallForHelp&) {
+    errno = 0;
     std::fputs(app.help().c_str(), stdout);
-    return kExitOk;
+    return PrintedExit(app, errno);
   } catch (const CLI::CallForAllHelp&) {
+    errno = 0;
     std::fputs(app.help("", CLI::AppFormatMode::All).c_str(), stdout);
-    return kExitOk;
+    return PrintedExit(app, errno);
   } catch (const CLI::CallForVersion&) {
+    errno = 0;
     std::puts(app.version().c_str());
-    return kExitOk;
+    return PrintedExit(app, errno);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
                  e.what());
@@ -472,6 +499,16 @@ absl::Status CheckOutputDirectory(const std::string& flag, const std::string& pr
   if (PathExists(p) && !IsDirectory(p))
     return absl::FailedPreconditionError(fmt::format("{} {}: {} is not a directory", flag, prefix, p));
   return absl::NotFoundError(fmt::format("{} {}: directory {} does not exist", flag, prefix, dir));
+}
+
+absl::Status CreateOutputDirectory(const std::string& flag, const std::string& prefix) {
+  absl::Status st = CheckOutputDirectory(flag, prefix);
+  if (!absl::IsNotFound(st)) return st;
+  const std::string dir = Dirname(prefix);
+  absl::Status made = MakeDirs(dir);
+  if (made.ok()) return made;
+  return absl::Status(made.code(),
+                      fmt::format("{} {}: cannot create directory {}: {}", flag, prefix, dir, StatusMessage(made)));
 }
 
 absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint) {
@@ -544,15 +581,7 @@ int RunMain(const std::function<absl::Status()>& body) {
   }
   // What a tool prints on standard output is a product (a chunk list, a document, a sample, the
   // training log): on a full disk it must not end with exit 0 and the output cut or empty.
-  errno = 0;
-  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
-    int e = errno;  // 0 when the write failed earlier (a main that flushes each line) and the flush had nothing left
-    struct statvfs vfs {};
-    if (e == 0 && ::fstatvfs(STDOUT_FILENO, &vfs) == 0 && vfs.f_bavail == 0) e = ENOSPC;
-    if (st.ok())
-      st = e != 0 ? ErrnoToStatus(e, "write standard output")
-                  : absl::InternalError("write standard output failed (a full disk, or an output that was closed?)");
-  }
+  if (absl::Status out = FlushStdout(); st.ok()) st = out;
   if (st.ok()) return kExitOk;
   std::string msg(StatusMessage(st));
   if (IsUsageError(st)) {

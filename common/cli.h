@@ -90,6 +90,11 @@ absl::Status CheckOutputPrefix(const std::string& flag, const std::string& prefi
 // directory above it), "FLAG PREFIX: PATH is not a directory".
 absl::Status CheckOutputDirectory(const std::string& flag, const std::string& prefix);
 
+// The directory an output prefix is in, created when missing (as ptk-extract and ptk-concat create their
+// --output-dir): CheckOutputDirectory's "is not a directory" where a file stands in the way, else
+// "FLAG PREFIX: cannot create directory DIR: why".
+absl::Status CreateOutputDirectory(const std::string& flag, const std::string& prefix);
+
 // A file a flag names, when given, must be a file that can be read: otherwise a NotFound "FLAG
 // PATH: no such file" (is a directory, cannot be read), followed by "; " and `hint` when one is given.
 absl::Status CheckInputFile(const std::string& flag, const std::string& path, const std::string& hint = "");

@@ -148,6 +148,21 @@ bool IsOutputBusy(const absl::Status& status) {
   return status.code() == absl::StatusCode::kAborted && StatusMessage(status).find(kBusyTag) != std::string_view::npos;
 }
 
+namespace {
+// Whether `rest` (a name past TARGET) is one of ptk's temporaries of TARGET: `.ptk-tmp` or `.ptk-verify`,
+// alone or followed by `-...` (AtomicFileWriter's `-PID-RANDOM`), directly or after the sidecar's
+// `.ptk-done`. A user's `TARGET.ptk-tmpl` or `TARGET.ptk-verifying` is not.
+bool IsStaleTemporarySuffix(std::string_view rest) {
+  if (rest.rfind(".ptk-done", 0) == 0) rest.remove_prefix(std::string_view(".ptk-done").size());
+  for (std::string_view marker : {std::string_view(".ptk-tmp"), std::string_view(".ptk-verify")}) {
+    if (rest.rfind(marker, 0) != 0) continue;
+    const std::string_view tail = rest.substr(marker.size());
+    if (tail.empty() || tail[0] == '-') return true;
+  }
+  return false;
+}
+}  // namespace
+
 void RemoveStaleTemporaries(const std::string& target, const std::string& keep) {
   const std::string dir = Dirname(target);
   const std::string base = Basename(target);
@@ -156,11 +171,9 @@ void RemoveStaleTemporaries(const std::string& target, const std::string& keep) 
   while (dirent* e = ::readdir(d)) {
     std::string_view name = e->d_name;
     if (name.rfind(base, 0) != 0) continue;
-    const std::string_view rest = name.substr(base.size());  // ".ptk-tmp-...", ".ptk-done.ptk-tmp-...", ...
-    if (rest.rfind(".ptk-", 0) != 0) continue;
     if (!keep.empty() && name == Basename(keep)) continue;
-    if (rest.find(".ptk-tmp") != std::string_view::npos || rest.find(".ptk-verify") != std::string_view::npos)
-      ::unlinkat(::dirfd(d), e->d_name, 0);
+    // ".ptk-tmp-...", ".ptk-done.ptk-tmp-...", ...
+    if (IsStaleTemporarySuffix(name.substr(base.size()))) ::unlinkat(::dirfd(d), e->d_name, 0);
   }
   ::closedir(d);
 }

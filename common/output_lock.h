@@ -47,8 +47,9 @@ void RemoveLiveLocks();
 // True for the status Acquire returns when another run holds the lock.
 bool IsOutputBusy(const absl::Status& status);
 
-// Removes what killed writers of `target` left behind: `TARGET.ptk-tmp*`, `TARGET.ptk-verify*` and
-// the temporaries of its sidecars (`TARGET.ptk-done.ptk-tmp*`).
+// Removes what killed writers of `target` left behind: `TARGET.ptk-tmp[-*]`, `TARGET.ptk-verify[-*]` and
+// the temporaries of its sidecar (`TARGET.ptk-done.ptk-tmp[-*]`); nothing else (a user's
+// `TARGET.ptk-tmpl` stays).
 // Call only while holding the target's OutputLock (no live writer can own them then).
 // `keep`: one path to leave (a temporary that a resumed writer continues).
 void RemoveStaleTemporaries(const std::string& target, const std::string& keep = "");

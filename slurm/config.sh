@@ -8,12 +8,15 @@
 #   PTK_BIN               ptk binaries        (default: bin/ of the install tree these scripts are in, else
 #                                             build/bin of this checkout)
 #   HF_REPO               cerebras/SlimPajama-627B      HF_REPO_TYPE dataset   HF_REVISION main
-#   HF_INCLUDE            'train/**'          HF_EXCLUDE (unset)   HF_ENDPOINT / HF_TOKEN as for huggingface_hub
+#   HF_INCLUDE            'train/**' (empty: the same)  HF_EXCLUDE (unset)   HF_ENDPOINT / HF_TOKEN as for huggingface_hub
 #   VALID_SUBDIR          validation          the repo folder of the validation split (SlimPajama's validation/):
 #                         downloaded too, kept out of the chunks, tokenized into
 #                         preprocessed/${VALID_SUBDIR}_text_document; training evaluates on it
 #                         (--train-data-path + --valid-data-path). Empty, or no such folder: no
 #                         validation split (training splits --data-path by --split).
+#   HELDOUT_SUBDIRS       "validation test"   repo folders never put into the training chunks (SlimPajama's held-out
+#                         splits), whatever HF_INCLUDE downloaded (HF_INCLUDE='**' fetches test/ too); VALID_SUBDIR
+#                         is always held out. Empty: only VALID_SUBDIR.
 #   DOWNLOAD_PARTITION    htc                 DOWNLOAD_TASKS 1     DOWNLOAD_JOBS 16    DOWNLOAD_VERIFY 0
 #   PREP_PARTITION        hpc                 (extract, concat, tokenize)
 #   EXTRACT_TASKS 32      EXTRACT_CONCURRENCY 8    EXTRACT_JOBS 4    DROP_SETS "" (e.g. RedPajamaBook)
@@ -48,6 +51,7 @@ fi
 : "${HF_INCLUDE:=train/**}"
 : "${HF_EXCLUDE:=}"
 : "${VALID_SUBDIR=validation}"
+: "${HELDOUT_SUBDIRS=validation test}"
 : "${DOWNLOAD_PARTITION:=${PARTITION:-htc}}"
 : "${DOWNLOAD_TASKS:=1}"
 : "${DOWNLOAD_JOBS:=16}"
@@ -94,6 +98,12 @@ STAGES="download extract concat-plan concat tokenize train"
 VALID_DIR="$EXTRACT_DIR/$VALID_SUBDIR"                      # the extracted validation split
 VALID_DATASET="$PREPROCESSED_DIR/${VALID_SUBDIR}_text_document"
 
+# Whether an extracted top-level entry is a held-out split (VALID_SUBDIR, HELDOUT_SUBDIRS): never training data.
+ptk_is_heldout() {
+  local name=${1##*/} h
+  for h in $VALID_SUBDIR $HELDOUT_SUBDIRS; do [ "$name" = "$h" ] && return 0; done
+  return 1
+}
 # Whether this run has a validation split: configured, and its folder was extracted.
 ptk_has_valid() { [ -n "$VALID_SUBDIR" ] && [ -d "$VALID_DIR" ]; }
 # What a dataset is made from, as its stamp records it: a chunk's sidecar, or for the validation

@@ -37,21 +37,29 @@ else
 fi
 # extract: inputs vs outputs whose sidecar matches the input as it is now (size and mtime): an
 # output of an input that changed since (a re-download, a corrupted file) is stale, not extracted.
-# (a sidecar names its input by its absolute, normal path: realpath -s -m spells RAW_DIR so)
-raw_abs=$(realpath -s -m -- "$RAW_DIR" 2>/dev/null || echo "$RAW_DIR")
-n_in=$(find "$raw_abs" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) 2>/dev/null | wc -l)
-read -r n_out n_stale < <({
-  find "$raw_abs" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) -printf 'IN\t%p\t%s\t%T@\n'
-  find "$EXTRACT_DIR" -type f -name '*.ptk-done' -exec cat {} + ; } 2>/dev/null | awk -F'\t' '
-  $1 == "IN" { split($4, t, "."); cur[$2] = $3 " " t[1] substr(t[2] "000000000", 1, 9); next }
-  match($0, /"source": "[^"]*"/) {
-    src = substr($0, RSTART + 11, RLENGTH - 12)
-    match($0, /"source_size": [0-9]+/); sz = substr($0, RSTART + 15, RLENGTH - 15)
-    match($0, /"source_mtime_ns": [0-9]+/); mt = substr($0, RSTART + 19, RLENGTH - 19)
-    side[src] = sz " " mt }
-  END { ok = 0; stale = 0
-        for (s in side) { if (!(s in cur) || cur[s] == side[s]) ok++; else stale++ }  # gone: --delete-input
-        print ok, stale }')
+# Each input's output is where extract.sbatch puts it (EXTRACT_DIR/REL without .zst/.xz/.gz); names go
+# NUL-separated and the sidecars are read by bash itself, so a name with a quote, a tab or a newline
+# counts once (a sidecar's "source" is JSON-escaped: it is not compared). A sidecar whose input is gone
+# (--delete-input) counts as extracted.
+n_in=0; n_out=0; n_stale=0; n_matched=0
+while IFS= read -r -d '' rel && IFS= read -r -d '' size && IFS= read -r -d '' mtime; do
+  n_in=$((n_in + 1))
+  side="$EXTRACT_DIR/${rel%.*}.ptk-done"
+  [ -f "$side" ] || continue
+  n_matched=$((n_matched + 1))
+  body=""
+  IFS= read -r -d '' body < "$side" || true
+  [[ $mtime == *.* ]] || mtime="$mtime.0"
+  frac="${mtime#*.}000000000"
+  if [[ $body =~ \"source_size\":\ ([0-9]+) ]] && [ "${BASH_REMATCH[1]}" = "$size" ] &&
+     [[ $body =~ \"source_mtime_ns\":\ ([0-9]+) ]] && [ "${BASH_REMATCH[1]}" = "${mtime%%.*}${frac:0:9}" ]; then
+    n_out=$((n_out + 1))
+  else
+    n_stale=$((n_stale + 1))
+  fi
+done < <(find "$RAW_DIR/" -type f \( -name '*.zst' -o -name '*.xz' -o -name '*.gz' \) -printf '%P\0%s\0%T@\0' 2>/dev/null)
+n_side=$(find "$EXTRACT_DIR" -type f -name '*.ptk-done' -printf '.' 2>/dev/null | wc -c)
+n_out=$((n_out + n_side - n_matched))
 line extract "$n_out of $n_in files extracted${n_stale:+$([ "$n_stale" -gt 0 ] && echo ", $n_stale stale (the input changed since)")}"
 [ "$n_in" -gt 0 ] && [ "$n_out" -ge "$n_in" ] && [ "${n_stale:-0}" -eq 0 ] || complete=0
 # concat: the plan's chunks with a sidecar; any other chunk in CHUNK_DIR is an error (not this plan's data)

@@ -180,6 +180,12 @@ out=$("$BIN/ptk-concat" list --plan "$T/c/concat-plan.json" 2>&1 >/dev/full); rc
   { echo "FAIL: ptk-concat list > /dev/full: rc $rc: $out"; fail=1; }
 out=$("$BIN/ptk-inspect" "$T/c/train_00.jsonl" 2>&1 >/dev/full); rc=$?
 [ "$rc" = 1 ] && [[ $out != *"standard output"* ]] || { echo "FAIL: a failure keeps its own message: rc $rc: $out"; fail=1; }
+# --help and --version are output too: to a full disk they fail as the rest does (exit 3), not exit 0.
+for flag in --help --version; do
+  out=$("$BIN/ptk-tokenize" $flag 2>&1 >/dev/full); rc=$?
+  [ "$rc" = 3 ] && [[ $out == *"write standard output: No space left on device"* ]] ||
+    { echo "FAIL: ptk-tokenize $flag > /dev/full: rc $rc: $out"; fail=1; }
+done
 # A flag given twice takes its last occurrence in every tool, a list flag its last list (as argparse):
 # ptk-inspect refused --doc twice, ptk-tokenize read both --input lists.
 out=$("$BIN/ptk-tokenize" --input "$T/nope.jsonl" --input "$T/in/a.jsonl" --output-prefix "$T/tw" --quiet 2>&1); rc=$?

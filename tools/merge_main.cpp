@@ -36,7 +36,6 @@ int main(int argc, char** argv) {
   return ptk::cli::RunMain([&]() -> absl::Status {
     if (input_dir.empty() && inputs.empty()) return ptk::UsageError("give --input DIR or --inputs PREFIX...");
     PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputPrefix("--output-prefix", output_prefix, ".bin"));
-    PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputDirectory("--output-prefix", output_prefix));
     if (!input_dir.empty()) {
       if (!ptk::IsDirectory(input_dir))
         return absl::NotFoundError(fmt::format(
@@ -76,6 +75,8 @@ int main(int argc, char** argv) {
               "give the output a prefix of its own",
               output_prefix, in, (*file)(in)));
       }
+    // A missing output directory is created (as ptk-tokenize's), once the inputs are known.
+    PTK_RETURN_IF_ERROR(ptk::cli::CreateOutputDirectory("--output-prefix", output_prefix));
     PTK_ASSIGN_OR_RETURN(const std::string source, ptk::MergeSource(inputs, multimodal));
     int64_t documents = 0, tokens = 0;
     if (!force && ptk::DatasetMadeFrom(output_prefix, source, &documents, &tokens)) {

@@ -139,8 +139,10 @@ absl::Status CheckFlags(const ptk::cli::Refusals& refused, TokenizeFlags& f) {
           "--output-prefix {} for {}",
           f.opt.output_prefix, tail, ptk::OutputPrefixFor(f.opt.output_prefix, key),
           f.opt.output_prefix.substr(0, f.opt.output_prefix.size() - tail.size()), f.opt.output_prefix);
-  PTK_RETURN_IF_ERROR(ptk::cli::CheckOutputDirectory("--output-prefix", f.opt.output_prefix));
   PTK_ASSIGN_OR_RETURN(f.opt.inputs, ptk::ExpandTokenizeInputs(f.inputs, f.files_filter));
+  // A missing output directory is created (as ptk-extract's and ptk-concat's --output-dir), once the
+  // inputs are known to exist: before any tokenizing.
+  PTK_RETURN_IF_ERROR(ptk::cli::CreateOutputDirectory("--output-prefix", f.opt.output_prefix));
   f.opt.workers = f.workers;
   if (f.workers_opt->count() == 0) {
     if (!f.quiet)

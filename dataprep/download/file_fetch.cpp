@@ -93,6 +93,9 @@ class PartFile {
   // A response that does not fit this `.part` (a wrong Content-Range, a body longer than the file,
   // an encoded body): the transfer was stopped and the bytes must not be kept.
   const std::string& problem() const { return problem_; }
+  // The size of the whole object a 200 sent (asked without Range) when it is not the listed one: no
+  // attempt can mend that.
+  const std::optional<uint64_t>& server_size() const { return server_size_; }
 
   // Whether the bytes of the `.part` may be continued with a Range request. A resume must be able
   // to prove that it continues the same object: a strong ETag (sent as If-Range, and required on
@@ -117,6 +120,9 @@ class PartFile {
       if (!cl.empty()) {
         length = ParseUint64(cl);
         if (!length) return Refuse(fmt::format("Content-Length {:?}", cl));
+        // Asked without Range, the whole object of another size: the listed size is wrong, and no retry
+        // mends that. (A 200 to a Range request may be a misbehaving server's slice: started over.)
+        if (f_.size_known && attempt_start_ == 0 && *length != f_.size) return RefuseSize(*length);
         if (size_known_ && *length != expected_)
           return Refuse(
               fmt::format("a 200 of {} bytes for a file of {} bytes (Content-Range {:?})", *length, expected_, cr));
@@ -228,6 +234,10 @@ class PartFile {
     problem_ = std::move(why);
     return false;
   }
+  bool RefuseSize(uint64_t server) {
+    server_size_ = server;
+    return Refuse("size mismatch");
+  }
 
   const RemoteFile& f_;
   const std::string path_, meta_path_;
@@ -240,6 +250,7 @@ class PartFile {
   bool size_known_;
   bool meta_ok_ = false;  // the record on disk is this `.part`'s
   std::string etag_, problem_;
+  std::optional<uint64_t> server_size_;
   absl::Status write_error_;
 };
 
@@ -310,6 +321,7 @@ class FileFetch {
 
   // What the answer means: true when the file is in place; false to try again.
   absl::StatusOr<bool> OnResponse(const HttpResponse& resp, bool hub, bool progressed) {
+    if (part_.server_size()) return SizeMismatch();
     if (!part_.problem().empty()) {  // a response that does not fit: start over without Range
       part_.Discard();
       PTK_RETURN_IF_ERROR(budget_.Again(fmt::format("bad partial response ({})", part_.problem()), 0));
@@ -347,6 +359,16 @@ class FileFetch {
       return false;
     }
     return absl::UnavailableError(fmt::format("{}: {}", url_, HubErrorText(resp)));
+  }
+
+  // The server's size is not the listed one: definite, so no retries, and nothing of it kept.
+  absl::Status SizeMismatch() {
+    part_.Discard();
+    const std::string listed = f_.url.empty()
+                                   ? fmt::format("the repo listing says {} bytes (a stale listing?)", f_.size)
+                                   : fmt::format("the --url-list gives size={}", f_.size);
+    return absl::FailedPreconditionError(fmt::format("{}: the server's file is {} bytes, {}; not downloaded",
+                                                     f_.url.empty() ? url_ : f_.url, *part_.server_size(), listed));
   }
 
   // A redirect, checked against what the listing says of the file (the Hub's X-Linked-* headers).
@@ -459,7 +481,11 @@ FileResult FileDownloader::Run(const RemoteFile& f) {
     }
     PartFile part(f, hasher_, progress_);
     PTK_RETURN_IF_ERROR(part.Open());
-    return FileFetch(*this, f, part, res, lock).Run();
+    absl::Status st = FileFetch(*this, f, part, res, lock).Run();
+    // Failed with nothing received (a 404, a size mismatch): no empty `.part` is left; one with bytes
+    // stays for the next run to resume.
+    if (!st.ok() && lock && part.offset() == 0) RemovePartOf(f);
+    return st;
   }();
   res.ok = res.error.ok();
   // A full disk stops the whole run (no other file can be written either).

@@ -63,6 +63,9 @@ bool TooManyBad(int64_t bad, int64_t records, double max_bad_fraction) {
 absl::Status CheckFileWasRead(const TokenizeOptions& opt, const FileTally& t, size_t f) {
   if (t.documents > 0) return absl::OkStatus();
   const std::string& name = opt.inputs[f];
+  if (t.bad == 0 && t.blank > 0)  // a file of blank lines is not an empty one
+    return absl::FailedPreconditionError(
+        fmt::format("{}: no document in it ({} blank line{}, nothing else)", name, t.blank, t.blank == 1 ? "" : "s"));
   if (t.bad == 0) return absl::FailedPreconditionError(fmt::format("{}: no document in it (empty file)", name));
   return absl::FailedPreconditionError(
       fmt::format("{}: no document could be read: {} records, none usable{}; first: {}", name, t.bad,
@@ -420,7 +423,9 @@ absl::Status DocumentSink::Consume(const Batch& b) {
   FileTally& tally = tallies_[static_cast<size_t>(b.file)];
   for (size_t i = 0; i < b.lines.size(); ++i) {
     const std::string_view line(b.data.get() + b.lines[i].off, b.lines[i].len);
-    if (tally.first_line.empty() && b.status[i] != RecordStatus::kBlank)
+    if (b.status[i] == RecordStatus::kBlank)
+      ++tally.blank;
+    else if (tally.first_line.empty())
       tally.first_line = std::string(line.substr(0, 256));
     if (b.status[i] != RecordStatus::kOk) {
       ++stats_.skipped;

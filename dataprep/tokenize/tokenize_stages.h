@@ -189,6 +189,7 @@ class BatchEncoder {
 // What the sink saw of one input: enough to fail a run that read nothing, and to say why.
 struct FileTally {
   int64_t documents = 0, bad = 0;  // bad: records that could not be read (blank lines aside)
+  int64_t blank = 0;               // blank lines (whitespace only)
   std::string first_line;          // the first non-blank line's beginning
   std::string first_bad;           // "file:line: message" of the first bad record
   std::string keys_seen;           // the keys of the first record that lacked a --json-keys key

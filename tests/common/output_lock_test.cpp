@@ -4,6 +4,8 @@
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <string>
+#include <vector>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
@@ -108,6 +110,20 @@ TEST(OutputLock, StaleTemporariesAreRemoved) {
   EXPECT_FALSE(testing::Exists(out + ".ptk-done.ptk-tmp-9-ff"));
   EXPECT_TRUE(testing::Exists(out + ".ptk-done"));
   EXPECT_TRUE(testing::Exists(dir / "x.jsonl2.ptk-tmp-1-2"));
+}
+
+// Only ptk's own temporary names go: a user's file that merely starts like one (ptk-download keeps
+// `z.jsonl.ptk-tmpl`, not a name of ptk's) was deleted when a tool later wrote `z.jsonl` beside it.
+TEST(OutputLock, StaleTemporaryCleanupLeavesUserFiles) {
+  TempDir dir;
+  const std::string out = dir / "z.jsonl";
+  const std::vector<std::string> users = {".ptk-tmpl",          ".ptk-tmp_notes",        ".ptk-verifying",
+                                          ".ptk-done.ptk-tmpx", ".ptk-tmpl.ptk-tmp-1-2", ".ptk-resume.txt"};
+  for (const auto& u : users) testing::WriteFile(out + u, "a user's file");
+  testing::WriteFile(out + ".ptk-tmp-77-0a0b", "killed writer");
+  RemoveStaleTemporaries(out);
+  for (const auto& u : users) EXPECT_TRUE(testing::Exists(out + u)) << u;
+  EXPECT_FALSE(testing::Exists(out + ".ptk-tmp-77-0a0b"));
 }
 
 TEST(Xxh3, KnownValuesAndStreamingAgree) {

@@ -589,6 +589,40 @@ TEST(Download, UrlListVerifiesSha256) {
   EXPECT_EQ(testing::ReadFile(dir / "o/upper.md"), good);
 }
 
+// A --url-list size= that the server's answer contradicts is one clear line naming the URL, the listed
+// size and the server's, with no retries (it was 'bad partial response (a 200 of N bytes for a file of
+// M bytes ...)' and 9 more requests); a 404 leaves no empty `.part` behind.
+TEST(Download, UrlListSizeMismatchIsOneClearLineAndA404LeavesNothing) {
+  TempDir dir;
+  MakeRepo(dir / "repo", 1000);
+  FakeHub hub(dir / "repo", {}, dir.path());
+  const std::string good = testing::ReadFile(dir / "repo/README.md");
+  const std::string url = hub.hub() + "/datasets/cerebras/SlimPajama-627B/resolve/main/README.md";
+  testing::WriteFile(dir / "list.txt", fmt::format("{} size={}\n", url, good.size() + 7));
+  auto run = [&](const std::string& list) {
+    return RunCmd(fmt::format("HF_TOKEN={} {} --quiet --url-list {} --endpoint {} --local-dir {} --retry-base 0.01",
+                              kToken, testing::Tool("ptk-download"), list, hub.hub(), dir / "o"));
+  };
+  auto bad = run(dir / "list.txt");
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find(fmt::format("{}: the server's file is {} bytes, the --url-list gives size={}", url,
+                                        good.size(), good.size() + 7)),
+            std::string::npos)
+      << bad.output;
+  EXPECT_EQ(bad.output.find("bad partial response"), std::string::npos) << bad.output;
+  EXPECT_EQ(hub.Resolves("README.md"), 1) << bad.output;
+  EXPECT_FALSE(testing::Exists(dir / "o/README.md"));
+  EXPECT_FALSE(testing::Exists(dir / "o/README.md.part")) << bad.output;
+  EXPECT_FALSE(testing::Exists(dir / "o/README.md.part.json")) << bad.output;
+  testing::WriteFile(dir / "list404.txt",
+                     fmt::format("{}/datasets/cerebras/SlimPajama-627B/resolve/main/no-such-file.txt\n", hub.hub()));
+  auto missing = run(dir / "list404.txt");
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("404"), std::string::npos) << missing.output;
+  EXPECT_FALSE(testing::Exists(dir / "o/no-such-file.txt.part")) << missing.output;
+  EXPECT_FALSE(testing::Exists(dir / "o/no-such-file.txt.part.json")) << missing.output;
+}
+
 // Downloads the repo into dir/out, lets `spoil` change what is there (it is given the first file's
 // local path), then runs again with `flags`: the second run's result. The tree must end as the repo.
 testing::CommandResult RerunAfter(TempDir& dir, const std::function<void(const std::string&)>& spoil,

@@ -160,4 +160,19 @@ echo 10 > "$W/stage4/checkpoints/latest_checkpointed_iteration.txt"
 st=$(TRAIN_ITERS=100 PATH=$W/fakebin:$PATH PTK_BIN=$BIN STAGE_PATH=$W/stage4 bash "$SRC/slurm/status.sh" 2>&1 || true)
 echo "$st" | grep -q "train        checkpoint at iteration 10 of 10 " || fail "judged by this shell's TRAIN_ITERS: $st"
 echo "$st" | grep -q "settings: as submitted" || fail "status does not say it reads the submission: $st"
+# Extracted files whose names hold a quote, a tab or a newline count once each, and a changed input is
+# seen as stale: status.sh read names and sidecars line by line (a newline made two inputs of one; a quote,
+# JSON-escaped in the sidecar, hid the sidecar's input: "4 of 5 files extracted", and no stale one).
+Q=$W/qstage/slimpajama/raw/train
+mkdir -p "$Q"
+for n in 'q"uote' "$(printf 'ta\tb')" "$(printf 'new\nline')" plain; do
+  printf '{"text": "%s"}\n' "doc" | gzip > "$Q/$n.jsonl.gz"
+done
+out=$(PTK_BIN=$BIN STAGE_PATH=$W/qstage bash "$SRC/slurm/extract.sbatch" 2>&1) || fail "extract.sbatch: $out"
+st=$(PTK_BIN=$BIN STAGE_PATH=$W/qstage bash "$SRC/slurm/status.sh" 2>&1 || true)
+echo "$st" | grep -q "^extract      4 of 4 files extracted$" || fail "names with a quote, tab, newline: $st"
+touch -d '2020-01-02' "$Q/q\"uote.jsonl.gz" "$Q/new"*
+st=$(PTK_BIN=$BIN STAGE_PATH=$W/qstage bash "$SRC/slurm/status.sh" 2>&1 || true)
+echo "$st" | grep -q "^extract      2 of 4 files extracted, 2 stale (the input changed since)$" ||
+  fail "changed inputs with a quote, a newline in their names: $st"
 echo "status_test: OK"
