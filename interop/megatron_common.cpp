@@ -440,6 +440,10 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
     state.settings.emplace_back("--make-vocab-size-divisible-by", std::to_string(static_cast<int64_t>(*divisor)));
   if (auto gbs = NumAttr(args, "global_batch_size"))
     state.settings.emplace_back("--global-batch-size", std::to_string(static_cast<int64_t>(*gbs)));
+  // How the run weighed its losses (a Megatron before the flag records none: nothing said).
+  const bool per_token = BoolAttr(args, "calculate_per_token_loss", false);
+  if (args != nullptr && args->Get("calculate_per_token_loss") != nullptr)
+    state.settings.emplace_back("--calculate-per-token-loss", per_token ? "on" : "off");
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
@@ -458,6 +462,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   // The exact GELU: --disable-bias-linear (in the Llama line's flags) selects it already.
   if (c.gelu_exact && c.add_bias_linear) s->train_flags += " --no-bias-gelu-fusion";
   if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";
+  if (per_token) s->train_flags += " --calculate-per-token-loss";  // the loss the run was trained on
   return absl::OkStatus();
 }
 
