@@ -211,6 +211,7 @@ class Trainer {
     TrainState loaded;
     std::vector<float> params, m, v;
     PTK_RETURN_IF_ERROR(LoadCheckpoint(o_.load, *latest, model_->layout(), &params, &m, &v, &loaded));
+    PTK_RETURN_IF_ERROR(CheckOptimizerStateLoads(loaded, o_.load, *latest, o_.finetune || o_.no_load_optim));
     PTK_RETURN_IF_ERROR(model_->WriteParams(params));
     if (o_.finetune) {
       log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
@@ -500,8 +501,7 @@ class Trainer {
     return std::string();
   }
 
-  // An exit before the last iteration: this iteration saved, the reason printed as Megatron's
-  // print_datetime prints it.
+  // An exit before the last iteration: this iteration saved, the reason in Megatron's print_datetime line.
   absl::StatusOr<TrainSummary> Exit(const std::string& reason) {
     if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
     Print(fmt::format("[{}] datetime: {} ", reason, Timestamp()));
