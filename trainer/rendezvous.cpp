@@ -406,6 +406,41 @@ absl::Status RendezvousStore::HeardFailure(const std::string& context) {
   return heard_.empty() ? absl::OkStatus() : AbortStatus(heard_, context);
 }
 
+bool RendezvousStore::PollReportedFailure() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!heard_.empty()) return true;
+  }
+  std::string text;
+  if (!Request(kPeers, "", nullptr, &text).ok() || text.rfind("!\t", 0) != 0) return false;
+  const size_t nl = text.find('\n');
+  std::lock_guard<std::mutex> lock(mu_);
+  if (heard_.empty()) heard_ = text.substr(2, nl == std::string::npos ? std::string::npos : nl - 2);
+  return true;
+}
+
+ReportedFailureWatch::ReportedFailureWatch(std::shared_ptr<RendezvousStore> store, std::chrono::milliseconds interval) {
+  thread_ = std::thread([this, store = std::move(store), interval] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      lock.unlock();
+      const bool heard = store->PollReportedFailure();
+      lock.lock();
+      if (heard) break;
+      cv_.wait_for(lock, interval, [this] { return stop_; });
+    }
+  });
+}
+
+ReportedFailureWatch::~ReportedFailureWatch() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
 void RendezvousStore::ServeUntilAllHeard(std::chrono::milliseconds at_most) {
   if (!server_) return;
   const auto start = Clock::now(), deadline = start + at_most;
