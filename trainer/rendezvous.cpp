@@ -62,6 +62,7 @@ bool RecvBlob(int fd, std::string* s) {
 }
 
 constexpr char kSet = 'S', kGet = 'G', kHello = 'H', kPeers = 'P';
+constexpr char kAbortQuery = 'A';  // kAbortKey's value, empty while none: a poll (the peer list is larger)
 constexpr const char* kFailedPrefix = "ptk/failed/";
 // Set by a rank that failed before it joined (RendezvousStore::ReportEarlyFailure): "u\t" (a usage
 // error) or "f\t", then the message. Every get waiting or to come is answered with it, marked by a
@@ -213,6 +214,8 @@ class RendezvousServer {
           }
         } else if (ok && op == kPeers) {
           ok = SendBlob(fd, Peers());
+        } else if (ok && op == kAbortQuery) {
+          ok = SendBlob(fd, abort_);
         } else {
           ok = false;
         }
@@ -411,11 +414,10 @@ bool RendezvousStore::PollReportedFailure() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!heard_.empty()) return true;
   }
-  std::string text;
-  if (!Request(kPeers, "", nullptr, &text).ok() || text.rfind("!\t", 0) != 0) return false;
-  const size_t nl = text.find('\n');
+  std::string abort;
+  if (!Request(kAbortQuery, "", nullptr, &abort).ok() || abort.empty()) return false;
   std::lock_guard<std::mutex> lock(mu_);
-  if (heard_.empty()) heard_ = text.substr(2, nl == std::string::npos ? std::string::npos : nl - 2);
+  if (heard_.empty()) heard_ = abort;
   return true;
 }
 
