@@ -474,7 +474,8 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   // The exact GELU: --disable-bias-linear (in the Llama line's flags) selects it already.
   if (c.gelu_exact && c.add_bias_linear) s->train_flags += " --no-bias-gelu-fusion";
   if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";
-  if (per_token) s->train_flags += " --calculate-per-token-loss";  // the loss the run was trained on
+  if (per_token) s->train_flags += " --calculate-per-token-loss";             // the loss the run was trained on
+  if (!optimizer_state && !s->release) s->train_flags += " --no-load-optim";  // its --load refuses it otherwise
   return absl::OkStatus();
 }
 

@@ -375,6 +375,7 @@ TEST_F(TrainRefusals, AnImportWithoutOptimizerStateNeedsNoLoadOptimAndAReleaseSt
   auto im = to_ptk("meg", "imp");
   ASSERT_EQ(im.exit_code, 0) << im.output;
   EXPECT_NE(im.output.find("takes it only with --no-load-optim or --finetune"), std::string::npos) << im.output;
+  EXPECT_NE(im.output.find(" --no-load-optim --load "), std::string::npos) << im.output;  // the command it prints
   const std::string imp = ShellQuote(dir_ / "imp");
   auto r = RunCmd(Train(Data() + " --load " + imp));
   EXPECT_EQ(r.exit_code, 2) << r.output;
