@@ -70,6 +70,9 @@ struct ConvertOptions {
 struct ConvertSummary {
   std::string source, destination;  // the files read and the directory written
   int64_t iteration = 0;            // the checkpoint's
+  // megatron -> ptk: the tracker says "release" (a converted model): imported as Megatron loads it, at
+  // iteration 0 without the optimizer state and the scheduler.
+  bool release = false;
   GPTConfig config;
   int64_t num_params = 0;   // as stored in the destination
   std::string train_flags;  // hf -> ptk: the model flags ptk-train needs to load the result

@@ -68,6 +68,7 @@ absl::StatusOr<std::string> TrackedIterationDir(const std::string& load_dir, Con
   std::string iter_dir;
   if (it_text == "release") {
     iter_dir = JoinPath(load_dir, "release");
+    s->release = true;
   } else {
     if (it_text.empty() || it_text.size() > 18 || !std::all_of(it_text.begin(), it_text.end(), ::isdigit))
       return absl::DataLossError(fmt::format("{}: not an iteration number: {:?}", tracker, tracker_text));
@@ -407,12 +408,13 @@ struct Import {
       std::fill(m1.begin(), m1.end(), 0.0f);
       std::fill(m2.begin(), m2.end(), 0.0f);
       adam_step = 0;
-      s.notes.push_back(BoolAttr(args, "use_distributed_optimizer", false)
-                            ? "the distributed optimizer's distrib_optim.pt is missing (for some ranks at least): the "
-                              "AdamW moments start at zero "
-                              "(ptk-train --load ... --no-load-optim)"
-                            : "the checkpoint holds no AdamW moments (saved with --no-save-optim, or before a step): "
-                              "they start at zero");
+      if (!s.release)  // a release loads without them anyway
+        s.notes.push_back(std::string(BoolAttr(args, "use_distributed_optimizer", false)
+                                          ? "the distributed optimizer's distrib_optim.pt is missing (for some ranks "
+                                            "at least): the AdamW moments start at zero"
+                                          : "the checkpoint holds no AdamW moments (saved with --no-save-optim, or "
+                                            "before a step): they start at zero") +
+                          kNoOptimizerLoad);
     }
     if (low_precision)
       s.notes.push_back(
@@ -437,7 +439,7 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   PTK_ASSIGN_OR_RETURN(const std::string iter_dir, TrackedIterationDir(o.load_dir, &s));
   // Megatron's torch_dist format (PyTorch's distributed checkpoint): .metadata beside the .distcp files.
   if (PathExists(JoinPath(iter_dir, ".metadata")) || PathExists(JoinPath(iter_dir, "common.pt")))
-    return ImportFromMegatronDist(o, iter_dir, s.iteration);
+    return ImportFromMegatronDist(o, iter_dir, s.iteration, s.release);
   PTK_ASSIGN_OR_RETURN(Shards sh, OpenShards(iter_dir));
   RankFile& first = sh.files[0][0];
   s.source = first.reader->path();
@@ -447,7 +449,8 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   im.args = root.Get("args");
   if (!im.args || im.args->kind != PyValue::Kind::kObject)
     return Bad(s.source, "no args (an argparse.Namespace): not a Megatron training checkpoint");
-  if (const PyValue* iter = root.Get("iteration"); iter && iter->IsInt()) s.iteration = iter->i;
+  // A release checkpoint is Megatron's iteration 0 whatever it stores (its load_checkpoint).
+  if (const PyValue* iter = root.Get("iteration"); iter && iter->IsInt() && !s.release) s.iteration = iter->i;
 
   // The model configuration, and what ptk's GPT does not have.
   PTK_ASSIGN_OR_RETURN(im.model, ModelFromArgs(im.args, s.source, o, sh.tp));
@@ -513,8 +516,8 @@ absl::StatusOr<ConvertSummary> ImportFromMegatron(const ConvertOptions& o) {
   im.CheckTiedDistribCopy();
   PTK_RETURN_IF_ERROR(im.Gather());
   im.Notes();
-  PTK_RETURN_IF_ERROR(SaveImported(o, im.args, root, first.reader.get(), *im.layout, im.model.divisible, im.adam_step,
-                                   im.weights, im.m1, im.m2, &s));
+  PTK_RETURN_IF_ERROR(SaveImported(o, im.args, root, first.reader.get(), *im.layout, im.model.divisible,
+                                   im.have_moments, im.adam_step, im.weights, im.m1, im.m2, &s));
   s.notes.push_back(fmt::format("read {} tensor- x {} pipeline-parallel shards{} ({} layer names){}", sh.tp, sh.pp,
                                 im.vp > 1 ? fmt::format(" of {} model chunks each (interleaved)", im.vp) : "",
                                 im.te ? "Transformer Engine" : "local",

@@ -352,17 +352,26 @@ std::string LlamaLineFlags(const GPTConfig& c) {
 
 absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const PyValue& root,
                           torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
-                          int64_t adam_step, const std::vector<float>& weights, const std::vector<float>& m1,
-                          const std::vector<float>& m2, ConvertSummary* s) {
+                          bool optimizer_state, int64_t adam_step, const std::vector<float>& weights,
+                          const std::vector<float>& m1, const std::vector<float>& m2, ConvertSummary* s) {
   const GPTConfig& c = s->config;
   // The training state.
   TrainState state;
+  if (s->release) {
+    s->iteration = adam_step = 0;
+    s->notes.push_back(
+        "the tracker says release: imported at iteration 0 without the optimizer state and the scheduler, as "
+        "Megatron loads a release checkpoint (the consumed samples its args record kept, as its load keeps them)");
+  }
   state.iteration = s->iteration;
   state.consumed_train_samples = static_cast<int64_t>(NumAttr(args, "consumed_train_samples").value_or(0));
   state.consumed_valid_samples = static_cast<int64_t>(NumAttr(args, "consumed_valid_samples").value_or(0));
   state.adam_step = adam_step;
   state.seed = static_cast<uint64_t>(NumAttr(args, "seed").value_or(1234));
-  if (const PyValue* sched = root.Get("opt_param_scheduler"); sched && sched->kind == PyValue::Kind::kDict) {
+  const PyValue* sched = s->release ? nullptr : root.Get("opt_param_scheduler");
+  if (s->release) {
+    state.scheduler_num_steps = 0;  // a new scheduler: Megatron's load leaves it as built
+  } else if (sched && sched->kind == PyValue::Kind::kDict) {
     state.scheduler_num_steps = static_cast<int64_t>(NumAttr(sched, "num_steps").value_or(0));
     SchedulerConfig sc;
     sc.max_lr = NumAttr(sched, "max_lr").value_or(0);
@@ -381,7 +390,7 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   } else {
     state.scheduler_num_steps = state.consumed_train_samples;
   }
-  if (const PyValue* opt = root.Get("optimizer")) {
+  if (const PyValue* opt = s->release ? nullptr : root.Get("optimizer")) {
     const PyValue* gs = opt->Get("grad_scaler");
     if (gs && gs->kind == PyValue::Kind::kDict && BoolAttr(args, "fp16", false)) {
       LossScaleState ls;
@@ -440,11 +449,18 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
     state.settings.emplace_back("--make-vocab-size-divisible-by", std::to_string(static_cast<int64_t>(*divisor)));
   if (auto gbs = NumAttr(args, "global_batch_size"))
     state.settings.emplace_back("--global-batch-size", std::to_string(static_cast<int64_t>(*gbs)));
+  // How the run weighed its losses (a Megatron before the flag records none: nothing said).
+  const bool per_token = BoolAttr(args, "calculate_per_token_loss", false);
+  if (args != nullptr && args->Get("calculate_per_token_loss") != nullptr)
+    state.settings.emplace_back("--calculate-per-token-loss", per_token ? "on" : "off");
+  if (!optimizer_state && !s->release) state.settings.emplace_back(kOptimizerStateSetting, "none");
   PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
   PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
   PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, s->iteration, /*with_moments=*/true));
-  PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, weights, m1, m2, state, o.args_json));
+  const std::vector<float> zero(s->release ? weights.size() : 0, 0.0f);  // a release's moments: none loaded
+  PTK_RETURN_IF_ERROR(
+      SaveCheckpoint(o.save_dir, layout, weights, s->release ? zero : m1, s->release ? zero : m2, state, o.args_json));
   s->destination = CheckpointFile(o.save_dir, s->iteration);
   s->num_params = layout.num_params;
   s->train_flags = fmt::format(
@@ -458,6 +474,8 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   // The exact GELU: --disable-bias-linear (in the Llama line's flags) selects it already.
   if (c.gelu_exact && c.add_bias_linear) s->train_flags += " --no-bias-gelu-fusion";
   if (c.apply_layernorm_1p) s->train_flags += " --apply-layernorm-1p";
+  if (per_token) s->train_flags += " --calculate-per-token-loss";             // the loss the run was trained on
+  if (!optimizer_state && !s->release) s->train_flags += " --no-load-optim";  // its --load refuses it otherwise
   return absl::OkStatus();
 }
 

@@ -90,15 +90,22 @@ absl::StatusOr<MegatronModel> ModelFromArgs(const PyValue* args, const std::stri
 // The training state (iteration, samples, seed, schedule, loss scale from `root`'s
 // opt_param_scheduler and optimizer.grad_scaler) and the ptk checkpoint of `weights`, `m1`, `m2`
 // written into --save-dir; fills s->destination, num_params, train_flags. `reader` reads root's
-// tensors (the loss scale).
+// tensors (the loss scale). `optimizer_state`: the checkpoint held the AdamW moments; one without
+// them is recorded as such (kOptimizerStateSetting), so that ptk-train --load refuses it unless
+// --no-load-optim or --finetune, as Megatron's load_checkpoint does. s->release: Megatron's load of a
+// release checkpoint, iteration 0 and neither the optimizer state nor the scheduler (the consumed
+// samples kept, as its load keeps them).
+// What the notes of an import without optimizer state add (SaveImported records it as such).
+inline constexpr char kNoOptimizerLoad[] =
+    "; ptk-train --load takes it only with --no-load-optim or --finetune, as Megatron's load_checkpoint";
 absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const PyValue& root,
                           torchfmt::TorchArchiveReader* reader, const ParamLayout& layout, int64_t divisible,
-                          int64_t adam_step, const std::vector<float>& weights, const std::vector<float>& m1,
-                          const std::vector<float>& m2, ConvertSummary* s);
+                          bool optimizer_state, int64_t adam_step, const std::vector<float>& weights,
+                          const std::vector<float>& m1, const std::vector<float>& m2, ConvertSummary* s);
 
 // A torch_dist checkpoint's iteration directory (.metadata, *.distcp, common.pt) -> a ptk checkpoint
-// (interop/megatron_dist.cpp). `iteration` is the tracker's (common.pt's wins).
+// (interop/megatron_dist.cpp). `iteration` is the tracker's (common.pt's wins unless `release`).
 absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, const std::string& iter_dir,
-                                                      int64_t iteration);
+                                                      int64_t iteration, bool release);
 
 }  // namespace ptk::megatron

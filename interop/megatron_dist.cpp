@@ -234,8 +234,10 @@ absl::Status GatherGradBuffers(const DistSource& x, const GradBuffers& g, std::v
 // One torch_dist import: what common.pt and .metadata say, read step by step.
 class DistImport {
  public:
-  DistImport(const ConvertOptions& o, const std::string& iter_dir, int64_t iteration) : o_(o), iter_dir_(iter_dir) {
+  DistImport(const ConvertOptions& o, const std::string& iter_dir, int64_t iteration, bool release)
+      : o_(o), iter_dir_(iter_dir) {
     s_.iteration = iteration;
+    s_.release = release;
     s_.source = iter_dir;
   }
 
@@ -264,7 +266,7 @@ class DistImport {
       if (!std::isfinite(weights_[i])) return Bad(meta_, fmt::format("weight element {} is NaN or infinite", i));
     PTK_ASSIGN_OR_RETURN(const int64_t adam_step, AdamStep());
     AddNotes();
-    PTK_RETURN_IF_ERROR(SaveImported(o_, args_, root(), reader_.get(), *layout_, model_.divisible,
+    PTK_RETURN_IF_ERROR(SaveImported(o_, args_, root(), reader_.get(), *layout_, model_.divisible, have_moments_,
                                      have_moments_ ? adam_step : 0, weights_, m1_, m2_, &s_));
     s_.notes.push_back(fmt::format("read a torch_dist checkpoint ({} tensors){}", ck_->tensors().size(),
                                    have_moments_ ? ", with the AdamW moments" : ""));
@@ -289,7 +291,7 @@ class DistImport {
     args_ = root().Get("args");
     if (!args_ || args_->kind != PyValue::Kind::kObject)
       return Bad(common_, "no args (an argparse.Namespace): not a Megatron training checkpoint");
-    if (const PyValue* it = root().Get("iteration"); it && it->IsInt()) s_.iteration = it->i;
+    if (const PyValue* it = root().Get("iteration"); it && it->IsInt() && !s_.release) s_.iteration = it->i;
     // An interleaved run's chunks (model0, model1, ... in its state dict) save the same keys: megatron-core's
     // TransformerBlock stacks each layer at its global number, whatever the stage and chunk.
     saved_vp_ =
@@ -481,7 +483,10 @@ class DistImport {
   // the grad-buffer formats, in an object of their own.
   absl::StatusOr<int64_t> AdamStep() {
     if (!have_moments_) {
-      s_.notes.push_back("the checkpoint holds no AdamW moments (saved with --no-save-optim): they start at zero");
+      if (!s_.release)  // a release loads without them anyway
+        s_.notes.push_back(std::string("the checkpoint holds no AdamW moments (saved with --no-save-optim): they "
+                                       "start at zero") +
+                           kNoOptimizerLoad);
       return 0;
     }
     int64_t adam_step = 0;
@@ -550,8 +555,8 @@ class DistImport {
 }  // namespace
 
 absl::StatusOr<ConvertSummary> ImportFromMegatronDist(const ConvertOptions& o, const std::string& iter_dir,
-                                                      int64_t iteration) {
-  return DistImport(o, iter_dir, iteration).Run();
+                                                      int64_t iteration, bool release) {
+  return DistImport(o, iter_dir, iteration, release).Run();
 }
 
 }  // namespace ptk::megatron

@@ -153,6 +153,7 @@ PyRef MegatronArgs(const ConvertOptions& o, const GPTConfig& c, const TrainState
   set_f("adam_beta2", h.b2);
   set_f("adam_eps", h.eps);
   set_f("clip_grad", SettingNum(state, "--clip-grad", 1.0));
+  set_b("calculate_per_token_loss", SettingStr(state, "--calculate-per-token-loss", "off") == "on");
   return torchfmt::MakeNamespace(ns_attrs);
 }
 

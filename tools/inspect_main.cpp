@@ -1,6 +1,7 @@
 // ptk-inspect: summary, documents, integrity and statistics of a Megatron .bin/.idx dataset.
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 
 #include <fmt/core.h>
 
@@ -117,8 +118,9 @@ CLI::Option* AddFlags(CLI::App& app, InspectFlags& f) {
   return sample_opt;
 }
 
-// --sample: top-level sample f.sample of Megatron's datasets, as text (decode given) or ids.
-absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
+// --sample: top-level sample f.sample of Megatron's datasets, as text (decode given) or ids; `eod` is
+// the end of document --eod-mask-loss and --reset-position-ids look for.
+absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok, int32_t eod) {
   if (f.seq_length == 0) return ptk::UsageError("--sample needs --seq-length");  // 1: GPTDataset says why not
   ptk::DecodeFn decode;
   if (tok != nullptr)
@@ -142,6 +144,7 @@ absl::Status PrintSample(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok) {
   cfg.mid_level_dataset_surplus = f.surplus;
   cfg.eod_mask_loss = f.eod_mask_loss;
   cfg.reset_position_ids = f.reset_position_ids;
+  cfg.eod = eod;
   const ptk::Split which = f.sample_split == "train"   ? ptk::Split::kTrain
                            : f.sample_split == "valid" ? ptk::Split::kValid
                                                        : ptk::Split::kTest;
@@ -236,7 +239,20 @@ int main(int argc, char** argv) {
       PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(flags.vocab_file, flags.merge_file));
       PTK_ASSIGN_OR_RETURN(tok, ptk::Gpt2Tokenizer::LoadOrDefault(flags.vocab_file, flags.merge_file));
     }
-    if (flags.sample_given) return PrintSample(flags, tok.get());
+    if (flags.sample_given) {
+      // Megatron's tokenizer.eod: --vocab-file's <|endoftext|> (was always GPT-2's 50256, so with
+      // another vocabulary --eod-mask-loss and --reset-position-ids looked for a token it did not mean).
+      int32_t eod = 50256;
+      if (flags.eod_mask_loss || flags.reset_position_ids) {
+        std::unique_ptr<ptk::Gpt2Tokenizer> vocab;
+        if (tok == nullptr) {  // --format ids: read for its <|endoftext|> only
+          PTK_RETURN_IF_ERROR(ptk::cli::CheckGpt2FileFlags(flags.vocab_file, flags.merge_file));
+          PTK_ASSIGN_OR_RETURN(vocab, ptk::Gpt2Tokenizer::LoadOrDefault(flags.vocab_file, flags.merge_file));
+        }
+        eod = (tok != nullptr ? tok : vocab)->eod();
+      }
+      return PrintSample(flags, tok.get(), eod);
+    }
     return InspectDataset(flags, tok.get());
   });
 }

@@ -43,6 +43,16 @@ struct TrainState {
   std::vector<std::pair<std::string, std::string>> settings;
 };
 
+// The setting (TrainState::settings; value "none") of a checkpoint imported from one that held no
+// optimizer state, its AdamW moments zero: ptk-train --load refuses it unless --no-load-optim or
+// --finetune, as Megatron's load_checkpoint refuses the checkpoint itself.
+inline constexpr char kOptimizerStateSetting[] = "optimizer state";
+
+// A usage error naming --no-load-optim and --finetune where `loaded` (the checkpoint of `iteration` in
+// `load`) records kOptimizerStateSetting "none" and neither is given (`optimizer_not_loaded` false).
+absl::Status CheckOptimizerStateLoads(const TrainState& loaded, const std::string& load, int64_t iteration,
+                                      bool optimizer_not_loaded);
+
 std::string CheckpointDir(const std::string& save, int64_t iteration);  // <save>/iter_0000100
 // .../mp_rank_TT/model_optim_rng.ptk: tensor rank TT's file (Megatron's layout for one pipeline
 // stage); for tensor rank 0, mp_rank_00_000's where a pipelined checkpoint is there instead.

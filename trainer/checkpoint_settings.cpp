@@ -1,5 +1,6 @@
 // The run's settings recorded in a checkpoint's header (for --use-checkpoint-args and the convert tool),
-// the model description a header records (ModelJson), and how a saved model differs from a run's.
+// the model description a header records (ModelJson), how a saved model differs from a run's, and the
+// refusal of an imported checkpoint without optimizer state (CheckOptimizerStateLoads).
 #include <unistd.h>
 
 #include <algorithm>
@@ -171,6 +172,20 @@ std::string ModelDifferences(simdjson::dom::element saved, simdjson::dom::elemen
     if (a[field.key].get(other)) add(field.key, "the default", simdjson::minify(field.value));
   }
   return out.empty() ? "the same settings, another parameter count" : out;
+}
+
+// Megatron's load_checkpoint refuses a checkpoint without optimizer state unless told not to load it
+// (ptk resumed on the import's zero moments, with only the import's note to say so).
+absl::Status CheckOptimizerStateLoads(const TrainState& loaded, const std::string& load, int64_t iteration,
+                                      bool optimizer_not_loaded) {
+  if (optimizer_not_loaded) return absl::OkStatus();
+  for (const auto& [flag, value] : loaded.settings)
+    if (flag == kOptimizerStateSetting && value == "none")
+      return UsageError(
+          fmt::format("--load {}: the checkpoint of iteration {} holds no optimizer state (imported from a checkpoint "
+                      "saved without it): give --no-load-optim or --finetune (Megatron refuses this load too)",
+                      load, iteration));
+  return absl::OkStatus();
 }
 
 }  // namespace ptk

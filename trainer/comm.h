@@ -13,6 +13,8 @@
 
 namespace ptk {
 
+class RendezvousStore;
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -20,6 +22,9 @@ class Communicator {
   virtual int size() const = 0;
   // The backend's name for the log: "local", "gloo", "nccl".
   virtual std::string_view backend() const = 0;
+  // NCCL's: the store its ranks met through, where ReportRankFailure reports this rank's own failure
+  // (distributed.h). None elsewhere (gloo reports through its own: ReportGlooFailure).
+  virtual std::shared_ptr<RendezvousStore> failure_store() const { return nullptr; }
 
   // ---- Host memory, on every backend (NCCL stages through device memory).
   // In-place sums over all ranks; every rank ends with the same bits. gloo adds in rank

@@ -1,12 +1,16 @@
 // Choosing and creating the data-parallel communicator.
 #include "trainer/distributed.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include <fmt/core.h>
 
 #include "common/status.h"
 #include "trainer/backend.h"
 #include "trainer/comm_gloo.h"
 #include "trainer/cuda/backend_module.h"
+#include "trainer/rendezvous.h"
 
 namespace ptk {
 
@@ -48,7 +52,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
 }
 
 std::function<void()> ReportRankFailure(Communicator* world, const absl::Status& failure) {
-  return world != nullptr && world->backend() == "gloo" ? ReportGlooFailure(world, failure) : std::function<void()>();
+  if (world != nullptr && world->backend() == "gloo") return ReportGlooFailure(world, failure);
+  // NCCL: the others' watchdogs hear it through the store (ReportedFailureWatch) and abort their communicators.
+  std::shared_ptr<RendezvousStore> store = world != nullptr ? world->failure_store() : nullptr;
+  if (!store || !store->ReportFailure(failure) || store->rank() != 0) return {};
+  // Rank 0 serves the rendezvous until the others heard, at most min(timeout, 30 s), as gloo's.
+  const auto at_most = std::min<std::chrono::milliseconds>(store->timeout(), std::chrono::seconds(30));
+  return [store, at_most] { store->ServeUntilAllHeard(at_most); };
 }
 
 }  // namespace ptk

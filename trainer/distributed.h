@@ -38,8 +38,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const Distribut
 // (RendezvousStore::ReportFailure) instead of a bare "connection closed" or, where nothing would
 // close, the timeout. The caller then closes its communicators (the others' collectives with it
 // fail now) and calls what this returns, if anything (gloo's rank 0: its rendezvous serves the
-// others until they heard, a bounded time). Never fails. One process, or NCCL: nothing (NCCL's
-// ranks still hear of it only at their watchdog's timeout).
+// others until they heard, a bounded time; NCCL's rank 0 too). Never fails. One process: nothing.
+// NCCL's ranks hear it through the store (ReportedFailureWatch), their watchdogs aborting their
+// communicators (ncclCommAbort) with it, instead of waiting for the timeout.
 std::function<void()> ReportRankFailure(Communicator* world, const absl::Status& failure);
 
 }  // namespace ptk

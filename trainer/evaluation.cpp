@@ -15,9 +15,9 @@ absl::StatusOr<TimeLimit> CheckExitDuration(Communicator* world, std::chrono::st
                                             double limit_minutes) {
   if (!(limit_minutes > 0)) return TimeLimit{};
   const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count() / 60.0;
-  double v[2] = {minutes > limit_minutes ? 1.0 : 0.0, minutes};
-  PTK_RETURN_IF_ERROR(world->AllReduceSum(v, 2));
-  return TimeLimit{v[0] > 0, v[1] / world->size()};
+  double up = minutes > limit_minutes ? 1.0 : 0.0;
+  PTK_RETURN_IF_ERROR(world->AllReduceSum(&up, 1));
+  return TimeLimit{up > 0, minutes};
 }
 
 absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const TrainOptions& o, const TrainPlan& plan,

@@ -19,7 +19,8 @@ namespace ptk {
 
 // --exit-duration-in-mins (`limit_minutes`; 0: none) against the time since `started` (the
 // process's start, Megatron's _TRAIN_START_TIME): reached when it is up on any rank of `world`
-// (Megatron's MAX all-reduce: every rank decides alike); `minutes` is the ranks' mean. A collective
+// (Megatron's MAX all-reduce: every rank decides alike); `minutes` is this rank's own (Megatron's
+// train_time, which its rank 0 prints in the exit line). A collective
 // of `world` when there is a limit, nothing without one.
 struct TimeLimit {
   bool reached = false;

@@ -62,6 +62,7 @@ bool RecvBlob(int fd, std::string* s) {
 }
 
 constexpr char kSet = 'S', kGet = 'G', kHello = 'H', kPeers = 'P';
+constexpr char kAbortQuery = 'A';  // kAbortKey's value, empty while none: a poll (the peer list is larger)
 constexpr const char* kFailedPrefix = "ptk/failed/";
 // Set by a rank that failed before it joined (RendezvousStore::ReportEarlyFailure): "u\t" (a usage
 // error) or "f\t", then the message. Every get waiting or to come is answered with it, marked by a
@@ -213,6 +214,8 @@ class RendezvousServer {
           }
         } else if (ok && op == kPeers) {
           ok = SendBlob(fd, Peers());
+        } else if (ok && op == kAbortQuery) {
+          ok = SendBlob(fd, abort_);
         } else {
           ok = false;
         }
@@ -404,6 +407,40 @@ bool RendezvousStore::ReportFailure(const absl::Status& failure) {
 absl::Status RendezvousStore::HeardFailure(const std::string& context) {
   std::lock_guard<std::mutex> lock(mu_);
   return heard_.empty() ? absl::OkStatus() : AbortStatus(heard_, context);
+}
+
+bool RendezvousStore::PollReportedFailure() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!heard_.empty()) return true;
+  }
+  std::string abort;
+  if (!Request(kAbortQuery, "", nullptr, &abort).ok() || abort.empty()) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (heard_.empty()) heard_ = abort;
+  return true;
+}
+
+ReportedFailureWatch::ReportedFailureWatch(std::shared_ptr<RendezvousStore> store, std::chrono::milliseconds interval) {
+  thread_ = std::thread([this, store = std::move(store), interval] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      lock.unlock();
+      const bool heard = store->PollReportedFailure();
+      lock.lock();
+      if (heard) break;
+      cv_.wait_for(lock, interval, [this] { return stop_; });
+    }
+  });
+}
+
+ReportedFailureWatch::~ReportedFailureWatch() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
 }
 
 void RendezvousStore::ServeUntilAllHeard(std::chrono::milliseconds at_most) {

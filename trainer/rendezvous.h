@@ -7,9 +7,11 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -59,6 +61,11 @@ class RendezvousStore {
   // with it, or DiagnosePeers), with `context` before it: a usage error when the peer's was one,
   // else kAborted. OK while none was heard.
   absl::Status HeardFailure(const std::string& context);
+  // Without waiting (one request rank 0 answers at once): whether a rank reported its own failure
+  // (ReportFailure) to rank 0's store; from then on it is HeardFailure's. For ranks whose
+  // collectives would otherwise wait for their timeout (NCCL's: ReportedFailureWatch). False when
+  // none was, or rank 0 does not answer; never fails.
+  bool PollReportedFailure();
 
   absl::Status Set(const std::string& key, const std::string& value);
   // Waits up to the timeout for the key. A key that is a rank number (gloo's full-mesh rendezvous
@@ -91,6 +98,24 @@ class RendezvousStore {
   std::mutex mu_;  // one request at a time on the connection
   bool diagnosed_ = false;
   std::string heard_;  // under mu_: a peer's reported failure ("u\t" or "f\t", then its text), once heard
+};
+
+// Polls `store` (PollReportedFailure) every `interval` on a thread of its own until a rank's
+// reported failure is heard, so that HeardFailure says it while this rank's collectives wait (the
+// NCCL communicators' watchdogs read it and abort them: gloo's ranks hear it through their
+// connections). The destructor ends the thread.
+class ReportedFailureWatch {
+ public:
+  ReportedFailureWatch(std::shared_ptr<RendezvousStore> store, std::chrono::milliseconds interval);
+  ~ReportedFailureWatch();
+  ReportedFailureWatch(const ReportedFailureWatch&) = delete;
+  ReportedFailureWatch& operator=(const ReportedFailureWatch&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 // This machine's host name.

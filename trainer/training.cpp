@@ -10,6 +10,7 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
+#include "common/py_format.h"
 #include "common/status.h"
 #include "indexed_dataset/data_loader.h"
 #include "tensorboard/summary_writer.h"
@@ -210,6 +211,7 @@ class Trainer {
     TrainState loaded;
     std::vector<float> params, m, v;
     PTK_RETURN_IF_ERROR(LoadCheckpoint(o_.load, *latest, model_->layout(), &params, &m, &v, &loaded));
+    PTK_RETURN_IF_ERROR(CheckOptimizerStateLoads(loaded, o_.load, *latest, o_.finetune || o_.no_load_optim));
     PTK_RETURN_IF_ERROR(model_->WriteParams(params));
     if (o_.finetune) {
       log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
@@ -486,23 +488,23 @@ class Trainer {
 
   // Megatron's checkpoint_and_decide_exit: the ranks agree on every reason through all-reduces;
   // a save every --save-interval; the reason to exit (a signal, --exit-duration-in-mins,
-  // --exit-interval), or "" to go on.
+  // --exit-interval) in Megatron's words (the minutes as Python prints a float), or "" to go on.
   absl::StatusOr<std::string> SaveAndDecideExit() {
     double signal = o_.exit_signal && o_.exit_signal->load() != 0 ? 1.0 : 0.0;
     PTK_RETURN_IF_ERROR(world_->AllReduceSum(&signal, 1));
-    if (signal > 0) return std::string("exiting on signal");
+    if (signal > 0) return std::string("exiting program after receiving SIGTERM.");  // Megatron's, for any signal
     if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) PTK_RETURN_IF_ERROR(Save());
     PTK_ASSIGN_OR_RETURN(const TimeLimit limit, CheckExitDuration(world_, started_, o_.exit_duration_in_mins));
-    if (limit.reached) return fmt::format("exiting program after {:.1f} minutes", limit.minutes);
+    if (limit.reached) return fmt::format("exiting program after {} minutes", py::FloatRepr(limit.minutes));
     if (o_.exit_interval > 0 && state_.iteration % o_.exit_interval == 0)
       return fmt::format("exiting program at iteration {}", state_.iteration);
     return std::string();
   }
 
-  // An exit before the last iteration: this iteration saved, the reason printed.
+  // An exit before the last iteration: this iteration saved, the reason in Megatron's print_datetime line.
   absl::StatusOr<TrainSummary> Exit(const std::string& reason) {
     if (last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
-    Print(reason);
+    Print(fmt::format("[{}] datetime: {} ", reason, Timestamp()));
     summary_.exit_reason = reason;
     return Close();
   }

@@ -557,6 +557,37 @@ TEST(InspectSample, TextAfterANulByteIsPrinted) {
   EXPECT_NE(sample.output.find(std::string("text:\nx") + '\0' + "y\n"), std::string::npos) << sample.output;
 }
 
+// --eod-mask-loss and --reset-position-ids look for --vocab-file's <|endoftext|> (Megatron's
+// tokenizer.eod; 999 in GPT-2's first 1000 tokens): it was always GPT-2's 50256, so with this
+// vocabulary the mask masked nothing ("loss_mask zeros: 0"), with --format text and ids alike.
+TEST(InspectSample, TheEodMaskLooksForTheVocabularysEndOfText) {
+  testing::TempDir dir;
+  {
+    auto b = IndexedDatasetBuilder::Create(dir / "v_text_document", DType::kUInt16);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const std::vector<int32_t> ids = {10, 999, 11, 12, 999, 13, 999, 14, 50256};
+    ASSERT_TRUE((*b)->AddItem(ids).ok());
+    (*b)->EndDocument();
+    ASSERT_TRUE((*b)->Finalize().ok());
+  }
+  const std::string data = testing::SourceDir() + "/tests/data/trainer/gpt2-1000-";
+  const std::string cmd = testing::Tool("ptk-inspect") + " --data-path " + dir / "v_text_document" +
+                          " --sample 0 --split 1,0,0 --seq-length 8 --train-samples 1 --eod-mask-loss --vocab-file " +
+                          data + "vocab.json --merge-file " + data + "merges.txt --format ";
+  for (const char* format : {"ids", "both"}) {
+    auto r = testing::RunCmd(cmd + format);
+    EXPECT_EQ(r.exit_code, 0) << format << "\n" << r.output;
+    EXPECT_NE(r.output.find("tokens: 10 999 11 12 999 13 999 14\n"), std::string::npos) << format << "\n" << r.output;
+    EXPECT_NE(r.output.find("loss_mask zeros: 3\n"), std::string::npos) << format << "\n" << r.output;
+  }
+  // GPT-2's own files (the built-in ones): 50256, which the sample's 8 tokens do not hold.
+  auto gpt2 =
+      testing::RunCmd(testing::Tool("ptk-inspect") + " --data-path " + dir / "v_text_document" +
+                      " --sample 0 --split 1,0,0 --seq-length 8 --train-samples 1 --eod-mask-loss --format ids");
+  EXPECT_EQ(gpt2.exit_code, 0) << gpt2.output;
+  EXPECT_NE(gpt2.output.find("loss_mask zeros: 0\n"), std::string::npos) << gpt2.output;
+}
+
 // A flag that this combination would ignore is a usage error naming it: --stats beside --doc,
 // --verify beside --sample, a --sample flag without --sample printed or checked nothing, exit 0.
 TEST(InspectSample, FlagsThatWouldBeIgnoredAreUsageErrors) {

@@ -273,6 +273,27 @@ void Replace(const std::string& file, const std::string& from, const std::string
   WriteFile(file, data);
 }
 
+// A torch_dist release checkpoint (the tracker says "release") is Megatron's iteration 0 without optimizer
+// state or scheduler (its load_checkpoint); the import took common.pt's iteration (3) and the moments.
+// Nothing asks ptk-train for --no-load-optim: Megatron's load of a release skips the optimizer anyway.
+TEST(TorchDistLlamaTp, AReleaseIsImportedAtIterationZeroWithoutTheOptimizer) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "meg");
+  std::filesystem::copy(Fixture("distopt_tp1") + "/iter_0000003", dir / "meg/release",
+                        std::filesystem::copy_options::recursive);
+  WriteFile(dir / "meg/latest_checkpointed_iteration.txt", "release");
+  Converted c = ConvertAndLoad(dir / "meg", dir / "ptk");
+  EXPECT_EQ(c.summary.iteration, 0);
+  EXPECT_EQ(c.state.iteration, 0);
+  EXPECT_EQ(c.state.adam_step, 0);
+  EXPECT_FALSE(c.state.scheduler.has_value());
+  EXPECT_EQ(c.state.scheduler_num_steps, 0);
+  EXPECT_FALSE(c.m1.empty());
+  EXPECT_TRUE(std::all_of(c.m1.begin(), c.m1.end(), [](float x) { return x == 0.0f; }));
+  EXPECT_TRUE(std::all_of(c.m2.begin(), c.m2.end(), [](float x) { return x == 0.0f; }));
+  for (const auto& [flag, value] : c.state.settings) EXPECT_NE(flag, kOptimizerStateSetting);
+}
+
 TEST(TorchDistLlamaRefused, AFlippedByteInLinearFc1NamesTheFileOffsetAndKey) {
   ExpectRefused("plain_bf16_tp2",
                 [](const std::string& d) {

@@ -136,5 +136,46 @@ TEST(MegatronExport, ArgsHoldTheMicrobatchGroupSizeAsMegatronsDo) {
   }
 }
 
+// Megatron's args record calculate_per_token_loss (how the run weighed its losses: every token alike
+// or each micro-batch's mean); the export left it out, so a Megatron run on the export and a ptk-convert
+// back both lost it. It is written from the run's setting and read back on import, into the settings
+// and the flags ptk-train is told to give.
+TEST(MegatronExport, ArgsRecordCalculatePerTokenLossAndImportReadsItBack) {
+  testing::TempDir dir;
+  const GPTConfig c = testing::SmallGpt(2, 16, 4, 16, 100, 128);
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> params(static_cast<size_t>(layout->num_params)), m(params.size()), v(params.size());
+  layout->InitWeights(5, params);
+  for (const char* setting : {"on", "off"}) {
+    SCOPED_TRACE(setting);
+    const std::string ck = dir / (std::string("ck_") + setting), meg = dir / (std::string("meg_") + setting),
+                      back = dir / (std::string("back_") + setting);
+    TrainState st;
+    st.iteration = 7;
+    st.settings = {{"--vocab-size", "100"}, {"--calculate-per-token-loss", setting}};
+    ASSERT_TRUE(SaveCheckpoint(ck, *layout, params, m, v, st, "[]").ok());
+    ASSERT_TRUE(ExportToMegatron(testing::ConvertOpts("ptk", "megatron", ck, meg)).ok());
+    auto f = torchfmt::TorchArchiveReader::Open(meg + "/iter_0000007/mp_rank_00/model_optim_rng.pt");
+    ASSERT_TRUE(f.ok()) << f.status();
+    const torchfmt::PyValue* arg = (*f)->root().Get("args")->Get("calculate_per_token_loss");
+    ASSERT_NE(arg, nullptr);
+    ASSERT_EQ(arg->kind, torchfmt::PyValue::Kind::kBool);
+    EXPECT_EQ(arg->b, std::string(setting) == "on");
+
+    auto imported = ImportFromMegatron(testing::ConvertOpts("megatron", "ptk", meg, back));
+    ASSERT_TRUE(imported.ok()) << imported.status();
+    EXPECT_EQ(imported->train_flags.find("--calculate-per-token-loss") != std::string::npos,
+              std::string(setting) == "on")
+        << imported->train_flags;
+    auto settings = ReadCheckpointSettings(back, 7);
+    ASSERT_TRUE(settings.ok()) << settings.status();
+    std::string read = "(not recorded)";
+    for (const auto& [k, val] : *settings)
+      if (k == "--calculate-per-token-loss") read = val;
+    EXPECT_EQ(read, setting);
+  }
+}
+
 }  // namespace
 }  // namespace ptk

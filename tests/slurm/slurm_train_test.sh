@@ -69,7 +69,7 @@ grep -q 'train: 2 rank(s) on .* (2 GPU(s) per node), mock data' "$log" || { cat 
 grep -q 'CPU threads\? per rank: .*(SLURM_TASKS_PER_NODE=2 at SLURM_NODEID=0' "$log" ||
   { cat "$log"; fail "ptk-train did not see srun's 2 ranks on this node"; }
 grep -q 'distributed optimizer: each of 2 ranks keeps' "$log" || { cat "$log"; fail "no distributed optimizer"; }
-grep -q 'exiting on signal' "$log" || { cat "$log"; fail "the signal did not stop the run"; }
+grep -q 'exiting program after receiving SIGTERM.' "$log" || { cat "$log"; fail "the signal did not stop the run"; }
 saved=$(sed -n 's/.*successfully saved checkpoint from iteration *\([0-9]*\) .*/\1/p' "$log" | head -1)
 [ -n "$saved" ] && [ "$saved" -lt "$ITERS" ] || { cat "$log"; fail "no checkpoint on the signal"; }
 grep -q "loaded checkpoint .* at iteration $saved " "$log" || { cat "$log"; fail "the requeued job did not resume from iteration $saved"; }

@@ -263,6 +263,38 @@ TEST(Rendezvous, ARanksOwnFailureEndsTheOthersWaitsNamingIt) {
   for (int r = 2; r >= 0; --r) stores[static_cast<size_t>(r)].reset();          // rank 0, which serves them, last
 }
 
+// NCCL's ranks wait inside NCCL's kernels, not on the store, so a rank's reported failure reached them
+// only at their watchdog's timeout. ReportedFailureWatch polls rank 0's store for it (PollReportedFailure):
+// once a rank reported, HeardFailure names it and its reason on every watching rank (the NCCL watchdogs
+// read it and abort their communicators), with no get to answer.
+TEST(Rendezvous, AReportedFailureReachesTheRanksThatWatchForIt) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::shared_ptr<RendezvousStore>> stores(3);
+  for (int r = 0; r < 3; ++r) {
+    auto s = RendezvousStore::Connect(r, 3, "127.0.0.1", port, milliseconds(60000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores[static_cast<size_t>(r)] = *std::move(s);
+  }
+  EXPECT_FALSE(stores[2]->PollReportedFailure());
+  {
+    ReportedFailureWatch watch0(stores[0], milliseconds(10)), watch2(stores[2], milliseconds(10));
+    EXPECT_TRUE(stores[1]->ReportFailure(absl::DataLossError("iter_0000004: checksum mismatch")));
+    // Each watch's thread ends once it heard (bounded: the 60 s timeout would be the old behaviour).
+    for (int i = 0; i < 6000 && (stores[0]->HeardFailure("").ok() || stores[2]->HeardFailure("").ok()); ++i)
+      std::this_thread::sleep_for(milliseconds(10));
+  }
+  const std::string named = "rank 1 (host " + HostName() + ") stopped: iter_0000004: checksum mismatch";
+  for (int r : {0, 2}) {
+    const absl::Status heard = stores[static_cast<size_t>(r)]->HeardFailure("the communicator was aborted: ");
+    EXPECT_TRUE(absl::IsAborted(heard)) << r << ": " << heard;
+    EXPECT_EQ(heard.message(), "the communicator was aborted: " + named) << r;
+    EXPECT_FALSE(stores[static_cast<size_t>(r)]->ReportFailure(absl::DataLossError("its own")));  // not the cause
+  }
+  EXPECT_TRUE(stores[2]->PollReportedFailure());
+  for (int r = 2; r >= 0; --r) stores[static_cast<size_t>(r)].reset();  // rank 0, which serves them, last
+}
+
 }  // namespace
 }  // namespace ptk
 

@@ -201,7 +201,7 @@ TEST_F(DataParallelCli, ASignalToOneRankSavesTheSameIterationOnAll) {
                         "echo rc0=$rc0 rc1=$?"));
   const std::string r0 = ptk::testing::ReadFile(dir_ / "r0.log");
   ASSERT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << r0 << Logs(2);
-  EXPECT_NE(r0.find("exiting on signal"), std::string::npos) << r0;
+  EXPECT_NE(r0.find("exiting program after receiving SIGTERM."), std::string::npos) << r0;
   auto latest = LatestCheckpointIteration(dir_ / "sig");
   ASSERT_TRUE(latest.ok()) << latest.status();
   ASSERT_GE(*latest, 5);

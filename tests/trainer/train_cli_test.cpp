@@ -431,7 +431,7 @@ TEST_F(TrainCli, SigtermSavesAndExitsCleanly) {
                                             " > " + ShellQuote(log) + " 2>&1 & pid=$!; " + UntilTraining(log) +
                                             "kill -TERM $pid; wait $pid; echo rc=$?; cat " + ShellQuote(log));
   auto r = RunCmd(cmd);
-  EXPECT_NE(r.output.find("exiting on signal"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exiting program after receiving SIGTERM."), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rc=0"), std::string::npos) << r.output;
   auto it = LatestCheckpointIteration(dir_ / "s");
   ASSERT_TRUE(it.ok()) << it.status();
@@ -457,7 +457,7 @@ TEST_F(TrainCli, SigtermAtTheStartIsHandled) {
   const int rc = testing::WaitExit(pid);
   const std::string out = testing::ReadFile(log);
   EXPECT_EQ(rc, 0) << "128 + the signal that ended it, or the exit code:\n" << out;
-  EXPECT_NE(out.find("exiting on signal"), std::string::npos) << out;
+  EXPECT_NE(out.find("exiting program after receiving SIGTERM."), std::string::npos) << out;
   auto it = LatestCheckpointIteration(dir_ / "e");
   ASSERT_TRUE(it.ok()) << it.status() << out;
   EXPECT_EQ(*it, 1);
@@ -479,7 +479,7 @@ TEST_F(TrainCli, SecondRunOnOneSaveDirIsRefused) {
   EXPECT_NE(r.output.find("second_rc=1"), std::string::npos) << r.output << log;
   EXPECT_NE(r.output.find("is being written by another run"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("first_rc=0"), std::string::npos) << r.output << log;
-  EXPECT_NE(log.find("exiting on signal"), std::string::npos) << log;
+  EXPECT_NE(log.find("exiting program after receiving SIGTERM."), std::string::npos) << log;
   // The first run's checkpoint is the one it saved on the signal, whole; its lock is gone.
   auto it = LatestCheckpointIteration(dir_ / "s");
   ASSERT_TRUE(it.ok()) << it.status() << log;

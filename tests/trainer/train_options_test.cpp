@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -252,6 +253,43 @@ TEST(RunTraining, ExitDurationCountsFromTheProcessStart) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->iteration, 4);
   EXPECT_EQ(s->exit_reason, "");
+}
+
+// The exit lines are Megatron's print_datetime lines: "[exiting program after 2.0000...
+// minutes] datetime: YYYY-MM-DD HH:MM:SS " (the minutes as Python prints a float) and "[exiting
+// program at iteration N] datetime: ... ". ptk printed "exiting program after 2.0 minutes" and
+// "exiting program at iteration N" bare (and "exiting on signal" for Megatron's "exiting program
+// after receiving SIGTERM.": train_cli_test).
+TEST(RunTraining, ExitLinesAreMegatronsPrintDatetimeLines) {
+  auto exit_line = [](const std::vector<std::string>& lines) {
+    for (const std::string& l : lines)
+      if (l.find("exiting program") != std::string::npos) return l;
+    return std::string("(none)");
+  };
+  TrainOptions o = Small();
+  o.train_iters = 4;
+  o.eval_iters = 0;
+  o.exit_duration_in_mins = 1;
+  o.started = std::chrono::steady_clock::now() - std::chrono::minutes(2);
+  std::vector<std::string> lines;
+  o.print = [&](const std::string& line) { lines.push_back(line); };
+  absl::StatusOr<TrainPlan> plan = PlanTraining(o, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<TrainSummary> s = RunTraining(o, *plan);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::regex datetime(" datetime: [0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2} $");
+  const std::string after = exit_line(lines);
+  EXPECT_TRUE(std::regex_search(after, std::regex("^\\[exiting program after 2\\.[0-9]{3,} minutes\\]"))) << after;
+  EXPECT_TRUE(std::regex_search(after, datetime)) << after;
+  o.exit_duration_in_mins = 0;
+  o.exit_interval = 2;
+  lines.clear();
+  s = RunTraining(o, *plan);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string at = exit_line(lines);
+  EXPECT_EQ(at.rfind("[exiting program at iteration 2] datetime: ", 0), 0u) << at;
+  EXPECT_TRUE(std::regex_search(at, datetime)) << at;
+  EXPECT_EQ(s->exit_reason, "exiting program at iteration 2");
 }
 
 // --exit-duration-in-mins over several ranks: Megatron stops once any rank's own time is past the limit

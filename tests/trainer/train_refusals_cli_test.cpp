@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -345,6 +346,62 @@ TEST_F(TrainRefusals, SigtermDuringACheckpointWriteLeavesTheLastOneLoadable) {
     EXPECT_EQ(losses[0].first, *it + 1);
     EXPECT_EQ(testing::Leftovers(save), "");
   }
+}
+
+// A Megatron checkpoint without optimizer state (saved with --no-save-optim): Megatron's
+// load_checkpoint refuses it unless --no-load-optim or --finetune. ptk-convert's import of it gave zero
+// moments and ptk-train resumed on them (exit 0, the import's note the only sign); it is refused in one
+// line naming the flags (exit 2), and either flag loads it. A release checkpoint (the tracker says
+// "release") Megatron loads at iteration 0 without optimizer state or scheduler and without those flags;
+// the import took the iteration its file stores (2), so --load went on from there.
+TEST_F(TrainRefusals, AnImportWithoutOptimizerStateNeedsNoLoadOptimAndAReleaseStartsAtZero) {
+  auto layout = ParamLayout::Create(testing::TinyModel(1000, 1024));
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> p(static_cast<size_t>(layout->num_params)), zero(p.size(), 0.0f);
+  layout->InitWeights(3, p);
+  TrainState st;  // no AdamW step: the export writes no optimizer state
+  st.iteration = 2;
+  st.consumed_train_samples = 8;
+  st.settings = {{"--vocab-size", "1000"}};
+  ASSERT_TRUE(SaveCheckpoint(dir_ / "ck", *layout, p, zero, zero, st, "").ok());
+  const std::string convert = testing::Tool("ptk-convert") + " --model-type GPT ";
+  auto to_megatron = [&](const std::string& from, const std::string& to) {
+    return RunCmd(convert + "--loader ptk --saver megatron --load-dir " + ShellQuote(dir_ / from) + " --save-dir " +
+                  ShellQuote(dir_ / to));
+  };
+  auto to_ptk = [&](const std::string& from, const std::string& to) {
+    return RunCmd(convert + "--loader megatron --saver ptk --load-dir " + ShellQuote(dir_ / from) + " --save-dir " +
+                  ShellQuote(dir_ / to));
+  };
+  auto ex = to_megatron("ck", "meg");
+  ASSERT_EQ(ex.exit_code, 0) << ex.output;
+  auto im = to_ptk("meg", "imp");
+  ASSERT_EQ(im.exit_code, 0) << im.output;
+  EXPECT_NE(im.output.find("takes it only with --no-load-optim or --finetune"), std::string::npos) << im.output;
+  EXPECT_NE(im.output.find(" --no-load-optim --load "), std::string::npos) << im.output;  // the command it prints
+  const std::string imp = ShellQuote(dir_ / "imp");
+  auto r = RunCmd(Train(Data() + " --load " + imp));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+  EXPECT_NE(Errors(r.output)[0].find("the checkpoint of iteration 2 holds no optimizer state (imported from a "
+                                     "checkpoint saved without it): give --no-load-optim or --finetune"),
+            std::string::npos)
+      << r.output;
+  for (const char* flag : {" --no-load-optim", " --finetune"}) {
+    auto ok = RunCmd(Train(Data() + " --load " + imp + flag));
+    EXPECT_EQ(ok.exit_code, 0) << flag << "\n" << ok.output;
+  }
+
+  // The same checkpoint as Megatron's release: iteration 0, nothing refused.
+  std::filesystem::rename(dir_ / "meg/iter_0000002", dir_ / "meg/release");
+  testing::WriteFile(dir_ / "meg/latest_checkpointed_iteration.txt", "release");
+  auto rel = to_ptk("meg", "rel");
+  ASSERT_EQ(rel.exit_code, 0) << rel.output;
+  EXPECT_NE(rel.output.find("the tracker says release: imported at iteration 0"), std::string::npos) << rel.output;
+  EXPECT_EQ(CheckpointToLoad(dir_ / "rel", std::nullopt).value_or(-1), 0);
+  auto run = RunCmd(Train(Data() + " --load " + ShellQuote(dir_ / "rel")));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find(" iteration        1/       4 |"), std::string::npos) << run.output;
 }
 
 }  // namespace

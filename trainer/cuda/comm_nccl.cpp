@@ -120,7 +120,10 @@ class NcclCommunicator : public Communicator {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclResult_t r = ncclCommInitRankConfig(&comm_, o.world_size, id, o.rank, &config);
-    return Start(r, "NCCL initialisation");
+    PTK_RETURN_IF_ERROR(Start(r, "NCCL initialisation"));
+    // A rank's own failure reported through the store (ReportRankFailure) reaches the watchdogs (Watch).
+    if (o.world_size > 1) failure_watch_ = std::make_unique<ReportedFailureWatch>(store_, std::chrono::seconds(1));
+    return absl::OkStatus();
   }
 
   // A group of this communicator's ranks (the tensor, data, pipeline or embedding group): a
@@ -165,6 +168,7 @@ class NcclCommunicator : public Communicator {
   int rank() const override { return options_.rank; }
   int size() const override { return options_.world_size; }
   std::string_view backend() const override { return "nccl"; }
+  std::shared_ptr<RendezvousStore> failure_store() const override { return store_; }
   bool device_collectives() const override { return true; }
 
   // ---- device memory, on the caller's stream
@@ -537,6 +541,9 @@ class NcclCommunicator : public Communicator {
         pending_.pop_front();
       }
       (void)cudaGetLastError();
+      // Another rank's own failure, reported through the store (ReportRankFailure): ends the collectives now.
+      const absl::Status heard = store_->HeardFailure(
+          fmt::format("rank {} (host {}, cuda:{}): NCCL aborted: ", options_.rank, HostName(), device_));
       std::string what;
       std::string problem = guard_->AsyncProblem();  // under the guard's lock (this one is taken before it)
       if (!problem.empty()) {
@@ -546,9 +553,9 @@ class NcclCommunicator : public Communicator {
         problem = fmt::format("not complete after {} s (--distributed-timeout-minutes); the communicator was aborted",
                               timeout_.count() / 1000.0);
       }
-      if (problem.empty()) continue;
+      if (problem.empty() && heard.ok()) continue;
       lock.unlock();
-      Abort(Failed(what, problem));
+      Abort(heard.ok() ? Failed(what, problem) : heard);
       lock.lock();
     }
   }
@@ -573,6 +580,7 @@ class NcclCommunicator : public Communicator {
   std::vector<cudaEvent_t> free_events_;
   bool stop_ = false, stuck_reported_ = false;
   std::thread watchdog_;
+  std::unique_ptr<ReportedFailureWatch> failure_watch_;  // the world's: polls the store for a reported failure
 };
 
 }  // namespace

@@ -6,7 +6,9 @@
 // the age of every collective in flight: past --distributed-timeout-minutes, or on an error, it
 // aborts the communicator (ncclCommAbort), and every later call fails with a message naming this
 // rank and host and what the store knows of the others (the rank that exited, or the one that
-// hangs).
+// hangs). It aborts too once another rank's own failure, reported through the store
+// (ReportRankFailure), is heard: the world's communicator polls the store for it every second
+// (ReportedFailureWatch), and every call then fails naming that rank and its reason.
 #pragma once
 
 #include <chrono>
