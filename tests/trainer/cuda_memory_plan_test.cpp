@@ -60,8 +60,9 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
 }
 
 // Context parallelism: a rank plans its t = seq_length / C positions, probabilities of its queries over
-// the whole samples (t x C t), and the group's buffers (positions, gathered rows, whole samples); fp32
-// only, without sequence parallelism.
+// the whole samples (t x C t), and the group's buffers (positions, gathered rows, whole samples); in bf16 the
+// same fp32 attention (its probabilities, not cuDNN's statistics) and the fp32 output and QKV gradient it
+// converts; not with sequence parallelism.
 TEST(CudaMemoryPlan, ContextRanksPlanTheirRowsAndTheGroupsBuffers) {
   const GPTConfig c = Gpt2Small();
   PlanOptions o;
@@ -71,6 +72,7 @@ TEST(CudaMemoryPlan, ContextRanksPlanTheirRowsAndTheGroupsBuffers) {
   EXPECT_EQ(one.cp_gathered, -1);
   EXPECT_EQ(one[one.attn_saved].bytes, 12 * 2 * 12 * 256 * 256 * 4);
   o.context = 4;
+  o.attention_scratch_floats = 12 * 256 * 1024;
   const MemoryPlan m = MustPlan(c, o);
   EXPECT_EQ(m.context, 4);
   EXPECT_EQ(m.n, 2 * 256);
@@ -78,10 +80,26 @@ TEST(CudaMemoryPlan, ContextRanksPlanTheirRowsAndTheGroupsBuffers) {
   EXPECT_EQ(m[m.attn_saved].bytes, 12 * 2 * 12 * 256 * 1024 * 4);
   EXPECT_EQ(m[m.cp_positions].bytes, 1024 * 8);
   for (const int b : {m.cp_gathered, m.cp_whole, m.cp_dwhole}) EXPECT_EQ(m[b].bytes, 4 * 2 * 256 * 3 * 768 * 4);
-  auto layout = ParamLayout::Create(c);
+  EXPECT_EQ(m.cp_rows, -1);  // fp32: the attention writes the activations themselves
+  EXPECT_EQ(m.cp_dqkv, -1);
   o.precision = Precision::kBf16;
+  const MemoryPlan h = MustPlan(c, o);
+  EXPECT_TRUE(h.RowsAttention());
+  EXPECT_EQ(h[h.qkv].bytes, m[m.qkv].bytes / 2);  // the activations in bf16
+  EXPECT_EQ(h[h.attn_saved].bytes, m[m.attn_saved].bytes);
+  EXPECT_EQ(h[h.attn_scratch].bytes, 12 * 256 * 1024 * 4);
+  for (const int b : {h.cp_gathered, h.cp_whole, h.cp_dwhole}) EXPECT_EQ(h[b].bytes, m[m.cp_gathered].bytes);
+  EXPECT_EQ(h[h.cp_rows].bytes, 2 * 256 * 768 * 4);
+  EXPECT_EQ(h[h.cp_dqkv].bytes, 2 * 256 * 3 * 768 * 4);
+  o.context = 1;
+  EXPECT_FALSE(MustPlan(c, o).RowsAttention());  // one rank in bf16: cuDNN's
+  auto layout = ParamLayout::Create(c);
+  o.context = 4;
+  o.tensor = 2;
+  o.sequence_parallel = true;
   EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
-  o.precision = Precision::kFp32;
+  o.tensor = 1;
+  o.sequence_parallel = false;
   o.context = 0;
   EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
 }

@@ -131,14 +131,17 @@ void AddParameterBuffers(const GPTConfig& cf, int64_t num_params, const PlanOpti
 
 // Tensor parallelism's fp32 sums and loss statistics, sequence parallelism's staging (`nr`: the
 // residual stream's rows on this rank), a pipeline stage's slots and exchange.
-// Context parallelism's buffers (MemoryPlan::cp_*) of qkv-width rows.
-void AddContextBuffers(int64_t context, int64_t qw, const std::string& act_lower, Adder& add) {
+// Context parallelism's buffers (MemoryPlan::cp_*) of qkv-width rows (ct: this rank's attention width).
+void AddContextBuffers(int64_t context, int64_t qw, int64_t ct, const std::string& act_lower, Adder& add) {
   MemoryPlan& m = *add.m;
   const int64_t whole = context * m.n * qw * 4;  // fp32 rows of the whole samples
   m.cp_positions = add("context parallelism: every rank's positions", context * m.t * 8);
   m.cp_gathered = add("context parallelism: the group's QKV rows (all-gathered)", whole, act_lower);
   m.cp_whole = add("context parallelism: the whole samples' QKV", whole, act_lower);
   m.cp_dwhole = add("context parallelism: the whole samples' key and value gradients", whole, act_lower);
+  if (!m.flash) return;
+  m.cp_rows = add("context parallelism: fp32 attention output / its gradient", m.n * ct * 4, act_lower);
+  m.cp_dqkv = add("context parallelism: fp32 QKV gradient", m.n * qw * 4, act_lower);
 }
 
 void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::string& act_lower, Adder& add) {
@@ -172,9 +175,9 @@ absl::Status CheckPlanOptions(const GPTConfig& cf, int64_t num_params, const Pla
   if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
   if (t < 1 || t > cf.seq_length)
     return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
-  if (o.context < 1 || (o.context > 1 && (o.precision != Precision::kFp32 || o.sequence_parallel)))
-    return absl::InvalidArgumentError(fmt::format(
-        "memory plan: {} context ranks (context parallelism runs in fp32, without sequence parallelism)", o.context));
+  if (o.context < 1 || (o.context > 1 && o.sequence_parallel))
+    return absl::InvalidArgumentError(
+        fmt::format("memory plan: {} context ranks (context parallelism runs without sequence parallelism)", o.context));
   const int64_t T = o.tensor;
   if (T < 1 || cf.num_attention_heads % T != 0 || cf.query_groups() % T != 0 || cf.ffn_hidden_size % T != 0 ||
       cf.padded_vocab_size % T != 0)
@@ -217,7 +220,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
                 ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
                 ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
   const bool grouped = ng != nh;
-  m.probs_layers = m.flash ? 0 : (cf.recompute_activations ? 1 : L);
+  m.probs_layers = m.RowsAttention() ? (cf.recompute_activations ? 1 : L) : 0;
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
   if (o.pipeline_slots > 0 && !o.pipeline_last) m.logit_chunk_rows = 0;  // the LM head is the last stage's
   Adder add{&m};
@@ -237,14 +240,15 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     m.qk_stats = add("activations: query and key norm statistics", L * m.qk_stats_per_layer * 4, act_lower);
   }
   m.atty = add("activations: attention output", L * n * ct * a, act_lower);
-  if (m.flash)
+  if (!m.RowsAttention())
     m.attn_saved =
         add("activations: flash attention softmax statistics", L * m.b * FlashStatsStride(nh, t) * 4, act_lower);
   else
     m.attn_saved = add(fmt::format("activations: attention probabilities ({} layer(s) of b*heads*t*{}t)",
                                    m.probs_layers, o.context > 1 ? fmt::format("{}", o.context) : ""),
                        m.probs_layers * m.b * nh * t * o.context * t * 4,
-                       act_lower + ", or --recompute-activations, or --bf16 (fused attention)");
+                       act_lower + ", or --recompute-activations" +
+                           (o.context > 1 ? ", or --context-parallel-size" : ", or --bf16 (fused attention)"));
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
   m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);
   m.fc1 = add(cf.swiglu         ? "activations: MLP fc1 (SwiGLU's gate and up)"
@@ -272,13 +276,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.dff = add("scratch: MLP gradient", n * ff * a, act_lower);
   m.dqkv = add("scratch: QKV gradient", n * qw * a, act_lower);
   m.datt = add("scratch: attention output gradient", n * ct * a, act_lower);
-  m.attn_scratch = add("scratch: attention backward", m.flash ? 0 : o.attention_scratch_floats * 4, act_lower);
+  m.attn_scratch =
+      add("scratch: attention backward", m.RowsAttention() ? o.attention_scratch_floats * 4 : 0, act_lower);
   m.ln_scratch = add("scratch: LayerNorm backward partial sums", o.layernorm_scratch_floats * 4, act_lower);
   if (cf.qk_layernorm)
     m.qk_scratch = add("scratch: query and key norm backward partial sums", o.qk_norm_scratch_doubles * 8, act_lower);
   if (cf.rope()) m.rope_tables = add("rotary embedding tables (fp32 cos, sin)", 2 * t * (cf.rotary_dim() / 2) * 4);
   if (cf.swiglu) m.dact = add("scratch: SwiGLU output gradient", n * f * a, act_lower);
-  if (m.flash && grouped) {
+  if (!m.RowsAttention() && grouped) {
     m.qkv_heads = add("scratch: QKV heads first (grouped-query fused attention)", n * qw * a, act_lower);
     m.dqkv_heads = add("scratch: QKV gradient heads first (grouped-query fused attention)", n * qw * a, act_lower);
   }
@@ -286,7 +291,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.streams = add("dropout stream keys", StreamTableSize(Ls, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
   AddParallelBuffers(o, nr, c, act_lower, add);
-  if (o.context > 1) AddContextBuffers(o.context, qw, act_lower, add);
+  if (o.context > 1) AddContextBuffers(o.context, qw, ct, act_lower, add);
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
   m.total_bytes = add.offset;
   return m;

@@ -98,8 +98,15 @@ struct MemoryPlan {
   // ContextParallelPositionTable), cp_gathered the group's QKV rows all-gathered (context pieces of
   // (n, qkv width) fp32; backward's key and value gradient shares), cp_whole and cp_dwhole the whole
   // samples' QKV and their key and value gradients (context * n rows; cp_whole receives the shares).
+  // In bf16/fp16 the attention is the same fp32 one (attn_saved holds its probabilities, attn_scratch its
+  // backward's scratch): the group's rows are all-gathered in the activation type through cp_whole's room and
+  // widened into cp_gathered; cp_rows is this rank's fp32 attention output, then its gradient ((n, heads x
+  // head dim)), cp_dqkv its fp32 QKV gradient ((n, qkv width)), both narrowed or widened at the op's edges
+  // (-1 in fp32).
   int64_t context = 1;
-  int cp_positions = -1, cp_gathered = -1, cp_whole = -1, cp_dwhole = -1;
+  int cp_positions = -1, cp_gathered = -1, cp_whole = -1, cp_dwhole = -1, cp_rows = -1, cp_dqkv = -1;
+  // The attention keeps fp32 probabilities (fp32, or context parallelism), not cuDNN's statistics.
+  bool RowsAttention() const { return !flash || context > 1; }
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -114,7 +121,7 @@ struct PlanOptions {
   int64_t seq_length = 0;                              // 0: the config's
   int64_t logits_budget_bytes = kDefaultLogitsBudget;  // the logits are computed in chunks of rows within this
   int64_t workspace_bytes = 64 << 20;                  // cuBLASLt and cuDNN
-  int64_t attention_scratch_floats = 0;                // AttentionBackwardScratch of the shape (fp32 mode)
+  int64_t attention_scratch_floats = 0;                // the fp32 attention backward's (RowsAttention)
   int64_t reduce_doubles = 0;                          // SumSquaresPartials of the parameter count
   // ZeRO-1 (--use-distributed-optimizer): the parameter and gradient buffers padded to the shard
   // layout's padded size (0: the parameter count), the moments for this rank's shard only (-1: all);
@@ -140,8 +147,8 @@ struct PlanOptions {
   // (NonTensorParallelGradRanges': sequence parallelism's, or --qk-layernorm's query and key norms).
   int64_t non_tensor_parallel_grads = 0;
   int64_t qk_norm_scratch_doubles = 0;  // QKNormBackwardScratch of this rank's shape (--qk-layernorm)
-  // Context parallelism's ranks (--context-parallel-size; fp32 only): seq_length is then this rank's
-  // positions of a sample (MemoryPlan::context).
+  // Context parallelism's ranks (--context-parallel-size; not with sequence_parallel): seq_length is then this
+  // rank's positions of a sample (MemoryPlan::context).
   int64_t context = 1;
 };
 
