@@ -256,13 +256,8 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
 
 // --context-parallel-size above 1 on the CUDA backend: what its context parallelism lacks (the CUDA model
 // refuses the same, CudaGPTModelImpl::SetContext), refused before the backend is looked for.
-absl::Status RefuseCudaContextParallel(const TrainFlags& f, Precision precision) {
+absl::Status RefuseCudaContextParallel(const TrainFlags& f) {
   const std::string flag = fmt::format("--context-parallel-size {}", f.context_parallel_size);
-  if (precision != Precision::kFp32)
-    return Refuse(fmt::format(
-        "{} with --{}: context parallelism on the CUDA backend runs in fp32 only (its attention is the fp32 one; ptk "
-        "has no context-parallel cuDNN attention yet); drop --{}, or train with --device cpu",
-        flag, PrecisionName(precision), PrecisionName(precision)));
   if (f.options.backend.sequence_parallel && f.tensor_model_parallel_size > 1)
     return Refuse(flag + " with --sequence-parallel: not on the CUDA backend yet (--device cpu runs it)");
   if (f.distributed_backend == "gloo")
@@ -272,7 +267,7 @@ absl::Status RefuseCudaContextParallel(const TrainFlags& f, Precision precision)
   return absl::OkStatus();
 }
 
-// --context-parallel-size above 1: what ptk's context parallelism covers (the CPU model, and the CUDA one in fp32, with
+// --context-parallel-size above 1: what ptk's context parallelism covers (the CPU model, and the CUDA one, with
 // data and tensor parallelism; the whole causal attention from all-gathered keys and values), the rest refused naming
 // the flag.
 absl::Status ResolveContextParallel(const TrainFlags& f, bool pipelined, TrainOptions* out) {
@@ -319,7 +314,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   const int64_t tp = f.tensor_model_parallel_size;
   if (tp > 1 && device == Device::kCuda && f.distributed_backend == "gloo") return Refuse(kCudaTensorParallelMissing);
   if (f.context_parallel_size > 1 && device == Device::kCuda)  // before the backend is looked for
-    PTK_RETURN_IF_ERROR(RefuseCudaContextParallel(f, precision));
+    PTK_RETURN_IF_ERROR(RefuseCudaContextParallel(f));
   PTK_RETURN_IF_ERROR(CheckBackendChoice(device, precision, /*device_given=*/!f.device.empty()));
   if (device == Device::kCuda) {  // the module and its CUDA libraries: found now, before any data is read
     if (auto cuda = LoadCudaBackend(); !cuda.ok())

@@ -6,8 +6,16 @@
 // keys of the queries' true positions); backward gathers them again, computes this rank's queries' gradients and
 // its share of every position's key and value gradients, sends each rank its share (NCCL point to point) and adds
 // the shares of its own rows in rank order (AddContextShares): deterministic, and the bits of the CPU model's gloo
-// reduce-scatter. RoPE's tables and the hidden dropout masks are those of the rows' true positions. fp32 only
-// (the attention is attention_rows_cuda.cu's; cuDNN's fused attention has no context-parallel path here).
+// reduce-scatter. RoPE's tables and the hidden dropout masks are those of the rows' true positions.
+//
+// The attention is attention_rows_cuda.cu's fp32 one in every precision (cuDNN's fused attention has no
+// context-parallel path here): in bf16/fp16 the QKV rows are all-gathered in the activation type (half fp32's
+// bytes) and widened to fp32, the output is narrowed back, and backward widens the output gradient, exchanges
+// the key and value gradients' shares in fp32 (summed in rank order in fp32) and narrows the QKV gradient once.
+// fp32 math throughout, so the same masks and sums as fp32 context parallelism; the (t, C t) fp32 scores per
+// head and cuBLAS products instead of a fused kernel: slower and larger than the one-rank bf16 attention.
+// fp16's loss scaling: an overflow narrowing the gradient is an inf in this rank's gradients, which the data x
+// context all-reduce carries to every rank (each skips the step).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,12 +36,6 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::SetContext(Communicator* context) {
   if (context == nullptr || context->size() <= 1) return absl::OkStatus();
   const int64_t C = context->size();
-  if constexpr (kFlash)
-    return UsageError(fmt::format(
-        "--context-parallel-size {} with --{}: context parallelism on the CUDA backend runs in fp32 only (its "
-        "attention is the fp32 one; ptk has no context-parallel cuDNN attention yet); drop --{}, or train with "
-        "--device cpu",
-        C, PrecisionName(PrecisionOf<T>()), PrecisionName(PrecisionOf<T>())));
   if (!context->device_collectives())
     return UsageError(fmt::format(
         "--context-parallel-size {} on the CUDA backend needs NCCL for the context group (--distributed-backend "
@@ -92,29 +94,49 @@ absl::Status CudaGPTModelImpl<T>::ContextDropout(T* x, int64_t layer, int64_t si
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::GatherContextRows(const float* qkv, int64_t piece) {
+absl::Status CudaGPTModelImpl<T>::GatherContextRows(const T* qkv, int64_t piece) {
   float* gathered = Buf<float>(plan_.cp_gathered);
   const int C = context_comm_->size();
+  // fp32 gathers in place; bf16/fp16 into cp_whole's room (read before anything writes it), then widened.
+  T* staged = nullptr;
+  if constexpr (kFlash)
+    staged = Buf<T>(plan_.cp_whole);
+  else
+    staged = gathered;
   PTK_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(gathered + context_comm_->rank() * piece, qkv, static_cast<size_t>(piece) * sizeof(float),
+      cudaMemcpyAsync(staged + context_comm_->rank() * piece, qkv, static_cast<size_t>(piece) * sizeof(T),
                       cudaMemcpyDeviceToDevice, ctx_.stream),
       "copying a context rank's QKV rows for the all-gather");
-  const std::vector<int64_t> bytes(static_cast<size_t>(C), piece * static_cast<int64_t>(sizeof(float)));
-  return Op("context parallel", "QKV all-gather", context_comm_->AllGatherDevice(gathered, bytes, ctx_.stream));
+  const std::vector<int64_t> bytes(static_cast<size_t>(C), piece * static_cast<int64_t>(sizeof(T)));
+  PTK_RETURN_IF_ERROR(
+      Op("context parallel", "QKV all-gather", context_comm_->AllGatherDevice(staged, bytes, ctx_.stream)));
+  if constexpr (kFlash) return Op("context parallel", "QKV to fp32", CastToFloat<T>(gathered, staged, C * piece, ctx_));
+  return absl::OkStatus();
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(float* atty, float* probs, const float* qkv,
-                                                 const AttentionShape& shape, double ap, uint64_t seed,
-                                                 const uint64_t* streams) {
-  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, shape.b * shape.t * shape.qkv_width()));
+absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(T* atty, float* probs, const T* qkv, const AttentionShape& shape,
+                                                 double ap, uint64_t seed, const uint64_t* streams) {
+  const int64_t piece = shape.b * shape.t * shape.qkv_width();
+  PTK_RETURN_IF_ERROR(GatherContextRows(qkv, piece));
   const ContextAttentionArgs cp{context_comm_->size(), context_comm_->rank(), Buf<int64_t>(plan_.cp_positions)};
-  return ContextAttentionForward(atty, probs, qkv, Buf<float>(plan_.cp_gathered), Buf<float>(plan_.cp_whole), cp, shape,
-                                 ap, seed, streams, ctx_);
+  float* gathered = Buf<float>(plan_.cp_gathered);
+  float* whole = Buf<float>(plan_.cp_whole);
+  if constexpr (!kFlash) {
+    return ContextAttentionForward(atty, probs, qkv, gathered, whole, cp, shape, ap, seed, streams, ctx_);
+  } else {
+    // This rank's fp32 query rows are its piece of the widened gathered rows; the output in fp32, then narrowed.
+    float* out = Buf<float>(plan_.cp_rows);
+    PTK_RETURN_IF_ERROR(ContextAttentionForward(out, probs, gathered + cp.rank * piece, gathered, whole, cp, shape, ap,
+                                                seed, streams, ctx_));
+    if (atty == nullptr) return absl::OkStatus();
+    return Op("context parallel", "attention output from fp32",
+              CastFromFloat<T>(atty, out, shape.b * shape.t * shape.nh * shape.hd, ctx_));
+  }
 }
 
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(float* dqkv, const float* datt, const float* qkv, const float* probs,
+absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(T* dqkv, const T* datt, const T* qkv, const float* probs,
                                                  const AttentionShape& shape, double ap, uint64_t seed,
                                                  const uint64_t* streams) {
   const int C = context_comm_->size(), rank = context_comm_->rank();
@@ -124,19 +146,39 @@ absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(float* dqkv, const float* datt,
   // The shares overwrite the gathered rows (read first); the whole samples' buffer receives the others' shares.
   float* shares = Buf<float>(plan_.cp_gathered);
   float* received = Buf<float>(plan_.cp_whole);
-  PTK_RETURN_IF_ERROR(ContextAttentionBackward(dqkv, shares, datt, qkv, shares, received, Buf<float>(plan_.cp_dwhole),
+  // fp32 as it is; bf16/fp16: the output gradient widened, this rank's query rows its widened gathered piece
+  // (read before the shares overwrite it), the QKV gradient in fp32 until the shares are added.
+  float* dq = nullptr;
+  const float* dout = nullptr;
+  const float* q = nullptr;
+  if constexpr (kFlash) {
+    float* dout32 = Buf<float>(plan_.cp_rows);
+    PTK_RETURN_IF_ERROR(Op("context parallel", "attention output gradient to fp32",
+                           CastToFloat<T>(dout32, datt, shape.b * shape.t * shape.nh * shape.hd, ctx_)));
+    dq = Buf<float>(plan_.cp_dqkv);
+    dout = dout32;
+    q = shares + rank * piece;
+  } else {
+    dq = dqkv;
+    dout = datt;
+    q = qkv;
+  }
+  PTK_RETURN_IF_ERROR(ContextAttentionBackward(dq, shares, dout, q, shares, received, Buf<float>(plan_.cp_dwhole),
                                                probs, cp, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch),
                                                ctx_));
   std::vector<Communicator::P2pMessage> messages;
   const int64_t bytes = piece * static_cast<int64_t>(sizeof(float));
-  for (int q = 0; q < C; ++q)
-    if (q != rank) {
-      messages.push_back({.send = shares + q * piece, .bytes = bytes, .peer = q});
-      messages.push_back({.recv = received + q * piece, .bytes = bytes, .peer = q});
+  for (int r = 0; r < C; ++r)
+    if (r != rank) {
+      messages.push_back({.send = shares + r * piece, .bytes = bytes, .peer = r});
+      messages.push_back({.recv = received + r * piece, .bytes = bytes, .peer = r});
     }
   PTK_RETURN_IF_ERROR(
       Op("context parallel", "key/value gradient exchange", context_comm_->BatchSendRecvDevice(messages, ctx_.stream)));
-  return AddContextShares(dqkv, received, shares + rank * piece, cp, piece, ctx_);
+  PTK_RETURN_IF_ERROR(AddContextShares(dq, received, shares + rank * piece, cp, piece, ctx_));
+  if constexpr (kFlash)
+    return Op("context parallel", "QKV gradient from fp32", CastFromFloat<T>(dqkv, dq, piece, ctx_));
+  return absl::OkStatus();
 }
 
 #define PTK_INSTANTIATE(T)                                                                                       \
@@ -144,10 +186,10 @@ absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(float* dqkv, const float* datt,
   template absl::Status CudaGPTModelImpl<T>::UploadContextTables();                                              \
   template absl::Status CudaGPTModelImpl<T>::ContextDropout(T* x, int64_t layer, int64_t site, double p,         \
                                                             uint64_t seed);                                      \
-  template absl::Status CudaGPTModelImpl<T>::GatherContextRows(const float* qkv, int64_t piece);                 \
-  template absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(float*, float*, const float*, const AttentionShape&, \
-                                                            double, uint64_t, const uint64_t*);                  \
-  template absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(float*, const float*, const float*, const float*,    \
+  template absl::Status CudaGPTModelImpl<T>::GatherContextRows(const T* qkv, int64_t piece);                     \
+  template absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(T*, float*, const T*, const AttentionShape&, double, \
+                                                            uint64_t, const uint64_t*);                          \
+  template absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(T*, const T*, const T*, const float*,                \
                                                             const AttentionShape&, double, uint64_t, const uint64_t*);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

@@ -179,10 +179,11 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};
   if (config().qk_layernorm) o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
+  // Context parallelism runs the fp32 rows attention in every precision (cuda_context_parallel.cpp).
   o.attention_scratch_floats =
-      kFlash ? 0
-      : cp() ? AttentionRowsBackwardScratch(AttentionShape{b, t * ContextSize(), shape.nh, shape.hd, shape.ng}, t)
-             : AttentionBackwardScratch(shape);
+      cp()     ? AttentionRowsBackwardScratch(AttentionShape{b, t * ContextSize(), shape.nh, shape.hd, shape.ng}, t)
+      : kFlash ? 0
+               : AttentionBackwardScratch(shape);
   o.reduce_doubles = SumSquaresPartials(num_params());
   o.padded_params = padded_params_;
   o.moment_params = moment_params_;
@@ -191,6 +192,7 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
                                      : LayerNormBackwardScratch(b * t, config().hidden_size);
   o.logits_budget_bytes = logits_budget_bytes_;  // 0: from the free memory (PlanMemoryWithin)
   if constexpr (kFlash) {
+    if (cp()) return o;  // no fused attention: context parallelism's is the fp32 one
     // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
     // in deterministic mode): the plan makes room for the larger of it and the products'. Without
     // attention dropout (and in evaluation) attention runs over the whole micro-batch; with it,

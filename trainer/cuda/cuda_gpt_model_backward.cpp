@@ -183,6 +183,15 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
                                                double ap, uint64_t seed) {
   const int64_t n = n_, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
   const T* qkv = Act(plan_.qkv, l, n * qw);
+  const bool recompute = config().recompute_activations;
+  if (cp()) {  // cuda_context_parallel.cpp: the fp32 rows attention in every precision
+    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
+    const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
+    // The probabilities again; fp32's output lands in a scratch buffer, bf16/fp16's fp32 one is dropped.
+    if (recompute)
+      PTK_RETURN_IF_ERROR(ContextAttnFwd(kFlash ? nullptr : Buf<T>(plan_.tmp), probs, qkv, shape, ap, seed, streams));
+    return ContextAttnBwd(dqkv, datt, qkv, probs, shape, ap, seed, streams);
+  }
   if constexpr (kFlash) {
     const int64_t nh = shape.nh;
     // Grouped-query attention: cuDNN reads the QKV and writes its gradient heads first; the
@@ -213,13 +222,8 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
     if (grouped) PTK_RETURN_IF_ERROR(QkvHeadsToGroups<T>(dqkv, dq, shape, ctx_));
     return absl::OkStatus();
   } else {
-    const bool recompute = config().recompute_activations;
     float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
-    if (cp()) {  // cuda_context_parallel.cpp
-      if (recompute) PTK_RETURN_IF_ERROR(ContextAttnFwd(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams));
-      return ContextAttnBwd(dqkv, datt, qkv, probs, shape, ap, seed, streams);
-    }
     if (recompute)  // the probabilities again; the output lands in a scratch buffer
       PTK_RETURN_IF_ERROR(AttentionForward(Buf<float>(plan_.tmp), probs, qkv, shape, ap, seed, streams, ctx_));
     return AttentionBackward(dqkv, datt, qkv, probs, shape, ap, seed, streams, Buf<float>(plan_.attn_scratch), ctx_);

@@ -423,23 +423,25 @@ class CudaGPTModelImpl final : public GPTModel {
   // first rows), then the norm's backward on them: dresid += the input gradient, the weight (and
   // bias) gradients of this rank's rows added to the gradients (summed over the group later).
   absl::Status SeqNormBackward(const char* name, T* dpartial, const T* inp, float* stats, int64_t w, int64_t bias);
-  // cuda_context_parallel.cpp: --context-parallel-size (context_comm_; fp32): each sample's t_ rows are
-  // this rank's positions (ContextParallelPositions); the attention all-gathers the group's QKV rows and
-  // runs this rank's queries over the whole samples (ContextAttentionForward), backward exchanges the
-  // key and value gradients' shares and adds them in rank order (ContextAttentionBackward,
-  // AddContextShares); hidden dropout keyed by true position (ContextDropout).
+  // cuda_context_parallel.cpp: --context-parallel-size (context_comm_): each sample's t_ rows are this rank's
+  // positions (ContextParallelPositions); the attention all-gathers the group's QKV rows and runs this rank's
+  // queries over the whole samples (ContextAttentionForward, fp32 in every precision: bf16/fp16 rows widened,
+  // the output narrowed), backward exchanges the key and value gradients' shares (fp32) and adds them in rank
+  // order (ContextAttentionBackward, AddContextShares); hidden dropout keyed by true position (ContextDropout).
   bool cp() const { return context_comm_ != nullptr; }
   int64_t ContextSize() const { return cp() ? context_comm_->size() : 1; }
   // The keys a query row attends over: the whole sample's positions.
   int64_t KeyPositions() const { return t_ * ContextSize(); }
   absl::Status SetContext(Communicator* context);
-  absl::Status ContextAttnFwd(float* atty, float* probs, const float* qkv, const AttentionShape& shape, double ap,
+  // atty may be null in bf16/fp16 (backward's recomputation: the probabilities alone).
+  absl::Status ContextAttnFwd(T* atty, float* probs, const T* qkv, const AttentionShape& shape, double ap,
                               uint64_t seed, const uint64_t* streams);
-  absl::Status ContextAttnBwd(float* dqkv, const float* datt, const float* qkv, const float* probs,
-                              const AttentionShape& shape, double ap, uint64_t seed, const uint64_t* streams);
+  absl::Status ContextAttnBwd(T* dqkv, const T* datt, const T* qkv, const float* probs, const AttentionShape& shape,
+                              double ap, uint64_t seed, const uint64_t* streams);
   absl::Status ContextDropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
-  // The group's QKV rows into plan_.cp_gathered (its rank-ordered pieces), on the compute stream.
-  absl::Status GatherContextRows(const float* qkv, int64_t piece);
+  // The group's QKV rows into plan_.cp_gathered as fp32 (its rank-ordered pieces), on the compute stream:
+  // bf16/fp16 rows gathered as they are (half the bytes) through cp_whole's room, then widened.
+  absl::Status GatherContextRows(const T* qkv, int64_t piece);
   // This rank's positions (context_positions_), every rank's (cp_positions) and RoPE's tables for this rank's
   // positions (Plan).
   absl::Status UploadContextTables();

@@ -69,7 +69,10 @@ std::string CudaGPTModelImpl<T>::OpWhere(const char* name) const {
                          c, vp);
   else if (has("attention") && !has("dropout"))
     shapes = fmt::format("b={} t={} heads={} query groups={} head dim={}{}", b_, t_, cf.num_attention_heads / tn,
-                         cf.query_groups() / tn, cf.head_dim(), kFlash ? " (cuDNN fused attention)" : "");
+                         cf.query_groups() / tn, cf.head_dim(),
+                         kFlash && !cp() ? " (cuDNN fused attention)"
+                         : cp()          ? " (fp32 context-parallel rows)"
+                                         : "");
   else if (has("grad") || has("adamw") || has("compute copy"))
     shapes = fmt::format("{} parameters", num_params());
   else

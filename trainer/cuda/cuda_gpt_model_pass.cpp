@@ -257,6 +257,11 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap,
                                                uint64_t seed) {
+  if (cp()) {  // cuda_context_parallel.cpp: the fp32 rows attention in every precision
+    float* probs = Buf<float>(plan_.attn_saved) +
+                   (config().recompute_activations ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
+    return ContextAttnFwd(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr);
+  }
   if constexpr (kFlash) {
     const int64_t nh = shape.nh, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
     // Grouped-query attention: cuDNN reads the QKV heads first (a copy; the layer keeps Megatron's order).
@@ -279,7 +284,6 @@ absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l,
     float* probs = Buf<float>(plan_.attn_saved) +
                    (config().recompute_activations ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
-    if (cp()) return ContextAttnFwd(atty, probs, qkv, shape, ap, seed, streams);  // cuda_context_parallel.cpp
     return AttentionForward(atty, probs, qkv, shape, ap, seed, streams, ctx_);
   }
 }

@@ -176,8 +176,8 @@ absl::Status CheckPlanOptions(const GPTConfig& cf, int64_t num_params, const Pla
   if (t < 1 || t > cf.seq_length)
     return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
   if (o.context < 1 || (o.context > 1 && o.sequence_parallel))
-    return absl::InvalidArgumentError(
-        fmt::format("memory plan: {} context ranks (context parallelism runs without sequence parallelism)", o.context));
+    return absl::InvalidArgumentError(fmt::format(
+        "memory plan: {} context ranks (context parallelism runs without sequence parallelism)", o.context));
   const int64_t T = o.tensor;
   if (T < 1 || cf.num_attention_heads % T != 0 || cf.query_groups() % T != 0 || cf.ffn_hidden_size % T != 0 ||
       cf.padded_vocab_size % T != 0)
