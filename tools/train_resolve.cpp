@@ -258,8 +258,6 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
 // refuses the same, CudaGPTModelImpl::SetContext), refused before the backend is looked for.
 absl::Status RefuseCudaContextParallel(const TrainFlags& f) {
   const std::string flag = fmt::format("--context-parallel-size {}", f.context_parallel_size);
-  if (f.options.backend.sequence_parallel && f.tensor_model_parallel_size > 1)
-    return Refuse(flag + " with --sequence-parallel: not on the CUDA backend yet (--device cpu runs it)");
   if (f.distributed_backend == "gloo")
     return Refuse(flag +
                   " on the CUDA backend needs NCCL for the context group (--distributed-backend nccl, the default "

@@ -21,8 +21,8 @@ struct BackendOptions {
   Communicator* tensor_comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (with a tensor group)
   // The context-parallel group (--context-parallel-size; null or one rank: none): the model's
-  // attention over the whole sequence from this rank's positions. The CUDA backend's runs in fp32
-  // over NCCL (device collectives), without --sequence-parallel; it refuses the rest.
+  // attention over the whole sequence from this rank's positions. The CUDA backend's needs NCCL
+  // (device collectives; it refuses gloo) and runs its attention in fp32 in every precision.
   Communicator* context_comm = nullptr;
   // --pipeline-model-parallel-size: this rank's stage (the whole model by default): the model
   // built is the stage's part (either backend).

@@ -200,10 +200,8 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
        "--context-parallel-size 2 with --sequence-parallel: a context rank's --seq-length 36 / 2 = 18 positions must "
        "be a multiple of --tensor-model-parallel-size 4"},
       {"--cp-comm-type a2a", "--context-parallel-size 2 --cp-comm-type a2a: ptk has allgather"},
-      // The CUDA backend's context parallelism (NCCL, no --sequence-parallel): the rest is refused before the
-      // backend is looked for, with or without CUDA in the build.
-      {"--device cuda --tensor-model-parallel-size 2 --sequence-parallel",
-       "--context-parallel-size 2 with --sequence-parallel: not on the CUDA backend yet (--device cpu runs it)"},
+      // The CUDA backend's context parallelism needs NCCL: refused before the backend is looked for, with or
+      // without CUDA in the build.
       {"--device cuda --distributed-backend gloo",
        "--context-parallel-size 2 on the CUDA backend needs NCCL for the context group"},
       {"--sample-interval 5", "--context-parallel-size 2 with --sample-interval: text samples are not implemented"},
@@ -217,16 +215,18 @@ TEST_F(ContextParallelCli, WhatPtkDoesNotCoverIsRefusedInOneLine) {
 }
 
 // --context-parallel-size with --device cuda is taken (it was refused, "implemented on the CPU backend only", while
-// the CUDA model had no context parallelism; then in bf16 and fp16, "runs in fp32 only", while its attention ran in
-// fp32 alone): in fp32, bf16 and fp16 the flags pass, and this one-rank run stops at the world size (or, in a build
-// without CUDA, at the build), never at the combination.
+// the CUDA model had no context parallelism; then in bf16 and fp16, "runs in fp32 only", and with
+// --sequence-parallel, "not on the CUDA backend yet"): in fp32, bf16 and fp16, and with --sequence-parallel, the
+// flags pass, and this one-rank run stops at the world size (or, in a build without CUDA, at the build), never at
+// the combination.
 TEST_F(ContextParallelCli, CudaInEveryPrecisionIsTaken) {
-  for (const char* precision : {"", " --bf16", " --fp16"}) {
-    SCOPED_TRACE(precision);
-    auto r = RunCmd(Train(2, std::string("--device cuda") + precision, 2));
+  for (const char* extra : {"", " --bf16", " --fp16", " --bf16 --tensor-model-parallel-size 2 --sequence-parallel"}) {
+    SCOPED_TRACE(extra);
+    auto r = RunCmd(Train(2, std::string("--device cuda") + extra, 2));
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_EQ(r.output.find("CPU backend only"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("runs in fp32 only"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("not on the CUDA backend yet"), std::string::npos) << r.output;
     EXPECT_TRUE(r.output.find("the world size 1 is not divisible") != std::string::npos ||
                 r.output.find("built without CUDA") != std::string::npos)
         << r.output;

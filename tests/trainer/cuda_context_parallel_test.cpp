@@ -6,7 +6,8 @@
 // the CUDA model at C = 1 on the whole samples, dropout on (GPT-3's line) and the Llama line (RoPE, grouped-query
 // attention): the ranks' loss sums added within 1e-5 relative, their token counts exactly, their gradients added
 // (what the data x context all-reduce does) within 1e-4 of the largest (cuda_model_test's fp32 bounds); also
-// C = 2 x T = 2 (the tensor group's collectives staged alike, each rank's slices gathered). bf16 and fp16 (the
+// C = 2 x T = 2, with and without --sequence-parallel (the tensor group's collectives staged alike, each rank's
+// slices gathered; sequence parallel's hidden dropout keyed by true position). bf16 and fp16 (the
 // attention in fp32 on widened rows) against C = 1 in the same precision, and bf16 with attention dropout against
 // fp32 (the same masks); fp16 overflowing reaches the summed gradients. gpu-labelled: exit 77 without a device.
 #include <cuda_runtime.h>
@@ -66,7 +67,8 @@ void Stage(Communicator* world, const std::vector<int>& members, const std::stri
 // precision p at context size C and tensor size T (world rank r: tensor rank r % T, context rank r / T, Megatron's
 // tp-cp order): the loss sums and token counts of one tensor rank per context rank added, each context rank's gradients
 // gathered from its tensor ranks' slices (CopyFromShard), then added over the context ranks.
-CpRun TrainPass(const GPTConfig& c, int C, int T = 1, Precision p = Precision::kFp32, double scale = 1.0 / 256) {
+CpRun TrainPass(const GPTConfig& c, int C, int T = 1, Precision p = Precision::kFp32, double scale = 1.0 / 256,
+                bool sp = false) {
   const Batches data(1, c.vocab_size);
   const ModelBatch whole = data.Get(0);
   const int64_t params = ParamLayout::Create(c)->num_params;
@@ -83,6 +85,7 @@ CpRun TrainPass(const GPTConfig& c, int C, int T = 1, Precision p = Precision::k
     if (T > 1) {
       ASSERT_NO_FATAL_FAILURE(Stage(world, tensor_members, "tensor", &tensor));
       o.tensor = tensor.collectives.get();
+      o.sequence_parallel = sp;
     }
     if (C > 1) {
       ASSERT_NO_FATAL_FAILURE(Stage(world, context_members, "context", &context));
@@ -142,9 +145,13 @@ void ExpectClose(const CpRun& ref, const CpRun& cp, double loss_tol, double grad
 void ExpectFollowsOneRank(const GPTConfig& c, const std::string& name, Precision p = Precision::kFp32) {
   const bool fp32 = p == Precision::kFp32;
   const CpRun one = TrainPass(c, 1, 1, p);
-  for (const auto& [C, T] : {std::pair{2, 1}, std::pair{4, 1}, std::pair{2, 2}})
-    ExpectClose(one, TrainPass(c, C, T, p), fp32 ? 1e-5 : 1e-2, fp32 ? 1e-4 : 6e-2,
-                fmt::format("{} {} C={} T={}", name, PrecisionName(p), C, T));
+  struct Split {
+    int C, T;
+    bool sp;
+  };
+  for (const Split& k : {Split{2, 1, false}, Split{4, 1, false}, Split{2, 2, false}, Split{2, 2, true}})
+    ExpectClose(one, TrainPass(c, k.C, k.T, p, 1.0 / 256, k.sp), fp32 ? 1e-5 : 1e-2, fp32 ? 1e-4 : 6e-2,
+                fmt::format("{} {} C={} T={}{}", name, PrecisionName(p), k.C, k.T, k.sp ? " sequence-parallel" : ""));
 }
 
 TEST(CudaContextParallel, RanksOnOneGpuAddUpToOneRank) {

@@ -1,9 +1,11 @@
 // The CUDA backend's context-parallel element mapping and sum (trainer/cuda/context_rows.h, what
 // context_parallel_cuda.cu's kernels run), on the CPU: the all-gathered pieces land where the CPU model's
 // GatherContextRows puts them (each rank's rows at its ContextParallelPositions), every element once, and the
-// shares of a rank's rows add in rank order, the CPU gloo reduce-scatter's bits.
+// shares of a rank's rows add in rank order, the CPU gloo reduce-scatter's bits; the hidden dropout's runs of
+// consecutive true positions over a context rank's rows and a sequence-parallel tensor rank's share of them.
 #include "trainer/cuda/context_rows.h"
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -53,6 +55,38 @@ TEST(CudaContextRows, SharesAddInRankOrder) {
   }
   const float alone = 3.5f;
   EXPECT_EQ(RankOrderSum(nullptr, &alone, 0, 1, 1, 0), 3.5f);
+}
+
+// Every row of a slice in exactly one run, at its true position, and runs as long as the positions are
+// consecutive: C = 2 x T = 3 over 36 positions gives tensor rank 1 the rows 6..11 of a context rank, positions
+// 6..8 and 27..29 of context rank 0 (chunks 0 and 3 of 9 positions), two runs.
+TEST(CudaContextRows, DropoutRunsFollowTheTruePositions) {
+  const std::vector<int64_t> pos0 = ContextParallelPositions(36, 2, 0);
+  EXPECT_EQ(PositionRuns(pos0.data(), 6, 6), (std::vector<PositionRun>{{0, 3, 6}, {3, 3, 27}}));
+  EXPECT_EQ(PositionRuns(pos0.data(), 0, 18), (std::vector<PositionRun>{{0, 9, 0}, {9, 9, 27}}));
+  for (const int C : {1, 2, 4})
+    for (const int T : {1, 2, 3}) {
+      const int64_t S = 2 * C * T * 3, t = S / C, tl = t / T;
+      for (int q = 0; q < C; ++q) {
+        const std::vector<int64_t> pos = ContextParallelPositions(S, C, q);
+        for (int r = 0; r < T; ++r) {
+          SCOPED_TRACE(fmt::format("C={} T={} context rank {} tensor rank {}", C, T, q, r));
+          const std::vector<PositionRun> runs = PositionRuns(pos.data(), r * tl, tl);
+          int64_t next = 0;
+          for (size_t k = 0; k < runs.size(); ++k) {
+            EXPECT_EQ(runs[k].row, next);
+            ASSERT_GE(runs[k].count, 1);
+            for (int64_t i = 0; i < runs[k].count; ++i)
+              EXPECT_EQ(pos[static_cast<size_t>(r * tl + runs[k].row + i)], runs[k].position + i);
+            if (k > 0) {  // a run ends on a jump
+              EXPECT_NE(runs[k].position, runs[k - 1].position + runs[k - 1].count);
+            }
+            next += runs[k].count;
+          }
+          EXPECT_EQ(next, tl);
+        }
+      }
+    }
 }
 
 }  // namespace

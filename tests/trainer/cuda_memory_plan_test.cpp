@@ -62,7 +62,7 @@ TEST(CudaMemoryPlan, BuffersAreAlignedDisjointAndSizedFromTheConfig) {
 // Context parallelism: a rank plans its t = seq_length / C positions, probabilities of its queries over
 // the whole samples (t x C t), and the group's buffers (positions, gathered rows, whole samples); in bf16 the
 // same fp32 attention (its probabilities, not cuDNN's statistics) and the fp32 output and QKV gradient it
-// converts; not with sequence parallelism.
+// converts; with sequence parallelism a tensor rank's share of the residual stream.
 TEST(CudaMemoryPlan, ContextRanksPlanTheirRowsAndTheGroupsBuffers) {
   const GPTConfig c = Gpt2Small();
   PlanOptions o;
@@ -96,8 +96,11 @@ TEST(CudaMemoryPlan, ContextRanksPlanTheirRowsAndTheGroupsBuffers) {
   auto layout = ParamLayout::Create(c);
   o.context = 4;
   o.tensor = 2;
-  o.sequence_parallel = true;
-  EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
+  o.sequence_parallel = true;  // the residual stream: half a context rank's rows; QKV and the attention its whole
+  const MemoryPlan sp = MustPlan(c, o);
+  EXPECT_EQ(sp[sp.resid].bytes, 13 * 2 * 128 * 768 * 2);
+  EXPECT_EQ(sp[sp.qkv].bytes, h[h.qkv].bytes / 2);  // its 6 of 12 heads
+  EXPECT_EQ(sp[sp.cp_dqkv].bytes, 2 * 256 * 3 * 384 * 4);
   o.tensor = 1;
   o.sequence_parallel = false;
   o.context = 0;

@@ -1,9 +1,11 @@
 // Context parallelism's element mapping and sum on the CUDA backend (context_parallel_cuda.cu's kernels), host and
 // device, so that the CPU tests cover the exact functions the kernels run: where an element of the all-gathered
-// pieces lies in the whole samples, and the shares of a rank's rows summed in rank order.
+// pieces lies in the whole samples, and the shares of a rank's rows summed in rank order; and (host only) the runs
+// of consecutive true positions the hidden dropout keys (cuda_context_parallel.cpp's ContextDropout).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "trainer/host_device.h"
 
@@ -24,6 +26,29 @@ PTK_HD float RankOrderSum(const float* received, const float* own, int rank, int
   float acc = rank == 0 ? own[e] : received[e];
   for (int q = 1; q < context; ++q) acc += q == rank ? own[e] : received[q * piece + e];
   return acc;
+}
+
+// A run of rows of a sample at consecutive true positions: rows [row, row + count) of the slice at positions
+// [position, position + count) of the whole sample.
+struct PositionRun {
+  int64_t row, count, position;
+  bool operator==(const PositionRun& o) const {  // C++17 (nvcc's): no defaulted comparison
+    return row == o.row && count == o.count && position == o.position;
+  }
+};
+
+// The runs of rows [row0, row0 + rows) of a context rank's positions (ContextParallelPositions; all of them, or a
+// tensor rank's --sequence-parallel share), rows counted from row0: one DropoutRows call each, keyed from
+// position * hidden (a run's elements are consecutive in the whole sample's row too).
+inline std::vector<PositionRun> PositionRuns(const int64_t* positions, int64_t row0, int64_t rows) {
+  std::vector<PositionRun> runs;
+  const int64_t* pos = positions + row0;
+  for (int64_t i0 = 0, i1 = 0; i0 < rows; i0 = i1) {
+    for (i1 = i0 + 1; i1 < rows && pos[i1] == pos[i1 - 1] + 1; ++i1) {
+    }
+    runs.push_back({i0, i1 - i0, pos[i0]});
+  }
+  return runs;
 }
 
 }  // namespace ptk::cuda::context_detail

@@ -24,6 +24,7 @@
 #include <fmt/core.h>
 
 #include "common/status.h"
+#include "trainer/cuda/context_rows.h"
 #include "trainer/cuda/cuda_gpt_model_impl.h"
 #include "trainer/cuda/memory_plan.h"
 #include "trainer/cuda/ops_cuda.h"
@@ -41,9 +42,6 @@ absl::Status CudaGPTModelImpl<T>::SetContext(Communicator* context) {
         "--context-parallel-size {} on the CUDA backend needs NCCL for the context group (--distributed-backend "
         "nccl, the default with --device cuda), not {}",
         C, context->backend()));
-  if (sequence_parallel_)
-    return UsageError(fmt::format(
-        "--context-parallel-size {} with --sequence-parallel: not on the CUDA backend yet (--device cpu runs it)", C));
   if (config().seq_length % (2 * C) != 0)
     return UsageError(fmt::format("--context-parallel-size {}: --seq-length {} must be a multiple of 2 x {}", C,
                                   config().seq_length, C));
@@ -77,19 +75,20 @@ absl::Status CudaGPTModelImpl<T>::UploadContextTables() {
   return Sync("copying a context rank's rotary embedding tables");
 }
 
-// Each run of consecutive positions of a sample is a part of the whole sample's row: DropoutRows from its first
-// element's index in the whole sample (the masks of one rank, as the CPU model's DropoutRows by position).
+// x holds rows [row0, row0 + rows) of this rank's t_ positions of each sample (all of them, or a tensor rank's
+// --sequence-parallel share): each run of consecutive positions of a sample is a part of the whole sample's row,
+// DropoutRows from its first element's index in the whole sample (the masks of one rank, as the CPU model's
+// DropoutRows by position).
 template <typename T>
-absl::Status CudaGPTModelImpl<T>::ContextDropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed) {
+absl::Status CudaGPTModelImpl<T>::ContextDropout(T* x, int64_t row0, int64_t rows, int64_t layer, int64_t site,
+                                                 double p, uint64_t seed) {
   const int64_t c = config().hidden_size;
-  const std::vector<int64_t>& pos = context_positions_;
+  const std::vector<context_detail::PositionRun> runs =
+      context_detail::PositionRuns(context_positions_.data(), row0, rows);
   for (int64_t s = 0; s < b_; ++s)
-    for (int64_t i0 = 0, i1 = 0; i0 < t_; i0 = i1) {
-      for (i1 = i0 + 1; i1 < t_ && pos[static_cast<size_t>(i1)] == pos[static_cast<size_t>(i1 - 1)] + 1; ++i1) {
-      }
-      PTK_RETURN_IF_ERROR(DropoutRows<T>(x + (s * t_ + i0) * c, 1, (i1 - i0) * c, Streams(layer, site) + s, p, seed,
-                                         ctx_, pos[static_cast<size_t>(i0)] * c));
-    }
+    for (const context_detail::PositionRun& r : runs)
+      PTK_RETURN_IF_ERROR(DropoutRows<T>(x + (s * rows + r.row) * c, 1, r.count * c, Streams(layer, site) + s, p, seed,
+                                         ctx_, r.position * c));
   return absl::OkStatus();
 }
 
@@ -181,15 +180,14 @@ absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(T* dqkv, const T* datt, const T
   return absl::OkStatus();
 }
 
-#define PTK_INSTANTIATE(T)                                                                                       \
-  template absl::Status CudaGPTModelImpl<T>::SetContext(Communicator* context);                                  \
-  template absl::Status CudaGPTModelImpl<T>::UploadContextTables();                                              \
-  template absl::Status CudaGPTModelImpl<T>::ContextDropout(T* x, int64_t layer, int64_t site, double p,         \
-                                                            uint64_t seed);                                      \
-  template absl::Status CudaGPTModelImpl<T>::GatherContextRows(const T* qkv, int64_t piece);                     \
-  template absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(T*, float*, const T*, const AttentionShape&, double, \
-                                                            uint64_t, const uint64_t*);                          \
-  template absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(T*, const T*, const T*, const float*,                \
+#define PTK_INSTANTIATE(T)                                                                                             \
+  template absl::Status CudaGPTModelImpl<T>::SetContext(Communicator* context);                                        \
+  template absl::Status CudaGPTModelImpl<T>::UploadContextTables();                                                    \
+  template absl::Status CudaGPTModelImpl<T>::ContextDropout(T*, int64_t, int64_t, int64_t, int64_t, double, uint64_t); \
+  template absl::Status CudaGPTModelImpl<T>::GatherContextRows(const T* qkv, int64_t piece);                           \
+  template absl::Status CudaGPTModelImpl<T>::ContextAttnFwd(T*, float*, const T*, const AttentionShape&, double,       \
+                                                            uint64_t, const uint64_t*);                                \
+  template absl::Status CudaGPTModelImpl<T>::ContextAttnBwd(T*, const T*, const T*, const float*,                      \
                                                             const AttentionShape&, double, uint64_t, const uint64_t*);
 PTK_INSTANTIATE(float)
 PTK_INSTANTIATE(__nv_bfloat16)

@@ -32,7 +32,8 @@ struct CudaModelOptions {
   // Context parallelism (Megatron's --context-parallel-size, the CPU model's SetContextParallel): with
   // a group of several ranks (NCCL; it must outlive the model), each micro-batch holds this rank's
   // positions of its samples (ContextParallelPositions) and the attention runs over the group's keys
-  // and values. fp32 only, not with sequence_parallel; the sequence length a multiple of 2 x ranks.
+  // and values (in fp32 in every precision: cuda_context_parallel.cpp); the sequence length a multiple of
+  // 2 x ranks (and, with sequence_parallel, a rank's positions a multiple of the tensor group's size).
   Communicator* context = nullptr;
   // Synchronise after every op; the first error names the op, its shapes and the layer (slow: for
   // finding a kernel fault, which otherwise surfaces at the next synchronisation).

@@ -438,7 +438,8 @@ class CudaGPTModelImpl final : public GPTModel {
                               uint64_t seed, const uint64_t* streams);
   absl::Status ContextAttnBwd(T* dqkv, const T* datt, const T* qkv, const float* probs, const AttentionShape& shape,
                               double ap, uint64_t seed, const uint64_t* streams);
-  absl::Status ContextDropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed);
+  // Hidden dropout of rows [row0, row0 + rows) of this rank's positions of each sample, x (b_, rows, hidden).
+  absl::Status ContextDropout(T* x, int64_t row0, int64_t rows, int64_t layer, int64_t site, double p, uint64_t seed);
   // The group's QKV rows into plan_.cp_gathered as fp32 (its rank-ordered pieces), on the compute stream:
   // bf16/fp16 rows gathered as they are (half the bytes) through cp_whole's room, then widened.
   absl::Status GatherContextRows(const T* qkv, int64_t piece);

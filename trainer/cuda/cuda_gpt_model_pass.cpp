@@ -96,7 +96,7 @@ absl::StatusOr<LossSum> CudaGPTModelImpl<T>::Forward(const ModelBatch& batch, st
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::Dropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed) {
   if (p <= 0.0) return absl::OkStatus();
-  if (cp()) return ContextDropout(x, layer, site, p, seed);  // keyed by the rows' true positions
+  if (cp()) return ContextDropout(x, 0, t_, layer, site, p, seed);  // keyed by the rows' true positions
   return DropoutRows<T>(x, b_, t_ * config().hidden_size, Streams(layer, site), p, seed, ctx_);
 }
 

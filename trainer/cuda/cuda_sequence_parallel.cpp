@@ -110,6 +110,8 @@ template <typename T>
 absl::Status CudaGPTModelImpl<T>::SeqDropout(T* x, int64_t layer, int64_t site, double p, uint64_t seed) {
   if (p <= 0.0) return absl::OkStatus();
   const int64_t tl = t_ / tensor_size(), c = config().hidden_size;
+  // With context parallelism this rank's rows are tl of the context rank's positions, keyed by their true ones.
+  if (cp()) return ContextDropout(x, tensor_rank() * tl, tl, layer, site, p, seed);
   return DropoutRows<T>(x, b_, tl * c, Streams(layer, site), p, seed, ctx_, tensor_rank() * tl * c);
 }
 

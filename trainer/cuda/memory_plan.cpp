@@ -175,9 +175,7 @@ absl::Status CheckPlanOptions(const GPTConfig& cf, int64_t num_params, const Pla
   if (o.micro_batch_size < 1) return absl::InvalidArgumentError("memory plan: micro-batch size must be at least 1");
   if (t < 1 || t > cf.seq_length)
     return absl::InvalidArgumentError(fmt::format("memory plan: sequence length {} outside [1, {}]", t, cf.seq_length));
-  if (o.context < 1 || (o.context > 1 && o.sequence_parallel))
-    return absl::InvalidArgumentError(fmt::format(
-        "memory plan: {} context ranks (context parallelism runs without sequence parallelism)", o.context));
+  if (o.context < 1) return absl::InvalidArgumentError(fmt::format("memory plan: {} context ranks", o.context));
   const int64_t T = o.tensor;
   if (T < 1 || cf.num_attention_heads % T != 0 || cf.query_groups() % T != 0 || cf.ffn_hidden_size % T != 0 ||
       cf.padded_vocab_size % T != 0)
