@@ -240,7 +240,7 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
                   "Pipeline stages: the layers split over P stages, Megatron's 1F1B schedule (gloo or NCCL)")
       ->check(IntIn(1, kMaxSize));
   app->add_option("--context-parallel-size", f->context_parallel_size,
-                  "Context-parallel ranks (CPU backend over gloo; CUDA in fp32 over NCCL): each sample's positions "
+                  "Context-parallel ranks (CPU backend over gloo; CUDA over NCCL): each sample's positions "
                   "split over C ranks in 2C chunks "
                   "(Megatron's load-balanced split), attention over the whole causal context; WORLD_SIZE = T x C x "
                   "data-parallel ranks x P; with data, tensor (and --sequence-parallel) and pipeline parallelism (1)")
