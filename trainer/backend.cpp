@@ -120,7 +120,7 @@ absl::StatusOr<std::unique_ptr<GPTModel>> CreateModel(const GPTConfig& config, c
   o.tensor_comm = tp ? backend.tensor_comm : nullptr;
   o.pipeline_stage = backend.pipeline_stage;
   o.sequence_parallel = tp && backend.sequence_parallel;
-  // Context parallelism: the model refuses what its CUDA path lacks (bf16/fp16, --sequence-parallel, gloo).
+  // Context parallelism: the model refuses what its CUDA path lacks (a group without device collectives: gloo).
   o.context_comm = backend.context_comm && backend.context_comm->size() > 1 ? backend.context_comm : nullptr;
   return (*cuda)->CreateModel(config, o);
 }
