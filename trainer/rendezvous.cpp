@@ -335,6 +335,7 @@ absl::Status RendezvousStore::Request(char op, const std::string& key, const std
   if (ok && reply && (ok = RecvAll(fd_, &n, 4)) && n == kAbortMarker) {
     std::string abort;
     if (RecvBlob(fd_, &abort)) {
+      std::lock_guard<std::mutex> heard_lock(heard_mu_);
       if (heard_.empty()) heard_ = abort;
       return AbortStatus(abort);
     }
@@ -394,7 +395,7 @@ void RendezvousStore::ReportEarlyFailure(int rank, int world_size, const std::st
 bool RendezvousStore::ReportFailure(const absl::Status& failure) {
   if (world_size_ <= 1 || failure.ok() || diagnosed_) return false;  // diagnosed: a peer's failure, reported
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(heard_mu_);
     if (!heard_.empty()) return false;  // a peer's failure reached this rank: it is the cause
   }
   // Rank 0 answers at once unless it hangs itself: a few seconds, not the timeout.
@@ -405,18 +406,18 @@ bool RendezvousStore::ReportFailure(const absl::Status& failure) {
 }
 
 absl::Status RendezvousStore::HeardFailure(const std::string& context) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(heard_mu_);
   return heard_.empty() ? absl::OkStatus() : AbortStatus(heard_, context);
 }
 
 bool RendezvousStore::PollReportedFailure() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(heard_mu_);
     if (!heard_.empty()) return true;
   }
   std::string abort;
   if (!Request(kAbortQuery, "", nullptr, &abort).ok() || abort.empty()) return false;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(heard_mu_);
   if (heard_.empty()) heard_ = abort;
   return true;
 }
@@ -484,7 +485,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     size_t pos = 0;
     if (text.rfind("!\t", 0) == 0) {  // a rank reported its own failure (ReportFailure): the answer
       const size_t nl = text.find('\n');
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(heard_mu_);
       if (heard_.empty()) heard_ = text.substr(2, nl == std::string::npos ? std::string::npos : nl - 2);
       const std::string& v = heard_;
       return v.size() > 2 ? v.substr(2) : v;

@@ -6,6 +6,7 @@
 // has exited (killed, crashed); a rank that neither exited nor reported its own failure hangs.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -95,9 +96,13 @@ class RendezvousStore {
   int rank_ = 0, world_size_ = 1;
   std::string host_;
   std::chrono::milliseconds timeout_{0};
-  std::mutex mu_;  // one request at a time on the connection
-  bool diagnosed_ = false;
-  std::string heard_;  // under mu_: a peer's reported failure ("u\t" or "f\t", then its text), once heard
+  std::mutex mu_;                       // one request at a time on the connection (held through the round trip)
+  std::atomic<bool> diagnosed_{false};  // DiagnosePeers ran (on a watchdog's thread, perhaps)
+  // A peer's reported failure ("u\t" or "f\t", then its text), once heard. Its own mutex, never held
+  // across a request: HeardFailure (an NCCL watchdog's check, every 100 ms, under its communicator's
+  // lock) must not wait for another thread's request (a poll's round trip, a get that waits for a key).
+  mutable std::mutex heard_mu_;
+  std::string heard_;  // under heard_mu_
 };
 
 // Polls `store` (PollReportedFailure) every `interval` on a thread of its own until a rank's

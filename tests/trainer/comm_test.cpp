@@ -295,6 +295,36 @@ TEST(Rendezvous, AReportedFailureReachesTheRanksThatWatchForIt) {
   for (int r = 2; r >= 0; --r) stores[static_cast<size_t>(r)].reset();  // rank 0, which serves them, last
 }
 
+// HeardFailure is an NCCL watchdog's check, every 100 ms under its communicator's lock (which the
+// training thread takes to enqueue each collective): it must not wait for another thread's request on
+// the store's one connection. It took the connection's lock, so a get waiting for its key (a group's
+// rendezvous), or a poll whose answer is slow, held every watchdog of the rank (and through them its
+// collectives) until that request ended: here the get's timeout, as the key comes only after.
+TEST(Rendezvous, HeardFailureDoesNotWaitForAnotherThreadsRequest) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::shared_ptr<RendezvousStore>> stores(2);
+  for (int r = 0; r < 2; ++r) {
+    auto s = RendezvousStore::Connect(r, 2, "127.0.0.1", port, milliseconds(5000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores[static_cast<size_t>(r)] = *std::move(s);
+  }
+  std::atomic<bool> got{false};
+  absl::StatusOr<std::string> value = std::string("not yet");
+  std::thread waiter([&] {
+    value = stores[1]->Get("published later");
+    got = true;
+  });
+  std::this_thread::sleep_for(milliseconds(200));  // the get is waiting on the connection by now
+  EXPECT_TRUE(stores[1]->HeardFailure("").ok());
+  EXPECT_FALSE(got.load()) << "HeardFailure returned only once the get had ended";
+  ASSERT_TRUE(stores[0]->Set("published later", "v").ok());
+  waiter.join();
+  ASSERT_TRUE(value.ok()) << value.status();
+  EXPECT_EQ(*value, "v");
+  for (int r = 1; r >= 0; --r) stores[static_cast<size_t>(r)].reset();
+}
+
 }  // namespace
 }  // namespace ptk
 
