@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from megatron.core import parallel_state, utils  # noqa: E402
 
 LAYOUTS = [(2, 1, 1, 2), (4, 1, 1, 2), (4, 1, 1, 4), (4, 2, 1, 2), (8, 2, 1, 2), (8, 2, 2, 2), (16, 2, 2, 2),
-           (24, 2, 3, 2), (16, 1, 2, 4)]
+           (24, 2, 3, 2), (16, 1, 2, 4), (32, 2, 2, 4), (24, 1, 4, 2), (48, 2, 2, 3)]
 # initialize_model_parallel's tokens: dp, dp-cp, cp, tp-pp (model parallel), tp, pp; the embedding
 # group from each pipeline group.
 KINDS = [("tensor", "tp"), ("context", "cp"), ("data", "dp"), ("data-context", "dp-cp"), ("pipeline", "pp"),

@@ -56,8 +56,24 @@ void ExpectGroups(const ParallelLayout& layout, ParallelGroup kind, const std::s
   }
 }
 
-// tests/support/gen_context_parallel_goldens.py: megatron-core's RankGenerator with a context size,
-// and get_batch_on_this_cp_rank's positions on each context rank.
+// A rank's coordinate along `kind` is its index in its group of that kind (Megatron's get_tensor_model_parallel_rank,
+// get_context_parallel_rank, get_data_parallel_rank, get_pipeline_model_parallel_rank: the rank's place in the
+// group's list), checked for every rank of every group in `text`.
+void ExpectCoordinates(const ParallelLayout& layout, const std::string& kind, const std::string& text) {
+  int RankCoords::*field = nullptr;
+  if (kind == "tensor") field = &RankCoords::tensor;
+  if (kind == "context") field = &RankCoords::context;
+  if (kind == "data") field = &RankCoords::data;
+  if (kind == "pipeline") field = &RankCoords::pipeline;
+  if (field == nullptr) return;
+  for (const std::vector<int>& g : ParseGroups(text))
+    for (size_t i = 0; i < g.size(); ++i)
+      EXPECT_EQ(layout.Coords(g[i]).*field, static_cast<int>(i)) << kind << " coordinate of rank " << g[i];
+}
+
+// tests/support/gen_context_parallel_goldens.py: megatron-core's RankGenerator with a context size (every
+// combination of tensor, context, data and pipeline ranks above 1 among them), and get_batch_on_this_cp_rank's
+// positions on each context rank.
 TEST(ParallelLayout, ContextParallelGroupsAreMegatronCoresRankGenerators) {
   std::istringstream in(ReadFile(SourceDir() + "/tests/data/trainer/context_parallel_goldens.txt"));
   std::string line, tag;
@@ -76,10 +92,11 @@ TEST(ParallelLayout, ContextParallelGroupsAreMegatronCoresRankGenerators) {
     EXPECT_EQ(layout->context_size(), context);
     EXPECT_EQ(layout->data_size(), world / (tensor * pipeline * context));
     ASSERT_NO_FATAL_FAILURE(ExpectGroups(*layout, kKinds.at(kind_name), text));
+    ExpectCoordinates(*layout, kind_name, text);
     for (int r = 0; r < world; ++r) EXPECT_EQ(layout->Rank(layout->Coords(r)), r);
     ++layouts;
   }
-  EXPECT_EQ(layouts, 9 * 7);
+  EXPECT_EQ(layouts, 12 * 7);
 }
 
 TEST(ContextParallelPositions, AreMegatronsGetBatchOnThisCpRank) {
