@@ -3,11 +3,11 @@
 // which parallel_layout_test checks against megatron-core's RankGenerator). Each context rank keeps its positions of
 // every micro-batch (KeepContextRows) and its stage sends and receives that rank's rows only; the gradients are summed
 // over the context group, then (tied embeddings) over the embedding group, as Megatron's finalize_model_grads. Over
-// 4 micro-batches with dropout on: C = 2 x P = 2 (1F1B, and the interleaved schedule with 2 chunks of a 4-layer model)
-// and T = 2 x C = 2 x P = 2 (with and without --sequence-parallel) give the same split without stages bit for bit
-// (loss, evaluation loss, every gradient but a tied embedding's, which the embedding group adds in another order:
-// within 1e-5 of its largest), and one rank's within context_parallel_test's bounds (loss 1e-6 relative, gradients
-// 2e-6 of the largest); each stage keeps at most P - s micro-batches in flight.
+// 4 micro-batches with dropout on: C = 2 x P = 2 (1F1B, and the interleaved schedule with 2 chunks of a 4-layer model),
+// C = 2 x P = 4 (middle stages) and T = 2 x C = 2 x P = 2 (with and without --sequence-parallel) give the same split
+// without stages bit for bit (loss, evaluation loss, every gradient but a tied embedding's, which the embedding group
+// adds in another order: within 1e-5 of its largest), and one rank's within context_parallel_test's bounds (loss 1e-6
+// relative, gradients 2e-6 of the largest); each stage keeps at most P - s micro-batches in flight.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -269,6 +269,9 @@ TEST(ContextPipeline, TwoContextRanksTimesTwoStagesGiveTheSplitWithoutStages) {
 
 // Megatron's interleaved schedule: 4 layers in 2 chunks of one layer on each of 2 stages.
 TEST(ContextPipeline, InterleavedScheduleWithContextRanks) { CheckContextWithStages(4, false, {Split{1, 2, 2, 2}}); }
+
+// Middle stages (neither embeddings nor loss) pass a context rank's rows on: P = 4 of one layer each, 8 ranks.
+TEST(ContextPipeline, FourStagesWithContextRanks) { CheckContextWithStages(4, false, {Split{1, 2, 4}}); }
 
 // Tensor ranks split each context rank's heads (and with --sequence-parallel its positions); 8 ranks.
 TEST(ContextPipeline, TensorTimesContextTimesStages) {
