@@ -266,9 +266,9 @@ absl::Status RefuseCudaContextParallel(const TrainFlags& f) {
 }
 
 // --context-parallel-size above 1: what ptk's context parallelism covers (the CPU model, and the CUDA one, with
-// data and tensor parallelism; the whole causal attention from all-gathered keys and values), the rest refused naming
-// the flag.
-absl::Status ResolveContextParallel(const TrainFlags& f, bool pipelined, TrainOptions* out) {
+// data and tensor parallelism and pipeline stages; the whole causal attention from all-gathered keys and values), the
+// rest refused naming the flag.
+absl::Status ResolveContextParallel(const TrainFlags& f, TrainOptions* out) {
   TrainOptions& o = *out;
   const int64_t cp = f.context_parallel_size;
   o.context_parallel_size = static_cast<int>(cp);
@@ -328,7 +328,7 @@ absl::StatusOr<TrainOptions> ResolveTrainFlags(const TrainFlags& f, std::vector<
   PTK_RETURN_IF_ERROR(ResolveRunSettings(f, device, precision, &o, notes));
   if (pipelined) o.pipeline_stage_layers = stage_layers;
   o.pipeline_virtual_size = virtual_size;
-  PTK_RETURN_IF_ERROR(ResolveContextParallel(f, pipelined, &o));
+  PTK_RETURN_IF_ERROR(ResolveContextParallel(f, &o));
   if (const auto& n = f.microbatch_group_size_per_vp_stage; n && virtual_size > 1)
     o.pipeline_microbatch_group_size = static_cast<int>(*n);
   else if (n)  // Megatron's 1F1B schedule does not read it either
