@@ -194,7 +194,7 @@ declare -A quick_exclude=(
 declare -A cap=([cuda_toolchain_test]=30 [matmul_attention_cuda_test]=90 [ops_cuda_test]=90 [cuda_model_test]=120
   [cuda_llama_model_test]=90 [cuda_train_cli_test]=180 [nccl_cuda_test]=120 [tensor_parallel_cuda_test]=60 [cuda_tensor_parallel_test]=90
   [cuda_pipeline_test]=90 [cuda_pipeline_interleaved_test]=120 [context_parallel_cuda_test]=60
-  [cuda_context_parallel_test]=90)
+  [cuda_context_parallel_test]=90 [cuda_context_pipeline_test]=120)
 [ $profile = quick ] || cap[cuda_train_cli_test]=300  # its two slowest cases too
 sanitizer=$(command -v compute-sanitizer || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer; } || true)
 pass=0 fail=0 skip=0
@@ -332,7 +332,7 @@ import json, shlex, sys
 first = ['cuda_toolchain_test', 'ops_cuda_test', 'matmul_attention_cuda_test', 'context_parallel_cuda_test',
          'tensor_parallel_cuda_test', 'cuda_model_test', 'cuda_llama_model_test', 'nccl_cuda_test',
          'cuda_pipeline_test', 'cuda_pipeline_interleaved_test', 'cuda_tensor_parallel_test',
-         'cuda_context_parallel_test', 'cuda_train_cli_test']
+         'cuda_context_parallel_test', 'cuda_context_pipeline_test', 'cuda_train_cli_test']
 tests = json.load(open(sys.argv[1]))
 rank = {n: i for i, n in enumerate(first)}
 for t in sorted(tests, key=lambda t: (rank.get(t['name'], len(first)), tests.index(t))):
