@@ -2,7 +2,8 @@
 // ranks (and C = 2 x D = 2 with ZeRO-1 and --overlap-grad-reduce, C = 2 x T = 2 with and without
 // --sequence-parallel, C = 2 x P = 2 with and without the interleaved schedule, and Megatron's Llama
 // line with RoPE at C = 2) give the loss lines of one rank within 1e-5 relative, with dropout on, and
-// after 10 iterations the same parameters within 2e-5 of the largest; a checkpoint saved at C = 2
+// after 10 iterations the same parameters within 2e-5 of the largest (after 6 at C = 2 x P = 2 and at
+// T = 2 x C = 2 x P = 2 with --sequence-parallel, 8 ranks); a checkpoint saved at C = 2
 // resumes at C = 1 and the reverse, continuing the uninterrupted run's losses; with --eod-mask-loss
 // (the context ranks' shares of the tokens uneven) --calculate-per-token-loss gives one rank's losses
 // and parameters at C = 2, and Megatron's default per-rank mean other parameters; what ptk does not
@@ -150,6 +151,33 @@ TEST_F(ContextParallelCli, ContextTimesDataTensorOrPipelineRanksAndTheLlamaLineG
   ASSERT_EQ(one_llama.exit_code, 0) << one_llama.output;
   ASSERT_NO_FATAL_FAILURE(
       RunGivingLosses(2, Train(2, llama, 6), Losses(one_llama.output), 6, kLossTolerance, "Llama line, C=2", &out));
+}
+
+// With pipeline stages the step runs through Megatron's schedule, the gradients summed over data x context ranks
+// and then over the embedding group: C = 2 x P = 2 and T = 2 x C = 2 x P = 2 (8 ranks, --sequence-parallel) print
+// one rank's losses and save one rank's parameters after 6 iterations (the checkpoint put together from the
+// stages and tensor slices), within the bounds of C = 2 alone.
+TEST_F(ContextParallelCli, ContextRanksTimesStagesGiveOneRanksParameters) {
+  const std::string one_dir = dir_ / "one";
+  auto one = RunCmd(Train(1, "--save " + ShellQuote(one_dir), 6));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto ref = Losses(one.output);
+  ASSERT_EQ(ref.size(), 6u) << one.output;
+  struct Case {
+    int world;
+    std::string flags, what;
+  };
+  for (const Case& k : {Case{4, "--pipeline-model-parallel-size 2", "C=2 x P=2"},
+                        Case{8, "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                             "T=2 x C=2 x P=2, sequence parallel"}}) {
+    const std::string dir = dir_ / ("w" + std::to_string(k.world));
+    std::string out;
+    ASSERT_NO_FATAL_FAILURE(RunGivingLosses(k.world, Train(2, k.flags + " --save " + ShellQuote(dir), 6), ref, 6,
+                                            kLossTolerance, k.what, &out));
+    const double params = ParamsDifference(dir, one_dir, 6);
+    EXPECT_LT(params, kParamsTolerance) << k.what;
+    std::printf("%s: parameters after 6 iterations within %.3g of the largest of one rank's\n", k.what.c_str(), params);
+  }
 }
 
 // A checkpoint holds the model, not its context split: saved at C = 2 it resumes at C = 1, and the
