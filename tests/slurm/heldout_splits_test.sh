@@ -40,6 +40,10 @@ printf '{"text": "a training document"}\n' | gzip > "$D/raw/train/t0.jsonl.gz"
 printf '{"text": "a TEST document"}\n' | gzip > "$D/raw/test/x0.jsonl.gz"
 run_stages "$S" HELDOUT_SUBDIRS= >/dev/null
 [[ $(cat "$D"/chunks/train_*.jsonl) == *"TEST"* ]] || fail "HELDOUT_SUBDIRS= still left test/ out"
+# A word of HELDOUT_SUBDIRS is a name, never a pattern: run where 'te*' would glob to test/, it holds out nothing.
+rm -rf "$D/extracted" "$D/chunks"
+(cd "$D/raw" && run_stages "$S" HELDOUT_SUBDIRS='te*' >/dev/null)
+[[ $(cat "$D"/chunks/train_*.jsonl) == *"TEST"* ]] || fail "HELDOUT_SUBDIRS='te*' was globbed into test"
 # Nothing but held-out splits: a clear refusal naming them.
 S=$W/stage_none
 mkdir -p "$S/slimpajama/raw/test"
