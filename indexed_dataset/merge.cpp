@@ -113,23 +113,55 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, 
   return "ptk-merge " + Xxh3Hex(s) + std::string(kInputsTag) + names;
 }
 
+namespace {
+
+using FileKey = std::pair<uint64_t, uint64_t>;  // (dev, ino) of a dataset's .idx
+
+// The inputs a merge ptk wrote lists in its sidecar (absolute prefixes); none for any other dataset.
+std::vector<std::string> MergedInputs(const std::string& prefix) {
+  std::vector<std::string> out;
+  const std::optional<std::string> source = RecordedSource(prefix);
+  const size_t at = source && source->rfind("ptk-merge ", 0) == 0 ? source->find(kInputsTag) : std::string::npos;
+  if (at == std::string::npos) return out;  // no merge, or one that did not list its inputs
+  for (const absl::string_view held : absl::StrSplit(source->substr(at + kInputsTag.size()), '\n'))
+    if (!held.empty()) out.emplace_back(held);
+  return out;
+}
+
+// Every dataset that `prefix`, a merge, holds, at any depth (a merge of a merge of a merge), by its
+// .idx's identity, with the merge that listed it; those that no longer exist are not followed.
+void CollectHeld(const std::string& prefix, std::map<FileKey, std::pair<std::string, std::string>>* held) {
+  for (const std::string& in : MergedInputs(prefix)) {
+    auto id = IdentifyFile(IdxPath(in));
+    if (!id.ok() || !held->emplace(FileKey{id->dev, id->ino}, std::make_pair(in, prefix)).second) continue;
+    CollectHeld(in, held);  // each dataset followed once: a cycle of sidecars ends
+  }
+}
+
+}  // namespace
+
 absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs) {
-  std::map<std::pair<uint64_t, uint64_t>, std::string> by_id;
+  std::map<FileKey, std::string> by_id;
   for (const auto& in : inputs)
-    if (auto id = IdentifyFile(IdxPath(in)); id.ok()) by_id.emplace(std::make_pair(id->dev, id->ino), in);
+    if (auto id = IdentifyFile(IdxPath(in)); id.ok()) by_id.emplace(FileKey{id->dev, id->ino}, in);
+  // Which input holds each dataset (itself, or inside it): one held by two inputs would go in twice.
+  std::map<FileKey, std::string> holder;
+  for (const auto& [key, in] : by_id) holder.emplace(key, in);
   for (const auto& in : inputs) {
-    const std::optional<std::string> source = RecordedSource(in);
-    const size_t at = source && source->rfind("ptk-merge ", 0) == 0 ? source->find(kInputsTag) : std::string::npos;
-    if (at == std::string::npos) continue;  // no merge, or one that did not list its inputs
-    for (const absl::string_view held : absl::StrSplit(source->substr(at + kInputsTag.size()), '\n')) {
-      auto id = IdentifyFile(IdxPath(std::string(held)));
-      if (!id.ok()) continue;
-      auto it = by_id.find(std::make_pair(id->dev, id->ino));
-      if (it != by_id.end() && it->second != in)
+    std::map<FileKey, std::pair<std::string, std::string>> held;  // dataset -> (its name, the merge listing it)
+    CollectHeld(in, &held);
+    for (const auto& [key, named] : held) {
+      auto [it, fresh] = holder.emplace(key, in);
+      if (fresh || it->second == in) continue;
+      const std::string via = named.second == in ? "" : fmt::format(" (through {})", named.second);
+      if (by_id.count(key))
         return absl::FailedPreconditionError(
-            fmt::format("{} is a merge of {}, which is also an input: merging both would put its documents in twice; "
-                        "give one of them",
-                        in, it->second));
+            fmt::format("{} is a merge of {}{}, which is also an input: merging both would put its documents in "
+                        "twice; give one of them",
+                        in, it->second, via));
+      return absl::FailedPreconditionError(
+          fmt::format("{} and {} both hold {}{}: merging both would put its documents in twice; give one of them",
+                      it->second, in, named.first, via));
     }
   }
   return absl::OkStatus();
