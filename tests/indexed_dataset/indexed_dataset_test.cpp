@@ -326,6 +326,12 @@ TEST(MergeDatasets, MergesOfMergesAndOverlapAtAnyDepth) {
                 "): merging both would put its documents in twice; give one of them");
   EXPECT_TRUE(CheckNoInputHoldsAnother({dir / "m3", dir / "single"}).ok());
   EXPECT_TRUE(CheckNoInputHoldsAnother({dir / "m1", dir / "p2", dir / "p3"}).ok());
+  // The merges between deleted: m3's record still says it holds p0.
+  for (const char* gone : {"m1", "m2"})
+    for (const char* ext : {".bin", ".idx", ".ptk-done"}) std::filesystem::remove(dir / (std::string(gone) + ext));
+  EXPECT_EQ(refused({dir / "p0", dir / "m3"}),
+            dir / "m3 is a merge of " + dir / "p0, which is also an input: merging both would put its documents in " +
+                "twice; give one of them");
 }
 
 // A .bin with bytes after what its index describes (read with a warning, as Megatron reads it): the
