@@ -28,6 +28,8 @@
 #   HELDOUT_SUBDIRS       "validation test"  extracted folders never put into the training chunks (SlimPajama's
 #                                          held-out splits, which a broad HF_INCLUDE downloads too); empty: none.
 #                                          Words of folder names: no '/', '*', '?', '[', not . or ..
+#   DROP_SETS             ""               RedPajama sets whose records extract leaves out (e.g. RedPajamaBook, as
+#                                          NeMo drops it), separated by spaces
 #   HF_ENDPOINT           https://huggingface.co     (a mirror, or the test's local hub)
 #   HF_TOKEN_SECRET       hf-token         a Secret whose key `token` is the Hugging Face token (optional:
 #                                          kubectl create secret generic hf-token --from-literal=token=hf_...)
@@ -63,6 +65,7 @@
 : "${HF_INCLUDE:=train/**}"
 : "${VALID_SUBDIR=validation}"
 : "${HELDOUT_SUBDIRS=validation test}"
+: "${DROP_SETS:=}"
 : "${HF_ENDPOINT:=https://huggingface.co}"
 : "${HF_TOKEN_SECRET:=hf-token}"
 : "${DOWNLOAD_TASKS:=1}"
@@ -102,7 +105,7 @@
 : "${TRAIN_GRACE_SECONDS:=180}"
 
 PTK_K8S_VARS="IMAGE PVC_NAME MOUNT_PATH STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE
-  VALID_SUBDIR HELDOUT_SUBDIRS HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
+  VALID_SUBDIR HELDOUT_SUBDIRS DROP_SETS HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
   CONCAT_PARALLELISM TOKENIZE_TASKS TOKENIZE_PARALLELISM CPUS_PER_TASK MEMORY_PER_TASK BACKOFF_LIMIT_PER_INDEX NUM_WORKERS
   WORKER_REPLICAS GPU_PER_WORKER CPUS_PER_WORKER MEMORY_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS
   SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS SAVE_INTERVAL
@@ -165,10 +168,12 @@ ptk_k8s_check() {
     { ptk_k8s_bad DATASET_FOLDER_NAME "must be one folder name (letters, digits, '.', '_', '-')"; return 2; }
   local h words
   read -ra words <<<"$HELDOUT_SUBDIRS"  # words, never globbed: '*' is refused, not expanded
-  for h in "${words[@]}"; do  # each is matched against an extracted folder's name (slurm/config.sh)
+  for h in ${words[@]+"${words[@]}"}; do  # each is matched against an extracted folder's name (slurm/config.sh)
     [[ "$h" != */* && "$h" != *[][*?]* && "$h" != . && "$h" != .. ]] ||
       { ptk_k8s_bad HELDOUT_SUBDIRS "must be folder names separated by spaces (no '/', '*', '?', '[', . or ..)"; return 2; }
   done
+  [[ "$DROP_SETS" =~ ^[A-Za-z0-9_.\ -]*$ ]] ||
+    { ptk_k8s_bad DROP_SETS "must be RedPajama set names (letters, digits, '_', '.', '-') separated by spaces"; return 2; }
   case "$STAGE_PATH/" in
     "$MOUNT_PATH"/*) ;;
     *) echo "k8s/env.sh: STAGE_PATH=$STAGE_PATH is not on the shared volume (MOUNT_PATH=$MOUNT_PATH)" >&2; return 2 ;;

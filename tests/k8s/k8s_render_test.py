@@ -108,6 +108,9 @@ CASES = [
     ("HELDOUT_SUBDIRS", "validation a/b", None, True),
     ("HELDOUT_SUBDIRS", "test *", None, True),
     ("HELDOUT_SUBDIRS", "..", None, True),
+    ("DROP_SETS", "RedPajamaBook RedPajamaArXiv", "zzmarkerzz", False),
+    ("DROP_SETS", 'RedPajamaBook"', None, True),
+    ("DROP_SETS", "RedPajama*", None, True),
     ("HELDOUT_SUBDIRS", "validation\ntest", None, True),
     ("DATASET_FOLDER_NAME", "../x", None, True),
     ("DATASET_FOLDER_NAME", 'a"b', None, True),
@@ -185,7 +188,7 @@ for t in TEMPLATES:
         missing = read - env - KEPT_DEFAULT.get(script, set())
         check(not missing, f"{t}: slurm/{script} reads {sorted(missing)}, which its pod is not given")
 check(stage_pods >= 2, f"only {stage_pods} pods run a Slurm stage script")
-check("HELDOUT_SUBDIRS" in VARS, "k8s/env.sh does not set HELDOUT_SUBDIRS")
+check("HELDOUT_SUBDIRS" in VARS and "DROP_SETS" in VARS, "k8s/env.sh does not set HELDOUT_SUBDIRS and DROP_SETS")
 
 print(f"{trials} hostile renders: {refused} refused naming the variable, {accepted} valid with the value intact, "
       f"{len(failures)} failures", flush=True)
