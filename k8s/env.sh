@@ -12,7 +12,7 @@
 # decimal numbers; names (PVC_NAME, HF_TOKEN_SECRET): DNS subdomains of at most 253 characters;
 # MEMORY_*: Kubernetes quantities; IMAGE: an image reference; MOUNT_PATH: an absolute path of
 # [A-Za-z0-9._/-]; HF_REPO: a Hub repo id; HF_ENDPOINT: an http(s) URL; no value holds a control
-# character (a newline, a tab); the free-form ones (STAGE_PATH, CKPT_DIR, HF_INCLUDE, VALID_SUBDIR,
+# character (a newline, a tab); the free-form ones (STAGE_PATH, CKPT_DIR, HF_INCLUDE, HF_EXCLUDE, VALID_SUBDIR,
 # HELDOUT_SUBDIRS, TRAIN_EXTRA_ARGS) may hold quotes, which render.sh escapes.
 #
 #   IMAGE                 ptk:latest       the image of ptk's Dockerfile, as pushed to your registry (the
@@ -30,6 +30,8 @@
 #                                          Words of folder names: no '/', '*', '?', '[', not . or ..
 #   DROP_SETS             ""               RedPajama sets whose records extract leaves out (e.g. RedPajamaBook, as
 #                                          NeMo drops it), separated by spaces
+#   HF_EXCLUDE            ""               a pattern of files not to download (ptk-download --exclude)
+#   DOWNLOAD_VERIFY       0                1: re-hash files already downloaded and fetch damaged ones again (--verify)
 #   HF_ENDPOINT           https://huggingface.co     (a mirror, or the test's local hub)
 #   HF_TOKEN_SECRET       hf-token         a Secret whose key `token` is the Hugging Face token (optional:
 #                                          kubectl create secret generic hf-token --from-literal=token=hf_...)
@@ -66,6 +68,8 @@
 : "${VALID_SUBDIR=validation}"
 : "${HELDOUT_SUBDIRS=validation test}"
 : "${DROP_SETS:=}"
+: "${HF_EXCLUDE:=}"
+: "${DOWNLOAD_VERIFY:=0}"
 : "${HF_ENDPOINT:=https://huggingface.co}"
 : "${HF_TOKEN_SECRET:=hf-token}"
 : "${DOWNLOAD_TASKS:=1}"
@@ -105,7 +109,7 @@
 : "${TRAIN_GRACE_SECONDS:=180}"
 
 PTK_K8S_VARS="IMAGE PVC_NAME MOUNT_PATH STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE
-  VALID_SUBDIR HELDOUT_SUBDIRS DROP_SETS HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
+  VALID_SUBDIR HELDOUT_SUBDIRS DROP_SETS HF_EXCLUDE DOWNLOAD_VERIFY HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
   CONCAT_PARALLELISM TOKENIZE_TASKS TOKENIZE_PARALLELISM CPUS_PER_TASK MEMORY_PER_TASK BACKOFF_LIMIT_PER_INDEX NUM_WORKERS
   WORKER_REPLICAS GPU_PER_WORKER CPUS_PER_WORKER MEMORY_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS
   SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS SAVE_INTERVAL
@@ -172,6 +176,7 @@ ptk_k8s_check() {
     [[ "$h" != */* && "$h" != *[][*?]* && "$h" != . && "$h" != .. ]] ||
       { ptk_k8s_bad HELDOUT_SUBDIRS "must be folder names separated by spaces (no '/', '*', '?', '[', . or ..)"; return 2; }
   done
+  [[ "$DOWNLOAD_VERIFY" =~ ^[01]$ ]] || { ptk_k8s_bad DOWNLOAD_VERIFY "must be 0 or 1"; return 2; }
   [[ "$DROP_SETS" =~ ^[A-Za-z0-9_.\ -]*$ ]] ||
     { ptk_k8s_bad DROP_SETS "must be RedPajama set names (letters, digits, '_', '.', '-') separated by spaces"; return 2; }
   case "$STAGE_PATH/" in
