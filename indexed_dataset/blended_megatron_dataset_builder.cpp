@@ -89,11 +89,12 @@ class Builder {
     auto it = open_.find(prefix);
     if (it != open_.end()) return it->second;
     PTK_ASSIGN_OR_RETURN(auto ds, IndexedDataset::Open(prefix));
-    // Open() checks that every sequence lies inside the .bin; a .bin longer than its index
-    // describes is another dataset's .bin (or index), whose documents the run would train on
-    // without a word: Megatron reads it, ptk names it.
-    PTK_RETURN_IF_ERROR(ds->Verify());
-    if (std::string w = ds->IdxTrailingBytesWarning(); !w.empty() && warnings_) warnings_->push_back(std::move(w));
+    // Open() checks that every sequence lies inside the .bin; bytes beyond what the index describes
+    // are read past, as Megatron reads them, with a warning (another dataset's .idx beside the .bin
+    // would show there).
+    if (warnings_)
+      for (std::string w : {ds->IdxTrailingBytesWarning(), ds->BinTrailingBytesWarning()})
+        if (!w.empty()) warnings_->push_back(std::move(w));
     std::shared_ptr<IndexedDataset> sp(std::move(ds));
     open_[prefix] = sp;
     return sp;

@@ -203,6 +203,7 @@ absl::Status IndexedDatasetBuilder::AddIndex(const std::string& other_prefix) {
     return absl::InvalidArgumentError(fmt::format("{}: dtype {} differs from the output's {}", IdxPath(other_prefix),
                                                   DTypeName(other->dtype()), DTypeName(dtype_)));
   if (std::string w = other->IdxTrailingBytesWarning(); !w.empty()) warnings_.push_back(std::move(w));
+  if (std::string w = other->BinTrailingBytesWarning(); !w.empty()) warnings_.push_back(w + "; left out of the merge");
   const int64_t offset = static_cast<int64_t>(lengths_.size());
   const int64_t s = other->num_sequences();
   lengths_.reserve(lengths_.size() + s);
@@ -528,45 +529,13 @@ absl::Status IndexedDataset::Validate() {
   } joiner{documents_thread};
   PTK_RETURN_IF_ERROR(CheckSequences(documents_thread, documents_ok));
   if (documents_thread.joinable()) documents_thread.join();
-  return documents_ok;
-}
-
-absl::Status IndexedDataset::Verify() const {
-  const uint64_t want = static_cast<uint64_t>(num_tokens_) * itemsize();
-  if (bin_->size() != want)
-    return absl::DataLossError(
-        fmt::format("{}: file is {} bytes but the index {} describes {} bytes ({} trailing bytes): the two files are "
-                    "not one dataset's (another dataset's .idx or .bin?)",
-                    BinPath(prefix_), bin_->size(), IdxPath(prefix_), want, bin_->size() - want));
+  PTK_RETURN_IF_ERROR(documents_ok);
+  if (const uint64_t extra = bin_trailing_bytes(); extra > 0)
+    bin_trailing_warning_ = fmt::format(
+        "{}: {} trailing byte{} at offset {}, after the {} tokens {} describes, ignored as Megatron's reader ignores "
+        "them (if that .idx is another dataset's, its documents are not these)",
+        BinPath(prefix_), extra, extra == 1 ? "" : "s", bin_->size() - extra, num_tokens_, IdxPath(prefix_));
   return absl::OkStatus();
-}
-
-absl::StatusOr<bool> IndexedDataset::VerifyChecksums() const {
-  const std::string side_path = DoneSidecarPath(prefix_);
-  if (!PathExists(side_path)) return false;
-  PTK_ASSIGN_OR_RETURN(std::string side, ReadFileToString(side_path));
-  simdjson::dom::parser parser;
-  simdjson::dom::element e;
-  uint64_t bin_size, idx_size;
-  std::string_view bin_sum, idx_sum;
-  if (parser.parse(side).get(e) || e["bin_size"].get(bin_size) || e["idx_size"].get(idx_size) ||
-      e["bin_xxh3_128"].get(bin_sum) || e["idx_xxh3_128"].get(idx_sum))
-    return absl::DataLossError(fmt::format("{}: not a ptk dataset sidecar (damaged?)", side_path));
-  auto check = [&](const MappedFile& f, const std::string& path, uint64_t size, std::string_view sum) -> absl::Status {
-    if (f.size() != size)
-      return absl::DataLossError(fmt::format("{}: is {} bytes but {} recorded {}", path, f.size(), side_path, size));
-    Xxh3 h;
-    h.Update(f.data(), f.size());
-    if (h.HexDigest() != sum)
-      return absl::DataLossError(
-          fmt::format("{}: content checksum differs from the one {} recorded when it was written: the file was "
-                      "changed or damaged since",
-                      path, side_path));
-    return absl::OkStatus();
-  };
-  PTK_RETURN_IF_ERROR(check(*idx_, IdxPath(prefix_), idx_size, idx_sum));
-  PTK_RETURN_IF_ERROR(check(*bin_, BinPath(prefix_), bin_size, bin_sum));
-  return true;
 }
 
 TokenSpan IndexedDataset::sequence(int64_t i) const {

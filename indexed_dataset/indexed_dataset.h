@@ -107,8 +107,10 @@ class IndexedDatasetBuilder {
   // An empty document (no tokens, no lengths) is recorded as a zero-sequence document.
   absl::Status AddDocument(std::span<const int32_t> tokens, std::span<const int32_t> lengths,
                            std::span<const int8_t> modes = {});
-  // Appends every sequence and document of another dataset (Megatron's add_index); its
-  // IdxTrailingBytesWarning, if any, goes to warnings() for the caller to print.
+  // Appends every sequence and document of another dataset (Megatron's add_index), the bytes its
+  // index describes and no more; its trailing-bytes warnings, if any, go to warnings() for the caller
+  // to print (a .bin's trailing bytes are left out: Megatron's add_index copies them, which moves
+  // every later input's tokens off the pointers its index gets).
   absl::Status AddIndex(const std::string& other_prefix);
   const std::vector<std::string>& warnings() const { return warnings_; }
   // What the writer made the dataset from (its inputs and settings, e.g. a fingerprint), recorded as
@@ -152,9 +154,10 @@ class IndexedDatasetBuilder {
 // Reader: both files memory-mapped; O(1) zero-copy access to sequences and documents. Open()
 // validates everything Megatron's reader checks and what it does not (sizes, pointers consistent
 // with lengths and with the .bin size, document indices monotone and bounded) and answers damage
-// with kDataLoss naming the file and the field. Bytes after the .idx's arrays are ignored, as
-// Megatron's _IndexReader ignores them (it reads each array by its count); IdxTrailingBytesWarning
-// says so for a caller to print.
+// with kDataLoss naming the file and the field. Bytes after the .idx's arrays, or after the .bin's
+// last sequence, are ignored, as Megatron's reader ignores them (it reads each array by its count,
+// each sequence at its pointer); IdxTrailingBytesWarning and BinTrailingBytesWarning say so for a
+// caller to print.
 class IndexedDataset {
  public:
   static absl::StatusOr<std::unique_ptr<IndexedDataset>> Open(const std::string& prefix, bool multimodal = false);
@@ -173,6 +176,11 @@ class IndexedDataset {
   uint64_t idx_trailing_bytes() const { return idx_trailing_bytes_; }
   // "" without such bytes; else one line naming the .idx, the offset they start at and their count.
   const std::string& IdxTrailingBytesWarning() const { return idx_trailing_warning_; }
+  // The .bin's bytes after the last sequence the index describes: ignored, as Megatron's reader
+  // ignores them (it reads each sequence at its pointer); a .bin too short for them is refused.
+  uint64_t bin_trailing_bytes() const { return bin_->size() - static_cast<uint64_t>(num_tokens_) * itemsize(); }
+  // "" without such bytes; else one line naming the .bin, the offset they start at, their count and the .idx.
+  const std::string& BinTrailingBytesWarning() const { return bin_trailing_warning_; }
 
   int32_t sequence_length(int64_t i) const { return Load<int32_t>(lengths_off_ + 4 * i); }
   int64_t sequence_pointer(int64_t i) const { return Load<int64_t>(pointers_off_ + 8 * i); }
@@ -191,7 +199,7 @@ class IndexedDataset {
   int64_t document_length(int64_t d) const;  // tokens
   int64_t document_num_sequences(int64_t d) const { return document_index(d + 1) - document_index(d); }
 
-  // Checks beyond Open(): the .bin has no trailing bytes. Open() has already checked the rest.
+  // Stricter than Open(), which has checked the rest: the .bin has no trailing bytes (a writer's own check).
   absl::Status Verify() const;
   // When PREFIX.ptk-done exists (ptk wrote the pair): checks both files' sizes and XXH3-128
   // against it (kDataLoss naming the file). Returns false when there is no sidecar to check.
@@ -219,7 +227,7 @@ class IndexedDataset {
   bool multimodal_ = false;
   int64_t num_sequences_ = 0, num_doc_idx_ = 0, num_tokens_ = 0, max_length_ = 0;
   uint64_t idx_trailing_bytes_ = 0;
-  std::string idx_trailing_warning_;
+  std::string idx_trailing_warning_, bin_trailing_warning_;
   size_t lengths_off_ = 0, pointers_off_ = 0, doc_idx_off_ = 0, modes_off_ = 0;
 };
 

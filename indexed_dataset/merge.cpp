@@ -27,6 +27,29 @@ namespace {
 
 // Where a merge's recorded source lists its inputs (after the hash, one absolute prefix a line).
 constexpr std::string_view kInputsTag = "\ninputs:\n";
+// After the inputs, what they hold (a merge's inputs, and what those held, to any depth): a later
+// merge sees the overlap even when a merge between them was deleted since.
+constexpr std::string_view kHeldTag = "\nheld:\n";
+
+// What a merge ptk wrote records in its sidecar: its inputs and what they held (absolute prefixes);
+// nothing for any other dataset (or a merge that did not list them).
+struct MergeRecord {
+  std::vector<std::string> inputs, held;
+};
+MergeRecord RecordedMerge(const std::string& prefix) {
+  MergeRecord out;
+  const std::optional<std::string> source = RecordedSource(prefix);
+  const size_t at = source && source->rfind("ptk-merge ", 0) == 0 ? source->find(kInputsTag) : std::string::npos;
+  if (at == std::string::npos) return out;
+  const std::string rest = source->substr(at + kInputsTag.size());
+  const size_t held_at = rest.find(kHeldTag);
+  for (const absl::string_view name : absl::StrSplit(rest.substr(0, held_at), '\n'))
+    if (!name.empty()) out.inputs.emplace_back(name);
+  if (held_at != std::string::npos)
+    for (const absl::string_view name : absl::StrSplit(rest.substr(held_at + kHeldTag.size()), '\n'))
+      if (!name.empty()) out.held.emplace_back(name);
+  return out;
+}
 
 bool SameFile(const std::string& a, const std::string& b) {
   auto x = IdentifyFile(a), y = IdentifyFile(b);
@@ -110,26 +133,62 @@ absl::StatusOr<std::string> MergeSource(const std::vector<std::string>& inputs, 
     auto side = ReadFileToString(DoneSidecarPath(in));
     s += side.ok() ? "sidecar " + Xxh3Hex(*side) + "\n" : "no sidecar\n";
   }
-  return "ptk-merge " + Xxh3Hex(s) + std::string(kInputsTag) + names;
+  // What the inputs hold, as their sidecars record it (fingerprinted above with the sidecars).
+  std::set<std::string> held;
+  for (const auto& in : inputs) {
+    MergeRecord r = RecordedMerge(in);
+    held.insert(r.inputs.begin(), r.inputs.end());
+    held.insert(r.held.begin(), r.held.end());
+  }
+  std::string held_names;
+  for (const std::string& h : held) held_names += (held_names.empty() ? "" : "\n") + h;
+  return "ptk-merge " + Xxh3Hex(s) + std::string(kInputsTag) + names +
+         (held_names.empty() ? "" : std::string(kHeldTag) + held_names);
 }
 
+namespace {
+
+using FileKey = std::pair<uint64_t, uint64_t>;  // (dev, ino) of a dataset's .idx
+
+// Every dataset that `prefix`, a merge, holds, at any depth (a merge of a merge of a merge), by its
+// .idx's identity, with the merge that listed it: its inputs, followed, and what it recorded they held
+// (which a merge deleted since can no longer say).
+void CollectHeld(const std::string& prefix, std::map<FileKey, std::pair<std::string, std::string>>* held) {
+  const MergeRecord record = RecordedMerge(prefix);
+  for (const std::string& in : record.inputs) {
+    auto id = IdentifyFile(IdxPath(in));
+    if (!id.ok() || !held->emplace(FileKey{id->dev, id->ino}, std::make_pair(in, prefix)).second) continue;
+    CollectHeld(in, held);  // each dataset followed once: a cycle of sidecars ends
+  }
+  for (const std::string& in : record.held)
+    if (auto id = IdentifyFile(IdxPath(in)); id.ok())
+      held->emplace(FileKey{id->dev, id->ino}, std::make_pair(in, prefix));
+}
+
+}  // namespace
+
 absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs) {
-  std::map<std::pair<uint64_t, uint64_t>, std::string> by_id;
+  std::map<FileKey, std::string> by_id;
   for (const auto& in : inputs)
-    if (auto id = IdentifyFile(IdxPath(in)); id.ok()) by_id.emplace(std::make_pair(id->dev, id->ino), in);
+    if (auto id = IdentifyFile(IdxPath(in)); id.ok()) by_id.emplace(FileKey{id->dev, id->ino}, in);
+  // Which input holds each dataset (itself, or inside it): one held by two inputs would go in twice.
+  std::map<FileKey, std::string> holder;
+  for (const auto& [key, in] : by_id) holder.emplace(key, in);
   for (const auto& in : inputs) {
-    const std::optional<std::string> source = RecordedSource(in);
-    const size_t at = source && source->rfind("ptk-merge ", 0) == 0 ? source->find(kInputsTag) : std::string::npos;
-    if (at == std::string::npos) continue;  // no merge, or one that did not list its inputs
-    for (const absl::string_view held : absl::StrSplit(source->substr(at + kInputsTag.size()), '\n')) {
-      auto id = IdentifyFile(IdxPath(std::string(held)));
-      if (!id.ok()) continue;
-      auto it = by_id.find(std::make_pair(id->dev, id->ino));
-      if (it != by_id.end() && it->second != in)
+    std::map<FileKey, std::pair<std::string, std::string>> held;  // dataset -> (its name, the merge listing it)
+    CollectHeld(in, &held);
+    for (const auto& [key, named] : held) {
+      auto [it, fresh] = holder.emplace(key, in);
+      if (fresh || it->second == in) continue;
+      const std::string via = named.second == in ? "" : fmt::format(" (through {})", named.second);
+      if (by_id.count(key))
         return absl::FailedPreconditionError(
-            fmt::format("{} is a merge of {}, which is also an input: merging both would put its documents in twice; "
-                        "give one of them",
-                        in, it->second));
+            fmt::format("{} is a merge of {}{}, which is also an input: merging both would put its documents in "
+                        "twice; give one of them",
+                        in, it->second, via));
+      return absl::FailedPreconditionError(
+          fmt::format("{} and {} both hold {}{}: merging both would put its documents in twice; give one of them",
+                      it->second, in, named.first, via));
     }
   }
   return absl::OkStatus();

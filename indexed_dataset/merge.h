@@ -18,14 +18,15 @@ namespace ptk {
 absl::StatusOr<std::vector<std::string>> FindPrefixesInDir(const std::string& dir,
                                                            const std::string& output_prefix = "");
 
-// Refuses a merge of `inputs` where one is a merge made from others of them (a merge into its input
-// directory, met again by the next merge of that directory): their documents would be in twice.
-// FailedPrecondition naming both. A merge's recorded source (MergeSource) lists its inputs.
+// Refuses a merge of `inputs` where one is a merge made from another of them, or two hold one dataset,
+// at any depth (a merge of a merge of a merge; a merge into its input directory, met again by the next
+// merge of that directory): its documents would be in twice. FailedPrecondition naming the inputs and
+// the dataset. A merge's recorded source (MergeSource) lists its inputs.
 absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs);
 
 struct MergeStats {
   int64_t documents = 0, sequences = 0, tokens = 0;
-  std::vector<std::string> warnings;  // for the caller to print: the inputs' IdxTrailingBytesWarning
+  std::vector<std::string> warnings;  // for the caller to print: the inputs' trailing-bytes warnings
 };
 // What a merge of `input_prefixes` records as its "source" (MergeDatasets' `source`): a fingerprint
 // of the inputs in order (each .bin and .idx by path, size and modification time, and the .ptk-done

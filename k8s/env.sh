@@ -12,8 +12,8 @@
 # decimal numbers; names (PVC_NAME, HF_TOKEN_SECRET): DNS subdomains of at most 253 characters;
 # MEMORY_*: Kubernetes quantities; IMAGE: an image reference; MOUNT_PATH: an absolute path of
 # [A-Za-z0-9._/-]; HF_REPO: a Hub repo id; HF_ENDPOINT: an http(s) URL; no value holds a control
-# character (a newline, a tab); the free-form ones (STAGE_PATH, CKPT_DIR, HF_INCLUDE, VALID_SUBDIR,
-# TRAIN_EXTRA_ARGS) may hold quotes, which render.sh escapes.
+# character (a newline, a tab); the free-form ones (STAGE_PATH, CKPT_DIR, HF_INCLUDE, HF_EXCLUDE, VALID_SUBDIR,
+# HELDOUT_SUBDIRS, TRAIN_EXTRA_ARGS) may hold quotes, which render.sh escapes.
 #
 #   IMAGE                 ptk:latest       the image of ptk's Dockerfile, as pushed to your registry (the
 #                                          tutorial's REPO_URI is taken when IMAGE is unset)
@@ -25,6 +25,13 @@
 #   HF_REPO               cerebras/SlimPajama-627B   HF_REPO_TYPE dataset   HF_REVISION main
 #   HF_INCLUDE            train/**         VALID_SUBDIR validation (the repo folder of the validation split;
 #                                          downloaded too, kept out of the chunks, tokenized on its own)
+#   HELDOUT_SUBDIRS       "validation test"  extracted folders never put into the training chunks (SlimPajama's
+#                                          held-out splits, which a broad HF_INCLUDE downloads too); empty: none.
+#                                          Words of folder names: no '/', '*', '?', '[', not . or ..
+#   DROP_SETS             ""               RedPajama sets whose records extract leaves out (e.g. RedPajamaBook, as
+#                                          NeMo drops it), separated by spaces
+#   HF_EXCLUDE            ""               a pattern of files not to download (ptk-download --exclude)
+#   DOWNLOAD_VERIFY       0                1: re-hash files already downloaded and fetch damaged ones again (--verify)
 #   HF_ENDPOINT           https://huggingface.co     (a mirror, or the test's local hub)
 #   HF_TOKEN_SECRET       hf-token         a Secret whose key `token` is the Hugging Face token (optional:
 #                                          kubectl create secret generic hf-token --from-literal=token=hf_...)
@@ -59,6 +66,10 @@
 : "${HF_REVISION:=main}"
 : "${HF_INCLUDE:=train/**}"
 : "${VALID_SUBDIR=validation}"
+: "${HELDOUT_SUBDIRS=validation test}"
+: "${DROP_SETS:=}"
+: "${HF_EXCLUDE:=}"
+: "${DOWNLOAD_VERIFY:=0}"
 : "${HF_ENDPOINT:=https://huggingface.co}"
 : "${HF_TOKEN_SECRET:=hf-token}"
 : "${DOWNLOAD_TASKS:=1}"
@@ -98,7 +109,7 @@
 : "${TRAIN_GRACE_SECONDS:=180}"
 
 PTK_K8S_VARS="IMAGE PVC_NAME MOUNT_PATH STAGE_PATH DATASET_FOLDER_NAME HF_REPO HF_REPO_TYPE HF_REVISION HF_INCLUDE
-  VALID_SUBDIR HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
+  VALID_SUBDIR HELDOUT_SUBDIRS DROP_SETS HF_EXCLUDE DOWNLOAD_VERIFY HF_ENDPOINT HF_TOKEN_SECRET DOWNLOAD_TASKS DOWNLOAD_JOBS EXTRACT_TASKS EXTRACT_PARALLELISM CONCAT_CHUNKS
   CONCAT_PARALLELISM TOKENIZE_TASKS TOKENIZE_PARALLELISM CPUS_PER_TASK MEMORY_PER_TASK BACKOFF_LIMIT_PER_INDEX NUM_WORKERS
   WORKER_REPLICAS GPU_PER_WORKER CPUS_PER_WORKER MEMORY_PER_WORKER MASTER_PORT NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS
   SEQ_LENGTH MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS SAVE_INTERVAL
@@ -159,6 +170,15 @@ ptk_k8s_check() {
     { ptk_k8s_bad HF_ENDPOINT "must be an http(s) URL without spaces, quotes or backslashes"; return 2; }
   [[ "$DATASET_FOLDER_NAME" =~ ^[A-Za-z0-9._-]{1,255}$ && "$DATASET_FOLDER_NAME" != . && "$DATASET_FOLDER_NAME" != .. ]] ||
     { ptk_k8s_bad DATASET_FOLDER_NAME "must be one folder name (letters, digits, '.', '_', '-')"; return 2; }
+  local h words
+  read -ra words <<<"$HELDOUT_SUBDIRS"  # words, never globbed: '*' is refused, not expanded
+  for h in ${words[@]+"${words[@]}"}; do  # each is matched against an extracted folder's name (slurm/config.sh)
+    [[ "$h" != */* && "$h" != *[][*?]* && "$h" != . && "$h" != .. ]] ||
+      { ptk_k8s_bad HELDOUT_SUBDIRS "must be folder names separated by spaces (no '/', '*', '?', '[', . or ..)"; return 2; }
+  done
+  [[ "$DOWNLOAD_VERIFY" =~ ^[01]$ ]] || { ptk_k8s_bad DOWNLOAD_VERIFY "must be 0 or 1"; return 2; }
+  [[ "$DROP_SETS" =~ ^[A-Za-z0-9_.\ -]*$ ]] ||
+    { ptk_k8s_bad DROP_SETS "must be RedPajama set names (letters, digits, '_', '.', '-') separated by spaces"; return 2; }
   case "$STAGE_PATH/" in
     "$MOUNT_PATH"/*) ;;
     *) echo "k8s/env.sh: STAGE_PATH=$STAGE_PATH is not on the shared volume (MOUNT_PATH=$MOUNT_PATH)" >&2; return 2 ;;

@@ -100,8 +100,9 @@ VALID_DATASET="$PREPROCESSED_DIR/${VALID_SUBDIR}_text_document"
 
 # Whether an extracted top-level entry is a held-out split (VALID_SUBDIR, HELDOUT_SUBDIRS): never training data.
 ptk_is_heldout() {
-  local name=${1##*/} h
-  for h in $VALID_SUBDIR $HELDOUT_SUBDIRS; do [ "$name" = "$h" ] && return 0; done
+  local name=${1##*/} h words
+  read -ra words <<<"$VALID_SUBDIR $HELDOUT_SUBDIRS"  # split on blanks, never globbed (a 'test*' is a name)
+  for h in ${words[@]+"${words[@]}"}; do [ "$name" = "$h" ] && return 0; done
   return 1
 }
 # Whether this run has a validation split: configured, and its folder was extracted.

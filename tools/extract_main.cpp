@@ -64,6 +64,21 @@ std::vector<std::string> StillThere(const std::vector<std::string>& inputs, bool
   return there;
 }
 
+// The shard's line, and a warning for each --drop-set no record read carries: a misspelt name drops
+// nothing (a shard may lack a set: a warning, not a failure).
+void PrintSummary(const ptk::ExtractOptions& opt, const ptk::ExtractSummary& s) {
+  ptk::log::Info(
+      "shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
+      opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
+      s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
+  for (size_t k = 0; k < s.dropped_by_set.size() && s.records > 0; ++k)
+    if (s.dropped_by_set[k] == 0)
+      ptk::log::Warning(
+          "--drop-set {}: no record of this set among the {} records read (meta.redpajama_set_name must equal it "
+          "exactly: a misspelt name drops nothing)",
+          opt.drop_sets[k], s.records);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,10 +173,7 @@ int main(int argc, char** argv) {
     opt.force = force;
     opt.progress = !quiet;
     PTK_ASSIGN_OR_RETURN(ptk::ExtractSummary s, ptk::RunExtract(opt));
-    ptk::log::Info(
-        "shard {}/{}: {} extracted, {} already complete, {} failed; {:.1f} MB in -> {:.1f} MB out in {:.2f} s{}",
-        opt.shard.index, opt.shard.count, s.extracted, s.skipped, s.failed, s.bytes_in / 1e6, s.bytes_out / 1e6,
-        s.seconds, s.dropped ? fmt::format(", {} records dropped", s.dropped) : "");
+    PrintSummary(opt, s);
     if (verify) VerifyGone(roots, opt.shard, &s);
     return FailedFiles(s);
   });

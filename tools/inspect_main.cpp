@@ -160,13 +160,15 @@ absl::Status InspectDataset(const InspectFlags& f, const ptk::Gpt2Tokenizer* tok
   if (f.prefix.empty()) return ptk::UsageError("give the dataset PREFIX");
   PTK_ASSIGN_OR_RETURN(const std::string prefix, ptk::ResolveDatasetPrefix(f.prefix));  // PREFIX, .bin or .idx
   PTK_ASSIGN_OR_RETURN(auto ds, ptk::IndexedDataset::Open(prefix, f.multimodal));
-  if (const std::string w = ds->IdxTrailingBytesWarning(); !w.empty()) ptk::log::Warning("{}", w);
+  for (const std::string& w : {ds->IdxTrailingBytesWarning(), ds->BinTrailingBytesWarning()})
+    if (!w.empty()) ptk::log::Warning("{}", w);
   if (f.verify) {
-    PTK_RETURN_IF_ERROR(ds->Verify());
     PTK_ASSIGN_OR_RETURN(bool summed, ds->VerifyChecksums());
-    const std::string trailing = ds->idx_trailing_bytes() == 0 ? ""
-                                                               : fmt::format(" (the index's {} trailing bytes ignored)",
-                                                                             ds->idx_trailing_bytes());
+    std::string trailing;
+    if (ds->idx_trailing_bytes() > 0)
+      trailing += fmt::format(" (the index's {} trailing bytes ignored)", ds->idx_trailing_bytes());
+    if (ds->bin_trailing_bytes() > 0)
+      trailing += fmt::format(" (the data's {} trailing bytes ignored)", ds->bin_trailing_bytes());
     std::printf("OK: %s: %lld documents, %lld sequences, %lld tokens; index and data consistent%s; %s\n",
                 prefix.c_str(), static_cast<long long>(ds->num_documents()),
                 static_cast<long long>(ds->num_sequences()), static_cast<long long>(ds->num_tokens()), trailing.c_str(),

@@ -304,6 +304,13 @@ class RangedFetch {
                             : fmt::format("Content-Range {:?} for bytes {}-{}/{}", cr, from, end - 1, f_.size);
       return false;
     }
+    // A 206 whose Content-Length is not its Content-Range's length is the wrong size whatever its bytes.
+    const std::string len = r.Header("content-length");
+    if (!len.empty() && ParseUint64(len) != end - from) {
+      *problem =
+          fmt::format("bytes {}-{}: {} bytes for the {} asked (its Content-Length)", from, end - 1, len, end - from);
+      return false;
+    }
     const std::string enc = r.Header("content-encoding");
     if (!enc.empty() && enc != "identity") {
       *problem = "Content-Encoding " + enc;
@@ -350,7 +357,8 @@ class RangedFetch {
       }
       if (stop_) return false;
       if (a.pos + n > a.end) {
-        a.problem = fmt::format("a body longer than the {} bytes asked", a.end - a.from);
+        a.problem = fmt::format("bytes {}-{}: at least {} bytes for the {} asked", a.from, a.end - 1,
+                                a.pos - a.from + n, a.end - a.from);
         return false;
       }
       a.write_error = PwriteAll(fd_, p, n, a.pos, path_);
@@ -405,10 +413,14 @@ class RangedFetch {
       if (hub) s_.limiter.Observe(resp);
       resolve.Release();
       PTK_RETURN_IF_ERROR(a.write_error);
+      if (a.resp.curl_code == 0 && a.resp.status == 206 && a.problem.empty() && a.pos < end)
+        a.problem = fmt::format("bytes {}-{}: {} bytes for the {} asked", from, end - 1, a.pos - from, end - from);
+      if (!a.problem.empty()) DiscardAttempt(a, piece, gen);  // a wrong-size answer: none of its bytes kept
       const bool progressed = a.pos > from;
       if (progressed) budget_.Progressed();
       if (a.verdict != Verdict::kNone) return OnVerdict(a.verdict, gen);
-      if (!a.problem.empty()) return budget_.Again(fmt::format("bad range response ({})", a.problem), 0);
+      if (!a.problem.empty())
+        return budget_.Again(fmt::format("bad range response ({})", a.problem), budget_.Backoff(false));
       if (stop_) return absl::OkStatus();
       if (resp.curl_code != 0)
         return budget_.Again(fmt::format("bytes {}-{}: transfer error: {}", from, end - 1, resp.curl_error),
@@ -423,7 +435,7 @@ class RangedFetch {
         continue;
       }
       if (code == 206) {
-        if (a.pos < end)  // the connection ended early but cleanly
+        if (a.pos < end)  // the connection broke: the bytes it brought are kept, the rest asked again
           return budget_.Again(
               fmt::format("short range (bytes {}-{}: {} of {})", from, end - 1, a.pos - from, end - from),
               budget_.Backoff(progressed));
@@ -438,6 +450,22 @@ class RangedFetch {
       return absl::UnavailableError(fmt::format("{}: {}", url, HubErrorText(resp)));
     }
     return absl::OkStatus();
+  }
+
+  // Forgets what an answer of the wrong size wrote of `piece`: the piece asks again from where the
+  // attempt began, and the hash, if it has read past there, starts again from byte 0.
+  void DiscardAttempt(Attempt& a, Piece& piece, uint64_t gen) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (a.pos == a.from || gen != gen_) return;
+    const bool hashed_past = PrefixLocked() > a.from;
+    d_.progress_.TakeBackBytes(a.pos - a.from);
+    piece.done = a.from - piece.start;
+    a.pos = a.from;
+    dirty_ = true;
+    if (hashed_past) {
+      d_.hasher_.Start(fd_, git_, f_.size);
+      d_.hasher_.Advance(PrefixLocked());
+    }
   }
 
   // What AcceptHeaders decided against the answer: the piece given up (stale), the file fetched

@@ -27,6 +27,7 @@
 #include "common/progress.h"
 #include "common/status.h"
 #include "common/utf8.h"
+#include "dataprep/extract/set_filter.h"
 #include "dataprep/input/byte_source.h"
 
 namespace ptk {
@@ -131,112 +132,6 @@ bool LooksComplete(const std::string& input, const std::string& output, const st
   return osz.ok() && *osz == out_size;
 }
 
-// `line` as strict JSON that simdjson reads, where Python's json.loads (which NeMo's drop of
-// RedPajamaBook runs) reads it: invalid UTF-8 becomes U+FFFD (as ptk-tokenize repairs it), a lone
-// surrogate escape \uD800 becomes \uFFFD, NaN/Infinity/-Infinity outside strings become null.
-std::string PythonJsonAsStrictJson(std::string_view line) {
-  std::string utf8;
-  AppendUtf8Replacing(line, &utf8);
-  std::string out;
-  out.reserve(utf8.size());
-  auto hex4 = [&](size_t at) -> int {  // the 4 hex digits at `at`, or -1
-    if (at + 4 > utf8.size()) return -1;
-    int v = 0;
-    for (size_t i = at; i < at + 4; ++i) {
-      const char c = utf8[i];
-      const int d = c >= '0' && c <= '9'   ? c - '0'
-                    : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                    : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                           : -1;
-      if (d < 0) return -1;
-      v = v * 16 + d;
-    }
-    return v;
-  };
-  bool in_string = false;
-  for (size_t i = 0; i < utf8.size();) {
-    const char c = utf8[i];
-    if (in_string) {
-      if (c == '"') in_string = false;
-      if (c == '\\' && i + 1 < utf8.size()) {
-        if (utf8[i + 1] == 'u') {
-          const int u = hex4(i + 2);
-          if (u >= 0xD800 && u <= 0xDBFF && i + 12 <= utf8.size() && utf8[i + 6] == '\\' && utf8[i + 7] == 'u' &&
-              hex4(i + 8) >= 0xDC00 && hex4(i + 8) <= 0xDFFF) {
-            out.append(utf8, i, 12);  // a pair
-            i += 12;
-            continue;
-          }
-          if (u >= 0xD800 && u <= 0xDFFF) {
-            out += "\\uFFFD";
-            i += 6;
-            continue;
-          }
-        }
-        out.append(utf8, i, 2);
-        i += 2;
-        continue;
-      }
-      out += c;
-      ++i;
-      continue;
-    }
-    if (c == '"') in_string = true;
-    bool replaced = false;
-    for (std::string_view word : {"-Infinity", "Infinity", "NaN"})
-      if (std::string_view(utf8).substr(i, word.size()) == word) {
-        out += "null";
-        i += word.size();
-        replaced = true;
-        break;
-      }
-    if (!replaced) {
-      out += c;
-      ++i;
-    }
-  }
-  return out;
-}
-
-// Decides from meta.redpajama_set_name whether a record is dropped. A line Python's json.loads
-// reads and simdjson does not (invalid UTF-8, a lone surrogate escape, NaN) is read as Python reads
-// it: such a record of a dropped set was kept, and its text tokenized. Lines no JSON reader reads
-// are kept (ptk-tokenize reports them).
-class SetFilter {
- public:
-  explicit SetFilter(const std::vector<std::string>& drops) : drops_(drops) {}
-  bool Drop(std::string_view line) {
-    if (line.find("redpajama_set_name") == std::string_view::npos) return false;
-    simdjson::dom::element e;
-    if (parser_.parse(line.data(), line.size(), true).get(e)) {
-      repaired_ = PythonJsonAsStrictJson(line);
-      if (parser_.parse(repaired_).get(e)) return false;
-    }
-    // A key given twice: the last one counts, as in Python's json (and ptk-tokenize).
-    auto last = [](simdjson::dom::element obj, std::string_view key) -> std::optional<simdjson::dom::element> {
-      simdjson::dom::object o;
-      if (obj.get(o)) return std::nullopt;
-      std::optional<simdjson::dom::element> found;
-      for (auto field : o)
-        if (field.key == key) found = field.value;
-      return found;
-    };
-    auto meta = last(e, "meta");
-    if (!meta) return false;
-    auto name = last(*meta, "redpajama_set_name");
-    std::string_view set;
-    if (!name || name->get(set)) return false;
-    for (const auto& d : drops_)
-      if (set == d) return true;
-    return false;
-  }
-
- private:
-  const std::vector<std::string>& drops_;
-  simdjson::dom::parser parser_;
-  std::string repaired_;
-};
-
 using ByteSink = std::function<absl::Status(const char*, size_t)>;
 
 // Decodes `input` and hands the output bytes to `sink` in order (records of --drop-set sets left
@@ -247,7 +142,8 @@ absl::Status Decode(const std::string& input, const ExtractOptions& opt, Extract
   PTK_ASSIGN_OR_RETURN(auto source, OpenByteSource(input));
   std::vector<char> buf(4 << 20);
   std::string carry;
-  SetFilter filter(opt.drop_sets);
+  extract_detail::SetFilter filter(opt.drop_sets);
+  res->dropped_by_set.assign(opt.drop_sets.size(), 0);
   const bool filtering = !opt.drop_sets.empty();
   uint64_t last_raw = 0;
   bool file_start = true;
@@ -268,10 +164,12 @@ absl::Status Decode(const std::string& input, const ExtractOptions& opt, Extract
       if (file_start && json.starts_with("\xEF\xBB\xBF")) json.remove_prefix(3);
       file_start = false;
       ++res->records;
-      if (filter.Drop(json))
+      if (const int k = filter.Match(json); k >= 0) {
         ++res->dropped;
-      else
+        ++res->dropped_by_set[k];
+      } else {
         PTK_RETURN_IF_ERROR(sink(record.data(), record.size()));
+      }
       from = end;
     }
     return absl::OkStatus();
@@ -563,6 +461,9 @@ void Tally(ExtractSummary& sum) {
     sum.bytes_in += r.bytes_in;
     sum.bytes_out += r.bytes_out;
     sum.dropped += r.dropped;
+    sum.records += r.records;
+    sum.dropped_by_set.resize(r.dropped_by_set.size());
+    for (size_t k = 0; k < r.dropped_by_set.size(); ++k) sum.dropped_by_set[k] += r.dropped_by_set[k];
   }
 }
 

@@ -35,13 +35,15 @@ struct ExtractFileResult {
   absl::Status error;
   uint64_t bytes_in = 0, bytes_out = 0;
   int64_t records = 0, dropped = 0;
+  std::vector<int64_t> dropped_by_set;  // parallel to ExtractOptions::drop_sets
 };
 
 struct ExtractSummary {
   std::vector<ExtractFileResult> files;  // this shard's files, in input order
   int64_t extracted = 0, skipped = 0, failed = 0;
   uint64_t bytes_in = 0, bytes_out = 0;
-  int64_t dropped = 0;
+  int64_t dropped = 0, records = 0;     // records: of the files decoded in this run
+  std::vector<int64_t> dropped_by_set;  // parallel to ExtractOptions::drop_sets
   double seconds = 0;
 };
 

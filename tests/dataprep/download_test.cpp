@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -197,6 +198,53 @@ TEST(DownloadRanged, EveryPieceFaultIsSurvivedWithIdenticalBytes) {
   auto holdout = hub.CdnGets(paths.back());
   ASSERT_GE(holdout.size(), 2u);
   EXPECT_EQ(holdout.back(), "");
+}
+
+// A piece whose answer is the wrong size though its Content-Range is right (a body longer or shorter
+// than the range, its Content-Length counting it or none): the attempt's bytes are
+// discarded, never kept, and the piece fetched again from its start; every file ends byte-identical.
+TEST(DownloadRanged, AWrongSizePieceIsDiscardedAndFetchedAgain) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["ok", "long_body", "short_body", "ok"],
+                                                          "{}": ["ok", "long_body_unsized", "short_body_unsized", "ok"]}})",
+                                                      paths[0], paths[1]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  const std::string include = fmt::format(" --include '{}' --include '{}'", paths[0], paths[1]);
+  auto r = RunCmd(Download(hub, dir / "out", std::string(kRanged) + include));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ExpectSameTree(dir / "repo", dir / "out", {paths[0], paths[1]});
+  EXPECT_EQ(testing::Leftovers(dir / "out"), "");
+  EXPECT_EQ(r.output.find("sha256 mismatch"), std::string::npos) << "a wrong-size piece was kept: " << r.output;
+  for (const char* said :
+       {R"(bytes \d+-\d+: \d+ bytes for the \d+ asked \(its Content-Length\))",
+        R"(bytes \d+-\d+: at least \d+ bytes for the \d+ asked\))", R"(bytes \d+-\d+: \d+ bytes for the \d+ asked\))"})
+    EXPECT_TRUE(std::regex_search(r.output, std::regex(said))) << said << ": " << r.output;
+  for (const auto& p : {paths[0], paths[1]})
+    for (const auto& [a, b] : Ranges(hub.CdnGets(p)))
+      EXPECT_EQ(a % 65536, 0u) << p << ": a piece resumed inside itself after a wrong-size answer";
+}
+
+// A server whose every answer for a piece is the wrong size: after the retries, one line naming the
+// file, the range and both sizes, exit 1, and nothing published or left behind as a complete file.
+TEST(DownloadRanged, APieceAlwaysTheWrongSizeFailsNamingTheRangeAndSizes) {
+  TempDir dir;
+  auto paths = MakeRepo(dir / "repo");
+  testing::WriteFile(dir / "faults.json", fmt::format(R"({{"{}": ["ok", "long_body", "long_body", "long_body",
+                                                          "long_body", "long_body", "long_body"]}})",
+                                                      paths[0]));
+  FakeHub hub(dir / "repo", {"--faults", dir / "faults.json"}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto r = RunCmd(Download(hub, dir / "out", fmt::format("--max-retries 2 {} --include '{}'", kRanged, paths[0])));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_FALSE(testing::Exists(dir / "out/" + paths[0])) << r.output;
+  EXPECT_NE(r.output.find(paths[0]), std::string::npos) << r.output;
+  // Which piece fails first depends on the connections' order; each is named with its sizes.
+  EXPECT_TRUE(
+      std::regex_search(r.output, std::regex(R"(bytes (65536-131071|131072-\d+): \d+ bytes for the \d+ asked)")))
+      << r.output;
+  EXPECT_NE(r.output.find("gave up after 3 attempts"), std::string::npos) << r.output;
 }
 
 // kill -9 in the middle of a ranged download, then a rerun: each piece resumes where the record says

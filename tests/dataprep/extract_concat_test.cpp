@@ -434,6 +434,34 @@ TEST(Extract, DropSetReadsRecordsAsPythonDoes) {
   EXPECT_EQ(testing::ReadFile(dir / "out/a.jsonl"), keep);
 }
 
+// A --drop-set name no record carries (a typo: RedPajamaBooks) dropped nothing without a word, exit 0,
+// and the books went into training. Now a warning per such set names it and the records read; a name
+// that matched says nothing. (A shard may lack a set: a warning, not a failure.)
+TEST(Extract, ADropSetThatMatchesNothingIsNamed) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  const std::string book = R"({"text": "b", "meta": {"redpajama_set_name": "RedPajamaBook"}})"
+                           "\n",
+                    c4 = R"({"text": "c", "meta": {"redpajama_set_name": "RedPajamaC4"}})"
+                         "\n";
+  testing::WriteFile(dir / "in/a.jsonl.zst", testing::ZstdCompress(book + c4 + book));
+  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBooks --drop-set RedPajamaC4",
+                              testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir / "out/a.jsonl"), book + book);
+  EXPECT_NE(r.output.find("ptk-extract: warning: --drop-set RedPajamaBooks: no record of this set among the 3 "
+                          "records read (meta.redpajama_set_name must equal it exactly: a misspelt name drops "
+                          "nothing)\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("--drop-set RedPajamaC4:"), std::string::npos) << r.output;
+  // A rerun that reads nothing (every output complete) says nothing of the sets.
+  auto again = RunCmd(fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBooks --drop-set RedPajamaC4",
+                                  testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(again.output.find("no record of this set"), std::string::npos) << again.output;
+}
+
 // Records as ptk-tokenize reads them (Python's universal newlines, a BOM before a file's first): a
 // dropped set's record after a bare '\r' (old Mac line ends) or first in a file with a UTF-8 BOM was
 // kept, its line being no JSON to the filter, and then tokenized, since ptk-tokenize reads both.

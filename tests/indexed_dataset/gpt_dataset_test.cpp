@@ -217,24 +217,41 @@ TEST(GPTDataset, EmptySplitWithRequestedSamplesIsAnErrorNotAHang) {
   EXPECT_NE(std::string(ds.status().message()).find("test split holds no tokens"), std::string::npos) << ds.status();
 }
 
-// Another dataset's .idx beside a .bin (B's index, A's tokens): every sequence lies inside the
-// larger .bin, so Open() took it and training ran on B's document boundaries over A's bytes without a
-// word. The builder refuses it naming both files.
-TEST(GPTDataset, AnIndexThatDoesNotDescribeItsBinIsRefused) {
+// A .bin longer than its .idx describes (here another dataset's .idx beside it: B's index, A's tokens):
+// Megatron's reader reads it (each sequence at its pointer, the rest never looked at), so ptk reads it
+// too, as it reads an .idx's trailing bytes, with a warning naming both files, the offset and the
+// count (it was refused before). The samples are those of B's index over A's first bytes.
+TEST(GPTDataset, ABinLongerThanItsIndexDescribesIsReadWithAWarning) {
   GoldenDataDir dir;
   fs::copy_file(dir / "gpt_data/A.bin", dir / "gpt_data/mixed.bin");
   fs::copy_file(dir / "gpt_data/B.idx", dir / "gpt_data/mixed.idx");
-  Config c{"mixed", {"gpt_data/mixed"}, {}, "1,0,0", 16, 1234, {int64_t{10}, std::nullopt, std::nullopt}};
-  auto ds = BuildConfig(c);
-  ASSERT_FALSE(ds.ok());
-  EXPECT_EQ(ds.status().code(), absl::StatusCode::kDataLoss) << ds.status();
-  EXPECT_NE(std::string(ds.status().message())
-                .find("gpt_data/mixed.bin: file is 11164 bytes but the index "
-                      "gpt_data/mixed.idx describes"),
-            std::string::npos)
-      << ds.status();
-  Config a{"whole", {"gpt_data/A"}, {}, "1,0,0", 16, 1234, {int64_t{10}, std::nullopt, std::nullopt}};
-  EXPECT_TRUE(BuildConfig(a).ok());
+  auto b = IndexedDataset::Open("gpt_data/B");
+  ASSERT_TRUE(b.ok()) << b.status();
+  const uint64_t described = static_cast<uint64_t>((*b)->num_tokens()) * (*b)->itemsize();
+  DataArgs a;
+  a.data_path = {"gpt_data/mixed"};
+  a.split = "1,0,0";
+  a.sizes = {int64_t{10}, std::nullopt, std::nullopt};
+  GPTDatasetConfig g;
+  g.random_seed = 1234;
+  g.sequence_length = 16;
+  g.tokenizer = Gpt2TokenizerIdentifiers("gpt2-vocab.json", "gpt2-merges.txt");
+  g.path_to_cache = "mixed/cache";
+  std::vector<std::string> warnings;
+  auto ds = BuildGPTDatasets(a, g, &warnings);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_EQ(warnings[0], fmt::format("gpt_data/mixed.bin: {} trailing bytes at offset {}, after the {} tokens "
+                                     "gpt_data/mixed.idx describes, ignored as Megatron's reader ignores them (if "
+                                     "that .idx is another dataset's, its documents are not these)",
+                                     11164 - described, described, (*b)->num_tokens()));
+  // Too short for its index is still refused, naming the sequence that runs past the end.
+  fs::resize_file(dir / "gpt_data/mixed.bin", described - 2);
+  auto short_bin = BuildGPTDatasets(a, g, &warnings);
+  ASSERT_FALSE(short_bin.ok());
+  EXPECT_EQ(short_bin.status().code(), absl::StatusCode::kDataLoss) << short_bin.status();
+  EXPECT_NE(std::string(short_bin.status().message()).find("past the end of the"), std::string::npos)
+      << short_bin.status();
 }
 
 // Rewrites the dataset PREFIX at its path with its documents changed by `edit` (their tokens, in order),
@@ -471,6 +488,35 @@ TEST(InspectTrailingIndexBytes, AreReportedAndIgnored) {
                                 " --data-cache-path " + testing::ShellQuote(dir / "cache"));
   ASSERT_EQ(sample.exit_code, 0) << sample.output;
   EXPECT_NE(sample.output.find(warning), std::string::npos) << sample.output;
+}
+
+// A .bin with bytes after the sequences its .idx describes: Megatron's reader reads it; ptk refused it
+// (--verify and --sample: "the two files are not one dataset's"). Now read, with one warning naming the
+// .bin, the offset, the count and the .idx; --verify says so. A .bin too short stays refused, exit 1.
+TEST(InspectTrailingBinBytes, AreReportedAndIgnored) {
+  testing::TempDir dir;
+  const std::string real = testing::SourceDir() + "/tests/data/megatron_preprocess/eod_text_document";
+  const std::string prefix = dir / "eod_text_document", bin = testing::ReadFile(real + ".bin");
+  testing::WriteFile(prefix + ".idx", testing::ReadFile(real + ".idx"));
+  testing::WriteFile(prefix + ".bin", bin + "abcd");
+  const std::string warning =
+      fmt::format("ptk-inspect: warning: {}.bin: 4 trailing bytes at offset {}, after the ", prefix, bin.size());
+  auto verify = testing::RunCmd(testing::Tool("ptk-inspect") + " " + testing::ShellQuote(prefix) + " --verify");
+  ASSERT_EQ(verify.exit_code, 0) << verify.output;
+  EXPECT_NE(verify.output.find(warning), std::string::npos) << verify.output;
+  EXPECT_NE(verify.output.find("index and data consistent (the data's 4 trailing bytes ignored)"), std::string::npos)
+      << verify.output;
+  const std::string sample_cmd = testing::Tool("ptk-inspect") + " --data-path " + testing::ShellQuote(prefix) +
+                                 " --sample 0 --split 1,0,0 --seq-length 4 --train-samples 8 --format ids" +
+                                 " --data-cache-path " + testing::ShellQuote(dir / "cache");
+  auto sample = testing::RunCmd(sample_cmd);
+  ASSERT_EQ(sample.exit_code, 0) << sample.output;
+  EXPECT_NE(sample.output.find(warning), std::string::npos) << sample.output;
+  testing::WriteFile(prefix + ".bin", bin.substr(0, bin.size() - 2));
+  auto short_bin = testing::RunCmd(testing::Tool("ptk-inspect") + " " + testing::ShellQuote(prefix) + " --verify");
+  EXPECT_EQ(short_bin.exit_code, 1) << short_bin.output;
+  EXPECT_NE(short_bin.output.find(prefix + ".bin: sequence "), std::string::npos) << short_bin.output;
+  EXPECT_NE(short_bin.output.find("past the end of the"), std::string::npos) << short_bin.output;
 }
 
 TEST(InspectSample, PrintsMegatronsSample) {

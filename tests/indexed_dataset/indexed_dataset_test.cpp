@@ -282,6 +282,79 @@ TEST(MergeDatasets, TheOutputIsNeverAnInputHoweverSpelled) {
   EXPECT_EQ((*ds)->num_documents(), 7);
 }
 
+// A merge of a merge of a merge: each level the same bytes as one builder writing all its documents
+// (what Megatron's add_index gives; megatron_compat_test compares with it). Two inputs holding one
+// dataset at any depth are refused (before, only a merge beside one of its own direct inputs was: a
+// merge of a merge beside a leaf, or two merges sharing a leaf, put its documents in twice, exit 0).
+TEST(MergeDatasets, MergesOfMergesAndOverlapAtAnyDepth) {
+  TempDir dir;
+  std::vector<std::vector<Doc>> parts;
+  for (int i = 0; i < 4; ++i) {
+    parts.push_back(RandomDocs(20 + i, 50000, 70 + i));
+    WriteDocs(dir / ("p" + std::to_string(i)), DType::kUInt16, parts[i]);
+  }
+  auto merge = [&](const std::vector<std::string>& in, const std::string& out) {
+    ASSERT_TRUE(CheckNoInputHoldsAnother(in).ok()) << out;
+    auto src = MergeSource(in, false);
+    ASSERT_TRUE(src.ok()) << src.status();
+    auto st = MergeDatasets(in, out, false, *src);
+    ASSERT_TRUE(st.ok()) << st.status();
+  };
+  ASSERT_NO_FATAL_FAILURE(merge({dir / "p0", dir / "p1"}, dir / "m1"));
+  ASSERT_NO_FATAL_FAILURE(merge({dir / "m1", dir / "p2"}, dir / "m2"));
+  ASSERT_NO_FATAL_FAILURE(merge({dir / "p3", dir / "m2"}, dir / "m3"));
+  std::vector<Doc> all = parts[3];
+  for (int i = 0; i < 3; ++i) all.insert(all.end(), parts[i].begin(), parts[i].end());
+  WriteDocs(dir / "single", DType::kUInt16, all);
+  EXPECT_EQ(testing::ReadFile(dir / "m3.bin"), testing::ReadFile(dir / "single.bin"));
+  EXPECT_EQ(testing::ReadFile(dir / "m3.idx"), testing::ReadFile(dir / "single.idx"));
+
+  ASSERT_NO_FATAL_FAILURE(merge({dir / "p1", dir / "p2"}, dir / "n1"));
+  auto refused = [&](const std::vector<std::string>& in) {
+    absl::Status st = CheckNoInputHoldsAnother(in);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    return std::string(st.message());
+  };
+  EXPECT_EQ(refused({dir / "p0", dir / "m3"}),
+            dir / "m3 is a merge of " + dir / "p0 (through " + dir / "m1" +
+                "), which is also an input: merging both would put its documents in twice; give one of them");
+  EXPECT_EQ(refused({dir / "m1", dir / "n1"}), dir / "m1 and " + dir / "n1 both hold " + dir / "p1" +
+                                                   ": merging both would put its documents in twice; give one of them");
+  ASSERT_NO_FATAL_FAILURE(merge({dir / "p0", dir / "single"}, dir / "n0"));
+  EXPECT_EQ(refused({dir / "n0", dir / "m2"}),
+            dir / "n0 and " + dir / "m2 both hold " + dir / "p0 (through " + dir / "m1" +
+                "): merging both would put its documents in twice; give one of them");
+  EXPECT_TRUE(CheckNoInputHoldsAnother({dir / "m3", dir / "single"}).ok());
+  EXPECT_TRUE(CheckNoInputHoldsAnother({dir / "m1", dir / "p2", dir / "p3"}).ok());
+  // The merges between deleted: m3's record still says it holds p0.
+  for (const char* gone : {"m1", "m2"})
+    for (const char* ext : {".bin", ".idx", ".ptk-done"}) std::filesystem::remove(dir / (std::string(gone) + ext));
+  EXPECT_EQ(refused({dir / "p0", dir / "m3"}),
+            dir / "m3 is a merge of " + dir / "p0, which is also an input: merging both would put its documents in " +
+                "twice; give one of them");
+}
+
+// A .bin with bytes after what its index describes (read with a warning, as Megatron reads it): the
+// merge copies the described bytes only and says so (Megatron's add_index copies the rest too, which
+// moves every later input's tokens off their pointers).
+TEST(MergeDatasets, ABinsTrailingBytesAreLeftOut) {
+  TempDir dir;
+  auto a = RandomDocs(5, 50000, 81), b = RandomDocs(6, 50000, 82);
+  WriteDocs(dir / "a", DType::kUInt16, a);
+  WriteDocs(dir / "b", DType::kUInt16, b);
+  testing::WriteFile(dir / "a.bin", testing::ReadFile(dir / "a.bin") + "xyz");
+  auto st = MergeDatasets({dir / "a", dir / "b"}, dir / "m");
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_EQ(st->warnings.size(), 1u);
+  EXPECT_NE(st->warnings[0].find(dir / "a.bin: 3 trailing bytes at offset"), std::string::npos) << st->warnings[0];
+  EXPECT_NE(st->warnings[0].find("; left out of the merge"), std::string::npos) << st->warnings[0];
+  auto ds = IndexedDataset::Open(dir / "m");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_TRUE((*ds)->Verify().ok());
+  a.insert(a.end(), b.begin(), b.end());
+  ExpectDocs(**ds, a);
+}
+
 TEST(MergeDatasets, DtypeMismatchAndMissingPairAreErrors) {
   TempDir dir;
   ASSERT_EQ(::mkdir((dir / "parts").c_str(), 0755), 0);

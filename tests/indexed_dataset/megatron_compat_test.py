@@ -7,7 +7,8 @@ datasets with empty documents and multi-sequence documents:
   * ptk's builder and megatron's IndexedDatasetBuilder write byte-identical .bin/.idx files;
   * megatron's IndexedDataset reads every sequence and document index of ptk's files;
   * ptk reads every sequence of megatron's files (and ptk-inspect --verify accepts them);
-  * ptk-merge and megatron's add_index merges are byte-identical;
+  * ptk-merge and megatron's add_index merges are byte-identical, a merge of a merge of a merge too;
+  * a .bin longer than its .idx describes: both read the same sequences (ptk with a warning);
   * megatron reads ptk-tokenize's output.
 Usage: megatron_compat_test.py BIN_DIR TEST_BIN_DIR SOURCE_DIR
 """
@@ -96,12 +97,14 @@ def main():
 
     # Merges: megatron's add_index vs ptk-merge.
     parts = []
+    parts_docs = []
     all_docs = []
     for i in range(3):
         docs = random_docs(rng, 50 + i, 50256)
         p = os.path.join(tmp, f"part{i}")
         megatron_write(p, numpy.uint16, docs)
         parts.append(p)
+        parts_docs.append(docs)
         all_docs += docs
     meg_merged = os.path.join(tmp, "meg_merged")
     b = IndexedDatasetBuilder(meg_merged + ".bin", dtype=numpy.uint16)
@@ -113,6 +116,43 @@ def main():
                    capture_output=True)
     check(same_bytes(meg_merged, ptk_merged), "ptk-merge and megatron add_index differ")
     check(megatron_read(ptk_merged) == all_docs, "megatron reads other sequences from ptk-merge's output")
+
+    # A merge of a merge of a merge (with an empty dataset among the parts): each level byte-identical
+    # to megatron's add_index of the same inputs.
+    empty = os.path.join(tmp, "empty")
+    megatron_write(empty, numpy.uint16, [])
+    levels = [(parts[:2], "l1"), (["l1", empty], "l2"), ([parts[2], "l2"], "l3")]
+    for inputs, name in levels:
+        meg_in = [os.path.join(tmp, "meg_" + p) if p.startswith("l") else p for p in inputs]
+        ptk_in = [os.path.join(tmp, "ptk_" + p) if p.startswith("l") else p for p in inputs]
+        b = IndexedDatasetBuilder(os.path.join(tmp, "meg_" + name) + ".bin", dtype=numpy.uint16)
+        for p in meg_in:
+            b.add_index(p)
+        b.finalize(os.path.join(tmp, "meg_" + name) + ".idx")
+        r = subprocess.run([os.path.join(BIN, "ptk-merge"), "--inputs", *ptk_in, "--output-prefix",
+                            os.path.join(tmp, "ptk_" + name)], capture_output=True)
+        check(r.returncode == 0, f"ptk-merge {name}: {r.stderr}")
+        check(same_bytes(os.path.join(tmp, "meg_" + name), os.path.join(tmp, "ptk_" + name)),
+              f"merge level {name}: ptk-merge and megatron add_index differ")
+    check(megatron_read(os.path.join(tmp, "ptk_l3")) == parts_docs[2] + parts_docs[0] + parts_docs[1],
+          "megatron reads other documents from the three-level merge")
+
+    # A .bin longer than its .idx describes: megatron reads it (the rest never looked at); ptk reads the
+    # same sequences, ptk-inspect --verify accepts it with a warning; a .bin too short is refused.
+    long_p = os.path.join(tmp, "long")
+    megatron_write(long_p, numpy.uint16, parts_docs[0])
+    with open(long_p + ".bin", "ab") as f:
+        f.write(b"\x01\x02\x03")
+    check(megatron_read(long_p) == parts_docs[0], "megatron does not read a .bin with trailing bytes")
+    check(ptk_dump(long_p) == parts_docs[0], "ptk reads a .bin with trailing bytes otherwise than megatron")
+    r = subprocess.run([os.path.join(BIN, "ptk-inspect"), long_p, "--verify"], capture_output=True, text=True)
+    check(r.returncode == 0 and "long.bin: 3 trailing bytes at offset" in r.stderr
+          and "(the data's 3 trailing bytes ignored)" in r.stdout, f"ptk-inspect --verify on trailing bytes: {r}")
+    size = os.path.getsize(long_p + ".bin")
+    os.truncate(long_p + ".bin", size - 3 - 2)
+    r = subprocess.run([os.path.join(BIN, "ptk-inspect"), long_p, "--verify"], capture_output=True, text=True)
+    check(r.returncode == 1 and r.stderr.count("\n") == 1 and "long.bin: sequence" in r.stderr
+          and "past the end" in r.stderr, f"ptk-inspect --verify on a short .bin: {r}")
 
     # ptk-tokenize output read by megatron.
     corpus = os.path.join(SRC, "tests", "data", "megatron_preprocess", "corpus.jsonl")

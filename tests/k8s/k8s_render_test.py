@@ -104,6 +104,17 @@ CASES = [
     ("HF_INCLUDE", "train/**\nvalidation/**", None, True),
     ("HF_INCLUDE", 'train/"*.jsonl.zst', "zzmarkerzz/**", False),
     ("VALID_SUBDIR", 'valid"ation\\', "zzmarkerzz", False),
+    ("HELDOUT_SUBDIRS", 'valid"ation\\ te\'st', "zzmarkerzz", False),
+    ("HELDOUT_SUBDIRS", "validation a/b", None, True),
+    ("HELDOUT_SUBDIRS", "test *", None, True),
+    ("HELDOUT_SUBDIRS", "..", None, True),
+    ("DROP_SETS", "RedPajamaBook RedPajamaArXiv", "zzmarkerzz", False),
+    ("DROP_SETS", 'RedPajamaBook"', None, True),
+    ("DROP_SETS", "RedPajama*", None, True),
+    ("HF_EXCLUDE", '*.md" --verify \\', "zzmarkerzz", False),
+    ("HF_EXCLUDE", "a\nb", None, True),
+    ("DOWNLOAD_VERIFY", "yes", None, True),
+    ("HELDOUT_SUBDIRS", "validation\ntest", None, True),
     ("DATASET_FOLDER_NAME", "../x", None, True),
     ("DATASET_FOLDER_NAME", 'a"b', None, True),
     ("PVC_NAME", "a" * 300, None, True),
@@ -158,6 +169,29 @@ for var, value, marker, want_refused in CASES:
         want = [replaced(d, marker, value) for d in yaml.safe_load_all(h.stdout) if d]
         check(docs == want, f"{where}: the manifest is not the harmless one with the value in its place")
         accepted += 1
+
+# Level with the Slurm path: a pod that runs a slurm/*.sbatch stage script gets every slurm/config.sh setting
+# that script reads (itself or through a config.sh function it calls), so that k8s/env.sh can set it
+# (HELDOUT_SUBDIRS was missing from the concat-plan pod: its config.sh default could not be changed). The
+# exceptions keep Slurm's default on purpose, each named here with its reason.
+CFG = open(os.path.join(SRC, "slurm", "config.sh")).read()
+SETTINGS = re.findall(r'^: "\$\{([A-Z_0-9]+)[:=]', CFG, re.M)
+FUNCS = {m.group(1): m.group(2) for m in re.finditer(r"^(ptk_[a-z_]+)\(\) \{\n(.*?)^\}", CFG, re.M | re.S)}
+KEPT_DEFAULT = {"tokenize.sbatch": {"APPEND_EOD", "VOCAB_FILE", "MERGE_FILE", "TOKENIZE_LOG_INTERVAL"}}  # the
+# image's built-in GPT-2 files, an EOD after each document and the log interval: Megatron's preprocessing
+stage_pods = 0
+for t in TEMPLATES:
+    text = open(os.path.join(SRC, "k8s", t)).read()
+    for script in re.findall(r'command: \["bash", "/opt/ptk/share/ptk/slurm/([a-z-]+\.sbatch)"\]', text):
+        stage_pods += 1
+        body = open(os.path.join(SRC, "slurm", script)).read()
+        body += "".join(b for f, b in FUNCS.items() if re.search(r"\b" + f + r"\b", body))
+        read = {v for v in SETTINGS if re.search(r"\$\{?" + v + r"\b", body)}
+        env = set(re.findall(r"- name: ([A-Z_0-9]+)", text))
+        missing = read - env - KEPT_DEFAULT.get(script, set())
+        check(not missing, f"{t}: slurm/{script} reads {sorted(missing)}, which its pod is not given")
+check(stage_pods >= 2, f"only {stage_pods} pods run a Slurm stage script")
+check("HELDOUT_SUBDIRS" in VARS and "DROP_SETS" in VARS, "k8s/env.sh does not set HELDOUT_SUBDIRS and DROP_SETS")
 
 print(f"{trials} hostile renders: {refused} refused naming the variable, {accepted} valid with the value intact, "
       f"{len(failures)} failures", flush=True)

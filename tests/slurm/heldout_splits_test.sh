@@ -40,6 +40,20 @@ printf '{"text": "a training document"}\n' | gzip > "$D/raw/train/t0.jsonl.gz"
 printf '{"text": "a TEST document"}\n' | gzip > "$D/raw/test/x0.jsonl.gz"
 run_stages "$S" HELDOUT_SUBDIRS= >/dev/null
 [[ $(cat "$D"/chunks/train_*.jsonl) == *"TEST"* ]] || fail "HELDOUT_SUBDIRS= still left test/ out"
+# A word of HELDOUT_SUBDIRS is a name, never a pattern: run where 'te*' would glob to test/, it holds out nothing.
+rm -rf "$D/extracted" "$D/chunks"
+(cd "$D/raw" && run_stages "$S" HELDOUT_SUBDIRS='te*' >/dev/null)
+[[ $(cat "$D"/chunks/train_*.jsonl) == *"TEST"* ]] || fail "HELDOUT_SUBDIRS='te*' was globbed into test"
+# DROP_SETS: each word a --drop-set of extract.sbatch (the k8s extract pod runs it too), never globbed.
+S=$W/stage_drop
+D=$S/slimpajama
+mkdir -p "$D/raw/train" "$D/raw/RedPajamaBookX"
+printf '%s\n' '{"text": "a BOOK", "meta": {"redpajama_set_name": "RedPajamaBook"}}' \
+  '{"text": "a C4 page", "meta": {"redpajama_set_name": "RedPajamaC4"}}' | gzip > "$D/raw/train/t0.jsonl.gz"
+out=$(cd "$D/raw" && run_stages "$S" DROP_SETS='RedPajamaBook RedPajamaB*' 2>&1)
+chunks=$(cat "$D"/chunks/train_*.jsonl)
+[[ $chunks == *"a C4 page"* && $chunks != *"BOOK"* ]] || fail "DROP_SETS=RedPajamaBook did not drop the book: $chunks"
+[[ $out == *"--drop-set RedPajamaB*: no record of this set"* ]] || fail "DROP_SETS' RedPajamaB* was globbed: $out"
 # Nothing but held-out splits: a clear refusal naming them.
 S=$W/stage_none
 mkdir -p "$S/slimpajama/raw/test"

@@ -23,7 +23,9 @@ On the CDN: changed (the object was replaced: other bytes, ETag "v2", If-Range h
 same, but a resume is answered 206 whatever If-Range says), range200 (a Range request answered 200 with the
 Content-Range asked for, but a body that starts at byte 0, cut to the range's length), range200_full (the same with
 the whole file as body), 206_no_range (206 without Content-Range); at the Hub: drip_redirect (a 302 whose body comes
-one byte every 0.1 s). Whole-server: --looping-listing same (every page's Link rel=next is the first page's cursor)
+one byte every 0.1 s); long_body / short_body (a 206 with the Content-Range
+asked for but a body 100 bytes longer / half as long, its Content-Length counting it), long_body_unsized /
+short_body_unsized (the longer / shorter body without a Content-Length, ended by closing the connection). Whole-server: --looping-listing same (every page's Link rel=next is the first page's cursor)
 or fresh (a new URL every time, the same entries).
 Hostile modes for the whole server: --api-redirect-loop (every API call redirects to itself), --endless-listing
 (the tree listing never ends), --control-paths (the listing names files with \n, ESC, \r, TAB, BEL, DEL).
@@ -470,13 +472,28 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body = bytearray(data if fault == "range200_full" else data[:end + 1 - start])
         if status == 206 and fault == "206_no_range":
             del h["Content-Range"]
+        length = None  # the Content-Length sent: the body's, unless a fault lies about it
+        if status == 206 and fault == "long_body":  # more bytes than the Content-Range says, counted
+            body += bytes(body[:100])
+        if status == 206 and fault == "short_body":  # fewer bytes than the Content-Range says, counted
+            del body[len(body) // 2:]
+        if status == 206 and fault == "long_body_unsized":  # more bytes, no Content-Length, then close
+            body += bytes(body[:100])
+            length = ""
+        if status == 206 and fault == "short_body_unsized":  # fewer bytes, no Content-Length, then close
+            del body[len(body) // 2:]
+            length = ""
         if fault.startswith("flip:"):
             k = int(fault.split(":")[1]) - start
             if 0 <= k < len(body):
                 body[k] ^= 0xFF
         self.send_response(status)
         h["Content-Type"] = "application/octet-stream"
-        h["Content-Length"] = str(len(body))
+        if length is None:
+            h["Content-Length"] = str(len(body))
+        else:
+            h["Connection"] = "close"  # the body ends where the connection does
+            self.close_connection = True
         for k, v in h.items():
             self.send_header(k, v)
         self.end_headers()

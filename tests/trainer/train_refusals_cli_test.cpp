@@ -255,6 +255,21 @@ TEST_F(TrainRefusals, TrailingIndexBytesAreIgnoredWithAWarning) {
   EXPECT_NE(r.output.find("validation loss at iteration 2"), std::string::npos) << r.output;
 }
 
+// A .bin with bytes after the sequences its .idx describes trains as Megatron's reader reads it
+// (ptk-train refused it: "the two files are not one dataset's"), with one warning naming both files.
+TEST_F(TrainRefusals, TrailingBinBytesAreIgnoredWithAWarning) {
+  const std::string bin = testing::ReadFile(prefix_ + ".bin");
+  testing::WriteFile(prefix_ + ".bin", bin + "junk");
+  auto r = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "cache")));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::string warning = "ptk-train: warning: " + prefix_ + ".bin: 4 trailing bytes at offset " +
+                              std::to_string(bin.size()) + ", after the ";
+  const size_t at = r.output.find(warning);
+  EXPECT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(warning, at + 1), std::string::npos) << "warned more than once: " << r.output;
+  EXPECT_NE(r.output.find("validation loss at iteration 2"), std::string::npos) << r.output;
+}
+
 // --load of another model's checkpoint names the flags that differ (it printed both models' JSON).
 TEST_F(TrainRefusals, ACheckpointOfAnotherModelNamesTheFlagsThatDiffer) {
   const std::string ck = ShellQuote(dir_ / "ck");
