@@ -63,18 +63,6 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
   return app;
 }
 
-namespace {
-
-// Long option names -> supported (false for the kUnsupportedGroup ones); short ones ("-h").
-void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, std::set<std::string>* shorts) {
-  for (const CLI::Option* opt : app.get_options()) {
-    for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = opt->get_group() != kUnsupportedGroup;
-    for (const std::string& n : opt->get_snames()) shorts->insert("-" + n);
-  }
-  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
-    CollectLongNames(*sub, names, shorts);
-}
-
 size_t EditDistance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
@@ -85,6 +73,18 @@ size_t EditDistance(const std::string& a, const std::string& b) {
     std::swap(prev, cur);
   }
   return prev[b.size()];
+}
+
+namespace {
+
+// Long option names -> supported (false for the kUnsupportedGroup ones); short ones ("-h").
+void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, std::set<std::string>* shorts) {
+  for (const CLI::Option* opt : app.get_options()) {
+    for (const std::string& n : opt->get_lnames()) (*names)["--" + n] = opt->get_group() != kUnsupportedGroup;
+    for (const std::string& n : opt->get_snames()) shorts->insert("-" + n);
+  }
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    CollectLongNames(*sub, names, shorts);
 }
 
 // Reads long options as Python's argparse does (Megatron's and NeMo's scripts use it): an
