@@ -38,6 +38,10 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 // the one meant, for "did you mean ...?".
 size_t EditDistance(const std::string& a, const std::string& b);
 
+// CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
+// ("...; did you mean megatron?"), as Parse prints it; any other message as it is.
+std::string WithNearestChoice(const std::string& message);
+
 // Marks a list option as repeatable (argparse's action="append"): each occurrence adds to the list,
 // as ptk-extract's --drop-set A --drop-set B drops both. Its help should say "repeatable".
 CLI::Option* Repeatable(CLI::Option* opt);
