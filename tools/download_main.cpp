@@ -122,6 +122,16 @@ int main(int argc, char** argv) {
   refused.Option("--token",
                  "a token on the command line is seen by every user (ps) and kept in shell history; give it in "
                  "HF_TOKEN, or in a file with --token-file");
+  // huggingface-cli download's other flags that have no place here, each with what ptk-download does instead.
+  refused.Flag(
+      "--resume-download",
+      "ptk-download always resumes: a NAME.part goes on where the server proves it continues it; drop the flag");
+  refused.Flag("--force-download",
+               "a file present and verified is kept; --verify re-hashes the files present (one that fails is fetched "
+               "again), and a file deleted is fetched again");
+  refused.Option("--cache-dir", "ptk-download writes the files themselves into --local-dir (no Hugging Face cache)");
+  refused.Option("--local-dir-use-symlinks",
+                 "the files are written into --local-dir itself (no cache to link to); drop the flag");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {

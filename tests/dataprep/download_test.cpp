@@ -115,6 +115,25 @@ TEST(Download, ARepoGivenAsAUrlOrAPathSaysTheIdMeant) {
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
+// huggingface-cli download's flags a newcomer brings: each refused saying what ptk-download does instead
+// (they were "unknown flag --resume-download", no more).
+TEST(Download, HuggingfaceClisOtherFlagsAreRefusedWithTheReason) {
+  TempDir dir;
+  const std::pair<std::string, std::string> cases[] = {
+      {"--resume-download", "--resume-download is not supported: ptk-download always resumes"},
+      {"--force-download", "--force-download is not supported: a file present and verified is kept; --verify"},
+      {"--cache-dir c", "--cache-dir is not supported: ptk-download writes the files themselves into --local-dir"},
+      {"--local-dir-use-symlinks False", "--local-dir-use-symlinks is not supported: the files are written into"},
+  };
+  for (const auto& [flag, says] : cases) {
+    auto r = RunCmd(fmt::format("{} --repo cerebras/SlimPajama-627B --local-dir {} --endpoint http://127.0.0.1:9 {}",
+                                testing::Tool("ptk-download"), dir / "out", flag));
+    EXPECT_EQ(r.exit_code, 2) << flag << "\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << flag << "\n" << r.output;
+  }
+  EXPECT_FALSE(testing::Exists(dir / "out"));
+}
+
 TEST(Download, IncludeExcludeAndFlatNames) {
   TempDir dir;
   auto paths = MakeRepo(dir / "repo");
