@@ -75,18 +75,6 @@ void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, s
     CollectLongNames(*sub, names, shorts);
 }
 
-size_t EditDistance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
-
 // Reads long options as Python's argparse does (Megatron's and NeMo's scripts use it): an
 // unambiguous prefix stands for the option (--vocab for --vocab-file), `--flag=value` works; an
 // ambiguous prefix or an unknown flag is a usage error naming the candidates or the closest flag.
@@ -406,6 +394,7 @@ int PrintedExit(const CLI::App& app, int print_errno) {
   std::fprintf(stderr, "%s: error: %s\n", app.get_name().c_str(), std::string(StatusMessage(st)).c_str());
   return ExitCodeFor(st);
 }
+
 }  // namespace
 
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
@@ -450,7 +439,7 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     return PrintedExit(app, errno);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", app.get_name().c_str(),
-                 e.what());
+                 WithNearestChoice(e.what()).c_str());
     return kExitUsage;
   }
   // Every tool: a progress interval that would print without pause, or never wait, is refused.

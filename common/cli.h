@@ -34,6 +34,14 @@ std::unique_ptr<CLI::App> MakeApp(const std::string& name, const std::string& de
 // With the environment variable PTK_CHECK_OPTIONS=1 it runs CheckOptionTable instead and returns 0 or 1.
 std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 
+// Levenshtein distance (insertions, deletions, substitutions): how near a misspelt flag or path is to
+// the one meant, for "did you mean ...?".
+size_t EditDistance(const std::string& a, const std::string& b);
+
+// CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
+// ("...; did you mean megatron?"), as Parse prints it; any other message as it is.
+std::string WithNearestChoice(const std::string& message);
+
 // Marks a list option as repeatable (argparse's action="append"): each occurrence adds to the list,
 // as ptk-extract's --drop-set A --drop-set B drops both. Its help should say "repeatable".
 CLI::Option* Repeatable(CLI::Option* opt);

@@ -296,6 +296,12 @@ absl::StatusOr<TrainingRanks> TrainingRanksFromEnv() {
     PTK_ASSIGN_OR_RETURN(port, EnvIntIn("MASTER_PORT", 1, 65535, true));
     t.master_port = static_cast<int>(*port);
   }
+  // Under torchrun, MASTER_PORT is its agent's own store, bound before the ranks start, which torch's workers
+  // join as clients (TORCHELASTIC_USE_AGENT_STORE=True). ptk's rank 0 serves a rendezvous of its own: on the
+  // next port, the same for every rank (on MASTER_PORT itself every torchrun launch failed 'Address already in
+  // use').
+  if (t.source == "torchrun variables" && env("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    t.master_port = t.master_port < 65535 ? t.master_port + 1 : t.master_port - 1;
   PTK_RETURN_IF_ERROR(ReadRanksOnNode(&t));
   return t;
 }

@@ -29,7 +29,8 @@ absl::StatusOr<ShardSpec> ResolveShard(std::optional<int64_t> index, std::option
 // of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST and MASTER_PORT to 20000 + (7 * SLURM_JOB_ID + SLURM_RESTART_COUNT) %
 // 12000 (below Linux's ephemeral ports, from 32768, where a connection of any process on the node could hold it when
 // rank 0 binds); otherwise one process. A batch script outside srun is one process (SLURM_NTASKS alone counts the tasks
-// srun would start, not this one).
+// srun would start, not this one). Under torchrun itself (TORCHELASTIC_USE_AGENT_STORE=True: its agent serves a
+// store on MASTER_PORT) the rendezvous is on MASTER_PORT + 1.
 // The ranks on this machine, which share its memory: torchrun's LOCAL_WORLD_SIZE; in an srun step,
 // this node's entry of SLURM_TASKS_PER_NODE ("4(x2),3": entry SLURM_NODEID), else
 // SLURM_NTASKS_PER_NODE; never more than the world. 0 when the launcher does not say.

@@ -19,6 +19,7 @@
 #include "common/hash.h"
 #include "common/json_writer.h"
 #include "common/status.h"
+#include "indexed_dataset/dataset_prefix_hints.h"
 
 namespace ptk {
 namespace {
@@ -289,20 +290,6 @@ void IndexedDatasetBuilder::Abort() {
 
 // ---------------------------------------------------------------- reader
 
-namespace {
-
-// The datasets a directory holds (PREFIX.idx beside PREFIX.bin), by the prefixes that name them.
-std::vector<std::string> DatasetsIn(const std::string& dir) {
-  std::vector<std::string> held;
-  auto found = ExpandGlobs({JoinPath(dir, "*.idx")});
-  if (!found.ok()) return held;
-  for (const auto& idx : *found)
-    if (std::string prefix = idx.substr(0, idx.size() - 4); PathExists(BinPath(prefix))) held.push_back(prefix);
-  return held;
-}
-
-}  // namespace
-
 absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool accept_file_names) {
   std::string prefix = arg;
   for (std::string_view ext : {".bin", ".idx"})
@@ -361,8 +348,7 @@ absl::StatusOr<std::string> ResolveDatasetPrefix(const std::string& arg, bool ac
           "{}: no dataset here: a number where a dataset prefix belongs: in a data path list of an odd number of "
           "words (a weight without its dataset?) every word is read as a prefix, as Megatron reads it",
           arg));
-    return absl::NotFoundError(
-        fmt::format("{}: no dataset here (neither {} nor {} exists)", arg, IdxPath(prefix), BinPath(prefix)));
+    return NoDatasetAt(arg, prefix);
   }
   std::string list;
   for (size_t i = 0; i < near.size() && i < 4; ++i) list += (i ? ", " : "") + near[i];

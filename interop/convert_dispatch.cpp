@@ -54,9 +54,33 @@ absl::StatusOr<ConvertSummary> Dispatch(const ConvertOptions& o) {
                   o.loader, o.saver));
 }
 
+// A --load-dir that is no directory (a typo, a file) or one iteration of a --save directory: said so, where
+// each loader said only that a file in it was missing.
+absl::Status CheckLoadDir(const ConvertOptions& o) {
+  const char* holds = o.loader == "hf" ? "the Hugging Face model's directory (config.json and its weights)"
+                                       : "the --save directory (with latest_checkpointed_iteration.txt in it)";
+  if (!PathExists(o.load_dir))
+    return absl::NotFoundError(fmt::format("--load-dir {}: no such directory; give {}", o.load_dir, holds));
+  if (!IsDirectory(o.load_dir))
+    return absl::InvalidArgumentError(
+        fmt::format("--load-dir {}: a file, not a directory; give {}", o.load_dir, holds));
+  std::string dir = std::filesystem::path(o.load_dir).lexically_normal().string();
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const std::string name = Basename(dir), parent = Dirname(dir);
+  if (o.loader != "hf" && !PathExists(JoinPath(o.load_dir, "latest_checkpointed_iteration.txt")) &&
+      (name.rfind("iter_", 0) == 0 || name == "release") &&
+      PathExists(JoinPath(parent, "latest_checkpointed_iteration.txt")))
+    return absl::InvalidArgumentError(fmt::format(
+        "--load-dir {}: one iteration of a checkpoint; give its --save directory, {} (its latest iteration, named "
+        "by latest_checkpointed_iteration.txt, is read)",
+        o.load_dir, parent));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ConvertSummary> RunConvert(const ConvertOptions& o) {
+  if ((o.loader == "ptk") != (o.saver == "ptk")) PTK_RETURN_IF_ERROR(CheckLoadDir(o));  // a direction ptk converts
   absl::StatusOr<ConvertSummary> r = Dispatch(o);
   if (r.ok() || IsUsageError(r.status())) return r;
   // --loader megatron over a ptk checkpoint said only "model_optim_rng.pt: missing ... this one is

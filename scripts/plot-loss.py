@@ -2,7 +2,7 @@
 """Turns ptk-train's metrics (JSON lines, one per iteration) into a loss-curve PNG.
 
 Usage: python3 scripts/plot-loss.py METRICS.jsonl [METRICS2.jsonl ...] -o loss.png [--title T]
-Each file is one curve (a resumed run appends to the same file, so one file is one run). Lines
+A directory (ptk-train's --tensorboard-dir) stands for the metrics.jsonl in it. Each file is one curve (a resumed run appends to the same file, so one file is one run). Lines
 that are not JSON objects with "iteration" and "lm_loss" are an error naming the file and line.
 Needs matplotlib (Debian: python3-matplotlib, installed by scripts/install-deps.sh): a Python
 without it (a virtualenv's first on PATH) reruns the script with one that has it, or names it.
@@ -11,6 +11,19 @@ import argparse
 import json
 import os
 import sys
+
+
+def metrics_file(path):
+    """PATH, or DIR/metrics.jsonl for a directory; a path that names no file is one line saying so."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            return os.path.join(path, "metrics.jsonl")
+        sys.exit(f"plot-loss: {path}: a directory without metrics.jsonl (ptk-train writes it in its "
+                 f"--tensorboard-dir, or at --metrics-file)")
+    if not os.path.exists(path):
+        sys.exit(f"plot-loss: {path}: no such file (ptk-train writes metrics.jsonl in its --tensorboard-dir, "
+                 f"or at --metrics-file)")
+    return path
 
 
 def read(path):
@@ -66,6 +79,7 @@ def main():
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--title", default="ptk-train: lm loss")
     args = ap.parse_args()
+    args.metrics = [metrics_file(p) for p in args.metrics]  # before matplotlib: a typo says so at once
     try:
         import matplotlib
         matplotlib.use("Agg")

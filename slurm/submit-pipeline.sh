@@ -22,6 +22,8 @@ while [ $# -gt 0 ]; do
       from=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
     -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;  # the header comment
+    --dryrun|--dry|-n|--dry_run|-dry-run) echo "submit-pipeline: unknown argument: $1; did you mean --dry-run?" >&2; exit 2 ;;
+    --from=*) from=${1#--from=}; shift ;;
     *) echo "submit-pipeline: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done

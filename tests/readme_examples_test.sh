@@ -2,7 +2,7 @@
 # The documented example commands run as printed, on the bundled sample: every `build/bin/...` line of
 # README.md's sections whose examples run on it (the jsonl -> train -> Hugging Face recipe,
 # ptk-download, against the fake Hub serving the sample as cerebras/SlimPajama-627B, ptk-extract, ptk-concat, ptk-tokenize, ptk-inspect, ptk-merge,
-# ptk-convert) and of the manuals those tools' details live in (docs/ptk-extract.md, docs/ptk-concat.md,
+# ptk-convert) and of the manuals those tools' details live in (docs/ptk-download.md's try-it block, docs/ptk-extract.md, docs/ptk-concat.md,
 # docs/ptk-tokenize.md, docs/ptk-inspect.md, docs/ptk-merge.md, docs/ptk-convert.md), and the lines of
 # docs/ptk-train.md, docs/gpu.md and docs/interop.md that run on a CPU in seconds, and docs/cluster.md's
 # Kubernetes render lines (below), extracted from the
@@ -90,6 +90,21 @@ done
 for tool in ptk-extract ptk-concat ptk-tokenize ptk-inspect ptk-merge ptk-convert; do
   run_examples "docs/$tool.md"
 done
+# docs/ptk-download.md's try-it block as printed, in a directory of its own (the checkout's tests/, sample/ and
+# build/bin): the fake Hub it starts in the background, the export, the download; that Hub stopped after.
+mkdir -p try-download/build
+ln -s "$SRC/tests" try-download/tests
+ln -s "$SRC/sample" try-download/sample
+ln -s "$BIN" try-download/build/bin
+block=$(awk '/^To try it without the network/ { on = 1 } on && /^```/ { if (code) exit; code = 1; next } on && code' \
+  "$SRC/docs/ptk-download.md")
+grep -q '^build/bin/ptk-download ' <<<"$block" || fail "docs/ptk-download.md's try-it block has no ptk-download line: $block"
+echo "+ $block"
+out=$(cd try-download && timeout 120 bash -ec "trap 'kill \$(jobs -p) 2>/dev/null' EXIT"$'\n'"$block" 2>&1) ||
+  fail "docs/ptk-download.md's try-it block failed as printed: $out"
+[ "$(find try-download/raw/train -name '*.jsonl.zst' | wc -l)" = 24 ] ||
+  fail "docs/ptk-download.md's try-it block fetched $(find try-download/raw | head)"
+ran=$((ran + 1))
 # The lines of the other manuals that run here, on what the recipe above trained (ckpt, tb): ptk-train.md's
 # --dry-run plan, loss plot and conversions (not its training lines: GPT-2 small for 5000 iterations, srun,
 # a GPU), gpu.md's --version, and interop.md's Megatron round trip (its ptk-train line is a placeholder) from

@@ -64,6 +64,14 @@ bool ByteLevelDecode(std::string_view s, std::string* out) {
   return true;
 }
 
+// A line of a file quoted in an error: its first 60 characters (a vocab.json given as the merges file is
+// one line of a megabyte).
+std::string Shown(std::string_view line) {
+  constexpr size_t kShown = 60;
+  return line.size() <= kShown ? fmt::format("{:?}", std::string(line))
+                               : fmt::format("{:?}... ({} bytes)", std::string(line.substr(0, kShown)), line.size());
+}
+
 // vocab.json's (id, token) entries in the file's order.
 absl::StatusOr<std::vector<std::pair<int64_t, std::string>>> ParseVocabEntries(std::string_view vocab_json,
                                                                                std::string_view origin,
@@ -71,9 +79,15 @@ absl::StatusOr<std::vector<std::pair<int64_t, std::string>>> ParseVocabEntries(s
   simdjson::dom::parser parser;
   simdjson::padded_string padded(vocab_json);
   simdjson::dom::element root;
-  if (auto err = parser.parse(padded).get(root))
+  if (auto err = parser.parse(padded).get(root)) {
+    // The two files swapped (merges.txt as the vocab): said so, not only that the JSON is bad.
+    if (vocab_json.rfind("#version", 0) == 0)
+      return absl::InvalidArgumentError(
+          fmt::format("{}: the vocab is not JSON but a merges file ({}): are the vocab and merges files swapped?",
+                      origin, Shown(vocab_json.substr(0, vocab_json.find('\n')))));
     return absl::InvalidArgumentError(
         fmt::format("{}: vocab is not valid JSON: {}", origin, simdjson::error_message(err)));
+  }
   simdjson::dom::object obj;
   if (root.get_object().get(obj))
     return absl::InvalidArgumentError(fmt::format("{}: vocab must be a JSON object", origin));
@@ -241,7 +255,10 @@ absl::StatusOr<std::vector<Gpt2Tokenizer::MergeLine>> Gpt2Tokenizer::ParseMerges
     if (sp == std::string_view::npos || sp == 0 || sp + 1 >= line.size() ||
         line.find(' ', sp + 1) != std::string_view::npos)
       return absl::InvalidArgumentError(fmt::format(
-          "{}: merges line {} must hold two symbols separated by one space: {:?}", origin, line_no, std::string(line)));
+          "{}: merges line {} must hold two symbols separated by one space: {}{}", origin, line_no, Shown(line),
+          merges.empty() && line.front() == '{'
+              ? " (a JSON object: the vocab.json given as the merges file? It is merges.txt, one merge a line)"
+              : ""));
     std::string_view a = line.substr(0, sp), b = line.substr(sp + 1);
     joined.assign(a);
     joined.append(b);

@@ -156,6 +156,44 @@ absl::Status List(const ListArgs& a) {
   return absl::OkStatus();
 }
 
+// The tool's own flags are the one-process form's: before a subcommand they were ignored
+// (`ptk-concat --no-fsync run --plan P` fsynced, `--jobs 8 run` built one chunk at a time). The message
+// for the first one given before `sub`, or "" when none was.
+std::string ToolFlagBefore(const CLI::App& app, const CLI::App& sub, bool sub_is_plan) {
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->count() == 0 || opt == app.get_help_ptr() || opt == app.get_version_ptr()) continue;
+    const std::string name = opt->get_name(false, true);
+    bool sub_has = false;
+    for (const CLI::Option* o : sub.get_options()) sub_has |= o->get_name(false, true) == name;
+    if (sub_has)
+      return fmt::format("{} before `{}` is the one-process form's flag, which `{}` ignores: give it after `{}`", name,
+                         sub.get_name(), sub.get_name(), sub.get_name());
+    return fmt::format("{} does not go with `{}`{}", name, sub.get_name(), sub_is_plan ? "" : " (it reads the plan)");
+  }
+  return "";
+}
+
+// Said as soon as the subcommand's name is read, before its own required flags are checked: `ptk-concat
+// --output-dir x plan --input in` said "--output-dir is required".
+void RefuseToolFlagsBefore(CLI::App* app, std::initializer_list<CLI::App*> subs, const CLI::App* plan_cmd) {
+  for (CLI::App* sub : subs)
+    sub->preparse_callback([app, sub, plan_cmd](size_t) {
+      if (std::string before = ToolFlagBefore(*app, *sub, sub == plan_cmd); !before.empty())
+        throw CLI::ValidationError(before);
+    });
+}
+
+// A misspelt subcommand (`ptk-concat pln --input in ...`) was read as an input file: "pln: no such file".
+absl::Status SubcommandMisspelt(const std::vector<std::string>& inputs) {
+  if (inputs.empty() || ptk::PathExists(inputs.front()) || inputs.front().find_first_of("*?[") != std::string::npos)
+    return absl::OkStatus();
+  for (const char* sub : {"plan", "run", "list"})
+    if (ptk::cli::EditDistance(inputs.front(), sub) <= 2 && inputs.front().size() <= 6)
+      return ptk::UsageError(
+          fmt::format("{}: no such file or subcommand; did you mean the subcommand `{}`?", inputs.front(), sub));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -203,28 +241,15 @@ int main(int argc, char** argv) {
   ListArgs list_args;
   auto* list_cmd = AddListCommand(app.get(), &list_args);
   app->require_subcommand(0, 1);
+  RefuseToolFlagsBefore(app.get(), {plan_cmd, run_cmd, list_cmd}, plan_cmd);
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
   ptk::cli::RemoveTemporariesOnSignals();  // a partial output is worth nothing after an interrupt
 
   return ptk::cli::RunMain([&]() -> absl::Status {
-    // The tool's own flags are the one-process form's: before a subcommand they were ignored
-    // (`ptk-concat --no-fsync run --plan P` fsynced, `--jobs 8 run` built one chunk at a time).
-    for (CLI::App* sub : {plan_cmd, run_cmd, list_cmd}) {
-      if (!sub->parsed()) continue;
-      for (const CLI::Option* opt : app->get_options()) {
-        if (opt->count() == 0 || opt == app->get_help_ptr() || opt == app->get_version_ptr()) continue;
-        const std::string name = opt->get_name(false, true);
-        bool sub_has = false;
-        for (const CLI::Option* o : sub->get_options()) sub_has |= o->get_name(false, true) == name;
-        if (sub_has)
-          return ptk::UsageError(
-              fmt::format("{} before `{}` is the one-process form's flag, which `{}` ignores: "
-                          "give it after `{}`",
-                          name, sub->get_name(), sub->get_name(), sub->get_name()));
-        return ptk::UsageError(fmt::format("{} does not go with `{}`{}", name, sub->get_name(),
-                                           sub == plan_cmd ? "" : " (it reads the plan)"));
-      }
-    }
+    for (CLI::App* sub : {plan_cmd, run_cmd, list_cmd})
+      if (sub->parsed())
+        if (std::string before = ToolFlagBefore(*app, *sub, sub == plan_cmd); !before.empty())
+          return ptk::UsageError(before);
     if (plan_cmd->parsed()) return PlanAndWrite(plan_req, plan_path).status();
     if (list_cmd->parsed()) return List(list_args);
     if (run_cmd->parsed()) {
@@ -232,6 +257,7 @@ int main(int argc, char** argv) {
       PTK_ASSIGN_OR_RETURN(auto plan, ptk::ReadConcatPlan(run_args.plan_path));
       return Run(plan, run_args);
     }
+    PTK_RETURN_IF_ERROR(SubcommandMisspelt(top.inputs));
     if (top.inputs.empty() || top.output_dir.empty())
       return ptk::UsageError("give --input and --output-dir (or use the plan / run subcommands)");
     PTK_ASSIGN_OR_RETURN(auto plan, PlanAndWrite(top, top_run.plan_path));

@@ -1,8 +1,11 @@
 // ptk-download: Hugging Face repos or URL lists -> verified local files; parallel, resumable,
 // rate-limit aware, shardable across Slurm array tasks.
+#include <algorithm>
 #include <csignal>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 
 #include <fmt/core.h>
 
@@ -42,6 +45,35 @@ void AddTransferFlags(CLI::App& app, ptk::DownloadOptions& opt) {
   app.add_option("--stall-timeout", opt.stall_timeout_s,
                  "Abort and resume a transfer that receives nothing for this long, seconds")
       ->check(kSeconds);
+}
+
+// --repo is the Hub's repo id, NAME or ORG/NAME: a URL or a path of the Hub's web pages (what a browser's
+// address bar shows) went to the API as .../api/datasets/https://huggingface.co/datasets/... and failed only
+// there, after retries ("Could not resolve host", a 404). The id meant, when it can be told.
+absl::Status CheckRepoId(const std::string& repo, const std::string& repo_type) {
+  std::string id = repo;
+  if (const size_t scheme = id.find("://"); scheme != std::string::npos) {
+    const size_t path = id.find('/', scheme + 3);
+    id = path == std::string::npos ? "" : id.substr(path + 1);
+  }
+  // A web page's path: a model at the root (huggingface.co/gpt2), datasets and spaces below their folders.
+  std::string type = id == repo ? repo_type : "model";
+  for (const char* kind : {"datasets/", "spaces/", "models/"})
+    if (id.starts_with(kind)) {
+      type = std::string(kind, std::strlen(kind) - 2);
+      id = id.substr(std::strlen(kind));
+    }
+  // The repo's own pages: .../tree/main/train, .../resolve/main/x, .../blob/main/x.
+  for (const char* page : {"/tree/", "/resolve/", "/blob/"})
+    if (const size_t at = id.find(page); at != std::string::npos) id.resize(at);
+  while (!id.empty() && id.back() == '/') id.pop_back();
+  if (id == repo && std::count(id.begin(), id.end(), '/') <= 1 && id.find_first_of(" :?#") == std::string::npos)
+    return absl::OkStatus();
+  const bool told =
+      !id.empty() && std::count(id.begin(), id.end(), '/') <= 1 && id.find_first_of(" :?#") == std::string::npos;
+  return ptk::UsageError(fmt::format(
+      "--repo {}: a repo id is NAME or ORG/NAME (cerebras/SlimPajama-627B), not a URL or a path{}", repo,
+      told ? fmt::format("; did you mean --repo {}{}?", id, type == repo_type ? "" : " --repo-type " + type) : ""));
 }
 
 }  // namespace
@@ -90,11 +122,22 @@ int main(int argc, char** argv) {
   refused.Option("--token",
                  "a token on the command line is seen by every user (ps) and kept in shell history; give it in "
                  "HF_TOKEN, or in a file with --token-file");
+  // huggingface-cli download's other flags that have no place here, each with what ptk-download does instead.
+  refused.Flag(
+      "--resume-download",
+      "ptk-download always resumes: a NAME.part goes on where the server proves it continues it; drop the flag");
+  refused.Flag("--force-download",
+               "a file present and verified is kept; --verify re-hashes the files present (one that fails is fetched "
+               "again), and a file deleted is fetched again");
+  refused.Option("--cache-dir", "ptk-download writes the files themselves into --local-dir (no Hugging Face cache)");
+  refused.Option("--local-dir-use-symlinks",
+                 "the files are written into --local-dir itself (no cache to link to); drop the flag");
   if (auto rc = ptk::cli::Parse(*app, argc, argv)) return *rc;
 
   return ptk::cli::RunMain([&]() -> absl::Status {
     PTK_RETURN_IF_ERROR(refused.Check());
     if (opt.repo.empty() == opt.url_list.empty()) return ptk::UsageError("give either --repo or --url-list");
+    if (!opt.repo.empty()) PTK_RETURN_IF_ERROR(CheckRepoId(opt.repo, opt.repo_type));
     PTK_RETURN_IF_ERROR(ptk::cli::CheckInputFile("--url-list", opt.url_list));
     while (!opt.endpoint.empty() && opt.endpoint.back() == '/') opt.endpoint.pop_back();
     PTK_ASSIGN_OR_RETURN(opt.token, ptk::FindHfToken(token_file));

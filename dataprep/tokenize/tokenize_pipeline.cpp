@@ -3,6 +3,8 @@
 
 #include <sys/stat.h>
 #include <tbb/enumerable_thread_specific.h>
+#include <tbb/global_control.h>
+#include <tbb/info.h>
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
 
@@ -126,7 +128,12 @@ struct PipelineErrors {
 // The three stages in a oneTBB pipeline: the reader's batches encoded in parallel, consumed in order.
 PipelineErrors RunStages(const TokenizeOptions& opt, const Gpt2Tokenizer& tok, int workers, LineReader& reader,
                          DocumentSink& sink, BatchPool& pool, ProgressReporter& progress) {
-  // The caller's --workers, in an arena of this call's own: no process-wide oneTBB setting.
+  // The caller's --workers, in an arena of this call's own. oneTBB caps every arena at the CPUs it sees
+  // (the affinity mask), silently past a "TBB Warning" line: a --workers above them (kept, warned as
+  // oversubscribing) ran on those CPUs' threads only. Then, and only for this run, its limit is raised.
+  std::optional<tbb::global_control> above_cpus;
+  if (workers > tbb::info::default_concurrency())
+    above_cpus.emplace(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
   tbb::task_arena arena(workers);
   tbb::enumerable_thread_specific<std::unique_ptr<BatchEncoder>> encoders;
   // One status per serial stage: oneTBB may run the reader and the sink at the same time.

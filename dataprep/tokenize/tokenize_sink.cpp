@@ -51,6 +51,12 @@ std::string LikelyCause(const FileTally& t, const TokenizeOptions& opt) {
   int control = 0;
   for (unsigned char c : t.first_line) control += (c < 0x20 && c != '\t') || c == 0x7f;
   if (control > 0) return "; it does not look like text (binary data, or a compression ptk does not detect?)";
+  // Text that is no JSON at all (a .txt corpus, WikiExtractor without --json): what a record is.
+  if (!first.empty() && first.front() != '{' && first.front() != '"')
+    return fmt::format(
+        "; it looks like plain text, not JSON lines: each line must be one JSON object holding the "
+        "text under --json-keys ({{\"{}\": \"...\"}})",
+        opt.json_keys.front());
   return "";
 }
 

@@ -152,6 +152,22 @@ TEST(CliParse, AFlagIsCountedPerSubcommand) {
   }
 }
 
+// A value outside a flag's choices (--format id, ptk-convert --loader megatorn) gets the choice meant, as
+// an unknown flag gets the flag meant; one far from every choice gets none.
+TEST(CliParse, AChoiceNearAnotherSuggestsIt) {
+  Flags f;
+  auto app = MakeTestApp(f);
+  Parsed near = ParseCapturingStderr(*app, {"--format", "id"});
+  EXPECT_EQ(near.rc, cli::kExitUsage);
+  EXPECT_NE(near.err.find("usage error: --format: id not in {ids,text,both}; did you mean ids?\n"), std::string::npos)
+      << near.err;
+  Flags g;
+  auto app2 = MakeTestApp(g);
+  Parsed far = ParseCapturingStderr(*app2, {"--format", "json"});
+  EXPECT_EQ(far.rc, cli::kExitUsage);
+  EXPECT_NE(far.err.find("usage error: --format: json not in {ids,text,both}\n"), std::string::npos) << far.err;
+}
+
 TEST(CliParse, AnEarlierBadValueIsStillAUsageError) {
   Flags f;
   auto app = MakeTestApp(f);

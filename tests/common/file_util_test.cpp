@@ -364,15 +364,25 @@ TEST(OpenRegularFile, FifosDevicesAndDirectoriesAreRefusedWithoutWaiting) {
 // TrainingRanksFromEnv with exactly these launch variables set (every other one it reads unset,
 // before and after).
 absl::StatusOr<TrainingRanks> TrainingRanksWith(std::vector<std::pair<const char*, const char*>> env) {
-  static const char* const kVars[] = {"WORLD_SIZE",           "RANK",
-                                      "LOCAL_RANK",           "GROUP_RANK",
-                                      "SLURM_PROCID",         "SLURM_NTASKS",
-                                      "SLURM_LOCALID",        "SLURM_STEP_NUM_TASKS",
-                                      "SLURM_NODEID",         "SLURM_JOB_ID",
-                                      "SLURM_RESTART_COUNT",  "MASTER_ADDR",
-                                      "MASTER_PORT",          "SLURM_STEP_NODELIST",
-                                      "SLURM_JOB_NODELIST",   "LOCAL_WORLD_SIZE",
-                                      "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"};
+  static const char* const kVars[] = {"WORLD_SIZE",
+                                      "RANK",
+                                      "LOCAL_RANK",
+                                      "GROUP_RANK",
+                                      "SLURM_PROCID",
+                                      "SLURM_NTASKS",
+                                      "SLURM_LOCALID",
+                                      "SLURM_STEP_NUM_TASKS",
+                                      "SLURM_NODEID",
+                                      "SLURM_JOB_ID",
+                                      "SLURM_RESTART_COUNT",
+                                      "MASTER_ADDR",
+                                      "MASTER_PORT",
+                                      "SLURM_STEP_NODELIST",
+                                      "SLURM_JOB_NODELIST",
+                                      "LOCAL_WORLD_SIZE",
+                                      "SLURM_TASKS_PER_NODE",
+                                      "SLURM_NTASKS_PER_NODE",
+                                      "TORCHELASTIC_USE_AGENT_STORE"};
   for (const char* v : kVars) ::unsetenv(v);
   for (const auto& [k, v] : env) ::setenv(k, v, 1);
   auto r = TrainingRanksFromEnv();
@@ -443,6 +453,28 @@ TEST(TrainingRanksFromEnv, EveryLaunchVariableIsCheckedNamingIt) {
     EXPECT_TRUE(IsUsageError(r.status())) << r.status();
     EXPECT_NE(r.status().message().find(expected), absl::string_view::npos) << r.status();
   }
+}
+
+// torchrun's agent binds MASTER_PORT for its own store before the ranks start (its workers join it as
+// clients): rank 0's rendezvous there failed 'Address already in use' under every torchrun launch. It meets
+// on the next port, every rank alike; the same variables set by hand (no agent) keep MASTER_PORT.
+TEST(TrainingRanksFromEnv, UnderTorchrunTheRendezvousIsBesideItsAgentsStore) {
+  const auto with = TrainingRanksWith;
+  std::vector<std::pair<const char*, const char*>> env = {
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  auto by_hand = with(env);
+  ASSERT_TRUE(by_hand.ok()) << by_hand.status();
+  EXPECT_EQ(by_hand->master_port, 29500);
+  env.push_back({"TORCHELASTIC_USE_AGENT_STORE", "True"});
+  auto torchrun = with(env);
+  ASSERT_TRUE(torchrun.ok()) << torchrun.status();
+  EXPECT_EQ(torchrun->master_port, 29501);
+  EXPECT_EQ(torchrun->rank, 1);
+  env.back().second = "False";
+  EXPECT_EQ(with(env)->master_port, 29500);
+  env.back().second = "True";
+  env[4].second = "65535";
+  EXPECT_EQ(with(env)->master_port, 65534);
 }
 
 // The ranks sharing this machine, for the CPU memory check: torchrun's LOCAL_WORLD_SIZE; srun's

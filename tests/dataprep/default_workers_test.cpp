@@ -69,6 +69,9 @@ TEST_F(DefaultWorkers, AFlagAboveTheBudgetIsKeptAndWarnedOnce) {
     ++warnings;
   EXPECT_EQ(warnings, 1) << r.output;
   EXPECT_NE(r.output.find("MB/s, 3 workers)"), std::string::npos) << r.output;
+  // And the 3 ran: oneTBB capped the arena at the 1 CPU it sees, saying "TBB Warning: The number of workers
+  // is currently limited to 0. The request for 2 workers is ignored."
+  EXPECT_EQ(r.output.find("TBB Warning"), std::string::npos) << r.output;
   const auto one = RunCmd(Tokenize("--force --quiet --workers 1"));
   EXPECT_EQ(one.exit_code, 0) << one.output;
   EXPECT_EQ(one.output.find("warning"), std::string::npos) << one.output;

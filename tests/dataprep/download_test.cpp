@@ -89,6 +89,52 @@ TEST(Download, WholeRepoPaginatedVerifiedAndTokenOnlyOnHub) {
   EXPECT_LE(hub.Stat("api_calls") - api_before, 1);  // only pinning main; the listing is reused
 }
 
+// --repo as a browser shows it (a URL, the datasets/ path) went to the API as
+// .../api/datasets/https://huggingface.co/datasets/... and failed there after retries; now a usage error before
+// any request, with the id (and --repo-type) meant. Ids as the Hub names them still pass (against the hub).
+TEST(Download, ARepoGivenAsAUrlOrAPathSaysTheIdMeant) {
+  TempDir dir;
+  const std::pair<std::string, std::string> cases[] = {
+      {"https://huggingface.co/datasets/cerebras/SlimPajama-627B", "did you mean --repo cerebras/SlimPajama-627B?"},
+      {"https://huggingface.co/datasets/cerebras/SlimPajama-627B/tree/main/train",
+       "did you mean --repo cerebras/SlimPajama-627B?"},
+      {"datasets/cerebras/SlimPajama-627B", "did you mean --repo cerebras/SlimPajama-627B?"},
+      {"https://huggingface.co/openai-community/gpt2", "did you mean --repo openai-community/gpt2 --repo-type model?"},
+      {"a/b/c", "--repo a/b/c: a repo id is NAME or ORG/NAME (cerebras/SlimPajama-627B), not a URL or a path\n"},
+  };
+  for (const auto& [repo, says] : cases) {
+    auto r = RunCmd(fmt::format("{} --repo '{}' --local-dir {} --endpoint http://127.0.0.1:9 --max-retries 0",
+                                testing::Tool("ptk-download"), repo, dir / "out"));
+    EXPECT_EQ(r.exit_code, 2) << repo << "\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << repo << "\n" << r.output;
+  }
+  EXPECT_FALSE(testing::Exists(dir / "out"));
+  MakeRepo(dir / "repo");
+  FakeHub hub(dir / "repo", {}, dir.path());
+  ASSERT_TRUE(hub.ok());
+  auto ok = RunCmd(Download(hub, dir / "out", "--list-only"));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+// huggingface-cli download's flags a newcomer brings: each refused saying what ptk-download does instead
+// (they were "unknown flag --resume-download", no more).
+TEST(Download, HuggingfaceClisOtherFlagsAreRefusedWithTheReason) {
+  TempDir dir;
+  const std::pair<std::string, std::string> cases[] = {
+      {"--resume-download", "--resume-download is not supported: ptk-download always resumes"},
+      {"--force-download", "--force-download is not supported: a file present and verified is kept; --verify"},
+      {"--cache-dir c", "--cache-dir is not supported: ptk-download writes the files themselves into --local-dir"},
+      {"--local-dir-use-symlinks False", "--local-dir-use-symlinks is not supported: the files are written into"},
+  };
+  for (const auto& [flag, says] : cases) {
+    auto r = RunCmd(fmt::format("{} --repo cerebras/SlimPajama-627B --local-dir {} --endpoint http://127.0.0.1:9 {}",
+                                testing::Tool("ptk-download"), dir / "out", flag));
+    EXPECT_EQ(r.exit_code, 2) << flag << "\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << flag << "\n" << r.output;
+  }
+  EXPECT_FALSE(testing::Exists(dir / "out"));
+}
+
 TEST(Download, IncludeExcludeAndFlatNames) {
   TempDir dir;
   auto paths = MakeRepo(dir / "repo");

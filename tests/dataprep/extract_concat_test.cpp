@@ -865,6 +865,11 @@ TEST(Concat, TheToolsFlagsBeforeASubcommandAreUsageErrors) {
       {"--input " + dir / "in" + " run --plan " + plan, "--input does not go with `run` (it reads the plan)"},
       {"--quiet list --plan " + plan, "--quiet does not go with `list`"},
       {"--plan " + plan + " list --plan " + plan, "--plan before `list`"},
+      // Said before the subcommand's own required flags: "--output-dir is required", given before `plan`.
+      {"--output-dir " + dir / "c" + " plan --input " + dir / "in", "--output-dir before `plan`"},
+      // A misspelt subcommand was read as an input file: "pln: no such file".
+      {"pln --input " + dir / "in" + " --output-dir " + dir / "c",
+       "pln: no such file or subcommand; did you mean the subcommand `plan`?"},
   };
   for (const auto& [args, message] : cases) {
     auto r = RunCmd(concat + " " + args);

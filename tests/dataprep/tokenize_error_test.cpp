@@ -174,6 +174,10 @@ TEST(TokenizeErrors, InputsThatYieldNoDocumentFailWithTheCause) {
        "no key \"text\": the first one has content, id"},
       {"array.json", "[{\"text\": \"a\"},\n {\"text\": \"b\"}]\n", "", "a JSON array, not JSON lines"},
       {"pretty.json", "{\n  \"text\": \"a\"\n}\n", "", "pretty-printed JSON"},
+      // Plain text said only "Expecting value at column 1".
+      {"plain.txt", "Once upon a time\nthere was a line\n", "",
+       "it looks like plain text, not JSON lines: each line must be one JSON object holding the text under "
+       "--json-keys ({\"text\": \"...\"})"},
       {"random.bin", random, "", "does not look like text"},
       {"empty.jsonl", "", "", "no document in it (empty file)"},
       // A file of blank lines was reported as an empty file.

@@ -308,5 +308,37 @@ TEST(OpenMissingDataset, SuggestsThePrefixMeant) {
   EXPECT_TRUE(IndexedDataset::Open(prefix).ok());
 }
 
+// What a newcomer gives first where a dataset belongs: a misspelt prefix, the jsonl itself, a wrong
+// directory. Each said only "neither X.idx nor X.bin exists"; now what to give instead.
+TEST(OpenMissingDataset, ATypoAJsonlOrAMissingDirectorySaysWhatToGive) {
+  TempDir dir;
+  const std::string prefix = dir / "train_00_text_document";
+  auto b = IndexedDatasetBuilder::Create(prefix, DType::kUInt16);
+  ASSERT_TRUE(b.ok());
+  std::vector<int32_t> t = {1, 2}, l = {2};
+  ASSERT_TRUE((*b)->AddDocument(t, l).ok());
+  ASSERT_TRUE((*b)->Finalize().ok());
+  testing::WriteFile(dir / "my.jsonl", "{\"text\": \"hello\"}\n");
+  for (const auto& [given, expect] : std::vector<std::pair<std::string, std::string>>{
+           {dir / "train_00_text_documnt", "exists); did you mean " + prefix + "?"},
+           {dir / "trian_00_text_document", "exists); did you mean " + prefix + "?"},
+           {dir / "my.jsonl",
+            dir / "my.jsonl" +
+                ": no dataset here: a file, not a dataset (a PREFIX.bin and PREFIX.idx pair, named by "
+                "PREFIX); tokenize it first: ptk-tokenize --input " +
+                dir / "my.jsonl" + " --output-prefix NAME writes the dataset NAME_text_document"},
+           {dir / "prep/train_00_text_document", "exists); there is no directory " + dir / "prep"}}) {
+    auto ds = IndexedDataset::Open(given);
+    ASSERT_FALSE(ds.ok()) << given;
+    EXPECT_EQ(ds.status().code(), absl::StatusCode::kNotFound) << ds.status();
+    EXPECT_NE(ds.status().message().find(expect), std::string::npos) << ds.status();
+    EXPECT_EQ(ds.status().message().find('\n'), std::string::npos) << ds.status();
+  }
+  // A name no dataset there is near gets no guess.
+  auto far = IndexedDataset::Open(dir / "validation_text_document");
+  ASSERT_FALSE(far.ok());
+  EXPECT_EQ(far.status().message().find("did you mean"), std::string::npos) << far.status();
+}
+
 }  // namespace
 }  // namespace ptk

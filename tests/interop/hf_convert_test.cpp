@@ -486,7 +486,7 @@ TEST_F(HfConvert, TheToolsFlagsAndExitCodes) {
   EXPECT_EQ(impl.exit_code, 2) << impl.output;
   auto none = RunCmd(tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "nothing") + " --save-dir b");
   EXPECT_EQ(none.exit_code, 1) << none.output;
-  EXPECT_NE(none.output.find("no checkpoint"), std::string::npos) << none.output;
+  EXPECT_NE(none.output.find(": no such directory; give the --save directory"), std::string::npos) << none.output;
   // A full disk (a file-size limit: EFBIG, as ENOSPC) is exit 3 naming the file.
   auto full = RunCmd("ulimit -f 64; " + tool + " --loader ptk --saver hf --load-dir " + ShellQuote(dir_ / "ck") +
                      " --save-dir " + ShellQuote(dir_ / "full"));
@@ -842,6 +842,36 @@ TEST_F(HfConvert, AWrongLoaderSaysWhatTheDirectoryHolds) {
   // Nothing to tell: no hint.
   auto none = RunConvert(Opts("ptk", "hf", dir_ / "nothing", dir_ / "out"));
   EXPECT_EQ(none.status().message().find("holds"), absl::string_view::npos) << none.status();
+}
+
+// The --load-dir a newcomer gets wrong first: a typo, a file, one iter_N of the --save directory. Each said
+// only that a file in it was missing ("ckp: no checkpoint (no latest_checkpointed_iteration.txt)",
+// "my.jsonl/model.safetensors: missing"); now what to give.
+TEST_F(HfConvert, ALoadDirThatIsNoCheckpointDirectorySaysWhatToGive) {
+  Save(false, dir_ / "ck");
+  WriteFile(dir_ / "my.jsonl", "{}\n");
+  const struct {
+    const char *loader, *saver;
+    std::string dir, says;
+  } cases[] = {
+      {"ptk", "hf", dir_ / "ckp",
+       "--load-dir " + dir_ / "ckp" +
+           ": no such directory; give the --save directory (with latest_checkpointed_iteration.txt in it)"},
+      {"megatron", "ptk", dir_ / "my.jsonl", "--load-dir " + dir_ / "my.jsonl" + ": a file, not a directory; give"},
+      {"hf", "ptk", dir_ / "my.jsonl",
+       ": a file, not a directory; give the Hugging Face model's directory (config.json and its weights)"},
+      {"ptk", "megatron", dir_ / "ck/iter_0000007",
+       "--load-dir " + dir_ / "ck/iter_0000007" + ": one iteration of a checkpoint; give its --save directory, " +
+           dir_ / "ck" + " (its latest"},
+      {"ptk", "hf", dir_ / "ck/iter_0000007/",
+       ": one iteration of a checkpoint; give its --save directory, " + dir_ / "ck"}};
+  for (const auto& c : cases) {
+    auto r = RunConvert(Opts(c.loader, c.saver, c.dir, dir_ / "out"));
+    ASSERT_FALSE(r.ok()) << c.loader << " " << c.dir;
+    EXPECT_NE(r.status().message().find(c.says), absl::string_view::npos) << r.status();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
+  EXPECT_TRUE(RunConvert(Opts("ptk", "hf", dir_ / "ck", dir_ / "out")).ok());
 }
 
 // A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow

@@ -26,4 +26,15 @@ rc=$?
 set -e
 [ "$rc" = 1 ] || fail "exit $rc without matplotlib: $out"
 echo "$out" | grep -q "matplotlib is missing for $W/venv/bin/python3 .*python3-matplotlib" || fail "message: $out"
+# A typo'd path or the --tensorboard-dir itself: one line (was a Python traceback), and the directory stands for
+# its metrics.jsonl.
+set +e
+out=$(cd "$SRC" && python3 scripts/plot-loss.py "$W/metrcs.jsonl" -o "$W/loss3.png" 2>&1)
+rc=$?
+set -e
+[ "$rc" = 1 ] || fail "exit $rc for a missing file: $out"
+[ "$out" = "plot-loss: $W/metrcs.jsonl: no such file (ptk-train writes metrics.jsonl in its --tensorboard-dir, or at --metrics-file)" ] ||
+  fail "a missing file: $out"
+out=$(cd "$SRC" && python3 scripts/plot-loss.py "$W" -o "$W/loss4.png" 2>&1) || fail "a directory: $out"
+[ -s "$W/loss4.png" ] || fail "a directory holding metrics.jsonl gave no loss4.png: $out"
 echo "plot_loss_test: OK"

@@ -50,6 +50,15 @@ for s in "$SRC"/slurm/*.sbatch; do
   [ "$rc" = 2 ] && [[ $out == *"STAGE_PATH is not set"* ]] ||
     { echo "FAIL: bash ${s#"$SRC"/} outside Slurm: rc $rc, expected config.sh's STAGE_PATH error: ${out:0:300}"; fail=1; }
 done
+# submit-pipeline.sh's --dry-run misspelt (--dryrun, -n) said only "unknown argument": now the flag meant;
+# --from=STAGE is read as --from STAGE.
+out=$(STAGE_PATH=/nonexistent timeout 60 bash "$SRC/slurm/submit-pipeline.sh" --dryrun 2>&1)
+rc=$?
+[ "$rc" = 2 ] && [[ $out == *"unknown argument: --dryrun; did you mean --dry-run?"* ]] ||
+  { echo "FAIL: submit-pipeline.sh --dryrun: rc $rc: ${out:0:300}"; fail=1; }
+out=$(STAGE_PATH=/nonexistent timeout 60 bash "$SRC/slurm/submit-pipeline.sh" --from=bogus 2>&1)
+[[ $out == *"--from bogus"* || $out == *"bogus"*"one of"* ]] ||
+  { echo "FAIL: submit-pipeline.sh --from=bogus was not read as --from bogus: ${out:0:300}"; fail=1; }
 # (Not test.sh's: were its check gone, that would start the whole suite.) The main job, were its check
 # gone, would fail at once here: nothing installed or built, no programs.
 W=$(mktemp -d)

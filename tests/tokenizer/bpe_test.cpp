@@ -315,6 +315,22 @@ TEST(Gpt2Tokenizer, BadFilesAreClearErrors) {
   EXPECT_NE(std::string(twice.status().message()).find("v: vocab token \"\u0120the\" is given twice"),
             std::string::npos)
       << twice.status();
+  // Azure's tutorial gives vocab.json as the merge file too: the error quoted the whole megabyte line.
+  auto vocab_as_merges = Gpt2Tokenizer::FromStrings(vocab, vocab, "v / v");
+  ASSERT_FALSE(vocab_as_merges.ok());
+  const std::string said(vocab_as_merges.status().message());
+  EXPECT_LT(said.size(), 400u) << said.substr(0, 400);
+  EXPECT_NE(said.find("v / v: merges line 1 must hold two symbols separated by one space: \"{"), std::string::npos)
+      << said;
+  EXPECT_NE(said.find("the vocab.json given as the merges file?"), std::string::npos) << said;
+  // The two files swapped: said so, not only "not valid JSON".
+  auto swapped = Gpt2Tokenizer::FromStrings(Gpt2Tokenizer::DefaultMergesTxt(), vocab, "m / v");
+  ASSERT_FALSE(swapped.ok());
+  EXPECT_NE(std::string(swapped.status().message())
+                .find("m / v: the vocab is not JSON but a merges file (\"#version: 0.2\"): are the vocab and merges "
+                      "files swapped?"),
+            std::string::npos)
+      << swapped.status();
   auto missing = Gpt2Tokenizer::Load("/nonexistent/vocab.json", "/nonexistent/merges.txt");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
 }
