@@ -369,7 +369,7 @@ class Trainer {
       TensorBoardScalar("lm loss", r.lm_loss());
       if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.next_loss_scale);
       if (o_.tensorboard.log_world_size) TensorBoardScalar("world-size", world_->size());  // args.world_size
-      if (!r.overflow) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has no norm for an overflow
+      if (!r.skipped) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has none for a skipped step
       if (r.num_zeros_in_grad) TensorBoardScalar("num-zeros", *r.num_zeros_in_grad);
       if (params_norm) TensorBoardScalar("params-norm", *params_norm);
     }
@@ -379,12 +379,9 @@ class Trainer {
     f.train_iters = plan_.train_iters;
     f.consumed_samples = state_.consumed_train_samples;
     f.global_batch_size = current_gbs_;
-    interval_.Fill(FlopsPerIteration(o_.model, current_gbs_), world_->size(), o_.tensorboard.log_throughput, &f);
-    f.num_zeros_in_grad = r.num_zeros_in_grad;
+    interval_.Fill(r, FlopsPerIteration(o_.model, current_gbs_), world_->size(), o_.tensorboard.log_throughput, &f);
     f.params_norm = params_norm;
     f.learning_rate = lr_now;
-    if (!r.overflow) f.grad_norm = r.grad_norm;  // Megatron's optimizer returns none for an overflow
-    f.loss_scale = r.next_loss_scale;            // Megatron logs the scaler's after its update
     Print(FormatLogLine(f, Timestamp()));
     PTK_RETURN_IF_ERROR(LogTimers(
         timers_.get(), world_, state_.iteration, static_cast<double>(o_.log_interval),

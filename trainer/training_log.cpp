@@ -293,7 +293,7 @@ void LogInterval::Add(const StepResult& r) {
   }
 }
 
-void LogInterval::Fill(double flops, int world, bool throughput, LogLineFields* f) const {
+void LogInterval::Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f) const {
   const double secs = std::chrono::duration<double>(Clock::now() - start_).count();
   const double iters = static_cast<double>(std::max<int64_t>(iters_, 1));
   f->elapsed_ms = secs * 1000.0 / iters;
@@ -301,6 +301,9 @@ void LogInterval::Fill(double flops, int world, bool throughput, LogLineFields* 
   f->lm_loss = advanced_ > 0 ? loss_ / static_cast<double>(advanced_) : 0.0;
   f->skipped = skipped_;
   f->nan = nan_;
+  if (!r.skipped) f->grad_norm = r.grad_norm;
+  f->loss_scale = r.next_loss_scale;
+  f->num_zeros_in_grad = r.num_zeros_in_grad;
 }
 
 void LogInterval::Logged(int64_t iteration) {

@@ -122,9 +122,11 @@ class LogInterval {
   bool Due(int64_t iteration) const { return iteration % log_interval_ == 0 || !logged_; }
   // Whether the line of iteration `iteration` resets the accumulators (and the timers).
   bool Resets(int64_t iteration) const { return logged_ || iteration % log_interval_ == 0; }
-  // The line's averages: elapsed time per iteration, lm loss, skipped and nan counts; the throughput
-  // (`flops` per iteration over `world` ranks) only with --log-throughput (`throughput`), as Megatron.
-  void Fill(double flops, int world, bool throughput, LogLineFields* f) const;
+  // The line's averages (elapsed time per iteration, lm loss, skipped and nan counts; the throughput,
+  // `flops` per iteration over `world` ranks, only with --log-throughput: `throughput`) and what it
+  // shows of the interval's last step `r`, as Megatron: its grad norm unless it was skipped (Megatron's
+  // optimizer returns none then), the loss scale after its update, its count of zeros.
+  void Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f) const;
   // After the line of iteration `iteration`: the accumulators start over where Resets says so.
   void Logged(int64_t iteration);
 

@@ -33,7 +33,10 @@ Usage (a Megatron-LM checkout at core_v0.16.1, e.g. from a clone:
   PYTHONPATH=/opt/ptk-pyref /opt/ptk-torch26/bin/python tests/support/gen_training_log_golden.py \\
       --megatron-lm /tmp/mlm > tests/data/trainer/training_log_golden.txt
 Output: per case a line 'case NAME', a line 'flags FLAGS' (ptk-train's, beside the tiny model and
-the data paths the test adds), then the masked lines, then 'end'.
+the data paths the test adds), then the masked lines, then 'end'. Then 'unit fp16_overflow':
+training_log alone over iterations an fp16 loss scaler skips (OVERFLOW), with a line 'run TRAIN_ITERS
+GBS LOG_INTERVAL LR INITIAL_SCALE MIN_SCALE WINDOW HYSTERESIS', a line 'step ITERATION LOSS FOUND_INF
+GRAD_NORM' per iteration ('-': None), the log lines (the clock masked), 'end'.
 """
 import argparse
 import ast
@@ -270,6 +273,48 @@ def run_case(mlm, name, c):
     return lines
 
 
+# training_log alone, over iterations an fp16 loss scaler skips (the model's numbers given, so nothing
+# but the clock is masked): ITERATION, LM LOSS, FOUND_INF (the scaler found Inf/NaN: the iteration is
+# skipped and its grad norm is None), GRAD NORM. Losses are multiples of 1/8 (exact in Megatron's
+# float32 sums); iteration 6's loss is NaN (a nan iteration, not only a skipped one).
+OVERFLOW = dict(train_iters=12, gbs=8, log_interval=3, lr=1e-4, initial_scale=65536.0, min_scale=1.0, window=3,
+                hysteresis=2,
+                steps=[(1, 7.0, 0, 2.5), (2, 6.875, 1, None), (3, 6.75, 0, 2.25), (4, 6.625, 1, None),
+                       (5, 6.5, 1, None), (6, float("nan"), 1, None), (7, 6.375, 0, 1.5), (8, 6.25, 0, 1.25),
+                       (9, 6.125, 1, None), (10, 6.0, 0, 1.0), (11, 5.875, 0, 0.875), (12, 5.75, 0, 0.75)])
+
+
+def overflow_lines(mlm):
+    """train()'s calls of training_log for OVERFLOW's iterations, the loss scale megatron-core 0.16.1's
+    DynamicGradScaler holds after each step's update (what train() logs: optimizer.get_loss_scale())."""
+    import torch
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    c = OVERFLOW
+    nmc.destroy_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(0, None, c["gbs"], c["gbs"], 1, False)
+    args = make_args(dict(CASES["azure_gpt3"], gbs=c["gbs"], mbs=c["gbs"], train_iters=c["train_iters"],
+                          log_interval=c["log_interval"]))
+    ns, _ = megatron_namespace(mlm, torch, nmc, args, types.SimpleNamespace())
+    scaler = DynamicGradScaler(initial_scale=c["initial_scale"], min_scale=c["min_scale"], growth_factor=2.0,
+                               backoff_factor=0.5, growth_interval=c["window"], hysteresis=c["hysteresis"])
+    out = io.StringIO()
+    total = {}
+    ns["get_timers"]()("interval-time", log_level=0).start(barrier=True)
+    with contextlib.redirect_stdout(out):
+        for it, loss, found_inf, norm in c["steps"]:
+            scaler.update(bool(found_inf))
+            args.consumed_train_samples += c["gbs"]
+            ns["training_log"]({"lm loss": torch.tensor(loss)}, total, c["lr"], it, scaler.scale.item(), False,
+                               found_inf, norm, None, None, None, is_first_iteration=it == 1)
+    lines = []
+    for line in out.getvalue().splitlines():
+        for pattern, repl in MASKS[:2]:  # the clock only
+            line = re.sub(pattern, repl, line)
+        lines.append(line)
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout at core_v0.16.1")
@@ -282,6 +327,15 @@ def main():
         for line in run_case(args.megatron_lm, name, c):
             print(line)
         print("end")
+    c = OVERFLOW
+    print("unit fp16_overflow")
+    print("run {} {} {} {!r} {!r} {!r} {} {}".format(c["train_iters"], c["gbs"], c["log_interval"], c["lr"],
+                                                    c["initial_scale"], c["min_scale"], c["window"], c["hysteresis"]))
+    for it, loss, found_inf, norm in c["steps"]:
+        print("step {} {!r} {} {}".format(it, loss, found_inf, "-" if norm is None else repr(norm)))
+    for line in overflow_lines(args.megatron_lm):
+        print(line)
+    print("end")
 
 
 if __name__ == "__main__":

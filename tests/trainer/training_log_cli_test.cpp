@@ -5,7 +5,10 @@
 // --eval-interval and at the end on the validation and test sets with their 'Evaluating' lines and
 // 'evaluate' timer), and in them the iterations, consumed samples, learning rates, batch sizes, loss
 // scale and counts, character for character; what depends on the model or the clock is masked alike.
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -17,6 +20,9 @@
 
 #include "tests/test_util.h"
 #include "tests/trainer/train_cli_support.h"
+#include "trainer/train_step.h"
+#include "trainer/training.h"
+#include "trainer/training_log.h"
 
 namespace ptk {
 namespace {
@@ -39,7 +45,7 @@ std::map<std::string, GoldenCase> ReadGolden() {
       name = line.substr(5);
     } else if (line.rfind("flags ", 0) == 0) {
       cases[name].flags = line.substr(6);
-    } else if (line == "end") {
+    } else if (line == "end" || line.rfind("unit ", 0) == 0) {
       name.clear();
     } else if (!name.empty()) {
       cases[name].lines.push_back(line);
@@ -48,8 +54,9 @@ std::map<std::string, GoldenCase> ReadGolden() {
   return cases;
 }
 
-// The lines of `out` the golden compares, masked as gen_training_log_golden.py's KEEP and MASKS.
-std::vector<std::string> Masked(const std::string& out) {
+// The lines of `out` the golden compares, masked as gen_training_log_golden.py's KEEP and MASKS (with
+// `clock_only`, its first two: the timestamp and the elapsed time).
+std::vector<std::string> Masked(const std::string& out, bool clock_only = false) {
   static const std::regex keep(
       R"(^( \[.*\] iteration |\[.*\] datetime: |training \.\.\.$| validation|-+$|Evaluating |INFO:megatron\.core\.timers:|    \S.*: \())");
   static const std::vector<std::pair<std::regex, std::string>> masks = {
@@ -64,7 +71,8 @@ std::vector<std::string> Masked(const std::string& out) {
   std::istringstream in(out);
   for (std::string line; std::getline(in, line);) {
     if (!std::regex_search(line, keep)) continue;
-    for (const auto& [re, repl] : masks) line = std::regex_replace(line, re, repl);
+    for (size_t m = 0; m < (clock_only ? 2 : masks.size()); ++m)
+      line = std::regex_replace(line, masks[m].first, masks[m].second);
     lines.push_back(line);
   }
   return lines;
@@ -111,6 +119,65 @@ TEST_F(TrainingLogGolden, AzureTutorialRunPrintsMegatronsLines) {
 // --train-samples with a batch-size ramp, WSD in samples, --log-throughput; no test split.
 TEST_F(TrainingLogGolden, SampleBasedWsdRampupRunPrintsMegatronsLines) {
   ExpectMegatronsLines("samples_wsd_rampup", "--data-path " + ShellQuote(prefix_) + " --split 9,1,0");
+}
+
+// Megatron's training_log over iterations an fp16 loss scaler skips (the golden's 'unit fp16_overflow':
+// its losses, overflows and norms given), against LogInterval, LossScaler and FormatLogLine as
+// ptk-train's loop uses them: the averages over the iterations that advanced (the first line resets
+// nothing), the skipped and nan counts, no grad norm (nor lm loss) where Megatron has none, the loss
+// scale after each step's update. Before, ptk printed 'grad norm: inf' and the scale of the step.
+TEST(TrainingLogUnit, Fp16OverflowLinesAreMegatrons) {
+  std::ifstream in(testing::SourceDir() + "/tests/data/trainer/training_log_golden.txt");
+  std::string line;
+  while (std::getline(in, line) && line != "unit fp16_overflow") {
+  }
+  ASSERT_TRUE(std::getline(in, line));
+  std::istringstream run(line);
+  std::string word;
+  int64_t train_iters = 0, gbs = 0, log_interval = 0;
+  double lr = 0;
+  LossScaleConfig ls;
+  ls.dynamic = true;
+  ASSERT_TRUE(run >> word >> train_iters >> gbs >> log_interval >> lr >> ls.scale >> ls.min_scale >> ls.window >>
+              ls.hysteresis)
+      << line;
+  LossScaler scaler(ls);
+  LogInterval interval(log_interval);
+  interval.Start();
+  std::vector<std::string> got, want;
+  while (std::getline(in, line) && line != "end") {
+    if (line.rfind("step ", 0) != 0) {
+      want.push_back(line);
+      continue;
+    }
+    std::istringstream step(line.substr(5));
+    int64_t it = 0;
+    int found_inf = 0;
+    std::string loss, norm;
+    ASSERT_TRUE(step >> it >> loss >> found_inf >> norm) << line;
+    StepResult r;
+    r.tokens = 32;
+    r.loss_sum = std::strtod(loss.c_str(), nullptr) * r.tokens;
+    r.skipped = found_inf != 0;
+    r.overflow = r.skipped && std::isfinite(r.loss_sum);
+    r.grad_norm = norm == "-" ? std::numeric_limits<double>::infinity() : std::strtod(norm.c_str(), nullptr);
+    scaler.Update(r.skipped);
+    r.next_loss_scale = scaler.scale();
+    interval.Add(r);
+    if (!interval.Due(it)) continue;
+    LogLineFields f;  // as Trainer::Log fills it (training.cpp)
+    f.iteration = it;
+    f.train_iters = train_iters;
+    f.consumed_samples = it * gbs;
+    f.global_batch_size = gbs;
+    interval.Fill(r, 0.0, 1, /*throughput=*/false, &f);
+    f.learning_rate = lr;
+    const std::vector<std::string> masked = Masked(FormatLogLine(f, Timestamp()), /*clock_only=*/true);
+    ASSERT_EQ(masked.size(), 1u);
+    got.push_back(masked[0]);
+    interval.Logged(it);
+  }
+  EXPECT_EQ(got, want);
 }
 
 }  // namespace
