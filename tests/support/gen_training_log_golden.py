@@ -36,7 +36,9 @@ Output: per case a line 'case NAME', a line 'flags FLAGS' (ptk-train's, beside t
 the data paths the test adds), then the masked lines, then 'end'. Then 'unit fp16_overflow':
 training_log alone over iterations an fp16 loss scaler skips (OVERFLOW), with a line 'run TRAIN_ITERS
 GBS LOG_INTERVAL LR INITIAL_SCALE MIN_SCALE WINDOW HYSTERESIS', a line 'step ITERATION LOSS FOUND_INF
-GRAD_NORM' per iteration ('-': None), the log lines (the clock masked), 'end'.
+GRAD_NORM' per iteration ('-': None), the log lines (the clock masked), 'end'. Before it, per
+SCHEDULES case 'schedule NAME', a line 'set KEY=VALUE ...' (its settings; '-': not given), a line 'ITERATION CONSUMED_BEFORE GLOBAL_BATCH LR WEIGHT_DECAY' per
+iteration (repr: exact), 'end'.
 """
 import argparse
 import ast
@@ -315,6 +317,78 @@ def overflow_lines(mlm):
     return lines
 
 
+# The learning rate and weight decay of every iteration, as get_optimizer_param_scheduler builds the
+# scheduler from the flags and train_step steps it by each iteration's global batch (written with
+# repr: compared exactly). name -> the flags (None: not given).
+SCHEDULES = {
+    # The Azure tutorial's: a warm-up fraction of 0.001 of a decay over 30 iterations (0.12 samples).
+    "tutorial_cosine": dict(train_iters=20, train_samples=None, gbs=4, rampup=None, lr=6e-5, min_lr=6e-6, init=0.0,
+                            style="cosine", fraction=0.001, warmup_iters=0, warmup_samples=0, decay_iters=30,
+                            decay_samples=None, wsd_iters=None, wsd_samples=None, wsd_style="exponential",
+                            start_wd=0.1, end_wd=0.1, wd_style="constant"),
+    # Linear after 3 warm-up iterations from --lr-warmup-init, decay over --train-iters (the default);
+    # weight decay rising linearly from 0 to 0.1 over the run.
+    "linear_wd_linear": dict(train_iters=12, train_samples=None, gbs=8, rampup=None, lr=1e-3, min_lr=1e-4,
+                             init=1e-5, style="linear", fraction=None, warmup_iters=3, warmup_samples=0,
+                             decay_iters=None, decay_samples=None, wsd_iters=None, wsd_samples=None,
+                             wsd_style="exponential", start_wd=0.0, end_wd=0.1, wd_style="linear"),
+    # Inverse square root after a warm-up in samples, --train-samples; weight decay by cosine.
+    "isqrt_samples_wd_cosine": dict(train_iters=None, train_samples=50, gbs=4, rampup=None, lr=2e-3, min_lr=1e-4,
+                                    init=0.0, style="inverse-square-root", fraction=None, warmup_iters=0,
+                                    warmup_samples=10, decay_iters=None, decay_samples=None, wsd_iters=None,
+                                    wsd_samples=None, wsd_style="exponential", start_wd=0.01, end_wd=0.05,
+                                    wd_style="cosine"),
+    # WSD by iterations, its anneal by minus_sqrt over the last 5 of a decay longer than the run.
+    "wsd_iters_minus_sqrt": dict(train_iters=16, train_samples=None, gbs=2, rampup=None, lr=1e-3, min_lr=0.0,
+                                 init=0.0, style="WSD", fraction=None, warmup_iters=2, warmup_samples=0,
+                                 decay_iters=18, decay_samples=None, wsd_iters=5, wsd_samples=None,
+                                 wsd_style="minus_sqrt", start_wd=0.01, end_wd=0.01, wd_style="constant"),
+    # A batch-size ramp: cosine over --lr-decay-samples shorter than the run (then --min-lr), a
+    # warm-up in samples, weight decay rising linearly over --train-samples.
+    "rampup_cosine_decay_samples": dict(train_iters=None, train_samples=40, gbs=8, rampup=["2", "2", "16"], lr=1e-3,
+                                        min_lr=1e-4, init=0.0, style="cosine", fraction=None, warmup_iters=0,
+                                        warmup_samples=4, decay_iters=None, decay_samples=30, wsd_iters=None,
+                                        wsd_samples=None, wsd_style="exponential", start_wd=0.02, end_wd=0.08,
+                                        wd_style="linear"),
+    # A constant rate after a warm-up fraction of --train-samples' decay.
+    "constant_fraction": dict(train_iters=None, train_samples=30, gbs=3, rampup=None, lr=5e-4, min_lr=0.0, init=0.0,
+                              style="constant", fraction=0.25, warmup_iters=0, warmup_samples=0, decay_iters=None,
+                              decay_samples=None, wsd_iters=None, wsd_samples=None, wsd_style="exponential",
+                              start_wd=0.01, end_wd=0.01, wd_style="constant"),
+}
+
+
+def schedule_lines(mlm, c):
+    """Per iteration: the samples consumed before it, its global batch, the rate and weight decay it
+    logs (after the scheduler's step, as training_log's learning rate)."""
+    import torch
+    from megatron.core import num_microbatches_calculator as nmc
+    nmc.destroy_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(0, c["rampup"], c["gbs"], 1, 1, False)
+    args = Args(train_iters=c["train_iters"], train_samples=c["train_samples"], global_batch_size=c["gbs"],
+                micro_batch_size=1, rampup_batch_size=c["rampup"], lr=c["lr"], min_lr=c["min_lr"],
+                lr_warmup_init=c["init"], lr_decay_style=c["style"], lr_warmup_fraction=c["fraction"],
+                lr_warmup_iters=c["warmup_iters"], lr_warmup_samples=c["warmup_samples"],
+                lr_decay_iters=c["decay_iters"], lr_decay_samples=c["decay_samples"],
+                lr_wsd_decay_iters=c["wsd_iters"], lr_wsd_decay_samples=c["wsd_samples"],
+                lr_wsd_decay_style=c["wsd_style"], start_weight_decay=c["start_wd"], end_weight_decay=c["end_wd"],
+                weight_decay_incr_style=c["wd_style"], use_checkpoint_opt_param_scheduler=False,
+                override_opt_param_scheduler=False)
+    ns, _ = megatron_namespace(mlm, torch, nmc, args, types.SimpleNamespace())
+    optimizer = types.SimpleNamespace(param_groups=[{"default_config": True}])
+    with contextlib.redirect_stdout(io.StringIO()):  # update_train_iters' line
+        sched = ns["get_optimizer_param_scheduler"](optimizer)
+    consumed, out = 0, []
+    for it in range(1, args.train_iters + 1):
+        nmc.update_num_microbatches(consumed, consistency_check=True)
+        gbs = nmc.get_current_global_batch_size()
+        sched.step(increment=gbs)
+        g = optimizer.param_groups[0]
+        out.append(f"{it} {consumed} {gbs} {g['lr']!r} {g['weight_decay']!r}")
+        consumed += gbs
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout at core_v0.16.1")
@@ -325,6 +399,13 @@ def main():
         print(f"case {name}")
         print(f"flags {c['flags']}")
         for line in run_case(args.megatron_lm, name, c):
+            print(line)
+        print("end")
+    for name, c in SCHEDULES.items():
+        print(f"schedule {name}")
+        print("set " + " ".join(f"{k}={'-' if v is None else ','.join(v) if isinstance(v, list) else repr(v) if isinstance(v, float) else v}"
+                                 for k, v in c.items()))
+        for line in schedule_lines(args.megatron_lm, c):
             print(line)
         print("end")
     c = OVERFLOW

@@ -20,6 +20,8 @@
 
 #include "tests/test_util.h"
 #include "tests/trainer/train_cli_support.h"
+#include "trainer/lr_schedule.h"
+#include "trainer/train_options.h"
 #include "trainer/train_step.h"
 #include "trainer/training.h"
 #include "trainer/training_log.h"
@@ -178,6 +180,90 @@ TEST(TrainingLogUnit, Fp16OverflowLinesAreMegatrons) {
     interval.Logged(it);
   }
   EXPECT_EQ(got, want);
+}
+
+// The golden's 'set' line of a schedule case as ptk-train's options (the flags' fields; '-': not given).
+TrainOptions ScheduleCase(const std::map<std::string, std::string>& v) {
+  auto given = [&](const char* k) { return v.at(k) != "-"; };
+  auto num = [&](const char* k) { return given(k) ? std::strtod(v.at(k).c_str(), nullptr) : 0.0; };
+  auto count = [&](const char* k) { return static_cast<int64_t>(num(k)); };
+  TrainOptions o;
+  o.model.num_layers = 1;
+  o.model.hidden_size = 32;
+  o.model.num_attention_heads = 2;
+  o.model.ffn_hidden_size = 128;
+  o.model.seq_length = o.model.max_position_embeddings = 16;
+  o.model.vocab_size = 100;
+  o.model.padded_vocab_size = 128;
+  o.mock_data = true;
+  o.micro_batch_size = 1;
+  o.global_batch_size = count("gbs");
+  o.train_iters = count("train_iters");
+  o.train_samples = count("train_samples");
+  if (given("rampup")) {
+    std::istringstream r(v.at("rampup"));
+    for (std::string x; std::getline(r, x, ',');) o.rampup_batch_size.push_back(std::stoll(x));
+  }
+  o.schedule.max_lr = num("lr");
+  o.schedule.min_lr = num("min_lr");
+  o.schedule.init_lr = num("init");
+  o.schedule.decay_style = v.at("style");
+  o.schedule.wsd_decay_style = v.at("wsd_style");
+  o.schedule.wd_incr_style = v.at("wd_style");
+  ScheduleOptions& s = o.schedule_options;
+  if (given("fraction")) s.lr_warmup_fraction = num("fraction");
+  s.lr_warmup_iters = count("warmup_iters");
+  s.lr_warmup_samples = count("warmup_samples");
+  s.lr_decay_iters = count("decay_iters");
+  s.lr_decay_samples = count("decay_samples");
+  s.lr_wsd_decay_iters = count("wsd_iters");
+  s.lr_wsd_decay_samples = count("wsd_samples");
+  if (o.schedule.wd_incr_style == "constant") {  // --weight-decay (Megatron sets both ends to it)
+    s.weight_decay = num("start_wd");
+  } else {
+    s.start_weight_decay = num("start_wd");
+    s.end_weight_decay = num("end_wd");
+  }
+  return o;
+}
+
+// The learning rate and weight decay of every iteration, from the flags of the Azure tutorial's
+// cosine with --lr-warmup-fraction, linear from --lr-warmup-init, inverse square root, WSD by
+// iterations, cosine over --lr-decay-samples under a batch-size ramp, and constant after a warm-up
+// fraction, with constant, linear and cosine weight-decay increments: PlanTraining's schedule
+// stepped by each iteration's batch against Megatron's get_optimizer_param_scheduler and
+// megatron-core's OptimizerParamScheduler stepped as train_step steps it, value for value.
+TEST(TrainingLogUnit, SchedulesAreMegatrons) {
+  std::ifstream in(testing::SourceDir() + "/tests/data/trainer/training_log_golden.txt");
+  int cases = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("schedule ", 0) != 0) continue;
+    const std::string name = line.substr(9);
+    ++cases;
+    ASSERT_TRUE(std::getline(in, line) && line.rfind("set ", 0) == 0) << name;
+    std::map<std::string, std::string> v;
+    std::istringstream set(line.substr(4));
+    for (std::string kv; set >> kv;) v[kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+    const absl::StatusOr<TrainPlan> plan = PlanTraining(ScheduleCase(v), 1);
+    ASSERT_TRUE(plan.ok()) << name << ": " << plan.status();
+    OptimizerParamScheduler sched(plan->schedule);
+    int64_t consumed = 0, iterations = 0;
+    while (std::getline(in, line) && line != "end") {
+      std::istringstream row(line);
+      int64_t it = 0, before = 0, gbs = 0;
+      std::string lr, wd;
+      ASSERT_TRUE(row >> it >> before >> gbs >> lr >> wd) << line;
+      EXPECT_EQ(consumed, before) << name << " iteration " << it;
+      EXPECT_EQ(plan->GlobalBatchSizeAt(consumed), gbs) << name << " iteration " << it;
+      sched.Step(plan->GlobalBatchSizeAt(consumed));
+      consumed += plan->GlobalBatchSizeAt(consumed);
+      EXPECT_DOUBLE_EQ(sched.lr(), std::strtod(lr.c_str(), nullptr)) << name << " iteration " << it;
+      EXPECT_DOUBLE_EQ(sched.weight_decay(), std::strtod(wd.c_str(), nullptr)) << name << " iteration " << it;
+      iterations = it;
+    }
+    EXPECT_EQ(plan->train_iters, iterations) << name;
+  }
+  EXPECT_EQ(cases, 6);
 }
 
 }  // namespace
