@@ -5,6 +5,9 @@
 // --eval-interval and at the end on the validation and test sets with their 'Evaluating' lines and
 // 'evaluate' timer), and in them the iterations, consumed samples, learning rates, batch sizes, loss
 // scale and counts, character for character; what depends on the model or the clock is masked alike.
+// Beside them, from the same golden: training_log alone over iterations an fp16 loss scaler skips
+// (TrainingLogUnit.Fp16OverflowLinesAreMegatrons) and the learning-rate and weight-decay schedules of
+// six flag sets, iteration by iteration (TrainingLogUnit.SchedulesAreMegatrons).
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
