@@ -405,6 +405,7 @@ class Trainer {
   // loop then saves and exits as it does between iterations.
   absl::StatusOr<std::optional<double>> Evaluate(DataLoader* loader, const std::string& prefix, int64_t* consumed,
                                                  const std::string& tb_tag, bool verbose = false) {
+    const IntervalPause paused(&interval_);  // no iteration's time, as in Megatron's train()
     const std::vector<int64_t>* positions = context_ ? &context_positions_ : nullptr;
     EvaluationPass pass{model_.get(), comm_, world_, pipe_, &agreed_, positions, started_, nullptr};
     if (verbose) pass.verbose = [this](const std::string& text) { Print(text); };
@@ -431,6 +432,7 @@ class Trainer {
   // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
   absl::Status Sample() {
     if (rank_ != 0) return absl::OkStatus();  // every tensor rank and stage of data rank 0 runs it; lead_ prints
+    const IntervalPause paused(&interval_);
     GenerateOptions g;
     g.new_tokens = o_.sample.length;
     g.temperature = o_.sample.temperature;
@@ -446,6 +448,7 @@ class Trainer {
   // shards gathered, so that any number of ranks loads the file), the training step's state.
   absl::Status Save() {
     if (o_.save.empty()) return absl::OkStatus();
+    const IntervalPause paused(&interval_);  // no iteration's time, as Megatron's save_checkpoint_and_time
     // What this checkpoint covers is on disk in the event and metrics files before the tracker
     // names it (the writer is the last stage's): a kill right after the save loses no iteration.
     PTK_RETURN_IF_ERROR(outputs_.Sync());

@@ -293,8 +293,17 @@ void LogInterval::Add(const StepResult& r) {
   }
 }
 
-void LogInterval::Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f) const {
-  const double secs = std::chrono::duration<double>(Clock::now() - start_).count();
+void LogInterval::Pause(Clock::time_point now) {
+  if (pauses_++ == 0) paused_at_ = now;
+}
+
+void LogInterval::Resume(Clock::time_point now) {
+  if (pauses_ > 0 && --pauses_ == 0) paused_seconds_ += std::chrono::duration<double>(now - paused_at_).count();
+}
+
+void LogInterval::Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f,
+                       Clock::time_point now) const {
+  const double secs = std::chrono::duration<double>(now - start_).count() - paused_seconds_;
   const double iters = static_cast<double>(std::max<int64_t>(iters_, 1));
   f->elapsed_ms = secs * 1000.0 / iters;
   if (throughput) f->tflops_per_gpu = flops / (secs / iters * 1e12 * world);
@@ -306,11 +315,11 @@ void LogInterval::Fill(const StepResult& r, double flops, int world, bool throug
   f->num_zeros_in_grad = r.num_zeros_in_grad;
 }
 
-void LogInterval::Logged(int64_t iteration) {
+void LogInterval::Logged(int64_t iteration, Clock::time_point now) {
   if (Resets(iteration)) {
     iters_ = advanced_ = skipped_ = nan_ = 0;
-    loss_ = 0;
-    start_ = Clock::now();
+    loss_ = paused_seconds_ = 0;
+    start_ = now;
   }
   logged_ = true;
 }

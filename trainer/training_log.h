@@ -116,7 +116,11 @@ class LogInterval {
  public:
   using Clock = std::chrono::steady_clock;
   explicit LogInterval(int64_t log_interval) : log_interval_(log_interval) {}
-  void Start() { start_ = Clock::now(); }
+  void Start(Clock::time_point now = Clock::now()) { start_ = now; }
+  // The clock stops between the two (nested pairs count once): as Megatron stops its 'interval-time'
+  // timer around evaluations and checkpoint saves, their time is no iteration's.
+  void Pause(Clock::time_point now = Clock::now());
+  void Resume(Clock::time_point now = Clock::now());
   void Add(const StepResult& r);
   // Whether iteration `iteration` prints the line (the run's first iteration does).
   bool Due(int64_t iteration) const { return iteration % log_interval_ == 0 || !logged_; }
@@ -126,16 +130,31 @@ class LogInterval {
   // `flops` per iteration over `world` ranks, only with --log-throughput: `throughput`) and what it
   // shows of the interval's last step `r`, as Megatron: its grad norm unless it was skipped (Megatron's
   // optimizer returns none then), the loss scale after its update, its count of zeros.
-  void Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f) const;
+  void Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f,
+            Clock::time_point now = Clock::now()) const;
   // After the line of iteration `iteration`: the accumulators start over where Resets says so.
-  void Logged(int64_t iteration);
+  void Logged(int64_t iteration, Clock::time_point now = Clock::now());
 
  private:
   int64_t log_interval_;
   bool logged_ = false;
-  Clock::time_point start_;
+  Clock::time_point start_, paused_at_;
+  double paused_seconds_ = 0;  // since start_
+  int pauses_ = 0;             // open Pause calls
   int64_t iters_ = 0, advanced_ = 0, skipped_ = 0, nan_ = 0;
   double loss_ = 0;  // over the iterations that advanced
+};
+
+// Pauses a LogInterval's clock for its lifetime.
+class IntervalPause {
+ public:
+  explicit IntervalPause(LogInterval* interval) : interval_(interval) { interval_->Pause(); }
+  ~IntervalPause() { interval_->Resume(); }
+  IntervalPause(const IntervalPause&) = delete;
+  IntervalPause& operator=(const IntervalPause&) = delete;
+
+ private:
+  LogInterval* interval_;
 };
 
 }  // namespace ptk

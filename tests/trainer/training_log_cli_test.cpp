@@ -8,6 +8,7 @@
 // Beside them, from the same golden: training_log alone over iterations an fp16 loss scaler skips
 // (TrainingLogUnit.Fp16OverflowLinesAreMegatrons) and the learning-rate and weight-decay schedules of
 // six flag sets, iteration by iteration (TrainingLogUnit.SchedulesAreMegatrons).
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -183,6 +184,41 @@ TEST(TrainingLogUnit, Fp16OverflowLinesAreMegatrons) {
     interval.Logged(it);
   }
   EXPECT_EQ(got, want);
+}
+
+// Megatron stops its 'interval-time' timer around evaluations and checkpoint saves: the log line's
+// elapsed time per iteration is the iterations' own. ptk counted an evaluation (and a save) into the
+// next line's time. On a made-up clock: iterations of 1 s, an evaluation of 5 s and a save of 1 s
+// (paused twice over, nested) between the lines of iterations 2 and 4.
+TEST(TrainingLogUnit, EvaluationsAndSavesAreNoIterationsTime) {
+  using Clock = LogInterval::Clock;
+  auto at = [](double s) {
+    return Clock::time_point() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  };
+  LogInterval interval(2);
+  interval.Start(at(0));
+  StepResult r;
+  r.tokens = 1;
+  r.loss_sum = 5;
+  LogLineFields f;
+  interval.Add(r);
+  interval.Fill(r, 0, 1, false, &f, at(1));
+  EXPECT_DOUBLE_EQ(f.elapsed_ms, 1000.0);
+  interval.Logged(1, at(1));  // the first iteration's line: nothing starts over
+  interval.Add(r);
+  interval.Fill(r, 0, 1, false, &f, at(2));
+  EXPECT_DOUBLE_EQ(f.elapsed_ms, 1000.0);
+  interval.Logged(2, at(2));
+  interval.Pause(at(2));  // the evaluation after iteration 2's line
+  interval.Resume(at(7));
+  interval.Pause(at(7));  // a save, paused twice over
+  interval.Pause(at(7.5));
+  interval.Resume(at(7.75));
+  interval.Resume(at(8));
+  interval.Add(r);
+  interval.Add(r);
+  interval.Fill(r, 0, 1, false, &f, at(10));
+  EXPECT_DOUBLE_EQ(f.elapsed_ms, 1000.0);
 }
 
 // The golden's 'set' line of a schedule case as ptk-train's options (the flags' fields; '-': not given).
