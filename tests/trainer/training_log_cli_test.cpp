@@ -63,8 +63,8 @@ std::map<std::string, GoldenCase> ReadGolden() {
 // The lines of `out` the golden compares, masked as gen_training_log_golden.py's KEEP and MASKS (with
 // `clock_only`, its first two: the timestamp and the elapsed time).
 std::vector<std::string> Masked(const std::string& out, bool clock_only = false) {
-  static const std::regex keep(
-      R"(^( \[.*\] iteration |\[.*\] datetime: |training \.\.\.$| validation|-+$|Evaluating |INFO:megatron\.core\.timers:|    \S.*: \())");
+  static const std::regex keep(R"(^( \[.*\] iteration |\[.*\] datetime: |training \.\.\.$| validation|-+$|Evaluating |)"
+                               R"(INFO:megatron\.core\.timers:|    \S.*: \())");
   static const std::vector<std::pair<std::regex, std::string>> masks = {
       {std::regex(R"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6})"), "<datetime>"},
       {std::regex(R"((elapsed time per iteration \(ms\): )[0-9.]+)"), "$1<ms>"},
