@@ -42,8 +42,6 @@ constexpr CompatFlag kCompatFlags[] = {
     {"--num-workers", Arg::kCount, "one prefetching loader thread per rank"},
     {"--ckpt-format", Arg::kText, "checkpoints are ptk's single-file format in Megatron's directory layout"},
     {"--async-save", Arg::kNone, "checkpoints are written synchronously"},
-    {"--log-throughput", Arg::kNone,
-     "the throughput field is always printed (and written to TensorBoard with --log-timers-to-tensorboard)"},
     {"--log-memory-to-tensorboard", Arg::kNone, "no memory statistics are written to TensorBoard"},
     {"--tensorboard-queue-size", Arg::kPositiveInt, "events are written at every --log-interval and evaluation"},
     {"--wandb-project", Arg::kText, "no Weights & Biases client; metrics go to metrics.jsonl"},

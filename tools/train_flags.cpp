@@ -138,6 +138,9 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--eval-iters", o.eval_iters, "Global batches per evaluation (0: none)")->check(IntIn(0, kMaxCount));
   app->add_option("--log-interval", o.log_interval, "Print the log line every N iterations")
       ->check(IntIn(1, kMaxCount));
+  app->add_flag("--log-throughput", o.tensorboard.log_throughput,
+                "Add the throughput per GPU (TFLOP/s/GPU) to the log line, as Megatron's (and write it to TensorBoard "
+                "with --log-timers-to-tensorboard)");
   app->add_option("--tensorboard-dir", o.tensorboard.dir,
                   "Write TensorBoard event files (Megatron's scalars) and metrics.jsonl to this directory");
   app->add_option("--tensorboard-log-interval", o.tensorboard.log_interval,

@@ -247,7 +247,6 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
                                                               : "gloo";
   if (o.optimizer.ddp_bucket_size > 0 && !o.optimizer.overlap_grad_reduce)
     notes->push_back("--ddp-bucket-size: accepted, buckets matter with --overlap-grad-reduce only");
-  o.tensorboard.log_throughput = f.compat.count("--log-throughput") > 0;
   o.metrics_path = !f.metrics_file.empty()      ? f.metrics_file
                    : !o.tensorboard.dir.empty() ? JoinPath(o.tensorboard.dir, "metrics.jsonl")
                                                 : "";

@@ -23,7 +23,9 @@ absl::StatusOr<TimeLimit> CheckExitDuration(Communicator* world, std::chrono::st
 absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const TrainOptions& o, const TrainPlan& plan,
                                                DataLoader* loader, const std::string& prefix, int64_t* consumed) {
   double sums[2] = {0, 0};
+  if (pass.verbose) pass.verbose(fmt::format("Evaluating on {} samples", o.eval_iters * plan.global_batch_size));
   for (int64_t it = 0; it < o.eval_iters; ++it) {
+    if (pass.verbose) pass.verbose(fmt::format("Evaluating iter {}/{}", it + 1, o.eval_iters));
     for (int64_t m = 0; m < plan.micro_batches; ++m) {
       PTK_ASSIGN_OR_RETURN(auto mb, loader->Next());
       if (!mb) return absl::OutOfRangeError(prefix + ": the evaluation data ran out");
@@ -42,6 +44,19 @@ absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const
   PTK_RETURN_IF_ERROR(pass.data->AllReduceSum(sums, 2));
   if (pass.pipeline) PTK_RETURN_IF_ERROR(pass.pipeline->AllReduceSum(sums, 2));  // the last stage's to every stage
   return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+}
+
+absl::Status LogEvaluateTime(Communicator* world, double seconds, TimingLogOption option,
+                             const std::function<void(const std::string&)>& print) {
+  std::vector<double> all(static_cast<size_t>(world->size()), 0.0);
+  all[static_cast<size_t>(world->rank())] = seconds;
+  PTK_RETURN_IF_ERROR(world->AllReduceSum(all.data(), static_cast<int64_t>(all.size())));
+  if (world->rank() != world->size() - 1) return absl::OkStatus();
+  std::vector<std::vector<double>> times;
+  for (double t : all) times.push_back({t});
+  if (const std::optional<std::string> text = FormatTimers({"evaluate"}, times, option, 1.0))
+    print(kTimersLogPrefix + *text);
+  return absl::OkStatus();
 }
 
 std::string ValidationLine(const std::string& prefix, double loss) {

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "trainer/comm.h"
 #include "trainer/gpt_model.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/timers.h"
 #include "trainer/train_options.h"
 
 namespace ptk {
@@ -39,6 +41,9 @@ struct EvaluationPass {
   StageExchangeAgreement* agreed = nullptr;
   const std::vector<int64_t>* context_positions = nullptr;
   std::chrono::steady_clock::time_point started;
+  // Megatron's verbose evaluation (pretrain's after training): "Evaluating on N samples" and
+  // "Evaluating iter i/n" given to it (rank 0's); none when empty.
+  std::function<void(const std::string&)> verbose;
 };
 
 // Megatron's evaluate: forward-only passes over --eval-iters global batches (the plan's) of
@@ -48,6 +53,12 @@ struct EvaluationPass {
 // `prefix` names the evaluation in an error (data that runs out).
 absl::StatusOr<std::optional<double>> Evaluate(const EvaluationPass& pass, const TrainOptions& o, const TrainPlan& plan,
                                                DataLoader* loader, const std::string& prefix, int64_t* consumed);
+
+// Megatron's timers.log(['evaluate']) after an evaluation (its 'evaluate' timer is of level 0: every
+// run prints it): every rank's `seconds` gathered over `world`, the block (kTimersLogPrefix, the
+// slowest and fastest rank as --timing-log-option shows them) given to `print` on the last rank.
+absl::Status LogEvaluateTime(Communicator* world, double seconds, TimingLogOption option,
+                             const std::function<void(const std::string&)>& print);
 
 // Megatron's line of an evaluation's loss (printed between two rules of dashes one longer).
 std::string ValidationLine(const std::string& prefix, double loss);

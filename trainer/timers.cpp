@@ -162,14 +162,15 @@ std::vector<std::pair<std::string, double>> TimerScalars(const std::vector<std::
 }
 
 absl::Status LogTimers(Timers* timers, Communicator* world, int64_t iteration, double normalizer, SummaryWriter* tb,
-                       const std::function<void(const std::string&)>& print) {
+                       const std::function<void(const std::string&)>& print, bool reset) {
   const std::vector<std::string> names = Timers::NamesToLog(timers->level());
   if (names.empty()) return absl::OkStatus();
-  PTK_ASSIGN_OR_RETURN(const auto times, timers->GatherElapsed(names, world, /*reset=*/true));
+  PTK_ASSIGN_OR_RETURN(const auto times, timers->GatherElapsed(names, world, reset));
   if (tb)
     for (const auto& [tag, seconds] : TimerScalars(names, times, normalizer)) tb->AddScalar(tag, seconds, iteration);
   if (world->rank() == world->size() - 1)
-    if (const std::optional<std::string> text = FormatTimers(names, times, timers->option(), normalizer)) print(*text);
+    if (const std::optional<std::string> text = FormatTimers(names, times, timers->option(), normalizer))
+      print(kTimersLogPrefix + *text);
   return absl::OkStatus();
 }
 

@@ -101,7 +101,11 @@ std::vector<std::pair<std::string, double>> TimerScalars(const std::vector<std::
 // nothing is exchanged), then reset. With `tb` (the TensorBoard writer, --log-timers-to-tensorboard)
 // each timed name's slowest seconds over `normalizer` iterations as "<name>-time" at `iteration`;
 // the last world rank (Megatron's timers.log's) gives `print` the text, when some rank timed anything.
+// As megatron-core 0.16's timers.log (logger.info under Megatron-LM's logging set-up), the text comes
+// after "INFO:megatron.core.timers:" (kTimersLogPrefix). `reset` false keeps the times (Megatron's
+// first-iteration line, which resets nothing).
+inline constexpr const char* kTimersLogPrefix = "INFO:megatron.core.timers:";
 absl::Status LogTimers(Timers* timers, Communicator* world, int64_t iteration, double normalizer, SummaryWriter* tb,
-                       const std::function<void(const std::string&)>& print);
+                       const std::function<void(const std::string&)>& print, bool reset = true);
 
 }  // namespace ptk

@@ -31,7 +31,7 @@ struct TensorBoardOptions {
   bool log_validation_ppl = false;  // --log-validation-ppl-to-tensorboard
   bool log_world_size = false;      // --log-world-size-to-tensorboard
   bool log_timers = false;          // --log-timers-to-tensorboard: iteration-time and the timers' <name>-time (s)
-  bool log_throughput = false;      // --log-throughput: with log_timers, throughput (TFLOP/s/GPU)
+  bool log_throughput = false;      // --log-throughput: the log line's TFLOP/s/GPU (TensorBoard's with log_timers)
 };
 
 // --sample-interval: rank 0 prints a continuation of a prompt every `interval` iterations. The

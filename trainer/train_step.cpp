@@ -71,6 +71,7 @@ absl::StatusOr<StepResult> TrainStep::Step(const std::vector<ModelBatch>& micro_
                                            uint64_t seed) {
   PTK_ASSIGN_OR_RETURN(StepResult r, ComputeGradients(micro_batches, seed));
   PTK_RETURN_IF_ERROR(ApplyUpdate(r, global_batch_size));
+  r.next_loss_scale = scaler_.scale();
   return r;
 }
 

@@ -72,6 +72,7 @@ struct StepResult {
   bool skipped = false;             // NaN/Inf in the loss or the gradients: no update
   bool overflow = false;            // skipped by fp16 dynamic loss scaling (not a NaN to stop on)
   double loss_scale = 1.0;          // the scale this step's gradients were computed with
+  double next_loss_scale = 1.0;     // the scale after the step's update of it (what Megatron logs)
   double lr = 0;                    // the learning rate used by this step
   // --log-num-zeros-in-grad (Megatron's count_zeros_fp32): zeros among the reduced gradients, when
   // the step was asked to count them and was not skipped.

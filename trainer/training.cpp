@@ -76,14 +76,13 @@ class Trainer {
     PTK_RETURN_IF_ERROR(world_->Barrier());  // every rank started (one refused exits: this fails)
     save_dir_.Keep();
     if (lead_) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
-    start_ = interval_.start = Clock::now();
+    start_ = Clock::now();
+    interval_.Start();
     wall_before_ = state_.wall_seconds;
     Print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
     Print("training ...");
     const int64_t first = state_.iteration + 1;
-    if (lead_)
-      log::Info("start-up: iteration {} running ({}) ...", first,
-                FirstLogLineNote(first, o_.log_interval, plan_.train_iters));
+    if (lead_) log::Info("start-up: iteration {} running (its log line comes after it) ...", first);
     while (state_.iteration < plan_.train_iters) {
       PTK_RETURN_IF_ERROR(UpdateBatchSize());
       t0 = Clock::now();
@@ -297,7 +296,7 @@ class Trainer {
   // Whether iteration `it` writes the log line or TensorBoard's scalars (the params norm and the
   // count of zeros are computed for those only: every rank decides alike).
   bool LogsThisIteration(int64_t it) const {
-    return it % o_.log_interval == 0 || (!o_.tensorboard.dir.empty() && it % o_.tensorboard.log_interval == 0);
+    return interval_.Due(it) || (!o_.tensorboard.dir.empty() && it % o_.tensorboard.log_interval == 0);
   }
 
   // --rampup-batch-size: Megatron's update_num_microbatches before each iteration, from the samples
@@ -338,15 +337,8 @@ class Trainer {
       PTK_RETURN_IF_ERROR(CheckForNanInLossAndGrad(r, state_.iteration + 1, rank_));
     ++state_.iteration;
     state_.consumed_train_samples += current_gbs_;
-    ++interval_.iters;
-    if (r.skipped) {
-      ++interval_.skipped;
-      if (!r.overflow) ++interval_.nan;
-      ++state_.skipped_iterations;
-    } else {
-      ++interval_.advanced;
-      interval_.loss += r.lm_loss();
-    }
+    interval_.Add(r);
+    if (r.skipped) ++state_.skipped_iterations;
     summary_.last_lm_loss = r.lm_loss();
     return r;
   }
@@ -375,59 +367,56 @@ class Trainer {
       TensorBoardScalar("learning-rate", lr_now);
       TensorBoardScalar("batch-size", static_cast<double>(current_gbs_));
       TensorBoardScalar("lm loss", r.lm_loss());
-      if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.loss_scale);
+      if (o_.tensorboard.log_loss_scale) TensorBoardScalar("loss-scale", r.next_loss_scale);
       if (o_.tensorboard.log_world_size) TensorBoardScalar("world-size", world_->size());  // args.world_size
-      if (!r.overflow) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has no norm for an overflow
+      if (!r.skipped) TensorBoardScalar("grad-norm", r.grad_norm);  // Megatron has none for a skipped step
       if (r.num_zeros_in_grad) TensorBoardScalar("num-zeros", *r.num_zeros_in_grad);
       if (params_norm) TensorBoardScalar("params-norm", *params_norm);
     }
-    if (state_.iteration % o_.log_interval != 0) return absl::OkStatus();
-    const double secs = std::chrono::duration<double>(Clock::now() - interval_.start).count();
-    const double iters = static_cast<double>(interval_.iters);
+    if (!interval_.Due(state_.iteration)) return absl::OkStatus();
     LogLineFields f;
     f.iteration = state_.iteration;
     f.train_iters = plan_.train_iters;
     f.consumed_samples = state_.consumed_train_samples;
     f.global_batch_size = current_gbs_;
-    f.elapsed_ms = secs * 1000.0 / iters;
-    f.tflops_per_gpu = FlopsPerIteration(o_.model, current_gbs_) / (secs / iters * 1e12 * world_->size());
-    f.num_zeros_in_grad = r.num_zeros_in_grad;
+    interval_.Fill(r, FlopsPerIteration(o_.model, current_gbs_), world_->size(), o_.tensorboard.log_throughput, &f);
     f.params_norm = params_norm;
     f.learning_rate = lr_now;
-    f.lm_loss = interval_.advanced > 0 ? interval_.loss / static_cast<double>(interval_.advanced) : 0.0;
-    f.grad_norm = r.grad_norm;
-    f.loss_scale = r.loss_scale;
-    f.skipped = interval_.skipped;
-    f.nan = interval_.nan;
     Print(FormatLogLine(f, Timestamp()));
-    PTK_RETURN_IF_ERROR(LogTimers(timers_.get(), world_, state_.iteration, static_cast<double>(o_.log_interval),
-                                  o_.tensorboard.log_timers ? outputs_.tb.get() : nullptr,
-                                  [this](const std::string& text) { PrintAnyRank(text); }));
+    PTK_RETURN_IF_ERROR(LogTimers(
+        timers_.get(), world_, state_.iteration, static_cast<double>(o_.log_interval),
+        o_.tensorboard.log_timers ? outputs_.tb.get() : nullptr,
+        [this](const std::string& text) { PrintAnyRank(text); }, interval_.Resets(state_.iteration)));
     if (outputs_.tb) {
-      if (o_.tensorboard.log_timers) {
+      if (o_.tensorboard.log_timers && interval_.Resets(state_.iteration))
         outputs_.tb->AddScalar("iteration-time", f.elapsed_ms / 1000.0, state_.iteration);
-        if (o_.tensorboard.log_throughput) outputs_.tb->AddScalar("throughput", f.tflops_per_gpu, state_.iteration);
-      }
+      if (o_.tensorboard.log_timers && f.tflops_per_gpu)
+        outputs_.tb->AddScalar("throughput", *f.tflops_per_gpu, state_.iteration);
       PTK_RETURN_IF_ERROR(outputs_.tb->Flush());
     }
-    interval_ = Interval{};
-    interval_.start = Clock::now();
+    interval_.Logged(state_.iteration);
     return absl::OkStatus();
   }
 
-  // Megatron's evaluate over eval_iters global batches, its lines and scalars; tb_tag is Megatron's
-  // "lm loss validation", or "lm loss test". As Megatron's, it checks --exit-duration-in-mins after
+  // Megatron's evaluate over eval_iters global batches, its 'evaluate' timer block, its lines and
+  // scalars; tb_tag is Megatron's "lm loss validation", or "lm loss test"; `verbose` (pretrain's
+  // evaluations after training) prints its 'Evaluating' lines. As Megatron's, it checks --exit-duration-in-mins after
   // each of its iterations and stops when the time is up, with one line and no loss (nullopt): the
   // loop then saves and exits as it does between iterations.
   absl::StatusOr<std::optional<double>> Evaluate(DataLoader* loader, const std::string& prefix, int64_t* consumed,
-                                                 const std::string& tb_tag) {
-    const EvaluationPass pass{model_.get(), comm_, world_, pipe_, &agreed_, context_ ? &context_positions_ : nullptr,
-                              started_};
+                                                 const std::string& tb_tag, bool verbose = false) {
+    const IntervalPause paused(&interval_);  // no iteration's time, as in Megatron's train()
+    const std::vector<int64_t>* positions = context_ ? &context_positions_ : nullptr;
+    EvaluationPass pass{model_.get(), comm_, world_, pipe_, &agreed_, positions, started_, nullptr};
+    if (verbose) pass.verbose = [this](const std::string& text) { Print(text); };
+    const auto t0 = Clock::now();
     PTK_ASSIGN_OR_RETURN(const std::optional<double> loss, ptk::Evaluate(pass, o_, plan_, loader, prefix, consumed));
     if (!loss) {
       Print("Exiting during evaluation, timelimit reached");
       return loss;
     }
+    PTK_RETURN_IF_ERROR(LogEvaluateTime(world_, Seconds(t0), timers_->option(),
+                                        [this](const std::string& text) { PrintAnyRank(text); }));
     const std::string line = ValidationLine(prefix, *loss), bar(line.size() + 1, '-');
     Print(bar);
     Print(line);
@@ -443,6 +432,7 @@ class Trainer {
   // --sample-interval: rank 0 continues the prompt with the weights of this iteration.
   absl::Status Sample() {
     if (rank_ != 0) return absl::OkStatus();  // every tensor rank and stage of data rank 0 runs it; lead_ prints
+    const IntervalPause paused(&interval_);
     GenerateOptions g;
     g.new_tokens = o_.sample.length;
     g.temperature = o_.sample.temperature;
@@ -458,6 +448,7 @@ class Trainer {
   // shards gathered, so that any number of ranks loads the file), the training step's state.
   absl::Status Save() {
     if (o_.save.empty()) return absl::OkStatus();
+    const IntervalPause paused(&interval_);  // no iteration's time, as Megatron's save_checkpoint_and_time
     // What this checkpoint covers is on disk in the event and metrics files before the tracker
     // names it (the writer is the last stage's): a kill right after the save loses no iteration.
     PTK_RETURN_IF_ERROR(outputs_.Sync());
@@ -522,14 +513,16 @@ class Trainer {
     if (valid_loader_) {
       PTK_ASSIGN_OR_RETURN(
           const std::optional<double> loss,
-          Evaluate(valid_loader_.get(), "the end of training for val data", nullptr, "lm loss validation"));
+          Evaluate(valid_loader_.get(), fmt::format("iteration {} on validation set", state_.iteration), nullptr,
+                   "lm loss validation", /*verbose=*/true));
       if (loss) summary_.last_validation_loss = loss;
     }
     if (data_.test) {
       const int64_t mbs = plan_.micro_batch_size;
       DataLoader test_loader(data_.test, PretrainingSampler(data_.test->size(), 0, mbs, data_rank_, data_size_), mbs);
       PTK_ASSIGN_OR_RETURN(summary_.test_loss,
-                           Evaluate(&test_loader, "the end of training for test data", nullptr, "lm loss test"));
+                           Evaluate(&test_loader, fmt::format("iteration {} on test set", state_.iteration), nullptr,
+                                    "lm loss test", /*verbose=*/true));
     }
     return Close();
   }
@@ -543,13 +536,6 @@ class Trainer {
     if (outputs_.tb) PTK_RETURN_IF_ERROR(outputs_.tb->Close());
     return summary_;
   }
-
-  // The log line's averages since the last one.
-  struct Interval {
-    Clock::time_point start;
-    int64_t iters = 0, advanced = 0, skipped = 0, nan = 0;
-    double loss = 0;  // over the iterations that advanced
-  };
 
   const TrainOptions& o_;
   const TrainPlan& plan_;
@@ -580,7 +566,7 @@ class Trainer {
   int64_t current_gbs_ = 0;            // this iteration's global batch (--rampup-batch-size changes it)
   Clock::time_point started_, start_;  // the process's start (--exit-duration-in-mins), training's
   double wall_before_ = 0;             // training time of the runs before this one
-  Interval interval_;
+  LogInterval interval_{o_.log_interval};
   int64_t last_saved_ = -1;
 };
 

@@ -42,8 +42,10 @@ absl::Status CheckForNanInLossAndGrad(const StepResult& r, int64_t iteration, in
 // The log line Megatron's training_log prints.
 struct LogLineFields {
   int64_t iteration = 0, train_iters = 0, consumed_samples = 0, global_batch_size = 0;
-  double elapsed_ms = 0, tflops_per_gpu = 0, learning_rate = 0, lm_loss = 0, grad_norm = 0, loss_scale = 1.0;
+  double elapsed_ms = 0, learning_rate = 0, lm_loss = 0, loss_scale = 1.0;
   int64_t skipped = 0, nan = 0;
+  std::optional<double> tflops_per_gpu;  // --log-throughput
+  std::optional<double> grad_norm;       // none for an iteration the loss scaler skipped (Megatron's None)
   std::optional<double> num_zeros_in_grad, params_norm;  // --log-num-zeros-in-grad, --log-params-norm
 };
 std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp);

@@ -258,14 +258,6 @@ absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::strin
   return st;
 }
 
-std::string FirstLogLineNote(int64_t first, int64_t log_interval, int64_t train_iters) {
-  const int64_t logged = (first + log_interval - 1) / log_interval * log_interval;
-  if (logged <= train_iters) return fmt::format("its log line comes at iteration {}", logged);
-  return fmt::format(
-      "no log line comes: the run ends at iteration {}, before {}, the next multiple of --log-interval {}", train_iters,
-      logged, log_interval);
-}
-
 std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters) {
   return fmt::format(
       "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} to "
@@ -279,12 +271,57 @@ std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t
 std::string JsonNumber(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
 
 std::string Timestamp() {
-  std::time_t t = std::time(nullptr);
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  const auto micros =
+      std::chrono::duration_cast<std::chrono::microseconds>(now - std::chrono::system_clock::from_time_t(t)).count();
   std::tm tm{};
   localtime_r(&t, &tm);
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
-  return buf;
+  return fmt::format("{}.{:06d}", buf, micros);
+}
+
+void LogInterval::Add(const StepResult& r) {
+  ++iters_;
+  if (r.skipped) {
+    ++skipped_;
+    if (!r.overflow) ++nan_;
+  } else {
+    ++advanced_;
+    loss_ += r.lm_loss();
+  }
+}
+
+void LogInterval::Pause(Clock::time_point now) {
+  if (pauses_++ == 0) paused_at_ = now;
+}
+
+void LogInterval::Resume(Clock::time_point now) {
+  if (pauses_ > 0 && --pauses_ == 0) paused_seconds_ += std::chrono::duration<double>(now - paused_at_).count();
+}
+
+void LogInterval::Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f,
+                       Clock::time_point now) const {
+  const double secs = std::chrono::duration<double>(now - start_).count() - paused_seconds_;
+  const double iters = static_cast<double>(std::max<int64_t>(iters_, 1));
+  f->elapsed_ms = secs * 1000.0 / iters;
+  if (throughput) f->tflops_per_gpu = flops / (secs / iters * 1e12 * world);
+  f->lm_loss = advanced_ > 0 ? loss_ / static_cast<double>(advanced_) : 0.0;
+  f->skipped = skipped_;
+  f->nan = nan_;
+  if (!r.skipped) f->grad_norm = r.grad_norm;
+  f->loss_scale = r.next_loss_scale;
+  f->num_zeros_in_grad = r.num_zeros_in_grad;
+}
+
+void LogInterval::Logged(int64_t iteration, Clock::time_point now) {
+  if (Resets(iteration)) {
+    iters_ = advanced_ = skipped_ = nan_ = 0;
+    loss_ = paused_seconds_ = 0;
+    start_ = now;
+  }
+  logged_ = true;
 }
 
 double FlopsPerIteration(const GPTConfig& c, int64_t gbs) {
@@ -315,12 +352,12 @@ std::string FormatLogLine(const LogLineFields& f, const std::string& timestamp) 
   std::string s = fmt::format(" [{}] iteration {:8d}/{:8d} |", timestamp, f.iteration, f.train_iters);
   s += fmt::format(" consumed samples: {:12d} |", f.consumed_samples);
   s += fmt::format(" elapsed time per iteration (ms): {:.1f} |", f.elapsed_ms);
-  s += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", f.tflops_per_gpu);
+  if (f.tflops_per_gpu) s += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", *f.tflops_per_gpu);
   s += fmt::format(" learning rate: {:.6E} |", f.learning_rate);
   s += fmt::format(" global batch size: {:5d} |", f.global_batch_size);
   if (f.lm_loss > 0.0) s += fmt::format(" lm loss: {:.6E} |", f.lm_loss);
   s += fmt::format(" loss scale: {:.1f} |", f.loss_scale);
-  s += fmt::format(" grad norm: {:.3f} |", f.grad_norm);
+  if (f.grad_norm) s += fmt::format(" grad norm: {:.3f} |", *f.grad_norm);
   if (f.num_zeros_in_grad) s += fmt::format(" num zeros: {:.1f} |", *f.num_zeros_in_grad);
   if (f.params_norm) s += fmt::format(" params norm: {:.3f} |", *f.params_norm);
   s += fmt::format(" number of skipped iterations: {:3d} |", f.skipped);

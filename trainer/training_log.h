@@ -1,6 +1,7 @@
 // ptk-train's outputs beside the log line: --metrics-file's JSON lines and the log line's clock.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -10,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "common/output_lock.h"
 #include "tensorboard/summary_writer.h"
+#include "trainer/training.h"
 
 namespace ptk {
 
@@ -94,7 +96,7 @@ absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::strin
 // A JSON number, or null for NaN/Inf (which JSON cannot spell).
 std::string JsonNumber(double v);
 
-// The log line's local time, "2024-05-01 12:34:56".
+// The log line's local time, "2024-05-01 12:34:56.123456" (Megatron 0.16's '%Y-%m-%d %H:%M:%S.%f').
 std::string Timestamp();
 
 struct TrainOptions;  // train_options.h
@@ -102,9 +104,57 @@ struct TrainOptions;  // train_options.h
 // iteration (`train_iters`, as planned) already: nothing to train, and which flag to raise.
 std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters);
 
-// When the run starting at iteration `first` prints its first log line: as Megatron, at multiples of
-// --log-interval only, so none when the run ends before the next one ("its log line comes at
-// iteration 100" with --train-iters 8 promised a line that never came).
-std::string FirstLogLineNote(int64_t first, int64_t log_interval, int64_t train_iters);
+// Megatron's training_log accumulators between two log lines: the iterations that advanced, were
+// skipped, or skipped with a NaN/Inf loss, the lm loss summed over those that advanced, the time.
+// As megatron-core 0.16's, a line comes every --log-interval iterations and after the run's first
+// iteration (is_first_iteration, which documents the start-up's cost); that first line does not
+// reset the accumulators, so the next line still averages over every iteration since the start.
+// One difference: a first iteration that is a multiple of --log-interval resets them (Megatron's
+// does not, so its next line averages over that iteration too: with --log-interval 1 its second
+// line is the mean of two iterations).
+class LogInterval {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit LogInterval(int64_t log_interval) : log_interval_(log_interval) {}
+  void Start(Clock::time_point now = Clock::now()) { start_ = now; }
+  // The clock stops between the two (nested pairs count once): as Megatron stops its 'interval-time'
+  // timer around evaluations and checkpoint saves, their time is no iteration's.
+  void Pause(Clock::time_point now = Clock::now());
+  void Resume(Clock::time_point now = Clock::now());
+  void Add(const StepResult& r);
+  // Whether iteration `iteration` prints the line (the run's first iteration does).
+  bool Due(int64_t iteration) const { return iteration % log_interval_ == 0 || !logged_; }
+  // Whether the line of iteration `iteration` resets the accumulators (and the timers).
+  bool Resets(int64_t iteration) const { return logged_ || iteration % log_interval_ == 0; }
+  // The line's averages (elapsed time per iteration, lm loss, skipped and nan counts; the throughput,
+  // `flops` per iteration over `world` ranks, only with --log-throughput: `throughput`) and what it
+  // shows of the interval's last step `r`, as Megatron: its grad norm unless it was skipped (Megatron's
+  // optimizer returns none then), the loss scale after its update, its count of zeros.
+  void Fill(const StepResult& r, double flops, int world, bool throughput, LogLineFields* f,
+            Clock::time_point now = Clock::now()) const;
+  // After the line of iteration `iteration`: the accumulators start over where Resets says so.
+  void Logged(int64_t iteration, Clock::time_point now = Clock::now());
+
+ private:
+  int64_t log_interval_;
+  bool logged_ = false;
+  Clock::time_point start_, paused_at_;
+  double paused_seconds_ = 0;  // since start_
+  int pauses_ = 0;             // open Pause calls
+  int64_t iters_ = 0, advanced_ = 0, skipped_ = 0, nan_ = 0;
+  double loss_ = 0;  // over the iterations that advanced
+};
+
+// Pauses a LogInterval's clock for its lifetime.
+class IntervalPause {
+ public:
+  explicit IntervalPause(LogInterval* interval) : interval_(interval) { interval_->Pause(); }
+  ~IntervalPause() { interval_->Resume(); }
+  IntervalPause(const IntervalPause&) = delete;
+  IntervalPause& operator=(const IntervalPause&) = delete;
+
+ private:
+  LogInterval* interval_;
+};
 
 }  // namespace ptk

@@ -313,7 +313,7 @@ try:
     log0 = open(os.path.join(sim.log_dir, "ptk-train-0-0.pytorch.log")).read()
     if "data parallel: 2 ranks (torchrun variables)" not in log0 or "iteration       60/      60" not in log0:
         fail("rank 0 of the Indexed Job did not train 2 ranks to iteration 60:\n" + log0[-3000:])
-    if "validation loss at the end of training for val data" not in log0:
+    if "validation loss at iteration 60 on validation set" not in log0:
         fail("training did not evaluate on the validation split:\n" + log0[-3000:])
     ref_ckpt = os.path.join(VOL, "ptk", "ckpt-indexed")
     # The PyTorchJob's run starts afresh: beside the Indexed Job's event files it would write in a

@@ -89,7 +89,7 @@ inline SavedCheckpoint LoadTinyCheckpoint(const std::string& dir, int64_t iterat
 inline std::vector<std::string> LogLinesWithoutTimes(const std::string& out) {
   std::vector<std::string> v;
   const std::regex line(R"(iteration +\d+/ +\d+ .*\| lm loss: \S+ \|.*\| grad norm: \S+ \|)");
-  const std::regex times(R"(elapsed time per iteration \(ms\): \S+ \| throughput per GPU \(TFLOP/s/GPU\): \S+ \|)");
+  const std::regex times(R"(elapsed time per iteration \(ms\): \S+ \|( throughput per GPU \(TFLOP/s/GPU\): \S+ \|)?)");
   for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator(); ++it)
     v.push_back(std::regex_replace(it->str(), times, ""));
   return v;

@@ -122,6 +122,10 @@ TEST(LossScaling, OverflowIsASkippedStepThatBacksTheScaleOff) {
   }
   EXPECT_EQ(results[1].loss_scale, 0x1.0p+139);
   EXPECT_EQ(results[2].loss_scale, 0x1.0p+138);
+  // What the log line shows: the scale after the step's backoff, as Megatron logs
+  // optimizer.get_loss_scale() after its step (ptk showed the one the step was computed with).
+  EXPECT_EQ(results[0].next_loss_scale, 0x1.0p+139);
+  EXPECT_EQ(results[2].next_loss_scale, 0x1.0p+137);
   // Nothing was updated: the parameters are the initial ones.
   Fixture f;
   auto init = CpuGPTModel::Create(f.config);
