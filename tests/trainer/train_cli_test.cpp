@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include "common/output_lock.h"
@@ -567,6 +568,15 @@ TEST_F(TrainCli, DamagedOrMismatchedCheckpointIsRefused) {
   auto r = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("corrupt checkpoint, refusing to load it: SHA-256 mismatch"), std::string::npos) << r.output;
+  // Cut short (a copy stopped by a full disk): said so, with both sizes, in one line (it read as a SHA-256 mismatch).
+  testing::WriteFile(file, bytes.substr(0, bytes.size() - 1000));
+  r = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(fmt::format("{}: corrupt checkpoint, refusing to load it: cut short: {} bytes of the {} its "
+                                      "header records (1000 missing",
+                                      file, bytes.size() - 1000, bytes.size())),
+            std::string::npos)
+      << r.output;
   testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", "banana");
   r = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
   EXPECT_EQ(r.exit_code, 1) << r.output;
