@@ -212,6 +212,7 @@ Settings DataAndRunSettings(const TrainOptions& o) {
       {"--no-load-optim", o.no_load_optim ? "on" : "off"},
       {"--no-load-rng", o.no_load_rng ? "on" : "off"},
       {"--finetune", o.finetune ? "on" : "off"},
+      {"--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint ? "on" : "off"},
       {"--ckpt-step", o.ckpt_step ? std::to_string(*o.ckpt_step) : "none"},
       {"--override-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kOverride ? "on" : "off"},
       {"--use-checkpoint-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint ? "on" : "off"},

@@ -198,15 +198,7 @@ class Trainer {
     // Every rank reads --load once rank 0 has put back what a killed save left aside.
     if (!o_.save.empty()) PTK_RETURN_IF_ERROR(world_->Barrier());
     absl::StatusOr<int64_t> latest = CheckpointToLoad(o_.load, o_.ckpt_step);
-    if (absl::IsNotFound(latest.status())) {
-      PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o_.load));
-      // --load = --save is how every first run starts; another --load was meant to hold a checkpoint.
-      if (lead_ && o_.load != o_.save)
-        log::Warning("--load {}; starting from random initialization", StatusMessage(latest.status()));
-      else if (lead_)
-        log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
-      return absl::OkStatus();
-    }
+    if (absl::IsNotFound(latest.status())) return NoCheckpointToLoad(o_, latest.status(), lead_);
     PTK_RETURN_IF_ERROR(latest.status());
     TrainState loaded;
     std::vector<float> params, m, v;

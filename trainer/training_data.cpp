@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 
 #include "common/file_paths.h"
+#include "common/logging.h"
 #include "common/status.h"
 #include "trainer/pipeline_schedule.h"
 
@@ -203,6 +204,19 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
                       "mean --load {}?",
                       load, dir));
   }
+  return absl::OkStatus();
+}
+
+absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead) {
+  PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o.load));
+  if (o.exit_on_missing_checkpoint)
+    return absl::NotFoundError(
+        fmt::format("--load {}; --exit-on-missing-checkpoint: stopping instead of starting from random initialization",
+                    StatusMessage(why)));
+  if (lead && o.load != o.save)
+    log::Warning("--load {}; starting from random initialization", StatusMessage(why));
+  else if (lead)
+    log::Info("{}; starting from random initialization", StatusMessage(why));
   return absl::OkStatus();
 }
 

@@ -163,6 +163,32 @@ TEST_F(TrainRefusals, AnUnwritableIndexCacheWarnsOnceAndTheRunIsTheSame) {
       << r.output;
 }
 
+// Megatron's --exit-on-missing-checkpoint (ptk-train refused it as an unknown flag): a --load with no checkpoint,
+// missing or empty, stops in one line naming it, exit 1 (Megatron's sys.exit() exits 0: it would read as a
+// finished run); without the flag such a run starts anew, and with a checkpoint there the flag changes nothing.
+TEST_F(TrainRefusals, ExitOnMissingCheckpointStopsInsteadOfStartingAnew) {
+  std::filesystem::create_directories(dir_ / "empty");
+  for (const std::string load : {dir_ / "nothing", dir_ / "empty"}) {
+    auto r = RunCmd(Train(Data() + " --exit-on-missing-checkpoint --load " + ShellQuote(load)));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+    EXPECT_EQ(Errors(r.output)[0],
+              "ptk-train: error: --load " + load +
+                  ": no checkpoint (no latest_checkpointed_iteration.txt); --exit-on-missing-checkpoint: stopping "
+                  "instead of starting from random initialization")
+        << r.output;
+    EXPECT_EQ(r.output.find("iteration        1/"), std::string::npos) << r.output;
+    auto anew = RunCmd(Train(Data() + " --load " + ShellQuote(load)));
+    EXPECT_EQ(anew.exit_code, 0) << anew.output;
+    EXPECT_NE(anew.output.find("starting from random initialization"), std::string::npos) << anew.output;
+  }
+  const std::string ck = ShellQuote(dir_ / "ck");
+  ASSERT_EQ(RunCmd(Train(Data() + " --save " + ck, 2)).exit_code, 0);
+  auto r = RunCmd(Train(Data() + " --exit-on-missing-checkpoint --override-opt_param-scheduler --load " + ck));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("at iteration 2"), std::string::npos) << r.output;
+}
+
 // Each refused in one line before the model is made (a .bin without its .idx said "cannot open
 // PREFIX.idx: No such file or directory" after it; --eval-iters with --split 100,0,0 evaluated
 // nothing and exited 0; --save below a file said "afile is not a directory" after building it;
