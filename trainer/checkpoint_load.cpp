@@ -189,7 +189,12 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
   // ptk writes each key once; a second one is not ptk's header (which value would be meant?).
   if (auto dup = FirstDuplicateJsonKey(h)) return corrupt(fmt::format("the header gives the key {} twice", *dup));
   int64_t version = 0, num_params = 0;
-  if (h["version"].get(version) || version != kFormatVersion) return corrupt("unsupported format version");
+  if (h["version"].get(version)) return corrupt("the header records no format version");
+  if (version != kFormatVersion)  // a later ptk's: not damage, so not kDataLoss
+    return absl::FailedPreconditionError(
+        fmt::format("{}: checkpoint format version {}, and this ptk reads version {} only: load it with the ptk "
+                    "that saved it, or convert it with that ptk's ptk-convert",
+                    file, version, kFormatVersion));
   simdjson::dom::element saved_model;
   if (h["num_params"].get(num_params) || h["model"].get(saved_model)) return corrupt("header misses the model");
   int64_t saved_tensor_size = 1, saved_tensor_rank = 0;  // absent: ptk before tensor parallelism

@@ -426,6 +426,28 @@ TEST(Checkpoint, MalformedSettingsAreRefusedByBothReaders) {
   EXPECT_NE(read.status().message().find("malformed settings in the header"), absl::string_view::npos) << read.status();
 }
 
+// A checkpoint of a later format version (a later ptk's) is named as such, with both versions, not as
+// corrupt ("unsupported format version" gave neither).
+TEST(Checkpoint, ALaterFormatVersionIsNamedWithBothVersions) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  ASSERT_TRUE(Save(dir.path(), layout, 3, 1.0f).ok());
+  const std::string file = CheckpointFile(dir.path(), 3);
+  std::string data = testing::ReadFile(file);
+  const size_t at = data.find("\"version\": 1,");
+  ASSERT_NE(at, std::string::npos);
+  data[at + 11] = '2';
+  data.replace(data.size() - 64, 64, Sha256Hex(std::string_view(data.data(), data.size() - 64)));
+  testing::WriteFile(file, data);
+  std::vector<float> p, m, v;
+  TrainState s;
+  absl::Status st = LoadCheckpoint(dir.path(), 3, layout, &p, &m, &v, &s);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_EQ(StatusMessage(st), file +
+                                   ": checkpoint format version 2, and this ptk reads version 1 only: load it with "
+                                   "the ptk that saved it, or convert it with that ptk's ptk-convert");
+}
+
 // A Llama-line model's checkpoint records its settings: it loads into the same model, and one that
 // differs only where the parameter count does not show it (the rope scaling, the rotary base) is
 // refused naming the description, not loaded into the wrong model.
