@@ -866,6 +866,22 @@ TEST_F(HfConvert, AWrongLoaderSaysWhatTheDirectoryHolds) {
   EXPECT_EQ(none.status().message().find("holds"), absl::string_view::npos) << none.status();
 }
 
+// --loader ptk on a directory whose tracker names an iteration that is not there says so, as ptk-train's --load
+// ("cannot open .../model_optim_rng.ptk: No such file or directory" before).
+TEST_F(HfConvert, ATrackerNamingAMissingIterationSaysSo) {
+  Save(false, dir_ / "ck");
+  ptk::testing::WriteFile(dir_ / "ck/latest_checkpointed_iteration.txt", "5");
+  for (const char* saver : {"hf", "megatron"}) {
+    auto r = RunConvert(Opts("ptk", saver, dir_ / "ck", dir_ / "out"));
+    ASSERT_FALSE(r.ok()) << saver;
+    EXPECT_TRUE(absl::IsNotFound(r.status())) << r.status();
+    EXPECT_EQ(
+        r.status().message().rfind(CheckpointDir(dir_ / "ck", 5) + ": missing (the tracker names iteration 5)", 0), 0u)
+        << r.status();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
+}
+
 // A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow
 // model's model.safetensors (400 KB) fits under but vocab.json does not: EFBIG, as ENOSPC) is exit 3
 // and leaves no partial export, and over an earlier export leaves that one whole.
