@@ -192,10 +192,16 @@ TEST_F(TrainRefusals, ExitOnMissingCheckpointStopsInsteadOfStartingAnew) {
 // Each refused in one line before the model is made (a .bin without its .idx said "cannot open
 // PREFIX.idx: No such file or directory" after it; --eval-iters with --split 100,0,0 evaluated
 // nothing and exited 0; --save below a file said "afile is not a directory" after building it;
-// --load of a file trained from scratch and exited 0; an empty --data-path said ": no dataset here").
+// --load of a file trained from scratch and exited 0; an empty --data-path said ": no dataset here"; --save of a
+// Megatron checkpoint's directory saved ptk's beside it and moved its tracker).
 TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
   std::filesystem::copy_file(prefix_ + ".bin", dir_ / "half.bin");
   testing::WriteFile(dir_ / "afile", "x");
+  // Megatron's checkpoint (a ptk-convert export): a save there moved the tracker Megatron reads to ptk's.
+  const std::string meg = dir_ / "meg", meg_file = meg + "/iter_0000002/mp_rank_00/model_optim_rng.pt";
+  std::filesystem::create_directories(meg + "/iter_0000002/mp_rank_00");
+  testing::WriteFile(meg_file, "PK");
+  testing::WriteFile(meg + "/latest_checkpointed_iteration.txt", "2");
   const std::pair<std::string, std::string> cases[] = {
       {" --data-path " + ShellQuote(dir_ / "half"),
        "ptk-train: error: " + dir_ / "half" + ": " + dir_ / "half.bin" + " is there but not " + dir_ / "half.idx" +
@@ -210,6 +216,10 @@ TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
       {Data() + " --load " + ShellQuote(dir_ / "afile"),
        "ptk-train: error: --load " + dir_ / "afile" + ": a file, not a checkpoint directory"},
       {" --data-path ''", "ptk-train: usage error: --data-path: an empty dataset prefix (an unset shell variable?)"},
+      {Data() + " --save " + ShellQuote(meg),
+       "ptk-train: usage error: --save " + meg + ": holds a Megatron checkpoint (" + meg_file +
+           "): a ptk-train save writes iter_N/ there and moves the latest_checkpointed_iteration.txt Megatron reads "
+           "to it; give a directory of its own (convert it with ptk-convert --loader megatron --saver ptk"},
       {Data() + " --save " + ShellQuote(dir_ / "afile/ck"),
        "ptk-train: error: --save " + dir_ / "afile/ck" + ": " + dir_ / "afile" +
            " is a file, not a directory: checkpoints are directories"},
