@@ -220,6 +220,20 @@ absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, 
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> PretrainedCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead) {
+  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(o.pretrained_checkpoint);
+  if (absl::IsNotFound(latest.status()))
+    return absl::NotFoundError(fmt::format("no checkpoint in --load {} ({}) nor in --pretrained-checkpoint {}", o.load,
+                                           StatusMessage(why), StatusMessage(latest.status())));
+  PTK_RETURN_IF_ERROR(latest.status());
+  if (lead)
+    log::Info(
+        "--load {} holds no checkpoint: fine-tuning from --pretrained-checkpoint {} (its iteration {}) as "
+        "--finetune does; a restart resumes from --load once this run has saved there",
+        o.load, o.pretrained_checkpoint, *latest);
+  return latest;
+}
+
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {
   *keys = mb.indices;
   return ModelBatch{mb.micro_batch_size,    mb.seq_length,       mb.tokens.data(), mb.labels.data(),

@@ -52,6 +52,10 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load);
 // --save: --load = --save is how every first run starts, another --load was meant to hold a checkpoint).
 absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead);
 
+// Megatron's --pretrained-checkpoint: where --load holds no checkpoint (`why`), the iteration of
+// --pretrained-checkpoint's to fine-tune from, said by `lead`; none there either: NotFound naming both.
+absl::StatusOr<int64_t> PretrainedCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead);
+
 // A loader's micro-batch as the model reads it; `keys` holds the samples' indices (dropout's keys).
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys);
 // Context parallelism: each sample's rows at `positions` only (this context rank's,

@@ -189,6 +189,45 @@ TEST_F(TrainRefusals, ExitOnMissingCheckpointStopsInsteadOfStartingAnew) {
   EXPECT_NE(r.output.find("at iteration 2"), std::string::npos) << r.output;
 }
 
+// Megatron's --pretrained-checkpoint (ptk-train refused it as an unknown flag): a fine-tuning run's first start,
+// whose --load holds nothing yet, loads the pretrained checkpoint as --finetune (iteration 0, no optimizer state);
+// its restart resumes from its own --load (a --finetune kept in a requeued command started anew at iteration 0
+// from its own checkpoint). Neither holding one stops naming both (exit 1); a file is refused before the model.
+TEST_F(TrainRefusals, PretrainedCheckpointStartsAFineTuneThatResumesFromItsOwn) {
+  const std::string base = ShellQuote(dir_ / "base"), ft = ShellQuote(dir_ / "ft");
+  ASSERT_EQ(RunCmd(Train(Data() + " --save " + base, 2)).exit_code, 0);
+  const std::string cmd = Data() + " --pretrained-checkpoint " + base + " --load " + ft + " --save " + ft;
+  auto first = RunCmd(Train(cmd, 3));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(
+      first.output.find("--load " + dir_ / "ft" + " holds no checkpoint: fine-tuning from --pretrained-checkpoint " +
+                        dir_ / "base" + " (its iteration 2)"),
+      std::string::npos)
+      << first.output;
+  EXPECT_NE(first.output.find("iteration        1/       3"), std::string::npos) << first.output;
+  auto again = RunCmd(Train(cmd + " --override-opt_param-scheduler", 5));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("at iteration 3 (12 samples consumed)"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("fine-tuning from"), std::string::npos) << again.output;
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "ft"), 5);
+  std::filesystem::create_directories(dir_ / "empty");
+  auto none = RunCmd(Train(Data() + " --pretrained-checkpoint " + ShellQuote(dir_ / "empty") + " --load " +
+                           ShellQuote(dir_ / "nothing")));
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  ASSERT_EQ(Errors(none.output).size(), 1u) << none.output;
+  EXPECT_EQ(Errors(none.output)[0],
+            "ptk-train: error: no checkpoint in --load " + dir_ / "nothing" + " (" + dir_ / "nothing" +
+                ": no checkpoint (no latest_checkpointed_iteration.txt)) nor in --pretrained-checkpoint " +
+                dir_ / "empty" + ": no checkpoint (no latest_checkpointed_iteration.txt)");
+  testing::WriteFile(dir_ / "afile", "x");
+  auto file = RunCmd(Train(Data() + " --pretrained-checkpoint " + ShellQuote(dir_ / "afile")));
+  EXPECT_EQ(file.exit_code, 1) << file.output;
+  EXPECT_NE(file.output.find("ptk-train: error: --pretrained-checkpoint " + dir_ / "afile" + ": a file"),
+            std::string::npos)
+      << file.output;
+  EXPECT_EQ(file.output.find("start-up: model built"), std::string::npos) << file.output;
+}
+
 // Each refused in one line before the model is made (a .bin without its .idx said "cannot open
 // PREFIX.idx: No such file or directory" after it; --eval-iters with --split 100,0,0 evaluated
 // nothing and exited 0; --save below a file said "afile is not a directory" after building it;
