@@ -142,7 +142,7 @@ TEST_F(HfConvert, AnImportThatFailsOnAFullDiskLeavesNoSaveDirItMade) {
   Save(false, dir_ / "ck");
   ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
   std::filesystem::create_directories(dir_ / "there");
-  for (const std::string save : {dir_ / "new/imported", dir_ / "there"}) {
+  for (const std::string& save : {dir_ / "new/imported", dir_ / "there"}) {
     SetSaveStepHookForTesting([](std::string_view step) {
       return step == "write checkpoint file" ? absl::ResourceExhaustedError("No space left on device (injected)")
                                              : absl::OkStatus();

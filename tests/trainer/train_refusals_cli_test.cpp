@@ -168,7 +168,7 @@ TEST_F(TrainRefusals, AnUnwritableIndexCacheWarnsOnceAndTheRunIsTheSame) {
 // finished run); without the flag such a run starts anew, and with a checkpoint there the flag changes nothing.
 TEST_F(TrainRefusals, ExitOnMissingCheckpointStopsInsteadOfStartingAnew) {
   std::filesystem::create_directories(dir_ / "empty");
-  for (const std::string load : {dir_ / "nothing", dir_ / "empty"}) {
+  for (const std::string& load : {dir_ / "nothing", dir_ / "empty"}) {
     auto r = RunCmd(Train(Data() + " --exit-on-missing-checkpoint --load " + ShellQuote(load)));
     EXPECT_EQ(r.exit_code, 1) << r.output;
     ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
@@ -181,6 +181,15 @@ TEST_F(TrainRefusals, ExitOnMissingCheckpointStopsInsteadOfStartingAnew) {
     auto anew = RunCmd(Train(Data() + " --load " + ShellQuote(load)));
     EXPECT_EQ(anew.exit_code, 0) << anew.output;
     EXPECT_NE(anew.output.find("starting from random initialization"), std::string::npos) << anew.output;
+  }
+  // A tracker naming an iteration that is not there (a directory copied without it) is no new run: one line, exit 1.
+  testing::WriteFile(dir_ / "empty/latest_checkpointed_iteration.txt", "7");
+  for (const std::string flag : {"", " --exit-on-missing-checkpoint"}) {
+    auto r = RunCmd(Train(Data() + flag + " --load " + ShellQuote(dir_ / "empty")));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+    EXPECT_EQ(Errors(r.output)[0],
+              "ptk-train: error: " + CheckpointFile(dir_ / "empty", 7) + ": missing (the tracker names iteration 7)");
   }
   const std::string ck = ShellQuote(dir_ / "ck");
   ASSERT_EQ(RunCmd(Train(Data() + " --save " + ck, 2)).exit_code, 0);
