@@ -30,6 +30,7 @@
 #include "tokenizer/gpt2_tokenizer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/model_limits.h"
+#include "trainer/training_log.h"
 
 namespace ptk {
 namespace {
@@ -499,11 +500,12 @@ absl::StatusOr<ConvertSummary> ImportFromHf(const ConvertOptions& o) {
       state.settings.emplace_back("--global-batch-size", std::to_string(o.global_batch_size));
   }
   // As a training run: one writer per --save directory, and what a killed save left put right.
-  PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
+  SaveDirectory save_dir;  // locked; a failed import (a full disk) leaves no --save-dir it made
+  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
   PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, o.iteration, /*with_moments=*/false));
   PTK_RETURN_IF_ERROR(SaveCheckpoint(o.save_dir, layout, params, zeros, zeros, state, o.args_json));
+  save_dir.Keep();
   s.destination = CheckpointFile(o.save_dir, o.iteration);
   s.notes.push_back(fmt::format("a Hugging Face directory holds no optimizer state: AdamW's moments start at zero{}",
                                 o.iteration > 0

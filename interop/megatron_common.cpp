@@ -11,8 +11,8 @@
 
 #include "common/file_io.h"
 #include "common/file_paths.h"
-#include "common/output_lock.h"
 #include "common/status.h"
+#include "trainer/training_log.h"
 
 namespace ptk::megatron {
 
@@ -454,13 +454,14 @@ absl::Status SaveImported(const ConvertOptions& o, const PyValue* args, const Py
   if (args != nullptr && args->Get("calculate_per_token_loss") != nullptr)
     state.settings.emplace_back("--calculate-per-token-loss", per_token ? "on" : "off");
   if (!optimizer_state && !s->release) state.settings.emplace_back(kOptimizerStateSetting, "none");
-  PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-train")));
+  SaveDirectory save_dir;  // locked; a failed import (a full disk) leaves no --save-dir it made
+  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir));
   PTK_RETURN_IF_ERROR(RecoverCheckpointDir(o.save_dir));
   PTK_RETURN_IF_ERROR(CheckImportTarget(o.save_dir, s->iteration, /*with_moments=*/true));
   const std::vector<float> zero(s->release ? weights.size() : 0, 0.0f);  // a release's moments: none loaded
   PTK_RETURN_IF_ERROR(
       SaveCheckpoint(o.save_dir, layout, weights, s->release ? zero : m1, s->release ? zero : m2, state, o.args_json));
+  save_dir.Keep();
   s->destination = CheckpointFile(o.save_dir, s->iteration);
   s->num_params = layout.num_params;
   s->train_flags = fmt::format(

@@ -21,13 +21,13 @@
 #include "common/file_io.h"
 #include "common/file_paths.h"
 #include "common/logging.h"
-#include "common/output_lock.h"
 #include "common/status.h"
 #include "interop/megatron_common.h"
 #include "interop/megatron_export_args.h"
 #include "interop/megatron_optim.h"
 #include "interop/torch_format.h"
 #include "trainer/checkpoint.h"
+#include "trainer/training_log.h"
 
 namespace ptk {
 namespace {
@@ -459,8 +459,8 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   ex.sched = SchedulerState(state, ex.h);
 
   // The iteration's directory, written aside and renamed into place.
-  PTK_RETURN_IF_ERROR(MakeDirs(o.save_dir));
-  PTK_ASSIGN_OR_RETURN(auto lock, OutputLock::Acquire(JoinPath(o.save_dir, "ptk-convert")));
+  SaveDirectory save_dir;  // locked; a failed export (a full disk) leaves no --save-dir it made
+  PTK_RETURN_IF_ERROR(save_dir.Take(o.save_dir, "ptk-convert"));
   PTK_RETURN_IF_ERROR(SweepDeadExports(o.save_dir, &s.notes));
   const std::string final_dir = JoinPath(o.save_dir, fmt::format("iter_{:07d}", state.iteration));
   const std::string tmp_dir = fmt::format("{}.ptk-tmp-{}", final_dir, ::getpid());
@@ -471,6 +471,7 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
     if (!PathExists(final_dir) && PathExists(old_dir)) (void)RenameFile(old_dir, final_dir);
     return st;
   }
+  save_dir.Keep();
   s.destination = final_dir;
   s.config = c;
   s.num_params = layout.num_params;

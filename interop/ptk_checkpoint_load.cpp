@@ -122,6 +122,9 @@ absl::StatusOr<PtkCheckpoint> LoadPtkCheckpoint(const std::string& load_dir, int
   PtkCheckpoint out;
   PTK_ASSIGN_OR_RETURN(out.iteration, LatestCheckpointIteration(load_dir));
   out.file = CheckpointFile(load_dir, out.iteration);
+  // As ptk-train's --load says it (it read "cannot open ...: No such file or directory").
+  if (const std::string dir = CheckpointDir(load_dir, out.iteration); !IsDirectory(dir))
+    return absl::NotFoundError(fmt::format("{}: missing (the tracker names iteration {})", dir, out.iteration));
   PTK_ASSIGN_OR_RETURN(CheckpointHeader header, ReadCheckpointHeader(out.file));
   GPTConfig& c = header.config;
   // What the model description leaves to the run's settings.

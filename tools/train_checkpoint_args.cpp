@@ -232,6 +232,11 @@ absl::Status ApplyCheckpointArgs(const CLI::App& app, TrainFlags* f, std::vector
   const std::string& load = f->options.load;
   if (load.empty()) return UsageError("--use-checkpoint-args needs --load (the checkpoint to take the model from)");
   absl::StatusOr<int64_t> latest = CheckpointToLoad(load, f->options.ckpt_step);
+  if (absl::IsNotFound(latest.status()) && f->options.exit_on_missing_checkpoint)
+    return absl::NotFoundError(
+        fmt::format("--use-checkpoint-args: no checkpoint in --load {} ({}); "
+                    "--exit-on-missing-checkpoint: stopping",
+                    load, StatusMessage(latest.status())));
   if (absl::IsNotFound(latest.status()))
     return UsageError(
         fmt::format("--use-checkpoint-args: no checkpoint in --load {} ({})", load, StatusMessage(latest.status())));

@@ -198,6 +198,11 @@ void AddLoggingAndCheckpointFlags(CLI::App* app, TrainFlags* f) {
       "Do not restore the optimizer state (AdamW's moments and the learning-rate schedule, which starts anew)");
   app->add_flag("--no-load-rng", o.no_load_rng, "Do not restore the random seed");
   app->add_flag("--finetune", o.finetune, "Load weights only; iteration and data start at 0");
+  app->add_option("--pretrained-checkpoint", o.pretrained_checkpoint,
+                  "Where --load holds no checkpoint: fine-tune from this directory's (as --finetune); a restart "
+                  "resumes from --load's own");
+  app->add_flag("--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint,
+                "Stop (exit 1) when --load holds no checkpoint, instead of starting from random initialization");
   app->add_option("--ckpt-step", o.ckpt_step,
                   "Load the checkpoint of this iteration from --load instead of the one its "
                   "latest_checkpointed_iteration.txt names")

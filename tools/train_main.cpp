@@ -92,6 +92,12 @@ absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int
         fmt::format("--load {}: a file, not a checkpoint directory (the directory --save wrote, which holds "
                     "latest_checkpointed_iteration.txt)",
                     o.load));
+  PTK_RETURN_IF_ERROR(ptk::CheckSaveHoldsNoMegatronCheckpoint(o.save));
+  if (ptk::PathExists(o.pretrained_checkpoint) && !ptk::IsDirectory(o.pretrained_checkpoint))
+    return absl::FailedPreconditionError(
+        fmt::format("--pretrained-checkpoint {}: a file, not a checkpoint directory (the directory --save wrote, "
+                    "which holds latest_checkpointed_iteration.txt)",
+                    o.pretrained_checkpoint));
   if (o.mock_data || (stage != 0 && stage != stages - 1)) return absl::OkStatus();
   // --split's usage error (exit 2) before the data's.
   PTK_ASSIGN_OR_RETURN(const std::string no_valid, ptk::NoValidationSplit(o.data));

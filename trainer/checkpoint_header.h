@@ -2,7 +2,10 @@
 // trainer/checkpoint_settings.cpp (its recorded settings alone) share. Internal to trainer/.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -14,6 +17,16 @@ namespace ptk {
 
 // The first bytes of every ptk checkpoint file.
 inline constexpr char kMagic[8] = {'P', 'T', 'K', 'C', 'K', 'P', 'T', '1'};
+// The header's "version"; the file: magic, the header's length (8 bytes), the header, the arrays, then the hex
+// SHA-256 of all before it.
+inline constexpr int kFormatVersion = 1;
+inline constexpr size_t kDigestChars = 64;
+
+// Why a checkpoint file of `size` bytes, whose first bytes are `head` (its fixed start and header, or all
+// of it when shorter), is not the length its header records: "cut short: 1000 bytes of the 5208 its header
+// records ..." (a copy or download stopped by a kill or a full disk), or longer; "" when the length is
+// right or the header is unreadable (the SHA-256 then decides).
+std::string CheckpointLengthProblem(std::string_view head, uint64_t size);
 
 // The header's "settings" ([[flag, value], ...], the run's settings as given) into *out, cleared
 // first; none when the header has no such key (a checkpoint of ptk before it recorded them). False

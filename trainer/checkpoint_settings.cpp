@@ -15,6 +15,7 @@
 #include <simdjson.h>
 
 #include "common/file_io.h"
+#include "common/file_paths.h"
 #include "common/json_writer.h"
 #include "common/status.h"
 #include "trainer/checkpoint.h"
@@ -50,12 +51,20 @@ absl::StatusOr<std::string> ReadCheckpointHeaderText(const std::string& file) {
   if (!in) return absl::NotFoundError(fmt::format("{}: cannot open", file));
   char magic[sizeof kMagic];
   uint64_t len = 0;
-  if (!in.read(magic, sizeof magic) || std::memcmp(magic, kMagic, sizeof kMagic) != 0)
-    return corrupt(NotAPtkCheckpoint(std::string_view(magic, static_cast<size_t>(in.gcount()))));
-  if (!in.read(reinterpret_cast<char*>(&len), sizeof len) || len > (uint64_t{1} << 30))
-    return corrupt("bad header length");
+  const bool whole_magic = static_cast<bool>(in.read(magic, sizeof magic));
+  const std::string start(magic, static_cast<size_t>(in.gcount()));
+  if (std::memcmp(magic, kMagic, start.size()) != 0) return corrupt(NotAPtkCheckpoint(start));
+  // A file cut short (a copy stopped by a kill or a full disk) says so, with its size and the one it needs.
+  PTK_ASSIGN_OR_RETURN(const uint64_t size, FileSize(file));
+  if (!whole_magic || !in.read(reinterpret_cast<char*>(&len), sizeof len))
+    return corrupt(CheckpointLengthProblem(start, size));
+  if (len > (uint64_t{1} << 30)) return corrupt("bad header length");
   std::string header(len, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(len))) return corrupt("header past the end");
+  if (!in.read(header.data(), static_cast<std::streamsize>(len))) {
+    std::string head = start + std::string(reinterpret_cast<const char*>(&len), sizeof len);
+    std::string why = CheckpointLengthProblem(head, size);
+    return corrupt(why.empty() ? "header past the end" : why);
+  }
   return header;
 }
 

@@ -53,39 +53,42 @@ std::vector<SchedulerDifference> CompareSchedulers(const SchedulerConfig& here, 
                                                    int64_t samples_per_iteration) {
   std::vector<SchedulerDifference> out;
   auto len = [&](auto v) { return Length(v, samples_per_iteration); };
+  auto add = [&](bool differ, const char* what, const char* flags, std::string a, std::string b, const char* megatron) {
+    if (differ) out.push_back({what, flags, std::move(a), std::move(b), megatron});
+  };
+  // Megatron's state_dict, in its load_state_dict's order: each compared whatever the styles.
+  add(here.max_lr != saved.max_lr, "peak learning rate", "--lr", Rate(here.max_lr), Rate(saved.max_lr),
+      "learning rate");
+  add(here.min_lr != saved.min_lr, "minimum learning rate", "--min-lr", Rate(here.min_lr), Rate(saved.min_lr),
+      "minimum learning rate");
+  add(here.warmup_steps != saved.warmup_steps, "warm-up length",
+      "--lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction", len(here.warmup_steps), len(saved.warmup_steps),
+      "warmup iterations");
+  add(here.decay_steps != saved.decay_steps, "decay length",
+      "--lr-decay-iters or --lr-decay-samples, by default --train-iters or --train-samples", len(here.decay_steps),
+      len(saved.decay_steps), "total number of iterations");
+  add(here.decay_style != saved.decay_style, "decay style", "--lr-decay-style", here.decay_style, saved.decay_style,
+      "learning rate decay style");
+  add(here.start_wd != saved.start_wd, "start weight decay", "--start-weight-decay, by default --weight-decay",
+      Rate(here.start_wd), Rate(saved.start_wd), "start weight decay");
+  add(here.end_wd != saved.end_wd, "end weight decay", "--end-weight-decay, by default --weight-decay",
+      Rate(here.end_wd), Rate(saved.end_wd), "end weight decay");
+  add(here.wd_incr_steps != saved.wd_incr_steps, "weight-decay increment length",
+      "--train-iters or --train-samples (Megatron's increment spans the whole run, even under a constant "
+      "weight decay)",
+      len(here.wd_incr_steps), len(saved.wd_incr_steps), "total number of weight decay iterations");
+  add(here.wd_incr_style != saved.wd_incr_style, "weight-decay increment style", "--weight-decay-incr-style",
+      here.wd_incr_style, saved.wd_incr_style, "weight decay incr style");
+  // ptk's own, where a style in use reads them.
   auto any = [&](auto pred) { return pred(here) || pred(saved); };
-  const bool decays = any([](const SchedulerConfig& c) { return c.decay_style != "constant"; });
   const bool warms = any([](const SchedulerConfig& c) { return c.warmup_steps > 0; });
   const bool wsd = any([](const SchedulerConfig& c) { return c.decay_style == "WSD"; });
-  const bool wd_incr = any([](const SchedulerConfig& c) { return c.wd_incr_style != "constant"; });
-  auto add = [&](bool relevant, bool differ, const char* what, const char* flags, std::string a, std::string b) {
-    if (relevant && differ) out.push_back({what, flags, std::move(a), std::move(b)});
-  };
-  add(true, here.max_lr != saved.max_lr, "peak learning rate", "--lr", Rate(here.max_lr), Rate(saved.max_lr));
-  add(decays, here.min_lr != saved.min_lr, "minimum learning rate", "--min-lr", Rate(here.min_lr), Rate(saved.min_lr));
-  add(warms, here.init_lr != saved.init_lr, "warm-up start", "--lr-warmup-init", Rate(here.init_lr),
-      Rate(saved.init_lr));
-  add(true, here.warmup_steps != saved.warmup_steps, "warm-up length",
-      "--lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction", len(here.warmup_steps),
-      len(saved.warmup_steps));
-  add(decays, here.decay_steps != saved.decay_steps, "decay length",
-      "--lr-decay-iters or --lr-decay-samples, by default --train-iters or --train-samples", len(here.decay_steps),
-      len(saved.decay_steps));
-  add(true, here.decay_style != saved.decay_style, "decay style", "--lr-decay-style", here.decay_style,
-      saved.decay_style);
-  add(wsd, here.wsd_decay_steps != saved.wsd_decay_steps, "WSD anneal length",
-      "--lr-wsd-decay-iters or --lr-wsd-decay-samples", len(here.wsd_decay_steps), len(saved.wsd_decay_steps));
-  add(wsd, here.wsd_decay_style != saved.wsd_decay_style, "WSD anneal style", "--lr-wsd-decay-style",
-      here.wsd_decay_style, saved.wsd_decay_style);
-  add(wd_incr, here.start_wd != saved.start_wd, "start weight decay", "--start-weight-decay, by default --weight-decay",
-      Rate(here.start_wd), Rate(saved.start_wd));
-  add(true, here.end_wd != saved.end_wd, wd_incr ? "end weight decay" : "weight decay",
-      wd_incr ? "--end-weight-decay, by default --weight-decay" : "--weight-decay", Rate(here.end_wd),
-      Rate(saved.end_wd));
-  add(wd_incr, here.wd_incr_steps != saved.wd_incr_steps, "weight-decay increment length",
-      "--train-iters or --train-samples", len(here.wd_incr_steps), len(saved.wd_incr_steps));
-  add(true, here.wd_incr_style != saved.wd_incr_style, "weight-decay increment style", "--weight-decay-incr-style",
-      here.wd_incr_style, saved.wd_incr_style);
+  add(warms && here.init_lr != saved.init_lr, "warm-up start", "--lr-warmup-init", Rate(here.init_lr),
+      Rate(saved.init_lr), "");
+  add(wsd && here.wsd_decay_steps != saved.wsd_decay_steps, "WSD anneal length",
+      "--lr-wsd-decay-iters or --lr-wsd-decay-samples", len(here.wsd_decay_steps), len(saved.wsd_decay_steps), "");
+  add(wsd && here.wsd_decay_style != saved.wsd_decay_style, "WSD anneal style", "--lr-wsd-decay-style",
+      here.wsd_decay_style, saved.wsd_decay_style, "");
   return out;
 }
 
@@ -94,33 +97,43 @@ absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& h
                                                         int64_t samples_per_iteration,
                                                         std::vector<std::string>* notes) {
   const std::vector<SchedulerDifference> diffs = CompareSchedulers(here, saved, samples_per_iteration);
-  if (diffs.empty()) return here;
-  std::string list;
+  std::string checked, own;  // Megatron's state_dict's differences; ptk's others (always this command line's)
   for (const SchedulerDifference& d : diffs) {
+    std::string& list = d.megatron.empty() ? own : checked;
     if (!list.empty()) list += "; ";
     if (mode == SchedulerOnLoad::kCheck)
       list += fmt::format("{} ({}): {} here, {} in the checkpoint", d.what, d.flags, d.here, d.saved);
-    else if (mode == SchedulerOnLoad::kUseCheckpoint)
+    else if (mode == SchedulerOnLoad::kUseCheckpoint && !d.megatron.empty())
       list += fmt::format("{} {} (this command line: {})", d.what, d.saved, d.here);
     else
       list += fmt::format("{} {} (the checkpoint's: {})", d.what, d.here, d.saved);
   }
-  switch (mode) {
-    case SchedulerOnLoad::kCheck:
-      return UsageError(fmt::format(
-          "the learning-rate schedule differs from the one the checkpoint of iteration {} was saved with: {}. "
-          "As in Megatron, a resume stops here: add --use-checkpoint-opt_param-scheduler to go on with the "
-          "checkpoint's schedule, or --override-opt_param-scheduler to take this command line's",
-          checkpoint_iteration, list));
-    case SchedulerOnLoad::kUseCheckpoint:
-      notes->push_back("--use-checkpoint-opt_param-scheduler: going on with the checkpoint's schedule: " + list);
-      return saved;
-    case SchedulerOnLoad::kOverride:
-      notes->push_back("--override-opt_param-scheduler: this command line's schedule replaces the checkpoint's: " +
-                       list);
-      return here;
+  if (!checked.empty() && mode == SchedulerOnLoad::kCheck)
+    return UsageError(fmt::format(
+        "the learning-rate schedule differs from the one the checkpoint of iteration {} was saved with: {}. "
+        "As in Megatron, a resume stops here: add --use-checkpoint-opt_param-scheduler to go on with the "
+        "checkpoint's schedule, or --override-opt_param-scheduler to take this command line's",
+        checkpoint_iteration, checked));
+  SchedulerConfig out = here;
+  if (!checked.empty() && mode == SchedulerOnLoad::kUseCheckpoint) {
+    out.max_lr = saved.max_lr;
+    out.min_lr = saved.min_lr;
+    out.warmup_steps = saved.warmup_steps;
+    out.decay_steps = saved.decay_steps;
+    out.decay_style = saved.decay_style;
+    out.start_wd = saved.start_wd;
+    out.end_wd = saved.end_wd;
+    out.wd_incr_steps = saved.wd_incr_steps;
+    out.wd_incr_style = saved.wd_incr_style;
+    notes->push_back("--use-checkpoint-opt_param-scheduler: going on with the checkpoint's schedule: " + checked);
+  } else if (!checked.empty()) {
+    notes->push_back("--override-opt_param-scheduler: this command line's schedule replaces the checkpoint's: " +
+                     checked);
   }
-  return here;
+  if (!own.empty())
+    notes->push_back("this command line's " + own +
+                     ": Megatron's checkpoint does not record these, and its resume takes them from the command line");
+  return out;
 }
 
 double OptimizerParamScheduler::lr() const {

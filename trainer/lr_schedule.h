@@ -36,23 +36,26 @@ enum class SchedulerOnLoad {
   kUseCheckpoint,  // --use-checkpoint-opt_param-scheduler: the checkpoint's settings
 };
 
-// One setting that differs: its name, the flags that set it, and both values as shown to a user.
+// One setting that differs: its name, the flags that set it, both values as shown to a user, and the name
+// Megatron's OptimizerParamScheduler._check_and_set gives it ("" for a setting its state_dict does not hold).
 struct SchedulerDifference {
-  std::string what, flags, here, saved;
+  std::string what, flags, here, saved, megatron;
 };
 
-// The settings of `saved` that differ from `here` and change some learning rate or weight decay:
-// Megatron's (peak and minimum rate, warm-up and decay lengths, decay style, start and end weight
-// decay, its increment length and style) and ptk's others (warm-up start, WSD anneal length and
-// style). A setting the style in use ignores is not compared (the increment length under constant
-// weight decay, WSD's under another style). `samples_per_iteration` > 0 also shows lengths in
-// iterations (a --train-iters run); 0 shows samples only.
+// The settings of `saved` that differ from `here`: first every value Megatron's state_dict holds and its
+// load_state_dict checks, whatever the styles in use (peak and minimum rate, warm-up and decay lengths,
+// decay style, start and end weight decay, the increment's length, which is Megatron's --train-iters or
+// --train-samples, and its style); then ptk's others that Megatron does not record (warm-up start, WSD's
+// anneal length and style), each only where a style in use reads it. `samples_per_iteration` > 0 also
+// shows lengths in iterations (a --train-iters run); 0 shows samples only.
 std::vector<SchedulerDifference> CompareSchedulers(const SchedulerConfig& here, const SchedulerConfig& saved,
                                                    int64_t samples_per_iteration);
 
-// The settings a resumed run goes on with: `here` when nothing differs or with kOverride, `saved`
-// with kUseCheckpoint; with kCheck a difference is a usage error naming each setting, both values
-// and the two flags that resolve it. `notes` gets what was kept or replaced when something differs.
+// The settings a resumed run goes on with, as megatron-core 0.16.1's load_state_dict leaves its scheduler:
+// with kCheck a difference in a value its state_dict holds is a usage error naming each such setting, both
+// values and the two flags that resolve it (Megatron's AssertionError); kOverride keeps `here`;
+// kUseCheckpoint takes those values from `saved`. The warm-up start and WSD's anneal are `here`'s in
+// every mode (Megatron's state_dict does not hold them). `notes` gets what was kept or replaced.
 absl::StatusOr<SchedulerConfig> ResolveResumedScheduler(const SchedulerConfig& here, const SchedulerConfig& saved,
                                                         SchedulerOnLoad mode, int64_t checkpoint_iteration,
                                                         int64_t samples_per_iteration, std::vector<std::string>* notes);

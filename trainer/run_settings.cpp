@@ -212,6 +212,8 @@ Settings DataAndRunSettings(const TrainOptions& o) {
       {"--no-load-optim", o.no_load_optim ? "on" : "off"},
       {"--no-load-rng", o.no_load_rng ? "on" : "off"},
       {"--finetune", o.finetune ? "on" : "off"},
+      {"--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint ? "on" : "off"},
+      {"--pretrained-checkpoint", o.pretrained_checkpoint},
       {"--ckpt-step", o.ckpt_step ? std::to_string(*o.ckpt_step) : "none"},
       {"--override-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kOverride ? "on" : "off"},
       {"--use-checkpoint-opt_param-scheduler", o.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint ? "on" : "off"},
@@ -296,6 +298,24 @@ absl::Status CheckRanksAgree(Communicator* comm, const Settings& all) {
   return UsageError(fmt::format("rank {} was started with {}, rank 0 with {}: every rank needs the same flags{}", first,
                                 it == other.end() ? "(no such setting)" : Shown(flag, it->second),
                                 Shown(flag, root.at(flag)), others));
+}
+
+absl::StatusOr<SchedulerConfig> ResumedSchedule(const TrainState& loaded, const SchedulerConfig& here,
+                                                SchedulerOnLoad mode, int64_t samples_per_iteration, bool lead) {
+  if (!loaded.scheduler) {
+    if (mode == SchedulerOnLoad::kUseCheckpoint && lead)
+      log::Warning(
+          "--use-checkpoint-opt_param-scheduler: the checkpoint of iteration {} does not record its schedule (an "
+          "earlier ptk wrote it); going on with this command line's",
+          loaded.iteration);
+    return here;
+  }
+  std::vector<std::string> notes;
+  PTK_ASSIGN_OR_RETURN(SchedulerConfig c, ResolveResumedScheduler(here, *loaded.scheduler, mode, loaded.iteration,
+                                                                  samples_per_iteration, &notes));
+  for (const std::string& n : notes)
+    if (lead) log::Info("{}", n);
+  return c;
 }
 
 void ReportResumeChanges(const Settings& saved, const Settings& now, const TrainState& loaded, bool no_load_rng) {

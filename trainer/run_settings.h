@@ -32,4 +32,10 @@ absl::Status CheckRanksAgree(Communicator* comm, const Settings& mine);
 // what changed since the checkpoint was saved and what it means for the run.
 void ReportResumeChanges(const Settings& saved, const Settings& now, const TrainState& loaded, bool no_load_rng);
 
+// The schedule a run resumed from `loaded` goes on with (Megatron's OptimizerParamScheduler.load_state_dict,
+// ResolveResumedScheduler): `here` (the command line's) where the checkpoint records none (an earlier ptk: a
+// warning from `lead` under --use-checkpoint-opt_param-scheduler); the notes from `lead`.
+absl::StatusOr<SchedulerConfig> ResumedSchedule(const TrainState& loaded, const SchedulerConfig& here,
+                                                SchedulerOnLoad mode, int64_t samples_per_iteration, bool lead);
+
 }  // namespace ptk

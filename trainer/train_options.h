@@ -117,6 +117,12 @@ struct TrainOptions {
   // counts against a job's time limit too. Unset (the epoch): from RunTraining's call.
   std::chrono::steady_clock::time_point started{};
   bool no_load_optim = false, no_load_rng = false, finetune = false;
+  // Megatron's --exit-on-missing-checkpoint: a --load without a checkpoint stops the run (exit 1) instead of
+  // starting from random initialization (Megatron's sys.exit() exits 0 there).
+  bool exit_on_missing_checkpoint = false;
+  // Megatron's --pretrained-checkpoint: where --load holds no checkpoint (a fine-tuning run's first start), its
+  // checkpoint loaded as --finetune loads one; once the run has saved to --load, a restart resumes from there.
+  std::string pretrained_checkpoint;
   std::optional<int64_t> ckpt_step;  // --ckpt-step: the iteration --load resumes from, not the tracker's
   // A resume whose scheduler settings differ from the checkpoint's: stop (Megatron's default), or
   // --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.

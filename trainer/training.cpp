@@ -184,7 +184,8 @@ class Trainer {
     PTK_ASSIGN_OR_RETURN(
         const CpuTrainingMemory need,
         EstimateCpuTrainingMemory(o_.model, T, t, backend.sequence_parallel && T > 1, backend.pipeline_stage,
-                                  plan_.micro_batch_size, plan_.micro_batches, !o_.save.empty() || !o_.load.empty(),
+                                  plan_.micro_batch_size, plan_.micro_batches,
+                                  !o_.save.empty() || !o_.load.empty() || !o_.pretrained_checkpoint.empty(),
                                   o_.pipeline_microbatch_group_size, /*threads=*/0, cp_));
     Print(TheoreticalMemoryLine(need));
     return CheckFitsInMemory(need, ReadAvailableMemory(), o_.ranks_on_node, o_.ranks_on_node_source);
@@ -193,26 +194,27 @@ class Trainer {
   // --load: the weights, and unless --finetune the iteration, data position, moments and the training step's
   // state (Megatron's load_checkpoint); a directory without a checkpoint starts a new run.
   absl::Status Resume() {
-    if (o_.load.empty()) return absl::OkStatus();
+    if (o_.load.empty() && o_.pretrained_checkpoint.empty()) return absl::OkStatus();
     // Every rank reads --load once rank 0 has put back what a killed save left aside.
     if (!o_.save.empty()) PTK_RETURN_IF_ERROR(world_->Barrier());
-    absl::StatusOr<int64_t> latest = CheckpointToLoad(o_.load, o_.ckpt_step);
-    if (absl::IsNotFound(latest.status())) {
-      PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o_.load));
-      // --load = --save is how every first run starts; another --load was meant to hold a checkpoint.
-      if (lead_ && o_.load != o_.save)
-        log::Warning("--load {}; starting from random initialization", StatusMessage(latest.status()));
-      else if (lead_)
-        log::Info("{}; starting from random initialization", StatusMessage(latest.status()));
-      return absl::OkStatus();
+    std::string load = o_.load;
+    bool finetune = o_.finetune;
+    absl::StatusOr<int64_t> latest =
+        load.empty() ? absl::NotFoundError("not given") : CheckpointToLoad(load, o_.ckpt_step);
+    if (absl::IsNotFound(latest.status()) && !o_.pretrained_checkpoint.empty()) {
+      latest = PretrainedCheckpointToLoad(o_, latest.status(), lead_);
+      load = o_.pretrained_checkpoint;
+      finetune = true;
+    } else if (absl::IsNotFound(latest.status())) {
+      return NoCheckpointToLoad(o_, latest.status(), lead_);
     }
     PTK_RETURN_IF_ERROR(latest.status());
     TrainState loaded;
     std::vector<float> params, m, v;
-    PTK_RETURN_IF_ERROR(LoadCheckpoint(o_.load, *latest, model_->layout(), &params, &m, &v, &loaded));
-    PTK_RETURN_IF_ERROR(CheckOptimizerStateLoads(loaded, o_.load, *latest, o_.finetune || o_.no_load_optim));
+    PTK_RETURN_IF_ERROR(LoadCheckpoint(load, *latest, model_->layout(), &params, &m, &v, &loaded));
+    PTK_RETURN_IF_ERROR(CheckOptimizerStateLoads(loaded, load, *latest, finetune || o_.no_load_optim));
     PTK_RETURN_IF_ERROR(model_->WriteParams(params));
-    if (o_.finetune) {
+    if (finetune) {
       log::Info("--finetune: loaded the weights of iteration {}; iteration, optimizer and data position start anew",
                 *latest);
       return absl::OkStatus();
@@ -231,25 +233,16 @@ class Trainer {
     // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule. Megatron loads it with
     // the optimizer: under --no-load-optim it starts anew (num_steps 0, the warm-up again), this command line's.
     step_state.scheduler_num_steps = o_.no_load_optim ? 0 : loaded.scheduler_num_steps;
-    if (loaded.scheduler && !o_.no_load_optim && loaded.iteration < plan_.train_iters) {
-      std::vector<std::string> notes;
-      PTK_ASSIGN_OR_RETURN(
-          step_state.schedule,
-          ResolveResumedScheduler(plan_.schedule, *loaded.scheduler, o_.scheduler_on_load, loaded.iteration,
-                                  o_.train_iters > 0 ? plan_.global_batch_size : 0, &notes));
-      for (const std::string& n : notes)
-        if (lead_) log::Info("{}", n);
-    } else if (!loaded.scheduler && o_.scheduler_on_load == SchedulerOnLoad::kUseCheckpoint && lead_) {
-      log::Warning(
-          "--use-checkpoint-opt_param-scheduler: the checkpoint of iteration {} does not record its schedule (an "
-          "earlier ptk wrote it); going on with this command line's",
-          loaded.iteration);
+    if (!o_.no_load_optim && loaded.iteration < plan_.train_iters) {
+      PTK_ASSIGN_OR_RETURN(step_state.schedule,
+                           ResumedSchedule(loaded, plan_.schedule, o_.scheduler_on_load,
+                                           o_.train_iters > 0 ? plan_.global_batch_size : 0, lead_));
     }
     step_->Restore(step_state);
     if (o_.no_load_rng) state_.seed = o_.seed;
     summary_.resumed = true;
     if (lead_)
-      log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(o_.load, *latest),
+      log::Info("loaded checkpoint {} at iteration {} ({} samples consumed)", CheckpointFile(load, *latest),
                 loaded.iteration, loaded.consumed_train_samples);
     if (lead_) ReportResumeChanges(loaded.settings, settings_, loaded, o_.no_load_rng);
     return absl::OkStatus();

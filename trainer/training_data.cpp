@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 
 #include "common/file_paths.h"
+#include "common/logging.h"
 #include "common/status.h"
 #include "trainer/pipeline_schedule.h"
 
@@ -204,6 +205,33 @@ absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {
                       load, dir));
   }
   return absl::OkStatus();
+}
+
+absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead) {
+  PTK_RETURN_IF_ERROR(CheckLoadIsACheckpointDirectory(o.load));
+  if (o.exit_on_missing_checkpoint)
+    return absl::NotFoundError(
+        fmt::format("--load {}; --exit-on-missing-checkpoint: stopping instead of starting from random initialization",
+                    StatusMessage(why)));
+  if (lead && o.load != o.save)
+    log::Warning("--load {}; starting from random initialization", StatusMessage(why));
+  else if (lead)
+    log::Info("{}; starting from random initialization", StatusMessage(why));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> PretrainedCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead) {
+  absl::StatusOr<int64_t> latest = LatestCheckpointIteration(o.pretrained_checkpoint);
+  if (absl::IsNotFound(latest.status()))
+    return absl::NotFoundError(fmt::format("no checkpoint in --load {} ({}) nor in --pretrained-checkpoint {}", o.load,
+                                           StatusMessage(why), StatusMessage(latest.status())));
+  PTK_RETURN_IF_ERROR(latest.status());
+  if (lead)
+    log::Info(
+        "--load {} holds no checkpoint: fine-tuning from --pretrained-checkpoint {} (its iteration {}) as "
+        "--finetune does; a restart resumes from --load once this run has saved there",
+        o.load, o.pretrained_checkpoint, *latest);
+  return latest;
 }
 
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys) {

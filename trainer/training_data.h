@@ -46,6 +46,16 @@ absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, cons
 // weights instead would be a silent mistake. A usage error naming that directory; OK otherwise.
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load);
 
+// --load holds no checkpoint (`why`: NotFound, naming what is missing): a --load inside a checkpoint directory
+// refused (CheckLoadIsACheckpointDirectory), and with --exit-on-missing-checkpoint the run stopped naming --load;
+// else OK, the run starting from random initialization with a line from `lead` (a warning where --load is not
+// --save: --load = --save is how every first run starts, another --load was meant to hold a checkpoint).
+absl::Status NoCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead);
+
+// Megatron's --pretrained-checkpoint: where --load holds no checkpoint (`why`), the iteration of
+// --pretrained-checkpoint's to fine-tune from, said by `lead`; none there either: NotFound naming both.
+absl::StatusOr<int64_t> PretrainedCheckpointToLoad(const TrainOptions& o, const absl::Status& why, bool lead);
+
 // A loader's micro-batch as the model reads it; `keys` holds the samples' indices (dropout's keys).
 ModelBatch View(const MicroBatch& mb, std::vector<int64_t>* keys);
 // Context parallelism: each sample's rows at `positions` only (this context rank's,

@@ -68,9 +68,9 @@ void MadeOnDisk::Undo() {
   paths_.clear();
 }
 
-absl::Status SaveDirectory::Take(const std::string& dir) {
+absl::Status SaveDirectory::Take(const std::string& dir, const std::string& lock_name) {
   PTK_RETURN_IF_ERROR(made_.MakeDirs(dir));
-  PTK_ASSIGN_OR_RETURN(lock_, OutputLock::Acquire(JoinPath(dir, "ptk-train")));
+  PTK_ASSIGN_OR_RETURN(lock_, OutputLock::Acquire(JoinPath(dir, lock_name)));
   return absl::OkStatus();
 }
 

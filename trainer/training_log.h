@@ -57,7 +57,8 @@ class SaveDirectory {
   SaveDirectory(const SaveDirectory&) = delete;
   SaveDirectory& operator=(const SaveDirectory&) = delete;
   ~SaveDirectory();
-  absl::Status Take(const std::string& dir);
+  // `lock_name`: the lock file's (ptk-train's, which ptk-convert's imports take too; ptk-convert's exports').
+  absl::Status Take(const std::string& dir, const std::string& lock_name = "ptk-train");
   void Keep() { kept_ = true; }
 
  private:

@@ -136,6 +136,28 @@ TEST_F(HfConvert, SquaredReluIsRelu2AndLayerNorm1pIsFoldedIntoTheWeights) {
   EXPECT_NE(imp->train_flags.find(" --squared-relu"), std::string::npos) << imp->train_flags;
 }
 
+// An import whose save fails (a full disk: injected at the checkpoint file's write) leaves no --save-dir it
+// made, and one that was there as it was (a full disk left the empty directory, and its parents).
+TEST_F(HfConvert, AnImportThatFailsOnAFullDiskLeavesNoSaveDirItMade) {
+  Save(false, dir_ / "ck");
+  ASSERT_TRUE(ExportToHf(Opts("ptk", "hf", dir_ / "ck", dir_ / "hf")).ok());
+  std::filesystem::create_directories(dir_ / "there");
+  for (const std::string& save : {dir_ / "new/imported", dir_ / "there"}) {
+    SetSaveStepHookForTesting([](std::string_view step) {
+      return step == "write checkpoint file" ? absl::ResourceExhaustedError("No space left on device (injected)")
+                                             : absl::OkStatus();
+    });
+    auto r = ImportFromHf(Opts("hf", "ptk", dir_ / "hf", save));
+    SetSaveStepHookForTesting(nullptr);
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(absl::IsResourceExhausted(r.status())) << r.status();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "new"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir_ / "there"));
+  ASSERT_TRUE(ImportFromHf(Opts("hf", "ptk", dir_ / "hf", dir_ / "new/imported")).ok());
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "new/imported"), 0);
+}
+
 // The exact GELU (Megatron's GELU MLP without its fused bias-GELU kernel) is transformers' "gelu"
 // (GELUActivation, F.gelu), read back as it, with --no-bias-gelu-fusion in the flags; the tanh GELU stays
 // "gelu_new" (the test above).
@@ -872,6 +894,22 @@ TEST_F(HfConvert, ALoadDirThatIsNoCheckpointDirectorySaysWhatToGive) {
   }
   EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
   EXPECT_TRUE(RunConvert(Opts("ptk", "hf", dir_ / "ck", dir_ / "out")).ok());
+}
+
+// --loader ptk on a directory whose tracker names an iteration that is not there says so, as ptk-train's --load
+// ("cannot open .../model_optim_rng.ptk: No such file or directory" before).
+TEST_F(HfConvert, ATrackerNamingAMissingIterationSaysSo) {
+  Save(false, dir_ / "ck");
+  ptk::testing::WriteFile(dir_ / "ck/latest_checkpointed_iteration.txt", "5");
+  for (const char* saver : {"hf", "megatron"}) {
+    auto r = RunConvert(Opts("ptk", saver, dir_ / "ck", dir_ / "out"));
+    ASSERT_FALSE(r.ok()) << saver;
+    EXPECT_TRUE(absl::IsNotFound(r.status())) << r.status();
+    EXPECT_EQ(
+        r.status().message().rfind(CheckpointDir(dir_ / "ck", 5) + ": missing (the tracker names iteration 5)", 0), 0u)
+        << r.status();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "out"));
 }
 
 // A real full disk part-way (a file-size limit, 800 KB in sh's 512-byte blocks, that the narrow

@@ -176,7 +176,8 @@ TEST(TorchDistLlamaTp, PtkTrainResumesOneAdamWStepFromTheMoments) {
     const std::string cmd = testing::Tool("ptk-train") + " " + a.summary.train_flags +
                             " --micro-batch-size 2 --global-batch-size 2 --train-iters 4 --lr 3e-3 --min-lr 3e-3"
                             " --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95"
-                            " --adam-eps 1e-8 --mock-data --eval-iters 0 --log-interval 1 --threads 1 --load " +
+                            " --adam-eps 1e-8 --mock-data --eval-iters 0 --log-interval 1 --threads 1"
+                            " --use-checkpoint-opt_param-scheduler --load " +
                             testing::ShellQuote(ptk) + " --save " + testing::ShellQuote(out);
     const testing::CommandResult r = testing::RunCmd(cmd);
     ASSERT_EQ(r.exit_code, 0) << cmd << "\n" << r.output;

@@ -12,9 +12,11 @@
 #include <string>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include "common/hash.h"
+#include "common/status.h"
 #include "tests/test_util.h"
 
 namespace ptk {
@@ -424,6 +426,28 @@ TEST(Checkpoint, MalformedSettingsAreRefusedByBothReaders) {
   EXPECT_NE(read.status().message().find("malformed settings in the header"), absl::string_view::npos) << read.status();
 }
 
+// A checkpoint of a later format version (a later ptk's) is named as such, with both versions, not as
+// corrupt ("unsupported format version" gave neither).
+TEST(Checkpoint, ALaterFormatVersionIsNamedWithBothVersions) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  ASSERT_TRUE(Save(dir.path(), layout, 3, 1.0f).ok());
+  const std::string file = CheckpointFile(dir.path(), 3);
+  std::string data = testing::ReadFile(file);
+  const size_t at = data.find("\"version\": 1,");
+  ASSERT_NE(at, std::string::npos);
+  data[at + 11] = '2';
+  data.replace(data.size() - 64, 64, Sha256Hex(std::string_view(data.data(), data.size() - 64)));
+  testing::WriteFile(file, data);
+  std::vector<float> p, m, v;
+  TrainState s;
+  absl::Status st = LoadCheckpoint(dir.path(), 3, layout, &p, &m, &v, &s);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_EQ(StatusMessage(st), file +
+                                   ": checkpoint format version 2, and this ptk reads version 1 only: load it with "
+                                   "the ptk that saved it, or convert it with that ptk's ptk-convert");
+}
+
 // A Llama-line model's checkpoint records its settings: it loads into the same model, and one that
 // differs only where the parameter count does not show it (the rope scaling, the rotary base) is
 // refused naming the description, not loaded into the wrong model.
@@ -541,6 +565,53 @@ TEST(Checkpoint, SchedulerSettingsComeBackAndOldCheckpointsLoad) {
   EXPECT_FALSE(got.scheduler.has_value());
   const std::string header = testing::ReadFile(CheckpointFile(dir.path(), 6));
   EXPECT_EQ(header.find("opt_param_scheduler\""), std::string::npos);
+}
+
+// A checkpoint file cut short (a copy stopped by a kill or a full disk) is named as such, with its size
+// and the size its header records, by the verification (start-up recovery, --load of every rank's file)
+// and by the load alike; one with bytes appended too. Only a file of the right length whose bytes
+// changed is a SHA-256 mismatch (it was reported for a file cut short).
+TEST(Checkpoint, AFileCutShortSaysSoWithBothSizes) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  const std::string save = dir / "ckpt";
+  ASSERT_TRUE(Save(save, layout, 2, 2.0f).ok());
+  const std::string file = CheckpointFile(save, 2);
+  const std::string whole = testing::ReadFile(file);
+  auto errors = [&](const std::string& bytes) {
+    testing::WriteFile(file, bytes);
+    std::vector<float> p, m, v;
+    TrainState s;
+    absl::Status load = LoadCheckpoint(save, 2, layout, &p, &m, &v, &s);
+    return std::pair<std::string, std::string>(StatusMessage(VerifyCheckpointFile(file)), StatusMessage(load));
+  };
+  for (size_t keep : {whole.size() - 1, whole.size() - 64, whole.size() / 2, whole.size() / 2 - 700}) {
+    SCOPED_TRACE(keep);
+    const auto [verify, load] = errors(whole.substr(0, keep));
+    const std::string want = fmt::format("cut short: {} bytes of the {} its header records ({} missing", keep,
+                                         whole.size(), whole.size() - keep);
+    EXPECT_EQ(verify.rfind(file + ": incomplete or corrupt checkpoint: " + want, 0), 0u) << verify;
+    EXPECT_EQ(load.rfind(file + ": corrupt checkpoint, refusing to load it: " + want, 0), 0u) << load;
+  }
+  // Within the header, and within the fixed start: still cut short, never a hash or JSON complaint.
+  for (size_t keep : {size_t{200}, size_t{40}, size_t{12}, size_t{3}}) {
+    const auto [verify, load] = errors(whole.substr(0, keep));
+    EXPECT_NE(verify.find(fmt::format("cut short: {} bytes, fewer than", keep)), std::string::npos) << verify;
+    EXPECT_NE(load.find(fmt::format("cut short: {} bytes, fewer than", keep)), std::string::npos) << load;
+  }
+  {
+    const auto [verify, load] = errors(whole + "xyz");
+    const std::string want = fmt::format("{} bytes, 3 more than the {} its header records (something appended",
+                                         whole.size() + 3, whole.size());
+    EXPECT_NE(verify.find(want), std::string::npos) << verify;
+    EXPECT_NE(load.find(want), std::string::npos) << load;
+  }
+  std::string flipped = whole;
+  flipped[whole.size() - 100] ^= 1;
+  const auto [verify, load] = errors(flipped);
+  EXPECT_NE(verify.find("SHA-256 mismatch"), std::string::npos) << verify;
+  EXPECT_NE(load.find("SHA-256 mismatch"), std::string::npos) << load;
+  EXPECT_TRUE(errors(whole).first.empty());
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include "common/output_lock.h"
@@ -323,7 +324,8 @@ TEST_F(TrainCli, MegatronMlpAndNormFlagsTrainAndAreRecorded) {
       "--squared-relu --apply-layernorm-1p --init-method-xavier-uniform --normalization RMSNorm --lr-decay-iters 6 ";
   auto saved = RunCmd(Train(all + "--save " + ShellQuote(dir_ / "a"), 4));
   ASSERT_EQ(saved.exit_code, 0) << saved.output;
-  auto resumed = RunCmd(Train(all + "--load " + ShellQuote(dir_ / "a"), 6));
+  // A longer --train-iters changes Megatron's weight-decay increment length: its resume needs one of the flags.
+  auto resumed = RunCmd(Train(all + "--override-opt_param-scheduler --load " + ShellQuote(dir_ / "a"), 6));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   auto refused = RunCmd(Train("--normalization RMSNorm --init-method-xavier-uniform --load " + ShellQuote(dir_ / "a")));
   EXPECT_NE(refused.exit_code, 0) << refused.output;
@@ -385,7 +387,7 @@ TEST_F(TrainCli, RotaryVariantsTrainAndResumeOnlyAsThemselves) {
     const std::vector<float> w = weights(save, v.set);
     ASSERT_EQ(w.size(), plain_weights.size()) << v.flags;
     EXPECT_NE(w, plain_weights) << v.flags << " trained the default RoPE's model";
-    auto resumed = RunCmd(Train(llama + v.flags + " --load " + ShellQuote(save), 6));
+    auto resumed = RunCmd(Train(llama + v.flags + " --override-opt_param-scheduler --load " + ShellQuote(save), 6));
     EXPECT_EQ(resumed.exit_code, 0) << v.flags << ": " << resumed.output;
     EXPECT_NE(resumed.output.find("iteration        6/"), std::string::npos) << resumed.output;
     auto refused = RunCmd(Train(llama + "--use-rope-scaling --load " + ShellQuote(save), 6));
@@ -567,6 +569,15 @@ TEST_F(TrainCli, DamagedOrMismatchedCheckpointIsRefused) {
   auto r = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("corrupt checkpoint, refusing to load it: SHA-256 mismatch"), std::string::npos) << r.output;
+  // Cut short (a copy stopped by a full disk): said so, with both sizes, in one line (it read as a SHA-256 mismatch).
+  testing::WriteFile(file, bytes.substr(0, bytes.size() - 1000));
+  r = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(fmt::format("{}: corrupt checkpoint, refusing to load it: cut short: {} bytes of the {} its "
+                                      "header records (1000 missing",
+                                      file, bytes.size() - 1000, bytes.size())),
+            std::string::npos)
+      << r.output;
   testing::WriteFile(dir_ / "c/latest_checkpointed_iteration.txt", "banana");
   r = RunCmd(Train("--load " + ShellQuote(dir_ / "c"), 4));
   EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -960,7 +971,8 @@ TEST_F(TrainCli, ADataPathGivenTwiceTakesTheLastAsArgparse) {
 TEST_F(TrainCli, ResumeWithOtherDataSettingsSaysWhatChanged) {
   const std::string ck = ShellQuote(dir_ / "s");
   ASSERT_EQ(RunCmd(Train("--save " + ck + " --lr-decay-iters 10", 2)).exit_code, 0);
-  auto same = RunCmd(Train("--save " + ck + " --load " + ck + " --lr-decay-iters 10", 3));
+  auto same =
+      RunCmd(Train("--save " + ck + " --load " + ck + " --lr-decay-iters 10 --override-opt_param-scheduler", 3));
   EXPECT_EQ(same.exit_code, 0) << same.output;
   EXPECT_EQ(same.output.find("resuming with"), std::string::npos) << same.output;
   // The learning-rate schedule is in samples: a global batch of 8 doubles its lengths.

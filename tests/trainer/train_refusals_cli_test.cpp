@@ -163,13 +163,93 @@ TEST_F(TrainRefusals, AnUnwritableIndexCacheWarnsOnceAndTheRunIsTheSame) {
       << r.output;
 }
 
+// Megatron's --exit-on-missing-checkpoint (ptk-train refused it as an unknown flag): a --load with no checkpoint,
+// missing or empty, stops in one line naming it, exit 1 (Megatron's sys.exit() exits 0: it would read as a
+// finished run); without the flag such a run starts anew, and with a checkpoint there the flag changes nothing.
+TEST_F(TrainRefusals, ExitOnMissingCheckpointStopsInsteadOfStartingAnew) {
+  std::filesystem::create_directories(dir_ / "empty");
+  for (const std::string& load : {dir_ / "nothing", dir_ / "empty"}) {
+    auto r = RunCmd(Train(Data() + " --exit-on-missing-checkpoint --load " + ShellQuote(load)));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+    EXPECT_EQ(Errors(r.output)[0],
+              "ptk-train: error: --load " + load +
+                  ": no checkpoint (no latest_checkpointed_iteration.txt); --exit-on-missing-checkpoint: stopping "
+                  "instead of starting from random initialization")
+        << r.output;
+    EXPECT_EQ(r.output.find("iteration        1/"), std::string::npos) << r.output;
+    auto anew = RunCmd(Train(Data() + " --load " + ShellQuote(load)));
+    EXPECT_EQ(anew.exit_code, 0) << anew.output;
+    EXPECT_NE(anew.output.find("starting from random initialization"), std::string::npos) << anew.output;
+  }
+  // A tracker naming an iteration that is not there (a directory copied without it) is no new run: one line, exit 1.
+  testing::WriteFile(dir_ / "empty/latest_checkpointed_iteration.txt", "7");
+  for (const std::string flag : {"", " --exit-on-missing-checkpoint"}) {
+    auto r = RunCmd(Train(Data() + flag + " --load " + ShellQuote(dir_ / "empty")));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    ASSERT_EQ(Errors(r.output).size(), 1u) << r.output;
+    EXPECT_EQ(Errors(r.output)[0],
+              "ptk-train: error: " + CheckpointFile(dir_ / "empty", 7) + ": missing (the tracker names iteration 7)");
+  }
+  const std::string ck = ShellQuote(dir_ / "ck");
+  ASSERT_EQ(RunCmd(Train(Data() + " --save " + ck, 2)).exit_code, 0);
+  auto r = RunCmd(Train(Data() + " --exit-on-missing-checkpoint --override-opt_param-scheduler --load " + ck));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("at iteration 2"), std::string::npos) << r.output;
+}
+
+// Megatron's --pretrained-checkpoint (ptk-train refused it as an unknown flag): a fine-tuning run's first start,
+// whose --load holds nothing yet, loads the pretrained checkpoint as --finetune (iteration 0, no optimizer state);
+// its restart resumes from its own --load (a --finetune kept in a requeued command started anew at iteration 0
+// from its own checkpoint). Neither holding one stops naming both (exit 1); a file is refused before the model.
+TEST_F(TrainRefusals, PretrainedCheckpointStartsAFineTuneThatResumesFromItsOwn) {
+  const std::string base = ShellQuote(dir_ / "base"), ft = ShellQuote(dir_ / "ft");
+  ASSERT_EQ(RunCmd(Train(Data() + " --save " + base, 2)).exit_code, 0);
+  const std::string cmd = Data() + " --pretrained-checkpoint " + base + " --load " + ft + " --save " + ft;
+  auto first = RunCmd(Train(cmd, 3));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(
+      first.output.find("--load " + dir_ / "ft" + " holds no checkpoint: fine-tuning from --pretrained-checkpoint " +
+                        dir_ / "base" + " (its iteration 2)"),
+      std::string::npos)
+      << first.output;
+  EXPECT_NE(first.output.find("iteration        1/       3"), std::string::npos) << first.output;
+  auto again = RunCmd(Train(cmd + " --override-opt_param-scheduler", 5));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("at iteration 3 (12 samples consumed)"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("fine-tuning from"), std::string::npos) << again.output;
+  EXPECT_EQ(*LatestCheckpointIteration(dir_ / "ft"), 5);
+  std::filesystem::create_directories(dir_ / "empty");
+  auto none = RunCmd(Train(Data() + " --pretrained-checkpoint " + ShellQuote(dir_ / "empty") + " --load " +
+                           ShellQuote(dir_ / "nothing")));
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  ASSERT_EQ(Errors(none.output).size(), 1u) << none.output;
+  EXPECT_EQ(Errors(none.output)[0],
+            "ptk-train: error: no checkpoint in --load " + dir_ / "nothing" + " (" + dir_ / "nothing" +
+                ": no checkpoint (no latest_checkpointed_iteration.txt)) nor in --pretrained-checkpoint " +
+                dir_ / "empty" + ": no checkpoint (no latest_checkpointed_iteration.txt)");
+  testing::WriteFile(dir_ / "afile", "x");
+  auto file = RunCmd(Train(Data() + " --pretrained-checkpoint " + ShellQuote(dir_ / "afile")));
+  EXPECT_EQ(file.exit_code, 1) << file.output;
+  EXPECT_NE(file.output.find("ptk-train: error: --pretrained-checkpoint " + dir_ / "afile" + ": a file"),
+            std::string::npos)
+      << file.output;
+  EXPECT_EQ(file.output.find("start-up: model built"), std::string::npos) << file.output;
+}
+
 // Each refused in one line before the model is made (a .bin without its .idx said "cannot open
 // PREFIX.idx: No such file or directory" after it; --eval-iters with --split 100,0,0 evaluated
 // nothing and exited 0; --save below a file said "afile is not a directory" after building it;
-// --load of a file trained from scratch and exited 0; an empty --data-path said ": no dataset here").
+// --load of a file trained from scratch and exited 0; an empty --data-path said ": no dataset here"; --save of a
+// Megatron checkpoint's directory saved ptk's beside it and moved its tracker).
 TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
   std::filesystem::copy_file(prefix_ + ".bin", dir_ / "half.bin");
   testing::WriteFile(dir_ / "afile", "x");
+  // Megatron's checkpoint (a ptk-convert export): a save there moved the tracker Megatron reads to ptk's.
+  const std::string meg = dir_ / "meg", meg_file = meg + "/iter_0000002/mp_rank_00/model_optim_rng.pt";
+  std::filesystem::create_directories(meg + "/iter_0000002/mp_rank_00");
+  testing::WriteFile(meg_file, "PK");
+  testing::WriteFile(meg + "/latest_checkpointed_iteration.txt", "2");
   const std::pair<std::string, std::string> cases[] = {
       {" --data-path " + ShellQuote(dir_ / "half"),
        "ptk-train: error: " + dir_ / "half" + ": " + dir_ / "half.bin" + " is there but not " + dir_ / "half.idx" +
@@ -184,6 +264,10 @@ TEST_F(TrainRefusals, WhatCannotWorkIsRefusedBeforeTheModelIsBuilt) {
       {Data() + " --load " + ShellQuote(dir_ / "afile"),
        "ptk-train: error: --load " + dir_ / "afile" + ": a file, not a checkpoint directory"},
       {" --data-path ''", "ptk-train: usage error: --data-path: an empty dataset prefix (an unset shell variable?)"},
+      {Data() + " --save " + ShellQuote(meg),
+       "ptk-train: usage error: --save " + meg + ": holds a Megatron checkpoint (" + meg_file +
+           "): a ptk-train save writes iter_N/ there and moves the latest_checkpointed_iteration.txt Megatron reads "
+           "to it; give a directory of its own (convert it with ptk-convert --loader megatron --saver ptk"},
       {Data() + " --save " + ShellQuote(dir_ / "afile/ck"),
        "ptk-train: error: --save " + dir_ / "afile/ck" + ": " + dir_ / "afile" +
            " is a file, not a directory: checkpoints are directories"},
