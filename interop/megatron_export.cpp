@@ -451,9 +451,9 @@ absl::StatusOr<ConvertSummary> ExportToMegatron(const ConvertOptions& o) {
   // As the saving run trained: fp32, or bf16/fp16 model weights with the fp32 masters in the optimizer.
   ex.precision = SettingStr(state, "--bf16/--fp16", "fp32");
   ex.mixed = ex.precision == "bf16" || ex.precision == "fp16";
-  ex.model_dtype = ex.precision == "bf16"   ? DType::kBFloat16
-                   : ex.precision == "fp16" ? DType::kFloat16
-                                            : DType::kFloat32;
+  ex.model_dtype = ex.precision == "bf16"   ? torchfmt::DType::kBFloat16
+                   : ex.precision == "fp16" ? torchfmt::DType::kFloat16
+                                            : torchfmt::DType::kFloat32;
   ex.h = HyperOf(state);
   ex.args = MegatronArgs(o, c, state, ex.h, ex.vm, ex.precision, vp);
   ex.sched = SchedulerState(state, ex.h);
