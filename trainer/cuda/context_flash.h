@@ -7,7 +7,8 @@
 // The plan: rank r of C holds query chunks r and 2C - 1 - r of the 2C chunks of every sample (its halves 0 and
 // 1, ContextParallelPositions). Query chunk i attends key/value chunks j = 0, 1, ..., i of the all-gathered
 // rank-ordered pieces: j < i unmasked, j == i causal. Each pair gives a partial output o_j and its rows'
-// log-sum-exp l_j (natural log, of the scaled scores: cuDNN's stats); merged in the order j = 0, 1, ... in fp32,
+// log-sum-exp l_j (natural log, of the scaled scores; that cuDNN's stats are this is for the GPU path's tests to
+// check); merged in the order j = 0, 1, ... in fp32,
 //   l = log(exp(l_acc) + exp(l_j)),   o = o_acc exp(l_acc - l) + o_j exp(l_j - l),
 // they give the output and log-sum-exp of the softmax over all keys j <= i. Backward, each pair's gradient with
 // the final output O and log-sum-exp L (P = exp(S - L), D = rowsum(dO O)) is that pair's part of the whole
