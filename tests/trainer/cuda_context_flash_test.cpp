@@ -67,6 +67,57 @@ TEST(CudaContextFlash, KvOffsetIsTheGatheredRowsOfTheChunk) {
   }
 }
 
+// The column of head h's query (part 0), key (1) or value (2) element d in a qkv row: Megatron's (nh, 3, hd), or
+// heads first with query groups (nh query heads, ng key heads, ng value heads).
+int64_t QkvColumn(const FlashPairShape& s, int part, int64_t h, int64_t d) {
+  if (s.ng == s.nh) return (h * 3 + part) * s.hd + d;
+  return (part == 0 ? h * s.hd : (s.nh + (part - 1) * s.ng + h) * s.hd) + d;
+}
+
+// Every element of every pair's views: q, k, v land on the whole samples' rows of the query and key/value chunks
+// (context_rows.h's mapping of the gathered pieces), out on this rank's rows of the query chunk, the partial and
+// stats buffers are each covered once, half h's stats follow half 0's.
+TEST(CudaContextFlash, PairViewsAreTheChunksRows) {
+  for (const int C : {1, 2, 3})
+    for (const int64_t ng : {3, 1}) {
+      SCOPED_TRACE("C=" + std::to_string(C) + " ng=" + std::to_string(ng));
+      const FlashPairShape s{2, 4, 3, ng, 2, C};
+      const int64_t chunk = s.t / 2, S = C * s.t, w = (s.nh + 2 * s.ng) * s.hd, c = s.nh * s.hd;
+      const std::vector<int64_t> table = ContextParallelPositionTable(S, C);
+      for (int r = 0; r < C; ++r)
+        for (const FlashPair& p : ContextFlashPairs(C, r)) {
+          const FlashPairViews v = ContextFlashViews(s, p);
+          std::vector<int> part_out(static_cast<size_t>(s.b * chunk * c)),
+              part_kv(static_cast<size_t>(s.b * chunk * ng * s.hd)),
+              part_stats(static_cast<size_t>(s.b * s.nh * chunk));
+          for (int64_t b = 0; b < s.b; ++b)
+            for (int64_t k = 0; k < chunk; ++k)
+              for (int64_t h = 0; h < s.nh; ++h) {
+                const int64_t g = h / (s.nh / s.ng);
+                for (int64_t d = 0; d < s.hd; ++d) {
+                  const int64_t q_row = (b * S + p.q_chunk * chunk + k) * w,
+                                kv_row = (b * S + p.kv_chunk * chunk + k) * w;
+                  ASSERT_EQ(WholeIndex(v.q.At(b, h, k, d), s.b, s.t, w, C, table.data()),
+                            q_row + QkvColumn(s, 0, h, d));
+                  ASSERT_EQ(WholeIndex(v.k.At(b, g, k, d), s.b, s.t, w, C, table.data()),
+                            kv_row + QkvColumn(s, 1, g, d));
+                  ASSERT_EQ(WholeIndex(v.v.At(b, g, k, d), s.b, s.t, w, C, table.data()),
+                            kv_row + QkvColumn(s, 2, g, d));
+                  ASSERT_GE(v.q.At(b, h, k, d), r * s.b * s.t * w) << "the query chunk is this rank's piece";
+                  ASSERT_LT(v.q.At(b, h, k, d), (r + 1) * s.b * s.t * w);
+                  EXPECT_EQ(v.out.At(b, h, k, d), (b * s.t + p.half * chunk + k) * c + h * s.hd + d);
+                  ++part_out[static_cast<size_t>(v.part_out.At(b, h, k, d))];
+                  if (h == g * (s.nh / s.ng)) ++part_kv[static_cast<size_t>(v.part_kv.At(b, g, k, d))];
+                }
+                ++part_stats[static_cast<size_t>(v.part_stats.At(b, h, k, 0))];
+                EXPECT_EQ(v.stats.At(b, h, k, 0), ((p.half * s.b + b) * s.nh + h) * chunk + k);
+              }
+          for (const std::vector<int>* hits : {&part_out, &part_kv, &part_stats})
+            for (const int n : *hits) ASSERT_EQ(n, 1);
+        }
+    }
+}
+
 TEST(CudaContextFlash, MergeOfNoKeysKeepsTheOther) {
   EXPECT_EQ(MergedLse(-INFINITY, 1.5f), 1.5f);
   EXPECT_EQ(MergedLse(1.5f, -INFINITY), 1.5f);

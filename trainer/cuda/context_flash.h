@@ -85,4 +85,54 @@ PTK_HD float MergedOutput(float acc, float lse_acc, float part, float lse_part) 
   return (wa == 0.0f ? 0.0f : acc * wa) + (wp == 0.0f ? 0.0f : part * wp);  // a zero weight drops even a NaN
 }
 
+// A strided (b, heads, rows, hd) view of a buffer, as cuDNN's graphs take it: element (s, h, k, d) at
+// offset + s stride[0] + h stride[1] + k stride[2] + d stride[3].
+struct FlashView {
+  int64_t offset;
+  int64_t dim[4];
+  int64_t stride[4];
+  PTK_HD int64_t At(int64_t s, int64_t h, int64_t k, int64_t d) const {
+    return offset + s * stride[0] + h * stride[1] + k * stride[2] + d * stride[3];
+  }
+};
+
+// A context rank's attention: b samples of t = 2 chunk rows each, nh query heads of hd, ng key/value heads. Rows
+// of qkv are w = (nh + 2 ng) hd wide: Megatron's (nh, 3, hd) when ng == nh, heads first (nh query heads, ng key
+// heads, ng value heads: flash_attention_cuda.cpp's grouped layout) when ng < nh.
+struct FlashPairShape {
+  int64_t b, t, nh, ng, hd;
+  int context;
+};
+
+// The views of one pair's cuDNN graphs, offsets in elements of the buffer each names:
+//   q, k, v      the all-gathered rank-ordered pieces of qkv rows (the query chunk is in this rank's own piece:
+//                both at PairKvOffset);
+//   out          this rank's final output rows (b, t, nh hd) (and its gradient dO), at the query chunk's rows;
+//   part_out     a pair's partial output, and its dQ: (b, chunk, nh hd) rows;
+//   part_kv      a pair's dK or dV: (b, chunk, ng hd) rows;
+//   part_stats   a pair's log-sum-exp (b, nh, chunk);
+//   stats        the merged log-sum-exp of both halves, (2, b, nh, chunk): half h's at h b nh chunk.
+// Only the offsets depend on the pair; the dims and strides on the shape alone (one graph per shape and mask).
+struct FlashPairViews {
+  FlashView q, k, v, out, part_out, part_kv, part_stats, stats;
+};
+
+inline FlashPairViews ContextFlashViews(const FlashPairShape& s, const FlashPair& p) {
+  const int64_t chunk = s.t / 2, c = s.nh * s.hd, ckv = s.ng * s.hd, w = (s.nh + 2 * s.ng) * s.hd;
+  const bool grouped = s.ng != s.nh;
+  const int64_t head = grouped ? s.hd : 3 * s.hd, k_col = grouped ? c : s.hd, v_col = grouped ? c + ckv : 2 * s.hd;
+  const int64_t q_at = PairKvOffset(p.q_chunk, s.b, s.t, w, s.context);
+  const int64_t kv_at = PairKvOffset(p.kv_chunk, s.b, s.t, w, s.context);
+  FlashPairViews v{};
+  v.q = {q_at, {s.b, s.nh, chunk, s.hd}, {s.t * w, head, w, 1}};
+  v.k = {kv_at + k_col, {s.b, s.ng, chunk, s.hd}, {s.t * w, head, w, 1}};
+  v.v = {kv_at + v_col, {s.b, s.ng, chunk, s.hd}, {s.t * w, head, w, 1}};
+  v.out = {PairRowOffset(p.half, s.t, c), {s.b, s.nh, chunk, s.hd}, {s.t * c, s.hd, c, 1}};
+  v.part_out = {0, {s.b, s.nh, chunk, s.hd}, {chunk * c, s.hd, c, 1}};
+  v.part_kv = {0, {s.b, s.ng, chunk, s.hd}, {chunk * ckv, s.hd, ckv, 1}};
+  v.part_stats = {0, {s.b, s.nh, chunk, 1}, {s.nh * chunk, chunk, 1, 1}};
+  v.stats = {p.half * s.b * s.nh * chunk, {s.b, s.nh, chunk, 1}, {s.nh * chunk, chunk, 1, 1}};
+  return v;
+}
+
 }  // namespace ptk::cuda::context_detail
