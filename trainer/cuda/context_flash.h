@@ -1,8 +1,9 @@
 // Groundwork for a fused (cuDNN flash) context-parallel attention in bf16/fp16, host and device: the pairs of
 // chunks one context rank attends and where their rows lie, and the exact merge of the partial outputs.
-// Not yet used by a GPU path (cuda_context_parallel.cpp runs the fp32 rows attention in every precision); the
-// CPU test (tests/trainer/cuda_context_flash_test.cpp) checks the plan against context_rows.h's mapping and the
-// merge, and the backward identity it relies on, against a direct softmax.
+// The model does not use it yet (cuda_context_parallel.cpp runs the fp32 rows attention in every precision); the
+// pairs' cuDNN graphs over ContextFlashViews are context_flash_cuda.h's (gpu test context_flash_cuda_test). The
+// CPU test (tests/trainer/cuda_context_flash_test.cpp) checks the plan and the views against context_rows.h's
+// mapping and the merge, and the backward identity it relies on, against a direct softmax.
 //
 // The plan: rank r of C holds query chunks r and 2C - 1 - r of the 2C chunks of every sample (its halves 0 and
 // 1, ContextParallelPositions). Query chunk i attends key/value chunks j = 0, 1, ..., i of the all-gathered

@@ -1,10 +1,11 @@
 // Causal self-attention on the GPU in bf16/fp16: cuDNN's fused flash attention, its graphs built and cached.
 //
-// FlashAttentionForward / Backward, beside the fp32 kernels of attention_cuda.cu, over Megatron's
-// fused QKV layout qkv(b, t, nh, 3, hd) (grouped-query attention: heads first, QkvGroupsToHeads), through the
-// cudnn-frontend graph API; Q, K, V, O, dO, dQ, dK, dV are strided
-// views into qkv / out / dqkv (no copies), stats(b, nh, t) the fp32 log-sum-exp cuDNN keeps for backward. Graphs are
-// built once per shape (and dropout probability, direction, determinism) per cuDNN handle and cached.
+// FlashAttentionForward / Backward, beside the fp32 kernels of attention_cuda.cu, over Megatron's fused QKV layout
+// qkv(b, t, nh, 3, hd) (grouped-query attention: heads first, QkvGroupsToHeads), through the cudnn-frontend graph
+// API; Q, K, V, O, dO, dQ, dK, dV are strided views into qkv / out / dqkv (no copies), stats(b, nh, t) the fp32
+// log-sum-exp cuDNN keeps for backward. Graphs are built once per shape (and dropout probability, direction,
+// determinism) per cuDNN handle and cached. Context parallelism's pairs of chunks (context_flash_cuda.h) build
+// theirs here too, over ContextFlashViews' strided views of the gathered rows, keyed apart by the pair's mask.
 // Host code (the one kernel, the dropout seed's, is attention_cuda.cu's): the C++ compiler builds it once,
 // where nvcc parsed cudnn-frontend's headers again for each architecture (twice the CPU time).
 #include <cudnn.h>
@@ -29,6 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "trainer/cuda/attention_check.h"
+#include "trainer/cuda/context_flash_cuda.h"
 #include "trainer/cuda/ops_cuda.h"
 
 namespace ptk::cuda {
@@ -50,6 +52,8 @@ absl::Status CudnnError(cudnnStatus_t st, std::string_view call, std::string_vie
 
 // Tensor ids in the graphs' variant packs.
 enum : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeed, kOffset };
+// A context-parallel pair's mask (FlashKey::pair): the query chunk with itself (causal) or an earlier chunk (none).
+enum : int { kPairCausal = 1, kPairFull = 2 };
 
 struct FlashKey {
   const void* handle;
@@ -58,7 +62,8 @@ struct FlashKey {
   int64_t b, t, nh, hd, groups;  // groups < nh: grouped-query attention, qkv heads first
   uint64_t p_bits;               // the dropout probability, bit for bit (it is part of the graph)
   bool deterministic;
-  auto Tie() const { return std::tie(handle, io_type, backward, b, t, nh, hd, groups, p_bits, deterministic); }
+  int pair = 0;  // 0: the single-GPU graph; a context-parallel pair's (ContextFlashPair*): kPairCausal, kPairFull
+  auto Tie() const { return std::tie(handle, io_type, backward, b, t, nh, hd, groups, p_bits, deterministic, pair); }
   bool operator<(const FlashKey& o) const { return Tie() < o.Tie(); }
 };
 struct FlashGraph {
@@ -78,10 +83,97 @@ CudnnState& State() {
 
 std::string FeMessage(fe::error_t e) { return e.get_message(); }
 
+// Validates `g`, lowers it to cuDNN, asks the heuristics (A, then the fallback list) and keeps the first plan that
+// builds: Graph::build's steps, one by one so that a failure names its step. An empty workspace limit (< 0) lets
+// cuDNN choose freely; otherwise plans needing more than `max_workspace` bytes are set aside.
+// (error_t is [[nodiscard]], its assignments too: hence the (void) casts.)
+absl::Status BuildPlans(std::shared_ptr<fe::graph::Graph> g, cudnnHandle_t handle, int64_t max_workspace,
+                        const std::string& where, FlashGraph* out) {
+  try {
+    if (max_workspace >= 0) g->deselect_workspace_greater_than(max_workspace);
+    const char* step = "validate";
+    fe::error_t e = g->validate();
+    if (e.is_good()) (void)(e = (step = "build_operation_graph", g->build_operation_graph(handle)));
+    if (e.is_good())
+      (void)(e = (step = "create_execution_plans",
+                  g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK})));
+    if (e.is_good()) (void)(e = (step = "check_support", g->check_support()));
+    if (e.is_good()) (void)(e = (step = "build_plans", g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE)));
+    if (e.is_bad()) {
+      std::string why = fmt::format("{}: {}", step, e.get_message());
+      return absl::UnimplementedError(
+          fmt::format("{}: cuDNN has no fused attention for this {}{}: {}", where,
+                      max_workspace >= 0 ? "workspace limit, shape and type" : "shape and type",
+                      max_workspace >= 0 ? fmt::format(" ({} bytes)", max_workspace) : "", why));
+    }
+    int64_t ws = 0;
+    (void)(e = g->get_workspace_size(ws));
+    if (e.is_bad()) return absl::InternalError(fmt::format("{}: cuDNN workspace query: {}", where, FeMessage(e)));
+    out->graph = std::move(g);
+    out->workspace = ws;
+  } catch (const std::exception& ex) {
+    return absl::InternalError(fmt::format("{}: cudnn-frontend threw while building the graph: {}", where, ex.what()));
+  }
+  return absl::OkStatus();
+}
+
+// Builds a context-parallel pair's forward or backward graph (key.pair: the mask; key.t: the rank's rows of a
+// sample, two chunks) over ContextFlashViews' strided views; no dropout (the rows path keeps attention dropout).
+absl::Status BuildPairGraph(const FlashKey& key, cudnnHandle_t handle, int64_t max_workspace, const std::string& where,
+                            FlashGraph* out) {
+  const context_detail::FlashPairShape s{key.b, key.t, key.nh, key.groups, key.hd, 1};
+  const bool causal = key.pair == kPairCausal;
+  const context_detail::FlashPairViews v = context_detail::ContextFlashViews(s, {0, 0, 0, causal, true});
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(key.hd)));
+  try {
+    auto g = std::make_shared<fe::graph::Graph>();
+    g->set_io_data_type(key.io_type == CUDA_R_16BF ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+        .set_intermediate_data_type(fe::DataType_t::FLOAT)
+        .set_compute_data_type(fe::DataType_t::FLOAT);
+    auto dims = [](const context_detail::FlashView& fv) { return std::vector<int64_t>(fv.dim, fv.dim + 4); };
+    auto strides = [](const context_detail::FlashView& fv) { return std::vector<int64_t>(fv.stride, fv.stride + 4); };
+    auto input = [&](const char* name, int64_t uid, const context_detail::FlashView& fv) {
+      return g->tensor(
+          fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dims(fv)).set_stride(strides(fv)));
+    };
+    auto Q = input("Q", kQ, v.q), K = input("K", kK, v.k), V = input("V", kV, v.v);
+    if (!key.backward) {
+      auto opts = fe::graph::SDPA_attributes()
+                      .set_name("ptk_context_flash_pair")
+                      .set_generate_stats(true)
+                      .set_causal_mask(causal)
+                      .set_attn_scale(scale);
+      auto [O, Stats] = g->sdpa(Q, K, V, opts);
+      O->set_output(true).set_uid(kO).set_dim(dims(v.part_out)).set_stride(strides(v.part_out));
+      Stats->set_output(true)
+          .set_uid(kStats)
+          .set_data_type(fe::DataType_t::FLOAT)
+          .set_dim(dims(v.part_stats))
+          .set_stride(strides(v.part_stats));
+    } else {
+      auto O = input("O", kO, v.out), dO = input("dO", kDO, v.out), Stats = input("Stats", kStats, v.stats);
+      Stats->set_data_type(fe::DataType_t::FLOAT);
+      auto opts = fe::graph::SDPA_backward_attributes()
+                      .set_name("ptk_context_flash_pair_backward")
+                      .set_causal_mask(causal)
+                      .set_attn_scale(scale);
+      if (key.deterministic) opts.set_deterministic_algorithm(true);
+      auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
+      dQ->set_output(true).set_uid(kDQ).set_dim(dims(v.part_out)).set_stride(strides(v.part_out));
+      dK->set_output(true).set_uid(kDK).set_dim(dims(v.part_kv)).set_stride(strides(v.part_kv));
+      dV->set_output(true).set_uid(kDV).set_dim(dims(v.part_kv)).set_stride(strides(v.part_kv));
+    }
+    return BuildPlans(std::move(g), handle, max_workspace, where, out);
+  } catch (const std::exception& ex) {
+    return absl::InternalError(fmt::format("{}: cudnn-frontend threw while building the graph: {}", where, ex.what()));
+  }
+}
+
 // Builds the forward or backward graph. An empty workspace limit (< 0) lets cuDNN choose freely;
 // otherwise plans needing more than `max_workspace` bytes are set aside.
 absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle, int64_t max_workspace,
                              const std::string& where, FlashGraph* out) {
+  if (key.pair != 0) return BuildPairGraph(key, handle, max_workspace, where, out);
   const int64_t b = key.b, t = key.t, nh = key.nh, hd = key.hd, c = nh * hd, ng = key.groups;
   // Row width and head stride of the fused QKV: Megatron's (nh, 3, hd) without grouped-query
   // attention, heads first (nh + 2 ng heads of hd) with it.
@@ -158,30 +250,7 @@ absl::Status BuildFlashGraph(const FlashKey& key, double p, cudnnHandle_t handle
       dK->set_output(true).set_uid(kDK).set_dim(kv_dim).set_stride(qkv_stride);
       dV->set_output(true).set_uid(kDV).set_dim(kv_dim).set_stride(qkv_stride);
     }
-    if (max_workspace >= 0) g->deselect_workspace_greater_than(max_workspace);
-    // validate, lower to cuDNN, ask the heuristics (A, then the fallback list), keep the first plan
-    // that builds: Graph::build's steps, one by one so that a failure names its step.
-    // (error_t is [[nodiscard]], its assignments too: hence the (void) casts.)
-    const char* step = "validate";
-    fe::error_t e = g->validate();
-    if (e.is_good()) (void)(e = (step = "build_operation_graph", g->build_operation_graph(handle)));
-    if (e.is_good())
-      (void)(e = (step = "create_execution_plans",
-                  g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK})));
-    if (e.is_good()) (void)(e = (step = "check_support", g->check_support()));
-    if (e.is_good()) (void)(e = (step = "build_plans", g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE)));
-    if (e.is_bad()) {
-      std::string why = fmt::format("{}: {}", step, e.get_message());
-      return absl::UnimplementedError(
-          fmt::format("{}: cuDNN has no fused attention for this {}{}: {}", where,
-                      max_workspace >= 0 ? "workspace limit, shape and type" : "shape and type",
-                      max_workspace >= 0 ? fmt::format(" ({} bytes)", max_workspace) : "", why));
-    }
-    int64_t ws = 0;
-    (void)(e = g->get_workspace_size(ws));
-    if (e.is_bad()) return absl::InternalError(fmt::format("{}: cuDNN workspace query: {}", where, FeMessage(e)));
-    out->graph = std::move(g);
-    out->workspace = ws;
+    return BuildPlans(std::move(g), handle, max_workspace, where, out);
   } catch (const std::exception& ex) {
     return absl::InternalError(fmt::format("{}: cudnn-frontend threw while building the graph: {}", where, ex.what()));
   }
@@ -404,13 +473,127 @@ absl::Status FlashAttentionBackward(T* dqkv, const T* dout, const T* out, const 
   return ExecuteGraph(fg, pack, ctx, where);
 }
 
+// ---- context-parallel pairs (context_flash.h) -------------------------------------------------------------
+
+namespace {
+
+using context_detail::FlashPair;
+using context_detail::FlashPairShape;
+
+template <typename T>
+FlashKey MakePairKey(const CudaContext& ctx, bool backward, const FlashPairShape& s, const FlashPair& p) {
+  return FlashKey{ctx.cudnn,
+                  static_cast<int>(CudaDataType<T>()),
+                  backward,
+                  s.b,
+                  s.t,
+                  s.nh,
+                  s.hd,
+                  s.ng,
+                  0,
+                  backward && ctx.deterministic,
+                  p.causal ? kPairCausal : kPairFull};
+}
+
+std::string PairString(const FlashPairShape& s, const FlashPair& p) {
+  return fmt::format("b={}, t={}, nh={}, hd={}, groups={}, context={}, chunks {} x {}{}", s.b, s.t, s.nh, s.hd, s.ng,
+                     s.context, p.q_chunk, p.kv_chunk, p.causal ? " (causal)" : "");
+}
+
+// The shape (as CheckFlash's, and t even: two chunks) and the pair (one of ContextFlashPairs').
+template <typename T>
+absl::Status CheckPair(const FlashPairShape& s, const FlashPair& p, const CudaContext& ctx, const std::string& where) {
+  if (s.ng <= 0 || s.t % 2 != 0 || s.context < 1)
+    return absl::InvalidArgumentError(fmt::format(
+        "{}: a context rank's rows are two chunks (t even) of one of context >= 1 ranks, ng >= 1 heads", where));
+  if (absl::Status st = CheckFlash<T>(AttentionShape{s.b, s.t, s.nh, s.hd, s.ng}, 0.0, ctx, where); !st.ok()) return st;
+  const int chunks = 2 * s.context;
+  if (p.q_chunk < 0 || p.q_chunk >= chunks || p.kv_chunk < 0 || p.kv_chunk > p.q_chunk ||
+      p.causal != (p.kv_chunk == p.q_chunk) || p.half != context_detail::ChunkHalf(p.q_chunk, s.context))
+    return absl::InvalidArgumentError(fmt::format("{}: not a pair of ContextFlashPairs (half {})", where, p.half));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<int64_t> ContextFlashWorkspaceBytes(const FlashPairShape& s, const CudaContext& ctx) {
+  const FlashPair causal{0, 0, 0, true, true}, full{1, 2 * s.context - 1, 0, false, true};
+  const std::string where = fmt::format("ContextFlashWorkspaceBytes<{}>({})", FlashType<T>(), PairString(s, causal));
+  if (absl::Status st = CheckPair<T>(s, causal, ctx, where); !st.ok()) return st;
+  int64_t most = 0;
+  for (const FlashPair& p : {causal, full})
+    for (bool backward : {false, true}) {
+      FlashGraph fg;
+      if (absl::Status st = FindGraph(MakePairKey<T>(ctx, backward, s, p), 0.0, ctx, -1, where, &fg); !st.ok())
+        return st;
+      if (fg.workspace > most) most = fg.workspace;
+    }
+  return most;
+}
+
+template <typename T>
+absl::Status ContextFlashPairForward(T* part_out, float* part_stats, const T* gathered, const FlashPairShape& s,
+                                     const FlashPair& pair, const CudaContext& ctx) {
+  const std::string where = fmt::format("ContextFlashPairForward<{}>({})", FlashType<T>(), PairString(s, pair));
+  if (absl::Status st = CheckPair<T>(s, pair, ctx, where); !st.ok()) return st;
+  if (!part_out || !part_stats || !gathered)
+    return absl::InvalidArgumentError(fmt::format("{}: part_out, part_stats, gathered must be set", where));
+  FlashGraph fg;
+  const int64_t limit = ctx.workspace ? static_cast<int64_t>(ctx.workspace_bytes) : 0;
+  if (absl::Status st = FindGraph(MakePairKey<T>(ctx, false, s, pair), 0.0, ctx, limit, where, &fg); !st.ok())
+    return st;
+  const context_detail::FlashPairViews v = context_detail::ContextFlashViews(s, pair);
+  T* g = const_cast<T*>(gathered);
+  std::unordered_map<int64_t, void*> pack{{kQ, g + v.q.offset},
+                                          {kK, g + v.k.offset},
+                                          {kV, g + v.v.offset},
+                                          {kO, part_out + v.part_out.offset},
+                                          {kStats, part_stats + v.part_stats.offset}};
+  return ExecuteGraph(fg, pack, ctx, where);
+}
+
+template <typename T>
+absl::Status ContextFlashPairBackward(T* part_dq, T* part_dk, T* part_dv, const T* dout, const T* out,
+                                      const float* stats, const T* gathered, const FlashPairShape& s,
+                                      const FlashPair& pair, const CudaContext& ctx) {
+  const std::string where = fmt::format("ContextFlashPairBackward<{}>({}{})", FlashType<T>(), PairString(s, pair),
+                                        ctx.deterministic ? ", deterministic" : "");
+  if (absl::Status st = CheckPair<T>(s, pair, ctx, where); !st.ok()) return st;
+  if (!part_dq || !part_dk || !part_dv || !dout || !out || !stats || !gathered)
+    return absl::InvalidArgumentError(
+        fmt::format("{}: part_dq, part_dk, part_dv, dout, out, stats, gathered must be set", where));
+  FlashGraph fg;
+  const int64_t limit = ctx.workspace ? static_cast<int64_t>(ctx.workspace_bytes) : 0;
+  if (absl::Status st = FindGraph(MakePairKey<T>(ctx, true, s, pair), 0.0, ctx, limit, where, &fg); !st.ok()) return st;
+  const context_detail::FlashPairViews v = context_detail::ContextFlashViews(s, pair);
+  T* g = const_cast<T*>(gathered);
+  std::unordered_map<int64_t, void*> pack{{kQ, g + v.q.offset},
+                                          {kK, g + v.k.offset},
+                                          {kV, g + v.v.offset},
+                                          {kO, const_cast<T*>(out) + v.out.offset},
+                                          {kDO, const_cast<T*>(dout) + v.out.offset},
+                                          {kStats, const_cast<float*>(stats) + v.stats.offset},
+                                          {kDQ, part_dq + v.part_out.offset},
+                                          {kDK, part_dk + v.part_kv.offset},
+                                          {kDV, part_dv + v.part_kv.offset}};
+  return ExecuteGraph(fg, pack, ctx, where);
+}
+
 #define PTK_INSTANTIATE(T)                                                                                             \
   template absl::StatusOr<int64_t> FlashAttentionWorkspaceBytes<T>(const AttentionShape&, double, const CudaContext&); \
   template absl::Status FlashAttentionForward<T>(T*, float*, const T*, const AttentionShape&, double, uint64_t,        \
                                                  uint64_t, const CudaContext&);                                        \
   template absl::Status FlashAttentionBackward<T>(T*, const T*, const T*, const float*, const T*,                      \
                                                   const AttentionShape&, double, uint64_t, uint64_t,                   \
-                                                  const CudaContext&);
+                                                  const CudaContext&);                                                 \
+  template absl::StatusOr<int64_t> ContextFlashWorkspaceBytes<T>(const context_detail::FlashPairShape&,                \
+                                                                 const CudaContext&);                                  \
+  template absl::Status ContextFlashPairForward<T>(T*, float*, const T*, const context_detail::FlashPairShape&,        \
+                                                   const context_detail::FlashPair&, const CudaContext&);              \
+  template absl::Status ContextFlashPairBackward<T>(T*, T*, T*, const T*, const T*, const float*, const T*,            \
+                                                    const context_detail::FlashPairShape&,                             \
+                                                    const context_detail::FlashPair&, const CudaContext&);
 PTK_INSTANTIATE(__nv_bfloat16)
 PTK_INSTANTIATE(__half)
 #undef PTK_INSTANTIATE
