@@ -1,9 +1,10 @@
-// Context parallelism's cuDNN pair graphs (trainer/cuda/context_flash_cuda.h) on one GPU: every rank of C = 1, 2
-// (and 3) runs its pairs (ContextFlashPairs) over the all-gathered pieces of whole samples' qkv rows; the partial
-// outputs and log-sum-exps merged on the host in pair order (MergedOutput / MergedLse) are the direct causal
-// softmax's output and natural log-sum-exp (cuDNN's stats are what context_flash.h's merge assumes); the pairs'
-// backward with the merged output and stats, dQ summed over a query chunk's pairs and dK, dV added at their
-// chunk's rows over every rank, is the softmax's gradient. bf16 and fp16, with and without query groups, against a
+// Context parallelism's cuDNN pairs (trainer/cuda/context_flash_cuda.h) on one GPU: every rank of C = 1, 2 (and 3)
+// runs its pairs (ContextFlashPairs) over the all-gathered pieces of whole samples' qkv rows; the partial outputs
+// and log-sum-exps merged on the device in pair order (MergeContextFlashPair) are the direct causal softmax's
+// output and natural log-sum-exp (cuDNN's stats are what context_flash.h's merge assumes); the pairs' backward
+// with the merged output and stats, added on the device to the rank's query gradient and key/value shares
+// (AddContextFlashPairGrads), the shares then summed over the ranks at their chunks' rows, is the softmax's
+// gradient. bf16 and fp16, with and without query groups, against a
 // double reference on the same rounded inputs. gpu-labelled: exit 77 without a device.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -30,7 +31,6 @@ namespace {
 
 using context_detail::FlashPair;
 using context_detail::FlashPairShape;
-using context_detail::FlashPairViews;
 using cuda_test::DeviceBuffer;
 using cuda_test::Random;
 
@@ -161,43 +161,33 @@ double MaxAbs(const std::vector<double>& x) {
   return m;
 }
 
-// One rank's merged output (b, t, c) and log-sum-exp (2, b, nh, chunk), merged on the host in pair order.
+// One rank's merged output (b, t, c) and log-sum-exp (2, b, nh, chunk): each pair's partials merged on the device
+// in pair order (MergeContextFlashPair).
 template <typename T>
 void RankForward(const Problem& p, int rank, const T* gathered, const CudaContext& ctx, std::vector<float>* out,
                  std::vector<float>* lse) {
   const FlashPairShape& s = p.s;
   const int64_t chunk = s.t / 2;
-  out->assign(static_cast<size_t>(s.b * s.t * p.c), 0.0f);
-  lse->assign(static_cast<size_t>(2 * s.b * s.nh * chunk), -INFINITY);
   DeviceBuffer<T> d_part(static_cast<size_t>(s.b * chunk * p.c));
-  DeviceBuffer<float> d_stats(static_cast<size_t>(s.b * s.nh * chunk));
+  DeviceBuffer<float> d_stats(static_cast<size_t>(s.b * s.nh * chunk)), d_out(static_cast<size_t>(s.b * s.t * p.c)),
+      d_lse(static_cast<size_t>(2 * s.b * s.nh * chunk));
   for (const FlashPair& pair : context_detail::ContextFlashPairs(s.context, rank)) {
     SCOPED_TRACE("pair " + std::to_string(pair.q_chunk) + " x " + std::to_string(pair.kv_chunk));
     STATUS_OK(ContextFlashPairForward<T>(d_part.get(), d_stats.get(), gathered, s, pair, ctx));
-    const std::vector<T> part = d_part.Download();
-    const std::vector<float> stats = d_stats.Download();
-    const FlashPairViews v = context_detail::ContextFlashViews(s, pair);
-    for (int64_t b = 0; b < s.b; ++b)
-      for (int64_t h = 0; h < s.nh; ++h)
-        for (int64_t k = 0; k < chunk; ++k) {
-          float& l = (*lse)[static_cast<size_t>(v.stats.At(b, h, k, 0))];
-          const float lp = stats[static_cast<size_t>(v.part_stats.At(b, h, k, 0))];
-          for (int64_t d = 0; d < s.hd; ++d) {
-            float& o = (*out)[static_cast<size_t>(v.out.At(b, h, k, d))];
-            o = context_detail::MergedOutput(o, l, Widen(part[static_cast<size_t>(v.part_out.At(b, h, k, d))]), lp);
-          }
-          l = context_detail::MergedLse(l, lp);
-        }
+    STATUS_OK(MergeContextFlashPair<T>(d_out.get(), d_lse.get(), d_part.get(), d_stats.get(), s, pair, ctx));
   }
+  *out = d_out.Download();
+  *lse = d_lse.Download();
 }
 
-// One rank's pairs backward with its merged output and stats: dQ of its rows and dK, dV of every chunk added to
-// `dqkv` (b, S, w) at the whole samples' rows.
+// One rank's pairs backward with its merged output and stats, added on the device (AddContextFlashPairGrads) to
+// its fp32 query gradient rows and its shares of the key/value gradients in the gathered layout; both then added
+// to `dqkv` (b, S, w) at the whole samples' rows (the exchange and the rank-order sum, on the host).
 template <typename T>
 void RankBackward(const Problem& p, int rank, const T* gathered, const std::vector<float>& out,
                   const std::vector<float>& lse, const CudaContext& ctx, std::vector<double>* dqkv) {
   const FlashPairShape& s = p.s;
-  const int64_t chunk = s.t / 2, ckv = s.ng * s.hd;
+  const int64_t chunk = s.t / 2, ckv = s.ng * s.hd, piece = s.b * s.t * p.w;
   const std::vector<int64_t> pos = ContextParallelPositions(p.S, s.context, rank);
   std::vector<float> dout(static_cast<size_t>(s.b * s.t * p.c));
   for (int64_t b = 0; b < s.b; ++b)
@@ -207,27 +197,25 @@ void RankBackward(const Problem& p, int rank, const T* gathered, const std::vect
             p.dout[static_cast<size_t>((b * p.S + pos[static_cast<size_t>(i)]) * p.c + e)];
   DeviceBuffer<T> d_out(Narrow<T>(out)), d_dout(Narrow<T>(dout)), d_dq(static_cast<size_t>(s.b * chunk * p.c)),
       d_dk(static_cast<size_t>(s.b * chunk * ckv)), d_dv(static_cast<size_t>(s.b * chunk * ckv));
-  DeviceBuffer<float> d_lse(lse);
+  DeviceBuffer<float> d_lse(lse), d_rows(std::vector<float>(static_cast<size_t>(piece), 0.0f)),
+      d_shares(std::vector<float>(static_cast<size_t>(s.context * piece), 0.0f));
   for (const FlashPair& pair : context_detail::ContextFlashPairs(s.context, rank)) {
     SCOPED_TRACE("pair " + std::to_string(pair.q_chunk) + " x " + std::to_string(pair.kv_chunk));
     STATUS_OK(ContextFlashPairBackward<T>(d_dq.get(), d_dk.get(), d_dv.get(), d_dout.get(), d_out.get(), d_lse.get(),
                                           gathered, s, pair, ctx));
-    const std::vector<T> dq = d_dq.Download(), dk = d_dk.Download(), dv = d_dv.Download();
-    const FlashPairViews v = context_detail::ContextFlashViews(s, pair);
-    for (int64_t b = 0; b < s.b; ++b)
-      for (int64_t k = 0; k < chunk; ++k) {
-        double* q_row = &(*dqkv)[static_cast<size_t>((b * p.S + pair.q_chunk * chunk + k) * p.w)];
-        double* kv_row = &(*dqkv)[static_cast<size_t>((b * p.S + pair.kv_chunk * chunk + k) * p.w)];
-        for (int64_t d = 0; d < s.hd; ++d) {
-          for (int64_t h = 0; h < s.nh; ++h)
-            q_row[Col(s, 0, h, d)] += Widen(dq[static_cast<size_t>(v.part_out.At(b, h, k, d))]);
-          for (int64_t g = 0; g < s.ng; ++g) {
-            kv_row[Col(s, 1, g, d)] += Widen(dk[static_cast<size_t>(v.part_kv.At(b, g, k, d))]);
-            kv_row[Col(s, 2, g, d)] += Widen(dv[static_cast<size_t>(v.part_kv.At(b, g, k, d))]);
-          }
-        }
-      }
+    STATUS_OK(
+        AddContextFlashPairGrads<T>(d_rows.get(), d_shares.get(), d_dq.get(), d_dk.get(), d_dv.get(), s, pair, ctx));
   }
+  const std::vector<float> rows = d_rows.Download(), shares = d_shares.Download();
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t i = 0; i < s.t; ++i)
+      for (int64_t col = 0; col < p.w; ++col)
+        (*dqkv)[static_cast<size_t>((b * p.S + pos[static_cast<size_t>(i)]) * p.w + col)] +=
+            rows[static_cast<size_t>((b * s.t + i) * p.w + col)];
+  const std::vector<int64_t> table = ContextParallelPositionTable(p.S, s.context);
+  for (int64_t e = 0; e < s.context * piece; ++e)
+    (*dqkv)[static_cast<size_t>(context_detail::WholeIndex(e, s.b, s.t, p.w, s.context, table.data()))] +=
+        shares[static_cast<size_t>(e)];
 }
 
 // Every rank's pairs of `s` against the direct softmax: output within fwd_tol of its largest magnitude, the

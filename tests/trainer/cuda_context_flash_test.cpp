@@ -105,6 +105,7 @@ TEST(CudaContextFlash, PairViewsAreTheChunksRows) {
                             kv_row + QkvColumn(s, 2, g, d));
                   ASSERT_GE(v.q.At(b, h, k, d), r * s.b * s.t * w) << "the query chunk is this rank's piece";
                   ASSERT_LT(v.q.At(b, h, k, d), (r + 1) * s.b * s.t * w);
+                  EXPECT_EQ(v.own_q.At(b, h, k, d), v.q.At(b, h, k, d) - r * s.b * s.t * w);
                   EXPECT_EQ(v.out.At(b, h, k, d), (b * s.t + p.half * chunk + k) * c + h * s.hd + d);
                   ++part_out[static_cast<size_t>(v.part_out.At(b, h, k, d))];
                   if (h == g * (s.nh / s.ng)) ++part_kv[static_cast<size_t>(v.part_kv.At(b, g, k, d))];

@@ -1,7 +1,8 @@
 // Groundwork for a fused (cuDNN flash) context-parallel attention in bf16/fp16, host and device: the pairs of
 // chunks one context rank attends and where their rows lie, and the exact merge of the partial outputs.
 // The model does not use it yet (cuda_context_parallel.cpp runs the fp32 rows attention in every precision); the
-// pairs' cuDNN graphs over ContextFlashViews are context_flash_cuda.h's (gpu test context_flash_cuda_test). The
+// pairs' cuDNN graphs over ContextFlashViews, and the kernels that merge and add their results, are
+// context_flash_cuda.h's (gpu test context_flash_cuda_test). The
 // CPU test (tests/trainer/cuda_context_flash_test.cpp) checks the plan and the views against context_rows.h's
 // mapping and the merge, and the backward identity it relies on, against a direct softmax.
 //
@@ -108,6 +109,7 @@ struct FlashPairShape {
 // The views of one pair's cuDNN graphs, offsets in elements of the buffer each names:
 //   q, k, v      the all-gathered rank-ordered pieces of qkv rows (the query chunk is in this rank's own piece:
 //                both at PairKvOffset);
+//   own_q        the query chunk's columns in this rank's own (b, t, w) rows (its QKV gradient's dQ);
 //   out          this rank's final output rows (b, t, nh hd) (and its gradient dO), at the query chunk's rows;
 //   part_out     a pair's partial output, and its dQ: (b, chunk, nh hd) rows;
 //   part_kv      a pair's dK or dV: (b, chunk, ng hd) rows;
@@ -115,7 +117,7 @@ struct FlashPairShape {
 //   stats        the merged log-sum-exp of both halves, (2, b, nh, chunk): half h's at h b nh chunk.
 // Only the offsets depend on the pair; the dims and strides on the shape alone (one graph per shape and mask).
 struct FlashPairViews {
-  FlashView q, k, v, out, part_out, part_kv, part_stats, stats;
+  FlashView q, k, v, own_q, out, part_out, part_kv, part_stats, stats;
 };
 
 inline FlashPairViews ContextFlashViews(const FlashPairShape& s, const FlashPair& p) {
@@ -128,6 +130,7 @@ inline FlashPairViews ContextFlashViews(const FlashPairShape& s, const FlashPair
   v.q = {q_at, {s.b, s.nh, chunk, s.hd}, {s.t * w, head, w, 1}};
   v.k = {kv_at + k_col, {s.b, s.ng, chunk, s.hd}, {s.t * w, head, w, 1}};
   v.v = {kv_at + v_col, {s.b, s.ng, chunk, s.hd}, {s.t * w, head, w, 1}};
+  v.own_q = {PairRowOffset(p.half, s.t, w), {s.b, s.nh, chunk, s.hd}, {s.t * w, head, w, 1}};
   v.out = {PairRowOffset(p.half, s.t, c), {s.b, s.nh, chunk, s.hd}, {s.t * c, s.hd, c, 1}};
   v.part_out = {0, {s.b, s.nh, chunk, s.hd}, {chunk * c, s.hd, c, 1}};
   v.part_kv = {0, {s.b, s.ng, chunk, s.hd}, {chunk * ckv, s.hd, ckv, 1}};

@@ -31,4 +31,20 @@ absl::Status ContextFlashPairBackward(T* part_dq, T* part_dk, T* part_dv, const 
                                       const float* stats, const T* gathered, const context_detail::FlashPairShape& s,
                                       const context_detail::FlashPair& pair, const CudaContext& ctx);
 
+// context_flash_cuda.cu, on ctx.stream, the pairs in ContextFlashPairs' order. MergeContextFlashPair: the pair's
+// part_out / part_stats (ContextFlashPairForward's) merged into this rank's fp32 output out (b, t, nh hd) and
+// log-sum-exp stats (2, b, nh, t/2) at its query chunk's rows (the first pair of a chunk, kv_chunk 0, copied: no
+// zeroing needed). AddContextFlashPairGrads: the pair's part_dq added to this rank's fp32 QKV gradient rows dq
+// (b, t, w) (query columns), its part_dk / part_dv to shares, fp32 in the gathered pieces' layout (C (b, t, w)
+// pieces in rank order: each rank's share of every chunk's key/value gradient); the caller zeroes both first.
+// One thread per element, no atomics: the same bits run after run.
+template <typename T>
+absl::Status MergeContextFlashPair(float* out, float* stats, const T* part_out, const float* part_stats,
+                                   const context_detail::FlashPairShape& s, const context_detail::FlashPair& pair,
+                                   const CudaContext& ctx);
+template <typename T>
+absl::Status AddContextFlashPairGrads(float* dq, float* shares, const T* part_dq, const T* part_dk, const T* part_dv,
+                                      const context_detail::FlashPairShape& s, const context_detail::FlashPair& pair,
+                                      const CudaContext& ctx);
+
 }  // namespace ptk::cuda
