@@ -92,6 +92,19 @@ std::string HostName() {
   return host;
 }
 
+std::string FailedCallWho(const FailedCall& at) {
+  const std::string who =
+      at.group.empty() ? fmt::format("rank {}", at.rank)
+                       : fmt::format("rank {} of the {} group (world rank {})", at.rank, at.group, at.world_rank);
+  return at.device >= 0 ? fmt::format("{} (host {}, cuda:{})", who, at.host, at.device)
+                        : fmt::format("{} (host {})", who, at.host);
+}
+
+std::string FailedCallPrefix(const FailedCall& at) {
+  return fmt::format("{}: {}: ", FailedCallWho(at),
+                     at.call.empty() ? "no collective was in flight" : at.call + " failed");
+}
+
 // Rank 0's store: one thread, poll(2) over the listening socket and the clients. A registered
 // client whose connection closes is a rank that exited.
 class RendezvousServer {

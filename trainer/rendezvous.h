@@ -126,4 +126,20 @@ class ReportedFailureWatch {
 // This machine's host name.
 std::string HostName();
 
+// Where a rank's call stood when it failed, for the first words of its error line, alike on gloo
+// and NCCL: every rank's line names itself, its group and the call in flight before the cause.
+struct FailedCall {
+  int rank = 0;        // in the communicator that failed
+  std::string group;   // its name ("tensor", "data", "pipeline", "context", "embedding"); empty: the world's
+  int world_rank = 0;  // a group's rank in the run
+  std::string host;    // HostName()
+  int device = -1;     // NCCL's GPU (cuda:N); -1: none
+  std::string call;    // the call in flight ("all-reduce", "send to rank 2"); empty: none was
+};
+// "rank 1 of the tensor group (world rank 3) (host H, cuda:1)"; "rank 3 (host H)" for the world's.
+std::string FailedCallWho(const FailedCall& at);
+// FailedCallWho's, then ": all-reduce failed: " (": no collective was in flight: " when none was),
+// for a cause (HeardFailure's) to follow.
+std::string FailedCallPrefix(const FailedCall& at);
+
 }  // namespace ptk
