@@ -13,11 +13,13 @@
 
 #include <tbb/global_control.h>
 
+#include "common/atomic_file.h"
 #include "common/cli.h"
 #include "common/cpu_budget.h"
 #include "common/file_paths.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/slurm_env.h"
 #include "common/status.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
@@ -174,6 +176,22 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
   return d;
 }
 
+// Another rank reported its own failure while this one was still busy starting (building its
+// datasets' indices, loading --load, building the model: ptk::LocalPhaseWatch): RunMain's line
+// naming that rank and its reason, what a signal's cleanup removes (this rank's unfinished files,
+// its lock files), and RunMain's exit code, now rather than once that work is done.
+void ExitOnPeerFailure(const absl::Status& st) {
+  std::fflush(stdout);
+  if (ptk::IsUsageError(st))
+    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n",
+                 ptk::log::ProgramName().c_str(), std::string(ptk::StatusMessage(st)).c_str());
+  else
+    ptk::log::Error("{}", ptk::StatusMessage(st));
+  ptk::RemoveLiveTemporaries();
+  ptk::RemoveLiveLocks();
+  std::_Exit(ptk::cli::ExitCodeFor(st));
+}
+
 // This rank's communicators: the world's, then the tensor, data (with context parallelism Megatron's
 // data × context group), pipeline, embedding and context groups (each a communicator of its own over
 // the world's), made in that order by every rank (a middle stage has no embedding group). The ranks
@@ -300,6 +318,7 @@ absl::Status TrainRanks(const ptk::TrainFlags& flags, const ptk::TrainingRanks& 
   // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
   openblas_set_num_threads(1);
   if (flags.exit_signal_handler) options->exit_signal = &g_exit_signal;  // installed at the start of main
+  options->on_peer_failure = ExitOnPeerFailure;
   options->started = started;
   options->comm = groups.DataOrWorld();
   options->world_comm = groups.world.get();
