@@ -62,7 +62,8 @@ class Trainer {
     started_ = o_.started != Clock::time_point{} ? o_.started : Clock::now();
     auto t0 = Clock::now();
     // Another rank's reported failure ends this rank's start-up within a second or two, not at its end.
-    LocalPhaseWatch start_up(world_->failure_store(), o_.on_peer_failure, "building the model");
+    LocalPhaseWatch start_up(world_->failure_store(), AbandonedOnStop(o_.on_peer_failure, &save_dir_),
+                             "building the model");
     PTK_RETURN_IF_ERROR(SetUp());
     if (lead_) log::Info("start-up: model built and initialised ({:.1f} s)", Seconds(t0));
     t0 = Clock::now();

@@ -171,5 +171,31 @@ TEST_F(StartupFailureCli, ACheckpointOnlySomeRanksCanReadEndsEveryRankNamingIt) 
   EXPECT_NE(other[0].find("rank 1 (host " + host_ + ") stopped: " + own[0]), std::string::npos) << All(ranks);
 }
 
+// A rank still busy with its own start-up when another rank fails: both are given a blend of the
+// dataset listed 1000 times and 8 M training samples, whose blending indices take rank 0 seconds to
+// build (its dataset is whole); rank 1's .idx is cut short, so it stops at once. Rank 1 names its
+// file and exits 1; rank 0 exits 1 a second or two later, before its indices are built, naming rank
+// 1, its error and what rank 0 was doing, leaving no --save it made. Before, rank 0 built them all
+// and heard of it only at its next collective ("rank 0 (host H): barrier failed: rank 1 ...").
+TEST_F(StartupFailureCli, ARankStillBuildingItsDatasetsStopsWhenAnotherFails) {
+  std::string blend;
+  for (int i = 0; i < 1000; ++i) blend += " 1 data_text_document";
+  const std::string ck = dir_ / "ck";
+  const auto ranks = Ranks({"good", "bad"}, Train(2, "--data-path" + blend +
+                                                         " --split 100,0,0 --eval-iters 0 --train-iters 1000000 "
+                                                         "--save " +
+                                                         ShellQuote(ck)));
+  const std::vector<std::string> own = Errors(ranks[1].log), other = Errors(ranks[0].log);
+  EXPECT_EQ(ranks[1].rc, 1) << All(ranks);
+  EXPECT_EQ(ranks[0].rc, 1) << All(ranks);
+  ASSERT_EQ(own.size(), 1u) << All(ranks);
+  EXPECT_EQ(own[0].rfind("data_text_document.idx: ", 0), 0u) << All(ranks);
+  ASSERT_EQ(other.size(), 1u) << All(ranks);
+  EXPECT_EQ(other[0], "rank 0 (host " + host_ + "): building the datasets stopped: rank 1 (host " + host_ +
+                          ") stopped: " + own[0])
+      << All(ranks);
+  EXPECT_FALSE(std::filesystem::exists(ck)) << All(ranks);
+}
+
 }  // namespace
 }  // namespace ptk
