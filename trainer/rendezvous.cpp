@@ -381,7 +381,17 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
   if (absl::IsAborted(st) || IsUsageError(st)) return st;  // a rank failed before it joined: its reason
   // gloo's full-mesh rendezvous waits for each rank's address under the rank's number.
   const bool is_rank = !key.empty() && key.find_first_not_of("0123456789") == std::string::npos;
-  const std::string what = is_rank ? "rank " + key : "key '" + key + "'";
+  std::string what = is_rank ? "rank " + key : "key '" + key + "'";
+  // Every rank that never came, not only the first one waited for.
+  const std::vector<int> missing = absl::IsDeadlineExceeded(st) ? NeverJoined() : std::vector<int>{};
+  if (!missing.empty()) {
+    what = missing.size() == 1 ? "rank" : "ranks";
+    for (size_t i = 0; i < missing.size(); ++i) what += fmt::format("{} {}", i ? "," : "", missing[i]);
+    return absl::DeadlineExceededError(fmt::format(
+        "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the same "
+        "MASTER_ADDR and MASTER_PORT; {} running?",
+        what, timeout_.count() / 1000.0, world_size_, missing.size() == 1 ? "is that rank" : "are they"));
+  }
   if (absl::IsDeadlineExceeded(st))
     return absl::DeadlineExceededError(fmt::format(
         "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the "
@@ -389,6 +399,21 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
         what, timeout_.count() / 1000.0, world_size_, is_rank ? "; is that rank running?" : ""));
   return absl::UnavailableError(fmt::format(
       "lost the connection to rank 0 (which serves the rendezvous) while waiting for {}: did rank 0 exit?", what));
+}
+
+std::vector<int> RendezvousStore::NeverJoined() {
+  std::string text;
+  if (!Request(kPeers, "", nullptr, &text).ok()) return {};
+  std::set<int> came;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    if (text.compare(pos, 2, "!\t") != 0) came.insert(std::atoi(text.substr(pos, text.find('\t', pos) - pos).c_str()));
+    pos = nl + 1;
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < world_size_; ++r)
+    if (!came.count(r)) missing.push_back(r);
+  return missing.size() < static_cast<size_t>(world_size_) ? missing : std::vector<int>{};  // none came: no answer
 }
 
 void RendezvousStore::ReportEarlyFailure(int rank, int world_size, const std::string& master_addr, int port,

@@ -69,8 +69,9 @@ class RendezvousStore {
   bool PollReportedFailure();
 
   absl::Status Set(const std::string& key, const std::string& value);
-  // Waits up to the timeout for the key. A key that is a rank number (gloo's full-mesh rendezvous
-  // waits for each rank's address under it) that never comes is "rank N did not join within T s".
+  // Waits up to the timeout for the key. A key that never comes while ranks never joined the store
+  // names them all ("ranks 2, 3 did not join within T s"); else a key that is a rank number (gloo's
+  // full-mesh rendezvous waits for each rank's address under it) is "rank N did not join within T s".
   absl::StatusOr<std::string> Get(const std::string& key);
 
   // After a collective failed on this rank: records that, gives the others a few seconds to report
@@ -90,6 +91,10 @@ class RendezvousStore {
   // `ack_out`: the one-byte answer to a request without a reply ('k'; 'r' for a refused hello).
   absl::Status Request(char op, const std::string& key, const std::string* value, std::string* reply,
                        char* ack_out = nullptr);
+
+  // The ranks that never registered with rank 0's store (its peer list), ascending; empty when it
+  // does not answer.
+  std::vector<int> NeverJoined();
 
   std::unique_ptr<RendezvousServer> server_;  // rank 0
   int fd_ = -1;

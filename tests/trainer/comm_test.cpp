@@ -295,6 +295,28 @@ TEST(Rendezvous, AReportedFailureReachesTheRanksThatWatchForIt) {
   for (int r = 2; r >= 0; --r) stores[static_cast<size_t>(r)].reset();  // rank 0, which serves them, last
 }
 
+// Ranks that never come: every rank's error names all of them, not the first one waited for (gloo's
+// full-mesh rendezvous waits for rank 2's address, NCCL's rank 0 for key 'ptk/nccl-joined/2': both
+// said only that one, though rank 3 never came either).
+TEST(Rendezvous, TheTimeoutNamesEveryRankThatNeverJoined) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores(2);
+  for (int r = 0; r < 2; ++r) {
+    auto s = RendezvousStore::Connect(r, 4, "127.0.0.1", port, milliseconds(1000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores[static_cast<size_t>(r)] = *std::move(s);
+  }
+  for (const char* key : {"2", "ptk/nccl-joined/2"}) {
+    const absl::StatusOr<std::string> got = stores[1]->Get(key);
+    ASSERT_FALSE(got.ok());
+    EXPECT_TRUE(absl::IsDeadlineExceeded(got.status())) << got.status();
+    EXPECT_EQ(got.status().message().substr(0, 37), "ranks 2, 3 did not join within 1 s (-") << got.status();
+    EXPECT_NE(got.status().message().find("start all 4 ranks (WORLD_SIZE)"), std::string::npos) << got.status();
+  }
+  for (int r = 1; r >= 0; --r) stores[static_cast<size_t>(r)].reset();
+}
+
 // HeardFailure is an NCCL watchdog's check, every 100 ms under its communicator's lock (which the
 // training thread takes to enqueue each collective): it must not wait for another thread's request on
 // the store's one connection. It took the connection's lock, so a get waiting for its key (a group's
