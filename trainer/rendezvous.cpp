@@ -115,7 +115,8 @@ class RendezvousServer {
     for (int fd : clients_) ::close(fd);
     if (listen_fd_ >= 0) ::close(listen_fd_);
   }
-  absl::Status Start(int port) {
+  absl::Status Start(int port, int world_size) {
+    world_size_ = world_size;
     listen_fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
     bool v6 = listen_fd_ >= 0;
     if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -211,9 +212,14 @@ class RendezvousServer {
         } else if (ok && op == kGet) {
           waiting[fd].push_back(key);
         } else if (ok && op == kHello) {
-          ok = RecvBlob(fd, &value);
+          ok = RecvBlob(fd, &value);  // "host\tWORLD_SIZE"
           const int r = std::atoi(key.c_str());
-          if (ok && ever_ranks_.count(r)) {
+          const size_t tab = value.find('\t');
+          const int world = tab == std::string::npos ? -1 : std::atoi(value.c_str() + tab + 1);
+          value = value.substr(0, tab);
+          if (ok && world != world_size_) {
+            ok = SendAll(fd, "w", 1);  // another job's rank (two jobs on one MASTER_PORT): it stops
+          } else if (ok && ever_ranks_.count(r)) {
             // This rank joined this store before: its new incarnation (a pod restarted in place
             // while this rank 0 still runs the old job) must not meet the old run's addresses.
             // Refused, it retries until a fresh rank 0 serves.
@@ -258,7 +264,7 @@ class RendezvousServer {
   std::string abort_;                                      // kAbortKey's value, once set
   std::atomic<bool> stop_{false};
   std::atomic<int> live_{0}, ever_{0};
-  int port_ = 0;
+  int port_ = 0, world_size_ = 0;
   std::thread thread_;
 };
 
@@ -283,13 +289,13 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   s->host_ = HostName();
   if (rank == 0) {
     s->server_ = std::make_unique<RendezvousServer>();
-    PTK_RETURN_IF_ERROR(s->server_->Start(port));
+    PTK_RETURN_IF_ERROR(s->server_->Start(port, world_size));
     port = s->server_->port();  // port 0 (one rank alone): the free one it got
   }
   const std::string host = rank == 0 ? "127.0.0.1" : master_addr;
   const auto deadline = Clock::now() + timeout;
   std::string last = "no attempt";
-  const std::string host_name = s->host_;
+  const std::string hello_value = s->host_ + "\t" + std::to_string(world_size);
   // Ranks start together and rank 0 listens moments later: the first retries come soon, the later
   // ones every 200 ms.
   std::chrono::milliseconds retry(5);
@@ -316,11 +322,18 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
     ::freeaddrinfo(res);
     if (s->fd_ >= 0) {
       char ack = 0;
-      const absl::Status hello = s->Request(kHello, std::to_string(rank), &host_name, nullptr, &ack);
+      const absl::Status hello = s->Request(kHello, std::to_string(rank), &hello_value, nullptr, &ack);
+      if (hello.ok() && ack == 'w')
+        return absl::FailedPreconditionError(fmt::format(
+            "rendezvous: the rank 0 at {}:{} runs a job of another WORLD_SIZE than this rank's {}: another job "
+            "uses MASTER_PORT {}; give each job a MASTER_PORT of its own",
+            host, port, world_size, port));
       if (!hello.ok() || ack != 'k') {  // 'r': that rank 0 still runs an earlier start of the job
-        last = hello.ok()
-                   ? fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank)
-                   : StatusMessage(hello);
+        last = hello.ok() ? fmt::format(
+                                "it still runs an earlier start of this job, which rank {} already joined, "
+                                "or another job uses this MASTER_PORT",
+                                rank)
+                          : StatusMessage(hello);
         ::close(s->fd_);
         s->fd_ = -1;
       }
@@ -509,16 +522,24 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
   const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
   timeval tv{static_cast<time_t>(wait.count() / 1000), static_cast<suseconds_t>(wait.count() % 1000 * 1000)};
   ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  if (!Set(kFailedPrefix + std::to_string(rank_), what_failed).ok())
-    return rank_ == 0 ? "" : "rank 0 (which serves the rendezvous) does not answer: it exited or hangs";
+  // Rank 0's connection closed: it exited (killed, crashed); still open but silent: it hangs.
+  auto rank0 = [](const absl::Status& st) {
+    return absl::IsUnavailable(st) ? std::string(
+                                         "rank 0 (which serves the rendezvous) exited (its connection closed: "
+                                         "killed, crashed or stopped early)")
+                                   : std::string(
+                                         "rank 0 (which serves the rendezvous) does not answer: it exited or "
+                                         "hangs");
+  };
+  if (const absl::Status told = Set(kFailedPrefix + std::to_string(rank_), what_failed); !told.ok())
+    return rank_ == 0 ? "" : rank0(told);
   // The others' failures arrive within moments of this one's when a rank died; give them a few
   // seconds (a rank that hangs never reports).
   const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
   std::map<int, std::pair<std::string, std::string>> peers;  // rank -> (host, state)
   for (;;) {
     std::string text;
-    if (!Request(kPeers, "", nullptr, &text).ok())
-      return "rank 0 (which serves the rendezvous) does not answer: it exited or hangs";
+    if (const absl::Status asked = Request(kPeers, "", nullptr, &text); !asked.ok()) return rank0(asked);
     peers.clear();
     size_t pos = 0;
     if (text.rfind("!\t", 0) == 0) {  // a rank reported its own failure (ReportFailure): the answer
