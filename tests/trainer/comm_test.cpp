@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "trainer/comm.h"
+#include "trainer/distributed.h"
 #include "trainer/rendezvous.h"
 
 namespace ptk {
@@ -433,6 +434,33 @@ TEST(Communicator, AGroupsFailedExchangeNamesThePeersWorldRank) {
   });
   EXPECT_NE(error.find("send to rank 2 / receive from rank 2 failed"), std::string::npos) << error;
   EXPECT_EQ(error.find("rank 1"), std::string::npos) << error;
+}
+
+// A rank's own failure reported (ReportRankFailure) while a peer waits on it in a group's collective:
+// the peer's line names itself in that group, the call, the failed rank and its reason, as NCCL's
+// does (it said "rank 2 (host H): barrier failed: ...", without the group).
+TEST(Communicator, AReportedFailureNamesTheGroupAndCallOfEveryRank) {
+  std::string error;
+  std::atomic<bool> done{false};
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    auto tp = world->Subgroup(std::vector<int>{rank / 2 * 2, rank / 2 * 2 + 1}, "tensor");
+    ASSERT_TRUE(tp.ok()) << tp.status();
+    ASSERT_TRUE(world->Barrier().ok());
+    if (rank == 3) {
+      ReportRankFailure(world, absl::DataLossError("iter_0000004: checksum mismatch"));
+      return;  // RunRanks destroys its communicators when its body returns
+    }
+    if (rank != 2) {  // ranks 0 and 1 (rank 0 serves the store) stay until rank 2 has seen the failure
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    }
+    absl::Status st = absl::OkStatus();
+    for (int i = 0; i < 1000 && st.ok(); ++i) st = (*tp)->Barrier();
+    error = std::string(st.message());
+    done = true;
+  });
+  EXPECT_EQ(error, "rank 0 of the tensor group (world rank 2) (host " + HostName() +
+                       "): barrier failed: rank 3 (host " + HostName() + ") stopped: iter_0000004: checksum mismatch");
 }
 
 // Four ranks as two tensor groups {0,1} {2,3} and two data groups {0,2} {1,3} (Megatron's order:
