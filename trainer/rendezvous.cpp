@@ -92,19 +92,6 @@ std::string HostName() {
   return host;
 }
 
-std::string FailedCallWho(const FailedCall& at) {
-  const std::string who =
-      at.group.empty() ? fmt::format("rank {}", at.rank)
-                       : fmt::format("rank {} of the {} group (world rank {})", at.rank, at.group, at.world_rank);
-  return at.device >= 0 ? fmt::format("{} (host {}, cuda:{})", who, at.host, at.device)
-                        : fmt::format("{} (host {})", who, at.host);
-}
-
-std::string FailedCallPrefix(const FailedCall& at) {
-  return fmt::format("{}: {}: ", FailedCallWho(at),
-                     at.call.empty() ? "no collective was in flight" : at.call + " failed");
-}
-
 // Rank 0's store: one thread, poll(2) over the listening socket and the clients. A registered
 // client whose connection closes is a rank that exited.
 class RendezvousServer {
@@ -471,28 +458,6 @@ bool RendezvousStore::PollReportedFailure() {
   std::lock_guard<std::mutex> lock(heard_mu_);
   if (heard_.empty()) heard_ = abort;
   return true;
-}
-
-ReportedFailureWatch::ReportedFailureWatch(std::shared_ptr<RendezvousStore> store, std::chrono::milliseconds interval) {
-  thread_ = std::thread([this, store = std::move(store), interval] {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      lock.unlock();
-      const bool heard = store->PollReportedFailure();
-      lock.lock();
-      if (heard) break;
-      cv_.wait_for(lock, interval, [this] { return stop_; });
-    }
-  });
-}
-
-ReportedFailureWatch::~ReportedFailureWatch() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
 }
 
 void RendezvousStore::ServeUntilAllHeard(std::chrono::milliseconds at_most) {
