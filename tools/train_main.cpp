@@ -391,6 +391,8 @@ int main(int argc, char** argv) {
                                  ptk::RunSettings(options, plan.global_batch_size), ranks.rank, &groups);
     if (st.ok())
       st = TrainRanks(flags, ranks, *layout, plan, notes, started, ArgsJson(argc, argv), groups, &options, &incomplete);
+    // A rank that ends well says so first: its leaving is no death to a rank still starting (LocalPhaseWatch).
+    if (st.ok() && groups.world && groups.world->failure_store()) groups.world->failure_store()->MarkFinished();
     if (!st.ok() && groups.world) {
       std::function<void()> serve_the_others = ptk::ReportRankFailure(groups.world.get(), st);
       groups.Close();  // this rank's pairs close: the others' collectives with it end at once

@@ -29,12 +29,15 @@ void LocalPhaseWatch::End() {
 
 void LocalPhaseWatch::Run() {
   std::unique_lock<std::mutex> lock(mu_);
+  std::string exited;  // a rank killed (no report): its connection to rank 0's store closed
   for (;;) {
     if (cv_.wait_for(lock, timing_.poll, [this] { return ended_; })) return;
     lock.unlock();
-    const bool heard = store_->PollReportedFailure();  // one request, without the lock: End never waits on it long
+    // Requests of their own, without the lock: End never waits on them long.
+    const bool heard = store_->PollReportedFailure();
+    if (!heard) exited = store_->PollExitedRank();
     lock.lock();
-    if (heard) break;
+    if (heard || !exited.empty()) break;
   }
   // A phase that ends within the grace meets the failure at its next collective and unwinds as any
   // failure does (what this run made removed); one still busy is ended from here.
@@ -44,7 +47,10 @@ void LocalPhaseWatch::Run() {
   FailedCall me;
   me.rank = store_->rank();
   me.host = store_->host();
-  const absl::Status why = store_->HeardFailure(fmt::format("{}: {} stopped: ", FailedCallWho(me), phase));
+  const std::string prefix = fmt::format("{}: {} stopped: ", FailedCallWho(me), phase);
+  // A rank that reported and then left is named with its reason, not as exited.
+  const absl::Status why =
+      store_->PollReportedFailure() ? store_->HeardFailure(prefix) : absl::AbortedError(prefix + exited);
   if (store_->rank() == 0)
     store_->ServeUntilAllHeard(std::min<std::chrono::milliseconds>(store_->timeout(), std::chrono::seconds(30)));
   stop_fn_(why);

@@ -1,5 +1,6 @@
 // Ends a rank's long work of its own (building the model, loading a checkpoint, building the
-// datasets' indices) once another rank reports its own failure, instead of at its next collective.
+// datasets' indices) once another rank reports its own failure or dies, instead of at its next
+// collective.
 #pragma once
 
 #include <chrono>
@@ -15,15 +16,17 @@
 
 namespace ptk {
 
-// While it lives, polls rank 0's store (PollReportedFailure) every `poll` on a thread of its own.
-// Once another rank's reported failure (ReportFailure) is heard, the phase has `grace` to end by
+// While it lives, polls rank 0's store every `poll` on a thread of its own: for another rank's
+// reported failure (PollReportedFailure), and for a rank that left it without finishing or
+// reporting (PollExitedRank: killed, crashed). Once one is found, the phase has `grace` to end by
 // itself (it then meets the failure at its next collective, and unwinds as any failure does); if it
-// has not, `stop` is called, on the watch's thread, with "rank R (host H): <phase> stopped: " and
-// the failure (HeardFailure's: a usage error when the peer's was one): the caller ends the process
-// there (ptk-train's main prints the line and exits). Rank 0 first serves its store until the other
-// ranks heard (ServeUntilAllHeard, at most min(timeout, 30 s)), as a rank that reports does. Nothing
-// is watched without a store or `stop` (one process, a test's run). End, or the destructor, ends
-// the thread: none outlives the phase. A healthy run's work is untouched (nothing but the poll).
+// has not, `stop` is called, on the watch's thread, with "rank R (host H): <phase> stopped: " and the
+// failure (HeardFailure's: a usage error when the peer's was one; or "rank N (host H) exited (...)"):
+// the caller ends the process there (ptk-train's main prints the line and exits). Rank 0 first serves
+// its store until the other ranks heard (ServeUntilAllHeard, at most min(timeout, 30 s)), as a rank
+// that reports does. Nothing is watched without a store or `stop` (one process, a test's run). End,
+// or the destructor, ends the thread: none outlives the phase. A healthy run's work is untouched
+// (nothing but the polls).
 class LocalPhaseWatch {
  public:
   struct Timing {

@@ -64,6 +64,7 @@ bool RecvBlob(int fd, std::string* s) {
 constexpr char kSet = 'S', kGet = 'G', kHello = 'H', kPeers = 'P';
 constexpr char kAbortQuery = 'A';  // kAbortKey's value, empty while none: a poll (the peer list is larger)
 constexpr const char* kFailedPrefix = "ptk/failed/";
+constexpr const char* kFinishedPrefix = "ptk/finished/";  // MarkFinished's: a rank that left when its run ended
 // Set by a rank that failed before it joined (RendezvousStore::ReportEarlyFailure): "u\t" (a usage
 // error) or "f\t", then the message. Every get waiting or to come is answered with it, marked by a
 // length of kAbortMarker, so that no rank waits for one that will never join.
@@ -163,8 +164,10 @@ class RendezvousServer {
                          kv_.count(kFailedPrefix + std::to_string(who.first)) ? "failed" : "alive");
     // A rank that reported its own failure before it left is not the cause.
     for (const auto& [rank, host] : left_)
-      out +=
-          fmt::format("{}\t{}\t{}\n", rank, host, kv_.count(kFailedPrefix + std::to_string(rank)) ? "failed" : "left");
+      out += fmt::format("{}\t{}\t{}\n", rank, host,
+                         kv_.count(kFailedPrefix + std::to_string(rank))     ? "failed"
+                         : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
+                                                                             : "left");
     return out;
   }
   void Loop() {
@@ -399,6 +402,32 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
         what, timeout_.count() / 1000.0, world_size_, is_rank ? "; is that rank running?" : ""));
   return absl::UnavailableError(fmt::format(
       "lost the connection to rank 0 (which serves the rendezvous) while waiting for {}: did rank 0 exit?", what));
+}
+
+void RendezvousStore::MarkFinished() {
+  if (world_size_ <= 1) return;
+  // Rank 0 answers at once unless it hangs itself (or has ended): a few seconds, not the timeout.
+  const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
+  timeval tv{static_cast<time_t>(wait.count() / 1000), static_cast<suseconds_t>(wait.count() % 1000 * 1000)};
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  (void)Set(kFinishedPrefix + std::to_string(rank_), "1");
+}
+
+std::string RendezvousStore::PollExitedRank() {
+  std::string text;
+  if (!Request(kPeers, "", nullptr, &text).ok()) return "";
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    const std::string line = text.substr(pos, nl - pos);
+    const size_t t1 = line.find('\t'), t2 = line.rfind('\t');
+    if (t1 != t2 && line.substr(t2 + 1) == "left" && line.rfind("!\t", 0) != 0)
+      return fmt::format(
+          "rank {} (host {}) exited (its connection to the rendezvous closed: killed, crashed or "
+          "stopped early)",
+          line.substr(0, t1), line.substr(t1 + 1, t2 - t1 - 1));
+    pos = nl + 1;
+  }
+  return "";
 }
 
 std::vector<int> RendezvousStore::NeverJoined() {

@@ -67,6 +67,14 @@ class RendezvousStore {
   // collectives would otherwise wait for their timeout (NCCL's: ReportedFailureWatch). False when
   // none was, or rank 0 does not answer; never fails.
   bool PollReportedFailure();
+  // A rank whose run ended well (ptk-train's main, before its communicators close) says so to rank 0's
+  // store, so that its leaving is not taken for a death (PollExitedRank). Never fails.
+  void MarkFinished();
+  // Without waiting (one request): "rank N (host H) exited (its connection to the rendezvous closed:
+  // killed, crashed or stopped early)" for a rank whose connection to rank 0's store closed while it
+  // had neither finished (MarkFinished) nor reported a failure; "" when none did, or rank 0 does not
+  // answer. For a rank busy with its own work (LocalPhaseWatch). Never fails.
+  std::string PollExitedRank();
 
   absl::Status Set(const std::string& key, const std::string& value);
   // Waits up to the timeout for the key. A key that never comes while ranks never joined the store

@@ -134,5 +134,31 @@ TEST(LocalPhaseWatch, APhaseEndingWithinTheGraceOrHealthyIsNotStopped) {
   stores[0].reset();
 }
 
+// A rank killed while another still starts (its connection to rank 0's store closed, nothing
+// reported): the watch stops the phase naming it as exited; a rank that finished (MarkFinished), as
+// one with nothing to train does while the others still load, is no death.
+TEST(LocalPhaseWatch, ARankThatDiesEndsAPhaseStillBusyOneThatFinishedDoesNot) {
+  auto stores = Stores(4);
+  ASSERT_EQ(stores.size(), 4u);
+  Stopped stopped;
+  {
+    LocalPhaseWatch watch(stores[2], stopped.Fn(), "building the datasets", {.poll = 10ms, .grace = 10ms});
+    stores[3]->MarkFinished();
+    stores[3].reset();
+    std::this_thread::sleep_for(300ms);
+    EXPECT_EQ(stopped.calls, 0) << (stopped.status ? stopped.status->ToString() : "");
+    stores[1].reset();  // killed
+    const std::optional<absl::Status> st = stopped.Wait();
+    ASSERT_TRUE(st.has_value()) << "the watch did not stop the phase";
+    EXPECT_TRUE(absl::IsAborted(*st)) << *st;
+    EXPECT_EQ(st->message(), "rank 2 (host " + HostName() + "): building the datasets stopped: rank 1 (host " +
+                                 HostName() +
+                                 ") exited (its connection to the rendezvous closed: killed, crashed or "
+                                 "stopped early)");
+  }
+  stores[2].reset();
+  stores[0].reset();
+}
+
 }  // namespace
 }  // namespace ptk

@@ -197,5 +197,33 @@ TEST_F(StartupFailureCli, ARankStillBuildingItsDatasetsStopsWhenAnotherFails) {
   EXPECT_FALSE(std::filesystem::exists(ck)) << All(ranks);
 }
 
+// The same long start-up, and rank 1 killed (kill -9: nothing reported) once rank 0 builds its
+// datasets: rank 0 exits 1 a second or two later naming it as exited, before its indices are built,
+// leaving no --save it made (it built them all first, then said "barrier failed ...; rank 1 exited").
+// Rank 1 runs without `timeout`, so that the kill reaches ptk-train itself.
+TEST_F(StartupFailureCli, ARankStillBuildingItsDatasetsStopsWhenAnotherIsKilled) {
+  std::string blend;
+  for (int i = 0; i < 1000; ++i) blend += " 1 data_text_document";
+  const std::string ck = dir_ / "ck";
+  const std::string cmd = Train(
+      2, "--data-path" + blend + " --split 100,0,0 --eval-iters 0 --train-iters 1000000 --save " + ShellQuote(ck));
+  const std::string good = ShellQuote(dir_ / "good");
+  const std::string script =
+      "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) + "; cd " +
+      good + "; RANK=0 timeout 120 " + cmd + " > " + ShellQuote(Log(0)) + " 2>&1 & p0=$!; RANK=1 " + cmd + " > " +
+      ShellQuote(Log(1)) + " 2>&1 & p1=$!; end=$((SECONDS + 100)); until grep -q 'building the datasets' " +
+      ShellQuote(Log(0)) +
+      " || [ $SECONDS -ge $end ]; do sleep 0.05; done; kill -9 $p1; wait $p0; echo rc0=$?; wait $p1";
+  const auto out = RunCmd("bash -c " + ShellQuote(script));
+  const std::string log = testing::ReadFile(Log(0));
+  EXPECT_NE(out.output.find("rc0=1"), std::string::npos) << out.output << log;
+  const std::vector<std::string> errors = Errors(log);
+  ASSERT_EQ(errors.size(), 1u) << log;
+  EXPECT_EQ(errors[0], "rank 0 (host " + host_ + "): building the datasets stopped: rank 1 (host " + host_ +
+                           ") exited (its connection to the rendezvous closed: killed, crashed or stopped early)")
+      << log;
+  EXPECT_FALSE(std::filesystem::exists(ck)) << log;
+}
+
 }  // namespace
 }  // namespace ptk
