@@ -13,11 +13,13 @@
 
 #include <tbb/global_control.h>
 
+#include "common/atomic_file.h"
 #include "common/cli.h"
 #include "common/cpu_budget.h"
 #include "common/file_paths.h"
 #include "common/json_writer.h"
 #include "common/logging.h"
+#include "common/output_lock.h"
 #include "common/slurm_env.h"
 #include "common/status.h"
 #include "indexed_dataset/blended_megatron_dataset_builder.h"
@@ -180,6 +182,22 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
   return d;
 }
 
+// Another rank reported its own failure while this one was still busy starting (building its
+// datasets' indices, loading --load, building the model: ptk::LocalPhaseWatch): RunMain's line
+// naming that rank and its reason, what a signal's cleanup removes (this rank's unfinished files,
+// its lock files), and RunMain's exit code, now rather than once that work is done.
+void ExitOnPeerFailure(const absl::Status& st) {
+  std::fflush(stdout);
+  if (ptk::IsUsageError(st))
+    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n",
+                 ptk::log::ProgramName().c_str(), std::string(ptk::StatusMessage(st)).c_str());
+  else
+    ptk::log::Error("{}", ptk::StatusMessage(st));
+  ptk::RemoveLiveTemporaries();
+  ptk::RemoveLiveLocks();
+  std::_Exit(ptk::cli::ExitCodeFor(st));
+}
+
 // This rank's communicators: the world's, then the tensor, data (with context parallelism Megatron's
 // data × context group), pipeline, embedding and context groups (each a communicator of its own over
 // the world's), made in that order by every rank (a middle stage has no embedding group). The ranks
@@ -306,6 +324,7 @@ absl::Status TrainRanks(const ptk::TrainFlags& flags, const ptk::TrainingRanks& 
   // oneTBB's threads, so the bits do not depend on --threads (OpenBLAS's kernel choice does).
   openblas_set_num_threads(1);
   if (flags.exit_signal_handler) options->exit_signal = &g_exit_signal;  // installed at the start of main
+  options->on_peer_failure = ExitOnPeerFailure;
   options->started = started;
   options->comm = groups.DataOrWorld();
   options->world_comm = groups.world.get();
@@ -378,6 +397,8 @@ int main(int argc, char** argv) {
                                  ptk::RunSettings(options, plan.global_batch_size), ranks.rank, &groups);
     if (st.ok())
       st = TrainRanks(flags, ranks, *layout, plan, notes, started, ArgsJson(argc, argv), groups, &options, &incomplete);
+    // A rank that ends well says so first: its leaving is no death to a rank still starting (LocalPhaseWatch).
+    if (st.ok() && groups.world && groups.world->failure_store()) groups.world->failure_store()->MarkFinished();
     if (!st.ok() && groups.world) {
       std::function<void()> serve_the_others = ptk::ReportRankFailure(groups.world.get(), st);
       groups.Close();  // this rank's pairs close: the others' collectives with it end at once

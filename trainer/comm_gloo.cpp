@@ -109,6 +109,7 @@ class GlooCommunicator : public Communicator {
   int rank() const override { return context_->rank; }
   int size() const override { return context_->size; }
   std::string_view backend() const override { return "gloo"; }
+  std::shared_ptr<RendezvousStore> failure_store() const override { return store_; }
   // Floats: a reduce-scatter in rank order over near-equal pieces, then an all-gather (gloo's own
   // ring would add each element in an order that depends on where it lies in the buffer).
   absl::Status AllReduceSum(float* data, int64_t n) override {
@@ -251,6 +252,7 @@ class GlooCommunicator : public Communicator {
   absl::StatusOr<std::unique_ptr<Communicator>> MakeGroup(std::span<const int> members, int me,
                                                           const std::string& name) override {
     auto sub = std::make_unique<GlooCommunicator>();
+    sub->group_ = name;
     sub->store_ = store_;
     sub->gloo_store_ = gloo_store_;
     sub->device_ = device_;
@@ -269,8 +271,7 @@ class GlooCommunicator : public Communicator {
       ConnectedEverywhere(sub->context_);
       sub->Watch();
     } catch (const std::exception& e) {
-      const std::string what = fmt::format("rank {} (host {}): making the {} group of ranks {} failed", store_->rank(),
-                                           store_->host(), name, members_text);
+      const std::string what = fmt::format("{}: making the {} group of ranks {} failed", Who(""), name, members_text);
       // Another rank's failure came through the rendezvous (its own, ReportFailure): named with its reason.
       PTK_RETURN_IF_ERROR(store_->HeardFailure(what + ": "));
       return absl::UnavailableError(fmt::format("{}: {}", what, e.what()));
@@ -292,6 +293,15 @@ class GlooCommunicator : public Communicator {
   // A member's rank in the run (a group's index is not what the logs, the diagnosis and the launcher call it).
   int WorldRank(int r) const { return world_ranks_.empty() ? r : world_ranks_[static_cast<size_t>(r)]; }
   std::string Peer(int r) const { return "rank " + std::to_string(WorldRank(r)); }
+  // This rank, its group and `call` for an error line (FailedCallPrefix's words, as NCCL's).
+  FailedCall At(const std::string& call) const {
+    return {.rank = group_.empty() ? store_->rank() : rank(),
+            .group = group_,
+            .world_rank = store_->rank(),
+            .host = store_->host(),
+            .call = call};
+  }
+  std::string Who(const std::string& call) const { return FailedCallWho(At(call)); }
   Exchange Step() { return Exchange(watch_.get(), context_->getTimeout()); }
   template <typename F>
   absl::Status Guard(const char* what, F&& f) {
@@ -301,11 +311,9 @@ class GlooCommunicator : public Communicator {
       const std::string why = e.what();
       const std::string peers = store_->DiagnosePeers(what + std::string(": ") + why);
       // A rank that stopped on its own failure reported it: that is the cause, named with its reason.
-      PTK_RETURN_IF_ERROR(
-          store_->HeardFailure(fmt::format("rank {} (host {}): {} failed: ", store_->rank(), store_->host(), what)));
+      PTK_RETURN_IF_ERROR(store_->HeardFailure(FailedCallPrefix(At(what))));
       return absl::UnavailableError(
-          fmt::format("rank {} (host {}): {} failed (a rank died or the network failed): {}{}", store_->rank(),
-                      store_->host(), what, why, Suffix(peers)));
+          fmt::format("{}: {} failed (a rank died or the network failed): {}{}", Who(""), what, why, Suffix(peers)));
     }
     return absl::OkStatus();
   }
@@ -316,6 +324,7 @@ class GlooCommunicator : public Communicator {
   uint32_t tag_ = 1;
   std::vector<float> scratch_;
   std::vector<int> world_ranks_;  // a group's members' ranks in the run; empty for the run's own communicator
+  std::string group_;             // a group's name ("tensor", "data", ...); empty for the run's own communicator
 };
 
 bool IsLoopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }

@@ -64,6 +64,7 @@ bool RecvBlob(int fd, std::string* s) {
 constexpr char kSet = 'S', kGet = 'G', kHello = 'H', kPeers = 'P';
 constexpr char kAbortQuery = 'A';  // kAbortKey's value, empty while none: a poll (the peer list is larger)
 constexpr const char* kFailedPrefix = "ptk/failed/";
+constexpr const char* kFinishedPrefix = "ptk/finished/";  // MarkFinished's: a rank that left when its run ended
 // Set by a rank that failed before it joined (RendezvousStore::ReportEarlyFailure): "u\t" (a usage
 // error) or "f\t", then the message. Every get waiting or to come is answered with it, marked by a
 // length of kAbortMarker, so that no rank waits for one that will never join.
@@ -102,7 +103,8 @@ class RendezvousServer {
     for (int fd : clients_) ::close(fd);
     if (listen_fd_ >= 0) ::close(listen_fd_);
   }
-  absl::Status Start(int port) {
+  absl::Status Start(int port, int world_size) {
+    world_size_ = world_size;
     listen_fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
     bool v6 = listen_fd_ >= 0;
     if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -162,8 +164,10 @@ class RendezvousServer {
                          kv_.count(kFailedPrefix + std::to_string(who.first)) ? "failed" : "alive");
     // A rank that reported its own failure before it left is not the cause.
     for (const auto& [rank, host] : left_)
-      out +=
-          fmt::format("{}\t{}\t{}\n", rank, host, kv_.count(kFailedPrefix + std::to_string(rank)) ? "failed" : "left");
+      out += fmt::format("{}\t{}\t{}\n", rank, host,
+                         kv_.count(kFailedPrefix + std::to_string(rank))     ? "failed"
+                         : kv_.count(kFinishedPrefix + std::to_string(rank)) ? "finished"
+                                                                             : "left");
     return out;
   }
   void Loop() {
@@ -198,9 +202,14 @@ class RendezvousServer {
         } else if (ok && op == kGet) {
           waiting[fd].push_back(key);
         } else if (ok && op == kHello) {
-          ok = RecvBlob(fd, &value);
+          ok = RecvBlob(fd, &value);  // "host\tWORLD_SIZE"
           const int r = std::atoi(key.c_str());
-          if (ok && ever_ranks_.count(r)) {
+          const size_t tab = value.find('\t');
+          const int world = tab == std::string::npos ? -1 : std::atoi(value.c_str() + tab + 1);
+          value = value.substr(0, tab);
+          if (ok && world != world_size_) {
+            ok = SendAll(fd, "w", 1);  // another job's rank (two jobs on one MASTER_PORT): it stops
+          } else if (ok && ever_ranks_.count(r)) {
             // This rank joined this store before: its new incarnation (a pod restarted in place
             // while this rank 0 still runs the old job) must not meet the old run's addresses.
             // Refused, it retries until a fresh rank 0 serves.
@@ -245,7 +254,7 @@ class RendezvousServer {
   std::string abort_;                                      // kAbortKey's value, once set
   std::atomic<bool> stop_{false};
   std::atomic<int> live_{0}, ever_{0};
-  int port_ = 0;
+  int port_ = 0, world_size_ = 0;
   std::thread thread_;
 };
 
@@ -270,13 +279,13 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
   s->host_ = HostName();
   if (rank == 0) {
     s->server_ = std::make_unique<RendezvousServer>();
-    PTK_RETURN_IF_ERROR(s->server_->Start(port));
+    PTK_RETURN_IF_ERROR(s->server_->Start(port, world_size));
     port = s->server_->port();  // port 0 (one rank alone): the free one it got
   }
   const std::string host = rank == 0 ? "127.0.0.1" : master_addr;
   const auto deadline = Clock::now() + timeout;
   std::string last = "no attempt";
-  const std::string host_name = s->host_;
+  const std::string hello_value = s->host_ + "\t" + std::to_string(world_size);
   // Ranks start together and rank 0 listens moments later: the first retries come soon, the later
   // ones every 200 ms.
   std::chrono::milliseconds retry(5);
@@ -303,11 +312,18 @@ absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Connect(int ra
     ::freeaddrinfo(res);
     if (s->fd_ >= 0) {
       char ack = 0;
-      const absl::Status hello = s->Request(kHello, std::to_string(rank), &host_name, nullptr, &ack);
+      const absl::Status hello = s->Request(kHello, std::to_string(rank), &hello_value, nullptr, &ack);
+      if (hello.ok() && ack == 'w')
+        return absl::FailedPreconditionError(fmt::format(
+            "rendezvous: the rank 0 at {}:{} runs a job of another WORLD_SIZE than this rank's {}: another job "
+            "uses MASTER_PORT {}; give each job a MASTER_PORT of its own",
+            host, port, world_size, port));
       if (!hello.ok() || ack != 'k') {  // 'r': that rank 0 still runs an earlier start of the job
-        last = hello.ok()
-                   ? fmt::format("it still runs an earlier start of this job, which rank {} already joined", rank)
-                   : StatusMessage(hello);
+        last = hello.ok() ? fmt::format(
+                                "it still runs an earlier start of this job, which rank {} already joined, "
+                                "or another job uses this MASTER_PORT",
+                                rank)
+                          : StatusMessage(hello);
         ::close(s->fd_);
         s->fd_ = -1;
       }
@@ -368,7 +384,17 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
   if (absl::IsAborted(st) || IsUsageError(st)) return st;  // a rank failed before it joined: its reason
   // gloo's full-mesh rendezvous waits for each rank's address under the rank's number.
   const bool is_rank = !key.empty() && key.find_first_not_of("0123456789") == std::string::npos;
-  const std::string what = is_rank ? "rank " + key : "key '" + key + "'";
+  std::string what = is_rank ? "rank " + key : "key '" + key + "'";
+  // Every rank that never came, not only the first one waited for.
+  const std::vector<int> missing = absl::IsDeadlineExceeded(st) ? NeverJoined() : std::vector<int>{};
+  if (!missing.empty()) {
+    what = missing.size() == 1 ? "rank" : "ranks";
+    for (size_t i = 0; i < missing.size(); ++i) what += fmt::format("{} {}", i ? "," : "", missing[i]);
+    return absl::DeadlineExceededError(fmt::format(
+        "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the same "
+        "MASTER_ADDR and MASTER_PORT; {} running?",
+        what, timeout_.count() / 1000.0, world_size_, missing.size() == 1 ? "is that rank" : "are they"));
+  }
   if (absl::IsDeadlineExceeded(st))
     return absl::DeadlineExceededError(fmt::format(
         "{} did not join within {} s (--distributed-timeout-minutes): start all {} ranks (WORLD_SIZE) with the "
@@ -376,6 +402,47 @@ absl::StatusOr<std::string> RendezvousStore::Get(const std::string& key) {
         what, timeout_.count() / 1000.0, world_size_, is_rank ? "; is that rank running?" : ""));
   return absl::UnavailableError(fmt::format(
       "lost the connection to rank 0 (which serves the rendezvous) while waiting for {}: did rank 0 exit?", what));
+}
+
+void RendezvousStore::MarkFinished() {
+  if (world_size_ <= 1) return;
+  // Rank 0 answers at once unless it hangs itself (or has ended): a few seconds, not the timeout.
+  const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
+  timeval tv{static_cast<time_t>(wait.count() / 1000), static_cast<suseconds_t>(wait.count() % 1000 * 1000)};
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  (void)Set(kFinishedPrefix + std::to_string(rank_), "1");
+}
+
+std::string RendezvousStore::PollExitedRank() {
+  std::string text;
+  if (!Request(kPeers, "", nullptr, &text).ok()) return "";
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    const std::string line = text.substr(pos, nl - pos);
+    const size_t t1 = line.find('\t'), t2 = line.rfind('\t');
+    if (t1 != t2 && line.substr(t2 + 1) == "left" && line.rfind("!\t", 0) != 0)
+      return fmt::format(
+          "rank {} (host {}) exited (its connection to the rendezvous closed: killed, crashed or "
+          "stopped early)",
+          line.substr(0, t1), line.substr(t1 + 1, t2 - t1 - 1));
+    pos = nl + 1;
+  }
+  return "";
+}
+
+std::vector<int> RendezvousStore::NeverJoined() {
+  std::string text;
+  if (!Request(kPeers, "", nullptr, &text).ok()) return {};
+  std::set<int> came;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    if (text.compare(pos, 2, "!\t") != 0) came.insert(std::atoi(text.substr(pos, text.find('\t', pos) - pos).c_str()));
+    pos = nl + 1;
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < world_size_; ++r)
+    if (!came.count(r)) missing.push_back(r);
+  return missing.size() < static_cast<size_t>(world_size_) ? missing : std::vector<int>{};  // none came: no answer
 }
 
 void RendezvousStore::ReportEarlyFailure(int rank, int world_size, const std::string& master_addr, int port,
@@ -422,28 +489,6 @@ bool RendezvousStore::PollReportedFailure() {
   return true;
 }
 
-ReportedFailureWatch::ReportedFailureWatch(std::shared_ptr<RendezvousStore> store, std::chrono::milliseconds interval) {
-  thread_ = std::thread([this, store = std::move(store), interval] {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      lock.unlock();
-      const bool heard = store->PollReportedFailure();
-      lock.lock();
-      if (heard) break;
-      cv_.wait_for(lock, interval, [this] { return stop_; });
-    }
-  });
-}
-
-ReportedFailureWatch::~ReportedFailureWatch() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
-}
-
 void RendezvousStore::ServeUntilAllHeard(std::chrono::milliseconds at_most) {
   if (!server_) return;
   const auto start = Clock::now(), deadline = start + at_most;
@@ -471,16 +516,24 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
   const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
   timeval tv{static_cast<time_t>(wait.count() / 1000), static_cast<suseconds_t>(wait.count() % 1000 * 1000)};
   ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  if (!Set(kFailedPrefix + std::to_string(rank_), what_failed).ok())
-    return rank_ == 0 ? "" : "rank 0 (which serves the rendezvous) does not answer: it exited or hangs";
+  // Rank 0's connection closed: it exited (killed, crashed); still open but silent: it hangs.
+  auto rank0 = [](const absl::Status& st) {
+    return absl::IsUnavailable(st) ? std::string(
+                                         "rank 0 (which serves the rendezvous) exited (its connection closed: "
+                                         "killed, crashed or stopped early)")
+                                   : std::string(
+                                         "rank 0 (which serves the rendezvous) does not answer: it exited or "
+                                         "hangs");
+  };
+  if (const absl::Status told = Set(kFailedPrefix + std::to_string(rank_), what_failed); !told.ok())
+    return rank_ == 0 ? "" : rank0(told);
   // The others' failures arrive within moments of this one's when a rank died; give them a few
   // seconds (a rank that hangs never reports).
   const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(std::chrono::seconds(5), timeout_);
   std::map<int, std::pair<std::string, std::string>> peers;  // rank -> (host, state)
   for (;;) {
     std::string text;
-    if (!Request(kPeers, "", nullptr, &text).ok())
-      return "rank 0 (which serves the rendezvous) does not answer: it exited or hangs";
+    if (const absl::Status asked = Request(kPeers, "", nullptr, &text); !asked.ok()) return rank0(asked);
     peers.clear();
     size_t pos = 0;
     if (text.rfind("!\t", 0) == 0) {  // a rank reported its own failure (ReportFailure): the answer

@@ -67,10 +67,19 @@ class RendezvousStore {
   // collectives would otherwise wait for their timeout (NCCL's: ReportedFailureWatch). False when
   // none was, or rank 0 does not answer; never fails.
   bool PollReportedFailure();
+  // A rank whose run ended well (ptk-train's main, before its communicators close) says so to rank 0's
+  // store, so that its leaving is not taken for a death (PollExitedRank). Never fails.
+  void MarkFinished();
+  // Without waiting (one request): "rank N (host H) exited (its connection to the rendezvous closed:
+  // killed, crashed or stopped early)" for a rank whose connection to rank 0's store closed while it
+  // had neither finished (MarkFinished) nor reported a failure; "" when none did, or rank 0 does not
+  // answer. For a rank busy with its own work (LocalPhaseWatch). Never fails.
+  std::string PollExitedRank();
 
   absl::Status Set(const std::string& key, const std::string& value);
-  // Waits up to the timeout for the key. A key that is a rank number (gloo's full-mesh rendezvous
-  // waits for each rank's address under it) that never comes is "rank N did not join within T s".
+  // Waits up to the timeout for the key. A key that never comes while ranks never joined the store
+  // names them all ("ranks 2, 3 did not join within T s"); else a key that is a rank number (gloo's
+  // full-mesh rendezvous waits for each rank's address under it) is "rank N did not join within T s".
   absl::StatusOr<std::string> Get(const std::string& key);
 
   // After a collective failed on this rank: records that, gives the others a few seconds to report
@@ -90,6 +99,10 @@ class RendezvousStore {
   // `ack_out`: the one-byte answer to a request without a reply ('k'; 'r' for a refused hello).
   absl::Status Request(char op, const std::string& key, const std::string* value, std::string* reply,
                        char* ack_out = nullptr);
+
+  // The ranks that never registered with rank 0's store (its peer list), ascending; empty when it
+  // does not answer.
+  std::vector<int> NeverJoined();
 
   std::unique_ptr<RendezvousServer> server_;  // rank 0
   int fd_ = -1;
@@ -125,5 +138,21 @@ class ReportedFailureWatch {
 
 // This machine's host name.
 std::string HostName();
+
+// Where a rank's call stood when it failed, for the first words of its error line, alike on gloo
+// and NCCL: every rank's line names itself, its group and the call in flight before the cause.
+struct FailedCall {
+  int rank = 0;        // in the communicator that failed
+  std::string group;   // its name ("tensor", "data", "pipeline", "context", "embedding"); empty: the world's
+  int world_rank = 0;  // a group's rank in the run
+  std::string host;    // HostName()
+  int device = -1;     // NCCL's GPU (cuda:N); -1: none
+  std::string call;    // the call in flight ("all-reduce", "send to rank 2"); empty: none was
+};
+// "rank 1 of the tensor group (world rank 3) (host H, cuda:1)"; "rank 3 (host H)" for the world's.
+std::string FailedCallWho(const FailedCall& at);
+// FailedCallWho's, then ": all-reduce failed: " (": no collective was in flight: " when none was),
+// for a cause (HeardFailure's) to follow.
+std::string FailedCallPrefix(const FailedCall& at);
 
 }  // namespace ptk

@@ -137,6 +137,11 @@ struct TrainOptions {
 
   // Set asynchronously by the caller's signal handler (--exit-signal-handler): save and exit.
   const std::atomic<int>* exit_signal = nullptr;
+  // Called (on a watch's thread) when another rank reported its own failure while this one is still
+  // busy with its start-up (the model, --load, the datasets' indices) a second after: the caller
+  // ends the process there (LocalPhaseWatch, trainer/phase_watch.h). Empty: such a rank meets the
+  // failure at its next collective.
+  std::function<void(const absl::Status&)> on_peer_failure;
   Communicator* comm = nullptr;  // the data-parallel group; null: a single process
   // --tensor-model-parallel-size: backend.tensor_comm is the tensor group (its size), and
   // world_comm every rank of the run (null: comm alone).

@@ -20,6 +20,7 @@
 #include "trainer/memory_estimate.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/param_shard.h"
+#include "trainer/phase_watch.h"
 #include "trainer/pipeline_schedule.h"
 #include "trainer/run_settings.h"
 #include "trainer/sampling.h"
@@ -60,9 +61,13 @@ class Trainer {
   absl::StatusOr<TrainSummary> Run() {
     started_ = o_.started != Clock::time_point{} ? o_.started : Clock::now();
     auto t0 = Clock::now();
+    // Another rank's reported failure ends this rank's start-up within a second or two, not at its end.
+    LocalPhaseWatch start_up(world_->failure_store(), AbandonedOnStop(o_.on_peer_failure, &save_dir_),
+                             "building the model");
     PTK_RETURN_IF_ERROR(SetUp());
     if (lead_) log::Info("start-up: model built and initialised ({:.1f} s)", Seconds(t0));
     t0 = Clock::now();
+    start_up.Enter("loading the checkpoint");
     PTK_RETURN_IF_ERROR(Resume());
     if (lead_ && summary_.resumed) log::Info("start-up: checkpoint loaded ({:.1f} s)", Seconds(t0));
     if (state_.iteration >= plan_.train_iters) return NothingToTrain();
@@ -72,8 +77,10 @@ class Trainer {
                 o_.mock_data         ? " (mock data)"
                 : o_.data_cache_path ? " (cached in " + *o_.data_cache_path + ")"
                                      : "");
+    start_up.Enter("building the datasets");
     PTK_RETURN_IF_ERROR(OpenDataAndOutputs());
     PTK_RETURN_IF_ERROR(world_->Barrier());  // every rank started (one refused exits: this fails)
+    start_up.End();
     save_dir_.Keep();
     if (lead_) log::Info("start-up: datasets ready ({:.1f} s)", Seconds(t0));
     start_ = Clock::now();
@@ -298,12 +305,9 @@ class Trainer {
   absl::Status UpdateBatchSize() {
     const int64_t gbs = plan_.GlobalBatchSizeAt(state_.consumed_train_samples);
     if (gbs == current_gbs_) return absl::OkStatus();
-    if (lead_ && plan_.rampup_start > 0) {
-      if (current_gbs_ == 0)
-        log::Info("setting initial batch size to {}", gbs);
-      else
-        log::Info("ramping up batch size from {} to {}", current_gbs_, gbs);
-    }
+    if (lead_ && plan_.rampup_start > 0)
+      log::Info("{}", current_gbs_ == 0 ? fmt::format("setting initial batch size to {}", gbs)
+                                        : fmt::format("ramping up batch size from {} to {}", current_gbs_, gbs));
     if (current_gbs_ != 0 && state_.iteration != 0 && last_saved_ != state_.iteration) PTK_RETURN_IF_ERROR(Save());
     current_gbs_ = gbs;
     const size_t num_micro = static_cast<size_t>(plan_.MicroBatchesAt(state_.consumed_train_samples));
@@ -566,12 +570,8 @@ class Trainer {
 }  // namespace
 
 absl::StatusOr<TrainSummary> RunTraining(const TrainOptions& o, const TrainPlan& plan) {
-  std::unique_ptr<Communicator> local;
-  Communicator* comm = o.comm;
-  if (!comm) {
-    local = MakeLocalCommunicator();
-    comm = local.get();
-  }
+  std::unique_ptr<Communicator> local = o.comm ? nullptr : MakeLocalCommunicator();
+  Communicator* comm = o.comm ? o.comm : local.get();
   PTK_RETURN_IF_ERROR(CheckRunCommunicators(o, plan, *comm));
   return Trainer(o, plan, comm).Run();
 }

@@ -69,14 +69,26 @@ void MadeOnDisk::Undo() {
 }
 
 absl::Status SaveDirectory::Take(const std::string& dir, const std::string& lock_name) {
+  std::lock_guard<std::mutex> lock(mu_);
   PTK_RETURN_IF_ERROR(made_.MakeDirs(dir));
   PTK_ASSIGN_OR_RETURN(lock_, OutputLock::Acquire(JoinPath(dir, lock_name)));
   return absl::OkStatus();
 }
 
-SaveDirectory::~SaveDirectory() {
+void SaveDirectory::Abandon() {
+  std::lock_guard<std::mutex> lock(mu_);
   lock_.reset();  // its file goes before the directory it is in
   if (!kept_) made_.Undo();
+  kept_ = true;  // undone once
+}
+
+std::function<void(const absl::Status&)> AbandonedOnStop(std::function<void(const absl::Status&)> stop,
+                                                         SaveDirectory* dir) {
+  if (!stop) return {};
+  return [stop = std::move(stop), dir](const absl::Status& st) {
+    dir->Abandon();
+    stop(st);
+  };
 }
 
 namespace {

@@ -4,7 +4,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -56,16 +58,27 @@ class SaveDirectory {
   SaveDirectory() = default;
   SaveDirectory(const SaveDirectory&) = delete;
   SaveDirectory& operator=(const SaveDirectory&) = delete;
-  ~SaveDirectory();
+  ~SaveDirectory() { Abandon(); }
   // `lock_name`: the lock file's (ptk-train's, which ptk-convert's imports take too; ptk-convert's exports').
   absl::Status Take(const std::string& dir, const std::string& lock_name = "ptk-train");
-  void Keep() { kept_ = true; }
+  void Keep() {
+    std::lock_guard<std::mutex> lock(mu_);
+    kept_ = true;
+  }
+  // What the destructor does, now: for a process about to end without unwinding (AbandonedOnStop),
+  // from any thread.
+  void Abandon();
 
  private:
-  MadeOnDisk made_;
-  std::unique_ptr<OutputLock> lock_;
-  bool kept_ = false;
+  std::mutex mu_;
+  MadeOnDisk made_;                   // under mu_
+  std::unique_ptr<OutputLock> lock_;  // under mu_
+  bool kept_ = false;                 // under mu_
 };
+// `stop` (TrainOptions::on_peer_failure, which ends the process) with `dir` abandoned first, so that
+// a start stopped by another rank's failure leaves no --save it made either; empty when `stop` is.
+std::function<void(const absl::Status&)> AbandonedOnStop(std::function<void(const absl::Status&)> stop,
+                                                         SaveDirectory* dir);
 
 // A run's --metrics-file and --tensorboard-dir, the locks released after the files are closed.
 struct RunOutputs {

@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "trainer/comm.h"
+#include "trainer/distributed.h"
 #include "trainer/rendezvous.h"
 
 namespace ptk {
@@ -295,6 +296,82 @@ TEST(Rendezvous, AReportedFailureReachesTheRanksThatWatchForIt) {
   for (int r = 2; r >= 0; --r) stores[static_cast<size_t>(r)].reset();  // rank 0, which serves them, last
 }
 
+// Ranks that never come: every rank's error names all of them, not the first one waited for (gloo's
+// full-mesh rendezvous waits for rank 2's address, NCCL's rank 0 for key 'ptk/nccl-joined/2': both
+// said only that one, though rank 3 never came either).
+TEST(Rendezvous, TheTimeoutNamesEveryRankThatNeverJoined) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores(2);
+  for (int r = 0; r < 2; ++r) {
+    auto s = RendezvousStore::Connect(r, 4, "127.0.0.1", port, milliseconds(1000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores[static_cast<size_t>(r)] = *std::move(s);
+  }
+  for (const char* key : {"2", "ptk/nccl-joined/2"}) {
+    const absl::StatusOr<std::string> got = stores[1]->Get(key);
+    ASSERT_FALSE(got.ok());
+    EXPECT_TRUE(absl::IsDeadlineExceeded(got.status())) << got.status();
+    EXPECT_EQ(got.status().message().substr(0, 37), "ranks 2, 3 did not join within 1 s (-") << got.status();
+    EXPECT_NE(got.status().message().find("start all 4 ranks (WORLD_SIZE)"), std::string::npos) << got.status();
+  }
+  for (int r = 1; r >= 0; --r) stores[static_cast<size_t>(r)].reset();
+}
+
+// Rank 0 killed (its store's connections closed): the others' diagnosis says it exited, as it says
+// of any other rank, instead of "does not answer: it exited or hangs" (what a rank 0 that hangs,
+// its connections open, still gets).
+TEST(Rendezvous, ARankZeroThatExitedIsSaidToHaveExited) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> stores(2);
+  for (int r = 0; r < 2; ++r) {
+    auto s = RendezvousStore::Connect(r, 2, "127.0.0.1", port, milliseconds(10000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stores[static_cast<size_t>(r)] = *std::move(s);
+  }
+  stores[0].reset();
+  EXPECT_EQ(stores[1]->DiagnosePeers("all-gather: Connection reset by peer"),
+            "rank 0 (which serves the rendezvous) exited (its connection closed: killed, crashed or stopped early)");
+}
+
+// Two jobs on one MASTER_PORT: the second job's rank 0 cannot bind it, and its other ranks reach the
+// first job's rank 0. One whose WORLD_SIZE differs is refused at once, naming the cause (rank 2 of a
+// job of 4 joined a job of 2 as a rank it never had, and then read that job's addresses); one of the
+// same WORLD_SIZE is refused as a restarted rank is, its error naming both causes.
+TEST(Rendezvous, AnotherJobsRanksOnTheSamePortAreRefused) {
+  using std::chrono::milliseconds;
+  const int port = testing::NextPort();
+  std::vector<std::unique_ptr<RendezvousStore>> job(2);
+  for (int r = 0; r < 2; ++r) {
+    auto s = RendezvousStore::Connect(r, 2, "127.0.0.1", port, milliseconds(10000));
+    ASSERT_TRUE(s.ok()) << s.status();
+    job[static_cast<size_t>(r)] = *std::move(s);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int rank : {1, 2}) {
+    auto other = RendezvousStore::Connect(rank, 4, "127.0.0.1", port, milliseconds(60000));
+    ASSERT_FALSE(other.ok());
+    EXPECT_TRUE(absl::IsFailedPrecondition(other.status())) << other.status();
+    EXPECT_NE(other.status().message().find("runs a job of another WORLD_SIZE than this rank's 4: another job uses "
+                                            "MASTER_PORT " +
+                                            std::to_string(port)),
+              std::string::npos)
+        << other.status();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30)) << "it waited for the timeout";
+  auto same = RendezvousStore::Connect(1, 2, "127.0.0.1", port, milliseconds(500));
+  ASSERT_FALSE(same.ok());
+  EXPECT_NE(same.status().message().find("which rank 1 already joined, or another job uses this MASTER_PORT"),
+            std::string::npos)
+      << same.status();
+  job[1].reset();  // the first job's own ranks are all its store knows of
+  const std::string peers = job[0]->DiagnosePeers("barrier: Connection reset by peer");
+  EXPECT_EQ(peers.substr(0, 7), "rank 1 ") << peers;
+  EXPECT_EQ(peers.find("rank 2"), std::string::npos) << peers;
+  job[0].reset();
+}
+
 // HeardFailure is an NCCL watchdog's check, every 100 ms under its communicator's lock (which the
 // training thread takes to enqueue each collective): it must not wait for another thread's request on
 // the store's one connection. It took the connection's lock, so a get waiting for its key (a group's
@@ -357,6 +434,33 @@ TEST(Communicator, AGroupsFailedExchangeNamesThePeersWorldRank) {
   });
   EXPECT_NE(error.find("send to rank 2 / receive from rank 2 failed"), std::string::npos) << error;
   EXPECT_EQ(error.find("rank 1"), std::string::npos) << error;
+}
+
+// A rank's own failure reported (ReportRankFailure) while a peer waits on it in a group's collective:
+// the peer's line names itself in that group, the call, the failed rank and its reason, as NCCL's
+// does (it said "rank 2 (host H): barrier failed: ...", without the group).
+TEST(Communicator, AReportedFailureNamesTheGroupAndCallOfEveryRank) {
+  std::string error;
+  std::atomic<bool> done{false};
+  testing::RunRanks(4, [&](Communicator* world, int rank) {
+    auto tp = world->Subgroup(std::vector<int>{rank / 2 * 2, rank / 2 * 2 + 1}, "tensor");
+    ASSERT_TRUE(tp.ok()) << tp.status();
+    ASSERT_TRUE(world->Barrier().ok());
+    if (rank == 3) {
+      ReportRankFailure(world, absl::DataLossError("iter_0000004: checksum mismatch"));
+      return;  // RunRanks destroys its communicators when its body returns
+    }
+    if (rank != 2) {  // ranks 0 and 1 (rank 0 serves the store) stay until rank 2 has seen the failure
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    }
+    absl::Status st = absl::OkStatus();
+    for (int i = 0; i < 1000 && st.ok(); ++i) st = (*tp)->Barrier();
+    error = std::string(st.message());
+    done = true;
+  });
+  EXPECT_EQ(error, "rank 0 of the tensor group (world rank 2) (host " + HostName() +
+                       "): barrier failed: rank 3 (host " + HostName() + ") stopped: iter_0000004: checksum mismatch");
 }
 
 // Four ranks as two tensor groups {0,1} {2,3} and two data groups {0,2} {1,3} (Megatron's order:

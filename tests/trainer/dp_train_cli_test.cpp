@@ -144,6 +144,8 @@ TEST_F(DataParallelCli, AKilledOrHungRankEndsTheOthersNamingIt) {
   };
   const Fault faults[] = {
       {"KILL", 1, "1", 10, "rank 1 (host " + h + ") exited (its connection to the rendezvous closed"},
+      // Rank 0, which serves the rendezvous: said to have exited too (it said "does not answer: it exited or hangs").
+      {"KILL", 0, "1", 10, "rank 0 (which serves the rendezvous) exited (its connection closed"},
       // The 6 s timeout, then the others' diagnosis (at most 5 s) and report.
       {"STOP", 1, "0.1", 30, "rank 1 (host " + h + ") did not report a failure: it hangs"},
       {"STOP", 0, "0.1", 30, "rank 0 (which serves the rendezvous) does not answer: it exited or hangs"},

@@ -9,12 +9,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -22,7 +25,9 @@
 #include "tests/trainer/gloo_ranks.h"
 #include "trainer/cuda/comm_nccl.h"
 #include "trainer/cuda/cuda_gpt_model.h"
+#include "trainer/distributed.h"
 #include "trainer/param_shard.h"
+#include "trainer/rendezvous.h"
 #include "trainer/train_step.h"
 
 namespace ptk {
@@ -320,6 +325,49 @@ TEST(NcclOfOne, PtkTrainWithNcclMatchesThePlainRun) {
   EXPECT_NE(nccl.find("gradient bucket(s)"), std::string::npos) << nccl;
   ASSERT_EQ(LossFields(plain).size(), 10u) << plain;
   EXPECT_EQ(LossFields(plain), LossFields(nccl)) << nccl;
+}
+
+// Two NCCL ranks (threads, a GPU each; skipped with fewer than two GPUs): rank 1 reports its own
+// failure (ReportRankFailure) after the data group {0, 1} is made, and never calls it; rank 0's
+// all-reduce over that group ends through its watchdog, which hears the failure through the store,
+// and fails naming rank 0, the data group, the call, rank 1 and its reason (it said "rank 0 (host H,
+// cuda:0): NCCL aborted: ...", without the group or the call), well within the 60 s timeout.
+TEST(NcclOfTwo, AReportedFailureEndsAPeersCollectiveNamingItsGroupAndCall) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) GTEST_SKIP() << "needs two GPUs; " << gpus << " visible";
+  const int port = testing::NextPort();
+  std::atomic<bool> done{false};
+  auto make = [port](int rank) {
+    cuda::NcclOptions o;
+    o.rank = o.local_rank = rank;
+    o.world_size = 2;
+    o.master_port = port;
+    o.timeout = std::chrono::seconds(60);
+    return cuda::MakeNcclCommunicator(o);
+  };
+  std::thread rank1([&] {
+    auto world = make(1);
+    ASSERT_TRUE(world.ok()) << world.status();
+    auto data = (*world)->Subgroup(std::vector<int>{0, 1}, "data");
+    ASSERT_TRUE(data.ok()) << data.status();
+    ReportRankFailure(world->get(), absl::DataLossError("iter_0000004: checksum mismatch"));
+    while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  });
+  auto world = make(0);
+  ASSERT_TRUE(world.ok()) << world.status();
+  auto data = (*world)->Subgroup(std::vector<int>{0, 1}, "data");
+  ASSERT_TRUE(data.ok()) << data.status();
+  const auto t0 = std::chrono::steady_clock::now();
+  float x[4] = {1, 2, 3, 4};
+  const absl::Status st = (*data)->AllReduceSum(x, 4);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  done = true;
+  rank1.join();
+  EXPECT_EQ(st.message(), "rank 0 of the data group (world rank 0) (host " + HostName() +
+                              ", cuda:0): all-reduce failed: rank 1 (host " + HostName() +
+                              ") stopped: iter_0000004: checksum mismatch")
+      << st;
+  EXPECT_LT(seconds, 30) << st;
 }
 
 }  // namespace

@@ -286,3 +286,39 @@ TEST(NcclGuard, SettleTimesOutOrFailsAndAborts) {
 
 }  // namespace
 }  // namespace ptk::cuda
+
+namespace ptk::cuda {
+namespace {
+
+// The watchdog's decision (DecideWatch): another rank's reported failure is the cause whatever else
+// it finds (an asynchronous error after it is its effect), with the call in flight here (the
+// oldest) or none; else NCCL's error (on "a collective" when none is in flight); else the oldest
+// collective past the timeout; else nothing. The heard failure's line said "NCCL aborted", without
+// the call (the timeout's named it).
+TEST(NcclWatchdog, DecidesOnTheHeardFailureFirstWithTheCallInFlight) {
+  const std::string call = "all-reduce";
+  WatchVerdict v = DecideWatch("NCCL reported unhandled system error", &call, 1s, 60000ms, true);
+  EXPECT_TRUE(v.abort && v.heard);
+  EXPECT_EQ(v.call, "all-reduce");
+  EXPECT_EQ(v.problem, "");
+  v = DecideWatch("", nullptr, 0s, 60000ms, true);
+  EXPECT_TRUE(v.abort && v.heard);
+  EXPECT_EQ(v.call, "");  // no collective in flight: the next call names itself (FailedCallPrefix)
+
+  v = DecideWatch("NCCL reported remote process exited", nullptr, 0s, 60000ms, false);
+  EXPECT_TRUE(v.abort);
+  EXPECT_FALSE(v.heard);
+  EXPECT_EQ(v.call, "a collective");
+  EXPECT_EQ(v.problem, "NCCL reported remote process exited");
+
+  v = DecideWatch("", &call, 61s, 60000ms, false);
+  EXPECT_TRUE(v.abort);
+  EXPECT_EQ(v.call, "all-reduce");
+  EXPECT_EQ(v.problem, "not complete after 60 s (--distributed-timeout-minutes); the communicator was aborted");
+
+  EXPECT_FALSE(DecideWatch("", &call, 59s, 60000ms, false).abort);
+  EXPECT_FALSE(DecideWatch("", nullptr, 0s, 60000ms, false).abort);
+}
+
+}  // namespace
+}  // namespace ptk::cuda

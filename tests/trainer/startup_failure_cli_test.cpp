@@ -171,5 +171,59 @@ TEST_F(StartupFailureCli, ACheckpointOnlySomeRanksCanReadEndsEveryRankNamingIt) 
   EXPECT_NE(other[0].find("rank 1 (host " + host_ + ") stopped: " + own[0]), std::string::npos) << All(ranks);
 }
 
+// A rank still busy with its own start-up when another rank fails: both are given a blend of the
+// dataset listed 1000 times and 8 M training samples, whose blending indices take rank 0 seconds to
+// build (its dataset is whole); rank 1's .idx is cut short, so it stops at once. Rank 1 names its
+// file and exits 1; rank 0 exits 1 a second or two later, before its indices are built, naming rank
+// 1, its error and what rank 0 was doing, leaving no --save it made. Before, rank 0 built them all
+// and heard of it only at its next collective ("rank 0 (host H): barrier failed: rank 1 ...").
+TEST_F(StartupFailureCli, ARankStillBuildingItsDatasetsStopsWhenAnotherFails) {
+  std::string blend;
+  for (int i = 0; i < 1000; ++i) blend += " 1 data_text_document";
+  const std::string ck = dir_ / "ck";
+  const auto ranks = Ranks({"good", "bad"}, Train(2, "--data-path" + blend +
+                                                         " --split 100,0,0 --eval-iters 0 --train-iters 1000000 "
+                                                         "--save " +
+                                                         ShellQuote(ck)));
+  const std::vector<std::string> own = Errors(ranks[1].log), other = Errors(ranks[0].log);
+  EXPECT_EQ(ranks[1].rc, 1) << All(ranks);
+  EXPECT_EQ(ranks[0].rc, 1) << All(ranks);
+  ASSERT_EQ(own.size(), 1u) << All(ranks);
+  EXPECT_EQ(own[0].rfind("data_text_document.idx: ", 0), 0u) << All(ranks);
+  ASSERT_EQ(other.size(), 1u) << All(ranks);
+  EXPECT_EQ(other[0], "rank 0 (host " + host_ + "): building the datasets stopped: rank 1 (host " + host_ +
+                          ") stopped: " + own[0])
+      << All(ranks);
+  EXPECT_FALSE(std::filesystem::exists(ck)) << All(ranks);
+}
+
+// The same long start-up, and rank 1 killed (kill -9: nothing reported) once rank 0 builds its
+// datasets: rank 0 exits 1 a second or two later naming it as exited, before its indices are built,
+// leaving no --save it made (it built them all first, then said "barrier failed ...; rank 1 exited").
+// Rank 1 runs without `timeout`, so that the kill reaches ptk-train itself.
+TEST_F(StartupFailureCli, ARankStillBuildingItsDatasetsStopsWhenAnotherIsKilled) {
+  std::string blend;
+  for (int i = 0; i < 1000; ++i) blend += " 1 data_text_document";
+  const std::string ck = dir_ / "ck";
+  const std::string cmd = Train(
+      2, "--data-path" + blend + " --split 100,0,0 --eval-iters 0 --train-iters 1000000 --save " + ShellQuote(ck));
+  const std::string good = ShellQuote(dir_ / "good");
+  const std::string script =
+      "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(testing::FreeTestPort()) + "; cd " +
+      good + "; RANK=0 timeout 120 " + cmd + " > " + ShellQuote(Log(0)) + " 2>&1 & p0=$!; RANK=1 " + cmd + " > " +
+      ShellQuote(Log(1)) + " 2>&1 & p1=$!; end=$((SECONDS + 100)); until grep -q 'building the datasets' " +
+      ShellQuote(Log(0)) +
+      " || [ $SECONDS -ge $end ]; do sleep 0.05; done; kill -9 $p1; wait $p0; echo rc0=$?; wait $p1";
+  const auto out = RunCmd("bash -c " + ShellQuote(script));
+  const std::string log = testing::ReadFile(Log(0));
+  EXPECT_NE(out.output.find("rc0=1"), std::string::npos) << out.output << log;
+  const std::vector<std::string> errors = Errors(log);
+  ASSERT_EQ(errors.size(), 1u) << log;
+  EXPECT_EQ(errors[0], "rank 0 (host " + host_ + "): building the datasets stopped: rank 1 (host " + host_ +
+                           ") exited (its connection to the rendezvous closed: killed, crashed or stopped early)")
+      << log;
+  EXPECT_FALSE(std::filesystem::exists(ck)) << log;
+}
+
 }  // namespace
 }  // namespace ptk

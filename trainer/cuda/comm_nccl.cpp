@@ -7,6 +7,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "common/status.h"
 #include "trainer/cuda/local_rank_device.h"
 #include "trainer/cuda/nccl_guard.h"
+#include "trainer/cuda/real_nccl_calls.h"
 #include "trainer/rendezvous.h"
 
 namespace ptk::cuda {
@@ -32,32 +34,6 @@ constexpr size_t kScratchBytes = size_t{64} << 20;  // host collectives go throu
 // A staged point-to-point chunk is half of it (the other half receives); the device sends cut the
 // same chunks, so that the two ends of a message may each stage or not.
 static_assert(Communicator::kSendRecvChunkBytes * 2 <= static_cast<int64_t>(kScratchBytes));
-
-static_assert(kNcclSuccess == ncclSuccess && kNcclInternalError == ncclInternalError &&
-              kNcclInProgress == ncclInProgress);
-
-// NcclGuard's calls on a real communicator.
-class RealNcclCalls : public NcclCalls {
- public:
-  explicit RealNcclCalls(ncclComm_t comm) : comm_(comm) {}
-  int GetAsyncError(int* async) override {
-    ncclResult_t a = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm_, &a);
-    *async = a;
-    return r;
-  }
-  std::string LastError() override {
-    const char* e = ncclGetLastError(comm_);
-    return e ? e : "";
-  }
-  std::string ErrorString(int result) override { return ncclGetErrorString(static_cast<ncclResult_t>(result)); }
-  int Finalize() override { return ncclCommFinalize(comm_); }
-  int Destroy() override { return ncclCommDestroy(comm_); }
-  int Abort() override { return ncclCommAbort(comm_); }
-
- private:
-  ncclComm_t comm_;
-};
 
 class NcclCommunicator : public Communicator {
  public:
@@ -86,6 +62,7 @@ class NcclCommunicator : public Communicator {
   absl::Status Init(const NcclOptions& o) {
     options_ = o;
     timeout_ = o.timeout;
+    world_rank_ = o.rank;
     int visible = 0;
     if (cudaGetDeviceCount(&visible) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -141,7 +118,8 @@ class NcclCommunicator : public Communicator {
     sub->timeout_ = timeout_;
     sub->device_ = device_;
     sub->store_ = store_;
-    sub->group_ = fmt::format("{} group (world rank {})", name, rank());
+    sub->group_ = name;
+    sub->world_rank_ = world_rank_;
     std::string key = "ptk/nccl-unique-id/" + name;  // the group's members name it: one per group of a kind
     for (int m : members) key += fmt::format("/{}", m);
     ncclUniqueId id;
@@ -311,17 +289,28 @@ class NcclCommunicator : public Communicator {
     if (r == ncclSuccess) return absl::OkStatus();
     return absl::InternalError(fmt::format("{}: {}", what, ncclGetErrorString(r)));
   }
+  // This rank, its group and `call` for an error line (FailedCallPrefix's words, as gloo's).
+  FailedCall At(const std::string& call) const {
+    return {.rank = options_.rank,
+            .group = group_,
+            .world_rank = world_rank_,
+            .host = HostName(),
+            .device = device_,
+            .call = call};
+  }
   // An error naming this rank and host, what failed, and what the store knows of the others.
   absl::Status Failed(const std::string& what, const std::string& why) {
     const std::string peers = store_ ? store_->DiagnosePeers(what + ": " + why) : "";
-    return absl::UnavailableError(
-        fmt::format("rank {}{} (host {}, cuda:{}): {} failed (a rank died or the network "
-                    "failed): {}{}",
-                    options_.rank, group_.empty() ? "" : " of the " + group_, HostName(), device_, what, why,
-                    peers.empty() ? "" : "; " + peers));
+    return absl::UnavailableError(fmt::format("{}: {} failed (a rank died or the network failed): {}{}",
+                                              FailedCallWho(At(what)), what, why, peers.empty() ? "" : "; " + peers));
   }
   bool aborted() const { return guard_->aborted(); }
-  absl::Status AbortedStatus() const { return guard_->abort_status(); }
+  // `what`: the call that finds the communicator aborted; it names it where the watchdog aborted it
+  // with no collective in flight on another rank's reported failure.
+  absl::Status AbortedStatus(const char* what = nullptr) const {
+    if (what && heard_idle_) return store_->HeardFailure(FailedCallPrefix(At(what)));
+    return guard_->abort_status();
+  }
 
   // Enqueues one collective (or group) on `s` and hands its completion to the watchdog. A stream
   // other than the previous collective's first waits for it: every rank's collectives run in the
@@ -329,7 +318,7 @@ class NcclCommunicator : public Communicator {
   // (never after an abort); a nonblocking ncclInProgress is settled by polling.
   template <typename F>
   absl::Status Run(const char* what, cudaStream_t s, F&& enqueue) {
-    if (aborted()) return AbortedStatus();
+    if (aborted()) return AbortedStatus(what);
     if (last_event_ && s != last_stream_)
       PTK_RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(s, last_event_, 0), "ordering collectives across streams"));
     PTK_RETURN_IF_ERROR(guard_->Call(what, [&] { return static_cast<int>(enqueue()); }));
@@ -360,7 +349,7 @@ class NcclCommunicator : public Communicator {
       const cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return Cuda(e, what);
-      if (aborted()) return AbortedStatus();
+      if (aborted()) return AbortedStatus(what);
       std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
     }
   }
@@ -541,21 +530,18 @@ class NcclCommunicator : public Communicator {
         pending_.pop_front();
       }
       (void)cudaGetLastError();
-      // Another rank's own failure, reported through the store (ReportRankFailure): ends the collectives now.
-      const absl::Status heard = store_->HeardFailure(
-          fmt::format("rank {} (host {}, cuda:{}): NCCL aborted: ", options_.rank, HostName(), device_));
-      std::string what;
-      std::string problem = guard_->AsyncProblem();  // under the guard's lock (this one is taken before it)
-      if (!problem.empty()) {
-        what = pending_.empty() ? "a collective" : pending_.front().what;
-      } else if (!pending_.empty() && Clock::now() - pending_.front().since > timeout_) {
-        what = pending_.front().what;
-        problem = fmt::format("not complete after {} s (--distributed-timeout-minutes); the communicator was aborted",
-                              timeout_.count() / 1000.0);
-      }
-      if (problem.empty() && heard.ok()) continue;
+      // Another rank's own failure, reported through the store (ReportRankFailure): ends the collectives
+      // now, this rank's line naming that rank, its reason, this group and the call in flight here.
+      const bool heard = !store_->HeardFailure("").ok();
+      const std::string problem = guard_->AsyncProblem();  // under the guard's lock (this one is taken before it)
+      const bool none = pending_.empty();
+      const WatchVerdict v =
+          DecideWatch(problem, none ? nullptr : &pending_.front().what,
+                      none ? Clock::duration{} : Clock::now() - pending_.front().since, timeout_, heard);
+      if (!v.abort) continue;
+      heard_idle_ = v.heard && v.call.empty();
       lock.unlock();
-      Abort(heard.ok() ? Failed(what, problem) : heard);
+      Abort(v.heard ? store_->HeardFailure(FailedCallPrefix(At(v.call))) : Failed(v.call, v.problem));
       lock.lock();
     }
   }
@@ -564,7 +550,9 @@ class NcclCommunicator : public Communicator {
   std::chrono::milliseconds timeout_{0};
   int device_ = 0;
   std::shared_ptr<RendezvousStore> store_;  // shared with the groups made from this communicator
-  std::string group_;                       // a subgroup's name for messages; empty for the world
+  std::string group_;                       // a subgroup's name ("tensor", ...) for messages; empty for the world
+  int world_rank_ = 0;                      // this rank's in the run
+  std::atomic<bool> heard_idle_{false};     // aborted on a heard failure with no collective in flight
   ncclComm_t comm_ = nullptr;               // called only through guard_ (under its lock, never after an abort)
   std::unique_ptr<NcclGuard> guard_;
   cudaStream_t stream_ = nullptr;

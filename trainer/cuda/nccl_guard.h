@@ -51,6 +51,35 @@ class NcclCalls {
   virtual int Abort() = 0;                          // ncclCommAbort
 };
 
+// The watchdog's decision every 100 ms (comm_nccl.cpp), from what it found: NCCL's asynchronous
+// error (NcclGuard::AsyncProblem), the oldest collective still in flight (`oldest`: its name, null
+// when none; `age`), and whether another rank's reported failure was heard (the cause then, named
+// in every rank's line with the call in flight here: an asynchronous error after it is its effect).
+struct WatchVerdict {
+  bool abort = false;
+  bool heard = false;   // the cause is another rank's reported failure (RendezvousStore::HeardFailure)
+  std::string call;     // the call in flight (the oldest); empty when none was
+  std::string problem;  // not heard: NCCL's error, or the timeout
+};
+inline WatchVerdict DecideWatch(const std::string& async_problem, const std::string* oldest,
+                                std::chrono::steady_clock::duration age, std::chrono::milliseconds timeout,
+                                bool heard) {
+  WatchVerdict v;
+  v.call = oldest ? *oldest : "";
+  if (heard) {
+    v.abort = v.heard = true;
+  } else if (!async_problem.empty()) {
+    v.abort = true;
+    if (v.call.empty()) v.call = "a collective";
+    v.problem = async_problem;
+  } else if (oldest && age > timeout) {
+    v.abort = true;
+    v.problem = fmt::format("not complete after {} s (--distributed-timeout-minutes); the communicator was aborted",
+                            static_cast<double>(timeout.count()) / 1000.0);
+  }
+  return v;
+}
+
 class NcclGuard {
  public:
   using Clock = std::chrono::steady_clock;
