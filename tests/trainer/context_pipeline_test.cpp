@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/parallel_layout.h"
@@ -30,14 +31,7 @@ namespace ptk {
 namespace {
 
 GPTConfig Config(int64_t layers, bool untied) {
-  GPTConfig c;
-  c.num_layers = layers;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 128;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 97;
-  c.padded_vocab_size = 128;
+  GPTConfig c = testing::SmallGpt(layers, 32, 4, 32, 97, 128);
   c.hidden_dropout = c.attention_dropout = 0.1;
   c.untie_embeddings_and_output_weights = untied;
   return c;
@@ -62,19 +56,6 @@ struct Run {
 };
 
 constexpr int kMicroBatches = 4;
-
-// Micro-batch k of `data` (2 samples of 32 tokens, a loss mask with holes), as a loader hands it.
-MicroBatch Whole(const testing::Batches& data, size_t k) {
-  MicroBatch mb;
-  mb.micro_batch_size = 2;
-  mb.seq_length = data.t;
-  mb.indices = data.keys[k];
-  mb.tokens = data.tokens[k];
-  mb.labels = data.labels[k];
-  mb.position_ids = data.positions[k];
-  mb.loss_mask = data.mask[k];
-  return mb;
-}
 
 // The groups of world rank `r` in `layout`, made by every member (Communicator::Subgroup).
 struct RankGroups {
@@ -130,7 +111,7 @@ Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, c
     std::vector<std::vector<int64_t>> keys(kMicroBatches);
     std::vector<ModelBatch> mbs;
     for (size_t i = 0; i < held.size(); ++i) {
-      held[i] = Whole(data, i);
+      held[i] = data.Loaded(i);
       if (k.C > 1) KeepContextRows(&held[i], ContextParallelPositions(c.seq_length, k.C, at.context));
       mbs.push_back(View(held[i], &keys[i]));
     }
