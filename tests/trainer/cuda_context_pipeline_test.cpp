@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "tests/trainer/context_rank_rows.h"
 #include "tests/trainer/cuda_model_test_util.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/staged_device_comm.h"
@@ -37,6 +38,7 @@ namespace ptk {
 namespace {
 
 using cuda_model_test::Batches;
+using testing::ContextRows;
 using testing::StagedDeviceCollectives;
 
 constexpr int kMicroBatches = 4;
@@ -64,31 +66,6 @@ struct Split {
 struct SplitRun {
   double loss = 0, tokens = 0, eval = 0;
   std::vector<float> grads;
-};
-
-// Rows `pos` of each of the b samples of x (b, t).
-template <typename V>
-std::vector<V> Rows(const V* x, int64_t b, int64_t t, const std::vector<int64_t>& pos) {
-  std::vector<V> out;
-  for (int64_t s = 0; s < b; ++s)
-    for (const int64_t p : pos) out.push_back(x[s * t + p]);
-  return out;
-}
-
-// A context rank's micro-batch: its rows of each sample, at their true positions; the samples' keys stay.
-struct ContextRows {
-  std::vector<int32_t> tokens, labels, positions;
-  std::vector<float> mask;
-  ModelBatch batch;
-  ContextRows(const ModelBatch& whole, int C, int rank) {
-    const std::vector<int64_t> pos = ContextParallelPositions(whole.t, C, rank);
-    tokens = Rows(whole.tokens, whole.b, whole.t, pos);
-    labels = Rows(whole.labels, whole.b, whole.t, pos);
-    positions = Rows(whole.position_ids, whole.b, whole.t, pos);
-    mask = Rows(whole.loss_mask, whole.b, whole.t, pos);
-    batch = ModelBatch{whole.b,          whole.t / C, tokens.data(),    labels.data(),
-                       positions.data(), mask.data(), whole.sample_keys};
-  }
 };
 
 // A group of `layout` for world rank r (none for a group of one rank), and its device collectives staged.
