@@ -14,21 +14,22 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "tests/trainer/context_split.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/parallel_layout.h"
-#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
 #include "trainer/training_data.h"
 
 namespace ptk {
 namespace {
+
+using testing::SplitRun;
 
 GPTConfig Config(int64_t layers, bool untied) {
   GPTConfig c = testing::SmallGpt(layers, 32, 4, 32, 97, 128);
@@ -45,14 +46,6 @@ struct Split {
     return "T=" + std::to_string(T) + " C=" + std::to_string(C) + " P=" + std::to_string(P) +
            (V > 1 ? " V=" + std::to_string(V) : "") + (sp ? " sequence-parallel" : "");
   }
-};
-
-// What a split gives: the loss and evaluation sums of the last stage's context ranks (tensor rank 0) added in
-// context-rank order, and the whole model's gradients, each stage's summed over its context group (and its tensor
-// slices put back together).
-struct Run {
-  double loss = 0, tokens = 0, eval = 0;
-  std::vector<float> grads;
 };
 
 constexpr int kMicroBatches = 4;
@@ -80,16 +73,12 @@ void MakeGroups(Communicator* world, const ParallelLayout& layout, int r, bool t
 
 // One step's forward and backward passes (dropout seed 99) of split `k` over `data`, then the evaluation pass over
 // micro-batch 0.
-Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, const std::vector<double>& scales) {
+SplitRun RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, const std::vector<double>& scales) {
   const int world = k.T * k.C * k.P;
   auto layout = ParallelLayout::Create(world, k.T, k.P, k.C);
   EXPECT_TRUE(layout.ok()) << layout.status();
   if (!layout.ok()) return {};
-  const int64_t whole_params = ParamLayout::Create(c)->num_params;
-  Run out;
-  out.grads.assign(static_cast<size_t>(whole_params), 0.0f);
-  std::vector<double> losses(static_cast<size_t>(k.C)), tokens(losses.size()), evals(losses.size());
-  std::mutex mu;
+  testing::SplitGather gather(k.C, k.P, ParamLayout::Create(c)->num_params);
   auto body = [&](Communicator* world_comm, int r) {
     const RankCoords at = layout->Coords(r);
     RankGroups g;
@@ -156,15 +145,7 @@ Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, c
       ASSERT_TRUE(e.ok()) << e.status();
       eval = *e;
     }
-    std::lock_guard<std::mutex> lock(mu);
-    if (at.context == 0) CopyFromShard(m.layout(), grads, out.grads);
-    if (at.pipeline == k.P - 1 && at.tensor == 0) {
-      losses[static_cast<size_t>(at.context)] = loss.loss_sum;
-      tokens[static_cast<size_t>(at.context)] = loss.tokens;
-      evals[static_cast<size_t>(at.context)] = eval.loss_sum;
-    } else if (at.pipeline != k.P - 1) {
-      EXPECT_EQ(loss.tokens, 0.0) << "rank " << r;  // only the last stage computes the loss
-    }
+    gather.Add(r, at, m.layout(), grads, loss, eval);
   };
   if (world == 1) {
     auto local = MakeLocalCommunicator();
@@ -172,12 +153,7 @@ Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, c
   } else {
     testing::RunRanks(world, body);
   }
-  for (int q = 0; q < k.C; ++q) {
-    out.loss += losses[static_cast<size_t>(q)];
-    out.tokens += tokens[static_cast<size_t>(q)];
-    out.eval += evals[static_cast<size_t>(q)];
-  }
-  return out;
+  return gather.Sum();
 }
 
 // The largest difference of two gradient vectors over [begin, end), and the largest of `want`'s there.
@@ -193,7 +169,8 @@ std::pair<double, double> Worst(const std::vector<float>& got, const std::vector
 
 // `got` (a split with stages) is `same` (that split without them) bit for bit but for the tied embedding (within
 // 1e-5 of its largest), and `one` (one rank) within context parallelism's bounds.
-void ExpectFollows(const GPTConfig& c, const Run& got, const Run& same, const Run& one, const std::string& what) {
+void ExpectFollows(const GPTConfig& c, const SplitRun& got, const SplitRun& same, const SplitRun& one,
+                   const std::string& what) {
   SCOPED_TRACE(what);
   ASSERT_EQ(got.grads.size(), same.grads.size());
   ASSERT_EQ(got.grads.size(), one.grads.size());
@@ -231,14 +208,14 @@ void CheckContextWithStages(int64_t layers, bool untied, const std::vector<Split
   const GPTConfig c = Config(layers, untied);
   const testing::Batches data(kMicroBatches, c.seq_length);
   const std::vector<double> scales = Scales();
-  const Run one = RunSplit(c, Split{}, data, scales);
+  const SplitRun one = RunSplit(c, Split{}, data, scales);
   ASSERT_FALSE(one.grads.empty());
   ASSERT_GT(one.tokens, 0.0);
   for (const Split& k : splits) {
     Split flat = k;
     flat.P = flat.V = 1;
-    const Run same = RunSplit(c, flat, data, scales);
-    const Run got = RunSplit(c, k, data, scales);
+    const SplitRun same = RunSplit(c, flat, data, scales);
+    const SplitRun got = RunSplit(c, k, data, scales);
     ASSERT_NO_FATAL_FAILURE(ExpectFollows(c, got, same, one, k.Name() + (untied ? " untied" : " tied")));
   }
 }

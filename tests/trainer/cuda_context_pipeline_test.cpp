@@ -20,18 +20,17 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "tests/trainer/context_rank_rows.h"
+#include "tests/trainer/context_split.h"
 #include "tests/trainer/cuda_model_test_util.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/staged_device_comm.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/param_layout.h"
-#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
 
 namespace ptk {
@@ -39,6 +38,7 @@ namespace {
 
 using cuda_model_test::Batches;
 using testing::ContextRows;
+using testing::SplitRun;
 using testing::StagedDeviceCollectives;
 
 constexpr int kMicroBatches = 4;
@@ -59,13 +59,6 @@ struct Split {
     return fmt::format("{} T={} C={} P={}{}{}", PrecisionName(p), T, C, P, V > 1 ? fmt::format(" V={}", V) : "",
                        sp ? " sequence-parallel" : "");
   }
-};
-
-// The last stage's loss and evaluation sums (tensor rank 0), added in context-rank order; the whole model's
-// gradients.
-struct SplitRun {
-  double loss = 0, tokens = 0, eval = 0;
-  std::vector<float> grads;
 };
 
 // A group of `layout` for world rank r (none for a group of one rank), and its device collectives staged.
@@ -134,10 +127,7 @@ SplitRun RunSplit(const GPTConfig& c, const Split& k) {
   auto layout = ParallelLayout::Create(world, k.T, k.P, k.C);
   EXPECT_TRUE(layout.ok()) << layout.status();
   if (!layout.ok()) return {};
-  SplitRun out;
-  out.grads.assign(static_cast<size_t>(ParamLayout::Create(c)->num_params), 0.0f);
-  std::vector<double> losses(static_cast<size_t>(k.C)), tokens(losses.size()), evals(losses.size());
-  std::mutex mu;
+  testing::SplitGather gather(k.C, k.P, ParamLayout::Create(c)->num_params);
   auto body = [&](Communicator* world_comm, int r) {
     const RankCoords at = layout->Coords(r);
     RankGroups g;
@@ -166,26 +156,13 @@ SplitRun RunSplit(const GPTConfig& c, const Split& k) {
     ASSERT_TRUE(m->ReadGrads(grads).ok());
     auto eval = k.P > 1 ? ForwardPipelining(m.get(), g.pipeline.device.get(), mbs[0]) : m->Forward(mbs[0], nullptr);
     ASSERT_TRUE(eval.ok()) << eval.status();
-    std::lock_guard<std::mutex> lock(mu);
-    if (at.context == 0) CopyFromShard(m->layout(), grads, out.grads);
-    if (at.pipeline == k.P - 1 && at.tensor == 0) {
-      losses[static_cast<size_t>(at.context)] = loss->loss_sum;
-      tokens[static_cast<size_t>(at.context)] = loss->tokens;
-      evals[static_cast<size_t>(at.context)] = eval->loss_sum;
-    } else if (at.pipeline != k.P - 1) {
-      EXPECT_EQ(loss->tokens, 0.0) << "rank " << r;  // only the last stage computes the loss
-    }
+    gather.Add(r, at, m->layout(), grads, *loss, *eval);
   };
   if (world == 1)
     body(nullptr, 0);
   else
     testing::RunRanks(world, body);
-  for (int q = 0; q < k.C; ++q) {
-    out.loss += losses[static_cast<size_t>(q)];
-    out.tokens += tokens[static_cast<size_t>(q)];
-    out.eval += evals[static_cast<size_t>(q)];
-  }
-  return out;
+  return gather.Sum();
 }
 
 // got's loss and evaluation sums within loss_tol relative of ref's, its tokens exact, its gradients within grad_tol
