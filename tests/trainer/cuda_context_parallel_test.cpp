@@ -34,26 +34,14 @@ namespace ptk {
 namespace {
 
 using cuda_model_test::Batches;
-using testing::StagedDeviceCollectives;
+using testing::MakeStagedGroup;
+using testing::StagedGroup;
 
 struct CpRun {
   double loss_sum = 0, tokens = 0;
   std::vector<float> grads;  // summed over the ranks
   bool described = true;     // every rank's Describe names its context rank
 };
-
-// A subgroup of the world and its device collectives staged through the host.
-struct StagedGroup {
-  std::unique_ptr<Communicator> group;
-  std::unique_ptr<StagedDeviceCollectives> collectives;
-};
-
-void Stage(Communicator* world, const std::vector<int>& members, const std::string& name, StagedGroup* out) {
-  auto g = world->Subgroup(members, name);
-  ASSERT_TRUE(g.ok()) << g.status();
-  out->group = std::move(*g);
-  out->collectives = std::make_unique<StagedDeviceCollectives>(out->group.get());
-}
 
 // One training pass (ZeroGrads, ForwardBackward with dropout's seed 99 and loss scale `scale`) over batch 0 in
 // precision p at context size C and tensor size T (world rank r: tensor rank r % T, context rank r / T, Megatron's
@@ -75,13 +63,13 @@ CpRun TrainPass(const GPTConfig& c, int C, int T = 1, Precision p = Precision::k
     StagedGroup tensor, context;
     cuda::CudaModelOptions o;
     if (T > 1) {
-      ASSERT_NO_FATAL_FAILURE(Stage(world, tensor_members, "tensor", &tensor));
-      o.tensor = tensor.collectives.get();
+      ASSERT_NO_FATAL_FAILURE(MakeStagedGroup(world, tensor_members, "tensor", &tensor));
+      o.tensor = tensor.device.get();
       o.sequence_parallel = sp;
     }
     if (C > 1) {
-      ASSERT_NO_FATAL_FAILURE(Stage(world, context_members, "context", &context));
-      o.context = context.collectives.get();
+      ASSERT_NO_FATAL_FAILURE(MakeStagedGroup(world, context_members, "context", &context));
+      o.context = context.device.get();
     }
     std::unique_ptr<GPTModel> model = cuda_model_test::Cuda(c, p, /*deterministic=*/true, o);
     ASSERT_NE(model, nullptr);

@@ -39,7 +39,7 @@ namespace {
 using cuda_model_test::Batches;
 using testing::ContextRows;
 using testing::SplitRun;
-using testing::StagedDeviceCollectives;
+using testing::StagedGroup;
 
 constexpr int kMicroBatches = 4;
 
@@ -62,18 +62,11 @@ struct Split {
 };
 
 // A group of `layout` for world rank r (none for a group of one rank), and its device collectives staged.
-struct StagedGroup {
-  std::unique_ptr<Communicator> host;
-  std::unique_ptr<StagedDeviceCollectives> device;
-};
 void MakeGroup(Communicator* world, const ParallelLayout& layout, ParallelGroup kind, int r, const char* name,
                StagedGroup* out) {
   const std::vector<int> members = layout.Group(kind, r);
   if (members.size() < 2) return;
-  auto g = world->Subgroup(members, name);
-  ASSERT_TRUE(g.ok()) << g.status();
-  out->host = std::move(*g);
-  out->device = std::make_unique<StagedDeviceCollectives>(out->host.get());
+  ASSERT_NO_FATAL_FAILURE(testing::MakeStagedGroup(world, members, name, out));
 }
 
 struct RankGroups {
