@@ -23,7 +23,8 @@ struct DataArgs {
 };
 
 // Returns one dataset per split (nullptr where that split is empty or not given). What a caller
-// should print (IndexedDataset::IdxTrailingBytesWarning of each dataset opened) goes to *warnings.
+// should print (IndexedDataset::IdxTrailingBytesWarning and BinTrailingBytesWarning of each dataset
+// opened) goes to *warnings.
 absl::StatusOr<std::array<std::shared_ptr<TopLevelDataset>, 3>> BuildGPTDatasets(
     const DataArgs& args, GPTDatasetConfig config, std::vector<std::string>* warnings = nullptr);
 

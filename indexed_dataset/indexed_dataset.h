@@ -199,7 +199,8 @@ class IndexedDataset {
   int64_t document_length(int64_t d) const;  // tokens
   int64_t document_num_sequences(int64_t d) const { return document_index(d + 1) - document_index(d); }
 
-  // Stricter than Open(), which has checked the rest: the .bin has no trailing bytes (a writer's own check).
+  // Stricter than Open(), which has checked the rest: the .bin has no trailing bytes. The tools read such
+  // bytes past (BinTrailingBytesWarning); the tests check with it that what a writer made has none.
   absl::Status Verify() const;
   // When PREFIX.ptk-done exists (ptk wrote the pair): checks both files' sizes and XXH3-128
   // against it (kDataLoss naming the file). Returns false when there is no sidecar to check.

@@ -150,19 +150,25 @@ namespace {
 
 using FileKey = std::pair<uint64_t, uint64_t>;  // (dev, ino) of a dataset's .idx
 
+// The identity of `prefix`'s .idx; none where it cannot be read (a dataset deleted since).
+std::optional<FileKey> IdxKey(const std::string& prefix) {
+  auto id = IdentifyFile(IdxPath(prefix));
+  if (!id.ok()) return std::nullopt;
+  return FileKey{id->dev, id->ino};
+}
+
 // Every dataset that `prefix`, a merge, holds, at any depth (a merge of a merge of a merge), by its
 // .idx's identity, with the merge that listed it: its inputs, followed, and what it recorded they held
 // (which a merge deleted since can no longer say).
 void CollectHeld(const std::string& prefix, std::map<FileKey, std::pair<std::string, std::string>>* held) {
   const MergeRecord record = RecordedMerge(prefix);
   for (const std::string& in : record.inputs) {
-    auto id = IdentifyFile(IdxPath(in));
-    if (!id.ok() || !held->emplace(FileKey{id->dev, id->ino}, std::make_pair(in, prefix)).second) continue;
+    const std::optional<FileKey> key = IdxKey(in);
+    if (!key || !held->emplace(*key, std::make_pair(in, prefix)).second) continue;
     CollectHeld(in, held);  // each dataset followed once: a cycle of sidecars ends
   }
   for (const std::string& in : record.held)
-    if (auto id = IdentifyFile(IdxPath(in)); id.ok())
-      held->emplace(FileKey{id->dev, id->ino}, std::make_pair(in, prefix));
+    if (const std::optional<FileKey> key = IdxKey(in)) held->emplace(*key, std::make_pair(in, prefix));
 }
 
 }  // namespace
@@ -170,10 +176,9 @@ void CollectHeld(const std::string& prefix, std::map<FileKey, std::pair<std::str
 absl::Status CheckNoInputHoldsAnother(const std::vector<std::string>& inputs) {
   std::map<FileKey, std::string> by_id;
   for (const auto& in : inputs)
-    if (auto id = IdentifyFile(IdxPath(in)); id.ok()) by_id.emplace(FileKey{id->dev, id->ino}, in);
+    if (const std::optional<FileKey> key = IdxKey(in)) by_id.emplace(*key, in);
   // Which input holds each dataset (itself, or inside it): one held by two inputs would go in twice.
-  std::map<FileKey, std::string> holder;
-  for (const auto& [key, in] : by_id) holder.emplace(key, in);
+  std::map<FileKey, std::string> holder = by_id;
   for (const auto& in : inputs) {
     std::map<FileKey, std::pair<std::string, std::string>> held;  // dataset -> (its name, the merge listing it)
     CollectHeld(in, &held);

@@ -434,13 +434,9 @@ class RangedFetch {
         }
         continue;
       }
-      if (code == 206) {
-        if (a.pos < end)  // the connection broke: the bytes it brought are kept, the rest asked again
-          return budget_.Again(
-              fmt::format("short range (bytes {}-{}: {} of {})", from, end - 1, a.pos - from, end - from),
-              budget_.Backoff(progressed));
-        return absl::OkStatus();
-      }
+      // The whole range: a clean end short of it is a wrong-size answer above, a broken connection a transfer error
+      // (the bytes it brought kept, the rest asked again).
+      if (code == 206) return absl::OkStatus();
       if (code == 429) return OnRateLimited(resp, hub);
       if (!hub && (code == 403 || code == 400 || code == 410 || code == 404) && f_.url.empty())
         return OnUrlRefused(code, gen, url);

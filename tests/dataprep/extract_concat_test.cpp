@@ -445,8 +445,10 @@ TEST(Extract, ADropSetThatMatchesNothingIsNamed) {
                     c4 = R"({"text": "c", "meta": {"redpajama_set_name": "RedPajamaC4"}})"
                          "\n";
   testing::WriteFile(dir / "in/a.jsonl.zst", testing::ZstdCompress(book + c4 + book));
-  auto r = RunCmd(fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBooks --drop-set RedPajamaC4",
-                              testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  const std::string extract =
+      fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBooks --drop-set RedPajamaC4",
+                  testing::Tool("ptk-extract"), dir / "in", dir / "out");
+  auto r = RunCmd(extract);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(testing::ReadFile(dir / "out/a.jsonl"), book + book);
   EXPECT_NE(r.output.find("ptk-extract: warning: --drop-set RedPajamaBooks: no record of this set among the 3 "
@@ -456,8 +458,7 @@ TEST(Extract, ADropSetThatMatchesNothingIsNamed) {
       << r.output;
   EXPECT_EQ(r.output.find("--drop-set RedPajamaC4:"), std::string::npos) << r.output;
   // A rerun that reads nothing (every output complete) says nothing of the sets.
-  auto again = RunCmd(fmt::format("{} --quiet {} --output-dir {} --drop-set RedPajamaBooks --drop-set RedPajamaC4",
-                                  testing::Tool("ptk-extract"), dir / "in", dir / "out"));
+  auto again = RunCmd(extract);
   ASSERT_EQ(again.exit_code, 0) << again.output;
   EXPECT_EQ(again.output.find("no record of this set"), std::string::npos) << again.output;
 }

@@ -47,19 +47,6 @@ struct Pass {
   int64_t activation_floats = 0;
 };
 
-// Micro-batch k of testing::Batches (2 samples of 32 tokens, a loss mask with holes) as a loader's.
-MicroBatch Whole(const testing::Batches& data, size_t k = 0) {
-  MicroBatch mb;
-  mb.micro_batch_size = 2;
-  mb.seq_length = data.t;
-  mb.indices = data.keys[k];
-  mb.tokens = data.tokens[k];
-  mb.labels = data.labels[k];
-  mb.position_ids = data.positions[k];
-  mb.loss_mask = data.mask[k];
-  return mb;
-}
-
 // One forward and backward with dropout (seed 7) at `context` ranks (1: one plain model), the loss
 // sums and gradients summed over the ranks.
 Pass Run(const GPTConfig& c, int context) {
@@ -74,7 +61,7 @@ Pass Run(const GPTConfig& c, int context) {
     }
     ASSERT_TRUE((*model)->InitWeights(11).ok());
     ASSERT_TRUE((*model)->ZeroGrads().ok());
-    MicroBatch mb = Whole(data);
+    MicroBatch mb = data.Loaded(0);
     if (context > 1) KeepContextRows(&mb, ContextParallelPositions(c.seq_length, context, rank));
     std::vector<int64_t> keys;
     auto loss = (*model)->ForwardBackward(View(mb, &keys), 1.0, /*train=*/true, 7);
@@ -186,7 +173,7 @@ TEST(ContextParallel, UnevenLossMaskWeighsEachRankAsMegatron) {
     ASSERT_TRUE((*one)->InitWeights(11).ok());
     ASSERT_TRUE((*one)->ZeroGrads().ok());
     for (size_t m = 0; m < 2; ++m) {
-      MicroBatch mb = Whole(data, m);
+      MicroBatch mb = data.Loaded(m);
       for (size_t i = 0; i < mb.loss_mask.size(); ++i)
         mb.loss_mask[i] *= static_cast<float>(weight[m][static_cast<size_t>(rank_of[i % rank_of.size()])]);
       std::vector<int64_t> keys;
@@ -208,7 +195,7 @@ TEST(ContextParallel, UnevenLossMaskWeighsEachRankAsMegatron) {
       step.set_context(comm);
       std::vector<MicroBatch> mbs;
       for (size_t m = 0; m < 2; ++m) {
-        mbs.push_back(Whole(data, m));
+        mbs.push_back(data.Loaded(m));
         KeepContextRows(&mbs.back(), ContextParallelPositions(c.seq_length, 2, rank));
       }
       std::vector<std::vector<int64_t>> keys(2);
@@ -234,7 +221,7 @@ TEST(ContextParallel, UnevenLossMaskWeighsEachRankAsMegatron) {
 
 TEST(ContextParallel, KeepContextRowsKeepsMegatronsChunksOfEverySample) {
   const testing::Batches data(1, 8);
-  MicroBatch mb = Whole(data);
+  MicroBatch mb = data.Loaded(0);
   KeepContextRows(&mb, ContextParallelPositions(8, 2, 1));  // chunks 1 and 2 of 4: positions 2, 3, 4, 5
   EXPECT_EQ(mb.seq_length, 4);
   ASSERT_EQ(mb.tokens.size(), 8u);

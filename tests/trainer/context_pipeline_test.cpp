@@ -14,30 +14,25 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "tests/trainer/context_split.h"
 #include "tests/trainer/gloo_ranks.h"
+#include "tests/trainer/small_gpt.h"
 #include "tests/trainer/test_batches.h"
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/parallel_layout.h"
-#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
 #include "trainer/training_data.h"
 
 namespace ptk {
 namespace {
 
+using testing::SplitRun;
+
 GPTConfig Config(int64_t layers, bool untied) {
-  GPTConfig c;
-  c.num_layers = layers;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 128;
-  c.seq_length = c.max_position_embeddings = 32;
-  c.vocab_size = 97;
-  c.padded_vocab_size = 128;
+  GPTConfig c = testing::SmallGpt(layers, 32, 4, 32, 97, 128);
   c.hidden_dropout = c.attention_dropout = 0.1;
   c.untie_embeddings_and_output_weights = untied;
   return c;
@@ -53,28 +48,7 @@ struct Split {
   }
 };
 
-// What a split gives: the loss and evaluation sums of the last stage's context ranks (tensor rank 0) added in
-// context-rank order, and the whole model's gradients, each stage's summed over its context group (and its tensor
-// slices put back together).
-struct Run {
-  double loss = 0, tokens = 0, eval = 0;
-  std::vector<float> grads;
-};
-
 constexpr int kMicroBatches = 4;
-
-// Micro-batch k of `data` (2 samples of 32 tokens, a loss mask with holes), as a loader hands it.
-MicroBatch Whole(const testing::Batches& data, size_t k) {
-  MicroBatch mb;
-  mb.micro_batch_size = 2;
-  mb.seq_length = data.t;
-  mb.indices = data.keys[k];
-  mb.tokens = data.tokens[k];
-  mb.labels = data.labels[k];
-  mb.position_ids = data.positions[k];
-  mb.loss_mask = data.mask[k];
-  return mb;
-}
 
 // The groups of world rank `r` in `layout`, made by every member (Communicator::Subgroup).
 struct RankGroups {
@@ -99,16 +73,12 @@ void MakeGroups(Communicator* world, const ParallelLayout& layout, int r, bool t
 
 // One step's forward and backward passes (dropout seed 99) of split `k` over `data`, then the evaluation pass over
 // micro-batch 0.
-Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, const std::vector<double>& scales) {
+SplitRun RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, const std::vector<double>& scales) {
   const int world = k.T * k.C * k.P;
   auto layout = ParallelLayout::Create(world, k.T, k.P, k.C);
   EXPECT_TRUE(layout.ok()) << layout.status();
   if (!layout.ok()) return {};
-  const int64_t whole_params = ParamLayout::Create(c)->num_params;
-  Run out;
-  out.grads.assign(static_cast<size_t>(whole_params), 0.0f);
-  std::vector<double> losses(static_cast<size_t>(k.C)), tokens(losses.size()), evals(losses.size());
-  std::mutex mu;
+  testing::SplitGather gather(k.C, k.P, ParamLayout::Create(c)->num_params);
   auto body = [&](Communicator* world_comm, int r) {
     const RankCoords at = layout->Coords(r);
     RankGroups g;
@@ -130,7 +100,7 @@ Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, c
     std::vector<std::vector<int64_t>> keys(kMicroBatches);
     std::vector<ModelBatch> mbs;
     for (size_t i = 0; i < held.size(); ++i) {
-      held[i] = Whole(data, i);
+      held[i] = data.Loaded(i);
       if (k.C > 1) KeepContextRows(&held[i], ContextParallelPositions(c.seq_length, k.C, at.context));
       mbs.push_back(View(held[i], &keys[i]));
     }
@@ -175,15 +145,7 @@ Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, c
       ASSERT_TRUE(e.ok()) << e.status();
       eval = *e;
     }
-    std::lock_guard<std::mutex> lock(mu);
-    if (at.context == 0) CopyFromShard(m.layout(), grads, out.grads);
-    if (at.pipeline == k.P - 1 && at.tensor == 0) {
-      losses[static_cast<size_t>(at.context)] = loss.loss_sum;
-      tokens[static_cast<size_t>(at.context)] = loss.tokens;
-      evals[static_cast<size_t>(at.context)] = eval.loss_sum;
-    } else if (at.pipeline != k.P - 1) {
-      EXPECT_EQ(loss.tokens, 0.0) << "rank " << r;  // only the last stage computes the loss
-    }
+    gather.Add(r, at, m.layout(), grads, loss, eval);
   };
   if (world == 1) {
     auto local = MakeLocalCommunicator();
@@ -191,12 +153,7 @@ Run RunSplit(const GPTConfig& c, const Split& k, const testing::Batches& data, c
   } else {
     testing::RunRanks(world, body);
   }
-  for (int q = 0; q < k.C; ++q) {
-    out.loss += losses[static_cast<size_t>(q)];
-    out.tokens += tokens[static_cast<size_t>(q)];
-    out.eval += evals[static_cast<size_t>(q)];
-  }
-  return out;
+  return gather.Sum();
 }
 
 // The largest difference of two gradient vectors over [begin, end), and the largest of `want`'s there.
@@ -212,7 +169,8 @@ std::pair<double, double> Worst(const std::vector<float>& got, const std::vector
 
 // `got` (a split with stages) is `same` (that split without them) bit for bit but for the tied embedding (within
 // 1e-5 of its largest), and `one` (one rank) within context parallelism's bounds.
-void ExpectFollows(const GPTConfig& c, const Run& got, const Run& same, const Run& one, const std::string& what) {
+void ExpectFollows(const GPTConfig& c, const SplitRun& got, const SplitRun& same, const SplitRun& one,
+                   const std::string& what) {
   SCOPED_TRACE(what);
   ASSERT_EQ(got.grads.size(), same.grads.size());
   ASSERT_EQ(got.grads.size(), one.grads.size());
@@ -250,14 +208,14 @@ void CheckContextWithStages(int64_t layers, bool untied, const std::vector<Split
   const GPTConfig c = Config(layers, untied);
   const testing::Batches data(kMicroBatches, c.seq_length);
   const std::vector<double> scales = Scales();
-  const Run one = RunSplit(c, Split{}, data, scales);
+  const SplitRun one = RunSplit(c, Split{}, data, scales);
   ASSERT_FALSE(one.grads.empty());
   ASSERT_GT(one.tokens, 0.0);
   for (const Split& k : splits) {
     Split flat = k;
     flat.P = flat.V = 1;
-    const Run same = RunSplit(c, flat, data, scales);
-    const Run got = RunSplit(c, k, data, scales);
+    const SplitRun same = RunSplit(c, flat, data, scales);
+    const SplitRun got = RunSplit(c, k, data, scales);
     ASSERT_NO_FATAL_FAILURE(ExpectFollows(c, got, same, one, k.Name() + (untied ? " untied" : " tied")));
   }
 }

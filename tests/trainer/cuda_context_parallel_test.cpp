@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "tests/trainer/context_rank_rows.h"
 #include "tests/trainer/cuda_model_test_util.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/staged_device_comm.h"
@@ -33,35 +34,14 @@ namespace ptk {
 namespace {
 
 using cuda_model_test::Batches;
-using testing::StagedDeviceCollectives;
+using testing::MakeStagedGroup;
+using testing::StagedGroup;
 
 struct CpRun {
   double loss_sum = 0, tokens = 0;
   std::vector<float> grads;  // summed over the ranks
   bool described = true;     // every rank's Describe names its context rank
 };
-
-// Rows `pos` of each of the b samples of x (b, t).
-template <typename V>
-std::vector<V> Rows(const V* x, int64_t b, int64_t t, const std::vector<int64_t>& pos) {
-  std::vector<V> out;
-  for (int64_t s = 0; s < b; ++s)
-    for (const int64_t p : pos) out.push_back(x[s * t + p]);
-  return out;
-}
-
-// A subgroup of the world and its device collectives staged through the host.
-struct StagedGroup {
-  std::unique_ptr<Communicator> group;
-  std::unique_ptr<StagedDeviceCollectives> collectives;
-};
-
-void Stage(Communicator* world, const std::vector<int>& members, const std::string& name, StagedGroup* out) {
-  auto g = world->Subgroup(members, name);
-  ASSERT_TRUE(g.ok()) << g.status();
-  out->group = std::move(*g);
-  out->collectives = std::make_unique<StagedDeviceCollectives>(out->group.get());
-}
 
 // One training pass (ZeroGrads, ForwardBackward with dropout's seed 99 and loss scale `scale`) over batch 0 in
 // precision p at context size C and tensor size T (world rank r: tensor rank r % T, context rank r / T, Megatron's
@@ -83,23 +63,18 @@ CpRun TrainPass(const GPTConfig& c, int C, int T = 1, Precision p = Precision::k
     StagedGroup tensor, context;
     cuda::CudaModelOptions o;
     if (T > 1) {
-      ASSERT_NO_FATAL_FAILURE(Stage(world, tensor_members, "tensor", &tensor));
-      o.tensor = tensor.collectives.get();
+      ASSERT_NO_FATAL_FAILURE(MakeStagedGroup(world, tensor_members, "tensor", &tensor));
+      o.tensor = tensor.device.get();
       o.sequence_parallel = sp;
     }
     if (C > 1) {
-      ASSERT_NO_FATAL_FAILURE(Stage(world, context_members, "context", &context));
-      o.context = context.collectives.get();
+      ASSERT_NO_FATAL_FAILURE(MakeStagedGroup(world, context_members, "context", &context));
+      o.context = context.device.get();
     }
     std::unique_ptr<GPTModel> model = cuda_model_test::Cuda(c, p, /*deterministic=*/true, o);
     ASSERT_NE(model, nullptr);
-    const std::vector<int64_t> pos = ContextParallelPositions(whole.t, C, cr);
-    const int64_t t = whole.t / C;
-    const std::vector<int32_t> tokens = Rows(whole.tokens, whole.b, whole.t, pos),
-                               labels = Rows(whole.labels, whole.b, whole.t, pos),
-                               positions = Rows(whole.position_ids, whole.b, whole.t, pos);
-    const std::vector<float> mask = Rows(whole.loss_mask, whole.b, whole.t, pos);
-    const ModelBatch mine{whole.b, t, tokens.data(), labels.data(), positions.data(), mask.data(), whole.sample_keys};
+    const testing::ContextRows rows(whole, C, cr);
+    const ModelBatch& mine = rows.batch;
     ASSERT_TRUE(model->ZeroGrads().ok());
     auto loss = model->ForwardBackward(mine, scale, /*train=*/true, 99);
     ASSERT_TRUE(loss.ok()) << loss.status();

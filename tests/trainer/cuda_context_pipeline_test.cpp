@@ -20,24 +20,26 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "tests/trainer/context_rank_rows.h"
+#include "tests/trainer/context_split.h"
 #include "tests/trainer/cuda_model_test_util.h"
 #include "tests/trainer/gloo_ranks.h"
 #include "tests/trainer/staged_device_comm.h"
 #include "trainer/parallel_layout.h"
 #include "trainer/param_layout.h"
-#include "trainer/param_shard.h"
 #include "trainer/pipeline_schedule.h"
 
 namespace ptk {
 namespace {
 
 using cuda_model_test::Batches;
-using testing::StagedDeviceCollectives;
+using testing::ContextRows;
+using testing::SplitRun;
+using testing::StagedGroup;
 
 constexpr int kMicroBatches = 4;
 
@@ -59,51 +61,12 @@ struct Split {
   }
 };
 
-// The last stage's loss and evaluation sums (tensor rank 0), added in context-rank order; the whole model's
-// gradients.
-struct SplitRun {
-  double loss = 0, tokens = 0, eval = 0;
-  std::vector<float> grads;
-};
-
-// Rows `pos` of each of the b samples of x (b, t).
-template <typename V>
-std::vector<V> Rows(const V* x, int64_t b, int64_t t, const std::vector<int64_t>& pos) {
-  std::vector<V> out;
-  for (int64_t s = 0; s < b; ++s)
-    for (const int64_t p : pos) out.push_back(x[s * t + p]);
-  return out;
-}
-
-// A context rank's micro-batch: its rows of each sample, at their true positions; the samples' keys stay.
-struct ContextRows {
-  std::vector<int32_t> tokens, labels, positions;
-  std::vector<float> mask;
-  ModelBatch batch;
-  ContextRows(const ModelBatch& whole, int C, int rank) {
-    const std::vector<int64_t> pos = ContextParallelPositions(whole.t, C, rank);
-    tokens = Rows(whole.tokens, whole.b, whole.t, pos);
-    labels = Rows(whole.labels, whole.b, whole.t, pos);
-    positions = Rows(whole.position_ids, whole.b, whole.t, pos);
-    mask = Rows(whole.loss_mask, whole.b, whole.t, pos);
-    batch = ModelBatch{whole.b,          whole.t / C, tokens.data(),    labels.data(),
-                       positions.data(), mask.data(), whole.sample_keys};
-  }
-};
-
 // A group of `layout` for world rank r (none for a group of one rank), and its device collectives staged.
-struct StagedGroup {
-  std::unique_ptr<Communicator> host;
-  std::unique_ptr<StagedDeviceCollectives> device;
-};
 void MakeGroup(Communicator* world, const ParallelLayout& layout, ParallelGroup kind, int r, const char* name,
                StagedGroup* out) {
   const std::vector<int> members = layout.Group(kind, r);
   if (members.size() < 2) return;
-  auto g = world->Subgroup(members, name);
-  ASSERT_TRUE(g.ok()) << g.status();
-  out->host = std::move(*g);
-  out->device = std::make_unique<StagedDeviceCollectives>(out->host.get());
+  ASSERT_NO_FATAL_FAILURE(testing::MakeStagedGroup(world, members, name, out));
 }
 
 struct RankGroups {
@@ -157,10 +120,7 @@ SplitRun RunSplit(const GPTConfig& c, const Split& k) {
   auto layout = ParallelLayout::Create(world, k.T, k.P, k.C);
   EXPECT_TRUE(layout.ok()) << layout.status();
   if (!layout.ok()) return {};
-  SplitRun out;
-  out.grads.assign(static_cast<size_t>(ParamLayout::Create(c)->num_params), 0.0f);
-  std::vector<double> losses(static_cast<size_t>(k.C)), tokens(losses.size()), evals(losses.size());
-  std::mutex mu;
+  testing::SplitGather gather(k.C, k.P, ParamLayout::Create(c)->num_params);
   auto body = [&](Communicator* world_comm, int r) {
     const RankCoords at = layout->Coords(r);
     RankGroups g;
@@ -189,26 +149,13 @@ SplitRun RunSplit(const GPTConfig& c, const Split& k) {
     ASSERT_TRUE(m->ReadGrads(grads).ok());
     auto eval = k.P > 1 ? ForwardPipelining(m.get(), g.pipeline.device.get(), mbs[0]) : m->Forward(mbs[0], nullptr);
     ASSERT_TRUE(eval.ok()) << eval.status();
-    std::lock_guard<std::mutex> lock(mu);
-    if (at.context == 0) CopyFromShard(m->layout(), grads, out.grads);
-    if (at.pipeline == k.P - 1 && at.tensor == 0) {
-      losses[static_cast<size_t>(at.context)] = loss->loss_sum;
-      tokens[static_cast<size_t>(at.context)] = loss->tokens;
-      evals[static_cast<size_t>(at.context)] = eval->loss_sum;
-    } else if (at.pipeline != k.P - 1) {
-      EXPECT_EQ(loss->tokens, 0.0) << "rank " << r;  // only the last stage computes the loss
-    }
+    gather.Add(r, at, m->layout(), grads, *loss, *eval);
   };
   if (world == 1)
     body(nullptr, 0);
   else
     testing::RunRanks(world, body);
-  for (int q = 0; q < k.C; ++q) {
-    out.loss += losses[static_cast<size_t>(q)];
-    out.tokens += tokens[static_cast<size_t>(q)];
-    out.eval += evals[static_cast<size_t>(q)];
-  }
-  return out;
+  return gather.Sum();
 }
 
 // got's loss and evaluation sums within loss_tol relative of ref's, its tokens exact, its gradients within grad_tol

@@ -142,6 +142,15 @@ class CudaTrainCli : public ::testing::Test {
     return Lines(r.output);
   }
   static std::string Dir(const std::string& name) { return Quote(*dir_ + "/" + name); }
+  // `cmd` as world ranks 0 and 1 of two on this machine (torchrun's variables, a free port, each under a
+  // 600 s timeout; rank 1's output into Dir(rank1_log)): rank 0's output, then "rc=R0 R1", both exit codes.
+  static CmdRun TwoRanks(const std::string& cmd, const std::string& rank1_log) {
+    const std::string port = std::to_string(testing::FreeTestPort());
+    return Shell("bash -c " +
+                 Quote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+                       "; RANK=1 LOCAL_RANK=1 timeout 600 " + cmd + " > " + Dir(rank1_log) +
+                       " 2>&1 & RANK=0 LOCAL_RANK=0 timeout 600 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+  }
 
   static std::string* dir_;
   static std::string* train_;
@@ -411,15 +420,11 @@ TEST_F(CudaTrainCli, TwoTensorRanksOnTwoGpusFollowOneGpu) {
   const std::vector<Line> one = MustTrain("--device cuda --make-vocab-size-divisible-by 128", 20);
   ASSERT_EQ(one.size(), 20u);
   for (const char* precision : {"", "--bf16 --attention-dropout 0"}) {
-    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd = Train(std::string("--device cuda --tensor-model-parallel-size 2 "
                                               "--make-vocab-size-divisible-by 64 ") +
                                       precision,
                                   20);
-    CmdRun r = Shell("bash -c " +
-                     Quote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                           "; RANK=1 LOCAL_RANK=1 timeout 600 " + cmd + " > " + Dir("tp_rank1.log") +
-                           " 2>&1 & RANK=0 LOCAL_RANK=0 timeout 600 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    CmdRun r = TwoRanks(cmd, "tp_rank1.log");
     ASSERT_NE(r.output.find("rc=0 0"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("> initialized tensor model parallel with size 2"), std::string::npos) << r.output;
     const std::vector<Line> tp = Lines(r.output);
@@ -443,14 +448,10 @@ TEST_F(CudaTrainCli, TwoPipelineStagesOnTwoGpusFollowOneGpu) {
   const std::vector<Line> one = MustTrain("--device cuda --micro-batch-size 1", 20);
   ASSERT_EQ(one.size(), 20u);
   for (const char* precision : {"", "--bf16"}) {
-    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd =
         Train(std::string("--device cuda --micro-batch-size 1 --pipeline-model-parallel-size 2 ") + precision, 20);
     // Rank 0 prints the start-up lines and the last stage's loss lines.
-    CmdRun r = Shell("bash -c " +
-                     Quote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                           "; RANK=1 LOCAL_RANK=1 timeout 600 " + cmd + " > " + Dir("pp_rank1.log") +
-                           " 2>&1 & RANK=0 LOCAL_RANK=0 timeout 600 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    CmdRun r = TwoRanks(cmd, "pp_rank1.log");
     ASSERT_NE(r.output.find("rc=0 0"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("> initialized pipeline model parallel with size 2"), std::string::npos) << r.output;
     const std::vector<Line> pp = Lines(r.output);
@@ -551,15 +552,11 @@ TEST_F(CudaTrainCli, SequenceParallelOnTwoGpusFollowsOneGpu) {
   const std::vector<Line> one = MustTrain("--device cuda --make-vocab-size-divisible-by 128", 20);
   ASSERT_EQ(one.size(), 20u);
   for (const char* precision : {"", "--bf16"}) {
-    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd = Train(std::string("--device cuda --tensor-model-parallel-size 2 --sequence-parallel "
                                               "--make-vocab-size-divisible-by 64 ") +
                                       precision,
                                   20);
-    CmdRun r = Shell("bash -c " +
-                     Quote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                           "; RANK=1 LOCAL_RANK=1 timeout 600 " + cmd + " > " + Dir("sp_rank1.log") +
-                           " 2>&1 & RANK=0 LOCAL_RANK=0 timeout 600 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    CmdRun r = TwoRanks(cmd, "sp_rank1.log");
     ASSERT_NE(r.output.find("rc=0 0"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("> initialized tensor model parallel with size 2"), std::string::npos) << r.output;
     const std::vector<Line> sp = Lines(r.output);
@@ -582,12 +579,8 @@ TEST_F(CudaTrainCli, ContextParallelOnTwoGpusFollowsOneGpu) {
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) GTEST_SKIP() << "needs two GPUs; " << gpus << " visible";
   const std::vector<Line> one = MustTrain("--device cuda", 20);
   for (const auto& [precision, tol] : {std::pair{"", 2e-3}, std::pair{" --bf16", 3e-2}}) {
-    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd = Train(std::string("--device cuda --context-parallel-size 2") + precision, 20);
-    CmdRun r = Shell("bash -c " +
-                     Quote("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                           "; RANK=1 LOCAL_RANK=1 timeout 600 " + cmd + " > " + Dir("cp_rank1.log") +
-                           " 2>&1 & RANK=0 LOCAL_RANK=0 timeout 600 " + cmd + "; rc0=$?; wait $!; echo rc=$rc0 $?"));
+    CmdRun r = TwoRanks(cmd, "cp_rank1.log");
     ASSERT_NE(r.output.find("rc=0 0"), std::string::npos) << r.output;
     const std::vector<Line> cp = Lines(r.output);
     ASSERT_TRUE(one.size() == 20u && cp.size() == 20u) << one.size() << " one-GPU lines; " << r.output;

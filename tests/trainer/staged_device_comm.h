@@ -2,14 +2,19 @@
 // collectives and point-to-point messages, for the gpu tests: NCCL cannot put two ranks on one
 // GPU. Each device call (point-to-point ones too, batched or not) drains `stream`, copies the buffer to the host, runs
 // the host communicator's call and copies the result back before it returns: the CUDA model's code path is the one it
-// takes over NCCL, only the transport differs.
+// takes over NCCL, only the transport differs. StagedGroup: a subgroup of the world ranks and its collectives so
+// staged.
 #pragma once
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -101,5 +106,19 @@ class StagedDeviceCollectives final : public ForwardingCommunicator {
   int device_messages_ = 0;
   std::vector<int64_t> device_all_reduces_;
 };
+
+// A subgroup of the world (`host`) and its device collectives staged through the host (`device`).
+struct StagedGroup {
+  std::unique_ptr<Communicator> host;
+  std::unique_ptr<StagedDeviceCollectives> device;
+};
+// World ranks `members` as the group `name` (every member calls it), into *out.
+inline void MakeStagedGroup(Communicator* world, const std::vector<int>& members, const std::string& name,
+                            StagedGroup* out) {
+  auto g = world->Subgroup(members, name);
+  ASSERT_TRUE(g.ok()) << g.status();
+  out->host = std::move(*g);
+  out->device = std::make_unique<StagedDeviceCollectives>(out->host.get());
+}
 
 }  // namespace ptk::testing

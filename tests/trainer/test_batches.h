@@ -1,6 +1,7 @@
-// Deterministic micro-batches for the model tests (tensor_parallel_test, pipeline_parallel_test):
-// k of them, each of 2 samples of t tokens from a vocabulary of 97, a loss mask with holes, and
-// the samples' dropout keys; and the pipeline tests' overlapped-reduction run (StepOverlapped).
+// Deterministic micro-batches for the model tests (tensor_parallel_test, pipeline_parallel_test,
+// context_parallel_test, context_pipeline_test): k of them, each of 2 samples of t tokens from a
+// vocabulary of 97, a loss mask with holes, and the samples' dropout keys, as model batches or as a
+// loader's micro-batches; and the pipeline tests' overlapped-reduction run (StepOverlapped).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "trainer/cpu/cpu_gpt_model.h"
 #include "trainer/gpt_model.h"
 #include "trainer/train_step.h"
+#include "trainer/training_data.h"
 
 namespace ptk::testing {
 
@@ -39,6 +41,18 @@ struct Batches {
   }
   ModelBatch Get(size_t k) const {
     return ModelBatch{2, t, tokens[k].data(), labels[k].data(), positions[k].data(), mask[k].data(), keys[k].data()};
+  }
+  // Micro-batch k as a loader hands it (a MicroBatch: what KeepContextRows cuts and View reads).
+  MicroBatch Loaded(size_t k) const {
+    MicroBatch mb;
+    mb.micro_batch_size = 2;
+    mb.seq_length = t;
+    mb.indices = keys[k];
+    mb.tokens = tokens[k];
+    mb.labels = labels[k];
+    mb.position_ids = positions[k];
+    mb.loss_mask = mask[k];
+    return mb;
   }
   std::vector<ModelBatch> All() const {
     std::vector<ModelBatch> v;

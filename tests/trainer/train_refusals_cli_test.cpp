@@ -47,6 +47,20 @@ class TrainRefusals : public ::testing::Test {
     return cmd;
   }
   std::string Data() const { return " --data-path " + ShellQuote(prefix_); }
+  // The dataset's `ext` file (".idx", ".bin") with 4 bytes appended trains through its validation, warning
+  // once: "ptk-train: warning: FILE: 4 trailing bytes at offset SIZE" (its size before) followed by `rest`.
+  void TrainsWithOneTrailingBytesWarning(const std::string& ext, const std::string& rest) {
+    const std::string path = prefix_ + ext, before = testing::ReadFile(path);
+    testing::WriteFile(path, before + "junk");
+    auto r = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "cache")));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const std::string warning =
+        "ptk-train: warning: " + path + ": 4 trailing bytes at offset " + std::to_string(before.size()) + rest;
+    const size_t at = r.output.find(warning);
+    EXPECT_NE(at, std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find(warning, at + 1), std::string::npos) << "warned more than once: " << r.output;
+    EXPECT_NE(r.output.find("validation loss at iteration 2"), std::string::npos) << r.output;
+  }
   // The lines of `out` that start with "ptk-train: error:" or "ptk-train: usage error:".
   static std::vector<std::string> Errors(const std::string& out) {
     std::vector<std::string> v;
@@ -326,32 +340,13 @@ TEST_F(TrainRefusals, AValidationPartTooSmallForTheSplitMatrixIsNamed) {
 // An .idx with bytes after its document index trains as Megatron's reader reads it (ptk-train
 // refused it: "file is N bytes but ... need M (truncated or corrupt)"), with one warning naming it.
 TEST_F(TrainRefusals, TrailingIndexBytesAreIgnoredWithAWarning) {
-  const std::string idx = testing::ReadFile(prefix_ + ".idx");
-  testing::WriteFile(prefix_ + ".idx", idx + "junk");
-  auto r = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "cache")));
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  const std::string warning = "ptk-train: warning: " + prefix_ + ".idx: 4 trailing bytes at offset " +
-                              std::to_string(idx.size()) +
-                              ", after the document index, ignored as Megatron's reader ignores them\n";
-  const size_t at = r.output.find(warning);
-  EXPECT_NE(at, std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find(warning, at + 1), std::string::npos) << "warned more than once: " << r.output;
-  EXPECT_NE(r.output.find("validation loss at iteration 2"), std::string::npos) << r.output;
+  TrainsWithOneTrailingBytesWarning(".idx", ", after the document index, ignored as Megatron's reader ignores them\n");
 }
 
 // A .bin with bytes after the sequences its .idx describes trains as Megatron's reader reads it
 // (ptk-train refused it: "the two files are not one dataset's"), with one warning naming both files.
 TEST_F(TrainRefusals, TrailingBinBytesAreIgnoredWithAWarning) {
-  const std::string bin = testing::ReadFile(prefix_ + ".bin");
-  testing::WriteFile(prefix_ + ".bin", bin + "junk");
-  auto r = RunCmd(Train(Data() + " --data-cache-path " + ShellQuote(dir_ / "cache")));
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  const std::string warning = "ptk-train: warning: " + prefix_ + ".bin: 4 trailing bytes at offset " +
-                              std::to_string(bin.size()) + ", after the ";
-  const size_t at = r.output.find(warning);
-  EXPECT_NE(at, std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find(warning, at + 1), std::string::npos) << "warned more than once: " << r.output;
-  EXPECT_NE(r.output.find("validation loss at iteration 2"), std::string::npos) << r.output;
+  TrainsWithOneTrailingBytesWarning(".bin", ", after the ");
 }
 
 // --load of another model's checkpoint names the flags that differ (it printed both models' JSON).

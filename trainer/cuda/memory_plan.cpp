@@ -129,8 +129,6 @@ void AddParameterBuffers(const GPTConfig& cf, int64_t num_params, const PlanOpti
       add(sharded ? "AdamW exp_avg_sq (fp32, this rank's shard)" : "AdamW exp_avg_sq (fp32)", nm * 4, model_lower);
 }
 
-// Tensor parallelism's fp32 sums and loss statistics, sequence parallelism's staging (`nr`: the
-// residual stream's rows on this rank), a pipeline stage's slots and exchange.
 // Context parallelism's buffers (MemoryPlan::cp_*) of qkv-width rows (ct: this rank's attention width).
 void AddContextBuffers(int64_t context, int64_t qw, int64_t ct, const std::string& act_lower, Adder& add) {
   MemoryPlan& m = *add.m;
@@ -144,6 +142,8 @@ void AddContextBuffers(int64_t context, int64_t qw, int64_t ct, const std::strin
   m.cp_dqkv = add("context parallelism: fp32 QKV gradient", m.n * qw * 4, act_lower);
 }
 
+// Tensor parallelism's fp32 sums and loss statistics, sequence parallelism's staging (`nr`: the
+// residual stream's rows on this rank), a pipeline stage's slots and exchange.
 void AddParallelBuffers(const PlanOptions& o, int64_t nr, int64_t c, const std::string& act_lower, Adder& add) {
   MemoryPlan& m = *add.m;
   const int64_t T = m.tensor, n = m.n, a = m.act_bytes;

@@ -147,7 +147,7 @@ struct PlanOptions {
   // (NonTensorParallelGradRanges': sequence parallelism's, or --qk-layernorm's query and key norms).
   int64_t non_tensor_parallel_grads = 0;
   int64_t qk_norm_scratch_doubles = 0;  // QKNormBackwardScratch of this rank's shape (--qk-layernorm)
-  // Context parallelism's ranks (--context-parallel-size; not with sequence_parallel): seq_length is then this
+  // Context parallelism's ranks (--context-parallel-size; with sequence_parallel too): seq_length is then this
   // rank's positions of a sample (MemoryPlan::context).
   int64_t context = 1;
 };
