@@ -675,6 +675,12 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
                                           two + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
   EXPECT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << testing::ReadFile(dir_ / "r1.log");
   EXPECT_NE(r.output.find("data parallel: 2 ranks (torchrun variables)"), std::string::npos) << r.output;
+  // Megatron's line of the sizes (validate_args' print_rank_0), from rank 0 only.
+  const std::string sizes =
+      "using world size: 2, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: "
+      "None, tensor-model-parallel size: 1, pipeline-model-parallel size: 1\n";
+  EXPECT_NE(r.output.find(sizes), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("using world size"), std::string::npos);
   EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("iteration "), std::string::npos) << "rank 1 printed log lines";
   Saved a = Load(dir_ / "one", 8), b = Load(dir_ / "two", 8);
   ASSERT_EQ(a.params.size(), b.params.size());
