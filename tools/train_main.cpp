@@ -265,8 +265,9 @@ ptk::TrainingThreadsChoice TrainingThreads(const ptk::TrainFlags& flags, const p
 
 void PrintDone(const ptk::TrainSummary& s) {
   if (s.nothing_to_train) {
-    ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
-                   s.consumed_train_samples);
+    ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed){}", s.iteration,
+                   s.consumed_train_samples,
+                   s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "");
     return;
   }
   ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,
