@@ -1104,6 +1104,22 @@ TEST_F(TrainCli, FinishedRunResumedGoesToMegatronsEnd) {
         << done.output;
   }
   EXPECT_EQ(Load(dir_ / "ck", 4).state.iteration, 4);
+  // A run by samples: the same end.
+  auto by_samples = [&](const std::string& extra) {
+    std::string cmd = Train(extra, 4);
+    cmd.replace(cmd.find("--train-iters 4"), 15, "--train-samples 16");
+    return cmd.replace(cmd.find("--lr-warmup-iters 1"), 19, "--lr-warmup-samples 4");
+  };
+  ASSERT_EQ(RunCmd(by_samples("--save " + ShellQuote(dir_ / "s"))).exit_code, 0);
+  auto samples = RunCmd(by_samples("--load " + ShellQuote(dir_ / "s")));
+  ASSERT_EQ(samples.exit_code, 0) << samples.output;
+  EXPECT_NE(samples.output.find("is at iteration 4 (16 samples consumed) and --train-samples 16 make 4 iterations; "
+                                "give a larger --train-samples to train further"),
+            std::string::npos)
+      << samples.output;
+  EXPECT_NE(samples.output.find("validation loss at iteration 4 on validation set | lm loss value: "),
+            std::string::npos)
+      << samples.output;
   // Fewer iterations than the checkpoint's: Megatron's check on load stops the run (the decay length and the
   // weight-decay increment's length are --train-iters'), as any resume's.
   auto fewer = RunCmd(Train("--load " + ck, 3));
