@@ -53,5 +53,7 @@ grep -q 'nothing to train: the checkpoint in .* is at iteration 50 (.* samples c
 grep -q 'done: nothing to train' "$WORK/log2" || fail "no 'nothing to train' summary"
 grep -q 'last lm loss 0.000000' "$WORK/log2" && fail "the rerun reports a loss it did not compute"
 grep -A1 'its last sample' "$WORK/log2" | grep -q ' sample at iteration       50' || fail "the rerun shows no sample"
-[ "$(ls "$WORK"/out/train/tensorboard/events.out.tfevents.* | wc -l)" = 2 ] || fail "a rerun that trains nothing wrote events"
+# As Megatron's, the rerun evaluates at the end (iteration 50 on the validation set) and writes its scalars.
+grep -q 'validation loss at iteration 50 on validation set' "$WORK/log2" || fail "the rerun did not evaluate at the end"
+[ "$(ls "$WORK"/out/train/tensorboard/events.out.tfevents.* | wc -l)" = 3 ] || fail "the rerun wrote no events"
 echo "main job: OK"

@@ -239,12 +239,14 @@ absl::Status MakeGroups(const ptk::DistributedOptions& d, const ptk::ParallelLay
   return absl::OkStatus();
 }
 
-// Megatron's start-up lines and ptk's notes, from rank 0.
+// Megatron's start-up lines and ptk's notes, from rank 0. ptk's line of the parallel sizes orders them as
+// Megatron's ranks are (tp-cp-ep-dp-pp: tensor, context, data, pipeline).
 void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, const ptk::ParallelLayout& layout,
                 const ptk::TrainingRanks& ranks, const ptk::Communicator& world,
                 const std::vector<std::string>& notes) {
   if (ranks.rank != 0) return;
   const int tp = layout.tensor_size(), pp = layout.pipeline_size();
+  std::printf("%s\n", ptk::WorldSizeLine(layout).c_str());
   std::printf("%s\n", ptk::PaddedVocabLine(options.model.vocab_size, options.model.padded_vocab_size).c_str());
   if (tp > 1 || pp > 1)
     std::printf(
@@ -253,16 +255,17 @@ void PrintStart(const ptk::TrainOptions& options, const ptk::TrainPlan& plan, co
         tp, pp);
   std::fflush(stdout);
   if (world.size() > 1)
-    ptk::log::Info("{}{}{}data parallel: {} ranks ({}), {}, rendezvous at {}:{}",
+    ptk::log::Info("{}{}data parallel: {} ranks{} ({}), {}, rendezvous at {}:{}",
                    tp > 1 ? fmt::format("tensor parallel: {} ranks x ", tp) : "",
                    layout.context_size() > 1 ? fmt::format("context parallel: {} ranks x ", layout.context_size()) : "",
-                   pp > 1 ? fmt::format("pipeline parallel: {} stages{} x ", pp,
+                   layout.data_size(),
+                   pp > 1 ? fmt::format(" x pipeline parallel: {} stages{}", pp,
                                         options.pipeline_virtual_size > 1
                                             ? fmt::format(" of {} model chunks (the interleaved schedule)",
                                                           options.pipeline_virtual_size)
                                             : "")
                           : "",
-                   layout.data_size(), ranks.source, world.backend(), ranks.master_addr, ranks.master_port);
+                   ranks.source, world.backend(), ranks.master_addr, ranks.master_port);
   for (const std::string& n : notes) ptk::log::Info("note: {}", n);
   for (const std::string& w : plan.warnings) ptk::log::Warning("{}", w);
 }
@@ -280,8 +283,9 @@ ptk::TrainingThreadsChoice TrainingThreads(const ptk::TrainFlags& flags, const p
 
 void PrintDone(const ptk::TrainSummary& s) {
   if (s.nothing_to_train) {
-    ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed)", s.iteration,
-                   s.consumed_train_samples);
+    ptk::log::Info("done: nothing to train; the run is complete at iteration {} ({} samples consumed){}", s.iteration,
+                   s.consumed_train_samples,
+                   s.last_validation_loss ? fmt::format(", validation loss {:.6f}", *s.last_validation_loss) : "");
     return;
   }
   ptk::log::Info("done: iteration {}, {} samples consumed, last lm loss {:.6f}{}{}", s.iteration,

@@ -180,4 +180,11 @@ std::string PaddedVocabLine(int64_t vocab_size, int64_t padded_vocab_size) {
                      padded_vocab_size - vocab_size, padded_vocab_size);
 }
 
+std::string WorldSizeLine(const ParallelLayout& layout) {
+  return fmt::format(
+      "using world size: {}, data-parallel size: {}, context-parallel size: {}, hierarchical context-parallel sizes: "
+      "None, tensor-model-parallel size: {}, pipeline-model-parallel size: {}",
+      layout.world_size(), layout.data_size(), layout.context_size(), layout.tensor_size(), layout.pipeline_size());
+}
+
 }  // namespace ptk

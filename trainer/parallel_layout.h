@@ -74,5 +74,9 @@ std::vector<int64_t> ContextParallelPositionTable(int64_t seq_length, int contex
 absl::StatusOr<int64_t> TensorParallelVocabSize(int64_t vocab_size, int64_t make_vocab_size_divisible_by, int tensor);
 // " > padded vocab (size: 50257) with 943 dummy tokens (new size: 51200)", as Megatron prints it.
 std::string PaddedVocabLine(int64_t vocab_size, int64_t padded_vocab_size);
+// Megatron-LM 0.16.1's start-up line of the sizes (validate_args, rank 0): "using world size: 8, data-parallel
+// size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2,
+// pipeline-model-parallel size: 2" (ptk has no hierarchical context parallelism: None).
+std::string WorldSizeLine(const ParallelLayout& layout);
 
 }  // namespace ptk

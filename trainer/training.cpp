@@ -70,7 +70,6 @@ class Trainer {
     start_up.Enter("loading the checkpoint");
     PTK_RETURN_IF_ERROR(Resume());
     if (lead_ && summary_.resumed) log::Info("start-up: checkpoint loaded ({:.1f} s)", Seconds(t0));
-    if (state_.iteration >= plan_.train_iters) return NothingToTrain();
     t0 = Clock::now();
     if (lead_)
       log::Info("start-up: building the datasets and their indices{} ...",
@@ -88,6 +87,7 @@ class Trainer {
     wall_before_ = state_.wall_seconds;
     Print(fmt::format("[after dataloaders are built] datetime: {} ", Timestamp()));
     Print("training ...");
+    if (state_.iteration >= plan_.train_iters) return NothingToTrain();
     const int64_t first = state_.iteration + 1;
     if (lead_) log::Info("start-up: iteration {} running (its log line comes after it) ...", first);
     while (state_.iteration < plan_.train_iters) {
@@ -237,10 +237,10 @@ class Trainer {
       step_state.adam_step = loaded.adam_step;
       step_state.loss_scale = loaded.loss_scale;
     }
-    // Megatron's OptimizerParamScheduler.load_state_dict; a finished run needs no schedule. Megatron loads it with
-    // the optimizer: under --no-load-optim it starts anew (num_steps 0, the warm-up again), this command line's.
+    // Megatron's OptimizerParamScheduler.load_state_dict, its checks even where no iteration is left to train.
+    // Megatron loads it with the optimizer: under --no-load-optim it starts anew (num_steps 0, the warm-up again).
     step_state.scheduler_num_steps = o_.no_load_optim ? 0 : loaded.scheduler_num_steps;
-    if (!o_.no_load_optim && loaded.iteration < plan_.train_iters) {
+    if (!o_.no_load_optim) {
       PTK_ASSIGN_OR_RETURN(step_state.schedule,
                            ResumedSchedule(loaded, plan_.schedule, o_.scheduler_on_load,
                                            o_.train_iters > 0 ? plan_.global_batch_size : 0, lead_));
@@ -255,16 +255,14 @@ class Trainer {
     return absl::OkStatus();
   }
 
-  // --load was at the last iteration already: said so, no iteration runs.
-  TrainSummary NothingToTrain() {
+  // --load at or past the last iteration: Megatron's train() runs no iteration and pretrain goes on to its end (a
+  // save unless --save-interval divides the iteration, as after a loop that saved it; the final evaluations).
+  absl::StatusOr<TrainSummary> NothingToTrain() {
     if (lead_)
       log::Info("{}", NothingToTrainLine(o_, state_.iteration, state_.consumed_train_samples, plan_.train_iters));
-    summary_.iteration = state_.iteration;
-    summary_.consumed_train_samples = state_.consumed_train_samples;
-    summary_.exit_reason = "nothing to train";
     summary_.nothing_to_train = true;
-    save_dir_.Keep();
-    return summary_;
+    if (o_.save_interval > 0 && state_.iteration % o_.save_interval == 0) last_saved_ = state_.iteration;
+    return Finish();
   }
 
   // The splits and their loaders (from the data position reached), --metrics-file, --tensorboard-dir.

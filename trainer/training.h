@@ -24,7 +24,7 @@ struct TrainSummary {
   std::optional<double> last_validation_loss, test_loss;
   int64_t skipped_iterations = 0;
   std::string exit_reason;        // "" when train_iters was reached
-  bool nothing_to_train = false;  // --load was at --train-iters already: no iteration ran
+  bool nothing_to_train = false;  // --load was at --train-iters already: no iteration ran (the evaluations did)
   bool resumed = false;
 };
 

@@ -177,18 +177,23 @@ absl::Status CheckSamplesLast(const TrainOptions& o, const TrainPlan& plan, cons
         o.load, it, state.consumed_train_samples, last, consumed - state.consumed_train_samples, splits.train->size(),
         runs_out));
   if (!splits.valid || o.eval_iters <= 0 || o.eval_interval <= 0) return absl::OkStatus();
-  const int64_t evaluations = last / o.eval_interval - it / o.eval_interval + (final_evaluation ? 1 : 0);
+  // The evaluations every --eval-interval from here to `last` (none at or past it), and the final one.
+  const int64_t evaluations =
+      std::max<int64_t>(0, last / o.eval_interval - it / o.eval_interval) + (final_evaluation ? 1 : 0);
   const int64_t need = evaluations * o.eval_iters * plan.global_batch_size;
   if (state.consumed_valid_samples + need <= splits.valid->size()) return absl::OkStatus();
+  const bool past = it >= last;  // resumed at or past its last iteration: only the evaluation at the end
+  const std::string span = past ? "the one at the end: no iteration is left to train"
+                                : fmt::format("--eval-interval {} up to iteration {}{}", o.eval_interval, last,
+                                              final_evaluation ? " and the one at the end" : "");
   return UsageError(fmt::format(
       "--load {}: the checkpoint of iteration {} has consumed {} validation samples, and this run's {} evaluation(s) "
-      "(--eval-interval {} up to iteration {}{}, --eval-iters {} of {} samples) need {} more, but the validation "
-      "split holds {} (it is sized from this command line's --train-iters, --eval-interval and --eval-iters): "
-      "Megatron's sampler stops there too. Give the saved run's --eval-interval (or a larger --eval-iters), or "
-      "--eval-iters 0",
-      o.load, it, state.consumed_valid_samples, evaluations, o.eval_interval, last,
-      final_evaluation ? " and the one at the end" : "", o.eval_iters, plan.global_batch_size, need,
-      splits.valid->size()));
+      "({}, --eval-iters {} of {} samples) need {} more, but the validation split holds {} (it is sized from this "
+      "command line's --train-iters, --eval-interval and --eval-iters): Megatron's sampler stops there too. {}",
+      o.load, it, state.consumed_valid_samples, evaluations, span, o.eval_iters, plan.global_batch_size, need,
+      splits.valid->size(),
+      past ? "Give the saved run's --train-iters or --train-samples, or --eval-iters 0"
+           : "Give the saved run's --eval-interval (or a larger --eval-iters), or --eval-iters 0"));
 }
 
 absl::Status CheckLoadIsACheckpointDirectory(const std::string& load) {

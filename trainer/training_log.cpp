@@ -273,7 +273,7 @@ absl::Status OpenRunOutputs(const std::string& tensorboard_dir, const std::strin
 std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters) {
   return fmt::format(
       "nothing to train: the checkpoint in {} is at iteration {} ({} samples consumed) and {}; give a larger {} to "
-      "train further",
+      "train further. As Megatron's, the run goes on to its end all the same: a save and the final evaluations",
       o.load, iteration, consumed,
       o.train_iters > 0 ? fmt::format("--train-iters is {}", o.train_iters)
                         : fmt::format("--train-samples {} make {} iterations", o.train_samples, train_iters),

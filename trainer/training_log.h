@@ -115,7 +115,7 @@ std::string Timestamp();
 
 struct TrainOptions;  // train_options.h
 // The line of a --load whose checkpoint (of `iteration`, `consumed` samples) is at the run's last
-// iteration (`train_iters`, as planned) already: nothing to train, and which flag to raise.
+// iteration (`train_iters`, as planned) already: nothing to train, which flag to raise, and what runs all the same.
 std::string NothingToTrainLine(const TrainOptions& o, int64_t iteration, int64_t consumed, int64_t train_iters);
 
 // Megatron's training_log accumulators between two log lines: the iterations that advanced, were

@@ -74,6 +74,21 @@ absl::Status CheckTokenizeOptions(const TokenizeOptions& opt) {
   return absl::OkStatus();
 }
 
+// The outputs of this run already there (a .bin, .idx or .ptk-done sidecar of any key): what --force
+// writes again. A first run has none.
+std::vector<std::string> OutputsThere(const TokenizeOptions& opt) {
+  std::vector<std::string> there;
+  for (const std::string& key : opt.json_keys) {
+    const std::string prefix = OutputPrefixFor(opt.output_prefix, key);
+    for (const char* ext : {".bin", ".idx", ".ptk-done"})
+      if (PathExists(prefix + ext)) {
+        there.push_back(prefix);
+        break;
+      }
+  }
+  return there;
+}
+
 // A rerun with the inputs and settings every output's sidecar records: the outputs' stats, as
 // nothing is to be done; nullopt when one of them is to be written again.
 std::optional<TokenizeStats> UpToDateOutputs(const TokenizeOptions& opt, const Gpt2Tokenizer& tok) {
@@ -206,8 +221,10 @@ absl::StatusOr<TokenizeStats> RunTokenize(const TokenizeOptions& opt, const Gpt2
   PTK_RETURN_IF_ERROR(CheckTokenizeOptions(opt));
   if (!opt.force) {
     if (std::optional<TokenizeStats> done = UpToDateOutputs(opt, tok)) return *done;
-  } else {
-    log::Info("--force: tokenizing again, whatever the outputs' .ptk-done sidecars record");
+  } else if (const std::vector<std::string> there = OutputsThere(opt); !there.empty()) {
+    std::string names;  // said only where there is something to redo: a first run with --force has nothing
+    for (const std::string& p : there) names += (names.empty() ? "" : ", ") + p;
+    log::Info("--force: tokenizing again ({}), whatever the outputs' .ptk-done sidecars record", names);
   }
   const auto t_start = std::chrono::steady_clock::now();
   const int workers = std::max(1, opt.workers);

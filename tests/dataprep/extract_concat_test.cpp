@@ -85,6 +85,20 @@ TEST(Extract, ADirectoryWithNothingToExtractIsNamed) {
   }
 }
 
+// No input at all is a usage error in the form docs/ptk-extract.md uses (a positional input): it said
+// "--input is required".
+TEST(Extract, NoInputSaysWhatToGiveInTheDocsForm) {
+  for (const char* extra : {"", " --output-dir out --jobs 2"}) {
+    auto r = RunCmd(testing::Tool("ptk-extract") + extra);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("usage error: no input given: name the files, globs or directories to extract "
+                            "(ptk-extract raw --output-dir extracted)"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("--input is required"), std::string::npos) << r.output;
+  }
+}
+
 TEST(Extract, DamagedInputsFailAloneWithOffsetAndNoOutput) {
   TempDir dir;
   std::filesystem::create_directories(dir / "in");

@@ -596,6 +596,27 @@ TEST(TokenizeErrors, RerunWithTheSameInputsAndSettingsIsSkipped) {
   }
 }
 
+// --force says it tokenizes again only where an output is there to redo: a first run with --force said
+// "--force: tokenizing again" with nothing there. One output of two there (a key added): that one named.
+TEST(TokenizeErrors, ForceSaysTokenizingAgainOnlyWhenThereIsSomethingToRedo) {
+  TempDir dir;
+  testing::WriteFile(dir / "a.jsonl", "{\"text\": \"Hello world\", \"title\": \"A\"}\n");
+  const std::string out = dir / "out";
+  auto run = [&](const std::string& keys) {
+    return RunCmd(Tok(fmt::format("--input {} --output-prefix {} --json-keys {} --force", dir / "a.jsonl", out, keys)));
+  };
+  auto first = run("text");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_EQ(first.output.find("tokenizing again"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("wrote " + out + "_text_document"), std::string::npos) << first.output;
+  auto second = run("text title");
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("--force: tokenizing again (" + out +
+                               "_text_document), whatever the outputs' .ptk-done sidecars record"),
+            std::string::npos)
+      << second.output;
+}
+
 // --max-bad-fraction does not change the bytes: a rerun with only another one, which the output
 // meets, is up to date (it tokenized everything again); one the output does not meet tokenizes
 // again and fails as a first run would, leaving the output as it was.

@@ -22,7 +22,9 @@ reduces it to its data): before each iteration update_num_microbatches; the sche
 the iteration's global batch (train_step, an update that succeeded); training_log with
 is_first_iteration on the first; every --eval-interval iterations evaluate_and_print_results
 ('iteration N'); after the last, print_datetime('after training is done') and the validation and
-test evaluations with pretrain's prefixes (verbose). The model is replaced by fixed losses: the
+test evaluations with pretrain's prefixes (verbose). A case with 'resumed_at' starts where
+load_checkpoint leaves a run (args.iteration, consumed samples): at or past --train-iters, the loop runs
+no iteration and only pretrain's end prints. The model is replaced by fixed losses: the
 values that depend on the model (lm loss, grad norm, validation loss and PPL) and on the clock
 (timestamps, times, throughput) are masked (MASKS, the test's too); everything else is compared
 character for character: which lines come, the iterations, consumed samples, learning rates,
@@ -82,6 +84,10 @@ CASES = {
                                weight_decay=0.01, log_interval=3, eval_interval=5, eval_iters=1, valid=True,
                                test=False, log_throughput=True),
 }
+# azure_gpt3's run resumed (--load) from its checkpoint of its last iteration: train() runs no iteration
+# (its loop is `while iteration < args.train_iters`) and pretrain goes on to its end, the evaluations on the
+# validation and test sets included. The test runs azure_gpt3 with --save first.
+CASES["azure_gpt3_finished"] = dict(CASES["azure_gpt3"], resumed_at=12)
 
 # Lines of the run's standard output compared (others, start-up notes, are not).
 KEEP = re.compile(r"^( \[.*\] iteration |\[.*\] datetime: |training \.\.\.$| validation|-+$|Evaluating |"
@@ -160,6 +166,9 @@ def make_args(c):
              decoder_seq_length=None, empty_unused_memory_level=0, full_validation=False, multiple_validation_sets=False,
              sft=False, vision_pretraining=False, exit_duration_in_mins=None, cuda_graph_impl="none",
              cuda_graph_scope=[], do_valid=c["valid"], do_test=c["test"])
+    if c.get("resumed_at"):  # load_checkpoint's iteration and data position (a fixed global batch)
+        a.iteration = c["resumed_at"]
+        a.consumed_train_samples = a.iteration * c["gbs"]
     return a
 
 
@@ -181,7 +190,7 @@ class Run:
         print("training ...")
         timers = ns["get_timers"]()
         timers("interval-time", log_level=0).start(barrier=True)
-        total_loss_dict, iteration, first = {}, 0, True
+        total_loss_dict, iteration, first = {}, a.iteration, True
         while iteration < a.train_iters:
             self.nmc.update_num_microbatches(a.consumed_train_samples, consistency_check=True)
             gbs = self.nmc.get_current_global_batch_size()

@@ -134,7 +134,11 @@ TEST_F(ContextParallelCli, ContextTimesDataTensorOrPipelineRanksAndTheLlamaLineG
                                           kLossTolerance, "C=2 x T=2 --sequence-parallel", &out));
   ASSERT_NO_FATAL_FAILURE(
       RunGivingLosses(4, Train(2, "--pipeline-model-parallel-size 2", 6), ref, 6, kLossTolerance, "C=2 x P=2", &out));
-  EXPECT_NE(out.find("context parallel: 2 ranks x pipeline parallel: 2 stages x data parallel: 1 ranks"),
+  EXPECT_NE(out.find("context parallel: 2 ranks x data parallel: 1 ranks x pipeline parallel: 2 stages"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("using world size: 4, data-parallel size: 1, context-parallel size: 2, hierarchical "
+                     "context-parallel sizes: None, tensor-model-parallel size: 1, pipeline-model-parallel size: 2\n"),
             std::string::npos)
       << out;
   // Megatron's interleaved schedule: 4 layers in 2 chunks on each of 2 stages.

@@ -227,5 +227,19 @@ TEST(TensorParallelVocabSize, PadsToTheDivisorTimesTensorSizeAsMegatron) {
   EXPECT_EQ(PaddedVocabLine(50257, 51200), " > padded vocab (size: 50257) with 943 dummy tokens (new size: 51200)");
 }
 
+// Megatron-LM 0.16.1's line of the sizes (megatron/training/arguments.py validate_args), to the byte; ptk printed
+// only its own line, which ordered them tensor x context x pipeline x data.
+TEST(WorldSizeLine, IsMegatronsStartUpLine) {
+  EXPECT_EQ(WorldSizeLine(*ParallelLayout::Create(16, 2, 2, 2)),
+            "using world size: 16, data-parallel size: 2, context-parallel size: 2, hierarchical context-parallel "
+            "sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2");
+  EXPECT_EQ(WorldSizeLine(*ParallelLayout::Create(1, 1, 1)),
+            "using world size: 1, data-parallel size: 1, context-parallel size: 1, hierarchical context-parallel "
+            "sizes: None, tensor-model-parallel size: 1, pipeline-model-parallel size: 1");
+  EXPECT_EQ(WorldSizeLine(*ParallelLayout::Create(24, 4, 3)),
+            "using world size: 24, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel "
+            "sizes: None, tensor-model-parallel size: 4, pipeline-model-parallel size: 3");
+}
+
 }  // namespace
 }  // namespace ptk

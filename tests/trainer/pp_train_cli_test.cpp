@@ -138,7 +138,12 @@ TEST_F(PipelineParallelCli, TensorPipelineAndDataRanksGiveOneRanksLosses) {
   std::string out;
   ASSERT_NO_FATAL_FAILURE(
       RunGivingLosses(8, Train(2, 2, "--use-distributed-optimizer"), one, 20, 1e-5, "T=2 x P=2 x D=2, ZeRO-1", &out));
-  EXPECT_NE(out.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages x data parallel: 2 ranks"),
+  // ptk's line in Megatron's rank order (tensor, context, data, pipeline), and Megatron's own line.
+  EXPECT_NE(out.find("tensor parallel: 2 ranks x data parallel: 2 ranks x pipeline parallel: 2 stages"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical "
+                     "context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2\n"),
             std::string::npos)
       << out;
 }
@@ -151,7 +156,9 @@ TEST_F(PipelineParallelCli, SequenceParallelStagesGiveOneRanksLosses) {
   std::string out;
   ASSERT_NO_FATAL_FAILURE(
       RunGivingLosses(4, Train(2, 2, "--sequence-parallel"), one, 20, 1e-5, "T=2 x P=2 --sequence-parallel", &out));
-  EXPECT_NE(out.find("tensor parallel: 2 ranks x pipeline parallel: 2 stages"), std::string::npos) << out;
+  EXPECT_NE(out.find("tensor parallel: 2 ranks x data parallel: 1 ranks x pipeline parallel: 2 stages"),
+            std::string::npos)
+      << out;
 }
 
 // Megatron's --squared-relu, --apply-layernorm-1p and --init-method-xavier-uniform across stages and

@@ -675,6 +675,12 @@ TEST_F(TrainCli, TwoRanksEqualOneRank) {
                                           two + "; rc=$?; wait $!; echo rc0=$rc rc1=$?"));
   EXPECT_NE(r.output.find("rc0=0 rc1=0"), std::string::npos) << r.output << testing::ReadFile(dir_ / "r1.log");
   EXPECT_NE(r.output.find("data parallel: 2 ranks (torchrun variables)"), std::string::npos) << r.output;
+  // Megatron's line of the sizes (validate_args' print_rank_0), from rank 0 only.
+  const std::string sizes =
+      "using world size: 2, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: "
+      "None, tensor-model-parallel size: 1, pipeline-model-parallel size: 1\n";
+  EXPECT_NE(r.output.find(sizes), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("using world size"), std::string::npos);
   EXPECT_EQ(testing::ReadFile(dir_ / "r1.log").find("iteration "), std::string::npos) << "rank 1 printed log lines";
   Saved a = Load(dir_ / "one", 8), b = Load(dir_ / "two", 8);
   ASSERT_EQ(a.params.size(), b.params.size());
@@ -1021,7 +1027,7 @@ TEST_F(TrainCli, NoLoadOptimStartsTheScheduleAnewAsMegatron) {
 // A resume whose schedule differs from the checkpoint's stops, as Megatron's
 // does, unless --use-checkpoint-opt_param-scheduler (the checkpoint's schedule goes on: past its
 // decay, the minimum rate) or --override-opt_param-scheduler (the command line's: the rates of an
-// uninterrupted run with these flags). A finished run finds nothing to train and says so.
+// uninterrupted run with these flags). A finished run resumed: FinishedRunResumedGoesToMegatronsEnd.
 TEST_F(TrainCli, ResumeKeepsOrReplacesTheScheduleAsMegatron) {
   const std::string ck = ShellQuote(dir_ / "ck");
   ASSERT_EQ(RunCmd(Train("--save " + ck, 4)).exit_code, 0);
@@ -1065,21 +1071,79 @@ TEST_F(TrainCli, ResumeKeepsOrReplacesTheScheduleAsMegatron) {
 
   auto both = RunCmd(Train("--load " + ck + " --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler", 8));
   EXPECT_EQ(both.exit_code, 2) << both.output;
+}
 
-  // Point 3: a finished run (another --train-iters no larger, so its schedule does not matter).
-  for (int iters : {4, 3}) {
-    auto done = RunCmd(Train("--load " + ck, iters));
-    EXPECT_EQ(done.exit_code, 0) << done.output;
+// A run resumed at or past its last iteration does what Megatron-LM 0.16.1 does (pretrain / train): the checkpoint's
+// schedule is checked on load (OptimizerParamScheduler.load_state_dict), train() runs no iteration, and pretrain
+// goes on to its end: a save unless --save-interval divides the iteration, the evaluations on the validation (and
+// test) split. ptk said "nothing to train" and exited 0 before the check, with no evaluation and no save.
+TEST_F(TrainCli, FinishedRunResumedGoesToMegatronsEnd) {
+  const std::string ck = ShellQuote(dir_ / "ck");
+  ASSERT_EQ(RunCmd(Train("--save " + ck, 4)).exit_code, 0);
+  const std::string saved = "successfully saved checkpoint from iteration       4";
+  for (const char* save_interval : {"", " --save-interval 2", " --save-interval 3"}) {
+    SCOPED_TRACE(save_interval);
+    auto done = RunCmd(Train("--load " + ck + " --save " + ck + save_interval, 4));
+    ASSERT_EQ(done.exit_code, 0) << done.output;
     EXPECT_NE(done.output.find("nothing to train: the checkpoint in " + dir_ / "ck" +
-                               " is at iteration 4 (16 samples consumed) and --train-iters is " +
-                               std::to_string(iters) + "; give a larger --train-iters to train further"),
+                               " is at iteration 4 (16 samples consumed) and --train-iters is 4; give a larger "
+                               "--train-iters to train further"),
               std::string::npos)
         << done.output;
-    EXPECT_NE(done.output.find("done: nothing to train; the run is complete at iteration 4 (16 samples consumed)"),
+    EXPECT_EQ(done.output.find("iteration        5/"), std::string::npos) << done.output;
+    EXPECT_NE(done.output.find("training ...\n"), std::string::npos) << done.output;
+    EXPECT_NE(done.output.find("[after training is done] datetime: "), std::string::npos) << done.output;
+    EXPECT_NE(done.output.find("validation loss at iteration 4 on validation set | lm loss value: "), std::string::npos)
+        << done.output;
+    EXPECT_NE(done.output.find("done: nothing to train; the run is complete at iteration 4 (16 samples consumed), "
+                               "validation loss "),
               std::string::npos)
         << done.output;
-    EXPECT_EQ(done.output.find("lm loss"), std::string::npos) << done.output;
+    // Megatron's `iteration % args.save_interval != 0` (ptk's --save without --save-interval saves at the end).
+    EXPECT_EQ(done.output.find(saved) != std::string::npos, std::string(save_interval) != " --save-interval 2")
+        << done.output;
   }
+  EXPECT_EQ(Load(dir_ / "ck", 4).state.iteration, 4);
+  // A run by samples: the same end.
+  auto by_samples = [&](const std::string& extra) {
+    std::string cmd = Train(extra, 4);
+    cmd.replace(cmd.find("--train-iters 4"), 15, "--train-samples 16");
+    return cmd.replace(cmd.find("--lr-warmup-iters 1"), 19, "--lr-warmup-samples 4");
+  };
+  ASSERT_EQ(RunCmd(by_samples("--save " + ShellQuote(dir_ / "s"))).exit_code, 0);
+  auto samples = RunCmd(by_samples("--load " + ShellQuote(dir_ / "s")));
+  ASSERT_EQ(samples.exit_code, 0) << samples.output;
+  EXPECT_NE(samples.output.find("is at iteration 4 (16 samples consumed) and --train-samples 16 make 4 iterations; "
+                                "give a larger --train-samples to train further"),
+            std::string::npos)
+      << samples.output;
+  EXPECT_NE(samples.output.find("validation loss at iteration 4 on validation set | lm loss value: "),
+            std::string::npos)
+      << samples.output;
+  // Fewer iterations than the checkpoint's: Megatron's check on load stops the run (the decay length and the
+  // weight-decay increment's length are --train-iters'), as any resume's.
+  auto fewer = RunCmd(Train("--load " + ck, 3));
+  EXPECT_EQ(fewer.exit_code, 2) << fewer.output;
+  EXPECT_NE(fewer.output.find("the learning-rate schedule differs from the one the checkpoint of iteration 4 was saved "
+                              "with: decay length (--lr-decay-iters or --lr-decay-samples, by default --train-iters or "
+                              "--train-samples): 3 iterations (12 samples) here, 4 iterations (16 samples) in the "
+                              "checkpoint"),
+            std::string::npos)
+      << fewer.output;
+  EXPECT_EQ(fewer.output.find("validation loss"), std::string::npos) << fewer.output;
+  // With the checkpoint's schedule it runs, but the validation split is this command line's: a blend sized for
+  // --train-iters 4 holds 8 samples, which the checkpoint of iteration 8 consumed; the evaluation at the end needs 4
+  // more, where Megatron's sampler stops (counted as -1 + 1 evaluations, it would have passed the check).
+  const std::string blend = " --data-path 1 " + ShellQuote(prefix_) + " 1 " + ShellQuote(prefix_);
+  ASSERT_EQ(RunCmd(Train("--save " + ShellQuote(dir_ / "b8") + blend, 8)).exit_code, 0);
+  auto past = RunCmd(Train("--load " + ShellQuote(dir_ / "b8") + " --use-checkpoint-opt_param-scheduler" + blend, 4));
+  EXPECT_EQ(past.exit_code, 2) << past.output;
+  EXPECT_NE(past.output.find("usage error: --load " + dir_ / "b8" +
+                             ": the checkpoint of iteration 8 has consumed 8 validation samples, and this run's 1 "
+                             "evaluation(s) (the one at the end: no iteration is left to train, --eval-iters 1 of 4 "
+                             "samples) need 4 more, but the validation split holds 8"),
+            std::string::npos)
+      << past.output;
 }
 
 // --qk-layernorm --device cuda is taken (it was refused while the CUDA model had no query and key

@@ -5,9 +5,10 @@
 // --eval-interval and at the end on the validation and test sets with their 'Evaluating' lines and
 // 'evaluate' timer), and in them the iterations, consumed samples, learning rates, batch sizes, loss
 // scale and counts, character for character; what depends on the model or the clock is masked alike.
-// Beside them, from the same golden: training_log alone over iterations an fp16 loss scaler skips
-// (TrainingLogUnit.Fp16OverflowLinesAreMegatrons) and the learning-rate and weight-decay schedules of
-// six flag sets, iteration by iteration (TrainingLogUnit.SchedulesAreMegatrons).
+// The same for a run resumed at its last iteration (pretrain's end only). Beside them, from the same golden:
+// training_log alone over iterations an fp16 loss scaler skips (TrainingLogUnit.Fp16OverflowLinesAreMegatrons) and the
+// learning-rate and weight-decay schedules of six flag sets, iteration by iteration
+// (TrainingLogUnit.SchedulesAreMegatrons).
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -120,6 +121,22 @@ class TrainingLogGolden : public ::testing::Test {
 TEST_F(TrainingLogGolden, AzureTutorialRunPrintsMegatronsLines) {
   const std::string p = "1.0 " + ShellQuote(prefix_);
   ExpectMegatronsLines("azure_gpt3", "--train-data-path " + p + " --valid-data-path " + p + " --test-data-path " + p);
+}
+
+// azure_gpt3's run resumed from its checkpoint of its last iteration: as Megatron's, no iteration and pretrain's
+// end (the validation and test evaluations, 'iteration 12 on validation set'). ptk printed none of these lines.
+TEST_F(TrainingLogGolden, AFinishedRunResumedPrintsMegatronsEnd) {
+  const std::string p = "1.0 " + ShellQuote(prefix_), ck = ShellQuote(dir_ / "ck");
+  const std::string data = "--train-data-path " + p + " --valid-data-path " + p + " --test-data-path " + p;
+  const std::map<std::string, GoldenCase> golden = ReadGolden();
+  ASSERT_EQ(golden.count("azure_gpt3_finished"), 1u);
+  const auto first = RunCmd(testing::Tool("ptk-train") +
+                            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+                            " --max-position-embeddings 32 --threads 2 " +
+                            testing::SmallVocabFlags() + " --data-cache-path " + ShellQuote(dir_ / "cache") + " " +
+                            golden.at("azure_gpt3_finished").flags + " " + data + " --save " + ck + " 2>&1");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ExpectMegatronsLines("azure_gpt3_finished", data + " --load " + ck + " --save " + ck + " --save-interval 4");
 }
 
 // --train-samples with a batch-size ramp, WSD in samples, --log-throughput; no test split.

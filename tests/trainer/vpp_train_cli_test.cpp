@@ -42,7 +42,8 @@ TEST_F(InterleavedCli, TwoChunksGiveOneRanksAndTheOneChunkRunsLosses) {
   // Each chunk's backwards in micro-batch order: the 1F1B run's printed losses.
   EXPECT_EQ(Losses(out), Losses(plain));
   EXPECT_NE(out.find("validation loss at iteration 20 | lm loss value: "), std::string::npos) << out;
-  EXPECT_NE(out.find("pipeline parallel: 2 stages of 2 model chunks (the interleaved schedule) x data parallel"),
+  EXPECT_NE(out.find("data parallel: 1 ranks x pipeline parallel: 2 stages of 2 model chunks (the interleaved "
+                     "schedule) ("),
             std::string::npos)
       << out;
   // --num-virtual-stages-per-pipeline-rank says the same.
