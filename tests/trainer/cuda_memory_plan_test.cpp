@@ -107,6 +107,55 @@ TEST(CudaMemoryPlan, ContextRanksPlanTheirRowsAndTheGroupsBuffers) {
   EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
 }
 
+// Context parallelism's cuDNN pairs (bf16/fp16 without attention dropout or query groups: PlanOptions::context_flash)
+// keep every layer's merged log-sum-exps (2, b, heads, t/2) instead of the probabilities (with recompute too: the
+// output and log-sum-exps are kept, nothing recomputed), the group's rows in bf16, the fp32 output, QKV gradient and
+// key/value shares, and one pair's bf16 partials; no rows-attention scratch. fp32 ignores the flag; query groups
+// are refused.
+TEST(CudaMemoryPlan, ContextFlashPairsKeepLogSumExpsNotProbabilities) {
+  GPTConfig c = Gpt2Small();
+  PlanOptions o;
+  o.micro_batch_size = 2;
+  o.seq_length = 256;  // a rank's 1024 / 4 positions
+  o.context = 4;
+  o.attention_scratch_floats = 12 * 256 * 1024;
+  const MemoryPlan rows = MustPlan(c, o);
+  o.context_flash = true;
+  const MemoryPlan fp32 = MustPlan(c, o);
+  EXPECT_FALSE(fp32.context_flash);  // fp32: the rows attention
+  EXPECT_EQ(fp32.total_bytes, rows.total_bytes);
+  o.precision = Precision::kBf16;
+  const MemoryPlan m = MustPlan(c, o);
+  EXPECT_TRUE(m.context_flash);
+  EXPECT_FALSE(m.RowsAttention());
+  EXPECT_EQ(m[m.attn_saved].bytes, 12 * 2 * 12 * 256 * 4);  // layers x b x heads x t fp32
+  EXPECT_EQ(m[m.attn_scratch].bytes, 0);
+  EXPECT_EQ(m[m.cp_positions].bytes, 1024 * 8);
+  EXPECT_EQ(m[m.cp_gathered].bytes, 4 * 2 * 256 * 3 * 768 * 2);  // bf16 rows of the whole samples
+  for (const int b : {m.cp_whole, m.cp_dwhole}) EXPECT_EQ(m[b].bytes, 4 * 2 * 256 * 3 * 768 * 4);
+  EXPECT_EQ(m[m.cp_rows].bytes, 2 * 256 * 768 * 4);
+  EXPECT_EQ(m[m.cp_dqkv].bytes, 2 * 256 * 3 * 768 * 4);
+  EXPECT_EQ(m[m.cp_part_out].bytes, 2 * 128 * 768 * 2);
+  EXPECT_EQ(m[m.cp_part_kv].bytes, 2 * (2 * 128 * 768 * 2));
+  EXPECT_EQ(m[m.cp_part_stats].bytes, 2 * 12 * 128 * 4);
+  EXPECT_EQ(m.qkv_heads, -1);
+  c.recompute_activations = true;
+  const MemoryPlan r = MustPlan(c, o);
+  EXPECT_EQ(r[r.attn_saved].bytes, m[m.attn_saved].bytes);
+  c.recompute_activations = false;
+  o.context_flash = false;  // bf16 with attention dropout or query groups: the rows attention's probabilities
+  const MemoryPlan h = MustPlan(c, o);
+  EXPECT_TRUE(h.RowsAttention());
+  EXPECT_EQ(h.cp_part_out, -1);
+  EXPECT_EQ(h[h.attn_saved].bytes, 12 * 2 * 12 * 256 * 1024 * 4);
+  EXPECT_GT(h.total_bytes, m.total_bytes);
+  o.context_flash = true;
+  c.num_query_groups = 4;
+  auto layout = ParamLayout::Create(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_FALSE(PlanMemory(c, layout->num_params, o).ok());
+}
+
 // Tensor parallelism: a rank's buffers hold its slices (heads, ffn columns, vocabulary rows) and
 // the fp32 buffers of the group's sums; the rest (the residual stream, the LayerNorms) is whole.
 TEST(CudaMemoryPlan, TensorRanksHoldTheirSlices) {

@@ -129,11 +129,45 @@ void AddParameterBuffers(const GPTConfig& cf, int64_t num_params, const PlanOpti
       add(sharded ? "AdamW exp_avg_sq (fp32, this rank's shard)" : "AdamW exp_avg_sq (fp32)", nm * 4, model_lower);
 }
 
-// Context parallelism's buffers (MemoryPlan::cp_*) of qkv-width rows (ct: this rank's attention width).
-void AddContextBuffers(int64_t context, int64_t qw, int64_t ct, const std::string& act_lower, Adder& add) {
+// The attention's saved state (MemoryPlan::attn_saved): cuDNN's statistics on one rank, context parallelism's
+// cuDNN pairs' log-sum-exps, or the rows attention's fp32 probabilities (L: a slot's layers, nh: this rank's heads).
+void AddAttentionSaved(const PlanOptions& o, int64_t L, int64_t nh, const std::string& act_lower, Adder& add) {
+  MemoryPlan& m = *add.m;
+  const int64_t t = m.t;
+  if (m.context_flash)
+    m.attn_saved = add("activations: context-parallel attention log-sum-exps (layers of b*heads*t)",
+                       L * m.b * nh * t * 4, act_lower);
+  else if (!m.RowsAttention())
+    m.attn_saved =
+        add("activations: flash attention softmax statistics", L * m.b * FlashStatsStride(nh, t) * 4, act_lower);
+  else
+    m.attn_saved = add(fmt::format("activations: attention probabilities ({} layer(s) of b*heads*t*{}t)",
+                                   m.probs_layers, o.context > 1 ? fmt::format("{}", o.context) : ""),
+                       m.probs_layers * m.b * nh * t * o.context * t * 4,
+                       act_lower + ", or --recompute-activations" +
+                           (o.context > 1 ? ", or --context-parallel-size" : ", or --bf16 (fused attention)"));
+}
+
+// Context parallelism's buffers (MemoryPlan::cp_*) of qkv-width rows (ct: this rank's attention width; ckv its
+// key/value groups' width, nh its heads).
+void AddContextBuffers(int64_t context, int64_t qw, int64_t ct, int64_t ckv, int64_t nh, const std::string& act_lower,
+                       Adder& add) {
   MemoryPlan& m = *add.m;
   const int64_t whole = context * m.n * qw * 4;  // fp32 rows of the whole samples
   m.cp_positions = add("context parallelism: every rank's positions", context * m.t * 8);
+  if (m.context_flash) {
+    m.cp_gathered =
+        add("context parallelism: the group's QKV rows (all-gathered)", context * m.n * qw * m.act_bytes, act_lower);
+    m.cp_whole = add("context parallelism: fp32 key and value gradient shares", whole, act_lower);
+    m.cp_dwhole = add("context parallelism: fp32 key and value gradient shares received", whole, act_lower);
+    m.cp_rows = add("context parallelism: fp32 attention output", m.n * ct * 4, act_lower);
+    m.cp_dqkv = add("context parallelism: fp32 QKV gradient", m.n * qw * 4, act_lower);
+    m.cp_part_out =
+        add("context parallelism: a pair's output or query gradient", m.n / 2 * ct * m.act_bytes, act_lower);
+    m.cp_part_kv = add("context parallelism: a pair's key and value gradients", m.n * ckv * m.act_bytes, act_lower);
+    m.cp_part_stats = add("context parallelism: a pair's log-sum-exp", m.b * nh * (m.t / 2) * 4, act_lower);
+    return;
+  }
   m.cp_gathered = add("context parallelism: the group's QKV rows (all-gathered)", whole, act_lower);
   m.cp_whole = add("context parallelism: the whole samples' QKV", whole, act_lower);
   m.cp_dwhole = add("context parallelism: the whole samples' key and value gradients", whole, act_lower);
@@ -209,6 +243,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.tensor = T;
   m.sequence_parallel = o.sequence_parallel && T > 1;
   m.context = o.context;
+  m.context_flash = o.context > 1 && m.flash && o.context_flash;
   // This rank's slices: attention width ct (its query heads x head dimension), fused QKV width qw
   // (its query heads and its groups' key and value heads), ffn f (fc1's output ff: twice that
   // under SwiGLU), vocabulary vp.
@@ -218,6 +253,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
                 ng = cf.query_groups() / T, ct = nh * hd, qw = (nh + 2 * ng) * hd, f = cf.ffn_hidden_size / T,
                 ff = (cf.swiglu ? 2 : 1) * f, vp = cf.padded_vocab_size / T, n = m.n, a = m.act_bytes;
   const bool grouped = ng != nh;
+  if (m.context_flash && grouped)
+    return absl::InvalidArgumentError("memory plan: context parallelism's cuDNN pairs take no query groups");
   m.probs_layers = m.RowsAttention() ? (cf.recompute_activations ? 1 : L) : 0;
   m.logit_chunk_rows = std::clamp<int64_t>(o.logits_budget_bytes / std::max<int64_t>(1, vp * a), 1, n);
   if (o.pipeline_slots > 0 && !o.pipeline_last) m.logit_chunk_rows = 0;  // the LM head is the last stage's
@@ -238,15 +275,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
     m.qk_stats = add("activations: query and key norm statistics", L * m.qk_stats_per_layer * 4, act_lower);
   }
   m.atty = add("activations: attention output", L * n * ct * a, act_lower);
-  if (!m.RowsAttention())
-    m.attn_saved =
-        add("activations: flash attention softmax statistics", L * m.b * FlashStatsStride(nh, t) * 4, act_lower);
-  else
-    m.attn_saved = add(fmt::format("activations: attention probabilities ({} layer(s) of b*heads*t*{}t)",
-                                   m.probs_layers, o.context > 1 ? fmt::format("{}", o.context) : ""),
-                       m.probs_layers * m.b * nh * t * o.context * t * 4,
-                       act_lower + ", or --recompute-activations" +
-                           (o.context > 1 ? ", or --context-parallel-size" : ", or --bf16 (fused attention)"));
+  AddAttentionSaved(o, L, nh, act_lower, add);
   m.ln2 = add("activations: pre-MLP LayerNorm", L * n * c * a, act_lower);
   m.ln2_stats = add("activations: pre-MLP LayerNorm statistics", L * 2 * n * 4, act_lower);
   m.fc1 = add(cf.swiglu         ? "activations: MLP fc1 (SwiGLU's gate and up)"
@@ -289,7 +318,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const GPTConfig& cf, int64_t num_params, c
   m.streams = add("dropout stream keys", StreamTableSize(Ls, m.b) * 8);
   m.reduce = add("reduction scratch (gradient norm, overflow flag)", (o.reduce_doubles + 2) * 8);
   AddParallelBuffers(o, nr, c, act_lower, add);
-  if (o.context > 1) AddContextBuffers(o.context, qw, ct, act_lower, add);
+  if (o.context > 1) AddContextBuffers(o.context, qw, ct, ng * hd, nh, act_lower, add);
   m.workspace = add("cuBLASLt / cuDNN workspace", o.workspace_bytes);
   m.total_bytes = add.offset;
   return m;

@@ -103,10 +103,19 @@ struct MemoryPlan {
   // widened into cp_gathered; cp_rows is this rank's fp32 attention output, then its gradient ((n, heads x
   // head dim)), cp_dqkv its fp32 QKV gradient ((n, qkv width)), both narrowed or widened at the op's edges
   // (-1 in fp32).
+  // With context_flash (bf16/fp16 without attention dropout or query groups: cuda_context_parallel.cpp's cuDNN
+  // pairs, context_flash.h) attn_saved holds each layer's merged log-sum-exps instead ((2, b, heads, t/2) fp32
+  // per layer, every layer: the output and stats kept, nothing recomputed), cp_gathered the group's rows in the
+  // activation type, cp_whole this rank's fp32 key/value gradient shares (context pieces), cp_dwhole the others'
+  // shares received, cp_rows the fp32 merged output, cp_dqkv the fp32 QKV gradient; cp_part_out a pair's partial
+  // output or dQ (n/2, heads x head dim), cp_part_kv its dK and dV (2 x (n/2, groups x head dim)) in the
+  // activation type, cp_part_stats its log-sum-exp ((b, heads, t/2) fp32).
   int64_t context = 1;
+  bool context_flash = false;
   int cp_positions = -1, cp_gathered = -1, cp_whole = -1, cp_dwhole = -1, cp_rows = -1, cp_dqkv = -1;
-  // The attention keeps fp32 probabilities (fp32, or context parallelism), not cuDNN's statistics.
-  bool RowsAttention() const { return !flash || context > 1; }
+  int cp_part_out = -1, cp_part_kv = -1, cp_part_stats = -1;
+  // The attention keeps fp32 probabilities (fp32, or context parallelism's rows attention), not statistics.
+  bool RowsAttention() const { return !flash || (context > 1 && !context_flash); }
 
   const PlannedBuffer& operator[](int i) const { return buffers[static_cast<size_t>(i)]; }
   // "name: 1.23 GiB" for the largest buffers, largest first.
@@ -148,8 +157,10 @@ struct PlanOptions {
   int64_t non_tensor_parallel_grads = 0;
   int64_t qk_norm_scratch_doubles = 0;  // QKNormBackwardScratch of this rank's shape (--qk-layernorm)
   // Context parallelism's ranks (--context-parallel-size; with sequence_parallel too): seq_length is then this
-  // rank's positions of a sample (MemoryPlan::context).
+  // rank's positions of a sample (MemoryPlan::context). context_flash: bf16/fp16's cuDNN pairs (the model sets it
+  // with attention dropout 0 and no query groups; MemoryPlan::context_flash).
   int64_t context = 1;
+  bool context_flash = false;
 };
 
 // Number of uint64 dropout streams a pass keys: per layer (and the embedding, as layer L), four
