@@ -7,9 +7,10 @@
 // attention): the ranks' loss sums added within 1e-5 relative, their token counts exactly, their gradients added
 // (what the data x context all-reduce does) within 1e-4 of the largest (cuda_model_test's fp32 bounds); also
 // C = 2 x T = 2, with and without --sequence-parallel (the tensor group's collectives staged alike, each rank's
-// slices gathered; sequence parallel's hidden dropout keyed by true position). bf16 and fp16 (the
-// attention in fp32 on widened rows) against C = 1 in the same precision, and bf16 with attention dropout against
-// fp32 (the same masks); fp16 overflowing reaches the summed gradients. gpu-labelled: exit 77 without a device.
+// slices gathered; sequence parallel's hidden dropout keyed by true position). bf16 and fp16 (cuDNN's pairs of chunks
+// without attention dropout or query groups, else the attention in fp32 on widened rows) against C = 1 in the same
+// precision, bf16's cuDNN pairs against the rows attention, and bf16 with attention dropout against fp32 (the same
+// masks); fp16 overflowing reaches the summed gradients. gpu-labelled: exit 77 without a device.
 #include <cuda_runtime.h>
 #include <fmt/core.h>
 #include <gtest/gtest.h>
@@ -48,7 +49,7 @@ struct CpRun {
 // tp-cp order): the loss sums and token counts of one tensor rank per context rank added, each context rank's gradients
 // gathered from its tensor ranks' slices (CopyFromShard), then added over the context ranks.
 CpRun TrainPass(const GPTConfig& c, int C, int T = 1, Precision p = Precision::kFp32, double scale = 1.0 / 256,
-                bool sp = false) {
+                bool sp = false, bool rows_attention = false) {
   const Batches data(1, c.vocab_size);
   const ModelBatch whole = data.Get(0);
   const int64_t params = ParamLayout::Create(c)->num_params;
@@ -62,6 +63,7 @@ CpRun TrainPass(const GPTConfig& c, int C, int T = 1, Precision p = Precision::k
     for (int q = 0; q < C; ++q) context_members.push_back(tr + q * T);
     StagedGroup tensor, context;
     cuda::CudaModelOptions o;
+    o.unfused.context_rows_attention = rows_attention;
     if (T > 1) {
       ASSERT_NO_FATAL_FAILURE(MakeStagedGroup(world, tensor_members, "tensor", &tensor));
       o.tensor = tensor.device.get();
@@ -134,10 +136,11 @@ TEST(CudaContextParallel, RanksOnOneGpuAddUpToOneRank) {
   ExpectFollowsOneRank(cuda_model_test::LlamaConfig(), "Llama");
 }
 
-// bf16 / fp16 (context parallelism's attention in fp32 on the widened rows, the rest in the activation type, as
-// C = 1 has it) against C = 1 in the same precision within cuda_model_test's bf16 bounds against the CPU (loss 1e-2,
-// gradients 6e-2 of the largest): hidden dropout on (keyed by true position, as at C = 1) but no attention dropout,
-// whose masks at C = 1 are cuDNN's; with attention dropout bf16 C = 2 against fp32 C = 1, whose masks it shares.
+// bf16 / fp16 (context parallelism's attention: cuDNN's pairs of chunks for GPT without attention dropout, the fp32
+// rows attention on widened rows for Llama's query groups; the rest in the activation type, as C = 1 has it) against
+// C = 1 in the same precision within cuda_model_test's bf16 bounds against the CPU (loss 1e-2, gradients 6e-2 of the
+// largest): hidden dropout on (keyed by true position, as at C = 1) but no attention dropout, whose masks at C = 1
+// are cuDNN's; with attention dropout (the rows attention) bf16 C = 2 against fp32 C = 1, whose masks it shares.
 TEST(CudaContextParallel, HalfPrecisionRanksFollowOneRank) {
   GPTConfig hidden_dropout = cuda_model_test::SmallConfig(/*dropout=*/true);
   hidden_dropout.attention_dropout = 0;
@@ -148,6 +151,27 @@ TEST(CudaContextParallel, HalfPrecisionRanksFollowOneRank) {
   const GPTConfig dropout = cuda_model_test::SmallConfig(/*dropout=*/true);
   ExpectClose(TrainPass(dropout, 1), TrainPass(dropout, 2, 1, Precision::kBf16), 1e-2, 6e-2,
               "GPT, dropout, bf16 C=2 vs fp32 C=1");
+}
+
+// bf16 C = 2 without attention dropout (hidden dropout on) through cuDNN's pairs of chunks (ContextFlash: the
+// partials merged by their log-sum-exps in fp32, the output rounded once, backward with the kept output and
+// log-sum-exps) against the same split through the fp32 rows attention (CudaModelOptions::unfused's oracle): the
+// same positions and masks, only the attention's arithmetic differs (bf16 operands and cuDNN's accumulation against
+// fp32 products of the rounded rows), loss sums within 1e-3 relative, gradients within 3e-2 of the largest; and
+// against C = 1 in bf16 (cuDNN's one-GPU attention) within the bf16 bounds above (1e-2, 6e-2). Also recomputed
+// attention (--recompute-activations: the pairs' output and log-sum-exps are kept, not recomputed) against the rows
+// attention recomputing its probabilities.
+TEST(CudaContextParallel, CudnnPairsFollowTheRowsAttention) {
+  GPTConfig c = cuda_model_test::SmallConfig(/*dropout=*/true);
+  c.attention_dropout = 0;
+  for (const bool recompute : {false, true}) {
+    c.recompute_activations = recompute;
+    const std::string name = recompute ? "GPT, recompute" : "GPT";
+    const CpRun pairs = TrainPass(c, 2, 1, Precision::kBf16);
+    const CpRun rows = TrainPass(c, 2, 1, Precision::kBf16, 1.0 / 256, false, /*rows_attention=*/true);
+    ExpectClose(rows, pairs, 1e-3, 3e-2, name + ": bf16 C=2 cuDNN pairs vs rows attention");
+    ExpectClose(TrainPass(c, 1, 1, Precision::kBf16), pairs, 1e-2, 6e-2, name + ": bf16 C=2 cuDNN pairs vs C=1");
+  }
 }
 
 // fp16 at a loss scale its gradients overflow at: the passes succeed and the gradients summed over the context

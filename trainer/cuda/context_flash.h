@@ -1,7 +1,7 @@
-// Groundwork for a fused (cuDNN flash) context-parallel attention in bf16/fp16, host and device: the pairs of
-// chunks one context rank attends and where their rows lie, and the exact merge of the partial outputs.
-// The model does not use it yet (cuda_context_parallel.cpp runs the fp32 rows attention in every precision); the
-// pairs' cuDNN graphs over ContextFlashViews, and the kernels that merge and add their results, are
+// The fused (cuDNN flash) context-parallel attention in bf16/fp16, host and device: the pairs of chunks one context
+// rank attends and where their rows lie, and the exact merge of the partial outputs. The model runs it for
+// bf16/fp16 without attention dropout or query groups (cuda_context_parallel.cpp's ContextFlash); the pairs' cuDNN
+// graphs over ContextFlashViews, and the kernels that merge and add their results, are
 // context_flash_cuda.h's (gpu test context_flash_cuda_test). The
 // CPU test (tests/trainer/cuda_context_flash_test.cpp) checks the plan and the views against context_rows.h's
 // mapping and the merge, and the backward identity it relies on, against a direct softmax.

@@ -17,6 +17,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "trainer/counter_rng.h"
+#include "trainer/cuda/context_flash_cuda.h"
 #include "trainer/cuda/cuda_gpt_model_impl.h"
 #include "trainer/cuda/cuda_versions.h"
 #include "trainer/cuda/local_rank_device.h"
@@ -170,6 +171,7 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
   }
   o.sequence_parallel = sequence_parallel_;
   o.context = ContextSize();
+  o.context_flash = ContextFlash();
   // SumNonTensorParallelGrads' buffer: sequence parallelism's partial gradients, or the query and
   // key norms' (each tensor rank's heads' share).
   if (tensor_size() > 1)
@@ -179,9 +181,10 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
   const AttentionShape shape{b, t, config().num_attention_heads / tensor_size(), config().head_dim(),
                              config().query_groups() / tensor_size()};
   if (config().qk_layernorm) o.qk_norm_scratch_doubles = QKNormBackwardScratch(shape);
-  // Context parallelism runs the fp32 rows attention in every precision (cuda_context_parallel.cpp).
+  // Context parallelism runs the fp32 rows attention but in ContextFlash (cuda_context_parallel.cpp).
   o.attention_scratch_floats =
-      cp()     ? AttentionRowsBackwardScratch(AttentionShape{b, t * ContextSize(), shape.nh, shape.hd, shape.ng}, t)
+      ContextFlash() ? 0
+      : cp()   ? AttentionRowsBackwardScratch(AttentionShape{b, t * ContextSize(), shape.nh, shape.hd, shape.ng}, t)
       : kFlash ? 0
                : AttentionBackwardScratch(shape);
   o.reduce_doubles = SumSquaresPartials(num_params());
@@ -192,7 +195,13 @@ absl::StatusOr<PlanOptions> CudaGPTModelImpl<T>::PlanOptionsFor(int64_t b, int64
                                      : LayerNormBackwardScratch(b * t, config().hidden_size);
   o.logits_budget_bytes = logits_budget_bytes_;  // 0: from the free memory (PlanMemoryWithin)
   if constexpr (kFlash) {
-    if (cp()) return o;  // no fused attention: context parallelism's is the fp32 one
+    if (ContextFlash()) {  // the pairs' cuDNN graphs' workspace (the largest of the forward and backward ones)
+      const context_detail::FlashPairShape s{b, t, shape.nh, shape.ng, shape.hd, static_cast<int>(ContextSize())};
+      PTK_ASSIGN_OR_RETURN(const int64_t pairs, ContextFlashWorkspaceBytes<T>(s, ctx_));
+      o.workspace_bytes = std::max<int64_t>(o.workspace_bytes, pairs);
+      return o;
+    }
+    if (cp()) return o;  // no fused attention: context parallelism's rows attention is the fp32 one
     // cuDNN's fused attention asks for its own workspace (the backward's fp32 dQ accumulator, more
     // in deterministic mode): the plan makes room for the larger of it and the products'. Without
     // attention dropout (and in evaluation) attention runs over the whole micro-batch; with it,

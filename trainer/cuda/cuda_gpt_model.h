@@ -69,6 +69,10 @@ struct CudaModelOptions {
     // the compute stream through SendRecvDevice). A pipeline communicator without device memory
     // (gloo) gets the host exchange whatever this says.
     bool pipeline_host_exchange = false;
+    // Context parallelism's attention in bf16/fp16 without attention dropout or query groups as the fp32 rows
+    // attention on widened rows, its probabilities kept (fused: cuDNN's pairs of chunks merged by their
+    // log-sum-exps, cuda_context_parallel.cpp's ContextFlash).
+    bool context_rows_attention = false;
   } unfused;
 };
 

@@ -184,13 +184,14 @@ absl::Status CudaGPTModelImpl<T>::AttentionBwd(T* dqkv, const T* datt, int64_t l
   const int64_t n = n_, c = shape.nh * shape.hd, qw = shape.qkv_width();  // this rank's heads
   const T* qkv = Act(plan_.qkv, l, n * qw);
   const bool recompute = config().recompute_activations;
-  if (cp()) {  // cuda_context_parallel.cpp: the fp32 rows attention in every precision
-    float* probs = Buf<float>(plan_.attn_saved) + (recompute ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
+  if (cp()) {  // cuda_context_parallel.cpp: bf16/fp16's cuDNN pairs (ContextFlash), else the fp32 rows attention
+    float* probs = Buf<float>(plan_.attn_saved) + ContextSavedOffset(l, shape);
     const uint64_t* streams = ap > 0 ? Streams(l, kAttentionProbs) : nullptr;
-    // The probabilities again; fp32's output lands in a scratch buffer, bf16/fp16's fp32 one is dropped.
-    if (recompute)
+    // The rows path's probabilities again; fp32's output lands in a scratch buffer, bf16/fp16's fp32 one is
+    // dropped. ContextFlash keeps every layer's output and log-sum-exps (as cuDNN's statistics on one GPU).
+    if (recompute && !ContextFlash())
       PTK_RETURN_IF_ERROR(ContextAttnFwd(kFlash ? nullptr : Buf<T>(plan_.tmp), probs, qkv, shape, ap, seed, streams));
-    return ContextAttnBwd(dqkv, datt, qkv, probs, shape, ap, seed, streams);
+    return ContextAttnBwd(dqkv, datt, Act(plan_.atty, l, n * c), qkv, probs, shape, ap, seed, streams);
   }
   if constexpr (kFlash) {
     const int64_t nh = shape.nh;

@@ -425,23 +425,46 @@ class CudaGPTModelImpl final : public GPTModel {
   absl::Status SeqNormBackward(const char* name, T* dpartial, const T* inp, float* stats, int64_t w, int64_t bias);
   // cuda_context_parallel.cpp: --context-parallel-size (context_comm_): each sample's t_ rows are this rank's
   // positions (ContextParallelPositions); the attention all-gathers the group's QKV rows and runs this rank's
-  // queries over the whole samples (ContextAttentionForward, fp32 in every precision: bf16/fp16 rows widened,
-  // the output narrowed), backward exchanges the key and value gradients' shares (fp32) and adds them in rank
-  // order (ContextAttentionBackward, AddContextShares); hidden dropout keyed by true position (ContextDropout).
+  // queries over the whole samples (ContextAttentionForward, fp32 rows: fp32, and bf16/fp16 with attention dropout
+  // or query groups, their rows widened and the output narrowed; ContextFlash: bf16/fp16's cuDNN pairs merged in
+  // fp32, context_flash.h), backward exchanges the key and value gradients' shares (fp32) and adds them in rank
+  // order (ContextAttentionBackward or the pairs' AddContextFlashPairGrads, then AddContextShares); hidden dropout
+  // keyed by true position (ContextDropout).
   bool cp() const { return context_comm_ != nullptr; }
+  // bf16/fp16 context parallelism without attention dropout or query groups: cuDNN's pairs of chunks (unless the
+  // rows attention is asked for as their oracle).
+  bool ContextFlash() const {
+    return kFlash && cp() && !unfused_.context_rows_attention && config().attention_dropout == 0 &&
+           config().query_groups() == config().num_attention_heads;
+  }
   int64_t ContextSize() const { return cp() ? context_comm_->size() : 1; }
   // The keys a query row attends over: the whole sample's positions.
   int64_t KeyPositions() const { return t_ * ContextSize(); }
+  // Where layer l's saved attention lies in attn_saved (floats): ContextFlash's log-sum-exps (2, b, heads, t/2) of
+  // every layer, else the rows path's probabilities (b, heads, t, KeyPositions) of the layer (one with recompute).
+  int64_t ContextSavedOffset(int64_t l, const AttentionShape& shape) const {
+    if (ContextFlash()) return SlotLayer(l) * b_ * shape.nh * t_;
+    return (config().recompute_activations ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
+  }
   absl::Status SetContext(Communicator* context);
-  // atty may be null in bf16/fp16 (backward's recomputation: the probabilities alone).
+  // atty may be null on the rows path in bf16/fp16 (backward's recomputation: the probabilities alone). probs: the
+  // rows path's probabilities, or ContextFlash's merged log-sum-exps (2, b, heads, t/2). Backward's `out` is the
+  // layer's output (ContextFlash's pairs read it; the rows path does not).
   absl::Status ContextAttnFwd(T* atty, float* probs, const T* qkv, const AttentionShape& shape, double ap,
                               uint64_t seed, const uint64_t* streams);
-  absl::Status ContextAttnBwd(T* dqkv, const T* datt, const T* qkv, const float* probs, const AttentionShape& shape,
-                              double ap, uint64_t seed, const uint64_t* streams);
+  absl::Status ContextAttnBwd(T* dqkv, const T* datt, const T* out, const T* qkv, const float* probs,
+                              const AttentionShape& shape, double ap, uint64_t seed, const uint64_t* streams);
+  absl::Status ContextFlashFwd(T* atty, float* stats, const AttentionShape& shape);
+  absl::Status ContextFlashBwd(float* dq, float* shares, const T* datt, const T* out, const float* stats,
+                               const AttentionShape& shape);
+  absl::Status ContextRowsBwd(float* dq, float* shares, float* received, const T* datt, const T* qkv,
+                              const float* probs, const AttentionShape& shape, double ap, uint64_t seed,
+                              const uint64_t* streams);
   // Hidden dropout of rows [row0, row0 + rows) of this rank's positions of each sample, x (b_, rows, hidden).
   absl::Status ContextDropout(T* x, int64_t row0, int64_t rows, int64_t layer, int64_t site, double p, uint64_t seed);
   // The group's QKV rows into plan_.cp_gathered as fp32 (its rank-ordered pieces), on the compute stream:
-  // bf16/fp16 rows gathered as they are (half the bytes) through cp_whole's room, then widened.
+  // bf16/fp16 rows gathered as they are (half the bytes) through cp_whole's room, then widened (ContextFlash: kept
+  // in the activation type in cp_gathered).
   absl::Status GatherContextRows(const T* qkv, int64_t piece);
   // This rank's positions (context_positions_), every rank's (cp_positions) and RoPE's tables for this rank's
   // positions (Plan).

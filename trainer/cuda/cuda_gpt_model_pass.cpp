@@ -257,9 +257,8 @@ absl::Status CudaGPTModelImpl<T>::SelfAttentionForward(int64_t l, double ap, uin
 template <typename T>
 absl::Status CudaGPTModelImpl<T>::AttentionFwd(T* atty, const T* qkv, int64_t l, const AttentionShape& shape, double ap,
                                                uint64_t seed) {
-  if (cp()) {  // cuda_context_parallel.cpp: the fp32 rows attention in every precision
-    float* probs = Buf<float>(plan_.attn_saved) +
-                   (config().recompute_activations ? 0 : SlotLayer(l)) * b_ * shape.nh * t_ * KeyPositions();
+  if (cp()) {  // cuda_context_parallel.cpp: bf16/fp16's cuDNN pairs (ContextFlash), else the fp32 rows attention
+    float* probs = Buf<float>(plan_.attn_saved) + ContextSavedOffset(l, shape);
     return ContextAttnFwd(atty, probs, qkv, shape, ap, seed, ap > 0 ? Streams(l, kAttentionProbs) : nullptr);
   }
   if constexpr (kFlash) {
