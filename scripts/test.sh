@@ -96,7 +96,11 @@ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPTK_CUDA=OFF -DPTK_
 # hand-offs are marked for TSan in the code (common/happens_before.h).
 TSAN_TESTS=(gpt_dataset_test tokenize_golden_test indexed_dataset_test)  # the longest first
 cmake --build build-tsan -j "$JOBS" --target "${TSAN_TESTS[@]}" ptk-tokenize
-export TSAN_OPTIONS=halt_on_error=1
+# ignore_noninstrumented_modules: accesses that oneTBB's own (uninstrumented) code makes through intercepted calls
+# (memcmp, delete[]) are not checked: their synchronisation is atomics TSan cannot see, so with the arena raised above
+# the CPUs (tbb::global_control, ptk-tokenize --workers) it reported a race inside libtbb alone, stack and all. ptk's
+# own accesses, and its hand-offs through oneTBB (common/happens_before.h), are checked as before.
+export TSAN_OPTIONS=halt_on_error=1:ignore_noninstrumented_modules=1
 run_sanitized build-tsan "${TSAN_TESTS[@]}"
 phase ""
 children_cpu

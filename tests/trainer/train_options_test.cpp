@@ -277,7 +277,8 @@ TEST(RunTraining, ExitLinesAreMegatronsPrintDatetimeLines) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   absl::StatusOr<TrainSummary> s = RunTraining(o, *plan);
   ASSERT_TRUE(s.ok()) << s.status();
-  const std::regex datetime(" datetime: [0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{6} $");  // %S.%f, as 0.16.1 prints
+  const std::regex datetime(
+      " datetime: [0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{6} $");  // %S.%f, as 0.16.1 prints
   const std::string after = exit_line(lines);
   EXPECT_TRUE(std::regex_search(after, std::regex("^\\[exiting program after 2\\.[0-9]{3,} minutes\\]"))) << after;
   EXPECT_TRUE(std::regex_search(after, datetime)) << after;
