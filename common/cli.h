@@ -38,6 +38,12 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 // the one meant, for "did you mean ...?".
 size_t EditDistance(const std::string& a, const std::string& b);
 
+// The indices of the `candidates` at the least edit distance from `name`, in their order, when that
+// distance is at most `most`; none otherwise.
+std::vector<size_t> NearestNames(const std::string& name, const std::vector<std::string>& candidates, size_t most);
+// The first of NearestNames' candidates, or "" when there is none.
+std::string NearestName(const std::string& name, const std::vector<std::string>& candidates, size_t most);
+
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
 // ("...; did you mean megatron?"), as Parse prints it; any other message as it is.
 std::string WithNearestChoice(const std::string& message);
