@@ -545,6 +545,16 @@ void RemoveTemporariesOnSignals() {
   }).detach();
 }
 
+void PrintFailure(const absl::Status& status) {
+  const std::string msg(StatusMessage(status));
+  if (IsUsageError(status)) {
+    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", log::ProgramName().c_str(),
+                 msg.c_str());
+  } else {
+    log::Error("{}", msg);
+  }
+}
+
 int RunMain(const std::function<absl::Status()>& body) {
   absl::Status st;
   try {
@@ -563,13 +573,7 @@ int RunMain(const std::function<absl::Status()>& body) {
   // training log): on a full disk it must not end with exit 0 and the output cut or empty.
   if (absl::Status out = FlushStdout(); st.ok()) st = out;
   if (st.ok()) return kExitOk;
-  std::string msg(StatusMessage(st));
-  if (IsUsageError(st)) {
-    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", log::ProgramName().c_str(),
-                 msg.c_str());
-  } else {
-    log::Error("{}", msg);
-  }
+  PrintFailure(st);
   return ExitCodeFor(st);
 }
 

@@ -129,8 +129,11 @@ void RemoveTemporariesOnSignals();
 // usage error (ptk::UsageError, common/status.h: the payload, not the message, says so) 2, others 1.
 int ExitCodeFor(const absl::Status& status);
 
-// Runs `body` in main: prints a failed Status as one line "prog: error: ..." (a usage error as
-// "prog: usage error: ..." and a hint to run --help) and returns its code. Standard output that
+// Prints a failed Status as RunMain does: one line "prog: error: ..." (a usage error as "prog: usage
+// error: ..." and a hint to run --help), on standard error.
+void PrintFailure(const absl::Status& status);
+
+// Runs `body` in main: prints a failed Status (PrintFailure) and returns its code. Standard output that
 // could not be written (a full disk under a redirection) fails the run: exit 3 for ENOSPC.
 int RunMain(const std::function<absl::Status()>& body);
 
