@@ -188,11 +188,7 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
 // its lock files), and RunMain's exit code, now rather than once that work is done.
 void ExitOnPeerFailure(const absl::Status& st) {
   std::fflush(stdout);
-  if (ptk::IsUsageError(st))
-    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n",
-                 ptk::log::ProgramName().c_str(), std::string(ptk::StatusMessage(st)).c_str());
-  else
-    ptk::log::Error("{}", ptk::StatusMessage(st));
+  ptk::cli::PrintFailure(st);
   ptk::RemoveLiveTemporaries();
   ptk::RemoveLiveLocks();
   std::_Exit(ptk::cli::ExitCodeFor(st));
