@@ -78,6 +78,14 @@ void CollectLongNames(const CLI::App& app, std::map<std::string, bool>* names, s
 // Reads long options as Python's argparse does (Megatron's and NeMo's scripts use it): an
 // unambiguous prefix stands for the option (--vocab for --vocab-file), `--flag=value` works; an
 // ambiguous prefix or an unknown flag is a usage error naming the candidates or the closest flag.
+// The flag among `names` an unknown `name` most likely meant (within a quarter of its length in edits, at
+// least 2), or "".
+std::string NearestFlag(const std::string& name, const std::map<std::string, bool>& names) {
+  std::vector<std::string> flags;
+  for (const auto& [n, supported] : names) flags.push_back(n);
+  return NearestName(name, flags, std::max<size_t>(2, name.size() / 4));
+}
+
 // A long flag written with one dash (-input, -workers: Go's and some Python scripts' spelling):
 // argparse and CLI11 would take it for short flags or a value and report something else (a
 // required --input missing, an unexpected "2"). The error names the long flag it most likely is.
@@ -87,15 +95,7 @@ absl::Status OneDashLongFlag(const std::string& arg, const std::map<std::string,
   for (auto it = names.lower_bound(name); it != names.end() && it->first.compare(0, name.size(), name) == 0; ++it)
     matches.push_back(it->first);
   std::string best = names.count(name) ? name : matches.size() == 1 ? matches[0] : "";
-  if (best.empty()) {
-    size_t best_d = std::string::npos;
-    for (const auto& [n, ok] : names)
-      if (const size_t d = EditDistance(name, n); d < best_d) {
-        best_d = d;
-        best = n;
-      }
-    if (best_d > std::max<size_t>(2, name.size() / 4)) best.clear();
-  }
+  if (best.empty()) best = NearestFlag(name, names);
   const std::string given = arg.substr(0, arg.find('='));
   if (best.empty())
     return UsageError(fmt::format("unknown flag {} (ptk's flags are long ones, with two dashes)", given));
@@ -216,16 +216,7 @@ absl::StatusOr<std::vector<std::string>> ArgparseForms(const CLI::App& app, int 
       for (const auto& m : matches) list += (list.empty() ? "" : ", ") + m;
       return UsageError(fmt::format("ambiguous option {} could match {}", name, list));
     }
-    std::string best;
-    size_t best_d = std::string::npos;
-    for (const auto& [n, ok] : names) {
-      const size_t d = EditDistance(name, n);
-      if (d < best_d) {
-        best_d = d;
-        best = n;
-      }
-    }
-    if (!best.empty() && best_d <= std::max<size_t>(2, name.size() / 4))
+    if (const std::string best = NearestFlag(name, names); !best.empty())
       return UsageError(fmt::format("unknown flag {}; did you mean {}?", name, best));
     return UsageError(fmt::format("unknown flag {}", name));
   }
@@ -554,6 +545,16 @@ void RemoveTemporariesOnSignals() {
   }).detach();
 }
 
+void PrintFailure(const absl::Status& status) {
+  const std::string msg(StatusMessage(status));
+  if (IsUsageError(status)) {
+    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", log::ProgramName().c_str(),
+                 msg.c_str());
+  } else {
+    log::Error("{}", msg);
+  }
+}
+
 int RunMain(const std::function<absl::Status()>& body) {
   absl::Status st;
   try {
@@ -572,13 +573,7 @@ int RunMain(const std::function<absl::Status()>& body) {
   // training log): on a full disk it must not end with exit 0 and the output cut or empty.
   if (absl::Status out = FlushStdout(); st.ok()) st = out;
   if (st.ok()) return kExitOk;
-  std::string msg(StatusMessage(st));
-  if (IsUsageError(st)) {
-    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n", log::ProgramName().c_str(),
-                 msg.c_str());
-  } else {
-    log::Error("{}", msg);
-  }
+  PrintFailure(st);
   return ExitCodeFor(st);
 }
 

@@ -38,6 +38,12 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv);
 // the one meant, for "did you mean ...?".
 size_t EditDistance(const std::string& a, const std::string& b);
 
+// The indices of the `candidates` at the least edit distance from `name`, in their order, when that
+// distance is at most `most`; none otherwise.
+std::vector<size_t> NearestNames(const std::string& name, const std::vector<std::string>& candidates, size_t most);
+// The first of NearestNames' candidates, or "" when there is none.
+std::string NearestName(const std::string& name, const std::vector<std::string>& candidates, size_t most);
+
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}" with the choice most likely meant added
 // ("...; did you mean megatron?"), as Parse prints it; any other message as it is.
 std::string WithNearestChoice(const std::string& message);
@@ -123,8 +129,11 @@ void RemoveTemporariesOnSignals();
 // usage error (ptk::UsageError, common/status.h: the payload, not the message, says so) 2, others 1.
 int ExitCodeFor(const absl::Status& status);
 
-// Runs `body` in main: prints a failed Status as one line "prog: error: ..." (a usage error as
-// "prog: usage error: ..." and a hint to run --help) and returns its code. Standard output that
+// Prints a failed Status as RunMain does: one line "prog: error: ..." (a usage error as "prog: usage
+// error: ..." and a hint to run --help), on standard error.
+void PrintFailure(const absl::Status& status);
+
+// Runs `body` in main: prints a failed Status (PrintFailure) and returns its code. Standard output that
 // could not be written (a full disk under a redirection) fails the run: exit 3 for ENOSPC.
 int RunMain(const std::function<absl::Status()>& body);
 

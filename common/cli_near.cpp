@@ -21,6 +21,25 @@ size_t EditDistance(const std::string& a, const std::string& b) {
   return prev[b.size()];
 }
 
+std::vector<size_t> NearestNames(const std::string& name, const std::vector<std::string>& candidates, size_t most) {
+  std::vector<size_t> nearest;
+  size_t best = most + 1;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const size_t d = EditDistance(name, candidates[i]);
+    if (d < best) {
+      nearest.clear();
+      best = d;
+    }
+    if (d == best) nearest.push_back(i);
+  }
+  return nearest;
+}
+
+std::string NearestName(const std::string& name, const std::vector<std::string>& candidates, size_t most) {
+  const std::vector<size_t> nearest = NearestNames(name, candidates, most);
+  return nearest.empty() ? "" : candidates[nearest.front()];
+}
+
 // CLI11's "--loader: megatorn not in {ptk,hf,megatron}", with the choice most likely meant, as an unknown
 // flag gets the flag meant: "...; did you mean megatron?".
 std::string WithNearestChoice(const std::string& message) {
@@ -28,17 +47,13 @@ std::string WithNearestChoice(const std::string& message) {
   if (in == std::string::npos || colon == std::string::npos || colon > in || message.back() != '}') return message;
   const std::string value = message.substr(colon + 2, in - colon - 2);
   const std::string list = message.substr(in + 9, message.size() - in - 10);
-  std::string best;
-  size_t best_d = std::max<size_t>(2, value.size() / 3) + 1;
+  std::vector<std::string> choices;
   for (size_t start = 0; start <= list.size();) {
     const size_t end = std::min(list.find(',', start), list.size());
-    const std::string choice = list.substr(start, end - start);
-    if (const size_t d = EditDistance(value, choice); d < best_d) {
-      best_d = d;
-      best = choice;
-    }
+    choices.push_back(list.substr(start, end - start));
     start = end + 1;
   }
+  const std::string best = NearestName(value, choices, std::max<size_t>(2, value.size() / 3));
   return best.empty() ? message : fmt::format("{}; did you mean {}?", message, best);
 }
 

@@ -38,16 +38,12 @@ absl::Status NoDatasetAt(const std::string& arg, const std::string& prefix) {
   if (!IsDirectory(dir)) return absl::NotFoundError(fmt::format("{}; there is no directory {}", none, dir));
   // The datasets beside it whose names are within a few edits of the one given (a typo: my_text_documnt).
   const std::string name = Basename(prefix);
+  const std::vector<std::string> held = DatasetsIn(dir);
+  std::vector<std::string> names;
+  for (const std::string& h : held) names.push_back(Basename(h));
   std::vector<std::string> nearest;
-  size_t best = std::max<size_t>(2, name.size() / 5) + 1;
-  for (const std::string& held : DatasetsIn(dir)) {
-    const size_t d = cli::EditDistance(name, Basename(held));
-    if (d < best) {
-      nearest.clear();
-      best = d;
-    }
-    if (d == best) nearest.push_back(prefix.find('/') == std::string::npos ? Basename(held) : held);
-  }
+  for (size_t i : cli::NearestNames(name, names, std::max<size_t>(2, name.size() / 5)))
+    nearest.push_back(prefix.find('/') == std::string::npos ? names[i] : held[i]);
   if (nearest.empty()) return absl::NotFoundError(none);
   std::string list;
   for (size_t i = 0; i < nearest.size() && i < 4; ++i) list += (i ? ", " : "") + nearest[i];

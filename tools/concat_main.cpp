@@ -187,11 +187,11 @@ void RefuseToolFlagsBefore(CLI::App* app, std::initializer_list<CLI::App*> subs,
 absl::Status SubcommandMisspelt(const std::vector<std::string>& inputs) {
   if (inputs.empty() || ptk::PathExists(inputs.front()) || inputs.front().find_first_of("*?[") != std::string::npos)
     return absl::OkStatus();
-  for (const char* sub : {"plan", "run", "list"})
-    if (ptk::cli::EditDistance(inputs.front(), sub) <= 2 && inputs.front().size() <= 6)
-      return ptk::UsageError(
-          fmt::format("{}: no such file or subcommand; did you mean the subcommand `{}`?", inputs.front(), sub));
-  return absl::OkStatus();
+  // The nearest within two edits (`pun` is `run`, not `plan`, the first within two).
+  const std::string sub = ptk::cli::NearestName(inputs.front(), {"plan", "run", "list"}, 2);
+  if (sub.empty() || inputs.front().size() > 6) return absl::OkStatus();
+  return ptk::UsageError(
+      fmt::format("{}: no such file or subcommand; did you mean the subcommand `{}`?", inputs.front(), sub));
 }
 
 }  // namespace

@@ -79,6 +79,28 @@ void PrintSummary(const ptk::ExtractOptions& opt, const ptk::ExtractSummary& s) 
           opt.drop_sets[k], s.records);
 }
 
+// No compressed input file found: a rerun of a finished --delete-input job (its inputs gone, `gone` of
+// them, and their outputs under `roots` complete: OK, --verify checking them), or NotFound naming the
+// `inputs` (`none_left_out`: they held no file at all).
+absl::Status NoInputFiles(const std::vector<std::string>& inputs, const std::vector<std::string>& roots,
+                          const ptk::ShardSpec& shard, bool delete_input, bool verify, int64_t gone,
+                          bool none_left_out) {
+  if (delete_input) {
+    int64_t done = ptk::CountExtractedOutputs(roots);
+    if (done > 0 || gone > 0) {
+      ptk::ExtractSummary s;
+      if (verify) PTK_RETURN_IF_ERROR(FailedFiles(VerifyGone(roots, shard, &s)));
+      ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input){}", done,
+                     verify ? fmt::format("; {} verified against their sidecars", s.skipped) : "");
+      return absl::OkStatus();
+    }
+  }
+  std::string given;
+  for (const std::string& in : inputs) given += (given.empty() ? "" : ", ") + in;
+  return absl::NotFoundError(fmt::format("no input files: nothing to extract in {}{}", given,
+                                         none_left_out ? " (empty)" : " (every file left out, listed above)"));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -146,23 +168,7 @@ int main(int argc, char** argv) {
     // Where the outputs are, for those whose input is gone (a --delete-input run's): --verify checks them too.
     const std::vector<std::string> roots = output_dir.empty() ? inputs : std::vector<std::string>{output_dir};
     PTK_ASSIGN_OR_RETURN(opt.shard, ptk::ResolveShard(shard_index, num_shards));
-    if (opt.inputs.empty()) {
-      // A rerun of a finished --delete-input job: the inputs are gone, their outputs are complete.
-      if (delete_input) {
-        int64_t done = ptk::CountExtractedOutputs(roots);
-        if (done > 0 || gone > 0) {
-          ptk::ExtractSummary s;
-          if (verify) PTK_RETURN_IF_ERROR(FailedFiles(VerifyGone(roots, opt.shard, &s)));
-          ptk::log::Info("nothing to do: no compressed inputs left, {} outputs already extracted (--delete-input){}",
-                         done, verify ? fmt::format("; {} verified against their sidecars", s.skipped) : "");
-          return absl::OkStatus();
-        }
-      }
-      std::string given;
-      for (const std::string& in : inputs) given += (given.empty() ? "" : ", ") + in;
-      return absl::NotFoundError(fmt::format("no input files: nothing to extract in {}{}", given,
-                                             left_out.empty() ? " (empty)" : " (every file left out, listed above)"));
-    }
+    if (opt.inputs.empty()) return NoInputFiles(inputs, roots, opt.shard, delete_input, verify, gone, left_out.empty());
     opt.output_dir = output_dir;
     opt.jobs = jobs;
     if (jobs_opt->count() == 0 && jobs < 4) {

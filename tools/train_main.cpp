@@ -65,7 +65,8 @@ void InstallExitSignalHandlers() {
 }
 
 // What would fail only after the model is built, checked first: --save or --tensorboard-dir a file (or below
-// one), --metrics-file a directory (or below a file), --load a file, the
+// one), --metrics-file a directory (or below a file), --load or --pretrained-checkpoint a file, --save
+// holding a Megatron checkpoint, the
 // datasets (by the first and last stage, which read them: each a whole .bin/.idx pair), and
 // --eval-iters given with no validation split (Megatron's first evaluation fails on it: an assert on
 // its missing data iterator). Megatron's default --eval-iters there is a note in *notes: nothing is
@@ -88,18 +89,17 @@ absl::Status CheckRunInputs(const CLI::App& app, const ptk::TrainOptions& o, int
         fmt::format("--metrics-file {}: a directory, not a file (one JSON line per iteration)", o.metrics_path));
   PTK_RETURN_IF_ERROR(below_a_file("--metrics-file", o.metrics_path, ptk::Dirname(o.metrics_path), ""));
   // --load of a directory without a checkpoint starts anew (as Megatron); of a file, it is a mistake.
-  PTK_RETURN_IF_ERROR(ptk::CheckLoadIsACheckpointDirectory(o.load));
-  if (!o.load.empty() && ptk::PathExists(o.load) && !ptk::IsDirectory(o.load))
+  auto a_file = [](const char* flag, const std::string& path) -> absl::Status {
+    if (path.empty() || !ptk::PathExists(path) || ptk::IsDirectory(path)) return absl::OkStatus();
     return absl::FailedPreconditionError(
-        fmt::format("--load {}: a file, not a checkpoint directory (the directory --save wrote, which holds "
+        fmt::format("{} {}: a file, not a checkpoint directory (the directory --save wrote, which holds "
                     "latest_checkpointed_iteration.txt)",
-                    o.load));
+                    flag, path));
+  };
+  PTK_RETURN_IF_ERROR(ptk::CheckLoadIsACheckpointDirectory(o.load));
+  PTK_RETURN_IF_ERROR(a_file("--load", o.load));
   PTK_RETURN_IF_ERROR(ptk::CheckSaveHoldsNoMegatronCheckpoint(o.save));
-  if (ptk::PathExists(o.pretrained_checkpoint) && !ptk::IsDirectory(o.pretrained_checkpoint))
-    return absl::FailedPreconditionError(
-        fmt::format("--pretrained-checkpoint {}: a file, not a checkpoint directory (the directory --save wrote, "
-                    "which holds latest_checkpointed_iteration.txt)",
-                    o.pretrained_checkpoint));
+  PTK_RETURN_IF_ERROR(a_file("--pretrained-checkpoint", o.pretrained_checkpoint));
   if (o.mock_data || (stage != 0 && stage != stages - 1)) return absl::OkStatus();
   // --split's usage error (exit 2) before the data's.
   PTK_ASSIGN_OR_RETURN(const std::string no_valid, ptk::NoValidationSplit(o.data));
@@ -188,11 +188,7 @@ ptk::DistributedOptions DistributedOptionsOf(const ptk::TrainOptions& options, c
 // its lock files), and RunMain's exit code, now rather than once that work is done.
 void ExitOnPeerFailure(const absl::Status& st) {
   std::fflush(stdout);
-  if (ptk::IsUsageError(st))
-    std::fprintf(stderr, "%s: usage error: %s\nRun with --help for more information.\n",
-                 ptk::log::ProgramName().c_str(), std::string(ptk::StatusMessage(st)).c_str());
-  else
-    ptk::log::Error("{}", ptk::StatusMessage(st));
+  ptk::cli::PrintFailure(st);
   ptk::RemoveLiveTemporaries();
   ptk::RemoveLiveLocks();
   std::_Exit(ptk::cli::ExitCodeFor(st));

@@ -197,20 +197,21 @@ absl::Status LoadCheckpointFile(const std::string& file, int64_t iteration, cons
                     file, version, kFormatVersion));
   simdjson::dom::element saved_model;
   if (h["num_params"].get(num_params) || h["model"].get(saved_model)) return corrupt("header misses the model");
-  int64_t saved_tensor_size = 1, saved_tensor_rank = 0;  // absent: ptk before tensor parallelism
-  if (h["tensor_model_parallel_size"].get(saved_tensor_size)) saved_tensor_size = 1;
-  if (h["tensor_rank"].get(saved_tensor_rank)) saved_tensor_rank = 0;
-  if (saved_tensor_size != layout.tensor_size || saved_tensor_rank != layout.tensor_rank)
-    return absl::FailedPreconditionError(fmt::format("{}: tensor rank {} of {} saved it; this is tensor rank {} of {}",
-                                                     file, saved_tensor_rank, saved_tensor_size, layout.tensor_rank,
-                                                     layout.tensor_size));
-  int64_t saved_pipeline_size = 1, saved_pipeline_rank = 0;  // absent: ptk before pipeline parallelism
-  if (h["pipeline_model_parallel_size"].get(saved_pipeline_size)) saved_pipeline_size = 1;
-  if (h["pipeline_rank"].get(saved_pipeline_rank)) saved_pipeline_rank = 0;
-  if (saved_pipeline_size != layout.pipeline_size || saved_pipeline_rank != layout.pipeline_rank)
-    return absl::FailedPreconditionError(fmt::format("{}: pipeline stage {} of {} saved it; this is stage {} of {}",
-                                                     file, saved_pipeline_rank, saved_pipeline_size,
-                                                     layout.pipeline_rank, layout.pipeline_size));
+  // The model-parallel rank that saved the file (`size_key`, `rank_key`; absent: ptk before that
+  // parallelism, 1 and 0) must be this one, `rank` of `size`, said as "`saved` R of N ... `here` R of N".
+  auto saved_by = [&](const char* size_key, const char* rank_key, int size, int rank, const char* saved,
+                      const char* here) -> absl::Status {
+    int64_t saved_size = 1, saved_rank = 0;
+    if (h[size_key].get(saved_size)) saved_size = 1;
+    if (h[rank_key].get(saved_rank)) saved_rank = 0;
+    if (saved_size == size && saved_rank == rank) return absl::OkStatus();
+    return absl::FailedPreconditionError(fmt::format("{}: {} {} of {} saved it; this is {} {} of {}", file, saved,
+                                                     saved_rank, saved_size, here, rank, size));
+  };
+  PTK_RETURN_IF_ERROR(saved_by("tensor_model_parallel_size", "tensor_rank", layout.tensor_size, layout.tensor_rank,
+                               "tensor rank", "tensor rank"));
+  PTK_RETURN_IF_ERROR(saved_by("pipeline_model_parallel_size", "pipeline_rank", layout.pipeline_size,
+                               layout.pipeline_rank, "pipeline stage", "stage"));
   simdjson::dom::parser mine_parser;
   simdjson::dom::element mine;
   if (mine_parser.parse(ModelJson(layout.config)).get(mine)) return absl::InternalError("model description");

@@ -71,6 +71,25 @@ constexpr const char* kFinishedPrefix = "ptk/finished/";  // MarkFinished's: a r
 constexpr const char* kAbortKey = "ptk/abort";
 constexpr uint32_t kAbortMarker = 0xFFFFFFFFu;
 
+// One "rank\thost\tstate" line of the peer list (RendezvousServer::Peers).
+struct PeerLine {
+  int rank = 0;
+  std::string host, state;
+};
+// The peer list's rank lines, in its order (its "!\t" line, kAbortKey's value, left out).
+std::vector<PeerLine> PeerLines(const std::string& text) {
+  std::vector<PeerLine> lines;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size()), t1 = text.find('\t', pos);
+    const size_t t2 = t1 < nl ? text.find('\t', t1 + 1) : std::string::npos;
+    if (text.compare(pos, 2, "!\t") != 0 && t2 < nl)
+      lines.push_back({std::atoi(text.substr(pos, t1 - pos).c_str()), text.substr(t1 + 1, t2 - t1 - 1),
+                       text.substr(t2 + 1, nl - t2 - 1)});
+    pos = nl + 1;
+  }
+  return lines;
+}
+
 absl::Status AbortStatus(const std::string& value, const std::string& context = "") {
   const std::string text = context + (value.size() > 2 ? value.substr(2) : value);
   if (value.rfind("u\t", 0) == 0) return UsageError(text);
@@ -416,17 +435,12 @@ void RendezvousStore::MarkFinished() {
 std::string RendezvousStore::PollExitedRank() {
   std::string text;
   if (!Request(kPeers, "", nullptr, &text).ok()) return "";
-  for (size_t pos = 0; pos < text.size();) {
-    const size_t nl = std::min(text.find('\n', pos), text.size());
-    const std::string line = text.substr(pos, nl - pos);
-    const size_t t1 = line.find('\t'), t2 = line.rfind('\t');
-    if (t1 != t2 && line.substr(t2 + 1) == "left" && line.rfind("!\t", 0) != 0)
+  for (const PeerLine& p : PeerLines(text))
+    if (p.state == "left")
       return fmt::format(
           "rank {} (host {}) exited (its connection to the rendezvous closed: killed, crashed or "
           "stopped early)",
-          line.substr(0, t1), line.substr(t1 + 1, t2 - t1 - 1));
-    pos = nl + 1;
-  }
+          p.rank, p.host);
   return "";
 }
 
@@ -434,11 +448,7 @@ std::vector<int> RendezvousStore::NeverJoined() {
   std::string text;
   if (!Request(kPeers, "", nullptr, &text).ok()) return {};
   std::set<int> came;
-  for (size_t pos = 0; pos < text.size();) {
-    const size_t nl = std::min(text.find('\n', pos), text.size());
-    if (text.compare(pos, 2, "!\t") != 0) came.insert(std::atoi(text.substr(pos, text.find('\t', pos) - pos).c_str()));
-    pos = nl + 1;
-  }
+  for (const PeerLine& p : PeerLines(text)) came.insert(p.rank);
   std::vector<int> missing;
   for (int r = 0; r < world_size_; ++r)
     if (!came.count(r)) missing.push_back(r);
@@ -535,7 +545,6 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
     std::string text;
     if (const absl::Status asked = Request(kPeers, "", nullptr, &text); !asked.ok()) return rank0(asked);
     peers.clear();
-    size_t pos = 0;
     if (text.rfind("!\t", 0) == 0) {  // a rank reported its own failure (ReportFailure): the answer
       const size_t nl = text.find('\n');
       std::lock_guard<std::mutex> lock(heard_mu_);
@@ -543,13 +552,7 @@ std::string RendezvousStore::DiagnosePeers(const std::string& what_failed) {
       const std::string& v = heard_;
       return v.size() > 2 ? v.substr(2) : v;
     }
-    while (pos < text.size()) {
-      const size_t nl = text.find('\n', pos), t1 = text.find('\t', pos), t2 = text.find('\t', t1 + 1);
-      if (nl == std::string::npos || t1 > nl || t2 > nl) break;
-      peers[std::atoi(text.substr(pos, t1 - pos).c_str())] = {text.substr(t1 + 1, t2 - t1 - 1),
-                                                              text.substr(t2 + 1, nl - t2 - 1)};
-      pos = nl + 1;
-    }
+    for (const PeerLine& p : PeerLines(text)) peers[p.rank] = {p.host, p.state};
     // A rank that left is the answer; otherwise wait until every other rank reported a failure.
     bool settled = true;
     for (int r = 0; r < world_size_; ++r) {

@@ -885,6 +885,8 @@ TEST(Concat, TheToolsFlagsBeforeASubcommandAreUsageErrors) {
       // A misspelt subcommand was read as an input file: "pln: no such file".
       {"pln --input " + dir / "in" + " --output-dir " + dir / "c",
        "pln: no such file or subcommand; did you mean the subcommand `plan`?"},
+      // The nearest subcommand, not the first within two edits (`pun` was taken for `plan`).
+      {"pun --plan " + plan, "pun: no such file or subcommand; did you mean the subcommand `run`?"},
   };
   for (const auto& [args, message] : cases) {
     auto r = RunCmd(concat + " " + args);

@@ -426,6 +426,29 @@ TEST(Checkpoint, MalformedSettingsAreRefusedByBothReaders) {
   EXPECT_NE(read.status().message().find("malformed settings in the header"), absl::string_view::npos) << read.status();
 }
 
+// A file of another tensor rank or pipeline stage than the layout loading it is named with both, not
+// read as this rank's part.
+TEST(Checkpoint, AFileOfAnotherModelParallelRankNamesBoth) {
+  const ParamLayout layout = SmallLayout();
+  TempDir dir;
+  ASSERT_TRUE(Save(dir.path(), layout, 3, 1.0f).ok());
+  const std::string file = CheckpointFile(dir.path(), 3);
+  std::vector<float> p, m, v;
+  TrainState s;
+  ParamLayout tensor = layout;
+  tensor.tensor_size = 2;
+  tensor.tensor_rank = 1;
+  absl::Status st = LoadCheckpointFile(file, 3, tensor, &p, &m, &v, &s);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_EQ(StatusMessage(st), file + ": tensor rank 0 of 1 saved it; this is tensor rank 1 of 2");
+  ParamLayout stage = layout;
+  stage.pipeline_size = 3;
+  stage.pipeline_rank = 2;
+  st = LoadCheckpointFile(file, 3, stage, &p, &m, &v, &s);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_EQ(StatusMessage(st), file + ": pipeline stage 0 of 1 saved it; this is stage 2 of 3");
+}
+
 // A checkpoint of a later format version (a later ptk's) is named as such, with both versions, not as
 // corrupt ("unsupported format version" gave neither).
 TEST(Checkpoint, ALaterFormatVersionIsNamedWithBothVersions) {
