@@ -1,8 +1,10 @@
-// What matmul_attention_cuda_test and context_parallel_cuda_test share: a device array that uploads a host
-// vector and downloads it back (failures are test failures, not exceptions), the uniform random inputs, and
+// What the CUDA attention tests share: a device array that uploads a host vector and downloads it back (failures are
+// test failures, not exceptions), the uniform random inputs, a context as the CUDA model makes one (Gpu), and
 // STATUS_OK (an absl::Status expression asserted ok, the expression and the status in the message).
 #pragma once
 
+#include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/status/status.h"
+#include "trainer/cuda/ops_cuda.h"
 
 #define STATUS_OK(x)                            \
   do {                                          \
@@ -58,5 +61,37 @@ inline std::vector<float> Random(size_t n, uint64_t seed, float lo = -1.0f, floa
   for (float& x : v) x = u(rng);
   return v;
 }
+
+// A context as the CUDA model makes one: stream, cuBLAS (pedantic math), cuBLASLt, 64 MiB workspace.
+class Gpu {
+ public:
+  explicit Gpu(bool deterministic = false) {
+    ctx.deterministic = deterministic;
+    EXPECT_EQ(cudaGetDevice(&ctx.device), cudaSuccess);
+    cudaDeviceProp prop{};
+    EXPECT_EQ(cudaGetDeviceProperties(&prop, ctx.device), cudaSuccess);
+    ctx.sm_major = prop.major;
+    ctx.sm_minor = prop.minor;
+    ctx.num_sms = prop.multiProcessorCount;
+    EXPECT_EQ(cudaStreamCreate(&ctx.stream), cudaSuccess);
+    EXPECT_EQ(cublasCreate(&ctx.cublas), CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(cublasSetStream(ctx.cublas, ctx.stream), CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(cublasSetMathMode(ctx.cublas, CUBLAS_PEDANTIC_MATH), CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(cublasLtCreate(&ctx.cublaslt), CUBLAS_STATUS_SUCCESS);
+    ctx.workspace_bytes = size_t{64} << 20;
+    EXPECT_EQ(cudaMalloc(&ctx.workspace, ctx.workspace_bytes), cudaSuccess);
+  }
+  ~Gpu() {
+    cudaStreamSynchronize(ctx.stream);
+    DestroyCudnnHandle(&ctx);
+    cudaFree(ctx.workspace);
+    cublasLtDestroy(ctx.cublaslt);
+    cublasDestroy(ctx.cublas);
+    cudaStreamDestroy(ctx.stream);
+  }
+  Gpu(const Gpu&) = delete;
+  Gpu& operator=(const Gpu&) = delete;
+  CudaContext ctx;
+};
 
 }  // namespace ptk::cuda::cuda_test

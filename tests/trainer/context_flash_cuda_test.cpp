@@ -32,47 +32,9 @@ namespace {
 using context_detail::FlashPair;
 using context_detail::FlashPairShape;
 using cuda_test::DeviceBuffer;
+using cuda_test::Gpu;
 using cuda_test::Random;
 
-// A stream, cuDNN and a 64 MiB workspace (as the CUDA model's context).
-class Gpu {
- public:
-  Gpu() {
-    EXPECT_EQ(cudaGetDevice(&ctx.device), cudaSuccess);
-    cudaDeviceProp prop{};
-    EXPECT_EQ(cudaGetDeviceProperties(&prop, ctx.device), cudaSuccess);
-    ctx.sm_major = prop.major;
-    ctx.sm_minor = prop.minor;
-    ctx.num_sms = prop.multiProcessorCount;
-    EXPECT_EQ(cudaStreamCreate(&ctx.stream), cudaSuccess);
-    ctx.workspace_bytes = size_t{64} << 20;
-    EXPECT_EQ(cudaMalloc(&ctx.workspace, ctx.workspace_bytes), cudaSuccess);
-  }
-  ~Gpu() {
-    cudaStreamSynchronize(ctx.stream);
-    DestroyCudnnHandle(&ctx);
-    cudaFree(ctx.workspace);
-    cudaStreamDestroy(ctx.stream);
-  }
-  Gpu(const Gpu&) = delete;
-  Gpu& operator=(const Gpu&) = delete;
-  CudaContext ctx;
-};
-
-template <typename T>
-T FromFloat(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __float2bfloat16(x);
-  else
-    return __float2half(x);
-}
-template <typename T>
-float Widen(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __bfloat162float(x);
-  else
-    return __half2float(x);
-}
 template <typename T>
 std::vector<T> Narrow(const std::vector<float>& x) {
   std::vector<T> out(x.size());
@@ -82,7 +44,7 @@ std::vector<T> Narrow(const std::vector<float>& x) {
 template <typename T>
 std::vector<float> Round(const std::vector<float>& x) {  // x as T holds it
   std::vector<float> out(x.size());
-  for (size_t i = 0; i < x.size(); ++i) out[i] = Widen(FromFloat<T>(x[i]));
+  for (size_t i = 0; i < x.size(); ++i) out[i] = ToFloat(FromFloat<T>(x[i]));
   return out;
 }
 

@@ -43,41 +43,8 @@ namespace {
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
 using cuda_test::DeviceBuffer;
+using cuda_test::Gpu;
 using cuda_test::Random;
-
-// ---- the context -------------------------------------------------------------------------------
-
-// A context as the CUDA model makes one: stream, cuBLAS (pedantic math), cuBLASLt, 64 MiB workspace.
-class Gpu {
- public:
-  explicit Gpu(bool deterministic = false) {
-    ctx.deterministic = deterministic;
-    EXPECT_EQ(cudaGetDevice(&ctx.device), cudaSuccess);
-    cudaDeviceProp prop{};
-    EXPECT_EQ(cudaGetDeviceProperties(&prop, ctx.device), cudaSuccess);
-    ctx.sm_major = prop.major;
-    ctx.sm_minor = prop.minor;
-    ctx.num_sms = prop.multiProcessorCount;
-    EXPECT_EQ(cudaStreamCreate(&ctx.stream), cudaSuccess);
-    EXPECT_EQ(cublasCreate(&ctx.cublas), CUBLAS_STATUS_SUCCESS);
-    EXPECT_EQ(cublasSetStream(ctx.cublas, ctx.stream), CUBLAS_STATUS_SUCCESS);
-    EXPECT_EQ(cublasSetMathMode(ctx.cublas, CUBLAS_PEDANTIC_MATH), CUBLAS_STATUS_SUCCESS);
-    EXPECT_EQ(cublasLtCreate(&ctx.cublaslt), CUBLAS_STATUS_SUCCESS);
-    ctx.workspace_bytes = size_t{64} << 20;
-    EXPECT_EQ(cudaMalloc(&ctx.workspace, ctx.workspace_bytes), cudaSuccess);
-  }
-  ~Gpu() {
-    cudaStreamSynchronize(ctx.stream);
-    DestroyCudnnHandle(&ctx);
-    cudaFree(ctx.workspace);
-    cublasLtDestroy(ctx.cublaslt);
-    cublasDestroy(ctx.cublas);
-    cudaStreamDestroy(ctx.stream);
-  }
-  Gpu(const Gpu&) = delete;
-  Gpu& operator=(const Gpu&) = delete;
-  CudaContext ctx;
-};
 
 // ---- host data ---------------------------------------------------------------------------------
 

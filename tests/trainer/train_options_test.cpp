@@ -256,7 +256,7 @@ TEST(RunTraining, ExitDurationCountsFromTheProcessStart) {
 }
 
 // The exit lines are Megatron's print_datetime lines: "[exiting program after 2.0000...
-// minutes] datetime: YYYY-MM-DD HH:MM:SS " (the minutes as Python prints a float) and "[exiting
+// minutes] datetime: YYYY-MM-DD HH:MM:SS.ffffff " (the minutes as Python prints a float) and "[exiting
 // program at iteration N] datetime: ... ". ptk printed "exiting program after 2.0 minutes" and
 // "exiting program at iteration N" bare (and "exiting on signal" for Megatron's "exiting program
 // after receiving SIGTERM.": train_cli_test).
