@@ -95,11 +95,22 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
       const int e = errno;
       if (e == EAGAIN || e == EACCES) {
         live.unlock();  // another process's file: nothing of ours to record while we wait for its name
-        // The holder writes its name just after it locks: give it a moment to do so.
+        // The holder writes its name just after it locks: give it a moment (up to 2 s, a loaded
+        // machine) to do so. A holder killed between locking and naming itself lets go of the lock
+        // without a name: then the output is free, and this run starts over to take it.
         std::string holder = ReadHolder(fd);
-        for (int i = 0; i < 50 && holder.empty(); ++i) {
+        bool freed = false;
+        for (int i = 0; i < 200 && holder.empty() && !freed; ++i) {
           ::usleep(10000);
           holder = ReadHolder(fd);
+          struct flock probe = {};
+          probe.l_type = F_WRLCK;
+          probe.l_whence = SEEK_SET;
+          freed = holder.empty() && ::fcntl(fd, F_OFD_GETLK, &probe) == 0 && probe.l_type == F_UNLCK;
+        }
+        if (freed) {
+          ::close(fd);
+          continue;
         }
         if (holder.empty()) holder = "a process that has not written its name";
         ::close(fd);

@@ -1,6 +1,7 @@
 // OutputLock: one writer per output, the holder named, no stale lock after a kill; XXH3 checksums.
 #include "common/output_lock.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -61,6 +62,41 @@ TEST(OutputLock, LockOfAKilledProcessDoesNotBlock) {
   EXPECT_TRUE(testing::Exists(out + ".ptk-lock"));  // the file stays; the lock does not
   auto after = OutputLock::Acquire(out);
   EXPECT_TRUE(after.ok()) << after.status();
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+}
+
+// Regression: a run killed between locking OUT.ptk-lock and writing its name into it left the next
+// run refused with "a process that has not written its name" though the lock was already free
+// (concurrent_runs_test's TokenizeSamePrefix in CI, a kill landing in that gap). The waiting run now
+// sees the lock let go and takes the output.
+TEST(OutputLock, AHolderKilledBeforeNamingItselfDoesNotRefuseTheNextRun) {
+  TempDir dir;
+  const std::string out = dir / "data";
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // locks as Acquire does, then dies before it names itself
+    const int fd = ::open((out + ".ptk-lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    struct flock fl = {};
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    const char c = fd >= 0 && ::fcntl(fd, F_OFD_SETLK, &fl) == 0 ? '1' : '0';
+    (void)!::write(pipefd[1], &c, 1);
+    ::usleep(300000);
+    ::_exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(pipefd[0], &c, 1), 1);
+  ASSERT_EQ(c, '1');
+  auto lock = OutputLock::Acquire(out);  // while the nameless holder still lives
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  ::waitpid(pid, nullptr, 0);
+  auto second = OutputLock::Acquire(out);  // and it is this run's now, named
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(std::string(StatusMessage(second.status())).find(fmt::format("pid {}", ::getpid())), std::string::npos)
+      << second.status();
   ::close(pipefd[0]);
   ::close(pipefd[1]);
 }
