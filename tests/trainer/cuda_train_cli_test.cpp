@@ -511,7 +511,7 @@ TEST_F(CudaTrainCli, InterleavedStagesShareOneGpuOverGlooAndCrossBackends) {
       model + "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --distributed-backend gloo ";
   // Two ranks on loopback, rank 0's output (the last stage's loss lines) returned.
   const auto two_ranks = [&](const std::string& extra, int64_t iters, const std::string& log) {
-    const std::string port = std::to_string(20000 + (::getpid() + 11) % 20000);
+    const std::string port = std::to_string(testing::FreeTestPort());
     const std::string cmd = Train(chunks + extra, iters);
     CmdRun r = Shell("bash -c " + Quote("export WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
                                         "; RANK=1 timeout 900 " + cmd + " > " + Dir(log) +
