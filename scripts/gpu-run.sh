@@ -222,7 +222,7 @@ on_signal() {
   # while the test's `&` forks runs this trap before `box_pid=$!`, and the test ran on, orphaned, to its
   # time box (gpu_run_test's "TERM: the hanging test is ended" then fails).
   local jobs_now
-  jobs_now=$(jobs -p)
+  jobs_now=$(jobs -pr)  # running ones only: a finished job's pid may be another process's by now
   [ -z "$jobs_now" ] || kill -TERM $jobs_now 2>/dev/null
   if [ "${running#the bench}" != "$running" ]; then
     bench_line="bench: interrupted after $(($(date +%s) - running_since))s (SIG$1)"; running=""
