@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <ctime>
 #include <mutex>
@@ -95,12 +96,15 @@ absl::StatusOr<std::unique_ptr<OutputLock>> OutputLock::Acquire(const std::strin
       const int e = errno;
       if (e == EAGAIN || e == EACCES) {
         live.unlock();  // another process's file: nothing of ours to record while we wait for its name
-        // The holder writes its name just after it locks: give it a moment (up to 2 s, a loaded
-        // machine) to do so. A holder killed between locking and naming itself lets go of the lock
-        // without a name: then the output is free, and this run starts over to take it.
+        // The holder writes its name just after it locks: wait for it, up to 30 s (a loaded machine can
+        // keep a process off the CPU, or its ftruncate and pwrite behind the file system, for seconds:
+        // with 2 s the run was refused naming no holder). A holder killed between locking and naming
+        // itself lets go of the lock without a name: then the output is free, and this run starts over
+        // to take it.
         std::string holder = ReadHolder(fd);
         bool freed = false;
-        for (int i = 0; i < 200 && holder.empty() && !freed; ++i) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (holder.empty() && !freed && std::chrono::steady_clock::now() < until) {
           ::usleep(10000);
           holder = ReadHolder(fd);
           struct flock probe = {};

@@ -218,7 +218,12 @@ write_summary() {
 }
 on_signal() {
   trap '' TERM INT HUP PIPE  # the console's tee may be gone with the same signal
-  [ -z "$box_pid" ] || kill -TERM "$box_pid" 2>/dev/null  # timeout passes it on to the test
+  # timeout passes it on to the test. Every job of this shell, not $box_pid alone: a signal that lands
+  # while the test's `&` forks runs this trap before `box_pid=$!`, and the test ran on, orphaned, to its
+  # time box (gpu_run_test's "TERM: the hanging test is ended" then fails).
+  local jobs_now
+  jobs_now=$(jobs -pr)  # running ones only: a finished job's pid may be another process's by now
+  [ -z "$jobs_now" ] || kill -TERM $jobs_now 2>/dev/null
   if [ "${running#the bench}" != "$running" ]; then
     bench_line="bench: interrupted after $(($(date +%s) - running_since))s (SIG$1)"; running=""
   elif [ -n "$running" ]; then

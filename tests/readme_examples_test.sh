@@ -27,7 +27,7 @@ ln -s "$BIN" build/bin
 # The Hub README's ptk-download lines ask (HF_ENDPOINT): the sample as cerebras/SlimPajama-627B, on 127.0.0.1.
 python3 "$SRC/tests/support/fake_hub.py" --repo-dir "$SRC/sample/slimpajama-mini" --port-file hub-ports >hub.log 2>&1 &
 HUB_PID=$!
-for _ in $(seq 200); do [ -s hub-ports ] && break; sleep 0.05; done
+end=$((SECONDS + 60)); until [ -s hub-ports ] || [ $SECONDS -ge $end ]; do sleep 0.05; done  # python starts late under load
 [ -s hub-ports ] || fail "the fake Hub did not start: $(cat hub.log)"
 HF_ENDPOINT=$(awk '/HUB/{print $2}' hub-ports)
 export HF_ENDPOINT

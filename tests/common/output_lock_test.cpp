@@ -5,7 +5,10 @@
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
@@ -99,6 +102,51 @@ TEST(OutputLock, AHolderKilledBeforeNamingItselfDoesNotRefuseTheNextRun) {
       << second.status();
   ::close(pipefd[0]);
   ::close(pipefd[1]);
+}
+
+// Regression: a holder that names itself late (held off the CPU, or its write behind the file system,
+// on a loaded machine) refused the next run naming nobody ("a process that has not written its name")
+// once 2 s had passed; concurrent_runs_test wants the holder's pid in that refusal. The waiting run now
+// waits up to 30 s for the name. Here the holder names itself 3 s after it locked.
+TEST(OutputLock, AHolderThatNamesItselfLateIsNamed) {
+  TempDir dir;
+  const std::string out = dir / "data";
+  int locked[2], go[2];
+  ASSERT_EQ(::pipe(locked), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // locks as Acquire does, then names itself only when told to
+    const int fd = ::open((out + ".ptk-lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    struct flock fl = {};
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    const char c = fd >= 0 && ::fcntl(fd, F_OFD_SETLK, &fl) == 0 ? '1' : '0';
+    (void)!::write(locked[1], &c, 1);
+    char g = 0;
+    (void)!::read(go[0], &g, 1);
+    const std::string name = fmt::format("late-holder (pid {} on host h, since then)\n", ::getpid());
+    (void)!::pwrite(fd, name.data(), name.size(), 0);
+    ::pause();
+    ::_exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(locked[0], &c, 1), 1);
+  ASSERT_EQ(c, '1');
+  std::thread namer([&] {  // the holder's stall: longer than the 2 s the waiting run gave it
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    (void)!::write(go[1], "g", 1);
+  });
+  auto second = OutputLock::Acquire(out);  // waits for the name, then refuses naming the holder
+  namer.join();
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  ASSERT_FALSE(second.ok());
+  EXPECT_TRUE(IsOutputBusy(second.status())) << second.status();
+  EXPECT_NE(std::string(StatusMessage(second.status())).find(fmt::format("late-holder (pid {}", pid)),
+            std::string::npos)
+      << second.status();
+  for (int fd : {locked[0], locked[1], go[0], go[1]}) ::close(fd);
 }
 
 // Regression: a signal's cleanup (cli::RemoveTemporariesOnSignals: RemoveLiveLocks, then the

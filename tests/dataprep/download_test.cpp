@@ -15,6 +15,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
@@ -51,6 +52,22 @@ std::vector<std::string> MakeRepo(const std::string& dir, size_t file_size = 150
   }
   testing::WriteFile(dir + "/README.md", "# a fake SlimPajama\n");
   return paths;
+}
+
+// Polls `reached` every 10 ms while the SpawnShell process `pid` runs: true once it holds, false when the
+// process ended first (left unreaped for WaitExit) or 120 s passed. The kill tests wait for a state this
+// way, never for a count of polls: a loaded machine's start-up (python's fake hub, the first answers)
+// took longer than the 6 s and 10 s those counts gave, and the run was killed before the state it needs.
+bool WaitWhileRunning(pid_t pid, const std::function<bool()>& reached) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < until) {
+    if (reached()) return true;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid)
+      return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
 }
 
 std::string Download(const FakeHub& hub, const std::string& local, const std::string& extra) {
@@ -319,11 +336,10 @@ TEST(DownloadRanged, KillNineMidDownloadResumesEachPiece) {
     FakeHub slow(dir / "repo", {"--bytes-per-second", "300000"}, dir.path());
     ASSERT_TRUE(slow.ok());
     pid_t pid = testing::SpawnShell("env " + Download(slow, dir / "out", flags), dir / "a.log");
-    for (int i = 0; i < 1000; ++i) {
+    WaitWhileRunning(pid, [&] {
       auto got = recorded();
-      if (got && *got >= 400000) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+      return got && *got >= 400000;
+    });
     ::kill(pid, SIGKILL);
     testing::WaitExit(pid);
     auto got = recorded();
@@ -535,21 +551,21 @@ TEST(Download, KillNineThenResumeFetchesNothingTwice) {
   std::set<std::string> complete_after_kill;
   {
     FakeHub slow(dir / "repo", {"--bytes-per-second", "400000"}, dir.path());
-    std::string cmd = Download(slow, dir / "out", "--jobs 2") + " >/dev/null 2>&1 & echo $! > " + dir / "pid";
-    ASSERT_EQ(RunCmd(cmd).exit_code, 0);
-    // Wait until something is complete and something is partial, then kill -9.
-    for (int i = 0; i < 300; ++i) {
+    ASSERT_TRUE(slow.ok());
+    const pid_t pid = testing::SpawnShell("env " + Download(slow, dir / "out", "--jobs 2"), dir / "a.log");
+    // Wait until something is complete and something is partial, then kill -9, and reap the run before
+    // looking (a kill is not a death: 100 ms of sleep stood for it, and a file renamed into place after
+    // the look was counted as not complete, then found not fetched again).
+    WaitWhileRunning(pid, [&] {
       int done = 0, partial = 0;
       for (const auto& p : paths) {
         done += testing::Exists(dir / ("out/" + p));
         partial += testing::Exists(dir / ("out/" + p + ".part"));
       }
-      if (done >= 1 && partial >= 1) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    pid_t pid = std::stoi(testing::ReadFile(dir / "pid"));
+      return done >= 1 && partial >= 1;
+    });
     ::kill(pid, SIGKILL);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    testing::WaitExit(pid);
     for (const auto& p : paths)
       if (testing::Exists(dir / ("out/" + p))) complete_after_kill.insert(p);
   }

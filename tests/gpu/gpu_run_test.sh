@@ -22,6 +22,16 @@ check() {  # check WHAT CONDITION...
   shift
   if "$@"; then echo "ok: $what"; else echo "FAIL: $what"; fail=1; fi
 }
+# wait_for SECONDS CONDITION...: polls CONDITION every 0.1 s until it holds (0) or SECONDS pass (1). Each
+# wait below is for a state, with a deadline that start-up on a loaded machine cannot miss, never a sleep.
+wait_for() {
+  local end=$((SECONDS + $1))
+  shift
+  until "$@"; do
+    [ "$SECONDS" -lt "$end" ] || return 1
+    sleep 0.1
+  done
+}
 
 # nvidia-smi: FAKE_GPUS=N lists N H100s, else fails as it does without a driver.
 mkdir -p "$T/fakebin"
@@ -246,8 +256,8 @@ watch() {
   rm -rf "$T/out-$1" "$T/record.hang"
   setsid env PATH="$T/fakebin:$PATH" FAKE_RECORD="$T/record" FAKE_GPUS=1 PTK_GPU_TEST_TIMEOUT=120 OUT="$T/out-$1" \
     bash "$SRC/scripts/gpu-run.sh" --no-bench --pack "$T/watch" > "$T/$1.out" 2>&1 &
-  local pid=$! i
-  for i in $(seq 300); do grep -qs '^RUNNING hang_test' "$T/out-$1/summary.txt" && break; sleep 0.1; done
+  local pid=$!
+  wait_for 120 grep -qs '^RUNNING hang_test' "$T/out-$1/summary.txt"
   check "$1: while a test hangs, summary.txt names it as running" grep -q '^RUNNING hang_test (time box 120s)' "$T/out-$1/summary.txt"
   check "$1: while a test hangs, summary.txt holds the verdicts so far" grep -q '^PASS pass_test' "$T/out-$1/summary.txt"
   kill -"$2" -- -"$pid"
@@ -257,7 +267,8 @@ watch() {
 make_pack "$T/watch" pass hang
 watch term TERM
 check "TERM: the run fails" [ "$(rc term)" = 1 ]
-check "TERM: the hanging test is ended" bash -c "sleep 1; ! kill -0 \$(cat '$T/record.hang') 2>/dev/null"
+# Ended, not at once: gpu-run passes the TERM on through timeout and exits without waiting for the test.
+check "TERM: the hanging test is ended" wait_for 60 bash -c "! kill -0 \$(cat '$T/record.hang') 2>/dev/null"
 check "TERM: summary.txt names the test it interrupted" grep -qE '^INTERRUPTED hang_test \(time box 120s\) after [0-9]+s \(SIGTERM\)$' \
   "$T/out-term/summary.txt"
 check "TERM: summary.txt ends with the counts" [ "$(tail -1 "$T/out-term/summary.txt")" = "1 passed, 1 failed, 0 skipped" ]
@@ -276,7 +287,7 @@ chmod +x "$T/benchbin/python3"
 setsid env PATH="$T/benchbin:$T/fakebin:$PATH" FAKE_RECORD="$T/record" OUT="$T/out-bench" \
   bash "$SRC/scripts/gpu-run.sh" --pack "$T/passes" --budget 300 > "$T/benchterm.out" 2>&1 &
 pid=$!
-for i in $(seq 300); do grep -qs '^RUNNING the bench' "$T/out-bench/summary.txt" && break; sleep 0.1; done
+wait_for 120 grep -qs '^RUNNING the bench' "$T/out-bench/summary.txt"
 check "the bench: summary.txt names it as running" grep -q '^RUNNING the bench' "$T/out-bench/summary.txt"
 kill -TERM -- -"$pid"
 wait "$pid"

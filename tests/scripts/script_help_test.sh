@@ -44,12 +44,25 @@ rm -rf "$W"
 # A job script run outside a Slurm job (bash slurm/X.sbatch, to try it; no scontrol to say where it came
 # from) ended with exit 1 and no word under set -e (train.sbatch: "config.sh: No such file" and
 # "command not found"): it finds config.sh beside itself, which names what is missing (STAGE_PATH here).
+# Outside a job it does not ask scontrol at all (it asked about "job 0": 9 s of retries when the
+# configured controller was down, slurm_status_test's stage scripts past its time limit); in a job
+# (SLURM_JOB_ID) it asks about that job. A stand-in scontrol on PATH records what it is asked.
+W=$(mktemp -d)
+printf '#!/bin/sh\necho "$*" >> "%s/asked"\nexit 1\n' "$W" > "$W/scontrol"
+chmod +x "$W/scontrol"
 for s in "$SRC"/slurm/*.sbatch; do
-  out=$(cd "$SRC" && env -u STAGE_PATH -u PTK_SLURM_DIR -u SLURM_JOB_ID timeout 60 bash "${s#"$SRC"/}" 2>&1)
+  out=$(cd "$SRC" && env -u STAGE_PATH -u PTK_SLURM_DIR -u SLURM_JOB_ID PATH="$W:$PATH" timeout 60 bash "${s#"$SRC"/}" 2>&1)
   rc=$?
   [ "$rc" = 2 ] && [[ $out == *"STAGE_PATH is not set"* ]] ||
     { echo "FAIL: bash ${s#"$SRC"/} outside Slurm: rc $rc, expected config.sh's STAGE_PATH error: ${out:0:300}"; fail=1; }
+  [ ! -e "$W/asked" ] || { echo "FAIL: bash ${s#"$SRC"/} outside Slurm asked scontrol: $(cat "$W/asked")"; fail=1; }
+  rm -f "$W/asked"
+  out=$(cd "$SRC" && env -u STAGE_PATH -u PTK_SLURM_DIR SLURM_JOB_ID=7 PATH="$W:$PATH" timeout 60 bash "${s#"$SRC"/}" 2>&1)
+  [ "$(cat "$W/asked" 2>/dev/null)" = "show job 7" ] ||
+    { echo "FAIL: ${s#"$SRC"/} in job 7 did not ask scontrol about it: $(cat "$W/asked" 2>/dev/null) ${out:0:300}"; fail=1; }
+  rm -f "$W/asked"
 done
+rm -rf "$W"
 # submit-pipeline.sh's --dry-run misspelt (--dryrun, -n) said only "unknown argument": now the flag meant;
 # --from=STAGE is read as --from STAGE.
 out=$(STAGE_PATH=/nonexistent timeout 60 bash "$SRC/slurm/submit-pipeline.sh" --dryrun 2>&1)

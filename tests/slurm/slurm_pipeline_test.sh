@@ -14,8 +14,9 @@ SRC=$2
 export PATH="$PATH:/usr/sbin:/sbin"
 WORK=$(mktemp -d /tmp/ptk-slurm-XXXXXX)
 export SLURM_LOCAL_DIR=$WORK/s
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-export SLURM_LOCAL_CTLD_PORT=$(free_port) SLURM_LOCAL_SLURMD_PORT=$(free_port) SLURM_LOCAL_KILL_INVALID_DEPEND=1
+# Free ports below the ephemeral range (free-ports.py: another test's port-0 bind or connection cannot take them).
+read -r SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT < <(python3 "$SRC/tests/slurm/free-ports.py" 2)
+export SLURM_LOCAL_CTLD_PORT SLURM_LOCAL_SLURMD_PORT SLURM_LOCAL_KILL_INVALID_DEPEND=1
 HUB_PID=
 cleanup() {
   [ -n "$HUB_PID" ] && kill "$HUB_PID" 2>/dev/null || true

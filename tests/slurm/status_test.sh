@@ -145,16 +145,22 @@ moved=$(env -u PTK_BIN PATH=$W/fakebin STAGE_PATH=$W/stage3 bash "$M/share/ptk/s
   fail "submit-pipeline from the moved tree: $moved"
 echo "$moved" | grep -q "sbatch .*$M/share/ptk/slurm/download.sbatch" || fail "moved tree's sbatch lines: $moved"
 # status.sh judges a submission by what was submitted (recorded beside the job ids), not by this
-# shell's variables, and says when no checkpoint exists yet. A fake sbatch takes the submission.
+# shell's variables, and says when no checkpoint exists yet. A fake sbatch takes the submission; a fake
+# scontrol answers for its job as slurmctld does for one it no longer knows. (status.sh asked the real
+# scontrol, found further on PATH, about each of the 6 jobs: whatever controller this machine's
+# configuration names, or a DNS SRV lookup without one. With SLURM_CONF naming a controller that is
+# down, each call took 18 s of retries, and the test ran past its 120 s.)
 printf '#!/bin/sh\necho 4242\n' > "$W/fakebin/sbatch"
 printf '#!/bin/sh\necho "htc"; echo "hpc*"; echo "gpu"\n' > "$W/fakebin/sinfo"
-chmod +x "$W/fakebin/sbatch" "$W/fakebin/sinfo"
+printf '#!/bin/sh\necho "slurm_load_jobs error: Invalid job id specified" >&2\nexit 1\n' > "$W/fakebin/scontrol"
+chmod +x "$W/fakebin/sbatch" "$W/fakebin/sinfo" "$W/fakebin/scontrol"
 for t in tee mv date rm; do ln -sf "$(command -v $t)" "$W/fakebin/$t" 2>/dev/null || true; done
 sub=$(PATH=$W/fakebin PTK_BIN=$BIN STAGE_PATH=$W/stage4 TRAIN_ITERS=10 bash "$SRC/slurm/submit-pipeline.sh" 2>&1) ||
   fail "submit with a fake sbatch: $sub"
 [ -f "$W/stage4/results/submitted-settings.sh" ] || fail "no submitted-settings.sh beside jobs.txt"
 st=$(env -u TRAIN_ITERS PATH=$W/fakebin:$PATH PTK_BIN=$BIN STAGE_PATH=$W/stage4 bash "$SRC/slurm/status.sh" 2>&1 || true)
 echo "$st" | grep -q "train        no checkpoint yet (training to iteration 10;" || fail "no checkpoint: $st"
+[ "$(echo "$st" | grep -c "job 4242 *finished (no longer known to slurmctld)")" = 6 ] || fail "the jobs: $st"
 mkdir -p "$W/stage4/checkpoints"
 echo 10 > "$W/stage4/checkpoints/latest_checkpointed_iteration.txt"
 st=$(TRAIN_ITERS=100 PATH=$W/fakebin:$PATH PTK_BIN=$BIN STAGE_PATH=$W/stage4 bash "$SRC/slurm/status.sh" 2>&1 || true)
