@@ -291,6 +291,15 @@ void AddPrecisionAndParallelFlags(CLI::App* app, TrainFlags* f) {
   app->add_option("--distributed-backend", f->distributed_backend,
                   "nccl (one process per GPU) or gloo (CPU ranks; GPUs through host memory); default: nccl with "
                   "--device cuda, gloo on the CPU")
+      // The Neuron tutorial's xla (Trainium) was "xla not in {nccl,gloo}; did you mean gloo?": no CPU
+      // backend is what a Trainium user meant.
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            return v == "xla" ? "xla (AWS Neuron's torch-xla, Trainium) is not implemented: ptk trains on "
+                                "NVIDIA GPUs (--device cuda, nccl) or on CPUs (gloo)"
+                              : "";
+          },
+          "", "not xla"))
       ->check(CLI::IsMember({"nccl", "gloo"}));
   app->add_flag("--overlap-grad-reduce", o.optimizer.overlap_grad_reduce,
                 "Reduce the gradients in buckets while the last micro-batch's backward still runs (the same sums as "

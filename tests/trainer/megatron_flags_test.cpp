@@ -352,7 +352,7 @@ TEST_F(MegatronFlags, StartUpStagesArePrintedWithTheirTimes) {
 }
 
 // The flags of Megatron's own examples/gpt3/train_gpt3_175b_distributed.sh and of the tutorials'
-// pretrain_gpt.py lines (/work/shared/reference/seed-pipelines.md: Azure's, AWS's), each added to
+// pretrain_gpt.py lines (/work/shared/reference/seed-pipelines.md: Azure's, AWS's, Neuron's), each added to
 // a tiny run of its own: taken, taken with a note, or refused with the reason (never "unknown
 // flag"). The model's sizes are the tests' tiny ones; every other value is the script's.
 TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
@@ -407,6 +407,27 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       // The AWS tutorial's (sample-based; --fp16 as above)
       {"--train-samples 8 --lr-decay-samples 8 --lr-warmup-samples 2", kTaken, "", false, true},
       {"--recompute-activations --log-interval 1 --eval-iters 40 --eval-interval 1000 --split 98,2,0", kTaken, ""},
+      // The Neuron tutorial's (seed-pipelines.md section 4, its examples/pretrain_gpt3_6.7B_32layers_bf16.sh;
+      // --tensor-model-parallel-size 8 as above): --distributed-backend xla was refused suggesting gloo, and
+      // --no-contiguous-buffers-in-local-ddp and --save-xser were unknown flags.
+      {"--lr-decay-iters 320000 --vocab-file " + vocab + " --merge-file " + merges +
+           " --lr 0.00015 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1"
+           " --lr-warmup-fraction .01 --log-interval 1 --tensorboard-log-interval 1 --attention-dropout 0"
+           " --hidden-dropout 0",
+       kTaken, ""},
+      {"--data-impl mmap", kNoted, "--data-impl mmap: accepted"},
+      {"--split 100,0,0 --eval-interval 2 --eval-iters 1000", kRefused,
+       "--eval-iters 1000: the run has no validation data (--split 100,0,0 gives it no part)"},
+      {"--distributed-backend xla", kRefused, "xla (AWS Neuron's torch-xla, Trainium) is not implemented"},
+      {"--no-masked-softmax-fusion --no-bias-dropout-fusion --no-async-tensor-model-parallel-allreduce", kNoted,
+       "--no-masked-softmax-fusion: accepted"},
+      {"--no-contiguous-buffers-in-local-ddp", kNoted,
+       "--no-contiguous-buffers-in-local-ddp: accepted, the gradients are reduced from ptk's own buffers"},
+      {"--save-xser " + ckpt + " --save-interval 2000", kRefused,
+       "--save-xser " + (dir_ / "ckpt") +
+           ": Neuron's torch-xla serialized checkpoints are not written; give --save DIR"},
+      {"--load-xser " + ckpt, kRefused, "Neuron's torch-xla serialized checkpoints are not read"},
+      {"--use-cpu-initialization", kNoted, "--use-cpu-initialization: accepted"},
       // Megatron's examples/llama scripts' speed, memory and logging flags (were unknown flags).
       {"--no-create-attention-mask-in-dataloader --no-mmap-bin-files --no-bias-swiglu-fusion --manual-gc "
        "--manual-gc-interval 100 --num-dataset-builder-threads 2 --log-progress",
