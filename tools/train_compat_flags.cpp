@@ -107,6 +107,15 @@ constexpr ModelRefusal kModelRefusals[] = {
     {"--tokenizer-model", true,
      "ptk-train reads GPT-2 BPE data (--tokenizer-type GPT2BPETokenizer, --vocab-file); a SentencePiece or "
      "tiktoken model is not used"},
+    // Megatron's checkpoint contents: an unknown flag, with "did you mean --no-load-optim?" (the other end).
+    {"--no-save-optim", false,
+     "the optimizer state is always saved (a resume is bit for bit); drop the flag (--no-load-optim leaves it "
+     "out when loading)",
+     false},
+    {"--no-save-rng", false,
+     "the random state is always saved (a resume is bit for bit); drop the flag (--no-load-rng leaves it out when "
+     "loading)",
+     false},
     // The Neuron tutorial's Megatron fork (torch-xla on Trainium): its serialized checkpoints.
     {"--save-xser", true,
      "Neuron's torch-xla serialized checkpoints are not written; give --save DIR (Megatron's checkpoint "

@@ -428,6 +428,10 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
            ": Neuron's torch-xla serialized checkpoints are not written; give --save DIR"},
       {"--load-xser " + ckpt, kRefused, "Neuron's torch-xla serialized checkpoints are not read"},
       {"--use-cpu-initialization", kNoted, "--use-cpu-initialization: accepted"},
+      // Megatron's checkpoint-content flags were unknown, suggesting the opposite end ("did you mean
+      // --no-load-optim?").
+      {"--no-save-optim", kRefused, "--no-save-optim: the optimizer state is always saved"},
+      {"--no-save-rng", kRefused, "--no-save-rng: the random state is always saved"},
       // Megatron's examples/llama scripts' speed, memory and logging flags (were unknown flags).
       {"--no-create-attention-mask-in-dataloader --no-mmap-bin-files --no-bias-swiglu-fusion --manual-gc "
        "--manual-gc-interval 100 --num-dataset-builder-threads 2 --log-progress",
