@@ -48,7 +48,8 @@ void AddModelFlags(CLI::App* app, TrainFlags* f) {
   app->add_flag("--recompute-activations", m.recompute_activations,
                 "Recompute attention probabilities in backward (selective)");
   app->add_option("--recompute-granularity", f->recompute_granularity,
-                  "selective (as --recompute-activations) or full");
+                  "selective (as --recompute-activations); full is taken as selective, with a note (the same "
+                  "results; memory only)");
   AddLlamaFlags(app, f);
   train_flags::AddModelRefusalFlags(app, f);
 }

@@ -298,6 +298,8 @@ TEST_F(MegatronFlags, HelpShowsRequiredFlagsWithoutAFakeDefault) {
     EXPECT_EQ(m.str().find("]=0"), std::string::npos) << m.str();
   }
   EXPECT_NE(r.output.find("--micro-batch-size INT:an integer in [1, 2147483647]=1"), std::string::npos) << r.output;
+  // Regression: "selective (as --recompute-activations) or full", while full runs as selective (its note says so).
+  EXPECT_NE(r.output.find("full is taken as selective, with a note"), std::string::npos) << r.output;
 }
 
 // A resume that names the same dataset by a relative path from another working directory (a Slurm
