@@ -10,6 +10,7 @@
 #include "common/cli.h"
 #include "common/file_io.h"
 #include "common/file_paths.h"
+#include "common/py_format.h"
 #include "common/status.h"
 #include "tools/train_flag_parts.h"
 #include "tools/train_flags.h"
@@ -208,6 +209,34 @@ absl::Status ResolveDataFlags(const TrainFlags& f, TrainOptions* out) {
 }
 
 // Checkpoints' schedule, seed, device, precision, profiling, loss scaling, communicator, metrics.
+// Megatron's loss scaling, fp16's only. A flag of it that changes nothing says so: without --fp16 any of them
+// (only --loss-scale did; --initial-loss-scale, --min-loss-scale, --loss-scale-window and --hysteresis were
+// taken without a word), and beside --loss-scale's constant scale those of the dynamic scaling.
+void ResolveLossScale(const TrainFlags& f, TrainOptions* out, std::vector<std::string>* notes) {
+  std::string dynamic;  // the dynamic scaling's flags given
+  for (const auto& [name, given] : {std::pair{"--initial-loss-scale", f.initial_loss_scale.has_value()},
+                                    std::pair{"--min-loss-scale", f.min_loss_scale.has_value()},
+                                    std::pair{"--loss-scale-window", f.loss_scale_window.has_value()},
+                                    std::pair{"--hysteresis", f.hysteresis.has_value()}})
+    if (given) dynamic += (dynamic.empty() ? "" : ", ") + std::string(name);
+  if (!f.fp16) {
+    const std::string all = f.loss_scale ? "--loss-scale" + (dynamic.empty() ? "" : ", " + dynamic) : dynamic;
+    if (!all.empty()) notes->push_back(all + ": accepted, loss scaling applies to --fp16 only");
+    return;
+  }
+  LossScaleConfig& ls = out->loss_scale;
+  ls.dynamic = !f.loss_scale.has_value();
+  ls.scale = f.loss_scale.value_or(f.initial_loss_scale.value_or(4294967296.0));
+  ls.min_scale = f.min_loss_scale.value_or(1.0);
+  ls.window = static_cast<int64_t>(f.loss_scale_window.value_or(1000));
+  ls.hysteresis = f.hysteresis.value_or(2);
+  if (f.loss_scale && !dynamic.empty())
+    notes->push_back(
+        fmt::format("{}: accepted, --loss-scale {} is a constant scale: dynamic scaling's settings are "
+                    "not used (as in Megatron)",
+                    dynamic, py::FloatRepr(*f.loss_scale)));
+}
+
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
   TrainOptions& o = *out;
@@ -233,15 +262,7 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
     }
   } else if (o.backend.profile && device != Device::kCuda)
     notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
-  if (f.fp16) {
-    o.loss_scale.dynamic = !f.loss_scale.has_value();
-    o.loss_scale.scale = f.loss_scale.value_or(f.initial_loss_scale);
-    o.loss_scale.min_scale = f.min_loss_scale;
-    o.loss_scale.window = static_cast<int64_t>(f.loss_scale_window);
-    o.loss_scale.hysteresis = f.hysteresis;
-  } else if (f.loss_scale) {
-    notes->push_back("--loss-scale: accepted, loss scaling applies to --fp16 only");
-  }
+  ResolveLossScale(f, &o, notes);
   o.distributed_backend = !f.distributed_backend.empty()      ? f.distributed_backend
                           : o.backend.device == Device::kCuda ? "nccl"
                                                               : "gloo";

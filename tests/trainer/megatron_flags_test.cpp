@@ -382,6 +382,11 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--train-iters 2", kTaken, ""},
       {"--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0", kTaken, ""},
       {"--fp16", kRefused, "--fp16: the CPU backend trains in fp32"},
+      // Megatron's dynamic loss scaling flags without --fp16 were taken without a word (only --loss-scale was noted).
+      {"--loss-scale 1024 --initial-loss-scale 65536 --hysteresis 3", kNoted,
+       "--loss-scale, --initial-loss-scale, --hysteresis: accepted, loss scaling applies to --fp16 only"},
+      {"--min-loss-scale 2 --loss-scale-window 500", kNoted,
+       "--min-loss-scale, --loss-scale-window: accepted, loss scaling applies to --fp16 only"},
       {"--lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000", kTaken,
        ""},
       // MODEL_PARALLEL_ARGS
