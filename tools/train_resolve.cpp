@@ -237,6 +237,31 @@ void ResolveLossScale(const TrainFlags& f, TrainOptions* out, std::vector<std::s
                     dynamic, py::FloatRepr(*f.loss_scale)));
 }
 
+// Flags whose work needs another flag that is not given: a note for each, as --save-interval without --save
+// has (they were taken without a word: --log-timers-to-tensorboard without --tensorboard-dir wrote nothing,
+// --no-load-optim without --load loaded nothing). Megatron takes them as silently.
+void NoteFlagsWithoutTheirTarget(const TrainFlags& f, const TrainOptions& o, std::vector<std::string>* notes) {
+  std::string tb;
+  for (const auto& [name, given] : {std::pair{"--tensorboard-log-interval", o.tensorboard.log_interval != 1},
+                                    std::pair{"--no-log-loss-scale-to-tensorboard", !o.tensorboard.log_loss_scale},
+                                    std::pair{"--log-validation-ppl-to-tensorboard", o.tensorboard.log_validation_ppl},
+                                    std::pair{"--log-world-size-to-tensorboard", o.tensorboard.log_world_size},
+                                    std::pair{"--log-timers-to-tensorboard", o.tensorboard.log_timers}})
+    if (given) tb += (tb.empty() ? "" : ", ") + std::string(name);
+  if (!tb.empty() && o.tensorboard.dir.empty())
+    notes->push_back(tb + " without --tensorboard-dir: nothing is written to TensorBoard (as in Megatron)");
+  std::string load;
+  for (const auto& [name, given] :
+       {std::pair{"--no-load-optim", o.no_load_optim}, std::pair{"--no-load-rng", o.no_load_rng},
+        std::pair{"--finetune", o.finetune}, std::pair{"--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint},
+        std::pair{"--ckpt-step", o.ckpt_step.has_value()},
+        std::pair{"--override-opt_param-scheduler", f.override_opt_param_scheduler},
+        std::pair{"--use-checkpoint-opt_param-scheduler", f.use_checkpoint_opt_param_scheduler}})
+    if (given) load += (load.empty() ? "" : ", ") + std::string(name);
+  if (!load.empty() && o.load.empty() && o.pretrained_checkpoint.empty())
+    notes->push_back(load + " without --load: nothing is loaded; the run starts from random initialization");
+}
+
 absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision precision, TrainOptions* out,
                                 std::vector<std::string>* notes) {
   TrainOptions& o = *out;
@@ -263,6 +288,7 @@ absl::Status ResolveRunSettings(const TrainFlags& f, Device device, Precision pr
   } else if (o.backend.profile && device != Device::kCuda)
     notes->push_back("--ptk-profile-ops: accepted, the CPU backend does not time its ops");
   ResolveLossScale(f, &o, notes);
+  NoteFlagsWithoutTheirTarget(f, o, notes);
   o.distributed_backend = !f.distributed_backend.empty()      ? f.distributed_backend
                           : o.backend.device == Device::kCuda ? "nccl"
                                                               : "gloo";

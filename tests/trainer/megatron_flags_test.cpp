@@ -400,6 +400,12 @@ TEST_F(MegatronFlags, MegatronScriptFlagsAreTakenNotedOrRefused) {
       {"--log-interval 100 --eval-interval 1000 --save " + ckpt + " --load " + ckpt + " --tensorboard-dir " + tb,
        kTaken, ""},
       {"--save-interval 10000", kNoted, "--save-interval 10000 without --save: nothing is saved"},
+      // Likewise for TensorBoard's and --load's flags (were taken without a word).
+      {"--log-timers-to-tensorboard --log-validation-ppl-to-tensorboard", kNoted,
+       "--log-validation-ppl-to-tensorboard, --log-timers-to-tensorboard without --tensorboard-dir: nothing is "
+       "written to TensorBoard"},
+      {"--no-load-optim --no-load-rng --exit-on-missing-checkpoint", kNoted,
+       "--no-load-optim, --no-load-rng, --exit-on-missing-checkpoint without --load: nothing is loaded"},
       {"--eval-iters 10", kTaken, ""},  // (with 949,50,1 the tiny data's test split is empty: refused)
       // The Azure tutorial's (seed-pipelines.md)
       {"--sequence-parallel", kNoted, "--sequence-parallel: accepted"},
